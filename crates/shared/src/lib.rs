@@ -1,0 +1,11 @@
+//! What the orchestrator and the tool-runner share: the generated gRPC contracts (`proto`), the
+//! file descriptor set for reflection, and small service plumbing (duration parsing with caps,
+//! logging setup, shutdown signals). Nothing service-specific lives here.
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod grpc;
+pub mod proto;
+pub mod shutdown;
+pub mod telemetry;

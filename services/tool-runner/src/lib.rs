@@ -1,0 +1,23 @@
+//! The tool-runner: a stateless gRPC service that lists and runs tools for the orchestrator.
+//!
+//! * [`tools`]: the tool sources — [`tools::builtin`] and manifest-declared [`tools::command`] tools;
+//! * [`registry`]: lookup, argument limits, JSON Schema validation and timeouts for every call;
+//! * [`service`]: the gRPC adapter (`ListTools`, `RunTool`);
+//! * [`admission`]: the concurrency limit and drain refusals, as a tower layer;
+//! * [`server`]: [`run`]`(listener, config, shutdown)`, which tests call with a port-0 listener;
+//! * [`cli`]: flags (with environment equivalents) and the `list` / `call` client commands.
+
+#![forbid(unsafe_code)]
+
+pub mod admission;
+pub mod cli;
+pub mod config;
+mod error;
+pub mod registry;
+pub mod server;
+pub mod service;
+pub mod tools;
+
+pub use config::Config;
+pub use error::Error;
+pub use server::run;

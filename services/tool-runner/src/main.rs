@@ -1,0 +1,57 @@
+//! `tool-runner` binary: parse flags, set up logging, serve until SIGTERM/SIGINT, drain, exit.
+//! Exit codes: 0 stopped cleanly (or the command succeeded), 1 runtime failure (cannot listen,
+//! server error, a `call` that failed), 2 invalid configuration or manifest.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tool_runner::Error;
+use tool_runner::cli::{self, Cli, Command, ServeArgs};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command.unwrap_or(Command::Serve(cli.serve)) {
+        Command::Serve(args) => serve(args).await,
+        Command::List(client) => cli::list(&client).await,
+        Command::Call {
+            client,
+            tool,
+            arguments,
+        } => match cli::call(&client, &tool, &arguments).await {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
+        Command::CheckManifest { file } => cli::check_manifest(&file),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tool-runner: {e}");
+            match e {
+                Error::Config(_) | Error::Limit(_) | Error::Manifest { .. } => ExitCode::from(2),
+                _ => ExitCode::FAILURE,
+            }
+        }
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<(), Error> {
+    shared::telemetry::init_logging(args.log_format, "info");
+    let config = args.to_config();
+    config.validate()?;
+    let stop =
+        shared::shutdown::stop_signal().map_err(|e| Error::Config(format!("cannot install signal handlers: {e}")))?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| Error::Listen {
+            address: args.listen,
+            source,
+        })?;
+    let shutdown = async move {
+        let signal = stop.await;
+        tracing::info!(signal, "stop signal received");
+    };
+    tool_runner::run(listener, config, shutdown).await
+}

@@ -1,0 +1,221 @@
+//! The registry: every tool the runner offers, and the checks every call passes before a tool
+//! runs — the tool exists, the arguments are within the size and depth limits, are a JSON object
+//! and match the tool's JSON Schema — then the call itself under the tool's timeout.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::Error;
+use crate::tools::builtin::Builtin;
+use crate::tools::{ErrorCode, Tool, ToolError, ToolResult, ToolSpec};
+
+/// How many schema violations one error message lists.
+const MAX_REPORTED_VIOLATIONS: usize = 5;
+
+/// Limits on the arguments of any call.
+#[derive(Debug, Clone, Copy)]
+pub struct ArgLimits {
+    /// Largest `arguments_json`, in bytes.
+    pub max_bytes: usize,
+    /// Deepest nesting of arrays/objects in `arguments_json`.
+    pub max_depth: usize,
+}
+
+struct Entry {
+    spec: ToolSpec,
+    validator: jsonschema::Validator,
+    tool: Arc<dyn Tool>,
+}
+
+/// Every tool of this runner, by name.
+pub struct Registry {
+    tools: BTreeMap<String, Entry>,
+    /// Built-ins switched off by configuration, with the reason (answered as `UNAVAILABLE`).
+    disabled: BTreeMap<&'static str, &'static str>,
+    limits: ArgLimits,
+}
+
+impl Registry {
+    /// Builds the registry; a name used twice (e.g. a command tool named like a built-in) is an error.
+    pub fn new(
+        builtins: Vec<Builtin>,
+        others: Vec<(ToolSpec, Arc<dyn Tool>)>,
+        limits: ArgLimits,
+    ) -> Result<Self, Error> {
+        let mut registry = Self {
+            tools: BTreeMap::new(),
+            disabled: BTreeMap::new(),
+            limits,
+        };
+        let mut enabled = Vec::new();
+        for builtin in builtins {
+            match builtin {
+                Builtin::Enabled(spec, tool) => enabled.push((spec, tool)),
+                Builtin::Disabled { name, reason } => {
+                    registry.disabled.insert(name, reason);
+                }
+            }
+        }
+        for (spec, tool) in enabled.into_iter().chain(others) {
+            let validator = jsonschema::validator_for(&spec.parameters)
+                .map_err(|e| Error::Config(format!("tool {:?} has an unusable JSON Schema: {e}", spec.name)))?;
+            if registry.tools.contains_key(&spec.name) || registry.disabled.contains_key(spec.name.as_str()) {
+                return Err(Error::Config(format!(
+                    "two tools are named {:?} (built-in and command tool names must be unique)",
+                    spec.name
+                )));
+            }
+            registry
+                .tools
+                .insert(spec.name.clone(), Entry { spec, validator, tool });
+        }
+        Ok(registry)
+    }
+
+    /// Every tool's spec, sorted by name.
+    pub fn specs(&self) -> impl Iterator<Item = &ToolSpec> {
+        self.tools.values().map(|e| &e.spec)
+    }
+
+    /// Checks the call and runs it under the tool's timeout.
+    pub async fn run(&self, tool_name: &str, arguments_json: &str) -> ToolResult {
+        let entry = self.lookup(tool_name)?;
+        let args = self.parse_arguments(arguments_json)?;
+        check_schema(tool_name, &entry.validator, &args)?;
+        let Value::Object(args) = args else {
+            return Err(ToolError::invalid("arguments must be a JSON object"));
+        };
+        let timeout = entry.spec.timeout;
+        match tokio::time::timeout(timeout, entry.tool.call(args)).await {
+            Ok(result) => result,
+            Err(_) => Err(ToolError::retryable(
+                ErrorCode::Timeout,
+                format!(
+                    "{tool_name} did not finish within {} and was stopped",
+                    humantime::format_duration(timeout)
+                ),
+            )),
+        }
+    }
+
+    fn lookup(&self, name: &str) -> Result<&Entry, ToolError> {
+        if let Some(entry) = self.tools.get(name) {
+            return Ok(entry);
+        }
+        if let Some(reason) = self.disabled.get(name) {
+            return Err(ToolError::new(
+                ErrorCode::Unavailable,
+                format!("tool {name:?} is disabled: {reason}"),
+            ));
+        }
+        let known: Vec<&str> = self.tools.keys().map(String::as_str).collect();
+        Err(ToolError::new(
+            ErrorCode::NotFound,
+            format!("no tool named {name:?} (available: {})", known.join(", ")),
+        ))
+    }
+
+    fn parse_arguments(&self, json: &str) -> Result<Value, ToolError> {
+        let ArgLimits { max_bytes, max_depth } = self.limits;
+        if json.len() > max_bytes {
+            return Err(ToolError::invalid(format!(
+                "arguments are {} bytes, above the limit of {max_bytes} bytes",
+                json.len()
+            )));
+        }
+        // An empty string is what some models send for "no arguments".
+        let json = if json.trim().is_empty() { "{}" } else { json };
+        if let Some(depth) = nesting_exceeds(json, max_depth) {
+            return Err(ToolError::invalid(format!(
+                "arguments nest deeper than {max_depth} levels (at least {depth})"
+            )));
+        }
+        let value: Value =
+            serde_json::from_str(json).map_err(|e| ToolError::invalid(format!("arguments are not valid JSON: {e}")))?;
+        if !value.is_object() {
+            return Err(ToolError::invalid(format!(
+                "arguments must be a JSON object, not {}",
+                type_name(&value)
+            )));
+        }
+        Ok(value)
+    }
+}
+
+fn check_schema(tool: &str, validator: &jsonschema::Validator, args: &Value) -> Result<(), ToolError> {
+    let violations: Vec<String> = validator
+        .iter_errors(args)
+        .take(MAX_REPORTED_VIOLATIONS)
+        .map(|e| {
+            let path = e.instance_path().to_string();
+            let at = if path.is_empty() { "(root)".to_owned() } else { path };
+            format!("at {at}: {e}")
+        })
+        .collect();
+    if violations.is_empty() {
+        return Ok(());
+    }
+    Err(ToolError::invalid(format!(
+        "arguments do not match the schema of {tool:?}: {}",
+        violations.join("; ")
+    )))
+}
+
+fn type_name(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Scans JSON text (without parsing it) and returns the depth reached once it passes `max`.
+/// Runs before the parser so hostile nesting never reaches a recursive algorithm.
+pub fn nesting_exceeds(json: &str, max: usize) -> Option<usize> {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for b in json.bytes() {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' | b'[' => {
+                depth += 1;
+                if depth > max {
+                    return Some(depth);
+                }
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nested(depth: usize) -> String {
+        format!("{}{}", "{\"a\":".repeat(depth), "1".to_owned() + &"}".repeat(depth))
+    }
+
+    #[test]
+    fn nesting_limit_on_both_sides() {
+        assert_eq!(nesting_exceeds(&nested(64), 64), None);
+        assert_eq!(nesting_exceeds(&nested(65), 64), Some(65));
+        // Brackets inside strings do not count.
+        assert_eq!(nesting_exceeds(r#"{"a":"[[[[[[\"[[["}"#, 1), None);
+    }
+}

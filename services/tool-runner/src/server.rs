@@ -1,0 +1,100 @@
+//! Serving: [`run`] builds the registry, serves gRPC (tool runner, health, reflection) on the
+//! given listener, and drains when `shutdown` resolves.
+//!
+//! Drain sequence: health turns NOT_SERVING (so Kubernetes stops routing here), new `RunTool`
+//! calls are refused with `UNAVAILABLE`, calls in flight get up to `shutdown_grace` to finish,
+//! then the server stops. Calls still running after the grace period are abandoned (logged).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use shared::proto::toolrunner::v1::tool_runner_server::ToolRunnerServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic_health::ServingStatus;
+
+use crate::admission::{Admission, AdmissionLayer};
+use crate::registry::Registry;
+use crate::service::ToolRunnerService;
+use crate::tools::{Tool, builtin, manifest};
+use crate::{Config, Error};
+
+/// The gRPC service name reported by health checks.
+pub const SERVICE_NAME: &str = "toolrunner.v1.ToolRunner";
+
+/// Builds the registry from the configuration: built-ins plus the manifest's command tools.
+pub fn build_registry(config: &Config) -> Result<Registry, Error> {
+    let builtins = builtin::all(&config.builtins)?;
+    let commands = match &config.tools_manifest {
+        Some(path) => manifest::load(path)?
+            .into_iter()
+            .map(|(spec, tool)| (spec, Arc::new(tool) as Arc<dyn Tool>))
+            .collect(),
+        None => Vec::new(),
+    };
+    Registry::new(builtins, commands, config.arg_limits)
+}
+
+/// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    config.validate()?;
+    let registry = Arc::new(build_registry(&config)?);
+    let tool_names: Vec<&str> = registry.specs().map(|s| s.name.as_str()).collect();
+    let address = listener
+        .local_addr()
+        .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
+    tracing::info!(%address, tools = %tool_names.join(","), max_concurrency = config.max_concurrency, "tool-runner serving");
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
+    let reflection =
+        shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
+    let runner = ToolRunnerServer::new(ToolRunnerService::new(Arc::clone(&registry)))
+        .max_decoding_message_size(config.arg_limits.max_bytes.saturating_mul(2).saturating_add(64 * 1024));
+
+    let admission = Admission::new(config.max_concurrency);
+    let grace = config.shutdown_grace;
+    let (grace_over_tx, grace_over_rx) = tokio::sync::oneshot::channel::<usize>();
+    let drain = {
+        let admission = admission.clone();
+        async move {
+            shutdown.await;
+            tracing::info!(in_flight = admission.in_flight(), grace = %humantime::format_duration(grace), "draining");
+            health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
+            health.set_service_status("", ServingStatus::NotServing).await;
+            admission.start_draining();
+            match tokio::time::timeout(grace, admission.wait_idle()).await {
+                Ok(()) => tracing::info!("drained: no call in flight"),
+                Err(_) => {
+                    let _ = grace_over_tx.send(admission.in_flight());
+                }
+            }
+        }
+    };
+    let grace_over = async move {
+        match grace_over_rx.await {
+            Ok(abandoned) => abandoned,
+            // The drain finished in time; only the server future may end the select.
+            Err(_) => std::future::pending().await,
+        }
+    };
+
+    let server = tonic::transport::Server::builder()
+        .layer(AdmissionLayer(admission))
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(runner)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain);
+    tokio::select! {
+        result = server => result?,
+        abandoned = grace_over => {
+            tracing::warn!(abandoned, "grace period over; stopping with calls still in flight");
+        }
+    }
+    tracing::info!("tool-runner stopped");
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! The gRPC adapter: `toolrunner.v1.ToolRunner` requests become registry calls, registry answers
+//! become responses. No tool logic lives here.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use shared::proto::toolrunner::v1 as pb;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::Error;
+use crate::registry::Registry;
+use crate::tools::{ErrorCode, ToolError, ToolSpec};
+
+/// Serves `ListTools` and `RunTool` from a [`Registry`].
+pub struct ToolRunnerService {
+    registry: Arc<Registry>,
+}
+
+impl ToolRunnerService {
+    /// A service over `registry`.
+    pub fn new(registry: Arc<Registry>) -> Self {
+        Self { registry }
+    }
+}
+
+/// A `RunTool` request, checked.
+struct ToolCall {
+    run_id: String,
+    call_id: String,
+    tool_name: String,
+    arguments_json: String,
+    metadata: HashMap<String, String>,
+}
+
+impl TryFrom<pb::RunToolRequest> for ToolCall {
+    type Error = Error;
+    fn try_from(r: pb::RunToolRequest) -> Result<Self, Error> {
+        if r.tool_name.trim().is_empty() {
+            return Err(Error::InvalidRequest("tool_name is empty".into()));
+        }
+        Ok(Self {
+            run_id: r.run_id,
+            call_id: r.call_id,
+            tool_name: r.tool_name,
+            arguments_json: r.arguments_json,
+            metadata: r.metadata,
+        })
+    }
+}
+
+impl From<&ToolSpec> for pb::ToolSpec {
+    fn from(spec: &ToolSpec) -> Self {
+        Self {
+            name: spec.name.clone(),
+            description: spec.description.clone(),
+            parameters_json_schema: spec.parameters.to_string(),
+            timeout_ms: u32::try_from(spec.timeout.as_millis()).unwrap_or(u32::MAX),
+            source: spec.source.to_owned(),
+        }
+    }
+}
+
+impl From<ErrorCode> for pb::ToolErrorCode {
+    fn from(code: ErrorCode) -> Self {
+        match code {
+            ErrorCode::NotFound => Self::NotFound,
+            ErrorCode::InvalidArguments => Self::InvalidArguments,
+            ErrorCode::Timeout => Self::Timeout,
+            ErrorCode::Failed => Self::Failed,
+            ErrorCode::PermissionDenied => Self::PermissionDenied,
+            ErrorCode::Unavailable => Self::Unavailable,
+            ErrorCode::Canceled => Self::Canceled,
+        }
+    }
+}
+
+impl From<ToolError> for pb::ToolError {
+    fn from(e: ToolError) -> Self {
+        Self {
+            code: pb::ToolErrorCode::from(e.code).into(),
+            message: e.message,
+            retryable: e.retryable,
+        }
+    }
+}
+
+/// Logs a call the caller abandoned (its future is dropped before it finished).
+struct CancelWatch {
+    finished: bool,
+}
+
+impl Drop for CancelWatch {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::info!("call canceled by the caller; tool stopped");
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
+    async fn list_tools(
+        &self,
+        _request: Request<pb::ListToolsRequest>,
+    ) -> Result<Response<pb::ListToolsResponse>, Status> {
+        let tools = self.registry.specs().map(pb::ToolSpec::from).collect();
+        Ok(Response::new(pb::ListToolsResponse { tools }))
+    }
+
+    async fn run_tool(&self, request: Request<pb::RunToolRequest>) -> Result<Response<pb::RunToolResponse>, Status> {
+        let call = ToolCall::try_from(request.into_inner())?;
+        let span = tracing::info_span!(
+            "run_tool",
+            tool = %call.tool_name,
+            run_id = %call.run_id,
+            call_id = %call.call_id,
+            metadata = ?call.metadata,
+        );
+        async move {
+            let started = Instant::now();
+            let mut watch = CancelWatch { finished: false };
+            let result = self.registry.run(&call.tool_name, &call.arguments_json).await;
+            watch.finished = true;
+            let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+            let outcome = match result {
+                Ok(value) => {
+                    tracing::info!(duration_ms, "tool call succeeded");
+                    pb::run_tool_response::Outcome::ContentJson(value.to_string())
+                }
+                Err(error) => {
+                    tracing::info!(duration_ms, code = %error.code, "tool call failed: {}", error.message);
+                    pb::run_tool_response::Outcome::Error(error.into())
+                }
+            };
+            Ok(Response::new(pb::RunToolResponse {
+                outcome: Some(outcome),
+                duration_ms,
+            }))
+        }
+        .instrument(span)
+        .await
+    }
+}

@@ -1,0 +1,77 @@
+//! Built-in tools, compiled into the runner: `echo`, `sleep`, `time_now`, `calculate`, and the
+//! opt-in ones `read_file` / `list_dir` (need a sandbox root) and `http_get` (needs an allowlist).
+
+mod calculate;
+mod clock;
+mod echo;
+mod fs;
+mod http_get;
+mod sleep;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Tool, ToolSpec};
+
+/// Settings of the built-in tools (from the command line).
+#[derive(Debug, Clone)]
+pub struct BuiltinConfig {
+    /// Longest `sleep` allowed; the schema's `maximum` for `ms`.
+    pub sleep_max: Duration,
+    /// Root directory of `read_file` / `list_dir`; `None` disables both.
+    pub sandbox_root: Option<PathBuf>,
+    /// Largest file `read_file` returns (longer files are truncated and say so).
+    pub read_max_bytes: u64,
+    /// Most entries `list_dir` returns.
+    pub list_max_entries: usize,
+    /// Hosts `http_get` may fetch from; empty disables the tool.
+    pub http_allow_hosts: Vec<String>,
+    /// Largest response body `http_get` returns (longer bodies are truncated and say so).
+    pub http_max_bytes: u64,
+    /// Timeout of one `http_get`, and of every other built-in that does I/O.
+    pub io_timeout: Duration,
+}
+
+/// A built-in tool ready to register, or the reason it is off on this runner.
+pub enum Builtin {
+    /// The tool is available.
+    Enabled(ToolSpec, Arc<dyn Tool>),
+    /// The tool exists but is switched off; calls get `UNAVAILABLE` with this reason.
+    Disabled {
+        /// Tool name.
+        name: &'static str,
+        /// Why it is off and how to switch it on.
+        reason: &'static str,
+    },
+}
+
+/// Every built-in tool, enabled or not, according to `config`.
+pub fn all(config: &BuiltinConfig) -> Result<Vec<Builtin>, crate::Error> {
+    let mut tools = vec![
+        echo::builtin(),
+        sleep::builtin(config),
+        clock::builtin(),
+        calculate::builtin(),
+    ];
+    match &config.sandbox_root {
+        Some(root) => tools.extend(fs::builtins(root, config)?),
+        None => tools.extend(["read_file", "list_dir"].map(|name| Builtin::Disabled {
+            name,
+            reason: "the runner was started without --sandbox-root",
+        })),
+    }
+    tools.push(http_get::builtin(config)?);
+    Ok(tools)
+}
+
+/// Shorthand for a built-in's spec.
+fn spec(name: &str, description: &str, parameters: serde_json::Value, timeout: Duration) -> ToolSpec {
+    ToolSpec {
+        name: name.to_owned(),
+        description: description.to_owned(),
+        parameters,
+        timeout,
+        source: "builtin",
+    }
+}

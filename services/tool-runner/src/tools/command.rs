@@ -1,0 +1,234 @@
+//! Command tools: run a program (no shell) with the JSON arguments on stdin and take its stdout as
+//! the result.
+//!
+//! * The child starts in a process group of its own with a cleared environment (plus the tool's
+//!   allowlist) in the tool's working directory.
+//! * stdout is capped: more output than `max_stdout_bytes` fails the call; stderr keeps its last
+//!   `max_stderr_bytes`, whose tail explains a non-zero exit.
+//! * Dropping the call (timeout, caller canceled, runner shutting down) kills the whole process
+//!   group, so grandchildren do not outlive the call. After a normal exit, stragglers left in the
+//!   group are killed as well. A process that moves itself to another group or session escapes
+//!   this; run the runner in a container (one per pod) to contain such tools.
+
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+use super::{Args, ErrorCode, Tool, ToolError, ToolResult};
+
+/// How stdout becomes the result.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputMode {
+    /// JSON when stdout parses as JSON, otherwise the text as a JSON string (empty → `null`).
+    #[default]
+    Auto,
+    /// stdout must be JSON; anything else fails the call.
+    Json,
+    /// stdout is text, returned as a JSON string.
+    Text,
+}
+
+/// How many bytes of stderr an error message quotes.
+const STDERR_QUOTE: usize = 2000;
+
+/// A tool backed by a program.
+#[derive(Clone)]
+pub struct CommandTool(Arc<Inner>);
+
+struct Inner {
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    working_dir: PathBuf,
+    max_stdout: u64,
+    max_stderr: u64,
+    output: OutputMode,
+}
+
+impl CommandTool {
+    /// A command tool; the manifest loader has checked every value.
+    pub fn new(
+        program: PathBuf,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        working_dir: PathBuf,
+        max_stdout: u64,
+        max_stderr: u64,
+        output: OutputMode,
+    ) -> Self {
+        Self(Arc::new(Inner {
+            program,
+            args,
+            env,
+            working_dir,
+            max_stdout,
+            max_stderr,
+            output,
+        }))
+    }
+}
+
+impl Tool for CommandTool {
+    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult> {
+        let inner = Arc::clone(&self.0);
+        async move { inner.run(args).await }.boxed()
+    }
+}
+
+/// Kills the child's whole process group when dropped.
+struct GroupKiller(Option<nix::unistd::Pid>);
+
+impl Drop for GroupKiller {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0 {
+            // ESRCH (the group is already gone) is the normal case after a clean exit.
+            let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+impl Inner {
+    async fn run(&self, args: Args) -> ToolResult {
+        let input = serde_json::to_vec(&Value::Object(args))
+            .map_err(|e| ToolError::invalid(format!("arguments cannot be serialized: {e}")))?;
+        let program = self.program.display();
+        let mut child = tokio::process::Command::new(&self.program)
+            .args(&self.args)
+            .env_clear()
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(&self.working_dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| ToolError::new(ErrorCode::Unavailable, format!("cannot start {program}: {e}")))?;
+        let pgid = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .map(nix::unistd::Pid::from_raw);
+        let killer = GroupKiller(pgid);
+
+        let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
+        let write_stdin = async {
+            if let Some(mut stdin) = stdin {
+                // A program that does not read its input closes the pipe: not an error.
+                let _ = stdin.write_all(&input).await;
+            }
+        };
+        let read_stdout = async {
+            let result = read_capped(stdout, self.max_stdout).await;
+            if result.is_err() {
+                // Over the cap: stop the producer now instead of draining it.
+                drop(GroupKiller(pgid));
+            }
+            result
+        };
+        let (_, stdout, stderr) = tokio::join!(write_stdin, read_stdout, read_tail(stderr, self.max_stderr));
+        let status = child
+            .wait()
+            .await
+            .map_err(|e| ToolError::failed(format!("waiting for {program}: {e}")))?;
+        drop(killer);
+
+        let stdout = stdout.map_err(|e| match e {
+            ReadError::OverCap => ToolError::failed(format!(
+                "the tool wrote more than {} bytes to stdout (its max_stdout_bytes) and was stopped",
+                self.max_stdout
+            )),
+            ReadError::Io(e) => ToolError::failed(format!("reading the tool's stdout: {e}")),
+        })?;
+        if !status.success() {
+            return Err(ToolError::failed(exit_message(status, &stderr)));
+        }
+        self.parse_output(stdout)
+    }
+
+    fn parse_output(&self, stdout: Vec<u8>) -> ToolResult {
+        let text = String::from_utf8(stdout).map_err(|_| ToolError::failed("the tool's stdout is not UTF-8 text"))?;
+        let trimmed = text.trim();
+        match self.output {
+            OutputMode::Text => Ok(Value::String(text.trim_end_matches(['\n', '\r']).to_owned())),
+            OutputMode::Json => serde_json::from_str(trimmed).map_err(|e| {
+                ToolError::failed(format!("the tool's stdout is not valid JSON ({e}): {}", quote(trimmed)))
+            }),
+            OutputMode::Auto if trimmed.is_empty() => Ok(Value::Null),
+            OutputMode::Auto => Ok(serde_json::from_str(trimmed)
+                .unwrap_or_else(|_| Value::String(text.trim_end_matches(['\n', '\r']).to_owned()))),
+        }
+    }
+}
+
+fn exit_message(status: ExitStatus, stderr: &[u8]) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    let how = match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => format!("was killed by signal {signal}"),
+        (None, None) => "failed".to_owned(),
+    };
+    let stderr = String::from_utf8_lossy(stderr);
+    let stderr = stderr.trim();
+    if stderr.is_empty() {
+        format!("the tool {how}")
+    } else {
+        format!("the tool {how}: {}", quote(stderr))
+    }
+}
+
+/// The last [`STDERR_QUOTE`] bytes of `text` (on a character boundary).
+fn quote(text: &str) -> &str {
+    let mut start = text.len().saturating_sub(STDERR_QUOTE);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}
+
+enum ReadError {
+    OverCap,
+    Io(std::io::Error),
+}
+
+/// Reads everything, failing as soon as more than `cap` bytes arrive.
+async fn read_capped(reader: Option<impl AsyncRead + Unpin>, cap: u64) -> Result<Vec<u8>, ReadError> {
+    let Some(reader) = reader else { return Ok(Vec::new()) };
+    let mut buf = Vec::new();
+    reader
+        .take(cap + 1)
+        .read_to_end(&mut buf)
+        .await
+        .map_err(ReadError::Io)?;
+    if buf.len() as u64 > cap {
+        return Err(ReadError::OverCap);
+    }
+    Ok(buf)
+}
+
+/// Reads everything, keeping only the last `cap` bytes.
+async fn read_tail(reader: Option<impl AsyncRead + Unpin>, cap: u64) -> Vec<u8> {
+    let Some(mut reader) = reader else { return Vec::new() };
+    let cap = usize::try_from(cap).unwrap_or(usize::MAX);
+    let mut tail = Vec::new();
+    let mut chunk = vec![0u8; 8192];
+    while let Ok(n) = reader.read(&mut chunk).await {
+        if n == 0 {
+            break;
+        }
+        tail.extend_from_slice(&chunk[..n]);
+        if tail.len() > cap.saturating_mul(2) {
+            tail.drain(..tail.len() - cap);
+        }
+    }
+    if tail.len() > cap {
+        tail.drain(..tail.len() - cap);
+    }
+    tail
+}

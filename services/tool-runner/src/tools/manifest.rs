@@ -1,0 +1,376 @@
+//! The TOML manifest of command tools (`--tools-manifest FILE`).
+//!
+//! ```toml
+//! [defaults]                      # optional; applies to every [[tool]]
+//! timeout = "30s"
+//! env_allowlist = ["PATH", "LANG"]
+//!
+//! [[tool]]
+//! name = "system_info"
+//! description = "Kernel and machine of the runner host."
+//! argv = ["uname", "-a"]          # no shell: argv[0] is looked up on PATH at load time
+//! output = "text"                 # "auto" (JSON if it parses, else text), "json" or "text"
+//! [tool.parameters]               # JSON Schema of the arguments, written as TOML
+//! type = "object"
+//! ```
+//!
+//! Everything is checked when the runner starts; a manifest with an error stops the runner with a
+//! message naming the file, the tool and what is wrong.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::ToolSpec;
+use super::command::{CommandTool, OutputMode};
+use crate::Error;
+
+/// Default per-call timeout of a command tool.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest timeout a command tool may declare.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Default cap on a command's stdout; more output fails the call.
+pub const DEFAULT_MAX_STDOUT: u64 = 1024 * 1024;
+/// Largest stdout cap a tool may declare.
+pub const MAX_STDOUT_CAP: u64 = 64 * 1024 * 1024;
+/// Default amount of stderr kept (the tail) for error messages.
+pub const DEFAULT_MAX_STDERR: u64 = 64 * 1024;
+/// Largest stderr cap a tool may declare.
+pub const MAX_STDERR_CAP: u64 = 4 * 1024 * 1024;
+/// Environment variables passed through when a tool names none.
+pub const DEFAULT_ENV_ALLOWLIST: &[&str] = &["PATH", "LANG", "LC_ALL", "TZ"];
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawManifest {
+    #[serde(default)]
+    defaults: RawDefaults,
+    #[serde(default, rename = "tool")]
+    tools: Vec<RawTool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDefaults {
+    timeout: Option<String>,
+    max_stdout_bytes: Option<u64>,
+    max_stderr_bytes: Option<u64>,
+    env_allowlist: Option<Vec<String>>,
+    working_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTool {
+    name: String,
+    description: String,
+    argv: Vec<String>,
+    parameters: Option<Value>,
+    timeout: Option<String>,
+    max_stdout_bytes: Option<u64>,
+    max_stderr_bytes: Option<u64>,
+    env_allowlist: Option<Vec<String>>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    working_dir: Option<PathBuf>,
+    #[serde(default)]
+    output: OutputMode,
+}
+
+/// Whether `name` is a valid tool name: 1–64 of `[A-Za-z0-9_-]` (what OpenAI-style APIs accept).
+pub fn valid_tool_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Checks that `schema` is a usable arguments schema: valid JSON Schema describing an object.
+pub fn check_schema(schema: &Value) -> Result<(), String> {
+    if !schema.is_object() {
+        return Err("parameters must be a JSON Schema object".into());
+    }
+    if let Some(t) = schema.get("type").filter(|t| *t != "object") {
+        return Err(format!(
+            "parameters must describe an object (type = \"object\"), not type = {t}"
+        ));
+    }
+    jsonschema::meta::validate(schema)
+        .map_err(|e| format!("parameters is not a valid JSON Schema: {e} (at {})", e.instance_path()))?;
+    jsonschema::validator_for(schema).map_err(|e| format!("parameters is not a usable JSON Schema: {e}"))?;
+    Ok(())
+}
+
+/// Loads and checks the manifest at `path`, returning its tools.
+pub fn load(path: &Path) -> Result<Vec<(ToolSpec, CommandTool)>, Error> {
+    let file_error = |message: String| Error::Manifest {
+        file: path.to_owned(),
+        tool: None,
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(format!("cannot read it: {e}")))?;
+    let raw: RawManifest = toml::from_str(&text).map_err(|e| file_error(e.to_string().trim_end().to_owned()))?;
+    // Absolute, so argv[0] and working_dir mean the same whatever the child's working directory.
+    let base_dir = std::fs::canonicalize(path)
+        .map_err(|e| file_error(format!("cannot resolve its directory: {e}")))?
+        .parent()
+        .map_or_else(|| PathBuf::from("/"), Path::to_path_buf);
+    let defaults = Defaults::from_raw(raw.defaults, &base_dir).map_err(file_error)?;
+
+    let mut seen = BTreeMap::new();
+    let mut tools = Vec::with_capacity(raw.tools.len());
+    for (i, raw_tool) in raw.tools.into_iter().enumerate() {
+        let name = raw_tool.name.clone();
+        let tool_error = |message: String| Error::Manifest {
+            file: path.to_owned(),
+            tool: Some(name.clone()),
+            message,
+        };
+        if let Some(first) = seen.insert(name.clone(), i) {
+            return Err(tool_error(format!("the name is used by tool #{} already", first + 1)));
+        }
+        tools.push(build_tool(raw_tool, &defaults, &base_dir).map_err(tool_error)?);
+    }
+    Ok(tools)
+}
+
+struct Defaults {
+    timeout: Duration,
+    max_stdout: u64,
+    max_stderr: u64,
+    env_allowlist: Vec<String>,
+    working_dir: PathBuf,
+}
+
+impl Defaults {
+    fn from_raw(raw: RawDefaults, base_dir: &Path) -> Result<Self, String> {
+        Ok(Self {
+            timeout: raw
+                .timeout
+                .as_deref()
+                .map(parse_timeout)
+                .transpose()?
+                .unwrap_or(DEFAULT_TIMEOUT),
+            max_stdout: check_cap(
+                "max_stdout_bytes",
+                raw.max_stdout_bytes,
+                DEFAULT_MAX_STDOUT,
+                MAX_STDOUT_CAP,
+            )?,
+            max_stderr: check_cap(
+                "max_stderr_bytes",
+                raw.max_stderr_bytes,
+                DEFAULT_MAX_STDERR,
+                MAX_STDERR_CAP,
+            )?,
+            env_allowlist: raw
+                .env_allowlist
+                .unwrap_or_else(|| DEFAULT_ENV_ALLOWLIST.iter().map(|s| (*s).to_owned()).collect()),
+            working_dir: raw
+                .working_dir
+                .map_or_else(|| Ok(base_dir.to_owned()), |d| resolve_dir(&d, base_dir))?,
+        })
+    }
+}
+
+fn parse_timeout(text: &str) -> Result<Duration, String> {
+    let timeout = shared::config::parse_duration(text).map_err(|e| format!("timeout: {e}"))?;
+    shared::config::check_duration("timeout", timeout, Duration::from_millis(1), MAX_TIMEOUT)
+        .map_err(|e| e.to_string())?;
+    Ok(timeout)
+}
+
+fn check_cap(name: &'static str, value: Option<u64>, default: u64, cap: u64) -> Result<u64, String> {
+    let value = value.unwrap_or(default);
+    shared::config::check_range(name, value, 1, cap).map_err(|e| e.to_string())?;
+    Ok(value)
+}
+
+fn resolve_dir(dir: &Path, base_dir: &Path) -> Result<PathBuf, String> {
+    let dir = base_dir.join(dir);
+    if !dir.is_dir() {
+        return Err(format!("working_dir {} is not an existing directory", dir.display()));
+    }
+    Ok(dir)
+}
+
+/// Finds `program` the way a shell would: a path (relative to the manifest) or a name on PATH.
+fn resolve_program(program: &str, base_dir: &Path) -> Result<PathBuf, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| {
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        let path = base_dir.join(program);
+        return if executable(&path) {
+            Ok(path)
+        } else {
+            Err(format!("argv[0] {} is not an executable file", path.display()))
+        };
+    }
+    let search = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&search)
+        .map(|dir| dir.join(program))
+        .find(|p| executable(p))
+        .ok_or_else(|| format!("argv[0] {program:?} was not found on PATH"))
+}
+
+fn build_tool(raw: RawTool, defaults: &Defaults, base_dir: &Path) -> Result<(ToolSpec, CommandTool), String> {
+    if !valid_tool_name(&raw.name) {
+        return Err("the name must be 1-64 characters of letters, digits, '_' or '-'".into());
+    }
+    if raw.description.trim().is_empty() {
+        return Err("description is empty; the model needs it to know when to call the tool".into());
+    }
+    let (program, args) = raw
+        .argv
+        .split_first()
+        .ok_or("argv is empty; give the program and its arguments")?;
+    let program = resolve_program(program, base_dir)?;
+    let parameters = raw.parameters.unwrap_or_else(|| serde_json::json!({"type": "object"}));
+    check_schema(&parameters)?;
+    let timeout = raw
+        .timeout
+        .as_deref()
+        .map(parse_timeout)
+        .transpose()?
+        .unwrap_or(defaults.timeout);
+    let allowlist = raw.env_allowlist.as_ref().unwrap_or(&defaults.env_allowlist);
+    let mut env: BTreeMap<String, String> = allowlist
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v)))
+        .collect();
+    env.extend(raw.env);
+    let working_dir = match &raw.working_dir {
+        Some(dir) => resolve_dir(dir, base_dir)?,
+        None => defaults.working_dir.clone(),
+    };
+    let spec = ToolSpec {
+        name: raw.name,
+        description: raw.description,
+        parameters,
+        timeout,
+        source: "command",
+    };
+    let tool = CommandTool::new(
+        program,
+        args.to_vec(),
+        env.into_iter().collect(),
+        working_dir,
+        check_cap(
+            "max_stdout_bytes",
+            raw.max_stdout_bytes,
+            defaults.max_stdout,
+            MAX_STDOUT_CAP,
+        )?,
+        check_cap(
+            "max_stderr_bytes",
+            raw.max_stderr_bytes,
+            defaults.max_stderr,
+            MAX_STDERR_CAP,
+        )?,
+        raw.output,
+    );
+    Ok((spec, tool))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_str(text: &str) -> Result<Vec<(ToolSpec, CommandTool)>, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tools.toml");
+        std::fs::write(&path, text).unwrap();
+        load(&path).map_err(|e| e.to_string().replace(&path.display().to_string(), "FILE"))
+    }
+
+    const OK: &str = r#"
+        [[tool]]
+        name = "hello"
+        description = "says hello"
+        argv = ["echo", "hello"]
+    "#;
+
+    #[test]
+    fn loads_a_minimal_tool_with_defaults() {
+        let tools = load_str(OK).unwrap();
+        assert_eq!(tools.len(), 1);
+        assert_eq!(tools[0].0.name, "hello");
+        assert_eq!(tools[0].0.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(tools[0].0.parameters, serde_json::json!({"type": "object"}));
+    }
+
+    #[test]
+    fn every_error_names_file_tool_and_problem() {
+        let cases = [
+            ("[[tool]]\nname = \"a\"\n", "tools manifest FILE: TOML parse error"),
+            (
+                &OK.replace("argv = [\"echo\", \"hello\"]", "argv = []"),
+                "tool \"hello\": argv is empty",
+            ),
+            (
+                &OK.replace("\"echo\"", "\"no-such-program-xyz\""),
+                "tool \"hello\": argv[0] \"no-such-program-xyz\" was not found on PATH",
+            ),
+            (
+                &OK.replace("name = \"hello\"", "name = \"he llo\""),
+                "tool \"he llo\": the name must be",
+            ),
+            (
+                &format!("{OK}{OK}"),
+                "tool \"hello\": the name is used by tool #1 already",
+            ),
+            (
+                &format!("{OK}timeout = \"2h\""),
+                "tool \"hello\": timeout = 2h is above its cap of 1h",
+            ),
+            (
+                &format!("{OK}timeout = \"soon\""),
+                "tool \"hello\": timeout: invalid duration",
+            ),
+            (
+                &format!("{OK}max_stdout_bytes = 0"),
+                "max_stdout_bytes = 0 is below its minimum of 1",
+            ),
+            (
+                &format!("{OK}max_stdout_bytes = 67108865"),
+                "max_stdout_bytes = 67108865 is above its cap of 67108864",
+            ),
+            (&format!("{OK}tmeout = \"1s\""), "unknown field `tmeout`"),
+            (&format!("{OK}working_dir = \"nope\""), "working_dir"),
+            (
+                &format!("{OK}[tool.parameters]\ntype = \"array\""),
+                "must describe an object",
+            ),
+            (
+                &format!("{OK}[tool.parameters]\ntype = \"object\"\nrequired = \"x\""),
+                "not a valid JSON Schema",
+            ),
+            (&OK.replace("says hello", " "), "description is empty"),
+        ];
+        for (text, expected) in cases {
+            let err = load_str(text).err().unwrap_or_else(|| panic!("accepted: {text}"));
+            assert!(err.contains(expected), "{err:?} should contain {expected:?}");
+        }
+    }
+
+    #[test]
+    fn caps_accept_their_edge() {
+        let text = format!("{OK}timeout = \"1h\"\nmax_stdout_bytes = 67108864\nmax_stderr_bytes = 4194304");
+        assert!(load_str(&text).is_ok());
+    }
+
+    #[test]
+    fn tool_names() {
+        assert!(valid_tool_name("get_weather-v2"));
+        assert!(!valid_tool_name(""));
+        assert!(!valid_tool_name(&"x".repeat(65)));
+        assert!(valid_tool_name(&"x".repeat(64)));
+        assert!(!valid_tool_name("a.b"));
+    }
+}

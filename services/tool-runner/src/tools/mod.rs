@@ -1,0 +1,141 @@
+//! Tool sources and the types every tool shares.
+//!
+//! A [`Tool`] takes a JSON object (already validated against its schema by the
+//! [`Registry`](crate::registry::Registry)) and returns a JSON value or a [`ToolError`]. Tools are
+//! plain futures: dropping the future (caller canceled, timeout) stops the tool, and tools that
+//! own outside resources (child processes) release them on drop.
+//!
+//! * [`builtin`]: small useful tools compiled into the runner;
+//! * [`command`]: tools that run a program, declared in a TOML manifest ([`manifest`]).
+
+pub mod builtin;
+pub mod command;
+pub mod manifest;
+
+use std::fmt;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde_json::{Map, Value};
+
+/// The arguments a tool receives: always a JSON object.
+pub type Args = Map<String, Value>;
+
+/// What a tool call returns: a JSON result or a tool-level failure.
+pub type ToolResult = Result<Value, ToolError>;
+
+/// A tool the runner can execute.
+pub trait Tool: Send + Sync + 'static {
+    /// Runs the tool. The returned future must stop the tool's work when dropped.
+    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult>;
+}
+
+/// Describes a tool to callers (served by `ListTools`).
+#[derive(Debug, Clone)]
+pub struct ToolSpec {
+    /// Unique name the model calls.
+    pub name: String,
+    /// What the tool does, written for the model.
+    pub description: String,
+    /// JSON Schema of the arguments object; arguments are validated against it before the call.
+    pub parameters: Value,
+    /// The runner's timeout for one call; the call is stopped and answered `TIMEOUT` beyond it.
+    pub timeout: Duration,
+    /// Where the tool comes from (`builtin`, `command`), so operators can tell tools apart.
+    pub source: &'static str,
+}
+
+/// Kinds of tool-level failure; mirrors `toolrunner.v1.ToolErrorCode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// No tool has this name.
+    NotFound,
+    /// The arguments are malformed, too large, too deep or violate the schema.
+    InvalidArguments,
+    /// The tool ran past its timeout and was stopped.
+    Timeout,
+    /// The tool ran and failed.
+    Failed,
+    /// Refused by policy (sandbox, allowlist).
+    PermissionDenied,
+    /// Disabled on this runner, or a resource it needs is unavailable.
+    Unavailable,
+    /// Canceled before it finished.
+    Canceled,
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::NotFound => "NOT_FOUND",
+            Self::InvalidArguments => "INVALID_ARGUMENTS",
+            Self::Timeout => "TIMEOUT",
+            Self::Failed => "FAILED",
+            Self::PermissionDenied => "PERMISSION_DENIED",
+            Self::Unavailable => "UNAVAILABLE",
+            Self::Canceled => "CANCELED",
+        })
+    }
+}
+
+/// A tool-level failure: an answer to the caller, not a transport error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolError {
+    /// What kind of failure.
+    pub code: ErrorCode,
+    /// Explanation a model or a person can act on.
+    pub message: String,
+    /// Whether the same call may succeed when tried again.
+    pub retryable: bool,
+}
+
+impl ToolError {
+    /// A failure that retrying will not fix.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            retryable: false,
+        }
+    }
+
+    /// A failure that may go away on a retry (timeouts, transient upstream errors).
+    pub fn retryable(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            retryable: true,
+        }
+    }
+
+    /// `INVALID_ARGUMENTS`.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidArguments, message)
+    }
+
+    /// `FAILED`.
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Failed, message)
+    }
+
+    /// `PERMISSION_DENIED`.
+    pub fn denied(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::PermissionDenied, message)
+    }
+}
+
+impl fmt::Display for ToolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+/// Reads an optional string argument (the schema already checked its type).
+pub(crate) fn str_arg<'a>(args: &'a Args, key: &str) -> Option<&'a str> {
+    args.get(key).and_then(Value::as_str)
+}
+
+/// Reads an optional unsigned integer argument (the schema already checked its type).
+pub(crate) fn u64_arg(args: &Args, key: &str) -> Option<u64> {
+    args.get(key).and_then(Value::as_u64)
+}

@@ -1,0 +1,271 @@
+//! Tests of the `tool-runner` process itself: signals and drain, exit codes, flags and their
+//! environment equivalents, JSON logs, and the `list` / `call` / `check-manifest` commands.
+
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use shared::proto::toolrunner::v1 as pb;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+type TestResult = anyhow::Result<()>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tool-runner");
+
+fn repo_root() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A running `tool-runner` process and the log lines it has written so far.
+struct Process {
+    child: Child,
+    address: String,
+    logs: Arc<Mutex<Vec<String>>>,
+    reader: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Process {
+    /// Starts the binary on a free loopback port with JSON logs and waits until it serves.
+    async fn start(extra: &[&str]) -> anyhow::Result<Self> {
+        let mut child = Command::new(BIN)
+            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
+            .args(extra)
+            .current_dir(repo_root())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (address_tx, address_rx) = tokio::sync::oneshot::channel();
+        let sink = Arc::clone(&logs);
+        let reader = tokio::spawn(async move {
+            let mut address_tx = Some(address_tx);
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let entry = serde_json::from_str::<serde_json::Value>(&line).unwrap_or_default();
+                if entry["message"] == "tool-runner serving"
+                    && let (Some(address), Some(tx)) = (entry["address"].as_str(), address_tx.take())
+                {
+                    let _ = tx.send(address.to_owned());
+                }
+                sink.lock().map(|mut l| l.push(line)).ok();
+            }
+        });
+        let address = tokio::time::timeout(Duration::from_secs(20), address_rx).await??;
+        Ok(Self {
+            child,
+            address,
+            logs,
+            reader: Some(reader),
+        })
+    }
+
+    async fn client(&self) -> anyhow::Result<pb::tool_runner_client::ToolRunnerClient<tonic::transport::Channel>> {
+        Ok(pb::tool_runner_client::ToolRunnerClient::connect(format!("http://{}", self.address)).await?)
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let pid = self
+            .child
+            .id()
+            .ok_or_else(|| anyhow::anyhow!("process already reaped"))?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid)?), signal)?;
+        Ok(())
+    }
+
+    /// Waits (at most 10 s) for the process to exit and for its last log line; returns the exit code.
+    async fn wait_exit(&mut self) -> anyhow::Result<Option<i32>> {
+        let status = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await??;
+        if let Some(reader) = self.reader.take() {
+            tokio::time::timeout(Duration::from_secs(10), reader).await??;
+        }
+        Ok(status.code())
+    }
+
+    fn logs(&self) -> Vec<String> {
+        self.logs.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+}
+
+fn request(tool: &str, args: &str) -> pb::RunToolRequest {
+    pb::RunToolRequest {
+        tool_name: tool.into(),
+        arguments_json: args.into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero() -> TestResult {
+    let mut process = Process::start(&["--shutdown-grace", "10s"]).await?;
+    let mut client = process.client().await?;
+    let in_flight = tokio::spawn({
+        let mut client = client.clone();
+        async move { client.run_tool(request("sleep", r#"{"ms": 1500}"#)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    process.signal(nix::sys::signal::Signal::SIGTERM)?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let refused = client.run_tool(request("echo", "{}")).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    let finished = in_flight.await??.into_inner();
+    assert!(
+        matches!(finished.outcome, Some(pb::run_tool_response::Outcome::ContentJson(_))),
+        "{finished:?}"
+    );
+
+    assert_eq!(process.wait_exit().await?, Some(0));
+    let logs = process.logs().join("\n");
+    for expected in [
+        "stop signal received",
+        "SIGTERM",
+        "draining",
+        "drained",
+        "tool-runner stopped",
+    ] {
+        assert!(logs.contains(expected), "logs lack {expected:?}:\n{logs}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn sigint_with_a_call_past_the_grace_period_still_exits_zero() -> TestResult {
+    let mut process = Process::start(&["--shutdown-grace", "200ms"]).await?;
+    let mut client = process.client().await?;
+    let _stuck = tokio::spawn(async move { client.run_tool(request("sleep", r#"{"ms": 30000}"#)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    process.signal(nix::sys::signal::Signal::SIGINT)?;
+    assert_eq!(process.wait_exit().await?, Some(0));
+    assert!(
+        process.logs().join("\n").contains("grace period over"),
+        "{:?}",
+        process.logs()
+    );
+    Ok(())
+}
+
+async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(Option<i32>, String, String)> {
+    let output = tokio::time::timeout(
+        Duration::from_secs(20),
+        Command::new(BIN)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await??;
+    Ok((
+        output.status.code(),
+        String::from_utf8(output.stdout)?,
+        String::from_utf8(output.stderr)?,
+    ))
+}
+
+#[tokio::test]
+async fn a_bad_manifest_stops_startup_naming_file_tool_and_problem() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let manifest = dir.path().join("tools.toml");
+    std::fs::write(
+        &manifest,
+        "[[tool]]\nname = \"slow\"\ndescription = \"d\"\nargv = [\"sleep\", \"1\"]\ntimeout = \"3h\"\n",
+    )?;
+    let path = manifest.display().to_string();
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--tools-manifest", &path], &[]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&path)
+            && stderr.contains("tool \"slow\"")
+            && stderr.contains("timeout = 3h is above its cap of 1h"),
+        "{stderr}"
+    );
+    // check-manifest says the same without serving.
+    let (code, _, stderr) = run_to_end(&["check-manifest", &path], &[]).await?;
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("timeout = 3h"), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn limits_above_their_caps_are_refused_from_flags_and_environment() -> TestResult {
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--max-json-depth", "129"], &[]).await?;
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("--max-json-depth = 129 is above its cap of 128"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0"], &[("TOOL_RUNNER_SHUTDOWN_GRACE", "2h")]).await?;
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("--shutdown-grace = 2h is above its cap of 1h"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--shutdown-grace", "soon"], &[]).await?;
+    assert_eq!(code, Some(2), "clap usage errors exit 2 too");
+    assert!(stderr.contains("invalid duration"), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_address_in_use_is_a_clear_startup_error() -> TestResult {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let address = taken.local_addr()?.to_string();
+    let (code, _, stderr) = run_to_end(&["--listen", &address], &[]).await?;
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains(&format!("cannot listen on {address}")), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn list_and_call_commands_use_a_running_runner() -> TestResult {
+    // A relative manifest path (the process runs in the repository root).
+    let mut process = Process::start(&["--tools-manifest", "deploy/tools/tools.toml"]).await?;
+    let endpoint = format!("http://{}", process.address);
+
+    let (code, stdout, _) = run_to_end(&["list", "--endpoint", &endpoint], &[]).await?;
+    assert_eq!(code, Some(0));
+    for tool in ["calculate", "echo", "sleep", "time_now", "text_stats", "system_info"] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(tool)),
+            "{tool} missing from:\n{stdout}"
+        );
+    }
+    let (code, stdout, stderr) = run_to_end(
+        &["call", "calculate", r#"{"expression": "6 * 7"}"#],
+        &[("TOOL_RUNNER_ENDPOINT", &endpoint)],
+    )
+    .await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&stdout)?["value"], 42);
+    let (code, stdout, stderr) = run_to_end(
+        &["call", "--endpoint", &endpoint, "text_stats", r#"{"text": "a b c"}"#],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&stdout)?["words"], 3);
+    let (code, _, stderr) = run_to_end(&["call", "--endpoint", &endpoint, "sleep", r#"{"ms": -1}"#], &[]).await?;
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("INVALID_ARGUMENTS"), "{stderr}");
+    let (code, _, stderr) = run_to_end(&["call", "--endpoint", "http://127.0.0.1:1", "echo"], &[]).await?;
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("cannot connect to http://127.0.0.1:1"), "{stderr}");
+
+    process.signal(nix::sys::signal::Signal::SIGTERM)?;
+    assert_eq!(process.wait_exit().await?, Some(0));
+    // Every log line is one JSON object carrying the call's fields.
+    let logs = process.logs();
+    assert!(
+        logs.iter()
+            .all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok()),
+        "{logs:?}"
+    );
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("tool call succeeded") && l.contains("calculate")),
+        "{logs:?}"
+    );
+    Ok(())
+}
