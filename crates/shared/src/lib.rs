@@ -9,3 +9,4 @@ pub mod grpc;
 pub mod proto;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tools;

@@ -80,29 +80,7 @@ struct RawTool {
     output: OutputMode,
 }
 
-/// Whether `name` is a valid tool name: 1–64 of `[A-Za-z0-9_-]` (what OpenAI-style APIs accept).
-pub fn valid_tool_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-}
-
-/// Checks that `schema` is a usable arguments schema: valid JSON Schema describing an object.
-pub fn check_schema(schema: &Value) -> Result<(), String> {
-    if !schema.is_object() {
-        return Err("parameters must be a JSON Schema object".into());
-    }
-    if let Some(t) = schema.get("type").filter(|t| *t != "object") {
-        return Err(format!(
-            "parameters must describe an object (type = \"object\"), not type = {t}"
-        ));
-    }
-    jsonschema::meta::validate(schema)
-        .map_err(|e| format!("parameters is not a valid JSON Schema: {e} (at {})", e.instance_path()))?;
-    jsonschema::validator_for(schema).map_err(|e| format!("parameters is not a usable JSON Schema: {e}"))?;
-    Ok(())
-}
+pub use shared::tools::{check_schema, valid_tool_name};
 
 /// Loads and checks the manifest at `path`, returning its tools.
 pub fn load(path: &Path) -> Result<Vec<(ToolSpec, CommandTool)>, Error> {
@@ -363,14 +341,5 @@ mod tests {
     fn caps_accept_their_edge() {
         let text = format!("{OK}timeout = \"1h\"\nmax_stdout_bytes = 67108864\nmax_stderr_bytes = 4194304");
         assert!(load_str(&text).is_ok());
-    }
-
-    #[test]
-    fn tool_names() {
-        assert!(valid_tool_name("get_weather-v2"));
-        assert!(!valid_tool_name(""));
-        assert!(!valid_tool_name(&"x".repeat(65)));
-        assert!(valid_tool_name(&"x".repeat(64)));
-        assert!(!valid_tool_name("a.b"));
     }
 }

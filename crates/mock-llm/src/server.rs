@@ -1,0 +1,346 @@
+//! The HTTP side: `POST /v1/chat/completions` (streaming only) and `GET /v1/models`.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use crate::scenario::{Scenario, Step, Turn};
+
+/// The scenarios a server plays: a default one and named ones (chosen by the request's `model`).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenarios {
+    /// Played when no named scenario matches the model.
+    pub default: Scenario,
+    /// Scenarios by model name.
+    #[serde(default)]
+    pub named: HashMap<String, Scenario>,
+}
+
+impl From<Scenario> for Scenarios {
+    fn from(default: Scenario) -> Self {
+        Self {
+            default,
+            named: HashMap::new(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    scenarios: Scenarios,
+    requests: Mutex<Vec<Value>>,
+    attempts: Mutex<HashMap<(String, usize), usize>>,
+    record: bool,
+}
+
+/// A running stand-in model.
+pub struct MockLlm {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MockLlm {
+    /// Serves `scenarios` on 127.0.0.1 (a free port), recording every request body.
+    pub async fn start(scenarios: impl Into<Scenarios>) -> std::io::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            scenarios: scenarios.into(),
+            record: true,
+            ..Shared::default()
+        });
+        let app = router(Arc::clone(&shared));
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Self { addr, shared, task })
+    }
+
+    /// The OpenAI-style base URL, ending in `/v1`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Every request body received so far.
+    pub fn requests(&self) -> Vec<Value> {
+        self.shared
+            .requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl Drop for MockLlm {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves `scenarios` on `listener` until `shutdown` resolves (used by the binary; requests are
+/// not recorded).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    scenarios: Scenarios,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let shared = Arc::new(Shared {
+        scenarios,
+        ..Shared::default()
+    });
+    axum::serve(listener, router(shared))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+fn router(shared: Arc<Shared>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/chat/completions", post(completions))
+        .route("/v1/models", get(models))
+        .with_state(shared)
+}
+
+async fn models(State(shared): State<Arc<Shared>>) -> Json<Value> {
+    let mut names: Vec<&String> = shared.scenarios.named.keys().collect();
+    names.sort();
+    Json(
+        json!({"object": "list", "data": names.iter().map(|n| json!({"id": n, "object": "model", "owned_by": "mock-llm"})).collect::<Vec<_>>()}),
+    )
+}
+
+fn error_response(status: StatusCode, message: &str) -> Response {
+    (
+        status,
+        Json(json!({"error": {"message": message, "type": "mock_error", "code": status.as_u16()}})),
+    )
+        .into_response()
+}
+
+async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return error_response(StatusCode::BAD_REQUEST, "the request body is not JSON");
+    };
+    if shared.record {
+        shared
+            .requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(request.clone());
+    }
+    if request["stream"] != true {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "mock-llm only serves streaming completions (stream: true)",
+        );
+    }
+    let model = request["model"].as_str().unwrap_or_default().to_owned();
+    let scenario = shared.scenarios.named.get(&model).unwrap_or(&shared.scenarios.default);
+    let assistant_messages = request["messages"]
+        .as_array()
+        .map_or(0, |m| m.iter().filter(|m| m["role"] == "assistant").count());
+    let fallback = Turn::text("(mock-llm: the scenario has no more turns.)");
+    let turn = scenario.turn(assistant_messages).unwrap_or(&fallback).clone();
+
+    let attempt = {
+        let mut attempts = shared.attempts.lock().unwrap_or_else(PoisonError::into_inner);
+        let n = attempts.entry((model.clone(), assistant_messages)).or_insert(0);
+        *n += 1;
+        *n - 1
+    };
+    if let Some(&status) = turn.fail_first.get(attempt) {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return error_response(status, &format!("scripted failure (attempt {})", attempt + 1));
+    }
+
+    let prompt_chars: usize = request["messages"]
+        .as_array()
+        .map_or(0, |m| m.iter().map(|m| m.to_string().len()).sum());
+    let chunks = render(&turn, &model, assistant_messages + 1, prompt_chars);
+    let (ttft, gap) = (
+        Duration::from_millis(scenario.ttft_ms),
+        Duration::from_millis(scenario.token_delay_ms),
+    );
+    let stream = futures::stream::iter(chunks.into_iter().enumerate()).then(move |(i, piece)| async move {
+        let wait = if i == 0 { ttft } else { gap };
+        if !wait.is_zero() && !matches!(piece, Piece::Delay(_)) {
+            tokio::time::sleep(wait).await;
+        }
+        match piece {
+            Piece::Bytes(b) => Ok(Bytes::from(b)),
+            Piece::Delay(d) => {
+                tokio::time::sleep(d).await;
+                Ok(Bytes::new())
+            }
+            Piece::Stall => std::future::pending().await,
+            Piece::Cut => Err(std::io::Error::other("mock-llm: scripted cut")),
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error_response(StatusCode::INTERNAL_SERVER_ERROR, "cannot build the response"))
+}
+
+/// One piece of a streamed response.
+enum Piece {
+    Bytes(String),
+    Delay(Duration),
+    Stall,
+    Cut,
+}
+
+fn chunk(model: &str, delta: Value, finish_reason: Option<&str>) -> Piece {
+    let body = json!({
+        "id": "chatcmpl-mock",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    });
+    Piece::Bytes(format!("data: {body}\n\n"))
+}
+
+/// Splits `text` into word-sized pieces (each keeps its trailing whitespace), or fixed-size ones.
+fn split_text(text: &str, chunk_chars: Option<usize>) -> Vec<String> {
+    match chunk_chars {
+        Some(n) if n > 0 => {
+            let chars: Vec<char> = text.chars().collect();
+            chars.chunks(n).map(|c| c.iter().collect()).collect()
+        }
+        _ => {
+            let mut pieces = Vec::new();
+            let mut current = String::new();
+            for c in text.chars() {
+                if !c.is_whitespace() && current.ends_with(char::is_whitespace) {
+                    pieces.push(std::mem::take(&mut current));
+                }
+                current.push(c);
+            }
+            if !current.is_empty() {
+                pieces.push(current);
+            }
+            pieces
+        }
+    }
+}
+
+fn split_n(text: &str, n: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    let size = chars.len().div_ceil(n.max(1)).max(1);
+    chars.chunks(size).map(|c| c.iter().collect()).collect()
+}
+
+fn render(turn: &Turn, model: &str, turn_number: usize, prompt_chars: usize) -> Vec<Piece> {
+    let mut out = Vec::new();
+    let replay = turn.steps.iter().any(|s| matches!(s, Step::Raw { .. }));
+    if !replay {
+        out.push(chunk(model, json!({"role": "assistant", "content": ""}), None));
+    }
+    let (mut calls, mut completion_chars) = (0usize, 0usize);
+    for step in &turn.steps {
+        match step {
+            Step::Text { text, chunk_chars } => {
+                completion_chars += text.len();
+                out.extend(
+                    split_text(text, *chunk_chars)
+                        .into_iter()
+                        .map(|t| chunk(model, json!({"content": t}), None)),
+                );
+            }
+            Step::Reasoning { text } => {
+                out.extend(
+                    split_text(text, None)
+                        .into_iter()
+                        .map(|t| chunk(model, json!({"reasoning_content": t}), None)),
+                );
+            }
+            Step::ToolCall {
+                name,
+                arguments,
+                id,
+                fragments,
+            } => {
+                let index = calls;
+                calls += 1;
+                let id = id.clone().unwrap_or_else(|| format!("call_{turn_number}_{index}"));
+                let args = match arguments {
+                    Value::String(raw) => raw.clone(),
+                    other => other.to_string(),
+                };
+                completion_chars += args.len();
+                out.push(chunk(
+                    model,
+                    json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+                    None,
+                ));
+                for piece in split_n(&args, fragments.unwrap_or(3)) {
+                    out.push(chunk(
+                        model,
+                        json!({"tool_calls": [{"index": index, "function": {"arguments": piece}}]}),
+                        None,
+                    ));
+                }
+            }
+            Step::Delay { ms } => out.push(Piece::Delay(Duration::from_millis(*ms))),
+            Step::Cut => {
+                out.push(Piece::Cut);
+                return out;
+            }
+            Step::Stall => {
+                out.push(Piece::Stall);
+                return out;
+            }
+            Step::Raw { sse } => out.push(Piece::Bytes(sse.clone())),
+            Step::Error { message } => {
+                out.push(Piece::Bytes(format!(
+                    "data: {}\n\n",
+                    json!({"error": {"message": message, "code": 500}})
+                )));
+            }
+        }
+    }
+    if !replay {
+        let finish = turn
+            .finish_reason
+            .clone()
+            .unwrap_or_else(|| if calls > 0 { "tool_calls" } else { "stop" }.to_owned());
+        out.push(chunk(model, json!({}), Some(&finish)));
+        let [prompt, completion] = turn
+            .usage
+            .unwrap_or([(prompt_chars / 4) as u64, (completion_chars / 4).max(1) as u64]);
+        let usage = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}});
+        out.push(Piece::Bytes(format!("data: {usage}\n\n")));
+    }
+    if turn.done {
+        out.push(Piece::Bytes("data: [DONE]\n\n".to_owned()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_splits_into_words_keeping_whitespace() {
+        assert_eq!(split_text("Hello  big\nworld", None), vec!["Hello  ", "big\n", "world"]);
+        assert_eq!(split_text("abcde", Some(2)), vec!["ab", "cd", "e"]);
+        assert_eq!(split_n("{\"a\":1}", 3).concat(), "{\"a\":1}");
+    }
+}

@@ -1,0 +1,57 @@
+//! Rules about tools that both services enforce: valid names and usable argument schemas.
+
+use serde_json::Value;
+
+/// Whether `name` is a valid tool name: 1–64 of `[A-Za-z0-9_-]` (what OpenAI-style APIs accept).
+pub fn valid_tool_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Checks that `schema` is a usable arguments schema: a valid JSON Schema describing an object.
+pub fn check_schema(schema: &Value) -> Result<(), String> {
+    if !schema.is_object() {
+        return Err("parameters must be a JSON Schema object".into());
+    }
+    if let Some(t) = schema.get("type").filter(|t| *t != "object") {
+        return Err(format!(
+            "parameters must describe an object (type = \"object\"), not type = {t}"
+        ));
+    }
+    jsonschema::meta::validate(schema)
+        .map_err(|e| format!("parameters is not a valid JSON Schema: {e} (at {})", e.instance_path()))?;
+    jsonschema::validator_for(schema).map_err(|e| format!("parameters is not a usable JSON Schema: {e}"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_names() {
+        assert!(valid_tool_name("get_weather-v2"));
+        assert!(!valid_tool_name(""));
+        assert!(!valid_tool_name(&"x".repeat(65)));
+        assert!(valid_tool_name(&"x".repeat(64)));
+        assert!(!valid_tool_name("a.b"));
+    }
+
+    #[test]
+    fn schemas() {
+        assert!(check_schema(&serde_json::json!({"type": "object", "properties": {"a": {"type": "string"}}})).is_ok());
+        assert!(
+            check_schema(&serde_json::json!({"type": "array"}))
+                .unwrap_err()
+                .contains("must describe an object")
+        );
+        assert!(
+            check_schema(&serde_json::json!({"type": "object", "required": "a"}))
+                .unwrap_err()
+                .contains("not a valid JSON Schema")
+        );
+        assert!(check_schema(&serde_json::json!([1])).is_err());
+    }
+}

@@ -1,0 +1,189 @@
+//! A small client of the Orchestrator service for shells: `orchestrator call` and the demo use
+//! it to start a run and print its event stream readably.
+
+use std::io::Write;
+use std::time::Duration;
+
+use futures::StreamExt;
+use shared::proto::orchestrator::v1 as pb;
+use shared::proto::orchestrator::v1::orchestrate_event::Event as E;
+
+use crate::Error;
+
+/// What to ask for.
+#[derive(Debug, Clone, Default)]
+pub struct CallOptions {
+    /// Orchestrator address, e.g. `http://127.0.0.1:50051`.
+    pub endpoint: String,
+    /// The user message.
+    pub prompt: String,
+    /// The caller's system message.
+    pub system: String,
+    /// Model override (empty: the server's).
+    pub model: String,
+    /// Normal tool allowlist (empty: all).
+    pub tools: Vec<String>,
+    /// Exit tools offered in this run: `(name, description)`.
+    pub exit_tools: Vec<(String, String)>,
+    /// Run id (empty: generated).
+    pub run_id: String,
+    /// Deadline of the whole call.
+    pub timeout: Duration,
+}
+
+/// Prints events as they arrive.
+#[derive(Default)]
+struct Printer {
+    at_line_start: bool,
+    turn: u32,
+}
+
+impl Printer {
+    fn line(&mut self, out: &mut impl Write, text: &str) {
+        if !self.at_line_start {
+            let _ = writeln!(out);
+        }
+        let _ = writeln!(out, "{text}");
+        self.at_line_start = true;
+    }
+
+    fn print(&mut self, out: &mut impl Write, event: &E) {
+        match event {
+            E::RunStarted(s) => {
+                self.at_line_start = true;
+                let limits = s.limits.unwrap_or_default();
+                self.line(
+                    out,
+                    &format!(
+                        "▶ run started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns",
+                        s.model,
+                        if s.normal_tools.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            s.normal_tools.join(", ")
+                        },
+                        if s.exit_tools.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            s.exit_tools.join(", ")
+                        },
+                        limits.tool_call_budget,
+                        limits.max_turns,
+                    ),
+                );
+            }
+            E::TextDelta(t) => {
+                if t.turn != self.turn {
+                    self.turn = t.turn;
+                    self.line(out, &format!("── turn {}", t.turn));
+                }
+                let _ = write!(out, "{}", t.text);
+                self.at_line_start = t.text.ends_with('\n');
+            }
+            E::ToolCallStarted(c) => {
+                if c.turn != self.turn {
+                    self.turn = c.turn;
+                    self.line(out, &format!("── turn {}", c.turn));
+                }
+                self.line(out, &format!("  ⚙ {} {}  [{}]", c.name, c.arguments_json, c.call_id));
+            }
+            E::ToolCallFinished(c) => {
+                let outcome = match &c.error {
+                    Some(e) if !c.ok => format!("✘ {}: {}", e.code, e.message),
+                    _ => format!("✔ {}", crate::llm::sse::excerpt(&c.content_json)),
+                };
+                self.line(out, &format!("  {} {} ms {}", c.name, c.duration_ms, outcome));
+            }
+            E::Signal(s) => self.line(out, &format!("  ⚑ signal {} {}", s.tool_name, s.arguments_json)),
+            E::TurnFinished(t) => {
+                let usage = t.usage.unwrap_or_default();
+                self.line(
+                    out,
+                    &format!(
+                        "── turn {} finished · {} prompt + {} completion tokens · budget left {} · failed turns {}",
+                        t.turn,
+                        usage.prompt_tokens,
+                        usage.completion_tokens,
+                        t.tool_call_budget_remaining,
+                        t.failed_turns
+                    ),
+                );
+            }
+            E::RunFinished(f) => {
+                let r = f.result.clone().unwrap_or_default();
+                let status = pb::RunStatus::try_from(r.status)
+                    .map_or("?", |s| s.as_str_name())
+                    .trim_start_matches("RUN_STATUS_");
+                let mut summary = format!(
+                    "■ {status} · {} turn(s) · {} tool call(s) · {} signal(s) · finish_reason {:?}",
+                    r.turns,
+                    r.tool_calls.len(),
+                    r.signals.len(),
+                    r.finish_reason
+                );
+                if r.failure_reason != 0 {
+                    let reason = pb::FailureReason::try_from(r.failure_reason).map_or("?", |s| s.as_str_name());
+                    summary.push_str(&format!(" · {reason}: {}", r.failure_detail));
+                } else if !r.failure_detail.is_empty() {
+                    summary.push_str(&format!(" · {}", r.failure_detail));
+                }
+                self.line(out, &summary);
+            }
+        }
+        let _ = out.flush();
+    }
+}
+
+/// Starts a run on the orchestrator at `options.endpoint`, prints its events to stdout, and
+/// returns the final result.
+pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
+    let channel = tonic::transport::Endpoint::from_shared(options.endpoint.clone())
+        .map_err(|e| Error::Config(format!("--endpoint {:?}: {e}", options.endpoint)))?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .map_err(|e| Error::Config(format!("cannot connect to {}: {e}", options.endpoint)))?;
+    let mut client = pb::orchestrator_client::OrchestratorClient::new(channel);
+    let mut request = tonic::Request::new(pb::OrchestrateRequest {
+        run_id: options.run_id.clone(),
+        system: options.system.clone(),
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: options.prompt.clone(),
+            ..Default::default()
+        }],
+        model: options.model.clone(),
+        tools: Some(pb::ToolSelection {
+            normal: options.tools.clone(),
+            exit: options
+                .exit_tools
+                .iter()
+                .map(|(name, description)| pb::ExitToolSpec {
+                    name: name.clone(),
+                    description: description.clone(),
+                    parameters_json_schema: String::new(),
+                })
+                .collect(),
+        }),
+        ..Default::default()
+    });
+    request.set_timeout(options.timeout);
+    let mut stream = client
+        .orchestrate(request)
+        .await
+        .map_err(|s| Error::Config(format!("Orchestrate was refused: {:?}: {}", s.code(), s.message())))?
+        .into_inner();
+    let mut printer = Printer::default();
+    let mut stdout = std::io::stdout();
+    while let Some(item) = stream.next().await {
+        let event =
+            item.map_err(|s| Error::Config(format!("the event stream broke off: {:?}: {}", s.code(), s.message())))?;
+        if let Some(event) = &event.event {
+            printer.print(&mut stdout, event);
+            if let E::RunFinished(finished) = event {
+                return Ok(finished.result.clone().unwrap_or_default());
+            }
+        }
+    }
+    Err(Error::Config("the event stream ended without run_finished".into()))
+}

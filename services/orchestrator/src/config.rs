@@ -1,0 +1,341 @@
+//! The orchestrator's configuration: defaults, the caps every limit is checked against, and the
+//! per-run limits (a default used when a request sets none, and a ceiling a request may not pass).
+
+use std::time::Duration;
+
+use shared::config::{check_duration, check_range};
+
+use crate::Error;
+use crate::llm::ToolDefinition;
+use crate::llm::client::LlmConfig;
+use crate::run::loop_detector::DetectorConfig;
+use crate::run::{HARD_MAX_TURNS, Limits};
+use crate::runs::RunsConfig;
+
+/// Defaults and caps of every limit.
+pub mod limits {
+    use std::time::Duration;
+
+    /// Default per-run `max_turns`.
+    pub const MAX_TURNS: u32 = 16;
+    /// Default per-run tool-call budget.
+    pub const TOOL_CALL_BUDGET: u32 = 64;
+    /// Cap of the budget ceiling.
+    pub const TOOL_CALL_BUDGET_CAP: u32 = 100_000;
+    /// Default failing turns tolerated.
+    pub const MAX_TOOL_FAILURES: u32 = 3;
+    /// Cap of the failure ceiling.
+    pub const MAX_TOOL_FAILURES_CAP: u32 = 10_000;
+    /// Default tool-call timeout.
+    pub const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
+    /// Cap of the tool timeout ceiling.
+    pub const TOOL_TIMEOUT_CAP: Duration = Duration::from_secs(3600);
+    /// Default run deadline.
+    pub const RUN_TIMEOUT: Duration = Duration::from_secs(600);
+    /// Cap of the run deadline ceiling (24 h).
+    pub const RUN_TIMEOUT_CAP: Duration = Duration::from_secs(86_400);
+    /// Default run slots.
+    pub const MAX_RUNS: usize = 256;
+    /// Cap on run slots.
+    pub const MAX_RUNS_CAP: usize = 100_000;
+    /// Default finished results kept.
+    pub const KEEP_RESULTS: usize = 10_000;
+    /// Cap on finished results kept.
+    pub const KEEP_RESULTS_CAP: usize = 1_000_000;
+    /// Default age of kept results.
+    pub const KEEP_RESULTS_FOR: Duration = Duration::from_secs(3600);
+    /// Cap on the age of kept results (7 days).
+    pub const KEEP_RESULTS_FOR_CAP: Duration = Duration::from_secs(7 * 86_400);
+    /// Default LLM idle timeout.
+    pub const LLM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+    /// Cap on the LLM idle timeout.
+    pub const LLM_IDLE_TIMEOUT_CAP: Duration = Duration::from_secs(3600);
+    /// Default LLM connect timeout.
+    pub const LLM_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+    /// Cap on the LLM connect timeout.
+    pub const LLM_CONNECT_TIMEOUT_CAP: Duration = Duration::from_secs(300);
+    /// Default LLM retries before the first byte.
+    pub const LLM_MAX_RETRIES: u32 = 3;
+    /// Cap on LLM retries.
+    pub const LLM_MAX_RETRIES_CAP: u32 = 10;
+    /// Default first retry delay.
+    pub const LLM_RETRY_BACKOFF: Duration = Duration::from_millis(500);
+    /// Cap on the first retry delay.
+    pub const LLM_RETRY_BACKOFF_CAP: Duration = Duration::from_secs(60);
+    /// Default longest SSE line.
+    pub const LLM_MAX_LINE_BYTES: usize = 1024 * 1024;
+    /// Cap on the longest SSE line.
+    pub const LLM_MAX_LINE_BYTES_CAP: usize = 64 * 1024 * 1024;
+    /// Default events buffered per run stream.
+    pub const EVENT_BUFFER: usize = 64;
+    /// Cap on the event buffer.
+    pub const EVENT_BUFFER_CAP: usize = 65_536;
+    /// Default signals buffered per subscriber.
+    pub const SIGNAL_BUFFER: usize = 1024;
+    /// Cap on the signal buffer.
+    pub const SIGNAL_BUFFER_CAP: usize = 1_000_000;
+    /// Default loop-detector window (lines).
+    pub const LOOP_WINDOW: usize = 128;
+    /// Cap on the loop-detector window.
+    pub const LOOP_WINDOW_CAP: usize = 100_000;
+    /// Default loop-detector threshold.
+    pub const LOOP_THRESHOLD: usize = 12;
+    /// Default tool catalog refresh interval.
+    pub const TOOL_REFRESH: Duration = Duration::from_secs(30);
+    /// Cap on the refresh interval.
+    pub const TOOL_REFRESH_CAP: Duration = Duration::from_secs(3600);
+    /// Default drain grace period.
+    pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    /// Cap on the grace period.
+    pub const SHUTDOWN_GRACE_CAP: Duration = Duration::from_secs(3600);
+    /// Default largest Orchestrate request.
+    pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+    /// Cap on the largest request.
+    pub const MAX_REQUEST_BYTES_CAP: usize = 64 * 1024 * 1024;
+}
+
+/// Everything [`crate::run`] (the server) needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The LLM server.
+    pub llm: LlmConfig,
+    /// Model used when a request names none.
+    pub model: String,
+    /// Tool-runner endpoints (`http://host:port`).
+    pub tool_runners: Vec<String>,
+    /// How often the tool catalog is refreshed.
+    pub tool_refresh_interval: Duration,
+    /// Exit tools every run offers.
+    pub exit_tools: Vec<ToolDefinition>,
+    /// Limits used when a request sets none.
+    pub default_limits: Limits,
+    /// The most a request may ask for.
+    pub ceiling_limits: Limits,
+    /// Run slots and kept results.
+    pub runs: RunsConfig,
+    /// Repeated-line detector.
+    pub detector: DetectorConfig,
+    /// Events buffered per run stream before the run waits for its reader.
+    pub event_buffer: usize,
+    /// Signals buffered per `SubscribeSignals` subscriber.
+    pub signal_buffer: usize,
+    /// Largest `Orchestrate` request, in bytes.
+    pub max_request_bytes: usize,
+    /// How long in-flight runs may take to finish after a stop signal.
+    pub shutdown_grace: Duration,
+}
+
+impl Config {
+    /// A configuration talking to `llm_base_url` and `tool_runners`, everything else default.
+    pub fn new(llm_base_url: &str, model: &str, tool_runners: Vec<String>) -> Self {
+        let default_limits = Limits {
+            max_turns: limits::MAX_TURNS,
+            tool_call_budget: limits::TOOL_CALL_BUDGET,
+            max_tool_failures: limits::MAX_TOOL_FAILURES,
+            tool_timeout: limits::TOOL_TIMEOUT,
+            run_timeout: limits::RUN_TIMEOUT,
+        };
+        Self {
+            llm: LlmConfig {
+                base_url: llm_base_url.to_owned(),
+                api_key: None,
+                extra_headers: Vec::new(),
+                connect_timeout: limits::LLM_CONNECT_TIMEOUT,
+                idle_timeout: limits::LLM_IDLE_TIMEOUT,
+                max_retries: limits::LLM_MAX_RETRIES,
+                retry_backoff: limits::LLM_RETRY_BACKOFF,
+                max_line_bytes: limits::LLM_MAX_LINE_BYTES,
+            },
+            model: model.to_owned(),
+            tool_runners,
+            tool_refresh_interval: limits::TOOL_REFRESH,
+            exit_tools: Vec::new(),
+            default_limits,
+            ceiling_limits: Limits {
+                max_turns: HARD_MAX_TURNS,
+                tool_call_budget: 1000,
+                max_tool_failures: 100,
+                tool_timeout: Duration::from_secs(600),
+                run_timeout: Duration::from_secs(3600),
+            },
+            runs: RunsConfig {
+                max_runs: limits::MAX_RUNS,
+                keep_results: limits::KEEP_RESULTS,
+                keep_results_for: limits::KEEP_RESULTS_FOR,
+            },
+            detector: DetectorConfig {
+                window: limits::LOOP_WINDOW,
+                threshold: limits::LOOP_THRESHOLD,
+            },
+            event_buffer: limits::EVENT_BUFFER,
+            signal_buffer: limits::SIGNAL_BUFFER,
+            max_request_bytes: limits::MAX_REQUEST_BYTES,
+            shutdown_grace: limits::SHUTDOWN_GRACE,
+        }
+    }
+
+    /// Checks every limit against its range; the error names the flag.
+    pub fn validate(&self) -> Result<(), Error> {
+        use limits::*;
+        let ms = Duration::from_millis;
+        let (d, c) = (&self.default_limits, &self.ceiling_limits);
+        check_range("--max-turns-ceiling", c.max_turns, 1, HARD_MAX_TURNS)?;
+        check_range("--max-turns", d.max_turns, 1, c.max_turns)?;
+        check_range(
+            "--tool-call-budget-ceiling",
+            c.tool_call_budget,
+            0,
+            TOOL_CALL_BUDGET_CAP,
+        )?;
+        check_range("--tool-call-budget", d.tool_call_budget, 0, c.tool_call_budget)?;
+        check_range(
+            "--max-tool-failures-ceiling",
+            c.max_tool_failures,
+            0,
+            MAX_TOOL_FAILURES_CAP,
+        )?;
+        check_range("--max-tool-failures", d.max_tool_failures, 0, c.max_tool_failures)?;
+        check_duration("--tool-timeout-ceiling", c.tool_timeout, ms(1), TOOL_TIMEOUT_CAP)?;
+        check_duration("--tool-timeout", d.tool_timeout, ms(1), c.tool_timeout)?;
+        check_duration("--run-timeout-ceiling", c.run_timeout, ms(1), RUN_TIMEOUT_CAP)?;
+        check_duration("--run-timeout", d.run_timeout, ms(1), c.run_timeout)?;
+        check_range("--max-runs", self.runs.max_runs, 1, MAX_RUNS_CAP)?;
+        check_range("--keep-results", self.runs.keep_results, 0, KEEP_RESULTS_CAP)?;
+        check_duration(
+            "--keep-results-for",
+            self.runs.keep_results_for,
+            Duration::ZERO,
+            KEEP_RESULTS_FOR_CAP,
+        )?;
+        check_duration("--llm-idle-timeout", self.llm.idle_timeout, ms(1), LLM_IDLE_TIMEOUT_CAP)?;
+        check_duration(
+            "--llm-connect-timeout",
+            self.llm.connect_timeout,
+            ms(1),
+            LLM_CONNECT_TIMEOUT_CAP,
+        )?;
+        check_range("--llm-max-retries", self.llm.max_retries, 0, LLM_MAX_RETRIES_CAP)?;
+        check_duration(
+            "--llm-retry-backoff",
+            self.llm.retry_backoff,
+            Duration::ZERO,
+            LLM_RETRY_BACKOFF_CAP,
+        )?;
+        check_range(
+            "--llm-max-line-bytes",
+            self.llm.max_line_bytes,
+            1024,
+            LLM_MAX_LINE_BYTES_CAP,
+        )?;
+        check_range("--event-buffer", self.event_buffer, 1, EVENT_BUFFER_CAP)?;
+        check_range("--signal-buffer", self.signal_buffer, 1, SIGNAL_BUFFER_CAP)?;
+        check_range("--loop-window", self.detector.window, 1, LOOP_WINDOW_CAP)?;
+        check_range(
+            "--loop-threshold",
+            self.detector.threshold,
+            2,
+            self.detector.window.max(2),
+        )?;
+        check_duration(
+            "--tool-refresh-interval",
+            self.tool_refresh_interval,
+            Duration::from_secs(1),
+            TOOL_REFRESH_CAP,
+        )?;
+        check_range(
+            "--max-request-bytes",
+            self.max_request_bytes,
+            1024,
+            MAX_REQUEST_BYTES_CAP,
+        )?;
+        check_duration(
+            "--shutdown-grace",
+            self.shutdown_grace,
+            Duration::ZERO,
+            SHUTDOWN_GRACE_CAP,
+        )?;
+        let mut seen = std::collections::HashSet::new();
+        for tool in &self.exit_tools {
+            if !shared::tools::valid_tool_name(&tool.name) {
+                return Err(Error::Config(format!(
+                    "--exit-tool {:?}: names are 1-64 of letters, digits, '_' or '-'",
+                    tool.name
+                )));
+            }
+            if !seen.insert(&tool.name) {
+                return Err(Error::Config(format!("--exit-tool {:?} is given twice", tool.name)));
+            }
+            shared::tools::check_schema(&tool.parameters)
+                .map_err(|e| Error::Config(format!("--exit-tool {}: {e}", tool.name)))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_caps_hold_on_both_sides() {
+        let base = Config::new("http://127.0.0.1:1/v1", "m", vec!["http://127.0.0.1:2".into()]);
+        assert!(base.validate().is_ok());
+        type Change = Box<dyn Fn(&mut Config, bool)>;
+        // Each change sets a value at its cap (ok) or one past it (refused).
+        let cases: Vec<(&str, Change)> = vec![
+            (
+                "--max-turns-ceiling",
+                Box::new(|c, over| c.ceiling_limits.max_turns = HARD_MAX_TURNS + u32::from(over)),
+            ),
+            (
+                "--max-runs",
+                Box::new(|c, over| c.runs.max_runs = limits::MAX_RUNS_CAP + usize::from(over)),
+            ),
+            (
+                "--keep-results",
+                Box::new(|c, over| c.runs.keep_results = limits::KEEP_RESULTS_CAP + usize::from(over)),
+            ),
+            (
+                "--llm-max-retries",
+                Box::new(|c, over| c.llm.max_retries = limits::LLM_MAX_RETRIES_CAP + u32::from(over)),
+            ),
+            (
+                "--event-buffer",
+                Box::new(|c, over| c.event_buffer = limits::EVENT_BUFFER_CAP + usize::from(over)),
+            ),
+            (
+                "--loop-window",
+                Box::new(|c, over| c.detector.window = limits::LOOP_WINDOW_CAP + usize::from(over)),
+            ),
+            (
+                "--shutdown-grace",
+                Box::new(|c, over| {
+                    c.shutdown_grace = limits::SHUTDOWN_GRACE_CAP + Duration::from_secs(u64::from(over))
+                }),
+            ),
+            (
+                "--max-turns",
+                Box::new(|c, over| c.default_limits.max_turns = c.ceiling_limits.max_turns + u32::from(over)),
+            ),
+            (
+                "--llm-idle-timeout",
+                Box::new(|c, over| {
+                    c.llm.idle_timeout = limits::LLM_IDLE_TIMEOUT_CAP + Duration::from_millis(u64::from(over))
+                }),
+            ),
+        ];
+        for (flag, change) in cases {
+            let mut at = base.clone();
+            change(&mut at, false);
+            assert!(
+                at.validate().is_ok(),
+                "{flag} at its cap must be accepted: {:?}",
+                at.validate()
+            );
+            let mut over = base.clone();
+            change(&mut over, true);
+            let err = over.validate().unwrap_err().to_string();
+            assert!(err.contains(flag), "{err} should name {flag}");
+        }
+    }
+}

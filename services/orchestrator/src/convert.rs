@@ -1,0 +1,485 @@
+//! Proto ↔ domain. Requests become a [`RunRequest`] (`TryFrom`, checks that need nothing else)
+//! and then a [`RunSpec`] ([`resolve`], checks against the tool catalog and the server's limits);
+//! every failure is an `INVALID_ARGUMENT` naming the field and what to do. Domain results and
+//! events become proto messages.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use shared::proto::orchestrator::v1 as pb;
+
+use crate::Error;
+use crate::config::Config;
+use crate::llm::{Message, SamplingParams, ToolCall, ToolDefinition};
+use crate::run::{Event, FailureReason, Limits, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError};
+use crate::tool_runners::RemoteTool;
+
+/// Longest caller-supplied run id.
+pub const MAX_RUN_ID_LEN: usize = 128;
+
+/// Limits as the caller asked (unset = server default).
+#[derive(Debug, Clone, Default)]
+pub struct RequestedLimits {
+    max_turns: Option<u32>,
+    tool_call_budget: Option<u32>,
+    max_tool_failures: Option<u32>,
+    tool_timeout_ms: Option<u32>,
+    run_timeout_ms: Option<u32>,
+}
+
+/// An `OrchestrateRequest` that passed the checks needing nothing but itself.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    run_id: Option<String>,
+    system: String,
+    messages: Vec<Message>,
+    model: Option<String>,
+    params: SamplingParams,
+    allowlist: Vec<String>,
+    exit_tools: Vec<ToolDefinition>,
+    limits: RequestedLimits,
+    metadata: BTreeMap<String, String>,
+    /// Keep running if the caller goes away.
+    pub detached: bool,
+    parse_policy: ParsePolicy,
+}
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::InvalidArgument(message.into())
+}
+
+impl TryFrom<pb::OrchestrateRequest> for RunRequest {
+    type Error = Error;
+
+    fn try_from(r: pb::OrchestrateRequest) -> Result<Self, Error> {
+        let run_id = Some(r.run_id).filter(|id| !id.is_empty());
+        if let Some(id) = &run_id
+            && (id.len() > MAX_RUN_ID_LEN || !id.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            return Err(invalid(format!(
+                "run_id must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty to get a generated one)"
+            )));
+        }
+        let mut messages = Vec::with_capacity(r.messages.len());
+        for (i, m) in r.messages.into_iter().enumerate() {
+            messages.push(match m.role.as_str() {
+                "system" => Message::System(m.content),
+                "user" => Message::User {
+                    content: m.content,
+                    name: Some(m.name).filter(|n| !n.is_empty()),
+                },
+                "assistant" => Message::Assistant {
+                    content: m.content,
+                    tool_calls: m
+                        .tool_calls
+                        .into_iter()
+                        .map(|c| ToolCall {
+                            id: c.id,
+                            name: c.name,
+                            arguments: c.arguments_json,
+                        })
+                        .collect(),
+                },
+                "tool" if !m.tool_call_id.is_empty() => Message::Tool {
+                    tool_call_id: m.tool_call_id,
+                    content: m.content,
+                },
+                "tool" => return Err(invalid(format!("messages[{i}] has role \"tool\" but no tool_call_id"))),
+                other => {
+                    return Err(invalid(format!(
+                        "messages[{i}] has role {other:?}; use \"system\", \"user\", \"assistant\" or \"tool\""
+                    )));
+                }
+            });
+        }
+        if !messages.iter().any(|m| matches!(m, Message::User { .. })) {
+            return Err(invalid("messages must contain at least one message with role \"user\""));
+        }
+        let params = r.params.unwrap_or_default();
+        let tools = r.tools.unwrap_or_default();
+        let mut exit_tools = Vec::with_capacity(tools.exit.len());
+        for (i, tool) in tools.exit.into_iter().enumerate() {
+            if !shared::tools::valid_tool_name(&tool.name) {
+                return Err(invalid(format!(
+                    "tools.exit[{i}].name {:?} must be 1-64 letters, digits, '_' or '-'",
+                    tool.name
+                )));
+            }
+            let parameters = if tool.parameters_json_schema.trim().is_empty() {
+                serde_json::json!({"type": "object"})
+            } else {
+                serde_json::from_str(&tool.parameters_json_schema).map_err(|e| {
+                    invalid(format!(
+                        "tools.exit[{i}] ({}): parameters_json_schema is not valid JSON: {e}",
+                        tool.name
+                    ))
+                })?
+            };
+            shared::tools::check_schema(&parameters)
+                .map_err(|e| invalid(format!("tools.exit[{i}] ({}): {e}", tool.name)))?;
+            let description = if tool.description.trim().is_empty() {
+                format!("Signal {} (one-way; nothing comes back).", tool.name)
+            } else {
+                tool.description
+            };
+            exit_tools.push(ToolDefinition {
+                name: tool.name,
+                description,
+                parameters,
+            });
+        }
+        let limits = r.limits.unwrap_or_default();
+        let parse_policy = match pb::ParsePolicy::try_from(r.parse_policy) {
+            Ok(pb::ParsePolicy::FeedBack) => ParsePolicy::FeedBack,
+            Ok(_) => ParsePolicy::Fail,
+            Err(_) => {
+                return Err(invalid(format!(
+                    "parse_policy {} is not a known ParsePolicy value",
+                    r.parse_policy
+                )));
+            }
+        };
+        Ok(Self {
+            run_id,
+            system: r.system,
+            messages,
+            model: Some(r.model).filter(|m| !m.is_empty()),
+            params: SamplingParams {
+                temperature: params.temperature,
+                top_p: params.top_p,
+                max_tokens: params.max_tokens,
+                stop: params.stop,
+                seed: params.seed,
+            },
+            allowlist: tools.normal,
+            exit_tools,
+            limits: RequestedLimits {
+                max_turns: limits.max_turns,
+                tool_call_budget: limits.tool_call_budget,
+                max_tool_failures: limits.max_tool_failures,
+                tool_timeout_ms: limits.tool_timeout_ms,
+                run_timeout_ms: limits.run_timeout_ms,
+            },
+            metadata: r.metadata.into_iter().collect(),
+            detached: r.detached,
+            parse_policy,
+        })
+    }
+}
+
+fn pick<T: PartialOrd + std::fmt::Display + Copy>(
+    field: &str,
+    asked: Option<T>,
+    default: T,
+    ceiling: T,
+    min: T,
+) -> Result<T, Error> {
+    let Some(value) = asked else { return Ok(default) };
+    if value > ceiling {
+        return Err(invalid(format!(
+            "limits.{field} = {value} is above this server's maximum of {ceiling}"
+        )));
+    }
+    if value < min {
+        return Err(invalid(format!(
+            "limits.{field} = {value} is below the minimum of {min}"
+        )));
+    }
+    Ok(value)
+}
+
+fn millis(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
+/// Checks the request against the tool catalog and the server's limits, giving the run's spec.
+/// `caller_deadline` is the caller's gRPC deadline, which shortens the run's own.
+pub fn resolve(
+    request: RunRequest,
+    catalog: &BTreeMap<String, RemoteTool>,
+    config: &Config,
+    caller_deadline: Option<Duration>,
+) -> Result<RunSpec, Error> {
+    let normal_tools: Vec<ToolDefinition> = if request.allowlist.is_empty() {
+        catalog.values().map(|t| t.definition.clone()).collect()
+    } else {
+        let mut tools = Vec::with_capacity(request.allowlist.len());
+        for name in &request.allowlist {
+            let tool = catalog.get(name).ok_or_else(|| {
+                let known: Vec<&str> = catalog.keys().map(String::as_str).collect();
+                invalid(format!(
+                    "tools.normal names {name:?}, which no tool-runner offers (available: {})",
+                    if known.is_empty() {
+                        "none yet".to_owned()
+                    } else {
+                        known.join(", ")
+                    }
+                ))
+            })?;
+            tools.push(tool.definition.clone());
+        }
+        tools
+    };
+    let normal_names: HashSet<&str> = normal_tools.iter().map(|t| t.name.as_str()).collect();
+    let mut exit_tools: Vec<ToolDefinition> = config.exit_tools.clone();
+    for tool in request.exit_tools {
+        if exit_tools.iter().any(|t| t.name == tool.name) {
+            return Err(invalid(format!(
+                "exit tool {:?} is defined twice (in the request or already by the server)",
+                tool.name
+            )));
+        }
+        exit_tools.push(tool);
+    }
+    if let Some(clash) = exit_tools.iter().find(|t| normal_names.contains(t.name.as_str())) {
+        return Err(invalid(format!(
+            "exit tool {:?} has the name of a normal tool; rename it, or leave the normal tool out of tools.normal",
+            clash.name
+        )));
+    }
+    let model = request.model.unwrap_or_else(|| config.model.clone());
+    if model.is_empty() {
+        return Err(invalid(
+            "model is empty and the server has no default model (--llm-model)",
+        ));
+    }
+    let (d, c, asked) = (&config.default_limits, &config.ceiling_limits, &request.limits);
+    let tool_timeout_ms = pick(
+        "tool_timeout_ms",
+        asked.tool_timeout_ms,
+        millis(d.tool_timeout),
+        millis(c.tool_timeout),
+        1,
+    )?;
+    let run_timeout_ms = pick(
+        "run_timeout_ms",
+        asked.run_timeout_ms,
+        millis(d.run_timeout),
+        millis(c.run_timeout),
+        1,
+    )?;
+    let mut run_timeout = Duration::from_millis(u64::from(run_timeout_ms));
+    if let Some(deadline) = caller_deadline {
+        run_timeout = run_timeout.min(deadline);
+    }
+    let limits = Limits {
+        max_turns: pick("max_turns", asked.max_turns, d.max_turns, c.max_turns, 1)?,
+        tool_call_budget: pick(
+            "tool_call_budget",
+            asked.tool_call_budget,
+            d.tool_call_budget,
+            c.tool_call_budget,
+            0,
+        )?,
+        max_tool_failures: pick(
+            "max_tool_failures",
+            asked.max_tool_failures,
+            d.max_tool_failures,
+            c.max_tool_failures,
+            0,
+        )?,
+        tool_timeout: Duration::from_millis(u64::from(tool_timeout_ms)),
+        run_timeout,
+    };
+    Ok(RunSpec {
+        run_id: request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string()),
+        system: request.system,
+        messages: request.messages,
+        model,
+        params: request.params,
+        normal_tools,
+        exit_tools,
+        limits,
+        metadata: request.metadata,
+        parse_policy: request.parse_policy,
+    })
+}
+
+/// Parses a `grpc-timeout` header value (`100m`, `5S`, …) into a duration.
+pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+impl From<RunStatus> for pb::RunStatus {
+    fn from(s: RunStatus) -> Self {
+        match s {
+            RunStatus::Running => Self::Running,
+            RunStatus::Completed => Self::Completed,
+            RunStatus::Failed => Self::Failed,
+            RunStatus::Canceled => Self::Canceled,
+        }
+    }
+}
+
+impl From<FailureReason> for pb::FailureReason {
+    fn from(r: FailureReason) -> Self {
+        match r {
+            FailureReason::ToolParseError => Self::ToolParseError,
+            FailureReason::ToolExecutionError => Self::ToolExecutionError,
+            FailureReason::ToolBudgetExhausted => Self::ToolBudgetExhausted,
+            FailureReason::ToolFailureLimit => Self::ToolFailureLimit,
+            FailureReason::RepeatedLineLoop => Self::RepeatedLineLoop,
+            FailureReason::MaxTurnsExceeded => Self::MaxTurnsExceeded,
+            FailureReason::LlmError => Self::LlmError,
+            FailureReason::LlmStreamStalled => Self::LlmStreamStalled,
+            FailureReason::DeadlineExceeded => Self::DeadlineExceeded,
+            FailureReason::UnknownError => Self::UnknownError,
+        }
+    }
+}
+
+fn error_pb(e: &ToolCallError) -> pb::ToolCallError {
+    pb::ToolCallError {
+        code: e.code.clone(),
+        message: e.message.clone(),
+    }
+}
+
+fn usage_pb(u: crate::llm::Usage) -> pb::Usage {
+    pb::Usage {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+    }
+}
+
+impl From<&Signal> for pb::Signal {
+    fn from(s: &Signal) -> Self {
+        Self {
+            run_id: s.run_id.clone(),
+            call_id: s.call_id.clone(),
+            tool_name: s.tool_name.clone(),
+            arguments_json: s.arguments_json.clone(),
+            arguments_valid: s.arguments_valid,
+            turn: s.turn,
+            emitted_at_unix_ms: s.emitted_at_unix_ms,
+            metadata: s.metadata.clone().into_iter().collect(),
+        }
+    }
+}
+
+impl From<&RunResult> for pb::RunResult {
+    fn from(r: &RunResult) -> Self {
+        Self {
+            run_id: r.run_id.clone(),
+            status: pb::RunStatus::from(r.status).into(),
+            failure_reason: r
+                .failure_reason
+                .map_or(pb::FailureReason::Unspecified, pb::FailureReason::from)
+                .into(),
+            failure_detail: r.failure_detail.clone(),
+            text: r.text.clone(),
+            signals: r.signals.iter().map(pb::Signal::from).collect(),
+            turns: r.turns,
+            tool_calls: r
+                .tool_calls
+                .iter()
+                .map(|c| pb::ToolCallRecord {
+                    call_id: c.call_id.clone(),
+                    name: c.name.clone(),
+                    arguments_json: c.arguments_json.clone(),
+                    ok: c.ok,
+                    error: c.error.as_ref().map(error_pb),
+                    duration_ms: c.duration_ms,
+                    turn: c.turn,
+                })
+                .collect(),
+            failed_turns: r.failed_turns,
+            usage: Some(usage_pb(r.usage)),
+            finish_reason: r.finish_reason.clone(),
+        }
+    }
+}
+
+/// A numbered domain event as a proto event of `run_id`.
+pub fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateEvent {
+    use pb::orchestrate_event::Event as E;
+    let event = match event {
+        Event::RunStarted {
+            model,
+            normal_tools,
+            exit_tools,
+            limits,
+        } => E::RunStarted(pb::RunStarted {
+            model,
+            normal_tools,
+            exit_tools,
+            limits: Some(pb::EffectiveLimits {
+                max_turns: limits.max_turns,
+                tool_call_budget: limits.tool_call_budget,
+                max_tool_failures: limits.max_tool_failures,
+                tool_timeout_ms: millis(limits.tool_timeout),
+                run_timeout_ms: millis(limits.run_timeout),
+            }),
+        }),
+        Event::TextDelta { text, turn } => E::TextDelta(pb::TextDelta { text, turn }),
+        Event::ToolCallStarted {
+            call_id,
+            name,
+            arguments_json,
+            turn,
+        } => E::ToolCallStarted(pb::ToolCallStarted {
+            call_id,
+            name,
+            arguments_json,
+            turn,
+        }),
+        Event::ToolCallFinished {
+            call_id,
+            name,
+            content_json,
+            error,
+            duration_ms,
+        } => E::ToolCallFinished(pb::ToolCallFinished {
+            call_id,
+            name,
+            ok: error.is_none(),
+            content_json: content_json.unwrap_or_default(),
+            error: error.as_ref().map(error_pb),
+            duration_ms,
+        }),
+        Event::Signal(signal) => E::Signal(pb::Signal::from(&signal)),
+        Event::TurnFinished {
+            turn,
+            usage,
+            tool_call_budget_remaining,
+            failed_turns,
+        } => E::TurnFinished(pb::TurnFinished {
+            turn,
+            usage: Some(usage_pb(usage)),
+            tool_call_budget_remaining,
+            failed_turns,
+        }),
+        Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
+            result: Some(pb::RunResult::from(&result)),
+        }),
+    };
+    pb::OrchestrateEvent {
+        run_id: run_id.to_owned(),
+        seq,
+        event: Some(event),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts() {
+        assert_eq!(parse_grpc_timeout("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(parse_grpc_timeout("x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
+    }
+}

@@ -1,0 +1,50 @@
+//! The orchestrator's error type, and how each error becomes a gRPC status.
+
+use std::net::SocketAddr;
+
+/// Everything that stops the orchestrator from starting, or a request from being served.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A flag, environment value or file is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A limit is outside its allowed range.
+    #[error("invalid configuration: {0}")]
+    Limit(#[from] shared::config::ConfigError),
+    /// The request is malformed; the message says how to fix it.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Every run slot is taken.
+    #[error("all {0} run slots are busy; retry later")]
+    Busy(usize),
+    /// No such run (or its result expired).
+    #[error("{0}")]
+    NotFound(String),
+    /// The orchestrator is shutting down.
+    #[error("the orchestrator is draining (shutting down); retry on another replica")]
+    Draining,
+    /// The listen address cannot be bound.
+    #[error("cannot listen on {address}: {source}")]
+    Listen {
+        /// The address.
+        address: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+impl From<Error> for tonic::Status {
+    fn from(error: Error) -> Self {
+        let message = error.to_string();
+        match error {
+            Error::InvalidArgument(_) => Self::invalid_argument(message),
+            Error::Busy(_) => Self::resource_exhausted(message),
+            Error::NotFound(_) => Self::not_found(message),
+            Error::Draining | Error::Serve(_) | Error::Listen { .. } => Self::unavailable(message),
+            Error::Config(_) | Error::Limit(_) => Self::failed_precondition(message),
+        }
+    }
+}

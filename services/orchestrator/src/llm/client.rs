@@ -1,0 +1,351 @@
+//! The HTTP client for OpenAI-compatible `/v1/chat/completions` with `stream: true`.
+//!
+//! Retries (with exponential backoff, honouring a short `Retry-After`) happen only before the
+//! first byte of a response body: on connect errors, 429 and 5xx. Once a stream has started it is
+//! never retried, so no output is produced twice. The API key is sent as a bearer token, marked
+//! sensitive, and never logged (the config's `Debug` redacts it).
+
+use std::fmt;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use serde_json::{Value, json};
+
+use super::sse::{DecodeLimits, decode, excerpt};
+use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message};
+
+/// Longest `Retry-After` honoured; longer ones fall back to the configured backoff.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
+
+/// Settings of the HTTP client.
+#[derive(Clone)]
+pub struct LlmConfig {
+    /// Base URL ending in `/v1`, e.g. `http://127.0.0.1:11434/v1`.
+    pub base_url: String,
+    /// Bearer token (from `LLM_API_KEY`); never logged.
+    pub api_key: Option<String>,
+    /// Extra request headers (`Name: value`), e.g. for gateways.
+    pub extra_headers: Vec<(String, String)>,
+    /// Connect timeout.
+    pub connect_timeout: Duration,
+    /// No byte for this long (headers or body) counts as a stalled stream.
+    pub idle_timeout: Duration,
+    /// Attempts after the first on connect errors, 429 and 5xx.
+    pub max_retries: u32,
+    /// First retry delay; doubles with each attempt.
+    pub retry_backoff: Duration,
+    /// Longest SSE line accepted.
+    pub max_line_bytes: usize,
+}
+
+impl fmt::Debug for LlmConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LlmConfig")
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field(
+                "extra_headers",
+                &self.extra_headers.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            )
+            .field("connect_timeout", &self.connect_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_retries", &self.max_retries)
+            .field("retry_backoff", &self.retry_backoff)
+            .field("max_line_bytes", &self.max_line_bytes)
+            .finish()
+    }
+}
+
+/// The streaming chat-completions client.
+#[derive(Clone)]
+pub struct HttpLlm {
+    client: reqwest::Client,
+    url: reqwest::Url,
+    headers: HeaderMap,
+    config: LlmConfig,
+}
+
+impl HttpLlm {
+    /// Builds the client; fails on an unusable URL or header.
+    pub fn new(config: LlmConfig) -> Result<Self, String> {
+        let base = config.base_url.trim_end_matches('/');
+        let url = reqwest::Url::parse(&format!("{base}/chat/completions"))
+            .map_err(|e| format!("--llm-base-url {:?} is not a valid URL: {e}", config.base_url))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(format!(
+                "--llm-base-url {:?} must be an http or https URL",
+                config.base_url
+            ));
+        }
+        let mut headers = HeaderMap::new();
+        for (name, value) in &config.extra_headers {
+            let name = HeaderName::try_from(name.as_str()).map_err(|e| format!("--llm-header {name:?}: {e}"))?;
+            let value = HeaderValue::try_from(value.as_str()).map_err(|e| format!("--llm-header {name}: {e}"))?;
+            headers.insert(name, value);
+        }
+        if let Some(key) = config.api_key.as_ref().filter(|k| !k.is_empty()) {
+            let mut value = HeaderValue::try_from(format!("Bearer {key}"))
+                .map_err(|_| "LLM_API_KEY contains characters not allowed in an HTTP header".to_owned())?;
+            value.set_sensitive(true);
+            headers.insert(AUTHORIZATION, value);
+        }
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .user_agent(concat!("orchestrator/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        Ok(Self {
+            client,
+            url,
+            headers,
+            config,
+        })
+    }
+
+    /// The endpoint completions are posted to.
+    pub fn url(&self) -> &reqwest::Url {
+        &self.url
+    }
+
+    async fn open(self, body: Value) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
+        let limits = DecodeLimits {
+            idle_timeout: self.config.idle_timeout,
+            max_line_bytes: self.config.max_line_bytes,
+        };
+        let body = bytes::Bytes::from(body.to_string());
+        let mut attempt = 0u32;
+        loop {
+            let send = self
+                .client
+                .post(self.url.clone())
+                .headers(self.headers.clone())
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .header(reqwest::header::ACCEPT, "text/event-stream")
+                .body(body.clone())
+                .send();
+            let (retry_after, failure) = match tokio::time::timeout(self.config.idle_timeout, send).await {
+                Err(_) => {
+                    return Err(LlmError::Stalled(format!(
+                        "{} (no response headers)",
+                        humantime::format_duration(self.config.idle_timeout)
+                    )));
+                }
+                Ok(Ok(response)) if response.status().is_success() => {
+                    return Ok(decode(response.bytes_stream(), limits));
+                }
+                Ok(Ok(response)) => {
+                    let status = response.status();
+                    let retry_after = response
+                        .headers()
+                        .get(RETRY_AFTER)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                        .map(Duration::from_secs)
+                        .filter(|d| *d <= MAX_RETRY_AFTER);
+                    let body = read_error_body(response).await;
+                    let failure = LlmError::Http(format!("the LLM server answered {status}: {body}"));
+                    if status.as_u16() != 429 && !status.is_server_error() {
+                        return Err(failure);
+                    }
+                    (retry_after, failure)
+                }
+                Ok(Err(e)) if e.is_connect() || e.is_timeout() => (
+                    None,
+                    LlmError::Http(format!("cannot reach the LLM server at {}: {e}", self.url)),
+                ),
+                Ok(Err(e)) => return Err(LlmError::Http(format!("request to the LLM server failed: {e}"))),
+            };
+            if attempt >= self.config.max_retries {
+                return Err(failure);
+            }
+            let delay = retry_after.unwrap_or_else(|| self.config.retry_backoff.saturating_mul(1 << attempt.min(16)));
+            attempt += 1;
+            tracing::warn!(
+                attempt,
+                delay_ms = delay.as_millis() as u64,
+                "retrying the LLM request: {failure}"
+            );
+            tokio::time::sleep(delay).await;
+        }
+    }
+}
+
+/// At most a few KiB of an error response, for the message.
+async fn read_error_body(response: reqwest::Response) -> String {
+    use futures::StreamExt;
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(Ok(chunk)) = stream.next().await {
+        body.extend_from_slice(&chunk);
+        if body.len() > 4096 {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&body);
+    let message = serde_json::from_str::<Value>(&text)
+        .ok()
+        .and_then(|v| v.pointer("/error/message").and_then(Value::as_str).map(str::to_owned));
+    excerpt(message.as_deref().unwrap_or(text.trim()))
+}
+
+impl ChatModel for HttpLlm {
+    fn stream(
+        &self,
+        request: ChatRequest,
+    ) -> BoxFuture<'static, Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError>> {
+        let body = request_body(&request);
+        self.clone().open(body).boxed()
+    }
+}
+
+/// The JSON body of a streamed chat completion request.
+pub fn request_body(request: &ChatRequest) -> Value {
+    let messages: Vec<Value> = request.messages.iter().map(message_json).collect();
+    let mut body = json!({
+        "model": request.model,
+        "messages": messages,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if !request.tools.is_empty() {
+        body["tools"] = request
+            .tools
+            .iter()
+            .map(|t| json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}))
+            .collect();
+    }
+    let p = &request.params;
+    if let Some(t) = p.temperature {
+        body["temperature"] = json!(t);
+    }
+    if let Some(t) = p.top_p {
+        body["top_p"] = json!(t);
+    }
+    if let Some(t) = p.max_tokens {
+        body["max_tokens"] = json!(t);
+    }
+    if !p.stop.is_empty() {
+        body["stop"] = json!(p.stop);
+    }
+    if let Some(s) = p.seed {
+        body["seed"] = json!(s);
+    }
+    body
+}
+
+fn message_json(message: &Message) -> Value {
+    match message {
+        Message::System(content) => json!({"role": "system", "content": content}),
+        Message::User {
+            content,
+            name: Some(name),
+        } => json!({"role": "user", "content": content, "name": name}),
+        Message::User { content, name: None } => json!({"role": "user", "content": content}),
+        Message::Assistant { content, tool_calls } if tool_calls.is_empty() => {
+            json!({"role": "assistant", "content": content})
+        }
+        Message::Assistant { content, tool_calls } => json!({
+            "role": "assistant",
+            "content": if content.is_empty() { Value::Null } else { json!(content) },
+            "tool_calls": tool_calls.iter().map(|c| json!({
+                "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}
+            })).collect::<Vec<_>>(),
+        }),
+        Message::Tool { tool_call_id, content } => {
+            json!({"role": "tool", "tool_call_id": tool_call_id, "content": content})
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> LlmConfig {
+        LlmConfig {
+            base_url: "http://127.0.0.1:1/v1/".into(),
+            api_key: Some("sk-secret".into()),
+            extra_headers: vec![("X-Tenant".into(), "a".into())],
+            connect_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+            max_retries: 0,
+            retry_backoff: Duration::from_millis(1),
+            max_line_bytes: 1024,
+        }
+    }
+
+    #[test]
+    fn the_api_key_never_appears_in_debug_output() {
+        let debug = format!("{:?}", config());
+        assert!(!debug.contains("sk-secret"), "{debug}");
+        assert!(debug.contains("<redacted>"));
+        let client = HttpLlm::new(config()).unwrap();
+        assert_eq!(client.url().as_str(), "http://127.0.0.1:1/v1/chat/completions");
+        assert!(client.headers.get(AUTHORIZATION).is_some_and(HeaderValue::is_sensitive));
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        assert!(
+            HttpLlm::new(LlmConfig {
+                base_url: "ftp://x/v1".into(),
+                ..config()
+            })
+            .is_err()
+        );
+        assert!(
+            HttpLlm::new(LlmConfig {
+                extra_headers: vec![("bad name".into(), "v".into())],
+                ..config()
+            })
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn request_body_has_stream_usage_tools_and_only_set_params() {
+        let request = ChatRequest {
+            model: "m".into(),
+            messages: vec![
+                Message::System("bios".into()),
+                Message::User {
+                    content: "hi".into(),
+                    name: None,
+                },
+                Message::Assistant {
+                    content: String::new(),
+                    tool_calls: vec![super::super::ToolCall {
+                        id: "c1".into(),
+                        name: "t".into(),
+                        arguments: "{}".into(),
+                    }],
+                },
+                Message::Tool {
+                    tool_call_id: "c1".into(),
+                    content: "{\"ok\":1}".into(),
+                },
+            ],
+            tools: vec![super::super::ToolDefinition {
+                name: "t".into(),
+                description: "d".into(),
+                parameters: json!({"type": "object"}),
+            }],
+            params: super::super::SamplingParams {
+                temperature: Some(0.5),
+                ..Default::default()
+            },
+        };
+        let body = request_body(&request);
+        assert_eq!(body["stream"], true);
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(body["temperature"], 0.5);
+        assert!(body.get("top_p").is_none());
+        assert_eq!(body["tools"][0]["function"]["name"], "t");
+        assert_eq!(body["messages"][2]["content"], Value::Null);
+        assert_eq!(body["messages"][2]["tool_calls"][0]["id"], "c1");
+        assert_eq!(body["messages"][3]["tool_call_id"], "c1");
+    }
+}

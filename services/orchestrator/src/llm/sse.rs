@@ -1,0 +1,390 @@
+//! Server-sent events → [`LlmEvent`]s.
+//!
+//! Layers, outermost first:
+//! 1. a byte guard: the idle timeout (any byte, keep-alive comments included, is progress) and a
+//!    cap on the length of one line, so an endless line cannot grow memory without bound;
+//! 2. SSE framing by `eventsource-stream` (comments skipped, multi-line data joined);
+//! 3. each `data:` payload decoded as a `chat.completion.chunk`, tolerating what real servers
+//!    send (missing `index`, `null` fields, usage-only chunks, `reasoning_content`, errors inside
+//!    chunks or as `event: error`).
+
+use std::collections::VecDeque;
+use std::fmt::Display;
+use std::time::Duration;
+
+use bytes::Bytes;
+use eventsource_stream::{EventStreamError, Eventsource};
+use futures::stream::{BoxStream, Stream, StreamExt};
+use serde::Deserialize;
+
+use super::{LlmError, LlmEvent, Usage};
+
+/// Limits applied while decoding a stream.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeLimits {
+    /// Longest time without a byte before the stream counts as stalled.
+    pub idle_timeout: Duration,
+    /// Longest line (one SSE field) accepted, in bytes.
+    pub max_line_bytes: usize,
+}
+
+/// Decodes an SSE byte stream into semantic events. Ends after `[DONE]`, at the end of the body,
+/// or with one error item.
+pub fn decode<S, E>(bytes: S, limits: DecodeLimits) -> BoxStream<'static, Result<LlmEvent, LlmError>>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: Display + Send + 'static,
+{
+    let guarded = guard(bytes.boxed(), limits);
+    let events = guarded.eventsource();
+    let state = DecodeState {
+        events: Box::pin(events),
+        pending: VecDeque::new(),
+        seen_data: false,
+        finished: false,
+    };
+    futures::stream::unfold(state, |mut state| async move {
+        loop {
+            if let Some(item) = state.pending.pop_front() {
+                if item.is_err() {
+                    state.finished = true;
+                }
+                return Some((item, state));
+            }
+            if state.finished {
+                return None;
+            }
+            match state.events.next().await {
+                None => {
+                    state.finished = true;
+                    if !state.seen_data {
+                        state.pending.push_back(Err(LlmError::Protocol(
+                            "the LLM server's response contained no SSE data (is this an OpenAI-compatible streaming endpoint?)"
+                                .into(),
+                        )));
+                    }
+                }
+                Some(Err(e)) => state.pending.push_back(Err(stream_error(e))),
+                Some(Ok(event)) => {
+                    state.seen_data = true;
+                    if event.event == "error" {
+                        state.pending.push_back(Err(LlmError::Server(error_message(&event.data))));
+                    } else if event.data.trim() == "[DONE]" {
+                        state.pending.push_back(Ok(LlmEvent::Done));
+                        state.finished = true;
+                    } else {
+                        match parse_chunk(&event.data) {
+                            Ok(events) => state.pending.extend(events.into_iter().map(Ok)),
+                            Err(e) => state.pending.push_back(Err(e)),
+                        }
+                    }
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+type SseEvents =
+    std::pin::Pin<Box<dyn Stream<Item = Result<eventsource_stream::Event, EventStreamError<LlmError>>> + Send>>;
+
+struct DecodeState {
+    events: SseEvents,
+    pending: VecDeque<Result<LlmEvent, LlmError>>,
+    seen_data: bool,
+    finished: bool,
+}
+
+fn stream_error(e: EventStreamError<LlmError>) -> LlmError {
+    match e {
+        EventStreamError::Transport(e) => e,
+        EventStreamError::Utf8(e) => LlmError::Protocol(format!("the LLM stream is not UTF-8: {e}")),
+        EventStreamError::Parser(e) => LlmError::Protocol(format!("the LLM stream is not valid SSE: {e}")),
+    }
+}
+
+struct GuardState {
+    bytes: BoxStream<'static, Result<Bytes, LlmError>>,
+    since_newline: usize,
+    ended: bool,
+}
+
+/// The byte guard: idle timeout, line-length cap, and a final blank line so an unterminated last
+/// event is still dispatched.
+fn guard<E: Display + Send + 'static>(
+    bytes: BoxStream<'static, Result<Bytes, E>>,
+    limits: DecodeLimits,
+) -> impl Stream<Item = Result<Bytes, LlmError>> + Send + 'static {
+    let bytes = bytes
+        .map(|r| r.map_err(|e| LlmError::Protocol(format!("the LLM stream broke off: {e}"))))
+        .boxed();
+    let state = GuardState {
+        bytes,
+        since_newline: 0,
+        ended: false,
+    };
+    futures::stream::unfold(state, move |mut state| async move {
+        if state.ended {
+            return None;
+        }
+        match tokio::time::timeout(limits.idle_timeout, state.bytes.next()).await {
+            Err(_) => {
+                state.ended = true;
+                Some((
+                    Err(LlmError::Stalled(
+                        humantime::format_duration(limits.idle_timeout).to_string(),
+                    )),
+                    state,
+                ))
+            }
+            Ok(None) => {
+                state.ended = true;
+                Some((Ok(Bytes::from_static(b"\n\n")), state))
+            }
+            Ok(Some(Err(e))) => {
+                state.ended = true;
+                Some((Err(e), state))
+            }
+            Ok(Some(Ok(chunk))) => {
+                state.since_newline = match chunk.iter().rposition(|b| *b == b'\n') {
+                    Some(last) => chunk.len() - last - 1,
+                    None => state.since_newline + chunk.len(),
+                };
+                if state.since_newline > limits.max_line_bytes {
+                    state.ended = true;
+                    let message = format!("the LLM stream sent a line longer than {} bytes", limits.max_line_bytes);
+                    return Some((Err(LlmError::Protocol(message)), state));
+                }
+                Some((Ok(chunk), state))
+            }
+        }
+    })
+}
+
+#[derive(Debug, Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Option<Vec<Choice>>,
+    #[serde(default)]
+    usage: Option<RawUsage>,
+    #[serde(default)]
+    error: Option<serde_json::Value>,
+    #[serde(default)]
+    x_groq: Option<XGroq>,
+}
+
+#[derive(Debug, Deserialize)]
+struct XGroq {
+    #[serde(default)]
+    usage: Option<RawUsage>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Choice {
+    #[serde(default)]
+    index: Option<u32>,
+    #[serde(default)]
+    delta: Option<Delta>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    reasoning_content: Option<String>,
+    #[serde(default)]
+    reasoning: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ToolCallDelta {
+    #[serde(default)]
+    index: Option<u32>,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    function: Option<FunctionDelta>,
+}
+
+#[derive(Debug, Deserialize)]
+struct FunctionDelta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    arguments: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawUsage {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
+/// Decodes one `data:` payload (a `chat.completion.chunk`) into events. Only `choices[0]` (the
+/// choice with index 0) is looked at: the orchestrator always asks for one choice.
+pub fn parse_chunk(data: &str) -> Result<Vec<LlmEvent>, LlmError> {
+    let chunk: Chunk = serde_json::from_str(data)
+        .map_err(|e| LlmError::Protocol(format!("the LLM server sent an invalid chunk ({e}): {}", excerpt(data))))?;
+    if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
+        return Err(LlmError::Server(describe_error(&error)));
+    }
+    let mut events = Vec::new();
+    let choices = chunk.choices.unwrap_or_default();
+    if let Some(choice) = choices.iter().find(|c| c.index.unwrap_or(0) == 0) {
+        if let Some(delta) = &choice.delta {
+            for reasoning in [&delta.reasoning_content, &delta.reasoning].into_iter().flatten() {
+                if !reasoning.is_empty() {
+                    events.push(LlmEvent::ReasoningDelta(reasoning.clone()));
+                }
+            }
+            if let Some(text) = delta.content.as_ref().filter(|t| !t.is_empty()) {
+                events.push(LlmEvent::TextDelta(text.clone()));
+            }
+            for call in delta.tool_calls.iter().flatten() {
+                let function = call.function.as_ref();
+                events.push(LlmEvent::ToolCallFragment {
+                    index: call.index,
+                    id: call.id.clone().filter(|s| !s.is_empty()),
+                    name: function.and_then(|f| f.name.clone()).filter(|s| !s.is_empty()),
+                    arguments: function.and_then(|f| f.arguments.clone()).filter(|s| !s.is_empty()),
+                });
+            }
+        }
+        if let Some(reason) = choice.finish_reason.as_ref().filter(|r| !r.is_empty()) {
+            events.push(LlmEvent::Finish(reason.clone()));
+        }
+    }
+    let usage = chunk.usage.or(chunk.x_groq.and_then(|x| x.usage));
+    if let Some(usage) = usage.filter(|u| u.prompt_tokens.is_some() || u.completion_tokens.is_some()) {
+        events.push(LlmEvent::Usage(Usage {
+            prompt_tokens: usage.prompt_tokens.unwrap_or(0),
+            completion_tokens: usage.completion_tokens.unwrap_or(0),
+        }));
+    }
+    Ok(events)
+}
+
+/// The readable part of an error payload: `{"error": {...}}`, `{...}` or plain text.
+fn error_message(data: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(data) {
+        Ok(value) => describe_error(value.get("error").unwrap_or(&value)),
+        Err(_) => excerpt(data),
+    }
+}
+
+fn describe_error(error: &serde_json::Value) -> String {
+    let message = error.get("message").and_then(|m| m.as_str());
+    let code = error
+        .get("code")
+        .filter(|c| !c.is_null())
+        .map(|c| c.as_str().map_or_else(|| c.to_string(), str::to_owned));
+    match (message, code) {
+        (Some(m), Some(c)) => format!("{m} (code {c})"),
+        (Some(m), None) => m.to_owned(),
+        _ => excerpt(&error.to_string()),
+    }
+}
+
+/// At most 300 characters of `text`, for error messages.
+pub fn excerpt(text: &str) -> String {
+    const MAX: usize = 300;
+    match text.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> DecodeLimits {
+        DecodeLimits {
+            idle_timeout: Duration::from_secs(5),
+            max_line_bytes: 64,
+        }
+    }
+
+    async fn decode_all(parts: Vec<&'static str>, limits: DecodeLimits) -> Vec<Result<LlmEvent, LlmError>> {
+        let stream = futures::stream::iter(parts.into_iter().map(|p| Ok::<_, std::io::Error>(Bytes::from(p))));
+        decode(stream, limits).collect().await
+    }
+
+    #[tokio::test]
+    async fn text_finish_usage_and_done() {
+        let events = decode_all(
+            vec![
+                ": keep-alive\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n",
+                "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n",
+            ],
+            limits(),
+        )
+        .await;
+        assert_eq!(
+            events,
+            vec![
+                Ok(LlmEvent::TextDelta("Hi".into())),
+                Ok(LlmEvent::Finish("stop".into())),
+                Ok(LlmEvent::Usage(Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: 1
+                })),
+                Ok(LlmEvent::Done),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn garbage_ends_with_one_clear_error() {
+        let bad_json = decode_all(vec!["data: {not json\n\n"], limits()).await;
+        assert!(
+            matches!(&bad_json[..], [Err(LlmError::Protocol(m))] if m.contains("invalid chunk")),
+            "{bad_json:?}"
+        );
+        let wrong_type = decode_all(vec!["data: {\"choices\":[{\"delta\":{\"content\":5}}]}\n\n"], limits()).await;
+        assert!(
+            matches!(&wrong_type[..], [Err(LlmError::Protocol(_))]),
+            "{wrong_type:?}"
+        );
+        let not_sse = decode_all(vec!["<html>502 Bad Gateway</html>"], limits()).await;
+        assert!(
+            matches!(&not_sse[..], [Err(LlmError::Protocol(m))] if m.contains("no SSE data")),
+            "{not_sse:?}"
+        );
+        let error_event = decode_all(
+            vec!["event: error\ndata: {\"error\":{\"message\":\"boom\",\"code\":\"x\"}}\n\n"],
+            limits(),
+        )
+        .await;
+        assert_eq!(error_event, vec![Err(LlmError::Server("boom (code x)".into()))]);
+    }
+
+    #[tokio::test]
+    async fn line_length_cap_on_both_sides() {
+        let at_cap = decode_all(vec!["data: [DONE]", &*"          ".repeat(5).leak(), "\n\n"], limits()).await;
+        assert_eq!(at_cap, vec![Ok(LlmEvent::Done)]);
+        let endless = decode_all(vec!["data: ", &*"x".repeat(100).leak()], limits()).await;
+        assert!(
+            matches!(&endless[..], [Err(LlmError::Protocol(m))] if m.contains("longer than 64 bytes")),
+            "{endless:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_without_bytes_stalls() {
+        let stream = futures::stream::pending::<Result<Bytes, std::io::Error>>();
+        let limits = DecodeLimits {
+            idle_timeout: Duration::from_millis(50),
+            max_line_bytes: 64,
+        };
+        let events: Vec<_> = decode(stream, limits).collect().await;
+        assert!(matches!(&events[..], [Err(LlmError::Stalled(_))]), "{events:?}");
+    }
+}

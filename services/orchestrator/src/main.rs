@@ -1,0 +1,59 @@
+//! `orchestrator` binary: parse flags, set up logging, serve until SIGTERM/SIGINT, drain, exit.
+//! Exit codes: 0 stopped cleanly / the run completed; 1 runtime failure or a run that did not
+//! complete; 2 invalid flags or configuration.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use orchestrator::Error;
+use orchestrator::cli::{Cli, Command, ServeArgs};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
+        Command::Serve(args) => serve(*args).await.map(|()| true),
+        Command::Demo => {
+            shared::telemetry::init_logging(shared::telemetry::LogFormat::Text, "warn");
+            orchestrator::demo::run(orchestrator::demo::DemoOptions {
+                llm_base_url: std::env::var("LLM_BASE_URL").ok().filter(|v| !v.is_empty()),
+                llm_model: std::env::var("LLM_MODEL").ok().filter(|v| !v.is_empty()),
+                llm_api_key: std::env::var("LLM_API_KEY").ok().filter(|v| !v.is_empty()),
+            })
+            .await
+        }
+        Command::Call(args) => orchestrator::client::call(&args.to_options())
+            .await
+            .map(|r| r.status == shared::proto::orchestrator::v1::RunStatus::Completed as i32),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("orchestrator: {e}");
+            match e {
+                Error::Config(_) | Error::Limit(_) => ExitCode::from(2),
+                _ => ExitCode::FAILURE,
+            }
+        }
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<(), Error> {
+    shared::telemetry::init_logging(args.log_format, "info");
+    let config = args.to_config()?;
+    config.validate()?;
+    let stop =
+        shared::shutdown::stop_signal().map_err(|e| Error::Config(format!("cannot install signal handlers: {e}")))?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| Error::Listen {
+            address: args.listen,
+            source,
+        })?;
+    orchestrator::run(listener, config, async move {
+        let signal = stop.await;
+        tracing::info!(signal, "stop signal received");
+    })
+    .await
+}

@@ -1,0 +1,319 @@
+//! A run: the tool loop and everything it is made of. Nothing here knows about gRPC or HTTP; the
+//! loop talks to the model, the tool-runners and the signal topic through traits, so it is
+//! unit-tested without a network.
+//!
+//! * [`tool_loop`]: the loop of DESIGN §4.1;
+//! * [`turn`]: one streamed completion → visible text + tool calls;
+//! * [`fallback`]: tool calls written in the text (`<tool_call>` blocks, standalone JSON) and the
+//!   hold-back that keeps streamed text equal to final text;
+//! * [`loop_detector`]: the repeated-line detector;
+//! * [`bios`]: the system message the orchestrator writes before every turn.
+
+pub mod bios;
+pub mod fallback;
+pub mod loop_detector;
+pub mod tool_loop;
+pub mod turn;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::llm::{Message, SamplingParams, ToolDefinition, Usage};
+
+/// Hard limit on turns, whatever the configuration says.
+pub const HARD_MAX_TURNS: u32 = 128;
+
+/// What to do with a call naming an unknown tool or with non-object arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ParsePolicy {
+    /// End the run `TOOL_PARSE_ERROR`.
+    #[default]
+    Fail,
+    /// Answer each bad call with an error tool message; it counts as a failed call of the turn.
+    FeedBack,
+}
+
+/// The limits a run runs with (defaults applied, maxima checked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Most turns.
+    pub max_turns: u32,
+    /// Normal tool calls the run may execute.
+    pub tool_call_budget: u32,
+    /// Failing turns tolerated; one more ends the run.
+    pub max_tool_failures: u32,
+    /// Timeout of one tool call.
+    pub tool_timeout: Duration,
+    /// Deadline of the whole run.
+    pub run_timeout: Duration,
+}
+
+/// Everything one run needs, validated.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    /// The run's id.
+    pub run_id: String,
+    /// The caller's system message (after the BIOS).
+    pub system: String,
+    /// The caller's conversation.
+    pub messages: Vec<Message>,
+    /// Model name.
+    pub model: String,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Normal tools offered (executed on tool-runners).
+    pub normal_tools: Vec<ToolDefinition>,
+    /// Exit tools offered (signals).
+    pub exit_tools: Vec<ToolDefinition>,
+    /// Limits.
+    pub limits: Limits,
+    /// Caller metadata, passed to tool-runners and signals.
+    pub metadata: BTreeMap<String, String>,
+    /// Bad-call policy.
+    pub parse_policy: ParsePolicy,
+}
+
+/// Status of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunStatus {
+    /// Live.
+    Running,
+    /// The model stopped calling normal tools.
+    Completed,
+    /// A limit or an error ended it.
+    Failed,
+    /// Canceled.
+    Canceled,
+}
+
+/// Why a run failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureReason {
+    /// Unknown tool / non-object arguments (policy FAIL), or a malformed fallback directive.
+    ToolParseError,
+    /// A tool call could not be executed at all (reserved; failed calls are fed back).
+    ToolExecutionError,
+    /// The budget ran out.
+    ToolBudgetExhausted,
+    /// Too many failing turns.
+    ToolFailureLimit,
+    /// The model repeated a line too often.
+    RepeatedLineLoop,
+    /// `max_turns` used up.
+    MaxTurnsExceeded,
+    /// The LLM server failed.
+    LlmError,
+    /// The LLM stream went silent.
+    LlmStreamStalled,
+    /// The run deadline passed.
+    DeadlineExceeded,
+    /// Anything else.
+    UnknownError,
+}
+
+/// A tool call's failure, as fed back to the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallError {
+    /// Machine-readable code (`NOT_FOUND`, `INVALID_ARGUMENTS`, `TIMEOUT`, `FAILED`, `UNAVAILABLE` …).
+    pub code: String,
+    /// Explanation.
+    pub message: String,
+}
+
+impl ToolCallError {
+    /// An error with `code` and `message`.
+    pub fn new(code: &str, message: impl Into<String>) -> Self {
+        Self {
+            code: code.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// The tool message the model sees: `{"error": {"code", "message"}}`.
+    pub fn to_tool_message(&self) -> String {
+        serde_json::json!({"error": {"code": self.code, "message": self.message}}).to_string()
+    }
+}
+
+/// One executed (or attempted) normal tool call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallRecord {
+    /// Call id.
+    pub call_id: String,
+    /// Tool name.
+    pub name: String,
+    /// Arguments as written by the model.
+    pub arguments_json: String,
+    /// Whether it returned a result.
+    pub ok: bool,
+    /// Why not, when not ok.
+    pub error: Option<ToolCallError>,
+    /// Wall time.
+    pub duration_ms: u64,
+    /// Turn (1-based).
+    pub turn: u32,
+}
+
+/// An exit-tool call, published on the signal topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Signal {
+    /// Run.
+    pub run_id: String,
+    /// Call id.
+    pub call_id: String,
+    /// Exit tool.
+    pub tool_name: String,
+    /// Arguments (kept as written when not valid JSON).
+    pub arguments_json: String,
+    /// Whether the arguments are a valid JSON object.
+    pub arguments_valid: bool,
+    /// Turn (1-based).
+    pub turn: u32,
+    /// Unix ms.
+    pub emitted_at_unix_ms: u64,
+    /// Run metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// The state of a run: live (status `Running`, output so far) or final.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunResult {
+    /// Run id.
+    pub run_id: String,
+    /// Status.
+    pub status: RunStatus,
+    /// Why it failed.
+    pub failure_reason: Option<FailureReason>,
+    /// Failure detail.
+    pub failure_detail: String,
+    /// All user-visible output so far.
+    pub text: String,
+    /// Signals, in order.
+    pub signals: Vec<Signal>,
+    /// Turns started.
+    pub turns: u32,
+    /// Executed normal calls, in order.
+    pub tool_calls: Vec<ToolCallRecord>,
+    /// Turns with a failed call.
+    pub failed_turns: u32,
+    /// Usage summed over turns.
+    pub usage: Usage,
+    /// Last finish_reason from the model.
+    pub finish_reason: String,
+}
+
+impl RunResult {
+    /// A live run with no output yet.
+    pub fn running(run_id: &str) -> Self {
+        Self {
+            run_id: run_id.to_owned(),
+            status: RunStatus::Running,
+            failure_reason: None,
+            failure_detail: String::new(),
+            text: String::new(),
+            signals: Vec::new(),
+            turns: 0,
+            tool_calls: Vec::new(),
+            failed_turns: 0,
+            usage: Usage::default(),
+            finish_reason: String::new(),
+        }
+    }
+}
+
+/// One event of a run's stream (numbered by the emitter).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The run started.
+    RunStarted {
+        /// Model.
+        model: String,
+        /// Normal tool names.
+        normal_tools: Vec<String>,
+        /// Exit tool names.
+        exit_tools: Vec<String>,
+        /// Limits in force.
+        limits: Limits,
+    },
+    /// Visible text.
+    TextDelta {
+        /// Text.
+        text: String,
+        /// Turn.
+        turn: u32,
+    },
+    /// A normal call was dispatched.
+    ToolCallStarted {
+        /// Call id.
+        call_id: String,
+        /// Tool.
+        name: String,
+        /// Arguments.
+        arguments_json: String,
+        /// Turn.
+        turn: u32,
+    },
+    /// A normal call finished.
+    ToolCallFinished {
+        /// Call id.
+        call_id: String,
+        /// Tool.
+        name: String,
+        /// Result JSON when ok.
+        content_json: Option<String>,
+        /// Error when not ok.
+        error: Option<ToolCallError>,
+        /// Wall time.
+        duration_ms: u64,
+    },
+    /// An exit call.
+    Signal(Signal),
+    /// A turn ended.
+    TurnFinished {
+        /// Turn.
+        turn: u32,
+        /// Usage of this turn.
+        usage: Usage,
+        /// Budget left.
+        tool_call_budget_remaining: u32,
+        /// Failing turns so far.
+        failed_turns: u32,
+    },
+    /// The run ended (always last).
+    RunFinished(RunResult),
+}
+
+/// An event with its position in the stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NumberedEvent {
+    /// 1, 2, 3 … without gaps.
+    pub seq: u64,
+    /// The event.
+    pub event: Event,
+}
+
+/// A normal tool call to execute.
+#[derive(Debug, Clone)]
+pub struct ToolInvocation {
+    /// Run.
+    pub run_id: String,
+    /// Call id.
+    pub call_id: String,
+    /// Tool.
+    pub name: String,
+    /// Arguments (a JSON object).
+    pub arguments_json: String,
+    /// Run metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// Deadline of this call.
+    pub timeout: Duration,
+}
+
+/// Executes normal tool calls (on tool-runners, or scripted in tests). Dropping the future
+/// cancels the call.
+pub trait ToolExecutor: Send + Sync + 'static {
+    /// Runs one call; the `Ok` value is the result as JSON text.
+    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>>;
+}

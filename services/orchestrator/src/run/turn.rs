@@ -1,0 +1,81 @@
+//! One turn: consumes a completion's [`LlmEvent`]s, passes visible text through the
+//! [`TextGate`], assembles structured tool calls, and at the end says what the turn produced.
+
+use crate::llm::assembler::{AssembledCall, Assembler};
+use crate::llm::{LlmEvent, Usage};
+
+use super::fallback::{Resolution, TextGate};
+
+/// Collects one streamed completion.
+#[derive(Debug, Default)]
+pub struct TurnCollector {
+    gate: TextGate,
+    assembler: Assembler,
+    reasoning: String,
+    usage: Option<Usage>,
+    finish_reason: Option<String>,
+}
+
+/// What a finished turn produced.
+#[derive(Debug)]
+pub struct TurnOutput {
+    /// Structured tool calls, in order (empty when the model wrote none).
+    pub structured: Vec<AssembledCall>,
+    /// How the held-back text resolves (fallback directives when there are no structured calls).
+    pub resolution: Resolution,
+    /// Reasoning text (not user-visible).
+    pub reasoning: String,
+    /// Usage reported for the turn.
+    pub usage: Usage,
+    /// The model's finish_reason, if it sent one.
+    pub finish_reason: Option<String>,
+}
+
+impl TurnCollector {
+    /// Takes one event; returns text that can be shown now.
+    pub fn push(&mut self, event: LlmEvent) -> Option<String> {
+        match event {
+            LlmEvent::TextDelta(text) => Some(self.gate.push(&text)).filter(|t| !t.is_empty()),
+            LlmEvent::ReasoningDelta(text) => {
+                self.reasoning.push_str(&text);
+                None
+            }
+            LlmEvent::ToolCallFragment {
+                index,
+                id,
+                name,
+                arguments,
+            } => {
+                self.assembler.push(index, id, name, arguments);
+                None
+            }
+            LlmEvent::Usage(usage) => {
+                self.usage = Some(usage);
+                None
+            }
+            LlmEvent::Finish(reason) => {
+                self.finish_reason = Some(reason);
+                None
+            }
+            LlmEvent::Done => None,
+        }
+    }
+
+    /// Text the model wrote that is still held back (released as-is when the turn fails).
+    pub fn held_text(&self) -> &str {
+        self.gate.held()
+    }
+
+    /// Ends the turn.
+    pub fn finish(self) -> TurnOutput {
+        let structured = self.assembler.finish();
+        let resolution = self.gate.finish(!structured.is_empty());
+        TurnOutput {
+            structured,
+            resolution,
+            reasoning: self.reasoning,
+            usage: self.usage.unwrap_or_default(),
+            finish_reason: self.finish_reason,
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! Serving: [`run`] wires the LLM client, the tool-runners, the signal topic and the runs
+//! registry, serves gRPC (orchestrator, health, reflection) on the given listener, and drains
+//! when `shutdown` resolves.
+//!
+//! Drain: health turns NOT_SERVING, new runs get `UNAVAILABLE`, runs in flight get the grace
+//! period to finish; shortly before it ends the remaining runs are canceled, so every run ends
+//! with a stored result (and its stream's `run_finished`) within the grace period.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use shared::proto::orchestrator::v1::orchestrator_server::OrchestratorServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic_health::ServingStatus;
+
+use crate::llm::HttpLlm;
+use crate::run::tool_loop::LoopDeps;
+use crate::runs::Runs;
+use crate::service::{Core, OrchestratorService};
+use crate::signals::SignalTopic;
+use crate::signals::memory::MemoryTopic;
+use crate::tool_runners::ToolRunners;
+use crate::{Config, Error};
+
+/// The gRPC service name reported by health checks.
+pub const SERVICE_NAME: &str = "orchestrator.v1.Orchestrator";
+/// Timeout of one `ListTools`.
+const LIST_TOOLS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    config.validate()?;
+    let model = Arc::new(HttpLlm::new(config.llm.clone()).map_err(Error::Config)?);
+    let runners = ToolRunners::new(&config.tool_runners, Duration::from_secs(5))?;
+    match runners.refresh(LIST_TOOLS_TIMEOUT).await {
+        Ok(count) => tracing::info!(tools = count, runners = %config.tool_runners.join(","), "tool catalog loaded"),
+        Err(e) => tracing::warn!("{e}; serving anyway, the catalog is retried on every refresh and on demand"),
+    }
+    let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_refresh_interval, LIST_TOOLS_TIMEOUT));
+    let signals: Arc<dyn SignalTopic> = Arc::new(MemoryTopic::new(config.signal_buffer));
+    let runs = Runs::new(config.runs);
+    let address = listener
+        .local_addr()
+        .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
+    tracing::info!(%address, llm = %model.url(), model = %config.model, max_runs = config.runs.max_runs, "orchestrator serving");
+
+    let core = Arc::new(Core {
+        deps: LoopDeps {
+            model,
+            tools: Arc::new(runners.clone()),
+            signals: Arc::clone(&signals),
+            detector: config.detector,
+        },
+        runs: Arc::clone(&runs),
+        runners,
+        signals,
+        draining: AtomicBool::new(false),
+        config: config.clone(),
+    });
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
+    let reflection =
+        shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
+    let service = OrchestratorServer::new(OrchestratorService::new(Arc::clone(&core)))
+        .max_decoding_message_size(config.max_request_bytes);
+
+    let grace = config.shutdown_grace;
+    let drain = {
+        let core = Arc::clone(&core);
+        async move {
+            shutdown.await;
+            tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
+            health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
+            health.set_service_status("", ServingStatus::NotServing).await;
+            core.draining.store(true, Ordering::Release);
+            // Keep a margin at the end of the grace period for canceled runs to store their result.
+            let margin = (grace / 10).min(Duration::from_secs(1));
+            if tokio::time::timeout(grace - margin, core.runs.wait_idle())
+                .await
+                .is_err()
+            {
+                let canceled = core.runs.cancel_all("the orchestrator is shutting down");
+                tracing::warn!(canceled, "grace period ending; canceled the runs still in flight");
+                let _ = tokio::time::timeout(margin, core.runs.wait_idle()).await;
+            }
+            tracing::info!("drained");
+        }
+    };
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(service)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
+        .await?;
+    drop(refresher);
+    tracing::info!("orchestrator stopped");
+    Ok(())
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -1,0 +1,161 @@
+//! The gRPC adapter: `orchestrator.v1.Orchestrator` requests become runs, run events and results
+//! become proto messages. The loop itself lives in [`crate::run`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use shared::proto::orchestrator::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::Error;
+use crate::config::Config;
+use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
+use crate::run::tool_loop::{Emitter, LoopDeps};
+use crate::run::{Event, NumberedEvent};
+use crate::runs::{CancelOutcome, Refusal, Runs};
+use crate::signals::{SignalFilter, SignalItem, SignalTopic};
+use crate::tool_runners::ToolRunners;
+
+/// How long a request waits for the tool catalog when it is still empty.
+const CATALOG_WAIT: Duration = Duration::from_secs(5);
+
+/// What the service shares with the server (and the drain).
+pub struct Core {
+    /// Configuration.
+    pub config: Config,
+    /// The loop's dependencies.
+    pub deps: LoopDeps,
+    /// Live runs and results.
+    pub runs: Arc<Runs>,
+    /// Tool-runner connection (for the catalog).
+    pub runners: ToolRunners,
+    /// The signal topic.
+    pub signals: Arc<dyn SignalTopic>,
+    /// Set when the drain starts: new runs are refused.
+    pub draining: AtomicBool,
+}
+
+/// The `Orchestrator` gRPC service.
+pub struct OrchestratorService {
+    core: Arc<Core>,
+}
+
+impl OrchestratorService {
+    /// A service over `core`.
+    pub fn new(core: Arc<Core>) -> Self {
+        Self { core }
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::OrchestrateEvent, Status>> + Send>>;
+type SignalStream = Pin<Box<dyn Stream<Item = Result<pb::SignalEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::orchestrator_server::Orchestrator for OrchestratorService {
+    type OrchestrateStream = EventStream;
+    type SubscribeSignalsStream = SignalStream;
+
+    async fn orchestrate(&self, request: Request<pb::OrchestrateRequest>) -> Result<Response<EventStream>, Status> {
+        let core = &self.core;
+        if core.draining.load(Ordering::Acquire) {
+            return Err(Error::Draining.into());
+        }
+        let caller_deadline = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout);
+        let run_request = RunRequest::try_from(request.into_inner())?;
+        let detached = run_request.detached;
+        if core.runners.catalog().is_empty()
+            && let Err(e) = core.runners.refresh(CATALOG_WAIT).await
+        {
+            tracing::warn!("no tool catalog yet: {e}");
+        }
+        let spec = resolve(run_request, &core.runners.catalog(), &core.config, caller_deadline)?;
+        let run_id = spec.run_id.clone();
+        let admitted = match core.runs.admit(&run_id) {
+            Ok(admitted) => admitted,
+            Err(Refusal::Duplicate) => {
+                return Err(Error::InvalidArgument(format!(
+                    "run_id {run_id:?} is already running; use another id, or GetRun / CancelRun for this one"
+                ))
+                .into());
+            }
+            Err(Refusal::Full(slots)) => return Err(Error::Busy(slots).into()),
+            Err(Refusal::Finished(result)) => {
+                // Idempotent replay: the run with this id already finished.
+                let event = event_pb(&run_id, 1, Event::RunFinished(*result));
+                return Ok(Response::new(futures::stream::iter([Ok(event)]).boxed()));
+            }
+        };
+
+        let (tx, rx) = mpsc::channel::<NumberedEvent>(core.config.event_buffer);
+        let caller_gone = (!detached).then(|| tx.clone());
+        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state));
+        let (deps, runs) = (core.deps.clone(), Arc::clone(&core.runs));
+        let span = tracing::info_span!("run", run_id = %run_id, model = %spec.model);
+        tokio::spawn(
+            async move {
+                let state = Arc::clone(&admitted.state);
+                let cancel = admitted.cancel.clone();
+                crate::run::tool_loop::run(spec, deps, state, emitter, cancel, caller_gone, |r| runs.store(r)).await;
+                drop(admitted);
+            }
+            .instrument(span),
+        );
+        let stream = ReceiverStream::new(rx).map(move |e| Ok(event_pb(&run_id, e.seq, e.event)));
+        Ok(Response::new(stream.boxed()))
+    }
+
+    async fn get_run(&self, request: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
+        let run_id = request.into_inner().run_id;
+        match self.core.runs.get(&run_id) {
+            Some(result) => Ok(Response::new(pb::RunResult::from(&result))),
+            None => Err(Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into()),
+        }
+    }
+
+    async fn cancel_run(
+        &self,
+        request: Request<pb::CancelRunRequest>,
+    ) -> Result<Response<pb::CancelRunResponse>, Status> {
+        let run_id = request.into_inner().run_id;
+        let (canceled, status) = match self.core.runs.cancel(&run_id, "canceled by CancelRun") {
+            CancelOutcome::Canceled => (true, pb::RunStatus::Canceled),
+            CancelOutcome::AlreadyFinished(status) => (false, status.into()),
+            CancelOutcome::NotFound => {
+                return Err(Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into());
+            }
+        };
+        Ok(Response::new(pb::CancelRunResponse {
+            canceled,
+            status: status.into(),
+        }))
+    }
+
+    async fn subscribe_signals(
+        &self,
+        request: Request<pb::SubscribeSignalsRequest>,
+    ) -> Result<Response<SignalStream>, Status> {
+        let request = request.into_inner();
+        let filter = SignalFilter {
+            run_id: Some(request.run_id).filter(|r| !r.is_empty()),
+            tool_names: request.tool_names,
+        };
+        let stream = self.core.signals.subscribe(filter).map(|item| {
+            let event = match item {
+                SignalItem::Signal(signal) => pb::signal_event::Event::Signal(pb::Signal::from(&signal)),
+                SignalItem::Missed(n) => pb::signal_event::Event::Missed(n),
+            };
+            Ok(pb::SignalEvent { event: Some(event) })
+        });
+        Ok(Response::new(stream.boxed()))
+    }
+}
