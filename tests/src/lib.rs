@@ -171,3 +171,228 @@ pub async fn read_pids(path: &std::path::Path, count: usize) -> anyhow::Result<V
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// An orchestrator serving in this process, with the stand-in model and a tool-runner.
+pub mod stack {
+    use std::time::Duration;
+
+    use futures::StreamExt;
+    use mock_llm::{MockLlm, Scenarios};
+    use shared::proto::orchestrator::v1 as pb;
+    use tokio::sync::oneshot;
+    use tokio::task::JoinHandle;
+    use tonic::transport::Channel;
+
+    use super::Runner;
+
+    /// Orchestrator + stand-in model + tool-runner, all on loopback.
+    pub struct Stack {
+        /// The orchestrator's address.
+        pub addr: std::net::SocketAddr,
+        /// The stand-in model (its recorded requests are inspected by tests).
+        pub mock: MockLlm,
+        /// The tool-runner.
+        pub runner: Runner,
+        stop: Option<oneshot::Sender<()>>,
+        task: Option<JoinHandle<Result<(), orchestrator::Error>>>,
+    }
+
+    /// The tool-runner configuration the stacks use: built-ins plus `manifest` when given.
+    pub fn runner_config(manifest: Option<std::path::PathBuf>) -> tool_runner::Config {
+        tool_runner::Config {
+            tools_manifest: manifest,
+            ..tool_runner::Config::default()
+        }
+    }
+
+    impl Stack {
+        /// Starts everything; `tweak` adjusts the orchestrator's configuration.
+        pub async fn start(
+            scenarios: impl Into<Scenarios>,
+            runner: tool_runner::Config,
+            tweak: impl FnOnce(&mut orchestrator::Config),
+        ) -> anyhow::Result<Self> {
+            let mock = MockLlm::start(scenarios).await?;
+            let runner = Runner::start(runner).await?;
+            let mut config =
+                orchestrator::Config::new(&mock.base_url(), "test-model", vec![format!("http://{}", runner.addr)]);
+            config.llm.retry_backoff = Duration::from_millis(10);
+            config.shutdown_grace = Duration::from_secs(5);
+            tweak(&mut config);
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            let (stop, stopped) = oneshot::channel::<()>();
+            let task = tokio::spawn(orchestrator::run(listener, config, async move {
+                let _ = stopped.await;
+            }));
+            Ok(Self {
+                addr,
+                mock,
+                runner,
+                stop: Some(stop),
+                task: Some(task),
+            })
+        }
+
+        /// A client.
+        pub async fn client(&self) -> anyhow::Result<pb::orchestrator_client::OrchestratorClient<Channel>> {
+            let channel = Channel::from_shared(format!("http://{}", self.addr))?.connect().await?;
+            Ok(pb::orchestrator_client::OrchestratorClient::new(channel))
+        }
+
+        /// Starts the drain (as SIGTERM would).
+        pub fn begin_shutdown(&mut self) {
+            if let Some(stop) = self.stop.take() {
+                let _ = stop.send(());
+            }
+        }
+
+        /// Drains and waits for the server to stop.
+        pub async fn shutdown(mut self) -> anyhow::Result<()> {
+            self.begin_shutdown();
+            match self.task.take() {
+                Some(task) => Ok(tokio::time::timeout(Duration::from_secs(30), task).await???),
+                None => Ok(()),
+            }
+        }
+
+        /// Runs `request` to its end and checks the invariants of DESIGN §3 on it.
+        pub async fn run(&self, request: pb::OrchestrateRequest) -> anyhow::Result<Outcome> {
+            let mut client = self.client().await?;
+            let started = std::time::Instant::now();
+            let mut stream = client.orchestrate(request).await?.into_inner();
+            let mut events = Vec::new();
+            while let Some(event) = stream.next().await {
+                events.push(event?);
+            }
+            let elapsed = started.elapsed();
+            let outcome = Outcome::new(events, elapsed)?;
+            let stored = client
+                .get_run(pb::GetRunRequest {
+                    run_id: outcome.result.run_id.clone(),
+                })
+                .await?
+                .into_inner();
+            anyhow::ensure!(
+                stored == outcome.result,
+                "GetRun differs from run_finished:\n{stored:?}\nvs\n{:?}",
+                outcome.result
+            );
+            Ok(outcome)
+        }
+    }
+
+    impl Drop for Stack {
+        fn drop(&mut self) {
+            if let Some(task) = self.task.take() {
+                task.abort();
+            }
+        }
+    }
+
+    /// A finished run's events and result.
+    #[derive(Debug)]
+    pub struct Outcome {
+        /// Every event, in order.
+        pub events: Vec<pb::OrchestrateEvent>,
+        /// The result of `run_finished`.
+        pub result: pb::RunResult,
+        /// Wall time of the whole call.
+        pub elapsed: Duration,
+    }
+
+    impl Outcome {
+        /// Checks the stream invariants and extracts the result.
+        pub fn new(events: Vec<pb::OrchestrateEvent>, elapsed: Duration) -> anyhow::Result<Self> {
+            use pb::orchestrate_event::Event as E;
+            for (i, event) in events.iter().enumerate() {
+                anyhow::ensure!(
+                    event.seq == i as u64 + 1,
+                    "seq {} at position {i}: seqs must be 1, 2, 3 … without gaps",
+                    event.seq
+                );
+            }
+            let finished: Vec<&pb::OrchestrateEvent> = events
+                .iter()
+                .filter(|e| matches!(e.event, Some(E::RunFinished(_))))
+                .collect();
+            anyhow::ensure!(finished.len() == 1, "{} run_finished events", finished.len());
+            let Some(E::RunFinished(last)) = events.last().and_then(|e| e.event.clone()) else {
+                anyhow::bail!("the last event is not run_finished: {:?}", events.last());
+            };
+            let result = last
+                .result
+                .ok_or_else(|| anyhow::anyhow!("run_finished without a result"))?;
+            anyhow::ensure!(
+                matches!(
+                    pb::RunStatus::try_from(result.status),
+                    Ok(pb::RunStatus::Completed | pb::RunStatus::Failed | pb::RunStatus::Canceled)
+                ),
+                "status {} is not terminal",
+                result.status
+            );
+            let streamed: String = events
+                .iter()
+                .filter_map(|e| match &e.event {
+                    Some(E::TextDelta(t)) => Some(t.text.as_str()),
+                    _ => None,
+                })
+                .collect();
+            anyhow::ensure!(
+                streamed == result.text,
+                "streamed text {streamed:?} differs from the result's {:?}",
+                result.text
+            );
+            anyhow::ensure!(
+                events.iter().all(|e| e.run_id == result.run_id),
+                "an event has another run_id"
+            );
+            Ok(Self {
+                events,
+                result,
+                elapsed,
+            })
+        }
+
+        /// The run's status.
+        pub fn status(&self) -> pb::RunStatus {
+            pb::RunStatus::try_from(self.result.status).unwrap_or(pb::RunStatus::Unspecified)
+        }
+
+        /// The failure reason.
+        pub fn reason(&self) -> pb::FailureReason {
+            pb::FailureReason::try_from(self.result.failure_reason).unwrap_or(pb::FailureReason::Unspecified)
+        }
+
+        /// Events of one kind.
+        pub fn of<T>(&self, pick: impl Fn(&pb::orchestrate_event::Event) -> Option<T>) -> Vec<T> {
+            self.events
+                .iter()
+                .filter_map(|e| e.event.as_ref().and_then(&pick))
+                .collect()
+        }
+    }
+
+    /// A request with one user message, offering `exit` as exit tools.
+    pub fn request(prompt: &str, exit: &[&str]) -> pb::OrchestrateRequest {
+        pb::OrchestrateRequest {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: prompt.into(),
+                ..Default::default()
+            }],
+            tools: Some(pb::ToolSelection {
+                normal: Vec::new(),
+                exit: exit
+                    .iter()
+                    .map(|name| pb::ExitToolSpec {
+                        name: (*name).into(),
+                        description: format!("signal {name}"),
+                        parameters_json_schema: String::new(),
+                    })
+                    .collect(),
+            }),
+            ..Default::default()
+        }
+    }
+}

@@ -186,7 +186,11 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
                 Ok(Bytes::new())
             }
             Piece::Stall => std::future::pending().await,
-            Piece::Cut => Err(std::io::Error::other("mock-llm: scripted cut")),
+            Piece::Cut => {
+                // Let what was sent before reach the client, as it would on a real network.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Err(std::io::Error::other("mock-llm: scripted cut"))
+            }
         }
     });
     Response::builder()

@@ -90,9 +90,22 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             }
             Err(Refusal::Full(slots)) => return Err(Error::Busy(slots).into()),
             Err(Refusal::Finished(result)) => {
-                // Idempotent replay: the run with this id already finished.
-                let event = event_pb(&run_id, 1, Event::RunFinished(*result));
-                return Ok(Response::new(futures::stream::iter([Ok(event)]).boxed()));
+                // Idempotent replay: the run with this id already finished. Its whole text comes
+                // as one delta, so the replayed stream keeps the stream invariants.
+                let mut events = Vec::with_capacity(2);
+                if !result.text.is_empty() {
+                    events.push(Event::TextDelta {
+                        text: result.text.clone(),
+                        turn: result.turns,
+                    });
+                }
+                events.push(Event::RunFinished(*result));
+                let events: Vec<_> = events
+                    .into_iter()
+                    .zip(1..)
+                    .map(|(event, seq)| Ok(event_pb(&run_id, seq, event)))
+                    .collect();
+                return Ok(Response::new(futures::stream::iter(events).boxed()));
             }
         };
 

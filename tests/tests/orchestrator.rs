@@ -1,0 +1,1052 @@
+//! End-to-end tests of the orchestrator: the real orchestrator, tool-runner and stand-in model
+//! on loopback, one scenario per rule of the loop (DESIGN §4). Every run also passes the four
+//! invariants of DESIGN §3 (checked by `Stack::run`): streamed text equals the result's text,
+//! one terminal status with `run_finished` last, `GetRun` equals the final result, and output
+//! produced before a failure is kept.
+
+use std::time::Duration;
+
+use e2e::stack::{Outcome, Stack, request, runner_config};
+use e2e::{read_pids, wait_gone};
+use mock_llm::{Scenario, Step, Turn};
+use serde_json::{Value, json};
+use shared::proto::orchestrator::v1 as pb;
+use shared::proto::orchestrator::v1::orchestrate_event::Event as E;
+use shared::proto::orchestrator::v1::{FailureReason as R, RunStatus as S};
+
+type TestResult = anyhow::Result<()>;
+
+async fn scripted(turns: Vec<Turn>) -> anyhow::Result<Stack> {
+    Stack::start(Scenario::new(turns), runner_config(None), |_| {}).await
+}
+
+fn with_limits(mut req: pb::OrchestrateRequest, limits: pb::RunLimits) -> pb::OrchestrateRequest {
+    req.limits = Some(limits);
+    req
+}
+
+fn call_raw(name: &str, raw_arguments: &str) -> Step {
+    Step::ToolCall {
+        name: name.into(),
+        arguments: Value::String(raw_arguments.into()),
+        id: None,
+        fragments: Some(2),
+    }
+}
+
+#[tokio::test]
+async fn a_plain_answer_completes() -> TestResult {
+    let stack = scripted(vec![Turn::text("Hello there. Nothing to call.")]).await?;
+    let out = stack.run(request("hi", &[])).await?;
+    assert_eq!(out.status(), S::Completed);
+    assert_eq!(out.result.text, "Hello there. Nothing to call.");
+    assert_eq!((out.result.turns, out.result.finish_reason.as_str()), (1, "stop"));
+    assert!(out.result.usage.is_some_and(|u| u.completion_tokens > 0));
+    // The model saw the BIOS first, then the user message, and the tools.
+    let sent = &stack.mock.requests()[0];
+    assert_eq!(sent["messages"][0]["role"], "system");
+    assert!(
+        sent["messages"][0]["content"]
+            .as_str()
+            .is_some_and(|s| s.contains("turn 1 of at most 16"))
+    );
+    assert_eq!(sent["messages"][1], json!({"role": "user", "content": "hi"}));
+    assert_eq!(sent["stream"], true);
+    assert!(
+        sent["tools"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|t| t["function"]["name"] == "sleep"))
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn parallel_calls_run_concurrently_and_results_keep_model_order() -> TestResult {
+    let mut first = Turn::text("Four naps at once.\n");
+    for ms in [500, 450, 400, 350] {
+        first = first.then(Step::call("sleep", json!({"ms": ms})));
+    }
+    let stack = scripted(vec![first, Turn::text("Rested.")]).await?;
+    let out = stack.run(request("sleep", &[])).await?;
+    assert_eq!(out.status(), S::Completed);
+    assert!(
+        out.elapsed < Duration::from_millis(1500),
+        "4 calls of ≤500 ms took {:?}",
+        out.elapsed
+    );
+    let ids = ["call_1_0", "call_1_1", "call_1_2", "call_1_3"];
+    let started: Vec<String> = out.of(|e| {
+        if let E::ToolCallStarted(c) = e {
+            Some(c.call_id.clone())
+        } else {
+            None
+        }
+    });
+    let finished: Vec<String> = out.of(|e| {
+        if let E::ToolCallFinished(c) = e {
+            Some(c.call_id.clone())
+        } else {
+            None
+        }
+    });
+    assert_eq!(started, ids);
+    assert_eq!(finished, ids);
+    let records: Vec<&str> = out.result.tool_calls.iter().map(|c| c.call_id.as_str()).collect();
+    assert_eq!(records, ids);
+    // The second request carries one assistant message with the calls and the tool results in order.
+    let second = &stack.mock.requests()[1];
+    let messages = second["messages"].as_array().cloned().unwrap_or_default();
+    let assistant = messages
+        .iter()
+        .find(|m| m["role"] == "assistant")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(assistant["content"], "Four naps at once.\n");
+    let call_ids: Vec<&str> = assistant["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["id"].as_str())
+        .collect();
+    assert_eq!(call_ids, ids);
+    let tool_ids: Vec<&str> = messages
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["tool_call_id"].as_str())
+        .collect();
+    assert_eq!(tool_ids, ids);
+    let slept: Vec<Value> = messages
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| serde_json::from_str::<Value>(m["content"].as_str()?).ok())
+        .map(|v| v["slept_ms"].clone())
+        .collect();
+    assert_eq!(slept, [json!(500), json!(450), json!(400), json!(350)]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_exit_signal_is_published_costs_no_budget_and_stays_out_of_the_conversation() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Reporting and echoing.\n")
+            .then(Step::call("submit_report", json!({"title": "t"})))
+            .then(Step::call("echo", json!({"x": 1}))),
+        Turn::text("Done."),
+    ])
+    .await?;
+    let mut subscriber = stack
+        .client()
+        .await?
+        .subscribe_signals(pb::SubscribeSignalsRequest::default())
+        .await?
+        .into_inner();
+    let mut req = with_limits(
+        request("go", &["submit_report"]),
+        pb::RunLimits {
+            tool_call_budget: Some(5),
+            ..Default::default()
+        },
+    );
+    req.metadata.insert("ticket".into(), "T-1".into());
+    let out = stack.run(req).await?;
+    assert_eq!(out.status(), S::Completed);
+
+    let signals: Vec<pb::Signal> = out.of(|e| if let E::Signal(s) = e { Some(s.clone()) } else { None });
+    assert_eq!(signals.len(), 1);
+    let signal = &signals[0];
+    assert_eq!(
+        (signal.tool_name.as_str(), signal.turn, signal.arguments_valid),
+        ("submit_report", 1, true)
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(&signal.arguments_json)?,
+        json!({"title": "t"})
+    );
+    assert_eq!(signal.metadata.get("ticket").map(String::as_str), Some("T-1"));
+    assert_eq!(out.result.signals, signals);
+
+    let published = tokio::time::timeout(Duration::from_secs(5), subscriber.message()).await??;
+    assert_eq!(
+        published.and_then(|e| e.event),
+        Some(pb::signal_event::Event::Signal(signal.clone()))
+    );
+
+    // Only the echo call cost budget.
+    let budgets: Vec<u32> = out.of(|e| {
+        if let E::TurnFinished(t) = e {
+            Some(t.tool_call_budget_remaining)
+        } else {
+            None
+        }
+    });
+    assert_eq!(budgets, [4, 4]);
+    // The exit call is offered as a tool but is absent from the next request's conversation.
+    let second = &stack.mock.requests()[1];
+    assert!(
+        second["tools"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|t| t["function"]["name"] == "submit_report"))
+    );
+    let text = second["messages"].to_string();
+    assert!(!text.contains("submit_report\""), "{text}");
+    let calls = second["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|m| m["role"] == "assistant")
+        .flat_map(|m| m["tool_calls"].as_array().cloned().unwrap_or_default())
+        .count();
+    assert_eq!(calls, 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_exit_only_turn_completes_the_run() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Escalating.").then(Step::call("escalate_to_human", json!({"why": "unsure"}))),
+    ])
+    .await?;
+    let out = stack.run(request("help", &["escalate_to_human"])).await?;
+    assert_eq!(
+        (out.status(), out.result.turns, out.result.signals.len()),
+        (S::Completed, 1, 1)
+    );
+    assert!(out.result.tool_calls.is_empty());
+    Ok(())
+}
+
+fn failing_turn() -> Turn {
+    // The runner refuses each: -1 violates the sleep schema.
+    Turn::text("Trying.\n")
+        .then(Step::call("sleep", json!({"ms": -1})))
+        .then(Step::call("sleep", json!({"ms": -2})))
+        .then(Step::call("sleep", json!({"ms": -3})))
+}
+
+#[tokio::test]
+async fn three_failing_calls_in_one_turn_count_as_one_failed_turn() -> TestResult {
+    let stack = scripted(vec![failing_turn(), Turn::text("Recovered.")]).await?;
+    let out = stack
+        .run(with_limits(
+            request("x", &[]),
+            pb::RunLimits {
+                max_tool_failures: Some(1),
+                ..Default::default()
+            },
+        ))
+        .await?;
+    assert_eq!(out.status(), S::Completed);
+    assert_eq!(out.result.failed_turns, 1);
+    assert_eq!(out.result.tool_calls.iter().filter(|c| !c.ok).count(), 3);
+    // Errors are fed back as {"error": {"code", "message"}}.
+    let second = &stack.mock.requests()[1];
+    let tool = second["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["role"] == "tool")
+        .cloned()
+        .unwrap_or_default();
+    let content: Value = serde_json::from_str(tool["content"].as_str().unwrap_or("{}"))?;
+    assert_eq!(content["error"]["code"], "INVALID_ARGUMENTS");
+    assert!(
+        content["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("minimum"))
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_failure_limit_on_both_sides_of_its_edge() -> TestResult {
+    let turns = vec![failing_turn(), failing_turn(), Turn::text("Recovered.")];
+    let limit = |n| pb::RunLimits {
+        max_tool_failures: Some(n),
+        ..Default::default()
+    };
+    let stack = scripted(turns).await?;
+    let out = stack.run(with_limits(request("x", &[]), limit(2))).await?;
+    assert_eq!((out.status(), out.result.failed_turns), (S::Completed, 2));
+    let out = stack.run(with_limits(request("x", &[]), limit(1))).await?;
+    assert_eq!(
+        (out.status(), out.reason(), out.result.failed_turns),
+        (S::Failed, R::ToolFailureLimit, 2)
+    );
+    assert!(
+        out.result.text.starts_with("Trying.\nTrying.\n"),
+        "output before the failure is kept"
+    );
+    let out = stack.run(with_limits(request("x", &[]), limit(0))).await?;
+    assert_eq!(
+        (out.status(), out.reason(), out.result.turns),
+        (S::Failed, R::ToolFailureLimit, 1)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_budget_executes_what_remains_then_ends_the_run() -> TestResult {
+    let three = Turn::text("Three echoes.\n")
+        .then(Step::call("echo", json!({"n": 1})))
+        .then(Step::call("echo", json!({"n": 2})))
+        .then(Step::call("echo", json!({"n": 3})));
+    let stack = scripted(vec![three, Turn::text("All echoed.")]).await?;
+    let budget = |n| pb::RunLimits {
+        tool_call_budget: Some(n),
+        ..Default::default()
+    };
+    let out = stack.run(with_limits(request("x", &[]), budget(2))).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::ToolBudgetExhausted));
+    let executed: Vec<&str> = out
+        .result
+        .tool_calls
+        .iter()
+        .map(|c| c.arguments_json.as_str())
+        .collect();
+    assert_eq!(
+        executed,
+        [r#"{"n":1}"#, r#"{"n":2}"#],
+        "the first two in model order ran"
+    );
+    let out = stack.run(with_limits(request("x", &[]), budget(3))).await?;
+    assert_eq!((out.status(), out.result.tool_calls.len()), (S::Completed, 3));
+    Ok(())
+}
+
+#[tokio::test]
+async fn unknown_tools_fail_the_run_or_are_fed_back_by_policy() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Hm.\n").then(Step::call("teleport", json!({}))),
+        Turn::text("Sorry."),
+    ])
+    .await?;
+    let out = stack.run(request("x", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::ToolParseError));
+    assert!(out.result.failure_detail.contains("teleport"));
+    assert_eq!(out.result.text, "Hm.\n");
+
+    let mut req = request("x", &[]);
+    req.parse_policy = pb::ParsePolicy::FeedBack.into();
+    let out = stack.run(req).await?;
+    assert_eq!((out.status(), out.result.failed_turns), (S::Completed, 1));
+    let record = &out.result.tool_calls[0];
+    assert_eq!((record.name.as_str(), record.ok), ("teleport", false));
+    assert_eq!(record.error.as_ref().map(|e| e.code.as_str()), Some("NOT_FOUND"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn arguments_that_are_not_an_object_are_a_parse_error() -> TestResult {
+    let stack = scripted(vec![Turn::text("Calling.\n").then(call_raw("echo", "[1, 2]"))]).await?;
+    let out = stack.run(request("x", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::ToolParseError));
+    assert!(
+        out.result.failure_detail.contains("not a JSON object"),
+        "{}",
+        out.result.failure_detail
+    );
+    let broken = scripted(vec![Turn::text("Calling.\n").then(call_raw("echo", "{\"broken\": "))]).await?;
+    let out = broken.run(request("x", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::ToolParseError));
+    Ok(())
+}
+
+#[tokio::test]
+async fn fallback_calls_in_text_run_normal_tools_and_signal_exit_tools() -> TestResult {
+    let stack = scripted(vec![
+        Turn {
+            steps: vec![Step::Text {
+                text: "Let me echo.\n<tool_call>{\"name\": \"echo\", \"arguments\": {\"x\": 7}}</tool_call>".into(),
+                chunk_chars: Some(5),
+            }],
+            ..Turn::default()
+        },
+        Turn::text("Filing.\n```json\n{\"tool\": \"submit_report\", \"arguments\": {\"ok\": true}}\n```\n"),
+    ])
+    .await?;
+    let out = stack.run(request("x", &["submit_report"])).await?;
+    assert_eq!(out.status(), S::Completed);
+    assert_eq!(out.result.tool_calls.len(), 1);
+    assert_eq!(out.result.tool_calls[0].arguments_json, r#"{"x":7}"#);
+    assert_eq!(out.result.signals.len(), 1);
+    assert_eq!(out.result.signals[0].tool_name, "submit_report");
+    assert!(
+        !out.result.text.contains("tool_call") && !out.result.text.contains("submit_report"),
+        "{:?}",
+        out.result.text
+    );
+    assert_eq!(out.result.text.trim_end(), "Let me echo.\nFiling.");
+
+    // A malformed directive keeps the text as written and fails the run.
+    let stack = e2e_stack_text("Here: <tool_call>{\"name\": \"echo\"</tool_call> ok").await?;
+    let out = stack.run(request("x", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::ToolParseError));
+    assert_eq!(out.result.text, "Here: <tool_call>{\"name\": \"echo\"</tool_call> ok");
+    Ok(())
+}
+
+async fn e2e_stack_text(text: &str) -> anyhow::Result<Stack> {
+    scripted(vec![Turn::text(text)]).await
+}
+
+#[tokio::test]
+async fn the_loop_detector_on_both_sides_of_its_threshold() -> TestResult {
+    let line = "I am thinking about the answer.\n";
+    let tweak = |c: &mut orchestrator::Config| {
+        c.detector.window = 20;
+        c.detector.threshold = 5;
+    };
+    let below = Stack::start(
+        Scenario::new(vec![Turn::text(&line.repeat(4))]),
+        runner_config(None),
+        tweak,
+    )
+    .await?;
+    let out = below.run(request("x", &[])).await?;
+    assert_eq!(out.status(), S::Completed);
+    let at = Stack::start(
+        Scenario::new(vec![Turn::text(&format!("{}never shown\n", line.repeat(5)))]),
+        runner_config(None),
+        tweak,
+    )
+    .await?;
+    let out = at.run(request("x", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::RepeatedLineLoop));
+    assert_eq!(
+        out.result.text,
+        line.repeat(5),
+        "the text up to the fifth repetition is kept"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn llm_500_and_429_are_retried_then_succeed() -> TestResult {
+    let turn = Turn {
+        fail_first: vec![500, 429],
+        ..Turn::text("Third time lucky.")
+    };
+    let stack = scripted(vec![turn]).await?;
+    let out = stack.run(request("x", &[])).await?;
+    assert_eq!(
+        (out.status(), out.result.text.as_str()),
+        (S::Completed, "Third time lucky.")
+    );
+    assert_eq!(stack.mock.requests().len(), 3);
+    // Beyond the retries the run fails with the server's message.
+    let turn = Turn {
+        fail_first: vec![503; 5],
+        ..Turn::text("never")
+    };
+    let stack = Stack::start(Scenario::new(vec![turn]), runner_config(None), |c| {
+        c.llm.max_retries = 1
+    })
+    .await?;
+    let out = stack.run(request("x", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::LlmError));
+    assert!(
+        out.result.failure_detail.contains("503"),
+        "{}",
+        out.result.failure_detail
+    );
+    assert_eq!(stack.mock.requests().len(), 2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_stream_cut_mid_call_keeps_the_partial_text() -> TestResult {
+    let partial_call = "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"function\":{\"name\":\"echo\",\"arguments\":\"{\\\"x\\\"\"}}]}}]}\n\n";
+    let stack = scripted(vec![
+        Turn::text("Partial answer, then ")
+            .then(Step::Raw {
+                sse: partial_call.into(),
+            })
+            .then(Step::Cut),
+    ])
+    .await?;
+    let out = stack.run(request("x", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::LlmError));
+    assert_eq!(out.result.text, "Partial answer, then ");
+    assert!(out.result.tool_calls.is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_stalled_stream_ends_the_run_and_keeps_the_text() -> TestResult {
+    let scenario = Scenario::new(vec![Turn::text("Before the silence.").then(Step::Stall)]);
+    let stack = Stack::start(scenario, runner_config(None), |c| {
+        c.llm.idle_timeout = Duration::from_millis(300)
+    })
+    .await?;
+    let out = stack.run(request("x", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::LlmStreamStalled));
+    assert_eq!(out.result.text, "Before the silence.");
+    assert!(out.elapsed < Duration::from_secs(5));
+    Ok(())
+}
+
+fn hang_manifest(dir: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+    let path = dir.join("tools.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[tool]]\nname = \"hang\"\ndescription = \"waits\"\nargv = [\"sh\", \"-c\", \"sleep 30 & echo $$ $! > {}; wait\"]\n",
+            dir.join("pids").display()
+        ),
+    )?;
+    Ok(path)
+}
+
+#[tokio::test]
+async fn cancel_run_mid_tool_cancels_the_call_on_the_runner() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let scenario = Scenario::new(vec![
+        Turn::text("Waiting on a slow tool.\n").then(Step::call("hang", json!({}))),
+    ]);
+    let stack = Stack::start(scenario, runner_config(Some(hang_manifest(dir.path())?)), |_| {}).await?;
+    let mut req = request("x", &[]);
+    req.run_id = "cancel-me".into();
+    let running = tokio::spawn({
+        let client = stack.client().await?;
+        async move {
+            let mut client = client;
+            let mut stream = client.orchestrate(req).await?.into_inner();
+            let mut events = Vec::new();
+            while let Some(e) = futures::StreamExt::next(&mut stream).await {
+                events.push(e?);
+            }
+            anyhow::Ok(events)
+        }
+    });
+    let pids = read_pids(&dir.path().join("pids"), 2).await?;
+    let live = stack
+        .client()
+        .await?
+        .get_run(pb::GetRunRequest {
+            run_id: "cancel-me".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(
+        (live.status(), live.text.as_str()),
+        (S::Running, "Waiting on a slow tool.\n"),
+        "GetRun on a live run"
+    );
+    let answer = stack
+        .client()
+        .await?
+        .cancel_run(pb::CancelRunRequest {
+            run_id: "cancel-me".into(),
+        })
+        .await?
+        .into_inner();
+    assert!(answer.canceled);
+    let out = Outcome::new(running.await??, Duration::ZERO)?;
+    assert_eq!(out.status(), S::Canceled);
+    assert_eq!(out.result.text, "Waiting on a slow tool.\n");
+    assert_eq!(
+        wait_gone(&pids, Duration::from_secs(5)).await,
+        Vec::<u32>::new(),
+        "the runner killed the tool"
+    );
+    let again = stack
+        .client()
+        .await?
+        .cancel_run(pb::CancelRunRequest {
+            run_id: "cancel-me".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!((again.canceled, again.status()), (false, S::Canceled));
+    let missing = stack
+        .client()
+        .await?
+        .get_run(pb::GetRunRequest { run_id: "nope".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_caller_going_away_cancels_a_run_unless_detached() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let scenario = Scenario::new(vec![Turn::text("Slow.\n").then(Step::call("hang", json!({})))]);
+    let stack = Stack::start(scenario, runner_config(Some(hang_manifest(dir.path())?)), |_| {}).await?;
+    let mut req = request("x", &[]);
+    req.run_id = "abandoned".into();
+    {
+        let mut client = stack.client().await?;
+        let mut stream = client.orchestrate(req).await?.into_inner();
+        let _first = stream.message().await?;
+        read_pids(&dir.path().join("pids"), 2).await?;
+        // Dropping the stream and the client here is the caller going away.
+    }
+    let pids = read_pids(&dir.path().join("pids"), 2).await?;
+    assert_eq!(wait_gone(&pids, Duration::from_secs(5)).await, Vec::<u32>::new());
+    let mut client = stack.client().await?;
+    let result = loop {
+        let r = client
+            .get_run(pb::GetRunRequest {
+                run_id: "abandoned".into(),
+            })
+            .await?
+            .into_inner();
+        if r.status() != S::Running {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(result.status(), S::Canceled);
+    assert!(result.failure_detail.contains("went away"));
+
+    // Detached: the run goes on without its caller.
+    let stack = stack_detached().await?;
+    let mut req = request("x", &[]);
+    req.run_id = "detached".into();
+    req.detached = true;
+    {
+        let mut client = stack.client().await?;
+        let mut stream = client.orchestrate(req).await?.into_inner();
+        let _first = stream.message().await?;
+    }
+    let mut client = stack.client().await?;
+    let result = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let r = client
+                .get_run(pb::GetRunRequest {
+                    run_id: "detached".into(),
+                })
+                .await?
+                .into_inner();
+            if r.status() != S::Running {
+                return anyhow::Ok(r);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await??;
+    assert_eq!((result.status(), result.tool_calls.len()), (S::Completed, 1));
+    Ok(())
+}
+
+async fn stack_detached() -> anyhow::Result<Stack> {
+    scripted(vec![
+        Turn::text("Napping.\n").then(Step::call("sleep", json!({"ms": 300}))),
+        Turn::text("Awake."),
+    ])
+    .await
+}
+
+#[tokio::test]
+async fn the_run_deadline_ends_the_run() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Long nap.\n").then(Step::call("sleep", json!({"ms": 5000}))),
+    ])
+    .await?;
+    let out = stack
+        .run(with_limits(
+            request("x", &[]),
+            pb::RunLimits {
+                run_timeout_ms: Some(500),
+                ..Default::default()
+            },
+        ))
+        .await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::DeadlineExceeded));
+    assert_eq!(out.result.text, "Long nap.\n");
+    assert!(out.elapsed < Duration::from_secs(3), "{:?}", out.elapsed);
+    // The caller's own gRPC deadline shortens the run the same way.
+    let mut req = tonic::Request::new(request("x", &[]));
+    req.set_timeout(Duration::from_millis(700));
+    let mut stream = stack.client().await?.orchestrate(req).await?.into_inner();
+    let mut last = None;
+    while let Ok(Some(e)) = stream.message().await {
+        last = Some(e);
+    }
+    if let Some(E::RunFinished(f)) = last.and_then(|e| e.event) {
+        assert_eq!(f.result.map(|r| r.failure_reason()), Some(R::DeadlineExceeded));
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn max_turns_ends_a_model_that_never_stops() -> TestResult {
+    let scenario = Scenario {
+        repeat_last: true,
+        ..Scenario::new(vec![Turn::text("Again.\n").then(Step::call("echo", json!({})))])
+    };
+    let stack = Stack::start(scenario, runner_config(None), |_| {}).await?;
+    let out = stack
+        .run(with_limits(
+            request("x", &[]),
+            pb::RunLimits {
+                max_turns: Some(3),
+                ..Default::default()
+            },
+        ))
+        .await?;
+    assert_eq!(
+        (out.status(), out.reason(), out.result.turns),
+        (S::Failed, R::MaxTurnsExceeded, 3)
+    );
+    assert_eq!(out.result.tool_calls.len(), 3);
+    assert!(
+        stack.mock.requests()[2]["messages"][0]["content"]
+            .as_str()
+            .is_some_and(|s| s.contains("turn 3 of at most 3"))
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn full_run_slots_refuse_at_once() -> TestResult {
+    let scenario = Scenario::new(vec![
+        Turn::text("Busy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
+        Turn::text("Free."),
+    ]);
+    let stack = Stack::start(scenario, runner_config(None), |c| c.runs.max_runs = 1).await?;
+    let mut client = stack.client().await?;
+    let mut first = client.orchestrate(request("a", &[])).await?.into_inner();
+    let _started = first.message().await?;
+    let refused = stack.client().await?.orchestrate(request("b", &[])).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+    while first.message().await?.is_some() {}
+    // The slot is free again.
+    assert_eq!(stack.run(request("c", &[])).await?.status(), S::Completed);
+    Ok(())
+}
+
+#[tokio::test]
+async fn malformed_requests_get_invalid_argument_with_an_actionable_message() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
+    ])
+    .await?;
+    let mut client = stack.client().await?;
+    let base = request("x", &[]);
+    let mut cases: Vec<(pb::OrchestrateRequest, &str)> = Vec::new();
+    cases.push((
+        pb::OrchestrateRequest {
+            messages: vec![],
+            ..base.clone()
+        },
+        "at least one message with role \"user\"",
+    ));
+    let mut r = base.clone();
+    r.messages[0].role = "robot".into();
+    cases.push((r, "role \"robot\""));
+    let mut r = base.clone();
+    r.tools = Some(pb::ToolSelection {
+        normal: vec!["nope".into()],
+        exit: vec![],
+    });
+    cases.push((r, "tools.normal names \"nope\""));
+    let mut r = request("x", &["echo"]);
+    r.tools.get_or_insert_default().normal = vec!["echo".into()];
+    cases.push((r, "has the name of a normal tool"));
+    let mut r = base.clone();
+    r.tools = Some(pb::ToolSelection {
+        normal: vec![],
+        exit: vec![pb::ExitToolSpec {
+            name: "done".into(),
+            description: String::new(),
+            parameters_json_schema: "{\"type\": \"object\", \"required\": 5}".into(),
+        }],
+    });
+    cases.push((r, "tools.exit[0] (done)"));
+    let mut r = base.clone();
+    r.tools = Some(pb::ToolSelection {
+        normal: vec![],
+        exit: vec![pb::ExitToolSpec {
+            name: "done".into(),
+            description: String::new(),
+            parameters_json_schema: "{not json".into(),
+        }],
+    });
+    cases.push((r, "not valid JSON"));
+    cases.push((
+        with_limits(
+            base.clone(),
+            pb::RunLimits {
+                max_turns: Some(129),
+                ..Default::default()
+            },
+        ),
+        "limits.max_turns = 129 is above this server's maximum of 128",
+    ));
+    cases.push((
+        with_limits(
+            base.clone(),
+            pb::RunLimits {
+                tool_call_budget: Some(1001),
+                ..Default::default()
+            },
+        ),
+        "limits.tool_call_budget = 1001",
+    ));
+    cases.push((
+        with_limits(
+            base.clone(),
+            pb::RunLimits {
+                run_timeout_ms: Some(0),
+                ..Default::default()
+            },
+        ),
+        "below the minimum",
+    ));
+    cases.push((
+        pb::OrchestrateRequest {
+            run_id: "has space".into(),
+            ..base.clone()
+        },
+        "run_id must be",
+    ));
+    for (req, expected) in cases {
+        let status = client.orchestrate(req).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{expected}: {status:?}");
+        assert!(
+            status.message().contains(expected),
+            "{:?} should contain {expected:?}",
+            status.message()
+        );
+    }
+    // The limit exactly at the ceiling is accepted.
+    let ok = client
+        .orchestrate(with_limits(
+            base.clone(),
+            pb::RunLimits {
+                max_turns: Some(128),
+                ..Default::default()
+            },
+        ))
+        .await;
+    assert!(ok.is_ok());
+    // A duplicate live run_id.
+    let live = pb::OrchestrateRequest {
+        run_id: "twice".into(),
+        ..base.clone()
+    };
+    let mut stream = client.orchestrate(live.clone()).await?.into_inner();
+    let _started = stream.message().await?;
+    let status = client.orchestrate(live).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().contains("already running"), "{}", status.message());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_finished_run_id_replays_its_result() -> TestResult {
+    let stack = scripted(vec![Turn::text("Once.")]).await?;
+    let req = pb::OrchestrateRequest {
+        run_id: "idem".into(),
+        ..request("x", &[])
+    };
+    let first = stack.run(req.clone()).await?;
+    let second = stack.run(req).await?;
+    assert_eq!(second.events.len(), 2, "the whole text, then run_finished");
+    assert_eq!(first.result, second.result);
+    assert_eq!(stack.mock.requests().len(), 1, "the model was not asked again");
+    Ok(())
+}
+
+#[tokio::test]
+async fn garbage_from_the_llm_ends_the_run_llm_error_keeping_the_text() -> TestResult {
+    let cases: Vec<(&str, Vec<Step>, &str)> = vec![
+        (
+            "non-JSON data line",
+            vec![Step::Raw {
+                sse: "data: {oops\n\n".into(),
+            }],
+            "invalid chunk",
+        ),
+        (
+            "wrong types",
+            vec![Step::Raw {
+                sse: "data: {\"choices\": [{\"delta\": {\"content\": 42}}]}\n\n".into(),
+            }],
+            "invalid chunk",
+        ),
+        (
+            "not SSE",
+            vec![Step::Raw {
+                sse: "<html><body>Bad gateway</body></html>".into(),
+            }],
+            "no SSE data",
+        ),
+        (
+            "endless line",
+            vec![Step::Raw {
+                sse: format!("data: {}", "x".repeat(300_000)),
+            }],
+            "longer than",
+        ),
+        (
+            "error chunk",
+            vec![Step::Error {
+                message: "model overloaded".into(),
+            }],
+            "model overloaded",
+        ),
+    ];
+    for (name, steps, expected) in cases {
+        let mut turn = if name == "not SSE" {
+            Turn::default()
+        } else {
+            Turn::text("So far so good. ")
+        };
+        turn.steps.extend(steps);
+        turn.done = false;
+        let stack = Stack::start(Scenario::new(vec![turn]), runner_config(None), |c| {
+            c.llm.max_line_bytes = 100_000
+        })
+        .await?;
+        let out = stack.run(request("x", &[])).await?;
+        assert_eq!((out.status(), out.reason()), (S::Failed, R::LlmError), "{name}");
+        assert!(
+            out.result.failure_detail.contains(expected),
+            "{name}: {}",
+            out.result.failure_detail
+        );
+        if name != "not SSE" {
+            assert_eq!(out.result.text, "So far so good. ", "{name}");
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_slow_reader_slows_its_own_run() -> TestResult {
+    // Far more than the HTTP/2 flow-control windows and the event buffer hold.
+    let text = "word ".repeat(50_000);
+    let stack = Stack::start(Scenario::new(vec![Turn::text(&text)]), runner_config(None), |c| {
+        c.event_buffer = 2
+    })
+    .await?;
+    let mut client = stack.client().await?;
+    let req = pb::OrchestrateRequest {
+        run_id: "slow-reader".into(),
+        ..request("x", &[])
+    };
+    let mut stream = client.orchestrate(req).await?.into_inner();
+    let _started = stream.message().await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let live = stack
+        .client()
+        .await?
+        .get_run(pb::GetRunRequest {
+            run_id: "slow-reader".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(live.status(), S::Running, "the run waits for its reader");
+    assert!(
+        live.text.len() < text.len(),
+        "only what fits the buffers was produced: {}",
+        live.text.len()
+    );
+    let mut events = vec![];
+    while let Some(e) = stream.message().await? {
+        events.push(e);
+    }
+    let finished = events.last().and_then(|e| e.event.clone());
+    assert!(matches!(finished, Some(E::RunFinished(f)) if f.result.as_ref().is_some_and(|r| r.text == text)));
+    Ok(())
+}
+
+#[tokio::test]
+async fn subscribe_signals_filters_by_run_and_tool() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Two signals.")
+            .then(Step::call("finish", json!({})))
+            .then(Step::call("escalate", json!({}))),
+    ])
+    .await?;
+    let mut only = stack
+        .client()
+        .await?
+        .subscribe_signals(pb::SubscribeSignalsRequest {
+            run_id: "r2".into(),
+            tool_names: vec!["escalate".into()],
+        })
+        .await?
+        .into_inner();
+    for id in ["r1", "r2"] {
+        let req = pb::OrchestrateRequest {
+            run_id: id.into(),
+            ..request("x", &["finish", "escalate"])
+        };
+        assert_eq!(stack.run(req).await?.result.signals.len(), 2);
+    }
+    let first = tokio::time::timeout(Duration::from_secs(5), only.message())
+        .await??
+        .and_then(|e| e.event);
+    let Some(pb::signal_event::Event::Signal(signal)) = first else {
+        anyhow::bail!("{first:?}")
+    };
+    assert_eq!((signal.run_id.as_str(), signal.tool_name.as_str()), ("r2", "escalate"));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), only.message())
+            .await
+            .is_err(),
+        "nothing else matches"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn draining_finishes_runs_in_flight_and_refuses_new_ones() -> TestResult {
+    let mut stack = scripted(vec![
+        Turn::text("Napping.\n").then(Step::call("sleep", json!({"ms": 600}))),
+        Turn::text("Awake."),
+    ])
+    .await?;
+    let mut client = stack.client().await?;
+    let mut stream = client
+        .orchestrate(pb::OrchestrateRequest {
+            run_id: "drain".into(),
+            ..request("x", &[])
+        })
+        .await?
+        .into_inner();
+    let _started = stream.message().await?;
+    stack.begin_shutdown();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let refused = client.orchestrate(request("y", &[])).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable);
+    let mut events = vec![];
+    while let Some(e) = stream.message().await? {
+        events.push(e);
+    }
+    let Some(E::RunFinished(f)) = events.last().and_then(|e| e.event.clone()) else {
+        anyhow::bail!("no run_finished")
+    };
+    assert_eq!(f.result.map(|r| r.status()), Some(S::Completed));
+    stack.shutdown().await
+}
+
+#[tokio::test]
+async fn draining_past_the_grace_period_cancels_with_a_stored_result() -> TestResult {
+    let scenario = Scenario::new(vec![
+        Turn::text("Very long nap.\n").then(Step::call("sleep", json!({"ms": 20_000}))),
+    ]);
+    let mut stack = Stack::start(scenario, runner_config(None), |c| {
+        c.shutdown_grace = Duration::from_millis(500)
+    })
+    .await?;
+    let mut client = stack.client().await?;
+    let mut stream = client.orchestrate(request("x", &[])).await?.into_inner();
+    let started = stream.message().await?;
+    let began = std::time::Instant::now();
+    stack.begin_shutdown();
+    let mut events: Vec<pb::OrchestrateEvent> = started.into_iter().collect();
+    while let Ok(Some(e)) = stream.message().await {
+        events.push(e);
+    }
+    let out = Outcome::new(events, began.elapsed())?;
+    assert_eq!(out.status(), S::Canceled);
+    assert!(out.result.failure_detail.contains("shutting down"));
+    assert_eq!(out.result.text, "Very long nap.\n");
+    assert!(out.elapsed < Duration::from_secs(3), "{:?}", out.elapsed);
+    stack.shutdown().await
+}
