@@ -1050,3 +1050,41 @@ async fn draining_past_the_grace_period_cancels_with_a_stored_result() -> TestRe
     assert!(out.elapsed < Duration::from_secs(3), "{:?}", out.elapsed);
     stack.shutdown().await
 }
+
+#[tokio::test]
+async fn health_and_reflection_describe_the_orchestrator() -> TestResult {
+    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+    let stack = scripted(vec![Turn::text("ok")]).await?;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", stack.addr))?
+        .connect()
+        .await?;
+    let status = HealthClient::new(channel.clone())
+        .check(HealthCheckRequest {
+            service: "orchestrator.v1.Orchestrator".into(),
+        })
+        .await?
+        .into_inner()
+        .status();
+    assert_eq!(status, ServingStatus::Serving);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = ServerReflectionClient::new(channel)
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await?
+        .into_inner();
+    let Some(MessageResponse::ListServicesResponse(list)) = responses.message().await?.and_then(|r| r.message_response)
+    else {
+        anyhow::bail!("no list of services");
+    };
+    assert!(
+        list.service.iter().any(|s| s.name == "orchestrator.v1.Orchestrator"),
+        "{list:?}"
+    );
+    Ok(())
+}

@@ -613,3 +613,257 @@ impl IdAllocator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The loop without a network: a scripted model and an in-process tool executor.
+
+    use std::collections::VecDeque;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use futures::FutureExt;
+    use futures::future::BoxFuture;
+    use futures::stream::BoxStream;
+
+    use super::*;
+    use crate::llm::{LlmEvent, Usage};
+    use crate::run::{Limits, RunSpec};
+    use crate::signals::memory::MemoryTopic;
+
+    /// Plays one list of events per turn and records the requests.
+    struct Script {
+        turns: Mutex<VecDeque<Vec<Result<LlmEvent, LlmError>>>>,
+        requests: Mutex<Vec<ChatRequest>>,
+    }
+
+    impl ChatModel for Script {
+        fn stream(
+            &self,
+            request: ChatRequest,
+        ) -> BoxFuture<'static, Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError>> {
+            self.requests.lock().unwrap().push(request);
+            let turn = self
+                .turns
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or_else(|| vec![Ok(LlmEvent::TextDelta("end".into()))]);
+            futures::future::ready(Ok(futures::stream::iter(turn).boxed())).boxed()
+        }
+    }
+
+    /// Sleeps `ms` from the arguments, fails tools named `bad`, and counts calls in flight.
+    #[derive(Default)]
+    struct Tools {
+        in_flight: AtomicUsize,
+        peak: AtomicUsize,
+    }
+
+    impl ToolExecutor for Arc<Tools> {
+        fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
+            let this = Arc::clone(self);
+            async move {
+                let now = this.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                this.peak.fetch_max(now, Ordering::SeqCst);
+                let args: serde_json::Value = serde_json::from_str(&call.arguments_json).unwrap_or_default();
+                tokio::time::sleep(Duration::from_millis(args["ms"].as_u64().unwrap_or(0))).await;
+                this.in_flight.fetch_sub(1, Ordering::SeqCst);
+                if call.name == "bad" {
+                    return Err(ToolCallError::new("FAILED", "bad tool"));
+                }
+                Ok(call.arguments_json)
+            }
+            .boxed()
+        }
+    }
+
+    fn call(index: u32, name: &str, args: &str) -> Result<LlmEvent, LlmError> {
+        Ok(LlmEvent::ToolCallFragment {
+            index: Some(index),
+            id: Some(format!("id{index}")),
+            name: Some(name.into()),
+            arguments: Some(args.into()),
+        })
+    }
+
+    fn tool(name: &str) -> ToolDefinition {
+        ToolDefinition {
+            name: name.into(),
+            description: name.into(),
+            parameters: serde_json::json!({"type": "object"}),
+        }
+    }
+
+    fn spec(limits: Limits) -> RunSpec {
+        RunSpec {
+            run_id: "r".into(),
+            system: String::new(),
+            messages: vec![Message::User {
+                content: "go".into(),
+                name: None,
+            }],
+            model: "m".into(),
+            params: Default::default(),
+            normal_tools: vec![tool("nap"), tool("bad")],
+            exit_tools: vec![tool("done")],
+            limits,
+            metadata: Default::default(),
+            parse_policy: ParsePolicy::Fail,
+        }
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            max_turns: 8,
+            tool_call_budget: 10,
+            max_tool_failures: 1,
+            tool_timeout: Duration::from_secs(5),
+            run_timeout: Duration::from_secs(30),
+        }
+    }
+
+    async fn play(
+        turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
+        limits: Limits,
+    ) -> (RunResult, Vec<NumberedEvent>, Arc<Script>, Arc<Tools>) {
+        let script = Arc::new(Script {
+            turns: Mutex::new(turns.into()),
+            requests: Mutex::default(),
+        });
+        let tools = Arc::new(Tools::default());
+        let deps = LoopDeps {
+            model: script.clone(),
+            tools: Arc::new(Arc::clone(&tools)),
+            signals: Arc::new(MemoryTopic::new(16)),
+            detector: DetectorConfig {
+                window: 64,
+                threshold: 8,
+            },
+        };
+        let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
+        let (tx, mut rx) = mpsc::channel(1024);
+        let emitter = Emitter::new(Some(tx), Arc::clone(&state));
+        let result = run(spec(limits), deps, state, emitter, Cancel::default(), None, |_| {}).await;
+        let mut events = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            events.push(e);
+        }
+        (result, events, script, tools)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn parallel_calls_overlap_and_exit_calls_are_signals() {
+        let turn1 = vec![
+            Ok(LlmEvent::TextDelta("napping".into())),
+            call(0, "nap", r#"{"ms": 500}"#),
+            call(1, "nap", r#"{"ms": 500}"#),
+            call(2, "done", r#"{"ok": true}"#),
+            call(3, "nap", r#"{"ms": 500}"#),
+            Ok(LlmEvent::Usage(Usage {
+                prompt_tokens: 3,
+                completion_tokens: 2,
+            })),
+        ];
+        let (result, events, script, tools) = play(vec![turn1], limits()).await;
+        assert_eq!(result.status, RunStatus::Completed);
+        assert_eq!(tools.peak.load(Ordering::SeqCst), 3, "all three ran at once");
+        assert_eq!(
+            result.tool_calls.iter().map(|c| c.call_id.as_str()).collect::<Vec<_>>(),
+            ["id0", "id1", "id3"]
+        );
+        assert_eq!(result.signals.len(), 1);
+        assert_eq!(
+            result.usage,
+            Usage {
+                prompt_tokens: 3,
+                completion_tokens: 2
+            }
+        );
+        // The second request: the BIOS shows the spent budget; the exit call is not in the conversation.
+        let second = &script.requests.lock().unwrap()[1];
+        let Message::System(bios) = &second.messages[0] else {
+            panic!("BIOS first")
+        };
+        assert!(
+            bios.contains("turn 2 of at most 8") && bios.contains("7 normal call(s) left"),
+            "{bios}"
+        );
+        let Message::Assistant { tool_calls, .. } = &second.messages[2] else {
+            panic!("{:?}", second.messages)
+        };
+        assert_eq!(
+            tool_calls.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+            ["nap", "nap", "nap"]
+        );
+        assert!(events.windows(2).all(|w| w[1].seq == w[0].seq + 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_count_once_per_turn_and_the_limit_ends_the_run() {
+        let failing = || vec![call(0, "bad", "{}"), call(1, "bad", "{}"), call(2, "bad", "{}")];
+        let (result, ..) = play(vec![failing(), failing(), vec![]], limits()).await;
+        assert_eq!(
+            (result.status, result.failure_reason, result.failed_turns),
+            (RunStatus::Failed, Some(FailureReason::ToolFailureLimit), 2)
+        );
+        assert_eq!(result.tool_calls.len(), 6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_budget_runs_the_first_calls_then_ends() {
+        let turn = vec![
+            call(0, "nap", r#"{"n": 1}"#),
+            call(1, "nap", r#"{"n": 2}"#),
+            call(2, "nap", r#"{"n": 3}"#),
+        ];
+        let (result, ..) = play(
+            vec![turn],
+            Limits {
+                tool_call_budget: 2,
+                ..limits()
+            },
+        )
+        .await;
+        assert_eq!(result.failure_reason, Some(FailureReason::ToolBudgetExhausted));
+        assert_eq!(
+            result
+                .tool_calls
+                .iter()
+                .map(|c| c.arguments_json.as_str())
+                .collect::<Vec<_>>(),
+            [r#"{"n": 1}"#, r#"{"n": 2}"#]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_error_mid_stream_keeps_held_back_text() {
+        let turn = vec![
+            Ok(LlmEvent::TextDelta("visible <tool_".into())),
+            Err(LlmError::Protocol("the LLM stream broke off".into())),
+        ];
+        let (result, ..) = play(vec![turn], limits()).await;
+        assert_eq!(
+            (result.status, result.failure_reason),
+            (RunStatus::Failed, Some(FailureReason::LlmError))
+        );
+        assert_eq!(result.text, "visible <tool_", "held-back text is output too");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_turn_guard_holds_whatever_max_turns_says() {
+        let forever: Vec<_> = (0..200).map(|_| vec![call(0, "nap", "{}")]).collect();
+        let (result, ..) = play(
+            forever,
+            Limits {
+                max_turns: 1000,
+                tool_call_budget: 10_000,
+                ..limits()
+            },
+        )
+        .await;
+        assert_eq!(
+            (result.failure_reason, result.turns),
+            (Some(FailureReason::MaxTurnsExceeded), HARD_MAX_TURNS)
+        );
+    }
+}

@@ -1,0 +1,167 @@
+//! Tests of the `orchestrator` process itself: the one-command demo, exit codes for bad flags,
+//! the `call` client against a served orchestrator, and the drain on SIGTERM.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+type TestResult = anyhow::Result<()>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
+
+async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(Option<i32>, String, String)> {
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        Command::new(BIN)
+            .args(args)
+            .envs(env.iter().copied())
+            .env_remove("LLM_BASE_URL")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await??;
+    Ok((
+        output.status.code(),
+        String::from_utf8(output.stdout)?,
+        String::from_utf8(output.stderr)?,
+    ))
+}
+
+#[tokio::test]
+async fn the_demo_shows_a_whole_run_with_parallel_calls_and_a_signal() -> TestResult {
+    let (code, stdout, stderr) = run_to_end(&["demo"], &[]).await?;
+    assert_eq!(code, Some(0), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    for expected in [
+        "stand-in",
+        "── turn 1",
+        "⚙ calculate",
+        "⚙ time_now",
+        "⚙ sleep",
+        "calculate",
+        "✔",
+        "⚑ signal submit_report",
+        "■ COMPLETED · 2 turn(s) · 3 tool call(s) · 1 signal(s)",
+    ] {
+        assert!(stdout.contains(expected), "{expected:?} missing from:\n{stdout}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--listen", "127.0.0.1:0", "--max-turns-ceiling", "129"],
+            "--max-turns-ceiling = 129 is above its cap of 128",
+        ),
+        (
+            &["--listen", "127.0.0.1:0", "--exit-tool", "bad.name"],
+            "--exit-tool \"bad.name\"",
+        ),
+        (
+            &["--listen", "127.0.0.1:0", "--llm-base-url", "ftp://x"],
+            "must be an http or https URL",
+        ),
+        (
+            &["--listen", "127.0.0.1:0", "--llm-header", "no-colon"],
+            "must look like 'Name: value'",
+        ),
+    ];
+    for (args, expected) in cases {
+        let (code, _, stderr) = run_to_end(args, &[]).await?;
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0"], &[("ORCHESTRATOR_MAX_RUNS", "0")]).await?;
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("--max-runs = 0 is below its minimum of 1"), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn serve_call_and_drain_on_sigterm() -> TestResult {
+    // A tool-runner and the stand-in model in this process; the orchestrator as a real process.
+    let runner_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let runner_url = format!("http://{}", runner_listener.local_addr()?);
+    tokio::spawn(tool_runner::run(
+        runner_listener,
+        tool_runner::Config::default(),
+        std::future::pending(),
+    ));
+    let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
+
+    let mut child = Command::new(BIN)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--shutdown-grace",
+            "5s",
+        ])
+        .env("LLM_BASE_URL", mock.base_url())
+        .env("LLM_API_KEY", "sk-never-logged")
+        .env("TOOL_RUNNER_ENDPOINTS", &runner_url)
+        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let mut lines = BufReader::new(stderr).lines();
+    let mut logs = Vec::new();
+    let address = loop {
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("exited early: {logs:?}"))?;
+        let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        logs.push(line);
+        if entry["message"] == "orchestrator serving" {
+            break entry["address"].as_str().unwrap_or_default().to_owned();
+        }
+    };
+    let endpoint = format!("http://{address}");
+    let (code, stdout, stderr) = run_to_end(
+        &[
+            "call",
+            "--endpoint",
+            &endpoint,
+            "--prompt",
+            "go",
+            "--tool",
+            "calculate",
+            "--tool",
+            "time_now",
+            "--tool",
+            "sleep",
+        ],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("⚑ signal submit_report") && stdout.contains("■ COMPLETED"),
+        "{stdout}"
+    );
+
+    let pid = child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().await?;
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await??;
+    assert_eq!(status.code(), Some(0));
+    while let Ok(Some(line)) = lines.next_line().await {
+        logs.push(line);
+    }
+    let logs = logs.join("\n");
+    for expected in [
+        "stop signal received",
+        "draining",
+        "orchestrator stopped",
+        "run finished",
+    ] {
+        assert!(logs.contains(expected), "{expected:?} missing from the logs:\n{logs}");
+    }
+    assert!(!logs.contains("sk-never-logged"), "the API key leaked into the logs");
+    Ok(())
+}
