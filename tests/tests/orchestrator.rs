@@ -745,26 +745,23 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
     let mut r = request("x", &["echo"]);
     r.tools.get_or_insert_default().normal = vec!["echo".into()];
     cases.push((r, "has the name of a normal tool"));
-    let mut r = base.clone();
-    r.tools = Some(pb::ToolSelection {
-        normal: vec![],
-        exit: vec![pb::ExitToolSpec {
-            name: "done".into(),
-            description: String::new(),
-            parameters_json_schema: "{\"type\": \"object\", \"required\": 5}".into(),
-        }],
-    });
-    cases.push((r, "tools.exit[0] (done)"));
-    let mut r = base.clone();
-    r.tools = Some(pb::ToolSelection {
-        normal: vec![],
-        exit: vec![pb::ExitToolSpec {
-            name: "done".into(),
-            description: String::new(),
-            parameters_json_schema: "{not json".into(),
-        }],
-    });
-    cases.push((r, "not valid JSON"));
+    let exit_schema = |schema: &str| {
+        let mut r = base.clone();
+        r.tools = Some(pb::ToolSelection {
+            normal: vec![],
+            exit: vec![pb::ExitToolSpec {
+                name: "done".into(),
+                description: String::new(),
+                parameters_json_schema: schema.into(),
+            }],
+        });
+        r
+    };
+    cases.push((
+        exit_schema("{\"type\": \"object\", \"required\": 5}"),
+        "tools.exit[0] (done)",
+    ));
+    cases.push((exit_schema("{not json"), "not valid JSON"));
     cases.push((
         with_limits(
             base.clone(),

@@ -390,16 +390,10 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
         let exhausted = normal.len() > remaining as usize;
         let executed: Vec<usize> = normal.iter().copied().take(remaining as usize).collect();
         used_budget += executed.len() as u32;
+        let budget_left = limits.tool_call_budget.saturating_sub(used_budget);
 
         if executed.is_empty() && bad.is_empty() {
-            finish_turn(
-                emitter,
-                turn,
-                output.usage,
-                limits.tool_call_budget.saturating_sub(used_budget),
-                failed_turns,
-            )
-            .await;
+            finish_turn(emitter, turn, output.usage, budget_left, failed_turns).await;
             if exhausted {
                 return End::Failed(
                     FailureReason::ToolBudgetExhausted,
@@ -506,14 +500,7 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
             tool_calls: assistant_calls,
         });
         conversation.extend(tool_messages);
-        finish_turn(
-            emitter,
-            turn,
-            output.usage,
-            limits.tool_call_budget.saturating_sub(used_budget),
-            failed_turns,
-        )
-        .await;
+        finish_turn(emitter, turn, output.usage, budget_left, failed_turns).await;
 
         if failed_turns > limits.max_tool_failures {
             return End::Failed(
