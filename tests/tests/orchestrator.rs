@@ -1085,3 +1085,37 @@ async fn health_and_reflection_describe_the_orchestrator() -> TestResult {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn run_id_call_id_and_metadata_reach_the_tool() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let manifest = dir.path().join("tools.toml");
+    std::fs::write(
+        &manifest,
+        "[[tool]]\nname = \"whoami\"\ndescription = \"prints its context\"\nargv = [\"env\"]\noutput = \"text\"\n",
+    )?;
+    let scenario = Scenario::new(vec![
+        Turn::text("Who am I?\n").then(Step::call("whoami", json!({}))),
+        Turn::text("I see."),
+    ]);
+    let stack = Stack::start(scenario, runner_config(Some(manifest)), |_| {}).await?;
+    let mut req = pb::OrchestrateRequest {
+        run_id: "ctx-run".into(),
+        ..request("x", &[])
+    };
+    req.metadata.insert("ticket".into(), "T-42".into());
+    let out = stack.run(req).await?;
+    assert_eq!(out.status(), S::Completed);
+    let results: Vec<String> = out.of(|e| {
+        if let E::ToolCallFinished(c) = e {
+            Some(c.content_json.clone())
+        } else {
+            None
+        }
+    });
+    let env: String = serde_json::from_str(&results[0])?;
+    for line in ["TOOL_RUN_ID=ctx-run", "TOOL_CALL_ID=call_1_0", "TOOL_META_TICKET=T-42"] {
+        assert!(env.lines().any(|l| l == line), "{line} missing from {env}");
+    }
+    Ok(())
+}

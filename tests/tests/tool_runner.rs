@@ -377,19 +377,25 @@ async fn command_tools_succeed_with_json_text_env_and_working_dir() -> TestResul
     let args = json!({"x": [1, 2], "s": "é"});
     assert_eq!(call(&runner, "cat_json", &args.to_string()).await?.unwrap_ok(), args);
     assert_eq!(call(&runner, "text_out", "{}").await?.unwrap_ok(), json!("not json"));
-    let env = call(&runner, "env_dump", "{}").await?.unwrap_ok();
-    let mut names: Vec<&str> = env
-        .as_str()
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split('=').next())
-        .collect();
+    let mut request = run_tool("env_dump", "{}");
+    request.metadata.insert("tenant-id".into(), "acme".into());
+    let env = Outcome::of(runner.client().await?.run_tool(request).await?.into_inner())?.unwrap_ok();
+    let env = env.as_str().unwrap_or_default();
+    let mut names: Vec<&str> = env.lines().filter_map(|l| l.split('=').next()).collect();
     names.sort_unstable();
     assert_eq!(
         names,
-        ["GREETING", "PATH"],
-        "the environment is cleared except the allowlist: {env}"
+        ["GREETING", "PATH", "TOOL_CALL_ID", "TOOL_META_TENANT_ID", "TOOL_RUN_ID"],
+        "the environment is cleared except the allowlist and the call's context: {env}"
     );
+    for line in [
+        "TOOL_RUN_ID=test-run",
+        "TOOL_CALL_ID=test-call",
+        "TOOL_META_TENANT_ID=acme",
+        "GREETING=hi",
+    ] {
+        assert!(env.lines().any(|l| l == line), "{line} missing from {env}");
+    }
     let cwd = call(&runner, "where", "{}").await?.unwrap_ok();
     assert_eq!(
         cwd.as_str().map(std::path::PathBuf::from),

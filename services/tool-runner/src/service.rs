@@ -11,7 +11,7 @@ use tracing::Instrument;
 
 use crate::Error;
 use crate::registry::Registry;
-use crate::tools::{ErrorCode, ToolError, ToolSpec};
+use crate::tools::{CallContext, ErrorCode, ToolError, ToolSpec};
 
 /// Serves `ListTools` and `RunTool` from a [`Registry`].
 pub struct ToolRunnerService {
@@ -121,7 +121,12 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
         async move {
             let started = Instant::now();
             let mut watch = CancelWatch { finished: false };
-            let result = self.registry.run(&call.tool_name, &call.arguments_json).await;
+            let ctx = CallContext {
+                run_id: call.run_id.clone(),
+                call_id: call.call_id.clone(),
+                metadata: call.metadata.clone(),
+            };
+            let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
             watch.finished = true;
             let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
             let outcome = match result {

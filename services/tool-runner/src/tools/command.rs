@@ -20,7 +20,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 
-use super::{Args, ErrorCode, Tool, ToolError, ToolResult};
+use super::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult};
 
 /// How stdout becomes the result.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -33,6 +33,31 @@ pub enum OutputMode {
     Json,
     /// stdout is text, returned as a JSON string.
     Text,
+}
+
+/// The call's context as environment variables: `TOOL_RUN_ID`, `TOOL_CALL_ID`, and each metadata
+/// entry as `TOOL_META_<KEY>` (key upper-cased, characters other than letters and digits as `_`).
+/// Values with NUL bytes are skipped (they cannot be passed in an environment).
+pub fn context_env(ctx: &CallContext) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("TOOL_RUN_ID".to_owned(), ctx.run_id.clone()),
+        ("TOOL_CALL_ID".to_owned(), ctx.call_id.clone()),
+    ];
+    for (key, value) in &ctx.metadata {
+        let key: String = key
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_uppercase()
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        env.push((format!("TOOL_META_{key}"), value.clone()));
+    }
+    env.retain(|(_, v)| !v.contains('\0'));
+    env
 }
 
 /// How many bytes of stderr an error message quotes.
@@ -76,9 +101,10 @@ impl CommandTool {
 }
 
 impl Tool for CommandTool {
-    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let inner = Arc::clone(&self.0);
-        async move { inner.run(args).await }.boxed()
+        let env = context_env(ctx);
+        async move { inner.run(args, env).await }.boxed()
     }
 }
 
@@ -95,7 +121,7 @@ impl Drop for GroupKiller {
 }
 
 impl Inner {
-    async fn run(&self, args: Args) -> ToolResult {
+    async fn run(&self, args: Args, context: Vec<(String, String)>) -> ToolResult {
         let input = serde_json::to_vec(&Value::Object(args))
             .map_err(|e| ToolError::invalid(format!("arguments cannot be serialized: {e}")))?;
         let program = self.program.display();
@@ -103,6 +129,7 @@ impl Inner {
             .args(&self.args)
             .env_clear()
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(context)
             .current_dir(&self.working_dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -24,10 +24,21 @@ pub type Args = Map<String, Value>;
 /// What a tool call returns: a JSON result or a tool-level failure.
 pub type ToolResult = Result<Value, ToolError>;
 
+/// Who is calling: the orchestrator run and call, and the run's metadata.
+#[derive(Debug, Clone, Default)]
+pub struct CallContext {
+    /// The orchestrator run.
+    pub run_id: String,
+    /// The model's call id.
+    pub call_id: String,
+    /// The run's metadata (tenant, ticket …).
+    pub metadata: std::collections::HashMap<String, String>,
+}
+
 /// A tool the runner can execute.
 pub trait Tool: Send + Sync + 'static {
     /// Runs the tool. The returned future must stop the tool's work when dropped.
-    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult>;
+    fn call(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, ToolResult>;
 }
 
 /// Describes a tool to callers (served by `ListTools`).

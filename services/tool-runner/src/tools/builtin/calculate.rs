@@ -18,7 +18,7 @@ use futures::future::BoxFuture;
 use serde_json::{Value, json};
 
 use super::{Builtin, spec};
-use crate::tools::{Args, Tool, ToolError, ToolResult, str_arg};
+use crate::tools::{Args, CallContext, Tool, ToolError, ToolResult, str_arg};
 
 /// Longest expression accepted, in characters (also the schema's `maxLength`).
 const MAX_EXPRESSION_CHARS: usize = 4096;
@@ -28,7 +28,7 @@ const MAX_NESTING: usize = 64;
 struct Calculate;
 
 impl Tool for Calculate {
-    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let expression = str_arg(&args, "expression").unwrap_or_default().to_owned();
         let result = evaluate(&expression)
             .map(|value| json!({ "expression": expression, "value": number_json(value) }))

@@ -8,12 +8,12 @@ use futures::future::BoxFuture;
 use serde_json::json;
 
 use super::{Builtin, spec};
-use crate::tools::{Args, Tool, ToolError, ToolResult};
+use crate::tools::{Args, CallContext, Tool, ToolError, ToolResult};
 
 struct TimeNow;
 
 impl Tool for TimeNow {
-    fn call(&self, _args: Args) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, _args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let now = SystemTime::now();
         let result = now
             .duration_since(UNIX_EPOCH)

@@ -8,12 +8,12 @@ use futures::future::BoxFuture;
 use serde_json::{Value, json};
 
 use super::{Builtin, spec};
-use crate::tools::{Args, Tool, ToolResult};
+use crate::tools::{Args, CallContext, Tool, ToolResult};
 
 struct Echo;
 
 impl Tool for Echo {
-    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         futures::future::ready(Ok(Value::Object(args))).boxed()
     }
 }

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use tokio::io::AsyncReadExt;
 
 use super::{Builtin, BuiltinConfig, spec};
-use crate::tools::{Args, ErrorCode, Tool, ToolError, ToolResult, str_arg, u64_arg};
+use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult, str_arg, u64_arg};
 
 /// The sandbox: a canonical root directory.
 #[derive(Debug, Clone)]
@@ -62,7 +62,7 @@ struct ReadFile {
 }
 
 impl Tool for ReadFile {
-    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let sandbox = self.sandbox.clone();
         let path = str_arg(&args, "path").unwrap_or_default().to_owned();
         let limit = u64_arg(&args, "max_bytes").map_or(self.max_bytes, |n| n.min(self.max_bytes));
@@ -105,7 +105,7 @@ struct ListDir {
 }
 
 impl Tool for ListDir {
-    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let sandbox = self.sandbox.clone();
         let max_entries = self.max_entries;
         let path = str_arg(&args, "path").unwrap_or(".").to_owned();

@@ -9,7 +9,7 @@ use futures::{FutureExt, StreamExt};
 use serde_json::json;
 
 use super::{Builtin, BuiltinConfig, spec};
-use crate::tools::{Args, ErrorCode, Tool, ToolError, ToolResult, str_arg};
+use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult, str_arg};
 
 /// Most redirects followed for one request.
 const MAX_REDIRECTS: usize = 5;
@@ -55,7 +55,7 @@ struct HttpGet {
 }
 
 impl Tool for HttpGet {
-    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let client = self.client.clone();
         let allowlist = self.allowlist.clone();
         let max_bytes = self.max_bytes;

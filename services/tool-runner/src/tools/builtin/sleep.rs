@@ -9,12 +9,12 @@ use futures::future::BoxFuture;
 use serde_json::json;
 
 use super::{Builtin, BuiltinConfig, spec};
-use crate::tools::{Args, Tool, ToolResult, u64_arg};
+use crate::tools::{Args, CallContext, Tool, ToolResult, u64_arg};
 
 struct Sleep;
 
 impl Tool for Sleep {
-    fn call(&self, args: Args) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         // The schema guarantees an integer within [0, sleep_max].
         let ms = u64_arg(&args, "ms").unwrap_or(0);
         async move {
