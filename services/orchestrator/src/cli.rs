@@ -144,6 +144,15 @@ pub struct ServeArgs {
     /// Log format: text or json.
     #[arg(long, env = "ORCHESTRATOR_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
+    /// Prometheus /metrics listen address, or `off`.
+    #[arg(long, env = "ORCHESTRATOR_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
+    pub metrics_listen: shared::metrics::OptionalListen,
+    /// Record tool arguments and results on spans (off by default: they may hold secrets).
+    #[arg(long, env = "ORCHESTRATOR_TRACE_TOOL_PAYLOADS")]
+    pub trace_tool_payloads: bool,
+    /// Size cap of each recorded payload, in bytes (cap 64 KiB).
+    #[arg(long, env = "ORCHESTRATOR_TRACE_PAYLOAD_MAX_BYTES", default_value_t = limits::TRACE_PAYLOAD)]
+    pub trace_payload_max_bytes: usize,
 }
 
 /// Flags of `call`.
@@ -254,6 +263,7 @@ impl ServeArgs {
         config.signal_buffer = self.signal_buffer;
         config.max_request_bytes = self.max_request_bytes;
         config.shutdown_grace = self.shutdown_grace;
+        config.trace_payloads = self.trace_tool_payloads.then_some(self.trace_payload_max_bytes);
         Ok(config)
     }
 }

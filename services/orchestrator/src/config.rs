@@ -92,6 +92,10 @@ pub mod limits {
     pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
     /// Cap on the largest request.
     pub const MAX_REQUEST_BYTES_CAP: usize = 64 * 1024 * 1024;
+    /// Default size of tool payloads recorded on spans (when turned on).
+    pub const TRACE_PAYLOAD: usize = 1024;
+    /// Cap on recorded tool payloads.
+    pub const TRACE_PAYLOAD_CAP: usize = 64 * 1024;
 }
 
 /// Everything [`crate::run`] (the server) needs.
@@ -123,6 +127,9 @@ pub struct Config {
     pub max_request_bytes: usize,
     /// How long in-flight runs may take to finish after a stop signal.
     pub shutdown_grace: Duration,
+    /// Record tool arguments and results on spans, truncated to this many bytes; `None` = off
+    /// (the default: they may hold secrets).
+    pub trace_payloads: Option<usize>,
 }
 
 impl Config {
@@ -171,6 +178,7 @@ impl Config {
             signal_buffer: limits::SIGNAL_BUFFER,
             max_request_bytes: limits::MAX_REQUEST_BYTES,
             shutdown_grace: limits::SHUTDOWN_GRACE,
+            trace_payloads: None,
         }
     }
 
@@ -254,6 +262,9 @@ impl Config {
             Duration::ZERO,
             SHUTDOWN_GRACE_CAP,
         )?;
+        if let Some(max) = self.trace_payloads {
+            check_range("--trace-payload-max-bytes", max, 1, TRACE_PAYLOAD_CAP)?;
+        }
         let mut seen = std::collections::HashSet::new();
         for tool in &self.exit_tools {
             if !shared::tools::valid_tool_name(&tool.name) {

@@ -22,6 +22,7 @@ pub mod runs;
 pub mod server;
 pub mod service;
 pub mod signals;
+pub mod telemetry;
 pub mod tool_runners;
 
 pub use config::Config;

@@ -1,6 +1,6 @@
-//! `orchestrator` binary: parse flags, set up logging, serve until SIGTERM/SIGINT, drain, exit.
-//! Exit codes: 0 stopped cleanly / the run completed; 1 runtime failure or a run that did not
-//! complete; 2 invalid flags or configuration.
+//! `orchestrator` binary: parse flags, set up telemetry, serve until SIGTERM/SIGINT, drain, flush
+//! spans, exit. Exit codes: 0 stopped cleanly / the run completed; 1 runtime failure or a run that
+//! did not complete; 2 invalid flags or configuration.
 
 use std::process::ExitCode;
 
@@ -40,7 +40,17 @@ async fn main() -> ExitCode {
 }
 
 async fn serve(args: ServeArgs) -> Result<(), Error> {
-    shared::telemetry::init_logging(args.log_format, "info");
+    let telemetry = shared::telemetry::Telemetry::init("orchestrator", args.log_format, "info")
+        .map_err(|e| Error::Config(e.to_string()))?;
+    if let Some(to) = &telemetry.exporting_to {
+        tracing::info!(otlp = %to, "exporting traces");
+    }
+    let result = serve_with_telemetry(args).await;
+    telemetry.shutdown().await;
+    result
+}
+
+async fn serve_with_telemetry(args: ServeArgs) -> Result<(), Error> {
     let config = args.to_config()?;
     config.validate()?;
     let stop =
@@ -51,9 +61,25 @@ async fn serve(args: ServeArgs) -> Result<(), Error> {
             address: args.listen,
             source,
         })?;
-    orchestrator::run(listener, config, async move {
+    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    if let Some(address) = args.metrics_listen.0 {
+        let handle = shared::metrics::install().map_err(Error::Config)?;
+        let metrics_listener = tokio::net::TcpListener::bind(address)
+            .await
+            .map_err(|source| Error::Listen { address, source })?;
+        let bound = metrics_listener
+            .local_addr()
+            .map_err(|source| Error::Listen { address, source })?;
+        tracing::info!(address = %bound, "metrics serving on /metrics");
+        tokio::spawn(shared::metrics::serve(metrics_listener, handle, async move {
+            let _ = metrics_stopped.await;
+        }));
+    }
+    let result = orchestrator::run(listener, config, async move {
         let signal = stop.await;
         tracing::info!(signal, "stop signal received");
     })
-    .await
+    .await;
+    let _ = metrics_stop.send(());
+    result
 }

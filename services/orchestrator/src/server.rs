@@ -46,6 +46,7 @@ pub async fn run(
     let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_refresh_interval, LIST_TOOLS_TIMEOUT));
     let signals: Arc<dyn SignalTopic> = Arc::new(MemoryTopic::new(config.signal_buffer));
     let runs = Runs::new(config.runs);
+    crate::telemetry::describe();
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
@@ -57,6 +58,7 @@ pub async fn run(
             tools: Arc::new(runners.clone()),
             signals: Arc::clone(&signals),
             detector: config.detector,
+            trace_payloads: config.trace_payloads,
         },
         runs: Arc::clone(&runs),
         runners,

@@ -66,6 +66,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         if core.draining.load(Ordering::Acquire) {
             return Err(Error::Draining.into());
         }
+        let trace_context = request.metadata().clone();
         let caller_deadline = request
             .metadata()
             .get("grpc-timeout")
@@ -113,7 +114,28 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let caller_gone = (!detached).then(|| tx.clone());
         let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state));
         let (deps, runs) = (core.deps.clone(), Arc::clone(&core.runs));
-        let span = tracing::info_span!("run", run_id = %run_id, model = %spec.model);
+        let span = tracing::info_span!(
+            "invoke_agent",
+            otel.name = "invoke_agent orchestrator",
+            otel.kind = "server",
+            gen_ai.operation.name = "invoke_agent",
+            gen_ai.agent.name = "orchestrator",
+            gen_ai.provider.name = "openai",
+            gen_ai.request.model = %spec.model,
+            gen_ai.conversation.id = %run_id,
+            orchestrator.run.id = %run_id,
+            orchestrator.run.status = tracing::field::Empty,
+            orchestrator.run.failure_reason = tracing::field::Empty,
+            orchestrator.run.turns = tracing::field::Empty,
+            orchestrator.run.failed_turns = tracing::field::Empty,
+            orchestrator.run.signals = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            otel.status_description = tracing::field::Empty,
+        );
+        shared::telemetry::continue_trace(&span, &trace_context);
         tokio::spawn(
             async move {
                 let state = Arc::clone(&admitted.state);

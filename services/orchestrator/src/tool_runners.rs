@@ -131,6 +131,7 @@ impl ToolExecutor for ToolRunners {
                 metadata: call.metadata.into_iter().collect(),
             });
             request.set_timeout(call.timeout);
+            shared::telemetry::inject_current(request.metadata_mut());
             if let Some(v) = ascii_header(&call.run_id) {
                 request.metadata_mut().insert("x-run-id", v);
             }

@@ -100,6 +100,8 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
             "json",
             "--shutdown-grace",
             "5s",
+            "--metrics-listen",
+            "127.0.0.1:0",
         ])
         .env("LLM_BASE_URL", mock.base_url())
         .env("LLM_API_KEY", "sk-never-logged")

@@ -141,6 +141,12 @@ where
         }
         match self.admission.try_admit() {
             Err(status) => {
+                let reason = if status.code() == tonic::Code::Unavailable {
+                    "draining"
+                } else {
+                    "concurrency_limit"
+                };
+                metrics::counter!(crate::telemetry::metric::REJECTED, "reason" => reason).increment(1);
                 tracing::debug!(code = ?status.code(), "RunTool refused: {}", status.message());
                 Box::pin(futures::future::ready(Ok(status.into_http())))
             }

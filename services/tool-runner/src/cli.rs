@@ -101,6 +101,15 @@ pub struct ServeArgs {
     /// Log format: text or json.
     #[arg(long, env = "TOOL_RUNNER_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
+    /// Prometheus /metrics listen address, or `off`.
+    #[arg(long, env = "TOOL_RUNNER_METRICS_LISTEN", default_value = "127.0.0.1:9465")]
+    pub metrics_listen: shared::metrics::OptionalListen,
+    /// Record tool arguments and results on spans (off by default: they may hold secrets).
+    #[arg(long, env = "TOOL_RUNNER_TRACE_TOOL_PAYLOADS")]
+    pub trace_tool_payloads: bool,
+    /// Size cap of each recorded payload, in bytes (cap 64 KiB).
+    #[arg(long, env = "TOOL_RUNNER_TRACE_PAYLOAD_MAX_BYTES", default_value_t = limits::TRACE_PAYLOAD)]
+    pub trace_payload_max_bytes: usize,
 }
 
 impl ServeArgs {
@@ -123,6 +132,7 @@ impl ServeArgs {
                 max_depth: self.max_json_depth,
             },
             shutdown_grace: self.shutdown_grace,
+            trace_payloads: self.trace_tool_payloads.then_some(self.trace_payload_max_bytes),
         }
     }
 }

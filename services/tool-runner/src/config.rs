@@ -46,6 +46,10 @@ pub mod limits {
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     /// Cap on `--shutdown-grace`.
     pub const SHUTDOWN_GRACE_CAP: Duration = Duration::from_secs(3600);
+    /// Default size of payloads recorded on spans (when turned on).
+    pub const TRACE_PAYLOAD: usize = 1024;
+    /// Cap on recorded payloads.
+    pub const TRACE_PAYLOAD_CAP: usize = 64 * 1024;
 }
 
 /// Everything `run` needs.
@@ -61,6 +65,8 @@ pub struct Config {
     pub arg_limits: ArgLimits,
     /// How long in-flight calls may take to finish after a stop signal.
     pub shutdown_grace: Duration,
+    /// Record tool arguments and results on spans, truncated to this many bytes; `None` = off.
+    pub trace_payloads: Option<usize>,
 }
 
 impl Default for Config {
@@ -82,6 +88,7 @@ impl Default for Config {
                 max_depth: limits::MAX_JSON_DEPTH,
             },
             shutdown_grace: limits::SHUTDOWN_GRACE,
+            trace_payloads: None,
         }
     }
 }
@@ -110,6 +117,9 @@ impl Config {
             Duration::ZERO,
             SHUTDOWN_GRACE_CAP,
         )?;
+        if let Some(max) = self.trace_payloads {
+            check_range("--trace-payload-max-bytes", max, 1, TRACE_PAYLOAD_CAP)?;
+        }
         Ok(())
     }
 }

@@ -16,6 +16,7 @@ mod error;
 pub mod registry;
 pub mod server;
 pub mod service;
+pub mod telemetry;
 pub mod tools;
 
 pub use config::Config;

@@ -74,6 +74,11 @@ impl Registry {
         Ok(registry)
     }
 
+    /// Whether a tool of this name exists (enabled).
+    pub fn has(&self, name: &str) -> bool {
+        self.tools.contains_key(name)
+    }
+
     /// Every tool's spec, sorted by name.
     pub fn specs(&self) -> impl Iterator<Item = &ToolSpec> {
         self.tools.values().map(|e| &e.spec)

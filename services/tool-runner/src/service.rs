@@ -11,17 +11,39 @@ use tracing::Instrument;
 
 use crate::Error;
 use crate::registry::Registry;
+use crate::telemetry::{metric, truncate};
 use crate::tools::{CallContext, ErrorCode, ToolError, ToolSpec};
 
 /// Serves `ListTools` and `RunTool` from a [`Registry`].
 pub struct ToolRunnerService {
     registry: Arc<Registry>,
+    /// Record arguments and results on spans, truncated to this many bytes (`None`: off).
+    trace_payloads: Option<usize>,
 }
 
 impl ToolRunnerService {
     /// A service over `registry`.
-    pub fn new(registry: Arc<Registry>) -> Self {
-        Self { registry }
+    pub fn new(registry: Arc<Registry>, trace_payloads: Option<usize>) -> Self {
+        Self {
+            registry,
+            trace_payloads,
+        }
+    }
+}
+
+/// Keeps the in-flight gauge up while a call runs.
+struct InFlight;
+
+impl InFlight {
+    fn new() -> Self {
+        metrics::gauge!(metric::IN_FLIGHT).increment(1.0);
+        Self
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!(metric::IN_FLIGHT).decrement(1.0);
     }
 }
 
@@ -110,16 +132,35 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
     }
 
     async fn run_tool(&self, request: Request<pb::RunToolRequest>) -> Result<Response<pb::RunToolResponse>, Status> {
+        let trace_context = request.metadata().clone();
         let call = ToolCall::try_from(request.into_inner())?;
         let span = tracing::info_span!(
-            "run_tool",
-            tool = %call.tool_name,
-            run_id = %call.run_id,
-            call_id = %call.call_id,
+            "execute_tool",
+            otel.name = %format!("execute_tool {}", call.tool_name),
+            otel.kind = "server",
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = %call.tool_name,
+            gen_ai.tool.call.id = %call.call_id,
+            gen_ai.tool.type = "function",
+            gen_ai.conversation.id = %call.run_id,
+            gen_ai.tool.call.arguments = tracing::field::Empty,
+            gen_ai.tool.call.result = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
             metadata = ?call.metadata,
         );
+        shared::telemetry::continue_trace(&span, &trace_context);
+        if let Some(max) = self.trace_payloads {
+            span.record("gen_ai.tool.call.arguments", truncate(&call.arguments_json, max));
+        }
+        let tool_label = if self.registry.has(&call.tool_name) {
+            call.tool_name.clone()
+        } else {
+            "_unknown".to_owned()
+        };
         async move {
             let started = Instant::now();
+            let _in_flight = InFlight::new();
             let mut watch = CancelWatch { finished: false };
             let ctx = CallContext {
                 run_id: call.run_id.clone(),
@@ -128,17 +169,28 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
             };
             let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
             watch.finished = true;
-            let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
-            let outcome = match result {
+            let elapsed = started.elapsed();
+            let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+            let span = tracing::Span::current();
+            let (outcome, label) = match result {
                 Ok(value) => {
+                    let json = value.to_string();
+                    if let Some(max) = self.trace_payloads {
+                        span.record("gen_ai.tool.call.result", truncate(&json, max));
+                    }
                     tracing::info!(duration_ms, "tool call succeeded");
-                    pb::run_tool_response::Outcome::ContentJson(value.to_string())
+                    (pb::run_tool_response::Outcome::ContentJson(json), "ok".to_owned())
                 }
                 Err(error) => {
+                    let code = error.code.to_string();
+                    span.record("error.type", code.as_str());
+                    span.record("otel.status_code", "ERROR");
                     tracing::info!(duration_ms, code = %error.code, "tool call failed: {}", error.message);
-                    pb::run_tool_response::Outcome::Error(error.into())
+                    (pb::run_tool_response::Outcome::Error(error.into()), code)
                 }
             };
+            metrics::counter!(metric::EXECUTIONS, "tool" => tool_label.clone(), "outcome" => label).increment(1);
+            metrics::histogram!(metric::EXECUTION_DURATION, "tool" => tool_label).record(elapsed.as_secs_f64());
             Ok(Response::new(pb::RunToolResponse {
                 outcome: Some(outcome),
                 duration_ms,

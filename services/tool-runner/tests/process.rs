@@ -29,7 +29,7 @@ impl Process {
     /// Starts the binary on a free loopback port with JSON logs and waits until it serves.
     async fn start(extra: &[&str]) -> anyhow::Result<Self> {
         let mut child = Command::new(BIN)
-            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
+            .args(["--listen", "127.0.0.1:0", "--log-format", "json", "--metrics-listen", "127.0.0.1:0"])
             .args(extra)
             .current_dir(repo_root())
             .stdout(Stdio::null())
@@ -212,7 +212,7 @@ async fn limits_above_their_caps_are_refused_from_flags_and_environment() -> Tes
 async fn an_address_in_use_is_a_clear_startup_error() -> TestResult {
     let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
     let address = taken.local_addr()?.to_string();
-    let (code, _, stderr) = run_to_end(&["--listen", &address], &[]).await?;
+    let (code, _, stderr) = run_to_end(&["--listen", &address, "--metrics-listen", "off"], &[]).await?;
     assert_eq!(code, Some(1));
     assert!(stderr.contains(&format!("cannot listen on {address}")), "{stderr}");
     Ok(())

@@ -163,6 +163,12 @@ impl HttpLlm {
             }
             let delay = retry_after.unwrap_or_else(|| self.config.retry_backoff.saturating_mul(1 << attempt.min(16)));
             attempt += 1;
+            let reason = match &failure {
+                LlmError::Http(m) if m.contains("429") => "rate_limited",
+                LlmError::Http(m) if m.contains("cannot reach") => "connect",
+                _ => "server_error",
+            };
+            metrics::counter!(crate::telemetry::metric::LLM_RETRIES, "reason" => reason).increment(1);
             tracing::warn!(
                 attempt,
                 delay_ms = delay.as_millis() as u64,

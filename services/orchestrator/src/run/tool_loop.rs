@@ -17,6 +17,7 @@ use futures::future::join_all;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::bios::{BiosContext, render};
 use super::fallback::Resolution;
@@ -28,6 +29,7 @@ use super::{
 };
 use crate::llm::{ChatModel, ChatRequest, LlmError, Message, ToolCall, ToolDefinition};
 use crate::signals::SignalTopic;
+use crate::telemetry::{InFlight, metric, reason_label, status_label};
 
 /// What the loop needs from the outside world.
 #[derive(Clone)]
@@ -40,6 +42,9 @@ pub struct LoopDeps {
     pub signals: Arc<dyn SignalTopic>,
     /// Repeated-line detector settings.
     pub detector: DetectorConfig,
+    /// Record tool arguments and results on spans, truncated to this many bytes (off: `None`;
+    /// they may hold secrets).
+    pub trace_payloads: Option<usize>,
 }
 
 /// Cancels a run, saying why.
@@ -132,7 +137,9 @@ pub async fn run(
     caller_gone: Option<mpsc::Sender<NumberedEvent>>,
     store: impl FnOnce(&RunResult) + Send,
 ) -> RunResult {
-    let deadline = Instant::now() + spec.limits.run_timeout;
+    let started = Instant::now();
+    let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
+    let deadline = started + spec.limits.run_timeout;
     emitter
         .send(Event::RunStarted {
             model: spec.model.clone(),
@@ -184,6 +191,22 @@ pub async fn run(
         "run finished{}",
         if result.failure_detail.is_empty() { String::new() } else { format!(": {}", result.failure_detail) }
     );
+    let (status, reason) = (status_label(result.status), reason_label(result.failure_reason));
+    metrics::counter!(metric::RUNS, "status" => status, "reason" => reason).increment(1);
+    metrics::histogram!(metric::RUN_DURATION, "status" => status).record(started.elapsed().as_secs_f64());
+    let span = tracing::Span::current();
+    span.record("orchestrator.run.status", status);
+    span.record("orchestrator.run.turns", result.turns);
+    span.record("orchestrator.run.failed_turns", result.failed_turns);
+    span.record("orchestrator.run.signals", result.signals.len());
+    span.record("gen_ai.usage.input_tokens", result.usage.prompt_tokens);
+    span.record("gen_ai.usage.output_tokens", result.usage.completion_tokens);
+    if result.status == RunStatus::Failed {
+        span.record("orchestrator.run.failure_reason", reason);
+        span.record("error.type", reason);
+        span.record("otel.status_code", "ERROR");
+        span.record("otel.status_description", result.failure_detail.as_str());
+    }
     store(&result);
     emitter.send(Event::RunFinished(result.clone())).await;
     result
@@ -204,74 +227,149 @@ enum Disposition {
 }
 
 async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &mut Emitter, deadline: Instant) -> End {
-    let normal_names: HashSet<&str> = spec.normal_tools.iter().map(|t| t.name.as_str()).collect();
-    let exit_names: HashSet<&str> = spec.exit_tools.iter().map(|t| t.name.as_str()).collect();
-    let tools: Vec<ToolDefinition> = spec.normal_tools.iter().chain(&spec.exit_tools).cloned().collect();
-    let limits = spec.limits;
-    let max_turns = limits.max_turns.min(HARD_MAX_TURNS);
-    let mut conversation: Vec<Message> = Vec::new();
-    let mut detector = LoopDetector::new(deps.detector);
-    let mut ids = IdAllocator::default();
-    let mut used_budget = 0u32;
-    let mut failed_turns = 0u32;
-
+    let mut driver = Driver {
+        normal_names: spec.normal_tools.iter().map(|t| t.name.as_str()).collect(),
+        exit_names: spec.exit_tools.iter().map(|t| t.name.as_str()).collect(),
+        tools: spec.normal_tools.iter().chain(&spec.exit_tools).cloned().collect(),
+        max_turns: spec.limits.max_turns.min(HARD_MAX_TURNS),
+        conversation: Vec::new(),
+        detector: LoopDetector::new(deps.detector),
+        ids: IdAllocator::default(),
+        used_budget: 0,
+        failed_turns: 0,
+        run_span: tracing::Span::current(),
+        spec,
+        deps,
+        state,
+        emitter,
+        deadline,
+    };
     for turn in 1u32.. {
-        if turn > max_turns {
+        if turn > driver.max_turns {
             return End::Failed(
                 FailureReason::MaxTurnsExceeded,
-                format!("the model still called tools after {max_turns} turn(s)"),
+                format!("the model still called tools after {} turn(s)", driver.max_turns),
             );
         }
+        let span = tracing::info_span!(
+            "chat",
+            otel.name = %format!("chat {}", spec.model),
+            otel.kind = "client",
+            gen_ai.operation.name = "chat",
+            gen_ai.provider.name = "openai",
+            gen_ai.request.model = %spec.model,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            gen_ai.response.finish_reasons = tracing::field::Empty,
+            gen_ai.response.time_to_first_token = tracing::field::Empty,
+            orchestrator.turn = turn,
+            error.type = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let end = driver.turn(turn).instrument(span).await;
+        metrics::histogram!(metric::TURN_DURATION).record(started.elapsed().as_secs_f64());
+        if let Some(end) = end {
+            return end;
+        }
+    }
+    End::Failed(FailureReason::UnknownError, "the turn counter overflowed".to_owned())
+}
+
+/// The state of the loop across turns.
+struct Driver<'a> {
+    spec: &'a RunSpec,
+    deps: &'a LoopDeps,
+    state: &'a SharedState,
+    emitter: &'a mut Emitter,
+    deadline: Instant,
+    normal_names: HashSet<&'a str>,
+    exit_names: HashSet<&'a str>,
+    /// Normal and exit tools, as offered to the model.
+    tools: Vec<ToolDefinition>,
+    max_turns: u32,
+    /// Assistant and tool messages of the turns so far (exit calls excluded).
+    conversation: Vec<Message>,
+    detector: LoopDetector,
+    ids: IdAllocator,
+    used_budget: u32,
+    failed_turns: u32,
+    /// The run's span (`invoke_agent`), for signal events.
+    run_span: tracing::Span,
+}
+
+impl Driver<'_> {
+    /// One turn; `Some` when the run ends.
+    async fn turn(&mut self, turn: u32) -> Option<End> {
+        let (spec, deps, state, deadline) = (self.spec, self.deps, self.state, self.deadline);
+        let (limits, max_turns) = (spec.limits, self.max_turns);
+        let (normal_names, exit_names) = (&self.normal_names, &self.exit_names);
+        let emitter = &mut *self.emitter;
+        let run_span = self.run_span.clone();
         lock(state).turns = turn;
-        let remaining = limits.tool_call_budget.saturating_sub(used_budget);
+        let remaining = limits.tool_call_budget.saturating_sub(self.used_budget);
         let bios = render(&BiosContext {
             turn,
             max_turns,
             normal_tools: &spec.normal_tools,
             exit_tools: &spec.exit_tools,
             budget_remaining: remaining,
-            failures_remaining: limits.max_tool_failures.saturating_sub(failed_turns),
+            failures_remaining: limits.max_tool_failures.saturating_sub(self.failed_turns),
         });
-        let mut messages = Vec::with_capacity(2 + spec.messages.len() + conversation.len());
+        let mut messages = Vec::with_capacity(2 + spec.messages.len() + self.conversation.len());
         messages.push(Message::System(bios));
         if !spec.system.is_empty() {
             messages.push(Message::System(spec.system.clone()));
         }
         messages.extend(spec.messages.iter().cloned());
-        messages.extend(conversation.iter().cloned());
+        messages.extend(self.conversation.iter().cloned());
         let request = ChatRequest {
             model: spec.model.clone(),
             messages,
-            tools: tools.clone(),
+            tools: self.tools.clone(),
             params: spec.params.clone(),
         };
 
         // Stream the completion.
+        let requested = Instant::now();
         let mut stream = match deps.model.stream(request).await {
             Ok(stream) => stream,
-            Err(e) => return llm_failure(e),
+            Err(e) => return Some(llm_failure(e)),
         };
         let mut collector = TurnCollector::default();
         let mut turn_text = String::new();
+        let mut first_token = true;
         while let Some(item) = stream.next().await {
             match item {
                 Ok(event) => {
+                    if first_token && is_token(&event) {
+                        first_token = false;
+                        let ttft = requested.elapsed().as_secs_f64();
+                        tracing::Span::current().record("gen_ai.response.time_to_first_token", ttft);
+                        metrics::histogram!(metric::TIME_TO_FIRST_TOKEN).record(ttft);
+                    }
                     if let Some(text) = collector.push(event)
-                        && let Some(end) = show(emitter, &mut detector, &mut turn_text, &text, turn).await
+                        && let Some(end) = show(emitter, &mut self.detector, &mut turn_text, &text, turn).await
                     {
-                        return end;
+                        return Some(end);
                     }
                 }
                 Err(e) => {
                     // Keep every byte: text held back for directive parsing is output too.
                     let held = collector.held_text().to_owned();
                     emitter.text(&held, turn).await;
-                    return llm_failure(e);
+                    return Some(llm_failure(e));
                 }
             }
         }
         drop(stream);
         let output = collector.finish();
+        let chat_span = tracing::Span::current();
+        chat_span.record("gen_ai.usage.input_tokens", output.usage.prompt_tokens);
+        chat_span.record("gen_ai.usage.output_tokens", output.usage.completion_tokens);
+        if let Some(reason) = &output.finish_reason {
+            chat_span.record("gen_ai.response.finish_reasons", reason.as_str());
+        }
         {
             let mut state = lock(state);
             state.usage.prompt_tokens += output.usage.prompt_tokens;
@@ -284,14 +382,14 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
         // Take the calls: structured first, else directives written in the text.
         let calls: Vec<ModelCall> = match output.resolution {
             Resolution::Text(text) => {
-                if let Some(end) = show(emitter, &mut detector, &mut turn_text, &text, turn).await {
-                    return end;
+                if let Some(end) = show(emitter, &mut self.detector, &mut turn_text, &text, turn).await {
+                    return Some(end);
                 }
                 output
                     .structured
                     .into_iter()
                     .map(|c| ModelCall {
-                        id: ids.take(c.id),
+                        id: self.ids.take(c.id),
                         name: c.name,
                         arguments: c.arguments,
                     })
@@ -304,15 +402,15 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
                 {
                     let detail = format!("the text calls an unknown tool {:?}", unknown.name);
                     emitter.text(&raw, turn).await;
-                    return End::Failed(FailureReason::ToolParseError, detail);
+                    return Some(End::Failed(FailureReason::ToolParseError, detail));
                 }
-                if let Some(end) = show(emitter, &mut detector, &mut turn_text, &stripped, turn).await {
-                    return end;
+                if let Some(end) = show(emitter, &mut self.detector, &mut turn_text, &stripped, turn).await {
+                    return Some(end);
                 }
                 calls
                     .into_iter()
                     .map(|c| ModelCall {
-                        id: ids.take(None),
+                        id: self.ids.take(None),
                         name: c.name,
                         arguments: c.arguments,
                     })
@@ -320,7 +418,7 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
             }
             Resolution::Malformed { detail, raw } => {
                 emitter.text(&raw, turn).await;
-                return End::Failed(FailureReason::ToolParseError, detail);
+                return Some(End::Failed(FailureReason::ToolParseError, detail));
             }
         };
 
@@ -368,6 +466,15 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
             };
             lock(state).signals.push(signal.clone());
             deps.signals.publish(&signal);
+            metrics::counter!(metric::SIGNALS_PUBLISHED).increment(1);
+            tracing::info!(
+                parent: &run_span,
+                gen_ai.tool.name = %signal.tool_name,
+                gen_ai.tool.call.id = %signal.call_id,
+                orchestrator.signal.arguments_valid = signal.arguments_valid,
+                orchestrator.turn = turn,
+                "signal"
+            );
             emitter.send(Event::Signal(signal)).await;
         }
 
@@ -379,8 +486,8 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
             _ => None,
         });
         if let (Some(error), ParsePolicy::Fail) = (first_bad, spec.parse_policy) {
-            finish_turn(emitter, turn, output.usage, remaining, failed_turns).await;
-            return End::Failed(FailureReason::ToolParseError, error.message.clone());
+            finish_turn(emitter, turn, output.usage, remaining, self.failed_turns).await;
+            return Some(End::Failed(FailureReason::ToolParseError, error.message.clone()));
         }
 
         // Budget: execute the first `remaining` normal calls (model order).
@@ -389,18 +496,18 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
             .collect();
         let exhausted = normal.len() > remaining as usize;
         let executed: Vec<usize> = normal.iter().copied().take(remaining as usize).collect();
-        used_budget += executed.len() as u32;
-        let budget_left = limits.tool_call_budget.saturating_sub(used_budget);
+        self.used_budget += executed.len() as u32;
+        let budget_left = limits.tool_call_budget.saturating_sub(self.used_budget);
 
         if executed.is_empty() && bad.is_empty() {
-            finish_turn(emitter, turn, output.usage, budget_left, failed_turns).await;
+            finish_turn(emitter, turn, output.usage, budget_left, self.failed_turns).await;
             if exhausted {
-                return End::Failed(
+                return Some(End::Failed(
                     FailureReason::ToolBudgetExhausted,
                     budget_detail(limits.tool_call_budget, normal.len()),
-                );
+                ));
             }
-            return End::Completed;
+            return Some(End::Completed);
         }
 
         // Dispatch concurrently.
@@ -428,8 +535,30 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
                 metadata: spec.metadata.clone(),
                 timeout: tool_timeout,
             };
-            let future = deps.tools.execute(invocation);
+            let span = tracing::info_span!(
+                "execute_tool",
+                otel.name = %format!("execute_tool {}", call.name),
+                otel.kind = "client",
+                gen_ai.operation.name = "execute_tool",
+                gen_ai.tool.name = %call.name,
+                gen_ai.tool.call.id = %call.id,
+                gen_ai.tool.type = "function",
+                gen_ai.tool.call.arguments = tracing::field::Empty,
+                gen_ai.tool.call.result = tracing::field::Empty,
+                error.type = tracing::field::Empty,
+                otel.status_code = tracing::field::Empty,
+            );
+            if let Some(max) = deps.trace_payloads {
+                span.record(
+                    "gen_ai.tool.call.arguments",
+                    crate::telemetry::truncate(&call.arguments, max),
+                );
+            }
+            let tool = call.name.clone();
+            let future = span.in_scope(|| deps.tools.execute(invocation));
+            let trace_payloads = deps.trace_payloads;
             async move {
+                let _in_flight = InFlight::new(metric::TOOL_CALLS_IN_FLIGHT);
                 let started = Instant::now();
                 let result = match tokio::time::timeout(tool_timeout, future).await {
                     Ok(result) => result,
@@ -438,8 +567,26 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
                         format!("no result within {}", humantime::format_duration(tool_timeout)),
                     )),
                 };
-                (i, result, started.elapsed())
+                let elapsed = started.elapsed();
+                let span = tracing::Span::current();
+                let outcome = match &result {
+                    Ok(content) => {
+                        if let Some(max) = trace_payloads {
+                            span.record("gen_ai.tool.call.result", crate::telemetry::truncate(content, max));
+                        }
+                        "ok".to_owned()
+                    }
+                    Err(error) => {
+                        span.record("error.type", error.code.as_str());
+                        span.record("otel.status_code", "ERROR");
+                        error.code.clone()
+                    }
+                };
+                metrics::counter!(metric::TOOL_CALLS, "tool" => tool.clone(), "outcome" => outcome).increment(1);
+                metrics::histogram!(metric::TOOL_CALL_DURATION, "tool" => tool).record(elapsed.as_secs_f64());
+                (i, result, elapsed)
             }
+            .instrument(span)
         }))
         .await;
 
@@ -492,33 +639,33 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
 
         // Failures count once per turn, however many calls failed.
         if any_failed {
-            failed_turns += 1;
-            lock(state).failed_turns = failed_turns;
+            self.failed_turns += 1;
+            lock(state).failed_turns = self.failed_turns;
         }
-        conversation.push(Message::Assistant {
+        self.conversation.push(Message::Assistant {
             content: std::mem::take(&mut turn_text),
             tool_calls: assistant_calls,
         });
-        conversation.extend(tool_messages);
-        finish_turn(emitter, turn, output.usage, budget_left, failed_turns).await;
+        self.conversation.extend(tool_messages);
+        finish_turn(emitter, turn, output.usage, budget_left, self.failed_turns).await;
 
-        if failed_turns > limits.max_tool_failures {
-            return End::Failed(
+        if self.failed_turns > limits.max_tool_failures {
+            return Some(End::Failed(
                 FailureReason::ToolFailureLimit,
                 format!(
-                    "{failed_turns} turn(s) had failing tool calls; at most {} are tolerated",
-                    limits.max_tool_failures
+                    "{} turn(s) had failing tool calls; at most {} are tolerated",
+                    self.failed_turns, limits.max_tool_failures
                 ),
-            );
+            ));
         }
         if exhausted {
-            return End::Failed(
+            return Some(End::Failed(
                 FailureReason::ToolBudgetExhausted,
                 budget_detail(limits.tool_call_budget, normal.len()),
-            );
+            ));
         }
+        None
     }
-    End::Failed(FailureReason::UnknownError, "the turn counter overflowed".to_owned())
 }
 
 fn budget_detail(budget: u32, asked: usize) -> String {
@@ -560,7 +707,26 @@ async fn finish_turn(emitter: &mut Emitter, turn: u32, usage: crate::llm::Usage,
         .await;
 }
 
+/// Whether an event carries generated output (for time to first token).
+fn is_token(event: &crate::llm::LlmEvent) -> bool {
+    use crate::llm::LlmEvent as E;
+    matches!(
+        event,
+        E::TextDelta(_) | E::ReasoningDelta(_) | E::ToolCallFragment { .. }
+    )
+}
+
 fn llm_failure(e: LlmError) -> End {
+    let span = tracing::Span::current();
+    span.record(
+        "error.type",
+        if matches!(e, LlmError::Stalled(_)) {
+            "llm_stream_stalled"
+        } else {
+            "llm_error"
+        },
+    );
+    span.record("otel.status_code", "ERROR");
     match e {
         LlmError::Stalled(_) => End::Failed(FailureReason::LlmStreamStalled, e.to_string()),
         _ => End::Failed(FailureReason::LlmError, e.to_string()),
@@ -726,6 +892,7 @@ mod tests {
                 window: 64,
                 threshold: 8,
             },
+            trace_payloads: None,
         };
         let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
         let (tx, mut rx) = mpsc::channel(1024);

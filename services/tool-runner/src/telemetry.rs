@@ -1,0 +1,43 @@
+//! What the tool-runner reports: the `execute_tool {name}` span (kind server, continuing the
+//! caller's trace) and Prometheus metrics.
+
+/// Metric names (Prometheus conventions).
+pub mod metric {
+    /// Counter: executions by `tool` and `outcome` (`ok` or the error code).
+    pub const EXECUTIONS: &str = "tool_runner_executions_total";
+    /// Histogram: execution wall time, by `tool`.
+    pub const EXECUTION_DURATION: &str = "tool_runner_execution_duration_seconds";
+    /// Gauge: executions in flight.
+    pub const IN_FLIGHT: &str = "tool_runner_executions_in_flight";
+    /// Counter: calls refused before running, by `reason` (`concurrency_limit`, `draining`).
+    pub const REJECTED: &str = "tool_runner_rejected_total";
+}
+
+/// Registers every metric with its help text (and zero values).
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        metric::EXECUTIONS,
+        "Tool executions by tool and outcome (ok or the error code)."
+    );
+    describe_histogram!(
+        metric::EXECUTION_DURATION,
+        Unit::Seconds,
+        "Tool execution wall time by tool."
+    );
+    describe_gauge!(metric::IN_FLIGHT, "Tool executions in flight.");
+    describe_counter!(metric::REJECTED, "RunTool calls refused before running, by reason.");
+    metrics::gauge!(metric::IN_FLIGHT).set(0.0);
+    for reason in ["concurrency_limit", "draining"] {
+        metrics::counter!(metric::REJECTED, "reason" => reason).absolute(0);
+    }
+}
+
+/// At most `max` bytes of `text` (on a character boundary), for span attributes.
+pub fn truncate(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
