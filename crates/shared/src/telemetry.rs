@@ -58,7 +58,12 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
         .with_writer(std::io::stderr);
     let _already_set = match format {
         LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .try_init(),
     };
 }
 
@@ -126,7 +131,10 @@ impl Telemetry {
         let tracer = provider.tracer(service_name.to_owned());
         let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
         let otel = tracing_opentelemetry::layer().with_tracer(tracer);
-        let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(ansi);
         let registry = tracing_subscriber::registry().with(filter).with(otel);
         let installed = match format {
             LogFormat::Text => registry.with(fmt.event_format(WithTraceIds::text())).try_init(),

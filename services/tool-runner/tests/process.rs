@@ -29,7 +29,14 @@ impl Process {
     /// Starts the binary on a free loopback port with JSON logs and waits until it serves.
     async fn start(extra: &[&str]) -> anyhow::Result<Self> {
         let mut child = Command::new(BIN)
-            .args(["--listen", "127.0.0.1:0", "--log-format", "json", "--metrics-listen", "127.0.0.1:0"])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
             .args(extra)
             .current_dir(repo_root())
             .stdout(Stdio::null())
@@ -262,10 +269,16 @@ async fn list_and_call_commands_use_a_running_runner() -> TestResult {
             .all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok()),
         "{logs:?}"
     );
-    assert!(
-        logs.iter()
-            .any(|l| l.contains("tool call succeeded") && l.contains("calculate")),
-        "{logs:?}"
+    let call_line = logs
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["message"] == "tool call succeeded" && l["span"]["gen_ai.tool.name"] == "calculate")
+        .ok_or_else(|| anyhow::anyhow!("no log line for the calculate call: {logs:?}"))?;
+    assert_eq!(
+        call_line["trace_id"].as_str().map(str::len),
+        Some(32),
+        "log lines carry the trace id: {call_line}"
     );
+    assert_eq!(call_line["span_id"].as_str().map(str::len), Some(16), "{call_line}");
     Ok(())
 }
