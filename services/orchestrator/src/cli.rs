@@ -69,7 +69,9 @@ pub struct ServeArgs {
     /// Longest SSE line accepted from the LLM, in bytes (cap 64 MiB).
     #[arg(long, env = "LLM_MAX_LINE_BYTES", default_value_t = limits::LLM_MAX_LINE_BYTES)]
     pub llm_max_line_bytes: usize,
-    /// Tool-runner endpoint, http://host:port (repeatable; comma-separated in the environment).
+    /// Tool-runner endpoint: http://host:port, or dns:///name:port for every address of a name
+    /// (a Kubernetes headless Service), re-resolved on an interval. Repeatable; comma-separated in
+    /// the environment.
     #[arg(
         long = "tool-runner",
         env = "TOOL_RUNNER_ENDPOINTS",
@@ -80,6 +82,15 @@ pub struct ServeArgs {
     /// How often the tool catalog is refreshed with ListTools (cap 1h).
     #[arg(long, env = "ORCHESTRATOR_TOOL_REFRESH_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub tool_refresh_interval: Duration,
+    /// How often dns:/// tool-runner targets are resolved again (cap 10m).
+    #[arg(long, env = "ORCHESTRATOR_TOOL_RUNNER_RESOLVE_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub tool_runner_resolve_interval: Duration,
+    /// Retries of a tool call no runner ran (refused over its limit or draining; cap 10).
+    #[arg(long, env = "ORCHESTRATOR_TOOL_CALL_RETRIES", default_value_t = limits::TOOL_CALL_RETRIES)]
+    pub tool_call_retries: u32,
+    /// First delay between those retries, doubled each time (cap 5s).
+    #[arg(long, env = "ORCHESTRATOR_TOOL_CALL_RETRY_BACKOFF", default_value = "25ms", value_parser = parse_duration)]
+    pub tool_call_retry_backoff: Duration,
     /// Exit tool offered to every run: NAME or NAME=SCHEMA_FILE (a JSON Schema; its
     /// "description" describes the tool). Repeatable; comma-separated in the environment.
     #[arg(long = "exit-tool", env = "ORCHESTRATOR_EXIT_TOOLS", value_delimiter = ',')]
@@ -234,6 +245,9 @@ impl ServeArgs {
         config.llm.retry_backoff = self.llm_retry_backoff;
         config.llm.max_line_bytes = self.llm_max_line_bytes;
         config.tool_refresh_interval = self.tool_refresh_interval;
+        config.tool_runner_resolve_interval = self.tool_runner_resolve_interval;
+        config.tool_call_retries = self.tool_call_retries;
+        config.tool_call_retry_backoff = self.tool_call_retry_backoff;
         config.exit_tools = self
             .exit_tools
             .iter()

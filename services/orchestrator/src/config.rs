@@ -84,6 +84,18 @@ pub mod limits {
     pub const TOOL_REFRESH: Duration = Duration::from_secs(30);
     /// Cap on the refresh interval.
     pub const TOOL_REFRESH_CAP: Duration = Duration::from_secs(3600);
+    /// Default DNS re-resolution interval of `dns:///` tool-runner targets.
+    pub const RESOLVE_INTERVAL: Duration = Duration::from_secs(10);
+    /// Cap on the re-resolution interval.
+    pub const RESOLVE_INTERVAL_CAP: Duration = Duration::from_secs(600);
+    /// Default retries of a tool call no runner ran.
+    pub const TOOL_CALL_RETRIES: u32 = 3;
+    /// Cap on those retries.
+    pub const TOOL_CALL_RETRIES_CAP: u32 = 10;
+    /// Default first delay between those retries.
+    pub const TOOL_CALL_RETRY_BACKOFF: Duration = Duration::from_millis(25);
+    /// Cap on that delay.
+    pub const TOOL_CALL_RETRY_BACKOFF_CAP: Duration = Duration::from_secs(5);
     /// Default drain grace period.
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     /// Cap on the grace period.
@@ -109,6 +121,12 @@ pub struct Config {
     pub tool_runners: Vec<String>,
     /// How often the tool catalog is refreshed.
     pub tool_refresh_interval: Duration,
+    /// How often `dns:///` tool-runner targets are resolved again.
+    pub tool_runner_resolve_interval: Duration,
+    /// Retries of a tool call no runner ran (refused over its limit or draining, or never delivered).
+    pub tool_call_retries: u32,
+    /// First delay between those retries (doubles per attempt).
+    pub tool_call_retry_backoff: Duration,
     /// Exit tools every run offers.
     pub exit_tools: Vec<ToolDefinition>,
     /// Limits used when a request sets none.
@@ -156,6 +174,9 @@ impl Config {
             model: model.to_owned(),
             tool_runners,
             tool_refresh_interval: limits::TOOL_REFRESH,
+            tool_runner_resolve_interval: limits::RESOLVE_INTERVAL,
+            tool_call_retries: limits::TOOL_CALL_RETRIES,
+            tool_call_retry_backoff: limits::TOOL_CALL_RETRY_BACKOFF,
             exit_tools: Vec::new(),
             default_limits,
             ceiling_limits: Limits {
@@ -262,6 +283,24 @@ impl Config {
             Duration::ZERO,
             SHUTDOWN_GRACE_CAP,
         )?;
+        check_duration(
+            "--tool-runner-resolve-interval",
+            self.tool_runner_resolve_interval,
+            Duration::from_millis(100),
+            RESOLVE_INTERVAL_CAP,
+        )?;
+        check_range("--tool-call-retries", self.tool_call_retries, 0, TOOL_CALL_RETRIES_CAP)?;
+        check_duration(
+            "--tool-call-retry-backoff",
+            self.tool_call_retry_backoff,
+            Duration::ZERO,
+            TOOL_CALL_RETRY_BACKOFF_CAP,
+        )?;
+        for target in &self.tool_runners {
+            target
+                .parse::<crate::tool_runners::Target>()
+                .map_err(|e| Error::Config(format!("--tool-runner {e}")))?;
+        }
         if let Some(max) = self.trace_payloads {
             check_range("--trace-payload-max-bytes", max, 1, TRACE_PAYLOAD_CAP)?;
         }

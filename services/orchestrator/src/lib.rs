@@ -17,6 +17,7 @@ pub mod convert;
 pub mod demo;
 mod error;
 pub mod llm;
+pub mod pool;
 pub mod run;
 pub mod runs;
 pub mod server;

@@ -22,7 +22,7 @@ use crate::runs::Runs;
 use crate::service::{Core, OrchestratorService};
 use crate::signals::SignalTopic;
 use crate::signals::memory::MemoryTopic;
-use crate::tool_runners::ToolRunners;
+use crate::tool_runners::{ClientSettings, Resolve, SystemResolver, ToolRunners};
 use crate::{Config, Error};
 
 /// The gRPC service name reported by health checks.
@@ -36,17 +36,33 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    run_with_resolver(listener, config, Arc::new(SystemResolver), shutdown).await
+}
+
+/// [`run`] with another DNS resolver for `dns:///` tool-runner targets (tests script answers).
+pub async fn run_with_resolver(
+    listener: TcpListener,
+    config: Config,
+    resolver: Arc<dyn Resolve>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
     config.validate()?;
+    crate::telemetry::describe();
     let model = Arc::new(HttpLlm::new(config.llm.clone()).map_err(Error::Config)?);
-    let runners = ToolRunners::new(&config.tool_runners, Duration::from_secs(5))?;
+    let settings = ClientSettings {
+        connect_timeout: Duration::from_secs(5),
+        resolve_interval: config.tool_runner_resolve_interval,
+        retries: config.tool_call_retries,
+        retry_backoff: config.tool_call_retry_backoff,
+    };
+    let runners = ToolRunners::connect(&config.tool_runners, resolver, settings).await?;
     match runners.refresh(LIST_TOOLS_TIMEOUT).await {
-        Ok(count) => tracing::info!(tools = count, runners = %config.tool_runners.join(","), "tool catalog loaded"),
+        Ok(count) => tracing::info!(tools = count, endpoints = %runners.endpoints().join(","), "tool catalog loaded"),
         Err(e) => tracing::warn!("{e}; serving anyway, the catalog is retried on every refresh and on demand"),
     }
     let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_refresh_interval, LIST_TOOLS_TIMEOUT));
     let signals: Arc<dyn SignalTopic> = Arc::new(MemoryTopic::new(config.signal_buffer));
     let runs = Runs::new(config.runs);
-    crate::telemetry::describe();
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;

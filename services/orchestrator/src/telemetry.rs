@@ -29,6 +29,10 @@ pub mod metric {
     pub const SIGNALS_FAILED: &str = "orchestrator_signals_failed_total";
     /// Counter: LLM requests retried before the first byte, by `reason`.
     pub const LLM_RETRIES: &str = "orchestrator_llm_retries_total";
+    /// Counter: tool calls retried because no runner ran them, by `reason`.
+    pub const TOOL_CALL_RETRIES: &str = "orchestrator_tool_call_retries_total";
+    /// Gauge: tool-runner endpoints calls are balanced over.
+    pub const TOOL_RUNNER_ENDPOINTS: &str = "orchestrator_tool_runner_endpoints";
 }
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
@@ -62,6 +66,14 @@ pub fn describe() {
     describe_counter!(
         metric::LLM_RETRIES,
         "LLM requests retried before the first byte, by reason."
+    );
+    describe_counter!(
+        metric::TOOL_CALL_RETRIES,
+        "Tool calls retried because no runner ran them, by reason."
+    );
+    describe_gauge!(
+        metric::TOOL_RUNNER_ENDPOINTS,
+        "Tool-runner endpoints calls are balanced over."
     );
     metrics::gauge!(metric::RUNS_IN_FLIGHT).set(0.0);
     metrics::gauge!(metric::TOOL_CALLS_IN_FLIGHT).set(0.0);

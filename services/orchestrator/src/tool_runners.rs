@@ -1,23 +1,38 @@
-//! The client side of the tool-runners: one balanced gRPC channel over every configured
-//! endpoint, the tool catalog (discovered with `ListTools` at start and refreshed periodically),
-//! and [`ToolExecutor`] for the run loop.
+//! The client side of the tool-runners: one balanced gRPC channel over every runner endpoint,
+//! the tool catalog (discovered with `ListTools` at start and refreshed periodically), and
+//! [`ToolExecutor`] for the run loop.
+//!
+//! Endpoints are static (`http://host:port`, repeatable) or resolved from DNS
+//! (`dns:///name:port`, e.g. a Kubernetes headless Service, which answers with every pod's
+//! address). DNS names are re-resolved on an interval and the [`Pool`] gains and loses endpoints
+//! as the answer changes; each call goes to the less loaded of two random endpoints.
 //!
 //! Each `RunTool` carries the run id and call id as request metadata (`x-run-id`, `x-call-id`),
-//! the run's metadata in the request body, and a gRPC deadline (the call's timeout). Dropping a
-//! call resets its HTTP/2 stream, which cancels the tool on the runner.
+//! the run's metadata in the request body, the trace context, and a gRPC deadline. A call the
+//! runner refused before running it (it says so with `x-tool-runner-refused`: over its
+//! concurrency limit, or draining), or that never reached a runner (connect error), is retried
+//! on another endpoint with backoff, a bounded number of times; a call whose tool may have
+//! started is never retried.
+//! Dropping a call resets its HTTP/2 stream, which cancels the tool on the runner.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::str::FromStr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use shared::proto::toolrunner::v1 as pb;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::Error;
 use crate::llm::ToolDefinition;
+use crate::pool::Pool;
 use crate::run::{ToolCallError, ToolExecutor, ToolInvocation};
+
+/// Response metadata by which a runner says it refused a call before running it.
+pub const REFUSED_HEADER: &str = "x-tool-runner-refused";
 
 /// A tool the runners offer.
 #[derive(Debug, Clone)]
@@ -28,46 +43,235 @@ pub struct RemoteTool {
     pub timeout: Duration,
 }
 
+/// Where tool-runners are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// One endpoint, `http://host:port`.
+    Static(String),
+    /// Every address a DNS name resolves to, on `port`.
+    Dns {
+        /// The name, e.g. `tool-runner.tools.svc.cluster.local`.
+        host: String,
+        /// The port of every address.
+        port: u16,
+    },
+}
+
+impl FromStr for Target {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if let Some(rest) = s.strip_prefix("dns://") {
+            // dns:///name:port (the authority, a DNS server, is not supported: the system resolver is used).
+            let Some(name_port) = rest.strip_prefix('/') else {
+                return Err(format!(
+                    "{s:?}: use dns:///name:port (a DNS server in the authority is not supported)"
+                ));
+            };
+            let (host, port) = name_port
+                .rsplit_once(':')
+                .ok_or_else(|| format!("{s:?}: the port is missing (dns:///name:port)"))?;
+            let port = port.parse().map_err(|_| format!("{s:?}: {port:?} is not a port"))?;
+            if host.is_empty() {
+                return Err(format!("{s:?}: the name is empty"));
+            }
+            return Ok(Self::Dns {
+                host: host.to_owned(),
+                port,
+            });
+        }
+        if s.starts_with("http://") || s.starts_with("https://") {
+            Endpoint::from_shared(s.to_owned()).map_err(|e| format!("{s:?}: {e}"))?;
+            return Ok(Self::Static(s.trim_end_matches('/').to_owned()));
+        }
+        Err(format!("{s:?}: use http://host:port or dns:///name:port"))
+    }
+}
+
+/// Resolves DNS names (the system resolver in production; scripted answers in tests).
+pub trait Resolve: Send + Sync + 'static {
+    /// Every address `host` resolves to, with `port`.
+    fn resolve(&self, host: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
+}
+
+/// The system resolver (`getaddrinfo`: `/etc/hosts`, then DNS).
+pub struct SystemResolver;
+
+impl Resolve for SystemResolver {
+    fn resolve(&self, host: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        let host = host.to_owned();
+        async move { Ok(tokio::net::lookup_host((host.as_str(), port)).await?.collect()) }.boxed()
+    }
+}
+
+/// How calls to the runners behave.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientSettings {
+    /// Connect timeout per endpoint.
+    pub connect_timeout: Duration,
+    /// How often DNS targets are resolved again.
+    pub resolve_interval: Duration,
+    /// Retries of a call refused before it ran.
+    pub retries: u32,
+    /// First retry delay (doubles per attempt).
+    pub retry_backoff: Duration,
+}
+
+/// Aborts a background task when the last clone is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// How long an endpoint is skipped after refusing a call over its concurrency limit.
+const BUSY_COOLDOWN: Duration = Duration::from_millis(200);
+/// How long an endpoint is skipped after saying it drains, or when it cannot be reached.
+const GONE_COOLDOWN: Duration = Duration::from_secs(2);
+
 /// Connection to the tool-runners.
 #[derive(Clone)]
 pub struct ToolRunners {
-    client: pb::tool_runner_client::ToolRunnerClient<Channel>,
+    pool: Arc<Pool>,
     catalog: Arc<RwLock<BTreeMap<String, RemoteTool>>>,
-    endpoints: Arc<Vec<String>>,
+    targets: Arc<Vec<String>>,
+    settings: ClientSettings,
+    _resolver: Option<Arc<AbortOnDrop>>,
+}
+
+fn endpoint(uri: &str, settings: &ClientSettings) -> Result<Endpoint, Error> {
+    Ok(Endpoint::from_shared(uri.to_owned())
+        .map_err(|e| Error::Config(format!("--tool-runner {uri:?}: {e}")))?
+        .connect_timeout(settings.connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_while_idle(true))
+}
+
+/// Resolves every DNS target; `None` for a target whose lookup failed (its previous answer stays).
+async fn resolve_all(resolver: &dyn Resolve, dns: &[(String, u16)]) -> Vec<Option<BTreeSet<String>>> {
+    let mut answers = Vec::with_capacity(dns.len());
+    for (host, port) in dns {
+        answers.push(match resolver.resolve(host, *port).await {
+            Ok(addrs) => Some(addrs.iter().map(|a| format!("http://{a}")).collect()),
+            Err(e) => {
+                tracing::warn!(name = %host, "resolving tool-runners failed (keeping the previous endpoints): {e}");
+                None
+            }
+        });
+    }
+    answers
+}
+
+/// Puts the static endpoints plus the latest DNS answers into the pool.
+fn update(pool: &Pool, statics: &BTreeSet<String>, answers: &[BTreeSet<String>], settings: &ClientSettings) {
+    let wanted: BTreeSet<&String> = statics.iter().chain(answers.iter().flatten()).collect();
+    let endpoints = wanted
+        .into_iter()
+        .filter_map(|uri| match endpoint(uri, settings) {
+            Ok(e) => Some((uri.clone(), e)),
+            Err(e) => {
+                tracing::warn!("{e}");
+                None
+            }
+        })
+        .collect();
+    let (added, removed) = pool.set(endpoints);
+    for uri in &added {
+        tracing::info!(endpoint = %uri, "tool-runner endpoint added");
+    }
+    for uri in &removed {
+        tracing::info!(endpoint = %uri, "tool-runner endpoint removed");
+    }
+    metrics::gauge!(crate::telemetry::metric::TOOL_RUNNER_ENDPOINTS).set(pool.uris().len() as f64);
 }
 
 impl ToolRunners {
-    /// A balanced channel over `endpoints` (`http://host:port`); connects lazily.
-    pub fn new(endpoints: &[String], connect_timeout: Duration) -> Result<Self, Error> {
-        if endpoints.is_empty() {
+    /// Connects to `targets` (static endpoints and DNS names); DNS names are resolved now and
+    /// then every `settings.resolve_interval`.
+    pub async fn connect(
+        targets: &[String],
+        resolver: Arc<dyn Resolve>,
+        settings: ClientSettings,
+    ) -> Result<Self, Error> {
+        if targets.is_empty() {
             return Err(Error::Config("at least one --tool-runner endpoint is needed".into()));
         }
-        let mut list = Vec::with_capacity(endpoints.len());
-        for endpoint in endpoints {
-            let parsed = Endpoint::from_shared(endpoint.clone())
-                .map_err(|e| Error::Config(format!("--tool-runner {endpoint:?}: {e}")))?
-                .connect_timeout(connect_timeout)
-                .tcp_nodelay(true)
-                .http2_keep_alive_interval(Duration::from_secs(30))
-                .keep_alive_while_idle(true);
-            list.push(parsed);
+        let mut statics = BTreeSet::new();
+        let mut dns = Vec::new();
+        for target in targets {
+            match target
+                .parse::<Target>()
+                .map_err(|e| Error::Config(format!("--tool-runner {e}")))?
+            {
+                Target::Static(uri) => {
+                    endpoint(&uri, &settings)?;
+                    statics.insert(uri);
+                }
+                Target::Dns { host, port } => dns.push((host, port)),
+            }
         }
-        let channel = Channel::balance_list(list.into_iter());
+        let pool = Arc::new(Pool::new());
+        let mut answers: Vec<BTreeSet<String>> = resolve_all(resolver.as_ref(), &dns)
+            .await
+            .into_iter()
+            .map(Option::unwrap_or_default)
+            .collect();
+        update(&pool, &statics, &answers, &settings);
+        let resolver_task = (!dns.is_empty()).then(|| {
+            let pool = Arc::clone(&pool);
+            Arc::new(AbortOnDrop(tokio::spawn(async move {
+                let mut ticker = tokio::time::interval(settings.resolve_interval);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                ticker.tick().await;
+                loop {
+                    ticker.tick().await;
+                    for (i, answer) in resolve_all(resolver.as_ref(), &dns).await.into_iter().enumerate() {
+                        if let Some(answer) = answer {
+                            answers[i] = answer;
+                        }
+                    }
+                    update(&pool, &statics, &answers, &settings);
+                }
+            })))
+        });
         Ok(Self {
-            client: pb::tool_runner_client::ToolRunnerClient::new(channel).max_decoding_message_size(64 * 1024 * 1024),
+            pool,
             catalog: Arc::default(),
-            endpoints: Arc::new(endpoints.to_vec()),
+            targets: Arc::new(targets.to_vec()),
+            settings,
+            _resolver: resolver_task,
         })
     }
 
-    /// Fetches the tool list; on failure the previous catalog stays in use.
+    /// The endpoints calls are balanced over now.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.pool.uris()
+    }
+
+    /// Fetches the tool list from one endpoint (trying others if it fails); on failure the
+    /// previous catalog stays in use.
     pub async fn refresh(&self, timeout: Duration) -> Result<usize, String> {
-        let mut request = tonic::Request::new(pb::ListToolsRequest {});
-        request.set_timeout(timeout);
-        let response = tokio::time::timeout(timeout, self.client.clone().list_tools(request))
-            .await
-            .map_err(|_| format!("ListTools on {} timed out", self.endpoints.join(", ")))?
-            .map_err(|s| format!("ListTools on {} failed: {}", self.endpoints.join(", "), s.message()))?;
+        let mut tried = Vec::new();
+        let mut last_error = format!("no tool-runner endpoint (targets: {})", self.targets.join(", "));
+        let response = loop {
+            let Some(lease) = self.pool.pick(&tried).filter(|l| !tried.contains(&l.member.uri)) else {
+                return Err(last_error);
+            };
+            tried.push(lease.member.uri.clone());
+            let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone());
+            let mut request = tonic::Request::new(pb::ListToolsRequest {});
+            request.set_timeout(timeout);
+            match tokio::time::timeout(timeout, client.list_tools(request)).await {
+                Ok(Ok(response)) => break response,
+                Ok(Err(status)) => {
+                    last_error = format!("ListTools on {} failed: {}", lease.member.uri, status.message())
+                }
+                Err(_) => last_error = format!("ListTools on {} timed out", lease.member.uri),
+            }
+        };
         let mut catalog = BTreeMap::new();
         for spec in response.into_inner().tools {
             let parameters = serde_json::from_str(&spec.parameters_json_schema)
@@ -119,50 +323,126 @@ fn ascii_header(value: &str) -> Option<tonic::metadata::MetadataValue<tonic::met
     value.parse().ok()
 }
 
+/// Whether the call certainly did not run: the runner refused it, or it never reached one.
+fn refused_before_run(status: &tonic::Status) -> Option<&'static str> {
+    if status.metadata().get(REFUSED_HEADER).is_some() {
+        return Some(if status.code() == tonic::Code::ResourceExhausted {
+            "concurrency_limit"
+        } else {
+            "draining"
+        });
+    }
+    if status.code() != tonic::Code::Unavailable {
+        return None;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(error) = source {
+        let text = error.to_string().to_ascii_lowercase();
+        if text.contains("connect error")
+            || text.contains("error trying to connect")
+            || text.contains("connection refused")
+        {
+            return Some("connect");
+        }
+        source = error.source();
+    }
+    None
+}
+
 impl ToolExecutor for ToolRunners {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
-        let mut client = self.client.clone();
+        let pool = Arc::clone(&self.pool);
+        let settings = self.settings;
         async move {
-            let mut request = tonic::Request::new(pb::RunToolRequest {
-                run_id: call.run_id.clone(),
-                call_id: call.call_id.clone(),
-                tool_name: call.name.clone(),
-                arguments_json: call.arguments_json,
-                metadata: call.metadata.into_iter().collect(),
-            });
-            request.set_timeout(call.timeout);
-            shared::telemetry::inject_current(request.metadata_mut());
-            if let Some(v) = ascii_header(&call.run_id) {
-                request.metadata_mut().insert("x-run-id", v);
-            }
-            if let Some(v) = ascii_header(&call.call_id) {
-                request.metadata_mut().insert("x-call-id", v);
-            }
-            let response = client.run_tool(request).await.map_err(|status| {
-                let code = match status.code() {
-                    tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => "TIMEOUT",
-                    tonic::Code::ResourceExhausted | tonic::Code::Unavailable => "UNAVAILABLE",
-                    tonic::Code::InvalidArgument => "INVALID_ARGUMENTS",
-                    _ => "FAILED",
+            let mut attempt = 0u32;
+            let mut tried: Vec<String> = Vec::new();
+            let response = loop {
+                let Some(lease) = pool.pick(&tried) else {
+                    return Err(ToolCallError::new("UNAVAILABLE", "no tool-runner endpoint is known (check --tool-runner)"));
                 };
-                ToolCallError::new(code, format!("tool-runner: {:?}: {}", status.code(), status.message()))
-            })?;
+                let mut request = tonic::Request::new(pb::RunToolRequest {
+                    run_id: call.run_id.clone(),
+                    call_id: call.call_id.clone(),
+                    tool_name: call.name.clone(),
+                    arguments_json: call.arguments_json.clone(),
+                    metadata: call.metadata.clone().into_iter().collect(),
+                });
+                request.set_timeout(call.timeout);
+                shared::telemetry::inject_current(request.metadata_mut());
+                if let Some(v) = ascii_header(&call.run_id) {
+                    request.metadata_mut().insert("x-run-id", v);
+                }
+                if let Some(v) = ascii_header(&call.call_id) {
+                    request.metadata_mut().insert("x-call-id", v);
+                }
+                let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
+                    .max_decoding_message_size(64 * 1024 * 1024);
+                match client.run_tool(request).await {
+                    Ok(response) => break response,
+                    Err(status) => {
+                        let refused = refused_before_run(&status);
+                        if let Some(reason) = refused {
+                            let cooldown = if reason == "concurrency_limit" { BUSY_COOLDOWN } else { GONE_COOLDOWN };
+                            pool.cool_down(&lease.member, cooldown);
+                        }
+                        if let Some(reason) = refused.filter(|_| attempt < settings.retries) {
+                            metrics::counter!(crate::telemetry::metric::TOOL_CALL_RETRIES, "reason" => reason).increment(1);
+                            tracing::debug!(attempt, reason, endpoint = %lease.member.uri, "retrying a tool call no runner ran: {}", status.message());
+                            tried.push(lease.member.uri.clone());
+                            drop(lease);
+                            tokio::time::sleep(settings.retry_backoff.saturating_mul(1 << attempt.min(16))).await;
+                            attempt += 1;
+                            continue;
+                        }
+                        let code = match status.code() {
+                            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => "TIMEOUT",
+                            tonic::Code::ResourceExhausted | tonic::Code::Unavailable => "UNAVAILABLE",
+                            tonic::Code::InvalidArgument => "INVALID_ARGUMENTS",
+                            _ => "FAILED",
+                        };
+                        return Err(ToolCallError::new(code, format!("tool-runner {}: {:?}: {}", lease.member.uri, status.code(), status.message())));
+                    }
+                }
+            };
             match response.into_inner().outcome {
                 Some(pb::run_tool_response::Outcome::ContentJson(json)) => Ok(json),
                 Some(pb::run_tool_response::Outcome::Error(e)) => {
                     let code = pb::ToolErrorCode::try_from(e.code).unwrap_or(pb::ToolErrorCode::Unspecified);
                     let name = code.as_str_name().trim_start_matches("TOOL_ERROR_CODE_");
-                    Err(ToolCallError::new(
-                        if name == "UNSPECIFIED" { "FAILED" } else { name },
-                        e.message,
-                    ))
+                    Err(ToolCallError::new(if name == "UNSPECIFIED" { "FAILED" } else { name }, e.message))
                 }
-                None => Err(ToolCallError::new(
-                    "FAILED",
-                    "the tool-runner answered with neither a result nor an error",
-                )),
+                None => Err(ToolCallError::new("FAILED", "the tool-runner answered with neither a result nor an error")),
             }
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets() {
+        assert_eq!(
+            "http://127.0.0.1:50052".parse(),
+            Ok(Target::Static("http://127.0.0.1:50052".into()))
+        );
+        assert_eq!(
+            "dns:///tool-runner.tools.svc:50052".parse(),
+            Ok(Target::Dns {
+                host: "tool-runner.tools.svc".into(),
+                port: 50052
+            })
+        );
+        for bad in [
+            "dns:///name",
+            "dns://8.8.8.8/name:1",
+            "dns:///:1",
+            "tcp://x:1",
+            "dns:///name:port",
+        ] {
+            assert!(bad.parse::<Target>().is_err(), "{bad}");
+        }
     }
 }

@@ -19,6 +19,17 @@ use tower::{Layer, Service};
 /// The gRPC path of the limited method.
 pub const RUN_TOOL_PATH: &str = "/toolrunner.v1.ToolRunner/RunTool";
 
+/// Response metadata on a refusal: the tool did not start, so the caller may safely retry the
+/// call on another runner. Its value says why (`concurrency-limit`, `draining`).
+pub const REFUSED_HEADER: &str = "x-tool-runner-refused";
+
+fn refused(mut status: tonic::Status, why: &'static str) -> tonic::Status {
+    status
+        .metadata_mut()
+        .insert(REFUSED_HEADER, tonic::metadata::MetadataValue::from_static(why));
+    status
+}
+
 /// Shared admission state; clones share it.
 #[derive(Clone, Debug)]
 pub struct Admission(Arc<State>);
@@ -78,8 +89,9 @@ impl Admission {
 
     fn try_admit(&self) -> Result<Permit, tonic::Status> {
         if self.0.draining.load(Ordering::Acquire) {
-            return Err(tonic::Status::unavailable(
-                "tool-runner is draining (shutting down); retry on another runner",
+            return Err(refused(
+                tonic::Status::unavailable("tool-runner is draining (shutting down); retry on another runner"),
+                "draining",
             ));
         }
         let admitted = self.0.in_flight.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -87,10 +99,13 @@ impl Admission {
         });
         match admitted {
             Ok(_) => Ok(Permit(Arc::clone(&self.0))),
-            Err(_) => Err(tonic::Status::resource_exhausted(format!(
-                "tool-runner is at its concurrency limit of {} calls; retry later or on another runner",
-                self.0.max
-            ))),
+            Err(_) => Err(refused(
+                tonic::Status::resource_exhausted(format!(
+                    "tool-runner is at its concurrency limit of {} calls; retry later or on another runner",
+                    self.0.max
+                )),
+                "concurrency-limit",
+            )),
         }
     }
 }
