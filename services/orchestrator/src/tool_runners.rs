@@ -394,8 +394,12 @@ impl ToolExecutor for ToolRunners {
                             attempt += 1;
                             continue;
                         }
+                        // A status with a source error came from the connection (the runner went away
+                        // mid-call), not from the runner itself.
+                        let from_transport = std::error::Error::source(&status).is_some();
                         let code = match status.code() {
                             tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => "TIMEOUT",
+                            _ if from_transport => "UNAVAILABLE",
                             tonic::Code::ResourceExhausted | tonic::Code::Unavailable => "UNAVAILABLE",
                             tonic::Code::InvalidArgument => "INVALID_ARGUMENTS",
                             _ => "FAILED",

@@ -6,11 +6,8 @@
 //! services is scraped around scripted runs and the counters must move by exactly the expected
 //! amounts.
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
-use std::process::Stdio;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use mock_llm::{Scenario, Scenarios, Step, Turn};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
@@ -19,8 +16,11 @@ use opentelemetry_proto::tonic::common::v1::KeyValue;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use shared::proto::orchestrator::v1 as pb;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Command;
+
+mod common;
+
+use common::{Service, delta, scrape, tool_runner_bin};
 
 type TestResult = anyhow::Result<()>;
 
@@ -71,101 +71,6 @@ fn string_attr(attributes: &[KeyValue], key: &str) -> Option<String> {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The tool-runner binary, built beside this package's binary by the workspace test command.
-fn tool_runner_bin() -> anyhow::Result<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_BIN_EXE_orchestrator")).with_file_name("tool-runner");
-    anyhow::ensure!(
-        path.exists(),
-        "{} is missing: run the workspace tests (./scripts/test) or `cargo build -p tool-runner` first",
-        path.display()
-    );
-    Ok(path)
-}
-
-/// A spawned service and the addresses it logged.
-struct Service {
-    child: Child,
-    grpc: String,
-    metrics: String,
-}
-
-impl Service {
-    async fn spawn(mut command: Command, ready_message: &str) -> anyhow::Result<Self> {
-        let mut child = command
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()?;
-        let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
-        let mut lines = BufReader::new(stderr).lines();
-        let (mut grpc, mut metrics) = (None, None);
-        while grpc.is_none() || metrics.is_none() {
-            let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
-                .await??
-                .ok_or_else(|| anyhow::anyhow!("the service exited before serving"))?;
-            let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-            let address = entry["address"].as_str().map(str::to_owned);
-            if entry["message"] == ready_message {
-                grpc = address;
-            } else if entry["message"] == "metrics serving on /metrics" {
-                metrics = address;
-            }
-        }
-        // Keep draining the logs so the process never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Ok(Self {
-            child,
-            grpc: grpc.unwrap_or_default(),
-            metrics: metrics.unwrap_or_default(),
-        })
-    }
-
-    async fn stop(mut self) -> anyhow::Result<()> {
-        let pid = self.child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
-        Command::new("kill").args(["-TERM", &pid]).status().await?;
-        let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait()).await??;
-        anyhow::ensure!(status.success(), "exit status {status}");
-        Ok(())
-    }
-}
-
-/// Scrapes `/metrics` into series (name + sorted labels) → value.
-async fn scrape(address: &str) -> anyhow::Result<HashMap<String, f64>> {
-    let body = reqwest::get(format!("http://{address}/metrics")).await?.text().await?;
-    let mut series = HashMap::new();
-    for line in body.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
-        let Some((key, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let (name, labels) = match key.split_once('{') {
-            Some((name, rest)) => {
-                let mut labels: Vec<&str> = rest
-                    .trim_end_matches('}')
-                    .split(',')
-                    .filter(|l| !l.is_empty())
-                    .collect();
-                labels.sort_unstable();
-                (name, labels.join(","))
-            }
-            None => (key, String::new()),
-        };
-        series.insert(format!("{name}{{{labels}}}"), value.parse().unwrap_or(f64::NAN));
-    }
-    Ok(series)
-}
-
-fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, series: &str) -> f64 {
-    after.get(series).copied().unwrap_or(0.0) - before.get(series).copied().unwrap_or(0.0)
 }
 
 async fn orchestrate(endpoint: &str, request: tonic::Request<pb::OrchestrateRequest>) -> anyhow::Result<pb::RunResult> {
@@ -223,7 +128,7 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
         command
             .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
             .env_remove("OTEL_SERVICE_NAME");
-        runners.push(Service::spawn(command, "tool-runner serving").await?);
+        runners.push(Service::spawn(command, "127.0.0.1", "tool-runner serving").await?);
     }
     let endpoints: Vec<String> = runners.iter().map(|r| format!("http://{}", r.grpc)).collect();
     let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
@@ -234,7 +139,7 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
         .env("LLM_MODEL", "stand-in")
         .env("TOOL_RUNNER_ENDPOINTS", endpoints.join(","))
         .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report");
-    let orchestrator = Service::spawn(command, "orchestrator serving").await?;
+    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
     let endpoint = format!("http://{}", orchestrator.grpc);
 
     // The traced run, continuing the caller's trace.
@@ -455,7 +360,7 @@ async fn tool_payloads_are_recorded_only_when_asked_and_capped() -> TestResult {
         "--trace-payload-max-bytes",
         "12",
     ]);
-    let runner = Service::spawn(command, "tool-runner serving").await?;
+    let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
     let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
     command
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
@@ -464,7 +369,7 @@ async fn tool_payloads_are_recorded_only_when_asked_and_capped() -> TestResult {
         .env("TOOL_RUNNER_ENDPOINTS", format!("http://{}", runner.grpc))
         .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
         .args(["--trace-tool-payloads", "--trace-payload-max-bytes", "12"]);
-    let orchestrator = Service::spawn(command, "orchestrator serving").await?;
+    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
     let result = orchestrate(
         &format!("http://{}", orchestrator.grpc),
         tonic::Request::new(user("go")),

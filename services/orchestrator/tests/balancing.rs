@@ -1,0 +1,274 @@
+//! Balancing over tool-runner replicas, standing in for pods with runner processes on distinct
+//! loopback addresses (127.0.0.2, 127.0.0.3, 127.0.0.4). The orchestrator runs in-process with a
+//! DNS resolver whose answers the test controls; each runner's `/metrics` tells where calls went.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{Service, scrape, tool_runner_bin};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use mock_llm::{Scenario, Step, Turn};
+use orchestrator::tool_runners::Resolve;
+use shared::proto::orchestrator::v1 as pb;
+use tokio::process::Command;
+
+type TestResult = anyhow::Result<()>;
+
+/// A resolver answering whatever the test last set.
+#[derive(Clone, Default)]
+struct Scripted(Arc<Mutex<Vec<SocketAddr>>>);
+
+impl Scripted {
+    fn set(&self, addrs: &[SocketAddr]) {
+        if let Ok(mut a) = self.0.lock() {
+            *a = addrs.to_vec();
+        }
+    }
+}
+
+impl Resolve for Scripted {
+    fn resolve(&self, host: &str, _port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        let answer = if host == "tool-runner.test" {
+            self.0
+                .lock()
+                .map(|a| a.clone())
+                .map_err(|_| std::io::Error::other("poisoned"))
+        } else {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("no such host {host}"),
+            ))
+        };
+        futures::future::ready(answer).boxed()
+    }
+}
+
+/// A turn of `n` parallel calls of `tool` with `args`, then a closing text.
+fn burst(n: usize, tool: &str, args: serde_json::Value) -> Scenario {
+    let mut turn = Turn::text("Fanning out.\n");
+    for _ in 0..n {
+        turn = turn.then(Step::call(tool, args.clone()));
+    }
+    Scenario::new(vec![turn, Turn::text("Done.")])
+}
+
+/// Starts the in-process orchestrator against the stand-in model; returns its endpoint.
+async fn orchestrator(
+    mock: &mock_llm::MockLlm,
+    targets: Vec<String>,
+    resolver: Scripted,
+) -> anyhow::Result<(String, tokio::sync::oneshot::Sender<()>)> {
+    let mut config = orchestrator::Config::new(&mock.base_url(), "stand-in", targets);
+    config.tool_runner_resolve_interval = Duration::from_millis(100);
+    config.default_limits.max_tool_failures = 10;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let endpoint = format!("http://{}", listener.local_addr()?);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(orchestrator::server::run_with_resolver(
+        listener,
+        config,
+        Arc::new(resolver),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    Ok((endpoint, stop))
+}
+
+async fn run(endpoint: &str) -> anyhow::Result<pb::RunResult> {
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
+    let request = pb::OrchestrateRequest {
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: "go".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let mut stream = client.orchestrate(request).await?.into_inner();
+    while let Some(event) = stream.message().await? {
+        if let Some(pb::orchestrate_event::Event::RunFinished(f)) = event.event {
+            return f.result.ok_or_else(|| anyhow::anyhow!("no result"));
+        }
+    }
+    anyhow::bail!("no run_finished")
+}
+
+/// Runs `n` runs at once.
+async fn runs(endpoint: &str, n: usize) -> anyhow::Result<Vec<pb::RunResult>> {
+    futures::future::join_all((0..n).map(|_| run(endpoint)))
+        .await
+        .into_iter()
+        .collect()
+}
+
+async fn executed(runner: &Service, tool: &str, outcome: &str) -> anyhow::Result<f64> {
+    let series = format!("tool_runner_executions_total{{outcome=\"{outcome}\",tool=\"{tool}\"}}");
+    Ok(scrape(&runner.metrics).await?.get(&series).copied().unwrap_or(0.0))
+}
+
+fn runner(extra: &[&str]) -> anyhow::Result<Command> {
+    let mut command = Command::new(tool_runner_bin()?);
+    command.args(extra).env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
+    Ok(command)
+}
+
+/// Three runners on 127.0.0.2-4, all on the same port (as pods behind one headless Service).
+async fn three_on_one_port(extra: &[&str]) -> anyhow::Result<Vec<Service>> {
+    let first = Service::spawn(runner(extra)?, "127.0.0.2", "tool-runner serving").await?;
+    let port = first
+        .grpc
+        .rsplit_once(':')
+        .map(|(_, p)| p.to_owned())
+        .unwrap_or_default();
+    let mut all = vec![first];
+    for ip in ["127.0.0.3", "127.0.0.4"] {
+        all.push(Service::spawn_on(runner(extra)?, &format!("{ip}:{port}"), ip, "tool-runner serving").await?);
+    }
+    Ok(all)
+}
+
+fn addr(service: &Service) -> anyhow::Result<SocketAddr> {
+    Ok(service.grpc.parse()?)
+}
+
+#[tokio::test]
+async fn dns_answers_add_and_remove_replicas_and_calls_spread_over_them() -> TestResult {
+    let runners = three_on_one_port(&[]).await?;
+    let port = addr(&runners[0])?.port();
+    let resolver = Scripted::default();
+    resolver.set(&[addr(&runners[0])?, addr(&runners[1])?]);
+    let mock = mock_llm::MockLlm::start(burst(12, "echo", serde_json::json!({"x": 1}))).await?;
+    let (endpoint, _stop) =
+        orchestrator(&mock, vec![format!("dns:///tool-runner.test:{port}")], resolver.clone()).await?;
+
+    for result in runs(&endpoint, 2).await? {
+        assert_eq!((result.status(), result.failed_turns), (pb::RunStatus::Completed, 0));
+    }
+    let counts = [
+        executed(&runners[0], "echo", "ok").await?,
+        executed(&runners[1], "echo", "ok").await?,
+        executed(&runners[2], "echo", "ok").await?,
+    ];
+    assert_eq!(counts.iter().sum::<f64>(), 24.0, "{counts:?}");
+    assert!(
+        counts[0] > 0.0 && counts[1] > 0.0,
+        "both resolved replicas got calls: {counts:?}"
+    );
+    assert_eq!(counts[2], 0.0, "a replica not in the answer gets nothing: {counts:?}");
+
+    // A new pod appears in the answer: after re-resolution it receives traffic.
+    resolver.set(&[addr(&runners[0])?, addr(&runners[1])?, addr(&runners[2])?]);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    runs(&endpoint, 2).await?;
+    assert!(
+        executed(&runners[2], "echo", "ok").await? > 0.0,
+        "the new replica receives calls"
+    );
+
+    // A pod leaves the answer: no call goes to it any more.
+    resolver.set(&[addr(&runners[1])?, addr(&runners[2])?]);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let before = executed(&runners[0], "echo", "ok").await?;
+    runs(&endpoint, 2).await?;
+    assert_eq!(
+        executed(&runners[0], "echo", "ok").await?,
+        before,
+        "the removed replica gets nothing"
+    );
+    for runner in runners {
+        runner.stop().await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_runner_at_its_limit_sheds_calls_to_the_others() -> TestResult {
+    let busy = Service::spawn(runner(&["--max-concurrency", "1"])?, "127.0.0.2", "tool-runner serving").await?;
+    let others = [
+        Service::spawn(runner(&[])?, "127.0.0.3", "tool-runner serving").await?,
+        Service::spawn(runner(&[])?, "127.0.0.4", "tool-runner serving").await?,
+    ];
+    let targets = [&busy, &others[0], &others[1]]
+        .iter()
+        .map(|s| format!("http://{}", s.grpc))
+        .collect();
+    let mock = mock_llm::MockLlm::start(burst(24, "sleep", serde_json::json!({"ms": 300}))).await?;
+    let (endpoint, _stop) = orchestrator(&mock, targets, Scripted::default()).await?;
+
+    let result = run(&endpoint).await?;
+    assert_eq!(
+        (result.status(), result.failed_turns),
+        (pb::RunStatus::Completed, 0),
+        "{:?}",
+        result.tool_calls.iter().filter(|c| !c.ok).collect::<Vec<_>>()
+    );
+    assert!(result.tool_calls.iter().all(|c| c.ok));
+    let metrics = scrape(&busy.metrics).await?;
+    let refused = metrics
+        .get("tool_runner_rejected_total{reason=\"concurrency_limit\"}")
+        .copied()
+        .unwrap_or(0.0);
+    assert!(refused >= 1.0, "the full runner refused calls: {refused}");
+    let ran: f64 = executed(&busy, "sleep", "ok").await?
+        + executed(&others[0], "sleep", "ok").await?
+        + executed(&others[1], "sleep", "ok").await?;
+    assert_eq!(ran, 24.0, "every call ran exactly once");
+    busy.stop().await?;
+    for runner in others {
+        runner.stop().await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn killing_a_runner_mid_burst_fails_only_its_calls_in_flight() -> TestResult {
+    let mut runners = three_on_one_port(&[]).await?;
+    let targets = runners.iter().map(|s| format!("http://{}", s.grpc)).collect();
+    let mock = mock_llm::MockLlm::start(burst(6, "sleep", serde_json::json!({"ms": 1000}))).await?;
+    let (endpoint, _stop) = orchestrator(&mock, targets, Scripted::default()).await?;
+
+    let burst = tokio::spawn({
+        let endpoint = endpoint.clone();
+        async move { runs(&endpoint, 3).await }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let victim = runners.remove(0);
+    victim.kill().await?;
+    let results = burst.await??;
+    let mut lost = 0;
+    for result in &results {
+        // The runs go on under the normal rules: a failed call is fed back, the turn counts once.
+        assert_eq!(result.status(), pb::RunStatus::Completed);
+        for call in result.tool_calls.iter().filter(|c| !c.ok) {
+            assert_eq!(
+                call.error.as_ref().map(|e| e.code.as_str()),
+                Some("UNAVAILABLE"),
+                "{call:?}"
+            );
+            lost += 1;
+        }
+    }
+    assert!(lost > 0, "some calls were in flight on the killed runner");
+    let ran = executed(&runners[0], "sleep", "ok").await? + executed(&runners[1], "sleep", "ok").await?;
+    assert_eq!(ran + f64::from(lost), 18.0, "every other call ran on a survivor");
+
+    // Every later call goes to the survivors, and none is lost: the dead endpoint is still in the
+    // static list, and a call that cannot reach it is retried elsewhere.
+    for result in runs(&endpoint, 3).await? {
+        assert_eq!(
+            (result.status(), result.failed_turns),
+            (pb::RunStatus::Completed, 0),
+            "{:?}",
+            result.tool_calls
+        );
+    }
+    for runner in runners {
+        runner.stop().await?;
+    }
+    Ok(())
+}
