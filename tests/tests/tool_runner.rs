@@ -579,6 +579,11 @@ async fn health_reports_serving_then_not_serving_while_draining() -> TestResult 
             .status(),
         ServingStatus::NotServing
     );
+    assert_eq!(
+        health.check(check("")).await?.into_inner().status(),
+        ServingStatus::Serving,
+        "the overall status stays SERVING during the drain, so liveness probes pass"
+    );
     let refused = runner
         .client()
         .await?

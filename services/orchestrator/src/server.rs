@@ -2,7 +2,8 @@
 //! registry, serves gRPC (orchestrator, health, reflection) on the given listener, and drains
 //! when `shutdown` resolves.
 //!
-//! Drain: health turns NOT_SERVING, new runs get `UNAVAILABLE`, runs in flight get the grace
+//! Drain: the service's health turns NOT_SERVING (the overall status "" stays SERVING, for
+//! liveness), new runs get `UNAVAILABLE`, runs in flight get the grace
 //! period to finish; shortly before it ends the remaining runs are canceled, so every run ends
 //! with a stored result (and its stream's `run_finished`) within the grace period.
 
@@ -96,7 +97,6 @@ pub async fn run_with_resolver(
             shutdown.await;
             tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
             health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
-            health.set_service_status("", ServingStatus::NotServing).await;
             core.draining.store(true, Ordering::Release);
             // Keep a margin at the end of the grace period for canceled runs to store their result.
             let margin = (grace / 10).min(Duration::from_secs(1));

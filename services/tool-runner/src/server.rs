@@ -1,7 +1,8 @@
 //! Serving: [`run`] builds the registry, serves gRPC (tool runner, health, reflection) on the
 //! given listener, and drains when `shutdown` resolves.
 //!
-//! Drain sequence: health turns NOT_SERVING (so Kubernetes stops routing here), new `RunTool`
+//! Drain sequence: the service's health turns NOT_SERVING (readiness fails, so Kubernetes stops
+//! routing here; the overall status "" stays SERVING so liveness does not restart the pod), new `RunTool`
 //! calls are refused with `UNAVAILABLE`, calls in flight get up to `shutdown_grace` to finish,
 //! then the server stops. Calls still running after the grace period are abandoned (logged).
 
@@ -66,7 +67,6 @@ pub async fn run(
             shutdown.await;
             tracing::info!(in_flight = admission.in_flight(), grace = %humantime::format_duration(grace), "draining");
             health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
-            health.set_service_status("", ServingStatus::NotServing).await;
             admission.start_draining();
             match tokio::time::timeout(grace, admission.wait_idle()).await {
                 Ok(()) => tracing::info!("drained: no call in flight"),
