@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use shared::config::parse_duration;
 use shared::telemetry::LogFormat;
 
-use crate::config::limits;
+use crate::config::{Backend, limits};
 use crate::llm::ToolDefinition;
 use crate::run::{HARD_MAX_TURNS, Limits};
 use crate::{Config, Error};
@@ -161,6 +161,52 @@ pub struct ServeArgs {
     /// Record tool arguments and results on spans (off by default: they may hold secrets).
     #[arg(long, env = "ORCHESTRATOR_TRACE_TOOL_PAYLOADS")]
     pub trace_tool_payloads: bool,
+    /// Signal topic: memory, or nats://host:4222 (JetStream).
+    #[arg(long, env = "ORCHESTRATOR_SIGNAL_TOPIC", default_value = "memory")]
+    pub signal_topic: Backend,
+    /// NATS subject prefix: signals go to <prefix>.<tool_name>.
+    #[arg(long, env = "ORCHESTRATOR_SIGNAL_SUBJECT_PREFIX", default_value = "signals")]
+    pub signal_subject_prefix: String,
+    /// JetStream stream holding <prefix>.> (created when missing).
+    #[arg(long, env = "ORCHESTRATOR_SIGNAL_STREAM", default_value = "SIGNALS")]
+    pub signal_stream: String,
+    /// How long the stream keeps signals (cap 365d).
+    #[arg(long, env = "ORCHESTRATOR_SIGNAL_STREAM_MAX_AGE", default_value = "7d", value_parser = parse_duration)]
+    pub signal_stream_max_age: Duration,
+    /// Most bytes the stream keeps; -1 for no limit.
+    #[arg(long, env = "ORCHESTRATOR_SIGNAL_STREAM_MAX_BYTES", default_value_t = limits::SIGNAL_STREAM_MAX_BYTES, allow_negative_numbers = true)]
+    pub signal_stream_max_bytes: i64,
+    /// Publish attempts after the first, before a signal is marked undelivered (cap 30).
+    #[arg(long, env = "ORCHESTRATOR_SIGNAL_PUBLISH_RETRIES", default_value_t = limits::SIGNAL_PUBLISH_RETRIES)]
+    pub signal_publish_retries: u32,
+    /// First delay between publish attempts, doubled each time (cap 1m).
+    #[arg(long, env = "ORCHESTRATOR_SIGNAL_PUBLISH_BACKOFF", default_value = "250ms", value_parser = parse_duration)]
+    pub signal_publish_backoff: Duration,
+    /// How long one publish waits for JetStream's acknowledgement (cap 1m).
+    #[arg(long, env = "ORCHESTRATOR_SIGNAL_ACK_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub signal_ack_timeout: Duration,
+    /// Result store: memory (bounded by --keep-results / --keep-results-for), or nats://host:4222
+    /// (a JetStream key-value bucket shared by replicas, kept across restarts).
+    #[arg(long, env = "ORCHESTRATOR_RUN_STORE", default_value = "memory")]
+    pub run_store: Backend,
+    /// Key-value bucket of the NATS result store (created when missing).
+    #[arg(long, env = "ORCHESTRATOR_RUN_STORE_BUCKET", default_value = "orchestrator-runs")]
+    pub run_store_bucket: String,
+    /// How long the NATS result store keeps a result (cap 365d).
+    #[arg(long, env = "ORCHESTRATOR_RUN_STORE_TTL", default_value = "24h", value_parser = parse_duration)]
+    pub run_store_ttl: Duration,
+    /// How long one read or write of the result store may take (cap 1m).
+    #[arg(long, env = "ORCHESTRATOR_STORE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub store_timeout: Duration,
+    /// NATS credentials file (.creds).
+    #[arg(long, env = "NATS_CREDENTIALS")]
+    pub nats_credentials: Option<PathBuf>,
+    /// Require TLS to NATS.
+    #[arg(long, env = "NATS_TLS")]
+    pub nats_tls: bool,
+    /// Extra root certificates (PEM) for TLS to NATS.
+    #[arg(long, env = "NATS_CA_FILE")]
+    pub nats_ca_file: Option<PathBuf>,
     /// Size cap of each recorded payload, in bytes (cap 64 KiB).
     #[arg(long, env = "ORCHESTRATOR_TRACE_PAYLOAD_MAX_BYTES", default_value_t = limits::TRACE_PAYLOAD)]
     pub trace_payload_max_bytes: usize,
@@ -278,6 +324,25 @@ impl ServeArgs {
         config.max_request_bytes = self.max_request_bytes;
         config.shutdown_grace = self.shutdown_grace;
         config.trace_payloads = self.trace_tool_payloads.then_some(self.trace_payload_max_bytes);
+        config.signal_topic = self.signal_topic.clone();
+        config.signals = crate::signals::nats::NatsTopicSettings {
+            subject_prefix: self.signal_subject_prefix.clone(),
+            stream: self.signal_stream.clone(),
+            max_age: self.signal_stream_max_age,
+            max_bytes: self.signal_stream_max_bytes,
+            retries: self.signal_publish_retries,
+            backoff: self.signal_publish_backoff,
+            ack_timeout: self.signal_ack_timeout,
+        };
+        config.run_store = self.run_store.clone();
+        config.run_store_bucket = self.run_store_bucket.clone();
+        config.run_store_ttl = self.run_store_ttl;
+        config.store_timeout = self.store_timeout;
+        config.nats = crate::config::NatsOptions {
+            credentials: self.nats_credentials.clone(),
+            tls_required: self.nats_tls,
+            ca_file: self.nats_ca_file.clone(),
+        };
         Ok(config)
     }
 }

@@ -104,10 +104,67 @@ pub mod limits {
     pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
     /// Cap on the largest request.
     pub const MAX_REQUEST_BYTES_CAP: usize = 64 * 1024 * 1024;
+    /// Default age of signals kept by the NATS stream (7 days).
+    pub const SIGNAL_STREAM_MAX_AGE: Duration = Duration::from_secs(7 * 86_400);
+    /// Cap on that age (365 days).
+    pub const SIGNAL_STREAM_MAX_AGE_CAP: Duration = Duration::from_secs(365 * 86_400);
+    /// Default size of the NATS signal stream (1 GiB).
+    pub const SIGNAL_STREAM_MAX_BYTES: i64 = 1 << 30;
+    /// Default publish retries of a signal.
+    pub const SIGNAL_PUBLISH_RETRIES: u32 = 6;
+    /// Cap on those retries.
+    pub const SIGNAL_PUBLISH_RETRIES_CAP: u32 = 30;
+    /// Default first delay between publish attempts.
+    pub const SIGNAL_PUBLISH_BACKOFF: Duration = Duration::from_millis(250);
+    /// Cap on that delay.
+    pub const SIGNAL_PUBLISH_BACKOFF_CAP: Duration = Duration::from_secs(60);
+    /// Default wait for a JetStream acknowledgement.
+    pub const SIGNAL_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+    /// Cap on that wait.
+    pub const SIGNAL_ACK_TIMEOUT_CAP: Duration = Duration::from_secs(60);
+    /// Default age of results kept by the NATS result store (24 h).
+    pub const RUN_STORE_TTL: Duration = Duration::from_secs(86_400);
+    /// Cap on that age (365 days).
+    pub const RUN_STORE_TTL_CAP: Duration = Duration::from_secs(365 * 86_400);
+    /// Default wait for one read or write of the result store.
+    pub const STORE_TIMEOUT: Duration = Duration::from_secs(5);
+    /// Cap on that wait.
+    pub const STORE_TIMEOUT_CAP: Duration = Duration::from_secs(60);
     /// Default size of tool payloads recorded on spans (when turned on).
     pub const TRACE_PAYLOAD: usize = 1024;
     /// Cap on recorded tool payloads.
     pub const TRACE_PAYLOAD_CAP: usize = 64 * 1024;
+}
+
+/// Where signals or results go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// In this process (the default).
+    Memory,
+    /// A NATS server with JetStream, `nats://host:4222` (or `tls://…`).
+    Nats(String),
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "" | "memory" => Ok(Self::Memory),
+            url if url.starts_with("nats://") || url.starts_with("tls://") => Ok(Self::Nats(url.to_owned())),
+            other => Err(format!("{other:?}: use memory or nats://host:port")),
+        }
+    }
+}
+
+/// How to reach NATS.
+#[derive(Debug, Clone, Default)]
+pub struct NatsOptions {
+    /// A `.creds` file (JWT + NKey seed).
+    pub credentials: Option<std::path::PathBuf>,
+    /// Require TLS.
+    pub tls_required: bool,
+    /// Extra root certificates (PEM) for TLS.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// Everything [`crate::run`] (the server) needs.
@@ -148,6 +205,20 @@ pub struct Config {
     /// Record tool arguments and results on spans, truncated to this many bytes; `None` = off
     /// (the default: they may hold secrets).
     pub trace_payloads: Option<usize>,
+    /// The signal topic's backend.
+    pub signal_topic: Backend,
+    /// Settings of the NATS signal topic.
+    pub signals: crate::signals::nats::NatsTopicSettings,
+    /// The result store's backend.
+    pub run_store: Backend,
+    /// Key-value bucket of the NATS result store.
+    pub run_store_bucket: String,
+    /// How long the NATS result store keeps a result.
+    pub run_store_ttl: Duration,
+    /// How long one read or write of the result store may take.
+    pub store_timeout: Duration,
+    /// How to reach NATS.
+    pub nats: NatsOptions,
 }
 
 impl Config {
@@ -200,6 +271,21 @@ impl Config {
             max_request_bytes: limits::MAX_REQUEST_BYTES,
             shutdown_grace: limits::SHUTDOWN_GRACE,
             trace_payloads: None,
+            signal_topic: Backend::Memory,
+            signals: crate::signals::nats::NatsTopicSettings {
+                subject_prefix: "signals".to_owned(),
+                stream: "SIGNALS".to_owned(),
+                max_age: limits::SIGNAL_STREAM_MAX_AGE,
+                max_bytes: limits::SIGNAL_STREAM_MAX_BYTES,
+                retries: limits::SIGNAL_PUBLISH_RETRIES,
+                backoff: limits::SIGNAL_PUBLISH_BACKOFF,
+                ack_timeout: limits::SIGNAL_ACK_TIMEOUT,
+            },
+            run_store: Backend::Memory,
+            run_store_bucket: "orchestrator-runs".to_owned(),
+            run_store_ttl: limits::RUN_STORE_TTL,
+            store_timeout: limits::STORE_TIMEOUT,
+            nats: NatsOptions::default(),
         }
     }
 
@@ -300,6 +386,54 @@ impl Config {
             target
                 .parse::<crate::tool_runners::Target>()
                 .map_err(|e| Error::Config(format!("--tool-runner {e}")))?;
+        }
+        let s = &self.signals;
+        check_range("--signal-publish-retries", s.retries, 0, SIGNAL_PUBLISH_RETRIES_CAP)?;
+        check_duration(
+            "--signal-publish-backoff",
+            s.backoff,
+            Duration::ZERO,
+            SIGNAL_PUBLISH_BACKOFF_CAP,
+        )?;
+        check_duration(
+            "--signal-ack-timeout",
+            s.ack_timeout,
+            Duration::from_millis(10),
+            SIGNAL_ACK_TIMEOUT_CAP,
+        )?;
+        check_duration(
+            "--signal-stream-max-age",
+            s.max_age,
+            Duration::from_secs(1),
+            SIGNAL_STREAM_MAX_AGE_CAP,
+        )?;
+        check_range("--signal-stream-max-bytes", s.max_bytes, -1, i64::MAX)?;
+        check_duration(
+            "--run-store-ttl",
+            self.run_store_ttl,
+            Duration::from_secs(1),
+            RUN_STORE_TTL_CAP,
+        )?;
+        check_duration(
+            "--store-timeout",
+            self.store_timeout,
+            Duration::from_millis(10),
+            STORE_TIMEOUT_CAP,
+        )?;
+        let token = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !s.subject_prefix.split('.').all(token) {
+            return Err(Error::Config(format!(
+                "--signal-subject-prefix {:?}: dot-separated tokens of letters, digits, '_' or '-'",
+                s.subject_prefix
+            )));
+        }
+        for (flag, name) in [
+            ("--signal-stream", &s.stream),
+            ("--run-store-bucket", &self.run_store_bucket),
+        ] {
+            if !token(name) {
+                return Err(Error::Config(format!("{flag} {name:?}: letters, digits, '_' or '-'")));
+            }
         }
         if let Some(max) = self.trace_payloads {
             check_range("--trace-payload-max-bytes", max, 1, TRACE_PAYLOAD_CAP)?;

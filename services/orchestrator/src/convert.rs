@@ -11,7 +11,9 @@ use shared::proto::orchestrator::v1 as pb;
 use crate::Error;
 use crate::config::Config;
 use crate::llm::{Message, SamplingParams, ToolCall, ToolDefinition};
-use crate::run::{Event, FailureReason, Limits, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError};
+use crate::run::{
+    Delivery, Event, FailureReason, Limits, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError,
+};
 use crate::tool_runners::RemoteTool;
 
 /// Longest caller-supplied run id.
@@ -363,7 +365,96 @@ impl From<&Signal> for pb::Signal {
             turn: s.turn,
             emitted_at_unix_ms: s.emitted_at_unix_ms,
             metadata: s.metadata.clone().into_iter().collect(),
+            delivery: pb::SignalDelivery::from(s.delivery).into(),
         }
+    }
+}
+
+impl From<Delivery> for pb::SignalDelivery {
+    fn from(d: Delivery) -> Self {
+        match d {
+            Delivery::Pending => Self::Pending,
+            Delivery::Delivered => Self::Delivered,
+            Delivery::Undelivered => Self::Undelivered,
+        }
+    }
+}
+
+impl TryFrom<pb::RunResult> for RunResult {
+    type Error = String;
+
+    /// Reads a stored result back (the run store keeps the proto form).
+    fn try_from(r: pb::RunResult) -> Result<Self, String> {
+        let status = match pb::RunStatus::try_from(r.status) {
+            Ok(pb::RunStatus::Running) => RunStatus::Running,
+            Ok(pb::RunStatus::Completed) => RunStatus::Completed,
+            Ok(pb::RunStatus::Failed) => RunStatus::Failed,
+            Ok(pb::RunStatus::Canceled) => RunStatus::Canceled,
+            _ => return Err(format!("run {}: unknown status {}", r.run_id, r.status)),
+        };
+        let failure_reason = match pb::FailureReason::try_from(r.failure_reason) {
+            Ok(pb::FailureReason::Unspecified) | Err(_) => None,
+            Ok(pb::FailureReason::ToolParseError) => Some(FailureReason::ToolParseError),
+            Ok(pb::FailureReason::ToolExecutionError) => Some(FailureReason::ToolExecutionError),
+            Ok(pb::FailureReason::ToolBudgetExhausted) => Some(FailureReason::ToolBudgetExhausted),
+            Ok(pb::FailureReason::ToolFailureLimit) => Some(FailureReason::ToolFailureLimit),
+            Ok(pb::FailureReason::RepeatedLineLoop) => Some(FailureReason::RepeatedLineLoop),
+            Ok(pb::FailureReason::MaxTurnsExceeded) => Some(FailureReason::MaxTurnsExceeded),
+            Ok(pb::FailureReason::LlmError) => Some(FailureReason::LlmError),
+            Ok(pb::FailureReason::LlmStreamStalled) => Some(FailureReason::LlmStreamStalled),
+            Ok(pb::FailureReason::DeadlineExceeded) => Some(FailureReason::DeadlineExceeded),
+            Ok(pb::FailureReason::UnknownError) => Some(FailureReason::UnknownError),
+        };
+        let usage = r.usage.unwrap_or_default();
+        Ok(Self {
+            run_id: r.run_id,
+            status,
+            failure_reason,
+            failure_detail: r.failure_detail,
+            text: r.text,
+            signals: r
+                .signals
+                .into_iter()
+                .map(|s| Signal {
+                    delivery: match pb::SignalDelivery::try_from(s.delivery) {
+                        Ok(pb::SignalDelivery::Delivered) => Delivery::Delivered,
+                        Ok(pb::SignalDelivery::Undelivered) => Delivery::Undelivered,
+                        _ => Delivery::Pending,
+                    },
+                    run_id: s.run_id,
+                    call_id: s.call_id,
+                    tool_name: s.tool_name,
+                    arguments_json: s.arguments_json,
+                    arguments_valid: s.arguments_valid,
+                    turn: s.turn,
+                    emitted_at_unix_ms: s.emitted_at_unix_ms,
+                    metadata: s.metadata.into_iter().collect(),
+                })
+                .collect(),
+            turns: r.turns,
+            tool_calls: r
+                .tool_calls
+                .into_iter()
+                .map(|c| crate::run::ToolCallRecord {
+                    call_id: c.call_id,
+                    name: c.name,
+                    arguments_json: c.arguments_json,
+                    ok: c.ok,
+                    error: c.error.map(|e| ToolCallError {
+                        code: e.code,
+                        message: e.message,
+                    }),
+                    duration_ms: c.duration_ms,
+                    turn: c.turn,
+                })
+                .collect(),
+            failed_turns: r.failed_turns,
+            usage: crate::llm::Usage {
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+            },
+            finish_reason: r.finish_reason,
+        })
     }
 }
 

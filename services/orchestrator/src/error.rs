@@ -23,6 +23,9 @@ pub enum Error {
     /// The orchestrator is shutting down.
     #[error("the orchestrator is draining (shutting down); retry on another replica")]
     Draining,
+    /// A service the orchestrator depends on (e.g. NATS) cannot be used.
+    #[error("{0}")]
+    Dependency(String),
     /// The listen address cannot be bound.
     #[error("cannot listen on {address}: {source}")]
     Listen {
@@ -43,7 +46,9 @@ impl From<Error> for tonic::Status {
             Error::InvalidArgument(_) => Self::invalid_argument(message),
             Error::Busy(_) => Self::resource_exhausted(message),
             Error::NotFound(_) => Self::not_found(message),
-            Error::Draining | Error::Serve(_) | Error::Listen { .. } => Self::unavailable(message),
+            Error::Draining | Error::Serve(_) | Error::Listen { .. } | Error::Dependency(_) => {
+                Self::unavailable(message)
+            }
             Error::Config(_) | Error::Limit(_) => Self::failed_precondition(message),
         }
     }

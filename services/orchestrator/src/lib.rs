@@ -23,6 +23,7 @@ pub mod runs;
 pub mod server;
 pub mod service;
 pub mod signals;
+pub mod store;
 pub mod telemetry;
 pub mod tool_runners;
 

@@ -1,24 +1,24 @@
-//! The runs registry: run slots, live runs (for `GetRun` and `CancelRun`), and finished results
-//! kept for `GetRun`, bounded by count and by age.
+//! The runs registry: run slots, live runs (for `GetRun` and `CancelRun`), and the result store
+//! where finished results (and checkpoints of live ones) are kept.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
-use tokio::time::Instant;
 
 use crate::run::tool_loop::{Cancel, SharedState};
 use crate::run::{RunResult, RunStatus};
+use crate::store::{Persister, ResultStore};
 
 /// Bounds of the registry.
 #[derive(Debug, Clone, Copy)]
 pub struct RunsConfig {
     /// Runs live at once; one more is refused with `RESOURCE_EXHAUSTED`.
     pub max_runs: usize,
-    /// Finished results kept.
+    /// Finished results kept (memory store).
     pub keep_results: usize,
-    /// How long a finished result is kept.
+    /// How long a finished result is kept (memory store; the KV bucket's TTL otherwise).
     pub keep_results_for: Duration,
 }
 
@@ -27,25 +27,21 @@ struct Live {
     cancel: Cancel,
 }
 
-#[derive(Default)]
-struct Inner {
-    live: HashMap<String, Live>,
-    finished: HashMap<String, (RunResult, Instant)>,
-    order: VecDeque<(String, Instant)>,
-}
-
 /// See the module docs.
 pub struct Runs {
-    inner: Mutex<Inner>,
+    live: Mutex<HashMap<String, Live>>,
     slots: Arc<Semaphore>,
     idle: Notify,
     config: RunsConfig,
+    store: Arc<dyn ResultStore>,
+    /// How long one write to the store may take.
+    store_timeout: Duration,
 }
 
 /// Why a run cannot start.
 #[derive(Debug)]
 pub enum Refusal {
-    /// A live run has this id.
+    /// A live run has this id (here or, with a shared store, on another replica).
     Duplicate,
     /// No slot is free.
     Full(usize),
@@ -61,14 +57,16 @@ pub struct Admitted {
     pub state: SharedState,
     /// Cancels the run.
     pub cancel: Cancel,
+    /// Writes the run's state to the store.
+    pub persister: Persister,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        let mut inner = self.runs.lock();
-        inner.live.remove(&self.run_id);
-        if inner.live.is_empty() {
+        let mut live = self.runs.lock();
+        live.remove(&self.run_id);
+        if live.is_empty() {
             self.runs.idle.notify_waiters();
         }
     }
@@ -81,103 +79,114 @@ pub enum CancelOutcome {
     Canceled,
     /// The run had already finished with this status.
     AlreadyFinished(RunStatus),
-    /// No such run.
+    /// No such run here.
     NotFound,
 }
 
 impl Runs {
-    /// An empty registry.
-    pub fn new(config: RunsConfig) -> Arc<Self> {
+    /// An empty registry over `store`.
+    pub fn new(config: RunsConfig, store: Arc<dyn ResultStore>, store_timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
-            inner: Mutex::new(Inner::default()),
+            live: Mutex::default(),
             slots: Arc::new(Semaphore::new(config.max_runs)),
             idle: Notify::new(),
             config,
+            store,
+            store_timeout,
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
+        self.live.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    async fn stored(&self, run_id: &str) -> Option<RunResult> {
+        match tokio::time::timeout(self.store_timeout, self.store.get(run_id)).await {
+            Ok(Ok(found)) => found,
+            Ok(Err(e)) => {
+                tracing::warn!(run_id, "reading the result store failed: {e}");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(run_id, "reading the result store timed out");
+                None
+            }
+        }
     }
 
     /// Takes a slot for `run_id`.
-    pub fn admit(self: &Arc<Self>, run_id: &str) -> Result<Admitted, Refusal> {
-        let mut inner = self.lock();
-        if inner.live.contains_key(run_id) {
+    pub async fn admit(self: &Arc<Self>, run_id: &str) -> Result<Admitted, Refusal> {
+        if self.lock().contains_key(run_id) {
             return Err(Refusal::Duplicate);
         }
-        self.expire(&mut inner);
-        if let Some((result, _)) = inner.finished.get(run_id) {
-            return Err(Refusal::Finished(Box::new(result.clone())));
+        match self.stored(run_id).await {
+            Some(result) if result.status == RunStatus::Running => return Err(Refusal::Duplicate),
+            Some(result) => return Err(Refusal::Finished(Box::new(result))),
+            None => {}
+        }
+        let mut live = self.lock();
+        if live.contains_key(run_id) {
+            return Err(Refusal::Duplicate);
         }
         let permit = Arc::clone(&self.slots)
             .try_acquire_owned()
             .map_err(|_| Refusal::Full(self.config.max_runs))?;
         let state: SharedState = Arc::new(Mutex::new(RunResult::running(run_id)));
         let cancel = Cancel::default();
-        inner.live.insert(
+        live.insert(
             run_id.to_owned(),
             Live {
                 state: Arc::clone(&state),
                 cancel: cancel.clone(),
             },
         );
+        let persister = Persister::new(Arc::clone(&self.store), Arc::clone(&state), self.store_timeout);
         Ok(Admitted {
             runs: Arc::clone(self),
             run_id: run_id.to_owned(),
             state,
             cancel,
+            persister,
             _permit: permit,
         })
     }
 
-    /// Keeps a finished result (called before the stream's last event).
-    pub fn store(&self, result: &RunResult) {
-        let mut inner = self.lock();
-        let now = Instant::now();
-        inner.finished.insert(result.run_id.clone(), (result.clone(), now));
-        inner.order.push_back((result.run_id.clone(), now));
-        self.expire(&mut inner);
-    }
-
-    /// A finished result, or a live run's state so far.
-    pub fn get(&self, run_id: &str) -> Option<RunResult> {
-        let mut inner = self.lock();
-        self.expire(&mut inner);
-        if let Some((result, _)) = inner.finished.get(run_id) {
-            return Some(result.clone());
-        }
-        inner
-            .live
+    /// A live run's state so far, or a stored result.
+    pub async fn get(&self, run_id: &str) -> Option<RunResult> {
+        let live = self
+            .lock()
             .get(run_id)
-            .map(|live| live.state.lock().unwrap_or_else(PoisonError::into_inner).clone())
+            .map(|l| l.state.lock().unwrap_or_else(PoisonError::into_inner).clone());
+        match live {
+            Some(result) => Some(result),
+            None => self.stored(run_id).await,
+        }
     }
 
-    /// Cancels a live run.
-    pub fn cancel(&self, run_id: &str, reason: &str) -> CancelOutcome {
-        let inner = self.lock();
-        if let Some(live) = inner.live.get(run_id) {
+    /// Cancels a live run of this replica.
+    pub async fn cancel(&self, run_id: &str, reason: &str) -> CancelOutcome {
+        if let Some(live) = self.lock().get(run_id) {
             live.cancel.cancel(reason);
             return CancelOutcome::Canceled;
         }
-        match inner.finished.get(run_id) {
-            Some((result, _)) => CancelOutcome::AlreadyFinished(result.status),
-            None => CancelOutcome::NotFound,
+        match self.stored(run_id).await {
+            Some(result) if result.status != RunStatus::Running => CancelOutcome::AlreadyFinished(result.status),
+            _ => CancelOutcome::NotFound,
         }
     }
 
     /// Cancels every live run (the drain's last step).
     pub fn cancel_all(&self, reason: &str) -> usize {
-        let inner = self.lock();
-        for live in inner.live.values() {
-            live.cancel.cancel(reason);
+        let live = self.lock();
+        for run in live.values() {
+            run.cancel.cancel(reason);
         }
-        inner.live.len()
+        live.len()
     }
 
     /// Runs live now.
     pub fn live(&self) -> usize {
-        self.lock().live.len()
+        self.lock().len()
     }
 
     /// Resolves when no run is live.
@@ -192,86 +201,75 @@ impl Runs {
             notified.await;
         }
     }
-
-    /// Drops results beyond the count bound or older than the age bound.
-    fn expire(&self, inner: &mut Inner) {
-        let now = Instant::now();
-        while let Some((run_id, at)) = inner.order.front().cloned() {
-            let too_many = inner.finished.len() > self.config.keep_results;
-            let too_old = now.saturating_duration_since(at) > self.config.keep_results_for;
-            if !too_many && !too_old {
-                break;
-            }
-            inner.order.pop_front();
-            if inner.finished.get(&run_id).is_some_and(|(_, stored)| *stored == at) {
-                inner.finished.remove(&run_id);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::memory::MemoryStore;
 
     fn runs(max_runs: usize, keep: usize, keep_for: Duration) -> Arc<Runs> {
-        Runs::new(RunsConfig {
+        let config = RunsConfig {
             max_runs,
             keep_results: keep,
             keep_results_for: keep_for,
-        })
+        };
+        Runs::new(
+            config,
+            Arc::new(MemoryStore::new(keep, keep_for)),
+            Duration::from_secs(1),
+        )
     }
 
-    fn finished(id: &str) -> RunResult {
-        RunResult {
-            status: RunStatus::Completed,
-            ..RunResult::running(id)
-        }
+    async fn finish(runs: &Arc<Runs>, id: &str) {
+        let admitted = runs.admit(id).await.unwrap();
+        admitted.state.lock().unwrap().status = RunStatus::Completed;
+        admitted.persister.write().await;
     }
 
-    #[test]
-    fn slots_on_both_sides_of_the_limit_and_released_on_drop() {
+    #[tokio::test]
+    async fn slots_on_both_sides_of_the_limit_and_released_on_drop() {
         let runs = runs(2, 10, Duration::from_secs(60));
-        let a = runs.admit("a").unwrap();
-        let _b = runs.admit("b").unwrap();
-        assert!(matches!(runs.admit("c"), Err(Refusal::Full(2))));
-        assert!(matches!(runs.admit("a"), Err(Refusal::Duplicate)));
+        let a = runs.admit("a").await.unwrap();
+        let _b = runs.admit("b").await.unwrap();
+        assert!(matches!(runs.admit("c").await, Err(Refusal::Full(2))));
+        assert!(matches!(runs.admit("a").await, Err(Refusal::Duplicate)));
         drop(a);
-        assert!(runs.admit("c").is_ok());
+        assert!(runs.admit("c").await.is_ok());
     }
 
-    #[test]
-    fn results_are_bounded_by_count() {
+    #[tokio::test]
+    async fn results_are_bounded_by_count() {
         let runs = runs(10, 2, Duration::from_secs(60));
         for id in ["a", "b", "c"] {
-            runs.store(&finished(id));
+            finish(&runs, id).await;
         }
-        assert!(runs.get("a").is_none());
-        assert!(runs.get("b").is_some() && runs.get("c").is_some());
-        assert!(matches!(runs.admit("c"), Err(Refusal::Finished(_))));
+        assert!(runs.get("a").await.is_none());
+        assert!(runs.get("b").await.is_some() && runs.get("c").await.is_some());
+        assert!(matches!(runs.admit("c").await, Err(Refusal::Finished(_))));
     }
 
     #[tokio::test(start_paused = true)]
     async fn results_are_bounded_by_age() {
         let runs = runs(10, 10, Duration::from_secs(60));
-        runs.store(&finished("a"));
+        finish(&runs, "a").await;
         tokio::time::advance(Duration::from_secs(59)).await;
-        assert!(runs.get("a").is_some());
+        assert!(runs.get("a").await.is_some());
         tokio::time::advance(Duration::from_secs(2)).await;
-        assert!(runs.get("a").is_none());
+        assert!(runs.get("a").await.is_none());
     }
 
-    #[test]
-    fn live_state_and_cancel() {
+    #[tokio::test]
+    async fn live_state_and_cancel() {
         let runs = runs(10, 10, Duration::from_secs(60));
-        let admitted = runs.admit("a").unwrap();
+        let admitted = runs.admit("a").await.unwrap();
         admitted.state.lock().unwrap().text.push_str("so far");
         assert_eq!(
-            runs.get("a").map(|r| (r.status, r.text)),
+            runs.get("a").await.map(|r| (r.status, r.text)),
             Some((RunStatus::Running, "so far".into()))
         );
-        assert_eq!(runs.cancel("a", "test"), CancelOutcome::Canceled);
+        assert_eq!(runs.cancel("a", "test").await, CancelOutcome::Canceled);
         assert!(admitted.cancel.is_canceled());
-        assert_eq!(runs.cancel("zzz", "test"), CancelOutcome::NotFound);
+        assert_eq!(runs.cancel("zzz", "test").await, CancelOutcome::NotFound);
     }
 }

@@ -17,12 +17,17 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
 
+use crate::config::{Backend, NatsOptions};
 use crate::llm::HttpLlm;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;
 use crate::service::{Core, OrchestratorService};
 use crate::signals::SignalTopic;
 use crate::signals::memory::MemoryTopic;
+use crate::signals::nats::NatsTopic;
+use crate::store::ResultStore;
+use crate::store::memory::MemoryStore;
+use crate::store::nats::KvStore;
 use crate::tool_runners::{ClientSettings, Resolve, SystemResolver, ToolRunners};
 use crate::{Config, Error};
 
@@ -62,8 +67,31 @@ pub async fn run_with_resolver(
         Err(e) => tracing::warn!("{e}; serving anyway, the catalog is retried on every refresh and on demand"),
     }
     let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_refresh_interval, LIST_TOOLS_TIMEOUT));
-    let signals: Arc<dyn SignalTopic> = Arc::new(MemoryTopic::new(config.signal_buffer));
-    let runs = Runs::new(config.runs);
+    let mut connections = NatsConnections::default();
+    let signals: Arc<dyn SignalTopic> = match &config.signal_topic {
+        Backend::Memory => Arc::new(MemoryTopic::new(config.signal_buffer)),
+        Backend::Nats(url) => {
+            let client = connections.get(url, &config.nats).await?;
+            let topic = NatsTopic::open(client, config.signals.clone())
+                .await
+                .map_err(Error::Dependency)?;
+            tracing::info!(nats = %url, prefix = %config.signals.subject_prefix, stream = %config.signals.stream, "signal topic on NATS JetStream");
+            Arc::new(topic)
+        }
+    };
+    let store: Arc<dyn ResultStore> = match &config.run_store {
+        Backend::Memory => Arc::new(MemoryStore::new(config.runs.keep_results, config.runs.keep_results_for)),
+        Backend::Nats(url) => {
+            let client = connections.get(url, &config.nats).await?;
+            let js = async_nats::jetstream::new(client);
+            let store = KvStore::open(&js, &config.run_store_bucket, config.run_store_ttl)
+                .await
+                .map_err(Error::Dependency)?;
+            tracing::info!(nats = %url, bucket = %config.run_store_bucket, "run results in NATS key-value");
+            Arc::new(store)
+        }
+    };
+    let runs = Runs::new(config.runs, store, config.store_timeout);
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
@@ -121,6 +149,37 @@ pub async fn run_with_resolver(
     drop(refresher);
     tracing::info!("orchestrator stopped");
     Ok(())
+}
+
+/// One NATS connection per URL, shared by the signal topic and the result store.
+#[derive(Default)]
+struct NatsConnections(std::collections::HashMap<String, async_nats::Client>);
+
+impl NatsConnections {
+    async fn get(&mut self, url: &str, options: &NatsOptions) -> Result<async_nats::Client, Error> {
+        if let Some(client) = self.0.get(url) {
+            return Ok(client.clone());
+        }
+        let mut connect = async_nats::ConnectOptions::new()
+            .name("orchestrator")
+            .connection_timeout(Duration::from_secs(5))
+            .require_tls(options.tls_required);
+        if let Some(creds) = &options.credentials {
+            connect = connect
+                .credentials_file(creds)
+                .await
+                .map_err(|e| Error::Config(format!("--nats-credentials {}: {e}", creds.display())))?;
+        }
+        if let Some(ca) = &options.ca_file {
+            connect = connect.add_root_certificates(ca.clone());
+        }
+        let client = connect
+            .connect(url)
+            .await
+            .map_err(|e| Error::Dependency(format!("cannot connect to NATS at {url}: {e}")))?;
+        self.0.insert(url.to_owned(), client.clone());
+        Ok(client)
+    }
 }
 
 /// Aborts a background task when dropped.

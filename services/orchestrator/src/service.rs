@@ -81,7 +81,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         }
         let spec = resolve(run_request, &core.runners.catalog(), &core.config, caller_deadline)?;
         let run_id = spec.run_id.clone();
-        let admitted = match core.runs.admit(&run_id) {
+        let admitted = match core.runs.admit(&run_id).await {
             Ok(admitted) => admitted,
             Err(Refusal::Duplicate) => {
                 return Err(Error::InvalidArgument(format!(
@@ -113,7 +113,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let (tx, rx) = mpsc::channel::<NumberedEvent>(core.config.event_buffer);
         let caller_gone = (!detached).then(|| tx.clone());
         let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state));
-        let (deps, runs) = (core.deps.clone(), Arc::clone(&core.runs));
+        let deps = core.deps.clone();
         let span = tracing::info_span!(
             "invoke_agent",
             otel.name = "invoke_agent orchestrator",
@@ -140,7 +140,8 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             async move {
                 let state = Arc::clone(&admitted.state);
                 let cancel = admitted.cancel.clone();
-                crate::run::tool_loop::run(spec, deps, state, emitter, cancel, caller_gone, |r| runs.store(r)).await;
+                let persister = Some(admitted.persister.clone());
+                crate::run::tool_loop::run(spec, deps, state, emitter, cancel, caller_gone, persister).await;
                 drop(admitted);
             }
             .instrument(span),
@@ -151,7 +152,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
 
     async fn get_run(&self, request: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
         let run_id = request.into_inner().run_id;
-        match self.core.runs.get(&run_id) {
+        match self.core.runs.get(&run_id).await {
             Some(result) => Ok(Response::new(pb::RunResult::from(&result))),
             None => Err(Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into()),
         }
@@ -162,7 +163,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         request: Request<pb::CancelRunRequest>,
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
         let run_id = request.into_inner().run_id;
-        let (canceled, status) = match self.core.runs.cancel(&run_id, "canceled by CancelRun") {
+        let (canceled, status) = match self.core.runs.cancel(&run_id, "canceled by CancelRun").await {
             CancelOutcome::Canceled => (true, pb::RunStatus::Canceled),
             CancelOutcome::AlreadyFinished(status) => (false, status.into()),
             CancelOutcome::NotFound => {
@@ -184,7 +185,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             run_id: Some(request.run_id).filter(|r| !r.is_empty()),
             tool_names: request.tool_names,
         };
-        let stream = self.core.signals.subscribe(filter).map(|item| {
+        let stream = self.core.signals.subscribe(filter).await.map(|item| {
             let event = match item {
                 SignalItem::Signal(signal) => pb::signal_event::Event::Signal(pb::Signal::from(&signal)),
                 SignalItem::Missed(n) => pb::signal_event::Event::Missed(n),

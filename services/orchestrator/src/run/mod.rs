@@ -175,6 +175,19 @@ pub struct Signal {
     pub emitted_at_unix_ms: u64,
     /// Run metadata.
     pub metadata: BTreeMap<String, String>,
+    /// Whether the signal topic confirmed it.
+    pub delivery: Delivery,
+}
+
+/// Delivery of a signal to the signal topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Not confirmed yet.
+    Pending,
+    /// Confirmed by the topic.
+    Delivered,
+    /// Every attempt failed.
+    Undelivered,
 }
 
 /// The state of a run: live (status `Running`, output so far) or final.

@@ -24,11 +24,12 @@ use super::fallback::Resolution;
 use super::loop_detector::{DetectorConfig, LoopDetector};
 use super::turn::TurnCollector;
 use super::{
-    Event, FailureReason, HARD_MAX_TURNS, NumberedEvent, ParsePolicy, RunResult, RunSpec, RunStatus, Signal,
+    Delivery, Event, FailureReason, HARD_MAX_TURNS, NumberedEvent, ParsePolicy, RunResult, RunSpec, RunStatus, Signal,
     ToolCallError, ToolCallRecord, ToolExecutor, ToolInvocation,
 };
 use crate::llm::{ChatModel, ChatRequest, LlmError, Message, ToolCall, ToolDefinition};
 use crate::signals::SignalTopic;
+use crate::store::Persister;
 use crate::telemetry::{InFlight, metric, reason_label, status_label};
 
 /// What the loop needs from the outside world.
@@ -135,7 +136,7 @@ pub async fn run(
     mut emitter: Emitter,
     cancel: Cancel,
     caller_gone: Option<mpsc::Sender<NumberedEvent>>,
-    store: impl FnOnce(&RunResult) + Send,
+    persister: Option<Persister>,
 ) -> RunResult {
     let started = Instant::now();
     let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
@@ -149,7 +150,7 @@ pub async fn run(
         })
         .await;
     let end = {
-        let drive = drive(&spec, &deps, &state, &mut emitter, deadline);
+        let drive = drive(&spec, &deps, &state, &mut emitter, deadline, persister.clone());
         let gone = async {
             match &caller_gone {
                 Some(tx) => tx.closed().await,
@@ -207,7 +208,10 @@ pub async fn run(
         span.record("otel.status_code", "ERROR");
         span.record("otel.status_description", result.failure_detail.as_str());
     }
-    store(&result);
+    // The result is stored before the stream ends, so GetRun (on any replica) finds it.
+    if let Some(persister) = &persister {
+        persister.write().await;
+    }
     emitter.send(Event::RunFinished(result.clone())).await;
     result
 }
@@ -226,7 +230,14 @@ enum Disposition {
     Bad(ToolCallError),
 }
 
-async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &mut Emitter, deadline: Instant) -> End {
+async fn drive(
+    spec: &RunSpec,
+    deps: &LoopDeps,
+    state: &SharedState,
+    emitter: &mut Emitter,
+    deadline: Instant,
+    persister: Option<Persister>,
+) -> End {
     let mut driver = Driver {
         normal_names: spec.normal_tools.iter().map(|t| t.name.as_str()).collect(),
         exit_names: spec.exit_tools.iter().map(|t| t.name.as_str()).collect(),
@@ -238,6 +249,7 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
         used_budget: 0,
         failed_turns: 0,
         run_span: tracing::Span::current(),
+        persister,
         spec,
         deps,
         state,
@@ -272,6 +284,10 @@ async fn drive(spec: &RunSpec, deps: &LoopDeps, state: &SharedState, emitter: &m
         if let Some(end) = end {
             return end;
         }
+        // Live runs are visible to GetRun on every replica, updated at turn boundaries.
+        if let Some(persister) = &driver.persister {
+            persister.write_soon();
+        }
     }
     End::Failed(FailureReason::UnknownError, "the turn counter overflowed".to_owned())
 }
@@ -296,6 +312,8 @@ struct Driver<'a> {
     failed_turns: u32,
     /// The run's span (`invoke_agent`), for signal events.
     run_span: tracing::Span,
+    /// Writes the run's state to the result store (checkpoints, late signal deliveries).
+    persister: Option<Persister>,
 }
 
 impl Driver<'_> {
@@ -463,9 +481,28 @@ impl Driver<'_> {
                 turn,
                 emitted_at_unix_ms: unix_ms(),
                 metadata: spec.metadata.clone(),
+                delivery: Delivery::Pending,
             };
             lock(state).signals.push(signal.clone());
-            deps.signals.publish(&signal);
+            let on_delivery = {
+                let (state, persister, call_id) = (Arc::clone(state), self.persister.clone(), signal.call_id.clone());
+                Box::new(move |delivery: Delivery| {
+                    if let Some(s) = lock(&state).signals.iter_mut().find(|s| s.call_id == call_id) {
+                        s.delivery = delivery;
+                    }
+                    if let Some(persister) = persister {
+                        persister.write_soon();
+                    }
+                })
+            };
+            deps.signals.publish(&signal, on_delivery);
+            // The event carries the delivery as known now (the in-memory topic confirms at once).
+            let signal = lock(state)
+                .signals
+                .iter()
+                .find(|s| s.call_id == signal.call_id)
+                .cloned()
+                .unwrap_or(signal);
             metrics::counter!(metric::SIGNALS_PUBLISHED).increment(1);
             tracing::info!(
                 parent: &run_span,
@@ -897,7 +934,7 @@ mod tests {
         let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
         let (tx, mut rx) = mpsc::channel(1024);
         let emitter = Emitter::new(Some(tx), Arc::clone(&state));
-        let result = run(spec(limits), deps, state, emitter, Cancel::default(), None, |_| {}).await;
+        let result = run(spec(limits), deps, state, emitter, Cancel::default(), None, None).await;
         let mut events = Vec::new();
         while let Ok(e) = rx.try_recv() {
             events.push(e);

@@ -3,14 +3,15 @@
 
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::future::BoxFuture;
 use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 
-use super::{SignalFilter, SignalItem, SignalTopic};
-use crate::run::Signal;
+use super::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
+use crate::run::{Delivery, Signal};
 
 /// See the module docs.
 pub struct MemoryTopic {
@@ -26,13 +27,15 @@ impl MemoryTopic {
 }
 
 impl SignalTopic for MemoryTopic {
-    fn publish(&self, signal: &Signal) {
+    fn publish(&self, signal: &Signal, on_delivery: OnDelivery) {
         // No subscriber is not an error: the signal is in the run's result and events anyway.
-        let _ = self.tx.send(Arc::new(signal.clone()));
+        let delivered = Signal { delivery: Delivery::Delivered, ..signal.clone() };
+        let _ = self.tx.send(Arc::new(delivered));
+        on_delivery(Delivery::Delivered);
     }
 
-    fn subscribe(&self, filter: SignalFilter) -> BoxStream<'static, SignalItem> {
-        BroadcastStream::new(self.tx.subscribe())
+    fn subscribe(&self, filter: SignalFilter) -> BoxFuture<'static, BoxStream<'static, SignalItem>> {
+        let stream = BroadcastStream::new(self.tx.subscribe())
             .filter_map(move |item| {
                 let out = match item {
                     Ok(signal) if filter.matches(&signal) => Some(SignalItem::Signal((*signal).clone())),
@@ -41,7 +44,8 @@ impl SignalTopic for MemoryTopic {
                 };
                 futures::future::ready(out)
             })
-            .boxed()
+            .boxed();
+        futures::future::ready(stream).boxed()
     }
 }
 
@@ -59,25 +63,26 @@ mod tests {
             turn: 1,
             emitted_at_unix_ms: 0,
             metadata: Default::default(),
+            delivery: Delivery::Pending,
         }
     }
 
     #[tokio::test]
     async fn filters_and_reports_missed_signals() {
         let topic = MemoryTopic::new(2);
-        let mut all = topic.subscribe(SignalFilter::default());
+        let mut all = topic.subscribe(SignalFilter::default()).await;
         let mut only = topic.subscribe(SignalFilter {
             run_id: Some("r2".into()),
             tool_names: vec!["finish".into()],
-        });
-        topic.publish(&signal("r1", "finish"));
-        topic.publish(&signal("r2", "escalate"));
-        topic.publish(&signal("r2", "finish"));
-        topic.publish(&signal("r3", "finish"));
+        }).await;
+        for (run, tool) in [("r1", "finish"), ("r2", "escalate"), ("r2", "finish"), ("r3", "finish")] {
+            topic.publish(&signal(run, tool), Box::new(|d| assert_eq!(d, Delivery::Delivered)));
+        }
         // `all` lagged: capacity 2, four published.
         assert_eq!(all.next().await, Some(SignalItem::Missed(2)));
-        assert_eq!(all.next().await, Some(SignalItem::Signal(signal("r2", "finish"))));
+        let delivered = |run: &str, tool: &str| Signal { delivery: Delivery::Delivered, ..signal(run, tool) };
+        assert_eq!(all.next().await, Some(SignalItem::Signal(delivered("r2", "finish"))));
         assert_eq!(only.next().await, Some(SignalItem::Missed(2)));
-        assert_eq!(only.next().await, Some(SignalItem::Signal(signal("r2", "finish"))));
+        assert_eq!(only.next().await, Some(SignalItem::Signal(delivered("r2", "finish"))));
     }
 }

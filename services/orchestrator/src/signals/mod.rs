@@ -1,13 +1,19 @@
 //! The signal topic: where exit-tool calls (signals) are published and read back.
 //!
 //! Backends implement [`SignalTopic`]; [`memory::MemoryTopic`] is the default (an in-process,
-//! bounded broadcast). Publishing never waits for subscribers.
+//! bounded broadcast), [`nats::NatsTopic`] publishes to NATS JetStream. Publishing never waits:
+//! the topic reports the outcome later through the publisher's callback.
 
 pub mod memory;
+pub mod nats;
 
+use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
-use crate::run::Signal;
+use crate::run::{Delivery, Signal};
+
+/// Told once whether a published signal was delivered.
+pub type OnDelivery = Box<dyn FnOnce(Delivery) + Send>;
 
 /// Which signals a subscriber wants; empty fields match everything.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -37,8 +43,8 @@ pub enum SignalItem {
 
 /// A topic signals are published to and subscribed from.
 pub trait SignalTopic: Send + Sync + 'static {
-    /// Publishes a signal; never blocks the run.
-    fn publish(&self, signal: &Signal);
-    /// Signals published from now on that pass `filter`.
-    fn subscribe(&self, filter: SignalFilter) -> BoxStream<'static, SignalItem>;
+    /// Publishes a signal and returns at once; `on_delivery` is called once with the outcome.
+    fn publish(&self, signal: &Signal, on_delivery: OnDelivery);
+    /// Signals published from the moment the returned future resolves that pass `filter`.
+    fn subscribe(&self, filter: SignalFilter) -> BoxFuture<'static, BoxStream<'static, SignalItem>>;
 }

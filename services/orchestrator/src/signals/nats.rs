@@ -1,0 +1,202 @@
+//! The NATS JetStream signal topic. Each signal is published as JSON (the `Signal` message's
+//! fields) to `<prefix>.<tool_name>` with headers `Orchestrator-Run-Id`, `Orchestrator-Call-Id`,
+//! `traceparent` (when the run is traced) and `Nats-Msg-Id` = `<run_id>.<call_id>`, so JetStream
+//! drops duplicates of a retried publish within the stream's duplicate window. The stream (one
+//! per prefix) is created or bound at start.
+//!
+//! Publishing never blocks the run: a background task awaits the JetStream acknowledgement,
+//! retries with exponential backoff, and reports the outcome; a signal that could not be
+//! delivered within the retries is marked undelivered in the run's result and counted in
+//! `orchestrator_signals_failed_total`. `subscribe` reads the subject from the broker, so it
+//! sees the signals of every replica.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
+use serde::{Deserialize, Serialize};
+
+use super::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
+use crate::run::{Delivery, Signal};
+
+/// Settings of the NATS signal topic.
+#[derive(Debug, Clone)]
+pub struct NatsTopicSettings {
+    /// Subject prefix: signals go to `<prefix>.<tool_name>`.
+    pub subject_prefix: String,
+    /// JetStream stream holding `<prefix>.>`.
+    pub stream: String,
+    /// How long the stream keeps signals.
+    pub max_age: Duration,
+    /// Most bytes the stream keeps (oldest dropped first).
+    pub max_bytes: i64,
+    /// Publish attempts after the first.
+    pub retries: u32,
+    /// First delay between attempts (doubles each time).
+    pub backoff: Duration,
+    /// How long one attempt waits for JetStream's acknowledgement.
+    pub ack_timeout: Duration,
+}
+
+/// A signal as published: the `orchestrator.v1.Signal` fields, as JSON.
+#[derive(Debug, Serialize, Deserialize)]
+struct SignalJson {
+    run_id: String,
+    call_id: String,
+    tool_name: String,
+    arguments_json: String,
+    arguments_valid: bool,
+    turn: u32,
+    emitted_at_unix_ms: u64,
+    metadata: std::collections::BTreeMap<String, String>,
+}
+
+impl From<&Signal> for SignalJson {
+    fn from(s: &Signal) -> Self {
+        Self {
+            run_id: s.run_id.clone(),
+            call_id: s.call_id.clone(),
+            tool_name: s.tool_name.clone(),
+            arguments_json: s.arguments_json.clone(),
+            arguments_valid: s.arguments_valid,
+            turn: s.turn,
+            emitted_at_unix_ms: s.emitted_at_unix_ms,
+            metadata: s.metadata.clone(),
+        }
+    }
+}
+
+impl From<SignalJson> for Signal {
+    fn from(s: SignalJson) -> Self {
+        Self {
+            run_id: s.run_id,
+            call_id: s.call_id,
+            tool_name: s.tool_name,
+            arguments_json: s.arguments_json,
+            arguments_valid: s.arguments_valid,
+            turn: s.turn,
+            emitted_at_unix_ms: s.emitted_at_unix_ms,
+            metadata: s.metadata,
+            delivery: Delivery::Delivered,
+        }
+    }
+}
+
+/// See the module docs.
+pub struct NatsTopic {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    settings: NatsTopicSettings,
+}
+
+impl NatsTopic {
+    /// Binds (or creates) the stream for the prefix.
+    pub async fn open(client: async_nats::Client, settings: NatsTopicSettings) -> Result<Self, String> {
+        let js = jetstream::context::ContextBuilder::new()
+            .timeout(settings.ack_timeout)
+            .build(client.clone());
+        js.get_or_create_stream(jetstream::stream::Config {
+            name: settings.stream.clone(),
+            subjects: vec![format!("{}.>", settings.subject_prefix)],
+            max_age: settings.max_age,
+            max_bytes: settings.max_bytes,
+            duplicate_window: Duration::from_secs(120),
+            storage: jetstream::stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("cannot create or bind the JetStream stream {:?}: {e}", settings.stream))?;
+        Ok(Self { client, js, settings })
+    }
+
+    /// The JetStream context (for tests and tools).
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+}
+
+impl SignalTopic for NatsTopic {
+    fn publish(&self, signal: &Signal, on_delivery: OnDelivery) {
+        let subject = format!("{}.{}", self.settings.subject_prefix, signal.tool_name);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            async_nats::header::NATS_MESSAGE_ID,
+            format!("{}.{}", signal.run_id, signal.call_id).as_str(),
+        );
+        headers.insert("Orchestrator-Run-Id", signal.run_id.as_str());
+        headers.insert("Orchestrator-Call-Id", signal.call_id.as_str());
+        if let Some(traceparent) = shared::telemetry::current_traceparent() {
+            headers.insert("traceparent", traceparent.as_str());
+        }
+        let payload: bytes::Bytes = match serde_json::to_vec(&SignalJson::from(signal)) {
+            Ok(json) => json.into(),
+            Err(e) => {
+                tracing::error!("cannot encode a signal: {e}");
+                on_delivery(Delivery::Undelivered);
+                return;
+            }
+        };
+        let (js, settings) = (self.js.clone(), self.settings.clone());
+        let (run_id, call_id) = (signal.run_id.clone(), signal.call_id.clone());
+        tokio::spawn(async move {
+            for attempt in 0..=settings.retries {
+                if attempt > 0 {
+                    tokio::time::sleep(settings.backoff.saturating_mul(1 << (attempt - 1).min(16))).await;
+                }
+                let error = match js
+                    .publish_with_headers(subject.clone(), headers.clone(), payload.clone())
+                    .await
+                {
+                    Ok(ack) => match tokio::time::timeout(settings.ack_timeout, ack).await {
+                        Ok(Ok(_)) => {
+                            on_delivery(Delivery::Delivered);
+                            return;
+                        }
+                        Ok(Err(e)) => e.to_string(),
+                        Err(_) => "no acknowledgement in time".to_owned(),
+                    },
+                    Err(e) => e.to_string(),
+                };
+                tracing::warn!(run_id = %run_id, call_id = %call_id, attempt, "publishing a signal to {subject} failed: {error}");
+            }
+            metrics::counter!(crate::telemetry::metric::SIGNALS_FAILED).increment(1);
+            tracing::error!(run_id = %run_id, call_id = %call_id, "signal undelivered after {} attempts", settings.retries + 1);
+            on_delivery(Delivery::Undelivered);
+        });
+    }
+
+    fn subscribe(&self, filter: SignalFilter) -> BoxFuture<'static, BoxStream<'static, SignalItem>> {
+        let client = self.client.clone();
+        let subjects: Vec<String> = if filter.tool_names.is_empty() {
+            vec![format!("{}.>", self.settings.subject_prefix)]
+        } else {
+            filter
+                .tool_names
+                .iter()
+                .map(|t| format!("{}.{t}", self.settings.subject_prefix))
+                .collect()
+        };
+        async move {
+            let mut streams = Vec::with_capacity(subjects.len());
+            for subject in subjects {
+                match client.subscribe(subject.clone()).await {
+                    Ok(subscriber) => streams.push(subscriber),
+                    Err(e) => tracing::warn!("cannot subscribe to {subject}: {e}"),
+                }
+            }
+            // Make sure the server has the subscription before answering.
+            let _ = client.flush().await;
+            futures::stream::select_all(streams)
+                .filter_map(move |message| {
+                    let signal = serde_json::from_slice::<SignalJson>(&message.payload)
+                        .ok()
+                        .map(Signal::from);
+                    futures::future::ready(signal.filter(|s| filter.matches(s)).map(SignalItem::Signal))
+                })
+                .boxed()
+        }
+        .boxed()
+    }
+}

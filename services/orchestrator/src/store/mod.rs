@@ -1,0 +1,70 @@
+//! Where run results are kept for `GetRun`: behind [`ResultStore`], in memory (the default,
+//! bounded by count and age) or in a NATS JetStream key-value bucket ([`nats::KvStore`]), which
+//! several orchestrator replicas share and which survives restarts.
+//!
+//! A run writes its state at every turn boundary (live runs answer `RUN_STATUS_RUNNING` with
+//! their output so far) and its final result before its stream's `run_finished`. Writes of one
+//! run go through its [`Persister`], which takes the snapshot inside a per-run lock, so the last
+//! write is always the newest state even when writes race (e.g. a signal confirmed late).
+
+pub mod memory;
+pub mod nats;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::run::RunResult;
+use crate::run::tool_loop::SharedState;
+
+/// A place for run results.
+pub trait ResultStore: Send + Sync + 'static {
+    /// Stores (or replaces) a run's result.
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), String>>;
+    /// A run's result, if kept.
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>>;
+}
+
+/// Writes one run's state to the store, newest state last.
+#[derive(Clone)]
+pub struct Persister {
+    store: Arc<dyn ResultStore>,
+    state: SharedState,
+    lock: Arc<tokio::sync::Mutex<()>>,
+    timeout: Duration,
+}
+
+impl Persister {
+    /// A persister of `state` into `store`; one write waits at most `timeout`.
+    pub fn new(store: Arc<dyn ResultStore>, state: SharedState, timeout: Duration) -> Self {
+        Self {
+            store,
+            state,
+            lock: Arc::default(),
+            timeout,
+        }
+    }
+
+    /// Writes the current state now.
+    pub async fn write(&self) {
+        let _serialized = self.lock.lock().await;
+        let snapshot = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let run_id = snapshot.run_id.clone();
+        match tokio::time::timeout(self.timeout, self.store.put(snapshot)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(run_id = %run_id, "storing the run's result failed: {e}"),
+            Err(_) => tracing::warn!(run_id = %run_id, "storing the run's result timed out"),
+        }
+    }
+
+    /// Writes the current state in the background (off the run's path).
+    pub fn write_soon(&self) {
+        let this = self.clone();
+        tokio::spawn(async move { this.write().await });
+    }
+}
