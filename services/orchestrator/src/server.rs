@@ -109,6 +109,7 @@ pub async fn run_with_resolver(
         runners,
         signals,
         draining: AtomicBool::new(false),
+        stopping: tokio_util::sync::CancellationToken::new(),
         config: config.clone(),
     });
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -126,6 +127,7 @@ pub async fn run_with_resolver(
             tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
             health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
             core.draining.store(true, Ordering::Release);
+            core.stopping.cancel();
             // Keep a margin at the end of the grace period for canceled runs to store their result.
             let margin = (grace / 10).min(Duration::from_secs(1));
             if tokio::time::timeout(grace - margin, core.runs.wait_idle())

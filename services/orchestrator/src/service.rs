@@ -39,6 +39,8 @@ pub struct Core {
     pub signals: Arc<dyn SignalTopic>,
     /// Set when the drain starts: new runs are refused.
     pub draining: AtomicBool,
+    /// Cancelled when the drain starts: open SubscribeSignals streams end, so the server can stop.
+    pub stopping: tokio_util::sync::CancellationToken,
 }
 
 /// The `Orchestrator` gRPC service.
@@ -185,13 +187,20 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             run_id: Some(request.run_id).filter(|r| !r.is_empty()),
             tool_names: request.tool_names,
         };
-        let stream = self.core.signals.subscribe(filter).await.map(|item| {
-            let event = match item {
-                SignalItem::Signal(signal) => pb::signal_event::Event::Signal(pb::Signal::from(&signal)),
-                SignalItem::Missed(n) => pb::signal_event::Event::Missed(n),
-            };
-            Ok(pb::SignalEvent { event: Some(event) })
-        });
+        let stopping = self.core.stopping.clone().cancelled_owned();
+        let stream = self
+            .core
+            .signals
+            .subscribe(filter)
+            .await
+            .take_until(stopping)
+            .map(|item| {
+                let event = match item {
+                    SignalItem::Signal(signal) => pb::signal_event::Event::Signal(pb::Signal::from(&signal)),
+                    SignalItem::Missed(n) => pb::signal_event::Event::Missed(n),
+                };
+                Ok(pb::SignalEvent { event: Some(event) })
+            });
         Ok(Response::new(stream.boxed()))
     }
 }

@@ -29,7 +29,10 @@ impl MemoryTopic {
 impl SignalTopic for MemoryTopic {
     fn publish(&self, signal: &Signal, on_delivery: OnDelivery) {
         // No subscriber is not an error: the signal is in the run's result and events anyway.
-        let delivered = Signal { delivery: Delivery::Delivered, ..signal.clone() };
+        let delivered = Signal {
+            delivery: Delivery::Delivered,
+            ..signal.clone()
+        };
         let _ = self.tx.send(Arc::new(delivered));
         on_delivery(Delivery::Delivered);
     }
@@ -71,16 +74,21 @@ mod tests {
     async fn filters_and_reports_missed_signals() {
         let topic = MemoryTopic::new(2);
         let mut all = topic.subscribe(SignalFilter::default()).await;
-        let mut only = topic.subscribe(SignalFilter {
-            run_id: Some("r2".into()),
-            tool_names: vec!["finish".into()],
-        }).await;
+        let mut only = topic
+            .subscribe(SignalFilter {
+                run_id: Some("r2".into()),
+                tool_names: vec!["finish".into()],
+            })
+            .await;
         for (run, tool) in [("r1", "finish"), ("r2", "escalate"), ("r2", "finish"), ("r3", "finish")] {
             topic.publish(&signal(run, tool), Box::new(|d| assert_eq!(d, Delivery::Delivered)));
         }
         // `all` lagged: capacity 2, four published.
         assert_eq!(all.next().await, Some(SignalItem::Missed(2)));
-        let delivered = |run: &str, tool: &str| Signal { delivery: Delivery::Delivered, ..signal(run, tool) };
+        let delivered = |run: &str, tool: &str| Signal {
+            delivery: Delivery::Delivered,
+            ..signal(run, tool)
+        };
         assert_eq!(all.next().await, Some(SignalItem::Signal(delivered("r2", "finish"))));
         assert_eq!(only.next().await, Some(SignalItem::Missed(2)));
         assert_eq!(only.next().await, Some(SignalItem::Signal(delivered("r2", "finish"))));

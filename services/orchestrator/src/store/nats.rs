@@ -34,22 +34,32 @@ fn key(run_id: &str) -> String {
 }
 
 impl KvStore {
-    /// Binds the bucket, creating it when missing.
+    /// Binds the bucket, creating it when missing. The bucket's stream is created in the KV
+    /// layout directly (`KV_<bucket>`, subjects `$KV.<bucket>.>`, one value per key), which works
+    /// with every JetStream server from 2.9 on and stays a bucket for `nats kv` tools.
     pub async fn open(js: &jetstream::Context, bucket: &str, ttl: Duration) -> Result<Self, String> {
-        let kv = match js.get_key_value(bucket).await {
-            Ok(kv) => kv,
-            Err(_) => js
-                .create_key_value(jetstream::kv::Config {
-                    bucket: bucket.to_owned(),
-                    description: "orchestrator run results".to_owned(),
-                    history: 1,
-                    max_age: ttl,
-                    storage: jetstream::stream::StorageType::File,
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| format!("cannot create the key-value bucket {bucket:?}: {e}"))?,
-        };
+        if let Ok(kv) = js.get_key_value(bucket).await {
+            return Ok(Self { kv });
+        }
+        js.get_or_create_stream(jetstream::stream::Config {
+            name: format!("KV_{bucket}"),
+            description: Some("orchestrator run results".to_owned()),
+            subjects: vec![format!("$KV.{bucket}.>")],
+            max_messages_per_subject: 1,
+            max_age: ttl,
+            storage: jetstream::stream::StorageType::File,
+            discard: jetstream::stream::DiscardPolicy::New,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("cannot create the key-value bucket {bucket:?}: {e}"))?;
+        let kv = js
+            .get_key_value(bucket)
+            .await
+            .map_err(|e| format!("cannot bind the key-value bucket {bucket:?}: {e}"))?;
         Ok(Self { kv })
     }
 }

@@ -30,6 +30,8 @@ pub struct Service {
     pub grpc: String,
     /// Its metrics address.
     pub metrics: String,
+    /// Log lines written after it started serving.
+    pub logs: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Service {
@@ -75,11 +77,20 @@ impl Service {
             }
         }
         // Keep draining the logs so the process never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let logs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = std::sync::Arc::clone(&logs);
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Ok(mut logs) = sink.lock() {
+                    logs.push(line);
+                }
+            }
+        });
         Ok(Self {
             child,
             grpc: grpc.unwrap_or_default(),
             metrics: metrics.unwrap_or_default(),
+            logs,
         })
     }
 

@@ -1,0 +1,500 @@
+//! The signal topic and the result store against a real `nats-server -js` on a loopback port
+//! (started here; `./scripts/test` installs the server when missing). Both backends of each pass
+//! the same suite; then the NATS-specific behaviour: subjects, headers and payload, reading from
+//! the stream after the fact, de-duplication of retries, a broker that is down when a signal is
+//! published, `GetRun` across orchestrator processes and across a restart, and SubscribeSignals
+//! seeing the signals of another replica.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use common::Service;
+use futures::StreamExt;
+use orchestrator::run::{Delivery, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
+use orchestrator::signals::memory::MemoryTopic;
+use orchestrator::signals::nats::{NatsTopic, NatsTopicSettings};
+use orchestrator::signals::{SignalFilter, SignalItem, SignalTopic};
+use orchestrator::store::ResultStore;
+use orchestrator::store::memory::MemoryStore;
+use orchestrator::store::nats::KvStore;
+use shared::proto::orchestrator::v1 as pb;
+use tokio::process::{Child, Command};
+
+type TestResult = anyhow::Result<()>;
+
+/// A `nats-server -js` on a loopback port with its own store directory.
+struct Nats {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+fn nats_server_bin() -> anyhow::Result<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("nats-server"))
+        .find(|p| p.exists())
+        .ok_or_else(|| anyhow::anyhow!("nats-server is not installed: run ./scripts/test, which installs it"))
+}
+
+impl Nats {
+    async fn start() -> anyhow::Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let tmp = tempfile::tempdir()?;
+        let mut nats = Self {
+            child: None,
+            port,
+            dir: tmp.path().to_owned(),
+            _tmp: Some(tmp),
+        };
+        nats.restart().await?;
+        Ok(nats)
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// (Re)starts the server on the same port and store.
+    async fn restart(&mut self) -> anyhow::Result<()> {
+        let child = Command::new(nats_server_bin()?)
+            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?;
+        self.child = Some(child);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            // The server listens for clients only once JetStream is up.
+            let last_error = match async_nats::connect(self.url()).await {
+                Ok(client) => match client.flush().await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => e.to_string(),
+            };
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "nats-server did not start: {last_error}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn stop(&mut self) -> anyhow::Result<()> {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await?;
+            child.wait().await?;
+        }
+        Ok(())
+    }
+}
+
+fn topic_settings(prefix: &str, retries: u32, backoff_ms: u64) -> NatsTopicSettings {
+    NatsTopicSettings {
+        subject_prefix: prefix.to_owned(),
+        stream: format!("{}_STREAM", prefix.to_uppercase().replace('.', "_")),
+        max_age: Duration::from_secs(3600),
+        max_bytes: 64 << 20,
+        retries,
+        backoff: Duration::from_millis(backoff_ms),
+        ack_timeout: Duration::from_millis(500),
+    }
+}
+
+fn signal(run: &str, call: &str, tool: &str) -> Signal {
+    Signal {
+        run_id: run.into(),
+        call_id: call.into(),
+        tool_name: tool.into(),
+        arguments_json: r#"{"title":"t"}"#.into(),
+        arguments_valid: true,
+        turn: 1,
+        emitted_at_unix_ms: 1_700_000_000_000,
+        metadata: [("ticket".to_owned(), "T-1".to_owned())].into_iter().collect(),
+        delivery: Delivery::Pending,
+    }
+}
+
+/// Publishes and returns the reported delivery.
+async fn publish(topic: &dyn SignalTopic, signal: &Signal) -> anyhow::Result<Delivery> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    topic.publish(
+        signal,
+        Box::new(move |d| {
+            let _ = tx.send(d);
+        }),
+    );
+    Ok(tokio::time::timeout(Duration::from_secs(30), rx).await??)
+}
+
+async fn next_item(stream: &mut futures::stream::BoxStream<'static, SignalItem>) -> anyhow::Result<Option<SignalItem>> {
+    Ok(tokio::time::timeout(Duration::from_secs(5), stream.next()).await?)
+}
+
+/// The suite every signal topic passes.
+async fn topic_suite(topic: Arc<dyn SignalTopic>) -> TestResult {
+    let mut filtered = topic
+        .subscribe(SignalFilter {
+            run_id: Some("r2".into()),
+            tool_names: vec!["finish".into()],
+        })
+        .await;
+    let mut all = topic.subscribe(SignalFilter::default()).await;
+    for (run, call, tool) in [("r1", "c1", "finish"), ("r2", "c2", "escalate"), ("r2", "c3", "finish")] {
+        assert_eq!(
+            publish(topic.as_ref(), &signal(run, call, tool)).await?,
+            Delivery::Delivered
+        );
+    }
+    let Some(SignalItem::Signal(got)) = next_item(&mut filtered).await? else {
+        anyhow::bail!("no signal")
+    };
+    assert_eq!(
+        (got.run_id.as_str(), got.call_id.as_str(), got.tool_name.as_str()),
+        ("r2", "c3", "finish")
+    );
+    assert_eq!(got.delivery, Delivery::Delivered);
+    assert_eq!(got.metadata.get("ticket").map(String::as_str), Some("T-1"));
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        if let Some(SignalItem::Signal(s)) = next_item(&mut all).await? {
+            seen.push(s.call_id);
+        }
+    }
+    seen.sort();
+    assert_eq!(seen, ["c1", "c2", "c3"]);
+    Ok(())
+}
+
+fn result(run_id: &str, status: RunStatus) -> RunResult {
+    RunResult {
+        status,
+        text: "so far — ünïcode".into(),
+        turns: 2,
+        signals: vec![Signal {
+            delivery: Delivery::Undelivered,
+            ..signal(run_id, "c1", "submit_report")
+        }],
+        tool_calls: vec![ToolCallRecord {
+            call_id: "c0".into(),
+            name: "echo".into(),
+            arguments_json: "{}".into(),
+            ok: false,
+            error: Some(ToolCallError::new("TIMEOUT", "slow")),
+            duration_ms: 7,
+            turn: 1,
+        }],
+        failure_reason: (status == RunStatus::Failed).then_some(orchestrator::run::FailureReason::ToolFailureLimit),
+        failure_detail: "detail".into(),
+        finish_reason: "stop".into(),
+        ..RunResult::running(run_id)
+    }
+}
+
+/// The suite every result store passes.
+async fn store_suite(store: Arc<dyn ResultStore>) -> TestResult {
+    assert_eq!(store.get("missing").await.map_err(anyhow::Error::msg)?, None);
+    for id in ["0193a1b2-run", "with.dots:and/slashes and spaces"] {
+        let live = result(id, RunStatus::Running);
+        store.put(live.clone()).await.map_err(anyhow::Error::msg)?;
+        assert_eq!(store.get(id).await.map_err(anyhow::Error::msg)?, Some(live));
+        let done = result(id, RunStatus::Failed);
+        store.put(done.clone()).await.map_err(anyhow::Error::msg)?;
+        assert_eq!(
+            store.get(id).await.map_err(anyhow::Error::msg)?,
+            Some(done),
+            "the newest write wins"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn both_signal_topics_pass_the_topic_suite() -> TestResult {
+    topic_suite(Arc::new(MemoryTopic::new(16))).await?;
+    let nats = Nats::start().await?;
+    let client = async_nats::connect(nats.url()).await?;
+    topic_suite(Arc::new(
+        NatsTopic::open(client, topic_settings("suite", 3, 50))
+            .await
+            .map_err(anyhow::Error::msg)?,
+    ))
+    .await
+}
+
+#[tokio::test]
+async fn both_result_stores_pass_the_store_suite() -> TestResult {
+    store_suite(Arc::new(MemoryStore::new(100, Duration::from_secs(60)))).await?;
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    store_suite(Arc::new(
+        KvStore::open(&js, "suite-runs", Duration::from_secs(60))
+            .await
+            .map_err(anyhow::Error::msg)?,
+    ))
+    .await
+}
+
+#[tokio::test]
+async fn signals_land_on_their_subject_with_headers_stay_in_the_stream_and_deduplicate() -> TestResult {
+    let nats = Nats::start().await?;
+    let client = async_nats::connect(nats.url()).await?;
+    let mut live = client.subscribe("signals.>").await?;
+    client.flush().await?;
+    let topic = NatsTopic::open(client.clone(), topic_settings("signals", 3, 50))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let s = signal("run-1", "call-1", "submit_report");
+    assert_eq!(publish(&topic, &s).await?, Delivery::Delivered);
+    // A retry of the same signal (same Nats-Msg-Id) is dropped by JetStream.
+    assert_eq!(publish(&topic, &s).await?, Delivery::Delivered);
+
+    let message = tokio::time::timeout(Duration::from_secs(5), live.next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no message"))?;
+    assert_eq!(message.subject.as_str(), "signals.submit_report");
+    let headers = message.headers.clone().ok_or_else(|| anyhow::anyhow!("no headers"))?;
+    assert_eq!(headers.get("Nats-Msg-Id").map(|v| v.as_str()), Some("run-1.call-1"));
+    assert_eq!(headers.get("Orchestrator-Run-Id").map(|v| v.as_str()), Some("run-1"));
+    assert_eq!(headers.get("Orchestrator-Call-Id").map(|v| v.as_str()), Some("call-1"));
+    let payload: serde_json::Value = serde_json::from_slice(&message.payload)?;
+    assert_eq!(
+        payload,
+        serde_json::json!({
+            "run_id": "run-1", "call_id": "call-1", "tool_name": "submit_report",
+            "arguments_json": "{\"title\":\"t\"}", "arguments_valid": true, "turn": 1,
+            "emitted_at_unix_ms": 1_700_000_000_000u64, "metadata": {"ticket": "T-1"}
+        })
+    );
+
+    // A consumer created after the fact reads the signal from the stream, once.
+    let mut stream = topic.jetstream().get_stream("SIGNALS_STREAM").await?;
+    assert_eq!(stream.info().await?.state.messages, 1, "the retry was de-duplicated");
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::Config {
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await?;
+    let mut batch = consumer
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_millis(500))
+        .messages()
+        .await?;
+    let first = batch
+        .next()
+        .await
+        .ok_or_else(|| anyhow::anyhow!("nothing in the stream"))?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    assert_eq!(first.subject.as_str(), "signals.submit_report");
+    assert!(batch.next().await.is_none(), "exactly one message");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_signal_published_while_the_broker_is_down_is_retried_then_delivered_or_marked_undelivered() -> TestResult {
+    let mut nats = Nats::start().await?;
+    let client = async_nats::connect(nats.url()).await?;
+    let patient = NatsTopic::open(client.clone(), topic_settings("patient", 12, 200))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let hasty = NatsTopic::open(client.clone(), topic_settings("hasty", 1, 50))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    nats.stop().await?;
+
+    // Retries run out while the broker is still down: undelivered.
+    assert_eq!(
+        publish(&hasty, &signal("run-h", "c", "submit_report")).await?,
+        Delivery::Undelivered
+    );
+
+    // The broker comes back within the retry window: delivered, once.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    patient.publish(
+        &signal("run-p", "c", "submit_report"),
+        Box::new(move |d| {
+            let _ = tx.send(d);
+        }),
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    nats.restart().await?;
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(60), rx).await??,
+        Delivery::Delivered
+    );
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    assert_eq!(js.get_stream("PATIENT_STREAM").await?.info().await?.state.messages, 1);
+    Ok(())
+}
+
+/// An orchestrator process using NATS for signals and results, with a tool-runner and the
+/// stand-in model in this process.
+async fn orchestrator_process(nats: &Nats, llm: &str, runner: &str, extra: &[&str]) -> anyhow::Result<Service> {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    command
+        .env("LLM_BASE_URL", llm)
+        .env("TOOL_RUNNER_ENDPOINTS", runner)
+        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
+        .env("ORCHESTRATOR_SIGNAL_TOPIC", nats.url())
+        .env("ORCHESTRATOR_RUN_STORE", nats.url())
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args(extra);
+    Service::spawn(command, "127.0.0.1", "orchestrator serving").await
+}
+
+async fn orchestrate(endpoint: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
+    let request = pb::OrchestrateRequest {
+        run_id: run_id.into(),
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: "go".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let mut stream = client.orchestrate(request).await?.into_inner();
+    while let Some(event) = stream.message().await? {
+        if let Some(pb::orchestrate_event::Event::RunFinished(f)) = event.event {
+            return f.result.ok_or_else(|| anyhow::anyhow!("no result"));
+        }
+    }
+    anyhow::bail!("no run_finished")
+}
+
+async fn get_run(endpoint: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
+    Ok(client
+        .get_run(pb::GetRunRequest { run_id: run_id.into() })
+        .await?
+        .into_inner())
+}
+
+async fn tool_runner() -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(tool_runner::run(
+        listener,
+        tool_runner::Config::default(),
+        std::future::pending(),
+    ));
+    Ok(url)
+}
+
+#[tokio::test]
+async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> TestResult {
+    let nats = Nats::start().await?;
+    let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
+    let runner = tool_runner().await?;
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let (a_url, b_url) = (format!("http://{}", a.grpc), format!("http://{}", b.grpc));
+
+    // B's SubscribeSignals sees the signal of a run on A (it reads the broker).
+    let mut subscriber = pb::orchestrator_client::OrchestratorClient::connect(b_url.clone())
+        .await?
+        .subscribe_signals(pb::SubscribeSignalsRequest {
+            run_id: "shared-run".into(),
+            tool_names: vec![],
+        })
+        .await?
+        .into_inner();
+    let finished = orchestrate(&a_url, "shared-run").await?;
+    assert_eq!(finished.status(), pb::RunStatus::Completed);
+    let event = tokio::time::timeout(Duration::from_secs(10), subscriber.message())
+        .await??
+        .and_then(|e| e.event);
+    let Some(pb::signal_event::Event::Signal(seen)) = event else {
+        anyhow::bail!("no signal on B: {event:?}")
+    };
+    assert_eq!(
+        (seen.run_id.as_str(), seen.tool_name.as_str()),
+        ("shared-run", "submit_report")
+    );
+
+    // B answers GetRun for the run A finished; the signal's delivery gets confirmed.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let on_b = loop {
+        let r = get_run(&b_url, "shared-run").await?;
+        if r.signals.first().map(|s| s.delivery()) == Some(pb::SignalDelivery::Delivered)
+            || tokio::time::Instant::now() > deadline
+        {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(on_b.status(), pb::RunStatus::Completed);
+    assert_eq!((on_b.text.as_str(), on_b.tool_calls.len()), (finished.text.as_str(), 3));
+    assert_eq!(on_b.signals[0].delivery(), pb::SignalDelivery::Delivered);
+    // The same run id on B replays the stored result instead of running again.
+    let replay = orchestrate(&b_url, "shared-run").await?;
+    assert_eq!(replay.run_id, "shared-run");
+    assert_eq!(mock.requests().len(), 2, "the model was asked only for the first run");
+
+    // Results survive a restart of both orchestrators. (B's open SubscribeSignals stream ends
+    // when B drains, or B could not stop.)
+    a.stop().await?;
+    b.stop().await?;
+    assert!(
+        subscriber.message().await.ok().flatten().is_none(),
+        "the subscription ended with the drain"
+    );
+    let c = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let after = get_run(&format!("http://{}", c.grpc), "shared-run").await?;
+    assert_eq!((after.status(), after.text), (pb::RunStatus::Completed, finished.text));
+    c.stop().await
+}
+
+#[tokio::test]
+async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -> TestResult {
+    let mut nats = Nats::start().await?;
+    let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
+    let runner = tool_runner().await?;
+    // Signals on NATS, results in memory (so GetRun still answers with the broker down).
+    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    command
+        .env("LLM_BASE_URL", mock.base_url())
+        .env("TOOL_RUNNER_ENDPOINTS", &runner)
+        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
+        .env("ORCHESTRATOR_SIGNAL_TOPIC", nats.url())
+        .args([
+            "--signal-publish-retries",
+            "2",
+            "--signal-publish-backoff",
+            "100ms",
+            "--signal-ack-timeout",
+            "300ms",
+        ]);
+    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let url = format!("http://{}", orchestrator.grpc);
+    nats.stop().await?;
+    let finished = orchestrate(&url, "lonely-run").await?;
+    assert_eq!(
+        finished.status(),
+        pb::RunStatus::Completed,
+        "publishing never blocks the run"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = get_run(&url, "lonely-run").await?;
+        match r.signals.first().map(|s| s.delivery()) {
+            Some(pb::SignalDelivery::Undelivered) => break,
+            other => anyhow::ensure!(tokio::time::Instant::now() < deadline, "still {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metrics = common::scrape(&orchestrator.metrics).await?;
+    assert_eq!(metrics.get("orchestrator_signals_failed_total{}").copied(), Some(1.0));
+    orchestrator.stop().await
+}
