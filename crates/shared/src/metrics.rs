@@ -42,6 +42,30 @@ pub async fn serve(
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 
+/// The running `/metrics` server; [`MetricsServer::stop`] ends it.
+pub struct MetricsServer {
+    stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl MetricsServer {
+    /// Stops serving.
+    pub fn stop(self) {
+        let _ = self.stop.send(());
+    }
+}
+
+/// Installs the recorder and serves `/metrics` on `address` (logging the bound address).
+pub async fn start(address: std::net::SocketAddr) -> std::io::Result<MetricsServer> {
+    let handle = install().map_err(std::io::Error::other)?;
+    let listener = tokio::net::TcpListener::bind(address).await?;
+    tracing::info!(address = %listener.local_addr()?, "metrics serving on /metrics");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(listener, handle, async move {
+        let _ = stopped.await;
+    }));
+    Ok(MetricsServer { stop })
+}
+
 /// A listen address that can be switched off (`off`, `none` or empty), for flags.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OptionalListen(pub Option<std::net::SocketAddr>);

@@ -60,25 +60,21 @@ async fn serve_with_telemetry(args: ServeArgs) -> Result<(), Error> {
             address: args.listen,
             source,
         })?;
-    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
-    if let Some(address) = args.metrics_listen.0 {
-        let handle = shared::metrics::install().map_err(Error::Config)?;
-        let metrics_listener = tokio::net::TcpListener::bind(address)
-            .await
-            .map_err(|source| Error::Listen { address, source })?;
-        let bound = metrics_listener
-            .local_addr()
-            .map_err(|source| Error::Listen { address, source })?;
-        tracing::info!(address = %bound, "metrics serving on /metrics");
-        tokio::spawn(shared::metrics::serve(metrics_listener, handle, async move {
-            let _ = metrics_stopped.await;
-        }));
-    }
+    let metrics = match args.metrics_listen.0 {
+        Some(address) => Some(
+            shared::metrics::start(address)
+                .await
+                .map_err(|source| Error::Listen { address, source })?,
+        ),
+        None => None,
+    };
     let result = tool_runner::run(listener, config, async move {
         let signal = stop.await;
         tracing::info!(signal, "stop signal received");
     })
     .await;
-    let _ = metrics_stop.send(());
+    if let Some(metrics) = metrics {
+        metrics.stop();
+    }
     result
 }
