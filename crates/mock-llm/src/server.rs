@@ -56,16 +56,25 @@ pub struct MockLlm {
 impl MockLlm {
     /// Serves `scenarios` on 127.0.0.1 (a free port), recording every request body.
     pub async fn start(scenarios: impl Into<Scenarios>) -> std::io::Result<Self> {
+        Self::start_with(scenarios.into(), true).await
+    }
+
+    /// Like [`MockLlm::start`] without recording requests (for load: memory stays flat).
+    pub async fn start_unrecorded(scenarios: impl Into<Scenarios>) -> std::io::Result<Self> {
+        Self::start_with(scenarios.into(), false).await
+    }
+
+    async fn start_with(scenarios: Scenarios, record: bool) -> std::io::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
-            scenarios: scenarios.into(),
-            record: true,
+            scenarios,
+            record,
             ..Shared::default()
         });
         let app = router(Arc::clone(&shared));
         let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
+            let _ = axum::serve(nodelay(listener), app).await;
         });
         Ok(Self { addr, shared, task })
     }
@@ -105,6 +114,14 @@ pub async fn serve(
     axum::serve(listener, router(shared))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Sends small SSE chunks at once (no Nagle delay), as a real streaming server does.
+fn nodelay(listener: tokio::net::TcpListener) -> impl axum::serve::Listener<Addr = SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    })
 }
 
 fn router(shared: Arc<Shared>) -> axum::Router {

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use shared::proto::orchestrator::v1::orchestrator_server::OrchestratorServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
 
 use crate::config::{Backend, NatsOptions};
@@ -146,7 +145,10 @@ pub async fn run_with_resolver(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            drain,
+        )
         .await?;
     drop(refresher);
     tracing::info!("orchestrator stopped");

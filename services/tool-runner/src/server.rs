@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use shared::proto::toolrunner::v1::tool_runner_server::ToolRunnerServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
 
 use crate::admission::{Admission, AdmissionLayer};
@@ -89,7 +88,10 @@ pub async fn run(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(runner)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain);
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            drain,
+        );
     tokio::select! {
         result = server => result?,
         abandoned = grace_over => {

@@ -44,10 +44,12 @@ impl LoopDetector {
         }
     }
 
-    /// Feeds visible text; returns the offending line once a line reaches the threshold.
-    pub fn feed(&mut self, text: &str) -> Option<String> {
-        let mut tripped = None;
+    /// Feeds visible text; once a line reaches the threshold, returns it with the length of the
+    /// prefix of `text` that ends with it (the output to keep).
+    pub fn feed(&mut self, text: &str) -> Option<(String, usize)> {
+        let mut consumed = 0;
         for piece in text.split_inclusive('\n') {
+            consumed += piece.len();
             if self.partial.len() < MAX_LINE_BYTES {
                 let room = MAX_LINE_BYTES - self.partial.len();
                 let mut cut = piece.len().min(room);
@@ -59,11 +61,11 @@ impl LoopDetector {
             if piece.ends_with('\n') {
                 let line = std::mem::take(&mut self.partial);
                 if let Some(hit) = self.complete_line(&line) {
-                    tripped.get_or_insert(hit);
+                    return Some((hit, consumed));
                 }
             }
         }
-        tripped
+        None
     }
 
     fn complete_line(&mut self, line: &str) -> Option<String> {
@@ -101,7 +103,10 @@ mod tests {
         let mut d = detector(10, 3);
         assert_eq!(d.feed("I will check the weather.\n"), None);
         assert_eq!(d.feed("I will check the weather.\nI will check"), None);
-        assert_eq!(d.feed(" the weather.\n"), Some("I will check the weather.".into()));
+        assert_eq!(
+            d.feed(" the weather.\nmore"),
+            Some(("I will check the weather.".into(), 14))
+        );
     }
 
     #[test]

@@ -12,8 +12,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::StreamExt;
 use futures::future::join_all;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -286,7 +286,7 @@ async fn drive(
         }
         // Live runs are visible to GetRun on every replica, updated at turn boundaries.
         if let Some(persister) = &driver.persister {
-            persister.write_soon();
+            persister.checkpoint();
         }
     }
     End::Failed(FailureReason::UnknownError, "the turn counter overflowed".to_owned())
@@ -350,35 +350,51 @@ impl Driver<'_> {
 
         // Stream the completion.
         let requested = Instant::now();
+        // Fused: the batching below may see the end before the loop does.
         let mut stream = match deps.model.stream(request).await {
-            Ok(stream) => stream,
+            Ok(stream) => stream.fuse(),
             Err(e) => return Some(llm_failure(e)),
         };
         let mut collector = TurnCollector::default();
         let mut turn_text = String::new();
         let mut first_token = true;
-        while let Some(item) = stream.next().await {
-            match item {
-                Ok(event) => {
-                    if first_token && is_token(&event) {
-                        first_token = false;
-                        let ttft = requested.elapsed().as_secs_f64();
-                        tracing::Span::current().record("gen_ai.response.time_to_first_token", ttft);
-                        metrics::histogram!(metric::TIME_TO_FIRST_TOKEN).record(ttft);
+        let mut pending_error = None;
+        'stream: while let Some(item) = stream.next().await {
+            // Take every event that is already here, and show their text as one delta: token by
+            // token while the model is slower than the orchestrator, in batches when it is not.
+            let mut batch = String::new();
+            let mut next = Some(item);
+            while let Some(item) = next.take() {
+                match item {
+                    Ok(event) => {
+                        if first_token && is_token(&event) {
+                            first_token = false;
+                            let ttft = requested.elapsed().as_secs_f64();
+                            tracing::Span::current().record("gen_ai.response.time_to_first_token", ttft);
+                            metrics::histogram!(metric::TIME_TO_FIRST_TOKEN).record(ttft);
+                        }
+                        if let Some(text) = collector.push(event) {
+                            batch.push_str(&text);
+                        }
                     }
-                    if let Some(text) = collector.push(event)
-                        && let Some(end) = show(emitter, &mut self.detector, &mut turn_text, &text, turn).await
-                    {
-                        return Some(end);
-                    }
+                    Err(e) => pending_error = Some(e),
                 }
-                Err(e) => {
-                    // Keep every byte: text held back for directive parsing is output too.
-                    let held = collector.held_text().to_owned();
-                    emitter.text(&held, turn).await;
-                    return Some(llm_failure(e));
+                if pending_error.is_none() {
+                    next = stream.next().now_or_never().flatten();
                 }
             }
+            if let Some(end) = show(emitter, &mut self.detector, &mut turn_text, &batch, turn).await {
+                return Some(end);
+            }
+            if pending_error.is_some() {
+                break 'stream;
+            }
+        }
+        if let Some(e) = pending_error {
+            // Keep every byte: text held back for directive parsing is output too.
+            let held = collector.held_text().to_owned();
+            emitter.text(&held, turn).await;
+            return Some(llm_failure(e));
         }
         drop(stream);
         let output = collector.finish();
@@ -487,11 +503,21 @@ impl Driver<'_> {
             let on_delivery = {
                 let (state, persister, call_id) = (Arc::clone(state), self.persister.clone(), signal.call_id.clone());
                 Box::new(move |delivery: Delivery| {
-                    if let Some(s) = lock(&state).signals.iter_mut().find(|s| s.call_id == call_id) {
-                        s.delivery = delivery;
-                    }
+                    let finished = {
+                        let mut state = lock(&state);
+                        if let Some(s) = state.signals.iter_mut().find(|s| s.call_id == call_id) {
+                            s.delivery = delivery;
+                        }
+                        state.status != RunStatus::Running
+                    };
+                    // A finished run's stored result must learn the outcome; a live one is
+                    // written at its next turn boundary or at its end.
                     if let Some(persister) = persister {
-                        persister.write_soon();
+                        if finished {
+                            persister.write_soon()
+                        } else {
+                            persister.checkpoint()
+                        }
                     }
                 })
             };
@@ -709,7 +735,8 @@ fn budget_detail(budget: u32, asked: usize) -> String {
     format!("the tool-call budget of {budget} ran out (the last turn asked for {asked} call(s))")
 }
 
-/// Shows visible text and feeds the loop detector; `Some` when the detector trips.
+/// Shows visible text and feeds the loop detector; `Some` when the detector trips (the text is
+/// then shown up to the end of the repeated line).
 async fn show(
     emitter: &mut Emitter,
     detector: &mut LoopDetector,
@@ -720,9 +747,11 @@ async fn show(
     if text.is_empty() {
         return None;
     }
-    emitter.text(text, turn).await;
-    turn_text.push_str(text);
-    detector.feed(text).map(|line| {
+    let tripped = detector.feed(text);
+    let shown = tripped.as_ref().map_or(text, |(_, end)| &text[..*end]);
+    emitter.text(shown, turn).await;
+    turn_text.push_str(shown);
+    tripped.map(|(line, _)| {
         End::Failed(
             FailureReason::RepeatedLineLoop,
             format!(
@@ -1038,6 +1067,27 @@ mod tests {
             (RunStatus::Failed, Some(FailureReason::LlmError))
         );
         assert_eq!(result.text, "visible <tool_", "held-back text is output too");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn text_arriving_at_once_is_one_delta_and_a_loop_is_cut_at_the_repeated_line() {
+        let line = "the same line again\n";
+        let turn = vec![
+            Ok(LlmEvent::TextDelta(line.repeat(10))),
+            Ok(LlmEvent::TextDelta("never shown".into())),
+        ];
+        let (result, events, ..) = play(vec![turn], limits()).await;
+        assert_eq!(result.failure_reason, Some(FailureReason::RepeatedLineLoop));
+        assert_eq!(
+            result.text,
+            line.repeat(8),
+            "output stops at the eighth repetition (the threshold)"
+        );
+        let deltas = events
+            .iter()
+            .filter(|e| matches!(e.event, Event::TextDelta { .. }))
+            .count();
+        assert_eq!(deltas, 1, "chunks already there are shown as one delta");
     }
 
     #[tokio::test(start_paused = true)]

@@ -64,6 +64,10 @@ impl ResultStore for MemoryStore {
         Box::pin(futures::future::ready(Ok(())))
     }
 
+    fn shared(&self) -> bool {
+        false
+    }
+
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>> {
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         self.expire(&mut inner);

@@ -24,6 +24,9 @@ pub trait ResultStore: Send + Sync + 'static {
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), String>>;
     /// A run's result, if kept.
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>>;
+    /// Whether other replicas read this store (then live runs are written at turn boundaries;
+    /// a local store already sees them through the registry).
+    fn shared(&self) -> bool;
 }
 
 /// Writes one run's state to the store, newest state last.
@@ -59,6 +62,14 @@ impl Persister {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(run_id = %run_id, "storing the run's result failed: {e}"),
             Err(_) => tracing::warn!(run_id = %run_id, "storing the run's result timed out"),
+        }
+    }
+
+    /// Writes a live run's state in the background for other replicas (nothing to do when the
+    /// store is local: the registry answers for live runs).
+    pub fn checkpoint(&self) {
+        if self.store.shared() {
+            self.write_soon();
         }
     }
 

@@ -78,6 +78,10 @@ impl ResultStore for KvStore {
         .boxed()
     }
 
+    fn shared(&self) -> bool {
+        true
+    }
+
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>> {
         let kv = self.kv.clone();
         let key = key(run_id);

@@ -1,0 +1,437 @@
+//! `bench`: measures what the orchestrator itself costs. It starts the stand-in model and a
+//! tool-runner in this process and the orchestrator as its own process (release build), drives a
+//! grid of workloads through the real gRPC API, reads the orchestrator's CPU time and memory from
+//! `/proc`, measures the baselines (the model called directly; a raw tonic echo loop to the
+//! tool-runner), checks the performance targets, and writes `bench/results/<name>.md` and `.json`.
+//!
+//! `cargo run --release -p bench` runs the full grid (minutes); `--quick` a small one (seconds,
+//! run in CI so the benchmark cannot rot).
+
+mod procstat;
+mod stack;
+mod workload;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use mock_llm::Scenarios;
+use serde::Serialize;
+use workload::{Tool, Workload, quantile};
+
+/// Benchmark of the orchestrator.
+#[derive(Parser)]
+#[command(name = "bench", about)]
+struct Cli {
+    /// A small grid that runs in seconds (CI); the full grid otherwise.
+    #[arg(long)]
+    quick: bool,
+    /// The orchestrator binary (default: next to this binary).
+    #[arg(long)]
+    orchestrator_bin: Option<PathBuf>,
+    /// Where the report goes.
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+    /// Only these workloads (comma-separated names).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+/// Measurements of one workload.
+#[derive(Debug, Serialize)]
+struct Measured {
+    workload: Workload,
+    runs_ok: usize,
+    errors: usize,
+    wall_s: f64,
+    runs_per_s: f64,
+    tool_calls_per_s: f64,
+    /// Run wall time minus what the model and tools were scripted to take, per turn.
+    overhead_per_turn_us: Quantiles,
+    /// Wall time of the first turn (for the parallel-calls target).
+    first_turn_ms: Quantiles,
+    orchestrator_cpu_s: f64,
+    cpu_per_turn_us: f64,
+    cpu_per_tool_call_us: Option<f64>,
+    peak_rss_mib: f64,
+    rss_per_in_flight_run_kib: f64,
+    /// The model called directly for the same streams (e2e workloads).
+    model_direct_p50_ms: Option<f64>,
+    run_p50_ms: f64,
+}
+
+#[derive(Debug, Serialize, Default)]
+struct Quantiles {
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+fn quantiles(values: &[Duration], unit: f64) -> Quantiles {
+    Quantiles {
+        p50: quantile(values, 0.5).as_secs_f64() * unit,
+        p99: quantile(values, 0.99).as_secs_f64() * unit,
+        max: quantile(values, 1.0).as_secs_f64() * unit,
+    }
+}
+
+/// One performance target and whether it was met.
+#[derive(Debug, Serialize)]
+struct Target {
+    what: String,
+    limit: String,
+    measured: String,
+    met: bool,
+}
+
+fn grid(quick: bool) -> Vec<Workload> {
+    let q = |full: usize, quick_value: usize| if quick { quick_value } else { full };
+    let base = Workload {
+        name: String::new(),
+        concurrency: 1,
+        runs: 1,
+        tool_turns: 0,
+        calls_per_turn: 0,
+        tool: Tool::Echo,
+        exit_calls: 0,
+        text_words: 20,
+        ttft_ms: 0,
+        token_delay_ms: 0,
+    };
+    vec![
+        Workload {
+            name: "text_only".into(),
+            concurrency: q(100, 10),
+            runs: q(5000, 200),
+            ..base.clone()
+        },
+        Workload {
+            name: "overhead_c1_x4".into(),
+            concurrency: 1,
+            runs: q(300, 30),
+            tool_turns: 1,
+            calls_per_turn: 4,
+            exit_calls: 1,
+            ..base.clone()
+        },
+        Workload {
+            name: "overhead_c1000_x4".into(),
+            concurrency: q(1000, 50),
+            runs: q(5000, 200),
+            tool_turns: 1,
+            calls_per_turn: 4,
+            exit_calls: 1,
+            ..base.clone()
+        },
+        Workload {
+            name: "turns8_x1".into(),
+            concurrency: q(100, 10),
+            runs: q(500, 40),
+            tool_turns: 7,
+            calls_per_turn: 1,
+            ..base.clone()
+        },
+        Workload {
+            name: "dispatch_x64".into(),
+            concurrency: q(100, 10),
+            runs: q(500, 20),
+            tool_turns: 1,
+            calls_per_turn: 64,
+            ..base.clone()
+        },
+        Workload {
+            name: "parallel_16x100ms".into(),
+            concurrency: q(20, 5),
+            runs: q(200, 10),
+            tool_turns: 1,
+            calls_per_turn: 16,
+            tool: Tool::Sleep(100),
+            ..base.clone()
+        },
+        Workload {
+            name: "hold_c10000".into(),
+            concurrency: q(10_000, 200),
+            runs: q(10_000, 200),
+            ttft_ms: if quick { 1000 } else { 4000 },
+            ..base.clone()
+        },
+        Workload {
+            name: "e2e_200ms_20ms".into(),
+            concurrency: q(10, 4),
+            runs: q(50, 8),
+            tool_turns: 1,
+            calls_per_turn: 1,
+            text_words: q(50, 10),
+            ttft_ms: if quick { 50 } else { 200 },
+            token_delay_ms: if quick { 5 } else { 20 },
+            ..base
+        },
+    ]
+}
+
+async fn measure(stack: &stack::Stack, workload: &Workload) -> anyhow::Result<Measured> {
+    let cpu_before = procstat::cpu_time(stack.pid)?;
+    let rss_before = procstat::rss(stack.pid)?;
+    let peak = procstat::PeakRss::start(stack.pid);
+    let started = Instant::now();
+    let samples = workload::drive(stack, workload, &workload.name).await;
+    let wall = started.elapsed();
+    let peak_rss = peak.finish().await;
+    let cpu = procstat::cpu_time(stack.pid)?.saturating_sub(cpu_before);
+
+    let ok: Vec<&workload::RunSample> = samples.iter().filter(|s| s.ok).collect();
+    let turns = f64::from(workload.turns());
+    let scripted = workload.scripted_run();
+    let overhead: Vec<Duration> = ok
+        .iter()
+        .map(|s| s.wall.saturating_sub(scripted).div_f64(turns))
+        .collect();
+    let first_turn: Vec<Duration> = ok.iter().filter_map(|s| s.turns.first().copied()).collect();
+    let total_turns = ok.len() as f64 * turns;
+    let total_calls = ok.len() * workload.tool_turns as usize * workload.calls_per_turn;
+    let walls: Vec<Duration> = ok.iter().map(|s| s.wall).collect();
+    let model_direct = if workload.ttft_ms > 0 && workload.tool_turns > 0 {
+        let direct = workload::model_direct(&stack.mock.base_url(), workload, &workload.name).await?;
+        Some(quantile(&direct, 0.5).as_secs_f64() * 1e3)
+    } else {
+        None
+    };
+    Ok(Measured {
+        workload: workload.clone(),
+        runs_ok: ok.len(),
+        errors: samples.len() - ok.len(),
+        wall_s: wall.as_secs_f64(),
+        runs_per_s: ok.len() as f64 / wall.as_secs_f64(),
+        tool_calls_per_s: total_calls as f64 / wall.as_secs_f64(),
+        overhead_per_turn_us: quantiles(&overhead, 1e6),
+        first_turn_ms: quantiles(&first_turn, 1e3),
+        orchestrator_cpu_s: cpu.as_secs_f64(),
+        cpu_per_turn_us: cpu.as_secs_f64() * 1e6 / total_turns.max(1.0),
+        cpu_per_tool_call_us: None,
+        peak_rss_mib: peak_rss as f64 / (1 << 20) as f64,
+        rss_per_in_flight_run_kib: peak_rss.saturating_sub(rss_before) as f64
+            / 1024.0
+            / workload.concurrency.min(workload.runs) as f64,
+        model_direct_p50_ms: model_direct,
+        run_p50_ms: quantile(&walls, 0.5).as_secs_f64() * 1e3,
+    })
+}
+
+fn find<'a>(results: &'a [Measured], name: &str) -> Option<&'a Measured> {
+    results.iter().find(|m| m.workload.name == name)
+}
+
+fn targets(results: &mut [Measured], echo_floor: Option<f64>) -> Vec<Target> {
+    let mut out = Vec::new();
+    let cpu_turn = find(results, "text_only").map(|m| m.cpu_per_turn_us);
+    if let (Some(turn_cost), Some(m)) = (cpu_turn, results.iter_mut().find(|m| m.workload.name == "dispatch_x64")) {
+        let calls = (m.runs_ok * m.workload.calls_per_turn) as f64;
+        let turns = m.runs_ok as f64 * f64::from(m.workload.turns());
+        m.cpu_per_tool_call_us = Some(((m.orchestrator_cpu_s * 1e6) - turn_cost * turns).max(0.0) / calls.max(1.0));
+    }
+    let mut push = |what: &str, limit: String, measured: String, met: bool| {
+        out.push(Target {
+            what: what.to_owned(),
+            limit,
+            measured,
+            met,
+        });
+    };
+    if let Some(m) = find(results, "overhead_c1000_x4") {
+        let p99 = m.overhead_per_turn_us.p99;
+        push(
+            &format!(
+                "overhead per turn p99, {} concurrent runs, 4 parallel calls",
+                m.workload.concurrency
+            ),
+            "≤ 1000 µs".into(),
+            format!("{p99:.0} µs"),
+            p99 <= 1000.0 && m.errors == 0,
+        );
+    }
+    if let Some(turn) = cpu_turn {
+        push(
+            "orchestrator CPU per turn",
+            "≤ 150 µs".into(),
+            format!("{turn:.0} µs"),
+            turn <= 150.0,
+        );
+    }
+    if let Some(call) = find(results, "dispatch_x64").and_then(|m| m.cpu_per_tool_call_us) {
+        push(
+            "orchestrator CPU per tool call",
+            "≤ 50 µs".into(),
+            format!("{call:.1} µs"),
+            call <= 50.0,
+        );
+    }
+    if let (Some(m), Some(floor)) = (find(results, "dispatch_x64"), echo_floor) {
+        let ratio = m.tool_calls_per_s / floor;
+        push(
+            "tool-call dispatch throughput vs raw tonic echo",
+            "≥ 60 %".into(),
+            format!(
+                "{:.0} calls/s vs {floor:.0} calls/s = {:.0} %",
+                m.tool_calls_per_s,
+                ratio * 100.0
+            ),
+            ratio >= 0.6,
+        );
+    }
+    if let Some(m) = find(results, "parallel_16x100ms") {
+        let p99 = m.first_turn_ms.p99;
+        push(
+            "16 parallel calls of 100 ms: turn time p99",
+            "≤ 105 ms".into(),
+            format!("{p99:.1} ms"),
+            p99 <= 105.0,
+        );
+    }
+    if let Some(m) = find(results, "hold_c10000") {
+        let per_run = m.rss_per_in_flight_run_kib;
+        push(
+            &format!(
+                "{} concurrent runs held: RSS per in-flight run, no error",
+                m.workload.concurrency
+            ),
+            "≤ 64 KiB, 0 errors".into(),
+            format!("{per_run:.1} KiB, {} errors", m.errors),
+            per_run <= 64.0 && m.errors == 0,
+        );
+    }
+    if let Some(m) = find(results, "e2e_200ms_20ms")
+        && let Some(direct) = m.model_direct_p50_ms
+    {
+        let ratio = m.run_p50_ms / direct;
+        push(
+            &format!(
+                "end-to-end latency vs the model alone ({} ms / {} ms model)",
+                m.workload.ttft_ms, m.workload.token_delay_ms
+            ),
+            "≤ +0.5 %".into(),
+            format!(
+                "{:.1} ms vs {direct:.1} ms = {:+.2} %",
+                m.run_p50_ms,
+                (ratio - 1.0) * 100.0
+            ),
+            ratio <= 1.005,
+        );
+    }
+    out
+}
+
+fn markdown(results: &[Measured], targets: &[Target], echo_floor: Option<f64>, quick: bool) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "# Orchestrator benchmark ({})\n\nMachine: {} cores. The orchestrator runs as its own process (release); the stand-in model and a tool-runner run in the benchmark's process. Overhead = run wall time minus what the model and tools were scripted to take, per turn.\n\n",
+        if quick { "quick" } else { "full" },
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    ));
+    s.push_str("| workload | conc. | runs | errors | turns | calls/turn | runs/s | calls/s | overhead/turn p50 / p99 / max (µs) | CPU/turn (µs) | CPU/call (µs) | peak RSS (MiB) | RSS/run (KiB) | first turn p99 (ms) |\n");
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n");
+    for m in results {
+        let w = &m.workload;
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {} | {:.1} | {:.1} | {:.1} |\n",
+            w.name,
+            w.concurrency,
+            m.runs_ok,
+            m.errors,
+            w.turns(),
+            w.calls_per_turn,
+            m.runs_per_s,
+            m.tool_calls_per_s,
+            m.overhead_per_turn_us.p50,
+            m.overhead_per_turn_us.p99,
+            m.overhead_per_turn_us.max,
+            m.cpu_per_turn_us,
+            m.cpu_per_tool_call_us.map_or("–".into(), |c| format!("{c:.1}")),
+            m.peak_rss_mib,
+            m.rss_per_in_flight_run_kib,
+            m.first_turn_ms.p99,
+        ));
+    }
+    if let Some(floor) = echo_floor {
+        s.push_str(&format!(
+            "\nBaseline: raw tonic unary echo to the tool-runner: {floor:.0} calls/s.\n"
+        ));
+    }
+    s.push_str("\n## Targets\n\n| target | limit | measured | |\n|---|---|---|---|\n");
+    for t in targets {
+        s.push_str(&format!(
+            "| {} | {} | {} | {} |\n",
+            t.what,
+            t.limit,
+            t.measured,
+            if t.met { "met" } else { "**missed**" }
+        ));
+    }
+    s
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    stack::raise_open_files();
+    let bin = match cli.orchestrator_bin {
+        Some(bin) => bin,
+        None => std::env::current_exe()?.with_file_name("orchestrator"),
+    };
+    anyhow::ensure!(
+        bin.exists(),
+        "{} is missing: cargo build --release -p orchestrator (or pass --orchestrator-bin)",
+        bin.display()
+    );
+    let mut workloads = grid(cli.quick);
+    if !cli.only.is_empty() {
+        workloads.retain(|w| cli.only.contains(&w.name));
+    }
+    let scenarios = Scenarios {
+        default: mock_llm::Scenario::demo(),
+        named: workloads.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
+    };
+    let max_concurrency = workloads.iter().map(|w| w.concurrency).max().unwrap_or(1);
+    let stack = stack::Stack::start(&bin, scenarios, max_concurrency.div_ceil(50), None).await?;
+    eprintln!(
+        "bench: orchestrator pid {} ({}), {} workloads",
+        stack.pid,
+        bin.display(),
+        workloads.len()
+    );
+
+    let mut results = Vec::new();
+    for workload in &workloads {
+        eprint!(
+            "bench: {:<20} {} runs, {} at once … ",
+            workload.name, workload.runs, workload.concurrency
+        );
+        let measured = measure(&stack, workload).await?;
+        eprintln!("{:.1} s, {} errors", measured.wall_s, measured.errors);
+        results.push(measured);
+    }
+    let echo_floor = match find(&results, "dispatch_x64") {
+        Some(m) => {
+            eprint!("bench: {:<20} … ", "echo floor");
+            let calls = (m.runs_ok * m.workload.calls_per_turn).max(1000);
+            let floor = workload::echo_floor(&stack.runner, (m.workload.concurrency * 8).clamp(8, 512), calls).await?;
+            eprintln!("{floor:.0} calls/s");
+            Some(floor)
+        }
+        None => None,
+    };
+    stack.stop().await;
+
+    let targets = targets(&mut results, echo_floor);
+    let report = markdown(&results, &targets, echo_floor, cli.quick);
+    std::fs::create_dir_all(&cli.out)?;
+    let name = if cli.quick { "quick" } else { "latest" };
+    std::fs::write(cli.out.join(format!("{name}.md")), &report)?;
+    let json = serde_json::json!({"quick": cli.quick, "echo_floor_calls_per_s": echo_floor, "workloads": results, "targets": targets});
+    std::fs::write(
+        cli.out.join(format!("{name}.json")),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    println!("{report}");
+    eprintln!("bench: wrote {}/{name}.md and .json", cli.out.display());
+    Ok(())
+}

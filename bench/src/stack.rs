@@ -1,0 +1,128 @@
+//! The system under test: the orchestrator as its own process (so its CPU time and memory are its
+//! own), the stand-in model and a tool-runner in the benchmark's process.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use mock_llm::{MockLlm, Scenarios};
+use shared::proto::orchestrator::v1 as pb;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tonic::transport::Channel;
+
+/// A running stack.
+pub struct Stack {
+    /// The stand-in model.
+    pub mock: MockLlm,
+    /// The tool-runner's endpoint.
+    pub runner: String,
+    /// The orchestrator process.
+    pub child: Child,
+    /// Its pid.
+    pub pid: u32,
+    /// Client channels (streams are spread over them: HTTP/2 limits streams per connection).
+    pub channels: Vec<Channel>,
+}
+
+impl Stack {
+    /// Starts everything; `scenarios` are the model's scripts (chosen by model name).
+    pub async fn start(
+        orchestrator_bin: &Path,
+        scenarios: Scenarios,
+        channels: usize,
+        otlp: Option<&str>,
+    ) -> anyhow::Result<Self> {
+        let mock = MockLlm::start_unrecorded(scenarios).await?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let runner = format!("http://{}", listener.local_addr()?);
+        let runner_config = tool_runner::Config {
+            max_concurrency: 10_000,
+            ..tool_runner::Config::default()
+        };
+        tokio::spawn(tool_runner::run(listener, runner_config, std::future::pending()));
+
+        let mut command = Command::new(orchestrator_bin);
+        command
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "off",
+                "--log-format",
+                "json",
+            ])
+            .args(["--max-runs", "20000", "--keep-results", "100000"])
+            .args(["--tool-call-budget", "100000", "--tool-call-budget-ceiling", "100000"])
+            .args([
+                "--llm-idle-timeout",
+                "120s",
+                "--run-timeout",
+                "30m",
+                "--run-timeout-ceiling",
+                "1h",
+            ])
+            .args(["--tool-runner", &runner])
+            .env("LLM_BASE_URL", mock.base_url())
+            .env("RUST_LOG", "warn,orchestrator::server=info")
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(endpoint) = otlp {
+            command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
+        }
+        let mut child = command.spawn()?;
+        let pid = child
+            .id()
+            .ok_or_else(|| anyhow::anyhow!("the orchestrator exited at once"))?;
+        let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+        let mut lines = BufReader::new(stderr).lines();
+        let address = loop {
+            let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+                .await??
+                .ok_or_else(|| anyhow::anyhow!("the orchestrator exited before serving"))?;
+            let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+            if entry["message"] == "orchestrator serving" {
+                break entry["address"].as_str().unwrap_or_default().to_owned();
+            }
+        };
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let mut pool = Vec::with_capacity(channels);
+        for _ in 0..channels.max(1) {
+            pool.push(
+                Channel::from_shared(format!("http://{address}"))?
+                    .initial_stream_window_size(Some(1 << 20))
+                    .initial_connection_window_size(Some(8 << 20))
+                    .connect()
+                    .await?,
+            );
+        }
+        Ok(Self {
+            mock,
+            runner,
+            child,
+            pid,
+            channels: pool,
+        })
+    }
+
+    /// A client on the `i`-th channel (round robin).
+    pub fn client(&self, i: usize) -> pb::orchestrator_client::OrchestratorClient<Channel> {
+        pb::orchestrator_client::OrchestratorClient::new(self.channels[i % self.channels.len()].clone())
+    }
+
+    /// Stops the orchestrator.
+    pub async fn stop(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+/// Lets this process (and its children) open many sockets: 10,000 runs hold 10,000 model
+/// streams.
+pub fn raise_open_files() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard.min(1 << 20), hard);
+    }
+}

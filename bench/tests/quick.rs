@@ -1,0 +1,69 @@
+//! The quick benchmark runs in CI so it cannot rot: it must finish, measure every workload
+//! without errors, and write a report with every figure and a verdict per target. Speed itself
+//! is never asserted here; the benchmark's report measures it.
+
+use std::process::Command;
+
+#[test]
+fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
+    let bench = env!("CARGO_BIN_EXE_bench");
+    let orchestrator = std::path::Path::new(bench).with_file_name("orchestrator");
+    anyhow::ensure!(
+        orchestrator.exists(),
+        "{} is missing: run the workspace tests (./scripts/test)",
+        orchestrator.display()
+    );
+    let out = tempfile::tempdir()?;
+    let output = Command::new(bench)
+        .arg("--quick")
+        .arg("--orchestrator-bin")
+        .arg(&orchestrator)
+        .arg("--out")
+        .arg(out.path())
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "bench failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("quick.json"))?)?;
+    let workloads = report["workloads"].as_array().cloned().unwrap_or_default();
+    let names: Vec<&str> = workloads
+        .iter()
+        .filter_map(|w| w["workload"]["name"].as_str())
+        .collect();
+    for expected in [
+        "text_only",
+        "overhead_c1000_x4",
+        "dispatch_x64",
+        "parallel_16x100ms",
+        "hold_c10000",
+        "e2e_200ms_20ms",
+    ] {
+        assert!(names.contains(&expected), "{expected} missing from {names:?}");
+    }
+    for w in &workloads {
+        assert_eq!(w["errors"], 0, "{w}");
+        assert!(w["runs_ok"].as_u64().unwrap_or(0) > 0, "{w}");
+        for field in [
+            "runs_per_s",
+            "overhead_per_turn_us",
+            "cpu_per_turn_us",
+            "peak_rss_mib",
+            "rss_per_in_flight_run_kib",
+        ] {
+            assert!(!w[field].is_null(), "{field} missing in {w}");
+        }
+    }
+    assert!(report["echo_floor_calls_per_s"].as_f64().unwrap_or(0.0) > 0.0);
+    let targets = report["targets"].as_array().cloned().unwrap_or_default();
+    assert_eq!(targets.len(), 7, "one verdict per target: {targets:?}");
+    assert!(
+        targets
+            .iter()
+            .all(|t| t["met"].is_boolean() && t["measured"].is_string())
+    );
+    let markdown = std::fs::read_to_string(out.path().join("quick.md"))?;
+    assert!(markdown.contains("## Targets"));
+    Ok(())
+}
