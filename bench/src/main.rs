@@ -7,6 +7,7 @@
 //! `cargo run --release -p bench` runs the full grid (minutes); `--quick` a small one (seconds,
 //! run in CI so the benchmark cannot rot).
 
+mod otlp;
 mod procstat;
 mod stack;
 mod workload;
@@ -35,6 +36,20 @@ struct Cli {
     /// Only these workloads (comma-separated names).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Skip the tracing comparison (the same workloads with OTLP export off and on).
+    #[arg(long)]
+    no_tracing: bool,
+}
+
+/// One workload with OTLP export off and on.
+#[derive(Debug, Serialize)]
+struct TracingCost {
+    workload: String,
+    cpu_per_turn_off_us: f64,
+    cpu_per_turn_on_us: f64,
+    overhead_p50_off_us: f64,
+    overhead_p50_on_us: f64,
+    spans_exported: usize,
 }
 
 /// Measurements of one workload.
@@ -391,7 +406,8 @@ async fn main() -> anyhow::Result<()> {
         named: workloads.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
     };
     let max_concurrency = workloads.iter().map(|w| w.concurrency).max().unwrap_or(1);
-    let stack = stack::Stack::start(&bin, scenarios, max_concurrency.div_ceil(50), None).await?;
+    // Logs at warn: the grid measures orchestration, not logging.
+    let stack = stack::Stack::start(&bin, scenarios, max_concurrency.div_ceil(50), None, "warn").await?;
     eprintln!(
         "bench: orchestrator pid {} ({}), {} workloads",
         stack.pid,
@@ -421,12 +437,73 @@ async fn main() -> anyhow::Result<()> {
     };
     stack.stop().await;
 
+    // Tracing: the same workloads on a fresh orchestrator exporting every span over OTLP.
+    let mut tracing_costs = Vec::new();
+    if !cli.no_tracing {
+        let traced: Vec<&Workload> = workloads
+            .iter()
+            .filter(|w| w.name == "text_only" || w.name == "overhead_c1000_x4")
+            .collect();
+        if !traced.is_empty() {
+            // Both sides at the production default (info), so spans exist; only export differs.
+            let sink = otlp::Sink::start().await?;
+            let scenarios = || Scenarios {
+                default: mock_llm::Scenario::demo(),
+                named: traced.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
+            };
+            let channels = max_concurrency.div_ceil(50);
+            let off_stack = stack::Stack::start(&bin, scenarios(), channels, None, "info").await?;
+            let mut off = Vec::new();
+            for workload in &traced {
+                eprint!("bench: {:<20} export off … ", workload.name);
+                off.push(measure(&off_stack, workload).await?);
+                eprintln!("done");
+            }
+            off_stack.stop().await;
+            let on_stack = stack::Stack::start(&bin, scenarios(), channels, Some(&sink.endpoint), "info").await?;
+            for (workload, off) in traced.iter().zip(off) {
+                eprint!("bench: {:<20} export on … ", workload.name);
+                let on = measure(&on_stack, workload).await?;
+                eprintln!("{} errors", on.errors);
+                tracing_costs.push(TracingCost {
+                    workload: workload.name.clone(),
+                    cpu_per_turn_off_us: off.cpu_per_turn_us,
+                    cpu_per_turn_on_us: on.cpu_per_turn_us,
+                    overhead_p50_off_us: off.overhead_per_turn_us.p50,
+                    overhead_p50_on_us: on.overhead_per_turn_us.p50,
+                    spans_exported: 0,
+                });
+            }
+            on_stack.stop().await;
+            let spans = sink.spans();
+            for cost in &mut tracing_costs {
+                cost.spans_exported = spans;
+            }
+        }
+    }
+
     let targets = targets(&mut results, echo_floor);
-    let report = markdown(&results, &targets, echo_floor, cli.quick);
+    let mut report = markdown(&results, &targets, echo_floor, cli.quick);
+    if !tracing_costs.is_empty() {
+        report.push_str("\n## Tracing overhead (OTLP export off → on)\n\n| workload | CPU/turn off (µs) | CPU/turn on (µs) | overhead p50 off (µs) | overhead p50 on (µs) |\n|---|---:|---:|---:|---:|\n");
+        for c in &tracing_costs {
+            report.push_str(&format!(
+                "| {} | {:.0} | {:.0} | {:.0} | {:.0} |\n",
+                c.workload, c.cpu_per_turn_off_us, c.cpu_per_turn_on_us, c.overhead_p50_off_us, c.overhead_p50_on_us
+            ));
+        }
+        report.push_str(&format!("\nSpans received by the in-process OTLP sink: {} (the orchestrator was stopped, so its batch was flushed).\n", tracing_costs[0].spans_exported));
+    }
     std::fs::create_dir_all(&cli.out)?;
     let name = if cli.quick { "quick" } else { "latest" };
     std::fs::write(cli.out.join(format!("{name}.md")), &report)?;
-    let json = serde_json::json!({"quick": cli.quick, "echo_floor_calls_per_s": echo_floor, "workloads": results, "targets": targets});
+    let json = serde_json::json!({
+        "quick": cli.quick,
+        "echo_floor_calls_per_s": echo_floor,
+        "workloads": results,
+        "targets": targets,
+        "tracing": tracing_costs,
+    });
     std::fs::write(
         cli.out.join(format!("{name}.json")),
         serde_json::to_string_pretty(&json)?,

@@ -32,6 +32,7 @@ impl Stack {
         scenarios: Scenarios,
         channels: usize,
         otlp: Option<&str>,
+        rust_log: &str,
     ) -> anyhow::Result<Self> {
         let mock = MockLlm::start_unrecorded(scenarios).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -64,7 +65,7 @@ impl Stack {
             ])
             .args(["--tool-runner", &runner])
             .env("LLM_BASE_URL", mock.base_url())
-            .env("RUST_LOG", "warn,orchestrator::server=info")
+            .env("RUST_LOG", format!("{rust_log},orchestrator::server=info"))
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -112,9 +113,17 @@ impl Stack {
         pb::orchestrator_client::OrchestratorClient::new(self.channels[i % self.channels.len()].clone())
     }
 
-    /// Stops the orchestrator.
+    /// Stops the orchestrator gracefully (it flushes its spans), killing it after 10 s.
     pub async fn stop(mut self) {
-        let _ = self.child.kill().await;
+        if let Ok(pid) = i32::try_from(self.pid) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
+        }
+        if tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
     }
 }
 
