@@ -70,6 +70,13 @@ impl Stack {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
+        // Measure the shipped configuration (deploy/Dockerfile, the Kubernetes manifests), unless
+        // the caller set these.
+        for (name, value) in [("MIMALLOC_ARENA_EAGER_COMMIT", "0"), ("MIMALLOC_PURGE_DELAY", "0")] {
+            if std::env::var_os(name).is_none() {
+                command.env(name, value);
+            }
+        }
         if let Some(endpoint) = otlp {
             command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
         }
