@@ -135,7 +135,8 @@ const GONE_COOLDOWN: Duration = Duration::from_secs(2);
 #[derive(Clone)]
 pub struct ToolRunners {
     pool: Arc<Pool>,
-    catalog: Arc<RwLock<BTreeMap<String, RemoteTool>>>,
+    /// The latest catalog; replaced whole on refresh, so readers share a snapshot without copying.
+    catalog: Arc<RwLock<Arc<BTreeMap<String, RemoteTool>>>>,
     targets: Arc<Vec<String>>,
     settings: ClientSettings,
     _resolver: Option<Arc<AbortOnDrop>>,
@@ -289,16 +290,13 @@ impl ToolRunners {
             );
         }
         let count = catalog.len();
-        *self.catalog.write().unwrap_or_else(std::sync::PoisonError::into_inner) = catalog;
+        *self.catalog.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(catalog);
         Ok(count)
     }
 
     /// The tools known now, by name.
-    pub fn catalog(&self) -> BTreeMap<String, RemoteTool> {
-        self.catalog
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+    pub fn catalog(&self) -> Arc<BTreeMap<String, RemoteTool>> {
+        Arc::clone(&self.catalog.read().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// Refreshes the catalog every `interval` until the returned task is aborted.
