@@ -73,6 +73,9 @@ struct Measured {
     /// The model called directly for the same streams (e2e workloads).
     model_direct_p50_ms: Option<f64>,
     run_p50_ms: f64,
+    /// The figure against its floor: run time vs the model alone (model delays), first turn vs
+    /// the slowest call (parallel calls), calls/s vs the raw tonic echo (dispatch).
+    vs_floor: Option<String>,
 }
 
 #[derive(Debug, Serialize, Default)]
@@ -229,6 +232,7 @@ async fn measure(stack: &stack::Stack, workload: &Workload) -> anyhow::Result<Me
             / workload.concurrency.min(workload.runs) as f64,
         model_direct_p50_ms: model_direct,
         run_p50_ms: quantile(&walls, 0.5).as_secs_f64() * 1e3,
+        vs_floor: None,
     })
 }
 
@@ -243,6 +247,19 @@ fn targets(results: &mut [Measured], echo_floor: Option<f64>) -> Vec<Target> {
         let calls = (m.runs_ok * m.workload.calls_per_turn) as f64;
         let turns = m.runs_ok as f64 * f64::from(m.workload.turns());
         m.cpu_per_tool_call_us = Some(((m.orchestrator_cpu_s * 1e6) - turn_cost * turns).max(0.0) / calls.max(1.0));
+    }
+    for m in results.iter_mut() {
+        m.vs_floor = match (m.model_direct_p50_ms, m.workload.tool) {
+            (Some(direct), _) => Some(format!("run p50 ×{:.3} of the model alone", m.run_p50_ms / direct)),
+            (None, Tool::Sleep(ms)) if m.workload.calls_per_turn > 1 => Some(format!(
+                "first turn p99 ×{:.2} of the slowest call",
+                m.first_turn_ms.p99 / ms as f64
+            )),
+            _ if m.workload.calls_per_turn >= 64 => {
+                echo_floor.map(|floor| format!("calls/s ×{:.2} of the tonic echo", m.tool_calls_per_s / floor))
+            }
+            _ => None,
+        };
     }
     let mut push = |what: &str, limit: String, measured: String, met: bool| {
         out.push(Target {
@@ -338,16 +355,16 @@ fn targets(results: &mut [Measured], echo_floor: Option<f64>) -> Vec<Target> {
 fn markdown(results: &[Measured], targets: &[Target], echo_floor: Option<f64>, quick: bool) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "# Orchestrator benchmark ({})\n\nMachine: {} cores. The orchestrator runs as its own process (release); the stand-in model and a tool-runner run in the benchmark's process. Overhead = run wall time minus what the model and tools were scripted to take, per turn.\n\n",
+        "# Orchestrator benchmark ({})\n\nMachine: {} cores. The orchestrator runs as its own process (release); the stand-in model and a tool-runner run in the benchmark's process. Overhead = run wall time minus what the model and tools were scripted to take, per turn (the floor of a workload whose model and tools take no time is zero, so overhead is its excess over the floor).\n\n",
         if quick { "quick" } else { "full" },
         std::thread::available_parallelism().map_or(0, |n| n.get())
     ));
-    s.push_str("| workload | conc. | runs | errors | turns | calls/turn | runs/s | calls/s | overhead/turn p50 / p99 / max (µs) | CPU/turn (µs) | CPU/call (µs) | peak RSS (MiB) | RSS/run (KiB) | first turn p99 (ms) |\n");
-    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n");
+    s.push_str("| workload | conc. | runs | errors | turns | calls/turn | runs/s | calls/s | overhead/turn p50 / p99 / max (µs) | CPU/turn (µs) | CPU/call (µs) | peak RSS (MiB) | RSS/run (KiB) | first turn p99 (ms) | vs floor |\n");
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|\n");
     for m in results {
         let w = &m.workload;
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {} | {:.1} | {:.1} | {:.1} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {} | {:.1} | {:.1} | {:.1} | {} |\n",
             w.name,
             w.concurrency,
             m.runs_ok,
@@ -364,6 +381,7 @@ fn markdown(results: &[Measured], targets: &[Target], echo_floor: Option<f64>, q
             m.peak_rss_mib,
             m.rss_per_in_flight_run_kib,
             m.first_turn_ms.p99,
+            m.vs_floor.as_deref().unwrap_or("–"),
         ));
     }
     if let Some(floor) = echo_floor {
