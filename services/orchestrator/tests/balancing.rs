@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Service, scrape, tool_runner_bin};
+use common::{Service, orchestrate, scrape, tool_runner_bin, user};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use mock_llm::{Scenario, Step, Turn};
@@ -79,28 +79,9 @@ async fn orchestrator(
     Ok((endpoint, stop))
 }
 
-async fn run(endpoint: &str) -> anyhow::Result<pb::RunResult> {
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
-    let request = pb::OrchestrateRequest {
-        messages: vec![pb::ChatMessage {
-            role: "user".into(),
-            content: "go".into(),
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    let mut stream = client.orchestrate(request).await?.into_inner();
-    while let Some(event) = stream.message().await? {
-        if let Some(pb::orchestrate_event::Event::RunFinished(f)) = event.event {
-            return f.result.ok_or_else(|| anyhow::anyhow!("no result"));
-        }
-    }
-    anyhow::bail!("no run_finished")
-}
-
 /// Runs `n` runs at once.
 async fn runs(endpoint: &str, n: usize) -> anyhow::Result<Vec<pb::RunResult>> {
-    futures::future::join_all((0..n).map(|_| run(endpoint)))
+    futures::future::join_all((0..n).map(|_| orchestrate(endpoint, user("go"))))
         .await
         .into_iter()
         .collect()
@@ -200,7 +181,7 @@ async fn a_runner_at_its_limit_sheds_calls_to_the_others() -> TestResult {
     let mock = mock_llm::MockLlm::start(burst(24, "sleep", serde_json::json!({"ms": 300}))).await?;
     let (endpoint, _stop) = orchestrator(&mock, targets, Scripted::default()).await?;
 
-    let result = run(&endpoint).await?;
+    let result = orchestrate(&endpoint, user("go")).await?;
     assert_eq!(
         (result.status(), result.failed_turns),
         (pb::RunStatus::Completed, 0),

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use common::Service;
+use common::{Service, orchestrate};
 use futures::StreamExt;
 use orchestrator::run::{Delivery, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
 use orchestrator::signals::memory::MemoryTopic;
@@ -353,26 +353,6 @@ async fn orchestrator_process(nats: &Nats, llm: &str, runner: &str, extra: &[&st
     Service::spawn(command, "127.0.0.1", "orchestrator serving").await
 }
 
-async fn orchestrate(endpoint: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
-    let request = pb::OrchestrateRequest {
-        run_id: run_id.into(),
-        messages: vec![pb::ChatMessage {
-            role: "user".into(),
-            content: "go".into(),
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    let mut stream = client.orchestrate(request).await?.into_inner();
-    while let Some(event) = stream.message().await? {
-        if let Some(pb::orchestrate_event::Event::RunFinished(f)) = event.event {
-            return f.result.ok_or_else(|| anyhow::anyhow!("no result"));
-        }
-    }
-    anyhow::bail!("no run_finished")
-}
-
 async fn get_run(endpoint: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
     let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
     Ok(client
@@ -410,7 +390,14 @@ async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> T
         })
         .await?
         .into_inner();
-    let finished = orchestrate(&a_url, "shared-run").await?;
+    let finished = orchestrate(
+        &a_url,
+        pb::OrchestrateRequest {
+            run_id: "shared-run".into(),
+            ..common::user("go")
+        },
+    )
+    .await?;
     assert_eq!(finished.status(), pb::RunStatus::Completed);
     let event = tokio::time::timeout(Duration::from_secs(10), subscriber.message())
         .await??
@@ -438,7 +425,14 @@ async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> T
     assert_eq!((on_b.text.as_str(), on_b.tool_calls.len()), (finished.text.as_str(), 3));
     assert_eq!(on_b.signals[0].delivery(), pb::SignalDelivery::Delivered);
     // The same run id on B replays the stored result instead of running again.
-    let replay = orchestrate(&b_url, "shared-run").await?;
+    let replay = orchestrate(
+        &b_url,
+        pb::OrchestrateRequest {
+            run_id: "shared-run".into(),
+            ..common::user("go")
+        },
+    )
+    .await?;
     assert_eq!(replay.run_id, "shared-run");
     assert_eq!(mock.requests().len(), 2, "the model was asked only for the first run");
 
@@ -479,7 +473,14 @@ async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -
     let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
     let url = format!("http://{}", orchestrator.grpc);
     nats.stop().await?;
-    let finished = orchestrate(&url, "lonely-run").await?;
+    let finished = orchestrate(
+        &url,
+        pb::OrchestrateRequest {
+            run_id: "lonely-run".into(),
+            ..common::user("go")
+        },
+    )
+    .await?;
     assert_eq!(
         finished.status(),
         pb::RunStatus::Completed,

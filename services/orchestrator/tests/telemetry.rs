@@ -20,7 +20,7 @@ use tokio::process::Command;
 
 mod common;
 
-use common::{Service, delta, scrape, tool_runner_bin};
+use common::{Service, delta, orchestrate, scrape, tool_runner_bin, user};
 
 type TestResult = anyhow::Result<()>;
 
@@ -71,28 +71,6 @@ fn string_attr(attributes: &[KeyValue], key: &str) -> Option<String> {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-async fn orchestrate(endpoint: &str, request: tonic::Request<pb::OrchestrateRequest>) -> anyhow::Result<pb::RunResult> {
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
-    let mut stream = client.orchestrate(request).await?.into_inner();
-    while let Some(event) = stream.message().await? {
-        if let Some(pb::orchestrate_event::Event::RunFinished(finished)) = event.event {
-            return finished.result.ok_or_else(|| anyhow::anyhow!("no result"));
-        }
-    }
-    anyhow::bail!("no run_finished")
-}
-
-fn user(prompt: &str) -> pb::OrchestrateRequest {
-    pb::OrchestrateRequest {
-        messages: vec![pb::ChatMessage {
-            role: "user".into(),
-            content: prompt.into(),
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
 }
 
 #[tokio::test]

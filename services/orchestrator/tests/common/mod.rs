@@ -139,3 +139,32 @@ impl Service {
         Ok(())
     }
 }
+
+/// A request with one user message.
+pub fn user(prompt: &str) -> shared::proto::orchestrator::v1::OrchestrateRequest {
+    use shared::proto::orchestrator::v1 as pb;
+    pb::OrchestrateRequest {
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: prompt.into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// Runs one `Orchestrate` call on `endpoint` to its end and returns the final result.
+pub async fn orchestrate(
+    endpoint: &str,
+    request: impl tonic::IntoRequest<shared::proto::orchestrator::v1::OrchestrateRequest>,
+) -> anyhow::Result<shared::proto::orchestrator::v1::RunResult> {
+    use shared::proto::orchestrator::v1 as pb;
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
+    let mut stream = client.orchestrate(request).await?.into_inner();
+    while let Some(event) = stream.message().await? {
+        if let Some(pb::orchestrate_event::Event::RunFinished(f)) = event.event {
+            return f.result.ok_or_else(|| anyhow::anyhow!("run_finished without a result"));
+        }
+    }
+    anyhow::bail!("the stream ended without run_finished")
+}
