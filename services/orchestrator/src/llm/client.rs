@@ -12,7 +12,8 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
 use super::sse::{DecodeLimits, decode, excerpt};
 use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message};
@@ -110,12 +111,12 @@ impl HttpLlm {
         &self.url
     }
 
-    async fn open(self, body: Value) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
+    async fn open(self, body: Vec<u8>) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
         let limits = DecodeLimits {
             idle_timeout: self.config.idle_timeout,
             max_line_bytes: self.config.max_line_bytes,
         };
-        let body = bytes::Bytes::from(body.to_string());
+        let body = bytes::Bytes::from(body);
         let mut attempt = 0u32;
         loop {
             let send = self
@@ -207,68 +208,150 @@ impl ChatModel for HttpLlm {
     }
 }
 
-/// The JSON body of a streamed chat completion request.
-pub fn request_body(request: &ChatRequest) -> Value {
-    let messages: Vec<Value> = request.messages.iter().map(message_json).collect();
-    let mut body = json!({
-        "model": request.model,
-        "messages": messages,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    if !request.tools.is_empty() {
-        body["tools"] = request
-            .tools
-            .iter()
-            .map(|t| json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}))
-            .collect();
-    }
+/// The JSON body of a streamed chat completion request, serialized straight from the borrowed
+/// conversation (no intermediate `serde_json::Value` tree: the whole conversation is written every
+/// turn, so copying it first showed up in profiles).
+pub fn request_body(request: &ChatRequest) -> Vec<u8> {
     let p = &request.params;
-    if let Some(t) = p.temperature {
-        body["temperature"] = json!(t);
-    }
-    if let Some(t) = p.top_p {
-        body["top_p"] = json!(t);
-    }
-    if let Some(t) = p.max_tokens {
-        body["max_tokens"] = json!(t);
-    }
-    if !p.stop.is_empty() {
-        body["stop"] = json!(p.stop);
-    }
-    if let Some(s) = p.seed {
-        body["seed"] = json!(s);
-    }
-    body
+    let body = Body {
+        model: &request.model,
+        messages: request.messages.iter().map(WireMessage).collect(),
+        stream: true,
+        stream_options: StreamOptions { include_usage: true },
+        tools: request.tools.iter().map(WireTool::new).collect(),
+        temperature: p.temperature,
+        top_p: p.top_p,
+        max_tokens: p.max_tokens,
+        stop: &p.stop,
+        seed: p.seed,
+    };
+    // Serializing borrowed strings, numbers and `Value`s into a Vec cannot fail.
+    serde_json::to_vec(&body).unwrap_or_default()
 }
 
-fn message_json(message: &Message) -> Value {
-    match message {
-        Message::System(content) => json!({"role": "system", "content": content}),
-        Message::User {
-            content,
-            name: Some(name),
-        } => json!({"role": "user", "content": content, "name": name}),
-        Message::User { content, name: None } => json!({"role": "user", "content": content}),
-        Message::Assistant { content, tool_calls } if tool_calls.is_empty() => {
-            json!({"role": "assistant", "content": content})
-        }
-        Message::Assistant { content, tool_calls } => json!({
-            "role": "assistant",
-            "content": if content.is_empty() { Value::Null } else { json!(content) },
-            "tool_calls": tool_calls.iter().map(|c| json!({
-                "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}
-            })).collect::<Vec<_>>(),
-        }),
-        Message::Tool { tool_call_id, content } => {
-            json!({"role": "tool", "tool_call_id": tool_call_id, "content": content})
+/// Wire form of [`ChatRequest`] (OpenAI chat completions).
+#[derive(Serialize)]
+struct Body<'a> {
+    model: &'a str,
+    messages: Vec<WireMessage<'a>>,
+    stream: bool,
+    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<WireTool<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    stop: &'a [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<i64>,
+}
+
+/// `stream_options`: ask for the usage chunk at the end of the stream.
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// `{"type": "function", "function": {...}}`.
+#[derive(Serialize)]
+struct WireTool<'a> {
+    r#type: &'static str,
+    function: WireFunction<'a>,
+}
+
+impl<'a> WireTool<'a> {
+    fn new(tool: &'a super::ToolDefinition) -> Self {
+        Self {
+            r#type: "function",
+            function: WireFunction {
+                name: &tool.name,
+                description: &tool.description,
+                parameters: &tool.parameters,
+            },
         }
     }
+}
+
+/// A tool's name, description and argument schema.
+#[derive(Serialize)]
+struct WireFunction<'a> {
+    name: &'a str,
+    description: &'a str,
+    parameters: &'a Value,
+}
+
+/// One message in the wire form; the shape depends on the role.
+struct WireMessage<'a>(&'a Message);
+
+impl Serialize for WireMessage<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        match self.0 {
+            Message::System(content) => {
+                map.serialize_entry("role", "system")?;
+                map.serialize_entry("content", content)?;
+            }
+            Message::User { content, name } => {
+                map.serialize_entry("role", "user")?;
+                map.serialize_entry("content", content)?;
+                if let Some(name) = name {
+                    map.serialize_entry("name", name)?;
+                }
+            }
+            Message::Assistant { content, tool_calls } if tool_calls.is_empty() => {
+                map.serialize_entry("role", "assistant")?;
+                map.serialize_entry("content", content)?;
+            }
+            Message::Assistant { content, tool_calls } => {
+                map.serialize_entry("role", "assistant")?;
+                map.serialize_entry("content", &Some(content.as_str()).filter(|c| !c.is_empty()))?;
+                let calls: Vec<WireToolCall<'_>> = tool_calls
+                    .iter()
+                    .map(|c| WireToolCall {
+                        id: &c.id,
+                        r#type: "function",
+                        function: WireCallFunction {
+                            name: &c.name,
+                            arguments: &c.arguments,
+                        },
+                    })
+                    .collect();
+                map.serialize_entry("tool_calls", &calls)?;
+            }
+            Message::Tool { tool_call_id, content } => {
+                map.serialize_entry("role", "tool")?;
+                map.serialize_entry("tool_call_id", tool_call_id)?;
+                map.serialize_entry("content", content)?;
+            }
+        }
+        map.end()
+    }
+}
+
+/// A tool call made by the assistant, as sent back in the conversation.
+#[derive(Serialize)]
+struct WireToolCall<'a> {
+    id: &'a str,
+    r#type: &'static str,
+    function: WireCallFunction<'a>,
+}
+
+/// The called tool's name and its arguments as the model wrote them.
+#[derive(Serialize)]
+struct WireCallFunction<'a> {
+    name: &'a str,
+    arguments: &'a str,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn config() -> LlmConfig {
         LlmConfig {
@@ -344,7 +427,7 @@ mod tests {
                 ..Default::default()
             },
         };
-        let body = request_body(&request);
+        let body: Value = serde_json::from_slice(&request_body(&request)).unwrap();
         assert_eq!(body["stream"], true);
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["temperature"], 0.5);
@@ -353,5 +436,59 @@ mod tests {
         assert_eq!(body["messages"][2]["content"], Value::Null);
         assert_eq!(body["messages"][2]["tool_calls"][0]["id"], "c1");
         assert_eq!(body["messages"][3]["tool_call_id"], "c1");
+        assert_eq!(body["messages"][1], json!({"role": "user", "content": "hi"}));
+        assert!(body.get("stop").is_none() && body.get("seed").is_none() && body.get("max_tokens").is_none());
+    }
+
+    #[test]
+    fn request_body_writes_every_message_shape_and_param_exactly() {
+        let request = ChatRequest {
+            model: "m".into(),
+            messages: vec![
+                Message::User {
+                    content: "hi".into(),
+                    name: Some("ann".into()),
+                },
+                Message::Assistant {
+                    content: "hello".into(),
+                    tool_calls: vec![],
+                },
+                Message::Assistant {
+                    content: "let me look".into(),
+                    tool_calls: vec![super::super::ToolCall {
+                        id: "c1".into(),
+                        name: "t".into(),
+                        arguments: "{\"q\":1}".into(),
+                    }],
+                },
+            ],
+            tools: vec![],
+            params: super::super::SamplingParams {
+                temperature: Some(0.7),
+                top_p: Some(0.9),
+                max_tokens: Some(64),
+                stop: vec!["END".into()],
+                seed: Some(-3),
+            },
+        };
+        let text = String::from_utf8(request_body(&request)).unwrap();
+        // f32 parameters are written as the caller gave them, not widened (0.699999988…).
+        assert!(text.contains("\"temperature\":0.7,"), "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert!(body.get("tools").is_none());
+        assert_eq!(
+            body["messages"],
+            json!([
+                {"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "assistant", "content": "let me look", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "t", "arguments": "{\"q\":1}"}}
+                ]},
+            ])
+        );
+        assert_eq!(body["max_tokens"], 64);
+        assert_eq!(body["stop"], json!(["END"]));
+        assert_eq!(body["seed"], -3);
+        assert_eq!(body["model"], "m");
     }
 }
