@@ -235,30 +235,35 @@ pub fn parse_chunk(data: &str) -> Result<Vec<LlmEvent>, LlmError> {
     if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
         return Err(LlmError::Server(describe_error(&error)));
     }
+    // The strings are moved out of the parsed chunk, not copied: this runs once per token.
     let mut events = Vec::new();
-    let choices = chunk.choices.unwrap_or_default();
-    if let Some(choice) = choices.iter().find(|c| c.index.unwrap_or(0) == 0) {
-        if let Some(delta) = &choice.delta {
-            for reasoning in [&delta.reasoning_content, &delta.reasoning].into_iter().flatten() {
+    let choice = chunk
+        .choices
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.index.unwrap_or(0) == 0);
+    if let Some(choice) = choice {
+        if let Some(delta) = choice.delta {
+            for reasoning in [delta.reasoning_content, delta.reasoning].into_iter().flatten() {
                 if !reasoning.is_empty() {
-                    events.push(LlmEvent::ReasoningDelta(reasoning.clone()));
+                    events.push(LlmEvent::ReasoningDelta(reasoning));
                 }
             }
-            if let Some(text) = delta.content.as_ref().filter(|t| !t.is_empty()) {
-                events.push(LlmEvent::TextDelta(text.clone()));
+            if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
+                events.push(LlmEvent::TextDelta(text));
             }
-            for call in delta.tool_calls.iter().flatten() {
-                let function = call.function.as_ref();
+            for call in delta.tool_calls.into_iter().flatten() {
+                let (name, arguments) = call.function.map_or((None, None), |f| (f.name, f.arguments));
                 events.push(LlmEvent::ToolCallFragment {
                     index: call.index,
-                    id: call.id.clone().filter(|s| !s.is_empty()),
-                    name: function.and_then(|f| f.name.clone()).filter(|s| !s.is_empty()),
-                    arguments: function.and_then(|f| f.arguments.clone()).filter(|s| !s.is_empty()),
+                    id: call.id.filter(|s| !s.is_empty()),
+                    name: name.filter(|s| !s.is_empty()),
+                    arguments: arguments.filter(|s| !s.is_empty()),
                 });
             }
         }
-        if let Some(reason) = choice.finish_reason.as_ref().filter(|r| !r.is_empty()) {
-            events.push(LlmEvent::Finish(reason.clone()));
+        if let Some(reason) = choice.finish_reason.filter(|r| !r.is_empty()) {
+            events.push(LlmEvent::Finish(reason));
         }
     }
     let usage = chunk.usage.or(chunk.x_groq.and_then(|x| x.usage));
