@@ -33,7 +33,7 @@ struct Cli {
     /// Where the report goes.
     #[arg(long, default_value = "bench/results")]
     out: PathBuf,
-    /// Only these workloads (comma-separated names).
+    /// Only these workloads (comma-separated names); the report is then written as `partial.*`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Skip the tracing comparison (the same workloads with OTLP export off and on).
@@ -417,6 +417,13 @@ async fn main() -> anyhow::Result<()> {
     );
     let mut workloads = grid(cli.quick);
     if !cli.only.is_empty() {
+        let known: Vec<String> = workloads.iter().map(|w| w.name.clone()).collect();
+        let unknown: Vec<&String> = cli.only.iter().filter(|n| !known.contains(n)).collect();
+        anyhow::ensure!(
+            unknown.is_empty(),
+            "unknown workload(s) {unknown:?} in --only; the grid has {}",
+            known.join(", ")
+        );
         workloads.retain(|w| cli.only.contains(&w.name));
     }
     let scenarios = Scenarios {
@@ -513,7 +520,12 @@ async fn main() -> anyhow::Result<()> {
         report.push_str(&format!("\nSpans received by the in-process OTLP sink: {} (the orchestrator was stopped, so its batch was flushed).\n", tracing_costs[0].spans_exported));
     }
     std::fs::create_dir_all(&cli.out)?;
-    let name = if cli.quick { "quick" } else { "latest" };
+    // A subset never overwrites the full report it would be compared with.
+    let name = match (cli.only.is_empty(), cli.quick) {
+        (false, _) => "partial",
+        (true, true) => "quick",
+        (true, false) => "latest",
+    };
     std::fs::write(cli.out.join(format!("{name}.md")), &report)?;
     let json = serde_json::json!({
         "quick": cli.quick,

@@ -67,3 +67,32 @@ fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
     assert!(markdown.contains("## Targets"));
     Ok(())
 }
+
+#[test]
+fn a_subset_goes_to_its_own_report_and_unknown_names_are_refused() -> anyhow::Result<()> {
+    let bench = env!("CARGO_BIN_EXE_bench");
+    let orchestrator = std::path::Path::new(bench).with_file_name("orchestrator");
+    let out = tempfile::tempdir()?;
+    let run = |only: &str| {
+        Command::new(bench)
+            .args(["--quick", "--no-tracing", "--only", only, "--orchestrator-bin"])
+            .arg(&orchestrator)
+            .arg("--out")
+            .arg(out.path())
+            .output()
+    };
+    let bad = run("text_only,no_such_workload")?;
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains("no_such_workload") && stderr.contains("text_only"),
+        "{stderr}"
+    );
+
+    let ok = run("text_only")?;
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("partial.json"))?)?;
+    assert_eq!(report["workloads"].as_array().map(Vec::len), Some(1));
+    assert!(!out.path().join("quick.json").exists() && !out.path().join("latest.json").exists());
+    Ok(())
+}
