@@ -17,38 +17,37 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// A tool-runner serving in this process.
-pub struct Runner {
+/// A service's `run(listener, config, shutdown)` spawned in this process on 127.0.0.1:0, with its
+/// shutdown future under the test's control; aborted when dropped.
+pub struct Served<E> {
     /// Where it listens.
     pub addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<Result<(), tool_runner::Error>>>,
+    task: Option<JoinHandle<Result<(), E>>>,
 }
 
-impl Runner {
-    /// Starts `tool_runner::run` on 127.0.0.1:0 with `config`.
-    pub async fn start(config: tool_runner::Config) -> anyhow::Result<Self> {
+impl<E: std::error::Error + Send + Sync + 'static> Served<E> {
+    /// Binds 127.0.0.1:0 and spawns `run(listener, shutdown)`.
+    pub async fn spawn<Fut>(
+        run: impl FnOnce(tokio::net::TcpListener, std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) -> Fut,
+    ) -> anyhow::Result<Self>
+    where
+        Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(tool_runner::run(listener, config, async move {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(run(
+            listener,
+            Box::pin(async move {
+                let _ = stopped.await;
+            }),
+        ));
         Ok(Self {
             addr,
             stop: Some(stop),
             task: Some(task),
         })
-    }
-
-    /// A channel to it.
-    pub async fn channel(&self) -> anyhow::Result<Channel> {
-        Ok(Channel::from_shared(format!("http://{}", self.addr))?.connect().await?)
-    }
-
-    /// A tool-runner client.
-    pub async fn client(&self) -> anyhow::Result<pb::tool_runner_client::ToolRunnerClient<Channel>> {
-        Ok(pb::tool_runner_client::ToolRunnerClient::new(self.channel().await?))
     }
 
     /// Triggers the drain (as SIGTERM would) without waiting for it.
@@ -68,11 +67,49 @@ impl Runner {
     }
 }
 
-impl Drop for Runner {
+impl<E> Drop for Served<E> {
     fn drop(&mut self) {
         if let Some(task) = self.task.take() {
             task.abort();
         }
+    }
+}
+
+/// A tool-runner serving in this process.
+pub struct Runner {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    server: Served<tool_runner::Error>,
+}
+
+impl Runner {
+    /// Starts `tool_runner::run` on 127.0.0.1:0 with `config`.
+    pub async fn start(config: tool_runner::Config) -> anyhow::Result<Self> {
+        let server = Served::spawn(|listener, shutdown| tool_runner::run(listener, config, shutdown)).await?;
+        Ok(Self {
+            addr: server.addr,
+            server,
+        })
+    }
+
+    /// A channel to it.
+    pub async fn channel(&self) -> anyhow::Result<Channel> {
+        Ok(Channel::from_shared(format!("http://{}", self.addr))?.connect().await?)
+    }
+
+    /// A tool-runner client.
+    pub async fn client(&self) -> anyhow::Result<pb::tool_runner_client::ToolRunnerClient<Channel>> {
+        Ok(pb::tool_runner_client::ToolRunnerClient::new(self.channel().await?))
+    }
+
+    /// Triggers the drain (as SIGTERM would) without waiting for it.
+    pub fn begin_shutdown(&mut self) {
+        self.server.begin_shutdown();
+    }
+
+    /// Triggers the drain and waits until the server has stopped.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        self.server.shutdown().await
     }
 }
 
@@ -179,11 +216,9 @@ pub mod stack {
     use futures::StreamExt;
     use mock_llm::{MockLlm, Scenarios};
     use shared::proto::orchestrator::v1 as pb;
-    use tokio::sync::oneshot;
-    use tokio::task::JoinHandle;
     use tonic::transport::Channel;
 
-    use super::Runner;
+    use super::{Runner, Served};
 
     /// Orchestrator + stand-in model + tool-runner, all on loopback.
     pub struct Stack {
@@ -193,8 +228,7 @@ pub mod stack {
         pub mock: MockLlm,
         /// The tool-runner.
         pub runner: Runner,
-        stop: Option<oneshot::Sender<()>>,
-        task: Option<JoinHandle<Result<(), orchestrator::Error>>>,
+        server: Served<orchestrator::Error>,
     }
 
     /// The tool-runner configuration the stacks use: built-ins plus `manifest` when given.
@@ -219,18 +253,12 @@ pub mod stack {
             config.llm.retry_backoff = Duration::from_millis(10);
             config.shutdown_grace = Duration::from_secs(5);
             tweak(&mut config);
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let addr = listener.local_addr()?;
-            let (stop, stopped) = oneshot::channel::<()>();
-            let task = tokio::spawn(orchestrator::run(listener, config, async move {
-                let _ = stopped.await;
-            }));
+            let server = Served::spawn(|listener, shutdown| orchestrator::run(listener, config, shutdown)).await?;
             Ok(Self {
-                addr,
+                addr: server.addr,
                 mock,
                 runner,
-                stop: Some(stop),
-                task: Some(task),
+                server,
             })
         }
 
@@ -242,18 +270,12 @@ pub mod stack {
 
         /// Starts the drain (as SIGTERM would).
         pub fn begin_shutdown(&mut self) {
-            if let Some(stop) = self.stop.take() {
-                let _ = stop.send(());
-            }
+            self.server.begin_shutdown();
         }
 
         /// Drains and waits for the server to stop.
-        pub async fn shutdown(mut self) -> anyhow::Result<()> {
-            self.begin_shutdown();
-            match self.task.take() {
-                Some(task) => Ok(tokio::time::timeout(Duration::from_secs(30), task).await???),
-                None => Ok(()),
-            }
+        pub async fn shutdown(self) -> anyhow::Result<()> {
+            self.server.shutdown().await
         }
 
         /// Runs `request` to its end and checks the invariants of DESIGN §3 on it.
@@ -279,14 +301,6 @@ pub mod stack {
                 outcome.result
             );
             Ok(outcome)
-        }
-    }
-
-    impl Drop for Stack {
-        fn drop(&mut self) {
-            if let Some(task) = self.task.take() {
-                task.abort();
-            }
         }
     }
 

@@ -51,3 +51,12 @@ impl From<Error> for tonic::Status {
         }
     }
 }
+
+impl From<shared::shutdown::StartupError> for Error {
+    fn from(error: shared::shutdown::StartupError) -> Self {
+        match error {
+            shared::shutdown::StartupError::Signals(_) => Error::Config(error.to_string()),
+            shared::shutdown::StartupError::Listen { address, source } => Error::Listen { address, source },
+        }
+    }
+}

@@ -52,29 +52,8 @@ async fn serve(args: ServeArgs) -> Result<(), Error> {
 async fn serve_with_telemetry(args: ServeArgs) -> Result<(), Error> {
     let config = args.to_config();
     config.validate()?;
-    let stop =
-        shared::shutdown::stop_signal().map_err(|e| Error::Config(format!("cannot install signal handlers: {e}")))?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|source| Error::Listen {
-            address: args.listen,
-            source,
-        })?;
-    let metrics = match args.metrics_listen.0 {
-        Some(address) => Some(
-            shared::metrics::start(address)
-                .await
-                .map_err(|source| Error::Listen { address, source })?,
-        ),
-        None => None,
-    };
-    let result = tool_runner::run(listener, config, async move {
-        let signal = stop.await;
-        tracing::info!(signal, "stop signal received");
+    shared::shutdown::serve_until_stopped(args.listen, args.metrics_listen.0, |listener, shutdown| {
+        tool_runner::run(listener, config, shutdown)
     })
-    .await;
-    if let Some(metrics) = metrics {
-        metrics.stop();
-    }
-    result
+    .await
 }
