@@ -17,7 +17,7 @@ use crate::Error;
 use crate::config::Config;
 use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
 use crate::run::tool_loop::{Emitter, LoopDeps};
-use crate::run::{Event, NumberedEvent};
+use crate::run::{Event, EventBatch};
 use crate::runs::{CancelOutcome, Refusal, Runs};
 use crate::signals::{SignalFilter, SignalItem, SignalTopic};
 use crate::tool_runners::ToolRunners;
@@ -112,7 +112,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             }
         };
 
-        let (tx, rx) = mpsc::channel::<NumberedEvent>(core.config.event_buffer);
+        let (tx, rx) = mpsc::channel::<EventBatch>(core.config.event_buffer);
         let caller_gone = (!detached).then(|| tx.clone());
         let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state));
         let deps = core.deps.clone();
@@ -148,7 +148,10 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             }
             .instrument(span),
         );
-        let stream = ReceiverStream::new(rx).map(move |e| Ok(event_pb(&run_id, e.seq, e.event)));
+        // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
+        let stream = ReceiverStream::new(rx)
+            .flat_map(futures::stream::iter)
+            .map(move |e| Ok(event_pb(&run_id, e.seq, e.event)));
         Ok(Response::new(stream.boxed()))
     }
 

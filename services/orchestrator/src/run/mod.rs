@@ -307,6 +307,9 @@ pub struct NumberedEvent {
     pub event: Event,
 }
 
+/// Events sent to the caller's stream together (they leave in one write).
+pub type EventBatch = Vec<NumberedEvent>;
+
 /// A normal tool call to execute.
 #[derive(Debug, Clone)]
 pub struct ToolInvocation {

@@ -24,8 +24,8 @@ use super::fallback::Resolution;
 use super::loop_detector::{DetectorConfig, LoopDetector};
 use super::turn::TurnCollector;
 use super::{
-    Delivery, Event, FailureReason, HARD_MAX_TURNS, NumberedEvent, ParsePolicy, RunResult, RunSpec, RunStatus, Signal,
-    ToolCallError, ToolCallRecord, ToolExecutor, ToolInvocation,
+    Delivery, Event, EventBatch, FailureReason, HARD_MAX_TURNS, NumberedEvent, ParsePolicy, RunResult, RunSpec,
+    RunStatus, Signal, ToolCallError, ToolCallRecord, ToolExecutor, ToolInvocation,
 };
 use crate::llm::{ChatModel, ChatRequest, LlmError, Message, ToolCall, ToolDefinition};
 use crate::signals::SignalTopic;
@@ -84,27 +84,54 @@ fn lock(state: &SharedState) -> std::sync::MutexGuard<'_, RunResult> {
 /// Numbers events and sends them to the caller's stream (a bounded channel: a slow reader slows
 /// its own run). Text is added to the run's state only once its event is sent, so the streamed
 /// text always equals the result's text.
+///
+/// Events the loop produces together (a turn's signals and tool-call starts, its tool-call
+/// results and end) are [queued](Self::queue) and sent as one batch, which reaches the caller
+/// in one HTTP/2 write instead of one write (and one wake-up of each side) per event. Every
+/// [`send`](Self::send) first sends what is queued, and the loop [flushes](Self::flush) before
+/// it waits for the model or the tools, so nothing queued waits on them.
 pub struct Emitter {
-    tx: Option<mpsc::Sender<NumberedEvent>>,
+    tx: Option<mpsc::Sender<EventBatch>>,
     seq: u64,
+    /// Numbered, not yet sent.
+    queued: EventBatch,
     state: SharedState,
 }
 
 impl Emitter {
     /// An emitter writing to `tx` (`None`: nobody listens, e.g. a detached run whose caller left).
-    pub fn new(tx: Option<mpsc::Sender<NumberedEvent>>, state: SharedState) -> Self {
-        Self { tx, seq: 0, state }
+    pub fn new(tx: Option<mpsc::Sender<EventBatch>>, state: SharedState) -> Self {
+        Self {
+            tx,
+            seq: 0,
+            queued: Vec::new(),
+            state,
+        }
     }
 
-    /// Sends one event.
-    pub async fn send(&mut self, event: Event) {
-        let seq = self.seq + 1;
+    /// Numbers `event` and queues it behind the events already queued.
+    pub fn queue(&mut self, event: Event) {
+        self.seq += 1;
+        self.queued.push(NumberedEvent { seq: self.seq, event });
+    }
+
+    /// Sends what is queued, as one batch.
+    pub async fn flush(&mut self) {
+        if self.queued.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.queued);
         if let Some(tx) = &self.tx
-            && tx.send(NumberedEvent { seq, event }).await.is_err()
+            && tx.send(batch).await.is_err()
         {
             self.tx = None;
         }
-        self.seq = seq;
+    }
+
+    /// Sends one event (after what is queued).
+    pub async fn send(&mut self, event: Event) {
+        self.queue(event);
+        self.flush().await;
     }
 
     async fn text(&mut self, text: &str, turn: u32) {
@@ -135,20 +162,19 @@ pub async fn run(
     state: SharedState,
     mut emitter: Emitter,
     cancel: Cancel,
-    caller_gone: Option<mpsc::Sender<NumberedEvent>>,
+    caller_gone: Option<mpsc::Sender<EventBatch>>,
     persister: Option<Persister>,
 ) -> RunResult {
     let started = Instant::now();
     let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
     let deadline = started + spec.limits.run_timeout;
-    emitter
-        .send(Event::RunStarted {
-            model: spec.model.clone(),
-            normal_tools: spec.normal_tools.iter().map(|t| t.name.clone()).collect(),
-            exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
-            limits: spec.limits,
-        })
-        .await;
+    // Sent with the first model request.
+    emitter.queue(Event::RunStarted {
+        model: spec.model.clone(),
+        normal_tools: spec.normal_tools.iter().map(|t| t.name.clone()).collect(),
+        exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
+        limits: spec.limits,
+    });
     let end = {
         let drive = drive(&spec, &deps, &state, &mut emitter, deadline, persister.clone());
         let gone = async {
@@ -349,6 +375,7 @@ impl Driver<'_> {
         };
 
         // Stream the completion.
+        emitter.flush().await;
         let requested = Instant::now();
         // Fused: the batching below may see the end before the loop does.
         let mut stream = match deps.model.stream(request).await {
@@ -538,7 +565,7 @@ impl Driver<'_> {
                 orchestrator.turn = turn,
                 "signal"
             );
-            emitter.send(Event::Signal(signal)).await;
+            emitter.queue(Event::Signal(signal));
         }
 
         let bad: Vec<usize> = (0..calls.len())
@@ -549,7 +576,7 @@ impl Driver<'_> {
             _ => None,
         });
         if let (Some(error), ParsePolicy::Fail) = (first_bad, spec.parse_policy) {
-            finish_turn(emitter, turn, output.usage, remaining, self.failed_turns).await;
+            finish_turn(emitter, turn, output.usage, remaining, self.failed_turns);
             return Some(End::Failed(FailureReason::ToolParseError, error.message.clone()));
         }
 
@@ -563,7 +590,7 @@ impl Driver<'_> {
         let budget_left = limits.tool_call_budget.saturating_sub(self.used_budget);
 
         if executed.is_empty() && bad.is_empty() {
-            finish_turn(emitter, turn, output.usage, budget_left, self.failed_turns).await;
+            finish_turn(emitter, turn, output.usage, budget_left, self.failed_turns);
             if exhausted {
                 return Some(End::Failed(
                     FailureReason::ToolBudgetExhausted,
@@ -576,15 +603,14 @@ impl Driver<'_> {
         // Dispatch concurrently.
         for &i in executed.iter().chain(&bad) {
             let call = &calls[i];
-            emitter
-                .send(Event::ToolCallStarted {
-                    call_id: call.id.clone(),
-                    name: call.name.clone(),
-                    arguments_json: call.arguments.clone(),
-                    turn,
-                })
-                .await;
+            emitter.queue(Event::ToolCallStarted {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments_json: call.arguments.clone(),
+                turn,
+            });
         }
+        emitter.flush().await;
         let tool_timeout = limits
             .tool_timeout
             .min(deadline.saturating_duration_since(Instant::now()));
@@ -680,15 +706,13 @@ impl Driver<'_> {
                 Ok(json) => json.clone(),
                 Err(error) => error.to_tool_message(),
             };
-            emitter
-                .send(Event::ToolCallFinished {
-                    call_id: call.id.clone(),
-                    name: call.name.clone(),
-                    content_json: result.as_ref().ok().cloned(),
-                    error: result.err(),
-                    duration_ms,
-                })
-                .await;
+            emitter.queue(Event::ToolCallFinished {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                content_json: result.as_ref().ok().cloned(),
+                error: result.err(),
+                duration_ms,
+            });
             assistant_calls.push(ToolCall {
                 id: call.id.clone(),
                 name: call.name.clone(),
@@ -710,7 +734,7 @@ impl Driver<'_> {
             tool_calls: assistant_calls,
         });
         self.conversation.extend(tool_messages);
-        finish_turn(emitter, turn, output.usage, budget_left, self.failed_turns).await;
+        finish_turn(emitter, turn, output.usage, budget_left, self.failed_turns);
 
         if self.failed_turns > limits.max_tool_failures {
             return Some(End::Failed(
@@ -762,15 +786,14 @@ async fn show(
     })
 }
 
-async fn finish_turn(emitter: &mut Emitter, turn: u32, usage: crate::llm::Usage, remaining: u32, failed_turns: u32) {
-    emitter
-        .send(Event::TurnFinished {
-            turn,
-            usage,
-            tool_call_budget_remaining: remaining,
-            failed_turns,
-        })
-        .await;
+/// Queues the turn's end (sent with the next model request, or with the run's end).
+fn finish_turn(emitter: &mut Emitter, turn: u32, usage: crate::llm::Usage, remaining: u32, failed_turns: u32) {
+    emitter.queue(Event::TurnFinished {
+        turn,
+        usage,
+        tool_call_budget_remaining: remaining,
+        failed_turns,
+    });
 }
 
 /// Whether an event carries generated output (for time to first token).
@@ -945,6 +968,15 @@ mod tests {
         turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
         limits: Limits,
     ) -> (RunResult, Vec<NumberedEvent>, Arc<Script>, Arc<Tools>) {
+        let (result, batches, script, tools) = play_batched(turns, limits).await;
+        (result, batches.into_iter().flatten().collect(), script, tools)
+    }
+
+    /// As [`play`], with the events as the batches the caller's stream received.
+    async fn play_batched(
+        turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
+        limits: Limits,
+    ) -> (RunResult, Vec<EventBatch>, Arc<Script>, Arc<Tools>) {
         let script = Arc::new(Script {
             turns: Mutex::new(turns.into()),
             requests: Mutex::default(),
@@ -964,11 +996,55 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(1024);
         let emitter = Emitter::new(Some(tx), Arc::clone(&state));
         let result = run(spec(limits), deps, state, emitter, Cancel::default(), None, None).await;
-        let mut events = Vec::new();
-        while let Ok(e) = rx.try_recv() {
-            events.push(e);
+        let mut batches = Vec::new();
+        while let Ok(batch) = rx.try_recv() {
+            batches.push(batch);
         }
-        (result, events, script, tools)
+        (result, batches, script, tools)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn events_produced_together_reach_the_stream_as_one_batch() {
+        let turn1 = vec![
+            call(0, "nap", r#"{"ms": 5}"#),
+            call(1, "nap", r#"{"ms": 5}"#),
+            call(2, "done", r#"{"ok": true}"#),
+        ];
+        let turn2 = vec![Ok(LlmEvent::TextDelta("fin".into()))];
+        let (result, batches, _, _) = play_batched(vec![turn1, turn2], limits()).await;
+        assert_eq!(result.status, RunStatus::Completed);
+        let kinds: Vec<Vec<&str>> = batches
+            .iter()
+            .map(|b| {
+                b.iter()
+                    .map(|e| match &e.event {
+                        Event::RunStarted { .. } => "run_started",
+                        Event::TextDelta { .. } => "text",
+                        Event::ToolCallStarted { .. } => "call_started",
+                        Event::ToolCallFinished { .. } => "call_finished",
+                        Event::Signal(_) => "signal",
+                        Event::TurnFinished { .. } => "turn_finished",
+                        Event::RunFinished(_) => "run_finished",
+                    })
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                vec!["run_started"],
+                vec!["signal", "call_started", "call_started"],
+                vec!["call_finished", "call_finished", "turn_finished"],
+                vec!["text"],
+                vec!["turn_finished", "run_finished"],
+            ]
+        );
+        let seqs: Vec<u64> = batches.iter().flatten().map(|e| e.seq).collect();
+        assert_eq!(
+            seqs,
+            (1..=seqs.len() as u64).collect::<Vec<_>>(),
+            "numbered without gaps"
+        );
     }
 
     #[tokio::test(start_paused = true)]
