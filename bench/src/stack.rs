@@ -34,7 +34,7 @@ impl Stack {
         otlp: Option<&str>,
         rust_log: &str,
     ) -> anyhow::Result<Self> {
-        let mock = MockLlm::start_unrecorded(scenarios).await?;
+        let mock = MockLlm::start_timed(scenarios).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let runner = format!("http://{}", listener.local_addr()?);
         let runner_config = tool_runner::Config {

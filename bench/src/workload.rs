@@ -46,6 +46,10 @@ pub struct Workload {
     pub ttft_ms: u64,
     /// Model: delay between chunks.
     pub token_delay_ms: u64,
+    /// Spread the runs' starts evenly over one scripted run time instead of starting them all
+    /// at once, so the load is steady (runs arrive as they would in service) rather than one
+    /// burst that every run then queues behind.
+    pub paced: bool,
 }
 
 impl Workload {
@@ -93,6 +97,24 @@ impl Workload {
         Duration::from_millis(self.ttft_ms + self.token_delay_ms * (chunks as u64 - 1))
     }
 
+    /// When the `worker`-th of the concurrent runs starts (zero unless paced).
+    pub fn start_offset(&self, worker: usize) -> Duration {
+        if self.paced {
+            self.scripted_run()
+                .mul_f64(worker as f64 / self.concurrency.max(1) as f64)
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    /// What the tools were scripted to take for one run (the slowest call of each tool turn).
+    pub fn scripted_tools(&self) -> Duration {
+        match self.tool {
+            Tool::Sleep(ms) if self.calls_per_turn > 0 => Duration::from_millis(ms) * self.tool_turns,
+            _ => Duration::ZERO,
+        }
+    }
+
     /// What the model and the tools were scripted to take for one run.
     pub fn scripted_run(&self) -> Duration {
         let tool = match self.tool {
@@ -108,6 +130,9 @@ impl Workload {
 /// What the client saw of one run.
 #[derive(Debug, Clone)]
 pub struct RunSample {
+    /// The run's first user message, unique per run: the stand-in model tallies the time it
+    /// served the run under it.
+    pub key: String,
     /// Wall time of the whole run.
     pub wall: Duration,
     /// Wall time of each turn (from the previous turn's end, or the run's start).
@@ -143,11 +168,19 @@ pub async fn drive(stack: &Stack, workload: &Workload, model: &str) -> Vec<RunSa
     };
     let workers = (0..workload.concurrency.min(workload.runs)).map(|w| {
         let (next, request, mut client) = (Arc::clone(&next), request.clone(), stack.client(w));
-        let runs = workload.runs;
+        let (runs, offset) = (workload.runs, workload.start_offset(w));
         async move {
+            tokio::time::sleep(offset).await;
             let mut samples = Vec::new();
-            while next.fetch_add(1, Ordering::Relaxed) < runs {
-                samples.push(one_run(&mut client, request.clone()).await);
+            loop {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if n >= runs {
+                    break;
+                }
+                let mut request = request.clone();
+                let key = format!("go #{n}");
+                request.messages[0].content.clone_from(&key);
+                samples.push(one_run(&mut client, request, key).await);
             }
             samples
         }
@@ -158,6 +191,7 @@ pub async fn drive(stack: &Stack, workload: &Workload, model: &str) -> Vec<RunSa
 async fn one_run(
     client: &mut pb::orchestrator_client::OrchestratorClient<tonic::transport::Channel>,
     request: pb::OrchestrateRequest,
+    key: String,
 ) -> RunSample {
     let started = Instant::now();
     let mut turns = Vec::new();
@@ -183,6 +217,7 @@ async fn one_run(
         Err(status) => eprintln!("  run refused: {:?}: {}", status.code(), status.message()),
     }
     RunSample {
+        key,
         wall: started.elapsed(),
         turns,
         ok,
@@ -190,15 +225,18 @@ async fn one_run(
 }
 
 /// Baseline: the same turns streamed from the stand-in model directly (no orchestrator), one
-/// request per turn, `concurrency` at once; returns each "run"'s wall time.
+/// request per turn, `concurrency` at once and paced like the workload; returns each "run"'s
+/// wall time.
 pub async fn model_direct(base_url: &str, workload: &Workload, model: &str) -> anyhow::Result<Vec<Duration>> {
     let client = reqwest::Client::new();
     let url = format!("{base_url}/chat/completions");
     let next = Arc::new(AtomicUsize::new(0));
-    let workers = (0..workload.concurrency.min(workload.runs)).map(|_| {
+    let workers = (0..workload.concurrency.min(workload.runs)).map(|w| {
         let (client, url, next) = (client.clone(), url.clone(), Arc::clone(&next));
         let (runs, turns, model) = (workload.runs, workload.turns(), model.to_owned());
+        let offset = workload.start_offset(w);
         async move {
+            tokio::time::sleep(offset).await;
             let mut walls = Vec::new();
             while next.fetch_add(1, Ordering::Relaxed) < runs {
                 let started = Instant::now();

@@ -35,8 +35,10 @@ fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
     for expected in [
         "text_only",
         "overhead_c1000_x4",
+        "overhead_c1000_x4_paced",
         "dispatch_x64",
         "parallel_16x100ms",
+        "parallel_16x100ms_c20",
         "hold_c10000",
         "e2e_200ms_20ms",
     ] {
@@ -51,6 +53,7 @@ fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
             "cpu_per_turn_us",
             "peak_rss_mib",
             "rss_per_in_flight_run_kib",
+            "cpu_vs_budget",
         ] {
             assert!(!w[field].is_null(), "{field} missing in {w}");
         }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::body::Body;
@@ -44,6 +44,8 @@ struct Shared {
     requests: Mutex<Vec<Value>>,
     attempts: Mutex<HashMap<(String, usize), usize>>,
     record: bool,
+    /// Time served per conversation, when measured (see [`MockLlm::start_timed`]).
+    served: Option<Mutex<HashMap<String, Duration>>>,
 }
 
 /// A running stand-in model.
@@ -64,14 +66,32 @@ impl MockLlm {
         Self::start_with(scenarios.into(), false).await
     }
 
+    /// Like [`MockLlm::start_unrecorded`], and measures the time it serves each conversation
+    /// (keyed by its first user message): from a request's arrival to its stream's last byte,
+    /// summed over the conversation's requests. A benchmark subtracts it from a run's wall time
+    /// to get what the orchestrator added, without the model's own timer lateness.
+    pub async fn start_timed(scenarios: impl Into<Scenarios>) -> std::io::Result<Self> {
+        let shared = Shared {
+            scenarios: scenarios.into(),
+            served: Some(Mutex::default()),
+            ..Shared::default()
+        };
+        Self::start_shared(shared).await
+    }
+
     async fn start_with(scenarios: Scenarios, record: bool) -> std::io::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared {
+        Self::start_shared(Shared {
             scenarios,
             record,
             ..Shared::default()
-        });
+        })
+        .await
+    }
+
+    async fn start_shared(shared: Shared) -> std::io::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(shared);
         let app = router(Arc::clone(&shared));
         let task = tokio::spawn(async move {
             let _ = axum::serve(nodelay(listener), app).await;
@@ -82,6 +102,14 @@ impl MockLlm {
     /// The OpenAI-style base URL, ending in `/v1`.
     pub fn base_url(&self) -> String {
         format!("http://{}/v1", self.addr)
+    }
+
+    /// The time served per conversation since the last call (empty unless started with
+    /// [`MockLlm::start_timed`]); clears the tally.
+    pub fn take_served(&self) -> HashMap<String, Duration> {
+        self.shared.served.as_ref().map_or_else(HashMap::new, |served| {
+            std::mem::take(&mut *served.lock().unwrap_or_else(PoisonError::into_inner))
+        })
     }
 
     /// Every request body received so far.
@@ -148,6 +176,7 @@ fn error_response(status: StatusCode, message: &str) -> Response {
 }
 
 async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let arrived = Instant::now();
     let Ok(request) = serde_json::from_slice::<Value>(&body) else {
         return error_response(StatusCode::BAD_REQUEST, "the request body is not JSON");
     };
@@ -210,6 +239,30 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
             }
         }
     });
+    // When timed: the conversation's tally grows when the stream has sent its last chunk.
+    let timing = shared.served.is_some().then(|| {
+        let key = request["messages"]
+            .as_array()
+            .and_then(|m| m.iter().find(|m| m["role"] == "user"))
+            .and_then(|m| m["content"].as_str())
+            .unwrap_or_default()
+            .to_owned();
+        (Arc::clone(&shared), key)
+    });
+    let stream = stream.chain(
+        futures::stream::once(async move {
+            if let Some((shared, key)) = timing
+                && let Some(served) = &shared.served
+            {
+                *served
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entry(key)
+                    .or_default() += arrived.elapsed();
+            }
+        })
+        .filter_map(|()| std::future::ready(None::<std::io::Result<Bytes>>)),
+    );
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
