@@ -140,7 +140,8 @@ pub struct ServeArgs {
     /// Repeated-line detector: occurrences of one line in the window that end the run (2..=window).
     #[arg(long, env = "ORCHESTRATOR_LOOP_THRESHOLD", default_value_t = limits::LOOP_THRESHOLD)]
     pub loop_threshold: usize,
-    /// Events buffered per run stream before the run waits for a slow reader (cap 65536).
+    /// Event batches (events the loop produces together) buffered per run stream before the run
+    /// waits for a slow reader (cap 65536).
     #[arg(long, env = "ORCHESTRATOR_EVENT_BUFFER", default_value_t = limits::EVENT_BUFFER)]
     pub event_buffer: usize,
     /// Signals buffered per SubscribeSignals subscriber (cap 1000000).

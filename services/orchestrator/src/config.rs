@@ -194,7 +194,7 @@ pub struct Config {
     pub runs: RunsConfig,
     /// Repeated-line detector.
     pub detector: DetectorConfig,
-    /// Events buffered per run stream before the run waits for its reader.
+    /// Event batches buffered per run stream before the run waits for its reader.
     pub event_buffer: usize,
     /// Signals buffered per `SubscribeSignals` subscriber.
     pub signal_buffer: usize,

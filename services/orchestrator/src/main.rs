@@ -14,8 +14,17 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use orchestrator::Error;
 use orchestrator::cli::{Cli, Command, ServeArgs};
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    match shared::runtime::build() {
+        Ok(runtime) => runtime.block_on(run()),
+        Err(e) => {
+            eprintln!("orchestrator: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
         Command::Serve(args) => serve(*args).await.map(|()| true),

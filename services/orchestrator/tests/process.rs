@@ -81,6 +81,25 @@ async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
 }
 
 #[tokio::test]
+async fn worker_threads_come_from_tokio_worker_threads_and_bad_values_exit_2() -> TestResult {
+    let (code, stdout, stderr) = run_to_end(&["demo"], &[("TOKIO_WORKER_THREADS", "1")]).await?;
+    assert_eq!(code, Some(0), "one worker thread runs the demo:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("■ COMPLETED"), "{stdout}");
+    for bad in ["0", "1025", "two"] {
+        let (code, _, stderr) = run_to_end(&["demo"], &[("TOKIO_WORKER_THREADS", bad)]).await?;
+        assert_eq!(code, Some(2), "{bad}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "orchestrator: TOKIO_WORKER_THREADS={bad:?} must be a whole number from 1 to 1024"
+            )),
+            "{bad}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
 async fn serve_call_and_drain_on_sigterm() -> TestResult {
     // A tool-runner and the stand-in model in this process; the orchestrator as a real process.
     let runner_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -9,8 +9,17 @@ use clap::Parser;
 use tool_runner::Error;
 use tool_runner::cli::{self, Cli, Command, ServeArgs};
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    match shared::runtime::build() {
+        Ok(runtime) => runtime.block_on(run()),
+        Err(e) => {
+            eprintln!("tool-runner: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or(Command::Serve(cli.serve)) {
         Command::Serve(args) => serve(args).await,

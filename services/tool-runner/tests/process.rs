@@ -38,6 +38,8 @@ impl Process {
                 "127.0.0.1:0",
             ])
             .args(extra)
+            // A valid worker-thread count (bad ones are refused: see the limits test).
+            .env("TOKIO_WORKER_THREADS", "2")
             .current_dir(repo_root())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -212,6 +214,12 @@ async fn limits_above_their_caps_are_refused_from_flags_and_environment() -> Tes
     let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--shutdown-grace", "soon"], &[]).await?;
     assert_eq!(code, Some(2), "clap usage errors exit 2 too");
     assert!(stderr.contains("invalid duration"), "{stderr}");
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0"], &[("TOKIO_WORKER_THREADS", "0")]).await?;
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("tool-runner: TOKIO_WORKER_THREADS=\"0\" must be a whole number from 1 to 1024"),
+        "{stderr}"
+    );
     Ok(())
 }
 

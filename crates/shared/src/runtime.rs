@@ -1,0 +1,56 @@
+//! The Tokio runtime both binaries run on. Its one environment knob, `TOKIO_WORKER_THREADS`, is
+//! checked here first: Tokio itself panics on a bad value, the binaries refuse it with a message
+//! and exit code 2 like any other bad setting.
+
+use std::ffi::OsStr;
+
+/// The environment variable Tokio reads for its number of worker threads.
+pub const WORKER_THREADS_ENV: &str = "TOKIO_WORKER_THREADS";
+
+/// The most worker threads accepted.
+pub const WORKER_THREADS_CAP: usize = 1024;
+
+/// Builds the multi-threaded runtime: one worker per CPU the process may use, or
+/// `TOKIO_WORKER_THREADS`.
+pub fn build() -> Result<tokio::runtime::Runtime, String> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = worker_threads(std::env::var_os(WORKER_THREADS_ENV).as_deref())? {
+        builder.worker_threads(threads);
+    }
+    builder
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))
+}
+
+/// The worker-thread count `value` asks for (`None`: unset, Tokio's default).
+pub fn worker_threads(value: Option<&OsStr>) -> Result<Option<usize>, String> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    let text = value.to_string_lossy();
+    match text.trim().parse::<usize>() {
+        Ok(n) if (1..=WORKER_THREADS_CAP).contains(&n) => Ok(Some(n)),
+        _ => Err(format!(
+            "{WORKER_THREADS_ENV}={text:?} must be a whole number from 1 to {WORKER_THREADS_CAP}"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_threads_from_one_to_the_cap() {
+        let parse = |v: &str| worker_threads(Some(OsStr::new(v)));
+        assert_eq!(worker_threads(None), Ok(None));
+        assert_eq!(parse("1"), Ok(Some(1)));
+        assert_eq!(parse(" 4 "), Ok(Some(4)));
+        assert_eq!(parse("1024"), Ok(Some(WORKER_THREADS_CAP)));
+        for bad in ["0", "1025", "-1", "two", ""] {
+            let error = parse(bad).expect_err(bad);
+            assert!(error.contains("from 1 to 1024"), "{error}");
+        }
+    }
+}
