@@ -1,8 +1,10 @@
 //! Server-sent events → [`LlmEvent`]s.
 //!
 //! Layers, outermost first:
-//! 1. a byte guard: the idle timeout (any byte, keep-alive comments included, is progress) and a
-//!    cap on the length of one line, so an endless line cannot grow memory without bound;
+//! 1. a byte guard: the idle timeout (any byte, keep-alive comments included, is progress), a
+//!    cap on the length of one line, so an endless line cannot grow memory without bound, and
+//!    reads cut after each blank line, so the framer's buffer holds one event at a time (it
+//!    copies what follows each line it takes: a read carrying many events cost ~1.7× per event);
 //! 2. SSE framing by `eventsource-stream` (comments skipped, multi-line data joined);
 //! 3. each `data:` payload decoded as a `chat.completion.chunk`, tolerating what real servers
 //!    send (missing `index`, `null` fields, usage-only chunks, `reasoning_content`, errors inside
@@ -107,6 +109,31 @@ struct GuardState {
     bytes: BoxStream<'static, Result<Bytes, LlmError>>,
     since_newline: usize,
     ended: bool,
+    /// The rest of the last read, event by event.
+    cut: VecDeque<Bytes>,
+}
+
+/// Cuts `chunk` after each `\n\n` (the end of an event, as servers send them), without copying:
+/// returns the first piece and queues the others.
+fn cut_events(mut chunk: Bytes, rest: &mut VecDeque<Bytes>) -> Bytes {
+    let mut ends = memchr::memmem::find_iter(&chunk, b"\n\n").map(|at| at + 2);
+    let first = match ends.next() {
+        Some(end) if end < chunk.len() => end,
+        // One event (or part of one): the usual read of a model streaming token by token.
+        _ => return chunk,
+    };
+    let mut cuts = vec![first];
+    cuts.extend(ends.filter(|&end| end < chunk.len()));
+    let mut taken = 0;
+    let mut pieces = cuts.into_iter().map(|end| {
+        let piece = chunk.split_to(end - taken);
+        taken = end;
+        piece
+    });
+    let head = pieces.next().unwrap_or_default();
+    rest.extend(pieces);
+    rest.push_back(chunk);
+    head
 }
 
 /// The byte guard: idle timeout, line-length cap, and a final blank line so an unterminated last
@@ -122,8 +149,12 @@ fn guard<E: Display + Send + 'static>(
         bytes,
         since_newline: 0,
         ended: false,
+        cut: VecDeque::new(),
     };
     futures::stream::unfold(state, move |mut state| async move {
+        if let Some(piece) = state.cut.pop_front() {
+            return Some((Ok(piece), state));
+        }
         if state.ended {
             return None;
         }
@@ -155,7 +186,8 @@ fn guard<E: Display + Send + 'static>(
                     let message = format!("the LLM stream sent a line longer than {} bytes", limits.max_line_bytes);
                     return Some((Err(LlmError::Protocol(message)), state));
                 }
-                Some((Ok(chunk), state))
+                let piece = cut_events(chunk, &mut state.cut);
+                Some((Ok(piece), state))
             }
         }
     })
@@ -379,6 +411,26 @@ mod tests {
         assert!(
             matches!(&endless[..], [Err(LlmError::Protocol(m))] if m.contains("longer than 64 bytes")),
             "{endless:?}"
+        );
+    }
+
+    #[test]
+    fn reads_are_cut_after_each_event_without_losing_a_byte() {
+        let cut = |read: &'static str| {
+            let mut rest = VecDeque::new();
+            let head = cut_events(Bytes::from(read), &mut rest);
+            std::iter::once(head).chain(rest).collect::<Vec<_>>()
+        };
+        assert_eq!(cut("data: a\n\n"), ["data: a\n\n"], "one event stays whole");
+        assert_eq!(cut("data: a"), ["data: a"], "part of one too");
+        assert_eq!(
+            cut("data: a\n\ndata: b\n\n: ping\n\ndata: c"),
+            ["data: a\n\n", "data: b\n\n", ": ping\n\n", "data: c"]
+        );
+        assert_eq!(cut("\n\n\n\nx"), ["\n\n", "\n\n", "x"]);
+        assert_eq!(
+            cut("data: a\r\n\r\ndata: b\r\n\r\n"),
+            ["data: a\r\n\r\ndata: b\r\n\r\n"]
         );
     }
 
