@@ -7,6 +7,7 @@
 //! `cargo run --release -p bench` runs the full grid (minutes); `--quick` a small one (seconds,
 //! run in CI so the benchmark cannot rot).
 
+mod micro;
 mod otlp;
 mod procstat;
 mod stack;
@@ -544,6 +545,13 @@ async fn main() -> anyhow::Result<()> {
         workloads.len()
     );
 
+    eprint!("bench: {:<20} … ", "sse decode");
+    let sse = micro::sse_decode(if cli.quick { 20 } else { 500 }).await?;
+    eprintln!(
+        "{:.0} ns/event in one read, {:.0} ns/event one per read",
+        sse.one_read_ns_per_event, sse.read_per_event_ns_per_event
+    );
+
     let mut results = Vec::new();
     for workload in &workloads {
         eprint!(
@@ -626,6 +634,10 @@ async fn main() -> anyhow::Result<()> {
         round_trip_us,
     };
     let mut report = markdown(&results, &targets, &baselines, cli.quick, cli.repeat);
+    report.push_str(&format!(
+        "\n## Micro-benchmark: SSE decoding\n\nA {}-event completion stream (framing, chunk JSON, semantic events), in this process on one thread: {:.0} ns per event when the stream arrives in one read, {:.0} ns per event when each event arrives in a read of its own.\n",
+        sse.events_per_stream, sse.one_read_ns_per_event, sse.read_per_event_ns_per_event
+    ));
     if !tracing_costs.is_empty() {
         report.push_str("\n## Tracing overhead (OTLP export off → on)\n\n| workload | CPU/turn off (µs) | CPU/turn on (µs) | overhead p50 off (µs) | overhead p50 on (µs) |\n|---|---:|---:|---:|---:|\n");
         for c in &tracing_costs {
@@ -649,6 +661,7 @@ async fn main() -> anyhow::Result<()> {
         "echo_floor_calls_per_s": echo_floor,
         "round_trip_us": round_trip_us,
         "repeat": cli.repeat,
+        "sse_decode": sse,
         "workloads": results,
         "targets": targets,
         "tracing": tracing_costs,
