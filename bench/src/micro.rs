@@ -62,7 +62,8 @@ async fn time_decode(reads: &[Bytes], events: usize, rounds: usize) -> anyhow::R
     };
     let started = Instant::now();
     for _ in 0..rounds {
-        let input = futures::stream::iter(reads.to_vec().into_iter().map(Ok::<_, std::io::Error>));
+        // The decoder needs a stream that owns its reads; cloning `Bytes` only counts references.
+        let input = futures::stream::iter(Vec::from(reads)).map(Ok::<_, std::io::Error>);
         let mut decoded = decode(input, limits);
         let mut seen = 0;
         while let Some(item) = decoded.next().await {
