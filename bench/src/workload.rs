@@ -117,13 +117,7 @@ impl Workload {
 
     /// What the model and the tools were scripted to take for one run.
     pub fn scripted_run(&self) -> Duration {
-        let tool = match self.tool {
-            Tool::Echo => Duration::ZERO,
-            Tool::Sleep(ms) => Duration::from_millis(ms),
-        };
-        let tool_turns =
-            (self.scripted_turn(true) + if self.calls_per_turn > 0 { tool } else { Duration::ZERO }) * self.tool_turns;
-        tool_turns + self.scripted_turn(false)
+        self.scripted_turn(true) * self.tool_turns + self.scripted_tools() + self.scripted_turn(false)
     }
 }
 

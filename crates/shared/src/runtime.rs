@@ -3,6 +3,8 @@
 //! and exit code 2 like any other bad setting.
 
 use std::ffi::OsStr;
+use std::future::Future;
+use std::process::ExitCode;
 
 /// The environment variable Tokio reads for its number of worker threads.
 pub const WORKER_THREADS_ENV: &str = "TOKIO_WORKER_THREADS";
@@ -21,6 +23,18 @@ pub fn build() -> Result<tokio::runtime::Runtime, String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))
+}
+
+/// Runs a binary's `main` on the runtime; a runtime that cannot be built is reported as
+/// `{binary}: …` with exit code 2.
+pub fn block_on(binary: &str, main: impl Future<Output = ExitCode>) -> ExitCode {
+    match build() {
+        Ok(runtime) => runtime.block_on(main),
+        Err(e) => {
+            eprintln!("{binary}: {e}");
+            ExitCode::from(2)
+        }
+    }
 }
 
 /// The worker-thread count `value` asks for (`None`: unset, Tokio's default).

@@ -149,6 +149,23 @@ impl Telemetry {
         Ok(Self { provider, exporting_to })
     }
 
+    /// Runs `work` with logs and traces installed for `service_name` (see [`Telemetry::init`]),
+    /// then flushes the spans whatever `work` returned: a binary's whole serving life.
+    pub async fn around<T, E: From<TelemetryError>>(
+        service_name: &str,
+        format: LogFormat,
+        default_filter: &str,
+        work: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        let telemetry = Self::init(service_name, format, default_filter)?;
+        if let Some(to) = &telemetry.exporting_to {
+            tracing::info!(otlp = %to, "exporting traces");
+        }
+        let result = work.await;
+        telemetry.shutdown().await;
+        result
+    }
+
     /// Flushes and stops the exporter (blocking work runs off the async threads).
     pub async fn shutdown(self) {
         let provider = self.provider;

@@ -15,13 +15,7 @@ use orchestrator::Error;
 use orchestrator::cli::{Cli, Command, ServeArgs};
 
 fn main() -> ExitCode {
-    match shared::runtime::build() {
-        Ok(runtime) => runtime.block_on(run()),
-        Err(e) => {
-            eprintln!("orchestrator: {e}");
-            ExitCode::from(2)
-        }
-    }
+    shared::runtime::block_on("orchestrator", run())
 }
 
 async fn run() -> ExitCode {
@@ -55,14 +49,8 @@ async fn run() -> ExitCode {
 }
 
 async fn serve(args: ServeArgs) -> Result<(), Error> {
-    let telemetry = shared::telemetry::Telemetry::init("orchestrator", args.log_format, "info")
-        .map_err(|e| Error::Config(e.to_string()))?;
-    if let Some(to) = &telemetry.exporting_to {
-        tracing::info!(otlp = %to, "exporting traces");
-    }
-    let result = serve_with_telemetry(args).await;
-    telemetry.shutdown().await;
-    result
+    let format = args.log_format;
+    shared::telemetry::Telemetry::around("orchestrator", format, "info", serve_with_telemetry(args)).await
 }
 
 async fn serve_with_telemetry(args: ServeArgs) -> Result<(), Error> {

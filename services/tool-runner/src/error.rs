@@ -52,6 +52,12 @@ impl From<Error> for tonic::Status {
     }
 }
 
+impl From<shared::telemetry::TelemetryError> for Error {
+    fn from(error: shared::telemetry::TelemetryError) -> Self {
+        Error::Config(error.to_string())
+    }
+}
+
 impl From<shared::shutdown::StartupError> for Error {
     fn from(error: shared::shutdown::StartupError) -> Self {
         match error {

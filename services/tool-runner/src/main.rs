@@ -10,13 +10,7 @@ use tool_runner::Error;
 use tool_runner::cli::{self, Cli, Command, ServeArgs};
 
 fn main() -> ExitCode {
-    match shared::runtime::build() {
-        Ok(runtime) => runtime.block_on(run()),
-        Err(e) => {
-            eprintln!("tool-runner: {e}");
-            ExitCode::from(2)
-        }
-    }
+    shared::runtime::block_on("tool-runner", run())
 }
 
 async fn run() -> ExitCode {
@@ -48,14 +42,8 @@ async fn run() -> ExitCode {
 }
 
 async fn serve(args: ServeArgs) -> Result<(), Error> {
-    let telemetry = shared::telemetry::Telemetry::init("tool-runner", args.log_format, "info")
-        .map_err(|e| Error::Config(e.to_string()))?;
-    if let Some(to) = &telemetry.exporting_to {
-        tracing::info!(otlp = %to, "exporting traces");
-    }
-    let result = serve_with_telemetry(args).await;
-    telemetry.shutdown().await;
-    result
+    let format = args.log_format;
+    shared::telemetry::Telemetry::around("tool-runner", format, "info", serve_with_telemetry(args)).await
 }
 
 async fn serve_with_telemetry(args: ServeArgs) -> Result<(), Error> {

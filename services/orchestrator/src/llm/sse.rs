@@ -113,27 +113,18 @@ struct GuardState {
     cut: VecDeque<Bytes>,
 }
 
-/// Cuts `chunk` after each `\n\n` (the end of an event, as servers send them), without copying:
-/// returns the first piece and queues the others.
-fn cut_events(mut chunk: Bytes, rest: &mut VecDeque<Bytes>) -> Bytes {
-    let mut ends = memchr::memmem::find_iter(&chunk, b"\n\n").map(|at| at + 2);
-    let first = match ends.next() {
-        Some(end) if end < chunk.len() => end,
-        // One event (or part of one): the usual read of a model streaming token by token.
-        _ => return chunk,
-    };
-    let mut cuts = vec![first];
-    cuts.extend(ends.filter(|&end| end < chunk.len()));
+/// Cuts `chunk` after each `\n\n` (the end of an event, as servers send them), without copying,
+/// and queues the pieces in order.
+fn cut_events(mut chunk: Bytes, into: &mut VecDeque<Bytes>) {
+    let whole = chunk.clone();
     let mut taken = 0;
-    let mut pieces = cuts.into_iter().map(|end| {
-        let piece = chunk.split_to(end - taken);
-        taken = end;
-        piece
-    });
-    let head = pieces.next().unwrap_or_default();
-    rest.extend(pieces);
-    rest.push_back(chunk);
-    head
+    for end in memchr::memmem::find_iter(&whole, b"\n\n").map(|at| at + 2) {
+        if end < whole.len() {
+            into.push_back(chunk.split_to(end - taken));
+            taken = end;
+        }
+    }
+    into.push_back(chunk);
 }
 
 /// The byte guard: idle timeout, line-length cap, and a final blank line so an unterminated last
@@ -186,7 +177,8 @@ fn guard<E: Display + Send + 'static>(
                     let message = format!("the LLM stream sent a line longer than {} bytes", limits.max_line_bytes);
                     return Some((Err(LlmError::Protocol(message)), state));
                 }
-                let piece = cut_events(chunk, &mut state.cut);
+                cut_events(chunk, &mut state.cut);
+                let piece = state.cut.pop_front().unwrap_or_default();
                 Some((Ok(piece), state))
             }
         }
@@ -417,9 +409,9 @@ mod tests {
     #[test]
     fn reads_are_cut_after_each_event_without_losing_a_byte() {
         let cut = |read: &'static str| {
-            let mut rest = VecDeque::new();
-            let head = cut_events(Bytes::from(read), &mut rest);
-            std::iter::once(head).chain(rest).collect::<Vec<_>>()
+            let mut pieces = VecDeque::new();
+            cut_events(Bytes::from(read), &mut pieces);
+            Vec::from(pieces)
         };
         assert_eq!(cut("data: a\n\n"), ["data: a\n\n"], "one event stays whole");
         assert_eq!(cut("data: a"), ["data: a"], "part of one too");
