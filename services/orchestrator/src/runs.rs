@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
-use crate::run::tool_loop::{Cancel, SharedState};
-use crate::run::{RunResult, RunStatus};
+use crate::run::live::{AdmittedRun, Cancel, Emitter, SharedState};
+use crate::run::{EventBatch, RunResult, RunSpec, RunStatus};
+
+type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
 use crate::store::{Persister, ResultStore};
 
 /// Bounds of the registry.
@@ -68,6 +70,22 @@ impl Drop for Admitted {
         live.remove(&self.run_id);
         if live.is_empty() {
             self.runs.idle.notify_waiters();
+        }
+    }
+}
+
+impl Admitted {
+    /// The run as the loop takes it: `spec`, its stream's `emitter`, the `caller`'s sender to
+    /// watch (`None` when detached), and this slot, freed when the loop is done with the run.
+    pub fn into_run(self, spec: RunSpec, emitter: Emitter, caller: Option<EventSender>) -> AdmittedRun {
+        AdmittedRun {
+            spec,
+            state: Arc::clone(&self.state),
+            emitter,
+            cancel: self.cancel.clone(),
+            caller,
+            persister: Some(self.persister.clone()),
+            slot: Some(Box::new(self)),
         }
     }
 }

@@ -16,7 +16,8 @@ use tracing::Instrument;
 use crate::Error;
 use crate::config::Config;
 use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
-use crate::run::tool_loop::{Emitter, LoopDeps};
+use crate::run::live::Emitter;
+use crate::run::tool_loop::LoopDeps;
 use crate::run::{Event, EventBatch};
 use crate::runs::{CancelOutcome, Refusal, Runs};
 use crate::signals::{SignalFilter, SignalItem, SignalTopic};
@@ -115,39 +116,11 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let (tx, rx) = mpsc::channel::<EventBatch>(core.config.event_buffer);
         let caller_gone = (!detached).then(|| tx.clone());
         let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state));
-        let deps = core.deps.clone();
-        let span = tracing::info_span!(
-            "invoke_agent",
-            otel.name = "invoke_agent orchestrator",
-            otel.kind = "server",
-            gen_ai.operation.name = "invoke_agent",
-            gen_ai.agent.name = "orchestrator",
-            gen_ai.provider.name = "openai",
-            gen_ai.request.model = %spec.model,
-            gen_ai.conversation.id = %run_id,
-            orchestrator.run.id = %run_id,
-            orchestrator.run.status = tracing::field::Empty,
-            orchestrator.run.failure_reason = tracing::field::Empty,
-            orchestrator.run.turns = tracing::field::Empty,
-            orchestrator.run.failed_turns = tracing::field::Empty,
-            orchestrator.run.signals = tracing::field::Empty,
-            gen_ai.usage.input_tokens = tracing::field::Empty,
-            gen_ai.usage.output_tokens = tracing::field::Empty,
-            error.type = tracing::field::Empty,
-            otel.status_code = tracing::field::Empty,
-            otel.status_description = tracing::field::Empty,
-        );
+        let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id);
         shared::telemetry::continue_trace(&span, &trace_context);
-        tokio::spawn(
-            async move {
-                let state = Arc::clone(&admitted.state);
-                let cancel = admitted.cancel.clone();
-                let persister = Some(admitted.persister.clone());
-                crate::run::tool_loop::run(spec, deps, state, emitter, cancel, caller_gone, persister).await;
-                drop(admitted);
-            }
-            .instrument(span),
-        );
+        let run = admitted.into_run(spec, emitter, caller_gone);
+        let deps = core.deps.clone();
+        tokio::spawn(async move { crate::run::tool_loop::run(run, &deps).await }.instrument(span));
         // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
         let stream = ReceiverStream::new(rx)
             .flat_map(futures::stream::iter)

@@ -3,7 +3,12 @@
 //! turn, `execute_tool {name}` (kind client) for each tool call, and a `signal` event on the run
 //! span for each exit call.
 
-use crate::run::{FailureReason, RunStatus};
+use std::time::Duration;
+
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::run::{FailureReason, RunResult, RunStatus, ToolCallError};
 
 /// Metric names (Prometheus conventions: base units, `_total` counters, `_seconds` durations).
 pub mod metric {
@@ -79,6 +84,127 @@ pub fn describe() {
     metrics::gauge!(metric::TOOL_CALLS_IN_FLIGHT).set(0.0);
     metrics::counter!(metric::SIGNALS_PUBLISHED).absolute(0);
     metrics::counter!(metric::SIGNALS_FAILED).absolute(0);
+}
+
+/// The `invoke_agent` span of a run (kind server: the caller's `Orchestrate`). Its outcome fields
+/// are filled by [`record_run_end`].
+pub fn invoke_agent_span(model: &str, run_id: &str) -> Span {
+    tracing::info_span!(
+        "invoke_agent",
+        otel.name = "invoke_agent orchestrator",
+        otel.kind = "server",
+        gen_ai.operation.name = "invoke_agent",
+        gen_ai.agent.name = "orchestrator",
+        gen_ai.provider.name = "openai",
+        gen_ai.request.model = %model,
+        gen_ai.conversation.id = %run_id,
+        orchestrator.run.id = %run_id,
+        orchestrator.run.status = Empty,
+        orchestrator.run.failure_reason = Empty,
+        orchestrator.run.turns = Empty,
+        orchestrator.run.failed_turns = Empty,
+        orchestrator.run.signals = Empty,
+        gen_ai.usage.input_tokens = Empty,
+        gen_ai.usage.output_tokens = Empty,
+        error.type = Empty,
+        otel.status_code = Empty,
+        otel.status_description = Empty,
+    )
+}
+
+/// The `chat {model}` span of one turn (kind client: the completion request).
+pub fn chat_span(model: &str, turn: u32) -> Span {
+    tracing::info_span!(
+        "chat",
+        otel.name = %format!("chat {model}"),
+        otel.kind = "client",
+        gen_ai.operation.name = "chat",
+        gen_ai.provider.name = "openai",
+        gen_ai.request.model = %model,
+        gen_ai.usage.input_tokens = Empty,
+        gen_ai.usage.output_tokens = Empty,
+        gen_ai.response.finish_reasons = Empty,
+        gen_ai.response.time_to_first_token = Empty,
+        orchestrator.turn = turn,
+        error.type = Empty,
+        otel.status_code = Empty,
+    )
+}
+
+/// The `execute_tool {name}` span of one call (kind client: the call to a tool-runner). The
+/// arguments are recorded only when `payloads` allows it, cut to that many bytes.
+pub fn execute_tool_span(name: &str, call_id: &str, arguments: &str, payloads: Option<usize>) -> Span {
+    let span = tracing::info_span!(
+        "execute_tool",
+        otel.name = %format!("execute_tool {name}"),
+        otel.kind = "client",
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = %name,
+        gen_ai.tool.call.id = %call_id,
+        gen_ai.tool.type = "function",
+        gen_ai.tool.call.arguments = Empty,
+        gen_ai.tool.call.result = Empty,
+        error.type = Empty,
+        otel.status_code = Empty,
+    );
+    if let Some(max) = payloads {
+        span.record("gen_ai.tool.call.arguments", truncate(arguments, max));
+    }
+    span
+}
+
+/// Records a tool call's outcome on the current (`execute_tool`) span and in the metrics.
+pub fn record_tool_call(
+    tool: &str,
+    result: &Result<String, ToolCallError>,
+    elapsed: Duration,
+    payloads: Option<usize>,
+) {
+    let span = Span::current();
+    let outcome = match result {
+        Ok(content) => {
+            if let Some(max) = payloads {
+                span.record("gen_ai.tool.call.result", truncate(content, max));
+            }
+            "ok".to_owned()
+        }
+        Err(error) => {
+            span.record("error.type", error.code.as_str());
+            span.record("otel.status_code", "ERROR");
+            error.code.clone()
+        }
+    };
+    metrics::counter!(metric::TOOL_CALLS, "tool" => tool.to_owned(), "outcome" => outcome).increment(1);
+    metrics::histogram!(metric::TOOL_CALL_DURATION, "tool" => tool.to_owned()).record(elapsed.as_secs_f64());
+}
+
+/// Records a finished run on the current (`invoke_agent`) span, in the metrics and in the log.
+pub fn record_run_end(result: &RunResult, elapsed: Duration) {
+    tracing::info!(
+        status = ?result.status,
+        reason = ?result.failure_reason,
+        turns = result.turns,
+        tool_calls = result.tool_calls.len(),
+        signals = result.signals.len(),
+        "run finished{}",
+        if result.failure_detail.is_empty() { String::new() } else { format!(": {}", result.failure_detail) }
+    );
+    let (status, reason) = (status_label(result.status), reason_label(result.failure_reason));
+    metrics::counter!(metric::RUNS, "status" => status, "reason" => reason).increment(1);
+    metrics::histogram!(metric::RUN_DURATION, "status" => status).record(elapsed.as_secs_f64());
+    let span = Span::current();
+    span.record("orchestrator.run.status", status);
+    span.record("orchestrator.run.turns", result.turns);
+    span.record("orchestrator.run.failed_turns", result.failed_turns);
+    span.record("orchestrator.run.signals", result.signals.len());
+    span.record("gen_ai.usage.input_tokens", result.usage.prompt_tokens);
+    span.record("gen_ai.usage.output_tokens", result.usage.completion_tokens);
+    if result.status == RunStatus::Failed {
+        span.record("orchestrator.run.failure_reason", reason);
+        span.record("error.type", reason);
+        span.record("otel.status_code", "ERROR");
+        span.record("otel.status_description", result.failure_detail.as_str());
+    }
 }
 
 /// `status` label value.

@@ -2,7 +2,8 @@
 //! loop talks to the model, the tool-runners and the signal topic through traits, so it is
 //! unit-tested without a network.
 //!
-//! * [`tool_loop`]: the loop of DESIGN §4.1;
+//! * [`tool_loop`]: the loop, one method per rule;
+//! * [`live`]: a live run's shared state, cancel handle and event emitter;
 //! * [`turn`]: one streamed completion → visible text + tool calls;
 //! * [`fallback`]: tool calls written in the text (`<tool_call>` blocks, standalone JSON) and the
 //!   hold-back that keeps streamed text equal to final text;
@@ -11,6 +12,7 @@
 
 pub mod bios;
 pub mod fallback;
+pub mod live;
 pub mod loop_detector;
 pub mod tool_loop;
 pub mod turn;

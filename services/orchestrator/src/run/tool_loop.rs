@@ -1,36 +1,41 @@
-//! The tool loop of one run (DESIGN §4.1).
+//! The tool loop of one run (docs/architecture.md, "The rules of the loop").
 //!
-//! Each turn: regenerate the BIOS, stream a completion, forward visible text (through the
-//! fallback hold-back and the repeated-line detector), take the tool calls (structured, else
-//! fallback directives), partition them into normal / exit / bad, publish exit calls as signals,
-//! execute the normal ones concurrently (`join_all`) within the budget, feed results and errors
-//! back, count a turn with any failure once, and go again — until the model stops calling normal
-//! tools or a limit ends the run. Cancellation, the client going away and the run deadline end
-//! the run at once; whatever was produced before is kept.
+//! [`run`] drives turns until the model stops calling normal tools or a limit ends the run;
+//! cancellation, the caller going away and the run's deadline end it at once. Each rule of a turn
+//! is one method of [`Driver`], in the order they apply:
+//! [`chat_request`](Driver::chat_request) (the BIOS and the conversation),
+//! [`stream_completion`](Driver::stream_completion) (text to the caller and the repeated-line
+//! detector), [`take_calls`](Driver::take_calls) (structured calls, else fallback directives),
+//! [`partition`](Driver::partition) (normal / exit / bad), [`publish_signals`](Driver::publish_signals),
+//! [`apply_parse_policy`](Driver::apply_parse_policy), [`spend_budget`](Driver::spend_budget),
+//! [`dispatch`](Driver::dispatch) (concurrently, with `join_all`),
+//! [`report_results`](Driver::report_results), [`count_failures`](Driver::count_failures) (once
+//! per turn) and [`append_to_conversation`](Driver::append_to_conversation). Whatever was produced
+//! before the end is kept.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::future::join_all;
+use futures::stream::{BoxStream, Fuse};
 use futures::{FutureExt, StreamExt};
-use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::bios::{BiosContext, render};
 use super::fallback::Resolution;
+use super::live::{AdmittedRun, Emitter, SharedState, lock};
 use super::loop_detector::{DetectorConfig, LoopDetector};
-use super::turn::TurnCollector;
+use super::turn::{TurnCollector, TurnOutput};
 use super::{
-    Delivery, Event, EventBatch, FailureReason, HARD_MAX_TURNS, NumberedEvent, ParsePolicy, RunResult, RunSpec,
-    RunStatus, Signal, ToolCallError, ToolCallRecord, ToolExecutor, ToolInvocation,
+    Delivery, Event, FailureReason, HARD_MAX_TURNS, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError,
+    ToolCallRecord, ToolExecutor, ToolInvocation,
 };
-use crate::llm::{ChatModel, ChatRequest, LlmError, Message, ToolCall, ToolDefinition};
-use crate::signals::SignalTopic;
+use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolCall, ToolDefinition, Usage};
+use crate::signals::{OnDelivery, SignalTopic};
 use crate::store::Persister;
-use crate::telemetry::{InFlight, metric, reason_label, status_label};
+use crate::telemetry::{self, InFlight, metric};
 
 /// What the loop needs from the outside world.
 #[derive(Clone)]
@@ -48,105 +53,6 @@ pub struct LoopDeps {
     pub trace_payloads: Option<usize>,
 }
 
-/// Cancels a run, saying why.
-#[derive(Clone, Debug, Default)]
-pub struct Cancel {
-    token: CancellationToken,
-    reason: Arc<OnceLock<String>>,
-}
-
-impl Cancel {
-    /// Cancels the run (the first reason given wins).
-    pub fn cancel(&self, reason: &str) {
-        let _ = self.reason.set(reason.to_owned());
-        self.token.cancel();
-    }
-
-    /// Whether the run was canceled.
-    pub fn is_canceled(&self) -> bool {
-        self.token.is_cancelled()
-    }
-
-    async fn cancelled(&self) -> String {
-        self.token.cancelled().await;
-        self.reason.get().cloned().unwrap_or_else(|| "canceled".to_owned())
-    }
-}
-
-/// The live state of a run, shared with `GetRun`.
-pub type SharedState = Arc<Mutex<RunResult>>;
-
-fn lock(state: &SharedState) -> std::sync::MutexGuard<'_, RunResult> {
-    // A panic while holding the lock cannot leave a RunResult half-written in a harmful way.
-    state.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Numbers events and sends them to the caller's stream (a bounded channel: a slow reader slows
-/// its own run). Text is added to the run's state only once its event is sent, so the streamed
-/// text always equals the result's text.
-///
-/// Events the loop produces together (a turn's signals and tool-call starts, its tool-call
-/// results and end) are [queued](Self::queue) and sent as one batch, which reaches the caller
-/// in one HTTP/2 write instead of one write (and one wake-up of each side) per event. Every
-/// [`send`](Self::send) first sends what is queued, and the loop [flushes](Self::flush) before
-/// it waits for the model or the tools, so nothing queued waits on them.
-pub struct Emitter {
-    tx: Option<mpsc::Sender<EventBatch>>,
-    seq: u64,
-    /// Numbered, not yet sent.
-    queued: EventBatch,
-    state: SharedState,
-}
-
-impl Emitter {
-    /// An emitter writing to `tx` (`None`: nobody listens, e.g. a detached run whose caller left).
-    pub fn new(tx: Option<mpsc::Sender<EventBatch>>, state: SharedState) -> Self {
-        Self {
-            tx,
-            seq: 0,
-            queued: Vec::new(),
-            state,
-        }
-    }
-
-    /// Numbers `event` and queues it behind the events already queued.
-    pub fn queue(&mut self, event: Event) {
-        self.seq += 1;
-        self.queued.push(NumberedEvent { seq: self.seq, event });
-    }
-
-    /// Sends what is queued, as one batch.
-    pub async fn flush(&mut self) {
-        if self.queued.is_empty() {
-            return;
-        }
-        let batch = std::mem::take(&mut self.queued);
-        if let Some(tx) = &self.tx
-            && tx.send(batch).await.is_err()
-        {
-            self.tx = None;
-        }
-    }
-
-    /// Sends one event (after what is queued).
-    pub async fn send(&mut self, event: Event) {
-        self.queue(event);
-        self.flush().await;
-    }
-
-    async fn text(&mut self, text: &str, turn: u32) {
-        if text.is_empty() {
-            return;
-        }
-        self.send(Event::TextDelta {
-            text: text.to_owned(),
-            turn,
-        })
-        .await;
-        lock(&self.state).text.push_str(text);
-    }
-}
-
 /// How the loop ended.
 enum End {
     Completed,
@@ -154,17 +60,27 @@ enum End {
     Canceled(String),
 }
 
-/// Runs the loop to its end. `store` receives the final result before the `run_finished` event is
-/// sent, so `GetRun` answers as soon as the stream ends.
-pub async fn run(
-    spec: RunSpec,
-    deps: LoopDeps,
-    state: SharedState,
-    mut emitter: Emitter,
-    cancel: Cancel,
-    caller_gone: Option<mpsc::Sender<EventBatch>>,
-    persister: Option<Persister>,
-) -> RunResult {
+impl End {
+    fn failed(reason: FailureReason, detail: impl Into<String>) -> Self {
+        Self::Failed(reason, detail.into())
+    }
+}
+
+/// A rule's outcome: `Err` ends the run here, with that end.
+type Step<T> = Result<T, End>;
+
+/// Runs the loop to its end. The final result is stored before the `run_finished` event is sent,
+/// so `GetRun` answers as soon as the stream ends; the run's slot is freed after both.
+pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
+    let AdmittedRun {
+        spec,
+        state,
+        mut emitter,
+        cancel,
+        caller,
+        persister,
+        slot,
+    } = run;
     let started = Instant::now();
     let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
     let deadline = started + spec.limits.run_timeout;
@@ -176,70 +92,50 @@ pub async fn run(
         limits: spec.limits,
     });
     let end = {
-        let drive = drive(&spec, &deps, &state, &mut emitter, deadline, persister.clone());
-        let gone = async {
-            match &caller_gone {
+        let driver = Driver::new(&spec, deps, &state, &mut emitter, deadline, persister.clone());
+        let caller_gone = async {
+            match &caller {
                 Some(tx) => tx.closed().await,
                 None => std::future::pending().await,
             }
         };
         tokio::select! {
-            end = drive => end,
+            end = driver.drive() => end,
             reason = cancel.cancelled() => End::Canceled(reason),
-            () = tokio::time::sleep_until(deadline) => End::Failed(
+            () = tokio::time::sleep_until(deadline) => End::failed(
                 FailureReason::DeadlineExceeded,
                 format!("the run did not finish within {}", humantime::format_duration(spec.limits.run_timeout)),
             ),
-            () = gone => End::Canceled("the caller went away".to_owned()),
+            () = caller_gone => End::Canceled("the caller went away".to_owned()),
         }
     };
-    let result = {
-        let mut state = lock(&state);
-        match end {
-            End::Completed => state.status = RunStatus::Completed,
-            End::Failed(reason, detail) => {
-                state.status = RunStatus::Failed;
-                state.failure_reason = Some(reason);
-                state.failure_detail = detail;
-            }
-            End::Canceled(detail) => {
-                state.status = RunStatus::Canceled;
-                state.failure_detail = detail;
-            }
-        }
-        state.clone()
-    };
-    tracing::info!(
-        status = ?result.status,
-        reason = ?result.failure_reason,
-        turns = result.turns,
-        tool_calls = result.tool_calls.len(),
-        signals = result.signals.len(),
-        "run finished{}",
-        if result.failure_detail.is_empty() { String::new() } else { format!(": {}", result.failure_detail) }
-    );
-    let (status, reason) = (status_label(result.status), reason_label(result.failure_reason));
-    metrics::counter!(metric::RUNS, "status" => status, "reason" => reason).increment(1);
-    metrics::histogram!(metric::RUN_DURATION, "status" => status).record(started.elapsed().as_secs_f64());
-    let span = tracing::Span::current();
-    span.record("orchestrator.run.status", status);
-    span.record("orchestrator.run.turns", result.turns);
-    span.record("orchestrator.run.failed_turns", result.failed_turns);
-    span.record("orchestrator.run.signals", result.signals.len());
-    span.record("gen_ai.usage.input_tokens", result.usage.prompt_tokens);
-    span.record("gen_ai.usage.output_tokens", result.usage.completion_tokens);
-    if result.status == RunStatus::Failed {
-        span.record("orchestrator.run.failure_reason", reason);
-        span.record("error.type", reason);
-        span.record("otel.status_code", "ERROR");
-        span.record("otel.status_description", result.failure_detail.as_str());
-    }
+    let result = settle(&state, end);
+    telemetry::record_run_end(&result, started.elapsed());
     // The result is stored before the stream ends, so GetRun (on any replica) finds it.
     if let Some(persister) = &persister {
         persister.write().await;
     }
     emitter.send(Event::RunFinished(result.clone())).await;
+    drop(slot);
     result
+}
+
+/// Writes the end into the run's state and returns the final result.
+fn settle(state: &SharedState, end: End) -> RunResult {
+    let mut state = lock(state);
+    match end {
+        End::Completed => state.status = RunStatus::Completed,
+        End::Failed(reason, detail) => {
+            state.status = RunStatus::Failed;
+            state.failure_reason = Some(reason);
+            state.failure_detail = detail;
+        }
+        End::Canceled(detail) => {
+            state.status = RunStatus::Canceled;
+            state.failure_detail = detail;
+        }
+    }
+    state.clone()
 }
 
 /// A call the model made this turn, with its final id.
@@ -249,73 +145,41 @@ struct ModelCall {
     arguments: String,
 }
 
-/// Where a call of this turn goes.
-enum Disposition {
-    Normal,
-    Exit,
-    Bad(ToolCallError),
+/// One turn as it goes.
+struct Turn {
+    /// 1-based.
+    number: u32,
+    /// The visible text of this turn (the assistant message fed back with its calls).
+    text: String,
+    /// Tokens reported for this turn.
+    usage: Usage,
 }
 
-async fn drive(
-    spec: &RunSpec,
-    deps: &LoopDeps,
-    state: &SharedState,
-    emitter: &mut Emitter,
-    deadline: Instant,
-    persister: Option<Persister>,
-) -> End {
-    let mut driver = Driver {
-        normal_names: spec.normal_tools.iter().map(|t| t.name.as_str()).collect(),
-        exit_names: spec.exit_tools.iter().map(|t| t.name.as_str()).collect(),
-        tools: spec.normal_tools.iter().chain(&spec.exit_tools).cloned().collect(),
-        max_turns: spec.limits.max_turns.min(HARD_MAX_TURNS),
-        conversation: Vec::new(),
-        detector: LoopDetector::new(deps.detector),
-        ids: IdAllocator::default(),
-        used_budget: 0,
-        failed_turns: 0,
-        run_span: tracing::Span::current(),
-        persister,
-        spec,
-        deps,
-        state,
-        emitter,
-        deadline,
-    };
-    for turn in 1u32.. {
-        if turn > driver.max_turns {
-            return End::Failed(
-                FailureReason::MaxTurnsExceeded,
-                format!("the model still called tools after {} turn(s)", driver.max_turns),
-            );
-        }
-        let span = tracing::info_span!(
-            "chat",
-            otel.name = %format!("chat {}", spec.model),
-            otel.kind = "client",
-            gen_ai.operation.name = "chat",
-            gen_ai.provider.name = "openai",
-            gen_ai.request.model = %spec.model,
-            gen_ai.usage.input_tokens = tracing::field::Empty,
-            gen_ai.usage.output_tokens = tracing::field::Empty,
-            gen_ai.response.finish_reasons = tracing::field::Empty,
-            gen_ai.response.time_to_first_token = tracing::field::Empty,
-            orchestrator.turn = turn,
-            error.type = tracing::field::Empty,
-            otel.status_code = tracing::field::Empty,
-        );
-        let started = Instant::now();
-        let end = driver.turn(turn).instrument(span).await;
-        metrics::histogram!(metric::TURN_DURATION).record(started.elapsed().as_secs_f64());
-        if let Some(end) = end {
-            return end;
-        }
-        // Live runs are visible to GetRun on every replica, updated at turn boundaries.
-        if let Some(persister) = &driver.persister {
-            persister.checkpoint();
-        }
-    }
-    End::Failed(FailureReason::UnknownError, "the turn counter overflowed".to_owned())
+/// A turn's calls sorted by where they go; each list keeps the model's order.
+struct Partition {
+    calls: Vec<ModelCall>,
+    normal: Vec<usize>,
+    exit: Vec<usize>,
+    /// Calls of unknown tools or with arguments that are not a JSON object, with the error.
+    bad: Vec<(usize, ToolCallError)>,
+}
+
+/// What the budget allows of a turn's normal calls.
+struct Spend {
+    /// The calls executed: the first ones, as many as the budget had left.
+    executed: Vec<usize>,
+    /// Some calls were left out: the run ends `TOOL_BUDGET_EXHAUSTED` after this turn.
+    exhausted: bool,
+    /// Budget left after this turn.
+    left: u32,
+}
+
+/// What one call came back with.
+struct CallOutcome {
+    /// Position in the turn's calls.
+    index: usize,
+    result: Result<String, ToolCallError>,
+    elapsed: Duration,
 }
 
 /// The state of the loop across turns.
@@ -342,22 +206,99 @@ struct Driver<'a> {
     persister: Option<Persister>,
 }
 
-impl Driver<'_> {
-    /// One turn; `Some` when the run ends.
-    async fn turn(&mut self, turn: u32) -> Option<End> {
-        let (spec, deps, state, deadline) = (self.spec, self.deps, self.state, self.deadline);
-        let (limits, max_turns) = (spec.limits, self.max_turns);
-        let (normal_names, exit_names) = (&self.normal_names, &self.exit_names);
-        let emitter = &mut *self.emitter;
-        let run_span = self.run_span.clone();
-        lock(state).turns = turn;
-        let remaining = limits.tool_call_budget.saturating_sub(self.used_budget);
+impl<'a> Driver<'a> {
+    fn new(
+        spec: &'a RunSpec,
+        deps: &'a LoopDeps,
+        state: &'a SharedState,
+        emitter: &'a mut Emitter,
+        deadline: Instant,
+        persister: Option<Persister>,
+    ) -> Self {
+        Self {
+            normal_names: spec.normal_tools.iter().map(|t| t.name.as_str()).collect(),
+            exit_names: spec.exit_tools.iter().map(|t| t.name.as_str()).collect(),
+            tools: spec.normal_tools.iter().chain(&spec.exit_tools).cloned().collect(),
+            max_turns: spec.limits.max_turns.min(HARD_MAX_TURNS),
+            conversation: Vec::new(),
+            detector: LoopDetector::new(deps.detector),
+            ids: IdAllocator::default(),
+            used_budget: 0,
+            failed_turns: 0,
+            run_span: tracing::Span::current(),
+            persister,
+            spec,
+            deps,
+            state,
+            emitter,
+            deadline,
+        }
+    }
+
+    /// Turns until one ends the run; `max_turns` (never above the hard guard) bounds them.
+    async fn drive(mut self) -> End {
+        for number in 1..=self.max_turns {
+            let span = telemetry::chat_span(&self.spec.model, number);
+            let started = Instant::now();
+            let step = self.turn(number).instrument(span).await;
+            metrics::histogram!(metric::TURN_DURATION).record(started.elapsed().as_secs_f64());
+            if let Err(end) = step {
+                return end;
+            }
+            // Live runs are visible to GetRun on every replica, updated at turn boundaries.
+            if let Some(persister) = &self.persister {
+                persister.checkpoint();
+            }
+        }
+        End::failed(
+            FailureReason::MaxTurnsExceeded,
+            format!("the model still called tools after {} turn(s)", self.max_turns),
+        )
+    }
+
+    /// One turn: every rule in order; `Err` when the run ends with it.
+    async fn turn(&mut self, number: u32) -> Step<()> {
+        lock(self.state).turns = number;
+        let mut turn = Turn {
+            number,
+            text: String::new(),
+            usage: Usage::default(),
+        };
+        let budget_before = self.budget_left();
+        let request = self.chat_request(number);
+        let output = self.stream_completion(request, &mut turn).await?;
+        let calls = self.take_calls(output, &mut turn).await?;
+        let partition = self.partition(calls);
+        self.publish_signals(&partition, number);
+        self.apply_parse_policy(&partition, &turn, budget_before)?;
+        let spend = self.spend_budget(&partition);
+        if spend.executed.is_empty() && partition.bad.is_empty() {
+            self.finish_turn(&turn, spend.left);
+            return Err(self.budget_end(&spend, &partition).unwrap_or(End::Completed));
+        }
+        let outcomes = self.dispatch(&partition, &spend.executed, number).await;
+        let any_failed = !partition.bad.is_empty() || outcomes.iter().any(|o| o.result.is_err());
+        let fed_back = self.report_results(&partition, outcomes, number);
+        self.count_failures(any_failed);
+        self.append_to_conversation(&mut turn, fed_back);
+        self.finish_turn(&turn, spend.left);
+        self.check_failure_limit()?;
+        match self.budget_end(&spend, &partition) {
+            Some(end) => Err(end),
+            None => Ok(()),
+        }
+    }
+
+    /// The request of a turn: the BIOS (regenerated), the caller's system message and messages,
+    /// then the turns so far.
+    fn chat_request(&self, turn: u32) -> ChatRequest {
+        let (spec, limits) = (self.spec, self.spec.limits);
         let bios = render(&BiosContext {
             turn,
-            max_turns,
+            max_turns: self.max_turns,
             normal_tools: &spec.normal_tools,
             exit_tools: &spec.exit_tools,
-            budget_remaining: remaining,
+            budget_remaining: self.budget_left(),
             failures_remaining: limits.max_tool_failures.saturating_sub(self.failed_turns),
         });
         let mut messages = Vec::with_capacity(2 + spec.messages.len() + self.conversation.len());
@@ -367,86 +308,60 @@ impl Driver<'_> {
         }
         messages.extend(spec.messages.iter().cloned());
         messages.extend(self.conversation.iter().cloned());
-        let request = ChatRequest {
+        ChatRequest {
             model: spec.model.clone(),
             messages,
             tools: self.tools.clone(),
             params: spec.params.clone(),
-        };
+        }
+    }
 
-        // Stream the completion.
-        emitter.flush().await;
+    /// Streams the completion: visible text goes to the caller and the repeated-line detector as
+    /// it arrives. A stream error keeps every byte: text held back for directive parsing is
+    /// output too.
+    async fn stream_completion(&mut self, request: ChatRequest, turn: &mut Turn) -> Step<TurnOutput> {
+        self.emitter.flush().await;
         let requested = Instant::now();
-        // Fused: the batching below may see the end before the loop does.
-        let mut stream = match deps.model.stream(request).await {
-            Ok(stream) => stream.fuse(),
-            Err(e) => return Some(llm_failure(e)),
-        };
-        let mut collector = TurnCollector::default();
-        let mut turn_text = String::new();
-        let mut first_token = true;
-        let mut pending_error = None;
-        'stream: while let Some(item) = stream.next().await {
-            // Take every event that is already here, and show their text as one delta: token by
-            // token while the model is slower than the orchestrator, in batches when it is not.
-            let mut batch = String::new();
-            let mut next = Some(item);
-            while let Some(item) = next.take() {
-                match item {
-                    Ok(event) => {
-                        if first_token && is_token(&event) {
-                            first_token = false;
-                            let ttft = requested.elapsed().as_secs_f64();
-                            tracing::Span::current().record("gen_ai.response.time_to_first_token", ttft);
-                            metrics::histogram!(metric::TIME_TO_FIRST_TOKEN).record(ttft);
-                        }
-                        if let Some(text) = collector.push(event) {
-                            batch.push_str(&text);
-                        }
-                    }
-                    Err(e) => pending_error = Some(e),
-                }
-                if pending_error.is_none() {
-                    next = stream.next().now_or_never().flatten();
-                }
-            }
-            if let Some(end) = show(emitter, &mut self.detector, &mut turn_text, &batch, turn).await {
-                return Some(end);
-            }
-            if pending_error.is_some() {
-                break 'stream;
+        let stream = self.deps.model.stream(request).await.map_err(llm_failure)?;
+        let mut completion = Completion::new(stream, requested);
+        while let Some(batch) = completion.next_batch().await {
+            self.show(turn, &batch.text).await?;
+            if let Some(e) = batch.error {
+                let held = completion.collector.held_text().to_owned();
+                self.emitter.text(&held, turn.number).await;
+                return Err(llm_failure(e));
             }
         }
-        if let Some(e) = pending_error {
-            // Keep every byte: text held back for directive parsing is output too.
-            let held = collector.held_text().to_owned();
-            emitter.text(&held, turn).await;
-            return Some(llm_failure(e));
-        }
-        drop(stream);
-        let output = collector.finish();
+        let output = completion.finish();
+        self.record_usage(&output, turn);
+        Ok(output)
+    }
+
+    /// Adds a finished completion's usage and finish reason to the turn, the run and the span.
+    fn record_usage(&self, output: &TurnOutput, turn: &mut Turn) {
+        turn.usage = output.usage;
         let chat_span = tracing::Span::current();
         chat_span.record("gen_ai.usage.input_tokens", output.usage.prompt_tokens);
         chat_span.record("gen_ai.usage.output_tokens", output.usage.completion_tokens);
         if let Some(reason) = &output.finish_reason {
             chat_span.record("gen_ai.response.finish_reasons", reason.as_str());
         }
-        {
-            let mut state = lock(state);
-            state.usage.prompt_tokens += output.usage.prompt_tokens;
-            state.usage.completion_tokens += output.usage.completion_tokens;
-            if let Some(reason) = &output.finish_reason {
-                state.finish_reason.clone_from(reason);
-            }
+        let mut state = lock(self.state);
+        state.usage.prompt_tokens += output.usage.prompt_tokens;
+        state.usage.completion_tokens += output.usage.completion_tokens;
+        if let Some(reason) = &output.finish_reason {
+            state.finish_reason.clone_from(reason);
         }
+    }
 
-        // Take the calls: structured first, else directives written in the text.
-        let calls: Vec<ModelCall> = match output.resolution {
+    /// Takes the turn's calls: the structured ones, or else the directives written in the text
+    /// (stripped from what is shown). A directive naming an unknown tool, or a malformed one,
+    /// ends the run `TOOL_PARSE_ERROR` with the text shown as written.
+    async fn take_calls(&mut self, output: TurnOutput, turn: &mut Turn) -> Step<Vec<ModelCall>> {
+        match output.resolution {
             Resolution::Text(text) => {
-                if let Some(end) = show(emitter, &mut self.detector, &mut turn_text, &text, turn).await {
-                    return Some(end);
-                }
-                output
+                self.show(turn, &text).await?;
+                Ok(output
                     .structured
                     .into_iter()
                     .map(|c| ModelCall {
@@ -454,103 +369,83 @@ impl Driver<'_> {
                         name: c.name,
                         arguments: c.arguments,
                     })
-                    .collect()
+                    .collect())
             }
             Resolution::Calls { calls, stripped, raw } => {
-                if let Some(unknown) = calls
-                    .iter()
-                    .find(|c| !normal_names.contains(c.name.as_str()) && !exit_names.contains(c.name.as_str()))
-                {
+                if let Some(unknown) = calls.iter().find(|c| !self.offers(&c.name)) {
                     let detail = format!("the text calls an unknown tool {:?}", unknown.name);
-                    emitter.text(&raw, turn).await;
-                    return Some(End::Failed(FailureReason::ToolParseError, detail));
+                    self.emitter.text(&raw, turn.number).await;
+                    return Err(End::Failed(FailureReason::ToolParseError, detail));
                 }
-                if let Some(end) = show(emitter, &mut self.detector, &mut turn_text, &stripped, turn).await {
-                    return Some(end);
-                }
-                calls
+                self.show(turn, &stripped).await?;
+                Ok(calls
                     .into_iter()
                     .map(|c| ModelCall {
                         id: self.ids.take(None),
                         name: c.name,
                         arguments: c.arguments,
                     })
-                    .collect()
+                    .collect())
             }
             Resolution::Malformed { detail, raw } => {
-                emitter.text(&raw, turn).await;
-                return Some(End::Failed(FailureReason::ToolParseError, detail));
+                self.emitter.text(&raw, turn.number).await;
+                Err(End::Failed(FailureReason::ToolParseError, detail))
             }
+        }
+    }
+
+    /// Sorts the calls into normal, exit and bad (an unknown tool, or arguments that are not a
+    /// JSON object).
+    fn partition(&self, calls: Vec<ModelCall>) -> Partition {
+        let mut partition = Partition {
+            normal: Vec::new(),
+            exit: Vec::new(),
+            bad: Vec::new(),
+            calls: Vec::new(),
         };
+        for (i, call) in calls.iter().enumerate() {
+            if self.exit_names.contains(call.name.as_str()) {
+                partition.exit.push(i);
+            } else if !self.normal_names.contains(call.name.as_str()) {
+                let message = format!("there is no tool named {:?} in this run", call.name);
+                partition.bad.push((i, ToolCallError::new("NOT_FOUND", message)));
+            } else if !is_json_object(&call.arguments) {
+                let message = format!(
+                    "the arguments of {} are not a JSON object: {}",
+                    call.name,
+                    crate::llm::sse::excerpt(&call.arguments)
+                );
+                partition
+                    .bad
+                    .push((i, ToolCallError::new("INVALID_ARGUMENTS", message)));
+            } else {
+                partition.normal.push(i);
+            }
+        }
+        partition.calls = calls;
+        partition
+    }
 
-        // Partition.
-        let dispositions: Vec<Disposition> = calls
-            .iter()
-            .map(|call| {
-                if exit_names.contains(call.name.as_str()) {
-                    Disposition::Exit
-                } else if !normal_names.contains(call.name.as_str()) {
-                    Disposition::Bad(ToolCallError::new(
-                        "NOT_FOUND",
-                        format!("there is no tool named {:?} in this run", call.name),
-                    ))
-                } else if !is_json_object(&call.arguments) {
-                    Disposition::Bad(ToolCallError::new(
-                        "INVALID_ARGUMENTS",
-                        format!(
-                            "the arguments of {} are not a JSON object: {}",
-                            call.name,
-                            crate::llm::sse::excerpt(&call.arguments)
-                        ),
-                    ))
-                } else {
-                    Disposition::Normal
-                }
-            })
-            .collect();
-
-        // Exit calls become signals at once; they cost nothing and are not fed back.
-        for (call, _) in calls
-            .iter()
-            .zip(&dispositions)
-            .filter(|(_, d)| matches!(d, Disposition::Exit))
-        {
+    /// Exit calls become signals at once: recorded in the result, published on the signal topic
+    /// and queued as events. They cost nothing and are not fed back to the model.
+    fn publish_signals(&mut self, partition: &Partition, turn: u32) {
+        for &i in &partition.exit {
+            let call = &partition.calls[i];
             let signal = Signal {
-                run_id: spec.run_id.clone(),
+                run_id: self.spec.run_id.clone(),
                 call_id: call.id.clone(),
                 tool_name: call.name.clone(),
                 arguments_valid: is_json_object(&call.arguments),
                 arguments_json: call.arguments.clone(),
                 turn,
                 emitted_at_unix_ms: unix_ms(),
-                metadata: spec.metadata.clone(),
+                metadata: self.spec.metadata.clone(),
                 delivery: Delivery::Pending,
             };
-            lock(state).signals.push(signal.clone());
-            let on_delivery = {
-                let (state, persister, call_id) = (Arc::clone(state), self.persister.clone(), signal.call_id.clone());
-                Box::new(move |delivery: Delivery| {
-                    let finished = {
-                        let mut state = lock(&state);
-                        if let Some(s) = state.signals.iter_mut().find(|s| s.call_id == call_id) {
-                            s.delivery = delivery;
-                        }
-                        state.status != RunStatus::Running
-                    };
-                    // A finished run's stored result must learn the outcome; a live one is
-                    // written at its next turn boundary or at its end.
-                    if let Some(persister) = persister {
-                        if finished {
-                            persister.write_soon()
-                        } else {
-                            persister.checkpoint()
-                        }
-                    }
-                })
-            };
-            deps.signals.publish(&signal, on_delivery);
+            lock(self.state).signals.push(signal.clone());
+            self.deps.signals.publish(&signal, self.on_delivery(&signal.call_id));
             // The event carries the delivery as known now (the in-memory topic confirms at once).
-            let signal = lock(state)
+            let signal = lock(self.state)
                 .signals
                 .iter()
                 .find(|s| s.call_id == signal.call_id)
@@ -558,142 +453,153 @@ impl Driver<'_> {
                 .unwrap_or(signal);
             metrics::counter!(metric::SIGNALS_PUBLISHED).increment(1);
             tracing::info!(
-                parent: &run_span,
+                parent: &self.run_span,
                 gen_ai.tool.name = %signal.tool_name,
                 gen_ai.tool.call.id = %signal.call_id,
                 orchestrator.signal.arguments_valid = signal.arguments_valid,
                 orchestrator.turn = turn,
                 "signal"
             );
-            emitter.queue(Event::Signal(signal));
+            self.emitter.queue(Event::Signal(signal));
         }
+    }
 
-        let bad: Vec<usize> = (0..calls.len())
-            .filter(|&i| matches!(dispositions[i], Disposition::Bad(_)))
-            .collect();
-        let first_bad = dispositions.iter().find_map(|d| match d {
-            Disposition::Bad(error) => Some(error),
-            _ => None,
-        });
-        if let (Some(error), ParsePolicy::Fail) = (first_bad, spec.parse_policy) {
-            finish_turn(emitter, turn, output.usage, remaining, self.failed_turns);
-            return Some(End::Failed(FailureReason::ToolParseError, error.message.clone()));
-        }
-
-        // Budget: execute the first `remaining` normal calls (model order).
-        let normal: Vec<usize> = (0..calls.len())
-            .filter(|&i| matches!(dispositions[i], Disposition::Normal))
-            .collect();
-        let exhausted = normal.len() > remaining as usize;
-        let executed: Vec<usize> = normal.iter().copied().take(remaining as usize).collect();
-        self.used_budget += executed.len() as u32;
-        let budget_left = limits.tool_call_budget.saturating_sub(self.used_budget);
-
-        if executed.is_empty() && bad.is_empty() {
-            finish_turn(emitter, turn, output.usage, budget_left, self.failed_turns);
-            if exhausted {
-                return Some(End::Failed(
-                    FailureReason::ToolBudgetExhausted,
-                    budget_detail(limits.tool_call_budget, normal.len()),
-                ));
+    /// What the topic's delivery report does: updates the signal in the run's state, and the
+    /// stored result (at once for a finished run; a live one is written at its next turn boundary
+    /// or at its end).
+    fn on_delivery(&self, call_id: &str) -> OnDelivery {
+        let (state, persister, call_id) = (Arc::clone(self.state), self.persister.clone(), call_id.to_owned());
+        Box::new(move |delivery: Delivery| {
+            let finished = {
+                let mut state = lock(&state);
+                if let Some(s) = state.signals.iter_mut().find(|s| s.call_id == call_id) {
+                    s.delivery = delivery;
+                }
+                state.status != RunStatus::Running
+            };
+            match persister {
+                Some(persister) if finished => persister.write_soon(),
+                Some(persister) => persister.checkpoint(),
+                None => {}
             }
-            return Some(End::Completed);
-        }
+        })
+    }
 
-        // Dispatch concurrently.
-        for &i in executed.iter().chain(&bad) {
-            let call = &calls[i];
-            emitter.queue(Event::ToolCallStarted {
+    /// With the parse policy FAIL (the default), a bad call ends the run `TOOL_PARSE_ERROR`; with
+    /// FEED_BACK it is answered with an error tool message and counts as a failed call.
+    fn apply_parse_policy(&mut self, partition: &Partition, turn: &Turn, budget_left: u32) -> Step<()> {
+        match (partition.bad.first(), self.spec.parse_policy) {
+            (Some((_, error)), ParsePolicy::Fail) => {
+                self.finish_turn(turn, budget_left);
+                Err(End::Failed(FailureReason::ToolParseError, error.message.clone()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Each executed normal call costs 1: when the turn asks for more than is left, the first
+    /// ones (model order) run and the run ends after the turn.
+    fn spend_budget(&mut self, partition: &Partition) -> Spend {
+        let remaining = self.budget_left() as usize;
+        let executed: Vec<usize> = partition.normal.iter().copied().take(remaining).collect();
+        self.used_budget += u32::try_from(executed.len()).unwrap_or(u32::MAX);
+        Spend {
+            exhausted: partition.normal.len() > remaining,
+            executed,
+            left: self.budget_left(),
+        }
+    }
+
+    fn budget_left(&self) -> u32 {
+        self.spec.limits.tool_call_budget.saturating_sub(self.used_budget)
+    }
+
+    /// `TOOL_BUDGET_EXHAUSTED` when the turn asked for more calls than were left.
+    fn budget_end(&self, spend: &Spend, partition: &Partition) -> Option<End> {
+        spend.exhausted.then(|| {
+            End::Failed(
+                FailureReason::ToolBudgetExhausted,
+                format!(
+                    "the tool-call budget of {} ran out (the last turn asked for {} call(s))",
+                    self.spec.limits.tool_call_budget,
+                    partition.normal.len()
+                ),
+            )
+        })
+    }
+
+    /// Runs the executed calls concurrently (`join_all`) on the tool-runners, each within the
+    /// smaller of the run's tool timeout and the time left in the run. A failed call does not
+    /// fail the run: its error is its outcome.
+    async fn dispatch(&mut self, partition: &Partition, executed: &[usize], turn: u32) -> Vec<CallOutcome> {
+        for &i in executed.iter().chain(partition.bad.iter().map(|(i, _)| i)) {
+            let call = &partition.calls[i];
+            self.emitter.queue(Event::ToolCallStarted {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
                 arguments_json: call.arguments.clone(),
                 turn,
             });
         }
-        emitter.flush().await;
-        let tool_timeout = limits
+        self.emitter.flush().await;
+        let timeout = self
+            .spec
+            .limits
             .tool_timeout
-            .min(deadline.saturating_duration_since(Instant::now()));
-        let outcomes = join_all(executed.iter().map(|&i| {
-            let call = &calls[i];
-            let invocation = ToolInvocation {
-                run_id: spec.run_id.clone(),
-                call_id: call.id.clone(),
-                name: call.name.clone(),
-                arguments_json: call.arguments.clone(),
-                metadata: spec.metadata.clone(),
-                timeout: tool_timeout,
-            };
-            let span = tracing::info_span!(
-                "execute_tool",
-                otel.name = %format!("execute_tool {}", call.name),
-                otel.kind = "client",
-                gen_ai.operation.name = "execute_tool",
-                gen_ai.tool.name = %call.name,
-                gen_ai.tool.call.id = %call.id,
-                gen_ai.tool.type = "function",
-                gen_ai.tool.call.arguments = tracing::field::Empty,
-                gen_ai.tool.call.result = tracing::field::Empty,
-                error.type = tracing::field::Empty,
-                otel.status_code = tracing::field::Empty,
-            );
-            if let Some(max) = deps.trace_payloads {
-                span.record(
-                    "gen_ai.tool.call.arguments",
-                    crate::telemetry::truncate(&call.arguments, max),
-                );
-            }
-            let tool = call.name.clone();
-            let future = span.in_scope(|| deps.tools.execute(invocation));
-            let trace_payloads = deps.trace_payloads;
-            async move {
-                let _in_flight = InFlight::new(metric::TOOL_CALLS_IN_FLIGHT);
-                let started = Instant::now();
-                let result = match tokio::time::timeout(tool_timeout, future).await {
-                    Ok(result) => result,
-                    Err(_) => Err(ToolCallError::new(
-                        "TIMEOUT",
-                        format!("no result within {}", humantime::format_duration(tool_timeout)),
-                    )),
-                };
-                let elapsed = started.elapsed();
-                let span = tracing::Span::current();
-                let outcome = match &result {
-                    Ok(content) => {
-                        if let Some(max) = trace_payloads {
-                            span.record("gen_ai.tool.call.result", crate::telemetry::truncate(content, max));
-                        }
-                        "ok".to_owned()
-                    }
-                    Err(error) => {
-                        span.record("error.type", error.code.as_str());
-                        span.record("otel.status_code", "ERROR");
-                        error.code.clone()
-                    }
-                };
-                metrics::counter!(metric::TOOL_CALLS, "tool" => tool.clone(), "outcome" => outcome).increment(1);
-                metrics::histogram!(metric::TOOL_CALL_DURATION, "tool" => tool).record(elapsed.as_secs_f64());
-                (i, result, elapsed)
-            }
-            .instrument(span)
-        }))
-        .await;
+            .min(self.deadline.saturating_duration_since(Instant::now()));
+        join_all(executed.iter().map(|&i| self.execute(i, &partition.calls[i], timeout))).await
+    }
 
-        // Record, report and feed back, in the model's order.
-        let mut results: Vec<(usize, Result<String, ToolCallError>, Duration)> = outcomes;
-        for &i in &bad {
-            if let Disposition::Bad(error) = &dispositions[i] {
-                results.push((i, Err(error.clone()), Duration::ZERO));
-            }
+    /// One call on a tool-runner, in its `execute_tool` span.
+    fn execute(&self, index: usize, call: &ModelCall, timeout: Duration) -> impl Future<Output = CallOutcome> + use<> {
+        let payloads = self.deps.trace_payloads;
+        let span = telemetry::execute_tool_span(&call.name, &call.id, &call.arguments, payloads);
+        let invocation = ToolInvocation {
+            run_id: self.spec.run_id.clone(),
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            arguments_json: call.arguments.clone(),
+            metadata: self.spec.metadata.clone(),
+            timeout,
+        };
+        let tool = call.name.clone();
+        let future = span.in_scope(|| self.deps.tools.execute(invocation));
+        async move {
+            let _in_flight = InFlight::new(metric::TOOL_CALLS_IN_FLIGHT);
+            let started = Instant::now();
+            let result = tokio::time::timeout(timeout, future).await.unwrap_or_else(|_| {
+                Err(ToolCallError::new(
+                    "TIMEOUT",
+                    format!("no result within {}", humantime::format_duration(timeout)),
+                ))
+            });
+            let elapsed = started.elapsed();
+            telemetry::record_tool_call(&tool, &result, elapsed, payloads);
+            CallOutcome { index, result, elapsed }
         }
-        results.sort_by_key(|(i, _, _)| *i);
-        let any_failed = results.iter().any(|(_, r, _)| r.is_err());
-        let mut assistant_calls = Vec::with_capacity(results.len());
-        let mut tool_messages = Vec::with_capacity(results.len());
-        for (i, result, elapsed) in results {
-            let call = &calls[i];
+        .instrument(span)
+    }
+
+    /// Records every outcome (bad calls included, with their error) in the result and as events,
+    /// in the model's order, and returns what is fed back: the assistant's calls and one tool
+    /// message each.
+    fn report_results(
+        &mut self,
+        partition: &Partition,
+        mut outcomes: Vec<CallOutcome>,
+        turn: u32,
+    ) -> Vec<(ToolCall, Message)> {
+        outcomes.extend(partition.bad.iter().map(|(index, error)| CallOutcome {
+            index: *index,
+            result: Err(error.clone()),
+            elapsed: Duration::ZERO,
+        }));
+        outcomes.sort_by_key(|o| o.index);
+        let mut fed_back = Vec::with_capacity(outcomes.len());
+        for CallOutcome { index, result, elapsed } in outcomes {
+            let call = &partition.calls[index];
             let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-            lock(state).tool_calls.push(ToolCallRecord {
+            lock(self.state).tool_calls.push(ToolCallRecord {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
                 arguments_json: call.arguments.clone(),
@@ -706,120 +612,186 @@ impl Driver<'_> {
                 Ok(json) => json.clone(),
                 Err(error) => error.to_tool_message(),
             };
-            emitter.queue(Event::ToolCallFinished {
+            self.emitter.queue(Event::ToolCallFinished {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
                 content_json: result.as_ref().ok().cloned(),
                 error: result.err(),
                 duration_ms,
             });
-            assistant_calls.push(ToolCall {
+            let assistant_call = ToolCall {
                 id: call.id.clone(),
                 name: call.name.clone(),
                 arguments: call.arguments.clone(),
-            });
-            tool_messages.push(Message::Tool {
+            };
+            let tool_message = Message::Tool {
                 tool_call_id: call.id.clone(),
                 content,
-            });
+            };
+            fed_back.push((assistant_call, tool_message));
         }
+        fed_back
+    }
 
-        // Failures count once per turn, however many calls failed.
+    /// Failures count once per turn, however many of its calls failed.
+    fn count_failures(&mut self, any_failed: bool) {
         if any_failed {
             self.failed_turns += 1;
-            lock(state).failed_turns = self.failed_turns;
+            lock(self.state).failed_turns = self.failed_turns;
         }
-        self.conversation.push(Message::Assistant {
-            content: std::mem::take(&mut turn_text),
-            tool_calls: assistant_calls,
-        });
-        self.conversation.extend(tool_messages);
-        finish_turn(emitter, turn, output.usage, budget_left, self.failed_turns);
+    }
 
-        if self.failed_turns > limits.max_tool_failures {
-            return Some(End::Failed(
+    /// `TOOL_FAILURE_LIMIT` once the failing turns exceed `max_tool_failures`.
+    fn check_failure_limit(&self) -> Step<()> {
+        let max = self.spec.limits.max_tool_failures;
+        if self.failed_turns > max {
+            return Err(End::Failed(
                 FailureReason::ToolFailureLimit,
                 format!(
-                    "{} turn(s) had failing tool calls; at most {} are tolerated",
-                    self.failed_turns, limits.max_tool_failures
+                    "{} turn(s) had failing tool calls; at most {max} are tolerated",
+                    self.failed_turns
                 ),
             ));
         }
-        if exhausted {
-            return Some(End::Failed(
-                FailureReason::ToolBudgetExhausted,
-                budget_detail(limits.tool_call_budget, normal.len()),
-            ));
+        Ok(())
+    }
+
+    /// One assistant message with the turn's text and its normal calls only, then one tool
+    /// message per call, in the model's order.
+    fn append_to_conversation(&mut self, turn: &mut Turn, fed_back: Vec<(ToolCall, Message)>) {
+        let (tool_calls, tool_messages): (Vec<ToolCall>, Vec<Message>) = fed_back.into_iter().unzip();
+        self.conversation.push(Message::Assistant {
+            content: std::mem::take(&mut turn.text),
+            tool_calls,
+        });
+        self.conversation.extend(tool_messages);
+    }
+
+    /// Queues the turn's end (sent with the next model request, or with the run's end).
+    fn finish_turn(&mut self, turn: &Turn, budget_left: u32) {
+        self.emitter.queue(Event::TurnFinished {
+            turn: turn.number,
+            usage: turn.usage,
+            tool_call_budget_remaining: budget_left,
+            failed_turns: self.failed_turns,
+        });
+    }
+
+    /// Shows visible text and feeds the repeated-line detector; when it trips, the text is shown
+    /// up to the end of the repeated line and the run ends `REPEATED_LINE_LOOP`.
+    async fn show(&mut self, turn: &mut Turn, text: &str) -> Step<()> {
+        if text.is_empty() {
+            return Ok(());
         }
-        None
+        let tripped = self.detector.feed(text);
+        let shown = tripped.as_ref().map_or(text, |(_, end)| &text[..*end]);
+        self.emitter.text(shown, turn.number).await;
+        turn.text.push_str(shown);
+        match tripped {
+            None => Ok(()),
+            Some((line, _)) => Err(End::Failed(
+                FailureReason::RepeatedLineLoop,
+                format!(
+                    "the model repeated the line {:?} too often",
+                    crate::llm::sse::excerpt(&line)
+                ),
+            )),
+        }
+    }
+
+    fn offers(&self, name: &str) -> bool {
+        self.normal_names.contains(name) || self.exit_names.contains(name)
     }
 }
 
-fn budget_detail(budget: u32, asked: usize) -> String {
-    format!("the tool-call budget of {budget} ran out (the last turn asked for {asked} call(s))")
+/// Events of a completion that are already here, taken together.
+struct Batch {
+    /// Their visible text, shown as one delta: token by token while the model is slower than the
+    /// orchestrator, in batches when it is not.
+    text: String,
+    /// The stream broke off after them.
+    error: Option<LlmError>,
 }
 
-/// Shows visible text and feeds the loop detector; `Some` when the detector trips (the text is
-/// then shown up to the end of the repeated line).
-async fn show(
-    emitter: &mut Emitter,
-    detector: &mut LoopDetector,
-    turn_text: &mut String,
-    text: &str,
-    turn: u32,
-) -> Option<End> {
-    if text.is_empty() {
-        return None;
+/// A completion as it streams in, read in [`Batch`]es.
+struct Completion {
+    /// Fused: a batch may see the end before the loop does.
+    stream: Fuse<BoxStream<'static, Result<LlmEvent, LlmError>>>,
+    collector: TurnCollector,
+    requested: Instant,
+    first_token: bool,
+}
+
+impl Completion {
+    fn new(stream: BoxStream<'static, Result<LlmEvent, LlmError>>, requested: Instant) -> Self {
+        Self {
+            stream: stream.fuse(),
+            collector: TurnCollector::default(),
+            requested,
+            first_token: true,
+        }
     }
-    let tripped = detector.feed(text);
-    let shown = tripped.as_ref().map_or(text, |(_, end)| &text[..*end]);
-    emitter.text(shown, turn).await;
-    turn_text.push_str(shown);
-    tripped.map(|(line, _)| {
-        End::Failed(
-            FailureReason::RepeatedLineLoop,
-            format!(
-                "the model repeated the line {:?} too often",
-                crate::llm::sse::excerpt(&line)
-            ),
-        )
-    })
-}
 
-/// Queues the turn's end (sent with the next model request, or with the run's end).
-fn finish_turn(emitter: &mut Emitter, turn: u32, usage: crate::llm::Usage, remaining: u32, failed_turns: u32) {
-    emitter.queue(Event::TurnFinished {
-        turn,
-        usage,
-        tool_call_budget_remaining: remaining,
-        failed_turns,
-    });
+    /// Waits for the next event, then takes every one that is already here; `None` at the end.
+    async fn next_batch(&mut self) -> Option<Batch> {
+        let mut next = Some(self.stream.next().await?);
+        let mut batch = Batch {
+            text: String::new(),
+            error: None,
+        };
+        while let Some(item) = next.take() {
+            match item {
+                Ok(event) => self.take(event, &mut batch.text),
+                Err(e) => {
+                    batch.error = Some(e);
+                    break;
+                }
+            }
+            next = self.stream.next().now_or_never().flatten();
+        }
+        Some(batch)
+    }
+
+    /// Passes one event to the collector (time to first token is measured on the first one
+    /// carrying output); text that can be shown now is added to `shown`.
+    fn take(&mut self, event: LlmEvent, shown: &mut String) {
+        if self.first_token && is_token(&event) {
+            self.first_token = false;
+            let ttft = self.requested.elapsed().as_secs_f64();
+            tracing::Span::current().record("gen_ai.response.time_to_first_token", ttft);
+            metrics::histogram!(metric::TIME_TO_FIRST_TOKEN).record(ttft);
+        }
+        if let Some(text) = self.collector.push(event) {
+            shown.push_str(&text);
+        }
+    }
+
+    /// Ends the stream and says what the turn produced.
+    fn finish(self) -> TurnOutput {
+        drop(self.stream);
+        self.collector.finish()
+    }
 }
 
 /// Whether an event carries generated output (for time to first token).
-fn is_token(event: &crate::llm::LlmEvent) -> bool {
-    use crate::llm::LlmEvent as E;
+fn is_token(event: &LlmEvent) -> bool {
     matches!(
         event,
-        E::TextDelta(_) | E::ReasoningDelta(_) | E::ToolCallFragment { .. }
+        LlmEvent::TextDelta(_) | LlmEvent::ReasoningDelta(_) | LlmEvent::ToolCallFragment { .. }
     )
 }
 
 fn llm_failure(e: LlmError) -> End {
     let span = tracing::Span::current();
-    span.record(
-        "error.type",
-        if matches!(e, LlmError::Stalled(_)) {
-            "llm_stream_stalled"
-        } else {
-            "llm_error"
-        },
-    );
+    let stalled = matches!(e, LlmError::Stalled(_));
+    span.record("error.type", if stalled { "llm_stream_stalled" } else { "llm_error" });
     span.record("otel.status_code", "ERROR");
-    match e {
-        LlmError::Stalled(_) => End::Failed(FailureReason::LlmStreamStalled, e.to_string()),
-        _ => End::Failed(FailureReason::LlmError, e.to_string()),
-    }
+    let reason = if stalled {
+        FailureReason::LlmStreamStalled
+    } else {
+        FailureReason::LlmError
+    };
+    End::Failed(reason, e.to_string())
 }
 
 fn is_json_object(text: &str) -> bool {
@@ -863,13 +835,15 @@ mod tests {
     use std::collections::VecDeque;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use futures::FutureExt;
+    use std::sync::Mutex;
+
     use futures::future::BoxFuture;
-    use futures::stream::BoxStream;
+    use tokio::sync::mpsc;
 
     use super::*;
-    use crate::llm::{LlmEvent, Usage};
-    use crate::run::{Limits, RunSpec};
+    use crate::run::Limits;
+    use crate::run::live::Cancel;
+    use crate::run::{EventBatch, NumberedEvent};
     use crate::signals::memory::MemoryTopic;
 
     /// Plays one list of events per turn and records the requests.
@@ -994,8 +968,16 @@ mod tests {
         };
         let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
         let (tx, mut rx) = mpsc::channel(1024);
-        let emitter = Emitter::new(Some(tx), Arc::clone(&state));
-        let result = run(spec(limits), deps, state, emitter, Cancel::default(), None, None).await;
+        let admitted = AdmittedRun {
+            spec: spec(limits),
+            emitter: Emitter::new(Some(tx), Arc::clone(&state)),
+            state,
+            cancel: Cancel::default(),
+            caller: None,
+            persister: None,
+            slot: None,
+        };
+        let result = run(admitted, &deps).await;
         let mut batches = Vec::new();
         while let Ok(batch) = rx.try_recv() {
             batches.push(batch);

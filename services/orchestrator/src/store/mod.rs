@@ -16,7 +16,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::run::RunResult;
-use crate::run::tool_loop::SharedState;
+use crate::run::live::SharedState;
 
 /// A place for run results.
 pub trait ResultStore: Send + Sync + 'static {
