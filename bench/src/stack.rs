@@ -37,10 +37,8 @@ impl Stack {
         let mock = MockLlm::start_timed(scenarios).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let runner = format!("http://{}", listener.local_addr()?);
-        let runner_config = tool_runner::Config {
-            max_concurrency: 10_000,
-            ..tool_runner::Config::default()
-        };
+        let mut runner_config = tool_runner::Config::default();
+        runner_config.server.max_concurrency = 10_000;
         tokio::spawn(tool_runner::run(listener, runner_config, std::future::pending()));
 
         let mut command = Command::new(orchestrator_bin);

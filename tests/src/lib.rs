@@ -251,7 +251,7 @@ pub mod stack {
             let mut config =
                 orchestrator::Config::new(&mock.base_url(), "test-model", vec![format!("http://{}", runner.addr)]);
             config.llm.retry_backoff = Duration::from_millis(10);
-            config.shutdown_grace = Duration::from_secs(5);
+            config.server.shutdown_grace = Duration::from_secs(5);
             tweak(&mut config);
             let server = Served::spawn(|listener, shutdown| orchestrator::run(listener, config, shutdown)).await?;
             Ok(Self {

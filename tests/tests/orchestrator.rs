@@ -393,8 +393,8 @@ async fn e2e_stack_text(text: &str) -> anyhow::Result<Stack> {
 async fn the_loop_detector_on_both_sides_of_its_threshold() -> TestResult {
     let line = "I am thinking about the answer.\n";
     let tweak = |c: &mut orchestrator::Config| {
-        c.detector.window = 20;
-        c.detector.threshold = 5;
+        c.runs.loop_detector.window = 20;
+        c.runs.loop_detector.threshold = 5;
     };
     let below = Stack::start(
         Scenario::new(vec![Turn::text(&line.repeat(4))]),
@@ -917,7 +917,7 @@ async fn a_slow_reader_slows_its_own_run() -> TestResult {
     // Far more than the HTTP/2 flow-control windows and the event buffer hold.
     let text = "word ".repeat(50_000);
     let stack = Stack::start(Scenario::new(vec![Turn::text(&text)]), runner_config(None), |c| {
-        c.event_buffer = 2
+        c.runs.event_buffer = 2
     })
     .await?;
     let mut client = stack.client().await?;
@@ -1028,7 +1028,7 @@ async fn draining_past_the_grace_period_cancels_with_a_stored_result() -> TestRe
         Turn::text("Very long nap.\n").then(Step::call("sleep", json!({"ms": 20_000}))),
     ]);
     let mut stack = Stack::start(scenario, runner_config(None), |c| {
-        c.shutdown_grace = Duration::from_millis(500)
+        c.server.shutdown_grace = Duration::from_millis(500)
     })
     .await?;
     let mut client = stack.client().await?;

@@ -516,10 +516,8 @@ async fn bad_arguments_get_clear_errors_and_nothing_breaks() -> TestResult {
 
 #[tokio::test]
 async fn concurrency_limit_refuses_beyond_and_admits_again_after() -> TestResult {
-    let config = Config {
-        max_concurrency: 2,
-        ..Config::default()
-    };
+    let mut config = Config::default();
+    config.server.max_concurrency = 2;
     let runner = Runner::start(config).await?;
     let mut busy = Vec::new();
     for _ in 0..2 {
@@ -643,10 +641,8 @@ async fn startup_refuses_invalid_configuration_and_manifests() -> TestResult {
         .unwrap_or_default();
     assert!(err.contains("two tools are named \"echo\""), "{err}");
 
-    let config = Config {
-        max_concurrency: 10_001,
-        ..Config::default()
-    };
+    let mut config = Config::default();
+    config.server.max_concurrency = 10_001;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let err = tool_runner::run(listener, config, std::future::pending())
         .await

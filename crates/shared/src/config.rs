@@ -1,8 +1,17 @@
-//! Config helpers shared by both binaries: human durations (`30s`, `250ms`) and limit checks that
-//! turn a value above its cap into a clear startup error instead of a surprise at run time.
+//! Config helpers shared by both binaries: human durations (`30s`, `250ms`), the table of bounds
+//! each settings section checks its values against (a value above its cap is a clear startup error
+//! naming the flag, not a surprise at run time), and the defaults of a section as its flags
+//! declare them.
+//!
+//! A section is a clap `Args` struct: each field's flag, environment variable, default and doc are
+//! in its attribute and doc comment, and [`Bounded::bounds`] lists the range of each limit by field
+//! name. The flag an error names comes from the struct itself, so it is never typed twice.
 
+use std::cmp::Ordering;
 use std::fmt::Display;
 use std::time::Duration;
+
+use clap::{Args, Command, FromArgMatches};
 
 /// A configuration value is out of its allowed range.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -11,7 +20,7 @@ pub enum ConfigError {
     #[error("{name} = {value} is above its cap of {cap}")]
     AboveCap {
         /// Flag name, e.g. `--max-concurrency`.
-        name: &'static str,
+        name: String,
         /// The value given.
         value: String,
         /// The largest value allowed.
@@ -21,7 +30,7 @@ pub enum ConfigError {
     #[error("{name} = {value} is below its minimum of {min}")]
     BelowMin {
         /// Flag name.
-        name: &'static str,
+        name: String,
         /// The value given.
         value: String,
         /// The smallest value allowed.
@@ -29,43 +38,200 @@ pub enum ConfigError {
     },
 }
 
-/// Checks `min <= value <= cap`, naming the flag in the error.
-pub fn check_range<T: PartialOrd + Display>(name: &'static str, value: T, min: T, cap: T) -> Result<(), ConfigError> {
-    if value > cap {
-        return Err(ConfigError::AboveCap {
-            name,
-            value: value.to_string(),
-            cap: cap.to_string(),
-        });
+/// A number or a duration, as a bound compares and prints it (durations in human form, `30s`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Amount {
+    /// A count or a size.
+    Count(i128),
+    /// A time.
+    Duration(Duration),
+}
+
+impl PartialOrd for Amount {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        match (self, other) {
+            (Self::Count(a), Self::Count(b)) => a.partial_cmp(b),
+            (Self::Duration(a), Self::Duration(b)) => a.partial_cmp(b),
+            _ => None,
+        }
     }
-    if value < min {
-        return Err(ConfigError::BelowMin {
-            name,
-            value: value.to_string(),
-            min: min.to_string(),
-        });
+}
+
+impl Display for Amount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Count(n) => write!(f, "{n}"),
+            Self::Duration(d) => write!(f, "{}", humantime::format_duration(*d)),
+        }
+    }
+}
+
+macro_rules! count_amounts {
+    ($($t:ty),*) => {$(
+        impl From<$t> for Amount {
+            fn from(n: $t) -> Self {
+                Self::Count(i128::from(n))
+            }
+        }
+    )*};
+}
+count_amounts!(u16, u32, u64, i64);
+
+impl From<usize> for Amount {
+    fn from(n: usize) -> Self {
+        Self::Count(i128::try_from(n).unwrap_or(i128::MAX))
+    }
+}
+
+impl From<Duration> for Amount {
+    fn from(d: Duration) -> Self {
+        Self::Duration(d)
+    }
+}
+
+/// One row of a section's table of bounds: the field (whose flag names it in errors), its value,
+/// and the range it must lie in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bound {
+    /// The field's name, which is its clap argument id.
+    pub field: &'static str,
+    /// The value set.
+    pub value: Amount,
+    /// The smallest value allowed.
+    pub min: Amount,
+    /// The largest value allowed.
+    pub cap: Amount,
+}
+
+/// A row of a table of bounds: `field` (its name in the section) must lie in `min..=cap`.
+pub fn bound(field: &'static str, value: impl Into<Amount>, min: impl Into<Amount>, cap: impl Into<Amount>) -> Bound {
+    Bound {
+        field,
+        value: value.into(),
+        min: min.into(),
+        cap: cap.into(),
+    }
+}
+
+/// A settings section whose limits have a range.
+pub trait Bounded: Args {
+    /// The table of bounds: one row per limit.
+    fn bounds(&self) -> Vec<Bound>;
+
+    /// Checks every row of [`bounds`](Self::bounds); the error names the flag of the first value
+    /// out of its range.
+    fn check_bounds(&self) -> Result<(), ConfigError> {
+        let command = Self::augment_args(Command::new("settings"));
+        self.bounds().iter().try_for_each(|row| row.check(&command))
+    }
+}
+
+impl Bound {
+    /// Checks the row; `command` says which flag the field is.
+    pub fn check(&self, command: &Command) -> Result<(), ConfigError> {
+        self.check_as(|| flag_of(command, self.field))
+    }
+
+    /// Checks the row, calling the value `name()` in the error (for values that are not flags,
+    /// e.g. a manifest's fields).
+    pub fn check_as(&self, name: impl Fn() -> String) -> Result<(), ConfigError> {
+        if self.value > self.cap {
+            return Err(ConfigError::AboveCap {
+                name: name(),
+                value: self.value.to_string(),
+                cap: self.cap.to_string(),
+            });
+        }
+        if self.value < self.min {
+            return Err(ConfigError::BelowMin {
+                name: name(),
+                value: self.value.to_string(),
+                min: self.min.to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The flag (`--name`) of the argument `field` of `command`; the field's name when it has none.
+pub fn flag_of(command: &Command, field: &str) -> String {
+    command
+        .get_arguments()
+        .find(|arg| arg.get_id() == field)
+        .and_then(|arg| arg.get_long())
+        .map_or_else(|| field.to_owned(), |long| format!("--{long}"))
+}
+
+/// The flag of `S`'s field `field`, for errors raised outside the table of bounds.
+pub fn flag<S: Args>(field: &str) -> String {
+    flag_of(&S::augment_args(Command::new("settings")), field)
+}
+
+/// A section's values as its flags declare their defaults, whatever the environment holds (tests
+/// and embedded uses must not change with the shell they run in).
+///
+/// # Panics
+/// When a field of `S` has no default: a programming error that every section's unit test
+/// catches.
+#[allow(clippy::expect_used)]
+pub fn defaults<S: Args + FromArgMatches>() -> S {
+    let command = S::augment_args(Command::new("defaults")).mut_args(|arg| arg.env(None));
+    let matches = command
+        .try_get_matches_from(["defaults"])
+        .expect("every setting has a default");
+    S::from_arg_matches(&matches).expect("the defaults parse into the settings")
+}
+
+/// Drives every row of `C`'s table of bounds through its real flags (the environment ignored):
+/// at its cap and at its minimum the value must be taken, one past either refused with an error
+/// naming the flag. `companions(flag)` lists other flags to set so that both edges of `flag` are
+/// valid (a default must lie below its ceiling). For each service's unit tests.
+pub fn check_every_bound<C>(
+    validate: impl Fn(&C) -> Result<(), String>,
+    companions: impl Fn(&str) -> Vec<String>,
+) -> Result<(), String>
+where
+    C: Bounded + FromArgMatches,
+{
+    let command = C::augment_args(Command::new("service")).mut_args(|arg| arg.env(None));
+    let parse = |args: Vec<String>| -> Result<(), String> {
+        let matches = command.clone().try_get_matches_from(args).map_err(|e| e.to_string())?;
+        validate(&C::from_arg_matches(&matches).map_err(|e| e.to_string())?)
+    };
+    for row in defaults::<C>().bounds() {
+        let flag = flag_of(&command, row.field);
+        let with = |value: &str| {
+            let mut args = vec!["service".to_owned(), format!("{flag}={value}")];
+            args.extend(companions(&flag));
+            args
+        };
+        for (edge, outward) in [(row.cap, true), (row.min, false)] {
+            parse(with(&edge.to_string())).map_err(|e| format!("{flag} = {edge} must be accepted: {e}"))?;
+            let Some(past) = edge.step(outward) else { continue };
+            match parse(with(&past)) {
+                Ok(()) => return Err(format!("{flag} = {past} must be refused")),
+                Err(e) if !e.contains(&flag) => {
+                    return Err(format!("the error for {flag} = {past} does not name it: {e}"));
+                }
+                Err(_) => {}
+            }
+        }
     }
     Ok(())
 }
 
-/// Like [`check_range`] for durations, printed in human form (`30s`).
-pub fn check_duration(name: &'static str, value: Duration, min: Duration, cap: Duration) -> Result<(), ConfigError> {
-    let human = |d: Duration| humantime::format_duration(d).to_string();
-    if value > cap {
-        return Err(ConfigError::AboveCap {
-            name,
-            value: human(value),
-            cap: human(cap),
-        });
+impl Amount {
+    /// The value one step past this one, up or down, as a flag would be given; `None` below a zero
+    /// duration.
+    fn step(self, up: bool) -> Option<String> {
+        let tick = Duration::from_millis(1);
+        match (self, up) {
+            (Self::Count(n), true) => Some((n + 1).to_string()),
+            (Self::Count(n), false) => Some((n - 1).to_string()),
+            (Self::Duration(d), true) => Some(humantime::format_duration(d + tick).to_string()),
+            (Self::Duration(d), false) => d.checked_sub(tick).map(|d| humantime::format_duration(d).to_string()),
+        }
     }
-    if value < min {
-        return Err(ConfigError::BelowMin {
-            name,
-            value: human(value),
-            min: human(min),
-        });
-    }
-    Ok(())
 }
 
 /// Parses a human duration such as `30s`, `1m 30s` or `250ms` (for clap's `value_parser`).
@@ -77,25 +243,56 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 mod tests {
     use super::*;
 
+    /// A section as the services declare theirs.
+    #[derive(Debug, Clone, clap::Args)]
+    struct Section {
+        /// A count.
+        #[arg(long = "n-things", env = "SHARED_TEST_N_THINGS", default_value_t = 5)]
+        n: u32,
+        /// A time.
+        #[arg(long, env = "SHARED_TEST_GRACE", default_value = "9s", value_parser = parse_duration)]
+        grace: Duration,
+    }
+
+    impl Bounded for Section {
+        fn bounds(&self) -> Vec<Bound> {
+            vec![
+                bound("n", self.n, 1u32, 10u32),
+                bound("grace", self.grace, Duration::ZERO, Duration::from_secs(10)),
+            ]
+        }
+    }
+
     #[test]
-    fn range_accepts_edges_and_refuses_beyond() {
-        assert!(check_range("--n", 10, 1, 10).is_ok());
-        assert!(check_range("--n", 1, 1, 10).is_ok());
-        let err = check_range("--n", 11, 1, 10).unwrap_err();
-        assert_eq!(err.to_string(), "--n = 11 is above its cap of 10");
-        assert!(matches!(
-            check_range("--n", 0, 1, 10),
-            Err(ConfigError::BelowMin { .. })
-        ));
+    fn counts_are_checked_at_both_edges_and_the_error_names_the_flag() {
+        let at = |n| Section { n, ..defaults() };
+        assert!(at(10).check_bounds().is_ok());
+        assert!(at(1).check_bounds().is_ok());
+        assert_eq!(
+            at(11).check_bounds().unwrap_err().to_string(),
+            "--n-things = 11 is above its cap of 10"
+        );
+        assert!(matches!(at(0).check_bounds(), Err(ConfigError::BelowMin { .. })));
     }
 
     #[test]
     fn durations_compare_by_value_not_by_text() {
-        let s = Duration::from_secs;
-        assert!(check_duration("--grace", s(9), s(0), s(10)).is_ok());
-        assert!(check_duration("--grace", s(10), s(0), s(10)).is_ok());
-        let err = check_duration("--grace", s(11), s(0), s(10)).unwrap_err();
-        assert_eq!(err.to_string(), "--grace = 11s is above its cap of 10s");
+        let at = |secs| Section {
+            grace: Duration::from_secs(secs),
+            ..defaults()
+        };
+        assert!(at(10).check_bounds().is_ok());
+        assert_eq!(
+            at(11).check_bounds().unwrap_err().to_string(),
+            "--grace = 11s is above its cap of 10s"
+        );
+    }
+
+    #[test]
+    fn defaults_come_from_the_flags() {
+        let section: Section = defaults();
+        assert_eq!((section.n, section.grace), (5, Duration::from_secs(9)));
+        assert_eq!(flag::<Section>("n"), "--n-things");
     }
 
     #[test]

@@ -1,139 +1,394 @@
-//! The orchestrator's configuration: defaults, the caps every limit is checked against, and the
-//! per-run limits (a default used when a request sets none, and a ceiling a request may not pass).
+//! The orchestrator's settings, in sections. Each section is a clap `Args` struct that *is* the
+//! configuration: a field's flag, environment variable, default and doc are in its attribute and
+//! doc comment, and its range in the section's [`Bounded::bounds`] table, which names the field
+//! (the flag an error names comes from the struct). Adding a setting touches one struct.
+//!
+//! [`Config::default`] is what the flags declare, whatever the environment holds; the binary
+//! reads the flags and their environment variables into the same structs.
 
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
-use shared::config::{check_duration, check_range};
+use clap::Args;
+use shared::config::{Bound, Bounded, bound, flag, parse_duration};
+use shared::telemetry::LogFormat;
 
 use crate::Error;
 use crate::llm::ToolDefinition;
-use crate::llm::client::LlmConfig;
-use crate::run::loop_detector::DetectorConfig;
 use crate::run::{HARD_MAX_TURNS, Limits};
-use crate::runs::RunsConfig;
 
-/// Defaults and caps of every limit.
-pub mod limits {
-    use std::time::Duration;
+const KIB: usize = 1024;
+const MIB: usize = 1024 * 1024;
+const fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+const fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+const DAY: Duration = secs(86_400);
 
-    /// Default per-run `max_turns`.
-    pub const MAX_TURNS: u32 = 16;
-    /// Default per-run tool-call budget.
-    pub const TOOL_CALL_BUDGET: u32 = 64;
-    /// Cap of the budget ceiling.
-    pub const TOOL_CALL_BUDGET_CAP: u32 = 100_000;
-    /// Default failing turns tolerated.
-    pub const MAX_TOOL_FAILURES: u32 = 3;
-    /// Cap of the failure ceiling.
-    pub const MAX_TOOL_FAILURES_CAP: u32 = 10_000;
-    /// Default tool-call timeout.
-    pub const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
-    /// Cap of the tool timeout ceiling.
-    pub const TOOL_TIMEOUT_CAP: Duration = Duration::from_secs(3600);
-    /// Default run deadline.
-    pub const RUN_TIMEOUT: Duration = Duration::from_secs(600);
-    /// Cap of the run deadline ceiling (24 h).
-    pub const RUN_TIMEOUT_CAP: Duration = Duration::from_secs(86_400);
-    /// Default run slots.
-    pub const MAX_RUNS: usize = 256;
-    /// Cap on run slots.
-    pub const MAX_RUNS_CAP: usize = 100_000;
-    /// Default finished results kept.
-    pub const KEEP_RESULTS: usize = 10_000;
-    /// Cap on finished results kept.
-    pub const KEEP_RESULTS_CAP: usize = 1_000_000;
-    /// Default age of kept results.
-    pub const KEEP_RESULTS_FOR: Duration = Duration::from_secs(3600);
-    /// Cap on the age of kept results (7 days).
-    pub const KEEP_RESULTS_FOR_CAP: Duration = Duration::from_secs(7 * 86_400);
-    /// Default LLM idle timeout.
-    pub const LLM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-    /// Cap on the LLM idle timeout.
-    pub const LLM_IDLE_TIMEOUT_CAP: Duration = Duration::from_secs(3600);
-    /// Default LLM connect timeout.
-    pub const LLM_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-    /// Cap on the LLM connect timeout.
-    pub const LLM_CONNECT_TIMEOUT_CAP: Duration = Duration::from_secs(300);
-    /// Default LLM retries before the first byte.
-    pub const LLM_MAX_RETRIES: u32 = 3;
-    /// Cap on LLM retries.
-    pub const LLM_MAX_RETRIES_CAP: u32 = 10;
-    /// Default first retry delay.
-    pub const LLM_RETRY_BACKOFF: Duration = Duration::from_millis(500);
-    /// Cap on the first retry delay.
-    pub const LLM_RETRY_BACKOFF_CAP: Duration = Duration::from_secs(60);
-    /// Default longest SSE line.
-    pub const LLM_MAX_LINE_BYTES: usize = 1024 * 1024;
-    /// Cap on the longest SSE line.
-    pub const LLM_MAX_LINE_BYTES_CAP: usize = 64 * 1024 * 1024;
-    /// Default events buffered per run stream.
-    pub const EVENT_BUFFER: usize = 64;
-    /// Cap on the event buffer.
-    pub const EVENT_BUFFER_CAP: usize = 65_536;
-    /// Default signals buffered per subscriber.
-    pub const SIGNAL_BUFFER: usize = 1024;
-    /// Cap on the signal buffer.
-    pub const SIGNAL_BUFFER_CAP: usize = 1_000_000;
-    /// Default loop-detector window (lines).
-    pub const LOOP_WINDOW: usize = 128;
-    /// Cap on the loop-detector window.
-    pub const LOOP_WINDOW_CAP: usize = 100_000;
-    /// Default loop-detector threshold.
-    pub const LOOP_THRESHOLD: usize = 12;
-    /// Default tool catalog refresh interval.
-    pub const TOOL_REFRESH: Duration = Duration::from_secs(30);
-    /// Cap on the refresh interval.
-    pub const TOOL_REFRESH_CAP: Duration = Duration::from_secs(3600);
-    /// Default DNS re-resolution interval of `dns:///` tool-runner targets.
-    pub const RESOLVE_INTERVAL: Duration = Duration::from_secs(10);
-    /// Cap on the re-resolution interval.
-    pub const RESOLVE_INTERVAL_CAP: Duration = Duration::from_secs(600);
-    /// Default retries of a tool call no runner ran.
-    pub const TOOL_CALL_RETRIES: u32 = 3;
-    /// Cap on those retries.
-    pub const TOOL_CALL_RETRIES_CAP: u32 = 10;
-    /// Default first delay between those retries.
-    pub const TOOL_CALL_RETRY_BACKOFF: Duration = Duration::from_millis(25);
-    /// Cap on that delay.
-    pub const TOOL_CALL_RETRY_BACKOFF_CAP: Duration = Duration::from_secs(5);
-    /// Default drain grace period.
-    pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
-    /// Cap on the grace period.
-    pub const SHUTDOWN_GRACE_CAP: Duration = Duration::from_secs(3600);
-    /// Default largest Orchestrate request.
-    pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
-    /// Cap on the largest request.
-    pub const MAX_REQUEST_BYTES_CAP: usize = 64 * 1024 * 1024;
-    /// Default age of signals kept by the NATS stream (7 days).
-    pub const SIGNAL_STREAM_MAX_AGE: Duration = Duration::from_secs(7 * 86_400);
-    /// Cap on that age (365 days).
-    pub const SIGNAL_STREAM_MAX_AGE_CAP: Duration = Duration::from_secs(365 * 86_400);
-    /// Default size of the NATS signal stream (1 GiB).
-    pub const SIGNAL_STREAM_MAX_BYTES: i64 = 1 << 30;
-    /// Default publish retries of a signal.
-    pub const SIGNAL_PUBLISH_RETRIES: u32 = 6;
-    /// Cap on those retries.
-    pub const SIGNAL_PUBLISH_RETRIES_CAP: u32 = 30;
-    /// Default first delay between publish attempts.
-    pub const SIGNAL_PUBLISH_BACKOFF: Duration = Duration::from_millis(250);
-    /// Cap on that delay.
-    pub const SIGNAL_PUBLISH_BACKOFF_CAP: Duration = Duration::from_secs(60);
-    /// Default wait for a JetStream acknowledgement.
-    pub const SIGNAL_ACK_TIMEOUT: Duration = Duration::from_secs(5);
-    /// Cap on that wait.
-    pub const SIGNAL_ACK_TIMEOUT_CAP: Duration = Duration::from_secs(60);
-    /// Default age of results kept by the NATS result store (24 h).
-    pub const RUN_STORE_TTL: Duration = Duration::from_secs(86_400);
-    /// Cap on that age (365 days).
-    pub const RUN_STORE_TTL_CAP: Duration = Duration::from_secs(365 * 86_400);
-    /// Default wait for one read or write of the result store.
-    pub const STORE_TIMEOUT: Duration = Duration::from_secs(5);
-    /// Cap on that wait.
-    pub const STORE_TIMEOUT_CAP: Duration = Duration::from_secs(60);
-    /// Default size of tool payloads recorded on spans (when turned on).
-    pub const TRACE_PAYLOAD: usize = 1024;
-    /// Cap on recorded tool payloads.
-    pub const TRACE_PAYLOAD_CAP: usize = 64 * 1024;
+/// Everything [`crate::run`] (the server) needs; the flags of `serve`.
+#[derive(Debug, Clone, Args)]
+pub struct Config {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub server: ServerSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub llm: LlmSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub tool_runners: ToolRunnerSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub limits: LimitSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub runs: RunSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub signals: SignalSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub store: StoreSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub nats: NatsSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub telemetry: TelemetrySettings,
+}
+
+/// Serving and draining.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Serving")]
+pub struct ServerSettings {
+    /// gRPC listen address.
+    #[arg(long, env = "ORCHESTRATOR_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Prometheus /metrics listen address, or `off`.
+    #[arg(long, env = "ORCHESTRATOR_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
+    pub metrics_listen: shared::metrics::OptionalListen,
+    /// Largest Orchestrate request in bytes (cap 64 MiB).
+    #[arg(long, env = "ORCHESTRATOR_MAX_REQUEST_BYTES", default_value_t = 4 * MIB)]
+    pub max_request_bytes: usize,
+    /// After SIGTERM/SIGINT, how long runs may take to finish before they are canceled (cap 1h).
+    #[arg(long, env = "ORCHESTRATOR_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+}
+
+impl Bounded for ServerSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("max_request_bytes", self.max_request_bytes, KIB, 64 * MIB),
+            bound("shutdown_grace", self.shutdown_grace, Duration::ZERO, secs(3600)),
+        ]
+    }
+}
+
+/// A value kept out of logs and `Debug` output (an API key, a header value).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The secret itself, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The value of the environment variable `name`, when set and not empty.
+    pub fn from_env(name: &str) -> Option<Self> {
+        std::env::var(name).ok().filter(|v| !v.is_empty()).map(Self)
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(value: &str) -> Self {
+        Self(value.to_owned())
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// An extra HTTP header for the LLM server (`Name: value`); its value may be a credential. A
+/// blank entry (`LLM_HEADERS=""`, or a trailing `;`) parses to a header without a name, which is
+/// not sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// Header name.
+    pub name: String,
+    /// Header value.
+    pub value: Secret,
+}
+
+impl std::str::FromStr for Header {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim().is_empty() {
+            return Ok(Self {
+                name: String::new(),
+                value: Secret(String::new()),
+            });
+        }
+        let (name, value) = s
+            .split_once(':')
+            .ok_or_else(|| format!("{s:?} must look like 'Name: value'"))?;
+        Ok(Self {
+            name: name.trim().to_owned(),
+            value: Secret(value.trim().to_owned()),
+        })
+    }
+}
+
+/// The LLM server.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "LLM server")]
+pub struct LlmSettings {
+    /// OpenAI-compatible base URL, ending in /v1 (vLLM, Ollama, llama.cpp, OpenAI …). The API key
+    /// is read from LLM_API_KEY only (never a flag, never logged).
+    #[arg(
+        long = "llm-base-url",
+        env = "LLM_BASE_URL",
+        default_value = "http://127.0.0.1:11434/v1"
+    )]
+    pub base_url: String,
+    /// Model used when a request names none.
+    #[arg(long = "llm-model", env = "LLM_MODEL", default_value = "llama3.1")]
+    pub model: String,
+    /// Bearer token, from the environment variable LLM_API_KEY.
+    #[arg(skip = Secret::from_env("LLM_API_KEY"))]
+    pub api_key: Option<Secret>,
+    /// Extra header for the LLM server, `Name: value` (repeatable; `;`-separated in the environment).
+    #[arg(long = "llm-header", env = "LLM_HEADERS", value_delimiter = ';')]
+    pub headers: Vec<Header>,
+    /// No byte from the LLM for this long ends the run LLM_STREAM_STALLED (cap 1h).
+    #[arg(long = "llm-idle-timeout", env = "LLM_IDLE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
+    /// Connect timeout to the LLM server (cap 5m).
+    #[arg(long = "llm-connect-timeout", env = "LLM_CONNECT_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
+    /// Retries before the first byte on connect errors, 429 and 5xx (cap 10).
+    #[arg(long = "llm-max-retries", env = "LLM_MAX_RETRIES", default_value_t = 3)]
+    pub max_retries: u32,
+    /// First retry delay, doubled each attempt (cap 1m).
+    #[arg(long = "llm-retry-backoff", env = "LLM_RETRY_BACKOFF", default_value = "500ms", value_parser = parse_duration)]
+    pub retry_backoff: Duration,
+    /// Longest SSE line accepted from the LLM, in bytes (cap 64 MiB).
+    #[arg(long = "llm-max-line-bytes", env = "LLM_MAX_LINE_BYTES", default_value_t = MIB)]
+    pub max_line_bytes: usize,
+}
+
+impl Bounded for LlmSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("idle_timeout", self.idle_timeout, ms(1), secs(3600)),
+            bound("connect_timeout", self.connect_timeout, ms(1), secs(300)),
+            bound("max_retries", self.max_retries, 0u32, 10u32),
+            bound("retry_backoff", self.retry_backoff, Duration::ZERO, secs(60)),
+            bound("max_line_bytes", self.max_line_bytes, KIB, 64 * MIB),
+        ]
+    }
+}
+
+/// Where the tool-runners are and how calls reach them.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Tool-runners")]
+pub struct ToolRunnerSettings {
+    /// Tool-runner endpoint: http://host:port, or dns:///name:port for every address of a name
+    /// (a Kubernetes headless Service), re-resolved on an interval. Repeatable; comma-separated in
+    /// the environment.
+    #[arg(
+        long = "tool-runner",
+        env = "TOOL_RUNNER_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:50052"
+    )]
+    pub endpoints: Vec<String>,
+    /// How often the tool catalog is refreshed with ListTools (cap 1h).
+    #[arg(long = "tool-refresh-interval", env = "ORCHESTRATOR_TOOL_REFRESH_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub refresh_interval: Duration,
+    /// How often dns:/// tool-runner targets are resolved again (cap 10m).
+    #[arg(long = "tool-runner-resolve-interval", env = "ORCHESTRATOR_TOOL_RUNNER_RESOLVE_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub resolve_interval: Duration,
+    /// Retries of a tool call no runner ran (refused over its limit or draining; cap 10).
+    #[arg(
+        long = "tool-call-retries",
+        env = "ORCHESTRATOR_TOOL_CALL_RETRIES",
+        default_value_t = 3
+    )]
+    pub call_retries: u32,
+    /// First delay between those retries, doubled each time (cap 5s).
+    #[arg(long = "tool-call-retry-backoff", env = "ORCHESTRATOR_TOOL_CALL_RETRY_BACKOFF", default_value = "25ms", value_parser = parse_duration)]
+    pub call_retry_backoff: Duration,
+}
+
+impl Bounded for ToolRunnerSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("refresh_interval", self.refresh_interval, secs(1), secs(3600)),
+            bound("resolve_interval", self.resolve_interval, ms(100), secs(600)),
+            bound("call_retries", self.call_retries, 0u32, 10u32),
+            bound("call_retry_backoff", self.call_retry_backoff, Duration::ZERO, secs(5)),
+        ]
+    }
+}
+
+/// Per-run limits: the default used when a request sets none, and the ceiling a request may not
+/// pass.
+#[derive(Debug, Clone, Copy, Args)]
+#[command(next_help_heading = "Run limits")]
+pub struct LimitSettings {
+    /// Default max turns per run.
+    #[arg(long, env = "ORCHESTRATOR_MAX_TURNS", default_value_t = 16)]
+    pub max_turns: u32,
+    /// Most turns a request may ask for (cap 128).
+    #[arg(long, env = "ORCHESTRATOR_MAX_TURNS_CEILING", default_value_t = HARD_MAX_TURNS)]
+    pub max_turns_ceiling: u32,
+    /// Default tool-call budget per run.
+    #[arg(long, env = "ORCHESTRATOR_TOOL_CALL_BUDGET", default_value_t = 64)]
+    pub tool_call_budget: u32,
+    /// Largest budget a request may ask for (cap 100000).
+    #[arg(long, env = "ORCHESTRATOR_TOOL_CALL_BUDGET_CEILING", default_value_t = 1000)]
+    pub tool_call_budget_ceiling: u32,
+    /// Default failing turns tolerated per run.
+    #[arg(long, env = "ORCHESTRATOR_MAX_TOOL_FAILURES", default_value_t = 3)]
+    pub max_tool_failures: u32,
+    /// Most failing turns a request may allow (cap 10000).
+    #[arg(long, env = "ORCHESTRATOR_MAX_TOOL_FAILURES_CEILING", default_value_t = 100)]
+    pub max_tool_failures_ceiling: u32,
+    /// Default timeout of one tool call.
+    #[arg(long, env = "ORCHESTRATOR_TOOL_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub tool_timeout: Duration,
+    /// Longest tool timeout a request may ask for (cap 1h).
+    #[arg(long, env = "ORCHESTRATOR_TOOL_TIMEOUT_CEILING", default_value = "10m", value_parser = parse_duration)]
+    pub tool_timeout_ceiling: Duration,
+    /// Default deadline of a run.
+    #[arg(long, env = "ORCHESTRATOR_RUN_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub run_timeout: Duration,
+    /// Longest run deadline a request may ask for (cap 24h).
+    #[arg(long, env = "ORCHESTRATOR_RUN_TIMEOUT_CEILING", default_value = "1h", value_parser = parse_duration)]
+    pub run_timeout_ceiling: Duration,
+}
+
+impl LimitSettings {
+    /// The limits of a run whose request sets none.
+    pub fn defaults(&self) -> Limits {
+        Limits {
+            max_turns: self.max_turns,
+            tool_call_budget: self.tool_call_budget,
+            max_tool_failures: self.max_tool_failures,
+            tool_timeout: self.tool_timeout,
+            run_timeout: self.run_timeout,
+        }
+    }
+
+    /// The most a request may ask for.
+    pub fn ceilings(&self) -> Limits {
+        Limits {
+            max_turns: self.max_turns_ceiling,
+            tool_call_budget: self.tool_call_budget_ceiling,
+            max_tool_failures: self.max_tool_failures_ceiling,
+            tool_timeout: self.tool_timeout_ceiling,
+            run_timeout: self.run_timeout_ceiling,
+        }
+    }
+}
+
+impl Bounded for LimitSettings {
+    /// Each ceiling has a cap; each default lies below its ceiling.
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("max_turns_ceiling", self.max_turns_ceiling, 1u32, HARD_MAX_TURNS),
+            bound("max_turns", self.max_turns, 1u32, self.max_turns_ceiling),
+            bound(
+                "tool_call_budget_ceiling",
+                self.tool_call_budget_ceiling,
+                0u32,
+                100_000u32,
+            ),
+            bound(
+                "tool_call_budget",
+                self.tool_call_budget,
+                0u32,
+                self.tool_call_budget_ceiling,
+            ),
+            bound(
+                "max_tool_failures_ceiling",
+                self.max_tool_failures_ceiling,
+                0u32,
+                10_000u32,
+            ),
+            bound(
+                "max_tool_failures",
+                self.max_tool_failures,
+                0u32,
+                self.max_tool_failures_ceiling,
+            ),
+            bound("tool_timeout_ceiling", self.tool_timeout_ceiling, ms(1), secs(3600)),
+            bound("tool_timeout", self.tool_timeout, ms(1), self.tool_timeout_ceiling),
+            bound("run_timeout_ceiling", self.run_timeout_ceiling, ms(1), DAY),
+            bound("run_timeout", self.run_timeout, ms(1), self.run_timeout_ceiling),
+        ]
+    }
+}
+
+/// Runs: how many at once, what every run offers, how its stream and output are watched.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Runs")]
+pub struct RunSettings {
+    /// Runs live at once; more get RESOURCE_EXHAUSTED (cap 100000).
+    #[arg(long, env = "ORCHESTRATOR_MAX_RUNS", default_value_t = 256)]
+    pub max_runs: usize,
+    /// Exit tool offered to every run: NAME or NAME=SCHEMA_FILE (a JSON Schema; its
+    /// "description" describes the tool). Repeatable; comma-separated in the environment. Blank
+    /// entries are ignored.
+    #[arg(long = "exit-tool", env = "ORCHESTRATOR_EXIT_TOOLS", value_delimiter = ',', value_parser = exit_tool)]
+    pub exit_tools: Vec<ToolDefinition>,
+    /// Event batches (events the loop produces together) buffered per run stream before the run
+    /// waits for a slow reader (cap 65536).
+    #[arg(long, env = "ORCHESTRATOR_EVENT_BUFFER", default_value_t = 64)]
+    pub event_buffer: usize,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub loop_detector: LoopDetectorSettings,
+}
+
+impl Bounded for RunSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        let mut rows = vec![
+            bound("max_runs", self.max_runs, 1usize, 100_000usize),
+            bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
+        ];
+        rows.extend(self.loop_detector.bounds());
+        rows
+    }
+}
+
+/// The repeated-line detector: a line seen `threshold` times among the last `window` complete
+/// lines of a run's output ends it `REPEATED_LINE_LOOP`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Args)]
+pub struct LoopDetectorSettings {
+    /// Repeated-line detector: complete lines remembered (cap 100000).
+    #[arg(long = "loop-window", env = "ORCHESTRATOR_LOOP_WINDOW", default_value_t = 128)]
+    pub window: usize,
+    /// Repeated-line detector: occurrences of one line in the window that end the run (2..=window).
+    #[arg(long = "loop-threshold", env = "ORCHESTRATOR_LOOP_THRESHOLD", default_value_t = 12)]
+    pub threshold: usize,
+}
+
+impl Bounded for LoopDetectorSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("window", self.window, 1usize, 100_000usize),
+            bound("threshold", self.threshold, 2usize, self.window.max(2)),
+        ]
+    }
 }
 
 /// Where signals or results go.
@@ -156,370 +411,350 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// How to reach NATS.
-#[derive(Debug, Clone, Default)]
-pub struct NatsOptions {
-    /// A `.creds` file (JWT + NKey seed).
-    pub credentials: Option<std::path::PathBuf>,
-    /// Require TLS.
-    pub tls_required: bool,
-    /// Extra root certificates (PEM) for TLS.
-    pub ca_file: Option<std::path::PathBuf>,
+/// The signal topic.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Signal topic")]
+pub struct SignalSettings {
+    /// Signal topic: memory, or nats://host:4222 (JetStream).
+    #[arg(long = "signal-topic", env = "ORCHESTRATOR_SIGNAL_TOPIC", default_value = "memory")]
+    pub topic: Backend,
+    /// Signals buffered per SubscribeSignals subscriber (cap 1000000).
+    #[arg(long = "signal-buffer", env = "ORCHESTRATOR_SIGNAL_BUFFER", default_value_t = 1024)]
+    pub buffer: usize,
+    /// NATS subject prefix: signals go to <prefix>.<tool_name>.
+    #[arg(
+        long = "signal-subject-prefix",
+        env = "ORCHESTRATOR_SIGNAL_SUBJECT_PREFIX",
+        default_value = "signals"
+    )]
+    pub subject_prefix: String,
+    /// JetStream stream holding <prefix>.> (created when missing).
+    #[arg(
+        long = "signal-stream",
+        env = "ORCHESTRATOR_SIGNAL_STREAM",
+        default_value = "SIGNALS"
+    )]
+    pub stream: String,
+    /// How long the stream keeps signals (cap 365d).
+    #[arg(long = "signal-stream-max-age", env = "ORCHESTRATOR_SIGNAL_STREAM_MAX_AGE", default_value = "7d", value_parser = parse_duration)]
+    pub stream_max_age: Duration,
+    /// Most bytes the stream keeps; -1 for no limit.
+    #[arg(long = "signal-stream-max-bytes", env = "ORCHESTRATOR_SIGNAL_STREAM_MAX_BYTES", default_value_t = 1 << 30, allow_negative_numbers = true)]
+    pub stream_max_bytes: i64,
+    /// Publish attempts after the first, before a signal is marked undelivered (cap 30).
+    #[arg(
+        long = "signal-publish-retries",
+        env = "ORCHESTRATOR_SIGNAL_PUBLISH_RETRIES",
+        default_value_t = 6
+    )]
+    pub publish_retries: u32,
+    /// First delay between publish attempts, doubled each time (cap 1m).
+    #[arg(long = "signal-publish-backoff", env = "ORCHESTRATOR_SIGNAL_PUBLISH_BACKOFF", default_value = "250ms", value_parser = parse_duration)]
+    pub publish_backoff: Duration,
+    /// How long one publish waits for JetStream's acknowledgement (cap 1m).
+    #[arg(long = "signal-ack-timeout", env = "ORCHESTRATOR_SIGNAL_ACK_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub ack_timeout: Duration,
 }
 
-/// Everything [`crate::run`] (the server) needs.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// The LLM server.
-    pub llm: LlmConfig,
-    /// Model used when a request names none.
-    pub model: String,
-    /// Tool-runner endpoints (`http://host:port`).
-    pub tool_runners: Vec<String>,
-    /// How often the tool catalog is refreshed.
-    pub tool_refresh_interval: Duration,
-    /// How often `dns:///` tool-runner targets are resolved again.
-    pub tool_runner_resolve_interval: Duration,
-    /// Retries of a tool call no runner ran (refused over its limit or draining, or never delivered).
-    pub tool_call_retries: u32,
-    /// First delay between those retries (doubles per attempt).
-    pub tool_call_retry_backoff: Duration,
-    /// Exit tools every run offers.
-    pub exit_tools: Vec<ToolDefinition>,
-    /// Limits used when a request sets none.
-    pub default_limits: Limits,
-    /// The most a request may ask for.
-    pub ceiling_limits: Limits,
-    /// Run slots and kept results.
-    pub runs: RunsConfig,
-    /// Repeated-line detector.
-    pub detector: DetectorConfig,
-    /// Event batches buffered per run stream before the run waits for its reader.
-    pub event_buffer: usize,
-    /// Signals buffered per `SubscribeSignals` subscriber.
-    pub signal_buffer: usize,
-    /// Largest `Orchestrate` request, in bytes.
-    pub max_request_bytes: usize,
-    /// How long in-flight runs may take to finish after a stop signal.
-    pub shutdown_grace: Duration,
-    /// Record tool arguments and results on spans, truncated to this many bytes; `None` = off
-    /// (the default: they may hold secrets).
-    pub trace_payloads: Option<usize>,
-    /// The signal topic's backend.
-    pub signal_topic: Backend,
-    /// Settings of the NATS signal topic.
-    pub signals: crate::signals::nats::NatsTopicSettings,
-    /// The result store's backend.
-    pub run_store: Backend,
-    /// Key-value bucket of the NATS result store.
-    pub run_store_bucket: String,
-    /// How long the NATS result store keeps a result.
-    pub run_store_ttl: Duration,
-    /// How long one read or write of the result store may take.
-    pub store_timeout: Duration,
-    /// How to reach NATS.
-    pub nats: NatsOptions,
+impl Bounded for SignalSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("buffer", self.buffer, 1usize, 1_000_000usize),
+            bound("stream_max_age", self.stream_max_age, secs(1), DAY * 365),
+            bound("stream_max_bytes", self.stream_max_bytes, -1i64, i64::MAX),
+            bound("publish_retries", self.publish_retries, 0u32, 30u32),
+            bound("publish_backoff", self.publish_backoff, Duration::ZERO, secs(60)),
+            bound("ack_timeout", self.ack_timeout, ms(10), secs(60)),
+        ]
+    }
+}
+
+/// Where run results are kept for `GetRun`.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Result store")]
+pub struct StoreSettings {
+    /// Result store: memory (bounded by --keep-results / --keep-results-for), or nats://host:4222
+    /// (a JetStream key-value bucket shared by replicas, kept across restarts).
+    #[arg(long = "run-store", env = "ORCHESTRATOR_RUN_STORE", default_value = "memory")]
+    pub backend: Backend,
+    /// Finished results kept for GetRun (cap 1000000).
+    #[arg(long, env = "ORCHESTRATOR_KEEP_RESULTS", default_value_t = 10_000)]
+    pub keep_results: usize,
+    /// How long finished results are kept (cap 7 days).
+    #[arg(long, env = "ORCHESTRATOR_KEEP_RESULTS_FOR", default_value = "1h", value_parser = parse_duration)]
+    pub keep_results_for: Duration,
+    /// Key-value bucket of the NATS result store (created when missing).
+    #[arg(
+        long = "run-store-bucket",
+        env = "ORCHESTRATOR_RUN_STORE_BUCKET",
+        default_value = "orchestrator-runs"
+    )]
+    pub bucket: String,
+    /// How long the NATS result store keeps a result (cap 365d).
+    #[arg(long = "run-store-ttl", env = "ORCHESTRATOR_RUN_STORE_TTL", default_value = "24h", value_parser = parse_duration)]
+    pub ttl: Duration,
+    /// How long one read or write of the result store may take (cap 1m).
+    #[arg(long = "store-timeout", env = "ORCHESTRATOR_STORE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub timeout: Duration,
+}
+
+impl Bounded for StoreSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("keep_results", self.keep_results, 0usize, 1_000_000usize),
+            bound("keep_results_for", self.keep_results_for, Duration::ZERO, DAY * 7),
+            bound("ttl", self.ttl, secs(1), DAY * 365),
+            bound("timeout", self.timeout, ms(10), secs(60)),
+        ]
+    }
+}
+
+/// How to reach NATS (the signal topic and the result store share one connection per URL).
+#[derive(Debug, Clone, Default, Args)]
+#[command(next_help_heading = "NATS")]
+pub struct NatsSettings {
+    /// NATS credentials file (.creds).
+    #[arg(long = "nats-credentials", env = "NATS_CREDENTIALS")]
+    pub credentials: Option<PathBuf>,
+    /// Require TLS to NATS.
+    #[arg(long = "nats-tls", env = "NATS_TLS")]
+    pub tls_required: bool,
+    /// Extra root certificates (PEM) for TLS to NATS.
+    #[arg(long = "nats-ca-file", env = "NATS_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+}
+
+/// Logs and traces.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Telemetry")]
+pub struct TelemetrySettings {
+    /// Log format: text or json.
+    #[arg(long, env = "ORCHESTRATOR_LOG_FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
+    /// Record tool arguments and results on spans (off by default: they may hold secrets).
+    #[arg(long, env = "ORCHESTRATOR_TRACE_TOOL_PAYLOADS")]
+    pub trace_tool_payloads: bool,
+    /// Size cap of each recorded payload, in bytes (cap 64 KiB).
+    #[arg(long, env = "ORCHESTRATOR_TRACE_PAYLOAD_MAX_BYTES", default_value_t = KIB)]
+    pub trace_payload_max_bytes: usize,
+}
+
+impl TelemetrySettings {
+    /// How many bytes of tool payloads spans record; `None`: none.
+    pub fn trace_payloads(&self) -> Option<usize> {
+        self.trace_tool_payloads.then_some(self.trace_payload_max_bytes)
+    }
+}
+
+impl Bounded for TelemetrySettings {
+    fn bounds(&self) -> Vec<Bound> {
+        let size = bound(
+            "trace_payload_max_bytes",
+            self.trace_payload_max_bytes,
+            1usize,
+            64 * KIB,
+        );
+        self.trace_tool_payloads.then_some(size).into_iter().collect()
+    }
+}
+
+impl Bounded for Config {
+    fn bounds(&self) -> Vec<Bound> {
+        let sections = [
+            self.server.bounds(),
+            self.llm.bounds(),
+            self.tool_runners.bounds(),
+            self.limits.bounds(),
+            self.runs.bounds(),
+            self.signals.bounds(),
+            self.store.bounds(),
+            self.telemetry.bounds(),
+        ];
+        sections.into_iter().flatten().collect()
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        shared::config::defaults()
+    }
 }
 
 impl Config {
     /// A configuration talking to `llm_base_url` and `tool_runners`, everything else default.
     pub fn new(llm_base_url: &str, model: &str, tool_runners: Vec<String>) -> Self {
-        let default_limits = Limits {
-            max_turns: limits::MAX_TURNS,
-            tool_call_budget: limits::TOOL_CALL_BUDGET,
-            max_tool_failures: limits::MAX_TOOL_FAILURES,
-            tool_timeout: limits::TOOL_TIMEOUT,
-            run_timeout: limits::RUN_TIMEOUT,
-        };
-        Self {
-            llm: LlmConfig {
-                base_url: llm_base_url.to_owned(),
-                api_key: None,
-                extra_headers: Vec::new(),
-                connect_timeout: limits::LLM_CONNECT_TIMEOUT,
-                idle_timeout: limits::LLM_IDLE_TIMEOUT,
-                max_retries: limits::LLM_MAX_RETRIES,
-                retry_backoff: limits::LLM_RETRY_BACKOFF,
-                max_line_bytes: limits::LLM_MAX_LINE_BYTES,
-            },
-            model: model.to_owned(),
-            tool_runners,
-            tool_refresh_interval: limits::TOOL_REFRESH,
-            tool_runner_resolve_interval: limits::RESOLVE_INTERVAL,
-            tool_call_retries: limits::TOOL_CALL_RETRIES,
-            tool_call_retry_backoff: limits::TOOL_CALL_RETRY_BACKOFF,
-            exit_tools: Vec::new(),
-            default_limits,
-            ceiling_limits: Limits {
-                max_turns: HARD_MAX_TURNS,
-                tool_call_budget: 1000,
-                max_tool_failures: 100,
-                tool_timeout: Duration::from_secs(600),
-                run_timeout: Duration::from_secs(3600),
-            },
-            runs: RunsConfig {
-                max_runs: limits::MAX_RUNS,
-                keep_results: limits::KEEP_RESULTS,
-                keep_results_for: limits::KEEP_RESULTS_FOR,
-            },
-            detector: DetectorConfig {
-                window: limits::LOOP_WINDOW,
-                threshold: limits::LOOP_THRESHOLD,
-            },
-            event_buffer: limits::EVENT_BUFFER,
-            signal_buffer: limits::SIGNAL_BUFFER,
-            max_request_bytes: limits::MAX_REQUEST_BYTES,
-            shutdown_grace: limits::SHUTDOWN_GRACE,
-            trace_payloads: None,
-            signal_topic: Backend::Memory,
-            signals: crate::signals::nats::NatsTopicSettings {
-                subject_prefix: "signals".to_owned(),
-                stream: "SIGNALS".to_owned(),
-                max_age: limits::SIGNAL_STREAM_MAX_AGE,
-                max_bytes: limits::SIGNAL_STREAM_MAX_BYTES,
-                retries: limits::SIGNAL_PUBLISH_RETRIES,
-                backoff: limits::SIGNAL_PUBLISH_BACKOFF,
-                ack_timeout: limits::SIGNAL_ACK_TIMEOUT,
-            },
-            run_store: Backend::Memory,
-            run_store_bucket: "orchestrator-runs".to_owned(),
-            run_store_ttl: limits::RUN_STORE_TTL,
-            store_timeout: limits::STORE_TIMEOUT,
-            nats: NatsOptions::default(),
-        }
+        let mut config = Self::default();
+        config.llm.base_url = llm_base_url.to_owned();
+        config.llm.model = model.to_owned();
+        config.tool_runners.endpoints = tool_runners;
+        config
     }
 
-    /// Checks every limit against its range; the error names the flag.
+    /// Drops the blank entries of lists read from the environment (`ORCHESTRATOR_EXIT_TOOLS=""`,
+    /// `"a,,b"`), which mean nothing.
+    pub fn without_blanks(mut self) -> Self {
+        self.runs.exit_tools.retain(|t| !t.name.is_empty());
+        self.llm.headers.retain(|h| !h.name.is_empty());
+        self
+    }
+
+    /// Checks every limit against its range and every name against its rules; the error names
+    /// the flag.
     pub fn validate(&self) -> Result<(), Error> {
-        use limits::*;
-        let ms = Duration::from_millis;
-        let (d, c) = (&self.default_limits, &self.ceiling_limits);
-        check_range("--max-turns-ceiling", c.max_turns, 1, HARD_MAX_TURNS)?;
-        check_range("--max-turns", d.max_turns, 1, c.max_turns)?;
-        check_range(
-            "--tool-call-budget-ceiling",
-            c.tool_call_budget,
-            0,
-            TOOL_CALL_BUDGET_CAP,
-        )?;
-        check_range("--tool-call-budget", d.tool_call_budget, 0, c.tool_call_budget)?;
-        check_range(
-            "--max-tool-failures-ceiling",
-            c.max_tool_failures,
-            0,
-            MAX_TOOL_FAILURES_CAP,
-        )?;
-        check_range("--max-tool-failures", d.max_tool_failures, 0, c.max_tool_failures)?;
-        check_duration("--tool-timeout-ceiling", c.tool_timeout, ms(1), TOOL_TIMEOUT_CAP)?;
-        check_duration("--tool-timeout", d.tool_timeout, ms(1), c.tool_timeout)?;
-        check_duration("--run-timeout-ceiling", c.run_timeout, ms(1), RUN_TIMEOUT_CAP)?;
-        check_duration("--run-timeout", d.run_timeout, ms(1), c.run_timeout)?;
-        check_range("--max-runs", self.runs.max_runs, 1, MAX_RUNS_CAP)?;
-        check_range("--keep-results", self.runs.keep_results, 0, KEEP_RESULTS_CAP)?;
-        check_duration(
-            "--keep-results-for",
-            self.runs.keep_results_for,
-            Duration::ZERO,
-            KEEP_RESULTS_FOR_CAP,
-        )?;
-        check_duration("--llm-idle-timeout", self.llm.idle_timeout, ms(1), LLM_IDLE_TIMEOUT_CAP)?;
-        check_duration(
-            "--llm-connect-timeout",
-            self.llm.connect_timeout,
-            ms(1),
-            LLM_CONNECT_TIMEOUT_CAP,
-        )?;
-        check_range("--llm-max-retries", self.llm.max_retries, 0, LLM_MAX_RETRIES_CAP)?;
-        check_duration(
-            "--llm-retry-backoff",
-            self.llm.retry_backoff,
-            Duration::ZERO,
-            LLM_RETRY_BACKOFF_CAP,
-        )?;
-        check_range(
-            "--llm-max-line-bytes",
-            self.llm.max_line_bytes,
-            1024,
-            LLM_MAX_LINE_BYTES_CAP,
-        )?;
-        check_range("--event-buffer", self.event_buffer, 1, EVENT_BUFFER_CAP)?;
-        check_range("--signal-buffer", self.signal_buffer, 1, SIGNAL_BUFFER_CAP)?;
-        check_range("--loop-window", self.detector.window, 1, LOOP_WINDOW_CAP)?;
-        check_range(
-            "--loop-threshold",
-            self.detector.threshold,
-            2,
-            self.detector.window.max(2),
-        )?;
-        check_duration(
-            "--tool-refresh-interval",
-            self.tool_refresh_interval,
-            Duration::from_secs(1),
-            TOOL_REFRESH_CAP,
-        )?;
-        check_range(
-            "--max-request-bytes",
-            self.max_request_bytes,
-            1024,
-            MAX_REQUEST_BYTES_CAP,
-        )?;
-        check_duration(
-            "--shutdown-grace",
-            self.shutdown_grace,
-            Duration::ZERO,
-            SHUTDOWN_GRACE_CAP,
-        )?;
-        check_duration(
-            "--tool-runner-resolve-interval",
-            self.tool_runner_resolve_interval,
-            Duration::from_millis(100),
-            RESOLVE_INTERVAL_CAP,
-        )?;
-        check_range("--tool-call-retries", self.tool_call_retries, 0, TOOL_CALL_RETRIES_CAP)?;
-        check_duration(
-            "--tool-call-retry-backoff",
-            self.tool_call_retry_backoff,
-            Duration::ZERO,
-            TOOL_CALL_RETRY_BACKOFF_CAP,
-        )?;
-        for target in &self.tool_runners {
+        self.check_bounds()?;
+        for target in &self.tool_runners.endpoints {
             target
                 .parse::<crate::tool_runners::Target>()
-                .map_err(|e| Error::Config(format!("--tool-runner {e}")))?;
+                .map_err(|e| Error::Config(format!("{} {e}", flag::<ToolRunnerSettings>("endpoints"))))?;
         }
-        let s = &self.signals;
-        check_range("--signal-publish-retries", s.retries, 0, SIGNAL_PUBLISH_RETRIES_CAP)?;
-        check_duration(
-            "--signal-publish-backoff",
-            s.backoff,
-            Duration::ZERO,
-            SIGNAL_PUBLISH_BACKOFF_CAP,
-        )?;
-        check_duration(
-            "--signal-ack-timeout",
-            s.ack_timeout,
-            Duration::from_millis(10),
-            SIGNAL_ACK_TIMEOUT_CAP,
-        )?;
-        check_duration(
-            "--signal-stream-max-age",
-            s.max_age,
-            Duration::from_secs(1),
-            SIGNAL_STREAM_MAX_AGE_CAP,
-        )?;
-        check_range("--signal-stream-max-bytes", s.max_bytes, -1, i64::MAX)?;
-        check_duration(
-            "--run-store-ttl",
-            self.run_store_ttl,
-            Duration::from_secs(1),
-            RUN_STORE_TTL_CAP,
-        )?;
-        check_duration(
-            "--store-timeout",
-            self.store_timeout,
-            Duration::from_millis(10),
-            STORE_TIMEOUT_CAP,
-        )?;
+        self.check_nats_names()?;
+        self.check_exit_tools()
+    }
+
+    /// NATS subjects, streams and buckets are dot-separated tokens of letters, digits, `_`, `-`.
+    fn check_nats_names(&self) -> Result<(), Error> {
         let token = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !s.subject_prefix.split('.').all(token) {
+        let prefix = &self.signals.subject_prefix;
+        if !prefix.split('.').all(token) {
             return Err(Error::Config(format!(
-                "--signal-subject-prefix {:?}: dot-separated tokens of letters, digits, '_' or '-'",
-                s.subject_prefix
+                "{} {prefix:?}: dot-separated tokens of letters, digits, '_' or '-'",
+                flag::<SignalSettings>("subject_prefix")
             )));
         }
         for (flag, name) in [
-            ("--signal-stream", &s.stream),
-            ("--run-store-bucket", &self.run_store_bucket),
+            (flag::<SignalSettings>("stream"), &self.signals.stream),
+            (flag::<StoreSettings>("bucket"), &self.store.bucket),
         ] {
             if !token(name) {
                 return Err(Error::Config(format!("{flag} {name:?}: letters, digits, '_' or '-'")));
             }
         }
-        if let Some(max) = self.trace_payloads {
-            check_range("--trace-payload-max-bytes", max, 1, TRACE_PAYLOAD_CAP)?;
-        }
+        Ok(())
+    }
+
+    /// Exit tools have valid, distinct names and usable schemas.
+    fn check_exit_tools(&self) -> Result<(), Error> {
+        let flag = flag::<RunSettings>("exit_tools");
         let mut seen = std::collections::HashSet::new();
-        for tool in &self.exit_tools {
+        for tool in self.runs.exit_tools.iter().filter(|t| !t.name.is_empty()) {
             if !shared::tools::valid_tool_name(&tool.name) {
                 return Err(Error::Config(format!(
-                    "--exit-tool {:?}: names are 1-64 of letters, digits, '_' or '-'",
+                    "{flag} {:?}: names are 1-64 of letters, digits, '_' or '-'",
                     tool.name
                 )));
             }
             if !seen.insert(&tool.name) {
-                return Err(Error::Config(format!("--exit-tool {:?} is given twice", tool.name)));
+                return Err(Error::Config(format!("{flag} {:?} is given twice", tool.name)));
             }
             shared::tools::check_schema(&tool.parameters)
-                .map_err(|e| Error::Config(format!("--exit-tool {}: {e}", tool.name)))?;
+                .map_err(|e| Error::Config(format!("{flag} {}: {e}", tool.name)))?;
         }
         Ok(())
     }
+}
+
+/// Parses `--exit-tool NAME[=SCHEMA_FILE]`: the schema file's `description` describes the tool.
+fn exit_tool(spec: &str) -> Result<ToolDefinition, String> {
+    let (name, file) = match spec.split_once('=') {
+        Some((name, file)) => (name.trim(), Some(PathBuf::from(file.trim()))),
+        None => (spec.trim(), None),
+    };
+    let default_description = || format!("Signal {name} (one-way; nothing comes back).");
+    let (description, parameters) = match file {
+        None => (default_description(), serde_json::json!({"type": "object"})),
+        Some(path) => {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| format!("--exit-tool {name}: cannot read {}: {e}", path.display()))?;
+            let schema: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| format!("--exit-tool {name}: {} is not JSON: {e}", path.display()))?;
+            let description = schema
+                .get("description")
+                .and_then(|d| d.as_str())
+                .map_or_else(default_description, str::to_owned);
+            (description, schema)
+        }
+    };
+    Ok(ToolDefinition {
+        name: name.to_owned(),
+        description,
+        parameters,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Settings whose range depends on this one, set so that both edges of this one are valid.
+    fn companions(flag: &str) -> Vec<String> {
+        let others: &[&str] = match flag {
+            "--loop-window" => &["--loop-threshold=2"],
+            "--max-turns-ceiling" => &["--max-turns=1"],
+            "--tool-call-budget-ceiling" => &["--tool-call-budget=0"],
+            "--max-tool-failures-ceiling" => &["--max-tool-failures=0"],
+            "--tool-timeout-ceiling" => &["--tool-timeout=1ms"],
+            "--run-timeout-ceiling" => &["--run-timeout=1ms"],
+            "--trace-payload-max-bytes" => &["--trace-tool-payloads"],
+            _ => &[],
+        };
+        others.iter().map(|o| (*o).to_owned()).collect()
+    }
+
     #[test]
-    fn defaults_are_valid_and_caps_hold_on_both_sides() {
-        let base = Config::new("http://127.0.0.1:1/v1", "m", vec!["http://127.0.0.1:2".into()]);
-        assert!(base.validate().is_ok());
-        type Change = Box<dyn Fn(&mut Config, bool)>;
-        // Each change sets a value at its cap (ok) or one past it (refused).
-        let cases: Vec<(&str, Change)> = vec![
-            (
-                "--max-turns-ceiling",
-                Box::new(|c, over| c.ceiling_limits.max_turns = HARD_MAX_TURNS + u32::from(over)),
-            ),
-            (
-                "--max-runs",
-                Box::new(|c, over| c.runs.max_runs = limits::MAX_RUNS_CAP + usize::from(over)),
-            ),
-            (
-                "--keep-results",
-                Box::new(|c, over| c.runs.keep_results = limits::KEEP_RESULTS_CAP + usize::from(over)),
-            ),
-            (
-                "--llm-max-retries",
-                Box::new(|c, over| c.llm.max_retries = limits::LLM_MAX_RETRIES_CAP + u32::from(over)),
-            ),
-            (
-                "--event-buffer",
-                Box::new(|c, over| c.event_buffer = limits::EVENT_BUFFER_CAP + usize::from(over)),
-            ),
-            (
-                "--loop-window",
-                Box::new(|c, over| c.detector.window = limits::LOOP_WINDOW_CAP + usize::from(over)),
-            ),
-            (
-                "--shutdown-grace",
-                Box::new(|c, over| {
-                    c.shutdown_grace = limits::SHUTDOWN_GRACE_CAP + Duration::from_secs(u64::from(over))
-                }),
-            ),
-            (
-                "--max-turns",
-                Box::new(|c, over| c.default_limits.max_turns = c.ceiling_limits.max_turns + u32::from(over)),
-            ),
-            (
-                "--llm-idle-timeout",
-                Box::new(|c, over| {
-                    c.llm.idle_timeout = limits::LLM_IDLE_TIMEOUT_CAP + Duration::from_millis(u64::from(over))
-                }),
-            ),
-        ];
-        for (flag, change) in cases {
-            let mut at = base.clone();
-            change(&mut at, false);
-            assert!(
-                at.validate().is_ok(),
-                "{flag} at its cap must be accepted: {:?}",
-                at.validate()
-            );
-            let mut over = base.clone();
-            change(&mut over, true);
-            let err = over.validate().unwrap_err().to_string();
-            assert!(err.contains(flag), "{err} should name {flag}");
-        }
+    fn the_defaults_are_valid() {
+        assert!(Config::default().validate().is_ok());
+    }
+
+    /// Every row of the table, through the real flags, on both sides of both edges.
+    #[test]
+    fn every_bound_holds_on_both_sides() {
+        let validate = |c: &Config| c.validate().map_err(|e| e.to_string());
+        assert_eq!(shared::config::check_every_bound(validate, companions), Ok(()));
+    }
+
+    #[test]
+    fn names_and_exit_tools_are_checked() {
+        let mut config = Config::default();
+        config.signals.subject_prefix = "a..b".into();
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--signal-subject-prefix")
+        );
+        let mut config = Config::default();
+        config.runs.exit_tools = vec![exit_tool("done").unwrap(), exit_tool("done").unwrap()];
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--exit-tool \"done\" is given twice")
+        );
+        let mut config = Config::default();
+        config.tool_runners.endpoints = vec!["dns://x".into()];
+        assert!(config.validate().unwrap_err().to_string().contains("--tool-runner"));
+    }
+
+    #[test]
+    fn blank_list_entries_mean_nothing() {
+        let mut config = Config::default();
+        config.runs.exit_tools = vec![exit_tool("a").unwrap(), exit_tool("").unwrap()];
+        config.llm.headers = vec!["".parse().unwrap(), "X-A: 1".parse().unwrap()];
+        assert!(config.validate().is_ok());
+        let config = config.without_blanks();
+        assert_eq!(config.runs.exit_tools.len(), 1);
+        assert_eq!(config.llm.headers.len(), 1);
+    }
+
+    #[test]
+    fn secrets_stay_out_of_debug_output() {
+        let mut config = Config::default();
+        config.llm.api_key = Some(Secret::from("sk-secret"));
+        config.llm.headers = vec!["X-Gateway-Key: hunter2".parse().unwrap()];
+        let debug = format!("{config:?}");
+        assert!(!debug.contains("sk-secret") && !debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("X-Gateway-Key"), "{debug}");
     }
 }

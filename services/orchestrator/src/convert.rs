@@ -223,7 +223,7 @@ pub fn resolve(
         tools
     };
     let normal_names: HashSet<&str> = normal_tools.iter().map(|t| t.name.as_str()).collect();
-    let mut exit_tools: Vec<ToolDefinition> = config.exit_tools.clone();
+    let mut exit_tools: Vec<ToolDefinition> = config.runs.exit_tools.clone();
     for tool in request.exit_tools {
         if exit_tools.iter().any(|t| t.name == tool.name) {
             return Err(invalid(format!(
@@ -239,13 +239,13 @@ pub fn resolve(
             clash.name
         )));
     }
-    let model = request.model.unwrap_or_else(|| config.model.clone());
+    let model = request.model.unwrap_or_else(|| config.llm.model.clone());
     if model.is_empty() {
         return Err(invalid(
             "model is empty and the server has no default model (--llm-model)",
         ));
     }
-    let (d, c, asked) = (&config.default_limits, &config.ceiling_limits, &request.limits);
+    let (d, c, asked) = (&config.limits.defaults(), &config.limits.ceilings(), &request.limits);
     let tool_timeout_ms = pick(
         "tool_timeout_ms",
         asked.tool_timeout_ms,

@@ -68,7 +68,7 @@ pub async fn run(options: DemoOptions) -> Result<bool, Error> {
     );
 
     let mut config = Config::new(&base_url, &model, vec![runner_url]);
-    config.llm.api_key = options.llm_api_key.clone();
+    config.llm.api_key = options.llm_api_key.as_deref().map(crate::config::Secret::from);
     let (listener, endpoint) = bind().await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let orchestrator = tokio::spawn(crate::run(listener, config, async move {

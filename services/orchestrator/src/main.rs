@@ -11,8 +11,8 @@ use clap::Parser;
 /// profiles; see bench/results for the before/after.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use orchestrator::Error;
-use orchestrator::cli::{Cli, Command, ServeArgs};
+use orchestrator::cli::{Cli, Command};
+use orchestrator::{Config, Error};
 
 fn main() -> ExitCode {
     shared::runtime::block_on("orchestrator", run())
@@ -48,15 +48,15 @@ async fn run() -> ExitCode {
     }
 }
 
-async fn serve(args: ServeArgs) -> Result<(), Error> {
-    let format = args.log_format;
-    shared::telemetry::Telemetry::around("orchestrator", format, "info", serve_with_telemetry(args)).await
+async fn serve(config: Config) -> Result<(), Error> {
+    let format = config.telemetry.log_format;
+    shared::telemetry::Telemetry::around("orchestrator", format, "info", serve_with_telemetry(config)).await
 }
 
-async fn serve_with_telemetry(args: ServeArgs) -> Result<(), Error> {
-    let config = args.to_config()?;
+async fn serve_with_telemetry(config: Config) -> Result<(), Error> {
     config.validate()?;
-    shared::shutdown::serve_until_stopped(args.listen, args.metrics_listen.0, |listener, shutdown| {
+    let (listen, metrics_listen) = (config.server.listen, config.server.metrics_listen.0);
+    shared::shutdown::serve_until_stopped(listen, metrics_listen, |listener, shutdown| {
         orchestrator::run(listener, config, shutdown)
     })
     .await

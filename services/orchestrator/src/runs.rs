@@ -13,17 +13,6 @@ use crate::run::{EventBatch, RunResult, RunSpec, RunStatus};
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
 use crate::store::{Persister, ResultStore};
 
-/// Bounds of the registry.
-#[derive(Debug, Clone, Copy)]
-pub struct RunsConfig {
-    /// Runs live at once; one more is refused with `RESOURCE_EXHAUSTED`.
-    pub max_runs: usize,
-    /// Finished results kept (memory store).
-    pub keep_results: usize,
-    /// How long a finished result is kept (memory store; the KV bucket's TTL otherwise).
-    pub keep_results_for: Duration,
-}
-
 struct Live {
     state: SharedState,
     cancel: Cancel,
@@ -34,7 +23,7 @@ pub struct Runs {
     live: Mutex<HashMap<String, Live>>,
     slots: Arc<Semaphore>,
     idle: Notify,
-    config: RunsConfig,
+    max_runs: usize,
     store: Arc<dyn ResultStore>,
     /// How long one write to the store may take.
     store_timeout: Duration,
@@ -102,13 +91,13 @@ pub enum CancelOutcome {
 }
 
 impl Runs {
-    /// An empty registry over `store`.
-    pub fn new(config: RunsConfig, store: Arc<dyn ResultStore>, store_timeout: Duration) -> Arc<Self> {
+    /// An empty registry of at most `max_runs` live runs, over `store`.
+    pub fn new(max_runs: usize, store: Arc<dyn ResultStore>, store_timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             live: Mutex::default(),
-            slots: Arc::new(Semaphore::new(config.max_runs)),
+            slots: Arc::new(Semaphore::new(max_runs)),
             idle: Notify::new(),
-            config,
+            max_runs,
             store,
             store_timeout,
         })
@@ -148,7 +137,7 @@ impl Runs {
         }
         let permit = Arc::clone(&self.slots)
             .try_acquire_owned()
-            .map_err(|_| Refusal::Full(self.config.max_runs))?;
+            .map_err(|_| Refusal::Full(self.max_runs))?;
         let state: SharedState = Arc::new(Mutex::new(RunResult::running(run_id)));
         let cancel = Cancel::default();
         live.insert(
@@ -227,13 +216,8 @@ mod tests {
     use crate::store::memory::MemoryStore;
 
     fn runs(max_runs: usize, keep: usize, keep_for: Duration) -> Arc<Runs> {
-        let config = RunsConfig {
-            max_runs,
-            keep_results: keep,
-            keep_results_for: keep_for,
-        };
         Runs::new(
-            config,
+            max_runs,
             Arc::new(MemoryStore::new(keep, keep_for)),
             Duration::from_secs(1),
         )

@@ -16,7 +16,7 @@ use shared::proto::orchestrator::v1::orchestrator_server::OrchestratorServer;
 use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
-use crate::config::{Backend, NatsOptions};
+use crate::config::{Backend, NatsSettings};
 use crate::llm::HttpLlm;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;
@@ -27,7 +27,7 @@ use crate::signals::nats::NatsTopic;
 use crate::store::ResultStore;
 use crate::store::memory::MemoryStore;
 use crate::store::nats::KvStore;
-use crate::tool_runners::{ClientSettings, Resolve, SystemResolver, ToolRunners};
+use crate::tool_runners::{Resolve, SystemResolver, ToolRunners};
 use crate::{Config, Error};
 
 /// The gRPC service name reported by health checks.
@@ -51,24 +51,19 @@ pub async fn run_with_resolver(
     resolver: Arc<dyn Resolve>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    let config = config.without_blanks();
     config.validate()?;
     crate::telemetry::describe();
     let model = Arc::new(HttpLlm::new(config.llm.clone()).map_err(Error::Config)?);
-    let settings = ClientSettings {
-        connect_timeout: Duration::from_secs(5),
-        resolve_interval: config.tool_runner_resolve_interval,
-        retries: config.tool_call_retries,
-        retry_backoff: config.tool_call_retry_backoff,
-    };
-    let runners = ToolRunners::connect(&config.tool_runners, resolver, settings).await?;
+    let runners = ToolRunners::connect(&config.tool_runners, resolver).await?;
     match runners.refresh(LIST_TOOLS_TIMEOUT).await {
         Ok(count) => tracing::info!(tools = count, endpoints = %runners.endpoints().join(","), "tool catalog loaded"),
         Err(e) => tracing::warn!("{e}; serving anyway, the catalog is retried on every refresh and on demand"),
     }
-    let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_refresh_interval, LIST_TOOLS_TIMEOUT));
+    let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_runners.refresh_interval, LIST_TOOLS_TIMEOUT));
     let mut connections = NatsConnections::default();
-    let signals: Arc<dyn SignalTopic> = match &config.signal_topic {
-        Backend::Memory => Arc::new(MemoryTopic::new(config.signal_buffer)),
+    let signals: Arc<dyn SignalTopic> = match &config.signals.topic {
+        Backend::Memory => Arc::new(MemoryTopic::new(config.signals.buffer)),
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
             let topic = NatsTopic::open(client, config.signals.clone())
@@ -78,31 +73,34 @@ pub async fn run_with_resolver(
             Arc::new(topic)
         }
     };
-    let store: Arc<dyn ResultStore> = match &config.run_store {
-        Backend::Memory => Arc::new(MemoryStore::new(config.runs.keep_results, config.runs.keep_results_for)),
+    let store: Arc<dyn ResultStore> = match &config.store.backend {
+        Backend::Memory => Arc::new(MemoryStore::new(
+            config.store.keep_results,
+            config.store.keep_results_for,
+        )),
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
             let js = async_nats::jetstream::new(client);
-            let store = KvStore::open(&js, &config.run_store_bucket, config.run_store_ttl)
+            let store = KvStore::open(&js, &config.store.bucket, config.store.ttl)
                 .await
                 .map_err(Error::Dependency)?;
-            tracing::info!(nats = %url, bucket = %config.run_store_bucket, "run results in NATS key-value");
+            tracing::info!(nats = %url, bucket = %config.store.bucket, "run results in NATS key-value");
             Arc::new(store)
         }
     };
-    let runs = Runs::new(config.runs, store, config.store_timeout);
+    let runs = Runs::new(config.runs.max_runs, store, config.store.timeout);
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
-    tracing::info!(%address, llm = %model.url(), model = %config.model, max_runs = config.runs.max_runs, "orchestrator serving");
+    tracing::info!(%address, llm = %model.url(), model = %config.llm.model, max_runs = config.runs.max_runs, "orchestrator serving");
 
     let core = Arc::new(Core {
         deps: LoopDeps {
             model,
             tools: Arc::new(runners.clone()),
             signals: Arc::clone(&signals),
-            detector: config.detector,
-            trace_payloads: config.trace_payloads,
+            detector: config.runs.loop_detector,
+            trace_payloads: config.telemetry.trace_payloads(),
         },
         runs: Arc::clone(&runs),
         runners,
@@ -116,9 +114,9 @@ pub async fn run_with_resolver(
     let reflection =
         shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let service = OrchestratorServer::new(OrchestratorService::new(Arc::clone(&core)))
-        .max_decoding_message_size(config.max_request_bytes);
+        .max_decoding_message_size(config.server.max_request_bytes);
 
-    let grace = config.shutdown_grace;
+    let grace = config.server.shutdown_grace;
     let drain = {
         let core = Arc::clone(&core);
         async move {
@@ -160,7 +158,7 @@ pub async fn run_with_resolver(
 struct NatsConnections(std::collections::HashMap<String, async_nats::Client>);
 
 impl NatsConnections {
-    async fn get(&mut self, url: &str, options: &NatsOptions) -> Result<async_nats::Client, Error> {
+    async fn get(&mut self, url: &str, options: &NatsSettings) -> Result<async_nats::Client, Error> {
         if let Some(client) = self.0.get(url) {
             return Ok(client.clone());
         }

@@ -113,7 +113,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             }
         };
 
-        let (tx, rx) = mpsc::channel::<EventBatch>(core.config.event_buffer);
+        let (tx, rx) = mpsc::channel::<EventBatch>(core.config.runs.event_buffer);
         let caller_gone = (!detached).then(|| tx.clone());
         let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state));
         let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id);

@@ -27,6 +27,7 @@ use shared::proto::toolrunner::v1 as pb;
 use tonic::transport::Endpoint;
 
 use crate::Error;
+use crate::config::ToolRunnerSettings;
 use crate::llm::ToolDefinition;
 use crate::pool::Pool;
 use crate::run::{ToolCallError, ToolExecutor, ToolInvocation};
@@ -104,17 +105,14 @@ impl Resolve for SystemResolver {
     }
 }
 
-/// How calls to the runners behave.
+/// Connect timeout per endpoint.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a call's retries need of the settings (copied into each call, no allocation).
 #[derive(Debug, Clone, Copy)]
-pub struct ClientSettings {
-    /// Connect timeout per endpoint.
-    pub connect_timeout: Duration,
-    /// How often DNS targets are resolved again.
-    pub resolve_interval: Duration,
-    /// Retries of a call refused before it ran.
-    pub retries: u32,
-    /// First retry delay (doubles per attempt).
-    pub retry_backoff: Duration,
+struct RetrySettings {
+    retries: u32,
+    backoff: Duration,
 }
 
 /// Aborts a background task when the last clone is dropped.
@@ -138,14 +136,14 @@ pub struct ToolRunners {
     /// The latest catalog; replaced whole on refresh, so readers share a snapshot without copying.
     catalog: Arc<RwLock<Arc<BTreeMap<String, RemoteTool>>>>,
     targets: Arc<Vec<String>>,
-    settings: ClientSettings,
+    retry: RetrySettings,
     _resolver: Option<Arc<AbortOnDrop>>,
 }
 
-fn endpoint(uri: &str, settings: &ClientSettings) -> Result<Endpoint, Error> {
+fn endpoint(uri: &str) -> Result<Endpoint, Error> {
     Ok(Endpoint::from_shared(uri.to_owned())
         .map_err(|e| Error::Config(format!("--tool-runner {uri:?}: {e}")))?
-        .connect_timeout(settings.connect_timeout)
+        .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(30))
         .keep_alive_while_idle(true))
@@ -167,11 +165,11 @@ async fn resolve_all(resolver: &dyn Resolve, dns: &[(String, u16)]) -> Vec<Optio
 }
 
 /// Puts the static endpoints plus the latest DNS answers into the pool.
-fn update(pool: &Pool, statics: &BTreeSet<String>, answers: &[BTreeSet<String>], settings: &ClientSettings) {
+fn update(pool: &Pool, statics: &BTreeSet<String>, answers: &[BTreeSet<String>]) {
     let wanted: BTreeSet<&String> = statics.iter().chain(answers.iter().flatten()).collect();
     let endpoints = wanted
         .into_iter()
-        .filter_map(|uri| match endpoint(uri, settings) {
+        .filter_map(|uri| match endpoint(uri) {
             Ok(e) => Some((uri.clone(), e)),
             Err(e) => {
                 tracing::warn!("{e}");
@@ -192,11 +190,8 @@ fn update(pool: &Pool, statics: &BTreeSet<String>, answers: &[BTreeSet<String>],
 impl ToolRunners {
     /// Connects to `targets` (static endpoints and DNS names); DNS names are resolved now and
     /// then every `settings.resolve_interval`.
-    pub async fn connect(
-        targets: &[String],
-        resolver: Arc<dyn Resolve>,
-        settings: ClientSettings,
-    ) -> Result<Self, Error> {
+    pub async fn connect(settings: &ToolRunnerSettings, resolver: Arc<dyn Resolve>) -> Result<Self, Error> {
+        let targets = &settings.endpoints;
         if targets.is_empty() {
             return Err(Error::Config("at least one --tool-runner endpoint is needed".into()));
         }
@@ -208,7 +203,7 @@ impl ToolRunners {
                 .map_err(|e| Error::Config(format!("--tool-runner {e}")))?
             {
                 Target::Static(uri) => {
-                    endpoint(&uri, &settings)?;
+                    endpoint(&uri)?;
                     statics.insert(uri);
                 }
                 Target::Dns { host, port } => dns.push((host, port)),
@@ -220,11 +215,11 @@ impl ToolRunners {
             .into_iter()
             .map(Option::unwrap_or_default)
             .collect();
-        update(&pool, &statics, &answers, &settings);
+        update(&pool, &statics, &answers);
         let resolver_task = (!dns.is_empty()).then(|| {
-            let pool = Arc::clone(&pool);
+            let (pool, interval) = (Arc::clone(&pool), settings.resolve_interval);
             Arc::new(AbortOnDrop(tokio::spawn(async move {
-                let mut ticker = tokio::time::interval(settings.resolve_interval);
+                let mut ticker = tokio::time::interval(interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 ticker.tick().await;
                 loop {
@@ -234,7 +229,7 @@ impl ToolRunners {
                             answers[i] = answer;
                         }
                     }
-                    update(&pool, &statics, &answers, &settings);
+                    update(&pool, &statics, &answers);
                 }
             })))
         });
@@ -242,7 +237,10 @@ impl ToolRunners {
             pool,
             catalog: Arc::default(),
             targets: Arc::new(targets.to_vec()),
-            settings,
+            retry: RetrySettings {
+                retries: settings.call_retries,
+                backoff: settings.call_retry_backoff,
+            },
             _resolver: resolver_task,
         })
     }
@@ -350,7 +348,7 @@ fn refused_before_run(status: &tonic::Status) -> Option<&'static str> {
 impl ToolExecutor for ToolRunners {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
         let pool = Arc::clone(&self.pool);
-        let settings = self.settings;
+        let retry = self.retry;
         async move {
             let mut attempt = 0u32;
             let mut tried: Vec<String> = Vec::new();
@@ -383,12 +381,12 @@ impl ToolExecutor for ToolRunners {
                             let cooldown = if reason == "concurrency_limit" { BUSY_COOLDOWN } else { GONE_COOLDOWN };
                             pool.cool_down(&lease.member, cooldown);
                         }
-                        if let Some(reason) = refused.filter(|_| attempt < settings.retries) {
+                        if let Some(reason) = refused.filter(|_| attempt < retry.retries) {
                             metrics::counter!(crate::telemetry::metric::TOOL_CALL_RETRIES, "reason" => reason).increment(1);
                             tracing::debug!(attempt, reason, endpoint = %lease.member.uri, "retrying a tool call no runner ran: {}", status.message());
                             tried.push(lease.member.uri.clone());
                             drop(lease);
-                            tokio::time::sleep(settings.retry_backoff.saturating_mul(1 << attempt.min(16))).await;
+                            tokio::time::sleep(retry.backoff.saturating_mul(1 << attempt.min(16))).await;
                             attempt += 1;
                             continue;
                         }

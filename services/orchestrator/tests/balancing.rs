@@ -63,8 +63,8 @@ async fn orchestrator(
     resolver: Scripted,
 ) -> anyhow::Result<(String, tokio::sync::oneshot::Sender<()>)> {
     let mut config = orchestrator::Config::new(&mock.base_url(), "stand-in", targets);
-    config.tool_runner_resolve_interval = Duration::from_millis(100);
-    config.default_limits.max_tool_failures = 10;
+    config.tool_runners.resolve_interval = Duration::from_millis(100);
+    config.limits.max_tool_failures = 10;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

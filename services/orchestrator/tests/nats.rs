@@ -15,9 +15,10 @@ use std::time::Duration;
 use async_nats::jetstream;
 use common::{Service, orchestrate};
 use futures::StreamExt;
+use orchestrator::config::SignalSettings;
 use orchestrator::run::{Delivery, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
 use orchestrator::signals::memory::MemoryTopic;
-use orchestrator::signals::nats::{NatsTopic, NatsTopicSettings};
+use orchestrator::signals::nats::NatsTopic;
 use orchestrator::signals::{SignalFilter, SignalItem, SignalTopic};
 use orchestrator::store::ResultStore;
 use orchestrator::store::memory::MemoryStore;
@@ -98,15 +99,16 @@ impl Nats {
     }
 }
 
-fn topic_settings(prefix: &str, retries: u32, backoff_ms: u64) -> NatsTopicSettings {
-    NatsTopicSettings {
+fn topic_settings(prefix: &str, retries: u32, backoff_ms: u64) -> SignalSettings {
+    SignalSettings {
         subject_prefix: prefix.to_owned(),
         stream: format!("{}_STREAM", prefix.to_uppercase().replace('.', "_")),
-        max_age: Duration::from_secs(3600),
-        max_bytes: 64 << 20,
-        retries,
-        backoff: Duration::from_millis(backoff_ms),
+        stream_max_age: Duration::from_secs(3600),
+        stream_max_bytes: 64 << 20,
+        publish_retries: retries,
+        publish_backoff: Duration::from_millis(backoff_ms),
         ack_timeout: Duration::from_millis(500),
+        ..orchestrator::Config::default().signals
     }
 }
 

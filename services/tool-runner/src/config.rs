@@ -1,126 +1,194 @@
-//! The runner's configuration (built from flags by [`crate::cli`], or directly by tests), with
-//! defaults and the caps every limit is checked against.
+//! The runner's settings, in sections. Each section is a clap `Args` struct that *is* the
+//! configuration: a field's flag, environment variable, default and doc are in its attribute and
+//! doc comment, and its range in the section's [`Bounded::bounds`] table (the flag an error names
+//! comes from the struct). Adding a setting touches one struct.
+//!
+//! [`Config::default`] is what the flags declare, whatever the environment holds; the binary
+//! reads the flags and their environment variables into the same structs; tests build it directly.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use shared::config::{check_duration, check_range};
+use clap::Args;
+use shared::config::{Bound, Bounded, bound, parse_duration};
+use shared::telemetry::LogFormat;
 
 use crate::Error;
-use crate::registry::ArgLimits;
-use crate::tools::builtin::BuiltinConfig;
 
-/// Defaults and caps of every limit, in one place (also printed by `--help`).
-pub mod limits {
-    use std::time::Duration;
-
-    /// Default concurrent `RunTool` calls.
-    pub const MAX_CONCURRENCY: usize = 64;
-    /// Cap on `--max-concurrency`.
-    pub const MAX_CONCURRENCY_CAP: usize = 10_000;
-    /// Default largest `arguments_json` (1 MiB).
-    pub const MAX_ARGUMENT_BYTES: usize = 1024 * 1024;
-    /// Cap on `--max-argument-bytes` (16 MiB).
-    pub const MAX_ARGUMENT_BYTES_CAP: usize = 16 * 1024 * 1024;
-    /// Default deepest JSON nesting of arguments.
-    pub const MAX_JSON_DEPTH: usize = 64;
-    /// Cap on `--max-json-depth` (serde_json's own recursion limit).
-    pub const MAX_JSON_DEPTH_CAP: usize = 128;
-    /// Default longest `sleep`.
-    pub const SLEEP_MAX: Duration = Duration::from_secs(60);
-    /// Cap on `--sleep-max`.
-    pub const SLEEP_MAX_CAP: Duration = Duration::from_secs(3600);
-    /// Default largest file `read_file` returns, and largest body `http_get` returns (1 MiB).
-    pub const MAX_READ_BYTES: u64 = 1024 * 1024;
-    /// Cap on `--read-max-bytes` and `--http-max-bytes` (16 MiB).
-    pub const MAX_READ_BYTES_CAP: u64 = 16 * 1024 * 1024;
-    /// Default most entries `list_dir` returns.
-    pub const LIST_MAX_ENTRIES: usize = 1000;
-    /// Cap on `--list-max-entries`.
-    pub const LIST_MAX_ENTRIES_CAP: usize = 100_000;
-    /// Default timeout of built-ins that do I/O.
-    pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
-    /// Cap on `--io-timeout`.
-    pub const IO_TIMEOUT_CAP: Duration = Duration::from_secs(600);
-    /// Default drain grace period.
-    pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
-    /// Cap on `--shutdown-grace`.
-    pub const SHUTDOWN_GRACE_CAP: Duration = Duration::from_secs(3600);
-    /// Default size of payloads recorded on spans (when turned on).
-    pub const TRACE_PAYLOAD: usize = 1024;
-    /// Cap on recorded payloads.
-    pub const TRACE_PAYLOAD_CAP: usize = 64 * 1024;
+const KIB: usize = 1024;
+const MIB: u64 = 1024 * 1024;
+const fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
 }
 
-/// Everything `run` needs.
-#[derive(Debug, Clone)]
+/// Everything `run` needs; the flags of `serve`.
+#[derive(Debug, Clone, Args)]
 pub struct Config {
-    /// TOML manifest of command tools; `None` = built-ins only.
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub server: ServerSettings,
+    /// TOML manifest of command tools; built-ins only without it.
+    #[arg(long, env = "TOOL_RUNNER_TOOLS_MANIFEST", help_heading = "Tools")]
     pub tools_manifest: Option<PathBuf>,
-    /// Settings of the built-in tools.
-    pub builtins: BuiltinConfig,
-    /// Most `RunTool` calls in flight; more are refused with `RESOURCE_EXHAUSTED`.
-    pub max_concurrency: usize,
-    /// Size and depth limits on arguments.
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub builtins: BuiltinSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
     pub arg_limits: ArgLimits,
-    /// How long in-flight calls may take to finish after a stop signal.
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub telemetry: TelemetrySettings,
+}
+
+/// Serving, admission and draining.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Serving")]
+pub struct ServerSettings {
+    /// gRPC listen address.
+    #[arg(long, env = "TOOL_RUNNER_LISTEN", default_value = "127.0.0.1:50052")]
+    pub listen: SocketAddr,
+    /// Prometheus /metrics listen address, or `off`.
+    #[arg(long, env = "TOOL_RUNNER_METRICS_LISTEN", default_value = "127.0.0.1:9465")]
+    pub metrics_listen: shared::metrics::OptionalListen,
+    /// RunTool calls in flight before new ones get RESOURCE_EXHAUSTED (cap 10000).
+    #[arg(long, env = "TOOL_RUNNER_MAX_CONCURRENCY", default_value_t = 64)]
+    pub max_concurrency: usize,
+    /// After SIGTERM/SIGINT, how long in-flight calls may take to finish (cap 1h).
+    #[arg(long, env = "TOOL_RUNNER_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
-    /// Record tool arguments and results on spans, truncated to this many bytes; `None` = off.
-    pub trace_payloads: Option<usize>,
+}
+
+impl Bounded for ServerSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("max_concurrency", self.max_concurrency, 1usize, 10_000usize),
+            bound("shutdown_grace", self.shutdown_grace, Duration::ZERO, secs(3600)),
+        ]
+    }
+}
+
+/// Settings of the built-in tools.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Built-in tools")]
+pub struct BuiltinSettings {
+    /// Longest sleep the `sleep` tool allows (cap 1h); the schema's `maximum` for `ms`.
+    #[arg(long, env = "TOOL_RUNNER_SLEEP_MAX", default_value = "60s", value_parser = parse_duration)]
+    pub sleep_max: Duration,
+    /// Root directory of read_file / list_dir; both are off without it.
+    #[arg(long, env = "TOOL_RUNNER_SANDBOX_ROOT")]
+    pub sandbox_root: Option<PathBuf>,
+    /// Largest file read_file returns, in bytes (cap 16 MiB); longer files are cut and say so.
+    #[arg(long, env = "TOOL_RUNNER_READ_MAX_BYTES", default_value_t = MIB)]
+    pub read_max_bytes: u64,
+    /// Most entries list_dir returns (cap 100000).
+    #[arg(long, env = "TOOL_RUNNER_LIST_MAX_ENTRIES", default_value_t = 1000)]
+    pub list_max_entries: usize,
+    /// Host http_get may fetch from (repeatable; `*.example.com` for subdomains); off when none.
+    #[arg(
+        long = "http-allow-host",
+        env = "TOOL_RUNNER_HTTP_ALLOW_HOSTS",
+        value_delimiter = ','
+    )]
+    pub http_allow_hosts: Vec<String>,
+    /// Largest body http_get returns, in bytes (cap 16 MiB); longer bodies are cut and say so.
+    #[arg(long, env = "TOOL_RUNNER_HTTP_MAX_BYTES", default_value_t = MIB)]
+    pub http_max_bytes: u64,
+    /// Timeout of built-ins that do I/O: read_file, list_dir, http_get (cap 10m).
+    #[arg(long, env = "TOOL_RUNNER_IO_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub io_timeout: Duration,
+}
+
+impl Bounded for BuiltinSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("sleep_max", self.sleep_max, Duration::ZERO, secs(3600)),
+            bound("read_max_bytes", self.read_max_bytes, 1u64, 16 * MIB),
+            bound("list_max_entries", self.list_max_entries, 1usize, 100_000usize),
+            bound("http_max_bytes", self.http_max_bytes, 1u64, 16 * MIB),
+            bound("io_timeout", self.io_timeout, Duration::from_millis(1), secs(600)),
+        ]
+    }
+}
+
+/// Limits on the arguments of any call, checked before its schema.
+#[derive(Debug, Clone, Copy, Args)]
+#[command(next_help_heading = "Arguments")]
+pub struct ArgLimits {
+    /// Largest arguments_json in bytes (cap 16 MiB).
+    #[arg(long = "max-argument-bytes", env = "TOOL_RUNNER_MAX_ARGUMENT_BYTES", default_value_t = 1024 * KIB)]
+    pub max_bytes: usize,
+    /// Deepest JSON nesting of arguments (cap 128, serde_json's own recursion limit).
+    #[arg(long = "max-json-depth", env = "TOOL_RUNNER_MAX_JSON_DEPTH", default_value_t = 64)]
+    pub max_depth: usize,
+}
+
+impl Bounded for ArgLimits {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("max_bytes", self.max_bytes, 2usize, 16 * 1024 * KIB),
+            bound("max_depth", self.max_depth, 1usize, 128usize),
+        ]
+    }
+}
+
+/// Logs and traces.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Telemetry")]
+pub struct TelemetrySettings {
+    /// Log format: text or json.
+    #[arg(long, env = "TOOL_RUNNER_LOG_FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
+    /// Record tool arguments and results on spans (off by default: they may hold secrets).
+    #[arg(long, env = "TOOL_RUNNER_TRACE_TOOL_PAYLOADS")]
+    pub trace_tool_payloads: bool,
+    /// Size cap of each recorded payload, in bytes (cap 64 KiB).
+    #[arg(long, env = "TOOL_RUNNER_TRACE_PAYLOAD_MAX_BYTES", default_value_t = KIB)]
+    pub trace_payload_max_bytes: usize,
+}
+
+impl TelemetrySettings {
+    /// How many bytes of tool payloads spans record; `None`: none.
+    pub fn trace_payloads(&self) -> Option<usize> {
+        self.trace_tool_payloads.then_some(self.trace_payload_max_bytes)
+    }
+}
+
+impl Bounded for TelemetrySettings {
+    fn bounds(&self) -> Vec<Bound> {
+        let size = bound(
+            "trace_payload_max_bytes",
+            self.trace_payload_max_bytes,
+            1usize,
+            64 * KIB,
+        );
+        self.trace_tool_payloads.then_some(size).into_iter().collect()
+    }
+}
+
+impl Bounded for Config {
+    fn bounds(&self) -> Vec<Bound> {
+        let sections = [
+            self.server.bounds(),
+            self.builtins.bounds(),
+            self.arg_limits.bounds(),
+            self.telemetry.bounds(),
+        ];
+        sections.into_iter().flatten().collect()
+    }
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Self {
-            tools_manifest: None,
-            builtins: BuiltinConfig {
-                sleep_max: limits::SLEEP_MAX,
-                sandbox_root: None,
-                read_max_bytes: limits::MAX_READ_BYTES,
-                list_max_entries: limits::LIST_MAX_ENTRIES,
-                http_allow_hosts: Vec::new(),
-                http_max_bytes: limits::MAX_READ_BYTES,
-                io_timeout: limits::IO_TIMEOUT,
-            },
-            max_concurrency: limits::MAX_CONCURRENCY,
-            arg_limits: ArgLimits {
-                max_bytes: limits::MAX_ARGUMENT_BYTES,
-                max_depth: limits::MAX_JSON_DEPTH,
-            },
-            shutdown_grace: limits::SHUTDOWN_GRACE,
-            trace_payloads: None,
-        }
+        shared::config::defaults()
     }
 }
 
 impl Config {
     /// Checks every limit against its range; the error names the flag.
     pub fn validate(&self) -> Result<(), Error> {
-        use limits::*;
-        let b = &self.builtins;
-        check_range("--max-concurrency", self.max_concurrency, 1, MAX_CONCURRENCY_CAP)?;
-        check_range(
-            "--max-argument-bytes",
-            self.arg_limits.max_bytes,
-            2,
-            MAX_ARGUMENT_BYTES_CAP,
-        )?;
-        check_range("--max-json-depth", self.arg_limits.max_depth, 1, MAX_JSON_DEPTH_CAP)?;
-        check_duration("--sleep-max", b.sleep_max, Duration::ZERO, SLEEP_MAX_CAP)?;
-        check_range("--read-max-bytes", b.read_max_bytes, 1, MAX_READ_BYTES_CAP)?;
-        check_range("--http-max-bytes", b.http_max_bytes, 1, MAX_READ_BYTES_CAP)?;
-        check_range("--list-max-entries", b.list_max_entries, 1, LIST_MAX_ENTRIES_CAP)?;
-        check_duration("--io-timeout", b.io_timeout, Duration::from_millis(1), IO_TIMEOUT_CAP)?;
-        check_duration(
-            "--shutdown-grace",
-            self.shutdown_grace,
-            Duration::ZERO,
-            SHUTDOWN_GRACE_CAP,
-        )?;
-        if let Some(max) = self.trace_payloads {
-            check_range("--trace-payload-max-bytes", max, 1, TRACE_PAYLOAD_CAP)?;
-        }
-        Ok(())
+        Ok(self.check_bounds()?)
     }
 }
 
@@ -129,53 +197,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn defaults_are_valid_and_every_cap_is_enforced_on_both_sides() {
+    fn the_defaults_are_valid() {
         assert!(Config::default().validate().is_ok());
-        let at_caps = Config {
-            max_concurrency: limits::MAX_CONCURRENCY_CAP,
-            arg_limits: ArgLimits {
-                max_bytes: limits::MAX_ARGUMENT_BYTES_CAP,
-                max_depth: limits::MAX_JSON_DEPTH_CAP,
-            },
-            builtins: BuiltinConfig {
-                sleep_max: limits::SLEEP_MAX_CAP,
-                read_max_bytes: limits::MAX_READ_BYTES_CAP,
-                http_max_bytes: limits::MAX_READ_BYTES_CAP,
-                list_max_entries: limits::LIST_MAX_ENTRIES_CAP,
-                io_timeout: limits::IO_TIMEOUT_CAP,
-                ..Config::default().builtins
-            },
-            shutdown_grace: limits::SHUTDOWN_GRACE_CAP,
-            ..Config::default()
+    }
+
+    /// Every row of the table, through the real flags, on both sides of both edges.
+    #[test]
+    fn every_bound_holds_on_both_sides() {
+        let validate = |c: &Config| c.validate().map_err(|e| e.to_string());
+        let companions = |flag: &str| match flag {
+            "--trace-payload-max-bytes" => vec!["--trace-tool-payloads".to_owned()],
+            _ => Vec::new(),
         };
-        assert!(at_caps.validate().is_ok());
-        type Change = Box<dyn Fn(&mut Config)>;
-        let over: Vec<(&str, Change)> = vec![
-            ("--max-concurrency", Box::new(|c| c.max_concurrency += 1)),
-            ("--max-concurrency", Box::new(|c| c.max_concurrency = 0)),
-            ("--max-argument-bytes", Box::new(|c| c.arg_limits.max_bytes += 1)),
-            ("--max-json-depth", Box::new(|c| c.arg_limits.max_depth += 1)),
-            (
-                "--sleep-max",
-                Box::new(|c| c.builtins.sleep_max += Duration::from_millis(1)),
-            ),
-            ("--read-max-bytes", Box::new(|c| c.builtins.read_max_bytes += 1)),
-            ("--http-max-bytes", Box::new(|c| c.builtins.http_max_bytes += 1)),
-            ("--list-max-entries", Box::new(|c| c.builtins.list_max_entries += 1)),
-            (
-                "--io-timeout",
-                Box::new(|c| c.builtins.io_timeout += Duration::from_millis(1)),
-            ),
-            (
-                "--shutdown-grace",
-                Box::new(|c| c.shutdown_grace += Duration::from_secs(1)),
-            ),
-        ];
-        for (flag, change) in over {
-            let mut c = at_caps.clone();
-            change(&mut c);
-            let err = c.validate().unwrap_err().to_string();
-            assert!(err.contains(flag), "{err} should name {flag}");
-        }
+        assert_eq!(shared::config::check_every_bound(validate, companions), Ok(()));
     }
 }

@@ -6,8 +6,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use tool_runner::Error;
-use tool_runner::cli::{self, Cli, Command, ServeArgs};
+use tool_runner::cli::{self, Cli, Command};
+use tool_runner::{Config, Error};
 
 fn main() -> ExitCode {
     shared::runtime::block_on("tool-runner", run())
@@ -15,8 +15,8 @@ fn main() -> ExitCode {
 
 async fn run() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command.unwrap_or(Command::Serve(cli.serve)) {
-        Command::Serve(args) => serve(args).await,
+    let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
+        Command::Serve(config) => serve(*config).await,
         Command::List(client) => cli::list(&client).await,
         Command::Call {
             client,
@@ -41,15 +41,15 @@ async fn run() -> ExitCode {
     }
 }
 
-async fn serve(args: ServeArgs) -> Result<(), Error> {
-    let format = args.log_format;
-    shared::telemetry::Telemetry::around("tool-runner", format, "info", serve_with_telemetry(args)).await
+async fn serve(config: Config) -> Result<(), Error> {
+    let format = config.telemetry.log_format;
+    shared::telemetry::Telemetry::around("tool-runner", format, "info", serve_with_telemetry(config)).await
 }
 
-async fn serve_with_telemetry(args: ServeArgs) -> Result<(), Error> {
-    let config = args.to_config();
+async fn serve_with_telemetry(config: Config) -> Result<(), Error> {
     config.validate()?;
-    shared::shutdown::serve_until_stopped(args.listen, args.metrics_listen.0, |listener, shutdown| {
+    let (listen, metrics_listen) = (config.server.listen, config.server.metrics_listen.0);
+    shared::shutdown::serve_until_stopped(listen, metrics_listen, |listener, shutdown| {
         tool_runner::run(listener, config, shutdown)
     })
     .await

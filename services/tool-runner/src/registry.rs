@@ -14,14 +14,7 @@ use crate::tools::{CallContext, ErrorCode, Tool, ToolError, ToolResult, ToolSpec
 /// How many schema violations one error message lists.
 const MAX_REPORTED_VIOLATIONS: usize = 5;
 
-/// Limits on the arguments of any call.
-#[derive(Debug, Clone, Copy)]
-pub struct ArgLimits {
-    /// Largest `arguments_json`, in bytes.
-    pub max_bytes: usize,
-    /// Deepest nesting of arrays/objects in `arguments_json`.
-    pub max_depth: usize,
-}
+pub use crate::config::ArgLimits;
 
 struct Entry {
     spec: ToolSpec,

@@ -47,18 +47,21 @@ pub async fn run(
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
-    tracing::info!(%address, tools = %tool_names.join(","), max_concurrency = config.max_concurrency, "tool-runner serving");
+    tracing::info!(%address, tools = %tool_names.join(","), max_concurrency = config.server.max_concurrency, "tool-runner serving");
 
     crate::telemetry::describe();
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
     let reflection =
         shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
-    let runner = ToolRunnerServer::new(ToolRunnerService::new(Arc::clone(&registry), config.trace_payloads))
-        .max_decoding_message_size(config.arg_limits.max_bytes.saturating_mul(2).saturating_add(64 * 1024));
+    let runner = ToolRunnerServer::new(ToolRunnerService::new(
+        Arc::clone(&registry),
+        config.telemetry.trace_payloads(),
+    ))
+    .max_decoding_message_size(config.arg_limits.max_bytes.saturating_mul(2).saturating_add(64 * 1024));
 
-    let admission = Admission::new(config.max_concurrency);
-    let grace = config.shutdown_grace;
+    let admission = Admission::new(config.server.max_concurrency);
+    let grace = config.server.shutdown_grace;
     let (grace_over_tx, grace_over_rx) = tokio::sync::oneshot::channel::<usize>();
     let drain = {
         let admission = admission.clone();

@@ -3,9 +3,8 @@
 //! Retries (with exponential backoff, honouring a short `Retry-After`) happen only before the
 //! first byte of a response body: on connect errors, 429 and 5xx. Once a stream has started it is
 //! never retried, so no output is produced twice. The API key is sent as a bearer token, marked
-//! sensitive, and never logged (the config's `Debug` redacts it).
+//! sensitive, and never logged (a [`Secret`](crate::config::Secret) in the settings).
 
-use std::fmt;
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -16,49 +15,12 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::sse::{DecodeLimits, decode, excerpt};
+use crate::config::LlmSettings;
+
 use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message};
 
 /// Longest `Retry-After` honoured; longer ones fall back to the configured backoff.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
-
-/// Settings of the HTTP client.
-#[derive(Clone)]
-pub struct LlmConfig {
-    /// Base URL ending in `/v1`, e.g. `http://127.0.0.1:11434/v1`.
-    pub base_url: String,
-    /// Bearer token (from `LLM_API_KEY`); never logged.
-    pub api_key: Option<String>,
-    /// Extra request headers (`Name: value`), e.g. for gateways.
-    pub extra_headers: Vec<(String, String)>,
-    /// Connect timeout.
-    pub connect_timeout: Duration,
-    /// No byte for this long (headers or body) counts as a stalled stream.
-    pub idle_timeout: Duration,
-    /// Attempts after the first on connect errors, 429 and 5xx.
-    pub max_retries: u32,
-    /// First retry delay; doubles with each attempt.
-    pub retry_backoff: Duration,
-    /// Longest SSE line accepted.
-    pub max_line_bytes: usize,
-}
-
-impl fmt::Debug for LlmConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LlmConfig")
-            .field("base_url", &self.base_url)
-            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
-            .field(
-                "extra_headers",
-                &self.extra_headers.iter().map(|(k, _)| k).collect::<Vec<_>>(),
-            )
-            .field("connect_timeout", &self.connect_timeout)
-            .field("idle_timeout", &self.idle_timeout)
-            .field("max_retries", &self.max_retries)
-            .field("retry_backoff", &self.retry_backoff)
-            .field("max_line_bytes", &self.max_line_bytes)
-            .finish()
-    }
-}
 
 /// The streaming chat-completions client.
 #[derive(Clone)]
@@ -66,12 +28,12 @@ pub struct HttpLlm {
     client: reqwest::Client,
     url: reqwest::Url,
     headers: HeaderMap,
-    config: LlmConfig,
+    config: LlmSettings,
 }
 
 impl HttpLlm {
     /// Builds the client; fails on an unusable URL or header.
-    pub fn new(config: LlmConfig) -> Result<Self, String> {
+    pub fn new(config: LlmSettings) -> Result<Self, String> {
         let base = config.base_url.trim_end_matches('/');
         let url = reqwest::Url::parse(&format!("{base}/chat/completions"))
             .map_err(|e| format!("--llm-base-url {:?} is not a valid URL: {e}", config.base_url))?;
@@ -82,12 +44,15 @@ impl HttpLlm {
             ));
         }
         let mut headers = HeaderMap::new();
-        for (name, value) in &config.extra_headers {
-            let name = HeaderName::try_from(name.as_str()).map_err(|e| format!("--llm-header {name:?}: {e}"))?;
-            let value = HeaderValue::try_from(value.as_str()).map_err(|e| format!("--llm-header {name}: {e}"))?;
+        for header in &config.headers {
+            let name = HeaderName::try_from(header.name.as_str())
+                .map_err(|e| format!("--llm-header {:?}: {e}", header.name))?;
+            let mut value =
+                HeaderValue::try_from(header.value.expose()).map_err(|e| format!("--llm-header {name}: {e}"))?;
+            value.set_sensitive(true);
             headers.insert(name, value);
         }
-        if let Some(key) = config.api_key.as_ref().filter(|k| !k.is_empty()) {
+        if let Some(key) = config.api_key.as_ref().map(|k| k.expose()).filter(|k| !k.is_empty()) {
             let mut value = HeaderValue::try_from(format!("Bearer {key}"))
                 .map_err(|_| "LLM_API_KEY contains characters not allowed in an HTTP header".to_owned())?;
             value.set_sensitive(true);
@@ -353,11 +318,12 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn config() -> LlmConfig {
-        LlmConfig {
+    fn config() -> LlmSettings {
+        LlmSettings {
             base_url: "http://127.0.0.1:1/v1/".into(),
+            model: "m".into(),
             api_key: Some("sk-secret".into()),
-            extra_headers: vec![("X-Tenant".into(), "a".into())],
+            headers: vec!["X-Tenant: a".parse().unwrap()],
             connect_timeout: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(1),
             max_retries: 0,
@@ -379,15 +345,15 @@ mod tests {
     #[test]
     fn bad_settings_are_refused() {
         assert!(
-            HttpLlm::new(LlmConfig {
+            HttpLlm::new(LlmSettings {
                 base_url: "ftp://x/v1".into(),
                 ..config()
             })
             .is_err()
         );
         assert!(
-            HttpLlm::new(LlmConfig {
-                extra_headers: vec![("bad name".into(), "v".into())],
+            HttpLlm::new(LlmSettings {
+                headers: vec!["bad name: v".parse().unwrap()],
                 ..config()
             })
             .is_err()

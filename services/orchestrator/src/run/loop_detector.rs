@@ -16,13 +16,7 @@ pub const MIN_ALNUM: usize = 4;
 const MAX_LINE_BYTES: usize = 4096;
 
 /// Settings: both configurable, with defaults no normal answer trips.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DetectorConfig {
-    /// Complete lines remembered.
-    pub window: usize,
-    /// Occurrences of one line within the window that end the run.
-    pub threshold: usize,
-}
+pub use crate::config::LoopDetectorSettings as DetectorConfig;
 
 /// The detector's state for one run.
 #[derive(Debug)]

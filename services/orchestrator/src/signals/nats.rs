@@ -19,26 +19,8 @@ use futures::{FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
 
 use super::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
+use crate::config::SignalSettings;
 use crate::run::{Delivery, Signal};
-
-/// Settings of the NATS signal topic.
-#[derive(Debug, Clone)]
-pub struct NatsTopicSettings {
-    /// Subject prefix: signals go to `<prefix>.<tool_name>`.
-    pub subject_prefix: String,
-    /// JetStream stream holding `<prefix>.>`.
-    pub stream: String,
-    /// How long the stream keeps signals.
-    pub max_age: Duration,
-    /// Most bytes the stream keeps (oldest dropped first).
-    pub max_bytes: i64,
-    /// Publish attempts after the first.
-    pub retries: u32,
-    /// First delay between attempts (doubles each time).
-    pub backoff: Duration,
-    /// How long one attempt waits for JetStream's acknowledgement.
-    pub ack_timeout: Duration,
-}
 
 /// A signal as published: the `orchestrator.v1.Signal` fields, as JSON.
 #[derive(Debug, Serialize, Deserialize)]
@@ -88,20 +70,20 @@ impl From<SignalJson> for Signal {
 pub struct NatsTopic {
     client: async_nats::Client,
     js: jetstream::Context,
-    settings: NatsTopicSettings,
+    settings: SignalSettings,
 }
 
 impl NatsTopic {
     /// Binds (or creates) the stream for the prefix.
-    pub async fn open(client: async_nats::Client, settings: NatsTopicSettings) -> Result<Self, String> {
+    pub async fn open(client: async_nats::Client, settings: SignalSettings) -> Result<Self, String> {
         let js = jetstream::context::ContextBuilder::new()
             .timeout(settings.ack_timeout)
             .build(client.clone());
         js.get_or_create_stream(jetstream::stream::Config {
             name: settings.stream.clone(),
             subjects: vec![format!("{}.>", settings.subject_prefix)],
-            max_age: settings.max_age,
-            max_bytes: settings.max_bytes,
+            max_age: settings.stream_max_age,
+            max_bytes: settings.stream_max_bytes,
             duplicate_window: Duration::from_secs(120),
             storage: jetstream::stream::StorageType::File,
             ..Default::default()
@@ -141,9 +123,9 @@ impl SignalTopic for NatsTopic {
         let (js, settings) = (self.js.clone(), self.settings.clone());
         let (run_id, call_id) = (signal.run_id.clone(), signal.call_id.clone());
         tokio::spawn(async move {
-            for attempt in 0..=settings.retries {
+            for attempt in 0..=settings.publish_retries {
                 if attempt > 0 {
-                    tokio::time::sleep(settings.backoff.saturating_mul(1 << (attempt - 1).min(16))).await;
+                    tokio::time::sleep(settings.publish_backoff.saturating_mul(1 << (attempt - 1).min(16))).await;
                 }
                 let error = match js
                     .publish_with_headers(subject.clone(), headers.clone(), payload.clone())
@@ -162,7 +144,7 @@ impl SignalTopic for NatsTopic {
                 tracing::warn!(run_id = %run_id, call_id = %call_id, attempt, "publishing a signal to {subject} failed: {error}");
             }
             metrics::counter!(crate::telemetry::metric::SIGNALS_FAILED).increment(1);
-            tracing::error!(run_id = %run_id, call_id = %call_id, "signal undelivered after {} attempts", settings.retries + 1);
+            tracing::error!(run_id = %run_id, call_id = %call_id, "signal undelivered after {} attempts", settings.publish_retries + 1);
             on_delivery(Delivery::Undelivered);
         });
     }

@@ -156,14 +156,17 @@ impl Defaults {
 
 fn parse_timeout(text: &str) -> Result<Duration, String> {
     let timeout = shared::config::parse_duration(text).map_err(|e| format!("timeout: {e}"))?;
-    shared::config::check_duration("timeout", timeout, Duration::from_millis(1), MAX_TIMEOUT)
+    shared::config::bound("timeout", timeout, Duration::from_millis(1), MAX_TIMEOUT)
+        .check_as(|| "timeout".to_owned())
         .map_err(|e| e.to_string())?;
     Ok(timeout)
 }
 
 fn check_cap(name: &'static str, value: Option<u64>, default: u64, cap: u64) -> Result<u64, String> {
     let value = value.unwrap_or(default);
-    shared::config::check_range(name, value, 1, cap).map_err(|e| e.to_string())?;
+    shared::config::bound(name, value, 1u64, cap)
+        .check_as(|| name.to_owned())
+        .map_err(|e| e.to_string())?;
     Ok(value)
 }
 

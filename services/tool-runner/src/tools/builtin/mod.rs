@@ -8,30 +8,12 @@ mod fs;
 mod http_get;
 mod sleep;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Tool, ToolSpec};
 
-/// Settings of the built-in tools (from the command line).
-#[derive(Debug, Clone)]
-pub struct BuiltinConfig {
-    /// Longest `sleep` allowed; the schema's `maximum` for `ms`.
-    pub sleep_max: Duration,
-    /// Root directory of `read_file` / `list_dir`; `None` disables both.
-    pub sandbox_root: Option<PathBuf>,
-    /// Largest file `read_file` returns (longer files are truncated and say so).
-    pub read_max_bytes: u64,
-    /// Most entries `list_dir` returns.
-    pub list_max_entries: usize,
-    /// Hosts `http_get` may fetch from; empty disables the tool.
-    pub http_allow_hosts: Vec<String>,
-    /// Largest response body `http_get` returns (longer bodies are truncated and say so).
-    pub http_max_bytes: u64,
-    /// Timeout of one `http_get`, and of every other built-in that does I/O.
-    pub io_timeout: Duration,
-}
+pub use crate::config::BuiltinSettings as BuiltinConfig;
 
 /// A built-in tool ready to register, or the reason it is off on this runner.
 pub enum Builtin {
