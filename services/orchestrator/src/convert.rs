@@ -312,32 +312,77 @@ pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
     })
 }
 
-impl From<RunStatus> for pb::RunStatus {
-    fn from(s: RunStatus) -> Self {
-        match s {
-            RunStatus::Running => Self::Running,
-            RunStatus::Completed => Self::Completed,
-            RunStatus::Failed => Self::Failed,
-            RunStatus::Canceled => Self::Canceled,
+/// One mapping per enum, both directions from the same list of variants: the domain → proto
+/// `match` is exhaustive over the domain enum and the proto → domain one over the proto enum, so
+/// a variant added on either side without the other does not compile. Proto's `UNSPECIFIED` has
+/// no domain value: reading it is an error ([`Error::Contract`]), as is a number this build does
+/// not know.
+macro_rules! one_to_one {
+    ($domain:ident <=> $proto:ident, unspecified: $unspecified:ident, [$($variant:ident),+ $(,)?]) => {
+        impl From<$domain> for pb::$proto {
+            fn from(value: $domain) -> Self {
+                match value {
+                    $($domain::$variant => Self::$variant,)+
+                }
+            }
         }
-    }
+
+        impl TryFrom<pb::$proto> for $domain {
+            type Error = Error;
+            fn try_from(value: pb::$proto) -> Result<Self, Error> {
+                match value {
+                    $(pb::$proto::$variant => Ok(Self::$variant),)+
+                    pb::$proto::$unspecified => Err(Error::Contract {
+                        field: stringify!($proto),
+                        value: value as i32,
+                    }),
+                }
+            }
+        }
+
+        impl $domain {
+            /// Every value, in declaration order.
+            pub const ALL: &[Self] = &[$(Self::$variant),+];
+
+            /// The wire value (an `i32` field of a proto message) as this value.
+            pub fn from_wire(value: i32) -> Result<Self, Error> {
+                let known = pb::$proto::try_from(value).map_err(|_| Error::Contract {
+                    field: stringify!($proto),
+                    value,
+                })?;
+                Self::try_from(known)
+            }
+        }
+    };
 }
 
-impl From<FailureReason> for pb::FailureReason {
-    fn from(r: FailureReason) -> Self {
-        match r {
-            FailureReason::ToolParseError => Self::ToolParseError,
-            FailureReason::ToolExecutionError => Self::ToolExecutionError,
-            FailureReason::ToolBudgetExhausted => Self::ToolBudgetExhausted,
-            FailureReason::ToolFailureLimit => Self::ToolFailureLimit,
-            FailureReason::RepeatedLineLoop => Self::RepeatedLineLoop,
-            FailureReason::MaxTurnsExceeded => Self::MaxTurnsExceeded,
-            FailureReason::LlmError => Self::LlmError,
-            FailureReason::LlmStreamStalled => Self::LlmStreamStalled,
-            FailureReason::DeadlineExceeded => Self::DeadlineExceeded,
-            FailureReason::UnknownError => Self::UnknownError,
-        }
+one_to_one!(RunStatus <=> RunStatus, unspecified: Unspecified, [Running, Completed, Failed, Canceled]);
+one_to_one!(Delivery <=> SignalDelivery, unspecified: Unspecified, [Pending, Delivered, Undelivered]);
+one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
+    ToolParseError,
+    ToolExecutionError,
+    ToolBudgetExhausted,
+    ToolFailureLimit,
+    RepeatedLineLoop,
+    MaxTurnsExceeded,
+    LlmError,
+    LlmStreamStalled,
+    DeadlineExceeded,
+    UnknownError,
+]);
+
+/// A run's failure reason on the wire: `UNSPECIFIED` is "did not fail".
+fn reason_from_wire(value: i32) -> Result<Option<FailureReason>, Error> {
+    if value == pb::FailureReason::Unspecified as i32 {
+        return Ok(None);
     }
+    FailureReason::from_wire(value).map(Some)
+}
+
+fn reason_to_wire(reason: Option<FailureReason>) -> i32 {
+    reason
+        .map_or(pb::FailureReason::Unspecified, pb::FailureReason::from)
+        .into()
 }
 
 fn error_pb(e: &ToolCallError) -> pb::ToolCallError {
@@ -370,67 +415,37 @@ impl From<&Signal> for pb::Signal {
     }
 }
 
-impl From<Delivery> for pb::SignalDelivery {
-    fn from(d: Delivery) -> Self {
-        match d {
-            Delivery::Pending => Self::Pending,
-            Delivery::Delivered => Self::Delivered,
-            Delivery::Undelivered => Self::Undelivered,
-        }
+impl TryFrom<pb::Signal> for Signal {
+    type Error = Error;
+
+    fn try_from(s: pb::Signal) -> Result<Self, Error> {
+        Ok(Self {
+            delivery: Delivery::from_wire(s.delivery)?,
+            run_id: s.run_id,
+            call_id: s.call_id,
+            tool_name: s.tool_name,
+            arguments_json: s.arguments_json,
+            arguments_valid: s.arguments_valid,
+            turn: s.turn,
+            emitted_at_unix_ms: s.emitted_at_unix_ms,
+            metadata: s.metadata.into_iter().collect(),
+        })
     }
 }
 
 impl TryFrom<pb::RunResult> for RunResult {
-    type Error = String;
+    type Error = Error;
 
     /// Reads a stored result back (the run store keeps the proto form).
-    fn try_from(r: pb::RunResult) -> Result<Self, String> {
-        let status = match pb::RunStatus::try_from(r.status) {
-            Ok(pb::RunStatus::Running) => RunStatus::Running,
-            Ok(pb::RunStatus::Completed) => RunStatus::Completed,
-            Ok(pb::RunStatus::Failed) => RunStatus::Failed,
-            Ok(pb::RunStatus::Canceled) => RunStatus::Canceled,
-            _ => return Err(format!("run {}: unknown status {}", r.run_id, r.status)),
-        };
-        let failure_reason = match pb::FailureReason::try_from(r.failure_reason) {
-            Ok(pb::FailureReason::Unspecified) | Err(_) => None,
-            Ok(pb::FailureReason::ToolParseError) => Some(FailureReason::ToolParseError),
-            Ok(pb::FailureReason::ToolExecutionError) => Some(FailureReason::ToolExecutionError),
-            Ok(pb::FailureReason::ToolBudgetExhausted) => Some(FailureReason::ToolBudgetExhausted),
-            Ok(pb::FailureReason::ToolFailureLimit) => Some(FailureReason::ToolFailureLimit),
-            Ok(pb::FailureReason::RepeatedLineLoop) => Some(FailureReason::RepeatedLineLoop),
-            Ok(pb::FailureReason::MaxTurnsExceeded) => Some(FailureReason::MaxTurnsExceeded),
-            Ok(pb::FailureReason::LlmError) => Some(FailureReason::LlmError),
-            Ok(pb::FailureReason::LlmStreamStalled) => Some(FailureReason::LlmStreamStalled),
-            Ok(pb::FailureReason::DeadlineExceeded) => Some(FailureReason::DeadlineExceeded),
-            Ok(pb::FailureReason::UnknownError) => Some(FailureReason::UnknownError),
-        };
+    fn try_from(r: pb::RunResult) -> Result<Self, Error> {
         let usage = r.usage.unwrap_or_default();
         Ok(Self {
+            status: RunStatus::from_wire(r.status)?,
+            failure_reason: reason_from_wire(r.failure_reason)?,
             run_id: r.run_id,
-            status,
-            failure_reason,
             failure_detail: r.failure_detail,
             text: r.text,
-            signals: r
-                .signals
-                .into_iter()
-                .map(|s| Signal {
-                    delivery: match pb::SignalDelivery::try_from(s.delivery) {
-                        Ok(pb::SignalDelivery::Delivered) => Delivery::Delivered,
-                        Ok(pb::SignalDelivery::Undelivered) => Delivery::Undelivered,
-                        _ => Delivery::Pending,
-                    },
-                    run_id: s.run_id,
-                    call_id: s.call_id,
-                    tool_name: s.tool_name,
-                    arguments_json: s.arguments_json,
-                    arguments_valid: s.arguments_valid,
-                    turn: s.turn,
-                    emitted_at_unix_ms: s.emitted_at_unix_ms,
-                    metadata: s.metadata.into_iter().collect(),
-                })
-                .collect(),
+            signals: r.signals.into_iter().map(Signal::try_from).collect::<Result<_, _>>()?,
             turns: r.turns,
             tool_calls: r
                 .tool_calls
@@ -463,10 +478,7 @@ impl From<&RunResult> for pb::RunResult {
         Self {
             run_id: r.run_id.clone(),
             status: pb::RunStatus::from(r.status).into(),
-            failure_reason: r
-                .failure_reason
-                .map_or(pb::FailureReason::Unspecified, pb::FailureReason::from)
-                .into(),
+            failure_reason: reason_to_wire(r.failure_reason),
             failure_detail: r.failure_detail.clone(),
             text: r.text.clone(),
             signals: r.signals.iter().map(pb::Signal::from).collect(),
@@ -564,6 +576,85 @@ pub fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every value of every enum the store persists survives the trip through proto, and every
+    /// proto value but UNSPECIFIED has a domain value.
+    #[test]
+    fn every_enum_value_round_trips() {
+        for &status in RunStatus::ALL {
+            assert_eq!(
+                RunStatus::from_wire(pb::RunStatus::from(status) as i32).ok(),
+                Some(status)
+            );
+        }
+        for &delivery in Delivery::ALL {
+            assert_eq!(
+                Delivery::from_wire(pb::SignalDelivery::from(delivery) as i32).ok(),
+                Some(delivery)
+            );
+        }
+        for &reason in FailureReason::ALL {
+            assert_eq!(reason_from_wire(reason_to_wire(Some(reason))).ok(), Some(Some(reason)));
+        }
+        assert_eq!(reason_from_wire(reason_to_wire(None)).ok(), Some(None));
+        for wire in 1..=64 {
+            assert_eq!(
+                RunStatus::from_wire(wire).is_ok(),
+                pb::RunStatus::try_from(wire).is_ok()
+            );
+            assert_eq!(
+                Delivery::from_wire(wire).is_ok(),
+                pb::SignalDelivery::try_from(wire).is_ok()
+            );
+            assert_eq!(
+                FailureReason::from_wire(wire).is_ok(),
+                pb::FailureReason::try_from(wire).is_ok()
+            );
+        }
+        assert_eq!(
+            (RunStatus::ALL.len(), Delivery::ALL.len(), FailureReason::ALL.len()),
+            (4, 3, 10),
+            "the lists are the enums"
+        );
+    }
+
+    #[test]
+    fn unknown_and_unspecified_values_are_errors_not_defaults() {
+        let error = RunStatus::from_wire(0).unwrap_err().to_string();
+        assert!(error.contains("RunStatus") && error.contains('0'), "{error}");
+        assert!(Delivery::from_wire(99).is_err());
+        assert!(reason_from_wire(99).is_err());
+        let mut stored = pb::RunResult::from(&RunResult::running("r"));
+        stored.signals.push(pb::Signal {
+            delivery: 42,
+            ..Default::default()
+        });
+        assert!(RunResult::try_from(stored).is_err());
+    }
+
+    #[test]
+    fn a_result_round_trips_with_every_status_and_reason() {
+        for &status in RunStatus::ALL {
+            for reason in FailureReason::ALL.iter().copied().map(Some).chain([None]) {
+                let mut result = RunResult::running("r");
+                result.status = status;
+                result.failure_reason = reason;
+                result.signals.push(Signal {
+                    run_id: "r".into(),
+                    call_id: "c".into(),
+                    tool_name: "done".into(),
+                    arguments_json: "{}".into(),
+                    arguments_valid: true,
+                    turn: 1,
+                    emitted_at_unix_ms: 1,
+                    metadata: Default::default(),
+                    delivery: Delivery::Undelivered,
+                });
+                let back = RunResult::try_from(pb::RunResult::from(&result)).ok();
+                assert_eq!(back.as_ref(), Some(&result));
+            }
+        }
+    }
 
     #[test]
     fn grpc_timeouts() {

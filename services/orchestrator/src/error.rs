@@ -34,6 +34,15 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
+    /// A proto enum holds a value this build has no meaning for (a stored result written by
+    /// another version, or `UNSPECIFIED` where a value is required).
+    #[error("{field} {value} is not a value this orchestrator knows")]
+    Contract {
+        /// The proto enum.
+        field: &'static str,
+        /// The number on the wire.
+        value: i32,
+    },
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
@@ -50,6 +59,7 @@ impl From<Error> for tonic::Status {
                 Self::unavailable(message)
             }
             Error::Config(_) | Error::Limit(_) => Self::failed_precondition(message),
+            Error::Contract { .. } => Self::internal(message),
         }
     }
 }

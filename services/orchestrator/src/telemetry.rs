@@ -209,29 +209,12 @@ pub fn record_run_end(result: &RunResult, elapsed: Duration) {
 
 /// `status` label value.
 pub fn status_label(status: RunStatus) -> &'static str {
-    match status {
-        RunStatus::Running => "running",
-        RunStatus::Completed => "completed",
-        RunStatus::Failed => "failed",
-        RunStatus::Canceled => "canceled",
-    }
+    status.into()
 }
 
-/// `reason` label value (and `error.type` on spans).
+/// `reason` label value (and `error.type` on spans): `none` when the run did not fail.
 pub fn reason_label(reason: Option<FailureReason>) -> &'static str {
-    match reason {
-        None => "none",
-        Some(FailureReason::ToolParseError) => "tool_parse_error",
-        Some(FailureReason::ToolExecutionError) => "tool_execution_error",
-        Some(FailureReason::ToolBudgetExhausted) => "tool_budget_exhausted",
-        Some(FailureReason::ToolFailureLimit) => "tool_failure_limit",
-        Some(FailureReason::RepeatedLineLoop) => "repeated_line_loop",
-        Some(FailureReason::MaxTurnsExceeded) => "max_turns_exceeded",
-        Some(FailureReason::LlmError) => "llm_error",
-        Some(FailureReason::LlmStreamStalled) => "llm_stream_stalled",
-        Some(FailureReason::DeadlineExceeded) => "deadline_exceeded",
-        Some(FailureReason::UnknownError) => "unknown_error",
-    }
+    reason.map_or("none", Into::into)
 }
 
 /// At most `max` bytes of `text` (on a character boundary), for span attributes.
@@ -257,5 +240,21 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         metrics::gauge!(self.0).decrement(1.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_the_names_in_snake_case() {
+        assert_eq!(status_label(RunStatus::Completed), "completed");
+        assert_eq!(
+            reason_label(Some(FailureReason::LlmStreamStalled)),
+            "llm_stream_stalled"
+        );
+        assert_eq!(reason_label(Some(FailureReason::ToolParseError)), "tool_parse_error");
+        assert_eq!(reason_label(None), "none");
     }
 }

@@ -77,8 +77,9 @@ pub struct RunSpec {
     pub parse_policy: ParsePolicy,
 }
 
-/// Status of a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Status of a run. Its metric label is its name in snake case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum RunStatus {
     /// Live.
     Running,
@@ -90,8 +91,9 @@ pub enum RunStatus {
     Canceled,
 }
 
-/// Why a run failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Why a run failed. Its metric label (and `error.type` on spans) is its name in snake case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum FailureReason {
     /// Unknown tool / non-object arguments (policy FAIL), or a malformed fallback directive.
     ToolParseError,

@@ -91,7 +91,9 @@ impl ResultStore for KvStore {
             };
             let decoded =
                 pb::RunResult::decode(bytes).map_err(|e| format!("KV value of {key} is not a RunResult: {e}"))?;
-            RunResult::try_from(decoded).map(Some)
+            RunResult::try_from(decoded)
+                .map(Some)
+                .map_err(|e| format!("KV value of {key}: {e}"))
         }
         .boxed()
     }
