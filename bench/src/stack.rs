@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use mock_llm::{MockLlm, Scenarios};
-use shared::proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1 as pb;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;

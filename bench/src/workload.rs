@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use mock_llm::{Scenario, Step, Turn};
+use proto::orchestrator::v1 as pb;
+use proto::toolrunner::v1 as tr;
 use serde::Serialize;
-use shared::proto::orchestrator::v1 as pb;
-use shared::proto::toolrunner::v1 as tr;
 
 use crate::stack::Stack;
 

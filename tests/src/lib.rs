@@ -4,18 +4,14 @@
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
-use shared::proto::toolrunner::v1 as pb;
+use proto::toolrunner::v1 as pb;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-/// The repository root (for `deploy/` files used by tests).
-pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+pub use testkit::{process_alive, read_pids, repo_root, wait_gone};
 
 /// A service's `run(listener, config, shutdown)` spawned in this process on 127.0.0.1:0, with its
 /// shutdown future under the test's control; aborted when dropped.
@@ -162,60 +158,13 @@ impl Outcome {
     }
 }
 
-/// Whether process `pid` still runs (a zombie waiting to be reaped counts as gone).
-pub fn process_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // Field 3 is the state; the command name in field 2 may contain spaces, so look after ')'.
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .and_then(|rest| rest.split_whitespace().next())
-            .is_some_and(|state| state != "Z" && state != "X"),
-        Err(_) => false,
-    }
-}
-
-/// Waits up to `limit` for every pid to be gone; returns those still alive.
-pub async fn wait_gone(pids: &[u32], limit: Duration) -> Vec<u32> {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let alive: Vec<u32> = pids.iter().copied().filter(|p| process_alive(*p)).collect();
-        if alive.is_empty() || tokio::time::Instant::now() >= deadline {
-            return alive;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Reads whitespace-separated pids a test tool wrote to `path`, waiting up to 5 s for `count`.
-pub async fn read_pids(path: &std::path::Path, count: usize) -> anyhow::Result<Vec<u32>> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let pids: Vec<u32> = std::fs::read_to_string(path)
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|s| s.parse().ok())
-            .collect();
-        if pids.len() >= count {
-            return Ok(pids);
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the tool wrote {} of {count} pids to {}",
-            pids.len(),
-            path.display()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// An orchestrator serving in this process, with the stand-in model and a tool-runner.
 pub mod stack {
     use std::time::Duration;
 
     use futures::StreamExt;
     use mock_llm::{MockLlm, Scenarios};
-    use shared::proto::orchestrator::v1 as pb;
+    use proto::orchestrator::v1 as pb;
     use tonic::transport::Channel;
 
     use super::{Runner, Served};

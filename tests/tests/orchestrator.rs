@@ -9,10 +9,10 @@ use std::time::Duration;
 use e2e::stack::{Outcome, Stack, request, runner_config};
 use e2e::{read_pids, wait_gone};
 use mock_llm::{Scenario, Step, Turn};
+use proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1::orchestrate_event::Event as E;
+use proto::orchestrator::v1::{FailureReason as R, RunStatus as S};
 use serde_json::{Value, json};
-use shared::proto::orchestrator::v1 as pb;
-use shared::proto::orchestrator::v1::orchestrate_event::Event as E;
-use shared::proto::orchestrator::v1::{FailureReason as R, RunStatus as S};
 
 type TestResult = anyhow::Result<()>;
 

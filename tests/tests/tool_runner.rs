@@ -6,9 +6,9 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use e2e::{Outcome, Runner, read_pids, repo_root, run_tool, wait_gone};
+use proto::toolrunner::v1 as pb;
+use proto::toolrunner::v1::ToolErrorCode as Code;
 use serde_json::json;
-use shared::proto::toolrunner::v1 as pb;
-use shared::proto::toolrunner::v1::ToolErrorCode as Code;
 use tool_runner::Config;
 
 type TestResult = anyhow::Result<()>;

@@ -82,3 +82,21 @@ impl std::str::FromStr for OptionalListen {
         }
     }
 }
+
+/// Keeps a gauge one higher while alive (runs, calls in flight), so every way out of the work it
+/// guards, panics and cancellation included, brings the gauge back down.
+pub struct InFlight(&'static str);
+
+impl InFlight {
+    /// Increments `gauge` until dropped.
+    pub fn new(gauge: &'static str) -> Self {
+        metrics::gauge!(gauge).increment(1.0);
+        Self(gauge)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!(self.0).decrement(1.0);
+    }
+}

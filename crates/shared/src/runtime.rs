@@ -37,6 +37,40 @@ pub fn block_on(binary: &str, main: impl Future<Output = ExitCode>) -> ExitCode 
     }
 }
 
+/// A background task that ends with its owner: aborted when this handle is dropped.
+pub struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What kind of failure ends a binary, for its exit code.
+pub trait Failure: std::fmt::Display {
+    /// Whether the user gave something unusable (a flag, a setting, a file): exit code 2, as
+    /// for a bad flag; any other failure exits 1.
+    fn is_usage(&self) -> bool;
+}
+
+/// The exit code of a binary's command, printing a failure as `{binary}: {error}`: 0 when the
+/// command succeeded, 1 when it ran but did not succeed (`Ok(false)`) or failed at run time, 2
+/// when it was given something unusable.
+pub fn exit_code<E: Failure>(binary: &str, outcome: Result<bool, E>) -> ExitCode {
+    match outcome {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("{binary}: {e}");
+            if e.is_usage() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
 /// The worker-thread count `value` asks for (`None`: unset, Tokio's default).
 pub fn worker_threads(value: Option<&OsStr>) -> Result<Option<usize>, String> {
     let Some(value) = value else {

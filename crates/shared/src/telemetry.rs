@@ -297,3 +297,12 @@ pub fn current_traceparent() -> Option<String> {
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
 }
+
+/// At most `max` bytes of `text` (cut on a character boundary), for span attributes and logs.
+pub fn truncate(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}

@@ -5,8 +5,8 @@ use std::io::Write;
 use std::time::Duration;
 
 use futures::StreamExt;
-use shared::proto::orchestrator::v1 as pb;
-use shared::proto::orchestrator::v1::orchestrate_event::Event as E;
+use proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1::orchestrate_event::Event as E;
 
 use crate::Error;
 

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
-use shared::proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1 as pb;
 
 use crate::Error;
 use crate::config::Config;

@@ -95,5 +95,5 @@ pub async fn run(options: DemoOptions) -> Result<bool, Error> {
     let _ = tokio::time::timeout(Duration::from_secs(10), runner).await;
     drop(mock);
     let result = outcome?;
-    Ok(result.status == shared::proto::orchestrator::v1::RunStatus::Completed as i32)
+    Ok(result.status == proto::orchestrator::v1::RunStatus::Completed as i32)
 }

@@ -33,19 +33,9 @@ async fn run() -> ExitCode {
         }
         Command::Call(args) => orchestrator::client::call(&args.to_options())
             .await
-            .map(|r| r.status == shared::proto::orchestrator::v1::RunStatus::Completed as i32),
+            .map(|r| r.status == proto::orchestrator::v1::RunStatus::Completed as i32),
     };
-    match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("orchestrator: {e}");
-            match e {
-                Error::Config(_) | Error::Limit(_) => ExitCode::from(2),
-                _ => ExitCode::FAILURE,
-            }
-        }
-    }
+    shared::runtime::exit_code("orchestrator", result)
 }
 
 async fn serve(config: Config) -> Result<(), Error> {

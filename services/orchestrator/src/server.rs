@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use shared::proto::orchestrator::v1::orchestrator_server::OrchestratorServer;
+use proto::orchestrator::v1::orchestrator_server::OrchestratorServer;
+use shared::runtime::AbortOnDrop;
 use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
@@ -181,14 +182,5 @@ impl NatsConnections {
             .map_err(|e| Error::Dependency(format!("cannot connect to NATS at {url}: {e}")))?;
         self.0.insert(url.to_owned(), client.clone());
         Ok(client)
-    }
-}
-
-/// Aborts a background task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }

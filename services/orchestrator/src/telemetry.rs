@@ -8,6 +8,9 @@ use std::time::Duration;
 use tracing::Span;
 use tracing::field::Empty;
 
+pub use shared::metrics::InFlight;
+use shared::telemetry::truncate;
+
 use crate::run::{FailureReason, RunResult, RunStatus, ToolCallError};
 
 /// Metric names (Prometheus conventions: base units, `_total` counters, `_seconds` durations).
@@ -215,32 +218,6 @@ pub fn status_label(status: RunStatus) -> &'static str {
 /// `reason` label value (and `error.type` on spans): `none` when the run did not fail.
 pub fn reason_label(reason: Option<FailureReason>) -> &'static str {
     reason.map_or("none", Into::into)
-}
-
-/// At most `max` bytes of `text` (on a character boundary), for span attributes.
-pub fn truncate(text: &str, max: usize) -> &str {
-    let mut end = text.len().min(max);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
-}
-
-/// Keeps a gauge incremented while alive.
-pub struct InFlight(&'static str);
-
-impl InFlight {
-    /// Increments `gauge` until dropped.
-    pub fn new(gauge: &'static str) -> Self {
-        metrics::gauge!(gauge).increment(1.0);
-        Self(gauge)
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        metrics::gauge!(self.0).decrement(1.0);
-    }
 }
 
 #[cfg(test)]

@@ -23,7 +23,8 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use shared::proto::toolrunner::v1 as pb;
+use proto::toolrunner::v1 as pb;
+use shared::runtime::AbortOnDrop;
 use tonic::transport::Endpoint;
 
 use crate::Error;
@@ -113,15 +114,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 struct RetrySettings {
     retries: u32,
     backoff: Duration,
-}
-
-/// Aborts a background task when the last clone is dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// How long an endpoint is skipped after refusing a call over its concurrency limit.

@@ -13,7 +13,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use mock_llm::{Scenario, Step, Turn};
 use orchestrator::tool_runners::Resolve;
-use shared::proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1 as pb;
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;

@@ -23,7 +23,7 @@ use orchestrator::signals::{SignalFilter, SignalItem, SignalTopic};
 use orchestrator::store::ResultStore;
 use orchestrator::store::memory::MemoryStore;
 use orchestrator::store::nats::KvStore;
-use shared::proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1 as pb;
 use tokio::process::{Child, Command};
 
 type TestResult = anyhow::Result<()>;

@@ -1,32 +1,17 @@
 //! Tests of the `orchestrator` process itself: the one-command demo, exit codes for bad flags,
 //! the `call` client against a served orchestrator, and the drain on SIGTERM.
 
-use std::process::Stdio;
-use std::time::Duration;
-
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
 const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
 
+/// Runs the binary to its end; `LLM_BASE_URL` from the shell must not turn the demo real.
 async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(Option<i32>, String, String)> {
-    let output = tokio::time::timeout(
-        Duration::from_secs(60),
-        Command::new(BIN)
-            .args(args)
-            .envs(env.iter().copied())
-            .env_remove("LLM_BASE_URL")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await??;
-    Ok((
-        output.status.code(),
-        String::from_utf8(output.stdout)?,
-        String::from_utf8(output.stderr)?,
-    ))
+    let mut command = Command::new(BIN);
+    command.env_remove("LLM_BASE_URL");
+    testkit::run_to_end(command, args, env).await
 }
 
 #[tokio::test]
@@ -111,39 +96,15 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
     ));
     let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
 
-    let mut child = Command::new(BIN)
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            "--shutdown-grace",
-            "5s",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
+    let mut command = Command::new(BIN);
+    command
+        .args(["--shutdown-grace", "5s"])
         .env("LLM_BASE_URL", mock.base_url())
         .env("LLM_API_KEY", "sk-never-logged")
         .env("TOOL_RUNNER_ENDPOINTS", &runner_url)
-        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
-    let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
-    let mut lines = BufReader::new(stderr).lines();
-    let mut logs = Vec::new();
-    let address = loop {
-        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
-            .await??
-            .ok_or_else(|| anyhow::anyhow!("exited early: {logs:?}"))?;
-        let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-        logs.push(line);
-        if entry["message"] == "orchestrator serving" {
-            break entry["address"].as_str().unwrap_or_default().to_owned();
-        }
-    };
-    let endpoint = format!("http://{address}");
+        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report");
+    let mut orchestrator = testkit::Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let endpoint = format!("http://{}", orchestrator.grpc);
     let (code, stdout, stderr) = run_to_end(
         &[
             "call",
@@ -167,14 +128,9 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
         "{stdout}"
     );
 
-    let pid = child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
-    Command::new("kill").args(["-TERM", &pid]).status().await?;
-    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await??;
-    assert_eq!(status.code(), Some(0));
-    while let Ok(Some(line)) = lines.next_line().await {
-        logs.push(line);
-    }
-    let logs = logs.join("\n");
+    orchestrator.signal(nix::sys::signal::Signal::SIGTERM)?;
+    assert_eq!(orchestrator.wait_exit().await?, Some(0));
+    let logs = orchestrator.logs().join("\n");
     for expected in [
         "stop signal received",
         "draining",

@@ -15,7 +15,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest
 use opentelemetry_proto::tonic::common::v1::KeyValue;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
-use shared::proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1 as pb;
 use tokio::process::Command;
 
 mod common;

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use proto::toolrunner::v1 as pb;
 use shared::config::parse_duration;
-use shared::proto::toolrunner::v1 as pb;
 
 use crate::{Config, Error};
 

@@ -52,6 +52,12 @@ impl From<Error> for tonic::Status {
     }
 }
 
+impl shared::runtime::Failure for Error {
+    fn is_usage(&self) -> bool {
+        matches!(self, Error::Config(_) | Error::Limit(_) | Error::Manifest { .. })
+    }
+}
+
 impl From<shared::telemetry::TelemetryError> for Error {
     fn from(error: shared::telemetry::TelemetryError) -> Self {
         Error::Config(error.to_string())

@@ -16,29 +16,16 @@ fn main() -> ExitCode {
 async fn run() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
-        Command::Serve(config) => serve(*config).await,
-        Command::List(client) => cli::list(&client).await,
+        Command::Serve(config) => serve(*config).await.map(|()| true),
+        Command::List(client) => cli::list(&client).await.map(|()| true),
         Command::Call {
             client,
             tool,
             arguments,
-        } => match cli::call(&client, &tool, &arguments).await {
-            Ok(true) => Ok(()),
-            Ok(false) => return ExitCode::FAILURE,
-            Err(e) => Err(e),
-        },
-        Command::CheckManifest { file } => cli::check_manifest(&file),
+        } => cli::call(&client, &tool, &arguments).await,
+        Command::CheckManifest { file } => cli::check_manifest(&file).map(|()| true),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("tool-runner: {e}");
-            match e {
-                Error::Config(_) | Error::Limit(_) | Error::Manifest { .. } => ExitCode::from(2),
-                _ => ExitCode::FAILURE,
-            }
-        }
-    }
+    shared::runtime::exit_code("tool-runner", result)
 }
 
 async fn serve(config: Config) -> Result<(), Error> {

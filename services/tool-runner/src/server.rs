@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use shared::proto::toolrunner::v1::tool_runner_server::ToolRunnerServer;
+use proto::toolrunner::v1::tool_runner_server::ToolRunnerServer;
 use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 

@@ -5,13 +5,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use shared::proto::toolrunner::v1 as pb;
+use proto::toolrunner::v1 as pb;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::Error;
 use crate::registry::Registry;
-use crate::telemetry::{metric, truncate};
+use shared::metrics::InFlight;
+use shared::telemetry::truncate;
+
+use crate::telemetry::metric;
 use crate::tools::{CallContext, ErrorCode, ToolError, ToolSpec};
 
 /// Serves `ListTools` and `RunTool` from a [`Registry`].
@@ -28,22 +31,6 @@ impl ToolRunnerService {
             registry,
             trace_payloads,
         }
-    }
-}
-
-/// Keeps the in-flight gauge up while a call runs.
-struct InFlight;
-
-impl InFlight {
-    fn new() -> Self {
-        metrics::gauge!(metric::IN_FLIGHT).increment(1.0);
-        Self
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        metrics::gauge!(metric::IN_FLIGHT).decrement(1.0);
     }
 }
 
@@ -160,7 +147,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
         };
         async move {
             let started = Instant::now();
-            let _in_flight = InFlight::new();
+            let _in_flight = InFlight::new(metric::IN_FLIGHT);
             let mut watch = CancelWatch { finished: false };
             let ctx = CallContext {
                 run_id: call.run_id.clone(),

@@ -32,12 +32,3 @@ pub fn describe() {
         metrics::counter!(metric::REJECTED, "reason" => reason).absolute(0);
     }
 }
-
-/// At most `max` bytes of `text` (on a character boundary), for span attributes.
-pub fn truncate(text: &str, max: usize) -> &str {
-    let mut end = text.len().min(max);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
-}

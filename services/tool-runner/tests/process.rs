@@ -1,101 +1,31 @@
 //! Tests of the `tool-runner` process itself: signals and drain, exit codes, flags and their
 //! environment equivalents, JSON logs, and the `list` / `call` / `check-manifest` commands.
 
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shared::proto::toolrunner::v1 as pb;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use proto::toolrunner::v1 as pb;
+use testkit::{Service, repo_root};
+use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tool-runner");
 
-fn repo_root() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+/// The binary on a free loopback port with JSON logs, serving; `extra` flags added.
+async fn start(extra: &[&str]) -> anyhow::Result<Service> {
+    let mut command = Command::new(BIN);
+    command
+        .args(extra)
+        // A valid worker-thread count (bad ones are refused: see the limits test).
+        .env("TOKIO_WORKER_THREADS", "2")
+        .current_dir(repo_root());
+    Service::spawn(command, "127.0.0.1", "tool-runner serving").await
 }
 
-/// A running `tool-runner` process and the log lines it has written so far.
-struct Process {
-    child: Child,
-    address: String,
-    logs: Arc<Mutex<Vec<String>>>,
-    reader: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Process {
-    /// Starts the binary on a free loopback port with JSON logs and waits until it serves.
-    async fn start(extra: &[&str]) -> anyhow::Result<Self> {
-        let mut child = Command::new(BIN)
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-                "--metrics-listen",
-                "127.0.0.1:0",
-            ])
-            .args(extra)
-            // A valid worker-thread count (bad ones are refused: see the limits test).
-            .env("TOKIO_WORKER_THREADS", "2")
-            .current_dir(repo_root())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()?;
-        let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
-        let logs = Arc::new(Mutex::new(Vec::new()));
-        let (address_tx, address_rx) = tokio::sync::oneshot::channel();
-        let sink = Arc::clone(&logs);
-        let reader = tokio::spawn(async move {
-            let mut address_tx = Some(address_tx);
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                let entry = serde_json::from_str::<serde_json::Value>(&line).unwrap_or_default();
-                if entry["message"] == "tool-runner serving"
-                    && let (Some(address), Some(tx)) = (entry["address"].as_str(), address_tx.take())
-                {
-                    let _ = tx.send(address.to_owned());
-                }
-                sink.lock().map(|mut l| l.push(line)).ok();
-            }
-        });
-        let address = tokio::time::timeout(Duration::from_secs(20), address_rx).await??;
-        Ok(Self {
-            child,
-            address,
-            logs,
-            reader: Some(reader),
-        })
-    }
-
-    async fn client(&self) -> anyhow::Result<pb::tool_runner_client::ToolRunnerClient<tonic::transport::Channel>> {
-        Ok(pb::tool_runner_client::ToolRunnerClient::connect(format!("http://{}", self.address)).await?)
-    }
-
-    fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
-        let pid = self
-            .child
-            .id()
-            .ok_or_else(|| anyhow::anyhow!("process already reaped"))?;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid)?), signal)?;
-        Ok(())
-    }
-
-    /// Waits (at most 10 s) for the process to exit and for its last log line; returns the exit code.
-    async fn wait_exit(&mut self) -> anyhow::Result<Option<i32>> {
-        let status = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await??;
-        if let Some(reader) = self.reader.take() {
-            tokio::time::timeout(Duration::from_secs(10), reader).await??;
-        }
-        Ok(status.code())
-    }
-
-    fn logs(&self) -> Vec<String> {
-        self.logs.lock().map(|l| l.clone()).unwrap_or_default()
-    }
+async fn client(
+    service: &Service,
+) -> anyhow::Result<pb::tool_runner_client::ToolRunnerClient<tonic::transport::Channel>> {
+    Ok(pb::tool_runner_client::ToolRunnerClient::connect(format!("http://{}", service.grpc)).await?)
 }
 
 fn request(tool: &str, args: &str) -> pb::RunToolRequest {
@@ -108,8 +38,8 @@ fn request(tool: &str, args: &str) -> pb::RunToolRequest {
 
 #[tokio::test]
 async fn sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero() -> TestResult {
-    let mut process = Process::start(&["--shutdown-grace", "10s"]).await?;
-    let mut client = process.client().await?;
+    let mut process = start(&["--shutdown-grace", "10s"]).await?;
+    let mut client = client(&process).await?;
     let in_flight = tokio::spawn({
         let mut client = client.clone();
         async move { client.run_tool(request("sleep", r#"{"ms": 1500}"#)).await }
@@ -142,8 +72,8 @@ async fn sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero() -> Tes
 
 #[tokio::test]
 async fn sigint_with_a_call_past_the_grace_period_still_exits_zero() -> TestResult {
-    let mut process = Process::start(&["--shutdown-grace", "200ms"]).await?;
-    let mut client = process.client().await?;
+    let mut process = start(&["--shutdown-grace", "200ms"]).await?;
+    let mut client = client(&process).await?;
     let _stuck = tokio::spawn(async move { client.run_tool(request("sleep", r#"{"ms": 30000}"#)).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     process.signal(nix::sys::signal::Signal::SIGINT)?;
@@ -157,20 +87,7 @@ async fn sigint_with_a_call_past_the_grace_period_still_exits_zero() -> TestResu
 }
 
 async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(Option<i32>, String, String)> {
-    let output = tokio::time::timeout(
-        Duration::from_secs(20),
-        Command::new(BIN)
-            .args(args)
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await??;
-    Ok((
-        output.status.code(),
-        String::from_utf8(output.stdout)?,
-        String::from_utf8(output.stderr)?,
-    ))
+    testkit::run_to_end(Command::new(BIN), args, env).await
 }
 
 #[tokio::test]
@@ -236,8 +153,8 @@ async fn an_address_in_use_is_a_clear_startup_error() -> TestResult {
 #[tokio::test]
 async fn list_and_call_commands_use_a_running_runner() -> TestResult {
     // A relative manifest path (the process runs in the repository root).
-    let mut process = Process::start(&["--tools-manifest", "deploy/tools/tools.toml"]).await?;
-    let endpoint = format!("http://{}", process.address);
+    let mut process = start(&["--tools-manifest", "deploy/tools/tools.toml"]).await?;
+    let endpoint = format!("http://{}", process.grpc);
 
     let (code, stdout, _) = run_to_end(&["list", "--endpoint", &endpoint], &[]).await?;
     assert_eq!(code, Some(0));

@@ -9,7 +9,7 @@ use async_nats::jetstream;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use prost::Message;
-use shared::proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1 as pb;
 
 use super::ResultStore;
 use crate::run::RunResult;

@@ -1,4 +1,6 @@
-//! Code generated from `proto/` by `tonic-prost-build` (see `build.rs`).
+//! The gRPC contracts of the orchestrator and the tool-runner, generated from `proto/` by
+//! `tonic-prost-build` (see `build.rs`): messages, clients, servers, and the file descriptor set
+//! that reflection serves. A service that calls `Orchestrate` depends on this crate alone.
 
 #![allow(missing_docs, clippy::all, clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,0 +1,211 @@
+//! The test harness both services' process tests and the end-to-end tests use: a real binary
+//! spawned on loopback with JSON logs ([`Service`]), a command run to its end ([`run_to_end`]),
+//! and waiting for processes to go. Binaries are named by the caller (`CARGO_BIN_EXE_*` is only
+//! visible in the binary's own package).
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+
+/// How long a spawned service may take to log that it serves.
+const START_LIMIT: Duration = Duration::from_secs(20);
+
+/// The repository root (for `deploy/` files and the tools manifest).
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Runs `command` with `args` and `env` added (stdin closed) to its end, at most 60 s: exit code,
+/// stdout, stderr.
+pub async fn run_to_end(
+    mut command: Command,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<(Option<i32>, String, String)> {
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        command
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await??;
+    Ok((
+        output.status.code(),
+        String::from_utf8(output.stdout)?,
+        String::from_utf8(output.stderr)?,
+    ))
+}
+
+/// A spawned service (`--log-format json`), the addresses it logged, and every log line it wrote.
+pub struct Service {
+    /// The process.
+    pub child: Child,
+    /// Its gRPC address.
+    pub grpc: String,
+    /// Its metrics address.
+    pub metrics: String,
+    logs: Arc<Mutex<Vec<String>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Service {
+    /// Spawns `command` listening on `ip` (any port), metrics on `ip` too, and waits until it
+    /// logs `ready_message` with its address.
+    pub async fn spawn(command: Command, ip: &str, ready_message: &str) -> anyhow::Result<Self> {
+        Self::spawn_on(command, &format!("{ip}:0"), ip, ready_message).await
+    }
+
+    /// Spawns `command` listening on `listen` (`ip:port`), metrics on `metrics_ip` (any port).
+    pub async fn spawn_on(
+        mut command: Command,
+        listen: &str,
+        metrics_ip: &str,
+        ready_message: &str,
+    ) -> anyhow::Result<Self> {
+        let mut child = command
+            .args(["--listen", listen, "--metrics-listen", &format!("{metrics_ip}:0")])
+            .args(["--log-format", "json"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let reader = tokio::spawn(read_logs(stderr, Arc::clone(&logs), ready_message.to_owned(), ready_tx));
+        let (grpc, metrics) = tokio::time::timeout(START_LIMIT, ready_rx)
+            .await?
+            .map_err(|_| anyhow::anyhow!("the service exited before serving"))?;
+        Ok(Self {
+            child,
+            grpc,
+            metrics,
+            logs,
+            reader: Some(reader),
+        })
+    }
+
+    /// Every log line so far.
+    pub fn logs(&self) -> Vec<String> {
+        self.logs.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Sends `signal` to the process.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let pid = self
+            .child
+            .id()
+            .ok_or_else(|| anyhow::anyhow!("process already reaped"))?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid)?), signal)?;
+        Ok(())
+    }
+
+    /// Waits (at most 15 s) for the process to exit and for its last log line; its exit code.
+    pub async fn wait_exit(&mut self) -> anyhow::Result<Option<i32>> {
+        let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait()).await??;
+        if let Some(reader) = self.reader.take() {
+            tokio::time::timeout(Duration::from_secs(10), reader).await??;
+        }
+        Ok(status.code())
+    }
+
+    /// SIGTERM, then the process must exit 0.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        self.signal(nix::sys::signal::Signal::SIGTERM)?;
+        let code = self.wait_exit().await?;
+        anyhow::ensure!(code == Some(0), "exit code {code:?}");
+        Ok(())
+    }
+
+    /// Kills the process at once (SIGKILL), as a crashed pod.
+    pub async fn kill(mut self) -> anyhow::Result<()> {
+        self.child.kill().await?;
+        Ok(())
+    }
+}
+
+/// Keeps every log line (so the process never blocks on a full pipe) and reports the gRPC and
+/// metrics addresses once both are logged.
+async fn read_logs(
+    stderr: tokio::process::ChildStderr,
+    logs: Arc<Mutex<Vec<String>>>,
+    ready_message: String,
+    ready: tokio::sync::oneshot::Sender<(String, String)>,
+) {
+    let mut ready = Some(ready);
+    let (mut grpc, mut metrics) = (None, None);
+    let mut lines = BufReader::new(stderr).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        let address = entry["address"].as_str().map(str::to_owned);
+        if entry["message"] == ready_message.as_str() {
+            grpc = address;
+        } else if entry["message"] == "metrics serving on /metrics" {
+            metrics = address;
+        }
+        if let (Some(g), Some(m)) = (&grpc, &metrics)
+            && let Some(tx) = ready.take()
+        {
+            let _ = tx.send((g.clone(), m.clone()));
+        }
+        if let Ok(mut logs) = logs.lock() {
+            logs.push(line);
+        }
+    }
+}
+
+/// Whether process `pid` still runs (a zombie waiting to be reaped counts as gone).
+pub fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // Field 3 is the state; the command name in field 2 may contain spaces, so look after ')'.
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .and_then(|rest| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// Waits up to `limit` for every pid to be gone; returns those still alive.
+pub async fn wait_gone(pids: &[u32], limit: Duration) -> Vec<u32> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let alive: Vec<u32> = pids.iter().copied().filter(|p| process_alive(*p)).collect();
+        if alive.is_empty() || tokio::time::Instant::now() >= deadline {
+            return alive;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Reads whitespace-separated pids a test tool wrote to `path`, waiting up to 5 s for `count`.
+pub async fn read_pids(path: &std::path::Path, count: usize) -> anyhow::Result<Vec<u32>> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let pids: Vec<u32> = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        if pids.len() >= count {
+            return Ok(pids);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the tool wrote {} of {count} pids to {}",
+            pids.len(),
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
