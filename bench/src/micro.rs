@@ -15,7 +15,7 @@ const EVENTS: usize = 200;
 
 /// SSE decoding cost.
 #[derive(Debug, Serialize)]
-pub struct SseDecode {
+pub(crate) struct SseDecode {
     /// Events per decoded stream (text chunks, the finish chunk, the usage chunk, `[DONE]`).
     pub events_per_stream: usize,
     /// Nanoseconds per event when the whole stream arrives in one read.
@@ -77,7 +77,7 @@ async fn time_decode(reads: &[Bytes], events: usize, rounds: usize) -> anyhow::R
 }
 
 /// Measures SSE decoding (`rounds` streams per delivery, in five batches).
-pub async fn sse_decode(rounds: usize) -> anyhow::Result<SseDecode> {
+pub(crate) async fn sse_decode(rounds: usize) -> anyhow::Result<SseDecode> {
     let events = stream_events();
     let whole = vec![Bytes::from(events.concat())];
     let one_each: Vec<Bytes> = events.iter().map(|e| Bytes::from(e.clone())).collect();

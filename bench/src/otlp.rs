@@ -31,7 +31,7 @@ impl TraceService for Counter {
 }
 
 /// The running sink.
-pub struct Sink {
+pub(crate) struct Sink {
     /// `http://127.0.0.1:port`, for `OTEL_EXPORTER_OTLP_ENDPOINT`.
     pub endpoint: String,
     counter: Counter,
@@ -39,7 +39,7 @@ pub struct Sink {
 
 impl Sink {
     /// Serves on a free loopback port.
-    pub async fn start() -> anyhow::Result<Self> {
+    pub(crate) async fn start() -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let endpoint = format!("http://{}", listener.local_addr()?);
         let counter = Counter::default();
@@ -52,7 +52,7 @@ impl Sink {
     }
 
     /// Spans received so far.
-    pub fn spans(&self) -> usize {
+    pub(crate) fn spans(&self) -> usize {
         self.counter.0.load(Ordering::Relaxed)
     }
 }

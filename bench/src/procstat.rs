@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 /// User + system CPU time of `pid` so far.
-pub fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
+pub(crate) fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Fields after the command name (which may hold spaces) start after the last ')'.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
@@ -20,7 +20,7 @@ pub fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
 }
 
 /// Resident memory of `pid` now, in bytes.
-pub fn rss(pid: u32) -> anyhow::Result<u64> {
+pub(crate) fn rss(pid: u32) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kib: u64 = status
         .lines()
@@ -32,14 +32,14 @@ pub fn rss(pid: u32) -> anyhow::Result<u64> {
 }
 
 /// Samples `rss(pid)` every 20 ms until stopped; returns the peak.
-pub struct PeakRss {
+pub(crate) struct PeakRss {
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<u64>,
 }
 
 impl PeakRss {
     /// Starts sampling.
-    pub fn start(pid: u32) -> Self {
+    pub(crate) fn start(pid: u32) -> Self {
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let mut peak = 0;
@@ -55,7 +55,7 @@ impl PeakRss {
     }
 
     /// Stops and returns the peak.
-    pub async fn finish(self) -> u64 {
+    pub(crate) async fn finish(self) -> u64 {
         let _ = self.stop.send(());
         self.task.await.unwrap_or(0)
     }

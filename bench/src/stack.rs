@@ -12,7 +12,7 @@ use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 
 /// A running stack.
-pub struct Stack {
+pub(crate) struct Stack {
     /// The stand-in model.
     pub mock: MockLlm,
     /// The tool-runner's endpoint.
@@ -27,7 +27,7 @@ pub struct Stack {
 
 impl Stack {
     /// Starts everything; `scenarios` are the model's scripts (chosen by model name).
-    pub async fn start(
+    pub(crate) async fn start(
         orchestrator_bin: &Path,
         scenarios: Scenarios,
         channels: usize,
@@ -39,7 +39,7 @@ impl Stack {
         let runner = format!("http://{}", listener.local_addr()?);
         let mut runner_config = tool_runner::Config::default();
         runner_config.server.max_concurrency = 10_000;
-        tokio::spawn(tool_runner::run(listener, runner_config, std::future::pending()));
+        tokio::spawn(tool_runner::serve(listener, runner_config, std::future::pending()));
 
         let mut command = Command::new(orchestrator_bin);
         command
@@ -114,12 +114,12 @@ impl Stack {
     }
 
     /// A client on the `i`-th channel (round robin).
-    pub fn client(&self, i: usize) -> pb::orchestrator_client::OrchestratorClient<Channel> {
+    pub(crate) fn client(&self, i: usize) -> pb::orchestrator_client::OrchestratorClient<Channel> {
         pb::orchestrator_client::OrchestratorClient::new(self.channels[i % self.channels.len()].clone())
     }
 
     /// Stops the orchestrator gracefully (it flushes its spans), killing it after 10 s.
-    pub async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         if let Ok(pid) = i32::try_from(self.pid) {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
         }
@@ -134,7 +134,7 @@ impl Stack {
 
 /// Lets this process (and its children) open many sockets: 10,000 runs hold 10,000 model
 /// streams.
-pub fn raise_open_files() {
+pub(crate) fn raise_open_files() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
         let _ = setrlimit(Resource::RLIMIT_NOFILE, hard.min(1 << 20), hard);

@@ -16,7 +16,7 @@ use crate::stack::Stack;
 
 /// Which tool the calls use.
 #[derive(Debug, Clone, Copy, Serialize)]
-pub enum Tool {
+pub(crate) enum Tool {
     /// `echo`: returns at once.
     Echo,
     /// `sleep` for this many milliseconds.
@@ -25,7 +25,7 @@ pub enum Tool {
 
 /// One workload.
 #[derive(Debug, Clone, Serialize)]
-pub struct Workload {
+pub(crate) struct Workload {
     /// Name (also the model name the stand-in model plays it under).
     pub name: String,
     /// Runs in flight at once.
@@ -54,12 +54,12 @@ pub struct Workload {
 
 impl Workload {
     /// Turns per run (tool turns plus the final one).
-    pub fn turns(&self) -> u32 {
+    pub(crate) fn turns(&self) -> u32 {
         self.tool_turns + 1
     }
 
     /// The stand-in model's script.
-    pub fn scenario(&self) -> Scenario {
+    pub(crate) fn scenario(&self) -> Scenario {
         let text = "lorem ".repeat(self.text_words);
         let mut turns = Vec::new();
         for _ in 0..self.tool_turns {
@@ -98,7 +98,7 @@ impl Workload {
     }
 
     /// When the `worker`-th of the concurrent runs starts (zero unless paced).
-    pub fn start_offset(&self, worker: usize) -> Duration {
+    pub(crate) fn start_offset(&self, worker: usize) -> Duration {
         if self.paced {
             self.scripted_run()
                 .mul_f64(worker as f64 / self.concurrency.max(1) as f64)
@@ -108,7 +108,7 @@ impl Workload {
     }
 
     /// What the tools were scripted to take for one run (the slowest call of each tool turn).
-    pub fn scripted_tools(&self) -> Duration {
+    pub(crate) fn scripted_tools(&self) -> Duration {
         match self.tool {
             Tool::Sleep(ms) if self.calls_per_turn > 0 => Duration::from_millis(ms) * self.tool_turns,
             _ => Duration::ZERO,
@@ -116,14 +116,14 @@ impl Workload {
     }
 
     /// What the model and the tools were scripted to take for one run.
-    pub fn scripted_run(&self) -> Duration {
+    pub(crate) fn scripted_run(&self) -> Duration {
         self.scripted_turn(true) * self.tool_turns + self.scripted_tools() + self.scripted_turn(false)
     }
 }
 
 /// What the client saw of one run.
 #[derive(Debug, Clone)]
-pub struct RunSample {
+pub(crate) struct RunSample {
     /// The run's first user message, unique per run: the stand-in model tallies the time it
     /// served the run under it.
     pub key: String,
@@ -136,7 +136,7 @@ pub struct RunSample {
 }
 
 /// Drives `workload` against the stack.
-pub async fn drive(stack: &Stack, workload: &Workload, model: &str) -> Vec<RunSample> {
+pub(crate) async fn drive(stack: &Stack, workload: &Workload, model: &str) -> Vec<RunSample> {
     let next = Arc::new(AtomicUsize::new(0));
     let exit_tools: Vec<pb::ExitToolSpec> = if workload.exit_calls > 0 {
         vec![pb::ExitToolSpec {
@@ -221,7 +221,7 @@ async fn one_run(
 /// Baseline: the same turns streamed from the stand-in model directly (no orchestrator), one
 /// request per turn, `concurrency` at once and paced like the workload; returns each "run"'s
 /// wall time.
-pub async fn model_direct(base_url: &str, workload: &Workload, model: &str) -> anyhow::Result<Vec<Duration>> {
+pub(crate) async fn model_direct(base_url: &str, workload: &Workload, model: &str) -> anyhow::Result<Vec<Duration>> {
     let client = reqwest::Client::new();
     let url = format!("{base_url}/chat/completions");
     let next = Arc::new(AtomicUsize::new(0));
@@ -264,7 +264,7 @@ pub async fn model_direct(base_url: &str, workload: &Workload, model: &str) -> a
 
 /// Baseline: raw tonic unary `RunTool` echo calls to the tool-runner, `concurrency` at once;
 /// returns calls per second.
-pub async fn echo_floor(runner: &str, concurrency: usize, calls: usize) -> anyhow::Result<f64> {
+pub(crate) async fn echo_floor(runner: &str, concurrency: usize, calls: usize) -> anyhow::Result<f64> {
     let channel = tonic::transport::Channel::from_shared(runner.to_owned())?
         .connect()
         .await?;
@@ -294,7 +294,7 @@ pub async fn echo_floor(runner: &str, concurrency: usize, calls: usize) -> anyho
 }
 
 /// The `q`-quantile of `values` (0 when empty).
-pub fn quantile(values: &[Duration], q: f64) -> Duration {
+pub(crate) fn quantile(values: &[Duration], q: f64) -> Duration {
     if values.is_empty() {
         return Duration::ZERO;
     }

@@ -13,7 +13,7 @@ use tonic::transport::Channel;
 
 pub use testkit::{process_alive, read_pids, repo_root, wait_gone};
 
-/// A service's `run(listener, config, shutdown)` spawned in this process on 127.0.0.1:0, with its
+/// A service's `serve(listener, config, shutdown)` spawned in this process on 127.0.0.1:0, with its
 /// shutdown future under the test's control; aborted when dropped.
 pub struct Served<E> {
     /// Where it listens.
@@ -23,7 +23,7 @@ pub struct Served<E> {
 }
 
 impl<E: std::error::Error + Send + Sync + 'static> Served<E> {
-    /// Binds 127.0.0.1:0 and spawns `run(listener, shutdown)`.
+    /// Binds 127.0.0.1:0 and spawns `serve(listener, shutdown)`.
     pub async fn spawn<Fut>(
         run: impl FnOnce(tokio::net::TcpListener, std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) -> Fut,
     ) -> anyhow::Result<Self>
@@ -79,9 +79,9 @@ pub struct Runner {
 }
 
 impl Runner {
-    /// Starts `tool_runner::run` on 127.0.0.1:0 with `config`.
+    /// Starts `tool_runner::serve` on 127.0.0.1:0 with `config`.
     pub async fn start(config: tool_runner::Config) -> anyhow::Result<Self> {
-        let server = Served::spawn(|listener, shutdown| tool_runner::run(listener, config, shutdown)).await?;
+        let server = Served::spawn(|listener, shutdown| tool_runner::serve(listener, config, shutdown)).await?;
         Ok(Self {
             addr: server.addr,
             server,
@@ -202,7 +202,7 @@ pub mod stack {
             config.llm.retry_backoff = Duration::from_millis(10);
             config.server.shutdown_grace = Duration::from_secs(5);
             tweak(&mut config);
-            let server = Served::spawn(|listener, shutdown| orchestrator::run(listener, config, shutdown)).await?;
+            let server = Served::spawn(|listener, shutdown| orchestrator::serve(listener, config, shutdown)).await?;
             Ok(Self {
                 addr: server.addr,
                 mock,
@@ -227,7 +227,7 @@ pub mod stack {
             self.server.shutdown().await
         }
 
-        /// Runs `request` to its end and checks the invariants of DESIGN §3 on it.
+        /// Runs `request` to its end and checks the run invariants (docs/architecture.md, "Invariants") on it.
         pub async fn run(&self, request: pb::OrchestrateRequest) -> anyhow::Result<Outcome> {
             let mut client = self.client().await?;
             let started = std::time::Instant::now();

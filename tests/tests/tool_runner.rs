@@ -644,7 +644,7 @@ async fn startup_refuses_invalid_configuration_and_manifests() -> TestResult {
     let mut config = Config::default();
     config.server.max_concurrency = 10_001;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let err = tool_runner::run(listener, config, std::future::pending())
+    let err = tool_runner::serve(listener, config, std::future::pending())
         .await
         .unwrap_err()
         .to_string();

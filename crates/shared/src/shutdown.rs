@@ -37,7 +37,7 @@ pub enum StartupError {
 
 /// The `serve` command of both binaries: installs the stop-signal handlers, binds `listen` and the
 /// optional `/metrics` endpoint, runs `service(listener, shutdown)` (the service's
-/// `run(listener, config, shutdown)`) until SIGTERM/SIGINT has been received and the drain is
+/// `serve(listener, config, shutdown)`) until SIGTERM/SIGINT has been received and the drain is
 /// over, then stops the metrics endpoint.
 pub async fn serve_until_stopped<E, Fut>(
     listen: SocketAddr,

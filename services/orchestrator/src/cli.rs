@@ -1,5 +1,6 @@
-//! Command line: `serve` (the default) with flags that all have environment equivalents,
-//! `demo` (the whole loop in one command) and `call` (start a run on a running orchestrator).
+//! Command line: `serve` (the default) with flags that all have environment equivalents, and
+//! `call` (start a run on a running orchestrator). The one-command demo is its own binary
+//! (`cargo run -p demo`), so this one carries no stand-in model.
 
 use std::time::Duration;
 
@@ -25,9 +26,6 @@ pub struct Cli {
 pub enum Command {
     /// Serve gRPC (the default).
     Serve(Box<Config>),
-    /// Run the whole loop once: tool-runner + stand-in model + orchestrator, one call, printed.
-    /// Set LLM_BASE_URL (and LLM_MODEL, LLM_API_KEY) to use a real OpenAI-compatible server.
-    Demo,
     /// Start a run on a running orchestrator and print its events.
     Call(CallArgs),
 }

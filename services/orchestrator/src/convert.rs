@@ -17,11 +17,11 @@ use crate::run::{
 use crate::tool_runners::RemoteTool;
 
 /// Longest caller-supplied run id.
-pub const MAX_RUN_ID_LEN: usize = 128;
+pub(crate) const MAX_RUN_ID_LEN: usize = 128;
 
 /// Limits as the caller asked (unset = server default).
 #[derive(Debug, Clone, Default)]
-pub struct RequestedLimits {
+pub(crate) struct RequestedLimits {
     max_turns: Option<u32>,
     tool_call_budget: Option<u32>,
     max_tool_failures: Option<u32>,
@@ -31,7 +31,7 @@ pub struct RequestedLimits {
 
 /// An `OrchestrateRequest` that passed the checks needing nothing but itself.
 #[derive(Debug, Clone)]
-pub struct RunRequest {
+pub(crate) struct RunRequest {
     run_id: Option<String>,
     system: String,
     messages: Vec<Message>,
@@ -196,7 +196,7 @@ fn millis(d: Duration) -> u32 {
 
 /// Checks the request against the tool catalog and the server's limits, giving the run's spec.
 /// `caller_deadline` is the caller's gRPC deadline, which shortens the run's own.
-pub fn resolve(
+pub(crate) fn resolve(
     request: RunRequest,
     catalog: &BTreeMap<String, RemoteTool>,
     config: &Config,
@@ -298,7 +298,7 @@ pub fn resolve(
 }
 
 /// Parses a `grpc-timeout` header value (`100m`, `5S`, …) into a duration.
-pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+pub(crate) fn parse_grpc_timeout(value: &str) -> Option<Duration> {
     let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
     let n: u64 = digits.parse().ok()?;
     Some(match unit {
@@ -504,7 +504,7 @@ impl From<&RunResult> for pb::RunResult {
 }
 
 /// A numbered domain event as a proto event of `run_id`.
-pub fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateEvent {
+pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateEvent {
     use pb::orchestrate_event::Event as E;
     let event = match event {
         Event::RunStarted {

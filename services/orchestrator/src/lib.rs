@@ -4,29 +4,30 @@
 //! * [`llm`]: the streaming client for OpenAI-compatible servers;
 //! * [`tool_runners`]: the gRPC client of the tool-runners (balancing, catalog, execution);
 //! * [`signals`]: the signal topic (exit-tool calls);
-//! * [`runs`]: run slots, live runs, kept results;
-//! * [`service`] / [`convert`]: the gRPC adapter; [`server`]: `run(listener, config, shutdown)`;
-//! * [`cli`] / [`client`] / [`demo`]: flags, the `call` client and the one-command demo.
+//! * [`store`]: where run results are kept;
+//! * [`config`]: the settings, in sections; [`server`]: `serve(listener, config, shutdown)`;
+//! * [`cli`] / [`client`]: the command line and the `call` client.
+//!
+//! Inside, not API: the runs registry (`runs`), the gRPC adapter (`service`, `convert`) and span
+//! and metric names (`telemetry`). docs/architecture.md explains how they fit.
 
 #![forbid(unsafe_code)]
 
 pub mod cli;
 pub mod client;
 pub mod config;
-pub mod convert;
-pub mod demo;
+pub(crate) mod convert;
 mod error;
 pub mod llm;
-pub mod pool;
 pub mod run;
-pub mod runs;
+pub(crate) mod runs;
 pub mod server;
-pub mod service;
+pub(crate) mod service;
 pub mod signals;
 pub mod store;
-pub mod telemetry;
+pub(crate) mod telemetry;
 pub mod tool_runners;
 
 pub use config::Config;
 pub use error::Error;
-pub use server::run;
+pub use server::serve;

@@ -22,15 +22,6 @@ async fn run() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
         Command::Serve(args) => serve(*args).await.map(|()| true),
-        Command::Demo => {
-            shared::telemetry::init_logging(shared::telemetry::LogFormat::Text, "warn");
-            orchestrator::demo::run(orchestrator::demo::DemoOptions {
-                llm_base_url: std::env::var("LLM_BASE_URL").ok().filter(|v| !v.is_empty()),
-                llm_model: std::env::var("LLM_MODEL").ok().filter(|v| !v.is_empty()),
-                llm_api_key: std::env::var("LLM_API_KEY").ok().filter(|v| !v.is_empty()),
-            })
-            .await
-        }
         Command::Call(args) => orchestrator::client::call(&args.to_options())
             .await
             .map(|r| r.status == proto::orchestrator::v1::RunStatus::Completed as i32),
@@ -47,7 +38,7 @@ async fn serve_with_telemetry(config: Config) -> Result<(), Error> {
     config.validate()?;
     let (listen, metrics_listen) = (config.server.listen, config.server.metrics_listen.0);
     shared::shutdown::serve_until_stopped(listen, metrics_listen, |listener, shutdown| {
-        orchestrator::run(listener, config, shutdown)
+        orchestrator::serve(listener, config, shutdown)
     })
     .await
 }

@@ -19,7 +19,7 @@ struct Live {
 }
 
 /// See the module docs.
-pub struct Runs {
+pub(crate) struct Runs {
     live: Mutex<HashMap<String, Live>>,
     slots: Arc<Semaphore>,
     idle: Notify,
@@ -31,7 +31,7 @@ pub struct Runs {
 
 /// Why a run cannot start.
 #[derive(Debug)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// A live run has this id (here or, with a shared store, on another replica).
     Duplicate,
     /// No slot is free.
@@ -41,7 +41,7 @@ pub enum Refusal {
 }
 
 /// A started run's place in the registry; dropping it frees the slot and the live entry.
-pub struct Admitted {
+pub(crate) struct Admitted {
     runs: Arc<Runs>,
     run_id: String,
     /// The run's live state.
@@ -66,7 +66,7 @@ impl Drop for Admitted {
 impl Admitted {
     /// The run as the loop takes it: `spec`, its stream's `emitter`, the `caller`'s sender to
     /// watch (`None` when detached), and this slot, freed when the loop is done with the run.
-    pub fn into_run(self, spec: RunSpec, emitter: Emitter, caller: Option<EventSender>) -> AdmittedRun {
+    pub(crate) fn into_run(self, spec: RunSpec, emitter: Emitter, caller: Option<EventSender>) -> AdmittedRun {
         AdmittedRun {
             spec,
             state: Arc::clone(&self.state),
@@ -81,7 +81,7 @@ impl Admitted {
 
 /// Outcome of a cancel request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CancelOutcome {
+pub(crate) enum CancelOutcome {
     /// A live run was canceled.
     Canceled,
     /// The run had already finished with this status.
@@ -92,7 +92,7 @@ pub enum CancelOutcome {
 
 impl Runs {
     /// An empty registry of at most `max_runs` live runs, over `store`.
-    pub fn new(max_runs: usize, store: Arc<dyn ResultStore>, store_timeout: Duration) -> Arc<Self> {
+    pub(crate) fn new(max_runs: usize, store: Arc<dyn ResultStore>, store_timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             live: Mutex::default(),
             slots: Arc::new(Semaphore::new(max_runs)),
@@ -122,7 +122,7 @@ impl Runs {
     }
 
     /// Takes a slot for `run_id`.
-    pub async fn admit(self: &Arc<Self>, run_id: &str) -> Result<Admitted, Refusal> {
+    pub(crate) async fn admit(self: &Arc<Self>, run_id: &str) -> Result<Admitted, Refusal> {
         if self.lock().contains_key(run_id) {
             return Err(Refusal::Duplicate);
         }
@@ -159,7 +159,7 @@ impl Runs {
     }
 
     /// A live run's state so far, or a stored result.
-    pub async fn get(&self, run_id: &str) -> Option<RunResult> {
+    pub(crate) async fn get(&self, run_id: &str) -> Option<RunResult> {
         let live = self
             .lock()
             .get(run_id)
@@ -171,7 +171,7 @@ impl Runs {
     }
 
     /// Cancels a live run of this replica.
-    pub async fn cancel(&self, run_id: &str, reason: &str) -> CancelOutcome {
+    pub(crate) async fn cancel(&self, run_id: &str, reason: &str) -> CancelOutcome {
         if let Some(live) = self.lock().get(run_id) {
             live.cancel.cancel(reason);
             return CancelOutcome::Canceled;
@@ -183,7 +183,7 @@ impl Runs {
     }
 
     /// Cancels every live run (the drain's last step).
-    pub fn cancel_all(&self, reason: &str) -> usize {
+    pub(crate) fn cancel_all(&self, reason: &str) -> usize {
         let live = self.lock();
         for run in live.values() {
             run.cancel.cancel(reason);
@@ -192,12 +192,12 @@ impl Runs {
     }
 
     /// Runs live now.
-    pub fn live(&self) -> usize {
+    pub(crate) fn live(&self) -> usize {
         self.lock().len()
     }
 
     /// Resolves when no run is live.
-    pub async fn wait_idle(&self) {
+    pub(crate) async fn wait_idle(&self) {
         loop {
             let notified = self.idle.notified();
             tokio::pin!(notified);

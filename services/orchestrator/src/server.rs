@@ -1,4 +1,4 @@
-//! Serving: [`run`] wires the LLM client, the tool-runners, the signal topic and the runs
+//! Serving: [`serve`] wires the LLM client, the tool-runners, the signal topic and the runs
 //! registry, serves gRPC (orchestrator, health, reflection) on the given listener, and drains
 //! when `shutdown` resolves.
 //!
@@ -37,16 +37,16 @@ pub const SERVICE_NAME: &str = "orchestrator.v1.Orchestrator";
 const LIST_TOOLS_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
-pub async fn run(
+pub async fn serve(
     listener: TcpListener,
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    run_with_resolver(listener, config, Arc::new(SystemResolver), shutdown).await
+    serve_with_resolver(listener, config, Arc::new(SystemResolver), shutdown).await
 }
 
-/// [`run`] with another DNS resolver for `dns:///` tool-runner targets (tests script answers).
-pub async fn run_with_resolver(
+/// [`serve`] with another DNS resolver for `dns:///` tool-runner targets (tests script answers).
+pub async fn serve_with_resolver(
     listener: TcpListener,
     config: Config,
     resolver: Arc<dyn Resolve>,

@@ -27,7 +27,7 @@ use crate::tool_runners::ToolRunners;
 const CATALOG_WAIT: Duration = Duration::from_secs(5);
 
 /// What the service shares with the server (and the drain).
-pub struct Core {
+pub(crate) struct Core {
     /// Configuration.
     pub config: Config,
     /// The loop's dependencies.
@@ -45,13 +45,13 @@ pub struct Core {
 }
 
 /// The `Orchestrator` gRPC service.
-pub struct OrchestratorService {
+pub(crate) struct OrchestratorService {
     core: Arc<Core>,
 }
 
 impl OrchestratorService {
     /// A service over `core`.
-    pub fn new(core: Arc<Core>) -> Self {
+    pub(crate) fn new(core: Arc<Core>) -> Self {
         Self { core }
     }
 }

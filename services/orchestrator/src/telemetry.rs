@@ -8,43 +8,43 @@ use std::time::Duration;
 use tracing::Span;
 use tracing::field::Empty;
 
-pub use shared::metrics::InFlight;
+pub(crate) use shared::metrics::InFlight;
 use shared::telemetry::truncate;
 
 use crate::run::{FailureReason, RunResult, RunStatus, ToolCallError};
 
 /// Metric names (Prometheus conventions: base units, `_total` counters, `_seconds` durations).
-pub mod metric {
+pub(crate) mod metric {
     /// Counter: finished runs, by `status` and `reason`.
-    pub const RUNS: &str = "orchestrator_runs_total";
+    pub(crate) const RUNS: &str = "orchestrator_runs_total";
     /// Histogram: run wall time, by `status`.
-    pub const RUN_DURATION: &str = "orchestrator_run_duration_seconds";
+    pub(crate) const RUN_DURATION: &str = "orchestrator_run_duration_seconds";
     /// Gauge: runs in flight.
-    pub const RUNS_IN_FLIGHT: &str = "orchestrator_runs_in_flight";
+    pub(crate) const RUNS_IN_FLIGHT: &str = "orchestrator_runs_in_flight";
     /// Histogram: turn wall time (completion plus tool calls).
-    pub const TURN_DURATION: &str = "orchestrator_turn_duration_seconds";
+    pub(crate) const TURN_DURATION: &str = "orchestrator_turn_duration_seconds";
     /// Histogram: time from sending a completion request to its first token.
-    pub const TIME_TO_FIRST_TOKEN: &str = "orchestrator_time_to_first_token_seconds";
+    pub(crate) const TIME_TO_FIRST_TOKEN: &str = "orchestrator_time_to_first_token_seconds";
     /// Counter: tool calls, by `tool` and `outcome` (`ok` or the error code).
-    pub const TOOL_CALLS: &str = "orchestrator_tool_calls_total";
+    pub(crate) const TOOL_CALLS: &str = "orchestrator_tool_calls_total";
     /// Histogram: tool call wall time, by `tool`.
-    pub const TOOL_CALL_DURATION: &str = "orchestrator_tool_call_duration_seconds";
+    pub(crate) const TOOL_CALL_DURATION: &str = "orchestrator_tool_call_duration_seconds";
     /// Gauge: tool calls in flight.
-    pub const TOOL_CALLS_IN_FLIGHT: &str = "orchestrator_tool_calls_in_flight";
+    pub(crate) const TOOL_CALLS_IN_FLIGHT: &str = "orchestrator_tool_calls_in_flight";
     /// Counter: signals published.
-    pub const SIGNALS_PUBLISHED: &str = "orchestrator_signals_published_total";
+    pub(crate) const SIGNALS_PUBLISHED: &str = "orchestrator_signals_published_total";
     /// Counter: signals that could not be delivered to the topic.
-    pub const SIGNALS_FAILED: &str = "orchestrator_signals_failed_total";
+    pub(crate) const SIGNALS_FAILED: &str = "orchestrator_signals_failed_total";
     /// Counter: LLM requests retried before the first byte, by `reason`.
-    pub const LLM_RETRIES: &str = "orchestrator_llm_retries_total";
+    pub(crate) const LLM_RETRIES: &str = "orchestrator_llm_retries_total";
     /// Counter: tool calls retried because no runner ran them, by `reason`.
-    pub const TOOL_CALL_RETRIES: &str = "orchestrator_tool_call_retries_total";
+    pub(crate) const TOOL_CALL_RETRIES: &str = "orchestrator_tool_call_retries_total";
     /// Gauge: tool-runner endpoints calls are balanced over.
-    pub const TOOL_RUNNER_ENDPOINTS: &str = "orchestrator_tool_runner_endpoints";
+    pub(crate) const TOOL_RUNNER_ENDPOINTS: &str = "orchestrator_tool_runner_endpoints";
 }
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
-pub fn describe() {
+pub(crate) fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(metric::RUNS, "Finished runs by status and failure reason.");
     describe_histogram!(metric::RUN_DURATION, Unit::Seconds, "Run wall time by status.");
@@ -91,7 +91,7 @@ pub fn describe() {
 
 /// The `invoke_agent` span of a run (kind server: the caller's `Orchestrate`). Its outcome fields
 /// are filled by [`record_run_end`].
-pub fn invoke_agent_span(model: &str, run_id: &str) -> Span {
+pub(crate) fn invoke_agent_span(model: &str, run_id: &str) -> Span {
     tracing::info_span!(
         "invoke_agent",
         otel.name = "invoke_agent orchestrator",
@@ -116,7 +116,7 @@ pub fn invoke_agent_span(model: &str, run_id: &str) -> Span {
 }
 
 /// The `chat {model}` span of one turn (kind client: the completion request).
-pub fn chat_span(model: &str, turn: u32) -> Span {
+pub(crate) fn chat_span(model: &str, turn: u32) -> Span {
     tracing::info_span!(
         "chat",
         otel.name = %format!("chat {model}"),
@@ -136,7 +136,7 @@ pub fn chat_span(model: &str, turn: u32) -> Span {
 
 /// The `execute_tool {name}` span of one call (kind client: the call to a tool-runner). The
 /// arguments are recorded only when `payloads` allows it, cut to that many bytes.
-pub fn execute_tool_span(name: &str, call_id: &str, arguments: &str, payloads: Option<usize>) -> Span {
+pub(crate) fn execute_tool_span(name: &str, call_id: &str, arguments: &str, payloads: Option<usize>) -> Span {
     let span = tracing::info_span!(
         "execute_tool",
         otel.name = %format!("execute_tool {name}"),
@@ -157,7 +157,7 @@ pub fn execute_tool_span(name: &str, call_id: &str, arguments: &str, payloads: O
 }
 
 /// Records a tool call's outcome on the current (`execute_tool`) span and in the metrics.
-pub fn record_tool_call(
+pub(crate) fn record_tool_call(
     tool: &str,
     result: &Result<String, ToolCallError>,
     elapsed: Duration,
@@ -182,7 +182,7 @@ pub fn record_tool_call(
 }
 
 /// Records a finished run on the current (`invoke_agent`) span, in the metrics and in the log.
-pub fn record_run_end(result: &RunResult, elapsed: Duration) {
+pub(crate) fn record_run_end(result: &RunResult, elapsed: Duration) {
     tracing::info!(
         status = ?result.status,
         reason = ?result.failure_reason,
@@ -211,12 +211,12 @@ pub fn record_run_end(result: &RunResult, elapsed: Duration) {
 }
 
 /// `status` label value.
-pub fn status_label(status: RunStatus) -> &'static str {
+pub(crate) fn status_label(status: RunStatus) -> &'static str {
     status.into()
 }
 
 /// `reason` label value (and `error.type` on spans): `none` when the run did not fail.
-pub fn reason_label(reason: Option<FailureReason>) -> &'static str {
+pub(crate) fn reason_label(reason: Option<FailureReason>) -> &'static str {
     reason.map_or("none", Into::into)
 }
 

@@ -68,7 +68,7 @@ async fn orchestrator(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(orchestrator::server::run_with_resolver(
+    tokio::spawn(orchestrator::server::serve_with_resolver(
         listener,
         config,
         Arc::new(resolver),

@@ -366,7 +366,7 @@ async fn get_run(endpoint: &str, run_id: &str) -> anyhow::Result<pb::RunResult> 
 async fn tool_runner() -> anyhow::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(tool_runner::run(
+    tokio::spawn(tool_runner::serve(
         listener,
         tool_runner::Config::default(),
         std::future::pending(),

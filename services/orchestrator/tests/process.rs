@@ -1,5 +1,5 @@
-//! Tests of the `orchestrator` process itself: the one-command demo, exit codes for bad flags,
-//! the `call` client against a served orchestrator, and the drain on SIGTERM.
+//! Tests of the `orchestrator` process itself: exit codes for bad flags, the `call` client against
+//! a served orchestrator, and the drain on SIGTERM. (The one-command demo is the `demo` package.)
 
 use tokio::process::Command;
 
@@ -7,31 +7,11 @@ type TestResult = anyhow::Result<()>;
 
 const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
 
-/// Runs the binary to its end; `LLM_BASE_URL` from the shell must not turn the demo real.
+/// Runs the binary to its end; `LLM_BASE_URL` from the shell must not change what it does.
 async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(Option<i32>, String, String)> {
     let mut command = Command::new(BIN);
     command.env_remove("LLM_BASE_URL");
     testkit::run_to_end(command, args, env).await
-}
-
-#[tokio::test]
-async fn the_demo_shows_a_whole_run_with_parallel_calls_and_a_signal() -> TestResult {
-    let (code, stdout, stderr) = run_to_end(&["demo"], &[]).await?;
-    assert_eq!(code, Some(0), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    for expected in [
-        "stand-in",
-        "── turn 1",
-        "⚙ calculate",
-        "⚙ time_now",
-        "⚙ sleep",
-        "calculate",
-        "✔",
-        "⚑ signal submit_report",
-        "■ COMPLETED · 2 turn(s) · 3 tool call(s) · 1 signal(s)",
-    ] {
-        assert!(stdout.contains(expected), "{expected:?} missing from:\n{stdout}");
-    }
-    Ok(())
 }
 
 #[tokio::test]
@@ -66,30 +46,11 @@ async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
 }
 
 #[tokio::test]
-async fn worker_threads_come_from_tokio_worker_threads_and_bad_values_exit_2() -> TestResult {
-    let (code, stdout, stderr) = run_to_end(&["demo"], &[("TOKIO_WORKER_THREADS", "1")]).await?;
-    assert_eq!(code, Some(0), "one worker thread runs the demo:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("■ COMPLETED"), "{stdout}");
-    for bad in ["0", "1025", "two"] {
-        let (code, _, stderr) = run_to_end(&["demo"], &[("TOKIO_WORKER_THREADS", bad)]).await?;
-        assert_eq!(code, Some(2), "{bad}: {stderr}");
-        assert!(
-            stderr.contains(&format!(
-                "orchestrator: TOKIO_WORKER_THREADS={bad:?} must be a whole number from 1 to 1024"
-            )),
-            "{bad}: {stderr}"
-        );
-        assert!(!stderr.contains("panicked"), "{stderr}");
-    }
-    Ok(())
-}
-
-#[tokio::test]
 async fn serve_call_and_drain_on_sigterm() -> TestResult {
     // A tool-runner and the stand-in model in this process; the orchestrator as a real process.
     let runner_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let runner_url = format!("http://{}", runner_listener.local_addr()?);
-    tokio::spawn(tool_runner::run(
+    tokio::spawn(tool_runner::serve(
         runner_listener,
         tool_runner::Config::default(),
         std::future::pending(),
@@ -140,5 +101,20 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
         assert!(logs.contains(expected), "{expected:?} missing from the logs:\n{logs}");
     }
     assert!(!logs.contains("sk-never-logged"), "the API key leaked into the logs");
+    Ok(())
+}
+
+#[tokio::test]
+async fn worker_threads_come_from_tokio_worker_threads_and_bad_values_exit_2() -> TestResult {
+    let (code, stdout, stderr) = run_to_end(&["--version"], &[("TOKIO_WORKER_THREADS", "1")]).await?;
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("orchestrator"), "{stdout}");
+    for bad in ["0", "1025", "two"] {
+        let (code, _, stderr) = run_to_end(&["--version"], &[("TOKIO_WORKER_THREADS", bad)]).await?;
+        assert_eq!(code, Some(2), "{bad}: {stderr}");
+        let expected = format!("orchestrator: TOKIO_WORKER_THREADS={bad:?} must be a whole number from 1 to 1024");
+        assert!(stderr.contains(&expected), "{bad}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
     Ok(())
 }

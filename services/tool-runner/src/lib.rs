@@ -4,7 +4,7 @@
 //! * [`registry`]: lookup, argument limits, JSON Schema validation and timeouts for every call;
 //! * [`service`]: the gRPC adapter (`ListTools`, `RunTool`);
 //! * [`admission`]: the concurrency limit and drain refusals, as a tower layer;
-//! * [`server`]: [`run`]`(listener, config, shutdown)`, which tests call with a port-0 listener;
+//! * [`server`]: [`serve`]`(listener, config, shutdown)`, which tests call with a port-0 listener;
 //! * [`cli`]: flags (with environment equivalents) and the `list` / `call` client commands.
 
 #![forbid(unsafe_code)]
@@ -21,4 +21,4 @@ pub mod tools;
 
 pub use config::Config;
 pub use error::Error;
-pub use server::run;
+pub use server::serve;

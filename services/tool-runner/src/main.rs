@@ -37,7 +37,7 @@ async fn serve_with_telemetry(config: Config) -> Result<(), Error> {
     config.validate()?;
     let (listen, metrics_listen) = (config.server.listen, config.server.metrics_listen.0);
     shared::shutdown::serve_until_stopped(listen, metrics_listen, |listener, shutdown| {
-        tool_runner::run(listener, config, shutdown)
+        tool_runner::serve(listener, config, shutdown)
     })
     .await
 }

@@ -1,4 +1,4 @@
-//! Serving: [`run`] builds the registry, serves gRPC (tool runner, health, reflection) on the
+//! Serving: [`serve`] builds the registry, serves gRPC (tool runner, health, reflection) on the
 //! given listener, and drains when `shutdown` resolves.
 //!
 //! Drain sequence: the service's health turns NOT_SERVING (readiness fails, so Kubernetes stops
@@ -36,7 +36,7 @@ pub fn build_registry(config: &Config) -> Result<Registry, Error> {
 }
 
 /// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
-pub async fn run(
+pub async fn serve(
     listener: TcpListener,
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,

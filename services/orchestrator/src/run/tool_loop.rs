@@ -2,15 +2,15 @@
 //!
 //! [`run`] drives turns until the model stops calling normal tools or a limit ends the run;
 //! cancellation, the caller going away and the run's deadline end it at once. Each rule of a turn
-//! is one method of [`Driver`], in the order they apply:
-//! [`chat_request`](Driver::chat_request) (the BIOS and the conversation),
-//! [`stream_completion`](Driver::stream_completion) (text to the caller and the repeated-line
-//! detector), [`take_calls`](Driver::take_calls) (structured calls, else fallback directives),
-//! [`partition`](Driver::partition) (normal / exit / bad), [`publish_signals`](Driver::publish_signals),
-//! [`apply_parse_policy`](Driver::apply_parse_policy), [`spend_budget`](Driver::spend_budget),
-//! [`dispatch`](Driver::dispatch) (concurrently, with `join_all`),
-//! [`report_results`](Driver::report_results), [`count_failures`](Driver::count_failures) (once
-//! per turn) and [`append_to_conversation`](Driver::append_to_conversation). Whatever was produced
+//! is one method of `Driver`, in the order they apply:
+//! `chat_request` (the BIOS and the conversation),
+//! `stream_completion` (text to the caller and the repeated-line
+//! detector), `take_calls` (structured calls, else fallback directives),
+//! `partition` (normal / exit / bad), `publish_signals`,
+//! `apply_parse_policy`, `spend_budget`,
+//! `dispatch` (concurrently, with `join_all`),
+//! `report_results`, `count_failures` (once
+//! per turn) and `append_to_conversation`. Whatever was produced
 //! before the end is kept.
 
 use std::collections::HashSet;

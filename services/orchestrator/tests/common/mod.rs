@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 /// The tool-runner binary, built beside this package's binary by the workspace test command.
-pub fn tool_runner_bin() -> anyhow::Result<PathBuf> {
+pub(crate) fn tool_runner_bin() -> anyhow::Result<PathBuf> {
     let path = PathBuf::from(env!("CARGO_BIN_EXE_orchestrator")).with_file_name("tool-runner");
     anyhow::ensure!(
         path.exists(),
@@ -17,10 +17,10 @@ pub fn tool_runner_bin() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-pub use testkit::Service;
+pub(crate) use testkit::Service;
 
 /// Scrapes `/metrics` into series (name + sorted labels) → value.
-pub async fn scrape(address: &str) -> anyhow::Result<HashMap<String, f64>> {
+pub(crate) async fn scrape(address: &str) -> anyhow::Result<HashMap<String, f64>> {
     let body = reqwest::get(format!("http://{address}/metrics")).await?.text().await?;
     let mut series = HashMap::new();
     for line in body.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
@@ -44,12 +44,12 @@ pub async fn scrape(address: &str) -> anyhow::Result<HashMap<String, f64>> {
     Ok(series)
 }
 
-pub fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, series: &str) -> f64 {
+pub(crate) fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, series: &str) -> f64 {
     after.get(series).copied().unwrap_or(0.0) - before.get(series).copied().unwrap_or(0.0)
 }
 
 /// A request with one user message.
-pub fn user(prompt: &str) -> proto::orchestrator::v1::OrchestrateRequest {
+pub(crate) fn user(prompt: &str) -> proto::orchestrator::v1::OrchestrateRequest {
     use proto::orchestrator::v1 as pb;
     pb::OrchestrateRequest {
         messages: vec![pb::ChatMessage {
@@ -62,7 +62,7 @@ pub fn user(prompt: &str) -> proto::orchestrator::v1::OrchestrateRequest {
 }
 
 /// Runs one `Orchestrate` call on `endpoint` to its end and returns the final result.
-pub async fn orchestrate(
+pub(crate) async fn orchestrate(
     endpoint: &str,
     request: impl tonic::IntoRequest<proto::orchestrator::v1::OrchestrateRequest>,
 ) -> anyhow::Result<proto::orchestrator::v1::RunResult> {

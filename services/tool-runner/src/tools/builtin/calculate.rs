@@ -73,7 +73,7 @@ fn number_json(value: f64) -> Value {
 }
 
 /// Parses and evaluates `input`; the error says what is wrong and where.
-pub fn evaluate(input: &str) -> Result<f64, String> {
+pub(super) fn evaluate(input: &str) -> Result<f64, String> {
     let tokens = tokenize(input)?;
     let mut parser = Parser {
         tokens,

@@ -4,7 +4,7 @@
 //!
 //! Endpoints are static (`http://host:port`, repeatable) or resolved from DNS
 //! (`dns:///name:port`, e.g. a Kubernetes headless Service, which answers with every pod's
-//! address). DNS names are re-resolved on an interval and the [`Pool`] gains and loses endpoints
+//! address). DNS names are re-resolved on an interval and the endpoint pool gains and loses endpoints
 //! as the answer changes; each call goes to the less loaded of two random endpoints.
 //!
 //! Each `RunTool` carries the run id and call id as request metadata (`x-run-id`, `x-call-id`),
@@ -30,7 +30,9 @@ use tonic::transport::Endpoint;
 use crate::Error;
 use crate::config::ToolRunnerSettings;
 use crate::llm::ToolDefinition;
-use crate::pool::Pool;
+use pool::Pool;
+
+mod pool;
 use crate::run::{ToolCallError, ToolExecutor, ToolInvocation};
 
 /// Response metadata by which a runner says it refused a call before running it.

@@ -1,23 +1,41 @@
-//! `orchestrator demo`: the whole loop in one command. Starts a tool-runner (built-in tools), the
-//! stand-in model (unless `LLM_BASE_URL` points at a real server) and the orchestrator, all on
-//! loopback ports in this process, then makes one `Orchestrate` call whose first turn asks for
-//! several tools at once and whose second emits the `submit_report` exit signal, printing the
-//! event stream as it arrives.
+//! `demo`: the whole loop in one command. Starts a tool-runner (built-in tools), the stand-in
+//! model (unless `LLM_BASE_URL` points at a real server) and the orchestrator, all on loopback
+//! ports in this process, then makes one `Orchestrate` call whose first turn asks for several
+//! tools at once and whose second emits the `submit_report` exit signal, printing the event
+//! stream as it arrives. Exit code 0 when the run completed, 1 when not, 2 on a bad setting.
+//!
+//! A binary of its own, so the orchestrator's binary and image link neither the stand-in model
+//! nor the tool-runner.
 
+use std::process::ExitCode;
 use std::time::Duration;
 
-use crate::client::{CallOptions, call};
-use crate::{Config, Error};
+use orchestrator::client::{CallOptions, call};
+use orchestrator::config::Secret;
+use orchestrator::{Config, Error};
+
+fn main() -> ExitCode {
+    shared::runtime::block_on("demo", async {
+        shared::telemetry::init_logging(shared::telemetry::LogFormat::Text, "warn");
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let options = DemoOptions {
+            llm_base_url: env("LLM_BASE_URL"),
+            llm_model: env("LLM_MODEL"),
+            llm_api_key: env("LLM_API_KEY"),
+        };
+        shared::runtime::exit_code("demo", run(options).await)
+    })
+}
 
 /// Where the demo's model comes from.
 #[derive(Debug, Clone, Default)]
-pub struct DemoOptions {
+struct DemoOptions {
     /// A real OpenAI-compatible server (`LLM_BASE_URL`); `None` = the embedded stand-in model.
-    pub llm_base_url: Option<String>,
+    llm_base_url: Option<String>,
     /// Its model (`LLM_MODEL`).
-    pub llm_model: Option<String>,
+    llm_model: Option<String>,
     /// Its API key (`LLM_API_KEY`).
-    pub llm_api_key: Option<String>,
+    llm_api_key: Option<String>,
 }
 
 const PROMPT: &str = "Use the tools, calling them in parallel in one turn: compute (1234 * 5678) / 2 with \
@@ -33,10 +51,10 @@ async fn bind() -> Result<(tokio::net::TcpListener, String), Error> {
 }
 
 /// Runs the demo; returns whether the run completed.
-pub async fn run(options: DemoOptions) -> Result<bool, Error> {
+async fn run(options: DemoOptions) -> Result<bool, Error> {
     let (runner_listener, runner_url) = bind().await?;
     let (runner_stop, runner_stopped) = tokio::sync::oneshot::channel::<()>();
-    let runner = tokio::spawn(tool_runner::run(
+    let runner = tokio::spawn(tool_runner::serve(
         runner_listener,
         tool_runner::Config::default(),
         async move {
@@ -68,10 +86,10 @@ pub async fn run(options: DemoOptions) -> Result<bool, Error> {
     );
 
     let mut config = Config::new(&base_url, &model, vec![runner_url]);
-    config.llm.api_key = options.llm_api_key.as_deref().map(crate::config::Secret::from);
+    config.llm.api_key = options.llm_api_key.as_deref().map(Secret::from);
     let (listener, endpoint) = bind().await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let orchestrator = tokio::spawn(crate::run(listener, config, async move {
+    let orchestrator = tokio::spawn(orchestrator::serve(listener, config, async move {
         let _ = stopped.await;
     }));
     println!("demo: orchestrator on {endpoint}\n");

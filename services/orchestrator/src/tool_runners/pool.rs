@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
 /// One runner endpoint.
-pub struct Member {
+pub(super) struct Member {
     /// `http://host:port`.
     pub uri: String,
     /// Its channel (connects on first use, reconnects after failures).
@@ -24,7 +24,7 @@ pub struct Member {
 }
 
 /// A call's hold on a member (counts as in flight until dropped).
-pub struct Lease {
+pub(super) struct Lease {
     /// The member.
     pub member: Arc<Member>,
 }
@@ -36,7 +36,7 @@ impl Drop for Lease {
 }
 
 /// See the module docs.
-pub struct Pool {
+pub(super) struct Pool {
     members: RwLock<BTreeMap<String, Arc<Member>>>,
     epoch: Instant,
     seed: AtomicU64,
@@ -44,7 +44,7 @@ pub struct Pool {
 
 impl Pool {
     /// An empty pool.
-    pub fn new() -> Self {
+    pub(super) fn new() -> Self {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9E37_79B9_7F4A_7C15, |d| d.as_nanos() as u64);
@@ -60,12 +60,12 @@ impl Pool {
     }
 
     /// The endpoints now.
-    pub fn uris(&self) -> Vec<String> {
+    pub(super) fn uris(&self) -> Vec<String> {
         self.read().keys().cloned().collect()
     }
 
     /// Makes the pool hold exactly `endpoints` (by URI), keeping members that stay.
-    pub fn set(&self, endpoints: Vec<(String, Endpoint)>) -> (Vec<String>, Vec<String>) {
+    pub(super) fn set(&self, endpoints: Vec<(String, Endpoint)>) -> (Vec<String>, Vec<String>) {
         let mut members = self.members.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         let wanted: BTreeMap<String, Endpoint> = endpoints.into_iter().collect();
         let removed: Vec<String> = members.keys().filter(|k| !wanted.contains_key(*k)).cloned().collect();
@@ -93,7 +93,7 @@ impl Pool {
     }
 
     /// Skips `member` for `for_how_long` while other members are available.
-    pub fn cool_down(&self, member: &Member, for_how_long: Duration) {
+    pub(super) fn cool_down(&self, member: &Member, for_how_long: Duration) {
         let until = self
             .now_ms()
             .saturating_add(u64::try_from(for_how_long.as_millis()).unwrap_or(u64::MAX));
@@ -113,7 +113,7 @@ impl Pool {
 
     /// Picks a member: not in `tried`, not cooling down (unless nothing else is left), the less
     /// loaded of two random candidates. `None` when the pool is empty.
-    pub fn pick(&self, tried: &[String]) -> Option<Lease> {
+    pub(super) fn pick(&self, tried: &[String]) -> Option<Lease> {
         let members = self.read();
         let now = self.now_ms();
         let all: Vec<&Arc<Member>> = members.values().collect();
