@@ -1,6 +1,6 @@
 //! End-to-end tests of the orchestrator: the real orchestrator, tool-runner and stand-in model
-//! on loopback, one scenario per rule of the loop (DESIGN §4). Every run also passes the four
-//! invariants of DESIGN §3 (checked by `Stack::run`): streamed text equals the result's text,
+//! on loopback, one scenario per rule of the loop (docs/architecture.md). Every run also passes the four
+//! invariants (docs/architecture.md, "Invariants"; checked by `Stack::run`): streamed text equals the result's text,
 //! one terminal status with `run_finished` last, `GetRun` equals the final result, and output
 //! produced before a failure is kept.
 

@@ -1,5 +1,5 @@
 //! The BIOS: the system message the orchestrator writes at the top of the conversation before
-//! every turn, telling the model its situation (DESIGN §2).
+//! every turn, telling the model its situation (docs/architecture.md, "The BIOS").
 
 use std::fmt::Write;
 

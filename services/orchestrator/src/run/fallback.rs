@@ -1,5 +1,5 @@
 //! Tool calls written in the text, for models or servers without structured tool calls
-//! (DESIGN §4.3), and the hold-back that keeps streamed text equal to final text.
+//! (docs/architecture.md, "Fallback directives and the hold-back"), and the hold-back that keeps streamed text equal to final text.
 //!
 //! Recognised directives:
 //! * `<tool_call>{"name": …, "arguments": {…}}</tool_call>` (Hermes / Qwen style), anywhere;

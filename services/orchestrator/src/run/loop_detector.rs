@@ -1,4 +1,4 @@
-//! The repeated-line detector (DESIGN §4.5): models sometimes loop, printing the same line
+//! The repeated-line detector (docs/architecture.md, "The rules of the loop"): models sometimes loop, printing the same line
 //! forever. The detector keeps the last `window` complete lines of the run's visible output and
 //! trips when one trimmed, non-trivial line occurs `threshold` times among them.
 //!
