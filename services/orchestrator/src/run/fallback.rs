@@ -15,6 +15,8 @@ use serde_json::{Map, Value};
 const OPEN_TAG: &str = "<tool_call>";
 const CLOSE_TAG: &str = "</tool_call>";
 const FENCE: &str = "```";
+/// What opens a JSON object.
+const OBJECT_OPEN: char = '{';
 
 /// A tool call found in the text.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,35 +82,48 @@ impl TextGate {
 
     /// Where held-back text starts (`buf.len()` when nothing must be held).
     fn hold_from(&self) -> usize {
-        // A message that starts with `{` may be a standalone JSON directive: hold it all.
-        if self.released == 0 {
-            let trimmed = self.buf.trim_start();
-            if trimmed.is_empty() || trimmed.starts_with('{') {
-                return 0;
-            }
+        if self.may_be_standalone_directive() {
+            return 0;
         }
+        self.first_possible_directive().unwrap_or(self.buf.len())
+    }
+
+    /// A message whose first non-blank character opens an object may be a standalone JSON
+    /// directive: it is held whole until the turn ends.
+    fn may_be_standalone_directive(&self) -> bool {
+        if self.released > 0 {
+            return false;
+        }
+        let trimmed = self.buf.trim_start();
+        trimmed.is_empty() || trimmed.starts_with(OBJECT_OPEN)
+    }
+
+    /// The first place after the released text that opens, or may still open, a `<tool_call>`
+    /// tag or a fenced block holding a directive; fenced blocks that are closed and hold no
+    /// directive, and `<` or `` ` `` that cannot open one, stream on.
+    fn first_possible_directive(&self) -> Option<usize> {
         let mut at = self.released;
         while let Some(offset) = self.buf[at..].find(['<', '`']) {
             let p = at + offset;
             let rest = &self.buf[p..];
             if rest.starts_with('<') {
                 if rest.starts_with(OPEN_TAG) || OPEN_TAG.starts_with(rest) {
-                    return p;
+                    return Some(p);
                 }
                 at = p + 1;
             } else if rest.len() < FENCE.len() && FENCE.starts_with(rest) {
-                return p;
+                return Some(p);
             } else if let Some(body) = rest.strip_prefix(FENCE) {
                 match body.find(FENCE) {
-                    None => return p,
-                    Some(close) if fenced_directive(&body[..close]).is_some() => return p,
+                    None => return Some(p),
+                    Some(close) if fenced_directive(&body[..close]).is_some() => return Some(p),
                     Some(close) => at = p + FENCE.len() + close + FENCE.len(),
                 }
             } else {
                 at = p + 1;
             }
         }
-        self.buf.len()
+        None
     }
 
     /// Resolves the held text at the end of the turn. With structured calls the held text is not
