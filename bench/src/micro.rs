@@ -59,6 +59,7 @@ async fn time_decode(reads: &[Bytes], events: usize, rounds: usize) -> anyhow::R
     let limits = DecodeLimits {
         idle_timeout: Duration::from_secs(60),
         max_line_bytes: 1 << 20,
+        max_event_bytes: 4 << 20,
     };
     let started = Instant::now();
     for _ in 0..rounds {

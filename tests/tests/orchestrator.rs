@@ -827,7 +827,11 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
     let mut stream = client.orchestrate(live.clone()).await?.into_inner();
     let _started = stream.message().await?;
     let status = client.orchestrate(live).await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        status.code(),
+        tonic::Code::AlreadyExists,
+        "a live duplicate is not a malformed request"
+    );
     assert!(status.message().contains("already running"), "{}", status.message());
     Ok(())
 }

@@ -182,6 +182,9 @@ pub struct LlmSettings {
     /// Longest SSE line accepted from the LLM, in bytes (cap 64 MiB).
     #[arg(long = "llm-max-line-bytes", env = "LLM_MAX_LINE_BYTES", default_value_t = MIB)]
     pub max_line_bytes: usize,
+    /// Largest SSE event accepted from the LLM (all its lines), in bytes (max-line-bytes..=64 MiB).
+    #[arg(long = "llm-max-event-bytes", env = "LLM_MAX_EVENT_BYTES", default_value_t = 4 * MIB)]
+    pub max_event_bytes: usize,
 }
 
 impl Bounded for LlmSettings {
@@ -192,6 +195,7 @@ impl Bounded for LlmSettings {
             bound("max_retries", self.max_retries, 0u32, 10u32),
             bound("retry_backoff", self.retry_backoff, Duration::ZERO, secs(60)),
             bound("max_line_bytes", self.max_line_bytes, KIB, 64 * MIB),
+            bound("max_event_bytes", self.max_event_bytes, self.max_line_bytes, 64 * MIB),
         ]
     }
 }
@@ -354,6 +358,24 @@ pub struct RunSettings {
     /// waits for a slow reader (cap 65536).
     #[arg(long, env = "ORCHESTRATOR_EVENT_BUFFER", default_value_t = 64)]
     pub event_buffer: usize,
+    /// Longest wait for a caller to take an event: a caller that reads nothing for this long has
+    /// its stream dropped (its run is canceled unless detached), so it cannot hold a run slot
+    /// (cap 10m).
+    #[arg(long, env = "ORCHESTRATOR_EVENT_SEND_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub event_send_timeout: Duration,
+    /// Largest text or tool result in one event sent to a caller, in bytes: longer text is split,
+    /// a longer result is cut in its event and flagged (cap 3 MiB, under gRPC's usual 4 MiB
+    /// receive limit).
+    #[arg(long = "max-event-bytes", env = "ORCHESTRATOR_MAX_EVENT_BYTES", default_value_t = MIB)]
+    pub max_caller_event_bytes: usize,
+    /// Largest tool result fed back to the model, in bytes; a longer one is cut and says how much
+    /// was cut (cap 16 MiB).
+    #[arg(long, env = "ORCHESTRATOR_MAX_TOOL_RESULT_BYTES", default_value_t = 64 * KIB)]
+    pub max_tool_result_bytes: usize,
+    /// How long before the caller's gRPC deadline a run ends DEADLINE_EXCEEDED, so the caller
+    /// still receives its result (cap 10s).
+    #[arg(long, env = "ORCHESTRATOR_DEADLINE_HEADROOM", default_value = "200ms", value_parser = parse_duration)]
+    pub deadline_headroom: Duration,
     #[allow(missing_docs)]
     #[command(flatten)]
     pub loop_detector: LoopDetectorSettings,
@@ -364,6 +386,10 @@ impl Bounded for RunSettings {
         let mut rows = vec![
             bound("max_runs", self.max_runs, 1usize, 100_000usize),
             bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
+            bound("event_send_timeout", self.event_send_timeout, ms(10), secs(600)),
+            bound("max_caller_event_bytes", self.max_caller_event_bytes, KIB, 3 * MIB),
+            bound("max_tool_result_bytes", self.max_tool_result_bytes, 256usize, 16 * MIB),
+            bound("deadline_headroom", self.deadline_headroom, Duration::ZERO, secs(10)),
         ];
         rows.extend(self.loop_detector.bounds());
         rows
@@ -490,6 +516,11 @@ pub struct StoreSettings {
         default_value = "orchestrator-runs"
     )]
     pub bucket: String,
+    /// Lease of a live run in the NATS result store: its replica renews it every third of this;
+    /// a run whose replica stops renewing (crashed, partitioned) reads as FAILED
+    /// ORCHESTRATOR_LOST once it expires (1s..=10m).
+    #[arg(long = "run-store-lease", env = "ORCHESTRATOR_RUN_STORE_LEASE", default_value = "15s", value_parser = parse_duration)]
+    pub lease: Duration,
     /// How long the NATS result store keeps a result (cap 365d).
     #[arg(long = "run-store-ttl", env = "ORCHESTRATOR_RUN_STORE_TTL", default_value = "24h", value_parser = parse_duration)]
     pub ttl: Duration,
@@ -504,6 +535,7 @@ impl Bounded for StoreSettings {
             bound("keep_results", self.keep_results, 0usize, 1_000_000usize),
             bound("keep_results_for", self.keep_results_for, Duration::ZERO, DAY * 7),
             bound("ttl", self.ttl, secs(1), DAY * 365),
+            bound("lease", self.lease, secs(1), secs(600)),
             bound("timeout", self.timeout, ms(10), secs(60)),
         ]
     }
@@ -689,6 +721,7 @@ mod tests {
     fn companions(flag: &str) -> Vec<String> {
         let others: &[&str] = match flag {
             "--loop-window" => &["--loop-threshold=2"],
+            "--llm-max-line-bytes" => &["--llm-max-event-bytes=67108864"],
             "--max-turns-ceiling" => &["--max-turns=1"],
             "--tool-call-budget-ceiling" => &["--tool-call-budget=0"],
             "--max-tool-failures-ceiling" => &["--max-tool-failures=0"],

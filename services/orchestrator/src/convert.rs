@@ -12,7 +12,7 @@ use crate::Error;
 use crate::config::Config;
 use crate::llm::{Message, SamplingParams, ToolCall, ToolDefinition};
 use crate::run::{
-    Delivery, Event, FailureReason, Limits, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError,
+    Deadline, Delivery, Event, FailureReason, Limits, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError,
 };
 use crate::tool_runners::RemoteTool;
 
@@ -201,6 +201,7 @@ pub(crate) fn resolve(
     catalog: &BTreeMap<String, RemoteTool>,
     config: &Config,
     caller_deadline: Option<Duration>,
+    received_at: tokio::time::Instant,
 ) -> Result<RunSpec, Error> {
     let normal_tools: Vec<ToolDefinition> = if request.allowlist.is_empty() {
         catalog.values().map(|t| t.definition.clone()).collect()
@@ -294,6 +295,12 @@ pub(crate) fn resolve(
         limits,
         metadata: request.metadata,
         parse_policy: request.parse_policy,
+        deadline: Deadline::new(
+            received_at,
+            Duration::from_millis(u64::from(run_timeout_ms)),
+            caller_deadline,
+            config.runs.deadline_headroom,
+        ),
     })
 }
 
@@ -369,6 +376,7 @@ one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
     LlmStreamStalled,
     DeadlineExceeded,
     UnknownError,
+    OrchestratorLost,
 ]);
 
 /// A run's failure reason on the wire: `UNSPECIFIED` is "did not fail".
@@ -540,6 +548,7 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             call_id,
             name,
             content_json,
+            content_truncated,
             error,
             duration_ms,
         } => E::ToolCallFinished(pb::ToolCallFinished {
@@ -549,6 +558,7 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             content_json: content_json.unwrap_or_default(),
             error: error.as_ref().map(error_pb),
             duration_ms,
+            content_truncated,
         }),
         Event::Signal(signal) => E::Signal(pb::Signal::from(&signal)),
         Event::TurnFinished {
@@ -613,7 +623,7 @@ mod tests {
         }
         assert_eq!(
             (RunStatus::ALL.len(), Delivery::ALL.len(), FailureReason::ALL.len()),
-            (4, 3, 10),
+            (4, 3, 11),
             "the lists are the enums"
         );
     }

@@ -14,6 +14,12 @@ pub enum Error {
     /// The request is malformed; the message says how to fix it.
     #[error("{0}")]
     InvalidArgument(String),
+    /// A live run already has this id (here or on another replica).
+    #[error("run_id {0:?} is already running; use another id, or GetRun / CancelRun for this one")]
+    AlreadyRunning(String),
+    /// No tool-runner answers, so the run would have no tools; retryable.
+    #[error("no tool-runner answers ({0}); retry later")]
+    NoToolRunner(String),
     /// Every run slot is taken.
     #[error("all {0} run slots are busy; retry later")]
     Busy(usize),
@@ -53,11 +59,14 @@ impl From<Error> for tonic::Status {
         let message = error.to_string();
         match error {
             Error::InvalidArgument(_) => Self::invalid_argument(message),
+            Error::AlreadyRunning(_) => Self::already_exists(message),
             Error::Busy(_) => Self::resource_exhausted(message),
             Error::NotFound(_) => Self::not_found(message),
-            Error::Draining | Error::Serve(_) | Error::Listen { .. } | Error::Dependency(_) => {
-                Self::unavailable(message)
-            }
+            Error::Draining
+            | Error::NoToolRunner(_)
+            | Error::Serve(_)
+            | Error::Listen { .. }
+            | Error::Dependency(_) => Self::unavailable(message),
             Error::Config(_) | Error::Limit(_) => Self::failed_precondition(message),
             Error::Contract { .. } => Self::internal(message),
         }

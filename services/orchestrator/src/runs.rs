@@ -11,7 +11,8 @@ use crate::run::live::{AdmittedRun, Cancel, Emitter, SharedState};
 use crate::run::{EventBatch, RunResult, RunSpec, RunStatus};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
-use crate::store::{Persister, ResultStore};
+use crate::store::{Claim, Persister, ResultStore};
+use shared::runtime::AbortOnDrop;
 
 struct Live {
     state: SharedState,
@@ -50,6 +51,8 @@ pub(crate) struct Admitted {
     pub cancel: Cancel,
     /// Writes the run's state to the store.
     pub persister: Persister,
+    /// Renews the run's lease in a shared store while the run is admitted.
+    _lease: Option<AbortOnDrop>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -64,6 +67,19 @@ impl Drop for Admitted {
 }
 
 impl Admitted {
+    /// Claims the id in the store, so no other replica runs it too, and keeps the run's lease
+    /// there; a taken id gives the run holding it (dropping `self` frees the slot).
+    async fn claim(mut self) -> Result<Self, Refusal> {
+        match self.persister.claim().await {
+            Claim::Claimed => {
+                self._lease = self.persister.keep_lease();
+                Ok(self)
+            }
+            Claim::Taken(result) if result.status == RunStatus::Running => Err(Refusal::Duplicate),
+            Claim::Taken(result) => Err(Refusal::Finished(result)),
+        }
+    }
+
     /// The run as the loop takes it: `spec`, its stream's `emitter`, the `caller`'s sender to
     /// watch (`None` when detached), and this slot, freed when the loop is done with the run.
     pub(crate) fn into_run(self, spec: RunSpec, emitter: Emitter, caller: Option<EventSender>) -> AdmittedRun {
@@ -131,6 +147,22 @@ impl Runs {
             Some(result) => return Err(Refusal::Finished(Box::new(result))),
             None => {}
         }
+        let (state, cancel, permit) = self.register(run_id)?;
+        let persister = Persister::new(Arc::clone(&self.store), Arc::clone(&state), self.store_timeout);
+        let admitted = Admitted {
+            runs: Arc::clone(self),
+            run_id: run_id.to_owned(),
+            state,
+            cancel,
+            _lease: None,
+            persister,
+            _permit: permit,
+        };
+        admitted.claim().await
+    }
+
+    /// Takes a slot and enters the run among the live ones, unless its id is live already.
+    fn register(&self, run_id: &str) -> Result<(SharedState, Cancel, OwnedSemaphorePermit), Refusal> {
         let mut live = self.lock();
         if live.contains_key(run_id) {
             return Err(Refusal::Duplicate);
@@ -147,15 +179,7 @@ impl Runs {
                 cancel: cancel.clone(),
             },
         );
-        let persister = Persister::new(Arc::clone(&self.store), Arc::clone(&state), self.store_timeout);
-        Ok(Admitted {
-            runs: Arc::clone(self),
-            run_id: run_id.to_owned(),
-            state,
-            cancel,
-            persister,
-            _permit: permit,
-        })
+        Ok((state, cancel, permit))
     }
 
     /// A live run's state so far, or a stored result.
@@ -173,6 +197,12 @@ impl Runs {
     /// Cancels a live run of this replica.
     pub(crate) async fn cancel(&self, run_id: &str, reason: &str) -> CancelOutcome {
         if let Some(live) = self.lock().get(run_id) {
+            // Under the state lock: the loop settles the end under it too, and a cancel that
+            // came first wins there, so the answer is never `canceled` for a run that completed.
+            let state = crate::run::live::lock(&live.state);
+            if state.status != RunStatus::Running {
+                return CancelOutcome::AlreadyFinished(state.status);
+            }
             live.cancel.cancel(reason);
             return CancelOutcome::Canceled;
         }

@@ -82,10 +82,17 @@ pub async fn serve_with_resolver(
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
             let js = async_nats::jetstream::new(client);
-            let store = KvStore::open(&js, &config.store.bucket, config.store.ttl)
-                .await
-                .map_err(Error::Dependency)?;
-            tracing::info!(nats = %url, bucket = %config.store.bucket, "run results in NATS key-value");
+            let owner = replica_name();
+            let store = KvStore::open(
+                &js,
+                &config.store.bucket,
+                config.store.ttl,
+                owner.clone(),
+                config.store.lease,
+            )
+            .await
+            .map_err(Error::Dependency)?;
+            tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value");
             Arc::new(store)
         }
     };
@@ -102,6 +109,7 @@ pub async fn serve_with_resolver(
             signals: Arc::clone(&signals),
             detector: config.runs.loop_detector,
             trace_payloads: config.telemetry.trace_payloads(),
+            max_tool_result_bytes: config.runs.max_tool_result_bytes,
         },
         runs: Arc::clone(&runs),
         runners,
@@ -183,4 +191,12 @@ impl NatsConnections {
         self.0.insert(url.to_owned(), client.clone());
         Ok(client)
     }
+}
+
+/// This replica's name in the records of its runs: the host (the pod, in Kubernetes) and a
+/// suffix that differs on every start.
+fn replica_name() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "orchestrator".to_owned());
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    format!("{host}-{}", &id[id.len() - 8..])
 }

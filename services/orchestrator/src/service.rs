@@ -16,7 +16,7 @@ use tracing::Instrument;
 use crate::Error;
 use crate::config::Config;
 use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
-use crate::run::live::Emitter;
+use crate::run::live::{EmitSettings, Emitter};
 use crate::run::tool_loop::LoopDeps;
 use crate::run::{Event, EventBatch};
 use crate::runs::{CancelOutcome, Refusal, Runs};
@@ -69,6 +69,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         if core.draining.load(Ordering::Acquire) {
             return Err(Error::Draining.into());
         }
+        let received_at = tokio::time::Instant::now();
         let trace_context = request.metadata().clone();
         let caller_deadline = request
             .metadata()
@@ -77,21 +78,12 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             .and_then(parse_grpc_timeout);
         let run_request = RunRequest::try_from(request.into_inner())?;
         let detached = run_request.detached;
-        if core.runners.catalog().is_empty()
-            && let Err(e) = core.runners.refresh(CATALOG_WAIT).await
-        {
-            tracing::warn!("no tool catalog yet: {e}");
-        }
-        let spec = resolve(run_request, &core.runners.catalog(), &core.config, caller_deadline)?;
+        let catalog = core.runners.answering_catalog(CATALOG_WAIT).await?;
+        let spec = resolve(run_request, &catalog, &core.config, caller_deadline, received_at)?;
         let run_id = spec.run_id.clone();
         let admitted = match core.runs.admit(&run_id).await {
             Ok(admitted) => admitted,
-            Err(Refusal::Duplicate) => {
-                return Err(Error::InvalidArgument(format!(
-                    "run_id {run_id:?} is already running; use another id, or GetRun / CancelRun for this one"
-                ))
-                .into());
-            }
+            Err(Refusal::Duplicate) => return Err(Error::AlreadyRunning(run_id).into()),
             Err(Refusal::Full(slots)) => return Err(Error::Busy(slots).into()),
             Err(Refusal::Finished(result)) => {
                 // Idempotent replay: the run with this id already finished. Its whole text comes
@@ -115,7 +107,12 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
 
         let (tx, rx) = mpsc::channel::<EventBatch>(core.config.runs.event_buffer);
         let caller_gone = (!detached).then(|| tx.clone());
-        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state));
+        let settings = EmitSettings {
+            send_timeout: core.config.runs.event_send_timeout,
+            max_event_bytes: core.config.runs.max_caller_event_bytes,
+        };
+        let on_stall = (!detached).then(|| admitted.cancel.clone());
+        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall);
         let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id);
         shared::telemetry::continue_trace(&span, &trace_context);
         let run = admitted.into_run(spec, emitter, caller_gone);

@@ -41,6 +41,10 @@ pub(crate) mod metric {
     pub(crate) const TOOL_CALL_RETRIES: &str = "orchestrator_tool_call_retries_total";
     /// Gauge: tool-runner endpoints calls are balanced over.
     pub(crate) const TOOL_RUNNER_ENDPOINTS: &str = "orchestrator_tool_runner_endpoints";
+    /// Counter: callers whose event stream was dropped because they stopped reading.
+    pub(crate) const CALLER_STALLS: &str = "orchestrator_caller_stalls_total";
+    /// Counter: tool results cut before they were fed back to the model.
+    pub(crate) const TOOL_RESULTS_CUT: &str = "orchestrator_tool_results_cut_total";
 }
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
@@ -83,8 +87,18 @@ pub(crate) fn describe() {
         metric::TOOL_RUNNER_ENDPOINTS,
         "Tool-runner endpoints calls are balanced over."
     );
+    describe_counter!(
+        metric::CALLER_STALLS,
+        "Callers whose event stream was dropped because they stopped reading it."
+    );
+    describe_counter!(
+        metric::TOOL_RESULTS_CUT,
+        "Tool results cut to the configured size before they were fed back to the model."
+    );
     metrics::gauge!(metric::RUNS_IN_FLIGHT).set(0.0);
     metrics::gauge!(metric::TOOL_CALLS_IN_FLIGHT).set(0.0);
+    metrics::counter!(metric::CALLER_STALLS).absolute(0);
+    metrics::counter!(metric::TOOL_RESULTS_CUT).absolute(0);
     metrics::counter!(metric::SIGNALS_PUBLISHED).absolute(0);
     metrics::counter!(metric::SIGNALS_FAILED).absolute(0);
 }

@@ -45,6 +45,7 @@ fn parse(chunks: Vec<Vec<u8>>) -> Result<Parsed, Failed> {
         let limits = DecodeLimits {
             idle_timeout: std::time::Duration::from_secs(10),
             max_line_bytes: 1 << 20,
+            max_event_bytes: 4 << 20,
         };
         let mut events = decode(stream, limits);
         let mut collector = TurnCollector::default();

@@ -239,9 +239,15 @@ async fn both_result_stores_pass_the_store_suite() -> TestResult {
     let nats = Nats::start().await?;
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
     store_suite(Arc::new(
-        KvStore::open(&js, "suite-runs", Duration::from_secs(60))
-            .await
-            .map_err(anyhow::Error::msg)?,
+        KvStore::open(
+            &js,
+            "suite-runs",
+            Duration::from_secs(60),
+            "suite".into(),
+            Duration::from_secs(60),
+        )
+        .await
+        .map_err(anyhow::Error::msg)?,
     ))
     .await
 }
@@ -500,4 +506,123 @@ async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -
     let metrics = common::scrape(&orchestrator.metrics).await?;
     assert_eq!(metrics.get("orchestrator_signals_failed_total{}").copied(), Some(1.0));
     orchestrator.stop().await
+}
+
+/// A store suite addition: a live record whose lease ran out reads as lost, and a claimed id
+/// cannot be claimed again.
+#[tokio::test]
+async fn a_record_whose_lease_expired_reads_as_lost_and_an_id_is_claimed_once() -> TestResult {
+    use orchestrator::run::FailureReason;
+    use orchestrator::store::Claim;
+    let nats = Nats::start().await?;
+    let client = async_nats::connect(nats.url()).await?;
+    let js = jetstream::new(client);
+    let short = KvStore::open(
+        &js,
+        "lease-runs",
+        Duration::from_secs(60),
+        "a".into(),
+        Duration::from_secs(1),
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
+    let mut live = result("leased", RunStatus::Running);
+    live.text = "checkpointed output".into();
+    assert!(matches!(short.claim(live.clone()).await, Ok(Claim::Claimed)));
+    let again = short.claim(live.clone()).await.map_err(anyhow::Error::msg)?;
+    assert!(
+        matches!(&again, Claim::Taken(r) if r.status == RunStatus::Running),
+        "{again:?}"
+    );
+    assert_eq!(
+        short.get("leased").await.map_err(anyhow::Error::msg)?,
+        Some(live.clone())
+    );
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let lost = short.get("leased").await.map_err(anyhow::Error::msg)?.unwrap();
+    assert_eq!(
+        (lost.status, lost.failure_reason, lost.text.as_str()),
+        (
+            RunStatus::Failed,
+            Some(FailureReason::OrchestratorLost),
+            "checkpointed output"
+        )
+    );
+    assert!(lost.failure_detail.contains("replica a"), "{}", lost.failure_detail);
+    // Renewed (written again) before it expires, it stays live.
+    short.put(live.clone()).await.map_err(anyhow::Error::msg)?;
+    assert_eq!(
+        short.get("leased").await.map_err(anyhow::Error::msg)?.map(|r| r.status),
+        Some(RunStatus::Running)
+    );
+    Ok(())
+}
+
+/// Two replicas share a NATS store. A run is started on both at once: exactly one runs it, the
+/// other answers ALREADY_EXISTS. Then the replica running a run is killed (SIGKILL): once its
+/// lease expires, the other replica reads the run as FAILED ORCHESTRATOR_LOST with the output of
+/// its last checkpoint, and refuses the id with that result.
+#[tokio::test]
+async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_lost() -> TestResult {
+    use mock_llm::{Scenario, Step, Turn};
+    let nats = Nats::start().await?;
+    let slow = Scenario::new(vec![
+        Turn::text("Starting a long wait.\n").then(Step::call("sleep", serde_json::json!({"ms": 20_000}))),
+        Turn::text("done"),
+    ]);
+    let mock = mock_llm::MockLlm::start(slow).await?;
+    let runner = tool_runner().await?;
+    let lease = ["--run-store-lease", "2s"];
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let (a_url, b_url) = (format!("http://{}", a.grpc), format!("http://{}", b.grpc));
+
+    let request = pb::OrchestrateRequest {
+        run_id: "contested".into(),
+        detached: true,
+        ..common::user("go")
+    };
+    let start = |url: String, request: pb::OrchestrateRequest| async move {
+        let mut client = pb::orchestrator_client::OrchestratorClient::connect(url).await?;
+        let mut stream = client.orchestrate(request).await?.into_inner();
+        let first = stream.message().await?;
+        anyhow::Ok((stream, first))
+    };
+    let (on_a, on_b) = tokio::join!(
+        start(a_url.clone(), request.clone()),
+        start(b_url.clone(), request.clone())
+    );
+    let code = |e: &anyhow::Error| e.downcast_ref::<tonic::Status>().map(tonic::Status::code);
+    let (stream, owner, survivor, survivor_url) = match (on_a, on_b) {
+        (Ok((stream, _)), Err(e)) if code(&e) == Some(tonic::Code::AlreadyExists) => (stream, a, b, b_url),
+        (Err(e), Ok((stream, _))) if code(&e) == Some(tonic::Code::AlreadyExists) => (stream, b, a, a_url),
+        (a, b) => anyhow::bail!("exactly one replica must run it: {:?} / {:?}", a.err(), b.err()),
+    };
+    assert_eq!(mock.requests().len(), 1, "the model was asked once");
+
+    // The owner renews the lease with the output so far; then it crashes.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    owner.kill().await?;
+    drop(stream);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let lost = loop {
+        let r = get_run(&survivor_url, "contested").await?;
+        if r.status() != pb::RunStatus::Running || tokio::time::Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (lost.status(), lost.failure_reason()),
+        (pb::RunStatus::Failed, pb::FailureReason::OrchestratorLost)
+    );
+    assert_eq!(
+        lost.text, "Starting a long wait.\n",
+        "the output of the last checkpoint"
+    );
+    // The id is not run again: its (lost) result is replayed.
+    let replay = orchestrate(&survivor_url, request).await?;
+    assert_eq!(replay.failure_reason(), pb::FailureReason::OrchestratorLost);
+    assert_eq!(mock.requests().len(), 1);
+    survivor.stop().await
 }

@@ -19,6 +19,9 @@ use crate::config::LlmSettings;
 
 use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message};
 
+/// Most bytes of an error body read for its message.
+const MAX_ERROR_BODY: usize = 4096;
+
 /// Longest `Retry-After` honoured; longer ones fall back to the configured backoff.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
 
@@ -80,6 +83,7 @@ impl HttpLlm {
         let limits = DecodeLimits {
             idle_timeout: self.config.idle_timeout,
             max_line_bytes: self.config.max_line_bytes,
+            max_event_bytes: self.config.max_event_bytes,
         };
         let body = bytes::Bytes::from(body);
         let mut attempt = 0u32;
@@ -111,7 +115,7 @@ impl HttpLlm {
                         .and_then(|v| v.trim().parse::<u64>().ok())
                         .map(Duration::from_secs)
                         .filter(|d| *d <= MAX_RETRY_AFTER);
-                    let body = read_error_body(response).await;
+                    let body = read_error_body(response, self.config.idle_timeout).await;
                     let failure = LlmError::Http(format!("the LLM server answered {status}: {body}"));
                     if status.as_u16() != 429 && !status.is_server_error() {
                         return Err(failure);
@@ -145,18 +149,32 @@ impl HttpLlm {
     }
 }
 
-/// At most a few KiB of an error response, for the message.
-async fn read_error_body(response: reqwest::Response) -> String {
+/// At most a few KiB of an error response, for the message, read within `timeout`: a body that
+/// never ends (or never comes) gives what arrived by then.
+async fn read_error_body(response: reqwest::Response, timeout: Duration) -> String {
     use futures::StreamExt;
+    let deadline = tokio::time::Instant::now() + timeout;
     let mut body = Vec::new();
     let mut stream = response.bytes_stream();
-    while let Some(Ok(chunk)) = stream.next().await {
-        body.extend_from_slice(&chunk);
-        if body.len() > 4096 {
-            break;
+    let mut complete = true;
+    while body.len() <= MAX_ERROR_BODY {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(Ok(chunk))) => body.extend_from_slice(&chunk),
+            Ok(None | Some(Err(_))) => break,
+            Err(_) => {
+                complete = false;
+                break;
+            }
         }
     }
     let text = String::from_utf8_lossy(&body);
+    if !complete {
+        let waited = humantime::format_duration(timeout);
+        return format!(
+            "{} (the rest of the body did not arrive within {waited})",
+            excerpt(text.trim())
+        );
+    }
     let message = serde_json::from_str::<Value>(&text)
         .ok()
         .and_then(|v| v.pointer("/error/message").and_then(Value::as_str).map(str::to_owned));
@@ -329,6 +347,7 @@ mod tests {
             max_retries: 0,
             retry_backoff: Duration::from_millis(1),
             max_line_bytes: 1024,
+            max_event_bytes: 4096,
         }
     }
 

@@ -1,8 +1,9 @@
 //! Server-sent events → [`LlmEvent`]s.
 //!
 //! Layers, outermost first:
-//! 1. a byte guard: the idle timeout (any byte, keep-alive comments included, is progress), a
-//!    cap on the length of one line, so an endless line cannot grow memory without bound, and
+//! 1. a byte guard: the idle timeout (any byte, keep-alive comments included, is progress), caps
+//!    on the length of one line and of one event (all its lines up to the blank line that ends
+//!    it), so neither an endless line nor an event that never ends can grow memory, and
 //!    reads cut after each blank line, so the framer's buffer holds one event at a time (it
 //!    copies what follows each line it takes: a read carrying a whole stream cost ~1.6× per event);
 //! 2. SSE framing by `eventsource-stream` (comments skipped, multi-line data joined);
@@ -28,6 +29,8 @@ pub struct DecodeLimits {
     pub idle_timeout: Duration,
     /// Longest line (one SSE field) accepted, in bytes.
     pub max_line_bytes: usize,
+    /// Largest event (its lines up to the blank line that ends it) accepted, in bytes.
+    pub max_event_bytes: usize,
 }
 
 /// Decodes an SSE byte stream into semantic events. Ends after `[DONE]`, at the end of the body,
@@ -107,7 +110,7 @@ fn stream_error(e: EventStreamError<LlmError>) -> LlmError {
 
 struct GuardState {
     bytes: BoxStream<'static, Result<Bytes, LlmError>>,
-    since_newline: usize,
+    sizes: Sizes,
     ended: bool,
     /// The rest of the last read, event by event.
     cut: VecDeque<Bytes>,
@@ -127,6 +130,53 @@ fn cut_events(mut chunk: Bytes, into: &mut VecDeque<Bytes>) {
     into.push_back(chunk);
 }
 
+/// The size of the line and of the event being read.
+#[derive(Debug, Default)]
+struct Sizes {
+    /// Bytes of the current line so far (its `\n` excluded).
+    line: usize,
+    /// The current line so far is a lone `\r` (a blank line in CRLF streams).
+    line_is_cr: bool,
+    /// Bytes of the current event's finished lines.
+    event: usize,
+}
+
+impl Sizes {
+    /// Counts `chunk`; an error when a line or an event grows past its cap.
+    fn take(&mut self, chunk: &[u8], limits: DecodeLimits) -> Result<(), String> {
+        let mut from = 0;
+        for at in memchr::memchr_iter(b'\n', chunk) {
+            self.extend(&chunk[from..at]);
+            if self.line == 0 || self.line_is_cr {
+                self.event = 0;
+            } else {
+                self.event += self.line + 1;
+            }
+            (self.line, self.line_is_cr) = (0, false);
+            from = at + 1;
+        }
+        self.extend(&chunk[from..]);
+        if self.line > limits.max_line_bytes {
+            return Err(format!(
+                "the LLM stream sent a line longer than {} bytes",
+                limits.max_line_bytes
+            ));
+        }
+        if self.event + self.line > limits.max_event_bytes {
+            return Err(format!(
+                "the LLM stream sent an event larger than {} bytes (lines without the blank line that ends an event)",
+                limits.max_event_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    fn extend(&mut self, piece: &[u8]) {
+        self.line_is_cr = (self.line == 0 && piece == b"\r") || (self.line_is_cr && piece.is_empty());
+        self.line += piece.len();
+    }
+}
+
 /// The byte guard: idle timeout, line-length cap, and a final blank line so an unterminated last
 /// event is still dispatched.
 fn guard<E: Display + Send + 'static>(
@@ -138,7 +188,7 @@ fn guard<E: Display + Send + 'static>(
         .boxed();
     let state = GuardState {
         bytes,
-        since_newline: 0,
+        sizes: Sizes::default(),
         ended: false,
         cut: VecDeque::new(),
     };
@@ -168,13 +218,8 @@ fn guard<E: Display + Send + 'static>(
                 Some((Err(e), state))
             }
             Ok(Some(Ok(chunk))) => {
-                state.since_newline = match chunk.iter().rposition(|b| *b == b'\n') {
-                    Some(last) => chunk.len() - last - 1,
-                    None => state.since_newline + chunk.len(),
-                };
-                if state.since_newline > limits.max_line_bytes {
+                if let Err(message) = state.sizes.take(&chunk, limits) {
                     state.ended = true;
-                    let message = format!("the LLM stream sent a line longer than {} bytes", limits.max_line_bytes);
                     return Some((Err(LlmError::Protocol(message)), state));
                 }
                 cut_events(chunk, &mut state.cut);
@@ -338,6 +383,7 @@ mod tests {
         DecodeLimits {
             idle_timeout: Duration::from_secs(5),
             max_line_bytes: 64,
+            max_event_bytes: 256,
         }
     }
 
@@ -406,6 +452,30 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn event_size_cap_on_both_sides() {
+        // 32 lines of 8 bytes ("data: x\n" counts its newline): 256 bytes, then the blank line.
+        let line = "data: x\n";
+        let chunk = |text: &[u8]| {
+            let mut sizes = Sizes::default();
+            sizes.take(text, limits())
+        };
+        assert_eq!(chunk(line.repeat(32).as_bytes()), Ok(()), "at the cap");
+        let past = chunk(format!("{}d", line.repeat(32)).as_bytes());
+        assert!(past.is_err_and(|m| m.contains("larger than 256 bytes")));
+        // Blank lines (LF or CRLF, split anywhere) end events, so a long stream of small events passes.
+        let mut sizes = Sizes::default();
+        for piece in ["data: x\r", "\n\r", "\n"].iter().cycle().take(3000) {
+            assert_eq!(sizes.take(piece.as_bytes(), limits()), Ok(()));
+        }
+        // Through the decoder: data lines that never end their event.
+        let endless = decode_all(vec![&*line.repeat(40).leak()], limits()).await;
+        assert!(
+            matches!(&endless[..], [Err(LlmError::Protocol(m))] if m.contains("larger than 256")),
+            "{endless:?}"
+        );
+    }
+
     #[test]
     fn reads_are_cut_after_each_event_without_losing_a_byte() {
         let cut = |read: &'static str| {
@@ -432,6 +502,7 @@ mod tests {
         let limits = DecodeLimits {
             idle_timeout: Duration::from_millis(50),
             max_line_bytes: 64,
+            max_event_bytes: 256,
         };
         let events: Vec<_> = decode(stream, limits).collect().await;
         assert!(matches!(&events[..], [Err(LlmError::Stalled(_))]), "{events:?}");

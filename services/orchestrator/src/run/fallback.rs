@@ -6,17 +6,20 @@
 //! * a fenced block (```` ```json … ``` ````) holding `{"name"|"tool": …, "arguments"|"parameters": {…}}`;
 //! * the same JSON object as the whole message.
 //!
-//! [`TextGate`] releases text as it streams, except from the first character that could open a
-//! directive: that text is held until it is resolved — released when it turns out not to be a
-//! directive, or decided at the end of the turn by [`TextGate::finish`].
+//! A `<tool_call>` or an object counts only when its first key is `name` or `tool`, and a fenced
+//! block only when its info string is empty or `json`: the same rules by which the hold-back
+//! ([`super::hold_back`]) releases text, so what it released is never parsed as a directive.
 
 use serde_json::{Map, Value};
 
-const OPEN_TAG: &str = "<tool_call>";
+pub(super) const OPEN_TAG: &str = "<tool_call>";
 const CLOSE_TAG: &str = "</tool_call>";
-const FENCE: &str = "```";
+pub(super) const FENCE: &str = "```";
 /// What opens a JSON object.
-const OBJECT_OPEN: char = '{';
+pub(super) const OBJECT_OPEN: char = '{';
+/// Tool-call markup of servers that parse calls in the text themselves (Qwen3-Coder's XML form
+/// in llama.cpp); it can leak into the content before the server recognises it.
+pub(super) const XML_FUNCTION: &str = "<function=";
 
 /// A tool call found in the text.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,113 +54,52 @@ pub enum Resolution {
     },
 }
 
-/// Splits a turn's streamed text into what can be shown now and what must wait.
-#[derive(Debug, Default)]
-pub struct TextGate {
-    /// All text of the turn.
-    buf: String,
-    /// How much of `buf` has been released.
-    released: usize,
+/// Resolves the held text of a turn at its end. `whole_message`: nothing of the turn was
+/// released, so the held text may be one standalone directive. With structured calls the held
+/// text is not parsed for directives: `<tool_call>` markup (finished or not) is dropped as server
+/// noise and the rest released.
+pub(super) fn resolve_held(held: &str, whole_message: bool, has_structured_calls: bool) -> Resolution {
+    if has_structured_calls {
+        return Resolution::Text(strip_tool_call_markup(held));
+    }
+    if held.is_empty() {
+        return Resolution::Text(String::new());
+    }
+    if whole_message && let Some(call) = standalone_directive(held) {
+        return Resolution::Calls {
+            calls: vec![call],
+            stripped: String::new(),
+            raw: held.to_owned(),
+        };
+    }
+    match find_directives(held) {
+        Ok((calls, _)) if calls.is_empty() => Resolution::Text(held.to_owned()),
+        Ok((calls, stripped)) => Resolution::Calls {
+            calls,
+            stripped,
+            raw: held.to_owned(),
+        },
+        Err(detail) => Resolution::Malformed {
+            detail,
+            raw: held.to_owned(),
+        },
+    }
 }
 
-impl TextGate {
-    /// Adds streamed text; returns the part that is safe to show now (may be empty).
-    pub fn push(&mut self, delta: &str) -> String {
-        self.buf.push_str(delta);
-        let hold_from = self.hold_from();
-        let out = self.buf[self.released..hold_from].to_owned();
-        self.released = hold_from;
-        out
+/// Whether the first key of the object `text` starts with is `name` or `tool`; `None` when the
+/// text ends before that is known.
+pub(super) fn first_key_names_a_tool(text: &str) -> Option<bool> {
+    let inner = text.strip_prefix(OBJECT_OPEN)?.trim_start();
+    if inner.is_empty() {
+        return None;
     }
-
-    /// All text of the turn so far, released or not.
-    pub fn text(&self) -> &str {
-        &self.buf
-    }
-
-    /// The text held back so far.
-    pub fn held(&self) -> &str {
-        &self.buf[self.released..]
-    }
-
-    /// Where held-back text starts (`buf.len()` when nothing must be held).
-    fn hold_from(&self) -> usize {
-        if self.may_be_standalone_directive() {
-            return 0;
-        }
-        self.first_possible_directive().unwrap_or(self.buf.len())
-    }
-
-    /// A message whose first non-blank character opens an object may be a standalone JSON
-    /// directive: it is held whole until the turn ends.
-    fn may_be_standalone_directive(&self) -> bool {
-        if self.released > 0 {
-            return false;
-        }
-        let trimmed = self.buf.trim_start();
-        trimmed.is_empty() || trimmed.starts_with(OBJECT_OPEN)
-    }
-
-    /// The first place after the released text that opens, or may still open, a `<tool_call>`
-    /// tag or a fenced block holding a directive; fenced blocks that are closed and hold no
-    /// directive, and `<` or `` ` `` that cannot open one, stream on.
-    fn first_possible_directive(&self) -> Option<usize> {
-        let mut at = self.released;
-        while let Some(offset) = self.buf[at..].find(['<', '`']) {
-            let p = at + offset;
-            let rest = &self.buf[p..];
-            if rest.starts_with('<') {
-                if rest.starts_with(OPEN_TAG) || OPEN_TAG.starts_with(rest) {
-                    return Some(p);
-                }
-                at = p + 1;
-            } else if rest.len() < FENCE.len() && FENCE.starts_with(rest) {
-                return Some(p);
-            } else if let Some(body) = rest.strip_prefix(FENCE) {
-                match body.find(FENCE) {
-                    None => return Some(p),
-                    Some(close) if fenced_directive(&body[..close]).is_some() => return Some(p),
-                    Some(close) => at = p + FENCE.len() + close + FENCE.len(),
-                }
-            } else {
-                at = p + 1;
-            }
-        }
-        None
-    }
-
-    /// Resolves the held text at the end of the turn. With structured calls the held text is not
-    /// parsed for directives: `<tool_call>` markup (finished or not) is dropped as server noise
-    /// and the rest released.
-    pub fn finish(self, has_structured_calls: bool) -> Resolution {
-        let held = &self.buf[self.released..];
-        if has_structured_calls {
-            return Resolution::Text(strip_tool_call_markup(held));
-        }
-        if held.is_empty() {
-            return Resolution::Text(String::new());
-        }
-        if self.released == 0
-            && let Some(call) = standalone_directive(held)
-        {
-            return Resolution::Calls {
-                calls: vec![call],
-                stripped: String::new(),
-                raw: held.to_owned(),
-            };
-        }
-        match find_directives(held) {
-            Ok((calls, _)) if calls.is_empty() => Resolution::Text(held.to_owned()),
-            Ok((calls, stripped)) => Resolution::Calls {
-                calls,
-                stripped,
-                raw: held.to_owned(),
-            },
-            Err(detail) => Resolution::Malformed {
-                detail,
-                raw: held.to_owned(),
-            },
-        }
+    let Some(key) = inner.strip_prefix('"') else {
+        return Some(false);
+    };
+    match key.find(['"', '\\']) {
+        Some(end) => Some(key.as_bytes()[end] == b'"' && matches!(&key[..end], "name" | "tool")),
+        None if "name".starts_with(key) || "tool".starts_with(key) => None,
+        None => Some(false),
     }
 }
 
@@ -171,8 +113,14 @@ fn find_directives(text: &str) -> Result<(Vec<TextCall>, String), String> {
         let fence = rest.find(FENCE);
         match (tag, fence) {
             (Some(t), f) if f.is_none_or(|f| t < f) => {
-                stripped.push_str(&rest[..t]);
                 let body = &rest[t + OPEN_TAG.len()..];
+                if first_key_names_a_tool(body.trim_start()) != Some(true) {
+                    // A mention of the tag, not a directive.
+                    stripped.push_str(&rest[..t + OPEN_TAG.len()]);
+                    rest = body;
+                    continue;
+                }
+                stripped.push_str(&rest[..t]);
                 let close = body
                     .find(CLOSE_TAG)
                     .ok_or("a <tool_call> block is never closed with </tool_call>")?;
@@ -205,18 +153,31 @@ fn find_directives(text: &str) -> Result<(Vec<TextCall>, String), String> {
     }
 }
 
-/// The directive in a fenced block's body (after an optional `json` tag), if it is one.
-/// `Some(Err)` when it looks like a directive (has a name key) but is malformed.
-fn fenced_directive(body: &str) -> Option<Result<TextCall, String>> {
-    let body = body.trim_start();
-    let body = body.strip_prefix("json").unwrap_or(body).trim();
-    let value: Value = serde_json::from_str(body).ok()?;
+/// The directive in a fenced block's body, if it is one: an empty or `json` info string (or `{`
+/// right after the fence), then an object whose first key is `name` or `tool`. `Some(Err)` when
+/// it looks like a directive (has a name key) but is malformed.
+pub(super) fn fenced_directive(body: &str) -> Option<Result<TextCall, String>> {
+    let one_line = body.trim_start_matches([' ', '\t']);
+    let json = if one_line.starts_with(OBJECT_OPEN) {
+        one_line.trim()
+    } else {
+        let (info, rest) = body.split_once('\n')?;
+        let info = info.trim();
+        (info.is_empty() || info.eq_ignore_ascii_case("json")).then_some(rest.trim())?
+    };
+    if first_key_names_a_tool(json) != Some(true) {
+        return None;
+    }
+    let value: Value = serde_json::from_str(json).ok()?;
     let object = value.as_object()?;
     looks_like_directive(object).then(|| parse_object(object, false))
 }
 
 /// The whole message as one directive object, if it is exactly that.
 fn standalone_directive(text: &str) -> Option<TextCall> {
+    if first_key_names_a_tool(text.trim()) != Some(true) {
+        return None;
+    }
     let value: Value = serde_json::from_str(text.trim()).ok()?;
     let object = value.as_object()?;
     if object.len() != 2 || !looks_like_directive(object) {
@@ -290,120 +251,26 @@ fn partial_tag_at_end(text: &str) -> Option<usize> {
 mod tests {
     use super::*;
 
-    /// Feeds `parts`, returns (streamed text, resolution).
-    fn run(parts: &[&str], structured: bool) -> (String, Resolution) {
-        let mut gate = TextGate::default();
-        let streamed: String = parts.iter().map(|p| gate.push(p)).collect();
-        (streamed, gate.finish(structured))
-    }
-
-    fn call(name: &str, arguments: &str) -> TextCall {
-        TextCall {
-            name: name.into(),
-            arguments: arguments.into(),
-        }
+    #[test]
+    fn the_first_key_decides() {
+        assert_eq!(first_key_names_a_tool("{"), None);
+        assert_eq!(first_key_names_a_tool("{ \"na"), None);
+        assert_eq!(first_key_names_a_tool("{\"name\""), Some(true));
+        assert_eq!(first_key_names_a_tool("{\n  \"tool\": 1"), Some(true));
+        assert_eq!(first_key_names_a_tool("{\"names\""), Some(false));
+        assert_eq!(first_key_names_a_tool("{\"x"), Some(false));
+        assert_eq!(first_key_names_a_tool("{1"), Some(false));
+        assert_eq!(first_key_names_a_tool("{\"n\\u0061me\""), Some(false));
     }
 
     #[test]
-    fn plain_text_streams_through_even_with_angle_brackets_and_code() {
-        let (streamed, end) = run(
-            &["a < b and <b>bold</b> ", "`x` and ```rust\nfn f() {}\n```", " done"],
-            false,
-        );
-        assert_eq!(streamed, "a < b and <b>bold</b> `x` and ```rust\nfn f() {}\n``` done");
-        assert_eq!(end, Resolution::Text(String::new()));
-    }
-
-    #[test]
-    fn a_split_tool_call_tag_is_held_and_becomes_a_call() {
-        let (streamed, end) = run(
-            &[
-                "Let me check.\n<tool",
-                "_call>{\"name\": \"get\", \"arguments\": {\"q\": 1}}</tool_call>",
-            ],
-            false,
-        );
-        assert_eq!(streamed, "Let me check.\n");
-        assert_eq!(
-            end,
-            Resolution::Calls {
-                calls: vec![call("get", r#"{"q":1}"#)],
-                stripped: String::new(),
-                raw: "<tool_call>{\"name\": \"get\", \"arguments\": {\"q\": 1}}</tool_call>".into()
-            }
-        );
-    }
-
-    #[test]
-    fn several_blocks_are_several_calls_and_text_between_is_kept() {
-        let text = "<tool_call>{\"tool\":\"a\",\"parameters\":{}}</tool_call> and <tool_call>{\"name\":\"b\",\"arguments\":\"{\\\"x\\\":2}\"}</tool_call>";
-        let (streamed, end) = run(&[text], false);
-        assert_eq!(streamed, "");
-        let Resolution::Calls { calls, stripped, .. } = end else {
-            panic!("{end:?}")
-        };
-        assert_eq!(calls, vec![call("a", "{}"), call("b", r#"{"x":2}"#)]);
-        assert_eq!(stripped, " and ");
-    }
-
-    #[test]
-    fn standalone_json_and_fenced_json_directives() {
-        let (streamed, end) = run(&["  {\"tool\": \"finish\", ", "\"arguments\": {\"ok\": true}}"], false);
-        assert_eq!(streamed, "");
-        assert!(
-            matches!(end, Resolution::Calls { ref calls, .. } if calls == &vec![call("finish", r#"{"ok":true}"#)]),
-            "{end:?}"
-        );
-
-        let (streamed, end) = run(
-            &["Here:\n```json\n{\"name\": \"get\", \"arguments\": {}}\n```\n"],
-            false,
-        );
-        assert_eq!(streamed, "Here:\n");
-        assert!(
-            matches!(end, Resolution::Calls { ref stripped, .. } if stripped == "\n"),
-            "{end:?}"
-        );
-    }
-
-    #[test]
-    fn json_that_is_not_a_directive_is_just_text() {
-        let (streamed, end) = run(&["{\"name\": \"Bob\", \"age\": 3}"], false);
-        assert_eq!(streamed, "");
-        assert_eq!(end, Resolution::Text("{\"name\": \"Bob\", \"age\": 3}".into()));
-        let (streamed, end) = run(&["x ```json\n{\"a\": 1}\n``` y"], false);
-        assert_eq!(streamed, "x ```json\n{\"a\": 1}\n``` y");
-        assert_eq!(end, Resolution::Text(String::new()));
-    }
-
-    #[test]
-    fn malformed_directives_keep_the_text() {
-        let (_, end) = run(&["<tool_call>{\"name\": \"get\", \"arguments\": {"], false);
-        assert!(
-            matches!(end, Resolution::Malformed { ref detail, .. } if detail.contains("never closed")),
-            "{end:?}"
-        );
-        let (_, end) = run(&["<tool_call>not json</tool_call>"], false);
-        assert!(
-            matches!(end, Resolution::Malformed { ref raw, .. } if raw == "<tool_call>not json</tool_call>"),
-            "{end:?}"
-        );
-        let (_, end) = run(
-            &["<tool_call>{\"name\": \"get\", \"arguments\": [1]}</tool_call>"],
-            false,
-        );
-        assert!(
-            matches!(end, Resolution::Malformed { ref detail, .. } if detail.contains("must be a JSON object")),
-            "{end:?}"
-        );
-    }
-
-    #[test]
-    fn with_structured_calls_leaked_markup_is_dropped() {
-        let (streamed, end) = run(&["Checking.\n", "<tool_call>\n<function=get", "_weather"], true);
-        assert_eq!(streamed, "Checking.\n");
-        assert_eq!(end, Resolution::Text(String::new()));
-        let (_, end) = run(&["a <tool_call>{}</tool_call> b <tool_c"], true);
-        assert_eq!(end, Resolution::Text(" b ".into()));
+    fn fences_need_an_empty_or_json_info_string() {
+        let directive = "{\"name\": \"a\", \"arguments\": {}}";
+        assert!(fenced_directive(&format!("json\n{directive}\n")).is_some());
+        assert!(fenced_directive(&format!("JSON\n{directive}")).is_some());
+        assert!(fenced_directive(&format!("\n{directive}")).is_some());
+        assert!(fenced_directive(directive).is_some(), "one line");
+        assert!(fenced_directive(&format!("python\n{directive}")).is_none());
+        assert!(fenced_directive("json\n{\"arguments\": {}, \"name\": \"a\"}").is_none());
     }
 }

@@ -3,6 +3,7 @@
 //! when a run is let in.
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -41,13 +42,32 @@ impl Cancel {
     /// Resolves with the reason once the run is canceled.
     pub(crate) async fn cancelled(&self) -> String {
         self.token.cancelled().await;
+        self.reason()
+    }
+
+    /// Why the run was canceled.
+    pub(crate) fn reason(&self) -> String {
         self.reason.get().cloned().unwrap_or_else(|| "canceled".to_owned())
     }
 }
 
+/// How events reach a caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmitSettings {
+    /// Longest wait for the caller to take an event; a caller that takes none for this long is
+    /// given up (an attached run is then canceled, a detached one goes on without its stream).
+    pub send_timeout: Duration,
+    /// Largest text or tool result in one event: longer text is split over several events, a
+    /// longer result is cut in its event (and flagged).
+    pub max_event_bytes: usize,
+}
+
 /// Numbers events and sends them to the caller's stream (a bounded channel: a slow reader slows
-/// its own run). Text is added to the run's state only once its event is sent, so the streamed
-/// text always equals the result's text.
+/// its own run, up to [`EmitSettings::send_timeout`] per batch).
+///
+/// Text is added to the run's state when its event is numbered, and every numbered event is
+/// sent before `run_finished` (a send that is interrupted keeps its batch for the next one), so
+/// the seq numbers have no gaps and the streamed text always equals the result's text.
 ///
 /// Events the loop produces together (a turn's signals and tool-call starts, its tool-call
 /// results and end) are [queued](Self::queue) and sent as one batch, which reaches the caller
@@ -60,35 +80,113 @@ pub struct Emitter {
     /// Numbered, not yet sent.
     queued: EventBatch,
     state: SharedState,
+    settings: EmitSettings,
+    /// Canceled when the caller stops reading (`None`: a detached run, which goes on).
+    on_stall: Option<Cancel>,
 }
 
 impl Emitter {
     /// An emitter writing to `tx` (`None`: nobody listens, e.g. a detached run whose caller left).
-    pub fn new(tx: Option<mpsc::Sender<EventBatch>>, state: SharedState) -> Self {
+    /// `on_stall` is canceled when the caller stops taking events.
+    pub fn new(
+        tx: Option<mpsc::Sender<EventBatch>>,
+        state: SharedState,
+        settings: EmitSettings,
+        on_stall: Option<Cancel>,
+    ) -> Self {
         Self {
             tx,
             seq: 0,
             queued: Vec::new(),
             state,
+            settings,
+            on_stall,
         }
     }
 
-    /// Numbers `event` and queues it behind the events already queued.
+    /// Numbers `event` and queues it behind the events already queued. Text longer than one
+    /// event may carry is split; a tool result is cut.
     pub fn queue(&mut self, event: Event) {
+        match event {
+            Event::TextDelta { text, turn } => self.queue_text(&text, turn),
+            Event::ToolCallFinished {
+                call_id,
+                name,
+                content_json: Some(content),
+                error,
+                duration_ms,
+                ..
+            } if content.len() > self.settings.max_event_bytes => {
+                let cut = floor_char_boundary(&content, self.settings.max_event_bytes);
+                self.number(Event::ToolCallFinished {
+                    call_id,
+                    name,
+                    content_json: Some(content[..cut].to_owned()),
+                    content_truncated: true,
+                    error,
+                    duration_ms,
+                });
+            }
+            event => self.number(event),
+        }
+    }
+
+    fn number(&mut self, event: Event) {
         self.seq += 1;
         self.queued.push(NumberedEvent { seq: self.seq, event });
     }
 
-    /// Sends what is queued, as one batch.
+    /// Text: added to the run's output now, sent in pieces of at most `max_event_bytes`.
+    fn queue_text(&mut self, text: &str, turn: u32) {
+        lock(&self.state).text.push_str(text);
+        let mut rest = text;
+        while !rest.is_empty() {
+            let mut cut = floor_char_boundary(rest, self.settings.max_event_bytes);
+            if cut == 0 {
+                cut = rest.chars().next().map_or(rest.len(), char::len_utf8);
+            }
+            self.number(Event::TextDelta {
+                text: rest[..cut].to_owned(),
+                turn,
+            });
+            rest = &rest[cut..];
+        }
+    }
+
+    /// Sends what is queued, as one batch. Waits at most `send_timeout` for room in the caller's
+    /// stream; dropped while it waits, the batch stays queued.
     pub async fn flush(&mut self) {
         if self.queued.is_empty() {
             return;
         }
-        let batch = std::mem::take(&mut self.queued);
-        if let Some(tx) = &self.tx
-            && tx.send(batch).await.is_err()
-        {
-            self.tx = None;
+        let Some(tx) = self.tx.clone() else {
+            self.queued.clear();
+            return;
+        };
+        match tokio::time::timeout(self.settings.send_timeout, tx.reserve_owned()).await {
+            Ok(Ok(permit)) => {
+                permit.send(std::mem::take(&mut self.queued));
+            }
+            Ok(Err(_closed)) => {
+                self.tx = None;
+                self.queued.clear();
+            }
+            Err(_elapsed) => self.give_up_on_caller(),
+        }
+    }
+
+    /// The caller took no event for `send_timeout`: its stream is dropped, and an attached run
+    /// is canceled.
+    fn give_up_on_caller(&mut self) {
+        self.tx = None;
+        self.queued.clear();
+        let waited = humantime::format_duration(self.settings.send_timeout);
+        metrics::counter!(crate::telemetry::metric::CALLER_STALLS).increment(1);
+        tracing::warn!("the caller read no event for {waited}; its stream is dropped");
+        if let Some(cancel) = &self.on_stall {
+            cancel.cancel(&format!(
+                "the caller stopped reading its event stream (nothing read for {waited})"
+            ));
         }
     }
 
@@ -108,8 +206,15 @@ impl Emitter {
             turn,
         })
         .await;
-        lock(&self.state).text.push_str(text);
     }
+}
+
+/// The largest char boundary of `text` at or below `max`.
+fn floor_char_boundary(text: &str, max: usize) -> usize {
+    if max >= text.len() {
+        return text.len();
+    }
+    (0..=max).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0)
 }
 
 /// A run that was let in: its spec and everything live about it, handed to the loop as one value.

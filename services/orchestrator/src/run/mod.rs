@@ -5,13 +5,14 @@
 //! * [`tool_loop`]: the loop, one method per rule;
 //! * [`live`]: a live run's shared state, cancel handle and event emitter;
 //! * [`turn`]: one streamed completion → visible text + tool calls;
-//! * [`fallback`]: tool calls written in the text (`<tool_call>` blocks, standalone JSON) and the
-//!   hold-back that keeps streamed text equal to final text;
+//! * [`fallback`]: tool calls written in the text (`<tool_call>` blocks, standalone JSON);
+//! * [`hold_back`]: what of a turn's text may be shown now, so streamed text equals final text;
 //! * [`loop_detector`]: the repeated-line detector;
 //! * [`bios`]: the system message the orchestrator writes before every turn.
 
 pub mod bios;
 pub mod fallback;
+pub mod hold_back;
 pub mod live;
 pub mod loop_detector;
 pub mod tool_loop;
@@ -75,6 +76,40 @@ pub struct RunSpec {
     pub metadata: BTreeMap<String, String>,
     /// Bad-call policy.
     pub parse_policy: ParsePolicy,
+    /// When the run must end.
+    pub deadline: Deadline,
+}
+
+/// When a run must end: its own timeout from when the request arrived, or sooner, shortly before
+/// the caller's gRPC deadline, so the caller still receives `run_finished`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadline {
+    /// The moment.
+    pub at: tokio::time::Instant,
+    /// The caller's deadline set it (else the run's timeout).
+    pub set_by_caller: bool,
+}
+
+impl Deadline {
+    /// `run_timeout` from `received_at`, or `caller` (less `headroom`) when that is sooner.
+    pub fn new(
+        received_at: tokio::time::Instant,
+        run_timeout: Duration,
+        caller: Option<Duration>,
+        headroom: Duration,
+    ) -> Self {
+        let own = received_at + run_timeout;
+        match caller.map(|c| received_at + c.saturating_sub(headroom)) {
+            Some(at) if at < own => Self {
+                at,
+                set_by_caller: true,
+            },
+            _ => Self {
+                at: own,
+                set_by_caller: false,
+            },
+        }
+    }
 }
 
 /// Status of a run. Its metric label is its name in snake case.
@@ -115,6 +150,8 @@ pub enum FailureReason {
     DeadlineExceeded,
     /// Anything else.
     UnknownError,
+    /// The replica running the run stopped renewing its lease in the shared store.
+    OrchestratorLost,
 }
 
 /// A tool call's failure, as fed back to the model.
@@ -280,6 +317,8 @@ pub enum Event {
         name: String,
         /// Result JSON when ok.
         content_json: Option<String>,
+        /// The result was longer than one event may carry and is cut here.
+        content_truncated: bool,
         /// Error when not ok.
         error: Option<ToolCallError>,
         /// Wall time.

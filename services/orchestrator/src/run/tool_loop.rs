@@ -20,17 +20,18 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::future::join_all;
 use futures::stream::{BoxStream, Fuse};
 use futures::{FutureExt, StreamExt};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::bios::{BiosContext, render};
 use super::fallback::Resolution;
-use super::live::{AdmittedRun, Emitter, SharedState, lock};
+use super::live::{AdmittedRun, Cancel, Emitter, SharedState, lock};
 use super::loop_detector::{DetectorConfig, LoopDetector};
 use super::turn::{TurnCollector, TurnOutput};
 use super::{
-    Delivery, Event, FailureReason, HARD_MAX_TURNS, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError,
-    ToolCallRecord, ToolExecutor, ToolInvocation,
+    Delivery, Event, EventBatch, FailureReason, HARD_MAX_TURNS, ParsePolicy, RunResult, RunSpec, RunStatus, Signal,
+    ToolCallError, ToolCallRecord, ToolExecutor, ToolInvocation,
 };
 use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolCall, ToolDefinition, Usage};
 use crate::signals::{OnDelivery, SignalTopic};
@@ -51,6 +52,8 @@ pub struct LoopDeps {
     /// Record tool arguments and results on spans, truncated to this many bytes (off: `None`;
     /// they may hold secrets).
     pub trace_payloads: Option<usize>,
+    /// Largest tool result fed back to the model; longer ones are cut.
+    pub max_tool_result_bytes: usize,
 }
 
 /// How the loop ended.
@@ -69,8 +72,10 @@ impl End {
 /// A rule's outcome: `Err` ends the run here, with that end.
 type Step<T> = Result<T, End>;
 
-/// Runs the loop to its end. The final result is stored before the `run_finished` event is sent,
-/// so `GetRun` answers as soon as the stream ends; the run's slot is freed after both.
+/// Runs the loop to its end. Every terminal path keeps the output: text still held back is
+/// released and the usage of an interrupted turn counted before the end is settled. The final
+/// result is stored before the `run_finished` event is sent (within the event send timeout), so
+/// `GetRun` answers as soon as the stream ends; the run's slot is freed after both.
 pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
     let AdmittedRun {
         spec,
@@ -83,7 +88,6 @@ pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
     } = run;
     let started = Instant::now();
     let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
-    let deadline = started + spec.limits.run_timeout;
     // Sent with the first model request.
     emitter.queue(Event::RunStarted {
         model: spec.model.clone(),
@@ -92,24 +96,14 @@ pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
         limits: spec.limits,
     });
     let end = {
-        let driver = Driver::new(&spec, deps, &state, &mut emitter, deadline, persister.clone());
-        let caller_gone = async {
-            match &caller {
-                Some(tx) => tx.closed().await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            end = driver.drive() => end,
-            reason = cancel.cancelled() => End::Canceled(reason),
-            () = tokio::time::sleep_until(deadline) => End::failed(
-                FailureReason::DeadlineExceeded,
-                format!("the run did not finish within {}", humantime::format_duration(spec.limits.run_timeout)),
-            ),
-            () = caller_gone => End::Canceled("the caller went away".to_owned()),
+        let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone());
+        let end = race(driver.drive(), &spec, &cancel, caller.as_ref()).await;
+        if !matches!(end, End::Completed) {
+            driver.keep_interrupted_turn(true);
         }
+        end
     };
-    let result = settle(&state, end);
+    let result = settle(&state, end, &cancel);
     telemetry::record_run_end(&result, started.elapsed());
     // The result is stored before the stream ends, so GetRun (on any replica) finds it.
     if let Some(persister) = &persister {
@@ -120,9 +114,61 @@ pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
     result
 }
 
+/// The loop against what ends a run from outside: its deadline, a cancel, the caller going away.
+/// The deadline is looked at first, so a caller whose own deadline passed reads as
+/// `DEADLINE_EXCEEDED`, not as gone.
+async fn race(
+    drive: impl Future<Output = End>,
+    spec: &RunSpec,
+    cancel: &Cancel,
+    caller: Option<&mpsc::Sender<EventBatch>>,
+) -> End {
+    let caller_gone = async {
+        match caller {
+            Some(tx) => tx.closed().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        () = tokio::time::sleep_until(spec.deadline.at) => deadline_end(spec),
+        reason = cancel.cancelled() => End::Canceled(reason),
+        () = caller_gone => {
+            if Instant::now() + CALLER_DEADLINE_SLACK >= spec.deadline.at && spec.deadline.set_by_caller {
+                deadline_end(spec)
+            } else {
+                End::Canceled("the caller went away".to_owned())
+            }
+        }
+        end = drive => end,
+    }
+}
+
+/// A caller that leaves this close to its own deadline left because of it.
+const CALLER_DEADLINE_SLACK: Duration = Duration::from_millis(50);
+
+fn deadline_end(spec: &RunSpec) -> End {
+    let detail = if spec.deadline.set_by_caller {
+        "the caller's deadline passed (the run ends just before it, so the caller gets this result)".to_owned()
+    } else {
+        format!(
+            "the run did not finish within {}",
+            humantime::format_duration(spec.limits.run_timeout)
+        )
+    };
+    End::failed(FailureReason::DeadlineExceeded, detail)
+}
+
 /// Writes the end into the run's state and returns the final result.
-fn settle(state: &SharedState, end: End) -> RunResult {
+fn settle(state: &SharedState, end: End, cancel: &Cancel) -> RunResult {
     let mut state = lock(state);
+    // A cancel that came in before the end was settled wins: CancelRun told its caller the run
+    // is canceled (it checks under this lock).
+    let end = match end {
+        End::Canceled(_) => end,
+        _ if cancel.is_canceled() => End::Canceled(cancel.reason()),
+        _ => end,
+    };
     match end {
         End::Completed => state.status = RunStatus::Completed,
         End::Failed(reason, detail) => {
@@ -188,7 +234,6 @@ struct Driver<'a> {
     deps: &'a LoopDeps,
     state: &'a SharedState,
     emitter: &'a mut Emitter,
-    deadline: Instant,
     normal_names: HashSet<&'a str>,
     exit_names: HashSet<&'a str>,
     /// Normal and exit tools, as offered to the model.
@@ -197,6 +242,11 @@ struct Driver<'a> {
     /// Assistant and tool messages of the turns so far (exit calls excluded).
     conversation: Vec<Message>,
     detector: LoopDetector,
+    /// The same rule over the model's reasoning, which is not shown but can loop too.
+    reasoning_detector: LoopDetector,
+    /// The completion streaming now, kept here so a run that ends mid-turn keeps its held text
+    /// and usage.
+    completion: Option<Completion>,
     ids: IdAllocator,
     used_budget: u32,
     failed_turns: u32,
@@ -212,7 +262,6 @@ impl<'a> Driver<'a> {
         deps: &'a LoopDeps,
         state: &'a SharedState,
         emitter: &'a mut Emitter,
-        deadline: Instant,
         persister: Option<Persister>,
     ) -> Self {
         Self {
@@ -222,6 +271,8 @@ impl<'a> Driver<'a> {
             max_turns: spec.limits.max_turns.min(HARD_MAX_TURNS),
             conversation: Vec::new(),
             detector: LoopDetector::new(deps.detector),
+            reasoning_detector: LoopDetector::new(deps.detector),
+            completion: None,
             ids: IdAllocator::default(),
             used_budget: 0,
             failed_turns: 0,
@@ -231,12 +282,11 @@ impl<'a> Driver<'a> {
             deps,
             state,
             emitter,
-            deadline,
         }
     }
 
     /// Turns until one ends the run; `max_turns` (never above the hard guard) bounds them.
-    async fn drive(mut self) -> End {
+    async fn drive(&mut self) -> End {
         for number in 1..=self.max_turns {
             let span = telemetry::chat_span(&self.spec.model, number);
             let started = Instant::now();
@@ -317,24 +367,68 @@ impl<'a> Driver<'a> {
     }
 
     /// Streams the completion: visible text goes to the caller and the repeated-line detector as
-    /// it arrives. A stream error keeps every byte: text held back for directive parsing is
-    /// output too.
+    /// it arrives, reasoning to a detector of its own. A stream error keeps every byte: text held
+    /// back for directive parsing is output too, and the usage reported so far counts.
     async fn stream_completion(&mut self, request: ChatRequest, turn: &mut Turn) -> Step<TurnOutput> {
         self.emitter.flush().await;
         let requested = Instant::now();
         let stream = self.deps.model.stream(request).await.map_err(llm_failure)?;
-        let mut completion = Completion::new(stream, requested);
-        while let Some(batch) = completion.next_batch().await {
+        self.completion = Some(Completion::new(stream, requested));
+        while let Some(batch) = self.next_batch().await {
+            self.watch_reasoning(&batch.reasoning)?;
             self.show(turn, &batch.text).await?;
             if let Some(e) = batch.error {
-                let held = completion.collector.held_text().to_owned();
-                self.emitter.text(&held, turn.number).await;
+                self.keep_interrupted_turn(true);
                 return Err(llm_failure(e));
             }
         }
-        let output = completion.finish();
+        let output = self
+            .completion
+            .take()
+            .map_or_else(|| TurnCollector::default().finish(), Completion::finish);
         self.record_usage(&output, turn);
         Ok(output)
+    }
+
+    async fn next_batch(&mut self) -> Option<Batch> {
+        self.completion.as_mut()?.next_batch().await
+    }
+
+    /// A turn the run ends in the middle of: the usage it reported counts, and its held text
+    /// is released (queued, sent before `run_finished`, seen by the repeated-line detector)
+    /// unless the run ends because that text loops.
+    fn keep_interrupted_turn(&mut self, release_text: bool) {
+        let Some(mut completion) = self.completion.take() else {
+            return;
+        };
+        if release_text {
+            let held = completion.collector.release_held();
+            self.detector.feed(&held);
+            let turn = lock(self.state).turns;
+            self.emitter.queue(Event::TextDelta { text: held, turn });
+        }
+        if let Some(usage) = completion.collector.usage() {
+            let mut state = lock(self.state);
+            state.usage.prompt_tokens += usage.prompt_tokens;
+            state.usage.completion_tokens += usage.completion_tokens;
+        }
+    }
+
+    /// Reasoning that repeats a line too often ends the run `REPEATED_LINE_LOOP`, as text does.
+    fn watch_reasoning(&mut self, reasoning: &str) -> Step<()> {
+        match self.reasoning_detector.feed(reasoning) {
+            None => Ok(()),
+            Some((line, _)) => {
+                self.keep_interrupted_turn(false);
+                Err(End::Failed(
+                    FailureReason::RepeatedLineLoop,
+                    format!(
+                        "the model repeated the line {:?} too often in its reasoning",
+                        crate::llm::sse::excerpt(&line)
+                    ),
+                ))
+            }
+        }
     }
 
     /// Adds a finished completion's usage and finish reason to the turn, the run and the span.
@@ -546,7 +640,7 @@ impl<'a> Driver<'a> {
             .spec
             .limits
             .tool_timeout
-            .min(self.deadline.saturating_duration_since(Instant::now()));
+            .min(self.spec.deadline.at.saturating_duration_since(Instant::now()));
         join_all(executed.iter().map(|&i| self.execute(i, &partition.calls[i], timeout))).await
     }
 
@@ -609,13 +703,14 @@ impl<'a> Driver<'a> {
                 turn,
             });
             let content = match &result {
-                Ok(json) => json.clone(),
+                Ok(json) => self.fed_back_result(json),
                 Err(error) => error.to_tool_message(),
             };
             self.emitter.queue(Event::ToolCallFinished {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
                 content_json: result.as_ref().ok().cloned(),
+                content_truncated: false,
                 error: result.err(),
                 duration_ms,
             });
@@ -631,6 +726,23 @@ impl<'a> Driver<'a> {
             fed_back.push((assistant_call, tool_message));
         }
         fed_back
+    }
+
+    /// A tool result as the model sees it: at most `max_tool_result_bytes`, cut with a note saying
+    /// how much was left out.
+    fn fed_back_result(&self, json: &str) -> String {
+        let max = self.deps.max_tool_result_bytes;
+        if json.len() <= max {
+            return json.to_owned();
+        }
+        let cut = (0..=max).rev().find(|&i| json.is_char_boundary(i)).unwrap_or(0);
+        metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
+        format!(
+            "{}\n[result cut: {} of {} bytes left out]",
+            &json[..cut],
+            json.len() - cut,
+            json.len()
+        )
     }
 
     /// Failures count once per turn, however many of its calls failed.
@@ -689,13 +801,16 @@ impl<'a> Driver<'a> {
         turn.text.push_str(shown);
         match tripped {
             None => Ok(()),
-            Some((line, _)) => Err(End::Failed(
-                FailureReason::RepeatedLineLoop,
-                format!(
-                    "the model repeated the line {:?} too often",
-                    crate::llm::sse::excerpt(&line)
-                ),
-            )),
+            Some((line, _)) => {
+                self.keep_interrupted_turn(false);
+                Err(End::Failed(
+                    FailureReason::RepeatedLineLoop,
+                    format!(
+                        "the model repeated the line {:?} too often",
+                        crate::llm::sse::excerpt(&line)
+                    ),
+                ))
+            }
         }
     }
 
@@ -709,6 +824,8 @@ struct Batch {
     /// Their visible text, shown as one delta: token by token while the model is slower than the
     /// orchestrator, in batches when it is not.
     text: String,
+    /// Their reasoning text.
+    reasoning: String,
     /// The stream broke off after them.
     error: Option<LlmError>,
 }
@@ -737,11 +854,12 @@ impl Completion {
         let mut next = Some(self.stream.next().await?);
         let mut batch = Batch {
             text: String::new(),
+            reasoning: String::new(),
             error: None,
         };
         while let Some(item) = next.take() {
             match item {
-                Ok(event) => self.take(event, &mut batch.text),
+                Ok(event) => self.take(event, &mut batch),
                 Err(e) => {
                     batch.error = Some(e);
                     break;
@@ -754,15 +872,18 @@ impl Completion {
 
     /// Passes one event to the collector (time to first token is measured on the first one
     /// carrying output); text that can be shown now is added to `shown`.
-    fn take(&mut self, event: LlmEvent, shown: &mut String) {
+    fn take(&mut self, event: LlmEvent, batch: &mut Batch) {
         if self.first_token && is_token(&event) {
             self.first_token = false;
             let ttft = self.requested.elapsed().as_secs_f64();
             tracing::Span::current().record("gen_ai.response.time_to_first_token", ttft);
             metrics::histogram!(metric::TIME_TO_FIRST_TOKEN).record(ttft);
         }
+        if let LlmEvent::ReasoningDelta(reasoning) = &event {
+            batch.reasoning.push_str(reasoning);
+        }
         if let Some(text) = self.collector.push(event) {
-            shown.push_str(&text);
+            batch.text.push_str(&text);
         }
     }
 
@@ -841,8 +962,9 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::run::Deadline;
     use crate::run::Limits;
-    use crate::run::live::Cancel;
+    use crate::run::live::{Cancel, EmitSettings};
     use crate::run::{EventBatch, NumberedEvent};
     use crate::signals::memory::MemoryTopic;
 
@@ -850,6 +972,8 @@ mod tests {
     struct Script {
         turns: Mutex<VecDeque<Vec<Result<LlmEvent, LlmError>>>>,
         requests: Mutex<Vec<ChatRequest>>,
+        /// The last turn's stream stays open after its events.
+        hang: bool,
     }
 
     impl ChatModel for Script {
@@ -864,7 +988,14 @@ mod tests {
                 .unwrap()
                 .pop_front()
                 .unwrap_or_else(|| vec![Ok(LlmEvent::TextDelta("end".into()))]);
-            futures::future::ready(Ok(futures::stream::iter(turn).boxed())).boxed()
+            let last = self.turns.lock().unwrap().is_empty();
+            let stream = futures::stream::iter(turn);
+            let stream = if self.hang && last {
+                stream.chain(futures::stream::pending()).boxed()
+            } else {
+                stream.boxed()
+            };
+            futures::future::ready(Ok(stream)).boxed()
         }
     }
 
@@ -925,8 +1056,14 @@ mod tests {
             limits,
             metadata: Default::default(),
             parse_policy: ParsePolicy::Fail,
+            deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         }
     }
+
+    const EMIT: EmitSettings = EmitSettings {
+        send_timeout: Duration::from_secs(30),
+        max_event_bytes: 1024,
+    };
 
     fn limits() -> Limits {
         Limits {
@@ -951,9 +1088,46 @@ mod tests {
         turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
         limits: Limits,
     ) -> (RunResult, Vec<EventBatch>, Arc<Script>, Arc<Tools>) {
+        play_with(turns, limits, Outside::default()).await
+    }
+
+    /// What happens around a run in a test.
+    struct Outside {
+        /// The last turn's stream stays open after its events.
+        hang: bool,
+        /// `CancelRun` after this long.
+        cancel_after: Option<Duration>,
+        emit: EmitSettings,
+        /// The caller's stream: its buffer, and the pause before each read (`None`: never reads
+        /// until the run is over).
+        buffer: usize,
+        read_every: Option<Duration>,
+        /// The caller is attached: it stopping to read cancels the run.
+        attached: bool,
+    }
+
+    impl Default for Outside {
+        fn default() -> Self {
+            Self {
+                hang: false,
+                cancel_after: None,
+                emit: EMIT,
+                buffer: 1024,
+                read_every: Some(Duration::ZERO),
+                attached: false,
+            }
+        }
+    }
+
+    async fn play_with(
+        turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
+        limits: Limits,
+        outside: Outside,
+    ) -> (RunResult, Vec<EventBatch>, Arc<Script>, Arc<Tools>) {
         let script = Arc::new(Script {
             turns: Mutex::new(turns.into()),
             requests: Mutex::default(),
+            hang: outside.hang,
         });
         let tools = Arc::new(Tools::default());
         let deps = LoopDeps {
@@ -965,24 +1139,60 @@ mod tests {
                 threshold: 8,
             },
             trace_payloads: None,
+            max_tool_result_bytes: 1024,
         };
         let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
-        let (tx, mut rx) = mpsc::channel(1024);
+        let (tx, mut rx) = mpsc::channel(outside.buffer);
+        let cancel = Cancel::default();
+        let on_stall = outside.attached.then(|| cancel.clone());
         let admitted = AdmittedRun {
             spec: spec(limits),
-            emitter: Emitter::new(Some(tx), Arc::clone(&state)),
+            emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall),
             state,
-            cancel: Cancel::default(),
+            cancel: cancel.clone(),
             caller: None,
             persister: None,
             slot: None,
         };
+        if let Some(after) = outside.cancel_after {
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                cancel.cancel("canceled by the test");
+            });
+        }
+        let reader = tokio::spawn(async move {
+            let mut batches = Vec::new();
+            if let Some(every) = outside.read_every {
+                loop {
+                    tokio::time::sleep(every).await;
+                    match rx.recv().await {
+                        Some(batch) => batches.push(batch),
+                        None => break,
+                    }
+                }
+            }
+            (batches, rx)
+        });
         let result = run(admitted, &deps).await;
-        let mut batches = Vec::new();
+        let (mut batches, mut rx) = reader.await.unwrap();
         while let Ok(batch) = rx.try_recv() {
             batches.push(batch);
         }
         (result, batches, script, tools)
+    }
+
+    /// Text of the events, in order, and whether seq runs 1, 2, 3 … without gaps.
+    fn streamed(batches: &[EventBatch]) -> (String, bool) {
+        let events: Vec<&NumberedEvent> = batches.iter().flatten().collect();
+        let text = events
+            .iter()
+            .filter_map(|e| match &e.event {
+                Event::TextDelta { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        let no_gaps = events.iter().zip(1..).all(|(e, n)| e.seq == n);
+        (text, no_gaps)
     }
 
     #[tokio::test(start_paused = true)]
@@ -1164,5 +1374,201 @@ mod tests {
             (result.failure_reason, result.turns),
             (Some(FailureReason::MaxTurnsExceeded), HARD_MAX_TURNS)
         );
+    }
+
+    fn text(t: &str) -> Result<LlmEvent, LlmError> {
+        Ok(LlmEvent::TextDelta(t.into()))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancel_mid_code_block_keeps_the_held_text_and_the_usage() {
+        let turn = vec![
+            text("Here is the call:\n```json\n{\"name\": \"nap\", "),
+            Ok(LlmEvent::Usage(Usage {
+                prompt_tokens: 7,
+                completion_tokens: 3,
+            })),
+        ];
+        let outside = Outside {
+            hang: true,
+            cancel_after: Some(Duration::from_secs(1)),
+            ..Outside::default()
+        };
+        let (result, batches, ..) = play_with(vec![turn], limits(), outside).await;
+        assert_eq!(result.status, RunStatus::Canceled);
+        assert_eq!(result.text, "Here is the call:\n```json\n{\"name\": \"nap\", ");
+        assert_eq!(streamed(&batches), (result.text.clone(), true));
+        assert_eq!(result.usage.prompt_tokens, 7, "the interrupted turn's usage counts");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_keeps_held_text_and_code_blocks_stream_before_it() {
+        let turn = vec![text("```rust\nfn main() {}\n```\n"), text("<tool_call>{\"name\"")];
+        let outside = Outside {
+            hang: true,
+            ..Outside::default()
+        };
+        let limits = Limits {
+            run_timeout: Duration::from_secs(3),
+            ..limits()
+        };
+        let (result, batches, ..) = play_with(vec![turn], limits, outside).await;
+        assert_eq!(
+            (result.status, result.failure_reason),
+            (RunStatus::Failed, Some(FailureReason::DeadlineExceeded))
+        );
+        assert_eq!(result.text, "```rust\nfn main() {}\n```\n<tool_call>{\"name\"");
+        let (text, no_gaps) = streamed(&batches);
+        assert!(no_gaps && text == result.text);
+        let first = batches.iter().flatten().find_map(|e| match &e.event {
+            Event::TextDelta { text, .. } => Some(text.clone()),
+            _ => None,
+        });
+        assert_eq!(
+            first.as_deref(),
+            Some("```rust\nfn main() {}\n```\n"),
+            "the code block streamed at once"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn usage_of_a_turn_that_breaks_off_counts() {
+        let turn = vec![
+            text("partial"),
+            Ok(LlmEvent::Usage(Usage {
+                prompt_tokens: 11,
+                completion_tokens: 5,
+            })),
+            Err(LlmError::Protocol("the LLM stream broke off".into())),
+        ];
+        let (result, ..) = play(vec![turn], limits()).await;
+        assert_eq!(result.failure_reason, Some(FailureReason::LlmError));
+        assert_eq!((result.usage.prompt_tokens, result.usage.completion_tokens), (11, 5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_model_looping_in_its_reasoning_is_stopped() {
+        let thinking = |n: usize| Ok(LlmEvent::ReasoningDelta("Wait, let me reconsider.\n".repeat(n)));
+        let (result, ..) = play(vec![vec![thinking(7), text("ok")]], limits()).await;
+        assert_eq!(
+            result.status,
+            RunStatus::Completed,
+            "7 repetitions: under the threshold of 8"
+        );
+        let (result, ..) = play(vec![vec![thinking(8), text("never")]], limits()).await;
+        assert_eq!(result.failure_reason, Some(FailureReason::RepeatedLineLoop));
+        assert!(result.failure_detail.contains("reasoning"), "{}", result.failure_detail);
+        assert_eq!(result.text, "", "reasoning is not output");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn large_tool_results_are_cut_for_the_model_and_in_their_event() {
+        let big = format!(r#"{{"pad": "{}"}}"#, "x".repeat(5000));
+        let (result, batches, script, _) = play_batched(vec![vec![call(0, "nap", &big)]], limits()).await;
+        assert_eq!(result.status, RunStatus::Completed);
+        let second = &script.requests.lock().unwrap()[1];
+        let Some(Message::Tool { content, .. }) = second.messages.last() else {
+            panic!("{:?}", second.messages)
+        };
+        assert!(content.len() < 1100, "{} bytes fed back", content.len());
+        assert!(content.ends_with(&format!(
+            "[result cut: {} of {} bytes left out]",
+            big.len() - 1024,
+            big.len()
+        )));
+        let finished = batches.iter().flatten().find_map(|e| match &e.event {
+            Event::ToolCallFinished {
+                content_json,
+                content_truncated,
+                ..
+            } => Some((content_json.clone().unwrap_or_default().len(), *content_truncated)),
+            _ => None,
+        });
+        assert_eq!(finished, Some((1024, true)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn long_text_is_split_over_events_of_the_largest_size() {
+        let long = "é".repeat(1500);
+        let (result, batches, ..) = play_batched(vec![vec![text(&long)]], limits()).await;
+        let deltas: Vec<usize> = batches
+            .iter()
+            .flatten()
+            .filter_map(|e| match &e.event {
+                Event::TextDelta { text, .. } => Some(text.len()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            deltas,
+            [1024, 1024, 952],
+            "split on char boundaries, at most 1024 bytes each"
+        );
+        assert_eq!(streamed(&batches), (result.text, true));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_that_stops_reading_is_given_up_and_frees_the_run() {
+        let turns = (0..50)
+            .map(|i| vec![text(&format!("line {i}\n")), call(0, "nap", "{}")])
+            .collect();
+        let outside = Outside {
+            buffer: 1,
+            read_every: None,
+            attached: true,
+            emit: EmitSettings {
+                send_timeout: Duration::from_secs(2),
+                ..EMIT
+            },
+            ..Outside::default()
+        };
+        let limits = Limits {
+            max_turns: 100,
+            tool_call_budget: 100,
+            ..limits()
+        };
+        let started = Instant::now();
+        let (result, ..) = play_with(turns, limits, outside).await;
+        assert_eq!(result.status, RunStatus::Canceled);
+        assert!(
+            result.failure_detail.contains("stopped reading"),
+            "{}",
+            result.failure_detail
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "ended by the send timeout, not the deadline"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancel_during_a_slow_read_leaves_no_gap_in_seq() {
+        let turns = (0..20)
+            .map(|i| vec![text(&format!("t{i} ")), call(0, "nap", "{}")])
+            .collect();
+        let outside = Outside {
+            buffer: 1,
+            read_every: Some(Duration::from_millis(300)),
+            cancel_after: Some(Duration::from_millis(1000)),
+            ..Outside::default()
+        };
+        let limits = Limits {
+            max_turns: 100,
+            tool_call_budget: 100,
+            ..limits()
+        };
+        let (result, batches, ..) = play_with(turns, limits, outside).await;
+        assert_eq!(result.status, RunStatus::Canceled);
+        let (text, no_gaps) = streamed(&batches);
+        assert!(
+            no_gaps,
+            "{:?}",
+            batches.iter().flatten().map(|e| e.seq).collect::<Vec<_>>()
+        );
+        assert_eq!(text, result.text);
+        assert!(matches!(
+            batches.last().and_then(|b| b.last()).map(|e| &e.event),
+            Some(Event::RunFinished(_))
+        ));
     }
 }

@@ -4,7 +4,8 @@
 use crate::llm::assembler::{AssembledCall, Assembler};
 use crate::llm::{LlmEvent, Usage};
 
-use super::fallback::{Resolution, TextGate};
+use super::fallback::Resolution;
+use super::hold_back::TextGate;
 
 /// Collects one streamed completion.
 #[derive(Debug, Default)]
@@ -64,6 +65,16 @@ impl TurnCollector {
     /// Text the model wrote that is still held back (released as-is when the turn fails).
     pub fn held_text(&self) -> &str {
         self.gate.held()
+    }
+
+    /// Releases the held text as it is: the turn ends without resolving it.
+    pub fn release_held(&mut self) -> String {
+        self.gate.release_all()
+    }
+
+    /// The usage reported so far, if any.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
     }
 
     /// Ends the turn.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 
-use super::ResultStore;
+use super::{Claim, ResultStore};
 use crate::run::RunResult;
 
 #[derive(Default)]
@@ -64,8 +64,13 @@ impl ResultStore for MemoryStore {
         Box::pin(futures::future::ready(Ok(())))
     }
 
-    fn shared(&self) -> bool {
-        false
+    fn shared(&self) -> Option<Duration> {
+        None
+    }
+
+    /// One replica: the registry of live runs already refuses a taken id.
+    fn claim(&self, _result: RunResult) -> BoxFuture<'static, Result<Claim, String>> {
+        Box::pin(std::future::ready(Ok(Claim::Claimed)))
     }
 
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>> {

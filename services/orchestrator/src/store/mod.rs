@@ -22,11 +22,24 @@ use crate::run::live::SharedState;
 pub trait ResultStore: Send + Sync + 'static {
     /// Stores (or replaces) a run's result.
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), String>>;
+    /// Stores a new run's first state unless its id is taken (by a run on another replica, live
+    /// or finished), atomically.
+    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, String>>;
     /// A run's result, if kept.
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>>;
-    /// Whether other replicas read this store (then live runs are written at turn boundaries;
-    /// a local store already sees them through the registry).
-    fn shared(&self) -> bool;
+    /// `Some(renew_every)` when other replicas read this store: live runs are then written at
+    /// turn boundaries and at least this often, which renews their lease (a local store already
+    /// sees them through the registry).
+    fn shared(&self) -> Option<Duration>;
+}
+
+/// The outcome of [`ResultStore::claim`].
+#[derive(Debug)]
+pub enum Claim {
+    /// The id is this run's now.
+    Claimed,
+    /// The id was taken; here is that run as it reads now.
+    Taken(Box<RunResult>),
 }
 
 /// Writes one run's state to the store, newest state last.
@@ -68,9 +81,44 @@ impl Persister {
     /// Writes a live run's state in the background for other replicas (nothing to do when the
     /// store is local: the registry answers for live runs).
     pub fn checkpoint(&self) {
-        if self.store.shared() {
+        if self.store.shared().is_some() {
             self.write_soon();
         }
+    }
+
+    /// Claims the run's id in the store (see [`ResultStore::claim`]). A store that cannot be
+    /// reached does not stop the run: it is logged, and the run goes on unclaimed.
+    pub async fn claim(&self) -> Claim {
+        let snapshot = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let run_id = snapshot.run_id.clone();
+        match tokio::time::timeout(self.timeout, self.store.claim(snapshot)).await {
+            Ok(Ok(claim)) => claim,
+            Ok(Err(e)) => {
+                tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
+                Claim::Claimed
+            }
+            Err(_) => {
+                tracing::warn!(run_id = %run_id, "claiming the run id in the store timed out (running unclaimed)");
+                Claim::Claimed
+            }
+        }
+    }
+
+    /// Renews the run's lease in a shared store until the returned guard is dropped: the state is
+    /// written every `renew_every`.
+    pub fn keep_lease(&self) -> Option<shared::runtime::AbortOnDrop> {
+        let every = self.store.shared()?;
+        let this = self.clone();
+        Some(shared::runtime::AbortOnDrop(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                this.write().await;
+            }
+        })))
     }
 
     /// Writes the current state in the background (off the run's path).

@@ -1,7 +1,13 @@
 //! Run results in a NATS JetStream key-value bucket: shared by every orchestrator replica and
-//! kept across restarts. Values are `orchestrator.v1.RunResult` protobuf bytes under the key
-//! `run.<run_id>`-derived key (run ids are hashed into a valid key); entries expire after the
-//! bucket's TTL.
+//! kept across restarts. Each value is a [`Record`]: the `orchestrator.v1.RunResult`, the replica
+//! that owns the run and, while it runs, the end of its lease, under a `run.<run_id>`-derived key
+//! (run ids are escaped into a valid key); entries expire after the bucket's TTL.
+//!
+//! A live run's owner renews its lease by writing the run's state (a checkpoint) every third of
+//! the lease. A RUNNING record whose lease has expired belongs to a replica that crashed or lost
+//! the store: it reads as FAILED `ORCHESTRATOR_LOST`, with the output of its last checkpoint. A
+//! run is claimed with the bucket's create-if-absent, so of two replicas starting the same id at
+//! once exactly one runs it.
 
 use std::time::Duration;
 
@@ -11,12 +17,53 @@ use futures::future::BoxFuture;
 use prost::Message;
 use proto::orchestrator::v1 as pb;
 
-use super::ResultStore;
-use crate::run::RunResult;
+use super::{Claim, ResultStore};
+use crate::run::{FailureReason, RunResult, RunStatus};
 
 /// See the module docs.
 pub struct KvStore {
     kv: jetstream::kv::Store,
+    /// This replica, written into the records of its runs.
+    owner: String,
+    lease: Duration,
+}
+
+/// A stored run.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Record {
+    #[prost(message, optional, tag = "1")]
+    result: Option<pb::RunResult>,
+    /// The replica running (or that ran) the run.
+    #[prost(string, tag = "2")]
+    owner: String,
+    /// While RUNNING: the record counts only until then (Unix ms) unless renewed.
+    #[prost(uint64, tag = "3")]
+    lease_expires_unix_ms: u64,
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Record {
+    /// The result as it reads now: a RUNNING run whose lease expired is lost.
+    fn read(self, key: &str) -> Result<RunResult, String> {
+        let stored = self
+            .result
+            .ok_or_else(|| format!("KV value of {key} holds no result"))?;
+        let mut result = RunResult::try_from(stored).map_err(|e| format!("KV value of {key}: {e}"))?;
+        if result.status == RunStatus::Running && self.lease_expires_unix_ms < unix_ms() {
+            result.status = RunStatus::Failed;
+            result.failure_reason = Some(FailureReason::OrchestratorLost);
+            result.failure_detail = format!(
+                "the orchestrator replica {} running this run stopped renewing its lease; the output is its last checkpoint",
+                self.owner
+            );
+        }
+        Ok(result)
+    }
 }
 
 /// A valid KV key for `run_id` (keys allow `[-/_=.a-zA-Z0-9]`; anything else is hex-escaped).
@@ -37,9 +84,15 @@ impl KvStore {
     /// Binds the bucket, creating it when missing. The bucket's stream is created in the KV
     /// layout directly (`KV_<bucket>`, subjects `$KV.<bucket>.>`, one value per key), which works
     /// with every JetStream server from 2.9 on and stays a bucket for `nats kv` tools.
-    pub async fn open(js: &jetstream::Context, bucket: &str, ttl: Duration) -> Result<Self, String> {
+    pub async fn open(
+        js: &jetstream::Context,
+        bucket: &str,
+        ttl: Duration,
+        owner: String,
+        lease: Duration,
+    ) -> Result<Self, String> {
         if let Ok(kv) = js.get_key_value(bucket).await {
-            return Ok(Self { kv });
+            return Ok(Self { kv, owner, lease });
         }
         js.get_or_create_stream(jetstream::stream::Config {
             name: format!("KV_{bucket}"),
@@ -60,16 +113,33 @@ impl KvStore {
             .get_key_value(bucket)
             .await
             .map_err(|e| format!("cannot bind the key-value bucket {bucket:?}: {e}"))?;
-        Ok(Self { kv })
+        Ok(Self { kv, owner, lease })
     }
+
+    /// The record of `result` as this replica writes it now.
+    fn record(&self, result: &RunResult) -> Vec<u8> {
+        let lease = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
+        Record {
+            result: Some(pb::RunResult::from(result)),
+            owner: self.owner.clone(),
+            lease_expires_unix_ms: unix_ms().saturating_add(lease),
+        }
+        .encode_to_vec()
+    }
+}
+
+fn decode(key: &str, bytes: &[u8]) -> Result<RunResult, String> {
+    Record::decode(bytes)
+        .map_err(|e| format!("KV value of {key} is not a run record: {e}"))?
+        .read(key)
 }
 
 impl ResultStore for KvStore {
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), String>> {
         let kv = self.kv.clone();
+        let key = key(&result.run_id);
+        let bytes = self.record(&result);
         async move {
-            let key = key(&result.run_id);
-            let bytes = pb::RunResult::from(&result).encode_to_vec();
             kv.put(&key, bytes.into())
                 .await
                 .map(|_| ())
@@ -78,8 +148,28 @@ impl ResultStore for KvStore {
         .boxed()
     }
 
-    fn shared(&self) -> bool {
-        true
+    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, String>> {
+        let kv = self.kv.clone();
+        let key = key(&result.run_id);
+        let bytes = self.record(&result);
+        async move {
+            match kv.create(&key, bytes.into()).await {
+                Ok(_) => Ok(Claim::Claimed),
+                Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
+                    let bytes = kv.get(&key).await.map_err(|e| format!("KV get {key}: {e}"))?;
+                    match bytes {
+                        Some(bytes) => Ok(Claim::Taken(Box::new(decode(&key, &bytes)?))),
+                        None => Err(format!("KV create {key}: taken, then gone")),
+                    }
+                }
+                Err(e) => Err(format!("KV create {key}: {e}")),
+            }
+        }
+        .boxed()
+    }
+
+    fn shared(&self) -> Option<Duration> {
+        Some(self.lease / 3)
     }
 
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>> {
@@ -89,11 +179,7 @@ impl ResultStore for KvStore {
             let Some(bytes) = kv.get(&key).await.map_err(|e| format!("KV get {key}: {e}"))? else {
                 return Ok(None);
             };
-            let decoded =
-                pb::RunResult::decode(bytes).map_err(|e| format!("KV value of {key} is not a RunResult: {e}"))?;
-            RunResult::try_from(decoded)
-                .map(Some)
-                .map_err(|e| format!("KV value of {key}: {e}"))
+            decode(&key, &bytes).map(Some)
         }
         .boxed()
     }

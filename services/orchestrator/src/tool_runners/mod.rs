@@ -47,6 +47,17 @@ pub struct RemoteTool {
     pub timeout: Duration,
 }
 
+/// The tools the runners offer, and whether they answered the last fetch.
+#[derive(Default)]
+struct Catalog {
+    /// The latest tools; replaced whole on refresh, so readers share a snapshot without copying.
+    tools: Arc<BTreeMap<String, RemoteTool>>,
+    /// Why the last fetch got no answer (`None`: a runner answered).
+    unanswered: Option<String>,
+    /// Fetches so far, so a request that waited for a fetch uses its answer.
+    generation: u64,
+}
+
 /// Where tool-runners are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
@@ -127,8 +138,9 @@ const GONE_COOLDOWN: Duration = Duration::from_secs(2);
 #[derive(Clone)]
 pub struct ToolRunners {
     pool: Arc<Pool>,
-    /// The latest catalog; replaced whole on refresh, so readers share a snapshot without copying.
-    catalog: Arc<RwLock<Arc<BTreeMap<String, RemoteTool>>>>,
+    catalog: Arc<RwLock<Catalog>>,
+    /// Held while the catalog is fetched: requests that find no answering runner share one fetch.
+    fetching: Arc<tokio::sync::Mutex<()>>,
     targets: Arc<Vec<String>>,
     retry: RetrySettings,
     _resolver: Option<Arc<AbortOnDrop>>,
@@ -230,6 +242,7 @@ impl ToolRunners {
         Ok(Self {
             pool,
             catalog: Arc::default(),
+            fetching: Arc::default(),
             targets: Arc::new(targets.to_vec()),
             retry: RetrySettings {
                 retries: settings.call_retries,
@@ -245,8 +258,60 @@ impl ToolRunners {
     }
 
     /// Fetches the tool list from one endpoint (trying others if it fails); on failure the
-    /// previous catalog stays in use.
+    /// previous tools stay known, and the catalog says no runner answers.
     pub async fn refresh(&self, timeout: Duration) -> Result<usize, String> {
+        let fetched = self.fetch(timeout).await;
+        let mut catalog = self.catalog.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        catalog.generation += 1;
+        match fetched {
+            Ok(tools) => {
+                let count = tools.len();
+                catalog.tools = Arc::new(tools);
+                catalog.unanswered = None;
+                Ok(count)
+            }
+            Err(e) => {
+                catalog.unanswered = Some(e.clone());
+                Err(e)
+            }
+        }
+    }
+
+    /// The tools, when a runner answered the last fetch; otherwise fetches them now (requests that
+    /// wait at the same time share one fetch), and without an answer within `wait` fails
+    /// `UNAVAILABLE` rather than let a run go ahead without its tools.
+    pub async fn answering_catalog(&self, wait: Duration) -> Result<Arc<BTreeMap<String, RemoteTool>>, Error> {
+        let seen = {
+            let catalog = self.read_catalog();
+            if catalog.unanswered.is_none() && catalog.generation > 0 {
+                return Ok(Arc::clone(&catalog.tools));
+            }
+            catalog.generation
+        };
+        let unanswered = |e: String| Error::NoToolRunner(e);
+        let _fetching = tokio::time::timeout(wait, self.fetching.lock())
+            .await
+            .map_err(|_| unanswered(format!("no tool list within {}", humantime::format_duration(wait))))?;
+        let shared = {
+            let catalog = self.read_catalog();
+            (catalog.generation != seen).then(|| (Arc::clone(&catalog.tools), catalog.unanswered.clone()))
+        };
+        match shared {
+            Some((tools, None)) => Ok(tools),
+            Some((_, Some(e))) => Err(unanswered(e)),
+            None => {
+                self.refresh(wait).await.map_err(unanswered)?;
+                Ok(self.catalog())
+            }
+        }
+    }
+
+    fn read_catalog(&self) -> std::sync::RwLockReadGuard<'_, Catalog> {
+        self.catalog.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `ListTools` on one endpoint after another until one answers.
+    async fn fetch(&self, timeout: Duration) -> Result<BTreeMap<String, RemoteTool>, String> {
         let mut tried = Vec::new();
         let mut last_error = format!("no tool-runner endpoint (targets: {})", self.targets.join(", "));
         let response = loop {
@@ -281,14 +346,12 @@ impl ToolRunners {
                 },
             );
         }
-        let count = catalog.len();
-        *self.catalog.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(catalog);
-        Ok(count)
+        Ok(catalog)
     }
 
     /// The tools known now, by name.
     pub fn catalog(&self) -> Arc<BTreeMap<String, RemoteTool>> {
-        Arc::clone(&self.catalog.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+        Arc::clone(&self.read_catalog().tools)
     }
 
     /// Refreshes the catalog every `interval` until the returned task is aborted.
