@@ -23,18 +23,6 @@ use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
-/// A tool-runner in this process.
-async fn tool_runner() -> anyhow::Result<String> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(tool_runner::serve(
-        listener,
-        tool_runner::Config::default(),
-        std::future::pending(),
-    ));
-    Ok(url)
-}
-
 /// An orchestrator process on `llm` and `runner`, with short timeouts so faults show quickly
 /// (from the environment, so `extra` flags can override them).
 async fn orchestrator(llm: &str, runner: &str, extra: &[&str]) -> anyhow::Result<Service> {
@@ -163,7 +151,7 @@ async fn scripted_fault(
     kept: &str,
 ) -> TestResult {
     let mock = mock("fault", Scenario::new(vec![turn])).await?;
-    let service = orchestrator(&mock.base_url(), &tool_runner().await?, extra).await?;
+    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, extra).await?;
     let seen = run(&service, model("fault")).await?;
     assert_fault(&service, &seen, status, reason, kept).await?;
     service.stop().await
@@ -188,7 +176,7 @@ async fn llm_500_then_success_is_retried() -> TestResult {
         ..Turn::text("after a retry")
     };
     let mock = mock("fault", Scenario::new(vec![turn])).await?;
-    let service = orchestrator(&mock.base_url(), &tool_runner().await?, &[]).await?;
+    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
     let seen = run(&service, model("fault")).await?;
     assert_eq!(seen.result.status(), Status::Completed);
     assert_eq!(seen.result.text, "after a retry");
@@ -277,7 +265,9 @@ async fn raw_llm(faults: Vec<Raw>) -> anyhow::Result<(String, Arc<Mutex<Vec<toki
     tokio::spawn(async move {
         while let Ok((socket, _)) = listener.accept().await {
             let fault = faults.lock().unwrap_or_else(PoisonError::into_inner).pop_front();
-            seen.lock().unwrap_or_else(PoisonError::into_inner).push(tokio::time::Instant::now());
+            seen.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(tokio::time::Instant::now());
             tokio::spawn(serve_raw(socket, fault));
         }
     });
@@ -361,7 +351,7 @@ async fn serve_raw(mut socket: TcpStream, fault: Option<Raw>) -> std::io::Result
 /// did not come in time, is not retried).
 async fn raw_fault(fault: Raw, status: pb::RunStatus, reason: pb::FailureReason, kept: &str) -> TestResult {
     let (url, _) = raw_llm(vec![fault]).await?;
-    let service = orchestrator(&url, &tool_runner().await?, &[]).await?;
+    let service = orchestrator(&url, &common::tool_runner_in_process().await?, &[]).await?;
     let started = tokio::time::Instant::now();
     let seen = run(&service, user("go")).await?;
     assert!(
@@ -380,7 +370,7 @@ async fn llm_stall_before_headers() -> TestResult {
 #[tokio::test]
 async fn llm_error_body_that_never_ends() -> TestResult {
     let (url, _) = raw_llm(vec![Raw::ErrorBodyNeverEnds, Raw::ErrorBodyNeverEnds]).await?;
-    let service = orchestrator(&url, &tool_runner().await?, &[]).await?;
+    let service = orchestrator(&url, &common::tool_runner_in_process().await?, &[]).await?;
     let seen = run(&service, user("go")).await?;
     assert!(
         seen.result.failure_detail.contains("500") && seen.result.failure_detail.contains("did not arrive"),
@@ -405,7 +395,7 @@ async fn llm_reset_mid_text_on_the_wire() -> TestResult {
 #[tokio::test]
 async fn llm_429_with_retry_after_is_honoured() -> TestResult {
     let (url, arrivals) = raw_llm(vec![Raw::RetryAfter]).await?;
-    let service = orchestrator(&url, &tool_runner().await?, &[]).await?;
+    let service = orchestrator(&url, &common::tool_runner_in_process().await?, &[]).await?;
     let seen = run(&service, user("go")).await?;
     assert_eq!(
         (seen.result.status(), seen.result.text.as_str()),
@@ -424,7 +414,7 @@ async fn llm_connection_refused() -> TestResult {
     let closed = TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/v1", closed.local_addr()?);
     drop(closed);
-    let service = orchestrator(&url, &tool_runner().await?, &[]).await?;
+    let service = orchestrator(&url, &common::tool_runner_in_process().await?, &[]).await?;
     let seen = run(&service, user("go")).await?;
     let r = &seen.result;
     assert_eq!((r.status(), r.failure_reason()), (Status::Failed, Reason::LlmError));
@@ -467,7 +457,7 @@ async fn a_slow_tool_times_out_and_the_run_goes_on() -> TestResult {
         Turn::text("The wait timed out."),
     ];
     let mock = mock("fault", Scenario::new(turns)).await?;
-    let service = orchestrator(&mock.base_url(), &tool_runner().await?, &[]).await?;
+    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
     let request = pb::OrchestrateRequest {
         limits: Some(pb::RunLimits {
             tool_timeout_ms: Some(300),
@@ -488,7 +478,7 @@ async fn a_slow_tool_times_out_and_the_run_goes_on() -> TestResult {
 async fn a_caller_deadline_ends_the_run_deadline_exceeded_not_canceled() -> TestResult {
     let turns = vec![Turn::text("Starting.\n").then(Step::call("sleep", serde_json::json!({"ms": 10_000})))];
     let mock = mock("fault", Scenario::new(turns)).await?;
-    let service = orchestrator(&mock.base_url(), &tool_runner().await?, &[]).await?;
+    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
     let mut request = tonic::Request::new(pb::OrchestrateRequest {
         run_id: "with-a-deadline".into(),
         ..model("fault")
@@ -524,7 +514,7 @@ async fn a_caller_deadline_ends_the_run_deadline_exceeded_not_canceled() -> Test
 async fn a_caller_that_goes_away_cancels_its_run() -> TestResult {
     let turns = vec![Turn::text("Starting.\n").then(Step::call("sleep", serde_json::json!({"ms": 10_000})))];
     let mock = mock("fault", Scenario::new(turns)).await?;
-    let service = orchestrator(&mock.base_url(), &tool_runner().await?, &[]).await?;
+    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
     let mut client = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?;
     let mut stream = client
         .orchestrate(pb::OrchestrateRequest {
@@ -565,7 +555,7 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
     let mock = mock("fault", Scenario::new(vec![turn])).await?;
     let service = orchestrator(
         &mock.base_url(),
-        &tool_runner().await?,
+        &common::tool_runner_in_process().await?,
         &[
             "--event-send-timeout",
             "1s",

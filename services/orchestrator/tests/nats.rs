@@ -369,22 +369,11 @@ async fn get_run(endpoint: &str, run_id: &str) -> anyhow::Result<pb::RunResult> 
         .into_inner())
 }
 
-async fn tool_runner() -> anyhow::Result<String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(tool_runner::serve(
-        listener,
-        tool_runner::Config::default(),
-        std::future::pending(),
-    ));
-    Ok(url)
-}
-
 #[tokio::test]
 async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> TestResult {
     let nats = Nats::start().await?;
     let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
-    let runner = tool_runner().await?;
+    let runner = common::tool_runner_in_process().await?;
     let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
     let b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
     let (a_url, b_url) = (format!("http://{}", a.grpc), format!("http://{}", b.grpc));
@@ -462,7 +451,7 @@ async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> T
 async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -> TestResult {
     let mut nats = Nats::start().await?;
     let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
-    let runner = tool_runner().await?;
+    let runner = common::tool_runner_in_process().await?;
     // Signals on NATS, results in memory (so GetRun still answers with the broker down).
     let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
     command
@@ -571,7 +560,7 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_l
         Turn::text("done"),
     ]);
     let mock = mock_llm::MockLlm::start(slow).await?;
-    let runner = tool_runner().await?;
+    let runner = common::tool_runner_in_process().await?;
     let lease = ["--run-store-lease", "2s"];
     let a = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
     let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;

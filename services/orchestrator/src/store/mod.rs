@@ -65,17 +65,25 @@ impl Persister {
     /// Writes the current state now.
     pub async fn write(&self) {
         let _serialized = self.lock.lock().await;
-        let snapshot = self
-            .state
+        let snapshot = self.snapshot();
+        let run_id = snapshot.run_id.clone();
+        if let Err(e) = self.bounded(self.store.put(snapshot)).await {
+            tracing::warn!(run_id = %run_id, "storing the run's result failed: {e}");
+        }
+    }
+
+    fn snapshot(&self) -> RunResult {
+        self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        let run_id = snapshot.run_id.clone();
-        match tokio::time::timeout(self.timeout, self.store.put(snapshot)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(run_id = %run_id, "storing the run's result failed: {e}"),
-            Err(_) => tracing::warn!(run_id = %run_id, "storing the run's result timed out"),
-        }
+            .clone()
+    }
+
+    /// One store operation within the store timeout.
+    async fn bounded<T>(&self, operation: BoxFuture<'static, Result<T, String>>) -> Result<T, String> {
+        tokio::time::timeout(self.timeout, operation)
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {}", humantime::format_duration(self.timeout))))
     }
 
     /// Writes a live run's state in the background for other replicas (nothing to do when the
@@ -89,23 +97,12 @@ impl Persister {
     /// Claims the run's id in the store (see [`ResultStore::claim`]). A store that cannot be
     /// reached does not stop the run: it is logged, and the run goes on unclaimed.
     pub async fn claim(&self) -> Claim {
-        let snapshot = self
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
+        let snapshot = self.snapshot();
         let run_id = snapshot.run_id.clone();
-        match tokio::time::timeout(self.timeout, self.store.claim(snapshot)).await {
-            Ok(Ok(claim)) => claim,
-            Ok(Err(e)) => {
-                tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
-                Claim::Claimed
-            }
-            Err(_) => {
-                tracing::warn!(run_id = %run_id, "claiming the run id in the store timed out (running unclaimed)");
-                Claim::Claimed
-            }
-        }
+        self.bounded(self.store.claim(snapshot)).await.unwrap_or_else(|e| {
+            tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
+            Claim::Claimed
+        })
     }
 
     /// Renews the run's lease in a shared store until the returned guard is dropped: the state is

@@ -76,3 +76,15 @@ pub(crate) async fn orchestrate(
     }
     anyhow::bail!("the stream ended without run_finished")
 }
+
+/// A tool-runner with the default settings in this process; its URL.
+pub(crate) async fn tool_runner_in_process() -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(tool_runner::serve(
+        listener,
+        tool_runner::Config::default(),
+        std::future::pending(),
+    ));
+    Ok(url)
+}
