@@ -38,6 +38,20 @@ async fn orchestrator(llm: &str, runner: &str, extra: &[&str]) -> anyhow::Result
     Service::spawn(command, "127.0.0.1", "orchestrator serving").await
 }
 
+async fn client(
+    service: &Service,
+) -> anyhow::Result<pb::orchestrator_client::OrchestratorClient<tonic::transport::Channel>> {
+    Ok(pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?)
+}
+
+async fn get_run(
+    client: &mut pb::orchestrator_client::OrchestratorClient<tonic::transport::Channel>,
+    run_id: impl Into<String>,
+) -> anyhow::Result<pb::RunResult> {
+    let request = pb::GetRunRequest { run_id: run_id.into() };
+    Ok(client.get_run(request).await?.into_inner())
+}
+
 /// A run as its caller saw it: the text of its deltas and its final result.
 struct Seen {
     text: String,
@@ -45,7 +59,7 @@ struct Seen {
 }
 
 async fn run(service: &Service, request: pb::OrchestrateRequest) -> anyhow::Result<Seen> {
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?;
+    let mut client = client(service).await?;
     let mut stream = client.orchestrate(request).await?.into_inner();
     let mut text = String::new();
     while let Some(event) = stream.message().await? {
@@ -88,13 +102,8 @@ async fn assert_fault(
     );
     assert!(r.text.contains(kept), "output kept: {:?} in {:?}", kept, r.text);
     assert_eq!(seen.text, r.text, "streamed text equals the result's");
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?;
-    let stored = client
-        .get_run(pb::GetRunRequest {
-            run_id: r.run_id.clone(),
-        })
-        .await?
-        .into_inner();
+    let mut client = client(service).await?;
+    let stored = get_run(&mut client, r.run_id.clone()).await?;
     assert_eq!(&stored, r, "GetRun returns the same result");
     settled(service).await?;
     let after = run(service, model("fine")).await?;
@@ -436,7 +445,7 @@ async fn no_tool_runner_answering_is_unavailable_not_a_run_without_tools() -> Te
     });
     let mock = mock("fault", Scenario::new(vec![Turn::text("unused")])).await?;
     let service = orchestrator(&mock.base_url(), &runner, &[]).await?;
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?;
+    let mut client = client(&service).await?;
     let status = client.orchestrate(model("fault")).await.err();
     let status = status.ok_or_else(|| anyhow::anyhow!("a run started without tools"))?;
     assert_eq!(status.code(), tonic::Code::Unavailable, "{}", status.message());
@@ -484,7 +493,7 @@ async fn a_caller_deadline_ends_the_run_deadline_exceeded_not_canceled() -> Test
         ..model("fault")
     });
     request.set_timeout(Duration::from_secs(2));
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?;
+    let mut client = client(&service).await?;
     let mut stream = client.orchestrate(request).await?.into_inner();
     let mut last = None;
     while let Ok(Some(event)) = stream.message().await {
@@ -498,12 +507,7 @@ async fn a_caller_deadline_ends_the_run_deadline_exceeded_not_canceled() -> Test
         (result.status(), result.failure_reason()),
         (Status::Failed, Reason::DeadlineExceeded)
     );
-    let stored = client
-        .get_run(pb::GetRunRequest {
-            run_id: "with-a-deadline".into(),
-        })
-        .await?
-        .into_inner();
+    let stored = get_run(&mut client, "with-a-deadline").await?;
     assert_eq!(stored.failure_reason(), Reason::DeadlineExceeded);
     assert_eq!(stored.text, "Starting.\n");
     settled(&service).await?;
@@ -515,7 +519,7 @@ async fn a_caller_that_goes_away_cancels_its_run() -> TestResult {
     let turns = vec![Turn::text("Starting.\n").then(Step::call("sleep", serde_json::json!({"ms": 10_000})))];
     let mock = mock("fault", Scenario::new(turns)).await?;
     let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?;
+    let mut client = client(&service).await?;
     let mut stream = client
         .orchestrate(pb::OrchestrateRequest {
             run_id: "left".into(),
@@ -530,10 +534,7 @@ async fn a_caller_that_goes_away_cancels_its_run() -> TestResult {
     }
     drop(stream);
     settled(&service).await?;
-    let stored = client
-        .get_run(pb::GetRunRequest { run_id: "left".into() })
-        .await?
-        .into_inner();
+    let stored = get_run(&mut client, "left").await?;
     assert_eq!(stored.status(), Status::Canceled);
     assert_eq!(stored.text, "Starting.\n");
     service.stop().await
@@ -566,7 +567,7 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
         ],
     )
     .await?;
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?;
+    let mut client = client(&service).await?;
     let stream = client
         .orchestrate(pb::OrchestrateRequest {
             run_id: "not-reading".into(),
@@ -576,12 +577,7 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
         .into_inner();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let stored = loop {
-        let r = client
-            .get_run(pb::GetRunRequest {
-                run_id: "not-reading".into(),
-            })
-            .await?
-            .into_inner();
+        let r = get_run(&mut client, "not-reading").await?;
         if r.status() != Status::Running || tokio::time::Instant::now() > deadline {
             break r;
         }

@@ -1380,15 +1380,30 @@ mod tests {
         Ok(LlmEvent::TextDelta(t.into()))
     }
 
+    fn usage(prompt_tokens: u64, completion_tokens: u64) -> Result<LlmEvent, LlmError> {
+        Ok(LlmEvent::Usage(Usage {
+            prompt_tokens,
+            completion_tokens,
+        }))
+    }
+
+    /// Limits that let a run go on for 100 turns of one call each.
+    fn many_turns() -> Limits {
+        Limits {
+            max_turns: 100,
+            tool_call_budget: 100,
+            ..limits()
+        }
+    }
+
+    /// A fenced directive cut off after its first key (held back); `\u{7b}` is `{`.
+    const HELD_CALL: &str = "Here is the call:\n```json\n\u{7b}\"name\": \"nap\", ";
+    /// A `<tool_call>` directive cut off after its first key.
+    const OPEN_DIRECTIVE: &str = "<tool_call>\u{7b}\"name\"";
+
     #[tokio::test(start_paused = true)]
     async fn a_cancel_mid_code_block_keeps_the_held_text_and_the_usage() {
-        let turn = vec![
-            text("Here is the call:\n```json\n{\"name\": \"nap\", "),
-            Ok(LlmEvent::Usage(Usage {
-                prompt_tokens: 7,
-                completion_tokens: 3,
-            })),
-        ];
+        let turn = vec![text(HELD_CALL), usage(7, 3)];
         let outside = Outside {
             hang: true,
             cancel_after: Some(Duration::from_secs(1)),
@@ -1396,14 +1411,14 @@ mod tests {
         };
         let (result, batches, ..) = play_with(vec![turn], limits(), outside).await;
         assert_eq!(result.status, RunStatus::Canceled);
-        assert_eq!(result.text, "Here is the call:\n```json\n{\"name\": \"nap\", ");
+        assert_eq!(result.text, HELD_CALL);
         assert_eq!(streamed(&batches), (result.text.clone(), true));
         assert_eq!(result.usage.prompt_tokens, 7, "the interrupted turn's usage counts");
     }
 
     #[tokio::test(start_paused = true)]
     async fn the_deadline_keeps_held_text_and_code_blocks_stream_before_it() {
-        let turn = vec![text("```rust\nfn main() {}\n```\n"), text("<tool_call>{\"name\"")];
+        let turn = vec![text("```rust\nfn main() {}\n```\n"), text(OPEN_DIRECTIVE)];
         let outside = Outside {
             hang: true,
             ..Outside::default()
@@ -1417,7 +1432,7 @@ mod tests {
             (result.status, result.failure_reason),
             (RunStatus::Failed, Some(FailureReason::DeadlineExceeded))
         );
-        assert_eq!(result.text, "```rust\nfn main() {}\n```\n<tool_call>{\"name\"");
+        assert_eq!(result.text, format!("```rust\nfn main() {{}}\n```\n{OPEN_DIRECTIVE}"));
         let (text, no_gaps) = streamed(&batches);
         assert!(no_gaps && text == result.text);
         let first = batches.iter().flatten().find_map(|e| match &e.event {
@@ -1435,10 +1450,7 @@ mod tests {
     async fn usage_of_a_turn_that_breaks_off_counts() {
         let turn = vec![
             text("partial"),
-            Ok(LlmEvent::Usage(Usage {
-                prompt_tokens: 11,
-                completion_tokens: 5,
-            })),
+            usage(11, 5),
             Err(LlmError::Protocol("the LLM stream broke off".into())),
         ];
         let (result, ..) = play(vec![turn], limits()).await;
@@ -1522,11 +1534,7 @@ mod tests {
             },
             ..Outside::default()
         };
-        let limits = Limits {
-            max_turns: 100,
-            tool_call_budget: 100,
-            ..limits()
-        };
+        let limits = many_turns();
         let started = Instant::now();
         let (result, ..) = play_with(turns, limits, outside).await;
         assert_eq!(result.status, RunStatus::Canceled);
@@ -1552,12 +1560,7 @@ mod tests {
             cancel_after: Some(Duration::from_millis(1000)),
             ..Outside::default()
         };
-        let limits = Limits {
-            max_turns: 100,
-            tool_call_budget: 100,
-            ..limits()
-        };
-        let (result, batches, ..) = play_with(turns, limits, outside).await;
+        let (result, batches, ..) = play_with(turns, many_turns(), outside).await;
         assert_eq!(result.status, RunStatus::Canceled);
         let (text, no_gaps) = streamed(&batches);
         assert!(
