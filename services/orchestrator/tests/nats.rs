@@ -587,6 +587,11 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_l
         (Err(e), Ok((stream, _))) if code(&e) == Some(tonic::Code::AlreadyExists) => (stream, b, a, a_url),
         (a, b) => anyhow::bail!("exactly one replica must run it: {:?} / {:?}", a.err(), b.err()),
     };
+    // run_started leaves just before the model request: wait for the request.
+    let asked = tokio::time::Instant::now() + Duration::from_secs(5);
+    while mock.requests().is_empty() && tokio::time::Instant::now() < asked {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(mock.requests().len(), 1, "the model was asked once");
 
     // The owner renews the lease with the output so far; then it crashes.
