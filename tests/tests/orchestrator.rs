@@ -1123,3 +1123,92 @@ async fn run_id_call_id_and_metadata_reach_the_tool() -> TestResult {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn request_counts_on_both_sides_of_their_limits() -> TestResult {
+    let stack = Stack::start(Scenario::new(vec![Turn::text("ok")]), runner_config(None), |c| {
+        c.runs.request.max_messages = 2;
+        c.runs.request.max_request_exit_tools = 1;
+        c.runs.request.max_metadata_entries = 2;
+        c.runs.request.max_metadata_bytes = 12;
+    })
+    .await?;
+    let messages = |n: usize| {
+        let mut r = request("x", &[]);
+        r.messages = vec![r.messages[0].clone(); n];
+        r
+    };
+    let metadata = |pairs: &[(&str, &str)]| pb::OrchestrateRequest {
+        metadata: pairs.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
+        ..request("x", &[])
+    };
+    let accepted = [
+        messages(2),
+        request("x", &["done"]),
+        metadata(&[("a", "1"), ("b", "2")]),
+        metadata(&[("key", "123456789")]),
+    ];
+    for r in accepted {
+        assert_eq!(stack.run(r).await?.status(), S::Completed);
+    }
+    let refused = [
+        (messages(3), "messages has 3 entries; this server accepts at most 2"),
+        (
+            request("x", &["a", "b"]),
+            "tools.exit has 2 entries; this server accepts at most 1",
+        ),
+        (
+            metadata(&[("a", "1"), ("b", "2"), ("c", "3")]),
+            "metadata has 3 entries",
+        ),
+        (
+            metadata(&[("key", "1234567890")]),
+            "metadata has 13 bytes of keys and values",
+        ),
+    ];
+    let mut client = stack.client().await?;
+    for (r, expected) in refused {
+        let status = client
+            .orchestrate(r)
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("accepted: {expected}"))?;
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{expected}: {status:?}");
+        assert!(
+            status.message().contains(expected),
+            "{:?} vs {expected:?}",
+            status.message()
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn output_over_the_limits_ends_the_run_output_limit_keeping_what_fits() -> TestResult {
+    let long = "0123456789abcdef".repeat(100);
+    let mut scenarios = mock_llm::Scenarios::from(Scenario::new(vec![Turn::text(&long)]));
+    let fan_out = (0..3).fold(Turn::text("Three at once.\n"), |t, _| {
+        t.then(Step::call("sleep", json!({"ms": 1})))
+    });
+    scenarios.named.insert("fan-out".into(), Scenario::new(vec![fan_out]));
+    let stack = Stack::start(scenarios, runner_config(None), |c| {
+        c.runs.output.max_output_bytes = 1024;
+        c.runs.output.max_calls_per_turn = 2;
+    })
+    .await?;
+    let text = stack.run(request("x", &[])).await?;
+    assert_eq!((text.status(), text.reason()), (S::Failed, R::OutputLimit));
+    assert_eq!(text.result.text, long[..1024], "the output up to the limit is kept");
+
+    let calls = stack
+        .run(pb::OrchestrateRequest {
+            model: "fan-out".into(),
+            ..request("x", &[])
+        })
+        .await?;
+    assert_eq!((calls.status(), calls.reason()), (S::Failed, R::OutputLimit));
+    assert!(calls.result.failure_detail.contains("more than 2 tool calls"));
+    assert!(calls.result.tool_calls.is_empty(), "none of them ran");
+    assert_eq!(calls.result.text, "Three at once.\n");
+    Ok(())
+}

@@ -10,4 +10,5 @@ pub mod metrics;
 pub mod runtime;
 pub mod shutdown;
 pub mod telemetry;
+pub mod text;
 pub mod tools;

@@ -299,10 +299,4 @@ pub fn current_traceparent() -> Option<String> {
 }
 
 /// At most `max` bytes of `text` (cut on a character boundary), for span attributes and logs.
-pub fn truncate(text: &str, max: usize) -> &str {
-    let mut end = text.len().min(max);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
-}
+pub use crate::text::truncate;

@@ -2,9 +2,12 @@
 
 use serde_json::Value;
 
+/// Longest valid tool name, in bytes.
+pub const MAX_TOOL_NAME_LEN: usize = 64;
+
 /// Whether `name` is a valid tool name: 1–64 of `[A-Za-z0-9_-]` (what OpenAI-style APIs accept).
 pub fn valid_tool_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
+    (1..=MAX_TOOL_NAME_LEN).contains(&name.len())
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')

@@ -378,6 +378,12 @@ pub struct RunSettings {
     pub deadline_headroom: Duration,
     #[allow(missing_docs)]
     #[command(flatten)]
+    pub output: OutputBounds,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub request: RequestBounds,
+    #[allow(missing_docs)]
+    #[command(flatten)]
     pub loop_detector: LoopDetectorSettings,
 }
 
@@ -391,8 +397,67 @@ impl Bounded for RunSettings {
             bound("max_tool_result_bytes", self.max_tool_result_bytes, 256usize, 16 * MIB),
             bound("deadline_headroom", self.deadline_headroom, Duration::ZERO, secs(10)),
         ];
+        rows.extend(self.output.bounds());
+        rows.extend(self.request.bounds());
         rows.extend(self.loop_detector.bounds());
         rows
+    }
+}
+
+/// What the model may produce in one run: past these, a run ends `OUTPUT_LIMIT` (or the call
+/// fails) instead of growing the orchestrator's memory and its callers' messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Args)]
+pub struct OutputBounds {
+    /// Tool calls the model may make in one turn; more end the run OUTPUT_LIMIT, none of them
+    /// run (1..=1024).
+    #[arg(long, env = "ORCHESTRATOR_MAX_CALLS_PER_TURN", default_value_t = 128)]
+    pub max_calls_per_turn: usize,
+    /// Largest arguments of one tool call, in bytes; a longer call fails INVALID_ARGUMENTS (fed
+    /// back to the model) and only this much of it is kept (64..=16 MiB).
+    #[arg(long = "max-argument-bytes", env = "ORCHESTRATOR_MAX_ARGUMENT_BYTES", default_value_t = MIB)]
+    pub max_argument_bytes: usize,
+    /// Largest output of one run, in bytes: its text and the arguments and errors of its calls
+    /// and signals; a run going over ends OUTPUT_LIMIT with the output up to it. Keeps every
+    /// result (run_finished, GetRun) under gRPC's usual 4 MiB receive limit (1 KiB..=64 MiB).
+    #[arg(long, env = "ORCHESTRATOR_MAX_OUTPUT_BYTES", default_value_t = 2 * MIB)]
+    pub max_output_bytes: usize,
+}
+
+impl Bounded for OutputBounds {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("max_calls_per_turn", self.max_calls_per_turn, 1usize, 1024usize),
+            bound("max_argument_bytes", self.max_argument_bytes, 64usize, 16 * MIB),
+            bound("max_output_bytes", self.max_output_bytes, KIB, 64 * MIB),
+        ]
+    }
+}
+
+/// How much one `Orchestrate` request may carry besides its byte size (`--max-request-bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Args)]
+pub struct RequestBounds {
+    /// Messages in one request (1..=100000).
+    #[arg(long, env = "ORCHESTRATOR_MAX_MESSAGES", default_value_t = 1000)]
+    pub max_messages: usize,
+    /// Exit tools one request may define (0..=1024).
+    #[arg(long, env = "ORCHESTRATOR_MAX_REQUEST_EXIT_TOOLS", default_value_t = 64)]
+    pub max_request_exit_tools: usize,
+    /// Metadata entries in one request; they travel with every tool call and signal (0..=1024).
+    #[arg(long, env = "ORCHESTRATOR_MAX_METADATA_ENTRIES", default_value_t = 64)]
+    pub max_metadata_entries: usize,
+    /// Bytes of metadata keys and values in one request (0..=1 MiB).
+    #[arg(long, env = "ORCHESTRATOR_MAX_METADATA_BYTES", default_value_t = 16 * KIB)]
+    pub max_metadata_bytes: usize,
+}
+
+impl Bounded for RequestBounds {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("max_messages", self.max_messages, 1usize, 100_000usize),
+            bound("max_request_exit_tools", self.max_request_exit_tools, 0usize, 1024usize),
+            bound("max_metadata_entries", self.max_metadata_entries, 0usize, 1024usize),
+            bound("max_metadata_bytes", self.max_metadata_bytes, 0usize, MIB),
+        ]
     }
 }
 
@@ -437,6 +502,15 @@ impl std::str::FromStr for Backend {
     }
 }
 
+/// What a full signal stream gives up (see `--signal-stream-discard`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StreamDiscard {
+    /// Refuse new signals.
+    New,
+    /// Drop the oldest signals.
+    Old,
+}
+
 /// The signal topic.
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Signal topic")]
@@ -467,6 +541,16 @@ pub struct SignalSettings {
     /// Most bytes the stream keeps; -1 for no limit.
     #[arg(long = "signal-stream-max-bytes", env = "ORCHESTRATOR_SIGNAL_STREAM_MAX_BYTES", default_value_t = 1 << 30, allow_negative_numbers = true)]
     pub stream_max_bytes: i64,
+    /// What the stream does when full: `new` refuses new signals (they are marked undelivered in
+    /// the run's result and counted, so nothing is lost unseen); `old` drops the oldest signals
+    /// silently, consumed or not.
+    #[arg(
+        long = "signal-stream-discard",
+        env = "ORCHESTRATOR_SIGNAL_STREAM_DISCARD",
+        default_value = "new",
+        value_enum
+    )]
+    pub stream_discard: StreamDiscard,
     /// Publish attempts after the first, before a signal is marked undelivered (cap 30).
     #[arg(
         long = "signal-publish-retries",
@@ -527,6 +611,15 @@ pub struct StoreSettings {
     /// How long one read or write of the result store may take (cap 1m).
     #[arg(long = "store-timeout", env = "ORCHESTRATOR_STORE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// Finished results kept in memory while the store cannot take them (NATS down), written
+    /// again when it is back and answered by GetRun meanwhile; the oldest is dropped past this
+    /// (1..=1000000).
+    #[arg(
+        long = "run-store-backlog",
+        env = "ORCHESTRATOR_RUN_STORE_BACKLOG",
+        default_value_t = 10_000
+    )]
+    pub backlog: usize,
 }
 
 impl Bounded for StoreSettings {
@@ -537,6 +630,7 @@ impl Bounded for StoreSettings {
             bound("ttl", self.ttl, secs(1), DAY * 365),
             bound("lease", self.lease, secs(1), secs(600)),
             bound("timeout", self.timeout, ms(10), secs(60)),
+            bound("backlog", self.backlog, 1usize, 1_000_000usize),
         ]
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use proto::orchestrator::v1 as pb;
 
 use crate::Error;
-use crate::config::Config;
+use crate::config::{Config, RequestBounds};
 use crate::llm::{Message, SamplingParams, ToolCall, ToolDefinition};
 use crate::run::{
     Deadline, Delivery, Event, FailureReason, Limits, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError,
@@ -169,6 +169,36 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
     }
 }
 
+impl RunRequest {
+    /// The counts this server accepts (the byte size was checked by the gRPC server).
+    fn check_bounds(&self, bounds: &RequestBounds) -> Result<(), Error> {
+        let over = |field: &str, count: usize, max: usize, unit: &str| {
+            invalid(format!("{field} has {count} {unit}; this server accepts at most {max}"))
+        };
+        if self.messages.len() > bounds.max_messages {
+            return Err(over("messages", self.messages.len(), bounds.max_messages, "entries"));
+        }
+        if self.exit_tools.len() > bounds.max_request_exit_tools {
+            let count = self.exit_tools.len();
+            return Err(over("tools.exit", count, bounds.max_request_exit_tools, "entries"));
+        }
+        if self.metadata.len() > bounds.max_metadata_entries {
+            let count = self.metadata.len();
+            return Err(over("metadata", count, bounds.max_metadata_entries, "entries"));
+        }
+        let bytes: usize = self.metadata.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if bytes > bounds.max_metadata_bytes {
+            return Err(over(
+                "metadata",
+                bytes,
+                bounds.max_metadata_bytes,
+                "bytes of keys and values",
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn pick<T: PartialOrd + std::fmt::Display + Copy>(
     field: &str,
     asked: Option<T>,
@@ -203,6 +233,7 @@ pub(crate) fn resolve(
     caller_deadline: Option<Duration>,
     received_at: tokio::time::Instant,
 ) -> Result<RunSpec, Error> {
+    request.check_bounds(&config.runs.request)?;
     let normal_tools: Vec<ToolDefinition> = if request.allowlist.is_empty() {
         catalog.values().map(|t| t.definition.clone()).collect()
     } else {
@@ -377,6 +408,7 @@ one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
     DeadlineExceeded,
     UnknownError,
     OrchestratorLost,
+    OutputLimit,
 ]);
 
 /// A run's failure reason on the wire: `UNSPECIFIED` is "did not fail".
@@ -623,7 +655,7 @@ mod tests {
         }
         assert_eq!(
             (RunStatus::ALL.len(), Delivery::ALL.len(), FailureReason::ALL.len()),
-            (4, 3, 11),
+            (4, 3, 12),
             "the lists are the enums"
         );
     }

@@ -11,8 +11,12 @@ use crate::run::live::{AdmittedRun, Cancel, Emitter, SharedState};
 use crate::run::{EventBatch, RunResult, RunSpec, RunStatus};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
+use crate::store::backlog::Backlog;
 use crate::store::{Claim, Persister, ResultStore};
 use shared::runtime::AbortOnDrop;
+
+/// How often the backlog of unstored results is written again while the store is unavailable.
+const BACKLOG_RETRY: Duration = Duration::from_secs(1);
 
 struct Live {
     state: SharedState,
@@ -28,6 +32,7 @@ pub(crate) struct Runs {
     store: Arc<dyn ResultStore>,
     /// How long one write to the store may take.
     store_timeout: Duration,
+    backlog: Arc<Backlog>,
 }
 
 /// Why a run cannot start.
@@ -107,13 +112,20 @@ pub(crate) enum CancelOutcome {
 }
 
 impl Runs {
-    /// An empty registry of at most `max_runs` live runs, over `store`.
-    pub(crate) fn new(max_runs: usize, store: Arc<dyn ResultStore>, store_timeout: Duration) -> Arc<Self> {
+    /// An empty registry of at most `max_runs` live runs, over `store` (final results it does
+    /// not take wait in a backlog of at most `backlog` results).
+    pub(crate) fn new(
+        max_runs: usize,
+        store: Arc<dyn ResultStore>,
+        store_timeout: Duration,
+        backlog: usize,
+    ) -> Arc<Self> {
         Arc::new(Self {
             live: Mutex::default(),
             slots: Arc::new(Semaphore::new(max_runs)),
             idle: Notify::new(),
             max_runs,
+            backlog: Backlog::new(Arc::clone(&store), backlog, store_timeout, BACKLOG_RETRY),
             store,
             store_timeout,
         })
@@ -123,18 +135,20 @@ impl Runs {
         self.live.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    async fn stored(&self, run_id: &str) -> Option<RunResult> {
-        match tokio::time::timeout(self.store_timeout, self.store.get(run_id)).await {
-            Ok(Ok(found)) => found,
-            Ok(Err(e)) => {
-                tracing::warn!(run_id, "reading the result store failed: {e}");
-                None
-            }
-            Err(_) => {
-                tracing::warn!(run_id, "reading the result store timed out");
-                None
-            }
+    /// A result in the backlog or the store; `Err` when the store cannot be read.
+    async fn stored(&self, run_id: &str) -> Result<Option<RunResult>, String> {
+        if let Some(result) = self.backlog.get(run_id) {
+            return Ok(Some(result));
         }
+        let read = tokio::time::timeout(self.store_timeout, self.store.get(run_id))
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "no answer within {}",
+                    humantime::format_duration(self.store_timeout)
+                ))
+            });
+        read.map_err(|e| format!("the result store cannot be read: {e}"))
     }
 
     /// Takes a slot for `run_id`.
@@ -143,12 +157,18 @@ impl Runs {
             return Err(Refusal::Duplicate);
         }
         match self.stored(run_id).await {
-            Some(result) if result.status == RunStatus::Running => return Err(Refusal::Duplicate),
-            Some(result) => return Err(Refusal::Finished(Box::new(result))),
-            None => {}
+            Ok(Some(result)) if result.status == RunStatus::Running => return Err(Refusal::Duplicate),
+            Ok(Some(result)) => return Err(Refusal::Finished(Box::new(result))),
+            // The claim below tries the store again; a store that is down does not stop runs.
+            Ok(None) | Err(_) => {}
         }
         let (state, cancel, permit) = self.register(run_id)?;
-        let persister = Persister::new(Arc::clone(&self.store), Arc::clone(&state), self.store_timeout);
+        let persister = Persister::new(
+            Arc::clone(&self.store),
+            Arc::clone(&state),
+            self.store_timeout,
+            Arc::clone(&self.backlog),
+        );
         let admitted = Admitted {
             runs: Arc::clone(self),
             run_id: run_id.to_owned(),
@@ -182,34 +202,40 @@ impl Runs {
         Ok((state, cancel, permit))
     }
 
-    /// A live run's state so far, or a stored result.
-    pub(crate) async fn get(&self, run_id: &str) -> Option<RunResult> {
+    /// A live run's state so far, or a stored result; `Err` when the store cannot be read.
+    pub(crate) async fn get(&self, run_id: &str) -> Result<Option<RunResult>, String> {
         let live = self
             .lock()
             .get(run_id)
             .map(|l| l.state.lock().unwrap_or_else(PoisonError::into_inner).clone());
         match live {
-            Some(result) => Some(result),
+            Some(result) => Ok(Some(result)),
             None => self.stored(run_id).await,
         }
     }
 
-    /// Cancels a live run of this replica.
-    pub(crate) async fn cancel(&self, run_id: &str, reason: &str) -> CancelOutcome {
+    /// Finished results not yet taken by the store.
+    pub(crate) fn unstored(&self) -> usize {
+        self.backlog.len()
+    }
+
+    /// Cancels a live run of this replica; `Err` when the store, asked about a run not live
+    /// here, cannot be read.
+    pub(crate) async fn cancel(&self, run_id: &str, reason: &str) -> Result<CancelOutcome, String> {
         if let Some(live) = self.lock().get(run_id) {
             // Under the state lock: the loop settles the end under it too, and a cancel that
             // came first wins there, so the answer is never `canceled` for a run that completed.
             let state = crate::run::live::lock(&live.state);
             if state.status != RunStatus::Running {
-                return CancelOutcome::AlreadyFinished(state.status);
+                return Ok(CancelOutcome::AlreadyFinished(state.status));
             }
             live.cancel.cancel(reason);
-            return CancelOutcome::Canceled;
+            return Ok(CancelOutcome::Canceled);
         }
-        match self.stored(run_id).await {
+        Ok(match self.stored(run_id).await? {
             Some(result) if result.status != RunStatus::Running => CancelOutcome::AlreadyFinished(result.status),
             _ => CancelOutcome::NotFound,
-        }
+        })
     }
 
     /// Cancels every live run (the drain's last step).
@@ -250,13 +276,14 @@ mod tests {
             max_runs,
             Arc::new(MemoryStore::new(keep, keep_for)),
             Duration::from_secs(1),
+            100,
         )
     }
 
     async fn finish(runs: &Arc<Runs>, id: &str) {
         let admitted = runs.admit(id).await.unwrap();
         admitted.state.lock().unwrap().status = RunStatus::Completed;
-        admitted.persister.write().await;
+        admitted.persister.write_final().await;
     }
 
     #[tokio::test]
@@ -276,8 +303,8 @@ mod tests {
         for id in ["a", "b", "c"] {
             finish(&runs, id).await;
         }
-        assert!(runs.get("a").await.is_none());
-        assert!(runs.get("b").await.is_some() && runs.get("c").await.is_some());
+        assert!(runs.get("a").await.unwrap().is_none());
+        assert!(runs.get("b").await.unwrap().is_some() && runs.get("c").await.unwrap().is_some());
         assert!(matches!(runs.admit("c").await, Err(Refusal::Finished(_))));
     }
 
@@ -286,9 +313,9 @@ mod tests {
         let runs = runs(10, 10, Duration::from_secs(60));
         finish(&runs, "a").await;
         tokio::time::advance(Duration::from_secs(59)).await;
-        assert!(runs.get("a").await.is_some());
+        assert!(runs.get("a").await.unwrap().is_some());
         tokio::time::advance(Duration::from_secs(2)).await;
-        assert!(runs.get("a").await.is_none());
+        assert!(runs.get("a").await.unwrap().is_none());
     }
 
     #[tokio::test]
@@ -297,11 +324,11 @@ mod tests {
         let admitted = runs.admit("a").await.unwrap();
         admitted.state.lock().unwrap().text.push_str("so far");
         assert_eq!(
-            runs.get("a").await.map(|r| (r.status, r.text)),
+            runs.get("a").await.unwrap().map(|r| (r.status, r.text)),
             Some((RunStatus::Running, "so far".into()))
         );
-        assert_eq!(runs.cancel("a", "test").await, CancelOutcome::Canceled);
+        assert_eq!(runs.cancel("a", "test").await, Ok(CancelOutcome::Canceled));
         assert!(admitted.cancel.is_canceled());
-        assert_eq!(runs.cancel("zzz", "test").await, CancelOutcome::NotFound);
+        assert_eq!(runs.cancel("zzz", "test").await, Ok(CancelOutcome::NotFound));
     }
 }

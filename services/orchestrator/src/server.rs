@@ -96,7 +96,7 @@ pub async fn serve_with_resolver(
             Arc::new(store)
         }
     };
-    let runs = Runs::new(config.runs.max_runs, store, config.store.timeout);
+    let runs = Runs::new(config.runs.max_runs, store, config.store.timeout, config.store.backlog);
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
@@ -110,6 +110,7 @@ pub async fn serve_with_resolver(
             detector: config.runs.loop_detector,
             trace_payloads: config.telemetry.trace_payloads(),
             max_tool_result_bytes: config.runs.max_tool_result_bytes,
+            output: config.runs.output,
         },
         runs: Arc::clone(&runs),
         runners,
@@ -144,7 +145,13 @@ pub async fn serve_with_resolver(
                 tracing::warn!(canceled, "grace period ending; canceled the runs still in flight");
                 let _ = tokio::time::timeout(margin, core.runs.wait_idle()).await;
             }
-            tracing::info!("drained");
+            match core.runs.unstored() {
+                0 => tracing::info!("drained"),
+                n => tracing::error!(
+                    unstored = n,
+                    "drained, but the result store never took these finished results; GetRun will not find them"
+                ),
+            }
         }
     };
     tonic::transport::Server::builder()

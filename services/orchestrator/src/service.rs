@@ -127,7 +127,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
 
     async fn get_run(&self, request: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
         let run_id = request.into_inner().run_id;
-        match self.core.runs.get(&run_id).await {
+        match self.core.runs.get(&run_id).await.map_err(Error::Dependency)? {
             Some(result) => Ok(Response::new(pb::RunResult::from(&result))),
             None => Err(Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into()),
         }
@@ -138,7 +138,8 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         request: Request<pb::CancelRunRequest>,
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
         let run_id = request.into_inner().run_id;
-        let (canceled, status) = match self.core.runs.cancel(&run_id, "canceled by CancelRun").await {
+        let outcome = self.core.runs.cancel(&run_id, "canceled by CancelRun").await;
+        let (canceled, status) = match outcome.map_err(Error::Dependency)? {
             CancelOutcome::Canceled => (true, pb::RunStatus::Canceled),
             CancelOutcome::AlreadyFinished(status) => (false, status.into()),
             CancelOutcome::NotFound => {

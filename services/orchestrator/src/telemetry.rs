@@ -45,6 +45,10 @@ pub(crate) mod metric {
     pub(crate) const CALLER_STALLS: &str = "orchestrator_caller_stalls_total";
     /// Counter: tool results cut before they were fed back to the model.
     pub(crate) const TOOL_RESULTS_CUT: &str = "orchestrator_tool_results_cut_total";
+    /// Gauge: finished results waiting for the store to take them.
+    pub(crate) const STORE_BACKLOG: &str = "orchestrator_store_backlog";
+    /// Counter: finished results dropped from a full store backlog (never stored).
+    pub(crate) const STORE_BACKLOG_DROPPED: &str = "orchestrator_store_backlog_dropped_total";
 }
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
@@ -95,8 +99,18 @@ pub(crate) fn describe() {
         metric::TOOL_RESULTS_CUT,
         "Tool results cut to the configured size before they were fed back to the model."
     );
+    describe_gauge!(
+        metric::STORE_BACKLOG,
+        "Finished results waiting for the result store to take them (it was unavailable)."
+    );
+    describe_counter!(
+        metric::STORE_BACKLOG_DROPPED,
+        "Finished results dropped from a full store backlog, never stored."
+    );
     metrics::gauge!(metric::RUNS_IN_FLIGHT).set(0.0);
     metrics::gauge!(metric::TOOL_CALLS_IN_FLIGHT).set(0.0);
+    metrics::gauge!(metric::STORE_BACKLOG).set(0.0);
+    metrics::counter!(metric::STORE_BACKLOG_DROPPED).absolute(0);
     metrics::counter!(metric::CALLER_STALLS).absolute(0);
     metrics::counter!(metric::TOOL_RESULTS_CUT).absolute(0);
     metrics::counter!(metric::SIGNALS_PUBLISHED).absolute(0);

@@ -14,9 +14,11 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use common::nats::Nats;
 use common::{Service, scrape, user};
 use mock_llm::{MockLlm, Scenario, Scenarios, Step, Turn};
 use proto::orchestrator::v1 as pb;
+use proto::toolrunner::v1 as tr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::Command;
@@ -58,23 +60,61 @@ struct Seen {
     result: pb::RunResult,
 }
 
-async fn run(service: &Service, request: pb::OrchestrateRequest) -> anyhow::Result<Seen> {
-    let mut client = client(service).await?;
-    let mut stream = client.orchestrate(request).await?.into_inner();
-    let mut text = String::new();
-    while let Some(event) = stream.message().await? {
-        match event.event {
-            Some(pb::orchestrate_event::Event::TextDelta(d)) => text.push_str(&d.text),
-            Some(pb::orchestrate_event::Event::RunFinished(f)) => {
+/// A run being watched as its caller reads it.
+struct Watch {
+    stream: tonic::Streaming<pb::OrchestrateEvent>,
+    text: String,
+}
+
+impl Watch {
+    async fn start(service: &Service, request: pb::OrchestrateRequest) -> anyhow::Result<Self> {
+        let stream = client(service).await?.orchestrate(request).await?.into_inner();
+        Ok(Self {
+            stream,
+            text: String::new(),
+        })
+    }
+
+    /// The next event, keeping the text; `None` at `run_finished` or the end of the stream.
+    async fn next(&mut self) -> anyhow::Result<Option<pb::orchestrate_event::Event>> {
+        let Some(event) = self.stream.message().await? else {
+            return Ok(None);
+        };
+        if let Some(pb::orchestrate_event::Event::TextDelta(d)) = &event.event {
+            self.text.push_str(&d.text);
+        }
+        Ok(event.event)
+    }
+
+    /// Reads until a tool call has started.
+    async fn until_call_started(&mut self) -> TestResult {
+        while let Some(event) = self.next().await? {
+            if matches!(event, pb::orchestrate_event::Event::ToolCallStarted(_)) {
+                return Ok(());
+            }
+        }
+        anyhow::bail!("the stream ended before a tool call started")
+    }
+
+    /// Reads to `run_finished`.
+    async fn finish(mut self) -> anyhow::Result<Seen> {
+        while let Some(event) = self.next().await? {
+            if let pb::orchestrate_event::Event::RunFinished(f) = event {
                 let result = f
                     .result
                     .ok_or_else(|| anyhow::anyhow!("run_finished without a result"))?;
-                return Ok(Seen { text, result });
+                return Ok(Seen {
+                    text: self.text,
+                    result,
+                });
             }
-            _ => {}
         }
+        anyhow::bail!("the stream ended without run_finished")
     }
-    anyhow::bail!("the stream ended without run_finished")
+}
+
+async fn run(service: &Service, request: pb::OrchestrateRequest) -> anyhow::Result<Seen> {
+    Watch::start(service, request).await?.finish().await
 }
 
 fn model(name: &str) -> pb::OrchestrateRequest {
@@ -564,6 +604,8 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
             "4",
             "--llm-idle-timeout",
             "60s",
+            "--max-output-bytes",
+            "16777216",
         ],
     )
     .await?;
@@ -591,5 +633,331 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
     );
     settled(&service).await?;
     drop(stream);
+    service.stop().await
+}
+
+// ---- tool-runner faults -------------------------------------------------------------------
+
+fn runner_command(extra: &[&str]) -> anyhow::Result<Command> {
+    let mut command = Command::new(common::tool_runner_bin()?);
+    command.args(extra).env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
+    Ok(command)
+}
+
+/// The error codes of a result's failed tool calls, in call order.
+fn failed_calls(seen: &Seen) -> Vec<String> {
+    seen.result
+        .tool_calls
+        .iter()
+        .filter_map(|c| c.error.as_ref().map(|e| format!("{}: {}", e.code, e.message)))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_tool_runner_killed_mid_call_fails_the_call_and_the_run_goes_on() -> TestResult {
+    let runner = Service::spawn(runner_command(&[])?, "127.0.0.1", "tool-runner serving").await?;
+    let address = runner.grpc.clone();
+    let turns = vec![
+        Turn::text("Calling.\n").then(Step::call("sleep", serde_json::json!({"ms": 10_000}))),
+        Turn::text("The runner went away."),
+    ];
+    let mock = mock("fault", Scenario::new(turns)).await?;
+    let service = orchestrator(&mock.base_url(), &format!("http://{address}"), &[]).await?;
+    let mut watch = Watch::start(&service, model("fault")).await?;
+    watch.until_call_started().await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    runner.kill().await?;
+    let seen = watch.finish().await?;
+    let failed = failed_calls(&seen);
+    assert!(failed.len() == 1 && failed[0].starts_with("UNAVAILABLE"), "{failed:?}");
+    assert_eq!(seen.result.failed_turns, 1);
+    // A runner comes back on the same address; later runs use it.
+    let runner = Service::spawn_on(runner_command(&[])?, &address, "127.0.0.1", "tool-runner serving").await?;
+    let kept = "Calling.\nThe runner went away.";
+    assert_fault(&service, &seen, Status::Completed, Reason::Unspecified, kept).await?;
+    runner.stop().await?;
+    service.stop().await
+}
+
+/// A tool-runner that lists a tool and accepts calls of it, but never answers them.
+struct BlackHole;
+
+#[tonic::async_trait]
+impl tr::tool_runner_server::ToolRunner for BlackHole {
+    async fn list_tools(
+        &self,
+        _: tonic::Request<tr::ListToolsRequest>,
+    ) -> Result<tonic::Response<tr::ListToolsResponse>, tonic::Status> {
+        let lookup = tr::ToolSpec {
+            name: "lookup".into(),
+            description: "Looks a word up.".into(),
+            parameters_json_schema: r#"{"type":"object"}"#.into(),
+            timeout_ms: 60_000,
+            source: "builtin".into(),
+        };
+        Ok(tonic::Response::new(tr::ListToolsResponse { tools: vec![lookup] }))
+    }
+
+    async fn run_tool(
+        &self,
+        _: tonic::Request<tr::RunToolRequest>,
+    ) -> Result<tonic::Response<tr::RunToolResponse>, tonic::Status> {
+        std::future::pending().await
+    }
+}
+
+#[tokio::test]
+async fn a_black_holed_tool_runner_times_the_call_out_and_the_run_goes_on() -> TestResult {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let runner = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(tr::tool_runner_server::ToolRunnerServer::new(BlackHole))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let turns = vec![
+        Turn::text("Looking up.\n").then(Step::call("lookup", serde_json::json!({"word": "x"}))),
+        Turn::text("No answer came."),
+    ];
+    let mock = mock("fault", Scenario::new(turns)).await?;
+    let service = orchestrator(&mock.base_url(), &runner, &[]).await?;
+    let request = pb::OrchestrateRequest {
+        limits: Some(pb::RunLimits {
+            tool_timeout_ms: Some(500),
+            ..Default::default()
+        }),
+        ..model("fault")
+    };
+    let seen = run(&service, request).await?;
+    let failed = failed_calls(&seen);
+    assert!(failed.len() == 1 && failed[0].starts_with("TIMEOUT"), "{failed:?}");
+    let kept = "Looking up.\nNo answer came.";
+    assert_fault(&service, &seen, Status::Completed, Reason::Unspecified, kept).await?;
+    service.stop().await
+}
+
+#[tokio::test]
+async fn an_overloaded_tool_runner_refuses_calls_which_are_retried_then_fed_back() -> TestResult {
+    let runner = Service::spawn(
+        runner_command(&["--max-concurrency", "1"])?,
+        "127.0.0.1",
+        "tool-runner serving",
+    )
+    .await?;
+    let sleep = || Step::call("sleep", serde_json::json!({"ms": 2000}));
+    let turns = vec![
+        Turn::text("Two at once.\n").then(sleep()).then(sleep()),
+        Turn::text("One was refused."),
+    ];
+    let mock = mock("fault", Scenario::new(turns)).await?;
+    let service = orchestrator(&mock.base_url(), &format!("http://{}", runner.grpc), &[]).await?;
+    let before = scrape(&service.metrics).await?;
+    let seen = run(&service, model("fault")).await?;
+    let failed = failed_calls(&seen);
+    assert!(
+        failed.len() == 1 && failed[0].starts_with("UNAVAILABLE") && failed[0].contains("ResourceExhausted"),
+        "{failed:?}"
+    );
+    assert_eq!(seen.result.tool_calls.len(), 2);
+    assert_eq!(
+        seen.result.failed_turns, 1,
+        "two calls in one turn, one failure counted"
+    );
+    let after = scrape(&service.metrics).await?;
+    let retries = common::delta(
+        &before,
+        &after,
+        "orchestrator_tool_call_retries_total{reason=\"concurrency_limit\"}",
+    );
+    assert_eq!(retries, 3.0, "the refused call was retried --tool-call-retries times");
+    let kept = "Two at once.\nOne was refused.";
+    assert_fault(&service, &seen, Status::Completed, Reason::Unspecified, kept).await?;
+    runner.stop().await?;
+    service.stop().await
+}
+
+// ---- the orchestrator's own lifecycle -----------------------------------------------------
+
+#[tokio::test]
+async fn sigterm_with_runs_in_flight_ends_them_within_the_grace_period_keeping_their_output() -> TestResult {
+    let turns = vec![Turn::text("Working.\n").then(Step::call("sleep", serde_json::json!({"ms": 30_000})))];
+    let mock = mock("fault", Scenario::new(turns)).await?;
+    let mut service = orchestrator(
+        &mock.base_url(),
+        &common::tool_runner_in_process().await?,
+        &["--shutdown-grace", "2s"],
+    )
+    .await?;
+    let mut watches = Vec::new();
+    for _ in 0..3 {
+        let mut watch = Watch::start(&service, model("fault")).await?;
+        watch.until_call_started().await?;
+        watches.push(watch);
+    }
+    let signaled = tokio::time::Instant::now();
+    service.signal(nix::sys::signal::Signal::SIGTERM)?;
+    for watch in watches {
+        let seen = watch.finish().await?;
+        let r = &seen.result;
+        assert_eq!(r.status(), Status::Canceled, "{}", r.failure_detail);
+        assert!(r.failure_detail.contains("shutting down"), "{}", r.failure_detail);
+        assert_eq!((r.text.as_str(), seen.text.as_str()), ("Working.\n", "Working.\n"));
+    }
+    assert!(signaled.elapsed() < Duration::from_secs(10), "within the grace period");
+    assert_eq!(service.wait_exit().await?, Some(0));
+    let logs = service.logs().join("\n");
+    assert!(!logs.contains("panicked"), "{logs}");
+    assert!(logs.contains("canceled the runs still in flight"), "{logs}");
+    Ok(())
+}
+
+// ---- NATS faults --------------------------------------------------------------------------
+
+/// An orchestrator keeping results (and signals, with `submit_report` as exit tool) in `nats`.
+async fn orchestrator_on_nats(nats_url: &str, llm: &str, runner: &str, extra: &[&str]) -> anyhow::Result<Service> {
+    let mut flags = vec![
+        "--run-store",
+        nats_url,
+        "--signal-topic",
+        nats_url,
+        "--exit-tool",
+        "submit_report",
+    ];
+    flags.extend_from_slice(extra);
+    orchestrator(llm, runner, &flags).await
+}
+
+#[tokio::test]
+async fn nats_down_at_start_stops_the_orchestrator_with_a_clear_error() -> TestResult {
+    let closed = TcpListener::bind("127.0.0.1:0").await?.local_addr()?;
+    let url = format!("nats://{closed}");
+    let started = tokio::time::Instant::now();
+    let (code, _, stderr) = testkit::run_to_end(
+        Command::new(env!("CARGO_BIN_EXE_orchestrator")),
+        &[
+            "--run-store",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "off",
+        ],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("cannot connect to NATS at {url}")), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(30), "it fails fast");
+    Ok(())
+}
+
+#[tokio::test]
+async fn nats_down_and_back_keeps_the_results_of_runs_that_ended_meanwhile() -> TestResult {
+    let mut nats = Nats::start().await?;
+    let turns = vec![
+        Turn::text("Before.\n").then(Step::call("sleep", serde_json::json!({"ms": 1000}))),
+        Turn::text("After."),
+    ];
+    let mock = mock("fault", Scenario::new(turns)).await?;
+    let runner = common::tool_runner_in_process().await?;
+    let service = orchestrator_on_nats(&nats.url(), &mock.base_url(), &runner, &["--store-timeout", "500ms"]).await?;
+    let mut watch = Watch::start(
+        &service,
+        pb::OrchestrateRequest {
+            run_id: "while-down".into(),
+            ..model("fault")
+        },
+    )
+    .await?;
+    watch.until_call_started().await?;
+    nats.stop().await?;
+    let seen = watch.finish().await?;
+    assert_eq!(seen.result.status(), Status::Completed);
+    assert_eq!(seen.text, "Before.\nAfter.");
+
+    // While NATS is down: this replica answers from its backlog; an unknown id is UNAVAILABLE,
+    // not NOT_FOUND (the store cannot say).
+    let mut here = client(&service).await?;
+    assert_eq!(get_run(&mut here, "while-down").await?, seen.result);
+    let unknown = get_run(&mut here, "never-ran").await.err();
+    let code = unknown.and_then(|e| e.downcast_ref::<tonic::Status>().map(tonic::Status::code));
+    assert_eq!(code, Some(tonic::Code::Unavailable));
+    let backlog = scrape(&service.metrics)
+        .await?
+        .get("orchestrator_store_backlog{}")
+        .copied();
+    assert_eq!(backlog, Some(1.0));
+
+    // NATS is back: the backlog is written, and another replica reads the result from the store.
+    nats.restart().await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while scrape(&service.metrics)
+        .await?
+        .get("orchestrator_store_backlog{}")
+        .copied()
+        != Some(0.0)
+    {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the backlog was never written");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let other = orchestrator_on_nats(&nats.url(), &mock.base_url(), &runner, &[]).await?;
+    assert_eq!(get_run(&mut client(&other).await?, "while-down").await?, seen.result);
+    other.stop().await?;
+    assert_fault(
+        &service,
+        &seen,
+        Status::Completed,
+        Reason::Unspecified,
+        "Before.\nAfter.",
+    )
+    .await?;
+    service.stop().await
+}
+
+#[tokio::test]
+async fn a_full_signal_stream_marks_signals_undelivered_and_the_run_keeps_them() -> TestResult {
+    let nats = Nats::start().await?;
+    let turns = vec![Turn::text("Reporting.\n").then(Step::call(
+        "submit_report",
+        serde_json::json!({"summary": "a report too big for the stream"}),
+    ))];
+    let mock = mock("fault", Scenario::new(turns)).await?;
+    let service = orchestrator_on_nats(
+        &nats.url(),
+        &mock.base_url(),
+        &common::tool_runner_in_process().await?,
+        &["--signal-stream-max-bytes", "64", "--signal-publish-retries", "1"],
+    )
+    .await?;
+    let seen = run(&service, model("fault")).await?;
+    // run_finished does not wait for the broker: the signal is PENDING there, and the stored
+    // result says how its delivery ended.
+    assert_eq!(seen.result.signals.len(), 1, "{:?}", seen.result.signals);
+    let mut here = client(&service).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let stored = loop {
+        let stored = get_run(&mut here, seen.result.run_id.clone()).await?;
+        if stored.signals[0].delivery() != pb::SignalDelivery::Pending || tokio::time::Instant::now() > deadline {
+            break stored;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let signal = &stored.signals[0];
+    assert_eq!(signal.delivery(), pb::SignalDelivery::Undelivered);
+    assert!(
+        signal.arguments_json.contains("too big"),
+        "the signal is kept in the result"
+    );
+    let seen = Seen {
+        text: seen.text,
+        result: stored,
+    };
+    let failed = scrape(&service.metrics)
+        .await?
+        .get("orchestrator_signals_failed_total{}")
+        .copied();
+    assert_eq!(failed, Some(1.0));
+    assert_fault(&service, &seen, Status::Completed, Reason::Unspecified, "Reporting.\n").await?;
     service.stop().await
 }

@@ -6,6 +6,10 @@
 //! whose joined arguments are not valid JSON but whose last fragment is a complete JSON value
 //! repeating what was streamed before it (vLLM + GLM re-send the whole arguments in the finish
 //! chunk) takes that last fragment alone.
+//!
+//! Bounded: at most `max_calls` calls are kept (the assembler then says there were more), and
+//! at most `max_argument_bytes` of one call's arguments (the call then says how many bytes the
+//! model sent); a name is kept up to the longest valid tool name and one byte more.
 
 /// A call being assembled.
 #[derive(Debug, Default)]
@@ -15,6 +19,7 @@ struct Partial {
     name: String,
     arguments: String,
     last_fragment_len: usize,
+    argument_bytes: usize,
 }
 
 /// A call as assembled from the stream.
@@ -24,17 +29,51 @@ pub struct AssembledCall {
     pub id: Option<String>,
     /// Tool name.
     pub name: String,
-    /// Arguments text (`{}` when the server sent none).
+    /// Arguments text (`{}` when the server sent none), cut at the limit when longer.
     pub arguments: String,
+    /// Bytes of arguments the model sent (more than `arguments` holds when it was cut).
+    pub argument_bytes: usize,
 }
 
 /// Collects the fragments of one completion.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Assembler {
     calls: Vec<Partial>,
+    max_calls: usize,
+    max_argument_bytes: usize,
+    /// The model started a call past `max_calls`.
+    too_many: bool,
+    /// Fragments continuing the last call go nowhere: it was one too many.
+    dropping: bool,
 }
 
+impl Default for Assembler {
+    fn default() -> Self {
+        Self::new(usize::MAX, usize::MAX)
+    }
+}
+
+/// Longest name kept: one byte over the longest valid tool name, so it still reads as invalid.
+const MAX_NAME_BYTES: usize = shared::tools::MAX_TOOL_NAME_LEN + 1;
+
 impl Assembler {
+    /// An assembler keeping at most `max_calls` calls and `max_argument_bytes` of each one's
+    /// arguments.
+    pub fn new(max_calls: usize, max_argument_bytes: usize) -> Self {
+        Self {
+            calls: Vec::new(),
+            max_calls,
+            max_argument_bytes,
+            too_many: false,
+            dropping: false,
+        }
+    }
+
+    /// The model started more calls than this assembler keeps.
+    pub fn too_many(&self) -> bool {
+        self.too_many
+    }
+
     /// True when no fragment has been seen.
     pub fn is_empty(&self) -> bool {
         self.calls.is_empty()
@@ -55,8 +94,15 @@ impl Assembler {
             (None, Some(id)) => self.calls.iter().rposition(|c| c.id.as_ref() == Some(id)),
             (None, None) => self.calls.len().checked_sub(1),
         };
+        let continues_dropped = index.is_none() && id.is_none() && self.dropping;
         let call = match position {
+            Some(_) if continues_dropped => return,
             Some(p) => &mut self.calls[p],
+            None if self.calls.len() >= self.max_calls => {
+                self.too_many = true;
+                self.dropping = true;
+                return;
+            }
             None => {
                 self.calls.push(Partial {
                     index,
@@ -66,6 +112,7 @@ impl Assembler {
                 &mut self.calls[last]
             }
         };
+        self.dropping = false;
         if call.id.is_none() {
             call.id = id;
         }
@@ -75,10 +122,15 @@ impl Assembler {
             } else if call.name != name {
                 call.name.push_str(&name);
             }
+            let kept = shared::text::truncate(&call.name, MAX_NAME_BYTES).len();
+            call.name.truncate(kept);
         }
         if let Some(arguments) = arguments {
-            call.arguments.push_str(&arguments);
-            call.last_fragment_len = arguments.len();
+            call.argument_bytes += arguments.len();
+            let room = self.max_argument_bytes.saturating_sub(call.arguments.len());
+            let kept = shared::text::truncate(&arguments, room);
+            call.arguments.push_str(kept);
+            call.last_fragment_len = kept.len();
         }
     }
 
@@ -88,6 +140,7 @@ impl Assembler {
             .into_iter()
             .map(|c| AssembledCall {
                 arguments: resolve_arguments(c.arguments, c.last_fragment_len),
+                argument_bytes: c.argument_bytes,
                 id: c.id,
                 name: c.name,
             })
@@ -133,7 +186,8 @@ mod tests {
             AssembledCall {
                 id: s("0"),
                 name: "get".into(),
-                arguments: "{\"a\": 1}".into()
+                arguments: "{\"a\": 1}".into(),
+                argument_bytes: 8,
             }
         );
         assert_eq!(
@@ -141,7 +195,8 @@ mod tests {
             AssembledCall {
                 id: s("c2"),
                 name: "put".into(),
-                arguments: "{}".into()
+                arguments: "{}".into(),
+                argument_bytes: 2,
             }
         );
     }
@@ -174,5 +229,30 @@ mod tests {
         b.push(Some(0), s("r"), s("read"), s("{\"x\": 1"));
         b.push(Some(0), None, None, s("{\"y\": 2}"));
         assert_eq!(b.finish()[0].arguments, "{\"x\": 1{\"y\": 2}");
+    }
+
+    #[test]
+    fn calls_and_argument_bytes_are_bounded() {
+        let mut a = Assembler::new(2, 8);
+        a.push(Some(0), s("a"), s("f"), s("{\"k\": \"0123456789\"}"));
+        a.push(Some(1), s("b"), s("g"), s("{}"));
+        assert!(!a.too_many());
+        // A third call, and fragments continuing it, go nowhere.
+        a.push(Some(2), s("c"), s("h"), s("{"));
+        a.push(None, None, None, s("}"));
+        a.push(Some(1), None, Some("x".repeat(1000)), None);
+        assert!(a.too_many());
+        let calls = a.finish();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(
+            (calls[0].arguments.as_str(), calls[0].argument_bytes),
+            ("{\"k\": \"0", 19)
+        );
+        assert_eq!((calls[1].arguments.as_str(), calls[1].argument_bytes), ("{}", 2));
+        assert_eq!(
+            calls[1].name.len(),
+            shared::tools::MAX_TOOL_NAME_LEN + 1,
+            "a growing name is cut"
+        );
     }
 }

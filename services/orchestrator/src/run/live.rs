@@ -117,7 +117,7 @@ impl Emitter {
                 duration_ms,
                 ..
             } if content.len() > self.settings.max_event_bytes => {
-                let cut = floor_char_boundary(&content, self.settings.max_event_bytes);
+                let cut = shared::text::truncate(&content, self.settings.max_event_bytes).len();
                 self.number(Event::ToolCallFinished {
                     call_id,
                     name,
@@ -141,7 +141,7 @@ impl Emitter {
         lock(&self.state).text.push_str(text);
         let mut rest = text;
         while !rest.is_empty() {
-            let mut cut = floor_char_boundary(rest, self.settings.max_event_bytes);
+            let mut cut = shared::text::truncate(rest, self.settings.max_event_bytes).len();
             if cut == 0 {
                 cut = rest.chars().next().map_or(rest.len(), char::len_utf8);
             }
@@ -207,14 +207,6 @@ impl Emitter {
         })
         .await;
     }
-}
-
-/// The largest char boundary of `text` at or below `max`.
-fn floor_char_boundary(text: &str, max: usize) -> usize {
-    if max >= text.len() {
-        return text.len();
-    }
-    (0..=max).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0)
 }
 
 /// A run that was let in: its spec and everything live about it, handed to the loop as one value.

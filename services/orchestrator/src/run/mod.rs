@@ -152,6 +152,8 @@ pub enum FailureReason {
     UnknownError,
     /// The replica running the run stopped renewing its lease in the shared store.
     OrchestratorLost,
+    /// The model's output went over a size limit (calls in one turn, or the run's output).
+    OutputLimit,
 }
 
 /// A tool call's failure, as fed back to the model.

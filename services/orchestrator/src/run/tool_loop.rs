@@ -33,6 +33,7 @@ use super::{
     Delivery, Event, EventBatch, FailureReason, HARD_MAX_TURNS, ParsePolicy, RunResult, RunSpec, RunStatus, Signal,
     ToolCallError, ToolCallRecord, ToolExecutor, ToolInvocation,
 };
+use crate::config::OutputBounds;
 use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolCall, ToolDefinition, Usage};
 use crate::signals::{OnDelivery, SignalTopic};
 use crate::store::Persister;
@@ -54,6 +55,8 @@ pub struct LoopDeps {
     pub trace_payloads: Option<usize>,
     /// Largest tool result fed back to the model; longer ones are cut.
     pub max_tool_result_bytes: usize,
+    /// What the model may produce: calls per turn, argument bytes, output bytes.
+    pub output: OutputBounds,
 }
 
 /// How the loop ended.
@@ -107,7 +110,7 @@ pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
     telemetry::record_run_end(&result, started.elapsed());
     // The result is stored before the stream ends, so GetRun (on any replica) finds it.
     if let Some(persister) = &persister {
-        persister.write().await;
+        persister.write_final().await;
     }
     emitter.send(Event::RunFinished(result.clone())).await;
     drop(slot);
@@ -189,6 +192,8 @@ struct ModelCall {
     id: String,
     name: String,
     arguments: String,
+    /// Bytes of arguments the model sent (more than `arguments` holds when they were cut).
+    argument_bytes: usize,
 }
 
 /// One turn as it goes.
@@ -318,6 +323,7 @@ impl<'a> Driver<'a> {
         let request = self.chat_request(number);
         let output = self.stream_completion(request, &mut turn).await?;
         let calls = self.take_calls(output, &mut turn).await?;
+        self.within_output_for_calls(&calls)?;
         let partition = self.partition(calls);
         self.publish_signals(&partition, number);
         self.apply_parse_policy(&partition, &turn, budget_before)?;
@@ -373,10 +379,12 @@ impl<'a> Driver<'a> {
         self.emitter.flush().await;
         let requested = Instant::now();
         let stream = self.deps.model.stream(request).await.map_err(llm_failure)?;
-        self.completion = Some(Completion::new(stream, requested));
+        let collector = TurnCollector::new(self.deps.output.max_calls_per_turn, self.deps.output.max_argument_bytes);
+        self.completion = Some(Completion::new(stream, collector, requested));
         while let Some(batch) = self.next_batch().await {
             self.watch_reasoning(&batch.reasoning)?;
             self.show(turn, &batch.text).await?;
+            self.within_output_while_held()?;
             if let Some(e) = batch.error {
                 self.keep_interrupted_turn(true);
                 return Err(llm_failure(e));
@@ -402,7 +410,8 @@ impl<'a> Driver<'a> {
             return;
         };
         if release_text {
-            let held = completion.collector.release_held();
+            let mut held = completion.collector.release_held();
+            held.truncate(shared::text::truncate(&held, self.output_room()).len());
             self.detector.feed(&held);
             let turn = lock(self.state).turns;
             self.emitter.queue(Event::TextDelta { text: held, turn });
@@ -455,6 +464,7 @@ impl<'a> Driver<'a> {
         match output.resolution {
             Resolution::Text(text) => {
                 self.show(turn, &text).await?;
+                self.within_calls_per_turn(output.too_many_calls)?;
                 Ok(output
                     .structured
                     .into_iter()
@@ -462,6 +472,7 @@ impl<'a> Driver<'a> {
                         id: self.ids.take(c.id),
                         name: c.name,
                         arguments: c.arguments,
+                        argument_bytes: c.argument_bytes,
                     })
                     .collect())
             }
@@ -472,10 +483,12 @@ impl<'a> Driver<'a> {
                     return Err(End::Failed(FailureReason::ToolParseError, detail));
                 }
                 self.show(turn, &stripped).await?;
+                self.within_calls_per_turn(calls.len() > self.deps.output.max_calls_per_turn)?;
                 Ok(calls
                     .into_iter()
                     .map(|c| ModelCall {
                         id: self.ids.take(None),
+                        argument_bytes: c.arguments.len(),
                         name: c.name,
                         arguments: c.arguments,
                     })
@@ -488,8 +501,21 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Sorts the calls into normal, exit and bad (an unknown tool, or arguments that are not a
-    /// JSON object).
+    /// More calls in one turn than `--max-calls-per-turn` end the run `OUTPUT_LIMIT`; none of
+    /// them runs.
+    fn within_calls_per_turn(&self, too_many: bool) -> Step<()> {
+        if !too_many {
+            return Ok(());
+        }
+        let max = self.deps.output.max_calls_per_turn;
+        Err(End::failed(
+            FailureReason::OutputLimit,
+            format!("the model made more than {max} tool calls in one turn, this server's limit; none of them ran"),
+        ))
+    }
+
+    /// Sorts the calls into normal, exit and bad (an unknown tool, arguments over the size limit,
+    /// or arguments that are not a JSON object).
     fn partition(&self, calls: Vec<ModelCall>) -> Partition {
         let mut partition = Partition {
             normal: Vec::new(),
@@ -503,6 +529,14 @@ impl<'a> Driver<'a> {
             } else if !self.normal_names.contains(call.name.as_str()) {
                 let message = format!("there is no tool named {:?} in this run", call.name);
                 partition.bad.push((i, ToolCallError::new("NOT_FOUND", message)));
+            } else if call.argument_bytes > self.deps.output.max_argument_bytes {
+                let message = format!(
+                    "the arguments of {} are {} bytes, over this server's limit of {}; pass less (e.g. a reference instead of the content)",
+                    call.name, call.argument_bytes, self.deps.output.max_argument_bytes
+                );
+                partition
+                    .bad
+                    .push((i, ToolCallError::new("INVALID_ARGUMENTS", message)));
             } else if !is_json_object(&call.arguments) {
                 let message = format!(
                     "the arguments of {} are not a JSON object: {}",
@@ -572,7 +606,7 @@ impl<'a> Driver<'a> {
                 state.status != RunStatus::Running
             };
             match persister {
-                Some(persister) if finished => persister.write_soon(),
+                Some(persister) if finished => persister.write_final_soon(),
                 Some(persister) => persister.checkpoint(),
                 None => {}
             }
@@ -735,7 +769,7 @@ impl<'a> Driver<'a> {
         if json.len() <= max {
             return json.to_owned();
         }
-        let cut = (0..=max).rev().find(|&i| json.is_char_boundary(i)).unwrap_or(0);
+        let cut = shared::text::truncate(json, max).len();
         metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
         format!(
             "{}\n[result cut: {} of {} bytes left out]",
@@ -796,9 +830,17 @@ impl<'a> Driver<'a> {
             return Ok(());
         }
         let tripped = self.detector.feed(text);
-        let shown = tripped.as_ref().map_or(text, |(_, end)| &text[..*end]);
+        let mut shown = tripped.as_ref().map_or(text, |(_, end)| &text[..*end]);
+        let over = shown.len() > self.output_room();
+        if over {
+            shown = shared::text::truncate(shown, self.output_room());
+        }
         self.emitter.text(shown, turn.number).await;
         turn.text.push_str(shown);
+        if over {
+            self.keep_interrupted_turn(false);
+            return Err(self.output_limit("its text"));
+        }
         match tripped {
             None => Ok(()),
             Some((line, _)) => {
@@ -812,6 +854,55 @@ impl<'a> Driver<'a> {
                 ))
             }
         }
+    }
+
+    /// Bytes of the run's output so far: its text and the arguments and errors of its calls and
+    /// signals (what its result carries).
+    fn output_bytes(&self) -> usize {
+        let state = lock(self.state);
+        let calls: usize = state
+            .tool_calls
+            .iter()
+            .map(|c| c.arguments_json.len() + c.error.as_ref().map_or(0, |e| e.message.len()))
+            .sum();
+        let signals: usize = state.signals.iter().map(|s| s.arguments_json.len()).sum();
+        state.text.len() + calls + signals
+    }
+
+    /// Bytes the run may still output.
+    fn output_room(&self) -> usize {
+        self.deps.output.max_output_bytes.saturating_sub(self.output_bytes())
+    }
+
+    fn output_limit(&self, what: &str) -> End {
+        End::failed(
+            FailureReason::OutputLimit,
+            format!(
+                "the run's output reached this server's limit of {} bytes with {what}; the output up to it is kept",
+                self.deps.output.max_output_bytes
+            ),
+        )
+    }
+
+    /// Text held back as a possible directive counts against the output limit too: past it,
+    /// what fits is released and the run ends `OUTPUT_LIMIT`.
+    fn within_output_while_held(&mut self) -> Step<()> {
+        let held = self.completion.as_ref().map_or(0, |c| c.collector.held_text().len());
+        if held <= self.output_room() {
+            return Ok(());
+        }
+        self.keep_interrupted_turn(true);
+        Err(self.output_limit("its text"))
+    }
+
+    /// The arguments of a turn's calls must fit in what the run may still output; otherwise the
+    /// run ends `OUTPUT_LIMIT` and none of them runs.
+    fn within_output_for_calls(&self, calls: &[ModelCall]) -> Step<()> {
+        let bytes: usize = calls.iter().map(|c| c.arguments.len()).sum();
+        if bytes <= self.output_room() {
+            return Ok(());
+        }
+        Err(self.output_limit(&format!("the {bytes} bytes of arguments of this turn's tool calls")))
     }
 
     fn offers(&self, name: &str) -> bool {
@@ -840,10 +931,14 @@ struct Completion {
 }
 
 impl Completion {
-    fn new(stream: BoxStream<'static, Result<LlmEvent, LlmError>>, requested: Instant) -> Self {
+    fn new(
+        stream: BoxStream<'static, Result<LlmEvent, LlmError>>,
+        collector: TurnCollector,
+        requested: Instant,
+    ) -> Self {
         Self {
             stream: stream.fuse(),
-            collector: TurnCollector::default(),
+            collector,
             requested,
             first_token: true,
         }
@@ -1104,6 +1199,7 @@ mod tests {
         read_every: Option<Duration>,
         /// The caller is attached: it stopping to read cancels the run.
         attached: bool,
+        output: OutputBounds,
     }
 
     impl Default for Outside {
@@ -1115,6 +1211,7 @@ mod tests {
                 buffer: 1024,
                 read_every: Some(Duration::ZERO),
                 attached: false,
+                output: crate::Config::default().runs.output,
             }
         }
     }
@@ -1140,6 +1237,7 @@ mod tests {
             },
             trace_payloads: None,
             max_tool_result_bytes: 1024,
+            output: outside.output,
         };
         let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
         let (tx, mut rx) = mpsc::channel(outside.buffer);
@@ -1573,5 +1671,100 @@ mod tests {
             batches.last().and_then(|b| b.last()).map(|e| &e.event),
             Some(Event::RunFinished(_))
         ));
+    }
+
+    fn bounded(max_calls_per_turn: usize, max_argument_bytes: usize, max_output_bytes: usize) -> Outside {
+        Outside {
+            output: OutputBounds {
+                max_calls_per_turn,
+                max_argument_bytes,
+                max_output_bytes,
+            },
+            ..Outside::default()
+        }
+    }
+
+    async fn play_bounded(turns: Vec<Vec<Result<LlmEvent, LlmError>>>, outside: Outside) -> (RunResult, usize) {
+        let (result, _, _, tools) = play_with(turns, limits(), outside).await;
+        (result, tools.peak.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_per_turn_on_both_sides_of_the_limit() {
+        let naps = |n: u32| (0..n).map(|i| call(i, "nap", r#"{"ms": 1}"#)).collect::<Vec<_>>();
+        let (result, ran) = play_bounded(vec![naps(2), vec![text("done")]], bounded(2, 1024, 4096)).await;
+        assert_eq!(
+            (result.status, result.tool_calls.len(), ran),
+            (RunStatus::Completed, 2, 2)
+        );
+
+        let mut turn = vec![text("fanning out\n")];
+        turn.extend(naps(3));
+        let (result, ran) = play_bounded(vec![turn], bounded(2, 1024, 4096)).await;
+        assert_eq!(
+            (result.status, result.failure_reason, ran),
+            (RunStatus::Failed, Some(FailureReason::OutputLimit), 0)
+        );
+        assert!(
+            result.failure_detail.contains("more than 2 tool calls"),
+            "{}",
+            result.failure_detail
+        );
+        assert_eq!(result.text, "fanning out\n", "the text before is kept");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn argument_bytes_on_both_sides_of_the_limit() {
+        let at_limit = format!(r#"{{"s": "{}"}}"#, "x".repeat(64 - 9));
+        let over = format!(r#"{{"s": "{}"}}"#, "x".repeat(65 - 9));
+        assert_eq!((at_limit.len(), over.len()), (64, 65));
+        let (result, ran) = play_bounded(
+            vec![vec![call(0, "nap", &at_limit)], vec![text("done")]],
+            bounded(8, 64, 4096),
+        )
+        .await;
+        assert_eq!(
+            (result.status, ran),
+            (RunStatus::Completed, 1),
+            "{}",
+            result.failure_detail
+        );
+        // Over the limit: a bad call, as arguments that are not JSON are (this spec's policy
+        // is FAIL; with FEED_BACK the error goes back to the model).
+        let (result, ran) = play_bounded(vec![vec![call(0, "nap", &over)]], bounded(8, 64, 4096)).await;
+        assert_eq!(
+            (result.status, result.failure_reason, ran),
+            (RunStatus::Failed, Some(FailureReason::ToolParseError), 0)
+        );
+        assert!(
+            result
+                .failure_detail
+                .contains("65 bytes, over this server's limit of 64"),
+            "{}",
+            result.failure_detail
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn output_bytes_on_both_sides_of_the_limit_and_while_held() {
+        let (result, _) = play_bounded(vec![vec![text(&"a".repeat(100))]], bounded(8, 64, 100)).await;
+        assert_eq!((result.status, result.text.len()), (RunStatus::Completed, 100));
+
+        let (result, _) = play_bounded(
+            vec![vec![text(&"a".repeat(60)), text(&"b".repeat(60))]],
+            bounded(8, 64, 100),
+        )
+        .await;
+        assert_eq!(
+            (result.status, result.failure_reason),
+            (RunStatus::Failed, Some(FailureReason::OutputLimit))
+        );
+        assert_eq!(result.text, format!("{}{}", "a".repeat(60), "b".repeat(40)));
+
+        // A directive that never closes is held, not shown; it counts all the same.
+        let open = format!("Here:\n```json\n{}", "c".repeat(200));
+        let (result, _) = play_bounded(vec![vec![text(&open)]], bounded(8, 64, 100)).await;
+        assert_eq!(result.failure_reason, Some(FailureReason::OutputLimit));
+        assert_eq!(result.text, open[..100], "what fits of the held text is kept");
     }
 }

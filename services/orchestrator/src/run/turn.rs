@@ -30,9 +30,20 @@ pub struct TurnOutput {
     pub usage: Usage,
     /// The model's finish_reason, if it sent one.
     pub finish_reason: Option<String>,
+    /// The model started more structured calls than the collector keeps.
+    pub too_many_calls: bool,
 }
 
 impl TurnCollector {
+    /// A collector keeping at most `max_calls` structured calls and `max_argument_bytes` of each
+    /// one's arguments.
+    pub fn new(max_calls: usize, max_argument_bytes: usize) -> Self {
+        Self {
+            assembler: Assembler::new(max_calls, max_argument_bytes),
+            ..Self::default()
+        }
+    }
+
     /// Takes one event; returns text that can be shown now.
     pub fn push(&mut self, event: LlmEvent) -> Option<String> {
         match event {
@@ -79,6 +90,7 @@ impl TurnCollector {
 
     /// Ends the turn.
     pub fn finish(self) -> TurnOutput {
+        let too_many_calls = self.assembler.too_many();
         let structured = self.assembler.finish();
         let resolution = self.gate.finish(!structured.is_empty());
         TurnOutput {
@@ -87,6 +99,7 @@ impl TurnCollector {
             reasoning: self.reasoning,
             usage: self.usage.unwrap_or_default(),
             finish_reason: self.finish_reason,
+            too_many_calls,
         }
     }
 }

@@ -19,7 +19,7 @@ use futures::{FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
 
 use super::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
-use crate::config::SignalSettings;
+use crate::config::{SignalSettings, StreamDiscard};
 use crate::run::{Delivery, Signal};
 
 /// A signal as published: the `orchestrator.v1.Signal` fields, as JSON.
@@ -84,6 +84,10 @@ impl NatsTopic {
             subjects: vec![format!("{}.>", settings.subject_prefix)],
             max_age: settings.stream_max_age,
             max_bytes: settings.stream_max_bytes,
+            discard: match settings.stream_discard {
+                StreamDiscard::New => jetstream::stream::DiscardPolicy::New,
+                StreamDiscard::Old => jetstream::stream::DiscardPolicy::Old,
+            },
             duplicate_window: Duration::from_secs(120),
             storage: jetstream::stream::StorageType::File,
             ..Default::default()

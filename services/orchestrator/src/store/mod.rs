@@ -7,6 +7,7 @@
 //! run go through its [`Persister`], which takes the snapshot inside a per-run lock, so the last
 //! write is always the newest state even when writes race (e.g. a signal confirmed late).
 
+pub mod backlog;
 pub mod memory;
 pub mod nats;
 
@@ -17,6 +18,7 @@ use futures::future::BoxFuture;
 
 use crate::run::RunResult;
 use crate::run::live::SharedState;
+use backlog::Backlog;
 
 /// A place for run results.
 pub trait ResultStore: Send + Sync + 'static {
@@ -49,26 +51,41 @@ pub struct Persister {
     state: SharedState,
     lock: Arc<tokio::sync::Mutex<()>>,
     timeout: Duration,
+    backlog: Arc<Backlog>,
 }
 
 impl Persister {
-    /// A persister of `state` into `store`; one write waits at most `timeout`.
-    pub fn new(store: Arc<dyn ResultStore>, state: SharedState, timeout: Duration) -> Self {
+    /// A persister of `state` into `store`; one write waits at most `timeout`; a final result
+    /// the store does not take waits in `backlog`.
+    pub fn new(store: Arc<dyn ResultStore>, state: SharedState, timeout: Duration, backlog: Arc<Backlog>) -> Self {
         Self {
             store,
             state,
             lock: Arc::default(),
             timeout,
+            backlog,
         }
     }
 
-    /// Writes the current state now.
-    pub async fn write(&self) {
+    /// Writes the current state now; whether the store took it.
+    pub async fn write(&self) -> bool {
         let _serialized = self.lock.lock().await;
         let snapshot = self.snapshot();
         let run_id = snapshot.run_id.clone();
-        if let Err(e) = self.bounded(self.store.put(snapshot)).await {
-            tracing::warn!(run_id = %run_id, "storing the run's result failed: {e}");
+        match self.bounded(self.store.put(snapshot)).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(run_id = %run_id, "storing the run's state failed: {e}");
+                false
+            }
+        }
+    }
+
+    /// Writes the final result; if the store does not take it, it waits in the backlog (answered
+    /// by GetRun here, written again until the store takes it).
+    pub async fn write_final(&self) {
+        if !self.write().await {
+            self.backlog.push(self.snapshot());
         }
     }
 
@@ -90,7 +107,10 @@ impl Persister {
     /// store is local: the registry answers for live runs).
     pub fn checkpoint(&self) {
         if self.store.shared().is_some() {
-            self.write_soon();
+            let this = self.clone();
+            tokio::spawn(async move {
+                let _ = this.write().await;
+            });
         }
     }
 
@@ -113,14 +133,15 @@ impl Persister {
         Some(shared::runtime::AbortOnDrop(tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                this.write().await;
+                let _ = this.write().await;
             }
         })))
     }
 
-    /// Writes the current state in the background (off the run's path).
-    pub fn write_soon(&self) {
+    /// Writes the final result again in the background (off the run's path), e.g. after a late
+    /// signal confirmation changed it.
+    pub fn write_final_soon(&self) {
         let this = self.clone();
-        tokio::spawn(async move { this.write().await });
+        tokio::spawn(async move { this.write_final().await });
     }
 }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub(crate) mod nats;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
