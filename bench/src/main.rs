@@ -10,6 +10,7 @@
 mod micro;
 mod otlp;
 mod procstat;
+mod soak;
 mod stack;
 mod workload;
 
@@ -44,6 +45,51 @@ struct Cli {
     /// with the range seen: on a shared machine one run can be 30 % off.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     repeat: u32,
+    /// Instead of the grid: a soak of this many runs (1–10000000) with faults injected, checked
+    /// run by run (see `--soak-fault-rate`); writes `soak.md` / `soak.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    soak: Option<u64>,
+    /// Share of the soak's runs that get a fault (0–1).
+    #[arg(long, default_value_t = 0.05)]
+    soak_fault_rate: f64,
+    /// Soak runs at once (1–10000).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    soak_concurrency: u64,
+}
+
+/// `--soak`: the soak instead of the grid; exits 1 when a check fails.
+async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&cli.soak_fault_rate),
+        "--soak-fault-rate {} must be from 0 to 1",
+        cli.soak_fault_rate
+    );
+    let concurrency = usize::try_from(cli.soak_concurrency)?;
+    let stack = stack::Stack::start(
+        bin,
+        soak::scenarios(runs),
+        concurrency.div_ceil(50),
+        None,
+        "warn,shared::metrics=info",
+        soak::FLAGS,
+    )
+    .await?;
+    eprintln!(
+        "bench: soak of {runs} runs, {} at once, orchestrator pid {}",
+        concurrency, stack.pid
+    );
+    let settings = soak::Soak {
+        runs,
+        fault_rate: cli.soak_fault_rate,
+        concurrency,
+    };
+    let passed = settings.run(&stack, &cli.out).await;
+    stack.stop().await;
+    if !passed? {
+        eprintln!("bench: the soak FAILED (see {})", cli.out.join("soak.md").display());
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 /// One workload with OTLP export off and on.
@@ -511,7 +557,7 @@ fn markdown(results: &[Measured], targets: &[Target], baselines: &Baselines, qui
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     stack::raise_open_files();
-    let bin = match cli.orchestrator_bin {
+    let bin = match cli.orchestrator_bin.clone() {
         Some(bin) => bin,
         None => std::env::current_exe()?.with_file_name("orchestrator"),
     };
@@ -520,6 +566,9 @@ async fn main() -> anyhow::Result<()> {
         "{} is missing: cargo build --release -p orchestrator (or pass --orchestrator-bin)",
         bin.display()
     );
+    if let Some(runs) = cli.soak {
+        return soak(&cli, &bin, runs).await;
+    }
     let mut workloads = grid(cli.quick);
     if !cli.only.is_empty() {
         let known: Vec<String> = workloads.iter().map(|w| w.name.clone()).collect();
@@ -537,7 +586,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let max_concurrency = workloads.iter().map(|w| w.concurrency).max().unwrap_or(1);
     // Logs at warn: the grid measures orchestration, not logging.
-    let stack = stack::Stack::start(&bin, scenarios, max_concurrency.div_ceil(50), None, "warn").await?;
+    let stack = stack::Stack::start(&bin, scenarios, max_concurrency.div_ceil(50), None, "warn", &[]).await?;
     eprintln!(
         "bench: orchestrator pid {} ({}), {} workloads",
         stack.pid,
@@ -598,7 +647,7 @@ async fn main() -> anyhow::Result<()> {
                 named: traced.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
             };
             let channels = max_concurrency.div_ceil(50);
-            let off_stack = stack::Stack::start(&bin, scenarios(), channels, None, "info").await?;
+            let off_stack = stack::Stack::start(&bin, scenarios(), channels, None, "info", &[]).await?;
             let mut off = Vec::new();
             for workload in &traced {
                 eprint!("bench: {:<20} export off … ", workload.name);
@@ -606,7 +655,7 @@ async fn main() -> anyhow::Result<()> {
                 eprintln!("done");
             }
             off_stack.stop().await;
-            let on_stack = stack::Stack::start(&bin, scenarios(), channels, Some(&sink.endpoint), "info").await?;
+            let on_stack = stack::Stack::start(&bin, scenarios(), channels, Some(&sink.endpoint), "info", &[]).await?;
             for (workload, off) in traced.iter().zip(off) {
                 eprint!("bench: {:<20} export on … ", workload.name);
                 let on = measure(&on_stack, workload).await?;

@@ -23,16 +23,20 @@ pub(crate) struct Stack {
     pub pid: u32,
     /// Client channels (streams are spread over them: HTTP/2 limits streams per connection).
     pub channels: Vec<Channel>,
+    /// Where its `/metrics` are, when `extra` turned them on.
+    pub metrics: Option<String>,
 }
 
 impl Stack {
-    /// Starts everything; `scenarios` are the model's scripts (chosen by model name).
+    /// Starts everything; `scenarios` are the model's scripts (chosen by model name); `extra`
+    /// flags override the benchmark's settings (given as environment variables for that reason).
     pub(crate) async fn start(
         orchestrator_bin: &Path,
         scenarios: Scenarios,
         channels: usize,
         otlp: Option<&str>,
         rust_log: &str,
+        extra: &[&str],
     ) -> anyhow::Result<Self> {
         let mock = MockLlm::start_timed(scenarios).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -43,25 +47,15 @@ impl Stack {
 
         let mut command = Command::new(orchestrator_bin);
         command
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "off",
-                "--log-format",
-                "json",
-            ])
-            .args(["--max-runs", "20000", "--keep-results", "100000"])
+            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
             .args(["--tool-call-budget", "100000", "--tool-call-budget-ceiling", "100000"])
-            .args([
-                "--llm-idle-timeout",
-                "120s",
-                "--run-timeout",
-                "30m",
-                "--run-timeout-ceiling",
-                "1h",
-            ])
+            .args(["--run-timeout", "30m", "--run-timeout-ceiling", "1h"])
             .args(["--tool-runner", &runner])
+            .args(extra)
+            .env("ORCHESTRATOR_METRICS_LISTEN", "off")
+            .env("ORCHESTRATOR_MAX_RUNS", "20000")
+            .env("ORCHESTRATOR_KEEP_RESULTS", "100000")
+            .env("LLM_IDLE_TIMEOUT", "120s")
             .env("LLM_BASE_URL", mock.base_url())
             .env("RUST_LOG", format!("{rust_log},orchestrator::server=info"))
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -84,13 +78,18 @@ impl Stack {
             .ok_or_else(|| anyhow::anyhow!("the orchestrator exited at once"))?;
         let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
         let mut lines = BufReader::new(stderr).lines();
+        let mut metrics = None;
         let address = loop {
             let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
                 .await??
                 .ok_or_else(|| anyhow::anyhow!("the orchestrator exited before serving"))?;
             let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-            if entry["message"] == "orchestrator serving" {
-                break entry["address"].as_str().unwrap_or_default().to_owned();
+            let message = entry["message"].as_str().unwrap_or_default();
+            let address = entry["address"].as_str().unwrap_or_default().to_owned();
+            if message.starts_with("metrics serving") {
+                metrics = Some(address);
+            } else if message == "orchestrator serving" {
+                break address;
             }
         };
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
@@ -110,6 +109,7 @@ impl Stack {
             child,
             pid,
             channels: pool,
+            metrics,
         })
     }
 

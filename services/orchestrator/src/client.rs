@@ -175,15 +175,17 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
         .into_inner();
     let mut printer = Printer::default();
     let mut stdout = std::io::stdout();
+    // Read to the end of the stream (its trailers), not just to run_finished.
+    let mut result = None;
     while let Some(item) = stream.next().await {
         let event =
             item.map_err(|s| Error::Config(format!("the event stream broke off: {:?}: {}", s.code(), s.message())))?;
         if let Some(event) = &event.event {
             printer.print(&mut stdout, event);
             if let E::RunFinished(finished) = event {
-                return Ok(finished.result.clone().unwrap_or_default());
+                result = Some(finished.result.clone().unwrap_or_default());
             }
         }
     }
-    Err(Error::Config("the event stream ended without run_finished".into()))
+    result.ok_or_else(|| Error::Config("the event stream ended without run_finished".into()))
 }

@@ -116,6 +116,20 @@ struct GuardState {
     cut: VecDeque<Bytes>,
 }
 
+impl GuardState {
+    /// The next piece of the last read, counted against the caps event by event, so the events
+    /// before a line or an event that is too large still pass, however the reads were cut.
+    fn next_piece(&mut self, limits: DecodeLimits) -> Option<Result<Bytes, LlmError>> {
+        let piece = self.cut.pop_front()?;
+        if let Err(message) = self.sizes.take(&piece, limits) {
+            self.ended = true;
+            self.cut.clear();
+            return Some(Err(LlmError::Protocol(message)));
+        }
+        Some(Ok(piece))
+    }
+}
+
 /// Cuts `chunk` after each `\n\n` (the end of an event, as servers send them), without copying,
 /// and queues the pieces in order.
 fn cut_events(mut chunk: Bytes, into: &mut VecDeque<Bytes>) {
@@ -142,11 +156,13 @@ struct Sizes {
 }
 
 impl Sizes {
-    /// Counts `chunk`; an error when a line or an event grows past its cap.
+    /// Counts `chunk`; an error when a line or an event grows past its cap, wherever the chunk
+    /// boundaries fall (a whole line inside one chunk is checked as it ends).
     fn take(&mut self, chunk: &[u8], limits: DecodeLimits) -> Result<(), String> {
         let mut from = 0;
         for at in memchr::memchr_iter(b'\n', chunk) {
             self.extend(&chunk[from..at]);
+            self.check(limits)?;
             if self.line == 0 || self.line_is_cr {
                 self.event = 0;
             } else {
@@ -156,6 +172,11 @@ impl Sizes {
             from = at + 1;
         }
         self.extend(&chunk[from..]);
+        self.check(limits)
+    }
+
+    /// The line and the event so far within their caps.
+    fn check(&self, limits: DecodeLimits) -> Result<(), String> {
         if self.line > limits.max_line_bytes {
             return Err(format!(
                 "the LLM stream sent a line longer than {} bytes",
@@ -193,8 +214,8 @@ fn guard<E: Display + Send + 'static>(
         cut: VecDeque::new(),
     };
     futures::stream::unfold(state, move |mut state| async move {
-        if let Some(piece) = state.cut.pop_front() {
-            return Some((Ok(piece), state));
+        if let Some(piece) = state.next_piece(limits) {
+            return Some((piece, state));
         }
         if state.ended {
             return None;
@@ -218,13 +239,9 @@ fn guard<E: Display + Send + 'static>(
                 Some((Err(e), state))
             }
             Ok(Some(Ok(chunk))) => {
-                if let Err(message) = state.sizes.take(&chunk, limits) {
-                    state.ended = true;
-                    return Some((Err(LlmError::Protocol(message)), state));
-                }
                 cut_events(chunk, &mut state.cut);
-                let piece = state.cut.pop_front().unwrap_or_default();
-                Some((Ok(piece), state))
+                let piece = state.next_piece(limits).unwrap_or_else(|| Ok(Bytes::new()));
+                Some((piece, state))
             }
         }
     })
@@ -387,6 +404,15 @@ mod tests {
         }
     }
 
+    /// Limits no well-formed test stream reaches.
+    fn roomy() -> DecodeLimits {
+        DecodeLimits {
+            max_line_bytes: 4096,
+            max_event_bytes: 8192,
+            ..limits()
+        }
+    }
+
     async fn decode_all(parts: Vec<&'static str>, limits: DecodeLimits) -> Vec<Result<LlmEvent, LlmError>> {
         let stream = futures::stream::iter(parts.into_iter().map(|p| Ok::<_, std::io::Error>(Bytes::from(p))));
         decode(stream, limits).collect().await
@@ -399,7 +425,7 @@ mod tests {
                 ": keep-alive\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n",
                 "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n",
             ],
-            limits(),
+            roomy(),
         )
         .await;
         assert_eq!(
@@ -435,7 +461,7 @@ mod tests {
         );
         let error_event = decode_all(
             vec!["event: error\ndata: {\"error\":{\"message\":\"boom\",\"code\":\"x\"}}\n\n"],
-            limits(),
+            roomy(),
         )
         .await;
         assert_eq!(error_event, vec![Err(LlmError::Server("boom (code x)".into()))]);
@@ -449,6 +475,27 @@ mod tests {
         assert!(
             matches!(&endless[..], [Err(LlmError::Protocol(m))] if m.contains("longer than 64 bytes")),
             "{endless:?}"
+        );
+        // Found by the fuzz test: the events before a line that is too long pass however the
+        // reads were cut (they were lost when both came in one read).
+        let text = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
+        let text_then_long: &'static str = format!("{text}data: {}\n\n", "x".repeat(100)).leak();
+        let one_read = decode_all(vec![text_then_long], limits()).await;
+        let two_reads = decode_all(
+            vec![&text_then_long[..text.len()], &text_then_long[text.len()..]],
+            limits(),
+        )
+        .await;
+        assert!(
+            matches!(&one_read[..], [Ok(LlmEvent::TextDelta(a)), Err(LlmError::Protocol(m))] if a == "a" && m.contains("longer than 64")),
+            "{one_read:?}"
+        );
+        assert_eq!(one_read, two_reads);
+        // Found by the fuzz test: a long line that ends inside the same read was not checked.
+        let whole = decode_all(vec![&*format!("data: {}\n\n", "x".repeat(100)).leak()], limits()).await;
+        assert!(
+            matches!(&whole[..], [Err(LlmError::Protocol(m))] if m.contains("longer than 64 bytes")),
+            "{whole:?}"
         );
     }
 

@@ -19,6 +19,7 @@ pub(crate) fn tool_runner_bin() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+#[allow(unused_imports)]
 pub(crate) use testkit::Service;
 
 /// Scrapes `/metrics` into series (name + sorted labels) → value.
