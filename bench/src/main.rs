@@ -633,50 +633,90 @@ async fn main() -> anyhow::Result<()> {
     stack.stop().await;
 
     // Tracing: the same workloads on a fresh orchestrator exporting every span over OTLP.
+    let tracing_costs = if cli.no_tracing {
+        Vec::new()
+    } else {
+        tracing_costs(&bin, &workloads, max_concurrency).await?
+    };
+
+    let measured = GridRun {
+        results,
+        echo_floor,
+        round_trip_us,
+        sse,
+        tracing_costs,
+    };
+    write_report(&cli, measured)
+}
+
+/// The traced workloads on a fresh orchestrator with OTLP export off, then on.
+async fn tracing_costs(
+    bin: &std::path::Path,
+    workloads: &[Workload],
+    max_concurrency: usize,
+) -> anyhow::Result<Vec<TracingCost>> {
     let mut tracing_costs = Vec::new();
-    if !cli.no_tracing {
-        let traced: Vec<&Workload> = workloads
-            .iter()
-            .filter(|w| w.name == "text_only" || w.name == "overhead_c1000_x4")
-            .collect();
-        if !traced.is_empty() {
-            // Both sides at the production default (info), so spans exist; only export differs.
-            let sink = otlp::Sink::start().await?;
-            let scenarios = || Scenarios {
-                default: mock_llm::Scenario::demo(),
-                named: traced.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
-            };
-            let channels = max_concurrency.div_ceil(50);
-            let off_stack = stack::Stack::start(&bin, scenarios(), channels, None, "info", &[]).await?;
-            let mut off = Vec::new();
-            for workload in &traced {
-                eprint!("bench: {:<20} export off … ", workload.name);
-                off.push(measure(&off_stack, workload).await?);
-                eprintln!("done");
-            }
-            off_stack.stop().await;
-            let on_stack = stack::Stack::start(&bin, scenarios(), channels, Some(&sink.endpoint), "info", &[]).await?;
-            for (workload, off) in traced.iter().zip(off) {
-                eprint!("bench: {:<20} export on … ", workload.name);
-                let on = measure(&on_stack, workload).await?;
-                eprintln!("{} errors", on.errors);
-                tracing_costs.push(TracingCost {
-                    workload: workload.name.clone(),
-                    cpu_per_turn_off_us: off.cpu_per_turn_us,
-                    cpu_per_turn_on_us: on.cpu_per_turn_us,
-                    overhead_p50_off_us: off.overhead_per_turn_us.p50,
-                    overhead_p50_on_us: on.overhead_per_turn_us.p50,
-                    spans_exported: 0,
-                });
-            }
-            on_stack.stop().await;
-            let spans = sink.spans();
-            for cost in &mut tracing_costs {
-                cost.spans_exported = spans;
-            }
+    let traced: Vec<&Workload> = workloads
+        .iter()
+        .filter(|w| w.name == "text_only" || w.name == "overhead_c1000_x4")
+        .collect();
+    if !traced.is_empty() {
+        // Both sides at the production default (info), so spans exist; only export differs.
+        let sink = otlp::Sink::start().await?;
+        let scenarios = || Scenarios {
+            default: mock_llm::Scenario::demo(),
+            named: traced.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
+        };
+        let channels = max_concurrency.div_ceil(50);
+        let off_stack = stack::Stack::start(bin, scenarios(), channels, None, "info", &[]).await?;
+        let mut off = Vec::new();
+        for workload in &traced {
+            eprint!("bench: {:<20} export off … ", workload.name);
+            off.push(measure(&off_stack, workload).await?);
+            eprintln!("done");
+        }
+        off_stack.stop().await;
+        let on_stack = stack::Stack::start(bin, scenarios(), channels, Some(&sink.endpoint), "info", &[]).await?;
+        for (workload, off) in traced.iter().zip(off) {
+            eprint!("bench: {:<20} export on … ", workload.name);
+            let on = measure(&on_stack, workload).await?;
+            eprintln!("{} errors", on.errors);
+            tracing_costs.push(TracingCost {
+                workload: workload.name.clone(),
+                cpu_per_turn_off_us: off.cpu_per_turn_us,
+                cpu_per_turn_on_us: on.cpu_per_turn_us,
+                overhead_p50_off_us: off.overhead_per_turn_us.p50,
+                overhead_p50_on_us: on.overhead_per_turn_us.p50,
+                spans_exported: 0,
+            });
+        }
+        on_stack.stop().await;
+        let spans = sink.spans();
+        for cost in &mut tracing_costs {
+            cost.spans_exported = spans;
         }
     }
+    Ok(tracing_costs)
+}
 
+/// Everything one grid run measured.
+struct GridRun {
+    results: Vec<Measured>,
+    echo_floor: Option<f64>,
+    round_trip_us: f64,
+    sse: micro::SseDecode,
+    tracing_costs: Vec<TracingCost>,
+}
+
+/// Checks the targets and writes the report (`latest`, `quick` or `partial` `.md` / `.json`).
+fn write_report(cli: &Cli, run: GridRun) -> anyhow::Result<()> {
+    let GridRun {
+        mut results,
+        echo_floor,
+        round_trip_us,
+        sse,
+        tracing_costs,
+    } = run;
     let targets = targets(&mut results, echo_floor);
     let baselines = Baselines {
         echo_floor_calls_per_s: echo_floor,

@@ -126,34 +126,7 @@ pub async fn serve_with_resolver(
     let service = OrchestratorServer::new(OrchestratorService::new(Arc::clone(&core)))
         .max_decoding_message_size(config.server.max_request_bytes);
 
-    let grace = config.server.shutdown_grace;
-    let drain = {
-        let core = Arc::clone(&core);
-        async move {
-            shutdown.await;
-            tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
-            health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
-            core.draining.store(true, Ordering::Release);
-            core.stopping.cancel();
-            // Keep a margin at the end of the grace period for canceled runs to store their result.
-            let margin = (grace / 10).min(Duration::from_secs(1));
-            if tokio::time::timeout(grace - margin, core.runs.wait_idle())
-                .await
-                .is_err()
-            {
-                let canceled = core.runs.cancel_all("the orchestrator is shutting down");
-                tracing::warn!(canceled, "grace period ending; canceled the runs still in flight");
-                let _ = tokio::time::timeout(margin, core.runs.wait_idle()).await;
-            }
-            match core.runs.unstored() {
-                0 => tracing::info!("drained"),
-                n => tracing::error!(
-                    unstored = n,
-                    "drained, but the result store never took these finished results; GetRun will not find them"
-                ),
-            }
-        }
-    };
+    let drain = drain(Arc::clone(&core), health, config.server.shutdown_grace, shutdown);
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_service)
@@ -167,6 +140,38 @@ pub async fn serve_with_resolver(
     drop(refresher);
     tracing::info!("orchestrator stopped");
     Ok(())
+}
+
+/// The drain (see the module docs): waits for `shutdown`, then gives the runs in flight `grace`
+/// to finish and cancels the rest shortly before it ends.
+async fn drain(
+    core: Arc<Core>,
+    health: tonic_health::server::HealthReporter,
+    grace: Duration,
+    shutdown: impl Future<Output = ()>,
+) {
+    shutdown.await;
+    tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
+    health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
+    core.draining.store(true, Ordering::Release);
+    core.stopping.cancel();
+    // Keep a margin at the end of the grace period for canceled runs to store their result.
+    let margin = (grace / 10).min(Duration::from_secs(1));
+    if tokio::time::timeout(grace - margin, core.runs.wait_idle())
+        .await
+        .is_err()
+    {
+        let canceled = core.runs.cancel_all("the orchestrator is shutting down");
+        tracing::warn!(canceled, "grace period ending; canceled the runs still in flight");
+        let _ = tokio::time::timeout(margin, core.runs.wait_idle()).await;
+    }
+    match core.runs.unstored() {
+        0 => tracing::info!("drained"),
+        n => tracing::error!(
+            unstored = n,
+            "drained, but the result store never took these finished results; GetRun will not find them"
+        ),
+    }
 }
 
 /// One NATS connection per URL, shared by the signal topic and the result store.
