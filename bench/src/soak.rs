@@ -188,12 +188,12 @@ impl Soak {
     /// Runs the soak on `stack` and writes the report into `out`.
     pub(crate) async fn run(&self, stack: &Stack, out: &Path) -> anyhow::Result<bool> {
         let warm_up = (self.runs / 20).clamp(1, 500);
-        drive(stack, 0..warm_up, 0.0, self.concurrency).await?;
+        drive(stack, 0..warm_up, 0.0, self.concurrency).await;
         settle(stack).await?;
         let baseline = procstat::rss(stack.pid)?;
         let peak = procstat::PeakRss::start(stack.pid);
         let started = Instant::now();
-        let outcomes = drive(stack, warm_up..warm_up + self.runs, self.fault_rate, self.concurrency).await?;
+        let outcomes = drive(stack, warm_up..warm_up + self.runs, self.fault_rate, self.concurrency).await;
         let wall = started.elapsed();
         let (runs_after, calls_after) = settle(stack).await?;
         let after = procstat::rss(stack.pid)?;
@@ -235,15 +235,10 @@ struct Outcome {
     mismatch: Option<String>,
 }
 
-async fn drive(
-    stack: &Stack,
-    ids: std::ops::Range<u64>,
-    rate: f64,
-    concurrency: usize,
-) -> anyhow::Result<Vec<Outcome>> {
+async fn drive(stack: &Stack, ids: std::ops::Range<u64>, rate: f64, concurrency: usize) -> Vec<Outcome> {
     let total = ids.end - ids.start;
     let step = (total / 10).max(1);
-    let outcomes: Vec<Outcome> = futures::stream::iter(ids.clone())
+    futures::stream::iter(ids.clone())
         .map(|i| async move {
             let outcome = one(stack, i, kind_of(i, rate)).await;
             if (i - ids.start + 1).is_multiple_of(step) {
@@ -253,8 +248,7 @@ async fn drive(
         })
         .buffer_unordered(concurrency.max(1))
         .collect()
-        .await;
-    Ok(outcomes)
+        .await
 }
 
 /// Plays run `i` as its kind says, then reads it back with GetRun and checks it.

@@ -2,25 +2,12 @@
 //! without errors, and write a report with every figure and a verdict per target. Speed itself
 //! is never asserted here; the benchmark's report measures it.
 
-use std::process::Command;
+mod common;
 
 #[test]
 fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
-    let bench = env!("CARGO_BIN_EXE_bench");
-    let orchestrator = std::path::Path::new(bench).with_file_name("orchestrator");
-    anyhow::ensure!(
-        orchestrator.exists(),
-        "{} is missing: run the workspace tests (./scripts/test)",
-        orchestrator.display()
-    );
     let out = tempfile::tempdir()?;
-    let output = Command::new(bench)
-        .arg("--quick")
-        .arg("--orchestrator-bin")
-        .arg(&orchestrator)
-        .arg("--out")
-        .arg(out.path())
-        .output()?;
+    let output = common::run_bench(&["--quick"], out.path())?;
     anyhow::ensure!(
         output.status.success(),
         "bench failed: {}",
@@ -73,17 +60,8 @@ fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
 
 #[test]
 fn a_subset_goes_to_its_own_report_and_unknown_names_are_refused() -> anyhow::Result<()> {
-    let bench = env!("CARGO_BIN_EXE_bench");
-    let orchestrator = std::path::Path::new(bench).with_file_name("orchestrator");
     let out = tempfile::tempdir()?;
-    let run = |only: &str| {
-        Command::new(bench)
-            .args(["--quick", "--no-tracing", "--only", only, "--orchestrator-bin"])
-            .arg(&orchestrator)
-            .arg("--out")
-            .arg(out.path())
-            .output()
-    };
+    let run = |only: &str| common::run_bench(&["--quick", "--no-tracing", "--only", only], out.path());
     let bad = run("text_only,no_such_workload")?;
     assert!(!bad.status.success());
     let stderr = String::from_utf8_lossy(&bad.stderr);

@@ -2,25 +2,12 @@
 //! matrix; the soak itself checks every run (terminal, retrievable, as its fault says), the
 //! in-flight gauges and the resident memory, and exits non-zero when a check fails.
 
-use std::process::Command;
+mod common;
 
 #[test]
 fn two_thousand_runs_with_five_percent_faults_leave_nothing_behind() -> anyhow::Result<()> {
-    let bench = env!("CARGO_BIN_EXE_bench");
-    let orchestrator = std::path::Path::new(bench).with_file_name("orchestrator");
-    anyhow::ensure!(
-        orchestrator.exists(),
-        "{} is missing: run the workspace tests (./scripts/test)",
-        orchestrator.display()
-    );
     let out = tempfile::tempdir()?;
-    let output = Command::new(bench)
-        .args(["--soak", "2000", "--soak-fault-rate", "0.05"])
-        .arg("--orchestrator-bin")
-        .arg(&orchestrator)
-        .arg("--out")
-        .arg(out.path())
-        .output()?;
+    let output = common::run_bench(&["--soak", "2000", "--soak-fault-rate", "0.05"], out.path())?;
     let report = std::fs::read_to_string(out.path().join("soak.md")).unwrap_or_default();
     anyhow::ensure!(
         output.status.success(),

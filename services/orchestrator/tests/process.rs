@@ -1,6 +1,8 @@
 //! Tests of the `orchestrator` process itself: exit codes for bad flags, the `call` client against
 //! a served orchestrator, and the drain on SIGTERM. (The one-command demo is the `demo` package.)
 
+mod common;
+
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -48,13 +50,7 @@ async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
 #[tokio::test]
 async fn serve_call_and_drain_on_sigterm() -> TestResult {
     // A tool-runner and the stand-in model in this process; the orchestrator as a real process.
-    let runner_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let runner_url = format!("http://{}", runner_listener.local_addr()?);
-    tokio::spawn(tool_runner::serve(
-        runner_listener,
-        tool_runner::Config::default(),
-        std::future::pending(),
-    ));
+    let runner_url = common::tool_runner_in_process().await?;
     let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
 
     let mut command = Command::new(BIN);

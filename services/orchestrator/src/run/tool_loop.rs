@@ -252,6 +252,9 @@ struct Driver<'a> {
     /// The completion streaming now, kept here so a run that ends mid-turn keeps its held text
     /// and usage.
     completion: Option<Completion>,
+    /// Bytes of the arguments and errors of the calls and signals recorded so far, counted at
+    /// the turn boundaries where they change, not on every batch of text.
+    recorded_bytes: usize,
     ids: IdAllocator,
     used_budget: u32,
     failed_turns: u32,
@@ -278,6 +281,7 @@ impl<'a> Driver<'a> {
             detector: LoopDetector::new(deps.detector),
             reasoning_detector: LoopDetector::new(deps.detector),
             completion: None,
+            recorded_bytes: 0,
             ids: IdAllocator::default(),
             used_budget: 0,
             failed_turns: 0,
@@ -326,6 +330,7 @@ impl<'a> Driver<'a> {
         self.within_output_for_calls(&calls)?;
         let partition = self.partition(calls);
         self.publish_signals(&partition, number);
+        self.count_recorded_bytes();
         self.apply_parse_policy(&partition, &turn, budget_before)?;
         let spend = self.spend_budget(&partition);
         if spend.executed.is_empty() && partition.bad.is_empty() {
@@ -335,6 +340,7 @@ impl<'a> Driver<'a> {
         let outcomes = self.dispatch(&partition, &spend.executed, number).await;
         let any_failed = !partition.bad.is_empty() || outcomes.iter().any(|o| o.result.is_err());
         let fed_back = self.report_results(&partition, outcomes, number);
+        self.count_recorded_bytes();
         self.count_failures(any_failed);
         self.append_to_conversation(&mut turn, fed_back);
         self.finish_turn(&turn, spend.left);
@@ -856,9 +862,9 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Bytes of the run's output so far: its text and the arguments and errors of its calls and
-    /// signals (what its result carries).
-    fn output_bytes(&self) -> usize {
+    /// Counts the arguments and errors of the calls and signals recorded so far (after a turn
+    /// recorded some).
+    fn count_recorded_bytes(&mut self) {
         let state = lock(self.state);
         let calls: usize = state
             .tool_calls
@@ -866,7 +872,13 @@ impl<'a> Driver<'a> {
             .map(|c| c.arguments_json.len() + c.error.as_ref().map_or(0, |e| e.message.len()))
             .sum();
         let signals: usize = state.signals.iter().map(|s| s.arguments_json.len()).sum();
-        state.text.len() + calls + signals
+        self.recorded_bytes = calls + signals;
+    }
+
+    /// Bytes of the run's output so far: its text and the arguments and errors of its calls and
+    /// signals (what its result carries).
+    fn output_bytes(&self) -> usize {
+        lock(self.state).text.len() + self.recorded_bytes
     }
 
     /// Bytes the run may still output.
