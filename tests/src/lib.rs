@@ -116,7 +116,7 @@ pub fn run_tool(tool: &str, arguments_json: &str) -> pb::RunToolRequest {
         call_id: "test-call".into(),
         tool_name: tool.into(),
         arguments_json: arguments_json.into(),
-        metadata: Default::default(),
+        ..Default::default()
     }
 }
 

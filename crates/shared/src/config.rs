@@ -239,6 +239,74 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s.trim()).map_err(|e| format!("invalid duration {s:?}: {e} (examples: 30s, 250ms, 2m)"))
 }
 
+/// Defines a service's `SecuritySettings` section: TLS, mTLS, authentication and the plaintext
+/// health address, with the service's environment prefix (`ORCHESTRATOR`, `TOOL_RUNNER`). One
+/// definition for both services, so the flags are the same everywhere.
+#[macro_export]
+macro_rules! security_settings {
+    ($prefix:literal) => {
+        /// Who may connect and call: TLS, mTLS, authentication, and the plaintext health
+        /// address for probes.
+        #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+        #[command(next_help_heading = "Security")]
+        pub struct SecuritySettings {
+            /// PEM certificate chain to serve TLS with (needs --tls-key); reloaded when it changes.
+            #[arg(long, env = concat!($prefix, "_TLS_CERT"))]
+            pub tls_cert: Option<std::path::PathBuf>,
+            /// PEM private key of --tls-cert.
+            #[arg(long, env = concat!($prefix, "_TLS_KEY"))]
+            pub tls_key: Option<std::path::PathBuf>,
+            /// PEM CA bundle: callers must present a certificate it signed (mTLS; needs --tls-cert).
+            #[arg(long, env = concat!($prefix, "_TLS_CLIENT_CA"))]
+            pub tls_client_ca: Option<std::path::PathBuf>,
+            /// How often the TLS files and --auth-tokens are checked for changes (cap 1h).
+            #[arg(long, env = concat!($prefix, "_TLS_RELOAD_INTERVAL"), default_value = "10s", value_parser = $crate::config::parse_duration)]
+            pub tls_reload_interval: std::time::Duration,
+            /// Longest TLS handshake before the connection is closed (cap 60s).
+            #[arg(long, env = concat!($prefix, "_TLS_HANDSHAKE_TIMEOUT"), default_value = "10s", value_parser = $crate::config::parse_duration)]
+            pub tls_handshake_timeout: std::time::Duration,
+            /// Tokens file (TOML `[[token]]` entries: principal, sha256, tools, max_runs, limits); callers then need `authorization: Bearer <token>`.
+            #[arg(long, env = concat!($prefix, "_AUTH_TOKENS"))]
+            pub auth_tokens: Option<std::path::PathBuf>,
+            /// Take the principal from the verified client certificate's subject (common name) when no token is sent (needs --tls-client-ca).
+            #[arg(long, env = concat!($prefix, "_AUTH_PRINCIPAL_FROM_CERT"))]
+            pub auth_principal_from_cert: bool,
+            /// Also serve plaintext gRPC health (only) on this address, for Kubernetes probes when the main port needs TLS or auth.
+            #[arg(long, env = concat!($prefix, "_HEALTH_LISTEN"))]
+            pub health_listen: Option<std::net::SocketAddr>,
+        }
+
+        impl $crate::config::Bounded for SecuritySettings {
+            fn bounds(&self) -> Vec<$crate::config::Bound> {
+                use std::time::Duration;
+                vec![
+                    $crate::config::bound("tls_reload_interval", self.tls_reload_interval, Duration::from_secs(1), Duration::from_secs(3600)),
+                    $crate::config::bound("tls_handshake_timeout", self.tls_handshake_timeout, Duration::from_millis(100), Duration::from_secs(60)),
+                ]
+            }
+        }
+
+        impl SecuritySettings {
+            /// The TLS files, when TLS is on; an error when the flags do not go together.
+            pub fn tls_files(&self) -> Result<Option<$crate::tls::ServerTlsFiles>, String> {
+                $crate::serving::tls_files(self.tls_cert.as_deref(), self.tls_key.as_deref(), self.tls_client_ca.as_deref(), self.auth_principal_from_cert)
+            }
+
+            /// What [`$crate::serving::Security::start`] needs.
+            pub fn options(&self) -> Result<$crate::serving::SecurityOptions, String> {
+                Ok($crate::serving::SecurityOptions {
+                    tls: self.tls_files()?,
+                    auth_tokens: self.auth_tokens.clone(),
+                    principal_from_cert: self.auth_principal_from_cert,
+                    reload_interval: self.tls_reload_interval,
+                    handshake_timeout: self.tls_handshake_timeout,
+                    health_listen: self.health_listen,
+                })
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,11 +4,14 @@
 
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod config;
 pub mod grpc;
 pub mod metrics;
 pub mod runtime;
+pub mod serving;
 pub mod shutdown;
 pub mod telemetry;
 pub mod text;
+pub mod tls;
 pub mod tools;

@@ -59,7 +59,12 @@ pub struct Config {
     #[allow(missing_docs)]
     #[command(flatten)]
     pub telemetry: TelemetrySettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub security: SecuritySettings,
 }
+
+shared::security_settings!("ORCHESTRATOR");
 
 /// Serving and draining.
 #[derive(Debug, Clone, Args)]
@@ -230,6 +235,19 @@ pub struct ToolRunnerSettings {
     /// First delay between those retries, doubled each time (cap 5s).
     #[arg(long = "tool-call-retry-backoff", env = "ORCHESTRATOR_TOOL_CALL_RETRY_BACKOFF", default_value = "25ms", value_parser = parse_duration)]
     pub call_retry_backoff: Duration,
+    /// PEM CA bundle that signs the tool-runners' certificates: https:// targets, and dns:///
+    /// targets over TLS (their certificates must name the DNS name).
+    #[arg(long = "tool-runner-ca", env = "ORCHESTRATOR_TOOL_RUNNER_CA")]
+    pub ca: Option<PathBuf>,
+    /// PEM client certificate presented to tool-runners that require mTLS (needs --tool-runner-key).
+    #[arg(long = "tool-runner-cert", env = "ORCHESTRATOR_TOOL_RUNNER_CERT")]
+    pub cert: Option<PathBuf>,
+    /// PEM private key of --tool-runner-cert.
+    #[arg(long = "tool-runner-key", env = "ORCHESTRATOR_TOOL_RUNNER_KEY")]
+    pub key: Option<PathBuf>,
+    /// File holding the bearer token sent to tool-runners started with --auth-tokens.
+    #[arg(long = "tool-runner-token-file", env = "ORCHESTRATOR_TOOL_RUNNER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
 }
 
 impl Bounded for ToolRunnerSettings {
@@ -695,6 +713,7 @@ impl Bounded for Config {
             self.signals.bounds(),
             self.store.bounds(),
             self.telemetry.bounds(),
+            self.security.bounds(),
         ];
         sections.into_iter().flatten().collect()
     }
@@ -733,6 +752,7 @@ impl Config {
                 .parse::<crate::tool_runners::Target>()
                 .map_err(|e| Error::Config(format!("{} {e}", flag::<ToolRunnerSettings>("endpoints"))))?;
         }
+        self.security.options().map_err(Error::Config)?;
         self.check_nats_names()?;
         self.check_exit_tools()
     }

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use proto::orchestrator::v1 as pb;
 
+use shared::auth::{LimitCeilings, Principal};
+
 use crate::Error;
 use crate::config::{Config, RequestBounds};
 use crate::llm::{Message, SamplingParams, ToolCall, ToolDefinition};
@@ -224,36 +226,73 @@ fn millis(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 
-/// Checks the request against the tool catalog and the server's limits, giving the run's spec.
-/// `caller_deadline` is the caller's gRPC deadline, which shortens the run's own.
+/// The normal tools of a run: those the request lists (each must exist and be allowed to the
+/// caller), or every tool the caller may use.
+fn normal_tools(
+    allowlist: &[String],
+    catalog: &BTreeMap<String, RemoteTool>,
+    caller: &Principal,
+) -> Result<Vec<ToolDefinition>, Error> {
+    let allowed = || catalog.values().filter(|t| caller.may_use(&t.definition.name));
+    if allowlist.is_empty() {
+        return Ok(allowed().map(|t| t.definition.clone()).collect());
+    }
+    let mut tools = Vec::with_capacity(allowlist.len());
+    for name in allowlist {
+        if !caller.may_use(name) {
+            return Err(Error::PermissionDenied(format!(
+                "tools.normal names {name:?}, which principal {:?} may not use",
+                caller.name
+            )));
+        }
+        let tool = catalog.get(name).ok_or_else(|| {
+            let known: Vec<&str> = allowed().map(|t| t.definition.name.as_str()).collect();
+            invalid(format!(
+                "tools.normal names {name:?}, which no tool-runner offers (available: {})",
+                if known.is_empty() {
+                    "none yet".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            ))
+        })?;
+        tools.push(tool.definition.clone());
+    }
+    Ok(tools)
+}
+
+/// The limits a caller's requests may ask for: the server's ceilings, lowered by the caller's.
+fn caller_ceilings(server: Limits, caller: &LimitCeilings) -> Limits {
+    Limits {
+        max_turns: caller.max_turns.map_or(server.max_turns, |c| c.min(server.max_turns)),
+        tool_call_budget: caller
+            .tool_call_budget
+            .map_or(server.tool_call_budget, |c| c.min(server.tool_call_budget)),
+        max_tool_failures: caller
+            .max_tool_failures
+            .map_or(server.max_tool_failures, |c| c.min(server.max_tool_failures)),
+        tool_timeout: caller
+            .tool_timeout
+            .map_or(server.tool_timeout, |c| c.min(server.tool_timeout)),
+        run_timeout: caller
+            .run_timeout
+            .map_or(server.run_timeout, |c| c.min(server.run_timeout)),
+    }
+}
+
+/// Checks the request against the tool catalog, the server's limits and what the caller may do,
+/// giving the run's spec. `caller_deadline` is the caller's gRPC deadline, which shortens the
+/// run's own.
 pub(crate) fn resolve(
     request: RunRequest,
     catalog: &BTreeMap<String, RemoteTool>,
     config: &Config,
+    caller: &Principal,
     caller_deadline: Option<Duration>,
     received_at: tokio::time::Instant,
 ) -> Result<RunSpec, Error> {
     request.check_bounds(&config.runs.request)?;
-    let normal_tools: Vec<ToolDefinition> = if request.allowlist.is_empty() {
-        catalog.values().map(|t| t.definition.clone()).collect()
-    } else {
-        let mut tools = Vec::with_capacity(request.allowlist.len());
-        for name in &request.allowlist {
-            let tool = catalog.get(name).ok_or_else(|| {
-                let known: Vec<&str> = catalog.keys().map(String::as_str).collect();
-                invalid(format!(
-                    "tools.normal names {name:?}, which no tool-runner offers (available: {})",
-                    if known.is_empty() {
-                        "none yet".to_owned()
-                    } else {
-                        known.join(", ")
-                    }
-                ))
-            })?;
-            tools.push(tool.definition.clone());
-        }
-        tools
-    };
+    let normal_tools = normal_tools(&request.allowlist, catalog, caller)?;
     let normal_names: HashSet<&str> = normal_tools.iter().map(|t| t.name.as_str()).collect();
     let mut exit_tools: Vec<ToolDefinition> = config.runs.exit_tools.clone();
     for tool in request.exit_tools {
@@ -277,7 +316,9 @@ pub(crate) fn resolve(
             "model is empty and the server has no default model (--llm-model)",
         ));
     }
-    let (d, c, asked) = (&config.limits.defaults(), &config.limits.ceilings(), &request.limits);
+    let c = &caller_ceilings(config.limits.ceilings(), &caller.limits);
+    let d = &caller_ceilings(config.limits.defaults(), &caller.limits);
+    let asked = &request.limits;
     let tool_timeout_ms = pick(
         "tool_timeout_ms",
         asked.tool_timeout_ms,
@@ -332,6 +373,7 @@ pub(crate) fn resolve(
             caller_deadline,
             config.runs.deadline_headroom,
         ),
+        principal: caller.name.clone(),
     })
 }
 
@@ -451,6 +493,7 @@ impl From<&Signal> for pb::Signal {
             emitted_at_unix_ms: s.emitted_at_unix_ms,
             metadata: s.metadata.clone().into_iter().collect(),
             delivery: pb::SignalDelivery::from(s.delivery).into(),
+            principal: s.principal.clone(),
         }
     }
 }
@@ -469,6 +512,7 @@ impl TryFrom<pb::Signal> for Signal {
             turn: s.turn,
             emitted_at_unix_ms: s.emitted_at_unix_ms,
             metadata: s.metadata.into_iter().collect(),
+            principal: s.principal,
         })
     }
 }
@@ -509,6 +553,7 @@ impl TryFrom<pb::RunResult> for RunResult {
                 completion_tokens: usage.completion_tokens,
             },
             finish_reason: r.finish_reason,
+            principal: r.principal,
         })
     }
 }
@@ -539,6 +584,7 @@ impl From<&RunResult> for pb::RunResult {
             failed_turns: r.failed_turns,
             usage: Some(usage_pb(r.usage)),
             finish_reason: r.finish_reason.clone(),
+            principal: r.principal.clone(),
         }
     }
 }
@@ -619,6 +665,81 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
 mod tests {
     use super::*;
 
+    fn catalog(names: &[&str]) -> BTreeMap<String, RemoteTool> {
+        names
+            .iter()
+            .map(|n| {
+                let definition = ToolDefinition {
+                    name: (*n).to_owned(),
+                    description: String::new(),
+                    parameters: serde_json::json!({"type": "object"}),
+                };
+                (
+                    (*n).to_owned(),
+                    RemoteTool {
+                        definition,
+                        timeout: Duration::from_secs(1),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_principal_gets_only_its_tools_and_its_ceilings() {
+        let catalog = catalog(&["calculate", "sleep", "time_now"]);
+        let alice = Principal {
+            tools: Some(vec!["calc*".into(), "time_*".into()]),
+            limits: LimitCeilings {
+                max_turns: Some(4),
+                run_timeout: Some(Duration::from_secs(10)),
+                ..LimitCeilings::default()
+            },
+            ..Principal::unrestricted("alice")
+        };
+        let names = |tools: Vec<ToolDefinition>| tools.into_iter().map(|t| t.name).collect::<Vec<_>>();
+        assert_eq!(
+            names(normal_tools(&[], &catalog, &alice).unwrap()),
+            ["calculate", "time_now"]
+        );
+        assert_eq!(
+            names(normal_tools(&["calculate".into()], &catalog, &alice).unwrap()),
+            ["calculate"]
+        );
+        let denied = normal_tools(&["sleep".into()], &catalog, &alice).unwrap_err();
+        assert_eq!(tonic::Status::from(denied).code(), tonic::Code::PermissionDenied);
+        // An unknown tool the principal may not use is denied too: the catalog is not revealed.
+        let unknown = normal_tools(&["secret_tool".into()], &catalog, &alice).unwrap_err();
+        assert_eq!(tonic::Status::from(unknown).code(), tonic::Code::PermissionDenied);
+        let missing = normal_tools(&["calcx".into()], &catalog, &alice)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            missing.contains("calculate, time_now") && !missing.contains("sleep"),
+            "{missing}"
+        );
+
+        let server = Limits {
+            max_turns: 16,
+            tool_call_budget: 64,
+            max_tool_failures: 3,
+            tool_timeout: Duration::from_secs(30),
+            run_timeout: Duration::from_secs(600),
+        };
+        let lowered = caller_ceilings(server, &alice.limits);
+        assert_eq!((lowered.max_turns, lowered.run_timeout), (4, Duration::from_secs(10)));
+        assert_eq!(
+            (lowered.tool_call_budget, lowered.tool_timeout),
+            (64, Duration::from_secs(30))
+        );
+        // A principal's ceiling above the server's does not raise it.
+        let generous = LimitCeilings {
+            max_turns: Some(1000),
+            ..LimitCeilings::default()
+        };
+        assert_eq!(caller_ceilings(server, &generous).max_turns, 16);
+    }
+
     /// Every value of every enum the store persists survives the trip through proto, and every
     /// proto value but UNSPECIFIED has a domain value.
     #[test]
@@ -691,6 +812,7 @@ mod tests {
                     emitted_at_unix_ms: 1,
                     metadata: Default::default(),
                     delivery: Delivery::Undelivered,
+                    principal: "billing".into(),
                 });
                 let back = RunResult::try_from(pb::RunResult::from(&result)).ok();
                 assert_eq!(back.as_ref(), Some(&result));

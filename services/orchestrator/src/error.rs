@@ -20,6 +20,20 @@ pub enum Error {
     /// No tool-runner answers, so the run would have no tools; retryable.
     #[error("no tool-runner answers ({0}); retry later")]
     NoToolRunner(String),
+    /// The caller may not do this (a tool outside its allowlist).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// The caller has as many runs in flight as it may.
+    #[error("principal {principal:?} already has its limit of {limit} runs in flight; retry later")]
+    CallerBusy {
+        /// The caller.
+        principal: String,
+        /// Its `max_runs`.
+        limit: usize,
+    },
+    /// TLS, the tokens file or the health address cannot be set up.
+    #[error(transparent)]
+    Security(#[from] shared::serving::SecurityError),
     /// Every run slot is taken.
     #[error("all {0} run slots are busy; retry later")]
     Busy(usize),
@@ -60,13 +74,15 @@ impl From<Error> for tonic::Status {
         match error {
             Error::InvalidArgument(_) => Self::invalid_argument(message),
             Error::AlreadyRunning(_) => Self::already_exists(message),
-            Error::Busy(_) => Self::resource_exhausted(message),
+            Error::Busy(_) | Error::CallerBusy { .. } => Self::resource_exhausted(message),
+            Error::PermissionDenied(_) => Self::permission_denied(message),
             Error::NotFound(_) => Self::not_found(message),
             Error::Draining
             | Error::NoToolRunner(_)
             | Error::Serve(_)
             | Error::Listen { .. }
-            | Error::Dependency(_) => Self::unavailable(message),
+            | Error::Dependency(_)
+            | Error::Security(_) => Self::unavailable(message),
             Error::Config(_) | Error::Limit(_) => Self::failed_precondition(message),
             Error::Contract { .. } => Self::internal(message),
         }
@@ -75,7 +91,11 @@ impl From<Error> for tonic::Status {
 
 impl shared::runtime::Failure for Error {
     fn is_usage(&self) -> bool {
-        matches!(self, Error::Config(_) | Error::Limit(_))
+        use shared::serving::SecurityError;
+        matches!(
+            self,
+            Error::Config(_) | Error::Limit(_) | Error::Security(SecurityError::Tls(_) | SecurityError::Tokens(_))
+        )
     }
 }
 

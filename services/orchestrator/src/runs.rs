@@ -13,6 +13,7 @@ use crate::run::{EventBatch, RunResult, RunSpec, RunStatus};
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
 use crate::store::backlog::Backlog;
 use crate::store::{Claim, Persister, ResultStore};
+use shared::auth::Principal;
 use shared::runtime::AbortOnDrop;
 
 /// How often the backlog of unstored results is written again while the store is unavailable.
@@ -21,6 +22,7 @@ const BACKLOG_RETRY: Duration = Duration::from_secs(1);
 struct Live {
     state: SharedState,
     cancel: Cancel,
+    principal: String,
 }
 
 /// See the module docs.
@@ -44,6 +46,16 @@ pub(crate) enum Refusal {
     Full(usize),
     /// The run already finished; here is its result (idempotent replay).
     Finished(Box<RunResult>),
+    /// The caller has `max_runs` runs in flight already.
+    CallerFull(usize),
+    /// The id belongs to another caller's run, which this caller may not see.
+    Foreign,
+}
+
+/// Whether `caller` may see a run of `owner`: its own runs, or every run when the server does
+/// not authenticate (the anonymous caller).
+fn sees(caller: &Principal, owner: &str) -> bool {
+    caller.name.is_empty() || caller.name == owner
 }
 
 /// A started run's place in the registry; dropping it frees the slot and the live entry.
@@ -74,12 +86,13 @@ impl Drop for Admitted {
 impl Admitted {
     /// Claims the id in the store, so no other replica runs it too, and keeps the run's lease
     /// there; a taken id gives the run holding it (dropping `self` frees the slot).
-    async fn claim(mut self) -> Result<Self, Refusal> {
+    async fn claim(mut self, caller: &Principal) -> Result<Self, Refusal> {
         match self.persister.claim().await {
             Claim::Claimed => {
                 self._lease = self.persister.keep_lease();
                 Ok(self)
             }
+            Claim::Taken(result) if !sees(caller, &result.principal) => Err(Refusal::Foreign),
             Claim::Taken(result) if result.status == RunStatus::Running => Err(Refusal::Duplicate),
             Claim::Taken(result) => Err(Refusal::Finished(result)),
         }
@@ -151,18 +164,21 @@ impl Runs {
         read.map_err(|e| format!("the result store cannot be read: {e}"))
     }
 
-    /// Takes a slot for `run_id`.
-    pub(crate) async fn admit(self: &Arc<Self>, run_id: &str) -> Result<Admitted, Refusal> {
-        if self.lock().contains_key(run_id) {
-            return Err(Refusal::Duplicate);
+    /// Takes a slot for `run_id`, a run of `caller`.
+    pub(crate) async fn admit(self: &Arc<Self>, run_id: &str, caller: &Principal) -> Result<Admitted, Refusal> {
+        match self.lock().get(run_id) {
+            Some(live) if !sees(caller, &live.principal) => return Err(Refusal::Foreign),
+            Some(_) => return Err(Refusal::Duplicate),
+            None => {}
         }
         match self.stored(run_id).await {
+            Ok(Some(result)) if !sees(caller, &result.principal) => return Err(Refusal::Foreign),
             Ok(Some(result)) if result.status == RunStatus::Running => return Err(Refusal::Duplicate),
             Ok(Some(result)) => return Err(Refusal::Finished(Box::new(result))),
             // The claim below tries the store again; a store that is down does not stop runs.
             Ok(None) | Err(_) => {}
         }
-        let (state, cancel, permit) = self.register(run_id)?;
+        let (state, cancel, permit) = self.register(run_id, caller)?;
         let persister = Persister::new(
             Arc::clone(&self.store),
             Arc::clone(&state),
@@ -178,40 +194,55 @@ impl Runs {
             persister,
             _permit: permit,
         };
-        admitted.claim().await
+        admitted.claim(caller).await
     }
 
-    /// Takes a slot and enters the run among the live ones, unless its id is live already.
-    fn register(&self, run_id: &str) -> Result<(SharedState, Cancel, OwnedSemaphorePermit), Refusal> {
+    /// Takes a slot and enters the run among the live ones, unless its id is live already or
+    /// the caller has its `max_runs` in flight.
+    fn register(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+    ) -> Result<(SharedState, Cancel, OwnedSemaphorePermit), Refusal> {
         let mut live = self.lock();
         if live.contains_key(run_id) {
             return Err(Refusal::Duplicate);
         }
+        if let Some(limit) = caller.max_runs
+            && live.values().filter(|l| l.principal == caller.name).count() >= limit
+        {
+            return Err(Refusal::CallerFull(limit));
+        }
         let permit = Arc::clone(&self.slots)
             .try_acquire_owned()
             .map_err(|_| Refusal::Full(self.max_runs))?;
-        let state: SharedState = Arc::new(Mutex::new(RunResult::running(run_id)));
+        let mut running = RunResult::running(run_id);
+        running.principal.clone_from(&caller.name);
+        let state: SharedState = Arc::new(Mutex::new(running));
         let cancel = Cancel::default();
         live.insert(
             run_id.to_owned(),
             Live {
                 state: Arc::clone(&state),
                 cancel: cancel.clone(),
+                principal: caller.name.clone(),
             },
         );
         Ok((state, cancel, permit))
     }
 
-    /// A live run's state so far, or a stored result; `Err` when the store cannot be read.
-    pub(crate) async fn get(&self, run_id: &str) -> Result<Option<RunResult>, String> {
+    /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
+    /// store cannot be read.
+    pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, String> {
         let live = self
             .lock()
             .get(run_id)
             .map(|l| l.state.lock().unwrap_or_else(PoisonError::into_inner).clone());
-        match live {
-            Some(result) => Ok(Some(result)),
-            None => self.stored(run_id).await,
-        }
+        let found = match live {
+            Some(result) => Some(result),
+            None => self.stored(run_id).await?,
+        };
+        Ok(found.filter(|r| sees(caller, &r.principal)))
     }
 
     /// Finished results not yet taken by the store.
@@ -219,10 +250,10 @@ impl Runs {
         self.backlog.len()
     }
 
-    /// Cancels a live run of this replica; `Err` when the store, asked about a run not live
-    /// here, cannot be read.
-    pub(crate) async fn cancel(&self, run_id: &str, reason: &str) -> Result<CancelOutcome, String> {
-        if let Some(live) = self.lock().get(run_id) {
+    /// Cancels a live run of `caller` on this replica; `Err` when the store, asked about a run
+    /// not live here, cannot be read.
+    pub(crate) async fn cancel(&self, run_id: &str, caller: &Principal, reason: &str) -> Result<CancelOutcome, String> {
+        if let Some(live) = self.lock().get(run_id).filter(|l| sees(caller, &l.principal)) {
             // Under the state lock: the loop settles the end under it too, and a cancel that
             // came first wins there, so the answer is never `canceled` for a run that completed.
             let state = crate::run::live::lock(&live.state);
@@ -233,6 +264,7 @@ impl Runs {
             return Ok(CancelOutcome::Canceled);
         }
         Ok(match self.stored(run_id).await? {
+            Some(result) if !sees(caller, &result.principal) => CancelOutcome::NotFound,
             Some(result) if result.status != RunStatus::Running => CancelOutcome::AlreadyFinished(result.status),
             _ => CancelOutcome::NotFound,
         })
@@ -269,6 +301,39 @@ impl Runs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn anon() -> Principal {
+        Principal::default()
+    }
+
+    fn named(name: &str, max_runs: Option<usize>) -> Principal {
+        Principal {
+            max_runs,
+            ..Principal::unrestricted(name)
+        }
+    }
+
+    #[tokio::test]
+    async fn runs_belong_to_their_principal_and_max_runs_holds_per_principal() {
+        let runs = runs(8, 10, Duration::from_secs(60));
+        let (alice, bob) = (named("alice", Some(2)), named("bob", None));
+        let a1 = runs.admit("a1", &alice).await.unwrap();
+        let _a2 = runs.admit("a2", &alice).await.unwrap();
+        assert!(matches!(runs.admit("a3", &alice).await, Err(Refusal::CallerFull(2))));
+        // Another principal is not held back by alice's limit, and cannot use her ids.
+        let _b1 = runs.admit("b1", &bob).await.unwrap();
+        assert!(matches!(runs.admit("a1", &bob).await, Err(Refusal::Foreign)));
+        assert!(runs.get("a1", &bob).await.unwrap().is_none());
+        assert_eq!(runs.cancel("a1", &bob, "test").await, Ok(CancelOutcome::NotFound));
+        assert_eq!(
+            runs.get("a1", &alice).await.unwrap().map(|r| r.principal),
+            Some("alice".into())
+        );
+        // The anonymous caller (no authentication) sees every run.
+        assert!(runs.get("a1", &anon()).await.unwrap().is_some());
+        drop(a1);
+        assert!(runs.admit("a3", &alice).await.is_ok());
+    }
     use crate::store::memory::MemoryStore;
 
     fn runs(max_runs: usize, keep: usize, keep_for: Duration) -> Arc<Runs> {
@@ -281,7 +346,7 @@ mod tests {
     }
 
     async fn finish(runs: &Arc<Runs>, id: &str) {
-        let admitted = runs.admit(id).await.unwrap();
+        let admitted = runs.admit(id, &anon()).await.unwrap();
         admitted.state.lock().unwrap().status = RunStatus::Completed;
         admitted.persister.write_final().await;
     }
@@ -289,12 +354,12 @@ mod tests {
     #[tokio::test]
     async fn slots_on_both_sides_of_the_limit_and_released_on_drop() {
         let runs = runs(2, 10, Duration::from_secs(60));
-        let a = runs.admit("a").await.unwrap();
-        let _b = runs.admit("b").await.unwrap();
-        assert!(matches!(runs.admit("c").await, Err(Refusal::Full(2))));
-        assert!(matches!(runs.admit("a").await, Err(Refusal::Duplicate)));
+        let a = runs.admit("a", &anon()).await.unwrap();
+        let _b = runs.admit("b", &anon()).await.unwrap();
+        assert!(matches!(runs.admit("c", &anon()).await, Err(Refusal::Full(2))));
+        assert!(matches!(runs.admit("a", &anon()).await, Err(Refusal::Duplicate)));
         drop(a);
-        assert!(runs.admit("c").await.is_ok());
+        assert!(runs.admit("c", &anon()).await.is_ok());
     }
 
     #[tokio::test]
@@ -303,9 +368,9 @@ mod tests {
         for id in ["a", "b", "c"] {
             finish(&runs, id).await;
         }
-        assert!(runs.get("a").await.unwrap().is_none());
-        assert!(runs.get("b").await.unwrap().is_some() && runs.get("c").await.unwrap().is_some());
-        assert!(matches!(runs.admit("c").await, Err(Refusal::Finished(_))));
+        assert!(runs.get("a", &anon()).await.unwrap().is_none());
+        assert!(runs.get("b", &anon()).await.unwrap().is_some() && runs.get("c", &anon()).await.unwrap().is_some());
+        assert!(matches!(runs.admit("c", &anon()).await, Err(Refusal::Finished(_))));
     }
 
     #[tokio::test(start_paused = true)]
@@ -313,22 +378,22 @@ mod tests {
         let runs = runs(10, 10, Duration::from_secs(60));
         finish(&runs, "a").await;
         tokio::time::advance(Duration::from_secs(59)).await;
-        assert!(runs.get("a").await.unwrap().is_some());
+        assert!(runs.get("a", &anon()).await.unwrap().is_some());
         tokio::time::advance(Duration::from_secs(2)).await;
-        assert!(runs.get("a").await.unwrap().is_none());
+        assert!(runs.get("a", &anon()).await.unwrap().is_none());
     }
 
     #[tokio::test]
     async fn live_state_and_cancel() {
         let runs = runs(10, 10, Duration::from_secs(60));
-        let admitted = runs.admit("a").await.unwrap();
+        let admitted = runs.admit("a", &anon()).await.unwrap();
         admitted.state.lock().unwrap().text.push_str("so far");
         assert_eq!(
-            runs.get("a").await.unwrap().map(|r| (r.status, r.text)),
+            runs.get("a", &anon()).await.unwrap().map(|r| (r.status, r.text)),
             Some((RunStatus::Running, "so far".into()))
         );
-        assert_eq!(runs.cancel("a", "test").await, Ok(CancelOutcome::Canceled));
+        assert_eq!(runs.cancel("a", &anon(), "test").await, Ok(CancelOutcome::Canceled));
         assert!(admitted.cancel.is_canceled());
-        assert_eq!(runs.cancel("zzz", "test").await, Ok(CancelOutcome::NotFound));
+        assert_eq!(runs.cancel("zzz", &anon(), "test").await, Ok(CancelOutcome::NotFound));
     }
 }

@@ -55,6 +55,8 @@ pub async fn serve_with_resolver(
     let config = config.without_blanks();
     config.validate()?;
     crate::telemetry::describe();
+    let options = config.security.options().map_err(Error::Config)?;
+    let mut security = shared::serving::Security::start(&options, "orchestrator").await?;
     let model = Arc::new(HttpLlm::new(config.llm.clone()).map_err(Error::Config)?);
     let runners = ToolRunners::connect(&config.tool_runners, resolver).await?;
     match runners.refresh(LIST_TOOLS_TIMEOUT).await {
@@ -121,6 +123,7 @@ pub async fn serve_with_resolver(
     });
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
+    let _health = security.serve_health(health_service.clone());
     let reflection =
         shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let service = OrchestratorServer::new(OrchestratorService::new(Arc::clone(&core)))
@@ -129,13 +132,11 @@ pub async fn serve_with_resolver(
     let drain = drain(Arc::clone(&core), health, config.server.shutdown_grace, shutdown);
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .layer(security.auth_layer(crate::telemetry::metric::AUTH_REFUSED))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(service)
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            drain,
-        )
+        .serve_with_incoming_shutdown(security.incoming(listener), drain)
         .await?;
     drop(refresher);
     tracing::info!("orchestrator stopped");

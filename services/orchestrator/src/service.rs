@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use proto::orchestrator::v1 as pb;
+use shared::auth::Principal;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -56,6 +57,21 @@ impl OrchestratorService {
     }
 }
 
+/// The caller of a request, as the authentication layer admitted it (the anonymous caller when
+/// the server does not authenticate).
+fn caller<T>(request: &Request<T>) -> Arc<Principal> {
+    request
+        .extensions()
+        .get::<Arc<Principal>>()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// The answer for a run the caller cannot see, whether or not it exists.
+fn no_run(run_id: &str) -> Status {
+    Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into()
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::OrchestrateEvent, Status>> + Send>>;
 type SignalStream = Pin<Box<dyn Stream<Item = Result<pb::SignalEvent, Status>> + Send>>;
 
@@ -70,6 +86,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             return Err(Error::Draining.into());
         }
         let received_at = tokio::time::Instant::now();
+        let caller = caller(&request);
         let trace_context = request.metadata().clone();
         let caller_deadline = request
             .metadata()
@@ -79,12 +96,27 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let run_request = RunRequest::try_from(request.into_inner())?;
         let detached = run_request.detached;
         let catalog = core.runners.answering_catalog(CATALOG_WAIT).await?;
-        let spec = resolve(run_request, &catalog, &core.config, caller_deadline, received_at)?;
+        let spec = resolve(
+            run_request,
+            &catalog,
+            &core.config,
+            &caller,
+            caller_deadline,
+            received_at,
+        )?;
         let run_id = spec.run_id.clone();
-        let admitted = match core.runs.admit(&run_id).await {
+        let admitted = match core.runs.admit(&run_id, &caller).await {
             Ok(admitted) => admitted,
             Err(Refusal::Duplicate) => return Err(Error::AlreadyRunning(run_id).into()),
             Err(Refusal::Full(slots)) => return Err(Error::Busy(slots).into()),
+            Err(Refusal::CallerFull(limit)) => {
+                return Err(Error::CallerBusy {
+                    principal: caller.name.clone(),
+                    limit,
+                }
+                .into());
+            }
+            Err(Refusal::Foreign) => return Err(no_run(&run_id)),
             Err(Refusal::Finished(result)) => {
                 // Idempotent replay: the run with this id already finished. Its whole text comes
                 // as one delta, so the replayed stream keeps the stream invariants.
@@ -113,7 +145,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         };
         let on_stall = (!detached).then(|| admitted.cancel.clone());
         let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall);
-        let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id);
+        let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &caller.name);
         shared::telemetry::continue_trace(&span, &trace_context);
         let run = admitted.into_run(spec, emitter, caller_gone);
         let deps = core.deps.clone();
@@ -126,10 +158,11 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
     }
 
     async fn get_run(&self, request: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
+        let caller = caller(&request);
         let run_id = request.into_inner().run_id;
-        match self.core.runs.get(&run_id).await.map_err(Error::Dependency)? {
+        match self.core.runs.get(&run_id, &caller).await.map_err(Error::Dependency)? {
             Some(result) => Ok(Response::new(pb::RunResult::from(&result))),
-            None => Err(Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into()),
+            None => Err(no_run(&run_id)),
         }
     }
 
@@ -137,14 +170,13 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         &self,
         request: Request<pb::CancelRunRequest>,
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
+        let caller = caller(&request);
         let run_id = request.into_inner().run_id;
-        let outcome = self.core.runs.cancel(&run_id, "canceled by CancelRun").await;
+        let outcome = self.core.runs.cancel(&run_id, &caller, "canceled by CancelRun").await;
         let (canceled, status) = match outcome.map_err(Error::Dependency)? {
             CancelOutcome::Canceled => (true, pb::RunStatus::Canceled),
             CancelOutcome::AlreadyFinished(status) => (false, status.into()),
-            CancelOutcome::NotFound => {
-                return Err(Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into());
-            }
+            CancelOutcome::NotFound => return Err(no_run(&run_id)),
         };
         Ok(Response::new(pb::CancelRunResponse {
             canceled,
@@ -156,10 +188,12 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         &self,
         request: Request<pb::SubscribeSignalsRequest>,
     ) -> Result<Response<SignalStream>, Status> {
+        let caller = caller(&request);
         let request = request.into_inner();
         let filter = SignalFilter {
             run_id: Some(request.run_id).filter(|r| !r.is_empty()),
             tool_names: request.tool_names,
+            principal: Some(caller.name.clone()).filter(|name| !name.is_empty()),
         };
         let stopping = self.core.stopping.clone().cancelled_owned();
         let stream = self

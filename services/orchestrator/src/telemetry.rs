@@ -49,12 +49,21 @@ pub(crate) mod metric {
     pub(crate) const STORE_BACKLOG: &str = "orchestrator_store_backlog";
     /// Counter: finished results dropped from a full store backlog (never stored).
     pub(crate) const STORE_BACKLOG_DROPPED: &str = "orchestrator_store_backlog_dropped_total";
+    /// Requests refused for their credentials, by code.
+    pub(crate) const AUTH_REFUSED: &str = "orchestrator_auth_refused_total";
 }
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
 pub(crate) fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(metric::RUNS, "Finished runs by status and failure reason.");
+    describe_counter!(
+        metric::RUNS,
+        "Finished runs by status, failure reason and principal (empty without authentication)."
+    );
+    describe_counter!(
+        metric::AUTH_REFUSED,
+        "Requests refused for their credentials, by code (unauthenticated, permission_denied)."
+    );
     describe_histogram!(metric::RUN_DURATION, Unit::Seconds, "Run wall time by status.");
     describe_gauge!(metric::RUNS_IN_FLIGHT, "Runs in flight.");
     describe_histogram!(
@@ -119,7 +128,7 @@ pub(crate) fn describe() {
 
 /// The `invoke_agent` span of a run (kind server: the caller's `Orchestrate`). Its outcome fields
 /// are filled by [`record_run_end`].
-pub(crate) fn invoke_agent_span(model: &str, run_id: &str) -> Span {
+pub(crate) fn invoke_agent_span(model: &str, run_id: &str, principal: &str) -> Span {
     tracing::info_span!(
         "invoke_agent",
         otel.name = "invoke_agent orchestrator",
@@ -130,6 +139,7 @@ pub(crate) fn invoke_agent_span(model: &str, run_id: &str) -> Span {
         gen_ai.request.model = %model,
         gen_ai.conversation.id = %run_id,
         orchestrator.run.id = %run_id,
+        enduser.id = %principal,
         orchestrator.run.status = Empty,
         orchestrator.run.failure_reason = Empty,
         orchestrator.run.turns = Empty,
@@ -221,7 +231,9 @@ pub(crate) fn record_run_end(result: &RunResult, elapsed: Duration) {
         if result.failure_detail.is_empty() { String::new() } else { format!(": {}", result.failure_detail) }
     );
     let (status, reason) = (status_label(result.status), reason_label(result.failure_reason));
-    metrics::counter!(metric::RUNS, "status" => status, "reason" => reason).increment(1);
+    // Principals come from the tokens file or the client CA, so the label stays bounded.
+    let principal = result.principal.clone();
+    metrics::counter!(metric::RUNS, "status" => status, "reason" => reason, "principal" => principal).increment(1);
     metrics::histogram!(metric::RUN_DURATION, "status" => status).record(elapsed.as_secs_f64());
     let span = Span::current();
     span.record("orchestrator.run.status", status);

@@ -51,6 +51,8 @@ fn signal(run: &str, call: &str, tool: &str) -> Signal {
         emitted_at_unix_ms: 1_700_000_000_000,
         metadata: [("ticket".to_owned(), "T-1".to_owned())].into_iter().collect(),
         delivery: Delivery::Pending,
+        // Each run belongs to a principal of its own.
+        principal: format!("owner-of-{run}"),
     }
 }
 
@@ -76,9 +78,16 @@ async fn topic_suite(topic: Arc<dyn SignalTopic>) -> TestResult {
         .subscribe(SignalFilter {
             run_id: Some("r2".into()),
             tool_names: vec!["finish".into()],
+            principal: None,
         })
         .await;
     let mut all = topic.subscribe(SignalFilter::default()).await;
+    let mut owner_of_r1 = topic
+        .subscribe(SignalFilter {
+            principal: Some("owner-of-r1".into()),
+            ..SignalFilter::default()
+        })
+        .await;
     for (run, call, tool) in [("r1", "c1", "finish"), ("r2", "c2", "escalate"), ("r2", "c3", "finish")] {
         assert_eq!(
             publish(topic.as_ref(), &signal(run, call, tool)).await?,
@@ -102,6 +111,15 @@ async fn topic_suite(topic: Arc<dyn SignalTopic>) -> TestResult {
     }
     seen.sort();
     assert_eq!(seen, ["c1", "c2", "c3"]);
+    // A principal's subscription sees its own runs' signals only, whatever the backend.
+    let Some(SignalItem::Signal(own)) = next_item(&mut owner_of_r1).await? else {
+        anyhow::bail!("no signal for owner-of-r1")
+    };
+    assert_eq!((own.call_id.as_str(), own.principal.as_str()), ("c1", "owner-of-r1"));
+    assert!(
+        next_item(&mut owner_of_r1).await.is_err(),
+        "another principal's signal leaked"
+    );
     Ok(())
 }
 

@@ -103,7 +103,7 @@ pub async fn call(args: &ClientArgs, tool: &str, arguments: &str) -> Result<bool
         call_id: "cli".into(),
         tool_name: tool.to_owned(),
         arguments_json: arguments.to_owned(),
-        metadata: Default::default(),
+        ..Default::default()
     };
     let response = connect(args)
         .await?

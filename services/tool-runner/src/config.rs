@@ -40,7 +40,12 @@ pub struct Config {
     #[allow(missing_docs)]
     #[command(flatten)]
     pub telemetry: TelemetrySettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub security: SecuritySettings,
 }
+
+shared::security_settings!("TOOL_RUNNER");
 
 /// Serving, admission and draining.
 #[derive(Debug, Clone, Args)]
@@ -174,6 +179,7 @@ impl Bounded for Config {
             self.builtins.bounds(),
             self.arg_limits.bounds(),
             self.telemetry.bounds(),
+            self.security.bounds(),
         ];
         sections.into_iter().flatten().collect()
     }
@@ -188,7 +194,9 @@ impl Default for Config {
 impl Config {
     /// Checks every limit against its range; the error names the flag.
     pub fn validate(&self) -> Result<(), Error> {
-        Ok(self.check_bounds()?)
+        self.check_bounds()?;
+        self.security.options().map_err(Error::Config)?;
+        Ok(())
     }
 }
 

@@ -33,6 +33,9 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
+    /// TLS, the tokens file or the health address cannot be set up.
+    #[error(transparent)]
+    Security(#[from] shared::serving::SecurityError),
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
@@ -47,14 +50,23 @@ impl From<Error> for tonic::Status {
             Error::Config(_) | Error::Limit(_) | Error::Manifest { .. } => {
                 tonic::Status::failed_precondition(error.to_string())
             }
-            Error::Listen { .. } | Error::Serve(_) => tonic::Status::unavailable(error.to_string()),
+            Error::Listen { .. } | Error::Serve(_) | Error::Security(_) => {
+                tonic::Status::unavailable(error.to_string())
+            }
         }
     }
 }
 
 impl shared::runtime::Failure for Error {
     fn is_usage(&self) -> bool {
-        matches!(self, Error::Config(_) | Error::Limit(_) | Error::Manifest { .. })
+        use shared::serving::SecurityError;
+        matches!(
+            self,
+            Error::Config(_)
+                | Error::Limit(_)
+                | Error::Manifest { .. }
+                | Error::Security(SecurityError::Tls(_) | SecurityError::Tokens(_))
+        )
     }
 }
 

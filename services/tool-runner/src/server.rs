@@ -50,7 +50,10 @@ pub async fn serve(
     tracing::info!(%address, tools = %tool_names.join(","), max_concurrency = config.server.max_concurrency, "tool-runner serving");
 
     crate::telemetry::describe();
+    let options = config.security.options().map_err(Error::Config)?;
+    let mut security = shared::serving::Security::start(&options, "tool-runner").await?;
     let (health, health_service) = tonic_health::server::health_reporter();
+    let _health = security.serve_health(health_service.clone());
     health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
     let reflection =
         shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
@@ -87,14 +90,12 @@ pub async fn serve(
     };
 
     let server = tonic::transport::Server::builder()
+        .layer(security.auth_layer(crate::telemetry::metric::AUTH_REFUSED))
         .layer(AdmissionLayer(admission))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(runner)
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            drain,
-        );
+        .serve_with_incoming_shutdown(security.incoming(listener), drain);
     tokio::select! {
         result = server => result?,
         abandoned = grace_over => {

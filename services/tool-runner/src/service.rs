@@ -11,6 +11,7 @@ use tracing::Instrument;
 
 use crate::Error;
 use crate::registry::Registry;
+use shared::auth::Principal;
 use shared::metrics::InFlight;
 use shared::telemetry::truncate;
 
@@ -41,6 +42,7 @@ struct ToolCall {
     tool_name: String,
     arguments_json: String,
     metadata: HashMap<String, String>,
+    principal: String,
 }
 
 impl TryFrom<pb::RunToolRequest> for ToolCall {
@@ -55,6 +57,7 @@ impl TryFrom<pb::RunToolRequest> for ToolCall {
             tool_name: r.tool_name,
             arguments_json: r.arguments_json,
             metadata: r.metadata,
+            principal: r.principal,
         })
     }
 }
@@ -112,15 +115,36 @@ impl Drop for CancelWatch {
 impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
     async fn list_tools(
         &self,
-        _request: Request<pb::ListToolsRequest>,
+        request: Request<pb::ListToolsRequest>,
     ) -> Result<Response<pb::ListToolsResponse>, Status> {
-        let tools = self.registry.specs().map(pb::ToolSpec::from).collect();
+        let caller = request
+            .extensions()
+            .get::<Arc<Principal>>()
+            .cloned()
+            .unwrap_or_default();
+        let tools = self
+            .registry
+            .specs()
+            .filter(|spec| caller.may_use(&spec.name))
+            .map(pb::ToolSpec::from)
+            .collect();
         Ok(Response::new(pb::ListToolsResponse { tools }))
     }
 
     async fn run_tool(&self, request: Request<pb::RunToolRequest>) -> Result<Response<pb::RunToolResponse>, Status> {
         let trace_context = request.metadata().clone();
+        let caller = request
+            .extensions()
+            .get::<Arc<Principal>>()
+            .cloned()
+            .unwrap_or_default();
         let call = ToolCall::try_from(request.into_inner())?;
+        if !caller.may_use(&call.tool_name) {
+            return Err(Status::permission_denied(format!(
+                "principal {:?} may not run tool {:?} on this runner",
+                caller.name, call.tool_name
+            )));
+        }
         let span = tracing::info_span!(
             "execute_tool",
             otel.name = %format!("execute_tool {}", call.tool_name),
@@ -130,6 +154,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
             gen_ai.tool.call.id = %call.call_id,
             gen_ai.tool.type = "function",
             gen_ai.conversation.id = %call.run_id,
+            enduser.id = %call.principal,
             gen_ai.tool.call.arguments = tracing::field::Empty,
             gen_ai.tool.call.result = tracing::field::Empty,
             error.type = tracing::field::Empty,
@@ -153,6 +178,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
                 run_id: call.run_id.clone(),
                 call_id: call.call_id.clone(),
                 metadata: call.metadata.clone(),
+                principal: call.principal.clone(),
             };
             let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
             watch.finished = true;

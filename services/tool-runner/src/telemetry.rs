@@ -11,6 +11,8 @@ pub mod metric {
     pub const IN_FLIGHT: &str = "tool_runner_executions_in_flight";
     /// Counter: calls refused before running, by `reason` (`concurrency_limit`, `draining`).
     pub const REJECTED: &str = "tool_runner_rejected_total";
+    /// Requests refused for their credentials, by code.
+    pub const AUTH_REFUSED: &str = "tool_runner_auth_refused_total";
 }
 
 /// Registers every metric with its help text (and zero values).
@@ -27,6 +29,10 @@ pub fn describe() {
     );
     describe_gauge!(metric::IN_FLIGHT, "Tool executions in flight.");
     describe_counter!(metric::REJECTED, "RunTool calls refused before running, by reason.");
+    describe_counter!(
+        metric::AUTH_REFUSED,
+        "Requests refused for their credentials, by code (unauthenticated, permission_denied)."
+    );
     metrics::gauge!(metric::IN_FLIGHT).set(0.0);
     for reason in ["concurrency_limit", "draining"] {
         metrics::counter!(metric::REJECTED, "reason" => reason).absolute(0);

@@ -78,6 +78,8 @@ pub struct RunSpec {
     pub parse_policy: ParsePolicy,
     /// When the run must end.
     pub deadline: Deadline,
+    /// The caller the run belongs to (empty without authentication).
+    pub principal: String,
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before
@@ -220,6 +222,8 @@ pub struct Signal {
     pub metadata: BTreeMap<String, String>,
     /// Whether the signal topic confirmed it.
     pub delivery: Delivery,
+    /// The caller whose run emitted it (subscribers with authentication see only their own).
+    pub principal: String,
 }
 
 /// Delivery of a signal to the signal topic.
@@ -258,6 +262,9 @@ pub struct RunResult {
     pub usage: Usage,
     /// Last finish_reason from the model.
     pub finish_reason: String,
+    /// The caller the run belongs to (empty without authentication): only it may read, cancel
+    /// or replay the run.
+    pub principal: String,
 }
 
 impl RunResult {
@@ -275,6 +282,7 @@ impl RunResult {
             failed_turns: 0,
             usage: Usage::default(),
             finish_reason: String::new(),
+            principal: String::new(),
         }
     }
 }
@@ -368,6 +376,8 @@ pub struct ToolInvocation {
     pub arguments_json: String,
     /// Run metadata.
     pub metadata: BTreeMap<String, String>,
+    /// The caller the run belongs to.
+    pub principal: String,
     /// Deadline of this call.
     pub timeout: Duration,
 }

@@ -575,6 +575,7 @@ impl<'a> Driver<'a> {
                 emitted_at_unix_ms: unix_ms(),
                 metadata: self.spec.metadata.clone(),
                 delivery: Delivery::Pending,
+                principal: self.spec.principal.clone(),
             };
             lock(self.state).signals.push(signal.clone());
             self.deps.signals.publish(&signal, self.on_delivery(&signal.call_id));
@@ -694,6 +695,7 @@ impl<'a> Driver<'a> {
             name: call.name.clone(),
             arguments_json: call.arguments.clone(),
             metadata: self.spec.metadata.clone(),
+            principal: self.spec.principal.clone(),
             timeout,
         };
         let tool = call.name.clone();
@@ -1164,6 +1166,7 @@ mod tests {
             metadata: Default::default(),
             parse_policy: ParsePolicy::Fail,
             deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
+            principal: String::new(),
         }
     }
 

@@ -67,6 +67,7 @@ mod tests {
             emitted_at_unix_ms: 0,
             metadata: Default::default(),
             delivery: Delivery::Pending,
+            principal: String::new(),
         }
     }
 
@@ -78,6 +79,7 @@ mod tests {
             .subscribe(SignalFilter {
                 run_id: Some("r2".into()),
                 tool_names: vec!["finish".into()],
+                principal: None,
             })
             .await;
         for (run, tool) in [("r1", "finish"), ("r2", "escalate"), ("r2", "finish"), ("r3", "finish")] {

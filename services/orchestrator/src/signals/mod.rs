@@ -22,12 +22,15 @@ pub struct SignalFilter {
     pub run_id: Option<String>,
     /// Only these exit tools.
     pub tool_names: Vec<String>,
+    /// Only the runs of this caller (set when the server authenticates callers).
+    pub principal: Option<String>,
 }
 
 impl SignalFilter {
     /// Whether `signal` passes the filter.
     pub fn matches(&self, signal: &Signal) -> bool {
         self.run_id.as_ref().is_none_or(|id| *id == signal.run_id)
+            && self.principal.as_ref().is_none_or(|p| *p == signal.principal)
             && (self.tool_names.is_empty() || self.tool_names.contains(&signal.tool_name))
     }
 }

@@ -33,6 +33,8 @@ struct SignalJson {
     turn: u32,
     emitted_at_unix_ms: u64,
     metadata: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    principal: String,
 }
 
 impl From<&Signal> for SignalJson {
@@ -46,6 +48,7 @@ impl From<&Signal> for SignalJson {
             turn: s.turn,
             emitted_at_unix_ms: s.emitted_at_unix_ms,
             metadata: s.metadata.clone(),
+            principal: s.principal.clone(),
         }
     }
 }
@@ -62,6 +65,7 @@ impl From<SignalJson> for Signal {
             emitted_at_unix_ms: s.emitted_at_unix_ms,
             metadata: s.metadata,
             delivery: Delivery::Delivered,
+            principal: s.principal,
         }
     }
 }

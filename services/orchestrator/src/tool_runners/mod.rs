@@ -26,6 +26,7 @@ use futures::future::BoxFuture;
 use proto::toolrunner::v1 as pb;
 use shared::runtime::AbortOnDrop;
 use tonic::transport::Endpoint;
+use transport::Transport;
 
 use crate::Error;
 use crate::config::ToolRunnerSettings;
@@ -33,6 +34,7 @@ use crate::llm::ToolDefinition;
 use pool::Pool;
 
 mod pool;
+mod transport;
 use crate::run::{ToolCallError, ToolExecutor, ToolInvocation};
 
 /// Response metadata by which a runner says it refused a call before running it.
@@ -119,9 +121,6 @@ impl Resolve for SystemResolver {
     }
 }
 
-/// Connect timeout per endpoint.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// What a call's retries need of the settings (copied into each call, no allocation).
 #[derive(Debug, Clone, Copy)]
 struct RetrySettings {
@@ -144,23 +143,15 @@ pub struct ToolRunners {
     targets: Arc<Vec<String>>,
     retry: RetrySettings,
     _resolver: Option<Arc<AbortOnDrop>>,
-}
-
-fn endpoint(uri: &str) -> Result<Endpoint, Error> {
-    Ok(Endpoint::from_shared(uri.to_owned())
-        .map_err(|e| Error::Config(format!("--tool-runner {uri:?}: {e}")))?
-        .connect_timeout(CONNECT_TIMEOUT)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_while_idle(true))
+    transport: Transport,
 }
 
 /// Resolves every DNS target; `None` for a target whose lookup failed (its previous answer stays).
-async fn resolve_all(resolver: &dyn Resolve, dns: &[(String, u16)]) -> Vec<Option<BTreeSet<String>>> {
+async fn resolve_all(resolver: &dyn Resolve, dns: &[(String, u16)], scheme: &str) -> Vec<Option<BTreeSet<String>>> {
     let mut answers = Vec::with_capacity(dns.len());
     for (host, port) in dns {
         answers.push(match resolver.resolve(host, *port).await {
-            Ok(addrs) => Some(addrs.iter().map(|a| format!("http://{a}")).collect()),
+            Ok(addrs) => Some(addrs.iter().map(|a| format!("{scheme}://{a}")).collect()),
             Err(e) => {
                 tracing::warn!(name = %host, "resolving tool-runners failed (keeping the previous endpoints): {e}");
                 None
@@ -170,12 +161,22 @@ async fn resolve_all(resolver: &dyn Resolve, dns: &[(String, u16)]) -> Vec<Optio
     answers
 }
 
-/// Puts the static endpoints plus the latest DNS answers into the pool.
-fn update(pool: &Pool, statics: &BTreeSet<String>, answers: &[BTreeSet<String>]) {
-    let wanted: BTreeSet<&String> = statics.iter().chain(answers.iter().flatten()).collect();
+/// Puts the static endpoints plus the latest DNS answers (of the names `dns`) into the pool.
+fn update(
+    pool: &Pool,
+    transport: &Transport,
+    statics: &BTreeSet<String>,
+    dns: &[(String, u16)],
+    answers: &[BTreeSet<String>],
+) {
+    let found = answers
+        .iter()
+        .zip(dns)
+        .flat_map(|(uris, (host, _))| uris.iter().map(move |uri| (uri, Some(host.as_str()))));
+    let wanted: BTreeMap<&String, Option<&str>> = statics.iter().map(|uri| (uri, None)).chain(found).collect();
     let endpoints = wanted
         .into_iter()
-        .filter_map(|uri| match endpoint(uri) {
+        .filter_map(|(uri, server_name)| match transport.endpoint(uri, server_name) {
             Ok(e) => Some((uri.clone(), e)),
             Err(e) => {
                 tracing::warn!("{e}");
@@ -201,6 +202,7 @@ impl ToolRunners {
         if targets.is_empty() {
             return Err(Error::Config("at least one --tool-runner endpoint is needed".into()));
         }
+        let transport = Transport::from_settings(settings)?;
         let mut statics = BTreeSet::new();
         let mut dns = Vec::new();
         for target in targets {
@@ -209,33 +211,38 @@ impl ToolRunners {
                 .map_err(|e| Error::Config(format!("--tool-runner {e}")))?
             {
                 Target::Static(uri) => {
-                    endpoint(&uri)?;
+                    transport.endpoint(&uri, None)?;
                     statics.insert(uri);
                 }
                 Target::Dns { host, port } => dns.push((host, port)),
             }
         }
         let pool = Arc::new(Pool::new());
-        let mut answers: Vec<BTreeSet<String>> = resolve_all(resolver.as_ref(), &dns)
+        let scheme = transport.dns_scheme();
+        let mut answers: Vec<BTreeSet<String>> = resolve_all(resolver.as_ref(), &dns, scheme)
             .await
             .into_iter()
             .map(Option::unwrap_or_default)
             .collect();
-        update(&pool, &statics, &answers);
+        update(&pool, &transport, &statics, &dns, &answers);
         let resolver_task = (!dns.is_empty()).then(|| {
-            let (pool, interval) = (Arc::clone(&pool), settings.resolve_interval);
+            let (pool, interval, transport) = (Arc::clone(&pool), settings.resolve_interval, transport.clone());
             Arc::new(AbortOnDrop(tokio::spawn(async move {
                 let mut ticker = tokio::time::interval(interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 ticker.tick().await;
                 loop {
                     ticker.tick().await;
-                    for (i, answer) in resolve_all(resolver.as_ref(), &dns).await.into_iter().enumerate() {
+                    for (i, answer) in resolve_all(resolver.as_ref(), &dns, scheme)
+                        .await
+                        .into_iter()
+                        .enumerate()
+                    {
                         if let Some(answer) = answer {
                             answers[i] = answer;
                         }
                     }
-                    update(&pool, &statics, &answers);
+                    update(&pool, &transport, &statics, &dns, &answers);
                 }
             })))
         });
@@ -249,6 +256,7 @@ impl ToolRunners {
                 backoff: settings.call_retry_backoff,
             },
             _resolver: resolver_task,
+            transport,
         })
     }
 
@@ -322,6 +330,7 @@ impl ToolRunners {
             let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone());
             let mut request = tonic::Request::new(pb::ListToolsRequest {});
             request.set_timeout(timeout);
+            self.transport.authorize(&mut request);
             match tokio::time::timeout(timeout, client.list_tools(request)).await {
                 Ok(Ok(response)) => break response,
                 Ok(Err(status)) => {
@@ -406,6 +415,7 @@ impl ToolExecutor for ToolRunners {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
         let pool = Arc::clone(&self.pool);
         let retry = self.retry;
+        let transport = self.transport.clone();
         async move {
             let mut attempt = 0u32;
             let mut tried: Vec<String> = Vec::new();
@@ -419,8 +429,10 @@ impl ToolExecutor for ToolRunners {
                     tool_name: call.name.clone(),
                     arguments_json: call.arguments_json.clone(),
                     metadata: call.metadata.clone().into_iter().collect(),
+                    principal: call.principal.clone(),
                 });
                 request.set_timeout(call.timeout);
+                transport.authorize(&mut request);
                 shared::telemetry::inject_current(request.metadata_mut());
                 if let Some(v) = ascii_header(&call.run_id) {
                     request.metadata_mut().insert("x-run-id", v);

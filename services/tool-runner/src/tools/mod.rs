@@ -33,6 +33,8 @@ pub struct CallContext {
     pub call_id: String,
     /// The run's metadata (tenant, ticket …).
     pub metadata: std::collections::HashMap<String, String>,
+    /// The orchestrator's caller the run belongs to (empty without authentication there).
+    pub principal: String,
 }
 
 /// A tool the runner can execute.

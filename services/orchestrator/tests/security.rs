@@ -1,0 +1,514 @@
+//! Security through the real binaries, driven by a grpcio client (gRPC's C core, as a service in
+//! another language would call us): TLS on the orchestrator with bearer tokens, principals that
+//! own their runs and may use only some tools; a tool-runner that serves only callers with a
+//! certificate from its CA (mTLS), reached by the orchestrator over `https://` with its client
+//! certificate; plaintext health on its own address for probes.
+//!
+//! Certificates are made with `openssl` for each run; the Python client lives in
+//! `tests/python/grpc_probe.py` and runs from the virtualenv `./scripts/test` installs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::Service;
+use mock_llm::{MockLlm, Scenario, Step, Turn};
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+
+type TestResult = anyhow::Result<()>;
+
+/// The Python of the test virtualenv, with grpcio and grpcio-tools.
+fn python() -> anyhow::Result<PathBuf> {
+    let python = testkit::repo_root().join("target/tools/venv/bin/python");
+    anyhow::ensure!(
+        python.exists(),
+        "{} is missing: ./scripts/test installs it (python3 -m venv, pip install grpcio grpcio-tools)",
+        python.display()
+    );
+    Ok(python)
+}
+
+/// A throwaway PKI made with the `openssl` command.
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> anyhow::Result<Self> {
+        Ok(Self {
+            dir: tempfile::tempdir()?,
+        })
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    async fn openssl(&self, args: &[&str]) -> TestResult {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(self.dir.path())
+            .output()
+            .await?;
+        anyhow::ensure!(
+            output.status.success(),
+            "openssl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(())
+    }
+
+    /// A CA: `{name}.pem` and `{name}.key`.
+    async fn ca(&self, name: &str) -> TestResult {
+        let (pem, key, subject) = (format!("{name}.pem"), format!("{name}.key"), format!("/CN={name}"));
+        self.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "2",
+            "-keyout",
+            &key,
+            "-out",
+            &pem,
+            "-subj",
+            &subject,
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ])
+        .await
+    }
+
+    /// A certificate for `name` (its common name; valid for 127.0.0.1 and localhost too) signed
+    /// by the CA `ca`: `{name}.pem`, `{name}.key`.
+    async fn leaf(&self, ca: &str, name: &str) -> TestResult {
+        let (csr, ext) = (format!("{name}.csr"), format!("{name}.ext"));
+        std::fs::write(
+            self.path(&ext),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )?;
+        let (key, subject) = (format!("{name}.key"), format!("/CN={name}"));
+        self.openssl(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            &subject,
+        ])
+        .await?;
+        let (ca_pem, ca_key, pem) = (format!("{ca}.pem"), format!("{ca}.key"), format!("{name}.pem"));
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &ca_pem,
+            "-CAkey",
+            &ca_key,
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            &pem,
+            "-extfile",
+            &ext,
+        ])
+        .await
+    }
+
+    fn arg(&self, name: &str) -> String {
+        self.path(name).display().to_string()
+    }
+}
+
+/// Runs the grpcio client over `steps`; each outcome by step name.
+async fn grpcio(steps: Vec<Value>) -> anyhow::Result<std::collections::HashMap<String, Value>> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/grpc_probe.py");
+    let plan = json!({ "proto_root": testkit::repo_root().join("proto"), "steps": steps });
+    let mut child = Command::new(python()?)
+        .arg(script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdin = child.stdin.take().ok_or_else(|| anyhow::anyhow!("no stdin"))?;
+    stdin.write_all(plan.to_string().as_bytes()).await?;
+    drop(stdin);
+    let output = tokio::time::timeout(Duration::from_secs(120), child.wait_with_output()).await??;
+    anyhow::ensure!(
+        output.status.success(),
+        "grpc_probe.py failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut outcomes = std::collections::HashMap::new();
+    for line in String::from_utf8(output.stdout)?.lines() {
+        let outcome: Value = serde_json::from_str(line)?;
+        outcomes.insert(outcome["name"].as_str().unwrap_or_default().to_owned(), outcome);
+    }
+    Ok(outcomes)
+}
+
+/// The address a service logged with `message`.
+fn logged_address(service: &Service, message: &str) -> anyhow::Result<String> {
+    service
+        .logs()
+        .iter()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .find(|entry| entry["message"] == message)
+        .and_then(|entry| entry["address"].as_str().map(str::to_owned))
+        .ok_or_else(|| anyhow::anyhow!("no {message:?} in the logs"))
+}
+
+async fn health_status(address: &str, service: &str) -> anyhow::Result<i32> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))?
+        .connect()
+        .await?;
+    let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+    let request = tonic_health::pb::HealthCheckRequest {
+        service: service.into(),
+    };
+    Ok(client.check(request).await?.into_inner().status)
+}
+
+fn tokens_file(dir: &Path) -> anyhow::Result<PathBuf> {
+    let path = dir.join("tokens.toml");
+    let sha = shared::auth::token_sha256;
+    std::fs::write(
+        &path,
+        format!(
+            "[[token]]\nprincipal = \"alice\"\nsha256 = \"{}\"\ntools = [\"calc*\"]\n\n[[token]]\nprincipal = \"bob\"\nsha256 = \"{}\"\n",
+            sha("alice-token"),
+            sha("bob-token")
+        ),
+    )?;
+    Ok(path)
+}
+
+fn step(
+    name: &str,
+    target: &str,
+    service: &str,
+    method: &str,
+    request: Value,
+    tls: Value,
+    token: Option<&str>,
+) -> Value {
+    json!({ "name": name, "target": target, "service": service, "method": method,
+            "request": request, "tls": tls, "token": token })
+}
+
+fn run_request(run_id: &str, tools: &[&str]) -> Value {
+    json!({ "run_id": run_id, "messages": [{"role": "user", "content": "what is 6*7?"}],
+            "tools": {"normal": tools} })
+}
+
+fn code(outcomes: &std::collections::HashMap<String, Value>, name: &str) -> String {
+    outcomes.get(name).map_or_else(
+        || format!("step {name} missing"),
+        |o| o["code"].as_str().unwrap_or("?").to_owned(),
+    )
+}
+
+#[tokio::test]
+async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> TestResult {
+    python()?;
+    let pki = Pki::new()?;
+    pki.ca("ca").await?;
+    pki.ca("other-ca").await?;
+    pki.leaf("ca", "server").await?;
+    pki.leaf("ca", "orchestrator").await?;
+    pki.leaf("other-ca", "impostor").await?;
+
+    let mut runner_command = Command::new(common::tool_runner_bin()?);
+    runner_command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
+        "--tls-cert",
+        &pki.arg("server.pem"),
+        "--tls-key",
+        &pki.arg("server.key"),
+        "--tls-client-ca",
+        &pki.arg("ca.pem"),
+        "--health-listen",
+        "127.0.0.1:0",
+    ]);
+    let runner = Service::spawn(runner_command, "127.0.0.1", "tool-runner serving").await?;
+
+    let llm = MockLlm::start(Scenario::new(vec![
+        Turn::default().then(Step::call("calculate", json!({"expression": "6*7"}))),
+        Turn::text("It is 42."),
+    ]))
+    .await?;
+    let tokens = tokens_file(pki.dir.path())?;
+    let mut orchestrator_command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    orchestrator_command
+        .env("LLM_BASE_URL", llm.base_url())
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args(["--tool-runner", &format!("https://{}", runner.grpc)])
+        .args(["--tool-runner-ca", &pki.arg("ca.pem")])
+        .args([
+            "--tool-runner-cert",
+            &pki.arg("orchestrator.pem"),
+            "--tool-runner-key",
+            &pki.arg("orchestrator.key"),
+        ])
+        .args([
+            "--tls-cert",
+            &pki.arg("server.pem"),
+            "--tls-key",
+            &pki.arg("server.key"),
+        ])
+        .args([
+            "--auth-tokens",
+            &tokens.display().to_string(),
+            "--health-listen",
+            "127.0.0.1:0",
+        ]);
+    let orchestrator = Service::spawn(orchestrator_command, "127.0.0.1", "orchestrator serving").await?;
+    for service in [&runner, &orchestrator] {
+        assert!(
+            !service.logs().iter().any(|l| l.contains("is unauthenticated")),
+            "a secured service warned that it is unauthenticated"
+        );
+    }
+
+    let (orch, run) = (orchestrator.grpc.as_str(), runner.grpc.as_str());
+    let tls = json!({"ca": pki.arg("ca.pem")});
+    let o = |name: &str, method: &str, request: Value, tls: &Value, token: Option<&str>| {
+        step(name, orch, "orchestrator", method, request, tls.clone(), token)
+    };
+    let r = |name: &str, tls: Value| step(name, run, "runner", "ListTools", json!({}), tls, None);
+    let get = |id: &str| json!({"run_id": id});
+    let outcomes = grpcio(vec![
+        o(
+            "plaintext",
+            "Orchestrate",
+            run_request("p", &["calculate"]),
+            &Value::Null,
+            Some("alice-token"),
+        ),
+        o("no_token", "Orchestrate", run_request("n", &["calculate"]), &tls, None),
+        o(
+            "wrong_token",
+            "Orchestrate",
+            run_request("w", &["calculate"]),
+            &tls,
+            Some("guess"),
+        ),
+        o("no_token_get", "GetRun", get("x"), &tls, None),
+        o(
+            "forbidden_tool",
+            "Orchestrate",
+            run_request("f", &["time_now"]),
+            &tls,
+            Some("alice-token"),
+        ),
+        o(
+            "alice_run",
+            "Orchestrate",
+            run_request("alice-run", &["calculate"]),
+            &tls,
+            Some("alice-token"),
+        ),
+        o("bob_get", "GetRun", get("alice-run"), &tls, Some("bob-token")),
+        o("bob_cancel", "CancelRun", get("alice-run"), &tls, Some("bob-token")),
+        o(
+            "bob_replay",
+            "Orchestrate",
+            run_request("alice-run", &["calculate"]),
+            &tls,
+            Some("bob-token"),
+        ),
+        o("alice_get", "GetRun", get("alice-run"), &tls, Some("alice-token")),
+        o(
+            "alice_replay",
+            "Orchestrate",
+            run_request("alice-run", &["calculate"]),
+            &tls,
+            Some("alice-token"),
+        ),
+        r("runner_plaintext", Value::Null),
+        r("runner_no_client_cert", json!({"ca": pki.arg("ca.pem")})),
+        r(
+            "runner_other_ca",
+            json!({"ca": pki.arg("ca.pem"), "cert": pki.arg("impostor.pem"), "key": pki.arg("impostor.key")}),
+        ),
+        r(
+            "runner_with_cert",
+            json!({"ca": pki.arg("ca.pem"), "cert": pki.arg("orchestrator.pem"), "key": pki.arg("orchestrator.key")}),
+        ),
+    ])
+    .await?;
+
+    for (name, expected) in [
+        ("plaintext", "UNAVAILABLE"),
+        ("no_token", "UNAUTHENTICATED"),
+        ("wrong_token", "UNAUTHENTICATED"),
+        ("no_token_get", "UNAUTHENTICATED"),
+        ("forbidden_tool", "PERMISSION_DENIED"),
+        ("alice_run", "OK"),
+        ("bob_get", "NOT_FOUND"),
+        ("bob_cancel", "NOT_FOUND"),
+        ("bob_replay", "NOT_FOUND"),
+        ("alice_get", "OK"),
+        ("alice_replay", "OK"),
+        ("runner_plaintext", "UNAVAILABLE"),
+        ("runner_no_client_cert", "UNAVAILABLE"),
+        ("runner_other_ca", "UNAVAILABLE"),
+        ("runner_with_cert", "OK"),
+    ] {
+        assert_eq!(code(&outcomes, name), expected, "{name}: {}", outcomes[name]);
+    }
+    // The refusals say what to do, and never echo the token.
+    assert!(
+        outcomes["no_token"]["details"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Bearer")
+    );
+    assert!(!outcomes["wrong_token"].to_string().contains("guess"));
+    // Alice's run went through the mTLS runner: the tool ran and the run completed.
+    let events = outcomes["alice_run"]["response"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let finished = events
+        .iter()
+        .find_map(|e| e.get("run_finished"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(finished["result"]["status"], "RUN_STATUS_COMPLETED", "{events:?}");
+    assert_eq!(finished["result"]["principal"], "alice");
+    assert_eq!(finished["result"]["tool_calls"][0]["ok"], true, "{finished}");
+    assert_eq!(outcomes["alice_get"]["response"]["principal"], "alice");
+    let tools = outcomes["runner_with_cert"]["response"]["tools"]
+        .as_array()
+        .map_or(0, Vec::len);
+    assert!(tools > 0, "ListTools over mTLS listed no tool");
+
+    // Probes: plaintext health on its own address, SERVING, with no credentials.
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    let orchestrator_health = logged_address(&orchestrator, "health serving (plaintext)")?;
+    assert_eq!(
+        health_status(&orchestrator_health, "orchestrator.v1.Orchestrator").await?,
+        serving
+    );
+    let runner_health = logged_address(&runner, "health serving (plaintext)")?;
+    assert_eq!(
+        health_status(&runner_health, "toolrunner.v1.ToolRunner").await?,
+        serving
+    );
+
+    orchestrator.stop().await?;
+    runner.stop().await?;
+    Ok(())
+}
+
+/// A TLS channel to `address` trusting `ca`, presenting `identity` (`name`.pem/.key).
+async fn tls_channel(pki: &Pki, address: &str, ca: &str, identity: &str) -> anyhow::Result<tonic::transport::Channel> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let read = |name: String| std::fs::read(pki.path(&name));
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read(format!("{ca}.pem"))?))
+        .identity(Identity::from_pem(
+            read(format!("{identity}.pem"))?,
+            read(format!("{identity}.key"))?,
+        ))
+        .domain_name("localhost");
+    Ok(tonic::transport::Endpoint::from_shared(format!("https://{address}"))?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await?)
+}
+
+async fn list_tools(channel: tonic::transport::Channel) -> anyhow::Result<usize> {
+    let mut client = proto::toolrunner::v1::tool_runner_client::ToolRunnerClient::new(channel);
+    let request = proto::toolrunner::v1::ListToolsRequest {};
+    Ok(client.list_tools(request).await?.into_inner().tools.len())
+}
+
+/// cert-manager rotates a Secret's files in place: new handshakes must use the new certificate,
+/// connections made before must go on working.
+#[tokio::test]
+async fn tls_files_are_reloaded_without_dropping_connections() -> TestResult {
+    let pki = Pki::new()?;
+    for (ca, leaf) in [("ca", "server"), ("other-ca", "rotated")] {
+        pki.ca(ca).await?;
+        pki.leaf(ca, leaf).await?;
+    }
+    pki.leaf("ca", "orchestrator").await?;
+    // The runner trusts client certificates of both CAs, and serves `live.pem` (now from "ca").
+    let both = [
+        std::fs::read(pki.path("ca.pem"))?,
+        std::fs::read(pki.path("other-ca.pem"))?,
+    ]
+    .concat();
+    std::fs::write(pki.path("clients.pem"), both)?;
+    std::fs::copy(pki.path("server.pem"), pki.path("live.pem"))?;
+    std::fs::copy(pki.path("server.key"), pki.path("live.key"))?;
+    let mut command = Command::new(common::tool_runner_bin()?);
+    command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
+        "--tls-cert",
+        &pki.arg("live.pem"),
+        "--tls-key",
+        &pki.arg("live.key"),
+        "--tls-client-ca",
+        &pki.arg("clients.pem"),
+        "--tls-reload-interval",
+        "1s",
+    ]);
+    let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
+    let before = tls_channel(&pki, &runner.grpc, "ca", "orchestrator").await?;
+    assert!(list_tools(before.clone()).await? > 0);
+
+    // Rotate to a certificate of the other CA: key first, as a half-done rotation would.
+    std::fs::copy(pki.path("rotated.key"), pki.path("live.key"))?;
+    std::fs::copy(pki.path("rotated.pem"), pki.path("live.pem"))?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while !runner
+        .logs()
+        .iter()
+        .any(|l| l.contains("TLS files changed; new connections use them"))
+    {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the runner never reloaded its TLS files"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        tls_channel(&pki, &runner.grpc, "ca", "orchestrator").await.is_err(),
+        "a new connection still got the old certificate"
+    );
+    let after = tls_channel(&pki, &runner.grpc, "other-ca", "orchestrator").await?;
+    assert!(list_tools(after).await? > 0);
+    // The connection made before the rotation was not dropped.
+    assert!(list_tools(before).await? > 0);
+
+    // Files that cannot be used (a key that does not fit) keep the last good certificate.
+    std::fs::copy(pki.path("server.key"), pki.path("live.key"))?;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(runner.logs().iter().any(|l| l.contains("keeping the previous ones")));
+    assert!(list_tools(tls_channel(&pki, &runner.grpc, "other-ca", "orchestrator").await?).await? > 0);
+    runner.stop().await?;
+    Ok(())
+}
