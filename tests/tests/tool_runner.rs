@@ -218,11 +218,38 @@ async fn http_get_fetches_allowlisted_hosts_only() -> TestResult {
             "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello".into()
         }
     })?;
+    let get = |path: &str| json!({ "url": format!("http://127.0.0.1:{port}{path}") }).to_string();
+    // The egress policy by default: loopback and ports other than 80/443 are refused, whatever
+    // the host allowlist says, and so is a name that resolves to loopback.
     let mut config = Config::default();
-    config.builtins.http_allow_hosts = vec!["127.0.0.1".into()];
+    config.builtins.http_allow_hosts = vec!["127.0.0.1".into(), "localhost".into(), "169.254.169.254".into()];
+    let closed = Runner::start(config.clone()).await?;
+    let (code, message) = call(&closed, "http_get", &get("/hello")).await?.unwrap_err();
+    assert_eq!(code, Code::PermissionDenied, "{message}");
+    assert!(message.contains(&format!("port {port} is not allowed")), "{message}");
+    let (code, message) = call(&closed, "http_get", r#"{"url": "http://localhost/"}"#)
+        .await?
+        .unwrap_err();
+    assert_eq!(code, Code::PermissionDenied, "{message}");
+    assert!(
+        message.contains("resolves only to refused addresses") && message.contains("loopback"),
+        "{message}"
+    );
+    let (code, message) = call(
+        &closed,
+        "http_get",
+        r#"{"url": "http://169.254.169.254/latest/meta-data/"}"#,
+    )
+    .await?
+    .unwrap_err();
+    assert_eq!(code, Code::PermissionDenied, "{message}");
+    assert!(message.contains("link-local"), "{message}");
+
+    // Admitted by CIDR and port, loopback is reached.
+    config.builtins.http_allow_cidrs = vec!["127.0.0.0/8".parse()?];
+    config.builtins.http_allow_ports = vec![port];
     config.builtins.http_max_bytes = 60;
     let runner = Runner::start(config).await?;
-    let get = |path: &str| json!({ "url": format!("http://127.0.0.1:{port}{path}") }).to_string();
 
     let page = call(&runner, "http_get", &get("/hello")).await?.unwrap_ok();
     assert_eq!(
@@ -240,12 +267,12 @@ async fn http_get_fetches_allowlisted_hosts_only() -> TestResult {
     let (code, message) = call(&runner, "http_get", &get("/redirect-out")).await?.unwrap_err();
     assert_eq!(code, Code::PermissionDenied, "{message}");
     assert!(message.contains("forbidden.test"), "{message}");
-    let (code, message) = call(&runner, "http_get", r#"{"url": "http://localhost:1/"}"#)
+    let (code, message) = call(&runner, "http_get", r#"{"url": "http://example.com:1/"}"#)
         .await?
         .unwrap_err();
     assert_eq!(code, Code::PermissionDenied);
     assert!(
-        message.contains("\"localhost\" is not on this runner's allowlist"),
+        message.contains("\"example.com\" is not on this runner's allowlist"),
         "{message}"
     );
     let (code, _) = call(&runner, "http_get", r#"{"url": "file:///etc/passwd"}"#)
@@ -301,6 +328,44 @@ output = "json"
 name = "fail"
 description = "exits 3 explaining why on stderr"
 argv = ["sh", "-c", "echo 'noise' >&2; echo 'the disk is on fire' >&2; exit 3"]
+
+[[tool]]
+name = "fail_loud"
+description = "exits 3 explaining why on stderr, which the model may see"
+argv = ["sh", "-c", "echo 'the disk is on fire' >&2; exit 3"]
+stderr_to_model = true
+
+[[tool]]
+name = "hog"
+description = "allocates far past its memory limit"
+argv = ["/usr/bin/python3", "-c", "bytearray(2 * 1024 ** 3)"]
+[tool.limits]
+max_memory_bytes = 268435456
+
+[[tool]]
+name = "spin"
+description = "burns CPU without end"
+argv = ["sh", "-c", "while :; do :; done"]
+timeout = "20s"
+[tool.limits]
+max_cpu_seconds = 1
+
+[[tool]]
+name = "fork_flood"
+description = "starts processes without end"
+argv = ["sh", "-c", "while :; do sleep 37 & done"]
+timeout = "1s"
+[tool.limits]
+max_processes = 64
+
+[[tool]]
+name = "disk_filler"
+description = "writes a file without end"
+argv = ["sh", "-c", "cat /dev/zero > filler"]
+working_dir = "work"
+timeout = "20s"
+[tool.limits]
+max_file_bytes = 1048576
 
 [[tool]]
 name = "hang"
@@ -379,19 +444,28 @@ async fn command_tools_succeed_with_json_text_env_and_working_dir() -> TestResul
     assert_eq!(call(&runner, "text_out", "{}").await?.unwrap_ok(), json!("not json"));
     let mut request = run_tool("env_dump", "{}");
     request.metadata.insert("tenant-id".into(), "acme".into());
+    request.principal = "billing".into();
     let env = Outcome::of(runner.client().await?.run_tool(request).await?.into_inner())?.unwrap_ok();
     let env = env.as_str().unwrap_or_default();
     let mut names: Vec<&str> = env.lines().filter_map(|l| l.split('=').next()).collect();
     names.sort_unstable();
     assert_eq!(
         names,
-        ["GREETING", "PATH", "TOOL_CALL_ID", "TOOL_META_TENANT_ID", "TOOL_RUN_ID"],
+        [
+            "GREETING",
+            "PATH",
+            "TOOL_CALL_ID",
+            "TOOL_META_TENANT_ID",
+            "TOOL_PRINCIPAL",
+            "TOOL_RUN_ID"
+        ],
         "the environment is cleared except the allowlist and the call's context: {env}"
     );
     for line in [
         "TOOL_RUN_ID=test-run",
         "TOOL_CALL_ID=test-call",
         "TOOL_META_TENANT_ID=acme",
+        "TOOL_PRINCIPAL=billing",
         "GREETING=hi",
     ] {
         assert!(env.lines().any(|l| l == line), "{line} missing from {env}");
@@ -410,10 +484,15 @@ async fn command_tool_failures_are_answers() -> TestResult {
     let runner = command_runner(dir.path()).await?;
     let (code, message) = call(&runner, "fail", "{}").await?.unwrap_err();
     assert_eq!(code, Code::Failed);
+    // stderr stays out of what the model sees unless the manifest lets it through.
     assert!(
-        message.contains("exited with status 3") && message.contains("the disk is on fire"),
+        message.contains("exited with status 3")
+            && message.contains("stderr is in the runner's log")
+            && !message.contains("the disk is on fire"),
         "{message}"
     );
+    let (_, message) = call(&runner, "fail_loud", "{}").await?.unwrap_err();
+    assert!(message.contains("the disk is on fire"), "{message}");
 
     // Output cap: both sides of the edge.
     assert_eq!(
@@ -430,6 +509,55 @@ async fn command_tool_failures_are_answers() -> TestResult {
         message.contains("not valid JSON") && message.contains("not json"),
         "{message}"
     );
+    Ok(())
+}
+
+/// The processes whose command line is `sleep 37` (the fork flood's children).
+fn flood_children() -> usize {
+    std::fs::read_dir("/proc")
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+                .filter(|cmdline| cmdline.as_slice() == b"sleep\x0037\x00")
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn command_tools_past_their_resource_limits_end_with_a_clear_error() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner = command_runner(dir.path()).await?;
+    let (code, message) = call(&runner, "hog", "{}").await?.unwrap_err();
+    assert_eq!(code, Code::Failed);
+    assert!(
+        message.contains("exited with status 1") && message.contains("memory 256 MiB"),
+        "{message}"
+    );
+    let (code, message) = call(&runner, "spin", "{}").await?.unwrap_err();
+    assert_eq!(code, Code::Failed);
+    assert!(message.contains("used up its 1 CPU seconds"), "{message}");
+    let (code, message) = call(&runner, "disk_filler", "{}").await?.unwrap_err();
+    assert_eq!(code, Code::Failed);
+    assert!(message.contains("wrote a file past 1048576 bytes"), "{message}");
+    assert_eq!(std::fs::metadata(dir.path().join("work/filler"))?.len(), 1_048_576);
+    // A fork flood ends at its timeout with its whole process group (as root the kernel does
+    // not enforce max_processes, so the timeout is what stops it here).
+    let (code, message) = call(&runner, "fork_flood", "{}").await?.unwrap_err();
+    assert_eq!(code, Code::Timeout, "{message}");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while flood_children() > 0 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{} flood processes survive",
+            flood_children()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // The runner goes on serving.
+    let args = json!({"after": "limits"});
+    assert_eq!(call(&runner, "cat_json", &args.to_string()).await?.unwrap_ok(), args);
     Ok(())
 }
 

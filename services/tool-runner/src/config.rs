@@ -97,6 +97,22 @@ pub struct BuiltinSettings {
         value_delimiter = ','
     )]
     pub http_allow_hosts: Vec<String>,
+    /// Addresses http_get may reach although they are loopback, link-local, private, CGNAT,
+    /// multicast or unspecified, as CIDRs (repeatable; e.g. 10.20.0.0/16, fd00::/8).
+    #[arg(
+        long = "http-allow-cidr",
+        env = "TOOL_RUNNER_HTTP_ALLOW_CIDRS",
+        value_delimiter = ','
+    )]
+    pub http_allow_cidrs: Vec<ipnet::IpNet>,
+    /// Ports http_get may reach (repeatable).
+    #[arg(
+        long = "http-allow-port",
+        env = "TOOL_RUNNER_HTTP_ALLOW_PORTS",
+        value_delimiter = ',',
+        default_value = "80,443"
+    )]
+    pub http_allow_ports: Vec<u16>,
     /// Largest body http_get returns, in bytes (cap 16 MiB); longer bodies are cut and say so.
     #[arg(long, env = "TOOL_RUNNER_HTTP_MAX_BYTES", default_value_t = MIB)]
     pub http_max_bytes: u64,

@@ -20,6 +20,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 
+use super::limits::ResourceLimits;
 use super::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult};
 
 /// How stdout becomes the result.
@@ -66,38 +67,37 @@ const STDERR_QUOTE: usize = 2000;
 
 /// A tool backed by a program.
 #[derive(Clone)]
-pub struct CommandTool(Arc<Inner>);
+pub struct CommandTool(Arc<CommandConfig>);
 
-struct Inner {
-    program: PathBuf,
-    args: Vec<String>,
-    env: Vec<(String, String)>,
-    working_dir: PathBuf,
-    max_stdout: u64,
-    max_stderr: u64,
-    output: OutputMode,
+/// How a command tool runs; the manifest loader has checked every value.
+#[derive(Debug, Clone)]
+pub struct CommandConfig {
+    /// `prlimit`, which sets the limits and then executes the program.
+    pub prlimit: PathBuf,
+    /// The program.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Its whole environment (besides the call's context).
+    pub env: Vec<(String, String)>,
+    /// Where it runs.
+    pub working_dir: PathBuf,
+    /// More stdout fails the call.
+    pub max_stdout: u64,
+    /// The tail of stderr kept.
+    pub max_stderr: u64,
+    /// How stdout becomes the result.
+    pub output: OutputMode,
+    /// Resource limits.
+    pub limits: ResourceLimits,
+    /// Whether error messages (which reach the model) quote stderr; otherwise it is only logged.
+    pub stderr_to_model: bool,
 }
 
 impl CommandTool {
-    /// A command tool; the manifest loader has checked every value.
-    pub fn new(
-        program: PathBuf,
-        args: Vec<String>,
-        env: Vec<(String, String)>,
-        working_dir: PathBuf,
-        max_stdout: u64,
-        max_stderr: u64,
-        output: OutputMode,
-    ) -> Self {
-        Self(Arc::new(Inner {
-            program,
-            args,
-            env,
-            working_dir,
-            max_stdout,
-            max_stderr,
-            output,
-        }))
+    /// A command tool.
+    pub fn new(config: CommandConfig) -> Self {
+        Self(Arc::new(config))
     }
 }
 
@@ -121,12 +121,15 @@ impl Drop for GroupKiller {
     }
 }
 
-impl Inner {
+impl CommandConfig {
     async fn run(&self, args: Args, context: Vec<(String, String)>) -> ToolResult {
         let input = serde_json::to_vec(&Value::Object(args))
             .map_err(|e| ToolError::invalid(format!("arguments cannot be serialized: {e}")))?;
         let program = self.program.display();
-        let mut child = tokio::process::Command::new(&self.program)
+        let mut child = tokio::process::Command::new(&self.prlimit)
+            .args(self.limits.prlimit_args())
+            .arg("--")
+            .arg(&self.program)
             .args(&self.args)
             .env_clear()
             .envs(self.env.iter().map(|(k, v)| (k, v)))
@@ -175,7 +178,7 @@ impl Inner {
             ReadError::Io(e) => ToolError::failed(format!("reading the tool's stdout: {e}")),
         })?;
         if !status.success() {
-            return Err(ToolError::failed(exit_message(status, &stderr)));
+            return Err(ToolError::failed(self.exit_message(status, &stderr)));
         }
         self.parse_output(stdout)
     }
@@ -195,19 +198,37 @@ impl Inner {
     }
 }
 
-fn exit_message(status: ExitStatus, stderr: &[u8]) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    let how = match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exited with status {code}"),
-        (None, Some(signal)) => format!("was killed by signal {signal}"),
-        (None, None) => "failed".to_owned(),
-    };
-    let stderr = String::from_utf8_lossy(stderr);
-    let stderr = stderr.trim();
-    if stderr.is_empty() {
-        format!("the tool {how}")
-    } else {
-        format!("the tool {how}: {}", quote(stderr))
+impl CommandConfig {
+    /// Why the tool failed, for the model: how it ended, what its limits were, and its stderr
+    /// only when the manifest says so (stderr may hold paths, hosts or secrets; it is logged).
+    fn exit_message(&self, status: ExitStatus, stderr: &[u8]) -> String {
+        use std::os::unix::process::ExitStatusExt;
+        let how = match (status.code(), status.signal()) {
+            // A shell reports a child it started that died of signal n as status 128 + n.
+            (Some(code), _) => match code.checked_sub(128).and_then(|n| self.limits.signal_meaning(n)) {
+                Some(meaning) => format!(
+                    "exited with status {code} (a process it started got signal {}: {meaning})",
+                    code - 128
+                ),
+                None => format!("exited with status {code}"),
+            },
+            (None, Some(signal)) => match self.limits.signal_meaning(signal) {
+                Some(meaning) => format!("was stopped by signal {signal}: {meaning}"),
+                None => format!("was killed by signal {signal}"),
+            },
+            (None, None) => "failed".to_owned(),
+        };
+        let stderr = String::from_utf8_lossy(stderr);
+        let stderr = quote(stderr.trim());
+        if !stderr.is_empty() {
+            tracing::info!(stderr, "the tool's stderr");
+        }
+        let limits = &self.limits;
+        match (stderr.is_empty(), self.stderr_to_model) {
+            (false, true) => format!("the tool {how} (limits: {limits}): {stderr}"),
+            (false, false) => format!("the tool {how} (limits: {limits}); its stderr is in the runner's log"),
+            (true, _) => format!("the tool {how} (limits: {limits})"),
+        }
     }
 }
 

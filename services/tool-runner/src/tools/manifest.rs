@@ -10,8 +10,12 @@
 //! description = "Kernel and machine of the runner host."
 //! argv = ["uname", "-a"]          # no shell: argv[0] is looked up on PATH at load time
 //! output = "text"                 # "auto" (JSON if it parses, else text), "json" or "text"
+//! stderr_to_model = false         # default: stderr goes to the runner's log, not to the model
 //! [tool.parameters]               # JSON Schema of the arguments, written as TOML
 //! type = "object"
+//! [tool.limits]                   # optional; see super::limits for every field and default
+//! max_memory_bytes = 268435456
+//! max_cpu_seconds = 10
 //! ```
 //!
 //! Everything is checked when the runner starts; a manifest with an error stops the runner with a
@@ -25,7 +29,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ToolSpec;
-use super::command::{CommandTool, OutputMode};
+use super::command::{CommandConfig, CommandTool, OutputMode};
+use super::limits::{RawLimits, ResourceLimits};
 use crate::Error;
 
 /// Default per-call timeout of a command tool.
@@ -60,6 +65,8 @@ struct RawDefaults {
     max_stderr_bytes: Option<u64>,
     env_allowlist: Option<Vec<String>>,
     working_dir: Option<PathBuf>,
+    limits: Option<RawLimits>,
+    stderr_to_model: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -78,6 +85,8 @@ struct RawTool {
     working_dir: Option<PathBuf>,
     #[serde(default)]
     output: OutputMode,
+    limits: Option<RawLimits>,
+    stderr_to_model: Option<bool>,
 }
 
 pub use shared::tools::{check_schema, valid_tool_name};
@@ -97,6 +106,19 @@ pub fn load(path: &Path) -> Result<Vec<(ToolSpec, CommandTool)>, Error> {
         .parent()
         .map_or_else(|| PathBuf::from("/"), Path::to_path_buf);
     let defaults = Defaults::from_raw(raw.defaults, &base_dir).map_err(file_error)?;
+    if raw.tools.is_empty() {
+        return Ok(Vec::new());
+    }
+    let prlimit = resolve_program("prlimit", &base_dir).map_err(|e| {
+        file_error(format!(
+            "command tools run under prlimit (util-linux) for their resource limits: {e}"
+        ))
+    })?;
+    if nix::unistd::Uid::effective().is_root() {
+        tracing::warn!(
+            "the runner runs as root: the kernel does not enforce max_processes for root; run it as another user"
+        );
+    }
 
     let mut seen = BTreeMap::new();
     let mut tools = Vec::with_capacity(raw.tools.len());
@@ -110,7 +132,7 @@ pub fn load(path: &Path) -> Result<Vec<(ToolSpec, CommandTool)>, Error> {
         if let Some(first) = seen.insert(name.clone(), i) {
             return Err(tool_error(format!("the name is used by tool #{} already", first + 1)));
         }
-        tools.push(build_tool(raw_tool, &defaults, &base_dir).map_err(tool_error)?);
+        tools.push(build_tool(raw_tool, &defaults, &base_dir, &prlimit).map_err(tool_error)?);
     }
     Ok(tools)
 }
@@ -121,6 +143,8 @@ struct Defaults {
     max_stderr: u64,
     env_allowlist: Vec<String>,
     working_dir: PathBuf,
+    limits: ResourceLimits,
+    stderr_to_model: bool,
 }
 
 impl Defaults {
@@ -150,6 +174,8 @@ impl Defaults {
             working_dir: raw
                 .working_dir
                 .map_or_else(|| Ok(base_dir.to_owned()), |d| resolve_dir(&d, base_dir))?,
+            limits: ResourceLimits::resolve(raw.limits.as_ref(), &ResourceLimits::default())?,
+            stderr_to_model: raw.stderr_to_model.unwrap_or(false),
         })
     }
 }
@@ -200,7 +226,12 @@ fn resolve_program(program: &str, base_dir: &Path) -> Result<PathBuf, String> {
         .ok_or_else(|| format!("argv[0] {program:?} was not found on PATH"))
 }
 
-fn build_tool(raw: RawTool, defaults: &Defaults, base_dir: &Path) -> Result<(ToolSpec, CommandTool), String> {
+fn build_tool(
+    raw: RawTool,
+    defaults: &Defaults,
+    base_dir: &Path,
+    prlimit: &Path,
+) -> Result<(ToolSpec, CommandTool), String> {
     if !valid_tool_name(&raw.name) {
         return Err("the name must be 1-64 characters of letters, digits, '_' or '-'".into());
     }
@@ -237,25 +268,28 @@ fn build_tool(raw: RawTool, defaults: &Defaults, base_dir: &Path) -> Result<(Too
         timeout,
         source: "command",
     };
-    let tool = CommandTool::new(
+    let tool = CommandTool::new(CommandConfig {
+        prlimit: prlimit.to_owned(),
         program,
-        args.to_vec(),
-        env.into_iter().collect(),
+        args: args.to_vec(),
+        env: env.into_iter().collect(),
         working_dir,
-        check_cap(
+        max_stdout: check_cap(
             "max_stdout_bytes",
             raw.max_stdout_bytes,
             defaults.max_stdout,
             MAX_STDOUT_CAP,
         )?,
-        check_cap(
+        max_stderr: check_cap(
             "max_stderr_bytes",
             raw.max_stderr_bytes,
             defaults.max_stderr,
             MAX_STDERR_CAP,
         )?,
-        raw.output,
-    );
+        output: raw.output,
+        limits: ResourceLimits::resolve(raw.limits.as_ref(), &defaults.limits)?,
+        stderr_to_model: raw.stderr_to_model.unwrap_or(defaults.stderr_to_model),
+    });
     Ok((spec, tool))
 }
 

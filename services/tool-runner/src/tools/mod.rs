@@ -10,6 +10,7 @@
 
 pub mod builtin;
 pub mod command;
+pub mod limits;
 pub mod manifest;
 
 use std::fmt;

@@ -1,6 +1,7 @@
 //! `http_get`: fetches a URL whose host is on the runner's allowlist (`--http-allow-host`).
-//! Off when the allowlist is empty. Redirects are followed only to allowlisted hosts, the body is
-//! capped, and only `http`/`https` URLs are accepted.
+//! Off when the allowlist is empty. Every hop (redirects included, at most five) must name an
+//! allowlisted host and pass the address policy of [`super::egress`]; the body is capped, and
+//! only `http`/`https` URLs are accepted.
 
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde_json::json;
 
+use super::egress::{CheckedResolver, EgressPolicy, Refused, system_lookup};
 use super::{Builtin, BuiltinConfig, spec};
 use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult, str_arg};
 
@@ -51,6 +53,7 @@ impl Allowlist {
 struct HttpGet {
     client: reqwest::Client,
     allowlist: Allowlist,
+    egress: EgressPolicy,
     max_bytes: u64,
 }
 
@@ -58,12 +61,14 @@ impl Tool for HttpGet {
     fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let client = self.client.clone();
         let allowlist = self.allowlist.clone();
+        let egress = self.egress.clone();
         let max_bytes = self.max_bytes;
         let raw_url = str_arg(&args, "url").unwrap_or_default().to_owned();
         async move {
             let url = reqwest::Url::parse(&raw_url)
                 .map_err(|e| ToolError::invalid(format!("{raw_url:?} is not a valid URL: {e}")))?;
             allowlist.check(&url)?;
+            egress.check_url(&url).map_err(|e| ToolError::denied(e.0))?;
             let response = client.get(url).send().await.map_err(|e| request_error(&e))?;
             let status = response.status();
             let final_url = response.url().to_string();
@@ -100,6 +105,13 @@ impl Tool for HttpGet {
 }
 
 fn request_error(e: &reqwest::Error) -> ToolError {
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(refused) = cause.downcast_ref::<Refused>() {
+            return ToolError::denied(refused.0.clone());
+        }
+        source = cause.source();
+    }
     if e.is_redirect() {
         // Our redirect policy refused the hop; its message names the host.
         let detail = std::error::Error::source(e).map_or_else(|| e.to_string(), ToString::to_string);
@@ -128,18 +140,28 @@ pub(super) fn builtin(config: &BuiltinConfig) -> Result<Builtin, crate::Error> {
     let allowlist = Allowlist(Arc::new(
         config.http_allow_hosts.iter().map(|h| h.to_ascii_lowercase()).collect(),
     ));
-    let policy_list = allowlist.clone();
+    let egress = EgressPolicy::new(config.http_allow_cidrs.clone(), config.http_allow_ports.clone());
+    let (policy_list, policy_egress) = (allowlist.clone(), egress.clone());
     let policy = reqwest::redirect::Policy::custom(move |attempt| {
         if attempt.previous().len() >= MAX_REDIRECTS {
             return attempt.error(format!("more than {MAX_REDIRECTS} redirects"));
         }
-        match policy_list.check(attempt.url()) {
+        if let Err(e) = policy_list.check(attempt.url()) {
+            return attempt.error(format!("redirect refused: {}", e.message));
+        }
+        match policy_egress.check_url(attempt.url()) {
             Ok(()) => attempt.follow(),
-            Err(e) => attempt.error(format!("redirect refused: {}", e.message)),
+            Err(e) => attempt.error(format!("redirect refused: {e}")),
         }
     });
+    let resolver = CheckedResolver {
+        policy: egress.clone(),
+        lookup: system_lookup(),
+    };
     let client = reqwest::Client::builder()
         .redirect(policy)
+        .dns_resolver(Arc::new(resolver))
+        .no_proxy()
         .timeout(config.io_timeout)
         .user_agent(concat!("tool-runner/", env!("CARGO_PKG_VERSION")))
         .build()
@@ -162,6 +184,7 @@ pub(super) fn builtin(config: &BuiltinConfig) -> Result<Builtin, crate::Error> {
         Arc::new(HttpGet {
             client,
             allowlist,
+            egress,
             max_bytes: config.http_max_bytes,
         }),
     ))

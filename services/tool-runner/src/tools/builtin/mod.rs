@@ -4,6 +4,7 @@
 mod calculate;
 mod clock;
 mod echo;
+mod egress;
 mod fs;
 mod http_get;
 mod sleep;
