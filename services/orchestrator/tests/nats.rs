@@ -226,7 +226,8 @@ async fn signals_land_on_their_subject_with_headers_stay_in_the_stream_and_dedup
         serde_json::json!({
             "run_id": "run-1", "call_id": "call-1", "tool_name": "submit_report",
             "arguments_json": "{\"title\":\"t\"}", "arguments_valid": true, "turn": 1,
-            "emitted_at_unix_ms": 1_700_000_000_000u64, "metadata": {"ticket": "T-1"}
+            "emitted_at_unix_ms": 1_700_000_000_000u64, "metadata": {"ticket": "T-1"},
+            "principal": "owner-of-run-1"
         })
     );
 
