@@ -147,7 +147,7 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
     let after_orch = scrape(&orchestrator.metrics).await?;
     let o = |series: &str| delta(&before_orch, &after_orch, series);
     assert_eq!(
-        o("orchestrator_runs_total{reason=\"none\",status=\"completed\"}"),
+        o("orchestrator_runs_total{principal=\"\",reason=\"none\",status=\"completed\"}"),
         2.0,
         "{after_orch:?}"
     );
