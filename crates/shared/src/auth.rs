@@ -2,7 +2,7 @@
 //! `--auth-tokens` file (the SHA-256 of each token, never the token itself), or with a verified
 //! client certificate whose subject is the principal (`--auth-principal-from-cert`).
 //!
-//! [`AuthLayer`] runs before every gRPC method but health (probes carry no credentials): a
+//! [`AuthGate`] runs before every gRPC method but health (probes carry no credentials): a
 //! caller without valid credentials gets `UNAUTHENTICATED`, a certificate subject the file does
 //! not list `PERMISSION_DENIED`; an admitted request carries its [`Principal`] in its extensions
 //! for the service to scope what it may do.
@@ -27,15 +27,13 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tonic::codegen::http;
-use tower::{Layer, Service};
 
+use crate::grpc::Gate;
 use crate::runtime::AbortOnDrop;
 use crate::tls::PeerInfo;
 
@@ -371,14 +369,15 @@ impl Authenticator {
 /// The gRPC path prefix left open to unauthenticated callers (probes).
 const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
 
-/// The tower layer applying an [`Authenticator`] to every method but health.
+/// The gate applying an [`Authenticator`] to every method but health (as a tower layer:
+/// `GateLayer(AuthGate::new(..))`).
 #[derive(Clone)]
-pub struct AuthLayer {
+pub struct AuthGate {
     auth: Option<Arc<Authenticator>>,
     refused_metric: &'static str,
 }
 
-impl AuthLayer {
+impl AuthGate {
     /// `auth` (`None`: every caller is admitted as the anonymous principal); refusals are
     /// counted in the counter `refused_metric` by code.
     pub fn new(auth: Option<Arc<Authenticator>>, refused_metric: &'static str) -> Self {
@@ -386,43 +385,11 @@ impl AuthLayer {
     }
 }
 
-impl<S> Layer<S> for AuthLayer {
-    type Service = AuthService<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        AuthService {
-            inner,
-            layer: self.clone(),
-        }
-    }
-}
+impl Gate for AuthGate {
+    type Pass = ();
 
-/// See [`AuthLayer`].
-#[derive(Clone)]
-pub struct AuthService<S> {
-    inner: S,
-    layer: AuthLayer,
-}
-
-impl<S, ReqBody, ResBody> Service<http::Request<ReqBody>> for AuthService<S>
-where
-    S: Service<http::Request<ReqBody>, Response = http::Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqBody: Send + 'static,
-    ResBody: Default + Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
-        let principal = match &self.layer.auth {
+    fn admit<B>(&self, request: &mut http::Request<B>) -> Result<(), tonic::Status> {
+        let principal = match &self.auth {
             None => Ok(Arc::new(Principal::default())),
             Some(_) if request.uri().path().starts_with(HEALTH_PREFIX) => Ok(Arc::new(Principal::default())),
             Some(auth) => auth.authenticate(request.headers(), request.extensions().get::<PeerInfo>()),
@@ -430,19 +397,29 @@ where
         match principal {
             Ok(principal) => {
                 request.extensions_mut().insert(principal);
-                Box::pin(inner.call(request))
+                Ok(())
             }
             Err(refusal) => {
                 let code = match refusal {
                     AuthError::Unauthenticated(_) => "unauthenticated",
                     AuthError::PermissionDenied(_) => "permission_denied",
                 };
-                metrics::counter!(self.layer.refused_metric, "code" => code).increment(1);
+                metrics::counter!(self.refused_metric, "code" => code).increment(1);
                 tracing::info!(path = request.uri().path(), code, "request refused: {refusal}");
-                Box::pin(futures::future::ready(Ok(tonic::Status::from(refusal).into_http())))
+                Err(refusal.into())
             }
         }
     }
+}
+
+/// The caller of a request, as [`AuthGate`] admitted it (the anonymous caller when the server
+/// does not authenticate).
+pub fn caller<T>(request: &tonic::Request<T>) -> Arc<Principal> {
+    request
+        .extensions()
+        .get::<Arc<Principal>>()
+        .cloned()
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

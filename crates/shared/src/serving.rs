@@ -10,7 +10,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tonic_health::pb::health_server::{Health, HealthServer};
 
-use crate::auth::{AuthLayer, Authenticator, TokensError};
+use crate::auth::{AuthGate, Authenticator, TokensError};
+use crate::grpc::GateLayer;
 use crate::runtime::AbortOnDrop;
 use crate::tls::{Incoming, ReloadingTls, ServerTlsFiles, TlsError};
 
@@ -136,8 +137,8 @@ impl Security {
     }
 
     /// The authentication layer for the server (admits everyone when auth is off).
-    pub fn auth_layer(&self, refused_metric: &'static str) -> AuthLayer {
-        AuthLayer::new(self.auth.clone(), refused_metric)
+    pub fn auth_layer(&self, refused_metric: &'static str) -> GateLayer<AuthGate> {
+        GateLayer(AuthGate::new(self.auth.clone(), refused_metric))
     }
 
     /// Serves `health` alone, plaintext, on the health address (when set) until the handle is

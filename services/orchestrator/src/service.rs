@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use proto::orchestrator::v1 as pb;
-use shared::auth::Principal;
+use shared::auth::caller;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -55,16 +55,6 @@ impl OrchestratorService {
     pub(crate) fn new(core: Arc<Core>) -> Self {
         Self { core }
     }
-}
-
-/// The caller of a request, as the authentication layer admitted it (the anonymous caller when
-/// the server does not authenticate).
-fn caller<T>(request: &Request<T>) -> Arc<Principal> {
-    request
-        .extensions()
-        .get::<Arc<Principal>>()
-        .cloned()
-        .unwrap_or_default()
 }
 
 /// The answer for a run the caller cannot see, whether or not it exists.

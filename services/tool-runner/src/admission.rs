@@ -1,4 +1,4 @@
-//! Admission control for `RunTool`, as a tower layer in front of the gRPC routes.
+//! Admission control for `RunTool`, as a [`Gate`] in front of the gRPC routes.
 //!
 //! * Concurrency limit: beyond `max` calls in flight a call is refused at once with
 //!   `RESOURCE_EXHAUSTED` (never queued), so the orchestrator can send it to another replica.
@@ -9,12 +9,10 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::task::{Context, Poll};
 
-use futures::future::BoxFuture;
+use shared::grpc::Gate;
 use tokio::sync::Notify;
 use tonic::codegen::http;
-use tower::{Layer, Service};
 
 /// The gRPC path of the limited method.
 pub const RUN_TOOL_PATH: &str = "/toolrunner.v1.ToolRunner/RunTool";
@@ -43,7 +41,7 @@ struct State {
 }
 
 /// Holds one admitted call's place; releasing it may wake the drain.
-struct Permit(Arc<State>);
+pub struct Permit(Arc<State>);
 
 impl Drop for Permit {
     fn drop(&mut self) {
@@ -110,67 +108,24 @@ impl Admission {
     }
 }
 
-/// The tower layer applying [`Admission`] to `RunTool`.
-#[derive(Clone, Debug)]
-pub struct AdmissionLayer(pub Admission);
+/// `Admission` applied to `RunTool` (as a tower layer: `GateLayer(admission)`); other methods
+/// pass freely.
+impl Gate for Admission {
+    type Pass = Option<Permit>;
 
-impl<S> Layer<S> for AdmissionLayer {
-    type Service = AdmissionService<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        AdmissionService {
-            inner,
-            admission: self.0.clone(),
-        }
-    }
-}
-
-/// See [`AdmissionLayer`].
-#[derive(Clone, Debug)]
-pub struct AdmissionService<S> {
-    inner: S,
-    admission: Admission,
-}
-
-impl<S, ReqBody, ResBody> Service<http::Request<ReqBody>> for AdmissionService<S>
-where
-    S: Service<http::Request<ReqBody>, Response = http::Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqBody: Send + 'static,
-    ResBody: Default + Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
-        // Take the service that was polled ready, leave a fresh clone behind (tower's idiom).
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+    fn admit<B>(&self, request: &mut http::Request<B>) -> Result<Option<Permit>, tonic::Status> {
         if request.uri().path() != RUN_TOOL_PATH {
-            return Box::pin(inner.call(request));
+            return Ok(None);
         }
-        match self.admission.try_admit() {
-            Err(status) => {
-                let reason = if status.code() == tonic::Code::Unavailable {
-                    "draining"
-                } else {
-                    "concurrency_limit"
-                };
-                metrics::counter!(crate::telemetry::metric::REJECTED, "reason" => reason).increment(1);
-                tracing::debug!(code = ?status.code(), "RunTool refused: {}", status.message());
-                Box::pin(futures::future::ready(Ok(status.into_http())))
-            }
-            Ok(permit) => Box::pin(async move {
-                let response = inner.call(request).await;
-                drop(permit);
-                response
-            }),
-        }
+        self.try_admit().map(Some).inspect_err(|status| {
+            let reason = if status.code() == tonic::Code::Unavailable {
+                "draining"
+            } else {
+                "concurrency_limit"
+            };
+            metrics::counter!(crate::telemetry::metric::REJECTED, "reason" => reason).increment(1);
+            tracing::debug!(code = ?status.code(), "RunTool refused: {}", status.message());
+        })
     }
 }
 

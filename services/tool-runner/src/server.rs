@@ -13,7 +13,7 @@ use proto::toolrunner::v1::tool_runner_server::ToolRunnerServer;
 use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
-use crate::admission::{Admission, AdmissionLayer};
+use crate::admission::Admission;
 use crate::registry::Registry;
 use crate::service::ToolRunnerService;
 use crate::tools::{Tool, builtin, manifest};
@@ -91,7 +91,7 @@ pub async fn serve(
 
     let server = tonic::transport::Server::builder()
         .layer(security.auth_layer(crate::telemetry::metric::AUTH_REFUSED))
-        .layer(AdmissionLayer(admission))
+        .layer(shared::grpc::GateLayer(admission))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(runner)

@@ -11,7 +11,6 @@ use tracing::Instrument;
 
 use crate::Error;
 use crate::registry::Registry;
-use shared::auth::Principal;
 use shared::metrics::InFlight;
 use shared::telemetry::truncate;
 
@@ -117,11 +116,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
         &self,
         request: Request<pb::ListToolsRequest>,
     ) -> Result<Response<pb::ListToolsResponse>, Status> {
-        let caller = request
-            .extensions()
-            .get::<Arc<Principal>>()
-            .cloned()
-            .unwrap_or_default();
+        let caller = shared::auth::caller(&request);
         let tools = self
             .registry
             .specs()
@@ -133,11 +128,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
 
     async fn run_tool(&self, request: Request<pb::RunToolRequest>) -> Result<Response<pb::RunToolResponse>, Status> {
         let trace_context = request.metadata().clone();
-        let caller = request
-            .extensions()
-            .get::<Arc<Principal>>()
-            .cloned()
-            .unwrap_or_default();
+        let caller = shared::auth::caller(&request);
         let call = ToolCall::try_from(request.into_inner())?;
         if !caller.may_use(&call.tool_name) {
             return Err(Status::permission_denied(format!(

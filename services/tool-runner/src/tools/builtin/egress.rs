@@ -107,9 +107,14 @@ impl EgressPolicy {
     /// The addresses `host` resolved to that may be reached; an error naming the refused ones
     /// when none may.
     pub(super) fn admit(&self, host: &str, resolved: Vec<SocketAddr>) -> Result<Vec<SocketAddr>, Refused> {
-        let (admitted, refused): (Vec<_>, Vec<_>) = resolved.into_iter().partition(|a| self.refusal(a.ip()).is_none());
+        let (mut admitted, mut reasons) = (Vec::new(), Vec::new());
+        for address in resolved {
+            match self.refusal(address.ip()) {
+                None => admitted.push(address),
+                Some(why) => reasons.push(why),
+            }
+        }
         if admitted.is_empty() {
-            let reasons: Vec<String> = refused.iter().filter_map(|a| self.refusal(a.ip())).collect();
             return Err(Refused(if reasons.is_empty() {
                 format!("{host:?} resolves to no address")
             } else {
