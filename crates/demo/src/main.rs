@@ -77,7 +77,8 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
         }
     };
     println!(
-        "demo: tool-runner on {runner_url}, model {model:?} at {base_url}{}",
+        "demo: tool-runner on {runner_url}, model {model:?} at {}{}",
+        orchestrator::secrets::shown_url(&base_url),
         if mock.is_some() {
             " (the embedded scripted stand-in; set LLM_BASE_URL to use a real server)"
         } else {

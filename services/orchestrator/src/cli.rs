@@ -21,6 +21,21 @@ pub struct Cli {
     pub serve: Config,
 }
 
+impl Cli {
+    /// Parses the command line and the environment. A refused value is echoed by the error
+    /// message, so the userinfo of any URL in it is removed first (`nats://user:password@…`);
+    /// `--help` and `--version` print as usual.
+    pub fn parse_args() -> Self {
+        Self::try_parse().unwrap_or_else(|error| {
+            if !error.use_stderr() {
+                error.exit()
+            }
+            eprint!("{}", crate::secrets::without_userinfo(&error.render().to_string()));
+            std::process::exit(error.exit_code())
+        })
+    }
+}
+
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {

@@ -94,7 +94,7 @@ impl Bounded for ServerSettings {
 }
 
 /// A value kept out of logs and `Debug` output (an API key, a header value).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Secret(String);
 
 impl Secret {
@@ -123,7 +123,8 @@ impl fmt::Debug for Secret {
 
 /// An extra HTTP header for the LLM server (`Name: value`); its value may be a credential. A
 /// blank entry (`LLM_HEADERS=""`, or a trailing `;`) parses to a header without a name, which is
-/// not sent.
+/// not sent. Parsing never fails, so a malformed entry is never echoed by the flag parser: it
+/// keeps no name and its text as value, and [`Config::validate`] refuses it without showing it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Header {
     /// Header name.
@@ -132,18 +133,22 @@ pub struct Header {
     pub value: Secret,
 }
 
+impl Header {
+    /// Neither name nor value: nothing to send.
+    fn is_blank(&self) -> bool {
+        self.name.is_empty() && self.value.expose().is_empty()
+    }
+
+    /// Not `Name: value`.
+    fn is_malformed(&self) -> bool {
+        self.name.is_empty() && !self.value.expose().is_empty()
+    }
+}
+
 impl std::str::FromStr for Header {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s.trim().is_empty() {
-            return Ok(Self {
-                name: String::new(),
-                value: Secret(String::new()),
-            });
-        }
-        let (name, value) = s
-            .split_once(':')
-            .ok_or_else(|| format!("{s:?} must look like 'Name: value'"))?;
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (name, value) = s.split_once(':').unwrap_or(("", s));
         Ok(Self {
             name: name.trim().to_owned(),
             value: Secret(value.trim().to_owned()),
@@ -505,8 +510,9 @@ impl Bounded for LoopDetectorSettings {
 pub enum Backend {
     /// In this process (the default).
     Memory,
-    /// A NATS server with JetStream, `nats://host:4222` (or `tls://…`).
-    Nats(String),
+    /// A NATS server with JetStream, `nats://host:4222` (or `tls://…`); credentials in the URL
+    /// (`nats://user:password@…`, `nats://token@…`) are held apart from the address.
+    Nats(crate::secrets::NatsUrl),
 }
 
 impl std::str::FromStr for Backend {
@@ -514,8 +520,13 @@ impl std::str::FromStr for Backend {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim() {
             "" | "memory" => Ok(Self::Memory),
-            url if url.starts_with("nats://") || url.starts_with("tls://") => Ok(Self::Nats(url.to_owned())),
-            other => Err(format!("{other:?}: use memory or nats://host:port")),
+            url if url.starts_with("nats://") || url.starts_with("tls://") => {
+                crate::secrets::NatsUrl::parse(url).map(Self::Nats)
+            }
+            other => Err(format!(
+                "{:?}: use memory or nats://host:port",
+                crate::secrets::without_userinfo(other)
+            )),
         }
     }
 }
@@ -739,7 +750,7 @@ impl Config {
     /// `"a,,b"`), which mean nothing.
     pub fn without_blanks(mut self) -> Self {
         self.runs.exit_tools.retain(|t| !t.name.is_empty());
-        self.llm.headers.retain(|h| !h.name.is_empty());
+        self.llm.headers.retain(|h| !h.is_blank());
         self
     }
 
@@ -753,8 +764,22 @@ impl Config {
                 .map_err(|e| Error::Config(format!("{} {e}", flag::<ToolRunnerSettings>("endpoints"))))?;
         }
         self.security.options().map_err(Error::Config)?;
+        self.check_llm_headers()?;
         self.check_nats_names()?;
         self.check_exit_tools()
+    }
+
+    /// Every extra LLM header is `Name: value`; the error never shows the entry (it may be a
+    /// credential without its name).
+    fn check_llm_headers(&self) -> Result<(), Error> {
+        match self.llm.headers.iter().position(Header::is_malformed) {
+            Some(index) => Err(Error::Config(format!(
+                "{} entry {} is not `Name: value` (not shown: it may hold a credential)",
+                flag::<LlmSettings>("headers"),
+                index + 1
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// NATS subjects, streams and buckets are dot-separated tokens of letters, digits, `_`, `-`.
@@ -903,5 +928,23 @@ mod tests {
         let debug = format!("{config:?}");
         assert!(!debug.contains("sk-secret") && !debug.contains("hunter2"), "{debug}");
         assert!(debug.contains("X-Gateway-Key"), "{debug}");
+    }
+
+    #[test]
+    fn a_malformed_header_is_refused_without_being_shown() {
+        let mut config = Config::default();
+        config.llm.headers = vec!["X-A: 1".parse().unwrap(), "X-Gateway-Key hunter2".parse().unwrap()];
+        let error = config.without_blanks().validate().unwrap_err().to_string();
+        assert!(error.contains("--llm-header entry 2 is not `Name: value`"), "{error}");
+        assert!(!error.contains("hunter2"), "{error}");
+    }
+
+    #[test]
+    fn nats_credentials_stay_out_of_the_backend_and_its_errors() {
+        let backend: Backend = "nats://svc:pa55word@nats:4222".parse().unwrap();
+        let shown = format!("{backend:?}");
+        assert!(!shown.contains("pa55word") && shown.contains("nats:4222"), "{shown}");
+        let error = "natz://svc:pa55word@nats:4222".parse::<Backend>().unwrap_err();
+        assert!(!error.contains("pa55word"), "{error}");
     }
 }

@@ -6,6 +6,7 @@
 //! * [`signals`]: the signal topic (exit-tool calls);
 //! * [`store`]: where run results are kept;
 //! * [`config`]: the settings, in sections; [`server`]: `serve(listener, config, shutdown)`;
+//! * [`secrets`]: keeping credentials out of logs, spans, metrics and errors;
 //! * [`cli`] / [`client`]: the command line and the `call` client.
 //!
 //! Inside, not API: the runs registry (`runs`), the gRPC adapter (`service`, `convert`) and span
@@ -21,6 +22,7 @@ mod error;
 pub mod llm;
 pub mod run;
 pub(crate) mod runs;
+pub mod secrets;
 pub mod server;
 pub(crate) mod service;
 pub mod signals;

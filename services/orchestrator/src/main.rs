@@ -4,8 +4,6 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
-
 /// mimalloc instead of the system allocator: the loop allocates many small short-lived buffers
 /// (SSE chunks, events, messages), where glibc's malloc showed up as a quarter of the CPU time in
 /// profiles; see bench/results for the before/after.
@@ -19,7 +17,7 @@ fn main() -> ExitCode {
 }
 
 async fn run() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
         Command::Serve(args) => serve(*args).await.map(|()| true),
         Command::Call(args) => orchestrator::client::call(&args.to_options())

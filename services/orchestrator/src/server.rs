@@ -21,6 +21,7 @@ use crate::config::{Backend, NatsSettings};
 use crate::llm::HttpLlm;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;
+use crate::secrets::{NatsAuth, NatsUrl};
 use crate::service::{Core, OrchestratorService};
 use crate::signals::SignalTopic;
 use crate::signals::memory::MemoryTopic;
@@ -102,7 +103,7 @@ pub async fn serve_with_resolver(
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
-    tracing::info!(%address, llm = %model.url(), model = %config.llm.model, max_runs = config.runs.max_runs, "orchestrator serving");
+    tracing::info!(%address, llm = %model.shown_url(), model = %config.llm.model, max_runs = config.runs.max_runs, "orchestrator serving");
 
     let core = Arc::new(Core {
         deps: LoopDeps {
@@ -177,10 +178,12 @@ async fn drain(
 
 /// One NATS connection per URL, shared by the signal topic and the result store.
 #[derive(Default)]
-struct NatsConnections(std::collections::HashMap<String, async_nats::Client>);
+struct NatsConnections(std::collections::HashMap<NatsUrl, async_nats::Client>);
 
 impl NatsConnections {
-    async fn get(&mut self, url: &str, options: &NatsSettings) -> Result<async_nats::Client, Error> {
+    /// The connection to `url`, opened on first use. The client gets the address without its
+    /// credentials (it logs addresses) and the credentials as options.
+    async fn get(&mut self, url: &NatsUrl, options: &NatsSettings) -> Result<async_nats::Client, Error> {
         if let Some(client) = self.0.get(url) {
             return Ok(client.clone());
         }
@@ -188,6 +191,13 @@ impl NatsConnections {
             .name("orchestrator")
             .connection_timeout(Duration::from_secs(5))
             .require_tls(options.tls_required);
+        connect = match url.auth() {
+            Some(NatsAuth::UserPassword(user, password)) => {
+                connect.user_and_password(user.clone(), password.expose().to_owned())
+            }
+            Some(NatsAuth::Token(token)) => connect.token(token.expose().to_owned()),
+            None => connect,
+        };
         if let Some(creds) = &options.credentials {
             connect = connect
                 .credentials_file(creds)
@@ -198,10 +208,10 @@ impl NatsConnections {
             connect = connect.add_root_certificates(ca.clone());
         }
         let client = connect
-            .connect(url)
+            .connect(url.servers())
             .await
             .map_err(|e| Error::Dependency(format!("cannot connect to NATS at {url}: {e}")))?;
-        self.0.insert(url.to_owned(), client.clone());
+        self.0.insert(url.clone(), client.clone());
         Ok(client)
     }
 }

@@ -33,7 +33,7 @@ async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
         ),
         (
             &["--listen", "127.0.0.1:0", "--llm-header", "no-colon"],
-            "must look like 'Name: value'",
+            "--llm-header entry 1 is not `Name: value`",
         ),
     ];
     for (args, expected) in cases {

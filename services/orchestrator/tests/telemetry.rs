@@ -7,67 +7,18 @@
 //! amounts.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 
 use mock_llm::{Scenario, Scenarios, Step, Turn};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
-use opentelemetry_proto::tonic::common::v1::KeyValue;
-use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use proto::orchestrator::v1 as pb;
 use tokio::process::Command;
 
 mod common;
 
+use common::otlp::{Collector, attr, string_attr};
 use common::{Service, delta, orchestrate, scrape, tool_runner_bin, user};
 
 type TestResult = anyhow::Result<()>;
-
-/// Stores every exported span with its resource's `service.name`.
-#[derive(Default, Clone)]
-struct Collector(Arc<Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>>);
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut spans = self.0.lock().map_err(|_| tonic::Status::internal("poisoned"))?;
-        for resource_spans in request.into_inner().resource_spans {
-            let service = resource_spans
-                .resource
-                .as_ref()
-                .and_then(|r| string_attr(&r.attributes, "service.name"))
-                .unwrap_or_default();
-            for scope in resource_spans.scope_spans {
-                spans.extend(scope.spans.into_iter().map(|s| (service.clone(), s)));
-            }
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
-
-fn attr<'a>(attributes: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
-    attributes
-        .iter()
-        .find(|kv| kv.key == key)
-        .and_then(|kv| kv.value.as_ref())
-        .and_then(|v| v.value.as_ref())
-}
-
-fn string_attr(attributes: &[KeyValue], key: &str) -> Option<String> {
-    match attr(attributes, key)? {
-        AnyValue::StringValue(s) => Some(s.clone()),
-        AnyValue::IntValue(i) => Some(i.to_string()),
-        AnyValue::BoolValue(b) => Some(b.to_string()),
-        AnyValue::DoubleValue(d) => Some(d.to_string()),
-        _ => None,
-    }
-}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -75,15 +26,7 @@ fn hex(bytes: &[u8]) -> String {
 
 #[tokio::test]
 async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
-    // The collector.
-    let collector = Collector::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let otlp = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let (collector, otlp) = Collector::start().await?;
 
     // The stand-in model: the demo by default, and a run whose calls all fail.
     let failing = Scenario::new(vec![
@@ -323,14 +266,7 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
 
 #[tokio::test]
 async fn tool_payloads_are_recorded_only_when_asked_and_capped() -> TestResult {
-    let collector = Collector::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let otlp = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let (collector, otlp) = Collector::start().await?;
     let mock = mock_llm::MockLlm::start(Scenario::demo()).await?;
     let mut command = Command::new(tool_runner_bin()?);
     command.env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp).args([

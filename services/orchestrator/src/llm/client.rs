@@ -2,20 +2,26 @@
 //!
 //! Retries (with exponential backoff, honouring a short `Retry-After`) happen only before the
 //! first byte of a response body: on connect errors, 429 and 5xx. Once a stream has started it is
-//! never retried, so no output is produced twice. The API key is sent as a bearer token, marked
-//! sensitive, and never logged (a [`Secret`](crate::config::Secret) in the settings).
+//! never retried, so no output is produced twice.
+//!
+//! Credentials (the API key as a bearer token, `--llm-header` values, a `user:password@` in the
+//! base URL as basic auth) are sent as sensitive headers, never shown: logs and errors show the URL
+//! without userinfo or query values, every error text is scrubbed of them (servers echo headers
+//! back), and redirects are followed only within the base URL's origin.
 
 use std::time::Duration;
 
 use futures::FutureExt;
+use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER};
 use serde::Serialize;
 use serde_json::Value;
 
 use super::sse::{DecodeLimits, decode, excerpt};
 use crate::config::LlmSettings;
+use crate::secrets::{Redactor, shown_url, userinfo};
 
 use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message};
 
@@ -29,54 +35,55 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub struct HttpLlm {
     client: reqwest::Client,
+    /// The endpoint, without userinfo (that became a basic-auth header).
     url: reqwest::Url,
+    /// The endpoint as logs and errors show it (no credentials, no query values).
+    shown: String,
     headers: HeaderMap,
+    /// Scrubs the credentials sent from error messages (a server may echo them back).
+    redactor: Redactor,
     config: LlmSettings,
 }
 
 impl HttpLlm {
-    /// Builds the client; fails on an unusable URL or header.
+    /// Builds the client; fails on an unusable URL or header. Errors never show a credential.
     pub fn new(config: LlmSettings) -> Result<Self, String> {
-        let base = config.base_url.trim_end_matches('/');
-        let url = reqwest::Url::parse(&format!("{base}/chat/completions"))
-            .map_err(|e| format!("--llm-base-url {:?} is not a valid URL: {e}", config.base_url))?;
+        let endpoint = endpoint(&config.base_url);
+        let shown = shown_url(&endpoint);
+        let url = reqwest::Url::parse(&endpoint).map_err(|e| {
+            format!(
+                "--llm-base-url {:?} is not a valid URL: {e}",
+                shown_url(&config.base_url)
+            )
+        })?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(format!(
                 "--llm-base-url {:?} must be an http or https URL",
-                config.base_url
+                shown_url(&config.base_url)
             ));
-        }
-        let mut headers = HeaderMap::new();
-        for header in &config.headers {
-            let name = HeaderName::try_from(header.name.as_str())
-                .map_err(|e| format!("--llm-header {:?}: {e}", header.name))?;
-            let mut value =
-                HeaderValue::try_from(header.value.expose()).map_err(|e| format!("--llm-header {name}: {e}"))?;
-            value.set_sensitive(true);
-            headers.insert(name, value);
-        }
-        if let Some(key) = config.api_key.as_ref().map(|k| k.expose()).filter(|k| !k.is_empty()) {
-            let mut value = HeaderValue::try_from(format!("Bearer {key}"))
-                .map_err(|_| "LLM_API_KEY contains characters not allowed in an HTTP header".to_owned())?;
-            value.set_sensitive(true);
-            headers.insert(AUTHORIZATION, value);
         }
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .user_agent(concat!("orchestrator/", env!("CARGO_PKG_VERSION")))
+            .redirect(same_origin_redirects())
             .build()
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        let (url, basic_auth) = split_userinfo(&client, url)?;
+        let headers = sensitive_headers(&config, basic_auth)?;
+        let redactor = redactor(&config, &headers);
         Ok(Self {
             client,
             url,
+            shown,
             headers,
+            redactor,
             config,
         })
     }
 
-    /// The endpoint completions are posted to.
-    pub fn url(&self) -> &reqwest::Url {
-        &self.url
+    /// The endpoint completions are posted to, as logs show it (no credentials, no query values).
+    pub fn shown_url(&self) -> &str {
+        &self.shown
     }
 
     async fn open(self, body: Vec<u8>) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
@@ -104,19 +111,14 @@ impl HttpLlm {
                     )));
                 }
                 Ok(Ok(response)) if response.status().is_success() => {
-                    return Ok(decode(response.bytes_stream(), limits));
+                    let redactor = self.redactor.clone();
+                    let events = decode(response.bytes_stream(), limits);
+                    return Ok(events.map(move |event| event.map_err(|e| scrub(&redactor, e))).boxed());
                 }
                 Ok(Ok(response)) => {
                     let status = response.status();
-                    let retry_after = response
-                        .headers()
-                        .get(RETRY_AFTER)
-                        .and_then(|v| v.to_str().ok())
-                        .and_then(|v| v.trim().parse::<u64>().ok())
-                        .map(Duration::from_secs)
-                        .filter(|d| *d <= MAX_RETRY_AFTER);
-                    let body = read_error_body(response, self.config.idle_timeout).await;
-                    let failure = LlmError::Http(format!("the LLM server answered {status}: {body}"));
+                    let retry_after = retry_after(&response);
+                    let failure = self.refusal(response).await;
                     if status.as_u16() != 429 && !status.is_server_error() {
                         return Err(failure);
                     }
@@ -124,9 +126,15 @@ impl HttpLlm {
                 }
                 Ok(Err(e)) if e.is_connect() || e.is_timeout() => (
                     None,
-                    LlmError::Http(format!("cannot reach the LLM server at {}: {e}", self.url)),
+                    self.http_error(format!(
+                        "cannot reach the LLM server at {}: {}",
+                        self.shown,
+                        e.without_url()
+                    )),
                 ),
-                Ok(Err(e)) => return Err(LlmError::Http(format!("request to the LLM server failed: {e}"))),
+                Ok(Err(e)) => {
+                    return Err(self.http_error(format!("request to the LLM server failed: {}", e.without_url())));
+                }
             };
             if attempt >= self.config.max_retries {
                 return Err(failure);
@@ -147,12 +155,143 @@ impl HttpLlm {
             tokio::time::sleep(delay).await;
         }
     }
+
+    /// The error for an answer that is not a stream: a redirect to another origin (never
+    /// followed: the request carries credentials), or the server's own message.
+    async fn refusal(&self, response: reqwest::Response) -> LlmError {
+        let status = response.status();
+        if status.is_redirection() {
+            let target = response
+                .headers()
+                .get(LOCATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|location| self.url.join(location).ok())
+                .map_or_else(
+                    || "an unreadable Location".to_owned(),
+                    |u| u.origin().ascii_serialization(),
+                );
+            return self.http_error(format!(
+                "the LLM server answered {status}, redirecting to another origin ({target}); the request \
+                 carries credentials, so redirects are followed only within {}: point --llm-base-url at the \
+                 new address",
+                self.url.origin().ascii_serialization()
+            ));
+        }
+        let body = read_error_body(response, self.config.idle_timeout).await;
+        self.http_error(format!("the LLM server answered {status}: {body}"))
+    }
+
+    /// An HTTP-level error, its text scrubbed of the credentials this client sends.
+    fn http_error(&self, message: String) -> LlmError {
+        LlmError::Http(self.redactor.scrub(&message))
+    }
+}
+
+/// `{base}/chat/completions`, keeping a query of the base URL (`…/v1?api-version=…`) at the end.
+fn endpoint(base_url: &str) -> String {
+    let (base, query) = base_url.split_once('?').map_or((base_url, None), |(b, q)| (b, Some(q)));
+    let base = base.trim_end_matches('/');
+    match query {
+        Some(query) => format!("{base}/chat/completions?{query}"),
+        None => format!("{base}/chat/completions"),
+    }
+}
+
+/// Redirects are followed (at most 5) only to the origin they came from: a request carries the API
+/// key and the extra headers, which must not reach another host.
+fn same_origin_redirects() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        let same_origin = attempt
+            .previous()
+            .first()
+            .is_some_and(|first| first.origin() == attempt.url().origin());
+        if !same_origin || attempt.previous().len() > 5 {
+            attempt.stop()
+        } else {
+            attempt.follow()
+        }
+    })
+}
+
+/// `url` without its `user:password@`, and the basic-auth header reqwest makes of them (kept
+/// with the other sensitive headers instead of in a URL that could be shown).
+fn split_userinfo(client: &reqwest::Client, url: reqwest::Url) -> Result<(reqwest::Url, Option<HeaderValue>), String> {
+    if url.username().is_empty() && url.password().is_none() {
+        return Ok((url, None));
+    }
+    let request = client
+        .post(url)
+        .build()
+        .map_err(|e| format!("--llm-base-url: {}", e.without_url()))?;
+    Ok((request.url().clone(), request.headers().get(AUTHORIZATION).cloned()))
+}
+
+/// The headers sent with every request, all marked sensitive: `--llm-header`s, the basic auth of
+/// the URL's userinfo, and the API key as a bearer token (which wins over basic auth).
+fn sensitive_headers(config: &LlmSettings, basic_auth: Option<HeaderValue>) -> Result<HeaderMap, String> {
+    let mut headers = HeaderMap::new();
+    for header in &config.headers {
+        let name =
+            HeaderName::try_from(header.name.as_str()).map_err(|e| format!("--llm-header {:?}: {e}", header.name))?;
+        let value = HeaderValue::try_from(header.value.expose()).map_err(|e| format!("--llm-header {name}: {e}"))?;
+        headers.insert(name, value);
+    }
+    if let Some(basic) = basic_auth {
+        headers.insert(AUTHORIZATION, basic);
+    }
+    if let Some(key) = config.api_key.as_ref().map(|k| k.expose()).filter(|k| !k.is_empty()) {
+        let value = HeaderValue::try_from(format!("Bearer {key}"))
+            .map_err(|_| "LLM_API_KEY contains characters not allowed in an HTTP header".to_owned())?;
+        headers.insert(AUTHORIZATION, value);
+    }
+    for value in headers.values_mut() {
+        value.set_sensitive(true);
+    }
+    Ok(headers)
+}
+
+/// A redactor for every credential the client sends: each header value whole and its token after
+/// a scheme (`Bearer …`), the URL's userinfo parts and its query values.
+fn redactor(config: &LlmSettings, headers: &HeaderMap) -> Redactor {
+    let mut secrets: Vec<&str> = Vec::new();
+    for value in headers.values().filter_map(|v| v.to_str().ok()) {
+        secrets.push(value);
+        secrets.extend(value.split_once(' ').map(|(_, token)| token));
+    }
+    if let Some(info) = userinfo(&config.base_url) {
+        secrets.push(info);
+        secrets.extend(info.split(':'));
+    }
+    if let Some((_, query)) = config.base_url.split_once('?') {
+        secrets.extend(query.split('&').filter_map(|pair| pair.split_once('=').map(|(_, v)| v)));
+    }
+    Redactor::new(secrets)
+}
+
+/// `error` with the credentials scrubbed from its text.
+fn scrub(redactor: &Redactor, error: LlmError) -> LlmError {
+    match error {
+        LlmError::Stalled(m) => LlmError::Stalled(redactor.scrub(&m)),
+        LlmError::Http(m) => LlmError::Http(redactor.scrub(&m)),
+        LlmError::Server(m) => LlmError::Server(redactor.scrub(&m)),
+        LlmError::Protocol(m) => LlmError::Protocol(redactor.scrub(&m)),
+    }
+}
+
+/// A `Retry-After` in seconds, when short enough to honour.
+fn retry_after(response: &reqwest::Response) -> Option<Duration> {
+    response
+        .headers()
+        .get(RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs)
+        .filter(|d| *d <= MAX_RETRY_AFTER)
 }
 
 /// At most a few KiB of an error response, for the message, read within `timeout`: a body that
 /// never ends (or never comes) gives what arrived by then.
 async fn read_error_body(response: reqwest::Response, timeout: Duration) -> String {
-    use futures::StreamExt;
     let deadline = tokio::time::Instant::now() + timeout;
     let mut body = Vec::new();
     let mut stream = response.bytes_stream();
@@ -357,8 +496,34 @@ mod tests {
         assert!(!debug.contains("sk-secret"), "{debug}");
         assert!(debug.contains("<redacted>"));
         let client = HttpLlm::new(config()).unwrap();
-        assert_eq!(client.url().as_str(), "http://127.0.0.1:1/v1/chat/completions");
+        assert_eq!(client.shown_url(), "http://127.0.0.1:1/v1/chat/completions");
         assert!(client.headers.get(AUTHORIZATION).is_some_and(HeaderValue::is_sensitive));
+    }
+
+    #[test]
+    fn url_credentials_become_a_sensitive_header_and_are_scrubbed_from_errors() {
+        let client = HttpLlm::new(LlmSettings {
+            base_url: "http://svc:pa55word@127.0.0.1:1/v1?key=qk-123456".into(),
+            api_key: None,
+            headers: vec!["X-Gateway-Key: gw-7890".parse().unwrap()],
+            ..config()
+        })
+        .unwrap();
+        assert_eq!(
+            client.url.as_str(),
+            "http://127.0.0.1:1/v1/chat/completions?key=qk-123456"
+        );
+        assert_eq!(client.shown_url(), "http://***@127.0.0.1:1/v1/chat/completions?key=***");
+        let basic = client.headers.get(AUTHORIZATION).unwrap();
+        assert!(basic.is_sensitive() && basic.to_str().unwrap().starts_with("Basic "));
+        let echoed = format!(
+            "denied: {} key=qk-123456 gw-7890 pa55word svc:pa55word",
+            basic.to_str().unwrap()
+        );
+        let LlmError::Http(scrubbed) = client.http_error(echoed) else {
+            unreachable!()
+        };
+        assert_eq!(scrubbed, "denied: *** key=*** *** *** ***");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub(crate) mod nats;
+pub(crate) mod otlp;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -12,6 +12,8 @@ pub(crate) struct Nats {
     child: Option<Child>,
     port: u16,
     dir: PathBuf,
+    /// `--user` and `--pass` the server requires, if any.
+    user: Option<(String, String)>,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -25,20 +27,34 @@ fn nats_server_bin() -> anyhow::Result<PathBuf> {
 
 impl Nats {
     pub(crate) async fn start() -> anyhow::Result<Self> {
+        Self::start_with(None).await
+    }
+
+    /// A server that requires this user and password (in [`Nats::url`]).
+    pub(crate) async fn start_authenticated(user: &str, password: &str) -> anyhow::Result<Self> {
+        Self::start_with(Some((user.to_owned(), password.to_owned()))).await
+    }
+
+    async fn start_with(user: Option<(String, String)>) -> anyhow::Result<Self> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let tmp = tempfile::tempdir()?;
         let mut nats = Self {
             child: None,
             port,
             dir: tmp.path().to_owned(),
+            user,
             _tmp: Some(tmp),
         };
         nats.restart().await?;
         Ok(nats)
     }
 
+    /// `nats://127.0.0.1:port`, with `user:password@` when the server requires them.
     pub(crate) fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        match &self.user {
+            Some((user, password)) => format!("nats://{user}:{password}@127.0.0.1:{}", self.port),
+            None => format!("nats://127.0.0.1:{}", self.port),
+        }
     }
 
     /// (Re)starts the server on the same port and store.
@@ -46,6 +62,11 @@ impl Nats {
         let child = Command::new(nats_server_bin()?)
             .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(&self.dir)
+            .args(
+                self.user
+                    .iter()
+                    .flat_map(|(user, password)| ["--user", user, "--pass", password]),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .kill_on_drop(true)
@@ -54,7 +75,15 @@ impl Nats {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             // The server listens for clients only once JetStream is up.
-            let last_error = match async_nats::connect(self.url()).await {
+            // async-nats takes no credentials from a URL: they are options.
+            let options = match &self.user {
+                Some((user, password)) => {
+                    async_nats::ConnectOptions::with_user_and_password(user.clone(), password.clone())
+                }
+                None => async_nats::ConnectOptions::new(),
+            };
+            let address = format!("nats://127.0.0.1:{}", self.port);
+            let last_error = match options.connect(address).await {
                 Ok(client) => match client.flush().await {
                     Ok(()) => return Ok(()),
                     Err(e) => e.to_string(),
