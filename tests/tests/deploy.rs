@@ -1,13 +1,16 @@
-//! The Kubernetes manifests: the kustomize base and the example overlay render with `kubectl
-//! kustomize`, validate strictly against the Kubernetes schemas (`kubernetes-validate`), and
-//! say what the services rely on: a headless tool-runner Service, gRPC probes on the health
-//! service, a grace period above the drain grace, locked-down containers, the HPA, the PDB, the
-//! NetworkPolicy and the tools manifest ConfigMap. `./scripts/test` installs both tools.
+//! The Kubernetes manifests: the kustomize base and the example and mTLS overlays render with
+//! `kubectl kustomize`, validate strictly against the Kubernetes schemas (`kubernetes-validate`),
+//! and say what the services rely on: a headless tool-runner Service, gRPC probes on the health
+//! service, a grace period above preStop plus the drain grace, locked-down containers and pods,
+//! HPAs and PDBs, the NetworkPolicies and the tools manifest ConfigMap. The NATS configuration
+//! they ship runs in a real `nats-server` and admits the orchestrator only with its password; the
+//! compose file publishes on loopback only. `./scripts/test` installs the tools.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use e2e::repo_root;
+use tokio::net::TcpListener;
 
 type TestResult = anyhow::Result<()>;
 
@@ -103,10 +106,6 @@ fn the_manifests_say_what_the_services_rely_on() -> TestResult {
             deployment.contains(&format!("port: {port}\n            service: {service}")),
             "readiness on the gRPC health of {service}"
         );
-        assert!(
-            deployment.contains("terminationGracePeriodSeconds: 40"),
-            "grace period above the drain grace"
-        );
         assert!(deployment.contains("value: 30s"), "drain grace 30s");
         for line in [
             "readOnlyRootFilesystem: true",
@@ -143,5 +142,226 @@ fn the_manifests_say_what_the_services_rely_on() -> TestResult {
         .find(|d| d.contains("kind: ConfigMap") && d.contains("tools.toml"))
         .ok_or_else(|| anyhow::anyhow!("no tools ConfigMap"))?;
     assert!(tools.contains("name = \"text_stats\""));
+    Ok(())
+}
+
+/// The number after `key: ` in `doc`.
+fn number(doc: &str, key: &str) -> anyhow::Result<u64> {
+    let line = doc
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(&format!("{key}: ")))
+        .ok_or_else(|| anyhow::anyhow!("no {key}"))?;
+    Ok(line.trim().parse()?)
+}
+
+#[test]
+fn pods_are_locked_down_drained_and_bounded() -> TestResult {
+    let rendered = render(&repo_root().join("deploy/k8s/overlays/example"))?;
+    for (kind, name) in [
+        ("Deployment", "orchestrator"),
+        ("Deployment", "tool-runner"),
+        ("Deployment", "mock-llm"),
+        ("Deployment", "jaeger"),
+        ("StatefulSet", "nats"),
+    ] {
+        let pod = document(&rendered, kind, name)?;
+        assert!(
+            pod.contains("automountServiceAccountToken: false"),
+            "{name}: service account token mounted"
+        );
+        assert_eq!(
+            pod.matches("ephemeral-storage:").count(),
+            2,
+            "{name}: ephemeral-storage request and limit"
+        );
+        let empty_dirs = pod.matches("emptyDir:").count();
+        assert_eq!(
+            pod.matches("sizeLimit:").count(),
+            empty_dirs,
+            "{name}: an emptyDir without sizeLimit"
+        );
+    }
+    // Endpoints leave the Service before SIGTERM; preStop and the 30 s drain fit in the grace.
+    for (name, pre_stop) in [("orchestrator", 5), ("tool-runner", 10)] {
+        let pod = document(&rendered, "Deployment", name)?;
+        assert!(pod.contains("preStop:\n            sleep:"), "{name}: no preStop sleep");
+        assert_eq!(number(pod, "seconds")?, pre_stop, "{name}");
+        assert!(
+            number(pod, "terminationGracePeriodSeconds")? > pre_stop + 30,
+            "{name}: grace too short"
+        );
+    }
+    let hpa = document(&rendered, "HorizontalPodAutoscaler", "orchestrator")?;
+    assert!(hpa.contains("name: orchestrator") && number(hpa, "minReplicas")? >= 2);
+    assert!(document(&rendered, "PodDisruptionBudget", "orchestrator")?.contains("maxUnavailable: 1"));
+
+    // NATS: a password from a Secret, in the orchestrator's URLs and in the server's config.
+    let orchestrator = document(&rendered, "Deployment", "orchestrator")?;
+    assert!(orchestrator.contains("value: nats://orchestrator:$(NATS_PASSWORD)@nats:4222"));
+    assert!(orchestrator.contains("key: orchestrator-password\n              name: nats-credentials-"));
+    let nats = document(&rendered, "StatefulSet", "nats")?;
+    assert!(nats.contains("- /etc/nats/nats.conf") && nats.contains("name: NATS_ORCHESTRATOR_PASSWORD"));
+    let secret = rendered
+        .split("\n---\n")
+        .find(|d| d.contains("kind: Secret") && d.contains("name: nats-credentials-"))
+        .ok_or_else(|| anyhow::anyhow!("no nats-credentials Secret"))?;
+    assert!(secret.contains("orchestrator-password:"));
+    Ok(())
+}
+
+#[test]
+fn network_policies_admit_only_whom_they_name() -> TestResult {
+    let rendered = render(&repo_root().join("deploy/k8s/base"))?;
+    let orchestrator = document(&rendered, "NetworkPolicy", "orchestrator")?;
+    assert!(orchestrator.contains("orchestrator.io/client: \"true\"") && orchestrator.contains("port: 50051"));
+    let nats = document(&rendered, "NetworkPolicy", "nats")?;
+    let client_rule = nats
+        .split("- from:")
+        .find(|rule| rule.contains("port: 4222"))
+        .ok_or_else(|| anyhow::anyhow!("no rule for the NATS client port"))?;
+    assert!(
+        client_rule.contains("app.kubernetes.io/name: orchestrator") && !client_rule.contains("namespaceSelector"),
+        "NATS clients: the orchestrator's pods only\n{client_rule}"
+    );
+    let runner = document(&rendered, "NetworkPolicy", "tool-runner")?;
+    assert!(runner.contains("- Egress"), "the runners' egress is not restricted");
+    for needle in [
+        "k8s-app: kube-dns",
+        "port: 53",
+        "cidr: 0.0.0.0/0",
+        "- 169.254.0.0/16",
+        "- 10.0.0.0/8",
+    ] {
+        assert!(runner.contains(needle), "tool-runner egress: {needle} missing");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_mtls_overlay_wires_cert_manager_certificates_into_both_services() -> TestResult {
+    let rendered = render(&repo_root().join("deploy/k8s/overlays/mtls"))?;
+    let (cert_manager, core): (Vec<&str>, Vec<&str>) = rendered
+        .split("\n---\n")
+        .partition(|doc| doc.contains("apiVersion: cert-manager.io/v1"));
+    // kubernetes-validate knows no CRDs: the cert-manager documents are checked below.
+    validate(&core.join("\n---\n"))?;
+    let certificate = |name: &str| {
+        cert_manager
+            .iter()
+            .find(|d| d.contains("kind: Certificate") && d.contains(&format!("  name: {name}\n")))
+            .copied()
+            .ok_or_else(|| anyhow::anyhow!("no Certificate {name}"))
+    };
+    assert!(certificate("orchestrator-ca")?.contains("isCA: true"));
+    let runner_cert = certificate("tool-runner-tls")?;
+    assert!(runner_cert.contains("- tool-runner\n") && runner_cert.contains("- server auth"));
+    assert!(certificate("orchestrator-runner-client")?.contains("- client auth"));
+    assert!(certificate("orchestrator-tls")?.contains("- orchestrator\n"));
+
+    let runner = document(&rendered, "Deployment", "tool-runner")?;
+    for needle in [
+        "name: TOOL_RUNNER_TLS_CLIENT_CA",
+        "secretName: tool-runner-tls",
+        "name: TOOL_RUNNER_HEALTH_LISTEN",
+    ] {
+        assert!(runner.contains(needle), "tool-runner: {needle} missing");
+    }
+    let orchestrator = document(&rendered, "Deployment", "orchestrator")?;
+    for needle in [
+        "name: ORCHESTRATOR_TOOL_RUNNER_CA",
+        "name: ORCHESTRATOR_TOOL_RUNNER_CERT",
+        "secretName: orchestrator-runner-client-tls",
+        "secretName: orchestrator-tls",
+        "value: dns:///tool-runner:50052",
+    ] {
+        assert!(orchestrator.contains(needle), "orchestrator: {needle} missing");
+    }
+    for deployment in [runner, orchestrator] {
+        // Both probes on the plaintext health port: Kubernetes' gRPC probes speak no TLS.
+        assert_eq!(
+            deployment.matches("grpc:\n            port: 8081").count(),
+            2,
+            "{deployment}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn compose_publishes_on_loopback_only() -> TestResult {
+    let compose = std::fs::read_to_string(repo_root().join("deploy/compose.yaml"))?;
+    let mappings: Vec<&str> = compose
+        .split('"')
+        .filter(|s| s.contains(':') && s.chars().all(|c| c.is_ascii_digit() || c == ':' || c == '.'))
+        .collect();
+    assert!(mappings.len() >= 8, "port mappings not found: {mappings:?}");
+    for mapping in mappings {
+        assert!(
+            mapping.starts_with("127.0.0.1:"),
+            "{mapping} is published on every interface"
+        );
+    }
+    Ok(())
+}
+
+/// The shipped nats.conf in a real nats-server (its store moved to a temporary directory): the
+/// orchestrator connects with the password in its URL, and a wrong one is refused with an error
+/// that does not show it.
+#[tokio::test]
+async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let conf = std::fs::read_to_string(repo_root().join("deploy/k8s/base/nats.conf"))?;
+    let store = dir.path().join("store");
+    let conf_path = dir.path().join("nats.conf");
+    std::fs::write(
+        &conf_path,
+        conf.replace("\"/data\"", &format!("{:?}", store.display().to_string())),
+    )?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let password = "d3adbeefcafe0123456789ab";
+    let mut server = tokio::process::Command::new(tool("nats-server")?)
+        .arg("-c")
+        .arg(&conf_path)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-m", "0"])
+        .env("NATS_ORCHESTRATOR_PASSWORD", password)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let runner = e2e::Runner::start(tool_runner::Config::default()).await?;
+
+    let serve_once = |url: String| {
+        let runner = format!("http://{}", runner.addr);
+        async move {
+            let mut config = orchestrator::Config::new("http://127.0.0.1:1/v1", "m", vec![runner]);
+            config.signals.topic = url.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+            let listener = TcpListener::bind("127.0.0.1:0").await?;
+            // Serves until its (immediate) shutdown: Ok once NATS and the signal stream are up.
+            anyhow::Ok(orchestrator::serve(listener, config, async {}).await)
+        }
+    };
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        match serve_once(format!("nats://orchestrator:{password}@127.0.0.1:{port}")).await? {
+            Ok(()) => break,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                assert!(!e.to_string().contains(password), "{e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => anyhow::bail!("the orchestrator never connected: {e}"),
+        }
+    }
+    let wrong = "0123456789abcdef01234567";
+    let refused = serve_once(format!("nats://orchestrator:{wrong}@127.0.0.1:{port}"))
+        .await?
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("a wrong NATS password was admitted"))?
+        .to_string();
+    assert!(
+        refused.contains("cannot connect to NATS at nats://127.0.0.1:"),
+        "{refused}"
+    );
+    assert!(!refused.contains(wrong), "{refused}");
+    server.kill().await?;
     Ok(())
 }

@@ -512,3 +512,164 @@ async fn tls_files_are_reloaded_without_dropping_connections() -> TestResult {
     runner.stop().await?;
     Ok(())
 }
+
+/// Principals from client certificates (mTLS on the orchestrator, `--auth-principal-from-cert`),
+/// through a tool-runner found by `dns:///localhost` over mTLS (the certificate checked against
+/// the name, as in Kubernetes with a headless Service): the principal is the certificate's common
+/// name; a subject the tokens file does not list is PERMISSION_DENIED, reflection included, until
+/// the file (re-read while serving) lists it; a principal's `max_runs` holds through the API.
+/// (Callers without a certificate meet the handshake refusal of the grpcio test above.)
+#[tokio::test]
+async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResult {
+    use proto::orchestrator::v1 as pb;
+    let pki = Pki::new()?;
+    pki.ca("ca").await?;
+    for leaf in ["server", "orchestrator", "carol", "mallory"] {
+        pki.leaf("ca", leaf).await?;
+    }
+    let mut runner_command = Command::new(common::tool_runner_bin()?);
+    runner_command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
+        "--tls-cert",
+        &pki.arg("server.pem"),
+        "--tls-key",
+        &pki.arg("server.key"),
+        "--tls-client-ca",
+        &pki.arg("ca.pem"),
+    ]);
+    let runner = Service::spawn(runner_command, "127.0.0.1", "tool-runner serving").await?;
+    let runner_port = runner.grpc.rsplit(':').next().unwrap_or_default().to_owned();
+
+    let calculate = Scenario::new(vec![
+        Turn::default().then(Step::call("calculate", json!({"expression": "6*7"}))),
+        Turn::text("It is 42."),
+    ]);
+    let slow = Scenario {
+        ttft_ms: 1500,
+        ..Scenario::new(vec![Turn::text("Slowly.")])
+    };
+    let llm = MockLlm::start(mock_llm::Scenarios {
+        default: calculate,
+        named: [("slow".to_owned(), slow)].into_iter().collect(),
+    })
+    .await?;
+    let tokens = pki.path("tokens.toml");
+    let carol_only = "[[token]]\nprincipal = \"carol\"\nmax_runs = 1\n";
+    std::fs::write(&tokens, carol_only)?;
+    let mut orchestrator_command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    orchestrator_command
+        .env("LLM_BASE_URL", llm.base_url())
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args(["--tool-runner", &format!("dns:///localhost:{runner_port}")])
+        .args(["--tool-runner-ca", &pki.arg("ca.pem")])
+        .args(["--tool-runner-cert", &pki.arg("orchestrator.pem")])
+        .args(["--tool-runner-key", &pki.arg("orchestrator.key")])
+        .args([
+            "--tls-cert",
+            &pki.arg("server.pem"),
+            "--tls-key",
+            &pki.arg("server.key"),
+        ])
+        .args(["--tls-client-ca", &pki.arg("ca.pem"), "--auth-principal-from-cert"])
+        .args([
+            "--auth-tokens",
+            &tokens.display().to_string(),
+            "--tls-reload-interval",
+            "1s",
+        ]);
+    let orchestrator = Service::spawn(orchestrator_command, "127.0.0.1", "orchestrator serving").await?;
+    let address = orchestrator.grpc.clone();
+    let client = |identity: &'static str| {
+        let (pki, address) = (&pki, address.clone());
+        async move {
+            let channel = tls_channel(pki, &address, "ca", identity).await?;
+            anyhow::Ok(pb::orchestrator_client::OrchestratorClient::new(channel))
+        }
+    };
+    let ask = |model: &str| pb::OrchestrateRequest {
+        model: model.into(),
+        tools: Some(pb::ToolSelection {
+            normal: vec!["calculate".into()],
+            exit: vec![],
+        }),
+        ..common::user("what is 6*7?")
+    };
+
+    // Carol's certificate is her principal; the tool ran on the runner found by DNS, over mTLS.
+    let mut carol = client("carol").await?;
+    let finished = run_to_result(&mut carol, ask("")).await?;
+    assert_eq!(finished.status(), pb::RunStatus::Completed, "{finished:?}");
+    assert_eq!(finished.principal, "carol");
+    assert!(finished.tool_calls.first().is_some_and(|c| c.ok), "{finished:?}");
+
+    // Mallory's certificate is valid but she is not a principal here: refused, reflection too.
+    let mut mallory = client("mallory").await?;
+    let refused = mallory.orchestrate(ask("")).await.err().map(|s| s.code());
+    assert_eq!(refused, Some(tonic::Code::PermissionDenied));
+    let channel = tls_channel(&pki, &address, "ca", "mallory").await?;
+    let mut reflection =
+        tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel.clone());
+    let list = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(
+            tonic_reflection::pb::v1::server_reflection_request::MessageRequest::ListServices(String::new()),
+        ),
+    };
+    assert_eq!(
+        list_services(&mut reflection, &list).await.err(),
+        Some(tonic::Code::PermissionDenied),
+        "reflection without a principal"
+    );
+
+    // The tokens file is re-read while serving: once it lists mallory, she is served.
+    std::fs::write(&tokens, format!("{carol_only}\n[[token]]\nprincipal = \"mallory\"\n"))?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while let Err(code) = list_services(&mut reflection, &list).await {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the new tokens file was not picked up: {code:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Carol may have one run in flight: a second, while a slow one runs, is RESOURCE_EXHAUSTED.
+    let mut first = client("carol").await?;
+    let slow_run = tokio::spawn(async move { run_to_result(&mut first, ask("slow")).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let second = carol.orchestrate(ask("")).await.err().map(|s| s.code());
+    assert_eq!(second, Some(tonic::Code::ResourceExhausted));
+    assert_eq!(slow_run.await??.status(), pb::RunStatus::Completed);
+    // Mallory, another principal, was never limited by Carol's runs.
+    assert_eq!(run_to_result(&mut mallory, ask("")).await?.principal, "mallory");
+
+    orchestrator.stop().await?;
+    runner.stop().await?;
+    Ok(())
+}
+
+/// One reflection `list_services` exchange: Ok, or the refusal's code.
+async fn list_services(
+    client: &mut tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient<tonic::transport::Channel>,
+    request: &tonic_reflection::pb::v1::ServerReflectionRequest,
+) -> Result<(), tonic::Code> {
+    let mut stream = client
+        .server_reflection_info(futures::stream::iter([request.clone()]))
+        .await
+        .map_err(|s| s.code())?
+        .into_inner();
+    stream.message().await.map(|_| ()).map_err(|s| s.code())
+}
+
+/// Runs `request` on `client` to its `run_finished` result.
+async fn run_to_result(
+    client: &mut proto::orchestrator::v1::orchestrator_client::OrchestratorClient<tonic::transport::Channel>,
+    request: proto::orchestrator::v1::OrchestrateRequest,
+) -> anyhow::Result<proto::orchestrator::v1::RunResult> {
+    use proto::orchestrator::v1 as pb;
+    let mut stream = client.orchestrate(request).await?.into_inner();
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(30), stream.message()).await?? {
+        if let Some(pb::orchestrate_event::Event::RunFinished(f)) = event.event {
+            return f.result.ok_or_else(|| anyhow::anyhow!("run_finished without a result"));
+        }
+    }
+    anyhow::bail!("the stream ended without run_finished")
+}
