@@ -91,7 +91,7 @@ fn orchestrator(llm_host: &str, otlp: &str) -> Command {
 }
 
 /// A caller's request with `token`.
-fn with_token(token: &str, request: pb::OrchestrateRequest) -> anyhow::Result<tonic::Request<pb::OrchestrateRequest>> {
+fn with_token<T>(token: &str, request: T) -> anyhow::Result<tonic::Request<T>> {
     let mut request = tonic::Request::new(request);
     request
         .metadata_mut()
@@ -275,25 +275,16 @@ async fn completed_run_on_nats_with_credentials(otlp: &str, outputs: &mut Output
     let refused = run_recorded(&endpoint, with_token(WRONG_TOKEN, request)?, outputs).await?;
     assert!(refused.is_none(), "a wrong token was served");
     let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint).await?;
-    let mut get = tonic::Request::new(pb::GetRunRequest {
-        run_id: result.run_id.clone(),
-    });
-    get.metadata_mut()
-        .insert("authorization", format!("Bearer {CALLER_TOKEN}").parse()?);
+    let get = with_token(
+        CALLER_TOKEN,
+        pb::GetRunRequest {
+            run_id: result.run_id.clone(),
+        },
+    )?;
     outputs.add("GetRun", format!("{:?}", client.get_run(get).await?.into_inner()));
-
-    // The stand-in model got the key as a bearer token.
     anyhow::ensure!(!mock.requests().is_empty(), "the model got no request");
-    outputs.add(
-        "/metrics",
-        reqwest::get(format!("http://{}/metrics", service.metrics))
-            .await?
-            .text()
-            .await?,
-    );
-    let logs = stop_and_collect(service).await?;
+    let logs = stop_and_collect(service, outputs).await?;
     anyhow::ensure!(logs.contains("\"level\":\"DEBUG\""), "no debug-level log lines");
-    outputs.add("the logs of the NATS run", logs);
     Ok(())
 }
 
@@ -341,14 +332,7 @@ async fn llm_gateways_that_echo_redirect_or_vanish(otlp: &str, outputs: &mut Out
         unreachable.contains("cannot reach the LLM server at http://***@127.0.0.1"),
         "{unreachable}"
     );
-    outputs.add(
-        "/metrics",
-        reqwest::get(format!("http://{}/metrics", service.metrics))
-            .await?
-            .text()
-            .await?,
-    );
-    outputs.add("the logs of the gateway runs", stop_and_collect(service).await?);
+    stop_and_collect(service, outputs).await?;
     Ok(())
 }
 
@@ -394,9 +378,14 @@ async fn start_errors_hide_credentials(outputs: &mut Outputs) -> TestResult {
     Ok(())
 }
 
-/// Stops a service (SIGTERM: it flushes its spans) and returns its log.
-async fn stop_and_collect(mut service: Service) -> anyhow::Result<String> {
+/// Keeps a service's `/metrics`, stops it (SIGTERM: it flushes its spans) and keeps its log,
+/// which it returns.
+async fn stop_and_collect(mut service: Service, outputs: &mut Outputs) -> anyhow::Result<String> {
+    let metrics = reqwest::get(format!("http://{}/metrics", service.metrics));
+    outputs.add("/metrics", metrics.await?.text().await?);
     service.signal(nix::sys::signal::Signal::SIGTERM)?;
     service.wait_exit().await?;
-    Ok(service.logs().join("\n"))
+    let logs = service.logs().join("\n");
+    outputs.add("the logs", logs.clone());
+    Ok(logs)
 }
