@@ -1212,3 +1212,119 @@ async fn output_over_the_limits_ends_the_run_output_limit_keeping_what_fits() ->
     assert_eq!(calls.result.text, "Three at once.\n");
     Ok(())
 }
+
+/// The model parameters through the API: what the caller sets and the server's `--llm-*`
+/// defaults reach the model server's request body exactly; `tool_choice` naming a tool forces the
+/// first turn only; `extra_body_json` merges flat. Bad values are INVALID_ARGUMENT naming the field.
+#[tokio::test]
+async fn model_parameters_reach_the_request_body_and_bad_ones_are_refused() -> TestResult {
+    let stack = Stack::start(
+        Scenario::new(vec![
+            Turn::default().then(Step::call("calculate", json!({"expression": "1+1"}))),
+            Turn::text("Two."),
+        ]),
+        runner_config(None),
+        |config| {
+            config.llm.temperature = Some(0.3);
+            config.llm.max_tokens = Some(256);
+            config.llm.extra_body = Some(r#"{"top_k": 40, "min_p": 0.05}"#.into());
+        },
+    )
+    .await?;
+    let mut asked = request("add", &[]);
+    asked.params = Some(pb::ModelParams {
+        temperature: Some(0.0),
+        presence_penalty: Some(0.5),
+        frequency_penalty: Some(-0.5),
+        tool_choice: "calculate".into(),
+        parallel_tool_calls: Some(false),
+        reasoning_effort: "low".into(),
+        extra_body_json: r#"{"top_k": 1, "chat_template_kwargs": {"enable_thinking": false}}"#.into(),
+        ..Default::default()
+    });
+    let out = stack.run(asked.clone()).await?;
+    assert_eq!(out.status(), S::Completed);
+    let requests = stack.mock.requests();
+    let field = |turn: usize, name: &str| requests[turn][name].clone();
+    for (name, value) in [
+        ("temperature", json!(0.0)),
+        ("max_tokens", json!(256)),
+        ("presence_penalty", json!(0.5)),
+        ("frequency_penalty", json!(-0.5)),
+        ("parallel_tool_calls", json!(false)),
+        ("reasoning_effort", json!("low")),
+        ("top_k", json!(1)),
+        ("min_p", json!(0.05)),
+        ("chat_template_kwargs", json!({"enable_thinking": false})),
+        (
+            "tool_choice",
+            json!({"type": "function", "function": {"name": "calculate"}}),
+        ),
+    ] {
+        assert_eq!(field(0, name), value, "turn 1: {name}");
+    }
+    assert_eq!(
+        field(1, "tool_choice"),
+        "auto",
+        "a named tool_choice forces the first turn only"
+    );
+    assert!(requests[0].get("top_p").is_none() && requests[0].get("seed").is_none());
+
+    let mut client = stack.client().await?;
+    for (params, expected) in [
+        (
+            pb::ModelParams {
+                extra_body_json: r#"{"model": "other"}"#.into(),
+                ..Default::default()
+            },
+            "extra_body_json may not set \"model\"",
+        ),
+        (
+            pb::ModelParams {
+                extra_body_json: r#"{"temperature": 1}"#.into(),
+                temperature: Some(0.5),
+                ..Default::default()
+            },
+            "temperature is set twice",
+        ),
+        (
+            pb::ModelParams {
+                extra_body_json: "[1]".into(),
+                ..Default::default()
+            },
+            "must be a JSON object",
+        ),
+        (
+            pb::ModelParams {
+                tool_choice: "no_such_tool".into(),
+                ..Default::default()
+            },
+            "tool_choice names \"no_such_tool\", which this run does not offer",
+        ),
+        (
+            pb::ModelParams {
+                tool_choice: "any tool".into(),
+                ..Default::default()
+            },
+            "tool_choice \"any tool\"",
+        ),
+        (
+            pb::ModelParams {
+                presence_penalty: Some(2.5),
+                ..Default::default()
+            },
+            "presence_penalty = 2.5 is outside -2..=2",
+        ),
+    ] {
+        let mut bad = request("add", &[]);
+        bad.params = Some(params);
+        let status = client
+            .orchestrate(bad)
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("accepted: {expected}"))?;
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{}", status.message());
+        assert!(status.message().contains(expected), "{}", status.message());
+    }
+    Ok(())
+}

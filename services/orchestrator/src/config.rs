@@ -16,7 +16,8 @@ use shared::config::{Bound, Bounded, bound, flag, parse_duration};
 use shared::telemetry::LogFormat;
 
 use crate::Error;
-use crate::llm::ToolDefinition;
+use crate::llm::params::parse_extra_body;
+use crate::llm::{SamplingParams, ToolChoice, ToolDefinition};
 use crate::run::{HARD_MAX_TURNS, Limits};
 
 const KIB: usize = 1024;
@@ -195,6 +196,44 @@ pub struct LlmSettings {
     /// Largest SSE event accepted from the LLM (all its lines), in bytes (max-line-bytes..=64 MiB).
     #[arg(long = "llm-max-event-bytes", env = "LLM_MAX_EVENT_BYTES", default_value_t = 4 * MIB)]
     pub max_event_bytes: usize,
+    /// Temperature of runs that set none (0..=2; unset: the model server's default).
+    #[arg(long = "llm-temperature", env = "LLM_TEMPERATURE")]
+    pub temperature: Option<f32>,
+    /// max_tokens per turn of runs that set none (unset: the model server's default).
+    #[arg(long = "llm-max-tokens", env = "LLM_MAX_TOKENS")]
+    pub max_tokens: Option<u32>,
+    /// tool_choice of runs that set none: auto, none, required or a tool name (first turn only).
+    #[arg(long = "llm-tool-choice", env = "LLM_TOOL_CHOICE")]
+    pub tool_choice: Option<ToolChoice>,
+    /// parallel_tool_calls of runs that set none (unset: not sent).
+    #[arg(long = "llm-parallel-tool-calls", env = "LLM_PARALLEL_TOOL_CALLS")]
+    pub parallel_tool_calls: Option<bool>,
+    /// reasoning_effort of runs that set none (e.g. low, medium, high; unset: not sent).
+    #[arg(long = "llm-reasoning-effort", env = "LLM_REASONING_EFFORT")]
+    pub reasoning_effort: Option<String>,
+    /// A JSON object merged into every chat request (a run's extra_body_json keys win), e.g.
+    /// '{"chat_template_kwargs": {"enable_thinking": false}}' for vLLM.
+    #[arg(long = "llm-extra-body", env = "LLM_EXTRA_BODY")]
+    pub extra_body: Option<String>,
+}
+
+impl LlmSettings {
+    /// The model parameters of runs that set none, from the `--llm-*` flags.
+    pub fn defaults(&self) -> Result<SamplingParams, String> {
+        let flag = |field: &str, e: String| format!("{} {e}", flag::<LlmSettings>(field));
+        let params = SamplingParams {
+            temperature: self.temperature,
+            max_tokens: self.max_tokens,
+            tool_choice: self.tool_choice.clone(),
+            parallel_tool_calls: self.parallel_tool_calls,
+            reasoning_effort: self.reasoning_effort.clone().filter(|e| !e.is_empty()),
+            extra_body: parse_extra_body(self.extra_body.as_deref().unwrap_or_default())
+                .map_err(|e| flag("extra_body", e))?,
+            ..SamplingParams::default()
+        };
+        params.check().map_err(|e| format!("the --llm-* run defaults: {e}"))?;
+        Ok(params)
+    }
 }
 
 impl Bounded for LlmSettings {
@@ -765,6 +804,7 @@ impl Config {
         }
         self.security.options().map_err(Error::Config)?;
         self.check_llm_headers()?;
+        self.llm.defaults().map_err(Error::Config)?;
         self.check_nats_names()?;
         self.check_exit_tools()
     }
@@ -928,6 +968,52 @@ mod tests {
         let debug = format!("{config:?}");
         assert!(!debug.contains("sk-secret") && !debug.contains("hunter2"), "{debug}");
         assert!(debug.contains("X-Gateway-Key"), "{debug}");
+    }
+
+    #[test]
+    fn run_defaults_from_flags_are_checked_like_a_request() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Flags {
+            #[command(flatten)]
+            llm: LlmSettings,
+        }
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["orchestrator"];
+            argv.extend_from_slice(args);
+            Flags::try_parse_from(argv).map_err(|e| e.to_string())?.llm.defaults()
+        };
+        let ok = parse(&[
+            "--llm-temperature",
+            "2",
+            "--llm-tool-choice",
+            "required",
+            "--llm-extra-body",
+            r#"{"top_k": 5}"#,
+        ])
+        .unwrap();
+        assert_eq!(
+            (ok.temperature, ok.tool_choice),
+            (Some(2.0), Some(ToolChoice::Required))
+        );
+        assert_eq!(ok.extra_body["top_k"], 5);
+        assert!(
+            parse(&["--llm-temperature", "2.1"])
+                .unwrap_err()
+                .contains("temperature = 2.1 is outside 0..=2")
+        );
+        assert!(
+            parse(&["--llm-extra-body", r#"{"stream": false}"#])
+                .unwrap_err()
+                .contains("may not set \"stream\"")
+        );
+        assert!(
+            parse(&["--llm-extra-body", "nope"])
+                .unwrap_err()
+                .contains("--llm-extra-body")
+        );
+        assert!(parse(&["--llm-tool-choice", "two words"]).is_err());
+        assert!(parse(&["--llm-reasoning-effort", "HIGH"]).is_err());
     }
 
     #[test]

@@ -12,7 +12,8 @@ use shared::auth::{LimitCeilings, Principal};
 
 use crate::Error;
 use crate::config::{Config, RequestBounds};
-use crate::llm::{Message, SamplingParams, ToolCall, ToolDefinition};
+use crate::llm::params::parse_extra_body;
+use crate::llm::{Message, SamplingParams, ToolCall, ToolChoice, ToolDefinition};
 use crate::run::{
     Deadline, Delivery, Event, FailureReason, Limits, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError,
 };
@@ -148,13 +149,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             system: r.system,
             messages,
             model: Some(r.model).filter(|m| !m.is_empty()),
-            params: SamplingParams {
-                temperature: params.temperature,
-                top_p: params.top_p,
-                max_tokens: params.max_tokens,
-                stop: params.stop,
-                seed: params.seed,
-            },
+            params: model_params(params)?,
             allowlist: tools.normal,
             exit_tools,
             limits: RequestedLimits {
@@ -169,6 +164,51 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             parse_policy,
         })
     }
+}
+
+/// The run's model parameters: the request's, then the server's defaults (`--llm-*`), checked
+/// together; a `tool_choice` naming a tool must name one the run offers.
+fn run_params(
+    asked: SamplingParams,
+    config: &Config,
+    normal_tools: &[ToolDefinition],
+    exit_tools: &[ToolDefinition],
+) -> Result<SamplingParams, Error> {
+    let defaults = config.llm.defaults().map_err(Error::Config)?;
+    let params = asked.or(&defaults);
+    params.check().map_err(|e| invalid(format!("params: {e}")))?;
+    if let Some(name) = params.tool_choice.as_ref().and_then(ToolChoice::tool) {
+        let offered = normal_tools.iter().chain(exit_tools).any(|t| t.name == name);
+        if !offered {
+            return Err(invalid(format!(
+                "params.tool_choice names {name:?}, which this run does not offer"
+            )));
+        }
+    }
+    Ok(params)
+}
+
+/// The model parameters of a request, each checked (the error names the field).
+fn model_params(p: pb::ModelParams) -> Result<SamplingParams, Error> {
+    let text = |s: String| Some(s).filter(|s| !s.trim().is_empty());
+    let params = SamplingParams {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        max_tokens: p.max_tokens,
+        stop: p.stop,
+        seed: p.seed,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        tool_choice: text(p.tool_choice)
+            .map(|c| c.parse::<ToolChoice>())
+            .transpose()
+            .map_err(|e| invalid(format!("params.{e}")))?,
+        parallel_tool_calls: p.parallel_tool_calls,
+        reasoning_effort: text(p.reasoning_effort),
+        extra_body: parse_extra_body(&p.extra_body_json).map_err(|e| invalid(format!("params.{e}")))?,
+    };
+    params.check().map_err(|e| invalid(format!("params: {e}")))?;
+    Ok(params)
 }
 
 impl RunRequest {
@@ -316,6 +356,7 @@ pub(crate) fn resolve(
             "model is empty and the server has no default model (--llm-model)",
         ));
     }
+    let params = run_params(request.params, config, &normal_tools, &exit_tools)?;
     let c = &caller_ceilings(config.limits.ceilings(), &caller.limits);
     let d = &caller_ceilings(config.limits.defaults(), &caller.limits);
     let asked = &request.limits;
@@ -361,7 +402,7 @@ pub(crate) fn resolve(
         system: request.system,
         messages: request.messages,
         model,
-        params: request.params,
+        params,
         normal_tools,
         exit_tools,
         limits,

@@ -23,7 +23,7 @@ use super::sse::{DecodeLimits, decode, excerpt};
 use crate::config::LlmSettings;
 use crate::secrets::{Redactor, shown_url, userinfo};
 
-use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message};
+use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolChoice};
 
 /// Most bytes of an error body read for its message.
 const MAX_ERROR_BODY: usize = 4096;
@@ -335,6 +335,8 @@ impl ChatModel for HttpLlm {
 /// turn, so copying it first showed up in profiles).
 pub fn request_body(request: &ChatRequest) -> Vec<u8> {
     let p = &request.params;
+    // Servers refuse tool_choice and parallel_tool_calls without tools.
+    let offers_tools = !request.tools.is_empty();
     let body = Body {
         model: &request.model,
         messages: request.messages.iter().map(WireMessage).collect(),
@@ -346,6 +348,12 @@ pub fn request_body(request: &ChatRequest) -> Vec<u8> {
         max_tokens: p.max_tokens,
         stop: &p.stop,
         seed: p.seed,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        tool_choice: p.tool_choice.as_ref().filter(|_| offers_tools).map(WireToolChoice),
+        parallel_tool_calls: p.parallel_tool_calls.filter(|_| offers_tools),
+        reasoning_effort: p.reasoning_effort.as_deref(),
+        extra: &p.extra_body,
     };
     // Serializing borrowed strings, numbers and `Value`s into a Vec cannot fail.
     serde_json::to_vec(&body).unwrap_or_default()
@@ -370,6 +378,33 @@ struct Body<'a> {
     stop: &'a [String],
     #[serde(skip_serializing_if = "Option::is_none")]
     seed: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    presence_penalty: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    frequency_penalty: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<WireToolChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parallel_tool_calls: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_effort: Option<&'a str>,
+    /// `extra_body`: checked to set no field above.
+    #[serde(flatten)]
+    extra: &'a serde_json::Map<String, Value>,
+}
+
+/// `"auto"`, `"none"`, `"required"`, or `{"type": "function", "function": {"name": …}}`.
+struct WireToolChoice<'a>(&'a ToolChoice);
+
+impl Serialize for WireToolChoice<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            ToolChoice::Tool(name) => {
+                serde_json::json!({"type": "function", "function": {"name": name}}).serialize(serializer)
+            }
+            other => serializer.serialize_str(&other.to_string()),
+        }
+    }
 }
 
 /// `stream_options`: ask for the usage chunk at the end of the stream.
@@ -487,6 +522,12 @@ mod tests {
             retry_backoff: Duration::from_millis(1),
             max_line_bytes: 1024,
             max_event_bytes: 4096,
+            temperature: None,
+            max_tokens: None,
+            tool_choice: None,
+            parallel_tool_calls: None,
+            reasoning_effort: None,
+            extra_body: None,
         }
     }
 
@@ -591,6 +632,73 @@ mod tests {
     }
 
     #[test]
+    fn every_parameter_reaches_the_body_exactly_and_extra_fields_merge_flat() {
+        let tool = super::super::ToolDefinition {
+            name: "calculate".into(),
+            description: "d".into(),
+            parameters: json!({"type": "object"}),
+        };
+        let params = super::super::SamplingParams {
+            temperature: Some(0.0),
+            top_p: Some(0.5),
+            max_tokens: Some(64),
+            stop: vec!["END".into()],
+            seed: Some(7),
+            presence_penalty: Some(0.5),
+            frequency_penalty: Some(-0.5),
+            tool_choice: Some(ToolChoice::Tool("calculate".into())),
+            parallel_tool_calls: Some(false),
+            reasoning_effort: Some("low".into()),
+            extra_body: json!({"top_k": 20, "chat_template_kwargs": {"enable_thinking": false}})
+                .as_object()
+                .cloned()
+                .unwrap(),
+        };
+        let request = |tools: Vec<super::super::ToolDefinition>, params| ChatRequest {
+            model: "m".into(),
+            messages: vec![Message::System("s".into())],
+            tools,
+            params,
+        };
+        let body: Value = serde_json::from_slice(&request_body(&request(vec![tool], params.clone()))).unwrap();
+        let mut fields = body.as_object().unwrap().clone();
+        fields.remove("messages");
+        fields.remove("tools");
+        assert_eq!(
+            Value::Object(fields),
+            json!({
+                "model": "m", "stream": true, "stream_options": {"include_usage": true},
+                "temperature": 0.0, "top_p": 0.5, "max_tokens": 64, "stop": ["END"], "seed": 7,
+                "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                "tool_choice": {"type": "function", "function": {"name": "calculate"}},
+                "parallel_tool_calls": false, "reasoning_effort": "low",
+                "top_k": 20, "chat_template_kwargs": {"enable_thinking": false}
+            })
+        );
+        for (choice, wire) in [
+            (ToolChoice::Auto, "auto"),
+            (ToolChoice::None, "none"),
+            (ToolChoice::Required, "required"),
+        ] {
+            let params = super::super::SamplingParams {
+                tool_choice: Some(choice),
+                ..Default::default()
+            };
+            let tool = super::super::ToolDefinition {
+                name: "t".into(),
+                description: "d".into(),
+                parameters: json!({"type": "object"}),
+            };
+            let body: Value = serde_json::from_slice(&request_body(&request(vec![tool], params))).unwrap();
+            assert_eq!(body["tool_choice"], wire);
+        }
+        // Without tools, servers refuse tool_choice and parallel_tool_calls: neither is sent.
+        let body: Value = serde_json::from_slice(&request_body(&request(vec![], params))).unwrap();
+        assert!(body.get("tool_choice").is_none() && body.get("parallel_tool_calls").is_none());
+        assert_eq!(body["reasoning_effort"], "low");
+    }
+
+    #[test]
     fn request_body_writes_every_message_shape_and_param_exactly() {
         let request = ChatRequest {
             model: "m".into(),
@@ -619,6 +727,7 @@ mod tests {
                 max_tokens: Some(64),
                 stop: vec!["END".into()],
                 seed: Some(-3),
+                ..Default::default()
             },
         };
         let text = String::from_utf8(request_body(&request)).unwrap();

@@ -4,12 +4,14 @@
 //!   byte, idle timeout);
 //! * [`sse`]: bytes → SSE events → semantic [`LlmEvent`]s, tolerant of the differences between
 //!   real servers (see `tests/fixtures/llm-streams/`);
-//! * [`assembler`]: tool-call fragments → whole tool calls.
+//! * [`assembler`]: tool-call fragments → whole tool calls;
+//! * [`params`]: the model parameters of a run and their rules.
 //!
 //! The run loop only sees the [`ChatModel`] trait, so it is tested without a network.
 
 pub mod assembler;
 pub mod client;
+pub mod params;
 pub mod sse;
 
 use futures::future::BoxFuture;
@@ -17,6 +19,7 @@ use futures::stream::BoxStream;
 use serde_json::Value;
 
 pub use client::HttpLlm;
+pub use params::{SamplingParams, ToolChoice};
 
 /// One message of the conversation sent to the model.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,21 +69,6 @@ pub struct ToolDefinition {
     pub description: String,
     /// JSON Schema of the arguments.
     pub parameters: Value,
-}
-
-/// Sampling parameters; `None` fields are not sent.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct SamplingParams {
-    /// Temperature.
-    pub temperature: Option<f32>,
-    /// Nucleus sampling.
-    pub top_p: Option<f32>,
-    /// Most tokens per turn.
-    pub max_tokens: Option<u32>,
-    /// Stop sequences.
-    pub stop: Vec<String>,
-    /// Seed.
-    pub seed: Option<i64>,
 }
 
 /// One streamed chat completion request.

@@ -374,7 +374,7 @@ impl<'a> Driver<'a> {
             model: spec.model.clone(),
             messages,
             tools: self.tools.clone(),
-            params: spec.params.clone(),
+            params: spec.params.for_turn(turn),
         }
     }
 
