@@ -1227,7 +1227,7 @@ async fn model_parameters_reach_the_request_body_and_bad_ones_are_refused() -> T
         |config| {
             config.llm.temperature = Some(0.3);
             config.llm.max_tokens = Some(256);
-            config.llm.extra_body = Some(r#"{"top_k": 40, "min_p": 0.05}"#.into());
+            config.llm.extra_body = json!({"top_k": 40, "min_p": 0.05}).as_object().cloned();
         },
     )
     .await?;

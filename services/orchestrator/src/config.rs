@@ -213,24 +213,28 @@ pub struct LlmSettings {
     pub reasoning_effort: Option<String>,
     /// A JSON object merged into every chat request (a run's extra_body_json keys win), e.g.
     /// '{"chat_template_kwargs": {"enable_thinking": false}}' for vLLM.
-    #[arg(long = "llm-extra-body", env = "LLM_EXTRA_BODY")]
-    pub extra_body: Option<String>,
+    #[arg(long = "llm-extra-body", env = "LLM_EXTRA_BODY", value_parser = parse_extra_body)]
+    pub extra_body: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl LlmSettings {
-    /// The model parameters of runs that set none, from the `--llm-*` flags.
-    pub fn defaults(&self) -> Result<SamplingParams, String> {
-        let flag = |field: &str, e: String| format!("{} {e}", flag::<LlmSettings>(field));
-        let params = SamplingParams {
+    /// The model parameters of runs that set none, from the `--llm-*` flags (checked once, at
+    /// start, by [`LlmSettings::defaults`]).
+    pub fn run_defaults(&self) -> SamplingParams {
+        SamplingParams {
             temperature: self.temperature,
             max_tokens: self.max_tokens,
             tool_choice: self.tool_choice.clone(),
             parallel_tool_calls: self.parallel_tool_calls,
             reasoning_effort: self.reasoning_effort.clone().filter(|e| !e.is_empty()),
-            extra_body: parse_extra_body(self.extra_body.as_deref().unwrap_or_default())
-                .map_err(|e| flag("extra_body", e))?,
+            extra_body: self.extra_body.clone().unwrap_or_default(),
             ..SamplingParams::default()
-        };
+        }
+    }
+
+    /// [`LlmSettings::run_defaults`], checked like a request's parameters.
+    pub fn defaults(&self) -> Result<SamplingParams, String> {
+        let params = self.run_defaults();
         params.check().map_err(|e| format!("the --llm-* run defaults: {e}"))?;
         Ok(params)
     }

@@ -174,8 +174,7 @@ fn run_params(
     normal_tools: &[ToolDefinition],
     exit_tools: &[ToolDefinition],
 ) -> Result<SamplingParams, Error> {
-    let defaults = config.llm.defaults().map_err(Error::Config)?;
-    let params = asked.or(&defaults);
+    let params = asked.or(&config.llm.run_defaults());
     params.check().map_err(|e| invalid(format!("params: {e}")))?;
     if let Some(name) = params.tool_choice.as_ref().and_then(ToolChoice::tool) {
         let offered = normal_tools.iter().chain(exit_tools).any(|t| t.name == name);
@@ -205,7 +204,7 @@ fn model_params(p: pb::ModelParams) -> Result<SamplingParams, Error> {
             .map_err(|e| invalid(format!("params.{e}")))?,
         parallel_tool_calls: p.parallel_tool_calls,
         reasoning_effort: text(p.reasoning_effort),
-        extra_body: parse_extra_body(&p.extra_body_json).map_err(|e| invalid(format!("params.{e}")))?,
+        extra_body: parse_extra_body(&p.extra_body_json).map_err(|e| invalid(format!("params.extra_body_json {e}")))?,
     };
     params.check().map_err(|e| invalid(format!("params: {e}")))?;
     Ok(params)
@@ -303,20 +302,15 @@ fn normal_tools(
 
 /// The limits a caller's requests may ask for: the server's ceilings, lowered by the caller's.
 fn caller_ceilings(server: Limits, caller: &LimitCeilings) -> Limits {
+    fn lower<T: Ord + Copy>(server: T, caller: Option<T>) -> T {
+        caller.map_or(server, |c| c.min(server))
+    }
     Limits {
-        max_turns: caller.max_turns.map_or(server.max_turns, |c| c.min(server.max_turns)),
-        tool_call_budget: caller
-            .tool_call_budget
-            .map_or(server.tool_call_budget, |c| c.min(server.tool_call_budget)),
-        max_tool_failures: caller
-            .max_tool_failures
-            .map_or(server.max_tool_failures, |c| c.min(server.max_tool_failures)),
-        tool_timeout: caller
-            .tool_timeout
-            .map_or(server.tool_timeout, |c| c.min(server.tool_timeout)),
-        run_timeout: caller
-            .run_timeout
-            .map_or(server.run_timeout, |c| c.min(server.run_timeout)),
+        max_turns: lower(server.max_turns, caller.max_turns),
+        tool_call_budget: lower(server.tool_call_budget, caller.tool_call_budget),
+        max_tool_failures: lower(server.max_tool_failures, caller.max_tool_failures),
+        tool_timeout: lower(server.tool_timeout, caller.tool_timeout),
+        run_timeout: lower(server.run_timeout, caller.run_timeout),
     }
 }
 

@@ -54,22 +54,40 @@ fn replace_userinfo(raw: &str, with: &str) -> String {
 /// A URL as it may be logged: without userinfo, each query value replaced by `***` (gateways take
 /// keys as `?key=…`), without a fragment.
 pub fn shown_url(raw: &str) -> String {
-    let without_fragment = raw.split_once('#').map_or(raw, |(url, _)| url);
-    let (base, query) = match without_fragment.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (without_fragment, None),
-    };
+    let base = raw.split(['?', '#']).next().unwrap_or_default();
     let mut shown = without_userinfo(base);
-    if let Some(query) = query {
-        let keys: Vec<String> = query
-            .split('&')
-            .filter(|pair| !pair.is_empty())
-            .map(|pair| format!("{}={REDACTED}", pair.split_once('=').map_or(pair, |(key, _)| key)))
-            .collect();
+    let keys: Vec<String> = query_pairs(raw).map(|(key, _)| format!("{key}={REDACTED}")).collect();
+    if !keys.is_empty() {
         shown.push('?');
         shown.push_str(&keys.join("&"));
     }
     shown
+}
+
+/// What [`shown_url`] hides of `raw`: its userinfo, whole and each part, and its query values.
+pub fn url_secrets(raw: &str) -> Vec<&str> {
+    let mut secrets = Vec::new();
+    if let Some(info) = userinfo(raw) {
+        secrets.push(info);
+        secrets.extend(info.split(':'));
+    }
+    secrets.extend(query_pairs(raw).filter_map(|(_, value)| value));
+    secrets
+}
+
+/// The `key=value` pairs of a URL's query (the fragment left out); a pair without `=` has no value.
+fn query_pairs(raw: &str) -> impl Iterator<Item = (&str, Option<&str>)> {
+    let without_fragment = raw.split_once('#').map_or(raw, |(url, _)| url);
+    without_fragment
+        .split_once('?')
+        .map(|(_, query)| query)
+        .into_iter()
+        .flat_map(|query| query.split('&'))
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| match pair.split_once('=') {
+            Some((key, value)) => (key, Some(value)),
+            None => (pair, None),
+        })
 }
 
 /// The `user:password` (or `token`) of a URL, percent-encoded as written, when it has one.

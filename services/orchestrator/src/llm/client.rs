@@ -21,7 +21,7 @@ use serde_json::Value;
 
 use super::sse::{DecodeLimits, decode, excerpt};
 use crate::config::LlmSettings;
-use crate::secrets::{Redactor, shown_url, userinfo};
+use crate::secrets::{Redactor, shown_url, url_secrets};
 
 use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolChoice};
 
@@ -251,19 +251,12 @@ fn sensitive_headers(config: &LlmSettings, basic_auth: Option<HeaderValue>) -> R
 }
 
 /// A redactor for every credential the client sends: each header value whole and its token after
-/// a scheme (`Bearer …`), the URL's userinfo parts and its query values.
+/// a scheme (`Bearer …`), and what the shown URL hides.
 fn redactor(config: &LlmSettings, headers: &HeaderMap) -> Redactor {
-    let mut secrets: Vec<&str> = Vec::new();
+    let mut secrets = url_secrets(&config.base_url);
     for value in headers.values().filter_map(|v| v.to_str().ok()) {
         secrets.push(value);
         secrets.extend(value.split_once(' ').map(|(_, token)| token));
-    }
-    if let Some(info) = userinfo(&config.base_url) {
-        secrets.push(info);
-        secrets.extend(info.split(':'));
-    }
-    if let Some((_, query)) = config.base_url.split_once('?') {
-        secrets.extend(query.split('&').filter_map(|pair| pair.split_once('=').map(|(_, v)| v)));
     }
     Redactor::new(secrets)
 }

@@ -195,15 +195,16 @@ fn check_reasoning_effort(effort: &str) -> Result<(), String> {
     }
 }
 
-/// A JSON object for `extra_body` (empty text: none).
+/// A JSON object for `extra_body` (empty text: none); the error says what is wrong, the caller
+/// names the field.
 pub fn parse_extra_body(text: &str) -> Result<Map<String, Value>, String> {
     if text.trim().is_empty() {
         return Ok(Map::new());
     }
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err("extra_body_json must be a JSON object".to_owned()),
-        Err(e) => Err(format!("extra_body_json is not valid JSON: {e}")),
+        Ok(_) => Err("must be a JSON object".to_owned()),
+        Err(e) => Err(format!("is not valid JSON: {e}")),
     }
 }
 
