@@ -306,6 +306,18 @@ pub mod stack {
                 "streamed text {streamed:?} differs from the result's {:?}",
                 result.text
             );
+            let reasoning: String = events
+                .iter()
+                .filter_map(|e| match &e.event {
+                    Some(E::ReasoningDelta(r)) => Some(r.text.as_str()),
+                    _ => None,
+                })
+                .collect();
+            anyhow::ensure!(
+                reasoning == result.reasoning,
+                "streamed reasoning {reasoning:?} differs from the result's {:?}",
+                result.reasoning
+            );
             anyhow::ensure!(
                 events.iter().all(|e| e.run_id == result.run_id),
                 "an event has another run_id"

@@ -1326,5 +1326,91 @@ async fn model_parameters_reach_the_request_body_and_bad_ones_are_refused() -> T
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{}", status.message());
         assert!(status.message().contains(expected), "{}", status.message());
     }
+
+    // A server default gives way to a run's extra_body setting the same field.
+    let mut own = request("add", &[]);
+    own.params = Some(pb::ModelParams {
+        extra_body_json: r#"{"temperature": 1.5}"#.into(),
+        ..Default::default()
+    });
+    let out = stack.run(own).await?;
+    assert_eq!(out.status(), S::Completed);
+    let last = stack.mock.requests().last().cloned().unwrap_or_default();
+    assert_eq!(
+        (last["temperature"].clone(), last["max_tokens"].clone()),
+        (json!(1.5), json!(256))
+    );
+    Ok(())
+}
+
+/// A run whose model reasons before its call and before its answer.
+fn reasoning_scenario() -> Scenario {
+    Scenario::new(vec![
+        Turn::default()
+            .then(Step::Reasoning {
+                text: "The user wants a sum. calculate does sums.".into(),
+            })
+            .then(Step::call("calculate", json!({"expression": "1+1"}))),
+        Turn::default()
+            .then(Step::Reasoning {
+                text: "It said 2.".into(),
+            })
+            .then(Step::text("Two.")),
+    ])
+}
+
+#[tokio::test]
+async fn reasoning_is_streamed_kept_capped_and_sent_back_only_when_configured() -> TestResult {
+    let all = "The user wants a sum. calculate does sums.It said 2.";
+    let stack = Stack::start(reasoning_scenario(), runner_config(None), |_| {}).await?;
+    // Outcome checks that the reasoning deltas add up to the result's, and GetRun agrees.
+    let out = stack.run(request("add", &[])).await?;
+    assert_eq!(
+        (out.status(), out.result.text.as_str(), out.result.reasoning.as_str()),
+        (S::Completed, "Two.", all)
+    );
+    assert!(!out.result.reasoning_truncated);
+    let turns = out.of(|e| match e {
+        E::ReasoningDelta(r) => Some(r.turn),
+        _ => None,
+    });
+    assert_eq!(turns.first().copied(), Some(1));
+    assert_eq!(turns.last().copied(), Some(2));
+    let requests = stack.mock.requests();
+    let messages = requests[1]["messages"].as_array().cloned().unwrap_or_default();
+    let assistant = messages
+        .iter()
+        .find(|m| m["role"] == "assistant")
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        assistant.get("reasoning_content").is_none(),
+        "not sent back by default: {assistant}"
+    );
+
+    // Sent back when configured; capped at --max-reasoning-bytes, one byte under what the model said.
+    let cap = all.len() - 1;
+    let stack = Stack::start(reasoning_scenario(), runner_config(None), |config| {
+        config.llm.send_reasoning = true;
+        config.runs.output.max_reasoning_bytes = cap;
+    })
+    .await?;
+    let out = stack.run(request("add", &[])).await?;
+    assert_eq!(out.status(), S::Completed, "a run does not fail over its reasoning");
+    assert_eq!(
+        (out.result.reasoning.as_str(), out.result.reasoning_truncated),
+        (&all[..cap], true)
+    );
+    let requests = stack.mock.requests();
+    let messages = requests[1]["messages"].as_array().cloned().unwrap_or_default();
+    let assistant = messages
+        .iter()
+        .find(|m| m["role"] == "assistant")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        assistant["reasoning_content"], "The user wants a sum. calculate does sums.",
+        "{assistant}"
+    );
     Ok(())
 }

@@ -159,11 +159,18 @@ impl Scenario {
         }
     }
 
-    /// The built-in demo: turn 1 calls three tool-runner built-ins in parallel, turn 2 answers
-    /// and files a report through the `submit_report` exit tool.
+    /// The built-in demo: turn 1 reasons briefly and calls three tool-runner built-ins in
+    /// parallel, turn 2 answers and files a report through the `submit_report` exit tool.
     pub fn demo() -> Self {
         Self::new(vec![
-            Turn::text("I'll gather three things at once: a calculation, the time, and a short wait.\n")
+            Turn::default()
+                .then(Step::Reasoning {
+                    text: "Three independent lookups: no call needs another's result, so one turn can ask for all of them."
+                        .into(),
+                })
+                .then(Step::text(
+                    "I'll gather three things at once: a calculation, the time, and a short wait.\n",
+                ))
                 .then(Step::call("calculate", serde_json::json!({"expression": "(1234 * 5678) / 2"})))
                 .then(Step::call("time_now", serde_json::json!({})))
                 .then(Step::call("sleep", serde_json::json!({"ms": 300}))),

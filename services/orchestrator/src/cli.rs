@@ -42,7 +42,7 @@ pub enum Command {
     /// Serve gRPC (the default).
     Serve(Box<Config>),
     /// Start a run on a running orchestrator and print its events.
-    Call(CallArgs),
+    Call(Box<CallArgs>),
 }
 
 /// Flags of `call`.
@@ -72,6 +72,15 @@ pub struct CallArgs {
     /// Deadline of the call.
     #[arg(long, default_value = "10m", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// tool_choice: auto, none, required or a tool name (required and a name: first turn only).
+    #[arg(long, default_value = "")]
+    pub tool_choice: String,
+    /// Sampling temperature (default: the server's).
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Most tokens the model may generate per turn (default: the server's).
+    #[arg(long)]
+    pub max_tokens: Option<u32>,
 }
 
 impl CallArgs {
@@ -93,6 +102,12 @@ impl CallArgs {
                 .collect(),
             run_id: self.run_id.clone(),
             timeout: self.timeout,
+            params: proto::orchestrator::v1::ModelParams {
+                tool_choice: self.tool_choice.clone(),
+                temperature: self.temperature,
+                max_tokens: self.max_tokens,
+                ..Default::default()
+            },
         }
     }
 }

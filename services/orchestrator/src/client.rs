@@ -29,6 +29,8 @@ pub struct CallOptions {
     pub run_id: String,
     /// Deadline of the whole call.
     pub timeout: Duration,
+    /// Model parameters (unset fields: the server's defaults).
+    pub params: pb::ModelParams,
 }
 
 /// Prints events as they arrive.
@@ -36,6 +38,8 @@ pub struct CallOptions {
 struct Printer {
     at_line_start: bool,
     turn: u32,
+    /// The last delta printed was reasoning (text after it is marked as the answer).
+    in_reasoning: bool,
 }
 
 impl Printer {
@@ -45,6 +49,19 @@ impl Printer {
         }
         let _ = writeln!(out, "{text}");
         self.at_line_start = true;
+    }
+
+    fn turn_header(&mut self, out: &mut impl Write, turn: u32) {
+        if turn != self.turn {
+            self.turn = turn;
+            self.in_reasoning = false;
+            self.line(out, &format!("── turn {turn}"));
+        }
+    }
+
+    fn write(&mut self, out: &mut impl Write, text: &str) {
+        let _ = write!(out, "{text}");
+        self.at_line_start = text.ends_with('\n');
     }
 
     fn print(&mut self, out: &mut impl Write, event: &E) {
@@ -72,19 +89,25 @@ impl Printer {
                     ),
                 );
             }
-            E::TextDelta(t) => {
-                if t.turn != self.turn {
-                    self.turn = t.turn;
-                    self.line(out, &format!("── turn {}", t.turn));
+            E::ReasoningDelta(r) => {
+                self.turn_header(out, r.turn);
+                if !self.in_reasoning {
+                    self.in_reasoning = true;
+                    self.line(out, "  ‥ reasoning");
                 }
-                let _ = write!(out, "{}", t.text);
-                self.at_line_start = t.text.ends_with('\n');
+                self.write(out, &r.text);
+            }
+            E::TextDelta(t) => {
+                self.turn_header(out, t.turn);
+                if self.in_reasoning {
+                    self.in_reasoning = false;
+                    self.line(out, "  ‥ answer");
+                }
+                self.write(out, &t.text);
             }
             E::ToolCallStarted(c) => {
-                if c.turn != self.turn {
-                    self.turn = c.turn;
-                    self.line(out, &format!("── turn {}", c.turn));
-                }
+                self.in_reasoning = false;
+                self.turn_header(out, c.turn);
                 self.line(out, &format!("  ⚙ {} {}  [{}]", c.name, c.arguments_json, c.call_id));
             }
             E::ToolCallFinished(c) => {
@@ -153,6 +176,7 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
             ..Default::default()
         }],
         model: options.model.clone(),
+        params: Some(options.params.clone()),
         tools: Some(pb::ToolSelection {
             normal: options.tools.clone(),
             exit: options

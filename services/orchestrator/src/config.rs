@@ -215,6 +215,11 @@ pub struct LlmSettings {
     /// '{"chat_template_kwargs": {"enable_thinking": false}}' for vLLM.
     #[arg(long = "llm-extra-body", env = "LLM_EXTRA_BODY", value_parser = parse_extra_body)]
     pub extra_body: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Send each turn's reasoning back to the model as `reasoning_content` in its assistant
+    /// message, for servers whose chat templates need it between tool calls (off: reasoning is
+    /// never sent back).
+    #[arg(long = "llm-send-reasoning", env = "LLM_SEND_REASONING")]
+    pub send_reasoning: bool,
 }
 
 impl LlmSettings {
@@ -487,6 +492,12 @@ pub struct OutputBounds {
     /// result (run_finished, GetRun) under gRPC's usual 4 MiB receive limit (1 KiB..=64 MiB).
     #[arg(long, env = "ORCHESTRATOR_MAX_OUTPUT_BYTES", default_value_t = 2 * MIB)]
     pub max_output_bytes: usize,
+    /// Reasoning kept of one run, in bytes (reasoning_delta events and the result's reasoning;
+    /// with --llm-send-reasoning, also what is sent back per turn). Past it the model's reasoning
+    /// is still watched for repeated lines but no longer kept, and the result says so; the run
+    /// goes on (0..=64 MiB).
+    #[arg(long, env = "ORCHESTRATOR_MAX_REASONING_BYTES", default_value_t = 512 * KIB)]
+    pub max_reasoning_bytes: usize,
 }
 
 impl Bounded for OutputBounds {
@@ -495,6 +506,7 @@ impl Bounded for OutputBounds {
             bound("max_calls_per_turn", self.max_calls_per_turn, 1usize, 1024usize),
             bound("max_argument_bytes", self.max_argument_bytes, 64usize, 16 * MIB),
             bound("max_output_bytes", self.max_output_bytes, KIB, 64 * MIB),
+            bound("max_reasoning_bytes", self.max_reasoning_bytes, 0usize, 64 * MIB),
         ]
     }
 }

@@ -84,6 +84,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
                             arguments: c.arguments_json,
                         })
                         .collect(),
+                    reasoning: None,
                 },
                 "tool" if !m.tool_call_id.is_empty() => Message::Tool {
                     tool_call_id: m.tool_call_id,
@@ -589,6 +590,8 @@ impl TryFrom<pb::RunResult> for RunResult {
             },
             finish_reason: r.finish_reason,
             principal: r.principal,
+            reasoning: r.reasoning,
+            reasoning_truncated: r.reasoning_truncated,
         })
     }
 }
@@ -620,6 +623,8 @@ impl From<&RunResult> for pb::RunResult {
             usage: Some(usage_pb(r.usage)),
             finish_reason: r.finish_reason.clone(),
             principal: r.principal.clone(),
+            reasoning: r.reasoning.clone(),
+            reasoning_truncated: r.reasoning_truncated,
         }
     }
 }
@@ -646,6 +651,7 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             }),
         }),
         Event::TextDelta { text, turn } => E::TextDelta(pb::TextDelta { text, turn }),
+        Event::ReasoningDelta { text, turn } => E::ReasoningDelta(pb::ReasoningDelta { text, turn }),
         Event::ToolCallStarted {
             call_id,
             name,

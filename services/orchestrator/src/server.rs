@@ -114,6 +114,7 @@ pub async fn serve_with_resolver(
             trace_payloads: config.telemetry.trace_payloads(),
             max_tool_result_bytes: config.runs.max_tool_result_bytes,
             output: config.runs.output,
+            send_reasoning: config.llm.send_reasoning,
         },
         runs: Arc::clone(&runs),
         runners,

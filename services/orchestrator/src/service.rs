@@ -108,9 +108,16 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             }
             Err(Refusal::Foreign) => return Err(no_run(&run_id)),
             Err(Refusal::Finished(result)) => {
-                // Idempotent replay: the run with this id already finished. Its whole text comes
-                // as one delta, so the replayed stream keeps the stream invariants.
-                let mut events = Vec::with_capacity(2);
+                // Idempotent replay: the run with this id already finished. Its whole text
+                // (and its reasoning) comes as one delta, so the replayed stream keeps the stream
+                // invariants.
+                let mut events = Vec::with_capacity(3);
+                if !result.reasoning.is_empty() {
+                    events.push(Event::ReasoningDelta {
+                        text: result.reasoning.clone(),
+                        turn: result.turns,
+                    });
+                }
                 if !result.text.is_empty() {
                     events.push(Event::TextDelta {
                         text: result.text.clone(),

@@ -81,7 +81,10 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
     .await?;
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
     assert!(
-        stdout.contains("⚑ signal submit_report") && stdout.contains("■ COMPLETED"),
+        stdout.contains("‥ reasoning\nThree independent lookups")
+            && stdout.contains("‥ answer\nI'll gather")
+            && stdout.contains("⚑ signal submit_report")
+            && stdout.contains("■ COMPLETED"),
         "{stdout}"
     );
 

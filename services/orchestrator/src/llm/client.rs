@@ -453,13 +453,27 @@ impl Serialize for WireMessage<'_> {
                     map.serialize_entry("name", name)?;
                 }
             }
-            Message::Assistant { content, tool_calls } if tool_calls.is_empty() => {
+            Message::Assistant {
+                content,
+                tool_calls,
+                reasoning,
+            } if tool_calls.is_empty() => {
                 map.serialize_entry("role", "assistant")?;
                 map.serialize_entry("content", content)?;
+                if let Some(reasoning) = reasoning {
+                    map.serialize_entry("reasoning_content", reasoning)?;
+                }
             }
-            Message::Assistant { content, tool_calls } => {
+            Message::Assistant {
+                content,
+                tool_calls,
+                reasoning,
+            } => {
                 map.serialize_entry("role", "assistant")?;
                 map.serialize_entry("content", &Some(content.as_str()).filter(|c| !c.is_empty()))?;
+                if let Some(reasoning) = reasoning {
+                    map.serialize_entry("reasoning_content", reasoning)?;
+                }
                 let calls: Vec<WireToolCall<'_>> = tool_calls
                     .iter()
                     .map(|c| WireToolCall {
@@ -521,6 +535,7 @@ mod tests {
             parallel_tool_calls: None,
             reasoning_effort: None,
             extra_body: None,
+            send_reasoning: false,
         }
     }
 
@@ -595,6 +610,7 @@ mod tests {
                         name: "t".into(),
                         arguments: "{}".into(),
                     }],
+                    reasoning: None,
                 },
                 Message::Tool {
                     tool_call_id: "c1".into(),
@@ -703,6 +719,7 @@ mod tests {
                 Message::Assistant {
                     content: "hello".into(),
                     tool_calls: vec![],
+                    reasoning: Some("they greeted".into()),
                 },
                 Message::Assistant {
                     content: "let me look".into(),
@@ -711,6 +728,7 @@ mod tests {
                         name: "t".into(),
                         arguments: "{\"q\":1}".into(),
                     }],
+                    reasoning: Some("t answers q".into()),
                 },
             ],
             tools: vec![],
@@ -732,8 +750,8 @@ mod tests {
             body["messages"],
             json!([
                 {"role": "user", "content": "hi", "name": "ann"},
-                {"role": "assistant", "content": "hello"},
-                {"role": "assistant", "content": "let me look", "tool_calls": [
+                {"role": "assistant", "content": "hello", "reasoning_content": "they greeted"},
+                {"role": "assistant", "content": "let me look", "reasoning_content": "t answers q", "tool_calls": [
                     {"id": "c1", "type": "function", "function": {"name": "t", "arguments": "{\"q\":1}"}}
                 ]},
             ])

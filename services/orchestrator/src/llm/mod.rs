@@ -39,6 +39,8 @@ pub enum Message {
         content: String,
         /// Tool calls it made.
         tool_calls: Vec<ToolCall>,
+        /// The turn's reasoning, sent back as `reasoning_content` (only with `--llm-send-reasoning`).
+        reasoning: Option<String>,
     },
     /// A tool result answering `tool_call_id`.
     Tool {

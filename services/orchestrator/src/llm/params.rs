@@ -108,8 +108,13 @@ impl SamplingParams {
     }
 
     /// These parameters, with each one left unset taken from `defaults`; `extra_body` keys
-    /// merge, these winning (a default extra key that a typed parameter here sets is dropped).
+    /// merge, these winning (a default extra key that a typed parameter here sets is dropped,
+    /// and a typed default gives way to this `extra_body` setting the same field).
     pub fn or(mut self, defaults: &Self) -> Self {
+        let mut defaults = defaults.clone();
+        for key in self.extra_body.keys() {
+            defaults.unset(key);
+        }
         self.temperature = self.temperature.or(defaults.temperature);
         self.top_p = self.top_p.or(defaults.top_p);
         self.max_tokens = self.max_tokens.or(defaults.max_tokens);
@@ -154,6 +159,23 @@ impl SamplingParams {
             }
         }
         Ok(())
+    }
+
+    /// Unsets the typed parameter writing the named request field, if there is one.
+    fn unset(&mut self, field: &str) {
+        match field {
+            "temperature" => self.temperature = None,
+            "top_p" => self.top_p = None,
+            "max_tokens" => self.max_tokens = None,
+            "stop" => self.stop.clear(),
+            "seed" => self.seed = None,
+            "presence_penalty" => self.presence_penalty = None,
+            "frequency_penalty" => self.frequency_penalty = None,
+            "tool_choice" => self.tool_choice = None,
+            "parallel_tool_calls" => self.parallel_tool_calls = None,
+            "reasoning_effort" => self.reasoning_effort = None,
+            _ => {}
+        }
     }
 
     /// Whether the named request field is set by one of the typed parameters.
@@ -342,5 +364,23 @@ mod tests {
         assert_eq!(asked.max_tokens, Some(512));
         assert_eq!(asked.tool_choice, Some(ToolChoice::Required));
         assert_eq!(Value::Object(asked.extra_body), json!({"top_k": 1, "min_p": 0.05}));
+    }
+
+    #[test]
+    fn a_typed_default_gives_way_to_the_requests_extra_body() {
+        let defaults = SamplingParams {
+            temperature: Some(0.7),
+            max_tokens: Some(512),
+            ..Default::default()
+        };
+        let asked = SamplingParams {
+            extra_body: json!({"temperature": 0.2}).as_object().cloned().unwrap(),
+            ..Default::default()
+        }
+        .or(&defaults);
+        assert_eq!(asked.check(), Ok(()));
+        assert_eq!(asked.temperature, None);
+        assert_eq!(asked.max_tokens, Some(512));
+        assert_eq!(Value::Object(asked.extra_body), json!({"temperature": 0.2}));
     }
 }

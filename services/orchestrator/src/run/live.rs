@@ -109,6 +109,7 @@ impl Emitter {
     pub fn queue(&mut self, event: Event) {
         match event {
             Event::TextDelta { text, turn } => self.queue_text(&text, turn),
+            Event::ReasoningDelta { text, turn } => self.queue_reasoning(&text, turn),
             Event::ToolCallFinished {
                 call_id,
                 name,
@@ -139,17 +140,22 @@ impl Emitter {
     /// Text: added to the run's output now, sent in pieces of at most `max_event_bytes`.
     fn queue_text(&mut self, text: &str, turn: u32) {
         lock(&self.state).text.push_str(text);
-        let mut rest = text;
-        while !rest.is_empty() {
-            let mut cut = shared::text::truncate(rest, self.settings.max_event_bytes).len();
-            if cut == 0 {
-                cut = rest.chars().next().map_or(rest.len(), char::len_utf8);
-            }
+        for piece in pieces(text, self.settings.max_event_bytes) {
             self.number(Event::TextDelta {
-                text: rest[..cut].to_owned(),
+                text: piece.to_owned(),
                 turn,
             });
-            rest = &rest[cut..];
+        }
+    }
+
+    /// Reasoning: added to the run's reasoning now, sent in pieces as text is.
+    fn queue_reasoning(&mut self, text: &str, turn: u32) {
+        lock(&self.state).reasoning.push_str(text);
+        for piece in pieces(text, self.settings.max_event_bytes) {
+            self.number(Event::ReasoningDelta {
+                text: piece.to_owned(),
+                turn,
+            });
         }
     }
 
@@ -207,6 +213,36 @@ impl Emitter {
         })
         .await;
     }
+
+    /// Sends reasoning and adds it to the run's reasoning.
+    pub(crate) async fn reasoning(&mut self, text: &str, turn: u32) {
+        if text.is_empty() {
+            return;
+        }
+        self.send(Event::ReasoningDelta {
+            text: text.to_owned(),
+            turn,
+        })
+        .await;
+    }
+}
+
+/// `text` in pieces of at most `max` bytes, cut on character boundaries (a character longer than
+/// `max` is one piece).
+fn pieces(text: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut cut = shared::text::truncate(rest, max).len();
+        if cut == 0 {
+            cut = rest.chars().next().map_or(rest.len(), char::len_utf8);
+        }
+        let (piece, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(piece)
+    })
 }
 
 /// A run that was let in: its spec and everything live about it, handed to the loop as one value.

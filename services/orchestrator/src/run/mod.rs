@@ -265,6 +265,11 @@ pub struct RunResult {
     /// The caller the run belongs to (empty without authentication): only it may read, cancel
     /// or replay the run.
     pub principal: String,
+    /// The model's reasoning, up to the server's cap: callers debugging a run want to see why the
+    /// model chose its calls, but it is not output.
+    pub reasoning: String,
+    /// The model reasoned past the cap; `reasoning` is its beginning.
+    pub reasoning_truncated: bool,
 }
 
 impl RunResult {
@@ -283,6 +288,8 @@ impl RunResult {
             usage: Usage::default(),
             finish_reason: String::new(),
             principal: String::new(),
+            reasoning: String::new(),
+            reasoning_truncated: false,
         }
     }
 }
@@ -304,6 +311,13 @@ pub enum Event {
     /// Visible text.
     TextDelta {
         /// Text.
+        text: String,
+        /// Turn.
+        turn: u32,
+    },
+    /// Reasoning text, kept apart from the output.
+    ReasoningDelta {
+        /// Reasoning.
         text: String,
         /// Turn.
         turn: u32,

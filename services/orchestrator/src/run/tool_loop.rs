@@ -55,8 +55,10 @@ pub struct LoopDeps {
     pub trace_payloads: Option<usize>,
     /// Largest tool result fed back to the model; longer ones are cut.
     pub max_tool_result_bytes: usize,
-    /// What the model may produce: calls per turn, argument bytes, output bytes.
+    /// What the model may produce: calls per turn, argument bytes, output and reasoning bytes.
     pub output: OutputBounds,
+    /// Put each turn's reasoning back in its assistant message (servers whose templates need it).
+    pub send_reasoning: bool,
 }
 
 /// How the loop ended.
@@ -204,6 +206,8 @@ struct Turn {
     text: String,
     /// Tokens reported for this turn.
     usage: Usage,
+    /// The turn's reasoning, kept only to be sent back (`send_reasoning`).
+    reasoning: String,
 }
 
 /// A turn's calls sorted by where they go; each list keeps the model's order.
@@ -322,6 +326,7 @@ impl<'a> Driver<'a> {
             number,
             text: String::new(),
             usage: Usage::default(),
+            reasoning: String::new(),
         };
         let budget_before = self.budget_left();
         let request = self.chat_request(number);
@@ -388,7 +393,7 @@ impl<'a> Driver<'a> {
         let collector = TurnCollector::new(self.deps.output.max_calls_per_turn, self.deps.output.max_argument_bytes);
         self.completion = Some(Completion::new(stream, collector, requested));
         while let Some(batch) = self.next_batch().await {
-            self.watch_reasoning(&batch.reasoning)?;
+            self.reason(turn, &batch.reasoning).await?;
             self.show(turn, &batch.text).await?;
             self.within_output_while_held()?;
             if let Some(e) = batch.error {
@@ -429,9 +434,16 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Reasoning that repeats a line too often ends the run `REPEATED_LINE_LOOP`, as text does.
-    fn watch_reasoning(&mut self, reasoning: &str) -> Step<()> {
-        match self.reasoning_detector.feed(reasoning) {
+    /// Reasoning goes to a repeated-line detector of its own: a line repeated too often ends the
+    /// run `REPEATED_LINE_LOOP`, as in text, with the reasoning kept up to that line.
+    async fn reason(&mut self, turn: &mut Turn, reasoning: &str) -> Step<()> {
+        if reasoning.is_empty() {
+            return Ok(());
+        }
+        let tripped = self.reasoning_detector.feed(reasoning);
+        let seen = tripped.as_ref().map_or(reasoning, |(_, end)| &reasoning[..*end]);
+        self.keep_reasoning(turn, seen).await;
+        match tripped {
             None => Ok(()),
             Some((line, _)) => {
                 self.keep_interrupted_turn(false);
@@ -443,6 +455,24 @@ impl<'a> Driver<'a> {
                     ),
                 ))
             }
+        }
+    }
+
+    /// Reasoning is streamed and kept in the result up to `max_reasoning_bytes` per run; past
+    /// them the result is flagged truncated and the run goes on (reasoning is not output). With
+    /// `send_reasoning`, the turn keeps its own reasoning, up to the same bound, to send back.
+    async fn keep_reasoning(&mut self, turn: &mut Turn, reasoning: &str) {
+        let max = self.deps.output.max_reasoning_bytes;
+        let kept = {
+            let mut state = lock(self.state);
+            let kept = shared::text::truncate(reasoning, max.saturating_sub(state.reasoning.len()));
+            state.reasoning_truncated |= kept.len() < reasoning.len();
+            kept
+        };
+        self.emitter.reasoning(kept, turn.number).await;
+        if self.deps.send_reasoning {
+            let room = max.saturating_sub(turn.reasoning.len());
+            turn.reasoning.push_str(shared::text::truncate(reasoning, room));
         }
     }
 
@@ -817,6 +847,7 @@ impl<'a> Driver<'a> {
         self.conversation.push(Message::Assistant {
             content: std::mem::take(&mut turn.text),
             tool_calls,
+            reasoning: Some(std::mem::take(&mut turn.reasoning)).filter(|r| !r.is_empty()),
         });
         self.conversation.extend(tool_messages);
     }
@@ -1215,6 +1246,7 @@ mod tests {
         /// The caller is attached: it stopping to read cancels the run.
         attached: bool,
         output: OutputBounds,
+        send_reasoning: bool,
     }
 
     impl Default for Outside {
@@ -1227,6 +1259,7 @@ mod tests {
                 read_every: Some(Duration::ZERO),
                 attached: false,
                 output: crate::Config::default().runs.output,
+                send_reasoning: false,
             }
         }
     }
@@ -1253,6 +1286,7 @@ mod tests {
             trace_payloads: None,
             max_tool_result_bytes: 1024,
             output: outside.output,
+            send_reasoning: outside.send_reasoning,
         };
         let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
         let (tx, mut rx) = mpsc::channel(outside.buffer);
@@ -1325,6 +1359,7 @@ mod tests {
                     .map(|e| match &e.event {
                         Event::RunStarted { .. } => "run_started",
                         Event::TextDelta { .. } => "text",
+                        Event::ReasoningDelta { .. } => "reasoning",
                         Event::ToolCallStarted { .. } => "call_started",
                         Event::ToolCallFinished { .. } => "call_finished",
                         Event::Signal(_) => "signal",
@@ -1381,7 +1416,7 @@ mod tests {
             }
         );
         // The second request: the BIOS shows the spent budget; the exit call is not in the conversation.
-        let second = &script.requests.lock().unwrap()[1];
+        let second = script.requests.lock().unwrap()[1].clone();
         let Message::System(bios) = &second.messages[0] else {
             panic!("BIOS first")
         };
@@ -1584,6 +1619,113 @@ mod tests {
         assert_eq!(result.failure_reason, Some(FailureReason::RepeatedLineLoop));
         assert!(result.failure_detail.contains("reasoning"), "{}", result.failure_detail);
         assert_eq!(result.text, "", "reasoning is not output");
+        assert_eq!(
+            result.reasoning,
+            "Wait, let me reconsider.\n".repeat(8),
+            "kept up to the repeated line"
+        );
+    }
+
+    fn reasoning(t: &str) -> Result<LlmEvent, LlmError> {
+        Ok(LlmEvent::ReasoningDelta(t.into()))
+    }
+
+    /// A turn reasoning before its call, then one reasoning before its answer.
+    fn reasoning_turns() -> Vec<Vec<Result<LlmEvent, LlmError>>> {
+        vec![
+            vec![
+                reasoning("I need a nap. "),
+                reasoning("One will do."),
+                call(0, "nap", r#"{"ms": 1}"#),
+            ],
+            vec![reasoning("Rested."), text("slept")],
+        ]
+    }
+
+    fn with_reasoning(max_reasoning_bytes: usize, send_reasoning: bool) -> Outside {
+        Outside {
+            output: OutputBounds {
+                max_reasoning_bytes,
+                ..crate::Config::default().runs.output
+            },
+            send_reasoning,
+            ..Outside::default()
+        }
+    }
+
+    /// Reasoning events' text, and their turns.
+    fn streamed_reasoning(batches: &[EventBatch]) -> (String, Vec<u32>) {
+        batches
+            .iter()
+            .flatten()
+            .filter_map(|e| match &e.event {
+                Event::ReasoningDelta { text, turn } => Some((text.as_str(), *turn)),
+                _ => None,
+            })
+            .fold((String::new(), Vec::new()), |(mut all, mut turns), (text, turn)| {
+                all.push_str(text);
+                turns.push(turn);
+                (all, turns)
+            })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reasoning_is_streamed_and_kept_apart_from_the_text_up_to_its_cap() {
+        let all = "I need a nap. One will do.Rested.";
+        let (result, batches, script, _) =
+            play_with(reasoning_turns(), limits(), with_reasoning(all.len(), false)).await;
+        assert_eq!((result.status, result.text.as_str()), (RunStatus::Completed, "slept"));
+        assert_eq!((result.reasoning.as_str(), result.reasoning_truncated), (all, false));
+        // Deltas already there are one event, as text is.
+        assert_eq!(streamed_reasoning(&batches), (all.to_owned(), vec![1, 2]));
+        let second = script.requests.lock().unwrap()[1].clone();
+        assert!(
+            matches!(&second.messages[2], Message::Assistant { reasoning: None, .. }),
+            "not sent back unless configured: {:?}",
+            second.messages[2]
+        );
+
+        // One byte under: the run goes on, its reasoning cut and flagged.
+        let (result, batches, ..) = play_with(reasoning_turns(), limits(), with_reasoning(all.len() - 1, false)).await;
+        assert_eq!((result.status, result.text.as_str()), (RunStatus::Completed, "slept"));
+        assert_eq!(
+            (result.reasoning.as_str(), result.reasoning_truncated),
+            (&all[..all.len() - 1], true)
+        );
+        assert_eq!(streamed_reasoning(&batches).0, result.reasoning);
+
+        // Nothing kept at all.
+        let (result, batches, ..) = play_with(reasoning_turns(), limits(), with_reasoning(0, false)).await;
+        assert_eq!(
+            (result.status, result.reasoning.as_str(), result.reasoning_truncated),
+            (RunStatus::Completed, "", true)
+        );
+        assert_eq!(streamed_reasoning(&batches).1, Vec::<u32>::new());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reasoning_goes_back_to_the_model_when_configured_within_its_cap() {
+        let (result, _, script, _) = play_with(reasoning_turns(), limits(), with_reasoning(1024, true)).await;
+        assert_eq!(result.status, RunStatus::Completed);
+        let second = script.requests.lock().unwrap()[1].clone();
+        let Message::Assistant {
+            reasoning, tool_calls, ..
+        } = &second.messages[2]
+        else {
+            panic!("{:?}", second.messages[2]);
+        };
+        assert_eq!(
+            (reasoning.as_deref(), tool_calls.len()),
+            (Some("I need a nap. One will do."), 1)
+        );
+
+        let (_, _, script, _) = play_with(reasoning_turns(), limits(), with_reasoning(6, true)).await;
+        let second = script.requests.lock().unwrap()[1].clone();
+        assert!(
+            matches!(&second.messages[2], Message::Assistant { reasoning: Some(r), .. } if r == "I need"),
+            "{:?}",
+            second.messages[2]
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -1591,7 +1733,7 @@ mod tests {
         let big = format!(r#"{{"pad": "{}"}}"#, "x".repeat(5000));
         let (result, batches, script, _) = play_batched(vec![vec![call(0, "nap", &big)]], limits()).await;
         assert_eq!(result.status, RunStatus::Completed);
-        let second = &script.requests.lock().unwrap()[1];
+        let second = script.requests.lock().unwrap()[1].clone();
         let Some(Message::Tool { content, .. }) = second.messages.last() else {
             panic!("{:?}", second.messages)
         };
@@ -1694,6 +1836,7 @@ mod tests {
                 max_calls_per_turn,
                 max_argument_bytes,
                 max_output_bytes,
+                ..crate::Config::default().runs.output
             },
             ..Outside::default()
         }

@@ -12,7 +12,6 @@ use super::hold_back::TextGate;
 pub struct TurnCollector {
     gate: TextGate,
     assembler: Assembler,
-    reasoning: String,
     usage: Option<Usage>,
     finish_reason: Option<String>,
 }
@@ -24,8 +23,6 @@ pub struct TurnOutput {
     pub structured: Vec<AssembledCall>,
     /// How the held-back text resolves (fallback directives when there are no structured calls).
     pub resolution: Resolution,
-    /// Reasoning text (not user-visible).
-    pub reasoning: String,
     /// Usage reported for the turn.
     pub usage: Usage,
     /// The model's finish_reason, if it sent one.
@@ -48,10 +45,8 @@ impl TurnCollector {
     pub fn push(&mut self, event: LlmEvent) -> Option<String> {
         match event {
             LlmEvent::TextDelta(text) => Some(self.gate.push(&text)).filter(|t| !t.is_empty()),
-            LlmEvent::ReasoningDelta(text) => {
-                self.reasoning.push_str(&text);
-                None
-            }
+            // Reasoning is taken by the loop as it streams (kept up to its own bound).
+            LlmEvent::ReasoningDelta(_) => None,
             LlmEvent::ToolCallFragment {
                 index,
                 id,
@@ -96,7 +91,6 @@ impl TurnCollector {
         TurnOutput {
             structured,
             resolution,
-            reasoning: self.reasoning,
             usage: self.usage.unwrap_or_default(),
             finish_reason: self.finish_reason,
             too_many_calls,
