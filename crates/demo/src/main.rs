@@ -4,6 +4,9 @@
 //! tools at once and whose second emits the `submit_report` exit signal, printing the event
 //! stream as it arrives. Exit code 0 when the run completed, 1 when not, 2 on a bad setting.
 //!
+//! Against a real server (`LLM_BASE_URL`), the orchestrator's `LLM_*` environment variables apply
+//! as they do to the orchestrator itself, and `DEMO_PROMPT` replaces the prompt.
+//!
 //! A binary of its own, so the orchestrator's binary and image link neither the stand-in model
 //! nor the tool-runner.
 
@@ -11,31 +14,43 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use orchestrator::client::{CallOptions, call};
-use orchestrator::config::Secret;
+use orchestrator::config::LlmSettings;
 use orchestrator::{Config, Error};
 
 fn main() -> ExitCode {
     shared::runtime::block_on("demo", async {
         shared::telemetry::init_logging(shared::telemetry::LogFormat::Text, "warn");
-        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-        let options = DemoOptions {
-            llm_base_url: env("LLM_BASE_URL"),
-            llm_model: env("LLM_MODEL"),
-            llm_api_key: env("LLM_API_KEY"),
+        let options = match DemoOptions::from_env() {
+            Ok(options) => options,
+            Err(e) => return shared::runtime::exit_code("demo", Err::<bool, Error>(e)),
         };
         shared::runtime::exit_code("demo", run(options).await)
     })
 }
 
-/// Where the demo's model comes from.
-#[derive(Debug, Clone, Default)]
+/// What the demo runs against and asks.
+#[derive(Debug, Clone)]
 struct DemoOptions {
-    /// A real OpenAI-compatible server (`LLM_BASE_URL`); `None` = the embedded stand-in model.
-    llm_base_url: Option<String>,
-    /// Its model (`LLM_MODEL`).
-    llm_model: Option<String>,
-    /// Its API key (`LLM_API_KEY`).
-    llm_api_key: Option<String>,
+    /// `LLM_BASE_URL` is set: a real OpenAI-compatible server; else the embedded stand-in model.
+    real_server: bool,
+    /// The orchestrator's LLM settings from its own environment variables (`LLM_BASE_URL`,
+    /// `LLM_MODEL`, `LLM_API_KEY`, `LLM_TOOL_CHOICE`, `LLM_TEMPERATURE`, `LLM_MAX_TOKENS` …).
+    llm: LlmSettings,
+    /// The user message (`DEMO_PROMPT`; default [`PROMPT`]).
+    prompt: String,
+}
+
+impl DemoOptions {
+    fn from_env() -> Result<Self, Error> {
+        let set = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let llm = shared::config::from_env::<LlmSettings>("demo")
+            .map_err(|e| Error::Config(orchestrator::secrets::without_userinfo(&e)))?;
+        Ok(Self {
+            real_server: set("LLM_BASE_URL").is_some(),
+            llm,
+            prompt: set("DEMO_PROMPT").unwrap_or_else(|| PROMPT.to_owned()),
+        })
+    }
 }
 
 const PROMPT: &str = "Use the tools, calling them in parallel in one turn: compute (1234 * 5678) / 2 with \
@@ -62,23 +77,21 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
         },
     ));
 
-    let (mock, base_url, model) = match &options.llm_base_url {
-        Some(url) => (
-            None,
-            url.clone(),
-            options.llm_model.clone().unwrap_or_else(|| "llama3.1".to_owned()),
-        ),
-        None => {
-            let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo())
-                .await
-                .map_err(|e| Error::Config(format!("cannot start the stand-in model: {e}")))?;
-            let url = mock.base_url();
-            (Some(mock), url, "stand-in-model".to_owned())
-        }
+    let mut llm = options.llm;
+    let mock = if options.real_server {
+        None
+    } else {
+        let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo())
+            .await
+            .map_err(|e| Error::Config(format!("cannot start the stand-in model: {e}")))?;
+        llm.base_url = mock.base_url();
+        llm.model = "stand-in-model".to_owned();
+        Some(mock)
     };
     println!(
-        "demo: tool-runner on {runner_url}, model {model:?} at {}{}",
-        orchestrator::secrets::shown_url(&base_url),
+        "demo: tool-runner on {runner_url}, model {:?} at {}{}",
+        llm.model,
+        orchestrator::secrets::shown_url(&llm.base_url),
         if mock.is_some() {
             " (the embedded scripted stand-in; set LLM_BASE_URL to use a real server)"
         } else {
@@ -86,8 +99,9 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
         }
     );
 
-    let mut config = Config::new(&base_url, &model, vec![runner_url]);
-    config.llm.api_key = options.llm_api_key.as_deref().map(Secret::from);
+    let mut config = Config::new(&llm.base_url, &llm.model, vec![runner_url]);
+    config.llm = llm;
+    config.validate()?;
     let (listener, endpoint) = bind().await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let orchestrator = tokio::spawn(orchestrator::serve(listener, config, async move {
@@ -97,7 +111,7 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
 
     let outcome = call(&CallOptions {
         endpoint,
-        prompt: PROMPT.to_owned(),
+        prompt: options.prompt,
         tools: vec!["calculate".into(), "time_now".into(), "sleep".into()],
         exit_tools: vec![(
             "submit_report".into(),

@@ -171,6 +171,21 @@ pub fn flag<S: Args>(field: &str) -> String {
 /// and embedded uses must not change with the shell they run in).
 ///
 /// # Panics
+/// The settings `S` from the environment alone (each flag's environment variable, else its
+/// default), for a program that embeds a service: `program` names it in errors, which say which
+/// variable holds a bad value.
+pub fn from_env<S: Args + FromArgMatches>(program: &'static str) -> Result<S, String> {
+    let command = S::augment_args(Command::new(program));
+    command
+        .try_get_matches_from([program])
+        .and_then(|matches| S::from_arg_matches(&matches))
+        .map_err(|e| {
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or_default();
+            format!("from the environment: {}", first.trim_start_matches("error: "))
+        })
+}
+
 /// When a field of `S` has no default: a programming error that every section's unit test
 /// catches.
 #[allow(clippy::expect_used)]

@@ -1,0 +1,331 @@
+//! The orchestrator against real model servers, installed by `./scripts/model-servers` (which
+//! `./scripts/test` runs): llama.cpp's `llama-server` with SmolLM2-135M-Instruct, and the LiteLLM
+//! proxy. Everything else is the real stack in process (orchestrator, tool-runner).
+//!
+//! Sampling is greedy (`temperature: 0`) and each server that must answer the same way every time
+//! has one slot, so the model's output is the same on every run on the same kind of machine.
+
+use std::time::Duration;
+
+use e2e::stack::{Outcome, Stack, request, runner_config};
+use futures::StreamExt;
+use mock_llm::Scenario;
+use proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1::orchestrate_event::Event as E;
+use proto::orchestrator::v1::{FailureReason as R, RunStatus as S};
+use testkit::model_servers::{ModelServer, Relay, TEMPLATE_FILE, installed, one_at_a_time};
+
+type TestResult = anyhow::Result<()>;
+
+/// The orchestrator and a tool-runner in front of the model server at `base_url` (the stand-in
+/// model the stack also starts is not used).
+async fn stack_on(base_url: String, tweak: impl FnOnce(&mut orchestrator::Config)) -> anyhow::Result<Stack> {
+    Stack::start(Scenario::new(Vec::new()), runner_config(None), |config| {
+        config.llm.base_url = base_url;
+        config.llm.model = "smollm2".into();
+        config.llm.idle_timeout = Duration::from_secs(120);
+        tweak(config);
+    })
+    .await
+}
+
+/// A request for `prompt` with greedy sampling and `params` on top.
+fn greedy(prompt: &str, params: pb::ModelParams) -> pb::OrchestrateRequest {
+    let mut asked = request(prompt, &[]);
+    asked.params = Some(pb::ModelParams {
+        temperature: Some(0.0),
+        ..params
+    });
+    asked
+}
+
+fn text_deltas(out: &Outcome) -> usize {
+    out.of(|e| matches!(e, E::TextDelta(_)).then_some(())).len()
+}
+
+#[tokio::test]
+async fn llama_server_streams_text_and_usage_and_honours_max_tokens_and_stop() -> TestResult {
+    let _serial = one_at_a_time().await;
+    let llama = ModelServer::llama(&["--parallel", "1", "--ctx-size", "2048"]).await?;
+    let stack = stack_on(llama.base_url(), |_| {}).await?;
+    let none = || pb::ModelParams {
+        tool_choice: "none".into(),
+        ..Default::default()
+    };
+
+    // max_tokens: the turn ends `length` after exactly that many tokens, streamed as they come.
+    let out = stack
+        .run(greedy(
+            "Write a short poem about the sea.",
+            pb::ModelParams {
+                max_tokens: Some(24),
+                ..none()
+            },
+        ))
+        .await?;
+    assert_eq!(out.status(), S::Completed, "{:?}", out.result);
+    assert_eq!(out.result.finish_reason, "length");
+    let usage = out.result.usage.unwrap_or_default();
+    assert_eq!(usage.completion_tokens, 24);
+    assert!(usage.prompt_tokens > 0);
+    assert!(text_deltas(&out) > 1, "streamed in pieces: {:?}", out.events);
+    assert!(!out.result.text.trim().is_empty());
+
+    // stop: the text ends before the stop sequence, which the server does not return.
+    let out = stack
+        .run(greedy(
+            "Write a short poem about the sea.",
+            pb::ModelParams {
+                max_tokens: Some(64),
+                stop: vec!["\n".into()],
+                ..none()
+            },
+        ))
+        .await?;
+    assert_eq!(
+        (out.status(), out.result.finish_reason.as_str()),
+        (S::Completed, "stop")
+    );
+    assert!(!out.result.text.contains('\n'), "{:?}", out.result.text);
+    assert!(out.result.usage.unwrap_or_default().completion_tokens < 64);
+    Ok(())
+}
+
+#[tokio::test]
+async fn canceling_mid_generation_frees_the_servers_slot() -> TestResult {
+    let _serial = one_at_a_time().await;
+    let llama = ModelServer::llama(&["--parallel", "1", "--ctx-size", "2048"]).await?;
+    let stack = stack_on(llama.base_url(), |config| {
+        config.runs.loop_detector.threshold = config.runs.loop_detector.window;
+    })
+    .await?;
+    // ignore_eos keeps the model generating until max_tokens: far longer than the test waits.
+    let asked = greedy(
+        "Count from 1 to 1000, one number per line.",
+        pb::ModelParams {
+            tool_choice: "none".into(),
+            max_tokens: Some(1500),
+            extra_body_json: r#"{"ignore_eos": true}"#.into(),
+            ..Default::default()
+        },
+    );
+    let mut client = stack.client().await?;
+    let mut stream = client.orchestrate(asked).await?.into_inner();
+    let mut run_id = String::new();
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(60), stream.next()).await? {
+        let event = event?;
+        if matches!(event.event, Some(E::TextDelta(_))) {
+            run_id = event.run_id;
+            break;
+        }
+    }
+    anyhow::ensure!(!run_id.is_empty(), "the stream ended before any text");
+    let slots = llama.get_json("/slots").await?;
+    assert_eq!(slots[0]["is_processing"], true, "generating: {slots}");
+
+    let canceled = client
+        .cancel_run(pb::CancelRunRequest { run_id: run_id.clone() })
+        .await?
+        .into_inner();
+    assert!(canceled.canceled);
+    let mut events = Vec::new();
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(30), stream.next()).await? {
+        events.push(event?);
+    }
+    let Some(E::RunFinished(finished)) = events.last().and_then(|e| e.event.clone()) else {
+        anyhow::bail!("no run_finished: {events:?}");
+    };
+    let result = finished.result.unwrap_or_default();
+    assert_eq!(result.status, S::Canceled as i32);
+    assert!(!result.text.is_empty(), "the text so far is kept");
+
+    // Closing the stream tells llama-server to stop: its one slot is free again, well before
+    // max_tokens would have freed it.
+    let freed = async {
+        loop {
+            let slots = llama.get_json("/slots").await?;
+            if slots[0]["is_processing"] == false {
+                return anyhow::Ok(slots);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let slots = tokio::time::timeout(Duration::from_secs(10), freed).await??;
+    let decoded = slots[0]["next_token"][0]["n_decoded"].as_u64().unwrap_or(0);
+    assert!(decoded < 1500, "stopped at {decoded} tokens: {slots}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_context_overflow_is_an_llm_error_carrying_the_servers_message() -> TestResult {
+    let _serial = one_at_a_time().await;
+    let llama = ModelServer::llama(&["--parallel", "1", "--ctx-size", "256"]).await?;
+    let stack = stack_on(llama.base_url(), |_| {}).await?;
+    let long = "Tell me about the sea. ".repeat(100);
+    let out = stack.run(greedy(&long, pb::ModelParams::default())).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::LlmError));
+    assert!(
+        out.result.failure_detail.contains("exceeds the available context size"),
+        "{}",
+        out.result.failure_detail
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn more_concurrent_runs_than_server_slots_all_complete() -> TestResult {
+    let _serial = one_at_a_time().await;
+    let llama = ModelServer::llama(&["--parallel", "2", "--ctx-size", "4096"]).await?;
+    let stack = stack_on(llama.base_url(), |_| {}).await?;
+    let runs = (0..5).map(|i| {
+        stack.run(greedy(
+            &format!("Name {} colours.", i + 2),
+            pb::ModelParams {
+                tool_choice: "none".into(),
+                max_tokens: Some(12),
+                extra_body_json: r#"{"ignore_eos": true}"#.into(),
+                ..Default::default()
+            },
+        ))
+    });
+    for out in futures::future::join_all(runs).await {
+        let out = out?;
+        assert_eq!(out.status(), S::Completed, "{:?}", out.result);
+        assert_eq!(out.result.usage.unwrap_or_default().completion_tokens, 12);
+    }
+    Ok(())
+}
+
+/// SmolLM2-135M makes a structured call only with the Llama 3.2 template, `tool_choice: required`
+/// and a prompt that spells the arguments out (docs/model-servers.md lists what else was tried).
+/// On the next turn (`auto`) it writes a broken `{` that llama-server's own tool-call parser
+/// rejects, so the run ends `LLM_ERROR` with the server's message: the round trip itself, call →
+/// tool-runner → result → model server, is what this checks, through a relay that records what
+/// the orchestrator sent.
+#[tokio::test]
+async fn a_structured_tool_call_from_llama_server_runs_on_a_tool_runner_and_goes_back() -> TestResult {
+    let template = installed(&format!("templates/{TEMPLATE_FILE}"))?;
+    let template = template.to_string_lossy();
+    let _serial = one_at_a_time().await;
+    let llama = ModelServer::llama(&[
+        "--parallel",
+        "1",
+        "--ctx-size",
+        "4096",
+        "--jinja",
+        "--chat-template-file",
+        &template,
+    ])
+    .await?;
+    let relay = Relay::start(&llama.origin).await?;
+    let stack = stack_on(relay.base_url(), |_| {}).await?;
+    let mut asked = greedy(
+        r#"Call calculate with {"expression": "1234 * 5678"}."#,
+        pb::ModelParams {
+            tool_choice: "required".into(),
+            max_tokens: Some(100),
+            ..Default::default()
+        },
+    );
+    if let Some(tools) = asked.tools.as_mut() {
+        tools.normal = vec!["calculate".into()];
+    }
+    let out = stack.run(asked).await?;
+
+    let calls = &out.result.tool_calls;
+    assert_eq!(calls.len(), 1, "{:?}", out.result);
+    assert_eq!(
+        (calls[0].name.as_str(), calls[0].ok, calls[0].turn),
+        ("calculate", true, 1)
+    );
+    let arguments: serde_json::Value = serde_json::from_str(&calls[0].arguments_json)?;
+    assert_eq!(arguments["expression"], "1234 * 5678");
+    let finished = out.of(|e| match e {
+        E::ToolCallFinished(f) => Some(f.content_json.clone()),
+        _ => None,
+    });
+    assert!(finished[0].contains("7006652"), "{finished:?}");
+
+    // The second request carried the call and its result back to llama-server.
+    let sent = relay.requests();
+    assert_eq!(sent.len(), 2, "two chat requests: {sent:?}");
+    let second: serde_json::Value = serde_json::from_str(&sent[1])?;
+    let messages = second["messages"].as_array().cloned().unwrap_or_default();
+    let tool = messages
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(tool["tool_call_id"], calls[0].call_id);
+    assert!(tool["content"].as_str().unwrap_or("").contains("7006652"), "{tool}");
+    assert_eq!(second["tool_choice"], "auto", "required forces the first turn only");
+
+    assert_eq!(
+        (out.status(), out.reason(), out.result.turns),
+        (S::Failed, R::LlmError, 2),
+        "{}\n{}",
+        out.result.failure_detail,
+        llama.logs()
+    );
+    assert!(
+        out.result.failure_detail.contains("does not match the expected"),
+        "{}",
+        out.result.failure_detail
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_full_run_with_parallel_calls_and_a_signal_through_the_litellm_proxy() -> TestResult {
+    let fixtures = e2e::repo_root().join("tests/fixtures/litellm");
+    let folder = tempfile::tempdir()?;
+    for file in ["config.yaml", "mock_answers.py"] {
+        std::fs::copy(fixtures.join(file), folder.path().join(file))?;
+    }
+    let _serial = one_at_a_time().await;
+    let litellm = ModelServer::litellm(&folder.path().join("config.yaml")).await?;
+    let stack = Stack::start(Scenario::new(Vec::new()), runner_config(None), |config| {
+        config.llm.base_url = litellm.base_url();
+        config.llm.model = "stand-in".into();
+        config.llm.api_key = Some("sk-litellm-test-master".into());
+    })
+    .await?;
+    let out = stack.run(request("check both tools", &["submit_report"])).await?;
+    assert_eq!(out.status(), S::Completed, "{:?}\n{}", out.result, litellm.logs());
+    let calls: Vec<(&str, bool, u32)> = out
+        .result
+        .tool_calls
+        .iter()
+        .map(|c| (c.name.as_str(), c.ok, c.turn))
+        .collect();
+    assert_eq!(calls, [("calculate", true, 1), ("time_now", true, 1)]);
+    let signals = &out.result.signals;
+    assert_eq!(signals.len(), 1);
+    assert_eq!((signals[0].tool_name.as_str(), signals[0].turn), ("submit_report", 1));
+    assert!(out.result.text.contains("7006652"), "{}", out.result.text);
+    assert_eq!(out.result.turns, 2);
+    assert!(out.result.usage.unwrap_or_default().prompt_tokens > 0);
+
+    // A key that is not the master key: LiteLLM (without a key database) refuses it with a 400
+    // "No connected db."; its message is in the result, the key nowhere.
+    let stack = Stack::start(Scenario::new(Vec::new()), runner_config(None), |config| {
+        config.llm.base_url = litellm.base_url();
+        config.llm.model = "stand-in".into();
+        config.llm.api_key = Some("sk-wrong-key-1234".into());
+        config.llm.max_retries = 0;
+    })
+    .await?;
+    let out = stack.run(request("check both tools", &[])).await?;
+    assert_eq!((out.status(), out.reason()), (S::Failed, R::LlmError));
+    assert!(
+        out.result.failure_detail.contains("400 Bad Request: No connected db"),
+        "{}",
+        out.result.failure_detail
+    );
+    assert!(
+        !format!("{:?}", out.events).contains("sk-wrong-key-1234"),
+        "{}",
+        out.result.failure_detail
+    );
+    Ok(())
+}
