@@ -294,25 +294,22 @@ pub mod stack {
                 "status {} is not terminal",
                 result.status
             );
-            let streamed: String = events
-                .iter()
-                .filter_map(|e| match &e.event {
-                    Some(E::TextDelta(t)) => Some(t.text.as_str()),
-                    _ => None,
-                })
-                .collect();
+            let streamed = |pick: fn(&E) -> Option<&str>| -> String {
+                events.iter().filter_map(|e| e.event.as_ref().and_then(pick)).collect()
+            };
+            let text = streamed(|e| if let E::TextDelta(t) = e { Some(&t.text) } else { None });
             anyhow::ensure!(
-                streamed == result.text,
-                "streamed text {streamed:?} differs from the result's {:?}",
+                text == result.text,
+                "streamed text {text:?} differs from the result's {:?}",
                 result.text
             );
-            let reasoning: String = events
-                .iter()
-                .filter_map(|e| match &e.event {
-                    Some(E::ReasoningDelta(r)) => Some(r.text.as_str()),
-                    _ => None,
-                })
-                .collect();
+            let reasoning = streamed(|e| {
+                if let E::ReasoningDelta(r) = e {
+                    Some(&r.text)
+                } else {
+                    None
+                }
+            });
             anyhow::ensure!(
                 reasoning == result.reasoning,
                 "streamed reasoning {reasoning:?} differs from the result's {:?}",

@@ -13,7 +13,7 @@ use mock_llm::Scenario;
 use proto::orchestrator::v1 as pb;
 use proto::orchestrator::v1::orchestrate_event::Event as E;
 use proto::orchestrator::v1::{FailureReason as R, RunStatus as S};
-use testkit::model_servers::{ModelServer, Relay, TEMPLATE_FILE, installed, one_at_a_time};
+use testkit::model_servers::{LITELLM_MASTER_KEY, ModelServer, Relay, TEMPLATE_FILE, installed, one_at_a_time};
 
 type TestResult = anyhow::Result<()>;
 
@@ -277,17 +277,12 @@ async fn a_structured_tool_call_from_llama_server_runs_on_a_tool_runner_and_goes
 
 #[tokio::test]
 async fn a_full_run_with_parallel_calls_and_a_signal_through_the_litellm_proxy() -> TestResult {
-    let fixtures = e2e::repo_root().join("tests/fixtures/litellm");
-    let folder = tempfile::tempdir()?;
-    for file in ["config.yaml", "mock_answers.py"] {
-        std::fs::copy(fixtures.join(file), folder.path().join(file))?;
-    }
     let _serial = one_at_a_time().await;
-    let litellm = ModelServer::litellm(&folder.path().join("config.yaml")).await?;
+    let litellm = ModelServer::litellm_test_proxy().await?;
     let stack = Stack::start(Scenario::new(Vec::new()), runner_config(None), |config| {
         config.llm.base_url = litellm.base_url();
         config.llm.model = "stand-in".into();
-        config.llm.api_key = Some("sk-litellm-test-master".into());
+        config.llm.api_key = Some(LITELLM_MASTER_KEY.into());
     })
     .await?;
     let out = stack.run(request("check both tools", &["submit_report"])).await?;

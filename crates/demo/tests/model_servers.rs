@@ -2,7 +2,7 @@
 //! `llama-server` with SmolLM2-135M-Instruct, and the LiteLLM proxy (installed by
 //! `./scripts/model-servers`, which `./scripts/test` runs).
 
-use testkit::model_servers::{ModelServer, TEMPLATE_FILE, installed, one_at_a_time};
+use testkit::model_servers::{LITELLM_MASTER_KEY, ModelServer, TEMPLATE_FILE, installed, one_at_a_time};
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -78,17 +78,12 @@ async fn the_demo_on_llama_server_streams_text_and_makes_a_real_tool_call() -> T
 #[tokio::test]
 async fn the_demo_through_the_litellm_proxy_completes_with_parallel_calls_and_a_signal() -> TestResult {
     let _serial = one_at_a_time().await;
-    let fixtures = testkit::repo_root().join("tests/fixtures/litellm");
-    let folder = tempfile::tempdir()?;
-    for file in ["config.yaml", "mock_answers.py"] {
-        std::fs::copy(fixtures.join(file), folder.path().join(file))?;
-    }
-    let litellm = ModelServer::litellm(&folder.path().join("config.yaml")).await?;
+    let litellm = ModelServer::litellm_test_proxy().await?;
     let base_url = litellm.base_url();
     let (code, stdout, stderr) = demo(&[
         ("LLM_BASE_URL", base_url.as_str()),
         ("LLM_MODEL", "stand-in"),
-        ("LLM_API_KEY", "sk-litellm-test-master"),
+        ("LLM_API_KEY", LITELLM_MASTER_KEY),
     ])
     .await?;
     assert_eq!(code, Some(0), "{stdout}\n{stderr}\n{}", litellm.logs());
@@ -100,6 +95,6 @@ async fn the_demo_through_the_litellm_proxy_completes_with_parallel_calls_and_a_
     ] {
         assert!(stdout.contains(expected), "{expected:?} missing from:\n{stdout}");
     }
-    assert!(!stdout.contains("sk-litellm-test-master") && !stderr.contains("sk-litellm-test-master"));
+    assert!(!stdout.contains(LITELLM_MASTER_KEY) && !stderr.contains(LITELLM_MASTER_KEY));
     Ok(())
 }

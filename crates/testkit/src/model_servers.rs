@@ -18,6 +18,8 @@ use tokio::process::{Child, Command};
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The chat template in the cache's `templates/` that gives SmolLM2 structured tool calls.
 pub const TEMPLATE_FILE: &str = "meta-llama-Llama-3.2-3B-Instruct.jinja";
+/// The master key of the LiteLLM proxy that [`ModelServer::litellm_test_proxy`] starts.
+pub const LITELLM_MASTER_KEY: &str = "sk-litellm-test-master";
 /// Log lines kept of a server, for failure messages.
 const KEPT_LOG_LINES: usize = 200;
 /// How long a server may take to answer its health check (LiteLLM imports for a while).
@@ -58,6 +60,8 @@ pub struct ModelServer {
     child: Child,
     log: Arc<Mutex<VecDeque<String>>>,
     http: reqwest::Client,
+    /// Files the server runs from, removed when it stops.
+    _folder: Option<tempfile::TempDir>,
 }
 
 impl ModelServer {
@@ -74,6 +78,20 @@ impl ModelServer {
             .args(["--threads", "2", "--no-webui"])
             .args(args);
         Self::spawn(command, port, "/health").await
+    }
+
+    /// The LiteLLM proxy with the tests' configuration (`tests/fixtures/litellm`: model
+    /// `stand-in`, mock answers, [`LITELLM_MASTER_KEY`]), run from a copy in a temporary folder so
+    /// the checkout stays clean.
+    pub async fn litellm_test_proxy() -> anyhow::Result<Self> {
+        let fixtures = crate::repo_root().join("tests/fixtures/litellm");
+        let folder = tempfile::tempdir()?;
+        for file in ["config.yaml", "mock_answers.py"] {
+            std::fs::copy(fixtures.join(file), folder.path().join(file))?;
+        }
+        let mut server = Self::litellm(&folder.path().join("config.yaml")).await?;
+        server._folder = Some(folder);
+        Ok(server)
     }
 
     /// The LiteLLM proxy with `config` (its folder is the working directory, so a callback module
@@ -114,6 +132,7 @@ impl ModelServer {
             child,
             log,
             http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
+            _folder: None,
         };
         server.wait_healthy(health).await?;
         Ok(server)
