@@ -99,8 +99,11 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
         }
     );
 
-    let mut config = Config::new(&llm.base_url, &llm.model, vec![runner_url]);
-    config.llm = llm;
+    let mut config = Config {
+        llm,
+        ..Config::default()
+    };
+    config.tool_runners.endpoints = vec![runner_url];
     config.validate()?;
     let (listener, endpoint) = bind().await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
