@@ -10,6 +10,7 @@
 mod micro;
 mod otlp;
 mod procstat;
+mod real_server;
 mod soak;
 mod stack;
 mod workload;
@@ -35,9 +36,15 @@ struct Cli {
     /// Where the report goes.
     #[arg(long, default_value = "bench/results")]
     out: PathBuf,
-    /// Only these workloads (comma-separated names); the report is then written as `partial.*`.
+    /// Only these workloads (comma-separated names, the real-server row's among them); the report
+    /// is then written as `partial.*`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// The real-server row (`llama_server_text`: the same prompt through the orchestrator and
+    /// directly to llama-server): `auto` runs it when `./scripts/model-servers` has installed
+    /// llama-server and says why not otherwise, `require` fails without it, `skip` never runs it.
+    #[arg(long, value_enum, default_value_t = RealServerMode::Auto)]
+    real_server: RealServerMode,
     /// Skip the tracing comparison (the same workloads with OTLP export off and on).
     #[arg(long)]
     no_tracing: bool,
@@ -55,6 +62,40 @@ struct Cli {
     /// Soak runs at once (1–10000).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     soak_concurrency: u64,
+}
+
+/// Whether the real-server row runs.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RealServerMode {
+    Auto,
+    Require,
+    Skip,
+}
+
+/// The real-server row, or why it did not run.
+#[derive(Serialize)]
+#[serde(rename_all = "snake_case")]
+enum RealServerOutcome {
+    Measured(real_server::RealServerRow),
+    NotRun(String),
+}
+
+/// Whether to run the real-server row: `Err` when `--real-server require` cannot be met, the
+/// reason it will not run as `Ok(Some(…))`, or `Ok(None)` to run it.
+fn real_server_skip_reason(cli: &Cli) -> anyhow::Result<Option<String>> {
+    if !cli.only.is_empty() && !cli.only.iter().any(|n| n == real_server::NAME) {
+        return Ok(Some("not selected by --only".into()));
+    }
+    if cli.real_server == RealServerMode::Skip {
+        return Ok(Some("skipped (--real-server skip)".into()));
+    }
+    let installed = testkit::model_servers::installed("bin/llama-server")
+        .and_then(|_| testkit::model_servers::installed(&format!("models/{}", testkit::model_servers::MODEL_FILE)));
+    match (installed, cli.real_server) {
+        (Ok(_), _) => Ok(None),
+        (Err(e), RealServerMode::Require) => Err(e.context("--real-server require")),
+        (Err(e), _) => Ok(Some(format!("not run: {e}"))),
+    }
 }
 
 /// `--soak`: the soak instead of the grid; exits 1 when a check fails.
@@ -571,7 +612,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let mut workloads = grid(cli.quick);
     if !cli.only.is_empty() {
-        let known: Vec<String> = workloads.iter().map(|w| w.name.clone()).collect();
+        let mut known: Vec<String> = workloads.iter().map(|w| w.name.clone()).collect();
+        known.push(real_server::NAME.into());
         let unknown: Vec<&String> = cli.only.iter().filter(|n| !known.contains(n)).collect();
         anyhow::ensure!(
             unknown.is_empty(),
@@ -580,6 +622,7 @@ async fn main() -> anyhow::Result<()> {
         );
         workloads.retain(|w| cli.only.contains(&w.name));
     }
+    let real_server_skipped = real_server_skip_reason(&cli)?;
     let scenarios = Scenarios {
         default: mock_llm::Scenario::demo(),
         named: workloads.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
@@ -639,12 +682,30 @@ async fn main() -> anyhow::Result<()> {
         tracing_costs(&bin, &workloads, max_concurrency).await?
     };
 
+    // Last, so the model server competes with nothing else for the machine.
+    let real_server = match real_server_skipped {
+        Some(reason) => RealServerOutcome::NotRun(reason),
+        None => {
+            let row = real_server::RealServer::new(cli.quick);
+            eprint!(
+                "bench: {:<20} {} runs each way, {} tokens each … ",
+                real_server::NAME,
+                row.runs,
+                row.max_tokens
+            );
+            let measured = row.measure(&bin).await?;
+            eprintln!("+{:.1} ms p50 through the orchestrator", measured.added_p50_ms);
+            RealServerOutcome::Measured(measured)
+        }
+    };
+
     let measured = GridRun {
         results,
         echo_floor,
         round_trip_us,
         sse,
         tracing_costs,
+        real_server,
     };
     write_report(&cli, measured)
 }
@@ -706,6 +767,7 @@ struct GridRun {
     round_trip_us: f64,
     sse: micro::SseDecode,
     tracing_costs: Vec<TracingCost>,
+    real_server: RealServerOutcome,
 }
 
 /// Checks the targets and writes the report (`latest`, `quick` or `partial` `.md` / `.json`).
@@ -716,6 +778,7 @@ fn write_report(cli: &Cli, run: GridRun) -> anyhow::Result<()> {
         round_trip_us,
         sse,
         tracing_costs,
+        real_server,
     } = run;
     let targets = targets(&mut results, echo_floor);
     let baselines = Baselines {
@@ -737,6 +800,12 @@ fn write_report(cli: &Cli, run: GridRun) -> anyhow::Result<()> {
         }
         report.push_str(&format!("\nSpans received by the in-process OTLP sink: {} (the orchestrator was stopped, so its batch was flushed).\n", tracing_costs[0].spans_exported));
     }
+    match &real_server {
+        RealServerOutcome::Measured(row) => report.push_str(&real_server::markdown(row)),
+        RealServerOutcome::NotRun(reason) => {
+            report.push_str(&format!("\n## Real model server\n\n{}: {reason}\n", real_server::NAME));
+        }
+    }
     std::fs::create_dir_all(&cli.out)?;
     // A subset never overwrites the full report it would be compared with.
     let name = match (cli.only.is_empty(), cli.quick) {
@@ -754,6 +823,7 @@ fn write_report(cli: &Cli, run: GridRun) -> anyhow::Result<()> {
         "workloads": results,
         "targets": targets,
         "tracing": tracing_costs,
+        "real_server": real_server,
     });
     std::fs::write(
         cli.out.join(format!("{name}.json")),

@@ -60,3 +60,24 @@ impl PeakRss {
         self.task.await.unwrap_or(0)
     }
 }
+
+/// CPU time `pid`'s live threads have been scheduled for, in nanoseconds from
+/// `/proc/<pid>/task/*/schedstat`: precise where [`cpu_time`] counts 10 ms ticks. Threads that
+/// have exited are not counted, so compare two readings over a stretch where the process keeps its
+/// threads (a tokio runtime's workers do).
+pub(crate) fn scheduled_time(pid: u32) -> anyhow::Result<Duration> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let path = task?.path().join("schedstat");
+        // A thread that ends between the listing and the read is simply not counted.
+        let Ok(stat) = std::fs::read_to_string(path) else {
+            continue;
+        };
+        total += stat
+            .split_whitespace()
+            .next()
+            .and_then(|ns| ns.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Ok(Duration::from_nanos(total))
+}

@@ -7,7 +7,7 @@ mod common;
 #[test]
 fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
     let out = tempfile::tempdir()?;
-    let output = common::run_bench(&["--quick"], out.path())?;
+    let output = common::run_bench(&["--quick", "--real-server", "require"], out.path())?;
     anyhow::ensure!(
         output.status.success(),
         "bench failed: {}",
@@ -55,6 +55,18 @@ fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
     );
     let markdown = std::fs::read_to_string(out.path().join("quick.md"))?;
     assert!(markdown.contains("## Targets"));
+
+    // The real-server row: the same answer through the orchestrator and directly, both measured.
+    let real = &report["real_server"]["measured"];
+    assert_eq!(real["name"], "llama_server_text", "{}", report["real_server"]);
+    assert_eq!(real["tokens_per_run"], 32, "{real}");
+    for field in ["direct_ms", "via_ms", "direct_first_token_ms", "via_first_token_ms"] {
+        assert!(real[field]["p50"].as_f64().unwrap_or(0.0) > 0.0, "{field} in {real}");
+    }
+    for field in ["orchestrator_cpu_per_turn_us", "server_cpu_per_turn_ms"] {
+        assert!(real[field].as_f64().unwrap_or(0.0) > 0.0, "{field} in {real}");
+    }
+    assert!(markdown.contains("## Real model server") && markdown.contains("| llama_server_text | 3 | 32 |"));
     Ok(())
 }
 
@@ -74,6 +86,56 @@ fn a_subset_goes_to_its_own_report_and_unknown_names_are_refused() -> anyhow::Re
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("partial.json"))?)?;
     assert_eq!(report["workloads"].as_array().map(Vec::len), Some(1));
+    assert_eq!(report["real_server"]["not_run"], "not selected by --only");
     assert!(!out.path().join("quick.json").exists() && !out.path().join("latest.json").exists());
+    Ok(())
+}
+
+#[test]
+fn the_real_server_row_says_why_it_did_not_run_and_require_refuses_to_go_without_it() -> anyhow::Result<()> {
+    let out = tempfile::tempdir()?;
+    let empty_cache = tempfile::tempdir()?;
+    let run = |mode: &str| {
+        let mut command = common::bench_command(
+            &[
+                "--quick",
+                "--no-tracing",
+                "--only",
+                "llama_server_text",
+                "--real-server",
+                mode,
+            ],
+            out.path(),
+        )?;
+        anyhow::Ok(command.env("ORCHESTRATOR_TEST_CACHE", empty_cache.path()).output()?)
+    };
+
+    let required = run("require")?;
+    assert!(!required.status.success());
+    let stderr = String::from_utf8_lossy(&required.stderr);
+    assert!(
+        stderr.contains("--real-server require") && stderr.contains("scripts/model-servers"),
+        "{stderr}"
+    );
+    assert!(
+        !out.path().join("partial.json").exists(),
+        "nothing is measured when the row cannot run"
+    );
+
+    for mode in ["auto", "skip"] {
+        let output = run(mode)?;
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path().join("partial.json"))?)?;
+        let reason = report["real_server"]["not_run"].as_str().unwrap_or_default().to_owned();
+        let expected = if mode == "auto" {
+            "scripts/model-servers"
+        } else {
+            "--real-server skip"
+        };
+        assert!(reason.contains(expected), "{mode}: {reason}");
+        let markdown = std::fs::read_to_string(out.path().join("partial.md"))?;
+        assert!(markdown.contains(&reason), "{markdown}");
+    }
     Ok(())
 }

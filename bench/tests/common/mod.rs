@@ -6,6 +6,11 @@ use std::process::{Command, Output};
 
 /// Runs `bench` with `args` on the orchestrator built beside it, writing into `out`.
 pub(crate) fn run_bench(args: &[&str], out: &Path) -> anyhow::Result<Output> {
+    Ok(bench_command(args, out)?.output()?)
+}
+
+/// The command [`run_bench`] runs, to add to before running it.
+pub(crate) fn bench_command(args: &[&str], out: &Path) -> anyhow::Result<Command> {
     let bench = env!("CARGO_BIN_EXE_bench");
     let orchestrator = Path::new(bench).with_file_name("orchestrator");
     anyhow::ensure!(
@@ -13,11 +18,12 @@ pub(crate) fn run_bench(args: &[&str], out: &Path) -> anyhow::Result<Output> {
         "{} is missing: run the workspace tests (./scripts/test)",
         orchestrator.display()
     );
-    Ok(Command::new(bench)
+    let mut command = Command::new(bench);
+    command
         .args(args)
         .arg("--orchestrator-bin")
         .arg(&orchestrator)
         .arg("--out")
-        .arg(out)
-        .output()?)
+        .arg(out);
+    Ok(command)
 }

@@ -194,6 +194,11 @@ impl ModelServer {
         log.iter().cloned().collect::<Vec<_>>().join("\n")
     }
 
+    /// The server's process id (none once it has been reaped), to read its CPU time.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// Whether the process is still running.
     pub fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
