@@ -136,10 +136,12 @@ pub async fn call(args: &ClientArgs, tool: &str, arguments: &str) -> Result<bool
     }
 }
 
-/// `check-manifest`: loads the manifest as `serve` would and lists its tools.
+/// `check-manifest`: loads the manifest as `serve` would and lists its command tools and MCP
+/// servers (without starting or connecting to them).
 pub fn check_manifest(file: &std::path::Path) -> Result<(), Error> {
-    let tools = crate::tools::manifest::load(file)?;
-    for (spec, _) in &tools {
+    let manifest = crate::tools::manifest::load(file)?;
+    let tools = &manifest.commands;
+    for (spec, _) in tools {
         println!(
             "{:<16} timeout {:<8} {}",
             spec.name,
@@ -147,7 +149,24 @@ pub fn check_manifest(file: &std::path::Path) -> Result<(), Error> {
             spec.description
         );
     }
-    println!("{}: {} command tool(s), OK", file.display(), tools.len());
+    for server in &manifest.mcp_servers {
+        let how = match &server.transport {
+            crate::tools::mcp::config::Transport::Stdio { program, .. } => format!("stdio {}", program.display()),
+            crate::tools::mcp::config::Transport::Http { url, .. } => url.clone(),
+        };
+        println!(
+            "mcp {:<12} {how}, tools as {}*{}",
+            server.name,
+            server.prefix,
+            if server.required { ", required" } else { "" }
+        );
+    }
+    println!(
+        "{}: {} command tool(s), {} MCP server(s), OK",
+        file.display(),
+        tools.len(),
+        manifest.mcp_servers.len()
+    );
     Ok(())
 }
 

@@ -1,6 +1,7 @@
-//! The registry: every tool the runner offers, and the checks every call passes before a tool
-//! runs — the tool exists, the arguments are within the size and depth limits, are a JSON object
-//! and match the tool's JSON Schema — then the call itself under the tool's timeout.
+//! The registry: every tool the runner offers — its own (built-ins, command tools), fixed at
+//! start, and the current tools of its MCP servers — and the checks every call passes before a
+//! tool runs: the tool exists, the arguments are within the size and depth limits, are a JSON
+//! object and match the tool's JSON Schema; then the call itself under the tool's timeout.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use serde_json::Value;
 
 use crate::Error;
 use crate::tools::builtin::Builtin;
+use crate::tools::mcp::McpServers;
 use crate::tools::{CallContext, ErrorCode, Tool, ToolError, ToolResult, ToolSpec};
 
 /// How many schema violations one error message lists.
@@ -16,15 +18,26 @@ const MAX_REPORTED_VIOLATIONS: usize = 5;
 
 pub use crate::config::ArgLimits;
 
-struct Entry {
-    spec: ToolSpec,
+/// A tool with its compiled argument schema.
+pub(crate) struct Entry {
+    pub(crate) spec: ToolSpec,
     validator: jsonschema::Validator,
     tool: Arc<dyn Tool>,
 }
 
+impl Entry {
+    /// Compiles the tool's schema.
+    pub(crate) fn new(spec: ToolSpec, tool: Arc<dyn Tool>) -> Result<Self, String> {
+        let validator = jsonschema::validator_for(&spec.parameters)
+            .map_err(|e| format!("tool {:?} has an unusable JSON Schema: {e}", spec.name))?;
+        Ok(Self { spec, validator, tool })
+    }
+}
+
 /// Every tool of this runner, by name.
 pub struct Registry {
-    tools: BTreeMap<String, Entry>,
+    tools: BTreeMap<String, Arc<Entry>>,
+    mcp: Option<McpServers>,
     /// Built-ins switched off by configuration, with the reason (answered as `UNAVAILABLE`).
     disabled: BTreeMap<&'static str, &'static str>,
     limits: ArgLimits,
@@ -39,6 +52,7 @@ impl Registry {
     ) -> Result<Self, Error> {
         let mut registry = Self {
             tools: BTreeMap::new(),
+            mcp: None,
             disabled: BTreeMap::new(),
             limits,
         };
@@ -52,29 +66,53 @@ impl Registry {
             }
         }
         for (spec, tool) in enabled.into_iter().chain(others) {
-            let validator = jsonschema::validator_for(&spec.parameters)
-                .map_err(|e| Error::Config(format!("tool {:?} has an unusable JSON Schema: {e}", spec.name)))?;
             if registry.tools.contains_key(&spec.name) || registry.disabled.contains_key(spec.name.as_str()) {
                 return Err(Error::Config(format!(
                     "two tools are named {:?} (built-in and command tool names must be unique)",
                     spec.name
                 )));
             }
-            registry
-                .tools
-                .insert(spec.name.clone(), Entry { spec, validator, tool });
+            let name = spec.name.clone();
+            let entry = Entry::new(spec, tool).map_err(Error::Config)?;
+            registry.tools.insert(name, Arc::new(entry));
         }
         Ok(registry)
     }
 
-    /// Whether a tool of this name exists (enabled).
-    pub fn has(&self, name: &str) -> bool {
-        self.tools.contains_key(name)
+    /// Adds the tools of `mcp`'s servers (whose tool names must differ from the runner's own).
+    pub fn with_mcp(mut self, mcp: McpServers) -> Self {
+        self.mcp = Some(mcp);
+        self
     }
 
-    /// Every tool's spec, sorted by name.
-    pub fn specs(&self) -> impl Iterator<Item = &ToolSpec> {
-        self.tools.values().map(|e| &e.spec)
+    /// The runner's own tool names (built-ins, disabled ones included, and command tools): an
+    /// MCP tool may not take one.
+    pub fn own_names(&self) -> std::collections::BTreeSet<String> {
+        let disabled = self.disabled.keys().map(|n| (*n).to_owned());
+        self.tools.keys().cloned().chain(disabled).collect()
+    }
+
+    /// The MCP servers, if the runner has any.
+    pub fn mcp(&self) -> Option<&McpServers> {
+        self.mcp.as_ref()
+    }
+
+    /// Whether a tool of this name exists (enabled).
+    pub fn has(&self, name: &str) -> bool {
+        self.find(name).is_some()
+    }
+
+    /// Every tool's spec: the runner's own sorted by name, then each MCP server's.
+    pub fn specs(&self) -> Vec<ToolSpec> {
+        let own = self.tools.values().map(|e| e.spec.clone());
+        own.chain(self.mcp.iter().flat_map(McpServers::specs)).collect()
+    }
+
+    fn find(&self, name: &str) -> Option<Arc<Entry>> {
+        self.tools
+            .get(name)
+            .cloned()
+            .or_else(|| self.mcp.as_ref().and_then(|m| m.lookup(name)))
     }
 
     /// Checks the call and runs it under the tool's timeout.
@@ -98,8 +136,8 @@ impl Registry {
         }
     }
 
-    fn lookup(&self, name: &str) -> Result<&Entry, ToolError> {
-        if let Some(entry) = self.tools.get(name) {
+    fn lookup(&self, name: &str) -> Result<Arc<Entry>, ToolError> {
+        if let Some(entry) = self.find(name) {
             return Ok(entry);
         }
         if let Some(reason) = self.disabled.get(name) {
@@ -108,7 +146,7 @@ impl Registry {
                 format!("tool {name:?} is disabled: {reason}"),
             ));
         }
-        let known: Vec<&str> = self.tools.keys().map(String::as_str).collect();
+        let known: Vec<String> = self.specs().into_iter().map(|s| s.name).collect();
         Err(ToolError::new(
             ErrorCode::NotFound,
             format!("no tool named {name:?} (available: {})", known.join(", ")),

@@ -16,23 +16,65 @@ use tonic_health::ServingStatus;
 use crate::admission::Admission;
 use crate::registry::Registry;
 use crate::service::ToolRunnerService;
+use crate::tools::mcp::McpServers;
 use crate::tools::{Tool, builtin, manifest};
 use crate::{Config, Error};
 
 /// The gRPC service name reported by health checks.
 pub const SERVICE_NAME: &str = "toolrunner.v1.ToolRunner";
 
-/// Builds the registry from the configuration: built-ins plus the manifest's command tools.
+/// Builds the registry from the configuration: built-ins plus the manifest's command tools, and
+/// starts the supervisors of its MCP servers (their tools join as they are listed).
 pub fn build_registry(config: &Config) -> Result<Registry, Error> {
     let builtins = builtin::all(&config.builtins)?;
-    let commands = match &config.tools_manifest {
-        Some(path) => manifest::load(path)?
-            .into_iter()
-            .map(|(spec, tool)| (spec, Arc::new(tool) as Arc<dyn Tool>))
-            .collect(),
-        None => Vec::new(),
+    let manifest = match &config.tools_manifest {
+        Some(path) => manifest::load(path)?,
+        None => manifest::Manifest::default(),
     };
-    Registry::new(builtins, commands, config.arg_limits)
+    let commands = manifest
+        .commands
+        .into_iter()
+        .map(|(spec, tool)| (spec, Arc::new(tool) as Arc<dyn Tool>))
+        .collect();
+    let registry = Registry::new(builtins, commands, config.arg_limits)?;
+    if manifest.mcp_servers.is_empty() {
+        return Ok(registry);
+    }
+    let own = registry.own_names();
+    Ok(registry.with_mcp(McpServers::start(manifest.mcp_servers, own)))
+}
+
+/// Keeps the service's health in step with its `required` MCP servers: NOT_SERVING while one is
+/// down, until the drain (which sets NOT_SERVING for good) ends it.
+#[allow(
+    clippy::manual_async_fn,
+    reason = "as an async fn, spawning it inside `serve` cannot prove the future Send (E0283)"
+)]
+fn follow_mcp_health(
+    registry: Arc<Registry>,
+    health: tonic_health::server::HealthReporter,
+) -> impl Future<Output = ()> + Send + 'static {
+    async move {
+        let Some(mcp) = registry.mcp() else { return };
+        let mut changed = mcp.watch();
+        let mut was_down = Vec::new();
+        loop {
+            let down = mcp.required_down();
+            if down != was_down {
+                if down.is_empty() {
+                    tracing::info!("every required MCP server is up: SERVING");
+                    health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
+                } else {
+                    tracing::warn!(servers = %down.join(","), "a required MCP server is down: NOT_SERVING");
+                    health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
+                }
+                was_down = down;
+            }
+            if changed.changed().await.is_err() {
+                return;
+            }
+        }
+    }
 }
 
 /// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
@@ -43,7 +85,10 @@ pub async fn serve(
 ) -> Result<(), Error> {
     config.validate()?;
     let registry = Arc::new(build_registry(&config)?);
-    let tool_names: Vec<&str> = registry.specs().map(|s| s.name.as_str()).collect();
+    if let Some(mcp) = registry.mcp() {
+        mcp.first_attempts().await;
+    }
+    let tool_names: Vec<String> = registry.specs().into_iter().map(|s| s.name).collect();
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
@@ -55,6 +100,7 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     let _health = security.serve_health(health_service.clone());
     health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
+    let mcp_health = tokio::spawn(follow_mcp_health(Arc::clone(&registry), health.clone()));
     let reflection =
         shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let runner = ToolRunnerServer::new(ToolRunnerService::new(
@@ -70,6 +116,7 @@ pub async fn serve(
         let admission = admission.clone();
         async move {
             shutdown.await;
+            mcp_health.abort();
             tracing::info!(in_flight = admission.in_flight(), grace = %humantime::format_duration(grace), "draining");
             health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
             admission.start_draining();

@@ -120,6 +120,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
         let tools = self
             .registry
             .specs()
+            .iter()
             .filter(|spec| caller.may_use(&spec.name))
             .map(pb::ToolSpec::from)
             .collect();

@@ -110,7 +110,19 @@ impl Tool for CommandTool {
 }
 
 /// Kills the child's whole process group when dropped.
-struct GroupKiller(Option<nix::unistd::Pid>);
+pub(crate) struct GroupKiller(Option<nix::unistd::Pid>);
+
+impl GroupKiller {
+    /// The group of `child`, started with `process_group(0)`.
+    pub(crate) fn of(child: &tokio::process::Child) -> Self {
+        Self(
+            child
+                .id()
+                .and_then(|id| i32::try_from(id).ok())
+                .map(nix::unistd::Pid::from_raw),
+        )
+    }
+}
 
 impl Drop for GroupKiller {
     fn drop(&mut self) {
@@ -142,11 +154,8 @@ impl CommandConfig {
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| ToolError::new(ErrorCode::Unavailable, format!("cannot start {program}: {e}")))?;
-        let pgid = child
-            .id()
-            .and_then(|id| i32::try_from(id).ok())
-            .map(nix::unistd::Pid::from_raw);
-        let killer = GroupKiller(pgid);
+        let killer = GroupKiller::of(&child);
+        let pgid = killer.0;
 
         let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
         let write_stdin = async {

@@ -18,8 +18,10 @@
 //! max_cpu_seconds = 10
 //! ```
 //!
+//! The same file lists MCP servers as `[[mcp_servers]]` tables (see [`super::mcp::config`]).
+//!
 //! Everything is checked when the runner starts; a manifest with an error stops the runner with a
-//! message naming the file, the tool and what is wrong.
+//! message naming the file, the tool (or server) and what is wrong.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -31,6 +33,7 @@ use serde_json::Value;
 use super::ToolSpec;
 use super::command::{CommandConfig, CommandTool, OutputMode};
 use super::limits::{RawLimits, ResourceLimits};
+use super::mcp::config::{McpServerConfig, RawMcpServer};
 use crate::Error;
 
 /// Default per-call timeout of a command tool.
@@ -55,6 +58,17 @@ struct RawManifest {
     defaults: RawDefaults,
     #[serde(default, rename = "tool")]
     tools: Vec<RawTool>,
+    #[serde(default)]
+    mcp_servers: Vec<RawMcpServer>,
+}
+
+/// What a manifest declares.
+#[derive(Default)]
+pub struct Manifest {
+    /// Its command tools.
+    pub commands: Vec<(ToolSpec, CommandTool)>,
+    /// Its MCP servers.
+    pub(crate) mcp_servers: Vec<McpServerConfig>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -91,8 +105,8 @@ struct RawTool {
 
 pub use shared::tools::{check_schema, valid_tool_name};
 
-/// Loads and checks the manifest at `path`, returning its tools.
-pub fn load(path: &Path) -> Result<Vec<(ToolSpec, CommandTool)>, Error> {
+/// Loads and checks the manifest at `path`: its command tools and MCP servers.
+pub fn load(path: &Path) -> Result<Manifest, Error> {
     let file_error = |message: String| Error::Manifest {
         file: path.to_owned(),
         tool: None,
@@ -106,22 +120,25 @@ pub fn load(path: &Path) -> Result<Vec<(ToolSpec, CommandTool)>, Error> {
         .parent()
         .map_or_else(|| PathBuf::from("/"), Path::to_path_buf);
     let defaults = Defaults::from_raw(raw.defaults, &base_dir).map_err(file_error)?;
-    if raw.tools.is_empty() {
-        return Ok(Vec::new());
-    }
-    let prlimit = resolve_program("prlimit", &base_dir).map_err(|e| {
-        file_error(format!(
-            "command tools run under prlimit (util-linux) for their resource limits: {e}"
-        ))
-    })?;
-    if nix::unistd::Uid::effective().is_root() {
-        tracing::warn!(
-            "the runner runs as root: the kernel does not enforce max_processes for root; run it as another user"
-        );
-    }
+    // Command tools and stdio MCP servers run under prlimit; looked up once, when one needs it.
+    let prlimit = std::cell::OnceCell::new();
+    let find_prlimit = || {
+        prlimit
+            .get_or_init(|| {
+                if nix::unistd::Uid::effective().is_root() {
+                    tracing::warn!(
+                        "the runner runs as root: the kernel does not enforce max_processes for root; run it as another user"
+                    );
+                }
+                resolve_program("prlimit", &base_dir).map_err(|e| {
+                    format!("command tools and stdio MCP servers run under prlimit (util-linux) for their resource limits: {e}")
+                })
+            })
+            .clone()
+    };
 
+    let mut manifest = Manifest::default();
     let mut seen = BTreeMap::new();
-    let mut tools = Vec::with_capacity(raw.tools.len());
     for (i, raw_tool) in raw.tools.into_iter().enumerate() {
         let name = raw_tool.name.clone();
         let tool_error = |message: String| Error::Manifest {
@@ -132,9 +149,29 @@ pub fn load(path: &Path) -> Result<Vec<(ToolSpec, CommandTool)>, Error> {
         if let Some(first) = seen.insert(name.clone(), i) {
             return Err(tool_error(format!("the name is used by tool #{} already", first + 1)));
         }
-        tools.push(build_tool(raw_tool, &defaults, &base_dir, &prlimit).map_err(tool_error)?);
+        let prlimit = find_prlimit().map_err(file_error)?;
+        manifest
+            .commands
+            .push(build_tool(raw_tool, &defaults, &base_dir, &prlimit).map_err(tool_error)?);
     }
-    Ok(tools)
+    let mut servers = BTreeMap::new();
+    for (i, raw_server) in raw.mcp_servers.into_iter().enumerate() {
+        let name = raw_server.name.clone();
+        let server_error = |message: String| Error::Manifest {
+            file: path.to_owned(),
+            tool: Some(format!("mcp_servers {name}")),
+            message,
+        };
+        if let Some(first) = servers.insert(name.clone(), i) {
+            return Err(server_error(format!(
+                "the name is used by mcp_servers #{} already",
+                first + 1
+            )));
+        }
+        let server = super::mcp::config::build(raw_server, &base_dir, find_prlimit).map_err(server_error)?;
+        manifest.mcp_servers.push(server);
+    }
+    Ok(manifest)
 }
 
 struct Defaults {
@@ -181,22 +218,38 @@ impl Defaults {
 }
 
 fn parse_timeout(text: &str) -> Result<Duration, String> {
-    let timeout = shared::config::parse_duration(text).map_err(|e| format!("timeout: {e}"))?;
-    shared::config::bound("timeout", timeout, Duration::from_millis(1), MAX_TIMEOUT)
-        .check_as(|| "timeout".to_owned())
-        .map_err(|e| e.to_string())?;
-    Ok(timeout)
+    parse_bounded_duration("timeout", text, Duration::from_millis(1), MAX_TIMEOUT)
 }
 
-fn check_cap(name: &'static str, value: Option<u64>, default: u64, cap: u64) -> Result<u64, String> {
-    let value = value.unwrap_or(default);
-    shared::config::bound(name, value, 1u64, cap)
+/// `text` as a duration within `min..=cap`; the error names the field.
+pub(super) fn parse_bounded_duration(name: &str, text: &str, min: Duration, cap: Duration) -> Result<Duration, String> {
+    let value = shared::config::parse_duration(text).map_err(|e| format!("{name}: {e}"))?;
+    shared::config::bound("value", value, min, cap)
         .check_as(|| name.to_owned())
         .map_err(|e| e.to_string())?;
     Ok(value)
 }
 
-fn resolve_dir(dir: &Path, base_dir: &Path) -> Result<PathBuf, String> {
+fn check_cap(name: &'static str, value: Option<u64>, default: u64, cap: u64) -> Result<u64, String> {
+    check_range(name, value, default, 1, cap)
+}
+
+/// `value` (or `default`) within `min..=cap`; the error names the field.
+pub(super) fn check_range(
+    name: &'static str,
+    value: Option<u64>,
+    default: u64,
+    min: u64,
+    cap: u64,
+) -> Result<u64, String> {
+    let value = value.unwrap_or(default);
+    shared::config::bound(name, value, min, cap)
+        .check_as(|| name.to_owned())
+        .map_err(|e| e.to_string())?;
+    Ok(value)
+}
+
+pub(super) fn resolve_dir(dir: &Path, base_dir: &Path) -> Result<PathBuf, String> {
     let dir = base_dir.join(dir);
     if !dir.is_dir() {
         return Err(format!("working_dir {} is not an existing directory", dir.display()));
@@ -205,7 +258,7 @@ fn resolve_dir(dir: &Path, base_dir: &Path) -> Result<PathBuf, String> {
 }
 
 /// Finds `program` the way a shell would: a path (relative to the manifest) or a name on PATH.
-fn resolve_program(program: &str, base_dir: &Path) -> Result<PathBuf, String> {
+pub(super) fn resolve_program(program: &str, base_dir: &Path) -> Result<PathBuf, String> {
     use std::os::unix::fs::PermissionsExt;
     let executable = |p: &Path| {
         p.metadata()
@@ -298,6 +351,10 @@ mod tests {
     use super::*;
 
     fn load_str(text: &str) -> Result<Vec<(ToolSpec, CommandTool)>, String> {
+        load_manifest(text).map(|m| m.commands)
+    }
+
+    fn load_manifest(text: &str) -> Result<Manifest, String> {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tools.toml");
         std::fs::write(&path, text).unwrap();

@@ -6,12 +6,14 @@
 //! own outside resources (child processes) release them on drop.
 //!
 //! * [`builtin`]: small useful tools compiled into the runner;
-//! * [`command`]: tools that run a program, declared in a TOML manifest ([`manifest`]).
+//! * [`command`]: tools that run a program, declared in a TOML manifest ([`manifest`]);
+//! * [`mcp`]: the tools of MCP servers declared in the same manifest.
 
 pub mod builtin;
 pub mod command;
 pub mod limits;
 pub mod manifest;
+pub mod mcp;
 
 use std::fmt;
 use std::time::Duration;
@@ -55,7 +57,7 @@ pub struct ToolSpec {
     pub parameters: Value,
     /// The runner's timeout for one call; the call is stopped and answered `TIMEOUT` beyond it.
     pub timeout: Duration,
-    /// Where the tool comes from (`builtin`, `command`), so operators can tell tools apart.
+    /// Where the tool comes from (`builtin`, `command`, `mcp`), so operators can tell tools apart.
     pub source: &'static str,
 }
 

@@ -1,0 +1,296 @@
+//! A call of an MCP tool: `tools/call` on the server's live session, under a `mcp_call` span
+//! whose trace context also travels in the request's `_meta.traceparent`; a call dropped before
+//! its answer (the caller canceled, the timeout passed) sends `notifications/cancelled`.
+//!
+//! How the answer becomes the tool's result (`content_json`):
+//!
+//! | the server answers | the result |
+//! | --- | --- |
+//! | `isError: true` | a `FAILED` tool error carrying the text of its content |
+//! | `structuredContent` | that JSON value |
+//! | one `text` block | the text's JSON value when it parses as JSON, else the text as a string |
+//! | no content | `null` |
+//! | several blocks, or one that is not text | an array with one object per block (below) |
+//!
+//! Blocks: `text` → `{"type": "text", "text"}`; `image` / `audio` → `{"type", "mimeType", "bytes",
+//! "note"}` (described: the data is not passed to the model); embedded `resource` →
+//! `{"type": "resource", "uri", "mimeType", "text"}` for text, or its size and a note for a blob;
+//! `resource_link` → `{"type", "uri", "name", "title", "description", "mimeType"}`; any other type
+//! → its type and a note.
+//!
+//! A JSON-RPC error is a tool error: `INVALID_ARGUMENTS` for invalid params, `FAILED` otherwise,
+//! with the server's message; a session that closes during the call is `UNAVAILABLE` (retryable).
+
+use std::sync::RwLock;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use rmcp::RoleClient;
+use rmcp::model::{
+    CallToolRequestParams, CancelledNotificationParam, ClientRequest, ErrorCode as JsonRpcCode, Request, RequestId,
+    RequestMetaObject, ServerResult,
+};
+use rmcp::service::{Peer, PeerRequestOptions, ServiceError};
+use serde_json::{Value, json};
+use tracing::Instrument;
+
+use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult};
+
+/// How much of an error's text reaches the model.
+const ERROR_TEXT_BYTES: usize = 4000;
+/// How long sending `notifications/cancelled` may take.
+const CANCEL_SEND_LIMIT: Duration = Duration::from_secs(2);
+
+/// A server's live session, shared by its tools; `None` while it is down.
+pub(crate) struct Link {
+    server: String,
+    peer: RwLock<Option<Peer<RoleClient>>>,
+}
+
+impl Link {
+    pub(super) fn new(server: String) -> Self {
+        Self {
+            server,
+            peer: RwLock::new(None),
+        }
+    }
+
+    pub(super) fn set_peer(&self, peer: Option<Peer<RoleClient>>) {
+        *self.peer.write().unwrap_or_else(std::sync::PoisonError::into_inner) = peer;
+    }
+
+    fn peer(&self) -> Option<Peer<RoleClient>> {
+        self.peer
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    pub(super) fn is_up(&self) -> bool {
+        self.peer().is_some_and(|p| !p.is_transport_closed())
+    }
+}
+
+/// One tool of an MCP server.
+pub(crate) struct McpTool {
+    link: std::sync::Arc<Link>,
+    /// Its name on the server (the offered name carries the prefix).
+    name: String,
+}
+
+impl McpTool {
+    pub(super) fn new(link: std::sync::Arc<Link>, name: String) -> Self {
+        Self { link, name }
+    }
+}
+
+impl Tool for McpTool {
+    fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
+        let (link, name) = (std::sync::Arc::clone(&self.link), self.name.clone());
+        let span = tracing::info_span!(
+            "mcp_call",
+            otel.name = %format!("tools/call {name}"),
+            otel.kind = "client",
+            rpc.system = "jsonrpc",
+            rpc.method = "tools/call",
+            mcp.server = %link.server,
+            mcp.tool = %name,
+        );
+        async move {
+            let server = link.server.clone();
+            let peer = link.peer().ok_or_else(|| {
+                ToolError::retryable(
+                    ErrorCode::Unavailable,
+                    format!("MCP server {server} is not connected; the runner is reconnecting to it"),
+                )
+            })?;
+            let mut meta = RequestMetaObject::new();
+            if let Some(traceparent) = shared::telemetry::current_traceparent() {
+                meta.0.set_traceparent(traceparent);
+            }
+            let request = ClientRequest::CallToolRequest(Request::new(
+                CallToolRequestParams::new(name).with_arguments(args),
+            ));
+            let handle = peer
+                .send_cancellable_request(request, PeerRequestOptions::no_options().with_meta(meta))
+                .await
+                .map_err(|e| service_error(&server, e))?;
+            let mut cancel = CancelOnDrop(Some((handle.peer.clone(), handle.id.clone())));
+            let answer = handle.await_response().await;
+            cancel.0 = None;
+            match answer {
+                Ok(ServerResult::CallToolResult(result)) => content_json(&serde_json::to_value(&result).unwrap_or_default()),
+                Ok(_) => Err(ToolError::failed(format!(
+                    "MCP server {server} answered tools/call with something other than a tool result (tasks and input requests are not supported)"
+                ))),
+                Err(e) => Err(service_error(&server, e)),
+            }
+        }
+        .instrument(span)
+        .boxed()
+    }
+}
+
+/// Sends `notifications/cancelled` for a request whose answer nobody waits for any more.
+struct CancelOnDrop(Option<(Peer<RoleClient>, RequestId)>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some((peer, id)) = self.0.take() {
+            tracing::info!("MCP call abandoned; sending notifications/cancelled");
+            let param =
+                CancelledNotificationParam::new(Some(id), Some("the caller canceled or the call timed out".into()));
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(CANCEL_SEND_LIMIT, peer.notify_cancelled(param)).await;
+            });
+        }
+    }
+}
+
+fn service_error(server: &str, error: ServiceError) -> ToolError {
+    match error {
+        ServiceError::McpError(e) if e.code == JsonRpcCode::INVALID_PARAMS => {
+            ToolError::invalid(format!("MCP server {server}: {}", cut(&e.message)))
+        }
+        ServiceError::McpError(e) => ToolError::failed(format!(
+            "MCP server {server} answered error {}: {}",
+            e.code.0,
+            cut(&e.message)
+        )),
+        ServiceError::TransportClosed | ServiceError::TransportSend(_) => ToolError::retryable(
+            ErrorCode::Unavailable,
+            format!("MCP server {server} closed the connection during the call; the runner is reconnecting to it"),
+        ),
+        ServiceError::Timeout { timeout } => ToolError::retryable(
+            ErrorCode::Timeout,
+            format!("MCP server {server} did not answer within {timeout:?}"),
+        ),
+        ServiceError::Cancelled { .. } => {
+            ToolError::new(ErrorCode::Canceled, format!("MCP server {server} canceled the call"))
+        }
+        other => ToolError::failed(format!("MCP server {server}: {}", cut(&other.to_string()))),
+    }
+}
+
+/// The first [`ERROR_TEXT_BYTES`] of `text` (on a character boundary).
+fn cut(text: &str) -> &str {
+    let mut end = text.len().min(ERROR_TEXT_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// A `tools/call` result (as JSON) as the tool's result; see the module docs.
+pub(crate) fn content_json(result: &Value) -> ToolResult {
+    let blocks = result["content"].as_array().map(Vec::as_slice).unwrap_or_default();
+    if result["isError"] == Value::Bool(true) {
+        let text: Vec<&str> = blocks.iter().filter_map(|b| b["text"].as_str()).collect();
+        let text = text.join("\n");
+        return Err(ToolError::failed(if text.is_empty() {
+            "the MCP tool reported an error without a message".to_owned()
+        } else {
+            format!("the MCP tool reported an error: {}", cut(&text))
+        }));
+    }
+    if let Some(structured) = result.get("structuredContent").filter(|v| !v.is_null()) {
+        return Ok(structured.clone());
+    }
+    match blocks {
+        [] => Ok(Value::Null),
+        [only] if only["type"] == "text" => {
+            let text = only["text"].as_str().unwrap_or_default();
+            Ok(serde_json::from_str(text.trim()).unwrap_or_else(|_| Value::String(text.to_owned())))
+        }
+        blocks => Ok(Value::Array(blocks.iter().map(describe).collect())),
+    }
+}
+
+/// One content block as the model sees it.
+fn describe(block: &Value) -> Value {
+    let kind = block["type"].as_str().unwrap_or("unknown");
+    let decoded_len = |data: &Value| data.as_str().map_or(0, |d| d.len() / 4 * 3);
+    match kind {
+        "text" => json!({"type": "text", "text": block["text"]}),
+        "image" | "audio" => json!({
+            "type": kind,
+            "mimeType": block["mimeType"],
+            "bytes": decoded_len(&block["data"]),
+            "note": format!("{kind} data is not passed to the model"),
+        }),
+        "resource" => {
+            let resource = &block["resource"];
+            if resource.get("text").is_some() {
+                json!({"type": "resource", "uri": resource["uri"], "mimeType": resource["mimeType"], "text": resource["text"]})
+            } else {
+                json!({
+                    "type": "resource",
+                    "uri": resource["uri"],
+                    "mimeType": resource["mimeType"],
+                    "bytes": decoded_len(&resource["blob"]),
+                    "note": "binary resource data is not passed to the model",
+                })
+            }
+        }
+        "resource_link" => {
+            let mut link = serde_json::Map::new();
+            link.insert("type".into(), json!("resource_link"));
+            for field in ["uri", "name", "title", "description", "mimeType"] {
+                if let Some(value) = block.get(field).filter(|v| !v.is_null()) {
+                    link.insert(field.into(), value.clone());
+                }
+            }
+            Value::Object(link)
+        }
+        other => json!({"type": other, "note": "content of this type is not passed to the model"}),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_mapping() {
+        let text = |t: &str| json!({"content": [{"type": "text", "text": t}]});
+        assert_eq!(content_json(&text("plain words")), Ok(json!("plain words")));
+        assert_eq!(content_json(&text(r#"{"sum": 3}"#)), Ok(json!({"sum": 3})));
+        assert_eq!(content_json(&json!({"content": []})), Ok(Value::Null));
+        assert_eq!(
+            content_json(&json!({"content": [{"type": "text", "text": "x"}], "structuredContent": {"t": 22.5}})),
+            Ok(json!({"t": 22.5}))
+        );
+        let error =
+            content_json(&json!({"content": [{"type": "text", "text": "no such city"}], "isError": true})).unwrap_err();
+        assert_eq!(error.code, ErrorCode::Failed);
+        assert!(error.message.contains("no such city"), "{error}");
+
+        let mixed = json!({"content": [
+            {"type": "text", "text": "here"},
+            {"type": "image", "data": "AAAA", "mimeType": "image/png"},
+            {"type": "resource", "resource": {"uri": "file:///a.txt", "mimeType": "text/plain", "text": "hello"}},
+            {"type": "resource", "resource": {"uri": "file:///b.bin", "blob": "AAAAAAAA"}},
+            {"type": "resource_link", "uri": "file:///c", "name": "c"},
+            {"type": "video"},
+        ]});
+        let described = content_json(&mixed).unwrap();
+        assert_eq!(described[0], json!({"type": "text", "text": "here"}));
+        assert_eq!(described[1]["bytes"], 3);
+        assert_eq!(described[1]["mimeType"], "image/png");
+        assert_eq!(described[2]["text"], "hello");
+        assert_eq!(described[3]["bytes"], 6);
+        assert_eq!(
+            described[4],
+            json!({"type": "resource_link", "uri": "file:///c", "name": "c"})
+        );
+        assert_eq!(described[5]["type"], "video");
+    }
+
+    #[test]
+    fn long_error_texts_are_cut() {
+        let long = "é".repeat(ERROR_TEXT_BYTES);
+        let error = content_json(&json!({"content": [{"type": "text", "text": long}], "isError": true})).unwrap_err();
+        assert!(error.message.len() < ERROR_TEXT_BYTES + 100);
+    }
+}

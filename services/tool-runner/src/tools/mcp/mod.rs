@@ -1,0 +1,317 @@
+//! MCP servers as a tool source. Each `[[mcp_servers]]` of the manifest ([`config`]) gets a
+//! supervisor task that connects ([`connection`]), lists the server's tools, lists them again on
+//! `notifications/tools/list_changed`, and when the session ends (a stdio server crashed, an HTTP
+//! server went away) reconnects with exponential backoff. The registry reads the current tools of
+//! every server from here; their calls ([`call`]) go to the live session, and fail `UNAVAILABLE`
+//! (retryable) while there is none.
+//!
+//! A server's tools are offered as `<prefix><name>` (prefix `<server>__` unless set; characters a
+//! tool name may not hold become `_`), filtered by its allow / deny lists, with their own JSON
+//! Schemas, validated like every tool's. While a server is down its last tool list stays
+//! listed, so the orchestrator's catalog does not flap; its calls fail cleanly meanwhile.
+
+pub(crate) mod call;
+pub(crate) mod config;
+mod connection;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use rmcp::RoleClient;
+use rmcp::model::PaginatedRequestParams;
+use rmcp::service::Peer;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::registry::Entry;
+use crate::tools::ToolSpec;
+use call::{Link, McpTool};
+use config::McpServerConfig;
+use connection::{Connection, Handler};
+
+/// First wait before reconnecting; doubled after each failure up to `restart_backoff_max`.
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Tools by their offered name.
+type Tools = Arc<BTreeMap<String, Arc<Entry>>>;
+
+/// One server: its configuration, live session and current tools.
+struct McpServer {
+    config: McpServerConfig,
+    link: Arc<Link>,
+    tools: RwLock<Tools>,
+    /// Names of the runner's own tools, which an MCP tool may not take.
+    reserved: Arc<BTreeSet<String>>,
+}
+
+/// Every MCP server of the runner; dropping it stops the supervisors (and stdio servers).
+pub struct McpServers {
+    servers: Vec<Arc<McpServer>>,
+    /// Bumped whenever a server goes up or down (for health).
+    changed: watch::Sender<()>,
+    /// Set once every server's first connection attempt has ended.
+    first_attempts: Vec<watch::Receiver<bool>>,
+    shutdown: CancellationToken,
+}
+
+impl McpServers {
+    /// Starts a supervisor per server; `reserved` are the runner's own tool names.
+    pub(crate) fn start(configs: Vec<McpServerConfig>, reserved: BTreeSet<String>) -> Self {
+        let reserved = Arc::new(reserved);
+        let (changed, _) = watch::channel(());
+        let shutdown = CancellationToken::new();
+        let mut servers = Vec::new();
+        let mut first_attempts = Vec::new();
+        for config in configs {
+            let server = Arc::new(McpServer {
+                link: Arc::new(Link::new(config.name.clone())),
+                config,
+                tools: RwLock::new(Arc::default()),
+                reserved: Arc::clone(&reserved),
+            });
+            let (attempted, attempted_rx) = watch::channel(false);
+            first_attempts.push(attempted_rx);
+            tokio::spawn(Arc::clone(&server).supervise(changed.clone(), attempted, shutdown.clone()));
+            servers.push(server);
+        }
+        Self {
+            servers,
+            changed,
+            first_attempts,
+            shutdown,
+        }
+    }
+
+    /// Waits until every server has been tried once (each attempt is bounded by its
+    /// `connect_timeout`), so the first `ListTools` already holds the tools of those that answered.
+    pub async fn first_attempts(&self) {
+        for attempted in &self.first_attempts {
+            let mut attempted = attempted.clone();
+            let _ = attempted.wait_for(|done| *done).await;
+        }
+    }
+
+    /// The tool offered as `name`, if a server offers it.
+    pub(crate) fn lookup(&self, name: &str) -> Option<Arc<Entry>> {
+        self.servers.iter().find_map(|s| s.current_tools().get(name).cloned())
+    }
+
+    /// Every server's tools.
+    pub fn specs(&self) -> Vec<ToolSpec> {
+        self.servers
+            .iter()
+            .flat_map(|s| s.current_tools().values().map(|e| e.spec.clone()).collect::<Vec<_>>())
+            .collect()
+    }
+
+    /// The `required` servers that are down now.
+    pub fn required_down(&self) -> Vec<String> {
+        self.servers
+            .iter()
+            .filter(|s| s.config.required && !s.link.is_up())
+            .map(|s| s.config.name.clone())
+            .collect()
+    }
+
+    /// Changes whenever a server goes up or down.
+    pub fn watch(&self) -> watch::Receiver<()> {
+        self.changed.subscribe()
+    }
+}
+
+impl Drop for McpServers {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl McpServer {
+    fn current_tools(&self) -> Tools {
+        Arc::clone(&self.tools.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Connects, serves the session until it ends, and reconnects with backoff, until shutdown.
+    async fn supervise(
+        self: Arc<Self>,
+        changed: watch::Sender<()>,
+        attempted: watch::Sender<bool>,
+        shutdown: CancellationToken,
+    ) {
+        let name = self.config.name.clone();
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            let handler = Handler {
+                list_changed: Arc::new(Notify::new()),
+            };
+            let attempt = tokio::select! {
+                attempt = tokio::time::timeout(self.config.connect_timeout, self.open(handler.clone())) => attempt,
+                () = shutdown.cancelled() => return,
+            };
+            let attempt =
+                attempt.unwrap_or_else(|_| Err(format!("no answer within {:?}", self.config.connect_timeout)));
+            match attempt {
+                Ok((connection, tools)) => {
+                    tracing::info!(mcp.server = %name, tools = tools.len(), "MCP server connected");
+                    self.set_tools(tools);
+                    self.link.set_peer(Some(connection.service.peer().clone()));
+                    changed.send_replace(());
+                    attempted.send_replace(true);
+                    backoff = FIRST_BACKOFF;
+                    let why = self.serve(connection, &handler, &shutdown).await;
+                    self.link.set_peer(None);
+                    changed.send_replace(());
+                    if shutdown.is_cancelled() {
+                        return;
+                    }
+                    tracing::warn!(mcp.server = %name, "MCP server session ended ({why}); reconnecting in {backoff:?}");
+                }
+                Err(e) => {
+                    attempted.send_replace(true);
+                    tracing::warn!(mcp.server = %name, "MCP server unavailable: {e}; retrying in {backoff:?}");
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = shutdown.cancelled() => return,
+            }
+            backoff = (backoff * 2).min(self.config.restart_backoff_max);
+        }
+    }
+
+    /// Connects and lists the tools.
+    async fn open(&self, handler: Handler) -> Result<(Connection, BTreeMap<String, Arc<Entry>>), String> {
+        let connection = connection::connect(&self.config, handler).await?;
+        let tools = self.list(connection.service.peer()).await?;
+        Ok((connection, tools))
+    }
+
+    /// Serves one session: lists the tools again when the server says they changed; returns why
+    /// the session ended.
+    async fn serve(&self, connection: Connection, handler: &Handler, shutdown: &CancellationToken) -> String {
+        let Connection {
+            service,
+            _group,
+            _child,
+        } = connection;
+        let peer = service.peer().clone();
+        let ended = service.waiting();
+        tokio::pin!(ended);
+        loop {
+            tokio::select! {
+                quit = &mut ended => return match quit {
+                    Ok(reason) => format!("{reason:?}"),
+                    Err(e) => format!("its task failed: {e}"),
+                },
+                () = handler.list_changed.notified() => {
+                    match tokio::time::timeout(self.config.connect_timeout, self.list(&peer)).await {
+                        Ok(Ok(tools)) => {
+                            tracing::info!(mcp.server = %self.config.name, tools = tools.len(), "MCP server's tool list changed");
+                            self.set_tools(tools);
+                        }
+                        Ok(Err(e)) => tracing::warn!(mcp.server = %self.config.name, "listing the changed tools failed: {e}"),
+                        Err(_) => tracing::warn!(mcp.server = %self.config.name, "listing the changed tools timed out"),
+                    }
+                }
+                () = shutdown.cancelled() => return "the runner is stopping".into(),
+            }
+        }
+    }
+
+    fn set_tools(&self, tools: BTreeMap<String, Arc<Entry>>) {
+        *self.tools.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(tools);
+    }
+
+    /// `tools/list` (every page, up to `max_tools`), as registry entries.
+    async fn list(&self, peer: &Peer<RoleClient>) -> Result<BTreeMap<String, Arc<Entry>>, String> {
+        let config = &self.config;
+        let mut listed = Vec::new();
+        let mut cursor = None;
+        loop {
+            let page = peer
+                .list_tools(Some(PaginatedRequestParams::default().with_cursor(cursor)))
+                .await
+                .map_err(|e| format!("tools/list: {e}"))?;
+            listed.extend(page.tools);
+            if listed.len() > config.max_tools {
+                tracing::warn!(mcp.server = %config.name, "the server lists more than {} tools (max_tools); the rest are not offered", config.max_tools);
+                listed.truncate(config.max_tools);
+                break;
+            }
+            cursor = page.next_cursor;
+            if cursor.is_none() {
+                break;
+            }
+        }
+        let mut tools = BTreeMap::new();
+        for tool in listed {
+            if !config.offers(&tool.name) {
+                continue;
+            }
+            match self.entry(&tool) {
+                Ok(entry) if tools.contains_key(&entry.spec.name) => {
+                    tracing::warn!(mcp.server = %config.name, tool = %tool.name, "not offered: {} is taken by another of its tools", entry.spec.name);
+                }
+                Ok(entry) => {
+                    tools.insert(entry.spec.name.clone(), Arc::new(entry));
+                }
+                Err(e) => tracing::warn!(mcp.server = %config.name, tool = %tool.name, "not offered: {e}"),
+            }
+        }
+        Ok(tools)
+    }
+
+    /// One listed tool as a registry entry.
+    fn entry(&self, tool: &rmcp::model::Tool) -> Result<Entry, String> {
+        let name = offered_name(&self.config.prefix, &tool.name);
+        if !shared::tools::valid_tool_name(&name) {
+            return Err(format!("{name:?} is longer than 64 characters"));
+        }
+        if self.reserved.contains(&name) {
+            return Err(format!("{name:?} is the name of one of the runner's own tools"));
+        }
+        let parameters = serde_json::Value::Object((*tool.input_schema).clone());
+        shared::tools::check_schema(&parameters)?;
+        let spec = ToolSpec {
+            name,
+            description: tool
+                .description
+                .as_deref()
+                .or(tool.title.as_deref())
+                .unwrap_or_default()
+                .to_owned(),
+            parameters,
+            timeout: self.config.timeout,
+            source: "mcp",
+        };
+        let call = McpTool::new(Arc::clone(&self.link), tool.name.to_string());
+        Entry::new(spec, Arc::new(call))
+    }
+}
+
+/// `prefix` + `name`, with every character a tool name may not hold as `_`.
+fn offered_name(prefix: &str, name: &str) -> String {
+    let name: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{prefix}{name}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offered_names_are_prefixed_and_valid() {
+        assert_eq!(offered_name("time__", "get_current_time"), "time__get_current_time");
+        assert_eq!(offered_name("", "files.read/v2"), "files_read_v2");
+        assert!(shared::tools::valid_tool_name(&offered_name("x__", "a.b c")));
+    }
+}

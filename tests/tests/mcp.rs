@@ -1,0 +1,403 @@
+//! The tool-runner's MCP servers against the official reference servers, installed by
+//! `./scripts/mcp-servers` (which `./scripts/test` runs): `@modelcontextprotocol/server-everything`
+//! (npm; stdio and streamable HTTP) and `mcp-server-time` (PyPI; stdio). The runner is the real
+//! service on a loopback port, called through the generated gRPC client.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use e2e::{Outcome, Runner, run_tool};
+use proto::toolrunner::v1 as pb;
+use proto::toolrunner::v1::ToolErrorCode as Code;
+use serde_json::json;
+use tool_runner::Config;
+
+type TestResult = anyhow::Result<()>;
+
+/// Where `scripts/mcp-servers` installs, or an error saying how to install.
+fn installed(relative: &str) -> anyhow::Result<PathBuf> {
+    let path = testkit::model_servers::cache_dir().join("mcp").join(relative);
+    anyhow::ensure!(
+        path.exists(),
+        "{} is missing: ./scripts/mcp-servers installs it (./scripts/test runs it first)",
+        path.display()
+    );
+    Ok(path)
+}
+
+fn everything_js() -> anyhow::Result<PathBuf> {
+    installed("npm/node_modules/@modelcontextprotocol/server-everything/dist/index.js")
+}
+
+/// A runner whose manifest is `manifest` (written into `dir`).
+async fn runner_with(dir: &tempfile::TempDir, manifest: &str) -> anyhow::Result<Runner> {
+    let path = dir.path().join("tools.toml");
+    std::fs::write(&path, manifest)?;
+    Runner::start(Config {
+        tools_manifest: Some(path),
+        ..Config::default()
+    })
+    .await
+}
+
+/// server-everything over stdio, its stdin copied to `stdin.log` in `dir` (to see what the
+/// runner sends), and mcp-server-time (required).
+/// `zone` is the time server's local time zone: it tells that test's server apart from the
+/// other tests' (which run at the same time).
+fn stdio_manifest(dir: &tempfile::TempDir, extra: &str, zone: &str) -> anyhow::Result<String> {
+    let log = dir.path().join("stdin.log");
+    Ok(format!(
+        r#"
+[[mcp_servers]]
+name = "everything"
+command = "sh"
+args = ["-c", "tee -a '{log}' | exec node '{js}' stdio"]
+timeout = "3s"
+{extra}
+
+[[mcp_servers]]
+name = "time"
+command = "{time}"
+args = ["--local-timezone", "{zone}"]
+required = true
+"#,
+        log = log.display(),
+        js = everything_js()?.display(),
+        time = installed("time/bin/mcp-server-time")?.display(),
+    ))
+}
+
+async fn call(runner: &Runner, tool: &str, args: serde_json::Value) -> anyhow::Result<Outcome> {
+    let response = runner
+        .client()
+        .await?
+        .run_tool(run_tool(tool, &args.to_string()))
+        .await?;
+    Outcome::of(response.into_inner())
+}
+
+async fn list(runner: &Runner) -> anyhow::Result<Vec<pb::ToolSpec>> {
+    Ok(runner
+        .client()
+        .await?
+        .list_tools(pb::ListToolsRequest {})
+        .await?
+        .into_inner()
+        .tools)
+}
+
+#[tokio::test]
+async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner = runner_with(&dir, &stdio_manifest(&dir, "deny = [\"get-env\"]", "UTC")?).await?;
+    let tools = list(&runner).await?;
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    for expected in [
+        "echo",
+        "everything__get-sum",
+        "everything__echo",
+        "time__get_current_time",
+        "time__convert_time",
+    ] {
+        assert!(names.contains(&expected), "{expected} missing from {names:?}");
+    }
+    assert!(
+        !names.contains(&"everything__get-env"),
+        "denied tools are not offered: {names:?}"
+    );
+    let sum = tools
+        .iter()
+        .find(|t| t.name == "everything__get-sum")
+        .ok_or_else(|| anyhow::anyhow!("no get-sum"))?;
+    assert_eq!((sum.source.as_str(), sum.timeout_ms), ("mcp", 3000));
+    let schema: serde_json::Value = serde_json::from_str(&sum.parameters_json_schema)?;
+    assert_eq!(schema["properties"]["a"]["type"], "number", "{schema}");
+
+    // Text, structured content, JSON text, an image described, a resource link.
+    assert_eq!(
+        call(&runner, "everything__get-sum", json!({"a": 2, "b": 3}))
+            .await?
+            .unwrap_ok(),
+        json!("The sum of 2 and 3 is 5.")
+    );
+    let weather = call(
+        &runner,
+        "everything__get-structured-content",
+        json!({"location": "Chicago"}),
+    )
+    .await?
+    .unwrap_ok();
+    assert!(weather["temperature"].is_number(), "{weather}");
+    let now = call(&runner, "time__get_current_time", json!({"timezone": "Europe/Paris"}))
+        .await?
+        .unwrap_ok();
+    assert_eq!(now["timezone"], "Europe/Paris", "{now}");
+    let image = call(&runner, "everything__get-tiny-image", json!({}))
+        .await?
+        .unwrap_ok();
+    assert_eq!(image[1]["type"], "image", "{image}");
+    assert_eq!(image[1]["mimeType"], "image/png");
+    assert!(
+        image[1]["bytes"].as_u64().unwrap_or(0) > 100 && image[1].get("data").is_none(),
+        "{image}"
+    );
+    let links = call(&runner, "everything__get-resource-links", json!({"count": 2}))
+        .await?
+        .unwrap_ok();
+    assert_eq!(links[1]["type"], "resource_link", "{links}");
+
+    // Errors: the server's isError, our schema check, a task-only tool.
+    let (code, message) = call(&runner, "time__get_current_time", json!({"timezone": "Nowhere/City"}))
+        .await?
+        .unwrap_err();
+    assert_eq!(code, Code::Failed);
+    assert!(message.contains("Nowhere/City"), "{message}");
+    let (code, message) = call(&runner, "everything__get-sum", json!({"a": "x"}))
+        .await?
+        .unwrap_err();
+    assert_eq!(code, Code::InvalidArguments, "{message}");
+    let (code, message) = call(&runner, "everything__get-env", json!({})).await?.unwrap_err();
+    assert_eq!(code, Code::NotFound, "{message}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_call_past_its_timeout_is_canceled_on_the_server_and_the_server_goes_on() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner = runner_with(&dir, &stdio_manifest(&dir, "", "UTC")?).await?;
+    let started = Instant::now();
+    let (code, message) = call(
+        &runner,
+        "everything__trigger-long-running-operation",
+        json!({"duration": 30, "steps": 3}),
+    )
+    .await?
+    .unwrap_err();
+    assert_eq!(code, Code::Timeout, "{message}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "stopped at the 3 s timeout"
+    );
+    // notifications/cancelled reached the server, naming the request.
+    let sent = wait_for(|| {
+        let log = std::fs::read_to_string(dir.path().join("stdin.log")).unwrap_or_default();
+        log.contains("notifications/cancelled").then_some(log)
+    })
+    .await?;
+    let cancel = sent
+        .lines()
+        .find(|l| l.contains("notifications/cancelled"))
+        .ok_or_else(|| anyhow::anyhow!("no cancel"))?;
+    let cancel: serde_json::Value = serde_json::from_str(cancel)?;
+    assert!(
+        cancel["params"]["requestId"].is_number() || cancel["params"]["requestId"].is_string(),
+        "{cancel}"
+    );
+    assert_eq!(
+        call(&runner, "everything__echo", json!({"message": "still here"}))
+            .await?
+            .unwrap_ok(),
+        json!("Echo: still here")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_crashed_stdio_server_fails_its_calls_cleanly_is_restarted_and_health_follows_it() -> TestResult {
+    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    let dir = tempfile::tempdir()?;
+    let runner = runner_with(&dir, &stdio_manifest(&dir, "", "Etc/GMT-3")?).await?;
+    let mut health = HealthClient::new(runner.channel().await?);
+    let status = |service: &str| HealthCheckRequest {
+        service: service.into(),
+    };
+    assert_eq!(
+        health
+            .check(status("toolrunner.v1.ToolRunner"))
+            .await?
+            .into_inner()
+            .status(),
+        ServingStatus::Serving
+    );
+
+    // Kill the required time server (its whole process: the runner started it in a group of its own).
+    let killed = std::process::Command::new("pkill")
+        .args(["-f", "mcp-server-time --local-timezone Etc/GMT-3"])
+        .status()?;
+    assert!(killed.success());
+    let failed = wait_for_async(|| async {
+        let out = call(&runner, "time__get_current_time", json!({"timezone": "UTC"}))
+            .await
+            .ok()?;
+        matches!(out, Outcome::Err(..)).then_some(out)
+    })
+    .await?;
+    let (code, message) = failed.unwrap_err();
+    assert_eq!(code, Code::Unavailable, "{message}");
+    assert!(message.contains("time"), "{message}");
+
+    // Restarted with backoff: calls work again and health is back to SERVING.
+    let answer = wait_for_async(|| async {
+        call(&runner, "time__get_current_time", json!({"timezone": "UTC"}))
+            .await
+            .ok()
+            .filter(|out| matches!(out, Outcome::Ok(_)))
+    })
+    .await?;
+    assert_eq!(answer.unwrap_ok()["timezone"], "UTC");
+    assert_eq!(
+        health
+            .check(status("toolrunner.v1.ToolRunner"))
+            .await?
+            .into_inner()
+            .status(),
+        ServingStatus::Serving
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_required_server_that_never_starts_keeps_the_runner_not_serving_but_its_own_tools_work() -> TestResult {
+    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    let dir = tempfile::tempdir()?;
+    let manifest =
+        "[[mcp_servers]]\nname = \"broken\"\ncommand = \"false\"\nrequired = true\nconnect_timeout = \"2s\"\n";
+    let runner = runner_with(&dir, manifest).await?;
+    let mut health = HealthClient::new(runner.channel().await?);
+    let check = HealthCheckRequest {
+        service: "toolrunner.v1.ToolRunner".into(),
+    };
+    assert_eq!(
+        health.check(check.clone()).await?.into_inner().status(),
+        ServingStatus::NotServing
+    );
+    assert_eq!(
+        call(&runner, "echo", json!({"a": 1})).await?.unwrap_ok(),
+        json!({"a": 1})
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_streamable_http_server_is_listed_and_called_with_headers_from_the_environment() -> TestResult {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut server = tokio::process::Command::new("node")
+        .arg(everything_js()?)
+        .arg("streamableHttp")
+        .env("PORT", port.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    wait_for_async(|| async { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok() }).await?;
+
+    // The header's value comes from a variable the test process has (it may not set one: no
+    // unsafe code); the server does not show headers, so this checks they are accepted and sent.
+    let variable = "HOME";
+    let dir = tempfile::tempdir()?;
+    let manifest = format!(
+        "[[mcp_servers]]\nname = \"remote\"\nurl = \"http://127.0.0.1:{port}/mcp\"\nprefix = \"\"\nallow = [\"get-sum\", \"echo\"]\nheaders = {{ \"X-Team\" = \"tests\" }}\nheaders_from_env = {{ Authorization = \"{variable}\" }}\n"
+    );
+    let runner = runner_with(&dir, &manifest).await?;
+    let names: Vec<String> = list(&runner)
+        .await?
+        .into_iter()
+        .filter(|t| t.source == "mcp")
+        .map(|t| t.name)
+        .collect();
+    // No prefix: the names clash with the built-in echo, which wins.
+    assert_eq!(names, ["get-sum"]);
+    assert_eq!(
+        call(&runner, "get-sum", json!({"a": 40, "b": 2})).await?.unwrap_ok(),
+        json!("The sum of 40 and 2 is 42.")
+    );
+    drop(runner);
+    let _ = server.kill().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn manifest_errors_name_the_server_and_the_problem() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("tools.toml");
+    for (manifest, expected) in [
+        (
+            "[[mcp_servers]]\nname = \"a\"\n",
+            "give command (a stdio server) or url",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nurl = \"http://x/mcp\"\n",
+            "not both",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\nurl = \"ftp://x/mcp\"\n",
+            "must be http or https",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\nurl = \"http://x/mcp\"\nheaders_from_env = { Authorization = \"MCP_TEST_UNSET_VARIABLE\" }\n",
+            "MCP_TEST_UNSET_VARIABLE, which is not set",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"no-such-program-xyz\"\n",
+            "was not found on PATH",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\ntimeout = \"2h\"\n",
+            "timeout = 2h is above its cap of 1h",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nmax_message_bytes = 1023\n",
+            "max_message_bytes = 1023 is below its minimum of 1024",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nmax_tools = 10001\n",
+            "max_tools = 10001 is above its cap of 10000",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\n[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\n",
+            "used by mcp_servers #1 already",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nprefix = \"a.b\"\n",
+            "prefix \"a.b\"",
+        ),
+    ] {
+        std::fs::write(&path, manifest)?;
+        let error = tool_runner::tools::manifest::load(&path)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            error.contains(expected),
+            "{manifest}: {error:?} should contain {expected:?}"
+        );
+        assert!(
+            manifest.contains("name = \"a\"") && error.contains("mcp_servers a"),
+            "{error}"
+        );
+    }
+    // Both sides of the caps are accepted.
+    std::fs::write(
+        &path,
+        "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\ntimeout = \"1h\"\nmax_message_bytes = 1024\nmax_tools = 10000\n",
+    )?;
+    assert!(tool_runner::tools::manifest::load(&path).is_ok());
+    Ok(())
+}
+
+/// Polls `probe` every 100 ms for up to 20 s.
+async fn wait_for<T>(mut probe: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+    wait_for_async(|| std::future::ready(probe())).await
+}
+
+/// Polls `probe` every 100 ms for up to 20 s.
+async fn wait_for_async<T, F: Future<Output = Option<T>>>(mut probe: impl FnMut() -> F) -> anyhow::Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(value) = probe().await {
+            return Ok(value);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "gave up waiting after 20 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
