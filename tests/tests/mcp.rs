@@ -204,21 +204,10 @@ async fn a_call_past_its_timeout_is_canceled_on_the_server_and_the_server_goes_o
 
 #[tokio::test]
 async fn a_crashed_stdio_server_fails_its_calls_cleanly_is_restarted_and_health_follows_it() -> TestResult {
-    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    use tonic_health::pb::health_check_response::ServingStatus;
     let dir = tempfile::tempdir()?;
     let runner = runner_with(&dir, &stdio_manifest(&dir, "", "Etc/GMT-3")?).await?;
-    let mut health = HealthClient::new(runner.channel().await?);
-    let status = |service: &str| HealthCheckRequest {
-        service: service.into(),
-    };
-    assert_eq!(
-        health
-            .check(status("toolrunner.v1.ToolRunner"))
-            .await?
-            .into_inner()
-            .status(),
-        ServingStatus::Serving
-    );
+    assert_eq!(health(&runner).await?, ServingStatus::Serving);
 
     // Kill the required time server (its whole process: the runner started it in a group of its own).
     let killed = std::process::Command::new("pkill")
@@ -245,32 +234,18 @@ async fn a_crashed_stdio_server_fails_its_calls_cleanly_is_restarted_and_health_
     })
     .await?;
     assert_eq!(answer.unwrap_ok()["timezone"], "UTC");
-    assert_eq!(
-        health
-            .check(status("toolrunner.v1.ToolRunner"))
-            .await?
-            .into_inner()
-            .status(),
-        ServingStatus::Serving
-    );
+    assert_eq!(health(&runner).await?, ServingStatus::Serving);
     Ok(())
 }
 
 #[tokio::test]
 async fn a_required_server_that_never_starts_keeps_the_runner_not_serving_but_its_own_tools_work() -> TestResult {
-    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    use tonic_health::pb::health_check_response::ServingStatus;
     let dir = tempfile::tempdir()?;
     let manifest =
         "[[mcp_servers]]\nname = \"broken\"\ncommand = \"false\"\nrequired = true\nconnect_timeout = \"2s\"\n";
     let runner = runner_with(&dir, manifest).await?;
-    let mut health = HealthClient::new(runner.channel().await?);
-    let check = HealthCheckRequest {
-        service: "toolrunner.v1.ToolRunner".into(),
-    };
-    assert_eq!(
-        health.check(check.clone()).await?.into_inner().status(),
-        ServingStatus::NotServing
-    );
+    assert_eq!(health(&runner).await?, ServingStatus::NotServing);
     assert_eq!(
         call(&runner, "echo", json!({"a": 1})).await?.unwrap_ok(),
         json!({"a": 1})
@@ -383,6 +358,19 @@ async fn manifest_errors_name_the_server_and_the_problem() -> TestResult {
     )?;
     assert!(tool_runner::tools::manifest::load(&path).is_ok());
     Ok(())
+}
+
+/// The runner's health for its `ToolRunner` service.
+async fn health(runner: &Runner) -> anyhow::Result<tonic_health::pb::health_check_response::ServingStatus> {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let check = HealthCheckRequest {
+        service: "toolrunner.v1.ToolRunner".into(),
+    };
+    Ok(HealthClient::new(runner.channel().await?)
+        .check(check)
+        .await?
+        .into_inner()
+        .status())
 }
 
 /// Polls `probe` every 100 ms for up to 20 s.

@@ -11,7 +11,7 @@
 //!   this; run the runner in a container (one per pod) to contain such tools.
 
 use std::path::PathBuf;
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::Arc;
 
 use futures::FutureExt;
@@ -138,20 +138,10 @@ impl CommandConfig {
         let input = serde_json::to_vec(&Value::Object(args))
             .map_err(|e| ToolError::invalid(format!("arguments cannot be serialized: {e}")))?;
         let program = self.program.display();
-        let mut child = tokio::process::Command::new(&self.prlimit)
-            .args(self.limits.prlimit_args())
-            .arg("--")
-            .arg(&self.program)
-            .args(&self.args)
-            .env_clear()
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
+        let mut child = self
+            .limits
+            .command(&self.prlimit, &self.program, &self.args, &self.env, &self.working_dir)
             .envs(context)
-            .current_dir(&self.working_dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true)
             .spawn()
             .map_err(|e| ToolError::new(ErrorCode::Unavailable, format!("cannot start {program}: {e}")))?;
         let killer = GroupKiller::of(&child);

@@ -98,6 +98,35 @@ impl ResourceLimits {
         ]
     }
 
+    /// How a limited child starts (command tools and stdio MCP servers alike): `prlimit` with
+    /// these limits executing `program`, with exactly `env`, in `cwd`, piped stdio, in a process
+    /// group of its own (killed as a whole by [`super::command::GroupKiller`]), killed on drop.
+    pub(super) fn command(
+        &self,
+        prlimit: &std::path::Path,
+        program: &std::path::Path,
+        args: &[String],
+        env: &[(String, String)],
+        cwd: &std::path::Path,
+    ) -> tokio::process::Command {
+        use std::process::Stdio;
+        let mut command = tokio::process::Command::new(prlimit);
+        command
+            .args(self.prlimit_args())
+            .arg("--")
+            .arg(program)
+            .args(args)
+            .env_clear()
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .current_dir(cwd)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        command
+    }
+
     /// What a signal that ended a tool says about its limits.
     pub(super) fn signal_meaning(&self, signal: i32) -> Option<String> {
         match signal {

@@ -2,7 +2,6 @@
 //! group, with a cleared environment) or open the streamable-HTTP session, shake hands, and hear
 //! `notifications/tools/list_changed`.
 
-use std::process::Stdio;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -97,19 +96,8 @@ async fn connect_stdio(config: &McpServerConfig, handler: Handler) -> Result<Con
     else {
         return Err("not a stdio server".into());
     };
-    let mut child = tokio::process::Command::new(prlimit)
-        .args(limits.prlimit_args())
-        .arg("--")
-        .arg(program)
-        .args(args)
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .current_dir(cwd)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true)
+    let mut child = limits
+        .command(prlimit, program, args, env, cwd)
         .spawn()
         .map_err(|e| format!("cannot start {}: {e}", program.display()))?;
     let group = GroupKiller::of(&child);
