@@ -29,10 +29,11 @@
 //! 30 s, 1 s ..= 10 min), `max_message_bytes` (largest message accepted from it; default 4 MiB,
 //! 1 KiB ..= 64 MiB) and `max_tools` (most tools taken from it; default 256, cap 10,000).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use reqwest::header::{HeaderName, HeaderValue};
 use serde::Deserialize;
 
 use super::super::limits::{RawLimits, ResourceLimits};
@@ -99,8 +100,9 @@ pub(crate) enum Transport {
     /// A streamable-HTTP endpoint.
     Http {
         url: String,
-        /// Header values resolved at load time (some from the environment: never logged).
-        headers: Vec<(String, String)>,
+        /// Parsed at load time, values marked sensitive (some come from the environment and are
+        /// secrets: `Debug` does not show them).
+        headers: HashMap<HeaderName, HeaderValue>,
     },
 }
 
@@ -248,18 +250,21 @@ fn http(raw: &RawMcpServer, url: &str) -> Result<Transport, String> {
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err(format!("url {url:?} must be http or https"));
     }
-    let mut headers: Vec<(String, String)> = raw.headers.clone().into_iter().collect();
+    let mut written: Vec<(String, String)> = raw.headers.clone().into_iter().collect();
     for (header, variable) in &raw.headers_from_env {
         let value = std::env::var(variable)
             .map_err(|_| format!("headers_from_env: {header} comes from ${variable}, which is not set"))?;
-        headers.push((header.clone(), value));
+        written.push((header.clone(), value));
     }
-    for (name, value) in &headers {
-        reqwest::header::HeaderName::from_bytes(name.as_bytes())
+    let mut headers = HashMap::new();
+    for (name, value) in written {
+        let parsed_name = HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| format!("header name {name:?} is not a valid HTTP header name"))?;
         // The value is not quoted: it may be a secret.
-        reqwest::header::HeaderValue::from_str(value)
+        let mut value = HeaderValue::from_str(&value)
             .map_err(|_| format!("the value of header {name} is not a valid HTTP header value"))?;
+        value.set_sensitive(true);
+        headers.insert(parsed_name, value);
     }
     Ok(Transport::Http {
         url: url.to_owned(),

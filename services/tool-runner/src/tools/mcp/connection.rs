@@ -53,53 +53,55 @@ pub(super) struct Connection {
 /// Connects and shakes hands (the caller bounds the time).
 pub(super) async fn connect(config: &McpServerConfig, handler: Handler) -> Result<Connection, String> {
     match &config.transport {
-        Transport::Stdio { .. } => connect_stdio(config, handler).await,
-        Transport::Http { url, headers } => {
-            let mut custom = std::collections::HashMap::new();
-            for (name, value) in headers {
-                let name = reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| e.to_string())?;
-                let value = reqwest::header::HeaderValue::from_str(value)
-                    .map_err(|_| format!("the value of header {name} is invalid"))?;
-                custom.insert(name, value);
-            }
-            let mut transport_config = StreamableHttpClientTransportConfig::with_uri(url.as_str())
-                .custom_headers(custom)
-                .max_sse_event_size(config.max_message_bytes);
-            transport_config.max_json_response_size = config.max_message_bytes;
-            let client = reqwest::Client::builder()
-                .connect_timeout(config.connect_timeout)
-                .build()
-                .map_err(|e| format!("HTTP client: {e}"))?;
-            let transport = StreamableHttpClientTransport::with_client(client, transport_config);
-            let service = handler
-                .serve(transport)
+        Transport::Stdio {
+            prlimit,
+            program,
+            args,
+            env,
+            cwd,
+            limits,
+        } => {
+            let child = limits.command(prlimit, program, args, env, cwd).spawn();
+            let child = child.map_err(|e| format!("cannot start {}: {e}", program.display()))?;
+            connect_stdio(config, child, handler)
                 .await
-                .map_err(|e| format!("handshake with {url}: {e}"))?;
-            Ok(Connection {
-                service,
-                _group: None,
-                _child: None,
-            })
+                .map_err(|e| format!("handshake with {}: {e}", program.display()))
         }
+        Transport::Http { url, headers } => connect_http(config, url, headers.clone(), handler)
+            .await
+            .map_err(|e| format!("handshake with {url}: {e}")),
     }
 }
 
-async fn connect_stdio(config: &McpServerConfig, handler: Handler) -> Result<Connection, String> {
-    let Transport::Stdio {
-        prlimit,
-        program,
-        args,
-        env,
-        cwd,
-        limits,
-    } = &config.transport
-    else {
-        return Err("not a stdio server".into());
-    };
-    let mut child = limits
-        .command(prlimit, program, args, env, cwd)
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", program.display()))?;
+async fn connect_http(
+    config: &McpServerConfig,
+    url: &str,
+    headers: std::collections::HashMap<reqwest::header::HeaderName, reqwest::header::HeaderValue>,
+    handler: Handler,
+) -> Result<Connection, String> {
+    let mut transport_config = StreamableHttpClientTransportConfig::with_uri(url)
+        .custom_headers(headers)
+        .max_sse_event_size(config.max_message_bytes);
+    transport_config.max_json_response_size = config.max_message_bytes;
+    let client = reqwest::Client::builder()
+        .connect_timeout(config.connect_timeout)
+        .build()
+        .map_err(|e| format!("HTTP client: {e}"))?;
+    let transport = StreamableHttpClientTransport::with_client(client, transport_config);
+    let service = handler.serve(transport).await.map_err(|e| e.to_string())?;
+    Ok(Connection {
+        service,
+        _group: None,
+        _child: None,
+    })
+}
+
+/// Speaks MCP with the started stdio `child`, its stderr going to the log.
+async fn connect_stdio(
+    config: &McpServerConfig,
+    mut child: tokio::process::Child,
+    handler: Handler,
+) -> Result<Connection, String> {
     let group = GroupKiller::of(&child);
     let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
         return Err("the child has no stdin or stdout".into());
@@ -108,10 +110,7 @@ async fn connect_stdio(config: &McpServerConfig, handler: Handler) -> Result<Con
         log_stderr(config.name.clone(), stderr);
     }
     let transport = AsyncRwTransport::new_client(stdout, stdin).with_max_line_length(config.max_message_bytes);
-    let service = handler
-        .serve(transport)
-        .await
-        .map_err(|e| format!("handshake with {}: {e}", program.display()))?;
+    let service = handler.serve(transport).await.map_err(|e| e.to_string())?;
     Ok(Connection {
         service,
         _group: Some(group),
