@@ -365,3 +365,39 @@ async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> 
     server.kill().await?;
     Ok(())
 }
+
+#[test]
+fn the_mcp_overlay_runs_an_http_mcp_server_that_only_the_runners_reach() -> TestResult {
+    let dir = repo_root().join("deploy/k8s/overlays/mcp");
+    let rendered = render(&dir)?;
+    validate(&rendered)?;
+    let server = document(&rendered, "Deployment", "mcp-everything")?;
+    for line in [
+        "image: mcp-everything:dev",
+        "readOnlyRootFilesystem: true",
+        "runAsNonRoot: true",
+        "namespace: orchestrator-demo",
+    ] {
+        assert!(server.contains(line), "{line} missing:\n{server}");
+    }
+    // Only the runners reach it, and the runners' egress gains exactly its port.
+    let policy = document(&rendered, "NetworkPolicy", "mcp-everything")?;
+    assert!(policy.contains("app.kubernetes.io/name: tool-runner") && policy.contains("port: 3001"));
+    assert!(policy.contains("egress: []"), "it reaches nothing:\n{policy}");
+    let runner = document(&rendered, "NetworkPolicy", "tool-runner")?;
+    let rule = runner
+        .split("- to:")
+        .find(|rule| rule.contains("mcp-everything"))
+        .ok_or_else(|| anyhow::anyhow!("the runners may not reach the MCP server:\n{runner}"))?;
+    assert!(rule.contains("port: 3001"), "{rule}");
+    assert!(runner.contains("k8s-app: kube-dns"), "the base rules stay");
+    // The runners' manifest names the server by its Service, and loads.
+    let tools = rendered
+        .split("\n---\n")
+        .find(|d| d.contains("kind: ConfigMap") && d.contains("tools.toml"))
+        .ok_or_else(|| anyhow::anyhow!("no tools ConfigMap"))?;
+    assert!(tools.contains("url = \"http://mcp-everything:3001/mcp\""), "{tools}");
+    let manifest = tool_runner::tools::manifest::load(&dir.join("tools.toml"))?;
+    assert_eq!(manifest.mcp_server_names(), ["everything"]);
+    Ok(())
+}

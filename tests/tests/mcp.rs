@@ -3,31 +3,16 @@
 //! (npm; stdio and streamable HTTP) and `mcp-server-time` (PyPI; stdio). The runner is the real
 //! service on a loopback port, called through the generated gRPC client.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use e2e::{Outcome, Runner, run_tool};
 use proto::toolrunner::v1 as pb;
 use proto::toolrunner::v1::ToolErrorCode as Code;
 use serde_json::json;
+use testkit::mcp_servers::{everything_js, python, time_server};
 use tool_runner::Config;
 
 type TestResult = anyhow::Result<()>;
-
-/// Where `scripts/mcp-servers` installs, or an error saying how to install.
-fn installed(relative: &str) -> anyhow::Result<PathBuf> {
-    let path = testkit::model_servers::cache_dir().join("mcp").join(relative);
-    anyhow::ensure!(
-        path.exists(),
-        "{} is missing: ./scripts/mcp-servers installs it (./scripts/test runs it first)",
-        path.display()
-    );
-    Ok(path)
-}
-
-fn everything_js() -> anyhow::Result<PathBuf> {
-    installed("npm/node_modules/@modelcontextprotocol/server-everything/dist/index.js")
-}
 
 /// A runner whose manifest is `manifest` (written into `dir`).
 async fn runner_with(dir: &tempfile::TempDir, manifest: &str) -> anyhow::Result<Runner> {
@@ -63,7 +48,7 @@ required = true
 "#,
         log = log.display(),
         js = everything_js()?.display(),
-        time = installed("time/bin/mcp-server-time")?.display(),
+        time = time_server()?.display(),
     ))
 }
 
@@ -162,7 +147,66 @@ async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResul
 }
 
 #[tokio::test]
-async fn a_call_past_its_timeout_is_canceled_on_the_server_and_the_server_goes_on() -> TestResult {
+async fn a_changed_tool_list_reaches_the_runner_and_then_the_orchestrators_catalog() -> TestResult {
+    use e2e::stack::{Stack, request, runner_config};
+    // server-everything adds `simulate-research-query` once initialized and then sends
+    // notifications/tools/list_changed; a filter holds `notifications/initialized` back for 4 s,
+    // so the first tools/list comes before the change.
+    let dir = tempfile::tempdir()?;
+    let hold = testkit::repo_root().join("tests/fixtures/mcp/hold-initialized.py");
+    let manifest = format!(
+        "[[mcp_servers]]\nname = \"everything\"\ncommand = \"sh\"\nargs = [\"-c\", \"'{python}' -u '{hold}' 4 | exec node '{js}' stdio\"]\n",
+        python = python()?.display(),
+        hold = hold.display(),
+        js = everything_js()?.display(),
+    );
+    let path = dir.path().join("tools.toml");
+    std::fs::write(&path, manifest)?;
+    let added = "everything__simulate-research-query";
+    let stack = Stack::start(
+        mock_llm::Scenario::new(vec![mock_llm::Turn::text("Listed.")]),
+        runner_config(Some(path)),
+        |config| config.tool_runners.refresh_interval = Duration::from_secs(1),
+    )
+    .await?;
+    let offered = |body: &serde_json::Value| -> Vec<String> {
+        body["tools"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
+            .collect()
+    };
+
+    // Before the change: the runner and the model see the server's first list.
+    let runner_names: Vec<String> = list(&stack.runner).await?.into_iter().map(|t| t.name).collect();
+    assert!(
+        runner_names.iter().any(|n| n == "everything__get-sum"),
+        "{runner_names:?}"
+    );
+    assert!(!runner_names.iter().any(|n| n == added), "{runner_names:?}");
+    stack.run(request("list", &[])).await?;
+    let first = offered(stack.mock.requests().last().unwrap_or(&serde_json::Value::Null));
+    assert!(first.iter().any(|n| n == "everything__get-sum"), "{first:?}");
+    assert!(!first.iter().any(|n| n == added), "{first:?}");
+
+    // After it: the runner lists the new tool, and the orchestrator's next refresh offers it.
+    wait_for_async(|| async {
+        let names = list(&stack.runner).await.ok()?;
+        names.iter().any(|t| t.name == added).then_some(())
+    })
+    .await?;
+    wait_for_async(|| async {
+        stack.run(request("list", &[])).await.ok()?;
+        let names = offered(stack.mock.requests().last()?);
+        names.iter().any(|n| n == added).then_some(())
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_call_past_its_timeout_or_given_up_by_its_caller_is_canceled_on_the_server() -> TestResult {
     let dir = tempfile::tempdir()?;
     let runner = runner_with(&dir, &stdio_manifest(&dir, "", "UTC")?).await?;
     let started = Instant::now();
@@ -199,6 +243,20 @@ async fn a_call_past_its_timeout_is_canceled_on_the_server_and_the_server_goes_o
             .unwrap_ok(),
         json!("Echo: still here")
     );
+
+    // A caller that gives up (drops its RunTool) cancels the MCP request too.
+    let long = json!({"duration": 30, "steps": 3});
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(1000),
+        call(&runner, "everything__trigger-long-running-operation", long),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the call was still running: {gave_up:?}");
+    wait_for(|| {
+        let log = std::fs::read_to_string(dir.path().join("stdin.log")).unwrap_or_default();
+        (log.matches("notifications/cancelled").count() == 2).then_some(())
+    })
+    .await?;
     Ok(())
 }
 
@@ -256,22 +314,16 @@ async fn a_required_server_that_never_starts_keeps_the_runner_not_serving_but_it
 #[tokio::test]
 async fn a_streamable_http_server_is_listed_and_called_with_headers_from_the_environment() -> TestResult {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let mut server = tokio::process::Command::new("node")
-        .arg(everything_js()?)
-        .arg("streamableHttp")
-        .env("PORT", port.to_string())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()?;
-    wait_for_async(|| async { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok() }).await?;
+    let mut server = http_everything(port).await?;
 
+    // The runner reaches it through a proxy that keeps each connection's first request head.
     // The header's value comes from a variable the test process has (it may not set one: no
-    // unsafe code); the server does not show headers, so this checks they are accepted and sent.
+    // unsafe code).
+    let (proxy_port, heads) = recording_proxy(port).await?;
     let variable = "HOME";
     let dir = tempfile::tempdir()?;
     let manifest = format!(
-        "[[mcp_servers]]\nname = \"remote\"\nurl = \"http://127.0.0.1:{port}/mcp\"\nprefix = \"\"\nallow = [\"get-sum\", \"echo\"]\nheaders = {{ \"X-Team\" = \"tests\" }}\nheaders_from_env = {{ Authorization = \"{variable}\" }}\n"
+        "[[mcp_servers]]\nname = \"remote\"\nurl = \"http://127.0.0.1:{proxy_port}/mcp\"\nprefix = \"\"\nallow = [\"get-sum\", \"echo\"]\nheaders = {{ \"X-Team\" = \"tests\" }}\nheaders_from_env = {{ Authorization = \"{variable}\" }}\n"
     );
     let runner = runner_with(&dir, &manifest).await?;
     let names: Vec<String> = list(&runner)
@@ -286,9 +338,111 @@ async fn a_streamable_http_server_is_listed_and_called_with_headers_from_the_env
         call(&runner, "get-sum", json!({"a": 40, "b": 2})).await?.unwrap_ok(),
         json!("The sum of 40 and 2 is 42.")
     );
+    let heads = heads.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
+    let home = std::env::var(variable)?;
+    let first = heads.first().map(|h| h.to_ascii_lowercase()).unwrap_or_default();
+    assert!(first.starts_with("post /mcp "), "{first}");
+    assert!(first.contains("\r\nx-team: tests\r\n"), "{first}");
+    assert!(
+        first.contains(&format!("\r\nauthorization: {}\r\n", home.to_ascii_lowercase())),
+        "{first}"
+    );
     drop(runner);
     let _ = server.kill().await;
     Ok(())
+}
+
+#[tokio::test]
+async fn an_http_server_that_goes_away_fails_calls_cleanly_and_is_reconnected_when_back() -> TestResult {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let server = http_everything(port).await?;
+    let dir = tempfile::tempdir()?;
+    let manifest = format!(
+        "[[mcp_servers]]\nname = \"remote\"\nurl = \"http://127.0.0.1:{port}/mcp\"\nallow = [\"get-sum\"]\nrequired = true\nconnect_timeout = \"2s\"\nrestart_backoff_max = \"1s\"\nping_interval = \"1s\"\n"
+    );
+    let runner = runner_with(&dir, &manifest).await?;
+    let sum = json!({"a": 1, "b": 2});
+    assert_eq!(
+        call(&runner, "remote__get-sum", sum.clone()).await?.unwrap_ok(),
+        json!("The sum of 1 and 2 is 3.")
+    );
+
+    // Gone: calls fail as retryable tool errors (no hang); the next ping goes unanswered, which
+    // ends the session, so health says the required server is down.
+    drop(server);
+    let (code, message) = call(&runner, "remote__get-sum", sum.clone()).await?.unwrap_err();
+    assert_eq!(code, Code::Unavailable, "{message}");
+    wait_for_async(|| async {
+        (health(&runner).await.ok()? == tonic_health::pb::health_check_response::ServingStatus::NotServing)
+            .then_some(())
+    })
+    .await?;
+
+    // Back (a new process, so a new session): the runner reconnects and calls work again.
+    let _server = http_everything(port).await?;
+    let answer = wait_for_async(|| async {
+        call(&runner, "remote__get-sum", sum.clone())
+            .await
+            .ok()
+            .filter(|out| matches!(out, Outcome::Ok(_)))
+    })
+    .await?;
+    assert_eq!(answer.unwrap_ok(), json!("The sum of 1 and 2 is 3."));
+    assert_eq!(
+        health(&runner).await?,
+        tonic_health::pb::health_check_response::ServingStatus::Serving
+    );
+    Ok(())
+}
+
+/// A TCP proxy on a loopback port to `upstream`, recording the head of each connection's first
+/// request (to see the headers the runner sends).
+async fn recording_proxy(upstream: u16) -> anyhow::Result<(u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let recorded = std::sync::Arc::clone(&heads);
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let heads = std::sync::Arc::clone(&recorded);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && head.len() < 64 * 1024 {
+                    match client.read(&mut byte).await {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                if let Ok(mut heads) = heads.lock() {
+                    heads.push(String::from_utf8_lossy(&head).into_owned());
+                }
+                let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+                    return;
+                };
+                if server.write_all(&head).await.is_ok() {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    Ok((port, heads))
+}
+
+/// server-everything over streamable HTTP on `port` (at `/mcp`), once it accepts connections;
+/// killed when dropped.
+async fn http_everything(port: u16) -> anyhow::Result<tokio::process::Child> {
+    let server = tokio::process::Command::new("node")
+        .arg(everything_js()?)
+        .arg("streamableHttp")
+        .env("PORT", port.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    wait_for_async(|| async { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok() }).await?;
+    Ok(server)
 }
 
 #[tokio::test]
@@ -319,6 +473,14 @@ async fn manifest_errors_name_the_server_and_the_problem() -> TestResult {
         (
             "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\ntimeout = \"2h\"\n",
             "timeout = 2h is above its cap of 1h",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nping_interval = \"999ms\"\n",
+            "ping_interval = 999ms is below its minimum of 1s",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nping_interval = \"11m\"\n",
+            "ping_interval = 11m is above its cap of 10m",
         ),
         (
             "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nmax_message_bytes = 1023\n",
@@ -354,7 +516,12 @@ async fn manifest_errors_name_the_server_and_the_problem() -> TestResult {
     // Both sides of the caps are accepted.
     std::fs::write(
         &path,
-        "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\ntimeout = \"1h\"\nmax_message_bytes = 1024\nmax_tools = 10000\n",
+        "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\ntimeout = \"1h\"\nmax_message_bytes = 1024\nmax_tools = 10000\nping_interval = \"10m\"\n",
+    )?;
+    assert!(tool_runner::tools::manifest::load(&path).is_ok());
+    std::fs::write(
+        &path,
+        "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nping_interval = \"1s\"\n",
     )?;
     assert!(tool_runner::tools::manifest::load(&path).is_ok());
     Ok(())

@@ -1,11 +1,12 @@
 //! The test harness both services' process tests and the end-to-end tests use: a real binary
 //! spawned on loopback with JSON logs ([`Service`]), a command run to its end ([`run_to_end`]),
 //! and waiting for processes to go; [`model_servers`] starts the real model servers the tests
-//! run against. Binaries are named by the caller (`CARGO_BIN_EXE_*` is only
-//! visible in the binary's own package).
+//! run against, and [`mcp_servers`] finds the installed MCP servers. Binaries are named by the
+//! caller (`CARGO_BIN_EXE_*` is only visible in the binary's own package).
 
 #![forbid(unsafe_code)]
 
+pub mod mcp_servers;
 pub mod model_servers;
 
 use std::path::PathBuf;

@@ -326,3 +326,115 @@ async fn tool_payloads_are_recorded_only_when_asked_and_capped() -> TestResult {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn an_mcp_tool_and_a_built_in_called_in_one_turn_make_one_trace_down_to_the_mcp_server() -> TestResult {
+    use testkit::mcp_servers::time_server;
+    let (collector, otlp) = Collector::start().await?;
+    let mock = mock_llm::MockLlm::start(Scenario::new(vec![
+        Turn::text("Both at once.\n")
+            .then(Step::call(
+                "time__get_current_time",
+                serde_json::json!({"timezone": "UTC"}),
+            ))
+            .then(Step::call("calculate", serde_json::json!({"expression": "6 * 7"}))),
+        Turn::text("It is now, and 42."),
+    ]))
+    .await?;
+
+    // A runner hosting mcp-server-time over stdio, its stdin copied to a log (to read what the
+    // runner sent it).
+    let dir = tempfile::tempdir()?;
+    let sent_log = dir.path().join("stdin.log");
+    let manifest = dir.path().join("tools.toml");
+    std::fs::write(
+        &manifest,
+        format!(
+            "[[mcp_servers]]\nname = \"time\"\ncommand = \"sh\"\nargs = [\"-c\", \"tee -a '{log}' | exec '{time}'\"]\nrequired = true\n",
+            log = sent_log.display(),
+            time = time_server()?.display(),
+        ),
+    )?;
+    let mut command = Command::new(tool_runner_bin()?);
+    command
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
+        .env_remove("OTEL_SERVICE_NAME")
+        .arg("--tools-manifest")
+        .arg(&manifest);
+    let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    command
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
+        .env_remove("OTEL_SERVICE_NAME")
+        .env("LLM_BASE_URL", mock.base_url())
+        .env("TOOL_RUNNER_ENDPOINTS", format!("http://{}", runner.grpc));
+    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+
+    let caller_trace = "0af7651916cd43dd8448eb211c80319c";
+    let mut request = tonic::Request::new(user("time and sum"));
+    request
+        .metadata_mut()
+        .insert("traceparent", format!("00-{caller_trace}-b7ad6b7169203331-01").parse()?);
+    let result = orchestrate(&format!("http://{}", orchestrator.grpc), request).await?;
+    assert_eq!(result.status(), pb::RunStatus::Completed, "{result:?}");
+    assert_eq!(result.tool_calls.len(), 2, "{result:?}");
+    assert!(
+        result.tool_calls.iter().all(|c| c.ok && c.turn == 1),
+        "both calls answered in turn 1: {result:?}"
+    );
+    // The MCP tool's answer went back to the model.
+    let fed_back = mock.requests().last().map(ToString::to_string).unwrap_or_default();
+    assert!(fed_back.contains("\\\"timezone\\\":\\\"UTC\\\""), "{fed_back}");
+    // The runner logs the connection, not the MCP library's INFO handshake dump.
+    let logs = runner.logs();
+    assert!(logs.iter().any(|l| l.contains("MCP server connected")), "{logs:?}");
+    assert!(!logs.iter().any(|l| l.contains("rmcp")), "{logs:?}");
+    orchestrator.stop().await?;
+    runner.stop().await?;
+
+    // One trace: invoke_agent → chat → execute_tool (client, both tools, same turn) → execute_tool
+    // (server) → tools/call (the MCP call), whose context reached the MCP server in `_meta`.
+    let spans = collector.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
+    let traced: Vec<_> = spans.iter().filter(|(_, s)| hex(&s.trace_id) == caller_trace).collect();
+    let one = |service: &str, name: &str| -> anyhow::Result<&opentelemetry_proto::tonic::trace::v1::Span> {
+        let found: Vec<_> = traced
+            .iter()
+            .filter(|(svc, s)| svc == service && s.name == name)
+            .collect();
+        anyhow::ensure!(
+            found.len() == 1,
+            "{} spans {service}/{name} in {:?}",
+            found.len(),
+            traced.iter().map(|(svc, s)| (svc, &s.name)).collect::<Vec<_>>()
+        );
+        Ok(&found[0].1)
+    };
+    let mcp_client = one("orchestrator", "execute_tool time__get_current_time")?;
+    let builtin_client = one("orchestrator", "execute_tool calculate")?;
+    assert_eq!(
+        mcp_client.parent_span_id, builtin_client.parent_span_id,
+        "both calls belong to the same turn"
+    );
+    let mcp_server = one("tool-runner", "execute_tool time__get_current_time")?;
+    assert_eq!(mcp_server.parent_span_id, mcp_client.span_id);
+    assert_eq!(
+        one("tool-runner", "execute_tool calculate")?.parent_span_id,
+        builtin_client.span_id
+    );
+    let mcp_call = one("tool-runner", "tools/call get_current_time")?;
+    assert_eq!(mcp_call.parent_span_id, mcp_server.span_id);
+    assert_eq!(mcp_call.kind, SpanKind::Client as i32);
+    assert_eq!(string_attr(&mcp_call.attributes, "mcp.server").as_deref(), Some("time"));
+    let sent = std::fs::read_to_string(&sent_log)?;
+    let call_line = sent
+        .lines()
+        .find(|l| l.contains("\"tools/call\""))
+        .ok_or_else(|| anyhow::anyhow!("no tools/call in {sent}"))?;
+    let call: serde_json::Value = serde_json::from_str(call_line)?;
+    assert_eq!(
+        call["params"]["_meta"]["traceparent"],
+        format!("00-{caller_trace}-{}-01", hex(&mcp_call.span_id)),
+        "{call}"
+    );
+    Ok(())
+}

@@ -28,9 +28,13 @@ async fn run() -> ExitCode {
     shared::runtime::exit_code("tool-runner", result)
 }
 
+/// The log filter without `RUST_LOG`: the MCP client library logs every handshake at INFO with
+/// the server's whole self-description; its warnings are enough.
+const DEFAULT_LOG_FILTER: &str = "info,rmcp=warn";
+
 async fn serve(config: Config) -> Result<(), Error> {
     let format = config.telemetry.log_format;
-    shared::telemetry::Telemetry::around("tool-runner", format, "info", serve_with_telemetry(config)).await
+    shared::telemetry::Telemetry::around("tool-runner", format, DEFAULT_LOG_FILTER, serve_with_telemetry(config)).await
 }
 
 async fn serve_with_telemetry(config: Config) -> Result<(), Error> {

@@ -71,6 +71,13 @@ pub struct Manifest {
     pub(crate) mcp_servers: Vec<McpServerConfig>,
 }
 
+impl Manifest {
+    /// The names of its MCP servers, in order.
+    pub fn mcp_server_names(&self) -> Vec<&str> {
+        self.mcp_servers.iter().map(|s| s.name.as_str()).collect()
+    }
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawDefaults {

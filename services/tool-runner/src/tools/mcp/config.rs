@@ -26,8 +26,10 @@
 //!
 //! Each server also takes `connect_timeout` (connecting, the handshake and listing its tools;
 //! default 30 s, cap 10 min), `restart_backoff_max` (the longest wait between reconnects; default
-//! 30 s, 1 s ..= 10 min), `max_message_bytes` (largest message accepted from it; default 4 MiB,
-//! 1 KiB ..= 64 MiB) and `max_tools` (most tools taken from it; default 256, cap 10,000).
+//! 30 s, 1 s ..= 10 min), `ping_interval` (how often the live session is checked with an MCP
+//! `ping`, which must be answered within that time or the session is ended and reconnected;
+//! default 15 s, 1 s ..= 10 min), `max_message_bytes` (largest message accepted from it; default
+//! 4 MiB, 1 KiB ..= 64 MiB) and `max_tools` (most tools taken from it; default 256, cap 10,000).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -47,6 +49,8 @@ pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(600);
 /// Default longest wait between reconnects.
 pub(crate) const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Default time between two pings of a live session.
+pub(crate) const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(15);
 /// Default largest message from a server.
 pub(crate) const DEFAULT_MAX_MESSAGE_BYTES: u64 = 4 * 1024 * 1024;
 /// Default most tools of one server.
@@ -77,6 +81,7 @@ pub(in crate::tools) struct RawMcpServer {
     timeout: Option<String>,
     connect_timeout: Option<String>,
     restart_backoff_max: Option<String>,
+    ping_interval: Option<String>,
     max_message_bytes: Option<u64>,
     max_tools: Option<u64>,
     #[serde(default)]
@@ -119,6 +124,9 @@ pub(crate) struct McpServerConfig {
     pub(crate) timeout: Duration,
     pub(crate) connect_timeout: Duration,
     pub(crate) restart_backoff_max: Duration,
+    /// A session can look alive and not be: an HTTP server that went away (its client keeps
+    /// the session), a stdio server stuck in a loop. A missed ping ends it.
+    pub(crate) ping_interval: Duration,
     pub(crate) max_message_bytes: usize,
     pub(crate) max_tools: usize,
     /// Whether the runner is unready while this server is down.
@@ -181,6 +189,13 @@ pub(in crate::tools) fn build(
             "restart_backoff_max",
             &raw.restart_backoff_max,
             DEFAULT_BACKOFF_MAX,
+            second,
+            MAX_CONNECT_TIMEOUT,
+        )?,
+        ping_interval: duration(
+            "ping_interval",
+            &raw.ping_interval,
+            DEFAULT_PING_INTERVAL,
             second,
             MAX_CONNECT_TIMEOUT,
         )?,

@@ -1,7 +1,8 @@
 //! MCP servers as a tool source. Each `[[mcp_servers]]` of the manifest ([`config`]) gets a
 //! supervisor task that connects ([`connection`]), lists the server's tools, lists them again on
-//! `notifications/tools/list_changed`, and when the session ends (a stdio server crashed, an HTTP
-//! server went away) reconnects with exponential backoff. The registry reads the current tools of
+//! `notifications/tools/list_changed`, pings the server every `ping_interval`, and when the
+//! session ends (a stdio server crashed; a ping went unanswered, as when an HTTP server went
+//! away) reconnects with exponential backoff. The registry reads the current tools of
 //! every server from here; their calls ([`call`]) go to the live session, and fail `UNAVAILABLE`
 //! (retryable) while there is none.
 //!
@@ -19,7 +20,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use rmcp::RoleClient;
-use rmcp::model::PaginatedRequestParams;
+use rmcp::model::{ClientRequest, PaginatedRequestParams, PingRequest};
 use rmcp::service::Peer;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -186,8 +187,8 @@ impl McpServer {
         Ok((connection, tools))
     }
 
-    /// Serves one session: lists the tools again when the server says they changed; returns why
-    /// the session ended.
+    /// Serves one session: lists the tools again when the server says they changed, pings it
+    /// every `ping_interval`; returns why the session ended.
     async fn serve(&self, connection: Connection, handler: &Handler, shutdown: &CancellationToken) -> String {
         let Connection {
             service,
@@ -197,24 +198,50 @@ impl McpServer {
         let peer = service.peer().clone();
         let ended = service.waiting();
         tokio::pin!(ended);
+        let interval = self.config.ping_interval;
+        let mut pings = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        pings.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 quit = &mut ended => return match quit {
                     Ok(reason) => format!("{reason:?}"),
                     Err(e) => format!("its task failed: {e}"),
                 },
-                () = handler.list_changed.notified() => {
-                    match tokio::time::timeout(self.config.connect_timeout, self.list(&peer)).await {
-                        Ok(Ok(tools)) => {
-                            tracing::info!(mcp.server = %self.config.name, tools = tools.len(), "MCP server's tool list changed");
-                            self.set_tools(tools);
-                        }
-                        Ok(Err(e)) => tracing::warn!(mcp.server = %self.config.name, "listing the changed tools failed: {e}"),
-                        Err(_) => tracing::warn!(mcp.server = %self.config.name, "listing the changed tools timed out"),
+                () = handler.list_changed.notified() => self.relist(&peer).await,
+                _ = pings.tick() => {
+                    if let Err(e) = self.ping(&peer).await {
+                        return e;
                     }
                 }
                 () = shutdown.cancelled() => return "the runner is stopping".into(),
             }
+        }
+    }
+
+    /// Lists the tools again after `notifications/tools/list_changed`; on failure the last list
+    /// stays.
+    async fn relist(&self, peer: &Peer<RoleClient>) {
+        let name = &self.config.name;
+        match tokio::time::timeout(self.config.connect_timeout, self.list(peer)).await {
+            Ok(Ok(tools)) => {
+                tracing::info!(mcp.server = %name, tools = tools.len(), "MCP server's tool list changed");
+                self.set_tools(tools);
+            }
+            Ok(Err(e)) => tracing::warn!(mcp.server = %name, "listing the changed tools failed: {e}"),
+            Err(_) => tracing::warn!(mcp.server = %name, "listing the changed tools timed out"),
+        }
+    }
+
+    /// An MCP `ping`, answered within `ping_interval`, or why the session is taken for dead.
+    async fn ping(&self, peer: &Peer<RoleClient>) -> Result<(), String> {
+        let ping = ClientRequest::PingRequest(PingRequest {
+            method: Default::default(),
+            extensions: Default::default(),
+        });
+        match tokio::time::timeout(self.config.ping_interval, peer.send_request(ping)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!("ping failed: {e}")),
+            Err(_) => Err(format!("no answer to ping within {:?}", self.config.ping_interval)),
         }
     }
 
