@@ -446,6 +446,69 @@ async fn http_everything(port: u16) -> anyhow::Result<tokio::process::Child> {
 }
 
 #[tokio::test]
+async fn a_server_is_held_to_max_tools_and_max_message_bytes() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner = runner_with(
+        &dir,
+        &stdio_manifest(&dir, "max_tools = 3\nmax_message_bytes = 65536", "Etc/GMT-4")?,
+    )
+    .await?;
+    let offered: Vec<String> = list(&runner)
+        .await?
+        .into_iter()
+        .filter(|t| t.name.starts_with("everything__"))
+        .map(|t| t.name)
+        .collect();
+    assert_eq!(offered.len(), 3, "{offered:?}");
+
+    // An answer under the bound arrives; one over it is refused, not buffered.
+    let echo = offered.iter().find(|n| n.ends_with("__echo"));
+    let echo = echo.ok_or_else(|| anyhow::anyhow!("echo is not among the first 3: {offered:?}"))?;
+    let small = "a".repeat(60_000);
+    assert_eq!(
+        call(&runner, echo, json!({"message": small})).await?.unwrap_ok(),
+        json!(format!("Echo: {small}"))
+    );
+    let started = Instant::now();
+    let big = "b".repeat(70_000);
+    let (code, message) = call(&runner, echo, json!({"message": big})).await?.unwrap_err();
+    assert_eq!(code, Code::Failed, "{message}");
+    assert!(
+        message.contains("larger than max_message_bytes (65536 bytes)"),
+        "{message}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "failed at once, not at the 3 s timeout"
+    );
+    // The session goes on.
+    assert_eq!(
+        call(&runner, echo, json!({"message": "after"})).await?.unwrap_ok(),
+        json!("Echo: after")
+    );
+
+    // Over streamable HTTP too.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let _server = http_everything(port).await?;
+    let manifest = format!(
+        "[[mcp_servers]]\nname = \"remote\"\nurl = \"http://127.0.0.1:{port}/mcp\"\nallow = [\"echo\"]\ntimeout = \"3s\"\nmax_message_bytes = 65536\n"
+    );
+    let runner = runner_with(&dir, &manifest).await?;
+    let (code, message) = call(&runner, "remote__echo", json!({"message": big}))
+        .await?
+        .unwrap_err();
+    assert_eq!(code, Code::Failed, "{message}");
+    assert!(message.contains("max_message_bytes = 65536 bytes"), "{message}");
+    assert_eq!(
+        call(&runner, "remote__echo", json!({"message": "after"}))
+            .await?
+            .unwrap_ok(),
+        json!("Echo: after")
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn manifest_errors_name_the_server_and_the_problem() -> TestResult {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("tools.toml");

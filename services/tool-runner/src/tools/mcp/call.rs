@@ -20,6 +20,9 @@
 //!
 //! A JSON-RPC error is a tool error: `INVALID_ARGUMENTS` for invalid params, `FAILED` otherwise,
 //! with the server's message; a session that closes during the call is `UNAVAILABLE` (retryable).
+//! An answer the transport drops while the session stays open (over `max_message_bytes`: a stdio
+//! line is answered with an error in its place, see `bounded`; an HTTP response or SSE event
+//! fails its stream) is `FAILED` at once, naming the bound.
 
 use std::sync::RwLock;
 use std::time::Duration;
@@ -46,13 +49,16 @@ const CANCEL_SEND_LIMIT: Duration = Duration::from_secs(2);
 pub(crate) struct Link {
     server: String,
     peer: RwLock<Option<Peer<RoleClient>>>,
+    /// Named in the error of a call whose answer the transport dropped.
+    max_message_bytes: usize,
 }
 
 impl Link {
-    pub(super) fn new(server: String) -> Self {
+    pub(super) fn new(server: String, max_message_bytes: usize) -> Self {
         Self {
             server,
             peer: RwLock::new(None),
+            max_message_bytes,
         }
     }
 
@@ -123,6 +129,11 @@ impl Tool for McpTool {
                 Ok(ServerResult::CallToolResult(result)) => content_json(&serde_json::to_value(&result).unwrap_or_default()),
                 Ok(_) => Err(ToolError::failed(format!(
                     "MCP server {server} answered tools/call with something other than a tool result (tasks and input requests are not supported)"
+                ))),
+                Err(ServiceError::TransportClosed) if !peer.is_transport_closed() => Err(ToolError::failed(format!(
+                    "MCP server {server}: the transport dropped this call's answer while the session stays open \
+                     (an answer over max_message_bytes = {} bytes, or a broken response stream)",
+                    link.max_message_bytes
                 ))),
                 Err(e) => Err(service_error(&server, e)),
             }

@@ -13,6 +13,7 @@ use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig
 use rmcp::{ClientHandler, RoleClient, ServiceExt};
 use tokio::sync::Notify;
 
+use super::bounded;
 use super::config::{McpServerConfig, Transport};
 use crate::tools::command::GroupKiller;
 
@@ -109,7 +110,14 @@ async fn connect_stdio(
     if let Some(stderr) = child.stderr.take() {
         log_stderr(config.name.clone(), stderr);
     }
-    let transport = AsyncRwTransport::new_client(stdout, stdin).with_max_line_length(config.max_message_bytes);
+    let (checked, stdout_lines) = tokio::io::duplex(bounded::PIPE_BYTES);
+    tokio::spawn(bounded::copy_lines(
+        config.name.clone(),
+        stdout,
+        checked,
+        config.max_message_bytes,
+    ));
+    let transport = AsyncRwTransport::new_client(stdout_lines, stdin).with_max_line_length(config.max_message_bytes);
     let service = handler.serve(transport).await.map_err(|e| e.to_string())?;
     Ok(Connection {
         service,

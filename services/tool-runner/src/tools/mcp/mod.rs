@@ -11,6 +11,7 @@
 //! Schemas, validated like every tool's. While a server is down its last tool list stays
 //! listed, so the orchestrator's catalog does not flap; its calls fail cleanly meanwhile.
 
+mod bounded;
 pub(crate) mod call;
 pub(crate) mod config;
 mod connection;
@@ -66,7 +67,7 @@ impl McpServers {
         let mut first_attempts = Vec::new();
         for config in configs {
             let server = Arc::new(McpServer {
-                link: Arc::new(Link::new(config.name.clone())),
+                link: Arc::new(Link::new(config.name.clone(), config.max_message_bytes)),
                 config,
                 tools: RwLock::new(Arc::default()),
                 reserved: Arc::clone(&reserved),
