@@ -109,6 +109,45 @@ impl Runner {
     }
 }
 
+/// The services reflection lists on `channel`, asked through reflection v1 and then v1alpha.
+pub async fn reflected_services(channel: Channel) -> anyhow::Result<[Vec<String>; 2]> {
+    use tonic_reflection::pb::{v1, v1alpha};
+    let request = v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
+            String::new(),
+        )),
+    };
+    let answer = v1::server_reflection_client::ServerReflectionClient::new(channel.clone())
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await?
+        .into_inner()
+        .message()
+        .await?
+        .and_then(|r| r.message_response);
+    let Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) = answer else {
+        anyhow::bail!("reflection v1 did not list the services: {answer:?}");
+    };
+    let listed_v1 = list.service.into_iter().map(|s| s.name).collect();
+    let request = v1alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(v1alpha::server_reflection_request::MessageRequest::ListServices(
+            String::new(),
+        )),
+    };
+    let answer = v1alpha::server_reflection_client::ServerReflectionClient::new(channel)
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await?
+        .into_inner()
+        .message()
+        .await?
+        .and_then(|r| r.message_response);
+    let Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) = answer else {
+        anyhow::bail!("reflection v1alpha did not list the services: {answer:?}");
+    };
+    Ok([listed_v1, list.service.into_iter().map(|s| s.name).collect()])
+}
+
 /// A `RunTool` request with empty ids and metadata.
 pub fn run_tool(tool: &str, arguments_json: &str) -> pb::RunToolRequest {
     pb::RunToolRequest {

@@ -1053,12 +1053,8 @@ async fn draining_past_the_grace_period_cancels_with_a_stored_result() -> TestRe
 }
 
 #[tokio::test]
-async fn health_and_reflection_describe_the_orchestrator() -> TestResult {
+async fn health_and_reflection_v1_and_v1alpha_describe_the_orchestrator() -> TestResult {
     use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
-    use tonic_reflection::pb::v1::{
-        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
-        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
-    };
     let stack = scripted(vec![Turn::text("ok")]).await?;
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", stack.addr))?
         .connect()
@@ -1071,22 +1067,14 @@ async fn health_and_reflection_describe_the_orchestrator() -> TestResult {
         .into_inner()
         .status();
     assert_eq!(status, ServingStatus::Serving);
-    let request = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut responses = ServerReflectionClient::new(channel)
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await?
-        .into_inner();
-    let Some(MessageResponse::ListServicesResponse(list)) = responses.message().await?.and_then(|r| r.message_response)
-    else {
-        anyhow::bail!("no list of services");
-    };
-    assert!(
-        list.service.iter().any(|s| s.name == "orchestrator.v1.Orchestrator"),
-        "{list:?}"
-    );
+    for names in e2e::reflected_services(channel.clone()).await? {
+        for expected in [
+            "orchestrator.v1.Orchestrator",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ] {
+            assert!(names.iter().any(|n| n == expected), "{names:?} lacks {expected}");
+        }
+    }
     Ok(())
 }
 

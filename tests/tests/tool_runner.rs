@@ -722,31 +722,17 @@ async fn health_reports_serving_then_not_serving_while_draining() -> TestResult 
 }
 
 #[tokio::test]
-async fn reflection_lists_the_services() -> TestResult {
-    use tonic_reflection::pb::v1::{
-        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
-        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
-    };
+async fn reflection_v1_and_v1alpha_list_the_services() -> TestResult {
     let runner = default_runner().await?;
-    let mut client = ServerReflectionClient::new(runner.channel().await?);
-    let request = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut responses = client
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await?
-        .into_inner();
-    let response = responses
-        .message()
-        .await?
-        .ok_or_else(|| anyhow::anyhow!("no reflection response"))?;
-    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
-        anyhow::bail!("unexpected reflection answer: {response:?}");
-    };
-    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    for expected in ["toolrunner.v1.ToolRunner", "grpc.health.v1.Health"] {
-        assert!(names.iter().any(|n| n == expected), "{names:?} lacks {expected}");
+    for names in e2e::reflected_services(runner.channel().await?).await? {
+        for expected in [
+            "toolrunner.v1.ToolRunner",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ] {
+            assert!(names.iter().any(|n| n == expected), "{names:?} lacks {expected}");
+        }
     }
     Ok(())
 }

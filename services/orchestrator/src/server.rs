@@ -128,6 +128,8 @@ pub async fn serve_with_resolver(
     let _health = security.serve_health(health_service.clone());
     let reflection =
         shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
+    let reflection_v1alpha = shared::grpc::reflection_service_v1alpha()
+        .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let service = OrchestratorServer::new(OrchestratorService::new(Arc::clone(&core)))
         .max_decoding_message_size(config.server.max_request_bytes);
 
@@ -137,6 +139,7 @@ pub async fn serve_with_resolver(
         .layer(security.auth_layer(crate::telemetry::metric::AUTH_REFUSED))
         .add_service(health_service)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(service)
         .serve_with_incoming_shutdown(security.incoming(listener), drain)
         .await?;

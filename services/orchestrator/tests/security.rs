@@ -619,6 +619,26 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
         Some(tonic::Code::PermissionDenied),
         "reflection without a principal"
     );
+    let v1alpha = async {
+        use tonic_reflection::pb::v1alpha;
+        let request = v1alpha::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(v1alpha::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
+        };
+        let mut client = v1alpha::server_reflection_client::ServerReflectionClient::new(channel.clone());
+        let mut stream = client
+            .server_reflection_info(futures::stream::iter([request]))
+            .await?
+            .into_inner();
+        stream.message().await.map(|_| ())
+    };
+    assert_eq!(
+        v1alpha.await.err().map(|s| s.code()),
+        Some(tonic::Code::PermissionDenied),
+        "reflection v1alpha without a principal"
+    );
 
     // The tokens file is re-read while serving: once it lists mallory, she is served.
     std::fs::write(&tokens, format!("{carol_only}\n[[token]]\nprincipal = \"mallory\"\n"))?;

@@ -103,6 +103,8 @@ pub async fn serve(
     let mcp_health = tokio::spawn(follow_mcp_health(Arc::clone(&registry), health.clone()));
     let reflection =
         shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
+    let reflection_v1alpha = shared::grpc::reflection_service_v1alpha()
+        .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let runner = ToolRunnerServer::new(ToolRunnerService::new(
         Arc::clone(&registry),
         config.telemetry.trace_payloads(),
@@ -141,6 +143,7 @@ pub async fn serve(
         .layer(shared::grpc::GateLayer(admission))
         .add_service(health_service)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(runner)
         .serve_with_incoming_shutdown(security.incoming(listener), drain);
     tokio::select! {
