@@ -37,6 +37,14 @@ fn render(dir: &Path) -> anyhow::Result<String> {
         dir.display(),
         String::from_utf8_lossy(&output.stderr)
     );
+    // kustomize v5 warns about the deprecated forms (bases, patchesStrategicMerge, commonLabels …)
+    // on stderr: the manifests use none.
+    anyhow::ensure!(
+        output.stderr.is_empty(),
+        "kubectl kustomize {} warned: {}",
+        dir.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
     Ok(String::from_utf8(output.stdout)?)
 }
 
@@ -61,7 +69,9 @@ fn validate(rendered: &str) -> anyhow::Result<()> {
 fn document<'a>(rendered: &'a str, kind: &str, name: &str) -> anyhow::Result<&'a str> {
     rendered
         .split("\n---\n")
-        .find(|doc| doc.lines().any(|l| l == format!("kind: {kind}")) && doc.contains(&format!("  name: {name}\n")))
+        .find(|doc| {
+            doc.lines().any(|l| l == format!("kind: {kind}")) && doc.lines().any(|l| l == format!("  name: {name}"))
+        })
         .ok_or_else(|| anyhow::anyhow!("no {kind} {name} in the rendered manifests"))
 }
 
@@ -399,5 +409,62 @@ fn the_mcp_overlay_runs_an_http_mcp_server_that_only_the_runners_reach() -> Test
     assert!(tools.contains("url = \"http://mcp-everything:3001/mcp\""), "{tools}");
     let manifest = tool_runner::tools::manifest::load(&dir.join("tools.toml"))?;
     assert_eq!(manifest.mcp_server_names(), ["everything"]);
+    Ok(())
+}
+
+#[test]
+fn the_monitoring_rules_and_dashboard_render_and_their_queries_parse() -> TestResult {
+    let dir = repo_root().join("deploy/k8s/monitoring");
+    let rendered = render(&dir)?;
+    let (rules, core): (Vec<&str>, Vec<&str>) = rendered
+        .split("\n---\n")
+        .partition(|doc| doc.contains("kind: PrometheusRule"));
+    assert_eq!(rules.len(), 1);
+    validate(&core.join("\n---\n"))?;
+    let dashboard = document(&rendered, "ConfigMap", "orchestrator-dashboard")?;
+    assert!(
+        dashboard.contains("grafana_dashboard: \"1\""),
+        "the Grafana sidecar's label"
+    );
+
+    // promtool checks the alert rules as Prometheus loads them (the PrometheusRule's spec) and
+    // every dashboard query, each as a recording rule.
+    let work = tempfile::tempdir()?;
+    let source = std::fs::read_to_string(dir.join("prometheus-rules.yaml"))?;
+    let (_, spec) = source
+        .split_once("\nspec:\n")
+        .ok_or_else(|| anyhow::anyhow!("no spec in the PrometheusRule"))?;
+    let spec: String = spec
+        .lines()
+        .map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l)))
+        .collect();
+    std::fs::write(work.path().join("alerts.yaml"), spec)?;
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("grafana-dashboard.json"))?)?;
+    let mut recorded = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    let panels = json["panels"].as_array().cloned().unwrap_or_default();
+    for (i, expr) in panels
+        .iter()
+        .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
+        .filter_map(|t| t["expr"].as_str().map(str::to_owned))
+        .enumerate()
+    {
+        recorded.push_str(&format!(
+            "      - record: dashboard:query_{i}\n        expr: {}\n",
+            serde_json::Value::String(expr)
+        ));
+    }
+    std::fs::write(work.path().join("dashboard.yaml"), recorded)?;
+    for file in ["alerts.yaml", "dashboard.yaml"] {
+        let output = Command::new(tool("promtool")?)
+            .args(["check", "rules"])
+            .arg(work.path().join(file))
+            .output()?;
+        assert!(
+            output.status.success(),
+            "promtool check rules {file}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
     Ok(())
 }

@@ -24,6 +24,46 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A scraped series' metric name (before its labels).
+fn series_name(series: &str) -> String {
+    series.split('{').next().unwrap_or_default().to_owned()
+}
+
+/// Every metric name the Grafana dashboard and the Prometheus rules in `deploy/k8s/monitoring`
+/// query.
+fn metrics_used_in_deploy() -> anyhow::Result<std::collections::BTreeSet<String>> {
+    let dir = testkit::repo_root().join("deploy/k8s/monitoring");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("grafana-dashboard.json"))?)?;
+    let mut queries: Vec<String> = dashboard["panels"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|panel| panel["targets"].as_array().cloned().unwrap_or_default())
+        .filter_map(|target| target["expr"].as_str().map(str::to_owned))
+        .collect();
+    anyhow::ensure!(queries.len() >= 20, "the dashboard has {} queries", queries.len());
+    queries.push(std::fs::read_to_string(dir.join("prometheus-rules.yaml"))?);
+    let mut names = std::collections::BTreeSet::new();
+    for text in &queries {
+        for (at, _) in text.match_indices(['o', 't']) {
+            let rest = &text[at..];
+            let before = text[..at].chars().next_back();
+            if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+                continue;
+            }
+            if rest.starts_with("orchestrator_") || rest.starts_with("tool_runner_") {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                    .collect();
+                names.insert(name);
+            }
+        }
+    }
+    Ok(names)
+}
+
 #[tokio::test]
 async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
     let (collector, otlp) = Collector::start().await?;
@@ -117,8 +157,10 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
         Some(0.0)
     );
     let mut runner_deltas: BTreeMap<String, f64> = BTreeMap::new();
+    let mut exported: std::collections::BTreeSet<String> = after_orch.keys().map(|k| series_name(k)).collect();
     for (runner, before) in runners.iter().zip(&before_runners) {
         let after = scrape(&runner.metrics).await?;
+        exported.extend(after.keys().map(|k| series_name(k)));
         for series in [
             "tool_runner_executions_total{outcome=\"ok\",tool=\"calculate\"}",
             "tool_runner_executions_total{outcome=\"ok\",tool=\"sleep\"}",
@@ -144,6 +186,15 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
     assert_eq!(runner_deltas, expected, "summed over both replicas");
+
+    // The dashboard and the alert rules in deploy/ use only metrics the services export.
+    let used = metrics_used_in_deploy()?;
+    assert!(used.len() >= 15, "{used:?}");
+    let missing: Vec<&String> = used.iter().filter(|m| !exported.contains(*m)).collect();
+    assert!(
+        missing.is_empty(),
+        "not on /metrics: {missing:?}\nexported: {exported:?}"
+    );
 
     // Stop everything: spans are flushed on shutdown.
     orchestrator.stop().await?;
