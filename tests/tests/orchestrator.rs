@@ -1074,6 +1074,10 @@ async fn health_and_reflection_v1_and_v1alpha_describe_the_orchestrator() -> Tes
         ] {
             assert!(names.iter().any(|n| n == expected), "{names:?} lacks {expected}");
         }
+        assert!(
+            !names.iter().any(|n| n == "toolrunner.v1.ToolRunner"),
+            "the orchestrator does not serve it: {names:?}"
+        );
     }
     Ok(())
 }

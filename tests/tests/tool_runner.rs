@@ -733,6 +733,10 @@ async fn reflection_v1_and_v1alpha_list_the_services() -> TestResult {
         ] {
             assert!(names.iter().any(|n| n == expected), "{names:?} lacks {expected}");
         }
+        assert!(
+            !names.iter().any(|n| n == "orchestrator.v1.Orchestrator"),
+            "the runner does not serve it: {names:?}"
+        );
     }
     Ok(())
 }

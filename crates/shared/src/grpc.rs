@@ -10,24 +10,32 @@ use tonic_reflection::server::v1alpha;
 use tower::{Layer, Service};
 
 /// The reflection service v1 (so `grpcurl` works without .proto files), knowing our contracts,
-/// gRPC health and reflection itself.
-pub fn reflection_service() -> Result<ServerReflectionServer<impl ServerReflection>, tonic_reflection::server::Error> {
-    reflection_builder().build_v1()
+/// gRPC health and reflection itself, and listing `served` (the service's own gRPC service),
+/// health and reflection: not the other contract's service, which this process does not serve.
+pub fn reflection_service(
+    served: &str,
+) -> Result<ServerReflectionServer<impl ServerReflection>, tonic_reflection::server::Error> {
+    reflection_builder(served).build_v1()
 }
 
 /// The same reflection as v1alpha, which older clients speak only (Python's
 /// `grpc_reflection.v1alpha`, older grpcurl, grpcui and Postman).
-pub fn reflection_service_v1alpha()
--> Result<v1alpha::ServerReflectionServer<impl v1alpha::ServerReflection>, tonic_reflection::server::Error> {
-    reflection_builder().build_v1alpha()
+pub fn reflection_service_v1alpha(
+    served: &str,
+) -> Result<v1alpha::ServerReflectionServer<impl v1alpha::ServerReflection>, tonic_reflection::server::Error> {
+    reflection_builder(served).build_v1alpha()
 }
 
-fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
+fn reflection_builder(served: &str) -> tonic_reflection::server::Builder<'static> {
     tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+        .with_service_name(served)
+        .with_service_name("grpc.health.v1.Health")
+        .with_service_name("grpc.reflection.v1.ServerReflection")
+        .with_service_name("grpc.reflection.v1alpha.ServerReflection")
 }
 
 /// A check in front of the gRPC routes that lets a request through or answers it at once with a

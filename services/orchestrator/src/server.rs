@@ -126,9 +126,9 @@ pub async fn serve_with_resolver(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
     let _health = security.serve_health(health_service.clone());
-    let reflection =
-        shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
-    let reflection_v1alpha = shared::grpc::reflection_service_v1alpha()
+    let reflection = shared::grpc::reflection_service(SERVICE_NAME)
+        .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
+    let reflection_v1alpha = shared::grpc::reflection_service_v1alpha(SERVICE_NAME)
         .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let service = OrchestratorServer::new(OrchestratorService::new(Arc::clone(&core)))
         .max_decoding_message_size(config.server.max_request_bytes);

@@ -14,131 +14,13 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::Service;
+use common::pki::{Pki, python};
 use mock_llm::{MockLlm, Scenario, Step, Turn};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
-
-/// The Python of the test virtualenv, with grpcio and grpcio-tools.
-fn python() -> anyhow::Result<PathBuf> {
-    let python = testkit::repo_root().join("target/tools/venv/bin/python");
-    anyhow::ensure!(
-        python.exists(),
-        "{} is missing: ./scripts/test installs it (python3 -m venv, pip install grpcio grpcio-tools)",
-        python.display()
-    );
-    Ok(python)
-}
-
-/// A throwaway PKI made with the `openssl` command.
-struct Pki {
-    dir: tempfile::TempDir,
-}
-
-impl Pki {
-    fn new() -> anyhow::Result<Self> {
-        Ok(Self {
-            dir: tempfile::tempdir()?,
-        })
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    async fn openssl(&self, args: &[&str]) -> TestResult {
-        let output = Command::new("openssl")
-            .args(args)
-            .current_dir(self.dir.path())
-            .output()
-            .await?;
-        anyhow::ensure!(
-            output.status.success(),
-            "openssl {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        Ok(())
-    }
-
-    /// A CA: `{name}.pem` and `{name}.key`.
-    async fn ca(&self, name: &str) -> TestResult {
-        let (pem, key, subject) = (format!("{name}.pem"), format!("{name}.key"), format!("/CN={name}"));
-        self.openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-days",
-            "2",
-            "-keyout",
-            &key,
-            "-out",
-            &pem,
-            "-subj",
-            &subject,
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ])
-        .await
-    }
-
-    /// A certificate for `name` (its common name; valid for 127.0.0.1 and localhost too) signed
-    /// by the CA `ca`: `{name}.pem`, `{name}.key`.
-    async fn leaf(&self, ca: &str, name: &str) -> TestResult {
-        let (csr, ext) = (format!("{name}.csr"), format!("{name}.ext"));
-        std::fs::write(
-            self.path(&ext),
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n",
-        )?;
-        let (key, subject) = (format!("{name}.key"), format!("/CN={name}"));
-        self.openssl(&[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            &subject,
-        ])
-        .await?;
-        let (ca_pem, ca_key, pem) = (format!("{ca}.pem"), format!("{ca}.key"), format!("{name}.pem"));
-        self.openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &ca_pem,
-            "-CAkey",
-            &ca_key,
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-out",
-            &pem,
-            "-extfile",
-            &ext,
-        ])
-        .await
-    }
-
-    fn arg(&self, name: &str) -> String {
-        self.path(name).display().to_string()
-    }
-}
 
 /// Runs the grpcio client over `steps`; each outcome by step name.
 async fn grpcio(steps: Vec<Value>) -> anyhow::Result<std::collections::HashMap<String, Value>> {

@@ -101,9 +101,9 @@ pub async fn serve(
     let _health = security.serve_health(health_service.clone());
     health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
     let mcp_health = tokio::spawn(follow_mcp_health(Arc::clone(&registry), health.clone()));
-    let reflection =
-        shared::grpc::reflection_service().map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
-    let reflection_v1alpha = shared::grpc::reflection_service_v1alpha()
+    let reflection = shared::grpc::reflection_service(SERVICE_NAME)
+        .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
+    let reflection_v1alpha = shared::grpc::reflection_service_v1alpha(SERVICE_NAME)
         .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let runner = ToolRunnerServer::new(ToolRunnerService::new(
         Arc::clone(&registry),

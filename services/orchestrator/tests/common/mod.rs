@@ -5,6 +5,7 @@
 
 pub(crate) mod nats;
 pub(crate) mod otlp;
+pub(crate) mod pki;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

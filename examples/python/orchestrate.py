@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Runs one LLM tool loop on the orchestrator and prints its events as they stream.
+
+    python orchestrate.py --target 127.0.0.1:50051 --prompt "check the tools" \
+        --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
+
+TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
+--server-name when the certificate names another host. Token: --token or ORCHESTRATOR_TOKEN,
+sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the run
+ends CANCELED with its output so far); Ctrl-C drops the call, which cancels a run that is not
+--detached. Exit status: 0 completed, 1 failed, 2 canceled, 3 the call itself failed (the gRPC
+status is printed), 130 interrupted.
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+
+import grpc
+from google.protobuf import json_format
+
+import stubs
+
+pb, pb_grpc = stubs.load()
+
+EXIT = {pb.RUN_STATUS_COMPLETED: 0, pb.RUN_STATUS_FAILED: 1, pb.RUN_STATUS_CANCELED: 2}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=os.environ.get("ORCHESTRATOR_TARGET", "127.0.0.1:50051"))
+    p.add_argument("--prompt", required=True, help="the user message")
+    p.add_argument("--system", default="", help="a system message")
+    p.add_argument("--model", default="", help="model name (default: the server's)")
+    p.add_argument("--run-id", default="", help="idempotency key (default: the server makes one)")
+    p.add_argument("--tool", action="append", default=[], help="allow only these normal tools (repeatable)")
+    p.add_argument("--exit-tool", action="append", default=[], help="offer this exit tool (repeatable)")
+    p.add_argument("--detached", action="store_true", help="the run goes on if this client goes away")
+    p.add_argument("--ca", help="PEM CA of the server's certificate (TLS)")
+    p.add_argument("--cert", help="PEM client certificate (mTLS)")
+    p.add_argument("--key", help="PEM client key (mTLS)")
+    p.add_argument("--server-name", help="host name to check the server's certificate against")
+    p.add_argument("--token", default=os.environ.get("ORCHESTRATOR_TOKEN"), help="bearer token")
+    p.add_argument("--cancel-after", type=float, help="call CancelRun after this many seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole call, seconds")
+    p.add_argument("--json", action="store_true", help="print each event as one JSON line")
+    return p.parse_args(argv)
+
+
+def read(path):
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def open_channel(args):
+    if not args.ca:
+        return grpc.insecure_channel(args.target)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read(args.ca), private_key=read(args.key), certificate_chain=read(args.cert)
+    )
+    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
+    return grpc.secure_channel(args.target, credentials, options=options)
+
+
+def build_request(args):
+    return pb.OrchestrateRequest(
+        run_id=args.run_id,
+        system=args.system,
+        model=args.model,
+        detached=args.detached,
+        messages=[pb.ChatMessage(role="user", content=args.prompt)],
+        tools=pb.ToolSelection(
+            normal=args.tool,
+            exit=[pb.ExitToolSpec(name=name, description=f"signal {name}") for name in args.exit_tool],
+        ),
+    )
+
+
+def describe(event):
+    """One human-readable line for an event."""
+    kind = event.WhichOneof("event")
+    e = getattr(event, kind)
+    if kind == "run_started":
+        return f"run {event.run_id} started on {e.model}; tools {list(e.normal_tools)}, exit tools {list(e.exit_tools)}"
+    if kind == "tool_call_started":
+        return f"tool call {e.call_id}: {e.name}({e.arguments_json})"
+    if kind == "tool_call_finished":
+        outcome = e.content_json if e.ok else f"error {e.error.code}: {e.error.message}"
+        return f"tool call {e.call_id} finished in {e.duration_ms} ms: {outcome}"
+    if kind == "signal":
+        return f"signal {e.tool_name}({e.arguments_json})"
+    if kind == "turn_finished":
+        return f"turn {e.turn} finished"
+    r = e.result
+    reason = f" ({pb.FailureReason.Name(r.failure_reason)}: {r.failure_detail})" if r.failure_reason else ""
+    return f"run finished {pb.RunStatus.Name(r.status)}{reason} after {r.turns} turns"
+
+
+class Printer:
+    """Prints events: text and reasoning as they stream (inline), every other event on its own
+    line; or each event as one JSON line."""
+
+    def __init__(self, as_json):
+        self.as_json = as_json
+        self.inline = None  # "text_delta" or "reasoning_delta" while a stream of them is printed
+
+    def event(self, event):
+        if self.as_json:
+            print(json.dumps(json_format.MessageToDict(event, preserving_proto_field_name=True)), flush=True)
+            return
+        kind = event.WhichOneof("event")
+        if kind in ("text_delta", "reasoning_delta"):
+            if self.inline != kind:
+                self.end_inline()
+                print("reasoning: " if kind == "reasoning_delta" else "text: ", end="")
+                self.inline = kind
+            print(getattr(event, kind).text, end="", flush=True)
+            return
+        self.end_inline()
+        print(f"[{event.seq}] {describe(event)}", flush=True)
+
+    def end_inline(self):
+        if self.inline is not None:
+            print(flush=True)
+            self.inline = None
+
+
+def cancel_later(stub, metadata, run_id, seconds):
+    def cancel():
+        answer = stub.CancelRun(pb.CancelRunRequest(run_id=run_id), metadata=metadata, timeout=10)
+        print(f"CancelRun({run_id}): canceled={answer.canceled}", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(seconds, cancel)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def run(args):
+    """Streams the run; returns the exit status."""
+    metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
+    with open_channel(args) as channel:
+        stub = pb_grpc.OrchestratorStub(channel)
+        call = stub.Orchestrate(build_request(args), metadata=metadata, timeout=args.timeout)
+        timer = None
+        printer = Printer(args.json)
+        try:
+            for event in call:
+                if timer is None and args.cancel_after is not None:
+                    timer = cancel_later(stub, metadata, event.run_id, args.cancel_after)
+                printer.event(event)
+                if event.WhichOneof("event") == "run_finished":
+                    return EXIT.get(event.run_finished.result.status, 1)
+        except KeyboardInterrupt:
+            printer.end_inline()
+            call.cancel()
+            print("interrupted: the call was dropped", file=sys.stderr)
+            return 130
+        finally:
+            if timer is not None:
+                timer.cancel()
+    print("error: the stream ended without run_finished", file=sys.stderr)
+    return 3
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,253 @@
+/**
+ * Runs one LLM tool loop on the orchestrator and prints its events as they stream.
+ *
+ *   npm ci && npm run build
+ *   node dist/orchestrate.js --target 127.0.0.1:50051 --prompt "check the tools" \
+ *     --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
+ *
+ * The contract is loaded from the repository's .proto at run time (@grpc/proto-loader).
+ * TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
+ * --server-name when the certificate names another host. Token: --token or ORCHESTRATOR_TOKEN,
+ * sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the
+ * run ends CANCELED with its output so far); Ctrl-C drops the call, which cancels a run that is
+ * not --detached. Exit status: 0 completed, 1 failed, 2 canceled, 3 the call itself failed (the
+ * gRPC status is printed), 130 interrupted.
+ */
+
+import * as fs from "node:fs";
+import * as path from "node:path";
+import { parseArgs } from "node:util";
+
+import * as grpc from "@grpc/grpc-js";
+import * as protoLoader from "@grpc/proto-loader";
+
+const PROTO_ROOT = path.resolve(__dirname, "..", "..", "..", "proto");
+const EXIT: Record<string, number> = {
+  RUN_STATUS_COMPLETED: 0,
+  RUN_STATUS_FAILED: 1,
+  RUN_STATUS_CANCELED: 2,
+};
+
+/** The events as proto-loader decodes them (keepCase, enums as names, `event` names the oneof). */
+interface ToolCallError {
+  code: string;
+  message: string;
+}
+interface RunResult {
+  run_id: string;
+  status: string;
+  failure_reason: string;
+  failure_detail: string;
+  turns: number;
+  text: string;
+}
+interface OrchestrateEvent {
+  run_id: string;
+  seq: string;
+  event: string;
+  run_started?: { model: string; normal_tools: string[]; exit_tools: string[] };
+  text_delta?: { text: string; turn: number };
+  reasoning_delta?: { text: string; turn: number };
+  tool_call_started?: { call_id: string; name: string; arguments_json: string };
+  tool_call_finished?: {
+    call_id: string;
+    name: string;
+    ok: boolean;
+    content_json: string;
+    error: ToolCallError | null;
+    duration_ms: string;
+  };
+  signal?: { tool_name: string; arguments_json: string };
+  turn_finished?: { turn: number };
+  run_finished?: { result: RunResult };
+}
+
+type Options = ReturnType<typeof options>;
+
+function options() {
+  const { values } = parseArgs({
+    options: {
+      target: { type: "string", default: process.env.ORCHESTRATOR_TARGET ?? "127.0.0.1:50051" },
+      prompt: { type: "string" },
+      system: { type: "string", default: "" },
+      model: { type: "string", default: "" },
+      "run-id": { type: "string", default: "" },
+      tool: { type: "string", multiple: true, default: [] },
+      "exit-tool": { type: "string", multiple: true, default: [] },
+      detached: { type: "boolean", default: false },
+      ca: { type: "string" },
+      cert: { type: "string" },
+      key: { type: "string" },
+      "server-name": { type: "string" },
+      token: { type: "string", default: process.env.ORCHESTRATOR_TOKEN },
+      "cancel-after": { type: "string" },
+      timeout: { type: "string", default: "600" },
+      json: { type: "boolean", default: false },
+    },
+  });
+  if (!values.prompt) {
+    throw new Error("--prompt is required");
+  }
+  return values;
+}
+
+function loadClient(opts: Options) {
+  const definition = protoLoader.loadSync("orchestrator/v1/orchestrator.proto", {
+    includeDirs: [PROTO_ROOT],
+    keepCase: true,
+    longs: String,
+    enums: String,
+    defaults: true,
+    oneofs: true,
+  });
+  const loaded = grpc.loadPackageDefinition(definition) as any;
+  const Orchestrator = loaded.orchestrator.v1.Orchestrator as grpc.ServiceClientConstructor;
+  const read = (file?: string) => (file ? fs.readFileSync(file) : null);
+  const credentials = opts.ca
+    ? grpc.credentials.createSsl(read(opts.ca), read(opts.key), read(opts.cert))
+    : grpc.credentials.createInsecure();
+  const channelOptions = opts["server-name"] ? { "grpc.ssl_target_name_override": opts["server-name"] } : {};
+  return new Orchestrator(opts.target, credentials, channelOptions) as any;
+}
+
+function request(opts: Options) {
+  return {
+    run_id: opts["run-id"],
+    system: opts.system,
+    model: opts.model,
+    detached: opts.detached,
+    messages: [{ role: "user", content: opts.prompt }],
+    tools: {
+      normal: opts.tool,
+      exit: opts["exit-tool"].map((name) => ({ name, description: `signal ${name}` })),
+    },
+  };
+}
+
+/** One human-readable line for an event that is not streamed text. */
+function describe(e: OrchestrateEvent): string {
+  switch (e.event) {
+    case "run_started": {
+      const s = e.run_started!;
+      return `run ${e.run_id} started on ${s.model}; tools ${JSON.stringify(s.normal_tools)}, exit tools ${JSON.stringify(s.exit_tools)}`;
+    }
+    case "tool_call_started": {
+      const c = e.tool_call_started!;
+      return `tool call ${c.call_id}: ${c.name}(${c.arguments_json})`;
+    }
+    case "tool_call_finished": {
+      const c = e.tool_call_finished!;
+      const outcome = c.ok ? c.content_json : `error ${c.error?.code}: ${c.error?.message}`;
+      return `tool call ${c.call_id} finished in ${c.duration_ms} ms: ${outcome}`;
+    }
+    case "signal":
+      return `signal ${e.signal!.tool_name}(${e.signal!.arguments_json})`;
+    case "turn_finished":
+      return `turn ${e.turn_finished!.turn} finished`;
+    case "run_finished": {
+      const r = e.run_finished!.result;
+      const reason = r.failure_reason !== "FAILURE_REASON_UNSPECIFIED" ? ` (${r.failure_reason}: ${r.failure_detail})` : "";
+      return `run finished ${r.status}${reason} after ${r.turns} turns`;
+    }
+    default:
+      return e.event;
+  }
+}
+
+/** Prints text and reasoning inline as they stream, every other event on its own line. */
+class Printer {
+  private inline: string | null = null;
+  constructor(private readonly json: boolean) {}
+
+  event(e: OrchestrateEvent) {
+    if (this.json) {
+      process.stdout.write(`${JSON.stringify(e)}\n`);
+      return;
+    }
+    if (e.event === "text_delta" || e.event === "reasoning_delta") {
+      if (this.inline !== e.event) {
+        this.endInline();
+        process.stdout.write(e.event === "text_delta" ? "text: " : "reasoning: ");
+        this.inline = e.event;
+      }
+      process.stdout.write((e.text_delta ?? e.reasoning_delta)!.text);
+      return;
+    }
+    this.endInline();
+    process.stdout.write(`[${e.seq}] ${describe(e)}\n`);
+  }
+
+  endInline() {
+    if (this.inline !== null) {
+      process.stdout.write("\n");
+      this.inline = null;
+    }
+  }
+}
+
+/** Streams the run; resolves to the exit status. */
+function run(opts: Options): Promise<number> {
+  const client = loadClient(opts);
+  const metadata = new grpc.Metadata();
+  if (opts.token) {
+    metadata.set("authorization", `Bearer ${opts.token}`);
+  }
+  const deadline = new Date(Date.now() + Number(opts.timeout) * 1000);
+  const call = client.Orchestrate(request(opts), metadata, { deadline });
+  const printer = new Printer(opts.json);
+  let status: number | null = null;
+  let timer: NodeJS.Timeout | null = null;
+
+  process.once("SIGINT", () => {
+    printer.endInline();
+    process.stderr.write("interrupted: the call was dropped\n");
+    status = 130;
+    call.cancel();
+  });
+
+  return new Promise((resolve) => {
+    call.on("data", (e: OrchestrateEvent) => {
+      if (timer === null && opts["cancel-after"] !== undefined) {
+        timer = setTimeout(() => {
+          client.CancelRun({ run_id: e.run_id }, metadata, (err: grpc.ServiceError | null, answer: any) => {
+            process.stderr.write(err ? `CancelRun failed: ${err.message}\n` : `CancelRun(${e.run_id}): canceled=${answer.canceled}\n`);
+          });
+        }, Number(opts["cancel-after"]) * 1000);
+      }
+      printer.event(e);
+      if (e.event === "run_finished") {
+        status = EXIT[e.run_finished!.result.status] ?? 1;
+      }
+    });
+    call.on("error", (err: grpc.ServiceError) => {
+      if (status === null) {
+        process.stderr.write(`error: ${grpc.status[err.code]}: ${err.details}\n`);
+        status = 3;
+      }
+    });
+    call.on("close", () => {
+      if (timer !== null) clearTimeout(timer);
+      client.close();
+      if (status === null) {
+        process.stderr.write("error: the stream ended without run_finished\n");
+        status = 3;
+      }
+      resolve(status);
+    });
+  });
+}
+
+async function main() {
+  // A closed pipe (`| head`) ends the program quietly, as it would a shell tool.
+  process.stdout.on("error", (err: NodeJS.ErrnoException) => process.exit(err.code === "EPIPE" ? 0 : 3));
+  let opts: Options;
+  try {
+    opts = options();
+  } catch (err) {
+    process.stderr.write(`orchestrate: ${(err as Error).message}\n`);
+    return 2;
+  }
+  return run(opts);
+}
+
+main().then((code) => process.exit(code));

@@ -1,0 +1,127 @@
+//! A throwaway PKI made with the `openssl` command, and the Python of the test virtualenv: what
+//! the tests that call the services from other languages over TLS share.
+
+use std::path::PathBuf;
+
+use tokio::process::Command;
+
+type TestResult = anyhow::Result<()>;
+
+/// The Python of the test virtualenv, with grpcio and grpcio-tools.
+pub(crate) fn python() -> anyhow::Result<PathBuf> {
+    let python = testkit::repo_root().join("target/tools/venv/bin/python");
+    anyhow::ensure!(
+        python.exists(),
+        "{} is missing: ./scripts/test installs it (python3 -m venv, pip install grpcio grpcio-tools)",
+        python.display()
+    );
+    Ok(python)
+}
+
+/// A throwaway PKI made with the `openssl` command.
+pub(crate) struct Pki {
+    pub(crate) dir: tempfile::TempDir,
+}
+
+impl Pki {
+    pub(crate) fn new() -> anyhow::Result<Self> {
+        Ok(Self {
+            dir: tempfile::tempdir()?,
+        })
+    }
+
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    async fn openssl(&self, args: &[&str]) -> TestResult {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(self.dir.path())
+            .output()
+            .await?;
+        anyhow::ensure!(
+            output.status.success(),
+            "openssl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(())
+    }
+
+    /// A CA: `{name}.pem` and `{name}.key`.
+    pub(crate) async fn ca(&self, name: &str) -> TestResult {
+        let (pem, key, subject) = (format!("{name}.pem"), format!("{name}.key"), format!("/CN={name}"));
+        self.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "2",
+            "-keyout",
+            &key,
+            "-out",
+            &pem,
+            "-subj",
+            &subject,
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ])
+        .await
+    }
+
+    /// A certificate for `name` (its common name; valid for 127.0.0.1 and localhost too) signed
+    /// by the CA `ca`: `{name}.pem`, `{name}.key`.
+    pub(crate) async fn leaf(&self, ca: &str, name: &str) -> TestResult {
+        let (csr, ext) = (format!("{name}.csr"), format!("{name}.ext"));
+        std::fs::write(
+            self.path(&ext),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )?;
+        let (key, subject) = (format!("{name}.key"), format!("/CN={name}"));
+        self.openssl(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            &subject,
+        ])
+        .await?;
+        let (ca_pem, ca_key, pem) = (format!("{ca}.pem"), format!("{ca}.key"), format!("{name}.pem"));
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &ca_pem,
+            "-CAkey",
+            &ca_key,
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            &pem,
+            "-extfile",
+            &ext,
+        ])
+        .await
+    }
+
+    pub(crate) fn arg(&self, name: &str) -> String {
+        self.path(name).display().to_string()
+    }
+}
