@@ -8,6 +8,7 @@
 
 pub mod mcp_servers;
 pub mod model_servers;
+pub mod pki;
 
 use std::path::PathBuf;
 use std::process::Stdio;

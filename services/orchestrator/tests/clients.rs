@@ -11,9 +11,10 @@ use std::process::Output;
 use std::time::Duration;
 
 use common::Service;
-use common::pki::{Pki, python};
+use common::python::python;
 use mock_llm::{MockLlm, Scenario, Scenarios, Step, Turn};
 use serde_json::{Value, json};
+use testkit::pki::Pki;
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;

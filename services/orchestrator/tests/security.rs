@@ -14,9 +14,10 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::Service;
-use common::pki::{Pki, python};
+use common::python::python;
 use mock_llm::{MockLlm, Scenario, Step, Turn};
 use serde_json::{Value, json};
+use testkit::pki::Pki;
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 

@@ -5,7 +5,7 @@
 
 pub(crate) mod nats;
 pub(crate) mod otlp;
-pub(crate) mod pki;
+pub(crate) mod python;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

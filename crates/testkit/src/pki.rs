@@ -1,5 +1,5 @@
-//! A throwaway PKI made with the `openssl` command, and the Python of the test virtualenv: what
-//! the tests that call the services from other languages over TLS share.
+//! A throwaway PKI made with the `openssl` command, for the tests that call the services over
+//! TLS and mTLS.
 
 use std::path::PathBuf;
 
@@ -7,30 +7,22 @@ use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
-/// The Python of the test virtualenv, with grpcio and grpcio-tools.
-pub(crate) fn python() -> anyhow::Result<PathBuf> {
-    let python = testkit::repo_root().join("target/tools/venv/bin/python");
-    anyhow::ensure!(
-        python.exists(),
-        "{} is missing: ./scripts/test installs it (python3 -m venv, pip install grpcio grpcio-tools)",
-        python.display()
-    );
-    Ok(python)
-}
-
 /// A throwaway PKI made with the `openssl` command.
-pub(crate) struct Pki {
-    pub(crate) dir: tempfile::TempDir,
+pub struct Pki {
+    /// Where the files are (removed on drop).
+    pub dir: tempfile::TempDir,
 }
 
 impl Pki {
-    pub(crate) fn new() -> anyhow::Result<Self> {
+    /// An empty PKI in a new temporary directory.
+    pub fn new() -> anyhow::Result<Self> {
         Ok(Self {
             dir: tempfile::tempdir()?,
         })
     }
 
-    pub(crate) fn path(&self, name: &str) -> PathBuf {
+    /// The file `name` of the PKI.
+    pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
 
@@ -50,7 +42,7 @@ impl Pki {
     }
 
     /// A CA: `{name}.pem` and `{name}.key`.
-    pub(crate) async fn ca(&self, name: &str) -> TestResult {
+    pub async fn ca(&self, name: &str) -> TestResult {
         let (pem, key, subject) = (format!("{name}.pem"), format!("{name}.key"), format!("/CN={name}"));
         self.openssl(&[
             "req",
@@ -78,7 +70,7 @@ impl Pki {
 
     /// A certificate for `name` (its common name; valid for 127.0.0.1 and localhost too) signed
     /// by the CA `ca`: `{name}.pem`, `{name}.key`.
-    pub(crate) async fn leaf(&self, ca: &str, name: &str) -> TestResult {
+    pub async fn leaf(&self, ca: &str, name: &str) -> TestResult {
         let (csr, ext) = (format!("{name}.csr"), format!("{name}.ext"));
         std::fs::write(
             self.path(&ext),
@@ -121,7 +113,8 @@ impl Pki {
         .await
     }
 
-    pub(crate) fn arg(&self, name: &str) -> String {
+    /// The file `name` of the PKI, as a command-line argument.
+    pub fn arg(&self, name: &str) -> String {
         self.path(name).display().to_string()
     }
 }

@@ -1,0 +1,140 @@
+//! A Rust client of the Orchestrator service, on the contract crate (`proto`) and tonic alone.
+//!
+//! * [`ClientBuilder`] connects: plaintext or TLS (a CA, optionally a client certificate for
+//!   mTLS), a bearer token sent with every call, a connect timeout, and a [`Retry`] policy for
+//!   calls refused with `UNAVAILABLE` or `RESOURCE_EXHAUSTED` before they started.
+//! * [`RunRequest`] builds an `OrchestrateRequest`: the prompt or conversation, tools, exit tools,
+//!   limits, model parameters, metadata.
+//! * [`Client::orchestrate`] returns a [`RunStream`] of typed [`Event`]s; [`RunStream::result`]
+//!   reads it to the run's [`RunResult`](pb::RunResult), and [`Client::run`] does both. Dropping a
+//!   stream before the run finished cancels the run (`CancelRun`), detached runs included.
+//!
+//! ```no_run
+//! use orchestrator_client::{ClientBuilder, Event, RunRequest};
+//!
+//! # async fn demo() -> Result<(), orchestrator_client::Error> {
+//! let client = ClientBuilder::new("http://127.0.0.1:50051").token("s3cret").connect().await?;
+//! let request = RunRequest::prompt("What is 6 * 7?")
+//!     .tool("calculate")
+//!     .exit_tool("submit_report", "File the answer");
+//! let mut run = client.orchestrate(request).await?;
+//! while let Some(event) = run.next_event().await? {
+//!     match event {
+//!         Event::Text { text, .. } => print!("{text}"),
+//!         Event::Signal(signal) => println!("\nsignal {} {}", signal.tool_name, signal.arguments_json),
+//!         Event::Finished(result) => println!("\n{:?}", result.status()),
+//!         _ => {}
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+mod builder;
+mod error;
+mod request;
+mod retry;
+mod stream;
+
+use std::time::Duration;
+
+use futures::Stream;
+use proto::orchestrator::v1 as pb;
+use tonic::transport::Channel;
+
+pub use builder::ClientBuilder;
+pub use error::Error;
+pub use proto::orchestrator::v1;
+pub use request::RunRequest;
+pub use retry::Retry;
+pub use stream::{Event, RunStream};
+
+/// A connected client; cheap to clone (clones share the connection).
+#[derive(Clone, Debug)]
+pub struct Client {
+    inner: pb::orchestrator_client::OrchestratorClient<Channel>,
+    /// `Bearer <token>`, checked when the client was built.
+    authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    retry: Retry,
+    /// Deadline of each call (a whole run for `orchestrate`).
+    timeout: Duration,
+}
+
+impl Client {
+    /// Starts a run and returns its event stream. A call refused before it started
+    /// (`UNAVAILABLE`, `RESOURCE_EXHAUSTED`) is tried again under the [`Retry`] policy.
+    pub async fn orchestrate(&self, request: RunRequest) -> Result<RunStream, Error> {
+        let request = request.into_proto();
+        let stream = self
+            .retry
+            .run(|| {
+                let mut client = self.inner.clone();
+                let request = self.request(request.clone());
+                async move { client.orchestrate(request).await }
+            })
+            .await?
+            .into_inner();
+        Ok(RunStream::new(stream, self.clone()))
+    }
+
+    /// Runs `request` to its end and returns its result (whatever the status).
+    pub async fn run(&self, request: RunRequest) -> Result<pb::RunResult, Error> {
+        self.orchestrate(request).await?.result().await
+    }
+
+    /// The result of a live or finished run (`NOT_FOUND` when unknown or expired).
+    pub async fn get_run(&self, run_id: &str) -> Result<pb::RunResult, Error> {
+        let request = pb::GetRunRequest { run_id: run_id.into() };
+        let answer = self
+            .retry
+            .run(|| {
+                let mut client = self.inner.clone();
+                let request = self.request(request.clone());
+                async move { client.get_run(request).await }
+            })
+            .await?;
+        Ok(answer.into_inner())
+    }
+
+    /// Cancels a live run; `true` when it was live (it ends `CANCELED`, keeping its output).
+    pub async fn cancel_run(&self, run_id: &str) -> Result<bool, Error> {
+        let request = pb::CancelRunRequest { run_id: run_id.into() };
+        let answer = self
+            .retry
+            .run(|| {
+                let mut client = self.inner.clone();
+                let request = self.request(request.clone());
+                async move { client.cancel_run(request).await }
+            })
+            .await?;
+        Ok(answer.into_inner().canceled)
+    }
+
+    /// Signals as runs publish them, from now on; `run_id` and `tool_names` filter (empty: all).
+    pub async fn subscribe_signals(
+        &self,
+        run_id: &str,
+        tool_names: &[&str],
+    ) -> Result<impl Stream<Item = Result<pb::SignalEvent, Error>> + use<>, Error> {
+        use futures::StreamExt;
+        let request = pb::SubscribeSignalsRequest {
+            run_id: run_id.into(),
+            tool_names: tool_names.iter().map(|t| (*t).to_owned()).collect(),
+        };
+        let mut request = self.request(request);
+        // A subscription lasts as long as the caller reads it: no deadline.
+        request.metadata_mut().remove("grpc-timeout");
+        let stream = self.inner.clone().subscribe_signals(request).await?.into_inner();
+        Ok(stream.map(|item| item.map_err(Error::from)))
+    }
+
+    /// `message` with the token and the deadline.
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(self.timeout);
+        if let Some(authorization) = &self.authorization {
+            request.metadata_mut().insert("authorization", authorization.clone());
+        }
+        request
+    }
+}

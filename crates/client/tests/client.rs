@@ -1,0 +1,231 @@
+//! The client against the real orchestrator, tool-runner and stand-in model in this process
+//! (loopback): typed events and the collected result, retries of refused calls (no run slot; no
+//! server yet), cancel on drop, TLS with a bearer token, and bad settings refused clearly.
+
+use std::time::Duration;
+
+use e2e::stack::{Stack, runner_config};
+use mock_llm::{Scenario, Scenarios, Step, Turn};
+use orchestrator_client::{ClientBuilder, Error, Event, Retry, RunRequest, v1 as pb};
+use serde_json::json;
+
+type TestResult = anyhow::Result<()>;
+
+/// The demo by default; model `slow` naps `ms` in its one tool call.
+fn scenarios(ms: u64) -> Scenarios {
+    let slow = Scenario::new(vec![
+        Turn::text("Napping.\n").then(Step::call("sleep", json!({"ms": ms}))),
+        Turn::text("Rested."),
+    ]);
+    Scenarios {
+        default: Scenario::demo(),
+        named: [("slow".to_owned(), slow)].into_iter().collect(),
+    }
+}
+
+fn demo() -> RunRequest {
+    RunRequest::prompt("check the tools").exit_tool("submit_report", "File the report")
+}
+
+fn patient() -> Retry {
+    Retry {
+        attempts: 40,
+        first_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(250),
+    }
+}
+
+#[tokio::test]
+async fn a_run_streams_typed_events_and_collects_its_result() -> TestResult {
+    let stack = Stack::start(scenarios(10), runner_config(None), |_| {}).await?;
+    let client = ClientBuilder::new(format!("http://{}", stack.addr)).connect().await?;
+
+    let mut run = client.orchestrate(demo().run_id("typed-1")).await?;
+    let mut events = Vec::new();
+    while let Some(event) = run.next_event().await? {
+        events.push(event);
+    }
+    assert_eq!(run.run_id(), Some("typed-1"));
+    assert!(matches!(events.first(), Some(Event::Started(s)) if s.exit_tools == ["submit_report"]));
+    let started = events.iter().filter(|e| matches!(e, Event::ToolCallStarted(_))).count();
+    let first_finished = events.iter().position(|e| matches!(e, Event::ToolCallFinished(_)));
+    let last_started = events.iter().rposition(|e| matches!(e, Event::ToolCallStarted(_)));
+    assert_eq!(started, 3);
+    assert!(last_started < first_finished, "dispatched together: {events:?}");
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, Event::Signal(s) if s.tool_name == "submit_report"))
+    );
+    let text: String = events
+        .iter()
+        .filter_map(|e| {
+            if let Event::Text { text, .. } = e {
+                Some(text.as_str())
+            } else {
+                None
+            }
+        })
+        .collect();
+    let Some(Event::Finished(result)) = events.last() else {
+        anyhow::bail!("the last event is not Finished: {events:?}");
+    };
+    assert_eq!(result.status(), pb::RunStatus::Completed);
+    assert_eq!(result.text, text);
+    assert_eq!(client.get_run("typed-1").await?, *result);
+
+    // The helper: a run straight to its result; canceling a finished run is a no-op.
+    let result = client.run(demo()).await?;
+    assert_eq!(
+        (result.status(), result.tool_calls.len(), result.signals.len()),
+        (pb::RunStatus::Completed, 3, 1)
+    );
+    assert!(!client.cancel_run(&result.run_id).await?);
+    let missing = client.get_run("no-such-run").await.err().and_then(|e| e.code());
+    assert_eq!(missing, Some(tonic::Code::NotFound));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_call_refused_for_want_of_a_run_slot_is_retried_with_backoff() -> TestResult {
+    let stack = Stack::start(scenarios(1500), runner_config(None), |config| config.runs.max_runs = 1).await?;
+    let endpoint = format!("http://{}", stack.addr);
+    let client = ClientBuilder::new(&endpoint).retry(Retry::none()).connect().await?;
+    let mut slow = client.orchestrate(RunRequest::prompt("nap").model("slow")).await?;
+    assert!(matches!(slow.next_event().await?, Some(Event::Started(_))));
+
+    // The one slot is taken: without retries the call is refused at once …
+    let refused = client.run(demo()).await.err().and_then(|e| e.code());
+    assert_eq!(refused, Some(tonic::Code::ResourceExhausted));
+    // … with them it runs once the slot is free.
+    let patient_client = ClientBuilder::new(&endpoint).retry(patient()).connect().await?;
+    let (waited, slow_result) = tokio::join!(patient_client.run(demo()), slow.result());
+    assert_eq!(slow_result?.status(), pb::RunStatus::Completed);
+    assert_eq!(waited?.status(), pb::RunStatus::Completed);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_server_that_is_not_up_yet_is_retried_until_it_is() -> TestResult {
+    let stack = Stack::start(scenarios(10), runner_config(None), |_| {}).await?;
+    // A free port, and an orchestrator that starts listening on it only after 500 ms.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let config = orchestrator::Config::new(
+        &stack.mock.base_url(),
+        "test-model",
+        vec![format!("http://{}", stack.runner.addr)],
+    );
+    let late = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+        orchestrator::serve(listener, config, std::future::pending()).await?;
+        anyhow::Ok(())
+    });
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let impatient = ClientBuilder::new(&endpoint).retry(Retry::none()).connect_lazy()?;
+    assert_eq!(
+        impatient.run(demo()).await.err().and_then(|e| e.code()),
+        Some(tonic::Code::Unavailable)
+    );
+    let client = ClientBuilder::new(&endpoint).retry(patient()).connect_lazy()?;
+    assert_eq!(client.run(demo()).await?.status(), pb::RunStatus::Completed);
+    late.abort();
+    Ok(())
+}
+
+#[tokio::test]
+async fn dropping_the_stream_cancels_the_run_even_a_detached_one() -> TestResult {
+    let stack = Stack::start(scenarios(8000), runner_config(None), |_| {}).await?;
+    let client = ClientBuilder::new(format!("http://{}", stack.addr)).connect().await?;
+    let request = RunRequest::prompt("nap")
+        .model("slow")
+        .run_id("dropped-1")
+        .detached(true);
+    let mut run = client.orchestrate(request).await?;
+    while let Some(event) = run.next_event().await? {
+        if matches!(event, Event::ToolCallStarted(_)) {
+            break;
+        }
+    }
+    drop(run);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let result = client.get_run("dropped-1").await?;
+        if result.status() == pb::RunStatus::Canceled {
+            assert_eq!(result.text, "Napping.\n", "the output so far is kept");
+            return Ok(());
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "still {:?}", result.status());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn tls_and_a_token_reach_a_secured_orchestrator() -> TestResult {
+    let pki = testkit::pki::Pki::new()?;
+    pki.ca("ca").await?;
+    pki.leaf("ca", "server").await?;
+    pki.ca("other").await?;
+    let tokens = pki.path("tokens.toml");
+    std::fs::write(
+        &tokens,
+        format!(
+            "[[token]]\nprincipal = \"rust\"\nsha256 = \"{}\"\n",
+            shared::auth::token_sha256("rust-token")
+        ),
+    )?;
+    let stack = Stack::start(scenarios(10), runner_config(None), |config| {
+        config.security.tls_cert = Some(pki.path("server.pem"));
+        config.security.tls_key = Some(pki.path("server.key"));
+        config.security.auth_tokens = Some(tokens.clone());
+    })
+    .await?;
+    let endpoint = format!("https://localhost:{}", stack.addr.port());
+    let ca = std::fs::read(pki.path("ca.pem"))?;
+
+    let client = ClientBuilder::new(&endpoint)
+        .tls_ca_pem(ca.clone())
+        .token("rust-token")
+        .connect()
+        .await?;
+    let result = client.run(demo()).await?;
+    assert_eq!(
+        (result.status(), result.principal.as_str()),
+        (pb::RunStatus::Completed, "rust")
+    );
+
+    let anonymous = ClientBuilder::new(&endpoint).tls_ca_pem(ca).connect().await?;
+    assert_eq!(
+        anonymous.run(demo()).await.err().and_then(|e| e.code()),
+        Some(tonic::Code::Unauthenticated)
+    );
+
+    // A server certificate from another CA is not trusted.
+    let other = std::fs::read(pki.path("other.pem"))?;
+    let untrusted = ClientBuilder::new(&endpoint)
+        .tls_ca_pem(other)
+        .token("rust-token")
+        .connect()
+        .await;
+    assert!(untrusted.is_err(), "connected to a server the CA did not sign");
+    Ok(())
+}
+
+#[tokio::test]
+async fn unusable_settings_are_refused_without_echoing_the_token() {
+    let error = |builder: ClientBuilder| builder.connect_lazy().err().map(|e| e.to_string()).unwrap_or_default();
+    let message = error(ClientBuilder::new("https://x:1"));
+    assert!(message.contains("tls_ca_pem"), "{message}");
+    let message = error(ClientBuilder::new("http://x:1").tls_ca_pem(b"pem".to_vec()));
+    assert!(message.contains("needs an https:// endpoint"), "{message}");
+    let message = error(ClientBuilder::new("http://x:1").token("sécret\n"));
+    assert!(
+        message.contains("printable ASCII") && !message.contains("sécret"),
+        "{message}"
+    );
+    let message = error(ClientBuilder::new("not a url"));
+    assert!(message.contains("endpoint"), "{message}");
+    assert!(!format!("{:?}", ClientBuilder::new("http://x:1").token("hidden")).contains("hidden"));
+    assert!(ClientBuilder::new("http://x:1").connect_lazy().is_ok());
+    assert_eq!(Error::Protocol("x".into()).code(), None);
+}
