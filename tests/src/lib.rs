@@ -3,6 +3,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod proto_docs;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
