@@ -1,5 +1,9 @@
 //! A run's event stream, typed: [`Event`]s in order, checked against the contract (`seq` 1, 2,
 //! 3 … without gaps; `run_finished` last), and canceled when dropped before the end.
+//!
+//! After `run_finished` the stream is read to its real end (the call's trailers) before it says
+//! `None`: a call dropped before its trailers is reset on the wire, and an HTTP/2 server closes a
+//! connection that sees many such resets, which would fail the client's later calls.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -69,7 +73,10 @@ pub struct RunStream {
     client: Client,
     run_id: Option<String>,
     last_seq: u64,
+    /// `run_finished` (or an error) was yielded; nothing more is.
     finished: bool,
+    /// The call itself ended (trailers read, or it broke off).
+    ended: bool,
 }
 
 impl std::fmt::Debug for RunStream {
@@ -90,6 +97,7 @@ impl RunStream {
             run_id: None,
             last_seq: 0,
             finished: false,
+            ended: false,
         }
     }
 
@@ -98,19 +106,20 @@ impl RunStream {
         self.run_id.as_deref()
     }
 
-    /// The next event; `None` after `run_finished`.
+    /// The next event; `None` once the call has ended after `run_finished`.
     pub async fn next_event(&mut self) -> Result<Option<Event>, Error> {
         self.next().await.transpose()
     }
 
     /// Reads the stream to its end and returns the run's result (whatever its status).
     pub async fn result(mut self) -> Result<pb::RunResult, Error> {
+        let mut result = None;
         while let Some(event) = self.next_event().await? {
-            if let Event::Finished(result) = event {
-                return Ok(result);
+            if let Event::Finished(finished) = event {
+                result = Some(finished);
             }
         }
-        Err(Error::Protocol("the stream ended without run_finished".into()))
+        result.ok_or_else(|| Error::Protocol("the stream ended without run_finished".into()))
     }
 
     /// Checks one raw event against the contract and types it.
@@ -136,22 +145,34 @@ impl Stream for RunStream {
     type Item = Result<Event, Error>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        if self.finished {
-            return Poll::Ready(None);
-        }
-        match self.events.poll_next_unpin(cx) {
-            Poll::Ready(Some(Ok(event))) => Poll::Ready(Some(self.accept(event))),
-            Poll::Ready(Some(Err(status))) => {
-                self.finished = true;
-                Poll::Ready(Some(Err(status.into())))
+        loop {
+            if self.ended {
+                return Poll::Ready(None);
             }
-            Poll::Ready(None) => {
-                self.finished = true;
-                Poll::Ready(Some(Err(Error::Protocol(
-                    "the stream ended without run_finished".into(),
-                ))))
+            let polled = self.events.poll_next_unpin(cx);
+            if self.finished {
+                // Past run_finished: read to the trailers, yielding nothing more.
+                match polled {
+                    Poll::Ready(Some(_)) => continue,
+                    Poll::Ready(None) => self.ended = true,
+                    Poll::Pending => return Poll::Pending,
+                }
+                continue;
             }
-            Poll::Pending => Poll::Pending,
+            return match polled {
+                Poll::Ready(Some(Ok(event))) => Poll::Ready(Some(self.accept(event))),
+                Poll::Ready(Some(Err(status))) => {
+                    (self.finished, self.ended) = (true, true);
+                    Poll::Ready(Some(Err(status.into())))
+                }
+                Poll::Ready(None) => {
+                    (self.finished, self.ended) = (true, true);
+                    Poll::Ready(Some(Err(Error::Protocol(
+                        "the stream ended without run_finished".into(),
+                    ))))
+                }
+                Poll::Pending => Poll::Pending,
+            };
         }
     }
 }

@@ -1,12 +1,12 @@
 //! A small client of the Orchestrator service for shells: `orchestrator call` and the demo use
-//! it to start a run and print its event stream readably.
+//! it to start a run and print its event stream readably. The calls go through the Rust client
+//! crate (`orchestrator-client`), as another service's would.
 
 use std::io::Write;
 use std::time::Duration;
 
-use futures::StreamExt;
+use orchestrator_client::{ClientBuilder, Event as E, Retry, RunRequest};
 use proto::orchestrator::v1 as pb;
-use proto::orchestrator::v1::orchestrate_event::Event as E;
 
 use crate::Error;
 
@@ -66,7 +66,7 @@ impl Printer {
 
     fn print(&mut self, out: &mut impl Write, event: &E) {
         match event {
-            E::RunStarted(s) => {
+            E::Started(s) => {
                 self.at_line_start = true;
                 let limits = s.limits.unwrap_or_default();
                 self.line(
@@ -89,21 +89,21 @@ impl Printer {
                     ),
                 );
             }
-            E::ReasoningDelta(r) => {
-                self.turn_header(out, r.turn);
+            E::Reasoning { text, turn } => {
+                self.turn_header(out, *turn);
                 if !self.in_reasoning {
                     self.in_reasoning = true;
                     self.line(out, "  ‥ reasoning");
                 }
-                self.write(out, &r.text);
+                self.write(out, text);
             }
-            E::TextDelta(t) => {
-                self.turn_header(out, t.turn);
+            E::Text { text, turn } => {
+                self.turn_header(out, *turn);
                 if self.in_reasoning {
                     self.in_reasoning = false;
                     self.line(out, "  ‥ answer");
                 }
-                self.write(out, &t.text);
+                self.write(out, text);
             }
             E::ToolCallStarted(c) => {
                 self.in_reasoning = false;
@@ -132,8 +132,7 @@ impl Printer {
                     ),
                 );
             }
-            E::RunFinished(f) => {
-                let r = f.result.clone().unwrap_or_default();
+            E::Finished(r) => {
                 let status = pb::RunStatus::try_from(r.status)
                     .map_or("?", |s| s.as_str_name())
                     .trim_start_matches("RUN_STATUS_");
@@ -160,55 +159,41 @@ impl Printer {
 /// Starts a run on the orchestrator at `options.endpoint`, prints its events to stdout, and
 /// returns the final result.
 pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
-    let channel = tonic::transport::Endpoint::from_shared(options.endpoint.clone())
-        .map_err(|e| Error::Config(format!("--endpoint {:?}: {e}", options.endpoint)))?
+    let client = ClientBuilder::new(options.endpoint.clone())
         .connect_timeout(Duration::from_secs(5))
+        .timeout(options.timeout)
+        .retry(Retry::none())
         .connect()
         .await
         .map_err(|e| Error::Config(format!("cannot connect to {}: {e}", options.endpoint)))?;
-    let mut client = pb::orchestrator_client::OrchestratorClient::new(channel);
-    let mut request = tonic::Request::new(pb::OrchestrateRequest {
-        run_id: options.run_id.clone(),
-        system: options.system.clone(),
-        messages: vec![pb::ChatMessage {
-            role: "user".into(),
-            content: options.prompt.clone(),
-            ..Default::default()
-        }],
-        model: options.model.clone(),
-        params: Some(options.params.clone()),
-        tools: Some(pb::ToolSelection {
-            normal: options.tools.clone(),
-            exit: options
-                .exit_tools
-                .iter()
-                .map(|(name, description)| pb::ExitToolSpec {
-                    name: name.clone(),
-                    description: description.clone(),
-                    parameters_json_schema: String::new(),
-                })
-                .collect(),
-        }),
-        ..Default::default()
-    });
-    request.set_timeout(options.timeout);
-    let mut stream = client
-        .orchestrate(request)
+    let mut request = RunRequest::prompt(options.prompt.clone())
+        .system(options.system.clone())
+        .model(options.model.clone())
+        .run_id(options.run_id.clone());
+    for tool in &options.tools {
+        request = request.tool(tool.clone());
+    }
+    for (name, description) in &options.exit_tools {
+        request = request.exit_tool(name.clone(), description.clone());
+    }
+    let mut request = request.into_proto();
+    request.params = Some(options.params.clone());
+    let mut run = client
+        .orchestrate(request.into())
         .await
-        .map_err(|s| Error::Config(format!("Orchestrate was refused: {:?}: {}", s.code(), s.message())))?
-        .into_inner();
+        .map_err(|e| Error::Config(format!("Orchestrate was refused: {e}")))?;
     let mut printer = Printer::default();
     let mut stdout = std::io::stdout();
-    // Read to the end of the stream (its trailers), not just to run_finished.
+    // Read to the end of the call (its trailers, which the client reads after run_finished).
     let mut result = None;
-    while let Some(item) = stream.next().await {
-        let event =
-            item.map_err(|s| Error::Config(format!("the event stream broke off: {:?}: {}", s.code(), s.message())))?;
-        if let Some(event) = &event.event {
-            printer.print(&mut stdout, event);
-            if let E::RunFinished(finished) = event {
-                result = Some(finished.result.clone().unwrap_or_default());
-            }
+    while let Some(event) = run
+        .next_event()
+        .await
+        .map_err(|e| Error::Config(format!("the event stream broke off: {e}")))?
+    {
+        printer.print(&mut stdout, &event);
+        if let E::Finished(finished) = event {
+            result = Some(finished);
         }
     }
     result.ok_or_else(|| Error::Config("the event stream ended without run_finished".into()))
