@@ -112,9 +112,9 @@ def print_message(message):
 
 
 def find_method(pool, symbol):
-    service_name, _, method_name = symbol.replace(".", "/", 0).rpartition("/")
-    if not service_name:
-        service_name, _, method_name = symbol.rpartition(".")
+    """`package.Service/Method` (or grpcurl's `package.Service.Method`)."""
+    separator = "/" if "/" in symbol else "."
+    service_name, _, method_name = symbol.rpartition(separator)
     service = pool.FindServiceByName(service_name)
     method = service.methods_by_name.get(method_name)
     if method is None:
@@ -170,7 +170,7 @@ def main(argv):
                     print(f"{command[1]}.{method.name}")
             elif command[0] == "describe" and len(command) == 2:
                 describe(pool, command[1])
-            elif len(command) == 1 and "/" in command[0]:
+            elif len(command) == 1 and command[0] not in ("list", "describe"):
                 invoke(channel, pool, command[0], opts)
             else:
                 usage(f"unknown command {' '.join(command)}")

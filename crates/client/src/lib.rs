@@ -85,29 +85,22 @@ impl Client {
     /// The result of a live or finished run (`NOT_FOUND` when unknown or expired).
     pub async fn get_run(&self, run_id: &str) -> Result<pb::RunResult, Error> {
         let request = pb::GetRunRequest { run_id: run_id.into() };
-        let answer = self
-            .retry
-            .run(|| {
-                let mut client = self.inner.clone();
-                let request = self.request(request.clone());
-                async move { client.get_run(request).await }
-            })
-            .await?;
-        Ok(answer.into_inner())
+        self.unary(
+            request,
+            |mut client, request| async move { client.get_run(request).await },
+        )
+        .await
     }
 
     /// Cancels a live run; `true` when it was live (it ends `CANCELED`, keeping its output).
     pub async fn cancel_run(&self, run_id: &str) -> Result<bool, Error> {
         let request = pb::CancelRunRequest { run_id: run_id.into() };
         let answer = self
-            .retry
-            .run(|| {
-                let mut client = self.inner.clone();
-                let request = self.request(request.clone());
-                async move { client.cancel_run(request).await }
+            .unary(request, |mut client, request| async move {
+                client.cancel_run(request).await
             })
             .await?;
-        Ok(answer.into_inner().canceled)
+        Ok(answer.canceled)
     }
 
     /// Signals as runs publish them, from now on; `run_id` and `tool_names` filter (empty: all).
@@ -126,6 +119,20 @@ impl Client {
         request.metadata_mut().remove("grpc-timeout");
         let stream = self.inner.clone().subscribe_signals(request).await?.into_inner();
         Ok(stream.map(|item| item.map_err(Error::from)))
+    }
+
+    /// A unary call of `message` under the retry policy.
+    async fn unary<Req, Resp, F, Fut>(&self, message: Req, call: F) -> Result<Resp, Error>
+    where
+        Req: Clone,
+        F: Fn(pb::orchestrator_client::OrchestratorClient<Channel>, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        let answer = self
+            .retry
+            .run(|| call(self.inner.clone(), self.request(message.clone())))
+            .await?;
+        Ok(answer.into_inner())
     }
 
     /// `message` with the token and the deadline.

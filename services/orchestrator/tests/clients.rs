@@ -64,23 +64,18 @@ impl Deployment {
             named: [("slow".to_owned(), slow)].into_iter().collect(),
         })
         .await?;
-        let mut command = Command::new(common::tool_runner_bin()?);
-        command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
-        let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
-        let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
-        command
-            .env("LLM_BASE_URL", model.base_url())
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .args(["--tool-runner", &format!("http://{}", runner.grpc)])
-            .args([
-                "--tls-cert",
-                &pki.arg("server.pem"),
-                "--tls-key",
-                &pki.arg("server.key"),
-            ])
-            .args(["--auth-tokens", &tokens.display().to_string()])
-            .args(["--health-listen", "127.0.0.1:0"]);
-        let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+        let tls = [
+            "--tls-cert",
+            &pki.arg("server.pem"),
+            "--tls-key",
+            &pki.arg("server.key"),
+            "--auth-tokens",
+            &tokens.display().to_string(),
+            "--health-listen",
+            "127.0.0.1:0",
+        ]
+        .map(str::to_owned);
+        let (runner, orchestrator) = services(&model, &tls).await?;
         Ok(Self {
             pki,
             orchestrator,
@@ -103,6 +98,21 @@ impl Deployment {
         .map(str::to_owned)
         .to_vec()
     }
+}
+
+/// A tool-runner and an orchestrator (with `orchestrator_args`) using it and `model`.
+async fn services(model: &MockLlm, orchestrator_args: &[String]) -> anyhow::Result<(Service, Service)> {
+    let mut command = Command::new(common::tool_runner_bin()?);
+    command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
+    let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    command
+        .env("LLM_BASE_URL", model.base_url())
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args(["--tool-runner", &format!("http://{}", runner.grpc)])
+        .args(orchestrator_args);
+    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    Ok((runner, orchestrator))
 }
 
 /// Runs `program args`, at most 60 s.
@@ -308,16 +318,7 @@ fn expected_output(recipe: &str) -> &'static str {
 async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResult {
     // The services of "Running the pieces yourself", on free ports.
     let model = MockLlm::start(Scenario::demo()).await?;
-    let mut command = Command::new(common::tool_runner_bin()?);
-    command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
-    let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
-    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
-    command
-        .env("LLM_BASE_URL", model.base_url())
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .args(["--tool-runner", &format!("http://{}", runner.grpc)])
-        .args(["--exit-tool", "submit_report"]);
-    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let (runner, orchestrator) = services(&model, &["--exit-tool".into(), "submit_report".into()]).await?;
 
     let recipes = readme_recipes()?;
     for rpc in [
