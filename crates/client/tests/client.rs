@@ -212,6 +212,55 @@ async fn tls_and_a_token_reach_a_secured_orchestrator() -> TestResult {
 }
 
 #[tokio::test]
+async fn a_client_certificate_reaches_an_orchestrator_that_requires_one() -> TestResult {
+    let pki = testkit::pki::Pki::new()?;
+    pki.ca("ca").await?;
+    pki.leaf("ca", "server").await?;
+    pki.leaf("ca", "service-a").await?;
+    let stack = Stack::start(scenarios(10), runner_config(None), |config| {
+        config.security.tls_cert = Some(pki.path("server.pem"));
+        config.security.tls_key = Some(pki.path("server.key"));
+        config.security.tls_client_ca = Some(pki.path("ca.pem"));
+        config.security.auth_principal_from_cert = true;
+    })
+    .await?;
+    let endpoint = format!("https://{}", stack.addr);
+    let ca = std::fs::read(pki.path("ca.pem"))?;
+    let client = ClientBuilder::new(&endpoint)
+        .tls_ca_pem(ca.clone())
+        .tls_identity_pem(
+            std::fs::read(pki.path("service-a.pem"))?,
+            std::fs::read(pki.path("service-a.key"))?,
+        )
+        .tls_domain("localhost")
+        .connect()
+        .await?;
+    let result = client.run(demo()).await?;
+    assert_eq!(
+        (result.status(), result.principal.as_str()),
+        (pb::RunStatus::Completed, "service-a"),
+        "the certificate is the principal"
+    );
+    // Without a certificate the handshake is refused.
+    let anonymous = ClientBuilder::new(&endpoint)
+        .tls_ca_pem(ca)
+        .retry(Retry::none())
+        .connect()
+        .await;
+    let refused = match anonymous {
+        Err(error) => error.to_string(),
+        Ok(client) => client
+            .run(demo())
+            .await
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default(),
+    };
+    assert!(!refused.is_empty(), "a client without a certificate was served");
+    Ok(())
+}
+
+#[tokio::test]
 async fn unusable_settings_are_refused_without_echoing_the_token() {
     let error = |builder: ClientBuilder| builder.connect_lazy().err().map(|e| e.to_string()).unwrap_or_default();
     let message = error(ClientBuilder::new("https://x:1"));
