@@ -113,41 +113,33 @@ impl Runner {
 
 /// The services reflection lists on `channel`, asked through reflection v1 and then v1alpha.
 pub async fn reflected_services(channel: Channel) -> anyhow::Result<[Vec<String>; 2]> {
-    use tonic_reflection::pb::{v1, v1alpha};
-    let request = v1::ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
-            String::new(),
-        )),
-    };
-    let answer = v1::server_reflection_client::ServerReflectionClient::new(channel.clone())
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await?
-        .into_inner()
-        .message()
-        .await?
-        .and_then(|r| r.message_response);
-    let Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) = answer else {
-        anyhow::bail!("reflection v1 did not list the services: {answer:?}");
-    };
-    let listed_v1 = list.service.into_iter().map(|s| s.name).collect();
-    let request = v1alpha::ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(v1alpha::server_reflection_request::MessageRequest::ListServices(
-            String::new(),
-        )),
-    };
-    let answer = v1alpha::server_reflection_client::ServerReflectionClient::new(channel)
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await?
-        .into_inner()
-        .message()
-        .await?
-        .and_then(|r| r.message_response);
-    let Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) = answer else {
-        anyhow::bail!("reflection v1alpha did not list the services: {answer:?}");
-    };
-    Ok([listed_v1, list.service.into_iter().map(|s| s.name).collect()])
+    // The two versions are the same messages in two packages.
+    macro_rules! list_services {
+        ($version:ident) => {{
+            use tonic_reflection::pb::$version as pb;
+            let request = pb::ServerReflectionRequest {
+                host: String::new(),
+                message_request: Some(pb::server_reflection_request::MessageRequest::ListServices(
+                    String::new(),
+                )),
+            };
+            let answer = pb::server_reflection_client::ServerReflectionClient::new(channel.clone())
+                .server_reflection_info(tokio_stream::iter([request]))
+                .await?
+                .into_inner()
+                .message()
+                .await?
+                .and_then(|r| r.message_response);
+            let Some(pb::server_reflection_response::MessageResponse::ListServicesResponse(list)) = answer else {
+                anyhow::bail!(
+                    "reflection {} did not list the services: {answer:?}",
+                    stringify!($version)
+                );
+            };
+            list.service.into_iter().map(|s| s.name).collect::<Vec<String>>()
+        }};
+    }
+    Ok([list_services!(v1), list_services!(v1alpha)])
 }
 
 /// A `RunTool` request with empty ids and metadata.

@@ -140,13 +140,19 @@ impl RunRequest {
 
     /// Sampling temperature.
     pub fn temperature(mut self, temperature: f32) -> Self {
-        self.params().temperature = Some(temperature);
+        self.params_mut().temperature = Some(temperature);
         self
     }
 
     /// Most tokens per turn.
     pub fn max_tokens(mut self, tokens: u32) -> Self {
-        self.params().max_tokens = Some(tokens);
+        self.params_mut().max_tokens = Some(tokens);
+        self
+    }
+
+    /// Every model parameter at once (unset fields: the server's defaults).
+    pub fn params(mut self, params: pb::ModelParams) -> Self {
+        self.request.params = Some(params);
         self
     }
 
@@ -170,7 +176,7 @@ impl RunRequest {
         self.request.limits.get_or_insert_with(Default::default)
     }
 
-    fn params(&mut self) -> &mut pb::ModelParams {
+    fn params_mut(&mut self) -> &mut pb::ModelParams {
         self.request.params.get_or_insert_with(Default::default)
     }
 }

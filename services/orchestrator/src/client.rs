@@ -169,17 +169,16 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
     let mut request = RunRequest::prompt(options.prompt.clone())
         .system(options.system.clone())
         .model(options.model.clone())
-        .run_id(options.run_id.clone());
+        .run_id(options.run_id.clone())
+        .params(options.params.clone());
     for tool in &options.tools {
         request = request.tool(tool.clone());
     }
     for (name, description) in &options.exit_tools {
         request = request.exit_tool(name.clone(), description.clone());
     }
-    let mut request = request.into_proto();
-    request.params = Some(options.params.clone());
     let mut run = client
-        .orchestrate(request.into())
+        .orchestrate(request)
         .await
         .map_err(|e| Error::Config(format!("Orchestrate was refused: {e}")))?;
     let mut printer = Printer::default();

@@ -44,23 +44,12 @@ fn metrics_used_in_deploy() -> anyhow::Result<std::collections::BTreeSet<String>
         .collect();
     anyhow::ensure!(queries.len() >= 20, "the dashboard has {} queries", queries.len());
     queries.push(std::fs::read_to_string(dir.join("prometheus-rules.yaml"))?);
-    let mut names = std::collections::BTreeSet::new();
-    for text in &queries {
-        for (at, _) in text.match_indices(['o', 't']) {
-            let rest = &text[at..];
-            let before = text[..at].chars().next_back();
-            if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
-                continue;
-            }
-            if rest.starts_with("orchestrator_") || rest.starts_with("tool_runner_") {
-                let name: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
-                    .collect();
-                names.insert(name);
-            }
-        }
-    }
+    let names = queries
+        .iter()
+        .flat_map(|text| text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')))
+        .filter(|word| word.starts_with("orchestrator_") || word.starts_with("tool_runner_"))
+        .map(str::to_owned)
+        .collect();
     Ok(names)
 }
 
