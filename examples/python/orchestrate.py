@@ -162,7 +162,10 @@ def run(args):
             return 130
         finally:
             if timer is not None:
+                # Not fired yet: it never will. Fired: its answer may come after run_finished,
+                # so wait for it (CancelRun has its own 10 s deadline).
                 timer.cancel()
+                timer.join(timeout=15)
     print("error: the stream ended without run_finished", file=sys.stderr)
     return 3
 

@@ -197,6 +197,8 @@ function run(opts: Options): Promise<number> {
   const printer = new Printer(opts.json);
   let status: number | null = null;
   let timer: NodeJS.Timeout | null = null;
+  // The CancelRun answer may come after run_finished; the program waits for it before exiting.
+  let canceling: Promise<void> = Promise.resolve();
 
   process.once("SIGINT", () => {
     printer.endInline();
@@ -209,8 +211,12 @@ function run(opts: Options): Promise<number> {
     call.on("data", (e: OrchestrateEvent) => {
       if (timer === null && opts["cancel-after"] !== undefined) {
         timer = setTimeout(() => {
-          client.CancelRun({ run_id: e.run_id }, metadata, (err: grpc.ServiceError | null, answer: any) => {
-            process.stderr.write(err ? `CancelRun failed: ${err.message}\n` : `CancelRun(${e.run_id}): canceled=${answer.canceled}\n`);
+          canceling = new Promise((done) => {
+            const deadline = new Date(Date.now() + 10_000);
+            client.CancelRun({ run_id: e.run_id }, metadata, { deadline }, (err: grpc.ServiceError | null, answer: any) => {
+              process.stderr.write(err ? `CancelRun failed: ${err.message}\n` : `CancelRun(${e.run_id}): canceled=${answer.canceled}\n`);
+              done();
+            });
           });
         }, Number(opts["cancel-after"]) * 1000);
       }
@@ -225,8 +231,9 @@ function run(opts: Options): Promise<number> {
         status = 3;
       }
     });
-    call.on("close", () => {
+    call.on("close", async () => {
       if (timer !== null) clearTimeout(timer);
+      await canceling;
       client.close();
       if (status === null) {
         process.stderr.write("error: the stream ended without run_finished\n");
