@@ -1205,6 +1205,69 @@ async fn output_over_the_limits_ends_the_run_output_limit_keeping_what_fits() ->
     Ok(())
 }
 
+/// The model's view of the first tool answer in the second turn's request.
+fn fed_back_tool_answer(stack: &Stack) -> anyhow::Result<String> {
+    let requests = stack.mock.requests();
+    let second = requests.get(1).ok_or_else(|| anyhow::anyhow!("no second turn"))?;
+    second["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str().map(str::to_owned))
+        .ok_or_else(|| anyhow::anyhow!("no tool answer in {second}"))
+}
+
+/// `--tool-runner-max-response-bytes` on both sides: a runner's answer over it fails the call
+/// (fed back to the model, the run goes on); under it, the answer is taken and what the model
+/// sees is cut to `--max-tool-result-bytes`.
+#[tokio::test]
+async fn runner_answers_over_the_response_limit_fail_the_call_and_the_run_goes_on() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let manifest = dir.path().join("tools.toml");
+    // 100,000 bytes of text: a JSON string of that length in the answer.
+    std::fs::write(
+        &manifest,
+        "[[tool]]\nname = \"big\"\ndescription = \"a large answer\"\nargv = [\"sh\", \"-c\", \"head -c 100000 /dev/zero | tr '\\\\0' a\"]\noutput = \"text\"\n",
+    )?;
+    let scenario = || {
+        Scenario::new(vec![
+            Turn::text("Big.\n").then(Step::call("big", json!({}))),
+            Turn::text("Done."),
+        ])
+    };
+    for (limit, ok) in [(64 * 1024, false), (128 * 1024, true)] {
+        let stack = Stack::start(scenario(), runner_config(Some(manifest.clone())), |c| {
+            c.tool_runners.max_response_bytes = limit;
+            c.runs.max_tool_result_bytes = 1000;
+        })
+        .await?;
+        let out = stack.run(request("x", &[])).await?;
+        assert_eq!(out.status(), S::Completed, "limit {limit}: the run goes on");
+        assert_eq!(out.result.text, "Big.\nDone.");
+        let calls: Vec<bool> = out.result.tool_calls.iter().map(|c| c.ok).collect();
+        assert_eq!(calls, [ok], "limit {limit}");
+        let answer = fed_back_tool_answer(&stack)?;
+        if ok {
+            assert!(answer.starts_with("\"aaaa"), "{answer:.80}");
+            assert!(
+                answer.len() < 1200,
+                "cut to --max-tool-result-bytes: {} bytes",
+                answer.len()
+            );
+        } else {
+            let error: Value = serde_json::from_str(&answer)?;
+            assert_eq!(error["error"]["code"], "FAILED", "{answer}");
+            let message = error["error"]["message"].as_str().unwrap_or_default();
+            assert!(
+                message.contains("too large") && message.contains(&limit.to_string()),
+                "{message}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The model parameters through the API: what the caller sets and the server's `--llm-*`
 /// defaults reach the model server's request body exactly; `tool_choice` naming a tool forces the
 /// first turn only; `extra_body_json` merges flat. Bad values are INVALID_ARGUMENT naming the field.

@@ -68,26 +68,7 @@ impl Printer {
         match event {
             E::Started(s) => {
                 self.at_line_start = true;
-                let limits = s.limits.unwrap_or_default();
-                self.line(
-                    out,
-                    &format!(
-                        "▶ run started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns",
-                        s.model,
-                        if s.normal_tools.is_empty() {
-                            "none".to_owned()
-                        } else {
-                            s.normal_tools.join(", ")
-                        },
-                        if s.exit_tools.is_empty() {
-                            "none".to_owned()
-                        } else {
-                            s.exit_tools.join(", ")
-                        },
-                        limits.tool_call_budget,
-                        limits.max_turns,
-                    ),
-                );
+                self.line(out, &started_line(s));
             }
             E::Reasoning { text, turn } => {
                 self.turn_header(out, *turn);
@@ -132,28 +113,51 @@ impl Printer {
                     ),
                 );
             }
-            E::Finished(r) => {
-                let status = pb::RunStatus::try_from(r.status)
-                    .map_or("?", |s| s.as_str_name())
-                    .trim_start_matches("RUN_STATUS_");
-                let mut summary = format!(
-                    "■ {status} · {} turn(s) · {} tool call(s) · {} signal(s) · finish_reason {:?}",
-                    r.turns,
-                    r.tool_calls.len(),
-                    r.signals.len(),
-                    r.finish_reason
-                );
-                if r.failure_reason != 0 {
-                    let reason = pb::FailureReason::try_from(r.failure_reason).map_or("?", |s| s.as_str_name());
-                    summary.push_str(&format!(" · {reason}: {}", r.failure_detail));
-                } else if !r.failure_detail.is_empty() {
-                    summary.push_str(&format!(" · {}", r.failure_detail));
-                }
-                self.line(out, &summary);
-            }
+            E::Finished(r) => self.line(out, &finished_line(r)),
         }
         let _ = out.flush();
     }
+}
+
+/// The run's first line: model, tools and budget.
+fn started_line(s: &pb::RunStarted) -> String {
+    let list = |names: &[String]| {
+        if names.is_empty() {
+            "none".to_owned()
+        } else {
+            names.join(", ")
+        }
+    };
+    let limits = s.limits.unwrap_or_default();
+    format!(
+        "▶ run started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns",
+        s.model,
+        list(&s.normal_tools),
+        list(&s.exit_tools),
+        limits.tool_call_budget,
+        limits.max_turns,
+    )
+}
+
+/// The run's last line: status, counts and, for a failed run, the reason.
+fn finished_line(r: &pb::RunResult) -> String {
+    let status = pb::RunStatus::try_from(r.status)
+        .map_or("?", |s| s.as_str_name())
+        .trim_start_matches("RUN_STATUS_");
+    let mut summary = format!(
+        "■ {status} · {} turn(s) · {} tool call(s) · {} signal(s) · finish_reason {:?}",
+        r.turns,
+        r.tool_calls.len(),
+        r.signals.len(),
+        r.finish_reason
+    );
+    if r.failure_reason != 0 {
+        let reason = pb::FailureReason::try_from(r.failure_reason).map_or("?", |s| s.as_str_name());
+        summary.push_str(&format!(" · {reason}: {}", r.failure_detail));
+    } else if !r.failure_detail.is_empty() {
+        summary.push_str(&format!(" · {}", r.failure_detail));
+    }
+    summary
 }
 
 /// Starts a run on the orchestrator at `options.endpoint`, prints its events to stdout, and

@@ -288,6 +288,10 @@ pub struct ToolRunnerSettings {
     /// First delay between those retries, doubled each time (cap 5s).
     #[arg(long = "tool-call-retry-backoff", env = "ORCHESTRATOR_TOOL_CALL_RETRY_BACKOFF", default_value = "25ms", value_parser = parse_duration)]
     pub call_retry_backoff: Duration,
+    /// Largest RunTool answer taken from a tool-runner (64 KiB-256 MiB); a larger one fails the
+    /// call (fed back to the model). What reaches the model is then cut to --max-tool-result-bytes.
+    #[arg(long = "tool-runner-max-response-bytes", env = "ORCHESTRATOR_TOOL_RUNNER_MAX_RESPONSE_BYTES", default_value_t = 64 * MIB)]
+    pub max_response_bytes: usize,
     /// PEM CA bundle that signs the tool-runners' certificates: https:// targets, and dns:///
     /// targets over TLS (their certificates must name the DNS name).
     #[arg(long = "tool-runner-ca", env = "ORCHESTRATOR_TOOL_RUNNER_CA")]
@@ -310,6 +314,7 @@ impl Bounded for ToolRunnerSettings {
             bound("resolve_interval", self.resolve_interval, ms(100), secs(600)),
             bound("call_retries", self.call_retries, 0u32, 10u32),
             bound("call_retry_backoff", self.call_retry_backoff, Duration::ZERO, secs(5)),
+            bound("max_response_bytes", self.max_response_bytes, 64 * KIB, 256 * MIB),
         ]
     }
 }

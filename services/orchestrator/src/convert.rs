@@ -57,100 +57,29 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
     type Error = Error;
 
     fn try_from(r: pb::OrchestrateRequest) -> Result<Self, Error> {
-        let run_id = Some(r.run_id).filter(|id| !id.is_empty());
-        if let Some(id) = &run_id
-            && (id.len() > MAX_RUN_ID_LEN || !id.bytes().all(|b| b.is_ascii_graphic()))
-        {
-            return Err(invalid(format!(
-                "run_id must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty to get a generated one)"
-            )));
-        }
-        let mut messages = Vec::with_capacity(r.messages.len());
-        for (i, m) in r.messages.into_iter().enumerate() {
-            messages.push(match m.role.as_str() {
-                "system" => Message::System(m.content),
-                "user" => Message::User {
-                    content: m.content,
-                    name: Some(m.name).filter(|n| !n.is_empty()),
-                },
-                "assistant" => Message::Assistant {
-                    content: m.content,
-                    tool_calls: m
-                        .tool_calls
-                        .into_iter()
-                        .map(|c| ToolCall {
-                            id: c.id,
-                            name: c.name,
-                            arguments: c.arguments_json,
-                        })
-                        .collect(),
-                    reasoning: None,
-                },
-                "tool" if !m.tool_call_id.is_empty() => Message::Tool {
-                    tool_call_id: m.tool_call_id,
-                    content: m.content,
-                },
-                "tool" => return Err(invalid(format!("messages[{i}] has role \"tool\" but no tool_call_id"))),
-                other => {
-                    return Err(invalid(format!(
-                        "messages[{i}] has role {other:?}; use \"system\", \"user\", \"assistant\" or \"tool\""
-                    )));
-                }
-            });
-        }
+        let messages = r
+            .messages
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| message(i, m))
+            .collect::<Result<Vec<_>, _>>()?;
         if !messages.iter().any(|m| matches!(m, Message::User { .. })) {
             return Err(invalid("messages must contain at least one message with role \"user\""));
         }
-        let params = r.params.unwrap_or_default();
         let tools = r.tools.unwrap_or_default();
-        let mut exit_tools = Vec::with_capacity(tools.exit.len());
-        for (i, tool) in tools.exit.into_iter().enumerate() {
-            if !shared::tools::valid_tool_name(&tool.name) {
-                return Err(invalid(format!(
-                    "tools.exit[{i}].name {:?} must be 1-64 letters, digits, '_' or '-'",
-                    tool.name
-                )));
-            }
-            let parameters = if tool.parameters_json_schema.trim().is_empty() {
-                serde_json::json!({"type": "object"})
-            } else {
-                serde_json::from_str(&tool.parameters_json_schema).map_err(|e| {
-                    invalid(format!(
-                        "tools.exit[{i}] ({}): parameters_json_schema is not valid JSON: {e}",
-                        tool.name
-                    ))
-                })?
-            };
-            shared::tools::check_schema(&parameters)
-                .map_err(|e| invalid(format!("tools.exit[{i}] ({}): {e}", tool.name)))?;
-            let description = if tool.description.trim().is_empty() {
-                format!("Signal {} (one-way; nothing comes back).", tool.name)
-            } else {
-                tool.description
-            };
-            exit_tools.push(ToolDefinition {
-                name: tool.name,
-                description,
-                parameters,
-            });
-        }
+        let exit_tools = tools
+            .exit
+            .into_iter()
+            .enumerate()
+            .map(|(i, tool)| exit_tool(i, tool))
+            .collect::<Result<Vec<_>, _>>()?;
         let limits = r.limits.unwrap_or_default();
-        let parse_policy = match pb::ParsePolicy::try_from(r.parse_policy) {
-            Ok(pb::ParsePolicy::FeedBack) => ParsePolicy::FeedBack,
-            Ok(_) => ParsePolicy::Fail,
-            Err(_) => {
-                return Err(invalid(format!(
-                    "parse_policy {} is not a known ParsePolicy value",
-                    r.parse_policy
-                )));
-            }
-        };
         Ok(Self {
-            run_id,
+            run_id: caller_run_id(r.run_id)?,
             system: r.system,
             messages,
             model: Some(r.model).filter(|m| !m.is_empty()),
-            params: model_params(params)?,
+            params: model_params(r.params.unwrap_or_default())?,
             allowlist: tools.normal,
             exit_tools,
             limits: RequestedLimits {
@@ -162,8 +91,100 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             },
             metadata: r.metadata.into_iter().collect(),
             detached: r.detached,
-            parse_policy,
+            parse_policy: parse_policy(r.parse_policy)?,
         })
+    }
+}
+
+/// A caller's run id: empty gets a generated one; otherwise short printable ASCII, because it
+/// travels in headers, logs and metric exemplars.
+fn caller_run_id(id: String) -> Result<Option<String>, Error> {
+    if id.is_empty() {
+        return Ok(None);
+    }
+    if id.len() > MAX_RUN_ID_LEN || !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(invalid(format!(
+            "run_id must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty to get a generated one)"
+        )));
+    }
+    Ok(Some(id))
+}
+
+/// One conversation message by its role; a tool answer must say which call it answers.
+fn message(i: usize, m: pb::ChatMessage) -> Result<Message, Error> {
+    Ok(match m.role.as_str() {
+        "system" => Message::System(m.content),
+        "user" => Message::User {
+            content: m.content,
+            name: Some(m.name).filter(|n| !n.is_empty()),
+        },
+        "assistant" => Message::Assistant {
+            content: m.content,
+            tool_calls: m
+                .tool_calls
+                .into_iter()
+                .map(|c| ToolCall {
+                    id: c.id,
+                    name: c.name,
+                    arguments: c.arguments_json,
+                })
+                .collect(),
+            reasoning: None,
+        },
+        "tool" if !m.tool_call_id.is_empty() => Message::Tool {
+            tool_call_id: m.tool_call_id,
+            content: m.content,
+        },
+        "tool" => return Err(invalid(format!("messages[{i}] has role \"tool\" but no tool_call_id"))),
+        other => {
+            return Err(invalid(format!(
+                "messages[{i}] has role {other:?}; use \"system\", \"user\", \"assistant\" or \"tool\""
+            )));
+        }
+    })
+}
+
+/// An exit tool the caller declares: a valid name, a usable JSON Schema (an empty one means any
+/// object) and a description the model sees (a default one says it is a one-way signal).
+fn exit_tool(i: usize, tool: pb::ExitToolSpec) -> Result<ToolDefinition, Error> {
+    if !shared::tools::valid_tool_name(&tool.name) {
+        return Err(invalid(format!(
+            "tools.exit[{i}].name {:?} must be 1-64 letters, digits, '_' or '-'",
+            tool.name
+        )));
+    }
+    let parameters = if tool.parameters_json_schema.trim().is_empty() {
+        serde_json::json!({"type": "object"})
+    } else {
+        serde_json::from_str(&tool.parameters_json_schema).map_err(|e| {
+            invalid(format!(
+                "tools.exit[{i}] ({}): parameters_json_schema is not valid JSON: {e}",
+                tool.name
+            ))
+        })?
+    };
+    shared::tools::check_schema(&parameters).map_err(|e| invalid(format!("tools.exit[{i}] ({}): {e}", tool.name)))?;
+    let description = if tool.description.trim().is_empty() {
+        format!("Signal {} (one-way; nothing comes back).", tool.name)
+    } else {
+        tool.description
+    };
+    Ok(ToolDefinition {
+        name: tool.name,
+        description,
+        parameters,
+    })
+}
+
+/// What to do with tool-call arguments that are not valid JSON; an unknown value is refused
+/// rather than read as the default.
+fn parse_policy(value: i32) -> Result<ParsePolicy, Error> {
+    match pb::ParsePolicy::try_from(value) {
+        Ok(pb::ParsePolicy::FeedBack) => Ok(ParsePolicy::FeedBack),
+        Ok(_) => Ok(ParsePolicy::Fail),
+        Err(_) => Err(invalid(format!(
+            "parse_policy {value} is not a known ParsePolicy value"
+        ))),
     }
 }
 
@@ -328,9 +349,45 @@ pub(crate) fn resolve(
 ) -> Result<RunSpec, Error> {
     request.check_bounds(&config.runs.request)?;
     let normal_tools = normal_tools(&request.allowlist, catalog, caller)?;
-    let normal_names: HashSet<&str> = normal_tools.iter().map(|t| t.name.as_str()).collect();
-    let mut exit_tools: Vec<ToolDefinition> = config.runs.exit_tools.clone();
-    for tool in request.exit_tools {
+    let exit_tools = run_exit_tools(&config.runs.exit_tools, request.exit_tools, &normal_tools)?;
+    let model = request.model.unwrap_or_else(|| config.llm.model.clone());
+    if model.is_empty() {
+        return Err(invalid(
+            "model is empty and the server has no default model (--llm-model)",
+        ));
+    }
+    let params = run_params(request.params, config, &normal_tools, &exit_tools)?;
+    let (limits, asked_run_timeout) = run_limits(&request.limits, config, caller, caller_deadline)?;
+    Ok(RunSpec {
+        run_id: request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string()),
+        system: request.system,
+        messages: request.messages,
+        model,
+        params,
+        normal_tools,
+        exit_tools,
+        limits,
+        metadata: request.metadata,
+        parse_policy: request.parse_policy,
+        deadline: Deadline::new(
+            received_at,
+            asked_run_timeout,
+            caller_deadline,
+            config.runs.deadline_headroom,
+        ),
+        principal: caller.name.clone(),
+    })
+}
+
+/// The run's exit tools: the server's, then the request's; a name may be defined once, and never
+/// be the name of a normal tool the run offers (the model could not tell them apart).
+fn run_exit_tools(
+    server: &[ToolDefinition],
+    requested: Vec<ToolDefinition>,
+    normal_tools: &[ToolDefinition],
+) -> Result<Vec<ToolDefinition>, Error> {
+    let mut exit_tools = server.to_vec();
+    for tool in requested {
         if exit_tools.iter().any(|t| t.name == tool.name) {
             return Err(invalid(format!(
                 "exit tool {:?} is defined twice (in the request or already by the server)",
@@ -339,40 +396,33 @@ pub(crate) fn resolve(
         }
         exit_tools.push(tool);
     }
+    let normal_names: HashSet<&str> = normal_tools.iter().map(|t| t.name.as_str()).collect();
     if let Some(clash) = exit_tools.iter().find(|t| normal_names.contains(t.name.as_str())) {
         return Err(invalid(format!(
             "exit tool {:?} has the name of a normal tool; rename it, or leave the normal tool out of tools.normal",
             clash.name
         )));
     }
-    let model = request.model.unwrap_or_else(|| config.llm.model.clone());
-    if model.is_empty() {
-        return Err(invalid(
-            "model is empty and the server has no default model (--llm-model)",
-        ));
-    }
-    let params = run_params(request.params, config, &normal_tools, &exit_tools)?;
+    Ok(exit_tools)
+}
+
+/// The run's limits: each as asked, else the default, never over the ceiling (the server's,
+/// lowered by the caller's own); the run timeout is also cut to the caller's gRPC deadline.
+/// Returns the limits and the run timeout as asked (before that cut).
+fn run_limits(
+    asked: &RequestedLimits,
+    config: &Config,
+    caller: &Principal,
+    caller_deadline: Option<Duration>,
+) -> Result<(Limits, Duration), Error> {
     let c = &caller_ceilings(config.limits.ceilings(), &caller.limits);
     let d = &caller_ceilings(config.limits.defaults(), &caller.limits);
-    let asked = &request.limits;
-    let tool_timeout_ms = pick(
-        "tool_timeout_ms",
-        asked.tool_timeout_ms,
-        millis(d.tool_timeout),
-        millis(c.tool_timeout),
-        1,
-    )?;
-    let run_timeout_ms = pick(
-        "run_timeout_ms",
-        asked.run_timeout_ms,
-        millis(d.run_timeout),
-        millis(c.run_timeout),
-        1,
-    )?;
-    let mut run_timeout = Duration::from_millis(u64::from(run_timeout_ms));
-    if let Some(deadline) = caller_deadline {
-        run_timeout = run_timeout.min(deadline);
-    }
+    let ms = |name, asked, default, ceiling| {
+        pick(name, asked, millis(default), millis(ceiling), 1).map(|ms| Duration::from_millis(u64::from(ms)))
+    };
+    let tool_timeout = ms("tool_timeout_ms", asked.tool_timeout_ms, d.tool_timeout, c.tool_timeout)?;
+    let asked_run_timeout = ms("run_timeout_ms", asked.run_timeout_ms, d.run_timeout, c.run_timeout)?;
+    let run_timeout = caller_deadline.map_or(asked_run_timeout, |deadline| asked_run_timeout.min(deadline));
     let limits = Limits {
         max_turns: pick("max_turns", asked.max_turns, d.max_turns, c.max_turns, 1)?,
         tool_call_budget: pick(
@@ -389,28 +439,10 @@ pub(crate) fn resolve(
             c.max_tool_failures,
             0,
         )?,
-        tool_timeout: Duration::from_millis(u64::from(tool_timeout_ms)),
+        tool_timeout,
         run_timeout,
     };
-    Ok(RunSpec {
-        run_id: request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string()),
-        system: request.system,
-        messages: request.messages,
-        model,
-        params,
-        normal_tools,
-        exit_tools,
-        limits,
-        metadata: request.metadata,
-        parse_policy: request.parse_policy,
-        deadline: Deadline::new(
-            received_at,
-            Duration::from_millis(u64::from(run_timeout_ms)),
-            caller_deadline,
-            config.runs.deadline_headroom,
-        ),
-        principal: caller.name.clone(),
-    })
+    Ok((limits, asked_run_timeout))
 }
 
 /// Parses a `grpc-timeout` header value (`100m`, `5S`, …) into a duration.

@@ -58,71 +58,17 @@ pub async fn serve_with_resolver(
     crate::telemetry::describe();
     let options = config.security.options().map_err(Error::Config)?;
     let mut security = shared::serving::Security::start(&options, "orchestrator").await?;
-    let model = Arc::new(HttpLlm::new(config.llm.clone()).map_err(Error::Config)?);
     let runners = ToolRunners::connect(&config.tool_runners, resolver).await?;
-    match runners.refresh(LIST_TOOLS_TIMEOUT).await {
-        Ok(count) => tracing::info!(tools = count, endpoints = %runners.endpoints().join(","), "tool catalog loaded"),
-        Err(e) => tracing::warn!("{e}; serving anyway, the catalog is retried on every refresh and on demand"),
-    }
+    load_catalog(&runners).await;
     let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_runners.refresh_interval, LIST_TOOLS_TIMEOUT));
-    let mut connections = NatsConnections::default();
-    let signals: Arc<dyn SignalTopic> = match &config.signals.topic {
-        Backend::Memory => Arc::new(MemoryTopic::new(config.signals.buffer)),
-        Backend::Nats(url) => {
-            let client = connections.get(url, &config.nats).await?;
-            let topic = NatsTopic::open(client, config.signals.clone())
-                .await
-                .map_err(Error::Dependency)?;
-            tracing::info!(nats = %url, prefix = %config.signals.subject_prefix, stream = %config.signals.stream, "signal topic on NATS JetStream");
-            Arc::new(topic)
-        }
-    };
-    let store: Arc<dyn ResultStore> = match &config.store.backend {
-        Backend::Memory => Arc::new(MemoryStore::new(
-            config.store.keep_results,
-            config.store.keep_results_for,
-        )),
-        Backend::Nats(url) => {
-            let client = connections.get(url, &config.nats).await?;
-            let js = async_nats::jetstream::new(client);
-            let owner = replica_name();
-            let store = KvStore::open(
-                &js,
-                &config.store.bucket,
-                config.store.ttl,
-                owner.clone(),
-                config.store.lease,
-            )
-            .await
-            .map_err(Error::Dependency)?;
-            tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value");
-            Arc::new(store)
-        }
-    };
-    let runs = Runs::new(config.runs.max_runs, store, config.store.timeout, config.store.backlog);
+    let model = Arc::new(HttpLlm::new(config.llm.clone()).map_err(Error::Config)?);
+    let llm = model.shown_url().to_owned();
+    let core = build_core(&config, model, runners).await?;
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
-    tracing::info!(%address, llm = %model.shown_url(), model = %config.llm.model, max_runs = config.runs.max_runs, "orchestrator serving");
+    tracing::info!(%address, %llm, model = %config.llm.model, max_runs = config.runs.max_runs, "orchestrator serving");
 
-    let core = Arc::new(Core {
-        deps: LoopDeps {
-            model,
-            tools: Arc::new(runners.clone()),
-            signals: Arc::clone(&signals),
-            detector: config.runs.loop_detector,
-            trace_payloads: config.telemetry.trace_payloads(),
-            max_tool_result_bytes: config.runs.max_tool_result_bytes,
-            output: config.runs.output,
-            send_reasoning: config.llm.send_reasoning,
-        },
-        runs: Arc::clone(&runs),
-        runners,
-        signals,
-        draining: AtomicBool::new(false),
-        stopping: tokio_util::sync::CancellationToken::new(),
-        config: config.clone(),
-    });
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
     let _health = security.serve_health(health_service.clone());
@@ -146,6 +92,84 @@ pub async fn serve_with_resolver(
     drop(refresher);
     tracing::info!("orchestrator stopped");
     Ok(())
+}
+
+/// The first tool catalog. The orchestrator serves without one (runners may start later): the
+/// catalog is retried on every refresh and on demand.
+async fn load_catalog(runners: &ToolRunners) {
+    match runners.refresh(LIST_TOOLS_TIMEOUT).await {
+        Ok(count) => tracing::info!(tools = count, endpoints = %runners.endpoints().join(","), "tool catalog loaded"),
+        Err(e) => tracing::warn!("{e}; serving anyway, the catalog is retried on every refresh and on demand"),
+    }
+}
+
+/// What every run shares: the model client, the tool-runners, the signal topic and the runs
+/// registry with its result store.
+async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
+    let mut connections = NatsConnections::default();
+    let signals = open_signal_topic(config, &mut connections).await?;
+    let store = open_store(config, &mut connections).await?;
+    let runs = Runs::new(config.runs.max_runs, store, config.store.timeout, config.store.backlog);
+    Ok(Arc::new(Core {
+        deps: LoopDeps {
+            model,
+            tools: Arc::new(runners.clone()),
+            signals: Arc::clone(&signals),
+            detector: config.runs.loop_detector,
+            trace_payloads: config.telemetry.trace_payloads(),
+            max_tool_result_bytes: config.runs.max_tool_result_bytes,
+            output: config.runs.output,
+            send_reasoning: config.llm.send_reasoning,
+        },
+        runs,
+        runners,
+        signals,
+        draining: AtomicBool::new(false),
+        stopping: tokio_util::sync::CancellationToken::new(),
+        config: config.clone(),
+    }))
+}
+
+/// The signal topic: in memory (this replica's subscribers only) or a NATS JetStream stream.
+async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -> Result<Arc<dyn SignalTopic>, Error> {
+    Ok(match &config.signals.topic {
+        Backend::Memory => Arc::new(MemoryTopic::new(config.signals.buffer)),
+        Backend::Nats(url) => {
+            let client = connections.get(url, &config.nats).await?;
+            let topic = NatsTopic::open(client, config.signals.clone())
+                .await
+                .map_err(Error::Dependency)?;
+            tracing::info!(nats = %url, prefix = %config.signals.subject_prefix, stream = %config.signals.stream, "signal topic on NATS JetStream");
+            Arc::new(topic)
+        }
+    })
+}
+
+/// The result store: in memory (bounded, this replica only) or a NATS key-value bucket shared
+/// by the replicas, with this replica's lease on the runs it owns.
+async fn open_store(config: &Config, connections: &mut NatsConnections) -> Result<Arc<dyn ResultStore>, Error> {
+    Ok(match &config.store.backend {
+        Backend::Memory => Arc::new(MemoryStore::new(
+            config.store.keep_results,
+            config.store.keep_results_for,
+        )),
+        Backend::Nats(url) => {
+            let client = connections.get(url, &config.nats).await?;
+            let js = async_nats::jetstream::new(client);
+            let owner = replica_name();
+            let store = KvStore::open(
+                &js,
+                &config.store.bucket,
+                config.store.ttl,
+                owner.clone(),
+                config.store.lease,
+            )
+            .await
+            .map_err(Error::Dependency)?;
+            tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value");
+            Arc::new(store)
+        }
+    })
 }
 
 /// The drain (see the module docs): waits for `shutdown`, then gives the runs in flight `grace`

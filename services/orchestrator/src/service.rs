@@ -20,7 +20,8 @@ use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
 use crate::run::live::{EmitSettings, Emitter};
 use crate::run::tool_loop::LoopDeps;
 use crate::run::{Event, EventBatch};
-use crate::runs::{CancelOutcome, Refusal, Runs};
+use crate::run::{RunResult, RunSpec};
+use crate::runs::{Admitted, CancelOutcome, Refusal, Runs};
 use crate::signals::{SignalFilter, SignalItem, SignalTopic};
 use crate::tool_runners::ToolRunners;
 
@@ -55,6 +56,63 @@ impl OrchestratorService {
     pub(crate) fn new(core: Arc<Core>) -> Self {
         Self { core }
     }
+
+    /// Starts an admitted run as its own task, in the caller's trace, and returns its event
+    /// stream. A run that is not `detached` is canceled when the caller goes away or stops
+    /// reading.
+    fn start(
+        &self,
+        admitted: Admitted,
+        spec: RunSpec,
+        detached: bool,
+        trace_context: &tonic::metadata::MetadataMap,
+    ) -> EventStream {
+        let core = &self.core;
+        let run_id = spec.run_id.clone();
+        let (tx, rx) = mpsc::channel::<EventBatch>(core.config.runs.event_buffer);
+        let caller_gone = (!detached).then(|| tx.clone());
+        let settings = EmitSettings {
+            send_timeout: core.config.runs.event_send_timeout,
+            max_event_bytes: core.config.runs.max_caller_event_bytes,
+        };
+        let on_stall = (!detached).then(|| admitted.cancel.clone());
+        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall);
+        let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &spec.principal);
+        shared::telemetry::continue_trace(&span, trace_context);
+        let run = admitted.into_run(spec, emitter, caller_gone);
+        let deps = core.deps.clone();
+        tokio::spawn(async move { crate::run::tool_loop::run(run, &deps).await }.instrument(span));
+        // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
+        ReceiverStream::new(rx)
+            .flat_map(futures::stream::iter)
+            .map(move |e| Ok(event_pb(&run_id, e.seq, e.event)))
+            .boxed()
+    }
+}
+
+/// Idempotent replay: the run with this id already finished. Its whole text (and reasoning) comes
+/// as one delta each, so the replayed stream keeps the stream invariants.
+fn replay(run_id: &str, result: RunResult) -> EventStream {
+    let mut events = Vec::with_capacity(3);
+    if !result.reasoning.is_empty() {
+        events.push(Event::ReasoningDelta {
+            text: result.reasoning.clone(),
+            turn: result.turns,
+        });
+    }
+    if !result.text.is_empty() {
+        events.push(Event::TextDelta {
+            text: result.text.clone(),
+            turn: result.turns,
+        });
+    }
+    events.push(Event::RunFinished(result));
+    let events: Vec<_> = events
+        .into_iter()
+        .zip(1..)
+        .map(|(event, seq)| Ok(event_pb(run_id, seq, event)))
+        .collect();
+    futures::stream::iter(events).boxed()
 }
 
 /// The answer for a run the caller cannot see, whether or not it exists.
@@ -95,63 +153,19 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             received_at,
         )?;
         let run_id = spec.run_id.clone();
-        let admitted = match core.runs.admit(&run_id, &caller).await {
-            Ok(admitted) => admitted,
-            Err(Refusal::Duplicate) => return Err(Error::AlreadyRunning(run_id).into()),
-            Err(Refusal::Full(slots)) => return Err(Error::Busy(slots).into()),
-            Err(Refusal::CallerFull(limit)) => {
-                return Err(Error::CallerBusy {
-                    principal: caller.name.clone(),
-                    limit,
-                }
-                .into());
+        match core.runs.admit(&run_id, &caller).await {
+            Ok(admitted) => Ok(Response::new(self.start(admitted, spec, detached, &trace_context))),
+            Err(Refusal::Finished(result)) => Ok(Response::new(replay(&run_id, *result))),
+            Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id).into()),
+            Err(Refusal::Full(slots)) => Err(Error::Busy(slots).into()),
+            Err(Refusal::CallerFull(limit)) => Err(Error::CallerBusy {
+                principal: caller.name.clone(),
+                limit,
             }
-            Err(Refusal::Foreign) => return Err(no_run(&run_id)),
-            Err(Refusal::Finished(result)) => {
-                // Idempotent replay: the run with this id already finished. Its whole text
-                // (and its reasoning) comes as one delta, so the replayed stream keeps the stream
-                // invariants.
-                let mut events = Vec::with_capacity(3);
-                if !result.reasoning.is_empty() {
-                    events.push(Event::ReasoningDelta {
-                        text: result.reasoning.clone(),
-                        turn: result.turns,
-                    });
-                }
-                if !result.text.is_empty() {
-                    events.push(Event::TextDelta {
-                        text: result.text.clone(),
-                        turn: result.turns,
-                    });
-                }
-                events.push(Event::RunFinished(*result));
-                let events: Vec<_> = events
-                    .into_iter()
-                    .zip(1..)
-                    .map(|(event, seq)| Ok(event_pb(&run_id, seq, event)))
-                    .collect();
-                return Ok(Response::new(futures::stream::iter(events).boxed()));
-            }
-        };
-
-        let (tx, rx) = mpsc::channel::<EventBatch>(core.config.runs.event_buffer);
-        let caller_gone = (!detached).then(|| tx.clone());
-        let settings = EmitSettings {
-            send_timeout: core.config.runs.event_send_timeout,
-            max_event_bytes: core.config.runs.max_caller_event_bytes,
-        };
-        let on_stall = (!detached).then(|| admitted.cancel.clone());
-        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall);
-        let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &caller.name);
-        shared::telemetry::continue_trace(&span, &trace_context);
-        let run = admitted.into_run(spec, emitter, caller_gone);
-        let deps = core.deps.clone();
-        tokio::spawn(async move { crate::run::tool_loop::run(run, &deps).await }.instrument(span));
-        // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
-        let stream = ReceiverStream::new(rx)
-            .flat_map(futures::stream::iter)
-            .map(move |e| Ok(event_pb(&run_id, e.seq, e.event)));
-        Ok(Response::new(stream.boxed()))
+            .into()),
+            // Another caller's run is answered as not found, so run ids cannot be probed.
+            Err(Refusal::Foreign) => Err(no_run(&run_id)),
+        }
     }
 
     async fn get_run(&self, request: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {

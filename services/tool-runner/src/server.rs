@@ -77,6 +77,30 @@ fn follow_mcp_health(
     }
 }
 
+/// The drain (see the module docs): waits for `shutdown`, turns NOT_SERVING, refuses new calls
+/// and gives those in flight `grace` to finish; if they do not, tells `grace_over` how many are
+/// abandoned.
+async fn drain(
+    shutdown: impl Future<Output = ()>,
+    admission: Admission,
+    health: tonic_health::server::HealthReporter,
+    mcp_health: tokio::task::JoinHandle<()>,
+    grace: std::time::Duration,
+    grace_over: tokio::sync::oneshot::Sender<usize>,
+) {
+    shutdown.await;
+    mcp_health.abort();
+    tracing::info!(in_flight = admission.in_flight(), grace = %humantime::format_duration(grace), "draining");
+    health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
+    admission.start_draining();
+    match tokio::time::timeout(grace, admission.wait_idle()).await {
+        Ok(()) => tracing::info!("drained: no call in flight"),
+        Err(_) => {
+            let _ = grace_over.send(admission.in_flight());
+        }
+    }
+}
+
 /// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
 pub async fn serve(
     listener: TcpListener,
@@ -112,24 +136,15 @@ pub async fn serve(
     .max_decoding_message_size(config.arg_limits.max_bytes.saturating_mul(2).saturating_add(64 * 1024));
 
     let admission = Admission::new(config.server.max_concurrency);
-    let grace = config.server.shutdown_grace;
     let (grace_over_tx, grace_over_rx) = tokio::sync::oneshot::channel::<usize>();
-    let drain = {
-        let admission = admission.clone();
-        async move {
-            shutdown.await;
-            mcp_health.abort();
-            tracing::info!(in_flight = admission.in_flight(), grace = %humantime::format_duration(grace), "draining");
-            health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
-            admission.start_draining();
-            match tokio::time::timeout(grace, admission.wait_idle()).await {
-                Ok(()) => tracing::info!("drained: no call in flight"),
-                Err(_) => {
-                    let _ = grace_over_tx.send(admission.in_flight());
-                }
-            }
-        }
-    };
+    let drain = drain(
+        shutdown,
+        admission.clone(),
+        health,
+        mcp_health,
+        config.server.shutdown_grace,
+        grace_over_tx,
+    );
     let grace_over = async move {
         match grace_over_rx.await {
             Ok(abandoned) => abandoned,

@@ -137,31 +137,11 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
                 caller.name, call.tool_name
             )));
         }
-        let span = tracing::info_span!(
-            "execute_tool",
-            otel.name = %format!("execute_tool {}", call.tool_name),
-            otel.kind = "server",
-            gen_ai.operation.name = "execute_tool",
-            gen_ai.tool.name = %call.tool_name,
-            gen_ai.tool.call.id = %call.call_id,
-            gen_ai.tool.type = "function",
-            gen_ai.conversation.id = %call.run_id,
-            enduser.id = %call.principal,
-            gen_ai.tool.call.arguments = tracing::field::Empty,
-            gen_ai.tool.call.result = tracing::field::Empty,
-            error.type = tracing::field::Empty,
-            otel.status_code = tracing::field::Empty,
-            metadata = ?call.metadata,
-        );
+        let span = execute_tool_span(&call);
         shared::telemetry::continue_trace(&span, &trace_context);
         if let Some(max) = self.trace_payloads {
             span.record("gen_ai.tool.call.arguments", truncate(&call.arguments_json, max));
         }
-        let tool_label = if self.registry.has(&call.tool_name) {
-            call.tool_name.clone()
-        } else {
-            "_unknown".to_owned()
-        };
         async move {
             let started = Instant::now();
             let _in_flight = InFlight::new(metric::IN_FLIGHT);
@@ -175,33 +155,72 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
             let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
             watch.finished = true;
             let elapsed = started.elapsed();
-            let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-            let span = tracing::Span::current();
-            let (outcome, label) = match result {
-                Ok(value) => {
-                    let json = value.to_string();
-                    if let Some(max) = self.trace_payloads {
-                        span.record("gen_ai.tool.call.result", truncate(&json, max));
-                    }
-                    tracing::info!(duration_ms, "tool call succeeded");
-                    (pb::run_tool_response::Outcome::ContentJson(json), "ok".to_owned())
-                }
-                Err(error) => {
-                    let code = error.code.to_string();
-                    span.record("error.type", code.as_str());
-                    span.record("otel.status_code", "ERROR");
-                    tracing::info!(duration_ms, code = %error.code, "tool call failed: {}", error.message);
-                    (pb::run_tool_response::Outcome::Error(error.into()), code)
-                }
+            let (outcome, label) = self.record(result, elapsed);
+            // Unknown names share one label, so callers cannot grow the metrics without bound.
+            let tool = if self.registry.has(&call.tool_name) {
+                call.tool_name
+            } else {
+                "_unknown".to_owned()
             };
-            metrics::counter!(metric::EXECUTIONS, "tool" => tool_label.clone(), "outcome" => label).increment(1);
-            metrics::histogram!(metric::EXECUTION_DURATION, "tool" => tool_label).record(elapsed.as_secs_f64());
+            metrics::counter!(metric::EXECUTIONS, "tool" => tool.clone(), "outcome" => label).increment(1);
+            metrics::histogram!(metric::EXECUTION_DURATION, "tool" => tool).record(elapsed.as_secs_f64());
             Ok(Response::new(pb::RunToolResponse {
                 outcome: Some(outcome),
-                duration_ms,
+                duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
             }))
         }
         .instrument(span)
         .await
     }
+}
+
+impl ToolRunnerService {
+    /// A call's result as the response outcome, logged and recorded on the current span (the
+    /// result itself only when payloads are traced); returns the outcome and its metric label.
+    fn record(
+        &self,
+        result: Result<serde_json::Value, ToolError>,
+        elapsed: std::time::Duration,
+    ) -> (pb::run_tool_response::Outcome, String) {
+        let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+        let span = tracing::Span::current();
+        match result {
+            Ok(value) => {
+                let json = value.to_string();
+                if let Some(max) = self.trace_payloads {
+                    span.record("gen_ai.tool.call.result", truncate(&json, max));
+                }
+                tracing::info!(duration_ms, "tool call succeeded");
+                (pb::run_tool_response::Outcome::ContentJson(json), "ok".to_owned())
+            }
+            Err(error) => {
+                let code = error.code.to_string();
+                span.record("error.type", code.as_str());
+                span.record("otel.status_code", "ERROR");
+                tracing::info!(duration_ms, code = %error.code, "tool call failed: {}", error.message);
+                (pb::run_tool_response::Outcome::Error(error.into()), code)
+            }
+        }
+    }
+}
+
+/// The call's span, named and attributed by the OpenTelemetry GenAI conventions; arguments,
+/// result and error are recorded on it as they become known.
+fn execute_tool_span(call: &ToolCall) -> tracing::Span {
+    tracing::info_span!(
+        "execute_tool",
+        otel.name = %format!("execute_tool {}", call.tool_name),
+        otel.kind = "server",
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = %call.tool_name,
+        gen_ai.tool.call.id = %call.call_id,
+        gen_ai.tool.type = "function",
+        gen_ai.conversation.id = %call.run_id,
+        enduser.id = %call.principal,
+        gen_ai.tool.call.arguments = tracing::field::Empty,
+        gen_ai.tool.call.result = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        metadata = ?call.metadata,
+    )
 }

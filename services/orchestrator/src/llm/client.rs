@@ -45,6 +45,19 @@ pub struct HttpLlm {
     config: LlmSettings,
 }
 
+/// How one POST of a completion request went.
+enum Attempt {
+    /// The server streams the completion.
+    Streaming(BoxStream<'static, Result<LlmEvent, LlmError>>),
+    /// Refused in a way worth retrying, after `retry_after` when the server said so.
+    Retryable {
+        retry_after: Option<Duration>,
+        failure: LlmError,
+    },
+    /// Refused for good.
+    Final(LlmError),
+}
+
 impl HttpLlm {
     /// Builds the client; fails on an unusable URL or header. Errors never show a credential.
     pub fn new(config: LlmSettings) -> Result<Self, String> {
@@ -87,54 +100,13 @@ impl HttpLlm {
     }
 
     async fn open(self, body: Vec<u8>) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
-        let limits = DecodeLimits {
-            idle_timeout: self.config.idle_timeout,
-            max_line_bytes: self.config.max_line_bytes,
-            max_event_bytes: self.config.max_event_bytes,
-        };
         let body = bytes::Bytes::from(body);
         let mut attempt = 0u32;
         loop {
-            let send = self
-                .client
-                .post(self.url.clone())
-                .headers(self.headers.clone())
-                .header(reqwest::header::CONTENT_TYPE, "application/json")
-                .header(reqwest::header::ACCEPT, "text/event-stream")
-                .body(body.clone())
-                .send();
-            let (retry_after, failure) = match tokio::time::timeout(self.config.idle_timeout, send).await {
-                Err(_) => {
-                    return Err(LlmError::Stalled(format!(
-                        "{} (no response headers)",
-                        humantime::format_duration(self.config.idle_timeout)
-                    )));
-                }
-                Ok(Ok(response)) if response.status().is_success() => {
-                    let redactor = self.redactor.clone();
-                    let events = decode(response.bytes_stream(), limits);
-                    return Ok(events.map(move |event| event.map_err(|e| scrub(&redactor, e))).boxed());
-                }
-                Ok(Ok(response)) => {
-                    let status = response.status();
-                    let retry_after = retry_after(&response);
-                    let failure = self.refusal(response).await;
-                    if status.as_u16() != 429 && !status.is_server_error() {
-                        return Err(failure);
-                    }
-                    (retry_after, failure)
-                }
-                Ok(Err(e)) if e.is_connect() || e.is_timeout() => (
-                    None,
-                    self.http_error(format!(
-                        "cannot reach the LLM server at {}: {}",
-                        self.shown,
-                        e.without_url()
-                    )),
-                ),
-                Ok(Err(e)) => {
-                    return Err(self.http_error(format!("request to the LLM server failed: {}", e.without_url())));
-                }
+            let (retry_after, failure) = match self.attempt(body.clone()).await {
+                Attempt::Streaming(events) => return Ok(events),
+                Attempt::Final(failure) => return Err(failure),
+                Attempt::Retryable { retry_after, failure } => (retry_after, failure),
             };
             if attempt >= self.config.max_retries {
                 return Err(failure);
@@ -153,6 +125,57 @@ impl HttpLlm {
                 "retrying the LLM request: {failure}"
             );
             tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// One POST of the request: a stream of events on success; a refusal worth retrying (429, a
+    /// server error, no connection) or a final one (no headers within the idle timeout, any
+    /// other status or error).
+    async fn attempt(&self, body: bytes::Bytes) -> Attempt {
+        let send = self
+            .client
+            .post(self.url.clone())
+            .headers(self.headers.clone())
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .body(body)
+            .send();
+        match tokio::time::timeout(self.config.idle_timeout, send).await {
+            Err(_) => Attempt::Final(LlmError::Stalled(format!(
+                "{} (no response headers)",
+                humantime::format_duration(self.config.idle_timeout)
+            ))),
+            Ok(Ok(response)) if response.status().is_success() => {
+                let limits = DecodeLimits {
+                    idle_timeout: self.config.idle_timeout,
+                    max_line_bytes: self.config.max_line_bytes,
+                    max_event_bytes: self.config.max_event_bytes,
+                };
+                let redactor = self.redactor.clone();
+                let events = decode(response.bytes_stream(), limits);
+                Attempt::Streaming(events.map(move |event| event.map_err(|e| scrub(&redactor, e))).boxed())
+            }
+            Ok(Ok(response)) => {
+                let status = response.status();
+                let retry_after = retry_after(&response);
+                let failure = self.refusal(response).await;
+                if status.as_u16() == 429 || status.is_server_error() {
+                    Attempt::Retryable { retry_after, failure }
+                } else {
+                    Attempt::Final(failure)
+                }
+            }
+            Ok(Err(e)) if e.is_connect() || e.is_timeout() => Attempt::Retryable {
+                retry_after: None,
+                failure: self.http_error(format!(
+                    "cannot reach the LLM server at {}: {}",
+                    self.shown,
+                    e.without_url()
+                )),
+            },
+            Ok(Err(e)) => {
+                Attempt::Final(self.http_error(format!("request to the LLM server failed: {}", e.without_url())))
+            }
         }
     }
 

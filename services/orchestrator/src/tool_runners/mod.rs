@@ -121,11 +121,12 @@ impl Resolve for SystemResolver {
     }
 }
 
-/// What a call's retries need of the settings (copied into each call, no allocation).
+/// What a call needs of the settings (copied into each call, no allocation).
 #[derive(Debug, Clone, Copy)]
-struct RetrySettings {
+struct CallSettings {
     retries: u32,
     backoff: Duration,
+    max_response_bytes: usize,
 }
 
 /// How long an endpoint is skipped after refusing a call over its concurrency limit.
@@ -141,7 +142,7 @@ pub struct ToolRunners {
     /// Held while the catalog is fetched: requests that find no answering runner share one fetch.
     fetching: Arc<tokio::sync::Mutex<()>>,
     targets: Arc<Vec<String>>,
-    retry: RetrySettings,
+    call: CallSettings,
     _resolver: Option<Arc<AbortOnDrop>>,
     transport: Transport,
 }
@@ -251,9 +252,10 @@ impl ToolRunners {
             catalog: Arc::default(),
             fetching: Arc::default(),
             targets: Arc::new(targets.to_vec()),
-            retry: RetrySettings {
+            call: CallSettings {
                 retries: settings.call_retries,
                 backoff: settings.call_retry_backoff,
+                max_response_bytes: settings.max_response_bytes,
             },
             _resolver: resolver_task,
             transport,
@@ -414,76 +416,100 @@ fn refused_before_run(status: &tonic::Status) -> Option<&'static str> {
 impl ToolExecutor for ToolRunners {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
         let pool = Arc::clone(&self.pool);
-        let retry = self.retry;
+        let settings = self.call;
         let transport = self.transport.clone();
         async move {
             let mut attempt = 0u32;
             let mut tried: Vec<String> = Vec::new();
-            let response = loop {
+            loop {
                 let Some(lease) = pool.pick(&tried) else {
                     return Err(ToolCallError::new("UNAVAILABLE", "no tool-runner endpoint is known (check --tool-runner)"));
                 };
-                let mut request = tonic::Request::new(pb::RunToolRequest {
-                    run_id: call.run_id.clone(),
-                    call_id: call.call_id.clone(),
-                    tool_name: call.name.clone(),
-                    arguments_json: call.arguments_json.clone(),
-                    metadata: call.metadata.clone().into_iter().collect(),
-                    principal: call.principal.clone(),
-                });
-                request.set_timeout(call.timeout);
-                transport.authorize(&mut request);
-                shared::telemetry::inject_current(request.metadata_mut());
-                if let Some(v) = ascii_header(&call.run_id) {
-                    request.metadata_mut().insert("x-run-id", v);
-                }
-                if let Some(v) = ascii_header(&call.call_id) {
-                    request.metadata_mut().insert("x-call-id", v);
-                }
                 let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
-                    .max_decoding_message_size(64 * 1024 * 1024);
-                match client.run_tool(request).await {
-                    Ok(response) => break response,
-                    Err(status) => {
-                        let refused = refused_before_run(&status);
-                        if let Some(reason) = refused {
-                            let cooldown = if reason == "concurrency_limit" { BUSY_COOLDOWN } else { GONE_COOLDOWN };
-                            pool.cool_down(&lease.member, cooldown);
-                        }
-                        if let Some(reason) = refused.filter(|_| attempt < retry.retries) {
-                            metrics::counter!(crate::telemetry::metric::TOOL_CALL_RETRIES, "reason" => reason).increment(1);
-                            tracing::debug!(attempt, reason, endpoint = %lease.member.uri, "retrying a tool call no runner ran: {}", status.message());
-                            tried.push(lease.member.uri.clone());
-                            drop(lease);
-                            tokio::time::sleep(retry.backoff.saturating_mul(1 << attempt.min(16))).await;
-                            attempt += 1;
-                            continue;
-                        }
-                        // A status with a source error came from the connection (the runner went away
-                        // mid-call), not from the runner itself.
-                        let from_transport = std::error::Error::source(&status).is_some();
-                        let code = match status.code() {
-                            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => "TIMEOUT",
-                            _ if from_transport => "UNAVAILABLE",
-                            tonic::Code::ResourceExhausted | tonic::Code::Unavailable => "UNAVAILABLE",
-                            tonic::Code::InvalidArgument => "INVALID_ARGUMENTS",
-                            _ => "FAILED",
-                        };
-                        return Err(ToolCallError::new(code, format!("tool-runner {}: {:?}: {}", lease.member.uri, status.code(), status.message())));
-                    }
+                    .max_decoding_message_size(settings.max_response_bytes);
+                let status = match client.run_tool(run_tool_request(&call, &transport)).await {
+                    Ok(response) => return outcome(response.into_inner()),
+                    Err(status) => status,
+                };
+                let refused = refused_before_run(&status);
+                if let Some(reason) = refused {
+                    let cooldown = if reason == "concurrency_limit" { BUSY_COOLDOWN } else { GONE_COOLDOWN };
+                    pool.cool_down(&lease.member, cooldown);
                 }
-            };
-            match response.into_inner().outcome {
-                Some(pb::run_tool_response::Outcome::ContentJson(json)) => Ok(json),
-                Some(pb::run_tool_response::Outcome::Error(e)) => {
-                    let code = pb::ToolErrorCode::try_from(e.code).unwrap_or(pb::ToolErrorCode::Unspecified);
-                    let name = code.as_str_name().trim_start_matches("TOOL_ERROR_CODE_");
-                    Err(ToolCallError::new(if name == "UNSPECIFIED" { "FAILED" } else { name }, e.message))
-                }
-                None => Err(ToolCallError::new("FAILED", "the tool-runner answered with neither a result nor an error")),
+                let Some(reason) = refused.filter(|_| attempt < settings.retries) else {
+                    return Err(call_error(&status, &lease.member.uri));
+                };
+                metrics::counter!(crate::telemetry::metric::TOOL_CALL_RETRIES, "reason" => reason).increment(1);
+                tracing::debug!(attempt, reason, endpoint = %lease.member.uri, "retrying a tool call no runner ran: {}", status.message());
+                tried.push(lease.member.uri.clone());
+                drop(lease);
+                tokio::time::sleep(settings.backoff.saturating_mul(1 << attempt.min(16))).await;
+                attempt += 1;
             }
         }
         .boxed()
+    }
+}
+
+/// The `RunTool` request of a call: its deadline, the runner credentials, the trace context and
+/// the run and call ids as headers (for the runner's access logs).
+fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Request<pb::RunToolRequest> {
+    let mut request = tonic::Request::new(pb::RunToolRequest {
+        run_id: call.run_id.clone(),
+        call_id: call.call_id.clone(),
+        tool_name: call.name.clone(),
+        arguments_json: call.arguments_json.clone(),
+        metadata: call.metadata.clone().into_iter().collect(),
+        principal: call.principal.clone(),
+    });
+    request.set_timeout(call.timeout);
+    transport.authorize(&mut request);
+    shared::telemetry::inject_current(request.metadata_mut());
+    if let Some(v) = ascii_header(&call.run_id) {
+        request.metadata_mut().insert("x-run-id", v);
+    }
+    if let Some(v) = ascii_header(&call.call_id) {
+        request.metadata_mut().insert("x-call-id", v);
+    }
+    request
+}
+
+/// A failed `RunTool` as the tool error the model sees: a deadline is a `TIMEOUT`, a broken
+/// connection or a busy runner `UNAVAILABLE`, refused arguments `INVALID_ARGUMENTS`, anything
+/// else `FAILED`; the message names the runner and the gRPC status.
+fn call_error(status: &tonic::Status, runner: &str) -> ToolCallError {
+    // A status with a source error came from the connection (the runner went away mid-call), not
+    // from the runner itself.
+    let from_transport = std::error::Error::source(status).is_some();
+    let code = match status.code() {
+        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => "TIMEOUT",
+        _ if from_transport => "UNAVAILABLE",
+        tonic::Code::ResourceExhausted | tonic::Code::Unavailable => "UNAVAILABLE",
+        tonic::Code::InvalidArgument => "INVALID_ARGUMENTS",
+        _ => "FAILED",
+    };
+    ToolCallError::new(
+        code,
+        format!("tool-runner {runner}: {:?}: {}", status.code(), status.message()),
+    )
+}
+
+/// A runner's answer: the tool's JSON content, or its error with the runner's code.
+fn outcome(response: pb::RunToolResponse) -> Result<String, ToolCallError> {
+    match response.outcome {
+        Some(pb::run_tool_response::Outcome::ContentJson(json)) => Ok(json),
+        Some(pb::run_tool_response::Outcome::Error(e)) => {
+            let code = pb::ToolErrorCode::try_from(e.code).unwrap_or(pb::ToolErrorCode::Unspecified);
+            let name = code.as_str_name().trim_start_matches("TOOL_ERROR_CODE_");
+            Err(ToolCallError::new(
+                if name == "UNSPECIFIED" { "FAILED" } else { name },
+                e.message,
+            ))
+        }
+        None => Err(ToolCallError::new(
+            "FAILED",
+            "the tool-runner answered with neither a result nor an error",
+        )),
     }
 }
 
