@@ -280,6 +280,10 @@ macro_rules! security_settings {
             /// Longest TLS handshake before the connection is closed (cap 60s).
             #[arg(long, env = concat!($prefix, "_TLS_HANDSHAKE_TIMEOUT"), default_value = "10s", value_parser = $crate::config::parse_duration)]
             pub tls_handshake_timeout: std::time::Duration,
+            /// TLS handshakes in progress at once; connections beyond it are closed at once, so a
+            /// flood of slow handshakes cannot take the server's memory (cap 65536).
+            #[arg(long, env = concat!($prefix, "_TLS_MAX_PENDING_HANDSHAKES"), default_value_t = 1024)]
+            pub tls_max_pending_handshakes: usize,
             /// Tokens file (TOML `[[token]]` entries: principal, sha256, tools, max_runs, limits); callers then need `authorization: Bearer <token>`.
             #[arg(long, env = concat!($prefix, "_AUTH_TOKENS"))]
             pub auth_tokens: Option<std::path::PathBuf>,
@@ -297,6 +301,7 @@ macro_rules! security_settings {
                 vec![
                     $crate::config::bound("tls_reload_interval", self.tls_reload_interval, Duration::from_secs(1), Duration::from_secs(3600)),
                     $crate::config::bound("tls_handshake_timeout", self.tls_handshake_timeout, Duration::from_millis(100), Duration::from_secs(60)),
+                    $crate::config::bound("tls_max_pending_handshakes", self.tls_max_pending_handshakes, 1usize, 65536usize),
                 ]
             }
         }
@@ -314,7 +319,10 @@ macro_rules! security_settings {
                     auth_tokens: self.auth_tokens.clone(),
                     principal_from_cert: self.auth_principal_from_cert,
                     reload_interval: self.tls_reload_interval,
-                    handshake_timeout: self.tls_handshake_timeout,
+                    handshakes: $crate::tls::Handshakes {
+                        timeout: self.tls_handshake_timeout,
+                        max_pending: self.tls_max_pending_handshakes,
+                    },
                     health_listen: self.health_listen,
                 })
             }

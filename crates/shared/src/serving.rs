@@ -13,7 +13,7 @@ use tonic_health::pb::health_server::{Health, HealthServer};
 use crate::auth::{AuthGate, Authenticator, TokensError};
 use crate::grpc::GateLayer;
 use crate::runtime::AbortOnDrop;
-use crate::tls::{Incoming, ReloadingTls, ServerTlsFiles, TlsError};
+use crate::tls::{Handshakes, Incoming, ReloadingTls, ServerTlsFiles, TlsError};
 
 /// The security settings a service was started with (built by its `SecuritySettings`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -26,8 +26,8 @@ pub struct SecurityOptions {
     pub principal_from_cert: bool,
     /// How often the files are checked for changes.
     pub reload_interval: Duration,
-    /// Longest TLS handshake.
-    pub handshake_timeout: Duration,
+    /// Bounds on TLS handshakes.
+    pub handshakes: Handshakes,
     /// Plaintext health address.
     pub health_listen: Option<SocketAddr>,
 }
@@ -78,7 +78,7 @@ pub enum SecurityError {
 pub struct Security {
     tls: Option<Arc<ReloadingTls>>,
     auth: Option<Arc<Authenticator>>,
-    handshake_timeout: Duration,
+    handshakes: Handshakes,
     health_listener: Option<TcpListener>,
     _watchers: Vec<AbortOnDrop>,
 }
@@ -120,7 +120,7 @@ impl Security {
         Ok(Self {
             tls,
             auth,
-            handshake_timeout: options.handshake_timeout,
+            handshakes: options.handshakes,
             health_listener,
             _watchers: watchers,
         })
@@ -133,7 +133,7 @@ impl Security {
 
     /// The connections of `listener`, over TLS when it is on.
     pub fn incoming(&self, listener: TcpListener) -> Incoming {
-        crate::tls::incoming(listener, self.tls.clone(), self.handshake_timeout)
+        crate::tls::incoming(listener, self.tls.clone(), self.handshakes)
     }
 
     /// The authentication layer for the server (admits everyone when auth is off).
@@ -148,7 +148,7 @@ impl Security {
         if let Ok(address) = listener.local_addr() {
             tracing::info!(%address, "health serving (plaintext)");
         }
-        let incoming = crate::tls::incoming(listener, None, self.handshake_timeout);
+        let incoming = crate::tls::incoming(listener, None, self.handshakes);
         Some(AbortOnDrop(tokio::spawn(async move {
             if let Err(e) = tonic::transport::Server::builder()
                 .add_service(health)

@@ -29,9 +29,24 @@ use tonic::transport::server::Connected;
 
 use crate::runtime::AbortOnDrop;
 
-/// Handshakes in progress at once; connections beyond it are closed at once (a flood of slow
-/// handshakes cannot take the server's memory).
-pub const MAX_PENDING_HANDSHAKES: usize = 1024;
+/// Bounds on the TLS handshakes of a listener (`--tls-handshake-timeout`,
+/// `--tls-max-pending-handshakes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handshakes {
+    /// Longest handshake; the connection is closed after it.
+    pub timeout: Duration,
+    /// Handshakes in progress at once; connections beyond it are closed at once.
+    pub max_pending: usize,
+}
+
+impl Default for Handshakes {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(10),
+            max_pending: 1024,
+        }
+    }
+}
 /// Accepted connections waiting for the server to take them.
 const ACCEPTED_QUEUE: usize = 64;
 
@@ -306,10 +321,11 @@ impl futures::Stream for Incoming {
 }
 
 /// Accepts `listener`'s connections, over TLS when `tls` is set (each handshake within
-/// `handshake_timeout`; a failed one is logged and the connection closed).
-pub fn incoming(listener: TcpListener, tls: Option<Arc<ReloadingTls>>, handshake_timeout: Duration) -> Incoming {
+/// `handshakes.timeout`, at most `handshakes.max_pending` at once; a failed one is logged and
+/// the connection closed).
+pub fn incoming(listener: TcpListener, tls: Option<Arc<ReloadingTls>>, handshakes: Handshakes) -> Incoming {
     let (tx, accepted) = mpsc::channel(ACCEPTED_QUEUE);
-    let task = tokio::spawn(accept_loop(listener, tls, handshake_timeout, tx));
+    let task = tokio::spawn(accept_loop(listener, tls, handshakes, tx));
     Incoming {
         accepted,
         _accept: AbortOnDrop(task),
@@ -319,10 +335,10 @@ pub fn incoming(listener: TcpListener, tls: Option<Arc<ReloadingTls>>, handshake
 async fn accept_loop(
     listener: TcpListener,
     tls: Option<Arc<ReloadingTls>>,
-    handshake_timeout: Duration,
+    handshakes: Handshakes,
     tx: mpsc::Sender<Conn>,
 ) {
-    let pending = Arc::new(Semaphore::new(MAX_PENDING_HANDSHAKES));
+    let pending = Arc::new(Semaphore::new(handshakes.max_pending));
     loop {
         let (stream, remote) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -345,12 +361,12 @@ async fn accept_loop(
             continue;
         };
         let Ok(permit) = Arc::clone(&pending).try_acquire_owned() else {
-            tracing::warn!(%remote, "{MAX_PENDING_HANDSHAKES} TLS handshakes pending; connection closed");
+            tracing::warn!(%remote, max_pending = handshakes.max_pending, "TLS handshakes pending at the bound (--tls-max-pending-handshakes); connection closed");
             continue;
         };
         let (acceptor, tx) = (tls.acceptor(), tx.clone());
         tokio::spawn(async move {
-            if let Some(conn) = handshake(acceptor, stream, peer, handshake_timeout).await {
+            if let Some(conn) = handshake(acceptor, stream, peer, handshakes.timeout).await {
                 let _ = tx.send(conn).await;
             }
             drop(permit);

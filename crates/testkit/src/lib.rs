@@ -104,6 +104,21 @@ impl Service {
         self.logs.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
+    /// Whether a log line containing `needle` is written within `limit` (lines are read as the
+    /// process writes them, so a test polls rather than looks once).
+    pub async fn logged(&self, needle: &str, limit: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if self.logs().iter().any(|l| l.contains(needle)) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
     /// Sends `signal` to the process.
     pub fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
         let pid = self

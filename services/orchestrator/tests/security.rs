@@ -366,18 +366,12 @@ async fn tls_files_are_reloaded_without_dropping_connections() -> TestResult {
     // Rotate to a certificate of the other CA: key first, as a half-done rotation would.
     std::fs::copy(pki.path("rotated.key"), pki.path("live.key"))?;
     std::fs::copy(pki.path("rotated.pem"), pki.path("live.pem"))?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    while !runner
-        .logs()
-        .iter()
-        .any(|l| l.contains("TLS files changed; new connections use them"))
-    {
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the runner never reloaded its TLS files"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    anyhow::ensure!(
+        runner
+            .logged("TLS files changed; new connections use them", Duration::from_secs(15))
+            .await,
+        "the runner never reloaded its TLS files"
+    );
     assert!(
         tls_channel(&pki, &runner.grpc, "ca", "orchestrator").await.is_err(),
         "a new connection still got the old certificate"
@@ -392,6 +386,81 @@ async fn tls_files_are_reloaded_without_dropping_connections() -> TestResult {
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(runner.logs().iter().any(|l| l.contains("keeping the previous ones")));
     assert!(list_tools(tls_channel(&pki, &runner.grpc, "other-ca", "orchestrator").await?).await? > 0);
+    runner.stop().await?;
+    Ok(())
+}
+
+/// Whether the server closes `conn` within `wait` (EOF or reset); a silent client never sends
+/// a byte, so the server is all that can end it.
+async fn closed_within(conn: &mut tokio::net::TcpStream, wait: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut byte = [0u8; 1];
+    match tokio::time::timeout(wait, conn.read(&mut byte)).await {
+        Ok(Ok(0) | Err(_)) => true,
+        Ok(Ok(_)) => false,
+        Err(_) => false,
+    }
+}
+
+/// Slow TLS handshakes are bounded in number and time (`--tls-max-pending-handshakes`,
+/// `--tls-handshake-timeout`), on both sides of each bound: with 2 allowed, two silent clients
+/// are kept and a third is closed at once; they are closed when the timeout passes, not before;
+/// then a real client gets in.
+#[tokio::test]
+async fn slow_handshakes_are_bounded_in_number_and_time() -> TestResult {
+    let pki = Pki::new()?;
+    pki.ca("ca").await?;
+    pki.leaf("ca", "server").await?;
+    pki.leaf("ca", "orchestrator").await?;
+    let mut command = Command::new(common::tool_runner_bin()?);
+    command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
+        "--tls-cert",
+        &pki.arg("server.pem"),
+        "--tls-key",
+        &pki.arg("server.key"),
+        "--tls-client-ca",
+        &pki.arg("ca.pem"),
+        "--tls-handshake-timeout",
+        "4s",
+        "--tls-max-pending-handshakes",
+        "2",
+    ]);
+    let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
+    let address = runner.grpc.trim_start_matches("https://").trim_start_matches("http://");
+    let started = tokio::time::Instant::now();
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        silent.push(tokio::net::TcpStream::connect(address).await?);
+    }
+    // Let the runner take both before the third arrives.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut third = tokio::net::TcpStream::connect(address).await?;
+    assert!(
+        closed_within(&mut third, Duration::from_secs(2)).await,
+        "the third pending handshake was refused at once"
+    );
+    assert!(
+        runner
+            .logged("--tls-max-pending-handshakes", Duration::from_secs(5))
+            .await,
+        "the refusal names the flag"
+    );
+    for conn in &mut silent {
+        assert!(
+            !closed_within(conn, Duration::from_millis(500)).await,
+            "a pending handshake under the bound is kept until its timeout"
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(4), "checked before the timeout");
+    for conn in &mut silent {
+        assert!(
+            closed_within(conn, Duration::from_secs(10)).await,
+            "closed once --tls-handshake-timeout passed"
+        );
+    }
+    assert!(started.elapsed() >= Duration::from_secs(4), "not before the timeout");
+    let channel = tls_channel(&pki, &runner.grpc, "ca", "orchestrator").await?;
+    assert!(list_tools(channel).await? > 0, "the slots are free again");
     runner.stop().await?;
     Ok(())
 }
