@@ -9,10 +9,11 @@ type TestResult = anyhow::Result<()>;
 
 const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
 
-/// Runs the binary to its end; `LLM_BASE_URL` from the shell must not change what it does.
+/// Runs the binary to its end; `LLM_BASE_URL` from the shell must not change what it does, and
+/// it never takes the default metrics port (tests run side by side).
 async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(Option<i32>, String, String)> {
     let mut command = Command::new(BIN);
-    command.env_remove("LLM_BASE_URL");
+    command.env_remove("LLM_BASE_URL").env("ORCHESTRATOR_METRICS_LISTEN", "off");
     testkit::run_to_end(command, args, env).await
 }
 
