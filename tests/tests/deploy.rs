@@ -244,6 +244,80 @@ fn network_policies_admit_only_whom_they_name() -> TestResult {
     ] {
         assert!(runner.contains(needle), "tool-runner egress: {needle} missing");
     }
+    check_orchestrator_egress(orchestrator)
+}
+
+/// The orchestrator's egress: each rule pairs a destination with its port (the model-server
+/// pods with any port), and nothing else is allowed.
+fn check_orchestrator_egress(policy: &str) -> TestResult {
+    assert!(
+        policy.contains("- Egress"),
+        "the orchestrator's egress is not restricted"
+    );
+    // The rendered list: `  egress:`, then rules starting `  - `, until the next key.
+    let egress: String = policy
+        .lines()
+        .skip_while(|l| *l != "  egress:")
+        .skip(1)
+        .take_while(|l| l.starts_with("  - ") || l.starts_with("    "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let egress = format!("\n{egress}");
+    let rules: Vec<&str> = egress.split("\n  - ").filter(|r| !r.trim().is_empty()).collect();
+    let expected: [(&str, Option<&str>); 6] = [
+        ("k8s-app: kube-dns", Some("port: 53")),
+        ("app.kubernetes.io/name: tool-runner", Some("port: 50052")),
+        ("app.kubernetes.io/name: nats", Some("port: 4222")),
+        ("app.kubernetes.io/name: jaeger", Some("port: 4317")),
+        ("orchestrator.io/llm: \"true\"", None),
+        ("cidr: 0.0.0.0/0", Some("port: 443")),
+    ];
+    assert_eq!(rules.len(), expected.len(), "egress rules:\n{egress}");
+    for (to, port) in expected {
+        let rule = rules
+            .iter()
+            .find(|r| r.contains(to))
+            .ok_or_else(|| anyhow::anyhow!("no egress rule to {to}:\n{egress}"))?;
+        match port {
+            Some(port) => assert!(rule.contains(port), "egress to {to} is not on {port}:\n{rule}"),
+            None => assert!(!rule.contains("ports:"), "model servers on any port:\n{rule}"),
+        }
+    }
+    let public = rules
+        .iter()
+        .find(|r| r.contains("cidr: 0.0.0.0/0"))
+        .copied()
+        .unwrap_or_default();
+    for private in [
+        "- 10.0.0.0/8",
+        "- 172.16.0.0/12",
+        "- 192.168.0.0/16",
+        "- 169.254.0.0/16",
+    ] {
+        assert!(
+            public.contains(private),
+            "public addresses only: {private} not excluded"
+        );
+    }
+    Ok(())
+}
+
+/// The example overlay's stand-in model carries the label the orchestrator's egress admits, so
+/// the demo still reaches its model with the policies enforced.
+#[test]
+fn the_example_model_server_is_reachable_under_the_orchestrators_egress() -> TestResult {
+    let rendered = render(&repo_root().join("deploy/k8s/overlays/example"))?;
+    let model = document(&rendered, "Deployment", "mock-llm")?;
+    let template = model
+        .split_once("template:")
+        .map(|(_, t)| t)
+        .ok_or_else(|| anyhow::anyhow!("no pod template"))?;
+    assert!(template.contains("orchestrator.io/llm: \"true\""), "{template}");
+    let orchestrator = document(&rendered, "Deployment", "orchestrator")?;
+    assert!(
+        orchestrator.contains("http://mock-llm:8000/v1"),
+        "the example talks to the stand-in model"
+    );
     Ok(())
 }
 

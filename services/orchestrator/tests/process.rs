@@ -13,7 +13,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
 /// it never takes the default metrics port (tests run side by side).
 async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(Option<i32>, String, String)> {
     let mut command = Command::new(BIN);
-    command.env_remove("LLM_BASE_URL").env("ORCHESTRATOR_METRICS_LISTEN", "off");
+    command
+        .env_remove("LLM_BASE_URL")
+        .env("ORCHESTRATOR_METRICS_LISTEN", "off");
     testkit::run_to_end(command, args, env).await
 }
 
