@@ -81,6 +81,19 @@ pub fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|e| tls_error(flag, path, e))
 }
 
+/// Checks that the private key of `key_path` belongs to the first certificate of `certs` (a
+/// half-rotated pair would fail every handshake instead).
+pub fn check_pair(
+    key_flag: &'static str,
+    key_path: &Path,
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<(), TlsError> {
+    rustls::sign::CertifiedKey::from_der(certs, key, &provider())
+        .map(|_| ())
+        .map_err(|e| tls_error(key_flag, key_path, format!("does not fit the certificate: {e}")))
+}
+
 /// Every certificate of a PEM file (at least one).
 pub fn certificates(flag: &'static str, path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_slice_iter(pem)

@@ -58,7 +58,7 @@ pub async fn serve_with_resolver(
     crate::telemetry::describe();
     let options = config.security.options().map_err(Error::Config)?;
     let mut security = shared::serving::Security::start(&options, "orchestrator").await?;
-    let runners = ToolRunners::connect(&config.tool_runners, resolver).await?;
+    let runners = ToolRunners::connect(&config.tool_runners, resolver, config.security.tls_reload_interval).await?;
     load_catalog(&runners).await;
     let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_runners.refresh_interval, LIST_TOOLS_TIMEOUT));
     let model = Arc::new(HttpLlm::new(config.llm.clone()).map_err(Error::Config)?);

@@ -390,6 +390,110 @@ async fn tls_files_are_reloaded_without_dropping_connections() -> TestResult {
     Ok(())
 }
 
+/// The orchestrator's client certificate for the runners (`--tool-runner-cert`) is rotated in
+/// place, as cert-manager does: the orchestrator notices, and its next connections present the
+/// new one. The runner is replaced by one that trusts only the new CA, so a call can only succeed
+/// over a new connection with the new certificate. A half-rotated pair (key of another
+/// certificate) is refused and the previous files stay in use.
+#[tokio::test]
+async fn the_orchestrators_runner_certificate_is_reloaded_when_rotated() -> TestResult {
+    use proto::orchestrator::v1 as pb;
+    let pki = Pki::new()?;
+    for ca in ["ca", "new-ca"] {
+        pki.ca(ca).await?;
+    }
+    pki.leaf("ca", "server").await?;
+    pki.leaf("ca", "orchestrator").await?;
+    pki.leaf("new-ca", "rotated").await?;
+    std::fs::copy(pki.path("orchestrator.pem"), pki.path("live.pem"))?;
+    std::fs::copy(pki.path("orchestrator.key"), pki.path("live.key"))?;
+    let runner_trusting = |client_ca: &str| -> anyhow::Result<Command> {
+        let mut command = Command::new(common::tool_runner_bin()?);
+        command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
+            "--tls-cert",
+            &pki.arg("server.pem"),
+            "--tls-key",
+            &pki.arg("server.key"),
+            "--tls-client-ca",
+            &pki.arg(client_ca),
+        ]);
+        Ok(command)
+    };
+    let runner = Service::spawn(runner_trusting("ca.pem")?, "127.0.0.1", "tool-runner serving").await?;
+    let runner_address = runner.grpc.clone();
+    let llm = MockLlm::start(Scenario::new(vec![
+        Turn::default().then(Step::call("calculate", json!({"expression": "6*7"}))),
+        Turn::text("It is 42."),
+    ]))
+    .await?;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    command
+        .env("LLM_BASE_URL", llm.base_url())
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args([
+            "--tool-runner",
+            &format!("https://localhost:{}", port_of(&runner_address)),
+        ])
+        .args(["--tool-runner-ca", &pki.arg("ca.pem")])
+        .args(["--tool-runner-cert", &pki.arg("live.pem")])
+        .args(["--tool-runner-key", &pki.arg("live.key")])
+        .args(["--tls-reload-interval", "1s"]);
+    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", orchestrator.grpc))?
+        .connect()
+        .await?;
+    let mut client = pb::orchestrator_client::OrchestratorClient::new(channel);
+    let ask = || pb::OrchestrateRequest {
+        tools: Some(pb::ToolSelection {
+            normal: vec!["calculate".into()],
+            exit: vec![],
+        }),
+        ..common::user("what is 6*7?")
+    };
+    let calls_ok = |result: &pb::RunResult| result.tool_calls.iter().map(|c| c.ok).collect::<Vec<_>>();
+    let before = run_to_result(&mut client, ask()).await?;
+    assert_eq!(calls_ok(&before), [true], "{before:?}");
+
+    // A half-done rotation (the new key with the old certificate) is refused; nothing changes.
+    std::fs::copy(pki.path("rotated.key"), pki.path("live.key"))?;
+    assert!(
+        orchestrator
+            .logged("keeping the previous ones", Duration::from_secs(10))
+            .await,
+        "the unusable pair was not refused"
+    );
+    // The rotation completes; then the runner is replaced by one trusting only the new CA.
+    std::fs::copy(pki.path("rotated.pem"), pki.path("live.pem"))?;
+    assert!(
+        orchestrator
+            .logged("new connections to the runners use them", Duration::from_secs(10))
+            .await,
+        "the rotated certificate was not picked up"
+    );
+    runner.stop().await?;
+    let listen = runner_address.clone();
+    let runner = Service::spawn_on(
+        runner_trusting("new-ca.pem")?,
+        &listen,
+        "127.0.0.1",
+        "tool-runner serving",
+    )
+    .await?;
+    let after = run_to_result(&mut client, ask()).await?;
+    assert_eq!(
+        calls_ok(&after),
+        [true],
+        "the call reached the new runner with the rotated certificate: {after:?}"
+    );
+    orchestrator.stop().await?;
+    runner.stop().await?;
+    Ok(())
+}
+
+fn port_of(address: &str) -> &str {
+    address.rsplit(':').next().unwrap_or_default()
+}
+
 /// Whether the server closes `conn` within `wait` (EOF or reset); a silent client never sends
 /// a byte, so the server is all that can end it.
 async fn closed_within(conn: &mut tokio::net::TcpStream, wait: Duration) -> bool {

@@ -15,7 +15,7 @@
 //! started is never retried.
 //! Dropping a call resets its HTTP/2 stream, which cancels the tool on the runner.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::{Arc, RwLock};
@@ -23,16 +23,18 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use membership::Membership;
 use proto::toolrunner::v1 as pb;
 use shared::runtime::AbortOnDrop;
 use tonic::transport::Endpoint;
-use transport::Transport;
+use transport::{SharedTransport, Transport};
 
 use crate::Error;
 use crate::config::ToolRunnerSettings;
 use crate::llm::ToolDefinition;
 use pool::Pool;
 
+mod membership;
 mod pool;
 mod transport;
 use crate::run::{ToolCallError, ToolExecutor, ToolInvocation};
@@ -143,121 +145,36 @@ pub struct ToolRunners {
     fetching: Arc<tokio::sync::Mutex<()>>,
     targets: Arc<Vec<String>>,
     call: CallSettings,
-    _resolver: Option<Arc<AbortOnDrop>>,
-    transport: Transport,
-}
-
-/// Resolves every DNS target; `None` for a target whose lookup failed (its previous answer stays).
-async fn resolve_all(resolver: &dyn Resolve, dns: &[(String, u16)], scheme: &str) -> Vec<Option<BTreeSet<String>>> {
-    let mut answers = Vec::with_capacity(dns.len());
-    for (host, port) in dns {
-        answers.push(match resolver.resolve(host, *port).await {
-            Ok(addrs) => Some(addrs.iter().map(|a| format!("{scheme}://{a}")).collect()),
-            Err(e) => {
-                tracing::warn!(name = %host, "resolving tool-runners failed (keeping the previous endpoints): {e}");
-                None
-            }
-        });
-    }
-    answers
-}
-
-/// Puts the static endpoints plus the latest DNS answers (of the names `dns`) into the pool.
-fn update(
-    pool: &Pool,
-    transport: &Transport,
-    statics: &BTreeSet<String>,
-    dns: &[(String, u16)],
-    answers: &[BTreeSet<String>],
-) {
-    let found = answers
-        .iter()
-        .zip(dns)
-        .flat_map(|(uris, (host, _))| uris.iter().map(move |uri| (uri, Some(host.as_str()))));
-    let wanted: BTreeMap<&String, Option<&str>> = statics.iter().map(|uri| (uri, None)).chain(found).collect();
-    let endpoints = wanted
-        .into_iter()
-        .filter_map(|(uri, server_name)| match transport.endpoint(uri, server_name) {
-            Ok(e) => Some((uri.clone(), e)),
-            Err(e) => {
-                tracing::warn!("{e}");
-                None
-            }
-        })
-        .collect();
-    let (added, removed) = pool.set(endpoints);
-    for uri in &added {
-        tracing::info!(endpoint = %uri, "tool-runner endpoint added");
-    }
-    for uri in &removed {
-        tracing::info!(endpoint = %uri, "tool-runner endpoint removed");
-    }
-    metrics::gauge!(crate::telemetry::metric::TOOL_RUNNER_ENDPOINTS).set(pool.uris().len() as f64);
+    _membership: Option<Arc<AbortOnDrop>>,
+    transport: SharedTransport,
 }
 
 impl ToolRunners {
-    /// Connects to `targets` (static endpoints and DNS names); DNS names are resolved now and
-    /// then every `settings.resolve_interval`.
-    pub async fn connect(settings: &ToolRunnerSettings, resolver: Arc<dyn Resolve>) -> Result<Self, Error> {
-        let targets = &settings.endpoints;
-        if targets.is_empty() {
+    /// Connects to the targets of `settings` (static endpoints and DNS names); DNS names are
+    /// resolved now and then every `settings.resolve_interval`, and the TLS and token files are
+    /// checked for changes every `reload_interval` (see [`membership`]).
+    pub async fn connect(
+        settings: &ToolRunnerSettings,
+        resolver: Arc<dyn Resolve>,
+        reload_interval: Duration,
+    ) -> Result<Self, Error> {
+        if settings.endpoints.is_empty() {
             return Err(Error::Config("at least one --tool-runner endpoint is needed".into()));
         }
-        let transport = Transport::from_settings(settings)?;
-        let mut statics = BTreeSet::new();
-        let mut dns = Vec::new();
-        for target in targets {
-            match target
-                .parse::<Target>()
-                .map_err(|e| Error::Config(format!("--tool-runner {e}")))?
-            {
-                Target::Static(uri) => {
-                    transport.endpoint(&uri, None)?;
-                    statics.insert(uri);
-                }
-                Target::Dns { host, port } => dns.push((host, port)),
-            }
-        }
+        let transport = SharedTransport::new(Transport::from_settings(settings)?);
         let pool = Arc::new(Pool::new());
-        let scheme = transport.dns_scheme();
-        let mut answers: Vec<BTreeSet<String>> = resolve_all(resolver.as_ref(), &dns, scheme)
-            .await
-            .into_iter()
-            .map(Option::unwrap_or_default)
-            .collect();
-        update(&pool, &transport, &statics, &dns, &answers);
-        let resolver_task = (!dns.is_empty()).then(|| {
-            let (pool, interval, transport) = (Arc::clone(&pool), settings.resolve_interval, transport.clone());
-            Arc::new(AbortOnDrop(tokio::spawn(async move {
-                let mut ticker = tokio::time::interval(interval);
-                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                ticker.tick().await;
-                loop {
-                    ticker.tick().await;
-                    for (i, answer) in resolve_all(resolver.as_ref(), &dns, scheme)
-                        .await
-                        .into_iter()
-                        .enumerate()
-                    {
-                        if let Some(answer) = answer {
-                            answers[i] = answer;
-                        }
-                    }
-                    update(&pool, &transport, &statics, &dns, &answers);
-                }
-            })))
-        });
+        let membership = Membership::start(settings, resolver, Arc::clone(&pool), transport.clone()).await?;
         Ok(Self {
             pool,
             catalog: Arc::default(),
             fetching: Arc::default(),
-            targets: Arc::new(targets.to_vec()),
+            targets: Arc::new(settings.endpoints.clone()),
             call: CallSettings {
                 retries: settings.call_retries,
                 backoff: settings.call_retry_backoff,
                 max_response_bytes: settings.max_response_bytes,
             },
-            _resolver: resolver_task,
+            _membership: membership.follow(settings.clone(), reload_interval).map(Arc::new),
             transport,
         })
     }
@@ -332,7 +249,7 @@ impl ToolRunners {
             let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone());
             let mut request = tonic::Request::new(pb::ListToolsRequest {});
             request.set_timeout(timeout);
-            self.transport.authorize(&mut request);
+            self.transport.current().authorize(&mut request);
             match tokio::time::timeout(timeout, client.list_tools(request)).await {
                 Ok(Ok(response)) => break response,
                 Ok(Err(status)) => {
@@ -417,7 +334,7 @@ impl ToolExecutor for ToolRunners {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
         let pool = Arc::clone(&self.pool);
         let settings = self.call;
-        let transport = self.transport.clone();
+        let transport = self.transport.current();
         async move {
             let mut attempt = 0u32;
             let mut tried: Vec<String> = Vec::new();
@@ -427,6 +344,7 @@ impl ToolExecutor for ToolRunners {
                 };
                 let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
                     .max_decoding_message_size(settings.max_response_bytes);
+                let started = tokio::time::Instant::now();
                 let status = match client.run_tool(run_tool_request(&call, &transport)).await {
                     Ok(response) => return outcome(response.into_inner()),
                     Err(status) => status,
@@ -437,7 +355,7 @@ impl ToolExecutor for ToolRunners {
                     pool.cool_down(&lease.member, cooldown);
                 }
                 let Some(reason) = refused.filter(|_| attempt < settings.retries) else {
-                    return Err(call_error(&status, &lease.member.uri));
+                    return Err(call_error(&status, &lease.member.uri, started.elapsed(), call.timeout));
                 };
                 metrics::counter!(crate::telemetry::metric::TOOL_CALL_RETRIES, "reason" => reason).increment(1);
                 tracing::debug!(attempt, reason, endpoint = %lease.member.uri, "retrying a tool call no runner ran: {}", status.message());
@@ -477,12 +395,18 @@ fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Requ
 /// A failed `RunTool` as the tool error the model sees: a deadline is a `TIMEOUT`, a broken
 /// connection or a busy runner `UNAVAILABLE`, refused arguments `INVALID_ARGUMENTS`, anything
 /// else `FAILED`; the message names the runner and the gRPC status.
-fn call_error(status: &tonic::Status, runner: &str) -> ToolCallError {
+///
+/// A deadline shows as `DEADLINE_EXCEEDED` or `CANCELLED` ("Timeout expired"), but so does a
+/// connection the runner closed at once (a client certificate it refuses ends the connection
+/// right after the handshake): only a call that lasted about its `timeout` timed out.
+fn call_error(status: &tonic::Status, runner: &str, elapsed: Duration, timeout: Duration) -> ToolCallError {
     // A status with a source error came from the connection (the runner went away mid-call), not
     // from the runner itself.
     let from_transport = std::error::Error::source(status).is_some();
+    let near_deadline = elapsed >= timeout.mul_f64(0.9);
     let code = match status.code() {
-        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => "TIMEOUT",
+        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled if near_deadline => "TIMEOUT",
+        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => "UNAVAILABLE",
         _ if from_transport => "UNAVAILABLE",
         tonic::Code::ResourceExhausted | tonic::Code::Unavailable => "UNAVAILABLE",
         tonic::Code::InvalidArgument => "INVALID_ARGUMENTS",
@@ -516,6 +440,29 @@ fn outcome(response: pb::RunToolResponse) -> Result<String, ToolCallError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_call_that_lasted_its_timeout_timed_out() {
+        let timeout = Duration::from_secs(60);
+        let code = |status: tonic::Status, elapsed_ms| {
+            call_error(
+                &status,
+                "https://runner:50052",
+                Duration::from_millis(elapsed_ms),
+                timeout,
+            )
+            .code
+        };
+        assert_eq!(code(tonic::Status::cancelled("Timeout expired"), 60_003), "TIMEOUT");
+        assert_eq!(code(tonic::Status::deadline_exceeded("deadline"), 59_000), "TIMEOUT");
+        // A connection closed right away (a refused client certificate) is no timeout.
+        assert_eq!(
+            code(tonic::Status::cancelled("operation was canceled"), 64),
+            "UNAVAILABLE"
+        );
+        assert_eq!(code(tonic::Status::invalid_argument("schema"), 5), "INVALID_ARGUMENTS");
+        assert_eq!(code(tonic::Status::internal("boom"), 5), "FAILED");
+    }
 
     #[test]
     fn targets() {

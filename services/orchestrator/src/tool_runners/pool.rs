@@ -64,8 +64,9 @@ impl Pool {
         self.read().keys().cloned().collect()
     }
 
-    /// Makes the pool hold exactly `endpoints` (by URI), keeping members that stay.
-    pub(super) fn set(&self, endpoints: Vec<(String, Endpoint)>) -> (Vec<String>, Vec<String>) {
+    /// Makes the pool hold exactly `endpoints` (by URI), keeping members that stay unless
+    /// `renew` (then they get a new channel; calls in flight keep the old one to their end).
+    pub(super) fn set(&self, endpoints: Vec<(String, Endpoint)>, renew: bool) -> (Vec<String>, Vec<String>) {
         let mut members = self.members.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         let wanted: BTreeMap<String, Endpoint> = endpoints.into_iter().collect();
         let removed: Vec<String> = members.keys().filter(|k| !wanted.contains_key(*k)).cloned().collect();
@@ -74,7 +75,8 @@ impl Pool {
         }
         let mut added = Vec::new();
         for (uri, endpoint) in wanted {
-            if !members.contains_key(&uri) {
+            let present = members.contains_key(&uri);
+            if !present || renew {
                 let member = Member {
                     uri: uri.clone(),
                     channel: endpoint.connect_lazy(),
@@ -82,7 +84,9 @@ impl Pool {
                     cool_until_ms: AtomicU64::new(0),
                 };
                 members.insert(uri.clone(), Arc::new(member));
-                added.push(uri);
+                if !present {
+                    added.push(uri);
+                }
             }
         }
         (added, removed)
@@ -172,7 +176,7 @@ mod tests {
                 (uri.clone(), Endpoint::from_shared(uri).unwrap())
             })
             .collect();
-        pool.set(endpoints);
+        pool.set(endpoints, false);
         pool
     }
 
@@ -224,7 +228,7 @@ mod tests {
             (kept.uri.clone(), Endpoint::from_shared(kept.uri.clone()).unwrap()),
             (new.clone(), Endpoint::from_shared(new.clone()).unwrap()),
         ];
-        let (added, removed) = pool.set(next);
+        let (added, removed) = pool.set(next.clone(), false);
         assert_eq!(added, vec![new]);
         assert_eq!(removed.len(), 1);
         assert!(uris.contains(&removed[0]) && removed[0] != kept.uri);
@@ -232,5 +236,17 @@ mod tests {
             Arc::ptr_eq(&pool.read()[&kept.uri], &kept),
             "the staying member keeps its channel"
         );
+
+        // Renewed (the transport changed): the same endpoints, every one a new member, and a
+        // lease taken before keeps the old one to its end.
+        let lease = pool.pick(&[]).unwrap();
+        let (added, removed) = pool.set(next, true);
+        assert!(added.is_empty() && removed.is_empty(), "{added:?} {removed:?}");
+        assert_eq!(pool.uris().len(), 2);
+        assert!(
+            !Arc::ptr_eq(&pool.read()[&lease.member.uri], &lease.member),
+            "a new channel"
+        );
+        assert_eq!(lease.member.in_flight.load(Ordering::Acquire), 1);
     }
 }

@@ -5,8 +5,14 @@
 //! `https://host:port` targets use TLS and check the certificate against `host`; `dns:///name:port`
 //! targets use TLS whenever a CA is given, connect to each address and check the certificate
 //! against `name` (a Kubernetes headless Service's name, which the runners' certificate carries).
+//!
+//! The files are read again when they change ([`files_digest`], checked by the membership task):
+//! cert-manager rotates the client certificate in place, and a rotated token file takes effect
+//! without a restart.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::Path;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
@@ -19,6 +25,8 @@ use crate::config::ToolRunnerSettings;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest token file read.
 const MAX_TOKEN_BYTES: u64 = 16 * 1024;
+/// How much of each file the change check reads.
+const MAX_DIGEST_BYTES: u64 = 4 * 1024 * 1024;
 
 /// See the module docs.
 #[derive(Clone, Default)]
@@ -65,9 +73,10 @@ impl Transport {
         match (&settings.cert, &settings.key) {
             (Some(cert), Some(key)) => {
                 let cert_pem = shared::tls::read_pem("--tool-runner-cert", cert).map_err(tls_error)?;
-                shared::tls::certificates("--tool-runner-cert", cert, &cert_pem).map_err(tls_error)?;
+                let certs = shared::tls::certificates("--tool-runner-cert", cert, &cert_pem).map_err(tls_error)?;
                 let key_pem = shared::tls::read_pem("--tool-runner-key", key).map_err(tls_error)?;
-                shared::tls::private_key("--tool-runner-key", key, &key_pem).map_err(tls_error)?;
+                let private = shared::tls::private_key("--tool-runner-key", key, &key_pem).map_err(tls_error)?;
+                shared::tls::check_pair("--tool-runner-key", key, certs, private).map_err(tls_error)?;
                 config = config.identity(Identity::from_pem(cert_pem, key_pem));
             }
             (None, None) => {}
@@ -134,4 +143,55 @@ impl Transport {
             request.metadata_mut().insert("authorization", token.clone());
         }
     }
+}
+
+/// The transport in use, replaced whole when its files change (calls take the current one).
+#[derive(Clone, Debug)]
+pub(super) struct SharedTransport(Arc<RwLock<Arc<Transport>>>);
+
+impl SharedTransport {
+    /// Shares `transport`.
+    pub(super) fn new(transport: Transport) -> Self {
+        Self(Arc::new(RwLock::new(Arc::new(transport))))
+    }
+
+    /// The transport now.
+    pub(super) fn current(&self) -> Arc<Transport> {
+        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Puts `transport` in place for the calls that start from now on.
+    pub(super) fn replace(&self, transport: Transport) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(transport);
+    }
+}
+
+/// A digest of the files the transport is built from (CA, certificate, key, token file), to
+/// notice that one changed; `None` when there are none. A file that cannot be read counts by its
+/// error, so it changes again once it is back.
+pub(super) fn files_digest(settings: &ToolRunnerSettings) -> Option<u64> {
+    let files = [&settings.ca, &settings.cert, &settings.key, &settings.token_file];
+    if files.iter().all(|f| f.is_none()) {
+        return None;
+    }
+    let mut hasher = DefaultHasher::new();
+    for path in files.into_iter().flatten() {
+        path.hash(&mut hasher);
+        match read_prefix(path) {
+            Ok(bytes) => bytes.hash(&mut hasher),
+            Err(e) => e.kind().hash(&mut hasher),
+        }
+    }
+    Some(hasher.finish())
+}
+
+/// The first [`MAX_DIGEST_BYTES`] of a file and its length (no PEM bundle or token is larger;
+/// the bound keeps a file that grew wild from being read whole every interval).
+fn read_prefix(path: &Path) -> std::io::Result<(Vec<u8>, u64)> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    let mut bytes = Vec::new();
+    file.take(MAX_DIGEST_BYTES).read_to_end(&mut bytes)?;
+    Ok((bytes, len))
 }
