@@ -200,27 +200,49 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         .map_or(0, |m| m.iter().filter(|m| m["role"] == "assistant").count());
     let fallback = Turn::text("(mock-llm: the scenario has no more turns.)");
     let turn = scenario.turn(assistant_messages).unwrap_or(&fallback).clone();
-
-    let attempt = {
-        let mut attempts = shared.attempts.lock().unwrap_or_else(PoisonError::into_inner);
-        let n = attempts.entry((model.clone(), assistant_messages)).or_insert(0);
-        *n += 1;
-        *n - 1
-    };
-    if let Some(&status) = turn.fail_first.get(attempt) {
-        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        return error_response(status, &format!("scripted failure (attempt {})", attempt + 1));
+    if let Some(refusal) = scripted_failure(&shared, &model, assistant_messages, &turn) {
+        return refusal;
     }
-
     let prompt_chars: usize = request["messages"]
         .as_array()
         .map_or(0, |m| m.iter().map(|m| m.to_string().len()).sum());
     let chunks = render(&turn, &model, assistant_messages + 1, prompt_chars);
-    let (ttft, gap) = (
+    let pace = (
         Duration::from_millis(scenario.ttft_ms),
         Duration::from_millis(scenario.token_delay_ms),
     );
-    let stream = futures::stream::iter(chunks.into_iter().enumerate()).then(move |(i, piece)| async move {
+    let stream = paced(chunks, pace).chain(tally_when_sent(&shared, &request, arrived));
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error_response(StatusCode::INTERNAL_SERVER_ERROR, "cannot build the response"))
+}
+
+/// The scripted HTTP error for this attempt at a turn (`fail_first`), if any: attempts are
+/// counted per model and conversation length, so a retry of the same turn gets the next entry.
+fn scripted_failure(shared: &Shared, model: &str, assistant_messages: usize, turn: &Turn) -> Option<Response> {
+    let attempt = {
+        let mut attempts = shared.attempts.lock().unwrap_or_else(PoisonError::into_inner);
+        let n = attempts.entry((model.to_owned(), assistant_messages)).or_insert(0);
+        *n += 1;
+        *n - 1
+    };
+    let status = *turn.fail_first.get(attempt)?;
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    Some(error_response(
+        status,
+        &format!("scripted failure (attempt {})", attempt + 1),
+    ))
+}
+
+/// The pieces as a byte stream at the scenario's pace: the first after `ttft`, each next one
+/// `gap` later; scripted delays, stalls and cuts happen where they are.
+fn paced(
+    chunks: Vec<Piece>,
+    (ttft, gap): (Duration, Duration),
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+    futures::stream::iter(chunks.into_iter().enumerate()).then(move |(i, piece)| async move {
         let wait = if i == 0 { ttft } else { gap };
         if !wait.is_zero() && !matches!(piece, Piece::Delay(_)) {
             tokio::time::sleep(wait).await;
@@ -238,8 +260,16 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
                 Err(std::io::Error::other("mock-llm: scripted cut"))
             }
         }
-    });
-    // When timed: the conversation's tally grows when the stream has sent its last chunk.
+    })
+}
+
+/// An empty stream that, when timed, adds the time since `arrived` to the conversation's tally
+/// (keyed by its first user message) once the response before it has been sent.
+fn tally_when_sent(
+    shared: &Arc<Shared>,
+    request: &Value,
+    arrived: Instant,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
     let timing = shared.served.is_some().then(|| {
         let key = request["messages"]
             .as_array()
@@ -247,27 +277,20 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
             .and_then(|m| m["content"].as_str())
             .unwrap_or_default()
             .to_owned();
-        (Arc::clone(&shared), key)
+        (Arc::clone(shared), key)
     });
-    let stream = stream.chain(
-        futures::stream::once(async move {
-            if let Some((shared, key)) = timing
-                && let Some(served) = &shared.served
-            {
-                *served
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .entry(key)
-                    .or_default() += arrived.elapsed();
-            }
-        })
-        .filter_map(|()| std::future::ready(None::<std::io::Result<Bytes>>)),
-    );
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(stream))
-        .unwrap_or_else(|_| error_response(StatusCode::INTERNAL_SERVER_ERROR, "cannot build the response"))
+    futures::stream::once(async move {
+        if let Some((shared, key)) = timing
+            && let Some(served) = &shared.served
+        {
+            *served
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(key)
+                .or_default() += arrived.elapsed();
+        }
+    })
+    .filter_map(|()| std::future::ready(None::<std::io::Result<Bytes>>))
 }
 
 /// One piece of a streamed response.
@@ -343,32 +366,9 @@ fn render(turn: &Turn, model: &str, turn_number: usize, prompt_chars: usize) -> 
                         .map(|t| chunk(model, json!({"reasoning_content": t}), None)),
                 );
             }
-            Step::ToolCall {
-                name,
-                arguments,
-                id,
-                fragments,
-            } => {
-                let index = calls;
+            Step::ToolCall { .. } => {
+                completion_chars += tool_call(step, model, turn_number, calls, &mut out);
                 calls += 1;
-                let id = id.clone().unwrap_or_else(|| format!("call_{turn_number}_{index}"));
-                let args = match arguments {
-                    Value::String(raw) => raw.clone(),
-                    other => other.to_string(),
-                };
-                completion_chars += args.len();
-                out.push(chunk(
-                    model,
-                    json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
-                    None,
-                ));
-                for piece in split_n(&args, fragments.unwrap_or(3)) {
-                    out.push(chunk(
-                        model,
-                        json!({"tool_calls": [{"index": index, "function": {"arguments": piece}}]}),
-                        None,
-                    ));
-                }
             }
             Step::Delay { ms } => out.push(Piece::Delay(Duration::from_millis(*ms))),
             Step::Cut => {
@@ -389,22 +389,62 @@ fn render(turn: &Turn, model: &str, turn_number: usize, prompt_chars: usize) -> 
         }
     }
     if !replay {
-        let finish = turn
-            .finish_reason
-            .clone()
-            .unwrap_or_else(|| if calls > 0 { "tool_calls" } else { "stop" }.to_owned());
-        out.push(chunk(model, json!({}), Some(&finish)));
-        let [prompt, completion] = turn
-            .usage
-            .unwrap_or([(prompt_chars / 4) as u64, (completion_chars / 4).max(1) as u64]);
-        let usage = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}});
-        out.push(Piece::Bytes(format!("data: {usage}\n\n")));
+        out.extend(ending(turn, model, calls, [prompt_chars, completion_chars]));
     }
     if turn.done {
         out.push(Piece::Bytes("data: [DONE]\n\n".to_owned()));
     }
     out
+}
+
+/// The chunks of the `index`th tool call of a turn, as servers stream them: the id and name
+/// first, then the arguments in `fragments` pieces. Returns the arguments' length.
+fn tool_call(step: &Step, model: &str, turn_number: usize, index: usize, out: &mut Vec<Piece>) -> usize {
+    let Step::ToolCall {
+        name,
+        arguments,
+        id,
+        fragments,
+    } = step
+    else {
+        return 0;
+    };
+    let id = id.clone().unwrap_or_else(|| format!("call_{turn_number}_{index}"));
+    let args = match arguments {
+        Value::String(raw) => raw.clone(),
+        other => other.to_string(),
+    };
+    out.push(chunk(
+        model,
+        json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+        None,
+    ));
+    for piece in split_n(&args, fragments.unwrap_or(3)) {
+        out.push(chunk(
+            model,
+            json!({"tool_calls": [{"index": index, "function": {"arguments": piece}}]}),
+            None,
+        ));
+    }
+    args.len()
+}
+
+/// The end of a turn: the finish reason (scripted, else `tool_calls` or `stop`) and the usage
+/// chunk (scripted, else about four characters a token).
+fn ending(turn: &Turn, model: &str, calls: usize, [prompt_chars, completion_chars]: [usize; 2]) -> [Piece; 2] {
+    let finish = turn
+        .finish_reason
+        .clone()
+        .unwrap_or_else(|| if calls > 0 { "tool_calls" } else { "stop" }.to_owned());
+    let [prompt, completion] = turn
+        .usage
+        .unwrap_or([(prompt_chars / 4) as u64, (completion_chars / 4).max(1) as u64]);
+    let usage = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}});
+    [
+        chunk(model, json!({}), Some(&finish)),
+        Piece::Bytes(format!("data: {usage}\n\n")),
+    ]
 }
 
 #[cfg(test)]
