@@ -404,7 +404,25 @@ fn find<'a>(results: &'a [Measured], name: &str) -> Option<&'a Measured> {
 }
 
 fn targets(results: &mut [Measured], echo_floor: Option<f64>) -> Vec<Target> {
+    derive_figures(results, echo_floor);
+    let cpu_turn = find(results, "text_only").map(|m| m.cpu_per_turn_us);
     let mut out = Vec::new();
+    let mut push = |what: &str, limit: String, measured: String, met: bool| {
+        out.push(Target {
+            what: what.to_owned(),
+            limit,
+            measured,
+            met,
+        });
+    };
+    cost_targets(results, cpu_turn, echo_floor, &mut push);
+    latency_targets(results, &mut push);
+    out
+}
+
+/// Figures derived from several rows: the CPU per tool call (the dispatch row's CPU less its
+/// turns' cost, from the text-only row) and each row's comparison with its floor.
+fn derive_figures(results: &mut [Measured], echo_floor: Option<f64>) {
     let cpu_turn = find(results, "text_only").map(|m| m.cpu_per_turn_us);
     if let (Some(turn_cost), Some(m)) = (cpu_turn, results.iter_mut().find(|m| m.workload.name == "dispatch_x64")) {
         let calls = (m.runs_ok * m.workload.calls_per_turn) as f64;
@@ -424,14 +442,16 @@ fn targets(results: &mut [Measured], echo_floor: Option<f64>) -> Vec<Target> {
             _ => None,
         };
     }
-    let mut push = |what: &str, limit: String, measured: String, met: bool| {
-        out.push(Target {
-            what: what.to_owned(),
-            limit,
-            measured,
-            met,
-        });
-    };
+}
+
+/// The targets on what the orchestrator costs: overhead per turn, CPU per turn and per call,
+/// dispatch throughput against raw tonic.
+fn cost_targets(
+    results: &[Measured],
+    cpu_turn: Option<f64>,
+    echo_floor: Option<f64>,
+    push: &mut impl FnMut(&str, String, String, bool),
+) {
     if let Some(m) = find(results, "overhead_c1000_x4_paced") {
         let p99 = m.overhead_vs_served_per_turn_us.p99;
         push(
@@ -473,6 +493,11 @@ fn targets(results: &mut [Measured], echo_floor: Option<f64>) -> Vec<Target> {
             ratio >= 0.6,
         );
     }
+}
+
+/// The targets on what callers see: parallel calls' turn time, memory per held run, and
+/// end-to-end latency against the model alone.
+fn latency_targets(results: &[Measured], push: &mut impl FnMut(&str, String, String, bool)) {
     if let Some(m) = find(results, "parallel_16x100ms") {
         let p99 = m.first_turn_ms.p99;
         push(
@@ -512,7 +537,6 @@ fn targets(results: &mut [Measured], echo_floor: Option<f64>) -> Vec<Target> {
             ratio <= 1.005,
         );
     }
-    out
 }
 
 /// The floors measured beside the workloads.
@@ -610,18 +634,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(runs) = cli.soak {
         return soak(&cli, &bin, runs).await;
     }
-    let mut workloads = grid(cli.quick);
-    if !cli.only.is_empty() {
-        let mut known: Vec<String> = workloads.iter().map(|w| w.name.clone()).collect();
-        known.push(real_server::NAME.into());
-        let unknown: Vec<&String> = cli.only.iter().filter(|n| !known.contains(n)).collect();
-        anyhow::ensure!(
-            unknown.is_empty(),
-            "unknown workload(s) {unknown:?} in --only; the grid has {}",
-            known.join(", ")
-        );
-        workloads.retain(|w| cli.only.contains(&w.name));
-    }
+    let workloads = selected_workloads(&cli)?;
     let real_server_skipped = real_server_skip_reason(&cli)?;
     let scenarios = Scenarios {
         default: mock_llm::Scenario::demo(),
@@ -646,33 +659,9 @@ async fn main() -> anyhow::Result<()> {
 
     let mut results = Vec::new();
     for workload in &workloads {
-        eprint!(
-            "bench: {:<20} {} runs, {} at once … ",
-            workload.name, workload.runs, workload.concurrency
-        );
-        let mut repeats = Vec::new();
-        for _ in 0..cli.repeat {
-            repeats.push(measure(&stack, workload).await?);
-        }
-        let measured = median_run(repeats);
-        eprintln!("{:.1} s, {} errors", measured.wall_s, measured.errors);
-        results.push(measured);
+        results.push(measure_repeated(&stack, workload, cli.repeat).await?);
     }
-    // One tonic round trip on this machine with nothing else running: the floor of a turn's
-    // latency (a turn is at least one model request and, with tools, one tool call).
-    eprint!("bench: {:<20} … ", "round trip (c=1)");
-    let round_trip_us = 1e6 / workload::echo_floor(&stack.runner, 1, 3000).await?;
-    eprintln!("{round_trip_us:.0} µs");
-    let echo_floor = match find(&results, "dispatch_x64") {
-        Some(m) => {
-            eprint!("bench: {:<20} … ", "echo floor");
-            let calls = (m.runs_ok * m.workload.calls_per_turn).max(1000);
-            let floor = workload::echo_floor(&stack.runner, (m.workload.concurrency * 8).clamp(8, 512), calls).await?;
-            eprintln!("{floor:.0} calls/s");
-            Some(floor)
-        }
-        None => None,
-    };
+    let (round_trip_us, echo_floor) = floors(&stack, &results).await?;
     stack.stop().await;
 
     // Tracing: the same workloads on a fresh orchestrator exporting every span over OTLP.
@@ -685,18 +674,7 @@ async fn main() -> anyhow::Result<()> {
     // Last, so the model server competes with nothing else for the machine.
     let real_server = match real_server_skipped {
         Some(reason) => RealServerOutcome::NotRun(reason),
-        None => {
-            let row = real_server::RealServer::new(cli.quick);
-            eprint!(
-                "bench: {:<20} {} runs each way, {} tokens each … ",
-                real_server::NAME,
-                row.runs,
-                row.max_tokens
-            );
-            let measured = row.measure(&bin).await?;
-            eprintln!("+{:.1} ms p50 through the orchestrator", measured.added_p50_ms);
-            RealServerOutcome::Measured(measured)
-        }
+        None => RealServerOutcome::Measured(measure_real_server(&bin, cli.quick).await?),
     };
 
     let measured = GridRun {
@@ -708,6 +686,70 @@ async fn main() -> anyhow::Result<()> {
         real_server,
     };
     write_report(&cli, measured)
+}
+
+/// The grid, or the rows `--only` names (an unknown name is an error listing the known ones).
+fn selected_workloads(cli: &Cli) -> anyhow::Result<Vec<Workload>> {
+    let mut workloads = grid(cli.quick);
+    if !cli.only.is_empty() {
+        let mut known: Vec<String> = workloads.iter().map(|w| w.name.clone()).collect();
+        known.push(real_server::NAME.into());
+        let unknown: Vec<&String> = cli.only.iter().filter(|n| !known.contains(n)).collect();
+        anyhow::ensure!(
+            unknown.is_empty(),
+            "unknown workload(s) {unknown:?} in --only; the grid has {}",
+            known.join(", ")
+        );
+        workloads.retain(|w| cli.only.contains(&w.name));
+    }
+    Ok(workloads)
+}
+
+/// One row measured `repeat` times; the median run is kept.
+async fn measure_repeated(stack: &stack::Stack, workload: &Workload, repeat: u32) -> anyhow::Result<Measured> {
+    eprint!(
+        "bench: {:<20} {} runs, {} at once … ",
+        workload.name, workload.runs, workload.concurrency
+    );
+    let mut repeats = Vec::new();
+    for _ in 0..repeat {
+        repeats.push(measure(stack, workload).await?);
+    }
+    let measured = median_run(repeats);
+    eprintln!("{:.1} s, {} errors", measured.wall_s, measured.errors);
+    Ok(measured)
+}
+
+/// The floors beside the grid: one tonic round trip with nothing else running (the least a
+/// turn can take: a model request and, with tools, a tool call), and raw tonic echo calls per
+/// second at the dispatch row's concurrency (when that row ran).
+async fn floors(stack: &stack::Stack, results: &[Measured]) -> anyhow::Result<(f64, Option<f64>)> {
+    eprint!("bench: {:<20} … ", "round trip (c=1)");
+    let round_trip_us = 1e6 / workload::echo_floor(&stack.runner, 1, 3000).await?;
+    eprintln!("{round_trip_us:.0} µs");
+    let Some(m) = find(results, "dispatch_x64") else {
+        return Ok((round_trip_us, None));
+    };
+    eprint!("bench: {:<20} … ", "echo floor");
+    let calls = (m.runs_ok * m.workload.calls_per_turn).max(1000);
+    let floor = workload::echo_floor(&stack.runner, (m.workload.concurrency * 8).clamp(8, 512), calls).await?;
+    eprintln!("{floor:.0} calls/s");
+    Ok((round_trip_us, Some(floor)))
+}
+
+/// The real-model-server row: the same requests to llama-server directly and through the
+/// orchestrator.
+async fn measure_real_server(bin: &std::path::Path, quick: bool) -> anyhow::Result<real_server::RealServerRow> {
+    let row = real_server::RealServer::new(quick);
+    eprint!(
+        "bench: {:<20} {} runs each way, {} tokens each … ",
+        real_server::NAME,
+        row.runs,
+        row.max_tokens
+    );
+    let measured = row.measure(bin).await?;
+    eprintln!("+{:.1} ms p50 through the orchestrator", measured.added_p50_ms);
+    Ok(measured)
 }
 
 /// The traced workloads on a fresh orchestrator with OTLP export off, then on.
