@@ -23,6 +23,18 @@ use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
+/// The tool-runner command serving `cert`/`key` and admitting only callers with a certificate
+/// signed by `client_ca` (files of `pki`), plus `extra` flags.
+fn mtls_runner(pki: &Pki, [cert, key, client_ca]: [&str; 3], extra: &[&str]) -> anyhow::Result<Command> {
+    let mut command = Command::new(common::tool_runner_bin()?);
+    command
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args(["--tls-cert", &pki.arg(cert), "--tls-key", &pki.arg(key)])
+        .args(["--tls-client-ca", &pki.arg(client_ca)])
+        .args(extra);
+    Ok(command)
+}
+
 /// Runs the grpcio client over `steps`; each outcome by step name.
 async fn grpcio(steps: Vec<Value>) -> anyhow::Result<std::collections::HashMap<String, Value>> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/grpc_probe.py");
@@ -122,17 +134,11 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
     pki.leaf("ca", "orchestrator").await?;
     pki.leaf("other-ca", "impostor").await?;
 
-    let mut runner_command = Command::new(common::tool_runner_bin()?);
-    runner_command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
-        "--tls-cert",
-        &pki.arg("server.pem"),
-        "--tls-key",
-        &pki.arg("server.key"),
-        "--tls-client-ca",
-        &pki.arg("ca.pem"),
-        "--health-listen",
-        "127.0.0.1:0",
-    ]);
+    let runner_command = mtls_runner(
+        &pki,
+        ["server.pem", "server.key", "ca.pem"],
+        &["--health-listen", "127.0.0.1:0"],
+    )?;
     let runner = Service::spawn(runner_command, "127.0.0.1", "tool-runner serving").await?;
 
     let llm = MockLlm::start(Scenario::new(vec![
@@ -348,17 +354,11 @@ async fn tls_files_are_reloaded_without_dropping_connections() -> TestResult {
     std::fs::write(pki.path("clients.pem"), both)?;
     std::fs::copy(pki.path("server.pem"), pki.path("live.pem"))?;
     std::fs::copy(pki.path("server.key"), pki.path("live.key"))?;
-    let mut command = Command::new(common::tool_runner_bin()?);
-    command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
-        "--tls-cert",
-        &pki.arg("live.pem"),
-        "--tls-key",
-        &pki.arg("live.key"),
-        "--tls-client-ca",
-        &pki.arg("clients.pem"),
-        "--tls-reload-interval",
-        "1s",
-    ]);
+    let command = mtls_runner(
+        &pki,
+        ["live.pem", "live.key", "clients.pem"],
+        &["--tls-reload-interval", "1s"],
+    )?;
     let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
     let before = tls_channel(&pki, &runner.grpc, "ca", "orchestrator").await?;
     assert!(list_tools(before.clone()).await? > 0);
@@ -407,18 +407,7 @@ async fn the_orchestrators_runner_certificate_is_reloaded_when_rotated() -> Test
     pki.leaf("new-ca", "rotated").await?;
     std::fs::copy(pki.path("orchestrator.pem"), pki.path("live.pem"))?;
     std::fs::copy(pki.path("orchestrator.key"), pki.path("live.key"))?;
-    let runner_trusting = |client_ca: &str| -> anyhow::Result<Command> {
-        let mut command = Command::new(common::tool_runner_bin()?);
-        command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
-            "--tls-cert",
-            &pki.arg("server.pem"),
-            "--tls-key",
-            &pki.arg("server.key"),
-            "--tls-client-ca",
-            &pki.arg(client_ca),
-        ]);
-        Ok(command)
-    };
+    let runner_trusting = |client_ca| mtls_runner(&pki, ["server.pem", "server.key", client_ca], &[]);
     let runner = Service::spawn(runner_trusting("ca.pem")?, "127.0.0.1", "tool-runner serving").await?;
     let runner_address = runner.grpc.clone();
     let llm = MockLlm::start(Scenario::new(vec![
@@ -516,19 +505,11 @@ async fn slow_handshakes_are_bounded_in_number_and_time() -> TestResult {
     pki.ca("ca").await?;
     pki.leaf("ca", "server").await?;
     pki.leaf("ca", "orchestrator").await?;
-    let mut command = Command::new(common::tool_runner_bin()?);
-    command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
-        "--tls-cert",
-        &pki.arg("server.pem"),
-        "--tls-key",
-        &pki.arg("server.key"),
-        "--tls-client-ca",
-        &pki.arg("ca.pem"),
-        "--tls-handshake-timeout",
-        "4s",
-        "--tls-max-pending-handshakes",
-        "2",
-    ]);
+    let command = mtls_runner(
+        &pki,
+        ["server.pem", "server.key", "ca.pem"],
+        &["--tls-handshake-timeout", "4s", "--tls-max-pending-handshakes", "2"],
+    )?;
     let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
     let address = runner.grpc.trim_start_matches("https://").trim_start_matches("http://");
     let started = tokio::time::Instant::now();
@@ -583,15 +564,7 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
     for leaf in ["server", "orchestrator", "carol", "mallory"] {
         pki.leaf("ca", leaf).await?;
     }
-    let mut runner_command = Command::new(common::tool_runner_bin()?);
-    runner_command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").args([
-        "--tls-cert",
-        &pki.arg("server.pem"),
-        "--tls-key",
-        &pki.arg("server.key"),
-        "--tls-client-ca",
-        &pki.arg("ca.pem"),
-    ]);
+    let runner_command = mtls_runner(&pki, ["server.pem", "server.key", "ca.pem"], &[])?;
     let runner = Service::spawn(runner_command, "127.0.0.1", "tool-runner serving").await?;
     let runner_port = runner.grpc.rsplit(':').next().unwrap_or_default().to_owned();
 
