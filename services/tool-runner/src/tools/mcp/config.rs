@@ -147,21 +147,8 @@ pub(in crate::tools) fn build(
     base_dir: &Path,
     prlimit: impl Fn() -> Result<PathBuf, String>,
 ) -> Result<McpServerConfig, String> {
-    if !shared::tools::valid_tool_name(&raw.name) {
-        return Err("the name must be 1-64 characters of letters, digits, '_' or '-'".into());
-    }
-    let prefix = raw.prefix.clone().unwrap_or_else(|| format!("{}__", raw.name));
-    if !prefix.is_empty() && !shared::tools::valid_tool_name(&prefix) {
-        return Err(format!(
-            "prefix {prefix:?} must be letters, digits, '_' or '-' (at most 63, so names fit in 64)"
-        ));
-    }
-    let transport = match (&raw.command, &raw.url) {
-        (Some(_), Some(_)) => return Err("give either command (stdio) or url (streamable HTTP), not both".into()),
-        (None, None) => return Err("give command (a stdio server) or url (a streamable-HTTP server)".into()),
-        (Some(command), None) => stdio(&raw, command, base_dir, prlimit()?)?,
-        (None, Some(url)) => http(&raw, url)?,
-    };
+    let prefix = prefix(&raw)?;
+    let transport = transport(&raw, base_dir, prlimit)?;
     let duration = |name: &str, value: &Option<String>, default: Duration, min: Duration, cap: Duration| {
         value
             .as_deref()
@@ -222,6 +209,35 @@ pub(in crate::tools) fn build(
         deny: raw.deny,
         required: raw.required,
     })
+}
+
+/// The server's tool-name prefix (default `<name>__`), checked with its name: prefixed names
+/// must still be valid tool names.
+fn prefix(raw: &RawMcpServer) -> Result<String, String> {
+    if !shared::tools::valid_tool_name(&raw.name) {
+        return Err("the name must be 1-64 characters of letters, digits, '_' or '-'".into());
+    }
+    let prefix = raw.prefix.clone().unwrap_or_else(|| format!("{}__", raw.name));
+    if !prefix.is_empty() && !shared::tools::valid_tool_name(&prefix) {
+        return Err(format!(
+            "prefix {prefix:?} must be letters, digits, '_' or '-' (at most 63, so names fit in 64)"
+        ));
+    }
+    Ok(prefix)
+}
+
+/// How the server is reached: exactly one of `command` (stdio) and `url` (streamable HTTP).
+fn transport(
+    raw: &RawMcpServer,
+    base_dir: &Path,
+    prlimit: impl Fn() -> Result<PathBuf, String>,
+) -> Result<Transport, String> {
+    match (&raw.command, &raw.url) {
+        (Some(_), Some(_)) => Err("give either command (stdio) or url (streamable HTTP), not both".into()),
+        (None, None) => Err("give command (a stdio server) or url (a streamable-HTTP server)".into()),
+        (Some(command), None) => stdio(raw, command, base_dir, prlimit()?),
+        (None, Some(url)) => http(raw, url),
+    }
 }
 
 fn stdio(raw: &RawMcpServer, command: &str, base_dir: &Path, prlimit: PathBuf) -> Result<Transport, String> {
