@@ -6,6 +6,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod config_file;
 pub mod grpc;
 pub mod metrics;
 pub mod runtime;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use shared::config::parse_duration;
 
 use crate::Config;
@@ -22,11 +22,21 @@ pub struct Cli {
 }
 
 impl Cli {
-    /// Parses the command line and the environment. A refused value is echoed by the error
+    /// Parses the command line, the environment and the `--config` file (see
+    /// [`shared::config_file`]; a bad file is exit code 2). A refused value is echoed by the error
     /// message, so the userinfo of any URL in it is removed first (`nats://user:password@…`);
     /// `--help` and `--version` print as usual.
     pub fn parse_args() -> Self {
-        Self::try_parse().unwrap_or_else(|error| {
+        let argv = shared::config_file::with_settings_file(
+            &Self::command(),
+            std::env::args_os().collect(),
+            "ORCHESTRATOR_CONFIG",
+        )
+        .unwrap_or_else(|e| {
+            eprintln!("error: {}", crate::secrets::without_userinfo(&e));
+            std::process::exit(2)
+        });
+        Self::try_parse_from(argv).unwrap_or_else(|error| {
             if !error.use_stderr() {
                 error.exit()
             }

@@ -47,6 +47,26 @@ async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
     let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0"], &[("ORCHESTRATOR_MAX_RUNS", "0")]).await?;
     assert_eq!(code, Some(2));
     assert!(stderr.contains("--max-runs = 0 is below its minimum of 1"), "{stderr}");
+
+    // The same checks hold for a settings file; a key that is no flag names the file.
+    let dir = tempfile::tempdir()?;
+    let settings = dir.path().join("orchestrator.toml");
+    let path = settings.display().to_string();
+    for (text, expected) in [
+        (
+            "max-turns-ceiling = 129\n",
+            "--max-turns-ceiling = 129 is above its cap of 128".to_owned(),
+        ),
+        (
+            "llm-api-key = \"sk-1\"\n",
+            format!("{path}: unknown setting \"llm-api-key\""),
+        ),
+    ] {
+        std::fs::write(&settings, text)?;
+        let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0"], &[("ORCHESTRATOR_CONFIG", &path)]).await?;
+        assert_eq!(code, Some(2), "{text}: {stderr}");
+        assert!(stderr.contains(&expected), "{text}: {stderr}");
+    }
     Ok(())
 }
 
@@ -56,13 +76,23 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
     let runner_url = common::tool_runner_in_process().await?;
     let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
 
+    // The settings from a file (`--config`); the key stays in the environment.
+    let dir = tempfile::tempdir()?;
+    let settings = dir.path().join("orchestrator.toml");
+    std::fs::write(
+        &settings,
+        format!(
+            "shutdown-grace = \"5s\"\nllm-base-url = \"{}\"\ntool-runner = [\"{runner_url}\"]\nexit-tool = [\"submit_report\"]\n",
+            mock.base_url()
+        ),
+    )?;
     let mut command = Command::new(BIN);
     command
-        .args(["--shutdown-grace", "5s"])
-        .env("LLM_BASE_URL", mock.base_url())
-        .env("LLM_API_KEY", "sk-never-logged")
-        .env("TOOL_RUNNER_ENDPOINTS", &runner_url)
-        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report");
+        .args(["--config", &settings.display().to_string()])
+        .env_remove("LLM_BASE_URL")
+        .env_remove("TOOL_RUNNER_ENDPOINTS")
+        .env_remove("ORCHESTRATOR_EXIT_TOOLS")
+        .env("LLM_API_KEY", "sk-never-logged");
     let mut orchestrator = testkit::Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
     let endpoint = format!("http://{}", orchestrator.grpc);
     let (code, stdout, stderr) = run_to_end(

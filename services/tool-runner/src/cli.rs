@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use proto::toolrunner::v1 as pb;
 use shared::config::parse_duration;
 
@@ -20,6 +20,23 @@ pub struct Cli {
     /// Flags of `serve`, accepted without the subcommand too.
     #[command(flatten)]
     pub serve: Config,
+}
+
+impl Cli {
+    /// Parses the command line, the environment and the `--config` file (see
+    /// [`shared::config_file`]); a bad file stops the runner with exit code 2.
+    pub fn parse_args() -> Self {
+        let argv = shared::config_file::with_settings_file(
+            &Self::command(),
+            std::env::args_os().collect(),
+            "TOOL_RUNNER_CONFIG",
+        )
+        .unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            std::process::exit(2)
+        });
+        Self::try_parse_from(argv).unwrap_or_else(|error| error.exit())
+    }
 }
 
 /// Subcommands.

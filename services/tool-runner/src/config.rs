@@ -25,6 +25,10 @@ const fn secs(n: u64) -> Duration {
 /// Everything `run` needs; the flags of `serve`.
 #[derive(Debug, Clone, Args)]
 pub struct Config {
+    /// TOML file of settings whose keys are these long flags (`max-concurrency = 64`, lists for
+    /// repeatable ones); a flag or its environment variable wins over the file.
+    #[arg(long = "config", env = "TOOL_RUNNER_CONFIG", value_name = "FILE")]
+    pub config_file: Option<PathBuf>,
     #[allow(missing_docs)]
     #[command(flatten)]
     pub server: ServerSettings,

@@ -5,7 +5,6 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use tool_runner::cli::{self, Cli, Command};
 use tool_runner::{Config, Error};
 
@@ -14,7 +13,7 @@ fn main() -> ExitCode {
 }
 
 async fn run() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
         Command::Serve(config) => serve(*config).await.map(|()| true),
         Command::List(client) => cli::list(&client).await.map(|()| true),

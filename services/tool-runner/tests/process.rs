@@ -114,6 +114,63 @@ async fn a_bad_manifest_stops_startup_naming_file_tool_and_problem() -> TestResu
     Ok(())
 }
 
+/// The runner serving with `extra` flags and `env`, and the `max_concurrency` it logged.
+async fn served_max_concurrency(extra: &[&str], env: &[(&str, &str)]) -> anyhow::Result<u64> {
+    let mut command = Command::new(BIN);
+    command
+        .args(extra)
+        .envs(env.iter().copied())
+        .env("TOKIO_WORKER_THREADS", "2");
+    let service = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
+    let logged = service
+        .logs()
+        .iter()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find(|line| line["message"] == "tool-runner serving")
+        .and_then(|line| line["max_concurrency"].as_u64())
+        .ok_or_else(|| anyhow::anyhow!("no max_concurrency in {:?}", service.logs()))?;
+    service.stop().await?;
+    Ok(logged)
+}
+
+/// `--config FILE` (or `TOOL_RUNNER_CONFIG`): the file's settings apply, the environment wins
+/// over them and a flag over both; a bad file stops startup naming the file and the key, and a
+/// value over its cap is refused as it would be from a flag.
+#[tokio::test]
+async fn a_settings_file_is_read_under_the_environment_and_the_flags() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("runner.toml");
+    std::fs::write(
+        &file,
+        "max-concurrency = 7\nsleep_max = \"2s\"\nhttp-allow-port = [80, 8443]\n",
+    )?;
+    let path = file.display().to_string();
+    assert_eq!(served_max_concurrency(&["--config", &path], &[]).await?, 7);
+    assert_eq!(served_max_concurrency(&[], &[("TOOL_RUNNER_CONFIG", &path)]).await?, 7);
+    let env = [("TOOL_RUNNER_MAX_CONCURRENCY", "9")];
+    assert_eq!(served_max_concurrency(&["--config", &path], &env).await?, 9);
+    assert_eq!(
+        served_max_concurrency(&["--config", &path, "--max-concurrency", "11"], &env).await?,
+        11
+    );
+
+    std::fs::write(&file, "max-concurency = 7\n")?;
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--config", &path], &[]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&path) && stderr.contains("unknown setting \"max-concurency\""),
+        "{stderr}"
+    );
+    std::fs::write(&file, "max-concurrency = 10001\n")?;
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--config", &path], &[]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--max-concurrency = 10001 is above its cap of 10000"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn limits_above_their_caps_are_refused_from_flags_and_environment() -> TestResult {
     let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--max-json-depth", "129"], &[]).await?;
