@@ -1268,6 +1268,48 @@ async fn runner_answers_over_the_response_limit_fail_the_call_and_the_run_goes_o
     Ok(())
 }
 
+/// A tool list larger than tonic's 4 MiB default message is taken under
+/// `--tool-runner-max-response-bytes`; over it, the catalog fetch fails and a run is refused
+/// `UNAVAILABLE` naming the bound rather than run without its tools.
+#[tokio::test]
+async fn a_large_tool_list_is_taken_up_to_the_response_limit() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let manifest = dir.path().join("tools.toml");
+    // 600 tools with 8 KB descriptions: about 4.9 MB of ListTools answer.
+    let description = "d".repeat(8 * 1024);
+    let tools: String = (0..600)
+        .map(|i| format!("[[tool]]\nname = \"t{i}\"\ndescription = \"{description}\"\nargv = [\"true\"]\n\n"))
+        .collect();
+    std::fs::write(&manifest, tools)?;
+    for (limit, served) in [(8 * 1024 * 1024, true), (2 * 1024 * 1024, false)] {
+        let stack = Stack::start(
+            Scenario::new(vec![Turn::text("Fine.")]),
+            runner_config(Some(manifest.clone())),
+            |c| {
+                c.tool_runners.max_response_bytes = limit;
+            },
+        )
+        .await?;
+        let mut client = stack.client().await?;
+        match client.orchestrate(request("x", &[])).await {
+            Ok(_) => {
+                assert!(served, "limit {limit}: the list is over it");
+                let offered = stack.run(request("x", &[])).await?;
+                assert_eq!(offered.status(), S::Completed, "{:?}", offered.result.failure_detail);
+                let first = &stack.mock.requests()[0];
+                let offered_tools = first["tools"].as_array().map_or(0, Vec::len);
+                assert!(offered_tools >= 600, "every tool is offered: {offered_tools}");
+            }
+            Err(status) => {
+                assert!(!served, "limit {limit}: {status:?}");
+                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                assert!(status.message().contains("too large"), "{}", status.message());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The model parameters through the API: what the caller sets and the server's `--llm-*`
 /// defaults reach the model server's request body exactly; `tool_choice` naming a tool forces the
 /// first turn only; `extra_body_json` merges flat. Bad values are INVALID_ARGUMENT naming the field.

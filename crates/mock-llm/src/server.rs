@@ -152,10 +152,15 @@ fn nodelay(listener: tokio::net::TcpListener) -> impl axum::serve::Listener<Addr
     })
 }
 
+/// The largest request body taken: a real server takes long conversations and large tool lists
+/// (axum's own default, 2 MB, would refuse them).
+const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
+
 fn router(shared: Arc<Shared>) -> axum::Router {
     axum::Router::new()
         .route("/v1/chat/completions", post(completions))
         .route("/v1/models", get(models))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(shared)
 }
 

@@ -292,8 +292,9 @@ pub struct ToolRunnerSettings {
     /// First delay between those retries, doubled each time (cap 5s).
     #[arg(long = "tool-call-retry-backoff", env = "ORCHESTRATOR_TOOL_CALL_RETRY_BACKOFF", default_value = "25ms", value_parser = parse_duration)]
     pub call_retry_backoff: Duration,
-    /// Largest RunTool answer taken from a tool-runner (64 KiB-256 MiB); a larger one fails the
-    /// call (fed back to the model). What reaches the model is then cut to --max-tool-result-bytes.
+    /// Largest RunTool or ListTools answer taken from a tool-runner (64 KiB-256 MiB); a larger call
+    /// answer fails the call (fed back to the model), a larger tool list the catalog fetch. What
+    /// reaches the model is then cut to --max-tool-result-bytes.
     #[arg(long = "tool-runner-max-response-bytes", env = "ORCHESTRATOR_TOOL_RUNNER_MAX_RESPONSE_BYTES", default_value_t = 64 * MIB)]
     pub max_response_bytes: usize,
     /// PEM CA bundle that signs the tool-runners' certificates: https:// targets, and dns:///

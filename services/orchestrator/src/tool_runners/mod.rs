@@ -246,7 +246,8 @@ impl ToolRunners {
                 return Err(last_error);
             };
             tried.push(lease.member.uri.clone());
-            let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone());
+            let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
+                .max_decoding_message_size(self.call.max_response_bytes);
             let mut request = tonic::Request::new(pb::ListToolsRequest {});
             request.set_timeout(timeout);
             self.transport.current().authorize(&mut request);
