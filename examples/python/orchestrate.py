@@ -56,13 +56,20 @@ def read(path):
         return f.read()
 
 
+# A run's result (run_finished, GetRun) holds all its text, reasoning and tool-call records, so it
+# can pass gRPC's default 4 MiB receive limit; take up to 64 MiB, as the Rust client does.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
 def open_channel(args):
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     if not args.ca:
-        return grpc.insecure_channel(args.target)
+        return grpc.insecure_channel(args.target, options=options)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=read(args.ca), private_key=read(args.key), certificate_chain=read(args.cert)
     )
-    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
+    if args.server_name:
+        options.append(("grpc.ssl_target_name_override", args.server_name))
     return grpc.secure_channel(args.target, credentials, options=options)
 
 

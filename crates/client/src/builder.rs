@@ -37,7 +37,11 @@ pub struct ClientBuilder {
     connect_timeout: Duration,
     timeout: Duration,
     retry: Retry,
+    max_message_bytes: usize,
 }
+
+/// The default of [`ClientBuilder::max_message_bytes`].
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
 impl std::fmt::Debug for ClientBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -48,6 +52,7 @@ impl std::fmt::Debug for ClientBuilder {
             .field("mtls", &self.identity_pem.is_some())
             .field("timeout", &self.timeout)
             .field("retry", &self.retry)
+            .field("max_message_bytes", &self.max_message_bytes)
             .finish_non_exhaustive()
     }
 }
@@ -55,7 +60,7 @@ impl std::fmt::Debug for ClientBuilder {
 impl ClientBuilder {
     /// A client of the orchestrator at `endpoint` (`http://host:port`, or `https://host:port`
     /// with [`tls_ca_pem`](Self::tls_ca_pem)); defaults: no token, 5 s to connect, 10 min per
-    /// call, [`Retry::default`].
+    /// call, [`Retry::default`], messages up to [`DEFAULT_MAX_MESSAGE_BYTES`].
     pub fn new(endpoint: impl Into<String>) -> Self {
         Self {
             endpoint: endpoint.into(),
@@ -66,6 +71,7 @@ impl ClientBuilder {
             connect_timeout: Duration::from_secs(5),
             timeout: Duration::from_secs(600),
             retry: Retry::default(),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 
@@ -102,6 +108,15 @@ impl ClientBuilder {
     /// Deadline of each call; for [`Client::orchestrate`] that is the whole run.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// The largest message taken from the server (64 MiB by default; gRPC's usual 4 MiB is too
+    /// small). A run's result (`run_finished`, `GetRun`) holds its whole text, reasoning and
+    /// tool-call records, so it grows with the server's `--max-output-bytes` and
+    /// `--max-reasoning-bytes`; a larger message fails the call `OUT_OF_RANGE`, naming the limit.
+    pub fn max_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_message_bytes = bytes;
         self
     }
 
@@ -163,7 +178,8 @@ impl ClientBuilder {
             })
             .transpose()?;
         Ok(Client {
-            inner: pb::orchestrator_client::OrchestratorClient::new(channel),
+            inner: pb::orchestrator_client::OrchestratorClient::new(channel)
+                .max_decoding_message_size(self.max_message_bytes),
             authorization,
             retry: self.retry,
             timeout: self.timeout,

@@ -42,7 +42,7 @@ use futures::Stream;
 use proto::orchestrator::v1 as pb;
 use tonic::transport::Channel;
 
-pub use builder::ClientBuilder;
+pub use builder::{ClientBuilder, DEFAULT_MAX_MESSAGE_BYTES};
 pub use error::Error;
 pub use proto::orchestrator::v1;
 pub use request::RunRequest;

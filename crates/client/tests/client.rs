@@ -260,6 +260,46 @@ async fn a_client_certificate_reaches_an_orchestrator_that_requires_one() -> Tes
     Ok(())
 }
 
+/// A result larger than gRPC's usual 4 MiB (the server allows 6 MiB of output here) reaches the
+/// client under its default message limit, by the stream and by `GetRun`; a client that sets a
+/// lower limit gets `OUT_OF_RANGE` naming it.
+#[tokio::test]
+async fn a_result_larger_than_grpcs_usual_4_mib_is_received() -> TestResult {
+    // Distinct lines, so the repeated-line detector has nothing to stop.
+    let text: String = (0..5 * 1024 * 1024 / 32)
+        .map(|i| format!("line {i:>10} of a long answer\n"))
+        .collect();
+    let turn = Turn::default().then(Step::Text {
+        text: text.clone(),
+        chunk_chars: Some(64 * 1024),
+    });
+    let stack = Stack::start(Scenario::new(vec![turn]), runner_config(None), |c| {
+        c.runs.output.max_output_bytes = 6 * 1024 * 1024;
+    })
+    .await?;
+    let address = format!("http://{}", stack.addr);
+    let client = ClientBuilder::new(&address).connect().await?;
+    let result = client.run(RunRequest::prompt("write a lot").run_id("large-1")).await?;
+    assert_eq!(
+        (result.status(), result.text.len()),
+        (pb::RunStatus::Completed, text.len())
+    );
+    assert_eq!(client.get_run("large-1").await?.text.len(), text.len());
+
+    let small = ClientBuilder::new(&address)
+        .max_message_bytes(4 * 1024 * 1024)
+        .connect()
+        .await?;
+    let refused = small.get_run("large-1").await.err().and_then(|e| e.code());
+    assert_eq!(refused, Some(tonic::Code::OutOfRange));
+    let refused = small.run(RunRequest::prompt("write a lot")).await.err();
+    assert!(
+        refused.as_ref().is_some_and(|e| e.to_string().contains("4194304")),
+        "{refused:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn unusable_settings_are_refused_without_echoing_the_token() {
     let error = |builder: ClientBuilder| builder.connect_lazy().err().map(|e| e.to_string()).unwrap_or_default();

@@ -106,7 +106,10 @@ function loadClient(opts: Options) {
   const credentials = opts.ca
     ? grpc.credentials.createSsl(read(opts.ca), read(opts.key), read(opts.cert))
     : grpc.credentials.createInsecure();
-  const channelOptions = opts["server-name"] ? { "grpc.ssl_target_name_override": opts["server-name"] } : {};
+  // A run's result (run_finished, GetRun) holds all its text, reasoning and tool-call records, so it
+  // can pass gRPC's default 4 MiB receive limit; take up to 64 MiB, as the Rust client does.
+  const channelOptions: grpc.ChannelOptions = { "grpc.max_receive_message_length": 64 * 1024 * 1024 };
+  if (opts["server-name"]) channelOptions["grpc.ssl_target_name_override"] = opts["server-name"];
   return new Orchestrator(opts.target, credentials, channelOptions) as any;
 }
 
@@ -257,4 +260,7 @@ async function main() {
   return run(opts);
 }
 
-main().then((code) => process.exit(code));
+// Not process.exit(): it would cut off what is still queued for a piped stdout.
+main().then((code) => {
+  process.exitCode = code;
+});

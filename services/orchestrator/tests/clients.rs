@@ -67,9 +67,15 @@ impl Deployment {
             Turn::text("Napping.\n").then(Step::call("sleep", json!({"ms": 8000}))),
             Turn::text("Rested."),
         ]);
+        let large = Scenario::new(vec![Turn::default().then(Step::Text {
+            text: large_text(),
+            chunk_chars: Some(64 * 1024),
+        })]);
         let model = MockLlm::start(Scenarios {
             default: Scenario::demo(),
-            named: [("slow".to_owned(), slow)].into_iter().collect(),
+            named: [("slow".to_owned(), slow), ("large".to_owned(), large)]
+                .into_iter()
+                .collect(),
         })
         .await?;
         let mut tls = [
@@ -81,6 +87,8 @@ impl Deployment {
             &tokens.display().to_string(),
             "--health-listen",
             "127.0.0.1:0",
+            "--max-output-bytes",
+            "8388608",
         ]
         .map(str::to_owned)
         .to_vec();
@@ -232,6 +240,24 @@ fn check_canceled(client: &str, output: &Output) -> TestResult {
     Ok(())
 }
 
+/// 5 MiB of distinct lines: a result over gRPC's usual 4 MiB receive limit.
+fn large_text() -> String {
+    (0..5 * 1024 * 1024 / 32)
+        .map(|i| format!("line {i:>10} of a long answer\n"))
+        .collect()
+}
+
+/// A run whose result is over gRPC's usual 4 MiB: received whole (exit 0).
+fn check_large(client: &str, output: &Output) -> TestResult {
+    assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(output));
+    let events = events(output)?;
+    let (last, body) = events.last().ok_or_else(|| anyhow::anyhow!("{client}: no events"))?;
+    assert_eq!(last, "run_finished", "{client}");
+    let text = body["result"]["text"].as_str().unwrap_or_default();
+    assert_eq!(text.len(), large_text().len(), "{client}: the whole result");
+    Ok(())
+}
+
 /// A refused call (`code`: a bad token, no client certificate): the gRPC status on stderr,
 /// exit 3, no events.
 fn check_refused(client: &str, output: &Output, code: &str) -> TestResult {
@@ -270,6 +296,12 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
         let mut command = make()?;
         command.args(deployment.client_args(TOKEN)).args(slow);
         check_canceled(client, &run(command).await?)?;
+
+        let mut command = make()?;
+        command
+            .args(deployment.client_args(TOKEN))
+            .args(["--prompt", "write a lot", "--model", "large"]);
+        check_large(client, &run(command).await?)?;
 
         let mut command = make()?;
         command.args(deployment.client_args("not-a-token")).args(demo);
