@@ -86,7 +86,8 @@ async fn connect(
         .connect()
         .await
         .map_err(|e| Error::Config(format!("cannot connect to {}: {e}", args.endpoint)))?;
-    Ok(pb::tool_runner_client::ToolRunnerClient::new(channel))
+    // A tool's answer can be as large as the runner's output caps allow (64 MiB for stdout).
+    Ok(pb::tool_runner_client::ToolRunnerClient::new(channel).max_decoding_message_size(256 * 1024 * 1024))
 }
 
 fn status_error(status: &tonic::Status) -> Error {
