@@ -508,7 +508,7 @@ async fn slow_handshakes_are_bounded_in_number_and_time() -> TestResult {
     let command = mtls_runner(
         &pki,
         ["server.pem", "server.key", "ca.pem"],
-        &["--tls-handshake-timeout", "4s", "--tls-max-pending-handshakes", "2"],
+        &["--tls-handshake-timeout", "8s", "--tls-max-pending-handshakes", "2"],
     )?;
     let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
     let address = runner.grpc.trim_start_matches("https://").trim_start_matches("http://");
@@ -524,6 +524,14 @@ async fn slow_handshakes_are_bounded_in_number_and_time() -> TestResult {
         closed_within(&mut third, Duration::from_secs(2)).await,
         "the third pending handshake was refused at once"
     );
+    for conn in &mut silent {
+        assert!(
+            !closed_within(conn, Duration::from_millis(500)).await,
+            "a pending handshake under the bound is kept until its timeout"
+        );
+    }
+    // Generous margins: the checks above take about 1.5 s of the 8 s.
+    assert!(started.elapsed() < Duration::from_secs(8), "checked before the timeout");
     assert!(
         runner
             .logged("--tls-max-pending-handshakes", Duration::from_secs(5))
@@ -532,18 +540,11 @@ async fn slow_handshakes_are_bounded_in_number_and_time() -> TestResult {
     );
     for conn in &mut silent {
         assert!(
-            !closed_within(conn, Duration::from_millis(500)).await,
-            "a pending handshake under the bound is kept until its timeout"
-        );
-    }
-    assert!(started.elapsed() < Duration::from_secs(4), "checked before the timeout");
-    for conn in &mut silent {
-        assert!(
-            closed_within(conn, Duration::from_secs(10)).await,
+            closed_within(conn, Duration::from_secs(15)).await,
             "closed once --tls-handshake-timeout passed"
         );
     }
-    assert!(started.elapsed() >= Duration::from_secs(4), "not before the timeout");
+    assert!(started.elapsed() >= Duration::from_secs(8), "not before the timeout");
     let channel = tls_channel(&pki, &runner.grpc, "ca", "orchestrator").await?;
     assert!(list_tools(channel).await? > 0, "the slots are free again");
     runner.stop().await?;
