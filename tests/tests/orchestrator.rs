@@ -1310,6 +1310,67 @@ async fn a_large_tool_list_is_taken_up_to_the_response_limit() -> TestResult {
     Ok(())
 }
 
+/// `--tool-runner-token-file` reaches a runner started with `--auth-tokens`, and a rotated token
+/// is taken without a restart: once the runner accepts only the new token, calls fail (fed back
+/// to the model, naming the refusal) until the orchestrator's file has it too, then succeed.
+#[tokio::test]
+async fn the_runner_token_is_sent_and_rotated_without_a_restart() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner_tokens = dir.path().join("runner-tokens.toml");
+    let token_file = dir.path().join("runner-token");
+    let accept = |token: &str| {
+        format!(
+            "[[token]]\nprincipal = \"orchestrator\"\nsha256 = \"{}\"\n",
+            shared::auth::token_sha256(token)
+        )
+    };
+    std::fs::write(&runner_tokens, accept("first-token"))?;
+    std::fs::write(&token_file, "first-token\n")?;
+    let mut runner = runner_config(None);
+    runner.security.auth_tokens = Some(runner_tokens.clone());
+    runner.security.tls_reload_interval = Duration::from_secs(1);
+    let scenario = Scenario::new(vec![
+        Turn::default().then(Step::call("calculate", json!({"expression": "6*7"}))),
+        Turn::text("42."),
+    ]);
+    let stack = Stack::start(scenario, runner, |c| {
+        c.tool_runners.token_file = Some(token_file.clone());
+        c.security.tls_reload_interval = Duration::from_secs(1);
+    })
+    .await?;
+    // The first call's outcome: Ok(true) ran, Ok(false) refused by the runner, Err(_) no run.
+    let call_ran = || async {
+        let out = stack.run(request("x", &[])).await?;
+        let call = out.result.tool_calls.first().cloned().unwrap_or_default();
+        anyhow::Ok((call.ok, call.error.map(|e| e.message).unwrap_or_default()))
+    };
+    assert_eq!(call_ran().await?.0, true, "the token reaches the runner");
+
+    std::fs::write(&runner_tokens, accept("second-token"))?;
+    let refused = poll(|| async { Ok(call_ran().await.ok().filter(|(ok, _)| !ok)) }).await?;
+    assert!(refused.1.contains("Unauthenticated"), "{}", refused.1);
+
+    std::fs::write(&token_file, "second-token\n")?;
+    poll(|| async { Ok(call_ran().await.ok().filter(|(ok, _)| *ok)) }).await?;
+    Ok(())
+}
+
+/// Polls `check` every 200 ms until it yields something, for at most 15 s.
+async fn poll<T, F, Fut>(check: F) -> anyhow::Result<T>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(found) = check().await? {
+            return Ok(found);
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "not within 15 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// The model parameters through the API: what the caller sets and the server's `--llm-*`
 /// defaults reach the model server's request body exactly; `tool_choice` naming a tool forces the
 /// first turn only; `extra_body_json` merges flat. Bad values are INVALID_ARGUMENT naming the field.
