@@ -97,7 +97,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
 }
 
 /// A caller's run id: empty gets a generated one; otherwise short printable ASCII, because it
-/// travels in headers, logs and metric exemplars.
+/// travels in request headers and logs.
 fn caller_run_id(id: String) -> Result<Option<String>, Error> {
     if id.is_empty() {
         return Ok(None);
