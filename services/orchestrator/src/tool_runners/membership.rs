@@ -86,7 +86,11 @@ impl Membership {
                         self.update(false);
                     }
                     _ = reload.tick(), if digest.is_some() => {
-                        let now = files_digest(&settings);
+                        // File reads, off the runtime's threads.
+                        let files = settings.clone();
+                        let Ok(now) = tokio::task::spawn_blocking(move || files_digest(&files)).await else {
+                            continue;
+                        };
                         if now != digest {
                             digest = now;
                             self.reload(&settings);
