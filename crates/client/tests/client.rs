@@ -300,6 +300,102 @@ async fn a_result_larger_than_grpcs_usual_4_mib_is_received() -> TestResult {
     Ok(())
 }
 
+/// A stand-in orchestrator whose `Orchestrate` sends `run_started` and `run_finished`, then
+/// holds the call open for `hold` before its trailers, and records whether the caller reset the
+/// call before them (its receiving end closed early).
+struct LateTrailers {
+    hold: Duration,
+    reset_early: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[tonic::async_trait]
+impl pb::orchestrator_server::Orchestrator for LateTrailers {
+    type OrchestrateStream = tokio_stream::wrappers::ReceiverStream<Result<pb::OrchestrateEvent, tonic::Status>>;
+    type SubscribeSignalsStream = tokio_stream::wrappers::ReceiverStream<Result<pb::SignalEvent, tonic::Status>>;
+
+    async fn orchestrate(
+        &self,
+        _: tonic::Request<pb::OrchestrateRequest>,
+    ) -> Result<tonic::Response<Self::OrchestrateStream>, tonic::Status> {
+        use pb::orchestrate_event::Event as E;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let event = |seq, event| pb::OrchestrateEvent {
+            run_id: "late-1".into(),
+            seq,
+            event: Some(event),
+        };
+        let result = pb::RunResult {
+            run_id: "late-1".into(),
+            status: pb::RunStatus::Completed.into(),
+            text: "done".into(),
+            ..Default::default()
+        };
+        let _ = tx.send(Ok(event(1, E::RunStarted(pb::RunStarted::default())))).await;
+        let _ = tx
+            .send(Ok(event(2, E::RunFinished(pb::RunFinished { result: Some(result) }))))
+            .await;
+        let (hold, reset_early) = (self.hold, std::sync::Arc::clone(&self.reset_early));
+        tokio::spawn(async move {
+            if tokio::time::timeout(hold, tx.closed()).await.is_ok() {
+                reset_early.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        Ok(tonic::Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+
+    async fn get_run(
+        &self,
+        _: tonic::Request<pb::GetRunRequest>,
+    ) -> Result<tonic::Response<pb::RunResult>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn cancel_run(
+        &self,
+        _: tonic::Request<pb::CancelRunRequest>,
+    ) -> Result<tonic::Response<pb::CancelRunResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn subscribe_signals(
+        &self,
+        _: tonic::Request<pb::SubscribeSignalsRequest>,
+    ) -> Result<tonic::Response<Self::SubscribeSignalsStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+}
+
+/// After `run_finished` the client reads the call to its trailers instead of dropping it: a
+/// dropped call is reset on the wire, and an HTTP/2 peer closes the whole connection after about
+/// 1,024 such resets (the soak found it). The server here holds its trailers 300 ms; the client
+/// must not have reset the call by then, and `result()` returns once they arrive.
+#[tokio::test]
+async fn the_client_reads_each_call_to_its_trailers() -> TestResult {
+    let reset_early = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let service = LateTrailers {
+        hold: Duration::from_millis(300),
+        reset_early: std::sync::Arc::clone(&reset_early),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::orchestrator_server::OrchestratorServer::new(service))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let client = ClientBuilder::new(format!("http://{address}")).connect().await?;
+    let result = client.run(RunRequest::prompt("x")).await?;
+    assert_eq!(result.text, "done");
+    // Give a reset, had there been one, time to reach the server.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !reset_early.load(std::sync::atomic::Ordering::SeqCst),
+        "the client reset the call before its trailers"
+    );
+    server.abort();
+    Ok(())
+}
+
 #[tokio::test]
 async fn unusable_settings_are_refused_without_echoing_the_token() {
     let error = |builder: ClientBuilder| builder.connect_lazy().err().map(|e| e.to_string()).unwrap_or_default();
