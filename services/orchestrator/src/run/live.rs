@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{Event, EventBatch, NumberedEvent, RunResult, RunSpec};
+use super::{Event, EventBatch, NumberedEvent, RunResult, RunSpec, ToolCallError};
 use crate::store::Persister;
 
 /// The live state of a run, shared with `GetRun`.
@@ -105,7 +105,7 @@ impl Emitter {
     }
 
     /// Numbers `event` and queues it behind the events already queued. Text longer than one
-    /// event may carry is split; a tool result is cut.
+    /// event may carry is split; a tool result or error message is cut.
     pub fn queue(&mut self, event: Event) {
         match event {
             Event::TextDelta { text, turn } => self.queue_text(&text, turn),
@@ -113,18 +113,27 @@ impl Emitter {
             Event::ToolCallFinished {
                 call_id,
                 name,
-                content_json: Some(content),
+                content_json,
+                content_truncated,
                 error,
                 duration_ms,
-                ..
-            } if content.len() > self.settings.max_event_bytes => {
-                let cut = shared::text::truncate(&content, self.settings.max_event_bytes).len();
+            } => {
+                let max = self.settings.max_event_bytes;
+                let cut = |text: &str| shared::text::truncate(text, max).to_owned();
+                let content_over = content_json.as_ref().is_some_and(|c| c.len() > max);
                 self.number(Event::ToolCallFinished {
                     call_id,
                     name,
-                    content_json: Some(content[..cut].to_owned()),
-                    content_truncated: true,
-                    error,
+                    content_json: content_json.map(|c| if content_over { cut(&c) } else { c }),
+                    content_truncated: content_truncated || content_over,
+                    error: error.map(|e| ToolCallError {
+                        message: if e.message.len() > max {
+                            cut(&e.message)
+                        } else {
+                            e.message
+                        },
+                        ..e
+                    }),
                     duration_ms,
                 });
             }

@@ -763,6 +763,7 @@ impl<'a> Driver<'a> {
         outcomes.sort_by_key(|o| o.index);
         let mut fed_back = Vec::with_capacity(outcomes.len());
         for CallOutcome { index, result, elapsed } in outcomes {
+            let result = result.map_err(|error| self.bounded_error(error));
             let call = &partition.calls[index];
             let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
             lock(self.state).tool_calls.push(ToolCallRecord {
@@ -815,6 +816,23 @@ impl<'a> Driver<'a> {
             json.len() - cut,
             json.len()
         )
+    }
+
+    /// A tool error as the run keeps it (its record, its event, the model's tool message): the
+    /// message at most `max_tool_result_bytes`, cut with a note saying how much was left out (a
+    /// runner passes on a command's stderr or an MCP server's error text).
+    fn bounded_error(&self, mut error: ToolCallError) -> ToolCallError {
+        let max = self.deps.max_tool_result_bytes;
+        if error.message.len() > max {
+            let total = error.message.len();
+            let cut = shared::text::truncate(&error.message, max).len();
+            metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
+            error.message.truncate(cut);
+            error
+                .message
+                .push_str(&format!("\n[message cut: {} of {total} bytes left out]", total - cut));
+        }
+        error
     }
 
     /// Failures count once per turn, however many of its calls failed.
@@ -1156,7 +1174,10 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(args["ms"].as_u64().unwrap_or(0))).await;
                 this.in_flight.fetch_sub(1, Ordering::SeqCst);
                 if call.name == "bad" {
-                    return Err(ToolCallError::new("FAILED", "bad tool"));
+                    return Err(ToolCallError::new(
+                        "FAILED",
+                        args["message"].as_str().unwrap_or("bad tool"),
+                    ));
                 }
                 Ok(call.arguments_json)
             }
@@ -1752,6 +1773,34 @@ mod tests {
             _ => None,
         });
         assert_eq!(finished, Some((1024, true)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn long_tool_error_messages_are_cut_everywhere_the_run_keeps_them() {
+        let message = "e".repeat(5000);
+        let args = serde_json::json!({ "message": message }).to_string();
+        let (result, batches, script, _) = play_batched(vec![vec![call(0, "bad", &args)]], limits()).await;
+        let marker = format!("\n[message cut: {} of 5000 bytes left out]", 5000 - 1024);
+        let kept = format!("{}{marker}", &message[..1024]);
+        // The model's tool message, and the run's record.
+        let second = script.requests.lock().unwrap()[1].clone();
+        let Some(Message::Tool { content, .. }) = second.messages.last() else {
+            panic!("{:?}", second.messages)
+        };
+        let fed_back: serde_json::Value = serde_json::from_str(content).unwrap();
+        assert_eq!(fed_back["error"]["message"], kept.as_str());
+        let record = result.tool_calls[0].error.clone().unwrap();
+        assert_eq!(record.message, kept);
+        // The event: at most max_event_bytes (1024 here) of it.
+        let event_message = batches.iter().flatten().find_map(|e| match &e.event {
+            Event::ToolCallFinished { error: Some(e), .. } => Some(e.message.clone()),
+            _ => None,
+        });
+        assert_eq!(event_message.as_deref(), Some(&message[..1024]));
+        // A message within the bound is kept whole.
+        let short = serde_json::json!({ "message": "e".repeat(1024) }).to_string();
+        let (result, ..) = play_batched(vec![vec![call(0, "bad", &short)]], limits()).await;
+        assert_eq!(result.tool_calls[0].error.clone().unwrap().message.len(), 1024);
     }
 
     #[tokio::test(start_paused = true)]
