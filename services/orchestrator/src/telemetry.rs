@@ -106,7 +106,7 @@ pub(crate) fn describe() {
     );
     describe_counter!(
         metric::TOOL_RESULTS_CUT,
-        "Tool results cut to the configured size before they were fed back to the model."
+        "Tool results and tool error messages cut to --max-tool-result-bytes before they were fed back to the model."
     );
     describe_gauge!(
         metric::STORE_BACKLOG,
