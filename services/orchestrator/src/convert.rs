@@ -689,11 +689,13 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             name,
             arguments_json,
             turn,
+            arguments_truncated,
         } => E::ToolCallStarted(pb::ToolCallStarted {
             call_id,
             name,
             arguments_json,
             turn,
+            arguments_truncated,
         }),
         Event::ToolCallFinished {
             call_id,

@@ -105,11 +105,32 @@ impl Emitter {
     }
 
     /// Numbers `event` and queues it behind the events already queued. Text longer than one
-    /// event may carry is split; a tool result or error message is cut.
+    /// event may carry is split; a call's arguments, a tool result or an error message is cut.
     pub fn queue(&mut self, event: Event) {
         match event {
             Event::TextDelta { text, turn } => self.queue_text(&text, turn),
             Event::ReasoningDelta { text, turn } => self.queue_reasoning(&text, turn),
+            Event::ToolCallStarted {
+                call_id,
+                name,
+                arguments_json,
+                turn,
+                arguments_truncated,
+            } => {
+                let max = self.settings.max_event_bytes;
+                let over = arguments_json.len() > max;
+                self.number(Event::ToolCallStarted {
+                    call_id,
+                    name,
+                    arguments_json: if over {
+                        shared::text::truncate(&arguments_json, max).to_owned()
+                    } else {
+                        arguments_json
+                    },
+                    turn,
+                    arguments_truncated: arguments_truncated || over,
+                });
+            }
             Event::ToolCallFinished {
                 call_id,
                 name,

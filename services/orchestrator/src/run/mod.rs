@@ -332,6 +332,8 @@ pub enum Event {
         arguments_json: String,
         /// Turn.
         turn: u32,
+        /// The arguments were cut to fit one event.
+        arguments_truncated: bool,
     },
     /// A normal call finished.
     ToolCallFinished {

@@ -704,6 +704,7 @@ impl<'a> Driver<'a> {
                 name: call.name.clone(),
                 arguments_json: call.arguments.clone(),
                 turn,
+                arguments_truncated: false,
             });
         }
         self.emitter.flush().await;
@@ -1750,7 +1751,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn large_tool_results_are_cut_for_the_model_and_in_their_event() {
+    async fn large_tool_results_and_arguments_are_cut_for_the_model_and_in_their_events() {
         let big = format!(r#"{{"pad": "{}"}}"#, "x".repeat(5000));
         let (result, batches, script, _) = play_batched(vec![vec![call(0, "nap", &big)]], limits()).await;
         assert_eq!(result.status, RunStatus::Completed);
@@ -1773,6 +1774,17 @@ mod tests {
             _ => None,
         });
         assert_eq!(finished, Some((1024, true)));
+        // The arguments: cut in their event, whole in the run's record.
+        let started = batches.iter().flatten().find_map(|e| match &e.event {
+            Event::ToolCallStarted {
+                arguments_json,
+                arguments_truncated,
+                ..
+            } => Some((arguments_json.len(), *arguments_truncated)),
+            _ => None,
+        });
+        assert_eq!(started, Some((1024, true)));
+        assert_eq!(result.tool_calls[0].arguments_json, big);
     }
 
     #[tokio::test(start_paused = true)]
