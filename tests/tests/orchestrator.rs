@@ -239,15 +239,7 @@ async fn three_failing_calls_in_one_turn_count_as_one_failed_turn() -> TestResul
     assert_eq!(out.result.failed_turns, 1);
     assert_eq!(out.result.tool_calls.iter().filter(|c| !c.ok).count(), 3);
     // Errors are fed back as {"error": {"code", "message"}}.
-    let second = &stack.mock.requests()[1];
-    let tool = second["messages"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|m| m["role"] == "tool")
-        .cloned()
-        .unwrap_or_default();
-    let content: Value = serde_json::from_str(tool["content"].as_str().unwrap_or("{}"))?;
+    let content: Value = serde_json::from_str(&fed_back_tool_answer(&stack)?)?;
     assert_eq!(content["error"]["code"], "INVALID_ARGUMENTS");
     assert!(
         content["error"]["message"]
@@ -485,16 +477,21 @@ async fn a_stalled_stream_ends_the_run_and_keeps_the_text() -> TestResult {
     Ok(())
 }
 
-fn hang_manifest(dir: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+/// Writes `toml` as the tools manifest in `dir`; its path.
+fn write_manifest(dir: &std::path::Path, toml: &str) -> anyhow::Result<std::path::PathBuf> {
     let path = dir.join("tools.toml");
-    std::fs::write(
-        &path,
-        format!(
+    std::fs::write(&path, toml)?;
+    Ok(path)
+}
+
+fn hang_manifest(dir: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+    write_manifest(
+        dir,
+        &format!(
             "[[tool]]\nname = \"hang\"\ndescription = \"waits\"\nargv = [\"sh\", \"-c\", \"sleep 30 & echo $$ $! > {}; wait\"]\n",
             dir.join("pids").display()
         ),
-    )?;
-    Ok(path)
+    )
 }
 
 #[tokio::test]
@@ -1085,9 +1082,8 @@ async fn health_and_reflection_v1_and_v1alpha_describe_the_orchestrator() -> Tes
 #[tokio::test]
 async fn run_id_call_id_and_metadata_reach_the_tool() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let manifest = dir.path().join("tools.toml");
-    std::fs::write(
-        &manifest,
+    let manifest = write_manifest(
+        dir.path(),
         "[[tool]]\nname = \"whoami\"\ndescription = \"prints its context\"\nargv = [\"env\"]\noutput = \"text\"\n",
     )?;
     let scenario = Scenario::new(vec![
@@ -1224,10 +1220,9 @@ fn fed_back_tool_answer(stack: &Stack) -> anyhow::Result<String> {
 #[tokio::test]
 async fn runner_answers_over_the_response_limit_fail_the_call_and_the_run_goes_on() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let manifest = dir.path().join("tools.toml");
     // 100,000 bytes of text: a JSON string of that length in the answer.
-    std::fs::write(
-        &manifest,
+    let manifest = write_manifest(
+        dir.path(),
         "[[tool]]\nname = \"big\"\ndescription = \"a large answer\"\nargv = [\"sh\", \"-c\", \"head -c 100000 /dev/zero | tr '\\\\0' a\"]\noutput = \"text\"\n",
     )?;
     let scenario = || {
@@ -1274,13 +1269,12 @@ async fn runner_answers_over_the_response_limit_fail_the_call_and_the_run_goes_o
 #[tokio::test]
 async fn a_large_tool_list_is_taken_up_to_the_response_limit() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let manifest = dir.path().join("tools.toml");
     // 600 tools with 8 KB descriptions: about 4.9 MB of ListTools answer.
     let description = "d".repeat(8 * 1024);
     let tools: String = (0..600)
         .map(|i| format!("[[tool]]\nname = \"t{i}\"\ndescription = \"{description}\"\nargv = [\"true\"]\n\n"))
         .collect();
-    std::fs::write(&manifest, tools)?;
+    let manifest = write_manifest(dir.path(), &tools)?;
     for (limit, served) in [(8 * 1024 * 1024, true), (2 * 1024 * 1024, false)] {
         let stack = Stack::start(
             Scenario::new(vec![Turn::text("Fine.")]),

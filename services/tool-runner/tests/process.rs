@@ -13,9 +13,15 @@ const BIN: &str = env!("CARGO_BIN_EXE_tool-runner");
 
 /// The binary on a free loopback port with JSON logs, serving; `extra` flags added.
 async fn start(extra: &[&str]) -> anyhow::Result<Service> {
+    start_with(extra, &[]).await
+}
+
+/// [`start`] with `env` set too.
+async fn start_with(extra: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Service> {
     let mut command = Command::new(BIN);
     command
         .args(extra)
+        .envs(env.iter().copied())
         // A valid worker-thread count (bad ones are refused: see the limits test).
         .env("TOKIO_WORKER_THREADS", "2")
         .current_dir(repo_root());
@@ -116,12 +122,7 @@ async fn a_bad_manifest_stops_startup_naming_file_tool_and_problem() -> TestResu
 
 /// The runner serving with `extra` flags and `env`, and the `max_concurrency` it logged.
 async fn served_max_concurrency(extra: &[&str], env: &[(&str, &str)]) -> anyhow::Result<u64> {
-    let mut command = Command::new(BIN);
-    command
-        .args(extra)
-        .envs(env.iter().copied())
-        .env("TOKIO_WORKER_THREADS", "2");
-    let service = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
+    let service = start_with(extra, env).await?;
     let logged = service
         .logs()
         .iter()

@@ -117,18 +117,13 @@ impl Emitter {
                 turn,
                 arguments_truncated,
             } => {
-                let max = self.settings.max_event_bytes;
-                let over = arguments_json.len() > max;
+                let (arguments_json, cut) = fit(arguments_json, self.settings.max_event_bytes);
                 self.number(Event::ToolCallStarted {
                     call_id,
                     name,
-                    arguments_json: if over {
-                        shared::text::truncate(&arguments_json, max).to_owned()
-                    } else {
-                        arguments_json
-                    },
+                    arguments_json,
                     turn,
-                    arguments_truncated: arguments_truncated || over,
+                    arguments_truncated: arguments_truncated || cut,
                 });
             }
             Event::ToolCallFinished {
@@ -140,19 +135,17 @@ impl Emitter {
                 duration_ms,
             } => {
                 let max = self.settings.max_event_bytes;
-                let cut = |text: &str| shared::text::truncate(text, max).to_owned();
-                let content_over = content_json.as_ref().is_some_and(|c| c.len() > max);
+                let (content_json, cut) = match content_json.map(|c| fit(c, max)) {
+                    Some((content, cut)) => (Some(content), cut),
+                    None => (None, false),
+                };
                 self.number(Event::ToolCallFinished {
                     call_id,
                     name,
-                    content_json: content_json.map(|c| if content_over { cut(&c) } else { c }),
-                    content_truncated: content_truncated || content_over,
+                    content_json,
+                    content_truncated: content_truncated || cut,
                     error: error.map(|e| ToolCallError {
-                        message: if e.message.len() > max {
-                            cut(&e.message)
-                        } else {
-                            e.message
-                        },
+                        message: fit(e.message, max).0,
                         ..e
                     }),
                     duration_ms,
@@ -255,6 +248,14 @@ impl Emitter {
         })
         .await;
     }
+}
+
+/// `text` cut to at most `max` bytes on a character boundary, in place; whether it was cut.
+fn fit(mut text: String, max: usize) -> (String, bool) {
+    let keep = shared::text::truncate(&text, max).len();
+    let cut = keep < text.len();
+    text.truncate(keep);
+    (text, cut)
 }
 
 /// `text` in pieces of at most `max` bytes, cut on character boundaries (a character longer than

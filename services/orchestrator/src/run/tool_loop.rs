@@ -805,33 +805,15 @@ impl<'a> Driver<'a> {
     /// A tool result as the model sees it: at most `max_tool_result_bytes`, cut with a note saying
     /// how much was left out.
     fn fed_back_result(&self, json: &str) -> String {
-        let max = self.deps.max_tool_result_bytes;
-        if json.len() <= max {
-            return json.to_owned();
-        }
-        let cut = shared::text::truncate(json, max).len();
-        metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
-        format!(
-            "{}\n[result cut: {} of {} bytes left out]",
-            &json[..cut],
-            json.len() - cut,
-            json.len()
-        )
+        cut_with_note(json, self.deps.max_tool_result_bytes, "result").unwrap_or_else(|| json.to_owned())
     }
 
     /// A tool error as the run keeps it (its record, its event, the model's tool message): the
     /// message at most `max_tool_result_bytes`, cut with a note saying how much was left out (a
     /// runner passes on a command's stderr or an MCP server's error text).
     fn bounded_error(&self, mut error: ToolCallError) -> ToolCallError {
-        let max = self.deps.max_tool_result_bytes;
-        if error.message.len() > max {
-            let total = error.message.len();
-            let cut = shared::text::truncate(&error.message, max).len();
-            metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
-            error.message.truncate(cut);
-            error
-                .message
-                .push_str(&format!("\n[message cut: {} of {total} bytes left out]", total - cut));
+        if let Some(cut) = cut_with_note(&error.message, self.deps.max_tool_result_bytes, "message") {
+            error.message = cut;
         }
         error
     }
@@ -1106,6 +1088,22 @@ impl IdAllocator {
             }
         }
     }
+}
+
+/// `text` cut to at most `max` bytes (on a character boundary) with a note saying how much of
+/// the `what` was left out, counted in the metrics; `None` when it fits.
+fn cut_with_note(text: &str, max: usize, what: &str) -> Option<String> {
+    if text.len() <= max {
+        return None;
+    }
+    let cut = shared::text::truncate(text, max).len();
+    metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
+    Some(format!(
+        "{}\n[{what} cut: {} of {} bytes left out]",
+        &text[..cut],
+        text.len() - cut,
+        text.len()
+    ))
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use shared::runtime::AbortOnDrop;
 use tokio::time::MissedTickBehavior;
 
 use super::pool::Pool;
-use super::transport::{SharedTransport, Transport, files_digest};
+use super::transport::{SharedTransport, Transport, files, files_digest};
 use super::{Resolve, Target};
 use crate::Error;
 use crate::config::ToolRunnerSettings;
@@ -68,7 +68,8 @@ impl Membership {
     /// Keeps the membership current until the returned task is dropped; `None` when there is
     /// nothing to follow (no DNS target, no file).
     pub(super) fn follow(mut self, settings: ToolRunnerSettings, reload_interval: Duration) -> Option<AbortOnDrop> {
-        let mut digest = files_digest(&settings);
+        let files = Arc::new(files(&settings));
+        let mut digest = files_digest(&files);
         if self.dns.is_empty() && digest.is_none() {
             return None;
         }
@@ -87,7 +88,7 @@ impl Membership {
                     }
                     _ = reload.tick(), if digest.is_some() => {
                         // File reads, off the runtime's threads.
-                        let files = settings.clone();
+                        let files = Arc::clone(&files);
                         let Ok(now) = tokio::task::spawn_blocking(move || files_digest(&files)).await else {
                             continue;
                         };

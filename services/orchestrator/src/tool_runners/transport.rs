@@ -11,7 +11,7 @@
 //! without a restart.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -166,16 +166,24 @@ impl SharedTransport {
     }
 }
 
-/// A digest of the files the transport is built from (CA, certificate, key, token file), to
+/// The files the transport is built from (CA, certificate, key, token file), those that are set.
+pub(super) fn files(settings: &ToolRunnerSettings) -> Vec<PathBuf> {
+    [&settings.ca, &settings.cert, &settings.key, &settings.token_file]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect()
+}
+
+/// A digest of `files` (see [`files`]), to
 /// notice that one changed; `None` when there are none. A file that cannot be read counts by its
 /// error, so it changes again once it is back.
-pub(super) fn files_digest(settings: &ToolRunnerSettings) -> Option<u64> {
-    let files = [&settings.ca, &settings.cert, &settings.key, &settings.token_file];
-    if files.iter().all(|f| f.is_none()) {
+pub(super) fn files_digest(files: &[PathBuf]) -> Option<u64> {
+    if files.is_empty() {
         return None;
     }
     let mut hasher = DefaultHasher::new();
-    for path in files.into_iter().flatten() {
+    for path in files {
         path.hash(&mut hasher);
         match read_prefix(path) {
             Ok(bytes) => bytes.hash(&mut hasher),
