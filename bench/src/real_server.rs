@@ -6,7 +6,9 @@
 //! in front of the server, and every direct request replays that recorded body byte for byte.
 //! Both paths go through the relay, so its hop is on both sides of the comparison. The output is
 //! greedy and `ignore_eos` makes every answer exactly `max_tokens` tokens, so every run asks the
-//! server for the same work.
+//! server for the same work. A grammar keeps the answer to one line without `{`, `<` or a
+//! backtick, so on no machine can the model's words open a call in the text or trip the
+//! repeated-line detector: both paths stream the same plain tokens.
 //!
 //! CPU is read from the scheduler (`/proc/<pid>/task/*/schedstat`, nanoseconds) rather than from
 //! `/proc/<pid>/stat` (clock ticks of 10 ms): a few dozen turns cost the orchestrator a few
@@ -143,7 +145,7 @@ impl RealServer {
                 temperature: Some(0.0),
                 max_tokens: Some(self.max_tokens),
                 tool_choice: "none".into(),
-                extra_body_json: r#"{"ignore_eos": true}"#.into(),
+                extra_body_json: r#"{"ignore_eos": true, "grammar": "root ::= [^{<`\\n]*"}"#.into(),
                 ..Default::default()
             }),
             ..Default::default()

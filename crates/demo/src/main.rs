@@ -4,8 +4,9 @@
 //! tools at once and whose second emits the `submit_report` exit signal, printing the event
 //! stream as it arrives. Exit code 0 when the run completed, 1 when not, 2 on a bad setting.
 //!
-//! Against a real server (`LLM_BASE_URL`), the orchestrator's `LLM_*` environment variables apply
-//! as they do to the orchestrator itself, and `DEMO_PROMPT` replaces the prompt.
+//! Against a real server (`LLM_BASE_URL`), the orchestrator's `LLM_*` environment variables and its
+//! run limits (`ORCHESTRATOR_MAX_TURNS` …) apply as they do to the orchestrator itself,
+//! `DEMO_PROMPT` replaces the prompt and `DEMO_TOOLS` the tools offered.
 //!
 //! A binary of its own, so the orchestrator's binary and image link neither the stand-in model
 //! nor the tool-runner.
@@ -14,7 +15,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use orchestrator::client::{CallOptions, call};
-use orchestrator::config::LlmSettings;
+use orchestrator::config::{LimitSettings, LlmSettings};
 use orchestrator::{Config, Error};
 
 fn main() -> ExitCode {
@@ -36,8 +37,14 @@ struct DemoOptions {
     /// The orchestrator's LLM settings from its own environment variables (`LLM_BASE_URL`,
     /// `LLM_MODEL`, `LLM_API_KEY`, `LLM_TOOL_CHOICE`, `LLM_TEMPERATURE`, `LLM_MAX_TOKENS` …).
     llm: LlmSettings,
+    /// The orchestrator's run limits from its environment variables (`ORCHESTRATOR_MAX_TURNS` …).
+    limits: LimitSettings,
     /// The user message (`DEMO_PROMPT`; default [`PROMPT`]).
     prompt: String,
+    /// The tool-runner's tools offered (`DEMO_TOOLS`, comma-separated; default [`TOOLS`]).
+    tools: Vec<String>,
+    /// Whether the `submit_report` exit tool is offered (named in `DEMO_TOOLS`).
+    submit_report: bool,
 }
 
 impl DemoOptions {
@@ -45,12 +52,40 @@ impl DemoOptions {
         let set = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let llm = shared::config::from_env::<LlmSettings>("demo")
             .map_err(|e| Error::Config(orchestrator::secrets::without_userinfo(&e)))?;
+        let limits = shared::config::from_env::<LimitSettings>("demo").map_err(Error::Config)?;
+        let (tools, submit_report) = offered(&set("DEMO_TOOLS").unwrap_or_else(|| TOOLS.to_owned()))?;
         Ok(Self {
             real_server: set("LLM_BASE_URL").is_some(),
             llm,
+            limits,
             prompt: set("DEMO_PROMPT").unwrap_or_else(|| PROMPT.to_owned()),
+            tools,
+            submit_report,
         })
     }
+}
+
+/// The tools the demo offers unless `DEMO_TOOLS` names others.
+const TOOLS: &str = "calculate,time_now,sleep,submit_report";
+/// The demo's exit tool: never executed, its call becomes a signal.
+const SUBMIT_REPORT: &str = "submit_report";
+
+/// The tool-runner tools and whether `submit_report` is offered, from a comma-separated list. At
+/// least one runner tool must be named: an empty allowlist would offer every tool.
+fn offered(list: &str) -> Result<(Vec<String>, bool), Error> {
+    let names: Vec<&str> = list.split(',').map(str::trim).filter(|n| !n.is_empty()).collect();
+    let submit_report = names.contains(&SUBMIT_REPORT);
+    let tools: Vec<String> = names
+        .into_iter()
+        .filter(|n| *n != SUBMIT_REPORT)
+        .map(str::to_owned)
+        .collect();
+    if tools.is_empty() {
+        return Err(Error::Config(format!(
+            "DEMO_TOOLS={list:?} names no tool-runner tool (e.g. calculate,time_now,sleep)"
+        )));
+    }
+    Ok((tools, submit_report))
 }
 
 const PROMPT: &str = "Use the tools, calling them in parallel in one turn: compute (1234 * 5678) / 2 with \
@@ -101,6 +136,7 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
 
     let mut config = Config {
         llm,
+        limits: options.limits,
         ..Config::default()
     };
     config.tool_runners.endpoints = vec![runner_url];
@@ -115,11 +151,17 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
     let outcome = call(&CallOptions {
         endpoint,
         prompt: options.prompt,
-        tools: vec!["calculate".into(), "time_now".into(), "sleep".into()],
-        exit_tools: vec![(
-            "submit_report".into(),
-            "Files the final report (title and summary) for the people who asked.".into(),
-        )],
+        tools: options.tools,
+        exit_tools: options
+            .submit_report
+            .then(|| {
+                (
+                    SUBMIT_REPORT.into(),
+                    "Files the final report (title and summary) for the people who asked.".into(),
+                )
+            })
+            .into_iter()
+            .collect(),
         timeout: Duration::from_secs(300),
         ..CallOptions::default()
     })

@@ -2,7 +2,9 @@
 //! `llama-server` with SmolLM2-135M-Instruct, and the LiteLLM proxy (installed by
 //! `./scripts/model-servers`, which `./scripts/test` runs).
 
-use testkit::model_servers::{LITELLM_MASTER_KEY, ModelServer, TEMPLATE_FILE, installed, one_at_a_time};
+use testkit::model_servers::{
+    FORCED_CALL_BODY, LITELLM_MASTER_KEY, ModelServer, PLAIN_TEXT_BODY, TEMPLATE_FILE, installed, one_at_a_time,
+};
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -17,13 +19,19 @@ async fn demo(env: &[(&str, &str)]) -> anyhow::Result<(Option<i32>, String, Stri
         "LLM_TEMPERATURE",
         "LLM_MAX_TOKENS",
         "LLM_EXTRA_BODY",
+        "LLM_PARALLEL_TOOL_CALLS",
+        "ORCHESTRATOR_MAX_TURNS",
         "DEMO_PROMPT",
+        "DEMO_TOOLS",
     ] {
         command.env_remove(name);
     }
     testkit::run_to_end(command, &[], env).await
 }
 
+/// README's commands for llama-server. What the 135M model writes is its own and differs from one
+/// CPU to another, so each run is held by llama-server's grammars to what can be asserted: plain
+/// text without a call ([`PLAIN_TEXT_BODY`]), then a structured call ([`FORCED_CALL_BODY`]).
 #[tokio::test]
 async fn the_demo_on_llama_server_streams_text_and_makes_a_real_tool_call() -> TestResult {
     let _serial = one_at_a_time().await;
@@ -41,35 +49,33 @@ async fn the_demo_on_llama_server_streams_text_and_makes_a_real_tool_call() -> T
         env
     };
 
-    // Text only: the small model answers and the run completes.
+    // Text only: the small model answers and the run completes. 16 tokens hold fewer lines than
+    // the repeated-line detector's threshold.
     let (code, stdout, stderr) = demo(&real(&[
         ("LLM_TOOL_CHOICE", "none"),
-        ("LLM_MAX_TOKENS", "48"),
+        ("LLM_MAX_TOKENS", "16"),
+        ("LLM_EXTRA_BODY", PLAIN_TEXT_BODY),
         ("DEMO_PROMPT", "Write a haiku about the sea."),
     ]))
     .await?;
-    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}\n{}", llama.logs());
     assert!(stdout.contains("model \"smollm2\" at http://127.0.0.1:"), "{stdout}");
     assert!(stdout.contains("■ COMPLETED · 1 turn(s) · 0 tool call(s)"), "{stdout}");
 
-    // A structured call, run on the tool-runner; the model's next turn is refused by
-    // llama-server's own tool-call parser (see docs/model-servers.md), so the demo exits 1.
+    // A structured call, run on the tool-runner, its result sent back with turn 2; what turn 2
+    // does is the model's own, and ORCHESTRATOR_MAX_TURNS=2 ends the run there.
     let (code, stdout, stderr) = demo(&real(&[
         ("LLM_TOOL_CHOICE", "required"),
-        ("LLM_MAX_TOKENS", "100"),
-        // Reusing the cached prompt of the run before changes the numbers enough to change the
-        // greedy output; without the cache it is the same on every run.
-        ("LLM_EXTRA_BODY", r#"{"cache_prompt": false}"#),
-        ("DEMO_PROMPT", r#"Call calculate with {"expression": "1234 * 5678"}."#),
+        ("LLM_PARALLEL_TOOL_CALLS", "false"),
+        ("LLM_MAX_TOKENS", "64"),
+        ("LLM_EXTRA_BODY", FORCED_CALL_BODY),
+        ("ORCHESTRATOR_MAX_TURNS", "2"),
+        ("DEMO_TOOLS", "time_now"),
+        ("DEMO_PROMPT", "What time is it? Call time_now."),
     ]))
     .await?;
-    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
-    for expected in [
-        "⚙ calculate",
-        "\"value\":7006652",
-        "■ FAILED · 2 turn(s) · 1 tool call(s)",
-        "FAILURE_REASON_LLM_ERROR",
-    ] {
+    assert!(matches!(code, Some(0 | 1)), "{stdout}\n{stderr}\n{}", llama.logs());
+    for expected in ["⚙ time_now", "\"unix_ms\":", " · 2 turn(s) · "] {
         assert!(stdout.contains(expected), "{expected:?} missing from:\n{stdout}");
     }
     Ok(())

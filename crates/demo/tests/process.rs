@@ -52,3 +52,33 @@ async fn worker_threads_come_from_tokio_worker_threads_and_bad_values_exit_2() -
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn the_orchestrators_run_limits_and_demo_tools_come_from_the_environment() -> TestResult {
+    // One turn allowed: the first turn's calls run, then the run ends at the limit (exit 1).
+    let (code, stdout, stderr) = run_to_end(&[], &[("ORCHESTRATOR_MAX_TURNS", "1")]).await?;
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("■ FAILED · 1 turn(s) · 3 tool call(s)") && stdout.contains("MAX_TURNS_EXCEEDED"),
+        "{stdout}"
+    );
+
+    for (name, value, message) in [
+        (
+            "ORCHESTRATOR_MAX_TURNS",
+            "0",
+            "--max-turns = 0 is below its minimum of 1",
+        ),
+        (
+            "DEMO_TOOLS",
+            "submit_report",
+            "DEMO_TOOLS=\"submit_report\" names no tool-runner tool",
+        ),
+    ] {
+        let (code, stdout, stderr) = run_to_end(&[], &[(name, value)]).await?;
+        assert_eq!(code, Some(2), "{name}={value}: {stdout}\n{stderr}");
+        assert!(stderr.contains(message), "{name}={value}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    Ok(())
+}

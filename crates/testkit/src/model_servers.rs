@@ -18,6 +18,18 @@ use tokio::process::{Child, Command};
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The chat template in the cache's `templates/` that gives SmolLM2 structured tool calls.
 pub const TEMPLATE_FILE: &str = "meta-llama-Llama-3.2-3B-Instruct.jinja";
+/// `extra_body` of a text-only turn (`tool_choice: none`) on llama-server: a GBNF grammar that
+/// admits any text without `{`, `<` or a backtick, so no CPU's arithmetic can make the model open a
+/// call written in the text (a JSON object, `<tool_call>` or a fenced block), which the fallback
+/// parser would act on. What the model writes within it is still its own.
+pub const PLAIN_TEXT_BODY: &str = r#"{"grammar": "root ::= [^{<`]*"}"#;
+/// `extra_body` that makes llama-server's own tool-call grammar produce a call on any CPU: with
+/// `tool_choice: required` (and from the first `{` on with `auto`) the grammar admits text, then a
+/// call `{"name": …, "parameters": …}` of an offered tool; a bias of +100 on the `{` token makes it
+/// the greedy choice wherever the grammar admits it, so the call starts at once. Offer tools whose
+/// arguments cannot hold `{` (a free string argument would fill with it), e.g. `time_now`, and
+/// send `parallel_tool_calls: false` so one call ends the turn.
+pub const FORCED_CALL_BODY: &str = r#"{"logit_bias": {"{": 100}}"#;
 /// The master key of the LiteLLM proxy that [`ModelServer::litellm_test_proxy`] starts.
 pub const LITELLM_MASTER_KEY: &str = "sk-litellm-test-master";
 /// Log lines kept of a server, for failure messages.
