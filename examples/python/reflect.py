@@ -7,7 +7,7 @@ Python's `grpc_reflection` client and older tools speak): it needs no .proto fil
     python reflect.py ... TARGET describe SERVICE[/METHOD]
     python reflect.py ... -d '{"run_id": "r1"}' TARGET orchestrator.v1.Orchestrator/GetRun
 
-The flags are grpcurl's, so the grpcurl recipes in the README run with either tool. Responses
+The flags are grpcurl's, so the grpcurl recipes in docs/clients.md run with either tool. Responses
 are printed as JSON (field names as in the .proto), one object per message; -v also prints the
 method and, once they arrive, the response headers (for a stream: the call is established). An
 RPC error prints its code and message to stderr and exits 1; a bad command line exits 2.

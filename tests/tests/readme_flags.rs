@@ -1,7 +1,7 @@
-//! The README's configuration tables against the real command lines: every flag of `serve`
-//! (and its environment variable) is documented in its service's section, and every flag the
-//! section's table names exists. A flag added without its row, or a row left behind by a renamed
-//! flag, fails here.
+//! The configuration reference (`docs/configuration.md`) against the real command lines: every
+//! flag of `serve` (and its environment variable) is documented in its service's section, and
+//! every flag the section's table names exists. A flag added without its row, or a row left behind
+//! by a renamed flag, fails here.
 
 use std::collections::BTreeSet;
 
@@ -9,17 +9,23 @@ use clap::CommandFactory;
 
 type TestResult = anyhow::Result<()>;
 
-/// The README text between two headings.
-fn section(start: &str, end: &str) -> anyhow::Result<String> {
-    let readme = std::fs::read_to_string(testkit::repo_root().join("README.md"))?;
-    let from = readme
+/// Where the configuration tables are.
+const REFERENCE: &str = "docs/configuration.md";
+
+/// The reference's text from the heading `start` to the heading `end` (or its end).
+fn section(start: &str, end: Option<&str>) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(testkit::repo_root().join(REFERENCE))?;
+    let from = text
         .find(start)
-        .ok_or_else(|| anyhow::anyhow!("README has no {start:?}"))?;
-    let to = readme[from..]
-        .find(end)
-        .map(|i| from + i)
-        .ok_or_else(|| anyhow::anyhow!("README has no {end:?} after {start:?}"))?;
-    Ok(readme[from..to].to_owned())
+        .ok_or_else(|| anyhow::anyhow!("{REFERENCE} has no {start:?}"))?;
+    let to = match end {
+        Some(end) => text[from..]
+            .find(end)
+            .map(|i| from + i)
+            .ok_or_else(|| anyhow::anyhow!("{REFERENCE} has no {end:?} after {start:?}"))?,
+        None => text.len(),
+    };
+    Ok(text[from..to].to_owned())
 }
 
 /// The long flags and environment variables of `serve`.
@@ -39,11 +45,10 @@ fn serve_flags(command: &clap::Command) -> anyhow::Result<Vec<(String, Option<St
         .collect())
 }
 
-/// The flags the section's configuration table (the first table after `### Configuration`)
-/// names in the first cell of its rows.
+/// The flags the section's configuration table (its first table) names in the first cell of its
+/// rows.
 fn table_flags(section: &str) -> BTreeSet<String> {
-    let configuration = section.find("### Configuration").map_or("", |i| &section[i..]);
-    configuration
+    section
         .lines()
         .skip_while(|line| !line.starts_with('|'))
         .take_while(|line| line.starts_with('|'))
@@ -74,7 +79,7 @@ fn names_env(section: &str, env: &str) -> bool {
     })
 }
 
-fn check(command: clap::Command, start: &str, end: &str) -> TestResult {
+fn check(command: clap::Command, start: &str, end: Option<&str>) -> TestResult {
     let section = section(start, end)?;
     let flags = serve_flags(&command)?;
     let documented = table_flags(&section);
@@ -95,20 +100,20 @@ fn check(command: clap::Command, start: &str, end: &str) -> TestResult {
             missing.push(format!("{flag} is in the table but not a flag"));
         }
     }
-    assert!(missing.is_empty(), "README {start:?}:\n{}", missing.join("\n"));
+    assert!(missing.is_empty(), "{REFERENCE} {start:?}:\n{}", missing.join("\n"));
     Ok(())
 }
 
 #[test]
-fn every_orchestrator_flag_has_its_readme_row() -> TestResult {
-    check(orchestrator::cli::Cli::command(), "## orchestrator", "## tool-runner")
+fn every_orchestrator_flag_has_its_row_in_the_configuration_reference() -> TestResult {
+    check(
+        orchestrator::cli::Cli::command(),
+        "## orchestrator",
+        Some("## tool-runner"),
+    )
 }
 
 #[test]
-fn every_tool_runner_flag_has_its_readme_row() -> TestResult {
-    check(
-        tool_runner::cli::Cli::command(),
-        "## tool-runner",
-        "## Operating safely",
-    )
+fn every_tool_runner_flag_has_its_row_in_the_configuration_reference() -> TestResult {
+    check(tool_runner::cli::Cli::command(), "## tool-runner", None)
 }

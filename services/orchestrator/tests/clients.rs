@@ -345,12 +345,12 @@ async fn python_reflection_v1alpha_lists_both_services() -> TestResult {
     Ok(())
 }
 
-/// The grpcurl lines of the README's recipe block.
-fn readme_recipes() -> anyhow::Result<Vec<String>> {
-    let readme = std::fs::read_to_string(testkit::repo_root().join("README.md"))?;
-    let (_, block) = readme
+/// The grpcurl lines of the recipe block in `docs/clients.md`.
+fn documented_recipes() -> anyhow::Result<Vec<String>> {
+    let doc = std::fs::read_to_string(testkit::repo_root().join("docs/clients.md"))?;
+    let (_, block) = doc
         .split_once("<!-- grpcurl recipes: replayed by services/orchestrator/tests/clients.rs -->\n```sh\n")
-        .ok_or_else(|| anyhow::anyhow!("the README has no grpcurl recipe block"))?;
+        .ok_or_else(|| anyhow::anyhow!("docs/clients.md has no grpcurl recipe block"))?;
     let (block, _) = block
         .split_once("```")
         .ok_or_else(|| anyhow::anyhow!("the recipe block does not end"))?;
@@ -384,7 +384,7 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
     let model = MockLlm::start(Scenario::demo()).await?;
     let (runner, orchestrator) = services(&model, &["--exit-tool".into(), "submit_report".into()]).await?;
 
-    let recipes = readme_recipes()?;
+    let recipes = documented_recipes()?;
     for rpc in [
         "Orchestrate",
         "GetRun",
