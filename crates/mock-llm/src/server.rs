@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Json;
@@ -107,18 +107,15 @@ impl MockLlm {
     /// The time served per conversation since the last call (empty unless started with
     /// [`MockLlm::start_timed`]); clears the tally.
     pub fn take_served(&self) -> HashMap<String, Duration> {
-        self.shared.served.as_ref().map_or_else(HashMap::new, |served| {
-            std::mem::take(&mut *served.lock().unwrap_or_else(PoisonError::into_inner))
-        })
+        self.shared
+            .served
+            .as_ref()
+            .map_or_else(HashMap::new, |served| std::mem::take(&mut *shared::sync::lock(served)))
     }
 
     /// Every request body received so far.
     pub fn requests(&self) -> Vec<Value> {
-        self.shared
-            .requests
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        shared::sync::lock(&self.shared.requests).clone()
     }
 }
 
@@ -186,11 +183,7 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         return error_response(StatusCode::BAD_REQUEST, "the request body is not JSON");
     };
     if shared.record {
-        shared
-            .requests
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(request.clone());
+        shared::sync::lock(&shared.requests).push(request.clone());
     }
     if request["stream"] != true {
         return error_response(
@@ -228,7 +221,7 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
 /// counted per model and conversation length, so a retry of the same turn gets the next entry.
 fn scripted_failure(shared: &Shared, model: &str, assistant_messages: usize, turn: &Turn) -> Option<Response> {
     let attempt = {
-        let mut attempts = shared.attempts.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut attempts = shared::sync::lock(&shared.attempts);
         let n = attempts.entry((model.to_owned(), assistant_messages)).or_insert(0);
         *n += 1;
         *n - 1
@@ -288,11 +281,7 @@ fn tally_when_sent(
         if let Some((shared, key)) = timing
             && let Some(served) = &shared.served
         {
-            *served
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .entry(key)
-                .or_default() += arrived.elapsed();
+            *shared::sync::lock(served).entry(key).or_default() += arrived.elapsed();
         }
     })
     .filter_map(|()| std::future::ready(None::<std::io::Result<Bytes>>))

@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -284,7 +284,7 @@ impl Authenticator {
     }
 
     fn table(&self) -> Arc<Table> {
-        Arc::clone(&self.table.read().unwrap_or_else(PoisonError::into_inner))
+        Arc::clone(&crate::sync::read(&self.table))
     }
 
     /// Reads the tokens file again and uses it when it changed (`Ok(true)`); on an error the
@@ -296,7 +296,7 @@ impl Authenticator {
             return Ok(false);
         }
         let table = Table::parse(path, source)?;
-        *self.table.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(table);
+        *crate::sync::write(&self.table) = Arc::new(table);
         Ok(true)
     }
 

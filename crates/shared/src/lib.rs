@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod runtime;
 pub mod serving;
 pub mod shutdown;
+pub mod sync;
 pub mod telemetry;
 pub mod text;
 pub mod tls;

@@ -11,7 +11,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -201,7 +201,7 @@ impl ReloadingTls {
     }
 
     fn acceptor(&self) -> TlsAcceptor {
-        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        let current = crate::sync::read(&self.current);
         TlsAcceptor::from(Arc::clone(&current.0))
     }
 
@@ -209,11 +209,11 @@ impl ReloadingTls {
     /// an error the previous configuration stays.
     pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
         let sources = self.files.read()?;
-        if sources == self.current.read().unwrap_or_else(PoisonError::into_inner).1 {
+        if sources == crate::sync::read(&self.current).1 {
             return Ok(false);
         }
         let config = Arc::new(self.files.build(&sources)?);
-        *self.current.write().unwrap_or_else(PoisonError::into_inner) = (config, sources);
+        *crate::sync::write(&self.current) = (config, sources);
         Ok(true)
     }
 

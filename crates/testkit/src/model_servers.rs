@@ -202,7 +202,7 @@ impl ModelServer {
 
     /// The last lines the server logged.
     pub fn logs(&self) -> String {
-        let log = self.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let log = shared::sync::lock(&self.log);
         log.iter().cloned().collect::<Vec<_>>().join("\n")
     }
 
@@ -227,7 +227,7 @@ fn keep_lines(stream: impl AsyncRead + Unpin + Send + 'static, log: Arc<Mutex<Ve
     tokio::spawn(async move {
         let mut lines = BufReader::new(stream).lines();
         while let Ok(Some(line)) = lines.next_line().await {
-            let mut log = log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut log = shared::sync::lock(&log);
             if log.len() == KEPT_LOG_LINES {
                 log.pop_front();
             }
@@ -270,10 +270,7 @@ impl Relay {
 
     /// The bodies of the requests relayed so far, in order.
     pub fn requests(&self) -> Vec<String> {
-        self.bodies
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        shared::sync::lock(&self.bodies).clone()
     }
 }
 
@@ -331,10 +328,7 @@ fn take_bodies(pending: &mut Vec<u8>, bodies: &Mutex<Vec<String>>) {
             return;
         }
         let body = String::from_utf8_lossy(&pending[head_end..head_end + length]).into_owned();
-        bodies
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(body);
+        shared::sync::lock(bodies).push(body);
         pending.drain(..head_end + length);
     }
 }

@@ -6,7 +6,6 @@
 //! [`Config::default`] is what the flags declare, whatever the environment holds; the binary
 //! reads the flags and their environment variables into the same structs.
 
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -19,6 +18,7 @@ use crate::Error;
 use crate::llm::params::parse_extra_body;
 use crate::llm::{SamplingParams, ToolChoice, ToolDefinition};
 use crate::run::{HARD_MAX_TURNS, Limits};
+use crate::secrets::Secret;
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
@@ -98,34 +98,6 @@ impl Bounded for ServerSettings {
     }
 }
 
-/// A value kept out of logs and `Debug` output (an API key, a header value).
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Secret(String);
-
-impl Secret {
-    /// The secret itself, for the one place that sends it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    /// The value of the environment variable `name`, when set and not empty.
-    pub fn from_env(name: &str) -> Option<Self> {
-        std::env::var(name).ok().filter(|v| !v.is_empty()).map(Self)
-    }
-}
-
-impl From<&str> for Secret {
-    fn from(value: &str) -> Self {
-        Self(value.to_owned())
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
 /// An extra HTTP header for the LLM server (`Name: value`); its value may be a credential. A
 /// blank entry (`LLM_HEADERS=""`, or a trailing `;`) parses to a header without a name, which is
 /// not sent. Parsing never fails, so a malformed entry is never echoed by the flag parser: it
@@ -156,7 +128,7 @@ impl std::str::FromStr for Header {
         let (name, value) = s.split_once(':').unwrap_or(("", s));
         Ok(Self {
             name: name.trim().to_owned(),
-            value: Secret(value.trim().to_owned()),
+            value: Secret::from(value.trim()),
         })
     }
 }

@@ -2,7 +2,7 @@
 //! where finished results (and checkpoints of live ones) are kept.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -145,7 +145,7 @@ impl Runs {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
-        self.live.lock().unwrap_or_else(PoisonError::into_inner)
+        shared::sync::lock(&self.live)
     }
 
     /// A result in the backlog or the store; `Err` when the store cannot be read.
@@ -234,10 +234,7 @@ impl Runs {
     /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
     /// store cannot be read.
     pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, String> {
-        let live = self
-            .lock()
-            .get(run_id)
-            .map(|l| l.state.lock().unwrap_or_else(PoisonError::into_inner).clone());
+        let live = self.lock().get(run_id).map(|l| shared::sync::lock(&l.state).clone());
         let found = match live {
             Some(result) => Some(result),
             None => self.stored(run_id).await?,

@@ -7,11 +7,38 @@
 //!   LLM server's error body may echo the request's own headers back.
 //! * [`NatsUrl`]: a NATS address with its `user:password@` or `token@` held apart, so the NATS
 //!   client (which logs its server addresses at debug level) is never given them.
+//! * [`Secret`]: a configured credential, redacted in `Debug` output.
 
 use std::fmt;
 use std::sync::Arc;
 
-use crate::config::Secret;
+/// A value kept out of logs and `Debug` output (an API key, a header value).
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The secret itself, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The value of the environment variable `name`, when set and not empty.
+    pub fn from_env(name: &str) -> Option<Self> {
+        std::env::var(name).ok().filter(|v| !v.is_empty()).map(Self)
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(value: &str) -> Self {
+        Self(value.to_owned())
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
 
 /// What stands in for a removed credential.
 pub const REDACTED: &str = "***";

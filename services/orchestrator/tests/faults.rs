@@ -11,7 +11,7 @@
 mod common;
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::nats::Nats;
@@ -313,10 +313,8 @@ async fn raw_llm(faults: Vec<Raw>) -> anyhow::Result<(String, Arc<Mutex<Vec<toki
     let seen = Arc::clone(&arrivals);
     tokio::spawn(async move {
         while let Ok((socket, _)) = listener.accept().await {
-            let fault = faults.lock().unwrap_or_else(PoisonError::into_inner).pop_front();
-            seen.lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(tokio::time::Instant::now());
+            let fault = shared::sync::lock(&faults).pop_front();
+            shared::sync::lock(&seen).push(tokio::time::Instant::now());
             tokio::spawn(serve_raw(socket, fault));
         }
     });
@@ -450,7 +448,7 @@ async fn llm_429_with_retry_after_is_honoured() -> TestResult {
         (seen.result.status(), seen.result.text.as_str()),
         (Status::Completed, "all good")
     );
-    let arrivals = arrivals.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let arrivals = shared::sync::lock(&arrivals).clone();
     assert!(
         arrivals.len() >= 2 && arrivals[1] - arrivals[0] >= Duration::from_millis(900),
         "the retry waited Retry-After (1s), not the 50ms backoff"

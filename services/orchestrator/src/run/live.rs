@@ -2,7 +2,7 @@
 //! emitter that numbers and sends its events, and [`AdmittedRun`], everything the loop is handed
 //! when a run is let in.
 
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -17,7 +17,7 @@ pub type SharedState = Arc<Mutex<RunResult>>;
 /// Locks a run's state. A panic while holding the lock cannot leave a `RunResult` half-written in
 /// a harmful way, so a poisoned lock is used as it is.
 pub(crate) fn lock(state: &SharedState) -> MutexGuard<'_, RunResult> {
-    state.lock().unwrap_or_else(PoisonError::into_inner)
+    shared::sync::lock(state)
 }
 
 /// Cancels a run, saying why.

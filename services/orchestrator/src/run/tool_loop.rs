@@ -15,7 +15,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures::future::join_all;
 use futures::stream::{BoxStream, Fuse};
@@ -602,7 +602,7 @@ impl<'a> Driver<'a> {
                 arguments_valid: is_json_object(&call.arguments),
                 arguments_json: call.arguments.clone(),
                 turn,
-                emitted_at_unix_ms: unix_ms(),
+                emitted_at_unix_ms: shared::sync::unix_ms(),
                 metadata: self.spec.metadata.clone(),
                 delivery: Delivery::Pending,
                 principal: self.spec.principal.clone(),
@@ -1058,12 +1058,6 @@ fn llm_failure(e: LlmError) -> End {
 
 fn is_json_object(text: &str) -> bool {
     serde_json::from_str::<serde_json::Value>(text).is_ok_and(|v| v.is_object())
-}
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Gives every call of the run a unique id: the model's when it sent one that is new, else a

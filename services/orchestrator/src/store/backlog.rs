@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::ResultStore;
@@ -39,7 +39,7 @@ impl Backlog {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<RunResult>> {
-        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+        shared::sync::lock(&self.pending)
     }
 
     /// Keeps `result` to be written again, dropping the oldest one when full.

@@ -1,7 +1,7 @@
 //! The in-memory result store: bounded by count and by age, lost on restart, local to one replica.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -52,7 +52,7 @@ impl MemoryStore {
 
 impl ResultStore for MemoryStore {
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), String>> {
-        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut inner = shared::sync::lock(&self.inner);
         let now = Instant::now();
         // A run written again keeps its place in the eviction order.
         let at = inner.results.get(&result.run_id).map_or(now, |(_, at)| *at);
@@ -74,7 +74,7 @@ impl ResultStore for MemoryStore {
     }
 
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>> {
-        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut inner = shared::sync::lock(&self.inner);
         self.expire(&mut inner);
         let found = inner.results.get(run_id).map(|(r, _)| r.clone());
         Box::pin(futures::future::ready(Ok(found)))

@@ -90,10 +90,7 @@ impl Persister {
     }
 
     fn snapshot(&self) -> RunResult {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        shared::sync::lock(&self.state).clone()
     }
 
     /// One store operation within the store timeout.

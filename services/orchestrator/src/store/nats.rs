@@ -41,12 +41,6 @@ struct Record {
     lease_expires_unix_ms: u64,
 }
 
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 impl Record {
     /// The result as it reads now: a RUNNING run whose lease expired is lost.
     fn read(self, key: &str) -> Result<RunResult, String> {
@@ -54,7 +48,7 @@ impl Record {
             .result
             .ok_or_else(|| format!("KV value of {key} holds no result"))?;
         let mut result = RunResult::try_from(stored).map_err(|e| format!("KV value of {key}: {e}"))?;
-        if result.status == RunStatus::Running && self.lease_expires_unix_ms < unix_ms() {
+        if result.status == RunStatus::Running && self.lease_expires_unix_ms < shared::sync::unix_ms() {
             result.status = RunStatus::Failed;
             result.failure_reason = Some(FailureReason::OrchestratorLost);
             result.failure_detail = format!(
@@ -122,7 +116,7 @@ impl KvStore {
         Record {
             result: Some(pb::RunResult::from(result)),
             owner: self.owner.clone(),
-            lease_expires_unix_ms: unix_ms().saturating_add(lease),
+            lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease),
         }
         .encode_to_vec()
     }

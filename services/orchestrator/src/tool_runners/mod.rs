@@ -188,7 +188,7 @@ impl ToolRunners {
     /// previous tools stay known, and the catalog says no runner answers.
     pub async fn refresh(&self, timeout: Duration) -> Result<usize, String> {
         let fetched = self.fetch(timeout).await;
-        let mut catalog = self.catalog.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut catalog = shared::sync::write(&self.catalog);
         catalog.generation += 1;
         match fetched {
             Ok(tools) => {
@@ -234,7 +234,7 @@ impl ToolRunners {
     }
 
     fn read_catalog(&self) -> std::sync::RwLockReadGuard<'_, Catalog> {
-        self.catalog.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+        shared::sync::read(&self.catalog)
     }
 
     /// `ListTools` on one endpoint after another until one answers.

@@ -56,7 +56,7 @@ impl Pool {
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Arc<Member>>> {
-        self.members.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+        shared::sync::read(&self.members)
     }
 
     /// The endpoints now.
@@ -67,7 +67,7 @@ impl Pool {
     /// Makes the pool hold exactly `endpoints` (by URI), keeping members that stay unless
     /// `renew` (then they get a new channel; calls in flight keep the old one to their end).
     pub(super) fn set(&self, endpoints: Vec<(String, Endpoint)>, renew: bool) -> (Vec<String>, Vec<String>) {
-        let mut members = self.members.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut members = shared::sync::write(&self.members);
         let wanted: BTreeMap<String, Endpoint> = endpoints.into_iter().collect();
         let removed: Vec<String> = members.keys().filter(|k| !wanted.contains_key(*k)).cloned().collect();
         for uri in &removed {

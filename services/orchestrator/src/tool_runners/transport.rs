@@ -12,7 +12,7 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
@@ -157,12 +157,12 @@ impl SharedTransport {
 
     /// The transport now.
     pub(super) fn current(&self) -> Arc<Transport> {
-        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+        Arc::clone(&shared::sync::read(&self.0))
     }
 
     /// Puts `transport` in place for the calls that start from now on.
     pub(super) fn replace(&self, transport: Transport) {
-        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(transport);
+        *shared::sync::write(&self.0) = Arc::new(transport);
     }
 }
 

@@ -63,14 +63,11 @@ impl Link {
     }
 
     pub(super) fn set_peer(&self, peer: Option<Peer<RoleClient>>) {
-        *self.peer.write().unwrap_or_else(std::sync::PoisonError::into_inner) = peer;
+        *shared::sync::write(&self.peer) = peer;
     }
 
     fn peer(&self) -> Option<Peer<RoleClient>> {
-        self.peer
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        shared::sync::read(&self.peer).clone()
     }
 
     pub(super) fn is_up(&self) -> bool {

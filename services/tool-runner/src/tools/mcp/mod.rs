@@ -130,7 +130,7 @@ impl Drop for McpServers {
 
 impl McpServer {
     fn current_tools(&self) -> Tools {
-        Arc::clone(&self.tools.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+        Arc::clone(&shared::sync::read(&self.tools))
     }
 
     /// Connects, serves the session until it ends, and reconnects with backoff, until shutdown.
@@ -247,7 +247,7 @@ impl McpServer {
     }
 
     fn set_tools(&self, tools: BTreeMap<String, Arc<Entry>>) {
-        *self.tools.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(tools);
+        *shared::sync::write(&self.tools) = Arc::new(tools);
     }
 
     /// `tools/list` (every page, up to `max_tools`), as registry entries.
