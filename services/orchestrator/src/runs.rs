@@ -253,7 +253,7 @@ impl Runs {
         if let Some(live) = self.lock().get(run_id).filter(|l| sees(caller, &l.principal)) {
             // Under the state lock: the loop settles the end under it too, and a cancel that
             // came first wins there, so the answer is never `canceled` for a run that completed.
-            let state = crate::run::live::lock(&live.state);
+            let state = shared::sync::lock(&live.state);
             if state.status != RunStatus::Running {
                 return Ok(CancelOutcome::AlreadyFinished(state.status));
             }

@@ -2,7 +2,7 @@
 //! emitter that numbers and sends its events, and [`AdmittedRun`], everything the loop is handed
 //! when a run is let in.
 
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -13,12 +13,6 @@ use crate::store::Persister;
 
 /// The live state of a run, shared with `GetRun`.
 pub type SharedState = Arc<Mutex<RunResult>>;
-
-/// Locks a run's state. A panic while holding the lock cannot leave a `RunResult` half-written in
-/// a harmful way, so a poisoned lock is used as it is.
-pub(crate) fn lock(state: &SharedState) -> MutexGuard<'_, RunResult> {
-    shared::sync::lock(state)
-}
 
 /// Cancels a run, saying why.
 #[derive(Clone, Debug, Default)]
@@ -162,7 +156,7 @@ impl Emitter {
 
     /// Text: added to the run's output now, sent in pieces of at most `max_event_bytes`.
     fn queue_text(&mut self, text: &str, turn: u32) {
-        lock(&self.state).text.push_str(text);
+        shared::sync::lock(&self.state).text.push_str(text);
         for piece in pieces(text, self.settings.max_event_bytes) {
             self.number(Event::TextDelta {
                 text: piece.to_owned(),
@@ -173,7 +167,7 @@ impl Emitter {
 
     /// Reasoning: added to the run's reasoning now, sent in pieces as text is.
     fn queue_reasoning(&mut self, text: &str, turn: u32) {
-        lock(&self.state).reasoning.push_str(text);
+        shared::sync::lock(&self.state).reasoning.push_str(text);
         for piece in pieces(text, self.settings.max_event_bytes) {
             self.number(Event::ReasoningDelta {
                 text: piece.to_owned(),

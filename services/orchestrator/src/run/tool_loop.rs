@@ -20,13 +20,14 @@ use std::time::Duration;
 use futures::future::join_all;
 use futures::stream::{BoxStream, Fuse};
 use futures::{FutureExt, StreamExt};
+use shared::sync::lock;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::bios::{BiosContext, render};
 use super::fallback::Resolution;
-use super::live::{AdmittedRun, Cancel, Emitter, SharedState, lock};
+use super::live::{AdmittedRun, Cancel, Emitter, SharedState};
 use super::loop_detector::{DetectorConfig, LoopDetector};
 use super::turn::{TurnCollector, TurnOutput};
 use super::{
