@@ -1,4 +1,10 @@
-//! Cutting text to a byte limit without splitting a character.
+//! Cutting text to a byte limit without splitting a character: the one text cutter of the
+//! workspace (prefixes, suffixes, excerpts for error messages, cuts that say what was left out,
+//! pieces for streaming).
+
+/// Characters an [`excerpt`] keeps: enough to recognise a value in an error message, short enough
+/// that a huge or hostile value never floods a log line or a caller's status.
+pub const EXCERPT_CHARS: usize = 300;
 
 /// At most `max` bytes of `text`, cut on a character boundary.
 pub fn truncate(text: &str, max: usize) -> &str {
@@ -9,13 +15,114 @@ pub fn truncate(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
+/// The last bytes of `text`, at most `max`, cut on a character boundary.
+pub fn tail(text: &str, max: usize) -> &str {
+    let mut start = text.len().saturating_sub(max);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}
+
+/// `text` cut to at most `max` bytes in place; whether anything was cut.
+pub fn truncate_owned(mut text: String, max: usize) -> (String, bool) {
+    let keep = truncate(&text, max).len();
+    let cut = keep < text.len();
+    text.truncate(keep);
+    (text, cut)
+}
+
+/// The first [`EXCERPT_CHARS`] characters of `text`, with `…` when there was more: how a value
+/// from outside is quoted in an error message.
+pub fn excerpt(text: &str) -> String {
+    match text.char_indices().nth(EXCERPT_CHARS) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
+/// `None` when `text` fits in `max` bytes; else its first `max` bytes followed by a line saying
+/// how much of the `what` was left out, so a reader (a model, a person) knows it is incomplete.
+pub fn cut_with_note(text: &str, max: usize, what: &str) -> Option<String> {
+    if text.len() <= max {
+        return None;
+    }
+    let kept = truncate(text, max);
+    Some(format!(
+        "{kept}\n[{what} cut: {} of {} bytes left out]",
+        text.len() - kept.len(),
+        text.len()
+    ))
+}
+
+/// `text` in pieces of at most `max` bytes, cut on character boundaries (a character longer than
+/// `max` is one piece).
+pub fn pieces(text: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut cut = truncate(rest, max).len();
+        if cut == 0 {
+            cut = rest.chars().next().map_or(rest.len(), char::len_utf8);
+        }
+        let (piece, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(piece)
+    })
+}
+
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn cuts_on_a_character_boundary() {
-        assert_eq!(super::truncate("héllo", 2), "h");
-        assert_eq!(super::truncate("héllo", 3), "hé");
-        assert_eq!(super::truncate("hi", 10), "hi");
-        assert_eq!(super::truncate("é", 0), "");
+        assert_eq!(truncate("héllo", 2), "h");
+        assert_eq!(truncate("héllo", 3), "hé");
+        assert_eq!(truncate("hi", 10), "hi");
+        assert_eq!(truncate("é", 0), "");
+    }
+
+    #[test]
+    fn tails_on_a_character_boundary() {
+        assert_eq!(tail("héllo", 4), "llo");
+        assert_eq!(tail("héllo", 5), "éllo");
+        assert_eq!(tail("hi", 10), "hi");
+        assert_eq!(tail("é", 1), "");
+    }
+
+    #[test]
+    fn owned_cuts_say_whether_they_cut() {
+        assert_eq!(truncate_owned("héllo".into(), 2), ("h".into(), true));
+        assert_eq!(truncate_owned("hi".into(), 2), ("hi".into(), false));
+    }
+
+    #[test]
+    fn excerpts_keep_short_text_and_mark_long_text() {
+        assert_eq!(excerpt("short"), "short");
+        let long = "é".repeat(EXCERPT_CHARS + 5);
+        let quoted = excerpt(&long);
+        assert!(quoted.ends_with('…'));
+        assert_eq!(quoted.chars().count(), EXCERPT_CHARS + 1);
+    }
+
+    #[test]
+    fn a_note_says_how_much_was_left_out() {
+        assert_eq!(cut_with_note("abc", 3, "result"), None);
+        assert_eq!(
+            cut_with_note("abcdef", 4, "result").as_deref(),
+            Some("abcd\n[result cut: 2 of 6 bytes left out]")
+        );
+    }
+
+    #[test]
+    fn pieces_cover_the_text_on_boundaries() {
+        let text = "aé€😀b";
+        let parts: Vec<&str> = pieces(text, 2).collect();
+        assert_eq!(parts.concat(), text);
+        assert!(parts.iter().all(|p| p.len() <= 2 || p.chars().count() == 1));
+        assert_eq!(pieces("", 3).count(), 0);
     }
 }

@@ -94,7 +94,7 @@ impl Printer {
             E::ToolCallFinished(c) => {
                 let outcome = match &c.error {
                     Some(e) if !c.ok => format!("✘ {}: {}", e.code, e.message),
-                    _ => format!("✔ {}", crate::llm::sse::excerpt(&c.content_json)),
+                    _ => format!("✔ {}", shared::text::excerpt(&c.content_json)),
                 };
                 self.line(out, &format!("  {} {} ms {}", c.name, c.duration_ms, outcome));
             }

@@ -12,11 +12,11 @@ use shared::auth::{LimitCeilings, Principal};
 
 use crate::Error;
 use crate::config::{Config, RequestBounds};
-use crate::llm::params::parse_extra_body;
-use crate::llm::{Message, SamplingParams, ToolCall, ToolChoice, ToolDefinition};
-use crate::run::{
+use crate::domain::params::parse_extra_body;
+use crate::domain::{
     Deadline, Delivery, Event, FailureReason, Limits, ParsePolicy, RunResult, RunSpec, RunStatus, Signal, ToolCallError,
 };
+use crate::llm::{Message, SamplingParams, ToolCall, ToolChoice, ToolDefinition};
 use crate::tool_runners::RemoteTool;
 
 /// Longest caller-supplied run id.
@@ -602,7 +602,7 @@ impl TryFrom<pb::RunResult> for RunResult {
             tool_calls: r
                 .tool_calls
                 .into_iter()
-                .map(|c| crate::run::ToolCallRecord {
+                .map(|c| crate::domain::ToolCallRecord {
                     call_id: c.call_id,
                     name: c.name,
                     arguments_json: c.arguments_json,

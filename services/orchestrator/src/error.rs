@@ -46,6 +46,12 @@ pub enum Error {
     /// A service the orchestrator depends on (e.g. NATS) cannot be used.
     #[error("{0}")]
     Dependency(String),
+    /// The result store cannot be opened or read.
+    #[error("the result store: {0}")]
+    Store(#[from] crate::domain::ports::StoreError),
+    /// The signal topic cannot be opened.
+    #[error(transparent)]
+    Topic(#[from] crate::signals::TopicError),
     /// The listen address cannot be bound.
     #[error("cannot listen on {address}: {source}")]
     Listen {
@@ -82,6 +88,8 @@ impl From<Error> for tonic::Status {
             | Error::Serve(_)
             | Error::Listen { .. }
             | Error::Dependency(_)
+            | Error::Store(_)
+            | Error::Topic(_)
             | Error::Security(_) => Self::unavailable(message),
             Error::Config(_) | Error::Limit(_) => Self::failed_precondition(message),
             Error::Contract { .. } => Self::internal(message),

@@ -18,6 +18,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub(crate) mod convert;
+pub mod domain;
 mod error;
 pub mod llm;
 pub mod run;

@@ -7,12 +7,13 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
+use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
 use crate::run::live::{AdmittedRun, Cancel, Emitter, SharedState};
-use crate::run::{EventBatch, RunResult, RunSpec, RunStatus};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
-use crate::store::backlog::Backlog;
-use crate::store::{Claim, Persister, ResultStore};
+use crate::domain::ports::{Claim, ResultStore, StoreError};
+use crate::run::backlog::Backlog;
+use crate::run::persist::Persister;
 use shared::auth::Principal;
 use shared::runtime::AbortOnDrop;
 
@@ -149,19 +150,13 @@ impl Runs {
     }
 
     /// A result in the backlog or the store; `Err` when the store cannot be read.
-    async fn stored(&self, run_id: &str) -> Result<Option<RunResult>, String> {
+    async fn stored(&self, run_id: &str) -> Result<Option<RunResult>, StoreError> {
         if let Some(result) = self.backlog.get(run_id) {
             return Ok(Some(result));
         }
-        let read = tokio::time::timeout(self.store_timeout, self.store.get(run_id))
+        tokio::time::timeout(self.store_timeout, self.store.get(run_id))
             .await
-            .unwrap_or_else(|_| {
-                Err(format!(
-                    "no answer within {}",
-                    humantime::format_duration(self.store_timeout)
-                ))
-            });
-        read.map_err(|e| format!("the result store cannot be read: {e}"))
+            .unwrap_or(Err(StoreError::Timeout(self.store_timeout)))
     }
 
     /// Takes a slot for `run_id`, a run of `caller`.
@@ -233,7 +228,7 @@ impl Runs {
 
     /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
     /// store cannot be read.
-    pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, String> {
+    pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
         let live = self.lock().get(run_id).map(|l| shared::sync::lock(&l.state).clone());
         let found = match live {
             Some(result) => Some(result),
@@ -249,7 +244,12 @@ impl Runs {
 
     /// Cancels a live run of `caller` on this replica; `Err` when the store, asked about a run
     /// not live here, cannot be read.
-    pub(crate) async fn cancel(&self, run_id: &str, caller: &Principal, reason: &str) -> Result<CancelOutcome, String> {
+    pub(crate) async fn cancel(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+        reason: &str,
+    ) -> Result<CancelOutcome, StoreError> {
         if let Some(live) = self.lock().get(run_id).filter(|l| sees(caller, &l.principal)) {
             // Under the state lock: the loop settles the end under it too, and a cancel that
             // came first wins there, so the answer is never `canceled` for a run that completed.

@@ -18,15 +18,15 @@ use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
 use crate::config::{Backend, NatsSettings};
+use crate::domain::ports::ResultStore;
+use crate::domain::ports::SignalTopic;
 use crate::llm::HttpLlm;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;
 use crate::secrets::{NatsAuth, NatsUrl};
 use crate::service::{Core, OrchestratorService};
-use crate::signals::SignalTopic;
 use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::NatsTopic;
-use crate::store::ResultStore;
 use crate::store::memory::MemoryStore;
 use crate::store::nats::KvStore;
 use crate::tool_runners::{Resolve, SystemResolver, ToolRunners};
@@ -115,10 +115,10 @@ async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) 
             model,
             tools: Arc::new(runners.clone()),
             signals: Arc::clone(&signals),
-            detector: config.runs.loop_detector,
+            detector: (&config.runs.loop_detector).into(),
             trace_payloads: config.telemetry.trace_payloads(),
             max_tool_result_bytes: config.runs.max_tool_result_bytes,
-            output: config.runs.output,
+            output: (&config.runs.output).into(),
             send_reasoning: config.llm.send_reasoning,
         },
         runs,
@@ -136,9 +136,7 @@ async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -
         Backend::Memory => Arc::new(MemoryTopic::new(config.signals.buffer)),
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
-            let topic = NatsTopic::open(client, config.signals.clone())
-                .await
-                .map_err(Error::Dependency)?;
+            let topic = NatsTopic::open(client, (&config.signals).into()).await?;
             tracing::info!(nats = %url, prefix = %config.signals.subject_prefix, stream = %config.signals.stream, "signal topic on NATS JetStream");
             Arc::new(topic)
         }
@@ -164,8 +162,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                 owner.clone(),
                 config.store.lease,
             )
-            .await
-            .map_err(Error::Dependency)?;
+            .await?;
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value");
             Arc::new(store)
         }

@@ -17,12 +17,12 @@ use tracing::Instrument;
 use crate::Error;
 use crate::config::Config;
 use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
+use crate::domain::ports::{SignalFilter, SignalItem, SignalTopic};
+use crate::domain::{Event, EventBatch};
+use crate::domain::{RunResult, RunSpec};
 use crate::run::live::{EmitSettings, Emitter};
 use crate::run::tool_loop::LoopDeps;
-use crate::run::{Event, EventBatch};
-use crate::run::{RunResult, RunSpec};
 use crate::runs::{Admitted, CancelOutcome, Refusal, Runs};
-use crate::signals::{SignalFilter, SignalItem, SignalTopic};
 use crate::tool_runners::ToolRunners;
 
 /// How long a request waits for the tool catalog when it is still empty.
@@ -171,7 +171,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
     async fn get_run(&self, request: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
         let caller = caller(&request);
         let run_id = request.into_inner().run_id;
-        match self.core.runs.get(&run_id, &caller).await.map_err(Error::Dependency)? {
+        match self.core.runs.get(&run_id, &caller).await.map_err(Error::Store)? {
             Some(result) => Ok(Response::new(pb::RunResult::from(&result))),
             None => Err(no_run(&run_id)),
         }
@@ -184,7 +184,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let caller = caller(&request);
         let run_id = request.into_inner().run_id;
         let outcome = self.core.runs.cancel(&run_id, &caller, "canceled by CancelRun").await;
-        let (canceled, status) = match outcome.map_err(Error::Dependency)? {
+        let (canceled, status) = match outcome.map_err(Error::Store)? {
             CancelOutcome::Canceled => (true, pb::RunStatus::Canceled),
             CancelOutcome::AlreadyFinished(status) => (false, status.into()),
             CancelOutcome::NotFound => return Err(no_run(&run_id)),

@@ -11,7 +11,7 @@ use tracing::field::Empty;
 pub(crate) use shared::metrics::InFlight;
 use shared::telemetry::truncate;
 
-use crate::run::{FailureReason, RunResult, RunStatus, ToolCallError};
+use crate::domain::{FailureReason, RunResult, RunStatus, ToolCallError};
 
 /// Metric names (Prometheus conventions: base units, `_total` counters, `_seconds` durations).
 pub(crate) mod metric {

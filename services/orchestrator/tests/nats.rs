@@ -15,11 +15,10 @@ use common::nats::Nats;
 use common::{Service, orchestrate};
 use futures::StreamExt;
 use orchestrator::config::SignalSettings;
-use orchestrator::run::{Delivery, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
+use orchestrator::domain::ports::{ResultStore, SignalFilter, SignalItem, SignalTopic};
+use orchestrator::domain::{Delivery, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
 use orchestrator::signals::memory::MemoryTopic;
-use orchestrator::signals::nats::NatsTopic;
-use orchestrator::signals::{SignalFilter, SignalItem, SignalTopic};
-use orchestrator::store::ResultStore;
+use orchestrator::signals::nats::{NatsTopic, TopicOptions};
 use orchestrator::store::memory::MemoryStore;
 use orchestrator::store::nats::KvStore;
 use proto::orchestrator::v1 as pb;
@@ -27,8 +26,8 @@ use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
-fn topic_settings(prefix: &str, retries: u32, backoff_ms: u64) -> SignalSettings {
-    SignalSettings {
+fn topic_settings(prefix: &str, retries: u32, backoff_ms: u64) -> TopicOptions {
+    let settings = SignalSettings {
         subject_prefix: prefix.to_owned(),
         stream: format!("{}_STREAM", prefix.to_uppercase().replace('.', "_")),
         stream_max_age: Duration::from_secs(3600),
@@ -37,7 +36,8 @@ fn topic_settings(prefix: &str, retries: u32, backoff_ms: u64) -> SignalSettings
         publish_backoff: Duration::from_millis(backoff_ms),
         ack_timeout: Duration::from_millis(500),
         ..orchestrator::Config::default().signals
-    }
+    };
+    TopicOptions::from(&settings)
 }
 
 fn signal(run: &str, call: &str, tool: &str) -> Signal {
@@ -141,7 +141,7 @@ fn result(run_id: &str, status: RunStatus) -> RunResult {
             duration_ms: 7,
             turn: 1,
         }],
-        failure_reason: (status == RunStatus::Failed).then_some(orchestrator::run::FailureReason::ToolFailureLimit),
+        failure_reason: (status == RunStatus::Failed).then_some(orchestrator::domain::FailureReason::ToolFailureLimit),
         failure_detail: "detail".into(),
         finish_reason: "stop".into(),
         ..RunResult::running(run_id)
@@ -448,8 +448,8 @@ async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -
 /// cannot be claimed again.
 #[tokio::test]
 async fn a_record_whose_lease_expired_reads_as_lost_and_an_id_is_claimed_once() -> TestResult {
-    use orchestrator::run::FailureReason;
-    use orchestrator::store::Claim;
+    use orchestrator::domain::FailureReason;
+    use orchestrator::domain::ports::Claim;
     let nats = Nats::start().await?;
     let client = async_nats::connect(nats.url()).await?;
     let js = jetstream::new(client);

@@ -19,9 +19,10 @@ use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LOCATIO
 use serde::Serialize;
 use serde_json::Value;
 
-use super::sse::{DecodeLimits, decode, excerpt};
+use super::sse::{DecodeLimits, decode};
 use crate::config::LlmSettings;
 use crate::secrets::{Redactor, shown_url, url_secrets};
+use shared::text::excerpt;
 
 use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolChoice};
 

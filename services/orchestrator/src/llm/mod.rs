@@ -5,73 +5,19 @@
 //! * [`sse`]: bytes → SSE events → semantic [`LlmEvent`]s, tolerant of the differences between
 //!   real servers (see `tests/fixtures/llm-streams/`);
 //! * [`assembler`]: tool-call fragments → whole tool calls;
-//! * [`params`]: the model parameters of a run and their rules.
 //!
 //! The run loop only sees the [`ChatModel`] trait, so it is tested without a network.
 
 pub mod assembler;
 pub mod client;
-pub mod params;
 pub mod sse;
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use serde_json::Value;
 
+pub use crate::domain::chat::{Message, ToolCall, ToolDefinition, Usage};
+pub use crate::domain::params::{SamplingParams, ToolChoice};
 pub use client::HttpLlm;
-pub use params::{SamplingParams, ToolChoice};
-
-/// One message of the conversation sent to the model.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Message {
-    /// A system message (the BIOS, the caller's system message).
-    System(String),
-    /// A user message.
-    User {
-        /// Text.
-        content: String,
-        /// Optional participant name.
-        name: Option<String>,
-    },
-    /// An assistant message, possibly with tool calls.
-    Assistant {
-        /// Text (may be empty).
-        content: String,
-        /// Tool calls it made.
-        tool_calls: Vec<ToolCall>,
-        /// The turn's reasoning, sent back as `reasoning_content` (only with `--llm-send-reasoning`).
-        reasoning: Option<String>,
-    },
-    /// A tool result answering `tool_call_id`.
-    Tool {
-        /// The call answered.
-        tool_call_id: String,
-        /// The result (JSON text).
-        content: String,
-    },
-}
-
-/// A whole tool call, as the model made it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolCall {
-    /// Call id (generated when the server sent none).
-    pub id: String,
-    /// Tool name.
-    pub name: String,
-    /// Arguments as the model wrote them.
-    pub arguments: String,
-}
-
-/// A tool offered to the model.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolDefinition {
-    /// Name.
-    pub name: String,
-    /// Description for the model.
-    pub description: String,
-    /// JSON Schema of the arguments.
-    pub parameters: Value,
-}
 
 /// One streamed chat completion request.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,15 +30,6 @@ pub struct ChatRequest {
     pub tools: Vec<ToolDefinition>,
     /// Sampling parameters.
     pub params: SamplingParams,
-}
-
-/// Token usage of one completion.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// Prompt tokens.
-    pub prompt_tokens: u64,
-    /// Completion tokens.
-    pub completion_tokens: u64,
 }
 
 /// What the stream says, independent of any server's quirks.

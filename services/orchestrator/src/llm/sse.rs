@@ -316,8 +316,12 @@ struct RawUsage {
 /// Decodes one `data:` payload (a `chat.completion.chunk`) into events. Only `choices[0]` (the
 /// choice with index 0) is looked at: the orchestrator always asks for one choice.
 pub fn parse_chunk(data: &str) -> Result<Vec<LlmEvent>, LlmError> {
-    let chunk: Chunk = serde_json::from_str(data)
-        .map_err(|e| LlmError::Protocol(format!("the LLM server sent an invalid chunk ({e}): {}", excerpt(data))))?;
+    let chunk: Chunk = serde_json::from_str(data).map_err(|e| {
+        LlmError::Protocol(format!(
+            "the LLM server sent an invalid chunk ({e}): {}",
+            shared::text::excerpt(data)
+        ))
+    })?;
     if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
         return Err(LlmError::Server(describe_error(&error)));
     }
@@ -366,7 +370,7 @@ pub fn parse_chunk(data: &str) -> Result<Vec<LlmEvent>, LlmError> {
 fn error_message(data: &str) -> String {
     match serde_json::from_str::<serde_json::Value>(data) {
         Ok(value) => describe_error(value.get("error").unwrap_or(&value)),
-        Err(_) => excerpt(data),
+        Err(_) => shared::text::excerpt(data),
     }
 }
 
@@ -379,16 +383,7 @@ fn describe_error(error: &serde_json::Value) -> String {
     match (message, code) {
         (Some(m), Some(c)) => format!("{m} (code {c})"),
         (Some(m), None) => m.to_owned(),
-        _ => excerpt(&error.to_string()),
-    }
-}
-
-/// At most 300 characters of `text`, for error messages.
-pub fn excerpt(text: &str) -> String {
-    const MAX: usize = 300;
-    match text.char_indices().nth(MAX) {
-        Some((cut, _)) => format!("{}…", &text[..cut]),
-        None => text.to_owned(),
+        _ => shared::text::excerpt(&error.to_string()),
     }
 }
 

@@ -199,7 +199,7 @@ fn parse_directive(body: &str, lenient: bool) -> Result<TextCall, String> {
     let value: Value = serde_json::from_str(body.trim()).map_err(|e| {
         format!(
             "the <tool_call> block is not valid JSON ({e}): {}",
-            crate::llm::sse::excerpt(body.trim())
+            shared::text::excerpt(body.trim())
         )
     })?;
     let object = value.as_object().ok_or("a <tool_call> block must hold a JSON object")?;

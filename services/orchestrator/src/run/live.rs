@@ -8,8 +8,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{Event, EventBatch, NumberedEvent, RunResult, RunSpec, ToolCallError};
-use crate::store::Persister;
+use crate::domain::{Event, EventBatch, NumberedEvent, RunResult, RunSpec, ToolCallError};
+use crate::run::persist::Persister;
 
 /// The live state of a run, shared with `GetRun`.
 pub type SharedState = Arc<Mutex<RunResult>>;
@@ -111,7 +111,7 @@ impl Emitter {
                 turn,
                 arguments_truncated,
             } => {
-                let (arguments_json, cut) = fit(arguments_json, self.settings.max_event_bytes);
+                let (arguments_json, cut) = shared::text::truncate_owned(arguments_json, self.settings.max_event_bytes);
                 self.number(Event::ToolCallStarted {
                     call_id,
                     name,
@@ -129,7 +129,7 @@ impl Emitter {
                 duration_ms,
             } => {
                 let max = self.settings.max_event_bytes;
-                let (content_json, cut) = match content_json.map(|c| fit(c, max)) {
+                let (content_json, cut) = match content_json.map(|c| shared::text::truncate_owned(c, max)) {
                     Some((content, cut)) => (Some(content), cut),
                     None => (None, false),
                 };
@@ -139,7 +139,7 @@ impl Emitter {
                     content_json,
                     content_truncated: content_truncated || cut,
                     error: error.map(|e| ToolCallError {
-                        message: fit(e.message, max).0,
+                        message: shared::text::truncate_owned(e.message, max).0,
                         ..e
                     }),
                     duration_ms,
@@ -157,7 +157,7 @@ impl Emitter {
     /// Text: added to the run's output now, sent in pieces of at most `max_event_bytes`.
     fn queue_text(&mut self, text: &str, turn: u32) {
         shared::sync::lock(&self.state).text.push_str(text);
-        for piece in pieces(text, self.settings.max_event_bytes) {
+        for piece in shared::text::pieces(text, self.settings.max_event_bytes) {
             self.number(Event::TextDelta {
                 text: piece.to_owned(),
                 turn,
@@ -168,7 +168,7 @@ impl Emitter {
     /// Reasoning: added to the run's reasoning now, sent in pieces as text is.
     fn queue_reasoning(&mut self, text: &str, turn: u32) {
         shared::sync::lock(&self.state).reasoning.push_str(text);
-        for piece in pieces(text, self.settings.max_event_bytes) {
+        for piece in shared::text::pieces(text, self.settings.max_event_bytes) {
             self.number(Event::ReasoningDelta {
                 text: piece.to_owned(),
                 turn,
@@ -242,32 +242,6 @@ impl Emitter {
         })
         .await;
     }
-}
-
-/// `text` cut to at most `max` bytes on a character boundary, in place; whether it was cut.
-fn fit(mut text: String, max: usize) -> (String, bool) {
-    let keep = shared::text::truncate(&text, max).len();
-    let cut = keep < text.len();
-    text.truncate(keep);
-    (text, cut)
-}
-
-/// `text` in pieces of at most `max` bytes, cut on character boundaries (a character longer than
-/// `max` is one piece).
-fn pieces(text: &str, max: usize) -> impl Iterator<Item = &str> {
-    let mut rest = text;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let mut cut = shared::text::truncate(rest, max).len();
-        if cut == 0 {
-            cut = rest.chars().next().map_or(rest.len(), char::len_utf8);
-        }
-        let (piece, tail) = rest.split_at(cut);
-        rest = tail;
-        Some(piece)
-    })
 }
 
 /// A run that was let in: its spec and everything live about it, handed to the loop as one value.

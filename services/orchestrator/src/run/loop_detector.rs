@@ -16,7 +16,7 @@ pub const MIN_ALNUM: usize = 4;
 const MAX_LINE_BYTES: usize = 4096;
 
 /// Settings: both configurable, with defaults no normal answer trips.
-pub use crate::config::LoopDetectorSettings as DetectorConfig;
+pub use crate::domain::LoopDetection as DetectorConfig;
 
 /// The detector's state for one run.
 #[derive(Debug)]
@@ -46,11 +46,7 @@ impl LoopDetector {
             consumed += piece.len();
             if self.partial.len() < MAX_LINE_BYTES {
                 let room = MAX_LINE_BYTES - self.partial.len();
-                let mut cut = piece.len().min(room);
-                while !piece.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                self.partial.push_str(&piece[..cut]);
+                self.partial.push_str(shared::text::truncate(piece, room));
             }
             if piece.ends_with('\n') {
                 let line = std::mem::take(&mut self.partial);

@@ -30,14 +30,15 @@ use super::fallback::Resolution;
 use super::live::{AdmittedRun, Cancel, Emitter, SharedState};
 use super::loop_detector::{DetectorConfig, LoopDetector};
 use super::turn::{TurnCollector, TurnOutput};
-use super::{
+use crate::domain::OutputBounds;
+use crate::domain::ports::{OnDelivery, SignalTopic};
+use crate::domain::ports::{ToolExecutor, ToolInvocation};
+use crate::domain::{
     Delivery, Event, EventBatch, FailureReason, HARD_MAX_TURNS, ParsePolicy, RunResult, RunSpec, RunStatus, Signal,
-    ToolCallError, ToolCallRecord, ToolExecutor, ToolInvocation,
+    ToolCallError, ToolCallRecord,
 };
-use crate::config::OutputBounds;
 use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolCall, ToolDefinition, Usage};
-use crate::signals::{OnDelivery, SignalTopic};
-use crate::store::Persister;
+use crate::run::persist::Persister;
 use crate::telemetry::{self, InFlight, metric};
 
 /// What the loop needs from the outside world.
@@ -452,7 +453,7 @@ impl<'a> Driver<'a> {
                     FailureReason::RepeatedLineLoop,
                     format!(
                         "the model repeated the line {:?} too often in its reasoning",
-                        crate::llm::sse::excerpt(&line)
+                        shared::text::excerpt(&line)
                     ),
                 ))
             }
@@ -578,7 +579,7 @@ impl<'a> Driver<'a> {
                 let message = format!(
                     "the arguments of {} are not a JSON object: {}",
                     call.name,
-                    crate::llm::sse::excerpt(&call.arguments)
+                    shared::text::excerpt(&call.arguments)
                 );
                 partition
                     .bad
@@ -806,14 +807,14 @@ impl<'a> Driver<'a> {
     /// A tool result as the model sees it: at most `max_tool_result_bytes`, cut with a note saying
     /// how much was left out.
     fn fed_back_result(&self, json: &str) -> String {
-        cut_with_note(json, self.deps.max_tool_result_bytes, "result").unwrap_or_else(|| json.to_owned())
+        counted_cut(json, self.deps.max_tool_result_bytes, "result").unwrap_or_else(|| json.to_owned())
     }
 
     /// A tool error as the run keeps it (its record, its event, the model's tool message): the
     /// message at most `max_tool_result_bytes`, cut with a note saying how much was left out (a
     /// runner passes on a command's stderr or an MCP server's error text).
     fn bounded_error(&self, mut error: ToolCallError) -> ToolCallError {
-        if let Some(cut) = cut_with_note(&error.message, self.deps.max_tool_result_bytes, "message") {
+        if let Some(cut) = counted_cut(&error.message, self.deps.max_tool_result_bytes, "message") {
             error.message = cut;
         }
         error
@@ -890,7 +891,7 @@ impl<'a> Driver<'a> {
                     FailureReason::RepeatedLineLoop,
                     format!(
                         "the model repeated the line {:?} too often",
-                        crate::llm::sse::excerpt(&line)
+                        shared::text::excerpt(&line)
                     ),
                 ))
             }
@@ -1085,20 +1086,13 @@ impl IdAllocator {
     }
 }
 
-/// `text` cut to at most `max` bytes (on a character boundary) with a note saying how much of
-/// the `what` was left out, counted in the metrics; `None` when it fits.
-fn cut_with_note(text: &str, max: usize, what: &str) -> Option<String> {
-    if text.len() <= max {
-        return None;
+/// [`shared::text::cut_with_note`], counted in the metrics when it cuts.
+fn counted_cut(text: &str, max: usize, what: &str) -> Option<String> {
+    let cut = shared::text::cut_with_note(text, max, what);
+    if cut.is_some() {
+        metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
     }
-    let cut = shared::text::truncate(text, max).len();
-    metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
-    Some(format!(
-        "{}\n[{what} cut: {} of {} bytes left out]",
-        &text[..cut],
-        text.len() - cut,
-        text.len()
-    ))
+    cut
 }
 
 #[cfg(test)]
@@ -1114,10 +1108,10 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::run::Deadline;
-    use crate::run::Limits;
+    use crate::domain::Deadline;
+    use crate::domain::Limits;
+    use crate::domain::{EventBatch, NumberedEvent};
     use crate::run::live::{Cancel, EmitSettings};
-    use crate::run::{EventBatch, NumberedEvent};
     use crate::signals::memory::MemoryTopic;
 
     /// Plays one list of events per turn and records the requests.
@@ -1273,7 +1267,7 @@ mod tests {
                 buffer: 1024,
                 read_every: Some(Duration::ZERO),
                 attached: false,
-                output: crate::Config::default().runs.output,
+                output: (&crate::Config::default().runs.output).into(),
                 send_reasoning: false,
             }
         }
@@ -1661,7 +1655,7 @@ mod tests {
         Outside {
             output: OutputBounds {
                 max_reasoning_bytes,
-                ..crate::Config::default().runs.output
+                ..(&crate::Config::default().runs.output).into()
             },
             send_reasoning,
             ..Outside::default()
@@ -1890,7 +1884,7 @@ mod tests {
                 max_calls_per_turn,
                 max_argument_bytes,
                 max_output_bytes,
-                ..crate::Config::default().runs.output
+                ..(&crate::Config::default().runs.output).into()
             },
             ..Outside::default()
         }

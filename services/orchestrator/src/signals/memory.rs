@@ -10,8 +10,8 @@ use tokio::sync::broadcast;
 use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 
-use super::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
-use crate::run::{Delivery, Signal};
+use crate::domain::ports::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
+use crate::domain::{Delivery, Signal};
 
 /// See the module docs.
 pub struct MemoryTopic {

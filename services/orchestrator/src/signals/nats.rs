@@ -18,9 +18,9 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
 
-use super::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
-use crate::config::{SignalSettings, StreamDiscard};
-use crate::run::{Delivery, Signal};
+use super::TopicError;
+use crate::domain::ports::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
+use crate::domain::{Delivery, Signal};
 
 /// A signal as published: the `orchestrator.v1.Signal` fields, as JSON.
 #[derive(Debug, Serialize, Deserialize)]
@@ -70,16 +70,38 @@ impl From<SignalJson> for Signal {
     }
 }
 
+/// Where signals go in JetStream and how hard publishing tries (the values of the
+/// `--signal-*` settings).
+#[derive(Debug, Clone)]
+pub struct TopicOptions {
+    /// Signals go to `<subject_prefix>.<tool_name>`.
+    pub subject_prefix: String,
+    /// The stream holding `<subject_prefix>.>`, created when missing.
+    pub stream: String,
+    /// How long the stream keeps signals.
+    pub stream_max_age: Duration,
+    /// Most bytes the stream keeps; -1 for no limit.
+    pub stream_max_bytes: i64,
+    /// What a full stream gives up.
+    pub stream_discard: jetstream::stream::DiscardPolicy,
+    /// Publish attempts after the first, before a signal is marked undelivered.
+    pub publish_retries: u32,
+    /// First delay between publish attempts, doubled each time.
+    pub publish_backoff: Duration,
+    /// How long one publish waits for JetStream's acknowledgement.
+    pub ack_timeout: Duration,
+}
+
 /// See the module docs.
 pub struct NatsTopic {
     client: async_nats::Client,
     js: jetstream::Context,
-    settings: SignalSettings,
+    settings: TopicOptions,
 }
 
 impl NatsTopic {
     /// Binds (or creates) the stream for the prefix.
-    pub async fn open(client: async_nats::Client, settings: SignalSettings) -> Result<Self, String> {
+    pub async fn open(client: async_nats::Client, settings: TopicOptions) -> Result<Self, TopicError> {
         let js = jetstream::context::ContextBuilder::new()
             .timeout(settings.ack_timeout)
             .build(client.clone());
@@ -88,16 +110,16 @@ impl NatsTopic {
             subjects: vec![format!("{}.>", settings.subject_prefix)],
             max_age: settings.stream_max_age,
             max_bytes: settings.stream_max_bytes,
-            discard: match settings.stream_discard {
-                StreamDiscard::New => jetstream::stream::DiscardPolicy::New,
-                StreamDiscard::Old => jetstream::stream::DiscardPolicy::Old,
-            },
+            discard: settings.stream_discard,
             duplicate_window: Duration::from_secs(120),
             storage: jetstream::stream::StorageType::File,
             ..Default::default()
         })
         .await
-        .map_err(|e| format!("cannot create or bind the JetStream stream {:?}: {e}", settings.stream))?;
+        .map_err(|e| TopicError::Stream {
+            stream: settings.stream.clone(),
+            reason: e.to_string(),
+        })?;
         Ok(Self { client, js, settings })
     }
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 
-use super::{Claim, ResultStore};
-use crate::run::RunResult;
+use crate::domain::RunResult;
+use crate::domain::ports::{Claim, ResultStore, StoreError};
 
 #[derive(Default)]
 struct Inner {
@@ -51,7 +51,7 @@ impl MemoryStore {
 }
 
 impl ResultStore for MemoryStore {
-    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), String>> {
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
         let mut inner = shared::sync::lock(&self.inner);
         let now = Instant::now();
         // A run written again keeps its place in the eviction order.
@@ -69,11 +69,11 @@ impl ResultStore for MemoryStore {
     }
 
     /// One replica: the registry of live runs already refuses a taken id.
-    fn claim(&self, _result: RunResult) -> BoxFuture<'static, Result<Claim, String>> {
+    fn claim(&self, _result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
         Box::pin(std::future::ready(Ok(Claim::Claimed)))
     }
 
-    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>> {
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
         let mut inner = shared::sync::lock(&self.inner);
         self.expire(&mut inner);
         let found = inner.results.get(run_id).map(|(r, _)| r.clone());

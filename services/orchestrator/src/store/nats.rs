@@ -17,8 +17,8 @@ use futures::future::BoxFuture;
 use prost::Message;
 use proto::orchestrator::v1 as pb;
 
-use super::{Claim, ResultStore};
-use crate::run::{FailureReason, RunResult, RunStatus};
+use crate::domain::ports::{Claim, ResultStore, StoreError};
+use crate::domain::{FailureReason, RunResult, RunStatus};
 
 /// See the module docs.
 pub struct KvStore {
@@ -43,11 +43,13 @@ struct Record {
 
 impl Record {
     /// The result as it reads now: a RUNNING run whose lease expired is lost.
-    fn read(self, key: &str) -> Result<RunResult, String> {
-        let stored = self
-            .result
-            .ok_or_else(|| format!("KV value of {key} holds no result"))?;
-        let mut result = RunResult::try_from(stored).map_err(|e| format!("KV value of {key}: {e}"))?;
+    fn read(self, key: &str) -> Result<RunResult, StoreError> {
+        let corrupt = |reason: String| StoreError::Corrupt {
+            key: key.to_owned(),
+            reason,
+        };
+        let stored = self.result.ok_or_else(|| corrupt("it holds no result".to_owned()))?;
+        let mut result = RunResult::try_from(stored).map_err(|e| corrupt(e.to_string()))?;
         if result.status == RunStatus::Running && self.lease_expires_unix_ms < shared::sync::unix_ms() {
             result.status = RunStatus::Failed;
             result.failure_reason = Some(FailureReason::OrchestratorLost);
@@ -84,7 +86,7 @@ impl KvStore {
         ttl: Duration,
         owner: String,
         lease: Duration,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StoreError> {
         if let Ok(kv) = js.get_key_value(bucket).await {
             return Ok(Self { kv, owner, lease });
         }
@@ -102,11 +104,11 @@ impl KvStore {
             ..Default::default()
         })
         .await
-        .map_err(|e| format!("cannot create the key-value bucket {bucket:?}: {e}"))?;
+        .map_err(|e| unavailable("creating the key-value bucket", bucket, e))?;
         let kv = js
             .get_key_value(bucket)
             .await
-            .map_err(|e| format!("cannot bind the key-value bucket {bucket:?}: {e}"))?;
+            .map_err(|e| unavailable("binding the key-value bucket", bucket, e))?;
         Ok(Self { kv, owner, lease })
     }
 
@@ -122,14 +124,26 @@ impl KvStore {
     }
 }
 
-fn decode(key: &str, bytes: &[u8]) -> Result<RunResult, String> {
+fn decode(key: &str, bytes: &[u8]) -> Result<RunResult, StoreError> {
     Record::decode(bytes)
-        .map_err(|e| format!("KV value of {key} is not a run record: {e}"))?
+        .map_err(|e| StoreError::Corrupt {
+            key: key.to_owned(),
+            reason: e.to_string(),
+        })?
         .read(key)
 }
 
+/// The store's refusal of `operation` on `key`.
+fn unavailable(operation: &'static str, key: &str, reason: impl ToString) -> StoreError {
+    StoreError::Unavailable {
+        operation,
+        key: key.to_owned(),
+        reason: reason.to_string(),
+    }
+}
+
 impl ResultStore for KvStore {
-    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), String>> {
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
         let kv = self.kv.clone();
         let key = key(&result.run_id);
         let bytes = self.record(&result);
@@ -137,12 +151,12 @@ impl ResultStore for KvStore {
             kv.put(&key, bytes.into())
                 .await
                 .map(|_| ())
-                .map_err(|e| format!("KV put {key}: {e}"))
+                .map_err(|e| unavailable("KV put", &key, e))
         }
         .boxed()
     }
 
-    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, String>> {
+    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
         let kv = self.kv.clone();
         let key = key(&result.run_id);
         let bytes = self.record(&result);
@@ -150,13 +164,13 @@ impl ResultStore for KvStore {
             match kv.create(&key, bytes.into()).await {
                 Ok(_) => Ok(Claim::Claimed),
                 Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
-                    let bytes = kv.get(&key).await.map_err(|e| format!("KV get {key}: {e}"))?;
+                    let bytes = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))?;
                     match bytes {
                         Some(bytes) => Ok(Claim::Taken(Box::new(decode(&key, &bytes)?))),
-                        None => Err(format!("KV create {key}: taken, then gone")),
+                        None => Err(unavailable("KV create", &key, "taken, then gone")),
                     }
                 }
-                Err(e) => Err(format!("KV create {key}: {e}")),
+                Err(e) => Err(unavailable("KV create", &key, e)),
             }
         }
         .boxed()
@@ -166,11 +180,11 @@ impl ResultStore for KvStore {
         Some(self.lease / 3)
     }
 
-    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>> {
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
         let kv = self.kv.clone();
         let key = key(run_id);
         async move {
-            let Some(bytes) = kv.get(&key).await.map_err(|e| format!("KV get {key}: {e}"))? else {
+            let Some(bytes) = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))? else {
                 return Ok(None);
             };
             decode(&key, &bytes).map(Some)

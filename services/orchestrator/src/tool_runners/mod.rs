@@ -17,7 +17,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::str::FromStr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -26,18 +25,18 @@ use futures::future::BoxFuture;
 use membership::Membership;
 use proto::toolrunner::v1 as pb;
 use shared::runtime::AbortOnDrop;
-use tonic::transport::Endpoint;
 use transport::{SharedTransport, Transport};
 
 use crate::Error;
-use crate::config::ToolRunnerSettings;
+use crate::config::{Target, ToolRunnerSettings};
 use crate::llm::ToolDefinition;
 use pool::Pool;
 
 mod membership;
 mod pool;
 mod transport;
-use crate::run::{ToolCallError, ToolExecutor, ToolInvocation};
+use crate::domain::ToolCallError;
+use crate::domain::ports::{ToolExecutor, ToolInvocation};
 
 /// Response metadata by which a runner says it refused a call before running it.
 pub const REFUSED_HEADER: &str = "x-tool-runner-refused";
@@ -60,51 +59,6 @@ struct Catalog {
     unanswered: Option<String>,
     /// Fetches so far, so a request that waited for a fetch uses its answer.
     generation: u64,
-}
-
-/// Where tool-runners are.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
-    /// One endpoint, `http://host:port`.
-    Static(String),
-    /// Every address a DNS name resolves to, on `port`.
-    Dns {
-        /// The name, e.g. `tool-runner.tools.svc.cluster.local`.
-        host: String,
-        /// The port of every address.
-        port: u16,
-    },
-}
-
-impl FromStr for Target {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let s = s.trim();
-        if let Some(rest) = s.strip_prefix("dns://") {
-            // dns:///name:port (the authority, a DNS server, is not supported: the system resolver is used).
-            let Some(name_port) = rest.strip_prefix('/') else {
-                return Err(format!(
-                    "{s:?}: use dns:///name:port (a DNS server in the authority is not supported)"
-                ));
-            };
-            let (host, port) = name_port
-                .rsplit_once(':')
-                .ok_or_else(|| format!("{s:?}: the port is missing (dns:///name:port)"))?;
-            let port = port.parse().map_err(|_| format!("{s:?}: {port:?} is not a port"))?;
-            if host.is_empty() {
-                return Err(format!("{s:?}: the name is empty"));
-            }
-            return Ok(Self::Dns {
-                host: host.to_owned(),
-                port,
-            });
-        }
-        if s.starts_with("http://") || s.starts_with("https://") {
-            Endpoint::from_shared(s.to_owned()).map_err(|e| format!("{s:?}: {e}"))?;
-            return Ok(Self::Static(s.trim_end_matches('/').to_owned()));
-        }
-        Err(format!("{s:?}: use http://host:port or dns:///name:port"))
-    }
 }
 
 /// Resolves DNS names (the system resolver in production; scripted answers in tests).

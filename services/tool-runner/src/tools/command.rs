@@ -188,7 +188,10 @@ impl CommandConfig {
         match self.output {
             OutputMode::Text => Ok(Value::String(text.trim_end_matches(['\n', '\r']).to_owned())),
             OutputMode::Json => serde_json::from_str(trimmed).map_err(|e| {
-                ToolError::failed(format!("the tool's stdout is not valid JSON ({e}): {}", quote(trimmed)))
+                ToolError::failed(format!(
+                    "the tool's stdout is not valid JSON ({e}): {}",
+                    shared::text::tail(trimmed, STDERR_QUOTE)
+                ))
             }),
             OutputMode::Auto if trimmed.is_empty() => Ok(Value::Null),
             OutputMode::Auto => Ok(serde_json::from_str(trimmed)
@@ -218,7 +221,7 @@ impl CommandConfig {
             (None, None) => "failed".to_owned(),
         };
         let stderr = String::from_utf8_lossy(stderr);
-        let stderr = quote(stderr.trim());
+        let stderr = shared::text::tail(stderr.trim(), STDERR_QUOTE);
         if !stderr.is_empty() {
             tracing::info!(stderr, "the tool's stderr");
         }
@@ -229,15 +232,6 @@ impl CommandConfig {
             (true, _) => format!("the tool {how} (limits: {limits})"),
         }
     }
-}
-
-/// The last [`STDERR_QUOTE`] bytes of `text` (on a character boundary).
-fn quote(text: &str) -> &str {
-    let mut start = text.len().saturating_sub(STDERR_QUOTE);
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    &text[start..]
 }
 
 enum ReadError {

@@ -158,13 +158,14 @@ impl Drop for CancelOnDrop {
 
 fn service_error(server: &str, error: ServiceError) -> ToolError {
     match error {
-        ServiceError::McpError(e) if e.code == JsonRpcCode::INVALID_PARAMS => {
-            ToolError::invalid(format!("MCP server {server}: {}", cut(&e.message)))
-        }
+        ServiceError::McpError(e) if e.code == JsonRpcCode::INVALID_PARAMS => ToolError::invalid(format!(
+            "MCP server {server}: {}",
+            shared::text::truncate(&e.message, ERROR_TEXT_BYTES)
+        )),
         ServiceError::McpError(e) => ToolError::failed(format!(
             "MCP server {server} answered error {}: {}",
             e.code.0,
-            cut(&e.message)
+            shared::text::truncate(&e.message, ERROR_TEXT_BYTES)
         )),
         ServiceError::TransportClosed | ServiceError::TransportSend(_) => ToolError::retryable(
             ErrorCode::Unavailable,
@@ -177,17 +178,11 @@ fn service_error(server: &str, error: ServiceError) -> ToolError {
         ServiceError::Cancelled { .. } => {
             ToolError::new(ErrorCode::Canceled, format!("MCP server {server} canceled the call"))
         }
-        other => ToolError::failed(format!("MCP server {server}: {}", cut(&other.to_string()))),
+        other => ToolError::failed(format!(
+            "MCP server {server}: {}",
+            shared::text::truncate(&other.to_string(), ERROR_TEXT_BYTES)
+        )),
     }
-}
-
-/// The first [`ERROR_TEXT_BYTES`] of `text` (on a character boundary).
-fn cut(text: &str) -> &str {
-    let mut end = text.len().min(ERROR_TEXT_BYTES);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
 }
 
 /// A `tools/call` result (as JSON) as the tool's result; see the module docs.
@@ -199,7 +194,10 @@ pub(crate) fn content_json(result: &Value) -> ToolResult {
         return Err(ToolError::failed(if text.is_empty() {
             "the MCP tool reported an error without a message".to_owned()
         } else {
-            format!("the MCP tool reported an error: {}", cut(&text))
+            format!(
+                "the MCP tool reported an error: {}",
+                shared::text::truncate(&text, ERROR_TEXT_BYTES)
+            )
         }));
     }
     if let Some(structured) = result.get("structuredContent").filter(|v| !v.is_null()) {

@@ -212,7 +212,7 @@ fn check_reasoning_effort(effort: &str) -> Result<(), String> {
     } else {
         Err(format!(
             "reasoning_effort {:?}: 1-{MAX_REASONING_EFFORT_LEN} lowercase letters or '_' (e.g. low, medium, high)",
-            crate::llm::sse::excerpt(effort)
+            shared::text::excerpt(effort)
         ))
     }
 }

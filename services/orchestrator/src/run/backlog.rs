@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::ResultStore;
-use crate::run::RunResult;
+use crate::domain::RunResult;
+use crate::domain::ports::{ResultStore, StoreError};
 use crate::telemetry::metric;
 
 /// Results waiting to be written again.
@@ -98,7 +98,10 @@ impl Backlog {
                     self.remove_written(&result);
                 }
                 Ok(Err(e)) => self.wait_after_failure(&result.run_id, &e).await,
-                Err(_) => self.wait_after_failure(&result.run_id, "no answer in time").await,
+                Err(_) => {
+                    self.wait_after_failure(&result.run_id, &StoreError::Timeout(self.timeout))
+                        .await
+                }
             }
         }
     }
@@ -113,7 +116,7 @@ impl Backlog {
         self.set_gauge();
     }
 
-    async fn wait_after_failure(&self, run_id: &str, error: &str) {
+    async fn wait_after_failure(&self, run_id: &str, error: &StoreError) {
         tracing::debug!(run_id, waiting = self.len(), "store still unavailable: {error}");
         tokio::time::sleep(self.retry_every).await;
     }
@@ -127,8 +130,8 @@ mod tests {
     use futures::future::BoxFuture;
 
     use super::*;
-    use crate::run::RunStatus;
-    use crate::store::Claim;
+    use crate::domain::RunStatus;
+    use crate::domain::ports::Claim;
     use crate::store::memory::MemoryStore;
 
     /// A store that refuses writes until `up` is set.
@@ -139,17 +142,24 @@ mod tests {
     }
 
     impl ResultStore for Flaky {
-        fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), String>> {
+        fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
             if self.up.load(Ordering::Acquire) {
                 return self.inner.put(result);
             }
             self.refused.fetch_add(1, Ordering::Relaxed);
-            async { Err("down".to_owned()) }.boxed()
+            async {
+                Err(StoreError::Unavailable {
+                    operation: "put",
+                    key: "flaky".to_owned(),
+                    reason: "down".to_owned(),
+                })
+            }
+            .boxed()
         }
-        fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, String>> {
+        fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
             self.inner.claim(result)
         }
-        fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, String>> {
+        fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
             self.inner.get(run_id)
         }
         fn shared(&self) -> Option<Duration> {

@@ -1,0 +1,147 @@
+//! The LLM server: where it is, how it is reached (credentials, headers, retries, timeouts), and the model parameters of runs that set none.
+
+use std::time::Duration;
+
+use clap::Args;
+use shared::config::{Bound, Bounded, bound, parse_duration};
+
+use super::{KIB, MIB, ms, secs};
+use crate::domain::params::parse_extra_body;
+use crate::domain::params::{SamplingParams, ToolChoice};
+use crate::secrets::Secret;
+
+/// An extra HTTP header for the LLM server (`Name: value`); its value may be a credential. A
+/// blank entry (`LLM_HEADERS=""`, or a trailing `;`) parses to a header without a name, which is
+/// not sent. Parsing never fails, so a malformed entry is never echoed by the flag parser: it
+/// keeps no name and its text as value, and [`Config::validate`] refuses it without showing it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// Header name.
+    pub name: String,
+    /// Header value.
+    pub value: Secret,
+}
+
+impl Header {
+    /// Neither name nor value: nothing to send.
+    pub(super) fn is_blank(&self) -> bool {
+        self.name.is_empty() && self.value.expose().is_empty()
+    }
+
+    /// Not `Name: value`.
+    pub(super) fn is_malformed(&self) -> bool {
+        self.name.is_empty() && !self.value.expose().is_empty()
+    }
+}
+
+impl std::str::FromStr for Header {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (name, value) = s.split_once(':').unwrap_or(("", s));
+        Ok(Self {
+            name: name.trim().to_owned(),
+            value: Secret::from(value.trim()),
+        })
+    }
+}
+
+/// The LLM server.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "LLM server")]
+pub struct LlmSettings {
+    /// OpenAI-compatible base URL, ending in /v1 (vLLM, Ollama, llama.cpp, OpenAI …). The API key
+    /// is read from LLM_API_KEY only (never a flag, never logged).
+    #[arg(
+        long = "llm-base-url",
+        env = "LLM_BASE_URL",
+        default_value = "http://127.0.0.1:11434/v1"
+    )]
+    pub base_url: String,
+    /// Model used when a request names none.
+    #[arg(long = "llm-model", env = "LLM_MODEL", default_value = "llama3.1")]
+    pub model: String,
+    /// Bearer token, from the environment variable LLM_API_KEY.
+    #[arg(skip = Secret::from_env("LLM_API_KEY"))]
+    pub api_key: Option<Secret>,
+    /// Extra header for the LLM server, `Name: value` (repeatable; `;`-separated in the environment).
+    #[arg(long = "llm-header", env = "LLM_HEADERS", value_delimiter = ';')]
+    pub headers: Vec<Header>,
+    /// No byte from the LLM for this long ends the run LLM_STREAM_STALLED (cap 1h).
+    #[arg(long = "llm-idle-timeout", env = "LLM_IDLE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
+    /// Connect timeout to the LLM server (cap 5m).
+    #[arg(long = "llm-connect-timeout", env = "LLM_CONNECT_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
+    /// Retries before the first byte on connect errors, 429 and 5xx (cap 10).
+    #[arg(long = "llm-max-retries", env = "LLM_MAX_RETRIES", default_value_t = 3)]
+    pub max_retries: u32,
+    /// First retry delay, doubled each attempt (cap 1m).
+    #[arg(long = "llm-retry-backoff", env = "LLM_RETRY_BACKOFF", default_value = "500ms", value_parser = parse_duration)]
+    pub retry_backoff: Duration,
+    /// Longest SSE line accepted from the LLM, in bytes (cap 64 MiB).
+    #[arg(long = "llm-max-line-bytes", env = "LLM_MAX_LINE_BYTES", default_value_t = MIB)]
+    pub max_line_bytes: usize,
+    /// Largest SSE event accepted from the LLM (all its lines), in bytes (max-line-bytes..=64 MiB).
+    #[arg(long = "llm-max-event-bytes", env = "LLM_MAX_EVENT_BYTES", default_value_t = 4 * MIB)]
+    pub max_event_bytes: usize,
+    /// Temperature of runs that set none (0..=2; unset: the model server's default).
+    #[arg(long = "llm-temperature", env = "LLM_TEMPERATURE")]
+    pub temperature: Option<f32>,
+    /// max_tokens per turn of runs that set none (unset: the model server's default).
+    #[arg(long = "llm-max-tokens", env = "LLM_MAX_TOKENS")]
+    pub max_tokens: Option<u32>,
+    /// tool_choice of runs that set none: auto, none, required or a tool name (first turn only).
+    #[arg(long = "llm-tool-choice", env = "LLM_TOOL_CHOICE")]
+    pub tool_choice: Option<ToolChoice>,
+    /// parallel_tool_calls of runs that set none (unset: not sent).
+    #[arg(long = "llm-parallel-tool-calls", env = "LLM_PARALLEL_TOOL_CALLS")]
+    pub parallel_tool_calls: Option<bool>,
+    /// reasoning_effort of runs that set none (e.g. low, medium, high; unset: not sent).
+    #[arg(long = "llm-reasoning-effort", env = "LLM_REASONING_EFFORT")]
+    pub reasoning_effort: Option<String>,
+    /// A JSON object merged into every chat request (a run's extra_body_json keys win), e.g.
+    /// '{"chat_template_kwargs": {"enable_thinking": false}}' for vLLM.
+    #[arg(long = "llm-extra-body", env = "LLM_EXTRA_BODY", value_parser = parse_extra_body)]
+    pub extra_body: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Send each turn's reasoning back to the model as `reasoning_content` in its assistant
+    /// message, for servers whose chat templates need it between tool calls (off: reasoning is
+    /// never sent back).
+    #[arg(long = "llm-send-reasoning", env = "LLM_SEND_REASONING")]
+    pub send_reasoning: bool,
+}
+
+impl LlmSettings {
+    /// The model parameters of runs that set none, from the `--llm-*` flags (checked once, at
+    /// start, by [`LlmSettings::defaults`]).
+    pub fn run_defaults(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            max_tokens: self.max_tokens,
+            tool_choice: self.tool_choice.clone(),
+            parallel_tool_calls: self.parallel_tool_calls,
+            reasoning_effort: self.reasoning_effort.clone().filter(|e| !e.is_empty()),
+            extra_body: self.extra_body.clone().unwrap_or_default(),
+            ..SamplingParams::default()
+        }
+    }
+
+    /// [`LlmSettings::run_defaults`], checked like a request's parameters.
+    pub fn defaults(&self) -> Result<SamplingParams, String> {
+        let params = self.run_defaults();
+        params.check().map_err(|e| format!("the --llm-* run defaults: {e}"))?;
+        Ok(params)
+    }
+}
+
+impl Bounded for LlmSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("idle_timeout", self.idle_timeout, ms(1), secs(3600)),
+            bound("connect_timeout", self.connect_timeout, ms(1), secs(300)),
+            bound("max_retries", self.max_retries, 0u32, 10u32),
+            bound("retry_backoff", self.retry_backoff, Duration::ZERO, secs(60)),
+            bound("max_line_bytes", self.max_line_bytes, KIB, 64 * MIB),
+            bound("max_event_bytes", self.max_event_bytes, self.max_line_bytes, 64 * MIB),
+        ]
+    }
+}

@@ -1,0 +1,100 @@
+//! Runs: how many at once, the exit tools every run offers, how a run's stream is fed.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use shared::config::{Bound, Bounded, bound, parse_duration};
+
+use super::{KIB, LoopDetectorSettings, MIB, OutputSettings, RequestBounds, ms, secs};
+use crate::domain::chat::ToolDefinition;
+
+/// Runs: how many at once, what every run offers, how its stream and output are watched.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Runs")]
+pub struct RunSettings {
+    /// Runs live at once; more get RESOURCE_EXHAUSTED (cap 100000).
+    #[arg(long, env = "ORCHESTRATOR_MAX_RUNS", default_value_t = 256)]
+    pub max_runs: usize,
+    /// Exit tool offered to every run: NAME or NAME=SCHEMA_FILE (a JSON Schema; its
+    /// "description" describes the tool). Repeatable; comma-separated in the environment. Blank
+    /// entries are ignored.
+    #[arg(long = "exit-tool", env = "ORCHESTRATOR_EXIT_TOOLS", value_delimiter = ',', value_parser = exit_tool)]
+    pub exit_tools: Vec<ToolDefinition>,
+    /// Event batches (events the loop produces together) buffered per run stream before the run
+    /// waits for a slow reader (cap 65536).
+    #[arg(long, env = "ORCHESTRATOR_EVENT_BUFFER", default_value_t = 64)]
+    pub event_buffer: usize,
+    /// Longest wait for a caller to take an event: a caller that reads nothing for this long has
+    /// its stream dropped (its run is canceled unless detached), so it cannot hold a run slot
+    /// (cap 10m).
+    #[arg(long, env = "ORCHESTRATOR_EVENT_SEND_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub event_send_timeout: Duration,
+    /// Largest text or tool result in one event sent to a caller, in bytes: longer text is split,
+    /// a longer result is cut in its event and flagged (cap 3 MiB, under gRPC's usual 4 MiB
+    /// receive limit).
+    #[arg(long = "max-event-bytes", env = "ORCHESTRATOR_MAX_EVENT_BYTES", default_value_t = MIB)]
+    pub max_caller_event_bytes: usize,
+    /// Largest tool result fed back to the model, in bytes; a longer one is cut and says how much
+    /// was cut (cap 16 MiB).
+    #[arg(long, env = "ORCHESTRATOR_MAX_TOOL_RESULT_BYTES", default_value_t = 64 * KIB)]
+    pub max_tool_result_bytes: usize,
+    /// How long before the caller's gRPC deadline a run ends DEADLINE_EXCEEDED, so the caller
+    /// still receives its result (cap 10s).
+    #[arg(long, env = "ORCHESTRATOR_DEADLINE_HEADROOM", default_value = "200ms", value_parser = parse_duration)]
+    pub deadline_headroom: Duration,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub output: OutputSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub request: RequestBounds,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub loop_detector: LoopDetectorSettings,
+}
+
+impl Bounded for RunSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        let mut rows = vec![
+            bound("max_runs", self.max_runs, 1usize, 100_000usize),
+            bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
+            bound("event_send_timeout", self.event_send_timeout, ms(10), secs(600)),
+            bound("max_caller_event_bytes", self.max_caller_event_bytes, KIB, 3 * MIB),
+            bound("max_tool_result_bytes", self.max_tool_result_bytes, 256usize, 16 * MIB),
+            bound("deadline_headroom", self.deadline_headroom, Duration::ZERO, secs(10)),
+        ];
+        rows.extend(self.output.bounds());
+        rows.extend(self.request.bounds());
+        rows.extend(self.loop_detector.bounds());
+        rows
+    }
+}
+
+/// Parses `--exit-tool NAME[=SCHEMA_FILE]`: the schema file's `description` describes the tool.
+pub(super) fn exit_tool(spec: &str) -> Result<ToolDefinition, String> {
+    let (name, file) = match spec.split_once('=') {
+        Some((name, file)) => (name.trim(), Some(PathBuf::from(file.trim()))),
+        None => (spec.trim(), None),
+    };
+    let default_description = || format!("Signal {name} (one-way; nothing comes back).");
+    let (description, parameters) = match file {
+        None => (default_description(), serde_json::json!({"type": "object"})),
+        Some(path) => {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| format!("--exit-tool {name}: cannot read {}: {e}", path.display()))?;
+            let schema: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| format!("--exit-tool {name}: {} is not JSON: {e}", path.display()))?;
+            let description = schema
+                .get("description")
+                .and_then(|d| d.as_str())
+                .map_or_else(default_description, str::to_owned);
+            (description, schema)
+        }
+    };
+    Ok(ToolDefinition {
+        name: name.to_owned(),
+        description,
+        parameters,
+    })
+}

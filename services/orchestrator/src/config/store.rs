@@ -1,0 +1,64 @@
+//! The result store: its backend, what it keeps and for how long, leases and timeouts.
+
+use std::time::Duration;
+
+use clap::Args;
+use shared::config::{Bound, Bounded, bound, parse_duration};
+
+use super::{Backend, DAY, ms, secs};
+
+/// Where run results are kept for `GetRun`.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Result store")]
+pub struct StoreSettings {
+    /// Result store: memory (bounded by --keep-results / --keep-results-for), or nats://host:4222
+    /// (a JetStream key-value bucket shared by replicas, kept across restarts).
+    #[arg(long = "run-store", env = "ORCHESTRATOR_RUN_STORE", default_value = "memory")]
+    pub backend: Backend,
+    /// Finished results kept for GetRun (cap 1000000).
+    #[arg(long, env = "ORCHESTRATOR_KEEP_RESULTS", default_value_t = 10_000)]
+    pub keep_results: usize,
+    /// How long finished results are kept (cap 7 days).
+    #[arg(long, env = "ORCHESTRATOR_KEEP_RESULTS_FOR", default_value = "1h", value_parser = parse_duration)]
+    pub keep_results_for: Duration,
+    /// Key-value bucket of the NATS result store (created when missing).
+    #[arg(
+        long = "run-store-bucket",
+        env = "ORCHESTRATOR_RUN_STORE_BUCKET",
+        default_value = "orchestrator-runs"
+    )]
+    pub bucket: String,
+    /// Lease of a live run in the NATS result store: its replica renews it every third of this;
+    /// a run whose replica stops renewing (crashed, partitioned) reads as FAILED
+    /// ORCHESTRATOR_LOST once it expires (1s..=10m).
+    #[arg(long = "run-store-lease", env = "ORCHESTRATOR_RUN_STORE_LEASE", default_value = "15s", value_parser = parse_duration)]
+    pub lease: Duration,
+    /// How long the NATS result store keeps a result (cap 365d).
+    #[arg(long = "run-store-ttl", env = "ORCHESTRATOR_RUN_STORE_TTL", default_value = "24h", value_parser = parse_duration)]
+    pub ttl: Duration,
+    /// How long one read or write of the result store may take (cap 1m).
+    #[arg(long = "store-timeout", env = "ORCHESTRATOR_STORE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Finished results kept in memory while the store cannot take them (NATS down), written
+    /// again when it is back and answered by GetRun meanwhile; the oldest is dropped past this
+    /// (1..=1000000).
+    #[arg(
+        long = "run-store-backlog",
+        env = "ORCHESTRATOR_RUN_STORE_BACKLOG",
+        default_value_t = 10_000
+    )]
+    pub backlog: usize,
+}
+
+impl Bounded for StoreSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("keep_results", self.keep_results, 0usize, 1_000_000usize),
+            bound("keep_results_for", self.keep_results_for, Duration::ZERO, DAY * 7),
+            bound("ttl", self.ttl, secs(1), DAY * 365),
+            bound("lease", self.lease, secs(1), secs(600)),
+            bound("timeout", self.timeout, ms(10), secs(60)),
+            bound("backlog", self.backlog, 1usize, 1_000_000usize),
+        ]
+    }
+}

@@ -1,0 +1,65 @@
+//! The conversation with the model as the orchestrator sees it, whatever server runs the model:
+//! messages, tool calls, tool definitions and token usage.
+
+use serde_json::Value;
+
+/// One message of the conversation sent to the model.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Message {
+    /// A system message (the BIOS, the caller's system message).
+    System(String),
+    /// A user message.
+    User {
+        /// Text.
+        content: String,
+        /// Optional participant name.
+        name: Option<String>,
+    },
+    /// An assistant message, possibly with tool calls.
+    Assistant {
+        /// Text (may be empty).
+        content: String,
+        /// Tool calls it made.
+        tool_calls: Vec<ToolCall>,
+        /// The turn's reasoning, sent back as `reasoning_content` (only with `--llm-send-reasoning`).
+        reasoning: Option<String>,
+    },
+    /// A tool result answering `tool_call_id`.
+    Tool {
+        /// The call answered.
+        tool_call_id: String,
+        /// The result (JSON text).
+        content: String,
+    },
+}
+
+/// A whole tool call, as the model made it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    /// Call id (generated when the server sent none).
+    pub id: String,
+    /// Tool name.
+    pub name: String,
+    /// Arguments as the model wrote them.
+    pub arguments: String,
+}
+
+/// A tool offered to the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolDefinition {
+    /// Name.
+    pub name: String,
+    /// Description for the model.
+    pub description: String,
+    /// JSON Schema of the arguments.
+    pub parameters: Value,
+}
+
+/// Token usage of one completion.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Completion tokens.
+    pub completion_tokens: u64,
+}

@@ -1,0 +1,90 @@
+//! The events of a run's stream, in the order the caller receives them.
+
+use super::chat::Usage;
+use super::result::{RunResult, Signal, ToolCallError};
+use super::spec::Limits;
+
+/// One event of a run's stream (numbered by the emitter).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The run started.
+    RunStarted {
+        /// Model.
+        model: String,
+        /// Normal tool names.
+        normal_tools: Vec<String>,
+        /// Exit tool names.
+        exit_tools: Vec<String>,
+        /// Limits in force.
+        limits: Limits,
+    },
+    /// Visible text.
+    TextDelta {
+        /// Text.
+        text: String,
+        /// Turn.
+        turn: u32,
+    },
+    /// Reasoning text, kept apart from the output.
+    ReasoningDelta {
+        /// Reasoning.
+        text: String,
+        /// Turn.
+        turn: u32,
+    },
+    /// A normal call was dispatched.
+    ToolCallStarted {
+        /// Call id.
+        call_id: String,
+        /// Tool.
+        name: String,
+        /// Arguments.
+        arguments_json: String,
+        /// Turn.
+        turn: u32,
+        /// The arguments were cut to fit one event.
+        arguments_truncated: bool,
+    },
+    /// A normal call finished.
+    ToolCallFinished {
+        /// Call id.
+        call_id: String,
+        /// Tool.
+        name: String,
+        /// Result JSON when ok.
+        content_json: Option<String>,
+        /// The result was longer than one event may carry and is cut here.
+        content_truncated: bool,
+        /// Error when not ok.
+        error: Option<ToolCallError>,
+        /// Wall time.
+        duration_ms: u64,
+    },
+    /// An exit call.
+    Signal(Signal),
+    /// A turn ended.
+    TurnFinished {
+        /// Turn.
+        turn: u32,
+        /// Usage of this turn.
+        usage: Usage,
+        /// Budget left.
+        tool_call_budget_remaining: u32,
+        /// Failing turns so far.
+        failed_turns: u32,
+    },
+    /// The run ended (always last).
+    RunFinished(RunResult),
+}
+
+/// An event with its position in the stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NumberedEvent {
+    /// 1, 2, 3 … without gaps.
+    pub seq: u64,
+    /// The event.
+    pub event: Event,
+}
+
+/// Events sent to the caller's stream together (they leave in one write).
+pub type EventBatch = Vec<NumberedEvent>;

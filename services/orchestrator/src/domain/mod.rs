@@ -1,0 +1,22 @@
+//! The domain: the values a run is made of and the ports it talks through. A leaf: it depends on
+//! nothing else in the crate, and everything else (the loop, the adapters, the gRPC mapping, the
+//! configuration) depends on it.
+//!
+//! * [`chat`]: the conversation with the model (messages, tool calls, tool definitions, usage);
+//! * [`params`]: the model parameters of a run and their rules;
+//! * [`spec`]: what a run is asked to do ([`spec::RunSpec`], its limits, deadline and output bounds);
+//! * [`result`]: what it produced ([`result::RunResult`], tool-call records, signals);
+//! * [`event`]: the events of its stream;
+//! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
+//!   [`ports::SignalTopic`]) with their typed errors.
+
+pub mod chat;
+pub mod event;
+pub mod params;
+pub mod ports;
+pub mod result;
+pub mod spec;
+
+pub use event::{Event, EventBatch, NumberedEvent};
+pub use result::{Delivery, FailureReason, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
+pub use spec::{Deadline, HARD_MAX_TURNS, Limits, LoopDetection, OutputBounds, ParsePolicy, RunSpec};

@@ -1,0 +1,127 @@
+//! The ports of the loop: what it needs from the outside world, as traits. Adapters implement
+//! them (tool-runners over gRPC, the result store in memory or NATS, the signal topic in memory or
+//! NATS); tests implement them in-process.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+
+use super::result::{Delivery, RunResult, Signal, ToolCallError};
+
+/// A normal tool call to execute.
+#[derive(Debug, Clone)]
+pub struct ToolInvocation {
+    /// Run.
+    pub run_id: String,
+    /// Call id.
+    pub call_id: String,
+    /// Tool.
+    pub name: String,
+    /// Arguments (a JSON object).
+    pub arguments_json: String,
+    /// Run metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// The caller the run belongs to.
+    pub principal: String,
+    /// Deadline of this call.
+    pub timeout: Duration,
+}
+
+/// Executes normal tool calls (on tool-runners, or scripted in tests). Dropping the future
+/// cancels the call.
+pub trait ToolExecutor: Send + Sync + 'static {
+    /// Runs one call; the `Ok` value is the result as JSON text.
+    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>>;
+}
+
+/// A place for run results.
+pub trait ResultStore: Send + Sync + 'static {
+    /// Stores (or replaces) a run's result.
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>>;
+    /// Stores a new run's first state unless its id is taken (by a run on another replica, live
+    /// or finished), atomically.
+    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>>;
+    /// A run's result, if kept.
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>>;
+    /// `Some(renew_every)` when other replicas read this store: live runs are then written at
+    /// turn boundaries and at least this often, which renews their lease (a local store already
+    /// sees them through the registry).
+    fn shared(&self) -> Option<Duration>;
+}
+
+/// The outcome of [`ResultStore::claim`].
+#[derive(Debug)]
+pub enum Claim {
+    /// The id is this run's now.
+    Claimed,
+    /// The id was taken; here is that run as it reads now.
+    Taken(Box<RunResult>),
+}
+
+/// Why the result store did not do what was asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The store refused the operation or could not be reached.
+    #[error("{operation} {key}: {reason}")]
+    Unavailable {
+        /// What was asked (`KV put`, `KV get` …).
+        operation: &'static str,
+        /// The key (or bucket) it was asked of.
+        key: String,
+        /// The store's answer.
+        reason: String,
+    },
+    /// A stored value cannot be read as a run.
+    #[error("the value of {key} is not a run record: {reason}")]
+    Corrupt {
+        /// Its key.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// No answer within the store timeout.
+    #[error("no answer within {}", humantime::format_duration(*.0))]
+    Timeout(Duration),
+}
+
+/// Told once whether a published signal was delivered.
+pub type OnDelivery = Box<dyn FnOnce(Delivery) + Send>;
+
+/// Which signals a subscriber wants; empty fields match everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SignalFilter {
+    /// Only this run's signals.
+    pub run_id: Option<String>,
+    /// Only these exit tools.
+    pub tool_names: Vec<String>,
+    /// Only the runs of this caller (set when the server authenticates callers).
+    pub principal: Option<String>,
+}
+
+impl SignalFilter {
+    /// Whether `signal` passes the filter.
+    pub fn matches(&self, signal: &Signal) -> bool {
+        self.run_id.as_ref().is_none_or(|id| *id == signal.run_id)
+            && self.principal.as_ref().is_none_or(|p| *p == signal.principal)
+            && (self.tool_names.is_empty() || self.tool_names.contains(&signal.tool_name))
+    }
+}
+
+/// One item of a subscription.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SignalItem {
+    /// A signal.
+    Signal(Signal),
+    /// The subscriber fell behind and this many signals were skipped.
+    Missed(u64),
+}
+
+/// A topic signals are published to and subscribed from.
+pub trait SignalTopic: Send + Sync + 'static {
+    /// Publishes a signal and returns at once; `on_delivery` is called once with the outcome.
+    fn publish(&self, signal: &Signal, on_delivery: OnDelivery);
+    /// Signals published from the moment the returned future resolves that pass `filter`.
+    fn subscribe(&self, filter: SignalFilter) -> BoxFuture<'static, BoxStream<'static, SignalItem>>;
+}

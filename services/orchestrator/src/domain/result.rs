@@ -1,0 +1,186 @@
+//! What a run produced: its status, output, tool-call records and signals (the same value live,
+//! for `GetRun`, and final, in `run_finished`).
+
+use std::collections::BTreeMap;
+
+use super::chat::Usage;
+
+/// Status of a run. Its metric label is its name in snake case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum RunStatus {
+    /// Live.
+    Running,
+    /// The model stopped calling normal tools.
+    Completed,
+    /// A limit or an error ended it.
+    Failed,
+    /// Canceled.
+    Canceled,
+}
+
+/// Why a run failed. Its metric label (and `error.type` on spans) is its name in snake case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum FailureReason {
+    /// Unknown tool / non-object arguments (policy FAIL), or a malformed fallback directive.
+    ToolParseError,
+    /// A tool call could not be executed at all (reserved; failed calls are fed back).
+    ToolExecutionError,
+    /// The budget ran out.
+    ToolBudgetExhausted,
+    /// Too many failing turns.
+    ToolFailureLimit,
+    /// The model repeated a line too often.
+    RepeatedLineLoop,
+    /// `max_turns` used up.
+    MaxTurnsExceeded,
+    /// The LLM server failed.
+    LlmError,
+    /// The LLM stream went silent.
+    LlmStreamStalled,
+    /// The run deadline passed.
+    DeadlineExceeded,
+    /// Anything else.
+    UnknownError,
+    /// The replica running the run stopped renewing its lease in the shared store.
+    OrchestratorLost,
+    /// The model's output went over a size limit (calls in one turn, or the run's output).
+    OutputLimit,
+}
+
+/// A tool call's failure, as fed back to the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallError {
+    /// Machine-readable code (`NOT_FOUND`, `INVALID_ARGUMENTS`, `TIMEOUT`, `FAILED`, `UNAVAILABLE` …).
+    pub code: String,
+    /// Explanation.
+    pub message: String,
+}
+
+impl ToolCallError {
+    /// An error with `code` and `message`.
+    pub fn new(code: &str, message: impl Into<String>) -> Self {
+        Self {
+            code: code.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// The tool message the model sees: `{"error": {"code", "message"}}`.
+    pub fn to_tool_message(&self) -> String {
+        serde_json::json!({"error": {"code": self.code, "message": self.message}}).to_string()
+    }
+}
+
+/// One executed (or attempted) normal tool call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallRecord {
+    /// Call id.
+    pub call_id: String,
+    /// Tool name.
+    pub name: String,
+    /// Arguments as written by the model.
+    pub arguments_json: String,
+    /// Whether it returned a result.
+    pub ok: bool,
+    /// Why not, when not ok.
+    pub error: Option<ToolCallError>,
+    /// Wall time.
+    pub duration_ms: u64,
+    /// Turn (1-based).
+    pub turn: u32,
+}
+
+/// An exit-tool call, published on the signal topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Signal {
+    /// Run.
+    pub run_id: String,
+    /// Call id.
+    pub call_id: String,
+    /// Exit tool.
+    pub tool_name: String,
+    /// Arguments (kept as written when not valid JSON).
+    pub arguments_json: String,
+    /// Whether the arguments are a valid JSON object.
+    pub arguments_valid: bool,
+    /// Turn (1-based).
+    pub turn: u32,
+    /// Unix ms.
+    pub emitted_at_unix_ms: u64,
+    /// Run metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// Whether the signal topic confirmed it.
+    pub delivery: Delivery,
+    /// The caller whose run emitted it (subscribers with authentication see only their own).
+    pub principal: String,
+}
+
+/// Delivery of a signal to the signal topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Not confirmed yet.
+    Pending,
+    /// Confirmed by the topic.
+    Delivered,
+    /// Every attempt failed.
+    Undelivered,
+}
+
+/// The state of a run: live (status `Running`, output so far) or final.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunResult {
+    /// Run id.
+    pub run_id: String,
+    /// Status.
+    pub status: RunStatus,
+    /// Why it failed.
+    pub failure_reason: Option<FailureReason>,
+    /// Failure detail.
+    pub failure_detail: String,
+    /// All user-visible output so far.
+    pub text: String,
+    /// Signals, in order.
+    pub signals: Vec<Signal>,
+    /// Turns started.
+    pub turns: u32,
+    /// Executed normal calls, in order.
+    pub tool_calls: Vec<ToolCallRecord>,
+    /// Turns with a failed call.
+    pub failed_turns: u32,
+    /// Usage summed over turns.
+    pub usage: Usage,
+    /// Last finish_reason from the model.
+    pub finish_reason: String,
+    /// The caller the run belongs to (empty without authentication): only it may read, cancel
+    /// or replay the run.
+    pub principal: String,
+    /// The model's reasoning, up to the server's cap: callers debugging a run want to see why the
+    /// model chose its calls, but it is not output.
+    pub reasoning: String,
+    /// The model reasoned past the cap; `reasoning` is its beginning.
+    pub reasoning_truncated: bool,
+}
+
+impl RunResult {
+    /// A live run with no output yet.
+    pub fn running(run_id: &str) -> Self {
+        Self {
+            run_id: run_id.to_owned(),
+            status: RunStatus::Running,
+            failure_reason: None,
+            failure_detail: String::new(),
+            text: String::new(),
+            signals: Vec::new(),
+            turns: 0,
+            tool_calls: Vec::new(),
+            failed_turns: 0,
+            usage: Usage::default(),
+            finish_reason: String::new(),
+            principal: String::new(),
+            reasoning: String::new(),
+            reasoning_truncated: false,
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! What a run is asked to do, validated: its conversation, tools, limits and deadline, and the
+//! plain limits the loop applies to what the model produces.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::chat::{Message, ToolDefinition};
+use super::params::SamplingParams;
+
+/// Hard limit on turns, whatever the configuration says.
+pub const HARD_MAX_TURNS: u32 = 128;
+
+/// What to do with a call naming an unknown tool or with non-object arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ParsePolicy {
+    /// End the run `TOOL_PARSE_ERROR`.
+    #[default]
+    Fail,
+    /// Answer each bad call with an error tool message; it counts as a failed call of the turn.
+    FeedBack,
+}
+
+/// The limits a run runs with (defaults applied, maxima checked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Most turns.
+    pub max_turns: u32,
+    /// Normal tool calls the run may execute.
+    pub tool_call_budget: u32,
+    /// Failing turns tolerated; one more ends the run.
+    pub max_tool_failures: u32,
+    /// Timeout of one tool call.
+    pub tool_timeout: Duration,
+    /// Deadline of the whole run.
+    pub run_timeout: Duration,
+}
+
+/// Everything one run needs, validated.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    /// The run's id.
+    pub run_id: String,
+    /// The caller's system message (after the BIOS).
+    pub system: String,
+    /// The caller's conversation.
+    pub messages: Vec<Message>,
+    /// Model name.
+    pub model: String,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Normal tools offered (executed on tool-runners).
+    pub normal_tools: Vec<ToolDefinition>,
+    /// Exit tools offered (signals).
+    pub exit_tools: Vec<ToolDefinition>,
+    /// Limits.
+    pub limits: Limits,
+    /// Caller metadata, passed to tool-runners and signals.
+    pub metadata: BTreeMap<String, String>,
+    /// Bad-call policy.
+    pub parse_policy: ParsePolicy,
+    /// When the run must end.
+    pub deadline: Deadline,
+    /// The caller the run belongs to (empty without authentication).
+    pub principal: String,
+}
+
+/// When a run must end: its own timeout from when the request arrived, or sooner, shortly before
+/// the caller's gRPC deadline, so the caller still receives `run_finished`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadline {
+    /// The moment.
+    pub at: tokio::time::Instant,
+    /// The caller's deadline set it (else the run's timeout).
+    pub set_by_caller: bool,
+}
+
+impl Deadline {
+    /// `run_timeout` from `received_at`, or `caller` (less `headroom`) when that is sooner.
+    pub fn new(
+        received_at: tokio::time::Instant,
+        run_timeout: Duration,
+        caller: Option<Duration>,
+        headroom: Duration,
+    ) -> Self {
+        let own = received_at + run_timeout;
+        match caller.map(|c| received_at + c.saturating_sub(headroom)) {
+            Some(at) if at < own => Self {
+                at,
+                set_by_caller: true,
+            },
+            _ => Self {
+                at: own,
+                set_by_caller: false,
+            },
+        }
+    }
+}
+
+/// What the model may produce in one run (the values of `--max-calls-per-turn` and the other
+/// output settings): past these, a run ends `OUTPUT_LIMIT` or the call fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutputBounds {
+    /// Tool calls in one turn; more end the run and none of them run.
+    pub max_calls_per_turn: usize,
+    /// Largest arguments of one tool call; a longer call fails `INVALID_ARGUMENTS`.
+    pub max_argument_bytes: usize,
+    /// Largest output of one run (text, arguments and errors of calls and signals).
+    pub max_output_bytes: usize,
+    /// Reasoning kept of one run.
+    pub max_reasoning_bytes: usize,
+}
+
+/// The repeated-line rule: a line seen `threshold` times among the last `window` complete lines
+/// of a run's output ends it `REPEATED_LINE_LOOP`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoopDetection {
+    /// Complete lines remembered.
+    pub window: usize,
+    /// Occurrences of one line in the window that end the run.
+    pub threshold: usize,
+}
