@@ -1,0 +1,301 @@
+//! Wire mapping: domain results, signals and events as proto messages and back (the result
+//! store reads its records through the same mapping), and the `grpc-timeout` header.
+
+use std::time::Duration;
+
+use proto::orchestrator::v1 as pb;
+
+use super::millis;
+use crate::Error;
+use crate::domain::{Delivery, Event, FailureReason, RunResult, RunStatus, Signal, ToolCallError};
+
+/// Parses a `grpc-timeout` header value (`100m`, `5S`, …) into a duration.
+pub(crate) fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// One mapping per enum, both directions from the same list of variants: the domain → proto
+/// `match` is exhaustive over the domain enum and the proto → domain one over the proto enum, so
+/// a variant added on either side without the other does not compile. Proto's `UNSPECIFIED` has
+/// no domain value: reading it is an error ([`Error::Contract`]), as is a number this build does
+/// not know.
+macro_rules! one_to_one {
+    ($domain:ident <=> $proto:ident, unspecified: $unspecified:ident, [$($variant:ident),+ $(,)?]) => {
+        impl From<$domain> for pb::$proto {
+            fn from(value: $domain) -> Self {
+                match value {
+                    $($domain::$variant => Self::$variant,)+
+                }
+            }
+        }
+
+        impl TryFrom<pb::$proto> for $domain {
+            type Error = Error;
+            fn try_from(value: pb::$proto) -> Result<Self, Error> {
+                match value {
+                    $(pb::$proto::$variant => Ok(Self::$variant),)+
+                    pb::$proto::$unspecified => Err(Error::Contract {
+                        field: stringify!($proto),
+                        value: value as i32,
+                    }),
+                }
+            }
+        }
+
+        impl $domain {
+            /// Every value, in declaration order.
+            pub const ALL: &[Self] = &[$(Self::$variant),+];
+
+            /// The wire value (an `i32` field of a proto message) as this value.
+            pub fn from_wire(value: i32) -> Result<Self, Error> {
+                let known = pb::$proto::try_from(value).map_err(|_| Error::Contract {
+                    field: stringify!($proto),
+                    value,
+                })?;
+                Self::try_from(known)
+            }
+        }
+    };
+}
+
+one_to_one!(RunStatus <=> RunStatus, unspecified: Unspecified, [Running, Completed, Failed, Canceled]);
+one_to_one!(Delivery <=> SignalDelivery, unspecified: Unspecified, [Pending, Delivered, Undelivered]);
+one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
+    ToolParseError,
+    ToolExecutionError,
+    ToolBudgetExhausted,
+    ToolFailureLimit,
+    RepeatedLineLoop,
+    MaxTurnsExceeded,
+    LlmError,
+    LlmStreamStalled,
+    DeadlineExceeded,
+    UnknownError,
+    OrchestratorLost,
+    OutputLimit,
+]);
+
+/// A run's failure reason on the wire: `UNSPECIFIED` is "did not fail".
+pub(super) fn reason_from_wire(value: i32) -> Result<Option<FailureReason>, Error> {
+    if value == pb::FailureReason::Unspecified as i32 {
+        return Ok(None);
+    }
+    FailureReason::from_wire(value).map(Some)
+}
+
+pub(super) fn reason_to_wire(reason: Option<FailureReason>) -> i32 {
+    reason
+        .map_or(pb::FailureReason::Unspecified, pb::FailureReason::from)
+        .into()
+}
+
+pub(super) fn error_pb(e: &ToolCallError) -> pb::ToolCallError {
+    pb::ToolCallError {
+        code: e.code.clone(),
+        message: e.message.clone(),
+    }
+}
+
+pub(super) fn usage_pb(u: crate::llm::Usage) -> pb::Usage {
+    pb::Usage {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+    }
+}
+
+impl From<&Signal> for pb::Signal {
+    fn from(s: &Signal) -> Self {
+        Self {
+            run_id: s.run_id.clone(),
+            call_id: s.call_id.clone(),
+            tool_name: s.tool_name.clone(),
+            arguments_json: s.arguments_json.clone(),
+            arguments_valid: s.arguments_valid,
+            turn: s.turn,
+            emitted_at_unix_ms: s.emitted_at_unix_ms,
+            metadata: s.metadata.clone().into_iter().collect(),
+            delivery: pb::SignalDelivery::from(s.delivery).into(),
+            principal: s.principal.clone(),
+        }
+    }
+}
+
+impl TryFrom<pb::Signal> for Signal {
+    type Error = Error;
+
+    fn try_from(s: pb::Signal) -> Result<Self, Error> {
+        Ok(Self {
+            delivery: Delivery::from_wire(s.delivery)?,
+            run_id: s.run_id,
+            call_id: s.call_id,
+            tool_name: s.tool_name,
+            arguments_json: s.arguments_json,
+            arguments_valid: s.arguments_valid,
+            turn: s.turn,
+            emitted_at_unix_ms: s.emitted_at_unix_ms,
+            metadata: s.metadata.into_iter().collect(),
+            principal: s.principal,
+        })
+    }
+}
+
+impl TryFrom<pb::RunResult> for RunResult {
+    type Error = Error;
+
+    /// Reads a stored result back (the run store keeps the proto form).
+    fn try_from(r: pb::RunResult) -> Result<Self, Error> {
+        let usage = r.usage.unwrap_or_default();
+        Ok(Self {
+            status: RunStatus::from_wire(r.status)?,
+            failure_reason: reason_from_wire(r.failure_reason)?,
+            run_id: r.run_id,
+            failure_detail: r.failure_detail,
+            text: r.text,
+            signals: r.signals.into_iter().map(Signal::try_from).collect::<Result<_, _>>()?,
+            turns: r.turns,
+            tool_calls: r
+                .tool_calls
+                .into_iter()
+                .map(|c| crate::domain::ToolCallRecord {
+                    call_id: c.call_id,
+                    name: c.name,
+                    arguments_json: c.arguments_json,
+                    ok: c.ok,
+                    error: c.error.map(|e| ToolCallError {
+                        code: e.code,
+                        message: e.message,
+                    }),
+                    duration_ms: c.duration_ms,
+                    turn: c.turn,
+                })
+                .collect(),
+            failed_turns: r.failed_turns,
+            usage: crate::llm::Usage {
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+            },
+            finish_reason: r.finish_reason,
+            principal: r.principal,
+            reasoning: r.reasoning,
+            reasoning_truncated: r.reasoning_truncated,
+        })
+    }
+}
+
+impl From<&RunResult> for pb::RunResult {
+    fn from(r: &RunResult) -> Self {
+        Self {
+            run_id: r.run_id.clone(),
+            status: pb::RunStatus::from(r.status).into(),
+            failure_reason: reason_to_wire(r.failure_reason),
+            failure_detail: r.failure_detail.clone(),
+            text: r.text.clone(),
+            signals: r.signals.iter().map(pb::Signal::from).collect(),
+            turns: r.turns,
+            tool_calls: r
+                .tool_calls
+                .iter()
+                .map(|c| pb::ToolCallRecord {
+                    call_id: c.call_id.clone(),
+                    name: c.name.clone(),
+                    arguments_json: c.arguments_json.clone(),
+                    ok: c.ok,
+                    error: c.error.as_ref().map(error_pb),
+                    duration_ms: c.duration_ms,
+                    turn: c.turn,
+                })
+                .collect(),
+            failed_turns: r.failed_turns,
+            usage: Some(usage_pb(r.usage)),
+            finish_reason: r.finish_reason.clone(),
+            principal: r.principal.clone(),
+            reasoning: r.reasoning.clone(),
+            reasoning_truncated: r.reasoning_truncated,
+        }
+    }
+}
+
+/// A numbered domain event as a proto event of `run_id`.
+pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateEvent {
+    use pb::orchestrate_event::Event as E;
+    let event = match event {
+        Event::RunStarted {
+            model,
+            normal_tools,
+            exit_tools,
+            limits,
+        } => E::RunStarted(pb::RunStarted {
+            model,
+            normal_tools,
+            exit_tools,
+            limits: Some(pb::EffectiveLimits {
+                max_turns: limits.max_turns,
+                tool_call_budget: limits.tool_call_budget,
+                max_tool_failures: limits.max_tool_failures,
+                tool_timeout_ms: millis(limits.tool_timeout),
+                run_timeout_ms: millis(limits.run_timeout),
+            }),
+        }),
+        Event::TextDelta { text, turn } => E::TextDelta(pb::TextDelta { text, turn }),
+        Event::ReasoningDelta { text, turn } => E::ReasoningDelta(pb::ReasoningDelta { text, turn }),
+        Event::ToolCallStarted {
+            call_id,
+            name,
+            arguments_json,
+            turn,
+            arguments_truncated,
+        } => E::ToolCallStarted(pb::ToolCallStarted {
+            call_id,
+            name,
+            arguments_json,
+            turn,
+            arguments_truncated,
+        }),
+        Event::ToolCallFinished {
+            call_id,
+            name,
+            content_json,
+            content_truncated,
+            error,
+            duration_ms,
+        } => E::ToolCallFinished(pb::ToolCallFinished {
+            call_id,
+            name,
+            ok: error.is_none(),
+            content_json: content_json.unwrap_or_default(),
+            error: error.as_ref().map(error_pb),
+            duration_ms,
+            content_truncated,
+        }),
+        Event::Signal(signal) => E::Signal(pb::Signal::from(&signal)),
+        Event::TurnFinished {
+            turn,
+            usage,
+            tool_call_budget_remaining,
+            failed_turns,
+        } => E::TurnFinished(pb::TurnFinished {
+            turn,
+            usage: Some(usage_pb(usage)),
+            tool_call_budget_remaining,
+            failed_turns,
+        }),
+        Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
+            result: Some(pb::RunResult::from(&result)),
+        }),
+    };
+    pb::OrchestrateEvent {
+        run_id: run_id.to_owned(),
+        seq,
+        event: Some(event),
+    }
+}
