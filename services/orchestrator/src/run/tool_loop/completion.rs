@@ -1,0 +1,259 @@
+//! The streamed completion of a turn: events read in batches, visible text shown to the caller
+//! through the repeated-line detector, reasoning kept apart, usage recorded, and a completion that
+//! breaks off turned into the run's end.
+
+use futures::stream::{BoxStream, Fuse};
+use futures::{FutureExt, StreamExt};
+use shared::sync::lock;
+use tokio::time::Instant;
+
+use super::*;
+use crate::domain::{Event, FailureReason};
+use crate::llm::{ChatRequest, LlmError, LlmEvent};
+use crate::run::turn::{TurnCollector, TurnOutput};
+use crate::telemetry::metric;
+
+impl Driver<'_> {
+    /// Streams the completion: visible text goes to the caller and the repeated-line detector as
+    /// it arrives, reasoning to a detector of its own. A stream error keeps every byte: text held
+    /// back for directive parsing is output too, and the usage reported so far counts.
+    pub(super) async fn stream_completion(&mut self, request: ChatRequest, turn: &mut Turn) -> Step<TurnOutput> {
+        self.emitter.flush().await;
+        let requested = Instant::now();
+        let stream = self.deps.model.stream(request).await.map_err(llm_failure)?;
+        let collector = TurnCollector::new(self.deps.output.max_calls_per_turn, self.deps.output.max_argument_bytes);
+        self.completion = Some(Completion::new(stream, collector, requested));
+        while let Some(batch) = self.next_batch().await {
+            self.reason(turn, &batch.reasoning).await?;
+            self.show(turn, &batch.text).await?;
+            self.within_output_while_held()?;
+            if let Some(e) = batch.error {
+                self.keep_interrupted_turn(true);
+                return Err(llm_failure(e));
+            }
+        }
+        let output = self
+            .completion
+            .take()
+            .map_or_else(|| TurnCollector::default().finish(), Completion::finish);
+        self.record_usage(&output, turn);
+        Ok(output)
+    }
+
+    pub(super) async fn next_batch(&mut self) -> Option<Batch> {
+        self.completion.as_mut()?.next_batch().await
+    }
+
+    /// A turn the run ends in the middle of: the usage it reported counts, and its held text
+    /// is released (queued, sent before `run_finished`, seen by the repeated-line detector)
+    /// unless the run ends because that text loops.
+    pub(super) fn keep_interrupted_turn(&mut self, release_text: bool) {
+        let Some(mut completion) = self.completion.take() else {
+            return;
+        };
+        if release_text {
+            let mut held = completion.collector.release_held();
+            held.truncate(shared::text::truncate(&held, self.output_room()).len());
+            self.detector.feed(&held);
+            let turn = lock(self.state).turns;
+            self.emitter.queue(Event::TextDelta { text: held, turn });
+        }
+        if let Some(usage) = completion.collector.usage() {
+            let mut state = lock(self.state);
+            state.usage.prompt_tokens += usage.prompt_tokens;
+            state.usage.completion_tokens += usage.completion_tokens;
+        }
+    }
+
+    /// Reasoning goes to a repeated-line detector of its own: a line repeated too often ends the
+    /// run `REPEATED_LINE_LOOP`, as in text, with the reasoning kept up to that line.
+    pub(super) async fn reason(&mut self, turn: &mut Turn, reasoning: &str) -> Step<()> {
+        if reasoning.is_empty() {
+            return Ok(());
+        }
+        let tripped = self.reasoning_detector.feed(reasoning);
+        let seen = tripped.as_ref().map_or(reasoning, |(_, end)| &reasoning[..*end]);
+        self.keep_reasoning(turn, seen).await;
+        match tripped {
+            None => Ok(()),
+            Some((line, _)) => {
+                self.keep_interrupted_turn(false);
+                Err(End::Failed(
+                    FailureReason::RepeatedLineLoop,
+                    format!(
+                        "the model repeated the line {:?} too often in its reasoning",
+                        shared::text::excerpt(&line)
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Reasoning is streamed and kept in the result up to `max_reasoning_bytes` per run; past
+    /// them the result is flagged truncated and the run goes on (reasoning is not output). With
+    /// `send_reasoning`, the turn keeps its own reasoning, up to the same bound, to send back.
+    pub(super) async fn keep_reasoning(&mut self, turn: &mut Turn, reasoning: &str) {
+        let max = self.deps.output.max_reasoning_bytes;
+        let kept = {
+            let mut state = lock(self.state);
+            let kept = shared::text::truncate(reasoning, max.saturating_sub(state.reasoning.len()));
+            state.reasoning_truncated |= kept.len() < reasoning.len();
+            kept
+        };
+        self.emitter.reasoning(kept, turn.number).await;
+        if self.deps.send_reasoning {
+            let room = max.saturating_sub(turn.reasoning.len());
+            turn.reasoning.push_str(shared::text::truncate(reasoning, room));
+        }
+    }
+
+    /// Adds a finished completion's usage and finish reason to the turn, the run and the span.
+    pub(super) fn record_usage(&self, output: &TurnOutput, turn: &mut Turn) {
+        turn.usage = output.usage;
+        let chat_span = tracing::Span::current();
+        chat_span.record("gen_ai.usage.input_tokens", output.usage.prompt_tokens);
+        chat_span.record("gen_ai.usage.output_tokens", output.usage.completion_tokens);
+        if let Some(reason) = &output.finish_reason {
+            chat_span.record("gen_ai.response.finish_reasons", reason.as_str());
+        }
+        let mut state = lock(self.state);
+        state.usage.prompt_tokens += output.usage.prompt_tokens;
+        state.usage.completion_tokens += output.usage.completion_tokens;
+        if let Some(reason) = &output.finish_reason {
+            state.finish_reason.clone_from(reason);
+        }
+    }
+
+    /// Shows visible text and feeds the repeated-line detector; when it trips, the text is shown
+    /// up to the end of the repeated line and the run ends `REPEATED_LINE_LOOP`.
+    pub(super) async fn show(&mut self, turn: &mut Turn, text: &str) -> Step<()> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        let tripped = self.detector.feed(text);
+        let mut shown = tripped.as_ref().map_or(text, |(_, end)| &text[..*end]);
+        let over = shown.len() > self.output_room();
+        if over {
+            shown = shared::text::truncate(shown, self.output_room());
+        }
+        self.emitter.text(shown, turn.number).await;
+        turn.text.push_str(shown);
+        if over {
+            self.keep_interrupted_turn(false);
+            return Err(self.output_limit("its text"));
+        }
+        match tripped {
+            None => Ok(()),
+            Some((line, _)) => {
+                self.keep_interrupted_turn(false);
+                Err(End::Failed(
+                    FailureReason::RepeatedLineLoop,
+                    format!(
+                        "the model repeated the line {:?} too often",
+                        shared::text::excerpt(&line)
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+/// Events of a completion that are already here, taken together.
+pub(super) struct Batch {
+    /// Their visible text, shown as one delta: token by token while the model is slower than the
+    /// orchestrator, in batches when it is not.
+    pub(super) text: String,
+    /// Their reasoning text.
+    pub(super) reasoning: String,
+    /// The stream broke off after them.
+    pub(super) error: Option<LlmError>,
+}
+
+/// A completion as it streams in, read in [`Batch`]es.
+pub(super) struct Completion {
+    /// Fused: a batch may see the end before the loop does.
+    pub(super) stream: Fuse<BoxStream<'static, Result<LlmEvent, LlmError>>>,
+    pub(super) collector: TurnCollector,
+    pub(super) requested: Instant,
+    pub(super) first_token: bool,
+}
+
+impl Completion {
+    pub(super) fn new(
+        stream: BoxStream<'static, Result<LlmEvent, LlmError>>,
+        collector: TurnCollector,
+        requested: Instant,
+    ) -> Self {
+        Self {
+            stream: stream.fuse(),
+            collector,
+            requested,
+            first_token: true,
+        }
+    }
+
+    /// Waits for the next event, then takes every one that is already here; `None` at the end.
+    pub(super) async fn next_batch(&mut self) -> Option<Batch> {
+        let mut next = Some(self.stream.next().await?);
+        let mut batch = Batch {
+            text: String::new(),
+            reasoning: String::new(),
+            error: None,
+        };
+        while let Some(item) = next.take() {
+            match item {
+                Ok(event) => self.take(event, &mut batch),
+                Err(e) => {
+                    batch.error = Some(e);
+                    break;
+                }
+            }
+            next = self.stream.next().now_or_never().flatten();
+        }
+        Some(batch)
+    }
+
+    /// Passes one event to the collector (time to first token is measured on the first one
+    /// carrying output); text that can be shown now is added to `shown`.
+    pub(super) fn take(&mut self, event: LlmEvent, batch: &mut Batch) {
+        if self.first_token && is_token(&event) {
+            self.first_token = false;
+            let ttft = self.requested.elapsed().as_secs_f64();
+            tracing::Span::current().record("gen_ai.response.time_to_first_token", ttft);
+            metrics::histogram!(metric::TIME_TO_FIRST_TOKEN).record(ttft);
+        }
+        if let LlmEvent::ReasoningDelta(reasoning) = &event {
+            batch.reasoning.push_str(reasoning);
+        }
+        if let Some(text) = self.collector.push(event) {
+            batch.text.push_str(&text);
+        }
+    }
+
+    /// Ends the stream and says what the turn produced.
+    pub(super) fn finish(self) -> TurnOutput {
+        drop(self.stream);
+        self.collector.finish()
+    }
+}
+
+/// Whether an event carries generated output (for time to first token).
+pub(super) fn is_token(event: &LlmEvent) -> bool {
+    matches!(
+        event,
+        LlmEvent::TextDelta(_) | LlmEvent::ReasoningDelta(_) | LlmEvent::ToolCallFragment { .. }
+    )
+}
+
+pub(super) fn llm_failure(e: LlmError) -> End {
+    let span = tracing::Span::current();
+    let stalled = matches!(e, LlmError::Stalled(_));
+    span.record("error.type", if stalled { "llm_stream_stalled" } else { "llm_error" });
+    span.record("otel.status_code", "ERROR");
+    let reason = if stalled {
+        FailureReason::LlmStreamStalled
+    } else {
+        FailureReason::LlmError
+    };
+    End::Failed(reason, e.to_string())
+}

@@ -1,0 +1,503 @@
+//! `Driver::turn` and the rules of a turn, one method each, in the order they apply (see the
+//! module docs of the loop).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use shared::sync::lock;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::*;
+use crate::domain::ports::OnDelivery;
+use crate::domain::ports::ToolInvocation;
+use crate::domain::{Delivery, Event, FailureReason, ParsePolicy, RunStatus, Signal, ToolCallError, ToolCallRecord};
+use crate::llm::{ChatRequest, Message, ToolCall, Usage};
+use crate::run::bios::{BiosContext, render};
+use crate::run::fallback::Resolution;
+use crate::run::turn::TurnOutput;
+use crate::telemetry::{self, InFlight, metric};
+
+impl Driver<'_> {
+    /// One turn: every rule in order; `Err` when the run ends with it.
+    pub(super) async fn turn(&mut self, number: u32) -> Step<()> {
+        lock(self.state).turns = number;
+        let mut turn = Turn {
+            number,
+            text: String::new(),
+            usage: Usage::default(),
+            reasoning: String::new(),
+        };
+        let budget_before = self.budget_left();
+        let request = self.chat_request(number);
+        let output = self.stream_completion(request, &mut turn).await?;
+        let calls = self.take_calls(output, &mut turn).await?;
+        self.within_output_for_calls(&calls)?;
+        let partition = self.partition(calls);
+        self.publish_signals(&partition, number);
+        self.count_recorded_bytes();
+        self.apply_parse_policy(&partition, &turn, budget_before)?;
+        let spend = self.spend_budget(&partition);
+        if spend.executed.is_empty() && partition.bad.is_empty() {
+            self.finish_turn(&turn, spend.left);
+            return Err(self.budget_end(&spend, &partition).unwrap_or(End::Completed));
+        }
+        let outcomes = self.dispatch(&partition, &spend.executed, number).await;
+        let any_failed = !partition.bad.is_empty() || outcomes.iter().any(|o| o.result.is_err());
+        let fed_back = self.report_results(&partition, outcomes, number);
+        self.count_recorded_bytes();
+        self.count_failures(any_failed);
+        self.append_to_conversation(&mut turn, fed_back);
+        self.finish_turn(&turn, spend.left);
+        self.check_failure_limit()?;
+        match self.budget_end(&spend, &partition) {
+            Some(end) => Err(end),
+            None => Ok(()),
+        }
+    }
+
+    /// The request of a turn: the BIOS (regenerated), the caller's system message and messages,
+    /// then the turns so far.
+    pub(super) fn chat_request(&self, turn: u32) -> ChatRequest {
+        let (spec, limits) = (self.spec, self.spec.limits);
+        let bios = render(&BiosContext {
+            turn,
+            max_turns: self.max_turns,
+            normal_tools: &spec.normal_tools,
+            exit_tools: &spec.exit_tools,
+            budget_remaining: self.budget_left(),
+            failures_remaining: limits.max_tool_failures.saturating_sub(self.failed_turns),
+        });
+        let mut messages = Vec::with_capacity(2 + spec.messages.len() + self.conversation.len());
+        messages.push(Message::System(bios));
+        if !spec.system.is_empty() {
+            messages.push(Message::System(spec.system.clone()));
+        }
+        messages.extend(spec.messages.iter().cloned());
+        messages.extend(self.conversation.iter().cloned());
+        ChatRequest {
+            model: spec.model.clone(),
+            messages,
+            tools: self.tools.clone(),
+            params: spec.params.for_turn(turn),
+        }
+    }
+
+    /// Takes the turn's calls: the structured ones, or else the directives written in the text
+    /// (stripped from what is shown). A directive naming an unknown tool, or a malformed one,
+    /// ends the run `TOOL_PARSE_ERROR` with the text shown as written.
+    pub(super) async fn take_calls(&mut self, output: TurnOutput, turn: &mut Turn) -> Step<Vec<ModelCall>> {
+        match output.resolution {
+            Resolution::Text(text) => {
+                self.show(turn, &text).await?;
+                self.within_calls_per_turn(output.too_many_calls)?;
+                Ok(output
+                    .structured
+                    .into_iter()
+                    .map(|c| ModelCall {
+                        id: self.ids.take(c.id),
+                        name: c.name,
+                        arguments: c.arguments,
+                        argument_bytes: c.argument_bytes,
+                    })
+                    .collect())
+            }
+            Resolution::Calls { calls, stripped, raw } => {
+                if let Some(unknown) = calls.iter().find(|c| !self.offers(&c.name)) {
+                    let detail = format!("the text calls an unknown tool {:?}", unknown.name);
+                    self.emitter.text(&raw, turn.number).await;
+                    return Err(End::Failed(FailureReason::ToolParseError, detail));
+                }
+                self.show(turn, &stripped).await?;
+                self.within_calls_per_turn(calls.len() > self.deps.output.max_calls_per_turn)?;
+                Ok(calls
+                    .into_iter()
+                    .map(|c| ModelCall {
+                        id: self.ids.take(None),
+                        argument_bytes: c.arguments.len(),
+                        name: c.name,
+                        arguments: c.arguments,
+                    })
+                    .collect())
+            }
+            Resolution::Malformed { detail, raw } => {
+                self.emitter.text(&raw, turn.number).await;
+                Err(End::Failed(FailureReason::ToolParseError, detail))
+            }
+        }
+    }
+
+    /// More calls in one turn than `--max-calls-per-turn` end the run `OUTPUT_LIMIT`; none of
+    /// them runs.
+    pub(super) fn within_calls_per_turn(&self, too_many: bool) -> Step<()> {
+        if !too_many {
+            return Ok(());
+        }
+        let max = self.deps.output.max_calls_per_turn;
+        Err(End::failed(
+            FailureReason::OutputLimit,
+            format!("the model made more than {max} tool calls in one turn, this server's limit; none of them ran"),
+        ))
+    }
+
+    /// Sorts the calls into normal, exit and bad (an unknown tool, arguments over the size limit,
+    /// or arguments that are not a JSON object).
+    pub(super) fn partition(&self, calls: Vec<ModelCall>) -> Partition {
+        let mut partition = Partition {
+            normal: Vec::new(),
+            exit: Vec::new(),
+            bad: Vec::new(),
+            calls: Vec::new(),
+        };
+        for (i, call) in calls.iter().enumerate() {
+            if self.exit_names.contains(call.name.as_str()) {
+                partition.exit.push(i);
+            } else if !self.normal_names.contains(call.name.as_str()) {
+                let message = format!("there is no tool named {:?} in this run", call.name);
+                partition.bad.push((i, ToolCallError::new("NOT_FOUND", message)));
+            } else if call.argument_bytes > self.deps.output.max_argument_bytes {
+                let message = format!(
+                    "the arguments of {} are {} bytes, over this server's limit of {}; pass less (e.g. a reference instead of the content)",
+                    call.name, call.argument_bytes, self.deps.output.max_argument_bytes
+                );
+                partition
+                    .bad
+                    .push((i, ToolCallError::new("INVALID_ARGUMENTS", message)));
+            } else if !is_json_object(&call.arguments) {
+                let message = format!(
+                    "the arguments of {} are not a JSON object: {}",
+                    call.name,
+                    shared::text::excerpt(&call.arguments)
+                );
+                partition
+                    .bad
+                    .push((i, ToolCallError::new("INVALID_ARGUMENTS", message)));
+            } else {
+                partition.normal.push(i);
+            }
+        }
+        partition.calls = calls;
+        partition
+    }
+
+    /// Exit calls become signals at once: recorded in the result, published on the signal topic
+    /// and queued as events. They cost nothing and are not fed back to the model.
+    pub(super) fn publish_signals(&mut self, partition: &Partition, turn: u32) {
+        for &i in &partition.exit {
+            let call = &partition.calls[i];
+            let signal = Signal {
+                run_id: self.spec.run_id.clone(),
+                call_id: call.id.clone(),
+                tool_name: call.name.clone(),
+                arguments_valid: is_json_object(&call.arguments),
+                arguments_json: call.arguments.clone(),
+                turn,
+                emitted_at_unix_ms: shared::sync::unix_ms(),
+                metadata: self.spec.metadata.clone(),
+                delivery: Delivery::Pending,
+                principal: self.spec.principal.clone(),
+            };
+            lock(self.state).signals.push(signal.clone());
+            self.deps.signals.publish(&signal, self.on_delivery(&signal.call_id));
+            // The event carries the delivery as known now (the in-memory topic confirms at once).
+            let signal = lock(self.state)
+                .signals
+                .iter()
+                .find(|s| s.call_id == signal.call_id)
+                .cloned()
+                .unwrap_or(signal);
+            metrics::counter!(metric::SIGNALS_PUBLISHED).increment(1);
+            tracing::info!(
+                parent: &self.run_span,
+                gen_ai.tool.name = %signal.tool_name,
+                gen_ai.tool.call.id = %signal.call_id,
+                orchestrator.signal.arguments_valid = signal.arguments_valid,
+                orchestrator.turn = turn,
+                "signal"
+            );
+            self.emitter.queue(Event::Signal(signal));
+        }
+    }
+
+    /// What the topic's delivery report does: updates the signal in the run's state, and the
+    /// stored result (at once for a finished run; a live one is written at its next turn boundary
+    /// or at its end).
+    pub(super) fn on_delivery(&self, call_id: &str) -> OnDelivery {
+        let (state, persister, call_id) = (Arc::clone(self.state), self.persister.clone(), call_id.to_owned());
+        Box::new(move |delivery: Delivery| {
+            let finished = {
+                let mut state = lock(&state);
+                if let Some(s) = state.signals.iter_mut().find(|s| s.call_id == call_id) {
+                    s.delivery = delivery;
+                }
+                state.status != RunStatus::Running
+            };
+            match persister {
+                Some(persister) if finished => persister.write_final_soon(),
+                Some(persister) => persister.checkpoint(),
+                None => {}
+            }
+        })
+    }
+
+    /// With the parse policy FAIL (the default), a bad call ends the run `TOOL_PARSE_ERROR`; with
+    /// FEED_BACK it is answered with an error tool message and counts as a failed call.
+    pub(super) fn apply_parse_policy(&mut self, partition: &Partition, turn: &Turn, budget_left: u32) -> Step<()> {
+        match (partition.bad.first(), self.spec.parse_policy) {
+            (Some((_, error)), ParsePolicy::Fail) => {
+                self.finish_turn(turn, budget_left);
+                Err(End::Failed(FailureReason::ToolParseError, error.message.clone()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Each executed normal call costs 1: when the turn asks for more than is left, the first
+    /// ones (model order) run and the run ends after the turn.
+    pub(super) fn spend_budget(&mut self, partition: &Partition) -> Spend {
+        let remaining = self.budget_left() as usize;
+        let executed: Vec<usize> = partition.normal.iter().copied().take(remaining).collect();
+        self.used_budget += u32::try_from(executed.len()).unwrap_or(u32::MAX);
+        Spend {
+            exhausted: partition.normal.len() > remaining,
+            executed,
+            left: self.budget_left(),
+        }
+    }
+
+    pub(super) fn budget_left(&self) -> u32 {
+        self.spec.limits.tool_call_budget.saturating_sub(self.used_budget)
+    }
+
+    /// `TOOL_BUDGET_EXHAUSTED` when the turn asked for more calls than were left.
+    pub(super) fn budget_end(&self, spend: &Spend, partition: &Partition) -> Option<End> {
+        spend.exhausted.then(|| {
+            End::Failed(
+                FailureReason::ToolBudgetExhausted,
+                format!(
+                    "the tool-call budget of {} ran out (the last turn asked for {} call(s))",
+                    self.spec.limits.tool_call_budget,
+                    partition.normal.len()
+                ),
+            )
+        })
+    }
+
+    /// Runs the executed calls concurrently (`join_all`) on the tool-runners, each within the
+    /// smaller of the run's tool timeout and the time left in the run. A failed call does not
+    /// fail the run: its error is its outcome.
+    pub(super) async fn dispatch(&mut self, partition: &Partition, executed: &[usize], turn: u32) -> Vec<CallOutcome> {
+        for &i in executed.iter().chain(partition.bad.iter().map(|(i, _)| i)) {
+            let call = &partition.calls[i];
+            self.emitter.queue(Event::ToolCallStarted {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments_json: call.arguments.clone(),
+                turn,
+                arguments_truncated: false,
+            });
+        }
+        self.emitter.flush().await;
+        let timeout = self
+            .spec
+            .limits
+            .tool_timeout
+            .min(self.spec.deadline.at.saturating_duration_since(Instant::now()));
+        join_all(executed.iter().map(|&i| self.execute(i, &partition.calls[i], timeout))).await
+    }
+
+    /// One call on a tool-runner, in its `execute_tool` span.
+    pub(super) fn execute(
+        &self,
+        index: usize,
+        call: &ModelCall,
+        timeout: Duration,
+    ) -> impl Future<Output = CallOutcome> + use<> {
+        let payloads = self.deps.trace_payloads;
+        let span = telemetry::execute_tool_span(&call.name, &call.id, &call.arguments, payloads);
+        let invocation = ToolInvocation {
+            run_id: self.spec.run_id.clone(),
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            arguments_json: call.arguments.clone(),
+            metadata: self.spec.metadata.clone(),
+            principal: self.spec.principal.clone(),
+            timeout,
+        };
+        let tool = call.name.clone();
+        let future = span.in_scope(|| self.deps.tools.execute(invocation));
+        async move {
+            let _in_flight = InFlight::new(metric::TOOL_CALLS_IN_FLIGHT);
+            let started = Instant::now();
+            let result = tokio::time::timeout(timeout, future).await.unwrap_or_else(|_| {
+                Err(ToolCallError::new(
+                    "TIMEOUT",
+                    format!("no result within {}", humantime::format_duration(timeout)),
+                ))
+            });
+            let elapsed = started.elapsed();
+            telemetry::record_tool_call(&tool, &result, elapsed, payloads);
+            CallOutcome { index, result, elapsed }
+        }
+        .instrument(span)
+    }
+
+    /// Records every outcome (bad calls included, with their error) in the result and as events,
+    /// in the model's order, and returns what is fed back: the assistant's calls and one tool
+    /// message each.
+    pub(super) fn report_results(
+        &mut self,
+        partition: &Partition,
+        mut outcomes: Vec<CallOutcome>,
+        turn: u32,
+    ) -> Vec<(ToolCall, Message)> {
+        outcomes.extend(partition.bad.iter().map(|(index, error)| CallOutcome {
+            index: *index,
+            result: Err(error.clone()),
+            elapsed: Duration::ZERO,
+        }));
+        outcomes.sort_by_key(|o| o.index);
+        let mut fed_back = Vec::with_capacity(outcomes.len());
+        for CallOutcome { index, result, elapsed } in outcomes {
+            let result = result.map_err(|error| self.bounded_error(error));
+            let call = &partition.calls[index];
+            let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+            lock(self.state).tool_calls.push(ToolCallRecord {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments_json: call.arguments.clone(),
+                ok: result.is_ok(),
+                error: result.as_ref().err().cloned(),
+                duration_ms,
+                turn,
+            });
+            let content = match &result {
+                Ok(json) => self.fed_back_result(json),
+                Err(error) => error.to_tool_message(),
+            };
+            self.emitter.queue(Event::ToolCallFinished {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                content_json: result.as_ref().ok().cloned(),
+                content_truncated: false,
+                error: result.err(),
+                duration_ms,
+            });
+            let assistant_call = ToolCall {
+                id: call.id.clone(),
+                name: call.name.clone(),
+                arguments: call.arguments.clone(),
+            };
+            let tool_message = Message::Tool {
+                tool_call_id: call.id.clone(),
+                content,
+            };
+            fed_back.push((assistant_call, tool_message));
+        }
+        fed_back
+    }
+
+    /// A tool result as the model sees it: at most `max_tool_result_bytes`, cut with a note saying
+    /// how much was left out.
+    pub(super) fn fed_back_result(&self, json: &str) -> String {
+        counted_cut(json, self.deps.max_tool_result_bytes, "result").unwrap_or_else(|| json.to_owned())
+    }
+
+    /// A tool error as the run keeps it (its record, its event, the model's tool message): the
+    /// message at most `max_tool_result_bytes`, cut with a note saying how much was left out (a
+    /// runner passes on a command's stderr or an MCP server's error text).
+    pub(super) fn bounded_error(&self, mut error: ToolCallError) -> ToolCallError {
+        if let Some(cut) = counted_cut(&error.message, self.deps.max_tool_result_bytes, "message") {
+            error.message = cut;
+        }
+        error
+    }
+
+    /// Failures count once per turn, however many of its calls failed.
+    pub(super) fn count_failures(&mut self, any_failed: bool) {
+        if any_failed {
+            self.failed_turns += 1;
+            lock(self.state).failed_turns = self.failed_turns;
+        }
+    }
+
+    /// `TOOL_FAILURE_LIMIT` once the failing turns exceed `max_tool_failures`.
+    pub(super) fn check_failure_limit(&self) -> Step<()> {
+        let max = self.spec.limits.max_tool_failures;
+        if self.failed_turns > max {
+            return Err(End::Failed(
+                FailureReason::ToolFailureLimit,
+                format!(
+                    "{} turn(s) had failing tool calls; at most {max} are tolerated",
+                    self.failed_turns
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One assistant message with the turn's text and its normal calls only, then one tool
+    /// message per call, in the model's order.
+    pub(super) fn append_to_conversation(&mut self, turn: &mut Turn, fed_back: Vec<(ToolCall, Message)>) {
+        let (tool_calls, tool_messages): (Vec<ToolCall>, Vec<Message>) = fed_back.into_iter().unzip();
+        self.conversation.push(Message::Assistant {
+            content: std::mem::take(&mut turn.text),
+            tool_calls,
+            reasoning: Some(std::mem::take(&mut turn.reasoning)).filter(|r| !r.is_empty()),
+        });
+        self.conversation.extend(tool_messages);
+    }
+
+    /// Queues the turn's end (sent with the next model request, or with the run's end).
+    pub(super) fn finish_turn(&mut self, turn: &Turn, budget_left: u32) {
+        self.emitter.queue(Event::TurnFinished {
+            turn: turn.number,
+            usage: turn.usage,
+            tool_call_budget_remaining: budget_left,
+            failed_turns: self.failed_turns,
+        });
+    }
+
+    pub(super) fn offers(&self, name: &str) -> bool {
+        self.normal_names.contains(name) || self.exit_names.contains(name)
+    }
+}
+
+pub(super) fn is_json_object(text: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(text).is_ok_and(|v| v.is_object())
+}
+
+/// Gives every call of the run a unique id: the model's when it sent one that is new, else a
+/// generated one (the model sees the same id in the tool message).
+#[derive(Default)]
+pub(super) struct IdAllocator {
+    used: HashSet<String>,
+    generated: u32,
+}
+
+impl IdAllocator {
+    fn take(&mut self, id: Option<String>) -> String {
+        if let Some(id) = id.filter(|id| !self.used.contains(id)) {
+            self.used.insert(id.clone());
+            return id;
+        }
+        loop {
+            self.generated += 1;
+            let id = format!("call_{}", self.generated);
+            if self.used.insert(id.clone()) {
+                return id;
+            }
+        }
+    }
+}
+
+/// [`shared::text::cut_with_note`], counted in the metrics when it cuts.
+pub(super) fn counted_cut(text: &str, max: usize, what: &str) -> Option<String> {
+    let cut = shared::text::cut_with_note(text, max, what);
+    if cut.is_some() {
+        metrics::counter!(metric::TOOL_RESULTS_CUT).increment(1);
+    }
+    cut
+}

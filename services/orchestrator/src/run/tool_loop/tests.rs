@@ -1,0 +1,887 @@
+//! The loop without a network: a scripted model and an in-process tool executor.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use std::sync::Mutex;
+
+use futures::future::BoxFuture;
+use tokio::sync::mpsc;
+
+use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
+
+use crate::domain::Deadline;
+use crate::domain::Limits;
+use crate::domain::OutputBounds;
+use crate::domain::ports::{ToolExecutor, ToolInvocation};
+use crate::domain::{Event, FailureReason, ParsePolicy, RunResult, RunSpec, RunStatus, ToolCallError};
+use crate::domain::{EventBatch, NumberedEvent};
+use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolDefinition, Usage};
+use crate::run::live::{AdmittedRun, Emitter, SharedState};
+use crate::run::live::{Cancel, EmitSettings};
+use crate::run::loop_detector::DetectorConfig;
+use crate::signals::memory::MemoryTopic;
+
+/// Plays one list of events per turn and records the requests.
+struct Script {
+    turns: Mutex<VecDeque<Vec<Result<LlmEvent, LlmError>>>>,
+    requests: Mutex<Vec<ChatRequest>>,
+    /// The last turn's stream stays open after its events.
+    hang: bool,
+}
+
+impl ChatModel for Script {
+    fn stream(
+        &self,
+        request: ChatRequest,
+    ) -> BoxFuture<'static, Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError>> {
+        self.requests.lock().unwrap().push(request);
+        let turn = self
+            .turns
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or_else(|| vec![Ok(LlmEvent::TextDelta("end".into()))]);
+        let last = self.turns.lock().unwrap().is_empty();
+        let stream = futures::stream::iter(turn);
+        let stream = if self.hang && last {
+            stream.chain(futures::stream::pending()).boxed()
+        } else {
+            stream.boxed()
+        };
+        futures::future::ready(Ok(stream)).boxed()
+    }
+}
+
+/// Sleeps `ms` from the arguments, fails tools named `bad`, and counts calls in flight.
+#[derive(Default)]
+struct Tools {
+    in_flight: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl ToolExecutor for Arc<Tools> {
+    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
+        let this = Arc::clone(self);
+        async move {
+            let now = this.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            this.peak.fetch_max(now, Ordering::SeqCst);
+            let args: serde_json::Value = serde_json::from_str(&call.arguments_json).unwrap_or_default();
+            tokio::time::sleep(Duration::from_millis(args["ms"].as_u64().unwrap_or(0))).await;
+            this.in_flight.fetch_sub(1, Ordering::SeqCst);
+            if call.name == "bad" {
+                return Err(ToolCallError::new(
+                    "FAILED",
+                    args["message"].as_str().unwrap_or("bad tool"),
+                ));
+            }
+            Ok(call.arguments_json)
+        }
+        .boxed()
+    }
+}
+
+fn call(index: u32, name: &str, args: &str) -> Result<LlmEvent, LlmError> {
+    Ok(LlmEvent::ToolCallFragment {
+        index: Some(index),
+        id: Some(format!("id{index}")),
+        name: Some(name.into()),
+        arguments: Some(args.into()),
+    })
+}
+
+fn tool(name: &str) -> ToolDefinition {
+    ToolDefinition {
+        name: name.into(),
+        description: name.into(),
+        parameters: serde_json::json!({"type": "object"}),
+    }
+}
+
+fn spec(limits: Limits) -> RunSpec {
+    RunSpec {
+        run_id: "r".into(),
+        system: String::new(),
+        messages: vec![Message::User {
+            content: "go".into(),
+            name: None,
+        }],
+        model: "m".into(),
+        params: Default::default(),
+        normal_tools: vec![tool("nap"), tool("bad")],
+        exit_tools: vec![tool("done")],
+        limits,
+        metadata: Default::default(),
+        parse_policy: ParsePolicy::Fail,
+        deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
+        principal: String::new(),
+    }
+}
+
+const EMIT: EmitSettings = EmitSettings {
+    send_timeout: Duration::from_secs(30),
+    max_event_bytes: 1024,
+};
+
+fn limits() -> Limits {
+    Limits {
+        max_turns: 8,
+        tool_call_budget: 10,
+        max_tool_failures: 1,
+        tool_timeout: Duration::from_secs(5),
+        run_timeout: Duration::from_secs(30),
+    }
+}
+
+async fn play(
+    turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
+    limits: Limits,
+) -> (RunResult, Vec<NumberedEvent>, Arc<Script>, Arc<Tools>) {
+    let (result, batches, script, tools) = play_batched(turns, limits).await;
+    (result, batches.into_iter().flatten().collect(), script, tools)
+}
+
+/// As [`play`], with the events as the batches the caller's stream received.
+async fn play_batched(
+    turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
+    limits: Limits,
+) -> (RunResult, Vec<EventBatch>, Arc<Script>, Arc<Tools>) {
+    play_with(turns, limits, Outside::default()).await
+}
+
+/// What happens around a run in a test.
+struct Outside {
+    /// The last turn's stream stays open after its events.
+    hang: bool,
+    /// `CancelRun` after this long.
+    cancel_after: Option<Duration>,
+    emit: EmitSettings,
+    /// The caller's stream: its buffer, and the pause before each read (`None`: never reads
+    /// until the run is over).
+    buffer: usize,
+    read_every: Option<Duration>,
+    /// The caller is attached: it stopping to read cancels the run.
+    attached: bool,
+    output: OutputBounds,
+    send_reasoning: bool,
+}
+
+impl Default for Outside {
+    fn default() -> Self {
+        Self {
+            hang: false,
+            cancel_after: None,
+            emit: EMIT,
+            buffer: 1024,
+            read_every: Some(Duration::ZERO),
+            attached: false,
+            output: (&crate::Config::default().runs.output).into(),
+            send_reasoning: false,
+        }
+    }
+}
+
+async fn play_with(
+    turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
+    limits: Limits,
+    outside: Outside,
+) -> (RunResult, Vec<EventBatch>, Arc<Script>, Arc<Tools>) {
+    let script = Arc::new(Script {
+        turns: Mutex::new(turns.into()),
+        requests: Mutex::default(),
+        hang: outside.hang,
+    });
+    let tools = Arc::new(Tools::default());
+    let deps = LoopDeps {
+        model: script.clone(),
+        tools: Arc::new(Arc::clone(&tools)),
+        signals: Arc::new(MemoryTopic::new(16)),
+        detector: DetectorConfig {
+            window: 64,
+            threshold: 8,
+        },
+        trace_payloads: None,
+        max_tool_result_bytes: 1024,
+        output: outside.output,
+        send_reasoning: outside.send_reasoning,
+    };
+    let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
+    let (tx, mut rx) = mpsc::channel(outside.buffer);
+    let cancel = Cancel::default();
+    let on_stall = outside.attached.then(|| cancel.clone());
+    let admitted = AdmittedRun {
+        spec: spec(limits),
+        emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall),
+        state,
+        cancel: cancel.clone(),
+        caller: None,
+        persister: None,
+        slot: None,
+    };
+    if let Some(after) = outside.cancel_after {
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            cancel.cancel("canceled by the test");
+        });
+    }
+    let reader = tokio::spawn(async move {
+        let mut batches = Vec::new();
+        if let Some(every) = outside.read_every {
+            loop {
+                tokio::time::sleep(every).await;
+                match rx.recv().await {
+                    Some(batch) => batches.push(batch),
+                    None => break,
+                }
+            }
+        }
+        (batches, rx)
+    });
+    let result = run(admitted, &deps).await;
+    let (mut batches, mut rx) = reader.await.unwrap();
+    while let Ok(batch) = rx.try_recv() {
+        batches.push(batch);
+    }
+    (result, batches, script, tools)
+}
+
+/// Text of the events, in order, and whether seq runs 1, 2, 3 … without gaps.
+fn streamed(batches: &[EventBatch]) -> (String, bool) {
+    let events: Vec<&NumberedEvent> = batches.iter().flatten().collect();
+    let text = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::TextDelta { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    let no_gaps = events.iter().zip(1..).all(|(e, n)| e.seq == n);
+    (text, no_gaps)
+}
+
+#[tokio::test(start_paused = true)]
+async fn events_produced_together_reach_the_stream_as_one_batch() {
+    let turn1 = vec![
+        call(0, "nap", r#"{"ms": 5}"#),
+        call(1, "nap", r#"{"ms": 5}"#),
+        call(2, "done", r#"{"ok": true}"#),
+    ];
+    let turn2 = vec![Ok(LlmEvent::TextDelta("fin".into()))];
+    let (result, batches, _, _) = play_batched(vec![turn1, turn2], limits()).await;
+    assert_eq!(result.status, RunStatus::Completed);
+    let kinds: Vec<Vec<&str>> = batches
+        .iter()
+        .map(|b| {
+            b.iter()
+                .map(|e| match &e.event {
+                    Event::RunStarted { .. } => "run_started",
+                    Event::TextDelta { .. } => "text",
+                    Event::ReasoningDelta { .. } => "reasoning",
+                    Event::ToolCallStarted { .. } => "call_started",
+                    Event::ToolCallFinished { .. } => "call_finished",
+                    Event::Signal(_) => "signal",
+                    Event::TurnFinished { .. } => "turn_finished",
+                    Event::RunFinished(_) => "run_finished",
+                })
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            vec!["run_started"],
+            vec!["signal", "call_started", "call_started"],
+            vec!["call_finished", "call_finished", "turn_finished"],
+            vec!["text"],
+            vec!["turn_finished", "run_finished"],
+        ]
+    );
+    let seqs: Vec<u64> = batches.iter().flatten().map(|e| e.seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as u64).collect::<Vec<_>>(),
+        "numbered without gaps"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn parallel_calls_overlap_and_exit_calls_are_signals() {
+    let turn1 = vec![
+        Ok(LlmEvent::TextDelta("napping".into())),
+        call(0, "nap", r#"{"ms": 500}"#),
+        call(1, "nap", r#"{"ms": 500}"#),
+        call(2, "done", r#"{"ok": true}"#),
+        call(3, "nap", r#"{"ms": 500}"#),
+        Ok(LlmEvent::Usage(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+        })),
+    ];
+    let (result, events, script, tools) = play(vec![turn1], limits()).await;
+    assert_eq!(result.status, RunStatus::Completed);
+    assert_eq!(tools.peak.load(Ordering::SeqCst), 3, "all three ran at once");
+    assert_eq!(
+        result.tool_calls.iter().map(|c| c.call_id.as_str()).collect::<Vec<_>>(),
+        ["id0", "id1", "id3"]
+    );
+    assert_eq!(result.signals.len(), 1);
+    assert_eq!(
+        result.usage,
+        Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2
+        }
+    );
+    // The second request: the BIOS shows the spent budget; the exit call is not in the conversation.
+    let second = script.requests.lock().unwrap()[1].clone();
+    let Message::System(bios) = &second.messages[0] else {
+        panic!("BIOS first")
+    };
+    assert!(
+        bios.contains("turn 2 of at most 8") && bios.contains("7 normal call(s) left"),
+        "{bios}"
+    );
+    let Message::Assistant { tool_calls, .. } = &second.messages[2] else {
+        panic!("{:?}", second.messages)
+    };
+    assert_eq!(
+        tool_calls.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+        ["nap", "nap", "nap"]
+    );
+    assert!(events.windows(2).all(|w| w[1].seq == w[0].seq + 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn failures_count_once_per_turn_and_the_limit_ends_the_run() {
+    let failing = || vec![call(0, "bad", "{}"), call(1, "bad", "{}"), call(2, "bad", "{}")];
+    let (result, ..) = play(vec![failing(), failing(), vec![]], limits()).await;
+    assert_eq!(
+        (result.status, result.failure_reason, result.failed_turns),
+        (RunStatus::Failed, Some(FailureReason::ToolFailureLimit), 2)
+    );
+    assert_eq!(result.tool_calls.len(), 6);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_budget_runs_the_first_calls_then_ends() {
+    let turn = vec![
+        call(0, "nap", r#"{"n": 1}"#),
+        call(1, "nap", r#"{"n": 2}"#),
+        call(2, "nap", r#"{"n": 3}"#),
+    ];
+    let (result, ..) = play(
+        vec![turn],
+        Limits {
+            tool_call_budget: 2,
+            ..limits()
+        },
+    )
+    .await;
+    assert_eq!(result.failure_reason, Some(FailureReason::ToolBudgetExhausted));
+    assert_eq!(
+        result
+            .tool_calls
+            .iter()
+            .map(|c| c.arguments_json.as_str())
+            .collect::<Vec<_>>(),
+        [r#"{"n": 1}"#, r#"{"n": 2}"#]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_error_mid_stream_keeps_held_back_text() {
+    let turn = vec![
+        Ok(LlmEvent::TextDelta("visible <tool_".into())),
+        Err(LlmError::Protocol("the LLM stream broke off".into())),
+    ];
+    let (result, ..) = play(vec![turn], limits()).await;
+    assert_eq!(
+        (result.status, result.failure_reason),
+        (RunStatus::Failed, Some(FailureReason::LlmError))
+    );
+    assert_eq!(result.text, "visible <tool_", "held-back text is output too");
+}
+
+#[tokio::test(start_paused = true)]
+async fn text_arriving_at_once_is_one_delta_and_a_loop_is_cut_at_the_repeated_line() {
+    let line = "the same line again\n";
+    let turn = vec![
+        Ok(LlmEvent::TextDelta(line.repeat(10))),
+        Ok(LlmEvent::TextDelta("never shown".into())),
+    ];
+    let (result, events, ..) = play(vec![turn], limits()).await;
+    assert_eq!(result.failure_reason, Some(FailureReason::RepeatedLineLoop));
+    assert_eq!(
+        result.text,
+        line.repeat(8),
+        "output stops at the eighth repetition (the threshold)"
+    );
+    let deltas = events
+        .iter()
+        .filter(|e| matches!(e.event, Event::TextDelta { .. }))
+        .count();
+    assert_eq!(deltas, 1, "chunks already there are shown as one delta");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_turn_guard_holds_whatever_max_turns_says() {
+    let forever: Vec<_> = (0..200).map(|_| vec![call(0, "nap", "{}")]).collect();
+    let (result, ..) = play(
+        forever,
+        Limits {
+            max_turns: 1000,
+            tool_call_budget: 10_000,
+            ..limits()
+        },
+    )
+    .await;
+    assert_eq!(
+        (result.failure_reason, result.turns),
+        (Some(FailureReason::MaxTurnsExceeded), HARD_MAX_TURNS)
+    );
+}
+
+fn text(t: &str) -> Result<LlmEvent, LlmError> {
+    Ok(LlmEvent::TextDelta(t.into()))
+}
+
+fn usage(prompt_tokens: u64, completion_tokens: u64) -> Result<LlmEvent, LlmError> {
+    Ok(LlmEvent::Usage(Usage {
+        prompt_tokens,
+        completion_tokens,
+    }))
+}
+
+/// Limits that let a run go on for 100 turns of one call each.
+fn many_turns() -> Limits {
+    Limits {
+        max_turns: 100,
+        tool_call_budget: 100,
+        ..limits()
+    }
+}
+
+/// A fenced directive cut off after its first key (held back); `\u{7b}` is `{`.
+const HELD_CALL: &str = "Here is the call:\n```json\n\u{7b}\"name\": \"nap\", ";
+/// A `<tool_call>` directive cut off after its first key.
+const OPEN_DIRECTIVE: &str = "<tool_call>\u{7b}\"name\"";
+
+#[tokio::test(start_paused = true)]
+async fn a_cancel_mid_code_block_keeps_the_held_text_and_the_usage() {
+    let turn = vec![text(HELD_CALL), usage(7, 3)];
+    let outside = Outside {
+        hang: true,
+        cancel_after: Some(Duration::from_secs(1)),
+        ..Outside::default()
+    };
+    let (result, batches, ..) = play_with(vec![turn], limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Canceled);
+    assert_eq!(result.text, HELD_CALL);
+    assert_eq!(streamed(&batches), (result.text.clone(), true));
+    assert_eq!(result.usage.prompt_tokens, 7, "the interrupted turn's usage counts");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_keeps_held_text_and_code_blocks_stream_before_it() {
+    let turn = vec![text("```rust\nfn main() {}\n```\n"), text(OPEN_DIRECTIVE)];
+    let outside = Outside {
+        hang: true,
+        ..Outside::default()
+    };
+    let limits = Limits {
+        run_timeout: Duration::from_secs(3),
+        ..limits()
+    };
+    let (result, batches, ..) = play_with(vec![turn], limits, outside).await;
+    assert_eq!(
+        (result.status, result.failure_reason),
+        (RunStatus::Failed, Some(FailureReason::DeadlineExceeded))
+    );
+    assert_eq!(result.text, format!("```rust\nfn main() {{}}\n```\n{OPEN_DIRECTIVE}"));
+    let (text, no_gaps) = streamed(&batches);
+    assert!(no_gaps && text == result.text);
+    let first = batches.iter().flatten().find_map(|e| match &e.event {
+        Event::TextDelta { text, .. } => Some(text.clone()),
+        _ => None,
+    });
+    assert_eq!(
+        first.as_deref(),
+        Some("```rust\nfn main() {}\n```\n"),
+        "the code block streamed at once"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn usage_of_a_turn_that_breaks_off_counts() {
+    let turn = vec![
+        text("partial"),
+        usage(11, 5),
+        Err(LlmError::Protocol("the LLM stream broke off".into())),
+    ];
+    let (result, ..) = play(vec![turn], limits()).await;
+    assert_eq!(result.failure_reason, Some(FailureReason::LlmError));
+    assert_eq!((result.usage.prompt_tokens, result.usage.completion_tokens), (11, 5));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_model_looping_in_its_reasoning_is_stopped() {
+    let thinking = |n: usize| Ok(LlmEvent::ReasoningDelta("Wait, let me reconsider.\n".repeat(n)));
+    let (result, ..) = play(vec![vec![thinking(7), text("ok")]], limits()).await;
+    assert_eq!(
+        result.status,
+        RunStatus::Completed,
+        "7 repetitions: under the threshold of 8"
+    );
+    let (result, ..) = play(vec![vec![thinking(8), text("never")]], limits()).await;
+    assert_eq!(result.failure_reason, Some(FailureReason::RepeatedLineLoop));
+    assert!(result.failure_detail.contains("reasoning"), "{}", result.failure_detail);
+    assert_eq!(result.text, "", "reasoning is not output");
+    assert_eq!(
+        result.reasoning,
+        "Wait, let me reconsider.\n".repeat(8),
+        "kept up to the repeated line"
+    );
+}
+
+fn reasoning(t: &str) -> Result<LlmEvent, LlmError> {
+    Ok(LlmEvent::ReasoningDelta(t.into()))
+}
+
+/// A turn reasoning before its call, then one reasoning before its answer.
+fn reasoning_turns() -> Vec<Vec<Result<LlmEvent, LlmError>>> {
+    vec![
+        vec![
+            reasoning("I need a nap. "),
+            reasoning("One will do."),
+            call(0, "nap", r#"{"ms": 1}"#),
+        ],
+        vec![reasoning("Rested."), text("slept")],
+    ]
+}
+
+fn with_reasoning(max_reasoning_bytes: usize, send_reasoning: bool) -> Outside {
+    Outside {
+        output: OutputBounds {
+            max_reasoning_bytes,
+            ..(&crate::Config::default().runs.output).into()
+        },
+        send_reasoning,
+        ..Outside::default()
+    }
+}
+
+/// Reasoning events' text, and their turns.
+fn streamed_reasoning(batches: &[EventBatch]) -> (String, Vec<u32>) {
+    batches
+        .iter()
+        .flatten()
+        .filter_map(|e| match &e.event {
+            Event::ReasoningDelta { text, turn } => Some((text.as_str(), *turn)),
+            _ => None,
+        })
+        .fold((String::new(), Vec::new()), |(mut all, mut turns), (text, turn)| {
+            all.push_str(text);
+            turns.push(turn);
+            (all, turns)
+        })
+}
+
+#[tokio::test(start_paused = true)]
+async fn reasoning_is_streamed_and_kept_apart_from_the_text_up_to_its_cap() {
+    let all = "I need a nap. One will do.Rested.";
+    let (result, batches, script, _) = play_with(reasoning_turns(), limits(), with_reasoning(all.len(), false)).await;
+    assert_eq!((result.status, result.text.as_str()), (RunStatus::Completed, "slept"));
+    assert_eq!((result.reasoning.as_str(), result.reasoning_truncated), (all, false));
+    // Deltas already there are one event, as text is.
+    assert_eq!(streamed_reasoning(&batches), (all.to_owned(), vec![1, 2]));
+    let second = script.requests.lock().unwrap()[1].clone();
+    assert!(
+        matches!(&second.messages[2], Message::Assistant { reasoning: None, .. }),
+        "not sent back unless configured: {:?}",
+        second.messages[2]
+    );
+
+    // One byte under: the run goes on, its reasoning cut and flagged.
+    let (result, batches, ..) = play_with(reasoning_turns(), limits(), with_reasoning(all.len() - 1, false)).await;
+    assert_eq!((result.status, result.text.as_str()), (RunStatus::Completed, "slept"));
+    assert_eq!(
+        (result.reasoning.as_str(), result.reasoning_truncated),
+        (&all[..all.len() - 1], true)
+    );
+    assert_eq!(streamed_reasoning(&batches).0, result.reasoning);
+
+    // Nothing kept at all.
+    let (result, batches, ..) = play_with(reasoning_turns(), limits(), with_reasoning(0, false)).await;
+    assert_eq!(
+        (result.status, result.reasoning.as_str(), result.reasoning_truncated),
+        (RunStatus::Completed, "", true)
+    );
+    assert_eq!(streamed_reasoning(&batches).1, Vec::<u32>::new());
+}
+
+#[tokio::test(start_paused = true)]
+async fn reasoning_goes_back_to_the_model_when_configured_within_its_cap() {
+    let (result, _, script, _) = play_with(reasoning_turns(), limits(), with_reasoning(1024, true)).await;
+    assert_eq!(result.status, RunStatus::Completed);
+    let second = script.requests.lock().unwrap()[1].clone();
+    let Message::Assistant {
+        reasoning, tool_calls, ..
+    } = &second.messages[2]
+    else {
+        panic!("{:?}", second.messages[2]);
+    };
+    assert_eq!(
+        (reasoning.as_deref(), tool_calls.len()),
+        (Some("I need a nap. One will do."), 1)
+    );
+
+    let (_, _, script, _) = play_with(reasoning_turns(), limits(), with_reasoning(6, true)).await;
+    let second = script.requests.lock().unwrap()[1].clone();
+    assert!(
+        matches!(&second.messages[2], Message::Assistant { reasoning: Some(r), .. } if r == "I need"),
+        "{:?}",
+        second.messages[2]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn large_tool_results_and_arguments_are_cut_for_the_model_and_in_their_events() {
+    let big = format!(r#"{{"pad": "{}"}}"#, "x".repeat(5000));
+    let (result, batches, script, _) = play_batched(vec![vec![call(0, "nap", &big)]], limits()).await;
+    assert_eq!(result.status, RunStatus::Completed);
+    let second = script.requests.lock().unwrap()[1].clone();
+    let Some(Message::Tool { content, .. }) = second.messages.last() else {
+        panic!("{:?}", second.messages)
+    };
+    assert!(content.len() < 1100, "{} bytes fed back", content.len());
+    assert!(content.ends_with(&format!(
+        "[result cut: {} of {} bytes left out]",
+        big.len() - 1024,
+        big.len()
+    )));
+    let finished = batches.iter().flatten().find_map(|e| match &e.event {
+        Event::ToolCallFinished {
+            content_json,
+            content_truncated,
+            ..
+        } => Some((content_json.clone().unwrap_or_default().len(), *content_truncated)),
+        _ => None,
+    });
+    assert_eq!(finished, Some((1024, true)));
+    // The arguments: cut in their event, whole in the run's record.
+    let started = batches.iter().flatten().find_map(|e| match &e.event {
+        Event::ToolCallStarted {
+            arguments_json,
+            arguments_truncated,
+            ..
+        } => Some((arguments_json.len(), *arguments_truncated)),
+        _ => None,
+    });
+    assert_eq!(started, Some((1024, true)));
+    assert_eq!(result.tool_calls[0].arguments_json, big);
+}
+
+#[tokio::test(start_paused = true)]
+async fn long_tool_error_messages_are_cut_everywhere_the_run_keeps_them() {
+    let message = "e".repeat(5000);
+    let args = serde_json::json!({ "message": message }).to_string();
+    let (result, batches, script, _) = play_batched(vec![vec![call(0, "bad", &args)]], limits()).await;
+    let marker = format!("\n[message cut: {} of 5000 bytes left out]", 5000 - 1024);
+    let kept = format!("{}{marker}", &message[..1024]);
+    // The model's tool message, and the run's record.
+    let second = script.requests.lock().unwrap()[1].clone();
+    let Some(Message::Tool { content, .. }) = second.messages.last() else {
+        panic!("{:?}", second.messages)
+    };
+    let fed_back: serde_json::Value = serde_json::from_str(content).unwrap();
+    assert_eq!(fed_back["error"]["message"], kept.as_str());
+    let record = result.tool_calls[0].error.clone().unwrap();
+    assert_eq!(record.message, kept);
+    // The event: at most max_event_bytes (1024 here) of it.
+    let event_message = batches.iter().flatten().find_map(|e| match &e.event {
+        Event::ToolCallFinished { error: Some(e), .. } => Some(e.message.clone()),
+        _ => None,
+    });
+    assert_eq!(event_message.as_deref(), Some(&message[..1024]));
+    // A message within the bound is kept whole.
+    let short = serde_json::json!({ "message": "e".repeat(1024) }).to_string();
+    let (result, ..) = play_batched(vec![vec![call(0, "bad", &short)]], limits()).await;
+    assert_eq!(result.tool_calls[0].error.clone().unwrap().message.len(), 1024);
+}
+
+#[tokio::test(start_paused = true)]
+async fn long_text_is_split_over_events_of_the_largest_size() {
+    let long = "é".repeat(1500);
+    let (result, batches, ..) = play_batched(vec![vec![text(&long)]], limits()).await;
+    let deltas: Vec<usize> = batches
+        .iter()
+        .flatten()
+        .filter_map(|e| match &e.event {
+            Event::TextDelta { text, .. } => Some(text.len()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        deltas,
+        [1024, 1024, 952],
+        "split on char boundaries, at most 1024 bytes each"
+    );
+    assert_eq!(streamed(&batches), (result.text, true));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_that_stops_reading_is_given_up_and_frees_the_run() {
+    let turns = (0..50)
+        .map(|i| vec![text(&format!("line {i}\n")), call(0, "nap", "{}")])
+        .collect();
+    let outside = Outside {
+        buffer: 1,
+        read_every: None,
+        attached: true,
+        emit: EmitSettings {
+            send_timeout: Duration::from_secs(2),
+            ..EMIT
+        },
+        ..Outside::default()
+    };
+    let limits = many_turns();
+    let started = Instant::now();
+    let (result, ..) = play_with(turns, limits, outside).await;
+    assert_eq!(result.status, RunStatus::Canceled);
+    assert!(
+        result.failure_detail.contains("stopped reading"),
+        "{}",
+        result.failure_detail
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "ended by the send timeout, not the deadline"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancel_during_a_slow_read_leaves_no_gap_in_seq() {
+    let turns = (0..20)
+        .map(|i| vec![text(&format!("t{i} ")), call(0, "nap", "{}")])
+        .collect();
+    let outside = Outside {
+        buffer: 1,
+        read_every: Some(Duration::from_millis(300)),
+        cancel_after: Some(Duration::from_millis(1000)),
+        ..Outside::default()
+    };
+    let (result, batches, ..) = play_with(turns, many_turns(), outside).await;
+    assert_eq!(result.status, RunStatus::Canceled);
+    let (text, no_gaps) = streamed(&batches);
+    assert!(
+        no_gaps,
+        "{:?}",
+        batches.iter().flatten().map(|e| e.seq).collect::<Vec<_>>()
+    );
+    assert_eq!(text, result.text);
+    assert!(matches!(
+        batches.last().and_then(|b| b.last()).map(|e| &e.event),
+        Some(Event::RunFinished(_))
+    ));
+}
+
+fn bounded(max_calls_per_turn: usize, max_argument_bytes: usize, max_output_bytes: usize) -> Outside {
+    Outside {
+        output: OutputBounds {
+            max_calls_per_turn,
+            max_argument_bytes,
+            max_output_bytes,
+            ..(&crate::Config::default().runs.output).into()
+        },
+        ..Outside::default()
+    }
+}
+
+async fn play_bounded(turns: Vec<Vec<Result<LlmEvent, LlmError>>>, outside: Outside) -> (RunResult, usize) {
+    let (result, _, _, tools) = play_with(turns, limits(), outside).await;
+    (result, tools.peak.load(Ordering::SeqCst))
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_per_turn_on_both_sides_of_the_limit() {
+    let naps = |n: u32| (0..n).map(|i| call(i, "nap", r#"{"ms": 1}"#)).collect::<Vec<_>>();
+    let (result, ran) = play_bounded(vec![naps(2), vec![text("done")]], bounded(2, 1024, 4096)).await;
+    assert_eq!(
+        (result.status, result.tool_calls.len(), ran),
+        (RunStatus::Completed, 2, 2)
+    );
+
+    let mut turn = vec![text("fanning out\n")];
+    turn.extend(naps(3));
+    let (result, ran) = play_bounded(vec![turn], bounded(2, 1024, 4096)).await;
+    assert_eq!(
+        (result.status, result.failure_reason, ran),
+        (RunStatus::Failed, Some(FailureReason::OutputLimit), 0)
+    );
+    assert!(
+        result.failure_detail.contains("more than 2 tool calls"),
+        "{}",
+        result.failure_detail
+    );
+    assert_eq!(result.text, "fanning out\n", "the text before is kept");
+}
+
+#[tokio::test(start_paused = true)]
+async fn argument_bytes_on_both_sides_of_the_limit() {
+    let at_limit = format!(r#"{{"s": "{}"}}"#, "x".repeat(64 - 9));
+    let over = format!(r#"{{"s": "{}"}}"#, "x".repeat(65 - 9));
+    assert_eq!((at_limit.len(), over.len()), (64, 65));
+    let (result, ran) = play_bounded(
+        vec![vec![call(0, "nap", &at_limit)], vec![text("done")]],
+        bounded(8, 64, 4096),
+    )
+    .await;
+    assert_eq!(
+        (result.status, ran),
+        (RunStatus::Completed, 1),
+        "{}",
+        result.failure_detail
+    );
+    // Over the limit: a bad call, as arguments that are not JSON are (this spec's policy
+    // is FAIL; with FEED_BACK the error goes back to the model).
+    let (result, ran) = play_bounded(vec![vec![call(0, "nap", &over)]], bounded(8, 64, 4096)).await;
+    assert_eq!(
+        (result.status, result.failure_reason, ran),
+        (RunStatus::Failed, Some(FailureReason::ToolParseError), 0)
+    );
+    assert!(
+        result
+            .failure_detail
+            .contains("65 bytes, over this server's limit of 64"),
+        "{}",
+        result.failure_detail
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn output_bytes_on_both_sides_of_the_limit_and_while_held() {
+    let (result, _) = play_bounded(vec![vec![text(&"a".repeat(100))]], bounded(8, 64, 100)).await;
+    assert_eq!((result.status, result.text.len()), (RunStatus::Completed, 100));
+
+    let (result, _) = play_bounded(
+        vec![vec![text(&"a".repeat(60)), text(&"b".repeat(60))]],
+        bounded(8, 64, 100),
+    )
+    .await;
+    assert_eq!(
+        (result.status, result.failure_reason),
+        (RunStatus::Failed, Some(FailureReason::OutputLimit))
+    );
+    assert_eq!(result.text, format!("{}{}", "a".repeat(60), "b".repeat(40)));
+
+    // A directive that never closes is held, not shown; it counts all the same.
+    let open = format!("Here:\n```json\n{}", "c".repeat(200));
+    let (result, _) = play_bounded(vec![vec![text(&open)]], bounded(8, 64, 100)).await;
+    assert_eq!(result.failure_reason, Some(FailureReason::OutputLimit));
+    assert_eq!(result.text, open[..100], "what fits of the held text is kept");
+}
