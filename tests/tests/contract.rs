@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use e2e::repo_root;
+use testkit::repo_root;
 
 type TestResult = anyhow::Result<()>;
 

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use e2e::repo_root;
+use testkit::repo_root;
 use tokio::net::TcpListener;
 
 type TestResult = anyhow::Result<()>;
@@ -412,7 +412,7 @@ async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> 
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
         .spawn()?;
-    let runner = e2e::Runner::start(tool_runner::Config::default()).await?;
+    let runner = testkit::Runner::start(tool_runner::Config::default()).await?;
 
     let serve_once = |url: String| {
         let runner = format!("http://{}", runner.addr);

@@ -5,11 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use e2e::{Outcome, Runner, run_tool};
 use proto::toolrunner::v1 as pb;
 use proto::toolrunner::v1::ToolErrorCode as Code;
 use serde_json::json;
 use testkit::mcp_servers::{everything_js, python, time_server};
+use testkit::{Outcome, Runner, run_tool};
 use tool_runner::Config;
 
 type TestResult = anyhow::Result<()>;
@@ -148,7 +148,7 @@ async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResul
 
 #[tokio::test]
 async fn a_changed_tool_list_reaches_the_runner_and_then_the_orchestrators_catalog() -> TestResult {
-    use e2e::stack::{Stack, request, runner_config};
+    use testkit::stack::{Stack, request, runner_config};
     // server-everything adds `simulate-research-query` once initialized and then sends
     // notifications/tools/list_changed; a filter holds `notifications/initialized` back for 4 s,
     // so the first tools/list comes before the change.

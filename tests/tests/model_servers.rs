@@ -10,7 +10,6 @@
 
 use std::time::Duration;
 
-use e2e::stack::{Outcome, Stack, request, runner_config};
 use futures::StreamExt;
 use mock_llm::Scenario;
 use proto::orchestrator::v1 as pb;
@@ -19,6 +18,7 @@ use proto::orchestrator::v1::{FailureReason as R, RunStatus as S};
 use testkit::model_servers::{
     FORCED_CALL_BODY, LITELLM_MASTER_KEY, ModelServer, PLAIN_TEXT_BODY, Relay, TEMPLATE_FILE, installed, one_at_a_time,
 };
+use testkit::stack::{Outcome, Stack, request, runner_config};
 
 type TestResult = anyhow::Result<()>;
 

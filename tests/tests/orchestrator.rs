@@ -6,13 +6,13 @@
 
 use std::time::Duration;
 
-use e2e::stack::{Outcome, Stack, request, runner_config};
-use e2e::{read_pids, wait_gone};
 use mock_llm::{Scenario, Step, Turn};
 use proto::orchestrator::v1 as pb;
 use proto::orchestrator::v1::orchestrate_event::Event as E;
 use proto::orchestrator::v1::{FailureReason as R, RunStatus as S};
 use serde_json::{Value, json};
+use testkit::stack::{Outcome, Stack, request, runner_config};
+use testkit::{read_pids, wait_gone};
 
 type TestResult = anyhow::Result<()>;
 
@@ -1064,7 +1064,7 @@ async fn health_and_reflection_v1_and_v1alpha_describe_the_orchestrator() -> Tes
         .into_inner()
         .status();
     assert_eq!(status, ServingStatus::Serving);
-    for names in e2e::reflected_services(channel.clone()).await? {
+    for names in testkit::reflected_services(channel.clone()).await? {
         for expected in [
             "orchestrator.v1.Orchestrator",
             "grpc.reflection.v1alpha.ServerReflection",

@@ -1,12 +1,12 @@
-//! `docs/proto.md`, the reference of the gRPC contracts, is what `e2e::proto_docs` renders from
+//! `docs/proto.md`, the reference of the gRPC contracts, is what `testkit::proto_docs` renders from
 //! the `.proto` comments now: a change to a contract's comments that is not carried into the docs
 //! fails here. `UPDATE_PROTO_DOCS=1` rewrites the file instead.
 
-use e2e::repo_root;
+use testkit::repo_root;
 
 #[test]
 fn the_proto_reference_in_docs_is_current() -> anyhow::Result<()> {
-    let rendered = e2e::proto_docs::render(proto::FILE_DESCRIPTOR_SET, &["orchestrator.", "toolrunner."])?;
+    let rendered = testkit::proto_docs::render(proto::FILE_DESCRIPTOR_SET, &["orchestrator.", "toolrunner."])?;
     for expected in [
         "### service `Orchestrator`",
         "| `Orchestrate` | `OrchestrateRequest` | stream `OrchestrateEvent` |",

@@ -5,10 +5,10 @@
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use e2e::{Outcome, Runner, read_pids, repo_root, run_tool, wait_gone};
 use proto::toolrunner::v1 as pb;
 use proto::toolrunner::v1::ToolErrorCode as Code;
 use serde_json::json;
+use testkit::{Outcome, Runner, read_pids, repo_root, run_tool, wait_gone};
 use tool_runner::Config;
 
 type TestResult = anyhow::Result<()>;
@@ -724,7 +724,7 @@ async fn health_reports_serving_then_not_serving_while_draining() -> TestResult 
 #[tokio::test]
 async fn reflection_v1_and_v1alpha_list_the_services() -> TestResult {
     let runner = default_runner().await?;
-    for names in e2e::reflected_services(runner.channel().await?).await? {
+    for names in testkit::reflected_services(runner.channel().await?).await? {
         for expected in [
             "toolrunner.v1.ToolRunner",
             "grpc.health.v1.Health",

@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
-use e2e::stack::{Stack, runner_config};
 use mock_llm::{Scenario, Scenarios, Step, Turn};
 use orchestrator_client::{ClientBuilder, Error, Event, Retry, RunRequest, v1 as pb};
 use serde_json::json;
+use testkit::stack::{Stack, runner_config};
 
 type TestResult = anyhow::Result<()>;
 

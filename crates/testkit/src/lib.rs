@@ -1,14 +1,31 @@
-//! The test harness both services' process tests and the end-to-end tests use: a real binary
-//! spawned on loopback with JSON logs ([`Service`]), a command run to its end ([`run_to_end`]),
-//! and waiting for processes to go; [`model_servers`] starts the real model servers the tests
-//! run against, and [`mcp_servers`] finds the installed MCP servers. Binaries are named by the
-//! caller (`CARGO_BIN_EXE_*` is only visible in the binary's own package).
+//! The one test harness of the workspace, used by both services' process tests, the end-to-end
+//! tests, the clients', the demo's and the bench's tests:
+//!
+//! * a real binary spawned on loopback with JSON logs ([`Service`]), a command run to its end
+//!   ([`run_to_end`]), waiting for processes to go; binaries are named by the caller
+//!   (`CARGO_BIN_EXE_*` is only visible in the binary's own package; [`sibling_bin`]);
+//! * [`inprocess`]: the services served in the test's own process ([`Served`], [`Runner`],
+//!   [`stack::Stack`]);
+//! * the real outside components: [`model_servers`] (llama-server, LiteLLM), [`mcp_servers`],
+//!   [`nats`] (a `nats-server -js`), [`otlp`] (a trace collector), [`python`] (the grpcio
+//!   virtualenv), [`pki`] (test certificates);
+//! * [`helpers`]: `/metrics` scraping, one run to its end; [`proto_docs`]: the contract's
+//!   documentation checks.
 
 #![forbid(unsafe_code)]
 
+pub mod helpers;
+pub mod inprocess;
 pub mod mcp_servers;
 pub mod model_servers;
+pub mod nats;
+pub mod otlp;
 pub mod pki;
+pub mod proto_docs;
+pub mod python;
+
+pub use helpers::{delta, orchestrate, scrape, sibling_bin, tool_runner_in_process, user};
+pub use inprocess::{Outcome, Runner, Served, reflected_services, run_tool, stack};
 
 use std::path::PathBuf;
 use std::process::Stdio;

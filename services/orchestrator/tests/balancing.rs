@@ -2,18 +2,16 @@
 //! loopback addresses (127.0.0.2, 127.0.0.3, 127.0.0.4). The orchestrator runs in-process with a
 //! DNS resolver whose answers the test controls; each runner's `/metrics` tells where calls went.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Service, orchestrate, scrape, tool_runner_bin, user};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use mock_llm::{Scenario, Step, Turn};
 use orchestrator::tool_runners::Resolve;
 use proto::orchestrator::v1 as pb;
+use testkit::{Service, orchestrate, scrape, user};
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -93,7 +91,7 @@ async fn executed(runner: &Service, tool: &str, outcome: &str) -> anyhow::Result
 }
 
 fn runner(extra: &[&str]) -> anyhow::Result<Command> {
-    let mut command = Command::new(tool_runner_bin()?);
+    let mut command = Command::new(testkit::tool_runner_bin!()?);
     command.args(extra).env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
     Ok(command)
 }

@@ -6,16 +6,14 @@
 //! certificate as errors. The Python reflection tool lists both services through
 //! `grpc.reflection.v1alpha`.
 
-mod common;
-
 use std::process::Output;
 use std::time::Duration;
 
-use common::Service;
-use common::python::python;
 use mock_llm::{MockLlm, Scenario, Scenarios, Step, Turn};
 use serde_json::{Value, json};
+use testkit::Service;
 use testkit::pki::Pki;
+use testkit::python::python;
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -140,7 +138,7 @@ impl Deployment {
 
 /// A tool-runner and an orchestrator (with `orchestrator_args`) using it and `model`.
 async fn services(model: &MockLlm, orchestrator_args: &[String]) -> anyhow::Result<(Service, Service)> {
-    let mut command = Command::new(common::tool_runner_bin()?);
+    let mut command = Command::new(testkit::tool_runner_bin!()?);
     command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
     let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
     let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));

@@ -8,17 +8,15 @@
 //! `Retry-After`), from a raw HTTP server here that plays one fault per connection and then
 //! answers normally.
 
-mod common;
-
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::nats::Nats;
-use common::{Service, scrape, user};
 use mock_llm::{MockLlm, Scenario, Scenarios, Step, Turn};
 use proto::orchestrator::v1 as pb;
 use proto::toolrunner::v1 as tr;
+use testkit::nats::Nats;
+use testkit::{Service, scrape, user};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::Command;
@@ -200,7 +198,7 @@ async fn scripted_fault(
     kept: &str,
 ) -> TestResult {
     let mock = mock("fault", Scenario::new(vec![turn])).await?;
-    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, extra).await?;
+    let service = orchestrator(&mock.base_url(), &testkit::tool_runner_in_process().await?, extra).await?;
     let seen = run(&service, model("fault")).await?;
     assert_fault(&service, &seen, status, reason, kept).await?;
     service.stop().await
@@ -225,7 +223,7 @@ async fn llm_500_then_success_is_retried() -> TestResult {
         ..Turn::text("after a retry")
     };
     let mock = mock("fault", Scenario::new(vec![turn])).await?;
-    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
+    let service = orchestrator(&mock.base_url(), &testkit::tool_runner_in_process().await?, &[]).await?;
     let seen = run(&service, model("fault")).await?;
     assert_eq!(seen.result.status(), Status::Completed);
     assert_eq!(seen.result.text, "after a retry");
@@ -398,7 +396,7 @@ async fn serve_raw(mut socket: TcpStream, fault: Option<Raw>) -> std::io::Result
 /// did not come in time, is not retried).
 async fn raw_fault(fault: Raw, status: pb::RunStatus, reason: pb::FailureReason, kept: &str) -> TestResult {
     let (url, _) = raw_llm(vec![fault]).await?;
-    let service = orchestrator(&url, &common::tool_runner_in_process().await?, &[]).await?;
+    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
     let started = tokio::time::Instant::now();
     let seen = run(&service, user("go")).await?;
     assert!(
@@ -417,7 +415,7 @@ async fn llm_stall_before_headers() -> TestResult {
 #[tokio::test]
 async fn llm_error_body_that_never_ends() -> TestResult {
     let (url, _) = raw_llm(vec![Raw::ErrorBodyNeverEnds, Raw::ErrorBodyNeverEnds]).await?;
-    let service = orchestrator(&url, &common::tool_runner_in_process().await?, &[]).await?;
+    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
     let seen = run(&service, user("go")).await?;
     assert!(
         seen.result.failure_detail.contains("500") && seen.result.failure_detail.contains("did not arrive"),
@@ -442,7 +440,7 @@ async fn llm_reset_mid_text_on_the_wire() -> TestResult {
 #[tokio::test]
 async fn llm_429_with_retry_after_is_honoured() -> TestResult {
     let (url, arrivals) = raw_llm(vec![Raw::RetryAfter]).await?;
-    let service = orchestrator(&url, &common::tool_runner_in_process().await?, &[]).await?;
+    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
     let seen = run(&service, user("go")).await?;
     assert_eq!(
         (seen.result.status(), seen.result.text.as_str()),
@@ -461,7 +459,7 @@ async fn llm_connection_refused() -> TestResult {
     let closed = TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/v1", closed.local_addr()?);
     drop(closed);
-    let service = orchestrator(&url, &common::tool_runner_in_process().await?, &[]).await?;
+    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
     let seen = run(&service, user("go")).await?;
     let r = &seen.result;
     assert_eq!((r.status(), r.failure_reason()), (Status::Failed, Reason::LlmError));
@@ -504,7 +502,7 @@ async fn a_slow_tool_times_out_and_the_run_goes_on() -> TestResult {
         Turn::text("The wait timed out."),
     ];
     let mock = mock("fault", Scenario::new(turns)).await?;
-    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
+    let service = orchestrator(&mock.base_url(), &testkit::tool_runner_in_process().await?, &[]).await?;
     let request = pb::OrchestrateRequest {
         limits: Some(pb::RunLimits {
             tool_timeout_ms: Some(300),
@@ -525,7 +523,7 @@ async fn a_slow_tool_times_out_and_the_run_goes_on() -> TestResult {
 async fn a_caller_deadline_ends_the_run_deadline_exceeded_not_canceled() -> TestResult {
     let turns = vec![Turn::text("Starting.\n").then(Step::call("sleep", serde_json::json!({"ms": 10_000})))];
     let mock = mock("fault", Scenario::new(turns)).await?;
-    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
+    let service = orchestrator(&mock.base_url(), &testkit::tool_runner_in_process().await?, &[]).await?;
     let mut request = tonic::Request::new(pb::OrchestrateRequest {
         run_id: "with-a-deadline".into(),
         ..model("fault")
@@ -556,7 +554,7 @@ async fn a_caller_deadline_ends_the_run_deadline_exceeded_not_canceled() -> Test
 async fn a_caller_that_goes_away_cancels_its_run() -> TestResult {
     let turns = vec![Turn::text("Starting.\n").then(Step::call("sleep", serde_json::json!({"ms": 10_000})))];
     let mock = mock("fault", Scenario::new(turns)).await?;
-    let service = orchestrator(&mock.base_url(), &common::tool_runner_in_process().await?, &[]).await?;
+    let service = orchestrator(&mock.base_url(), &testkit::tool_runner_in_process().await?, &[]).await?;
     let mut client = client(&service).await?;
     let mut stream = client
         .orchestrate(pb::OrchestrateRequest {
@@ -594,7 +592,7 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
     let mock = mock("fault", Scenario::new(vec![turn])).await?;
     let service = orchestrator(
         &mock.base_url(),
-        &common::tool_runner_in_process().await?,
+        &testkit::tool_runner_in_process().await?,
         &[
             "--event-send-timeout",
             "1s",
@@ -637,7 +635,7 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
 // ---- tool-runner faults -------------------------------------------------------------------
 
 fn runner_command(extra: &[&str]) -> anyhow::Result<Command> {
-    let mut command = Command::new(common::tool_runner_bin()?);
+    let mut command = Command::new(testkit::tool_runner_bin!()?);
     command.args(extra).env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
     Ok(command)
 }
@@ -762,7 +760,7 @@ async fn an_overloaded_tool_runner_refuses_calls_which_are_retried_then_fed_back
         "two calls in one turn, one failure counted"
     );
     let after = scrape(&service.metrics).await?;
-    let retries = common::delta(
+    let retries = testkit::delta(
         &before,
         &after,
         "orchestrator_tool_call_retries_total{reason=\"concurrency_limit\"}",
@@ -782,7 +780,7 @@ async fn sigterm_with_runs_in_flight_ends_them_within_the_grace_period_keeping_t
     let mock = mock("fault", Scenario::new(turns)).await?;
     let mut service = orchestrator(
         &mock.base_url(),
-        &common::tool_runner_in_process().await?,
+        &testkit::tool_runner_in_process().await?,
         &["--shutdown-grace", "2s"],
     )
     .await?;
@@ -858,7 +856,7 @@ async fn nats_down_and_back_keeps_the_results_of_runs_that_ended_meanwhile() -> 
         Turn::text("After."),
     ];
     let mock = mock("fault", Scenario::new(turns)).await?;
-    let runner = common::tool_runner_in_process().await?;
+    let runner = testkit::tool_runner_in_process().await?;
     let service = orchestrator_on_nats(&nats.url(), &mock.base_url(), &runner, &["--store-timeout", "500ms"]).await?;
     let mut watch = Watch::start(
         &service,
@@ -924,7 +922,7 @@ async fn a_full_signal_stream_marks_signals_undelivered_and_the_run_keeps_them()
     let service = orchestrator_on_nats(
         &nats.url(),
         &mock.base_url(),
-        &common::tool_runner_in_process().await?,
+        &testkit::tool_runner_in_process().await?,
         &["--signal-stream-max-bytes", "64", "--signal-publish-retries", "1"],
     )
     .await?;

@@ -4,8 +4,6 @@
 //! for a long run). A failing case is printed minimised by proptest; keep it as a regression
 //! test beside the module it breaks.
 
-mod common;
-
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -134,7 +132,7 @@ fn orchestrator() -> &'static str {
             let mock = mock_llm::MockLlm::start(mock_llm::Scenario::new(vec![mock_llm::Turn::text("ok")]))
                 .await
                 .unwrap_or_else(|e| panic!("the stand-in model: {e}"));
-            let runner = common::tool_runner_in_process()
+            let runner = testkit::tool_runner_in_process()
                 .await
                 .unwrap_or_else(|e| panic!("a tool-runner: {e}"));
             let config = orchestrator::Config::new(&mock.base_url(), "stand-in", vec![runner]);

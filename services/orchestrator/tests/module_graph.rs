@@ -3,7 +3,8 @@
 //! domain and its ports, never on each other or on the clap settings (docs/architecture.md,
 //! "Layout").
 //!
-//! Read from the source: every `crate::<module>` path outside `#[cfg(test)]` code counts, as do
+//! Read from the source: every `crate::<module>` path outside `#[cfg(test)]` code (and outside
+//! `tests.rs` files, which are test modules) counts, as do
 //! `crate::Error` (the `error` module) and `crate::Config` (the `config` module).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -78,7 +79,7 @@ fn files(src: &Path, module: &str) -> anyhow::Result<Vec<std::path::PathBuf>> {
             let path = entry?.path();
             if path.is_dir() {
                 dirs.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
+            } else if path.extension().is_some_and(|e| e == "rs") && !path.ends_with("tests.rs") {
                 found.push(path);
             }
         }

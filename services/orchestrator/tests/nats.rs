@@ -5,14 +5,10 @@
 //! published, `GetRun` across orchestrator processes and across a restart, and SubscribeSignals
 //! seeing the signals of another replica.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use common::nats::Nats;
-use common::{Service, orchestrate};
 use futures::StreamExt;
 use orchestrator::config::SignalSettings;
 use orchestrator::domain::ports::{ResultStore, SignalFilter, SignalItem, SignalTopic};
@@ -22,6 +18,8 @@ use orchestrator::signals::nats::{NatsTopic, TopicOptions};
 use orchestrator::store::memory::MemoryStore;
 use orchestrator::store::nats::KvStore;
 use proto::orchestrator::v1 as pb;
+use testkit::nats::Nats;
+use testkit::{Service, orchestrate};
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -320,7 +318,7 @@ async fn get_run(endpoint: &str, run_id: &str) -> anyhow::Result<pb::RunResult> 
 async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> TestResult {
     let nats = Nats::start().await?;
     let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
-    let runner = common::tool_runner_in_process().await?;
+    let runner = testkit::tool_runner_in_process().await?;
     let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
     let b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
     let (a_url, b_url) = (format!("http://{}", a.grpc), format!("http://{}", b.grpc));
@@ -338,7 +336,7 @@ async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> T
         &a_url,
         pb::OrchestrateRequest {
             run_id: "shared-run".into(),
-            ..common::user("go")
+            ..testkit::user("go")
         },
     )
     .await?;
@@ -373,7 +371,7 @@ async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> T
         &b_url,
         pb::OrchestrateRequest {
             run_id: "shared-run".into(),
-            ..common::user("go")
+            ..testkit::user("go")
         },
     )
     .await?;
@@ -398,7 +396,7 @@ async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> T
 async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -> TestResult {
     let mut nats = Nats::start().await?;
     let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
-    let runner = common::tool_runner_in_process().await?;
+    let runner = testkit::tool_runner_in_process().await?;
     // Signals on NATS, results in memory (so GetRun still answers with the broker down).
     let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
     command
@@ -421,7 +419,7 @@ async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -
         &url,
         pb::OrchestrateRequest {
             run_id: "lonely-run".into(),
-            ..common::user("go")
+            ..testkit::user("go")
         },
     )
     .await?;
@@ -439,7 +437,7 @@ async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let metrics = common::scrape(&orchestrator.metrics).await?;
+    let metrics = testkit::scrape(&orchestrator.metrics).await?;
     assert_eq!(metrics.get("orchestrator_signals_failed_total{}").copied(), Some(1.0));
     orchestrator.stop().await
 }
@@ -507,7 +505,7 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_l
         Turn::text("done"),
     ]);
     let mock = mock_llm::MockLlm::start(slow).await?;
-    let runner = common::tool_runner_in_process().await?;
+    let runner = testkit::tool_runner_in_process().await?;
     let lease = ["--run-store-lease", "2s"];
     let a = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
     let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
@@ -516,7 +514,7 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_l
     let request = pb::OrchestrateRequest {
         run_id: "contested".into(),
         detached: true,
-        ..common::user("go")
+        ..testkit::user("go")
     };
     let start = |url: String, request: pb::OrchestrateRequest| async move {
         let mut client = pb::orchestrator_client::OrchestratorClient::connect(url).await?;

@@ -1,8 +1,6 @@
 //! Tests of the `orchestrator` process itself: exit codes for bad flags, the `call` client against
 //! a served orchestrator, and the drain on SIGTERM. (The one-command demo is the `demo` package.)
 
-mod common;
-
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -73,7 +71,7 @@ async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
 #[tokio::test]
 async fn serve_call_and_drain_on_sigterm() -> TestResult {
     // A tool-runner and the stand-in model in this process; the orchestrator as a real process.
-    let runner_url = common::tool_runner_in_process().await?;
+    let runner_url = testkit::tool_runner_in_process().await?;
     let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
 
     // The settings from a file (`--config`); the key stays in the environment.

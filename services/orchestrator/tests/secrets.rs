@@ -13,17 +13,15 @@
 //! Then every output is searched for every secret: each log line of both processes, every span
 //! they exported, `/metrics`, every event and status a caller received, and the start errors.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::Service;
-use common::nats::Nats;
-use common::otlp::Collector;
 use mock_llm::{MockLlm, Scenario, Step, Turn};
 use proto::orchestrator::v1 as pb;
 use serde_json::json;
+use testkit::Service;
+use testkit::nats::Nats;
+use testkit::otlp::Collector;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::Command;
@@ -250,7 +248,7 @@ async fn completed_run_on_nats_with_credentials(otlp: &str, outputs: &mut Output
             shared::auth::token_sha256(CALLER_TOKEN)
         ),
     )?;
-    let runner = common::tool_runner_in_process().await?;
+    let runner = testkit::tool_runner_in_process().await?;
     let llm_host = mock
         .base_url()
         .trim_start_matches("http://")
@@ -266,7 +264,7 @@ async fn completed_run_on_nats_with_credentials(otlp: &str, outputs: &mut Output
     let service = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
     let endpoint = format!("http://{}", service.grpc);
 
-    let request = common::user("compute");
+    let request = testkit::user("compute");
     let result = run_recorded(&endpoint, with_token(CALLER_TOKEN, request.clone())?, outputs)
         .await?
         .ok_or_else(|| anyhow::anyhow!("the run was refused"))?;
@@ -295,12 +293,12 @@ async fn llm_gateways_that_echo_redirect_or_vanish(otlp: &str, outputs: &mut Out
     let elsewhere_address = elsewhere.local_addr()?.to_string();
     let gateway = Gateway::start(elsewhere_address).await?;
     let mut command = orchestrator(&gateway.address, otlp);
-    command.env("TOOL_RUNNER_ENDPOINTS", common::tool_runner_in_process().await?);
+    command.env("TOOL_RUNNER_ENDPOINTS", testkit::tool_runner_in_process().await?);
     let service = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
     let endpoint = format!("http://{}", service.grpc);
     let run = |model: &str| pb::OrchestrateRequest {
         model: model.into(),
-        ..common::user("hi")
+        ..testkit::user("hi")
     };
 
     let echoed = failed_run(&endpoint, run("echo"), outputs).await?;

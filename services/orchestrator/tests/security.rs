@@ -7,17 +7,15 @@
 //! Certificates are made with `openssl` for each run; the Python client lives in
 //! `tests/python/grpc_probe.py` and runs from the virtualenv `./scripts/test` installs.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::Service;
-use common::python::python;
 use mock_llm::{MockLlm, Scenario, Step, Turn};
 use serde_json::{Value, json};
+use testkit::Service;
 use testkit::pki::Pki;
+use testkit::python::python;
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
@@ -26,7 +24,7 @@ type TestResult = anyhow::Result<()>;
 /// The tool-runner command serving `cert`/`key` and admitting only callers with a certificate
 /// signed by `client_ca` (files of `pki`), plus `extra` flags.
 fn mtls_runner(pki: &Pki, [cert, key, client_ca]: [&str; 3], extra: &[&str]) -> anyhow::Result<Command> {
-    let mut command = Command::new(common::tool_runner_bin()?);
+    let mut command = Command::new(testkit::tool_runner_bin!()?);
     command
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .args(["--tls-cert", &pki.arg(cert), "--tls-key", &pki.arg(key)])
@@ -437,7 +435,7 @@ async fn the_orchestrators_runner_certificate_is_reloaded_when_rotated() -> Test
             normal: vec!["calculate".into()],
             exit: vec![],
         }),
-        ..common::user("what is 6*7?")
+        ..testkit::user("what is 6*7?")
     };
     let calls_ok = |result: &pb::RunResult| result.tool_calls.iter().map(|c| c.ok).collect::<Vec<_>>();
     let before = run_to_result(&mut client, ask()).await?;
@@ -621,7 +619,7 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
             normal: vec!["calculate".into()],
             exit: vec![],
         }),
-        ..common::user("what is 6*7?")
+        ..testkit::user("what is 6*7?")
     };
 
     // Carol's certificate is her principal; the tool ran on the runner found by DNS, over mTLS.

@@ -13,10 +13,8 @@ use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use proto::orchestrator::v1 as pb;
 use tokio::process::Command;
 
-mod common;
-
-use common::otlp::{Collector, attr, string_attr};
-use common::{Service, delta, orchestrate, scrape, tool_runner_bin, user};
+use testkit::otlp::{Collector, attr, string_attr};
+use testkit::{Service, delta, orchestrate, scrape, user};
 
 type TestResult = anyhow::Result<()>;
 
@@ -71,7 +69,7 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
     .await?;
 
     // Two tool-runner replicas and the orchestrator, exporting to the collector.
-    let runner_bin = tool_runner_bin()?;
+    let runner_bin = testkit::tool_runner_bin!()?;
     let mut runners = Vec::new();
     for _ in 0..2 {
         let mut command = Command::new(&runner_bin);
@@ -308,7 +306,7 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
 async fn tool_payloads_are_recorded_only_when_asked_and_capped() -> TestResult {
     let (collector, otlp) = Collector::start().await?;
     let mock = mock_llm::MockLlm::start(Scenario::demo()).await?;
-    let mut command = Command::new(tool_runner_bin()?);
+    let mut command = Command::new(testkit::tool_runner_bin!()?);
     command.env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp).args([
         "--trace-tool-payloads",
         "--trace-payload-max-bytes",
@@ -395,7 +393,7 @@ async fn an_mcp_tool_and_a_built_in_called_in_one_turn_make_one_trace_down_to_th
             time = time_server()?.display(),
         ),
     )?;
-    let mut command = Command::new(tool_runner_bin()?);
+    let mut command = Command::new(testkit::tool_runner_bin!()?);
     command
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
         .env_remove("OTEL_SERVICE_NAME")

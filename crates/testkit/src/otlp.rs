@@ -10,11 +10,11 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 
 /// Stores every exported span with its resource's `service.name`.
 #[derive(Default, Clone)]
-pub(crate) struct Collector(pub(crate) Arc<Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>>);
+pub struct Collector(pub Arc<Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>>);
 
 impl Collector {
     /// A collector serving on a loopback port; its URL for `OTEL_EXPORTER_OTLP_ENDPOINT`.
-    pub(crate) async fn start() -> anyhow::Result<(Self, String)> {
+    pub async fn start() -> anyhow::Result<(Self, String)> {
         let collector = Self::default();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}", listener.local_addr()?);
@@ -50,7 +50,8 @@ impl TraceService for Collector {
     }
 }
 
-pub(crate) fn attr<'a>(attributes: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
+/// The attribute `key` of a span or resource, if set.
+pub fn attr<'a>(attributes: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
     attributes
         .iter()
         .find(|kv| kv.key == key)
@@ -58,7 +59,8 @@ pub(crate) fn attr<'a>(attributes: &'a [KeyValue], key: &str) -> Option<&'a AnyV
         .and_then(|v| v.value.as_ref())
 }
 
-pub(crate) fn string_attr(attributes: &[KeyValue], key: &str) -> Option<String> {
+/// The string attribute `key`, if set and a string.
+pub fn string_attr(attributes: &[KeyValue], key: &str) -> Option<String> {
     match attr(attributes, key)? {
         AnyValue::StringValue(s) => Some(s.clone()),
         AnyValue::IntValue(i) => Some(i.to_string()),

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::process::{Child, Command};
 
 /// A `nats-server -js` on a loopback port with its own store directory.
-pub(crate) struct Nats {
+pub struct Nats {
     child: Option<Child>,
     port: u16,
     dir: PathBuf,
@@ -26,12 +26,13 @@ fn nats_server_bin() -> anyhow::Result<PathBuf> {
 }
 
 impl Nats {
-    pub(crate) async fn start() -> anyhow::Result<Self> {
+    /// A server without authentication, JetStream on, in a fresh store directory.
+    pub async fn start() -> anyhow::Result<Self> {
         Self::start_with(None).await
     }
 
     /// A server that requires this user and password (in [`Nats::url`]).
-    pub(crate) async fn start_authenticated(user: &str, password: &str) -> anyhow::Result<Self> {
+    pub async fn start_authenticated(user: &str, password: &str) -> anyhow::Result<Self> {
         Self::start_with(Some((user.to_owned(), password.to_owned()))).await
     }
 
@@ -50,7 +51,7 @@ impl Nats {
     }
 
     /// `nats://127.0.0.1:port`, with `user:password@` when the server requires them.
-    pub(crate) fn url(&self) -> String {
+    pub fn url(&self) -> String {
         match &self.user {
             Some((user, password)) => format!("nats://{user}:{password}@127.0.0.1:{}", self.port),
             None => format!("nats://127.0.0.1:{}", self.port),
@@ -58,7 +59,7 @@ impl Nats {
     }
 
     /// (Re)starts the server on the same port and store.
-    pub(crate) async fn restart(&mut self) -> anyhow::Result<()> {
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
         let child = Command::new(nats_server_bin()?)
             .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(&self.dir)
@@ -98,7 +99,8 @@ impl Nats {
         }
     }
 
-    pub(crate) async fn stop(&mut self) -> anyhow::Result<()> {
+    /// Stops the server (its store directory stays, so it can start again with its data).
+    pub async fn stop(&mut self) -> anyhow::Result<()> {
         if let Some(mut child) = self.child.take() {
             child.kill().await?;
             child.wait().await?;

@@ -1,18 +1,13 @@
-//! Helpers shared by the orchestrator's process-level tests: where the tool-runner binary is,
-//! scraping `/metrics`, one run to its end. Spawning binaries is `testkit::Service`.
-
-#![allow(dead_code)]
-
-pub(crate) mod nats;
-pub(crate) mod otlp;
-pub(crate) mod python;
+//! Small helpers of the process-level tests: a binary built beside another, scraping
+//! `/metrics`, a one-message request, one run to its end, a tool-runner in this process.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-/// The tool-runner binary, built beside this package's binary by the workspace test command.
-pub(crate) fn tool_runner_bin() -> anyhow::Result<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_BIN_EXE_orchestrator")).with_file_name("tool-runner");
+/// The binary `name` built beside `sibling` (a `CARGO_BIN_EXE_*` path) by the workspace test
+/// command.
+pub fn sibling_bin(sibling: &str, name: &str) -> anyhow::Result<PathBuf> {
+    let path = PathBuf::from(sibling).with_file_name(name);
     anyhow::ensure!(
         path.exists(),
         "{} is missing: run the workspace tests (./scripts/test) or `cargo build -p tool-runner` first",
@@ -21,11 +16,17 @@ pub(crate) fn tool_runner_bin() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-#[allow(unused_imports)]
-pub(crate) use testkit::Service;
+/// The tool-runner binary, built beside the orchestrator's by the workspace test command (for the
+/// orchestrator's own tests: `CARGO_BIN_EXE_orchestrator` is only set there).
+#[macro_export]
+macro_rules! tool_runner_bin {
+    () => {
+        $crate::sibling_bin(env!("CARGO_BIN_EXE_orchestrator"), "tool-runner")
+    };
+}
 
 /// Scrapes `/metrics` into series (name + sorted labels) → value.
-pub(crate) async fn scrape(address: &str) -> anyhow::Result<HashMap<String, f64>> {
+pub async fn scrape(address: &str) -> anyhow::Result<HashMap<String, f64>> {
     let body = reqwest::get(format!("http://{address}/metrics")).await?.text().await?;
     let mut series = HashMap::new();
     for line in body.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
@@ -49,12 +50,13 @@ pub(crate) async fn scrape(address: &str) -> anyhow::Result<HashMap<String, f64>
     Ok(series)
 }
 
-pub(crate) fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, series: &str) -> f64 {
+/// How much `series` grew between two scrapes (a series not there counts as 0).
+pub fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, series: &str) -> f64 {
     after.get(series).copied().unwrap_or(0.0) - before.get(series).copied().unwrap_or(0.0)
 }
 
 /// A request with one user message.
-pub(crate) fn user(prompt: &str) -> proto::orchestrator::v1::OrchestrateRequest {
+pub fn user(prompt: &str) -> proto::orchestrator::v1::OrchestrateRequest {
     use proto::orchestrator::v1 as pb;
     pb::OrchestrateRequest {
         messages: vec![pb::ChatMessage {
@@ -67,7 +69,7 @@ pub(crate) fn user(prompt: &str) -> proto::orchestrator::v1::OrchestrateRequest 
 }
 
 /// Runs one `Orchestrate` call on `endpoint` to its end and returns the final result.
-pub(crate) async fn orchestrate(
+pub async fn orchestrate(
     endpoint: &str,
     request: impl tonic::IntoRequest<proto::orchestrator::v1::OrchestrateRequest>,
 ) -> anyhow::Result<proto::orchestrator::v1::RunResult> {
@@ -83,7 +85,7 @@ pub(crate) async fn orchestrate(
 }
 
 /// A tool-runner with the default settings in this process; its URL.
-pub(crate) async fn tool_runner_in_process() -> anyhow::Result<String> {
+pub async fn tool_runner_in_process() -> anyhow::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(tool_runner::serve(
