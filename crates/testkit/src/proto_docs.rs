@@ -25,7 +25,7 @@ pub fn render(descriptor_set: &[u8], packages: &[&str]) -> anyhow::Result<String
     let set = FileDescriptorSet::decode(descriptor_set)?;
     let mut out = String::from(
         "# gRPC contract reference\n\n\
-         Rendered from the comments of `proto/` by `tests/src/proto_docs.rs`; do not edit by hand \
+         Rendered from the comments of `proto/` by `crates/testkit/src/proto_docs.rs`; do not edit by hand \
          (`UPDATE_PROTO_DOCS=1 cargo test -p e2e --test proto_docs` rewrites it, and the test fails \
          while it is stale).\n",
     );
