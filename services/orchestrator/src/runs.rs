@@ -11,7 +11,7 @@ use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
 use crate::run::live::{AdmittedRun, Cancel, Emitter, SharedState};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
-use crate::domain::ports::{Claim, ResultStore, StoreError};
+use crate::domain::ports::{Claim, ResultStore, StoreError, within};
 use crate::run::backlog::Backlog;
 use crate::run::persist::Persister;
 use shared::auth::Principal;
@@ -154,9 +154,7 @@ impl Runs {
         if let Some(result) = self.backlog.get(run_id) {
             return Ok(Some(result));
         }
-        tokio::time::timeout(self.store_timeout, self.store.get(run_id))
-            .await
-            .unwrap_or(Err(StoreError::Timeout(self.store_timeout)))
+        within(self.store_timeout, self.store.get(run_id)).await
     }
 
     /// Takes a slot for `run_id`, a run of `caller`.

@@ -18,8 +18,7 @@ use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
 use crate::config::{Backend, NatsSettings};
-use crate::domain::ports::ResultStore;
-use crate::domain::ports::SignalTopic;
+use crate::domain::ports::{ResultStore, SignalTopic};
 use crate::llm::HttpLlm;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;

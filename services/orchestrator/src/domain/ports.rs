@@ -86,6 +86,16 @@ pub enum StoreError {
     Timeout(Duration),
 }
 
+/// One store operation, given at most `timeout`: every caller of the store bounds its waits so.
+pub async fn within<T>(
+    timeout: Duration,
+    operation: BoxFuture<'static, Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(timeout, operation)
+        .await
+        .unwrap_or(Err(StoreError::Timeout(timeout)))
+}
+
 /// Told once whether a published signal was delivered.
 pub type OnDelivery = Box<dyn FnOnce(Delivery) + Send>;
 

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::domain::RunResult;
-use crate::domain::ports::{ResultStore, StoreError};
+use crate::domain::ports::{ResultStore, StoreError, within};
 use crate::telemetry::metric;
 
 /// Results waiting to be written again.
@@ -92,16 +92,12 @@ impl Backlog {
                 }
                 continue;
             };
-            match tokio::time::timeout(self.timeout, self.store.put(result.clone())).await {
-                Ok(Ok(())) => {
+            match within(self.timeout, self.store.put(result.clone())).await {
+                Ok(()) => {
                     tracing::info!(run_id = %result.run_id, "a result held back while the store was unavailable is stored now");
                     self.remove_written(&result);
                 }
-                Ok(Err(e)) => self.wait_after_failure(&result.run_id, &e).await,
-                Err(_) => {
-                    self.wait_after_failure(&result.run_id, &StoreError::Timeout(self.timeout))
-                        .await
-                }
+                Err(e) => self.wait_after_failure(&result.run_id, &e).await,
             }
         }
     }

@@ -8,6 +8,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use crate::domain::LoopDetection;
+
 /// Shortest line (trimmed, in characters) that counts.
 pub const MIN_LINE_CHARS: usize = 8;
 /// Fewest letters or digits in a line that counts.
@@ -15,13 +17,10 @@ pub const MIN_ALNUM: usize = 4;
 /// Longest line kept for comparison (longer lines are compared by their prefix).
 const MAX_LINE_BYTES: usize = 4096;
 
-/// Settings: both configurable, with defaults no normal answer trips.
-pub use crate::domain::LoopDetection as DetectorConfig;
-
 /// The detector's state for one run.
 #[derive(Debug)]
 pub struct LoopDetector {
-    config: DetectorConfig,
+    config: LoopDetection,
     partial: String,
     window: VecDeque<Option<String>>,
     counts: HashMap<String, usize>,
@@ -29,7 +28,7 @@ pub struct LoopDetector {
 
 impl LoopDetector {
     /// A detector with no history.
-    pub fn new(config: DetectorConfig) -> Self {
+    pub fn new(config: LoopDetection) -> Self {
         Self {
             config,
             partial: String::new(),
@@ -85,7 +84,7 @@ mod tests {
     use super::*;
 
     fn detector(window: usize, threshold: usize) -> LoopDetector {
-        LoopDetector::new(DetectorConfig { window, threshold })
+        LoopDetector::new(LoopDetection { window, threshold })
     }
 
     #[test]

@@ -6,11 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::BoxFuture;
-
 use super::backlog::Backlog;
 use super::live::SharedState;
-use crate::domain::ports::{Claim, ResultStore, StoreError};
+use crate::domain::ports::{Claim, ResultStore, within};
 use crate::domain::result::RunResult;
 
 /// Writes one run's state to the store, newest state last.
@@ -41,7 +39,7 @@ impl Persister {
         let _serialized = self.lock.lock().await;
         let snapshot = self.snapshot();
         let run_id = snapshot.run_id.clone();
-        match self.bounded(self.store.put(snapshot)).await {
+        match within(self.timeout, self.store.put(snapshot)).await {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(run_id = %run_id, "storing the run's state failed: {e}");
@@ -62,13 +60,6 @@ impl Persister {
         shared::sync::lock(&self.state).clone()
     }
 
-    /// One store operation within the store timeout.
-    async fn bounded<T>(&self, operation: BoxFuture<'static, Result<T, StoreError>>) -> Result<T, StoreError> {
-        tokio::time::timeout(self.timeout, operation)
-            .await
-            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
-    }
-
     /// Writes a live run's state in the background for other replicas (nothing to do when the
     /// store is local: the registry answers for live runs).
     pub fn checkpoint(&self) {
@@ -85,10 +76,12 @@ impl Persister {
     pub async fn claim(&self) -> Claim {
         let snapshot = self.snapshot();
         let run_id = snapshot.run_id.clone();
-        self.bounded(self.store.claim(snapshot)).await.unwrap_or_else(|e| {
-            tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
-            Claim::Claimed
-        })
+        within(self.timeout, self.store.claim(snapshot))
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
+                Claim::Claimed
+            })
     }
 
     /// Renews the run's lease in a shared store until the returned guard is dropped: the state is

@@ -33,12 +33,15 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use self::completion::Completion;
+use self::rules::IdAllocator;
 use super::live::{AdmittedRun, Cancel, Emitter, SharedState};
-use super::loop_detector::{DetectorConfig, LoopDetector};
-use crate::domain::OutputBounds;
-use crate::domain::ports::SignalTopic;
-use crate::domain::ports::ToolExecutor;
-use crate::domain::{Event, EventBatch, FailureReason, HARD_MAX_TURNS, RunResult, RunSpec, RunStatus, ToolCallError};
+use super::loop_detector::LoopDetector;
+use crate::domain::ports::{SignalTopic, ToolExecutor};
+use crate::domain::{
+    Event, EventBatch, FailureReason, HARD_MAX_TURNS, LoopDetection, OutputBounds, RunResult, RunSpec, RunStatus,
+    ToolCallError,
+};
 use crate::llm::{ChatModel, Message, ToolDefinition, Usage};
 use crate::run::persist::Persister;
 use crate::telemetry::{self, InFlight, metric};
@@ -53,7 +56,7 @@ pub struct LoopDeps {
     /// Where signals go.
     pub signals: Arc<dyn SignalTopic>,
     /// Repeated-line detector settings.
-    pub detector: DetectorConfig,
+    pub detector: LoopDetection,
     /// Record tool arguments and results on spans, truncated to this many bytes (off: `None`;
     /// they may hold secrets).
     pub trace_payloads: Option<usize>,
@@ -323,6 +326,3 @@ impl<'a> Driver<'a> {
         )
     }
 }
-
-use completion::Completion;
-use rules::IdAllocator;

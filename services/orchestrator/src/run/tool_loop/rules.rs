@@ -11,8 +11,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::*;
-use crate::domain::ports::OnDelivery;
-use crate::domain::ports::ToolInvocation;
+use crate::domain::ports::{OnDelivery, ToolInvocation};
 use crate::domain::{Delivery, Event, FailureReason, ParsePolicy, RunStatus, Signal, ToolCallError, ToolCallRecord};
 use crate::llm::{ChatRequest, Message, ToolCall, Usage};
 use crate::run::bios::{BiosContext, render};

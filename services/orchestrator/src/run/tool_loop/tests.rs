@@ -15,16 +15,14 @@ use std::time::Duration;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 
-use crate::domain::Deadline;
-use crate::domain::Limits;
-use crate::domain::OutputBounds;
 use crate::domain::ports::{ToolExecutor, ToolInvocation};
-use crate::domain::{Event, FailureReason, ParsePolicy, RunResult, RunSpec, RunStatus, ToolCallError};
-use crate::domain::{EventBatch, NumberedEvent};
+use crate::domain::{
+    Deadline, Event, EventBatch, FailureReason, Limits, LoopDetection, NumberedEvent, OutputBounds, ParsePolicy,
+    RunResult, RunSpec, RunStatus, ToolCallError,
+};
 use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolDefinition, Usage};
 use crate::run::live::{AdmittedRun, Emitter, SharedState};
 use crate::run::live::{Cancel, EmitSettings};
-use crate::run::loop_detector::DetectorConfig;
 use crate::signals::memory::MemoryTopic;
 
 /// Plays one list of events per turn and records the requests.
@@ -201,7 +199,7 @@ async fn play_with(
         model: script.clone(),
         tools: Arc::new(Arc::clone(&tools)),
         signals: Arc::new(MemoryTopic::new(16)),
-        detector: DetectorConfig {
+        detector: LoopDetection {
             window: 64,
             threshold: 8,
         },
