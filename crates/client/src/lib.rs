@@ -8,6 +8,9 @@
 //! * [`Client::orchestrate`] returns a [`RunStream`] of typed [`Event`]s; [`RunStream::result`]
 //!   reads it to the run's [`RunResult`](pb::RunResult), and [`Client::run`] does both. Dropping a
 //!   stream before the run finished cancels the run (`CancelRun`), detached runs included.
+//! * A stream follows its run across replicas: drained (`UNAVAILABLE`) or broken off, it
+//!   re-attaches (`AttachRun`) from the last seq it saw, so the caller sees one stream without
+//!   gaps or duplicates. [`Client::attach`] joins a run from any seq, e.g. after a restart.
 //!
 //! ```no_run
 //! use orchestrator_client::{ClientBuilder, Event, RunRequest};
@@ -75,6 +78,37 @@ impl Client {
             .await?
             .into_inner();
         Ok(RunStream::new(stream, self.clone()))
+    }
+
+    /// Attaches to a live or finished run (`AttachRun`): its events after `after_seq` (0: from the
+    /// start), then the live ones up to `run_finished`, from any replica. The stream re-attaches
+    /// by itself as [`orchestrate`](Self::orchestrate)'s does; dropping it does not cancel the
+    /// run. `NOT_FOUND` when the run is unknown or expired, `OUT_OF_RANGE` when the run's log no
+    /// longer keeps the events after `after_seq`.
+    pub async fn attach(&self, run_id: &str, after_seq: u64) -> Result<RunStream, Error> {
+        let events = self.attach_call(run_id, after_seq).await?;
+        Ok(RunStream::attached(events, self.clone(), run_id, after_seq))
+    }
+
+    /// One `AttachRun` call under the retry policy.
+    pub(crate) async fn attach_call(
+        &self,
+        run_id: &str,
+        after_seq: u64,
+    ) -> Result<tonic::Streaming<pb::OrchestrateEvent>, tonic::Status> {
+        let request = pb::AttachRunRequest {
+            run_id: run_id.into(),
+            after_seq,
+        };
+        let answer = self
+            .retry
+            .run(|| {
+                let mut client = self.inner.clone();
+                let request = self.request(request.clone());
+                async move { client.attach_run(request).await }
+            })
+            .await?;
+        Ok(answer.into_inner())
     }
 
     /// Runs `request` to its end and returns its result (whatever the status).

@@ -1,6 +1,13 @@
 //! A run's event stream, typed: [`Event`]s in order, checked against the contract (`seq` 1, 2,
 //! 3 … without gaps; `run_finished` last), and canceled when dropped before the end.
 //!
+//! The stream follows its run across orchestrator replicas: when it ends `UNAVAILABLE` (the
+//! replica is draining) or breaks off (the connection died) before `run_finished`, it calls
+//! `AttachRun` from the last seq it yielded, under the client's [`Retry`](crate::Retry) policy,
+//! and goes on, so the caller sees one stream without gaps or duplicates across any number of
+//! moves. Re-attaching gives up after one attempt fewer in a row than the policy's attempts
+//! without a new event (so [`Retry::none`](crate::Retry::none) never re-attaches).
+//!
 //! After `run_finished` the stream is read to its real end (the call's trailers) before it says
 //! `None`: a call dropped before its trailers is reset on the wire, and an HTTP/2 server closes a
 //! connection that sees many such resets, which would fail the client's later calls.
@@ -8,7 +15,8 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use futures::{Stream, StreamExt};
+use futures::future::BoxFuture;
+use futures::{FutureExt, Stream, StreamExt};
 use proto::orchestrator::v1 as pb;
 use proto::orchestrator::v1::orchestrate_event::Event as E;
 
@@ -66,8 +74,9 @@ impl Event {
     }
 }
 
-/// The events of one run. Dropped before `run_finished`, it cancels the run (`CancelRun`, in the
-/// background, when a Tokio runtime is there to run it).
+/// The events of one run. A stream from [`Client::orchestrate`] dropped before `run_finished`
+/// cancels the run (`CancelRun`, in the background, when a Tokio runtime is there to run it); one
+/// from [`Client::attach`] only stops following it.
 pub struct RunStream {
     events: tonic::Streaming<pb::OrchestrateEvent>,
     client: Client,
@@ -77,6 +86,14 @@ pub struct RunStream {
     finished: bool,
     /// The call itself ended (trailers read, or it broke off).
     ended: bool,
+    /// Dropped before `run_finished`, the run is canceled.
+    cancel_on_drop: bool,
+    /// An `AttachRun` under way, after the call broke off.
+    reattaching: Option<BoxFuture<'static, Result<tonic::Streaming<pb::OrchestrateEvent>, tonic::Status>>>,
+    /// Re-attaches in a row that brought no new event.
+    reattaches_without_progress: u32,
+    /// How many times the stream re-attached.
+    reattached: u32,
 }
 
 impl std::fmt::Debug for RunStream {
@@ -98,7 +115,71 @@ impl RunStream {
             last_seq: 0,
             finished: false,
             ended: false,
+            cancel_on_drop: true,
+            reattaching: None,
+            reattaches_without_progress: 0,
+            reattached: 0,
         }
+    }
+
+    /// A stream attached to `run_id` after `after_seq` (it does not cancel the run when dropped).
+    pub(crate) fn attached(
+        events: tonic::Streaming<pb::OrchestrateEvent>,
+        client: Client,
+        run_id: &str,
+        after_seq: u64,
+    ) -> Self {
+        let mut stream = Self::new(events, client);
+        stream.run_id = Some(run_id.to_owned());
+        stream.last_seq = after_seq;
+        stream.cancel_on_drop = false;
+        stream
+    }
+
+    /// The seq of the last event yielded (the `after_seq` to attach again from).
+    pub fn last_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    /// How many times the stream re-attached to its run after its call broke off.
+    pub fn reattached(&self) -> u32 {
+        self.reattached
+    }
+
+    /// Whether a call that ended with `status` before `run_finished` is worth following on
+    /// another replica: it was drained (`UNAVAILABLE`) or broke off (`UNKNOWN`, what a dead
+    /// connection reads as), and the stream knows its run and has attempts left.
+    fn may_reattach(&self, status: Option<&tonic::Status>) -> bool {
+        let code = status.map_or(tonic::Code::Unavailable, tonic::Status::code);
+        matches!(code, tonic::Code::Unavailable | tonic::Code::Unknown)
+            && self.run_id.is_some()
+            && self.reattaches_without_progress + 1 < self.client.retry.attempts
+    }
+
+    /// Starts `AttachRun` from the last seq yielded.
+    fn reattach(&mut self) {
+        let (client, run_id, after_seq) = (
+            self.client.clone(),
+            self.run_id.clone().unwrap_or_default(),
+            self.last_seq,
+        );
+        self.reattaches_without_progress += 1;
+        self.reattached += 1;
+        self.reattaching = Some(async move { client.attach_call(&run_id, after_seq).await }.boxed());
+    }
+
+    /// The call broke off with `status` (`None`: it ended without trailers' error but before
+    /// `run_finished`): re-attach, or yield the error.
+    fn broke_off(&mut self, status: Option<tonic::Status>) -> Option<Result<Event, Error>> {
+        if self.may_reattach(status.as_ref()) {
+            self.reattach();
+            return None;
+        }
+        (self.finished, self.ended) = (true, true);
+        Some(Err(match status {
+            Some(status) => status.into(),
+            None => Error::Protocol("the stream ended without run_finished".into()),
+        }))
     }
 
     /// The run's id, once its first event arrived.
@@ -131,6 +212,7 @@ impl RunStream {
             )));
         }
         self.last_seq = event.seq;
+        self.reattaches_without_progress = 0;
         self.run_id.get_or_insert_with(|| event.run_id.clone());
         let kind = event
             .event
@@ -149,6 +231,17 @@ impl Stream for RunStream {
             if self.ended {
                 return Poll::Ready(None);
             }
+            if let Some(reattaching) = self.reattaching.as_mut() {
+                let attached = std::task::ready!(reattaching.poll_unpin(cx));
+                self.reattaching = None;
+                match attached {
+                    Ok(events) => self.events = events,
+                    Err(status) => match self.broke_off(Some(status)) {
+                        Some(error) => return Poll::Ready(Some(error)),
+                        None => continue,
+                    },
+                }
+            }
             let polled = self.events.poll_next_unpin(cx);
             if self.finished {
                 // Past run_finished: read to the trailers, yielding nothing more.
@@ -159,27 +252,24 @@ impl Stream for RunStream {
                 }
                 continue;
             }
-            return match polled {
-                Poll::Ready(Some(Ok(event))) => Poll::Ready(Some(self.accept(event))),
-                Poll::Ready(Some(Err(status))) => {
-                    (self.finished, self.ended) = (true, true);
-                    Poll::Ready(Some(Err(status.into())))
-                }
-                Poll::Ready(None) => {
-                    (self.finished, self.ended) = (true, true);
-                    Poll::Ready(Some(Err(Error::Protocol(
-                        "the stream ended without run_finished".into(),
-                    ))))
-                }
-                Poll::Pending => Poll::Pending,
+            let broke_off = match polled {
+                Poll::Pending => return Poll::Pending,
+                // An event already yielded, sent again by a replica the stream re-attached to.
+                Poll::Ready(Some(Ok(event))) if event.seq <= self.last_seq && self.reattached > 0 => continue,
+                Poll::Ready(Some(Ok(event))) => return Poll::Ready(Some(self.accept(event))),
+                Poll::Ready(Some(Err(status))) => self.broke_off(Some(status)),
+                Poll::Ready(None) => self.broke_off(None),
             };
+            if let Some(error) = broke_off {
+                return Poll::Ready(Some(error));
+            }
         }
     }
 }
 
 impl Drop for RunStream {
     fn drop(&mut self) {
-        if self.finished {
+        if self.finished || !self.cancel_on_drop {
             return;
         }
         let (Some(run_id), Ok(runtime)) = (self.run_id.take(), tokio::runtime::Handle::try_current()) else {

@@ -311,7 +311,15 @@ struct LateTrailers {
 #[tonic::async_trait]
 impl pb::orchestrator_server::Orchestrator for LateTrailers {
     type OrchestrateStream = tokio_stream::wrappers::ReceiverStream<Result<pb::OrchestrateEvent, tonic::Status>>;
+    type AttachRunStream = Self::OrchestrateStream;
     type SubscribeSignalsStream = tokio_stream::wrappers::ReceiverStream<Result<pb::SignalEvent, tonic::Status>>;
+
+    async fn attach_run(
+        &self,
+        _: tonic::Request<pb::AttachRunRequest>,
+    ) -> Result<tonic::Response<Self::AttachRunStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
 
     async fn orchestrate(
         &self,
@@ -392,6 +400,167 @@ async fn the_client_reads_each_call_to_its_trailers() -> TestResult {
         !reset_early.load(std::sync::atomic::Ordering::SeqCst),
         "the client reset the call before its trailers"
     );
+    server.abort();
+    Ok(())
+}
+
+type EventSender = tokio::sync::mpsc::Sender<Result<pb::OrchestrateEvent, tonic::Status>>;
+
+/// A stand-in orchestrator whose run "moves": `Orchestrate` sends events 1-3 and ends
+/// `UNAVAILABLE` (a draining replica); the first `AttachRun` sends event 4 and ends `UNKNOWN` (a
+/// connection that died); the second sends event 4 again (a replica that has it) and the end.
+/// It records the `after_seq` of each `AttachRun`.
+#[derive(Default)]
+struct Mover {
+    attaches: std::sync::Mutex<Vec<u64>>,
+}
+
+impl Mover {
+    fn event(seq: u64) -> pb::OrchestrateEvent {
+        use pb::orchestrate_event::Event as E;
+        let event = if seq == 5 {
+            E::RunFinished(pb::RunFinished {
+                result: Some(pb::RunResult {
+                    run_id: "moving-1".into(),
+                    status: pb::RunStatus::Completed.into(),
+                    text: "a b c".into(),
+                    ..Default::default()
+                }),
+            })
+        } else {
+            let text = ["", "a", " b", " c", ""][usize::try_from(seq).unwrap_or(0) % 5];
+            E::TextDelta(pb::TextDelta {
+                text: text.into(),
+                turn: 1,
+            })
+        };
+        pb::OrchestrateEvent {
+            run_id: "moving-1".into(),
+            seq,
+            event: Some(event),
+        }
+    }
+
+    fn stream(
+        seqs: &[u64],
+        end: Option<tonic::Status>,
+    ) -> tokio_stream::wrappers::ReceiverStream<Result<pb::OrchestrateEvent, tonic::Status>> {
+        let (tx, rx): (EventSender, _) = tokio::sync::mpsc::channel(8);
+        for &seq in seqs {
+            let _ = tx.try_send(Ok(Self::event(seq)));
+        }
+        if let Some(status) = end {
+            let _ = tx.try_send(Err(status));
+        }
+        tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::orchestrator_server::Orchestrator for Mover {
+    type OrchestrateStream = tokio_stream::wrappers::ReceiverStream<Result<pb::OrchestrateEvent, tonic::Status>>;
+    type AttachRunStream = Self::OrchestrateStream;
+    type SubscribeSignalsStream = tokio_stream::wrappers::ReceiverStream<Result<pb::SignalEvent, tonic::Status>>;
+
+    async fn orchestrate(
+        &self,
+        _: tonic::Request<pb::OrchestrateRequest>,
+    ) -> Result<tonic::Response<Self::OrchestrateStream>, tonic::Status> {
+        let draining = tonic::Status::unavailable("draining; attach to run \"moving-1\" again after seq 3");
+        Ok(tonic::Response::new(Self::stream(&[1, 2, 3], Some(draining))))
+    }
+
+    async fn attach_run(
+        &self,
+        request: tonic::Request<pb::AttachRunRequest>,
+    ) -> Result<tonic::Response<Self::AttachRunStream>, tonic::Status> {
+        let after = request.into_inner().after_seq;
+        let first = {
+            let mut attaches = self.attaches.lock().map_err(|_| tonic::Status::internal("poisoned"))?;
+            attaches.push(after);
+            attaches.len() == 1
+        };
+        Ok(tonic::Response::new(if first {
+            Self::stream(
+                &[4],
+                Some(tonic::Status::unknown("h2 protocol error: connection reset")),
+            )
+        } else {
+            Self::stream(&[4, 5], None)
+        }))
+    }
+
+    async fn get_run(
+        &self,
+        _: tonic::Request<pb::GetRunRequest>,
+    ) -> Result<tonic::Response<pb::RunResult>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn cancel_run(
+        &self,
+        _: tonic::Request<pb::CancelRunRequest>,
+    ) -> Result<tonic::Response<pb::CancelRunResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn subscribe_signals(
+        &self,
+        _: tonic::Request<pb::SubscribeSignalsRequest>,
+    ) -> Result<tonic::Response<Self::SubscribeSignalsStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+}
+
+/// A stream that ends UNAVAILABLE (drained) or breaks off (UNKNOWN) before run_finished is
+/// followed by AttachRun from the last seq the caller saw; the caller sees 1..=5 once each. With
+/// re-attaching off (one attempt of the retry policy spent on nothing) the same break is an error.
+#[tokio::test]
+async fn a_stream_that_breaks_off_reattaches_from_its_last_seq_without_gaps_or_duplicates() -> TestResult {
+    let mover = std::sync::Arc::new(Mover::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::orchestrator_server::OrchestratorServer::from_arc(
+                std::sync::Arc::clone(&mover),
+            ))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let client = ClientBuilder::new(format!("http://{address}")).connect().await?;
+    let mut stream = client.orchestrate(RunRequest::prompt("x")).await?;
+    let mut seqs = Vec::new();
+    let mut text = String::new();
+    while let Some(event) = stream.next_event().await? {
+        seqs.push(stream.last_seq());
+        if let Event::Text { text: piece, .. } = event {
+            text.push_str(&piece);
+        }
+    }
+    assert_eq!(seqs, [1, 2, 3, 4, 5]);
+    assert_eq!(text, "a b c");
+    assert_eq!(stream.reattached(), 2);
+    assert_eq!(*mover.attaches.lock().map_err(|_| anyhow::anyhow!("poisoned"))?, [3, 4]);
+
+    // Attached by hand from seq 3: the same rest of the run.
+    let attached = client.attach("moving-1", 3).await?;
+    let result = attached.result().await?;
+    assert_eq!(result.text, "a b c");
+
+    let once = ClientBuilder::new(format!("http://{address}"))
+        .retry(Retry::none())
+        .connect()
+        .await?;
+    let mut run = once.orchestrate(RunRequest::prompt("x")).await?;
+    let mut broke = None;
+    while broke.is_none() {
+        match run.next_event().await {
+            Ok(Some(_)) => {}
+            Ok(None) => break,
+            Err(e) => broke = e.code(),
+        }
+    }
+    assert_eq!(broke, Some(tonic::Code::Unavailable), "one attempt: no re-attach");
     server.abort();
     Ok(())
 }

@@ -51,7 +51,7 @@ impl Cli {
 pub enum Command {
     /// Serve gRPC (the default).
     Serve(Box<Config>),
-    /// Start a run on a running orchestrator and print its events.
+    /// Start a run on a running orchestrator and print its events, or attach to one (--attach).
     Call(Box<CallArgs>),
 }
 
@@ -61,9 +61,16 @@ pub struct CallArgs {
     /// The orchestrator's address.
     #[arg(long, env = "ORCHESTRATOR_ENDPOINT", default_value = "http://127.0.0.1:50051")]
     pub endpoint: String,
-    /// The user message.
-    #[arg(long)]
-    pub prompt: String,
+    /// The user message (required unless --attach).
+    #[arg(long, required_unless_present = "attach", conflicts_with = "attach")]
+    pub prompt: Option<String>,
+    /// Attach to this run (live or finished, on any replica) instead of starting one, and print
+    /// its events from --after on.
+    #[arg(long, value_name = "RUN_ID")]
+    pub attach: Option<String>,
+    /// With --attach: the last seq already seen (0: from the start).
+    #[arg(long, value_name = "SEQ", default_value_t = 0, requires = "attach")]
+    pub after: u64,
     /// A system message for the run.
     #[arg(long, default_value = "")]
     pub system: String,
@@ -98,7 +105,8 @@ impl CallArgs {
     pub fn to_options(&self) -> crate::client::CallOptions {
         crate::client::CallOptions {
             endpoint: self.endpoint.clone(),
-            prompt: self.prompt.clone(),
+            prompt: self.prompt.clone().unwrap_or_default(),
+            attach: self.attach.clone().map(|run_id| (run_id, self.after)),
             system: self.system.clone(),
             model: self.model.clone(),
             tools: self.tools.clone(),

@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::time::Duration;
 
-use orchestrator_client::{ClientBuilder, Event as E, Retry, RunRequest};
+use orchestrator_client::{ClientBuilder, Event as E, Retry, RunRequest, RunStream};
 use proto::orchestrator::v1 as pb;
 
 use crate::Error;
@@ -31,6 +31,8 @@ pub struct CallOptions {
     pub timeout: Duration,
     /// Model parameters (unset fields: the server's defaults).
     pub params: pb::ModelParams,
+    /// Attach to this run after this seq instead of starting one.
+    pub attach: Option<(String, u64)>,
 }
 
 /// Prints events as they arrive.
@@ -160,8 +162,8 @@ fn finished_line(r: &pb::RunResult) -> String {
     summary
 }
 
-/// Starts a run on the orchestrator at `options.endpoint`, prints its events to stdout, and
-/// returns the final result.
+/// Starts a run on the orchestrator at `options.endpoint` (or attaches to one), prints its
+/// events to stdout, and returns the final result.
 pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
     let client = ClientBuilder::new(options.endpoint.clone())
         .connect_timeout(Duration::from_secs(5))
@@ -170,6 +172,21 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
         .connect()
         .await
         .map_err(|e| Error::Config(format!("cannot connect to {}: {e}", options.endpoint)))?;
+    let run = match &options.attach {
+        Some((run_id, after)) => client
+            .attach(run_id, *after)
+            .await
+            .map_err(|e| Error::Config(format!("AttachRun was refused: {e}")))?,
+        None => client
+            .orchestrate(run_request(options))
+            .await
+            .map_err(|e| Error::Config(format!("Orchestrate was refused: {e}")))?,
+    };
+    print_to_end(run).await
+}
+
+/// The run `options` ask for.
+fn run_request(options: &CallOptions) -> RunRequest {
     let mut request = RunRequest::prompt(options.prompt.clone())
         .system(options.system.clone())
         .model(options.model.clone())
@@ -181,10 +198,11 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
     for (name, description) in &options.exit_tools {
         request = request.exit_tool(name.clone(), description.clone());
     }
-    let mut run = client
-        .orchestrate(request)
-        .await
-        .map_err(|e| Error::Config(format!("Orchestrate was refused: {e}")))?;
+    request
+}
+
+/// Prints the run's events as they come and returns its result.
+async fn print_to_end(mut run: RunStream) -> Result<pb::RunResult, Error> {
     let mut printer = Printer::default();
     let mut stdout = std::io::stdout();
     // Read to the end of the call (its trailers, which the client reads after run_finished).

@@ -49,6 +49,9 @@ pub enum Error {
     /// The result store cannot be opened or read.
     #[error("the result store: {0}")]
     Store(#[from] crate::domain::ports::StoreError),
+    /// A run's event log cannot serve a re-attaching caller.
+    #[error(transparent)]
+    Log(#[from] crate::domain::ports::LogError),
     /// The signal topic cannot be opened.
     #[error(transparent)]
     Topic(#[from] crate::signals::TopicError),
@@ -76,6 +79,7 @@ pub enum Error {
 
 impl From<Error> for tonic::Status {
     fn from(error: Error) -> Self {
+        use crate::domain::ports::LogError;
         let message = error.to_string();
         match error {
             Error::InvalidArgument(_) => Self::invalid_argument(message),
@@ -91,6 +95,9 @@ impl From<Error> for tonic::Status {
             | Error::Store(_)
             | Error::Topic(_)
             | Error::Security(_) => Self::unavailable(message),
+            Error::Log(LogError::Trimmed { .. }) => Self::out_of_range(message),
+            Error::Log(LogError::Lost { .. }) => Self::data_loss(message),
+            Error::Log(LogError::Unavailable { .. }) => Self::unavailable(message),
             Error::Config(_) | Error::Limit(_) => Self::failed_precondition(message),
             Error::Contract { .. } => Self::internal(message),
         }

@@ -1,5 +1,6 @@
-//! The runs registry: run slots, live runs (for `GetRun` and `CancelRun`), and the result store
-//! where finished results (and checkpoints of live ones) are kept.
+//! The runs registry: run slots, live runs (for `GetRun` and `CancelRun`), the result store
+//! where finished results (and checkpoints of live ones) are kept, and the runs' event logs that
+//! callers re-attach to (`AttachRun`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,7 @@ use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
 use crate::run::live::{AdmittedRun, Cancel, Emitter, SharedState};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
-use crate::domain::ports::{Claim, ResultStore, StoreError, within};
+use crate::domain::ports::{Claim, EventFeed, EventLog, LogError, LogWriter, ResultStore, StoreError, within};
 use crate::run::backlog::Backlog;
 use crate::run::persist::Persister;
 use shared::auth::Principal;
@@ -36,6 +37,18 @@ pub(crate) struct Runs {
     /// How long one write to the store may take.
     store_timeout: Duration,
     backlog: Arc<Backlog>,
+    log: Arc<dyn EventLog>,
+}
+
+/// Why a caller cannot re-attach to a run.
+#[derive(Debug)]
+pub(crate) enum AttachError {
+    /// No run the caller may see has this id (or its log expired).
+    NotFound,
+    /// The store cannot say.
+    Store(StoreError),
+    /// The log cannot serve it.
+    Log(LogError),
 }
 
 /// Why a run cannot start.
@@ -69,6 +82,8 @@ pub(crate) struct Admitted {
     pub cancel: Cancel,
     /// Writes the run's state to the store.
     pub persister: Persister,
+    /// Appends the run's events to its log (taken by the run's emitter).
+    pub log: Option<Box<dyn LogWriter>>,
     /// Renews the run's lease in a shared store while the run is admitted.
     _lease: Option<AbortOnDrop>,
     _permit: OwnedSemaphorePermit,
@@ -91,6 +106,9 @@ impl Admitted {
         match self.persister.claim().await {
             Claim::Claimed => {
                 self._lease = self.persister.keep_lease();
+                // The id is this run's: its log starts now (a replay or a duplicate leaves the
+                // log of the run holding the id alone).
+                self.log = Some(self.runs.log.writer(&self.run_id));
                 Ok(self)
             }
             Claim::Taken(result) if !sees(caller, &result.principal) => Err(Refusal::Foreign),
@@ -131,6 +149,7 @@ impl Runs {
     pub(crate) fn new(
         max_runs: usize,
         store: Arc<dyn ResultStore>,
+        log: Arc<dyn EventLog>,
         store_timeout: Duration,
         backlog: usize,
     ) -> Arc<Self> {
@@ -142,6 +161,7 @@ impl Runs {
             backlog: Backlog::new(Arc::clone(&store), backlog, store_timeout, BACKLOG_RETRY),
             store,
             store_timeout,
+            log,
         })
     }
 
@@ -184,6 +204,7 @@ impl Runs {
             state,
             cancel,
             _lease: None,
+            log: None,
             persister,
             _permit: permit,
         };
@@ -233,6 +254,88 @@ impl Runs {
             None => self.stored(run_id).await?,
         };
         Ok(found.filter(|r| sees(caller, &r.principal)))
+    }
+
+    /// The events of a run `caller` may see (the runs `GetRun` shows it), after `after_seq`, then
+    /// the live ones up to `run_finished`. With a shared store the run may live on another
+    /// replica: a feed that brings nothing for a lease renewal period asks the store, and ends
+    /// with [`LogError::Lost`] when the run ended without its last event reaching the log.
+    pub(crate) async fn attach(
+        self: &Arc<Self>,
+        run_id: &str,
+        after_seq: u64,
+        caller: &Principal,
+    ) -> Result<EventFeed, AttachError> {
+        if self.get(run_id, caller).await.map_err(AttachError::Store)?.is_none() {
+            return Err(AttachError::NotFound);
+        }
+        let feed = self
+            .log
+            .follow(run_id, after_seq)
+            .await
+            .map_err(AttachError::Log)?
+            .ok_or(AttachError::NotFound)?;
+        metrics::counter!(crate::telemetry::metric::ATTACHES).increment(1);
+        Ok(match self.store.shared() {
+            Some(every) => self.watched(feed, run_id, caller, every),
+            None => feed,
+        })
+    }
+
+    /// `feed`, ended with [`LogError::Lost`] when it stays quiet for two periods of `every`
+    /// while the store says the run has ended (its last events never reached the log).
+    fn watched(self: &Arc<Self>, feed: EventFeed, run_id: &str, caller: &Principal, every: Duration) -> EventFeed {
+        use futures::StreamExt;
+        struct Watch {
+            feed: EventFeed,
+            runs: Arc<Runs>,
+            run_id: String,
+            caller: Principal,
+            last_seq: u64,
+            quiet_after_end: u32,
+        }
+        let watch = Watch {
+            feed,
+            runs: Arc::clone(self),
+            run_id: run_id.to_owned(),
+            caller: caller.clone(),
+            last_seq: 0,
+            quiet_after_end: 0,
+        };
+        futures::stream::unfold(watch, move |mut w| async move {
+            loop {
+                match tokio::time::timeout(every, w.feed.next()).await {
+                    Ok(Some(item)) => {
+                        if let Ok(event) = &item {
+                            w.last_seq = event.seq;
+                        }
+                        w.quiet_after_end = 0;
+                        return Some((item, w));
+                    }
+                    Ok(None) => return None,
+                    Err(_quiet) => {
+                        let ended = matches!(w.runs.get(&w.run_id, &w.caller).await, Ok(Some(r)) if r.status != RunStatus::Running);
+                        w.quiet_after_end = if ended { w.quiet_after_end + 1 } else { 0 };
+                        if w.quiet_after_end >= 2 {
+                            let lost = LogError::Lost {
+                                run_id: w.run_id.clone(),
+                                after_seq: w.last_seq,
+                                reason: "the run has ended, and its last events are not in the log".to_owned(),
+                            };
+                            let mut ended = w;
+                            ended.feed = futures::stream::empty().boxed();
+                            return Some((Err(lost), ended));
+                        }
+                    }
+                }
+            }
+        })
+        .boxed()
+    }
+
+    /// Whether the run is live on this replica.
+    pub(crate) fn is_live(&self, run_id: &str) -> bool {
+        self.lock().contains_key(run_id)
     }
 
     /// Finished results not yet taken by the store.
@@ -332,9 +435,16 @@ mod tests {
     use crate::store::memory::MemoryStore;
 
     fn runs(max_runs: usize, keep: usize, keep_for: Duration) -> Arc<Runs> {
+        let bounds = crate::store::LogBounds {
+            per_run_bytes: 1 << 20,
+            total_bytes: 1 << 24,
+            keep,
+            keep_for,
+        };
         Runs::new(
             max_runs,
             Arc::new(MemoryStore::new(keep, keep_for)),
+            Arc::new(crate::store::memory_log::MemoryLog::new(bounds)),
             Duration::from_secs(1),
             100,
         )

@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
 use crate::config::{Backend, NatsSettings};
-use crate::domain::ports::{ResultStore, SignalTopic};
+use crate::domain::ports::{EventLog, ResultStore, SignalTopic};
 use crate::llm::HttpLlm;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;
@@ -26,8 +26,11 @@ use crate::secrets::{NatsAuth, NatsUrl};
 use crate::service::{Core, OrchestratorService};
 use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::NatsTopic;
+use crate::store::LogBounds;
 use crate::store::memory::MemoryStore;
+use crate::store::memory_log::MemoryLog;
 use crate::store::nats::KvStore;
+use crate::store::nats_log::{NatsLog, NatsLogOptions};
 use crate::tool_runners::{Resolve, SystemResolver, ToolRunners};
 use crate::{Config, Error};
 
@@ -108,7 +111,14 @@ async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) 
     let mut connections = NatsConnections::default();
     let signals = open_signal_topic(config, &mut connections).await?;
     let store = open_store(config, &mut connections).await?;
-    let runs = Runs::new(config.runs.max_runs, store, config.store.timeout, config.store.backlog);
+    let log = open_event_log(config, &mut connections).await?;
+    let runs = Runs::new(
+        config.runs.max_runs,
+        store,
+        log,
+        config.store.timeout,
+        config.store.backlog,
+    );
     Ok(Arc::new(Core {
         deps: LoopDeps {
             model,
@@ -164,6 +174,32 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
             .await?;
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value");
             Arc::new(store)
+        }
+    })
+}
+
+/// The runs' event logs (`AttachRun`), beside the results: in memory with the memory store, in a
+/// JetStream stream with the NATS store.
+async fn open_event_log(config: &Config, connections: &mut NatsConnections) -> Result<Arc<dyn EventLog>, Error> {
+    let store = &config.store;
+    let bounds = |keep_for| LogBounds {
+        per_run_bytes: store.event_log_max_bytes,
+        total_bytes: store.event_log_total_bytes,
+        keep: store.keep_results,
+        keep_for,
+    };
+    Ok(match &store.backend {
+        Backend::Memory => Arc::new(MemoryLog::new(bounds(store.keep_results_for))),
+        Backend::Nats(url) => {
+            let client = connections.get(url, &config.nats).await?;
+            let options = NatsLogOptions {
+                bounds: bounds(store.ttl),
+                flush_interval: store.event_log_flush_interval,
+                timeout: store.timeout,
+            };
+            let log = NatsLog::open(client, &store.event_log_stream, options).await?;
+            tracing::info!(nats = %url, stream = %store.event_log_stream, "run event logs in NATS JetStream");
+            Arc::new(log)
         }
     })
 }

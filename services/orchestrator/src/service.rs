@@ -17,11 +17,12 @@ use tracing::Instrument;
 use crate::Error;
 use crate::config::Config;
 use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
+use crate::domain::ports::EventFeed;
 use crate::domain::ports::{SignalFilter, SignalItem, SignalTopic};
 use crate::domain::{Event, EventBatch, RunResult, RunSpec};
 use crate::run::live::{EmitSettings, Emitter};
 use crate::run::tool_loop::LoopDeps;
-use crate::runs::{Admitted, CancelOutcome, Refusal, Runs};
+use crate::runs::{Admitted, AttachError, CancelOutcome, Refusal, Runs};
 use crate::tool_runners::ToolRunners;
 
 /// How long a request waits for the tool catalog when it is still empty.
@@ -61,7 +62,7 @@ impl OrchestratorService {
     /// reading.
     fn start(
         &self,
-        admitted: Admitted,
+        mut admitted: Admitted,
         spec: RunSpec,
         detached: bool,
         trace_context: &tonic::metadata::MetadataMap,
@@ -75,7 +76,8 @@ impl OrchestratorService {
             max_event_bytes: core.config.runs.max_caller_event_bytes,
         };
         let on_stall = (!detached).then(|| admitted.cancel.clone());
-        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall);
+        let log = admitted.log.take();
+        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall).with_log(log);
         let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &spec.principal);
         shared::telemetry::continue_trace(&span, trace_context);
         let run = admitted.into_run(spec, emitter, caller_gone);
@@ -119,13 +121,78 @@ fn no_run(run_id: &str) -> Status {
     Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into()
 }
 
+/// An attached caller's stream: the run's logged events as proto events. When this replica
+/// drains, a run that is not live here (it runs on another replica) ends its attached streams
+/// with `UNAVAILABLE` naming the run and the last seq sent, so the caller attaches again
+/// elsewhere; a run live here keeps its followers until its end, within the drain's grace.
+fn attached(core: &Arc<Core>, run_id: String, feed: EventFeed) -> EventStream {
+    struct Follow {
+        feed: EventFeed,
+        core: Arc<Core>,
+        run_id: String,
+        last_seq: u64,
+        done: bool,
+    }
+    let follow = Follow {
+        feed,
+        core: Arc::clone(core),
+        run_id,
+        last_seq: 0,
+        done: false,
+    };
+    futures::stream::unfold(follow, |mut f| async move {
+        if f.done {
+            return None;
+        }
+        let stopping = f.core.stopping.clone();
+        let item = tokio::select! {
+            item = f.feed.next() => item?,
+            () = stopping.cancelled(), if !f.core.runs.is_live(&f.run_id) => {
+                f.done = true;
+                let message = format!(
+                    "this orchestrator replica is draining; attach to run {:?} again after seq {}",
+                    f.run_id, f.last_seq
+                );
+                return Some((Err(Status::unavailable(message)), f));
+            }
+        };
+        let item = match item {
+            Ok(event) => {
+                f.last_seq = event.seq;
+                Ok(event_pb(&f.run_id, event.seq, event.event))
+            }
+            Err(e) => {
+                f.done = true;
+                Err(Status::from(Error::Log(e)))
+            }
+        };
+        Some((item, f))
+    })
+    .boxed()
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::OrchestrateEvent, Status>> + Send>>;
 type SignalStream = Pin<Box<dyn Stream<Item = Result<pb::SignalEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::orchestrator_server::Orchestrator for OrchestratorService {
     type OrchestrateStream = EventStream;
+    type AttachRunStream = EventStream;
     type SubscribeSignalsStream = SignalStream;
+
+    async fn attach_run(&self, request: Request<pb::AttachRunRequest>) -> Result<Response<EventStream>, Status> {
+        if self.core.draining.load(Ordering::Acquire) {
+            return Err(Error::Draining.into());
+        }
+        let caller = caller(&request);
+        let pb::AttachRunRequest { run_id, after_seq } = request.into_inner();
+        match self.core.runs.attach(&run_id, after_seq, &caller).await {
+            Ok(feed) => Ok(Response::new(attached(&self.core, run_id, feed))),
+            Err(AttachError::NotFound) => Err(no_run(&run_id)),
+            Err(AttachError::Store(e)) => Err(Error::Store(e).into()),
+            Err(AttachError::Log(e)) => Err(Error::Log(e).into()),
+        }
+    }
 
     async fn orchestrate(&self, request: Request<pb::OrchestrateRequest>) -> Result<Response<EventStream>, Status> {
         let core = &self.core;

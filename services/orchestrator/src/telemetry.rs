@@ -49,6 +49,11 @@ pub(crate) mod metric {
     pub(crate) const STORE_BACKLOG: &str = "orchestrator_store_backlog";
     /// Counter: finished results dropped from a full store backlog (never stored).
     pub(crate) const STORE_BACKLOG_DROPPED: &str = "orchestrator_store_backlog_dropped_total";
+    /// Counter: event batches a run's event log did not keep (its backend was unavailable or
+    /// slower than the run); a re-attaching caller sees the gap as an error.
+    pub(crate) const EVENT_LOG_DROPPED: &str = "orchestrator_event_log_dropped_total";
+    /// Counter: callers re-attached to a run (`AttachRun`).
+    pub(crate) const ATTACHES: &str = "orchestrator_attaches_total";
     /// Requests refused for their credentials, by code.
     pub(crate) const AUTH_REFUSED: &str = "orchestrator_auth_refused_total";
 }
@@ -116,6 +121,16 @@ pub(crate) fn describe() {
         metric::STORE_BACKLOG_DROPPED,
         "Finished results dropped from a full store backlog, never stored."
     );
+    describe_counter!(
+        metric::EVENT_LOG_DROPPED,
+        "Event batches a run's event log did not keep (its backend was unavailable or slower than the run)."
+    );
+    describe_counter!(
+        metric::ATTACHES,
+        "Callers re-attached to a run's event stream (AttachRun)."
+    );
+    metrics::counter!(metric::EVENT_LOG_DROPPED).absolute(0);
+    metrics::counter!(metric::ATTACHES).absolute(0);
     metrics::gauge!(metric::RUNS_IN_FLIGHT).set(0.0);
     metrics::gauge!(metric::TOOL_CALLS_IN_FLIGHT).set(0.0);
     metrics::gauge!(metric::STORE_BACKLOG).set(0.0);

@@ -2,8 +2,9 @@
 //! (started here; `./scripts/test` installs the server when missing). Both backends of each pass
 //! the same suite; then the NATS-specific behaviour: subjects, headers and payload, reading from
 //! the stream after the fact, de-duplication of retries, a broker that is down when a signal is
-//! published, `GetRun` across orchestrator processes and across a restart, and SubscribeSignals
-//! seeing the signals of another replica.
+//! published, `GetRun` across orchestrator processes and across a restart, SubscribeSignals
+//! seeing the signals of another replica, and the runs' event logs (`AttachRun` on another
+//! replica, batching, bounds).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,12 +12,17 @@ use std::time::Duration;
 use async_nats::jetstream;
 use futures::StreamExt;
 use orchestrator::config::SignalSettings;
-use orchestrator::domain::ports::{ResultStore, SignalFilter, SignalItem, SignalTopic};
-use orchestrator::domain::{Delivery, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
+use orchestrator::domain::ports::{EventLog, LogError, ResultStore, SignalFilter, SignalItem, SignalTopic};
+use orchestrator::domain::{
+    Delivery, Event, NumberedEvent, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord,
+};
 use orchestrator::signals::memory::MemoryTopic;
 use orchestrator::signals::nats::{NatsTopic, TopicOptions};
+use orchestrator::store::LogBounds;
 use orchestrator::store::memory::MemoryStore;
+use orchestrator::store::memory_log::MemoryLog;
 use orchestrator::store::nats::KvStore;
+use orchestrator::store::nats_log::{NatsLog, NatsLogOptions};
 use proto::orchestrator::v1 as pb;
 use testkit::nats::Nats;
 use testkit::{Service, orchestrate};
@@ -564,4 +570,198 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_l
     assert_eq!(replay.failure_reason(), pb::FailureReason::OrchestratorLost);
     assert_eq!(mock.requests().len(), 1);
     survivor.stop().await
+}
+
+fn log_bounds(per_run_bytes: usize) -> LogBounds {
+    LogBounds {
+        per_run_bytes,
+        total_bytes: 64 << 20,
+        keep: 100,
+        keep_for: Duration::from_secs(600),
+    }
+}
+
+fn text_event(seq: u64, text: &str) -> NumberedEvent {
+    NumberedEvent {
+        seq,
+        event: Event::TextDelta {
+            text: text.into(),
+            turn: 1,
+        },
+    }
+}
+
+fn finished_event(seq: u64) -> NumberedEvent {
+    NumberedEvent {
+        seq,
+        event: Event::RunFinished(RunResult {
+            status: RunStatus::Completed,
+            text: "abc".into(),
+            ..RunResult::running("logged")
+        }),
+    }
+}
+
+async fn follow_all(log: &dyn EventLog, run_id: &str, after: u64) -> anyhow::Result<Vec<NumberedEvent>> {
+    let feed = log
+        .follow(run_id, after)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no log of {run_id}"))?;
+    let events = tokio::time::timeout(Duration::from_secs(10), feed.collect::<Vec<_>>()).await?;
+    Ok(events.into_iter().collect::<Result<_, _>>()?)
+}
+
+/// What both event logs do alike: a follower gets the logged events after its seq, then the live
+/// ones up to run_finished; a finished run replays from any seq.
+async fn log_suite(log: Arc<dyn EventLog>) -> TestResult {
+    let mut writer = log.writer("logged");
+    writer.append(&[text_event(1, "a"), text_event(2, "b")]);
+    let live = {
+        let log = Arc::clone(&log);
+        tokio::spawn(async move { follow_all(log.as_ref(), "logged", 1).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    writer.append(&[text_event(3, "c")]);
+    writer.append(&[finished_event(4)]);
+    let seqs = |events: Vec<NumberedEvent>| events.into_iter().map(|e| e.seq).collect::<Vec<_>>();
+    assert_eq!(seqs(live.await??), [2, 3, 4]);
+    let replay = follow_all(log.as_ref(), "logged", 0).await?;
+    assert_eq!(replay[3], finished_event(4), "events read back are the events written");
+    assert_eq!(seqs(replay), [1, 2, 3, 4]);
+    assert_eq!(seqs(follow_all(log.as_ref(), "logged", 3).await?), [4]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn both_event_logs_pass_the_log_suite() -> TestResult {
+    log_suite(Arc::new(MemoryLog::new(log_bounds(1 << 20)))).await?;
+    let nats = Nats::start().await?;
+    let options = NatsLogOptions {
+        bounds: log_bounds(1 << 20),
+        flush_interval: Duration::from_millis(20),
+        timeout: Duration::from_secs(5),
+    };
+    log_suite(Arc::new(
+        NatsLog::open(async_nats::connect(nats.url()).await?, "SUITE_EVENTS", options).await?,
+    ))
+    .await
+}
+
+/// The NATS log gathers a run's batches into few messages, and past its per-run bound purges the
+/// run's subject down to its newest messages: a follower from the start is told the log was
+/// trimmed (OUT_OF_RANGE), one from a recent seq gets the rest.
+#[tokio::test]
+async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> TestResult {
+    let nats = Nats::start().await?;
+    let client = async_nats::connect(nats.url()).await?;
+    let options = |per_run| NatsLogOptions {
+        bounds: log_bounds(per_run),
+        flush_interval: Duration::from_millis(50),
+        timeout: Duration::from_secs(5),
+    };
+    let log = NatsLog::open(client.clone(), "BOUND_EVENTS", options(1 << 20)).await?;
+    let mut writer = log.writer("gathered");
+    for seq in 1..=100 {
+        writer.append(&[text_event(seq, "token ")]);
+    }
+    writer.append(&[finished_event(101)]);
+    assert_eq!(follow_all(&log, "gathered", 0).await?.len(), 101);
+    let js = jetstream::new(client.clone());
+    let messages = js.get_stream("BOUND_EVENTS").await?.info().await?.state.messages;
+    assert!(
+        messages <= 3,
+        "101 events in {messages} messages: one publish per batch, not per token"
+    );
+
+    // 10 KiB messages against a 25 KiB bound: the oldest go.
+    let small = NatsLog::open(client, "BOUND_EVENTS", options(25 * 1024)).await?;
+    let mut writer = small.writer("trimmed");
+    let chunk = "x".repeat(10 * 1024);
+    for seq in 1..=5 {
+        writer.append(&[text_event(seq, &chunk)]);
+        tokio::time::sleep(Duration::from_millis(120)).await;
+    }
+    writer.append(&[finished_event(6)]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let from_start = follow_all(&small, "trimmed", 0).await;
+    let trimmed = from_start.as_ref().err().and_then(|e| e.downcast_ref::<LogError>());
+    assert!(matches!(trimmed, Some(LogError::Trimmed { .. })), "{from_start:?}");
+    let rest: Vec<u64> = follow_all(&small, "trimmed", 4).await?.iter().map(|e| e.seq).collect();
+    assert_eq!(rest, [5, 6]);
+    Ok(())
+}
+
+/// A caller that leaves a run on replica A re-attaches on replica B from its last seq, and gets
+/// the rest while the run still goes on A: together one gap-free stream, equal to B's replay of
+/// the finished run and to GetRun.
+#[tokio::test]
+async fn a_caller_reattaches_on_another_replica_to_a_live_run_and_replays_it_there() -> TestResult {
+    let nats = Nats::start().await?;
+    let words: String = (0..60).map(|i| format!("word{i} ")).collect();
+    let scenario = mock_llm::Scenario {
+        token_delay_ms: 10,
+        ..mock_llm::Scenario::new(vec![
+            mock_llm::Turn::text(&words).then(mock_llm::Step::call("sleep", serde_json::json!({"ms": 50}))),
+            mock_llm::Turn::text(&words),
+        ])
+    };
+    let mock = mock_llm::MockLlm::start(scenario).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let (a_url, b_url) = (format!("http://{}", a.grpc), format!("http://{}", b.grpc));
+
+    let mut on_a = pb::orchestrator_client::OrchestratorClient::connect(a_url).await?;
+    let mut first = on_a
+        .orchestrate(pb::OrchestrateRequest {
+            run_id: "roaming".into(),
+            detached: true,
+            ..testkit::user("go")
+        })
+        .await?
+        .into_inner();
+    let mut seen = Vec::new();
+    while seen.len() < 6 {
+        match first.next().await {
+            Some(event) => seen.push(event?),
+            None => anyhow::bail!("the run ended before 6 events"),
+        }
+    }
+    drop(first);
+    let mut on_b = pb::orchestrator_client::OrchestratorClient::connect(b_url.clone()).await?;
+    let attach = |after_seq| pb::AttachRunRequest {
+        run_id: "roaming".into(),
+        after_seq,
+    };
+    let rest = on_b.attach_run(attach(6)).await?.into_inner();
+    let rest: Vec<_> = tokio::time::timeout(Duration::from_secs(30), rest.collect::<Vec<_>>())
+        .await?
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    anyhow::ensure!(
+        rest.first().map(|e| e.seq) == Some(7),
+        "the rest starts at 7: {:?}",
+        rest.first()
+    );
+    seen.extend(rest);
+    let whole = testkit::stack::Outcome::new(seen, Duration::ZERO)?;
+    assert_eq!(whole.status(), pb::RunStatus::Completed);
+    assert_eq!(whole.result.text, format!("{words}{words}"));
+    assert_eq!(get_run(&b_url, "roaming").await?, whole.result);
+    let replay: Vec<_> = on_b
+        .attach_run(attach(0))
+        .await?
+        .into_inner()
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    assert_eq!(replay, whole.events);
+    let unknown = on_b.attach_run(pb::AttachRunRequest {
+        run_id: "never-ran".into(),
+        after_seq: 0,
+    });
+    assert_eq!(unknown.await.err().map(|s| s.code()), Some(tonic::Code::NotFound));
+    a.stop().await?;
+    b.stop().await
 }

@@ -100,6 +100,8 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
             &endpoint,
             "--prompt",
             "go",
+            "--run-id",
+            "process-run",
             "--tool",
             "calculate",
             "--tool",
@@ -118,6 +120,37 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
             && stdout.contains("■ COMPLETED"),
         "{stdout}"
     );
+    // `call --attach` replays the finished run from the start, or from a seq on.
+    let (code, replayed, stderr) =
+        run_to_end(&["call", "--endpoint", &endpoint, "--attach", "process-run"], &[]).await?;
+    assert_eq!(code, Some(0), "{replayed}\n{stderr}");
+    assert_eq!(replayed, stdout, "the replay prints what the run printed");
+    let (code, tail, stderr) = run_to_end(
+        &[
+            "call",
+            "--endpoint",
+            &endpoint,
+            "--attach",
+            "process-run",
+            "--after",
+            "3",
+        ],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, Some(0), "{tail}\n{stderr}");
+    assert!(
+        !tail.contains("▶ run started") && tail.contains("■ COMPLETED"),
+        "{tail}"
+    );
+    let (code, _, stderr) = run_to_end(&["call", "--endpoint", &endpoint, "--attach", "no-such-run"], &[]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("AttachRun was refused") && stderr.contains("no run \"no-such-run\""),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run_to_end(&["call", "--prompt", "x", "--attach", "r"], &[]).await?;
+    assert_eq!(code, Some(2), "--prompt and --attach together: {stderr}");
 
     orchestrator.signal(nix::sys::signal::Signal::SIGTERM)?;
     assert_eq!(orchestrator.wait_exit().await?, Some(0));

@@ -217,6 +217,9 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
         ),
         o("bob_get", "GetRun", get("alice-run"), &tls, Some("bob-token")),
         o("bob_cancel", "CancelRun", get("alice-run"), &tls, Some("bob-token")),
+        o("bob_attach", "AttachRun", get("alice-run"), &tls, Some("bob-token")),
+        o("no_token_attach", "AttachRun", get("alice-run"), &tls, None),
+        o("alice_attach", "AttachRun", get("alice-run"), &tls, Some("alice-token")),
         o(
             "bob_replay",
             "Orchestrate",
@@ -254,6 +257,9 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
         ("alice_run", "OK"),
         ("bob_get", "NOT_FOUND"),
         ("bob_cancel", "NOT_FOUND"),
+        ("bob_attach", "NOT_FOUND"),
+        ("no_token_attach", "UNAUTHENTICATED"),
+        ("alice_attach", "OK"),
         ("bob_replay", "NOT_FOUND"),
         ("alice_get", "OK"),
         ("alice_replay", "OK"),
@@ -286,6 +292,8 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
     assert_eq!(finished["result"]["principal"], "alice");
     assert_eq!(finished["result"]["tool_calls"][0]["ok"], true, "{finished}");
     assert_eq!(outcomes["alice_get"]["response"]["principal"], "alice");
+    // Alice re-attaches to her finished run: the same events, from any client (grpcio here).
+    assert_eq!(outcomes["alice_attach"]["response"], outcomes["alice_run"]["response"]);
     let tools = outcomes["runner_with_cert"]["response"]["tools"]
         .as_array()
         .map_or(0, Vec::len);

@@ -178,6 +178,7 @@ impl Config {
         for (flag, name) in [
             (flag::<SignalSettings>("stream"), &self.signals.stream),
             (flag::<StoreSettings>("bucket"), &self.store.bucket),
+            (flag::<StoreSettings>("event_log_stream"), &self.store.event_log_stream),
         ] {
             if !token(name) {
                 return Err(Error::Config(format!("{flag} {name:?}: letters, digits, '_' or '-'")));

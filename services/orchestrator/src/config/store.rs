@@ -5,7 +5,7 @@ use std::time::Duration;
 use clap::Args;
 use shared::config::{Bound, Bounded, bound, parse_duration};
 
-use super::{Backend, DAY, ms, secs};
+use super::{Backend, DAY, MIB, ms, secs};
 
 /// Where run results are kept for `GetRun`.
 #[derive(Debug, Clone, Args)]
@@ -48,6 +48,23 @@ pub struct StoreSettings {
         default_value_t = 10_000
     )]
     pub backlog: usize,
+    /// Bytes of one run's events kept for AttachRun; past them its oldest events are dropped (a
+    /// re-attach from a recent seq still works, a replay from the start is refused OUT_OF_RANGE)
+    /// (64 KiB..=1 GiB).
+    #[arg(long, env = "ORCHESTRATOR_EVENT_LOG_MAX_BYTES", default_value_t = 8 * MIB)]
+    pub event_log_max_bytes: usize,
+    /// Bytes of all runs' event logs together: the oldest finished runs' logs are dropped first
+    /// (in memory, or the JetStream stream's max bytes with the NATS store) (1 MiB..=1 TiB).
+    #[arg(long, env = "ORCHESTRATOR_EVENT_LOG_TOTAL_BYTES", default_value_t = 256 * MIB)]
+    pub event_log_total_bytes: usize,
+    /// With the NATS store: how long a run's events are gathered into one message of its event
+    /// log (run_finished goes at once), so the log is never written once per token (1ms..=5s).
+    #[arg(long, env = "ORCHESTRATOR_EVENT_LOG_FLUSH_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
+    pub event_log_flush_interval: Duration,
+    /// With the NATS store: the JetStream stream of the runs' event logs (created when missing;
+    /// subjects `<stream>.run.>`).
+    #[arg(long, env = "ORCHESTRATOR_EVENT_LOG_STREAM", default_value = "ORCHESTRATOR_EVENTS")]
+    pub event_log_stream: String,
 }
 
 impl Bounded for StoreSettings {
@@ -59,6 +76,24 @@ impl Bounded for StoreSettings {
             bound("lease", self.lease, secs(1), secs(600)),
             bound("timeout", self.timeout, ms(10), secs(60)),
             bound("backlog", self.backlog, 1usize, 1_000_000usize),
+            bound(
+                "event_log_max_bytes",
+                self.event_log_max_bytes,
+                64 * 1024usize,
+                1024 * MIB,
+            ),
+            bound(
+                "event_log_total_bytes",
+                self.event_log_total_bytes,
+                MIB,
+                1024 * 1024 * MIB,
+            ),
+            bound(
+                "event_log_flush_interval",
+                self.event_log_flush_interval,
+                ms(1),
+                secs(5),
+            ),
         ]
     }
 }

@@ -7,7 +7,9 @@ use proto::orchestrator::v1 as pb;
 
 use super::millis;
 use crate::Error;
-use crate::domain::{Delivery, Event, FailureReason, RunResult, RunStatus, Signal, ToolCallError};
+use crate::domain::{
+    Delivery, Event, FailureReason, Limits, NumberedEvent, RunResult, RunStatus, Signal, ToolCallError,
+};
 
 /// Parses a `grpc-timeout` header value (`100m`, `5S`, …) into a duration.
 pub(crate) fn parse_grpc_timeout(value: &str) -> Option<Duration> {
@@ -297,5 +299,74 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
         run_id: run_id.to_owned(),
         seq,
         event: Some(event),
+    }
+}
+
+/// A proto event read back (from a run's event log) as a numbered domain event.
+impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
+    type Error = Error;
+
+    fn try_from(event: pb::OrchestrateEvent) -> Result<Self, Error> {
+        use pb::orchestrate_event::Event as E;
+        let empty = || Error::InvalidArgument(format!("event {} carries nothing", event.seq));
+        let event_seq = event.seq;
+        let domain = match event.event.ok_or_else(empty)? {
+            E::RunStarted(e) => {
+                let limits = e.limits.unwrap_or_default();
+                Event::RunStarted {
+                    model: e.model,
+                    normal_tools: e.normal_tools,
+                    exit_tools: e.exit_tools,
+                    limits: Limits {
+                        max_turns: limits.max_turns,
+                        tool_call_budget: limits.tool_call_budget,
+                        max_tool_failures: limits.max_tool_failures,
+                        tool_timeout: Duration::from_millis(limits.tool_timeout_ms.into()),
+                        run_timeout: Duration::from_millis(limits.run_timeout_ms.into()),
+                    },
+                }
+            }
+            E::TextDelta(e) => Event::TextDelta {
+                text: e.text,
+                turn: e.turn,
+            },
+            E::ReasoningDelta(e) => Event::ReasoningDelta {
+                text: e.text,
+                turn: e.turn,
+            },
+            E::ToolCallStarted(e) => Event::ToolCallStarted {
+                call_id: e.call_id,
+                name: e.name,
+                arguments_json: e.arguments_json,
+                turn: e.turn,
+                arguments_truncated: e.arguments_truncated,
+            },
+            E::ToolCallFinished(e) => Event::ToolCallFinished {
+                call_id: e.call_id,
+                name: e.name,
+                content_json: e.ok.then_some(e.content_json),
+                content_truncated: e.content_truncated,
+                error: e.error.map(|e| ToolCallError::new(&e.code, e.message)),
+                duration_ms: e.duration_ms,
+            },
+            E::Signal(signal) => Event::Signal(Signal::try_from(signal)?),
+            E::TurnFinished(e) => {
+                let usage = e.usage.unwrap_or_default();
+                Event::TurnFinished {
+                    turn: e.turn,
+                    usage: crate::llm::Usage {
+                        prompt_tokens: usage.prompt_tokens,
+                        completion_tokens: usage.completion_tokens,
+                    },
+                    tool_call_budget_remaining: e.tool_call_budget_remaining,
+                    failed_turns: e.failed_turns,
+                }
+            }
+            E::RunFinished(e) => Event::RunFinished(RunResult::try_from(e.result.unwrap_or_default())?),
+        };
+        Ok(NumberedEvent {
+            seq: event_seq,
+            event: domain,
+        })
     }
 }

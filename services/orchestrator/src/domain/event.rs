@@ -86,5 +86,29 @@ pub struct NumberedEvent {
     pub event: Event,
 }
 
+impl NumberedEvent {
+    /// About how many bytes the event holds: its text, arguments and results, plus a fixed
+    /// overhead (what an event log counts against its bound).
+    pub fn weight(&self) -> usize {
+        const OVERHEAD: usize = 64;
+        OVERHEAD
+            + match &self.event {
+                Event::TextDelta { text, .. } | Event::ReasoningDelta { text, .. } => text.len(),
+                Event::ToolCallStarted { arguments_json, .. } => arguments_json.len(),
+                Event::ToolCallFinished {
+                    content_json, error, ..
+                } => content_json.as_ref().map_or(0, String::len) + error.as_ref().map_or(0, |e| e.message.len()),
+                Event::Signal(signal) => signal.arguments_json.len(),
+                Event::RunFinished(result) => result.text.len() + result.reasoning.len(),
+                Event::RunStarted { .. } | Event::TurnFinished { .. } => 0,
+            }
+    }
+
+    /// Whether this is the run's last event.
+    pub fn is_last(&self) -> bool {
+        matches!(self.event, Event::RunFinished(_))
+    }
+}
+
 /// Events sent to the caller's stream together (they leave in one write).
 pub type EventBatch = Vec<NumberedEvent>;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
+use super::event::NumberedEvent;
 use super::result::{Delivery, RunResult, Signal, ToolCallError};
 
 /// A normal tool call to execute.
@@ -94,6 +95,65 @@ pub async fn within<T>(
     tokio::time::timeout(timeout, operation)
         .await
         .unwrap_or(Err(StoreError::Timeout(timeout)))
+}
+
+/// Where each run's events are kept, numbered, so a caller can re-attach (`AttachRun`) from the
+/// last `seq` it saw, on any replica that shares the log, for as long as results are kept.
+pub trait EventLog: Send + Sync + 'static {
+    /// The writer of a run's events; the run's log starts empty (a run id is claimed once).
+    fn writer(&self, run_id: &str) -> Box<dyn LogWriter>;
+    /// The run's events with `seq > after_seq`, then those appended later, up to and including
+    /// `run_finished`. `Ok(None)`: this log has nothing of the run (unknown or expired).
+    fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>>;
+}
+
+/// A run's events as a log hands them out: in `seq` order, without gaps, or an error that ends
+/// the feed.
+pub type EventFeed = BoxStream<'static, Result<NumberedEvent, LogError>>;
+
+/// Appends one run's events to its log. Appending never waits for the log's backend: what
+/// cannot be kept is reported by the log (a gap that a follower sees as an error), never by
+/// slowing the run.
+pub trait LogWriter: Send {
+    /// Appends events numbered by the run's emitter, in order.
+    fn append(&mut self, events: &[NumberedEvent]);
+}
+
+/// Why a run's log cannot serve what was asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LogError {
+    /// The log no longer keeps the events after `after_seq`: a run's log is bounded, and its
+    /// oldest events were dropped.
+    #[error(
+        "the event log of run {run_id} keeps its events from seq {first_kept} on (it is bounded); after_seq {after_seq} is older; GetRun has the whole result"
+    )]
+    Trimmed {
+        /// The run.
+        run_id: String,
+        /// What the caller asked for.
+        after_seq: u64,
+        /// The oldest event kept.
+        first_kept: u64,
+    },
+    /// Events are missing from the log (the backend did not take them, or the run's writer
+    /// went away without `run_finished`).
+    #[error("the event log of run {run_id} lost events after seq {after_seq}: {reason}; GetRun has the result")]
+    Lost {
+        /// The run.
+        run_id: String,
+        /// The last event that was read.
+        after_seq: u64,
+        /// What happened.
+        reason: String,
+    },
+    /// The log's backend cannot be read.
+    #[error("the event log of run {run_id}: {reason}")]
+    Unavailable {
+        /// The run.
+        run_id: String,
+        /// The backend's answer.
+        reason: String,
+    },
 }
 
 /// Told once whether a published signal was delivered.

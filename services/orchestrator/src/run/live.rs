@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::domain::ports::LogWriter;
 use crate::domain::{Event, EventBatch, NumberedEvent, RunResult, RunSpec, ToolCallError};
 use crate::run::persist::Persister;
 
@@ -68,6 +69,10 @@ pub struct EmitSettings {
 /// in one HTTP/2 write instead of one write (and one wake-up of each side) per event. Every
 /// [`send`](Self::send) first sends what is queued, and the loop [flushes](Self::flush) before
 /// it waits for the model or the tools, so nothing queued waits on them.
+///
+/// Every batch is also appended to the run's event log (when it has one) before it is sent, so
+/// a caller that re-attaches (`AttachRun`) finds every event, whether or not the first caller
+/// still reads.
 pub struct Emitter {
     tx: Option<mpsc::Sender<EventBatch>>,
     seq: u64,
@@ -77,6 +82,11 @@ pub struct Emitter {
     settings: EmitSettings,
     /// Canceled when the caller stops reading (`None`: a detached run, which goes on).
     on_stall: Option<Cancel>,
+    /// The run's event log.
+    log: Option<Box<dyn LogWriter>>,
+    /// The last seq appended to the log (a flush interrupted while it waits sends its batch
+    /// again, but logs it once).
+    logged_through: u64,
 }
 
 impl Emitter {
@@ -95,7 +105,28 @@ impl Emitter {
             state,
             settings,
             on_stall,
+            log: None,
+            logged_through: 0,
         }
+    }
+
+    /// The emitter, appending every event to `log` too.
+    pub fn with_log(mut self, log: Option<Box<dyn LogWriter>>) -> Self {
+        self.log = log;
+        self
+    }
+
+    /// Appends the queued events not logged yet to the run's event log.
+    fn log_queued(&mut self) {
+        let (Some(log), Some(last)) = (&mut self.log, self.queued.last()) else {
+            return;
+        };
+        if last.seq <= self.logged_through {
+            return;
+        }
+        let start = self.queued.partition_point(|e| e.seq <= self.logged_through);
+        log.append(&self.queued[start..]);
+        self.logged_through = last.seq;
     }
 
     /// Numbers `event` and queues it behind the events already queued. Text longer than one
@@ -182,6 +213,7 @@ impl Emitter {
         if self.queued.is_empty() {
             return;
         }
+        self.log_queued();
         let Some(tx) = self.tx.clone() else {
             self.queued.clear();
             return;
@@ -259,6 +291,7 @@ pub struct AdmittedRun {
     pub caller: Option<mpsc::Sender<EventBatch>>,
     /// Writes checkpoints and the final result to the result store.
     pub persister: Option<Persister>,
-    /// The run's slot: dropped once the result is stored and sent, which frees it for the next run.
+    /// The run's slot: dropped once the result is stored (before `run_finished` is delivered), which
+    /// frees it for the next run.
     pub slot: Option<Box<dyn Send>>,
 }

@@ -6,7 +6,30 @@
 //! their output so far) and its final result before its stream's `run_finished`, through its
 //! persister (`run::persist`).
 //!
+//! Each run's events are kept beside its result for `AttachRun` (the [`EventLog`] port): in memory
+//! with the in-memory store ([`memory_log::MemoryLog`]), in a JetStream stream with the NATS store
+//! ([`nats_log::NatsLog`]), bounded per run and kept as long as results are.
+//!
 //! [`ResultStore`]: crate::domain::ports::ResultStore
+//! [`EventLog`]: crate::domain::ports::EventLog
 
 pub mod memory;
+pub mod memory_log;
 pub mod nats;
+pub mod nats_log;
+
+use std::time::Duration;
+
+/// How much of the runs' events a log keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogBounds {
+    /// Bytes of one run's events; past them its oldest events are dropped, so a re-attach from
+    /// a recent seq still works while a replay from the start is refused.
+    pub per_run_bytes: usize,
+    /// Bytes of all runs' logs together (memory only): the oldest finished logs go first.
+    pub total_bytes: usize,
+    /// Finished runs' logs kept (memory only; like results).
+    pub keep: usize,
+    /// How long a finished run's log is kept (like its result).
+    pub keep_for: Duration,
+}

@@ -63,7 +63,7 @@ impl Record {
 }
 
 /// A valid KV key for `run_id` (keys allow `[-/_=.a-zA-Z0-9]`; anything else is hex-escaped).
-fn key(run_id: &str) -> String {
+pub(super) fn key(run_id: &str) -> String {
     let mut key = String::with_capacity(run_id.len() + 4);
     key.push_str("run.");
     for b in run_id.bytes() {

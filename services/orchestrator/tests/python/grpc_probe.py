@@ -65,9 +65,10 @@ REQUEST_TYPES = {
     "Orchestrate": "OrchestrateRequest",
     "GetRun": "GetRunRequest",
     "CancelRun": "CancelRunRequest",
+    "AttachRun": "AttachRunRequest",
     "ListTools": "ListToolsRequest",
 }
-STREAMING = {"Orchestrate"}
+STREAMING = {"Orchestrate", "AttachRun"}
 
 
 def call(stubs, step):

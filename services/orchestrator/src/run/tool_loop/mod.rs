@@ -87,7 +87,8 @@ type Step<T> = Result<T, End>;
 /// Runs the loop to its end. Every terminal path keeps the output: text still held back is
 /// released and the usage of an interrupted turn counted before the end is settled. The final
 /// result is stored before the `run_finished` event is sent (within the event send timeout), so
-/// `GetRun` answers as soon as the stream ends; the run's slot is freed after both.
+/// `GetRun` answers as soon as the stream ends; the run's slot is freed in between, so delivering
+/// the last event to a slow caller holds no slot.
 pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
     let AdmittedRun {
         spec,
@@ -121,8 +122,10 @@ pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
     if let Some(persister) = &persister {
         persister.write_final().await;
     }
-    emitter.send(Event::RunFinished(result.clone())).await;
+    // The slot counts running work: it is free before the last event is delivered, which a
+    // caller that reads nothing holds up to the event send timeout.
     drop(slot);
+    emitter.send(Event::RunFinished(result.clone())).await;
     result
 }
 

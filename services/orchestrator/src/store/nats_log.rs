@@ -1,0 +1,375 @@
+//! The event log in a NATS JetStream stream (with the NATS result store): every replica reads
+//! every run's events, so a caller re-attaches anywhere. A run's events go to the subject
+//! `<stream>.run.<run id escaped>`; the stream keeps them as long as the results bucket keeps
+//! results (`--run-store-ttl`) and at most `--event-log-total-bytes` in all.
+//!
+//! Writing never slows a run: the emitter's batches go through a bounded channel to one task per
+//! run, which gathers what arrives within `--event-log-flush-interval` (the first batch of a
+//! gathering waits at most that long; `run_finished` goes at once) and publishes it as one message
+//! (a `LogBatch` of `orchestrator.v1.OrchestrateEvent`s, cut below the server's largest payload),
+//! never one publish per token. Each message carries `Nats-Msg-Id: <run>/<first seq>`, so a
+//! retried publish is stored once. A run's log is bounded by `--event-log-max-bytes`: past it the
+//! subject is purged down to its newest messages. A batch the channel or JetStream did not take is
+//! counted and logged; a follower sees the gap and is told so.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use prost::Message;
+use proto::orchestrator::v1 as pb;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::LogBounds;
+use crate::convert::event_pb;
+use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, StoreError};
+use crate::domain::{EventBatch, NumberedEvent};
+use crate::telemetry::metric;
+
+/// Event batches one run's writer holds for its publishing task.
+const WRITER_BUFFER: usize = 4096;
+/// Publish attempts of one message.
+const PUBLISH_ATTEMPTS: u32 = 3;
+/// Room left in a message below the server's largest payload, for headers.
+const HEADER_ROOM: usize = 4096;
+
+/// One message of the log: consecutive events of one run.
+#[derive(Clone, PartialEq, prost::Message)]
+struct LogBatch {
+    #[prost(message, repeated, tag = "1")]
+    events: Vec<pb::OrchestrateEvent>,
+}
+
+/// How the log writes (the `--event-log-*` and store settings).
+#[derive(Debug, Clone, Copy)]
+pub struct NatsLogOptions {
+    /// What the log keeps.
+    pub bounds: LogBounds,
+    /// How long a run's writer gathers batches into one message.
+    pub flush_interval: Duration,
+    /// How long one publish waits for JetStream's acknowledgement.
+    pub timeout: Duration,
+}
+
+/// See the module docs.
+#[derive(Clone)]
+pub struct NatsLog {
+    js: jetstream::Context,
+    stream: jetstream::stream::Stream,
+    name: String,
+    options: NatsLogOptions,
+    /// Largest message the server takes.
+    max_message_bytes: usize,
+}
+
+impl NatsLog {
+    /// Binds (or creates) the stream `name`.
+    pub async fn open(client: async_nats::Client, name: &str, options: NatsLogOptions) -> Result<Self, StoreError> {
+        let unavailable = |e: String| StoreError::Unavailable {
+            operation: "creating the event log stream",
+            key: name.to_owned(),
+            reason: e,
+        };
+        let max_message_bytes = client.server_info().max_payload;
+        let js = jetstream::context::ContextBuilder::new()
+            .timeout(options.timeout)
+            .build(client);
+        let stream = js
+            .get_or_create_stream(jetstream::stream::Config {
+                name: name.to_owned(),
+                description: Some("orchestrator run events (AttachRun)".to_owned()),
+                subjects: vec![format!("{name}.run.>")],
+                max_age: options.bounds.keep_for,
+                max_bytes: i64::try_from(options.bounds.total_bytes).unwrap_or(i64::MAX),
+                discard: jetstream::stream::DiscardPolicy::Old,
+                duplicate_window: Duration::from_secs(120),
+                storage: jetstream::stream::StorageType::File,
+                allow_direct: true,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        Ok(Self {
+            js,
+            stream,
+            name: name.to_owned(),
+            options,
+            max_message_bytes: max_message_bytes.saturating_sub(HEADER_ROOM).max(HEADER_ROOM),
+        })
+    }
+
+    fn subject(&self, run_id: &str) -> String {
+        format!("{}.{}", self.name, super::nats::key(run_id))
+    }
+}
+
+struct Writer {
+    tx: mpsc::Sender<EventBatch>,
+    run_id: String,
+}
+
+impl LogWriter for Writer {
+    fn append(&mut self, events: &[NumberedEvent]) {
+        if let Err(e) = self.tx.try_send(events.to_vec()) {
+            metrics::counter!(metric::EVENT_LOG_DROPPED).increment(1);
+            let first = events.first().map_or(0, |e| e.seq);
+            tracing::warn!(run_id = %self.run_id, first_seq = first, "the event log did not take a batch: {e}");
+        }
+    }
+}
+
+impl EventLog for NatsLog {
+    fn writer(&self, run_id: &str) -> Box<dyn LogWriter> {
+        let (tx, rx) = mpsc::channel(WRITER_BUFFER);
+        let publisher = Publisher {
+            log: self.clone(),
+            subject: self.subject(run_id),
+            run_id: run_id.to_owned(),
+            kept: VecDeque::new(),
+            kept_bytes: 0,
+        };
+        tokio::spawn(publisher.run(rx));
+        Box::new(Writer {
+            tx,
+            run_id: run_id.to_owned(),
+        })
+    }
+
+    fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>> {
+        let (stream, subject, run_id) = (self.stream.clone(), self.subject(run_id), run_id.to_owned());
+        async move {
+            let unavailable = |e: String| LogError::Unavailable {
+                run_id: run_id.clone(),
+                reason: e,
+            };
+            let consumer = stream
+                .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                    filter_subject: subject,
+                    deliver_policy: jetstream::consumer::DeliverPolicy::All,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            let messages = consumer.messages().await.map_err(|e| unavailable(e.to_string()))?;
+            let follower = Follower {
+                messages,
+                run_id: run_id.clone(),
+                after_seq,
+                cursor: after_seq,
+                ready: VecDeque::new(),
+                done: false,
+            };
+            Ok(Some(follower.into_feed()))
+        }
+        .boxed()
+    }
+}
+
+/// One run's publishing task.
+struct Publisher {
+    log: NatsLog,
+    subject: String,
+    run_id: String,
+    /// Sizes of the messages of this run the stream keeps, oldest first.
+    kept: VecDeque<usize>,
+    kept_bytes: usize,
+}
+
+impl Publisher {
+    /// Gathers the writer's batches and publishes them, until the writer is gone.
+    async fn run(mut self, mut rx: mpsc::Receiver<EventBatch>) {
+        while let Some(mut events) = rx.recv().await {
+            let flush_at = Instant::now() + self.log.options.flush_interval;
+            while !events.last().is_some_and(NumberedEvent::is_last) {
+                tokio::select! {
+                    more = rx.recv() => match more {
+                        Some(more) => events.extend(more),
+                        None => break,
+                    },
+                    () = tokio::time::sleep_until(flush_at) => break,
+                }
+            }
+            for message in self.messages(events) {
+                self.publish(message).await;
+            }
+        }
+    }
+
+    /// The events as messages of at most the server's largest payload (an event larger than
+    /// that alone is a message of its own, which the server refuses: a gap followers see).
+    fn messages(&self, events: EventBatch) -> Vec<(u64, Vec<u8>)> {
+        let mut messages = Vec::new();
+        let mut batch = LogBatch { events: Vec::new() };
+        let mut first_seq = 0;
+        for event in events {
+            let seq = event.seq;
+            let event = event_pb(&self.run_id, seq, event.event);
+            if !batch.events.is_empty() && batch.encoded_len() + event.encoded_len() + 8 > self.log.max_message_bytes {
+                messages.push((first_seq, std::mem::take(&mut batch).encode_to_vec()));
+            }
+            if batch.events.is_empty() {
+                first_seq = seq;
+            }
+            batch.events.push(event);
+        }
+        if !batch.events.is_empty() {
+            messages.push((first_seq, batch.encode_to_vec()));
+        }
+        messages
+    }
+
+    /// Publishes one message (a few attempts, each awaiting its acknowledgement), then keeps the
+    /// run's log within its bound.
+    async fn publish(&mut self, (first_seq, payload): (u64, Vec<u8>)) {
+        let size = payload.len();
+        let payload = bytes::Bytes::from(payload);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            async_nats::header::NATS_MESSAGE_ID,
+            format!("{}/{first_seq}", self.run_id).as_str(),
+        );
+        let mut error = String::new();
+        for attempt in 0..PUBLISH_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+            match self.try_publish(&headers, payload.clone()).await {
+                Ok(()) => {
+                    self.keep_within_bound(size).await;
+                    return;
+                }
+                Err(e) => error = e,
+            }
+        }
+        metrics::counter!(metric::EVENT_LOG_DROPPED).increment(1);
+        tracing::warn!(run_id = %self.run_id, first_seq, "the event log did not keep a batch of events: {error}");
+    }
+
+    async fn try_publish(&self, headers: &async_nats::HeaderMap, payload: bytes::Bytes) -> Result<(), String> {
+        let ack = self
+            .log
+            .js
+            .publish_with_headers(self.subject.clone(), headers.clone(), payload)
+            .await
+            .map_err(|e| e.to_string())?;
+        match tokio::time::timeout(self.log.options.timeout, ack).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("no acknowledgement in time".to_owned()),
+        }
+    }
+
+    /// Past the run's bound, the subject is purged down to its newest messages.
+    async fn keep_within_bound(&mut self, size: usize) {
+        self.kept.push_back(size);
+        self.kept_bytes += size;
+        let bound = self.log.options.bounds.per_run_bytes;
+        if self.kept_bytes <= bound || self.kept.len() <= 1 {
+            return;
+        }
+        while self.kept_bytes > bound && self.kept.len() > 1 {
+            self.kept_bytes -= self.kept.pop_front().unwrap_or(0);
+        }
+        let keep = u64::try_from(self.kept.len()).unwrap_or(u64::MAX);
+        let purge = self.log.stream.purge().filter(self.subject.clone()).keep(keep);
+        if let Err(e) = tokio::time::timeout(self.log.options.timeout, purge.into_future()).await {
+            tracing::warn!(run_id = %self.run_id, "trimming the run's event log timed out: {e}");
+        }
+    }
+}
+
+/// One follower of a run's subject.
+struct Follower {
+    messages: jetstream::consumer::pull::Ordered,
+    run_id: String,
+    /// Where the follower asked to start.
+    after_seq: u64,
+    /// The last seq handed out.
+    cursor: u64,
+    ready: VecDeque<NumberedEvent>,
+    done: bool,
+}
+
+impl Follower {
+    fn into_feed(self) -> EventFeed {
+        futures::stream::unfold(self, |mut this| async move {
+            let item = this.next().await?;
+            Some((item, this))
+        })
+        .boxed()
+    }
+
+    async fn next(&mut self) -> Option<Result<NumberedEvent, LogError>> {
+        loop {
+            if self.done {
+                return None;
+            }
+            if let Some(event) = self.ready.pop_front() {
+                match self.check(&event) {
+                    Ok(true) => {
+                        self.cursor = event.seq;
+                        self.done = event.is_last();
+                        return Some(Ok(event));
+                    }
+                    // A log read past its end by a caller that has it all.
+                    Ok(false) if event.is_last() => return None,
+                    Ok(false) => continue,
+                    Err(e) => {
+                        self.done = true;
+                        return Some(Err(e));
+                    }
+                }
+            }
+            let read = match self.messages.next().await {
+                None => Err("the stream ended".to_owned()),
+                Some(Err(e)) => Err(e.to_string()),
+                Some(Ok(message)) => self.decode(&message.payload),
+            };
+            match read {
+                Ok(events) => self.ready.extend(events),
+                Err(reason) => {
+                    self.done = true;
+                    return Some(Err(LogError::Unavailable {
+                        run_id: self.run_id.clone(),
+                        reason,
+                    }));
+                }
+            }
+        }
+    }
+
+    /// Whether `event` is the next one to hand out (`Ok(false)`: already handed out, or before
+    /// where the follower started), or what its gap means.
+    fn check(&self, event: &NumberedEvent) -> Result<bool, LogError> {
+        if event.seq <= self.cursor {
+            return Ok(false);
+        }
+        if event.seq == self.cursor + 1 {
+            return Ok(true);
+        }
+        if self.cursor == self.after_seq {
+            return Err(LogError::Trimmed {
+                run_id: self.run_id.clone(),
+                after_seq: self.after_seq,
+                first_kept: event.seq,
+            });
+        }
+        Err(LogError::Lost {
+            run_id: self.run_id.clone(),
+            after_seq: self.cursor,
+            reason: format!("the next event kept is seq {}", event.seq),
+        })
+    }
+
+    fn decode(&self, payload: &[u8]) -> Result<Vec<NumberedEvent>, String> {
+        let batch = LogBatch::decode(payload).map_err(|e| format!("a log message is not a batch of events: {e}"))?;
+        batch
+            .events
+            .into_iter()
+            .map(|e| NumberedEvent::try_from(e).map_err(|e| format!("a logged event cannot be read: {e}")))
+            .collect()
+    }
+}
