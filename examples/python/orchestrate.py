@@ -3,13 +3,20 @@
 
     python orchestrate.py --target 127.0.0.1:50051 --prompt "check the tools" \
         --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
+    python orchestrate.py --target 127.0.0.1:50051 --attach RUN_ID [--after SEQ]
 
 TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
 --server-name when the certificate names another host. Token: --token or ORCHESTRATOR_TOKEN,
 sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the run
 ends CANCELED with its output so far); Ctrl-C drops the call, which cancels a run that is not
---detached. Exit status: 0 completed, 1 failed, 2 canceled, 3 the call itself failed (the gRPC
-status is printed), 130 interrupted.
+--detached. --attach follows a live or finished run from any replica (AttachRun) instead of
+starting one. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
+UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a row
+without a new event, so the printed stream has no gap and no duplicate. --target takes any gRPC
+name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with --authority
+(gRPC would send the list itself as :authority, which HTTP/2 servers refuse). Exit status: 0
+completed, 1 failed, 2 canceled, 3 the call itself failed (the gRPC status is printed), 130
+interrupted.
 """
 
 import argparse
@@ -17,6 +24,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import grpc
 from google.protobuf import json_format
@@ -31,7 +39,11 @@ EXIT = {pb.RUN_STATUS_COMPLETED: 0, pb.RUN_STATUS_FAILED: 1, pb.RUN_STATUS_CANCE
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=os.environ.get("ORCHESTRATOR_TARGET", "127.0.0.1:50051"))
-    p.add_argument("--prompt", required=True, help="the user message")
+    start = p.add_mutually_exclusive_group(required=True)
+    start.add_argument("--prompt", help="the user message")
+    start.add_argument("--attach", metavar="RUN_ID", help="follow this run instead of starting one")
+    p.add_argument("--after", type=int, default=0, help="with --attach: the last seq already seen")
+    p.add_argument("--reattach-attempts", type=int, default=5, help="re-attaches in a row without a new event")
     p.add_argument("--system", default="", help="a system message")
     p.add_argument("--model", default="", help="model name (default: the server's)")
     p.add_argument("--run-id", default="", help="idempotency key (default: the server makes one)")
@@ -42,6 +54,7 @@ def parse_args(argv):
     p.add_argument("--cert", help="PEM client certificate (mTLS)")
     p.add_argument("--key", help="PEM client key (mTLS)")
     p.add_argument("--server-name", help="host name to check the server's certificate against")
+    p.add_argument("--authority", help="the :authority sent (needed with a list of addresses, e.g. ipv4:a,b)")
     p.add_argument("--token", default=os.environ.get("ORCHESTRATOR_TOKEN"), help="bearer token")
     p.add_argument("--cancel-after", type=float, help="call CancelRun after this many seconds")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole call, seconds")
@@ -63,6 +76,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 def open_channel(args):
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    if args.authority:
+        options.append(("grpc.default_authority", args.authority))
     if not args.ca:
         return grpc.insecure_channel(args.target, options=options)
     credentials = grpc.ssl_channel_credentials(
@@ -147,16 +162,69 @@ def cancel_later(stub, metadata, run_id, seconds):
     return timer
 
 
+# Codes that end a stream the run outlives: a draining replica (UNAVAILABLE), or a connection that
+# broke (grpcio reads a dead connection as INTERNAL "Stream removed" or UNKNOWN).
+REATTACH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class Follower:
+    """The run's events, one stream across replicas: Orchestrate (or AttachRun), then AttachRun
+    from the last seq seen whenever the stream ends UNAVAILABLE or breaks off."""
+
+    def __init__(self, stub, metadata, args):
+        self.stub, self.metadata, self.args = stub, metadata, args
+        self.run_id = args.attach
+        self.last_seq = args.after if args.attach else 0
+        self.call = None
+        self.reattached = 0
+
+    def open(self):
+        if self.run_id is None:
+            self.call = self.stub.Orchestrate(build_request(self.args), metadata=self.metadata, timeout=self.args.timeout)
+        else:
+            request = pb.AttachRunRequest(run_id=self.run_id, after_seq=self.last_seq)
+            self.call = self.stub.AttachRun(request, metadata=self.metadata, timeout=self.args.timeout)
+
+    def events(self):
+        """Yields each event once, in seq order, until run_finished."""
+        self.open()
+        failures = 0
+        while True:
+            try:
+                for event in self.call:
+                    if event.seq <= self.last_seq:
+                        continue  # sent again by the replica this stream re-attached to
+                    self.run_id, self.last_seq, failures = event.run_id, event.seq, 0
+                    yield event
+                    if event.WhichOneof("event") == "run_finished":
+                        return
+                broke = None
+            except grpc.RpcError as e:
+                if e.code() not in REATTACH:
+                    raise
+                broke = e
+            failures += 1
+            if self.run_id is None or failures >= self.args.reattach_attempts:
+                if broke is not None:
+                    raise broke
+                return
+            reason = f"{broke.code().name}: {broke.details()}" if broke else "the stream ended early"
+            print(f"re-attaching to run {self.run_id} after seq {self.last_seq} ({reason})", file=sys.stderr, flush=True)
+            time.sleep(min(0.1 * 2 ** (failures - 1), 2.0))
+            self.reattached += 1
+            self.open()
+
+
 def run(args):
     """Streams the run; returns the exit status."""
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
     with open_channel(args) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
-        call = stub.Orchestrate(build_request(args), metadata=metadata, timeout=args.timeout)
+        follower = Follower(stub, metadata, args)
         timer = None
         printer = Printer(args.json)
         try:
-            for event in call:
+            for event in follower.events():
                 if timer is None and args.cancel_after is not None:
                     timer = cancel_later(stub, metadata, event.run_id, args.cancel_after)
                 printer.event(event)
@@ -164,7 +232,8 @@ def run(args):
                     return EXIT.get(event.run_finished.result.status, 1)
         except KeyboardInterrupt:
             printer.end_inline()
-            call.cancel()
+            if follower.call is not None:
+                follower.call.cancel()
             print("interrupted: the call was dropped", file=sys.stderr)
             return 130
         finally:

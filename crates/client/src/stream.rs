@@ -2,7 +2,8 @@
 //! 3 … without gaps; `run_finished` last), and canceled when dropped before the end.
 //!
 //! The stream follows its run across orchestrator replicas: when it ends `UNAVAILABLE` (the
-//! replica is draining) or breaks off (the connection died) before `run_finished`, it calls
+//! replica is draining) or breaks off (the connection died: `UNKNOWN` or `INTERNAL`) before
+//! `run_finished`, it calls
 //! `AttachRun` from the last seq it yielded, under the client's [`Retry`](crate::Retry) policy,
 //! and goes on, so the caller sees one stream without gaps or duplicates across any number of
 //! moves. Re-attaching gives up after one attempt fewer in a row than the policy's attempts
@@ -147,12 +148,15 @@ impl RunStream {
     }
 
     /// Whether a call that ended with `status` before `run_finished` is worth following on
-    /// another replica: it was drained (`UNAVAILABLE`) or broke off (`UNKNOWN`, what a dead
-    /// connection reads as), and the stream knows its run and has attempts left.
+    /// another replica: it was drained (`UNAVAILABLE`) or broke off (`UNKNOWN` or `INTERNAL`, what
+    /// a dead connection reads as in gRPC libraries), and the stream knows its run and has
+    /// attempts left. `AttachRun` only reads, so trying it is always safe.
     fn may_reattach(&self, status: Option<&tonic::Status>) -> bool {
         let code = status.map_or(tonic::Code::Unavailable, tonic::Status::code);
-        matches!(code, tonic::Code::Unavailable | tonic::Code::Unknown)
-            && self.run_id.is_some()
+        matches!(
+            code,
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal
+        ) && self.run_id.is_some()
             && self.reattaches_without_progress + 1 < self.client.retry.attempts
     }
 

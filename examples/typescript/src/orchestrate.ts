@@ -4,14 +4,21 @@
  *   npm ci && npm run build
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --prompt "check the tools" \
  *     --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
+ *   node dist/orchestrate.js --target 127.0.0.1:50051 --attach RUN_ID [--after SEQ]
  *
  * The contract is loaded from the repository's .proto at run time (@grpc/proto-loader).
  * TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
  * --server-name when the certificate names another host. Token: --token or ORCHESTRATOR_TOKEN,
  * sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the
  * run ends CANCELED with its output so far); Ctrl-C drops the call, which cancels a run that is
- * not --detached. Exit status: 0 completed, 1 failed, 2 canceled, 3 the call itself failed (the
- * gRPC status is printed), 130 interrupted.
+ * not --detached. --attach follows a live or finished run from any replica (AttachRun) instead of
+ * starting one. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
+ * UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a
+ * row without a new event, so the printed stream has no gap and no duplicate. --target takes any
+ * gRPC name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with
+ * --authority (gRPC would send the list itself as :authority, which HTTP/2 servers refuse). Exit
+ * status: 0 completed, 1 failed, 2 canceled, 3 the call itself failed (the gRPC status is
+ * printed), 130 interrupted.
  */
 
 import * as fs from "node:fs";
@@ -69,6 +76,9 @@ function options() {
     options: {
       target: { type: "string", default: process.env.ORCHESTRATOR_TARGET ?? "127.0.0.1:50051" },
       prompt: { type: "string" },
+      attach: { type: "string" },
+      after: { type: "string", default: "0" },
+      "reattach-attempts": { type: "string", default: "5" },
       system: { type: "string", default: "" },
       model: { type: "string", default: "" },
       "run-id": { type: "string", default: "" },
@@ -79,14 +89,15 @@ function options() {
       cert: { type: "string" },
       key: { type: "string" },
       "server-name": { type: "string" },
+      authority: { type: "string" },
       token: { type: "string", default: process.env.ORCHESTRATOR_TOKEN },
       "cancel-after": { type: "string" },
       timeout: { type: "string", default: "600" },
       json: { type: "boolean", default: false },
     },
   });
-  if (!values.prompt) {
-    throw new Error("--prompt is required");
+  if (!values.prompt === !values.attach) {
+    throw new Error("one of --prompt or --attach is required");
   }
   return values;
 }
@@ -110,6 +121,7 @@ function loadClient(opts: Options) {
   // can pass gRPC's default 4 MiB receive limit; take up to 64 MiB, as the Rust client does.
   const channelOptions: grpc.ChannelOptions = { "grpc.max_receive_message_length": 64 * 1024 * 1024 };
   if (opts["server-name"]) channelOptions["grpc.ssl_target_name_override"] = opts["server-name"];
+  if (opts.authority) channelOptions["grpc.default_authority"] = opts.authority;
   return new Orchestrator(opts.target, credentials, channelOptions) as any;
 }
 
@@ -188,63 +200,94 @@ class Printer {
   }
 }
 
-/** Streams the run; resolves to the exit status. */
-function run(opts: Options): Promise<number> {
+/**
+ * Codes that end a stream the run outlives: a draining replica (UNAVAILABLE), or a connection that
+ * broke (gRPC libraries read a dead connection as INTERNAL or UNKNOWN).
+ */
+const REATTACH = new Set([grpc.status.UNAVAILABLE, grpc.status.UNKNOWN, grpc.status.INTERNAL]);
+
+const sleep = (ms: number) => new Promise((done) => setTimeout(done, ms));
+
+/**
+ * Streams the run (Orchestrate, or AttachRun with --attach), re-attaching from the last seq seen
+ * whenever the stream ends UNAVAILABLE or breaks off; resolves to the exit status.
+ */
+async function run(opts: Options): Promise<number> {
   const client = loadClient(opts);
   const metadata = new grpc.Metadata();
   if (opts.token) {
     metadata.set("authorization", `Bearer ${opts.token}`);
   }
   const deadline = new Date(Date.now() + Number(opts.timeout) * 1000);
-  const call = client.Orchestrate(request(opts), metadata, { deadline });
   const printer = new Printer(opts.json);
+  let runId: string | null = opts.attach ?? null;
+  let lastSeq = opts.attach ? Number(opts.after) : 0;
   let status: number | null = null;
   let timer: NodeJS.Timeout | null = null;
   // The CancelRun answer may come after run_finished; the program waits for it before exiting.
   let canceling: Promise<void> = Promise.resolve();
+  let call: grpc.ClientReadableStream<OrchestrateEvent> | null = null;
+  const open = () =>
+    runId === null
+      ? client.Orchestrate(request(opts), metadata, { deadline })
+      : client.AttachRun({ run_id: runId, after_seq: String(lastSeq) }, metadata, { deadline });
+  const cancelLater = (id: string) => {
+    timer = setTimeout(() => {
+      canceling = new Promise((done) => {
+        const deadline = new Date(Date.now() + 10_000);
+        client.CancelRun({ run_id: id }, metadata, { deadline }, (err: grpc.ServiceError | null, answer: any) => {
+          process.stderr.write(err ? `CancelRun failed: ${err.message}\n` : `CancelRun(${id}): canceled=${answer.canceled}\n`);
+          done();
+        });
+      });
+    }, Number(opts["cancel-after"]) * 1000);
+  };
 
   process.once("SIGINT", () => {
     printer.endInline();
     process.stderr.write("interrupted: the call was dropped\n");
     status = 130;
-    call.cancel();
+    call?.cancel();
   });
 
-  return new Promise((resolve) => {
-    call.on("data", (e: OrchestrateEvent) => {
-      if (timer === null && opts["cancel-after"] !== undefined) {
-        timer = setTimeout(() => {
-          canceling = new Promise((done) => {
-            const deadline = new Date(Date.now() + 10_000);
-            client.CancelRun({ run_id: e.run_id }, metadata, { deadline }, (err: grpc.ServiceError | null, answer: any) => {
-              process.stderr.write(err ? `CancelRun failed: ${err.message}\n` : `CancelRun(${e.run_id}): canceled=${answer.canceled}\n`);
-              done();
-            });
-          });
-        }, Number(opts["cancel-after"]) * 1000);
+  try {
+    let failures = 0;
+    while (status === null) {
+      call = open();
+      let broke: grpc.ServiceError | null = null;
+      try {
+        // Read to the end of the call (its trailers), also after run_finished.
+        for await (const e of call as AsyncIterable<OrchestrateEvent>) {
+          if (Number(e.seq) <= lastSeq) continue; // sent again by the replica re-attached to
+          [runId, lastSeq, failures] = [e.run_id, Number(e.seq), 0];
+          if (timer === null && opts["cancel-after"] !== undefined) cancelLater(e.run_id);
+          printer.event(e);
+          if (e.event === "run_finished") {
+            status = EXIT[e.run_finished!.result.status] ?? 1;
+          }
+        }
+      } catch (err) {
+        broke = err as grpc.ServiceError;
       }
-      printer.event(e);
-      if (e.event === "run_finished") {
-        status = EXIT[e.run_finished!.result.status] ?? 1;
-      }
-    });
-    call.on("error", (err: grpc.ServiceError) => {
-      if (status === null) {
-        process.stderr.write(`error: ${grpc.status[err.code]}: ${err.details}\n`);
+      if (status !== null) break;
+      failures += 1;
+      const reason = broke ? `${grpc.status[broke.code]}: ${broke.details}` : "the stream ended without run_finished";
+      const attempts = Number(opts["reattach-attempts"]);
+      if ((broke && !REATTACH.has(broke.code)) || runId === null || failures >= attempts) {
+        printer.endInline();
+        process.stderr.write(`error: ${reason}\n`);
         status = 3;
+        break;
       }
-    });
-    call.on("close", async () => {
-      if (timer !== null) clearTimeout(timer);
-      await canceling;
-      client.close();
-      if (status === null) {
-        process.stderr.write("error: the stream ended without run_finished\n");
-        status = 3;
-      }
-      resolve(status);
-    });
-  });
+      process.stderr.write(`re-attaching to run ${runId} after seq ${lastSeq} (${reason})\n`);
+      await sleep(Math.min(100 * 2 ** (failures - 1), 2000));
+    }
+  } finally {
+    if (timer !== null) clearTimeout(timer);
+    await canceling;
+    client.close();
+  }
+  return status ?? 3;
 }
 
 async function main() {

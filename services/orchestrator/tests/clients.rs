@@ -498,3 +498,155 @@ async fn subscribe(mut command: Command) -> anyhow::Result<Streaming> {
         })?;
     Ok(Streaming { child, stdout, stderr })
 }
+
+/// A TCP proxy to `upstream` on a loopback port, whose connections (and listener) the test can
+/// cut at once, as a dying node would.
+struct Proxy {
+    addr: std::net::SocketAddr,
+    tasks: std::sync::Arc<std::sync::Mutex<tokio::task::JoinSet<()>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(upstream: std::net::SocketAddr) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let tasks = std::sync::Arc::new(std::sync::Mutex::new(tokio::task::JoinSet::new()));
+        let accepted = std::sync::Arc::clone(&tasks);
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let Ok(mut outbound) = tokio::net::TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                if let Ok(mut tasks) = accepted.lock() {
+                    tasks.spawn(async move {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    });
+                }
+            }
+        });
+        Ok(Self { addr, tasks, accept })
+    }
+
+    /// Stops accepting and drops every connection.
+    fn cut(&self) {
+        self.accept.abort();
+        if let Ok(mut tasks) = self.tasks.lock() {
+            tasks.abort_all();
+        }
+    }
+}
+
+/// A detached run read through a proxy that dies mid-run: the Python and TypeScript clients
+/// re-attach (AttachRun from their last seq, reaching the orchestrator by the second address of
+/// the gRPC name) and print one gap-free stream that ends COMPLETED; `--attach RUN_ID --after 3`
+/// prints the same events from seq 4.
+#[tokio::test]
+async fn the_python_and_typescript_clients_reattach_when_their_connection_dies() -> TestResult {
+    use tokio::io::AsyncBufReadExt;
+    let words: String = (0..120).map(|i| format!("w{i} ")).collect();
+    let scenario = Scenario {
+        token_delay_ms: 20,
+        ..Scenario::new(vec![Turn::text(&words)])
+    };
+    let model = MockLlm::start(scenario).await?;
+    let (_runner, orchestrator) = services(&model, &[]).await?;
+    for (client, make) in [
+        (
+            "python",
+            (|| python_client("orchestrate.py")) as fn() -> anyhow::Result<Command>,
+        ),
+        ("typescript", typescript_client),
+    ] {
+        let proxy = Proxy::start(orchestrator.grpc.parse()?).await?;
+        let run_id = format!("reattach-{client}");
+        let target = format!("ipv4:{},{}", proxy.addr, orchestrator.grpc);
+        let mut command = make()?;
+        command
+            .args(["--target", &target, "--authority", "orchestrator", "--prompt", "go"])
+            .args(["--detached", "--json"])
+            .args(["--run-id", &run_id])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = command.spawn()?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let mut printed = String::new();
+        let read = async {
+            while let Some(line) = lines.next_line().await? {
+                printed.push_str(&line);
+                printed.push('\n');
+                if printed.lines().count() == 5 {
+                    proxy.cut();
+                }
+            }
+            anyhow::Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(60), read).await??;
+        let output = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output()).await??;
+        let output = Output {
+            stdout: printed.into_bytes(),
+            ..output
+        };
+        assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(&output));
+        assert!(
+            stderr(&output).contains("re-attaching to run"),
+            "{client}: {}",
+            stderr(&output)
+        );
+        let events = events(&output)?;
+        let seqs: Vec<u64> = events
+            .iter()
+            .map(|(_, body)| body.clone())
+            .zip(String::from_utf8(output.stdout.clone())?.lines())
+            .map(|(_, line)| {
+                let event: Value = serde_json::from_str(line)?;
+                anyhow::Ok(
+                    event["seq"]
+                        .as_str()
+                        .and_then(|s| s.parse().ok())
+                        .or(event["seq"].as_u64())
+                        .unwrap_or(0),
+                )
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let expected: Vec<u64> = (1..=seqs.len() as u64).collect();
+        assert_eq!(seqs, expected, "{client}: one stream without gaps or duplicates");
+        let text: String = events
+            .iter()
+            .filter(|(k, _)| k == "text_delta")
+            .map(|(_, body)| body["text"].as_str().unwrap_or_default())
+            .collect();
+        let (last, body) = events.last().ok_or_else(|| anyhow::anyhow!("{client}: no events"))?;
+        assert_eq!(last, "run_finished", "{client}");
+        assert_eq!(body["result"]["status"], "RUN_STATUS_COMPLETED", "{client}");
+        assert_eq!(
+            body["result"]["text"],
+            Value::String(text),
+            "{client}: streamed text = result"
+        );
+
+        let mut command = make()?;
+        command.args([
+            "--target",
+            &orchestrator.grpc,
+            "--attach",
+            &run_id,
+            "--after",
+            "3",
+            "--json",
+        ]);
+        let attached = run(command).await?;
+        assert_eq!(attached.status.code(), Some(0), "{client}: {}", stderr(&attached));
+        let tail = String::from_utf8(attached.stdout.clone())?;
+        let whole = String::from_utf8(output.stdout.clone())?;
+        let expected_tail: Vec<&str> = whole.lines().skip(3).collect();
+        assert_eq!(
+            tail.lines().collect::<Vec<_>>(),
+            expected_tail,
+            "{client}: attach --after 3"
+        );
+    }
+    Ok(())
+}
