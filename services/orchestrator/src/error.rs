@@ -37,6 +37,9 @@ pub enum Error {
     /// Every run slot is taken.
     #[error("all {0} run slots are busy; retry later")]
     Busy(usize),
+    /// As many callers as allowed are attached to runs.
+    #[error("{0} callers are attached to runs already (--max-attached); retry later")]
+    AttachBusy(usize),
     /// No such run (or its result expired).
     #[error("{0}")]
     NotFound(String),
@@ -84,7 +87,7 @@ impl From<Error> for tonic::Status {
         match error {
             Error::InvalidArgument(_) => Self::invalid_argument(message),
             Error::AlreadyRunning(_) => Self::already_exists(message),
-            Error::Busy(_) | Error::CallerBusy { .. } => Self::resource_exhausted(message),
+            Error::Busy(_) | Error::CallerBusy { .. } | Error::AttachBusy(_) => Self::resource_exhausted(message),
             Error::PermissionDenied(_) => Self::permission_denied(message),
             Error::NotFound(_) => Self::not_found(message),
             Error::Draining

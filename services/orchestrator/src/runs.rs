@@ -38,6 +38,9 @@ pub(crate) struct Runs {
     store_timeout: Duration,
     backlog: Arc<Backlog>,
     log: Arc<dyn EventLog>,
+    /// One permit per attached caller.
+    attach_slots: Arc<Semaphore>,
+    attach_permits: usize,
 }
 
 /// Why a caller cannot re-attach to a run.
@@ -49,6 +52,8 @@ pub(crate) enum AttachError {
     Store(StoreError),
     /// The log cannot serve it.
     Log(LogError),
+    /// As many callers as allowed are attached already.
+    Full(usize),
 }
 
 /// Why a run cannot start.
@@ -148,6 +153,7 @@ impl Runs {
     /// not take wait in a backlog of at most `backlog` results).
     pub(crate) fn new(
         max_runs: usize,
+        max_attached: usize,
         store: Arc<dyn ResultStore>,
         log: Arc<dyn EventLog>,
         store_timeout: Duration,
@@ -162,6 +168,8 @@ impl Runs {
             store,
             store_timeout,
             log,
+            attach_slots: Arc::new(Semaphore::new(max_attached)),
+            attach_permits: max_attached,
         })
     }
 
@@ -269,6 +277,9 @@ impl Runs {
         if self.get(run_id, caller).await.map_err(AttachError::Store)?.is_none() {
             return Err(AttachError::NotFound);
         }
+        let permit = Arc::clone(&self.attach_slots)
+            .try_acquire_owned()
+            .map_err(|_| AttachError::Full(self.attach_permits))?;
         let feed = self
             .log
             .follow(run_id, after_seq)
@@ -276,10 +287,15 @@ impl Runs {
             .map_err(AttachError::Log)?
             .ok_or(AttachError::NotFound)?;
         metrics::counter!(crate::telemetry::metric::ATTACHES).increment(1);
-        Ok(match self.store.shared() {
+        let feed = match self.store.shared() {
             Some(every) => self.watched(feed, run_id, caller, every),
             None => feed,
-        })
+        };
+        // The caller's permit is held as long as its feed.
+        Ok(futures::StreamExt::boxed(futures::StreamExt::map(feed, move |item| {
+            let _held = &permit;
+            item
+        })))
     }
 
     /// `feed`, ended with [`LogError::Lost`] when it stays quiet for two periods of `every`
@@ -443,6 +459,7 @@ mod tests {
         };
         Runs::new(
             max_runs,
+            2,
             Arc::new(MemoryStore::new(keep, keep_for)),
             Arc::new(crate::store::memory_log::MemoryLog::new(bounds)),
             Duration::from_secs(1),
@@ -486,6 +503,26 @@ mod tests {
         assert!(runs.get("a", &anon()).await.unwrap().is_some());
         tokio::time::advance(Duration::from_secs(2)).await;
         assert!(runs.get("a", &anon()).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn attached_callers_are_bounded_and_see_only_their_own_runs() {
+        let runs = runs(10, 10, Duration::from_secs(60));
+        let (alice, bob) = (named("alice", None), named("bob", None));
+        let _run = runs.admit("a", &alice).await.unwrap();
+        assert!(matches!(runs.attach("a", 0, &bob).await, Err(AttachError::NotFound)));
+        assert!(matches!(
+            runs.attach("zzz", 0, &alice).await,
+            Err(AttachError::NotFound)
+        ));
+        let first = runs.attach("a", 0, &alice).await.unwrap();
+        let _second = runs.attach("a", 0, &alice).await.unwrap();
+        assert!(matches!(runs.attach("a", 0, &alice).await, Err(AttachError::Full(2))));
+        drop(first);
+        assert!(
+            runs.attach("a", 0, &alice).await.is_ok(),
+            "a finished feed frees its place"
+        );
     }
 
     #[tokio::test]

@@ -114,6 +114,7 @@ async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) 
     let log = open_event_log(config, &mut connections).await?;
     let runs = Runs::new(
         config.runs.max_runs,
+        config.runs.max_attached,
         store,
         log,
         config.store.timeout,

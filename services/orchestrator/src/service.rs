@@ -191,6 +191,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             Err(AttachError::NotFound) => Err(no_run(&run_id)),
             Err(AttachError::Store(e)) => Err(Error::Store(e).into()),
             Err(AttachError::Log(e)) => Err(Error::Log(e).into()),
+            Err(AttachError::Full(max)) => Err(Error::AttachBusy(max).into()),
         }
     }
 

@@ -765,3 +765,67 @@ async fn a_caller_reattaches_on_another_replica_to_a_live_run_and_replays_it_the
     a.stop().await?;
     b.stop().await
 }
+
+/// A replica that drains ends the streams of callers attached to runs of other replicas with
+/// UNAVAILABLE naming the run and the last seq sent (so its shutdown is not held by them); the
+/// caller attaches again on another replica from there and gets the rest.
+#[tokio::test]
+async fn a_draining_replica_ends_attached_streams_with_where_to_resume() -> TestResult {
+    let nats = Nats::start().await?;
+    let words: String = (0..150).map(|i| format!("w{i} ")).collect();
+    let scenario = mock_llm::Scenario {
+        token_delay_ms: 20,
+        ..mock_llm::Scenario::new(vec![mock_llm::Turn::text(&words)])
+    };
+    let mock = mock_llm::MockLlm::start(scenario).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let mut b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let a_url = format!("http://{}", a.grpc);
+    let mut on_a = pb::orchestrator_client::OrchestratorClient::connect(a_url).await?;
+    let started = on_a
+        .orchestrate(pb::OrchestrateRequest {
+            run_id: "drained".into(),
+            detached: true,
+            ..testkit::user("go")
+        })
+        .await?
+        .into_inner();
+    drop(started);
+    let attach = |after_seq| pb::AttachRunRequest {
+        run_id: "drained".into(),
+        after_seq,
+    };
+    let mut on_b = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", b.grpc)).await?;
+    let mut stream = on_b.attach_run(attach(0)).await?.into_inner();
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        match stream.message().await? {
+            Some(event) => seen.push(event),
+            None => anyhow::bail!("the run ended before 3 events"),
+        }
+    }
+    b.signal(nix::sys::signal::Signal::SIGTERM)?;
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(10), stream.message()).await? {
+            Ok(Some(event)) => seen.push(event),
+            Ok(None) => anyhow::bail!("the stream ended without an error"),
+            Err(status) => break status,
+        }
+    };
+    let last = seen.last().map_or(0, |e| e.seq);
+    assert_eq!(ended.code(), tonic::Code::Unavailable, "{ended:?}");
+    let expected = format!("attach to run \"drained\" again after seq {last}");
+    assert!(ended.message().contains(&expected), "{ended:?}");
+    assert_eq!(b.wait_exit().await?, Some(0), "the drained replica stopped");
+
+    let rest = on_a.attach_run(attach(last)).await?.into_inner();
+    let rest: Vec<_> = tokio::time::timeout(Duration::from_secs(30), rest.collect::<Vec<_>>())
+        .await?
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    seen.extend(rest);
+    let whole = testkit::stack::Outcome::new(seen, Duration::ZERO)?;
+    assert_eq!(whole.result.text, words);
+    a.stop().await
+}

@@ -16,6 +16,10 @@ pub struct RunSettings {
     /// Runs live at once; more get RESOURCE_EXHAUSTED (cap 100000).
     #[arg(long, env = "ORCHESTRATOR_MAX_RUNS", default_value_t = 256)]
     pub max_runs: usize,
+    /// Callers attached to runs at once (AttachRun streams); more get RESOURCE_EXHAUSTED (cap
+    /// 100000).
+    #[arg(long, env = "ORCHESTRATOR_MAX_ATTACHED", default_value_t = 1024)]
+    pub max_attached: usize,
     /// Exit tool offered to every run: NAME or NAME=SCHEMA_FILE (a JSON Schema; its
     /// "description" describes the tool). Repeatable; comma-separated in the environment. Blank
     /// entries are ignored.
@@ -58,6 +62,7 @@ impl Bounded for RunSettings {
     fn bounds(&self) -> Vec<Bound> {
         let mut rows = vec![
             bound("max_runs", self.max_runs, 1usize, 100_000usize),
+            bound("max_attached", self.max_attached, 1usize, 100_000usize),
             bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
             bound("event_send_timeout", self.event_send_timeout, ms(10), secs(600)),
             bound("max_caller_event_bytes", self.max_caller_event_bytes, KIB, 3 * MIB),
