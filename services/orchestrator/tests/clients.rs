@@ -364,6 +364,7 @@ fn expected_output(recipe: &str) -> &'static str {
     [
         ("/Orchestrate", "RUN_STATUS_COMPLETED"),
         ("/GetRun", "\"run_id\": \"readme-1\""),
+        ("/AttachRun", "\"seq\": \"4\""),
         ("/CancelRun", "RUN_STATUS_COMPLETED"),
         ("/Check", "SERVING"),
         ("/ListTools", "\"calculate\""),
@@ -386,6 +387,7 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
     for rpc in [
         "Orchestrate",
         "GetRun",
+        "AttachRun",
         "CancelRun",
         "SubscribeSignals",
         "ListTools",
