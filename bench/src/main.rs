@@ -7,6 +7,7 @@
 //! `cargo run --release -p bench` runs the full grid (minutes); `--quick` a small one (seconds,
 //! run in CI so the benchmark cannot rot).
 
+mod durability;
 mod micro;
 mod otlp;
 mod procstat;
@@ -48,6 +49,9 @@ struct Cli {
     /// Skip the tracing comparison (the same workloads with OTLP export off and on).
     #[arg(long)]
     no_tracing: bool,
+    /// Skip the durability comparison (the same workloads with the memory and the NATS store).
+    #[arg(long)]
+    no_durability: bool,
     /// Run each workload this many times (1–9) and report the run with the median CPU per turn,
     /// with the range seen: on a shared machine one run can be 30 % off.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
@@ -671,6 +675,12 @@ async fn main() -> anyhow::Result<()> {
         tracing_costs(&bin, &workloads, max_concurrency).await?
     };
 
+    let durability_costs = if cli.no_durability {
+        Ok(Vec::new())
+    } else {
+        durability::costs(&bin, &workloads, max_concurrency.div_ceil(50)).await?
+    };
+
     // Last, so the model server competes with nothing else for the machine.
     let real_server = match real_server_skipped {
         Some(reason) => RealServerOutcome::NotRun(reason),
@@ -683,6 +693,7 @@ async fn main() -> anyhow::Result<()> {
         round_trip_us,
         sse,
         tracing_costs,
+        durability_costs,
         real_server,
     };
     write_report(&cli, measured)
@@ -809,6 +820,7 @@ struct GridRun {
     round_trip_us: f64,
     sse: micro::SseDecode,
     tracing_costs: Vec<TracingCost>,
+    durability_costs: Result<Vec<durability::DurabilityCost>, String>,
     real_server: RealServerOutcome,
 }
 
@@ -820,6 +832,7 @@ fn write_report(cli: &Cli, run: GridRun) -> anyhow::Result<()> {
         round_trip_us,
         sse,
         tracing_costs,
+        durability_costs,
         real_server,
     } = run;
     let targets = targets(&mut results, echo_floor);
@@ -842,6 +855,7 @@ fn write_report(cli: &Cli, run: GridRun) -> anyhow::Result<()> {
         }
         report.push_str(&format!("\nSpans received by the in-process OTLP sink: {} (the orchestrator was stopped, so its batch was flushed).\n", tracing_costs[0].spans_exported));
     }
+    report.push_str(&durability::markdown(&durability_costs));
     match &real_server {
         RealServerOutcome::Measured(row) => report.push_str(&real_server::markdown(row)),
         RealServerOutcome::NotRun(reason) => {
@@ -865,6 +879,10 @@ fn write_report(cli: &Cli, run: GridRun) -> anyhow::Result<()> {
         "workloads": results,
         "targets": targets,
         "tracing": tracing_costs,
+        "durability": match &durability_costs {
+            Ok(costs) => serde_json::json!(costs),
+            Err(reason) => serde_json::json!({ "not_measured": reason }),
+        },
         "real_server": real_server,
     });
     std::fs::write(

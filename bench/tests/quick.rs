@@ -67,6 +67,24 @@ fn the_quick_benchmark_runs_and_reports_every_figure() -> anyhow::Result<()> {
         assert!(real[field].as_f64().unwrap_or(0.0) > 0.0, "{field} in {real}");
     }
     assert!(markdown.contains("## Real model server") && markdown.contains("| llama_server_text | 3 | 32 |"));
+
+    // Durability: the same workloads with the memory and the NATS store (./scripts/test installs
+    // nats-server), each figure measured on both sides.
+    let durability = report["durability"].as_array().cloned().unwrap_or_default();
+    let measured: Vec<&str> = durability.iter().filter_map(|d| d["workload"].as_str()).collect();
+    assert_eq!(measured, ["text_only", "e2e_200ms_20ms"], "{}", report["durability"]);
+    for d in &durability {
+        for field in [
+            "cpu_per_turn_memory_us",
+            "cpu_per_turn_nats_us",
+            "cpu_per_chunk_memory_us",
+            "cpu_per_chunk_nats_us",
+            "nats_server_cpu_per_turn_us",
+        ] {
+            assert!(d[field].as_f64().unwrap_or(0.0) > 0.0, "{field} in {d}");
+        }
+    }
+    assert!(markdown.contains("## Durability"));
     Ok(())
 }
 

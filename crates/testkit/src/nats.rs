@@ -50,6 +50,11 @@ impl Nats {
         Ok(nats)
     }
 
+    /// The server's process id, while it runs (to read its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
     /// `nats://127.0.0.1:port`, with `user:password@` when the server requires them.
     pub fn url(&self) -> String {
         match &self.user {
