@@ -63,6 +63,10 @@ struct Cli {
     /// Share of the soak's runs that get a fault (0–1).
     #[arg(long, default_value_t = 0.05)]
     soak_fault_rate: f64,
+    /// The soak's result store: `memory`, or `nats` (a `nats-server -js` the benchmark starts; the
+    /// results in its key-value bucket and every run's events in its JetStream event log).
+    #[arg(long, value_parser = ["memory", "nats"], default_value = "memory")]
+    soak_store: String,
     /// Soak runs at once (1–10000).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     soak_concurrency: u64,
@@ -110,21 +114,31 @@ async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()>
         cli.soak_fault_rate
     );
     let concurrency = usize::try_from(cli.soak_concurrency)?;
+    let nats = match cli.soak_store.as_str() {
+        "nats" => Some(testkit::nats::Nats::start().await?),
+        _ => None,
+    };
+    let mut flags: Vec<String> = soak::FLAGS.iter().map(|f| (*f).to_owned()).collect();
+    if let Some(nats) = &nats {
+        flags.extend(["--run-store".to_owned(), nats.url()]);
+    }
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let stack = stack::Stack::start(
         bin,
         soak::scenarios(runs),
         concurrency.div_ceil(50),
         None,
         "warn,shared::metrics=info",
-        soak::FLAGS,
+        &flags,
     )
     .await?;
     eprintln!(
-        "bench: soak of {runs} runs, {} at once, orchestrator pid {}",
-        concurrency, stack.pid
+        "bench: soak of {runs} runs, {} at once, {} store, orchestrator pid {}",
+        concurrency, cli.soak_store, stack.pid
     );
     let settings = soak::Soak {
         runs,
+        store: cli.soak_store.clone(),
         fault_rate: cli.soak_fault_rate,
         concurrency,
     };

@@ -162,6 +162,8 @@ pub(crate) const FLAGS: &[&str] = &[
 /// The soak's settings.
 pub(crate) struct Soak {
     pub runs: u64,
+    /// The result store (`memory` or `nats`), for the report.
+    pub store: String,
     pub fault_rate: f64,
     pub concurrency: usize,
 }
@@ -169,6 +171,7 @@ pub(crate) struct Soak {
 #[derive(Debug, Serialize)]
 struct Report {
     runs: u64,
+    store: String,
     fault_rate: f64,
     concurrency: usize,
     faults_injected: u64,
@@ -199,6 +202,7 @@ impl Soak {
         let after = procstat::rss(stack.pid)?;
         let mut report = Report {
             runs: self.runs,
+            store: self.store.clone(),
             fault_rate: self.fault_rate,
             concurrency: self.concurrency,
             faults_injected: outcomes.iter().filter(|o| o.kind != Kind::Fine).count() as u64,
@@ -280,7 +284,7 @@ async fn one(stack: &Stack, i: u64, kind: Kind) -> Outcome {
         }
     };
     let seen = (stored.status(), stored.failure_reason());
-    let mismatch = (seen != kind.expected() || !stored.text.starts_with(kind.kept())).then(|| {
+    let mut mismatch = (seen != kind.expected() || !stored.text.starts_with(kind.kept())).then(|| {
         format!(
             "{run_id} ({kind:?}): {seen:?} with text {:?}, expected {:?} keeping {:?} ({})",
             stored.text,
@@ -289,6 +293,11 @@ async fn one(stack: &Stack, i: u64, kind: Kind) -> Outcome {
             stored.failure_detail
         )
     });
+    if mismatch.is_none() {
+        mismatch = replay_mismatch(&mut client, &run_id, &stored)
+            .await
+            .map(|e| format!("{run_id} ({kind:?}): AttachRun replay: {e}"));
+    }
     Outcome {
         kind,
         retrievable: true,
@@ -297,6 +306,54 @@ async fn one(stack: &Stack, i: u64, kind: Kind) -> Outcome {
 }
 
 type Client = pb::orchestrator_client::OrchestratorClient<tonic::transport::Channel>;
+
+/// What is wrong with the run's event log as `AttachRun` replays it from the start: it must
+/// number its events 1, 2, 3 … and end with `run_finished` whose status and text are the stored
+/// result's, and its text deltas must add up to that text.
+async fn replay_mismatch(client: &mut Client, run_id: &str, stored: &pb::RunResult) -> Option<String> {
+    use pb::orchestrate_event::Event as E;
+    let request = pb::AttachRunRequest {
+        run_id: run_id.to_owned(),
+        after_seq: 0,
+    };
+    let events = async {
+        let mut stream = client.attach_run(request).await?.into_inner();
+        let mut events = Vec::new();
+        while let Some(event) = stream.message().await? {
+            events.push(event);
+        }
+        Ok::<_, tonic::Status>(events)
+    };
+    let events = match tokio::time::timeout(Duration::from_secs(30), events).await {
+        Err(_) => return Some("no end within 30 s".into()),
+        Ok(Err(status)) => return Some(status.to_string()),
+        Ok(Ok(events)) => events,
+    };
+    if let Some((i, e)) = events.iter().enumerate().find(|(i, e)| e.seq != *i as u64 + 1) {
+        return Some(format!("seq {} at position {i}", e.seq));
+    }
+    let text: String = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Some(E::TextDelta(t)) => Some(t.text.as_str()),
+            _ => None,
+        })
+        .collect();
+    let last = match events.last().and_then(|e| e.event.as_ref()) {
+        Some(E::RunFinished(f)) => f.result.clone().unwrap_or_default(),
+        other => return Some(format!("the last event is {other:?}, not run_finished")),
+    };
+    (last.status != stored.status || last.text != stored.text || text != stored.text).then(|| {
+        format!(
+            "run_finished {:?} with {} bytes, deltas {} bytes, stored {:?} with {} bytes",
+            last.status(),
+            last.text.len(),
+            text.len(),
+            stored.status(),
+            stored.text.len()
+        )
+    })
+}
 
 /// The caller's side of one run.
 async fn play(client: &mut Client, run_id: &str, kind: Kind) -> anyhow::Result<()> {
@@ -378,14 +435,15 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
     std::fs::write(out.join("soak.json"), serde_json::to_string_pretty(report)?)?;
     let verdict = if report.passed { "PASSED" } else { "FAILED" };
     let mut md = format!(
-        "# Soak: {} runs, {:.0} % faults — {verdict}\n\n\
+        "# Soak: {} runs, {:.0} % faults, {} store — {verdict}\n\n\
          | figure | value |\n|---|---|\n\
          | runs (after a warm-up) | {} |\n| faults injected | {} |\n| concurrency | {} |\n\
-         | wall time | {:.1} s ({:.0} runs/s) |\n| runs not as their fault says | {} |\n\
+         | wall time | {:.1} s ({:.0} runs/s) |\n| runs not as their fault says, or whose AttachRun replay differs | {} |\n\
          | runs GetRun cannot find | {} |\n| runs / tool calls in flight after | {} / {} |\n\
          | RSS after warm-up → peak → after | {:.1} → {:.1} → {:.1} MiB |\n",
         report.runs,
         report.fault_rate * 100.0,
+        report.store,
         report.runs,
         report.faults_injected,
         report.concurrency,

@@ -1,6 +1,7 @@
 //! The CI soak: 2,000 runs through the real orchestrator process with 5 % faults from the fault
 //! matrix; the soak itself checks every run (terminal, retrievable, as its fault says), the
-//! in-flight gauges and the resident memory, and exits non-zero when a check fails.
+//! in-flight gauges and the resident memory, and exits non-zero when a check fails. Every run is
+//! also replayed from its event log (AttachRun), on the in-memory store and on the NATS store.
 
 mod common;
 
@@ -17,6 +18,30 @@ fn two_thousand_runs_with_five_percent_faults_leave_nothing_behind() -> anyhow::
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("soak.json"))?)?;
     assert_eq!(json["runs"], 2000);
     assert!(json["faults_injected"].as_u64().unwrap_or(0) >= 50, "{json}");
+    assert_eq!(json["passed"], true, "{report}");
+    Ok(())
+}
+
+/// The same with the NATS store: results in the key-value bucket and every run's events in the
+/// JetStream event log, each replayed with AttachRun and checked against the stored result.
+#[test]
+fn a_thousand_runs_on_the_nats_store_replay_whole_from_their_event_logs() -> anyhow::Result<()> {
+    let out = tempfile::tempdir()?;
+    let output = common::run_bench(
+        &["--soak", "1000", "--soak-fault-rate", "0.05", "--soak-store", "nats"],
+        out.path(),
+    )?;
+    let report = std::fs::read_to_string(out.path().join("soak.md")).unwrap_or_default();
+    anyhow::ensure!(
+        output.status.success(),
+        "the soak failed:\n{report}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("soak.json"))?)?;
+    assert_eq!(
+        (json["runs"].as_u64(), json["store"].as_str()),
+        (Some(1000), Some("nats"))
+    );
     assert_eq!(json["passed"], true, "{report}");
     Ok(())
 }

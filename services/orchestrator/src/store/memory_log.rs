@@ -7,11 +7,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
-use futures::stream::StreamExt;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::LogBounds;
+use super::{Follower as _, LogBounds};
 use crate::domain::NumberedEvent;
 use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter};
 
@@ -62,6 +61,11 @@ impl MemoryLog {
 }
 
 impl Inner {
+    /// The log of `run_id`, if it is still the one of `generation` (not a later run's).
+    fn log_mut(&mut self, run_id: &str, generation: u64) -> Option<&mut RunLog> {
+        self.runs.get_mut(run_id).filter(|l| l.generation == generation)
+    }
+
     /// Drops ended logs that are too old or too many, and the oldest ended ones while all logs
     /// hold more than the total bound.
     fn expire(&mut self, bounds: &LogBounds) {
@@ -100,11 +104,7 @@ impl LogWriter for Writer {
         let Some(last) = events.last() else { return };
         let per_run = self.log.bounds.per_run_bytes;
         let mut inner = self.log.lock();
-        let Some(log) = inner
-            .runs
-            .get_mut(&self.run_id)
-            .filter(|l| l.generation == self.generation)
-        else {
+        let Some(log) = inner.log_mut(&self.run_id, self.generation) else {
             return;
         };
         let added: usize = events.iter().map(NumberedEvent::weight).sum();
@@ -131,11 +131,7 @@ impl LogWriter for Writer {
 impl Drop for Writer {
     fn drop(&mut self) {
         let mut inner = self.log.lock();
-        let Some(log) = inner
-            .runs
-            .get_mut(&self.run_id)
-            .filter(|l| l.generation == self.generation)
-        else {
+        let Some(log) = inner.log_mut(&self.run_id, self.generation) else {
             return;
         };
         if !log.finished {
@@ -226,15 +222,7 @@ enum Look {
     Failed(LogError),
 }
 
-impl Follower {
-    fn into_feed(self) -> EventFeed {
-        futures::stream::unfold(self, |mut this| async move {
-            let item = this.next().await?;
-            Some((item, this))
-        })
-        .boxed()
-    }
-
+impl super::Follower for Follower {
     async fn next(&mut self) -> Option<Result<NumberedEvent, LogError>> {
         loop {
             if let Some(event) = self.ready.pop_front() {
@@ -259,7 +247,9 @@ impl Follower {
             }
         }
     }
+}
 
+impl Follower {
     /// The events after the cursor, or why there are none.
     fn look(&mut self) -> Look {
         let log = self.log.clone();

@@ -20,6 +20,26 @@ pub mod nats_log;
 
 use std::time::Duration;
 
+use futures::StreamExt;
+
+use crate::domain::NumberedEvent;
+use crate::domain::ports::{EventFeed, LogError};
+
+/// Reads one run's log an event at a time, for one caller (the followers of both logs).
+trait Follower: Send + Sized + 'static {
+    /// The next event, an error that ends the feed, or `None` after `run_finished`.
+    fn next(&mut self) -> impl Future<Output = Option<Result<NumberedEvent, LogError>>> + Send;
+
+    /// The follower as the port's feed.
+    fn into_feed(self) -> EventFeed {
+        futures::stream::unfold(self, |mut this| async move {
+            let item = this.next().await?;
+            Some((item, this))
+        })
+        .boxed()
+    }
+}
+
 /// How much of the runs' events a log keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogBounds {

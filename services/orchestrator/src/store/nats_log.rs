@@ -23,7 +23,7 @@ use proto::orchestrator::v1 as pb;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::LogBounds;
+use super::{Follower as _, LogBounds};
 use crate::convert::event_pb;
 use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, StoreError};
 use crate::domain::{EventBatch, NumberedEvent};
@@ -293,15 +293,7 @@ struct Follower {
     done: bool,
 }
 
-impl Follower {
-    fn into_feed(self) -> EventFeed {
-        futures::stream::unfold(self, |mut this| async move {
-            let item = this.next().await?;
-            Some((item, this))
-        })
-        .boxed()
-    }
-
+impl super::Follower for Follower {
     async fn next(&mut self) -> Option<Result<NumberedEvent, LogError>> {
         loop {
             if self.done {
@@ -340,7 +332,9 @@ impl Follower {
             }
         }
     }
+}
 
+impl Follower {
     /// Whether `event` is the next one to hand out (`Ok(false)`: already handed out, or before
     /// where the follower started), or what its gap means.
     fn check(&self, event: &NumberedEvent) -> Result<bool, LogError> {
