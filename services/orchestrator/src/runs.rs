@@ -288,7 +288,7 @@ impl Runs {
             .ok_or(AttachError::NotFound)?;
         metrics::counter!(crate::telemetry::metric::ATTACHES).increment(1);
         let feed = match self.store.shared() {
-            Some(every) => self.watched(feed, run_id, caller, every),
+            Some(every) => self.watched(feed, run_id, after_seq, caller, every),
             None => feed,
         };
         // The caller's permit is held as long as its feed.
@@ -300,7 +300,14 @@ impl Runs {
 
     /// `feed`, ended with [`LogError::Lost`] when it stays quiet for two periods of `every`
     /// while the store says the run has ended (its last events never reached the log).
-    fn watched(self: &Arc<Self>, feed: EventFeed, run_id: &str, caller: &Principal, every: Duration) -> EventFeed {
+    fn watched(
+        self: &Arc<Self>,
+        feed: EventFeed,
+        run_id: &str,
+        after_seq: u64,
+        caller: &Principal,
+        every: Duration,
+    ) -> EventFeed {
         use futures::StreamExt;
         struct Watch {
             feed: EventFeed,
@@ -315,7 +322,7 @@ impl Runs {
             runs: Arc::clone(self),
             run_id: run_id.to_owned(),
             caller: caller.clone(),
-            last_seq: 0,
+            last_seq: after_seq,
             quiet_after_end: 0,
         };
         futures::stream::unfold(watch, move |mut w| async move {

@@ -829,3 +829,62 @@ async fn a_draining_replica_ends_attached_streams_with_where_to_resume() -> Test
     assert_eq!(whole.result.text, words);
     a.stop().await
 }
+
+/// A caller attached on replica B to a run of replica A, when A is killed (SIGKILL) mid-run: once
+/// A's lease lapses the store reads the run as lost, and the caller's stream ends DATA_LOSS
+/// naming the run and the last seq it got, instead of waiting for events that will never come.
+#[tokio::test]
+async fn a_follower_of_a_killed_replicas_run_is_told_the_rest_is_lost() -> TestResult {
+    let nats = Nats::start().await?;
+    let words: String = (0..400).map(|i| format!("w{i} ")).collect();
+    let scenario = mock_llm::Scenario {
+        token_delay_ms: 20,
+        ..mock_llm::Scenario::new(vec![mock_llm::Turn::text(&words)])
+    };
+    let mock = mock_llm::MockLlm::start(scenario).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let lease = ["--run-store-lease", "1s"];
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let mut on_a = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", a.grpc)).await?;
+    drop(
+        on_a.orchestrate(pb::OrchestrateRequest {
+            run_id: "orphaned".into(),
+            detached: true,
+            ..testkit::user("go")
+        })
+        .await?,
+    );
+    let mut on_b = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", b.grpc)).await?;
+    let mut stream = on_b
+        .attach_run(pb::AttachRunRequest {
+            run_id: "orphaned".into(),
+            after_seq: 0,
+        })
+        .await?
+        .into_inner();
+    let mut last = 0;
+    while last < 5 {
+        match stream.message().await? {
+            Some(event) => last = event.seq,
+            None => anyhow::bail!("the run ended before 5 events"),
+        }
+    }
+    a.kill().await?;
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(event)) => last = event.seq,
+                Ok(None) => anyhow::bail!("the stream ended without saying what was lost"),
+                Err(status) => return anyhow::Ok(status),
+            }
+        }
+    })
+    .await??;
+    assert_eq!(ended.code(), tonic::Code::DataLoss, "{ended:?}");
+    let expected = format!("the event log of run orphaned lost events after seq {last}");
+    assert!(ended.message().contains(&expected), "{ended:?}");
+    let lost = get_run(&format!("http://{}", b.grpc), "orphaned").await?;
+    assert_eq!(lost.failure_reason(), pb::FailureReason::OrchestratorLost);
+    b.stop().await
+}
