@@ -5,10 +5,10 @@
 
 mod common;
 
-#[test]
-fn two_thousand_runs_with_five_percent_faults_leave_nothing_behind() -> anyhow::Result<()> {
+/// Runs the soak with `args` and returns its JSON report, failing with the Markdown one.
+fn soak(args: &[&str]) -> anyhow::Result<serde_json::Value> {
     let out = tempfile::tempdir()?;
-    let output = common::run_bench(&["--soak", "2000", "--soak-fault-rate", "0.05"], out.path())?;
+    let output = common::run_bench(args, out.path())?;
     let report = std::fs::read_to_string(out.path().join("soak.md")).unwrap_or_default();
     anyhow::ensure!(
         output.status.success(),
@@ -16,9 +16,15 @@ fn two_thousand_runs_with_five_percent_faults_leave_nothing_behind() -> anyhow::
         String::from_utf8_lossy(&output.stderr)
     );
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("soak.json"))?)?;
+    assert_eq!(json["passed"], true, "{report}");
+    Ok(json)
+}
+
+#[test]
+fn two_thousand_runs_with_five_percent_faults_leave_nothing_behind() -> anyhow::Result<()> {
+    let json = soak(&["--soak", "2000", "--soak-fault-rate", "0.05"])?;
     assert_eq!(json["runs"], 2000);
     assert!(json["faults_injected"].as_u64().unwrap_or(0) >= 50, "{json}");
-    assert_eq!(json["passed"], true, "{report}");
     Ok(())
 }
 
@@ -26,22 +32,10 @@ fn two_thousand_runs_with_five_percent_faults_leave_nothing_behind() -> anyhow::
 /// JetStream event log, each replayed with AttachRun and checked against the stored result.
 #[test]
 fn a_thousand_runs_on_the_nats_store_replay_whole_from_their_event_logs() -> anyhow::Result<()> {
-    let out = tempfile::tempdir()?;
-    let output = common::run_bench(
-        &["--soak", "1000", "--soak-fault-rate", "0.05", "--soak-store", "nats"],
-        out.path(),
-    )?;
-    let report = std::fs::read_to_string(out.path().join("soak.md")).unwrap_or_default();
-    anyhow::ensure!(
-        output.status.success(),
-        "the soak failed:\n{report}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("soak.json"))?)?;
+    let json = soak(&["--soak", "1000", "--soak-fault-rate", "0.05", "--soak-store", "nats"])?;
     assert_eq!(
         (json["runs"].as_u64(), json["store"].as_str()),
         (Some(1000), Some("nats"))
     );
-    assert_eq!(json["passed"], true, "{report}");
     Ok(())
 }

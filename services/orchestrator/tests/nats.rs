@@ -691,12 +691,64 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
     Ok(())
 }
 
+/// NATS, the stand-in model playing `scenario`, a tool-runner, and two orchestrator processes
+/// (with `extra` flags) sharing the NATS store: the replicas of the attach tests.
+struct Replicas {
+    _nats: Nats,
+    _mock: mock_llm::MockLlm,
+    a: Service,
+    b: Service,
+}
+
+impl Replicas {
+    async fn start(scenario: mock_llm::Scenario, extra: &[&str]) -> anyhow::Result<Self> {
+        let nats = Nats::start().await?;
+        let mock = mock_llm::MockLlm::start(scenario).await?;
+        let runner = testkit::tool_runner_in_process().await?;
+        let a = orchestrator_process(&nats, &mock.base_url(), &runner, extra).await?;
+        let b = orchestrator_process(&nats, &mock.base_url(), &runner, extra).await?;
+        Ok(Self {
+            _nats: nats,
+            _mock: mock,
+            a,
+            b,
+        })
+    }
+}
+
+/// `words` words streamed one by one, 20 ms apart: a run that lasts while the test acts on it.
+fn slow_text(words: &str) -> mock_llm::Scenario {
+    mock_llm::Scenario {
+        token_delay_ms: 20,
+        ..mock_llm::Scenario::new(vec![mock_llm::Turn::text(words)])
+    }
+}
+
+async fn client(
+    service: &Service,
+) -> anyhow::Result<pb::orchestrator_client::OrchestratorClient<tonic::transport::Channel>> {
+    Ok(pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?)
+}
+
+/// Starts a detached run on `service` and leaves it (its events stay in the log).
+async fn start_detached(service: &Service, run_id: &str) -> TestResult {
+    let started = client(service)
+        .await?
+        .orchestrate(pb::OrchestrateRequest {
+            run_id: run_id.into(),
+            detached: true,
+            ..testkit::user("go")
+        })
+        .await?;
+    drop(started);
+    Ok(())
+}
+
 /// A caller that leaves a run on replica A re-attaches on replica B from its last seq, and gets
 /// the rest while the run still goes on A: together one gap-free stream, equal to B's replay of
 /// the finished run and to GetRun.
 #[tokio::test]
 async fn a_caller_reattaches_on_another_replica_to_a_live_run_and_replays_it_there() -> TestResult {
-    let nats = Nats::start().await?;
     let words: String = (0..60).map(|i| format!("word{i} ")).collect();
     let scenario = mock_llm::Scenario {
         token_delay_ms: 10,
@@ -705,13 +757,9 @@ async fn a_caller_reattaches_on_another_replica_to_a_live_run_and_replays_it_the
             mock_llm::Turn::text(&words),
         ])
     };
-    let mock = mock_llm::MockLlm::start(scenario).await?;
-    let runner = testkit::tool_runner_in_process().await?;
-    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
-    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
-    let (a_url, b_url) = (format!("http://{}", a.grpc), format!("http://{}", b.grpc));
-
-    let mut on_a = pb::orchestrator_client::OrchestratorClient::connect(a_url).await?;
+    let Replicas { a, b, _nats, _mock } = Replicas::start(scenario, &[]).await?;
+    let b_url = format!("http://{}", b.grpc);
+    let mut on_a = client(&a).await?;
     let mut first = on_a
         .orchestrate(pb::OrchestrateRequest {
             run_id: "roaming".into(),
@@ -728,7 +776,7 @@ async fn a_caller_reattaches_on_another_replica_to_a_live_run_and_replays_it_the
         }
     }
     drop(first);
-    let mut on_b = pb::orchestrator_client::OrchestratorClient::connect(b_url.clone()).await?;
+    let mut on_b = client(&b).await?;
     let attach = |after_seq| pb::AttachRunRequest {
         run_id: "roaming".into(),
         after_seq,
@@ -771,33 +819,15 @@ async fn a_caller_reattaches_on_another_replica_to_a_live_run_and_replays_it_the
 /// caller attaches again on another replica from there and gets the rest.
 #[tokio::test]
 async fn a_draining_replica_ends_attached_streams_with_where_to_resume() -> TestResult {
-    let nats = Nats::start().await?;
     let words: String = (0..150).map(|i| format!("w{i} ")).collect();
-    let scenario = mock_llm::Scenario {
-        token_delay_ms: 20,
-        ..mock_llm::Scenario::new(vec![mock_llm::Turn::text(&words)])
-    };
-    let mock = mock_llm::MockLlm::start(scenario).await?;
-    let runner = testkit::tool_runner_in_process().await?;
-    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
-    let mut b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
-    let a_url = format!("http://{}", a.grpc);
-    let mut on_a = pb::orchestrator_client::OrchestratorClient::connect(a_url).await?;
-    let started = on_a
-        .orchestrate(pb::OrchestrateRequest {
-            run_id: "drained".into(),
-            detached: true,
-            ..testkit::user("go")
-        })
-        .await?
-        .into_inner();
-    drop(started);
+    let Replicas { a, mut b, _nats, _mock } = Replicas::start(slow_text(&words), &[]).await?;
+    start_detached(&a, "drained").await?;
+    let mut on_a = client(&a).await?;
     let attach = |after_seq| pb::AttachRunRequest {
         run_id: "drained".into(),
         after_seq,
     };
-    let mut on_b = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", b.grpc)).await?;
-    let mut stream = on_b.attach_run(attach(0)).await?.into_inner();
+    let mut stream = client(&b).await?.attach_run(attach(0)).await?.into_inner();
     let mut seen = Vec::new();
     while seen.len() < 3 {
         match stream.message().await? {
@@ -835,27 +865,10 @@ async fn a_draining_replica_ends_attached_streams_with_where_to_resume() -> Test
 /// naming the run and the last seq it got, instead of waiting for events that will never come.
 #[tokio::test]
 async fn a_follower_of_a_killed_replicas_run_is_told_the_rest_is_lost() -> TestResult {
-    let nats = Nats::start().await?;
     let words: String = (0..400).map(|i| format!("w{i} ")).collect();
-    let scenario = mock_llm::Scenario {
-        token_delay_ms: 20,
-        ..mock_llm::Scenario::new(vec![mock_llm::Turn::text(&words)])
-    };
-    let mock = mock_llm::MockLlm::start(scenario).await?;
-    let runner = testkit::tool_runner_in_process().await?;
-    let lease = ["--run-store-lease", "1s"];
-    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
-    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
-    let mut on_a = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", a.grpc)).await?;
-    drop(
-        on_a.orchestrate(pb::OrchestrateRequest {
-            run_id: "orphaned".into(),
-            detached: true,
-            ..testkit::user("go")
-        })
-        .await?,
-    );
-    let mut on_b = pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", b.grpc)).await?;
+    let Replicas { a, b, _nats, _mock } = Replicas::start(slow_text(&words), &["--run-store-lease", "1s"]).await?;
+    start_detached(&a, "orphaned").await?;
+    let mut on_b = client(&b).await?;
     let mut stream = on_b
         .attach_run(pb::AttachRunRequest {
             run_id: "orphaned".into(),
