@@ -125,7 +125,7 @@ fn no_run(run_id: &str) -> Status {
 /// drains, a run that is not live here (it runs on another replica) ends its attached streams
 /// with `UNAVAILABLE` naming the run and the last seq sent, so the caller attaches again
 /// elsewhere; a run live here keeps its followers until its end, within the drain's grace.
-fn attached(core: &Arc<Core>, run_id: String, feed: EventFeed) -> EventStream {
+fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -> EventStream {
     struct Follow {
         feed: EventFeed,
         core: Arc<Core>,
@@ -137,7 +137,7 @@ fn attached(core: &Arc<Core>, run_id: String, feed: EventFeed) -> EventStream {
         feed,
         core: Arc::clone(core),
         run_id,
-        last_seq: 0,
+        last_seq: after_seq,
         done: false,
     };
     futures::stream::unfold(follow, |mut f| async move {
@@ -187,7 +187,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let caller = caller(&request);
         let pb::AttachRunRequest { run_id, after_seq } = request.into_inner();
         match self.core.runs.attach(&run_id, after_seq, &caller).await {
-            Ok(feed) => Ok(Response::new(attached(&self.core, run_id, feed))),
+            Ok(feed) => Ok(Response::new(attached(&self.core, run_id, after_seq, feed))),
             Err(AttachError::NotFound) => Err(no_run(&run_id)),
             Err(AttachError::Store(e)) => Err(Error::Store(e).into()),
             Err(AttachError::Log(e)) => Err(Error::Log(e).into()),
