@@ -6,11 +6,10 @@
 
 use std::path::Path;
 
-use mock_llm::Scenarios;
 use serde::Serialize;
 
 use crate::workload::Workload;
-use crate::{measure, procstat, stack};
+use crate::{fresh_stack, measure, measure_each, procstat};
 
 /// The workloads measured both ways: text streamed in many chunks, and the paced end-to-end run
 /// with a tool turn.
@@ -51,20 +50,10 @@ pub(crate) async fn costs(
     let nats_pid = nats
         .pid()
         .ok_or_else(|| anyhow::anyhow!("nats-server exited at once"))?;
-    let scenarios = || Scenarios {
-        default: mock_llm::Scenario::demo(),
-        named: measured.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
-    };
-    let memory = stack::Stack::start(bin, scenarios(), channels, None, "warn", &[]).await?;
-    let mut off = Vec::new();
-    for workload in &measured {
-        eprint!("bench: {:<20} memory store … ", workload.name);
-        off.push(measure(&memory, workload).await?);
-        eprintln!("done");
-    }
-    memory.stop().await;
+    let memory = fresh_stack(bin, &measured, channels, None, "warn", &[]).await?;
+    let off = measure_each(memory, &measured, "memory store").await?;
     let url = nats.url();
-    let durable = stack::Stack::start(bin, scenarios(), channels, None, "warn", &["--run-store", &url]).await?;
+    let durable = fresh_stack(bin, &measured, channels, None, "warn", &["--run-store", &url]).await?;
     let mut costs = Vec::new();
     for (workload, off) in measured.iter().zip(off) {
         eprint!("bench: {:<20} NATS store … ", workload.name);

@@ -777,54 +777,70 @@ async fn measure_real_server(bin: &std::path::Path, quick: bool) -> anyhow::Resu
     Ok(measured)
 }
 
+/// A fresh orchestrator playing `workloads` (and the demo by default), started with `otlp`,
+/// `rust_log` and `extra` flags.
+async fn fresh_stack(
+    bin: &std::path::Path,
+    workloads: &[&Workload],
+    channels: usize,
+    otlp: Option<&str>,
+    rust_log: &str,
+    extra: &[&str],
+) -> anyhow::Result<stack::Stack> {
+    let scenarios = Scenarios {
+        default: mock_llm::Scenario::demo(),
+        named: workloads.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
+    };
+    stack::Stack::start(bin, scenarios, channels, otlp, rust_log, extra).await
+}
+
+/// Each of `workloads` measured on `stack` (`label` in the progress lines), which is then stopped.
+async fn measure_each(stack: stack::Stack, workloads: &[&Workload], label: &str) -> anyhow::Result<Vec<Measured>> {
+    let mut measured = Vec::with_capacity(workloads.len());
+    for workload in workloads {
+        eprint!("bench: {:<20} {label} … ", workload.name);
+        let m = measure(&stack, workload).await?;
+        eprintln!("{} errors", m.errors);
+        measured.push(m);
+    }
+    stack.stop().await;
+    Ok(measured)
+}
+
 /// The traced workloads on a fresh orchestrator with OTLP export off, then on.
 async fn tracing_costs(
     bin: &std::path::Path,
     workloads: &[Workload],
     max_concurrency: usize,
 ) -> anyhow::Result<Vec<TracingCost>> {
-    let mut tracing_costs = Vec::new();
     let traced: Vec<&Workload> = workloads
         .iter()
         .filter(|w| w.name == "text_only" || w.name == "overhead_c1000_x4")
         .collect();
-    if !traced.is_empty() {
-        // Both sides at the production default (info), so spans exist; only export differs.
-        let sink = otlp::Sink::start().await?;
-        let scenarios = || Scenarios {
-            default: mock_llm::Scenario::demo(),
-            named: traced.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
-        };
-        let channels = max_concurrency.div_ceil(50);
-        let off_stack = stack::Stack::start(bin, scenarios(), channels, None, "info", &[]).await?;
-        let mut off = Vec::new();
-        for workload in &traced {
-            eprint!("bench: {:<20} export off … ", workload.name);
-            off.push(measure(&off_stack, workload).await?);
-            eprintln!("done");
-        }
-        off_stack.stop().await;
-        let on_stack = stack::Stack::start(bin, scenarios(), channels, Some(&sink.endpoint), "info", &[]).await?;
-        for (workload, off) in traced.iter().zip(off) {
-            eprint!("bench: {:<20} export on … ", workload.name);
-            let on = measure(&on_stack, workload).await?;
-            eprintln!("{} errors", on.errors);
-            tracing_costs.push(TracingCost {
-                workload: workload.name.clone(),
-                cpu_per_turn_off_us: off.cpu_per_turn_us,
-                cpu_per_turn_on_us: on.cpu_per_turn_us,
-                overhead_p50_off_us: off.overhead_per_turn_us.p50,
-                overhead_p50_on_us: on.overhead_per_turn_us.p50,
-                spans_exported: 0,
-            });
-        }
-        on_stack.stop().await;
-        let spans = sink.spans();
-        for cost in &mut tracing_costs {
-            cost.spans_exported = spans;
-        }
+    if traced.is_empty() {
+        return Ok(Vec::new());
     }
-    Ok(tracing_costs)
+    // Both sides at the production default (info), so spans exist; only export differs.
+    let sink = otlp::Sink::start().await?;
+    let channels = max_concurrency.div_ceil(50);
+    let off_stack = fresh_stack(bin, &traced, channels, None, "info", &[]).await?;
+    let off = measure_each(off_stack, &traced, "export off").await?;
+    let on_stack = fresh_stack(bin, &traced, channels, Some(&sink.endpoint), "info", &[]).await?;
+    let on = measure_each(on_stack, &traced, "export on").await?;
+    // The orchestrator was stopped, so its batch of spans was flushed.
+    let spans = sink.spans();
+    Ok(traced
+        .iter()
+        .zip(off.iter().zip(&on))
+        .map(|(workload, (off, on))| TracingCost {
+            workload: workload.name.clone(),
+            cpu_per_turn_off_us: off.cpu_per_turn_us,
+            cpu_per_turn_on_us: on.cpu_per_turn_us,
+            overhead_p50_off_us: off.overhead_per_turn_us.p50,
+            overhead_p50_on_us: on.overhead_per_turn_us.p50,
+            spans_exported: spans,
+        })
+        .collect())
 }
 
 /// Everything one grid run measured.

@@ -67,16 +67,11 @@ impl Client {
     /// Starts a run and returns its event stream. A call refused before it started
     /// (`UNAVAILABLE`, `RESOURCE_EXHAUSTED`) is tried again under the [`Retry`] policy.
     pub async fn orchestrate(&self, request: RunRequest) -> Result<RunStream, Error> {
-        let request = request.into_proto();
         let stream = self
-            .retry
-            .run(|| {
-                let mut client = self.inner.clone();
-                let request = self.request(request.clone());
-                async move { client.orchestrate(request).await }
+            .retried(request.into_proto(), |mut client, request| async move {
+                client.orchestrate(request).await
             })
-            .await?
-            .into_inner();
+            .await?;
         Ok(RunStream::new(stream, self.clone()))
     }
 
@@ -100,15 +95,10 @@ impl Client {
             run_id: run_id.into(),
             after_seq,
         };
-        let answer = self
-            .retry
-            .run(|| {
-                let mut client = self.inner.clone();
-                let request = self.request(request.clone());
-                async move { client.attach_run(request).await }
-            })
-            .await?;
-        Ok(answer.into_inner())
+        self.retried(request, |mut client, request| async move {
+            client.attach_run(request).await
+        })
+        .await
     }
 
     /// Runs `request` to its end and returns its result (whatever the status).
@@ -119,18 +109,19 @@ impl Client {
     /// The result of a live or finished run (`NOT_FOUND` when unknown or expired).
     pub async fn get_run(&self, run_id: &str) -> Result<pb::RunResult, Error> {
         let request = pb::GetRunRequest { run_id: run_id.into() };
-        self.unary(
-            request,
-            |mut client, request| async move { client.get_run(request).await },
-        )
-        .await
+        Ok(self
+            .retried(
+                request,
+                |mut client, request| async move { client.get_run(request).await },
+            )
+            .await?)
     }
 
     /// Cancels a live run; `true` when it was live (it ends `CANCELED`, keeping its output).
     pub async fn cancel_run(&self, run_id: &str) -> Result<bool, Error> {
         let request = pb::CancelRunRequest { run_id: run_id.into() };
         let answer = self
-            .unary(request, |mut client, request| async move {
+            .retried(request, |mut client, request| async move {
                 client.cancel_run(request).await
             })
             .await?;
@@ -155,8 +146,9 @@ impl Client {
         Ok(stream.map(|item| item.map_err(Error::from)))
     }
 
-    /// A unary call of `message` under the retry policy.
-    async fn unary<Req, Resp, F, Fut>(&self, message: Req, call: F) -> Result<Resp, Error>
+    /// A call of `message` (unary, or one that answers with a stream) under the retry policy,
+    /// each attempt with the token and the deadline.
+    async fn retried<Req, Resp, F, Fut>(&self, message: Req, call: F) -> Result<Resp, tonic::Status>
     where
         Req: Clone,
         F: Fn(pb::orchestrator_client::OrchestratorClient<Channel>, tonic::Request<Req>) -> Fut,
