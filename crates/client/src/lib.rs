@@ -50,7 +50,7 @@ pub use error::Error;
 pub use proto::orchestrator::v1;
 pub use request::RunRequest;
 pub use retry::Retry;
-pub use stream::{Event, RunStream};
+pub use stream::{Event, RunStream, Transcript};
 
 /// A connected client; cheap to clone (clones share the connection).
 #[derive(Clone, Debug)]

@@ -50,12 +50,17 @@ pub enum Event {
     Signal(pb::Signal),
     /// A turn ended.
     TurnFinished(pb::TurnFinished),
+    /// The turn starts again (the run moved to another replica while the model streamed it): the
+    /// text and reasoning of this turn yielded before no longer count. [`RunStream::text`] and
+    /// [`Transcript`] apply the rule.
+    TurnRestarted(pb::TurnRestarted),
     /// The run ended; always the last event.
     Finished(pb::RunResult),
 }
 
 impl Event {
-    fn from_proto(event: E) -> Self {
+    /// The typed event of a proto one.
+    pub fn from_proto(event: E) -> Self {
         match event {
             E::RunStarted(e) => Self::Started(e),
             E::TextDelta(e) => Self::Text {
@@ -70,8 +75,60 @@ impl Event {
             E::ToolCallFinished(e) => Self::ToolCallFinished(e),
             E::Signal(e) => Self::Signal(e),
             E::TurnFinished(e) => Self::TurnFinished(e),
+            E::TurnRestarted(e) => Self::TurnRestarted(e),
             E::RunFinished(e) => Self::Finished(e.result.unwrap_or_default()),
         }
+    }
+}
+
+/// The text and reasoning of a run as its events tell them, with the `turn_restarted` rule
+/// applied: a restarted turn's earlier deltas are dropped, so [`Transcript::text`] equals the
+/// run's `RunResult.text` at its end.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Transcript {
+    /// Text of the turns before the current one.
+    text: String,
+    reasoning: String,
+    /// Where the current turn's text and reasoning begin.
+    turn: u32,
+    turn_text_at: usize,
+    turn_reasoning_at: usize,
+}
+
+impl Transcript {
+    /// Takes one event into account.
+    pub fn apply(&mut self, event: &Event) {
+        match event {
+            Event::Text { text, turn } => {
+                self.enter(*turn);
+                self.text.push_str(text);
+            }
+            Event::Reasoning { text, turn } => {
+                self.enter(*turn);
+                self.reasoning.push_str(text);
+            }
+            Event::TurnRestarted(restart) if restart.turn == self.turn => {
+                self.text.truncate(self.turn_text_at);
+                self.reasoning.truncate(self.turn_reasoning_at);
+            }
+            _ => {}
+        }
+    }
+
+    fn enter(&mut self, turn: u32) {
+        if turn != self.turn {
+            (self.turn, self.turn_text_at, self.turn_reasoning_at) = (turn, self.text.len(), self.reasoning.len());
+        }
+    }
+
+    /// The visible text so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The reasoning so far.
+    pub fn reasoning(&self) -> &str {
+        &self.reasoning
     }
 }
 
@@ -95,6 +152,8 @@ pub struct RunStream {
     reattaches_without_progress: u32,
     /// How many times the stream re-attached.
     reattached: u32,
+    /// The text and reasoning yielded so far, restarted turns dropped.
+    transcript: Transcript,
 }
 
 impl std::fmt::Debug for RunStream {
@@ -120,6 +179,7 @@ impl RunStream {
             reattaching: None,
             reattaches_without_progress: 0,
             reattached: 0,
+            transcript: Transcript::default(),
         }
     }
 
@@ -140,6 +200,12 @@ impl RunStream {
     /// The seq of the last event yielded (the `after_seq` to attach again from).
     pub fn last_seq(&self) -> u64 {
         self.last_seq
+    }
+
+    /// The run's visible text so far, as the events yielded tell it (a restarted turn's earlier
+    /// text left out): equal to `RunResult.text` once `run_finished` was yielded.
+    pub fn text(&self) -> &str {
+        self.transcript.text()
     }
 
     /// How many times the stream re-attached to its run after its call broke off.
@@ -222,6 +288,7 @@ impl RunStream {
             .event
             .ok_or_else(|| Error::Protocol(format!("event {} carries nothing", event.seq)))?;
         let event = Event::from_proto(kind);
+        self.transcript.apply(&event);
         self.finished = matches!(event, Event::Finished(_));
         Ok(event)
     }

@@ -115,6 +115,13 @@ impl Printer {
                     ),
                 );
             }
+            E::TurnRestarted(t) => self.line(
+                out,
+                &format!(
+                    "↻ turn {} starts again (attempt {}): {}; its text above no longer counts",
+                    t.turn, t.attempt, t.reason
+                ),
+            ),
             E::Finished(r) => self.line(out, &finished_line(r)),
         }
         let _ = out.flush();

@@ -28,6 +28,7 @@ pub mod server;
 pub(crate) mod service;
 pub mod signals;
 pub mod store;
+pub(crate) mod takeover;
 pub(crate) mod telemetry;
 pub mod tool_runners;
 

@@ -9,12 +9,15 @@ use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
-use crate::run::live::{AdmittedRun, Cancel, Emitter, SharedState};
+use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
-use crate::domain::ports::{Claim, EventFeed, EventLog, LogError, LogWriter, ResultStore, StoreError, within};
+use crate::domain::ports::{
+    Claim, EventFeed, EventLog, LogError, LogWriter, ResultStore, RunJournal, StoreError, within,
+};
 use crate::run::backlog::Backlog;
 use crate::run::persist::Persister;
+use crate::run::tool_loop::{Checkpoint, Resumed};
 use shared::auth::Principal;
 use shared::runtime::AbortOnDrop;
 
@@ -24,6 +27,7 @@ const BACKLOG_RETRY: Duration = Duration::from_secs(1);
 struct Live {
     state: SharedState,
     cancel: Cancel,
+    handoff: Handoff,
     principal: String,
 }
 
@@ -38,6 +42,8 @@ pub(crate) struct Runs {
     store_timeout: Duration,
     backlog: Arc<Backlog>,
     log: Arc<dyn EventLog>,
+    /// Checkpoints and takeover (the NATS store): runs outlive this replica.
+    journal: Option<Arc<dyn RunJournal>>,
     /// One permit per attached caller.
     attach_slots: Arc<Semaphore>,
     attach_permits: usize,
@@ -85,6 +91,8 @@ pub(crate) struct Admitted {
     pub state: SharedState,
     /// Cancels the run.
     pub cancel: Cancel,
+    /// Asks the run to move to another replica (drain).
+    pub handoff: Handoff,
     /// Writes the run's state to the store.
     pub persister: Persister,
     /// Appends the run's events to its log (taken by the run's emitter).
@@ -132,6 +140,7 @@ impl Admitted {
             cancel: self.cancel.clone(),
             caller,
             persister: Some(self.persister.clone()),
+            handoff: self.handoff.clone(),
             slot: Some(Box::new(self)),
         }
     }
@@ -156,6 +165,7 @@ impl Runs {
         max_attached: usize,
         store: Arc<dyn ResultStore>,
         log: Arc<dyn EventLog>,
+        journal: Option<Arc<dyn RunJournal>>,
         store_timeout: Duration,
         backlog: usize,
     ) -> Arc<Self> {
@@ -168,6 +178,7 @@ impl Runs {
             store,
             store_timeout,
             log,
+            journal,
             attach_slots: Arc::new(Semaphore::new(max_attached)),
             attach_permits: max_attached,
         })
@@ -199,24 +210,82 @@ impl Runs {
             // The claim below tries the store again; a store that is down does not stop runs.
             Ok(None) | Err(_) => {}
         }
-        let (state, cancel, permit) = self.register(run_id, caller)?;
+        self.admitted(run_id, caller)?.claim(caller).await
+    }
+
+    /// A slot and a live entry for `run_id`, with its persister (not claimed in the store yet).
+    fn admitted(self: &Arc<Self>, run_id: &str, caller: &Principal) -> Result<Admitted, Refusal> {
+        let (state, cancel, handoff, permit) = self.register(run_id, caller)?;
         let persister = Persister::new(
             Arc::clone(&self.store),
             Arc::clone(&state),
             self.store_timeout,
             Arc::clone(&self.backlog),
-        );
-        let admitted = Admitted {
+        )
+        .with_journal(self.journal.clone());
+        Ok(Admitted {
             runs: Arc::clone(self),
             run_id: run_id.to_owned(),
             state,
             cancel,
+            handoff,
             _lease: None,
             log: None,
             persister,
             _permit: permit,
+        })
+    }
+
+    /// Whether runs outlive this replica (checkpoints and takeover).
+    pub(crate) fn durable(&self) -> Option<&Arc<dyn RunJournal>> {
+        self.journal.as_ref()
+    }
+
+    /// Slots free now.
+    pub(crate) fn free_slots(&self) -> usize {
+        self.slots.available_permits()
+    }
+
+    /// Takes over the orphan `run_id` when a slot is free and this replica wins its claim: its
+    /// slot here (with its lease kept and its log continued), its checkpoint and the last seq its
+    /// log holds. `Ok(None)`: no slot, or another replica won.
+    pub(crate) async fn take_over(self: &Arc<Self>, run_id: &str) -> Result<Option<(Admitted, Resumed)>, String> {
+        let Some(journal) = self.journal.clone() else {
+            return Ok(None);
         };
-        admitted.claim(caller).await
+        if self.free_slots() == 0 {
+            return Ok(None);
+        }
+        let bytes = match within(self.store_timeout, journal.take_over(run_id)).await {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        };
+        let checkpoint: Checkpoint = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("the checkpoint of run {run_id} cannot be read: {e}"))?;
+        let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
+        let Ok(mut admitted) = self.admitted(run_id, &owner) else {
+            // The slot went to a new run meanwhile: the run goes back for another replica.
+            let _ = within(self.store_timeout, journal.hand_over(run_id)).await;
+            return Ok(None);
+        };
+        *shared::sync::lock(&admitted.state) = checkpoint.result.clone();
+        admitted._lease = admitted.persister.keep_lease();
+        let logged = self.log.last_seq(run_id).await.map_err(|e| e.to_string())?;
+        admitted.log = Some(self.log.writer(run_id));
+        Ok(Some((admitted, Resumed { checkpoint, logged })))
+    }
+
+    /// Asks every live run to hand over at its next safe point (drain, durable runs).
+    pub(crate) fn hand_over_all(&self, now: bool) -> usize {
+        let live = self.lock();
+        for run in live.values() {
+            match now {
+                true => run.handoff.now.cancel(),
+                false => run.handoff.at_safe_point.cancel(),
+            }
+        }
+        live.len()
     }
 
     /// Takes a slot and enters the run among the live ones, unless its id is live already or
@@ -225,7 +294,7 @@ impl Runs {
         &self,
         run_id: &str,
         caller: &Principal,
-    ) -> Result<(SharedState, Cancel, OwnedSemaphorePermit), Refusal> {
+    ) -> Result<(SharedState, Cancel, Handoff, OwnedSemaphorePermit), Refusal> {
         let mut live = self.lock();
         if live.contains_key(run_id) {
             return Err(Refusal::Duplicate);
@@ -241,16 +310,17 @@ impl Runs {
         let mut running = RunResult::running(run_id);
         running.principal.clone_from(&caller.name);
         let state: SharedState = Arc::new(Mutex::new(running));
-        let cancel = Cancel::default();
+        let (cancel, handoff) = (Cancel::default(), Handoff::default());
         live.insert(
             run_id.to_owned(),
             Live {
                 state: Arc::clone(&state),
                 cancel: cancel.clone(),
+                handoff: handoff.clone(),
                 principal: caller.name.clone(),
             },
         );
-        Ok((state, cancel, permit))
+        Ok((state, cancel, handoff, permit))
     }
 
     /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
@@ -469,6 +539,7 @@ mod tests {
             2,
             Arc::new(MemoryStore::new(keep, keep_for)),
             Arc::new(crate::store::memory_log::MemoryLog::new(bounds)),
+            None,
             Duration::from_secs(1),
             100,
         )

@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
 use crate::config::{Backend, NatsSettings};
-use crate::domain::ports::{EventLog, ResultStore, SignalTopic};
+use crate::domain::ports::{EventLog, ResultStore, RunJournal, SignalTopic};
 use crate::llm::HttpLlm;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;
@@ -81,7 +81,11 @@ pub async fn serve_with_resolver(
     let service = OrchestratorServer::new(OrchestratorService::new(Arc::clone(&core)))
         .max_decoding_message_size(config.server.max_request_bytes);
 
-    let drain = drain(Arc::clone(&core), health, config.server.shutdown_grace, shutdown);
+    let _takeover = core
+        .runs
+        .durable()
+        .map(|_| AbortOnDrop(tokio::spawn(crate::takeover::watch(Arc::clone(&core)))));
+    let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .layer(security.auth_layer(crate::telemetry::metric::AUTH_REFUSED))
@@ -110,13 +114,14 @@ async fn load_catalog(runners: &ToolRunners) {
 async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
     let mut connections = NatsConnections::default();
     let signals = open_signal_topic(config, &mut connections).await?;
-    let store = open_store(config, &mut connections).await?;
+    let (store, journal) = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
     let runs = Runs::new(
         config.runs.max_runs,
         config.runs.max_attached,
         store,
         log,
+        journal,
         config.store.timeout,
         config.store.backlog,
     );
@@ -130,6 +135,7 @@ async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) 
             max_tool_result_bytes: config.runs.max_tool_result_bytes,
             output: (&config.runs.output).into(),
             send_reasoning: config.llm.send_reasoning,
+            log_settle_timeout: config.store.timeout,
         },
         runs,
         runners,
@@ -154,13 +160,17 @@ async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -
 }
 
 /// The result store: in memory (bounded, this replica only) or a NATS key-value bucket shared
-/// by the replicas, with this replica's lease on the runs it owns.
-async fn open_store(config: &Config, connections: &mut NatsConnections) -> Result<Arc<dyn ResultStore>, Error> {
+/// by the replicas, with this replica's lease on the runs it owns and their checkpoints (the
+/// journal that lets runs outlive their replica).
+async fn open_store(
+    config: &Config,
+    connections: &mut NatsConnections,
+) -> Result<(Arc<dyn ResultStore>, Option<Arc<dyn RunJournal>>), Error> {
     Ok(match &config.store.backend {
-        Backend::Memory => Arc::new(MemoryStore::new(
-            config.store.keep_results,
-            config.store.keep_results_for,
-        )),
+        Backend::Memory => {
+            let store = MemoryStore::new(config.store.keep_results, config.store.keep_results_for);
+            (Arc::new(store), None)
+        }
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
             let js = async_nats::jetstream::new(client);
@@ -173,8 +183,12 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                 config.store.lease,
             )
             .await?;
-            tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value");
-            Arc::new(store)
+            tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value; runs are durable");
+            let store = Arc::new(store);
+            (
+                Arc::clone(&store) as Arc<dyn ResultStore>,
+                Some(store as Arc<dyn RunJournal>),
+            )
         }
     })
 }
@@ -205,14 +219,19 @@ async fn open_event_log(config: &Config, connections: &mut NatsConnections) -> R
     })
 }
 
-/// The drain (see the module docs): waits for `shutdown`, then gives the runs in flight `grace`
-/// to finish and cancels the rest shortly before it ends.
+/// The drain (see the module docs): waits for `shutdown`, then hands durable runs over to other
+/// replicas, or gives the runs in flight the grace period to finish and cancels the rest shortly
+/// before it ends.
 async fn drain(
     core: Arc<Core>,
     health: tonic_health::server::HealthReporter,
-    grace: Duration,
+    settings: &crate::config::ServerSettings,
     shutdown: impl Future<Output = ()>,
 ) {
+    let (grace, handoff_grace) = (
+        settings.shutdown_grace,
+        settings.handoff_grace.min(settings.shutdown_grace),
+    );
     shutdown.await;
     tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
     health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
@@ -220,7 +239,9 @@ async fn drain(
     core.stopping.cancel();
     // Keep a margin at the end of the grace period for canceled runs to store their result.
     let margin = (grace / 10).min(Duration::from_secs(1));
-    if tokio::time::timeout(grace - margin, core.runs.wait_idle())
+    if core.runs.durable().is_some() {
+        hand_over(&core, handoff_grace, margin).await;
+    } else if tokio::time::timeout(grace - margin, core.runs.wait_idle())
         .await
         .is_err()
     {
@@ -234,6 +255,27 @@ async fn drain(
             unstored = n,
             "drained, but the result store never took these finished results; GetRun will not find them"
         ),
+    }
+}
+
+/// Durable runs move instead of being canceled: each hands over at its next safe point within
+/// `handoff_grace`, and the rest from their last checkpoint after it.
+async fn hand_over(core: &Core, handoff_grace: Duration, margin: Duration) {
+    let asked = core.runs.hand_over_all(false);
+    tracing::info!(
+        runs = asked,
+        "handing the runs over to other replicas at their next safe point"
+    );
+    if tokio::time::timeout(handoff_grace, core.runs.wait_idle())
+        .await
+        .is_err()
+    {
+        let forced = core.runs.hand_over_all(true);
+        tracing::warn!(
+            forced,
+            "handoff grace over; handing the remaining runs over from their last checkpoint"
+        );
+        let _ = tokio::time::timeout(margin.max(Duration::from_secs(1)), core.runs.wait_idle()).await;
     }
 }
 

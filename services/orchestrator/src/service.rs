@@ -19,8 +19,8 @@ use crate::config::Config;
 use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
 use crate::domain::ports::EventFeed;
 use crate::domain::ports::{SignalFilter, SignalItem, SignalTopic};
-use crate::domain::{Event, EventBatch, RunResult, RunSpec};
-use crate::run::live::{EmitSettings, Emitter};
+use crate::domain::{Event, EventBatch, NumberedEvent, RunResult, RunSpec};
+use crate::run::live::{EmitSettings, Emitter, gated};
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::{Admitted, AttachError, CancelOutcome, Refusal, Runs};
 use crate::tool_runners::ToolRunners;
@@ -69,14 +69,19 @@ impl OrchestratorService {
     ) -> EventStream {
         let core = &self.core;
         let run_id = spec.run_id.clone();
-        let (tx, rx) = mpsc::channel::<EventBatch>(core.config.runs.event_buffer);
-        let caller_gone = (!detached).then(|| tx.clone());
+        let (caller_tx, rx) = mpsc::channel::<EventBatch>(core.config.runs.event_buffer);
+        let caller_gone = (!detached).then(|| caller_tx.clone());
         let settings = EmitSettings {
             send_timeout: core.config.runs.event_send_timeout,
             max_event_bytes: core.config.runs.max_caller_event_bytes,
         };
         let on_stall = (!detached).then(|| admitted.cancel.clone());
         let log = admitted.log.take();
+        // A durable run's caller is sent only what its log holds (see `gated`).
+        let tx = match log.as_ref().and_then(|log| log.settled()) {
+            Some(settled) if admitted.persister.durable() => gated(caller_tx, settled, settings.send_timeout),
+            _ => caller_tx,
+        };
         let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall).with_log(log);
         let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &spec.principal);
         shared::telemetry::continue_trace(&span, trace_context);
@@ -84,11 +89,49 @@ impl OrchestratorService {
         let deps = core.deps.clone();
         tokio::spawn(async move { crate::run::tool_loop::run(run, &deps).await }.instrument(span));
         // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
-        ReceiverStream::new(rx)
-            .flat_map(futures::stream::iter)
-            .map(move |e| Ok(event_pb(&run_id, e.seq, e.event)))
-            .boxed()
+        let events = ReceiverStream::new(rx).flat_map(futures::stream::iter);
+        moved_ends_unavailable(run_id, events)
     }
+}
+
+/// A run's events as proto events; a stream that ends before `run_finished` (the run moved to
+/// another replica) ends with `UNAVAILABLE` naming the run and the last seq sent, so the caller
+/// attaches again.
+fn moved_ends_unavailable(run_id: String, events: impl Stream<Item = NumberedEvent> + Send + 'static) -> EventStream {
+    struct Tail {
+        events: Pin<Box<dyn Stream<Item = NumberedEvent> + Send>>,
+        run_id: String,
+        last_seq: u64,
+        done: bool,
+    }
+    let tail = Tail {
+        events: Box::pin(events),
+        run_id,
+        last_seq: 0,
+        done: false,
+    };
+    futures::stream::unfold(tail, |mut t| async move {
+        if t.done {
+            return None;
+        }
+        match t.events.next().await {
+            Some(e) => {
+                t.last_seq = e.seq;
+                t.done = e.is_last();
+                let event = event_pb(&t.run_id, e.seq, e.event);
+                Some((Ok(event), t))
+            }
+            None => {
+                t.done = true;
+                let message = format!(
+                    "run {:?} moved to another orchestrator replica; attach to it again after seq {}",
+                    t.run_id, t.last_seq
+                );
+                Some((Err(Status::unavailable(message)), t))
+            }
+        }
+    })
+    .boxed()
 }
 
 /// Idempotent replay: the run with this id already finished. Its whole text (and reasoning) comes

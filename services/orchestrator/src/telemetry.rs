@@ -54,6 +54,14 @@ pub(crate) mod metric {
     pub(crate) const EVENT_LOG_DROPPED: &str = "orchestrator_event_log_dropped_total";
     /// Counter: callers re-attached to a run (`AttachRun`).
     pub(crate) const ATTACHES: &str = "orchestrator_attaches_total";
+    /// Counter: checkpoints of live runs saved (NATS store).
+    pub(crate) const CHECKPOINTS: &str = "orchestrator_checkpoints_total";
+    /// Histogram: bytes of one checkpoint.
+    pub(crate) const CHECKPOINT_BYTES: &str = "orchestrator_checkpoint_bytes";
+    /// Counter: runs moved between replicas, by `how` (`taken_over`: resumed here after their
+    /// replica stopped; `handed_over`: released here at a drain; `fenced`: stopped here because
+    /// another replica took them).
+    pub(crate) const RUNS_MOVED: &str = "orchestrator_runs_moved_total";
     /// Requests refused for their credentials, by code.
     pub(crate) const AUTH_REFUSED: &str = "orchestrator_auth_refused_total";
 }
@@ -129,6 +137,17 @@ pub(crate) fn describe() {
         metric::ATTACHES,
         "Callers re-attached to a run's event stream (AttachRun)."
     );
+    describe_counter!(metric::CHECKPOINTS, "Checkpoints of live runs saved (NATS store).");
+    metrics::describe_histogram!(
+        metric::CHECKPOINT_BYTES,
+        metrics::Unit::Bytes,
+        "Bytes of one checkpoint of a live run."
+    );
+    describe_counter!(
+        metric::RUNS_MOVED,
+        "Runs moved between replicas, by how: taken_over (resumed here), handed_over (released here at a drain), fenced (stopped here, another replica took it)."
+    );
+    metrics::counter!(metric::CHECKPOINTS).absolute(0);
     metrics::counter!(metric::EVENT_LOG_DROPPED).absolute(0);
     metrics::counter!(metric::ATTACHES).absolute(0);
     metrics::gauge!(metric::RUNS_IN_FLIGHT).set(0.0);

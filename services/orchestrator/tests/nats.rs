@@ -499,15 +499,16 @@ async fn a_record_whose_lease_expired_reads_as_lost_and_an_id_is_claimed_once() 
 }
 
 /// Two replicas share a NATS store. A run is started on both at once: exactly one runs it, the
-/// other answers ALREADY_EXISTS. Then the replica running a run is killed (SIGKILL): once its
-/// lease expires, the other replica reads the run as FAILED ORCHESTRATOR_LOST with the output of
-/// its last checkpoint, and refuses the id with that result.
+/// other answers ALREADY_EXISTS. Then the replica running it is killed (SIGKILL) while a tool call
+/// runs: once its lease lapses the other replica takes the run over from its checkpoint, sends
+/// the call in flight again (same call id) and finishes the run; the model is not asked again
+/// for the turn whose calls were checkpointed, and the id is still never run twice.
 #[tokio::test]
-async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_lost() -> TestResult {
+async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_is_taken_over() -> TestResult {
     use mock_llm::{Scenario, Step, Turn};
     let nats = Nats::start().await?;
     let slow = Scenario::new(vec![
-        Turn::text("Starting a long wait.\n").then(Step::call("sleep", serde_json::json!({"ms": 20_000}))),
+        Turn::text("Starting a long wait.\n").then(Step::call("sleep", serde_json::json!({"ms": 3_000}))),
         Turn::text("done"),
     ]);
     let mock = mock_llm::MockLlm::start(slow).await?;
@@ -538,19 +539,16 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_l
         (Err(e), Ok((stream, _))) if code(&e) == Some(tonic::Code::AlreadyExists) => (stream, b, a, a_url),
         (a, b) => anyhow::bail!("exactly one replica must run it: {:?} / {:?}", a.err(), b.err()),
     };
-    // run_started leaves just before the model request: wait for the request.
-    let asked = tokio::time::Instant::now() + Duration::from_secs(5);
-    while mock.requests().is_empty() && tokio::time::Instant::now() < asked {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    // Wait until the tool call runs, then crash.
+    let running = tokio::time::Instant::now() + Duration::from_secs(10);
+    while get_run(&survivor_url, "contested").await?.text.is_empty() && tokio::time::Instant::now() < running {
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(mock.requests().len(), 1, "the model was asked once");
-
-    // The owner renews the lease with the output so far; then it crashes.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     owner.kill().await?;
     drop(stream);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let lost = loop {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let finished = loop {
         let r = get_run(&survivor_url, "contested").await?;
         if r.status() != pb::RunStatus::Running || tokio::time::Instant::now() > deadline {
             break r;
@@ -558,17 +556,23 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_reads_as_l
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert_eq!(
-        (lost.status(), lost.failure_reason()),
-        (pb::RunStatus::Failed, pb::FailureReason::OrchestratorLost)
+        finished.status(),
+        pb::RunStatus::Completed,
+        "{}",
+        finished.failure_detail
     );
+    assert_eq!(finished.text, "Starting a long wait.\ndone");
+    assert_eq!(finished.tool_calls.len(), 1, "the call in flight counts once");
+    assert!(survivor.logged("took the run over", Duration::from_secs(1)).await);
     assert_eq!(
-        lost.text, "Starting a long wait.\n",
-        "the output of the last checkpoint"
+        mock.requests().len(),
+        2,
+        "turn 1 was checkpointed: the model is asked once per turn"
     );
-    // The id is not run again: its (lost) result is replayed.
+    // The id is not run again: its result is replayed.
     let replay = orchestrate(&survivor_url, request).await?;
-    assert_eq!(replay.failure_reason(), pb::FailureReason::OrchestratorLost);
-    assert_eq!(mock.requests().len(), 1);
+    assert_eq!(replay.status(), pb::RunStatus::Completed);
+    assert_eq!(mock.requests().len(), 2);
     survivor.stop().await
 }
 
@@ -860,44 +864,45 @@ async fn a_draining_replica_ends_attached_streams_with_where_to_resume() -> Test
     a.stop().await
 }
 
-/// A caller attached on replica B to a run of replica A, when A is killed (SIGKILL) mid-run: once
-/// A's lease lapses the store reads the run as lost, and the caller's stream ends DATA_LOSS
-/// naming the run and the last seq it got, instead of waiting for events that will never come.
+/// A caller attached on replica B to a run of replica A, when A is killed (SIGKILL) while the
+/// model streams: once A's lease lapses B takes the run over, restarts the turn (announced by
+/// `turn_restarted`) and finishes it; the caller's one stream goes on without a gap and, with the
+/// restarted turn's earlier text dropped, tells the run's text.
 #[tokio::test]
-async fn a_follower_of_a_killed_replicas_run_is_told_the_rest_is_lost() -> TestResult {
-    let words: String = (0..400).map(|i| format!("w{i} ")).collect();
+async fn a_follower_of_a_killed_replicas_run_follows_it_to_the_replica_that_took_it_over() -> TestResult {
+    let words: String = (0..200).map(|i| format!("w{i} ")).collect();
     let Replicas { a, b, _nats, _mock } = Replicas::start(slow_text(&words), &["--run-store-lease", "1s"]).await?;
     start_detached(&a, "orphaned").await?;
-    let mut on_b = client(&b).await?;
-    let mut stream = on_b
-        .attach_run(pb::AttachRunRequest {
-            run_id: "orphaned".into(),
-            after_seq: 0,
-        })
-        .await?
-        .into_inner();
-    let mut last = 0;
-    while last < 5 {
-        match stream.message().await? {
-            Some(event) => last = event.seq,
-            None => anyhow::bail!("the run ended before 5 events"),
+    let client = orchestrator_client::ClientBuilder::new(format!("http://{}", b.grpc))
+        .connect()
+        .await?;
+    let mut stream = client.attach("orphaned", 0).await?;
+    while stream.last_seq() < 5 {
+        if stream.next_event().await?.is_none() {
+            anyhow::bail!("the run ended before 5 events");
         }
     }
     a.kill().await?;
-    let ended = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            match stream.message().await {
-                Ok(Some(event)) => last = event.seq,
-                Ok(None) => anyhow::bail!("the stream ended without saying what was lost"),
-                Err(status) => return anyhow::Ok(status),
+    let mut restarted = false;
+    let result = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(event) = stream.next_event().await? {
+            match event {
+                orchestrator_client::Event::TurnRestarted(r) => restarted = r.turn == 1 && r.attempt == 2,
+                orchestrator_client::Event::Finished(result) => return anyhow::Ok(result),
+                _ => {}
             }
         }
+        anyhow::bail!("the stream ended without run_finished")
     })
     .await??;
-    assert_eq!(ended.code(), tonic::Code::DataLoss, "{ended:?}");
-    let expected = format!("the event log of run orphaned lost events after seq {last}");
-    assert!(ended.message().contains(&expected), "{ended:?}");
-    let lost = get_run(&format!("http://{}", b.grpc), "orphaned").await?;
-    assert_eq!(lost.failure_reason(), pb::FailureReason::OrchestratorLost);
+    assert!(restarted, "turn 1 restarted as attempt 2");
+    assert_eq!(result.status(), pb::RunStatus::Completed, "{}", result.failure_detail);
+    assert_eq!(result.text, words);
+    assert_eq!(
+        stream.text(),
+        words,
+        "the typed stream drops the abandoned attempt's text"
+    );
+    assert_eq!(get_run(&format!("http://{}", b.grpc), "orphaned").await?.text, words);
     b.stop().await
 }

@@ -1,4 +1,4 @@
-//! Serving and draining: the listen addresses, the request size, the drain's grace.
+//! Serving and draining: the listen addresses, the request size, the drain's grace periods.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -24,6 +24,12 @@ pub struct ServerSettings {
     /// After SIGTERM/SIGINT, how long runs may take to finish before they are canceled (cap 1h).
     #[arg(long, env = "ORCHESTRATOR_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+    /// With the NATS store: after SIGTERM/SIGINT, how long each run has to reach its next safe
+    /// point (a turn's calls assembled, or its end) before it is handed over from its last
+    /// checkpoint anyway; another replica resumes it at once (cap 10m, and within
+    /// --shutdown-grace).
+    #[arg(long, env = "ORCHESTRATOR_HANDOFF_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub handoff_grace: Duration,
 }
 
 impl Bounded for ServerSettings {
@@ -31,6 +37,7 @@ impl Bounded for ServerSettings {
         vec![
             bound("max_request_bytes", self.max_request_bytes, KIB, 64 * MIB),
             bound("shutdown_grace", self.shutdown_grace, Duration::ZERO, secs(3600)),
+            bound("handoff_grace", self.handoff_grace, Duration::ZERO, secs(600)),
         ]
     }
 }

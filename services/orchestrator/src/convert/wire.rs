@@ -291,6 +291,7 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             tool_call_budget_remaining,
             failed_turns,
         }),
+        Event::TurnRestarted { turn, attempt, reason } => E::TurnRestarted(pb::TurnRestarted { turn, attempt, reason }),
         Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
             result: Some(pb::RunResult::from(&result)),
         }),
@@ -362,6 +363,11 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                     failed_turns: e.failed_turns,
                 }
             }
+            E::TurnRestarted(e) => Event::TurnRestarted {
+                turn: e.turn,
+                attempt: e.attempt,
+                reason: e.reason,
+            },
             E::RunFinished(e) => Event::RunFinished(RunResult::try_from(e.result.unwrap_or_default())?),
         };
         Ok(NumberedEvent {

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 /// One message of the conversation sent to the model.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Message {
     /// A system message (the BIOS, the caller's system message).
     System(String),
@@ -34,7 +34,7 @@ pub enum Message {
 }
 
 /// A whole tool call, as the model made it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ToolCall {
     /// Call id (generated when the server sent none).
     pub id: String,
@@ -45,7 +45,7 @@ pub struct ToolCall {
 }
 
 /// A tool offered to the model.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ToolDefinition {
     /// Name.
     pub name: String,
@@ -56,7 +56,7 @@ pub struct ToolDefinition {
 }
 
 /// Token usage of one completion.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Usage {
     /// Prompt tokens.
     pub prompt_tokens: u64,

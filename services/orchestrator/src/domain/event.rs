@@ -5,7 +5,7 @@ use super::result::{RunResult, Signal, ToolCallError};
 use super::spec::Limits;
 
 /// One event of a run's stream (numbered by the emitter).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Event {
     /// The run started.
     RunStarted {
@@ -73,12 +73,22 @@ pub enum Event {
         /// Failing turns so far.
         failed_turns: u32,
     },
+    /// The turn starts again on another replica after its model stream was cut: the text and
+    /// reasoning of `turn` sent before this event no longer count.
+    TurnRestarted {
+        /// The turn.
+        turn: u32,
+        /// Its attempt now (2 for the first restart).
+        attempt: u32,
+        /// Why.
+        reason: String,
+    },
     /// The run ended (always last).
     RunFinished(RunResult),
 }
 
 /// An event with its position in the stream.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct NumberedEvent {
     /// 1, 2, 3 … without gaps.
     pub seq: u64,
@@ -101,6 +111,7 @@ impl NumberedEvent {
                 Event::Signal(signal) => signal.arguments_json.len(),
                 Event::RunFinished(result) => result.text.len() + result.reasoning.len(),
                 Event::RunStarted { .. } | Event::TurnFinished { .. } => 0,
+                Event::TurnRestarted { reason, .. } => reason.len(),
             }
     }
 

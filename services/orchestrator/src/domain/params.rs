@@ -13,7 +13,7 @@ pub const RESERVED_FIELDS: [&str; 5] = ["model", "messages", "tools", "stream", 
 const MAX_REASONING_EFFORT_LEN: usize = 32;
 
 /// Whether and which tool the model must call (`tool_choice`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ToolChoice {
     /// The model decides (the servers' default).
     Auto,
@@ -71,7 +71,7 @@ impl fmt::Display for ToolChoice {
 }
 
 /// Sampling and behaviour parameters; `None` fields are not sent.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// Temperature.
     pub temperature: Option<f32>,

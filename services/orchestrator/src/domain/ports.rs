@@ -52,6 +52,34 @@ pub trait ResultStore: Send + Sync + 'static {
     fn shared(&self) -> Option<Duration>;
 }
 
+/// Durable runs (the NATS store): a live run's checkpoints, and the takeover of runs whose
+/// replica stopped. Checkpoints are opaque bytes here (the loop writes and reads them). The owner
+/// of a run is fenced: once another replica took the run over, the old owner's writes of it are
+/// refused with [`StoreError::Fenced`].
+pub trait RunJournal: Send + Sync + 'static {
+    /// Saves the run's checkpoint (replacing the last one) and renews its lease with its state
+    /// `result`; `deadline_unix_ms` says until when another replica may still resume it.
+    fn save(
+        &self,
+        result: RunResult,
+        deadline_unix_ms: u64,
+        checkpoint: Vec<u8>,
+    ) -> BoxFuture<'static, Result<(), StoreError>>;
+    /// Forgets the run's checkpoint (it ended, or moved for good).
+    fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>>;
+    /// Runs with a checkpoint whose owner is gone: lease lapsed, or handed over.
+    fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>>;
+    /// Claims an orphan for this replica (compare-and-set on the record, one winner) and returns
+    /// its checkpoint; `None` when it is no orphan any more (another replica won).
+    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>>;
+    /// Releases this replica's run marked as handed over (its last checkpoint stands), so another
+    /// replica takes it at once.
+    fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>>;
+    /// Tells of runs handed over by any replica, as they are (the takeover looks at once instead
+    /// of at its next round); an item per hand-over, best effort.
+    fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>>;
+}
+
 /// The outcome of [`ResultStore::claim`].
 #[derive(Debug)]
 pub enum Claim {
@@ -85,6 +113,15 @@ pub enum StoreError {
     /// No answer within the store timeout.
     #[error("no answer within {}", humantime::format_duration(*.0))]
     Timeout(Duration),
+    /// Another replica owns the run now (it took the run over): this replica must stop it
+    /// without writing anything more of it.
+    #[error("run {run_id} was taken over by {owner}")]
+    Fenced {
+        /// The run.
+        run_id: String,
+        /// Its owner now.
+        owner: String,
+    },
 }
 
 /// One store operation, given at most `timeout`: every caller of the store bounds its waits so.
@@ -105,6 +142,9 @@ pub trait EventLog: Send + Sync + 'static {
     /// The run's events with `seq > after_seq`, then those appended later, up to and including
     /// `run_finished`. `Ok(None)`: this log has nothing of the run (unknown or expired).
     fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>>;
+    /// The seq of the last event the log keeps of the run (0 when none): where a replica taking
+    /// the run over continues.
+    fn last_seq(&self, run_id: &str) -> BoxFuture<'static, Result<u64, LogError>>;
 }
 
 /// A run's events as a log hands them out: in `seq` order, without gaps, or an error that ends
@@ -117,6 +157,11 @@ pub type EventFeed = BoxStream<'static, Result<NumberedEvent, LogError>>;
 pub trait LogWriter: Send {
     /// Appends events numbered by the run's emitter, in order.
     fn append(&mut self, events: &[NumberedEvent]);
+    /// The seq through which the log has settled the events appended (kept them, or given up
+    /// on them), for a log written in the background; `None` when appending is settled at once.
+    fn settled(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
 }
 
 /// Why a run's log cannot serve what was asked.

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use super::chat::Usage;
 
 /// Status of a run. Its metric label is its name in snake case.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr, serde::Serialize, serde::Deserialize)]
 #[strum(serialize_all = "snake_case")]
 pub enum RunStatus {
     /// Live.
@@ -20,7 +20,7 @@ pub enum RunStatus {
 }
 
 /// Why a run failed. Its metric label (and `error.type` on spans) is its name in snake case.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr, serde::Serialize, serde::Deserialize)]
 #[strum(serialize_all = "snake_case")]
 pub enum FailureReason {
     /// Unknown tool / non-object arguments (policy FAIL), or a malformed fallback directive.
@@ -50,7 +50,7 @@ pub enum FailureReason {
 }
 
 /// A tool call's failure, as fed back to the model.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ToolCallError {
     /// Machine-readable code (`NOT_FOUND`, `INVALID_ARGUMENTS`, `TIMEOUT`, `FAILED`, `UNAVAILABLE` …).
     pub code: String,
@@ -74,7 +74,7 @@ impl ToolCallError {
 }
 
 /// One executed (or attempted) normal tool call.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ToolCallRecord {
     /// Call id.
     pub call_id: String,
@@ -93,7 +93,7 @@ pub struct ToolCallRecord {
 }
 
 /// An exit-tool call, published on the signal topic.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Signal {
     /// Run.
     pub run_id: String,
@@ -118,7 +118,7 @@ pub struct Signal {
 }
 
 /// Delivery of a signal to the signal topic.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Delivery {
     /// Not confirmed yet.
     Pending,
@@ -129,7 +129,7 @@ pub enum Delivery {
 }
 
 /// The state of a run: live (status `Running`, output so far) or final.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RunResult {
     /// Run id.
     pub run_id: String,

@@ -11,7 +11,7 @@ use super::params::SamplingParams;
 pub const HARD_MAX_TURNS: u32 = 128;
 
 /// What to do with a call naming an unknown tool or with non-object arguments.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum ParsePolicy {
     /// End the run `TOOL_PARSE_ERROR`.
     #[default]
@@ -21,7 +21,7 @@ pub enum ParsePolicy {
 }
 
 /// The limits a run runs with (defaults applied, maxima checked).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Limits {
     /// Most turns.
     pub max_turns: u32,
@@ -36,7 +36,7 @@ pub struct Limits {
 }
 
 /// Everything one run needs, validated.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RunSpec {
     /// The run's id.
     pub run_id: String,
@@ -74,7 +74,42 @@ pub struct Deadline {
     pub set_by_caller: bool,
 }
 
+/// A deadline is kept (in a checkpoint, read by another replica) as a Unix time in ms: an
+/// `Instant` means nothing outside its process.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoredDeadline {
+    unix_ms: u64,
+    set_by_caller: bool,
+}
+
+impl serde::Serialize for Deadline {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        StoredDeadline {
+            unix_ms: self.unix_ms(),
+            set_by_caller: self.set_by_caller,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Deadline {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let stored = StoredDeadline::deserialize(deserializer)?;
+        let left = Duration::from_millis(stored.unix_ms.saturating_sub(shared::sync::unix_ms()));
+        Ok(Self {
+            at: tokio::time::Instant::now() + left,
+            set_by_caller: stored.set_by_caller,
+        })
+    }
+}
+
 impl Deadline {
+    /// The moment as a Unix time in ms.
+    pub fn unix_ms(&self) -> u64 {
+        let left = self.at.saturating_duration_since(tokio::time::Instant::now());
+        shared::sync::unix_ms().saturating_add(u64::try_from(left.as_millis()).unwrap_or(u64::MAX))
+    }
+
     /// `run_timeout` from `received_at`, or `caller` (less `headroom`) when that is sooner.
     pub fn new(
         received_at: tokio::time::Instant,

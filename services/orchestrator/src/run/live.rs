@@ -116,6 +116,41 @@ impl Emitter {
         self
     }
 
+    /// The emitter of a run taken over: its log holds the events through `logged`, the run's
+    /// checkpoint numbered events through `seq`, of which `outbox` may not have reached the log;
+    /// those after `logged` are queued again, with their numbers.
+    pub(crate) fn continue_from(&mut self, logged: u64, seq: u64, outbox: Vec<NumberedEvent>) {
+        self.seq = seq.max(logged);
+        self.logged_through = logged;
+        self.queued = outbox.into_iter().filter(|e| e.seq > logged).collect();
+    }
+
+    /// The last seq numbered.
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The events numbered and not sent yet.
+    pub(crate) fn queued(&self) -> &[NumberedEvent] {
+        &self.queued
+    }
+
+    /// Waits (at most `timeout`) until the log has settled every event sent so far, so a
+    /// checkpoint taken now never numbers past what the log holds.
+    pub(crate) fn settle_log(&self, timeout: Duration) -> impl Future<Output = ()> + Send + 'static {
+        let settled = self.log.as_ref().and_then(|log| log.settled());
+        let through = self.logged_through;
+        async move {
+            let Some(mut settled) = settled else { return };
+            if tokio::time::timeout(timeout, settled.wait_for(|s| *s >= through))
+                .await
+                .is_err()
+            {
+                tracing::warn!(through, "the event log did not settle in time; checkpointing anyway");
+            }
+        }
+    }
+
     /// Appends the queued events not logged yet to the run's event log.
     fn log_queued(&mut self) {
         let (Some(log), Some(last)) = (&mut self.log, self.queued.last()) else {
@@ -276,6 +311,30 @@ impl Emitter {
     }
 }
 
+/// The caller's end of a durable run's stream: batches reach `caller` only once the run's event
+/// log has settled them (`settled`), so a caller never holds an event that a replica taking the
+/// run over would number differently. A caller that takes nothing for `send_timeout` is dropped.
+pub fn gated(
+    caller: mpsc::Sender<EventBatch>,
+    mut settled: tokio::sync::watch::Receiver<u64>,
+    send_timeout: Duration,
+) -> mpsc::Sender<EventBatch> {
+    let (tx, mut rx) = mpsc::channel::<EventBatch>(caller.max_capacity());
+    tokio::spawn(async move {
+        while let Some(batch) = rx.recv().await {
+            let last = batch.last().map_or(0, |e| e.seq);
+            if settled.wait_for(|s| *s >= last).await.is_err() {
+                return;
+            }
+            match tokio::time::timeout(send_timeout, caller.send(batch)).await {
+                Ok(Ok(())) => {}
+                _ => return,
+            }
+        }
+    });
+    tx
+}
+
 /// A run that was let in: its spec and everything live about it, handed to the loop as one value.
 pub struct AdmittedRun {
     /// What to run.
@@ -294,4 +353,16 @@ pub struct AdmittedRun {
     /// The run's slot: dropped once the result is stored (before `run_finished` is delivered), which
     /// frees it for the next run.
     pub slot: Option<Box<dyn Send>>,
+    /// Set by a draining replica: a durable run hands over to another replica.
+    pub handoff: Handoff,
+}
+
+/// A draining replica's request that a durable run move to another replica: at its next safe
+/// point, or at once (from its last checkpoint) once the handoff grace is over.
+#[derive(Clone, Debug, Default)]
+pub struct Handoff {
+    /// Hand over at the next safe point.
+    pub at_safe_point: CancellationToken,
+    /// Hand over now.
+    pub now: CancellationToken,
 }

@@ -1,14 +1,19 @@
 //! Writing one run's state to the result store: checkpoints of a live run, its lease in a shared
 //! store, and its final result (which waits in the [`Backlog`] when the store does not take it).
+//! With a [`RunJournal`] (the NATS store) a checkpoint also holds what another replica needs to
+//! resume the run; once another replica took the run over, every write of it here is refused and
+//! the persister says so ([`Persister::taken_over`]).
 //! The snapshot is taken inside a per-run lock, so the last write is always the newest state even
 //! when writes race (e.g. a signal confirmed late).
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
+
 use super::backlog::Backlog;
 use super::live::SharedState;
-use crate::domain::ports::{Claim, ResultStore, within};
+use crate::domain::ports::{Claim, ResultStore, RunJournal, StoreError, within};
 use crate::domain::result::RunResult;
 
 /// Writes one run's state to the store, newest state last.
@@ -19,6 +24,20 @@ pub struct Persister {
     lock: Arc<tokio::sync::Mutex<()>>,
     timeout: Duration,
     backlog: Arc<Backlog>,
+    journal: Option<Arc<dyn RunJournal>>,
+    /// Cancelled once a write was refused because another replica owns the run.
+    taken_over: CancellationToken,
+}
+
+/// A checkpoint as the loop hands it over: the run's state, its deadline and the serialized
+/// checkpoint.
+pub struct Snapshot {
+    /// The run's output at the checkpoint.
+    pub result: RunResult,
+    /// Until when the run may be resumed (its deadline, Unix ms).
+    pub deadline_unix_ms: u64,
+    /// The checkpoint itself.
+    pub bytes: Vec<u8>,
 }
 
 impl Persister {
@@ -31,27 +50,103 @@ impl Persister {
             lock: Arc::default(),
             timeout,
             backlog,
+            journal: None,
+            taken_over: CancellationToken::new(),
         }
+    }
+
+    /// The persister, writing checkpoints another replica can resume the run from to `journal`.
+    pub fn with_journal(mut self, journal: Option<Arc<dyn RunJournal>>) -> Self {
+        self.journal = journal;
+        self
+    }
+
+    /// Whether checkpoints let another replica resume the run.
+    pub fn durable(&self) -> bool {
+        self.journal.is_some()
+    }
+
+    /// Resolves once another replica took the run over (a write of it was fenced).
+    pub async fn taken_over(&self) {
+        self.taken_over.cancelled().await;
     }
 
     /// Writes the current state now; whether the store took it.
     pub async fn write(&self) -> bool {
         let _serialized = self.lock.lock().await;
+        if self.taken_over.is_cancelled() {
+            return false;
+        }
         let snapshot = self.snapshot();
         let run_id = snapshot.run_id.clone();
-        match within(self.timeout, self.store.put(snapshot)).await {
+        let written = within(self.timeout, self.store.put(snapshot)).await;
+        self.outcome(&run_id, "storing the run's state", written)
+    }
+
+    /// Whether a write went through; a fenced one marks the run taken over.
+    fn outcome(&self, run_id: &str, what: &str, written: Result<(), StoreError>) -> bool {
+        match written {
             Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(run_id = %run_id, "storing the run's state failed: {e}");
+            Err(e @ StoreError::Fenced { .. }) => {
+                tracing::warn!(run_id = %run_id, "{e}; this replica stops the run");
+                self.taken_over.cancel();
                 false
             }
+            Err(e) => {
+                tracing::warn!(run_id = %run_id, "{what} failed: {e}");
+                false
+            }
+        }
+    }
+
+    /// Saves a checkpoint (made by `make` once the write's turn came, so the newest one is
+    /// written last) and renews the lease with it; whether the store took it. Without a journal
+    /// nothing is written.
+    pub async fn save(&self, make: impl FnOnce() -> Snapshot) -> bool {
+        let Some(journal) = &self.journal else {
+            return false;
+        };
+        let _serialized = self.lock.lock().await;
+        if self.taken_over.is_cancelled() {
+            return false;
+        }
+        let Snapshot {
+            result,
+            deadline_unix_ms,
+            bytes,
+        } = make();
+        let run_id = result.run_id.clone();
+        metrics::counter!(crate::telemetry::metric::CHECKPOINTS).increment(1);
+        metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(bytes.len() as f64);
+        let saved = within(self.timeout, journal.save(result, deadline_unix_ms, bytes)).await;
+        self.outcome(&run_id, "saving the run's checkpoint", saved)
+    }
+
+    /// Releases the run as handed over at a drain (its last checkpoint stands): another replica
+    /// takes it at once.
+    pub async fn hand_over(&self) {
+        let Some(journal) = &self.journal else { return };
+        let _serialized = self.lock.lock().await;
+        let run_id = self.snapshot().run_id;
+        let handed = within(self.timeout, journal.hand_over(&run_id)).await;
+        self.outcome(&run_id, "handing the run over", handed);
+    }
+
+    /// Forgets the run's checkpoint once its final result is stored.
+    async fn forget(&self) {
+        let Some(journal) = &self.journal else { return };
+        let run_id = self.snapshot().run_id;
+        if let Err(e) = within(self.timeout, journal.forget(&run_id)).await {
+            tracing::warn!(run_id = %run_id, "deleting the run's checkpoint failed (it expires with the results): {e}");
         }
     }
 
     /// Writes the final result; if the store does not take it, it waits in the backlog (answered
     /// by GetRun here, written again until the store takes it).
     pub async fn write_final(&self) {
-        if !self.write().await {
+        if self.write().await {
+            self.forget().await;
+        } else if !self.taken_over.is_cancelled() {
             self.backlog.push(self.snapshot());
         }
     }
@@ -63,7 +158,7 @@ impl Persister {
     /// Writes a live run's state in the background for other replicas (nothing to do when the
     /// store is local: the registry answers for live runs).
     pub fn checkpoint(&self) {
-        if self.store.shared().is_some() {
+        if self.store.shared().is_some() && self.journal.is_none() {
             let this = self.clone();
             tokio::spawn(async move {
                 let _ = this.write().await;

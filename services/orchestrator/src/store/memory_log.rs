@@ -6,6 +6,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -164,6 +165,15 @@ impl EventLog for MemoryLog {
             run_id: run_id.to_owned(),
             generation,
         })
+    }
+
+    fn last_seq(&self, run_id: &str) -> BoxFuture<'static, Result<u64, LogError>> {
+        let last = self
+            .lock()
+            .runs
+            .get(run_id)
+            .map_or(0, |log| log.events.back().map_or(log.trimmed_through, |e| e.seq));
+        futures::future::ready(Ok(last)).boxed()
     }
 
     fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>> {

@@ -16,6 +16,7 @@
 pub mod memory;
 pub mod memory_log;
 pub mod nats;
+pub mod nats_journal;
 pub mod nats_log;
 
 use std::time::Duration;

@@ -3,12 +3,18 @@
 //! that owns the run and, while it runs, the end of its lease, under a `run.<run_id>`-derived key
 //! (run ids are escaped into a valid key); entries expire after the bucket's TTL.
 //!
-//! A live run's owner renews its lease by writing the run's state (a checkpoint) every third of
-//! the lease. A RUNNING record whose lease has expired belongs to a replica that crashed or lost
-//! the store: it reads as FAILED `ORCHESTRATOR_LOST`, with the output of its last checkpoint. A
-//! run is claimed with the bucket's create-if-absent, so of two replicas starting the same id at
-//! once exactly one runs it.
+//! A live run's owner renews its lease by writing the run's state every third of the lease. A run
+//! is claimed with the bucket's create-if-absent, so of two replicas starting the same id at once
+//! exactly one runs it; every later write of its owner is a compare-and-set on the revision it
+//! wrote last, so once another replica took the run over (see [`super::nats_journal`]) the old
+//! owner's writes are refused ([`StoreError::Fenced`]) and it stops the run.
+//!
+//! A RUNNING record whose lease has expired belongs to a replica that crashed or lost the store.
+//! With a checkpoint it reads RUNNING until its deadline (another replica resumes it); without
+//! one, or past the deadline, it reads FAILED `ORCHESTRATOR_LOST` with the output last written.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -22,43 +28,92 @@ use crate::domain::{FailureReason, RunResult, RunStatus};
 
 /// See the module docs.
 pub struct KvStore {
-    kv: jetstream::kv::Store,
+    pub(super) kv: jetstream::kv::Store,
     /// This replica, written into the records of its runs.
-    owner: String,
-    lease: Duration,
+    pub(super) owner: String,
+    pub(super) lease: Duration,
+    /// The runs this replica owns, by key: their writes are fenced on the revision.
+    pub(super) owned: Arc<Mutex<HashMap<String, Owned>>>,
+    /// Checkpoints of live runs, by key (an object store: a checkpoint may be larger than one
+    /// message).
+    pub(super) checkpoints: jetstream::object_store::ObjectStore,
+    /// Where hand-overs are announced (core NATS, `<bucket>.handovers`).
+    pub(super) client: async_nats::Client,
+    pub(super) handover_subject: String,
 }
 
 /// A stored run.
 #[derive(Clone, PartialEq, prost::Message)]
-struct Record {
+pub(super) struct Record {
     #[prost(message, optional, tag = "1")]
-    result: Option<pb::RunResult>,
+    pub result: Option<pb::RunResult>,
     /// The replica running (or that ran) the run.
     #[prost(string, tag = "2")]
-    owner: String,
+    pub owner: String,
     /// While RUNNING: the record counts only until then (Unix ms) unless renewed.
     #[prost(uint64, tag = "3")]
-    lease_expires_unix_ms: u64,
+    pub lease_expires_unix_ms: u64,
+    /// The owner released the run at a safe point (drain): another replica takes it at once.
+    #[prost(bool, tag = "4")]
+    pub handed_over: bool,
+    /// The run has a checkpoint another replica may resume until then (its deadline, Unix ms);
+    /// 0: none.
+    #[prost(uint64, tag = "5")]
+    pub resumable_until_unix_ms: u64,
+}
+
+/// What this replica knows of a run it owns.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Owned {
+    /// The revision of its record this replica wrote last.
+    pub revision: u64,
+    /// See [`Record::resumable_until_unix_ms`].
+    pub resumable_until_unix_ms: u64,
 }
 
 impl Record {
     /// The result as it reads now: a RUNNING run whose lease expired is lost.
-    fn read(self, key: &str) -> Result<RunResult, StoreError> {
+    pub(super) fn read(self, key: &str) -> Result<RunResult, StoreError> {
         let corrupt = |reason: String| StoreError::Corrupt {
             key: key.to_owned(),
             reason,
         };
-        let stored = self.result.ok_or_else(|| corrupt("it holds no result".to_owned()))?;
+        let stored = self
+            .result
+            .clone()
+            .ok_or_else(|| corrupt("it holds no result".to_owned()))?;
         let mut result = RunResult::try_from(stored).map_err(|e| corrupt(e.to_string()))?;
-        if result.status == RunStatus::Running && self.lease_expires_unix_ms < shared::sync::unix_ms() {
+        let now = shared::sync::unix_ms();
+        if result.status == RunStatus::Running && self.lease_expires_unix_ms < now && !self.resumable(now) {
             result.status = RunStatus::Failed;
             result.failure_reason = Some(FailureReason::OrchestratorLost);
-            result.failure_detail = format!(
-                "the orchestrator replica {} running this run stopped renewing its lease; the output is its last checkpoint",
-                self.owner
-            );
+            result.failure_detail = if self.resumable_until_unix_ms == 0 {
+                format!(
+                    "the orchestrator replica {} running this run stopped renewing its lease; the output is its last checkpoint",
+                    self.owner
+                )
+            } else {
+                format!(
+                    "the orchestrator replica {} running this run stopped, and no replica took the run over before its deadline; the output is its last checkpoint",
+                    self.owner
+                )
+            };
         }
         Ok(result)
+    }
+
+    /// Whether another replica may still resume the run from its checkpoint.
+    pub(super) fn resumable(&self, now_unix_ms: u64) -> bool {
+        self.resumable_until_unix_ms > now_unix_ms
+    }
+
+    /// Whether the run's owner is gone (lease lapsed, or handed over) while it may be resumed.
+    pub(super) fn orphaned(&self, now_unix_ms: u64) -> bool {
+        let running = self
+            .result
+            .as_ref()
+            .is_some_and(|r| r.status == pb::RunStatus::Running as i32);
+        running && self.resumable(now_unix_ms) && (self.handed_over || self.lease_expires_unix_ms < now_unix_ms)
     }
 }
 
@@ -87,8 +142,26 @@ impl KvStore {
         owner: String,
         lease: Duration,
     ) -> Result<Self, StoreError> {
+        let checkpoints = super::nats_journal::open_checkpoints(js, bucket, ttl).await?;
+        let kv = Self::open_bucket(js, bucket, ttl).await?;
+        Ok(Self {
+            kv,
+            owner,
+            lease,
+            owned: Arc::default(),
+            checkpoints,
+            client: js.client(),
+            handover_subject: format!("orchestrator.{bucket}.handovers"),
+        })
+    }
+
+    async fn open_bucket(
+        js: &jetstream::Context,
+        bucket: &str,
+        ttl: Duration,
+    ) -> Result<jetstream::kv::Store, StoreError> {
         if let Ok(kv) = js.get_key_value(bucket).await {
-            return Ok(Self { kv, owner, lease });
+            return Ok(kv);
         }
         js.get_or_create_stream(jetstream::stream::Config {
             name: format!("KV_{bucket}"),
@@ -105,36 +178,90 @@ impl KvStore {
         })
         .await
         .map_err(|e| unavailable("creating the key-value bucket", bucket, e))?;
-        let kv = js
-            .get_key_value(bucket)
+        js.get_key_value(bucket)
             .await
-            .map_err(|e| unavailable("binding the key-value bucket", bucket, e))?;
-        Ok(Self { kv, owner, lease })
+            .map_err(|e| unavailable("binding the key-value bucket", bucket, e))
     }
 
     /// The record of `result` as this replica writes it now.
-    fn record(&self, result: &RunResult) -> Vec<u8> {
+    pub(super) fn record(&self, result: pb::RunResult, resumable_until_unix_ms: u64) -> Record {
         let lease = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
         Record {
-            result: Some(pb::RunResult::from(result)),
+            result: Some(result),
             owner: self.owner.clone(),
             lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease),
+            handed_over: false,
+            resumable_until_unix_ms,
         }
-        .encode_to_vec()
+    }
+
+    pub(super) fn owned(&self) -> std::sync::MutexGuard<'_, HashMap<String, Owned>> {
+        shared::sync::lock(&self.owned)
+    }
+
+    /// Writes `record` under `key`: a compare-and-set on the revision this replica wrote last
+    /// when it owns the run (refused [`StoreError::Fenced`] when another replica took it), a plain
+    /// put otherwise. A final record ends this replica's ownership.
+    pub(super) fn write(&self, key: String, record: Record) -> BoxFuture<'static, Result<(), StoreError>> {
+        let (kv, owned) = (self.kv.clone(), Arc::clone(&self.owned));
+        let last = shared::sync::lock(&owned).get(&key).copied();
+        let running = record
+            .result
+            .as_ref()
+            .is_some_and(|r| r.status == pb::RunStatus::Running as i32);
+        async move {
+            let bytes = bytes::Bytes::from(record.encode_to_vec());
+            let Some(last) = last else {
+                return kv
+                    .put(&key, bytes)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| unavailable("KV put", &key, e));
+            };
+            match kv.update(&key, bytes, last.revision).await {
+                Ok(revision) => {
+                    let mut owned = shared::sync::lock(&owned);
+                    if running {
+                        owned.insert(key, Owned { revision, ..last });
+                    } else {
+                        owned.remove(&key);
+                    }
+                    Ok(())
+                }
+                Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => {
+                    shared::sync::lock(&owned).remove(&key);
+                    Err(fenced(&kv, &key).await)
+                }
+                Err(e) => Err(unavailable("KV update", &key, e)),
+            }
+        }
+        .boxed()
     }
 }
 
+/// The refusal of a write to a run another replica took over, naming that replica.
+async fn fenced(kv: &jetstream::kv::Store, key: &str) -> StoreError {
+    let owner = match kv.get(key).await {
+        Ok(Some(bytes)) => Record::decode(bytes.as_ref()).map_or_else(|_| "another replica".to_owned(), |r| r.owner),
+        _ => "another replica".to_owned(),
+    };
+    let run_id = key.strip_prefix("run.").unwrap_or(key).to_owned();
+    StoreError::Fenced { run_id, owner }
+}
+
+pub(super) fn decode_record(key: &str, bytes: &[u8]) -> Result<Record, StoreError> {
+    Record::decode(bytes).map_err(|e| StoreError::Corrupt {
+        key: key.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
 fn decode(key: &str, bytes: &[u8]) -> Result<RunResult, StoreError> {
-    Record::decode(bytes)
-        .map_err(|e| StoreError::Corrupt {
-            key: key.to_owned(),
-            reason: e.to_string(),
-        })?
-        .read(key)
+    decode_record(key, bytes)?.read(key)
 }
 
 /// The store's refusal of `operation` on `key`.
-fn unavailable(operation: &'static str, key: &str, reason: impl ToString) -> StoreError {
+pub(super) fn unavailable(operation: &'static str, key: &str, reason: impl ToString) -> StoreError {
     StoreError::Unavailable {
         operation,
         key: key.to_owned(),
@@ -144,25 +271,26 @@ fn unavailable(operation: &'static str, key: &str, reason: impl ToString) -> Sto
 
 impl ResultStore for KvStore {
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
-        let kv = self.kv.clone();
         let key = key(&result.run_id);
-        let bytes = self.record(&result);
-        async move {
-            kv.put(&key, bytes.into())
-                .await
-                .map(|_| ())
-                .map_err(|e| unavailable("KV put", &key, e))
-        }
-        .boxed()
+        let resumable_until = self.owned().get(&key).map_or(0, |o| o.resumable_until_unix_ms);
+        let record = self.record(pb::RunResult::from(&result), resumable_until);
+        self.write(key, record)
     }
 
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
-        let kv = self.kv.clone();
+        let (kv, owned) = (self.kv.clone(), Arc::clone(&self.owned));
         let key = key(&result.run_id);
-        let bytes = self.record(&result);
+        let bytes = self.record(pb::RunResult::from(&result), 0).encode_to_vec();
         async move {
             match kv.create(&key, bytes.into()).await {
-                Ok(_) => Ok(Claim::Claimed),
+                Ok(revision) => {
+                    let owned_now = Owned {
+                        revision,
+                        resumable_until_unix_ms: 0,
+                    };
+                    shared::sync::lock(&owned).insert(key, owned_now);
+                    Ok(Claim::Claimed)
+                }
                 Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
                     let bytes = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))?;
                     match bytes {

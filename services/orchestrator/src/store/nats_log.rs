@@ -4,8 +4,9 @@
 //! results (`--run-store-ttl`) and at most `--event-log-total-bytes` in all.
 //!
 //! Writing never slows a run: the emitter's batches go through a bounded channel to one task per
-//! run, which gathers what arrives within `--event-log-flush-interval` (the first batch of a
-//! gathering waits at most that long; `run_finished` goes at once) and publishes it as one message
+//! run, which publishes a batch that finds it idle at once and gathers what arrives while a
+//! publish is under way or within `--event-log-flush-interval` after it (`run_finished` goes at
+//! once) into one message
 //! (a `LogBatch` of `orchestrator.v1.OrchestrateEvent`s, cut below the server's largest payload),
 //! never one publish per token. Each message carries `Nats-Msg-Id: <run>/<first seq>`, so a
 //! retried publish is stored once. A run's log is bounded by `--event-log-max-bytes`: past it the
@@ -20,7 +21,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use prost::Message;
 use proto::orchestrator::v1 as pb;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use super::{Follower as _, LogBounds};
@@ -109,6 +110,7 @@ impl NatsLog {
 struct Writer {
     tx: mpsc::Sender<EventBatch>,
     run_id: String,
+    settled: watch::Receiver<u64>,
 }
 
 impl LogWriter for Writer {
@@ -118,6 +120,10 @@ impl LogWriter for Writer {
             let first = events.first().map_or(0, |e| e.seq);
             tracing::warn!(run_id = %self.run_id, first_seq = first, "the event log did not take a batch: {e}");
         }
+    }
+
+    fn settled(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.settled.clone())
     }
 }
 
@@ -131,11 +137,36 @@ impl EventLog for NatsLog {
             kept: VecDeque::new(),
             kept_bytes: 0,
         };
-        tokio::spawn(publisher.run(rx));
+        let (settled_tx, settled) = watch::channel(0);
+        tokio::spawn(publisher.run(rx, settled_tx));
         Box::new(Writer {
             tx,
             run_id: run_id.to_owned(),
+            settled,
         })
+    }
+
+    fn last_seq(&self, run_id: &str) -> BoxFuture<'static, Result<u64, LogError>> {
+        let (stream, subject, run_id) = (self.stream.clone(), self.subject(run_id), run_id.to_owned());
+        let timeout = self.options.timeout;
+        async move {
+            let unavailable = |reason: String| LogError::Unavailable {
+                run_id: run_id.clone(),
+                reason,
+            };
+            let read = tokio::time::timeout(timeout, stream.get_last_raw_message_by_subject(&subject))
+                .await
+                .map_err(|_| unavailable("no answer in time".to_owned()))?;
+            let message = match read {
+                Ok(message) => message,
+                Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => return Ok(0),
+                Err(e) => return Err(unavailable(e.to_string())),
+            };
+            let batch = LogBatch::decode(message.payload.as_ref())
+                .map_err(|e| unavailable(format!("the last log message is not a batch of events: {e}")))?;
+            Ok(batch.events.last().map_or(0, |e| e.seq))
+        }
+        .boxed()
     }
 
     fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>> {
@@ -179,22 +210,29 @@ struct Publisher {
 }
 
 impl Publisher {
-    /// Gathers the writer's batches and publishes them, until the writer is gone.
-    async fn run(mut self, mut rx: mpsc::Receiver<EventBatch>) {
+    /// Publishes the writer's batches, until the writer is gone: a batch that finds the task idle
+    /// goes at once; batches that arrive while a publish is under way, or within the flush
+    /// interval after it, go together in the next one (a group commit). `run_finished` goes at
+    /// once. After each publish the settled seq moves on (kept or given up on), which is when a
+    /// durable run's caller is sent those events.
+    async fn run(mut self, mut rx: mpsc::Receiver<EventBatch>, settled: watch::Sender<u64>) {
+        let mut next_publish = Instant::now();
         while let Some(mut events) = rx.recv().await {
-            let flush_at = Instant::now() + self.log.options.flush_interval;
             while !events.last().is_some_and(NumberedEvent::is_last) {
                 tokio::select! {
                     more = rx.recv() => match more {
                         Some(more) => events.extend(more),
                         None => break,
                     },
-                    () = tokio::time::sleep_until(flush_at) => break,
+                    () = tokio::time::sleep_until(next_publish) => break,
                 }
             }
+            let last = events.last().map_or(0, |e| e.seq);
             for message in self.messages(events) {
                 self.publish(message).await;
             }
+            settled.send_replace(last);
+            next_publish = Instant::now() + self.log.options.flush_interval;
         }
     }
 

@@ -13,12 +13,13 @@
 //! per turn) and `append_to_conversation`. Whatever was produced
 //! before the end is kept.
 //!
-//! The loop is in four files: this one (the run from start to end, and the driver's state),
+//! The loop is in five files: this one (the run from start to end, and the driver's state),
 //! [`rules`] (`Driver::turn` and the rules of a turn), [`completion`] (the streamed completion:
-//! text, reasoning and usage as they arrive) and [`output`] (accounting of the run's output
-//! against its bounds).
+//! text, reasoning and usage as they arrive), [`output`] (accounting of the run's output
+//! against its bounds) and [`durable`] (checkpoints at safe points, and resuming from one).
 
 mod completion;
+mod durable;
 mod output;
 mod rules;
 #[cfg(test)]
@@ -33,9 +34,12 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+pub use self::durable::{Checkpoint, Resumed};
+
 use self::completion::Completion;
+use self::durable::TurnCalls;
 use self::rules::IdAllocator;
-use super::live::{AdmittedRun, Cancel, Emitter, SharedState};
+use super::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 use super::loop_detector::LoopDetector;
 use crate::domain::ports::{SignalTopic, ToolExecutor};
 use crate::domain::{
@@ -66,6 +70,8 @@ pub struct LoopDeps {
     pub output: OutputBounds,
     /// Put each turn's reasoning back in its assistant message (servers whose templates need it).
     pub send_reasoning: bool,
+    /// Longest wait at a safe point for the event log to hold the events sent (durable runs).
+    pub log_settle_timeout: Duration,
 }
 
 /// How the loop ended.
@@ -73,6 +79,10 @@ enum End {
     Completed,
     Failed(FailureReason, String),
     Canceled(String),
+    /// Released at a drain for another replica to resume (durable runs).
+    HandedOver,
+    /// Another replica took the run over: this one stops without writing anything of it.
+    TakenOver,
 }
 
 impl End {
@@ -88,8 +98,19 @@ type Step<T> = Result<T, End>;
 /// released and the usage of an interrupted turn counted before the end is settled. The final
 /// result is stored before the `run_finished` event is sent (within the event send timeout), so
 /// `GetRun` answers as soon as the stream ends; the run's slot is freed in between, so delivering
-/// the last event to a slow caller holds no slot.
+/// the last event to a slow caller holds no slot. A durable run that moves to another replica
+/// ends here without a result; its state so far (RUNNING) is returned.
 pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
+    drive_run(run, deps, None).await
+}
+
+/// Resumes a run taken over from another replica at its checkpoint (see [`durable`]), then as
+/// [`run`].
+pub async fn resume(run: AdmittedRun, resumed: Resumed, deps: &LoopDeps) -> RunResult {
+    drive_run(run, deps, Some(resumed)).await
+}
+
+async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) -> RunResult {
     let AdmittedRun {
         spec,
         state,
@@ -98,24 +119,36 @@ pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
         caller,
         persister,
         slot,
+        handoff,
     } = run;
     let started = Instant::now();
     let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
-    // Sent with the first model request.
-    emitter.queue(Event::RunStarted {
-        model: spec.model.clone(),
-        normal_tools: spec.normal_tools.iter().map(|t| t.name.clone()).collect(),
-        exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
-        limits: spec.limits,
-    });
+    if resumed.is_none() {
+        // Sent with the first model request.
+        emitter.queue(Event::RunStarted {
+            model: spec.model.clone(),
+            normal_tools: spec.normal_tools.iter().map(|t| t.name.clone()).collect(),
+            exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
+            limits: spec.limits,
+        });
+    }
     let end = {
-        let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone());
-        let end = race(driver.drive(), &spec, &cancel, caller.as_ref()).await;
-        if !matches!(end, End::Completed) {
+        let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone(), handoff.clone());
+        let ends = Ends {
+            cancel: &cancel,
+            caller: caller.as_ref(),
+            handoff: &handoff,
+            persister: persister.as_ref(),
+        };
+        let end = race(driver.drive(resumed), &spec, ends).await;
+        if !matches!(end, End::Completed | End::HandedOver | End::TakenOver) {
             driver.keep_interrupted_turn(true);
         }
         end
     };
+    if let End::HandedOver | End::TakenOver = end {
+        return moved(end, persister.as_ref(), &state).await;
+    }
     let result = settle(&state, end, &cancel);
     telemetry::record_run_end(&result, started.elapsed());
     // The result is stored before the stream ends, so GetRun (on any replica) finds it.
@@ -129,25 +162,55 @@ pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
     result
 }
 
+/// A run that moved to another replica: a handed-over one is released in the store (its last
+/// checkpoint stands); one taken over is left alone. The caller's stream ends without
+/// `run_finished`, which tells it to re-attach.
+async fn moved(end: End, persister: Option<&Persister>, state: &SharedState) -> RunResult {
+    let how = match end {
+        End::HandedOver => {
+            if let Some(persister) = persister {
+                persister.hand_over().await;
+            }
+            "handed_over"
+        }
+        _ => "fenced",
+    };
+    metrics::counter!(metric::RUNS_MOVED, "how" => how).increment(1);
+    tracing::info!(how, "the run moved to another replica");
+    lock(state).clone()
+}
+
+/// What ends a run from outside, besides its deadline.
+struct Ends<'a> {
+    cancel: &'a Cancel,
+    caller: Option<&'a mpsc::Sender<EventBatch>>,
+    handoff: &'a Handoff,
+    persister: Option<&'a Persister>,
+}
+
 /// The loop against what ends a run from outside: its deadline, a cancel, the caller going away.
 /// The deadline is looked at first, so a caller whose own deadline passed reads as
 /// `DEADLINE_EXCEEDED`, not as gone.
-async fn race(
-    drive: impl Future<Output = End>,
-    spec: &RunSpec,
-    cancel: &Cancel,
-    caller: Option<&mpsc::Sender<EventBatch>>,
-) -> End {
+async fn race(drive: impl Future<Output = End>, spec: &RunSpec, ends: Ends<'_>) -> End {
     let caller_gone = async {
-        match caller {
+        match ends.caller {
             Some(tx) => tx.closed().await,
             None => std::future::pending().await,
         }
     };
+    let taken_over = async {
+        match ends.persister {
+            Some(persister) => persister.taken_over().await,
+            None => std::future::pending().await,
+        }
+    };
+    let durable = ends.persister.is_some_and(Persister::durable);
     tokio::select! {
         biased;
+        () = taken_over => End::TakenOver,
+        () = ends.handoff.now.cancelled(), if durable => End::HandedOver,
         () = tokio::time::sleep_until(spec.deadline.at) => deadline_end(spec),
-        reason = cancel.cancelled() => End::Canceled(reason),
+        reason = ends.cancel.cancelled() => End::Canceled(reason),
         () = caller_gone => {
             if Instant::now() + CALLER_DEADLINE_SLACK >= spec.deadline.at && spec.deadline.set_by_caller {
                 deadline_end(spec)
@@ -195,11 +258,13 @@ fn settle(state: &SharedState, end: End, cancel: &Cancel) -> RunResult {
             state.status = RunStatus::Canceled;
             state.failure_detail = detail;
         }
+        End::HandedOver | End::TakenOver => {}
     }
     state.clone()
 }
 
 /// A call the model made this turn, with its final id.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct ModelCall {
     id: String,
     name: String,
@@ -209,6 +274,7 @@ struct ModelCall {
 }
 
 /// One turn as it goes.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct Turn {
     /// 1-based.
     number: u32,
@@ -221,6 +287,7 @@ struct Turn {
 }
 
 /// A turn's calls sorted by where they go; each list keeps the model's order.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct Partition {
     calls: Vec<ModelCall>,
     normal: Vec<usize>,
@@ -230,6 +297,7 @@ struct Partition {
 }
 
 /// What the budget allows of a turn's normal calls.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct Spend {
     /// The calls executed: the first ones, as many as the budget had left.
     executed: Vec<usize>,
@@ -276,6 +344,12 @@ struct Driver<'a> {
     run_span: tracing::Span,
     /// Writes the run's state to the result store (checkpoints, late signal deliveries).
     persister: Option<Persister>,
+    /// Turns ended.
+    turns_done: u32,
+    /// The attempt of the turn after `turns_done` (more than 1 once it was restarted elsewhere).
+    attempt: u32,
+    /// Set when a draining replica asks the run to hand over at its next safe point.
+    handoff: tokio_util::sync::CancellationToken,
 }
 
 impl<'a> Driver<'a> {
@@ -285,6 +359,7 @@ impl<'a> Driver<'a> {
         state: &'a SharedState,
         emitter: &'a mut Emitter,
         persister: Option<Persister>,
+        handoff: Handoff,
     ) -> Self {
         Self {
             normal_names: spec.normal_tools.iter().map(|t| t.name.as_str()).collect(),
@@ -301,6 +376,9 @@ impl<'a> Driver<'a> {
             failed_turns: 0,
             run_span: tracing::Span::current(),
             persister,
+            turns_done: 0,
+            attempt: 1,
+            handoff: handoff.at_safe_point,
             spec,
             deps,
             state,
@@ -308,9 +386,23 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Turns until one ends the run; `max_turns` (never above the hard guard) bounds them.
-    async fn drive(&mut self) -> End {
-        for number in 1..=self.max_turns {
+    /// Turns until one ends the run; `max_turns` (never above the hard guard) bounds them. A
+    /// resumed run first takes its state from its checkpoint and finishes the turn it was in.
+    async fn drive(&mut self, resumed: Option<Resumed>) -> End {
+        let first = match resumed {
+            Some(resumed) => {
+                let calls = self.restore(resumed);
+                self.resume_turn(calls).await
+            }
+            // A durable run is resumable from its start: a replica stopping in its first turn
+            // loses nothing but that turn's attempt.
+            None if self.persister.as_ref().is_some_and(Persister::durable) => self.safe_point(None).await,
+            None => Ok(()),
+        };
+        if let Err(end) = first {
+            return end;
+        }
+        for number in self.turns_done + 1..=self.max_turns {
             let span = telemetry::chat_span(&self.spec.model, number);
             let started = Instant::now();
             let step = self.turn(number).instrument(span).await;
@@ -318,14 +410,39 @@ impl<'a> Driver<'a> {
             if let Err(end) = step {
                 return end;
             }
-            // Live runs are visible to GetRun on every replica, updated at turn boundaries.
-            if let Some(persister) = &self.persister {
-                persister.checkpoint();
+            if let Err(end) = self.end_turn(number).await {
+                return end;
             }
         }
         End::failed(
             FailureReason::MaxTurnsExceeded,
             format!("the model still called tools after {} turn(s)", self.max_turns),
         )
+    }
+
+    /// A resumed run's first step: the rest of the turn it was among the calls of, or a safe
+    /// point that checkpoints and sends what the log lacks (the next turn starts after it).
+    async fn resume_turn(&mut self, calls: Option<TurnCalls>) -> Step<()> {
+        match calls {
+            Some(calls) => {
+                let number = calls.turn.number;
+                self.tools_half(calls, false).await?;
+                self.end_turn(number).await
+            }
+            None => self.safe_point(None).await,
+        }
+    }
+
+    /// Safe point (c): the turn ended. Live runs are visible to GetRun on every replica (updated
+    /// here); a durable run saves its checkpoint.
+    async fn end_turn(&mut self, number: u32) -> Step<()> {
+        (self.turns_done, self.attempt) = (number, 1);
+        if self.persister.as_ref().is_some_and(Persister::durable) {
+            return self.safe_point(None).await;
+        }
+        if let Some(persister) = &self.persister {
+            persister.checkpoint();
+        }
+        Ok(())
     }
 }

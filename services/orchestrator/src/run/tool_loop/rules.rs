@@ -19,9 +19,19 @@ use crate::run::fallback::Resolution;
 use crate::run::turn::TurnOutput;
 use crate::telemetry::{self, InFlight, metric};
 
+use super::durable::TurnCalls;
+
 impl Driver<'_> {
     /// One turn: every rule in order; `Err` when the run ends with it.
     pub(super) async fn turn(&mut self, number: u32) -> Step<()> {
+        let calls = self.model_half(number).await?;
+        self.tools_half(calls, true).await
+    }
+
+    /// The rules up to the turn's calls: the model's completion, its calls sorted, signals
+    /// published, the parse policy and the budget applied. `Err` when the run ends with them
+    /// (the model called no normal tool: the run is complete).
+    async fn model_half(&mut self, number: u32) -> Step<TurnCalls> {
         lock(self.state).turns = number;
         let mut turn = Turn {
             number,
@@ -43,7 +53,31 @@ impl Driver<'_> {
             self.finish_turn(&turn, spend.left);
             return Err(self.budget_end(&spend, &partition).unwrap_or(End::Completed));
         }
-        let outcomes = self.dispatch(&partition, &spend.executed, number).await;
+        Ok(TurnCalls {
+            turn,
+            partition,
+            spend,
+            finished: Vec::new(),
+        })
+    }
+
+    /// The rules from the turn's calls on: announced (safe point (a), unless `announce` is false
+    /// for a resumed turn whose checkpoint holds the announcement), run concurrently, reported,
+    /// failures counted, the conversation extended. `Err` when a limit ends the run.
+    pub(super) async fn tools_half(&mut self, mut calls: TurnCalls, announce: bool) -> Step<()> {
+        if announce {
+            self.announce_calls(&calls);
+        }
+        self.safe_point(Some(&calls)).await?;
+        let number = calls.turn.number;
+        let mut outcomes = calls.take_finished();
+        outcomes.extend(self.dispatch(&calls).await);
+        let TurnCalls {
+            mut turn,
+            partition,
+            spend,
+            ..
+        } = calls;
         let any_failed = !partition.bad.is_empty() || outcomes.iter().any(|o| o.result.is_err());
         let fed_back = self.report_results(&partition, outcomes, number);
         self.count_recorded_bytes();
@@ -284,11 +318,10 @@ impl Driver<'_> {
         })
     }
 
-    /// Runs the executed calls concurrently (`join_all`) on the tool-runners, each within the
-    /// smaller of the run's tool timeout and the time left in the run. A failed call does not
-    /// fail the run: its error is its outcome.
-    pub(super) async fn dispatch(&mut self, partition: &Partition, executed: &[usize], turn: u32) -> Vec<CallOutcome> {
-        for &i in executed.iter().chain(partition.bad.iter().map(|(i, _)| i)) {
+    /// Queues `tool_call_started` for the calls that run (and the bad ones, which fail at once).
+    pub(super) fn announce_calls(&mut self, calls: &TurnCalls) {
+        let (partition, turn) = (&calls.partition, calls.turn.number);
+        for &i in calls.spend.executed.iter().chain(partition.bad.iter().map(|(i, _)| i)) {
             let call = &partition.calls[i];
             self.emitter.queue(Event::ToolCallStarted {
                 call_id: call.id.clone(),
@@ -298,13 +331,31 @@ impl Driver<'_> {
                 arguments_truncated: false,
             });
         }
-        self.emitter.flush().await;
+    }
+
+    /// Runs the calls not finished yet concurrently (`join_all`) on the tool-runners, each within
+    /// the smaller of the run's tool timeout and the time left in the run. A failed call does not
+    /// fail the run: its error is its outcome. A durable run checkpoints each outcome as it
+    /// comes (safe point (b)), so a call that finished is never run again.
+    pub(super) async fn dispatch(&mut self, calls: &TurnCalls) -> Vec<CallOutcome> {
         let timeout = self
             .spec
             .limits
             .tool_timeout
             .min(self.spec.deadline.at.saturating_duration_since(Instant::now()));
-        join_all(executed.iter().map(|&i| self.execute(i, &partition.calls[i], timeout))).await
+        let recorder = self.call_recorder(calls);
+        join_all(calls.unfinished().into_iter().map(|i| {
+            let call = self.execute(i, &calls.partition.calls[i], timeout);
+            let recorder = recorder.clone();
+            async move {
+                let outcome = call.await;
+                if let Some(recorder) = recorder {
+                    recorder.finished(&outcome).await;
+                }
+                outcome
+            }
+        }))
+        .await
     }
 
     /// One call on a tool-runner, in its `execute_tool` span.
@@ -472,8 +523,8 @@ pub(super) fn is_json_object(text: &str) -> bool {
 /// generated one (the model sees the same id in the tool message).
 #[derive(Default)]
 pub(super) struct IdAllocator {
-    used: HashSet<String>,
-    generated: u32,
+    pub(super) used: HashSet<String>,
+    pub(super) generated: u32,
 }
 
 impl IdAllocator {

@@ -207,6 +207,7 @@ async fn play_with(
         max_tool_result_bytes: 1024,
         output: outside.output,
         send_reasoning: outside.send_reasoning,
+        log_settle_timeout: Duration::from_secs(1),
     };
     let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
     let (tx, mut rx) = mpsc::channel(outside.buffer);
@@ -220,6 +221,7 @@ async fn play_with(
         caller: None,
         persister: None,
         slot: None,
+        handoff: Default::default(),
     };
     if let Some(after) = outside.cancel_after {
         tokio::spawn(async move {
@@ -284,6 +286,7 @@ async fn events_produced_together_reach_the_stream_as_one_batch() {
                     Event::ToolCallFinished { .. } => "call_finished",
                     Event::Signal(_) => "signal",
                     Event::TurnFinished { .. } => "turn_finished",
+                    Event::TurnRestarted { .. } => "turn_restarted",
                     Event::RunFinished(_) => "run_finished",
                 })
                 .collect()

@@ -1,0 +1,235 @@
+//! Durable runs (docs/architecture.md, "Durable runs"): the run's checkpoint at each safe point,
+//! and resuming a run from one on the replica that took it over.
+//!
+//! The safe points of a turn: (a) its calls are assembled and announced, (b) each call finished,
+//! (c) the turn ended. At (a) and (c) the loop waits until the event log holds every event sent,
+//! writes the checkpoint with the events it has numbered but not sent (the outbox), then sends
+//! them; at (b) it writes the checkpoint with the call's outcome before that outcome is reported.
+//! So the log never holds an event the checkpoint does not account for, except the text of a
+//! turn still streaming: a replica that resumes after (c) and finds such events in the log
+//! restarts that turn and says so (`turn_restarted`).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{CallOutcome, Driver, End, Partition, Spend, Step, Turn};
+use crate::domain::{Event, NumberedEvent, RunResult, RunSpec, ToolCallError};
+use crate::llm::Message;
+use crate::run::persist::{Persister, Snapshot};
+
+/// Everything another replica needs to resume a run at a safe point.
+#[derive(Serialize, Deserialize)]
+pub struct Checkpoint {
+    /// What the run was asked to do (its deadline as a Unix time).
+    pub spec: RunSpec,
+    /// Its output so far.
+    pub result: RunResult,
+    /// Assistant and tool messages of the turns so far.
+    pub conversation: Vec<Message>,
+    /// Normal calls executed.
+    pub used_budget: u32,
+    /// Turns with a failed call.
+    pub failed_turns: u32,
+    /// Bytes of arguments and errors counted against the output bound.
+    pub recorded_bytes: usize,
+    /// Call ids given out (a resumed run never gives one out twice).
+    pub call_ids: Vec<String>,
+    /// Call ids generated so far.
+    pub generated_ids: u32,
+    /// Turns ended.
+    pub turns_done: u32,
+    /// The attempt of the turn after `turns_done` (1, or more once it was restarted).
+    pub attempt: u32,
+    /// The last seq numbered.
+    pub seq: u64,
+    /// Events numbered and not known to be in the log yet.
+    pub outbox: Vec<NumberedEvent>,
+    /// The current turn's calls, when the checkpoint is taken among them.
+    pub calls: Option<TurnCalls>,
+}
+
+/// A turn whose calls were assembled: what is left of it is running them and reporting.
+#[derive(Serialize, Deserialize)]
+pub struct TurnCalls {
+    pub(super) turn: Turn,
+    pub(super) partition: Partition,
+    pub(super) spend: Spend,
+    /// Outcomes of the calls that finished, in the order they finished.
+    pub(super) finished: Vec<FinishedCall>,
+}
+
+/// A call's outcome as a checkpoint keeps it.
+#[derive(Clone, Serialize, Deserialize)]
+pub(super) struct FinishedCall {
+    index: usize,
+    result: Result<String, ToolCallError>,
+    elapsed_ms: u64,
+}
+
+impl From<&CallOutcome> for FinishedCall {
+    fn from(o: &CallOutcome) -> Self {
+        Self {
+            index: o.index,
+            result: o.result.clone(),
+            elapsed_ms: u64::try_from(o.elapsed.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+}
+
+impl From<FinishedCall> for CallOutcome {
+    fn from(f: FinishedCall) -> Self {
+        Self {
+            index: f.index,
+            result: f.result,
+            elapsed: Duration::from_millis(f.elapsed_ms),
+        }
+    }
+}
+
+impl TurnCalls {
+    /// The calls of the turn still to run.
+    pub(super) fn unfinished(&self) -> Vec<usize> {
+        let done = |i: &usize| self.finished.iter().any(|f| f.index == *i);
+        self.spend.executed.iter().copied().filter(|i| !done(i)).collect()
+    }
+
+    /// The outcomes of the calls that finished before.
+    pub(super) fn take_finished(&mut self) -> Vec<CallOutcome> {
+        std::mem::take(&mut self.finished)
+            .into_iter()
+            .map(CallOutcome::from)
+            .collect()
+    }
+}
+
+/// A run resumed here: its checkpoint and the last seq its event log keeps.
+pub struct Resumed {
+    /// The checkpoint.
+    pub checkpoint: Checkpoint,
+    /// The last seq in the run's event log.
+    pub logged: u64,
+}
+
+/// Saves the checkpoint of a turn's calls as each call finishes (safe point (b)).
+pub(super) struct CallRecorder {
+    base: Mutex<Checkpoint>,
+    persister: Persister,
+}
+
+impl CallRecorder {
+    /// Adds `outcome` to the checkpoint and saves it (the newest state is written last).
+    pub(super) async fn finished(&self, outcome: &CallOutcome) {
+        self.persister
+            .save(|| {
+                let mut base = shared::sync::lock(&self.base);
+                if let Some(calls) = base.calls.as_mut() {
+                    calls.finished.push(FinishedCall::from(outcome));
+                }
+                snapshot(&base)
+            })
+            .await;
+    }
+}
+
+fn snapshot(checkpoint: &Checkpoint) -> Snapshot {
+    Snapshot {
+        result: checkpoint.result.clone(),
+        deadline_unix_ms: checkpoint.spec.deadline.unix_ms(),
+        bytes: serde_json::to_vec(checkpoint).unwrap_or_default(),
+    }
+}
+
+impl Driver<'_> {
+    /// The persister when the run is durable.
+    fn durable(&self) -> Option<&Persister> {
+        self.persister.as_ref().filter(|p| p.durable())
+    }
+
+    /// The run's checkpoint as of now, with `calls` the current turn's calls (if among them).
+    fn checkpoint(&self, calls: Option<&TurnCalls>) -> Checkpoint {
+        Checkpoint {
+            spec: self.spec.clone(),
+            result: shared::sync::lock(self.state).clone(),
+            conversation: self.conversation.clone(),
+            used_budget: self.used_budget,
+            failed_turns: self.failed_turns,
+            recorded_bytes: self.recorded_bytes,
+            call_ids: self.ids.used.iter().cloned().collect(),
+            generated_ids: self.ids.generated,
+            turns_done: self.turns_done,
+            attempt: self.attempt,
+            seq: self.emitter.seq(),
+            outbox: self.emitter.queued().to_vec(),
+            calls: calls.map(|c| TurnCalls {
+                turn: c.turn.clone(),
+                partition: c.partition.clone(),
+                spend: c.spend.clone(),
+                finished: c.finished.clone(),
+            }),
+        }
+    }
+
+    /// A safe point ((a) or (c)): with a durable run, waits until the log holds every event
+    /// sent, saves the checkpoint, then sends what is queued; a run asked to hand over stops
+    /// here. Without durability it only sends what is queued.
+    pub(super) async fn safe_point(&mut self, calls: Option<&TurnCalls>) -> Step<()> {
+        let Some(persister) = self.durable().cloned() else {
+            self.emitter.flush().await;
+            return Ok(());
+        };
+        self.emitter.settle_log(self.deps.log_settle_timeout).await;
+        let checkpoint = self.checkpoint(calls);
+        persister.save(|| snapshot(&checkpoint)).await;
+        self.emitter.flush().await;
+        if self.handoff.is_cancelled() {
+            return Err(End::HandedOver);
+        }
+        Ok(())
+    }
+
+    /// The recorder of safe point (b) for `calls`, when the run is durable.
+    pub(super) fn call_recorder(&self, calls: &TurnCalls) -> Option<Arc<CallRecorder>> {
+        let persister = self.durable()?.clone();
+        Some(Arc::new(CallRecorder {
+            base: Mutex::new(self.checkpoint(Some(calls))),
+            persister,
+        }))
+    }
+
+    /// Takes the driver's state from `checkpoint`, and queues what the log lacks: the outbox
+    /// events after `logged` (numbered as before), then `turn_restarted` when the log holds
+    /// events of a turn that was still streaming. Returns the turn's calls to finish, if any.
+    pub(super) fn restore(&mut self, resumed: Resumed) -> Option<TurnCalls> {
+        let Resumed { checkpoint: c, logged } = resumed;
+        *shared::sync::lock(self.state) = c.result;
+        self.conversation = c.conversation;
+        (self.used_budget, self.failed_turns, self.recorded_bytes) = (c.used_budget, c.failed_turns, c.recorded_bytes);
+        self.ids.used = c.call_ids.into_iter().collect();
+        self.ids.generated = c.generated_ids;
+        (self.turns_done, self.attempt) = (c.turns_done, c.attempt);
+        self.emitter.continue_from(logged, c.seq, c.outbox);
+        if logged > c.seq && c.calls.is_none() {
+            self.attempt += 1;
+            let turn = self.turns_done + 1;
+            tracing::info!(
+                turn,
+                attempt = self.attempt,
+                "the model stream of this turn was cut; it starts again"
+            );
+            self.emitter.queue(Event::TurnRestarted {
+                turn,
+                attempt: self.attempt,
+                reason: "the orchestrator replica running the run stopped while the model was streaming".to_owned(),
+            });
+        } else if logged > c.seq {
+            tracing::warn!(
+                logged,
+                checkpoint = c.seq,
+                "the event log is ahead of the checkpoint of this turn's calls"
+            );
+        }
+        c.calls
+    }
+}

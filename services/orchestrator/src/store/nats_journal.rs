@@ -1,0 +1,196 @@
+//! Durable runs on NATS ([`RunJournal`] of the [`KvStore`]): each live run's checkpoint is an
+//! object of a JetStream object store (`<bucket>-checkpoints`, named by the run's key), next to
+//! its record in the results bucket. The object store lists the runs that can be resumed; a run
+//! whose record says its owner is gone (lease lapsed, or handed over at a drain) is an orphan,
+//! claimed by the first replica whose compare-and-set on the record's revision succeeds.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_nats::jetstream::object_store::ObjectStore;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use prost::Message;
+use tokio::io::AsyncReadExt;
+
+use super::nats::{KvStore, Owned, decode_record, key, unavailable};
+use crate::domain::ports::{RunJournal, StoreError};
+
+/// Binds (or creates) the object store of the checkpoints beside the results bucket `bucket`.
+pub(super) async fn open_checkpoints(
+    js: &jetstream::Context,
+    bucket: &str,
+    ttl: Duration,
+) -> Result<ObjectStore, StoreError> {
+    let name = format!("{bucket}-checkpoints");
+    if let Ok(store) = js.get_object_store(&name).await {
+        return Ok(store);
+    }
+    js.create_object_store(jetstream::object_store::Config {
+        bucket: name.clone(),
+        description: Some("orchestrator checkpoints of live runs".to_owned()),
+        max_age: ttl,
+        storage: jetstream::stream::StorageType::File,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| unavailable("creating the checkpoint object store", &name, e))
+}
+
+impl RunJournal for KvStore {
+    fn save(
+        &self,
+        result: crate::domain::RunResult,
+        deadline_unix_ms: u64,
+        checkpoint: Vec<u8>,
+    ) -> BoxFuture<'static, Result<(), StoreError>> {
+        let key = key(&result.run_id);
+        if let Some(owned) = self.owned().get_mut(&key) {
+            owned.resumable_until_unix_ms = deadline_unix_ms;
+        }
+        let record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
+        let write = self.write(key.clone(), record);
+        let checkpoints = self.checkpoints.clone();
+        async move {
+            checkpoints
+                .put(key.as_str(), &mut checkpoint.as_slice())
+                .await
+                .map_err(|e| unavailable("checkpoint put", &key, e))?;
+            write.await
+        }
+        .boxed()
+    }
+
+    fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+        let (checkpoints, key) = (self.checkpoints.clone(), key(run_id));
+        self.owned().remove(&key);
+        async move {
+            match checkpoints.delete(&key).await {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == jetstream::object_store::DeleteErrorKind::NotFound => Ok(()),
+                Err(e) => Err(unavailable("checkpoint delete", &key, e)),
+            }
+        }
+        .boxed()
+    }
+
+    fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
+        let (kv, checkpoints) = (self.kv.clone(), self.checkpoints.clone());
+        async move {
+            let mut listed = checkpoints
+                .list()
+                .await
+                .map_err(|e| unavailable("checkpoint list", "", e))?;
+            let mut orphans = Vec::new();
+            let now = shared::sync::unix_ms();
+            while let Some(info) = listed.next().await {
+                let info = info.map_err(|e| unavailable("checkpoint list", "", e))?;
+                if info.deleted {
+                    continue;
+                }
+                let Ok(Some(bytes)) = kv.get(&info.name).await else {
+                    continue;
+                };
+                let Ok(record) = decode_record(&info.name, &bytes) else {
+                    continue;
+                };
+                match record.result.as_ref() {
+                    Some(result) if record.orphaned(now) => orphans.push(result.run_id.clone()),
+                    // A checkpoint left by a run that ended or cannot be resumed any more.
+                    _ if !record.resumable(now) || !is_running(&record) => {
+                        let _ = checkpoints.delete(&info.name).await;
+                    }
+                    _ => {}
+                }
+            }
+            Ok(orphans)
+        }
+        .boxed()
+    }
+
+    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
+        let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
+        let (owned, fresh) = (std::sync::Arc::clone(&self.owned), self.record(Default::default(), 0));
+        async move {
+            let Some(entry) = kv.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))? else {
+                return Ok(None);
+            };
+            let record = decode_record(&key, &entry.value)?;
+            if !record.orphaned(shared::sync::unix_ms()) {
+                return Ok(None);
+            }
+            let claimed = super::nats::Record {
+                result: record.result,
+                resumable_until_unix_ms: record.resumable_until_unix_ms,
+                ..fresh
+            };
+            let revision = match kv.update(&key, claimed.encode_to_vec().into(), entry.revision).await {
+                Ok(revision) => revision,
+                Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => return Ok(None),
+                Err(e) => return Err(unavailable("KV update", &key, e)),
+            };
+            let owned_now = Owned {
+                revision,
+                resumable_until_unix_ms: claimed.resumable_until_unix_ms,
+            };
+            shared::sync::lock(&owned).insert(key.clone(), owned_now);
+            let mut object = checkpoints
+                .get(&key)
+                .await
+                .map_err(|e| unavailable("checkpoint get", &key, e))?;
+            let mut bytes = Vec::new();
+            object
+                .read_to_end(&mut bytes)
+                .await
+                .map_err(|e| unavailable("checkpoint read", &key, e))?;
+            Ok(Some(bytes))
+        }
+        .boxed()
+    }
+
+    fn handovers(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, ()>> {
+        let (client, subject) = (self.client.clone(), self.handover_subject.clone());
+        async move {
+            match client.subscribe(subject).await {
+                Ok(subscriber) => subscriber.map(|_| ()).boxed(),
+                Err(e) => {
+                    tracing::warn!(
+                        "subscribing to hand-overs failed (the takeover looks every third of the lease): {e}"
+                    );
+                    futures::stream::pending().boxed()
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+        let (kv, key) = (self.kv.clone(), key(run_id));
+        let (client, subject) = (self.client.clone(), self.handover_subject.clone());
+        let last = self.owned().remove(&key);
+        async move {
+            let Some(last) = last else {
+                return Ok(());
+            };
+            let Some(bytes) = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))? else {
+                return Ok(());
+            };
+            let mut record = decode_record(&key, &bytes)?;
+            record.handed_over = true;
+            record.lease_expires_unix_ms = shared::sync::unix_ms();
+            kv.update(&key, record.encode_to_vec().into(), last.revision)
+                .await
+                .map_err(|e| unavailable("KV update", &key, e))?;
+            let _ = client.publish(subject, key.into_bytes().into()).await;
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+fn is_running(record: &super::nats::Record) -> bool {
+    record
+        .result
+        .as_ref()
+        .is_some_and(|r| r.status == proto::orchestrator::v1::RunStatus::Running as i32)
+}

@@ -1,0 +1,437 @@
+//! Durable runs through the real binaries: orchestrator replicas sharing a real `nats-server -js`
+//! (started here; `./scripts/test` installs it), a tool-runner with a command tool that logs the
+//! call ids it runs, and the stand-in model with a scenario that streams text and calls a tool
+//! every turn. Replicas are killed (SIGKILL) mid-stream and mid-tool-call, or drained (SIGTERM):
+//! every run still ends COMPLETED, its stream (followed across replicas from the last seq seen)
+//! is gap-free and equal to GetRun once `turn_restarted` is applied, and no tool call that
+//! finished is run again.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use orchestrator_client::{Event, Transcript};
+use proto::orchestrator::v1 as pb;
+use testkit::Service;
+use testkit::nats::Nats;
+use tokio::process::Command;
+
+type TestResult = anyhow::Result<()>;
+
+/// A command tool that appends `<run id>/<call id>` to `log` and answers after `ms`.
+fn manifest(dir: &std::path::Path, log: &std::path::Path, ms: u64) -> anyhow::Result<std::path::PathBuf> {
+    let path = dir.join("tools.toml");
+    let script = format!(
+        "echo \"$TOOL_RUN_ID/$TOOL_CALL_ID\" >> {}; sleep {}; printf '{{\"call\":\"%s\"}}' \"$TOOL_CALL_ID\"",
+        log.display(),
+        ms as f64 / 1000.0
+    );
+    let text = format!(
+        "[[tool]]\nname = \"record\"\ndescription = \"records its call\"\nargv = [\"sh\", \"-c\", {script:?}]\ntimeout = \"1m\"\n"
+    );
+    std::fs::write(&path, text)?;
+    Ok(path)
+}
+
+/// `turns` turns of `words` streamed 15 ms apart, each calling `record`, then a last turn that
+/// submits its report (an exit tool: a signal) and ends.
+fn scenario(turns: usize, words: &str) -> mock_llm::Scenario {
+    use mock_llm::{Step, Turn};
+    let mut all: Vec<Turn> = (0..turns)
+        .map(|_| Turn::text(words).then(Step::call("record", serde_json::json!({}))))
+        .collect();
+    all.push(Turn::text("done").then(Step::call("submit_report", serde_json::json!({"ok": true}))));
+    mock_llm::Scenario {
+        token_delay_ms: 15,
+        ..mock_llm::Scenario::new(all)
+    }
+}
+
+/// The fleet: NATS, the model, a tool-runner and orchestrator replica processes.
+struct Fleet {
+    nats: Nats,
+    mock: mock_llm::MockLlm,
+    runner_url: String,
+    replicas: Vec<Option<Service>>,
+    calls_log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Fleet {
+    async fn start(replicas: usize, scenario: mock_llm::Scenario, tool_ms: u64) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let calls_log = dir.path().join("calls.log");
+        let manifest = manifest(dir.path(), &calls_log, tool_ms)?;
+        let nats = Nats::start().await?;
+        let mock = mock_llm::MockLlm::start(scenario).await?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let runner_url = format!("http://{}", listener.local_addr()?);
+        let config = testkit::stack::runner_config(Some(manifest));
+        tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
+        let mut fleet = Self {
+            nats,
+            mock,
+            runner_url,
+            replicas: Vec::new(),
+            calls_log,
+            _dir: dir,
+        };
+        for _ in 0..replicas {
+            fleet.add().await?;
+        }
+        Ok(fleet)
+    }
+
+    /// Starts one more replica (a lease of 2 s, so a killed one's runs move soon).
+    async fn add(&mut self) -> anyhow::Result<usize> {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+        command
+            .env("LLM_BASE_URL", self.mock.base_url())
+            .env("TOOL_RUNNER_ENDPOINTS", &self.runner_url)
+            .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
+            .env("ORCHESTRATOR_SIGNAL_TOPIC", self.nats.url())
+            .env("ORCHESTRATOR_RUN_STORE", self.nats.url())
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .args(["--run-store-lease", "2s", "--handoff-grace", "5s"]);
+        self.replicas.push(Some(
+            Service::spawn(command, "127.0.0.1", "orchestrator serving").await?,
+        ));
+        Ok(self.replicas.len() - 1)
+    }
+
+    fn url(&self, i: usize) -> Option<String> {
+        self.replicas[i].as_ref().map(|s| format!("http://{}", s.grpc))
+    }
+
+    fn urls(&self) -> Vec<String> {
+        (0..self.replicas.len()).filter_map(|i| self.url(i)).collect()
+    }
+
+    /// The replica that runs `run_id` now: the last one that logged taking it over, or else
+    /// the one it started on.
+    fn owner(&self, run_id: &str, started_on: usize) -> usize {
+        let took = |s: &Service| {
+            s.logs()
+                .iter()
+                .any(|l| l.contains("took the run over") && l.contains(run_id))
+        };
+        (0..self.replicas.len())
+            .rev()
+            .find(|&i| self.replicas[i].as_ref().is_some_and(took))
+            .unwrap_or(started_on)
+    }
+
+    /// `<run id>/<call id>` of the calls the tool ran, with how many times.
+    fn calls(&self) -> anyhow::Result<HashMap<String, usize>> {
+        let mut counts = HashMap::new();
+        for id in std::fs::read_to_string(&self.calls_log).unwrap_or_default().lines() {
+            *counts.entry(id.to_owned()).or_insert(0) += 1;
+        }
+        Ok(counts)
+    }
+}
+
+/// A caller following a run across replicas: it attaches from the last seq it saw to whichever
+/// replica answers, until `run_finished`.
+struct Follower {
+    events: Vec<pb::OrchestrateEvent>,
+}
+
+impl Follower {
+    async fn follow(
+        run_id: String,
+        urls: impl Fn() -> Vec<String>,
+        mut events: Vec<pb::OrchestrateEvent>,
+        seen: tokio::sync::watch::Sender<Vec<pb::OrchestrateEvent>>,
+    ) -> anyhow::Result<Self> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        while tokio::time::Instant::now() < deadline {
+            for url in urls() {
+                let after_seq = events.last().map_or(0, |e| e.seq);
+                let Ok(mut client) = pb::orchestrator_client::OrchestratorClient::connect(url).await else {
+                    continue;
+                };
+                let request = pb::AttachRunRequest {
+                    run_id: run_id.clone(),
+                    after_seq,
+                };
+                let Ok(stream) = client.attach_run(request).await else {
+                    continue;
+                };
+                let mut stream = stream.into_inner();
+                while let Ok(Some(event)) = stream.message().await {
+                    anyhow::ensure!(
+                        event.seq == events.last().map_or(0, |e| e.seq) + 1,
+                        "gap or duplicate: {} after {:?}",
+                        event.seq,
+                        events.last().map(|e| e.seq)
+                    );
+                    let last = matches!(event.event, Some(pb::orchestrate_event::Event::RunFinished(_)));
+                    events.push(event);
+                    seen.send_replace(events.clone());
+                    if last {
+                        return Ok(Self { events });
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::bail!("run {run_id} did not finish; {} events seen", events.len())
+    }
+
+    /// The result in `run_finished`, and the text the stream tells once restarted turns are
+    /// dropped (the client crate's rule).
+    fn outcome(&self) -> anyhow::Result<(pb::RunResult, String)> {
+        let mut transcript = Transcript::default();
+        let mut result = None;
+        for event in &self.events {
+            let typed = event
+                .event
+                .clone()
+                .map(orchestrator_client::Event::from_proto)
+                .ok_or_else(|| anyhow::anyhow!("an empty event"))?;
+            transcript.apply(&typed);
+            if let Event::Finished(r) = typed {
+                result = Some(r);
+            }
+        }
+        Ok((
+            result.ok_or_else(|| anyhow::anyhow!("no run_finished"))?,
+            transcript.text().to_owned(),
+        ))
+    }
+}
+
+async fn start_detached(url: &str, run_id: &str) -> TestResult {
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(url.to_owned()).await?;
+    let started = client
+        .orchestrate(pb::OrchestrateRequest {
+            run_id: run_id.into(),
+            detached: true,
+            ..testkit::user("go")
+        })
+        .await?;
+    drop(started);
+    Ok(())
+}
+
+/// A result with its signals' delivery left out: NATS confirms a signal after `run_finished` may
+/// have left, and GetRun shows the confirmation.
+fn settled(mut result: pb::RunResult) -> pb::RunResult {
+    for signal in &mut result.signals {
+        signal.delivery = 0;
+    }
+    result
+}
+
+async fn get_run(url: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(url.to_owned()).await?;
+    Ok(client
+        .get_run(pb::GetRunRequest { run_id: run_id.into() })
+        .await?
+        .into_inner())
+}
+
+/// Waits until `seen` has an event that `pick` matches.
+async fn until(
+    seen: &mut tokio::sync::watch::Receiver<Vec<pb::OrchestrateEvent>>,
+    what: &str,
+    pick: impl Fn(&[pb::OrchestrateEvent]) -> bool,
+) -> anyhow::Result<Vec<pb::OrchestrateEvent>> {
+    let found = tokio::time::timeout(Duration::from_secs(60), seen.wait_for(|events| pick(events))).await;
+    match found {
+        Ok(Ok(events)) => Ok(events.clone()),
+        _ => anyhow::bail!("never saw {what}"),
+    }
+}
+
+fn streaming_turn(events: &[pb::OrchestrateEvent], turn: u32) -> bool {
+    use pb::orchestrate_event::Event as E;
+    let text = events
+        .iter()
+        .filter(|e| matches!(&e.event, Some(E::TextDelta(t)) if t.turn == turn))
+        .count();
+    let called = events
+        .iter()
+        .any(|e| matches!(&e.event, Some(E::ToolCallStarted(c)) if c.turn == turn));
+    text >= 3 && !called
+}
+
+/// Call ids started and not finished in `events`.
+fn in_flight(events: &[pb::OrchestrateEvent]) -> Vec<String> {
+    use pb::orchestrate_event::Event as E;
+    let finished: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Some(E::ToolCallFinished(f)) => Some(f.call_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Some(E::ToolCallStarted(c)) if !finished.contains(&c.call_id.as_str()) => Some(c.call_id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Three replicas. The replica running a run is SIGKILLed while the model streams turn 2; the run
+/// is taken over (turn 2 restarts, announced by `turn_restarted`). Then the replica running it now
+/// is SIGKILLed while turn 3's tool call runs; the run is taken over again and the call in flight
+/// is sent again with the same call id. The run ends COMPLETED with one signal; the caller's
+/// stream is gap-free and tells GetRun's text; only the calls in flight at a kill ran twice.
+#[tokio::test]
+async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -> TestResult {
+    let words: String = (0..40).map(|i| format!("w{i} ")).collect();
+    let mut fleet = Fleet::start(3, scenario(4, &words), 3000).await?;
+    let first = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    start_detached(&first, "durable-1").await?;
+    let (seen_tx, mut seen) = tokio::sync::watch::channel(Vec::new());
+    let urls: Vec<String> = fleet.urls()[1..].to_vec();
+    let follower = tokio::spawn(Follower::follow(
+        "durable-1".into(),
+        move || urls.clone(),
+        Vec::new(),
+        seen_tx,
+    ));
+
+    until(&mut seen, "turn 2 streaming", |e| streaming_turn(e, 2)).await?;
+    fleet.replicas[0]
+        .take()
+        .map(Service::kill)
+        .ok_or_else(|| anyhow::anyhow!("gone"))?
+        .await?;
+    let restarted = until(&mut seen, "turn_restarted", |events| {
+        events
+            .iter()
+            .any(|e| matches!(e.event, Some(pb::orchestrate_event::Event::TurnRestarted(_))))
+    })
+    .await?;
+    anyhow::ensure!(!restarted.is_empty());
+
+    let events = until(&mut seen, "turn 3's call in flight", |e| {
+        in_flight(e).len() == 1
+            && e.iter()
+                .any(|e| matches!(&e.event, Some(pb::orchestrate_event::Event::ToolCallStarted(c)) if c.turn == 3))
+    })
+    .await?;
+    let in_flight_at_kill = in_flight(&events);
+    let owner = fleet.owner("durable-1", 0);
+    anyhow::ensure!(owner != 0, "a surviving replica took the run over");
+    fleet.replicas[owner]
+        .take()
+        .map(Service::kill)
+        .ok_or_else(|| anyhow::anyhow!("gone"))?
+        .await?;
+    // A replacement comes up, as Kubernetes would start one; the follower reaches it too.
+    fleet.add().await?;
+
+    let follower = follower.await??;
+    let (result, told) = follower.outcome()?;
+    assert_eq!(result.status(), pb::RunStatus::Completed, "{}", result.failure_detail);
+    assert_eq!(told, result.text, "the stream tells the result's text");
+    assert_eq!(result.text, format!("{words}{words}{words}{words}done"));
+    assert_eq!(result.signals.len(), 1, "the signal is published once");
+    let survivor = fleet
+        .urls()
+        .into_iter()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no replica left"))?;
+    assert_eq!(settled(get_run(&survivor, "durable-1").await?), settled(result.clone()));
+
+    let calls = fleet.calls()?;
+    let ids: Vec<&str> = result.tool_calls.iter().map(|c| c.call_id.as_str()).collect();
+    assert_eq!(ids.len(), 4, "{ids:?}");
+    for id in &ids {
+        let runs = calls.get(&format!("durable-1/{id}")).copied().unwrap_or(0);
+        let allowed = if in_flight_at_kill.iter().any(|f| f == id) {
+            2
+        } else {
+            1
+        };
+        assert!(
+            (1..=allowed).contains(&runs),
+            "call {id} ran {runs} time(s) (in flight at the kill: {in_flight_at_kill:?})"
+        );
+    }
+    Ok(())
+}
+
+/// A drained replica (SIGTERM) hands its runs over at their next safe point instead of canceling
+/// them: its callers' streams end UNAVAILABLE naming the run and the last seq, it exits 0 at once,
+/// and another replica resumes each run well before a lease (15 s) could lapse. Every run ends
+/// COMPLETED with a gap-free stream, and no call ran twice.
+#[tokio::test]
+async fn a_drained_replica_hands_its_runs_over_and_they_complete_elsewhere() -> TestResult {
+    let words: String = (0..20).map(|i| format!("w{i} ")).collect();
+    let mut fleet = Fleet::start(2, scenario(3, &words), 300).await?;
+    let a = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(a.clone()).await?;
+    let mut streams = Vec::new();
+    for i in 0..5 {
+        let request = pb::OrchestrateRequest {
+            run_id: format!("drained-{i}"),
+            ..testkit::user("go")
+        };
+        streams.push(client.orchestrate(request).await?.into_inner());
+    }
+    let mut seen: Vec<Vec<pb::OrchestrateEvent>> = vec![Vec::new(); streams.len()];
+    for (stream, seen) in streams.iter_mut().zip(&mut seen) {
+        while seen.len() < 3 {
+            match stream.message().await? {
+                Some(event) => seen.push(event),
+                None => anyhow::bail!("a run ended early"),
+            }
+        }
+    }
+    let drained_at = tokio::time::Instant::now();
+    let replica = fleet.replicas[0].as_ref().ok_or_else(|| anyhow::anyhow!("gone"))?;
+    replica.signal(nix::sys::signal::Signal::SIGTERM)?;
+    for (i, (stream, seen)) in streams.iter_mut().zip(&mut seen).enumerate() {
+        let ended = loop {
+            match tokio::time::timeout(Duration::from_secs(20), stream.message()).await? {
+                Ok(Some(event)) => seen.push(event),
+                Ok(None) => anyhow::bail!("run {i}: the stream ended without a status"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(ended.code(), tonic::Code::Unavailable, "{ended:?}");
+        let last = seen.last().map_or(0, |e| e.seq);
+        let expected = format!("attach to it again after seq {last}");
+        assert!(ended.message().contains(&expected), "{ended:?}");
+    }
+    let mut a = fleet.replicas[0].take().ok_or_else(|| anyhow::anyhow!("gone"))?;
+    assert_eq!(a.wait_exit().await?, Some(0), "the drained replica exits 0");
+    let b = fleet.url(1).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    for (i, seen) in seen.into_iter().enumerate() {
+        let run_id = format!("drained-{i}");
+        let (tx, _) = tokio::sync::watch::channel(Vec::new());
+        let urls = vec![b.clone()];
+        let after = seen.last().map_or(0, |e| e.seq);
+        let rest = Follower::follow(run_id.clone(), move || urls.clone(), seen, tx).await?;
+        anyhow::ensure!(rest.events.iter().any(|e| e.seq == after + 1));
+        let (result, told) = rest.outcome()?;
+        assert_eq!(
+            result.status(),
+            pb::RunStatus::Completed,
+            "{run_id}: {}",
+            result.failure_detail
+        );
+        assert_eq!(told, result.text);
+        assert_eq!(result.text, format!("{words}{words}{words}done"));
+        assert_eq!(settled(get_run(&b, &run_id).await?), settled(result));
+    }
+    assert!(
+        drained_at.elapsed() < Duration::from_secs(60),
+        "every run moved and ended without waiting for leases"
+    );
+    let calls = fleet.calls()?;
+    assert_eq!(calls.len(), 5 * 3, "{calls:?}");
+    for (id, runs) in calls {
+        assert_eq!(
+            runs, 1,
+            "call {id} ran {runs} times: a handed-over run resumes from its safe point"
+        );
+    }
+    Ok(())
+}
