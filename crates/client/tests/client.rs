@@ -373,6 +373,23 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
     }
 }
 
+/// Serves a stand-in orchestrator on a loopback port: its address and the serving task.
+async fn serve_stand_in<S: pb::orchestrator_server::Orchestrator>(
+    service: pb::orchestrator_server::OrchestratorServer<S>,
+) -> anyhow::Result<(
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    Ok((address, server))
+}
+
 /// After `run_finished` the client reads the call to its trailers instead of dropping it: a
 /// dropped call is reset on the wire, and an HTTP/2 peer closes the whole connection after about
 /// 1,024 such resets (the soak found it). The server here holds its trailers 300 ms; the client
@@ -384,13 +401,7 @@ async fn the_client_reads_each_call_to_its_trailers() -> TestResult {
         hold: Duration::from_millis(300),
         reset_early: std::sync::Arc::clone(&reset_early),
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let address = listener.local_addr()?;
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pb::orchestrator_server::OrchestratorServer::new(service))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let (address, server) = serve_stand_in(pb::orchestrator_server::OrchestratorServer::new(service)).await?;
     let client = ClientBuilder::new(format!("http://{address}")).connect().await?;
     let result = client.run(RunRequest::prompt("x")).await?;
     assert_eq!(result.text, "done");
@@ -518,15 +529,8 @@ impl pb::orchestrator_server::Orchestrator for Mover {
 #[tokio::test]
 async fn a_stream_that_breaks_off_reattaches_from_its_last_seq_without_gaps_or_duplicates() -> TestResult {
     let mover = std::sync::Arc::new(Mover::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let address = listener.local_addr()?;
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pb::orchestrator_server::OrchestratorServer::from_arc(
-                std::sync::Arc::clone(&mover),
-            ))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let stand_in = pb::orchestrator_server::OrchestratorServer::from_arc(std::sync::Arc::clone(&mover));
+    let (address, server) = serve_stand_in(stand_in).await?;
     let client = ClientBuilder::new(format!("http://{address}")).connect().await?;
     let mut stream = client.orchestrate(RunRequest::prompt("x")).await?;
     let mut seqs = Vec::new();

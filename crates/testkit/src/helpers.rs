@@ -84,6 +84,28 @@ pub async fn orchestrate(
     anyhow::bail!("the stream ended without run_finished")
 }
 
+/// `GetRun` of `run_id` on `endpoint`.
+pub async fn get_run(endpoint: &str, run_id: &str) -> anyhow::Result<proto::orchestrator::v1::RunResult> {
+    use proto::orchestrator::v1 as pb;
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
+    let request = pb::GetRunRequest { run_id: run_id.into() };
+    Ok(client.get_run(request).await?.into_inner())
+}
+
+/// Starts a detached run `run_id` (prompt "go") on `endpoint` and leaves it: it goes on, and its
+/// events stay in its log for `AttachRun`.
+pub async fn start_detached(endpoint: &str, run_id: &str) -> anyhow::Result<()> {
+    use proto::orchestrator::v1 as pb;
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
+    let request = pb::OrchestrateRequest {
+        run_id: run_id.into(),
+        detached: true,
+        ..user("go")
+    };
+    drop(client.orchestrate(request).await?);
+    Ok(())
+}
+
 /// A tool-runner with the default settings in this process; its URL.
 pub async fn tool_runner_in_process() -> anyhow::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

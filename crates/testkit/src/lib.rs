@@ -24,7 +24,7 @@ pub mod pki;
 pub mod proto_docs;
 pub mod python;
 
-pub use helpers::{delta, orchestrate, scrape, sibling_bin, tool_runner_in_process, user};
+pub use helpers::{delta, get_run, orchestrate, scrape, sibling_bin, start_detached, tool_runner_in_process, user};
 pub use inprocess::{Outcome, Runner, Served, reflected_services, run_tool, stack};
 
 use std::path::PathBuf;

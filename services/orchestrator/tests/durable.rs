@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use orchestrator_client::{Event, Transcript};
 use proto::orchestrator::v1 as pb;
-use testkit::Service;
 use testkit::nats::Nats;
+use testkit::{Service, get_run, start_detached};
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -121,12 +121,12 @@ impl Fleet {
     }
 
     /// `<run id>/<call id>` of the calls the tool ran, with how many times.
-    fn calls(&self) -> anyhow::Result<HashMap<String, usize>> {
+    fn calls(&self) -> HashMap<String, usize> {
         let mut counts = HashMap::new();
         for id in std::fs::read_to_string(&self.calls_log).unwrap_or_default().lines() {
             *counts.entry(id.to_owned()).or_insert(0) += 1;
         }
-        Ok(counts)
+        counts
     }
 }
 
@@ -201,19 +201,6 @@ impl Follower {
     }
 }
 
-async fn start_detached(url: &str, run_id: &str) -> TestResult {
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(url.to_owned()).await?;
-    let started = client
-        .orchestrate(pb::OrchestrateRequest {
-            run_id: run_id.into(),
-            detached: true,
-            ..testkit::user("go")
-        })
-        .await?;
-    drop(started);
-    Ok(())
-}
-
 /// A result with its signals' delivery left out: NATS confirms a signal after `run_finished` may
 /// have left, and GetRun shows the confirmation.
 fn settled(mut result: pb::RunResult) -> pb::RunResult {
@@ -221,14 +208,6 @@ fn settled(mut result: pb::RunResult) -> pb::RunResult {
         signal.delivery = 0;
     }
     result
-}
-
-async fn get_run(url: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(url.to_owned()).await?;
-    Ok(client
-        .get_run(pb::GetRunRequest { run_id: run_id.into() })
-        .await?
-        .into_inner())
 }
 
 /// Waits until `seen` has an event that `pick` matches.
@@ -301,13 +280,12 @@ async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -
         .map(Service::kill)
         .ok_or_else(|| anyhow::anyhow!("gone"))?
         .await?;
-    let restarted = until(&mut seen, "turn_restarted", |events| {
+    until(&mut seen, "turn_restarted", |events| {
         events
             .iter()
             .any(|e| matches!(e.event, Some(pb::orchestrate_event::Event::TurnRestarted(_))))
     })
     .await?;
-    anyhow::ensure!(!restarted.is_empty());
 
     let events = until(&mut seen, "turn 3's call in flight", |e| {
         in_flight(e).len() == 1
@@ -339,7 +317,7 @@ async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -
         .ok_or_else(|| anyhow::anyhow!("no replica left"))?;
     assert_eq!(settled(get_run(&survivor, "durable-1").await?), settled(result.clone()));
 
-    let calls = fleet.calls()?;
+    let calls = fleet.calls();
     let ids: Vec<&str> = result.tool_calls.iter().map(|c| c.call_id.as_str()).collect();
     assert_eq!(ids.len(), 4, "{ids:?}");
     for id in &ids {
@@ -425,7 +403,7 @@ async fn a_drained_replica_hands_its_runs_over_and_they_complete_elsewhere() -> 
         drained_at.elapsed() < Duration::from_secs(60),
         "every run moved and ended without waiting for leases"
     );
-    let calls = fleet.calls()?;
+    let calls = fleet.calls();
     assert_eq!(calls.len(), 5 * 3, "{calls:?}");
     for (id, runs) in calls {
         assert_eq!(

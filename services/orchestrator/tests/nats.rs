@@ -25,7 +25,7 @@ use orchestrator::store::nats::KvStore;
 use orchestrator::store::nats_log::{NatsLog, NatsLogOptions};
 use proto::orchestrator::v1 as pb;
 use testkit::nats::Nats;
-use testkit::{Service, orchestrate};
+use testkit::{Service, get_run, orchestrate, start_detached};
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -310,14 +310,6 @@ async fn orchestrator_process(nats: &Nats, llm: &str, runner: &str, extra: &[&st
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .args(extra);
     Service::spawn(command, "127.0.0.1", "orchestrator serving").await
-}
-
-async fn get_run(endpoint: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
-    let mut client = pb::orchestrator_client::OrchestratorClient::connect(endpoint.to_owned()).await?;
-    Ok(client
-        .get_run(pb::GetRunRequest { run_id: run_id.into() })
-        .await?
-        .into_inner())
 }
 
 #[tokio::test]
@@ -734,20 +726,6 @@ async fn client(
     Ok(pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", service.grpc)).await?)
 }
 
-/// Starts a detached run on `service` and leaves it (its events stay in the log).
-async fn start_detached(service: &Service, run_id: &str) -> TestResult {
-    let started = client(service)
-        .await?
-        .orchestrate(pb::OrchestrateRequest {
-            run_id: run_id.into(),
-            detached: true,
-            ..testkit::user("go")
-        })
-        .await?;
-    drop(started);
-    Ok(())
-}
-
 /// A caller that leaves a run on replica A re-attaches on replica B from its last seq, and gets
 /// the rest while the run still goes on A: together one gap-free stream, equal to B's replay of
 /// the finished run and to GetRun.
@@ -825,7 +803,7 @@ async fn a_caller_reattaches_on_another_replica_to_a_live_run_and_replays_it_the
 async fn a_draining_replica_ends_attached_streams_with_where_to_resume() -> TestResult {
     let words: String = (0..150).map(|i| format!("w{i} ")).collect();
     let Replicas { a, mut b, _nats, _mock } = Replicas::start(slow_text(&words), &[]).await?;
-    start_detached(&a, "drained").await?;
+    start_detached(&format!("http://{}", a.grpc), "drained").await?;
     let mut on_a = client(&a).await?;
     let attach = |after_seq| pb::AttachRunRequest {
         run_id: "drained".into(),
@@ -872,7 +850,7 @@ async fn a_draining_replica_ends_attached_streams_with_where_to_resume() -> Test
 async fn a_follower_of_a_killed_replicas_run_follows_it_to_the_replica_that_took_it_over() -> TestResult {
     let words: String = (0..200).map(|i| format!("w{i} ")).collect();
     let Replicas { a, b, _nats, _mock } = Replicas::start(slow_text(&words), &["--run-store-lease", "1s"]).await?;
-    start_detached(&a, "orphaned").await?;
+    start_detached(&format!("http://{}", a.grpc), "orphaned").await?;
     let client = orchestrator_client::ClientBuilder::new(format!("http://{}", b.grpc))
         .connect()
         .await?;

@@ -155,17 +155,6 @@ impl Persister {
         shared::sync::lock(&self.state).clone()
     }
 
-    /// Writes a live run's state in the background for other replicas (nothing to do when the
-    /// store is local: the registry answers for live runs).
-    pub fn checkpoint(&self) {
-        if self.store.shared().is_some() && self.journal.is_none() {
-            let this = self.clone();
-            tokio::spawn(async move {
-                let _ = this.write().await;
-            });
-        }
-    }
-
     /// Claims the run's id in the store (see [`ResultStore::claim`]). A store that cannot be
     /// reached does not stop the run: it is logged, and the run goes on unclaimed.
     pub async fn claim(&self) -> Claim {

@@ -107,13 +107,16 @@ impl Record {
         self.resumable_until_unix_ms > now_unix_ms
     }
 
+    /// Whether the record is of a live run (as written, lease aside).
+    pub(super) fn running(&self) -> bool {
+        self.result
+            .as_ref()
+            .is_some_and(|r| r.status == pb::RunStatus::Running as i32)
+    }
+
     /// Whether the run's owner is gone (lease lapsed, or handed over) while it may be resumed.
     pub(super) fn orphaned(&self, now_unix_ms: u64) -> bool {
-        let running = self
-            .result
-            .as_ref()
-            .is_some_and(|r| r.status == pb::RunStatus::Running as i32);
-        running && self.resumable(now_unix_ms) && (self.handed_over || self.lease_expires_unix_ms < now_unix_ms)
+        self.running() && self.resumable(now_unix_ms) && (self.handed_over || self.lease_expires_unix_ms < now_unix_ms)
     }
 }
 
@@ -205,10 +208,7 @@ impl KvStore {
     pub(super) fn write(&self, key: String, record: Record) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, owned) = (self.kv.clone(), Arc::clone(&self.owned));
         let last = shared::sync::lock(&owned).get(&key).copied();
-        let running = record
-            .result
-            .as_ref()
-            .is_some_and(|r| r.status == pb::RunStatus::Running as i32);
+        let running = record.running();
         async move {
             let bytes = bytes::Bytes::from(record.encode_to_vec());
             let Some(last) = last else {

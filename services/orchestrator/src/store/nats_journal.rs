@@ -97,7 +97,7 @@ impl RunJournal for KvStore {
                 match record.result.as_ref() {
                     Some(result) if record.orphaned(now) => orphans.push(result.run_id.clone()),
                     // A checkpoint left by a run that ended or cannot be resumed any more.
-                    _ if !record.resumable(now) || !is_running(&record) => {
+                    _ if !record.resumable(now) || !record.running() => {
                         let _ = checkpoints.delete(&info.name).await;
                     }
                     _ => {}
@@ -110,7 +110,8 @@ impl RunJournal for KvStore {
 
     fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
         let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
-        let (owned, fresh) = (std::sync::Arc::clone(&self.owned), self.record(Default::default(), 0));
+        let (owned, owner) = (std::sync::Arc::clone(&self.owned), self.owner.clone());
+        let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
         async move {
             let Some(entry) = kv.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))? else {
                 return Ok(None);
@@ -119,10 +120,12 @@ impl RunJournal for KvStore {
             if !record.orphaned(shared::sync::unix_ms()) {
                 return Ok(None);
             }
+            // The record as read, now this replica's with a fresh lease.
             let claimed = super::nats::Record {
-                result: record.result,
-                resumable_until_unix_ms: record.resumable_until_unix_ms,
-                ..fresh
+                owner,
+                lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease_ms),
+                handed_over: false,
+                ..record
             };
             let revision = match kv.update(&key, claimed.encode_to_vec().into(), entry.revision).await {
                 Ok(revision) => revision,
@@ -186,11 +189,4 @@ impl RunJournal for KvStore {
         }
         .boxed()
     }
-}
-
-fn is_running(record: &super::nats::Record) -> bool {
-    record
-        .result
-        .as_ref()
-        .is_some_and(|r| r.status == proto::orchestrator::v1::RunStatus::Running as i32)
 }

@@ -10,12 +10,11 @@
 //! restarts that turn and says so (`turn_restarted`).
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use super::{CallOutcome, Driver, End, Partition, Spend, Step, Turn};
-use crate::domain::{Event, NumberedEvent, RunResult, RunSpec, ToolCallError};
+use crate::domain::{Event, NumberedEvent, RunResult, RunSpec};
 use crate::llm::Message;
 use crate::run::persist::{Persister, Snapshot};
 
@@ -51,41 +50,13 @@ pub struct Checkpoint {
 }
 
 /// A turn whose calls were assembled: what is left of it is running them and reporting.
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub struct TurnCalls {
     pub(super) turn: Turn,
     pub(super) partition: Partition,
     pub(super) spend: Spend,
     /// Outcomes of the calls that finished, in the order they finished.
-    pub(super) finished: Vec<FinishedCall>,
-}
-
-/// A call's outcome as a checkpoint keeps it.
-#[derive(Clone, Serialize, Deserialize)]
-pub(super) struct FinishedCall {
-    index: usize,
-    result: Result<String, ToolCallError>,
-    elapsed_ms: u64,
-}
-
-impl From<&CallOutcome> for FinishedCall {
-    fn from(o: &CallOutcome) -> Self {
-        Self {
-            index: o.index,
-            result: o.result.clone(),
-            elapsed_ms: u64::try_from(o.elapsed.as_millis()).unwrap_or(u64::MAX),
-        }
-    }
-}
-
-impl From<FinishedCall> for CallOutcome {
-    fn from(f: FinishedCall) -> Self {
-        Self {
-            index: f.index,
-            result: f.result,
-            elapsed: Duration::from_millis(f.elapsed_ms),
-        }
-    }
+    pub(super) finished: Vec<CallOutcome>,
 }
 
 impl TurnCalls {
@@ -98,9 +69,6 @@ impl TurnCalls {
     /// The outcomes of the calls that finished before.
     pub(super) fn take_finished(&mut self) -> Vec<CallOutcome> {
         std::mem::take(&mut self.finished)
-            .into_iter()
-            .map(CallOutcome::from)
-            .collect()
     }
 }
 
@@ -125,7 +93,7 @@ impl CallRecorder {
             .save(|| {
                 let mut base = shared::sync::lock(&self.base);
                 if let Some(calls) = base.calls.as_mut() {
-                    calls.finished.push(FinishedCall::from(outcome));
+                    calls.finished.push(outcome.clone());
                 }
                 snapshot(&base)
             })
@@ -143,7 +111,7 @@ fn snapshot(checkpoint: &Checkpoint) -> Snapshot {
 
 impl Driver<'_> {
     /// The persister when the run is durable.
-    fn durable(&self) -> Option<&Persister> {
+    pub(super) fn durable(&self) -> Option<&Persister> {
         self.persister.as_ref().filter(|p| p.durable())
     }
 
@@ -162,12 +130,7 @@ impl Driver<'_> {
             attempt: self.attempt,
             seq: self.emitter.seq(),
             outbox: self.emitter.queued().to_vec(),
-            calls: calls.map(|c| TurnCalls {
-                turn: c.turn.clone(),
-                partition: c.partition.clone(),
-                spend: c.spend.clone(),
-                finished: c.finished.clone(),
-            }),
+            calls: calls.cloned(),
         }
     }
 

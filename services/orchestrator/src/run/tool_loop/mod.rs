@@ -307,7 +307,8 @@ struct Spend {
     left: u32,
 }
 
-/// What one call came back with.
+/// What one call came back with (kept in a checkpoint once it finished).
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct CallOutcome {
     /// Position in the turn's calls.
     index: usize,
@@ -396,7 +397,7 @@ impl<'a> Driver<'a> {
             }
             // A durable run is resumable from its start: a replica stopping in its first turn
             // loses nothing but that turn's attempt.
-            None if self.persister.as_ref().is_some_and(Persister::durable) => self.safe_point(None).await,
+            None if self.durable().is_some() => self.safe_point(None).await,
             None => Ok(()),
         };
         if let Err(end) = first {
@@ -433,16 +434,13 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Safe point (c): the turn ended. Live runs are visible to GetRun on every replica (updated
-    /// here); a durable run saves its checkpoint.
+    /// Safe point (c): the turn ended. A durable run saves its checkpoint, which also shows its
+    /// output so far to GetRun on every replica (a local store's registry shows live runs).
     async fn end_turn(&mut self, number: u32) -> Step<()> {
         (self.turns_done, self.attempt) = (number, 1);
-        if self.persister.as_ref().is_some_and(Persister::durable) {
-            return self.safe_point(None).await;
+        match self.durable() {
+            Some(_) => self.safe_point(None).await,
+            None => Ok(()),
         }
-        if let Some(persister) = &self.persister {
-            persister.checkpoint();
-        }
-        Ok(())
     }
 }

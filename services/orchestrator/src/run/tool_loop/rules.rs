@@ -255,8 +255,8 @@ impl Driver<'_> {
     }
 
     /// What the topic's delivery report does: updates the signal in the run's state, and the
-    /// stored result (at once for a finished run; a live one is written at its next turn boundary
-    /// or at its end).
+    /// stored result (at once for a finished run; a live one is written at its next checkpoint or
+    /// at its end).
     pub(super) fn on_delivery(&self, call_id: &str) -> OnDelivery {
         let (state, persister, call_id) = (Arc::clone(self.state), self.persister.clone(), call_id.to_owned());
         Box::new(move |delivery: Delivery| {
@@ -267,10 +267,8 @@ impl Driver<'_> {
                 }
                 state.status != RunStatus::Running
             };
-            match persister {
-                Some(persister) if finished => persister.write_final_soon(),
-                Some(persister) => persister.checkpoint(),
-                None => {}
+            if let Some(persister) = persister.filter(|_| finished) {
+                persister.write_final_soon();
             }
         })
     }
