@@ -117,20 +117,47 @@ def describe(event):
         return f"signal {e.tool_name}({e.arguments_json})"
     if kind == "turn_finished":
         return f"turn {e.turn} finished"
+    if kind == "turn_restarted":
+        return f"turn {e.turn} restarted (attempt {e.attempt}: {e.reason}); its text above is void"
     r = e.result
     reason = f" ({pb.FailureReason.Name(r.failure_reason)}: {r.failure_detail})" if r.failure_reason else ""
     return f"run finished {pb.RunStatus.Name(r.status)}{reason} after {r.turns} turns"
 
 
+class Transcript:
+    """The run's text as the stream builds it: a turn_restarted voids the text its turn streamed
+    before (the replica that took the run over asks the model again), as in RunResult.text."""
+
+    def __init__(self):
+        self.text = ""
+        self.turn = 0
+        self.turn_text_at = 0  # where the current turn's text begins
+        self.restarted = False
+
+    def apply(self, event):
+        kind = event.WhichOneof("event")
+        if kind == "text_delta":
+            if event.text_delta.turn != self.turn:
+                self.turn, self.turn_text_at = event.text_delta.turn, len(self.text)
+            self.text += event.text_delta.text
+        elif kind == "turn_restarted":
+            self.restarted = True
+            if event.turn_restarted.turn == self.turn:
+                self.text = self.text[: self.turn_text_at]
+
+
 class Printer:
     """Prints events: text and reasoning as they stream (inline), every other event on its own
-    line; or each event as one JSON line."""
+    line, and the run's whole text again at the end when a turn restarted; or each event as one
+    JSON line."""
 
     def __init__(self, as_json):
         self.as_json = as_json
         self.inline = None  # "text_delta" or "reasoning_delta" while a stream of them is printed
+        self.transcript = Transcript()
 
     def event(self, event):
+        self.transcript.apply(event)
         if self.as_json:
             print(json.dumps(json_format.MessageToDict(event, preserving_proto_field_name=True)), flush=True)
             return
@@ -144,6 +171,8 @@ class Printer:
             return
         self.end_inline()
         print(f"[{event.seq}] {describe(event)}", flush=True)
+        if kind == "run_finished" and self.transcript.restarted:
+            print(f"text after restarts: {self.transcript.text}", flush=True)
 
     def end_inline(self):
         if self.inline is not None:

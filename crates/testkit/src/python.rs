@@ -1,4 +1,5 @@
-//! The Python of the test virtualenv, for the tests that call the services through grpcio.
+//! The example clients in other languages (Python through grpcio, TypeScript through grpc-js) and
+//! the Python of the test virtualenv they run on.
 
 use std::path::PathBuf;
 
@@ -11,4 +12,24 @@ pub fn python() -> anyhow::Result<PathBuf> {
         python.display()
     );
     Ok(python)
+}
+
+/// `python examples/python/SCRIPT` on the test virtualenv.
+pub fn python_example(script: &str) -> anyhow::Result<tokio::process::Command> {
+    let mut command = tokio::process::Command::new(python()?);
+    command.arg(crate::repo_root().join("examples/python").join(script));
+    Ok(command)
+}
+
+/// `node examples/typescript/dist/orchestrate.js`, built by `./scripts/test`.
+pub fn typescript_example() -> anyhow::Result<tokio::process::Command> {
+    let script = crate::repo_root().join("examples/typescript/dist/orchestrate.js");
+    anyhow::ensure!(
+        script.exists(),
+        "{} is missing: ./scripts/test builds it (cd examples/typescript && npm ci && npm run build)",
+        script.display()
+    );
+    let mut command = tokio::process::Command::new("node");
+    command.arg(script);
+    Ok(command)
 }

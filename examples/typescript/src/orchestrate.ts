@@ -66,6 +66,7 @@ interface OrchestrateEvent {
   };
   signal?: { tool_name: string; arguments_json: string };
   turn_finished?: { turn: number };
+  turn_restarted?: { turn: number; attempt: number; reason: string };
   run_finished?: { result: RunResult };
 }
 
@@ -159,6 +160,10 @@ function describe(e: OrchestrateEvent): string {
       return `signal ${e.signal!.tool_name}(${e.signal!.arguments_json})`;
     case "turn_finished":
       return `turn ${e.turn_finished!.turn} finished`;
+    case "turn_restarted": {
+      const r = e.turn_restarted!;
+      return `turn ${r.turn} restarted (attempt ${r.attempt}: ${r.reason}); its text above is void`;
+    }
     case "run_finished": {
       const r = e.run_finished!.result;
       const reason = r.failure_reason !== "FAILURE_REASON_UNSPECIFIED" ? ` (${r.failure_reason}: ${r.failure_detail})` : "";
@@ -169,12 +174,39 @@ function describe(e: OrchestrateEvent): string {
   }
 }
 
-/** Prints text and reasoning inline as they stream, every other event on its own line. */
+/**
+ * The run's text as the stream builds it: a turn_restarted voids the text its turn streamed before
+ * (the replica that took the run over asks the model again), as in RunResult.text.
+ */
+class Transcript {
+  text = "";
+  restarted = false;
+  private turn = 0;
+  private turnTextAt = 0; // where the current turn's text begins
+
+  apply(e: OrchestrateEvent) {
+    if (e.event === "text_delta") {
+      const d = e.text_delta!;
+      if (d.turn !== this.turn) [this.turn, this.turnTextAt] = [d.turn, this.text.length];
+      this.text += d.text;
+    } else if (e.event === "turn_restarted") {
+      this.restarted = true;
+      if (e.turn_restarted!.turn === this.turn) this.text = this.text.slice(0, this.turnTextAt);
+    }
+  }
+}
+
+/**
+ * Prints text and reasoning inline as they stream, every other event on its own line, and the
+ * run's whole text again at the end when a turn restarted.
+ */
 class Printer {
   private inline: string | null = null;
+  private readonly transcript = new Transcript();
   constructor(private readonly json: boolean) {}
 
   event(e: OrchestrateEvent) {
+    this.transcript.apply(e);
     if (this.json) {
       process.stdout.write(`${JSON.stringify(e)}\n`);
       return;
@@ -190,6 +222,9 @@ class Printer {
     }
     this.endInline();
     process.stdout.write(`[${e.seq}] ${describe(e)}\n`);
+    if (e.event === "run_finished" && this.transcript.restarted) {
+      process.stdout.write(`text after restarts: ${this.transcript.text}\n`);
+    }
   }
 
   endInline() {

@@ -13,7 +13,7 @@ use mock_llm::{MockLlm, Scenario, Scenarios, Step, Turn};
 use serde_json::{Value, json};
 use testkit::Service;
 use testkit::pki::Pki;
-use testkit::python::python;
+use testkit::python::{python, python_example, typescript_example};
 use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
@@ -157,24 +157,6 @@ async fn run(mut command: Command) -> anyhow::Result<Output> {
     Ok(tokio::time::timeout(Duration::from_secs(60), command.output()).await??)
 }
 
-fn python_client(script: &str) -> anyhow::Result<Command> {
-    let mut command = Command::new(python()?);
-    command.arg(testkit::repo_root().join("examples/python").join(script));
-    Ok(command)
-}
-
-fn typescript_client() -> anyhow::Result<Command> {
-    let script = testkit::repo_root().join("examples/typescript/dist/orchestrate.js");
-    anyhow::ensure!(
-        script.exists(),
-        "{} is missing: ./scripts/test builds it (cd examples/typescript && npm ci && npm run build)",
-        script.display()
-    );
-    let mut command = Command::new("node");
-    command.arg(script);
-    Ok(command)
-}
-
 /// The events a client printed as JSON lines: (kind, body).
 fn events(output: &Output) -> anyhow::Result<Vec<(String, Value)>> {
     let stdout = String::from_utf8(output.stdout.clone())?;
@@ -283,7 +265,7 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
     for (client, make) in [
         (
             "python",
-            (|| python_client("orchestrate.py")) as fn() -> anyhow::Result<Command>,
+            (|| python_example("orchestrate.py")) as fn() -> anyhow::Result<Command>,
         ),
         ("typescript", typescript_client),
     ] {
@@ -315,7 +297,7 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
 #[tokio::test]
 async fn python_reflection_v1alpha_lists_both_services() -> TestResult {
     let deployment = Deployment::start().await?;
-    let mut command = python_client("reflect.py")?;
+    let mut command = python_example("reflect.py")?;
     command
         .args(["-cacert", &deployment.pki.arg("ca.pem")])
         .args(["-H", &format!("authorization: Bearer {TOKEN}")])
@@ -325,7 +307,7 @@ async fn python_reflection_v1alpha_lists_both_services() -> TestResult {
     let listed = String::from_utf8(output.stdout)?;
     assert!(listed.lines().any(|l| l == "orchestrator.v1.Orchestrator"), "{listed}");
 
-    let mut command = python_client("reflect.py")?;
+    let mut command = python_example("reflect.py")?;
     command.args(["-plaintext", deployment.runner.grpc.as_str(), "list"]);
     let output = run(command).await?;
     assert!(output.status.success(), "{}", stderr(&output));
@@ -333,7 +315,7 @@ async fn python_reflection_v1alpha_lists_both_services() -> TestResult {
     assert!(listed.lines().any(|l| l == "toolrunner.v1.ToolRunner"), "{listed}");
 
     // Reflection is behind the token like every method but health.
-    let mut command = python_client("reflect.py")?;
+    let mut command = python_example("reflect.py")?;
     command
         .args(["-cacert", &deployment.pki.arg("ca.pem")])
         .args([deployment.orchestrator.grpc.as_str(), "list"]);
@@ -556,7 +538,7 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
     for (client, make) in [
         (
             "python",
-            (|| python_client("orchestrate.py")) as fn() -> anyhow::Result<Command>,
+            (|| python_example("orchestrate.py")) as fn() -> anyhow::Result<Command>,
         ),
         ("typescript", typescript_client),
     ] {

@@ -860,6 +860,21 @@ async fn a_follower_of_a_killed_replicas_run_follows_it_to_the_replica_that_took
             anyhow::bail!("the run ended before 5 events");
         }
     }
+    // The Python and TypeScript examples follow it too, from B.
+    let target = b.grpc.to_string();
+    let follow = ["--target", target.as_str(), "--attach", "orphaned", "--timeout", "90"];
+    let mut python = testkit::python::python_example("orchestrate.py")?;
+    let mut typescript = testkit::python::typescript_example()?;
+    let mut examples = Vec::new();
+    for (name, command) in [("python", &mut python), ("typescript", &mut typescript)] {
+        let child = command
+            .args(follow)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        examples.push((name, child.wait_with_output()));
+    }
     a.kill().await?;
     let mut restarted = false;
     let result = tokio::time::timeout(Duration::from_secs(60), async {
@@ -882,5 +897,15 @@ async fn a_follower_of_a_killed_replicas_run_follows_it_to_the_replica_that_took
         "the typed stream drops the abandoned attempt's text"
     );
     assert_eq!(get_run(&format!("http://{}", b.grpc), "orphaned").await?.text, words);
+    for (name, output) in examples {
+        let output = tokio::time::timeout(Duration::from_secs(90), output).await??;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert_eq!(output.status.code(), Some(0), "{name}: {stdout}{}", String::from_utf8_lossy(&output.stderr));
+        assert!(stdout.contains("turn 1 restarted (attempt 2"), "{name}: {stdout}");
+        assert!(
+            stdout.lines().any(|l| l == format!("text after restarts: {words}")),
+            "{name} drops the abandoned attempt's text: {stdout}"
+        );
+    }
     b.stop().await
 }

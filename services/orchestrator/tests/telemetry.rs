@@ -474,5 +474,13 @@ async fn an_mcp_tool_and_a_built_in_called_in_one_turn_make_one_trace_down_to_th
         format!("00-{caller_trace}-{}-01", hex(&mcp_call.span_id)),
         "{call}"
     );
+    // The call id travels as the idempotency key, with the run id.
+    let mcp_record = result
+        .tool_calls
+        .iter()
+        .find(|c| c.name == "time__get_current_time")
+        .ok_or_else(|| anyhow::anyhow!("no MCP call in {result:?}"))?;
+    assert_eq!(call["params"]["_meta"]["orchestrator/call_id"], mcp_record.call_id.as_str(), "{call}");
+    assert_eq!(call["params"]["_meta"]["orchestrator/run_id"], result.run_id.as_str(), "{call}");
     Ok(())
 }

@@ -2,6 +2,10 @@
 //! whose trace context also travels in the request's `_meta.traceparent`; a call dropped before
 //! its answer (the caller canceled, the timeout passed) sends `notifications/cancelled`.
 //!
+//! The request's `_meta` also carries the orchestrator's ids: `orchestrator/call_id`, the
+//! idempotency key (a call re-sent after its orchestrator replica died keeps its id, so a server
+//! with side effects can answer the second delivery from the first), and `orchestrator/run_id`.
+//!
 //! How the answer becomes the tool's result (`content_json`):
 //!
 //! | the server answers | the result |
@@ -42,6 +46,10 @@ use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult};
 
 /// How much of an error's text reaches the model.
 const ERROR_TEXT_BYTES: usize = 4000;
+/// The `_meta` key of the call id: the same for every delivery of one call.
+const META_CALL_ID: &str = "orchestrator/call_id";
+/// The `_meta` key of the run id.
+const META_RUN_ID: &str = "orchestrator/run_id";
 /// How long sending `notifications/cancelled` may take.
 const CANCEL_SEND_LIMIT: Duration = Duration::from_secs(2);
 
@@ -89,8 +97,9 @@ impl McpTool {
 }
 
 impl Tool for McpTool {
-    fn call(&self, args: Args, _ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
+    fn call(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let (link, name) = (std::sync::Arc::clone(&self.link), self.name.clone());
+        let ids = [(META_CALL_ID, ctx.call_id.clone()), (META_RUN_ID, ctx.run_id.clone())];
         let span = tracing::info_span!(
             "mcp_call",
             otel.name = %format!("tools/call {name}"),
@@ -111,6 +120,9 @@ impl Tool for McpTool {
             let mut meta = RequestMetaObject::new();
             if let Some(traceparent) = shared::telemetry::current_traceparent() {
                 meta.0.set_traceparent(traceparent);
+            }
+            for (key, id) in ids.into_iter().filter(|(_, id)| !id.is_empty()) {
+                meta.0.insert(key.to_owned(), Value::String(id));
             }
             let request = ClientRequest::CallToolRequest(Request::new(
                 CallToolRequestParams::new(name).with_arguments(args),
