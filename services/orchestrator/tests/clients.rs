@@ -267,7 +267,7 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
             "python",
             (|| python_example("orchestrate.py")) as fn() -> anyhow::Result<Command>,
         ),
-        ("typescript", typescript_client),
+        ("typescript", typescript_example),
     ] {
         let mut command = make()?;
         command.args(deployment.client_args(TOKEN)).args(demo);
@@ -540,7 +540,7 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
             "python",
             (|| python_example("orchestrate.py")) as fn() -> anyhow::Result<Command>,
         ),
-        ("typescript", typescript_client),
+        ("typescript", typescript_example),
     ] {
         let proxy = Proxy::start(orchestrator.grpc.parse()?).await?;
         let run_id = format!("reattach-{client}");

@@ -900,7 +900,12 @@ async fn a_follower_of_a_killed_replicas_run_follows_it_to_the_replica_that_took
     for (name, output) in examples {
         let output = tokio::time::timeout(Duration::from_secs(90), output).await??;
         let stdout = String::from_utf8_lossy(&output.stdout);
-        assert_eq!(output.status.code(), Some(0), "{name}: {stdout}{}", String::from_utf8_lossy(&output.stderr));
+        assert_eq!(
+            output.status.code(),
+            Some(0),
+            "{name}: {stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         assert!(stdout.contains("turn 1 restarted (attempt 2"), "{name}: {stdout}");
         assert!(
             stdout.lines().any(|l| l == format!("text after restarts: {words}")),

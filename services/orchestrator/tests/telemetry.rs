@@ -480,7 +480,15 @@ async fn an_mcp_tool_and_a_built_in_called_in_one_turn_make_one_trace_down_to_th
         .iter()
         .find(|c| c.name == "time__get_current_time")
         .ok_or_else(|| anyhow::anyhow!("no MCP call in {result:?}"))?;
-    assert_eq!(call["params"]["_meta"]["orchestrator/call_id"], mcp_record.call_id.as_str(), "{call}");
-    assert_eq!(call["params"]["_meta"]["orchestrator/run_id"], result.run_id.as_str(), "{call}");
+    assert_eq!(
+        call["params"]["_meta"]["orchestrator/call_id"],
+        mcp_record.call_id.as_str(),
+        "{call}"
+    );
+    assert_eq!(
+        call["params"]["_meta"]["orchestrator/run_id"],
+        result.run_id.as_str(),
+        "{call}"
+    );
     Ok(())
 }

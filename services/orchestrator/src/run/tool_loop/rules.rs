@@ -70,8 +70,11 @@ impl Driver<'_> {
         }
         self.safe_point(Some(&calls)).await?;
         let number = calls.turn.number;
+        // The calls that finished before this replica resumed the turn are not run again, and
+        // stay in the checkpoints taken as the others finish.
+        let ran = self.dispatch(&calls).await;
         let mut outcomes = calls.take_finished();
-        outcomes.extend(self.dispatch(&calls).await);
+        outcomes.extend(ran);
         let TurnCalls {
             mut turn,
             partition,

@@ -61,12 +61,15 @@ impl ChatModel for Script {
 struct Tools {
     in_flight: AtomicUsize,
     peak: AtomicUsize,
+    /// Call ids in the order their calls started.
+    started: Mutex<Vec<String>>,
 }
 
 impl ToolExecutor for Arc<Tools> {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
         let this = Arc::clone(self);
         async move {
+            this.started.lock().unwrap().push(call.call_id.clone());
             let now = this.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
             this.peak.fetch_max(now, Ordering::SeqCst);
             let args: serde_json::Value = serde_json::from_str(&call.arguments_json).unwrap_or_default();
@@ -167,6 +170,10 @@ struct Outside {
     attached: bool,
     output: OutputBounds,
     send_reasoning: bool,
+    /// Checkpoints go here (a durable run).
+    journal: Option<Arc<Journal>>,
+    /// The run resumes from this checkpoint instead of starting.
+    resumed: Option<Resumed>,
 }
 
 impl Default for Outside {
@@ -180,6 +187,8 @@ impl Default for Outside {
             attached: false,
             output: (&crate::Config::default().runs.output).into(),
             send_reasoning: false,
+            journal: None,
+            resumed: None,
         }
     }
 }
@@ -216,10 +225,10 @@ async fn play_with(
     let admitted = AdmittedRun {
         spec: spec(limits),
         emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall),
-        state,
+        state: Arc::clone(&state),
         cancel: cancel.clone(),
         caller: None,
-        persister: None,
+        persister: outside.journal.map(|journal| durable(&state, journal)),
         slot: None,
         handoff: Default::default(),
     };
@@ -242,7 +251,10 @@ async fn play_with(
         }
         (batches, rx)
     });
-    let result = run(admitted, &deps).await;
+    let result = match outside.resumed {
+        Some(resumed) => resume(admitted, resumed, &deps).await,
+        None => run(admitted, &deps).await,
+    };
     let (mut batches, mut rx) = reader.await.unwrap();
     while let Ok(batch) = rx.try_recv() {
         batches.push(batch);
@@ -885,4 +897,238 @@ async fn output_bytes_on_both_sides_of_the_limit_and_while_held() {
     let (result, _) = play_bounded(vec![vec![text(&open)]], bounded(8, 64, 100)).await;
     assert_eq!(result.failure_reason, Some(FailureReason::OutputLimit));
     assert_eq!(result.text, open[..100], "what fits of the held text is kept");
+}
+
+// Durable runs: the checkpoints a run saves, and a run resumed from each kind of safe point.
+
+/// A run journal in memory: keeps every checkpoint saved, in order.
+#[derive(Default)]
+struct Journal {
+    saved: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Journal {
+    fn checkpoints(&self) -> Vec<Checkpoint> {
+        let saved = self.saved.lock().unwrap();
+        saved
+            .iter()
+            .map(|bytes| serde_json::from_slice(bytes).unwrap())
+            .collect()
+    }
+}
+
+impl crate::domain::ports::RunJournal for Journal {
+    fn save(
+        &self,
+        _result: RunResult,
+        _deadline_unix_ms: u64,
+        checkpoint: Vec<u8>,
+    ) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
+        self.saved.lock().unwrap().push(checkpoint);
+        futures::future::ready(Ok(())).boxed()
+    }
+    fn forget(&self, _run_id: &str) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
+        futures::future::ready(Ok(())).boxed()
+    }
+    fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, crate::domain::ports::StoreError>> {
+        futures::future::ready(Ok(Vec::new())).boxed()
+    }
+    fn take_over(
+        &self,
+        _run_id: &str,
+    ) -> BoxFuture<'static, Result<Option<Vec<u8>>, crate::domain::ports::StoreError>> {
+        futures::future::ready(Ok(None)).boxed()
+    }
+    fn hand_over(&self, _run_id: &str) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
+        futures::future::ready(Ok(())).boxed()
+    }
+    fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>> {
+        futures::future::ready(futures::stream::empty().boxed()).boxed()
+    }
+}
+
+fn durable(state: &SharedState, journal: Arc<Journal>) -> Persister {
+    let store: Arc<dyn crate::domain::ports::ResultStore> =
+        Arc::new(crate::store::memory::MemoryStore::new(16, Duration::from_secs(60)));
+    let timeout = Duration::from_secs(1);
+    let backlog = crate::run::backlog::Backlog::new(Arc::clone(&store), 16, timeout, timeout);
+    Persister::new(store, Arc::clone(state), timeout, backlog).with_journal(Some(journal))
+}
+
+/// Turn 1 says a word and calls `nap` twice (`id0` finishes first), turn 2 answers.
+fn two_naps_then_an_answer() -> Vec<Vec<Result<LlmEvent, LlmError>>> {
+    vec![
+        vec![
+            text("checking "),
+            call(0, "nap", r#"{"ms": 10}"#),
+            call(1, "nap", r#"{"ms": 50}"#),
+        ],
+        vec![text("all done")],
+    ]
+}
+
+/// The run played whole and durable: its result, events and checkpoints.
+async fn whole_durable_run() -> (RunResult, Vec<NumberedEvent>, Vec<Checkpoint>) {
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        ..Outside::default()
+    };
+    let (result, batches, _, _) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    (result, batches.into_iter().flatten().collect(), journal.checkpoints())
+}
+
+/// Resumes from `checkpoint` with the log holding events through `logged`; the model plays
+/// only turn 2.
+async fn resume_at(checkpoint: Checkpoint, logged: u64) -> (RunResult, Vec<NumberedEvent>, Arc<Script>, Arc<Tools>) {
+    let outside = Outside {
+        journal: Some(Arc::default()),
+        resumed: Some(Resumed { checkpoint, logged }),
+        ..Outside::default()
+    };
+    let turn2 = two_naps_then_an_answer().split_off(1);
+    let (result, batches, script, tools) = play_with(turn2, limits(), outside).await;
+    (result, batches.into_iter().flatten().collect(), script, tools)
+}
+
+fn gap_free_from(events: &[NumberedEvent], first: u64) -> bool {
+    events.iter().zip(first..).all(|(e, n)| e.seq == n)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_durable_run_is_checkpointed_at_each_safe_point() {
+    let (_, events, checkpoints) = whole_durable_run().await;
+    let at = |c: &Checkpoint| match &c.calls {
+        None => format!("turn end {}", c.turns_done),
+        Some(calls) => format!("calls, {} finished", calls.finished.len()),
+    };
+    assert_eq!(
+        checkpoints.iter().map(at).collect::<Vec<_>>(),
+        [
+            "turn end 0",
+            "calls, 0 finished",
+            "calls, 1 finished",
+            "calls, 2 finished",
+            "turn end 1"
+        ],
+        "the last turn ends the run: its result is written instead"
+    );
+    assert!(checkpoints.windows(2).all(|w| w[0].seq <= w[1].seq));
+    assert!(checkpoints.iter().all(|c| c.seq < events.len() as u64));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resumed_turn_keeps_its_finished_calls_in_the_checkpoints_that_follow() {
+    let (_, _, checkpoints) = whole_durable_run().await;
+    let Some(one_done) = checkpoints
+        .into_iter()
+        .find(|c| c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1))
+    else {
+        panic!("no checkpoint after one call")
+    };
+    let journal = Arc::new(Journal::default());
+    let seq = one_done.seq;
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        resumed: Some(Resumed {
+            checkpoint: one_done,
+            logged: seq,
+        }),
+        ..Outside::default()
+    };
+    play_with(two_naps_then_an_answer().split_off(1), limits(), outside).await;
+    let finished: Vec<Vec<usize>> = journal
+        .checkpoints()
+        .iter()
+        .filter_map(|c| c.calls.as_ref())
+        .map(|calls| calls.finished.iter().map(|f| f.index).collect())
+        .collect();
+    assert_eq!(finished.last(), Some(&vec![0, 1]), "{finished:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_resumed_after_one_call_finished_runs_only_the_other() {
+    let (whole, _, checkpoints) = whole_durable_run().await;
+    let Some(one_done) = checkpoints
+        .into_iter()
+        .find(|c| c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1))
+    else {
+        panic!("no checkpoint after one call")
+    };
+    let seq = one_done.seq;
+    let (result, events, script, tools) = resume_at(one_done, seq).await;
+    assert_eq!(
+        *tools.started.lock().unwrap(),
+        ["id1"],
+        "only the call in flight runs again"
+    );
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(result.text, whole.text);
+    let ids = |r: &RunResult| r.tool_calls.iter().map(|c| c.call_id.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&result), ids(&whole));
+    assert_eq!(script.requests.lock().unwrap().len(), 1, "turn 1 is not asked again");
+    let second = script.requests.lock().unwrap()[0].clone();
+    let tool_messages = second
+        .messages
+        .iter()
+        .filter(|m| matches!(m, Message::Tool { .. }))
+        .count();
+    assert_eq!(tool_messages, 2, "both results go back to the model");
+    assert!(gap_free_from(&events, seq + 1), "{events:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_resumed_with_its_log_ahead_restarts_the_turn_that_was_streaming() {
+    let (whole, _, checkpoints) = whole_durable_run().await;
+    let Some(turn_end) = checkpoints.into_iter().find(|c| c.calls.is_none() && c.turns_done == 1) else {
+        panic!("no checkpoint at the end of turn 1")
+    };
+    // The log holds two events of turn 2 the checkpoint does not account for.
+    let logged = turn_end.seq + 2;
+    let (result, events, script, tools) = resume_at(turn_end, logged).await;
+    assert_eq!(
+        events.first().map(|e| (e.seq, &e.event)),
+        Some((
+            logged + 1,
+            &Event::TurnRestarted {
+                turn: 2,
+                attempt: 2,
+                reason: "the orchestrator replica running the run stopped while the model was streaming".into()
+            }
+        ))
+    );
+    assert!(gap_free_from(&events, logged + 1), "{events:?}");
+    assert!(tools.started.lock().unwrap().is_empty(), "turn 1's calls are done");
+    assert_eq!(script.requests.lock().unwrap().len(), 1);
+    assert_eq!(
+        result.text, whole.text,
+        "the restarted turn's first attempt is not in the result"
+    );
+    assert_eq!(result.status, RunStatus::Completed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_resumed_before_its_announcement_reached_the_log_sends_it_with_the_same_numbers() {
+    let (_, whole_events, checkpoints) = whole_durable_run().await;
+    let Some(assembled) = checkpoints
+        .into_iter()
+        .find(|c| c.calls.as_ref().is_some_and(|calls| calls.finished.is_empty()))
+    else {
+        panic!("no checkpoint of the assembled calls")
+    };
+    let outbox = assembled.outbox.clone();
+    assert!(
+        outbox.iter().any(|e| matches!(e.event, Event::ToolCallStarted { .. })),
+        "the announcement waits in the outbox: {outbox:?}"
+    );
+    assert_eq!(outbox, whole_events[outbox[0].seq as usize - 1..][..outbox.len()]);
+    let logged = outbox[0].seq - 1;
+    let (result, events, _, tools) = resume_at(assembled, logged).await;
+    assert_eq!(events[..outbox.len()], outbox[..], "re-sent as numbered before");
+    assert!(gap_free_from(&events, logged + 1));
+    let mut started = tools.started.lock().unwrap().clone();
+    started.sort();
+    assert_eq!(started, ["id0", "id1"], "both calls run, with the same call ids");
+    assert_eq!(result.status, RunStatus::Completed);
 }
