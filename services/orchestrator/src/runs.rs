@@ -29,6 +29,8 @@ struct Live {
     cancel: Cancel,
     handoff: Handoff,
     principal: String,
+    /// Cancelled once the run leaves this replica (ended, or moved to another one).
+    gone: tokio_util::sync::CancellationToken,
 }
 
 /// See the module docs.
@@ -105,7 +107,9 @@ pub(crate) struct Admitted {
 impl Drop for Admitted {
     fn drop(&mut self) {
         let mut live = self.runs.lock();
-        live.remove(&self.run_id);
+        if let Some(run) = live.remove(&self.run_id) {
+            run.gone.cancel();
+        }
         if live.is_empty() {
             self.runs.idle.notify_waiters();
         }
@@ -318,6 +322,7 @@ impl Runs {
                 cancel: cancel.clone(),
                 handoff: handoff.clone(),
                 principal: caller.name.clone(),
+                gone: tokio_util::sync::CancellationToken::new(),
             },
         );
         Ok((state, cancel, handoff, permit))
@@ -426,9 +431,21 @@ impl Runs {
         .boxed()
     }
 
-    /// Whether the run is live on this replica.
-    pub(crate) fn is_live(&self, run_id: &str) -> bool {
-        self.lock().contains_key(run_id)
+    /// Resolves once the run is not live on this replica and did not end here: at once for a
+    /// run that lives elsewhere, when it moves for one live here. A run that ends here never
+    /// resolves it (its last events reach its followers through the log).
+    pub(crate) fn moved_away(&self, run_id: &str) -> impl Future<Output = ()> + Send + 'static {
+        let live = self
+            .lock()
+            .get(run_id)
+            .map(|run| (run.gone.clone(), Arc::clone(&run.state)));
+        async move {
+            let Some((gone, state)) = live else { return };
+            gone.cancelled().await;
+            if shared::sync::lock(&state).status != RunStatus::Running {
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     /// Finished results not yet taken by the store.

@@ -165,9 +165,10 @@ fn no_run(run_id: &str) -> Status {
 }
 
 /// An attached caller's stream: the run's logged events as proto events. When this replica
-/// drains, a run that is not live here (it runs on another replica) ends its attached streams
-/// with `UNAVAILABLE` naming the run and the last seq sent, so the caller attaches again
-/// elsewhere; a run live here keeps its followers until its end, within the drain's grace.
+/// drains, a run that runs elsewhere, or that moves away from here (a durable run handed over),
+/// ends its attached streams with `UNAVAILABLE` naming the run and the last seq sent, so the
+/// caller attaches again elsewhere; a run that ends here keeps its followers until its end,
+/// within the drain's grace.
 fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -> EventStream {
     struct Follow {
         feed: EventFeed,
@@ -187,10 +188,16 @@ fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -
         if f.done {
             return None;
         }
-        let stopping = f.core.stopping.clone();
+        let (stopping, runs) = (f.core.stopping.clone(), Arc::clone(&f.core.runs));
+        let run_id = f.run_id.clone();
+        let left = async move {
+            stopping.cancelled().await;
+            runs.moved_away(&run_id).await;
+        };
         let item = tokio::select! {
+            biased;
             item = f.feed.next() => item?,
-            () = stopping.cancelled(), if !f.core.runs.is_live(&f.run_id) => {
+            () = left => {
                 f.done = true;
                 let message = format!(
                     "this orchestrator replica is draining; attach to run {:?} again after seq {}",

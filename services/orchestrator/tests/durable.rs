@@ -1,12 +1,14 @@
 //! Durable runs through the real binaries: orchestrator replicas sharing a real `nats-server -js`
 //! (started here; `./scripts/test` installs it), a tool-runner with a command tool that logs the
 //! call ids it runs, and the stand-in model with a scenario that streams text and calls a tool
-//! every turn. Replicas are killed (SIGKILL) mid-stream and mid-tool-call, or drained (SIGTERM):
-//! every run still ends COMPLETED, its stream (followed across replicas from the last seq seen)
-//! is gap-free and equal to GetRun once `turn_restarted` is applied, and no tool call that
-//! finished is run again.
+//! every turn. Replicas are killed (SIGKILL) mid-stream and mid-tool-call, drained (SIGTERM) one
+//! by one in a rolling deploy of 100 runs, or drained while NATS restarts: every run still ends
+//! COMPLETED, its stream (followed across replicas from the last seq seen) is gap-free and equal
+//! to GetRun once `turn_restarted` is applied, its signal is in the signal stream once, no tool
+//! call that finished is run again, and the in-flight gauges are back at 0.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use orchestrator_client::{Event, Transcript};
@@ -52,6 +54,10 @@ struct Fleet {
     mock: mock_llm::MockLlm,
     runner_url: String,
     replicas: Vec<Option<Service>>,
+    /// The gRPC addresses of the replicas serving now, as callers would find them.
+    serving: Arc<Mutex<Vec<String>>>,
+    /// `--handoff-grace` of the replicas started from now on.
+    handoff_grace: &'static str,
     calls_log: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -65,13 +71,17 @@ impl Fleet {
         let mock = mock_llm::MockLlm::start(scenario).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let runner_url = format!("http://{}", listener.local_addr()?);
-        let config = testkit::stack::runner_config(Some(manifest));
+        // Room for a call of every run at once (the rolling deploy has 100).
+        let mut config = testkit::stack::runner_config(Some(manifest));
+        config.server.max_concurrency = 256;
         tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
         let mut fleet = Self {
             nats,
             mock,
             runner_url,
             replicas: Vec::new(),
+            serving: Arc::default(),
+            handoff_grace: "5s",
             calls_log,
             _dir: dir,
         };
@@ -91,11 +101,89 @@ impl Fleet {
             .env("ORCHESTRATOR_SIGNAL_TOPIC", self.nats.url())
             .env("ORCHESTRATOR_RUN_STORE", self.nats.url())
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .args(["--run-store-lease", "2s", "--handoff-grace", "5s"]);
-        self.replicas.push(Some(
-            Service::spawn(command, "127.0.0.1", "orchestrator serving").await?,
-        ));
+            .args(["--run-store-lease", "2s", "--handoff-grace", self.handoff_grace]);
+        let replica = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+        lock(&self.serving).push(format!("http://{}", replica.grpc));
+        self.replicas.push(Some(replica));
         Ok(self.replicas.len() - 1)
+    }
+
+    /// Takes replica `i` out of the fleet: callers no longer find it.
+    fn retire(&mut self, i: usize) -> anyhow::Result<Service> {
+        let replica = self.replicas[i]
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
+        let url = format!("http://{}", replica.grpc);
+        lock(&self.serving).retain(|u| *u != url);
+        Ok(replica)
+    }
+
+    /// Kills replica `i` (SIGKILL).
+    async fn kill(&mut self, i: usize) -> TestResult {
+        self.retire(i)?.kill().await
+    }
+
+    /// Sends replica `i` SIGTERM; [`drained`] waits for its exit.
+    fn begin_drain(&mut self, i: usize) -> anyhow::Result<Service> {
+        let replica = self.retire(i)?;
+        replica.signal(nix::sys::signal::Signal::SIGTERM)?;
+        Ok(replica)
+    }
+
+    /// Drains replica `i` (SIGTERM) and waits until it exited 0; returns it, for its logs.
+    async fn drain(&mut self, i: usize) -> anyhow::Result<Service> {
+        drained(self.begin_drain(i)?).await
+    }
+
+    /// The in-flight gauges of every replica serving now, summed: (runs, tool calls).
+    async fn in_flight(&self) -> anyhow::Result<(f64, f64)> {
+        let (mut runs, mut calls) = (0.0, 0.0);
+        for replica in self.replicas.iter().flatten() {
+            let metrics = testkit::scrape(&replica.metrics).await?;
+            let sum = |name: &str| -> f64 {
+                metrics
+                    .iter()
+                    .filter(|(series, _)| series.starts_with(&format!("{name}{{")))
+                    .map(|(_, v)| v)
+                    .sum()
+            };
+            runs += sum("orchestrator_runs_in_flight");
+            calls += sum("orchestrator_tool_calls_in_flight");
+        }
+        Ok((runs, calls))
+    }
+
+    /// How many times the signal stream holds each run's signal.
+    async fn signals_per_run(&self) -> anyhow::Result<HashMap<String, usize>> {
+        use futures::StreamExt;
+        let client = async_nats::connect(self.nats.url()).await?;
+        let js = async_nats::jetstream::new(client);
+        let consumer = js
+            .get_stream("SIGNALS")
+            .await?
+            .create_consumer(async_nats::jetstream::consumer::pull::Config {
+                deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await?;
+        let mut messages = consumer
+            .fetch()
+            .max_messages(10_000)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await?;
+        let mut counts = HashMap::new();
+        while let Some(message) = messages.next().await {
+            let message = message.map_err(|e| anyhow::anyhow!("{e}"))?;
+            let run = message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Orchestrator-Run-Id"))
+                .map(|v| v.as_str().to_owned())
+                .unwrap_or_default();
+            *counts.entry(run).or_insert(0) += 1;
+        }
+        Ok(counts)
     }
 
     fn url(&self, i: usize) -> Option<String> {
@@ -103,7 +191,13 @@ impl Fleet {
     }
 
     fn urls(&self) -> Vec<String> {
-        (0..self.replicas.len()).filter_map(|i| self.url(i)).collect()
+        lock(&self.serving).clone()
+    }
+
+    /// What callers call to find the replicas serving now.
+    fn directory(&self) -> impl Fn() -> Vec<String> + Send + 'static {
+        let serving = Arc::clone(&self.serving);
+        move || lock(&serving).clone()
     }
 
     /// The replica that runs `run_id` now: the last one that logged taking it over, or else
@@ -128,6 +222,17 @@ impl Fleet {
         }
         counts
     }
+}
+
+/// Waits until a replica sent SIGTERM exited, which must be with 0; returns it, for its logs.
+async fn drained(mut replica: Service) -> anyhow::Result<Service> {
+    let code = replica.wait_exit().await?;
+    anyhow::ensure!(code == Some(0), "a drained replica exited {code:?}");
+    Ok(replica)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A caller following a run across replicas: it attaches from the last seq it saw to whichever
@@ -158,7 +263,8 @@ impl Follower {
                     continue;
                 };
                 let mut stream = stream.into_inner();
-                while let Ok(Some(event)) = stream.message().await {
+                loop {
+                    let Ok(Some(event)) = stream.message().await else { break };
                     anyhow::ensure!(
                         event.seq == events.last().map_or(0, |e| e.seq) + 1,
                         "gap or duplicate: {} after {:?}",
@@ -275,11 +381,7 @@ async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -
     ));
 
     until(&mut seen, "turn 2 streaming", |e| streaming_turn(e, 2)).await?;
-    fleet.replicas[0]
-        .take()
-        .map(Service::kill)
-        .ok_or_else(|| anyhow::anyhow!("gone"))?
-        .await?;
+    fleet.kill(0).await?;
     until(&mut seen, "turn_restarted", |events| {
         events
             .iter()
@@ -296,11 +398,7 @@ async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -
     let in_flight_at_kill = in_flight(&events);
     let owner = fleet.owner("durable-1", 0);
     anyhow::ensure!(owner != 0, "a surviving replica took the run over");
-    fleet.replicas[owner]
-        .take()
-        .map(Service::kill)
-        .ok_or_else(|| anyhow::anyhow!("gone"))?
-        .await?;
+    fleet.kill(owner).await?;
     // A replacement comes up, as Kubernetes would start one; the follower reaches it too.
     fleet.add().await?;
 
@@ -412,4 +510,172 @@ async fn a_drained_replica_hands_its_runs_over_and_they_complete_elsewhere() -> 
         );
     }
     Ok(())
+}
+
+/// A run's id, the events its caller saw so far, and the caller's task.
+type Following = (
+    String,
+    tokio::sync::watch::Receiver<Vec<pb::OrchestrateEvent>>,
+    tokio::task::JoinHandle<anyhow::Result<Follower>>,
+);
+
+/// Follows each of `runs` from its start across the replicas serving (a task per caller).
+fn follow_all(fleet: &Fleet, runs: &[String]) -> Vec<Following> {
+    runs.iter()
+        .map(|run_id| {
+            let (tx, seen) = tokio::sync::watch::channel(Vec::new());
+            let task = tokio::spawn(Follower::follow(run_id.clone(), fleet.directory(), Vec::new(), tx));
+            (run_id.clone(), seen, task)
+        })
+        .collect()
+}
+
+fn finished(events: &[pb::OrchestrateEvent]) -> bool {
+    events
+        .iter()
+        .any(|e| matches!(e.event, Some(pb::orchestrate_event::Event::RunFinished(_))))
+}
+
+/// What every fault test ends with: every run COMPLETED with its text, its caller's stream
+/// gap-free (checked as it is read) and telling the same text as GetRun, its signal in the
+/// stream once, each of its calls run at most `max_runs_of_a_call` times, and the in-flight
+/// gauges of the replicas serving back at 0.
+async fn all_completed(fleet: &Fleet, followers: Vec<Following>, text: &str, max_runs_of_a_call: usize) -> TestResult {
+    let count = followers.len();
+    let survivor = fleet
+        .urls()
+        .first()
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    let mut results = Vec::new();
+    for (run_id, _, task) in followers {
+        results.push((run_id, task.await??.outcome()?));
+    }
+    let calls = fleet.calls();
+    let mut call_ids = 0;
+    for (run_id, (result, told)) in results {
+        assert_eq!(
+            result.status(),
+            pb::RunStatus::Completed,
+            "{run_id}: {}",
+            result.failure_detail
+        );
+        assert_eq!(result.text, text, "{run_id}");
+        assert_eq!(told, result.text, "{run_id}: the stream tells the result's text");
+        assert_eq!(settled(get_run(&survivor, &run_id).await?), settled(result.clone()));
+        for call in &result.tool_calls {
+            let ran = calls.get(&format!("{run_id}/{}", call.call_id)).copied().unwrap_or(0);
+            assert!(
+                (1..=max_runs_of_a_call).contains(&ran),
+                "{run_id}: call {} ran {ran} time(s)",
+                call.call_id
+            );
+            assert!(call.ok, "{run_id}: {call:?}");
+            call_ids += 1;
+        }
+    }
+    assert_eq!(calls.len(), call_ids, "no call outside the results ran");
+    let signals = fleet.signals_per_run().await?;
+    assert_eq!(signals.len(), count, "{signals:?}");
+    assert!(
+        signals.values().all(|&n| n == 1),
+        "every signal is published once: {signals:?}"
+    );
+    let gauges = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match fleet.in_flight().await {
+                Ok((runs, calls)) if runs == 0.0 && calls == 0.0 => return Ok(()),
+                Ok(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await;
+    match gauges {
+        Ok(result) => result,
+        Err(_) => anyhow::bail!("in-flight gauges not back to 0: {:?}", fleet.in_flight().await?),
+    }
+}
+
+/// A rolling deploy: 100 runs in flight on three replicas, and each replica in turn drained
+/// (SIGTERM, exit 0) and replaced by a new one while every run is still going. Runs move at
+/// their next safe point each time their replica drains (some more than once); every caller
+/// follows its run from replica to replica. Every run ends COMPLETED, every call ran exactly once.
+#[tokio::test]
+async fn a_rolling_deploy_of_every_replica_moves_100_runs_and_loses_nothing() -> TestResult {
+    // Few tokens and long tool calls: 100 runs of debug builds on two cores stay in flight
+    // through the whole deploy without saturating the machine.
+    let words = "w0 w1 w2 ";
+    let turns = 8;
+    let mut fleet = Fleet::start(0, scenario(turns, words), 1500).await?;
+    fleet.handoff_grace = "10s";
+    for _ in 0..3 {
+        fleet.add().await?;
+    }
+    let runs: Vec<String> = (0..100).map(|i| format!("rolling-{i}")).collect();
+    let urls = fleet.urls();
+    for (i, run_id) in runs.iter().enumerate() {
+        start_detached(&urls[i % urls.len()], run_id).await?;
+    }
+    let followers = follow_all(&fleet, &runs);
+    let mut moved = 0;
+    for replica in 0..3 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let done = followers.iter().filter(|(_, seen, _)| finished(&seen.borrow())).count();
+        if let Some((run_id, seen, _)) = followers.iter().find(|(_, seen, _)| finished(&seen.borrow())) {
+            anyhow::bail!(
+                "{done} runs ended before replica {replica} was drained: {run_id} {:?}",
+                seen.borrow().last()
+            );
+        }
+        let drained = fleet.drain(replica).await?;
+        moved += drained
+            .logs()
+            .iter()
+            .filter(|l| l.contains("the run moved to another replica"))
+            .count();
+        fleet.add().await?;
+    }
+    assert!(moved >= runs.len(), "each run moved at least once ({moved} moves)");
+    let text = format!("{}done", words.repeat(turns));
+    all_completed(&fleet, followers, &text, 1).await
+}
+
+/// NATS restarted while a drained replica hands its 20 runs over (most are in a tool call when
+/// SIGTERM comes, so they reach their safe point while NATS is down).
+async fn hand_over_across_a_nats_restart(outage: Duration) -> TestResult {
+    let words = "w0 w1 w2 ";
+    let turns = 4;
+    let mut fleet = Fleet::start(2, scenario(turns, words), 1000).await?;
+    let runs: Vec<String> = (0..20).map(|i| format!("nats-restart-{i}")).collect();
+    let a = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    for run_id in &runs {
+        start_detached(&a, run_id).await?;
+    }
+    let followers = follow_all(&fleet, &runs);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let draining = fleet.begin_drain(0)?;
+    fleet.nats.stop().await?;
+    tokio::time::sleep(outage).await;
+    fleet.nats.restart().await?;
+    drained(draining).await?;
+    fleet.add().await?;
+    let text = format!("{}done", words.repeat(turns));
+    all_completed(&fleet, followers, &text, 2).await
+}
+
+/// A short outage: the client holds the replica's writes until NATS is back, within the store
+/// timeout, so the hand-overs go through and the runs move at once.
+#[tokio::test]
+async fn runs_handed_over_across_a_short_nats_restart_complete_elsewhere() -> TestResult {
+    hand_over_across_a_nats_restart(Duration::from_millis(500)).await
+}
+
+/// An outage longer than the store timeout (5 s): the replica's hand-over writes fail and it
+/// exits anyway; another replica takes each run over from its last checkpoint once the lease
+/// lapses. Every run still ends COMPLETED with a gap-free stream; a call may run again only
+/// when it was in flight.
+#[tokio::test]
+async fn runs_handed_over_across_a_long_nats_restart_are_taken_over_from_their_checkpoints() -> TestResult {
+    hand_over_across_a_nats_restart(Duration::from_secs(6)).await
 }

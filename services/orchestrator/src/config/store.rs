@@ -29,8 +29,9 @@ pub struct StoreSettings {
     )]
     pub bucket: String,
     /// Lease of a live run in the NATS result store: its replica renews it every third of this;
-    /// a run whose replica stops renewing (crashed, partitioned) reads as FAILED
-    /// ORCHESTRATOR_LOST once it expires (1s..=10m).
+    /// a run whose replica stops renewing (crashed, partitioned) is taken over by another replica
+    /// from its last checkpoint once it expires, or reads FAILED ORCHESTRATOR_LOST when none
+    /// resumes it before its deadline (1s..=10m).
     #[arg(long = "run-store-lease", env = "ORCHESTRATOR_RUN_STORE_LEASE", default_value = "15s", value_parser = parse_duration)]
     pub lease: Duration,
     /// How long the NATS result store keeps a result (cap 365d).
