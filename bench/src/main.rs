@@ -12,6 +12,7 @@ mod micro;
 mod otlp;
 mod procstat;
 mod real_server;
+mod replicas;
 mod soak;
 mod stack;
 mod workload;
@@ -70,6 +71,11 @@ struct Cli {
     /// Soak runs at once (1–10000).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     soak_concurrency: u64,
+    /// With `--soak-store nats`: run the soak on three replicas and kill or drain one of them
+    /// (alternately, each in turn) and start a new one every this long (e.g. `3s`), while callers
+    /// follow their runs across replicas.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    soak_replica_faults: Option<Duration>,
 }
 
 /// Whether the real-server row runs.
@@ -122,28 +128,52 @@ async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()>
     if let Some(nats) = &nats {
         flags.extend(["--run-store".to_owned(), nats.url()]);
     }
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let stack = stack::Stack::start(
-        bin,
-        soak::scenarios(runs),
-        concurrency.div_ceil(50),
-        None,
-        "warn,shared::metrics=info",
-        &flags,
-    )
-    .await?;
-    eprintln!(
-        "bench: soak of {runs} runs, {} at once, {} store, orchestrator pid {}",
-        concurrency, cli.soak_store, stack.pid
-    );
     let settings = soak::Soak {
         runs,
         store: cli.soak_store.clone(),
         fault_rate: cli.soak_fault_rate,
         concurrency,
     };
-    let passed = settings.run(&stack, &cli.out).await;
-    stack.stop().await;
+    let passed = match cli.soak_replica_faults {
+        None => {
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            let stack = stack::Stack::start(
+                bin,
+                soak::scenarios(runs),
+                concurrency.div_ceil(50),
+                None,
+                "warn,shared::metrics=info",
+                &flags,
+            )
+            .await?;
+            eprintln!(
+                "bench: soak of {runs} runs, {} at once, {} store, orchestrator pid {}",
+                concurrency, cli.soak_store, stack.pid
+            );
+            let passed = settings.run(soak::Target::One(&stack), &cli.out).await;
+            stack.stop().await;
+            passed
+        }
+        Some(every) => {
+            anyhow::ensure!(nats.is_some(), "--soak-replica-faults needs --soak-store nats");
+            anyhow::ensure!(
+                every >= Duration::from_millis(100),
+                "--soak-replica-faults {} is too often (at least 100ms)",
+                humantime::format_duration(every)
+            );
+            let fleet =
+                replicas::Replicas::start(bin, soak::scenarios(runs), 3, concurrency.div_ceil(50), &flags).await?;
+            eprintln!(
+                "bench: soak of {runs} runs, {concurrency} at once, on 3 replicas (NATS store), one killed or drained every {}",
+                humantime::format_duration(every)
+            );
+            let passed = settings.run(soak::Target::Fleet(&fleet, every), &cli.out).await;
+            fleet.stop().await;
+            passed
+        }
+    };
+    // Stopped before exiting: `exit` would skip its drop and leave it running.
+    drop(nats);
     if !passed? {
         eprintln!("bench: the soak FAILED (see {})", cli.out.join("soak.md").display());
         std::process::exit(1);

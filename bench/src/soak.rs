@@ -4,6 +4,14 @@
 //! every run must be terminal, retrievable with `GetRun` and as its fault says; the in-flight
 //! gauges must be back to 0; and the resident memory must be back near what it was after the
 //! warm-up. Writes `soak.md` and `soak.json`; exits non-zero when a check fails.
+//!
+//! With `--soak-replica-faults EVERY` (NATS store) the runs go through three replicas instead,
+//! one of which is killed or drained and replaced every `EVERY` (see `replicas`): every caller
+//! follows its run across replicas (`AttachRun` from the last seq it saw) and must see one
+//! gap-free stream, whose text once `turn_restarted` is applied is the stored result's. The
+//! caller-side faults (CancelRun, callers that leave or whose deadline passes) are left out then:
+//! a run that moved has no caller of its own. The memory check is left out too (the processes
+//! are replaced).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -15,6 +23,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::procstat;
+use crate::replicas::Replicas;
 use crate::stack::Stack;
 
 /// What one run of the soak is made to go through.
@@ -71,7 +80,9 @@ impl Kind {
             Kind::Llm500 => vec![Turn {
                 fail_first: vec![
                     500;
-                    usize::try_from(runs / FAULTS.len() as u64 + 1).unwrap_or(usize::MAX / 4) * 2 + 8
+                    // Every attempt of every run fails: a run's turn is asked up to twice,
+                    // and again when its replica dies while it streams.
+                    usize::try_from(runs / FAULTS.len() as u64 + 1).unwrap_or(usize::MAX / 8) * 4 + 8
                 ],
                 ..Turn::text("never")
             }],
@@ -121,15 +132,22 @@ impl Kind {
     }
 }
 
-/// The kind of run `i`: a fault for about `rate` of the runs, spread evenly over the faults.
-fn kind_of(i: u64, rate: f64) -> Kind {
+impl Kind {
+    /// Whether the fault is the caller's doing (left out when runs move between replicas).
+    fn by_the_caller(self) -> bool {
+        matches!(self, Kind::CancelRun | Kind::CallerGone | Kind::CallerDeadline)
+    }
+}
+
+/// The kind of run `i`: a fault for about `rate` of the runs, spread evenly over `faults`.
+fn kind_of(i: u64, rate: f64, faults: &[Kind]) -> Kind {
     // A multiplicative hash spreads the faults over the run numbers (and so over time).
     let h = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11;
     let unit = h as f64 / (1u64 << 53) as f64;
-    if unit >= rate {
+    if unit >= rate || faults.is_empty() {
         return Kind::Fine;
     }
-    FAULTS[(i % FAULTS.len() as u64) as usize]
+    faults[(i % faults.len() as u64) as usize]
 }
 
 /// Every scenario a soak of `runs` runs uses, by model name.
@@ -168,6 +186,42 @@ pub(crate) struct Soak {
     pub concurrency: usize,
 }
 
+/// What the soak runs against: one orchestrator, or replicas with replica faults.
+#[derive(Clone, Copy)]
+pub(crate) enum Target<'a> {
+    One(&'a Stack),
+    Fleet(&'a Replicas, Duration),
+}
+
+impl Target<'_> {
+    fn client(self, i: usize) -> Client {
+        match self {
+            Target::One(stack) => stack.client(i),
+            Target::Fleet(replicas, _) => replicas.client(i),
+        }
+    }
+
+    async fn metrics(self) -> Vec<String> {
+        match self {
+            Target::One(stack) => stack.metrics.iter().cloned().collect(),
+            Target::Fleet(replicas, _) => replicas.metrics().await,
+        }
+    }
+
+    /// The faults the runs get.
+    fn faults(self) -> Vec<Kind> {
+        match self {
+            Target::One(_) => FAULTS.to_vec(),
+            Target::Fleet(..) => FAULTS.into_iter().filter(|k| !k.by_the_caller()).collect(),
+        }
+    }
+
+    /// Whether callers follow their runs across replicas.
+    fn follows(self) -> bool {
+        matches!(self, Target::Fleet(..))
+    }
+}
+
 #[derive(Debug, Serialize)]
 struct Report {
     runs: u64,
@@ -181,25 +235,49 @@ struct Report {
     not_retrievable: u64,
     runs_in_flight_after: f64,
     tool_calls_in_flight_after: f64,
-    rss_baseline_mib: f64,
-    rss_peak_mib: f64,
-    rss_after_mib: f64,
+    /// Runs whose last events a replica kill cut from the event log (see `Outcome::tail_lost`).
+    tails_lost: u64,
+    /// Runs whose replica was killed before their first checkpoint (see `Outcome::lost_at_start`).
+    lost_at_start: u64,
+    /// Replicas killed and drained while the runs went on (replica faults).
+    replicas_killed: u64,
+    replicas_drained: u64,
+    /// Not measured with replicas (they are replaced).
+    rss_baseline_mib: Option<f64>,
+    rss_peak_mib: Option<f64>,
+    rss_after_mib: Option<f64>,
     passed: bool,
 }
 
 impl Soak {
-    /// Runs the soak on `stack` and writes the report into `out`.
-    pub(crate) async fn run(&self, stack: &Stack, out: &Path) -> anyhow::Result<bool> {
+    /// Runs the soak on `target` and writes the report into `out`.
+    pub(crate) async fn run(&self, target: Target<'_>, out: &Path) -> anyhow::Result<bool> {
         let warm_up = (self.runs / 20).clamp(1, 500);
-        drive(stack, 0..warm_up, 0.0, self.concurrency).await;
-        settle(stack).await?;
-        let baseline = procstat::rss(stack.pid)?;
-        let peak = procstat::PeakRss::start(stack.pid);
+        drive(target, 0..warm_up, 0.0, self.concurrency).await;
+        settle(target).await?;
+        // One process's memory: not with replicas, which are replaced.
+        let pid = match target {
+            Target::One(stack) => Some(stack.pid),
+            Target::Fleet(..) => None,
+        };
+        let baseline = pid.map(procstat::rss).transpose()?;
+        let peak = pid.map(procstat::PeakRss::start);
         let started = Instant::now();
-        let outcomes = drive(stack, warm_up..warm_up + self.runs, self.fault_rate, self.concurrency).await;
+        let outcomes = self.drive_with_faults(target, warm_up).await?;
         let wall = started.elapsed();
-        let (runs_after, calls_after) = settle(stack).await?;
-        let after = procstat::rss(stack.pid)?;
+        let (runs_after, calls_after) = settle(target).await?;
+        let after = pid.map(procstat::rss).transpose()?;
+        let peak = match peak {
+            Some(peak) => Some(peak.finish().await.max(after.unwrap_or(0))),
+            None => None,
+        };
+        let (killed, drained) = match target {
+            Target::One(_) => (0, 0),
+            Target::Fleet(replicas, _) => (
+                replicas.kills.load(std::sync::atomic::Ordering::Relaxed),
+                replicas.drains.load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        };
         let mut report = Report {
             runs: self.runs,
             store: self.store.clone(),
@@ -212,19 +290,49 @@ impl Soak {
             not_retrievable: outcomes.iter().filter(|o| !o.retrievable).count() as u64,
             runs_in_flight_after: runs_after,
             tool_calls_in_flight_after: calls_after,
-            rss_baseline_mib: mib(baseline),
-            rss_peak_mib: mib(peak.finish().await.max(after)),
-            rss_after_mib: mib(after),
+            tails_lost: outcomes.iter().filter(|o| o.tail_lost).count() as u64,
+            lost_at_start: outcomes.iter().filter(|o| o.lost_at_start).count() as u64,
+            replicas_killed: killed,
+            replicas_drained: drained,
+            rss_baseline_mib: baseline.map(mib),
+            rss_peak_mib: peak.map(mib),
+            rss_after_mib: after.map(mib),
             passed: false,
         };
         // "Back near its baseline": within a quarter of it plus 16 MiB (allocator slack).
-        let rss_ok = report.rss_after_mib <= report.rss_baseline_mib * 1.25 + 16.0;
+        let rss_ok = match (report.rss_baseline_mib, report.rss_after_mib) {
+            (Some(baseline), Some(after)) => after <= baseline * 1.25 + 16.0,
+            _ => true,
+        };
+        let replicas_ok = matches!(target, Target::One(_)) || killed + drained > 0;
         report.passed = report.mismatches.is_empty()
             && report.not_retrievable == 0
             && (runs_after, calls_after) == (0.0, 0.0)
-            && rss_ok;
+            && rss_ok
+            && replicas_ok;
         write(&report, out)?;
         Ok(report.passed)
+    }
+
+    /// The measured runs (after `warm_up`), with replica faults injected meanwhile when the
+    /// target has replicas.
+    async fn drive_with_faults(&self, target: Target<'_>, warm_up: u64) -> anyhow::Result<Vec<Outcome>> {
+        let runs = drive(target, warm_up..warm_up + self.runs, self.fault_rate, self.concurrency);
+        let Target::Fleet(replicas, every) = target else {
+            return Ok(runs.await);
+        };
+        let (done, finished) = tokio::sync::oneshot::channel::<()>();
+        let runs = async move {
+            let outcomes = runs.await;
+            let _ = done.send(());
+            outcomes
+        };
+        let faults = replicas.inject_faults(every, async {
+            let _ = finished.await;
+        });
+        let (outcomes, injected) = tokio::join!(runs, faults);
+        injected?;
+        Ok(outcomes)
     }
 }
 
@@ -237,18 +345,35 @@ struct Outcome {
     kind: Kind,
     retrievable: bool,
     mismatch: Option<String>,
+    /// The run's last events never reached its event log: its replica was killed between
+    /// storing the result and logging them (followers get DATA_LOSS; GetRun has the result).
+    tail_lost: bool,
+    /// The run's replica was killed before the run's first checkpoint: nothing can resume it
+    /// and it reads FAILED / ORCHESTRATOR_LOST with no output.
+    lost_at_start: bool,
 }
 
-async fn drive(stack: &Stack, ids: std::ops::Range<u64>, rate: f64, concurrency: usize) -> Vec<Outcome> {
+/// Whether `error` is the event log saying it lost the run's last events.
+fn tail_lost(error: &anyhow::Error) -> bool {
+    error
+        .downcast_ref::<tonic::Status>()
+        .is_some_and(|s| s.code() == tonic::Code::DataLoss)
+}
+
+async fn drive(target: Target<'_>, ids: std::ops::Range<u64>, rate: f64, concurrency: usize) -> Vec<Outcome> {
     let total = ids.end - ids.start;
     let step = (total / 10).max(1);
+    let faults = target.faults();
     futures::stream::iter(ids.clone())
-        .map(|i| async move {
-            let outcome = one(stack, i, kind_of(i, rate)).await;
-            if (i - ids.start + 1).is_multiple_of(step) {
-                eprintln!("soak: {} of {total} runs", i - ids.start + 1);
+        .map(|i| {
+            let kind = kind_of(i, rate, &faults);
+            async move {
+                let outcome = one(target, i, kind).await;
+                if (i - ids.start + 1).is_multiple_of(step) {
+                    eprintln!("soak: {} of {total} runs", i - ids.start + 1);
+                }
+                outcome
             }
-            outcome
         })
         .buffer_unordered(concurrency.max(1))
         .collect()
@@ -256,20 +381,34 @@ async fn drive(stack: &Stack, ids: std::ops::Range<u64>, rate: f64, concurrency:
 }
 
 /// Plays run `i` as its kind says, then reads it back with GetRun and checks it.
-async fn one(stack: &Stack, i: u64, kind: Kind) -> Outcome {
+async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
     let run_id = format!("soak-{i}");
-    let mut client = stack.client(i as usize);
-    if let Err(e) = play(&mut client, &run_id, kind).await {
-        return Outcome {
-            kind,
-            retrievable: true,
-            mismatch: Some(format!("{run_id} ({kind:?}): {e}")),
-        };
-    }
+    let mut client = target.client(i as usize);
+    let played = tokio::time::timeout(PLAY_LIMIT, play(&mut client, &run_id, kind, target.follows()));
+    let played = played
+        .await
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("no run_finished within {PLAY_LIMIT:?}")));
+    let (streamed, lost) = match played {
+        Ok(events) => (events, false),
+        Err(e) if target.follows() && tail_lost(&e) => (Vec::new(), true),
+        Err(e) => {
+            return Outcome {
+                kind,
+                retrievable: true,
+                mismatch: Some(format!("{run_id} ({kind:?}): {e}")),
+                tail_lost: false,
+                lost_at_start: false,
+            };
+        }
+    };
     // A caller that left or timed out gets nothing more: its run ends on its own a moment later.
     let deadline = Instant::now() + Duration::from_secs(30);
     let stored = loop {
-        match client.get_run(pb::GetRunRequest { run_id: run_id.clone() }).await {
+        let read = retried(target.follows(), || {
+            let (mut client, run_id) = (client.clone(), run_id.clone());
+            async move { client.get_run(pb::GetRunRequest { run_id }).await }
+        });
+        match read.await {
             Ok(r) if r.get_ref().status() != pb::RunStatus::Running || Instant::now() > deadline => {
                 break r.into_inner();
             }
@@ -279,11 +418,26 @@ async fn one(stack: &Stack, i: u64, kind: Kind) -> Outcome {
                     kind,
                     retrievable: false,
                     mismatch: Some(format!("{run_id} ({kind:?}): GetRun failed: {status}")),
+                    tail_lost: lost,
+                    lost_at_start: false,
                 };
             }
         }
     };
     let seen = (stored.status(), stored.failure_reason());
+    let lost_at_start = target.follows()
+        && seen == (pb::RunStatus::Failed, pb::FailureReason::OrchestratorLost)
+        && stored.turns == 0
+        && stored.text.is_empty();
+    if lost_at_start {
+        return Outcome {
+            kind,
+            retrievable: true,
+            mismatch: None,
+            tail_lost: lost,
+            lost_at_start,
+        };
+    }
     let mut mismatch = (seen != kind.expected() || !stored.text.starts_with(kind.kept())).then(|| {
         format!(
             "{run_id} ({kind:?}): {seen:?} with text {:?}, expected {:?} keeping {:?} ({})",
@@ -293,8 +447,25 @@ async fn one(stack: &Stack, i: u64, kind: Kind) -> Outcome {
             stored.failure_detail
         )
     });
+    if lost {
+        // What the log lacks cannot be replayed; the stored result was checked above.
+        return Outcome {
+            kind,
+            retrievable: true,
+            mismatch,
+            tail_lost: true,
+            lost_at_start: false,
+        };
+    }
+    if mismatch.is_none() && target.follows() && told(&streamed) != stored.text {
+        mismatch = Some(format!(
+            "{run_id} ({kind:?}): the caller's stream tells {:?}, the stored result {:?}",
+            told(&streamed),
+            stored.text
+        ));
+    }
     if mismatch.is_none() {
-        mismatch = replay_mismatch(&mut client, &run_id, &stored)
+        mismatch = replay_mismatch(&client, &run_id, &stored, target.follows())
             .await
             .map(|e| format!("{run_id} ({kind:?}): AttachRun replay: {e}"));
     }
@@ -302,6 +473,8 @@ async fn one(stack: &Stack, i: u64, kind: Kind) -> Outcome {
         kind,
         retrievable: true,
         mismatch,
+        tail_lost: false,
+        lost_at_start: false,
     }
 }
 
@@ -309,21 +482,24 @@ type Client = pb::orchestrator_client::OrchestratorClient<tonic::transport::Chan
 
 /// What is wrong with the run's event log as `AttachRun` replays it from the start: it must
 /// number its events 1, 2, 3 … and end with `run_finished` whose status and text are the stored
-/// result's, and its text deltas must add up to that text.
-async fn replay_mismatch(client: &mut Client, run_id: &str, stored: &pb::RunResult) -> Option<String> {
+/// result's, and its text deltas must add up to that text (once `turn_restarted` is applied).
+async fn replay_mismatch(client: &Client, run_id: &str, stored: &pb::RunResult, follows: bool) -> Option<String> {
     use pb::orchestrate_event::Event as E;
-    let request = pb::AttachRunRequest {
-        run_id: run_id.to_owned(),
-        after_seq: 0,
-    };
-    let events = async {
-        let mut stream = client.attach_run(request).await?.into_inner();
-        let mut events = Vec::new();
-        while let Some(event) = stream.message().await? {
-            events.push(event);
+    let events = retried(follows, || {
+        let mut client = client.clone();
+        let request = pb::AttachRunRequest {
+            run_id: run_id.to_owned(),
+            after_seq: 0,
+        };
+        async move {
+            let mut stream = client.attach_run(request).await?.into_inner();
+            let mut events = Vec::new();
+            while let Some(event) = stream.message().await? {
+                events.push(event);
+            }
+            Ok::<_, tonic::Status>(events)
         }
-        Ok::<_, tonic::Status>(events)
-    };
+    });
     let events = match tokio::time::timeout(Duration::from_secs(30), events).await {
         Err(_) => return Some("no end within 30 s".into()),
         Ok(Err(status)) => return Some(status.to_string()),
@@ -332,13 +508,7 @@ async fn replay_mismatch(client: &mut Client, run_id: &str, stored: &pb::RunResu
     if let Some((i, e)) = events.iter().enumerate().find(|(i, e)| e.seq != *i as u64 + 1) {
         return Some(format!("seq {} at position {i}", e.seq));
     }
-    let text: String = events
-        .iter()
-        .filter_map(|e| match &e.event {
-            Some(E::TextDelta(t)) => Some(t.text.as_str()),
-            _ => None,
-        })
-        .collect();
+    let text = told(&events);
     let last = match events.last().and_then(|e| e.event.as_ref()) {
         Some(E::RunFinished(f)) => f.result.clone().unwrap_or_default(),
         other => return Some(format!("the last event is {other:?}, not run_finished")),
@@ -355,40 +525,58 @@ async fn replay_mismatch(client: &mut Client, run_id: &str, stored: &pb::RunResu
     })
 }
 
-/// The caller's side of one run.
-async fn play(client: &mut Client, run_id: &str, kind: Kind) -> anyhow::Result<()> {
-    let mut request = tonic::Request::new(pb::OrchestrateRequest {
-        run_id: run_id.into(),
-        model: kind.model(),
-        messages: vec![pb::ChatMessage {
-            role: "user".into(),
-            content: "go".into(),
-            ..Default::default()
-        }],
-        limits: (kind == Kind::SlowTool).then(|| pb::RunLimits {
-            tool_timeout_ms: Some(200),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
-    if kind == Kind::CallerDeadline {
-        request.set_timeout(Duration::from_millis(1500));
+/// The text `events` tell: the text deltas, without those of a turn's attempt that a
+/// `turn_restarted` voided (the client crate's rule).
+fn told(events: &[pb::OrchestrateEvent]) -> String {
+    let mut transcript = orchestrator_client::Transcript::default();
+    for event in events.iter().filter_map(|e| e.event.clone()) {
+        transcript.apply(&orchestrator_client::Event::from_proto(event));
     }
-    let mut stream = client.orchestrate(request).await?.into_inner();
+    transcript.text().to_owned()
+}
+
+/// The caller's side of one run; the events it saw. A caller that `follows` its run attaches
+/// to it again (from the last seq it saw) whenever its stream ends early or breaks, and checks
+/// the events add up to one stream without gaps.
+async fn play(
+    client: &mut Client,
+    run_id: &str,
+    kind: Kind,
+    follows: bool,
+) -> anyhow::Result<Vec<pb::OrchestrateEvent>> {
+    let mut stream = start(client, run_id, kind, follows).await?;
     // Read to the stream's end (its trailers), as a client should: dropping it at run_finished
     // makes the client's HTTP/2 library reset the stream, and after 1024 such resets h2 closes
     // the whole connection (GOAWAY "too_many_internal_resets").
+    let mut events: Vec<pb::OrchestrateEvent> = Vec::new();
     let mut finished = false;
+    let mut reattached = 0;
     loop {
         let event = match stream.message().await {
             Ok(Some(event)) => event,
-            Ok(None) => break,
+            Ok(None) if finished || !follows => break,
             // The caller's own deadline passing ends its stream with an error, as it should.
-            Err(_) if kind == Kind::CallerDeadline => return Ok(()),
-            Err(status) => anyhow::bail!("the stream failed: {status}"),
+            Err(_) if kind == Kind::CallerDeadline => return Ok(events),
+            Err(status) if !follows || status.code() == tonic::Code::DataLoss => return Err(status.into()),
+            ended => {
+                reattached += 1;
+                anyhow::ensure!(reattached <= MAX_REATTACHES, "gave up following the run: {ended:?}");
+                stream = reattach(client, run_id, events.last().map_or(0, |e| e.seq)).await?;
+                continue;
+            }
         };
+        let last = events.last().map_or(0, |e| e.seq);
+        if event.seq <= last {
+            continue; // sent again by the replica re-attached to
+        }
+        anyhow::ensure!(
+            event.seq == last + 1,
+            "a gap in the stream: seq {} after {last}",
+            event.seq
+        );
+        reattached = 0;
         match event.event {
-            Some(pb::orchestrate_event::Event::ToolCallStarted(_)) if kind == Kind::CallerGone => return Ok(()),
+            Some(pb::orchestrate_event::Event::ToolCallStarted(_)) if kind == Kind::CallerGone => return Ok(events),
             Some(pb::orchestrate_event::Event::ToolCallStarted(_)) if kind == Kind::CancelRun => {
                 client
                     .cancel_run(pb::CancelRunRequest { run_id: run_id.into() })
@@ -397,32 +585,136 @@ async fn play(client: &mut Client, run_id: &str, kind: Kind) -> anyhow::Result<(
             Some(pb::orchestrate_event::Event::RunFinished(_)) => finished = true,
             _ => {}
         }
+        events.push(event);
     }
     anyhow::ensure!(
         finished || kind == Kind::CallerDeadline,
         "the stream ended without run_finished"
     );
-    Ok(())
+    Ok(events)
 }
 
-/// Waits until no run or tool call is in flight; the gauges as last read.
-async fn settle(stack: &Stack) -> anyhow::Result<(f64, f64)> {
-    let address = stack
-        .metrics
-        .as_deref()
-        .ok_or_else(|| anyhow::anyhow!("the orchestrator serves no metrics"))?;
+/// How long a caller follows its run at most (moves included).
+const PLAY_LIMIT: Duration = Duration::from_secs(180);
+
+/// Re-attaches in a row a follower may make without a new event.
+const MAX_REATTACHES: u32 = 50;
+
+/// Starts the run; a caller that follows tries again while no replica takes it (a draining one
+/// refuses it with UNAVAILABLE; one that just died drops the call).
+async fn start(
+    client: &mut Client,
+    run_id: &str,
+    kind: Kind,
+    follows: bool,
+) -> anyhow::Result<tonic::Streaming<pb::OrchestrateEvent>> {
+    let mut attempt = 0;
+    loop {
+        let mut request = tonic::Request::new(pb::OrchestrateRequest {
+            run_id: run_id.into(),
+            model: kind.model(),
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "go".into(),
+                ..Default::default()
+            }],
+            limits: (kind == Kind::SlowTool).then(|| pb::RunLimits {
+                tool_timeout_ms: Some(200),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        if kind == Kind::CallerDeadline {
+            request.set_timeout(Duration::from_millis(1500));
+        }
+        match client.orchestrate(request).await {
+            Ok(stream) => return Ok(stream.into_inner()),
+            Err(status) if follows && broken(&status) && attempt < MAX_REATTACHES => {
+                attempt += 1;
+                tokio::time::sleep(backoff(attempt)).await;
+            }
+            // The first attempt started the run after all: follow it.
+            Err(status) if follows && attempt > 0 && status.code() == tonic::Code::AlreadyExists => {
+                return reattach(client, run_id, 0).await;
+            }
+            Err(status) => return Err(status.into()),
+        }
+    }
+}
+
+/// `AttachRun` from `after_seq` on whichever replica answers, retried with backoff for up to
+/// a minute (a killed replica's runs move once their lease lapses).
+async fn reattach(
+    client: &mut Client,
+    run_id: &str,
+    after_seq: u64,
+) -> anyhow::Result<tonic::Streaming<pb::OrchestrateEvent>> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        tokio::time::sleep(backoff(attempt)).await;
+        let request = pb::AttachRunRequest {
+            run_id: run_id.to_owned(),
+            after_seq,
+        };
+        match client.attach_run(request).await {
+            Ok(stream) => return Ok(stream.into_inner()),
+            Err(status) if Instant::now() > deadline => {
+                anyhow::bail!("AttachRun after seq {after_seq} kept failing: {status}")
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// A call that failed on its way: refused by a draining replica, or its connection lost.
+fn broken(status: &tonic::Status) -> bool {
+    matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+}
+
+/// `call`, tried again for up to 30 s while it fails on its way when callers follow runs
+/// across replicas being replaced (a balanced channel may pick one that just died); once
+/// otherwise.
+async fn retried<T, F, Fut>(follows: bool, mut call: F) -> Result<T, tonic::Status>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, tonic::Status>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut attempt = 0;
+    loop {
+        match call().await {
+            Err(status) if follows && broken(&status) && Instant::now() < deadline => {
+                attempt += 1;
+                tokio::time::sleep(backoff(attempt)).await;
+            }
+            done => return done,
+        }
+    }
+}
+
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis(50u64.saturating_mul(1 << attempt.min(5)))
+}
+
+/// Waits until no run or tool call is in flight on any orchestrator; the gauges as last read.
+async fn settle(target: Target<'_>) -> anyhow::Result<(f64, f64)> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let body = reqwest::get(format!("http://{address}/metrics")).await?.text().await?;
-        let gauge = |name: &str| {
-            body.lines()
-                .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<f64>().ok()))
-                .unwrap_or(f64::NAN)
-        };
-        let now = (
-            gauge("orchestrator_runs_in_flight "),
-            gauge("orchestrator_tool_calls_in_flight "),
-        );
+        let addresses = target.metrics().await;
+        anyhow::ensure!(!addresses.is_empty(), "the orchestrator serves no metrics");
+        let mut now = (0.0, 0.0);
+        for address in addresses {
+            let body = reqwest::get(format!("http://{address}/metrics")).await?.text().await?;
+            let gauge = |name: &str| {
+                body.lines()
+                    .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<f64>().ok()))
+                    .unwrap_or(f64::NAN)
+            };
+            now.0 += gauge("orchestrator_runs_in_flight ");
+            now.1 += gauge("orchestrator_tool_calls_in_flight ");
+        }
         if now == (0.0, 0.0) || Instant::now() > deadline {
             return Ok(now);
         }
@@ -440,7 +732,10 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
          | runs (after a warm-up) | {} |\n| faults injected | {} |\n| concurrency | {} |\n\
          | wall time | {:.1} s ({:.0} runs/s) |\n| runs not as their fault says, or whose AttachRun replay differs | {} |\n\
          | runs GetRun cannot find | {} |\n| runs / tool calls in flight after | {} / {} |\n\
-         | RSS after warm-up → peak → after | {:.1} → {:.1} → {:.1} MiB |\n",
+         | replicas killed / drained while the runs went on | {} / {} |\n\
+         | runs whose last events a kill cut from the event log (DATA_LOSS to followers; GetRun whole) | {} |\n\
+         | runs whose replica was killed before their first checkpoint (ORCHESTRATOR_LOST, no output) | {} |\n\
+         | RSS after warm-up → peak → after | {} |\n",
         report.runs,
         report.fault_rate * 100.0,
         report.store,
@@ -453,9 +748,14 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
         report.not_retrievable,
         report.runs_in_flight_after,
         report.tool_calls_in_flight_after,
-        report.rss_baseline_mib,
-        report.rss_peak_mib,
-        report.rss_after_mib,
+        report.replicas_killed,
+        report.replicas_drained,
+        report.tails_lost,
+        report.lost_at_start,
+        match (report.rss_baseline_mib, report.rss_peak_mib, report.rss_after_mib) {
+            (Some(baseline), Some(peak), Some(after)) => format!("{baseline:.1} → {peak:.1} → {after:.1} MiB"),
+            _ => "not measured (the replicas are replaced)".to_owned(),
+        },
     );
     for m in &report.mismatches {
         md.push_str(&format!("\n* {m}"));

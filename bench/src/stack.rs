@@ -27,6 +27,125 @@ pub(crate) struct Stack {
     pub metrics: Option<String>,
 }
 
+/// How an orchestrator process of the benchmark is started (kept to start replicas alike).
+#[derive(Clone)]
+pub(crate) struct Launch {
+    pub bin: std::path::PathBuf,
+    pub model_url: String,
+    pub runner: String,
+    pub otlp: Option<String>,
+    pub rust_log: String,
+    pub extra: Vec<String>,
+}
+
+/// An orchestrator process serving.
+pub(crate) struct Process {
+    pub child: Child,
+    pub pid: u32,
+    /// Its gRPC address.
+    pub address: String,
+    /// Where its `/metrics` are, when `extra` turned them on.
+    pub metrics: Option<String>,
+    /// Its last log lines (for a report on a process that misbehaved).
+    pub logs: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
+}
+
+/// Log lines kept per process.
+const KEPT_LOG_LINES: usize = 200;
+
+/// Starts an orchestrator as `launch` says, listening on `listen`, and waits until it serves.
+pub(crate) async fn spawn(launch: &Launch, listen: &str) -> anyhow::Result<Process> {
+    let mut command = Command::new(&launch.bin);
+    command
+        .args(["--listen", listen, "--log-format", "json"])
+        .args(["--tool-call-budget", "100000", "--tool-call-budget-ceiling", "100000"])
+        .args(["--run-timeout", "30m", "--run-timeout-ceiling", "1h"])
+        .args(["--tool-runner", &launch.runner])
+        .args(&launch.extra)
+        .env("ORCHESTRATOR_METRICS_LISTEN", "off")
+        .env("ORCHESTRATOR_MAX_RUNS", "20000")
+        .env("ORCHESTRATOR_KEEP_RESULTS", "100000")
+        .env("LLM_IDLE_TIMEOUT", "120s")
+        .env("LLM_BASE_URL", &launch.model_url)
+        .env("RUST_LOG", format!("{},orchestrator::server=info", launch.rust_log))
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    // Measure the shipped configuration (deploy/Dockerfile, the Kubernetes manifests), unless
+    // the caller set these.
+    for (name, value) in [("MIMALLOC_ARENA_EAGER_COMMIT", "0"), ("MIMALLOC_PURGE_DELAY", "0")] {
+        if std::env::var_os(name).is_none() {
+            command.env(name, value);
+        }
+    }
+    if let Some(endpoint) = &launch.otlp {
+        command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
+    }
+    let mut child = command.spawn()?;
+    let pid = child
+        .id()
+        .ok_or_else(|| anyhow::anyhow!("the orchestrator exited at once"))?;
+    let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let mut lines = BufReader::new(stderr).lines();
+    let mut metrics = None;
+    let address = loop {
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("the orchestrator exited before serving"))?;
+        let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        let message = entry["message"].as_str().unwrap_or_default();
+        let address = entry["address"].as_str().unwrap_or_default().to_owned();
+        if message.starts_with("metrics serving") {
+            metrics = Some(address);
+        } else if message == "orchestrator serving" {
+            break address;
+        }
+    };
+    let logs = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
+    let kept = std::sync::Arc::clone(&logs);
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            let mut kept = shared::sync::lock(&kept);
+            if kept.len() == KEPT_LOG_LINES {
+                kept.pop_front();
+            }
+            kept.push_back(line);
+        }
+    });
+    Ok(Process {
+        child,
+        pid,
+        address,
+        metrics,
+        logs,
+    })
+}
+
+/// A channel to `addresses`, spread over them; wide HTTP/2 windows for streamed text.
+pub(crate) fn channel(addresses: &[String]) -> anyhow::Result<Channel> {
+    let endpoints = addresses
+        .iter()
+        .map(|a| {
+            Ok(tonic::transport::Endpoint::from_shared(format!("http://{a}"))?
+                .initial_stream_window_size(Some(1 << 20))
+                .initial_connection_window_size(Some(8 << 20)))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Channel::balance_list(endpoints.into_iter()))
+}
+
+/// The stand-in model playing `scenarios`, and a tool-runner in this process; its endpoint.
+pub(crate) async fn model_and_runner(scenarios: Scenarios) -> anyhow::Result<(MockLlm, String)> {
+    let mock = MockLlm::start_timed(scenarios).await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let runner = format!("http://{}", listener.local_addr()?);
+    let mut runner_config = tool_runner::Config::default();
+    runner_config.server.max_concurrency = 10_000;
+    tokio::spawn(tool_runner::serve(listener, runner_config, std::future::pending()));
+    Ok((mock, runner))
+}
+
 impl Stack {
     /// Starts everything; `scenarios` are the model's scripts (chosen by model name); `extra`
     /// flags override the benchmark's settings (given as environment variables for that reason).
@@ -38,61 +157,22 @@ impl Stack {
         rust_log: &str,
         extra: &[&str],
     ) -> anyhow::Result<Self> {
-        let mock = MockLlm::start_timed(scenarios).await?;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let runner = format!("http://{}", listener.local_addr()?);
-        let mut runner_config = tool_runner::Config::default();
-        runner_config.server.max_concurrency = 10_000;
-        tokio::spawn(tool_runner::serve(listener, runner_config, std::future::pending()));
-
-        let mut command = Command::new(orchestrator_bin);
-        command
-            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
-            .args(["--tool-call-budget", "100000", "--tool-call-budget-ceiling", "100000"])
-            .args(["--run-timeout", "30m", "--run-timeout-ceiling", "1h"])
-            .args(["--tool-runner", &runner])
-            .args(extra)
-            .env("ORCHESTRATOR_METRICS_LISTEN", "off")
-            .env("ORCHESTRATOR_MAX_RUNS", "20000")
-            .env("ORCHESTRATOR_KEEP_RESULTS", "100000")
-            .env("LLM_IDLE_TIMEOUT", "120s")
-            .env("LLM_BASE_URL", mock.base_url())
-            .env("RUST_LOG", format!("{rust_log},orchestrator::server=info"))
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        // Measure the shipped configuration (deploy/Dockerfile, the Kubernetes manifests), unless
-        // the caller set these.
-        for (name, value) in [("MIMALLOC_ARENA_EAGER_COMMIT", "0"), ("MIMALLOC_PURGE_DELAY", "0")] {
-            if std::env::var_os(name).is_none() {
-                command.env(name, value);
-            }
-        }
-        if let Some(endpoint) = otlp {
-            command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
-        }
-        let mut child = command.spawn()?;
-        let pid = child
-            .id()
-            .ok_or_else(|| anyhow::anyhow!("the orchestrator exited at once"))?;
-        let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
-        let mut lines = BufReader::new(stderr).lines();
-        let mut metrics = None;
-        let address = loop {
-            let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-                .await??
-                .ok_or_else(|| anyhow::anyhow!("the orchestrator exited before serving"))?;
-            let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-            let message = entry["message"].as_str().unwrap_or_default();
-            let address = entry["address"].as_str().unwrap_or_default().to_owned();
-            if message.starts_with("metrics serving") {
-                metrics = Some(address);
-            } else if message == "orchestrator serving" {
-                break address;
-            }
+        let (mock, runner) = model_and_runner(scenarios).await?;
+        let launch = Launch {
+            bin: orchestrator_bin.to_owned(),
+            model_url: mock.base_url(),
+            runner: runner.clone(),
+            otlp: otlp.map(str::to_owned),
+            rust_log: rust_log.to_owned(),
+            extra: extra.iter().map(|f| (*f).to_owned()).collect(),
         };
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let Process {
+            child,
+            pid,
+            address,
+            metrics,
+            ..
+        } = spawn(&launch, "127.0.0.1:0").await?;
         let mut pool = Vec::with_capacity(channels);
         for _ in 0..channels.max(1) {
             pool.push(

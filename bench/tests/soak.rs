@@ -1,7 +1,8 @@
 //! The CI soak: 2,000 runs through the real orchestrator process with 5 % faults from the fault
 //! matrix; the soak itself checks every run (terminal, retrievable, as its fault says), the
 //! in-flight gauges and the resident memory, and exits non-zero when a check fails. Every run is
-//! also replayed from its event log (AttachRun), on the in-memory store and on the NATS store.
+//! also replayed from its event log (AttachRun), on the in-memory store and on the NATS store; and
+//! a soak on three replicas, killed and drained in turn while the runs go on.
 
 mod common;
 
@@ -37,5 +38,28 @@ fn a_thousand_runs_on_the_nats_store_replay_whole_from_their_event_logs() -> any
         (json["runs"].as_u64(), json["store"].as_str()),
         (Some(1000), Some("nats"))
     );
+    Ok(())
+}
+
+/// Replica faults: the soak on three replicas sharing the NATS store, one of them killed or
+/// drained and replaced every 2 s while the runs go on. Every caller follows its run across
+/// replicas and must see one gap-free stream telling the stored text; every run ends as its
+/// fault says, and nothing is left in flight.
+#[test]
+fn runs_followed_across_replicas_killed_and_drained_end_as_their_faults_say() -> anyhow::Result<()> {
+    let json = soak(&[
+        "--soak",
+        "250",
+        "--soak-fault-rate",
+        "0.05",
+        "--soak-store",
+        "nats",
+        "--soak-concurrency",
+        "32",
+        "--soak-replica-faults",
+        "2s",
+    ])?;
+    assert!(json["replicas_killed"].as_u64().unwrap_or(0) >= 1, "{json}");
+    assert!(json["replicas_drained"].as_u64().unwrap_or(0) >= 1, "{json}");
     Ok(())
 }

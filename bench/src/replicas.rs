@@ -1,0 +1,172 @@
+//! `bench --soak N --soak-replica-faults`: the soak's system under test as a fleet of orchestrator
+//! replicas sharing the NATS store, each on a fixed address (as behind a Kubernetes Service), and
+//! the replica faults: every `--soak-replica-fault-every` one replica in turn is SIGKILLed or
+//! drained (SIGTERM, alternately) and a new one started on its address, while the soak's runs go
+//! on; their callers follow them across replicas.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use mock_llm::{MockLlm, Scenarios};
+use proto::orchestrator::v1 as pb;
+use tonic::transport::Channel;
+
+use crate::stack::{self, Launch, Process};
+
+/// Flags of every replica: a short lease, so a killed replica's runs move within seconds.
+pub(crate) const FLAGS: &[&str] = &["--run-store-lease", "2s", "--handoff-grace", "5s"];
+
+/// How long a drained replica may take to exit.
+const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
+/// The replicas.
+pub(crate) struct Replicas {
+    _mock: MockLlm,
+    launch: Launch,
+    /// One process per address; a slot is empty while its replica is replaced.
+    slots: Vec<tokio::sync::Mutex<Option<Process>>>,
+    addresses: Vec<String>,
+    channels: Vec<Channel>,
+    pub kills: AtomicU64,
+    pub drains: AtomicU64,
+}
+
+impl Replicas {
+    /// Starts the model, a tool-runner and `count` replicas with `extra` flags (the NATS store
+    /// among them); callers' streams are spread over `channels` channels to all of them.
+    pub(crate) async fn start(
+        bin: &std::path::Path,
+        scenarios: Scenarios,
+        count: usize,
+        channels: usize,
+        extra: &[String],
+    ) -> anyhow::Result<Self> {
+        let (mock, runner) = stack::model_and_runner(scenarios).await?;
+        let launch = Launch {
+            bin: bin.to_owned(),
+            model_url: mock.base_url(),
+            runner,
+            otlp: None,
+            rust_log: "info".to_owned(),
+            extra: extra
+                .iter()
+                .cloned()
+                .chain(FLAGS.iter().map(|f| (*f).to_owned()))
+                .collect(),
+        };
+        let mut slots = Vec::with_capacity(count);
+        let mut addresses = Vec::with_capacity(count);
+        for _ in 0..count {
+            let process = stack::spawn(&launch, "127.0.0.1:0").await?;
+            addresses.push(process.address.clone());
+            slots.push(tokio::sync::Mutex::new(Some(process)));
+        }
+        let channels = (0..channels.max(1))
+            .map(|_| stack::channel(&addresses))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Self {
+            _mock: mock,
+            launch,
+            slots,
+            addresses,
+            channels,
+            kills: AtomicU64::new(0),
+            drains: AtomicU64::new(0),
+        })
+    }
+
+    /// A client on the `i`-th channel (round robin); each reaches every replica serving.
+    pub(crate) fn client(&self, i: usize) -> pb::orchestrator_client::OrchestratorClient<Channel> {
+        pb::orchestrator_client::OrchestratorClient::new(self.channels[i % self.channels.len()].clone())
+    }
+
+    /// The `/metrics` addresses of the replicas serving now.
+    pub(crate) async fn metrics(&self) -> Vec<String> {
+        let mut all = Vec::new();
+        for slot in &self.slots {
+            if let Some(metrics) = slot.lock().await.as_ref().and_then(|p| p.metrics.clone()) {
+                all.push(metrics);
+            }
+        }
+        all
+    }
+
+    /// Injects replica faults until `done` resolves: every `every`, the next replica is killed
+    /// (even faults) or drained (odd ones) and started again on its address.
+    pub(crate) async fn inject_faults(&self, every: Duration, done: impl Future<Output = ()>) -> anyhow::Result<()> {
+        tokio::pin!(done);
+        for fault in 0.. {
+            tokio::select! {
+                () = &mut done => return Ok(()),
+                () = tokio::time::sleep(every) => {}
+            }
+            let slot = fault % self.slots.len();
+            self.replace(slot, fault % 2 == 0).await?;
+        }
+        Ok(())
+    }
+
+    /// Kills (or drains) replica `slot` and starts a new one on its address.
+    async fn replace(&self, slot: usize, kill: bool) -> anyhow::Result<()> {
+        let mut held = self.slots[slot].lock().await;
+        if let Some(mut process) = held.take() {
+            if kill {
+                process.child.kill().await?;
+                self.kills.fetch_add(1, Ordering::Relaxed);
+            } else {
+                signal(process.pid, nix::sys::signal::Signal::SIGTERM);
+                let Ok(status) = tokio::time::timeout(DRAIN_LIMIT, process.child.wait()).await else {
+                    let logs: Vec<String> = shared::sync::lock(&process.logs).iter().cloned().collect();
+                    anyhow::bail!(
+                        "replica {slot} did not exit within {DRAIN_LIMIT:?} of SIGTERM; its last log lines:\n{}",
+                        logs.join("\n")
+                    );
+                };
+                let status = status?;
+                anyhow::ensure!(status.success(), "a drained replica exited with {status}");
+                self.drains.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        eprintln!(
+            "soak: replica {slot} {}; starting a new one",
+            if kill { "killed" } else { "drained" }
+        );
+        *held = Some(self.respawn(slot).await?);
+        Ok(())
+    }
+
+    /// A new replica on `slot`'s address; tried a few times (the address may take a moment to
+    /// be free again).
+    async fn respawn(&self, slot: usize) -> anyhow::Result<Process> {
+        let mut attempt = 0;
+        loop {
+            match stack::spawn(&self.launch, &self.addresses[slot]).await {
+                Ok(process) => return Ok(process),
+                Err(e) if attempt < 5 => {
+                    attempt += 1;
+                    eprintln!("soak: replica {slot} did not start ({e}); trying again");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => return Err(e.context(format!("replica {slot} on {}", self.addresses[slot]))),
+            }
+        }
+    }
+
+    /// Drains every replica.
+    pub(crate) async fn stop(&self) {
+        for slot in &self.slots {
+            if let Some(mut process) = slot.lock().await.take() {
+                signal(process.pid, nix::sys::signal::Signal::SIGTERM);
+                if tokio::time::timeout(DRAIN_LIMIT, process.child.wait()).await.is_err() {
+                    let _ = process.child.kill().await;
+                }
+            }
+        }
+    }
+}
+
+fn signal(pid: u32, signal: nix::sys::signal::Signal) {
+    if let Ok(pid) = i32::try_from(pid) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+    }
+}
