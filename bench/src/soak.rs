@@ -670,7 +670,10 @@ async fn reattach(
 
 /// A call that failed on its way: refused by a draining replica, or its connection lost.
 fn broken(status: &tonic::Status) -> bool {
-    matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    )
 }
 
 /// `call`, tried again for up to 30 s while it fails on its way when callers follow runs
