@@ -490,6 +490,50 @@ async fn a_record_whose_lease_expired_reads_as_lost_and_an_id_is_claimed_once() 
     Ok(())
 }
 
+/// A run whose replica died before its first checkpoint (claimed, lease lapsed, nothing shown)
+/// cannot be resumed: another replica may claim its id again, so the caller's retry starts it.
+/// One with output, or still leased, stays taken.
+#[tokio::test]
+async fn an_id_whose_run_died_before_its_first_checkpoint_can_be_claimed_again() -> TestResult {
+    use orchestrator::domain::ports::Claim;
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let open = |owner: &str| {
+        KvStore::open(
+            &js,
+            "restart-runs",
+            Duration::from_secs(60),
+            owner.into(),
+            Duration::from_secs(1),
+        )
+    };
+    let (a, b) = (
+        open("a").await.map_err(anyhow::Error::msg)?,
+        open("b").await.map_err(anyhow::Error::msg)?,
+    );
+    let empty = RunResult::running("unstarted");
+    let mut shown = RunResult::running("shown");
+    shown.text = "some output".into();
+    for run in [&empty, &shown] {
+        assert!(matches!(a.claim(run.clone()).await, Ok(Claim::Claimed)));
+    }
+    assert!(
+        matches!(b.claim(empty.clone()).await, Ok(Claim::Taken(_))),
+        "still leased"
+    );
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    assert!(matches!(b.claim(empty.clone()).await, Ok(Claim::Claimed)));
+    assert!(
+        matches!(a.claim(empty.clone()).await, Ok(Claim::Taken(r)) if r.status == RunStatus::Running),
+        "claimed once"
+    );
+    assert!(
+        matches!(b.claim(shown.clone()).await, Ok(Claim::Taken(_))),
+        "a run that showed output stays taken"
+    );
+    Ok(())
+}
+
 /// Two replicas share a NATS store. A run is started on both at once: exactly one runs it, the
 /// other answers ALREADY_EXISTS. Then the replica running it is killed (SIGKILL) while a tool call
 /// runs: once its lease lapses the other replica takes the run over from its checkpoint, sends

@@ -114,6 +114,20 @@ impl Record {
             .is_some_and(|r| r.status == pb::RunStatus::Running as i32)
     }
 
+    /// Whether the run's replica died before the run's first checkpoint, having shown nothing:
+    /// RUNNING, lease lapsed, never checkpointed, no output.
+    pub(super) fn never_started(&self, now_unix_ms: u64) -> bool {
+        let empty = self
+            .result
+            .as_ref()
+            .is_some_and(|r| r.text.is_empty() && r.turns == 0 && r.tool_calls.is_empty());
+        self.running()
+            && empty
+            && !self.handed_over
+            && self.resumable_until_unix_ms == 0
+            && self.lease_expires_unix_ms < now_unix_ms
+    }
+
     /// Whether the run's owner is gone (lease lapsed, or handed over) while it may be resumed.
     pub(super) fn orphaned(&self, now_unix_ms: u64) -> bool {
         self.running() && self.resumable(now_unix_ms) && (self.handed_over || self.lease_expires_unix_ms < now_unix_ms)
@@ -280,9 +294,9 @@ impl ResultStore for KvStore {
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
         let (kv, owned) = (self.kv.clone(), Arc::clone(&self.owned));
         let key = key(&result.run_id);
-        let bytes = self.record(pb::RunResult::from(&result), 0).encode_to_vec();
+        let bytes = bytes::Bytes::from(self.record(pb::RunResult::from(&result), 0).encode_to_vec());
         async move {
-            match kv.create(&key, bytes.into()).await {
+            match kv.create(&key, bytes.clone()).await {
                 Ok(revision) => {
                     let owned_now = Owned {
                         revision,
@@ -292,11 +306,24 @@ impl ResultStore for KvStore {
                     Ok(Claim::Claimed)
                 }
                 Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
-                    let bytes = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))?;
-                    match bytes {
-                        Some(bytes) => Ok(Claim::Taken(Box::new(decode(&key, &bytes)?))),
-                        None => Err(unavailable("KV create", &key, "taken, then gone")),
+                    let entry = kv.entry(&key).await.map_err(|e| unavailable("KV get", &key, e))?;
+                    let Some(entry) = entry else {
+                        return Err(unavailable("KV create", &key, "taken, then gone"));
+                    };
+                    let record = decode_record(&key, &entry.value)?;
+                    if record.never_started(shared::sync::unix_ms()) {
+                        // Its replica died before the run's first checkpoint: nothing of it can
+                        // be resumed or was shown, so the id is free again (one winner).
+                        if let Ok(revision) = kv.update(&key, bytes, entry.revision).await {
+                            let owned_now = Owned {
+                                revision,
+                                resumable_until_unix_ms: 0,
+                            };
+                            shared::sync::lock(&owned).insert(key, owned_now);
+                            return Ok(Claim::Claimed);
+                        }
                     }
+                    Ok(Claim::Taken(Box::new(record.read(&key)?)))
                 }
                 Err(e) => Err(unavailable("KV create", &key, e)),
             }

@@ -992,6 +992,14 @@ async fn resume_at(checkpoint: Checkpoint, logged: u64) -> (RunResult, Vec<Numbe
     (result, batches.into_iter().flatten().collect(), script, tools)
 }
 
+/// The first of `checkpoints` that `pick` matches.
+fn first(checkpoints: Vec<Checkpoint>, what: &str, pick: impl Fn(&Checkpoint) -> bool) -> Checkpoint {
+    match checkpoints.into_iter().find(|c| pick(c)) {
+        Some(checkpoint) => checkpoint,
+        None => panic!("no checkpoint {what}"),
+    }
+}
+
 fn gap_free_from(events: &[NumberedEvent], first: u64) -> bool {
     events.iter().zip(first..).all(|(e, n)| e.seq == n)
 }
@@ -1021,12 +1029,9 @@ async fn a_durable_run_is_checkpointed_at_each_safe_point() {
 #[tokio::test(start_paused = true)]
 async fn a_resumed_turn_keeps_its_finished_calls_in_the_checkpoints_that_follow() {
     let (_, _, checkpoints) = whole_durable_run().await;
-    let Some(one_done) = checkpoints
-        .into_iter()
-        .find(|c| c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1))
-    else {
-        panic!("no checkpoint after one call")
-    };
+    let one_done = first(checkpoints, "after one call", |c| {
+        c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1)
+    });
     let journal = Arc::new(Journal::default());
     let seq = one_done.seq;
     let outside = Outside {
@@ -1050,12 +1055,9 @@ async fn a_resumed_turn_keeps_its_finished_calls_in_the_checkpoints_that_follow(
 #[tokio::test(start_paused = true)]
 async fn a_run_resumed_after_one_call_finished_runs_only_the_other() {
     let (whole, _, checkpoints) = whole_durable_run().await;
-    let Some(one_done) = checkpoints
-        .into_iter()
-        .find(|c| c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1))
-    else {
-        panic!("no checkpoint after one call")
-    };
+    let one_done = first(checkpoints, "after one call", |c| {
+        c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1)
+    });
     let seq = one_done.seq;
     let (result, events, script, tools) = resume_at(one_done, seq).await;
     assert_eq!(
@@ -1081,9 +1083,9 @@ async fn a_run_resumed_after_one_call_finished_runs_only_the_other() {
 #[tokio::test(start_paused = true)]
 async fn a_run_resumed_with_its_log_ahead_restarts_the_turn_that_was_streaming() {
     let (whole, _, checkpoints) = whole_durable_run().await;
-    let Some(turn_end) = checkpoints.into_iter().find(|c| c.calls.is_none() && c.turns_done == 1) else {
-        panic!("no checkpoint at the end of turn 1")
-    };
+    let turn_end = first(checkpoints, "at the end of turn 1", |c| {
+        c.calls.is_none() && c.turns_done == 1
+    });
     // The log holds two events of turn 2 the checkpoint does not account for.
     let logged = turn_end.seq + 2;
     let (result, events, script, tools) = resume_at(turn_end, logged).await;
@@ -1111,12 +1113,9 @@ async fn a_run_resumed_with_its_log_ahead_restarts_the_turn_that_was_streaming()
 #[tokio::test(start_paused = true)]
 async fn a_run_resumed_before_its_announcement_reached_the_log_sends_it_with_the_same_numbers() {
     let (_, whole_events, checkpoints) = whole_durable_run().await;
-    let Some(assembled) = checkpoints
-        .into_iter()
-        .find(|c| c.calls.as_ref().is_some_and(|calls| calls.finished.is_empty()))
-    else {
-        panic!("no checkpoint of the assembled calls")
-    };
+    let assembled = first(checkpoints, "of the assembled calls", |c| {
+        c.calls.as_ref().is_some_and(|calls| calls.finished.is_empty())
+    });
     let outbox = assembled.outbox.clone();
     assert!(
         outbox.iter().any(|e| matches!(e.event, Event::ToolCallStarted { .. })),
