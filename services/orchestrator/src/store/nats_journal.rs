@@ -16,6 +16,9 @@ use tokio::io::AsyncReadExt;
 use super::nats::{KvStore, Owned, decode_record, key, unavailable};
 use crate::domain::ports::{RunJournal, StoreError};
 
+/// Records read at once while looking for orphans.
+const LIST_CONCURRENCY: usize = 16;
+
 /// Binds (or creates) the object store of the checkpoints beside the results bucket `bucket`.
 pub(super) async fn open_checkpoints(
     js: &jetstream::Context,
@@ -81,28 +84,39 @@ impl RunJournal for KvStore {
                 .list()
                 .await
                 .map_err(|e| unavailable("checkpoint list", "", e))?;
-            let mut orphans = Vec::new();
-            let now = shared::sync::unix_ms();
+            let mut names = Vec::new();
             while let Some(info) = listed.next().await {
                 let info = info.map_err(|e| unavailable("checkpoint list", "", e))?;
-                if info.deleted {
-                    continue;
-                }
-                let Ok(Some(bytes)) = kv.get(&info.name).await else {
-                    continue;
-                };
-                let Ok(record) = decode_record(&info.name, &bytes) else {
-                    continue;
-                };
-                match record.result.as_ref() {
-                    Some(result) if record.orphaned(now) => orphans.push(result.run_id.clone()),
-                    // A checkpoint left by a run that ended or cannot be resumed any more.
-                    _ if !record.resumable(now) || !record.running() => {
-                        let _ = checkpoints.delete(&info.name).await;
-                    }
-                    _ => {}
+                if !info.deleted {
+                    names.push(info.name);
                 }
             }
+            // The records are read a few at a time: one round trip each, one after the other,
+            // would outlast the store timeout with hundreds of runs live under load.
+            let now = shared::sync::unix_ms();
+            let orphans = futures::stream::iter(names)
+                .map(|name| {
+                    let (kv, checkpoints) = (kv.clone(), checkpoints.clone());
+                    async move {
+                        let record = match kv.get(&name).await {
+                            Ok(Some(bytes)) => decode_record(&name, &bytes).ok()?,
+                            _ => return None,
+                        };
+                        match record.result.as_ref() {
+                            Some(result) if record.orphaned(now) => Some(result.run_id.clone()),
+                            // A checkpoint left by a run that ended or cannot be resumed any more.
+                            _ if !record.resumable(now) || !record.running() => {
+                                let _ = checkpoints.delete(&name).await;
+                                None
+                            }
+                            _ => None,
+                        }
+                    }
+                })
+                .buffer_unordered(LIST_CONCURRENCY)
+                .filter_map(std::future::ready)
+                .collect()
+                .await;
             Ok(orphans)
         }
         .boxed()
