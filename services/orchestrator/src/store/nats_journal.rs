@@ -104,8 +104,12 @@ impl RunJournal for KvStore {
                         };
                         match record.result.as_ref() {
                             Some(result) if record.orphaned(now) => Some(result.run_id.clone()),
-                            // A checkpoint left by a run that ended or cannot be resumed any more.
-                            _ if !record.resumable(now) || !record.running() => {
+                            // A checkpoint left by a run that ended, or whose replica is gone
+                            // and that cannot be resumed any more. Not one whose replica lives:
+                            // its first checkpoint is put before the record says it exists.
+                            _ if !record.running()
+                                || (!record.resumable(now) && record.lease_expires_unix_ms < now) =>
+                            {
                                 let _ = checkpoints.delete(&name).await;
                                 None
                             }
