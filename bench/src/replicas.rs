@@ -114,15 +114,13 @@ impl Replicas {
                 process.child.kill().await?;
                 self.kills.fetch_add(1, Ordering::Relaxed);
             } else {
-                signal(process.pid, nix::sys::signal::Signal::SIGTERM);
-                let Ok(status) = tokio::time::timeout(DRAIN_LIMIT, process.child.wait()).await else {
+                let Some(status) = drain(&mut process).await? else {
                     let logs: Vec<String> = shared::sync::lock(&process.logs).iter().cloned().collect();
                     anyhow::bail!(
                         "replica {slot} did not exit within {DRAIN_LIMIT:?} of SIGTERM; its last log lines:\n{}",
                         logs.join("\n")
                     );
                 };
-                let status = status?;
                 anyhow::ensure!(status.success(), "a drained replica exited with {status}");
                 self.drains.fetch_add(1, Ordering::Relaxed);
             }
@@ -155,18 +153,22 @@ impl Replicas {
     /// Drains every replica.
     pub(crate) async fn stop(&self) {
         for slot in &self.slots {
-            if let Some(mut process) = slot.lock().await.take() {
-                signal(process.pid, nix::sys::signal::Signal::SIGTERM);
-                if tokio::time::timeout(DRAIN_LIMIT, process.child.wait()).await.is_err() {
-                    let _ = process.child.kill().await;
-                }
+            if let Some(mut process) = slot.lock().await.take()
+                && !matches!(drain(&mut process).await, Ok(Some(_)))
+            {
+                let _ = process.child.kill().await;
             }
         }
     }
 }
 
-fn signal(pid: u32, signal: nix::sys::signal::Signal) {
-    if let Ok(pid) = i32::try_from(pid) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+/// SIGTERM, then its exit status; `None` when it did not exit within [`DRAIN_LIMIT`].
+async fn drain(process: &mut Process) -> std::io::Result<Option<std::process::ExitStatus>> {
+    if let Ok(pid) = i32::try_from(process.pid) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
+    }
+    match tokio::time::timeout(DRAIN_LIMIT, process.child.wait()).await {
+        Ok(status) => status.map(Some),
+        Err(_) => Ok(None),
     }
 }

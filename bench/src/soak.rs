@@ -353,6 +353,19 @@ struct Outcome {
     lost_at_start: bool,
 }
 
+impl Outcome {
+    /// A run found by GetRun, with what is wrong with it if anything.
+    fn checked(kind: Kind, mismatch: Option<String>) -> Self {
+        Self {
+            kind,
+            retrievable: true,
+            mismatch,
+            tail_lost: false,
+            lost_at_start: false,
+        }
+    }
+}
+
 /// Whether `error` is the event log saying it lost the run's last events.
 fn tail_lost(error: &anyhow::Error) -> bool {
     error
@@ -391,37 +404,16 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
     let (streamed, lost) = match played {
         Ok(events) => (events, false),
         Err(e) if target.follows() && tail_lost(&e) => (Vec::new(), true),
-        Err(e) => {
-            return Outcome {
-                kind,
-                retrievable: true,
-                mismatch: Some(format!("{run_id} ({kind:?}): {e}")),
-                tail_lost: false,
-                lost_at_start: false,
-            };
-        }
+        Err(e) => return Outcome::checked(kind, Some(format!("{run_id} ({kind:?}): {e}"))),
     };
-    // A caller that left or timed out gets nothing more: its run ends on its own a moment later.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let stored = loop {
-        let read = retried(target.follows(), || {
-            let (mut client, run_id) = (client.clone(), run_id.clone());
-            async move { client.get_run(pb::GetRunRequest { run_id }).await }
-        });
-        match read.await {
-            Ok(r) if r.get_ref().status() != pb::RunStatus::Running || Instant::now() > deadline => {
-                break r.into_inner();
-            }
-            Ok(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            Err(status) => {
-                return Outcome {
-                    kind,
-                    retrievable: false,
-                    mismatch: Some(format!("{run_id} ({kind:?}): GetRun failed: {status}")),
-                    tail_lost: lost,
-                    lost_at_start: false,
-                };
-            }
+    let stored = match read_back(&client, &run_id, target.follows()).await {
+        Ok(stored) => stored,
+        Err(status) => {
+            return Outcome {
+                retrievable: false,
+                tail_lost: lost,
+                ..Outcome::checked(kind, Some(format!("{run_id} ({kind:?}): GetRun failed: {status}")))
+            };
         }
     };
     let seen = (stored.status(), stored.failure_reason());
@@ -431,11 +423,9 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
         && stored.text.is_empty();
     if lost_at_start {
         return Outcome {
-            kind,
-            retrievable: true,
-            mismatch: None,
             tail_lost: lost,
             lost_at_start,
+            ..Outcome::checked(kind, None)
         };
     }
     let mut mismatch = (seen != kind.expected() || !stored.text.starts_with(kind.kept())).then(|| {
@@ -450,11 +440,8 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
     if lost {
         // What the log lacks cannot be replayed; the stored result was checked above.
         return Outcome {
-            kind,
-            retrievable: true,
-            mismatch,
             tail_lost: true,
-            lost_at_start: false,
+            ..Outcome::checked(kind, mismatch)
         };
     }
     if mismatch.is_none() && target.follows() && told(&streamed) != stored.text {
@@ -469,12 +456,23 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
             .await
             .map(|e| format!("{run_id} ({kind:?}): AttachRun replay: {e}"));
     }
-    Outcome {
-        kind,
-        retrievable: true,
-        mismatch,
-        tail_lost: false,
-        lost_at_start: false,
+    Outcome::checked(kind, mismatch)
+}
+
+/// The run as GetRun answers once it is no longer RUNNING (or as it reads after 30 s): a caller
+/// that left or timed out gets nothing more, and its run ends on its own a moment later.
+async fn read_back(client: &Client, run_id: &str, follows: bool) -> Result<pb::RunResult, tonic::Status> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let read = retried(follows, || {
+            let (mut client, run_id) = (client.clone(), run_id.to_owned());
+            async move { client.get_run(pb::GetRunRequest { run_id }).await }
+        });
+        let stored = read.await?.into_inner();
+        if stored.status() != pb::RunStatus::Running || Instant::now() > deadline {
+            return Ok(stored);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -122,15 +122,18 @@ pub(crate) async fn spawn(launch: &Launch, listen: &str) -> anyhow::Result<Proce
     })
 }
 
-/// A channel to `addresses`, spread over them; wide HTTP/2 windows for streamed text.
+/// The endpoint of an orchestrator at `address`, with wide HTTP/2 windows for streamed text.
+fn endpoint(address: &str) -> anyhow::Result<tonic::transport::Endpoint> {
+    Ok(tonic::transport::Endpoint::from_shared(format!("http://{address}"))?
+        .initial_stream_window_size(Some(1 << 20))
+        .initial_connection_window_size(Some(8 << 20)))
+}
+
+/// A channel to `addresses`, spread over them.
 pub(crate) fn channel(addresses: &[String]) -> anyhow::Result<Channel> {
     let endpoints = addresses
         .iter()
-        .map(|a| {
-            Ok(tonic::transport::Endpoint::from_shared(format!("http://{a}"))?
-                .initial_stream_window_size(Some(1 << 20))
-                .initial_connection_window_size(Some(8 << 20)))
-        })
+        .map(|a| endpoint(a))
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Channel::balance_list(endpoints.into_iter()))
 }
@@ -175,13 +178,7 @@ impl Stack {
         } = spawn(&launch, "127.0.0.1:0").await?;
         let mut pool = Vec::with_capacity(channels);
         for _ in 0..channels.max(1) {
-            pool.push(
-                Channel::from_shared(format!("http://{address}"))?
-                    .initial_stream_window_size(Some(1 << 20))
-                    .initial_connection_window_size(Some(8 << 20))
-                    .connect()
-                    .await?,
-            );
+            pool.push(endpoint(&address)?.connect().await?);
         }
         Ok(Self {
             mock,
