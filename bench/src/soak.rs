@@ -235,8 +235,6 @@ struct Report {
     not_retrievable: u64,
     runs_in_flight_after: f64,
     tool_calls_in_flight_after: f64,
-    /// Runs whose last events a replica kill cut from the event log (see `Outcome::tail_lost`).
-    tails_lost: u64,
     /// Runs whose replica was killed before their first checkpoint (see `Outcome::lost_at_start`).
     lost_at_start: u64,
     /// Replicas killed and drained while the runs went on (replica faults).
@@ -290,7 +288,6 @@ impl Soak {
             not_retrievable: outcomes.iter().filter(|o| !o.retrievable).count() as u64,
             runs_in_flight_after: runs_after,
             tool_calls_in_flight_after: calls_after,
-            tails_lost: outcomes.iter().filter(|o| o.tail_lost).count() as u64,
             lost_at_start: outcomes.iter().filter(|o| o.lost_at_start).count() as u64,
             replicas_killed: killed,
             replicas_drained: drained,
@@ -345,9 +342,6 @@ struct Outcome {
     kind: Kind,
     retrievable: bool,
     mismatch: Option<String>,
-    /// The run's last events never reached its event log: its replica was killed between
-    /// storing the result and logging them (followers get DATA_LOSS; GetRun has the result).
-    tail_lost: bool,
     /// The run's replica was killed before the run's first checkpoint: nothing can resume it
     /// and it reads FAILED / ORCHESTRATOR_LOST with no output.
     lost_at_start: bool,
@@ -360,14 +354,13 @@ impl Outcome {
             kind,
             retrievable: true,
             mismatch,
-            tail_lost: false,
             lost_at_start: false,
         }
     }
 }
 
-/// Whether `error` is the event log saying it lost the run's last events.
-fn tail_lost(error: &anyhow::Error) -> bool {
+/// Whether `error` is the event log saying it lost the run's events.
+fn data_loss(error: &anyhow::Error) -> bool {
     error
         .downcast_ref::<tonic::Status>()
         .is_some_and(|s| s.code() == tonic::Code::DataLoss)
@@ -401,9 +394,10 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
     let played = played
         .await
         .unwrap_or_else(|_| Err(anyhow::anyhow!("no run_finished within {PLAY_LIMIT:?}")));
+    // DATA_LOSS is the answer only for a run lost before its first checkpoint (checked below).
     let (streamed, lost) = match played {
-        Ok(events) => (events, false),
-        Err(e) if target.follows() && tail_lost(&e) => (Vec::new(), true),
+        Ok(events) => (events, None),
+        Err(e) if target.follows() && data_loss(&e) => (Vec::new(), Some(e)),
         Err(e) => return Outcome::checked(kind, Some(format!("{run_id} ({kind:?}): {e}"))),
     };
     let stored = match read_back(&client, &run_id, target.follows()).await {
@@ -411,7 +405,6 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
         Err(status) => {
             return Outcome {
                 retrievable: false,
-                tail_lost: lost,
                 ..Outcome::checked(kind, Some(format!("{run_id} ({kind:?}): GetRun failed: {status}")))
             };
         }
@@ -423,10 +416,12 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
         && stored.text.is_empty();
     if lost_at_start {
         return Outcome {
-            tail_lost: lost,
             lost_at_start,
             ..Outcome::checked(kind, None)
         };
+    }
+    if let Some(e) = lost {
+        return Outcome::checked(kind, Some(format!("{run_id} ({kind:?}): {e}")));
     }
     let mut mismatch = (seen != kind.expected() || !stored.text.starts_with(kind.kept())).then(|| {
         format!(
@@ -437,13 +432,6 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
             stored.failure_detail
         )
     });
-    if lost {
-        // What the log lacks cannot be replayed; the stored result was checked above.
-        return Outcome {
-            tail_lost: true,
-            ..Outcome::checked(kind, mismatch)
-        };
-    }
     if mismatch.is_none() && target.follows() && told(&streamed) != stored.text {
         mismatch = Some(format!(
             "{run_id} ({kind:?}): the caller's stream tells {:?}, the stored result {:?}",
@@ -734,7 +722,6 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
          | wall time | {:.1} s ({:.0} runs/s) |\n| runs not as their fault says, or whose AttachRun replay differs | {} |\n\
          | runs GetRun cannot find | {} |\n| runs / tool calls in flight after | {} / {} |\n\
          | replicas killed / drained while the runs went on | {} / {} |\n\
-         | runs whose last events a kill cut from the event log (DATA_LOSS to followers; GetRun whole) | {} |\n\
          | runs whose replica was killed before their first checkpoint (ORCHESTRATOR_LOST, no output) | {} |\n\
          | RSS after warm-up → peak → after | {} |\n",
         report.runs,
@@ -751,7 +738,6 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
         report.tool_calls_in_flight_after,
         report.replicas_killed,
         report.replicas_drained,
-        report.tails_lost,
         report.lost_at_start,
         match (report.rss_baseline_mib, report.rss_peak_mib, report.rss_after_mib) {
             (Some(baseline), Some(peak), Some(after)) => format!("{baseline:.1} → {peak:.1} → {after:.1} MiB"),

@@ -104,8 +104,13 @@ pub(crate) async fn spawn(launch: &Launch, listen: &str) -> anyhow::Result<Proce
     };
     let logs = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
     let kept = std::sync::Arc::clone(&logs);
+    let mut whole = whole_log(pid);
     tokio::spawn(async move {
         while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(file) = whole.as_mut() {
+                use std::io::Write;
+                let _ = writeln!(file, "{line}");
+            }
             let mut kept = shared::sync::lock(&kept);
             if kept.len() == KEPT_LOG_LINES {
                 kept.pop_front();
@@ -120,6 +125,24 @@ pub(crate) async fn spawn(launch: &Launch, listen: &str) -> anyhow::Result<Proce
         metrics,
         logs,
     })
+}
+
+/// Where the whole log of orchestrator `pid` goes when `BENCH_LOG_DIR` names a directory
+/// (`orchestrator-<pid>.log`): to read what replicas that were killed said.
+fn whole_log(pid: u32) -> Option<std::io::LineWriter<std::fs::File>> {
+    let dir = std::path::PathBuf::from(std::env::var_os("BENCH_LOG_DIR")?);
+    match std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::File::create(dir.join(format!("orchestrator-{pid}.log"))))
+    {
+        Ok(file) => Some(std::io::LineWriter::new(file)),
+        Err(e) => {
+            eprintln!(
+                "bench: cannot keep the log of orchestrator {pid} in {}: {e}",
+                dir.display()
+            );
+            None
+        }
+    }
 }
 
 /// The endpoint of an orchestrator at `address`, with wide HTTP/2 windows for streamed text.

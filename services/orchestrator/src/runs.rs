@@ -125,13 +125,21 @@ impl Admitted {
                 self._lease = self.persister.keep_lease();
                 // The id is this run's: its log starts now (a replay or a duplicate leaves the
                 // log of the run holding the id alone).
-                self.log = Some(self.runs.log.writer(&self.run_id));
+                self.log = Some(self.runs.log.writer(&self.run_id, 0));
                 Ok(self)
             }
             Claim::Taken(result) if !sees(caller, &result.principal) => Err(Refusal::Foreign),
             Claim::Taken(result) if result.status == RunStatus::Running => Err(Refusal::Duplicate),
             Claim::Taken(result) => Err(Refusal::Finished(result)),
         }
+    }
+
+    /// Stores `result` as the run's end: the run's log ends with it, its replica stopped before
+    /// its record said so. Nothing of it runs again.
+    async fn store_ended(self, result: RunResult) {
+        tracing::info!(run_id = %self.run_id, status = ?result.status, "the run had ended on the replica that stopped; its result is stored");
+        *shared::sync::lock(&self.state) = result;
+        self.persister.write_final().await;
     }
 
     /// The run as the loop takes it: `spec`, its stream's `emitter`, the `caller`'s sender to
@@ -273,10 +281,15 @@ impl Runs {
             let _ = within(self.store_timeout, journal.hand_over(run_id)).await;
             return Ok(None);
         };
+        let logged = self.log.last(run_id).await.map_err(|e| e.to_string())?;
+        if let Some(result) = logged.finished {
+            admitted.store_ended(result).await;
+            return Ok(None);
+        }
         *shared::sync::lock(&admitted.state) = checkpoint.result.clone();
         admitted._lease = admitted.persister.keep_lease();
-        let logged = self.log.last_seq(run_id).await.map_err(|e| e.to_string())?;
-        admitted.log = Some(self.log.writer(run_id));
+        admitted.log = Some(self.log.writer(run_id, logged.seq));
+        let logged = logged.seq;
         Ok(Some((admitted, Resumed { checkpoint, logged })))
     }
 
@@ -406,6 +419,9 @@ impl Runs {
                     Ok(Some(item)) => {
                         if let Ok(event) = &item {
                             w.last_seq = event.seq;
+                            if event.is_last() {
+                                w.runs.stored_end(&w.run_id, &w.caller, every).await;
+                            }
                         }
                         w.quiet_after_end = 0;
                         return Some((item, w));
@@ -429,6 +445,19 @@ impl Runs {
             }
         })
         .boxed()
+    }
+
+    /// Waits (at most `limit`) until the store says the run ended: a durable run's log holds its
+    /// end a moment before its record does, and a follower handed `run_finished` reads the
+    /// result with `GetRun` next.
+    async fn stored_end(&self, run_id: &str, caller: &Principal, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while tokio::time::Instant::now() < deadline {
+            if !matches!(self.get(run_id, caller).await, Ok(Some(r)) if r.status == RunStatus::Running) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Resolves once the run is not live on this replica and did not end here: at once for a

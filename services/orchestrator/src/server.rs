@@ -211,6 +211,7 @@ async fn open_event_log(config: &Config, connections: &mut NatsConnections) -> R
                 bounds: bounds(store.ttl),
                 flush_interval: store.event_log_flush_interval,
                 timeout: store.timeout,
+                retry_for: store.lease,
             };
             let log = NatsLog::open(client, &store.event_log_stream, options).await?;
             tracing::info!(nats = %url, stream = %store.event_log_stream, "run event logs in NATS JetStream");

@@ -124,7 +124,7 @@ fn moved_ends_unavailable(run_id: String, events: impl Stream<Item = NumberedEve
             None => {
                 t.done = true;
                 let message = format!(
-                    "run {:?} moved to another orchestrator replica; attach to it again after seq {}",
+                    "run {:?} moved to another orchestrator replica (or its event log could not keep its events); attach to it again after seq {}",
                     t.run_id, t.last_seq
                 );
                 Some((Err(Status::unavailable(message)), t))

@@ -534,6 +534,44 @@ async fn an_id_whose_run_died_before_its_first_checkpoint_can_be_claimed_again()
     Ok(())
 }
 
+/// A write of a replica's own that timed out there yet landed moves the record's revision on: its
+/// next write is not refused as if another replica had taken the run (a false fence would stop a
+/// healthy run). A write by another replica still fences it. (`a_late` writes as replica "a"
+/// without knowing its revisions, as a landed write does.)
+#[tokio::test]
+async fn a_replicas_own_landed_write_does_not_fence_it_and_another_replicas_does() -> TestResult {
+    use orchestrator::domain::ports::{Claim, StoreError};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let open = |owner: &str| {
+        KvStore::open(
+            &js,
+            "fenced-runs",
+            Duration::from_secs(60),
+            owner.into(),
+            Duration::from_secs(30),
+        )
+    };
+    let a = open("a").await.map_err(anyhow::Error::msg)?;
+    let a_late = open("a").await.map_err(anyhow::Error::msg)?;
+    let b = open("b").await.map_err(anyhow::Error::msg)?;
+    let mut run = RunResult::running("fenced");
+    assert!(matches!(a.claim(run.clone()).await, Ok(Claim::Claimed)));
+    run.text = "landed late".into();
+    a_late.put(run.clone()).await?;
+    run.text = "next write".into();
+    a.put(run.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("a false fence: {e}"))?;
+    b.put(run.clone()).await?;
+    let fenced = a.put(run).await;
+    assert!(
+        matches!(&fenced, Err(StoreError::Fenced { owner, .. }) if owner == "b"),
+        "{fenced:?}"
+    );
+    Ok(())
+}
+
 /// Two replicas share a NATS store. A run is started on both at once: exactly one runs it, the
 /// other answers ALREADY_EXISTS. Then the replica running it is killed (SIGKILL) while a tool call
 /// runs: once its lease lapses the other replica takes the run over from its checkpoint, sends
@@ -654,7 +692,7 @@ async fn follow_all(log: &dyn EventLog, run_id: &str, after: u64) -> anyhow::Res
 /// What both event logs do alike: a follower gets the logged events after its seq, then the live
 /// ones up to run_finished; a finished run replays from any seq.
 async fn log_suite(log: Arc<dyn EventLog>) -> TestResult {
-    let mut writer = log.writer("logged");
+    let mut writer = log.writer("logged", 0);
     writer.append(&[text_event(1, "a"), text_event(2, "b")]);
     let live = {
         let log = Arc::clone(&log);
@@ -680,6 +718,7 @@ async fn both_event_logs_pass_the_log_suite() -> TestResult {
         bounds: log_bounds(1 << 20),
         flush_interval: Duration::from_millis(20),
         timeout: Duration::from_secs(5),
+        retry_for: Duration::from_secs(2),
     };
     log_suite(Arc::new(
         NatsLog::open(async_nats::connect(nats.url()).await?, "SUITE_EVENTS", options).await?,
@@ -698,9 +737,10 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
         bounds: log_bounds(per_run),
         flush_interval: Duration::from_millis(50),
         timeout: Duration::from_secs(5),
+        retry_for: Duration::from_secs(2),
     };
     let log = NatsLog::open(client.clone(), "BOUND_EVENTS", options(1 << 20)).await?;
-    let mut writer = log.writer("gathered");
+    let mut writer = log.writer("gathered", 0);
     for seq in 1..=100 {
         writer.append(&[text_event(seq, "token ")]);
     }
@@ -715,7 +755,7 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
 
     // 10 KiB messages against a 25 KiB bound: the oldest go.
     let small = NatsLog::open(client, "BOUND_EVENTS", options(25 * 1024)).await?;
-    let mut writer = small.writer("trimmed");
+    let mut writer = small.writer("trimmed", 0);
     let chunk = "x".repeat(10 * 1024);
     for seq in 1..=5 {
         writer.append(&[text_event(seq, &chunk)]);
@@ -729,6 +769,188 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
     let rest: Vec<u64> = follow_all(&small, "trimmed", 4).await?.iter().map(|e| e.seq).collect();
     assert_eq!(rest, [5, 6]);
     Ok(())
+}
+
+/// A hole in a run's NATS log (a batch the writer's buffer or JetStream did not take) is a loss:
+/// the writer says its log is broken from there on (a durable run's caller is sent nothing past
+/// it), and a follower that reaches the hole is told so (DATA_LOSS), whether it started before it
+/// or right at it; never that the log was trimmed (OUT_OF_RANGE). A message JetStream keeps
+/// refusing is tried for `retry_for`, then given up as such a hole.
+#[tokio::test]
+async fn a_hole_in_the_nats_log_breaks_it_and_followers_are_told_of_the_loss() -> TestResult {
+    use orchestrator::domain::ports::Settled;
+    let nats = Nats::start().await?;
+    let client = async_nats::connect(nats.url()).await?;
+    let options = NatsLogOptions {
+        bounds: log_bounds(1 << 20),
+        flush_interval: Duration::from_millis(10),
+        timeout: Duration::from_secs(1),
+        retry_for: Duration::from_millis(300),
+    };
+    let log = NatsLog::open(client.clone(), "HOLED_EVENTS", options).await?;
+    let mut writer = log.writer("holed", 0);
+    let mut settled = writer
+        .settled()
+        .ok_or_else(|| anyhow::anyhow!("the NATS log settles in the background"))?;
+    let within = Duration::from_secs(10);
+    writer.append(&[text_event(1, "a"), text_event(2, "b")]);
+    tokio::time::timeout(within, settled.wait_for(|s| s.kept_through == 2)).await??;
+    writer.append(&[text_event(4, "d")]); // 3 never reached the writer
+    let broken = *tokio::time::timeout(within, settled.wait_for(|s| s.broken)).await??;
+    assert_eq!(
+        broken,
+        Settled {
+            kept_through: 2,
+            broken: true
+        }
+    );
+    writer.append(&[finished_event(5)]);
+    let last = tokio::time::timeout(within, async {
+        loop {
+            let last = log.last("holed").await?;
+            if last.seq == 5 {
+                return anyhow::Ok(last);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await??;
+    assert_eq!(
+        last.finished.map(|r| r.text),
+        Some("abc".to_owned()),
+        "the log's end is the run's end"
+    );
+    for after in [0, 2] {
+        let feed = log
+            .follow("holed", after)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no log"))?;
+        let got: Vec<_> = tokio::time::timeout(within, feed.collect::<Vec<_>>()).await?;
+        let seqs: Vec<u64> = got.iter().filter_map(|e| e.as_ref().ok().map(|e| e.seq)).collect();
+        assert_eq!(seqs, (after + 1..=2).collect::<Vec<_>>(), "from {after}");
+        assert!(
+            matches!(got.last(), Some(Err(LogError::Lost { after_seq: 2, .. }))),
+            "from {after}: {got:?}"
+        );
+    }
+
+    // JetStream refusing every publish (the stream is gone): tried for retry_for, then a hole.
+    jetstream::new(client).delete_stream("HOLED_EVENTS").await?;
+    let mut refused = log.writer("refused", 0);
+    let mut settled = refused
+        .settled()
+        .ok_or_else(|| anyhow::anyhow!("settles in the background"))?;
+    refused.append(&[text_event(1, "a")]);
+    let started = tokio::time::Instant::now();
+    let broken = *tokio::time::timeout(within, settled.wait_for(|s| s.broken)).await??;
+    assert_eq!(
+        broken,
+        Settled {
+            kept_through: 0,
+            broken: true
+        }
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "tried again for retry_for"
+    );
+    Ok(())
+}
+
+/// The crash window between a durable run's end reaching its log and its record: the record
+/// still reads RUNNING with a checkpoint (put back here as they were just before the end), the
+/// log ends with `run_finished`. The replica taking the run over stores that end instead of
+/// resuming: the model is not asked again, the checkpoint goes, and the log stays whole.
+#[tokio::test]
+async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestResult {
+    use mock_llm::{Scenario, Step, Turn};
+    let nats = Nats::start().await?;
+    let mock = mock_llm::MockLlm::start(Scenario::new(vec![
+        Turn::text("one ").then(Step::call("sleep", serde_json::json!({"ms": 300}))),
+        Turn::text("two"),
+    ]))
+    .await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let lease = ["--run-store-lease", "1s"];
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let (kv, checkpoints) = (
+        js.get_key_value("orchestrator-runs").await?,
+        js.get_object_store("orchestrator-runs-checkpoints").await?,
+    );
+    let key = "run.ended-late";
+    let mut revisions = kv.watch(key).await?;
+    // Keep the newest checkpoint while the run goes on.
+    let kept = {
+        let checkpoints = checkpoints.clone();
+        tokio::spawn(async move {
+            let mut kept = None;
+            for _ in 0..500 {
+                if let Ok(mut object) = checkpoints.get(key).await {
+                    let mut bytes = Vec::new();
+                    if tokio::io::AsyncReadExt::read_to_end(&mut object, &mut bytes)
+                        .await
+                        .is_ok()
+                    {
+                        kept = Some(bytes);
+                    }
+                } else if kept.is_some() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            kept
+        })
+    };
+    let request = pb::OrchestrateRequest {
+        run_id: "ended-late".into(),
+        ..testkit::user("go")
+    };
+    let ended = tokio::time::timeout(
+        Duration::from_secs(30),
+        orchestrate(&format!("http://{}", a.grpc), request),
+    )
+    .await??;
+    assert_eq!(ended.status(), pb::RunStatus::Completed);
+    a.stop().await?;
+    let checkpoint = kept.await?.ok_or_else(|| anyhow::anyhow!("no checkpoint was seen"))?;
+    let mut entries = Vec::new();
+    while let Ok(Some(entry)) = tokio::time::timeout(Duration::from_millis(500), revisions.next()).await {
+        entries.push(entry?);
+    }
+    anyhow::ensure!(entries.len() >= 2, "the record was written {} times", entries.len());
+    let running = entries[entries.len() - 2].value.clone();
+
+    // Back to the moment before the record said the run ended (its lease long lapsed).
+    checkpoints.put(key, &mut checkpoint.as_slice()).await?;
+    kv.put(key, running).await?;
+    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let b_url = format!("http://{}", b.grpc);
+    assert!(
+        b.logged("had ended on the replica that stopped", Duration::from_secs(10))
+            .await
+    );
+    let stored = get_run(&b_url, "ended-late").await?;
+    assert_eq!(
+        (stored.status(), stored.text.as_str()),
+        (pb::RunStatus::Completed, "one two")
+    );
+    assert_eq!(mock.requests().len(), 2, "nothing of the run ran again");
+    assert!(checkpoints.get(key).await.is_err(), "its checkpoint is gone");
+    let client = orchestrator_client::ClientBuilder::new(b_url.clone()).connect().await?;
+    let mut replay = client.attach("ended-late", 0).await?;
+    let mut finished = None;
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(10), replay.next_event()).await?? {
+        if let orchestrator_client::Event::Finished(result) = event {
+            finished = Some(result.status());
+        }
+    }
+    assert_eq!(
+        (finished, replay.text()),
+        (Some(pb::RunStatus::Completed), "one two"),
+        "the log is whole"
+    );
+    b.stop().await
 }
 
 /// NATS, the stand-in model playing `scenario`, a tool-runner, and two orchestrator processes

@@ -119,6 +119,14 @@ impl NumberedEvent {
     pub fn is_last(&self) -> bool {
         matches!(self.event, Event::RunFinished(_))
     }
+
+    /// The run's result, when this is `run_finished`.
+    pub fn finished(&self) -> Option<&super::RunResult> {
+        match &self.event {
+            Event::RunFinished(result) => Some(result),
+            _ => None,
+        }
+    }
 }
 
 /// Events sent to the caller's stream together (they leave in one write).

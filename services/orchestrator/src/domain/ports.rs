@@ -137,14 +137,43 @@ pub async fn within<T>(
 /// Where each run's events are kept, numbered, so a caller can re-attach (`AttachRun`) from the
 /// last `seq` it saw, on any replica that shares the log, for as long as results are kept.
 pub trait EventLog: Send + Sync + 'static {
-    /// The writer of a run's events; the run's log starts empty (a run id is claimed once).
-    fn writer(&self, run_id: &str) -> Box<dyn LogWriter>;
+    /// The writer of a run's events, appending after `logged`: 0 for a new run, whose log starts
+    /// empty (a run id is claimed once); the log's last seq for a run taken over from another
+    /// replica (only a shared log has one).
+    fn writer(&self, run_id: &str, logged: u64) -> Box<dyn LogWriter>;
     /// The run's events with `seq > after_seq`, then those appended later, up to and including
     /// `run_finished`. `Ok(None)`: this log has nothing of the run (unknown or expired).
     fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>>;
-    /// The seq of the last event the log keeps of the run (0 when none): where a replica taking
-    /// the run over continues.
-    fn last_seq(&self, run_id: &str) -> BoxFuture<'static, Result<u64, LogError>>;
+    /// The last event the log keeps of the run: where a replica taking the run over continues,
+    /// or the run's end when it finished before its record said so.
+    fn last(&self, run_id: &str) -> BoxFuture<'static, Result<Logged, LogError>>;
+}
+
+/// The end of a run's log.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Logged {
+    /// The seq of the last event kept (0 when none).
+    pub seq: u64,
+    /// The run's result when that event is `run_finished`: the run ended, though its replica
+    /// may have stopped before storing the result.
+    pub finished: Option<crate::domain::RunResult>,
+}
+
+/// How far a log written in the background has come with a run's events.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Settled {
+    /// Every event through this seq is in the log.
+    pub kept_through: u64,
+    /// The log lost events after `kept_through` (the backend refused them for too long, or the
+    /// writer's buffer was full): later events never settle.
+    pub broken: bool,
+}
+
+impl Settled {
+    /// Whether waiting for `seq` is over: it is kept, or it never will be.
+    pub fn resolved(&self, seq: u64) -> bool {
+        self.broken || self.kept_through >= seq
+    }
 }
 
 /// A run's events as a log hands them out: in `seq` order, without gaps, or an error that ends
@@ -157,9 +186,9 @@ pub type EventFeed = BoxStream<'static, Result<NumberedEvent, LogError>>;
 pub trait LogWriter: Send {
     /// Appends events numbered by the run's emitter, in order.
     fn append(&mut self, events: &[NumberedEvent]);
-    /// The seq through which the log has settled the events appended (kept them, or given up
-    /// on them), for a log written in the background; `None` when appending is settled at once.
-    fn settled(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+    /// How far the log has kept the events appended, for a log written in the background;
+    /// `None` when appending is settled at once.
+    fn settled(&self) -> Option<tokio::sync::watch::Receiver<Settled>> {
         None
     }
 }

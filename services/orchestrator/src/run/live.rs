@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::ports::LogWriter;
+use crate::domain::ports::{LogWriter, Settled};
 use crate::domain::{Event, EventBatch, NumberedEvent, RunResult, RunSpec, ToolCallError};
 use crate::run::persist::Persister;
 
@@ -135,24 +135,25 @@ impl Emitter {
         &self.queued
     }
 
-    /// Waits (at most `timeout`) until the log has settled every event sent so far, so a
-    /// checkpoint taken now never numbers past what the log holds.
-    pub(crate) fn settle_log(&self, timeout: Duration) -> impl Future<Output = ()> + Send + 'static {
-        let settled = self.log.as_ref().and_then(|log| log.settled());
-        let through = self.logged_through;
-        async move {
-            let Some(mut settled) = settled else { return };
-            if tokio::time::timeout(timeout, settled.wait_for(|s| *s >= through))
-                .await
-                .is_err()
-            {
-                tracing::warn!(through, "the event log did not settle in time; checkpointing anyway");
-            }
+    /// What waits (at most `timeout`) until the log keeps every event sent so far, so a
+    /// checkpoint taken then never numbers past what the log holds.
+    pub(crate) fn settler(&self, timeout: Duration) -> Settler {
+        Settler {
+            settled: self.log.as_ref().and_then(|log| log.settled()),
+            through: self.logged_through,
+            timeout,
         }
     }
 
-    /// Appends the queued events not logged yet to the run's event log.
-    fn log_queued(&mut self) {
+    /// Waits (see [`Emitter::settler`]).
+    pub(crate) fn settle_log(&self, timeout: Duration) -> impl Future<Output = ()> + Send + 'static {
+        let settler = self.settler(timeout);
+        async move { settler.wait().await }
+    }
+
+    /// Appends the queued events not logged yet to the run's event log now (they go to the
+    /// caller with the next flush).
+    pub(crate) fn log_queued(&mut self) {
         let (Some(log), Some(last)) = (&mut self.log, self.queued.last()) else {
             return;
         };
@@ -311,24 +312,53 @@ impl Emitter {
     }
 }
 
+/// Waits until a run's log keeps its events through a seq (or is broken), within a timeout.
+#[derive(Clone)]
+pub(crate) struct Settler {
+    settled: Option<tokio::sync::watch::Receiver<Settled>>,
+    through: u64,
+    timeout: Duration,
+}
+
+impl Settler {
+    /// Waits; a log that takes longer is logged and not waited for.
+    pub(crate) async fn wait(&self) {
+        let (Some(mut settled), through) = (self.settled.clone(), self.through) else {
+            return;
+        };
+        if tokio::time::timeout(self.timeout, settled.wait_for(|s| s.resolved(through)))
+            .await
+            .is_err()
+        {
+            tracing::warn!(through, "the event log did not settle in time; going on");
+        }
+    }
+}
+
 /// The caller's end of a durable run's stream: batches reach `caller` only once the run's event
-/// log has settled them (`settled`), so a caller never holds an event that a replica taking the
-/// run over would number differently. A caller that takes nothing for `send_timeout` is dropped.
+/// log keeps them (`settled`), so a caller never holds an event that a replica taking the run
+/// over would number differently. Once the log is broken the caller is sent what it keeps and its
+/// stream ends (re-attaching, it is told of the loss). A caller that takes nothing for
+/// `send_timeout` is dropped.
 pub fn gated(
     caller: mpsc::Sender<EventBatch>,
-    mut settled: tokio::sync::watch::Receiver<u64>,
+    mut settled: tokio::sync::watch::Receiver<Settled>,
     send_timeout: Duration,
 ) -> mpsc::Sender<EventBatch> {
     let (tx, mut rx) = mpsc::channel::<EventBatch>(caller.max_capacity());
     tokio::spawn(async move {
-        while let Some(batch) = rx.recv().await {
+        while let Some(mut batch) = rx.recv().await {
             let last = batch.last().map_or(0, |e| e.seq);
-            if settled.wait_for(|s| *s >= last).await.is_err() {
+            let Ok(now) = settled.wait_for(|s| s.resolved(last)).await.map(|s| *s) else {
+                return;
+            };
+            batch.retain(|e| e.seq <= now.kept_through);
+            if !batch.is_empty() && !matches!(tokio::time::timeout(send_timeout, caller.send(batch)).await, Ok(Ok(())))
+            {
                 return;
             }
-            match tokio::time::timeout(send_timeout, caller.send(batch)).await {
-                Ok(Ok(())) => {}
-                _ => return,
+            if now.kept_through < last {
+                return;
             }
         }
     });
@@ -365,4 +395,59 @@ pub struct Handoff {
     pub at_safe_point: CancellationToken,
     /// Hand over now.
     pub now: CancellationToken,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::sync::{mpsc, watch};
+
+    use super::gated;
+    use crate::domain::ports::Settled;
+    use crate::domain::{Event, NumberedEvent};
+
+    fn text(seq: u64) -> NumberedEvent {
+        NumberedEvent {
+            seq,
+            event: Event::TextDelta {
+                text: seq.to_string(),
+                turn: 1,
+            },
+        }
+    }
+
+    fn kept(through: u64, broken: bool) -> Settled {
+        Settled {
+            kept_through: through,
+            broken,
+        }
+    }
+
+    /// A durable run's caller gets a batch once the log keeps it; once the log is broken, what
+    /// it keeps of the batch and then the end of the stream (never an event the log lacks).
+    #[tokio::test]
+    async fn the_gate_sends_what_the_log_keeps_and_ends_at_a_hole() {
+        let (caller, mut received) = mpsc::channel(8);
+        let (settled, rx) = watch::channel(kept(0, false));
+        let gate = gated(caller, rx, Duration::from_secs(5));
+        gate.send(vec![text(1), text(2)]).await.unwrap();
+        gate.send(vec![text(3), text(4)]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(received.try_recv().is_err(), "nothing before the log keeps it");
+        settled.send_replace(kept(2, false));
+        let first = tokio::time::timeout(Duration::from_secs(5), received.recv())
+            .await
+            .unwrap();
+        assert_eq!(first.map(|b| b.len()), Some(2));
+        settled.send_replace(kept(3, true));
+        let rest = tokio::time::timeout(Duration::from_secs(5), received.recv())
+            .await
+            .unwrap();
+        assert_eq!(rest.map(|b| b.iter().map(|e| e.seq).collect::<Vec<_>>()), Some(vec![3]));
+        let end = tokio::time::timeout(Duration::from_secs(5), received.recv())
+            .await
+            .unwrap();
+        assert!(end.is_none(), "the stream ends at the hole");
+    }
 }

@@ -25,7 +25,8 @@ pub struct Persister {
     timeout: Duration,
     backlog: Arc<Backlog>,
     journal: Option<Arc<dyn RunJournal>>,
-    /// Cancelled once a write was refused because another replica owns the run.
+    /// Cancelled once a write was refused because another replica owns the run, or the run was
+    /// handed over: nothing of it is written from here after that.
     taken_over: CancellationToken,
 }
 
@@ -130,6 +131,9 @@ impl Persister {
         let run_id = self.snapshot().run_id;
         let handed = within(self.timeout, journal.hand_over(&run_id)).await;
         self.outcome(&run_id, "handing the run over", handed);
+        // The run is another replica's now: no write of it leaves here any more (a lease
+        // renewal would take the record back).
+        self.taken_over.cancel();
     }
 
     /// Forgets the run's checkpoint once its final result is stored.

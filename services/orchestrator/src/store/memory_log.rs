@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::{Follower as _, LogBounds};
 use crate::domain::NumberedEvent;
-use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter};
+use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, Logged};
 
 /// One run's events.
 struct RunLog {
@@ -144,14 +144,15 @@ impl Drop for Writer {
 }
 
 impl EventLog for MemoryLog {
-    fn writer(&self, run_id: &str) -> Box<dyn LogWriter> {
+    fn writer(&self, run_id: &str, logged: u64) -> Box<dyn LogWriter> {
         let mut inner = self.lock();
         inner.generations += 1;
         let generation = inner.generations;
         let log = RunLog {
             events: VecDeque::new(),
             bytes: 0,
-            trimmed_through: 0,
+            // Events before it are not here.
+            trimmed_through: logged,
             finished: false,
             abandoned: false,
             changed: watch::Sender::new(()),
@@ -167,12 +168,21 @@ impl EventLog for MemoryLog {
         })
     }
 
-    fn last_seq(&self, run_id: &str) -> BoxFuture<'static, Result<u64, LogError>> {
+    fn last(&self, run_id: &str) -> BoxFuture<'static, Result<Logged, LogError>> {
         let last = self
             .lock()
             .runs
             .get(run_id)
-            .map_or(0, |log| log.events.back().map_or(log.trimmed_through, |e| e.seq));
+            .map_or_else(Logged::default, |log| match log.events.back() {
+                Some(event) => Logged {
+                    seq: event.seq,
+                    finished: event.finished().cloned(),
+                },
+                None => Logged {
+                    seq: log.trimmed_through,
+                    finished: None,
+                },
+            });
         futures::future::ready(Ok(last)).boxed()
     }
 
@@ -333,7 +343,7 @@ mod tests {
     #[tokio::test]
     async fn a_follower_gets_what_was_logged_then_what_comes_up_to_run_finished() {
         let log = MemoryLog::new(bounds(1 << 20));
-        let mut writer = log.writer("r");
+        let mut writer = log.writer("r", 0);
         writer.append(&[text(1, 3), text(2, 3)]);
         let feed = log.follow("r", 1).await.unwrap().unwrap();
         let collected = tokio::spawn(seqs(feed));
@@ -354,7 +364,7 @@ mod tests {
     async fn past_its_bound_a_runs_log_drops_its_oldest_events_and_says_so() {
         // Each event weighs 64 + 1000 bytes: three fit in 4 KiB, four do not.
         let log = MemoryLog::new(bounds(4096));
-        let mut writer = log.writer("r");
+        let mut writer = log.writer("r", 0);
         for seq in 1..=3 {
             writer.append(&[text(seq, 1000)]);
         }
@@ -375,7 +385,7 @@ mod tests {
     #[tokio::test]
     async fn a_writer_gone_without_run_finished_ends_its_followers_with_an_error() {
         let log = MemoryLog::new(bounds(1 << 20));
-        let mut writer = log.writer("r");
+        let mut writer = log.writer("r", 0);
         writer.append(&[text(1, 3)]);
         let feed = log.follow("r", 0).await.unwrap().unwrap();
         drop(writer);
@@ -393,7 +403,7 @@ mod tests {
             keep_for: Duration::from_secs(60),
         });
         for id in ["a", "b", "c"] {
-            log.writer(id).append(&[text(1, 1000)]);
+            log.writer(id, 0).append(&[text(1, 1000)]);
         }
         // Only two ended logs are kept.
         assert!(log.follow("a", 0).await.unwrap().is_none());
@@ -401,8 +411,8 @@ mod tests {
         tokio::time::advance(Duration::from_secs(61)).await;
         assert!(log.follow("c", 0).await.unwrap().is_none(), "older than keep_for");
         // Live logs count toward the total: the oldest ended one goes first.
-        let mut live = log.writer("live");
-        log.writer("ended").append(&[text(1, 1000), finished(2)]);
+        let mut live = log.writer("live", 0);
+        log.writer("ended", 0).append(&[text(1, 1000), finished(2)]);
         live.append(&[text(1, 1000)]);
         live.append(&[text(2, 1000)]);
         live.append(&[text(3, 1000)]);

@@ -220,7 +220,7 @@ impl KvStore {
     /// when it owns the run (refused [`StoreError::Fenced`] when another replica took it), a plain
     /// put otherwise. A final record ends this replica's ownership.
     pub(super) fn write(&self, key: String, record: Record) -> BoxFuture<'static, Result<(), StoreError>> {
-        let (kv, owned) = (self.kv.clone(), Arc::clone(&self.owned));
+        let (kv, owned, owner) = (self.kv.clone(), Arc::clone(&self.owned), self.owner.clone());
         let last = shared::sync::lock(&owned).get(&key).copied();
         let running = record.running();
         async move {
@@ -232,7 +232,7 @@ impl KvStore {
                     .map(|_| ())
                     .map_err(|e| unavailable("KV put", &key, e));
             };
-            match kv.update(&key, bytes, last.revision).await {
+            match update_owned(&kv, &key, bytes, last.revision, &owner).await {
                 Ok(revision) => {
                     let mut owned = shared::sync::lock(&owned);
                     if running {
@@ -242,25 +242,57 @@ impl KvStore {
                     }
                     Ok(())
                 }
-                Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => {
+                Err(e @ StoreError::Fenced { .. }) => {
                     shared::sync::lock(&owned).remove(&key);
-                    Err(fenced(&kv, &key).await)
+                    Err(e)
                 }
-                Err(e) => Err(unavailable("KV update", &key, e)),
+                Err(e) => Err(e),
             }
         }
         .boxed()
     }
 }
 
-/// The refusal of a write to a run another replica took over, naming that replica.
-async fn fenced(kv: &jetstream::kv::Store, key: &str) -> StoreError {
-    let owner = match kv.get(key).await {
-        Ok(Some(bytes)) => Record::decode(bytes.as_ref()).map_or_else(|_| "another replica".to_owned(), |r| r.owner),
-        _ => "another replica".to_owned(),
-    };
-    let run_id = key.strip_prefix("run.").unwrap_or(key).to_owned();
-    StoreError::Fenced { run_id, owner }
+/// A compare-and-set of a record this replica (`owner`) owns, on the revision it wrote last; the
+/// new revision. A revision moved on by a write of this replica's own (one that timed out here,
+/// yet landed) is taken as the last one; moved on by another replica, the write is fenced.
+async fn update_owned(
+    kv: &jetstream::kv::Store,
+    key: &str,
+    bytes: bytes::Bytes,
+    revision: u64,
+    owner: &str,
+) -> Result<u64, StoreError> {
+    match kv.update(key, bytes.clone(), revision).await {
+        Ok(revision) => return Ok(revision),
+        Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => {}
+        Err(e) => return Err(unavailable("KV update", key, e)),
+    }
+    let entry = kv.entry(key).await.map_err(|e| unavailable("KV entry", key, e))?;
+    let current = entry.and_then(|entry| Some((Record::decode(entry.value.as_ref()).ok()?, entry.revision)));
+    match current {
+        Some((record, revision)) if record.owner == owner && record.running() => {
+            kv.update(key, bytes, revision).await.map_err(|e| match e.kind() {
+                jetstream::kv::UpdateErrorKind::WrongLastRevision => StoreError::Fenced {
+                    run_id: run_id_of(key),
+                    owner: "another replica".to_owned(),
+                },
+                _ => unavailable("KV update", key, e),
+            })
+        }
+        Some((record, _)) => Err(StoreError::Fenced {
+            run_id: run_id_of(key),
+            owner: record.owner,
+        }),
+        None => Err(StoreError::Fenced {
+            run_id: run_id_of(key),
+            owner: "another replica".to_owned(),
+        }),
+    }
+}
+
+fn run_id_of(key: &str) -> String {
+    key.strip_prefix("run.").unwrap_or(key).to_owned()
 }
 
 pub(super) fn decode_record(key: &str, bytes: &[u8]) -> Result<Record, StoreError> {

@@ -48,18 +48,36 @@ impl RunJournal for KvStore {
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<(), StoreError>> {
         let key = key(&result.run_id);
-        if let Some(owned) = self.owned().get_mut(&key) {
-            owned.resumable_until_unix_ms = deadline_unix_ms;
-        }
+        let first = match self.owned().get_mut(&key) {
+            Some(owned) => {
+                let first = owned.resumable_until_unix_ms == 0;
+                owned.resumable_until_unix_ms = deadline_unix_ms;
+                first
+            }
+            None => true,
+        };
         let record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
         let write = self.write(key.clone(), record);
         let checkpoints = self.checkpoints.clone();
-        async move {
+        let put = async move {
             checkpoints
                 .put(key.as_str(), &mut checkpoint.as_slice())
                 .await
-                .map_err(|e| unavailable("checkpoint put", &key, e))?;
-            write.await
+                .map(|_| ())
+                .map_err(|e| unavailable("checkpoint put", &key, e))
+        };
+        async move {
+            if first {
+                // Nothing takes a run over before its record says it can be resumed: the
+                // checkpoint goes first, so such a record always has one.
+                put.await?;
+                write.await
+            } else {
+                // The record first: a replica whose run was taken over is refused there (fenced)
+                // and never overwrites the new owner's checkpoint with an older one.
+                write.await?;
+                put.await
+            }
         }
         .boxed()
     }

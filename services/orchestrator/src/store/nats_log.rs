@@ -9,9 +9,12 @@
 //! once) into one message
 //! (a `LogBatch` of `orchestrator.v1.OrchestrateEvent`s, cut below the server's largest payload),
 //! never one publish per token. Each message carries `Nats-Msg-Id: <run>/<first seq>`, so a
-//! retried publish is stored once. A run's log is bounded by `--event-log-max-bytes`: past it the
-//! subject is purged down to its newest messages. A batch the channel or JetStream did not take is
-//! counted and logged; a follower sees the gap and is told so.
+//! retried publish is stored once; a message JetStream does not acknowledge is tried again for a
+//! lease (`--run-store-lease`, at least three attempts), the batches behind it waiting. A run's log
+//! is bounded by `--event-log-max-bytes`: past it the subject is purged down to its newest
+//! messages. A batch the channel or JetStream did not take is a hole: it is counted and logged,
+//! the writer's [`Settled`] says the log is broken from there on (a durable run's caller is sent
+//! nothing past it), and a follower that reaches it is told so (`DATA_LOSS`).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -26,14 +29,16 @@ use tokio::time::Instant;
 
 use super::{Follower as _, LogBounds};
 use crate::convert::event_pb;
-use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, StoreError};
+use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, Logged, Settled, StoreError};
 use crate::domain::{EventBatch, NumberedEvent};
 use crate::telemetry::metric;
 
 /// Event batches one run's writer holds for its publishing task.
 const WRITER_BUFFER: usize = 4096;
-/// Publish attempts of one message.
+/// Publish attempts of one message, at least.
 const PUBLISH_ATTEMPTS: u32 = 3;
+/// Longest pause between two attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// Room left in a message below the server's largest payload, for headers.
 const HEADER_ROOM: usize = 4096;
 
@@ -53,6 +58,9 @@ pub struct NatsLogOptions {
     pub flush_interval: Duration,
     /// How long one publish waits for JetStream's acknowledgement.
     pub timeout: Duration,
+    /// How long a message is tried again before it is given up (the store's lease: past it,
+    /// another replica takes the run over anyway).
+    pub retry_for: Duration,
 }
 
 /// See the module docs.
@@ -110,7 +118,7 @@ impl NatsLog {
 struct Writer {
     tx: mpsc::Sender<EventBatch>,
     run_id: String,
-    settled: watch::Receiver<u64>,
+    settled: watch::Receiver<Settled>,
 }
 
 impl LogWriter for Writer {
@@ -122,23 +130,28 @@ impl LogWriter for Writer {
         }
     }
 
-    fn settled(&self) -> Option<watch::Receiver<u64>> {
+    fn settled(&self) -> Option<watch::Receiver<Settled>> {
         Some(self.settled.clone())
     }
 }
 
 impl EventLog for NatsLog {
-    fn writer(&self, run_id: &str) -> Box<dyn LogWriter> {
+    fn writer(&self, run_id: &str, logged: u64) -> Box<dyn LogWriter> {
         let (tx, rx) = mpsc::channel(WRITER_BUFFER);
+        let start = Settled {
+            kept_through: logged,
+            broken: false,
+        };
+        let (settled_tx, settled) = watch::channel(start);
         let publisher = Publisher {
             log: self.clone(),
             subject: self.subject(run_id),
             run_id: run_id.to_owned(),
             kept: VecDeque::new(),
             kept_bytes: 0,
+            settled: settled_tx,
         };
-        let (settled_tx, settled) = watch::channel(0);
-        tokio::spawn(publisher.run(rx, settled_tx));
+        tokio::spawn(publisher.run(rx));
         Box::new(Writer {
             tx,
             run_id: run_id.to_owned(),
@@ -146,7 +159,7 @@ impl EventLog for NatsLog {
         })
     }
 
-    fn last_seq(&self, run_id: &str) -> BoxFuture<'static, Result<u64, LogError>> {
+    fn last(&self, run_id: &str) -> BoxFuture<'static, Result<Logged, LogError>> {
         let (stream, subject, run_id) = (self.stream.clone(), self.subject(run_id), run_id.to_owned());
         let timeout = self.options.timeout;
         async move {
@@ -159,12 +172,21 @@ impl EventLog for NatsLog {
                 .map_err(|_| unavailable("no answer in time".to_owned()))?;
             let message = match read {
                 Ok(message) => message,
-                Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => return Ok(0),
+                Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
+                    return Ok(Logged::default());
+                }
                 Err(e) => return Err(unavailable(e.to_string())),
             };
             let batch = LogBatch::decode(message.payload.as_ref())
                 .map_err(|e| unavailable(format!("the last log message is not a batch of events: {e}")))?;
-            Ok(batch.events.last().map_or(0, |e| e.seq))
+            let Some(last) = batch.events.into_iter().last() else {
+                return Ok(Logged::default());
+            };
+            let last = NumberedEvent::try_from(last).map_err(|e| unavailable(format!("the last logged event: {e}")))?;
+            Ok(Logged {
+                seq: last.seq,
+                finished: last.finished().cloned(),
+            })
         }
         .boxed()
     }
@@ -190,6 +212,7 @@ impl EventLog for NatsLog {
                 run_id: run_id.clone(),
                 after_seq,
                 cursor: after_seq,
+                read_any: false,
                 ready: VecDeque::new(),
                 done: false,
             };
@@ -199,6 +222,9 @@ impl EventLog for NatsLog {
     }
 }
 
+/// One message of a run's log: the seq of its first event, its payload, the seq of its last.
+type LogMessage = (u64, Vec<u8>, u64);
+
 /// One run's publishing task.
 struct Publisher {
     log: NatsLog,
@@ -207,15 +233,16 @@ struct Publisher {
     /// Sizes of the messages of this run the stream keeps, oldest first.
     kept: VecDeque<usize>,
     kept_bytes: usize,
+    settled: watch::Sender<Settled>,
 }
 
 impl Publisher {
     /// Publishes the writer's batches, until the writer is gone: a batch that finds the task idle
     /// goes at once; batches that arrive while a publish is under way, or within the flush
     /// interval after it, go together in the next one (a group commit). `run_finished` goes at
-    /// once. After each publish the settled seq moves on (kept or given up on), which is when a
-    /// durable run's caller is sent those events.
-    async fn run(mut self, mut rx: mpsc::Receiver<EventBatch>, settled: watch::Sender<u64>) {
+    /// once. After each publish the log has kept the run's events through a later seq (which is
+    /// when a durable run's caller is sent them), or is broken.
+    async fn run(mut self, mut rx: mpsc::Receiver<EventBatch>) {
         let mut next_publish = Instant::now();
         while let Some(mut events) = rx.recv().await {
             while !events.last().is_some_and(NumberedEvent::is_last) {
@@ -227,41 +254,59 @@ impl Publisher {
                     () = tokio::time::sleep_until(next_publish) => break,
                 }
             }
-            let last = events.last().map_or(0, |e| e.seq);
-            for message in self.messages(events) {
-                self.publish(message).await;
+            for (first, payload, last) in self.messages(events) {
+                let kept = self.publish(first, payload).await;
+                self.settle(first, last, kept);
             }
-            settled.send_replace(last);
             next_publish = Instant::now() + self.log.options.flush_interval;
         }
     }
 
     /// The events as messages of at most the server's largest payload (an event larger than
     /// that alone is a message of its own, which the server refuses: a gap followers see).
-    fn messages(&self, events: EventBatch) -> Vec<(u64, Vec<u8>)> {
+    fn messages(&self, events: EventBatch) -> Vec<LogMessage> {
         let mut messages = Vec::new();
         let mut batch = LogBatch { events: Vec::new() };
-        let mut first_seq = 0;
+        let (mut first_seq, mut last_seq) = (0, 0);
         for event in events {
             let seq = event.seq;
             let event = event_pb(&self.run_id, seq, event.event);
             if !batch.events.is_empty() && batch.encoded_len() + event.encoded_len() + 8 > self.log.max_message_bytes {
-                messages.push((first_seq, std::mem::take(&mut batch).encode_to_vec()));
+                messages.push((first_seq, std::mem::take(&mut batch).encode_to_vec(), last_seq));
             }
             if batch.events.is_empty() {
                 first_seq = seq;
             }
+            last_seq = seq;
             batch.events.push(event);
         }
         if !batch.events.is_empty() {
-            messages.push((first_seq, batch.encode_to_vec()));
+            messages.push((first_seq, batch.encode_to_vec(), last_seq));
         }
         messages
     }
 
-    /// Publishes one message (a few attempts, each awaiting its acknowledgement), then keeps the
-    /// run's log within its bound.
-    async fn publish(&mut self, (first_seq, payload): (u64, Vec<u8>)) {
+    /// Moves the settled mark on past a message of the events `first..=last`: kept and right
+    /// after what was kept before, the log holds them; otherwise (refused, or after a batch the
+    /// writer's buffer dropped) the log is broken from there on.
+    fn settle(&self, first: u64, last: u64, kept: bool) {
+        self.settled.send_modify(|settled| {
+            if settled.broken {
+                return;
+            }
+            if kept && first <= settled.kept_through + 1 {
+                settled.kept_through = settled.kept_through.max(last);
+            } else {
+                settled.broken = true;
+                tracing::warn!(run_id = %self.run_id, after_seq = settled.kept_through, "the run's event log has a hole: followers are told of the loss there");
+            }
+        });
+    }
+
+    /// Publishes one message, trying again (with backoff) until JetStream acknowledges it or
+    /// `retry_for` passed (at least [`PUBLISH_ATTEMPTS`] times), then keeps the run's log within
+    /// its bound; whether it was kept.
+    async fn publish(&mut self, first_seq: u64, payload: Vec<u8>) -> bool {
         let size = payload.len();
         let payload = bytes::Bytes::from(payload);
         let mut headers = async_nats::HeaderMap::new();
@@ -269,21 +314,23 @@ impl Publisher {
             async_nats::header::NATS_MESSAGE_ID,
             format!("{}/{first_seq}", self.run_id).as_str(),
         );
-        let mut error = String::new();
-        for attempt in 0..PUBLISH_ATTEMPTS {
-            if attempt > 0 {
-                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-            }
+        let give_up = Instant::now() + self.log.options.retry_for;
+        let mut attempt = 0;
+        let error = loop {
             match self.try_publish(&headers, payload.clone()).await {
                 Ok(()) => {
                     self.keep_within_bound(size).await;
-                    return;
+                    return true;
                 }
-                Err(e) => error = e,
+                Err(e) if attempt + 1 >= PUBLISH_ATTEMPTS && Instant::now() >= give_up => break e,
+                Err(_) => {}
             }
-        }
+            attempt += 1;
+            tokio::time::sleep((Duration::from_millis(100) * 2u32.saturating_pow(attempt)).min(MAX_BACKOFF)).await;
+        };
         metrics::counter!(metric::EVENT_LOG_DROPPED).increment(1);
-        tracing::warn!(run_id = %self.run_id, first_seq, "the event log did not keep a batch of events: {error}");
+        tracing::warn!(run_id = %self.run_id, first_seq, attempts = attempt + 1, "the event log did not keep a batch of events: {error}");
+        false
     }
 
     async fn try_publish(&self, headers: &async_nats::HeaderMap, payload: bytes::Bytes) -> Result<(), String> {
@@ -327,6 +374,8 @@ struct Follower {
     after_seq: u64,
     /// The last seq handed out.
     cursor: u64,
+    /// An event was read from the log: a gap after it is a loss, not the log's trimmed start.
+    read_any: bool,
     ready: VecDeque<NumberedEvent>,
     done: bool,
 }
@@ -338,7 +387,9 @@ impl super::Follower for Follower {
                 return None;
             }
             if let Some(event) = self.ready.pop_front() {
-                match self.check(&event) {
+                let checked = self.check(&event);
+                self.read_any = true;
+                match checked {
                     Ok(true) => {
                         self.cursor = event.seq;
                         self.done = event.is_last();
@@ -382,7 +433,7 @@ impl Follower {
         if event.seq == self.cursor + 1 {
             return Ok(true);
         }
-        if self.cursor == self.after_seq {
+        if !self.read_any {
             return Err(LogError::Trimmed {
                 run_id: self.run_id.clone(),
                 after_seq: self.after_seq,

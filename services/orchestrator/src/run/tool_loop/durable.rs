@@ -4,7 +4,8 @@
 //! The safe points of a turn: (a) its calls are assembled and announced, (b) each call finished,
 //! (c) the turn ended. At (a) and (c) the loop waits until the event log holds every event sent,
 //! writes the checkpoint with the events it has numbered but not sent (the outbox), then sends
-//! them; at (b) it writes the checkpoint with the call's outcome before that outcome is reported.
+//! them; at (b) it waits until the log holds the calls' announcement, then writes the checkpoint
+//! with the call's outcome before that outcome is reported.
 //! So the log never holds an event the checkpoint does not account for, except the text of a
 //! turn still streaming: a replica that resumes after (c) and finds such events in the log
 //! restarts that turn and says so (`turn_restarted`).
@@ -16,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::{CallOutcome, Driver, End, Partition, Spend, Step, Turn};
 use crate::domain::{Event, NumberedEvent, RunResult, RunSpec};
 use crate::llm::Message;
+use crate::run::live::Settler;
 use crate::run::persist::{Persister, Snapshot};
 
 /// Everything another replica needs to resume a run at a safe point.
@@ -84,11 +86,15 @@ pub struct Resumed {
 pub(super) struct CallRecorder {
     base: Mutex<Checkpoint>,
     persister: Persister,
+    /// The calls' announcement may still be on its way to the log: a checkpoint that says it
+    /// was sent waits until the log keeps it.
+    settler: Settler,
 }
 
 impl CallRecorder {
     /// Adds `outcome` to the checkpoint and saves it (the newest state is written last).
     pub(super) async fn finished(&self, outcome: &CallOutcome) {
+        self.settler.wait().await;
         self.persister
             .save(|| {
                 let mut base = shared::sync::lock(&self.base);
@@ -158,6 +164,7 @@ impl Driver<'_> {
         Some(Arc::new(CallRecorder {
             base: Mutex::new(self.checkpoint(Some(calls))),
             persister,
+            settler: self.emitter.settler(self.deps.log_settle_timeout),
         }))
     }
 

@@ -151,14 +151,21 @@ async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) 
     }
     let result = settle(&state, end, &cancel);
     telemetry::record_run_end(&result, started.elapsed());
-    // The result is stored before the stream ends, so GetRun (on any replica) finds it.
+    emitter.queue(Event::RunFinished(result.clone()));
     if let Some(persister) = &persister {
+        if persister.durable() {
+            // A durable run's log holds its end before its record does: a replica that takes
+            // the run over in between finds the end there and stores it, so the log is whole.
+            emitter.log_queued();
+            emitter.settle_log(deps.log_settle_timeout).await;
+        }
+        // The result is stored before the stream ends, so GetRun (on any replica) finds it.
         persister.write_final().await;
     }
     // The slot counts running work: it is free before the last event is delivered, which a
     // caller that reads nothing holds up to the event send timeout.
     drop(slot);
-    emitter.send(Event::RunFinished(result.clone())).await;
+    emitter.flush().await;
     result
 }
 

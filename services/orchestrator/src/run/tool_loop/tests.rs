@@ -174,6 +174,8 @@ struct Outside {
     journal: Option<Arc<Journal>>,
     /// The run resumes from this checkpoint instead of starting.
     resumed: Option<Resumed>,
+    /// The run's event log.
+    log: Option<Box<dyn crate::domain::ports::LogWriter>>,
 }
 
 impl Default for Outside {
@@ -189,6 +191,7 @@ impl Default for Outside {
             send_reasoning: false,
             journal: None,
             resumed: None,
+            log: None,
         }
     }
 }
@@ -224,7 +227,7 @@ async fn play_with(
     let on_stall = outside.attached.then(|| cancel.clone());
     let admitted = AdmittedRun {
         spec: spec(limits),
-        emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall),
+        emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall).with_log(outside.log),
         state: Arc::clone(&state),
         cancel: cancel.clone(),
         caller: None,
@@ -901,10 +904,31 @@ async fn output_bytes_on_both_sides_of_the_limit_and_while_held() {
 
 // Durable runs: the checkpoints a run saves, and a run resumed from each kind of safe point.
 
-/// A run journal in memory: keeps every checkpoint saved, in order.
+/// A run journal in memory: keeps every checkpoint saved, in order, with how far the run's log
+/// (when it watches one) had kept the events then.
 #[derive(Default)]
 struct Journal {
     saved: Mutex<Vec<Vec<u8>>>,
+    log: Option<tokio::sync::watch::Receiver<crate::domain::ports::Settled>>,
+    kept_at_save: Mutex<Vec<u64>>,
+}
+
+/// An event log that keeps each batch appended 30 ms later (a publish and its acknowledgement).
+struct SlowLog {
+    settled: tokio::sync::watch::Sender<crate::domain::ports::Settled>,
+}
+
+impl crate::domain::ports::LogWriter for SlowLog {
+    fn append(&mut self, events: &[NumberedEvent]) {
+        let (settled, last) = (self.settled.clone(), events.last().map_or(0, |e| e.seq));
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            settled.send_modify(|s| s.kept_through = s.kept_through.max(last));
+        });
+    }
+    fn settled(&self) -> Option<tokio::sync::watch::Receiver<crate::domain::ports::Settled>> {
+        Some(self.settled.subscribe())
+    }
 }
 
 impl Journal {
@@ -925,6 +949,9 @@ impl crate::domain::ports::RunJournal for Journal {
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
         self.saved.lock().unwrap().push(checkpoint);
+        if let Some(log) = &self.log {
+            self.kept_at_save.lock().unwrap().push(log.borrow().kept_through);
+        }
         futures::future::ready(Ok(())).boxed()
     }
     fn forget(&self, _run_id: &str) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
@@ -1130,4 +1157,34 @@ async fn a_run_resumed_before_its_announcement_reached_the_log_sends_it_with_the
     started.sort();
     assert_eq!(started, ["id0", "id1"], "both calls run, with the same call ids");
     assert_eq!(result.status, RunStatus::Completed);
+}
+
+/// A checkpoint never says an event was sent that the log does not keep yet: the calls'
+/// announcement is still on its way to the log when the first call finishes (the log takes 30 ms,
+/// the call 10 ms), and the call's checkpoint waits for it. Otherwise a replica resuming from it
+/// would leave the announcement out of the log for good.
+#[tokio::test(start_paused = true)]
+async fn a_call_checkpoint_waits_until_the_log_keeps_the_announcement() {
+    let (settled, watched) = tokio::sync::watch::channel(crate::domain::ports::Settled::default());
+    let journal = Arc::new(Journal {
+        log: Some(watched),
+        ..Journal::default()
+    });
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        log: Some(Box::new(SlowLog { settled })),
+        ..Outside::default()
+    };
+    let (result, _, _, _) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Completed);
+    let kept = journal.kept_at_save.lock().unwrap().clone();
+    let checkpoints = journal.checkpoints();
+    assert_eq!(kept.len(), checkpoints.len());
+    for (checkpoint, kept) in checkpoints.iter().zip(kept) {
+        let sent_through = checkpoint.outbox.first().map_or(checkpoint.seq, |e| e.seq - 1);
+        assert!(
+            sent_through <= kept,
+            "a checkpoint says events through {sent_through} were sent; the log kept {kept}"
+        );
+    }
 }
