@@ -47,6 +47,15 @@ pub struct RunSettings {
     /// still receives its result (cap 10s).
     #[arg(long, env = "ORCHESTRATOR_DEADLINE_HEADROOM", default_value = "200ms", value_parser = parse_duration)]
     pub deadline_headroom: Duration,
+    /// How long a run gathers the model's text and reasoning into one event, reading the model's
+    /// stream once per interval (0: each read's text goes at once). The first delta of each turn,
+    /// tool-call events and run_finished always go at once; a request may ask for its own
+    /// (params.stream_interval_ms) up to --stream-interval-ceiling (cap: the ceiling).
+    #[arg(long, env = "ORCHESTRATOR_STREAM_INTERVAL", default_value = "0ms", value_parser = parse_duration)]
+    pub stream_interval: Duration,
+    /// Longest stream interval a request may ask for (cap 1s).
+    #[arg(long, env = "ORCHESTRATOR_STREAM_INTERVAL_CEILING", default_value = "200ms", value_parser = parse_duration)]
+    pub stream_interval_ceiling: Duration,
     #[allow(missing_docs)]
     #[command(flatten)]
     pub output: OutputSettings,
@@ -68,6 +77,18 @@ impl Bounded for RunSettings {
             bound("max_caller_event_bytes", self.max_caller_event_bytes, KIB, 3 * MIB),
             bound("max_tool_result_bytes", self.max_tool_result_bytes, 256usize, 16 * MIB),
             bound("deadline_headroom", self.deadline_headroom, Duration::ZERO, secs(10)),
+            bound(
+                "stream_interval_ceiling",
+                self.stream_interval_ceiling,
+                Duration::ZERO,
+                secs(1),
+            ),
+            bound(
+                "stream_interval",
+                self.stream_interval,
+                Duration::ZERO,
+                self.stream_interval_ceiling,
+            ),
         ];
         rows.extend(self.output.bounds());
         rows.extend(self.request.bounds());

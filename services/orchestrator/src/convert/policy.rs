@@ -126,6 +126,7 @@ pub(crate) fn resolve(
     }
     let params = run_params(request.params, config, &normal_tools, &exit_tools)?;
     let (limits, asked_run_timeout) = run_limits(&request.limits, config, caller, caller_deadline)?;
+    let stream_interval = stream_interval(request.stream_interval_ms, config)?;
     Ok(RunSpec {
         run_id: request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string()),
         system: request.system,
@@ -144,7 +145,24 @@ pub(crate) fn resolve(
             config.runs.deadline_headroom,
         ),
         principal: caller.name.clone(),
+        stream_interval,
     })
+}
+
+/// The run's stream interval: as asked, else the server's, never over the ceiling.
+fn stream_interval(asked_ms: Option<u32>, config: &Config) -> Result<Duration, Error> {
+    let runs = &config.runs;
+    let Some(ms) = asked_ms else {
+        return Ok(runs.stream_interval);
+    };
+    let asked = Duration::from_millis(u64::from(ms));
+    if asked > runs.stream_interval_ceiling {
+        return Err(invalid(format!(
+            "params.stream_interval_ms = {ms} is above this server's maximum of {}",
+            millis(runs.stream_interval_ceiling)
+        )));
+    }
+    Ok(asked)
 }
 
 /// The run's exit tools: the server's, then the request's; a name may be defined once, and never

@@ -33,6 +33,7 @@ pub(crate) struct RunRequest {
     pub(super) messages: Vec<Message>,
     pub(super) model: Option<String>,
     pub(super) params: SamplingParams,
+    pub(super) stream_interval_ms: Option<u32>,
     pub(super) allowlist: Vec<String>,
     pub(super) exit_tools: Vec<ToolDefinition>,
     pub(super) limits: RequestedLimits,
@@ -63,12 +64,14 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             .map(|(i, tool)| exit_tool(i, tool))
             .collect::<Result<Vec<_>, _>>()?;
         let limits = r.limits.unwrap_or_default();
+        let params = r.params.unwrap_or_default();
         Ok(Self {
             run_id: caller_run_id(r.run_id)?,
             system: r.system,
             messages,
             model: Some(r.model).filter(|m| !m.is_empty()),
-            params: model_params(r.params.unwrap_or_default())?,
+            stream_interval_ms: params.stream_interval_ms,
+            params: model_params(params)?,
             allowlist: tools.normal,
             exit_tools,
             limits: RequestedLimits {

@@ -62,6 +62,9 @@ pub struct RunSpec {
     pub deadline: Deadline,
     /// The caller the run belongs to (empty without authentication).
     pub principal: String,
+    /// How long the run gathers the model's text into one event (zero: each read's at once).
+    #[serde(default)]
+    pub stream_interval: std::time::Duration,
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before

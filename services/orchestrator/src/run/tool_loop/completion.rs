@@ -1,6 +1,10 @@
 //! The streamed completion of a turn: events read in batches, visible text shown to the caller
 //! through the repeated-line detector, reasoning kept apart, usage recorded, and a completion that
 //! breaks off turned into the run's end.
+//!
+//! With a stream interval the model's stream is read once per interval, on ticks every run with
+//! that interval shares (so one timer wake serves them all), and what arrived in between is one
+//! batch: one text event instead of one per token. The turn's first batch goes at once.
 
 use futures::stream::{BoxStream, Fuse};
 use futures::{FutureExt, StreamExt};
@@ -22,7 +26,8 @@ impl Driver<'_> {
         let requested = Instant::now();
         let stream = self.deps.model.stream(request).await.map_err(llm_failure)?;
         let collector = TurnCollector::new(self.deps.output.max_calls_per_turn, self.deps.output.max_argument_bytes);
-        self.completion = Some(Completion::new(stream, collector, requested));
+        let completion = Completion::new(stream, collector, requested).every(self.spec.stream_interval);
+        self.completion = Some(completion);
         while let Some(batch) = self.next_batch().await {
             self.reason(turn, &batch.reasoning).await?;
             self.show(turn, &batch.text).await?;
@@ -176,6 +181,10 @@ pub(super) struct Completion {
     pub(super) collector: TurnCollector,
     pub(super) requested: Instant,
     pub(super) first_token: bool,
+    /// Read the stream once per this (zero: whenever it has something).
+    interval: std::time::Duration,
+    /// A batch with text or reasoning was handed out: later ones wait for the tick.
+    shown: bool,
 }
 
 impl Completion {
@@ -189,28 +198,64 @@ impl Completion {
             collector,
             requested,
             first_token: true,
+            interval: std::time::Duration::ZERO,
+            shown: false,
         }
     }
 
-    /// Waits for the next event, then takes every one that is already here; `None` at the end.
+    /// The completion, read once per `interval` after its first text.
+    pub(super) fn every(mut self, interval: std::time::Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// Waits for the next event (after the first text, not before the next tick), then takes
+    /// every one that is already here; `None` at the end.
     pub(super) async fn next_batch(&mut self) -> Option<Batch> {
-        let mut next = Some(self.stream.next().await?);
+        let ticking = self.shown && !self.interval.is_zero();
+        if ticking {
+            tokio::time::sleep_until(next_tick(self.interval)).await;
+        }
+        let first = self.stream.next().await?;
         let mut batch = Batch {
             text: String::new(),
             reasoning: String::new(),
             error: None,
         };
-        while let Some(item) = next.take() {
-            match item {
-                Ok(event) => self.take(event, &mut batch),
-                Err(e) => {
-                    batch.error = Some(e);
+        if self.add(first, &mut batch) {
+            loop {
+                let next = match self.stream.next().now_or_never() {
+                    // On a tick, chunks the HTTP client's connection task has read but not
+                    // handed over yet (it hands them over one at a time) come after a yield.
+                    None if ticking => {
+                        tokio::task::yield_now().await;
+                        self.stream.next().now_or_never()
+                    }
+                    next => next,
+                };
+                let Some(Some(item)) = next else { break };
+                if !self.add(item, &mut batch) {
                     break;
                 }
             }
-            next = self.stream.next().now_or_never().flatten();
         }
+        self.shown |= !batch.text.is_empty() || !batch.reasoning.is_empty();
         Some(batch)
+    }
+
+    /// Adds one item of the stream to `batch`; whether the batch may take more (not after an
+    /// error).
+    fn add(&mut self, item: Result<LlmEvent, LlmError>, batch: &mut Batch) -> bool {
+        match item {
+            Ok(event) => {
+                self.take(event, batch);
+                true
+            }
+            Err(e) => {
+                batch.error = Some(e);
+                false
+            }
+        }
     }
 
     /// Passes one event to the collector (time to first token is measured on the first one
@@ -235,6 +280,19 @@ impl Completion {
         drop(self.stream);
         self.collector.finish()
     }
+}
+
+/// The next tick of `interval` after now: ticks are counted from one moment for the whole
+/// process, so every run with the same interval wakes on the same ticks.
+fn next_tick(interval: std::time::Duration) -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let step = interval.as_nanos().max(1);
+    let ticks = Instant::now().saturating_duration_since(epoch).as_nanos() / step + 1;
+    let since_epoch = u64::try_from(ticks.saturating_mul(step)).unwrap_or(u64::MAX);
+    epoch
+        .checked_add(std::time::Duration::from_nanos(since_epoch))
+        .unwrap_or_else(|| Instant::now() + interval)
 }
 
 /// Whether an event carries generated output (for time to first token).

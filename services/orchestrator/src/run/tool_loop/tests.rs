@@ -31,6 +31,8 @@ struct Script {
     requests: Mutex<Vec<ChatRequest>>,
     /// The last turn's stream stays open after its events.
     hang: bool,
+    /// Each event comes this long after the one before (none: all at once).
+    pace: Option<Duration>,
 }
 
 impl ChatModel for Script {
@@ -46,11 +48,27 @@ impl ChatModel for Script {
             .pop_front()
             .unwrap_or_else(|| vec![Ok(LlmEvent::TextDelta("end".into()))]);
         let last = self.turns.lock().unwrap().is_empty();
-        let stream = futures::stream::iter(turn);
+        let stream = match self.pace {
+            None => futures::stream::iter(turn).boxed(),
+            // Events arrive on their own schedule, as over a socket, whether or not they are
+            // read.
+            Some(pace) => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(async move {
+                    for event in turn {
+                        tokio::time::sleep(pace).await;
+                        if tx.send(event).is_err() {
+                            return;
+                        }
+                    }
+                });
+                tokio_stream::wrappers::UnboundedReceiverStream::new(rx).boxed()
+            }
+        };
         let stream = if self.hang && last {
             stream.chain(futures::stream::pending()).boxed()
         } else {
-            stream.boxed()
+            stream
         };
         futures::future::ready(Ok(stream)).boxed()
     }
@@ -121,6 +139,7 @@ fn spec(limits: Limits) -> RunSpec {
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         principal: String::new(),
+        stream_interval: Duration::ZERO,
     }
 }
 
@@ -176,6 +195,10 @@ struct Outside {
     resumed: Option<Resumed>,
     /// The run's event log.
     log: Option<Box<dyn crate::domain::ports::LogWriter>>,
+    /// The model's events come this far apart.
+    pace: Option<Duration>,
+    /// The run's stream interval.
+    stream_interval: Duration,
 }
 
 impl Default for Outside {
@@ -192,6 +215,8 @@ impl Default for Outside {
             journal: None,
             resumed: None,
             log: None,
+            pace: None,
+            stream_interval: Duration::ZERO,
         }
     }
 }
@@ -205,6 +230,7 @@ async fn play_with(
         turns: Mutex::new(turns.into()),
         requests: Mutex::default(),
         hang: outside.hang,
+        pace: outside.pace,
     });
     let tools = Arc::new(Tools::default());
     let deps = LoopDeps {
@@ -226,7 +252,10 @@ async fn play_with(
     let cancel = Cancel::default();
     let on_stall = outside.attached.then(|| cancel.clone());
     let admitted = AdmittedRun {
-        spec: spec(limits),
+        spec: RunSpec {
+            stream_interval: outside.stream_interval,
+            ..spec(limits)
+        },
         emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall).with_log(outside.log),
         state: Arc::clone(&state),
         cancel: cancel.clone(),
@@ -1187,4 +1216,58 @@ async fn a_call_checkpoint_waits_until_the_log_keeps_the_announcement() {
             "a checkpoint says events through {sent_through} were sent; the log kept {kept}"
         );
     }
+}
+
+// Coalesced streaming.
+
+/// 40 tokens 10 ms apart, then a call, then an answer: played with `interval`, the text events
+/// of turn 1 and the whole stream.
+async fn paced_run(interval: Duration) -> (Vec<String>, Vec<NumberedEvent>, RunResult) {
+    let mut turn1: Vec<_> = (0..40).map(|i| text(&format!("t{i} "))).collect();
+    turn1.push(call(0, "nap", r#"{"ms": 1}"#));
+    let outside = Outside {
+        pace: Some(Duration::from_millis(10)),
+        stream_interval: interval,
+        ..Outside::default()
+    };
+    let (result, batches, _, _) = play_with(vec![turn1, vec![text("done")]], limits(), outside).await;
+    let events: Vec<NumberedEvent> = batches.into_iter().flatten().collect();
+    let texts = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::TextDelta { text, turn: 1 } => Some(text.clone()),
+            _ => None,
+        })
+        .collect();
+    (texts, events, result)
+}
+
+/// With a 50 ms interval the first delta goes at once and the rest come a tick's worth at a time
+/// (about 5 tokens per event instead of 1); the text, the seq numbering and the call are as
+/// without it.
+#[tokio::test(start_paused = true)]
+async fn a_stream_interval_gathers_the_text_of_each_tick_into_one_event() {
+    let (each, each_events, each_result) = paced_run(Duration::ZERO).await;
+    let (gathered, events, result) = paced_run(Duration::from_millis(50)).await;
+    assert_eq!(each.len(), 40, "one event per token without an interval");
+    assert_eq!(
+        gathered.first().map(String::as_str),
+        Some("t0 "),
+        "the first delta at once"
+    );
+    assert!(
+        (8..=12).contains(&gathered.len()),
+        "400 ms of tokens in 50 ms ticks: {gathered:?}"
+    );
+    assert_eq!(gathered.concat(), each.concat());
+    assert_eq!(result.text, each_result.text);
+    assert!(events.iter().zip(1..).all(|(e, n)| e.seq == n), "gap-free");
+    let kinds = |events: &[NumberedEvent]| {
+        events
+            .iter()
+            .filter(|e| !matches!(e.event, Event::TextDelta { .. }))
+            .map(|e| std::mem::discriminant(&e.event))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(kinds(&events), kinds(&each_events), "every other event as without it");
 }
