@@ -10,6 +10,7 @@
 mod durability;
 mod micro;
 mod otlp;
+mod paced;
 mod procstat;
 mod real_server;
 mod replicas;
@@ -76,6 +77,10 @@ struct Cli {
     /// follow their runs across replicas.
     #[arg(long, value_parser = humantime::parse_duration)]
     soak_replica_faults: Option<Duration>,
+    /// Instead of the grid: the paced relay (one turn of streamed text at each stream interval;
+    /// CPU and wake-ups per token, time to first token); writes `paced.md` / `paced.json`.
+    #[arg(long)]
+    paced: bool,
 }
 
 /// Whether the real-server row runs.
@@ -681,6 +686,9 @@ async fn main() -> anyhow::Result<()> {
     );
     if let Some(runs) = cli.soak {
         return soak(&cli, &bin, runs).await;
+    }
+    if cli.paced {
+        return paced::run(&bin, cli.quick, &cli.out).await;
     }
     let workloads = selected_workloads(&cli)?;
     let real_server_skipped = real_server_skip_reason(&cli)?;

@@ -81,3 +81,21 @@ pub(crate) fn scheduled_time(pid: u32) -> anyhow::Result<Duration> {
     }
     Ok(Duration::from_nanos(total))
 }
+
+/// Times `pid`'s live threads were switched in, from `/proc/<pid>/task/*/schedstat` (its third
+/// field: timeslices run): a wake-up each, so a relay's cost in wake-ups. As with
+/// [`scheduled_time`], compare two readings over a stretch where the process keeps its threads.
+pub(crate) fn switches(pid: u32) -> anyhow::Result<u64> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let Ok(stat) = std::fs::read_to_string(task?.path().join("schedstat")) else {
+            continue;
+        };
+        total += stat
+            .split_whitespace()
+            .nth(2)
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Ok(total)
+}

@@ -157,3 +157,26 @@ fn the_real_server_row_says_why_it_did_not_run_and_require_refuses_to_go_without
     }
     Ok(())
 }
+
+/// The paced relay (quick): every interval measured, every run completed, figures in the report.
+/// Gathering is checked on what it must do whatever the machine: at a 20 ms interval a run's
+/// caller gets fewer text events than the 50 tokens it relays (without it, one per token).
+#[test]
+fn the_paced_relay_reports_cost_per_token_at_each_stream_interval() -> anyhow::Result<()> {
+    let out = tempfile::tempdir()?;
+    let output = common::run_bench(&["--paced", "--quick"], out.path())?;
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("paced.json"))?)?;
+    let rows = report["rows"].as_array().cloned().unwrap_or_default();
+    let intervals: Vec<u64> = rows.iter().filter_map(|r| r["interval_ms"].as_u64()).collect();
+    assert_eq!(intervals, [0, 20]);
+    for row in &rows {
+        assert_eq!(row["runs_failed"], 0, "{row}");
+        assert!(row["cpu_us_per_token"].as_f64().is_some_and(|c| c > 0.0), "{row}");
+        assert!(row["switches_per_token"].as_f64().is_some(), "{row}");
+    }
+    let events = |i: usize| rows[i]["text_events_per_run"].as_f64().unwrap_or(0.0);
+    assert!(events(1) < 50.0 && events(1) < events(0), "{rows:?}");
+    assert!(std::fs::read_to_string(out.path().join("paced.md"))?.contains("| 20 ms |"));
+    Ok(())
+}

@@ -1,0 +1,282 @@
+//! `bench --paced`: what relaying streamed text costs. One turn of `tokens` tokens, one SSE event
+//! each, `pace` apart (the stand-in model), `concurrency` runs at once, through the orchestrator at
+//! each stream interval; per token relayed, the CPU of the orchestrator's threads and how many times
+//! they were switched in (from `/proc/<pid>/task/*/schedstat`), and the time to first token through
+//! the orchestrator beside the model's own (the model called directly, as many at once). Writes
+//! `paced.md` and `paced.json`.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use mock_llm::{Scenario, Scenarios, Step, Turn};
+use proto::orchestrator::v1 as pb;
+use serde::Serialize;
+
+use crate::procstat;
+use crate::stack::Stack;
+use crate::workload::quantile;
+
+/// The model name the stand-in model plays the paced turn under.
+const MODEL: &str = "paced";
+
+/// What the paced workload streams, and how many at once.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Paced {
+    pub tokens: usize,
+    pub pace_ms: u64,
+    pub concurrency: usize,
+    /// Rounds of `concurrency` runs measured per interval (after one round of warm-up).
+    pub rounds: usize,
+    pub intervals_ms: Vec<u32>,
+}
+
+impl Paced {
+    /// The full measurement, or a quick one (CI).
+    pub(crate) fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                tokens: 50,
+                pace_ms: 10,
+                concurrency: 10,
+                rounds: 1,
+                intervals_ms: vec![0, 20],
+            }
+        } else {
+            Self {
+                tokens: 200,
+                pace_ms: 10,
+                concurrency: 20,
+                rounds: 3,
+                intervals_ms: vec![0, 5, 20, 50],
+            }
+        }
+    }
+
+    fn scenario(&self) -> Scenario {
+        Scenario {
+            token_delay_ms: self.pace_ms,
+            ..Scenario::new(vec![Turn {
+                steps: vec![Step::Text {
+                    text: "tok ".repeat(self.tokens),
+                    chunk_chars: Some(4),
+                }],
+                ..Turn::default()
+            }])
+        }
+    }
+
+    fn request(&self, interval_ms: u32, n: usize) -> pb::OrchestrateRequest {
+        pb::OrchestrateRequest {
+            model: MODEL.to_owned(),
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: format!("paced #{n}"),
+                ..Default::default()
+            }],
+            params: Some(pb::ModelParams {
+                stream_interval_ms: Some(interval_ms),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+}
+
+/// One stream interval, measured.
+#[derive(Debug, Serialize)]
+pub(crate) struct Row {
+    pub interval_ms: u32,
+    pub tokens_relayed: u64,
+    pub cpu_us_per_token: f64,
+    pub switches_per_token: f64,
+    /// Text events a run's caller received (one per token without gathering).
+    pub text_events_per_run: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub runs_failed: usize,
+}
+
+/// The report.
+#[derive(Debug, Serialize)]
+pub(crate) struct Report {
+    pub workload: Paced,
+    pub cores: usize,
+    /// The model's own time to first token, called directly as many at once.
+    pub model_ttft_p50_ms: f64,
+    pub model_ttft_p99_ms: f64,
+    pub rows: Vec<Row>,
+}
+
+/// What one run's caller saw.
+struct Seen {
+    ttft: Option<Duration>,
+    text_events: usize,
+    ok: bool,
+}
+
+/// Measures every interval of `paced` on a fresh orchestrator.
+pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced) -> anyhow::Result<Report> {
+    let scenarios = Scenarios {
+        default: Scenario::demo(),
+        named: [(MODEL.to_owned(), paced.scenario())].into_iter().collect(),
+    };
+    let stack = Stack::start(bin, scenarios, paced.concurrency.div_ceil(50), None, "warn", &[]).await?;
+    let model = model_ttft(&stack.mock.base_url(), paced).await?;
+    let mut rows = Vec::new();
+    for &interval_ms in &paced.intervals_ms {
+        round(&stack, paced, interval_ms).await;
+        let (cpu, switches) = (procstat::scheduled_time(stack.pid)?, procstat::switches(stack.pid)?);
+        let mut seen = Vec::new();
+        for _ in 0..paced.rounds {
+            seen.extend(round(&stack, paced, interval_ms).await);
+        }
+        let cpu = procstat::scheduled_time(stack.pid)?.saturating_sub(cpu);
+        let switches = procstat::switches(stack.pid)?.saturating_sub(switches);
+        let row = row(paced, interval_ms, &seen, cpu, switches);
+        eprintln!(
+            "bench: paced, interval {interval_ms:>3} ms: {:.1} µs and {:.2} switches per token, {:.1} events per run, TTFT p99 {:.1} ms",
+            row.cpu_us_per_token, row.switches_per_token, row.text_events_per_run, row.ttft_p99_ms
+        );
+        rows.push(row);
+    }
+    stack.stop().await;
+    Ok(Report {
+        workload: paced.clone(),
+        cores: std::thread::available_parallelism().map_or(1, usize::from),
+        model_ttft_p50_ms: ms(quantile(&model, 0.5)),
+        model_ttft_p99_ms: ms(quantile(&model, 0.99)),
+        rows,
+    })
+}
+
+fn row(paced: &Paced, interval_ms: u32, seen: &[Seen], cpu: Duration, switches: u64) -> Row {
+    let ok: Vec<&Seen> = seen.iter().filter(|s| s.ok).collect();
+    let tokens = (ok.len() * paced.tokens) as u64;
+    let per_token = |x: f64| x / tokens.max(1) as f64;
+    let ttfts: Vec<Duration> = ok.iter().filter_map(|s| s.ttft).collect();
+    Row {
+        interval_ms,
+        tokens_relayed: tokens,
+        cpu_us_per_token: per_token(cpu.as_secs_f64() * 1e6),
+        switches_per_token: per_token(switches as f64),
+        text_events_per_run: ok.iter().map(|s| s.text_events).sum::<usize>() as f64 / ok.len().max(1) as f64,
+        ttft_p50_ms: ms(quantile(&ttfts, 0.5)),
+        ttft_p99_ms: ms(quantile(&ttfts, 0.99)),
+        runs_failed: seen.len() - ok.len(),
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// `concurrency` runs at once, each read to its end.
+async fn round(stack: &Stack, paced: &Paced, interval_ms: u32) -> Vec<Seen> {
+    let runs = (0..paced.concurrency).map(|n| {
+        let mut client = stack.client(n);
+        let request = paced.request(interval_ms, n);
+        async move {
+            let started = Instant::now();
+            let mut seen = Seen {
+                ttft: None,
+                text_events: 0,
+                ok: false,
+            };
+            let Ok(response) = client.orchestrate(request).await else {
+                return seen;
+            };
+            let mut stream = response.into_inner();
+            while let Some(Ok(event)) = stream.next().await {
+                match event.event {
+                    Some(pb::orchestrate_event::Event::TextDelta(_)) => {
+                        seen.ttft.get_or_insert_with(|| started.elapsed());
+                        seen.text_events += 1;
+                    }
+                    Some(pb::orchestrate_event::Event::RunFinished(f)) => {
+                        seen.ok = f.result.is_some_and(|r| r.status() == pb::RunStatus::Completed);
+                    }
+                    _ => {}
+                }
+            }
+            seen
+        }
+    });
+    futures::future::join_all(runs).await
+}
+
+/// The model's time to first token called directly, `concurrency` at once, twice.
+async fn model_ttft(base_url: &str, paced: &Paced) -> anyhow::Result<Vec<Duration>> {
+    let client = reqwest::Client::new();
+    let url = format!("{base_url}/chat/completions");
+    let body = serde_json::json!({
+        "model": MODEL,
+        "stream": true,
+        "messages": [{"role": "user", "content": "direct"}],
+    });
+    let mut all = Vec::new();
+    for _ in 0..2 {
+        let calls = (0..paced.concurrency).map(|_| {
+            let request = client.post(&url).json(&body);
+            async move {
+                let started = Instant::now();
+                let mut bytes = request.send().await?.error_for_status()?.bytes_stream();
+                let mut first = None;
+                while let Some(chunk) = bytes.next().await {
+                    let chunk = chunk?;
+                    if first.is_none() && chunk.windows(9).any(|w| w == b"\"content\"") {
+                        first = Some(started.elapsed());
+                    }
+                }
+                anyhow::Ok(first)
+            }
+        });
+        for first in futures::future::join_all(calls).await {
+            all.extend(first?);
+        }
+    }
+    Ok(all)
+}
+
+/// The report as Markdown.
+pub(crate) fn markdown(report: &Report) -> String {
+    let w = &report.workload;
+    let mut md = format!(
+        "# Paced relay: {} tokens, one SSE event each, {} ms apart, {} runs at once\n\n\
+         Machine: {} cores. CPU and switches are the orchestrator's threads' (`/proc/<pid>/task/*/schedstat`), per token relayed, over {} rounds of {} runs per interval. The model's own time to first token (called directly, as many at once): p50 {:.1} ms, p99 {:.1} ms.\n\n\
+         | stream interval | CPU per token | switches per token | text events per run | TTFT p50 / p99 | runs failed |\n|---:|---:|---:|---:|---|---:|\n",
+        w.tokens,
+        w.pace_ms,
+        w.concurrency,
+        report.cores,
+        w.rounds,
+        w.concurrency,
+        report.model_ttft_p50_ms,
+        report.model_ttft_p99_ms
+    );
+    for r in &report.rows {
+        md.push_str(&format!(
+            "| {} ms | {:.1} µs | {:.2} | {:.1} | {:.1} / {:.1} ms | {} |\n",
+            r.interval_ms,
+            r.cpu_us_per_token,
+            r.switches_per_token,
+            r.text_events_per_run,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.runs_failed
+        ));
+    }
+    md
+}
+
+/// Runs `--paced` and writes its report into `out`; fails when a run failed.
+pub(crate) async fn run(bin: &std::path::Path, quick: bool, out: &std::path::Path) -> anyhow::Result<()> {
+    let report = measure(bin, &Paced::new(quick)).await?;
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("paced.json"), serde_json::to_string_pretty(&report)?)?;
+    let md = markdown(&report);
+    std::fs::write(out.join("paced.md"), &md)?;
+    eprintln!("{md}");
+    let failed: usize = report.rows.iter().map(|r| r.runs_failed).sum();
+    anyhow::ensure!(failed == 0, "{failed} paced runs did not complete");
+    Ok(())
+}
