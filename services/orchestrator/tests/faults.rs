@@ -848,6 +848,11 @@ async fn nats_down_at_start_stops_the_orchestrator_with_a_clear_error() -> TestR
     Ok(())
 }
 
+/// NATS goes down while a durable run is in a tool call, and the run ends meanwhile: its result
+/// waits in this replica's backlog (GetRun answers from it), and its caller's stream waits for the
+/// event log, which holds every event a caller is sent (a message is tried again for a lease).
+/// NATS is back: the caller's stream goes on to `run_finished`, whole, the backlog is written, and
+/// another replica reads the result.
 #[tokio::test]
 async fn nats_down_and_back_keeps_the_results_of_runs_that_ended_meanwhile() -> TestResult {
     let mut nats = Nats::start().await?;
@@ -868,32 +873,50 @@ async fn nats_down_and_back_keeps_the_results_of_runs_that_ended_meanwhile() -> 
     .await?;
     watch.until_call_started().await?;
     nats.stop().await?;
-    let seen = watch.finish().await?;
-    assert_eq!(seen.result.status(), Status::Completed);
-    assert_eq!(seen.text, "Before.\nAfter.");
 
-    // While NATS is down: this replica answers from its backlog; an unknown id is UNAVAILABLE,
-    // not NOT_FOUND (the store cannot say).
+    // While NATS is down the run ends: this replica answers from its backlog; an unknown id is
+    // UNAVAILABLE, not NOT_FOUND (the store cannot say).
     let mut here = client(&service).await?;
-    assert_eq!(get_run(&mut here, "while-down").await?, seen.result);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let ended = loop {
+        let read = get_run(&mut here, "while-down").await?;
+        if read.status() != Status::Running {
+            break read;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the run did not end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(ended.status(), Status::Completed);
+    assert_eq!(ended.text, "Before.\nAfter.");
     let unknown = get_run(&mut here, "never-ran").await.err();
     let code = unknown.and_then(|e| e.downcast_ref::<tonic::Status>().map(tonic::Status::code));
     assert_eq!(code, Some(tonic::Code::Unavailable));
-    let backlog = scrape(&service.metrics)
-        .await?
-        .get("orchestrator_store_backlog{}")
-        .copied();
-    assert_eq!(backlog, Some(1.0));
+    let backlog = || async {
+        anyhow::Ok(
+            scrape(&service.metrics)
+                .await?
+                .get("orchestrator_store_backlog{}")
+                .copied(),
+        )
+    };
+    // The final write waits a moment for the log first (a durable run's end is logged first).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while backlog().await? != Some(1.0) {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the result never waited in the backlog"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
-    // NATS is back: the backlog is written, and another replica reads the result from the store.
+    // NATS is back: the caller's stream goes on, whole; the backlog is written, and another
+    // replica reads the result from the store.
     nats.restart().await?;
+    let seen = tokio::time::timeout(Duration::from_secs(30), watch.finish()).await??;
+    assert_eq!(seen.result, ended);
+    assert_eq!(seen.text, "Before.\nAfter.");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while scrape(&service.metrics)
-        .await?
-        .get("orchestrator_store_backlog{}")
-        .copied()
-        != Some(0.0)
-    {
+    while backlog().await? != Some(0.0) {
         anyhow::ensure!(tokio::time::Instant::now() < deadline, "the backlog was never written");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
