@@ -223,7 +223,7 @@ async fn model_ttft(base_url: &str, paced: &Paced) -> anyhow::Result<Vec<Duratio
                 let mut first = None;
                 while let Some(chunk) = bytes.next().await {
                     let chunk = chunk?;
-                    if first.is_none() && chunk.windows(9).any(|w| w == b"\"content\"") {
+                    if first.is_none() && has_text(&chunk) {
                         first = Some(started.elapsed());
                     }
                 }
@@ -235,6 +235,15 @@ async fn model_ttft(base_url: &str, paced: &Paced) -> anyhow::Result<Vec<Duratio
         }
     }
     Ok(all)
+}
+
+/// Whether a chunk of a streamed completion carries text (a non-empty `content`; the first
+/// chunk, which names the role, carries an empty one).
+fn has_text(chunk: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"content\":\"";
+    chunk
+        .windows(KEY.len() + 1)
+        .any(|w| w.starts_with(KEY) && w[KEY.len()] != b'"')
 }
 
 /// The report as Markdown.

@@ -79,6 +79,10 @@ pub(crate) async fn spawn(launch: &Launch, listen: &str) -> anyhow::Result<Proce
             command.env(name, value);
         }
     }
+    // The orchestrator's runtime shape, apart from the benchmark's own.
+    if let Some(workers) = std::env::var_os("BENCH_ORCHESTRATOR_WORKERS") {
+        command.env(shared::runtime::WORKER_THREADS_ENV, workers);
+    }
     if let Some(endpoint) = &launch.otlp {
         command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
     }
