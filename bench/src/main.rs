@@ -11,6 +11,7 @@ mod durability;
 mod micro;
 mod otlp;
 mod paced;
+mod peers;
 mod procstat;
 mod real_server;
 mod replicas;
@@ -81,6 +82,10 @@ struct Cli {
     /// CPU and wake-ups per token, time to first token); writes `paced.md` / `paced.json`.
     #[arg(long)]
     paced: bool,
+    /// The paced relay with its peers on the same stand-in model in the same run (so far the
+    /// LiteLLM proxy, from the test cache), each figure as a ratio to theirs.
+    #[arg(long)]
+    peers: bool,
 }
 
 /// Whether the real-server row runs.
@@ -687,8 +692,8 @@ async fn main() -> anyhow::Result<()> {
     if let Some(runs) = cli.soak {
         return soak(&cli, &bin, runs).await;
     }
-    if cli.paced {
-        return paced::run(&bin, cli.quick, &cli.out).await;
+    if cli.paced || cli.peers {
+        return paced::run(&bin, cli.quick, cli.peers, &cli.out).await;
     }
     let workloads = selected_workloads(&cli)?;
     let real_server_skipped = real_server_skip_reason(&cli)?;

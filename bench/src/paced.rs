@@ -17,7 +17,7 @@ use crate::stack::Stack;
 use crate::workload::quantile;
 
 /// The model name the stand-in model plays the paced turn under.
-const MODEL: &str = "paced";
+pub(crate) const MODEL: &str = "paced";
 
 /// What the paced workload streams, and how many at once.
 #[derive(Debug, Clone, Serialize)]
@@ -105,6 +105,8 @@ pub(crate) struct Report {
     pub model_ttft_p50_ms: f64,
     pub model_ttft_p99_ms: f64,
     pub rows: Vec<Row>,
+    /// The peers (`--peers`), on the same stand-in model after the orchestrator.
+    pub peers: Vec<crate::peers::Peer>,
 }
 
 /// What one run's caller saw.
@@ -114,8 +116,8 @@ struct Seen {
     ok: bool,
 }
 
-/// Measures every interval of `paced` on a fresh orchestrator.
-pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced) -> anyhow::Result<Report> {
+/// Measures every interval of `paced` on a fresh orchestrator, then the peers when asked.
+pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bool) -> anyhow::Result<Report> {
     let scenarios = Scenarios {
         default: Scenario::demo(),
         named: [(MODEL.to_owned(), paced.scenario())].into_iter().collect(),
@@ -139,6 +141,10 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced) -> anyhow::Res
         );
         rows.push(row);
     }
+    let peers = match with_peers {
+        true => crate::peers::measure(&stack.mock.base_url(), paced).await,
+        false => Vec::new(),
+    };
     stack.stop().await;
     Ok(Report {
         workload: paced.clone(),
@@ -146,6 +152,7 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced) -> anyhow::Res
         model_ttft_p50_ms: ms(quantile(&model, 0.5)),
         model_ttft_p99_ms: ms(quantile(&model, 0.99)),
         rows,
+        peers,
     })
 }
 
@@ -240,10 +247,16 @@ async fn model_ttft(base_url: &str, paced: &Paced) -> anyhow::Result<Vec<Duratio
 /// Whether a chunk of a streamed completion carries text (a non-empty `content`; the first
 /// chunk, which names the role, carries an empty one).
 fn has_text(chunk: &[u8]) -> bool {
+    text_chunks(chunk) > 0
+}
+
+/// How many non-empty `content` fields a streamed completion's bytes hold (its text chunks).
+pub(crate) fn text_chunks(bytes: &[u8]) -> usize {
     const KEY: &[u8] = b"\"content\":\"";
-    chunk
+    bytes
         .windows(KEY.len() + 1)
-        .any(|w| w.starts_with(KEY) && w[KEY.len()] != b'"')
+        .filter(|w| w.starts_with(KEY) && w[KEY.len()] != b'"')
+        .count()
 }
 
 /// The report as Markdown.
@@ -274,12 +287,52 @@ pub(crate) fn markdown(report: &Report) -> String {
             r.runs_failed
         ));
     }
+    if !report.peers.is_empty() {
+        md.push_str(&peers_markdown(report));
+    }
     md
 }
 
-/// Runs `--paced` and writes its report into `out`; fails when a run failed.
-pub(crate) async fn run(bin: &std::path::Path, quick: bool, out: &std::path::Path) -> anyhow::Result<()> {
-    let report = measure(bin, &Paced::new(quick)).await?;
+/// The peers' rows, each with the orchestrator's CPU per token as a ratio to the peer's (at each
+/// interval).
+fn peers_markdown(report: &Report) -> String {
+    let mut md = String::from(
+        "\n## Peers (same model, same run)\n\n| peer | what it does per token | CPU per token | switches per token | orchestrator's CPU ÷ peer's, by interval |\n|---|---|---:|---:|---|\n",
+    );
+    for peer in &report.peers {
+        let (Some(cpu), Some(switches)) = (peer.cpu_us_per_token, peer.switches_per_token) else {
+            md.push_str(&format!(
+                "| {} | {} | not run: {} | | |\n",
+                peer.name,
+                peer.role,
+                peer.not_run.as_deref().unwrap_or("unknown")
+            ));
+            continue;
+        };
+        let ratios: Vec<String> = report
+            .rows
+            .iter()
+            .map(|r| format!("{} ms: {:.2}", r.interval_ms, r.cpu_us_per_token / cpu))
+            .collect();
+        md.push_str(&format!(
+            "| {} | {} | {cpu:.1} µs | {switches:.2} | {} |\n",
+            peer.name,
+            peer.role,
+            ratios.join(", ")
+        ));
+    }
+    md
+}
+
+/// Runs `--paced` (`--peers`: with the peers) and writes its report into `out`; fails when a run
+/// failed.
+pub(crate) async fn run(
+    bin: &std::path::Path,
+    quick: bool,
+    with_peers: bool,
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
+    let report = measure(bin, &Paced::new(quick), with_peers).await?;
     std::fs::create_dir_all(out)?;
     std::fs::write(out.join("paced.json"), serde_json::to_string_pretty(&report)?)?;
     let md = markdown(&report);
