@@ -1,8 +1,9 @@
 //! `bench --peers`: the paced relay's peers, measured on the same stand-in model in the same run.
 //! Each peer relays the same streamed text, as many at once; the figure is the CPU and wake-ups
-//! per token of the peer's own process. So far: the LiteLLM proxy as a plain relay (installed by
-//! `./scripts/model-servers` into the test cache). The OpenAI Agents SDK and agentic-api are
-//! still to come.
+//! per token of the peer's own process. So far: the OpenAI Agents SDK (an agent without tools,
+//! streamed; `bench/peers/agents_sdk.py`, with `openai-agents` installed into the test cache on
+//! first use) and the LiteLLM proxy as a plain relay (installed by `./scripts/model-servers`).
+//! agentic-api is still to come.
 
 use std::time::Duration;
 
@@ -26,28 +27,108 @@ pub(crate) struct Peer {
 
 /// Every peer against the stand-in model at `model_url`.
 pub(crate) async fn measure(model_url: &str, paced: &Paced) -> Vec<Peer> {
-    vec![litellm(model_url, paced).await]
+    vec![agents_sdk(model_url, paced).await, litellm(model_url, paced).await]
+}
+
+/// A peer's figures, or why it was not measured.
+fn peer(name: &str, role: &str, figures: anyhow::Result<(f64, f64)>) -> Peer {
+    let (cpu, switches, not_run) = match figures {
+        Ok((cpu, switches)) => (Some(cpu), Some(switches), None),
+        Err(e) => (None, None, Some(format!("{e:#}"))),
+    };
+    Peer {
+        name: name.into(),
+        role: role.into(),
+        cpu_us_per_token: cpu,
+        switches_per_token: switches,
+        not_run,
+    }
+}
+
+/// The OpenAI Agents SDK the benchmark installs (pinned, so runs compare).
+const AGENTS_SDK: &str = "openai-agents==0.24.0";
+
+/// The OpenAI Agents SDK running an agent without tools, streamed.
+async fn agents_sdk(model_url: &str, paced: &Paced) -> Peer {
+    let role = "agent loop, streamed (OpenAI Agents SDK, Python)";
+    peer("openai-agents", role, agents_sdk_figures(model_url, paced).await)
+}
+
+/// The venv's Python with the Agents SDK, installed when missing.
+async fn agents_sdk_python() -> anyhow::Result<std::path::PathBuf> {
+    let venv = testkit::model_servers::cache_dir().join("peers/openai-agents");
+    let python = venv.join("bin/python");
+    let ready = |python: &std::path::Path| {
+        std::process::Command::new(python)
+            .args(["-c", "import agents"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if ready(&python) {
+        return Ok(python);
+    }
+    eprintln!("bench: installing {AGENTS_SDK} (pip, into {})", venv.display());
+    let run = |program: &std::path::Path, args: &[&str]| -> anyhow::Result<()> {
+        let status = std::process::Command::new(program).args(args).status()?;
+        anyhow::ensure!(status.success(), "{} {args:?}: {status}", program.display());
+        Ok(())
+    };
+    let venv_arg = venv.to_string_lossy().into_owned();
+    run(std::path::Path::new("python3"), &["-m", "venv", &venv_arg])?;
+    run(
+        &venv.join("bin/pip"),
+        &["install", "--quiet", "--disable-pip-version-check", AGENTS_SDK],
+    )?;
+    anyhow::ensure!(ready(&python), "{AGENTS_SDK} was installed but does not import");
+    Ok(python)
+}
+
+async fn agents_sdk_figures(model_url: &str, paced: &Paced) -> anyhow::Result<(f64, f64)> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let python = agents_sdk_python().await?;
+    let folder = tempfile::tempdir()?;
+    let script = folder.path().join("agents_sdk.py");
+    std::fs::write(&script, include_str!("../peers/agents_sdk.py"))?;
+    let mut child = tokio::process::Command::new(python)
+        .arg(&script)
+        .args(["--base-url", model_url, "--model", MODEL])
+        .args(["--concurrency", &paced.concurrency.to_string()])
+        .args(["--rounds", &paced.rounds.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = child
+        .id()
+        .ok_or_else(|| anyhow::anyhow!("the Agents SDK driver exited at once"))?;
+    let (mut stdin, stdout) = (
+        child.stdin.take().ok_or_else(|| anyhow::anyhow!("no stdin"))?,
+        child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?,
+    );
+    let mut lines = BufReader::new(stdout).lines();
+    let limit = Duration::from_secs(300);
+    let mut next_line = async || {
+        tokio::time::timeout(limit, lines.next_line())
+            .await?
+            .map_err(anyhow::Error::from)?
+            .ok_or_else(|| anyhow::anyhow!("the Agents SDK driver ended early"))
+    };
+    anyhow::ensure!(next_line().await? == "ready", "the Agents SDK driver did not get ready");
+    let (cpu, switches) = (procstat::scheduled_time(pid)?, procstat::switches(pid)?);
+    stdin.write_all(b"go\n").await?;
+    let done: serde_json::Value = serde_json::from_str(&next_line().await?)?;
+    let cpu = procstat::scheduled_time(pid)?.saturating_sub(cpu);
+    let switches = procstat::switches(pid)?.saturating_sub(switches);
+    let _ = stdin.write_all(b"exit\n").await;
+    let tokens = done["tokens"].as_u64().unwrap_or(0);
+    anyhow::ensure!(tokens > 0, "no text came through the Agents SDK");
+    Ok((cpu.as_secs_f64() * 1e6 / tokens as f64, switches as f64 / tokens as f64))
 }
 
 /// The LiteLLM proxy relaying the paced stream (OpenAI chat completions in and out).
 async fn litellm(model_url: &str, paced: &Paced) -> Peer {
-    let role = "plain relay (LiteLLM proxy, chat completions)".to_owned();
-    match litellm_figures(model_url, paced).await {
-        Ok((cpu, switches)) => Peer {
-            name: "litellm".into(),
-            role,
-            cpu_us_per_token: Some(cpu),
-            switches_per_token: Some(switches),
-            not_run: None,
-        },
-        Err(e) => Peer {
-            name: "litellm".into(),
-            role,
-            cpu_us_per_token: None,
-            switches_per_token: None,
-            not_run: Some(format!("{e:#}")),
-        },
-    }
+    let role = "plain relay (LiteLLM proxy, chat completions)";
+    peer("litellm", role, litellm_figures(model_url, paced).await)
 }
 
 async fn litellm_figures(model_url: &str, paced: &Paced) -> anyhow::Result<(f64, f64)> {

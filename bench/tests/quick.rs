@@ -159,8 +159,9 @@ fn the_real_server_row_says_why_it_did_not_run_and_require_refuses_to_go_without
 }
 
 /// The paced relay with its peers (quick): every interval measured, every run completed, figures
-/// in the report, and the LiteLLM proxy (installed by `./scripts/test`) measured on the same model
-/// with the ratios. Gathering is checked on what it must do whatever the machine: at a 20 ms
+/// in the report, and the peers measured on the same model with the ratios: the OpenAI Agents SDK
+/// (installed into the test cache by the benchmark on first use) and the LiteLLM proxy (installed
+/// by `./scripts/test`). Gathering is checked on what it must do whatever the machine: at a 20 ms
 /// interval a run's caller gets fewer text events than the 50 tokens it relays (without it, one
 /// per token).
 #[test]
@@ -180,11 +181,13 @@ fn the_paced_relay_reports_cost_per_token_at_each_stream_interval_beside_its_pee
     let events = |i: usize| rows[i]["text_events_per_run"].as_f64().unwrap_or(0.0);
     assert!(events(1) < 50.0 && events(1) < events(0), "{rows:?}");
     let peers = report["peers"].as_array().cloned().unwrap_or_default();
-    let litellm = peers.iter().find(|p| p["name"] == "litellm");
-    assert!(
-        litellm.is_some_and(|p| p["cpu_us_per_token"].as_f64().is_some_and(|c| c > 0.0)),
-        "{peers:?}"
-    );
+    for name in ["openai-agents", "litellm"] {
+        let peer = peers.iter().find(|p| p["name"] == name);
+        assert!(
+            peer.is_some_and(|p| p["cpu_us_per_token"].as_f64().is_some_and(|c| c > 0.0)),
+            "{name} was not measured: {peers:?}"
+        );
+    }
     let markdown = std::fs::read_to_string(out.path().join("paced.md"))?;
     assert!(
         markdown.contains("| 20 ms |") && markdown.contains("## Peers"),
