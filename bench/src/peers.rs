@@ -58,29 +58,29 @@ async fn agents_sdk(model_url: &str, paced: &Paced) -> Peer {
 async fn agents_sdk_python() -> anyhow::Result<std::path::PathBuf> {
     let venv = testkit::model_servers::cache_dir().join("peers/openai-agents");
     let python = venv.join("bin/python");
-    let ready = |python: &std::path::Path| {
-        std::process::Command::new(python)
-            .args(["-c", "import agents"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    if ready(&python) {
+    if run(&python, &["-c", "import agents"]).await.is_ok() {
         return Ok(python);
     }
     eprintln!("bench: installing {AGENTS_SDK} (pip, into {})", venv.display());
-    let run = |program: &std::path::Path, args: &[&str]| -> anyhow::Result<()> {
-        let status = std::process::Command::new(program).args(args).status()?;
-        anyhow::ensure!(status.success(), "{} {args:?}: {status}", program.display());
-        Ok(())
-    };
     let venv_arg = venv.to_string_lossy().into_owned();
-    run(std::path::Path::new("python3"), &["-m", "venv", &venv_arg])?;
+    run(std::path::Path::new("python3"), &["-m", "venv", &venv_arg]).await?;
     run(
         &venv.join("bin/pip"),
         &["install", "--quiet", "--disable-pip-version-check", AGENTS_SDK],
-    )?;
-    anyhow::ensure!(ready(&python), "{AGENTS_SDK} was installed but does not import");
+    )
+    .await?;
+    run(&python, &["-c", "import agents"])
+        .await
+        .map_err(|e| e.context(format!("{AGENTS_SDK} was installed but does not import")))?;
     Ok(python)
+}
+
+/// Runs `program` with `args` to its end (without blocking the runtime); an error unless it
+/// succeeded.
+async fn run(program: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
+    let status = tokio::process::Command::new(program).args(args).status().await?;
+    anyhow::ensure!(status.success(), "{} {args:?}: {status}", program.display());
+    Ok(())
 }
 
 async fn agents_sdk_figures(model_url: &str, paced: &Paced) -> anyhow::Result<(f64, f64)> {

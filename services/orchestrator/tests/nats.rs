@@ -490,6 +490,13 @@ async fn a_record_whose_lease_expired_reads_as_lost_and_an_id_is_claimed_once() 
     Ok(())
 }
 
+/// The NATS result store as replica `owner` opens it on `bucket` (results kept a minute).
+async fn replica_store(js: &jetstream::Context, bucket: &str, owner: &str, lease: Duration) -> anyhow::Result<KvStore> {
+    KvStore::open(js, bucket, Duration::from_secs(60), owner.into(), lease)
+        .await
+        .map_err(anyhow::Error::msg)
+}
+
 /// A run whose replica died before its first checkpoint (claimed, lease lapsed, nothing shown)
 /// cannot be resumed: another replica may claim its id again, so the caller's retry starts it.
 /// One with output, or still leased, stays taken.
@@ -498,18 +505,10 @@ async fn an_id_whose_run_died_before_its_first_checkpoint_can_be_claimed_again()
     use orchestrator::domain::ports::Claim;
     let nats = Nats::start().await?;
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
-    let open = |owner: &str| {
-        KvStore::open(
-            &js,
-            "restart-runs",
-            Duration::from_secs(60),
-            owner.into(),
-            Duration::from_secs(1),
-        )
-    };
+    let lease = Duration::from_secs(1);
     let (a, b) = (
-        open("a").await.map_err(anyhow::Error::msg)?,
-        open("b").await.map_err(anyhow::Error::msg)?,
+        replica_store(&js, "restart-runs", "a", lease).await?,
+        replica_store(&js, "restart-runs", "b", lease).await?,
     );
     let empty = RunResult::running("unstarted");
     let mut shown = RunResult::running("shown");
@@ -543,18 +542,10 @@ async fn a_replicas_own_landed_write_does_not_fence_it_and_another_replicas_does
     use orchestrator::domain::ports::{Claim, StoreError};
     let nats = Nats::start().await?;
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
-    let open = |owner: &str| {
-        KvStore::open(
-            &js,
-            "fenced-runs",
-            Duration::from_secs(60),
-            owner.into(),
-            Duration::from_secs(30),
-        )
-    };
-    let a = open("a").await.map_err(anyhow::Error::msg)?;
-    let a_late = open("a").await.map_err(anyhow::Error::msg)?;
-    let b = open("b").await.map_err(anyhow::Error::msg)?;
+    let lease = Duration::from_secs(30);
+    let a = replica_store(&js, "fenced-runs", "a", lease).await?;
+    let a_late = replica_store(&js, "fenced-runs", "a", lease).await?;
+    let b = replica_store(&js, "fenced-runs", "b", lease).await?;
     let mut run = RunResult::running("fenced");
     assert!(matches!(a.claim(run.clone()).await, Ok(Claim::Claimed)));
     run.text = "landed late".into();

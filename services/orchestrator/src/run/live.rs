@@ -145,12 +145,6 @@ impl Emitter {
         }
     }
 
-    /// Waits (see [`Emitter::settler`]).
-    pub(crate) fn settle_log(&self, timeout: Duration) -> impl Future<Output = ()> + Send + 'static {
-        let settler = self.settler(timeout);
-        async move { settler.wait().await }
-    }
-
     /// Appends the queued events not logged yet to the run's event log now (they go to the
     /// caller with the next flush).
     pub(crate) fn log_queued(&mut self) {

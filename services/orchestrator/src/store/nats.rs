@@ -242,11 +242,12 @@ impl KvStore {
                     }
                     Ok(())
                 }
-                Err(e @ StoreError::Fenced { .. }) => {
-                    shared::sync::lock(&owned).remove(&key);
+                Err(e) => {
+                    if matches!(e, StoreError::Fenced { .. }) {
+                        shared::sync::lock(&owned).remove(&key);
+                    }
                     Err(e)
                 }
-                Err(e) => Err(e),
             }
         }
         .boxed()

@@ -148,7 +148,7 @@ impl Driver<'_> {
             self.emitter.flush().await;
             return Ok(());
         };
-        self.emitter.settle_log(self.deps.log_settle_timeout).await;
+        self.emitter.settler(self.deps.log_settle_timeout).wait().await;
         let checkpoint = self.checkpoint(calls);
         persister.save(|| snapshot(&checkpoint)).await;
         self.emitter.flush().await;

@@ -157,7 +157,7 @@ async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) 
             // A durable run's log holds its end before its record does: a replica that takes
             // the run over in between finds the end there and stores it, so the log is whole.
             emitter.log_queued();
-            emitter.settle_log(deps.log_settle_timeout).await;
+            emitter.settler(deps.log_settle_timeout).wait().await;
         }
         // The result is stored before the stream ends, so GetRun (on any replica) finds it.
         persister.write_final().await;
