@@ -27,6 +27,7 @@ impl<E: std::error::Error + Send + Sync + 'static> Served<E> {
     where
         Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
     {
+        crate::arm_watchdog();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();

@@ -10,7 +10,8 @@
 //!   [`nats`] (a `nats-server -js`), [`otlp`] (a trace collector), [`python`] (the grpcio
 //!   virtualenv), [`pki`] (test certificates);
 //! * [`helpers`]: `/metrics` scraping, one run to its end; [`proto_docs`]: the contract's
-//!   documentation checks.
+//!   documentation checks;
+//! * [`arm_watchdog`]: a hung test fails its binary after ten minutes instead of holding the suite.
 
 #![forbid(unsafe_code)]
 
@@ -38,6 +39,40 @@ use tokio::task::JoinHandle;
 
 /// How long a spawned service may take to log that it serves.
 const START_LIMIT: Duration = Duration::from_secs(20);
+
+/// How long one test binary may run before the watchdog ends it (`TESTKIT_BINARY_LIMIT_SECS`
+/// overrides). The slowest binary takes under two minutes; a hung wait must fail its binary, not
+/// hold the whole suite until CI's own limit.
+const BINARY_LIMIT: Duration = Duration::from_secs(600);
+
+/// Arms, once per test binary, a thread that ends the process with a clear message when the
+/// binary outlives [`BINARY_LIMIT`]. Everything that starts a server or a process arms it, so
+/// every test that could wait on one is covered; `cargo test --no-fail-fast` then reports the
+/// binary as failed and goes on with the others.
+pub fn arm_watchdog() {
+    static ARMED: std::sync::Once = std::sync::Once::new();
+    ARMED.call_once(|| {
+        let limit = std::env::var("TESTKIT_BINARY_LIMIT_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map_or(BINARY_LIMIT, Duration::from_secs);
+        let spawned = std::thread::Builder::new()
+            .name("testkit-watchdog".into())
+            .spawn(move || {
+                std::thread::sleep(limit);
+                let binary = std::env::args().next().unwrap_or_default();
+                eprintln!(
+                    "testkit watchdog: {binary} has run for {}s, past its limit: a test is hung \
+                 (the test named \"running for over 60 seconds\" above); ending the binary",
+                    limit.as_secs()
+                );
+                std::process::exit(124);
+            });
+        if let Err(e) = spawned {
+            eprintln!("testkit watchdog: not armed: {e}");
+        }
+    });
+}
 
 /// The repository root (for `deploy/` files and the tools manifest).
 pub fn repo_root() -> PathBuf {
@@ -93,6 +128,7 @@ impl Service {
         metrics_ip: &str,
         ready_message: &str,
     ) -> anyhow::Result<Self> {
+        arm_watchdog();
         let mut child = command
             .args(["--listen", listen, "--metrics-listen", &format!("{metrics_ip}:0")])
             .args(["--log-format", "json"])

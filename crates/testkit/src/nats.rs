@@ -37,6 +37,7 @@ impl Nats {
     }
 
     async fn start_with(user: Option<(String, String)>) -> anyhow::Result<Self> {
+        crate::arm_watchdog();
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let tmp = tempfile::tempdir()?;
         let mut nats = Self {

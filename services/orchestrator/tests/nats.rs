@@ -877,16 +877,12 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
         tokio::spawn(async move {
             let mut kept = None;
             for _ in 0..500 {
-                if let Ok(mut object) = checkpoints.get(key).await {
-                    let mut bytes = Vec::new();
-                    if tokio::io::AsyncReadExt::read_to_end(&mut object, &mut bytes)
-                        .await
-                        .is_ok()
-                    {
-                        kept = Some(bytes);
-                    }
-                } else if kept.is_some() {
-                    break;
+                // Bounded: an object deleted while it is read leaves the read waiting for
+                // chunks that are gone.
+                match tokio::time::timeout(Duration::from_secs(1), read_object(&checkpoints, key)).await {
+                    Ok(Some(bytes)) => kept = Some(bytes),
+                    Ok(None) if kept.is_some() => break,
+                    Ok(None) | Err(_) => {}
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -904,7 +900,9 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
     .await??;
     assert_eq!(ended.status(), pb::RunStatus::Completed);
     a.stop().await?;
-    let checkpoint = kept.await?.ok_or_else(|| anyhow::anyhow!("no checkpoint was seen"))?;
+    let checkpoint = tokio::time::timeout(Duration::from_secs(30), kept)
+        .await??
+        .ok_or_else(|| anyhow::anyhow!("no checkpoint was seen"))?;
     let mut entries = Vec::new();
     while let Ok(Some(entry)) = tokio::time::timeout(Duration::from_millis(500), revisions.next()).await {
         entries.push(entry?);
@@ -942,6 +940,16 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
         "the log is whole"
     );
     b.stop().await
+}
+
+/// The whole object under `key`, or `None` when there is none (or it went while being read).
+async fn read_object(store: &jetstream::object_store::ObjectStore, key: &str) -> Option<Vec<u8>> {
+    let mut object = store.get(key).await.ok()?;
+    let mut bytes = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut object, &mut bytes)
+        .await
+        .ok()?;
+    Some(bytes)
 }
 
 /// NATS, the stand-in model playing `scenario`, a tool-runner, and two orchestrator processes
