@@ -252,10 +252,14 @@ fn has_text(chunk: &[u8]) -> bool {
 
 /// How many non-empty `content` fields a streamed completion's bytes hold (its text chunks).
 pub(crate) fn text_chunks(bytes: &[u8]) -> usize {
-    const KEY: &[u8] = b"\"content\":\"";
+    text_pieces(bytes, b"\"content\":\"")
+}
+
+/// How many non-empty string fields of `key` (`"name":"`) a stream's bytes hold.
+pub(crate) fn text_pieces(bytes: &[u8], key: &[u8]) -> usize {
     bytes
-        .windows(KEY.len() + 1)
-        .filter(|w| w.starts_with(KEY) && w[KEY.len()] != b'"')
+        .windows(key.len() + 1)
+        .filter(|w| w.starts_with(key) && w[key.len()] != b'"')
         .count()
 }
 

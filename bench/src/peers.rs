@@ -2,8 +2,9 @@
 //! Each peer relays the same streamed text, as many at once; the figure is the CPU and wake-ups
 //! per token of the peer's own process. So far: the OpenAI Agents SDK (an agent without tools,
 //! streamed; `bench/peers/agents_sdk.py`, with `openai-agents` installed into the test cache on
-//! first use) and the LiteLLM proxy as a plain relay (installed by `./scripts/model-servers`).
-//! agentic-api is still to come.
+//! first use), agentic-api's Rust gateway (`agentic-server` from its wheel, installed the same
+//! way; the stand-in model serves it `/v1/responses`), and the LiteLLM proxy as a plain relay
+//! (installed by `./scripts/model-servers`).
 
 use std::time::Duration;
 
@@ -27,7 +28,11 @@ pub(crate) struct Peer {
 
 /// Every peer against the stand-in model at `model_url`.
 pub(crate) async fn measure(model_url: &str, paced: &Paced) -> Vec<Peer> {
-    vec![agents_sdk(model_url, paced).await, litellm(model_url, paced).await]
+    vec![
+        agents_sdk(model_url, paced).await,
+        agentic_api(model_url, paced).await,
+        litellm(model_url, paced).await,
+    ]
 }
 
 /// A peer's figures, or why it was not measured.
@@ -56,30 +61,47 @@ async fn agents_sdk(model_url: &str, paced: &Paced) -> Peer {
 
 /// The venv's Python with the Agents SDK, installed when missing.
 async fn agents_sdk_python() -> anyhow::Result<std::path::PathBuf> {
-    let venv = testkit::model_servers::cache_dir().join("peers/openai-agents");
+    let venv = pip_installed("openai-agents", AGENTS_SDK, &["-c", "import agents"]).await?;
+    Ok(venv.join("bin/python"))
+}
+
+/// The virtualenv `<test cache>/peers/<name>` with `requirement` installed (pip) when the venv's
+/// Python cannot run `check` yet.
+async fn pip_installed(name: &str, requirement: &str, check: &[&str]) -> anyhow::Result<std::path::PathBuf> {
+    let venv = testkit::model_servers::cache_dir().join("peers").join(name);
     let python = venv.join("bin/python");
-    if run(&python, &["-c", "import agents"]).await.is_ok() {
-        return Ok(python);
+    if run(&python, check).await.is_ok() {
+        return Ok(venv);
     }
-    eprintln!("bench: installing {AGENTS_SDK} (pip, into {})", venv.display());
+    eprintln!("bench: installing {requirement} (pip, into {})", venv.display());
     let venv_arg = venv.to_string_lossy().into_owned();
     run(std::path::Path::new("python3"), &["-m", "venv", &venv_arg]).await?;
     run(
         &venv.join("bin/pip"),
-        &["install", "--quiet", "--disable-pip-version-check", AGENTS_SDK],
+        &["install", "--quiet", "--disable-pip-version-check", requirement],
     )
     .await?;
-    run(&python, &["-c", "import agents"])
+    run(&python, check)
         .await
-        .map_err(|e| e.context(format!("{AGENTS_SDK} was installed but does not import")))?;
-    Ok(python)
+        .map_err(|e| e.context(format!("{requirement} was installed but does not work")))?;
+    Ok(venv)
 }
 
 /// Runs `program` with `args` to its end (without blocking the runtime); an error unless it
 /// succeeded.
 async fn run(program: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
-    let status = tokio::process::Command::new(program).args(args).status().await?;
-    anyhow::ensure!(status.success(), "{} {args:?}: {status}", program.display());
+    let output = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await?;
+    anyhow::ensure!(
+        output.status.success(),
+        "{} {args:?}: {}: {}",
+        program.display(),
+        output.status,
+        shared::text::excerpt(String::from_utf8_lossy(&output.stderr).trim())
+    );
     Ok(())
 }
 
@@ -142,43 +164,108 @@ async fn litellm_figures(model_url: &str, paced: &Paced) -> anyhow::Result<(f64,
     )?;
     let proxy = ModelServer::litellm(&config).await?;
     let pid = proxy.pid().ok_or_else(|| anyhow::anyhow!("the LiteLLM proxy exited"))?;
-    let url = format!("{}/chat/completions", proxy.base_url());
-    relay_round(&url, paced).await?;
-    let (cpu, switches) = (procstat::scheduled_time(pid)?, procstat::switches(pid)?);
-    let mut tokens = 0;
-    for _ in 0..paced.rounds {
-        tokens += relay_round(&url, paced).await?;
-    }
-    let cpu = procstat::scheduled_time(pid)?.saturating_sub(cpu);
-    let switches = procstat::switches(pid)?.saturating_sub(switches);
-    anyhow::ensure!(tokens > 0, "no text came through the LiteLLM proxy");
-    Ok((cpu.as_secs_f64() * 1e6 / tokens as f64, switches as f64 / tokens as f64))
+    let relay = Relay {
+        url: format!("{}/chat/completions", proxy.base_url()),
+        body: serde_json::json!({
+            "model": MODEL,
+            "stream": true,
+            "messages": [{"role": "user", "content": "relay"}],
+        }),
+        text_key: "\"content\":\"",
+    };
+    relay.measure(pid, paced).await
 }
 
-/// `concurrency` streamed completions through the relay at once, each read to its end; the
-/// tokens relayed (chunks with text).
-async fn relay_round(url: &str, paced: &Paced) -> anyhow::Result<usize> {
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
-    let body = serde_json::json!({
-        "model": MODEL,
-        "stream": true,
-        "messages": [{"role": "user", "content": "relay"}],
-    });
-    let calls = (0..paced.concurrency).map(|_| {
-        let request = client.post(url).bearer_auth(LITELLM_MASTER_KEY).json(&body);
-        async move {
-            let response = request.send().await?.error_for_status()?;
-            let mut bytes = response.bytes_stream();
-            let mut text = Vec::new();
-            while let Some(chunk) = bytes.next().await {
-                text.extend_from_slice(&chunk?);
-            }
-            anyhow::Ok(crate::paced::text_chunks(&text))
-        }
-    });
-    let mut tokens = 0;
-    for relayed in futures::future::join_all(calls).await {
-        tokens += relayed?;
+/// agentic-api (the vLLM project's Rust gateway; pinned, so runs compare).
+const AGENTIC_API: &str = "agentic-api==0.9.0";
+
+/// agentic-api's gateway relaying the paced stream (Responses API in and out; it asks the
+/// stand-in model for `/v1/responses`), in its default configuration (responses stored in
+/// SQLite).
+async fn agentic_api(model_url: &str, paced: &Paced) -> Peer {
+    let role = "gateway, Responses API (agentic-api, Rust)";
+    peer("agentic-api", role, agentic_api_figures(model_url, paced).await)
+}
+
+async fn agentic_api_figures(model_url: &str, paced: &Paced) -> anyhow::Result<(f64, f64)> {
+    let venv = pip_installed("agentic-api", AGENTIC_API, &["-m", "agentic_api", "--version"]).await?;
+    let folder = tempfile::tempdir()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let upstream = model_url.trim_end_matches('/').trim_end_matches("/v1");
+    let database = format!("sqlite://{}", folder.path().join("agentic.db").display());
+    let gateway = tokio::process::Command::new(venv.join("bin/agentic-server"))
+        .args(["--llm-api-base", upstream, "--skip-llm-ready-check"])
+        .args(["--gateway-host", "127.0.0.1", "--gateway-port", &port.to_string()])
+        .args(["--db-url", &database])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = gateway
+        .id()
+        .ok_or_else(|| anyhow::anyhow!("agentic-server exited at once"))?;
+    let address = format!("127.0.0.1:{port}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while tokio::net::TcpStream::connect(&address).await.is_err() {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "agentic-server did not listen on {address} within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    Ok(tokens)
+    let relay = Relay {
+        url: format!("http://{address}/v1/responses"),
+        body: serde_json::json!({"model": MODEL, "stream": true, "input": "relay"}),
+        text_key: "\"delta\":\"",
+    };
+    relay.measure(pid, paced).await
+}
+
+/// A streaming HTTP relay measured from outside: the request it is sent, and how its streamed
+/// text is recognized (the JSON key before a text piece).
+struct Relay {
+    url: String,
+    body: serde_json::Value,
+    text_key: &'static str,
+}
+
+impl Relay {
+    /// One round of warm-up, then `rounds` rounds: the CPU and switches of process `pid` per
+    /// token relayed.
+    async fn measure(&self, pid: u32, paced: &Paced) -> anyhow::Result<(f64, f64)> {
+        self.round(paced).await?;
+        let (cpu, switches) = (procstat::scheduled_time(pid)?, procstat::switches(pid)?);
+        let mut tokens = 0;
+        for _ in 0..paced.rounds {
+            tokens += self.round(paced).await?;
+        }
+        let cpu = procstat::scheduled_time(pid)?.saturating_sub(cpu);
+        let switches = procstat::switches(pid)?.saturating_sub(switches);
+        anyhow::ensure!(tokens > 0, "no text came through {}", self.url);
+        Ok((cpu.as_secs_f64() * 1e6 / tokens as f64, switches as f64 / tokens as f64))
+    }
+
+    /// `concurrency` streams through the relay at once, each read to its end; the tokens
+    /// relayed (events with text).
+    async fn round(&self, paced: &Paced) -> anyhow::Result<usize> {
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
+        let calls = (0..paced.concurrency).map(|_| {
+            let request = client.post(&self.url).bearer_auth(LITELLM_MASTER_KEY).json(&self.body);
+            async move {
+                let response = request.send().await?.error_for_status()?;
+                let mut bytes = response.bytes_stream();
+                let mut text = Vec::new();
+                while let Some(chunk) = bytes.next().await {
+                    text.extend_from_slice(&chunk?);
+                }
+                anyhow::Ok(crate::paced::text_pieces(&text, self.text_key.as_bytes()))
+            }
+        });
+        let mut tokens = 0;
+        for relayed in futures::future::join_all(calls).await {
+            tokens += relayed?;
+        }
+        Ok(tokens)
+    }
 }

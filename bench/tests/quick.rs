@@ -160,7 +160,8 @@ fn the_real_server_row_says_why_it_did_not_run_and_require_refuses_to_go_without
 
 /// The paced relay with its peers (quick): every interval measured, every run completed, figures
 /// in the report, and the peers measured on the same model with the ratios: the OpenAI Agents SDK
-/// (installed into the test cache by the benchmark on first use) and the LiteLLM proxy (installed
+/// and agentic-api (installed into the test cache by the benchmark on first use; the stand-in
+/// model serves agentic-api `/v1/responses`) and the LiteLLM proxy (installed
 /// by `./scripts/test`). Gathering is checked on what it must do whatever the machine: at a 20 ms
 /// interval a run's caller gets fewer text events than the 50 tokens it relays (without it, one
 /// per token).
@@ -181,7 +182,7 @@ fn the_paced_relay_reports_cost_per_token_at_each_stream_interval_beside_its_pee
     let events = |i: usize| rows[i]["text_events_per_run"].as_f64().unwrap_or(0.0);
     assert!(events(1) < 50.0 && events(1) < events(0), "{rows:?}");
     let peers = report["peers"].as_array().cloned().unwrap_or_default();
-    for name in ["openai-agents", "litellm"] {
+    for name in ["openai-agents", "agentic-api", "litellm"] {
         let peer = peers.iter().find(|p| p["name"] == name);
         assert!(
             peer.is_some_and(|p| p["cpu_us_per_token"].as_f64().is_some_and(|c| c > 0.0)),

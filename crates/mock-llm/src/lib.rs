@@ -1,11 +1,13 @@
 //! A stand-in for an OpenAI-compatible LLM server, for tests, the benchmark and the demo.
 //!
 //! It plays [`Scenario`]s — scripted turns of text, parallel tool calls, exit calls, bad calls,
-//! delays, cuts, stalls and HTTP errors — and replays recorded SSE streams byte for byte. It is
+//! delays, cuts, stalls and HTTP errors — through the chat-completions API or, for gateways that
+//! ask for it, the Responses API — and replays recorded SSE streams byte for byte. It is
 //! clearly not a model: it answers what the script says, whatever it is asked.
 
 #![forbid(unsafe_code)]
 
+mod responses;
 pub mod scenario;
 pub mod server;
 

@@ -1,4 +1,5 @@
-//! The HTTP side: `POST /v1/chat/completions` (streaming only) and `GET /v1/models`.
+//! The HTTP side: `POST /v1/chat/completions` and `POST /v1/responses` (streaming only), and
+//! `GET /v1/models`.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -156,6 +157,7 @@ const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
 fn router(shared: Arc<Shared>) -> axum::Router {
     axum::Router::new()
         .route("/v1/chat/completions", post(completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(shared)
@@ -178,8 +180,57 @@ fn error_response(status: StatusCode, message: &str) -> Response {
 }
 
 async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    play(&shared, &body, Api::ChatCompletions)
+}
+
+async fn responses(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    play(&shared, &body, Api::Responses)
+}
+
+/// The two streaming APIs a scenario is played through.
+#[derive(Clone, Copy)]
+enum Api {
+    /// `POST /v1/chat/completions`: the conversation in `messages`.
+    ChatCompletions,
+    /// `POST /v1/responses`: the conversation in `input`.
+    Responses,
+}
+
+impl Api {
+    /// The conversation's items.
+    fn conversation(self, request: &Value) -> &[Value] {
+        let field = match self {
+            Self::ChatCompletions => "messages",
+            Self::Responses => "input",
+        };
+        request[field].as_array().map_or(&[], Vec::as_slice)
+    }
+
+    /// How many answers the conversation already holds: the turn to play next.
+    fn answered(self, request: &Value) -> usize {
+        match self {
+            Self::ChatCompletions => self
+                .conversation(request)
+                .iter()
+                .filter(|m| m["role"] == "assistant")
+                .count(),
+            Self::Responses => crate::responses::assistant_turns(request),
+        }
+    }
+
+    fn render(self, turn: &Turn, model: &str, turn_number: usize, prompt_chars: usize) -> Option<Vec<Piece>> {
+        match self {
+            Self::ChatCompletions => Some(render(turn, model, turn_number, prompt_chars)),
+            Self::Responses => crate::responses::playable(turn)
+                .then(|| crate::responses::render(turn, model, turn_number, prompt_chars)),
+        }
+    }
+}
+
+/// Plays the scenario's next turn of the conversation in `body` through `api`.
+fn play(shared: &Arc<Shared>, body: &[u8], api: Api) -> Response {
     let arrived = Instant::now();
-    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+    let Ok(request) = serde_json::from_slice::<Value>(body) else {
         return error_response(StatusCode::BAD_REQUEST, "the request body is not JSON");
     };
     if shared.record {
@@ -188,33 +239,46 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
     if request["stream"] != true {
         return error_response(
             StatusCode::BAD_REQUEST,
-            "mock-llm only serves streaming completions (stream: true)",
+            "mock-llm only serves streaming requests (stream: true)",
         );
     }
     let model = request["model"].as_str().unwrap_or_default().to_owned();
     let scenario = shared.scenarios.named.get(&model).unwrap_or(&shared.scenarios.default);
-    let assistant_messages = request["messages"]
-        .as_array()
-        .map_or(0, |m| m.iter().filter(|m| m["role"] == "assistant").count());
+    let answered = api.answered(&request);
     let fallback = Turn::text("(mock-llm: the scenario has no more turns.)");
-    let turn = scenario.turn(assistant_messages).unwrap_or(&fallback).clone();
-    if let Some(refusal) = scripted_failure(&shared, &model, assistant_messages, &turn) {
+    let turn = scenario.turn(answered).unwrap_or(&fallback).clone();
+    if let Some(refusal) = scripted_failure(shared, &model, answered, &turn) {
         return refusal;
     }
-    let prompt_chars: usize = request["messages"]
-        .as_array()
-        .map_or(0, |m| m.iter().map(|m| m.to_string().len()).sum());
-    let chunks = render(&turn, &model, assistant_messages + 1, prompt_chars);
+    let conversation = api.conversation(&request);
+    let prompt_chars: usize = conversation.iter().map(|m| m.to_string().len()).sum();
+    let Some(chunks) = api.render(&turn, &model, answered + 1, prompt_chars) else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "a recorded chat-completions stream cannot be played through /v1/responses",
+        );
+    };
     let pace = (
         Duration::from_millis(scenario.ttft_ms),
         Duration::from_millis(scenario.token_delay_ms),
     );
-    let stream = paced(chunks, pace).chain(tally_when_sent(&shared, &request, arrived));
+    let key = first_user_text(conversation);
+    let stream = paced(chunks, pace).chain(tally_when_sent(shared, key, arrived));
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| error_response(StatusCode::INTERNAL_SERVER_ERROR, "cannot build the response"))
+}
+
+/// The first user message's text: the key a conversation's served time is tallied under.
+fn first_user_text(conversation: &[Value]) -> String {
+    conversation
+        .iter()
+        .find(|m| m["role"] == "user")
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// The scripted HTTP error for this attempt at a turn (`fail_first`), if any: attempts are
@@ -262,21 +326,13 @@ fn paced(
 }
 
 /// An empty stream that, when timed, adds the time since `arrived` to the conversation's tally
-/// (keyed by its first user message) once the response before it has been sent.
+/// (under `key`, its first user message) once the response before it has been sent.
 fn tally_when_sent(
     shared: &Arc<Shared>,
-    request: &Value,
+    key: String,
     arrived: Instant,
 ) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
-    let timing = shared.served.is_some().then(|| {
-        let key = request["messages"]
-            .as_array()
-            .and_then(|m| m.iter().find(|m| m["role"] == "user"))
-            .and_then(|m| m["content"].as_str())
-            .unwrap_or_default()
-            .to_owned();
-        (Arc::clone(shared), key)
-    });
+    let timing = shared.served.is_some().then(|| (Arc::clone(shared), key));
     futures::stream::once(async move {
         if let Some((shared, key)) = timing
             && let Some(served) = &shared.served
@@ -288,7 +344,7 @@ fn tally_when_sent(
 }
 
 /// One piece of a streamed response.
-enum Piece {
+pub(crate) enum Piece {
     Bytes(String),
     Delay(Duration),
     Stall,
@@ -307,7 +363,7 @@ fn chunk(model: &str, delta: Value, finish_reason: Option<&str>) -> Piece {
 }
 
 /// Splits `text` into word-sized pieces (each keeps its trailing whitespace), or fixed-size ones.
-fn split_text(text: &str, chunk_chars: Option<usize>) -> Vec<String> {
+pub(crate) fn split_text(text: &str, chunk_chars: Option<usize>) -> Vec<String> {
     match chunk_chars {
         Some(n) if n > 0 => {
             let chars: Vec<char> = text.chars().collect();
@@ -330,7 +386,7 @@ fn split_text(text: &str, chunk_chars: Option<usize>) -> Vec<String> {
     }
 }
 
-fn split_n(text: &str, n: usize) -> Vec<String> {
+pub(crate) fn split_n(text: &str, n: usize) -> Vec<String> {
     let chars: Vec<char> = text.chars().collect();
     let size = chars.len().div_ceil(n.max(1)).max(1);
     chars.chunks(size).map(|c| c.iter().collect()).collect()
