@@ -31,8 +31,20 @@ pub(crate) struct Paced {
 }
 
 impl Paced {
-    /// The full measurement, or a quick one (CI).
+    /// The full measurement, or a quick one (CI); `BENCH_PACED_INTERVALS` (comma-separated ms)
+    /// measures only those intervals, to profile one.
     pub(crate) fn new(quick: bool) -> Self {
+        let mut paced = Self::sized(quick);
+        if let Ok(list) = std::env::var("BENCH_PACED_INTERVALS") {
+            let chosen: Vec<u32> = list.split(',').filter_map(|ms| ms.trim().parse().ok()).collect();
+            if !chosen.is_empty() {
+                paced.intervals_ms = chosen;
+            }
+        }
+        paced
+    }
+
+    fn sized(quick: bool) -> Self {
         if quick {
             Self {
                 tokens: 50,

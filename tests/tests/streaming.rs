@@ -2,12 +2,14 @@
 //! orchestrator, tool-runner and stand-in model on loopback: a paced model's text comes a tick's
 //! worth per event, the first delta of each turn at once, with the stream invariants intact (the
 //! stack checks them on every run); and the interval a request asks for on both sides of the
-//! server's ceiling. How many events exactly is the unit tests' (`run/tool_loop/tests.rs`, on a
+//! server's ceiling; with the LLM's socket read by the run itself (`--llm-reader run`) and by the
+//! shared client (`pooled`). How many events exactly is the unit tests' (`run/tool_loop/tests.rs`, on a
 //! paused clock); here the margins are wide, as the machine may be slow.
 
 use std::time::Duration;
 
 use mock_llm::{Scenario, Step, Turn};
+use orchestrator::config::Reader;
 use proto::orchestrator::v1 as pb;
 use proto::orchestrator::v1::orchestrate_event::Event as E;
 use testkit::stack::{Outcome, Stack, request, runner_config};
@@ -60,8 +62,19 @@ fn text_events(outcome: &Outcome) -> Vec<Vec<String>> {
 
 #[tokio::test]
 async fn a_paced_models_text_comes_a_tick_at_a_time_with_the_first_delta_at_once() -> TestResult {
+    // Read by the run itself (its socket quiet between ticks), and by the shared client.
+    for reader in [Reader::Run, Reader::Pooled] {
+        ticks_with(reader)
+            .await
+            .map_err(|e| e.context(format!("with --llm-reader {reader:?}")))?;
+    }
+    Ok(())
+}
+
+async fn ticks_with(reader: Reader) -> TestResult {
     let stack = Stack::start(paced(), runner_config(None), |c| {
         c.runs.stream_interval = Duration::from_millis(150);
+        c.llm.reader = reader;
     })
     .await?;
     // The server's default: 600 ms of text per turn in 150 ms ticks.

@@ -12,7 +12,9 @@
 //! Inside, not API: the runs registry (`runs`), the gRPC adapter (`service`, `convert`) and span
 //! and metric names (`telemetry`). docs/architecture.md explains how they fit.
 
-#![forbid(unsafe_code)]
+// One unsafe call in the whole crate, allowed where it is: setting SO_RCVLOWAT on the LLM
+// connection's socket, which no safe socket crate offers (`llm::direct`).
+#![deny(unsafe_code)]
 
 pub mod cli;
 pub mod client;

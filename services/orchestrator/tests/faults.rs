@@ -605,7 +605,9 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
         ],
     )
     .await?;
-    let mut client = client(&service).await?;
+    // The result keeps what the run read before its caller was given up: up to the 16 MiB
+    // of output allowed here.
+    let mut client = client(&service).await?.max_decoding_message_size(32 << 20);
     let stream = client
         .orchestrate(pb::OrchestrateRequest {
             run_id: "not-reading".into(),

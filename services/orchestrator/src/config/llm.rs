@@ -45,6 +45,15 @@ impl std::str::FromStr for Header {
     }
 }
 
+/// Who reads a completion's bytes from the LLM server's socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Reader {
+    /// The run, in its own task: no hand-over between tasks per chunk.
+    Run,
+    /// The shared HTTP client's connection tasks.
+    Pooled,
+}
+
 /// The LLM server.
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "LLM server")]
@@ -84,6 +93,20 @@ pub struct LlmSettings {
     /// Largest SSE event accepted from the LLM (all its lines), in bytes (max-line-bytes..=64 MiB).
     #[arg(long = "llm-max-event-bytes", env = "LLM_MAX_EVENT_BYTES", default_value_t = 4 * MIB)]
     pub max_event_bytes: usize,
+    /// How completions are read from a plain-http LLM server: `run` (each run reads its own
+    /// HTTP/1.1 connection in its own task, connections kept alive between turns) or `pooled` (a
+    /// shared client whose connection tasks hand the bytes over). https URLs and a configured
+    /// proxy (HTTP_PROXY, ALL_PROXY …) always use `pooled`.
+    #[arg(long = "llm-reader", env = "LLM_READER", default_value = "run")]
+    pub reader: Reader,
+    /// Idle keep-alive connections to the LLM server kept for the next turn by the `run` reader
+    /// (0..=4096; 0: a connection per completion).
+    #[arg(
+        long = "llm-max-idle-connections",
+        env = "LLM_MAX_IDLE_CONNECTIONS",
+        default_value_t = 256
+    )]
+    pub max_idle_connections: usize,
     /// Temperature of runs that set none (0..=2; unset: the model server's default).
     #[arg(long = "llm-temperature", env = "LLM_TEMPERATURE")]
     pub temperature: Option<f32>,
@@ -142,6 +165,7 @@ impl Bounded for LlmSettings {
             bound("retry_backoff", self.retry_backoff, Duration::ZERO, secs(60)),
             bound("max_line_bytes", self.max_line_bytes, KIB, 64 * MIB),
             bound("max_event_bytes", self.max_event_bytes, self.max_line_bytes, 64 * MIB),
+            bound("max_idle_connections", self.max_idle_connections, 0usize, 4096usize),
         ]
     }
 }

@@ -20,7 +20,7 @@ mod telemetry;
 mod tool_runners;
 
 pub use limits::LimitSettings;
-pub use llm::{Header, LlmSettings};
+pub use llm::{Header, LlmSettings, Reader};
 pub use loop_detector::LoopDetectorSettings;
 pub use nats::{Backend, NatsSettings};
 pub use output::OutputSettings;

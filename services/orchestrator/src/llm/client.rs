@@ -9,22 +9,28 @@
 //! without userinfo or query values, every error text is scrubbed of them (servers echo headers
 //! back), and redirects are followed only within the base URL's origin.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
+use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER};
 use serde::Serialize;
 use serde_json::Value;
 
+use super::direct::{Direct, SendError};
 use super::sse::{DecodeLimits, decode};
-use crate::config::LlmSettings;
+use crate::config::{LlmSettings, Reader};
 use crate::secrets::{Redactor, shown_url, url_secrets};
 use shared::text::excerpt;
 
-use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolChoice};
+use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ReadPace, ToolChoice};
+
+/// Sent with every request.
+const USER_AGENT: &str = concat!("orchestrator/", env!("CARGO_PKG_VERSION"));
 
 /// Most bytes of an error body read for its message.
 const MAX_ERROR_BODY: usize = 4096;
@@ -36,14 +42,38 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub struct HttpLlm {
     client: reqwest::Client,
+    /// The `run` reader's connections, for a plain-http server without a proxy.
+    direct: Option<Arc<Direct>>,
     /// The endpoint, without userinfo (that became a basic-auth header).
     url: reqwest::Url,
     /// The endpoint as logs and errors show it (no credentials, no query values).
     shown: String,
+    /// `Host` of the `run` reader's requests.
+    host: HeaderValue,
     headers: HeaderMap,
     /// Scrubs the credentials sent from error messages (a server may echo them back).
     redactor: Redactor,
     config: LlmSettings,
+}
+
+/// An answer's status, headers and body, from either reader.
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: BoxStream<'static, Result<bytes::Bytes, String>>,
+}
+
+impl From<reqwest::Response> for Answer {
+    fn from(response: reqwest::Response) -> Self {
+        Self {
+            status: response.status(),
+            headers: response.headers().clone(),
+            body: response
+                .bytes_stream()
+                .map(|c| c.map_err(|e| e.without_url().to_string()))
+                .boxed(),
+        }
+    }
 }
 
 /// How one POST of a completion request went.
@@ -78,15 +108,21 @@ impl HttpLlm {
         }
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
-            .user_agent(concat!("orchestrator/", env!("CARGO_PKG_VERSION")))
+            .user_agent(USER_AGENT)
             .redirect(same_origin_redirects())
             .build()
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
         let (url, basic_auth) = split_userinfo(&client, url)?;
         let headers = sensitive_headers(&config, basic_auth)?;
         let redactor = redactor(&config, &headers);
+        let direct = read_by_the_run(&config, &url)
+            .then(|| Direct::new(authority(&url), config.connect_timeout, config.max_idle_connections));
+        let host = HeaderValue::try_from(host_header(&url))
+            .map_err(|e| format!("--llm-base-url: the host is not a valid header value: {e}"))?;
         Ok(Self {
             client,
+            direct,
+            host,
             url,
             shown,
             headers,
@@ -100,11 +136,15 @@ impl HttpLlm {
         &self.shown
     }
 
-    async fn open(self, body: Vec<u8>) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
+    async fn open(
+        self,
+        body: Vec<u8>,
+        pace: ReadPace,
+    ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
         let body = bytes::Bytes::from(body);
         let mut attempt = 0u32;
         loop {
-            let (retry_after, failure) = match self.attempt(body.clone()).await {
+            let (retry_after, failure) = match self.attempt(body.clone(), &pace).await {
                 Attempt::Streaming(events) => return Ok(events),
                 Attempt::Final(failure) => return Err(failure),
                 Attempt::Retryable { retry_after, failure } => (retry_after, failure),
@@ -132,61 +172,113 @@ impl HttpLlm {
     /// One POST of the request: a stream of events on success; a refusal worth retrying (429, a
     /// server error, no connection) or a final one (no headers within the idle timeout, any
     /// other status or error).
-    async fn attempt(&self, body: bytes::Bytes) -> Attempt {
-        let send = self
+    async fn attempt(&self, body: bytes::Bytes, pace: &ReadPace) -> Attempt {
+        let send = async {
+            match &self.direct {
+                Some(direct) => match self.send_direct(direct, body.clone(), pace).await {
+                    // Redirects are the shared client's (followed within the origin only).
+                    Ok(answer) if answer.status.is_redirection() => self.send_pooled(body).await,
+                    other => other,
+                },
+                None => self.send_pooled(body).await,
+            }
+        };
+        let answer = match tokio::time::timeout(self.config.idle_timeout, send).await {
+            Err(_) => {
+                return Attempt::Final(LlmError::Stalled(format!(
+                    "{} (no response headers)",
+                    humantime::format_duration(self.config.idle_timeout)
+                )));
+            }
+            Ok(Err(failed)) => return failed,
+            Ok(Ok(answer)) => answer,
+        };
+        if answer.status.is_success() {
+            let limits = DecodeLimits {
+                idle_timeout: self.config.idle_timeout,
+                max_line_bytes: self.config.max_line_bytes,
+                max_event_bytes: self.config.max_event_bytes,
+            };
+            let redactor = self.redactor.clone();
+            let events = decode(answer.body, limits);
+            return Attempt::Streaming(events.map(move |event| event.map_err(|e| scrub(&redactor, e))).boxed());
+        }
+        let status = answer.status;
+        let retry_after = retry_after(&answer.headers);
+        let failure = self.refusal(answer).await;
+        if status.as_u16() == 429 || status.is_server_error() {
+            Attempt::Retryable { retry_after, failure }
+        } else {
+            Attempt::Final(failure)
+        }
+    }
+
+    /// The POST through the shared client (which follows same-origin redirects).
+    async fn send_pooled(&self, body: bytes::Bytes) -> Result<Answer, Attempt> {
+        let sent = self
             .client
             .post(self.url.clone())
             .headers(self.headers.clone())
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .body(body)
-            .send();
-        match tokio::time::timeout(self.config.idle_timeout, send).await {
-            Err(_) => Attempt::Final(LlmError::Stalled(format!(
-                "{} (no response headers)",
-                humantime::format_duration(self.config.idle_timeout)
-            ))),
-            Ok(Ok(response)) if response.status().is_success() => {
-                let limits = DecodeLimits {
-                    idle_timeout: self.config.idle_timeout,
-                    max_line_bytes: self.config.max_line_bytes,
-                    max_event_bytes: self.config.max_event_bytes,
-                };
-                let redactor = self.redactor.clone();
-                let events = decode(response.bytes_stream(), limits);
-                Attempt::Streaming(events.map(move |event| event.map_err(|e| scrub(&redactor, e))).boxed())
+            .send()
+            .await;
+        match sent {
+            Ok(response) => Ok(Answer::from(response)),
+            Err(e) if e.is_connect() || e.is_timeout() => Err(self.unreachable(&e.without_url().to_string())),
+            Err(e) => Err(Attempt::Final(
+                self.http_error(format!("request to the LLM server failed: {}", e.without_url())),
+            )),
+        }
+    }
+
+    /// The POST on a connection the run reads itself.
+    async fn send_direct(&self, direct: &Arc<Direct>, body: bytes::Bytes, pace: &ReadPace) -> Result<Answer, Attempt> {
+        let request = || {
+            let mut request = http::Request::post(origin_form(&self.url)).body(http_body_util::Full::new(body.clone()));
+            if let Ok(request) = &mut request {
+                let headers = request.headers_mut();
+                headers.clone_from(&self.headers);
+                headers.insert(http::header::HOST, self.host.clone());
+                headers.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
+                headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                headers.insert(http::header::ACCEPT, HeaderValue::from_static("text/event-stream"));
             }
-            Ok(Ok(response)) => {
-                let status = response.status();
-                let retry_after = retry_after(&response);
-                let failure = self.refusal(response).await;
-                if status.as_u16() == 429 || status.is_server_error() {
-                    Attempt::Retryable { retry_after, failure }
-                } else {
-                    Attempt::Final(failure)
-                }
+            // Built from a parsed URL and checked headers: it cannot fail.
+            request.unwrap_or_default()
+        };
+        match direct.send(request, pace).await {
+            Ok(response) => {
+                let (parts, body) = response.into_parts();
+                Ok(Answer {
+                    status: parts.status,
+                    headers: parts.headers,
+                    body: body.map(|c| c.map_err(|e| e.to_string())).boxed(),
+                })
             }
-            Ok(Err(e)) if e.is_connect() || e.is_timeout() => Attempt::Retryable {
-                retry_after: None,
-                failure: self.http_error(format!(
-                    "cannot reach the LLM server at {}: {}",
-                    self.shown,
-                    e.without_url()
-                )),
-            },
-            Ok(Err(e)) => {
-                Attempt::Final(self.http_error(format!("request to the LLM server failed: {}", e.without_url())))
-            }
+            Err(SendError::Connect(e)) => Err(self.unreachable(&e)),
+            Err(SendError::Request(e)) => Err(Attempt::Final(
+                self.http_error(format!("request to the LLM server failed: {e}")),
+            )),
+        }
+    }
+
+    /// No connection to the server: worth retrying.
+    fn unreachable(&self, error: &str) -> Attempt {
+        Attempt::Retryable {
+            retry_after: None,
+            failure: self.http_error(format!("cannot reach the LLM server at {}: {error}", self.shown)),
         }
     }
 
     /// The error for an answer that is not a stream: a redirect to another origin (never
     /// followed: the request carries credentials), or the server's own message.
-    async fn refusal(&self, response: reqwest::Response) -> LlmError {
-        let status = response.status();
+    async fn refusal(&self, answer: Answer) -> LlmError {
+        let status = answer.status;
         if status.is_redirection() {
-            let target = response
-                .headers()
+            let target = answer
+                .headers
                 .get(LOCATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|location| self.url.join(location).ok())
@@ -201,13 +293,54 @@ impl HttpLlm {
                 self.url.origin().ascii_serialization()
             ));
         }
-        let body = read_error_body(response, self.config.idle_timeout).await;
+        let body = read_error_body(answer.body, self.config.idle_timeout).await;
         self.http_error(format!("the LLM server answered {status}: {body}"))
     }
 
     /// An HTTP-level error, its text scrubbed of the credentials this client sends.
     fn http_error(&self, message: String) -> LlmError {
         LlmError::Http(self.redactor.scrub(&message))
+    }
+}
+
+/// Whether completions are read by the runs themselves: the `run` reader asked for, a plain-http
+/// server, and no proxy configured (the shared client honours `HTTP_PROXY` and the like).
+fn read_by_the_run(config: &LlmSettings, url: &reqwest::Url) -> bool {
+    const PROXIES: [&str; 6] = [
+        "HTTP_PROXY",
+        "http_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+    ];
+    config.reader == Reader::Run
+        && url.scheme() == "http"
+        && !PROXIES
+            .iter()
+            .any(|v| std::env::var_os(v).is_some_and(|v| !v.is_empty()))
+}
+
+/// `host:port` of an http URL (port 80 when it names none).
+fn authority(url: &reqwest::Url) -> String {
+    let host = url.host_str().unwrap_or_default();
+    format!("{host}:{}", url.port_or_known_default().unwrap_or(80))
+}
+
+/// The `Host` header of `url`: its host, and its port unless it is the scheme's own.
+fn host_header(url: &reqwest::Url) -> String {
+    let host = url.host_str().unwrap_or_default();
+    match url.port() {
+        Some(port) => format!("{host}:{port}"),
+        None => host.to_owned(),
+    }
+}
+
+/// The request target of `url`: its path and query.
+fn origin_form(url: &reqwest::Url) -> String {
+    match url.query() {
+        Some(query) => format!("{}?{query}", url.path()),
+        None => url.path().to_owned(),
     }
 }
 
@@ -296,9 +429,8 @@ fn scrub(redactor: &Redactor, error: LlmError) -> LlmError {
 }
 
 /// A `Retry-After` in seconds, when short enough to honour.
-fn retry_after(response: &reqwest::Response) -> Option<Duration> {
-    response
-        .headers()
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    headers
         .get(RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
@@ -308,10 +440,9 @@ fn retry_after(response: &reqwest::Response) -> Option<Duration> {
 
 /// At most a few KiB of an error response, for the message, read within `timeout`: a body that
 /// never ends (or never comes) gives what arrived by then.
-async fn read_error_body(response: reqwest::Response, timeout: Duration) -> String {
+async fn read_error_body(mut stream: BoxStream<'static, Result<bytes::Bytes, String>>, timeout: Duration) -> String {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut body = Vec::new();
-    let mut stream = response.bytes_stream();
     let mut complete = true;
     while body.len() <= MAX_ERROR_BODY {
         match tokio::time::timeout_at(deadline, stream.next()).await {
@@ -343,7 +474,7 @@ impl ChatModel for HttpLlm {
         request: ChatRequest,
     ) -> BoxFuture<'static, Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError>> {
         let body = request_body(&request);
-        self.clone().open(body).boxed()
+        self.clone().open(body, request.pace).boxed()
     }
 }
 
@@ -560,6 +691,8 @@ mod tests {
             reasoning_effort: None,
             extra_body: None,
             send_reasoning: false,
+            reader: Reader::Run,
+            max_idle_connections: 4,
         }
     }
 
@@ -650,6 +783,7 @@ mod tests {
                 temperature: Some(0.5),
                 ..Default::default()
             },
+            pace: super::super::ReadPace::default(),
         };
         let body: Value = serde_json::from_slice(&request_body(&request)).unwrap();
         assert_eq!(body["stream"], true);
@@ -692,6 +826,7 @@ mod tests {
             messages: vec![Message::System("s".into())],
             tools,
             params,
+            pace: super::super::ReadPace::default(),
         };
         let body: Value = serde_json::from_slice(&request_body(&request(vec![tool], params.clone()))).unwrap();
         let mut fields = body.as_object().unwrap().clone();
@@ -764,6 +899,7 @@ mod tests {
                 seed: Some(-3),
                 ..Default::default()
             },
+            pace: super::super::ReadPace::default(),
         };
         let text = String::from_utf8(request_body(&request)).unwrap();
         // f32 parameters are written as the caller gave them, not widened (0.699999988…).

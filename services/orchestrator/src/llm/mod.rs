@@ -1,7 +1,7 @@
 //! The LLM client: any OpenAI-compatible `/v1/chat/completions` server, streamed.
 //!
 //! * [`client`]: the HTTP side (request body, API key, extra headers, retries before the first
-//!   byte, idle timeout);
+//!   byte, idle timeout), with `direct`: connections read by the run's own task;
 //! * [`sse`]: bytes → SSE events → semantic [`LlmEvent`]s, tolerant of the differences between
 //!   real servers (see `tests/fixtures/llm-streams/`);
 //! * [`assembler`]: tool-call fragments → whole tool calls;
@@ -10,6 +10,7 @@
 
 pub mod assembler;
 pub mod client;
+mod direct;
 pub mod sse;
 
 use futures::future::BoxFuture;
@@ -30,6 +31,33 @@ pub struct ChatRequest {
     pub tools: Vec<ToolDefinition>,
     /// Sampling parameters.
     pub params: SamplingParams,
+    /// Set by the reader while it reads the stream only on its ticks.
+    pub pace: ReadPace,
+}
+
+/// Whether a completion's reader reads it only on its stream interval's ticks (shared between
+/// the reader and the connection). While it does, the connection's socket need not wake anyone
+/// for each chunk that arrives: the reader takes them all at the next tick.
+#[derive(Debug, Clone, Default)]
+pub struct ReadPace(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl ReadPace {
+    /// The reader now reads only on its ticks (`true`), or waits for the next chunk (`false`).
+    pub fn set_ticking(&self, ticking: bool) {
+        self.0.store(ticking, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the reader reads only on its ticks.
+    pub fn ticking(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// A hint between reader and connection, not part of what is asked: any two are equal.
+impl PartialEq for ReadPace {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// What the stream says, independent of any server's quirks.

@@ -90,6 +90,11 @@ pub struct Emitter {
 }
 
 impl Emitter {
+    /// The largest text one event carries.
+    pub fn max_event_bytes(&self) -> usize {
+        self.settings.max_event_bytes
+    }
+
     /// An emitter writing to `tx` (`None`: nobody listens, e.g. a detached run whose caller left).
     /// `on_stall` is canceled when the caller stops taking events.
     pub fn new(

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::domain::{Event, FailureReason};
-use crate::llm::{ChatRequest, LlmError, LlmEvent};
+use crate::llm::{ChatRequest, LlmError, LlmEvent, ReadPace};
 use crate::run::turn::{TurnCollector, TurnOutput};
 use crate::telemetry::metric;
 
@@ -24,9 +24,12 @@ impl Driver<'_> {
     pub(super) async fn stream_completion(&mut self, request: ChatRequest, turn: &mut Turn) -> Step<TurnOutput> {
         self.emitter.flush().await;
         let requested = Instant::now();
+        let pace = request.pace.clone();
         let stream = self.deps.model.stream(request).await.map_err(llm_failure)?;
         let collector = TurnCollector::new(self.deps.output.max_calls_per_turn, self.deps.output.max_argument_bytes);
-        let completion = Completion::new(stream, collector, requested).every(self.spec.stream_interval);
+        let completion = Completion::new(stream, collector, requested)
+            .every(self.spec.stream_interval, pace)
+            .at_most(self.emitter.max_event_bytes());
         self.completion = Some(completion);
         while let Some(batch) = self.next_batch().await {
             self.reason(turn, &batch.reasoning).await?;
@@ -185,6 +188,11 @@ pub(super) struct Completion {
     interval: std::time::Duration,
     /// A batch with text or reasoning was handed out: later ones wait for the tick.
     shown: bool,
+    /// Tells the connection when chunks need wake nobody until the next tick.
+    pace: ReadPace,
+    /// A batch stops taking events once its text and reasoning reach this (one event's worth):
+    /// a model faster than the run is read in bounded batches, each shown before the next.
+    max_batch_bytes: usize,
 }
 
 impl Completion {
@@ -200,12 +208,22 @@ impl Completion {
             first_token: true,
             interval: std::time::Duration::ZERO,
             shown: false,
+            pace: ReadPace::default(),
+            max_batch_bytes: usize::MAX,
         }
     }
 
-    /// The completion, read once per `interval` after its first text.
-    pub(super) fn every(mut self, interval: std::time::Duration) -> Self {
+    /// Batches of at most about `bytes` of text and reasoning.
+    pub(super) fn at_most(mut self, bytes: usize) -> Self {
+        self.max_batch_bytes = bytes;
+        self
+    }
+
+    /// The completion, read once per `interval` after its first text, telling the connection
+    /// through `pace` when it reads only on ticks.
+    pub(super) fn every(mut self, interval: std::time::Duration, pace: ReadPace) -> Self {
         self.interval = interval;
+        self.pace = pace;
         self
     }
 
@@ -213,10 +231,19 @@ impl Completion {
     /// every one that is already here; `None` at the end.
     pub(super) async fn next_batch(&mut self) -> Option<Batch> {
         let ticking = self.shown && !self.interval.is_zero();
-        if ticking {
+        let first = if ticking {
             tokio::time::sleep_until(next_tick(self.interval)).await;
-        }
-        let first = self.stream.next().await?;
+            match self.stream.next().now_or_never() {
+                Some(item) => item?,
+                None => {
+                    // Nothing came since the last tick: wait for the next chunk, woken by it.
+                    self.pace.set_ticking(false);
+                    self.stream.next().await?
+                }
+            }
+        } else {
+            self.stream.next().await?
+        };
         let mut batch = Batch {
             text: String::new(),
             reasoning: String::new(),
@@ -234,12 +261,14 @@ impl Completion {
                     next => next,
                 };
                 let Some(Some(item)) = next else { break };
-                if !self.add(item, &mut batch) {
+                if !self.add(item, &mut batch) || batch.text.len() + batch.reasoning.len() >= self.max_batch_bytes {
                     break;
                 }
             }
         }
         self.shown |= !batch.text.is_empty() || !batch.reasoning.is_empty();
+        // Until the next tick, arriving chunks need wake nobody: they are read on the tick.
+        self.pace.set_ticking(self.shown && !self.interval.is_zero());
         Some(batch)
     }
 

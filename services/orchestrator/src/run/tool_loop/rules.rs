@@ -118,6 +118,7 @@ impl Driver<'_> {
             messages,
             tools: self.tools.clone(),
             params: spec.params.for_turn(turn),
+            pace: crate::llm::ReadPace::default(),
         }
     }
 
