@@ -64,6 +64,14 @@ impl Paced {
         }
     }
 
+    /// The model's scripts: the paced turn under [`MODEL`].
+    fn scenarios(&self) -> Scenarios {
+        Scenarios {
+            default: Scenario::demo(),
+            named: [(MODEL.to_owned(), self.scenario())].into_iter().collect(),
+        }
+    }
+
     fn scenario(&self) -> Scenario {
         Scenario {
             token_delay_ms: self.pace_ms,
@@ -97,6 +105,8 @@ impl Paced {
 /// One stream interval, measured.
 #[derive(Debug, Serialize)]
 pub(crate) struct Row {
+    /// Which orchestrator: `default`, or a variant's label.
+    pub setup: String,
     pub interval_ms: u32,
     pub tokens_relayed: u64,
     pub cpu_us_per_token: f64,
@@ -113,12 +123,19 @@ pub(crate) struct Row {
 pub(crate) struct Report {
     pub workload: Paced,
     pub cores: usize,
-    /// The model's own time to first token, called directly as many at once.
+    /// The model's own time to first token, called directly, as many at once.
     pub model_ttft_p50_ms: f64,
     pub model_ttft_p99_ms: f64,
+    /// The orchestrator as shipped, at every interval.
     pub rows: Vec<Row>,
+    /// Other shapes of it in the same run (at 0 and 20 ms): the baseline and the costs of options.
+    pub variants: Vec<Row>,
+    /// Variants that could not be measured, and why.
+    pub variants_not_run: Vec<String>,
     /// The peers (`--peers`), on the same stand-in model after the orchestrator.
     pub peers: Vec<crate::peers::Peer>,
+    /// A run of two turns and one tool call, the orchestrator beside the Agents SDK (`--peers`).
+    pub agent_runs: Option<crate::peers::AgentRuns>,
 }
 
 /// What one run's caller saw.
@@ -128,52 +145,122 @@ struct Seen {
     ok: bool,
 }
 
-/// Measures every interval of `paced` on a fresh orchestrator, then the peers when asked.
-pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bool) -> anyhow::Result<Report> {
-    let scenarios = Scenarios {
-        default: Scenario::demo(),
-        named: [(MODEL.to_owned(), paced.scenario())].into_iter().collect(),
-    };
-    let stack = Stack::start(bin, scenarios, paced.concurrency.div_ceil(50), None, "warn", &[]).await?;
-    let model = model_ttft(&stack.mock.base_url(), paced).await?;
-    let mut rows = Vec::new();
-    for &interval_ms in &paced.intervals_ms {
-        round(&stack, paced, interval_ms).await;
-        let (cpu, switches) = (procstat::scheduled_time(stack.pid)?, procstat::switches(stack.pid)?);
-        let mut seen = Vec::new();
-        for _ in 0..paced.rounds {
-            seen.extend(round(&stack, paced, interval_ms).await);
-        }
-        let cpu = procstat::scheduled_time(stack.pid)?.saturating_sub(cpu);
-        let switches = procstat::switches(stack.pid)?.saturating_sub(switches);
-        let row = row(paced, interval_ms, &seen, cpu, switches);
-        eprintln!(
-            "bench: paced, interval {interval_ms:>3} ms: {:.1} µs and {:.2} switches per token, {:.1} events per run, TTFT p99 {:.1} ms",
-            row.cpu_us_per_token, row.switches_per_token, row.text_events_per_run, row.ttft_p99_ms
-        );
-        rows.push(row);
+/// An orchestrator measured beside the shipped one: its label, flags and environment.
+struct Variant {
+    label: &'static str,
+    flags: Vec<String>,
+    env: Vec<(&'static str, &'static str)>,
+}
+
+/// The variants: the shared HTTP client reading the model (the baseline this release improves
+/// on), one runtime worker, and the durable mode (the NATS store, against `nats`).
+fn variants(nats: Option<&str>) -> Vec<Variant> {
+    let mut all = vec![
+        Variant {
+            label: "pooled reader (--llm-reader pooled)",
+            flags: vec!["--llm-reader".into(), "pooled".into()],
+            env: Vec::new(),
+        },
+        Variant {
+            label: "one worker (TOKIO_WORKER_THREADS=1)",
+            flags: Vec::new(),
+            env: vec![(shared::runtime::WORKER_THREADS_ENV, "1")],
+        },
+    ];
+    if let Some(url) = nats {
+        all.push(Variant {
+            label: "durable (--run-store nats)",
+            flags: vec!["--run-store".into(), url.to_owned()],
+            env: Vec::new(),
+        });
     }
-    let peers = match with_peers {
-        true => crate::peers::measure(&stack.mock.base_url(), paced).await,
-        false => Vec::new(),
+    all
+}
+
+/// Measures every interval of `paced` on a fresh orchestrator, then the peers when asked, then
+/// each variant at 0 and 20 ms on a fresh orchestrator of its own.
+pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bool) -> anyhow::Result<Report> {
+    let stack = Stack::start(
+        bin,
+        paced.scenarios(),
+        paced.concurrency.div_ceil(50),
+        None,
+        "warn",
+        &[],
+    )
+    .await?;
+    let model = model_ttft(&stack.mock.base_url(), paced).await?;
+    let rows = rows_of(&stack, paced, "default", &paced.intervals_ms).await?;
+    let (peers, agent_runs) = match with_peers {
+        true => (
+            crate::peers::measure(&stack.mock.base_url(), paced).await,
+            Some(crate::peers::agent_runs(bin, paced).await),
+        ),
+        false => (Vec::new(), None),
     };
     stack.stop().await;
+    let nats = testkit::nats::Nats::start().await;
+    let mut variants_not_run = Vec::new();
+    if let Err(e) = &nats {
+        variants_not_run.push(format!("durable (--run-store nats): no nats-server: {e:#}"));
+    }
+    let intervals: Vec<u32> = paced
+        .intervals_ms
+        .iter()
+        .copied()
+        .filter(|i| [0, 20].contains(i))
+        .collect();
+    let mut variant_rows = Vec::new();
+    for variant in variants(nats.as_ref().ok().map(|n| n.url()).as_deref()) {
+        let flags: Vec<&str> = variant.flags.iter().map(String::as_str).collect();
+        let channels = paced.concurrency.div_ceil(50);
+        let stack = Stack::start_with_env(bin, paced.scenarios(), channels, None, "warn", &flags, &variant.env).await?;
+        variant_rows.extend(rows_of(&stack, paced, variant.label, &intervals).await?);
+        stack.stop().await;
+    }
     Ok(Report {
         workload: paced.clone(),
         cores: std::thread::available_parallelism().map_or(1, usize::from),
         model_ttft_p50_ms: ms(quantile(&model, 0.5)),
         model_ttft_p99_ms: ms(quantile(&model, 0.99)),
         rows,
+        variants: variant_rows,
+        variants_not_run,
         peers,
+        agent_runs,
     })
 }
 
-fn row(paced: &Paced, interval_ms: u32, seen: &[Seen], cpu: Duration, switches: u64) -> Row {
+/// The rows of one orchestrator (`setup`) at `intervals`: a round of warm-up, then `rounds`
+/// rounds measured per interval.
+async fn rows_of(stack: &Stack, paced: &Paced, setup: &str, intervals: &[u32]) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for &interval_ms in intervals {
+        round(stack, paced, interval_ms).await;
+        let (cpu, switches) = (procstat::scheduled_time(stack.pid)?, procstat::switches(stack.pid)?);
+        let mut seen = Vec::new();
+        for _ in 0..paced.rounds {
+            seen.extend(round(stack, paced, interval_ms).await);
+        }
+        let cpu = procstat::scheduled_time(stack.pid)?.saturating_sub(cpu);
+        let switches = procstat::switches(stack.pid)?.saturating_sub(switches);
+        let row = row(paced, setup, interval_ms, &seen, cpu, switches);
+        eprintln!(
+            "bench: paced, {setup}, interval {interval_ms:>3} ms: {:.1} µs and {:.2} switches per token, {:.1} events per run, TTFT p99 {:.1} ms",
+            row.cpu_us_per_token, row.switches_per_token, row.text_events_per_run, row.ttft_p99_ms
+        );
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+fn row(paced: &Paced, setup: &str, interval_ms: u32, seen: &[Seen], cpu: Duration, switches: u64) -> Row {
     let ok: Vec<&Seen> = seen.iter().filter(|s| s.ok).collect();
     let tokens = (ok.len() * paced.tokens) as u64;
     let per_token = |x: f64| x / tokens.max(1) as f64;
     let ttfts: Vec<Duration> = ok.iter().filter_map(|s| s.ttft).collect();
     Row {
+        setup: setup.to_owned(),
         interval_ms,
         tokens_relayed: tokens,
         cpu_us_per_token: per_token(cpu.as_secs_f64() * 1e6),
@@ -303,9 +390,107 @@ pub(crate) fn markdown(report: &Report) -> String {
             r.runs_failed
         ));
     }
+    md.push_str(&variants_markdown(report));
     if !report.peers.is_empty() {
         md.push_str(&peers_markdown(report));
     }
+    if let Some(runs) = &report.agent_runs {
+        md.push_str(&agent_runs_markdown(runs));
+    }
+    if !report.peers.is_empty() {
+        md.push_str(&targets_markdown(report));
+    }
+    md
+}
+
+/// The shipped orchestrator's row at `interval_ms`.
+fn shipped(report: &Report, interval_ms: u32) -> Option<&Row> {
+    report.rows.iter().find(|r| r.interval_ms == interval_ms)
+}
+
+/// The variants' rows, each as a ratio to the shipped orchestrator at the same interval.
+fn variants_markdown(report: &Report) -> String {
+    if report.variants.is_empty() && report.variants_not_run.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from(
+        "\n## Variants (same model, same run)\n\nThe same workload on an orchestrator started another way. Ratio: the variant's CPU per token ÷ the shipped orchestrator's at the same interval.\n\n| orchestrator | stream interval | CPU per token | switches per token | text events per run | TTFT p99 | ÷ shipped |\n|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in &report.variants {
+        let ratio = shipped(report, r.interval_ms).map_or_else(String::new, |s| {
+            format!("{:.2}", r.cpu_us_per_token / s.cpu_us_per_token)
+        });
+        md.push_str(&format!(
+            "| {} | {} ms | {:.1} µs | {:.2} | {:.1} | {:.1} ms | {ratio} |\n",
+            r.setup, r.interval_ms, r.cpu_us_per_token, r.switches_per_token, r.text_events_per_run, r.ttft_p99_ms
+        ));
+    }
+    for reason in &report.variants_not_run {
+        md.push_str(&format!("| {reason} | | | | | | |\n"));
+    }
+    md
+}
+
+/// Two-turn agent runs: the orchestrator's CPU per run beside the Agents SDK's.
+fn agent_runs_markdown(runs: &crate::peers::AgentRuns) -> String {
+    let figure = |x: Option<f64>| x.map_or_else(|| "not run".to_owned(), |us| format!("{us:.0} µs"));
+    let mut md = format!(
+        "\n## An agent run: two turns, one tool call ({} runs, one after another)\n\n| who | CPU per run |\n|---|---:|\n| orchestrator + tool-runner (two processes, the call over gRPC) | {} |\n| openai-agents (one process, the tool a Python function) | {} |\n",
+        runs.runs,
+        figure(runs.orchestrator_cpu_us_per_run),
+        figure(runs.agents_sdk_cpu_us_per_run)
+    );
+    for reason in &runs.not_run {
+        md.push_str(&format!("\nNot measured: {reason}\n"));
+    }
+    md
+}
+
+/// The targets, each as measured in this run.
+fn targets_markdown(report: &Report) -> String {
+    let peer_cpu = |name: &str| {
+        report
+            .peers
+            .iter()
+            .find(|p| p.name == name)
+            .and_then(|p| p.cpu_us_per_token)
+    };
+    let ratio = |interval: u32, peer: &str| Some(shipped(report, interval)?.cpu_us_per_token / peer_cpu(peer)?);
+    let run_ratio = report
+        .agent_runs
+        .as_ref()
+        .and_then(|r| Some(r.orchestrator_cpu_us_per_run? / r.agents_sdk_cpu_us_per_run?));
+    let ttft_excess = shipped(report, 0).map(|r| r.ttft_p99_ms - report.model_ttft_p99_ms);
+    let mut md = String::from("\n## Targets (this run)\n\n| target | measured | met |\n|---|---:|---|\n");
+    let mut line = |what: &str, measured: Option<f64>, limit: f64, unit: &str| {
+        let (shown, met) = match measured {
+            None => ("not measured".to_owned(), "—".to_owned()),
+            Some(m) if m <= limit => (format!("{m:.3}{unit}"), "met".to_owned()),
+            Some(m) => (format!("{m:.3}{unit}"), format!("missed by {:.1}×", m / limit)),
+        };
+        md.push_str(&format!("| {what} | {shown} | {met} |\n"));
+    };
+    line(
+        "CPU per token at 0 ms ÷ openai-agents ≤ 1/10",
+        ratio(0, "openai-agents"),
+        0.1,
+        "",
+    );
+    line(
+        "CPU per token at 0 ms ÷ agentic-api ≤ 1/2",
+        ratio(0, "agentic-api"),
+        0.5,
+        "",
+    );
+    line(
+        "CPU per token at 20 ms ÷ openai-agents ≤ 1/50",
+        ratio(20, "openai-agents"),
+        0.02,
+        "",
+    );
+    line("CPU per 2-turn run ÷ openai-agents ≤ 1/30", run_ratio, 1.0 / 30.0, "");
+    line("TTFT p99 at 0 ms − the model's own ≤ 1 ms", ttft_excess, 1.0, " ms");
+    md.push_str("| RSS per held run ≤ 32 KiB | the main bench's (`latest.md`, 10,000 runs held) | see there |\n");
     md
 }
 
@@ -354,7 +539,7 @@ pub(crate) async fn run(
     let md = markdown(&report);
     std::fs::write(out.join("paced.md"), &md)?;
     eprintln!("{md}");
-    let failed: usize = report.rows.iter().map(|r| r.runs_failed).sum();
+    let failed: usize = report.rows.iter().chain(&report.variants).map(|r| r.runs_failed).sum();
     anyhow::ensure!(failed == 0, "{failed} paced runs did not complete");
     Ok(())
 }

@@ -106,6 +106,18 @@ async fn run(program: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
 }
 
 async fn agents_sdk_figures(model_url: &str, paced: &Paced) -> anyhow::Result<(f64, f64)> {
+    let concurrency = paced.concurrency.to_string();
+    let rounds = paced.rounds.to_string();
+    let args = ["--model", MODEL, "--concurrency", &concurrency, "--rounds", &rounds];
+    let (cpu, switches, done) = drive_agents_sdk(model_url, &args).await?;
+    let tokens = done["tokens"].as_u64().unwrap_or(0);
+    anyhow::ensure!(tokens > 0, "no text came through the Agents SDK");
+    Ok((cpu.as_secs_f64() * 1e6 / tokens as f64, switches as f64 / tokens as f64))
+}
+
+/// Runs `bench/peers/agents_sdk.py` with `args` against the model: the CPU and switches of its
+/// process over the measured part, and what it reported at its end.
+async fn drive_agents_sdk(model_url: &str, args: &[&str]) -> anyhow::Result<(Duration, u64, serde_json::Value)> {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
     let python = agents_sdk_python().await?;
     let folder = tempfile::tempdir()?;
@@ -113,9 +125,8 @@ async fn agents_sdk_figures(model_url: &str, paced: &Paced) -> anyhow::Result<(f
     std::fs::write(&script, include_str!("../peers/agents_sdk.py"))?;
     let mut child = tokio::process::Command::new(python)
         .arg(&script)
-        .args(["--base-url", model_url, "--model", MODEL])
-        .args(["--concurrency", &paced.concurrency.to_string()])
-        .args(["--rounds", &paced.rounds.to_string()])
+        .args(["--base-url", model_url])
+        .args(args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
@@ -142,9 +153,123 @@ async fn agents_sdk_figures(model_url: &str, paced: &Paced) -> anyhow::Result<(f
     let cpu = procstat::scheduled_time(pid)?.saturating_sub(cpu);
     let switches = procstat::switches(pid)?.saturating_sub(switches);
     let _ = stdin.write_all(b"exit\n").await;
-    let tokens = done["tokens"].as_u64().unwrap_or(0);
-    anyhow::ensure!(tokens > 0, "no text came through the Agents SDK");
-    Ok((cpu.as_secs_f64() * 1e6 / tokens as f64, switches as f64 / tokens as f64))
+    Ok((cpu, switches, done))
+}
+
+/// The model the stand-in plays the agent run under.
+const AGENT_MODEL: &str = "agent";
+
+/// A run of two turns and one tool call, one run after another: the orchestrator's CPU per run
+/// (its own process and the tool-runner's) beside the Agents SDK's (its one process, the tool a
+/// Python function in it).
+#[derive(Debug, Serialize)]
+pub(crate) struct AgentRuns {
+    pub runs: usize,
+    pub orchestrator_cpu_us_per_run: Option<f64>,
+    pub agents_sdk_cpu_us_per_run: Option<f64>,
+    pub not_run: Vec<String>,
+}
+
+/// The stand-in model's agent run: some text and an `echo` call, then the answer.
+pub(crate) fn agent_scenario() -> mock_llm::Scenario {
+    use mock_llm::{Scenario, Step, Turn};
+    Scenario::new(vec![
+        Turn::text("Let me look that up. ").then(Step::call("echo", serde_json::json!({"text": "forty-two"}))),
+        Turn::text("The tool says forty-two, so the answer is forty-two."),
+    ])
+}
+
+/// Measures [`AgentRuns`] (runs: ten times the paced rounds).
+pub(crate) async fn agent_runs(bin: &std::path::Path, paced: &Paced) -> AgentRuns {
+    let runs = paced.rounds * 10;
+    let mock = match mock_llm::MockLlm::start_unrecorded(mock_llm::Scenarios {
+        default: agent_scenario(),
+        named: std::collections::HashMap::new(),
+    })
+    .await
+    {
+        Ok(mock) => mock,
+        Err(e) => {
+            return AgentRuns {
+                runs,
+                orchestrator_cpu_us_per_run: None,
+                agents_sdk_cpu_us_per_run: None,
+                not_run: vec![format!("the stand-in model: {e}")],
+            };
+        }
+    };
+    let mut not_run = Vec::new();
+    let ours = orchestrator_agent_runs(bin, &mock.base_url(), runs).await;
+    let args = ["--model", AGENT_MODEL, "--concurrency", "1", "--rounds", "1"];
+    let runs_arg = runs.to_string();
+    let theirs = drive_agents_sdk(&mock.base_url(), &[&args[..], &["--agent-runs", &runs_arg]].concat()).await;
+    let per_run = |cpu: Duration| cpu.as_secs_f64() * 1e6 / runs as f64;
+    let ours = ours.map_err(|e| not_run.push(format!("orchestrator: {e:#}"))).ok();
+    let theirs = theirs.map_err(|e| not_run.push(format!("openai-agents: {e:#}"))).ok();
+    AgentRuns {
+        runs,
+        orchestrator_cpu_us_per_run: ours.map(per_run),
+        agents_sdk_cpu_us_per_run: theirs.map(|(cpu, _, _)| per_run(cpu)),
+        not_run,
+    }
+}
+
+/// `runs` agent runs one after another through an orchestrator and a tool-runner process (the
+/// binaries beside `bin`): their CPU together, after three runs of warm-up.
+async fn orchestrator_agent_runs(bin: &std::path::Path, model_url: &str, runs: usize) -> anyhow::Result<Duration> {
+    let runner_bin = bin.with_file_name("tool-runner");
+    anyhow::ensure!(
+        runner_bin.exists(),
+        "{} is missing: cargo build --release -p tool-runner",
+        runner_bin.display()
+    );
+    let runner = testkit::Service::spawn(
+        tokio::process::Command::new(&runner_bin),
+        "127.0.0.1",
+        "tool-runner serving",
+    )
+    .await?;
+    let runner_pid = runner.pid().ok_or_else(|| anyhow::anyhow!("the tool-runner exited"))?;
+    let launch = crate::stack::Launch {
+        bin: bin.to_owned(),
+        model_url: model_url.to_owned(),
+        runner: format!("http://{}", runner.grpc),
+        otlp: None,
+        rust_log: "warn".to_owned(),
+        extra: Vec::new(),
+        env: Vec::new(),
+    };
+    let mut orchestrator = crate::stack::spawn(&launch, "127.0.0.1:0").await?;
+    let mut client = proto::orchestrator::v1::orchestrator_client::OrchestratorClient::new(
+        crate::stack::endpoint(&orchestrator.address)?.connect().await?,
+    );
+    let cpu = || -> anyhow::Result<Duration> {
+        Ok(procstat::scheduled_time(orchestrator.pid)? + procstat::scheduled_time(runner_pid)?)
+    };
+    let mut before = Duration::ZERO;
+    for n in 0..runs + 3 {
+        if n == 3 {
+            before = cpu()?;
+        }
+        let request = proto::orchestrator::v1::OrchestrateRequest {
+            model: AGENT_MODEL.to_owned(),
+            ..testkit::user(&format!("agent run {n}"))
+        };
+        let mut stream = client.orchestrate(request).await?.into_inner();
+        let mut status = None;
+        while let Some(event) = tokio::time::timeout(Duration::from_secs(60), stream.message()).await?? {
+            if let Some(proto::orchestrator::v1::orchestrate_event::Event::RunFinished(f)) = event.event {
+                status = f.result.map(|r| r.status());
+            }
+        }
+        anyhow::ensure!(
+            status == Some(proto::orchestrator::v1::RunStatus::Completed),
+            "agent run {n} ended {status:?}"
+        );
+    }
+    let spent = cpu()?.saturating_sub(before);
+    let _ = orchestrator.child.kill().await;
+    Ok(spent)
 }
 
 /// The LiteLLM proxy relaying the paced stream (OpenAI chat completions in and out).

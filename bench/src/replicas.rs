@@ -53,6 +53,7 @@ impl Replicas {
                 .cloned()
                 .chain(FLAGS.iter().map(|f| (*f).to_owned()))
                 .collect(),
+            env: Vec::new(),
         };
         let mut slots = Vec::with_capacity(count);
         let mut addresses = Vec::with_capacity(count);

@@ -36,6 +36,8 @@ pub(crate) struct Launch {
     pub otlp: Option<String>,
     pub rust_log: String,
     pub extra: Vec<String>,
+    /// Environment variables of the orchestrator's own (its runtime's shape).
+    pub env: Vec<(String, String)>,
 }
 
 /// An orchestrator process serving.
@@ -86,6 +88,7 @@ pub(crate) async fn spawn(launch: &Launch, listen: &str) -> anyhow::Result<Proce
     if let Some(endpoint) = &launch.otlp {
         command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
     }
+    command.envs(launch.env.iter().map(|(k, v)| (k, v)));
     let mut child = command.spawn()?;
     let pid = child
         .id()
@@ -150,7 +153,7 @@ fn whole_log(pid: u32) -> Option<std::io::LineWriter<std::fs::File>> {
 }
 
 /// The endpoint of an orchestrator at `address`, with wide HTTP/2 windows for streamed text.
-fn endpoint(address: &str) -> anyhow::Result<tonic::transport::Endpoint> {
+pub(crate) fn endpoint(address: &str) -> anyhow::Result<tonic::transport::Endpoint> {
     Ok(tonic::transport::Endpoint::from_shared(format!("http://{address}"))?
         .initial_stream_window_size(Some(1 << 20))
         .initial_connection_window_size(Some(8 << 20)))
@@ -187,6 +190,19 @@ impl Stack {
         rust_log: &str,
         extra: &[&str],
     ) -> anyhow::Result<Self> {
+        Self::start_with_env(orchestrator_bin, scenarios, channels, otlp, rust_log, extra, &[]).await
+    }
+
+    /// [`Stack::start`], with environment variables for the orchestrator alone.
+    pub(crate) async fn start_with_env(
+        orchestrator_bin: &Path,
+        scenarios: Scenarios,
+        channels: usize,
+        otlp: Option<&str>,
+        rust_log: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
         let (mock, runner) = model_and_runner(scenarios).await?;
         let launch = Launch {
             bin: orchestrator_bin.to_owned(),
@@ -195,6 +211,7 @@ impl Stack {
             otlp: otlp.map(str::to_owned),
             rust_log: rust_log.to_owned(),
             extra: extra.iter().map(|f| (*f).to_owned()).collect(),
+            env: env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
         };
         let Process {
             child,

@@ -162,9 +162,10 @@ fn the_real_server_row_says_why_it_did_not_run_and_require_refuses_to_go_without
 /// in the report, and the peers measured on the same model with the ratios: the OpenAI Agents SDK
 /// and agentic-api (installed into the test cache by the benchmark on first use; the stand-in
 /// model serves agentic-api `/v1/responses`) and the LiteLLM proxy (installed
-/// by `./scripts/test`). Gathering is checked on what it must do whatever the machine: at a 20 ms
-/// interval a run's caller gets fewer text events than the 50 tokens it relays (without it, one
-/// per token).
+/// by `./scripts/test`); the orchestrator's variants (the pooled LLM reader, one worker, the NATS
+/// store) and a two-turn agent run beside the Agents SDK's, in the same report. Gathering is
+/// checked on what it must do whatever the machine: at a 20 ms interval a run's caller gets fewer
+/// text events than the 50 tokens it relays (without it, one per token).
 #[test]
 fn the_paced_relay_reports_cost_per_token_at_each_stream_interval_beside_its_peers() -> anyhow::Result<()> {
     let out = tempfile::tempdir()?;
@@ -189,10 +190,30 @@ fn the_paced_relay_reports_cost_per_token_at_each_stream_interval_beside_its_pee
             "{name} was not measured: {peers:?}"
         );
     }
+    // The variants in the same run: the shared client reading the model (the baseline), one
+    // runtime worker, and the durable mode (the NATS store).
+    let variants = report["variants"].as_array().cloned().unwrap_or_default();
+    for label in ["pooled reader", "one worker", "durable"] {
+        let measured: Vec<&serde_json::Value> = variants
+            .iter()
+            .filter(|v| v["setup"].as_str().is_some_and(|s| s.starts_with(label)))
+            .collect();
+        assert_eq!(measured.len(), 2, "{label} at 0 and 20 ms: {variants:?}");
+        assert!(
+            measured
+                .iter()
+                .all(|v| v["runs_failed"] == 0 && v["cpu_us_per_token"].as_f64().is_some_and(|c| c > 0.0)),
+            "{measured:?}"
+        );
+    }
+    // A two-turn agent run, the orchestrator (and its tool-runner) beside the Agents SDK.
+    let runs = &report["agent_runs"];
+    for who in ["orchestrator_cpu_us_per_run", "agents_sdk_cpu_us_per_run"] {
+        assert!(runs[who].as_f64().is_some_and(|c| c > 0.0), "{who}: {runs}");
+    }
     let markdown = std::fs::read_to_string(out.path().join("paced.md"))?;
-    assert!(
-        markdown.contains("| 20 ms |") && markdown.contains("## Peers"),
-        "{markdown}"
-    );
+    for section in ["| 20 ms |", "## Peers", "## Variants", "## An agent run", "## Targets"] {
+        assert!(markdown.contains(section), "{section} missing: {markdown}");
+    }
     Ok(())
 }

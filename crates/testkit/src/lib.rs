@@ -152,6 +152,11 @@ impl Service {
         })
     }
 
+    /// The process id, while it runs (to read its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// Every log line so far.
     pub fn logs(&self) -> Vec<String> {
         self.logs.lock().map(|l| l.clone()).unwrap_or_default()
