@@ -199,6 +199,8 @@ struct Outside {
     pace: Option<Duration>,
     /// The run's stream interval.
     stream_interval: Duration,
+    /// The run is asked to hand over (a drain) from its start.
+    hand_over: bool,
 }
 
 impl Default for Outside {
@@ -217,6 +219,7 @@ impl Default for Outside {
             log: None,
             pace: None,
             stream_interval: Duration::ZERO,
+            hand_over: false,
         }
     }
 }
@@ -264,6 +267,9 @@ async fn play_with(
         slot: None,
         handoff: Default::default(),
     };
+    if outside.hand_over {
+        admitted.handoff.at_safe_point.cancel();
+    }
     if let Some(after) = outside.cancel_after {
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
@@ -938,6 +944,8 @@ async fn output_bytes_on_both_sides_of_the_limit_and_while_held() {
 #[derive(Default)]
 struct Journal {
     saved: Mutex<Vec<Vec<u8>>>,
+    /// Saves refused before the journal takes any.
+    refuse_saves: std::sync::atomic::AtomicUsize,
     log: Option<tokio::sync::watch::Receiver<crate::domain::ports::Settled>>,
     kept_at_save: Mutex<Vec<u64>>,
 }
@@ -977,6 +985,19 @@ impl crate::domain::ports::RunJournal for Journal {
         _deadline_unix_ms: u64,
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
+        let refuse = self.refuse_saves.fetch_update(
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+            |n| n.checked_sub(1),
+        );
+        if refuse.is_ok() {
+            let refused = crate::domain::ports::StoreError::Unavailable {
+                operation: "checkpoint put",
+                key: "r".into(),
+                reason: "refused by the test".into(),
+            };
+            return futures::future::ready(Err(refused)).boxed();
+        }
         self.saved.lock().unwrap().push(checkpoint);
         if let Some(log) = &self.log {
             self.kept_at_save.lock().unwrap().push(log.borrow().kept_through);
@@ -1058,6 +1079,34 @@ fn first(checkpoints: Vec<Checkpoint>, what: &str, pick: impl Fn(&Checkpoint) ->
 
 fn gap_free_from(events: &[NumberedEvent], first: u64) -> bool {
     events.iter().zip(first..).all(|(e, n)| e.seq == n)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_asked_to_hand_over_does_so_only_at_a_safe_point_whose_checkpoint_was_saved() {
+    // The first safe point's checkpoint is refused: the run goes on to the next one.
+    let journal = Arc::new(Journal {
+        refuse_saves: 1.into(),
+        ..Journal::default()
+    });
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        hand_over: true,
+        ..Outside::default()
+    };
+    let (result, _, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Running, "handed over, not ended: {result:?}");
+    let checkpoints = journal.checkpoints();
+    assert_eq!(checkpoints.len(), 1, "handed over at the first checkpoint saved");
+    let last = &checkpoints[0];
+    assert!(
+        last.calls.as_ref().is_some_and(|c| c.finished.is_empty()),
+        "the turn's calls, none run yet"
+    );
+    assert_eq!(script.requests.lock().unwrap().len(), 1, "turn 1 was asked for");
+    assert!(
+        tools.started.lock().unwrap().is_empty(),
+        "no call ran on the replica handing over"
+    );
 }
 
 #[tokio::test(start_paused = true)]
