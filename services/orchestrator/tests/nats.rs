@@ -660,6 +660,19 @@ fn text_event(seq: u64, text: &str) -> NumberedEvent {
     }
 }
 
+fn call_started_event(seq: u64) -> NumberedEvent {
+    NumberedEvent {
+        seq,
+        event: Event::ToolCallStarted {
+            call_id: "c".into(),
+            name: "echo".into(),
+            arguments_json: "{}".into(),
+            turn: 1,
+            arguments_truncated: false,
+        },
+    }
+}
+
 fn finished_event(seq: u64) -> NumberedEvent {
     NumberedEvent {
         seq,
@@ -743,6 +756,42 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
         messages <= 3,
         "101 events in {messages} messages: one publish per batch, not per token"
     );
+
+    // The first text of a turn goes at once, whatever the flush interval (the caller of a
+    // durable run waits for it); the text after it waits for the interval.
+    let slow = NatsLog::open(
+        async_nats::connect(nats.url()).await?,
+        "BOUND_EVENTS",
+        NatsLogOptions {
+            flush_interval: Duration::from_secs(30),
+            ..options(1 << 20)
+        },
+    )
+    .await?;
+    let mut writer = slow.writer("first-text", 0);
+    let kept = writer
+        .settled()
+        .ok_or_else(|| anyhow::anyhow!("the NATS log reports what it kept"))?;
+    let kept_through = |n: u64| {
+        let mut kept = kept.clone();
+        async move {
+            let kept = tokio::time::timeout(Duration::from_secs(5), kept.wait_for(|s| s.kept_through >= n)).await;
+            kept.map(|k| k.map(|_| ()))
+        }
+    };
+    writer.append(&[call_started_event(1)]);
+    kept_through(1).await??;
+    writer.append(&[text_event(2, "first ")]);
+    assert!(kept_through(2).await.is_ok(), "the turn's first text was kept at once");
+    writer.append(&[text_event(3, "second ")]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        kept.borrow().kept_through,
+        2,
+        "the text after it waits for the flush interval"
+    );
+    writer.append(&[finished_event(4)]);
+    kept_through(4).await??;
 
     // 10 KiB messages against a 25 KiB bound: the oldest go.
     let small = NatsLog::open(client, "BOUND_EVENTS", options(25 * 1024)).await?;

@@ -5,8 +5,8 @@
 //!
 //! Writing never slows a run: the emitter's batches go through a bounded channel to one task per
 //! run, which publishes a batch that finds it idle at once and gathers what arrives while a
-//! publish is under way or within `--event-log-flush-interval` after it (`run_finished` goes at
-//! once) into one message
+//! publish is under way or within `--event-log-flush-interval` after it (`run_finished` and the
+//! first text of each turn go at once) into one message
 //! (a `LogBatch` of `orchestrator.v1.OrchestrateEvent`s, cut below the server's largest payload),
 //! never one publish per token. Each message carries `Nats-Msg-Id: <run>/<first seq>`, so a
 //! retried publish is stored once; a message JetStream does not acknowledge is tried again for a
@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use super::{Follower as _, LogBounds};
 use crate::convert::event_pb;
 use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, Logged, Settled, StoreError};
-use crate::domain::{EventBatch, NumberedEvent};
+use crate::domain::{Event, EventBatch, NumberedEvent};
 use crate::telemetry::metric;
 
 /// Event batches one run's writer holds for its publishing task.
@@ -150,6 +150,7 @@ impl EventLog for NatsLog {
             kept: VecDeque::new(),
             kept_bytes: 0,
             settled: settled_tx,
+            text_turn: 0,
         };
         tokio::spawn(publisher.run(rx));
         Box::new(Writer {
@@ -226,6 +227,18 @@ impl EventLog for NatsLog {
 type LogMessage = (u64, Vec<u8>, u64);
 
 /// One run's publishing task.
+/// The latest turn with text or reasoning among `events` (0: none).
+fn text_turn(events: &[NumberedEvent]) -> u32 {
+    events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::TextDelta { turn, .. } | Event::ReasoningDelta { turn, .. } => Some(*turn),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 struct Publisher {
     log: NatsLog,
     subject: String,
@@ -234,18 +247,21 @@ struct Publisher {
     kept: VecDeque<usize>,
     kept_bytes: usize,
     settled: watch::Sender<Settled>,
+    /// The last turn whose text (or reasoning) was published: the next turn's first goes at once.
+    text_turn: u32,
 }
 
 impl Publisher {
     /// Publishes the writer's batches, until the writer is gone: a batch that finds the task idle
     /// goes at once; batches that arrive while a publish is under way, or within the flush
-    /// interval after it, go together in the next one (a group commit). `run_finished` goes at
-    /// once. After each publish the log has kept the run's events through a later seq (which is
+    /// interval after it, go together in the next one (a group commit). `run_finished` and the
+    /// first text of each turn (which a durable run's caller waits for: time to first token) go
+    /// at once. After each publish the log has kept the run's events through a later seq (which is
     /// when a durable run's caller is sent them), or is broken.
     async fn run(mut self, mut rx: mpsc::Receiver<EventBatch>) {
         let mut next_publish = Instant::now();
         while let Some(mut events) = rx.recv().await {
-            while !events.last().is_some_and(NumberedEvent::is_last) {
+            while !self.urgent(&events) {
                 tokio::select! {
                     more = rx.recv() => match more {
                         Some(more) => events.extend(more),
@@ -254,12 +270,19 @@ impl Publisher {
                     () = tokio::time::sleep_until(next_publish) => break,
                 }
             }
+            self.text_turn = self.text_turn.max(text_turn(&events));
             for (first, payload, last) in self.messages(events) {
                 let kept = self.publish(first, payload).await;
                 self.settle(first, last, kept);
             }
             next_publish = Instant::now() + self.log.options.flush_interval;
         }
+    }
+
+    /// Whether `events` go without waiting for the flush interval: the run's end, or the first
+    /// text or reasoning of a turn.
+    fn urgent(&self, events: &[NumberedEvent]) -> bool {
+        events.last().is_some_and(NumberedEvent::is_last) || text_turn(events) > self.text_turn
     }
 
     /// The events as messages of at most the server's largest payload (an event larger than
