@@ -41,7 +41,8 @@ const TICKING_LOW_WATER: i32 = 64 * 1024;
 /// The connection's TCP socket, read straight by whoever polls it. While the completion's reader
 /// reads only on its ticks, the socket's receive low-water mark is raised, so that the kernel
 /// does not wake the runtime for every chunk; and since the runtime then never hears that data
-/// is there, a read is always tried on the socket itself before waiting for readiness.
+/// is there, a read is tried on the socket itself before waiting for readiness (and once more
+/// when the mark comes down). Otherwise it is read as any socket of the runtime.
 struct Socket {
     tcp: TcpStream,
     pace: Arc<Mutex<ReadPace>>,
@@ -74,7 +75,13 @@ impl tokio::io::AsyncRead for Socket {
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         use std::io::Read as _;
+        let was_raised = self.low_water > 1;
         self.follow_pace();
+        if !was_raised && self.low_water == 1 {
+            // Not ticking: the runtime's readiness is exact, and its read fills the buffer
+            // without zeroing it first.
+            return Pin::new(&mut self.tcp).poll_read(cx, buf);
+        }
         loop {
             let unfilled = buf.initialize_unfilled();
             // Straight from the socket: under a raised low-water mark the runtime's readiness
