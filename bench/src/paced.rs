@@ -177,47 +177,44 @@ fn variants(nats: Option<&str>) -> Vec<Variant> {
     all
 }
 
-/// Measures every interval of `paced` on a fresh orchestrator, then the peers when asked, then
-/// each variant at 0 and 20 ms on a fresh orchestrator of its own.
+/// Measures every interval of `paced` on a fresh orchestrator and each variant at 0 and 20 ms on
+/// a fresh orchestrator of its own, interval by interval in turn (so a noisy moment of the
+/// machine falls on all of them alike), then the peers when asked.
 pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bool) -> anyhow::Result<Report> {
-    let stack = Stack::start(
-        bin,
-        paced.scenarios(),
-        paced.concurrency.div_ceil(50),
-        None,
-        "warn",
-        &[],
-    )
-    .await?;
-    let model = model_ttft(&stack.mock.base_url(), paced).await?;
-    let rows = rows_of(&stack, paced, "default", &paced.intervals_ms).await?;
-    let (peers, agent_runs) = match with_peers {
-        true => (
-            crate::peers::measure(&stack.mock.base_url(), paced).await,
-            Some(crate::peers::agent_runs(bin, paced).await),
-        ),
-        false => (Vec::new(), None),
-    };
-    stack.stop().await;
+    let channels = paced.concurrency.div_ceil(50);
+    let shipped = Stack::start(bin, paced.scenarios(), channels, None, "warn", &[]).await?;
+    let model = model_ttft(&shipped.mock.base_url(), paced).await?;
     let nats = testkit::nats::Nats::start().await;
     let mut variants_not_run = Vec::new();
     if let Err(e) = &nats {
         variants_not_run.push(format!("durable (--run-store nats): no nats-server: {e:#}"));
     }
-    let intervals: Vec<u32> = paced
-        .intervals_ms
-        .iter()
-        .copied()
-        .filter(|i| [0, 20].contains(i))
-        .collect();
-    let mut variant_rows = Vec::new();
+    let mut others = Vec::new();
     for variant in variants(nats.as_ref().ok().map(|n| n.url()).as_deref()) {
         let flags: Vec<&str> = variant.flags.iter().map(String::as_str).collect();
-        let channels = paced.concurrency.div_ceil(50);
         let stack = Stack::start_with_env(bin, paced.scenarios(), channels, None, "warn", &flags, &variant.env).await?;
-        variant_rows.extend(rows_of(&stack, paced, variant.label, &intervals).await?);
+        others.push((variant.label, stack));
+    }
+    let (mut rows, mut variant_rows) = (Vec::new(), Vec::new());
+    for &interval_ms in &paced.intervals_ms {
+        rows.extend(rows_of(&shipped, paced, "default", &[interval_ms]).await?);
+        if [0, 20].contains(&interval_ms) {
+            for (label, stack) in &others {
+                variant_rows.extend(rows_of(stack, paced, label, &[interval_ms]).await?);
+            }
+        }
+    }
+    for (_, stack) in others {
         stack.stop().await;
     }
+    let (peers, agent_runs) = match with_peers {
+        true => (
+            crate::peers::measure(&shipped.mock.base_url(), paced).await,
+            Some(crate::peers::agent_runs(bin, paced).await),
+        ),
+        false => (Vec::new(), None),
+    };
+    shipped.stop().await;
     Ok(Report {
         workload: paced.clone(),
         cores: std::thread::available_parallelism().map_or(1, usize::from),
