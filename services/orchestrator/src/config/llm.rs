@@ -107,6 +107,10 @@ pub struct LlmSettings {
         default_value_t = 256
     )]
     pub max_idle_connections: usize,
+    /// An idle connection older than this is closed rather than reused (1s..=1h): a NAT or load
+    /// balancer between here and the model server may have dropped it without a word.
+    #[arg(long = "llm-idle-connection-timeout", env = "LLM_IDLE_CONNECTION_TIMEOUT", default_value = "90s", value_parser = parse_duration)]
+    pub idle_connection_timeout: Duration,
     /// Temperature of runs that set none (0..=2; unset: the model server's default).
     #[arg(long = "llm-temperature", env = "LLM_TEMPERATURE")]
     pub temperature: Option<f32>,
@@ -166,6 +170,12 @@ impl Bounded for LlmSettings {
             bound("max_line_bytes", self.max_line_bytes, KIB, 64 * MIB),
             bound("max_event_bytes", self.max_event_bytes, self.max_line_bytes, 64 * MIB),
             bound("max_idle_connections", self.max_idle_connections, 0usize, 4096usize),
+            bound(
+                "idle_connection_timeout",
+                self.idle_connection_timeout,
+                secs(1),
+                secs(3600),
+            ),
         ]
     }
 }

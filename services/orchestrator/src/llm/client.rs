@@ -21,7 +21,7 @@ use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LOCATIO
 use serde::Serialize;
 use serde_json::Value;
 
-use super::direct::{Direct, SendError};
+use super::direct::{Direct, Idle, SendError};
 use super::sse::{DecodeLimits, decode};
 use crate::config::{LlmSettings, Reader};
 use crate::secrets::{Redactor, shown_url, url_secrets};
@@ -115,8 +115,13 @@ impl HttpLlm {
         let (url, basic_auth) = split_userinfo(&client, url)?;
         let headers = sensitive_headers(&config, basic_auth)?;
         let redactor = redactor(&config, &headers);
-        let direct = read_by_the_run(&config, &url)
-            .then(|| Direct::new(authority(&url), config.connect_timeout, config.max_idle_connections));
+        let direct = read_by_the_run(&config, &url).then(|| {
+            let idle = Idle {
+                max: config.max_idle_connections,
+                timeout: config.idle_connection_timeout,
+            };
+            Direct::new(authority(&url), config.connect_timeout, idle)
+        });
         let host = HeaderValue::try_from(host_header(&url))
             .map_err(|e| format!("--llm-base-url: the host is not a valid header value: {e}"))?;
         Ok(Self {
@@ -693,6 +698,7 @@ mod tests {
             send_reasoning: false,
             reader: Reader::Run,
             max_idle_connections: 4,
+            idle_connection_timeout: Duration::from_secs(90),
         }
     }
 

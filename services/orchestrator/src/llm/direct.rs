@@ -11,7 +11,7 @@
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use std::future::Future as _;
@@ -179,21 +179,29 @@ pub(super) enum SendError {
     Request(String),
 }
 
+/// How many idle connections are kept, and for how long.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Idle {
+    pub max: usize,
+    pub timeout: Duration,
+}
+
 /// The LLM server's idle HTTP/1.1 connections, and how to make new ones.
 pub(super) struct Direct {
     /// `host:port`, as connected to.
     authority: String,
     connect_timeout: Duration,
-    max_idle: usize,
-    idle: Mutex<Vec<Conn>>,
+    limits: Idle,
+    /// Idle connections, each with when it went idle; the newest last.
+    idle: Mutex<Vec<(Conn, Instant)>>,
 }
 
 impl Direct {
-    pub(super) fn new(authority: String, connect_timeout: Duration, max_idle: usize) -> Arc<Self> {
+    pub(super) fn new(authority: String, connect_timeout: Duration, limits: Idle) -> Arc<Self> {
         Arc::new(Self {
             authority,
             connect_timeout,
-            max_idle,
+            limits,
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -271,10 +279,13 @@ impl Direct {
         Ok(Conn { sender, io, pace })
     }
 
-    /// The newest idle connection still open and ready for a request.
+    /// The newest idle connection still open and ready for a request; those idle too long are
+    /// closed.
     async fn take_idle(&self) -> Option<Conn> {
+        let timeout = self.limits.timeout;
+        shared::sync::lock(&self.idle).retain(|(_, since)| since.elapsed() < timeout);
         loop {
-            let mut conn = shared::sync::lock(&self.idle).pop()?;
+            let (mut conn, _) = shared::sync::lock(&self.idle).pop()?;
             // One poll reads an EOF or error the server sent while the connection was idle.
             let usable = std::future::poll_fn(|cx| {
                 let open = matches!(conn.drive(cx), Ok(true));
@@ -291,8 +302,8 @@ impl Direct {
     /// room.
     fn keep(&self, conn: Conn) {
         let mut idle = shared::sync::lock(&self.idle);
-        if idle.len() < self.max_idle {
-            idle.push(conn);
+        if idle.len() < self.limits.max {
+            idle.push((conn, Instant::now()));
         }
     }
 }
@@ -402,6 +413,13 @@ mod tests {
         seen.ends_with(b"\r\n\r\n{}")
     }
 
+    fn idle(max: usize) -> Idle {
+        Idle {
+            max,
+            timeout: Duration::from_secs(90),
+        }
+    }
+
     fn request(address: &str) -> http::Request<Full<Bytes>> {
         http::Request::post(format!("http://{address}/v1/chat/completions"))
             .header(http::header::HOST, address)
@@ -423,7 +441,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_read_to_its_end_serves_the_next_completion() {
         let (address, accepted) = server(usize::MAX).await;
-        let direct = Direct::new(address.clone(), Duration::from_secs(5), 4);
+        let direct = Direct::new(address.clone(), Duration::from_secs(5), idle(4));
         for _ in 0..3 {
             assert_eq!(read_all(&direct, &address).await, "data: {\"a\":1}\n\ndata: [DONE]\n\n");
         }
@@ -433,7 +451,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_the_server_closed_while_idle_is_replaced_and_none_are_kept_at_zero() {
         let (address, accepted) = server(1).await;
-        let direct = Direct::new(address.clone(), Duration::from_secs(5), 4);
+        let direct = Direct::new(address.clone(), Duration::from_secs(5), idle(4));
         for _ in 0..3 {
             assert_eq!(read_all(&direct, &address).await, "data: {\"a\":1}\n\ndata: [DONE]\n\n");
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -441,11 +459,27 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
 
         let (address, accepted) = server(usize::MAX).await;
-        let direct = Direct::new(address.clone(), Duration::from_secs(5), 0);
+        let direct = Direct::new(address.clone(), Duration::from_secs(5), idle(0));
         for _ in 0..2 {
             read_all(&direct, &address).await;
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "no idle connection kept at max 0");
+    }
+
+    #[tokio::test]
+    async fn a_connection_idle_past_its_timeout_is_closed_not_reused() {
+        let (address, accepted) = server(usize::MAX).await;
+        let limits = Idle {
+            max: 4,
+            timeout: Duration::from_millis(100),
+        };
+        let direct = Direct::new(address.clone(), Duration::from_secs(5), limits);
+        read_all(&direct, &address).await;
+        read_all(&direct, &address).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "reused within its timeout");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        read_all(&direct, &address).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "a new one after it");
     }
 
     #[tokio::test]
@@ -456,7 +490,7 @@ mod tests {
             .unwrap()
             .port();
         let address = format!("127.0.0.1:{port}");
-        let direct = Direct::new(address.clone(), Duration::from_secs(5), 4);
+        let direct = Direct::new(address.clone(), Duration::from_secs(5), idle(4));
         assert!(matches!(
             direct.send(|| request(&address), &ReadPace::default()).await,
             Err(SendError::Connect(_))
