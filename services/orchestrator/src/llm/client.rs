@@ -48,8 +48,9 @@ pub struct HttpLlm {
     url: reqwest::Url,
     /// The endpoint as logs and errors show it (no credentials, no query values).
     shown: String,
-    /// `Host` of the `run` reader's requests.
+    /// `Host` and request target of the `run` reader's requests.
     host: HeaderValue,
+    target: http::Uri,
     headers: HeaderMap,
     /// Scrubs the credentials sent from error messages (a server may echo them back).
     redactor: Redactor,
@@ -124,10 +125,13 @@ impl HttpLlm {
         });
         let host = HeaderValue::try_from(host_header(&url))
             .map_err(|e| format!("--llm-base-url: the host is not a valid header value: {e}"))?;
+        let target = http::Uri::try_from(origin_form(&url))
+            .map_err(|e| format!("--llm-base-url: its path is not a valid request target: {e}"))?;
         Ok(Self {
             client,
             direct,
             host,
+            target,
             url,
             shown,
             headers,
@@ -241,17 +245,16 @@ impl HttpLlm {
     /// The POST on a connection the run reads itself.
     async fn send_direct(&self, direct: &Arc<Direct>, body: bytes::Bytes, pace: &ReadPace) -> Result<Answer, Attempt> {
         let request = || {
-            let mut request = http::Request::post(origin_form(&self.url)).body(http_body_util::Full::new(body.clone()));
-            if let Ok(request) = &mut request {
-                let headers = request.headers_mut();
-                headers.clone_from(&self.headers);
-                headers.insert(http::header::HOST, self.host.clone());
-                headers.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
-                headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-                headers.insert(http::header::ACCEPT, HeaderValue::from_static("text/event-stream"));
-            }
-            // Built from a parsed URL and checked headers: it cannot fail.
-            request.unwrap_or_default()
+            let mut request = http::Request::new(http_body_util::Full::new(body.clone()));
+            *request.method_mut() = http::Method::POST;
+            *request.uri_mut() = self.target.clone();
+            let headers = request.headers_mut();
+            headers.clone_from(&self.headers);
+            headers.insert(http::header::HOST, self.host.clone());
+            headers.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
+            headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            headers.insert(http::header::ACCEPT, HeaderValue::from_static("text/event-stream"));
+            request
         };
         match direct.send(request, pace).await {
             Ok(response) => {
