@@ -906,7 +906,9 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
     use mock_llm::{Scenario, Step, Turn};
     let nats = Nats::start().await?;
     let mock = mock_llm::MockLlm::start(Scenario::new(vec![
-        Turn::text("one ").then(Step::call("sleep", serde_json::json!({"ms": 300}))),
+        // The call lasts long enough for whole copies of the checkpoint to be read while it
+        // stands (a copy that overlaps the checkpoint's deletion is given up).
+        Turn::text("one ").then(Step::call("sleep", serde_json::json!({"ms": 1500}))),
         Turn::text("two"),
     ]))
     .await?;
