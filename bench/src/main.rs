@@ -154,6 +154,7 @@ async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()>
                 None,
                 "warn,shared::metrics=info",
                 &flags,
+                &[],
             )
             .await?;
             eprintln!(
@@ -703,7 +704,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let max_concurrency = workloads.iter().map(|w| w.concurrency).max().unwrap_or(1);
     // Logs at warn: the grid measures orchestration, not logging.
-    let stack = stack::Stack::start(&bin, scenarios, max_concurrency.div_ceil(50), None, "warn", &[]).await?;
+    let stack = stack::Stack::start(&bin, scenarios, max_concurrency.div_ceil(50), None, "warn", &[], &[]).await?;
     eprintln!(
         "bench: orchestrator pid {} ({}), {} workloads",
         stack.pid,
@@ -834,7 +835,7 @@ async fn fresh_stack(
         default: mock_llm::Scenario::demo(),
         named: workloads.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
     };
-    stack::Stack::start(bin, scenarios, channels, otlp, rust_log, extra).await
+    stack::Stack::start(bin, scenarios, channels, otlp, rust_log, extra, &[]).await
 }
 
 /// Each of `workloads` measured on `stack` (`label` in the progress lines), which is then stopped.

@@ -182,7 +182,7 @@ fn variants(nats: Option<&str>) -> Vec<Variant> {
 /// machine falls on all of them alike), then the peers when asked.
 pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bool) -> anyhow::Result<Report> {
     let channels = paced.concurrency.div_ceil(50);
-    let shipped = Stack::start(bin, paced.scenarios(), channels, None, "warn", &[]).await?;
+    let shipped = Stack::start(bin, paced.scenarios(), channels, None, "warn", &[], &[]).await?;
     let model = model_ttft(&shipped.mock.base_url(), paced).await?;
     let nats = testkit::nats::Nats::start().await;
     let mut variants_not_run = Vec::new();
@@ -192,7 +192,7 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bo
     let mut others = Vec::new();
     for variant in variants(nats.as_ref().ok().map(|n| n.url()).as_deref()) {
         let flags: Vec<&str> = variant.flags.iter().map(String::as_str).collect();
-        let stack = Stack::start_with_env(bin, paced.scenarios(), channels, None, "warn", &flags, &variant.env).await?;
+        let stack = Stack::start(bin, paced.scenarios(), channels, None, "warn", &flags, &variant.env).await?;
         others.push((variant.label, stack));
     }
     let (mut rows, mut variant_rows) = (Vec::new(), Vec::new());

@@ -104,7 +104,7 @@ impl RealServer {
             default: mock_llm::Scenario::demo(),
             named: Default::default(),
         };
-        let stack = Stack::start(orchestrator_bin, scenarios, 1, None, "warn", &flags).await?;
+        let stack = Stack::start(orchestrator_bin, scenarios, 1, None, "warn", &flags, &[]).await?;
         let result = self.measure_on(&stack, &relay, server_pid).await;
         stack.stop().await;
         result.map_err(|e| e.context(format!("llama-server's last lines:\n{}", llama.logs())))

@@ -181,20 +181,9 @@ pub(crate) async fn model_and_runner(scenarios: Scenarios) -> anyhow::Result<(Mo
 
 impl Stack {
     /// Starts everything; `scenarios` are the model's scripts (chosen by model name); `extra`
-    /// flags override the benchmark's settings (given as environment variables for that reason).
+    /// flags override the benchmark's settings (given as environment variables for that reason),
+    /// and `env` is the orchestrator's own environment (its runtime's shape).
     pub(crate) async fn start(
-        orchestrator_bin: &Path,
-        scenarios: Scenarios,
-        channels: usize,
-        otlp: Option<&str>,
-        rust_log: &str,
-        extra: &[&str],
-    ) -> anyhow::Result<Self> {
-        Self::start_with_env(orchestrator_bin, scenarios, channels, otlp, rust_log, extra, &[]).await
-    }
-
-    /// [`Stack::start`], with environment variables for the orchestrator alone.
-    pub(crate) async fn start_with_env(
         orchestrator_bin: &Path,
         scenarios: Scenarios,
         channels: usize,
