@@ -654,11 +654,13 @@ async fn reattach(
     }
 }
 
-/// A call that failed on its way: refused by a draining replica, or its connection lost.
+/// A call that failed on its way: refused by a draining replica, or its connection lost
+/// (`INTERNAL` is what a call reads as when its connection closes under it, e.g. the HTTP/2
+/// GOAWAY of a replica that stops: the calls retried are reads, safe to send again).
 fn broken(status: &tonic::Status) -> bool {
     matches!(
         status.code(),
-        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::Internal
     )
 }
 

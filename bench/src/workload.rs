@@ -155,8 +155,8 @@ pub(crate) async fn drive(stack: &Stack, workload: &Workload, model: &str) -> Ve
             ..Default::default()
         }],
         tools: Some(pb::ToolSelection {
-            normal: vec![],
             exit: exit_tools,
+            ..Default::default()
         }),
         ..Default::default()
     };

@@ -736,7 +736,7 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
     let mut r = base.clone();
     r.tools = Some(pb::ToolSelection {
         normal: vec!["nope".into()],
-        exit: vec![],
+        ..Default::default()
     });
     cases.push((r, "tools.normal names \"nope\""));
     let mut r = request("x", &["echo"]);
@@ -751,6 +751,7 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
                 description: String::new(),
                 parameters_json_schema: schema.into(),
             }],
+            ..Default::default()
         });
         r
     };

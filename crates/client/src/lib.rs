@@ -52,6 +52,40 @@ pub use request::RunRequest;
 pub use retry::Retry;
 pub use stream::{Event, RunStream, Transcript};
 
+/// Decisions on calls waiting for approval, for [`Client::decide`].
+pub mod decision {
+    use super::pb;
+
+    /// Run the call as the model wrote it.
+    pub fn approve(call_id: impl Into<String>) -> pb::ToolCallDecision {
+        pb::ToolCallDecision {
+            call_id: call_id.into(),
+            kind: pb::DecisionKind::Approve.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Do not run it; `message` is fed back to the model as the call's error.
+    pub fn reject(call_id: impl Into<String>, message: impl Into<String>) -> pb::ToolCallDecision {
+        pb::ToolCallDecision {
+            call_id: call_id.into(),
+            kind: pb::DecisionKind::Reject.into(),
+            message: message.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Run it with `arguments_json` instead (a JSON object the tool's schema accepts).
+    pub fn edit(call_id: impl Into<String>, arguments_json: impl Into<String>) -> pb::ToolCallDecision {
+        pb::ToolCallDecision {
+            call_id: call_id.into(),
+            kind: pb::DecisionKind::ApproveEdited.into(),
+            arguments_json: arguments_json.into(),
+            ..Default::default()
+        }
+    }
+}
+
 /// A connected client; cheap to clone (clones share the connection).
 #[derive(Clone, Debug)]
 pub struct Client {
@@ -126,6 +160,39 @@ impl Client {
             })
             .await?;
         Ok(answer.canceled)
+    }
+
+    /// The tool calls waiting for approval that this caller may decide (of `run_id` only, when
+    /// given): its own runs', or every run's for an approver.
+    pub async fn pending_approvals(&self, run_id: Option<&str>) -> Result<Vec<pb::PendingApproval>, Error> {
+        let request = pb::ListPendingApprovalsRequest {
+            run_id: run_id.unwrap_or_default().into(),
+            limit: 0,
+        };
+        let answer = self
+            .retried(request, |mut client, request| async move {
+                client.list_pending_approvals(request).await
+            })
+            .await?;
+        Ok(answer.approvals)
+    }
+
+    /// Decides calls of `run_id` waiting for approval (see [`decision`]); returns the calls
+    /// still waiting. A call decided already is refused `FAILED_PRECONDITION`, an edit its tool's
+    /// schema refuses `INVALID_ARGUMENT` (and nothing of the request is applied).
+    pub async fn decide(
+        &self,
+        run_id: &str,
+        decisions: Vec<pb::ToolCallDecision>,
+    ) -> Result<Vec<pb::PendingApproval>, Error> {
+        let request = pb::DecideToolCallsRequest {
+            run_id: run_id.into(),
+            decisions,
+        };
+        // Not retried: a decision that reached the server before the connection broke would
+        // be refused the second time as decided already.
+        let answer = self.inner.clone().decide_tool_calls(self.request(request)).await?;
+        Ok(answer.into_inner().still_pending)
     }
 
     /// Signals as runs publish them, from now on; `run_id` and `tool_names` filter (empty: all).

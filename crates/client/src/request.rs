@@ -138,6 +138,38 @@ impl RunRequest {
         self
     }
 
+    /// Calls of this normal tool wait for a person's decision before they run (besides the
+    /// tools the runners and the server mark).
+    pub fn needs_approval(mut self, tool: impl Into<String>) -> Self {
+        self.approval().tools.push(tool.into());
+        self
+    }
+
+    /// Every normal tool call of the run waits for a person's decision.
+    pub fn approve_every_call(mut self) -> Self {
+        self.approval().all_normal = true;
+        self
+    }
+
+    /// How long a call may wait for its decision; with `fail_run`, an expired wait ends the run
+    /// `APPROVAL_TIMEOUT` instead of rejecting the call.
+    pub fn approval_timeout(mut self, timeout: Duration, fail_run: bool) -> Self {
+        self.limits().approval_timeout_ms = Some(millis(timeout));
+        self.approval().on_timeout = if fail_run {
+            pb::ApprovalTimeoutAction::FailRun
+        } else {
+            pb::ApprovalTimeoutAction::Reject
+        }
+        .into();
+        self
+    }
+
+    /// The run's deadline stops while it waits for decisions.
+    pub fn pause_deadline_while_waiting(mut self) -> Self {
+        self.approval().pause_deadline = true;
+        self
+    }
+
     /// Sampling temperature.
     pub fn temperature(mut self, temperature: f32) -> Self {
         self.params_mut().temperature = Some(temperature);
@@ -170,6 +202,10 @@ impl RunRequest {
 
     fn selection(&mut self) -> &mut pb::ToolSelection {
         self.request.tools.get_or_insert_with(Default::default)
+    }
+
+    fn approval(&mut self) -> &mut pb::ApprovalPolicy {
+        self.selection().approval.get_or_insert_with(Default::default)
     }
 
     fn limits(&mut self) -> &mut pb::RunLimits {

@@ -54,6 +54,9 @@ pub enum Event {
     /// text and reasoning of this turn yielded before no longer count. [`RunStream::text`] and
     /// [`Transcript`] apply the rule.
     TurnRestarted(pb::TurnRestarted),
+    /// A normal tool call waits for a person's decision ([`Client::decide`]); the run parks
+    /// (the stream goes on when it resumes).
+    ApprovalRequested(pb::ApprovalRequested),
     /// The run ended; always the last event.
     Finished(pb::RunResult),
 }
@@ -76,6 +79,7 @@ impl Event {
             E::Signal(e) => Self::Signal(e),
             E::TurnFinished(e) => Self::TurnFinished(e),
             E::TurnRestarted(e) => Self::TurnRestarted(e),
+            E::ApprovalRequested(e) => Self::ApprovalRequested(e),
             E::RunFinished(e) => Self::Finished(e.result.unwrap_or_default()),
         }
     }

@@ -358,6 +358,20 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn decide_tool_calls(
+        &self,
+        _: tonic::Request<pb::DecideToolCallsRequest>,
+    ) -> Result<tonic::Response<pb::DecideToolCallsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn list_pending_approvals(
+        &self,
+        _: tonic::Request<pb::ListPendingApprovalsRequest>,
+    ) -> Result<tonic::Response<pb::ListPendingApprovalsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn cancel_run(
         &self,
         _: tonic::Request<pb::CancelRunRequest>,
@@ -505,6 +519,20 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         &self,
         _: tonic::Request<pb::GetRunRequest>,
     ) -> Result<tonic::Response<pb::RunResult>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn decide_tool_calls(
+        &self,
+        _: tonic::Request<pb::DecideToolCallsRequest>,
+    ) -> Result<tonic::Response<pb::DecideToolCallsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn list_pending_approvals(
+        &self,
+        _: tonic::Request<pb::ListPendingApprovalsRequest>,
+    ) -> Result<tonic::Response<pb::ListPendingApprovalsResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 

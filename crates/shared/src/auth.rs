@@ -16,6 +16,7 @@
 //! sha256 = "9f86d081884c7d65…"          # hex SHA-256 of the token (`printf %s "$TOKEN" | sha256sum`)
 //! tools = ["calculate", "time_*"]       # optional: the tools it may use (`*` globs); default all
 //! max_runs = 8                          # optional: its runs in flight at once
+//! roles = ["approver"]                  # optional: "approver" decides any run's tool calls
 //! [token.limits]                        # optional: ceilings on what its requests may ask
 //! max_turns = 8
 //! tool_call_budget = 32
@@ -85,7 +86,14 @@ struct Entry {
     max_runs: Option<usize>,
     #[serde(default)]
     limits: LimitCeilings,
+    #[serde(default)]
+    roles: Vec<String>,
 }
+
+/// The roles a tokens file may give.
+pub const ROLES: &[&str] = &[APPROVER];
+/// Decides tool calls waiting for approval in any caller's run (not only its own).
+pub const APPROVER: &str = "approver";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -105,6 +113,8 @@ pub struct Principal {
     pub max_runs: Option<usize>,
     /// Its ceilings on request limits.
     pub limits: LimitCeilings,
+    /// Its roles (see [`ROLES`]).
+    pub roles: Vec<String>,
 }
 
 impl Principal {
@@ -114,6 +124,11 @@ impl Principal {
             name: name.into(),
             ..Self::default()
         }
+    }
+
+    /// Whether it holds `role`.
+    pub fn has_role(&self, role: &str) -> bool {
+        self.roles.iter().any(|r| r == role)
     }
 
     /// Whether it may use the tool `name`.
@@ -187,6 +202,12 @@ fn check_entry(entry: &Entry) -> Result<(), String> {
     if entry.max_runs == Some(0) {
         return Err(format!("principal {name:?}: max_runs must be at least 1"));
     }
+    if let Some(role) = entry.roles.iter().find(|r| !ROLES.contains(&r.as_str())) {
+        return Err(format!(
+            "principal {name:?}: unknown role {role:?} (known: {})",
+            ROLES.join(", ")
+        ));
+    }
     Ok(())
 }
 
@@ -209,6 +230,7 @@ impl Table {
                 tools: entry.tools,
                 max_runs: entry.max_runs,
                 limits: entry.limits,
+                roles: entry.roles,
             });
             if let Some(hash) = entry.sha256 {
                 let hash = hash.to_ascii_lowercase();

@@ -29,6 +29,20 @@ pub fn check_schema(schema: &Value) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks that `arguments` is a JSON object that `schema` accepts; the error says what is wrong
+/// (the first violation, with where it is).
+pub fn check_arguments(schema: &Value, arguments: &str) -> Result<(), String> {
+    let value: Value = serde_json::from_str(arguments).map_err(|e| format!("not valid JSON: {e}"))?;
+    if !value.is_object() {
+        return Err("not a JSON object".into());
+    }
+    let validator = jsonschema::validator_for(schema).map_err(|e| format!("the tool's schema is not usable: {e}"))?;
+    match validator.iter_errors(&value).next() {
+        None => Ok(()),
+        Some(e) => Err(format!("{e} (at {:?})", e.instance_path().to_string())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -56,5 +70,23 @@ mod tests {
                 .contains("not a valid JSON Schema")
         );
         assert!(check_schema(&serde_json::json!([1])).is_err());
+    }
+
+    #[test]
+    fn arguments_against_a_schema() {
+        let schema = serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+        assert!(check_arguments(&schema, r#"{"n": 1}"#).is_ok());
+        assert!(
+            check_arguments(&schema, r#"{"n": "x"}"#)
+                .unwrap_err()
+                .contains("\"/n\"")
+        );
+        assert!(check_arguments(&schema, "{}").is_err());
+        assert!(
+            check_arguments(&schema, "[]")
+                .unwrap_err()
+                .contains("not a JSON object")
+        );
+        assert!(check_arguments(&schema, "{").unwrap_err().contains("not valid JSON"));
     }
 }

@@ -108,12 +108,13 @@ pub async fn start_detached(endpoint: &str, run_id: &str) -> anyhow::Result<()> 
 
 /// A tool-runner with the default settings in this process; its URL.
 pub async fn tool_runner_in_process() -> anyhow::Result<String> {
+    tool_runner_in_process_with(tool_runner::Config::default()).await
+}
+
+/// A tool-runner with `config` in this process; its URL.
+pub async fn tool_runner_in_process_with(config: tool_runner::Config) -> anyhow::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(tool_runner::serve(
-        listener,
-        tool_runner::Config::default(),
-        std::future::pending(),
-    ));
+    tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
     Ok(url)
 }

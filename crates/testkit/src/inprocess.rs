@@ -392,6 +392,7 @@ pub mod stack {
                         parameters_json_schema: String::new(),
                     })
                     .collect(),
+                ..Default::default()
             }),
             ..Default::default()
         }

@@ -53,6 +53,93 @@ pub enum Command {
     Serve(Box<Config>),
     /// Start a run on a running orchestrator and print its events, or attach to one (--attach).
     Call(Box<CallArgs>),
+    /// List the tool calls waiting for approval that the caller may decide.
+    Approvals(ApprovalsArgs),
+    /// Decide tool calls waiting for approval: approve, reject or approve with edited arguments.
+    Decide(DecideArgs),
+}
+
+/// How the client commands reach the orchestrator.
+#[derive(Debug, Clone, Args)]
+pub struct Connection {
+    /// The orchestrator's address.
+    #[arg(long, env = "ORCHESTRATOR_ENDPOINT", default_value = "http://127.0.0.1:50051")]
+    pub endpoint: String,
+    /// Bearer token sent with each call (when the orchestrator authenticates callers).
+    #[arg(long, env = "ORCHESTRATOR_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// Flags of `approvals`.
+#[derive(Debug, Clone, Args)]
+pub struct ApprovalsArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// Only this run's calls.
+    #[arg(long, default_value = "")]
+    pub run_id: String,
+}
+
+/// Flags of `decide`.
+#[derive(Debug, Clone, Args)]
+pub struct DecideArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The run whose calls are decided.
+    #[arg(long)]
+    pub run_id: String,
+    /// Approve this call as the model wrote it (repeatable).
+    #[arg(long = "approve", value_name = "CALL_ID")]
+    pub approve: Vec<String>,
+    /// Reject this call; the message (after `=`) is fed back to the model (repeatable).
+    #[arg(long = "reject", value_name = "CALL_ID[=MESSAGE]")]
+    pub reject: Vec<String>,
+    /// Approve this call with these arguments instead (a JSON object; repeatable).
+    #[arg(long = "edit", value_name = "CALL_ID=JSON")]
+    pub edit: Vec<String>,
+}
+
+impl ApprovalsArgs {
+    /// Lists the calls waiting.
+    pub async fn run(&self) -> Result<bool, crate::Error> {
+        let c = &self.connection;
+        crate::client::approvals(&c.endpoint, c.token.as_deref(), &self.run_id)
+            .await
+            .map(|_| true)
+    }
+}
+
+impl DecideArgs {
+    /// Sends the decisions.
+    pub async fn run(&self) -> Result<bool, crate::Error> {
+        let decisions = self.decisions().map_err(crate::Error::Config)?;
+        let c = &self.connection;
+        crate::client::decide(&c.endpoint, c.token.as_deref(), &self.run_id, decisions)
+            .await
+            .map(|()| true)
+    }
+
+    /// The decisions these flags describe, in the order approve, reject, edit.
+    pub fn decisions(&self) -> Result<Vec<proto::orchestrator::v1::ToolCallDecision>, String> {
+        use orchestrator_client::decision;
+        let mut decisions: Vec<_> = self.approve.iter().map(decision::approve).collect();
+        for reject in &self.reject {
+            let (call, message) = reject.split_once('=').unwrap_or((reject, ""));
+            decisions.push(decision::reject(call, message));
+        }
+        for edit in &self.edit {
+            let (call, arguments) = edit
+                .split_once('=')
+                .ok_or_else(|| format!("--edit {edit:?}: write CALL_ID={{...}}"))?;
+            decisions.push(decision::edit(call, arguments));
+        }
+        if decisions.is_empty() {
+            return Err("name at least one call with --approve, --reject or --edit".into());
+        }
+        Ok(decisions)
+    }
 }
 
 /// Flags of `call`.
@@ -98,6 +185,13 @@ pub struct CallArgs {
     /// Most tokens the model may generate per turn (default: the server's).
     #[arg(long)]
     pub max_tokens: Option<u32>,
+    /// Calls of this normal tool wait for a person's approval (repeatable; decide them with
+    /// `orchestrator decide`).
+    #[arg(long = "needs-approval", value_name = "TOOL")]
+    pub needs_approval: Vec<String>,
+    /// Bearer token sent with each call (when the orchestrator authenticates callers).
+    #[arg(long, env = "ORCHESTRATOR_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 impl CallArgs {
@@ -120,6 +214,8 @@ impl CallArgs {
                 .collect(),
             run_id: self.run_id.clone(),
             timeout: self.timeout,
+            needs_approval: self.needs_approval.clone(),
+            token: self.token.clone(),
             params: proto::orchestrator::v1::ModelParams {
                 tool_choice: self.tool_choice.clone(),
                 temperature: self.temperature,

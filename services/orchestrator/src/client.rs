@@ -33,11 +33,17 @@ pub struct CallOptions {
     pub params: pb::ModelParams,
     /// Attach to this run after this seq instead of starting one.
     pub attach: Option<(String, u64)>,
+    /// Normal tools whose calls wait for a person's approval in this run.
+    pub needs_approval: Vec<String>,
+    /// Bearer token.
+    pub token: Option<String>,
 }
 
 /// Prints events as they arrive.
 #[derive(Default)]
 struct Printer {
+    /// The run's id (for the decide hint of a call waiting for approval).
+    run_id: String,
     at_line_start: bool,
     turn: u32,
     /// The last delta printed was reasoning (text after it is marked as the answer).
@@ -122,6 +128,17 @@ impl Printer {
                     t.turn, t.attempt, t.reason
                 ),
             ),
+            E::ApprovalRequested(a) => {
+                self.in_reasoning = false;
+                self.turn_header(out, a.turn);
+                self.line(
+                    out,
+                    &format!(
+                        "  ⏸ {} {}  [{}] waits for approval (orchestrator decide --run-id {} --approve {} | --reject {})",
+                        a.name, a.arguments_json, a.call_id, self.run_id, a.call_id, a.call_id
+                    ),
+                );
+            }
             E::Finished(r) => self.line(out, &finished_line(r)),
         }
         let _ = out.flush();
@@ -172,13 +189,7 @@ fn finished_line(r: &pb::RunResult) -> String {
 /// Starts a run on the orchestrator at `options.endpoint` (or attaches to one), prints its
 /// events to stdout, and returns the final result.
 pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
-    let client = ClientBuilder::new(options.endpoint.clone())
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(options.timeout)
-        .retry(Retry::none())
-        .connect()
-        .await
-        .map_err(|e| Error::Config(format!("cannot connect to {}: {e}", options.endpoint)))?;
+    let client = connect(&options.endpoint, options.token.as_deref(), options.timeout).await?;
     let run = match &options.attach {
         Some((run_id, after)) => client
             .attach(run_id, *after)
@@ -190,6 +201,69 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
             .map_err(|e| Error::Config(format!("Orchestrate was refused: {e}")))?,
     };
     print_to_end(run).await
+}
+
+/// A client of the orchestrator at `endpoint`, with `token` when given; each call within
+/// `timeout`.
+async fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<orchestrator_client::Client, Error> {
+    let mut builder = ClientBuilder::new(endpoint.to_owned())
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(timeout)
+        .retry(Retry::none());
+    if let Some(token) = token {
+        builder = builder.token(token);
+    }
+    builder
+        .connect()
+        .await
+        .map_err(|e| Error::Config(format!("cannot connect to {endpoint}: {e}")))
+}
+
+/// Lists the calls waiting for approval that the caller may decide (of `run_id` only, unless
+/// empty), a line each, and returns them.
+pub async fn approvals(endpoint: &str, token: Option<&str>, run_id: &str) -> Result<Vec<pb::PendingApproval>, Error> {
+    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
+    let pending = client
+        .pending_approvals(Some(run_id).filter(|r| !r.is_empty()))
+        .await
+        .map_err(|e| Error::Config(format!("ListPendingApprovals was refused: {e}")))?;
+    let now = shared::sync::unix_ms();
+    for call in &pending {
+        let left = Duration::from_millis(call.expires_at_unix_ms.saturating_sub(now) / 1000 * 1000);
+        println!(
+            "{}  {}  {} {}  (turn {}, owner {:?}, expires in {})",
+            call.run_id,
+            call.call_id,
+            call.name,
+            call.arguments_json,
+            call.turn,
+            call.principal,
+            humantime::format_duration(left)
+        );
+    }
+    if pending.is_empty() {
+        println!("no tool call waits for approval");
+    }
+    Ok(pending)
+}
+
+/// Sends `decisions` on `run_id`'s calls and prints the calls still waiting.
+pub async fn decide(
+    endpoint: &str,
+    token: Option<&str>,
+    run_id: &str,
+    decisions: Vec<pb::ToolCallDecision>,
+) -> Result<(), Error> {
+    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
+    let still = client
+        .decide(run_id, decisions)
+        .await
+        .map_err(|e| Error::Config(format!("DecideToolCalls was refused: {e}")))?;
+    match still.len() {
+        0 => println!("decided; run {run_id} goes on"),
+        n => println!("decided; {n} call(s) of run {run_id} still wait"),
+    }
+    Ok(())
 }
 
 /// The run `options` ask for.
@@ -205,6 +279,9 @@ fn run_request(options: &CallOptions) -> RunRequest {
     for (name, description) in &options.exit_tools {
         request = request.exit_tool(name.clone(), description.clone());
     }
+    for tool in &options.needs_approval {
+        request = request.needs_approval(tool.clone());
+    }
     request
 }
 
@@ -219,6 +296,9 @@ async fn print_to_end(mut run: RunStream) -> Result<pb::RunResult, Error> {
         .await
         .map_err(|e| Error::Config(format!("the event stream broke off: {e}")))?
     {
+        if let Some(id) = run.run_id() {
+            printer.run_id = id.to_owned();
+        }
         printer.print(&mut stdout, &event);
         if let E::Finished(finished) = event {
             result = Some(finished);

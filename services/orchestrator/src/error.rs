@@ -78,6 +78,9 @@ pub enum Error {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    /// A decision on calls waiting for approval was refused.
+    #[error(transparent)]
+    Decide(#[from] crate::domain::approval::DecideError),
 }
 
 impl From<Error> for tonic::Status {
@@ -103,7 +106,20 @@ impl From<Error> for tonic::Status {
             Error::Log(LogError::Unavailable { .. }) => Self::unavailable(message),
             Error::Config(_) | Error::Limit(_) => Self::failed_precondition(message),
             Error::Contract { .. } => Self::internal(message),
+            Error::Decide(e) => decide_status(&e, message),
         }
+    }
+}
+
+/// A refused decision's code: who may not decide, what does not wait, what was decided already.
+fn decide_status(error: &crate::domain::approval::DecideError, message: String) -> tonic::Status {
+    use crate::domain::approval::DecideError as D;
+    match error {
+        D::NotFound(_) => tonic::Status::not_found(message),
+        D::NotAllowed { .. } => tonic::Status::permission_denied(message),
+        D::AlreadyDecided { .. } | D::NotPending { .. } => tonic::Status::failed_precondition(message),
+        D::Invalid(_) => tonic::Status::invalid_argument(message),
+        D::Unavailable(_) => tonic::Status::unavailable(message),
     }
 }
 

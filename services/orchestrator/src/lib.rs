@@ -9,13 +9,15 @@
 //! * [`secrets`]: keeping credentials out of logs, spans, metrics and errors;
 //! * [`cli`] / [`client`]: the command line and the `call` client.
 //!
-//! Inside, not API: the runs registry (`runs`), the gRPC adapter (`service`, `convert`) and span
-//! and metric names (`telemetry`). docs/architecture.md explains how they fit.
+//! Inside, not API: the runs registry (`runs`), the gRPC adapter (`service`, `convert`), the
+//! resumption of runs parked for approvals (`approvals`) and of runs taken over (`takeover`),
+//! and span and metric names (`telemetry`). docs/architecture.md explains how they fit.
 
 // One unsafe call in the whole crate, allowed where it is: setting SO_RCVLOWAT on the LLM
 // connection's socket, which no safe socket crate offers (`llm::direct`).
 #![deny(unsafe_code)]
 
+pub(crate) mod approvals;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -23,6 +23,8 @@ async fn run() -> ExitCode {
         Command::Call(args) => orchestrator::client::call(&args.to_options())
             .await
             .map(|r| r.status == proto::orchestrator::v1::RunStatus::Completed as i32),
+        Command::Approvals(args) => args.run().await,
+        Command::Decide(args) => args.run().await,
     };
     shared::runtime::exit_code("orchestrator", result)
 }

@@ -1,6 +1,6 @@
-//! The runs registry: run slots, live runs (for `GetRun` and `CancelRun`), the result store
-//! where finished results (and checkpoints of live ones) are kept, and the runs' event logs that
-//! callers re-attach to (`AttachRun`).
+//! The runs registry: run slots, live runs (for `GetRun` and `CancelRun`), runs parked waiting
+//! for approvals (they hold no slot), the result store where finished results (and checkpoints
+//! of live ones) are kept, and the runs' event logs that callers re-attach to (`AttachRun`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -13,7 +13,7 @@ use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
 use crate::domain::ports::{
-    Claim, EventFeed, EventLog, LogError, LogWriter, ResultStore, RunJournal, StoreError, within,
+    ApprovalLot, Claim, EventFeed, EventLog, LogError, LogWriter, Ready, ResultStore, RunJournal, StoreError, within,
 };
 use crate::run::backlog::Backlog;
 use crate::run::persist::Persister;
@@ -31,6 +31,8 @@ struct Live {
     principal: String,
     /// Cancelled once the run leaves this replica (ended, or moved to another one).
     gone: tokio_util::sync::CancellationToken,
+    /// It went on here after waiting for approvals (its callers follow its log).
+    unparked: bool,
 }
 
 /// See the module docs.
@@ -49,6 +51,8 @@ pub(crate) struct Runs {
     /// One permit per attached caller.
     attach_slots: Arc<Semaphore>,
     attach_permits: usize,
+    /// Runs waiting for approvals.
+    approvals: Arc<dyn ApprovalLot>,
 }
 
 /// Why a caller cannot re-attach to a run.
@@ -129,7 +133,7 @@ impl Admitted {
                 Ok(self)
             }
             Claim::Taken(result) if !sees(caller, &result.principal) => Err(Refusal::Foreign),
-            Claim::Taken(result) if result.status == RunStatus::Running => Err(Refusal::Duplicate),
+            Claim::Taken(result) if result.status.is_live() => Err(Refusal::Duplicate),
             Claim::Taken(result) => Err(Refusal::Finished(result)),
         }
     }
@@ -169,18 +173,32 @@ pub(crate) enum CancelOutcome {
     NotFound,
 }
 
+/// Where the registry keeps what outlives a run's task: results, event logs, checkpoints (a
+/// shared store) and runs waiting for approvals.
+pub(crate) struct Keeping {
+    pub(crate) store: Arc<dyn ResultStore>,
+    pub(crate) log: Arc<dyn EventLog>,
+    pub(crate) journal: Option<Arc<dyn RunJournal>>,
+    pub(crate) approvals: Arc<dyn ApprovalLot>,
+}
+
 impl Runs {
-    /// An empty registry of at most `max_runs` live runs, over `store` (final results it does
+    /// An empty registry of at most `max_runs` live runs and `max_attached` attached callers,
+    /// over `keeping` (a store write waits at most `store_timeout`; final results the store does
     /// not take wait in a backlog of at most `backlog` results).
     pub(crate) fn new(
         max_runs: usize,
         max_attached: usize,
-        store: Arc<dyn ResultStore>,
-        log: Arc<dyn EventLog>,
-        journal: Option<Arc<dyn RunJournal>>,
+        keeping: Keeping,
         store_timeout: Duration,
         backlog: usize,
     ) -> Arc<Self> {
+        let Keeping {
+            store,
+            log,
+            journal,
+            approvals,
+        } = keeping;
         Arc::new(Self {
             live: Mutex::default(),
             slots: Arc::new(Semaphore::new(max_runs)),
@@ -193,6 +211,7 @@ impl Runs {
             journal,
             attach_slots: Arc::new(Semaphore::new(max_attached)),
             attach_permits: max_attached,
+            approvals,
         })
     }
 
@@ -215,9 +234,14 @@ impl Runs {
             Some(_) => return Err(Refusal::Duplicate),
             None => {}
         }
+        match self.approvals.parked(run_id) {
+            Some(parked) if !sees(caller, &parked.principal) => return Err(Refusal::Foreign),
+            Some(_) => return Err(Refusal::Duplicate),
+            None => {}
+        }
         match self.stored(run_id).await {
             Ok(Some(result)) if !sees(caller, &result.principal) => return Err(Refusal::Foreign),
-            Ok(Some(result)) if result.status == RunStatus::Running => return Err(Refusal::Duplicate),
+            Ok(Some(result)) if result.status.is_live() => return Err(Refusal::Duplicate),
             Ok(Some(result)) => return Err(Refusal::Finished(Box::new(result))),
             // The claim below tries the store again; a store that is down does not stop runs.
             Ok(None) | Err(_) => {}
@@ -336,6 +360,7 @@ impl Runs {
                 handoff: handoff.clone(),
                 principal: caller.name.clone(),
                 gone: tokio_util::sync::CancellationToken::new(),
+                unparked: false,
             },
         );
         Ok((state, cancel, handoff, permit))
@@ -346,10 +371,69 @@ impl Runs {
     pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
         let live = self.lock().get(run_id).map(|l| shared::sync::lock(&l.state).clone());
         let found = match live {
-            Some(result) => Some(result),
-            None => self.stored(run_id).await?,
+            Some(mut result) => {
+                // Decisions reach the approval lot first: the live run takes them when it parks.
+                if !result.pending_approvals.is_empty()
+                    && let Some(calls) = self.approvals.calls(run_id)
+                {
+                    result.pending_approvals = calls;
+                }
+                Some(result)
+            }
+            None => match self.approvals.parked(run_id) {
+                Some(parked) => Some(parked),
+                None => self.stored(run_id).await?,
+            },
         };
         Ok(found.filter(|r| sees(caller, &r.principal)))
+    }
+
+    /// Whether the run is parked waiting for approvals.
+    pub(crate) fn parked(&self, run_id: &str) -> bool {
+        self.approvals.parked(run_id).is_some()
+    }
+
+    /// Whether the run waits for approvals, or went on here after waiting: its callers follow
+    /// its log.
+    pub(crate) fn waited_for_approval(&self, run_id: &str) -> bool {
+        self.parked(run_id) || self.lock().get(run_id).is_some_and(|l| l.unparked)
+    }
+
+    /// Takes a slot for a parked run that is ready to go on, with its decisions in its
+    /// checkpoint; gives the run back when no slot is free (or it is still leaving its old one).
+    /// `Ok(None)`: its checkpoint cannot be read (it is dropped, with an error logged).
+    pub(crate) async fn resume_parked(
+        self: &Arc<Self>,
+        ready: Ready,
+    ) -> Result<Option<(Admitted, Resumed)>, Box<Ready>> {
+        let checkpoint = match Checkpoint::from_parked(&ready) {
+            Ok(checkpoint) => checkpoint,
+            Err(e) => {
+                tracing::error!(run_id = %ready.run_id, "the parked run's checkpoint cannot be read: {e}; the run is dropped");
+                return Ok(None);
+            }
+        };
+        let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
+        let Ok(mut admitted) = self.admitted(&ready.run_id, &owner) else {
+            return Err(Box::new(ready));
+        };
+        if let Some(live) = self.lock().get_mut(&ready.run_id) {
+            live.unparked = true;
+        }
+        let Ready { parked, canceled, .. } = ready;
+        let logged = match parked.log.as_ref() {
+            Some(_) => checkpoint.seq,
+            None => self.log.last(&admitted.run_id).await.map_or(checkpoint.seq, |l| l.seq),
+        };
+        let mut state = checkpoint.result.clone();
+        state.status = RunStatus::Running;
+        *shared::sync::lock(&admitted.state) = state;
+        admitted._lease = admitted.persister.keep_lease();
+        admitted.log = parked.log;
+        if let Some(reason) = canceled {
+            admitted.cancel.cancel(&reason);
+        }
+        Ok(Some((admitted, Resumed { checkpoint, logged })))
     }
 
     /// The events of a run `caller` may see (the runs `GetRun` shows it), after `after_seq`, then
@@ -428,7 +512,8 @@ impl Runs {
                     }
                     Ok(None) => return None,
                     Err(_quiet) => {
-                        let ended = matches!(w.runs.get(&w.run_id, &w.caller).await, Ok(Some(r)) if r.status != RunStatus::Running);
+                        let ended =
+                            matches!(w.runs.get(&w.run_id, &w.caller).await, Ok(Some(r)) if !r.status.is_live());
                         w.quiet_after_end = if ended { w.quiet_after_end + 1 } else { 0 };
                         if w.quiet_after_end >= 2 {
                             let lost = LogError::Lost {
@@ -453,7 +538,7 @@ impl Runs {
     async fn stored_end(&self, run_id: &str, caller: &Principal, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         while tokio::time::Instant::now() < deadline {
-            if !matches!(self.get(run_id, caller).await, Ok(Some(r)) if r.status == RunStatus::Running) {
+            if !matches!(self.get(run_id, caller).await, Ok(Some(r)) if r.status.is_live()) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -471,7 +556,7 @@ impl Runs {
         async move {
             let Some((gone, state)) = live else { return };
             gone.cancelled().await;
-            if shared::sync::lock(&state).status != RunStatus::Running {
+            if !shared::sync::lock(&state).status.is_live() {
                 std::future::pending::<()>().await;
             }
         }
@@ -490,19 +575,31 @@ impl Runs {
         caller: &Principal,
         reason: &str,
     ) -> Result<CancelOutcome, StoreError> {
-        if let Some(live) = self.lock().get(run_id).filter(|l| sees(caller, &l.principal)) {
+        // A run that has just parked is canceled in the lot.
+        let leaving = |l: &&Live| shared::sync::lock(&l.state).status == RunStatus::AwaitingApproval;
+        if let Some(live) = self
+            .lock()
+            .get(run_id)
+            .filter(|l| sees(caller, &l.principal) && !leaving(l))
+        {
             // Under the state lock: the loop settles the end under it too, and a cancel that
             // came first wins there, so the answer is never `canceled` for a run that completed.
             let state = shared::sync::lock(&live.state);
-            if state.status != RunStatus::Running {
+            if !state.status.is_live() {
                 return Ok(CancelOutcome::AlreadyFinished(state.status));
             }
             live.cancel.cancel(reason);
             return Ok(CancelOutcome::Canceled);
         }
+        if let Some(parked) = self.approvals.parked(run_id).filter(|p| sees(caller, &p.principal))
+            && self.approvals.cancel(run_id, reason)
+        {
+            tracing::info!(run_id = %run_id, principal = %parked.principal, "a run waiting for approvals is canceled");
+            return Ok(CancelOutcome::Canceled);
+        }
         Ok(match self.stored(run_id).await? {
             Some(result) if !sees(caller, &result.principal) => CancelOutcome::NotFound,
-            Some(result) if result.status != RunStatus::Running => CancelOutcome::AlreadyFinished(result.status),
+            Some(result) if !result.status.is_live() => CancelOutcome::AlreadyFinished(result.status),
             _ => CancelOutcome::NotFound,
         })
     }
@@ -580,15 +677,13 @@ mod tests {
             keep,
             keep_for,
         };
-        Runs::new(
-            max_runs,
-            2,
-            Arc::new(MemoryStore::new(keep, keep_for)),
-            Arc::new(crate::store::memory_log::MemoryLog::new(bounds)),
-            None,
-            Duration::from_secs(1),
-            100,
-        )
+        let keeping = Keeping {
+            store: Arc::new(MemoryStore::new(keep, keep_for)),
+            log: Arc::new(crate::store::memory_log::MemoryLog::new(bounds)),
+            journal: None,
+            approvals: Arc::new(crate::store::memory_approvals::MemoryLot::new(100)),
+        };
+        Runs::new(max_runs, 2, keeping, Duration::from_secs(1), 100)
     }
 
     async fn finish(runs: &Arc<Runs>, id: &str) {

@@ -85,6 +85,7 @@ pub async fn serve_with_resolver(
         .runs
         .durable()
         .map(|_| AbortOnDrop(tokio::spawn(crate::takeover::watch(Arc::clone(&core)))));
+    let _approvals = AbortOnDrop(tokio::spawn(crate::approvals::watch(Arc::clone(&core))));
     let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
@@ -116,12 +117,19 @@ async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) 
     let signals = open_signal_topic(config, &mut connections).await?;
     let (store, journal) = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
-    let runs = Runs::new(
-        config.runs.max_runs,
-        config.runs.max_attached,
+    let approvals: Arc<dyn crate::domain::ports::ApprovalLot> = Arc::new(
+        crate::store::memory_approvals::MemoryLot::new(config.runs.max_awaiting_runs),
+    );
+    let keeping = crate::runs::Keeping {
         store,
         log,
         journal,
+        approvals: Arc::clone(&approvals),
+    };
+    let runs = Runs::new(
+        config.runs.max_runs,
+        config.runs.max_attached,
+        keeping,
         config.store.timeout,
         config.store.backlog,
     );
@@ -136,6 +144,7 @@ async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) 
             output: (&config.runs.output).into(),
             send_reasoning: config.llm.send_reasoning,
             log_settle_timeout: config.store.timeout,
+            approvals,
         },
         runs,
         runners,

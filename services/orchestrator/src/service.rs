@@ -16,14 +16,15 @@ use tracing::Instrument;
 
 use crate::Error;
 use crate::config::Config;
-use crate::convert::{RunRequest, event_pb, parse_grpc_timeout, resolve};
-use crate::domain::ports::EventFeed;
+use crate::convert::{DecideRequest, RunRequest, event_pb, parse_grpc_timeout, resolve};
+use crate::domain::ports::{Decider, EventFeed};
 use crate::domain::ports::{SignalFilter, SignalItem, SignalTopic};
 use crate::domain::{Event, EventBatch, NumberedEvent, RunResult, RunSpec};
 use crate::run::live::{EmitSettings, Emitter, gated};
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::{Admitted, AttachError, CancelOutcome, Refusal, Runs};
 use crate::tool_runners::ToolRunners;
+use shared::auth::Principal;
 
 /// How long a request waits for the tool catalog when it is still empty.
 const CATALOG_WAIT: Duration = Duration::from_secs(5);
@@ -66,6 +67,7 @@ impl OrchestratorService {
         spec: RunSpec,
         detached: bool,
         trace_context: &tonic::metadata::MetadataMap,
+        caller: Arc<Principal>,
     ) -> EventStream {
         let core = &self.core;
         let run_id = spec.run_id.clone();
@@ -90,48 +92,96 @@ impl OrchestratorService {
         tokio::spawn(async move { crate::run::tool_loop::run(run, &deps).await }.instrument(span));
         // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
         let events = ReceiverStream::new(rx).flat_map(futures::stream::iter);
-        moved_ends_unavailable(run_id, events)
+        caller_stream(Arc::clone(core), run_id, caller, events)
     }
 }
 
-/// A run's events as proto events; a stream that ends before `run_finished` (the run moved to
-/// another replica) ends with `UNAVAILABLE` naming the run and the last seq sent, so the caller
-/// attaches again.
-fn moved_ends_unavailable(run_id: String, events: impl Stream<Item = NumberedEvent> + Send + 'static) -> EventStream {
+/// A run's events as proto events, for the caller that started it. When they end before
+/// `run_finished`, either the run parked waiting for approvals (the stream goes on from the run's
+/// log, as `AttachRun` would, until the run ends) or it moved to another replica (the stream ends
+/// with `UNAVAILABLE` naming the run and the last seq sent, so the caller attaches again).
+fn caller_stream(
+    core: Arc<Core>,
+    run_id: String,
+    caller: Arc<Principal>,
+    events: impl Stream<Item = NumberedEvent> + Send + 'static,
+) -> EventStream {
+    enum Phase {
+        Direct(Pin<Box<dyn Stream<Item = NumberedEvent> + Send>>),
+        Following(EventStream),
+        Done,
+    }
     struct Tail {
-        events: Pin<Box<dyn Stream<Item = NumberedEvent> + Send>>,
+        phase: Phase,
+        core: Arc<Core>,
+        caller: Arc<Principal>,
         run_id: String,
         last_seq: u64,
-        done: bool,
     }
     let tail = Tail {
-        events: Box::pin(events),
+        phase: Phase::Direct(Box::pin(events)),
+        core,
+        caller,
         run_id,
         last_seq: 0,
-        done: false,
     };
     futures::stream::unfold(tail, |mut t| async move {
-        if t.done {
-            return None;
-        }
-        match t.events.next().await {
-            Some(e) => {
-                t.last_seq = e.seq;
-                t.done = e.is_last();
-                let event = event_pb(&t.run_id, e.seq, e.event);
-                Some((Ok(event), t))
-            }
-            None => {
-                t.done = true;
-                let message = format!(
-                    "run {:?} moved to another orchestrator replica (or its event log could not keep its events); attach to it again after seq {}",
-                    t.run_id, t.last_seq
-                );
-                Some((Err(Status::unavailable(message)), t))
+        loop {
+            let direct = match &mut t.phase {
+                Phase::Done => return None,
+                Phase::Following(feed) => return feed.next().await.map(|item| (item, t)),
+                Phase::Direct(events) => events.next().await,
+            };
+            match direct {
+                Some(e) => {
+                    t.last_seq = e.seq;
+                    if e.is_last() {
+                        t.phase = Phase::Done;
+                    }
+                    return Some((Ok(event_pb(&t.run_id, e.seq, e.event)), t));
+                }
+                None if waited_for_approval(&t.core, &t.run_id).await => {
+                    match t.core.runs.attach(&t.run_id, t.last_seq, &t.caller).await {
+                        Ok(feed) => t.phase = Phase::Following(attached(&t.core, t.run_id.clone(), t.last_seq, feed)),
+                        Err(e) => {
+                            t.phase = Phase::Done;
+                            return Some((Err(attach_status(&t.run_id, e)), t));
+                        }
+                    }
+                }
+                None => {
+                    t.phase = Phase::Done;
+                    let message = format!(
+                        "run {:?} moved to another orchestrator replica (or its event log could not keep its events); attach to it again after seq {}",
+                        t.run_id, t.last_seq
+                    );
+                    return Some((Err(Status::unavailable(message)), t));
+                }
             }
         }
     })
     .boxed()
+}
+
+/// Whether a run whose caller's stream ended early waits for approvals (or went on after its
+/// wait). Asked twice, a moment apart: a run being taken out of the approval lot to go on is in
+/// neither place for that moment.
+async fn waited_for_approval(core: &Core, run_id: &str) -> bool {
+    if core.runs.waited_for_approval(run_id) {
+        return true;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    core.runs.waited_for_approval(run_id)
+}
+
+/// Why a caller cannot follow a run's log, as a status.
+fn attach_status(run_id: &str, error: AttachError) -> Status {
+    match error {
+        AttachError::NotFound => no_run(run_id),
+        AttachError::Store(e) => Error::Store(e).into(),
+        AttachError::Log(e) => Error::Log(e).into(),
+        AttachError::Full(max) => Error::AttachBusy(max).into(),
+    }
 }
 
 /// Idempotent replay: the run with this id already finished. Its whole text (and reasoning) comes
@@ -221,6 +271,17 @@ fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -
     .boxed()
 }
 
+/// Most pending approvals listed at once.
+const MAX_LISTED_APPROVALS: usize = 1000;
+
+/// The caller as the approval lot checks it.
+fn decider(caller: &Principal) -> Decider {
+    Decider {
+        name: caller.name.clone(),
+        approver: caller.has_role(shared::auth::APPROVER),
+    }
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::OrchestrateEvent, Status>> + Send>>;
 type SignalStream = Pin<Box<dyn Stream<Item = Result<pb::SignalEvent, Status>> + Send>>;
 
@@ -238,10 +299,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let pb::AttachRunRequest { run_id, after_seq } = request.into_inner();
         match self.core.runs.attach(&run_id, after_seq, &caller).await {
             Ok(feed) => Ok(Response::new(attached(&self.core, run_id, after_seq, feed))),
-            Err(AttachError::NotFound) => Err(no_run(&run_id)),
-            Err(AttachError::Store(e)) => Err(Error::Store(e).into()),
-            Err(AttachError::Log(e)) => Err(Error::Log(e).into()),
-            Err(AttachError::Full(max)) => Err(Error::AttachBusy(max).into()),
+            Err(e) => Err(attach_status(&run_id, e)),
         }
     }
 
@@ -271,7 +329,13 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         )?;
         let run_id = spec.run_id.clone();
         match core.runs.admit(&run_id, &caller).await {
-            Ok(admitted) => Ok(Response::new(self.start(admitted, spec, detached, &trace_context))),
+            Ok(admitted) => Ok(Response::new(self.start(
+                admitted,
+                spec,
+                detached,
+                &trace_context,
+                caller,
+            ))),
             Err(Refusal::Finished(result)) => Ok(Response::new(replay(&run_id, *result))),
             Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id).into()),
             Err(Refusal::Full(slots)) => Err(Error::Busy(slots).into()),
@@ -309,6 +373,56 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         Ok(Response::new(pb::CancelRunResponse {
             canceled,
             status: status.into(),
+        }))
+    }
+
+    async fn decide_tool_calls(
+        &self,
+        request: Request<pb::DecideToolCallsRequest>,
+    ) -> Result<Response<pb::DecideToolCallsResponse>, Status> {
+        let caller = caller(&request);
+        let DecideRequest { run_id, decisions } = DecideRequest::try_from(request.into_inner())?;
+        let decider = decider(&caller);
+        let calls = self
+            .core
+            .deps
+            .approvals
+            .decide(&run_id, &decider, &decisions)
+            .map_err(Error::from)?;
+        for decision in &decisions {
+            tracing::info!(run_id = %run_id, gen_ai.tool.call.id = %decision.call_id, principal = %caller.name, kind = ?decision.kind, "tool call decided");
+        }
+        let still_pending: Vec<pb::PendingApproval> = calls
+            .iter()
+            .filter(|c| c.decision.is_none())
+            .map(pb::PendingApproval::from)
+            .collect();
+        let status = if !still_pending.is_empty() && self.core.runs.parked(&run_id) {
+            pb::RunStatus::AwaitingApproval
+        } else {
+            pb::RunStatus::Running
+        };
+        Ok(Response::new(pb::DecideToolCallsResponse {
+            status: status.into(),
+            still_pending,
+        }))
+    }
+
+    async fn list_pending_approvals(
+        &self,
+        request: Request<pb::ListPendingApprovalsRequest>,
+    ) -> Result<Response<pb::ListPendingApprovalsResponse>, Status> {
+        let caller = caller(&request);
+        let request = request.into_inner();
+        let limit = match request.limit {
+            0 => MAX_LISTED_APPROVALS,
+            n => usize::try_from(n).unwrap_or(usize::MAX).min(MAX_LISTED_APPROVALS),
+        };
+        let run_id = Some(request.run_id.as_str()).filter(|r| !r.is_empty());
+        let (approvals, truncated) = self.core.deps.approvals.pending(&decider(&caller), run_id, limit);
+        Ok(Response::new(pb::ListPendingApprovalsResponse {
+            approvals: approvals.iter().map(pb::PendingApproval::from).collect(),
+            truncated,
         }))
     }
 

@@ -47,15 +47,29 @@ async fn take_over_orphans(core: &Arc<Core>) {
             return;
         }
         match core.runs.take_over(&run_id).await {
-            Ok(Some((admitted, resumed))) => resume(core, admitted, resumed),
+            Ok(Some((admitted, resumed))) => resume(core, admitted, resumed, Resumption::TakenOver),
             Ok(None) => {}
             Err(e) => tracing::warn!(run_id = %run_id, "taking the run over failed: {e}"),
         }
     }
 }
 
-/// Resumes a run taken over here, as its own task.
-fn resume(core: &Arc<Core>, mut admitted: crate::runs::Admitted, resumed: crate::run::tool_loop::Resumed) {
+/// Why a run resumes here.
+#[derive(Clone, Copy)]
+pub(crate) enum Resumption {
+    /// Taken over from a replica that stopped or handed it over.
+    TakenOver,
+    /// Its calls waiting for approval were decided (or it woke: a timeout, its deadline, a cancel).
+    Decided,
+}
+
+/// Resumes a run taken over or unparked here, as its own task.
+pub(crate) fn resume(
+    core: &Arc<Core>,
+    mut admitted: crate::runs::Admitted,
+    resumed: crate::run::tool_loop::Resumed,
+    why: Resumption,
+) {
     let spec = resumed.checkpoint.spec.clone();
     let settings = EmitSettings {
         send_timeout: core.config.runs.event_send_timeout,
@@ -63,8 +77,15 @@ fn resume(core: &Arc<Core>, mut admitted: crate::runs::Admitted, resumed: crate:
     };
     let emitter = Emitter::new(None, Arc::clone(&admitted.state), settings, None).with_log(admitted.log.take());
     let span = crate::telemetry::invoke_agent_span(&spec.model, &spec.run_id, &spec.principal);
-    tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.turns_done, logged = resumed.logged, "took the run over");
-    metrics::counter!(metric::RUNS_MOVED, "how" => "taken_over").increment(1);
+    match why {
+        Resumption::TakenOver => {
+            tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.turns_done, logged = resumed.logged, "took the run over");
+            metrics::counter!(metric::RUNS_MOVED, "how" => "taken_over").increment(1);
+        }
+        Resumption::Decided => {
+            tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.turns_done, "the run goes on after its approvals");
+        }
+    }
     let run = admitted.into_run(spec, emitter, None);
     let deps = core.deps.clone();
     tokio::spawn(async move { crate::run::tool_loop::resume(run, resumed, &deps).await }.instrument(span));

@@ -64,6 +64,12 @@ pub(crate) mod metric {
     pub(crate) const RUNS_MOVED: &str = "orchestrator_runs_moved_total";
     /// Requests refused for their credentials, by code.
     pub(crate) const AUTH_REFUSED: &str = "orchestrator_auth_refused_total";
+    /// Counter: tool calls that waited for a person's approval.
+    pub(crate) const APPROVALS_REQUESTED: &str = "orchestrator_approvals_requested_total";
+    /// Counter: approval decisions acted on, by `outcome` (approved, edited, rejected, timed_out).
+    pub(crate) const APPROVAL_DECISIONS: &str = "orchestrator_approval_decisions_total";
+    /// Gauge: runs parked waiting for approvals (they hold no run slot).
+    pub(crate) const RUNS_AWAITING_APPROVAL: &str = "orchestrator_runs_awaiting_approval";
 }
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
@@ -138,6 +144,18 @@ pub(crate) fn describe() {
         "Callers re-attached to a run's event stream (AttachRun)."
     );
     describe_counter!(metric::CHECKPOINTS, "Checkpoints of live runs saved (NATS store).");
+    describe_counter!(
+        metric::APPROVALS_REQUESTED,
+        "Tool calls that waited for a person's approval."
+    );
+    describe_counter!(
+        metric::APPROVAL_DECISIONS,
+        "Approval decisions acted on, by outcome (approved, edited, rejected, timed_out)."
+    );
+    describe_gauge!(
+        metric::RUNS_AWAITING_APPROVAL,
+        "Runs parked waiting for approvals (they hold no run slot)."
+    );
     metrics::describe_histogram!(
         metric::CHECKPOINT_BYTES,
         metrics::Unit::Bytes,
@@ -150,6 +168,8 @@ pub(crate) fn describe() {
     metrics::counter!(metric::CHECKPOINTS).absolute(0);
     metrics::counter!(metric::EVENT_LOG_DROPPED).absolute(0);
     metrics::counter!(metric::ATTACHES).absolute(0);
+    metrics::counter!(metric::APPROVALS_REQUESTED).absolute(0);
+    metrics::gauge!(metric::RUNS_AWAITING_APPROVAL).set(0.0);
     metrics::gauge!(metric::RUNS_IN_FLIGHT).set(0.0);
     metrics::gauge!(metric::TOOL_CALLS_IN_FLIGHT).set(0.0);
     metrics::gauge!(metric::STORE_BACKLOG).set(0.0);

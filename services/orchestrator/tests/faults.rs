@@ -692,6 +692,7 @@ impl tr::tool_runner_server::ToolRunner for BlackHole {
             parameters_json_schema: r#"{"type":"object"}"#.into(),
             timeout_ms: 60_000,
             source: "builtin".into(),
+            needs_approval: false,
         };
         Ok(tonic::Response::new(tr::ListToolsResponse { tools: vec![lookup] }))
     }

@@ -194,6 +194,7 @@ fn limits() -> impl Strategy<Value = Option<pb::RunLimits>> {
         max_tool_failures: c,
         tool_timeout_ms: d,
         run_timeout_ms: e.map(|ms| ms.min(5_000)),
+        approval_timeout_ms: None,
     }))
 }
 
@@ -214,7 +215,11 @@ fn request() -> impl Strategy<Value = pb::OrchestrateRequest> {
             |(run_id, messages, tools, limits, metadata, parse_policy, model)| pb::OrchestrateRequest {
                 run_id,
                 messages,
-                tools: tools.map(|(normal, exit)| pb::ToolSelection { normal, exit }),
+                tools: tools.map(|(normal, exit)| pb::ToolSelection {
+                    normal,
+                    exit,
+                    approval: None,
+                }),
                 limits,
                 metadata: metadata.into_iter().collect(),
                 parse_policy: parse_policy % 4,

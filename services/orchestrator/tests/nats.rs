@@ -144,6 +144,15 @@ fn result(run_id: &str, status: RunStatus) -> RunResult {
             error: Some(ToolCallError::new("TIMEOUT", "slow")),
             duration_ms: 7,
             turn: 1,
+            // The decision of a call that waited for approval is stored with it.
+            approval: Some(orchestrator::domain::approval::ApprovalDecision {
+                outcome: orchestrator::domain::approval::ApprovalOutcome::Edited,
+                principal: "carol".into(),
+                decided_at_unix_ms: 42,
+                message: String::new(),
+                original_arguments_json: r#"{"a": 1}"#.into(),
+                edited_arguments_json: "{}".into(),
+            }),
         }],
         failure_reason: (status == RunStatus::Failed).then_some(orchestrator::domain::FailureReason::ToolFailureLimit),
         failure_detail: "detail".into(),

@@ -441,7 +441,7 @@ async fn the_orchestrators_runner_certificate_is_reloaded_when_rotated() -> Test
     let ask = || pb::OrchestrateRequest {
         tools: Some(pb::ToolSelection {
             normal: vec!["calculate".into()],
-            exit: vec![],
+            ..Default::default()
         }),
         ..testkit::user("what is 6*7?")
     };
@@ -625,7 +625,7 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
         model: model.into(),
         tools: Some(pb::ToolSelection {
             normal: vec!["calculate".into()],
-            exit: vec![],
+            ..Default::default()
         }),
         ..testkit::user("what is 6*7?")
     };

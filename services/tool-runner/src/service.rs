@@ -69,6 +69,7 @@ impl From<&ToolSpec> for pb::ToolSpec {
             parameters_json_schema: spec.parameters.to_string(),
             timeout_ms: u32::try_from(spec.timeout.as_millis()).unwrap_or(u32::MAX),
             source: spec.source.to_owned(),
+            needs_approval: spec.needs_approval,
         }
     }
 }

@@ -43,6 +43,12 @@ pub struct LimitSettings {
     /// Longest run deadline a request may ask for (cap 24h).
     #[arg(long, env = "ORCHESTRATOR_RUN_TIMEOUT_CEILING", default_value = "1h", value_parser = parse_duration)]
     pub run_timeout_ceiling: Duration,
+    /// Default longest wait of a tool call for a person's approval (limits.approval_timeout_ms).
+    #[arg(long, env = "ORCHESTRATOR_APPROVAL_TIMEOUT", default_value = "1h", value_parser = parse_duration)]
+    pub approval_timeout: Duration,
+    /// Longest approval wait a request may ask for (cap 7d).
+    #[arg(long, env = "ORCHESTRATOR_APPROVAL_TIMEOUT_CEILING", default_value = "24h", value_parser = parse_duration)]
+    pub approval_timeout_ceiling: Duration,
 }
 
 impl LimitSettings {
@@ -54,6 +60,7 @@ impl LimitSettings {
             max_tool_failures: self.max_tool_failures,
             tool_timeout: self.tool_timeout,
             run_timeout: self.run_timeout,
+            approval_timeout: self.approval_timeout,
         }
     }
 
@@ -65,6 +72,7 @@ impl LimitSettings {
             max_tool_failures: self.max_tool_failures_ceiling,
             tool_timeout: self.tool_timeout_ceiling,
             run_timeout: self.run_timeout_ceiling,
+            approval_timeout: self.approval_timeout_ceiling,
         }
     }
 }
@@ -103,6 +111,18 @@ impl Bounded for LimitSettings {
             bound("tool_timeout", self.tool_timeout, ms(1), self.tool_timeout_ceiling),
             bound("run_timeout_ceiling", self.run_timeout_ceiling, ms(1), DAY),
             bound("run_timeout", self.run_timeout, ms(1), self.run_timeout_ceiling),
+            bound(
+                "approval_timeout_ceiling",
+                self.approval_timeout_ceiling,
+                ms(1),
+                7 * DAY,
+            ),
+            bound(
+                "approval_timeout",
+                self.approval_timeout,
+                ms(1),
+                self.approval_timeout_ceiling,
+            ),
         ]
     }
 }

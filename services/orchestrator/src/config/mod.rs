@@ -132,6 +132,7 @@ impl Config {
     /// `"a,,b"`), which mean nothing.
     pub fn without_blanks(mut self) -> Self {
         self.runs.exit_tools.retain(|t| !t.name.is_empty());
+        self.runs.approval_tools.retain(|t| !t.trim().is_empty());
         self.llm.headers.retain(|h| !h.is_blank());
         self
     }
@@ -225,6 +226,7 @@ mod tests {
             "--max-tool-failures-ceiling" => &["--max-tool-failures=0"],
             "--tool-timeout-ceiling" => &["--tool-timeout=1ms"],
             "--run-timeout-ceiling" => &["--run-timeout=1ms"],
+            "--approval-timeout-ceiling" => &["--approval-timeout=1ms"],
             "--trace-payload-max-bytes" => &["--trace-tool-payloads"],
             _ => &[],
         };

@@ -56,6 +56,16 @@ pub struct RunSettings {
     /// Longest stream interval a request may ask for (cap 1s).
     #[arg(long, env = "ORCHESTRATOR_STREAM_INTERVAL_CEILING", default_value = "200ms", value_parser = parse_duration)]
     pub stream_interval_ceiling: Duration,
+    /// Normal tools whose calls wait for a person's approval in every run, besides those the
+    /// tool-runners mark (`*` globs; repeatable, comma-separated in the environment). A request
+    /// may add tools, never remove one.
+    #[arg(long = "approval-tool", env = "ORCHESTRATOR_APPROVAL_TOOLS", value_delimiter = ',')]
+    pub approval_tools: Vec<String>,
+    /// Runs parked waiting for approvals at once, with the in-memory store (they hold no run slot,
+    /// only their checkpoint in memory); a turn that would park one more has its waiting calls
+    /// rejected with APPROVAL_UNAVAILABLE (cap 1000000).
+    #[arg(long, env = "ORCHESTRATOR_MAX_AWAITING_RUNS", default_value_t = 10_000)]
+    pub max_awaiting_runs: usize,
     #[allow(missing_docs)]
     #[command(flatten)]
     pub output: OutputSettings,
@@ -72,6 +82,7 @@ impl Bounded for RunSettings {
         let mut rows = vec![
             bound("max_runs", self.max_runs, 1usize, 100_000usize),
             bound("max_attached", self.max_attached, 1usize, 100_000usize),
+            bound("max_awaiting_runs", self.max_awaiting_runs, 1usize, 1_000_000usize),
             bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
             bound("event_send_timeout", self.event_send_timeout, ms(10), secs(600)),
             bound("max_caller_event_bytes", self.max_caller_event_bytes, KIB, 3 * MIB),

@@ -2,14 +2,16 @@
 //! that need nothing else, in [`request`]) and then a [`RunSpec`] ([`resolve`], checks against
 //! the tool catalog and the server's limits, in [`policy`]); every failure is an
 //! `INVALID_ARGUMENT` naming the field and what to do. Domain results and events become proto
-//! messages in [`wire`].
+//! messages in [`wire`]; `DecideToolCalls` requests become decisions in [`decisions`].
 //!
 //! [`RunSpec`]: crate::domain::RunSpec
 
+mod decisions;
 mod policy;
 mod request;
 mod wire;
 
+pub(crate) use decisions::DecideRequest;
 pub(crate) use policy::resolve;
 pub(crate) use request::RunRequest;
 pub(crate) use wire::{event_pb, parse_grpc_timeout};
@@ -39,6 +41,7 @@ mod tests {
 
     use super::wire::*;
 
+    use crate::domain::approval::ApprovalOutcome;
     use crate::domain::{Delivery, FailureReason, Limits, RunResult, RunStatus, Signal};
     use crate::llm::ToolDefinition;
     use crate::tool_runners::RemoteTool;
@@ -57,6 +60,7 @@ mod tests {
                     RemoteTool {
                         definition,
                         timeout: Duration::from_secs(1),
+                        needs_approval: false,
                     },
                 )
             })
@@ -103,6 +107,7 @@ mod tests {
             max_tool_failures: 3,
             tool_timeout: Duration::from_secs(30),
             run_timeout: Duration::from_secs(600),
+            approval_timeout: Duration::from_secs(3600),
         };
         let lowered = caller_ceilings(server, &alice.limits);
         assert_eq!((lowered.max_turns, lowered.run_timeout), (4, Duration::from_secs(10)));
@@ -151,10 +156,25 @@ mod tests {
                 FailureReason::from_wire(wire).is_ok(),
                 pb::FailureReason::try_from(wire).is_ok()
             );
+            assert_eq!(
+                ApprovalOutcome::from_wire(wire).is_ok(),
+                pb::ApprovalOutcome::try_from(wire).is_ok()
+            );
+        }
+        for &outcome in ApprovalOutcome::ALL {
+            assert_eq!(
+                ApprovalOutcome::try_from(pb::ApprovalOutcome::from(outcome)).ok(),
+                Some(outcome)
+            );
         }
         assert_eq!(
-            (RunStatus::ALL.len(), Delivery::ALL.len(), FailureReason::ALL.len()),
-            (4, 3, 12),
+            (
+                RunStatus::ALL.len(),
+                Delivery::ALL.len(),
+                FailureReason::ALL.len(),
+                ApprovalOutcome::ALL.len()
+            ),
+            (5, 3, 13, 4),
             "the lists are the enums"
         );
     }

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use shared::auth::{LimitCeilings, Principal};
 
-use super::request::{RequestedLimits, RunRequest};
+use super::request::{RequestedApproval, RequestedLimits, RunRequest};
 use super::{invalid, millis};
 use crate::Error;
 use crate::config::Config;
+use crate::domain::approval::ApprovalRules;
 use crate::domain::{Deadline, Limits, RunSpec};
 use crate::llm::{SamplingParams, ToolChoice, ToolDefinition};
 use crate::tool_runners::RemoteTool;
@@ -101,6 +102,7 @@ pub(super) fn caller_ceilings(server: Limits, caller: &LimitCeilings) -> Limits 
         max_tool_failures: lower(server.max_tool_failures, caller.max_tool_failures),
         tool_timeout: lower(server.tool_timeout, caller.tool_timeout),
         run_timeout: lower(server.run_timeout, caller.run_timeout),
+        approval_timeout: server.approval_timeout,
     }
 }
 
@@ -127,6 +129,13 @@ pub(crate) fn resolve(
     let params = run_params(request.params, config, &normal_tools, &exit_tools)?;
     let (limits, asked_run_timeout) = run_limits(&request.limits, config, caller, caller_deadline)?;
     let stream_interval = stream_interval(request.stream_interval_ms, config)?;
+    let approval = approval_rules(
+        &request.approval,
+        &normal_tools,
+        catalog,
+        config,
+        limits.approval_timeout,
+    )?;
     Ok(RunSpec {
         run_id: request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string()),
         system: request.system,
@@ -146,6 +155,44 @@ pub(crate) fn resolve(
         ),
         principal: caller.name.clone(),
         stream_interval,
+        approval,
+    })
+}
+
+/// Which of the run's normal tools wait for approval: those the runners mark, those the server
+/// names (`--approval-tool`, globs) and those the request adds; a request names only tools of
+/// the run, and removes none.
+fn approval_rules(
+    asked: &RequestedApproval,
+    normal_tools: &[ToolDefinition],
+    catalog: &BTreeMap<String, RemoteTool>,
+    config: &Config,
+    timeout: Duration,
+) -> Result<ApprovalRules, Error> {
+    for name in &asked.tools {
+        if !normal_tools.iter().any(|t| &t.name == name) {
+            return Err(invalid(format!(
+                "tools.approval.tools names {name:?}, which is not a normal tool of this run"
+            )));
+        }
+    }
+    let server = &config.runs.approval_tools;
+    let tools = normal_tools
+        .iter()
+        .map(|t| t.name.as_str())
+        .filter(|name| {
+            asked.all_normal
+                || asked.tools.iter().any(|t| t == name)
+                || catalog.get(*name).is_some_and(|t| t.needs_approval)
+                || server.iter().any(|pattern| shared::auth::glob_match(pattern, name))
+        })
+        .map(str::to_owned)
+        .collect();
+    Ok(ApprovalRules {
+        tools,
+        timeout,
+        on_timeout: asked.on_timeout,
+        pause_deadline: asked.pause_deadline,
     })
 }
 
@@ -227,6 +274,12 @@ pub(super) fn run_limits(
         )?,
         tool_timeout,
         run_timeout,
+        approval_timeout: ms(
+            "approval_timeout_ms",
+            asked.approval_timeout_ms,
+            d.approval_timeout,
+            c.approval_timeout,
+        )?,
     };
     Ok((limits, asked_run_timeout))
 }

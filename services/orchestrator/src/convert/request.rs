@@ -23,6 +23,16 @@ pub(crate) struct RequestedLimits {
     pub(super) max_tool_failures: Option<u32>,
     pub(super) tool_timeout_ms: Option<u32>,
     pub(super) run_timeout_ms: Option<u32>,
+    pub(super) approval_timeout_ms: Option<u32>,
+}
+
+/// The request's approval policy as asked (checked against the run's tools later).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RequestedApproval {
+    pub(super) all_normal: bool,
+    pub(super) tools: Vec<String>,
+    pub(super) on_timeout: crate::domain::approval::OnTimeout,
+    pub(super) pause_deadline: bool,
 }
 
 /// An `OrchestrateRequest` that passed the checks needing nothing but itself.
@@ -36,6 +46,7 @@ pub(crate) struct RunRequest {
     pub(super) stream_interval_ms: Option<u32>,
     pub(super) allowlist: Vec<String>,
     pub(super) exit_tools: Vec<ToolDefinition>,
+    pub(super) approval: RequestedApproval,
     pub(super) limits: RequestedLimits,
     pub(super) metadata: BTreeMap<String, String>,
     /// Keep running if the caller goes away.
@@ -65,6 +76,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             .collect::<Result<Vec<_>, _>>()?;
         let limits = r.limits.unwrap_or_default();
         let params = r.params.unwrap_or_default();
+        let approval = approval(tools.approval.unwrap_or_default())?;
         Ok(Self {
             run_id: caller_run_id(r.run_id)?,
             system: r.system,
@@ -74,12 +86,14 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             params: model_params(params)?,
             allowlist: tools.normal,
             exit_tools,
+            approval,
             limits: RequestedLimits {
                 max_turns: limits.max_turns,
                 tool_call_budget: limits.tool_call_budget,
                 max_tool_failures: limits.max_tool_failures,
                 tool_timeout_ms: limits.tool_timeout_ms,
                 run_timeout_ms: limits.run_timeout_ms,
+                approval_timeout_ms: limits.approval_timeout_ms,
             },
             metadata: r.metadata.into_iter().collect(),
             detached: r.detached,
@@ -165,6 +179,28 @@ pub(super) fn exit_tool(i: usize, tool: pb::ExitToolSpec) -> Result<ToolDefiniti
         name: tool.name,
         description,
         parameters,
+    })
+}
+
+/// The request's approval policy; an unknown timeout action is refused rather than read as the
+/// default.
+fn approval(a: pb::ApprovalPolicy) -> Result<RequestedApproval, Error> {
+    use crate::domain::approval::OnTimeout;
+    let on_timeout = match pb::ApprovalTimeoutAction::try_from(a.on_timeout) {
+        Ok(pb::ApprovalTimeoutAction::FailRun) => OnTimeout::FailRun,
+        Ok(_) => OnTimeout::Reject,
+        Err(_) => {
+            return Err(invalid(format!(
+                "tools.approval.on_timeout {} is not a known ApprovalTimeoutAction value",
+                a.on_timeout
+            )));
+        }
+    };
+    Ok(RequestedApproval {
+        all_normal: a.all_normal,
+        tools: a.tools,
+        on_timeout,
+        pause_deadline: a.pause_deadline,
     })
 }
 

@@ -7,6 +7,7 @@ use proto::orchestrator::v1 as pb;
 
 use super::millis;
 use crate::Error;
+use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, PendingApproval};
 use crate::domain::{
     Delivery, Event, FailureReason, Limits, NumberedEvent, RunResult, RunStatus, Signal, ToolCallError,
 };
@@ -70,7 +71,8 @@ macro_rules! one_to_one {
     };
 }
 
-one_to_one!(RunStatus <=> RunStatus, unspecified: Unspecified, [Running, Completed, Failed, Canceled]);
+one_to_one!(RunStatus <=> RunStatus, unspecified: Unspecified, [Running, Completed, Failed, Canceled, AwaitingApproval]);
+one_to_one!(ApprovalOutcome <=> ApprovalOutcome, unspecified: Unspecified, [Approved, Edited, Rejected, TimedOut]);
 one_to_one!(Delivery <=> SignalDelivery, unspecified: Unspecified, [Pending, Delivered, Undelivered]);
 one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
     ToolParseError,
@@ -85,6 +87,7 @@ one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
     UnknownError,
     OrchestratorLost,
     OutputLimit,
+    ApprovalTimeout,
 ]);
 
 /// A run's failure reason on the wire: `UNSPECIFIED` is "did not fail".
@@ -151,6 +154,68 @@ impl TryFrom<pb::Signal> for Signal {
     }
 }
 
+impl From<&ApprovalDecision> for pb::ApprovalDecision {
+    fn from(d: &ApprovalDecision) -> Self {
+        Self {
+            outcome: pb::ApprovalOutcome::from(d.outcome).into(),
+            principal: d.principal.clone(),
+            decided_at_unix_ms: d.decided_at_unix_ms,
+            message: d.message.clone(),
+            original_arguments_json: d.original_arguments_json.clone(),
+            edited_arguments_json: d.edited_arguments_json.clone(),
+        }
+    }
+}
+
+impl TryFrom<pb::ApprovalDecision> for ApprovalDecision {
+    type Error = Error;
+
+    fn try_from(d: pb::ApprovalDecision) -> Result<Self, Error> {
+        Ok(Self {
+            outcome: ApprovalOutcome::from_wire(d.outcome)?,
+            principal: d.principal,
+            decided_at_unix_ms: d.decided_at_unix_ms,
+            message: d.message,
+            original_arguments_json: d.original_arguments_json,
+            edited_arguments_json: d.edited_arguments_json,
+        })
+    }
+}
+
+impl From<&PendingApproval> for pb::PendingApproval {
+    fn from(p: &PendingApproval) -> Self {
+        Self {
+            run_id: p.run_id.clone(),
+            call_id: p.call_id.clone(),
+            name: p.name.clone(),
+            arguments_json: p.arguments_json.clone(),
+            turn: p.turn,
+            requested_at_unix_ms: p.requested_at_unix_ms,
+            expires_at_unix_ms: p.expires_at_unix_ms,
+            principal: p.principal.clone(),
+            decision: p.decision.as_ref().map(pb::ApprovalDecision::from),
+        }
+    }
+}
+
+impl TryFrom<pb::PendingApproval> for PendingApproval {
+    type Error = Error;
+
+    fn try_from(p: pb::PendingApproval) -> Result<Self, Error> {
+        Ok(Self {
+            decision: p.decision.map(ApprovalDecision::try_from).transpose()?,
+            run_id: p.run_id,
+            call_id: p.call_id,
+            name: p.name,
+            arguments_json: p.arguments_json,
+            turn: p.turn,
+            requested_at_unix_ms: p.requested_at_unix_ms,
+            expires_at_unix_ms: p.expires_at_unix_ms,
+            principal: p.principal,
+        })
+    }
+}
+
 impl TryFrom<pb::RunResult> for RunResult {
     type Error = Error;
 
@@ -168,19 +233,22 @@ impl TryFrom<pb::RunResult> for RunResult {
             tool_calls: r
                 .tool_calls
                 .into_iter()
-                .map(|c| crate::domain::ToolCallRecord {
-                    call_id: c.call_id,
-                    name: c.name,
-                    arguments_json: c.arguments_json,
-                    ok: c.ok,
-                    error: c.error.map(|e| ToolCallError {
-                        code: e.code,
-                        message: e.message,
-                    }),
-                    duration_ms: c.duration_ms,
-                    turn: c.turn,
+                .map(|c| {
+                    Ok(crate::domain::ToolCallRecord {
+                        approval: c.approval.map(ApprovalDecision::try_from).transpose()?,
+                        call_id: c.call_id,
+                        name: c.name,
+                        arguments_json: c.arguments_json,
+                        ok: c.ok,
+                        error: c.error.map(|e| ToolCallError {
+                            code: e.code,
+                            message: e.message,
+                        }),
+                        duration_ms: c.duration_ms,
+                        turn: c.turn,
+                    })
                 })
-                .collect(),
+                .collect::<Result<_, Error>>()?,
             failed_turns: r.failed_turns,
             usage: crate::llm::Usage {
                 prompt_tokens: usage.prompt_tokens,
@@ -190,6 +258,11 @@ impl TryFrom<pb::RunResult> for RunResult {
             principal: r.principal,
             reasoning: r.reasoning,
             reasoning_truncated: r.reasoning_truncated,
+            pending_approvals: r
+                .pending_approvals
+                .into_iter()
+                .map(PendingApproval::try_from)
+                .collect::<Result<_, _>>()?,
         })
     }
 }
@@ -215,6 +288,7 @@ impl From<&RunResult> for pb::RunResult {
                     error: c.error.as_ref().map(error_pb),
                     duration_ms: c.duration_ms,
                     turn: c.turn,
+                    approval: c.approval.as_ref().map(pb::ApprovalDecision::from),
                 })
                 .collect(),
             failed_turns: r.failed_turns,
@@ -223,6 +297,7 @@ impl From<&RunResult> for pb::RunResult {
             principal: r.principal.clone(),
             reasoning: r.reasoning.clone(),
             reasoning_truncated: r.reasoning_truncated,
+            pending_approvals: r.pending_approvals.iter().map(pb::PendingApproval::from).collect(),
         }
     }
 }
@@ -246,6 +321,7 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
                 max_tool_failures: limits.max_tool_failures,
                 tool_timeout_ms: millis(limits.tool_timeout),
                 run_timeout_ms: millis(limits.run_timeout),
+                approval_timeout_ms: millis(limits.approval_timeout),
             }),
         }),
         Event::TextDelta { text, turn } => E::TextDelta(pb::TextDelta { text, turn }),
@@ -292,6 +368,21 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             failed_turns,
         }),
         Event::TurnRestarted { turn, attempt, reason } => E::TurnRestarted(pb::TurnRestarted { turn, attempt, reason }),
+        Event::ApprovalRequested {
+            call_id,
+            name,
+            arguments_json,
+            turn,
+            expires_at_unix_ms,
+            arguments_truncated,
+        } => E::ApprovalRequested(pb::ApprovalRequested {
+            call_id,
+            name,
+            arguments_json,
+            turn,
+            expires_at_unix_ms,
+            arguments_truncated,
+        }),
         Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
             result: Some(pb::RunResult::from(&result)),
         }),
@@ -324,6 +415,7 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                         max_tool_failures: limits.max_tool_failures,
                         tool_timeout: Duration::from_millis(limits.tool_timeout_ms.into()),
                         run_timeout: Duration::from_millis(limits.run_timeout_ms.into()),
+                        approval_timeout: Duration::from_millis(limits.approval_timeout_ms.into()),
                     },
                 }
             }
@@ -367,6 +459,14 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                 turn: e.turn,
                 attempt: e.attempt,
                 reason: e.reason,
+            },
+            E::ApprovalRequested(e) => Event::ApprovalRequested {
+                call_id: e.call_id,
+                name: e.name,
+                arguments_json: e.arguments_json,
+                turn: e.turn,
+                expires_at_unix_ms: e.expires_at_unix_ms,
+                arguments_truncated: e.arguments_truncated,
             },
             E::RunFinished(e) => Event::RunFinished(RunResult::try_from(e.result.unwrap_or_default())?),
         };

@@ -83,6 +83,21 @@ pub enum Event {
         /// Why.
         reason: String,
     },
+    /// A normal call waits for a person's decision before it runs.
+    ApprovalRequested {
+        /// Call id.
+        call_id: String,
+        /// Tool.
+        name: String,
+        /// Arguments.
+        arguments_json: String,
+        /// Turn.
+        turn: u32,
+        /// Unix ms: the wait ends then.
+        expires_at_unix_ms: u64,
+        /// The arguments were cut to fit one event.
+        arguments_truncated: bool,
+    },
     /// The run ended (always last).
     RunFinished(RunResult),
 }
@@ -104,7 +119,9 @@ impl NumberedEvent {
         OVERHEAD
             + match &self.event {
                 Event::TextDelta { text, .. } | Event::ReasoningDelta { text, .. } => text.len(),
-                Event::ToolCallStarted { arguments_json, .. } => arguments_json.len(),
+                Event::ToolCallStarted { arguments_json, .. } | Event::ApprovalRequested { arguments_json, .. } => {
+                    arguments_json.len()
+                }
                 Event::ToolCallFinished {
                     content_json, error, ..
                 } => content_json.as_ref().map_or(0, String::len) + error.as_ref().map_or(0, |e| e.message.len()),

@@ -7,9 +7,11 @@
 //! * [`spec`]: what a run is asked to do ([`spec::RunSpec`], its limits, deadline and output bounds);
 //! * [`result`]: what it produced ([`result::RunResult`], tool-call records, signals);
 //! * [`event`]: the events of its stream;
+//! * [`approval`]: calls that wait for a person's decision, and the decisions;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
 
+pub mod approval;
 pub mod chat;
 pub mod event;
 pub mod params;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
+use super::approval::{DecideError, Decision, PendingApproval};
 use super::event::NumberedEvent;
 use super::result::{Delivery, RunResult, Signal, ToolCallError};
 
@@ -268,4 +269,106 @@ pub trait SignalTopic: Send + Sync + 'static {
     fn publish(&self, signal: &Signal, on_delivery: OnDelivery);
     /// Signals published from the moment the returned future resolves that pass `filter`.
     fn subscribe(&self, filter: SignalFilter) -> BoxFuture<'static, BoxStream<'static, SignalItem>>;
+}
+
+/// A run's wait for decisions, opened when its turn announces the calls that wait.
+pub struct Wait {
+    /// The run.
+    pub run_id: String,
+    /// Its owner (who may decide, besides approvers).
+    pub principal: String,
+    /// The calls that wait, each with its tool's argument schema (an edit must pass it).
+    pub calls: Vec<(PendingApproval, serde_json::Value)>,
+}
+
+/// A run parked until its calls are decided: what resumes it, and what `GetRun` shows meanwhile.
+pub struct Parked {
+    /// The loop's checkpoint (opaque here).
+    pub checkpoint: Vec<u8>,
+    /// The run's state (status `AWAITING_APPROVAL`).
+    pub result: RunResult,
+    /// When the run wakes even undecided (Unix ms): the first expiry, or its deadline sooner.
+    pub wake_at_unix_ms: u64,
+    /// When it parked (Unix ms): a run whose deadline pauses while it waits moves it by as much.
+    pub parked_at_unix_ms: u64,
+    /// Its event log's writer, kept for the run's resumption (a log of this process).
+    pub log: Option<Box<dyn LogWriter>>,
+}
+
+/// What parking a run came to.
+pub enum ParkOutcome {
+    /// Parked: the run leaves its slot.
+    Parked,
+    /// Every call was decided before the run parked: it goes on at once with these (the parked
+    /// state is handed back).
+    Decided(Vec<PendingApproval>, Box<Parked>),
+}
+
+/// A parked run to resume: decided, expired, past its deadline, or canceled.
+pub struct Ready {
+    /// The run.
+    pub run_id: String,
+    /// Its parked state.
+    pub parked: Parked,
+    /// Its calls with their decisions (undecided ones when it woke for its deadline or a cancel).
+    pub calls: Vec<PendingApproval>,
+    /// Set when `CancelRun` canceled it while it was parked.
+    pub canceled: Option<String>,
+}
+
+/// Who asks to decide, as the lot checks it.
+#[derive(Debug, Clone)]
+pub struct Decider {
+    /// The caller's principal (empty: no authentication, which decides everything).
+    pub name: String,
+    /// It holds the approver role: it decides every run's calls.
+    pub approver: bool,
+}
+
+impl Decider {
+    /// Whether it may decide the calls of a run of `owner`.
+    pub fn may_decide(&self, owner: &str) -> bool {
+        self.name.is_empty() || self.approver || self.name == owner
+    }
+}
+
+/// Runs waiting for decisions on their calls (docs/architecture.md, "Approvals"). A run opens its
+/// wait when it announces the calls; decisions may come from then on, while the turn's other
+/// calls still run; the run then parks (leaving its slot) unless every call was decided already,
+/// and a parked run is handed out ([`ApprovalLot::take_ready`]) once decided, expired, past its
+/// deadline or canceled.
+pub trait ApprovalLot: Send + Sync + 'static {
+    /// Opens the wait of a run's turn; `Err` with the reason when no more runs may wait.
+    fn open(&self, wait: Wait) -> Result<(), String>;
+    /// Parks the run with an open wait.
+    fn park(&self, run_id: &str, parked: Parked) -> ParkOutcome;
+    /// Records `decisions` of `decider` (all or none: a refused one leaves every call as it
+    /// was); returns the run's calls after them.
+    fn decide(
+        &self,
+        run_id: &str,
+        decider: &Decider,
+        decisions: &[Decision],
+    ) -> Result<Vec<PendingApproval>, DecideError>;
+    /// The calls waiting that `decider` may decide (of `run_id` only, when given), oldest first,
+    /// at most `limit`; and whether more wait.
+    fn pending(&self, decider: &Decider, run_id: Option<&str>, limit: usize) -> (Vec<PendingApproval>, bool);
+    /// A waiting run's calls, with the decisions so far (`None`: it waits for nothing).
+    fn calls(&self, run_id: &str) -> Option<Vec<PendingApproval>>;
+    /// A parked run's state, with its calls' decisions so far.
+    fn parked(&self, run_id: &str) -> Option<RunResult>;
+    /// Cancels a parked run (it is handed out to end); whether one was parked.
+    fn cancel(&self, run_id: &str, reason: &str) -> bool;
+    /// Forgets a run's wait (its turn ended while it still had its slot).
+    fn close(&self, run_id: &str);
+    /// Applies timeouts and deadlines as of `now_unix_ms`.
+    fn expire(&self, now_unix_ms: u64);
+    /// The oldest parked run ready to resume, taken out of the lot.
+    fn take_ready(&self) -> Option<Ready>;
+    /// Gives back a ready run that found no slot (it is handed out again later).
+    fn put_back(&self, ready: Ready);
+    /// Resolves when a run may have become ready.
+    fn changed(&self) -> BoxFuture<'static, ()>;
+    /// Runs parked now.
+    fn parked_count(&self) -> usize;
 }

@@ -17,6 +17,15 @@ pub enum RunStatus {
     Failed,
     /// Canceled.
     Canceled,
+    /// Parked until its pending approvals are decided (it holds no slot meanwhile).
+    AwaitingApproval,
+}
+
+impl RunStatus {
+    /// Whether the run has not ended (it runs, or waits for decisions).
+    pub fn is_live(self) -> bool {
+        matches!(self, Self::Running | Self::AwaitingApproval)
+    }
 }
 
 /// Why a run failed. Its metric label (and `error.type` on spans) is its name in snake case.
@@ -47,6 +56,8 @@ pub enum FailureReason {
     OrchestratorLost,
     /// The model's output went over a size limit (calls in one turn, or the run's output).
     OutputLimit,
+    /// Calls were not decided within the approval timeout, and the run was asked to end then.
+    ApprovalTimeout,
 }
 
 /// A tool call's failure, as fed back to the model.
@@ -90,6 +101,9 @@ pub struct ToolCallRecord {
     pub duration_ms: u64,
     /// Turn (1-based).
     pub turn: u32,
+    /// The person's decision, for a call that needed approval.
+    #[serde(default)]
+    pub approval: Option<super::approval::ApprovalDecision>,
 }
 
 /// An exit-tool call, published on the signal topic.
@@ -161,6 +175,9 @@ pub struct RunResult {
     pub reasoning: String,
     /// The model reasoned past the cap; `reasoning` is its beginning.
     pub reasoning_truncated: bool,
+    /// The current turn's calls that wait for a decision.
+    #[serde(default)]
+    pub pending_approvals: Vec<super::approval::PendingApproval>,
 }
 
 impl RunResult {
@@ -181,6 +198,7 @@ impl RunResult {
             principal: String::new(),
             reasoning: String::new(),
             reasoning_truncated: false,
+            pending_approvals: Vec::new(),
         }
     }
 }

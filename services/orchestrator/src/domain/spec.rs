@@ -33,6 +33,9 @@ pub struct Limits {
     pub tool_timeout: Duration,
     /// Deadline of the whole run.
     pub run_timeout: Duration,
+    /// How long a call may wait for approval.
+    #[serde(default)]
+    pub approval_timeout: Duration,
 }
 
 /// Everything one run needs, validated.
@@ -65,6 +68,9 @@ pub struct RunSpec {
     /// How long the run gathers the model's text into one event (zero: each read's at once).
     #[serde(default)]
     pub stream_interval: std::time::Duration,
+    /// Which calls wait for a person's decision.
+    #[serde(default)]
+    pub approval: super::approval::ApprovalRules,
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before

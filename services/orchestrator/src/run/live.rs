@@ -130,6 +130,16 @@ impl Emitter {
         self.queued = outbox.into_iter().filter(|e| e.seq > logged).collect();
     }
 
+    /// Takes the run's event-log writer (a run parked for approvals keeps it for its resumption).
+    pub(crate) fn take_log(&mut self) -> Option<Box<dyn LogWriter>> {
+        self.log.take()
+    }
+
+    /// Gives the run's event-log writer back (the run did not park after all).
+    pub(crate) fn restore_log(&mut self, log: Option<Box<dyn LogWriter>>) {
+        self.log = log;
+    }
+
     /// The last seq numbered.
     pub(crate) fn seq(&self) -> u64 {
         self.seq
@@ -183,6 +193,24 @@ impl Emitter {
                     name,
                     arguments_json,
                     turn,
+                    arguments_truncated: arguments_truncated || cut,
+                });
+            }
+            Event::ApprovalRequested {
+                call_id,
+                name,
+                arguments_json,
+                turn,
+                expires_at_unix_ms,
+                arguments_truncated,
+            } => {
+                let (arguments_json, cut) = shared::text::truncate_owned(arguments_json, self.settings.max_event_bytes);
+                self.number(Event::ApprovalRequested {
+                    call_id,
+                    name,
+                    arguments_json,
+                    turn,
+                    expires_at_unix_ms,
                     arguments_truncated: arguments_truncated || cut,
                 });
             }

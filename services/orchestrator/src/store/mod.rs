@@ -10,10 +10,15 @@
 //! with the in-memory store ([`memory_log::MemoryLog`]), in a JetStream stream with the NATS store
 //! ([`nats_log::NatsLog`]), bounded per run and kept as long as results are.
 //!
+//! Runs waiting for approvals are parked in an [`ApprovalLot`]: in this process with the
+//! in-memory store ([`memory_approvals::MemoryLot`]).
+//!
+//! [`ApprovalLot`]: crate::domain::ports::ApprovalLot
 //! [`ResultStore`]: crate::domain::ports::ResultStore
 //! [`EventLog`]: crate::domain::ports::EventLog
 
 pub mod memory;
+pub mod memory_approvals;
 pub mod memory_log;
 pub mod nats;
 pub mod nats_journal;

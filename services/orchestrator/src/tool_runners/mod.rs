@@ -48,6 +48,8 @@ pub struct RemoteTool {
     pub definition: ToolDefinition,
     /// The runner's own timeout for it.
     pub timeout: Duration,
+    /// The runner requires a person's approval of each call.
+    pub needs_approval: bool,
 }
 
 /// The tools the runners offer, and whether they answered the last fetch.
@@ -226,6 +228,7 @@ impl ToolRunners {
                         parameters,
                     },
                     timeout: Duration::from_millis(u64::from(spec.timeout_ms)),
+                    needs_approval: spec.needs_approval,
                 },
             );
         }

@@ -11,6 +11,7 @@
 //! argv = ["uname", "-a"]          # no shell: argv[0] is looked up on PATH at load time
 //! output = "text"                 # "auto" (JSON if it parses, else text), "json" or "text"
 //! stderr_to_model = false         # default: stderr goes to the runner's log, not to the model
+//! needs_approval = false          # true: a person approves each call first (the orchestrator asks)
 //! [tool.parameters]               # JSON Schema of the arguments, written as TOML
 //! type = "object"
 //! [tool.limits]                   # optional; see super::limits for every field and default
@@ -108,6 +109,8 @@ struct RawTool {
     output: OutputMode,
     limits: Option<RawLimits>,
     stderr_to_model: Option<bool>,
+    #[serde(default)]
+    needs_approval: bool,
 }
 
 pub use shared::tools::{check_schema, valid_tool_name};
@@ -327,6 +330,7 @@ fn build_tool(
         parameters,
         timeout,
         source: "command",
+        needs_approval: raw.needs_approval,
     };
     let tool = CommandTool::new(CommandConfig {
         prlimit: prlimit.to_owned(),
@@ -436,6 +440,25 @@ mod tests {
             let err = load_str(text).err().unwrap_or_else(|| panic!("accepted: {text}"));
             assert!(err.contains(expected), "{err:?} should contain {expected:?}");
         }
+    }
+
+    #[test]
+    fn tools_and_mcp_servers_may_require_approval() {
+        let tools = load_str(&format!("{OK}needs_approval = true")).unwrap();
+        assert!(tools[0].0.needs_approval);
+        assert!(!load_str(OK).unwrap()[0].0.needs_approval, "no approval unless asked");
+        let server =
+            |needs: &str| format!("[[mcp_servers]]\nname = \"pay\"\nurl = \"http://127.0.0.1:1/mcp\"\n{needs}");
+        let every = load_manifest(&server("needs_approval = true")).unwrap();
+        assert!(every.mcp_servers[0].needs_approval("refund") && every.mcp_servers[0].needs_approval("lookup"));
+        let some = load_manifest(&server("needs_approval = [\"refund\"]")).unwrap();
+        assert!(some.mcp_servers[0].needs_approval("refund") && !some.mcp_servers[0].needs_approval("lookup"));
+        let none = load_manifest(&server("")).unwrap();
+        assert!(!none.mcp_servers[0].needs_approval("refund"));
+        let bad = load_manifest(&server("needs_approval = \"yes\""))
+            .err()
+            .unwrap_or_default();
+        assert!(bad.contains("needs_approval must be true, false or a list"), "{bad}");
     }
 
     #[test]

@@ -59,6 +59,9 @@ pub struct ToolSpec {
     pub timeout: Duration,
     /// Where the tool comes from (`builtin`, `command`, `mcp`), so operators can tell tools apart.
     pub source: &'static str,
+    /// Calls with side effects a person must see first: the orchestrator asks for a decision
+    /// before it sends the call here.
+    pub needs_approval: bool,
 }
 
 /// Kinds of tool-level failure; mirrors `toolrunner.v1.ToolErrorCode`.

@@ -59,18 +59,23 @@ pub struct TurnCalls {
     pub(super) spend: Spend,
     /// Outcomes of the calls that finished, in the order they finished.
     pub(super) finished: Vec<CallOutcome>,
+    /// The calls that wait for a person's decision, and their decisions.
+    #[serde(default)]
+    pub(super) approvals: Vec<super::approvals::Approval>,
 }
 
 impl TurnCalls {
-    /// The calls of the turn still to run.
+    /// The calls of the turn to run now: not finished, and not waiting for approval (or
+    /// approved and announced).
     pub(super) fn unfinished(&self) -> Vec<usize> {
         let done = |i: &usize| self.finished.iter().any(|f| f.index == *i);
-        self.spend.executed.iter().copied().filter(|i| !done(i)).collect()
-    }
-
-    /// The outcomes of the calls that finished before.
-    pub(super) fn take_finished(&mut self) -> Vec<CallOutcome> {
-        std::mem::take(&mut self.finished)
+        let held = |i: &usize| self.approvals.iter().any(|a| a.index == *i && !a.cleared());
+        self.spend
+            .executed
+            .iter()
+            .copied()
+            .filter(|i| !done(i) && !held(i))
+            .collect()
     }
 }
 
@@ -122,7 +127,7 @@ impl Driver<'_> {
     }
 
     /// The run's checkpoint as of now, with `calls` the current turn's calls (if among them).
-    fn checkpoint(&self, calls: Option<&TurnCalls>) -> Checkpoint {
+    pub(super) fn checkpoint(&self, calls: Option<&TurnCalls>) -> Checkpoint {
         Checkpoint {
             spec: self.spec.clone(),
             result: shared::sync::lock(self.state).clone(),
@@ -174,8 +179,8 @@ impl Driver<'_> {
         }))
     }
 
-    /// Takes the driver's state from `checkpoint`, and queues what the log lacks: the outbox
-    /// events after `logged` (numbered as before), then `turn_restarted` when the log holds
+    /// Takes the driver's state from `checkpoint` (the emitter already numbers on from it and
+    /// holds the outbox events the log lacks), then queues `turn_restarted` when the log holds
     /// events of a turn that was still streaming. Returns the turn's calls to finish, if any.
     pub(super) fn restore(&mut self, resumed: Resumed) -> Option<TurnCalls> {
         let Resumed { checkpoint: c, logged } = resumed;
@@ -185,7 +190,6 @@ impl Driver<'_> {
         self.ids.used = c.call_ids.into_iter().collect();
         self.ids.generated = c.generated_ids;
         (self.turns_done, self.attempt) = (c.turns_done, c.attempt);
-        self.emitter.continue_from(logged, c.seq, c.outbox);
         if logged > c.seq && c.calls.is_none() {
             self.attempt += 1;
             let turn = self.turns_done + 1;

@@ -18,6 +18,7 @@
 //! text, reasoning and usage as they arrive), [`output`] (accounting of the run's output
 //! against its bounds) and [`durable`] (checkpoints at safe points, and resuming from one).
 
+mod approvals;
 mod completion;
 mod durable;
 mod output;
@@ -72,6 +73,8 @@ pub struct LoopDeps {
     pub send_reasoning: bool,
     /// Longest wait at a safe point for the event log to hold the events sent (durable runs).
     pub log_settle_timeout: Duration,
+    /// Where runs wait for decisions on their calls.
+    pub approvals: Arc<dyn crate::domain::ports::ApprovalLot>,
 }
 
 /// How the loop ended.
@@ -83,6 +86,8 @@ enum End {
     HandedOver,
     /// Another replica took the run over: this one stops without writing anything of it.
     TakenOver,
+    /// The run waits for approvals, parked in the approval lot: it resumes once decided.
+    Parked,
 }
 
 impl End {
@@ -123,7 +128,12 @@ async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) 
     } = run;
     let started = Instant::now();
     let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
-    if resumed.is_none() {
+    if let Some(resumed) = &resumed {
+        // Numbered on from its checkpoint before anything can end it (a cancel or a deadline
+        // that passed while it waited ends it before its turn goes on).
+        let c = &resumed.checkpoint;
+        emitter.continue_from(resumed.logged, c.seq, c.outbox.clone());
+    } else {
         // Sent with the first model request.
         emitter.queue(Event::RunStarted {
             model: spec.model.clone(),
@@ -141,13 +151,17 @@ async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) 
             persister: persister.as_ref(),
         };
         let end = race(driver.drive(resumed), &spec, ends).await;
-        if !matches!(end, End::Completed | End::HandedOver | End::TakenOver) {
+        if !matches!(end, End::Completed | End::HandedOver | End::TakenOver | End::Parked) {
             driver.keep_interrupted_turn(true);
         }
         end
     };
-    if let End::HandedOver | End::TakenOver = end {
-        return moved(end, persister.as_ref(), &state).await;
+    match end {
+        End::Parked => return lock(&state).clone(),
+        End::HandedOver | End::TakenOver => return moved(end, persister.as_ref(), &state).await,
+        // A wait opened in this turn ends with the run.
+        _ if !lock(&state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id),
+        _ => {}
     }
     let result = settle(&state, end, &cancel);
     telemetry::record_run_end(&result, started.elapsed());
@@ -265,8 +279,10 @@ fn settle(state: &SharedState, end: End, cancel: &Cancel) -> RunResult {
             state.status = RunStatus::Canceled;
             state.failure_detail = detail;
         }
-        End::HandedOver | End::TakenOver => {}
+        End::HandedOver | End::TakenOver | End::Parked => {}
     }
+    // An ended run waits for nothing.
+    state.pending_approvals.clear();
     state.clone()
 }
 
@@ -321,6 +337,9 @@ struct CallOutcome {
     index: usize,
     result: Result<String, ToolCallError>,
     elapsed: Duration,
+    /// Not run: a person rejected it (or nobody decided in time). Not a failure of the turn.
+    #[serde(default)]
+    rejected: bool,
 }
 
 /// The state of the loop across turns.

@@ -53,36 +53,56 @@ impl Driver<'_> {
             self.finish_turn(&turn, spend.left);
             return Err(self.budget_end(&spend, &partition).unwrap_or(End::Completed));
         }
-        Ok(TurnCalls {
+        let mut calls = TurnCalls {
             turn,
             partition,
             spend,
             finished: Vec::new(),
-        })
+            approvals: Vec::new(),
+        };
+        calls.approvals = self.calls_needing_approval(&calls);
+        Ok(calls)
     }
 
     /// The rules from the turn's calls on: announced (safe point (a), unless `announce` is false
-    /// for a resumed turn whose checkpoint holds the announcement), run concurrently, reported,
-    /// failures counted, the conversation extended. `Err` when a limit ends the run.
+    /// for a resumed turn whose checkpoint holds the announcement), run concurrently (those
+    /// waiting for approval once decided; see [`super::approvals`]), reported, failures counted,
+    /// the conversation extended. `Err` when a limit ends the run, or the run parks.
     pub(super) async fn tools_half(&mut self, mut calls: TurnCalls, announce: bool) -> Step<()> {
         if announce {
             self.announce_calls(&calls);
+            self.ask_for_approval(&mut calls);
         }
+        self.apply_decisions(&mut calls)?;
         self.safe_point(Some(&calls)).await?;
-        let number = calls.turn.number;
         // The calls that finished before this replica resumed the turn are not run again, and
         // stay in the checkpoints taken as the others finish.
         let ran = self.dispatch(&calls).await;
-        let mut outcomes = calls.take_finished();
-        outcomes.extend(ran);
+        calls.finished.extend(ran);
+        if calls.undecided() {
+            self.await_decisions(&mut calls).await?;
+            self.apply_decisions(&mut calls)?;
+            self.safe_point(Some(&calls)).await?;
+            let ran = self.dispatch(&calls).await;
+            calls.finished.extend(ran);
+        }
+        self.report_turn(calls)
+    }
+
+    /// The turn's outcomes reported, failures counted (a call a person rejected is no failure),
+    /// the conversation extended.
+    fn report_turn(&mut self, mut calls: TurnCalls) -> Step<()> {
+        let number = calls.turn.number;
+        let outcomes = std::mem::take(&mut calls.finished);
+        let approvals = std::mem::take(&mut calls.approvals);
         let TurnCalls {
             mut turn,
             partition,
             spend,
             ..
         } = calls;
-        let any_failed = !partition.bad.is_empty() || outcomes.iter().any(|o| o.result.is_err());
-        let fed_back = self.report_results(&partition, outcomes, number);
+        let any_failed = !partition.bad.is_empty() || outcomes.iter().any(|o| o.result.is_err() && !o.rejected);
+        let fed_back = self.report_results(&partition, outcomes, &approvals, number);
         self.count_recorded_bytes();
         self.count_failures(any_failed);
         self.append_to_conversation(&mut turn, fed_back);
@@ -320,10 +340,13 @@ impl Driver<'_> {
         })
     }
 
-    /// Queues `tool_call_started` for the calls that run (and the bad ones, which fail at once).
+    /// Queues `tool_call_started` for the calls that run (and the bad ones, which fail at once);
+    /// those waiting for approval are announced when decided.
     pub(super) fn announce_calls(&mut self, calls: &TurnCalls) {
         let (partition, turn) = (&calls.partition, calls.turn.number);
-        for &i in calls.spend.executed.iter().chain(partition.bad.iter().map(|(i, _)| i)) {
+        let waits = |i: &usize| calls.approvals.iter().any(|a| a.index == *i);
+        let executed = calls.spend.executed.iter().filter(|i| !waits(i));
+        for &i in executed.chain(partition.bad.iter().map(|(i, _)| i)) {
             let call = &partition.calls[i];
             self.emitter.queue(Event::ToolCallStarted {
                 call_id: call.id.clone(),
@@ -391,7 +414,12 @@ impl Driver<'_> {
             });
             let elapsed = started.elapsed();
             telemetry::record_tool_call(&tool, &result, elapsed, payloads);
-            CallOutcome { index, result, elapsed }
+            CallOutcome {
+                index,
+                result,
+                elapsed,
+                rejected: false,
+            }
         }
         .instrument(span)
     }
@@ -403,16 +431,25 @@ impl Driver<'_> {
         &mut self,
         partition: &Partition,
         mut outcomes: Vec<CallOutcome>,
+        approvals: &[super::approvals::Approval],
         turn: u32,
     ) -> Vec<(ToolCall, Message)> {
         outcomes.extend(partition.bad.iter().map(|(index, error)| CallOutcome {
             index: *index,
             result: Err(error.clone()),
             elapsed: Duration::ZERO,
+            rejected: false,
         }));
         outcomes.sort_by_key(|o| o.index);
         let mut fed_back = Vec::with_capacity(outcomes.len());
-        for CallOutcome { index, result, elapsed } in outcomes {
+        for CallOutcome {
+            index, result, elapsed, ..
+        } in outcomes
+        {
+            let approval = approvals
+                .iter()
+                .find(|a| a.index == index)
+                .and_then(|a| a.decision.clone());
             let result = result.map_err(|error| self.bounded_error(error));
             let call = &partition.calls[index];
             let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
@@ -424,6 +461,7 @@ impl Driver<'_> {
                 error: result.as_ref().err().cloned(),
                 duration_ms,
                 turn,
+                approval,
             });
             let content = match &result {
                 Ok(json) => self.fed_back_result(json),

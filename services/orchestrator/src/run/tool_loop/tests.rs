@@ -140,6 +140,7 @@ fn spec(limits: Limits) -> RunSpec {
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         principal: String::new(),
         stream_interval: Duration::ZERO,
+        approval: Default::default(),
     }
 }
 
@@ -155,6 +156,7 @@ fn limits() -> Limits {
         max_tool_failures: 1,
         tool_timeout: Duration::from_secs(5),
         run_timeout: Duration::from_secs(30),
+        approval_timeout: Duration::from_secs(60),
     }
 }
 
@@ -249,6 +251,7 @@ async fn play_with(
         output: outside.output,
         send_reasoning: outside.send_reasoning,
         log_settle_timeout: Duration::from_secs(1),
+        approvals: Arc::new(crate::store::memory_approvals::MemoryLot::new(16)),
     };
     let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
     let (tx, mut rx) = mpsc::channel(outside.buffer);
@@ -337,6 +340,7 @@ async fn events_produced_together_reach_the_stream_as_one_batch() {
                     Event::Signal(_) => "signal",
                     Event::TurnFinished { .. } => "turn_finished",
                     Event::TurnRestarted { .. } => "turn_restarted",
+                    Event::ApprovalRequested { .. } => "approval_requested",
                     Event::RunFinished(_) => "run_finished",
                 })
                 .collect()

@@ -56,5 +56,6 @@ fn spec(name: &str, description: &str, parameters: serde_json::Value, timeout: D
         parameters,
         timeout,
         source: "builtin",
+        needs_approval: false,
     }
 }

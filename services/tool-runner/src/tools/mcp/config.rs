@@ -22,6 +22,8 @@
 //! deny = ["delete_index"]             # never these
 //! timeout = "30s"                     # per call (cap 1h)
 //! required = true                     # health is NOT_SERVING while it is down (default false)
+//! needs_approval = ["query"]          # a person approves each call of these first (MCP names;
+//!                                     # `true`: every tool of the server; default none)
 //! ```
 //!
 //! Each server also takes `connect_timeout` (connecting, the handshake and listing its tools;
@@ -86,6 +88,31 @@ pub(in crate::tools) struct RawMcpServer {
     max_tools: Option<u64>,
     #[serde(default)]
     required: bool,
+    #[serde(default, deserialize_with = "needs_approval")]
+    needs_approval: NeedsApproval,
+}
+
+/// `needs_approval` as written, with an error that says what it may be.
+fn needs_approval<'de, D: serde::Deserializer<'de>>(d: D) -> Result<NeedsApproval, D::Error> {
+    NeedsApproval::deserialize(d).map_err(|_| {
+        serde::de::Error::custom("needs_approval must be true, false or a list of the server's tool names")
+    })
+}
+
+/// `needs_approval` of a server: all its tools (`true`), none (`false`, the default) or a list.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub(crate) enum NeedsApproval {
+    /// Every tool of the server, or none.
+    All(bool),
+    /// These tools (MCP names).
+    Tools(Vec<String>),
+}
+
+impl Default for NeedsApproval {
+    fn default() -> Self {
+        Self::All(false)
+    }
 }
 
 /// How the runner reaches a server.
@@ -131,12 +158,22 @@ pub(crate) struct McpServerConfig {
     pub(crate) max_tools: usize,
     /// Whether the runner is unready while this server is down.
     pub(crate) required: bool,
+    /// Its tools whose calls a person approves first.
+    pub(crate) needs_approval: NeedsApproval,
 }
 
 impl McpServerConfig {
     /// Whether the server's tool `name` is offered (allow list, then deny list).
     pub(crate) fn offers(&self, name: &str) -> bool {
         self.allow.as_ref().is_none_or(|allow| allow.iter().any(|a| a == name)) && !self.deny.iter().any(|d| d == name)
+    }
+
+    /// Whether calls of the server's tool `name` (its MCP name) need approval.
+    pub(crate) fn needs_approval(&self, name: &str) -> bool {
+        match &self.needs_approval {
+            NeedsApproval::All(all) => *all,
+            NeedsApproval::Tools(tools) => tools.iter().any(|t| t == name),
+        }
     }
 }
 
@@ -208,6 +245,7 @@ pub(in crate::tools) fn build(
         allow: raw.allow,
         deny: raw.deny,
         required: raw.required,
+        needs_approval: raw.needs_approval,
     })
 }
 

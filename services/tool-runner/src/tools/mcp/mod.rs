@@ -311,6 +311,7 @@ impl McpServer {
             parameters,
             timeout: self.config.timeout,
             source: "mcp",
+            needs_approval: self.config.needs_approval(&tool.name),
         };
         let call = McpTool::new(Arc::clone(&self.link), tool.name.to_string());
         Entry::new(spec, Arc::new(call))

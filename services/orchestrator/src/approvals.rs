@@ -1,0 +1,44 @@
+//! Runs waiting for approvals, from the server's side: parked runs go on once their calls are
+//! decided, a timeout or their deadline passed, or they were canceled, each on a free run slot
+//! (docs/architecture.md, "Approvals"). The oldest ready run goes first; with no slot free it
+//! waits in the lot, holding nothing but its checkpoint.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::service::Core;
+use crate::takeover::{Resumption, resume};
+
+/// How often timeouts and deadlines of parked runs are looked at (and ready runs that found no
+/// slot tried again).
+const TICK: Duration = Duration::from_millis(250);
+
+/// Resumes ready runs until the server stops.
+pub(crate) async fn watch(core: Arc<Core>) {
+    let lot = Arc::clone(&core.deps.approvals);
+    loop {
+        tokio::select! {
+            () = core.stopping.cancelled() => return,
+            () = lot.changed() => {}
+            () = tokio::time::sleep(TICK) => {}
+        }
+        lot.expire(shared::sync::unix_ms());
+        resume_ready(&core).await;
+    }
+}
+
+/// Resumes the ready runs while slots are free.
+async fn resume_ready(core: &Arc<Core>) {
+    let lot = &core.deps.approvals;
+    while core.runs.free_slots() > 0 {
+        let Some(ready) = lot.take_ready() else { return };
+        match core.runs.resume_parked(ready).await {
+            Ok(Some((admitted, resumed))) => resume(core, admitted, resumed, Resumption::Decided),
+            Ok(None) => {}
+            Err(ready) => {
+                lot.put_back(*ready);
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,321 @@
+//! Approvals (docs/architecture.md, "Approvals"): which normal calls of a run wait for a person's
+//! decision, the decisions, and the rules a decision must pass.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+/// Which calls of a run wait for approval, and what happens while they wait.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ApprovalRules {
+    /// The normal tools whose calls wait (the runners', the server's and the request's).
+    pub tools: BTreeSet<String>,
+    /// How long a call may wait.
+    pub timeout: Duration,
+    /// What an expired wait does.
+    pub on_timeout: OnTimeout,
+    /// The run's deadline stops while it waits.
+    pub pause_deadline: bool,
+}
+
+impl ApprovalRules {
+    /// Whether calls of `tool` wait for approval.
+    pub fn needs(&self, tool: &str) -> bool {
+        self.tools.contains(tool)
+    }
+}
+
+/// What an approval timeout does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum OnTimeout {
+    /// The calls still undecided are rejected ("approval timed out"), and the run goes on.
+    #[default]
+    Reject,
+    /// The run ends `APPROVAL_TIMEOUT`.
+    FailRun,
+}
+
+/// A call waiting for a decision (what `GetRun` and `ListPendingApprovals` show).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PendingApproval {
+    /// The run.
+    pub run_id: String,
+    /// The call.
+    pub call_id: String,
+    /// Its tool.
+    pub name: String,
+    /// Its arguments as the model wrote them.
+    pub arguments_json: String,
+    /// Its turn.
+    pub turn: u32,
+    /// Unix ms.
+    pub requested_at_unix_ms: u64,
+    /// Unix ms: the wait ends then.
+    pub expires_at_unix_ms: u64,
+    /// The run's owner.
+    pub principal: String,
+    /// Set once decided.
+    pub decision: Option<ApprovalDecision>,
+}
+
+/// What was decided about a call, by whom and when (kept in the call's record).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ApprovalDecision {
+    /// The outcome.
+    pub outcome: ApprovalOutcome,
+    /// Who decided ([`TIMEOUT_PRINCIPAL`] for a timeout).
+    pub principal: String,
+    /// Unix ms.
+    pub decided_at_unix_ms: u64,
+    /// A rejection's message (fed back to the model).
+    pub message: String,
+    /// For an edit: the arguments the model wrote.
+    pub original_arguments_json: String,
+    /// For an edit: the arguments the call runs with.
+    #[serde(default)]
+    pub edited_arguments_json: String,
+}
+
+/// Who "decides" a call nobody decided in time.
+pub const TIMEOUT_PRINCIPAL: &str = "orchestrator";
+
+/// The outcome of an approval. Its metric label is its name in snake case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr, serde::Serialize, serde::Deserialize)]
+#[strum(serialize_all = "snake_case")]
+pub enum ApprovalOutcome {
+    /// Run as written.
+    Approved,
+    /// Run with edited arguments.
+    Edited,
+    /// Not run; the model is told why.
+    Rejected,
+    /// Nobody decided in time.
+    TimedOut,
+}
+
+impl ApprovalDecision {
+    /// Whether the call runs.
+    pub fn runs(&self) -> bool {
+        matches!(self.outcome, ApprovalOutcome::Approved | ApprovalOutcome::Edited)
+    }
+
+    /// The decision of a call nobody decided within its timeout.
+    pub fn timed_out(now_unix_ms: u64) -> Self {
+        Self {
+            outcome: ApprovalOutcome::TimedOut,
+            principal: TIMEOUT_PRINCIPAL.to_owned(),
+            decided_at_unix_ms: now_unix_ms,
+            message: "approval timed out: nobody approved the call in time, and it did not run".to_owned(),
+            original_arguments_json: String::new(),
+            edited_arguments_json: String::new(),
+        }
+    }
+
+    /// The error fed back to the model for a call that does not run.
+    pub fn error(&self) -> super::ToolCallError {
+        let code = match self.outcome {
+            ApprovalOutcome::TimedOut => "APPROVAL_TIMEOUT",
+            _ => "REJECTED",
+        };
+        super::ToolCallError::new(code, self.message.clone())
+    }
+}
+
+/// A decision as asked for (`DecideToolCalls`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// The call.
+    pub call_id: String,
+    /// What is decided.
+    pub kind: DecisionKind,
+}
+
+/// The kinds of decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecisionKind {
+    /// Run as written.
+    Approve,
+    /// Do not run; this message goes to the model (empty: a default naming who rejected).
+    Reject(String),
+    /// Run with these arguments.
+    Edit(String),
+}
+
+/// Why a decision is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecideError {
+    /// No run the caller may see waits under this id.
+    #[error("no run {0:?} waits for approval (unknown, finished, or it waits for nothing)")]
+    NotFound(String),
+    /// The caller is neither the run's owner nor an approver.
+    #[error("principal {caller:?} may not decide the calls of run {run_id:?}: only its owner and approvers may")]
+    NotAllowed {
+        /// Who asked.
+        caller: String,
+        /// The run.
+        run_id: String,
+    },
+    /// The call was decided already.
+    #[error("call {call_id:?} was decided already: {outcome} by {principal:?} at {decided_at_unix_ms} (Unix ms)", outcome = <&str>::from(.outcome))]
+    AlreadyDecided {
+        /// The call.
+        call_id: String,
+        /// The first decision.
+        outcome: ApprovalOutcome,
+        /// Its principal.
+        principal: String,
+        /// Its time.
+        decided_at_unix_ms: u64,
+    },
+    /// The run does not wait for this call.
+    #[error("run {run_id:?} has no call {call_id:?} waiting for approval")]
+    NotPending {
+        /// The run.
+        run_id: String,
+        /// The call.
+        call_id: String,
+    },
+    /// An edit's arguments are not what the tool accepts, or a decision is malformed.
+    #[error("{0}")]
+    Invalid(String),
+    /// The store of waiting runs cannot be reached.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl ApprovalRules {
+    /// How long the rules let a call wait, from `now_unix_ms`.
+    pub fn expires_at(&self, now_unix_ms: u64) -> u64 {
+        now_unix_ms.saturating_add(u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX))
+    }
+}
+
+/// Checks one decision against the call it decides and turns it into the recorded decision.
+/// An edit must be a JSON object `schema` accepts.
+pub fn check_decision(
+    decision: &Decision,
+    call: &PendingApproval,
+    schema: &serde_json::Value,
+    by: &str,
+    now_unix_ms: u64,
+) -> Result<ApprovalDecision, DecideError> {
+    if let Some(first) = &call.decision {
+        return Err(DecideError::AlreadyDecided {
+            call_id: call.call_id.clone(),
+            outcome: first.outcome,
+            principal: first.principal.clone(),
+            decided_at_unix_ms: first.decided_at_unix_ms,
+        });
+    }
+    let mut recorded = ApprovalDecision {
+        outcome: ApprovalOutcome::Approved,
+        principal: by.to_owned(),
+        decided_at_unix_ms: now_unix_ms,
+        message: String::new(),
+        original_arguments_json: String::new(),
+        edited_arguments_json: String::new(),
+    };
+    match &decision.kind {
+        DecisionKind::Approve => {}
+        DecisionKind::Reject(message) => {
+            recorded.outcome = ApprovalOutcome::Rejected;
+            recorded.message = if message.trim().is_empty() {
+                format!("rejected by {}", if by.is_empty() { "a person" } else { by })
+            } else {
+                message.clone()
+            };
+        }
+        DecisionKind::Edit(arguments) => {
+            shared::tools::check_arguments(schema, arguments).map_err(|e| {
+                DecideError::Invalid(format!(
+                    "the edited arguments of call {:?} ({}) are refused: {e}; the call still waits",
+                    call.call_id, call.name
+                ))
+            })?;
+            recorded.outcome = ApprovalOutcome::Edited;
+            recorded.original_arguments_json.clone_from(&call.arguments_json);
+            recorded.edited_arguments_json.clone_from(arguments);
+        }
+    }
+    Ok(recorded)
+}
+
+/// The largest rejection message kept (it is fed back to the model).
+pub const MAX_REJECTION_BYTES: usize = 4096;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending() -> PendingApproval {
+        PendingApproval {
+            run_id: "r".into(),
+            call_id: "c1".into(),
+            name: "refund".into(),
+            arguments_json: r#"{"amount": 5}"#.into(),
+            turn: 1,
+            requested_at_unix_ms: 1,
+            expires_at_unix_ms: 2,
+            principal: "alice".into(),
+            decision: None,
+        }
+    }
+
+    fn schema() -> serde_json::Value {
+        serde_json::json!({"type": "object", "properties": {"amount": {"type": "integer", "maximum": 10}}, "required": ["amount"]})
+    }
+
+    fn decide(kind: DecisionKind) -> Decision {
+        Decision {
+            call_id: "c1".into(),
+            kind,
+        }
+    }
+
+    #[test]
+    fn approve_reject_and_edit_are_recorded_with_who_and_when() {
+        let approved = check_decision(&decide(DecisionKind::Approve), &pending(), &schema(), "bob", 7).unwrap();
+        assert_eq!(
+            (
+                approved.outcome,
+                approved.principal.as_str(),
+                approved.decided_at_unix_ms
+            ),
+            (ApprovalOutcome::Approved, "bob", 7)
+        );
+        assert!(approved.runs());
+        let rejected = check_decision(
+            &decide(DecisionKind::Reject(String::new())),
+            &pending(),
+            &schema(),
+            "bob",
+            7,
+        )
+        .unwrap();
+        assert_eq!(rejected.message, "rejected by bob");
+        assert!(!rejected.runs());
+        assert_eq!(rejected.error().code, "REJECTED");
+        let edited = check_decision(
+            &decide(DecisionKind::Edit(r#"{"amount": 3}"#.into())),
+            &pending(),
+            &schema(),
+            "bob",
+            7,
+        )
+        .unwrap();
+        assert_eq!(edited.outcome, ApprovalOutcome::Edited);
+        assert_eq!(edited.original_arguments_json, r#"{"amount": 5}"#);
+        assert_eq!(edited.edited_arguments_json, r#"{"amount": 3}"#);
+    }
+
+    #[test]
+    fn an_edit_the_schema_refuses_and_a_second_decision_are_refused() {
+        for bad in [r#"{"amount": 11}"#, r#"{"amount": "x"}"#, "[1]", "not json", "{}"] {
+            let refused = check_decision(&decide(DecisionKind::Edit(bad.into())), &pending(), &schema(), "bob", 7);
+            assert!(matches!(refused, Err(DecideError::Invalid(_))), "{bad}: {refused:?}");
+        }
+        let mut decided = pending();
+        decided.decision = Some(ApprovalDecision::timed_out(5));
+        let again = check_decision(&decide(DecisionKind::Approve), &decided, &schema(), "bob", 7).unwrap_err();
+        assert!(again.to_string().contains("timed_out by \"orchestrator\""), "{again}");
+    }
+}

@@ -1,0 +1,297 @@
+//! Approvals in the loop (docs/architecture.md, "Approvals"): the calls of a turn whose tool
+//! needs a person's decision are announced with `approval_requested` instead of
+//! `tool_call_started`; the turn's other calls run at once; then the run parks (its checkpoint,
+//! state and log writer go to the approval lot, and it leaves its slot) unless every call was
+//! decided meanwhile. Once decided, the run resumes (here or after a park) with the decisions
+//! applied: an approved call is announced and runs (with edited arguments, if so decided), a
+//! rejected or expired one fails with its decision as the error, which is fed back to the model
+//! and does not count as a failed call.
+
+use serde::{Deserialize, Serialize};
+use shared::sync::lock;
+
+use super::durable::TurnCalls;
+use super::{CallOutcome, Driver, End, Step};
+use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, OnTimeout, PendingApproval};
+use crate::domain::ports::{ParkOutcome, Parked, Ready, Wait};
+use crate::domain::{Event, FailureReason, RunStatus};
+use crate::telemetry::metric;
+
+/// A call of the turn that waits for a decision.
+#[derive(Clone, Serialize, Deserialize)]
+pub(super) struct Approval {
+    /// Position in the turn's calls.
+    pub(super) index: usize,
+    /// Unix ms: the wait ends then.
+    pub(super) expires_at_unix_ms: u64,
+    /// Set once decided.
+    pub(super) decision: Option<ApprovalDecision>,
+    /// The decision was acted on: the call announced (approved) or failed (not).
+    pub(super) applied: bool,
+}
+
+impl Approval {
+    /// Whether the call may run now: approved, and announced as such.
+    pub(super) fn cleared(&self) -> bool {
+        self.applied && self.decision.as_ref().is_some_and(ApprovalDecision::runs)
+    }
+}
+
+impl super::Checkpoint {
+    /// The checkpoint of a parked run that is ready to go on, with its calls' decisions taken in
+    /// and, when its deadline pauses while it waits, the deadline moved by the wait.
+    pub fn from_parked(ready: &Ready) -> Result<Self, String> {
+        let mut checkpoint: Self = serde_json::from_slice(&ready.parked.checkpoint).map_err(|e| e.to_string())?;
+        if let Some(calls) = checkpoint.calls.as_mut() {
+            calls.take_decisions(&ready.calls);
+        }
+        if checkpoint.spec.approval.pause_deadline {
+            let waited = shared::sync::unix_ms().saturating_sub(ready.parked.parked_at_unix_ms);
+            checkpoint.spec.deadline.at += std::time::Duration::from_millis(waited);
+        }
+        checkpoint.result.pending_approvals.clone_from(&ready.calls);
+        Ok(checkpoint)
+    }
+}
+
+impl TurnCalls {
+    /// Whether calls still wait for a decision.
+    pub(super) fn undecided(&self) -> bool {
+        self.approvals.iter().any(|a| a.decision.is_none())
+    }
+
+    /// Takes the decisions of `calls` (by call id) for the calls that wait.
+    pub(super) fn take_decisions(&mut self, calls: &[PendingApproval]) {
+        for approval in self.approvals.iter_mut().filter(|a| a.decision.is_none()) {
+            let id = &self.partition.calls[approval.index].id;
+            if let Some(decided) = calls.iter().find(|c| &c.call_id == id) {
+                approval.decision.clone_from(&decided.decision);
+            }
+        }
+    }
+
+    /// Calls still undecided when the lot knew no wait of the run (it was lost): they are
+    /// rejected, so the turn can end.
+    fn reject_undecided(&mut self, why: &str) {
+        let now = shared::sync::unix_ms();
+        for approval in self.approvals.iter_mut().filter(|a| a.decision.is_none()) {
+            approval.decision = Some(ApprovalDecision {
+                outcome: ApprovalOutcome::Rejected,
+                principal: crate::domain::approval::TIMEOUT_PRINCIPAL.to_owned(),
+                decided_at_unix_ms: now,
+                message: format!("{why}; the call did not run"),
+                original_arguments_json: String::new(),
+                edited_arguments_json: String::new(),
+            });
+        }
+    }
+}
+
+impl Driver<'_> {
+    /// The turn's executed calls whose tool needs approval.
+    pub(super) fn calls_needing_approval(&self, calls: &TurnCalls) -> Vec<Approval> {
+        let expires_at = self.spec.approval.expires_at(shared::sync::unix_ms());
+        calls
+            .spend
+            .executed
+            .iter()
+            .filter(|&&i| self.spec.approval.needs(&calls.partition.calls[i].name))
+            .map(|&index| Approval {
+                index,
+                expires_at_unix_ms: expires_at,
+                decision: None,
+                applied: false,
+            })
+            .collect()
+    }
+
+    /// Announces the calls that wait (`approval_requested`, and the run's pending approvals) and
+    /// opens their wait in the lot. A lot that takes no more runs rejects them at once
+    /// (`APPROVAL_UNAVAILABLE`, fed back to the model).
+    pub(super) fn ask_for_approval(&mut self, calls: &mut TurnCalls) {
+        if calls.approvals.is_empty() {
+            return;
+        }
+        let now = shared::sync::unix_ms();
+        let mut waiting = Vec::with_capacity(calls.approvals.len());
+        for approval in &calls.approvals {
+            let call = &calls.partition.calls[approval.index];
+            let pending = PendingApproval {
+                run_id: self.spec.run_id.clone(),
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments_json: call.arguments.clone(),
+                turn: calls.turn.number,
+                requested_at_unix_ms: now,
+                expires_at_unix_ms: approval.expires_at_unix_ms,
+                principal: self.spec.principal.clone(),
+                decision: None,
+            };
+            self.emitter.queue(Event::ApprovalRequested {
+                call_id: pending.call_id.clone(),
+                name: pending.name.clone(),
+                arguments_json: pending.arguments_json.clone(),
+                turn: pending.turn,
+                expires_at_unix_ms: pending.expires_at_unix_ms,
+                arguments_truncated: false,
+            });
+            let schema = self.schema_of(&call.name);
+            waiting.push((pending, schema));
+        }
+        metrics::counter!(metric::APPROVALS_REQUESTED).increment(waiting.len() as u64);
+        lock(self.state).pending_approvals = waiting.iter().map(|(p, _)| p.clone()).collect();
+        let wait = Wait {
+            run_id: self.spec.run_id.clone(),
+            principal: self.spec.principal.clone(),
+            calls: waiting,
+        };
+        if let Err(reason) = self.deps.approvals.open(wait) {
+            tracing::warn!("{reason}; the calls that need approval are rejected");
+            calls.reject_undecided(&format!("no person could be asked to approve it ({reason})"));
+        }
+    }
+
+    fn schema_of(&self, tool: &str) -> serde_json::Value {
+        self.spec
+            .normal_tools
+            .iter()
+            .find(|t| t.name == tool)
+            .map_or_else(|| serde_json::json!({"type": "object"}), |t| t.parameters.clone())
+    }
+
+    /// Acts on the decisions not acted on yet: an approved call is announced (with its edited
+    /// arguments), one that does not run gets its outcome (the decision as its error). A timeout
+    /// ends the run `APPROVAL_TIMEOUT` when the request asked for that.
+    pub(super) fn apply_decisions(&mut self, calls: &mut TurnCalls) -> Step<()> {
+        let number = calls.turn.number;
+        for approval in calls.approvals.iter_mut().filter(|a| !a.applied) {
+            let Some(decision) = approval.decision.clone() else {
+                continue;
+            };
+            approval.applied = true;
+            let outcome: &'static str = decision.outcome.into();
+            metrics::counter!(metric::APPROVAL_DECISIONS, "outcome" => outcome).increment(1);
+            let call = &mut calls.partition.calls[approval.index];
+            tracing::info!(
+                gen_ai.tool.call.id = %call.id,
+                gen_ai.tool.name = %call.name,
+                orchestrator.approval.outcome = outcome,
+                orchestrator.approval.principal = %decision.principal,
+                "approval decided"
+            );
+            if decision.outcome == ApprovalOutcome::TimedOut && self.spec.approval.on_timeout == OnTimeout::FailRun {
+                return Err(End::failed(
+                    FailureReason::ApprovalTimeout,
+                    format!(
+                        "call {} ({}) was not decided within the approval timeout",
+                        call.id, call.name
+                    ),
+                ));
+            }
+            if decision.runs() {
+                if decision.outcome == ApprovalOutcome::Edited {
+                    call.arguments.clone_from(&decision.edited_arguments_json);
+                    call.argument_bytes = call.arguments.len();
+                }
+                self.emitter.queue(Event::ToolCallStarted {
+                    call_id: call.id.clone(),
+                    name: call.name.clone(),
+                    arguments_json: call.arguments.clone(),
+                    turn: number,
+                    arguments_truncated: false,
+                });
+            } else {
+                calls.finished.push(CallOutcome {
+                    index: approval.index,
+                    result: Err(decision.error()),
+                    elapsed: std::time::Duration::ZERO,
+                    rejected: true,
+                });
+            }
+        }
+        if !calls.undecided() {
+            lock(self.state).pending_approvals.clear();
+        }
+        Ok(())
+    }
+
+    /// The turn's other calls have run and some still wait: the run parks, leaving its slot,
+    /// unless every call was decided meanwhile (their decisions are then taken here). A durable
+    /// run (NATS store) waits in place instead, keeping its slot and its lease: decisions reach
+    /// it on this replica.
+    pub(super) async fn await_decisions(&mut self, calls: &mut TurnCalls) -> Step<()> {
+        if self.durable().is_some() {
+            self.wait_in_place(calls).await;
+            return Ok(());
+        }
+        self.emitter.flush().await;
+        let checkpoint = self.checkpoint(Some(calls));
+        let result = {
+            let mut state = lock(self.state);
+            state.status = RunStatus::AwaitingApproval;
+            let result = state.clone();
+            state.status = RunStatus::Running;
+            result
+        };
+        let parked = Parked {
+            checkpoint: serde_json::to_vec(&checkpoint).unwrap_or_default(),
+            result,
+            wake_at_unix_ms: self.wake_at(calls),
+            parked_at_unix_ms: shared::sync::unix_ms(),
+            log: self.emitter.take_log(),
+        };
+        match self.deps.approvals.park(&self.spec.run_id, parked) {
+            ParkOutcome::Parked => {
+                lock(self.state).status = RunStatus::AwaitingApproval;
+                tracing::info!("the run waits for approvals; it leaves its slot");
+                Err(End::Parked)
+            }
+            ParkOutcome::Decided(decided, parked) => {
+                self.emitter.restore_log(parked.log);
+                calls.take_decisions(&decided);
+                calls.reject_undecided("the wait for its approval was lost");
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits on its slot until every call is decided or its wait expired (the run's deadline and
+    /// a cancel end it from outside as always).
+    async fn wait_in_place(&mut self, calls: &mut TurnCalls) {
+        const LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+        let run_id = self.spec.run_id.clone();
+        loop {
+            if let Some(decided) = self.deps.approvals.calls(&run_id) {
+                calls.take_decisions(&decided);
+            }
+            let now = shared::sync::unix_ms();
+            for approval in calls.approvals.iter_mut().filter(|a| a.decision.is_none()) {
+                if approval.expires_at_unix_ms <= now {
+                    approval.decision = Some(ApprovalDecision::timed_out(now));
+                }
+            }
+            if !calls.undecided() {
+                self.deps.approvals.close(&run_id);
+                return;
+            }
+            tokio::time::sleep(LOOK_EVERY).await;
+        }
+    }
+
+    /// When a parked run wakes without decisions: its first expiry, or its deadline when sooner
+    /// (unless the deadline pauses while it waits).
+    fn wake_at(&self, calls: &TurnCalls) -> u64 {
+        let expiry = calls
+            .approvals
+            .iter()
+            .filter(|a| a.decision.is_none())
+            .map(|a| a.expires_at_unix_ms)
+            .min()
+            .unwrap_or(0);
+        if self.spec.approval.pause_deadline {
+            expiry
+        } else {
+            expiry.min(self.spec.deadline.unix_ms())
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! Runs waiting for approvals, in this process (with the in-memory store): each waiting run's
+//! calls and decisions, and once parked its checkpoint, state and event-log writer. At most
+//! `max_waiting` runs wait at once (`--max-awaiting-runs`); a parked run holds no run slot.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tokio::sync::Notify;
+
+use crate::domain::RunResult;
+use crate::domain::approval::{ApprovalDecision, DecideError, Decision, PendingApproval, check_decision};
+use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, Wait};
+
+/// One run's wait.
+struct Entry {
+    principal: String,
+    calls: Vec<PendingApproval>,
+    schemas: HashMap<String, serde_json::Value>,
+    /// Set once the run left its slot.
+    parked: Option<Parked>,
+    canceled: Option<String>,
+    /// Its deadline (or a timeout) passed while it was parked.
+    woke: bool,
+    /// Order of opening, so the oldest waits are listed (and resumed) first.
+    opened: u64,
+}
+
+impl Entry {
+    fn decided(&self) -> bool {
+        self.calls.iter().all(|c| c.decision.is_some())
+    }
+
+    /// A parked run goes on once decided, woken or canceled.
+    fn ready(&self) -> bool {
+        self.parked.is_some() && (self.decided() || self.woke || self.canceled.is_some())
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    runs: HashMap<String, Entry>,
+    /// Ready runs by opening order.
+    ready: BTreeMap<u64, String>,
+    opened: u64,
+}
+
+impl Inner {
+    fn mark_if_ready(&mut self, run_id: &str) -> bool {
+        match self.runs.get(run_id) {
+            Some(entry) if entry.ready() => {
+                self.ready.insert(entry.opened, run_id.to_owned());
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// See the module docs.
+pub struct MemoryLot {
+    inner: Mutex<Inner>,
+    max_waiting: usize,
+    changed: std::sync::Arc<Notify>,
+}
+
+impl MemoryLot {
+    /// An empty lot for at most `max_waiting` waiting runs.
+    pub fn new(max_waiting: usize) -> Self {
+        Self {
+            inner: Mutex::default(),
+            max_waiting,
+            changed: std::sync::Arc::new(Notify::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        shared::sync::lock(&self.inner)
+    }
+}
+
+impl ApprovalLot for MemoryLot {
+    fn open(&self, wait: Wait) -> Result<(), String> {
+        let mut inner = self.lock();
+        if !inner.runs.contains_key(&wait.run_id) && inner.runs.len() >= self.max_waiting {
+            return Err(format!(
+                "this orchestrator has {} runs waiting for approval already, its limit (--max-awaiting-runs)",
+                self.max_waiting
+            ));
+        }
+        inner.opened += 1;
+        let (calls, schemas) = wait
+            .calls
+            .into_iter()
+            .map(|(call, schema)| {
+                let id = call.call_id.clone();
+                (call, (id, schema))
+            })
+            .unzip();
+        let entry = Entry {
+            principal: wait.principal,
+            calls,
+            schemas,
+            parked: None,
+            canceled: None,
+            woke: false,
+            opened: inner.opened,
+        };
+        inner.runs.insert(wait.run_id, entry);
+        Ok(())
+    }
+
+    fn park(&self, run_id: &str, parked: Parked) -> ParkOutcome {
+        let mut inner = self.lock();
+        let Some(entry) = inner.runs.get_mut(run_id) else {
+            // Nothing waits (the wait was never opened): the run goes on with no decision.
+            return ParkOutcome::Decided(Vec::new(), Box::new(parked));
+        };
+        if entry.decided() {
+            let calls = entry.calls.clone();
+            inner.runs.remove(run_id);
+            return ParkOutcome::Decided(calls, Box::new(parked));
+        }
+        entry.parked = Some(parked);
+        drop(inner);
+        metrics::gauge!(crate::telemetry::metric::RUNS_AWAITING_APPROVAL).increment(1.0);
+        ParkOutcome::Parked
+    }
+
+    fn decide(
+        &self,
+        run_id: &str,
+        decider: &Decider,
+        decisions: &[Decision],
+    ) -> Result<Vec<PendingApproval>, DecideError> {
+        let mut inner = self.lock();
+        let entry = inner
+            .runs
+            .get_mut(run_id)
+            .filter(|e| e.canceled.is_none())
+            .ok_or_else(|| DecideError::NotFound(run_id.to_owned()))?;
+        if !decider.may_decide(&entry.principal) {
+            // Another caller's run reads as unknown unless the caller may see it.
+            return Err(DecideError::NotAllowed {
+                caller: decider.name.clone(),
+                run_id: run_id.to_owned(),
+            });
+        }
+        let now = shared::sync::unix_ms();
+        let mut recorded: Vec<(usize, ApprovalDecision)> = Vec::with_capacity(decisions.len());
+        for decision in decisions {
+            let index = entry
+                .calls
+                .iter()
+                .position(|c| c.call_id == decision.call_id)
+                .ok_or_else(|| DecideError::NotPending {
+                    run_id: run_id.to_owned(),
+                    call_id: decision.call_id.clone(),
+                })?;
+            if recorded.iter().any(|(i, _)| *i == index) {
+                return Err(DecideError::Invalid(format!(
+                    "call {:?} is named twice in one request",
+                    decision.call_id
+                )));
+            }
+            let schema = entry.schemas.get(&decision.call_id).cloned().unwrap_or_default();
+            recorded.push((
+                index,
+                check_decision(decision, &entry.calls[index], &schema, &decider.name, now)?,
+            ));
+        }
+        for (index, decision) in recorded {
+            entry.calls[index].decision = Some(decision);
+        }
+        let calls = entry.calls.clone();
+        if inner.mark_if_ready(run_id) {
+            self.changed.notify_one();
+        }
+        Ok(calls)
+    }
+
+    fn pending(&self, decider: &Decider, run_id: Option<&str>, limit: usize) -> (Vec<PendingApproval>, bool) {
+        let inner = self.lock();
+        let mut entries: Vec<&Entry> = inner
+            .runs
+            .iter()
+            .filter(|(id, e)| {
+                run_id.is_none_or(|r| r == id.as_str()) && e.canceled.is_none() && decider.may_decide(&e.principal)
+            })
+            .map(|(_, e)| e)
+            .collect();
+        entries.sort_by_key(|e| e.opened);
+        let mut waiting = entries
+            .into_iter()
+            .flat_map(|e| e.calls.iter().filter(|c| c.decision.is_none()).cloned());
+        let listed: Vec<PendingApproval> = waiting.by_ref().take(limit).collect();
+        let more = waiting.next().is_some();
+        (listed, more)
+    }
+
+    fn calls(&self, run_id: &str) -> Option<Vec<PendingApproval>> {
+        self.lock().runs.get(run_id).map(|e| e.calls.clone())
+    }
+
+    fn parked(&self, run_id: &str) -> Option<RunResult> {
+        let inner = self.lock();
+        let entry = inner.runs.get(run_id)?;
+        let mut result = entry.parked.as_ref()?.result.clone();
+        result.pending_approvals.clone_from(&entry.calls);
+        Some(result)
+    }
+
+    fn cancel(&self, run_id: &str, reason: &str) -> bool {
+        let mut inner = self.lock();
+        let Some(entry) = inner.runs.get_mut(run_id).filter(|e| e.parked.is_some()) else {
+            return false;
+        };
+        entry.canceled = Some(reason.to_owned());
+        inner.mark_if_ready(run_id);
+        self.changed.notify_one();
+        true
+    }
+
+    fn close(&self, run_id: &str) {
+        let mut inner = self.lock();
+        if let Some(entry) = inner.runs.remove(run_id) {
+            inner.ready.remove(&entry.opened);
+        }
+    }
+
+    fn expire(&self, now_unix_ms: u64) {
+        let mut inner = self.lock();
+        let mut woken = Vec::new();
+        for (run_id, entry) in &mut inner.runs {
+            let Some(parked) = &entry.parked else { continue };
+            if parked.wake_at_unix_ms > now_unix_ms || entry.woke {
+                continue;
+            }
+            for call in entry.calls.iter_mut().filter(|c| c.decision.is_none()) {
+                if call.expires_at_unix_ms <= now_unix_ms {
+                    call.decision = Some(ApprovalDecision::timed_out(now_unix_ms));
+                }
+            }
+            entry.woke = true;
+            woken.push(run_id.clone());
+        }
+        // Every woken run is marked (no short cut).
+        let marked = woken.iter().filter(|id| inner.mark_if_ready(id)).count();
+        if marked > 0 {
+            self.changed.notify_one();
+        }
+    }
+
+    fn take_ready(&self) -> Option<Ready> {
+        let mut inner = self.lock();
+        let (_, run_id) = inner.ready.pop_first()?;
+        let entry = inner.runs.remove(&run_id)?;
+        let parked = entry.parked?;
+        metrics::gauge!(crate::telemetry::metric::RUNS_AWAITING_APPROVAL).decrement(1.0);
+        Some(Ready {
+            run_id,
+            parked,
+            calls: entry.calls,
+            canceled: entry.canceled,
+        })
+    }
+
+    fn put_back(&self, ready: Ready) {
+        let mut inner = self.lock();
+        inner.opened += 1;
+        let entry = Entry {
+            principal: ready.parked.result.principal.clone(),
+            calls: ready.calls,
+            schemas: HashMap::new(),
+            parked: Some(ready.parked),
+            canceled: ready.canceled,
+            woke: true,
+            opened: inner.opened,
+        };
+        inner.ready.insert(entry.opened, ready.run_id.clone());
+        inner.runs.insert(ready.run_id, entry);
+        metrics::gauge!(crate::telemetry::metric::RUNS_AWAITING_APPROVAL).increment(1.0);
+    }
+
+    fn changed(&self) -> BoxFuture<'static, ()> {
+        let changed = std::sync::Arc::clone(&self.changed);
+        async move { changed.notified().await }.boxed()
+    }
+
+    fn parked_count(&self) -> usize {
+        self.lock().runs.values().filter(|e| e.parked.is_some()).count()
+    }
+}

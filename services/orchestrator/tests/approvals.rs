@@ -1,0 +1,888 @@
+//! Human approval of tool calls, through the real `orchestrator` binary (in-memory store), a
+//! tool-runner and the stand-in model: a call waits with `approval_requested`, the turn's other
+//! calls run at once, the run parks holding no slot (`RUN_STATUS_AWAITING_APPROVAL`), and a
+//! decision (`DecideToolCalls`) approves, rejects or edits it; a second decision, a wrong principal
+//! and an edit the tool's schema refuses are refused; a timeout rejects the call or fails the run;
+//! the run's deadline keeps running unless paused; the caller's stream goes on across the wait;
+//! `orchestrator approvals` and `orchestrator decide` do the same from a shell.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use mock_llm::{MockLlm, Scenario, Step, Turn};
+use proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1::orchestrate_event::Event as E;
+use serde_json::json;
+use testkit::Service;
+use testkit::stack::Outcome;
+use tokio::process::Command;
+use tonic::transport::Channel;
+
+type TestResult = anyhow::Result<()>;
+type Client = pb::orchestrator_client::OrchestratorClient<Channel>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
+
+/// Turn 1 calls `sleep` (which waits for approval in these runs) and `echo` (which does not), in
+/// parallel; turn 2 answers.
+fn refund_then_answer() -> Scenario {
+    Scenario::new(vec![
+        Turn::text("Refunding and noting it.")
+            .then(Step::call("sleep", json!({"ms": 5})))
+            .then(Step::call("echo", json!({"note": "refund"}))),
+        Turn::text("Done."),
+    ])
+}
+
+/// The orchestrator binary with a tokens file (alice and bob own runs, carol approves), on a
+/// tool-runner in this process and the stand-in model.
+struct World {
+    orchestrator: Service,
+    llm: MockLlm,
+    _dir: tempfile::TempDir,
+}
+
+async fn world(scenario: Scenario, flags: &[&str]) -> anyhow::Result<World> {
+    world_with(scenario, flags, None).await
+}
+
+/// [`world`], its tool-runner also serving the command tools of `manifest` (TOML).
+async fn world_with(scenario: Scenario, flags: &[&str], manifest: Option<&str>) -> anyhow::Result<World> {
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens.toml");
+    let sha = shared::auth::token_sha256;
+    std::fs::write(
+        &tokens,
+        format!(
+            "[[token]]\nprincipal = \"alice\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"bob\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"carol\"\nsha256 = \"{}\"\nroles = [\"approver\"]\n",
+            sha("alice-token"),
+            sha("bob-token"),
+            sha("carol-token")
+        ),
+    )?;
+    let llm = MockLlm::start(scenario).await?;
+    let mut runner = tool_runner::Config::default();
+    if let Some(manifest) = manifest {
+        let path = dir.path().join("tools.toml");
+        std::fs::write(&path, manifest)?;
+        runner.tools_manifest = Some(path);
+    }
+    let runner = testkit::helpers::tool_runner_in_process_with(runner).await?;
+    let mut command = Command::new(BIN);
+    command
+        .env("LLM_BASE_URL", llm.base_url())
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args(["--tool-runner", &runner])
+        .args(["--auth-tokens", &tokens.display().to_string()])
+        .args(flags);
+    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    Ok(World {
+        orchestrator,
+        llm,
+        _dir: dir,
+    })
+}
+
+impl World {
+    async fn client(&self) -> anyhow::Result<Client> {
+        Ok(Client::connect(format!("http://{}", self.orchestrator.grpc)).await?)
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.orchestrator.grpc)
+    }
+}
+
+/// `message` sent as `token`'s principal.
+fn as_<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Ok(value) = format!("Bearer {token}").parse() {
+        request.metadata_mut().insert("authorization", value);
+    }
+    request
+}
+
+/// A run whose `sleep` calls wait for approval.
+fn approval_run(run_id: &str) -> pb::OrchestrateRequest {
+    pb::OrchestrateRequest {
+        run_id: run_id.into(),
+        tools: Some(pb::ToolSelection {
+            approval: Some(pb::ApprovalPolicy {
+                tools: vec!["sleep".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..testkit::user("refund order 7")
+    }
+}
+
+/// Reads `stream` until an event `stop` picks, returning the events so far.
+async fn read_until(
+    stream: &mut tonic::Streaming<pb::OrchestrateEvent>,
+    stop: impl Fn(&E) -> bool,
+) -> anyhow::Result<Vec<pb::OrchestrateEvent>> {
+    let mut events = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(20), stream.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("the stream ended after {events:?}"))??;
+        let hit = event.event.as_ref().is_some_and(&stop);
+        events.push(event);
+        if hit {
+            return Ok(events);
+        }
+    }
+}
+
+async fn get(client: &mut Client, token: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
+    Ok(client
+        .get_run(as_(token, pb::GetRunRequest { run_id: run_id.into() }))
+        .await?
+        .into_inner())
+}
+
+/// Waits until the run reads `status`.
+async fn wait_status(
+    client: &mut Client,
+    token: &str,
+    run_id: &str,
+    status: pb::RunStatus,
+) -> anyhow::Result<pb::RunResult> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        // A run started by another process may not be there yet.
+        let result = match client
+            .get_run(as_(token, pb::GetRunRequest { run_id: run_id.into() }))
+            .await
+        {
+            Ok(result) => Some(result.into_inner()),
+            Err(status) if status.code() == tonic::Code::NotFound => None,
+            Err(status) => return Err(status.into()),
+        };
+        if let Some(result) = result.as_ref().filter(|r| r.status == status as i32) {
+            return Ok(result.clone());
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "run {run_id} never read {status:?}: {result:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn decision(call_id: &str, kind: pb::DecisionKind, message: &str, arguments: &str) -> pb::ToolCallDecision {
+    pb::ToolCallDecision {
+        call_id: call_id.into(),
+        kind: kind.into(),
+        message: message.into(),
+        arguments_json: arguments.into(),
+    }
+}
+
+async fn decide(
+    client: &mut Client,
+    token: &str,
+    run_id: &str,
+    decisions: Vec<pb::ToolCallDecision>,
+) -> Result<pb::DecideToolCallsResponse, tonic::Status> {
+    let request = pb::DecideToolCallsRequest {
+        run_id: run_id.into(),
+        decisions,
+    };
+    Ok(client.decide_tool_calls(as_(token, request)).await?.into_inner())
+}
+
+/// The finished run: the rest of the caller's stream, checked against the stream invariants and
+/// against `GetRun`.
+async fn finish(
+    client: &mut Client,
+    mut events: Vec<pb::OrchestrateEvent>,
+    mut stream: tonic::Streaming<pb::OrchestrateEvent>,
+) -> anyhow::Result<Outcome> {
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(20), stream.next()).await? {
+        events.push(event?);
+    }
+    let outcome = Outcome::new(events, Duration::ZERO)?;
+    let stored = get(client, "alice-token", &outcome.result.run_id).await?;
+    anyhow::ensure!(stored == outcome.result, "GetRun differs from run_finished");
+    Ok(outcome)
+}
+
+/// The record of the run's `sleep` call.
+fn sleep_record(result: &pb::RunResult) -> anyhow::Result<&pb::ToolCallRecord> {
+    result
+        .tool_calls
+        .iter()
+        .find(|c| c.name == "sleep")
+        .ok_or_else(|| anyhow::anyhow!("no sleep call in {result:?}"))
+}
+
+fn outcome_of(record: &pb::ToolCallRecord) -> pb::ApprovalOutcome {
+    record
+        .approval
+        .as_ref()
+        .and_then(|a| pb::ApprovalOutcome::try_from(a.outcome).ok())
+        .unwrap_or(pb::ApprovalOutcome::Unspecified)
+}
+
+/// The approve path, with the caller's stream open across the wait: `approval_requested` for
+/// `sleep` while `echo` runs at once; the run parks (`AWAITING_APPROVAL`, pending in `GetRun` and
+/// in the listing); once carol (an approver) approves, `sleep` is announced and runs, and the
+/// same stream goes on to `run_finished`; the decision is in the call's record.
+#[tokio::test]
+async fn an_approved_call_runs_and_the_callers_stream_goes_on_across_the_wait() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let mut client = w.client().await?;
+    let mut stream = client
+        .orchestrate(as_("alice-token", approval_run("approve-1")))
+        .await?
+        .into_inner();
+    let mut events = read_until(&mut stream, |e| matches!(e, E::ApprovalRequested(_))).await?;
+    let Some(E::ApprovalRequested(asked)) = events.last().and_then(|e| e.event.clone()) else {
+        anyhow::bail!("no approval_requested");
+    };
+    assert_eq!((asked.name.as_str(), asked.turn), ("sleep", 1));
+    assert!(asked.expires_at_unix_ms > shared::sync::unix_ms());
+
+    let parked = wait_status(&mut client, "alice-token", "approve-1", pb::RunStatus::AwaitingApproval).await?;
+    assert_eq!(parked.pending_approvals.len(), 1, "{parked:?}");
+    assert_eq!(parked.pending_approvals[0].call_id, asked.call_id);
+    assert!(
+        parked.tool_calls.is_empty(),
+        "echo's outcome is reported with the turn, once every call is in"
+    );
+    let listed = client
+        .list_pending_approvals(as_("carol-token", pb::ListPendingApprovalsRequest::default()))
+        .await?
+        .into_inner();
+    assert_eq!(
+        listed
+            .approvals
+            .iter()
+            .map(|a| (a.run_id.as_str(), a.principal.as_str()))
+            .collect::<Vec<_>>(),
+        [("approve-1", "alice")]
+    );
+    let answer = decide(
+        &mut client,
+        "carol-token",
+        "approve-1",
+        vec![decision(&asked.call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await?;
+    assert!(answer.still_pending.is_empty());
+
+    events.extend(read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?);
+    let outcome = finish(&mut client, events, stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed);
+    let started: Vec<String> = outcome.of(|e| match e {
+        E::ToolCallStarted(c) => Some(c.name.clone()),
+        _ => None,
+    });
+    assert_eq!(started, ["echo", "sleep"], "echo ran at once, sleep once approved");
+    let record = sleep_record(&outcome.result)?;
+    assert!(record.ok, "{record:?}");
+    assert_eq!(outcome_of(record), pb::ApprovalOutcome::Approved);
+    assert_eq!(record.approval.as_ref().map(|a| a.principal.as_str()), Some("carol"));
+    assert!(outcome.result.pending_approvals.is_empty());
+    let listed = client
+        .list_pending_approvals(as_("carol-token", pb::ListPendingApprovalsRequest::default()))
+        .await?
+        .into_inner();
+    assert!(listed.approvals.is_empty(), "{listed:?}");
+    Ok(())
+}
+
+/// A rejection is fed back to the model as the call's error and is no failure: with
+/// `max_tool_failures` 0 the run still completes. The owner may decide its own run.
+#[tokio::test]
+async fn a_rejection_is_fed_back_to_the_model_and_is_not_a_failure() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let mut client = w.client().await?;
+    let mut request = approval_run("reject-1");
+    request.limits = Some(pb::RunLimits {
+        max_tool_failures: Some(0),
+        ..Default::default()
+    });
+    request.detached = true;
+    let mut stream = client.orchestrate(as_("alice-token", request)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ApprovalRequested(_))).await?;
+    let call_id = events
+        .iter()
+        .find_map(|e| match &e.event {
+            Some(E::ApprovalRequested(a)) => Some(a.call_id.clone()),
+            _ => None,
+        })
+        .unwrap_or_default();
+    wait_status(&mut client, "alice-token", "reject-1", pb::RunStatus::AwaitingApproval).await?;
+    decide(
+        &mut client,
+        "alice-token",
+        "reject-1",
+        vec![decision(
+            &call_id,
+            pb::DecisionKind::Reject,
+            "refunds over 5 need a manager",
+            "",
+        )],
+    )
+    .await?;
+    let outcome = finish(&mut client, events, stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed, "{:?}", outcome.result);
+    assert_eq!(outcome.result.failed_turns, 0);
+    let record = sleep_record(&outcome.result)?;
+    assert!(!record.ok);
+    assert_eq!(record.error.as_ref().map(|e| e.code.as_str()), Some("REJECTED"));
+    assert_eq!(outcome_of(record), pb::ApprovalOutcome::Rejected);
+    let requests = w.llm.requests();
+    let fed_back = requests.get(1).map(|r| r["messages"].to_string()).unwrap_or_default();
+    assert!(
+        fed_back.contains("refunds over 5 need a manager") && fed_back.contains("REJECTED"),
+        "{fed_back}"
+    );
+    let started: Vec<String> = outcome.of(|e| match e {
+        E::ToolCallStarted(c) => Some(c.name.clone()),
+        _ => None,
+    });
+    assert_eq!(started, ["echo"], "a rejected call is never announced as started");
+    Ok(())
+}
+
+/// An edit is checked against the tool's schema: refused with `INVALID_ARGUMENT` (the call still
+/// waits), then a valid one runs with the edited arguments; the record keeps both. A second
+/// decision, an unknown call, an unknown run and a principal that is neither owner nor approver
+/// are refused with their codes.
+#[tokio::test]
+async fn edits_are_checked_and_second_decisions_and_strangers_are_refused() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let mut client = w.client().await?;
+    let mut request = approval_run("edit-1");
+    request.detached = true;
+    let mut stream = client.orchestrate(as_("alice-token", request)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ApprovalRequested(_))).await?;
+    let call_id = events
+        .iter()
+        .find_map(|e| match &e.event {
+            Some(E::ApprovalRequested(a)) => Some(a.call_id.clone()),
+            _ => None,
+        })
+        .unwrap_or_default();
+    wait_status(&mut client, "alice-token", "edit-1", pb::RunStatus::AwaitingApproval).await?;
+
+    let stranger = decide(
+        &mut client,
+        "bob-token",
+        "edit-1",
+        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await;
+    assert_eq!(stranger.map(|_| ()).unwrap_err().code(), tonic::Code::PermissionDenied);
+    let bad = decide(
+        &mut client,
+        "alice-token",
+        "edit-1",
+        vec![decision(
+            &call_id,
+            pb::DecisionKind::ApproveEdited,
+            "",
+            r#"{"ms": "soon"}"#,
+        )],
+    )
+    .await
+    .map(|_| ())
+    .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
+    assert!(bad.message().contains("still waits"), "{}", bad.message());
+    let still = get(&mut client, "alice-token", "edit-1").await?;
+    assert_eq!(still.status, pb::RunStatus::AwaitingApproval as i32);
+    assert!(
+        still.pending_approvals[0].decision.is_none(),
+        "a refused edit leaves the call waiting"
+    );
+    let unknown_call = decide(
+        &mut client,
+        "alice-token",
+        "edit-1",
+        vec![decision("nope", pb::DecisionKind::Approve, "", "")],
+    )
+    .await;
+    assert_eq!(
+        unknown_call.map(|_| ()).unwrap_err().code(),
+        tonic::Code::FailedPrecondition
+    );
+    let unknown_run = decide(
+        &mut client,
+        "alice-token",
+        "nope",
+        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await;
+    assert_eq!(unknown_run.map(|_| ()).unwrap_err().code(), tonic::Code::NotFound);
+
+    decide(
+        &mut client,
+        "alice-token",
+        "edit-1",
+        vec![decision(&call_id, pb::DecisionKind::ApproveEdited, "", r#"{"ms": 7}"#)],
+    )
+    .await?;
+    let twice = decide(
+        &mut client,
+        "carol-token",
+        "edit-1",
+        vec![decision(&call_id, pb::DecisionKind::Reject, "", "")],
+    )
+    .await
+    .map(|_| ())
+    .unwrap_err();
+    // The run may have resumed already (nothing waits any more) or not yet (decided already).
+    assert!(
+        matches!(twice.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound),
+        "{twice:?}"
+    );
+    if twice.code() == tonic::Code::FailedPrecondition {
+        assert!(twice.message().contains("edited by \"alice\""), "{}", twice.message());
+    }
+    let outcome = finish(&mut client, events, stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed);
+    let record = sleep_record(&outcome.result)?;
+    assert_eq!(record.arguments_json, r#"{"ms": 7}"#);
+    let approval = record.approval.clone().unwrap_or_default();
+    assert_eq!(outcome_of(record), pb::ApprovalOutcome::Edited);
+    assert_eq!(approval.original_arguments_json, r#"{"ms":5}"#);
+    let finished: Vec<String> = outcome.of(|e| match e {
+        E::ToolCallFinished(c) if c.name == "sleep" => Some(c.content_json.clone()),
+        _ => None,
+    });
+    assert_eq!(
+        finished,
+        [r#"{"slept_ms":7}"#],
+        "the call ran with the edited arguments"
+    );
+    Ok(())
+}
+
+/// A decision sent twice before the run resumes is refused the second time naming the first,
+/// while the run still waits for another call.
+#[tokio::test]
+async fn a_second_decision_names_the_first() -> TestResult {
+    let scenario = Scenario::new(vec![
+        Turn::default()
+            .then(Step::call("sleep", json!({"ms": 1})))
+            .then(Step::call("sleep", json!({"ms": 2}))),
+        Turn::text("ok"),
+    ]);
+    let w = world(scenario, &[]).await?;
+    let mut client = w.client().await?;
+    let mut request = approval_run("twice-1");
+    request.detached = true;
+    let stream = client.orchestrate(as_("alice-token", request)).await?.into_inner();
+    let parked = wait_status(&mut client, "alice-token", "twice-1", pb::RunStatus::AwaitingApproval).await?;
+    let ids: Vec<String> = parked.pending_approvals.iter().map(|p| p.call_id.clone()).collect();
+    assert_eq!(ids.len(), 2);
+    let left = decide(
+        &mut client,
+        "alice-token",
+        "twice-1",
+        vec![decision(&ids[0], pb::DecisionKind::Approve, "", "")],
+    )
+    .await?;
+    assert_eq!(left.status, pb::RunStatus::AwaitingApproval as i32);
+    assert_eq!(
+        left.still_pending.iter().map(|p| p.call_id.clone()).collect::<Vec<_>>(),
+        [ids[1].clone()]
+    );
+    let again = decide(
+        &mut client,
+        "carol-token",
+        "twice-1",
+        vec![decision(&ids[0], pb::DecisionKind::Reject, "", "")],
+    )
+    .await
+    .map(|_| ())
+    .unwrap_err();
+    assert_eq!(again.code(), tonic::Code::FailedPrecondition);
+    assert!(again.message().contains("approved by \"alice\""), "{}", again.message());
+    // A request whose second decision is refused applies none of it.
+    let partly = decide(
+        &mut client,
+        "carol-token",
+        "twice-1",
+        vec![
+            decision(&ids[1], pb::DecisionKind::Approve, "", ""),
+            decision(&ids[0], pb::DecisionKind::Approve, "", ""),
+        ],
+    )
+    .await;
+    assert_eq!(partly.map(|_| ()).unwrap_err().code(), tonic::Code::FailedPrecondition);
+    let still = get(&mut client, "alice-token", "twice-1").await?;
+    assert!(
+        still
+            .pending_approvals
+            .iter()
+            .any(|p| p.call_id == ids[1] && p.decision.is_none())
+    );
+    decide(
+        &mut client,
+        "carol-token",
+        "twice-1",
+        vec![decision(&ids[1], pb::DecisionKind::Approve, "", "")],
+    )
+    .await?;
+    let outcome = finish(&mut client, Vec::new(), stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed);
+    assert!(outcome.result.tool_calls.iter().all(|c| c.ok), "{:?}", outcome.result);
+    Ok(())
+}
+
+/// Nobody decides: past `approval_timeout_ms` the call is rejected ("approval timed out", fed
+/// back) and the run goes on, or, asked so, the run ends `APPROVAL_TIMEOUT`.
+#[tokio::test]
+async fn an_expired_wait_rejects_the_call_or_fails_the_run() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let mut client = w.client().await?;
+    for (run_id, action) in [
+        ("timeout-reject", pb::ApprovalTimeoutAction::Reject),
+        ("timeout-fail", pb::ApprovalTimeoutAction::FailRun),
+    ] {
+        let mut request = approval_run(run_id);
+        if let Some(approval) = request.tools.as_mut().and_then(|t| t.approval.as_mut()) {
+            approval.on_timeout = action.into();
+        }
+        request.limits = Some(pb::RunLimits {
+            approval_timeout_ms: Some(300),
+            ..Default::default()
+        });
+        let stream = client.orchestrate(as_("alice-token", request)).await?.into_inner();
+        let outcome = finish(&mut client, Vec::new(), stream).await?;
+        match action {
+            pb::ApprovalTimeoutAction::FailRun => {
+                assert_eq!(outcome.status(), pb::RunStatus::Failed);
+                assert_eq!(outcome.reason(), pb::FailureReason::ApprovalTimeout);
+                assert!(outcome.result.text.contains("Refunding"), "the output so far is kept");
+            }
+            _ => {
+                assert_eq!(outcome.status(), pb::RunStatus::Completed, "{:?}", outcome.result);
+                let record = sleep_record(&outcome.result)?;
+                assert_eq!(record.error.as_ref().map(|e| e.code.as_str()), Some("APPROVAL_TIMEOUT"));
+                assert_eq!(outcome_of(record), pb::ApprovalOutcome::TimedOut);
+            }
+        }
+    }
+    // A wait above the server's ceiling is refused.
+    let mut request = approval_run("too-long");
+    request.limits = Some(pb::RunLimits {
+        approval_timeout_ms: Some(25 * 3600 * 1000),
+        ..Default::default()
+    });
+    let refused = client
+        .orchestrate(as_("alice-token", request))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("approval_timeout_ms"),
+        "{}",
+        refused.message()
+    );
+    Ok(())
+}
+
+/// The run's deadline keeps running while it waits (the run ends `DEADLINE_EXCEEDED`, keeping its
+/// output), unless the request pauses it.
+#[tokio::test]
+async fn the_deadline_runs_while_waiting_unless_paused() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let mut client = w.client().await?;
+    let mut request = approval_run("deadline-1");
+    request.limits = Some(pb::RunLimits {
+        run_timeout_ms: Some(800),
+        ..Default::default()
+    });
+    let stream = client
+        .orchestrate(as_("alice-token", request.clone()))
+        .await?
+        .into_inner();
+    let outcome = finish(&mut client, Vec::new(), stream).await?;
+    assert_eq!(
+        outcome.reason(),
+        pb::FailureReason::DeadlineExceeded,
+        "{:?}",
+        outcome.result
+    );
+    assert!(outcome.result.text.contains("Refunding"));
+
+    request.run_id = "deadline-2".into();
+    if let Some(approval) = request.tools.as_mut().and_then(|t| t.approval.as_mut()) {
+        approval.pause_deadline = true;
+    }
+    request.detached = true;
+    let stream = client.orchestrate(as_("alice-token", request)).await?.into_inner();
+    let parked = wait_status(
+        &mut client,
+        "alice-token",
+        "deadline-2",
+        pb::RunStatus::AwaitingApproval,
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let still = get(&mut client, "alice-token", "deadline-2").await?;
+    assert_eq!(
+        still.status,
+        pb::RunStatus::AwaitingApproval as i32,
+        "a paused deadline does not end the run"
+    );
+    let call_id = parked.pending_approvals[0].call_id.clone();
+    decide(
+        &mut client,
+        "alice-token",
+        "deadline-2",
+        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await?;
+    let outcome = finish(&mut client, Vec::new(), stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed, "{:?}", outcome.result);
+    Ok(())
+}
+
+/// Parked runs hold no slot: with `--max-runs 4`, 200 runs wait at once and new runs still
+/// start; `--max-awaiting-runs` bounds them (one more has its call rejected at once); CancelRun
+/// ends a waiting run; once approved, every run completes within the 4 slots.
+#[tokio::test]
+async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
+    let w = world(refund_then_answer(), &["--max-runs", "4", "--max-awaiting-runs", "200"]).await?;
+    let mut client = w.client().await?;
+    let mut streams = Vec::new();
+    for i in 0..200 {
+        let mut request = approval_run(&format!("park-{i}"));
+        request.detached = true;
+        streams.push(client.orchestrate(as_("alice-token", request)).await?.into_inner());
+        if i % 4 == 3 {
+            wait_status(
+                &mut client,
+                "alice-token",
+                &format!("park-{i}"),
+                pb::RunStatus::AwaitingApproval,
+            )
+            .await?;
+        }
+    }
+    for i in 0..200 {
+        wait_status(
+            &mut client,
+            "alice-token",
+            &format!("park-{i}"),
+            pb::RunStatus::AwaitingApproval,
+        )
+        .await?;
+    }
+    // One more waiting run than allowed: its call is rejected at once, and it completes.
+    let stream = client
+        .orchestrate(as_("alice-token", approval_run("park-full")))
+        .await?
+        .into_inner();
+    let outcome = finish(&mut client, Vec::new(), stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed);
+    let record = sleep_record(&outcome.result)?;
+    assert!(
+        record
+            .error
+            .as_ref()
+            .is_some_and(|e| e.message.contains("--max-awaiting-runs")),
+        "{record:?}"
+    );
+
+    let canceled = client
+        .cancel_run(as_(
+            "alice-token",
+            pb::CancelRunRequest {
+                run_id: "park-0".into(),
+            },
+        ))
+        .await?
+        .into_inner();
+    assert!(canceled.canceled);
+    let listed = client
+        .list_pending_approvals(as_(
+            "alice-token",
+            pb::ListPendingApprovalsRequest {
+                run_id: String::new(),
+                limit: 500,
+            },
+        ))
+        .await?
+        .into_inner();
+    let mut decided = 0;
+    assert!(
+        listed.approvals.iter().all(|p| p.run_id != "park-0"),
+        "a canceled run waits for nothing"
+    );
+    for pending in &listed.approvals {
+        decide(
+            &mut client,
+            "carol-token",
+            &pending.run_id,
+            vec![decision(&pending.call_id, pb::DecisionKind::Approve, "", "")],
+        )
+        .await?;
+        decided += 1;
+    }
+    assert_eq!(decided, 199);
+    for (i, stream) in streams.into_iter().enumerate() {
+        let outcome = finish(&mut client, Vec::new(), stream).await?;
+        let expected = if i == 0 {
+            pb::RunStatus::Canceled
+        } else {
+            pb::RunStatus::Completed
+        };
+        assert_eq!(outcome.status(), expected, "park-{i}: {:?}", outcome.result);
+    }
+    let metrics = testkit::scrape(&w.orchestrator.metrics).await?;
+    assert_eq!(metrics.get("orchestrator_runs_awaiting_approval{}"), Some(&0.0));
+    assert_eq!(metrics.get("orchestrator_runs_in_flight{}"), Some(&0.0));
+    assert_eq!(
+        metrics.get("orchestrator_approval_decisions_total{outcome=\"approved\"}"),
+        Some(&199.0),
+        "{metrics:?}"
+    );
+    Ok(())
+}
+
+/// Which calls wait: the tools a runner's manifest marks (`needs_approval = true`) and those the
+/// server names (`--approval-tool`, globs), in every run, though the request asks for none; the
+/// turn's other calls run at once; `ListTools` carries the mark.
+#[tokio::test]
+async fn the_runner_and_the_server_decide_which_tools_wait_too() -> TestResult {
+    let manifest = "[[tool]]\nname = \"stamp\"\ndescription = \"stamps the order\"\nargv = [\"echo\", \"stamped\"]\noutput = \"text\"\nneeds_approval = true\n";
+    let scenario = Scenario::new(vec![
+        Turn::default()
+            .then(Step::call("stamp", json!({})))
+            .then(Step::call("echo", json!({"n": 1})))
+            .then(Step::call("sleep", json!({"ms": 1}))),
+        Turn::text("ok"),
+    ]);
+    let w = world_with(scenario, &["--approval-tool", "ec*"], Some(manifest)).await?;
+    let mut client = w.client().await?;
+    let request = pb::OrchestrateRequest {
+        run_id: "marked-1".into(),
+        detached: true,
+        ..testkit::user("go")
+    };
+    let stream = client.orchestrate(as_("alice-token", request)).await?.into_inner();
+    let parked = wait_status(&mut client, "alice-token", "marked-1", pb::RunStatus::AwaitingApproval).await?;
+    let mut waiting: Vec<String> = parked.pending_approvals.iter().map(|p| p.name.clone()).collect();
+    waiting.sort();
+    assert_eq!(waiting, ["echo", "stamp"]);
+    let decisions = parked
+        .pending_approvals
+        .iter()
+        .map(|p| decision(&p.call_id, pb::DecisionKind::Approve, "", ""))
+        .collect();
+    decide(&mut client, "carol-token", "marked-1", decisions).await?;
+    let outcome = finish(&mut client, Vec::new(), stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed, "{:?}", outcome.result);
+    let approved: Vec<(String, bool)> = outcome
+        .result
+        .tool_calls
+        .iter()
+        .map(|c| (c.name.clone(), c.approval.is_some()))
+        .collect();
+    assert_eq!(
+        approved,
+        [("stamp".into(), true), ("echo".into(), true), ("sleep".into(), false)]
+    );
+    Ok(())
+}
+
+/// From a shell: `orchestrator call --needs-approval` prints the call waiting with the command
+/// that decides it, `orchestrator approvals` lists it, `orchestrator decide --approve` lets the run
+/// go on, and `call` prints the rest of the run.
+#[tokio::test]
+async fn the_command_line_lists_and_decides() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let endpoint = w.endpoint();
+    let mut call = Command::new(BIN);
+    call.args([
+        "call",
+        "--endpoint",
+        &endpoint,
+        "--prompt",
+        "refund order 7",
+        "--run-id",
+        "cli-1",
+    ])
+    .args(["--needs-approval", "sleep", "--token", "alice-token"])
+    .env("ORCHESTRATOR_METRICS_LISTEN", "off")
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .kill_on_drop(true);
+    let call = call.spawn()?;
+    let mut client = w.client().await?;
+    let parked = wait_status(&mut client, "alice-token", "cli-1", pb::RunStatus::AwaitingApproval).await?;
+    let call_id = parked.pending_approvals[0].call_id.clone();
+
+    let shell = |args: Vec<String>| async move {
+        let mut command = Command::new(BIN);
+        command.env("ORCHESTRATOR_METRICS_LISTEN", "off");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        testkit::run_to_end(command, &args, &[]).await
+    };
+    let (code, listed, stderr) = shell(vec![
+        "approvals".into(),
+        "--endpoint".into(),
+        endpoint.clone(),
+        "--token".into(),
+        "carol-token".into(),
+    ])
+    .await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        listed.contains("cli-1") && listed.contains(&call_id) && listed.contains("sleep"),
+        "{listed}"
+    );
+    let (code, _, stderr) = shell(vec![
+        "decide".into(),
+        "--endpoint".into(),
+        endpoint.clone(),
+        "--token".into(),
+        "bob-token".into(),
+        "--run-id".into(),
+        "cli-1".into(),
+        "--approve".into(),
+        call_id.clone(),
+    ])
+    .await?;
+    assert_ne!(code, Some(0));
+    assert!(stderr.contains("may not decide"), "{stderr}");
+    let (code, decided, stderr) = shell(vec![
+        "decide".into(),
+        "--endpoint".into(),
+        endpoint.clone(),
+        "--token".into(),
+        "carol-token".into(),
+        "--run-id".into(),
+        "cli-1".into(),
+        "--approve".into(),
+        call_id.clone(),
+    ])
+    .await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(decided.contains("goes on"), "{decided}");
+
+    let output = tokio::time::timeout(Duration::from_secs(30), call.wait_with_output()).await??;
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{printed}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        printed.contains(&format!("⏸ sleep {{\"ms\":5}}  [{call_id}] waits for approval"))
+            && printed.contains(&format!("orchestrator decide --run-id cli-1 --approve {call_id}"))
+            && printed.contains("■ COMPLETED"),
+        "{printed}"
+    );
+    Ok(())
+}
