@@ -4,13 +4,17 @@
     python orchestrate.py --target 127.0.0.1:50051 --prompt "check the tools" \
         --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
     python orchestrate.py --target 127.0.0.1:50051 --attach RUN_ID [--after SEQ]
+    python orchestrate.py --target 127.0.0.1:50051 --list-approvals [--run-id RUN_ID]
 
 TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
 --server-name when the certificate names another host. Token: --token or ORCHESTRATOR_TOKEN,
 sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the run
 ends CANCELED with its output so far); Ctrl-C drops the call, which cancels a run that is not
 --detached. --attach follows a live or finished run from any replica (AttachRun) instead of
-starting one. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
+starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
+approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
+person); --list-approvals prints the calls waiting that this caller may decide (one JSON line each)
+and exits. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
 UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a row
 without a new event, so the printed stream has no gap and no duplicate. --target takes any gRPC
 name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with --authority
@@ -42,6 +46,7 @@ def parse_args(argv):
     start = p.add_mutually_exclusive_group(required=True)
     start.add_argument("--prompt", help="the user message")
     start.add_argument("--attach", metavar="RUN_ID", help="follow this run instead of starting one")
+    start.add_argument("--list-approvals", action="store_true", help="list the calls waiting for approval")
     p.add_argument("--after", type=int, default=0, help="with --attach: the last seq already seen")
     p.add_argument("--reattach-attempts", type=int, default=5, help="re-attaches in a row without a new event")
     p.add_argument("--system", default="", help="a system message")
@@ -50,6 +55,8 @@ def parse_args(argv):
     p.add_argument("--tool", action="append", default=[], help="allow only these normal tools (repeatable)")
     p.add_argument("--exit-tool", action="append", default=[], help="offer this exit tool (repeatable)")
     p.add_argument("--detached", action="store_true", help="the run goes on if this client goes away")
+    p.add_argument("--needs-approval", action="append", default=[], metavar="TOOL", help="calls of this tool wait for a decision")
+    p.add_argument("--decide", choices=["approve", "reject"], help="decide each call that waits, as it is asked for")
     p.add_argument("--ca", help="PEM CA of the server's certificate (TLS)")
     p.add_argument("--cert", help="PEM client certificate (mTLS)")
     p.add_argument("--key", help="PEM client key (mTLS)")
@@ -98,6 +105,7 @@ def build_request(args):
         tools=pb.ToolSelection(
             normal=args.tool,
             exit=[pb.ExitToolSpec(name=name, description=f"signal {name}") for name in args.exit_tool],
+            approval=pb.ApprovalPolicy(tools=args.needs_approval),
         ),
     )
 
@@ -119,6 +127,8 @@ def describe(event):
         return f"turn {e.turn} finished"
     if kind == "turn_restarted":
         return f"turn {e.turn} restarted (attempt {e.attempt}: {e.reason}); its text above is void"
+    if kind == "approval_requested":
+        return f"tool call {e.call_id}: {e.name}({e.arguments_json}) waits for approval (expires at {e.expires_at_unix_ms} ms)"
     r = e.result
     reason = f" ({pb.FailureReason.Name(r.failure_reason)}: {r.failure_detail})" if r.failure_reason else ""
     return f"run finished {pb.RunStatus.Name(r.status)}{reason} after {r.turns} turns"
@@ -244,9 +254,35 @@ class Follower:
             self.open()
 
 
+def decide(stub, metadata, event, kind):
+    """Decides the call an approval_requested event asks about (as a person would)."""
+    asked = event.approval_requested
+    decision = pb.ToolCallDecision(call_id=asked.call_id)
+    if kind == "approve":
+        decision.kind = pb.DECISION_KIND_APPROVE
+    else:
+        decision.kind = pb.DECISION_KIND_REJECT
+        decision.message = "rejected by the caller's --decide"
+    request = pb.DecideToolCallsRequest(run_id=event.run_id, decisions=[decision])
+    answer = stub.DecideToolCalls(request, metadata=metadata, timeout=10)
+    print(f"DecideToolCalls({asked.call_id}): {kind}d; {len(answer.still_pending)} still waiting", file=sys.stderr, flush=True)
+
+
+def list_approvals(args, metadata):
+    """Prints the calls waiting that this caller may decide, one JSON line each."""
+    with open_channel(args) as channel:
+        stub = pb_grpc.OrchestratorStub(channel)
+        answer = stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(run_id=args.run_id), metadata=metadata, timeout=30)
+        for pending in answer.approvals:
+            print(json.dumps(json_format.MessageToDict(pending, preserving_proto_field_name=True)), flush=True)
+    return 0
+
+
 def run(args):
     """Streams the run; returns the exit status."""
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
+    if args.list_approvals:
+        return list_approvals(args, metadata)
     with open_channel(args) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         follower = Follower(stub, metadata, args)
@@ -257,6 +293,8 @@ def run(args):
                 if timer is None and args.cancel_after is not None:
                     timer = cancel_later(stub, metadata, event.run_id, args.cancel_after)
                 printer.event(event)
+                if args.decide and event.WhichOneof("event") == "approval_requested":
+                    decide(stub, metadata, event, args.decide)
                 if event.WhichOneof("event") == "run_finished":
                     return EXIT.get(event.run_finished.result.status, 1)
         except KeyboardInterrupt:

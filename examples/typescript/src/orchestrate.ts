@@ -5,6 +5,7 @@
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --prompt "check the tools" \
  *     --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --attach RUN_ID [--after SEQ]
+ *   node dist/orchestrate.js --target 127.0.0.1:50051 --list-approvals [--run-id RUN_ID]
  *
  * The contract is loaded from the repository's .proto at run time (@grpc/proto-loader).
  * TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
@@ -12,7 +13,10 @@
  * sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the
  * run ends CANCELED with its output so far); Ctrl-C drops the call, which cancels a run that is
  * not --detached. --attach follows a live or finished run from any replica (AttachRun) instead of
- * starting one. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
+ * starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
+ * approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
+ * person); --list-approvals prints the calls waiting that this caller may decide (one JSON line
+ * each) and exits. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
  * UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a
  * row without a new event, so the printed stream has no gap and no duplicate. --target takes any
  * gRPC name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with
@@ -67,6 +71,7 @@ interface OrchestrateEvent {
   signal?: { tool_name: string; arguments_json: string };
   turn_finished?: { turn: number };
   turn_restarted?: { turn: number; attempt: number; reason: string };
+  approval_requested?: { call_id: string; name: string; arguments_json: string; expires_at_unix_ms: string };
   run_finished?: { result: RunResult };
 }
 
@@ -86,6 +91,9 @@ function options() {
       tool: { type: "string", multiple: true, default: [] },
       "exit-tool": { type: "string", multiple: true, default: [] },
       detached: { type: "boolean", default: false },
+      "needs-approval": { type: "string", multiple: true, default: [] },
+      decide: { type: "string" },
+      "list-approvals": { type: "boolean", default: false },
       ca: { type: "string" },
       cert: { type: "string" },
       key: { type: "string" },
@@ -97,8 +105,11 @@ function options() {
       json: { type: "boolean", default: false },
     },
   });
-  if (!values.prompt === !values.attach) {
-    throw new Error("one of --prompt or --attach is required");
+  if ([values.prompt, values.attach, values["list-approvals"] || undefined].filter((v) => v).length !== 1) {
+    throw new Error("one of --prompt, --attach or --list-approvals is required");
+  }
+  if (values.decide !== undefined && values.decide !== "approve" && values.decide !== "reject") {
+    throw new Error("--decide takes approve or reject");
   }
   return values;
 }
@@ -136,6 +147,7 @@ function request(opts: Options) {
     tools: {
       normal: opts.tool,
       exit: opts["exit-tool"].map((name) => ({ name, description: `signal ${name}` })),
+      approval: { tools: opts["needs-approval"] },
     },
   };
 }
@@ -163,6 +175,10 @@ function describe(e: OrchestrateEvent): string {
     case "turn_restarted": {
       const r = e.turn_restarted!;
       return `turn ${r.turn} restarted (attempt ${r.attempt}: ${r.reason}); its text above is void`;
+    }
+    case "approval_requested": {
+      const a = e.approval_requested!;
+      return `tool call ${a.call_id}: ${a.name}(${a.arguments_json}) waits for approval (expires at ${a.expires_at_unix_ms} ms)`;
     }
     case "run_finished": {
       const r = e.run_finished!.result;
@@ -243,6 +259,43 @@ const REATTACH = new Set([grpc.status.UNAVAILABLE, grpc.status.UNKNOWN, grpc.sta
 
 const sleep = (ms: number) => new Promise((done) => setTimeout(done, ms));
 
+/** A unary call as a promise (deadline 10 s). */
+function unary<T>(client: any, method: string, message: object, metadata: grpc.Metadata): Promise<T> {
+  const deadline = new Date(Date.now() + 10_000);
+  return new Promise((done, fail) =>
+    client[method](message, metadata, { deadline }, (err: grpc.ServiceError | null, answer: T) => (err ? fail(err) : done(answer))),
+  );
+}
+
+/** Decides the call an approval_requested event asks about (as a person would). */
+async function decide(client: any, metadata: grpc.Metadata, e: OrchestrateEvent, kind: string) {
+  const asked = e.approval_requested!;
+  const decision =
+    kind === "approve"
+      ? { call_id: asked.call_id, kind: "DECISION_KIND_APPROVE" }
+      : { call_id: asked.call_id, kind: "DECISION_KIND_REJECT", message: "rejected by the caller's --decide" };
+  const answer = await unary<{ still_pending: unknown[] }>(client, "DecideToolCalls", { run_id: e.run_id, decisions: [decision] }, metadata);
+  process.stderr.write(`DecideToolCalls(${asked.call_id}): ${kind}d; ${answer.still_pending.length} still waiting\n`);
+}
+
+/** Prints the calls waiting that this caller may decide, one JSON line each. */
+async function listApprovals(opts: Options): Promise<number> {
+  const client = loadClient(opts);
+  const metadata = new grpc.Metadata();
+  if (opts.token) metadata.set("authorization", `Bearer ${opts.token}`);
+  try {
+    const answer = await unary<{ approvals: object[] }>(client, "ListPendingApprovals", { run_id: opts["run-id"] }, metadata);
+    for (const pending of answer.approvals) process.stdout.write(`${JSON.stringify(pending)}\n`);
+    return 0;
+  } catch (err) {
+    const e = err as grpc.ServiceError;
+    process.stderr.write(`error: ${grpc.status[e.code]}: ${e.details}\n`);
+    return 3;
+  } finally {
+    client.close();
+  }
+}
+
 /**
  * Streams the run (Orchestrate, or AttachRun with --attach), re-attaching from the last seq seen
  * whenever the stream ends UNAVAILABLE or breaks off; resolves to the exit status.
@@ -297,6 +350,9 @@ async function run(opts: Options): Promise<number> {
           [runId, lastSeq, failures] = [e.run_id, Number(e.seq), 0];
           if (timer === null && opts["cancel-after"] !== undefined) cancelLater(e.run_id);
           printer.event(e);
+          if (opts.decide !== undefined && e.event === "approval_requested") {
+            await decide(client, metadata, e, opts.decide);
+          }
           if (e.event === "run_finished") {
             status = EXIT[e.run_finished!.result.status] ?? 1;
           }
@@ -335,7 +391,7 @@ async function main() {
     process.stderr.write(`orchestrate: ${(err as Error).message}\n`);
     return 2;
   }
-  return run(opts);
+  return opts["list-approvals"] ? listApprovals(opts) : run(opts);
 }
 
 // Not process.exit(): it would cut off what is still queued for a piped stdout.

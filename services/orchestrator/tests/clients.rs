@@ -21,8 +21,9 @@ type TestResult = anyhow::Result<()>;
 const TOKEN: &str = "client-example-token";
 
 /// The kinds of `OrchestrateEvent`'s oneof, as the clients print them.
-const KINDS: [&str; 8] = [
+const KINDS: [&str; 9] = [
     "run_started",
+    "approval_requested",
     "text_delta",
     "reasoning_delta",
     "tool_call_started",
@@ -294,6 +295,73 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
     Ok(())
 }
 
+/// Both clients with a tool that waits for approval: `--decide approve` (the call runs once
+/// approved: the demo completes as usual), `--decide reject` (the call fails `REJECTED` and the
+/// run completes), and `--list-approvals` lists a call left waiting.
+#[tokio::test]
+async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -> TestResult {
+    let deployment = Deployment::start().await?;
+    let demo = ["--prompt", "check the tools", "--exit-tool", "submit_report", "--needs-approval", "sleep"];
+    for (client, make) in [
+        (
+            "python",
+            (|| python_example("orchestrate.py")) as fn() -> anyhow::Result<Command>,
+        ),
+        ("typescript", typescript_example),
+    ] {
+        let mut command = make()?;
+        command.args(deployment.client_args(TOKEN)).args(demo).args(["--decide", "approve"]);
+        let approved = run(command).await?;
+        check_demo(client, &approved)?;
+        let asked: Vec<Value> = events(&approved)?
+            .into_iter()
+            .filter(|(k, _)| k == "approval_requested")
+            .map(|(_, body)| body)
+            .collect();
+        assert_eq!(asked.len(), 1, "{client}: {asked:?}");
+        assert_eq!(asked[0]["name"], "sleep", "{client}");
+
+        let mut command = make()?;
+        command.args(deployment.client_args(TOKEN)).args(demo).args(["--decide", "reject"]);
+        let rejected = run(command).await?;
+        assert_eq!(rejected.status.code(), Some(0), "{client}: {}", stderr(&rejected));
+        let sleep_error = events(&rejected)?
+            .into_iter()
+            .filter(|(k, _)| k == "tool_call_finished")
+            .find(|(_, body)| body["name"] == "sleep")
+            .map(|(_, body)| body["error"]["code"].clone());
+        assert_eq!(sleep_error, Some(json!("REJECTED")), "{client}");
+
+        // A detached run left waiting is listed for its owner.
+        let run_id = format!("waits-{client}");
+        let mut command = make()?;
+        command
+            .args(deployment.client_args(TOKEN))
+            .args(demo)
+            .args(["--detached", "--run-id", &run_id]);
+        let mut waiting = command.kill_on_drop(true).spawn()?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let listed = loop {
+            let mut command = make()?;
+            command
+                .args(deployment.client_args(TOKEN))
+                .args(["--list-approvals", "--run-id", &run_id]);
+            let output = run(command).await?;
+            assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(&output));
+            let stdout = String::from_utf8(output.stdout)?;
+            if !stdout.trim().is_empty() || tokio::time::Instant::now() > deadline {
+                break stdout;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let listed: Value = serde_json::from_str(listed.lines().next().unwrap_or("null"))?;
+        assert_eq!((listed["run_id"].as_str(), listed["name"].as_str()), (Some(run_id.as_str()), Some("sleep")), "{client}");
+        assert_eq!(listed["principal"], "example", "{client}");
+        waiting.kill().await?;
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn python_reflection_v1alpha_lists_both_services() -> TestResult {
     let deployment = Deployment::start().await?;
@@ -345,6 +413,9 @@ fn documented_recipes() -> anyhow::Result<Vec<String>> {
 fn expected_output(recipe: &str) -> &'static str {
     [
         ("/Orchestrate", "RUN_STATUS_COMPLETED"),
+        ("/SubscribeSignals", "\"tool_name\": \"submit_report\""),
+        ("/ListPendingApprovals", "\"call_id\": \"call_1_2\""),
+        ("/DecideToolCalls", "RUN_STATUS_RUNNING"),
         ("/GetRun", "\"run_id\": \"readme-1\""),
         ("/AttachRun", "\"seq\": \"4\""),
         ("/CancelRun", "RUN_STATUS_COMPLETED"),
@@ -372,6 +443,8 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
         "AttachRun",
         "CancelRun",
         "SubscribeSignals",
+        "DecideToolCalls",
+        "ListPendingApprovals",
         "ListTools",
         "RunTool",
     ] {
@@ -383,12 +456,12 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
         );
     }
     let reflect = testkit::repo_root().join("examples/python/reflect.py");
-    let mut subscriber = None;
+    let mut background = Vec::new();
     for recipe in &recipes {
         let line = recipe
             .replace("127.0.0.1:50051", &orchestrator.grpc)
             .replace("127.0.0.1:50052", &runner.grpc);
-        let (line, background) = match line.strip_suffix(" &") {
+        let (line, in_background) = match line.strip_suffix(" &") {
             Some(line) => (line.to_owned(), true),
             None => (line, false),
         };
@@ -398,24 +471,34 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
             .arg("-c")
             .arg(format!("exec '{}' '{}' {args}", python()?.display(), reflect.display()))
             .kill_on_drop(true);
-        if background {
-            subscriber = Some(subscribe(command).await?);
+        if in_background {
+            background.push((recipe, subscribe(command).await?));
             continue;
         }
-        let output = run(command).await?;
-        let printed = String::from_utf8_lossy(&output.stdout);
-        assert!(output.status.success(), "{recipe}\n{printed}{}", stderr(&output));
-        assert!(
-            printed.contains(expected_output(recipe)),
-            "{recipe} printed:\n{printed}"
-        );
+        // A recipe after a background one may come before the state it reads (a run in the
+        // background asks for its approval a moment after its call is established).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let output = run(command).await?;
+            let printed = String::from_utf8_lossy(&output.stdout).into_owned();
+            assert!(output.status.success(), "{recipe}\n{printed}{}", stderr(&output));
+            if printed.contains(expected_output(recipe)) {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{recipe} printed:\n{printed}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            command = Command::new("sh");
+            command
+                .arg("-c")
+                .arg(format!("exec '{}' '{}' {args}", python()?.display(), reflect.display()))
+                .kill_on_drop(true);
+        }
     }
-    let subscriber = subscriber.ok_or_else(|| anyhow::anyhow!("no SubscribeSignals recipe in the background"))?;
-    let printed = subscriber.printed_until("\"tool_name\": \"submit_report\"").await;
-    assert!(
-        printed.contains("\"tool_name\": \"submit_report\""),
-        "SubscribeSignals printed:\n{printed}"
-    );
+    assert_eq!(background.len(), 2, "the SubscribeSignals and approval recipes run in the background");
+    for (recipe, streaming) in background {
+        let printed = streaming.printed_until(expected_output(recipe)).await;
+        assert!(printed.contains(expected_output(recipe)), "{recipe} printed:\n{printed}");
+    }
     Ok(())
 }
 
