@@ -169,6 +169,10 @@ pub(crate) fn describe() {
     metrics::counter!(metric::EVENT_LOG_DROPPED).absolute(0);
     metrics::counter!(metric::ATTACHES).absolute(0);
     metrics::counter!(metric::APPROVALS_REQUESTED).absolute(0);
+    for &outcome in crate::domain::approval::ApprovalOutcome::ALL {
+        let outcome: &'static str = outcome.into();
+        metrics::counter!(metric::APPROVAL_DECISIONS, "outcome" => outcome).absolute(0);
+    }
     metrics::gauge!(metric::RUNS_AWAITING_APPROVAL).set(0.0);
     metrics::gauge!(metric::RUNS_IN_FLIGHT).set(0.0);
     metrics::gauge!(metric::TOOL_CALLS_IN_FLIGHT).set(0.0);

@@ -301,7 +301,14 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
 #[tokio::test]
 async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -> TestResult {
     let deployment = Deployment::start().await?;
-    let demo = ["--prompt", "check the tools", "--exit-tool", "submit_report", "--needs-approval", "sleep"];
+    let demo = [
+        "--prompt",
+        "check the tools",
+        "--exit-tool",
+        "submit_report",
+        "--needs-approval",
+        "sleep",
+    ];
     for (client, make) in [
         (
             "python",
@@ -310,7 +317,10 @@ async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -
         ("typescript", typescript_example),
     ] {
         let mut command = make()?;
-        command.args(deployment.client_args(TOKEN)).args(demo).args(["--decide", "approve"]);
+        command
+            .args(deployment.client_args(TOKEN))
+            .args(demo)
+            .args(["--decide", "approve"]);
         let approved = run(command).await?;
         check_demo(client, &approved)?;
         let asked: Vec<Value> = events(&approved)?
@@ -322,7 +332,10 @@ async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -
         assert_eq!(asked[0]["name"], "sleep", "{client}");
 
         let mut command = make()?;
-        command.args(deployment.client_args(TOKEN)).args(demo).args(["--decide", "reject"]);
+        command
+            .args(deployment.client_args(TOKEN))
+            .args(demo)
+            .args(["--decide", "reject"]);
         let rejected = run(command).await?;
         assert_eq!(rejected.status.code(), Some(0), "{client}: {}", stderr(&rejected));
         let sleep_error = events(&rejected)?
@@ -355,7 +368,11 @@ async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
         let listed: Value = serde_json::from_str(listed.lines().next().unwrap_or("null"))?;
-        assert_eq!((listed["run_id"].as_str(), listed["name"].as_str()), (Some(run_id.as_str()), Some("sleep")), "{client}");
+        assert_eq!(
+            (listed["run_id"].as_str(), listed["name"].as_str()),
+            (Some(run_id.as_str()), Some("sleep")),
+            "{client}"
+        );
         assert_eq!(listed["principal"], "example", "{client}");
         waiting.kill().await?;
     }
@@ -494,10 +511,17 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
                 .kill_on_drop(true);
         }
     }
-    assert_eq!(background.len(), 2, "the SubscribeSignals and approval recipes run in the background");
+    assert_eq!(
+        background.len(),
+        2,
+        "the SubscribeSignals and approval recipes run in the background"
+    );
     for (recipe, streaming) in background {
         let printed = streaming.printed_until(expected_output(recipe)).await;
-        assert!(printed.contains(expected_output(recipe)), "{recipe} printed:\n{printed}");
+        assert!(
+            printed.contains(expected_output(recipe)),
+            "{recipe} printed:\n{printed}"
+        );
     }
     Ok(())
 }
