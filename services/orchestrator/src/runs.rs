@@ -310,9 +310,23 @@ impl Runs {
             admitted.store_ended(result).await;
             return Ok(None);
         }
+        // A run parked for approvals goes on with its decisions (or to end, canceled).
+        let (checkpoint, canceled) = match checkpoint.awaits_decisions() {
+            true => match self.approvals.waiting(run_id).await.map_err(|e| e.to_string())? {
+                Some(waiting) => {
+                    let canceled = waiting.canceled.clone();
+                    (checkpoint.decided(&waiting), canceled)
+                }
+                None => (checkpoint, None),
+            },
+            false => (checkpoint, None),
+        };
         *shared::sync::lock(&admitted.state) = checkpoint.result.clone();
         admitted._lease = admitted.persister.keep_lease();
         admitted.log = Some(self.log.writer(run_id, logged.seq));
+        if let Some(reason) = canceled {
+            admitted.cancel.cancel(&reason);
+        }
         let logged = logged.seq;
         Ok(Some((admitted, Resumed { checkpoint, logged })))
     }
@@ -371,21 +385,22 @@ impl Runs {
     pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
         let live = self.lock().get(run_id).map(|l| shared::sync::lock(&l.state).clone());
         let found = match live {
-            Some(mut result) => {
-                // Decisions reach the approval lot first: the live run takes them when it parks.
-                if !result.pending_approvals.is_empty()
-                    && let Some(calls) = self.approvals.calls(run_id)
-                {
-                    result.pending_approvals = calls;
-                }
-                Some(result)
-            }
+            Some(result) => Some(result),
             None => match self.approvals.parked(run_id) {
                 Some(parked) => Some(parked),
                 None => self.stored(run_id).await?,
             },
         };
-        Ok(found.filter(|r| sees(caller, &r.principal)))
+        let Some(mut found) = found.filter(|r| sees(caller, &r.principal)) else {
+            return Ok(None);
+        };
+        // Decisions reach the approval lot first: the run takes them when it parks or resumes.
+        if !found.pending_approvals.is_empty()
+            && let Ok(Some(waiting)) = self.approvals.waiting(run_id).await
+        {
+            found.pending_approvals = waiting.calls;
+        }
+        Ok(Some(found))
     }
 
     /// Whether the run is parked waiting for approvals.
@@ -406,8 +421,8 @@ impl Runs {
         self: &Arc<Self>,
         ready: Ready,
     ) -> Result<Option<(Admitted, Resumed)>, Box<Ready>> {
-        let checkpoint = match Checkpoint::from_parked(&ready) {
-            Ok(checkpoint) => checkpoint,
+        let checkpoint = match serde_json::from_slice::<Checkpoint>(&ready.parked.checkpoint) {
+            Ok(checkpoint) => checkpoint.decided(&ready.waiting),
             Err(e) => {
                 tracing::error!(run_id = %ready.run_id, "the parked run's checkpoint cannot be read: {e}; the run is dropped");
                 return Ok(None);
@@ -420,7 +435,7 @@ impl Runs {
         if let Some(live) = self.lock().get_mut(&ready.run_id) {
             live.unparked = true;
         }
-        let Ready { parked, canceled, .. } = ready;
+        let Ready { parked, waiting, .. } = ready;
         let logged = match parked.log.as_ref() {
             Some(_) => checkpoint.seq,
             None => self.log.last(&admitted.run_id).await.map_or(checkpoint.seq, |l| l.seq),
@@ -430,7 +445,7 @@ impl Runs {
         *shared::sync::lock(&admitted.state) = state;
         admitted._lease = admitted.persister.keep_lease();
         admitted.log = parked.log;
-        if let Some(reason) = canceled {
+        if let Some(reason) = waiting.canceled {
             admitted.cancel.cancel(&reason);
         }
         Ok(Some((admitted, Resumed { checkpoint, logged })))
@@ -591,8 +606,12 @@ impl Runs {
             live.cancel.cancel(reason);
             return Ok(CancelOutcome::Canceled);
         }
-        if let Some(parked) = self.approvals.parked(run_id).filter(|p| sees(caller, &p.principal))
-            && self.approvals.cancel(run_id, reason)
+        let parked = match self.approvals.parked(run_id) {
+            Some(parked) => Some(parked),
+            None => self.stored(run_id).await?,
+        };
+        if let Some(parked) = parked.filter(|p| sees(caller, &p.principal) && p.status == RunStatus::AwaitingApproval)
+            && self.approvals.cancel(run_id, reason).await?
         {
             tracing::info!(run_id = %run_id, principal = %parked.principal, "a run waiting for approvals is canceled");
             return Ok(CancelOutcome::Canceled);

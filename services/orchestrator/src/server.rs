@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
 use crate::config::{Backend, NatsSettings};
-use crate::domain::ports::{EventLog, ResultStore, RunJournal, SignalTopic};
+use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, SignalTopic};
 use crate::llm::HttpLlm;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;
@@ -28,8 +28,10 @@ use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::NatsTopic;
 use crate::store::LogBounds;
 use crate::store::memory::MemoryStore;
+use crate::store::memory_approvals::MemoryLot;
 use crate::store::memory_log::MemoryLog;
 use crate::store::nats::KvStore;
+use crate::store::nats_approvals::NatsLot;
 use crate::store::nats_log::{NatsLog, NatsLogOptions};
 use crate::tool_runners::{Resolve, SystemResolver, ToolRunners};
 use crate::{Config, Error};
@@ -115,11 +117,8 @@ async fn load_catalog(runners: &ToolRunners) {
 async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
     let mut connections = NatsConnections::default();
     let signals = open_signal_topic(config, &mut connections).await?;
-    let (store, journal) = open_store(config, &mut connections).await?;
+    let (store, journal, approvals) = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
-    let approvals: Arc<dyn crate::domain::ports::ApprovalLot> = Arc::new(
-        crate::store::memory_approvals::MemoryLot::new(config.runs.max_awaiting_runs),
-    );
     let keeping = crate::runs::Keeping {
         store,
         log,
@@ -170,15 +169,16 @@ async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -
 
 /// The result store: in memory (bounded, this replica only) or a NATS key-value bucket shared
 /// by the replicas, with this replica's lease on the runs it owns and their checkpoints (the
-/// journal that lets runs outlive their replica).
+/// journal that lets runs outlive their replica); and where runs wait for approvals, beside it.
 async fn open_store(
     config: &Config,
     connections: &mut NatsConnections,
-) -> Result<(Arc<dyn ResultStore>, Option<Arc<dyn RunJournal>>), Error> {
+) -> Result<(Arc<dyn ResultStore>, Option<Arc<dyn RunJournal>>, Arc<dyn ApprovalLot>), Error> {
     Ok(match &config.store.backend {
         Backend::Memory => {
             let store = MemoryStore::new(config.store.keep_results, config.store.keep_results_for);
-            (Arc::new(store), None)
+            let lot = MemoryLot::new(config.runs.max_awaiting_runs);
+            (Arc::new(store), None, Arc::new(lot))
         }
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
@@ -194,9 +194,11 @@ async fn open_store(
             .await?;
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value; runs are durable");
             let store = Arc::new(store);
+            let lot = NatsLot::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;
             (
                 Arc::clone(&store) as Arc<dyn ResultStore>,
                 Some(store as Arc<dyn RunJournal>),
+                Arc::new(lot),
             )
         }
     })

@@ -167,11 +167,16 @@ fn caller_stream(
 /// wait). Asked twice, a moment apart: a run being taken out of the approval lot to go on is in
 /// neither place for that moment.
 async fn waited_for_approval(core: &Core, run_id: &str) -> bool {
-    if core.runs.waited_for_approval(run_id) {
+    let parked = || async {
+        core.runs.waited_for_approval(run_id)
+            || matches!(core.runs.get(run_id, &Principal::default()).await,
+                Ok(Some(run)) if run.status == crate::domain::RunStatus::AwaitingApproval)
+    };
+    if parked().await {
         return true;
     }
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    core.runs.waited_for_approval(run_id)
+    parked().await
 }
 
 /// Why a caller cannot follow a run's log, as a status.
@@ -388,6 +393,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             .deps
             .approvals
             .decide(&run_id, &decider, &decisions)
+            .await
             .map_err(Error::from)?;
         for decision in &decisions {
             tracing::info!(run_id = %run_id, gen_ai.tool.call.id = %decision.call_id, principal = %caller.name, kind = ?decision.kind, "tool call decided");
@@ -397,10 +403,12 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             .filter(|c| c.decision.is_none())
             .map(pb::PendingApproval::from)
             .collect();
-        let status = if !still_pending.is_empty() && self.core.runs.parked(&run_id) {
-            pb::RunStatus::AwaitingApproval
-        } else {
-            pb::RunStatus::Running
+        // Read as the server: an approver may decide runs it may not read.
+        let status = match self.core.runs.get(&run_id, &Principal::default()).await {
+            Ok(Some(run)) if !still_pending.is_empty() && run.status == crate::domain::RunStatus::AwaitingApproval => {
+                pb::RunStatus::AwaitingApproval
+            }
+            _ => pb::RunStatus::Running,
         };
         Ok(Response::new(pb::DecideToolCallsResponse {
             status: status.into(),
@@ -419,7 +427,13 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             n => usize::try_from(n).unwrap_or(usize::MAX).min(MAX_LISTED_APPROVALS),
         };
         let run_id = Some(request.run_id.as_str()).filter(|r| !r.is_empty());
-        let (approvals, truncated) = self.core.deps.approvals.pending(&decider(&caller), run_id, limit);
+        let (approvals, truncated) = self
+            .core
+            .deps
+            .approvals
+            .pending(&decider(&caller), run_id, limit)
+            .await
+            .map_err(Error::Store)?;
         Ok(Response::new(pb::ListPendingApprovalsResponse {
             approvals: approvals.iter().map(pb::PendingApproval::from).collect(),
             truncated,

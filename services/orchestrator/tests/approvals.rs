@@ -886,3 +886,202 @@ async fn the_command_line_lists_and_decides() -> TestResult {
     );
     Ok(())
 }
+
+/// Replicas sharing a real `nats-server -js` (the NATS store): each with the tokens file, on one
+/// tool-runner and the stand-in model, with a lease of 2 s.
+struct Fleet {
+    replicas: Vec<Option<Service>>,
+    _nats: testkit::nats::Nats,
+    _llm: MockLlm,
+    _dir: tempfile::TempDir,
+}
+
+async fn fleet(scenario: Scenario, replicas: usize) -> anyhow::Result<Fleet> {
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens.toml");
+    let sha = shared::auth::token_sha256;
+    std::fs::write(
+        &tokens,
+        format!(
+            "[[token]]\nprincipal = \"alice\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"carol\"\nsha256 = \"{}\"\nroles = [\"approver\"]\n",
+            sha("alice-token"),
+            sha("carol-token")
+        ),
+    )?;
+    let nats = testkit::nats::Nats::start().await?;
+    let llm = MockLlm::start(scenario).await?;
+    let mut runner = tool_runner::Config::default();
+    runner.server.max_concurrency = 256;
+    let runner = testkit::helpers::tool_runner_in_process_with(runner).await?;
+    let mut started = Vec::new();
+    for _ in 0..replicas {
+        let mut command = Command::new(BIN);
+        command
+            .env("LLM_BASE_URL", llm.base_url())
+            .env("ORCHESTRATOR_RUN_STORE", nats.url())
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .args(["--tool-runner", &runner])
+            .args(["--auth-tokens", &tokens.display().to_string()])
+            .args(["--run-store-lease", "2s"]);
+        started.push(Some(
+            Service::spawn(command, "127.0.0.1", "orchestrator serving").await?,
+        ));
+    }
+    Ok(Fleet {
+        replicas: started,
+        _nats: nats,
+        _llm: llm,
+        _dir: dir,
+    })
+}
+
+impl Fleet {
+    async fn client(&self, i: usize) -> anyhow::Result<Client> {
+        let replica = self.replicas[i]
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
+        Ok(Client::connect(format!("http://{}", replica.grpc)).await?)
+    }
+}
+
+/// With the NATS store a parked run belongs to no replica: it is listed and decided on another
+/// replica than the one that ran its turn, goes on there (or on any replica), and the caller's
+/// stream on the first replica goes on to `run_finished`, gap-free and equal to `GetRun`.
+#[tokio::test]
+async fn a_decision_on_another_replica_lets_the_run_go_on() -> TestResult {
+    let f = fleet(refund_then_answer(), 2).await?;
+    let (mut a, mut b) = (f.client(0).await?, f.client(1).await?);
+    let mut stream = a
+        .orchestrate(as_("alice-token", approval_run("nats-1")))
+        .await?
+        .into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ApprovalRequested(_))).await?;
+    let parked = wait_status(&mut b, "alice-token", "nats-1", pb::RunStatus::AwaitingApproval).await?;
+    assert_eq!(parked.pending_approvals.len(), 1, "{parked:?}");
+    let listed = b
+        .list_pending_approvals(as_("carol-token", pb::ListPendingApprovalsRequest::default()))
+        .await?
+        .into_inner();
+    assert_eq!(listed.approvals.len(), 1, "{listed:?}");
+    let call_id = listed.approvals[0].call_id.clone();
+    let answer = decide(
+        &mut b,
+        "carol-token",
+        "nats-1",
+        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await?;
+    assert!(answer.still_pending.is_empty());
+    let again = decide(
+        &mut a,
+        "alice-token",
+        "nats-1",
+        vec![decision(&call_id, pb::DecisionKind::Reject, "", "")],
+    )
+    .await
+    .map(|_| ())
+    .unwrap_err();
+    assert!(
+        matches!(again.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound),
+        "{again:?}"
+    );
+    let outcome = finish(&mut a, events, stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed, "{:?}", outcome.result);
+    let record = sleep_record(&outcome.result)?;
+    assert!(record.ok);
+    assert_eq!(record.approval.as_ref().map(|d| d.principal.as_str()), Some("carol"));
+    assert_eq!(get(&mut b, "alice-token", "nats-1").await?, outcome.result);
+    Ok(())
+}
+
+/// Runs parked on a replica that is then killed lose nothing: they are decided on the other
+/// replica, which resumes each of them, and every one completes.
+#[tokio::test]
+async fn runs_waiting_on_a_killed_replica_are_decided_and_go_on_elsewhere() -> TestResult {
+    let mut f = fleet(refund_then_answer(), 2).await?;
+    let mut a = f.client(0).await?;
+    let runs: Vec<String> = (0..20).map(|i| format!("killed-{i}")).collect();
+    for run_id in &runs {
+        let mut request = approval_run(run_id);
+        request.detached = true;
+        drop(a.orchestrate(as_("alice-token", request)).await?);
+    }
+    let mut b = f.client(1).await?;
+    for run_id in &runs {
+        wait_status(&mut b, "alice-token", run_id, pb::RunStatus::AwaitingApproval).await?;
+    }
+    if let Some(replica) = f.replicas[0].take() {
+        replica.kill().await?;
+    }
+    for run_id in &runs {
+        let parked = get(&mut b, "alice-token", run_id).await?;
+        let call_id = parked.pending_approvals[0].call_id.clone();
+        decide(
+            &mut b,
+            "carol-token",
+            run_id,
+            vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+        )
+        .await?;
+    }
+    for run_id in &runs {
+        let done = wait_status(&mut b, "alice-token", run_id, pb::RunStatus::Completed).await?;
+        assert!(sleep_record(&done)?.ok, "{done:?}");
+        let replayed = b
+            .attach_run(as_(
+                "alice-token",
+                pb::AttachRunRequest {
+                    run_id: run_id.clone(),
+                    after_seq: 0,
+                },
+            ))
+            .await?
+            .into_inner()
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
+        let outcome = Outcome::new(replayed, Duration::ZERO)?;
+        assert_eq!(outcome.result, done, "{run_id}: the log replays to the stored result");
+    }
+    Ok(())
+}
+
+/// With the NATS store too, a wait that expires is rejected (the replica that wakes the run
+/// takes it over), and CancelRun on another replica ends a parked run `CANCELED`.
+#[tokio::test]
+async fn expiry_and_cancel_of_parked_runs_with_the_nats_store() -> TestResult {
+    let f = fleet(refund_then_answer(), 2).await?;
+    let (mut a, mut b) = (f.client(0).await?, f.client(1).await?);
+    let mut expiring = approval_run("nats-expiring");
+    expiring.detached = true;
+    expiring.limits = Some(pb::RunLimits {
+        approval_timeout_ms: Some(500),
+        ..Default::default()
+    });
+    drop(a.orchestrate(as_("alice-token", expiring)).await?);
+    let mut canceled = approval_run("nats-canceled");
+    canceled.detached = true;
+    drop(a.orchestrate(as_("alice-token", canceled)).await?);
+    wait_status(&mut b, "alice-token", "nats-canceled", pb::RunStatus::AwaitingApproval).await?;
+    let answer = b
+        .cancel_run(as_(
+            "alice-token",
+            pb::CancelRunRequest {
+                run_id: "nats-canceled".into(),
+            },
+        ))
+        .await?
+        .into_inner();
+    assert!(answer.canceled);
+    let ended = wait_status(&mut b, "alice-token", "nats-canceled", pb::RunStatus::Canceled).await?;
+    assert!(ended.text.contains("Refunding"), "the output so far is kept: {ended:?}");
+    let expired = wait_status(&mut b, "alice-token", "nats-expiring", pb::RunStatus::Completed).await?;
+    let record = sleep_record(&expired)?;
+    assert_eq!(
+        record.error.as_ref().map(|e| e.code.as_str()),
+        Some("APPROVAL_TIMEOUT"),
+        "{record:?}"
+    );
+    Ok(())
+}

@@ -291,7 +291,9 @@ pub struct Parked {
     pub wake_at_unix_ms: u64,
     /// When it parked (Unix ms): a run whose deadline pauses while it waits moves it by as much.
     pub parked_at_unix_ms: u64,
-    /// Its event log's writer, kept for the run's resumption (a log of this process).
+    /// Until when it may be resumed (its deadline, Unix ms).
+    pub deadline_unix_ms: u64,
+    /// Its event-log writer, kept for the run's resumption when the log is this process's.
     pub log: Option<Box<dyn LogWriter>>,
 }
 
@@ -304,16 +306,25 @@ pub enum ParkOutcome {
     Decided(Vec<PendingApproval>, Box<Parked>),
 }
 
-/// A parked run to resume: decided, expired, past its deadline, or canceled.
+/// A run's wait as a replica resuming it reads it.
+#[derive(Debug, Clone, Default)]
+pub struct Waiting {
+    /// Its calls with their decisions (undecided ones when it woke for its deadline or a cancel).
+    pub calls: Vec<PendingApproval>,
+    /// Set when `CancelRun` canceled it while it was parked.
+    pub canceled: Option<String>,
+    /// When it parked (Unix ms; 0 when it did not).
+    pub parked_at_unix_ms: u64,
+}
+
+/// A parked run of this process to resume: decided, expired, past its deadline, or canceled.
 pub struct Ready {
     /// The run.
     pub run_id: String,
     /// Its parked state.
     pub parked: Parked,
-    /// Its calls with their decisions (undecided ones when it woke for its deadline or a cancel).
-    pub calls: Vec<PendingApproval>,
-    /// Set when `CancelRun` canceled it while it was parked.
-    pub canceled: Option<String>,
+    /// Its wait.
+    pub waiting: Waiting,
 }
 
 /// Who asks to decide, as the lot checks it.
@@ -334,14 +345,15 @@ impl Decider {
 
 /// Runs waiting for decisions on their calls (docs/architecture.md, "Approvals"). A run opens its
 /// wait when it announces the calls; decisions may come from then on, while the turn's other
-/// calls still run; the run then parks (leaving its slot) unless every call was decided already,
-/// and a parked run is handed out ([`ApprovalLot::take_ready`]) once decided, expired, past its
-/// deadline or canceled.
+/// calls still run; the run then parks (leaving its slot) unless every call was decided already.
+/// A lot of this process hands a parked run out ([`ApprovalLot::take_ready`]) once decided,
+/// expired, past its deadline or canceled; a shared lot (NATS) marks it so in the run store,
+/// where any replica takes it over.
 pub trait ApprovalLot: Send + Sync + 'static {
     /// Opens the wait of a run's turn; `Err` with the reason when no more runs may wait.
-    fn open(&self, wait: Wait) -> Result<(), String>;
+    fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>>;
     /// Parks the run with an open wait.
-    fn park(&self, run_id: &str, parked: Parked) -> ParkOutcome;
+    fn park(&self, run_id: &str, parked: Parked) -> BoxFuture<'static, Result<ParkOutcome, StoreError>>;
     /// Records `decisions` of `decider` (all or none: a refused one leaves every call as it
     /// was); returns the run's calls after them.
     fn decide(
@@ -349,26 +361,29 @@ pub trait ApprovalLot: Send + Sync + 'static {
         run_id: &str,
         decider: &Decider,
         decisions: &[Decision],
-    ) -> Result<Vec<PendingApproval>, DecideError>;
+    ) -> BoxFuture<'static, Result<Vec<PendingApproval>, DecideError>>;
     /// The calls waiting that `decider` may decide (of `run_id` only, when given), oldest first,
     /// at most `limit`; and whether more wait.
-    fn pending(&self, decider: &Decider, run_id: Option<&str>, limit: usize) -> (Vec<PendingApproval>, bool);
-    /// A waiting run's calls, with the decisions so far (`None`: it waits for nothing).
-    fn calls(&self, run_id: &str) -> Option<Vec<PendingApproval>>;
-    /// A parked run's state, with its calls' decisions so far.
+    fn pending(
+        &self,
+        decider: &Decider,
+        run_id: Option<&str>,
+        limit: usize,
+    ) -> BoxFuture<'static, Result<(Vec<PendingApproval>, bool), StoreError>>;
+    /// A run's wait, with the decisions so far (`None`: it waits for nothing).
+    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>>;
+    /// A run parked in this process, as `GetRun` shows it (a shared lot leaves that to the store).
     fn parked(&self, run_id: &str) -> Option<RunResult>;
-    /// Cancels a parked run (it is handed out to end); whether one was parked.
-    fn cancel(&self, run_id: &str, reason: &str) -> bool;
-    /// Forgets a run's wait (its turn ended while it still had its slot).
-    fn close(&self, run_id: &str);
-    /// Applies timeouts and deadlines as of `now_unix_ms`.
+    /// Cancels a parked run (it goes on only to end); whether one was parked.
+    fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>>;
+    /// Forgets a run's wait (its calls were decided and taken, or it ended).
+    fn close(&self, run_id: &str) -> BoxFuture<'static, ()>;
+    /// Applies timeouts and deadlines as of `now_unix_ms` (a lot of this process).
     fn expire(&self, now_unix_ms: u64);
-    /// The oldest parked run ready to resume, taken out of the lot.
+    /// The oldest parked run of this process ready to resume, taken out of the lot.
     fn take_ready(&self) -> Option<Ready>;
     /// Gives back a ready run that found no slot (it is handed out again later).
     fn put_back(&self, ready: Ready);
     /// Resolves when a run may have become ready.
     fn changed(&self) -> BoxFuture<'static, ()>;
-    /// Runs parked now.
-    fn parked_count(&self) -> usize;
 }

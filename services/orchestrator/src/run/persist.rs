@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::backlog::Backlog;
 use super::live::SharedState;
-use crate::domain::ports::{Claim, ResultStore, RunJournal, StoreError, within};
+use crate::domain::ports::{Claim, ParkOutcome, ResultStore, RunJournal, StoreError, within};
 use crate::domain::result::RunResult;
 
 /// Writes one run's state to the store, newest state last.
@@ -28,6 +28,9 @@ pub struct Persister {
     /// Cancelled once a write was refused because another replica owns the run, or the run was
     /// handed over: nothing of it is written from here after that.
     taken_over: CancellationToken,
+    /// Set once the run parked for approvals: its record is the lot's now, and nothing of it is
+    /// written from here (a lease renewal would make it running again).
+    released: CancellationToken,
 }
 
 /// A checkpoint as the loop hands it over: the run's state, its deadline and the serialized
@@ -53,6 +56,7 @@ impl Persister {
             backlog,
             journal: None,
             taken_over: CancellationToken::new(),
+            released: CancellationToken::new(),
         }
     }
 
@@ -75,7 +79,7 @@ impl Persister {
     /// Writes the current state now; whether the store took it.
     pub async fn write(&self) -> bool {
         let _serialized = self.lock.lock().await;
-        if self.taken_over.is_cancelled() {
+        if self.taken_over.is_cancelled() || self.released.is_cancelled() {
             return false;
         }
         let snapshot = self.snapshot();
@@ -108,7 +112,7 @@ impl Persister {
             return false;
         };
         let _serialized = self.lock.lock().await;
-        if self.taken_over.is_cancelled() {
+        if self.taken_over.is_cancelled() || self.released.is_cancelled() {
             return false;
         }
         let Snapshot {
@@ -121,6 +125,20 @@ impl Persister {
         metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(bytes.len() as f64);
         let saved = within(self.timeout, journal.save(result, deadline_unix_ms, bytes)).await;
         self.outcome(&run_id, "saving the run's checkpoint", saved)
+    }
+
+    /// Parks the run (`park`, the approval lot's) with no write of this persister in between;
+    /// once parked, nothing of the run is written from here any more.
+    pub async fn parking(
+        &self,
+        park: impl Future<Output = Result<ParkOutcome, StoreError>>,
+    ) -> Result<ParkOutcome, StoreError> {
+        let _serialized = self.lock.lock().await;
+        let parked = park.await;
+        if matches!(parked, Ok(ParkOutcome::Parked)) {
+            self.released.cancel();
+        }
+        parked
     }
 
     /// Releases the run as handed over at a drain (its last checkpoint stands): another replica

@@ -6,12 +6,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use futures::FutureExt;
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, ready};
 use tokio::sync::Notify;
 
 use crate::domain::RunResult;
 use crate::domain::approval::{ApprovalDecision, DecideError, Decision, PendingApproval, check_decision};
-use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, Wait};
+use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 
 /// One run's wait.
 struct Entry {
@@ -25,6 +25,16 @@ struct Entry {
     woke: bool,
     /// Order of opening, so the oldest waits are listed (and resumed) first.
     opened: u64,
+}
+
+impl Entry {
+    fn waiting(&self) -> Waiting {
+        Waiting {
+            calls: self.calls.clone(),
+            canceled: self.canceled.clone(),
+            parked_at_unix_ms: self.parked.as_ref().map_or(0, |p| p.parked_at_unix_ms),
+        }
+    }
 }
 
 impl Entry {
@@ -80,8 +90,8 @@ impl MemoryLot {
     }
 }
 
-impl ApprovalLot for MemoryLot {
-    fn open(&self, wait: Wait) -> Result<(), String> {
+impl MemoryLot {
+    fn open_now(&self, wait: Wait) -> Result<(), String> {
         let mut inner = self.lock();
         if !inner.runs.contains_key(&wait.run_id) && inner.runs.len() >= self.max_waiting {
             return Err(format!(
@@ -111,7 +121,7 @@ impl ApprovalLot for MemoryLot {
         Ok(())
     }
 
-    fn park(&self, run_id: &str, parked: Parked) -> ParkOutcome {
+    fn park_now(&self, run_id: &str, parked: Parked) -> ParkOutcome {
         let mut inner = self.lock();
         let Some(entry) = inner.runs.get_mut(run_id) else {
             // Nothing waits (the wait was never opened): the run goes on with no decision.
@@ -128,7 +138,7 @@ impl ApprovalLot for MemoryLot {
         ParkOutcome::Parked
     }
 
-    fn decide(
+    fn decide_now(
         &self,
         run_id: &str,
         decider: &Decider,
@@ -141,35 +151,13 @@ impl ApprovalLot for MemoryLot {
             .filter(|e| e.canceled.is_none())
             .ok_or_else(|| DecideError::NotFound(run_id.to_owned()))?;
         if !decider.may_decide(&entry.principal) {
-            // Another caller's run reads as unknown unless the caller may see it.
             return Err(DecideError::NotAllowed {
                 caller: decider.name.clone(),
                 run_id: run_id.to_owned(),
             });
         }
-        let now = shared::sync::unix_ms();
-        let mut recorded: Vec<(usize, ApprovalDecision)> = Vec::with_capacity(decisions.len());
-        for decision in decisions {
-            let index = entry
-                .calls
-                .iter()
-                .position(|c| c.call_id == decision.call_id)
-                .ok_or_else(|| DecideError::NotPending {
-                    run_id: run_id.to_owned(),
-                    call_id: decision.call_id.clone(),
-                })?;
-            if recorded.iter().any(|(i, _)| *i == index) {
-                return Err(DecideError::Invalid(format!(
-                    "call {:?} is named twice in one request",
-                    decision.call_id
-                )));
-            }
-            let schema = entry.schemas.get(&decision.call_id).cloned().unwrap_or_default();
-            recorded.push((
-                index,
-                check_decision(decision, &entry.calls[index], &schema, &decider.name, now)?,
-            ));
-        }
+        let schemas = &entry.schemas;
+        let recorded = decide_calls(run_id, &entry.calls, |id| schemas.get(id), decider, decisions)?;
         for (index, decision) in recorded {
             entry.calls[index].decision = Some(decision);
         }
@@ -180,7 +168,7 @@ impl ApprovalLot for MemoryLot {
         Ok(calls)
     }
 
-    fn pending(&self, decider: &Decider, run_id: Option<&str>, limit: usize) -> (Vec<PendingApproval>, bool) {
+    fn pending_now(&self, decider: &Decider, run_id: Option<&str>, limit: usize) -> (Vec<PendingApproval>, bool) {
         let inner = self.lock();
         let mut entries: Vec<&Entry> = inner
             .runs
@@ -199,8 +187,83 @@ impl ApprovalLot for MemoryLot {
         (listed, more)
     }
 
-    fn calls(&self, run_id: &str) -> Option<Vec<PendingApproval>> {
-        self.lock().runs.get(run_id).map(|e| e.calls.clone())
+    fn cancel_now(&self, run_id: &str, reason: &str) -> bool {
+        let mut inner = self.lock();
+        let Some(entry) = inner.runs.get_mut(run_id).filter(|e| e.parked.is_some()) else {
+            return false;
+        };
+        entry.canceled = Some(reason.to_owned());
+        inner.mark_if_ready(run_id);
+        self.changed.notify_one();
+        true
+    }
+}
+
+/// Checks `decisions` of `decider` against the run's `calls` (each named once, each waiting, an
+/// edit accepted by `schema_of` its call); the decisions to record, by call position. All or
+/// none: the first refused one is the error.
+pub(super) fn decide_calls<'a>(
+    run_id: &str,
+    calls: &[PendingApproval],
+    schema_of: impl Fn(&str) -> Option<&'a serde_json::Value>,
+    decider: &Decider,
+    decisions: &[Decision],
+) -> Result<Vec<(usize, ApprovalDecision)>, DecideError> {
+    let now = shared::sync::unix_ms();
+    let mut recorded: Vec<(usize, ApprovalDecision)> = Vec::with_capacity(decisions.len());
+    for decision in decisions {
+        let index = calls
+            .iter()
+            .position(|c| c.call_id == decision.call_id)
+            .ok_or_else(|| DecideError::NotPending {
+                run_id: run_id.to_owned(),
+                call_id: decision.call_id.clone(),
+            })?;
+        if recorded.iter().any(|(i, _)| *i == index) {
+            return Err(DecideError::Invalid(format!(
+                "call {:?} is named twice in one request",
+                decision.call_id
+            )));
+        }
+        let any_object = serde_json::json!({"type": "object"});
+        let schema = schema_of(&decision.call_id).unwrap_or(&any_object);
+        recorded.push((
+            index,
+            check_decision(decision, &calls[index], schema, &decider.name, now)?,
+        ));
+    }
+    Ok(recorded)
+}
+
+impl ApprovalLot for MemoryLot {
+    fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
+        ready(self.open_now(wait)).boxed()
+    }
+
+    fn park(&self, run_id: &str, parked: Parked) -> BoxFuture<'static, Result<ParkOutcome, StoreError>> {
+        ready(Ok(self.park_now(run_id, parked))).boxed()
+    }
+
+    fn decide(
+        &self,
+        run_id: &str,
+        decider: &Decider,
+        decisions: &[Decision],
+    ) -> BoxFuture<'static, Result<Vec<PendingApproval>, DecideError>> {
+        ready(self.decide_now(run_id, decider, decisions)).boxed()
+    }
+
+    fn pending(
+        &self,
+        decider: &Decider,
+        run_id: Option<&str>,
+        limit: usize,
+    ) -> BoxFuture<'static, Result<(Vec<PendingApproval>, bool), StoreError>> {
+        ready(Ok(self.pending_now(decider, run_id, limit))).boxed()
+    }
+
+    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
+        ready(Ok(self.lock().runs.get(run_id).map(Entry::waiting))).boxed()
     }
 
     fn parked(&self, run_id: &str) -> Option<RunResult> {
@@ -211,22 +274,19 @@ impl ApprovalLot for MemoryLot {
         Some(result)
     }
 
-    fn cancel(&self, run_id: &str, reason: &str) -> bool {
-        let mut inner = self.lock();
-        let Some(entry) = inner.runs.get_mut(run_id).filter(|e| e.parked.is_some()) else {
-            return false;
-        };
-        entry.canceled = Some(reason.to_owned());
-        inner.mark_if_ready(run_id);
-        self.changed.notify_one();
-        true
+    fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
+        ready(Ok(self.cancel_now(run_id, reason))).boxed()
     }
 
-    fn close(&self, run_id: &str) {
+    fn close(&self, run_id: &str) -> BoxFuture<'static, ()> {
         let mut inner = self.lock();
         if let Some(entry) = inner.runs.remove(run_id) {
             inner.ready.remove(&entry.opened);
+            if entry.parked.is_some() {
+                metrics::gauge!(crate::telemetry::metric::RUNS_AWAITING_APPROVAL).decrement(1.0);
+            }
         }
+        ready(()).boxed()
     }
 
     fn expire(&self, now_unix_ms: u64) {
@@ -256,13 +316,13 @@ impl ApprovalLot for MemoryLot {
         let mut inner = self.lock();
         let (_, run_id) = inner.ready.pop_first()?;
         let entry = inner.runs.remove(&run_id)?;
+        let waiting = entry.waiting();
         let parked = entry.parked?;
         metrics::gauge!(crate::telemetry::metric::RUNS_AWAITING_APPROVAL).decrement(1.0);
         Some(Ready {
             run_id,
             parked,
-            calls: entry.calls,
-            canceled: entry.canceled,
+            waiting,
         })
     }
 
@@ -271,10 +331,10 @@ impl ApprovalLot for MemoryLot {
         inner.opened += 1;
         let entry = Entry {
             principal: ready.parked.result.principal.clone(),
-            calls: ready.calls,
+            calls: ready.waiting.calls,
             schemas: HashMap::new(),
             parked: Some(ready.parked),
-            canceled: ready.canceled,
+            canceled: ready.waiting.canceled,
             woke: true,
             opened: inner.opened,
         };
@@ -286,9 +346,5 @@ impl ApprovalLot for MemoryLot {
     fn changed(&self) -> BoxFuture<'static, ()> {
         let changed = std::sync::Arc::clone(&self.changed);
         async move { changed.notified().await }.boxed()
-    }
-
-    fn parked_count(&self) -> usize {
-        self.lock().runs.values().filter(|e| e.parked.is_some()).count()
     }
 }

@@ -11,7 +11,8 @@
 //! ([`nats_log::NatsLog`]), bounded per run and kept as long as results are.
 //!
 //! Runs waiting for approvals are parked in an [`ApprovalLot`]: in this process with the
-//! in-memory store ([`memory_approvals::MemoryLot`]).
+//! in-memory store ([`memory_approvals::MemoryLot`]), in NATS with the NATS store
+//! ([`nats_approvals::NatsLot`], decided and resumed on any replica).
 //!
 //! [`ApprovalLot`]: crate::domain::ports::ApprovalLot
 //! [`ResultStore`]: crate::domain::ports::ResultStore
@@ -21,6 +22,7 @@ pub mod memory;
 pub mod memory_approvals;
 pub mod memory_log;
 pub mod nats;
+pub mod nats_approvals;
 pub mod nats_journal;
 pub mod nats_log;
 

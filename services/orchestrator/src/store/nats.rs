@@ -60,6 +60,15 @@ pub(super) struct Record {
     /// 0: none.
     #[prost(uint64, tag = "5")]
     pub resumable_until_unix_ms: u64,
+    /// The run is parked waiting for approvals: it has no owner until it is ready.
+    #[prost(bool, tag = "6")]
+    pub awaiting: bool,
+    /// A parked run's calls are decided (or it was canceled): any replica resumes it now.
+    #[prost(bool, tag = "7")]
+    pub ready: bool,
+    /// A parked run wakes then even undecided (its first expiry, or its deadline; Unix ms).
+    #[prost(uint64, tag = "8")]
+    pub wake_at_unix_ms: u64,
 }
 
 /// What this replica knows of a run it owns.
@@ -128,9 +137,18 @@ impl Record {
             && self.lease_expires_unix_ms < now_unix_ms
     }
 
-    /// Whether the run's owner is gone (lease lapsed, or handed over) while it may be resumed.
+    /// Whether the run has not ended: it runs, or it is parked waiting for approvals.
+    pub(super) fn live(&self) -> bool {
+        self.running() || self.awaiting
+    }
+
+    /// Whether the run's owner is gone (lease lapsed, or handed over) while it may be resumed, or
+    /// it is parked and ready to go on (decided, canceled, or its wake time passed).
     pub(super) fn orphaned(&self, now_unix_ms: u64) -> bool {
-        self.running() && self.resumable(now_unix_ms) && (self.handed_over || self.lease_expires_unix_ms < now_unix_ms)
+        let lost_owner = self.running()
+            && self.resumable(now_unix_ms)
+            && (self.handed_over || self.lease_expires_unix_ms < now_unix_ms);
+        lost_owner || (self.awaiting && (self.ready || self.wake_at_unix_ms <= now_unix_ms))
     }
 }
 
@@ -160,7 +178,7 @@ impl KvStore {
         lease: Duration,
     ) -> Result<Self, StoreError> {
         let checkpoints = super::nats_journal::open_checkpoints(js, bucket, ttl).await?;
-        let kv = Self::open_bucket(js, bucket, ttl).await?;
+        let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results").await?;
         Ok(Self {
             kv,
             owner,
@@ -172,17 +190,18 @@ impl KvStore {
         })
     }
 
-    async fn open_bucket(
+    pub(super) async fn open_bucket(
         js: &jetstream::Context,
         bucket: &str,
         ttl: Duration,
+        description: &str,
     ) -> Result<jetstream::kv::Store, StoreError> {
         if let Ok(kv) = js.get_key_value(bucket).await {
             return Ok(kv);
         }
         js.get_or_create_stream(jetstream::stream::Config {
             name: format!("KV_{bucket}"),
-            description: Some("orchestrator run results".to_owned()),
+            description: Some(description.to_owned()),
             subjects: vec![format!("$KV.{bucket}.>")],
             max_messages_per_subject: 1,
             max_age: ttl,
@@ -209,6 +228,9 @@ impl KvStore {
             lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease),
             handed_over: false,
             resumable_until_unix_ms,
+            awaiting: false,
+            ready: false,
+            wake_at_unix_ms: 0,
         }
     }
 

@@ -125,8 +125,10 @@ impl RunJournal for KvStore {
                             // A checkpoint left by a run that ended, or whose replica is gone
                             // and that cannot be resumed any more. Not one whose replica lives:
                             // its first checkpoint is put before the record says it exists.
-                            _ if !record.running()
-                                || (!record.resumable(now) && record.lease_expires_unix_ms < now) =>
+                            _ if !record.live()
+                                || (record.running()
+                                    && !record.resumable(now)
+                                    && record.lease_expires_unix_ms < now) =>
                             {
                                 let _ = checkpoints.delete(&name).await;
                                 None
@@ -161,8 +163,18 @@ impl RunJournal for KvStore {
                 owner,
                 lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease_ms),
                 handed_over: false,
+                awaiting: false,
+                ready: false,
+                wake_at_unix_ms: 0,
                 ..record
             };
+            let mut claimed = claimed;
+            // A parked run goes on: it runs again once claimed.
+            if let Some(result) = claimed.result.as_mut()
+                && result.status == proto::orchestrator::v1::RunStatus::AwaitingApproval as i32
+            {
+                result.status = proto::orchestrator::v1::RunStatus::Running.into();
+            }
             let revision = match kv.update(&key, claimed.encode_to_vec().into(), entry.revision).await {
                 Ok(revision) => revision,
                 Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => return Ok(None),

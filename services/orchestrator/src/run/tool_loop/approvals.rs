@@ -13,7 +13,7 @@ use shared::sync::lock;
 use super::durable::TurnCalls;
 use super::{CallOutcome, Driver, End, Step};
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, OnTimeout, PendingApproval};
-use crate::domain::ports::{ParkOutcome, Parked, Ready, Wait};
+use crate::domain::ports::{ParkOutcome, Parked, Wait, Waiting};
 use crate::domain::{Event, FailureReason, RunStatus};
 use crate::telemetry::metric;
 
@@ -38,19 +38,30 @@ impl Approval {
 }
 
 impl super::Checkpoint {
-    /// The checkpoint of a parked run that is ready to go on, with its calls' decisions taken in
-    /// and, when its deadline pauses while it waits, the deadline moved by the wait.
-    pub fn from_parked(ready: &Ready) -> Result<Self, String> {
-        let mut checkpoint: Self = serde_json::from_slice(&ready.parked.checkpoint).map_err(|e| e.to_string())?;
-        if let Some(calls) = checkpoint.calls.as_mut() {
-            calls.take_decisions(&ready.calls);
+    /// The checkpoint of a parked run that is ready to go on: its calls' decisions taken in (a
+    /// call nobody decided before it expired is rejected as timed out) and, when its deadline
+    /// pauses while it waits, the deadline moved by the wait.
+    pub fn decided(mut self, waiting: &Waiting) -> Self {
+        let now = shared::sync::unix_ms();
+        if let Some(calls) = self.calls.as_mut() {
+            calls.take_decisions(&waiting.calls);
+            for approval in calls.approvals.iter_mut().filter(|a| a.decision.is_none()) {
+                if approval.expires_at_unix_ms <= now {
+                    approval.decision = Some(ApprovalDecision::timed_out(now));
+                }
+            }
         }
-        if checkpoint.spec.approval.pause_deadline {
-            let waited = shared::sync::unix_ms().saturating_sub(ready.parked.parked_at_unix_ms);
-            checkpoint.spec.deadline.at += std::time::Duration::from_millis(waited);
+        if self.spec.approval.pause_deadline && waiting.parked_at_unix_ms > 0 {
+            let waited = now.saturating_sub(waiting.parked_at_unix_ms);
+            self.spec.deadline.at += std::time::Duration::from_millis(waited);
         }
-        checkpoint.result.pending_approvals.clone_from(&ready.calls);
-        Ok(checkpoint)
+        self.result.pending_approvals.clone_from(&waiting.calls);
+        self
+    }
+
+    /// Whether calls of the checkpoint's turn wait for decisions.
+    pub fn awaits_decisions(&self) -> bool {
+        self.calls.as_ref().is_some_and(TurnCalls::undecided)
     }
 }
 
@@ -108,7 +119,7 @@ impl Driver<'_> {
     /// Announces the calls that wait (`approval_requested`, and the run's pending approvals) and
     /// opens their wait in the lot. A lot that takes no more runs rejects them at once
     /// (`APPROVAL_UNAVAILABLE`, fed back to the model).
-    pub(super) fn ask_for_approval(&mut self, calls: &mut TurnCalls) {
+    pub(super) async fn ask_for_approval(&mut self, calls: &mut TurnCalls) {
         if calls.approvals.is_empty() {
             return;
         }
@@ -145,7 +156,7 @@ impl Driver<'_> {
             principal: self.spec.principal.clone(),
             calls: waiting,
         };
-        if let Err(reason) = self.deps.approvals.open(wait) {
+        if let Err(reason) = self.deps.approvals.open(wait).await {
             tracing::warn!("{reason}; the calls that need approval are rejected");
             calls.reject_undecided(&format!("no person could be asked to approve it ({reason})"));
         }
@@ -162,7 +173,10 @@ impl Driver<'_> {
     /// Acts on the decisions not acted on yet: an approved call is announced (with its edited
     /// arguments), one that does not run gets its outcome (the decision as its error). A timeout
     /// ends the run `APPROVAL_TIMEOUT` when the request asked for that.
-    pub(super) fn apply_decisions(&mut self, calls: &mut TurnCalls) -> Step<()> {
+    pub(super) async fn apply_decisions(&mut self, calls: &mut TurnCalls) -> Step<()> {
+        if calls.approvals.iter().all(|a| a.applied || a.decision.is_none()) {
+            return Ok(());
+        }
         let number = calls.turn.number;
         for approval in calls.approvals.iter_mut().filter(|a| !a.applied) {
             let Some(decision) = approval.decision.clone() else {
@@ -211,6 +225,7 @@ impl Driver<'_> {
         }
         if !calls.undecided() {
             lock(self.state).pending_approvals.clear();
+            self.deps.approvals.close(&self.spec.run_id).await;
         }
         Ok(())
     }
@@ -220,11 +235,10 @@ impl Driver<'_> {
     /// run (NATS store) waits in place instead, keeping its slot and its lease: decisions reach
     /// it on this replica.
     pub(super) async fn await_decisions(&mut self, calls: &mut TurnCalls) -> Step<()> {
-        if self.durable().is_some() {
-            self.wait_in_place(calls).await;
-            return Ok(());
-        }
         self.emitter.flush().await;
+        // A shared lot resumes the run on any replica from the run's log: it must hold
+        // everything sent.
+        self.emitter.settler(self.deps.log_settle_timeout).wait().await;
         let checkpoint = self.checkpoint(Some(calls));
         let result = {
             let mut state = lock(self.state);
@@ -238,18 +252,30 @@ impl Driver<'_> {
             result,
             wake_at_unix_ms: self.wake_at(calls),
             parked_at_unix_ms: shared::sync::unix_ms(),
+            deadline_unix_ms: self.spec.deadline.unix_ms(),
             log: self.emitter.take_log(),
         };
-        match self.deps.approvals.park(&self.spec.run_id, parked) {
-            ParkOutcome::Parked => {
+        let park = self.deps.approvals.park(&self.spec.run_id, parked);
+        let parked = match &self.persister {
+            Some(persister) => persister.parking(park).await,
+            None => park.await,
+        };
+        match parked {
+            Ok(ParkOutcome::Parked) => {
                 lock(self.state).status = RunStatus::AwaitingApproval;
                 tracing::info!("the run waits for approvals; it leaves its slot");
                 Err(End::Parked)
             }
-            ParkOutcome::Decided(decided, parked) => {
+            Ok(ParkOutcome::Decided(decided, parked)) => {
                 self.emitter.restore_log(parked.log);
                 calls.take_decisions(&decided);
                 calls.reject_undecided("the wait for its approval was lost");
+                Ok(())
+            }
+            Err(e) => {
+                // The store cannot take the parked run: it waits on its slot instead.
+                tracing::warn!("parking the run failed ({e}); it waits for its approvals in place");
+                self.wait_in_place(calls).await;
                 Ok(())
             }
         }
@@ -261,8 +287,8 @@ impl Driver<'_> {
         const LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
         let run_id = self.spec.run_id.clone();
         loop {
-            if let Some(decided) = self.deps.approvals.calls(&run_id) {
-                calls.take_decisions(&decided);
+            if let Ok(Some(waiting)) = self.deps.approvals.waiting(&run_id).await {
+                calls.take_decisions(&waiting.calls);
             }
             let now = shared::sync::unix_ms();
             for approval in calls.approvals.iter_mut().filter(|a| a.decision.is_none()) {
@@ -271,7 +297,6 @@ impl Driver<'_> {
                 }
             }
             if !calls.undecided() {
-                self.deps.approvals.close(&run_id);
                 return;
             }
             tokio::time::sleep(LOOK_EVERY).await;

@@ -160,7 +160,7 @@ async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) 
         End::Parked => return lock(&state).clone(),
         End::HandedOver | End::TakenOver => return moved(end, persister.as_ref(), &state).await,
         // A wait opened in this turn ends with the run.
-        _ if !lock(&state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id),
+        _ if !lock(&state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id).await,
         _ => {}
     }
     let result = settle(&state, end, &cancel);

@@ -71,9 +71,9 @@ impl Driver<'_> {
     pub(super) async fn tools_half(&mut self, mut calls: TurnCalls, announce: bool) -> Step<()> {
         if announce {
             self.announce_calls(&calls);
-            self.ask_for_approval(&mut calls);
+            self.ask_for_approval(&mut calls).await;
         }
-        self.apply_decisions(&mut calls)?;
+        self.apply_decisions(&mut calls).await?;
         self.safe_point(Some(&calls)).await?;
         // The calls that finished before this replica resumed the turn are not run again, and
         // stay in the checkpoints taken as the others finish.
@@ -81,7 +81,7 @@ impl Driver<'_> {
         calls.finished.extend(ran);
         if calls.undecided() {
             self.await_decisions(&mut calls).await?;
-            self.apply_decisions(&mut calls)?;
+            self.apply_decisions(&mut calls).await?;
             self.safe_point(Some(&calls)).await?;
             let ran = self.dispatch(&calls).await;
             calls.finished.extend(ran);

@@ -1,0 +1,382 @@
+//! Runs waiting for approvals on NATS (with the NATS store): any replica decides, any replica
+//! resumes, and a parked run holds nothing on any replica.
+//!
+//! A run's wait is a JSON record in the key-value bucket `<bucket>-approvals` (under the run's
+//! key): its owner, its calls with their decisions, their tools' schemas, and whether it was
+//! canceled. Every change is a compare-and-set on the record's revision, so two decisions of one
+//! call never both land. A parked run is its checkpoint (in the checkpoint object store) and its
+//! run record marked `awaiting`, with no owner; once its calls are decided (or it is canceled) the
+//! replica that saw it so marks the record `ready` and announces it like a hand-over, and the
+//! takeover of every replica claims it (one winner) and resumes it with the decisions; a record
+//! whose wake time passed (a call's expiry, or the run's deadline) is claimed the same way.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use prost::Message;
+use serde::{Deserialize, Serialize};
+
+use super::memory_approvals::decide_calls;
+use super::nats::{KvStore, decode_record, key, unavailable};
+use crate::domain::RunResult;
+use crate::domain::approval::{DecideError, Decision, PendingApproval};
+use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
+
+/// Compare-and-set attempts on one record before giving up (others kept changing it).
+const CAS_ATTEMPTS: usize = 16;
+/// Waits read at once while listing.
+const LIST_CONCURRENCY: usize = 16;
+
+/// One run's wait, as stored.
+#[derive(Serialize, Deserialize)]
+struct WaitRecord {
+    principal: String,
+    calls: Vec<PendingApproval>,
+    schemas: BTreeMap<String, serde_json::Value>,
+    canceled: Option<String>,
+    parked_at_unix_ms: u64,
+}
+
+impl WaitRecord {
+    fn decided(&self) -> bool {
+        self.calls.iter().all(|c| c.decision.is_some())
+    }
+
+    fn waiting(&self) -> Waiting {
+        Waiting {
+            calls: self.calls.clone(),
+            canceled: self.canceled.clone(),
+            parked_at_unix_ms: self.parked_at_unix_ms,
+        }
+    }
+}
+
+/// See the module docs.
+pub struct NatsLot {
+    waits: jetstream::kv::Store,
+    store: Arc<KvStore>,
+}
+
+impl NatsLot {
+    /// Binds (or creates) the bucket of waits beside the results bucket `bucket`.
+    pub async fn open(
+        js: &jetstream::Context,
+        bucket: &str,
+        ttl: Duration,
+        store: Arc<KvStore>,
+    ) -> Result<Self, StoreError> {
+        let name = format!("{bucket}-approvals");
+        let waits = KvStore::open_bucket(js, &name, ttl, "orchestrator tool calls waiting for approval").await?;
+        Ok(Self { waits, store })
+    }
+}
+
+/// A wait and its revision.
+async fn read(waits: &jetstream::kv::Store, key: &str) -> Result<Option<(WaitRecord, u64)>, StoreError> {
+    let Some(entry) = waits.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? else {
+        return Ok(None);
+    };
+    if entry.operation != jetstream::kv::Operation::Put {
+        return Ok(None);
+    }
+    let record = serde_json::from_slice(&entry.value).map_err(|e| StoreError::Corrupt {
+        key: key.to_owned(),
+        reason: e.to_string(),
+    })?;
+    Ok(Some((record, entry.revision)))
+}
+
+/// Writes `record` over `revision`; `Ok(false)` when another write came first.
+async fn replace(
+    waits: &jetstream::kv::Store,
+    key: &str,
+    record: &WaitRecord,
+    revision: u64,
+) -> Result<bool, StoreError> {
+    let bytes = serde_json::to_vec(record).unwrap_or_default();
+    match waits.update(key, bytes.into(), revision).await {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => Ok(false),
+        Err(e) => Err(unavailable("KV update", key, e)),
+    }
+}
+
+/// Marks a parked run `ready` in the run store (compare-and-set; nothing when it is not parked
+/// or is ready already) and announces it, so a replica takes it over at once.
+async fn mark_ready(store: &KvStore, key: &str) -> Result<(), StoreError> {
+    for _ in 0..CAS_ATTEMPTS {
+        let Some(entry) = store.kv.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? else {
+            return Ok(());
+        };
+        let mut record = decode_record(key, &entry.value)?;
+        if !record.awaiting || record.ready {
+            return Ok(());
+        }
+        record.ready = true;
+        match store
+            .kv
+            .update(key, record.encode_to_vec().into(), entry.revision)
+            .await
+        {
+            Ok(_) => {
+                let _ = store
+                    .client
+                    .publish(store.handover_subject.clone(), key.as_bytes().to_vec().into())
+                    .await;
+                return Ok(());
+            }
+            Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => {}
+            Err(e) => return Err(unavailable("KV update", key, e)),
+        }
+    }
+    Err(unavailable("KV update", key, "the record kept changing"))
+}
+
+/// The decisions of a `decide` call, applied to the stored wait (compare-and-set, tried again
+/// while other writes come first).
+async fn decide_stored(
+    waits: &jetstream::kv::Store,
+    run_id: &str,
+    decider: &Decider,
+    decisions: &[Decision],
+) -> Result<WaitRecord, DecideError> {
+    let key = key(run_id);
+    let unavailable = |e: StoreError| DecideError::Unavailable(e.to_string());
+    for _ in 0..CAS_ATTEMPTS {
+        let (mut record, revision) = read(waits, &key)
+            .await
+            .map_err(unavailable)?
+            .filter(|(r, _)| r.canceled.is_none())
+            .ok_or_else(|| DecideError::NotFound(run_id.to_owned()))?;
+        if !decider.may_decide(&record.principal) {
+            return Err(DecideError::NotAllowed {
+                caller: decider.name.clone(),
+                run_id: run_id.to_owned(),
+            });
+        }
+        let schemas = &record.schemas;
+        let recorded = decide_calls(run_id, &record.calls, |id| schemas.get(id), decider, decisions)?;
+        for (index, decision) in recorded {
+            record.calls[index].decision = Some(decision);
+        }
+        if replace(waits, &key, &record, revision).await.map_err(unavailable)? {
+            return Ok(record);
+        }
+    }
+    Err(DecideError::Unavailable(format!(
+        "the wait of run {run_id} kept changing under this decision; send it again"
+    )))
+}
+
+impl NatsLot {
+    /// Parks a run: its checkpoint, then its record marked `awaiting` (released by its owner).
+    async fn park_stored(
+        waits: jetstream::kv::Store,
+        store: Arc<KvStore>,
+        run_id: String,
+        parked: Parked,
+    ) -> Result<ParkOutcome, StoreError> {
+        let key = key(&run_id);
+        // The time it parked goes into its wait; every call decided already: it goes on here.
+        let mut stamped = false;
+        for _ in 0..CAS_ATTEMPTS {
+            let Some((mut wait, revision)) = read(&waits, &key).await? else {
+                return Ok(ParkOutcome::Decided(Vec::new(), Box::new(parked)));
+            };
+            if wait.decided() {
+                let _ = waits.delete(&key).await;
+                return Ok(ParkOutcome::Decided(wait.calls, Box::new(parked)));
+            }
+            wait.parked_at_unix_ms = parked.parked_at_unix_ms;
+            if replace(&waits, &key, &wait, revision).await? {
+                stamped = true;
+                break;
+            }
+        }
+        if !stamped {
+            return Err(unavailable("KV update", &key, "the wait kept changing"));
+        }
+        store
+            .checkpoints
+            .put(key.as_str(), &mut parked.checkpoint.as_slice())
+            .await
+            .map_err(|e| unavailable("checkpoint put", &key, e))?;
+        let mut record = store.record(
+            proto::orchestrator::v1::RunResult::from(&parked.result),
+            parked.deadline_unix_ms.max(parked.wake_at_unix_ms),
+        );
+        record.awaiting = true;
+        record.wake_at_unix_ms = parked.wake_at_unix_ms;
+        record.lease_expires_unix_ms = shared::sync::unix_ms();
+        store.write(key.clone(), record).await?;
+        // Decided (or canceled) while it parked: it is ready at once.
+        if let Some((wait, _)) = read(&waits, &key).await?
+            && (wait.decided() || wait.canceled.is_some())
+        {
+            mark_ready(&store, &key).await?;
+        }
+        Ok(ParkOutcome::Parked)
+    }
+
+    /// The waits `decider` may decide (of `run_id` only, when given), oldest request first.
+    async fn listed(
+        waits: jetstream::kv::Store,
+        decider: Decider,
+        run_id: Option<String>,
+        limit: usize,
+    ) -> Result<(Vec<PendingApproval>, bool), StoreError> {
+        let keys: Vec<String> = match run_id {
+            Some(run_id) => vec![key(&run_id)],
+            None => {
+                let mut keys = waits.keys().await.map_err(|e| unavailable("KV keys", "", e))?;
+                let mut all = Vec::new();
+                while let Some(key) = keys.next().await {
+                    all.push(key.map_err(|e| unavailable("KV keys", "", e))?);
+                }
+                all
+            }
+        };
+        let records: Vec<WaitRecord> = futures::stream::iter(keys)
+            .map(|key| {
+                let waits = waits.clone();
+                async move { read(&waits, &key).await.ok().flatten().map(|(r, _)| r) }
+            })
+            .buffer_unordered(LIST_CONCURRENCY)
+            .filter_map(std::future::ready)
+            .collect()
+            .await;
+        let mut calls: Vec<PendingApproval> = records
+            .into_iter()
+            .filter(|r| r.canceled.is_none() && decider.may_decide(&r.principal))
+            .flat_map(|r| r.calls.into_iter().filter(|c| c.decision.is_none()))
+            .collect();
+        calls.sort_by_key(|c| c.requested_at_unix_ms);
+        let more = calls.len() > limit;
+        calls.truncate(limit);
+        Ok((calls, more))
+    }
+}
+
+impl ApprovalLot for NatsLot {
+    fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
+        let waits = self.waits.clone();
+        let key = key(&wait.run_id);
+        let (calls, schemas) = wait
+            .calls
+            .into_iter()
+            .map(|(call, schema)| {
+                let id = call.call_id.clone();
+                (call, (id, schema))
+            })
+            .unzip();
+        let record = WaitRecord {
+            principal: wait.principal,
+            calls,
+            schemas,
+            canceled: None,
+            parked_at_unix_ms: 0,
+        };
+        async move {
+            let bytes = serde_json::to_vec(&record).unwrap_or_default();
+            waits
+                .put(&key, bytes.into())
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("the approvals bucket did not take the wait: {e}"))
+        }
+        .boxed()
+    }
+
+    fn park(&self, run_id: &str, parked: Parked) -> BoxFuture<'static, Result<ParkOutcome, StoreError>> {
+        Self::park_stored(self.waits.clone(), Arc::clone(&self.store), run_id.to_owned(), parked).boxed()
+    }
+
+    fn decide(
+        &self,
+        run_id: &str,
+        decider: &Decider,
+        decisions: &[Decision],
+    ) -> BoxFuture<'static, Result<Vec<PendingApproval>, DecideError>> {
+        let (waits, store) = (self.waits.clone(), Arc::clone(&self.store));
+        let (run_id, decider, decisions) = (run_id.to_owned(), decider.clone(), decisions.to_vec());
+        async move {
+            let record = decide_stored(&waits, &run_id, &decider, &decisions).await?;
+            if record.decided() {
+                // A parked run goes on; a live one takes the decisions when it parks.
+                mark_ready(&store, &key(&run_id))
+                    .await
+                    .map_err(|e| DecideError::Unavailable(e.to_string()))?;
+            }
+            Ok(record.calls)
+        }
+        .boxed()
+    }
+
+    fn pending(
+        &self,
+        decider: &Decider,
+        run_id: Option<&str>,
+        limit: usize,
+    ) -> BoxFuture<'static, Result<(Vec<PendingApproval>, bool), StoreError>> {
+        Self::listed(self.waits.clone(), decider.clone(), run_id.map(str::to_owned), limit).boxed()
+    }
+
+    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
+        let (waits, key) = (self.waits.clone(), key(run_id));
+        async move { Ok(read(&waits, &key).await?.map(|(r, _)| r.waiting())) }.boxed()
+    }
+
+    fn parked(&self, _run_id: &str) -> Option<RunResult> {
+        // The run store answers for a parked run (its record reads AWAITING_APPROVAL).
+        None
+    }
+
+    fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
+        let (waits, store, key, reason) = (
+            self.waits.clone(),
+            Arc::clone(&self.store),
+            key(run_id),
+            reason.to_owned(),
+        );
+        async move {
+            for _ in 0..CAS_ATTEMPTS {
+                let Some((mut wait, revision)) = read(&waits, &key).await? else {
+                    return Ok(false);
+                };
+                wait.canceled = Some(reason.clone());
+                if replace(&waits, &key, &wait, revision).await? {
+                    mark_ready(&store, &key).await?;
+                    return Ok(true);
+                }
+            }
+            Err(unavailable("KV update", &key, "the wait kept changing"))
+        }
+        .boxed()
+    }
+
+    fn close(&self, run_id: &str) -> BoxFuture<'static, ()> {
+        let (waits, key) = (self.waits.clone(), key(run_id));
+        async move {
+            let _ = waits.delete(&key).await;
+        }
+        .boxed()
+    }
+
+    fn expire(&self, _now_unix_ms: u64) {
+        // The takeover wakes parked runs (their record's wake time).
+    }
+
+    fn take_ready(&self) -> Option<Ready> {
+        None
+    }
+
+    fn put_back(&self, _ready: Ready) {}
+
+    fn changed(&self) -> BoxFuture<'static, ()> {
+        futures::future::pending().boxed()
+    }
+}
