@@ -7,6 +7,7 @@
 //! `cargo run --release -p bench` runs the full grid (minutes); `--quick` a small one (seconds,
 //! run in CI so the benchmark cannot rot).
 
+mod approvals;
 mod durability;
 mod micro;
 mod otlp;
@@ -86,6 +87,11 @@ struct Cli {
     /// LiteLLM proxy, from the test cache), each figure as a ratio to theirs.
     #[arg(long)]
     peers: bool,
+    /// Instead of the grid: this many runs (1–100000) parked waiting for approvals at once on 16
+    /// run slots, with the memory and the NATS store: RSS per parked run, then every call
+    /// approved; writes `approvals.md` / `approvals.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    approvals: Option<u64>,
 }
 
 /// Whether the real-server row runs.
@@ -695,6 +701,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if cli.paced || cli.peers {
         return paced::run(&bin, cli.quick, cli.peers, &cli.out).await;
+    }
+    if let Some(runs) = cli.approvals {
+        return approvals::run(&bin, usize::try_from(runs)?, &cli.out).await;
     }
     let workloads = selected_workloads(&cli)?;
     let real_server_skipped = real_server_skip_reason(&cli)?;

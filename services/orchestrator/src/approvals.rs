@@ -20,6 +20,7 @@ pub(crate) async fn watch(core: Arc<Core>) {
         tokio::select! {
             () = core.stopping.cancelled() => return,
             () = lot.changed() => {}
+            () = core.runs.slot_freed() => {}
             () = tokio::time::sleep(TICK) => {}
         }
         lot.expire(shared::sync::unix_ms());

@@ -40,6 +40,8 @@ pub(crate) struct Runs {
     live: Mutex<HashMap<String, Live>>,
     slots: Arc<Semaphore>,
     idle: Notify,
+    /// Told when a run leaves its slot (runs waiting for one, parked and ready, go on).
+    freed: Arc<Notify>,
     max_runs: usize,
     store: Arc<dyn ResultStore>,
     /// How long one write to the store may take.
@@ -117,6 +119,7 @@ impl Drop for Admitted {
         if live.is_empty() {
             self.runs.idle.notify_waiters();
         }
+        self.runs.freed.notify_one();
     }
 }
 
@@ -203,6 +206,7 @@ impl Runs {
             live: Mutex::default(),
             slots: Arc::new(Semaphore::new(max_runs)),
             idle: Notify::new(),
+            freed: Arc::new(Notify::new()),
             max_runs,
             backlog: Backlog::new(Arc::clone(&store), backlog, store_timeout, BACKLOG_RETRY),
             store,
@@ -275,6 +279,12 @@ impl Runs {
     /// Whether runs outlive this replica (checkpoints and takeover).
     pub(crate) fn durable(&self) -> Option<&Arc<dyn RunJournal>> {
         self.journal.as_ref()
+    }
+
+    /// Resolves once a run left its slot (or already did since the last call).
+    pub(crate) fn slot_freed(&self) -> impl Future<Output = ()> + Send + 'static {
+        let freed = Arc::clone(&self.freed);
+        async move { freed.notified().await }
     }
 
     /// Slots free now.
