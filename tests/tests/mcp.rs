@@ -74,7 +74,8 @@ async fn list(runner: &Runner) -> anyhow::Result<Vec<pb::ToolSpec>> {
 #[tokio::test]
 async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let runner = runner_with(&dir, &stdio_manifest(&dir, "deny = [\"get-env\"]", "UTC")?).await?;
+    let extra = "deny = [\"get-env\"]\nneeds_approval = [\"get-sum\"]";
+    let runner = runner_with(&dir, &stdio_manifest(&dir, extra, "UTC")?).await?;
     let tools = list(&runner).await?;
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
     for expected in [
@@ -95,6 +96,13 @@ async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResul
         .find(|t| t.name == "everything__get-sum")
         .ok_or_else(|| anyhow::anyhow!("no get-sum"))?;
     assert_eq!((sum.source.as_str(), sum.timeout_ms), ("mcp", 3000));
+    // Approval per tool of a server: get-sum's calls wait for a person, its other tools' do not.
+    let marked: Vec<&str> = tools
+        .iter()
+        .filter(|t| t.needs_approval)
+        .map(|t| t.name.as_str())
+        .collect();
+    assert_eq!(marked, ["everything__get-sum"], "{tools:?}");
     let schema: serde_json::Value = serde_json::from_str(&sum.parameters_json_schema)?;
     assert_eq!(schema["properties"]["a"]["type"], "number", "{schema}");
 
