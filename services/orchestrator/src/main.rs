@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 /// mimalloc instead of the system allocator: the loop allocates many small short-lived buffers
 /// (SSE chunks, events, messages), where glibc's malloc showed up as a quarter of the CPU time in
-/// profiles; see bench/results for the before/after.
+/// profiles; see bench/results for the before/after. The `system-allocator` feature leaves it
+/// out, so heap profilers that watch malloc (heaptrack, massif) see every allocation.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use orchestrator::cli::{Cli, Command};

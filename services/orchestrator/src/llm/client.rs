@@ -783,11 +783,11 @@ mod tests {
                     content: "{\"ok\":1}".into(),
                 },
             ],
-            tools: vec![super::super::ToolDefinition {
+            tools: std::sync::Arc::from([super::super::ToolDefinition {
                 name: "t".into(),
                 description: "d".into(),
                 parameters: json!({"type": "object"}),
-            }],
+            }]),
             params: super::super::SamplingParams {
                 temperature: Some(0.5),
                 ..Default::default()
@@ -833,7 +833,7 @@ mod tests {
         let request = |tools: Vec<super::super::ToolDefinition>, params| ChatRequest {
             model: "m".into(),
             messages: vec![Message::System("s".into())],
-            tools,
+            tools: tools.into(),
             params,
             pace: super::super::ReadPace::default(),
         };
@@ -899,7 +899,7 @@ mod tests {
                     reasoning: Some("t answers q".into()),
                 },
             ],
-            tools: vec![],
+            tools: std::sync::Arc::from([]),
             params: super::super::SamplingParams {
                 temperature: Some(0.7),
                 top_p: Some(0.9),

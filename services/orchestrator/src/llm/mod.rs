@@ -27,8 +27,9 @@ pub struct ChatRequest {
     pub model: String,
     /// The conversation.
     pub messages: Vec<Message>,
-    /// Tools offered (normal and exit).
-    pub tools: Vec<ToolDefinition>,
+    /// Tools offered (normal and exit), shared by every turn of the run (their schemas can be
+    /// large, and a run held open should not keep one copy per request).
+    pub tools: std::sync::Arc<[ToolDefinition]>,
     /// Sampling parameters.
     pub params: SamplingParams,
     /// Set by the reader while it reads the stream only on its ticks.

@@ -351,7 +351,7 @@ struct Driver<'a> {
     normal_names: HashSet<&'a str>,
     exit_names: HashSet<&'a str>,
     /// Normal and exit tools, as offered to the model.
-    tools: Vec<ToolDefinition>,
+    tools: Arc<[ToolDefinition]>,
     max_turns: u32,
     /// Assistant and tool messages of the turns so far (exit calls excluded).
     conversation: Vec<Message>,
