@@ -132,6 +132,6 @@ pub(super) fn exit_tool(spec: &str) -> Result<ToolDefinition, String> {
     Ok(ToolDefinition {
         name: name.to_owned(),
         description,
-        parameters,
+        parameters: parameters.into(),
     })
 }

@@ -53,7 +53,7 @@ mod tests {
                 let definition = ToolDefinition {
                     name: (*n).to_owned(),
                     description: String::new(),
-                    parameters: serde_json::json!({"type": "object"}),
+                    parameters: serde_json::json!({"type": "object"}).into(),
                 };
                 (
                     (*n).to_owned(),

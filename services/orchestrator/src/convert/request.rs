@@ -178,7 +178,7 @@ pub(super) fn exit_tool(i: usize, tool: pb::ExitToolSpec) -> Result<ToolDefiniti
     Ok(ToolDefinition {
         name: tool.name,
         description,
-        parameters,
+        parameters: parameters.into(),
     })
 }
 

@@ -51,8 +51,9 @@ pub struct ToolDefinition {
     pub name: String,
     /// Description for the model.
     pub description: String,
-    /// JSON Schema of the arguments.
-    pub parameters: Value,
+    /// JSON Schema of the arguments, shared by every run that offers the tool (a schema can be
+    /// kilobytes, and thousands of runs may be live at once).
+    pub parameters: std::sync::Arc<Value>,
 }
 
 /// Token usage of one completion.

@@ -281,6 +281,19 @@ pub struct Wait {
     pub calls: Vec<(PendingApproval, serde_json::Value)>,
 }
 
+impl Wait {
+    /// The calls, and their tools' schemas by call id.
+    pub fn into_calls(self) -> (Vec<PendingApproval>, BTreeMap<String, serde_json::Value>) {
+        self.calls
+            .into_iter()
+            .map(|(call, schema)| {
+                let id = call.call_id.clone();
+                (call, (id, schema))
+            })
+            .unzip()
+    }
+}
+
 /// A run parked until its calls are decided: what resumes it, and what `GetRun` shows meanwhile.
 pub struct Parked {
     /// The loop's checkpoint (opaque here).

@@ -786,7 +786,7 @@ mod tests {
             tools: std::sync::Arc::from([super::super::ToolDefinition {
                 name: "t".into(),
                 description: "d".into(),
-                parameters: json!({"type": "object"}),
+                parameters: json!({"type": "object"}).into(),
             }]),
             params: super::super::SamplingParams {
                 temperature: Some(0.5),
@@ -812,7 +812,7 @@ mod tests {
         let tool = super::super::ToolDefinition {
             name: "calculate".into(),
             description: "d".into(),
-            parameters: json!({"type": "object"}),
+            parameters: json!({"type": "object"}).into(),
         };
         let params = super::super::SamplingParams {
             temperature: Some(0.0),
@@ -864,7 +864,7 @@ mod tests {
             let tool = super::super::ToolDefinition {
                 name: "t".into(),
                 description: "d".into(),
-                parameters: json!({"type": "object"}),
+                parameters: json!({"type": "object"}).into(),
             };
             let body: Value = serde_json::from_slice(&request_body(&request(vec![tool], params))).unwrap();
             assert_eq!(body["tool_choice"], wire);

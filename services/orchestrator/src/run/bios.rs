@@ -71,7 +71,7 @@ mod tests {
         let tool = |name: &str, description: &str| ToolDefinition {
             name: name.into(),
             description: description.into(),
-            parameters: serde_json::json!({"type": "object"}),
+            parameters: serde_json::json!({"type": "object"}).into(),
         };
         let normal = [tool("get_weather", "Current weather.")];
         let exit = [tool("submit_report", "Files the final report.")];

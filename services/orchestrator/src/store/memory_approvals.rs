@@ -17,7 +17,7 @@ use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, Sto
 struct Entry {
     principal: String,
     calls: Vec<PendingApproval>,
-    schemas: HashMap<String, serde_json::Value>,
+    schemas: BTreeMap<String, serde_json::Value>,
     /// Set once the run left its slot.
     parked: Option<Parked>,
     canceled: Option<String>,
@@ -100,16 +100,10 @@ impl MemoryLot {
             ));
         }
         inner.opened += 1;
-        let (calls, schemas) = wait
-            .calls
-            .into_iter()
-            .map(|(call, schema)| {
-                let id = call.call_id.clone();
-                (call, (id, schema))
-            })
-            .unzip();
+        let (run_id, principal) = (wait.run_id.clone(), wait.principal.clone());
+        let (calls, schemas) = wait.into_calls();
         let entry = Entry {
-            principal: wait.principal,
+            principal,
             calls,
             schemas,
             parked: None,
@@ -117,7 +111,7 @@ impl MemoryLot {
             woke: false,
             opened: inner.opened,
         };
-        inner.runs.insert(wait.run_id, entry);
+        inner.runs.insert(run_id, entry);
         Ok(())
     }
 
@@ -332,7 +326,7 @@ impl ApprovalLot for MemoryLot {
         let entry = Entry {
             principal: ready.parked.result.principal.clone(),
             calls: ready.waiting.calls,
-            schemas: HashMap::new(),
+            schemas: BTreeMap::new(),
             parked: Some(ready.parked),
             canceled: ready.waiting.canceled,
             woke: true,

@@ -264,17 +264,10 @@ impl NatsLot {
 impl ApprovalLot for NatsLot {
     fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
         let waits = self.waits.clone();
-        let key = key(&wait.run_id);
-        let (calls, schemas) = wait
-            .calls
-            .into_iter()
-            .map(|(call, schema)| {
-                let id = call.call_id.clone();
-                (call, (id, schema))
-            })
-            .unzip();
+        let (key, principal) = (key(&wait.run_id), wait.principal.clone());
+        let (calls, schemas) = wait.into_calls();
         let record = WaitRecord {
-            principal: wait.principal,
+            principal,
             calls,
             schemas,
             canceled: None,

@@ -225,7 +225,7 @@ impl ToolRunners {
                     definition: ToolDefinition {
                         name: spec.name,
                         description: spec.description,
-                        parameters,
+                        parameters: parameters.into(),
                     },
                     timeout: Duration::from_millis(u64::from(spec.timeout_ms)),
                     needs_approval: spec.needs_approval,

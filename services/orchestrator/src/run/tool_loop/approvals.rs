@@ -163,11 +163,10 @@ impl Driver<'_> {
     }
 
     fn schema_of(&self, tool: &str) -> serde_json::Value {
-        self.spec
-            .normal_tools
-            .iter()
-            .find(|t| t.name == tool)
-            .map_or_else(|| serde_json::json!({"type": "object"}), |t| t.parameters.clone())
+        self.spec.normal_tools.iter().find(|t| t.name == tool).map_or_else(
+            || serde_json::json!({"type": "object"}),
+            |t| t.parameters.as_ref().clone(),
+        )
     }
 
     /// Acts on the decisions not acted on yet: an approved call is announced (with its edited

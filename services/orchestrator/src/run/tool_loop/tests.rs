@@ -118,7 +118,7 @@ fn tool(name: &str) -> ToolDefinition {
     ToolDefinition {
         name: name.into(),
         description: name.into(),
-        parameters: serde_json::json!({"type": "object"}),
+        parameters: serde_json::json!({"type": "object"}).into(),
     }
 }
 
