@@ -15,6 +15,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
 
     tonic_prost_build::configure()
+        .codec_path("crate::codec::LeanCodec")
         .file_descriptor_set_path(out_dir.join("descriptor.bin"))
         .compile_with_config(config, &protos, std::slice::from_ref(&proto_root))?;
 

@@ -4,6 +4,8 @@
 
 #![allow(missing_docs, clippy::all, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod codec;
+
 /// Encoded `FileDescriptorSet` of every contract, served by gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptor.bin"));
 
