@@ -18,6 +18,7 @@
 #![deny(unsafe_code)]
 
 pub(crate) mod approvals;
+pub(crate) mod cancels;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -13,7 +13,8 @@ use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
 use crate::domain::ports::{
-    ApprovalLot, Claim, EventFeed, EventLog, LogError, LogWriter, Ready, ResultStore, RunJournal, StoreError, within,
+    ApprovalLot, Claim, EventFeed, EventLog, LogError, LogWriter, Ready, RemoteCancel, ResultStore, RunJournal,
+    StoreError, within,
 };
 use crate::run::backlog::Backlog;
 use crate::run::persist::Persister;
@@ -174,6 +175,8 @@ pub(crate) enum CancelOutcome {
     AlreadyFinished(RunStatus),
     /// No such run here.
     NotFound,
+    /// The run is live on another replica that did not answer (it is moving between replicas).
+    Unanswered,
 }
 
 /// Where the registry keeps what outlives a run's task: results, event logs, checkpoints (a
@@ -592,29 +595,17 @@ impl Runs {
         self.backlog.len()
     }
 
-    /// Cancels a live run of `caller` on this replica; `Err` when the store, asked about a run
-    /// not live here, cannot be read.
+    /// Cancels a run of `caller`: live here, parked waiting for approvals, or (shared store)
+    /// live on another replica, which is asked to; `Err` when the store, asked about a run not
+    /// live here, cannot be read.
     pub(crate) async fn cancel(
         &self,
         run_id: &str,
         caller: &Principal,
         reason: &str,
     ) -> Result<CancelOutcome, StoreError> {
-        // A run that has just parked is canceled in the lot.
-        let leaving = |l: &&Live| shared::sync::lock(&l.state).status == RunStatus::AwaitingApproval;
-        if let Some(live) = self
-            .lock()
-            .get(run_id)
-            .filter(|l| sees(caller, &l.principal) && !leaving(l))
-        {
-            // Under the state lock: the loop settles the end under it too, and a cancel that
-            // came first wins there, so the answer is never `canceled` for a run that completed.
-            let state = shared::sync::lock(&live.state);
-            if !state.status.is_live() {
-                return Ok(CancelOutcome::AlreadyFinished(state.status));
-            }
-            live.cancel.cancel(reason);
-            return Ok(CancelOutcome::Canceled);
+        if let Some(outcome) = self.cancel_here(run_id, caller, reason) {
+            return Ok(outcome);
         }
         let parked = match self.approvals.parked(run_id) {
             Some(parked) => Some(parked),
@@ -629,8 +620,44 @@ impl Runs {
         Ok(match self.stored(run_id).await? {
             Some(result) if !sees(caller, &result.principal) => CancelOutcome::NotFound,
             Some(result) if !result.status.is_live() => CancelOutcome::AlreadyFinished(result.status),
-            _ => CancelOutcome::NotFound,
+            Some(_) => self.cancel_elsewhere(run_id, reason).await,
+            None => CancelOutcome::NotFound,
         })
+    }
+
+    /// Cancels `run_id` when it is live on this replica and `caller` may see it; `None` when it
+    /// is not here (or is leaving: parking, or being handed over, so its next replica answers).
+    pub(crate) fn cancel_here(&self, run_id: &str, caller: &Principal, reason: &str) -> Option<CancelOutcome> {
+        let live = self.lock();
+        let live = live.get(run_id).filter(|l| sees(caller, &l.principal))?;
+        // Under the state lock: the loop settles the end under it too, and a cancel that came
+        // first wins there, so the answer is never `canceled` for a run that completed.
+        let state = shared::sync::lock(&live.state);
+        if !state.status.is_live() {
+            return Some(CancelOutcome::AlreadyFinished(state.status));
+        }
+        let leaving = live.handoff.at_safe_point.is_cancelled() || live.handoff.now.is_cancelled();
+        if state.status == RunStatus::AwaitingApproval || leaving {
+            return None;
+        }
+        live.cancel.cancel(reason);
+        Some(CancelOutcome::Canceled)
+    }
+
+    /// Asks the replica running `run_id` (shared store) to cancel it.
+    async fn cancel_elsewhere(&self, run_id: &str, reason: &str) -> CancelOutcome {
+        let Some(journal) = &self.journal else {
+            return CancelOutcome::NotFound;
+        };
+        match within(self.store_timeout, journal.cancel_elsewhere(run_id, reason)).await {
+            Ok(Some(RemoteCancel::Canceled)) => CancelOutcome::Canceled,
+            Ok(Some(RemoteCancel::Finished(status))) => CancelOutcome::AlreadyFinished(status),
+            Ok(None) => CancelOutcome::Unanswered,
+            Err(e) => {
+                tracing::warn!(run_id = %run_id, "asking the run's replica to cancel it failed: {e}");
+                CancelOutcome::Unanswered
+            }
+        }
     }
 
     /// Cancels every live run (the drain's last step).

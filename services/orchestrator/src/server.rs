@@ -87,6 +87,10 @@ pub async fn serve_with_resolver(
         .runs
         .durable()
         .map(|_| AbortOnDrop(tokio::spawn(crate::takeover::watch(Arc::clone(&core)))));
+    let _cancels = core
+        .runs
+        .durable()
+        .map(|_| AbortOnDrop(tokio::spawn(crate::cancels::answer(Arc::clone(&core)))));
     let _approvals = AbortOnDrop(tokio::spawn(crate::approvals::watch(Arc::clone(&core))));
     let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
     tonic::transport::Server::builder()

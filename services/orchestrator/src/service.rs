@@ -374,6 +374,11 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             CancelOutcome::Canceled => (true, pb::RunStatus::Canceled),
             CancelOutcome::AlreadyFinished(status) => (false, status.into()),
             CancelOutcome::NotFound => return Err(no_run(&run_id)),
+            CancelOutcome::Unanswered => {
+                return Err(Status::unavailable(format!(
+                    "run {run_id} is live on another replica that did not answer the cancel (it may be moving between replicas); try again"
+                )));
+            }
         };
         Ok(Response::new(pb::CancelRunResponse {
             canceled,

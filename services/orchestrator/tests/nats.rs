@@ -1239,3 +1239,68 @@ async fn a_follower_of_a_killed_replicas_run_follows_it_to_the_replica_that_took
     }
     b.stop().await
 }
+
+/// `CancelRun` reaches a run from any replica: a run live on replica A (its caller's stream open
+/// there, a long tool call in flight) is canceled through replica B, which asks A; A's caller sees
+/// `run_finished` CANCELED with CancelRun's reason, and both replicas read the run CANCELED. A
+/// second cancel through B says it had ended; an unknown id is NOT_FOUND there.
+#[tokio::test]
+async fn a_run_is_canceled_through_any_replica() -> TestResult {
+    use mock_llm::{Scenario, Step, Turn};
+    let nats = Nats::start().await?;
+    let slow = Scenario::new(vec![
+        Turn::text("Waiting.\n").then(Step::call("sleep", serde_json::json!({"ms": 30_000}))),
+        Turn::text("never reached"),
+    ]);
+    let mock = mock_llm::MockLlm::start(slow).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let (a_url, b_url) = (format!("http://{}", a.grpc), format!("http://{}", b.grpc));
+
+    let mut on_a = pb::orchestrator_client::OrchestratorClient::connect(a_url.clone()).await?;
+    let request = pb::OrchestrateRequest {
+        run_id: "cancel-anywhere".into(),
+        ..testkit::user("go")
+    };
+    let mut stream = on_a.orchestrate(request).await?.into_inner();
+    // Read until the tool call is in flight on A.
+    let started = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(event) = stream.message().await? {
+            if matches!(event.event, Some(pb::orchestrate_event::Event::ToolCallStarted(_))) {
+                return anyhow::Ok(());
+            }
+        }
+        anyhow::bail!("the stream ended before the tool call started")
+    });
+    started.await??;
+
+    let mut on_b = pb::orchestrator_client::OrchestratorClient::connect(b_url.clone()).await?;
+    let cancel = |run_id: &str| pb::CancelRunRequest { run_id: run_id.into() };
+    let answer = on_b.cancel_run(cancel("cancel-anywhere")).await?.into_inner();
+    assert!(answer.canceled, "{answer:?}");
+    assert_eq!(answer.status(), pb::RunStatus::Canceled);
+
+    let finished = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(event) = stream.message().await? {
+            if let Some(pb::orchestrate_event::Event::RunFinished(f)) = event.event {
+                return f.result.ok_or_else(|| anyhow::anyhow!("run_finished without a result"));
+            }
+        }
+        anyhow::bail!("the stream ended without run_finished")
+    })
+    .await??;
+    assert_eq!(finished.status(), pb::RunStatus::Canceled, "{finished:?}");
+    assert_eq!(finished.failure_detail, "canceled by CancelRun");
+    assert_eq!(finished.text, "Waiting.\n", "the output so far is kept");
+    for url in [&a_url, &b_url] {
+        assert_eq!(get_run(url, "cancel-anywhere").await?.status(), pb::RunStatus::Canceled);
+    }
+    let again = on_b.cancel_run(cancel("cancel-anywhere")).await?.into_inner();
+    assert!(!again.canceled);
+    assert_eq!(again.status(), pb::RunStatus::Canceled);
+    let unknown = on_b.cancel_run(cancel("no-such-run")).await;
+    assert_eq!(unknown.err().map(|s| s.code()), Some(tonic::Code::NotFound));
+    a.stop().await?;
+    b.stop().await
+}

@@ -79,6 +79,35 @@ pub trait RunJournal: Send + Sync + 'static {
     /// Tells of runs handed over by any replica, as they are (the takeover looks at once instead
     /// of at its next round); an item per hand-over, best effort.
     fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>>;
+    /// Asks the replica running `run_id` to cancel it with `reason`, and returns its answer;
+    /// `None` when no replica answered (none runs it now: it is moving between replicas).
+    fn cancel_elsewhere(
+        &self,
+        run_id: &str,
+        reason: &str,
+    ) -> BoxFuture<'static, Result<Option<RemoteCancel>, StoreError>>;
+    /// The cancels other replicas were asked for, as they come; only the replica running the run
+    /// answers one.
+    fn cancel_asks(&self) -> BoxFuture<'static, BoxStream<'static, CancelAsk>>;
+}
+
+/// What the replica running a run answered to a cancel asked on another replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum RemoteCancel {
+    /// The run was live there, and is canceled.
+    Canceled,
+    /// The run had already ended there, with this status.
+    Finished(super::RunStatus),
+}
+
+/// A cancel asked on another replica (`CancelRun` reached a replica that does not run the run).
+pub struct CancelAsk {
+    /// The run.
+    pub run_id: String,
+    /// Why (the run's failure detail).
+    pub reason: String,
+    /// Sends the answer to the replica that asked.
+    pub answer: Box<dyn FnOnce(RemoteCancel) -> BoxFuture<'static, ()> + Send>,
 }
 
 /// The outcome of [`ResultStore::claim`].

@@ -40,6 +40,8 @@ pub struct KvStore {
     /// Where hand-overs are announced (core NATS, `<bucket>.handovers`).
     pub(super) client: async_nats::Client,
     pub(super) handover_subject: String,
+    /// Where cancels are asked of the replica running a run (core NATS, `<bucket>.cancels`).
+    pub(super) cancel_subject: String,
 }
 
 /// A stored run.
@@ -187,6 +189,7 @@ impl KvStore {
             checkpoints,
             client: js.client(),
             handover_subject: format!("orchestrator.{bucket}.handovers"),
+            cancel_subject: format!("orchestrator.{bucket}.cancels"),
         })
     }
 

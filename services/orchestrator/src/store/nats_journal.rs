@@ -14,10 +14,17 @@ use prost::Message;
 use tokio::io::AsyncReadExt;
 
 use super::nats::{KvStore, Owned, decode_record, key, unavailable};
-use crate::domain::ports::{RunJournal, StoreError};
+use crate::domain::ports::{CancelAsk, RemoteCancel, RunJournal, StoreError};
 
 /// Records read at once while looking for orphans.
 const LIST_CONCURRENCY: usize = 16;
+
+/// A cancel asked of the replica running a run (core NATS request, `<bucket>.cancels`).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct CancelMessage {
+    run_id: String,
+    reason: String,
+}
 
 /// Binds (or creates) the object store of the checkpoints beside the results bucket `bucket`.
 pub(super) async fn open_checkpoints(
@@ -211,6 +218,80 @@ impl RunJournal for KvStore {
                     futures::stream::pending().boxed()
                 }
             }
+        }
+        .boxed()
+    }
+
+    fn cancel_elsewhere(
+        &self,
+        run_id: &str,
+        reason: &str,
+    ) -> BoxFuture<'static, Result<Option<RemoteCancel>, StoreError>> {
+        let (client, subject) = (self.client.clone(), self.cancel_subject.clone());
+        let message = CancelMessage {
+            run_id: run_id.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let key = key(run_id);
+        async move {
+            let payload = serde_json::to_vec(&message).unwrap_or_default();
+            let reply = match client.request(subject, payload.into()).await {
+                Ok(reply) => reply,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
+                    ) =>
+                {
+                    return Ok(None);
+                }
+                Err(e) => return Err(unavailable("cancel request", &key, e)),
+            };
+            serde_json::from_slice(&reply.payload)
+                .map(Some)
+                .map_err(|e| StoreError::Corrupt {
+                    key,
+                    reason: format!("the answer to a cancel is not one: {e}"),
+                })
+        }
+        .boxed()
+    }
+
+    fn cancel_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, CancelAsk>> {
+        let (client, subject) = (self.client.clone(), self.cancel_subject.clone());
+        async move {
+            let subscriber = match client.subscribe(subject).await {
+                Ok(subscriber) => subscriber,
+                Err(e) => {
+                    tracing::warn!(
+                        "subscribing to cancels failed (CancelRun reaches only the runs of the replica asked): {e}"
+                    );
+                    return futures::stream::pending().boxed();
+                }
+            };
+            subscriber
+                .filter_map(move |message| {
+                    let client = client.clone();
+                    async move {
+                        let reply = message.reply?;
+                        let CancelMessage { run_id, reason } = serde_json::from_slice(&message.payload).ok()?;
+                        let answer = move |answer: RemoteCancel| {
+                            async move {
+                                let bytes = serde_json::to_vec(&answer).unwrap_or_default();
+                                if let Err(e) = client.publish(reply, bytes.into()).await {
+                                    tracing::warn!("answering a cancel failed: {e}");
+                                }
+                            }
+                            .boxed()
+                        };
+                        Some(CancelAsk {
+                            run_id,
+                            reason,
+                            answer: Box::new(answer),
+                        })
+                    }
+                })
+                .boxed()
         }
         .boxed()
     }

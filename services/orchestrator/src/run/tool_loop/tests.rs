@@ -1026,6 +1026,16 @@ impl crate::domain::ports::RunJournal for Journal {
     fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>> {
         futures::future::ready(futures::stream::empty().boxed()).boxed()
     }
+    fn cancel_elsewhere(
+        &self,
+        _run_id: &str,
+        _reason: &str,
+    ) -> BoxFuture<'static, Result<Option<crate::domain::ports::RemoteCancel>, crate::domain::ports::StoreError>> {
+        futures::future::ready(Ok(None)).boxed()
+    }
+    fn cancel_asks(&self) -> BoxFuture<'static, BoxStream<'static, crate::domain::ports::CancelAsk>> {
+        futures::future::ready(futures::stream::empty().boxed()).boxed()
+    }
 }
 
 fn durable(state: &SharedState, journal: Arc<Journal>) -> Persister {
