@@ -11,6 +11,7 @@ use tracing::field::Empty;
 pub(crate) use shared::metrics::InFlight;
 use shared::telemetry::truncate;
 
+use crate::domain::approval::ApprovalDecision;
 use crate::domain::{FailureReason, RunResult, RunStatus, ToolCallError};
 
 /// Metric names (Prometheus conventions: base units, `_total` counters, `_seconds` durations).
@@ -243,6 +244,9 @@ pub(crate) fn execute_tool_span(name: &str, call_id: &str, arguments: &str, payl
         gen_ai.tool.type = "function",
         gen_ai.tool.call.arguments = Empty,
         gen_ai.tool.call.result = Empty,
+        orchestrator.approval.outcome = Empty,
+        orchestrator.approval.principal = Empty,
+        orchestrator.approval.decided_at_unix_ms = Empty,
         error.type = Empty,
         otel.status_code = Empty,
     );
@@ -250,6 +254,15 @@ pub(crate) fn execute_tool_span(name: &str, call_id: &str, arguments: &str, payl
         span.record("gen_ai.tool.call.arguments", truncate(arguments, max));
     }
     span
+}
+
+/// Records on a call's `execute_tool` span the decision that let it run: who approved it, when,
+/// and whether the arguments were edited.
+pub(crate) fn record_approval(span: &Span, decision: &ApprovalDecision) {
+    let outcome: &'static str = decision.outcome.into();
+    span.record("orchestrator.approval.outcome", outcome);
+    span.record("orchestrator.approval.principal", decision.principal.as_str());
+    span.record("orchestrator.approval.decided_at_unix_ms", decision.decided_at_unix_ms);
 }
 
 /// Records a tool call's outcome on the current (`execute_tool`) span and in the metrics.

@@ -43,11 +43,17 @@ struct World {
 }
 
 async fn world(scenario: Scenario, flags: &[&str]) -> anyhow::Result<World> {
-    world_with(scenario, flags, None).await
+    world_with(scenario, flags, None, None).await
 }
 
-/// [`world`], its tool-runner also serving the command tools of `manifest` (TOML).
-async fn world_with(scenario: Scenario, flags: &[&str], manifest: Option<&str>) -> anyhow::Result<World> {
+/// [`world`], its tool-runner also serving the command tools of `manifest` (TOML), the
+/// orchestrator exporting its spans to `otlp` when given.
+async fn world_with(
+    scenario: Scenario,
+    flags: &[&str],
+    manifest: Option<&str>,
+    otlp: Option<&str>,
+) -> anyhow::Result<World> {
     let dir = tempfile::tempdir()?;
     let tokens = dir.path().join("tokens.toml");
     let sha = shared::auth::token_sha256;
@@ -75,6 +81,9 @@ async fn world_with(scenario: Scenario, flags: &[&str], manifest: Option<&str>) 
         .args(["--tool-runner", &runner])
         .args(["--auth-tokens", &tokens.display().to_string()])
         .args(flags);
+    if let Some(otlp) = otlp {
+        command.env("OTEL_EXPORTER_OTLP_ENDPOINT", otlp);
+    }
     let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
     Ok(World {
         orchestrator,
@@ -763,7 +772,7 @@ async fn the_runner_and_the_server_decide_which_tools_wait_too() -> TestResult {
             .then(Step::call("sleep", json!({"ms": 1}))),
         Turn::text("ok"),
     ]);
-    let w = world_with(scenario, &["--approval-tool", "ec*"], Some(manifest)).await?;
+    let w = world_with(scenario, &["--approval-tool", "ec*"], Some(manifest), None).await?;
     let mut client = w.client().await?;
     let request = pb::OrchestrateRequest {
         run_id: "marked-1".into(),
@@ -1082,6 +1091,64 @@ async fn expiry_and_cancel_of_parked_runs_with_the_nats_store() -> TestResult {
         record.error.as_ref().map(|e| e.code.as_str()),
         Some("APPROVAL_TIMEOUT"),
         "{record:?}"
+    );
+    Ok(())
+}
+
+/// A decision is on the run's trace: the approved call's `execute_tool` span says how it was
+/// decided, by whom and when, and the span of the turn it was asked in (`chat {model}`) holds an
+/// `approval decided` event.
+#[tokio::test]
+async fn the_decision_is_recorded_on_the_calls_span() -> TestResult {
+    let (collector, otlp) = testkit::otlp::Collector::start().await?;
+    let w = world_with(refund_then_answer(), &[], None, Some(&otlp)).await?;
+    let mut client = w.client().await?;
+    let mut stream = client
+        .orchestrate(as_("alice-token", approval_run("traced-1")))
+        .await?
+        .into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ApprovalRequested(_))).await?;
+    let Some(E::ApprovalRequested(asked)) = events.last().and_then(|e| e.event.clone()) else {
+        anyhow::bail!("no approval_requested");
+    };
+    let edit = decision(&asked.call_id, pb::DecisionKind::ApproveEdited, "", r#"{"ms": 1}"#);
+    decide(&mut client, "carol-token", "traced-1", vec![edit]).await?;
+    let outcome = finish(&mut client, events, stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed);
+    let World { orchestrator, .. } = w;
+    orchestrator.stop().await?;
+
+    let spans = collector.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
+    let attribute = |span: &opentelemetry_proto::tonic::trace::v1::Span, key: &str| {
+        testkit::otlp::string_attr(&span.attributes, key).unwrap_or_default()
+    };
+    let sleep = spans
+        .iter()
+        .map(|(_, span)| span)
+        .find(|span| span.name == "execute_tool sleep")
+        .ok_or_else(|| anyhow::anyhow!("no execute_tool sleep span"))?;
+    assert_eq!(attribute(sleep, "orchestrator.approval.outcome"), "edited");
+    assert_eq!(attribute(sleep, "orchestrator.approval.principal"), "carol");
+    assert!(attribute(sleep, "orchestrator.approval.decided_at_unix_ms").parse::<u64>()? > 0);
+    let echo = spans
+        .iter()
+        .map(|(_, span)| span)
+        .find(|span| span.name == "execute_tool echo")
+        .ok_or_else(|| anyhow::anyhow!("no execute_tool echo span"))?;
+    assert_eq!(
+        attribute(echo, "orchestrator.approval.outcome"),
+        "",
+        "echo needed no approval"
+    );
+    let decided = spans
+        .iter()
+        .filter(|(_, span)| span.name.starts_with("chat "))
+        .flat_map(|(_, span)| span.events.iter())
+        .find(|event| event.name == "approval decided")
+        .ok_or_else(|| anyhow::anyhow!("no approval decided event on the turn's span"))?;
+    assert_eq!(
+        testkit::otlp::string_attr(&decided.attributes, "orchestrator.approval.principal").as_deref(),
+        Some("carol")
     );
     Ok(())
 }

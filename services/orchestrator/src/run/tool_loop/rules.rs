@@ -370,7 +370,13 @@ impl Driver<'_> {
             .min(self.spec.deadline.at.saturating_duration_since(Instant::now()));
         let recorder = self.call_recorder(calls);
         join_all(calls.unfinished().into_iter().map(|i| {
-            let call = self.execute(i, &calls.partition.calls[i], timeout);
+            let approval = calls.approvals.iter().find(|a| a.index == i);
+            let call = self.execute(
+                i,
+                &calls.partition.calls[i],
+                timeout,
+                approval.and_then(|a| a.decision.as_ref()),
+            );
             let recorder = recorder.clone();
             async move {
                 let outcome = call.await;
@@ -383,15 +389,20 @@ impl Driver<'_> {
         .await
     }
 
-    /// One call on a tool-runner, in its `execute_tool` span.
+    /// One call on a tool-runner, in its `execute_tool` span (which records the `approval` that
+    /// let it run, if it needed one).
     pub(super) fn execute(
         &self,
         index: usize,
         call: &ModelCall,
         timeout: Duration,
+        approval: Option<&crate::domain::approval::ApprovalDecision>,
     ) -> impl Future<Output = CallOutcome> + use<> {
         let payloads = self.deps.trace_payloads;
         let span = telemetry::execute_tool_span(&call.name, &call.id, &call.arguments, payloads);
+        if let Some(decision) = approval {
+            telemetry::record_approval(&span, decision);
+        }
         let invocation = ToolInvocation {
             run_id: self.spec.run_id.clone(),
             call_id: call.id.clone(),
