@@ -235,8 +235,6 @@ struct Report {
     not_retrievable: u64,
     runs_in_flight_after: f64,
     tool_calls_in_flight_after: f64,
-    /// Runs whose replica was killed before their first checkpoint (see `Outcome::lost_at_start`).
-    lost_at_start: u64,
     /// Replicas killed and drained while the runs went on (replica faults).
     replicas_killed: u64,
     replicas_drained: u64,
@@ -288,7 +286,6 @@ impl Soak {
             not_retrievable: outcomes.iter().filter(|o| !o.retrievable).count() as u64,
             runs_in_flight_after: runs_after,
             tool_calls_in_flight_after: calls_after,
-            lost_at_start: outcomes.iter().filter(|o| o.lost_at_start).count() as u64,
             replicas_killed: killed,
             replicas_drained: drained,
             rss_baseline_mib: baseline.map(mib),
@@ -342,9 +339,6 @@ struct Outcome {
     kind: Kind,
     retrievable: bool,
     mismatch: Option<String>,
-    /// The run's replica was killed before the run's first checkpoint: nothing can resume it
-    /// and it reads FAILED / ORCHESTRATOR_LOST with no output.
-    lost_at_start: bool,
 }
 
 impl Outcome {
@@ -354,16 +348,8 @@ impl Outcome {
             kind,
             retrievable: true,
             mismatch,
-            lost_at_start: false,
         }
     }
-}
-
-/// Whether `error` is the event log saying it lost the run's events.
-fn data_loss(error: &anyhow::Error) -> bool {
-    error
-        .downcast_ref::<tonic::Status>()
-        .is_some_and(|s| s.code() == tonic::Code::DataLoss)
 }
 
 async fn drive(target: Target<'_>, ids: std::ops::Range<u64>, rate: f64, concurrency: usize) -> Vec<Outcome> {
@@ -394,10 +380,8 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
     let played = played
         .await
         .unwrap_or_else(|_| Err(anyhow::anyhow!("no run_finished within {PLAY_LIMIT:?}")));
-    // DATA_LOSS is the answer only for a run lost before its first checkpoint (checked below).
-    let (streamed, lost) = match played {
-        Ok(events) => (events, None),
-        Err(e) if target.follows() && data_loss(&e) => (Vec::new(), Some(e)),
+    let streamed = match played {
+        Ok(events) => events,
         Err(e) => return Outcome::checked(kind, Some(format!("{run_id} ({kind:?}): {e}"))),
     };
     let stored = match read_back(&client, &run_id, target.follows()).await {
@@ -410,19 +394,6 @@ async fn one(target: Target<'_>, i: u64, kind: Kind) -> Outcome {
         }
     };
     let seen = (stored.status(), stored.failure_reason());
-    let lost_at_start = target.follows()
-        && seen == (pb::RunStatus::Failed, pb::FailureReason::OrchestratorLost)
-        && stored.turns == 0
-        && stored.text.is_empty();
-    if lost_at_start {
-        return Outcome {
-            lost_at_start,
-            ..Outcome::checked(kind, None)
-        };
-    }
-    if let Some(e) = lost {
-        return Outcome::checked(kind, Some(format!("{run_id} ({kind:?}): {e}")));
-    }
     let mut mismatch = (seen != kind.expected() || !stored.text.starts_with(kind.kept())).then(|| {
         format!(
             "{run_id} ({kind:?}): {seen:?} with text {:?}, expected {:?} keeping {:?} ({})",
@@ -724,7 +695,6 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
          | wall time | {:.1} s ({:.0} runs/s) |\n| runs not as their fault says, or whose AttachRun replay differs | {} |\n\
          | runs GetRun cannot find | {} |\n| runs / tool calls in flight after | {} / {} |\n\
          | replicas killed / drained while the runs went on | {} / {} |\n\
-         | runs whose replica was killed before their first checkpoint (ORCHESTRATOR_LOST, no output) | {} |\n\
          | RSS after warm-up → peak → after | {} |\n",
         report.runs,
         report.fault_rate * 100.0,
@@ -740,7 +710,6 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
         report.tool_calls_in_flight_after,
         report.replicas_killed,
         report.replicas_drained,
-        report.lost_at_start,
         match (report.rss_baseline_mib, report.rss_peak_mib, report.rss_after_mib) {
             (Some(baseline), Some(peak), Some(after)) => format!("{baseline:.1} → {peak:.1} → {after:.1} MiB"),
             _ => "not measured (the replicas are replaced)".to_owned(),

@@ -44,8 +44,8 @@ fn a_thousand_runs_on_the_nats_store_replay_whole_from_their_event_logs() -> any
 /// Replica faults: the soak on three replicas sharing the NATS store, one of them killed or
 /// drained and replaced every second while the runs go on. Every caller follows its run across
 /// replicas and must see one gap-free stream telling the stored text; every run ends as its
-/// fault says (or, killed before its first checkpoint, reads ORCHESTRATOR_LOST with no output),
-/// and nothing is left in flight.
+/// fault says, wherever its replica was killed (a run is resumable from its claim on), and
+/// nothing is left in flight.
 #[test]
 fn runs_followed_across_replicas_killed_and_drained_end_as_their_faults_say() -> anyhow::Result<()> {
     let json = soak(&[

@@ -126,9 +126,17 @@ impl Drop for Admitted {
 
 impl Admitted {
     /// Claims the id in the store, so no other replica runs it too, and keeps the run's lease
-    /// there; a taken id gives the run holding it (dropping `self` frees the slot).
-    async fn claim(mut self, caller: &Principal) -> Result<Self, Refusal> {
-        match self.persister.claim().await {
+    /// there; a taken id gives the run holding it (dropping `self` frees the slot). A durable
+    /// run's claim (`spec` given) puts its start checkpoint in place first.
+    async fn claim(mut self, caller: &Principal, spec: Option<&RunSpec>) -> Result<Self, Refusal> {
+        let claim = match spec {
+            Some(spec) if self.persister.durable() => {
+                let start = || Checkpoint::at_start(spec, shared::sync::lock(&self.state).clone()).snapshot();
+                self.persister.claim_resumable(start).await
+            }
+            _ => self.persister.claim().await,
+        };
+        match claim {
             Claim::Claimed => {
                 self._lease = self.persister.keep_lease();
                 // The id is this run's: its log starts now (a replay or a duplicate leaves the
@@ -234,8 +242,23 @@ impl Runs {
         within(self.store_timeout, self.store.get(run_id)).await
     }
 
+    /// Takes a slot for the run `spec` of `caller`; a durable run is resumable from here on.
+    pub(crate) async fn admit_run(self: &Arc<Self>, spec: &RunSpec, caller: &Principal) -> Result<Admitted, Refusal> {
+        self.admit_with(&spec.run_id, caller, Some(spec)).await
+    }
+
     /// Takes a slot for `run_id`, a run of `caller`.
+    #[cfg(test)]
     pub(crate) async fn admit(self: &Arc<Self>, run_id: &str, caller: &Principal) -> Result<Admitted, Refusal> {
+        self.admit_with(run_id, caller, None).await
+    }
+
+    async fn admit_with(
+        self: &Arc<Self>,
+        run_id: &str,
+        caller: &Principal,
+        spec: Option<&RunSpec>,
+    ) -> Result<Admitted, Refusal> {
         match self.lock().get(run_id) {
             Some(live) if !sees(caller, &live.principal) => return Err(Refusal::Foreign),
             Some(_) => return Err(Refusal::Duplicate),
@@ -253,7 +276,7 @@ impl Runs {
             // The claim below tries the store again; a store that is down does not stop runs.
             Ok(None) | Err(_) => {}
         }
-        self.admitted(run_id, caller)?.claim(caller).await
+        self.admitted(run_id, caller)?.claim(caller, spec).await
     }
 
     /// A slot and a live entry for `run_id`, with its persister (not claimed in the store yet).

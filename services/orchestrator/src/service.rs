@@ -333,7 +333,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             received_at,
         )?;
         let run_id = spec.run_id.clone();
-        match core.runs.admit(&run_id, &caller).await {
+        match core.runs.admit_run(&spec, &caller).await {
             Ok(admitted) => Ok(Response::new(self.start(
                 admitted,
                 spec,

@@ -971,7 +971,8 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
     let running = entries[entries.len() - 2].value.clone();
 
     // Back to the moment before the record said the run ended (its lease long lapsed).
-    checkpoints.put(key, &mut checkpoint.as_slice()).await?;
+    let (checkpoint, meta) = checkpoint;
+    checkpoints.put(meta, &mut checkpoint.as_slice()).await?;
     kv.put(key, running).await?;
     let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
     let b_url = format!("http://{}", b.grpc);
@@ -1003,13 +1004,22 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
 }
 
 /// The whole object under `key`, or `None` when there is none (or it went while being read).
-async fn read_object(store: &jetstream::object_store::ObjectStore, key: &str) -> Option<Vec<u8>> {
+/// An object's bytes and its metadata (a checkpoint's names the run's admission).
+async fn read_object(
+    store: &jetstream::object_store::ObjectStore,
+    key: &str,
+) -> Option<(Vec<u8>, jetstream::object_store::ObjectMetadata)> {
     let mut object = store.get(key).await.ok()?;
     let mut bytes = Vec::new();
     tokio::io::AsyncReadExt::read_to_end(&mut object, &mut bytes)
         .await
         .ok()?;
-    Some(bytes)
+    let meta = jetstream::object_store::ObjectMetadata {
+        name: key.to_owned(),
+        description: object.info().description.clone(),
+        ..Default::default()
+    };
+    Some((bytes, meta))
 }
 
 /// NATS, the stand-in model playing `scenario`, a tool-runner, and two orchestrator processes
@@ -1303,4 +1313,116 @@ async fn a_run_is_canceled_through_any_replica() -> TestResult {
     assert_eq!(unknown.err().map(|s| s.code()), Some(tonic::Code::NotFound));
     a.stop().await?;
     b.stop().await
+}
+
+/// A run is resumable from the moment its id is claimed: its replica is SIGKILLed while the model
+/// is still thinking over the first turn (no turn has ended, nothing but `run_started` was sent),
+/// and the other replica takes it over from the checkpoint the claim put in place, asks the model
+/// for that turn again and completes it; the run's log tells one gap-free stream with one
+/// `run_started`.
+#[tokio::test]
+async fn a_run_whose_replica_dies_in_its_first_turn_is_taken_over_from_its_start() -> TestResult {
+    use mock_llm::{Scenario, Step, Turn};
+    let nats = Nats::start().await?;
+    let thinking = Scenario::new(vec![
+        Turn::default()
+            .then(Step::Delay { ms: 2_500 })
+            .then(Step::text("thought "))
+            .then(Step::call("echo", serde_json::json!({"n": 1}))),
+        Turn::text("done"),
+    ]);
+    let mock = mock_llm::MockLlm::start(thinking).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let lease = ["--run-store-lease", "1s"];
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let b_url = format!("http://{}", b.grpc);
+    start_detached(&format!("http://{}", a.grpc), "first-turn").await?;
+    let asked = tokio::time::Instant::now() + Duration::from_secs(10);
+    while mock.requests().is_empty() {
+        anyhow::ensure!(tokio::time::Instant::now() < asked, "the model was never asked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.kill().await?;
+
+    let client = orchestrator_client::ClientBuilder::new(b_url.clone()).connect().await?;
+    let finished = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let run = get_run(&b_url, "first-turn").await?;
+            if run.status() != pb::RunStatus::Running {
+                return anyhow::Ok(run);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await??;
+    assert_eq!(
+        finished.status(),
+        pb::RunStatus::Completed,
+        "{}",
+        finished.failure_detail
+    );
+    assert_eq!(finished.text, "thought done");
+    assert!(b.logged("took the run over", Duration::from_secs(1)).await);
+    assert_eq!(mock.requests().len(), 3, "turn 1 was asked again, turn 2 once");
+    let mut replay = client.attach("first-turn", 0).await?;
+    let mut started = 0;
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(10), replay.next_event()).await?? {
+        if matches!(event, orchestrator_client::Event::Started(_)) {
+            started += 1;
+        }
+    }
+    assert_eq!((started, replay.text()), (1, "thought done"));
+    b.stop().await
+}
+
+/// Two admissions of one new id race: the loser's start checkpoint may replace the winner's
+/// under the key before its claim of the record fails. Should the winner's replica then die
+/// before its next checkpoint, the run is never resumed from the loser's: the replica taking it
+/// over finds the checkpoint names another admission, and the run reads lost at once (its id
+/// free for a retry).
+#[tokio::test]
+async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> TestResult {
+    use orchestrator::domain::ports::{Claim, RunJournal};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_millis(500);
+    let (a, b, c) = (
+        replica_store(&js, "race-runs", "a", lease).await?,
+        replica_store(&js, "race-runs", "b", lease).await?,
+        replica_store(&js, "race-runs", "c", lease).await?,
+    );
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let run = RunResult::running("raced");
+    let winner = a.claim_resumable(run.clone(), deadline, b"a's start".to_vec()).await;
+    assert!(matches!(winner, Ok(Claim::Claimed)), "{winner:?}");
+    let loser = b.claim_resumable(run.clone(), deadline, b"b's start".to_vec()).await;
+    assert!(matches!(loser, Ok(Claim::Taken(_))), "{loser:?}");
+    // a's replica dies; its lease lapses.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(c.orphans().await?, ["raced"]);
+    assert_eq!(
+        c.take_over("raced").await?,
+        None,
+        "b's checkpoint is not resumed as a's run"
+    );
+    let lost = c.get("raced").await?.ok_or_else(|| anyhow::anyhow!("no record"))?;
+    assert_eq!(
+        (lost.status, lost.failure_reason),
+        (
+            RunStatus::Failed,
+            Some(orchestrator::domain::FailureReason::OrchestratorLost)
+        )
+    );
+    assert!(matches!(c.claim(run).await, Ok(Claim::Claimed)), "the id is free again");
+
+    // Without the race, the winner's start checkpoint is taken over as it was put.
+    let clean = RunResult::running("clean");
+    assert!(matches!(
+        a.claim_resumable(clean, deadline, b"a's start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(c.take_over("clean").await?, Some(b"a's start".to_vec()));
+    Ok(())
 }

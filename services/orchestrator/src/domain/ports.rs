@@ -66,6 +66,15 @@ pub trait RunJournal: Send + Sync + 'static {
         deadline_unix_ms: u64,
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<(), StoreError>>;
+    /// Claims a new run's id as [`ResultStore::claim`] does, with `checkpoint` (the run's start)
+    /// in place first: a run is resumable from the moment its id is claimed, so a replica that
+    /// stops before the run's first turn ends loses nothing.
+    fn claim_resumable(
+        &self,
+        result: RunResult,
+        deadline_unix_ms: u64,
+        checkpoint: Vec<u8>,
+    ) -> BoxFuture<'static, Result<Claim, StoreError>>;
     /// Forgets the run's checkpoint (it ended, or moved for good).
     fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>>;
     /// Runs with a checkpoint whose owner is gone: lease lapsed, or handed over.

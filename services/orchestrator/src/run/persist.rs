@@ -7,6 +7,7 @@
 //! when writes race (e.g. a signal confirmed late).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -31,6 +32,9 @@ pub struct Persister {
     /// Set once the run parked for approvals: its record is the lot's now, and nothing of it is
     /// written from here (a lease renewal would make it running again).
     released: CancellationToken,
+    /// The run's id was claimed with its start checkpoint: its first safe point has nothing new
+    /// to save.
+    claimed_resumable: Arc<AtomicBool>,
 }
 
 /// A checkpoint as the loop hands it over: the run's state, its deadline and the serialized
@@ -57,6 +61,7 @@ impl Persister {
             journal: None,
             taken_over: CancellationToken::new(),
             released: CancellationToken::new(),
+            claimed_resumable: Arc::default(),
         }
     }
 
@@ -188,6 +193,40 @@ impl Persister {
                 tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
                 Claim::Claimed
             })
+    }
+
+    /// Claims the run's id with its start checkpoint (made by `start`), so another replica can
+    /// resume the run from its first moment ([`RunJournal::claim_resumable`]); without a journal
+    /// as [`Persister::claim`]. A store that cannot be reached does not stop the run: it goes on
+    /// unclaimed, resumable from its first saved checkpoint.
+    pub async fn claim_resumable(&self, start: impl FnOnce() -> Snapshot) -> Claim {
+        let Some(journal) = &self.journal else {
+            return self.claim().await;
+        };
+        let Snapshot {
+            result,
+            deadline_unix_ms,
+            bytes,
+        } = start();
+        let run_id = result.run_id.clone();
+        metrics::counter!(crate::telemetry::metric::CHECKPOINTS).increment(1);
+        metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(bytes.len() as f64);
+        match within(self.timeout, journal.claim_resumable(result, deadline_unix_ms, bytes)).await {
+            Ok(claim) => {
+                let claimed = matches!(claim, Claim::Claimed);
+                self.claimed_resumable.store(claimed, Ordering::Release);
+                claim
+            }
+            Err(e) => {
+                tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
+                Claim::Claimed
+            }
+        }
+    }
+
+    /// Whether the run's id was claimed with its start checkpoint.
+    pub fn claimed_resumable(&self) -> bool {
+        self.claimed_resumable.load(Ordering::Acquire)
     }
 
     /// Renews the run's lease in a shared store until the returned guard is dropped: the state is

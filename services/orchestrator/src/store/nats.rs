@@ -71,15 +71,22 @@ pub(super) struct Record {
     /// A parked run wakes then even undecided (its first expiry, or its deadline; Unix ms).
     #[prost(uint64, tag = "8")]
     pub wake_at_unix_ms: u64,
+    /// The admission that created the run, named again in the description of each of its
+    /// checkpoints: a duplicate admission that lost the race for the id may have put its own
+    /// checkpoint under the key, and that one is never resumed as this run.
+    #[prost(string, tag = "9")]
+    pub claim: String,
 }
 
 /// What this replica knows of a run it owns.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Owned {
     /// The revision of its record this replica wrote last.
     pub revision: u64,
     /// See [`Record::resumable_until_unix_ms`].
     pub resumable_until_unix_ms: u64,
+    /// See [`Record::claim`].
+    pub claim: String,
 }
 
 impl Record {
@@ -225,6 +232,7 @@ impl KvStore {
     /// The record of `result` as this replica writes it now.
     pub(super) fn record(&self, result: pb::RunResult, resumable_until_unix_ms: u64) -> Record {
         let lease = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
+        let claim = self.claim_of(&key(&result.run_id));
         Record {
             result: Some(result),
             owner: self.owner.clone(),
@@ -234,6 +242,54 @@ impl KvStore {
             awaiting: false,
             ready: false,
             wake_at_unix_ms: 0,
+            claim,
+        }
+    }
+
+    /// The admission of this replica's run under `key` (empty: not known here).
+    pub(super) fn claim_of(&self, key: &str) -> String {
+        self.owned().get(key).map(|o| o.claim.clone()).unwrap_or_default()
+    }
+
+    /// Creates the record of a new run under `key` unless the id is taken, atomically; takes
+    /// over the record of a run whose replica died before it showed anything
+    /// ([`Record::never_started`]). This replica owns the run once it is [`Claim::Claimed`].
+    pub(super) fn create(
+        &self,
+        key: String,
+        record: Record,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + use<> {
+        let (kv, owned) = (self.kv.clone(), Arc::clone(&self.owned));
+        let bytes = bytes::Bytes::from(record.encode_to_vec());
+        let owned_now = move |revision| Owned {
+            revision,
+            resumable_until_unix_ms: record.resumable_until_unix_ms,
+            claim: record.claim,
+        };
+        async move {
+            match kv.create(&key, bytes.clone()).await {
+                Ok(revision) => {
+                    shared::sync::lock(&owned).insert(key, owned_now(revision));
+                    Ok(Claim::Claimed)
+                }
+                Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
+                    let entry = kv.entry(&key).await.map_err(|e| unavailable("KV get", &key, e))?;
+                    let Some(entry) = entry else {
+                        return Err(unavailable("KV create", &key, "taken, then gone"));
+                    };
+                    let taken = decode_record(&key, &entry.value)?;
+                    if taken.never_started(shared::sync::unix_ms()) {
+                        // Its replica died before the run showed anything, and nothing of it can
+                        // be resumed: the id is free again (one winner).
+                        if let Ok(revision) = kv.update(&key, bytes, entry.revision).await {
+                            shared::sync::lock(&owned).insert(key, owned_now(revision));
+                            return Ok(Claim::Claimed);
+                        }
+                    }
+                    Ok(Claim::Taken(Box::new(taken.read(&key)?)))
+                }
+                Err(e) => Err(unavailable("KV create", &key, e)),
+            }
         }
     }
 
@@ -246,7 +302,7 @@ impl KvStore {
     /// put otherwise. A final record ends this replica's ownership.
     pub(super) fn write(&self, key: String, record: Record) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, owned, owner) = (self.kv.clone(), Arc::clone(&self.owned), self.owner.clone());
-        let last = shared::sync::lock(&owned).get(&key).copied();
+        let last = shared::sync::lock(&owned).get(&key).cloned();
         let running = record.running();
         async move {
             let bytes = bytes::Bytes::from(record.encode_to_vec());
@@ -317,7 +373,7 @@ async fn update_owned(
     }
 }
 
-fn run_id_of(key: &str) -> String {
+pub(super) fn run_id_of(key: &str) -> String {
     key.strip_prefix("run.").unwrap_or(key).to_owned()
 }
 
@@ -350,43 +406,8 @@ impl ResultStore for KvStore {
     }
 
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
-        let (kv, owned) = (self.kv.clone(), Arc::clone(&self.owned));
-        let key = key(&result.run_id);
-        let bytes = bytes::Bytes::from(self.record(pb::RunResult::from(&result), 0).encode_to_vec());
-        async move {
-            match kv.create(&key, bytes.clone()).await {
-                Ok(revision) => {
-                    let owned_now = Owned {
-                        revision,
-                        resumable_until_unix_ms: 0,
-                    };
-                    shared::sync::lock(&owned).insert(key, owned_now);
-                    Ok(Claim::Claimed)
-                }
-                Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
-                    let entry = kv.entry(&key).await.map_err(|e| unavailable("KV get", &key, e))?;
-                    let Some(entry) = entry else {
-                        return Err(unavailable("KV create", &key, "taken, then gone"));
-                    };
-                    let record = decode_record(&key, &entry.value)?;
-                    if record.never_started(shared::sync::unix_ms()) {
-                        // Its replica died before the run's first checkpoint: nothing of it can
-                        // be resumed or was shown, so the id is free again (one winner).
-                        if let Ok(revision) = kv.update(&key, bytes, entry.revision).await {
-                            let owned_now = Owned {
-                                revision,
-                                resumable_until_unix_ms: 0,
-                            };
-                            shared::sync::lock(&owned).insert(key, owned_now);
-                            return Ok(Claim::Claimed);
-                        }
-                    }
-                    Ok(Claim::Taken(Box::new(record.read(&key)?)))
-                }
-                Err(e) => Err(unavailable("KV create", &key, e)),
-            }
-        }
-        .boxed()
+        let record = self.record(pb::RunResult::from(&result), 0);
+        self.create(key(&result.run_id), record).boxed()
     }
 
     fn shared(&self) -> Option<Duration> {

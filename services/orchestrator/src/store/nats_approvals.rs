@@ -200,11 +200,7 @@ impl NatsLot {
         if !stamped {
             return Err(unavailable("KV update", &key, "the wait kept changing"));
         }
-        store
-            .checkpoints
-            .put(key.as_str(), &mut parked.checkpoint.as_slice())
-            .await
-            .map_err(|e| unavailable("checkpoint put", &key, e))?;
+        store.put_checkpoint(key.clone(), parked.checkpoint).await?;
         let mut record = store.record(
             proto::orchestrator::v1::RunResult::from(&parked.result),
             parked.deadline_unix_ms.max(parked.wake_at_unix_ms),

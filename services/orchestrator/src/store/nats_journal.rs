@@ -13,8 +13,8 @@ use futures::{FutureExt, StreamExt};
 use prost::Message;
 use tokio::io::AsyncReadExt;
 
-use super::nats::{KvStore, Owned, decode_record, key, unavailable};
-use crate::domain::ports::{CancelAsk, RemoteCancel, RunJournal, StoreError};
+use super::nats::{KvStore, Owned, decode_record, key, run_id_of, unavailable};
+use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RunJournal, StoreError};
 
 /// Records read at once while looking for orphans.
 const LIST_CONCURRENCY: usize = 16;
@@ -47,6 +47,43 @@ pub(super) async fn open_checkpoints(
     .map_err(|e| unavailable("creating the checkpoint object store", &name, e))
 }
 
+impl KvStore {
+    /// A name for a new admission of a run on this replica, unique across replicas.
+    fn new_claim(&self) -> String {
+        static ADMISSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = ADMISSIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{}/{}/{n}", self.owner, shared::sync::unix_ms())
+    }
+
+    /// Puts the checkpoint of this replica's run under `key`, named by the run's admission.
+    pub(super) fn put_checkpoint(
+        &self,
+        key: String,
+        checkpoint: Vec<u8>,
+    ) -> impl Future<Output = Result<(), StoreError>> + use<> {
+        put_named(self.checkpoints.clone(), key.clone(), self.claim_of(&key), checkpoint)
+    }
+}
+
+/// Puts `checkpoint` under `key`, its description naming the admission `claim`.
+async fn put_named(
+    checkpoints: ObjectStore,
+    key: String,
+    claim: String,
+    checkpoint: Vec<u8>,
+) -> Result<(), StoreError> {
+    let meta = jetstream::object_store::ObjectMetadata {
+        name: key.clone(),
+        description: (!claim.is_empty()).then_some(claim),
+        ..Default::default()
+    };
+    checkpoints
+        .put(meta, &mut checkpoint.as_slice())
+        .await
+        .map(|_| ())
+        .map_err(|e| unavailable("checkpoint put", &key, e))
+}
+
 impl RunJournal for KvStore {
     fn save(
         &self,
@@ -65,14 +102,7 @@ impl RunJournal for KvStore {
         };
         let record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
         let write = self.write(key.clone(), record);
-        let checkpoints = self.checkpoints.clone();
-        let put = async move {
-            checkpoints
-                .put(key.as_str(), &mut checkpoint.as_slice())
-                .await
-                .map(|_| ())
-                .map_err(|e| unavailable("checkpoint put", &key, e))
-        };
+        let put = self.put_checkpoint(key, checkpoint);
         async move {
             if first {
                 // Nothing takes a run over before its record says it can be resumed: the
@@ -85,6 +115,25 @@ impl RunJournal for KvStore {
                 write.await?;
                 put.await
             }
+        }
+        .boxed()
+    }
+
+    fn claim_resumable(
+        &self,
+        result: crate::domain::RunResult,
+        deadline_unix_ms: u64,
+        checkpoint: Vec<u8>,
+    ) -> BoxFuture<'static, Result<Claim, StoreError>> {
+        let key = key(&result.run_id);
+        let mut record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
+        record.claim = self.new_claim();
+        let put = put_named(self.checkpoints.clone(), key.clone(), record.claim.clone(), checkpoint);
+        let create = self.create(key, record);
+        async move {
+            // The checkpoint first: a record that says the run can be resumed always has one.
+            put.await?;
+            create.await
         }
         .boxed()
     }
@@ -190,12 +239,28 @@ impl RunJournal for KvStore {
             let owned_now = Owned {
                 revision,
                 resumable_until_unix_ms: claimed.resumable_until_unix_ms,
+                claim: claimed.claim.clone(),
             };
             shared::sync::lock(&owned).insert(key.clone(), owned_now);
             let mut object = checkpoints
                 .get(&key)
                 .await
                 .map_err(|e| unavailable("checkpoint get", &key, e))?;
+            if object.info().description.as_deref().unwrap_or_default() != claimed.claim {
+                // The checkpoint under the key is another admission's (a duplicate that lost the
+                // race for the id): this run cannot be resumed, and reads as lost at once.
+                tracing::warn!(run_id = %run_id_of(&key), "the run's checkpoint belongs to another admission of its id; the run is lost");
+                shared::sync::lock(&owned).remove(&key);
+                let lost = super::nats::Record {
+                    resumable_until_unix_ms: 0,
+                    lease_expires_unix_ms: 0,
+                    ..claimed
+                };
+                kv.update(&key, lost.encode_to_vec().into(), revision)
+                    .await
+                    .map_err(|e| unavailable("KV update", &key, e))?;
+                return Ok(None);
+            }
             let mut bytes = Vec::new();
             object
                 .read_to_end(&mut bytes)

@@ -51,6 +51,41 @@ pub struct Checkpoint {
     pub calls: Option<TurnCalls>,
 }
 
+impl Checkpoint {
+    /// The checkpoint of a run about to start, as its first safe point takes it: its spec and
+    /// first state `result`, with `run_started` (seq 1) still to send. A durable run's id is
+    /// claimed with it, so the run is resumable from its first moment.
+    pub fn at_start(spec: &RunSpec, result: RunResult) -> Self {
+        Self {
+            spec: spec.clone(),
+            result,
+            conversation: Vec::new(),
+            used_budget: 0,
+            failed_turns: 0,
+            recorded_bytes: 0,
+            call_ids: Vec::new(),
+            generated_ids: 0,
+            turns_done: 0,
+            attempt: 1,
+            seq: 1,
+            outbox: vec![NumberedEvent {
+                seq: 1,
+                event: super::run_started(spec),
+            }],
+            calls: None,
+        }
+    }
+
+    /// The checkpoint as the persister writes it.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            result: self.result.clone(),
+            deadline_unix_ms: self.spec.deadline.unix_ms(),
+            bytes: serde_json::to_vec(self).unwrap_or_default(),
+        }
+    }
+}
+
 /// A turn whose calls were assembled: what is left of it is running them and reporting.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct TurnCalls {
@@ -106,17 +141,9 @@ impl CallRecorder {
                 if let Some(calls) = base.calls.as_mut() {
                     calls.finished.push(outcome.clone());
                 }
-                snapshot(&base)
+                base.snapshot()
             })
             .await;
-    }
-}
-
-fn snapshot(checkpoint: &Checkpoint) -> Snapshot {
-    Snapshot {
-        result: checkpoint.result.clone(),
-        deadline_unix_ms: checkpoint.spec.deadline.unix_ms(),
-        bytes: serde_json::to_vec(checkpoint).unwrap_or_default(),
     }
 }
 
@@ -155,7 +182,7 @@ impl Driver<'_> {
         };
         self.emitter.settler(self.deps.log_settle_timeout).wait().await;
         let checkpoint = self.checkpoint(calls);
-        let saved = persister.save(|| snapshot(&checkpoint)).await;
+        let saved = persister.save(|| checkpoint.snapshot()).await;
         self.emitter.flush().await;
         if self.handoff.is_cancelled() {
             // Handed over from a checkpoint the store did not take, the run would resume from
@@ -165,6 +192,20 @@ impl Driver<'_> {
                 return Err(End::HandedOver);
             }
             tracing::warn!("not handing the run over at this safe point: its checkpoint was not saved");
+        }
+        Ok(())
+    }
+
+    /// A durable run's first safe point: the checkpoint its id was claimed with
+    /// ([`Checkpoint::at_start`]) is this one, so only `run_started` goes out (a run whose claim
+    /// saved none saves it here).
+    pub(super) async fn start(&mut self) -> Step<()> {
+        if !self.persister.as_ref().is_some_and(Persister::claimed_resumable) {
+            return self.safe_point(None).await;
+        }
+        self.emitter.flush().await;
+        if self.handoff.is_cancelled() {
+            return Err(End::HandedOver);
         }
         Ok(())
     }

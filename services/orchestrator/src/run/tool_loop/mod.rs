@@ -135,12 +135,7 @@ async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) 
         emitter.continue_from(resumed.logged, c.seq, c.outbox.clone());
     } else {
         // Sent with the first model request.
-        emitter.queue(Event::RunStarted {
-            model: spec.model.clone(),
-            normal_tools: spec.normal_tools.iter().map(|t| t.name.clone()).collect(),
-            exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
-            limits: spec.limits,
-        });
+        emitter.queue(run_started(&spec));
     }
     let end = {
         let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone(), handoff.clone());
@@ -181,6 +176,16 @@ async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) 
     drop(slot);
     emitter.flush().await;
     result
+}
+
+/// The run's first event: what it runs with.
+fn run_started(spec: &RunSpec) -> Event {
+    Event::RunStarted {
+        model: spec.model.clone(),
+        normal_tools: spec.normal_tools.iter().map(|t| t.name.clone()).collect(),
+        exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
+        limits: spec.limits,
+    }
 }
 
 /// A run that moved to another replica: a handed-over one is released in the store (its last
@@ -423,7 +428,7 @@ impl<'a> Driver<'a> {
             }
             // A durable run is resumable from its start: a replica stopping in its first turn
             // loses nothing but that turn's attempt.
-            None if self.durable().is_some() => self.safe_point(None).await,
+            None if self.durable().is_some() => self.start().await,
             None => Ok(()),
         };
         if let Err(end) = first {

@@ -203,6 +203,8 @@ struct Outside {
     stream_interval: Duration,
     /// The run is asked to hand over (a drain) from its start.
     hand_over: bool,
+    /// The run's id is claimed with its start checkpoint (a durable run, as the service admits it).
+    claim_resumable: bool,
 }
 
 impl Default for Outside {
@@ -222,6 +224,7 @@ impl Default for Outside {
             pace: None,
             stream_interval: Duration::ZERO,
             hand_over: false,
+            claim_resumable: false,
         }
     }
 }
@@ -272,6 +275,12 @@ async fn play_with(
     };
     if outside.hand_over {
         admitted.handoff.at_safe_point.cancel();
+    }
+    if let (true, Some(persister)) = (outside.claim_resumable, &admitted.persister) {
+        let start = Checkpoint::at_start(&admitted.spec, RunResult::running("r"));
+        let claim = persister.claim_resumable(|| start.snapshot()).await;
+        assert!(matches!(claim, crate::domain::ports::Claim::Claimed));
+        assert!(persister.claimed_resumable(), "the claim saved the start checkpoint");
     }
     if let Some(after) = outside.cancel_after {
         tokio::spawn(async move {
@@ -1008,6 +1017,15 @@ impl crate::domain::ports::RunJournal for Journal {
         }
         futures::future::ready(Ok(())).boxed()
     }
+    fn claim_resumable(
+        &self,
+        result: RunResult,
+        deadline_unix_ms: u64,
+        checkpoint: Vec<u8>,
+    ) -> BoxFuture<'static, Result<crate::domain::ports::Claim, crate::domain::ports::StoreError>> {
+        let saved = self.save(result, deadline_unix_ms, checkpoint);
+        async move { saved.await.map(|()| crate::domain::ports::Claim::Claimed) }.boxed()
+    }
     fn forget(&self, _run_id: &str) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
         futures::future::ready(Ok(())).boxed()
     }
@@ -1143,6 +1161,42 @@ async fn a_durable_run_is_checkpointed_at_each_safe_point() {
     );
     assert!(checkpoints.windows(2).all(|w| w[0].seq <= w[1].seq));
     assert!(checkpoints.iter().all(|c| c.seq < events.len() as u64));
+}
+
+/// A durable run's id is claimed with `Checkpoint::at_start`, and its first safe point then saves
+/// nothing: the two must be the same checkpoint (a run resumed from the claim's goes on exactly
+/// as from the first safe point's).
+#[tokio::test(start_paused = true)]
+async fn the_start_checkpoint_of_the_claim_is_the_first_safe_points() {
+    let (_, _, checkpoints) = whole_durable_run().await;
+    // The deadline aside (a Unix time, taken when serialized), and the call ids given out in
+    // order (a set).
+    let without_deadline = |c: &Checkpoint| {
+        let mut c = serde_json::to_value(c).unwrap();
+        c["spec"]["deadline"] = serde_json::Value::Null;
+        if let Some(ids) = c["call_ids"].as_array_mut() {
+            ids.sort_by_key(|id| id.to_string());
+        }
+        c
+    };
+    let at_start = Checkpoint::at_start(&spec(limits()), RunResult::running("r"));
+    assert_eq!(without_deadline(&at_start), without_deadline(&checkpoints[0]));
+
+    // Claimed with it, the run saves it once: at its claim, not again before its first turn.
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        claim_resumable: true,
+        ..Outside::default()
+    };
+    let (result, _, _, _) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    let claimed: Vec<serde_json::Value> = journal.checkpoints().iter().map(without_deadline).collect();
+    let played: Vec<serde_json::Value> = checkpoints.iter().map(without_deadline).collect();
+    assert_eq!(
+        claimed, played,
+        "the same checkpoints, the first one saved by the claim"
+    );
 }
 
 #[tokio::test(start_paused = true)]
