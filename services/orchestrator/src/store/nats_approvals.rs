@@ -228,12 +228,14 @@ impl NatsLot {
         let keys: Vec<String> = match run_id {
             Some(run_id) => vec![key(&run_id)],
             None => {
+                // A key written while the listing reads (a run opening or parking its wait)
+                // comes again: each is read once, so no call is listed twice.
                 let mut keys = waits.keys().await.map_err(|e| unavailable("KV keys", "", e))?;
-                let mut all = Vec::new();
+                let mut all = std::collections::BTreeSet::new();
                 while let Some(key) = keys.next().await {
-                    all.push(key.map_err(|e| unavailable("KV keys", "", e))?);
+                    all.insert(key.map_err(|e| unavailable("KV keys", "", e))?);
                 }
-                all
+                all.into_iter().collect()
             }
         };
         let records: Vec<WaitRecord> = futures::stream::iter(keys)
