@@ -89,7 +89,7 @@ impl OrchestratorService {
         shared::telemetry::continue_trace(&span, trace_context);
         let run = admitted.into_run(spec, emitter, caller_gone);
         let deps = core.deps.clone();
-        tokio::spawn(async move { crate::run::tool_loop::run(run, &deps).await }.instrument(span));
+        tokio::spawn(crate::run::tool_loop::run(run, deps).instrument(span));
         // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
         let events = ReceiverStream::new(rx).flat_map(futures::stream::iter);
         caller_stream(Arc::clone(core), run_id, caller, events)

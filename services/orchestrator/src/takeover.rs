@@ -88,5 +88,5 @@ pub(crate) fn resume(
     }
     let run = admitted.into_run(spec, emitter, None);
     let deps = core.deps.clone();
-    tokio::spawn(async move { crate::run::tool_loop::resume(run, resumed, &deps).await }.instrument(span));
+    tokio::spawn(crate::run::tool_loop::resume(run, resumed, deps).instrument(span));
 }

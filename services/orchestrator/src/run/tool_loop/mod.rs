@@ -105,17 +105,25 @@ type Step<T> = Result<T, End>;
 /// `GetRun` answers as soon as the stream ends; the run's slot is freed in between, so delivering
 /// the last event to a slow caller holds no slot. A durable run that moves to another replica
 /// ends here without a result; its state so far (RUNNING) is returned.
-pub async fn run(run: AdmittedRun, deps: &LoopDeps) -> RunResult {
-    drive_run(run, deps, None).await
+pub fn run(run: AdmittedRun, deps: LoopDeps) -> impl Future<Output = RunResult> + Send + 'static {
+    drive_run(run, deps, None)
 }
 
 /// Resumes a run taken over from another replica at its checkpoint (see [`durable`]), then as
 /// [`run`].
-pub async fn resume(run: AdmittedRun, resumed: Resumed, deps: &LoopDeps) -> RunResult {
-    drive_run(run, deps, Some(resumed)).await
+pub fn resume(run: AdmittedRun, resumed: Resumed, deps: LoopDeps) -> impl Future<Output = RunResult> + Send + 'static {
+    drive_run(run, deps, Some(Box::new(resumed)))
 }
 
-async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) -> RunResult {
+/// The run's future. A held run's memory is mostly this future, so it holds each part once: the
+/// run is taken apart before the future is made (an `async fn` would keep its argument besides
+/// the parts), and the loop's own future is boxed (moved into the race with what ends a run, it
+/// would take its room twice).
+fn drive_run(
+    run: AdmittedRun,
+    deps: LoopDeps,
+    resumed: Option<Box<Resumed>>,
+) -> impl Future<Output = RunResult> + Send + 'static {
     let AdmittedRun {
         spec,
         state,
@@ -126,56 +134,59 @@ async fn drive_run(run: AdmittedRun, deps: &LoopDeps, resumed: Option<Resumed>) 
         slot,
         handoff,
     } = run;
-    let started = Instant::now();
-    let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
-    if let Some(resumed) = &resumed {
-        // Numbered on from its checkpoint before anything can end it (a cancel or a deadline
-        // that passed while it waited ends it before its turn goes on).
-        let c = &resumed.checkpoint;
-        emitter.continue_from(resumed.logged, c.seq, c.outbox.clone());
-    } else {
-        // Sent with the first model request.
-        emitter.queue(run_started(&spec));
-    }
-    let end = {
-        let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone(), handoff.clone());
-        let ends = Ends {
-            cancel: &cancel,
-            caller: caller.as_ref(),
-            handoff: &handoff,
-            persister: persister.as_ref(),
+    async move {
+        let deps = &deps;
+        let started = Instant::now();
+        let _in_flight = InFlight::new(metric::RUNS_IN_FLIGHT);
+        if let Some(resumed) = &resumed {
+            // Numbered on from its checkpoint before anything can end it (a cancel or a deadline
+            // that passed while it waited ends it before its turn goes on).
+            let c = &resumed.checkpoint;
+            emitter.continue_from(resumed.logged, c.seq, c.outbox.clone());
+        } else {
+            // Sent with the first model request.
+            emitter.queue(run_started(&spec));
+        }
+        let end = {
+            let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone(), handoff.clone());
+            let ends = Ends {
+                cancel: &cancel,
+                caller: caller.as_ref(),
+                handoff: &handoff,
+                persister: persister.as_ref(),
+            };
+            let end = race(Box::pin(driver.drive(resumed.map(|r| *r))), &spec, ends).await;
+            if !matches!(end, End::Completed | End::HandedOver | End::TakenOver | End::Parked) {
+                driver.keep_interrupted_turn(true);
+            }
+            end
         };
-        let end = race(driver.drive(resumed), &spec, ends).await;
-        if !matches!(end, End::Completed | End::HandedOver | End::TakenOver | End::Parked) {
-            driver.keep_interrupted_turn(true);
+        match end {
+            End::Parked => return lock(&state).clone(),
+            End::HandedOver | End::TakenOver => return moved(end, persister.as_ref(), &state).await,
+            // A wait opened in this turn ends with the run.
+            _ if !lock(&state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id).await,
+            _ => {}
         }
-        end
-    };
-    match end {
-        End::Parked => return lock(&state).clone(),
-        End::HandedOver | End::TakenOver => return moved(end, persister.as_ref(), &state).await,
-        // A wait opened in this turn ends with the run.
-        _ if !lock(&state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id).await,
-        _ => {}
-    }
-    let result = settle(&state, end, &cancel);
-    telemetry::record_run_end(&result, started.elapsed());
-    emitter.queue(Event::RunFinished(result.clone()));
-    if let Some(persister) = &persister {
-        if persister.durable() {
-            // A durable run's log holds its end before its record does: a replica that takes
-            // the run over in between finds the end there and stores it, so the log is whole.
-            emitter.log_queued();
-            emitter.settler(deps.log_settle_timeout).wait().await;
+        let result = settle(&state, end, &cancel);
+        telemetry::record_run_end(&result, started.elapsed());
+        emitter.queue(Event::RunFinished(result.clone()));
+        if let Some(persister) = &persister {
+            if persister.durable() {
+                // A durable run's log holds its end before its record does: a replica that takes
+                // the run over in between finds the end there and stores it, so the log is whole.
+                emitter.log_queued();
+                emitter.settler(deps.log_settle_timeout).wait().await;
+            }
+            // The result is stored before the stream ends, so GetRun (on any replica) finds it.
+            persister.write_final().await;
         }
-        // The result is stored before the stream ends, so GetRun (on any replica) finds it.
-        persister.write_final().await;
+        // The slot counts running work: it is free before the last event is delivered, which a
+        // caller that reads nothing holds up to the event send timeout.
+        drop(slot);
+        emitter.flush().await;
+        result
     }
-    // The slot counts running work: it is free before the last event is delivered, which a
-    // caller that reads nothing holds up to the event send timeout.
-    drop(slot);
-    emitter.flush().await;
-    result
 }
 
 /// The run's first event: what it runs with.

@@ -302,8 +302,8 @@ async fn play_with(
         (batches, rx)
     });
     let result = match outside.resumed {
-        Some(resumed) => resume(admitted, resumed, &deps).await,
-        None => run(admitted, &deps).await,
+        Some(resumed) => resume(admitted, resumed, deps).await,
+        None => run(admitted, deps).await,
     };
     let (mut batches, mut rx) = reader.await.unwrap();
     while let Ok(batch) = rx.try_recv() {
