@@ -48,6 +48,15 @@ pub struct Snapshot {
     pub bytes: Vec<u8>,
 }
 
+impl Snapshot {
+    /// The snapshot, counted in the checkpoint metrics as it is about to be written.
+    fn counted(self) -> Self {
+        metrics::counter!(crate::telemetry::metric::CHECKPOINTS).increment(1);
+        metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(self.bytes.len() as f64);
+        self
+    }
+}
+
 impl Persister {
     /// A persister of `state` into `store`; one write waits at most `timeout`; a final result
     /// the store does not take waits in `backlog`.
@@ -124,10 +133,8 @@ impl Persister {
             result,
             deadline_unix_ms,
             bytes,
-        } = make();
+        } = make().counted();
         let run_id = result.run_id.clone();
-        metrics::counter!(crate::telemetry::metric::CHECKPOINTS).increment(1);
-        metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(bytes.len() as f64);
         let saved = within(self.timeout, journal.save(result, deadline_unix_ms, bytes)).await;
         self.outcome(&run_id, "saving the run's checkpoint", saved)
     }
@@ -207,10 +214,8 @@ impl Persister {
             result,
             deadline_unix_ms,
             bytes,
-        } = start();
+        } = start().counted();
         let run_id = result.run_id.clone();
-        metrics::counter!(crate::telemetry::metric::CHECKPOINTS).increment(1);
-        metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(bytes.len() as f64);
         match within(self.timeout, journal.claim_resumable(result, deadline_unix_ms, bytes)).await {
             Ok(claim) => {
                 let claimed = matches!(claim, Claim::Claimed);

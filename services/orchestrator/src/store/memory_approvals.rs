@@ -144,17 +144,14 @@ impl MemoryLot {
             .get_mut(run_id)
             .filter(|e| e.canceled.is_none())
             .ok_or_else(|| DecideError::NotFound(run_id.to_owned()))?;
-        if !decider.may_decide(&entry.principal) {
-            return Err(DecideError::NotAllowed {
-                caller: decider.name.clone(),
-                run_id: run_id.to_owned(),
-            });
-        }
-        let schemas = &entry.schemas;
-        let recorded = decide_calls(run_id, &entry.calls, |id| schemas.get(id), decider, decisions)?;
-        for (index, decision) in recorded {
-            entry.calls[index].decision = Some(decision);
-        }
+        record_decisions(
+            run_id,
+            &entry.principal,
+            &mut entry.calls,
+            &entry.schemas,
+            decider,
+            decisions,
+        )?;
         let calls = entry.calls.clone();
         if inner.mark_if_ready(run_id) {
             self.changed.notify_one();
@@ -193,10 +190,32 @@ impl MemoryLot {
     }
 }
 
+/// Records `decisions` of `decider` in the `calls` of run `run_id` (owned by `owner`, its calls'
+/// schemas `schemas` by call id): all of them, or none when one is refused.
+pub(super) fn record_decisions(
+    run_id: &str,
+    owner: &str,
+    calls: &mut [PendingApproval],
+    schemas: &BTreeMap<String, serde_json::Value>,
+    decider: &Decider,
+    decisions: &[Decision],
+) -> Result<(), DecideError> {
+    if !decider.may_decide(owner) {
+        return Err(DecideError::NotAllowed {
+            caller: decider.name.clone(),
+            run_id: run_id.to_owned(),
+        });
+    }
+    for (index, decision) in decide_calls(run_id, calls, |id| schemas.get(id), decider, decisions)? {
+        calls[index].decision = Some(decision);
+    }
+    Ok(())
+}
+
 /// Checks `decisions` of `decider` against the run's `calls` (each named once, each waiting, an
 /// edit accepted by `schema_of` its call); the decisions to record, by call position. All or
 /// none: the first refused one is the error.
-pub(super) fn decide_calls<'a>(
+fn decide_calls<'a>(
     run_id: &str,
     calls: &[PendingApproval],
     schema_of: impl Fn(&str) -> Option<&'a serde_json::Value>,

@@ -20,7 +20,7 @@ use futures::{FutureExt, StreamExt};
 use prost::Message;
 use serde::{Deserialize, Serialize};
 
-use super::memory_approvals::decide_calls;
+use super::memory_approvals::record_decisions;
 use super::nats::{KvStore, decode_record, key, unavailable};
 use crate::domain::RunResult;
 use crate::domain::approval::{DecideError, Decision, PendingApproval};
@@ -152,17 +152,14 @@ async fn decide_stored(
             .map_err(unavailable)?
             .filter(|(r, _)| r.canceled.is_none())
             .ok_or_else(|| DecideError::NotFound(run_id.to_owned()))?;
-        if !decider.may_decide(&record.principal) {
-            return Err(DecideError::NotAllowed {
-                caller: decider.name.clone(),
-                run_id: run_id.to_owned(),
-            });
-        }
-        let schemas = &record.schemas;
-        let recorded = decide_calls(run_id, &record.calls, |id| schemas.get(id), decider, decisions)?;
-        for (index, decision) in recorded {
-            record.calls[index].decision = Some(decision);
-        }
+        record_decisions(
+            run_id,
+            &record.principal,
+            &mut record.calls,
+            &record.schemas,
+            decider,
+            decisions,
+        )?;
         if replace(waits, &key, &record, revision).await.map_err(unavailable)? {
             return Ok(record);
         }
