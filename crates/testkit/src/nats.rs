@@ -36,19 +36,38 @@ impl Nats {
         Self::start_with(Some((user.to_owned(), password.to_owned()))).await
     }
 
+    /// The port is one the system had free a moment before; another process may take it in
+    /// between (many tests start servers at once), so a server that could not listen on it is
+    /// started again on another, a few times.
     async fn start_with(user: Option<(String, String)>) -> anyhow::Result<Self> {
+        const ATTEMPTS: usize = 3;
         crate::arm_watchdog();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let tmp = tempfile::tempdir()?;
         let mut nats = Self {
             child: None,
-            port,
+            port: 0,
             dir: tmp.path().to_owned(),
             user,
             _tmp: Some(tmp),
         };
-        nats.restart().await?;
-        Ok(nats)
+        for attempt in 1..=ATTEMPTS {
+            nats.port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            match nats.restart().await {
+                Ok(()) => return Ok(nats),
+                Err(e) if attempt < ATTEMPTS && nats.exited() => {
+                    eprintln!("nats-server exited on port {} ({e}); trying another port", nats.port);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        anyhow::bail!("nats-server did not start in {ATTEMPTS} attempts")
+    }
+
+    /// Whether the server's process has ended.
+    fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|child| matches!(child.try_wait(), Ok(Some(_))))
     }
 
     /// The server's process id, while it runs (to read its CPU time).
@@ -75,12 +94,16 @@ impl Nats {
                     .flat_map(|(user, password)| ["--user", user, "--pass", password]),
             )
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(self.dir.join("nats-server.log"))?)
             .kill_on_drop(true)
             .spawn()?;
         self.child = Some(child);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
+            if self.exited() {
+                let log = std::fs::read_to_string(self.dir.join("nats-server.log")).unwrap_or_default();
+                anyhow::bail!("nats-server exited at its start: {}", log.trim());
+            }
             // The server listens for clients only once JetStream is up.
             // async-nats takes no credentials from a URL: they are options.
             let options = match &self.user {
