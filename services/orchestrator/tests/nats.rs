@@ -1376,11 +1376,11 @@ async fn a_run_whose_replica_dies_in_its_first_turn_is_taken_over_from_its_start
     b.stop().await
 }
 
-/// Two admissions of one new id race: the loser's start checkpoint may replace the winner's
-/// under the key before its claim of the record fails. Should the winner's replica then die
-/// before its next checkpoint, the run is never resumed from the loser's: the replica taking it
-/// over finds the checkpoint names another admission, and the run reads lost at once (its id
-/// free for a retry).
+/// A second admission of an id that is taken is refused without touching the checkpoint of the
+/// run holding it. Two admissions that race (both saw the id free) may still leave the loser's
+/// start checkpoint under the key; should the winner's replica then die before its next
+/// checkpoint, the run is never resumed from the loser's: the replica taking it over finds the
+/// checkpoint names another admission, and the run reads lost at once (its id free for a retry).
 #[tokio::test]
 async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> TestResult {
     use orchestrator::domain::ports::{Claim, RunJournal};
@@ -1392,15 +1392,37 @@ async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> Test
         replica_store(&js, "race-runs", "b", lease).await?,
         replica_store(&js, "race-runs", "c", lease).await?,
     );
+    let checkpoints = js.get_object_store("race-runs-checkpoints").await?;
     let deadline = shared::sync::unix_ms() + 60_000;
-    let run = RunResult::running("raced");
-    let winner = a.claim_resumable(run.clone(), deadline, b"a's start".to_vec()).await;
-    assert!(matches!(winner, Ok(Claim::Claimed)), "{winner:?}");
-    let loser = b.claim_resumable(run.clone(), deadline, b"b's start".to_vec()).await;
-    assert!(matches!(loser, Ok(Claim::Taken(_))), "{loser:?}");
-    // a's replica dies; its lease lapses.
+
+    // Taken: refused, and a's checkpoint stays as a put it.
+    let kept = RunResult::running("kept");
+    assert!(matches!(
+        a.claim_resumable(kept.clone(), deadline, b"a's start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    let again = b.claim_resumable(kept, deadline, b"b's start".to_vec()).await;
+    assert!(matches!(again, Ok(Claim::Taken(_))), "{again:?}");
+
+    // Raced: b's start checkpoint landed after a's, as b's claim was failing.
+    let raced = RunResult::running("raced");
+    assert!(matches!(
+        a.claim_resumable(raced.clone(), deadline, b"a's start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    let loser = jetstream::object_store::ObjectMetadata {
+        name: "run.raced".into(),
+        description: Some("b/1/0".into()),
+        ..Default::default()
+    };
+    checkpoints.put(loser, &mut b"b's start".as_slice()).await?;
+
+    // a's replica dies; its leases lapse.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(c.orphans().await?, ["raced"]);
+    let mut orphans = c.orphans().await?;
+    orphans.sort();
+    assert_eq!(orphans, ["kept", "raced"]);
+    assert_eq!(c.take_over("kept").await?, Some(b"a's start".to_vec()));
     assert_eq!(
         c.take_over("raced").await?,
         None,
@@ -1414,15 +1436,9 @@ async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> Test
             Some(orchestrator::domain::FailureReason::OrchestratorLost)
         )
     );
-    assert!(matches!(c.claim(run).await, Ok(Claim::Claimed)), "the id is free again");
-
-    // Without the race, the winner's start checkpoint is taken over as it was put.
-    let clean = RunResult::running("clean");
-    assert!(matches!(
-        a.claim_resumable(clean, deadline, b"a's start".to_vec()).await,
-        Ok(Claim::Claimed)
-    ));
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(c.take_over("clean").await?, Some(b"a's start".to_vec()));
+    assert!(
+        matches!(c.claim(raced).await, Ok(Claim::Claimed)),
+        "the id is free again"
+    );
     Ok(())
 }

@@ -129,8 +129,17 @@ impl RunJournal for KvStore {
         let mut record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
         record.claim = self.new_claim();
         let put = put_named(self.checkpoints.clone(), key.clone(), record.claim.clone(), checkpoint);
-        let create = self.create(key, record);
+        let kv = self.kv.clone();
+        let create = self.create(key.clone(), record);
         async move {
+            // An id taken already is answered without putting anything under its key: the run
+            // holding it (live, or parked for hours) keeps its checkpoint.
+            if let Some(entry) = kv.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))? {
+                let taken = decode_record(&key, &entry.value)?;
+                if !taken.never_started(shared::sync::unix_ms()) {
+                    return Ok(Claim::Taken(Box::new(taken.read(&key)?)));
+                }
+            }
             // The checkpoint first: a record that says the run can be resumed always has one.
             put.await?;
             create.await
