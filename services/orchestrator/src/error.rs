@@ -46,6 +46,9 @@ pub enum Error {
     /// The orchestrator is shutting down.
     #[error("the orchestrator is draining (shutting down); retry on another replica")]
     Draining,
+    /// A run live on another replica could not be reached there (it is moving between replicas).
+    #[error("run {0} is live on another replica that did not answer (it may be moving between replicas); try again")]
+    RunElsewhere(String),
     /// A service the orchestrator depends on (e.g. NATS) cannot be used.
     #[error("{0}")]
     Dependency(String),
@@ -94,6 +97,7 @@ impl From<Error> for tonic::Status {
             Error::PermissionDenied(_) => Self::permission_denied(message),
             Error::NotFound(_) => Self::not_found(message),
             Error::Draining
+            | Error::RunElsewhere(_)
             | Error::NoToolRunner(_)
             | Error::Serve(_)
             | Error::Listen { .. }

@@ -242,18 +242,9 @@ impl Runs {
         within(self.store_timeout, self.store.get(run_id)).await
     }
 
-    /// Takes a slot for the run `spec` of `caller`; a durable run is resumable from here on.
-    pub(crate) async fn admit_run(self: &Arc<Self>, spec: &RunSpec, caller: &Principal) -> Result<Admitted, Refusal> {
-        self.admit_with(&spec.run_id, caller, Some(spec)).await
-    }
-
-    /// Takes a slot for `run_id`, a run of `caller`.
-    #[cfg(test)]
-    pub(crate) async fn admit(self: &Arc<Self>, run_id: &str, caller: &Principal) -> Result<Admitted, Refusal> {
-        self.admit_with(run_id, caller, None).await
-    }
-
-    async fn admit_with(
+    /// Takes a slot for `run_id`, a run of `caller`; with its `spec`, a durable run is resumable
+    /// from here on (its start checkpoint goes in with its claim).
+    pub(crate) async fn admit(
         self: &Arc<Self>,
         run_id: &str,
         caller: &Principal,
@@ -730,12 +721,15 @@ mod tests {
     async fn runs_belong_to_their_principal_and_max_runs_holds_per_principal() {
         let runs = runs(8, 10, Duration::from_secs(60));
         let (alice, bob) = (named("alice", Some(2)), named("bob", None));
-        let a1 = runs.admit("a1", &alice).await.unwrap();
-        let _a2 = runs.admit("a2", &alice).await.unwrap();
-        assert!(matches!(runs.admit("a3", &alice).await, Err(Refusal::CallerFull(2))));
+        let a1 = runs.admit("a1", &alice, None).await.unwrap();
+        let _a2 = runs.admit("a2", &alice, None).await.unwrap();
+        assert!(matches!(
+            runs.admit("a3", &alice, None).await,
+            Err(Refusal::CallerFull(2))
+        ));
         // Another principal is not held back by alice's limit, and cannot use her ids.
-        let _b1 = runs.admit("b1", &bob).await.unwrap();
-        assert!(matches!(runs.admit("a1", &bob).await, Err(Refusal::Foreign)));
+        let _b1 = runs.admit("b1", &bob, None).await.unwrap();
+        assert!(matches!(runs.admit("a1", &bob, None).await, Err(Refusal::Foreign)));
         assert!(runs.get("a1", &bob).await.unwrap().is_none());
         assert_eq!(runs.cancel("a1", &bob, "test").await, Ok(CancelOutcome::NotFound));
         assert_eq!(
@@ -745,7 +739,7 @@ mod tests {
         // The anonymous caller (no authentication) sees every run.
         assert!(runs.get("a1", &anon()).await.unwrap().is_some());
         drop(a1);
-        assert!(runs.admit("a3", &alice).await.is_ok());
+        assert!(runs.admit("a3", &alice, None).await.is_ok());
     }
     use crate::store::memory::MemoryStore;
 
@@ -766,7 +760,7 @@ mod tests {
     }
 
     async fn finish(runs: &Arc<Runs>, id: &str) {
-        let admitted = runs.admit(id, &anon()).await.unwrap();
+        let admitted = runs.admit(id, &anon(), None).await.unwrap();
         admitted.state.lock().unwrap().status = RunStatus::Completed;
         admitted.persister.write_final().await;
     }
@@ -774,12 +768,12 @@ mod tests {
     #[tokio::test]
     async fn slots_on_both_sides_of_the_limit_and_released_on_drop() {
         let runs = runs(2, 10, Duration::from_secs(60));
-        let a = runs.admit("a", &anon()).await.unwrap();
-        let _b = runs.admit("b", &anon()).await.unwrap();
-        assert!(matches!(runs.admit("c", &anon()).await, Err(Refusal::Full(2))));
-        assert!(matches!(runs.admit("a", &anon()).await, Err(Refusal::Duplicate)));
+        let a = runs.admit("a", &anon(), None).await.unwrap();
+        let _b = runs.admit("b", &anon(), None).await.unwrap();
+        assert!(matches!(runs.admit("c", &anon(), None).await, Err(Refusal::Full(2))));
+        assert!(matches!(runs.admit("a", &anon(), None).await, Err(Refusal::Duplicate)));
         drop(a);
-        assert!(runs.admit("c", &anon()).await.is_ok());
+        assert!(runs.admit("c", &anon(), None).await.is_ok());
     }
 
     #[tokio::test]
@@ -790,7 +784,10 @@ mod tests {
         }
         assert!(runs.get("a", &anon()).await.unwrap().is_none());
         assert!(runs.get("b", &anon()).await.unwrap().is_some() && runs.get("c", &anon()).await.unwrap().is_some());
-        assert!(matches!(runs.admit("c", &anon()).await, Err(Refusal::Finished(_))));
+        assert!(matches!(
+            runs.admit("c", &anon(), None).await,
+            Err(Refusal::Finished(_))
+        ));
     }
 
     #[tokio::test(start_paused = true)]
@@ -807,7 +804,7 @@ mod tests {
     async fn attached_callers_are_bounded_and_see_only_their_own_runs() {
         let runs = runs(10, 10, Duration::from_secs(60));
         let (alice, bob) = (named("alice", None), named("bob", None));
-        let _run = runs.admit("a", &alice).await.unwrap();
+        let _run = runs.admit("a", &alice, None).await.unwrap();
         assert!(matches!(runs.attach("a", 0, &bob).await, Err(AttachError::NotFound)));
         assert!(matches!(
             runs.attach("zzz", 0, &alice).await,
@@ -826,7 +823,7 @@ mod tests {
     #[tokio::test]
     async fn live_state_and_cancel() {
         let runs = runs(10, 10, Duration::from_secs(60));
-        let admitted = runs.admit("a", &anon()).await.unwrap();
+        let admitted = runs.admit("a", &anon(), None).await.unwrap();
         admitted.state.lock().unwrap().text.push_str("so far");
         assert_eq!(
             runs.get("a", &anon()).await.unwrap().map(|r| (r.status, r.text)),

@@ -333,7 +333,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             received_at,
         )?;
         let run_id = spec.run_id.clone();
-        match core.runs.admit_run(&spec, &caller).await {
+        match core.runs.admit(&run_id, &caller, Some(&spec)).await {
             Ok(admitted) => Ok(Response::new(self.start(
                 admitted,
                 spec,
@@ -374,11 +374,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             CancelOutcome::Canceled => (true, pb::RunStatus::Canceled),
             CancelOutcome::AlreadyFinished(status) => (false, status.into()),
             CancelOutcome::NotFound => return Err(no_run(&run_id)),
-            CancelOutcome::Unanswered => {
-                return Err(Status::unavailable(format!(
-                    "run {run_id} is live on another replica that did not answer the cancel (it may be moving between replicas); try again"
-                )));
-            }
+            CancelOutcome::Unanswered => return Err(Error::RunElsewhere(run_id).into()),
         };
         Ok(Response::new(pb::CancelRunResponse {
             canceled,

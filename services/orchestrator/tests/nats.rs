@@ -306,6 +306,18 @@ async fn a_signal_published_while_the_broker_is_down_is_retried_then_delivered_o
     Ok(())
 }
 
+/// Run `run_id` as `url` reads it once it is no longer RUNNING (or after 30 s, as it reads then).
+async fn ended(url: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let run = get_run(url, run_id).await?;
+        if run.status() != pb::RunStatus::Running || tokio::time::Instant::now() > deadline {
+            return Ok(run);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// An orchestrator process using NATS for signals and results, with a tool-runner and the
 /// stand-in model in this process.
 async fn orchestrator_process(nats: &Nats, llm: &str, runner: &str, extra: &[&str]) -> anyhow::Result<Service> {
@@ -621,14 +633,7 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_is_taken_o
     tokio::time::sleep(Duration::from_millis(300)).await;
     owner.kill().await?;
     drop(stream);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let finished = loop {
-        let r = get_run(&survivor_url, "contested").await?;
-        if r.status() != pb::RunStatus::Running || tokio::time::Instant::now() > deadline {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let finished = ended(&survivor_url, "contested").await?;
     assert_eq!(
         finished.status(),
         pb::RunStatus::Completed,
@@ -1257,15 +1262,11 @@ async fn a_follower_of_a_killed_replicas_run_follows_it_to_the_replica_that_took
 #[tokio::test]
 async fn a_run_is_canceled_through_any_replica() -> TestResult {
     use mock_llm::{Scenario, Step, Turn};
-    let nats = Nats::start().await?;
     let slow = Scenario::new(vec![
         Turn::text("Waiting.\n").then(Step::call("sleep", serde_json::json!({"ms": 30_000}))),
         Turn::text("never reached"),
     ]);
-    let mock = mock_llm::MockLlm::start(slow).await?;
-    let runner = testkit::tool_runner_in_process().await?;
-    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
-    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &[]).await?;
+    let Replicas { a, b, _nats, _mock } = Replicas::start(slow, &[]).await?;
     let (a_url, b_url) = (format!("http://{}", a.grpc), format!("http://{}", b.grpc));
 
     let mut on_a = pb::orchestrator_client::OrchestratorClient::connect(a_url.clone()).await?;
@@ -1323,7 +1324,6 @@ async fn a_run_is_canceled_through_any_replica() -> TestResult {
 #[tokio::test]
 async fn a_run_whose_replica_dies_in_its_first_turn_is_taken_over_from_its_start() -> TestResult {
     use mock_llm::{Scenario, Step, Turn};
-    let nats = Nats::start().await?;
     let thinking = Scenario::new(vec![
         Turn::default()
             .then(Step::Delay { ms: 2_500 })
@@ -1331,11 +1331,12 @@ async fn a_run_whose_replica_dies_in_its_first_turn_is_taken_over_from_its_start
             .then(Step::call("echo", serde_json::json!({"n": 1}))),
         Turn::text("done"),
     ]);
-    let mock = mock_llm::MockLlm::start(thinking).await?;
-    let runner = testkit::tool_runner_in_process().await?;
-    let lease = ["--run-store-lease", "1s"];
-    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
-    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
+    let Replicas {
+        a,
+        b,
+        _nats,
+        _mock: mock,
+    } = Replicas::start(thinking, &["--run-store-lease", "1s"]).await?;
     let b_url = format!("http://{}", b.grpc);
     start_detached(&format!("http://{}", a.grpc), "first-turn").await?;
     let asked = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -1346,16 +1347,7 @@ async fn a_run_whose_replica_dies_in_its_first_turn_is_taken_over_from_its_start
     a.kill().await?;
 
     let client = orchestrator_client::ClientBuilder::new(b_url.clone()).connect().await?;
-    let finished = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let run = get_run(&b_url, "first-turn").await?;
-            if run.status() != pb::RunStatus::Running {
-                return anyhow::Ok(run);
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await??;
+    let finished = ended(&b_url, "first-turn").await?;
     assert_eq!(
         finished.status(),
         pb::RunStatus::Completed,

@@ -48,6 +48,13 @@ pub struct Snapshot {
     pub bytes: Vec<u8>,
 }
 
+/// A claim the store could not answer: the run goes on unclaimed (a store that is down does not
+/// stop runs).
+fn unclaimed(run_id: &str, error: &StoreError) -> Claim {
+    tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {error}");
+    Claim::Claimed
+}
+
 impl Snapshot {
     /// The snapshot, counted in the checkpoint metrics as it is about to be written.
     fn counted(self) -> Self {
@@ -196,10 +203,7 @@ impl Persister {
         let run_id = snapshot.run_id.clone();
         within(self.timeout, self.store.claim(snapshot))
             .await
-            .unwrap_or_else(|e| {
-                tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
-                Claim::Claimed
-            })
+            .unwrap_or_else(|e| unclaimed(&run_id, &e))
     }
 
     /// Claims the run's id with its start checkpoint (made by `start`), so another replica can
@@ -222,10 +226,7 @@ impl Persister {
                 self.claimed_resumable.store(claimed, Ordering::Release);
                 claim
             }
-            Err(e) => {
-                tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {e}");
-                Claim::Claimed
-            }
+            Err(e) => unclaimed(&run_id, &e),
         }
     }
 

@@ -273,15 +273,13 @@ impl KvStore {
                     Ok(Claim::Claimed)
                 }
                 Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
-                    let entry = kv.entry(&key).await.map_err(|e| unavailable("KV get", &key, e))?;
-                    let Some(entry) = entry else {
+                    let Some((taken, revision)) = holder(&kv, &key).await? else {
                         return Err(unavailable("KV create", &key, "taken, then gone"));
                     };
-                    let taken = decode_record(&key, &entry.value)?;
                     if taken.never_started(shared::sync::unix_ms()) {
                         // Its replica died before the run showed anything, and nothing of it can
                         // be resumed: the id is free again (one winner).
-                        if let Ok(revision) = kv.update(&key, bytes, entry.revision).await {
+                        if let Ok(revision) = kv.update(&key, bytes, revision).await {
                             shared::sync::lock(&owned).insert(key, owned_now(revision));
                             return Ok(Claim::Claimed);
                         }
@@ -375,6 +373,14 @@ async fn update_owned(
 
 pub(super) fn run_id_of(key: &str) -> String {
     key.strip_prefix("run.").unwrap_or(key).to_owned()
+}
+
+/// The record under `key` and its revision, if there is one.
+pub(super) async fn holder(kv: &jetstream::kv::Store, key: &str) -> Result<Option<(Record, u64)>, StoreError> {
+    match kv.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? {
+        Some(entry) => Ok(Some((decode_record(key, &entry.value)?, entry.revision))),
+        None => Ok(None),
+    }
 }
 
 pub(super) fn decode_record(key: &str, bytes: &[u8]) -> Result<Record, StoreError> {

@@ -13,7 +13,7 @@ use futures::{FutureExt, StreamExt};
 use prost::Message;
 use tokio::io::AsyncReadExt;
 
-use super::nats::{KvStore, Owned, decode_record, key, run_id_of, unavailable};
+use super::nats::{KvStore, Owned, decode_record, holder, key, run_id_of, unavailable};
 use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RunJournal, StoreError};
 
 /// Records read at once while looking for orphans.
@@ -134,11 +134,10 @@ impl RunJournal for KvStore {
         async move {
             // An id taken already is answered without putting anything under its key: the run
             // holding it (live, or parked for hours) keeps its checkpoint.
-            if let Some(entry) = kv.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))? {
-                let taken = decode_record(&key, &entry.value)?;
-                if !taken.never_started(shared::sync::unix_ms()) {
-                    return Ok(Claim::Taken(Box::new(taken.read(&key)?)));
-                }
+            if let Some((taken, _)) = holder(&kv, &key).await?
+                && !taken.never_started(shared::sync::unix_ms())
+            {
+                return Ok(Claim::Taken(Box::new(taken.read(&key)?)));
             }
             // The checkpoint first: a record that says the run can be resumed always has one.
             put.await?;
@@ -216,10 +215,9 @@ impl RunJournal for KvStore {
         let (owned, owner) = (std::sync::Arc::clone(&self.owned), self.owner.clone());
         let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
         async move {
-            let Some(entry) = kv.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))? else {
+            let Some((record, read_revision)) = holder(&kv, &key).await? else {
                 return Ok(None);
             };
-            let record = decode_record(&key, &entry.value)?;
             if !record.orphaned(shared::sync::unix_ms()) {
                 return Ok(None);
             }
@@ -240,7 +238,7 @@ impl RunJournal for KvStore {
             {
                 result.status = proto::orchestrator::v1::RunStatus::Running.into();
             }
-            let revision = match kv.update(&key, claimed.encode_to_vec().into(), entry.revision).await {
+            let revision = match kv.update(&key, claimed.encode_to_vec().into(), read_revision).await {
                 Ok(revision) => revision,
                 Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => return Ok(None),
                 Err(e) => return Err(unavailable("KV update", &key, e)),

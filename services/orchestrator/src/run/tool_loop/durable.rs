@@ -183,6 +183,12 @@ impl Driver<'_> {
         self.emitter.settler(self.deps.log_settle_timeout).wait().await;
         let checkpoint = self.checkpoint(calls);
         let saved = persister.save(|| checkpoint.snapshot()).await;
+        self.send_at_safe_point(saved).await
+    }
+
+    /// Sends what is queued at a safe point whose checkpoint the store took (`saved`) or did
+    /// not; a run asked to hand over stops here, at a saved one only.
+    async fn send_at_safe_point(&mut self, saved: bool) -> Step<()> {
         self.emitter.flush().await;
         if self.handoff.is_cancelled() {
             // Handed over from a checkpoint the store did not take, the run would resume from
@@ -203,11 +209,7 @@ impl Driver<'_> {
         if !self.persister.as_ref().is_some_and(Persister::claimed_resumable) {
             return self.safe_point(None).await;
         }
-        self.emitter.flush().await;
-        if self.handoff.is_cancelled() {
-            return Err(End::HandedOver);
-        }
-        Ok(())
+        self.send_at_safe_point(true).await
     }
 
     /// The recorder of safe point (b) for `calls`, when the run is durable.

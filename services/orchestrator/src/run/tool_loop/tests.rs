@@ -1078,9 +1078,15 @@ fn two_naps_then_an_answer() -> Vec<Vec<Result<LlmEvent, LlmError>>> {
 
 /// The run played whole and durable: its result, events and checkpoints.
 async fn whole_durable_run() -> (RunResult, Vec<NumberedEvent>, Vec<Checkpoint>) {
+    durable_run_claimed(false).await
+}
+
+/// [`whole_durable_run`], its id claimed with its start checkpoint when `claim_resumable`.
+async fn durable_run_claimed(claim_resumable: bool) -> (RunResult, Vec<NumberedEvent>, Vec<Checkpoint>) {
     let journal = Arc::new(Journal::default());
     let outside = Outside {
         journal: Some(Arc::clone(&journal)),
+        claim_resumable,
         ..Outside::default()
     };
     let (result, batches, _, _) = play_with(two_naps_then_an_answer(), limits(), outside).await;
@@ -1183,15 +1189,8 @@ async fn the_start_checkpoint_of_the_claim_is_the_first_safe_points() {
     assert_eq!(without_deadline(&at_start), without_deadline(&checkpoints[0]));
 
     // Claimed with it, the run saves it once: at its claim, not again before its first turn.
-    let journal = Arc::new(Journal::default());
-    let outside = Outside {
-        journal: Some(Arc::clone(&journal)),
-        claim_resumable: true,
-        ..Outside::default()
-    };
-    let (result, _, _, _) = play_with(two_naps_then_an_answer(), limits(), outside).await;
-    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
-    let claimed: Vec<serde_json::Value> = journal.checkpoints().iter().map(without_deadline).collect();
+    let (_, _, claimed) = durable_run_claimed(true).await;
+    let claimed: Vec<serde_json::Value> = claimed.iter().map(without_deadline).collect();
     let played: Vec<serde_json::Value> = checkpoints.iter().map(without_deadline).collect();
     assert_eq!(
         claimed, played,
