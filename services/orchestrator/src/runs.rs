@@ -250,10 +250,8 @@ impl Runs {
         caller: &Principal,
         spec: Option<&RunSpec>,
     ) -> Result<Admitted, Refusal> {
-        match self.lock().get(run_id) {
-            Some(live) if !sees(caller, &live.principal) => return Err(Refusal::Foreign),
-            Some(_) => return Err(Refusal::Duplicate),
-            None => {}
+        if let Some(refusal) = self.refusal_here(run_id, caller) {
+            return Err(refusal);
         }
         match self.approvals.parked(run_id) {
             Some(parked) if !sees(caller, &parked.principal) => return Err(Refusal::Foreign),
@@ -268,6 +266,21 @@ impl Runs {
             Ok(None) | Err(_) => {}
         }
         self.admitted(run_id, caller)?.claim(caller, spec).await
+    }
+
+    /// Why `run_id` cannot start when it is live on this replica. A run that has just ended
+    /// here keeps its entry until its task is done: it is replayed like a stored result.
+    fn refusal_here(&self, run_id: &str, caller: &Principal) -> Option<Refusal> {
+        let live = self.lock();
+        let live = live.get(run_id)?;
+        if !sees(caller, &live.principal) {
+            return Some(Refusal::Foreign);
+        }
+        let result = shared::sync::lock(&live.state);
+        Some(match result.status.is_live() {
+            true => Refusal::Duplicate,
+            false => Refusal::Finished(Box::new(result.clone())),
+        })
     }
 
     /// A slot and a live entry for `run_id`, with its persister (not claimed in the store yet).
@@ -774,6 +787,23 @@ mod tests {
         assert!(matches!(runs.admit("a", &anon(), None).await, Err(Refusal::Duplicate)));
         drop(a);
         assert!(runs.admit("c", &anon(), None).await.is_ok());
+    }
+
+    /// A run that has ended but whose task has not let go of its slot yet is replayed to a
+    /// retry of its id, not refused as still running (its final result may not be stored yet).
+    #[tokio::test]
+    async fn a_retry_just_after_the_end_is_a_replay() {
+        let runs = runs(2, 10, Duration::from_secs(60));
+        let ending = runs.admit("a", &anon(), None).await.unwrap();
+        ending.state.lock().unwrap().status = RunStatus::Completed;
+        assert!(matches!(
+            runs.admit("a", &anon(), None).await,
+            Err(Refusal::Finished(result)) if result.status == RunStatus::Completed
+        ));
+        assert!(matches!(
+            runs.admit("a", &named("mallory", None), None).await,
+            Err(Refusal::Foreign)
+        ));
     }
 
     #[tokio::test]
