@@ -147,32 +147,45 @@ struct Seen {
 
 /// An orchestrator measured beside the shipped one: its label, flags and environment.
 struct Variant {
-    label: &'static str,
+    label: String,
     flags: Vec<String>,
     env: Vec<(&'static str, &'static str)>,
+    /// Another orchestrator binary (`BENCH_PACED_AGAINST`), to compare two builds in one run.
+    bin: Option<std::path::PathBuf>,
 }
+
+/// Set to an orchestrator binary, `--paced` measures it as one more variant: two builds compared
+/// round by round in the same run, where one after another they move by ±25 % on this machine.
+const AGAINST_ENV: &str = "BENCH_PACED_AGAINST";
 
 /// The variants: the shared HTTP client reading the model (the baseline this release improves
 /// on), one runtime worker, and the durable mode (the NATS store, against `nats`).
 fn variants(nats: Option<&str>) -> Vec<Variant> {
+    let variant = |label: &str, flags: &[&str], env| Variant {
+        label: label.to_owned(),
+        flags: flags.iter().map(|f| (*f).to_owned()).collect(),
+        env,
+        bin: None,
+    };
     let mut all = vec![
-        Variant {
-            label: "pooled reader (--llm-reader pooled)",
-            flags: vec!["--llm-reader".into(), "pooled".into()],
-            env: Vec::new(),
-        },
-        Variant {
-            label: "one worker (TOKIO_WORKER_THREADS=1)",
-            flags: Vec::new(),
-            env: vec![(shared::runtime::WORKER_THREADS_ENV, "1")],
-        },
+        variant(
+            "pooled reader (--llm-reader pooled)",
+            &["--llm-reader", "pooled"],
+            Vec::new(),
+        ),
+        variant(
+            "one worker (TOKIO_WORKER_THREADS=1)",
+            &[],
+            vec![(shared::runtime::WORKER_THREADS_ENV, "1")],
+        ),
     ];
     if let Some(url) = nats {
-        all.push(Variant {
-            label: "durable (--run-store nats)",
-            flags: vec!["--run-store".into(), url.to_owned()],
-            env: Vec::new(),
-        });
+        all.push(variant("durable (--run-store nats)", &["--run-store", url], Vec::new()));
+    }
+    if let Some(bin) = std::env::var_os(AGAINST_ENV) {
+        let mut against = variant(&format!("{AGAINST_ENV}={}", bin.to_string_lossy()), &[], Vec::new());
+        against.bin = Some(bin.into());
+        all.push(against);
     }
     all
 }
@@ -192,6 +205,7 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bo
     let mut others = Vec::new();
     for variant in variants(nats.as_ref().ok().map(|n| n.url()).as_deref()) {
         let flags: Vec<&str> = variant.flags.iter().map(String::as_str).collect();
+        let bin = variant.bin.as_deref().unwrap_or(bin);
         let stack = Stack::start(bin, paced.scenarios(), channels, None, "warn", &flags, &variant.env).await?;
         others.push((variant.label, stack));
     }

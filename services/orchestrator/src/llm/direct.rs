@@ -52,12 +52,8 @@ struct Socket {
 
 impl Socket {
     /// The low-water mark for the reader's pace, set on the socket when it changed.
-    fn follow_pace(&mut self) {
-        let wanted = if shared::sync::lock(&self.pace).ticking() {
-            TICKING_LOW_WATER
-        } else {
-            1
-        };
+    fn follow_pace(&mut self, ticking: bool) {
+        let wanted = if ticking { TICKING_LOW_WATER } else { 1 };
         if wanted != self.low_water {
             match set_receive_low_water(&self.tcp, wanted) {
                 Ok(()) => self.low_water = wanted,
@@ -74,39 +70,59 @@ impl tokio::io::AsyncRead for Socket {
         cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        use std::io::Read as _;
+        let pace = shared::sync::lock(&self.pace).clone();
         let was_raised = self.low_water > 1;
-        self.follow_pace();
+        self.follow_pace(pace.ticking());
         if !was_raised && self.low_water == 1 {
             // Not ticking: the runtime's readiness is exact, and its read fills the buffer
             // without zeroing it first.
             return Pin::new(&mut self.tcp).poll_read(cx, buf);
         }
+        // Read once per tick: found drained on this tick, the socket waits for the next one
+        // (or for more than the raised mark, which wakes the runtime).
+        let mut tried = pace.drained_this_tick();
         loop {
-            let unfilled = buf.initialize_unfilled();
-            // Straight from the socket: under a raised low-water mark the runtime's readiness
-            // says nothing about what is waiting.
-            match (&*socket2::SockRef::from(&self.tcp)).read(unfilled) {
-                Ok(n) => {
-                    buf.advance(n);
-                    return Poll::Ready(Ok(()));
+            if !tried {
+                // Straight from the socket: under a raised low-water mark the runtime's
+                // readiness says nothing about what is waiting.
+                let room = buf.remaining();
+                match receive(&self.tcp, buf) {
+                    Ok(n) => {
+                        if n < room {
+                            pace.drained();
+                        }
+                        return Poll::Ready(Ok(()));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => pace.drained(),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Poll::Ready(Err(e)),
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-            // Through the runtime, which clears a readiness it had before waiting again.
-            match self.tcp.try_read(buf.initialize_unfilled()) {
-                Ok(n) => {
-                    buf.advance(n);
-                    return Poll::Ready(Ok(()));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => return Poll::Ready(Err(e)),
+                tried = true;
             }
             std::task::ready!(self.tcp.poll_read_ready(cx))?;
+            // The runtime heard the socket was readable: read through it, which clears that
+            // readiness if nothing is there any more.
+            match self
+                .tcp
+                .try_io(tokio::io::Interest::READABLE, || receive(&self.tcp, buf))
+            {
+                Ok(_) => return Poll::Ready(Ok(())),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
         }
     }
+}
+
+/// Reads what the socket holds into the unfilled part of `buf`, without zeroing it first.
+#[allow(unsafe_code)]
+fn receive(tcp: &TcpStream, buf: &mut tokio::io::ReadBuf<'_>) -> std::io::Result<usize> {
+    // SAFETY: `recv` only writes bytes into the slice, never de-initializes any.
+    let n = socket2::SockRef::from(tcp).recv(unsafe { buf.unfilled_mut() })?;
+    // SAFETY: `recv` initialized the first `n` bytes of the unfilled part.
+    unsafe { buf.assume_init(n) };
+    buf.advance(n);
+    Ok(n)
 }
 
 impl tokio::io::AsyncWrite for Socket {
@@ -480,6 +496,72 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(150)).await;
         read_all(&direct, &address).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "a new one after it");
+    }
+
+    /// A server answering one request with the head, then each chunk it is given.
+    async fn server_of_chunks() -> (String, tokio::sync::mpsc::UnboundedSender<&'static str>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let (tx, mut chunks) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 65536];
+            let mut seen = Vec::new();
+            while !request_complete(&seen) {
+                let n = socket.read(&mut buf).await.unwrap();
+                seen.extend_from_slice(&buf[..n]);
+            }
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            socket.write_all(head.as_bytes()).await.unwrap();
+            while let Some(piece) = chunks.recv().await {
+                let chunk = format!("{:x}\r\n{piece}\r\n", piece.len());
+                socket.write_all(chunk.as_bytes()).await.unwrap();
+            }
+            let _ = socket.write_all(b"0\r\n\r\n").await;
+        });
+        (address, tx)
+    }
+
+    /// While its reader reads on ticks, the socket is read once per tick: what arrives after a
+    /// tick's read found it drained waits for the next tick; once the reader waits for chunks
+    /// again, an arriving one wakes it.
+    #[tokio::test]
+    async fn a_reader_on_ticks_reads_the_socket_once_per_tick() {
+        let settle = || tokio::time::sleep(Duration::from_millis(50));
+        let (address, chunks) = server_of_chunks().await;
+        let direct = Direct::new(address.clone(), Duration::from_secs(5), idle(4));
+        let pace = ReadPace::default();
+        let mut body = direct.send(|| request(&address), &pace).await.unwrap().into_body();
+        chunks.send("data: 1\n\n").unwrap();
+        assert_eq!(&body.next().await.unwrap().unwrap()[..], b"data: 1\n\n");
+
+        // The mark is raised as the socket is next read (here: nothing there yet).
+        pace.set_ticking(true);
+        assert!(body.next().now_or_never().is_none());
+        pace.ticked();
+        chunks.send("data: 2\n\n").unwrap();
+        settle().await;
+        let on_tick = body.next().now_or_never().flatten().map(Result::unwrap);
+        assert_eq!(on_tick.as_deref(), Some(&b"data: 2\n\n"[..]), "read on the tick");
+        chunks.send("data: 3\n\n").unwrap();
+        settle().await;
+        assert!(
+            body.next().now_or_never().is_none(),
+            "drained on this tick: not read again"
+        );
+        pace.ticked();
+        let next_tick = body.next().now_or_never().flatten().map(Result::unwrap);
+        assert_eq!(next_tick.as_deref(), Some(&b"data: 3\n\n"[..]), "read on the next tick");
+
+        pace.set_ticking(false);
+        let waiting = tokio::spawn(async move { body.next().await.map(Result::unwrap) });
+        settle().await;
+        chunks.send("data: 4\n\n").unwrap();
+        let woken = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(woken.as_deref(), Some(&b"data: 4\n\n"[..]), "woken by the chunk");
     }
 
     #[tokio::test]

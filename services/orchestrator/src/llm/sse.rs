@@ -13,6 +13,7 @@
 
 use std::collections::VecDeque;
 use std::fmt::Display;
+use std::future::Future as _;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -114,6 +115,10 @@ struct GuardState {
     ended: bool,
     /// The rest of the last read, event by event.
     cut: VecDeque<Bytes>,
+    /// One timer for the whole stream, pushed back only when it fires early: a timer armed and
+    /// dropped for every read cost two trips through the runtime's timer wheel per token.
+    idle: std::pin::Pin<Box<tokio::time::Sleep>>,
+    last_read: tokio::time::Instant,
 }
 
 impl GuardState {
@@ -127,6 +132,26 @@ impl GuardState {
             return Some(Err(LlmError::Protocol(message)));
         }
         Some(Ok(piece))
+    }
+
+    /// The next read, or `Stalled` once nothing was read for `idle_timeout`.
+    async fn next_read(&mut self, idle_timeout: Duration) -> Result<Option<Result<Bytes, LlmError>>, LlmError> {
+        std::future::poll_fn(|cx| {
+            if let std::task::Poll::Ready(read) = self.bytes.poll_next_unpin(cx) {
+                self.last_read = tokio::time::Instant::now();
+                return std::task::Poll::Ready(Ok(read));
+            }
+            loop {
+                std::task::ready!(self.idle.as_mut().poll(cx));
+                let due = self.last_read + idle_timeout;
+                if tokio::time::Instant::now() >= due {
+                    let waited = humantime::format_duration(idle_timeout).to_string();
+                    return std::task::Poll::Ready(Err(LlmError::Stalled(waited)));
+                }
+                self.idle.as_mut().reset(due);
+            }
+        })
+        .await
     }
 }
 
@@ -212,6 +237,8 @@ fn guard<E: Display + Send + 'static>(
         sizes: Sizes::default(),
         ended: false,
         cut: VecDeque::new(),
+        idle: Box::pin(tokio::time::sleep(limits.idle_timeout)),
+        last_read: tokio::time::Instant::now(),
     };
     futures::stream::unfold(state, move |mut state| async move {
         if let Some(piece) = state.next_piece(limits) {
@@ -220,15 +247,10 @@ fn guard<E: Display + Send + 'static>(
         if state.ended {
             return None;
         }
-        match tokio::time::timeout(limits.idle_timeout, state.bytes.next()).await {
-            Err(_) => {
+        match state.next_read(limits.idle_timeout).await {
+            Err(stalled) => {
                 state.ended = true;
-                Some((
-                    Err(LlmError::Stalled(
-                        humantime::format_duration(limits.idle_timeout).to_string(),
-                    )),
-                    state,
-                ))
+                Some((Err(stalled), state))
             }
             Ok(None) => {
                 state.ended = true;
@@ -548,5 +570,32 @@ mod tests {
         };
         let events: Vec<_> = decode(stream, limits).collect().await;
         assert!(matches!(&events[..], [Err(LlmError::Stalled(_))]), "{events:?}");
+    }
+
+    /// Keep-alive comments every 30 ms for 300 ms, then nothing: with a 50 ms idle timeout the
+    /// stream stalls 50 ms after its last byte, neither at the first timeout since it began nor
+    /// later.
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_timeout_counts_from_the_last_byte() {
+        let keep_alives = futures::stream::unfold(0, |sent| async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            (sent < 10).then(|| {
+                (
+                    Ok::<_, std::io::Error>(Bytes::from_static(b": keep-alive\n\n")),
+                    sent + 1,
+                )
+            })
+        })
+        .chain(futures::stream::pending());
+        let limits = DecodeLimits {
+            idle_timeout: Duration::from_millis(50),
+            max_line_bytes: 64,
+            max_event_bytes: 256,
+        };
+        let started = tokio::time::Instant::now();
+        let events: Vec<_> = decode(keep_alives, limits).collect().await;
+        assert!(matches!(&events[..], [Err(LlmError::Stalled(_))]), "{events:?}");
+        // The tenth comment came at 300 ms, and the eleventh poll ended the keep-alives at 330.
+        assert_eq!(started.elapsed(), Duration::from_millis(350));
     }
 }

@@ -233,6 +233,7 @@ impl Completion {
         let ticking = self.shown && !self.interval.is_zero();
         let first = if ticking {
             tokio::time::sleep_until(next_tick(self.interval)).await;
+            self.pace.ticked();
             match self.stream.next().now_or_never() {
                 Some(item) => item?,
                 None => {
@@ -253,8 +254,9 @@ impl Completion {
             loop {
                 let next = match self.stream.next().now_or_never() {
                     // On a tick, chunks the HTTP client's connection task has read but not
-                    // handed over yet (it hands them over one at a time) come after a yield.
-                    None if ticking => {
+                    // handed over yet (it hands them over one at a time) come after a yield;
+                    // a socket the run reads itself says when it is drained.
+                    None if ticking && !self.pace.drained_this_tick() => {
                         tokio::task::yield_now().await;
                         self.stream.next().now_or_never()
                     }
