@@ -69,7 +69,10 @@ pub(crate) async fn spawn(launch: &Launch, listen: &str) -> anyhow::Result<Proce
         .env("ORCHESTRATOR_KEEP_RESULTS", "100000")
         .env("LLM_IDLE_TIMEOUT", "120s")
         .env("LLM_BASE_URL", &launch.model_url)
-        .env("RUST_LOG", format!("{},orchestrator::server=info", launch.rust_log))
+        .env(
+            "RUST_LOG",
+            format!("{},orchestrator::server=info", log_filter(&launch.rust_log)),
+        )
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -132,6 +135,13 @@ pub(crate) async fn spawn(launch: &Launch, listen: &str) -> anyhow::Result<Proce
         metrics,
         logs,
     })
+}
+
+/// The orchestrator's log filter: the workload's, unless `BENCH_ORCHESTRATOR_LOG` sets one for
+/// every orchestrator of the run (e.g. `info`, the shipped default, to count what its spans cost
+/// in a workload that runs at `warn`).
+fn log_filter(workload: &str) -> String {
+    std::env::var("BENCH_ORCHESTRATOR_LOG").unwrap_or_else(|_| workload.to_owned())
 }
 
 /// Where the whole log of orchestrator `pid` goes when `BENCH_LOG_DIR` names a directory
