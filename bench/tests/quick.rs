@@ -161,15 +161,20 @@ fn the_real_server_row_says_why_it_did_not_run_and_require_refuses_to_go_without
 /// The paced relay with its peers (quick): every interval measured, every run completed, figures
 /// in the report, and the peers measured on the same model with the ratios: the OpenAI Agents SDK
 /// and agentic-api (installed into the test cache by the benchmark on first use; the stand-in
-/// model serves agentic-api `/v1/responses`) and the LiteLLM proxy (installed
-/// by `./scripts/test`); the orchestrator's variants (the pooled LLM reader, one worker, the NATS
-/// store) and a two-turn agent run beside the Agents SDK's, in the same report. Gathering is
-/// checked on what it must do whatever the machine: at a 20 ms interval a run's caller gets fewer
-/// text events than the 50 tokens it relays (without it, one per token).
+/// model serves agentic-api `/v1/responses`) and the LiteLLM proxy (installed by
+/// `./scripts/test`); the orchestrator's variants (the pooled LLM reader, one worker, the NATS
+/// store, and another build named by `BENCH_PACED_AGAINST`) and a two-turn agent run beside the
+/// Agents SDK's, in the same report. Gathering is checked on what it must do whatever the
+/// machine: at a 20 ms interval a run's caller gets fewer text events than the 50 tokens it
+/// relays (without it, one per token).
 #[test]
 fn the_paced_relay_reports_cost_per_token_at_each_stream_interval_beside_its_peers() -> anyhow::Result<()> {
     let out = tempfile::tempdir()?;
-    let output = common::run_bench(&["--peers", "--quick"], out.path())?;
+    // Another build to compare with: here the same binary, measured as one more variant.
+    let against = std::path::Path::new(env!("CARGO_BIN_EXE_bench")).with_file_name("orchestrator");
+    let output = common::bench_command(&["--peers", "--quick"], out.path())?
+        .env("BENCH_PACED_AGAINST", &against)
+        .output()?;
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("paced.json"))?)?;
     let rows = report["rows"].as_array().cloned().unwrap_or_default();
@@ -191,9 +196,9 @@ fn the_paced_relay_reports_cost_per_token_at_each_stream_interval_beside_its_pee
         );
     }
     // The variants in the same run: the shared client reading the model (the baseline), one
-    // runtime worker, and the durable mode (the NATS store).
+    // runtime worker, the durable mode (the NATS store), and the other build.
     let variants = report["variants"].as_array().cloned().unwrap_or_default();
-    for label in ["pooled reader", "one worker", "durable"] {
+    for label in ["pooled reader", "one worker", "durable", "BENCH_PACED_AGAINST="] {
         let measured: Vec<&serde_json::Value> = variants
             .iter()
             .filter(|v| v["setup"].as_str().is_some_and(|s| s.starts_with(label)))
