@@ -154,10 +154,6 @@ struct Variant {
     bin: Option<std::path::PathBuf>,
 }
 
-/// The orchestrator's log filter when `RUST_LOG` is not set: its spans (`invoke_agent`, `chat`,
-/// `execute_tool`) are at `info`, so below it they cost nothing, and the relay is measured as shipped.
-pub(crate) const SHIPPED_LOG_FILTER: &str = "info";
-
 /// Set to an orchestrator binary, `--paced` measures it as one more variant: two builds compared
 /// round by round in the same run, where one after another they move by ±25 % on this machine.
 const AGAINST_ENV: &str = "BENCH_PACED_AGAINST";
@@ -199,7 +195,16 @@ fn variants(nats: Option<&str>) -> Vec<Variant> {
 /// machine falls on all of them alike), then the peers when asked.
 pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bool) -> anyhow::Result<Report> {
     let channels = paced.concurrency.div_ceil(50);
-    let shipped = Stack::start(bin, paced.scenarios(), channels, None, SHIPPED_LOG_FILTER, &[], &[]).await?;
+    let shipped = Stack::start(
+        bin,
+        paced.scenarios(),
+        channels,
+        None,
+        orchestrator::DEFAULT_LOG_FILTER,
+        &[],
+        &[],
+    )
+    .await?;
     let model = model_ttft(&shipped.mock.base_url(), paced).await?;
     let nats = testkit::nats::Nats::start().await;
     let mut variants_not_run = Vec::new();
@@ -215,7 +220,7 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bo
             paced.scenarios(),
             channels,
             None,
-            SHIPPED_LOG_FILTER,
+            orchestrator::DEFAULT_LOG_FILTER,
             &flags,
             &variant.env,
         )

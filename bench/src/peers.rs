@@ -235,7 +235,7 @@ async fn orchestrator_agent_runs(bin: &std::path::Path, model_url: &str, runs: u
         model_url: model_url.to_owned(),
         runner: format!("http://{}", runner.grpc),
         otlp: None,
-        rust_log: crate::paced::SHIPPED_LOG_FILTER.to_owned(),
+        rust_log: orchestrator::DEFAULT_LOG_FILTER.to_owned(),
         extra: Vec::new(),
         env: Vec::new(),
     };

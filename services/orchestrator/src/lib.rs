@@ -13,8 +13,9 @@
 //! resumption of runs parked for approvals (`approvals`) and of runs taken over (`takeover`),
 //! and span and metric names (`telemetry`). docs/architecture.md explains how they fit.
 
-// One unsafe call in the whole crate, allowed where it is: setting SO_RCVLOWAT on the LLM
-// connection's socket, which no safe socket crate offers (`llm::direct`).
+// Two unsafe places in the whole crate, allowed where they are (`llm::direct`): setting
+// SO_RCVLOWAT on the LLM connection's socket, which no safe socket crate offers, and reading it
+// into hyper's buffer without zeroing the buffer first, as the runtime's own read does.
 #![deny(unsafe_code)]
 
 pub(crate) mod approvals;
@@ -36,6 +37,10 @@ pub mod store;
 pub(crate) mod takeover;
 pub(crate) mod telemetry;
 pub mod tool_runners;
+
+/// The log filter when `RUST_LOG` is not set. The spans (`invoke_agent`, `chat`, `execute_tool`)
+/// are at `info`, so they exist for every run as shipped.
+pub const DEFAULT_LOG_FILTER: &str = "info";
 
 pub use config::Config;
 pub use error::Error;

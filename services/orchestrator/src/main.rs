@@ -33,7 +33,13 @@ async fn run() -> ExitCode {
 
 async fn serve(config: Config) -> Result<(), Error> {
     let format = config.telemetry.log_format;
-    shared::telemetry::Telemetry::around("orchestrator", format, "info", serve_with_telemetry(config)).await
+    shared::telemetry::Telemetry::around(
+        "orchestrator",
+        format,
+        orchestrator::DEFAULT_LOG_FILTER,
+        serve_with_telemetry(config),
+    )
+    .await
 }
 
 async fn serve_with_telemetry(config: Config) -> Result<(), Error> {

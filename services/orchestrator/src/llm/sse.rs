@@ -461,7 +461,7 @@ mod tests {
 
     #[tokio::test]
     async fn garbage_ends_with_one_clear_error() {
-        let bad_json = decode_all(vec!["data: {not json\n\n"], limits()).await;
+        let bad_json = decode_all(vec!["data: {not json}\n\n"], limits()).await;
         assert!(
             matches!(&bad_json[..], [Err(LlmError::Protocol(m))] if m.contains("invalid chunk")),
             "{bad_json:?}"
