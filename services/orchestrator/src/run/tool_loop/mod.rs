@@ -242,6 +242,12 @@ async fn race(drive: impl Future<Output = End>, spec: &RunSpec, ends: Ends<'_>) 
         }
     };
     let durable = ends.persister.is_some_and(Persister::durable);
+    // A deadline already past (a parked run woken by it) ends the run before it does anything:
+    // the timer below fires only once the runtime's clock next moves, and a resumed run may
+    // have taken a whole turn by then.
+    if Instant::now() >= spec.deadline.at {
+        return deadline_end(spec);
+    }
     tokio::select! {
         biased;
         () = taken_over => End::TakenOver,

@@ -580,6 +580,23 @@ async fn the_deadline_keeps_held_text_and_code_blocks_stream_before_it() {
     );
 }
 
+/// A deadline already past when a run goes on (a parked run woken by it) ends the run, even
+/// when its loop is done at once: the deadline's timer alone fires only once the runtime's clock
+/// next moves, and a resumed run could take a whole turn before that.
+#[tokio::test]
+async fn a_deadline_already_past_wins_over_a_loop_that_is_done() {
+    let mut spec = spec(limits());
+    spec.deadline = Deadline::new(Instant::now(), Duration::ZERO, None, Duration::ZERO);
+    let ends = Ends {
+        cancel: &Cancel::default(),
+        caller: None,
+        handoff: &Handoff::default(),
+        persister: None,
+    };
+    let end = race(std::future::ready(End::Completed), &spec, ends).await;
+    assert!(matches!(end, End::Failed(FailureReason::DeadlineExceeded, _)));
+}
+
 #[tokio::test(start_paused = true)]
 async fn usage_of_a_turn_that_breaks_off_counts() {
     let turn = vec![

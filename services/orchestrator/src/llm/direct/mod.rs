@@ -1,0 +1,523 @@
+//! The `run` reader: completions from a plain-http LLM server read by the run itself.
+//!
+//! A shared HTTP client reads every socket in a connection task of its own and hands each chunk
+//! to the run's task through a channel: two tasks woken per token, often on two threads. Here a
+//! completion's HTTP/1.1 connection is read by whoever reads its body (the run's task): one task
+//! per token, and nothing read between a stream interval's ticks. The request is written and the
+//! answer parsed in place ([`wire`]), so a connection waiting for the model's next token holds
+//! its socket and a few counters, no buffer. Connections are kept alive for the next turn in a
+//! bounded pool of idle ones; one that the server closed while idle is found closed when taken
+//! (it is peeked first) and replaced, and a request refused by a reused connection before any
+//! answer is sent again once on a new one.
+
+mod socket;
+pub(super) mod wire;
+
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, StatusCode};
+use tokio::io::ReadBuf;
+use tokio::net::TcpStream;
+
+use super::ReadPace;
+use socket::Socket;
+use wire::{BodyDecoder, RequestHead};
+
+/// Bytes read from the socket at a time, into a buffer on the reader's stack (so that none is
+/// kept while the connection waits): a burst of more is read in several.
+const READ_BYTES: usize = 16 * 1024;
+
+/// Why a request got no answer.
+#[derive(Debug)]
+pub(super) enum SendError {
+    /// No connection could be made (worth retrying).
+    Connect(String),
+    /// The connection failed before the answer's head, or the head was not HTTP/1.1.
+    Request(String),
+}
+
+/// How many idle connections are kept, and for how long.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Idle {
+    pub max: usize,
+    pub timeout: Duration,
+}
+
+/// Where and what the `run` reader sends.
+pub(super) struct Endpoint {
+    /// `host:port`, as connected to.
+    pub authority: String,
+    /// Every request's head but its length.
+    pub head: RequestHead,
+    pub connect_timeout: Duration,
+    /// The longest answer head accepted.
+    pub max_head_bytes: usize,
+}
+
+/// The LLM server's idle HTTP/1.1 connections, and how to make new ones.
+pub(super) struct Direct {
+    endpoint: Endpoint,
+    limits: Idle,
+    /// Idle connections, each with when it went idle; the newest last.
+    idle: Mutex<Vec<(Socket, Instant)>>,
+}
+
+/// An answer's status and headers; its body is read by whoever reads `body`.
+pub(super) struct Answered {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: DirectBody,
+}
+
+impl Direct {
+    pub(super) fn new(endpoint: Endpoint, limits: Idle) -> Arc<Self> {
+        Arc::new(Self {
+            endpoint,
+            limits,
+            idle: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Sends a request carrying `body` on an idle connection, or a new one, and reads until the
+    /// answer's head arrives; the answer's body is read by whoever reads the returned stream.
+    pub(super) async fn send(self: &Arc<Self>, body: &Bytes, pace: &ReadPace) -> Result<Answered, SendError> {
+        if let Some(socket) = self.take_idle() {
+            // A connection the server is closing just as it is reused refuses the request
+            // before any answer: send it once more, on a fresh connection.
+            match self.exchange(socket, body, pace).await {
+                Ok(answer) => return Ok(answer),
+                Err(e) => tracing::debug!("a kept-alive LLM connection failed, sending again on a new one: {e:?}"),
+            }
+        }
+        self.exchange(self.connect().await?, body, pace).await
+    }
+
+    async fn exchange(self: &Arc<Self>, mut socket: Socket, body: &Bytes, pace: &ReadPace) -> Result<Answered, SendError> {
+        let head = self.endpoint.head.with_length(body.len());
+        socket
+            .send(head, body.clone())
+            .await
+            .map_err(|e| SendError::Request(format!("sending the request: {e}")))?;
+        let (head, rest) = self.read_head(&mut socket, pace).await?;
+        let mut body = DirectBody {
+            socket: Some(socket),
+            decoder: head.body,
+            ready: None,
+            reusable: head.reusable,
+            pace: pace.clone(),
+            pool: Arc::clone(self),
+        };
+        body.take_in(&rest).map_err(|e| SendError::Request(e.to_string()))?;
+        Ok(Answered {
+            status: head.status,
+            headers: head.headers,
+            body,
+        })
+    }
+
+    /// Reads the answer's head (past any informational `1xx` one): the head, and the bytes read
+    /// after it.
+    async fn read_head(&self, socket: &mut Socket, pace: &ReadPace) -> Result<(wire::Head, Vec<u8>), SendError> {
+        let mut seen = Vec::new();
+        let mut start = 0;
+        loop {
+            let read = std::future::poll_fn(|cx| {
+                let mut room = [MaybeUninit::<u8>::uninit(); READ_BYTES];
+                let mut buf = ReadBuf::uninit(&mut room);
+                std::task::ready!(socket.poll_read(cx, &mut buf, pace))?;
+                seen.extend_from_slice(buf.filled());
+                Poll::Ready(Ok::<_, std::io::Error>(buf.filled().len()))
+            })
+            .await
+            .map_err(|e| SendError::Request(format!("reading the answer: {e}")))?;
+            if read == 0 {
+                return Err(SendError::Request("the server closed the connection before answering".into()));
+            }
+            while let Some((head, length)) = wire::parse_head(&seen[start..], self.endpoint.max_head_bytes)
+                .map_err(|e| SendError::Request(e.to_string()))?
+            {
+                start += length;
+                if head.status == StatusCode::SWITCHING_PROTOCOLS {
+                    return Err(SendError::Request("the server switched protocols".into()));
+                }
+                if !head.status.is_informational() {
+                    return Ok((head, seen.split_off(start)));
+                }
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<Socket, SendError> {
+        let timeout = self.endpoint.connect_timeout;
+        let connect = TcpStream::connect(&self.endpoint.authority);
+        let tcp = match tokio::time::timeout(timeout, connect).await {
+            Err(_) => return Err(SendError::Connect(format!("no connection within {timeout:?}"))),
+            Ok(Err(e)) => return Err(SendError::Connect(e.to_string())),
+            Ok(Ok(tcp)) => tcp,
+        };
+        // Small SSE requests and answers: no Nagle delay.
+        let _ = tcp.set_nodelay(true);
+        Ok(Socket::new(tcp))
+    }
+
+    /// The newest idle connection still open and quiet; those idle too long are closed.
+    fn take_idle(&self) -> Option<Socket> {
+        let timeout = self.limits.timeout;
+        shared::sync::lock(&self.idle).retain(|(_, since)| since.elapsed() < timeout);
+        loop {
+            let (socket, _) = shared::sync::lock(&self.idle).pop()?;
+            if socket.idle_and_open() {
+                return Some(socket);
+            }
+        }
+    }
+
+    /// Keeps a connection whose answer was read to its end for the next request, if there is
+    /// room.
+    fn keep(&self, mut socket: Socket) {
+        socket.follow_pace(false);
+        let mut idle = shared::sync::lock(&self.idle);
+        if idle.len() < self.limits.max {
+            idle.push((socket, Instant::now()));
+        }
+    }
+}
+
+/// A completion's body, read from its connection by the reader's own task. Read to its end, the
+/// connection goes back to the pool (when its framing allows); dropped before, it is closed.
+pub(super) struct DirectBody {
+    /// `None` once the connection failed.
+    socket: Option<Socket>,
+    decoder: BodyDecoder,
+    /// Payload that came with the head, not yet taken.
+    ready: Option<Bytes>,
+    reusable: bool,
+    pace: ReadPace,
+    pool: Arc<Direct>,
+}
+
+impl futures::Stream for DirectBody {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if let Some(ready) = this.ready.take() {
+            return Poll::Ready(Some(Ok(ready)));
+        }
+        loop {
+            if this.decoder.done() {
+                this.release();
+                return Poll::Ready(None);
+            }
+            let Some(socket) = this.socket.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let mut room = [MaybeUninit::<u8>::uninit(); READ_BYTES];
+            let mut buf = ReadBuf::uninit(&mut room);
+            let read = match std::task::ready!(socket.poll_read(cx, &mut buf, &this.pace)) {
+                Ok(()) if buf.filled().is_empty() => this.closed(),
+                Ok(()) => this.take_in(buf.filled()),
+                Err(e) => Err(e),
+            };
+            match read {
+                Err(e) => {
+                    this.socket = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Ok(()) => {
+                    if let Some(payload) = this.ready.take() {
+                        return Poll::Ready(Some(Ok(payload)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl DirectBody {
+    /// Takes the framing off bytes read, keeping their payload to be yielded.
+    fn take_in(&mut self, read: &[u8]) -> std::io::Result<()> {
+        let mut payload = BytesMut::with_capacity(read.len());
+        let used = self.decoder.decode(read, &mut payload)?;
+        // Bytes after the end of the answer: the server is not speaking HTTP/1.1 as it should.
+        self.reusable &= used == read.len();
+        if !payload.is_empty() {
+            self.ready = Some(payload.freeze());
+        }
+        Ok(())
+    }
+
+    /// The server closed the connection: the end of a body that runs to it, or one cut short.
+    fn closed(&mut self) -> std::io::Result<()> {
+        self.reusable = false;
+        Ok(self.decoder.closed()?)
+    }
+
+    /// The body is read to its end: its connection, if it may carry another request, goes back
+    /// to the pool.
+    fn release(&mut self) {
+        if let Some(socket) = self.socket.take()
+            && self.reusable
+        {
+            self.pool.keep(socket);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::direct::wire::WireError;
+    use futures::{FutureExt as _, StreamExt as _};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server answering every request on a connection with a chunked SSE body; counts the
+    /// connections it accepted. `close_after` answers per connection, then it closes it.
+    async fn server(close_after: usize) -> (String, Arc<AtomicUsize>) {
+        const ANSWER: &str = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n\
+            f\r\ndata: {\"a\":1}\n\n\r\nE\r\ndata: [DONE]\n\n\r\n0\r\n\r\n";
+        scripted(ANSWER, close_after).await
+    }
+
+    /// A server answering every request on a connection with `answer`, `close_after` times, then
+    /// closing it; counts the connections it accepted.
+    async fn scripted(answer: &'static str, close_after: usize) -> (String, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 65536];
+                    for _ in 0..close_after {
+                        let mut seen = Vec::new();
+                        while !request_complete(&seen) {
+                            match socket.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => seen.extend_from_slice(&buf[..n]),
+                            }
+                        }
+                        let _ = socket.write_all(answer.as_bytes()).await;
+                    }
+                });
+            }
+        });
+        (address, accepted)
+    }
+
+    /// A whole request: the tests' requests all carry the body `{}`.
+    fn request_complete(seen: &[u8]) -> bool {
+        seen.ends_with(b"\r\n\r\n{}")
+    }
+
+    fn idle(max: usize) -> Idle {
+        Idle {
+            max,
+            timeout: Duration::from_secs(90),
+        }
+    }
+
+    /// The `run` reader of the server at `address`.
+    fn run_reader(address: &str, limits: Idle) -> Arc<Direct> {
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::HOST, http::HeaderValue::try_from(address).unwrap());
+        let endpoint = Endpoint {
+            authority: address.to_owned(),
+            head: RequestHead::new("/v1/chat/completions", &headers),
+            connect_timeout: Duration::from_secs(5),
+            max_head_bytes: 64 * 1024,
+        };
+        Direct::new(endpoint, limits)
+    }
+
+    fn request_body() -> Bytes {
+        Bytes::from_static(b"{}")
+    }
+
+    async fn read_all(direct: &Arc<Direct>) -> String {
+        let answer = direct.send(&request_body(), &ReadPace::default()).await.unwrap();
+        assert_eq!(answer.status, 200);
+        let mut body = answer.body;
+        let mut text = Vec::new();
+        while let Some(chunk) = body.next().await {
+            text.extend_from_slice(&chunk.unwrap());
+        }
+        String::from_utf8(text).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_connection_read_to_its_end_serves_the_next_completion() {
+        let (address, accepted) = server(usize::MAX).await;
+        let direct = run_reader(&address, idle(4));
+        for _ in 0..3 {
+            assert_eq!(read_all(&direct).await, "data: {\"a\":1}\n\ndata: [DONE]\n\n");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_server_closed_while_idle_is_replaced_and_none_are_kept_at_zero() {
+        let (address, accepted) = server(1).await;
+        let direct = run_reader(&address, idle(4));
+        for _ in 0..3 {
+            assert_eq!(read_all(&direct).await, "data: {\"a\":1}\n\ndata: [DONE]\n\n");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+
+        let (address, accepted) = server(usize::MAX).await;
+        let direct = run_reader(&address, idle(0));
+        for _ in 0..2 {
+            read_all(&direct).await;
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "no idle connection kept at max 0");
+    }
+
+    #[tokio::test]
+    async fn a_connection_idle_past_its_timeout_is_closed_not_reused() {
+        let (address, accepted) = server(usize::MAX).await;
+        let limits = Idle {
+            max: 4,
+            timeout: Duration::from_millis(100),
+        };
+        let direct = run_reader(&address, limits);
+        read_all(&direct).await;
+        read_all(&direct).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "reused within its timeout");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        read_all(&direct).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "a new one after it");
+    }
+
+    /// A server answering one request with the head, then each chunk it is given.
+    async fn server_of_chunks() -> (String, tokio::sync::mpsc::UnboundedSender<&'static str>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let (tx, mut chunks) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 65536];
+            let mut seen = Vec::new();
+            while !request_complete(&seen) {
+                let n = socket.read(&mut buf).await.unwrap();
+                seen.extend_from_slice(&buf[..n]);
+            }
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            socket.write_all(head.as_bytes()).await.unwrap();
+            while let Some(piece) = chunks.recv().await {
+                let chunk = format!("{:x}\r\n{piece}\r\n", piece.len());
+                socket.write_all(chunk.as_bytes()).await.unwrap();
+            }
+            let _ = socket.write_all(b"0\r\n\r\n").await;
+        });
+        (address, tx)
+    }
+
+    /// While its reader reads on ticks, the socket is read once per tick: what arrives after a
+    /// tick's read found it drained waits for the next tick; once the reader waits for chunks
+    /// again, an arriving one wakes it.
+    #[tokio::test]
+    async fn a_reader_on_ticks_reads_the_socket_once_per_tick() {
+        let settle = || tokio::time::sleep(Duration::from_millis(50));
+        let (address, chunks) = server_of_chunks().await;
+        let direct = run_reader(&address, idle(4));
+        let pace = ReadPace::default();
+        let mut body = direct.send(&request_body(), &pace).await.unwrap().body;
+        chunks.send("data: 1\n\n").unwrap();
+        assert_eq!(&body.next().await.unwrap().unwrap()[..], b"data: 1\n\n");
+
+        // The mark is raised as the socket is next read (here: nothing there yet).
+        pace.set_ticking(true);
+        assert!(body.next().now_or_never().is_none());
+        pace.ticked();
+        chunks.send("data: 2\n\n").unwrap();
+        settle().await;
+        let on_tick = body.next().now_or_never().flatten().map(Result::unwrap);
+        assert_eq!(on_tick.as_deref(), Some(&b"data: 2\n\n"[..]), "read on the tick");
+        chunks.send("data: 3\n\n").unwrap();
+        settle().await;
+        assert!(
+            body.next().now_or_never().is_none(),
+            "drained on this tick: not read again"
+        );
+        pace.ticked();
+        let next_tick = body.next().now_or_never().flatten().map(Result::unwrap);
+        assert_eq!(next_tick.as_deref(), Some(&b"data: 3\n\n"[..]), "read on the next tick");
+
+        pace.set_ticking(false);
+        let waiting = tokio::spawn(async move { body.next().await.map(Result::unwrap) });
+        settle().await;
+        chunks.send("data: 4\n\n").unwrap();
+        let woken = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(woken.as_deref(), Some(&b"data: 4\n\n"[..]), "woken by the chunk");
+    }
+
+    #[tokio::test]
+    async fn an_answers_framing_says_whether_its_connection_serves_the_next() {
+        let cases = [
+            ("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", 1),
+            ("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", 1),
+            ("HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello", 2),
+            ("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello, and bytes after the end", 2),
+        ];
+        for (answer, connections) in cases {
+            let (address, accepted) = scripted(answer, usize::MAX).await;
+            let direct = run_reader(&address, idle(4));
+            for _ in 0..2 {
+                assert_eq!(read_all(&direct).await, "hello", "{answer:?}");
+            }
+            assert_eq!(accepted.load(Ordering::SeqCst), connections, "{answer:?}");
+        }
+        // A body that runs to the close.
+        let (address, accepted) = scripted("HTTP/1.1 200 OK\r\n\r\nhello", 1).await;
+        let direct = run_reader(&address, idle(4));
+        for _ in 0..2 {
+            assert_eq!(read_all(&direct).await, "hello");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_or_an_answer_not_http_is_an_error() {
+        let cut = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n";
+        let (address, _) = scripted(cut, 1).await;
+        let answer = run_reader(&address, idle(4)).send(&request_body(), &ReadPace::default()).await;
+        let mut body = answer.unwrap().body;
+        assert_eq!(&body.next().await.unwrap().unwrap()[..], b"hello");
+        let error = body.next().await.unwrap().unwrap_err();
+        assert_eq!(error.to_string(), WireError::Truncated.to_string());
+        assert!(body.next().await.is_none(), "nothing after the error");
+
+        for answer in ["SSH-2.0-OpenSSH\r\n\r\n", ""] {
+            let (address, _) = scripted(answer, 1).await;
+            let sent = run_reader(&address, idle(4)).send(&request_body(), &ReadPace::default()).await;
+            assert!(matches!(sent, Err(SendError::Request(_))), "{answer:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn no_server_is_a_connect_error() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let address = format!("127.0.0.1:{port}");
+        let direct = run_reader(&address, idle(4));
+        assert!(matches!(
+            direct.send(&request_body(), &ReadPace::default()).await,
+            Err(SendError::Connect(_))
+        ));
+    }
+}
