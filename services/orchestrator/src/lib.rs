@@ -13,9 +13,9 @@
 //! resumption of runs parked for approvals (`approvals`) and of runs taken over (`takeover`),
 //! and span and metric names (`telemetry`). docs/architecture.md explains how they fit.
 
-// Two unsafe places in the whole crate, allowed where they are (`llm::direct`): setting
+// Two unsafe places in the whole crate, allowed where they are (`llm::direct::socket`): setting
 // SO_RCVLOWAT on the LLM connection's socket, which no safe socket crate offers, and reading it
-// into hyper's buffer without zeroing the buffer first, as the runtime's own read does.
+// into a buffer without zeroing the buffer first, as the runtime's own read does.
 #![deny(unsafe_code)]
 
 pub(crate) mod approvals;

@@ -87,7 +87,7 @@ pub struct LlmSettings {
     /// First retry delay, doubled each attempt (cap 1m).
     #[arg(long = "llm-retry-backoff", env = "LLM_RETRY_BACKOFF", default_value = "500ms", value_parser = parse_duration)]
     pub retry_backoff: Duration,
-    /// Longest SSE line accepted from the LLM, in bytes (cap 64 MiB).
+    /// Longest SSE line, and longest HTTP response head, accepted from the LLM, in bytes (cap 64 MiB).
     #[arg(long = "llm-max-line-bytes", env = "LLM_MAX_LINE_BYTES", default_value_t = MIB)]
     pub max_line_bytes: usize,
     /// Largest SSE event accepted from the LLM (all its lines), in bytes (max-line-bytes..=64 MiB).

@@ -21,7 +21,8 @@ use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LOCATIO
 use serde::Serialize;
 use serde_json::Value;
 
-use super::direct::{Direct, Idle, SendError};
+use super::direct::wire::RequestHead;
+use super::direct::{Direct, Endpoint, Idle, SendError};
 use super::sse::{DecodeLimits, decode};
 use crate::config::{LlmSettings, Reader};
 use crate::secrets::{Redactor, shown_url, url_secrets};
@@ -48,9 +49,6 @@ pub struct HttpLlm {
     url: reqwest::Url,
     /// The endpoint as logs and errors show it (no credentials, no query values).
     shown: String,
-    /// `Host` and request target of the `run` reader's requests.
-    host: HeaderValue,
-    target: http::Uri,
     headers: HeaderMap,
     /// Scrubs the credentials sent from error messages (a server may echo them back).
     redactor: Redactor,
@@ -116,22 +114,18 @@ impl HttpLlm {
         let (url, basic_auth) = split_userinfo(&client, url)?;
         let headers = sensitive_headers(&config, basic_auth)?;
         let redactor = redactor(&config, &headers);
-        let direct = read_by_the_run(&config, &url).then(|| {
+        let direct = if read_by_the_run(&config, &url) {
             let idle = Idle {
                 max: config.max_idle_connections,
                 timeout: config.idle_connection_timeout,
             };
-            Direct::new(authority(&url), config.connect_timeout, idle)
-        });
-        let host = HeaderValue::try_from(host_header(&url))
-            .map_err(|e| format!("--llm-base-url: the host is not a valid header value: {e}"))?;
-        let target = http::Uri::try_from(origin_form(&url))
-            .map_err(|e| format!("--llm-base-url: its path is not a valid request target: {e}"))?;
+            Some(Direct::new(run_reader_endpoint(&config, &url, &headers)?, idle))
+        } else {
+            None
+        };
         Ok(Self {
             client,
             direct,
-            host,
-            target,
             url,
             shown,
             headers,
@@ -244,27 +238,12 @@ impl HttpLlm {
 
     /// The POST on a connection the run reads itself.
     async fn send_direct(&self, direct: &Arc<Direct>, body: bytes::Bytes, pace: &ReadPace) -> Result<Answer, Attempt> {
-        let request = || {
-            let mut request = http::Request::new(http_body_util::Full::new(body.clone()));
-            *request.method_mut() = http::Method::POST;
-            *request.uri_mut() = self.target.clone();
-            let headers = request.headers_mut();
-            headers.clone_from(&self.headers);
-            headers.insert(http::header::HOST, self.host.clone());
-            headers.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
-            headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            headers.insert(http::header::ACCEPT, HeaderValue::from_static("text/event-stream"));
-            request
-        };
-        match direct.send(request, pace).await {
-            Ok(response) => {
-                let (parts, body) = response.into_parts();
-                Ok(Answer {
-                    status: parts.status,
-                    headers: parts.headers,
-                    body: body.map(|c| c.map_err(|e| e.to_string())).boxed(),
-                })
-            }
+        match direct.send(&body, pace).await {
+            Ok(answer) => Ok(Answer {
+                status: answer.status,
+                headers: answer.headers,
+                body: answer.body.map(|c| c.map_err(|e| e.to_string())).boxed(),
+            }),
             Err(SendError::Connect(e)) => Err(self.unreachable(&e)),
             Err(SendError::Request(e)) => Err(Attempt::Final(
                 self.http_error(format!("request to the LLM server failed: {e}")),
@@ -327,6 +306,26 @@ fn read_by_the_run(config: &LlmSettings, url: &reqwest::Url) -> bool {
         && !PROXIES
             .iter()
             .any(|v| std::env::var_os(v).is_some_and(|v| !v.is_empty()))
+}
+
+/// Where the `run` reader connects, and the head of every request it sends: the request
+/// target, `Host`, what the body is and what is asked back, and the configured headers.
+fn run_reader_endpoint(config: &LlmSettings, url: &reqwest::Url, headers: &HeaderMap) -> Result<Endpoint, String> {
+    let host = HeaderValue::try_from(host_header(url))
+        .map_err(|e| format!("--llm-base-url: the host is not a valid header value: {e}"))?;
+    let target = http::Uri::try_from(origin_form(url))
+        .map_err(|e| format!("--llm-base-url: its path is not a valid request target: {e}"))?;
+    let mut head = headers.clone();
+    head.insert(http::header::HOST, host);
+    head.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
+    head.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    head.insert(http::header::ACCEPT, HeaderValue::from_static("text/event-stream"));
+    Ok(Endpoint {
+        authority: authority(url),
+        head: RequestHead::new(&target.to_string(), &head),
+        connect_timeout: config.connect_timeout,
+        max_head_bytes: config.max_line_bytes,
+    })
 }
 
 /// `host:port` of an http URL (port 80 when it names none).

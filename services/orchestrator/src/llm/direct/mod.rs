@@ -97,7 +97,12 @@ impl Direct {
         self.exchange(self.connect().await?, body, pace).await
     }
 
-    async fn exchange(self: &Arc<Self>, mut socket: Socket, body: &Bytes, pace: &ReadPace) -> Result<Answered, SendError> {
+    async fn exchange(
+        self: &Arc<Self>,
+        mut socket: Socket,
+        body: &Bytes,
+        pace: &ReadPace,
+    ) -> Result<Answered, SendError> {
         let head = self.endpoint.head.with_length(body.len());
         socket
             .send(head, body.clone())
@@ -136,7 +141,9 @@ impl Direct {
             .await
             .map_err(|e| SendError::Request(format!("reading the answer: {e}")))?;
             if read == 0 {
-                return Err(SendError::Request("the server closed the connection before answering".into()));
+                return Err(SendError::Request(
+                    "the server closed the connection before answering".into(),
+                ));
             }
             while let Some((head, length)) = wire::parse_head(&seen[start..], self.endpoint.max_head_bytes)
                 .map_err(|e| SendError::Request(e.to_string()))?
@@ -467,9 +474,18 @@ mod tests {
     async fn an_answers_framing_says_whether_its_connection_serves_the_next() {
         let cases = [
             ("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", 1),
-            ("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", 1),
-            ("HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello", 2),
-            ("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello, and bytes after the end", 2),
+            (
+                "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+                1,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello",
+                2,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello, and bytes after the end",
+                2,
+            ),
         ];
         for (answer, connections) in cases {
             let (address, accepted) = scripted(answer, usize::MAX).await;
@@ -492,7 +508,9 @@ mod tests {
     async fn a_body_cut_short_or_an_answer_not_http_is_an_error() {
         let cut = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n";
         let (address, _) = scripted(cut, 1).await;
-        let answer = run_reader(&address, idle(4)).send(&request_body(), &ReadPace::default()).await;
+        let answer = run_reader(&address, idle(4))
+            .send(&request_body(), &ReadPace::default())
+            .await;
         let mut body = answer.unwrap().body;
         assert_eq!(&body.next().await.unwrap().unwrap()[..], b"hello");
         let error = body.next().await.unwrap().unwrap_err();
@@ -501,7 +519,9 @@ mod tests {
 
         for answer in ["SSH-2.0-OpenSSH\r\n\r\n", ""] {
             let (address, _) = scripted(answer, 1).await;
-            let sent = run_reader(&address, idle(4)).send(&request_body(), &ReadPace::default()).await;
+            let sent = run_reader(&address, idle(4))
+                .send(&request_body(), &ReadPace::default())
+                .await;
             assert!(matches!(sent, Err(SendError::Request(_))), "{answer:?}");
         }
     }
