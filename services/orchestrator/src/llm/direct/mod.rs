@@ -145,6 +145,15 @@ impl Direct {
                     "the server closed the connection before answering".into(),
                 ));
             }
+            // A head ends at a line's end: parsed again only when one came, so a head sent a byte
+            // at a time costs a parse per line, not per byte.
+            if memchr::memchr(b'\n', &seen[seen.len() - read..]).is_none() {
+                if seen.len() - start > self.endpoint.max_head_bytes {
+                    let long = wire::WireError::HeadTooLong(self.endpoint.max_head_bytes);
+                    return Err(SendError::Request(long.to_string()));
+                }
+                continue;
+            }
             while let Some((head, length)) = wire::parse_head(&seen[start..], self.endpoint.max_head_bytes)
                 .map_err(|e| SendError::Request(e.to_string()))?
             {
@@ -524,6 +533,38 @@ mod tests {
                 .await;
             assert!(matches!(sent, Err(SendError::Request(_))), "{answer:?}");
         }
+    }
+
+    /// A head longer than the limit is refused, with or without line ends in it (the reader's
+    /// limit here: 64 KiB).
+    #[tokio::test]
+    async fn an_endless_head_is_refused_at_its_limit() {
+        let no_line_end: &'static str =
+            Box::leak(format!("HTTP/1.1 200 OK{}", "a".repeat(200 * 1024)).into_boxed_str());
+        let lines: &'static str = Box::leak(format!("HTTP/1.1 200 OK\r\n{}", "x: y\r\n".repeat(90)).into_boxed_str());
+        let long_lines: &'static str =
+            Box::leak(format!("HTTP/1.1 200 OK\r\nx: {}\r\n", "b".repeat(100 * 1024)).into_boxed_str());
+        for answer in [no_line_end, long_lines] {
+            let (address, _) = scripted(answer, 1).await;
+            let sent = run_reader(&address, idle(4))
+                .send(&request_body(), &ReadPace::default())
+                .await;
+            assert!(
+                matches!(&sent, Err(SendError::Request(e)) if e.contains("longer than 65536 bytes")),
+                "{:?}",
+                sent.err()
+            );
+        }
+        // Within the limit but never ended: the server's close ends the wait.
+        let (address, _) = scripted(lines, 1).await;
+        let sent = run_reader(&address, idle(4))
+            .send(&request_body(), &ReadPace::default())
+            .await;
+        assert!(
+            matches!(&sent, Err(SendError::Request(e)) if e.contains("closed")),
+            "{:?}",
+            sent.err()
+        );
     }
 
     #[tokio::test]
