@@ -300,6 +300,10 @@ enum Raw {
     RetryAfter,
     /// Streams some text, then resets the connection.
     ResetMidText,
+    /// Answers with something that is not HTTP, then closes.
+    NotHttp,
+    /// Streams "all good" after a response head padded to this many bytes.
+    LongHead(usize),
 }
 
 /// A raw HTTP/1.1 LLM server: plays `faults` on the first connections, then streams "all good".
@@ -380,6 +384,17 @@ async fn serve_raw(mut socket: TcpStream, fault: Option<Raw>) -> std::io::Result
             tokio::time::sleep(Duration::from_millis(100)).await;
             socket.set_zero_linger()?;
         }
+        Some(Raw::NotHttp) => socket.write_all(b"SSH-2.0-OpenSSH_9.6\r\n").await?,
+        Some(Raw::LongHead(bytes)) => {
+            let body = format!("{}data: [DONE]\n\n", sse_text("all good"));
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n",
+                body.len()
+            );
+            let padding = bytes.saturating_sub(head.len() + "x-padding: \r\n\r\n".len());
+            let answer = format!("{head}x-padding: {}\r\n\r\n{body}", "p".repeat(padding));
+            socket.write_all(answer.as_bytes()).await?;
+        }
         None => {
             let body = format!("{}data: [DONE]\n\n", sse_text("all good"));
             let answer = format!(
@@ -423,6 +438,42 @@ async fn llm_error_body_that_never_ends() -> TestResult {
         seen.result.failure_detail
     );
     assert_fault(&service, &seen, Status::Failed, Reason::LlmError, "").await?;
+    service.stop().await
+}
+
+/// A model server that does not answer in HTTP/1.1 ends the run `LLM_ERROR` saying so (not
+/// retried: something answered).
+#[tokio::test]
+async fn llm_answer_that_is_not_http() -> TestResult {
+    let (url, arrivals) = raw_llm(vec![Raw::NotHttp]).await?;
+    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
+    let seen = run(&service, user("go")).await?;
+    let detail = &seen.result.failure_detail;
+    assert!(detail.contains("not valid HTTP/1.1"), "{detail}");
+    assert_eq!(shared::sync::lock(&arrivals).len(), 1, "not retried");
+    assert_fault(&service, &seen, Status::Failed, Reason::LlmError, "").await?;
+    service.stop().await
+}
+
+/// `--llm-max-line-bytes` bounds the model's response head too: a head under it streams, one
+/// over it ends the run `LLM_ERROR`.
+#[tokio::test]
+async fn a_response_head_is_bounded_by_llm_max_line_bytes() -> TestResult {
+    let (url, _) = raw_llm(vec![Raw::LongHead(4000), Raw::LongHead(4200)]).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let service = orchestrator(&url, &runner, &["--llm-max-line-bytes", "4096"]).await?;
+    let under = run(&service, user("go")).await?;
+    assert_eq!(
+        under.result.status(),
+        Status::Completed,
+        "{}",
+        under.result.failure_detail
+    );
+    assert_eq!(under.result.text, "all good");
+    let over = run(&service, user("go")).await?;
+    let detail = &over.result.failure_detail;
+    assert!(detail.contains("longer than 4096 bytes"), "{detail}");
+    assert_fault(&service, &over, Status::Failed, Reason::LlmError, "").await?;
     service.stop().await
 }
 
