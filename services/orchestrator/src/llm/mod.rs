@@ -70,6 +70,11 @@ impl ReadPace {
         self.0.ticks.fetch_add(1, Relaxed);
     }
 
+    /// Ticks the reader has woken on.
+    pub fn ticks(&self) -> u64 {
+        self.0.ticks.load(Relaxed)
+    }
+
     /// The connection read everything the socket held (a short read, or none).
     pub fn drained(&self) {
         self.0.drained.store(self.0.ticks.load(Relaxed) + 1, Relaxed);

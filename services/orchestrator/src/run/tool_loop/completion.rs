@@ -188,6 +188,12 @@ pub(super) struct Completion {
     interval: std::time::Duration,
     /// A batch with text or reasoning was handed out: later ones wait for the tick.
     shown: bool,
+    /// A tick found nothing since the last chunk: the model is slower than the interval, so its
+    /// chunks are read as they come, each at once (ticks would only wake the run for nothing),
+    /// until two come closer together than the interval.
+    slower: bool,
+    /// When the last batch's first chunk was read.
+    last_read: Option<Instant>,
     /// Tells the connection when chunks need wake nobody until the next tick.
     pace: ReadPace,
     /// A batch stops taking events once its text and reasoning reach this (one event's worth):
@@ -208,6 +214,8 @@ impl Completion {
             first_token: true,
             interval: std::time::Duration::ZERO,
             shown: false,
+            slower: false,
+            last_read: None,
             pace: ReadPace::default(),
             max_batch_bytes: usize::MAX,
         }
@@ -230,7 +238,7 @@ impl Completion {
     /// Waits for the next event (after the first text, not before the next tick), then takes
     /// every one that is already here; `None` at the end.
     pub(super) async fn next_batch(&mut self) -> Option<Batch> {
-        let ticking = self.shown && !self.interval.is_zero();
+        let ticking = self.on_ticks();
         let first = if ticking {
             tokio::time::sleep_until(next_tick(self.interval)).await;
             self.pace.ticked();
@@ -238,6 +246,7 @@ impl Completion {
                 Some(item) => item?,
                 None => {
                     // Nothing came since the last tick: wait for the next chunk, woken by it.
+                    self.slower = true;
                     self.pace.set_ticking(false);
                     self.stream.next().await?
                 }
@@ -245,6 +254,7 @@ impl Completion {
         } else {
             self.stream.next().await?
         };
+        self.follow_the_models_pace();
         let mut batch = Batch {
             text: String::new(),
             reasoning: String::new(),
@@ -270,8 +280,27 @@ impl Completion {
         }
         self.shown |= !batch.text.is_empty() || !batch.reasoning.is_empty();
         // Until the next tick, arriving chunks need wake nobody: they are read on the tick.
-        self.pace.set_ticking(self.shown && !self.interval.is_zero());
+        self.pace.set_ticking(self.on_ticks());
         Some(batch)
+    }
+
+    /// Whether the next batch waits for a tick: after the first text, with an interval, unless
+    /// the model is slower than it.
+    fn on_ticks(&self) -> bool {
+        self.shown && !self.interval.is_zero() && !self.slower
+    }
+
+    /// A chunk was just read: one that came sooner than the interval after the last batch's
+    /// means the model is faster than the interval again, and batches wait for ticks.
+    fn follow_the_models_pace(&mut self) {
+        let now = Instant::now();
+        if self
+            .last_read
+            .is_some_and(|last| now.saturating_duration_since(last) < self.interval)
+        {
+            self.slower = false;
+        }
+        self.last_read = Some(now);
     }
 
     /// Adds one item of the stream to `batch`; whether the batch may take more (not after an

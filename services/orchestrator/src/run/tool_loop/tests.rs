@@ -1354,8 +1354,8 @@ async fn a_call_checkpoint_waits_until_the_log_keeps_the_announcement() {
 // Coalesced streaming.
 
 /// 40 tokens 10 ms apart, then a call, then an answer: played with `interval`, the text events
-/// of turn 1 and the whole stream.
-async fn paced_run(interval: Duration) -> (Vec<String>, Vec<NumberedEvent>, RunResult) {
+/// of turn 1, the whole stream, and the ticks turn 1's reader woke on.
+async fn paced_run(interval: Duration) -> (Vec<String>, Vec<NumberedEvent>, RunResult, u64) {
     let mut turn1: Vec<_> = (0..40).map(|i| text(&format!("t{i} "))).collect();
     turn1.push(call(0, "nap", r#"{"ms": 1}"#));
     let outside = Outside {
@@ -1363,7 +1363,8 @@ async fn paced_run(interval: Duration) -> (Vec<String>, Vec<NumberedEvent>, RunR
         stream_interval: interval,
         ..Outside::default()
     };
-    let (result, batches, _, _) = play_with(vec![turn1, vec![text("done")]], limits(), outside).await;
+    let (result, batches, script, _) = play_with(vec![turn1, vec![text("done")]], limits(), outside).await;
+    let ticks = script.requests.lock().unwrap()[0].pace.ticks();
     let events: Vec<NumberedEvent> = batches.into_iter().flatten().collect();
     let texts = events
         .iter()
@@ -1372,7 +1373,7 @@ async fn paced_run(interval: Duration) -> (Vec<String>, Vec<NumberedEvent>, RunR
             _ => None,
         })
         .collect();
-    (texts, events, result)
+    (texts, events, result, ticks)
 }
 
 /// With a 50 ms interval the first delta goes at once and the rest come a tick's worth at a time
@@ -1380,8 +1381,9 @@ async fn paced_run(interval: Duration) -> (Vec<String>, Vec<NumberedEvent>, RunR
 /// without it.
 #[tokio::test(start_paused = true)]
 async fn a_stream_interval_gathers_the_text_of_each_tick_into_one_event() {
-    let (each, each_events, each_result) = paced_run(Duration::ZERO).await;
-    let (gathered, events, result) = paced_run(Duration::from_millis(50)).await;
+    let (each, each_events, each_result, _) = paced_run(Duration::ZERO).await;
+    let (gathered, events, result, ticks) = paced_run(Duration::from_millis(50)).await;
+    assert!((8..=12).contains(&ticks), "{ticks} ticks");
     assert_eq!(each.len(), 40, "one event per token without an interval");
     assert_eq!(
         gathered.first().map(String::as_str),
@@ -1403,4 +1405,17 @@ async fn a_stream_interval_gathers_the_text_of_each_tick_into_one_event() {
             .collect::<Vec<_>>()
     };
     assert_eq!(kinds(&events), kinds(&each_events), "every other event as without it");
+}
+
+/// A model slower than the interval (a token every 10 ms, ticks every 5 ms): once a tick finds
+/// nothing, its tokens go as they come, and the run stops waking on ticks in between; the text
+/// events are the same as without an interval.
+#[tokio::test(start_paused = true)]
+async fn a_model_slower_than_the_interval_is_read_as_it_comes() {
+    let (each, ..) = paced_run(Duration::ZERO).await;
+    let (texts, events, result, ticks) = paced_run(Duration::from_millis(5)).await;
+    assert_eq!(texts, each, "one event per token, as without an interval");
+    assert!(ticks <= 2, "woke on {ticks} ticks for 40 tokens");
+    assert_eq!(result.status, RunStatus::Completed);
+    assert!(events.iter().zip(1..).all(|(e, n)| e.seq == n), "gap-free");
 }
