@@ -48,9 +48,10 @@ pub struct RunSettings {
     #[arg(long, env = "ORCHESTRATOR_DEADLINE_HEADROOM", default_value = "200ms", value_parser = parse_duration)]
     pub deadline_headroom: Duration,
     /// How long a run gathers the model's text and reasoning into one event, reading the model's
-    /// stream once per interval (0: each read's text goes at once). The first delta of each turn,
-    /// tool-call events and run_finished always go at once; a request may ask for its own
-    /// (params.stream_interval_ms) up to --stream-interval-ceiling (cap: the ceiling).
+    /// stream once per interval (0: each read's text goes at once; a model slower than the
+    /// interval is read as it comes). The first delta of each turn, tool-call events and
+    /// run_finished always go at once; a request may ask for its own (params.stream_interval_ms)
+    /// up to --stream-interval-ceiling (cap: the ceiling).
     #[arg(long, env = "ORCHESTRATOR_STREAM_INTERVAL", default_value = "0ms", value_parser = parse_duration)]
     pub stream_interval: Duration,
     /// Longest stream interval a request may ask for (cap 1s).
