@@ -157,6 +157,12 @@ impl Service {
         self.child.id()
     }
 
+    /// Its log lines as they keep coming, for a test that outlives this handle (to show a
+    /// retired process's lines when it fails).
+    pub fn log_book(&self) -> Arc<Mutex<Vec<String>>> {
+        Arc::clone(&self.logs)
+    }
+
     /// Every log line so far.
     pub fn logs(&self) -> Vec<String> {
         self.logs.lock().map(|l| l.clone()).unwrap_or_default()

@@ -60,6 +60,8 @@ struct Fleet {
     handoff_grace: &'static str,
     /// `--run-store-lease` of the replicas started from now on.
     lease: &'static str,
+    /// Every replica's log lines, retired ones included, to show a failed run's story.
+    log_books: Vec<Arc<Mutex<Vec<String>>>>,
     calls_log: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -85,6 +87,7 @@ impl Fleet {
             serving: Arc::default(),
             handoff_grace: "5s",
             lease: "2s",
+            log_books: Vec::new(),
             calls_log,
             _dir: dir,
         };
@@ -107,8 +110,29 @@ impl Fleet {
             .args(["--run-store-lease", self.lease, "--handoff-grace", self.handoff_grace]);
         let replica = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
         lock(&self.serving).push(format!("http://{}", replica.grpc));
+        self.log_books.push(replica.log_book());
         self.replicas.push(Some(replica));
         Ok(self.replicas.len() - 1)
+    }
+
+    /// The last lines of every replica (retired ones included) that name `run_id`, each with its
+    /// replica's number: what a failed assertion on the run shows.
+    fn story_of(&self, run_id: &str) -> String {
+        const LAST: usize = 80;
+        // As a JSON string: `rolling-1` is not `rolling-10`.
+        let quoted = format!("\"{run_id}\"");
+        let lines: Vec<String> = self
+            .log_books
+            .iter()
+            .enumerate()
+            .flat_map(|(i, book)| {
+                let book = lock(book).clone();
+                book.into_iter()
+                    .filter(|l| l.contains(&quoted))
+                    .map(move |l| format!("[replica {i}] {l}"))
+            })
+            .collect();
+        lines[lines.len().saturating_sub(LAST)..].join("\n")
     }
 
     /// Takes replica `i` out of the fleet: callers no longer find it.
@@ -493,8 +517,9 @@ async fn a_drained_replica_hands_its_runs_over_and_they_complete_elsewhere() -> 
         assert_eq!(
             result.status(),
             pb::RunStatus::Completed,
-            "{run_id}: {}",
-            result.failure_detail
+            "{run_id}: {}\n{}",
+            result.failure_detail,
+            fleet.story_of(&run_id)
         );
         assert_eq!(told, result.text);
         assert_eq!(result.text, format!("{words}{words}{words}done"));
@@ -560,8 +585,9 @@ async fn all_completed(fleet: &Fleet, followers: Vec<Following>, text: &str, max
         assert_eq!(
             result.status(),
             pb::RunStatus::Completed,
-            "{run_id}: {}",
-            result.failure_detail
+            "{run_id}: {}\n{}",
+            result.failure_detail,
+            fleet.story_of(&run_id)
         );
         assert_eq!(result.text, text, "{run_id}");
         assert_eq!(told, result.text, "{run_id}: the stream tells the result's text");
@@ -570,8 +596,9 @@ async fn all_completed(fleet: &Fleet, followers: Vec<Following>, text: &str, max
             let ran = calls.get(&format!("{run_id}/{}", call.call_id)).copied().unwrap_or(0);
             assert!(
                 (1..=max_runs_of_a_call).contains(&ran),
-                "{run_id}: call {} ran {ran} time(s)",
-                call.call_id
+                "{run_id}: call {} ran {ran} time(s)\n{}",
+                call.call_id,
+                fleet.story_of(&run_id)
             );
             assert!(call.ok, "{run_id}: {call:?}");
             call_ids += 1;
