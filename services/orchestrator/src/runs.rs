@@ -277,9 +277,10 @@ impl Runs {
             return Some(Refusal::Foreign);
         }
         let result = shared::sync::lock(&live.state);
-        Some(match result.status.is_live() {
-            true => Refusal::Duplicate,
-            false => Refusal::Finished(Box::new(result.clone())),
+        Some(if result.status.is_live() {
+            Refusal::Duplicate
+        } else {
+            Refusal::Finished(Box::new(result.clone()))
         })
     }
 

@@ -111,7 +111,7 @@ impl Direct {
         let (head, rest) = self.read_head(&mut socket, pace).await?;
         let mut body = DirectBody {
             socket: Some(socket),
-            decoder: head.body,
+            decoder: head.framing,
             ready: None,
             reusable: head.reusable,
             pace: pace.clone(),
@@ -303,7 +303,8 @@ mod tests {
 
     /// A server answering every request on a connection with `answer`, `close_after` times, then
     /// closing it; counts the connections it accepted.
-    async fn scripted(answer: &'static str, close_after: usize) -> (String, Arc<AtomicUsize>) {
+    async fn scripted(answer: &str, close_after: usize) -> (String, Arc<AtomicUsize>) {
+        let answer: Arc<str> = answer.into();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -311,6 +312,7 @@ mod tests {
         tokio::spawn(async move {
             while let Ok((mut socket, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
+                let answer = Arc::clone(&answer);
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 65536];
                     for _ in 0..close_after {
@@ -327,6 +329,14 @@ mod tests {
             }
         });
         (address, accepted)
+    }
+
+    /// One request to a server answering it with `answer`, then closing.
+    async fn send_to(answer: &str) -> Result<Answered, SendError> {
+        let (address, _) = scripted(answer, 1).await;
+        run_reader(&address, idle(4))
+            .send(&request_body(), &ReadPace::default())
+            .await
     }
 
     /// A whole request: the tests' requests all carry the body `{}`.
@@ -516,21 +526,14 @@ mod tests {
     #[tokio::test]
     async fn a_body_cut_short_or_an_answer_not_http_is_an_error() {
         let cut = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n";
-        let (address, _) = scripted(cut, 1).await;
-        let answer = run_reader(&address, idle(4))
-            .send(&request_body(), &ReadPace::default())
-            .await;
-        let mut body = answer.unwrap().body;
+        let mut body = send_to(cut).await.unwrap().body;
         assert_eq!(&body.next().await.unwrap().unwrap()[..], b"hello");
         let error = body.next().await.unwrap().unwrap_err();
         assert_eq!(error.to_string(), WireError::Truncated.to_string());
         assert!(body.next().await.is_none(), "nothing after the error");
 
         for answer in ["SSH-2.0-OpenSSH\r\n\r\n", ""] {
-            let (address, _) = scripted(answer, 1).await;
-            let sent = run_reader(&address, idle(4))
-                .send(&request_body(), &ReadPace::default())
-                .await;
+            let sent = send_to(answer).await;
             assert!(matches!(sent, Err(SendError::Request(_))), "{answer:?}");
         }
     }
@@ -539,16 +542,10 @@ mod tests {
     /// limit here: 64 KiB).
     #[tokio::test]
     async fn an_endless_head_is_refused_at_its_limit() {
-        let no_line_end: &'static str =
-            Box::leak(format!("HTTP/1.1 200 OK{}", "a".repeat(200 * 1024)).into_boxed_str());
-        let lines: &'static str = Box::leak(format!("HTTP/1.1 200 OK\r\n{}", "x: y\r\n".repeat(90)).into_boxed_str());
-        let long_lines: &'static str =
-            Box::leak(format!("HTTP/1.1 200 OK\r\nx: {}\r\n", "b".repeat(100 * 1024)).into_boxed_str());
+        let no_line_end = format!("HTTP/1.1 200 OK{}", "a".repeat(200 * 1024));
+        let long_lines = format!("HTTP/1.1 200 OK\r\nx: {}\r\n", "b".repeat(100 * 1024));
         for answer in [no_line_end, long_lines] {
-            let (address, _) = scripted(answer, 1).await;
-            let sent = run_reader(&address, idle(4))
-                .send(&request_body(), &ReadPace::default())
-                .await;
+            let sent = send_to(&answer).await;
             assert!(
                 matches!(&sent, Err(SendError::Request(e)) if e.contains("longer than 65536 bytes")),
                 "{:?}",
@@ -556,10 +553,7 @@ mod tests {
             );
         }
         // Within the limit but never ended: the server's close ends the wait.
-        let (address, _) = scripted(lines, 1).await;
-        let sent = run_reader(&address, idle(4))
-            .send(&request_body(), &ReadPace::default())
-            .await;
+        let sent = send_to(&format!("HTTP/1.1 200 OK\r\n{}", "x: y\r\n".repeat(90))).await;
         assert!(
             matches!(&sent, Err(SendError::Request(e)) if e.contains("closed")),
             "{:?}",

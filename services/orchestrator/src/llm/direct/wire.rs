@@ -66,7 +66,7 @@ impl From<WireError> for std::io::Error {
 pub(super) struct Head {
     pub status: StatusCode,
     pub headers: HeaderMap,
-    pub body: BodyDecoder,
+    pub framing: BodyDecoder,
     /// Whether the connection may carry another request once the body is read to its end.
     pub reusable: bool,
 }
@@ -96,13 +96,13 @@ pub(super) fn parse_head(buf: &[u8], max_bytes: usize) -> Result<Option<(Head, u
         headers.append(name, value);
     }
     let http11 = response.version == Some(1);
-    let (body, framed) = body_framing(status, &headers)?;
+    let (framing, framed) = body_framing(status, &headers)?;
     let reusable = framed && http11 && !has_token(&headers, http::header::CONNECTION, "close");
     Ok(Some((
         Head {
             status,
             headers,
-            body,
+            framing,
             reusable,
         },
         length,
@@ -459,7 +459,7 @@ mod tests {
         assert_eq!(length, text.len() - 4);
         assert_eq!(parsed.status, StatusCode::OK);
         assert_eq!(parsed.headers["content-type"], "text/event-stream");
-        assert_eq!(parsed.body.0, State::Size { size: 0, digits: 0 });
+        assert_eq!(parsed.framing.0, State::Size { size: 0, digits: 0 });
         assert!(parsed.reusable);
 
         let cases = [
@@ -490,7 +490,7 @@ mod tests {
         ];
         for (text, framing, reusable) in cases {
             let (parsed, _) = head(text).unwrap().unwrap();
-            assert_eq!((parsed.body.0, parsed.reusable), (framing, reusable), "{text:?}");
+            assert_eq!((parsed.framing.0, parsed.reusable), (framing, reusable), "{text:?}");
         }
     }
 

@@ -229,6 +229,12 @@ struct Ends<'a> {
 /// The deadline is looked at first, so a caller whose own deadline passed reads as
 /// `DEADLINE_EXCEEDED`, not as gone.
 async fn race(drive: impl Future<Output = End>, spec: &RunSpec, ends: Ends<'_>) -> End {
+    // A deadline already past (a parked run woken by it) ends the run before it does anything:
+    // the timer below fires only once the runtime's clock next moves, and a resumed run may
+    // have taken a whole turn by then.
+    if Instant::now() >= spec.deadline.at {
+        return deadline_end(spec);
+    }
     let caller_gone = async {
         match ends.caller {
             Some(tx) => tx.closed().await,
@@ -242,12 +248,6 @@ async fn race(drive: impl Future<Output = End>, spec: &RunSpec, ends: Ends<'_>) 
         }
     };
     let durable = ends.persister.is_some_and(Persister::durable);
-    // A deadline already past (a parked run woken by it) ends the run before it does anything:
-    // the timer below fires only once the runtime's clock next moves, and a resumed run may
-    // have taken a whole turn by then.
-    if Instant::now() >= spec.deadline.at {
-        return deadline_end(spec);
-    }
     tokio::select! {
         biased;
         () = taken_over => End::TakenOver,
