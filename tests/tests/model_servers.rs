@@ -299,9 +299,101 @@ async fn a_structured_tool_call_from_llama_server_runs_on_a_tool_runner_and_goes
     assert_eq!(tool["content"].as_str(), Some(finished[0].as_str()), "{tool}");
     assert_eq!(second["tool_choice"], "auto", "required forces the first turn only");
 
+    // The second request starts with the first byte for byte (the BIOS is the same; the status
+    // note follows the tool message as a user message, which the Llama 3.2 template takes).
+    let first_body = sent[0].as_bytes();
+    let marker = br#"],"stream":true,"#;
+    let end = first_body
+        .windows(marker.len())
+        .rposition(|w| w == marker)
+        .unwrap_or(first_body.len());
+    assert!(
+        sent[1].as_bytes().starts_with(&first_body[..end]),
+        "{}\n{}",
+        sent[0],
+        sent[1]
+    );
+    let note = messages.last().cloned().unwrap_or_default();
+    assert_eq!(note["role"], "user", "{note}");
+    assert!(
+        note["content"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("[orchestrator status] Turn 2")),
+        "{note}"
+    );
+
     // Turn 2 is the model's own (text, another call, or output the server's parser refuses);
     // `max_turns: 2` ends the run there whatever it is, with turn 1's call kept.
     assert_eq!(out.result.turns, 2, "{:?}", out.result);
+    Ok(())
+}
+
+/// `extra_body` whose grammar makes every turn write the same call in its text, which the
+/// fallback parser runs: the same on every CPU, and every turn ends with its usage.
+const TEXT_CALL_BODY: &str =
+    r#"{"grammar": "root ::= \"<tool_call>{\\\"name\\\": \\\"time_now\\\", \\\"arguments\\\": {}}</tool_call>\""}"#;
+
+/// A run's later turns find their prefix in llama-server's prompt cache (one slot, so the
+/// slot that served turn 1 serves turn 2): the server reports the cached prompt tokens in its
+/// usage, and they reach the turn's `turn_finished`.
+#[tokio::test]
+async fn llama_servers_prompt_cache_holds_a_runs_earlier_turns() -> TestResult {
+    let template = installed(&format!("templates/{TEMPLATE_FILE}"))?;
+    let template = template.to_string_lossy();
+    let _serial = one_at_a_time().await;
+    let llama = ModelServer::llama(&[
+        "--parallel",
+        "1",
+        "--ctx-size",
+        "4096",
+        "--jinja",
+        "--chat-template-file",
+        &template,
+    ])
+    .await?;
+    let stack = stack_on(llama.base_url(), "smollm2", |_| {}).await?;
+    let mut asked = greedy(
+        "What time is it?",
+        pb::ModelParams {
+            tool_choice: "none".into(),
+            max_tokens: Some(64),
+            extra_body_json: TEXT_CALL_BODY.into(),
+            ..Default::default()
+        },
+    );
+    if let Some(tools) = asked.tools.as_mut() {
+        tools.normal = vec!["time_now".into()];
+    }
+    asked.limits = Some(pb::RunLimits {
+        max_turns: Some(3),
+        ..Default::default()
+    });
+    let out = stack.run(asked).await?;
+    assert_eq!(
+        (out.status(), out.reason(), out.result.tool_calls.len()),
+        (S::Failed, R::MaxTurnsExceeded, 3),
+        "{:?}\n{}",
+        out.result,
+        llama.logs()
+    );
+    let usage: Vec<pb::Usage> = out.of(|e| match e {
+        E::TurnFinished(t) => t.usage,
+        _ => None,
+    });
+    assert_eq!(usage.len(), 3, "{usage:?}");
+    assert_eq!(usage[0].cached_prompt_tokens, 0, "{usage:?}");
+    for (before, later) in usage.iter().zip(&usage[1..]) {
+        // All of the previous prompt was cached (llama.cpp may re-evaluate its last token).
+        assert!(
+            later.cached_prompt_tokens + 1 >= before.prompt_tokens && later.cached_prompt_tokens < later.prompt_tokens,
+            "{usage:?}"
+        );
+    }
+    let total = out.result.usage.unwrap_or_default();
+    assert_eq!(
+        total.cached_prompt_tokens,
+        usage.iter().map(|u| u.cached_prompt_tokens).sum::<u64>()
+    );
     Ok(())
 }
 

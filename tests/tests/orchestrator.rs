@@ -688,10 +688,15 @@ async fn max_turns_ends_a_model_that_never_stops() -> TestResult {
         (S::Failed, R::MaxTurnsExceeded, 3)
     );
     assert_eq!(out.result.tool_calls.len(), 3);
+    // The third request's newest message is the status note of its turn.
+    let third = &stack.mock.requests()[2]["messages"];
+    let newest = third.as_array().and_then(|m| m.last()).cloned().unwrap_or_default();
+    assert_eq!(newest["role"], "user", "{third}");
     assert!(
-        stack.mock.requests()[2]["messages"][0]["content"]
+        newest["content"]
             .as_str()
-            .is_some_and(|s| s.contains("turn 3 of at most 3"))
+            .is_some_and(|s| s.contains("Turn 3 of at most 3")),
+        "{newest}"
     );
     Ok(())
 }

@@ -3,10 +3,13 @@
 //! It plays [`Scenario`]s — scripted turns of text, parallel tool calls, exit calls, bad calls,
 //! delays, cuts, stalls and HTTP errors — through the chat-completions API or, for gateways that
 //! ask for it, the Responses API — and replays recorded SSE streams byte for byte. It is
-//! clearly not a model: it answers what the script says, whatever it is asked.
+//! clearly not a model: it answers what the script says, whatever it is asked. Like a real
+//! server it keeps a [prefix cache](prefix_cache): the usage it reports says how much of each
+//! prompt was cached, and a scenario may make the uncached part cost time.
 
 #![forbid(unsafe_code)]
 
+pub mod prefix_cache;
 mod responses;
 pub mod scenario;
 pub mod server;

@@ -41,7 +41,7 @@ pub(crate) fn playable(turn: &Turn) -> bool {
 }
 
 /// The events of one turn, in order, as SSE pieces.
-pub(crate) fn render(turn: &Turn, model: &str, turn_number: usize, prompt_chars: usize) -> Vec<Piece> {
+pub(crate) fn render(turn: &Turn, model: &str, turn_number: usize, prompt_tokens: u64) -> Vec<Piece> {
     let mut events = Events {
         out: Vec::new(),
         sequence: 0,
@@ -98,7 +98,7 @@ pub(crate) fn render(turn: &Turn, model: &str, turn_number: usize, prompt_chars:
         }
     }
     events.close_message();
-    events.finish(turn, prompt_chars);
+    events.finish(turn, prompt_tokens);
     events.out
 }
 
@@ -237,10 +237,10 @@ impl Events {
 
     /// `response.completed`, or `response.incomplete` when the turn is scripted to stop at its
     /// length, with the usage (scripted, else about four characters a token).
-    fn finish(&mut self, turn: &Turn, prompt_chars: usize) {
+    fn finish(&mut self, turn: &Turn, prompt_tokens: u64) {
         let [input, output] = turn
             .usage
-            .unwrap_or([(prompt_chars / 4) as u64, (self.output_chars / 4).max(1) as u64]);
+            .unwrap_or([prompt_tokens, (self.output_chars / 4).max(1) as u64]);
         let usage = json!({"input_tokens": input, "output_tokens": output, "total_tokens": input + output,
             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}});
         let (kind, status) = match turn.finish_reason.as_deref() {

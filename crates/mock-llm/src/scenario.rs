@@ -22,6 +22,10 @@ pub struct Scenario {
     /// Delay between chunks, in ms.
     #[serde(default)]
     pub token_delay_ms: u64,
+    /// Prefill time of each prompt token not in the prefix cache, in µs, added to the time to
+    /// first token (chat completions only).
+    #[serde(default)]
+    pub prefill_us_per_token: u64,
 }
 
 /// One completion.

@@ -17,6 +17,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{Value, json};
 
+use crate::prefix_cache::{Lookup, PrefixCache, prompt_of};
 use crate::scenario::{Scenario, Step, Turn};
 
 /// The scenarios a server plays: a default one and named ones (chosen by the request's `model`).
@@ -43,6 +44,9 @@ impl From<Scenario> for Scenarios {
 struct Shared {
     scenarios: Scenarios,
     requests: Mutex<Vec<Value>>,
+    /// The request bodies as they came, when recorded.
+    raw_requests: Mutex<Vec<Bytes>>,
+    cache: PrefixCache,
     attempts: Mutex<HashMap<(String, usize), usize>>,
     record: bool,
     /// Time served per conversation, when measured (see [`MockLlm::start_timed`]).
@@ -117,6 +121,11 @@ impl MockLlm {
     /// Every request body received so far.
     pub fn requests(&self) -> Vec<Value> {
         shared::sync::lock(&self.shared.requests).clone()
+    }
+
+    /// Every request body received so far, byte for byte as it came.
+    pub fn raw_requests(&self) -> Vec<Bytes> {
+        shared::sync::lock(&self.shared.raw_requests).clone()
     }
 }
 
@@ -218,11 +227,26 @@ impl Api {
         }
     }
 
-    fn render(self, turn: &Turn, model: &str, turn_number: usize, prompt_chars: usize) -> Option<Vec<Piece>> {
+    /// The prompt of `request` (its body `body`) as the prefix cache serves it. The Responses
+    /// API's prompt is counted but never cached.
+    fn prompt(self, shared: &Shared, body: &[u8], request: &Value) -> Lookup {
         match self {
-            Self::ChatCompletions => Some(render(turn, model, turn_number, prompt_chars)),
+            Self::ChatCompletions => shared.cache.serve(prompt_of(body)),
+            Self::Responses => {
+                let chars: usize = self.conversation(request).iter().map(|m| m.to_string().len()).sum();
+                Lookup {
+                    prompt_tokens: (chars / crate::prefix_cache::BYTES_PER_TOKEN) as u64,
+                    cached_tokens: 0,
+                }
+            }
+        }
+    }
+
+    fn render(self, turn: &Turn, model: &str, turn_number: usize, prompt: Lookup) -> Option<Vec<Piece>> {
+        match self {
+            Self::ChatCompletions => Some(render(turn, model, turn_number, prompt)),
             Self::Responses => crate::responses::playable(turn)
-                .then(|| crate::responses::render(turn, model, turn_number, prompt_chars)),
+                .then(|| crate::responses::render(turn, model, turn_number, prompt.prompt_tokens)),
         }
     }
 }
@@ -235,6 +259,7 @@ fn play(shared: &Arc<Shared>, body: &[u8], api: Api) -> Response {
     };
     if shared.record {
         shared::sync::lock(&shared.requests).push(request.clone());
+        shared::sync::lock(&shared.raw_requests).push(Bytes::copy_from_slice(body));
     }
     if request["stream"] != true {
         return error_response(
@@ -250,19 +275,19 @@ fn play(shared: &Arc<Shared>, body: &[u8], api: Api) -> Response {
     if let Some(refusal) = scripted_failure(shared, &model, answered, &turn) {
         return refusal;
     }
-    let conversation = api.conversation(&request);
-    let prompt_chars: usize = conversation.iter().map(|m| m.to_string().len()).sum();
-    let Some(chunks) = api.render(&turn, &model, answered + 1, prompt_chars) else {
+    let prompt = api.prompt(shared, body, &request);
+    let Some(chunks) = api.render(&turn, &model, answered + 1, prompt) else {
         return error_response(
             StatusCode::BAD_REQUEST,
             "a recorded chat-completions stream cannot be played through /v1/responses",
         );
     };
+    let prefill = Duration::from_micros(scenario.prefill_us_per_token.saturating_mul(prompt.uncached_tokens()));
     let pace = (
-        Duration::from_millis(scenario.ttft_ms),
+        Duration::from_millis(scenario.ttft_ms) + prefill,
         Duration::from_millis(scenario.token_delay_ms),
     );
-    let key = first_user_text(conversation);
+    let key = first_user_text(api.conversation(&request));
     let stream = paced(chunks, pace).chain(tally_when_sent(shared, key, arrived));
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -392,7 +417,7 @@ pub(crate) fn split_n(text: &str, n: usize) -> Vec<String> {
     chars.chunks(size).map(|c| c.iter().collect()).collect()
 }
 
-fn render(turn: &Turn, model: &str, turn_number: usize, prompt_chars: usize) -> Vec<Piece> {
+fn render(turn: &Turn, model: &str, turn_number: usize, prompt: Lookup) -> Vec<Piece> {
     let mut out = Vec::new();
     let replay = turn.steps.iter().any(|s| matches!(s, Step::Raw { .. }));
     if !replay {
@@ -439,7 +464,7 @@ fn render(turn: &Turn, model: &str, turn_number: usize, prompt_chars: usize) -> 
         }
     }
     if !replay {
-        out.extend(ending(turn, model, calls, [prompt_chars, completion_chars]));
+        out.extend(ending(turn, model, calls, prompt, completion_chars));
     }
     if turn.done {
         out.push(Piece::Bytes("data: [DONE]\n\n".to_owned()));
@@ -480,17 +505,20 @@ fn tool_call(step: &Step, model: &str, turn_number: usize, index: usize, out: &m
 }
 
 /// The end of a turn: the finish reason (scripted, else `tool_calls` or `stop`) and the usage
-/// chunk (scripted, else about four characters a token).
-fn ending(turn: &Turn, model: &str, calls: usize, [prompt_chars, completion_chars]: [usize; 2]) -> [Piece; 2] {
+/// chunk (scripted, else about four characters a token), with the prompt tokens the prefix
+/// cache held.
+fn ending(turn: &Turn, model: &str, calls: usize, prompt: Lookup, completion_chars: usize) -> [Piece; 2] {
     let finish = turn
         .finish_reason
         .clone()
         .unwrap_or_else(|| if calls > 0 { "tool_calls" } else { "stop" }.to_owned());
-    let [prompt, completion] = turn
+    let [prompt_tokens, completion] = turn
         .usage
-        .unwrap_or([(prompt_chars / 4) as u64, (completion_chars / 4).max(1) as u64]);
+        .unwrap_or([prompt.prompt_tokens, (completion_chars / 4).max(1) as u64]);
+    let cached = prompt.cached_tokens.min(prompt_tokens);
     let usage = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}});
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}});
     [
         chunk(model, json!({}), Some(&finish)),
         Piece::Bytes(format!("data: {usage}\n\n")),

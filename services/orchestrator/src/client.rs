@@ -109,10 +109,14 @@ impl Printer {
             E::Signal(s) => self.line(out, &format!("  ⚑ signal {} {}", s.tool_name, s.arguments_json)),
             E::TurnFinished(t) => {
                 let usage = t.usage.unwrap_or_default();
+                let cached = match usage.cached_prompt_tokens {
+                    0 => String::new(),
+                    n => format!(" ({n} cached)"),
+                };
                 self.line(
                     out,
                     &format!(
-                        "── turn {} finished · {} prompt + {} completion tokens · budget left {} · failed turns {}",
+                        "── turn {} finished · {} prompt{cached} + {} completion tokens · budget left {} · failed turns {}",
                         t.turn,
                         usage.prompt_tokens,
                         usage.completion_tokens,

@@ -223,6 +223,7 @@ pub(crate) fn chat_span(model: &str, turn: u32) -> Span {
         gen_ai.request.model = %model,
         gen_ai.usage.input_tokens = Empty,
         gen_ai.usage.output_tokens = Empty,
+        gen_ai.usage.cache_read.input_tokens = Empty,
         gen_ai.response.finish_reasons = Empty,
         gen_ai.response.time_to_first_token = Empty,
         orchestrator.turn = turn,

@@ -115,6 +115,15 @@ pub(super) fn usage_pb(u: crate::llm::Usage) -> pb::Usage {
     pb::Usage {
         prompt_tokens: u.prompt_tokens,
         completion_tokens: u.completion_tokens,
+        cached_prompt_tokens: u.cached_prompt_tokens,
+    }
+}
+
+fn usage_of(u: pb::Usage) -> crate::llm::Usage {
+    crate::llm::Usage {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        cached_prompt_tokens: u.cached_prompt_tokens,
     }
 }
 
@@ -250,10 +259,7 @@ impl TryFrom<pb::RunResult> for RunResult {
                 })
                 .collect::<Result<_, Error>>()?,
             failed_turns: r.failed_turns,
-            usage: crate::llm::Usage {
-                prompt_tokens: usage.prompt_tokens,
-                completion_tokens: usage.completion_tokens,
-            },
+            usage: usage_of(usage),
             finish_reason: r.finish_reason,
             principal: r.principal,
             reasoning: r.reasoning,
@@ -447,10 +453,7 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                 let usage = e.usage.unwrap_or_default();
                 Event::TurnFinished {
                     turn: e.turn,
-                    usage: crate::llm::Usage {
-                        prompt_tokens: usage.prompt_tokens,
-                        completion_tokens: usage.completion_tokens,
-                    },
+                    usage: usage_of(usage),
                     tool_call_budget_remaining: e.tool_call_budget_remaining,
                     failed_turns: e.failed_turns,
                 }

@@ -63,4 +63,17 @@ pub struct Usage {
     pub prompt_tokens: u64,
     /// Completion tokens.
     pub completion_tokens: u64,
+    /// Prompt tokens the server took from its prefix cache instead of prefilling them (as it
+    /// reports them; 0 when it does not).
+    #[serde(default)]
+    pub cached_prompt_tokens: u64,
+}
+
+impl Usage {
+    /// Adds `other`'s tokens to these.
+    pub fn add(&mut self, other: Usage) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        self.cached_prompt_tokens += other.cached_prompt_tokens;
+    }
 }

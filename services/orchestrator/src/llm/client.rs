@@ -494,10 +494,10 @@ pub fn request_body(request: &ChatRequest) -> Vec<u8> {
     let offers_tools = !request.tools.is_empty();
     let body = Body {
         model: &request.model,
+        tools: request.tools.iter().map(WireTool::new).collect(),
         messages: request.messages.iter().map(WireMessage).collect(),
         stream: true,
         stream_options: StreamOptions { include_usage: true },
-        tools: request.tools.iter().map(WireTool::new).collect(),
         temperature: p.temperature,
         top_p: p.top_p,
         max_tokens: p.max_tokens,
@@ -514,15 +514,17 @@ pub fn request_body(request: &ChatRequest) -> Vec<u8> {
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
-/// Wire form of [`ChatRequest`] (OpenAI chat completions).
+/// Wire form of [`ChatRequest`] (OpenAI chat completions). What the model reads comes first,
+/// the tools then the messages, and what varies per turn (`tool_choice`) after them, so a
+/// turn's body starts with the previous turn's up to the end of its last message.
 #[derive(Serialize)]
 struct Body<'a> {
     model: &'a str,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<WireTool<'a>>,
     messages: Vec<WireMessage<'a>>,
     stream: bool,
     stream_options: StreamOptions,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    tools: Vec<WireTool<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     temperature: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]

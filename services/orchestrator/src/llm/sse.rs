@@ -279,6 +279,16 @@ struct Chunk {
     error: Option<serde_json::Value>,
     #[serde(default)]
     x_groq: Option<XGroq>,
+    /// llama.cpp's server: its own account of the prompt, sent with the last chunk.
+    #[serde(default)]
+    timings: Option<Timings>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Timings {
+    /// Prompt tokens taken from the slot's cache.
+    #[serde(default)]
+    cache_n: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -333,6 +343,15 @@ struct RawUsage {
     prompt_tokens: Option<u64>,
     #[serde(default)]
     completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// OpenAI's, vLLM's and SGLang's breakdown of the prompt tokens.
+#[derive(Debug, Deserialize)]
+struct PromptTokensDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 /// Decodes one `data:` payload (a `chat.completion.chunk`) into events. Only `choices[0]` (the
@@ -380,9 +399,12 @@ pub fn parse_chunk(data: &str) -> Result<Vec<LlmEvent>, LlmError> {
     }
     let usage = chunk.usage.or(chunk.x_groq.and_then(|x| x.usage));
     if let Some(usage) = usage.filter(|u| u.prompt_tokens.is_some() || u.completion_tokens.is_some()) {
+        let details = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+        let cached = details.or(chunk.timings.and_then(|t| t.cache_n)).unwrap_or(0);
         events.push(LlmEvent::Usage(Usage {
             prompt_tokens: usage.prompt_tokens.unwrap_or(0),
             completion_tokens: usage.completion_tokens.unwrap_or(0),
+            cached_prompt_tokens: cached,
         }));
     }
     Ok(events)
@@ -435,6 +457,26 @@ mod tests {
         decode(stream, limits).collect().await
     }
 
+    #[test]
+    fn cached_prompt_tokens_are_read_from_the_details_or_llama_cpps_timings() {
+        let usage = |data: &str| match parse_chunk(data) {
+            Ok(events) => events.into_iter().find_map(|e| match e {
+                LlmEvent::Usage(u) => Some(u),
+                _ => None,
+            }),
+            Err(e) => panic!("{e}"),
+        };
+        let openai = r#"{"choices":[],"usage":{"prompt_tokens":1200,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+        let llama_cpp = r#"{"choices":[],"usage":{"prompt_tokens":300,"completion_tokens":5},"timings":{"cache_n":280,"prompt_n":20}}"#;
+        let both = r#"{"choices":[],"usage":{"prompt_tokens":300,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":256}},"timings":{"cache_n":280}}"#;
+        let none = r#"{"choices":[],"usage":{"prompt_tokens":300,"completion_tokens":5,"prompt_tokens_details":null}}"#;
+        let cached = |data| usage(data).map(|u| (u.prompt_tokens, u.cached_prompt_tokens));
+        assert_eq!(cached(openai), Some((1200, 1024)));
+        assert_eq!(cached(llama_cpp), Some((300, 280)));
+        assert_eq!(cached(both), Some((300, 256)), "the standard field wins");
+        assert_eq!(cached(none), Some((300, 0)));
+    }
+
     #[tokio::test]
     async fn text_finish_usage_and_done() {
         let events = decode_all(
@@ -452,7 +494,8 @@ mod tests {
                 Ok(LlmEvent::Finish("stop".into())),
                 Ok(LlmEvent::Usage(Usage {
                     prompt_tokens: 3,
-                    completion_tokens: 1
+                    completion_tokens: 1,
+                    cached_prompt_tokens: 0,
                 })),
                 Ok(LlmEvent::Done),
             ]

@@ -67,9 +67,7 @@ impl Driver<'_> {
             self.emitter.queue(Event::TextDelta { text: held, turn });
         }
         if let Some(usage) = completion.collector.usage() {
-            let mut state = lock(self.state);
-            state.usage.prompt_tokens += usage.prompt_tokens;
-            state.usage.completion_tokens += usage.completion_tokens;
+            lock(self.state).usage.add(usage);
         }
     }
 
@@ -121,12 +119,15 @@ impl Driver<'_> {
         let chat_span = tracing::Span::current();
         chat_span.record("gen_ai.usage.input_tokens", output.usage.prompt_tokens);
         chat_span.record("gen_ai.usage.output_tokens", output.usage.completion_tokens);
+        chat_span.record(
+            "gen_ai.usage.cache_read.input_tokens",
+            output.usage.cached_prompt_tokens,
+        );
         if let Some(reason) = &output.finish_reason {
             chat_span.record("gen_ai.response.finish_reasons", reason.as_str());
         }
         let mut state = lock(self.state);
-        state.usage.prompt_tokens += output.usage.prompt_tokens;
-        state.usage.completion_tokens += output.usage.completion_tokens;
+        state.usage.add(output.usage);
         if let Some(reason) = &output.finish_reason {
             state.finish_reason.clone_from(reason);
         }

@@ -14,7 +14,7 @@ use super::*;
 use crate::domain::ports::{OnDelivery, ToolInvocation};
 use crate::domain::{Delivery, Event, FailureReason, ParsePolicy, RunStatus, Signal, ToolCallError, ToolCallRecord};
 use crate::llm::{ChatRequest, Message, ToolCall, Usage};
-use crate::run::bios::{BiosContext, render};
+use crate::run::bios::{BiosContext, Status, append_note, render, status_note};
 use crate::run::fallback::Resolution;
 use crate::run::turn::TurnOutput;
 use crate::telemetry::{self, InFlight, metric};
@@ -108,23 +108,27 @@ impl Driver<'_> {
         self.append_to_conversation(&mut turn, fed_back);
         self.finish_turn(&turn, spend.left);
         self.check_failure_limit()?;
-        match self.budget_end(&spend, &partition) {
-            Some(end) => Err(end),
-            None => Ok(()),
+        if let Some(end) = self.budget_end(&spend, &partition) {
+            return Err(end);
         }
+        if number < self.max_turns {
+            self.note_status(number);
+        }
+        Ok(())
     }
 
-    /// The request of a turn: the BIOS (regenerated), the caller's system message and messages,
-    /// then the turns so far.
+    /// The request of a turn: the BIOS (fixed for the run), the caller's system message and
+    /// messages, then the turns so far with their status notes. Nothing before the newest turn
+    /// changes, so each request starts with the previous one byte for byte and the model
+    /// server's prefix cache holds all but the newest messages.
     pub(super) fn chat_request(&self, turn: u32) -> ChatRequest {
         let (spec, limits) = (self.spec, self.spec.limits);
         let bios = render(&BiosContext {
-            turn,
             max_turns: self.max_turns,
             normal_tools: &spec.normal_tools,
             exit_tools: &spec.exit_tools,
-            budget_remaining: self.budget_left(),
-            failures_remaining: limits.max_tool_failures.saturating_sub(self.failed_turns),
+            tool_call_budget: limits.tool_call_budget,
+            max_tool_failures: limits.max_tool_failures,
         });
         let mut messages = Vec::with_capacity(2 + spec.messages.len() + self.conversation.len());
         messages.push(Message::System(bios));
@@ -140,6 +144,18 @@ impl Driver<'_> {
             params: spec.params.for_turn(turn),
             pace: crate::llm::ReadPace::default(),
         }
+    }
+
+    /// The run goes on after turn `ended`: what changed (the turn, the budget and the failures
+    /// left) is noted after the turn's tool messages, where it stays for every later request.
+    pub(super) fn note_status(&mut self, ended: u32) {
+        let note = status_note(Status {
+            turn: ended + 1,
+            max_turns: self.max_turns,
+            budget_remaining: self.budget_left(),
+            failures_remaining: self.spec.limits.max_tool_failures.saturating_sub(self.failed_turns),
+        });
+        append_note(&mut self.conversation, note);
     }
 
     /// Takes the turn's calls: the structured ones, or else the directives written in the text

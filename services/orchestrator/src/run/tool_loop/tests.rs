@@ -205,6 +205,8 @@ struct Outside {
     hand_over: bool,
     /// The run's id is claimed with its start checkpoint (a durable run, as the service admits it).
     claim_resumable: bool,
+    /// Bad calls are answered with an error instead of ending the run.
+    parse_policy: ParsePolicy,
 }
 
 impl Default for Outside {
@@ -225,6 +227,7 @@ impl Default for Outside {
             stream_interval: Duration::ZERO,
             hand_over: false,
             claim_resumable: false,
+            parse_policy: ParsePolicy::Fail,
         }
     }
 }
@@ -263,6 +266,7 @@ async fn play_with(
     let admitted = AdmittedRun {
         spec: RunSpec {
             stream_interval: outside.stream_interval,
+            parse_policy: outside.parse_policy,
             ..spec(limits)
         },
         emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall).with_log(outside.log),
@@ -384,6 +388,7 @@ async fn parallel_calls_overlap_and_exit_calls_are_signals() {
         Ok(LlmEvent::Usage(Usage {
             prompt_tokens: 3,
             completion_tokens: 2,
+            cached_prompt_tokens: 1,
         })),
     ];
     let (result, events, script, tools) = play(vec![turn1], limits()).await;
@@ -398,17 +403,19 @@ async fn parallel_calls_overlap_and_exit_calls_are_signals() {
         result.usage,
         Usage {
             prompt_tokens: 3,
-            completion_tokens: 2
+            completion_tokens: 2,
+            cached_prompt_tokens: 1,
         }
     );
-    // The second request: the BIOS shows the spent budget; the exit call is not in the conversation.
+    // The second request: the status note after the tool messages shows the spent budget; the
+    // exit call is not in the conversation.
     let second = script.requests.lock().unwrap()[1].clone();
-    let Message::System(bios) = &second.messages[0] else {
-        panic!("BIOS first")
+    let Some(Message::User { content: note, .. }) = second.messages.last() else {
+        panic!("a status note last: {:?}", second.messages)
     };
     assert!(
-        bios.contains("turn 2 of at most 8") && bios.contains("7 normal call(s) left"),
-        "{bios}"
+        note.contains("Turn 2 of at most 8") && note.contains("7 normal call(s) left"),
+        "{note}"
     );
     let Message::Assistant { tool_calls, .. } = &second.messages[2] else {
         panic!("{:?}", second.messages)
@@ -518,6 +525,7 @@ fn usage(prompt_tokens: u64, completion_tokens: u64) -> Result<LlmEvent, LlmErro
     Ok(LlmEvent::Usage(Usage {
         prompt_tokens,
         completion_tokens,
+        cached_prompt_tokens: 0,
     }))
 }
 
@@ -736,7 +744,8 @@ async fn large_tool_results_and_arguments_are_cut_for_the_model_and_in_their_eve
     let (result, batches, script, _) = play_batched(vec![vec![call(0, "nap", &big)]], limits()).await;
     assert_eq!(result.status, RunStatus::Completed);
     let second = script.requests.lock().unwrap()[1].clone();
-    let Some(Message::Tool { content, .. }) = second.messages.last() else {
+    let Some(Message::Tool { content, .. }) = second.messages.iter().rfind(|m| matches!(m, Message::Tool { .. }))
+    else {
         panic!("{:?}", second.messages)
     };
     assert!(content.len() < 1100, "{} bytes fed back", content.len());
@@ -776,7 +785,8 @@ async fn long_tool_error_messages_are_cut_everywhere_the_run_keeps_them() {
     let kept = format!("{}{marker}", &message[..1024]);
     // The model's tool message, and the run's record.
     let second = script.requests.lock().unwrap()[1].clone();
-    let Some(Message::Tool { content, .. }) = second.messages.last() else {
+    let Some(Message::Tool { content, .. }) = second.messages.iter().rfind(|m| matches!(m, Message::Tool { .. }))
+    else {
         panic!("{:?}", second.messages)
     };
     let fed_back: serde_json::Value = serde_json::from_str(content).unwrap();
@@ -1418,4 +1428,112 @@ async fn a_model_slower_than_the_interval_is_read_as_it_comes() {
     assert!(ticks <= 2, "woke on {ticks} ticks for 40 tokens");
     assert_eq!(result.status, RunStatus::Completed);
     assert!(events.iter().zip(1..).all(|(e, n)| e.seq == n), "gap-free");
+}
+
+/// The end of the messages in a request's body: what a model server's prefix cache can keep of it.
+fn prompt_end(body: &[u8]) -> usize {
+    let marker = br#"],"stream":true"#;
+    body.windows(marker.len())
+        .rposition(|w| w == marker)
+        .map_or(body.len(), |at| at)
+}
+
+/// Each request's body starts with the one before it, byte for byte, up to the end of its
+/// messages.
+fn assert_each_request_extends_the_last(requests: &[ChatRequest]) {
+    let bodies: Vec<Vec<u8>> = requests.iter().map(crate::llm::client::request_body).collect();
+    for (n, pair) in bodies.windows(2).enumerate() {
+        let kept = &pair[0][..prompt_end(&pair[0])];
+        assert!(
+            pair[1].starts_with(kept),
+            "request {} does not start with request {}:\n{}\n---\n{}",
+            n + 2,
+            n + 1,
+            String::from_utf8_lossy(kept),
+            String::from_utf8_lossy(&pair[1])
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_turns_request_extends_the_last_through_results_failures_fallback_and_feedback() {
+    let turns = vec![
+        // Tool results, one of them a failure.
+        vec![
+            text("two at once "),
+            call(0, "nap", r#"{"ms": 5}"#),
+            call(1, "bad", "{}"),
+        ],
+        // A call written in the text.
+        vec![text(
+            r#"<tool_call>{"name": "nap", "arguments": {"ms": 1}}</tool_call>"#,
+        )],
+        // A bad call answered with an error (parse policy FEED_BACK), and an exit call.
+        vec![call(0, "nope", "{}"), call(1, "done", "{}")],
+        vec![text("done")],
+    ];
+    let outside = Outside {
+        parse_policy: ParsePolicy::FeedBack,
+        ..Outside::default()
+    };
+    let limits = Limits {
+        max_tool_failures: 3,
+        ..limits()
+    };
+    let (result, _, script, _) = play_with(turns, limits, outside).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    let requests = script.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 4);
+    assert_each_request_extends_the_last(&requests);
+    // The BIOS is the same every turn; what changed is in the status note after the newest
+    // messages.
+    assert!(requests.windows(2).all(|w| w[0].messages[0] == w[1].messages[0]));
+    let Some(Message::User { content: note, .. }) = requests[3].messages.last() else {
+        panic!("{:?}", requests[3].messages)
+    };
+    assert!(
+        note.contains("Turn 4 of at most 8")
+            && note.contains("7 normal call(s) left")
+            && note.contains("1 more turn(s)"),
+        "{note}"
+    );
+}
+
+/// The requests of a durable run played whole, and its checkpoints.
+async fn durable_requests() -> (Vec<ChatRequest>, Vec<Checkpoint>) {
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        ..Outside::default()
+    };
+    let (result, _, script, _) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    let requests = script.requests.lock().unwrap().clone();
+    (requests, journal.checkpoints())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resumed_or_restarted_turn_sends_what_the_run_would_have_sent_here() {
+    let (whole, checkpoints) = durable_requests().await;
+    assert_each_request_extends_the_last(&whole);
+    let (_, again) = durable_requests().await;
+    let one_done = first(again, "after one call", |c| {
+        c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1)
+    });
+    let turn_end = first(checkpoints, "at the end of turn 1", |c| {
+        c.calls.is_none() && c.turns_done == 1
+    });
+    let seq = one_done.seq;
+    let (_, _, resumed, _) = resume_at(one_done, seq).await;
+    let logged = turn_end.seq + 2;
+    let (_, _, restarted, _) = resume_at(turn_end, logged).await;
+    for (how, script) in [("resumed among its calls", resumed), ("restarted", restarted)] {
+        let sent = script.requests.lock().unwrap().clone();
+        assert_eq!(sent.len(), 1, "{how}");
+        assert_eq!(
+            crate::llm::client::request_body(&sent[0]),
+            crate::llm::client::request_body(&whole[1]),
+            "turn 2 {how} is the same request"
+        );
+    }
 }
