@@ -30,7 +30,7 @@ async fn stack_on(
     tweak: impl FnOnce(&mut orchestrator::Config),
 ) -> anyhow::Result<Stack> {
     Stack::start(Scenario::new(Vec::new()), runner_config(None), |config| {
-        config.llm.base_url = base_url;
+        config.llm.base_urls = vec![base_url];
         config.llm.model = model.into();
         config.llm.idle_timeout = Duration::from_secs(120);
         tweak(config);

@@ -83,3 +83,131 @@ async fn each_turn_extends_the_last_request_and_later_turns_are_mostly_cached() 
     );
     Ok(())
 }
+
+/// The first user message of each request a stand-in served: which runs it served.
+fn runs_served(mock: &mock_llm::MockLlm) -> Vec<String> {
+    mock.requests()
+        .iter()
+        .filter_map(|r| {
+            r["messages"].as_array()?.iter().find(|m| m["role"] == "user")?["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_runs_turns_stay_on_one_endpoint_and_runs_spread_over_the_fleet() -> TestResult {
+    let scenario = Scenario {
+        prefill_us_per_token: 20,
+        ..six_turns()
+    };
+    let second = mock_llm::MockLlm::start(scenario.clone()).await?;
+    let stack = Stack::start(scenario, runner_config(None), |config| {
+        config.llm.base_urls.push(second.base_url());
+    })
+    .await?;
+    // Twelve runs at once: eight alone, and two conversations of two runs that share an
+    // affinity key.
+    let runs = (0..12).map(|n| {
+        let mut asked = request(&format!("run {n}: {}", "Background. ".repeat(800)), &[]);
+        asked.limits = Some(pb::RunLimits {
+            max_turns: Some(8),
+            ..Default::default()
+        });
+        if n >= 8 {
+            asked.affinity_key = format!("conversation-{}", n % 2);
+        }
+        stack.run(asked)
+    });
+    let outcomes = futures::future::try_join_all(runs).await?;
+    for out in &outcomes {
+        assert_eq!(out.status(), S::Completed, "{:?}", out.result);
+        let usage: Vec<pb::Usage> = out.of(|e| match e {
+            E::TurnFinished(t) => t.usage,
+            _ => None,
+        });
+        for later in &usage[1..] {
+            let uncached = later.prompt_tokens - later.cached_prompt_tokens;
+            assert!(uncached * 5 <= later.prompt_tokens, "{usage:?}");
+        }
+    }
+    // Every request of a run went to one endpoint, and both endpoints served runs.
+    let (a, b) = (runs_served(&stack.mock), runs_served(&second));
+    let run_of = |text: &String| text.split(':').next().unwrap_or_default().to_owned();
+    let on_a: std::collections::BTreeSet<String> = a.iter().map(run_of).collect();
+    let on_b: std::collections::BTreeSet<String> = b.iter().map(run_of).collect();
+    assert_eq!(a.len() + b.len(), 12 * 6);
+    assert!(
+        on_a.is_disjoint(&on_b),
+        "a run's turns on both endpoints: {on_a:?} {on_b:?}"
+    );
+    assert!(!on_a.is_empty() && !on_b.is_empty(), "{on_a:?} {on_b:?}");
+    // Runs with the same affinity key went to the same endpoint.
+    for pair in [["run 8", "run 10"], ["run 9", "run 11"]] {
+        assert_eq!(on_a.contains(pair[0]), on_a.contains(pair[1]), "{pair:?}: {on_a:?}");
+    }
+    Ok(())
+}
+
+/// A one-turn answer; the server it is played on refuses its first `refusals` requests with 503.
+fn refusing(refusals: usize) -> Scenario {
+    Scenario::new(vec![Turn {
+        fail_first: vec![503; refusals],
+        ..Turn::text("Fine.")
+    }])
+}
+
+#[tokio::test]
+async fn a_failing_endpoint_is_failed_over_ejected_and_let_back_in() -> TestResult {
+    let failing = mock_llm::MockLlm::start(refusing(2)).await?;
+    let stack = Stack::start(refusing(0), runner_config(None), |config| {
+        config.llm.base_urls.push(failing.base_url());
+        config.llm.eject_after = 2;
+        config.llm.eject_for = std::time::Duration::from_secs(4);
+        config.llm.max_retries = 0;
+    })
+    .await?;
+    let stack = &stack;
+    let one_by_one = |round: &'static str| async move {
+        for n in 0..24 {
+            let out = stack.run(request(&format!("{round} {n}"), &[])).await?;
+            assert_eq!(out.status(), S::Completed, "{:?}", out.result);
+        }
+        anyhow::Ok(())
+    };
+    // Of 24 runs about half prefer the failing endpoint: its two refusals go over to the other
+    // at once, and eject it, so it is not asked again while ejected.
+    one_by_one("first").await?;
+    assert_eq!(runs_served(&failing).len(), 2, "{:?}", runs_served(&failing));
+    // Let back in, it serves the runs that prefer it.
+    tokio::time::sleep(std::time::Duration::from_millis(4500)).await;
+    one_by_one("second").await?;
+    let served_later = runs_served(&failing).iter().filter(|r| r.starts_with("second")).count();
+    assert!(served_later > 0, "{:?}", runs_served(&failing));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_server_that_says_nothing_within_the_idle_timeout_is_failed_over() -> TestResult {
+    let stalling = mock_llm::MockLlm::start(Scenario::new(vec![Turn::default().then(Step::Stall)])).await?;
+    let stack = Stack::start(refusing(0), runner_config(None), |config| {
+        config.llm.base_urls.push(stalling.base_url());
+        config.llm.idle_timeout = std::time::Duration::from_millis(300);
+    })
+    .await?;
+    let outcomes = futures::future::try_join_all((0..12).map(|n| stack.run(request(&format!("run {n}"), &[])))).await?;
+    for out in &outcomes {
+        assert_eq!(out.status(), S::Completed, "{:?}", out.result);
+    }
+    assert!(
+        !runs_served(&stalling).is_empty(),
+        "no run preferred the stalling server"
+    );
+    assert_eq!(
+        runs_served(&stack.mock).len(),
+        12,
+        "every run was answered by the other"
+    );
+    Ok(())
+}

@@ -119,14 +119,14 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
         let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo())
             .await
             .map_err(|e| Error::Config(format!("cannot start the stand-in model: {e}")))?;
-        llm.base_url = mock.base_url();
+        llm.base_urls = vec![mock.base_url()];
         llm.model = "stand-in-model".to_owned();
         Some(mock)
     };
     println!(
         "demo: tool-runner on {runner_url}, model {:?} at {}{}",
         llm.model,
-        orchestrator::secrets::shown_url(&llm.base_url),
+        orchestrator::secrets::shown_url(&llm.base_urls.join(",")),
         if mock.is_some() {
             " (the embedded scripted stand-in; set LLM_BASE_URL to use a real server)"
         } else {

@@ -84,6 +84,17 @@ impl MockLlm {
         Self::start_shared(shared).await
     }
 
+    /// Like [`MockLlm::start`], on `addr` (e.g. one of several loopback addresses on one port,
+    /// as pods behind one headless Service).
+    pub async fn start_on(addr: SocketAddr, scenarios: impl Into<Scenarios>) -> std::io::Result<Self> {
+        let shared = Shared {
+            scenarios: scenarios.into(),
+            record: true,
+            ..Shared::default()
+        };
+        Self::start_at(addr, shared).await
+    }
+
     async fn start_with(scenarios: Scenarios, record: bool) -> std::io::Result<Self> {
         Self::start_shared(Shared {
             scenarios,
@@ -94,7 +105,11 @@ impl MockLlm {
     }
 
     async fn start_shared(shared: Shared) -> std::io::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_at(SocketAddr::from(([127, 0, 0, 1], 0)), shared).await
+    }
+
+    async fn start_at(addr: SocketAddr, shared: Shared) -> std::io::Result<Self> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(shared);
         let app = router(Arc::clone(&shared));

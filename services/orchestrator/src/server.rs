@@ -19,7 +19,7 @@ use tonic_health::ServingStatus;
 
 use crate::config::{Backend, NatsSettings};
 use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, SignalTopic};
-use crate::llm::HttpLlm;
+use crate::llm::Fleet;
 use crate::run::tool_loop::LoopDeps;
 use crate::runs::Runs;
 use crate::secrets::{NatsAuth, NatsUrl};
@@ -50,7 +50,8 @@ pub async fn serve(
     serve_with_resolver(listener, config, Arc::new(SystemResolver), shutdown).await
 }
 
-/// [`serve`] with another DNS resolver for `dns:///` tool-runner targets (tests script answers).
+/// [`serve`] with another DNS resolver for `dns:///` tool-runner and model targets (tests script
+/// answers).
 pub async fn serve_with_resolver(
     listener: TcpListener,
     config: Config,
@@ -62,11 +63,20 @@ pub async fn serve_with_resolver(
     crate::telemetry::describe();
     let options = config.security.options().map_err(Error::Config)?;
     let mut security = shared::serving::Security::start(&options, "orchestrator").await?;
-    let runners = ToolRunners::connect(&config.tool_runners, resolver, config.security.tls_reload_interval).await?;
+    let runners = ToolRunners::connect(
+        &config.tool_runners,
+        Arc::clone(&resolver),
+        config.security.tls_reload_interval,
+    )
+    .await?;
     load_catalog(&runners).await;
     let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_runners.refresh_interval, LIST_TOOLS_TIMEOUT));
-    let model = Arc::new(HttpLlm::new(config.llm.clone()).map_err(Error::Config)?);
-    let llm = model.shown_url().to_owned();
+    let model = Arc::new(
+        Fleet::start(config.llm.clone(), Arc::clone(&resolver))
+            .await
+            .map_err(Error::Config)?,
+    );
+    let llm = model.shown().join(",");
     let core = build_core(&config, model, runners).await?;
     let address = listener
         .local_addr()
@@ -118,7 +128,7 @@ async fn load_catalog(runners: &ToolRunners) {
 
 /// What every run shares: the model client, the tool-runners, the signal topic and the runs
 /// registry with its result store.
-async fn build_core(config: &Config, model: Arc<HttpLlm>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
+async fn build_core(config: &Config, model: Arc<Fleet>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
     let mut connections = NatsConnections::default();
     let signals = open_signal_topic(config, &mut connections).await?;
     let (store, journal, approvals) = open_store(config, &mut connections).await?;

@@ -38,6 +38,18 @@ pub(crate) mod metric {
     pub(crate) const SIGNALS_FAILED: &str = "orchestrator_signals_failed_total";
     /// Counter: LLM requests retried before the first byte, by `reason`.
     pub(crate) const LLM_RETRIES: &str = "orchestrator_llm_retries_total";
+    /// Counter: completions by model `endpoint` and `outcome` (`ok`, or how it failed).
+    pub(crate) const LLM_REQUESTS: &str = "orchestrator_llm_requests_total";
+    /// Gauge: completions in flight, by model `endpoint`.
+    pub(crate) const LLM_IN_FLIGHT: &str = "orchestrator_llm_in_flight";
+    /// Counter: model endpoints ejected after failures in a row, by `endpoint`.
+    pub(crate) const LLM_EJECTIONS: &str = "orchestrator_llm_ejections_total";
+    /// Counter: prompt tokens, by model `endpoint`.
+    pub(crate) const LLM_PROMPT_TOKENS: &str = "orchestrator_llm_prompt_tokens_total";
+    /// Counter: prompt tokens the model server had cached, by `endpoint`.
+    pub(crate) const LLM_CACHED_PROMPT_TOKENS: &str = "orchestrator_llm_cached_prompt_tokens_total";
+    /// Gauge: model endpoints in the fleet.
+    pub(crate) const LLM_ENDPOINTS: &str = "orchestrator_llm_endpoints";
     /// Counter: tool calls retried because no runner ran them, by `reason`.
     pub(crate) const TOOL_CALL_RETRIES: &str = "orchestrator_tool_call_retries_total";
     /// Gauge: tool-runner endpoints calls are balanced over.
@@ -112,6 +124,21 @@ pub(crate) fn describe() {
         metric::LLM_RETRIES,
         "LLM requests retried before the first byte, by reason."
     );
+    describe_counter!(
+        metric::LLM_REQUESTS,
+        "Completions by model endpoint and outcome (ok, connect, server_error, rate_limited, no_response, no_event, cut)."
+    );
+    describe_gauge!(metric::LLM_IN_FLIGHT, "Completions in flight, by model endpoint.");
+    describe_counter!(
+        metric::LLM_EJECTIONS,
+        "Model endpoints ejected after failures in a row, by endpoint."
+    );
+    describe_counter!(metric::LLM_PROMPT_TOKENS, "Prompt tokens, by model endpoint.");
+    describe_counter!(
+        metric::LLM_CACHED_PROMPT_TOKENS,
+        "Prompt tokens the model server took from its prefix cache, by endpoint."
+    );
+    describe_gauge!(metric::LLM_ENDPOINTS, "Model endpoints in the fleet.");
     describe_counter!(
         metric::TOOL_CALL_RETRIES,
         "Tool calls retried because no runner ran them, by reason."

@@ -16,9 +16,9 @@ use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
-/// A resolver answering whatever the test last set.
+/// A resolver answering whatever the test last set, for `tool-runner.test` and `model.test`.
 #[derive(Clone, Default)]
-struct Scripted(Arc<Mutex<Vec<SocketAddr>>>);
+struct Scripted(Arc<Mutex<Vec<SocketAddr>>>, Arc<Mutex<Vec<SocketAddr>>>);
 
 impl Scripted {
     fn set(&self, addrs: &[SocketAddr]) {
@@ -26,12 +26,23 @@ impl Scripted {
             *a = addrs.to_vec();
         }
     }
+
+    fn set_models(&self, addrs: &[SocketAddr]) {
+        if let Ok(mut a) = self.1.lock() {
+            *a = addrs.to_vec();
+        }
+    }
 }
 
 impl Resolve for Scripted {
     fn resolve(&self, host: &str, _port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
-        let answer = if host == "tool-runner.test" {
-            self.0
+        let answers = match host {
+            "tool-runner.test" => Some(&self.0),
+            "model.test" => Some(&self.1),
+            _ => None,
+        };
+        let answer = if let Some(answers) = answers {
+            answers
                 .lock()
                 .map(|a| a.clone())
                 .map_err(|_| std::io::Error::other("poisoned"))
@@ -60,8 +71,21 @@ async fn orchestrator(
     targets: Vec<String>,
     resolver: Scripted,
 ) -> anyhow::Result<(String, tokio::sync::oneshot::Sender<()>)> {
-    let mut config = orchestrator::Config::new(&mock.base_url(), "stand-in", targets);
+    let config = orchestrator::Config::new(&mock.base_url(), "stand-in", targets);
+    orchestrator_with(config_for(config), resolver).await
+}
+
+fn config_for(mut config: orchestrator::Config) -> orchestrator::Config {
     config.tool_runners.resolve_interval = Duration::from_millis(100);
+    config.llm.endpoint_resolve_interval = Duration::from_millis(100);
+    config
+}
+
+/// Starts the in-process orchestrator with `config`; returns its endpoint.
+async fn orchestrator_with(
+    mut config: orchestrator::Config,
+    resolver: Scripted,
+) -> anyhow::Result<(String, tokio::sync::oneshot::Sender<()>)> {
     config.limits.max_tool_failures = 10;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = format!("http://{}", listener.local_addr()?);
@@ -249,5 +273,56 @@ async fn killing_a_runner_mid_burst_fails_only_its_calls_in_flight() -> TestResu
     for runner in runners {
         runner.stop().await?;
     }
+    Ok(())
+}
+
+/// Requests a stand-in served.
+fn served(mock: &mock_llm::MockLlm) -> usize {
+    mock.requests().len()
+}
+
+#[tokio::test]
+async fn model_endpoints_follow_the_dns_answer() -> TestResult {
+    let answer = || Scenario::new(vec![Turn::text("Hello.")]);
+    let a = mock_llm::MockLlm::start_on("127.0.0.2:0".parse()?, answer()).await?;
+    let port = a
+        .base_url()
+        .rsplit_once(':')
+        .map(|(_, p)| p.trim_end_matches("/v1").to_owned());
+    let port = port.unwrap_or_default();
+    let b = mock_llm::MockLlm::start_on(format!("127.0.0.3:{port}").parse()?, answer()).await?;
+    let resolver = Scripted::default();
+    let (a_addr, b_addr): (SocketAddr, SocketAddr) = (
+        format!("127.0.0.2:{port}").parse()?,
+        format!("127.0.0.3:{port}").parse()?,
+    );
+    resolver.set_models(&[a_addr]);
+    let runner = testkit::inprocess::Runner::start(testkit::stack::runner_config(None)).await?;
+    let mut config = orchestrator::Config::new(
+        &format!("dns:///model.test:{port}/v1"),
+        "stand-in",
+        vec![format!("http://{}", runner.addr)],
+    );
+    config.llm.max_retries = 0;
+    let (endpoint, _stop) = orchestrator_with(config_for(config), resolver.clone()).await?;
+    let all_completed = |results: Vec<pb::RunResult>| {
+        assert!(
+            results.iter().all(|r| r.status == pb::RunStatus::Completed as i32),
+            "{results:?}"
+        );
+    };
+    all_completed(runs(&endpoint, 8).await?);
+    assert_eq!((served(&a), served(&b)), (8, 0));
+    // A second address: new runs spread over both.
+    resolver.set_models(&[a_addr, b_addr]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    all_completed(runs(&endpoint, 24).await?);
+    assert!(served(&b) > 0, "b served none of 24 runs");
+    // The first address gone: nothing more goes there.
+    resolver.set_models(&[b_addr]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let on_a = served(&a);
+    all_completed(runs(&endpoint, 8).await?);
+    assert_eq!(served(&a), on_a);
     Ok(())
 }

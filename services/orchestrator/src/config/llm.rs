@@ -58,14 +58,51 @@ pub enum Reader {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "LLM server")]
 pub struct LlmSettings {
-    /// OpenAI-compatible base URL, ending in /v1 (vLLM, Ollama, llama.cpp, OpenAI …). The API key
-    /// is read from LLM_API_KEY only (never a flag, never logged).
+    /// OpenAI-compatible base URL, ending in /v1 (vLLM, Ollama, llama.cpp, OpenAI …), or
+    /// dns:///name:port/v1 for every address of a name (re-resolved every
+    /// --llm-resolve-interval). Repeatable (comma-separated in the environment): every endpoint
+    /// serves the same model, and each run's turns go to one of them (see --llm-affinity-field).
+    /// The API key is read from LLM_API_KEY only (never a flag, never logged).
     #[arg(
         long = "llm-base-url",
         env = "LLM_BASE_URL",
+        value_delimiter = ',',
         default_value = "http://127.0.0.1:11434/v1"
     )]
-    pub base_url: String,
+    pub base_urls: Vec<String>,
+    /// How often dns:/// model endpoints are resolved again (100ms..=10m).
+    #[arg(long = "llm-resolve-interval", env = "LLM_RESOLVE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub endpoint_resolve_interval: Duration,
+    /// Completions in flight on one model endpoint before a run whose turns go there moves to
+    /// the next endpoint in its order (1..=100000).
+    #[arg(
+        long = "llm-max-inflight-per-endpoint",
+        env = "LLM_MAX_INFLIGHT_PER_ENDPOINT",
+        default_value_t = 256
+    )]
+    pub max_inflight_per_endpoint: usize,
+    /// Failures in a row (no connection, 5xx or 429 before the first byte, a stream cut) after
+    /// which a model endpoint is ejected: runs go to the next one until it is let back in
+    /// (1..=100).
+    #[arg(long = "llm-eject-after", env = "LLM_EJECT_AFTER", default_value_t = 3)]
+    pub eject_after: u32,
+    /// How long an endpoint stays ejected the first time; each ejection in a row doubles it, up
+    /// to 5 minutes. Then it is let back in on probation: one more failure ejects it again
+    /// (100ms..=5m).
+    #[arg(long = "llm-eject-for", env = "LLM_EJECT_FOR", default_value = "5s", value_parser = parse_duration)]
+    pub eject_for: Duration,
+    /// Most model endpoints ejected at once, in percent of the fleet (0..=100): an endpoint past
+    /// it stays in, so a fleet-wide fault never ejects every endpoint.
+    #[arg(
+        long = "llm-max-ejected-percent",
+        env = "LLM_MAX_EJECTED_PERCENT",
+        default_value_t = 50
+    )]
+    pub max_ejected_percent: u32,
+    /// A body field that carries each run's affinity key to the server, for hosted providers
+    /// that route by one (OpenAI: prompt_cache_key). Unset: not sent.
+    #[arg(long = "llm-affinity-field", env = "LLM_AFFINITY_FIELD")]
+    pub affinity_field: Option<String>,
     /// Model used when a request names none.
     #[arg(long = "llm-model", env = "LLM_MODEL", default_value = "llama3.1")]
     pub model: String,
@@ -137,7 +174,76 @@ pub struct LlmSettings {
     pub send_reasoning: bool,
 }
 
+/// A model endpoint as configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LlmTarget {
+    /// One base URL.
+    Static(String),
+    /// `http://ADDRESS:port/path` for every address a name resolves to.
+    Dns {
+        /// The name, e.g. `vllm.models.svc.cluster.local`.
+        host: String,
+        /// The port of every address.
+        port: u16,
+        /// The path of every base URL, e.g. `/v1`.
+        path: String,
+    },
+}
+
+impl std::str::FromStr for LlmTarget {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        let Some(rest) = s.strip_prefix("dns://") else {
+            return Ok(Self::Static(s.to_owned()));
+        };
+        // dns:///name:port/path (the authority, a DNS server, is not supported).
+        let shown = crate::secrets::shown_url(s);
+        let Some(rest) = rest.strip_prefix('/') else {
+            return Err(format!(
+                "{shown:?}: use dns:///name:port/path (a DNS server in the authority is not supported)"
+            ));
+        };
+        let (name_port, path) = rest.split_once('/').map_or((rest, ""), |(n, p)| (n, p));
+        let (host, port) = name_port
+            .rsplit_once(':')
+            .ok_or_else(|| format!("{shown:?}: the port is missing (dns:///name:port/path)"))?;
+        let port = port.parse().map_err(|_| format!("{shown:?}: {port:?} is not a port"))?;
+        if host.is_empty() {
+            return Err(format!("{shown:?}: the name is empty"));
+        }
+        Ok(Self::Dns {
+            host: host.to_owned(),
+            port,
+            path: format!("/{path}"),
+        })
+    }
+}
+
 impl LlmSettings {
+    /// The model endpoints (at least one), each checked.
+    pub fn targets(&self) -> Result<Vec<LlmTarget>, String> {
+        if self.base_urls.is_empty() {
+            return Err("--llm-base-url: give at least one model endpoint".to_owned());
+        }
+        let targets = self
+            .base_urls
+            .iter()
+            .map(|url| url.parse::<LlmTarget>().map_err(|e| format!("--llm-base-url {e}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        for target in &targets {
+            if let LlmTarget::Static(url) = target
+                && !(url.starts_with("http://") || url.starts_with("https://"))
+            {
+                return Err(format!(
+                    "--llm-base-url {:?} must be an http or https URL, or dns:///name:port/path",
+                    crate::secrets::shown_url(url)
+                ));
+            }
+        }
+        Ok(targets)
+    }
+
     /// The model parameters of runs that set none, from the `--llm-*` flags (checked once, at
     /// start, by [`LlmSettings::defaults`]).
     pub fn run_defaults(&self) -> SamplingParams {
@@ -166,6 +272,21 @@ impl Bounded for LlmSettings {
             bound("idle_timeout", self.idle_timeout, ms(1), secs(3600)),
             bound("connect_timeout", self.connect_timeout, ms(1), secs(300)),
             bound("max_retries", self.max_retries, 0u32, 10u32),
+            bound(
+                "endpoint_resolve_interval",
+                self.endpoint_resolve_interval,
+                ms(100),
+                secs(600),
+            ),
+            bound(
+                "max_inflight_per_endpoint",
+                self.max_inflight_per_endpoint,
+                1usize,
+                100_000usize,
+            ),
+            bound("eject_after", self.eject_after, 1u32, 100u32),
+            bound("eject_for", self.eject_for, ms(100), secs(300)),
+            bound("max_ejected_percent", self.max_ejected_percent, 0u32, 100u32),
             bound("retry_backoff", self.retry_backoff, Duration::ZERO, secs(60)),
             bound("max_line_bytes", self.max_line_bytes, KIB, 64 * MIB),
             bound("max_event_bytes", self.max_event_bytes, self.max_line_bytes, 64 * MIB),

@@ -20,7 +20,7 @@ mod telemetry;
 mod tool_runners;
 
 pub use limits::LimitSettings;
-pub use llm::{Header, LlmSettings, Reader};
+pub use llm::{Header, LlmSettings, LlmTarget, Reader};
 pub use loop_detector::LoopDetectorSettings;
 pub use nats::{Backend, NatsSettings};
 pub use output::OutputSettings;
@@ -122,7 +122,7 @@ impl Config {
     /// A configuration talking to `llm_base_url` and `tool_runners`, everything else default.
     pub fn new(llm_base_url: &str, model: &str, tool_runners: Vec<String>) -> Self {
         let mut config = Self::default();
-        config.llm.base_url = llm_base_url.to_owned();
+        config.llm.base_urls = vec![llm_base_url.to_owned()];
         config.llm.model = model.to_owned();
         config.tool_runners.endpoints = tool_runners;
         config
@@ -134,6 +134,7 @@ impl Config {
         self.runs.exit_tools.retain(|t| !t.name.is_empty());
         self.runs.approval_tools.retain(|t| !t.trim().is_empty());
         self.llm.headers.retain(|h| !h.is_blank());
+        self.llm.base_urls.retain(|u| !u.trim().is_empty());
         self
     }
 
@@ -148,6 +149,7 @@ impl Config {
         }
         self.security.options().map_err(Error::Config)?;
         self.check_llm_headers()?;
+        self.llm.targets().map_err(Error::Config)?;
         self.llm.defaults().map_err(Error::Config)?;
         self.check_nats_names()?;
         self.check_exit_tools()

@@ -136,8 +136,10 @@ pub(crate) fn resolve(
         config,
         limits.approval_timeout,
     )?;
+    let run_id = request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
     Ok(RunSpec {
-        run_id: request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string()),
+        affinity_key: request.affinity_key.unwrap_or_else(|| run_id.clone()),
+        run_id,
         system: request.system,
         messages: request.messages,
         model,

@@ -52,6 +52,7 @@ pub(crate) struct RunRequest {
     /// Keep running if the caller goes away.
     pub detached: bool,
     pub(super) parse_policy: ParsePolicy,
+    pub(super) affinity_key: Option<String>,
 }
 
 impl TryFrom<pb::OrchestrateRequest> for RunRequest {
@@ -98,6 +99,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             metadata: r.metadata.into_iter().collect(),
             detached: r.detached,
             parse_policy: parse_policy(r.parse_policy)?,
+            affinity_key: affinity_key(r.affinity_key)?,
         })
     }
 }
@@ -114,6 +116,19 @@ pub(super) fn caller_run_id(id: String) -> Result<Option<String>, Error> {
         )));
     }
     Ok(Some(id))
+}
+
+/// A caller's affinity key: empty means the run id; otherwise as short and printable as a run id.
+fn affinity_key(key: String) -> Result<Option<String>, Error> {
+    if key.is_empty() {
+        return Ok(None);
+    }
+    if key.len() > MAX_RUN_ID_LEN || !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(invalid(format!(
+            "affinity_key must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty for the run id)"
+        )));
+    }
+    Ok(Some(key))
 }
 
 /// One conversation message by its role; a tool answer must say which call it answers.

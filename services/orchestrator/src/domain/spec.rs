@@ -71,6 +71,9 @@ pub struct RunSpec {
     /// Which calls wait for a person's decision.
     #[serde(default)]
     pub approval: super::approval::ApprovalRules,
+    /// Keeps the run's turns on one model endpoint (the run id unless the caller chose one).
+    #[serde(default)]
+    pub affinity_key: String,
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before

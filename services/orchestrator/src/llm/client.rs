@@ -1,8 +1,7 @@
-//! The HTTP client for OpenAI-compatible `/v1/chat/completions` with `stream: true`.
-//!
-//! Retries (with exponential backoff, honouring a short `Retry-After`) happen only before the
-//! first byte of a response body: on connect errors, 429 and 5xx. Once a stream has started it is
-//! never retried, so no output is produced twice.
+//! The HTTP client of one OpenAI-compatible server's `/v1/chat/completions` with `stream: true`:
+//! one POST at a time ([`HttpLlm::attempt`]), saying whether its refusal is worth a retry (connect
+//! errors, 429 and 5xx, before the first byte). The fleet (`super::fleet`) decides where and when
+//! to retry; once a stream has started it is never retried, so no output is produced twice.
 //!
 //! Credentials (the API key as a bearer token, `--llm-header` values, a `user:password@` in the
 //! base URL as basic auth) are sent as sensitive headers, never shown: logs and errors show the URL
@@ -12,9 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::FutureExt;
 use futures::StreamExt;
-use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER};
@@ -28,7 +25,7 @@ use crate::config::{LlmSettings, Reader};
 use crate::secrets::{Redactor, shown_url, url_secrets};
 use shared::text::excerpt;
 
-use super::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ReadPace, ToolChoice};
+use super::{ChatRequest, LlmError, LlmEvent, Message, ReadPace, ToolChoice};
 
 /// Sent with every request.
 const USER_AGENT: &str = concat!("orchestrator/", env!("CARGO_PKG_VERSION"));
@@ -76,7 +73,7 @@ impl From<reqwest::Response> for Answer {
 }
 
 /// How one POST of a completion request went.
-enum Attempt {
+pub(super) enum Attempt {
     /// The server streams the completion.
     Streaming(BoxStream<'static, Result<LlmEvent, LlmError>>),
     /// Refused in a way worth retrying, after `retry_after` when the server said so.
@@ -89,20 +86,17 @@ enum Attempt {
 }
 
 impl HttpLlm {
-    /// Builds the client; fails on an unusable URL or header. Errors never show a credential.
-    pub fn new(config: LlmSettings) -> Result<Self, String> {
-        let endpoint = endpoint(&config.base_url);
+    /// Builds the client of the server at `base_url`; fails on an unusable URL or header. Errors
+    /// never show a credential.
+    pub fn new(config: LlmSettings, base_url: &str) -> Result<Self, String> {
+        let endpoint = endpoint(base_url);
         let shown = shown_url(&endpoint);
-        let url = reqwest::Url::parse(&endpoint).map_err(|e| {
-            format!(
-                "--llm-base-url {:?} is not a valid URL: {e}",
-                shown_url(&config.base_url)
-            )
-        })?;
+        let url = reqwest::Url::parse(&endpoint)
+            .map_err(|e| format!("--llm-base-url {:?} is not a valid URL: {e}", shown_url(base_url)))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(format!(
                 "--llm-base-url {:?} must be an http or https URL",
-                shown_url(&config.base_url)
+                shown_url(base_url)
             ));
         }
         let client = reqwest::Client::builder()
@@ -113,7 +107,7 @@ impl HttpLlm {
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
         let (url, basic_auth) = split_userinfo(&client, url)?;
         let headers = sensitive_headers(&config, basic_auth)?;
-        let redactor = redactor(&config, &headers);
+        let redactor = redactor(base_url, &headers);
         let direct = if read_by_the_run(&config, &url) {
             let idle = Idle {
                 max: config.max_idle_connections,
@@ -139,43 +133,10 @@ impl HttpLlm {
         &self.shown
     }
 
-    async fn open(
-        self,
-        body: Vec<u8>,
-        pace: ReadPace,
-    ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
-        let body = bytes::Bytes::from(body);
-        let mut attempt = 0u32;
-        loop {
-            let (retry_after, failure) = match self.attempt(body.clone(), &pace).await {
-                Attempt::Streaming(events) => return Ok(events),
-                Attempt::Final(failure) => return Err(failure),
-                Attempt::Retryable { retry_after, failure } => (retry_after, failure),
-            };
-            if attempt >= self.config.max_retries {
-                return Err(failure);
-            }
-            let delay = retry_after.unwrap_or_else(|| self.config.retry_backoff.saturating_mul(1 << attempt.min(16)));
-            attempt += 1;
-            let reason = match &failure {
-                LlmError::Http(m) if m.contains("429") => "rate_limited",
-                LlmError::Http(m) if m.contains("cannot reach") => "connect",
-                _ => "server_error",
-            };
-            metrics::counter!(crate::telemetry::metric::LLM_RETRIES, "reason" => reason).increment(1);
-            tracing::warn!(
-                attempt,
-                delay_ms = delay.as_millis() as u64,
-                "retrying the LLM request: {failure}"
-            );
-            tokio::time::sleep(delay).await;
-        }
-    }
-
     /// One POST of the request: a stream of events on success; a refusal worth retrying (429, a
     /// server error, no connection) or a final one (no headers within the idle timeout, any
     /// other status or error).
-    async fn attempt(&self, body: bytes::Bytes, pace: &ReadPace) -> Attempt {
+    pub(super) async fn attempt(&self, body: bytes::Bytes, pace: &ReadPace) -> Attempt {
         let send = async {
             match &self.direct {
                 Some(direct) => match self.send_direct(direct, body.clone(), pace).await {
@@ -416,8 +377,8 @@ fn sensitive_headers(config: &LlmSettings, basic_auth: Option<HeaderValue>) -> R
 
 /// A redactor for every credential the client sends: each header value whole and its token after
 /// a scheme (`Bearer …`), and what the shown URL hides.
-fn redactor(config: &LlmSettings, headers: &HeaderMap) -> Redactor {
-    let mut secrets = url_secrets(&config.base_url);
+fn redactor(base_url: &str, headers: &HeaderMap) -> Redactor {
+    let mut secrets = url_secrets(base_url);
     for value in headers.values().filter_map(|v| v.to_str().ok()) {
         secrets.push(value);
         secrets.extend(value.split_once(' ').map(|(_, token)| token));
@@ -475,20 +436,16 @@ async fn read_error_body(mut stream: BoxStream<'static, Result<bytes::Bytes, Str
     excerpt(message.as_deref().unwrap_or(text.trim()))
 }
 
-impl ChatModel for HttpLlm {
-    fn stream(
-        &self,
-        request: ChatRequest,
-    ) -> BoxFuture<'static, Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError>> {
-        let body = request_body(&request);
-        self.clone().open(body, request.pace).boxed()
-    }
-}
-
 /// The JSON body of a streamed chat completion request, serialized straight from the borrowed
 /// conversation (no intermediate `serde_json::Value` tree: the whole conversation is written every
 /// turn, so copying it first showed up in profiles).
 pub fn request_body(request: &ChatRequest) -> Vec<u8> {
+    request_body_with(request, None)
+}
+
+/// [`request_body`], carrying the request's affinity key in the body field `affinity_field`
+/// when one is set (e.g. OpenAI's `prompt_cache_key`).
+pub fn request_body_with(request: &ChatRequest, affinity_field: Option<&str>) -> Vec<u8> {
     let p = &request.params;
     // Servers refuse tool_choice and parallel_tool_calls without tools.
     let offers_tools = !request.tools.is_empty();
@@ -508,6 +465,9 @@ pub fn request_body(request: &ChatRequest) -> Vec<u8> {
         tool_choice: p.tool_choice.as_ref().filter(|_| offers_tools).map(WireToolChoice),
         parallel_tool_calls: p.parallel_tool_calls.filter(|_| offers_tools),
         reasoning_effort: p.reasoning_effort.as_deref(),
+        affinity: affinity_field
+            .filter(|_| !request.affinity.is_empty())
+            .map(|name| AffinityField(name, &request.affinity)),
         extra: &p.extra_body,
     };
     // Serializing borrowed strings, numbers and `Value`s into a Vec cannot fail.
@@ -545,9 +505,24 @@ struct Body<'a> {
     parallel_tool_calls: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_effort: Option<&'a str>,
+    /// The run's affinity key, under the configured field name.
+    #[serde(flatten)]
+    affinity: Option<AffinityField<'a>>,
     /// `extra_body`: checked to set no field above.
     #[serde(flatten)]
     extra: &'a serde_json::Map<String, Value>,
+}
+
+/// One field, `name: value`, of the body.
+struct AffinityField<'a>(&'a str, &'a str);
+
+impl Serialize for AffinityField<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(1))?;
+        map.serialize_entry(self.0, self.1)?;
+        map.end()
+    }
 }
 
 /// `"auto"`, `"none"`, `"required"`, or `{"type": "function", "function": {"name": …}}`.
@@ -681,9 +656,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    const URL: &str = "http://127.0.0.1:1/v1/";
+
     fn config() -> LlmSettings {
         LlmSettings {
-            base_url: "http://127.0.0.1:1/v1/".into(),
+            base_urls: vec![URL.into()],
             model: "m".into(),
             api_key: Some("sk-secret".into()),
             headers: vec!["X-Tenant: a".parse().unwrap()],
@@ -693,16 +670,8 @@ mod tests {
             retry_backoff: Duration::from_millis(1),
             max_line_bytes: 1024,
             max_event_bytes: 4096,
-            temperature: None,
-            max_tokens: None,
-            tool_choice: None,
-            parallel_tool_calls: None,
-            reasoning_effort: None,
-            extra_body: None,
-            send_reasoning: false,
-            reader: Reader::Run,
             max_idle_connections: 4,
-            idle_connection_timeout: Duration::from_secs(90),
+            ..crate::Config::default().llm
         }
     }
 
@@ -711,19 +680,21 @@ mod tests {
         let debug = format!("{:?}", config());
         assert!(!debug.contains("sk-secret"), "{debug}");
         assert!(debug.contains("<redacted>"));
-        let client = HttpLlm::new(config()).unwrap();
+        let client = HttpLlm::new(config(), URL).unwrap();
         assert_eq!(client.shown_url(), "http://127.0.0.1:1/v1/chat/completions");
         assert!(client.headers.get(AUTHORIZATION).is_some_and(HeaderValue::is_sensitive));
     }
 
     #[test]
     fn url_credentials_become_a_sensitive_header_and_are_scrubbed_from_errors() {
-        let client = HttpLlm::new(LlmSettings {
-            base_url: "http://svc:pa55word@127.0.0.1:1/v1?key=qk-123456".into(),
-            api_key: None,
-            headers: vec!["X-Gateway-Key: gw-7890".parse().unwrap()],
-            ..config()
-        })
+        let client = HttpLlm::new(
+            LlmSettings {
+                api_key: None,
+                headers: vec!["X-Gateway-Key: gw-7890".parse().unwrap()],
+                ..config()
+            },
+            "http://svc:pa55word@127.0.0.1:1/v1?key=qk-123456",
+        )
         .unwrap();
         assert_eq!(
             client.url.as_str(),
@@ -744,18 +715,15 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused() {
+        assert!(HttpLlm::new(config(), "ftp://x/v1").is_err());
         assert!(
-            HttpLlm::new(LlmSettings {
-                base_url: "ftp://x/v1".into(),
-                ..config()
-            })
-            .is_err()
-        );
-        assert!(
-            HttpLlm::new(LlmSettings {
-                headers: vec!["bad name: v".parse().unwrap()],
-                ..config()
-            })
+            HttpLlm::new(
+                LlmSettings {
+                    headers: vec!["bad name: v".parse().unwrap()],
+                    ..config()
+                },
+                URL
+            )
             .is_err()
         );
     }
@@ -794,6 +762,7 @@ mod tests {
                 ..Default::default()
             },
             pace: super::super::ReadPace::default(),
+            affinity: String::new(),
         };
         let body: Value = serde_json::from_slice(&request_body(&request)).unwrap();
         assert_eq!(body["stream"], true);
@@ -837,6 +806,7 @@ mod tests {
             tools: tools.into(),
             params,
             pace: super::super::ReadPace::default(),
+            affinity: String::new(),
         };
         let body: Value = serde_json::from_slice(&request_body(&request(vec![tool], params.clone()))).unwrap();
         let mut fields = body.as_object().unwrap().clone();
@@ -910,6 +880,7 @@ mod tests {
                 ..Default::default()
             },
             pace: super::super::ReadPace::default(),
+            affinity: String::new(),
         };
         let text = String::from_utf8(request_body(&request)).unwrap();
         // f32 parameters are written as the caller gave them, not widened (0.699999988…).

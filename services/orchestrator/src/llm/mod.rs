@@ -1,7 +1,8 @@
 //! The LLM client: any OpenAI-compatible `/v1/chat/completions` server, streamed.
 //!
-//! * [`client`]: the HTTP side (request body, API key, extra headers, retries before the first
-//!   byte, idle timeout), with `direct`: connections read by the run's own task;
+//! * [`fleet`]: the model endpoints, which one each run's turns go to, failover and health;
+//! * [`client`]: the HTTP side of one endpoint (request body, API key, extra headers, what is
+//!   worth a retry, idle timeout), with `direct`: connections read by the run's own task;
 //! * [`sse`]: bytes → SSE events → semantic [`LlmEvent`]s, tolerant of the differences between
 //!   real servers (see `tests/fixtures/llm-streams/`);
 //! * [`assembler`]: tool-call fragments → whole tool calls;
@@ -11,6 +12,7 @@
 pub mod assembler;
 pub mod client;
 mod direct;
+pub mod fleet;
 pub mod sse;
 
 use std::sync::atomic::Ordering::Relaxed;
@@ -21,6 +23,7 @@ use futures::stream::BoxStream;
 pub use crate::domain::chat::{Message, ToolCall, ToolDefinition, Usage};
 pub use crate::domain::params::{SamplingParams, ToolChoice};
 pub use client::HttpLlm;
+pub use fleet::Fleet;
 
 /// One streamed chat completion request.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,6 +39,9 @@ pub struct ChatRequest {
     pub params: SamplingParams,
     /// Set by the reader while it reads the stream only on its ticks.
     pub pace: ReadPace,
+    /// What keeps a run's turns on one model endpoint, whose prefix cache holds its transcript:
+    /// the run id, or a key the caller chose (e.g. a conversation id).
+    pub affinity: String,
 }
 
 /// Whether a completion's reader reads it only on its stream interval's ticks (shared between

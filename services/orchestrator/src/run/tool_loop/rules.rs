@@ -143,6 +143,10 @@ impl Driver<'_> {
             tools: self.tools.clone(),
             params: spec.params.for_turn(turn),
             pace: crate::llm::ReadPace::default(),
+            affinity: match spec.affinity_key.as_str() {
+                "" => spec.run_id.clone(),
+                key => key.to_owned(),
+            },
         }
     }
 

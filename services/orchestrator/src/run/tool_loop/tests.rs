@@ -141,6 +141,7 @@ fn spec(limits: Limits) -> RunSpec {
         principal: String::new(),
         stream_interval: Duration::ZERO,
         approval: Default::default(),
+        affinity_key: String::new(),
     }
 }
 

@@ -1,0 +1,329 @@
+//! The model fleet: every endpoint that serves the model (`--llm-base-url`, repeatable, and
+//! `dns:///name:port/path` for every address of a name, re-resolved), and where each completion
+//! goes (docs/architecture.md, "The model fleet").
+//!
+//! * **Affinity.** A run's turns go to one endpoint, the first in its rendezvous order of the
+//!   run's affinity key ([`rendezvous`]), because a later turn resends the whole transcript and
+//!   the endpoint that served the previous turn holds it in its prefix cache. An endpoint that is
+//!   ejected or has `--llm-max-inflight-per-endpoint` completions in flight is passed over for the
+//!   next in the order; a run that moved stays where it went while that endpoint serves it well.
+//! * **Failover.** No connection, a 5xx or 429, or no response and no event within the idle
+//!   timeout: the completion goes to the next endpoint at once (each endpoint once, then
+//!   `--llm-max-retries` more tries with backoff, though never again to a server that stalled);
+//!   the error names every endpoint's answer.
+//! * **Passive health** ([`member`]): failures in a row eject an endpoint for a while (never more
+//!   than `--llm-max-ejected-percent` of the fleet at once); let back in, one more failure ejects
+//!   it again for twice as long, and a success clears it.
+//!
+//! Once a completion's first event has arrived it is never retried here: its events went on to
+//! the run.
+
+mod member;
+mod membership;
+mod rendezvous;
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, RwLock};
+use std::task::{Context, Poll};
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{FutureExt, Stream, StreamExt};
+use shared::runtime::AbortOnDrop;
+use shared::sync::lock;
+use tokio::time::Instant;
+
+use self::member::{HealthRules, InFlight, Member};
+use super::client::{Attempt, request_body_with};
+use super::{ChatModel, ChatRequest, LlmError, LlmEvent};
+use crate::config::LlmSettings;
+use crate::telemetry::metric;
+use crate::tool_runners::Resolve;
+
+/// Runs whose turns moved off their first endpoint that are remembered.
+const MAX_MOVED: usize = 65_536;
+
+/// Endpoints tried at once, without backoff, before the retries.
+const MAX_FAILOVER: usize = 8;
+
+/// The model fleet (see the module docs); cheap to clone.
+#[derive(Clone)]
+pub struct Fleet {
+    inner: Arc<Inner>,
+    _membership: Option<Arc<AbortOnDrop>>,
+}
+
+struct Inner {
+    members: RwLock<Arc<[Arc<Member>]>>,
+    settings: LlmSettings,
+    rules: HealthRules,
+    /// Affinity key → the endpoint its turns moved to (when not their first).
+    moved: Mutex<HashMap<String, String>>,
+}
+
+impl Fleet {
+    /// The fleet of `settings.base_urls`: DNS names are resolved now and followed in the
+    /// background. Fails on an unusable URL or header (errors never show a credential).
+    pub async fn start(settings: LlmSettings, resolver: Arc<dyn Resolve>) -> Result<Self, String> {
+        let targets = settings.targets()?;
+        let membership = membership::Membership::start(&settings, targets, resolver).await?;
+        let inner = Arc::new(Inner {
+            members: RwLock::new(membership.members()),
+            rules: HealthRules {
+                eject_after: settings.eject_after,
+                eject_for: settings.eject_for,
+            },
+            settings,
+            moved: Mutex::default(),
+        });
+        let follow = membership.follow(Arc::downgrade(&inner));
+        Ok(Self {
+            inner,
+            _membership: follow.map(Arc::new),
+        })
+    }
+
+    /// The endpoints as logs show them.
+    pub fn shown(&self) -> Vec<String> {
+        self.inner.members().iter().map(|m| m.name.clone()).collect()
+    }
+}
+
+impl ChatModel for Fleet {
+    fn stream(
+        &self,
+        request: ChatRequest,
+    ) -> BoxFuture<'static, Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError>> {
+        Arc::clone(&self.inner).open(request).boxed()
+    }
+}
+
+impl Inner {
+    fn members(&self) -> Arc<[Arc<Member>]> {
+        self.members
+            .read()
+            .map_or_else(|e| Arc::clone(e.get_ref()), |m| Arc::clone(&m))
+    }
+
+    fn set_members(&self, members: Arc<[Arc<Member>]>) {
+        metrics::gauge!(metric::LLM_ENDPOINTS).set(members.len() as f64);
+        match self.members.write() {
+            Ok(mut current) => *current = members,
+            Err(poisoned) => *poisoned.into_inner() = members,
+        }
+    }
+
+    /// Posts the completion to the endpoints of its plan in turn until one streams it.
+    async fn open(
+        self: Arc<Self>,
+        request: ChatRequest,
+    ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
+        let body = bytes::Bytes::from(request_body_with(&request, self.settings.affinity_field.as_deref()));
+        let plan = self.plan(&request.affinity);
+        if plan.is_empty() {
+            return Err(LlmError::Http(
+                "no model endpoint: every dns:/// name of --llm-base-url resolved to no address".to_owned(),
+            ));
+        }
+        let first_round = plan.len().min(MAX_FAILOVER);
+        let tries = first_round + self.settings.max_retries as usize;
+        let mut failures: Vec<(String, LlmError)> = Vec::new();
+        let mut retry_after = None;
+        for attempt in 0..tries {
+            let member = &plan[attempt % plan.len()];
+            if attempt >= first_round {
+                let backoff = self
+                    .settings
+                    .retry_backoff
+                    .saturating_mul(1 << (attempt - first_round).min(16));
+                let delay = retry_after.take().unwrap_or(backoff);
+                tracing::warn!(
+                    attempt,
+                    endpoint = %member.name,
+                    delay_ms = delay.as_millis() as u64,
+                    "retrying the LLM request"
+                );
+                tokio::time::sleep(delay).await;
+            }
+            let in_flight = member.enter();
+            let (outcome, failure) = match member.client.attempt(body.clone(), &request.pace).await {
+                Attempt::Streaming(events) => match self.first_event(events, in_flight).await {
+                    Ok(stream) => {
+                        self.remember(&request.affinity, &member.name, &plan);
+                        return Ok(stream);
+                    }
+                    Err(failure) => ("no_event", failure),
+                },
+                Attempt::Retryable {
+                    retry_after: after,
+                    failure,
+                } => {
+                    retry_after = after;
+                    (retry_reason(&failure), failure)
+                }
+                Attempt::Final(failure @ LlmError::Stalled(_)) => ("no_response", failure),
+                Attempt::Final(failure) => return Err(failure),
+            };
+            self.failed(member, outcome);
+            failures.push((member.name.clone(), failure));
+            // A server that takes the idle timeout to say nothing is not asked again: only an
+            // endpoint not tried yet is.
+            let stalled = matches!(outcome, "no_response" | "no_event");
+            if stalled && attempt + 1 >= first_round {
+                break;
+            }
+            metrics::counter!(metric::LLM_RETRIES, "reason" => outcome).increment(1);
+        }
+        Err(combined(failures, plan.len()))
+    }
+
+    /// Waits for the stream's first event: a stall before it fails over; anything else is the
+    /// completion's, returned with the stream watched from here on.
+    async fn first_event(
+        self: &Arc<Self>,
+        mut events: BoxStream<'static, Result<LlmEvent, LlmError>>,
+        in_flight: InFlight,
+    ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
+        let first = match events.next().await {
+            Some(Err(stalled @ LlmError::Stalled(_))) => return Err(stalled),
+            Some(first) => first,
+            None => {
+                in_flight.member().succeeded();
+                return Ok(futures::stream::empty().boxed());
+            }
+        };
+        Ok(Watched {
+            first: Some(first),
+            events,
+            in_flight: Some(in_flight),
+            fleet: Arc::clone(self),
+        }
+        .boxed())
+    }
+
+    /// The order in which endpoints are tried for `key`: the healthy ones in the key's
+    /// rendezvous order, the one its turns moved to first while it is not saturated, else the
+    /// first that is not; ejected ones last, as a last resort.
+    fn plan(&self, key: &str) -> Vec<Arc<Member>> {
+        let members = self.members();
+        let now = Instant::now();
+        let ranked = rendezvous::order(key, members.iter().map(|m| m.name.as_str()));
+        let (mut plan, ejected): (Vec<Arc<Member>>, Vec<Arc<Member>>) = ranked
+            .into_iter()
+            .map(|i| Arc::clone(&members[i]))
+            .partition(|m| !m.ejected(now));
+        let limit = self.settings.max_inflight_per_endpoint;
+        let moved = lock(&self.moved).get(key).cloned();
+        let lead = moved
+            .and_then(|name| plan.iter().position(|m| m.name == name && !m.saturated(limit)))
+            .or_else(|| plan.iter().position(|m| !m.saturated(limit)));
+        if let Some(lead) = lead {
+            let member = plan.remove(lead);
+            plan.insert(0, member);
+        }
+        plan.extend(ejected);
+        plan
+    }
+
+    /// A completion of `key` streams from `endpoint`: remembered when that is not the key's
+    /// first choice, forgotten when it is.
+    fn remember(&self, key: &str, endpoint: &str, plan: &[Arc<Member>]) {
+        let members = self.members();
+        let first = rendezvous::order(key, members.iter().map(|m| m.name.as_str()))
+            .first()
+            .map(|&i| members[i].name.as_str());
+        let mut moved = lock(&self.moved);
+        if first == Some(endpoint) || plan.len() < 2 {
+            moved.remove(key);
+            return;
+        }
+        if moved.len() >= MAX_MOVED && !moved.contains_key(key) {
+            moved.clear();
+        }
+        moved.insert(key.to_owned(), endpoint.to_owned());
+    }
+
+    /// Counts a failure against `member`, ejecting it when the rules say so and the fleet has
+    /// room for one more ejected endpoint.
+    fn failed(&self, member: &Member, outcome: &'static str) {
+        let members = self.members();
+        let now = Instant::now();
+        let ejected = members.iter().filter(|m| m.ejected(now)).count();
+        let may_eject = (ejected + 1) * 100 <= self.settings.max_ejected_percent as usize * members.len();
+        member.failed(outcome, self.rules, may_eject);
+    }
+}
+
+/// The reason a refusal is retried, for the metrics.
+fn retry_reason(failure: &LlmError) -> &'static str {
+    match failure {
+        LlmError::Http(m) if m.contains("429") => "rate_limited",
+        LlmError::Http(m) if m.contains("cannot reach") => "connect",
+        _ => "server_error",
+    }
+}
+
+/// The error when every try failed: with one endpoint its last answer, else every endpoint's.
+fn combined(mut failures: Vec<(String, LlmError)>, endpoints: usize) -> LlmError {
+    if endpoints == 1
+        && let Some((_, last)) = failures.pop()
+    {
+        return last;
+    }
+    let tries = failures.len();
+    let answers: Vec<String> = failures
+        .iter()
+        .map(|(endpoint, failure)| format!("{endpoint}: {failure}"))
+        .collect();
+    LlmError::Http(format!(
+        "{tries} tries on {endpoints} model endpoints failed: {}",
+        answers.join("; ")
+    ))
+}
+
+/// A completion streaming from a member: counts its prompt tokens, and its end or its failure
+/// against the member's health; holds its place in flight until dropped.
+struct Watched {
+    first: Option<Result<LlmEvent, LlmError>>,
+    events: BoxStream<'static, Result<LlmEvent, LlmError>>,
+    in_flight: Option<InFlight>,
+    fleet: Arc<Inner>,
+}
+
+impl Watched {
+    fn saw(&mut self, item: &Option<Result<LlmEvent, LlmError>>) {
+        let Some(in_flight) = &self.in_flight else {
+            return;
+        };
+        let member = Arc::clone(in_flight.member());
+        match item {
+            Some(Ok(LlmEvent::Usage(usage))) => member.count_prompt(*usage),
+            Some(Ok(LlmEvent::Done)) | None => {
+                member.succeeded();
+                self.in_flight = None;
+            }
+            Some(Err(_)) => {
+                self.fleet.failed(&member, "cut");
+                self.in_flight = None;
+            }
+            Some(Ok(_)) => {}
+        }
+    }
+}
+
+impl Stream for Watched {
+    type Item = Result<LlmEvent, LlmError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let item = match self.first.take() {
+            Some(first) => Some(first),
+            None => match self.events.poll_next_unpin(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(item) => item,
+            },
+        };
+        self.saw(&item);
+        Poll::Ready(item)
+    }
+}
