@@ -211,3 +211,41 @@ async fn a_server_that_says_nothing_within_the_idle_timeout_is_failed_over() -> 
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_model_server_that_dies_mid_stream_costs_a_turn_restart_not_the_run() -> TestResult {
+    let cutting = Scenario::new(vec![Turn::text("Half an answer that").then(Step::Cut)]);
+    let cutting = mock_llm::MockLlm::start(cutting).await?;
+    let answer = Scenario::new(vec![
+        Turn::text("Checking.\n").then(Step::call("calculate", json!({"expression": "6 * 7"}))),
+        Turn::text("It is 42."),
+    ]);
+    let stack = Stack::start(answer, runner_config(None), |config| {
+        config.llm.base_urls.push(cutting.base_url());
+    })
+    .await?;
+    let outcomes = futures::future::try_join_all((0..12).map(|n| stack.run(request(&format!("run {n}"), &[])))).await?;
+    let mut restarted = 0;
+    for out in &outcomes {
+        assert_eq!(out.status(), S::Completed, "{:?}", out.result);
+        assert_eq!(
+            out.result.text, "Checking.\nIt is 42.",
+            "the cut attempt's text is taken back"
+        );
+        let restarts: Vec<pb::TurnRestarted> = out.of(|e| match e {
+            E::TurnRestarted(r) => Some(r.clone()),
+            _ => None,
+        });
+        for restart in &restarts {
+            assert!(restart.reason.contains(&cutting.base_url()), "{restart:?}");
+        }
+        restarted += restarts.len();
+    }
+    assert!(restarted > 0, "no run went to the server that cuts");
+    assert_eq!(
+        runs_served(&cutting).len(),
+        restarted,
+        "each cut turn went elsewhere once"
+    );
+    Ok(())
+}

@@ -323,10 +323,24 @@ pub mod stack {
                 "status {} is not terminal",
                 result.status
             );
-            let streamed = |pick: fn(&E) -> Option<&str>| -> String {
-                events.iter().filter_map(|e| e.event.as_ref().and_then(pick)).collect()
+            // A turn that starts again takes back what it streamed before (`turn_restarted`).
+            let streamed = |pick: fn(&E) -> Option<(u32, &str)>| -> String {
+                let mut pieces: Vec<(u32, &str)> = Vec::new();
+                for event in events.iter().filter_map(|e| e.event.as_ref()) {
+                    if let E::TurnRestarted(restart) = event {
+                        pieces.retain(|(turn, _)| *turn != restart.turn);
+                    }
+                    pieces.extend(pick(event));
+                }
+                pieces.into_iter().map(|(_, piece)| piece).collect()
             };
-            let text = streamed(|e| if let E::TextDelta(t) = e { Some(&t.text) } else { None });
+            let text = streamed(|e| {
+                if let E::TextDelta(t) = e {
+                    Some((t.turn, &t.text))
+                } else {
+                    None
+                }
+            });
             anyhow::ensure!(
                 text == result.text,
                 "streamed text {text:?} differs from the result's {:?}",
@@ -334,7 +348,7 @@ pub mod stack {
             );
             let reasoning = streamed(|e| {
                 if let E::ReasoningDelta(r) = e {
-                    Some(&r.text)
+                    Some((r.turn, &r.text))
                 } else {
                     None
                 }

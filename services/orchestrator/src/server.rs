@@ -158,6 +158,7 @@ async fn build_core(config: &Config, model: Arc<Fleet>, runners: ToolRunners) ->
             send_reasoning: config.llm.send_reasoning,
             log_settle_timeout: config.store.timeout,
             approvals,
+            max_turn_restarts: config.llm.max_retries,
         },
         runs,
         runners,

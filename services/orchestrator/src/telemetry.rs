@@ -48,6 +48,8 @@ pub(crate) mod metric {
     pub(crate) const LLM_PROMPT_TOKENS: &str = "orchestrator_llm_prompt_tokens_total";
     /// Counter: prompt tokens the model server had cached, by `endpoint`.
     pub(crate) const LLM_CACHED_PROMPT_TOKENS: &str = "orchestrator_llm_cached_prompt_tokens_total";
+    /// Counter: turns started again, by `why` (`model_endpoint`: an endpoint cut the stream).
+    pub(crate) const TURNS_RESTARTED: &str = "orchestrator_turns_restarted_total";
     /// Gauge: model endpoints in the fleet.
     pub(crate) const LLM_ENDPOINTS: &str = "orchestrator_llm_endpoints";
     /// Counter: tool calls retried because no runner ran them, by `reason`.
@@ -139,6 +141,10 @@ pub(crate) fn describe() {
         "Prompt tokens the model server took from its prefix cache, by endpoint."
     );
     describe_gauge!(metric::LLM_ENDPOINTS, "Model endpoints in the fleet.");
+    describe_counter!(
+        metric::TURNS_RESTARTED,
+        "Turns started again on another model endpoint after one cut the stream."
+    );
     describe_counter!(
         metric::TOOL_CALL_RETRIES,
         "Tool calls retried because no runner ran them, by reason."

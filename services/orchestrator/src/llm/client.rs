@@ -393,6 +393,10 @@ fn scrub(redactor: &Redactor, error: LlmError) -> LlmError {
         LlmError::Http(m) => LlmError::Http(redactor.scrub(&m)),
         LlmError::Server(m) => LlmError::Server(redactor.scrub(&m)),
         LlmError::Protocol(m) => LlmError::Protocol(redactor.scrub(&m)),
+        LlmError::Cut { endpoint, error } => LlmError::Cut {
+            endpoint,
+            error: Box::new(scrub(redactor, *error)),
+        },
     }
 }
 
@@ -763,6 +767,7 @@ mod tests {
             },
             pace: super::super::ReadPace::default(),
             affinity: String::new(),
+            avoid: None,
         };
         let body: Value = serde_json::from_slice(&request_body(&request)).unwrap();
         assert_eq!(body["stream"], true);
@@ -807,6 +812,7 @@ mod tests {
             params,
             pace: super::super::ReadPace::default(),
             affinity: String::new(),
+            avoid: None,
         };
         let body: Value = serde_json::from_slice(&request_body(&request(vec![tool], params.clone()))).unwrap();
         let mut fields = body.as_object().unwrap().clone();
@@ -881,6 +887,7 @@ mod tests {
             },
             pace: super::super::ReadPace::default(),
             affinity: String::new(),
+            avoid: None,
         };
         let text = String::from_utf8(request_body(&request)).unwrap();
         // f32 parameters are written as the caller gave them, not widened (0.699999988…).

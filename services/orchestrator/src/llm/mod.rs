@@ -42,6 +42,8 @@ pub struct ChatRequest {
     /// What keeps a run's turns on one model endpoint, whose prefix cache holds its transcript:
     /// the run id, or a key the caller chose (e.g. a conversation id).
     pub affinity: String,
+    /// An endpoint to try only when no other will do: it just cut this turn's stream.
+    pub avoid: Option<String>,
 }
 
 /// Whether a completion's reader reads it only on its stream interval's ticks (shared between
@@ -141,6 +143,25 @@ pub enum LlmError {
     /// The stream broke off or could not be understood.
     #[error("{0}")]
     Protocol(String),
+    /// One endpoint of several cut the stream after it sent events (it broke off or went
+    /// quiet): the turn may start again on another.
+    #[error("{error} (from the model server at {endpoint})")]
+    Cut {
+        /// The endpoint, as logs show it.
+        endpoint: String,
+        /// What happened.
+        error: Box<LlmError>,
+    },
+}
+
+impl LlmError {
+    /// The error itself, without the endpoint that cut the stream.
+    pub fn cause(&self) -> &LlmError {
+        match self {
+            Self::Cut { error, .. } => error.cause(),
+            other => other,
+        }
+    }
 }
 
 /// A source of streamed chat completions (the real HTTP client, or a scripted one in tests).

@@ -18,7 +18,7 @@ pub const MIN_ALNUM: usize = 4;
 const MAX_LINE_BYTES: usize = 4096;
 
 /// The detector's state for one run.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct LoopDetector {
     config: LoopDetection,
     partial: String,

@@ -120,7 +120,7 @@ impl Inner {
         request: ChatRequest,
     ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
         let body = bytes::Bytes::from(request_body_with(&request, self.settings.affinity_field.as_deref()));
-        let plan = self.plan(&request.affinity);
+        let plan = self.plan_avoiding(&request.affinity, request.avoid.as_deref());
         if plan.is_empty() {
             return Err(LlmError::Http(
                 "no model endpoint: every dns:/// name of --llm-base-url resolved to no address".to_owned(),
@@ -226,6 +226,16 @@ impl Inner {
         plan
     }
 
+    /// [`Inner::plan`], with `avoid` (an endpoint that just cut the turn's stream) last.
+    fn plan_avoiding(&self, key: &str, avoid: Option<&str>) -> Vec<Arc<Member>> {
+        let mut plan = self.plan(key);
+        if let Some(at) = avoid.and_then(|name| plan.iter().position(|m| m.name == name)) {
+            let member = plan.remove(at);
+            plan.push(member);
+        }
+        plan
+    }
+
     /// A completion of `key` streams from `endpoint`: remembered when that is not the key's
     /// first choice, forgotten when it is.
     fn remember(&self, key: &str, endpoint: &str, plan: &[Arc<Member>]) {
@@ -292,23 +302,34 @@ struct Watched {
 }
 
 impl Watched {
-    fn saw(&mut self, item: &Option<Result<LlmEvent, LlmError>>) {
+    /// Counts `item` against the member; a stream cut (broken off, or quiet for the idle
+    /// timeout) names the member when the fleet has another to restart the turn on.
+    fn saw(&mut self, item: Option<Result<LlmEvent, LlmError>>) -> Option<Result<LlmEvent, LlmError>> {
         let Some(in_flight) = &self.in_flight else {
-            return;
+            return item;
         };
         let member = Arc::clone(in_flight.member());
         match item {
-            Some(Ok(LlmEvent::Usage(usage))) => member.count_prompt(*usage),
+            Some(Ok(LlmEvent::Usage(usage))) => member.count_prompt(usage),
             Some(Ok(LlmEvent::Done)) | None => {
                 member.succeeded();
                 self.in_flight = None;
             }
-            Some(Err(_)) => {
+            Some(Err(error)) => {
                 self.fleet.failed(&member, "cut");
                 self.in_flight = None;
+                let cut = matches!(error, LlmError::Protocol(_) | LlmError::Stalled(_));
+                if cut && self.fleet.members().len() > 1 {
+                    return Some(Err(LlmError::Cut {
+                        endpoint: member.name.clone(),
+                        error: Box::new(error),
+                    }));
+                }
+                return Some(Err(error));
             }
             Some(Ok(_)) => {}
         }
+        item
     }
 }
 
@@ -323,7 +344,6 @@ impl Stream for Watched {
                 Poll::Ready(item) => item,
             },
         };
-        self.saw(&item);
-        Poll::Ready(item)
+        Poll::Ready(self.saw(item))
     }
 }

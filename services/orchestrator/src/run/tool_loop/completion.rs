@@ -1,6 +1,7 @@
 //! The streamed completion of a turn: events read in batches, visible text shown to the caller
 //! through the repeated-line detector, reasoning kept apart, usage recorded, and a completion that
-//! breaks off turned into the run's end.
+//! breaks off turned into the run's end, or, when a model endpoint of several cut it, into the
+//! turn starting again on another.
 //!
 //! With a stream interval the model's stream is read once per interval, on ticks every run with
 //! that interval shares (so one timer wake serves them all), and what arrived in between is one
@@ -13,15 +14,97 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::domain::{Event, FailureReason};
-use crate::llm::{ChatRequest, LlmError, LlmEvent, ReadPace};
+use crate::llm::{ChatRequest, LlmError, LlmEvent, ReadPace, Usage};
+use crate::run::loop_detector::LoopDetector;
 use crate::run::turn::{TurnCollector, TurnOutput};
 use crate::telemetry::metric;
 
+/// How a turn's completion ended.
+pub(super) enum Streamed {
+    /// Whole.
+    Done(TurnOutput),
+    /// Cut by `endpoint`, which sent events first: the turn may start again on another.
+    Cut { endpoint: String, error: LlmError },
+}
+
+/// What a turn's attempt changed in the run, to take back when the turn starts again.
+pub(super) struct TurnMark {
+    text_len: usize,
+    reasoning_len: usize,
+    reasoning_truncated: bool,
+    detector: LoopDetector,
+    reasoning_detector: LoopDetector,
+}
+
 impl Driver<'_> {
+    /// The turn's completion. A stream that a model endpoint of several cut after it sent
+    /// events starts again on another endpoint (at most `max_turn_restarts` times a turn),
+    /// announced by `turn_restarted`: what the cut attempt showed is taken back from the
+    /// result, as a caller drops it from its transcript.
+    pub(super) async fn complete_turn(&mut self, number: u32, turn: &mut Turn) -> Step<TurnOutput> {
+        let (mut restarts, mut avoid) = (0, None);
+        loop {
+            let mark = self.mark_turn();
+            let mut request = self.chat_request(number);
+            request.avoid = avoid.take();
+            let may_restart = restarts < self.deps.max_turn_restarts;
+            match self.stream_completion(request, turn, may_restart).await? {
+                Streamed::Done(output) => return Ok(output),
+                Streamed::Cut { endpoint, error } => {
+                    restarts += 1;
+                    self.restart_turn(mark, turn, &endpoint, &error);
+                    avoid = Some(endpoint);
+                }
+            }
+        }
+    }
+
+    fn mark_turn(&self) -> TurnMark {
+        let state = lock(self.state);
+        TurnMark {
+            text_len: state.text.len(),
+            reasoning_len: state.reasoning.len(),
+            reasoning_truncated: state.reasoning_truncated,
+            detector: self.detector.clone(),
+            reasoning_detector: self.reasoning_detector.clone(),
+        }
+    }
+
+    /// Takes the cut attempt back (its text, reasoning and what the detectors saw; its usage is
+    /// not counted) and announces the next attempt.
+    fn restart_turn(&mut self, mark: TurnMark, turn: &mut Turn, endpoint: &str, error: &LlmError) {
+        self.completion = None;
+        {
+            let mut state = lock(self.state);
+            state.text.truncate(mark.text_len);
+            state.reasoning.truncate(mark.reasoning_len);
+            state.reasoning_truncated = mark.reasoning_truncated;
+        }
+        (self.detector, self.reasoning_detector) = (mark.detector, mark.reasoning_detector);
+        (turn.text, turn.reasoning, turn.usage) = (String::new(), String::new(), Usage::default());
+        self.attempt += 1;
+        tracing::warn!(turn = turn.number, attempt = self.attempt, %endpoint, "the model stream was cut; the turn starts again on another endpoint: {}", error.cause());
+        metrics::counter!(metric::TURNS_RESTARTED, "why" => "model_endpoint").increment(1);
+        self.emitter.queue(Event::TurnRestarted {
+            turn: turn.number,
+            attempt: self.attempt,
+            reason: format!(
+                "the model server at {endpoint} cut the stream ({}); the turn starts again on another",
+                error.cause()
+            ),
+        });
+    }
+
     /// Streams the completion: visible text goes to the caller and the repeated-line detector as
     /// it arrives, reasoning to a detector of its own. A stream error keeps every byte: text held
-    /// back for directive parsing is output too, and the usage reported so far counts.
-    pub(super) async fn stream_completion(&mut self, request: ChatRequest, turn: &mut Turn) -> Step<TurnOutput> {
+    /// back for directive parsing is output too, and the usage reported so far counts (unless
+    /// `may_restart` and a model endpoint of several cut it: then the turn starts again).
+    pub(super) async fn stream_completion(
+        &mut self,
+        request: ChatRequest,
+        turn: &mut Turn,
+        may_restart: bool,
+    ) -> Step<Streamed> {
         self.emitter.flush().await;
         let requested = Instant::now();
         let pace = request.pace.clone();
@@ -35,9 +118,18 @@ impl Driver<'_> {
             self.reason(turn, &batch.reasoning).await?;
             self.show(turn, &batch.text).await?;
             self.within_output_while_held()?;
-            if let Some(e) = batch.error {
-                self.keep_interrupted_turn(true);
-                return Err(llm_failure(e));
+            match batch.error {
+                Some(LlmError::Cut { endpoint, error }) if may_restart => {
+                    return Ok(Streamed::Cut {
+                        endpoint,
+                        error: *error,
+                    });
+                }
+                Some(e) => {
+                    self.keep_interrupted_turn(true);
+                    return Err(llm_failure(e));
+                }
+                None => {}
             }
         }
         let output = self
@@ -45,7 +137,7 @@ impl Driver<'_> {
             .take()
             .map_or_else(|| TurnCollector::default().finish(), Completion::finish);
         self.record_usage(&output, turn);
-        Ok(output)
+        Ok(Streamed::Done(output))
     }
 
     pub(super) async fn next_batch(&mut self) -> Option<Batch> {
@@ -366,7 +458,7 @@ pub(super) fn is_token(event: &LlmEvent) -> bool {
 
 pub(super) fn llm_failure(e: LlmError) -> End {
     let span = tracing::Span::current();
-    let stalled = matches!(e, LlmError::Stalled(_));
+    let stalled = matches!(e.cause(), LlmError::Stalled(_));
     span.record("error.type", if stalled { "llm_stream_stalled" } else { "llm_error" });
     span.record("otel.status_code", "ERROR");
     let reason = if stalled {

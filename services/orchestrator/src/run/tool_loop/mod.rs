@@ -75,6 +75,8 @@ pub struct LoopDeps {
     pub log_settle_timeout: Duration,
     /// Where runs wait for decisions on their calls.
     pub approvals: Arc<dyn crate::domain::ports::ApprovalLot>,
+    /// Times a turn starts again on another model endpoint after one cut its stream.
+    pub max_turn_restarts: u32,
 }
 
 /// How the loop ended.

@@ -40,8 +40,7 @@ impl Driver<'_> {
             reasoning: String::new(),
         };
         let budget_before = self.budget_left();
-        let request = self.chat_request(number);
-        let output = self.stream_completion(request, &mut turn).await?;
+        let output = self.complete_turn(number, &mut turn).await?;
         let calls = self.take_calls(output, &mut turn).await?;
         self.within_output_for_calls(&calls)?;
         let partition = self.partition(calls);
@@ -147,6 +146,7 @@ impl Driver<'_> {
                 "" => spec.run_id.clone(),
                 key => key.to_owned(),
             },
+            avoid: None,
         }
     }
 

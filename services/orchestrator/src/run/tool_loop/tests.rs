@@ -259,6 +259,7 @@ async fn play_with(
         send_reasoning: outside.send_reasoning,
         log_settle_timeout: Duration::from_secs(1),
         approvals: Arc::new(crate::store::memory_approvals::MemoryLot::new(16)),
+        max_turn_restarts: 2,
     };
     let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
     let (tx, mut rx) = mpsc::channel(outside.buffer);
@@ -1537,4 +1538,75 @@ async fn a_resumed_or_restarted_turn_sends_what_the_run_would_have_sent_here() {
             "turn 2 {how} is the same request"
         );
     }
+}
+
+fn cut(endpoint: &str) -> Result<LlmEvent, LlmError> {
+    Err(LlmError::Cut {
+        endpoint: endpoint.into(),
+        error: Box::new(LlmError::Protocol("the stream broke off".into())),
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_cut_by_one_endpoint_restarts_the_turn_on_another_taking_its_text_back() {
+    let turns = vec![
+        vec![text("first attempt, "), reasoning("thinking "), cut("http://a/v1")],
+        vec![text("second "), call(0, "nap", r#"{"ms": 1}"#)],
+        vec![text("done")],
+    ];
+    let (result, events, script, _) = play(turns, limits()).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(result.text, "second done");
+    assert_eq!(result.reasoning, "");
+    assert_eq!(result.turns, 2);
+    let restarted: Vec<&Event> = events
+        .iter()
+        .map(|e| &e.event)
+        .filter(|e| matches!(e, Event::TurnRestarted { .. }))
+        .collect();
+    let [
+        Event::TurnRestarted {
+            turn: 1,
+            attempt: 2,
+            reason,
+        },
+    ] = restarted.as_slice()
+    else {
+        panic!("{restarted:?}")
+    };
+    assert!(reason.contains("http://a/v1"), "{reason}");
+    // The attempt after the cut asks the same, away from the endpoint that cut it.
+    let requests = script.requests.lock().unwrap().clone();
+    assert_eq!(requests[1].messages, requests[0].messages);
+    assert_eq!(
+        (requests[0].avoid.as_deref(), requests[1].avoid.as_deref()),
+        (None, Some("http://a/v1"))
+    );
+    assert_eq!(requests[2].avoid, None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn turn_restarts_on_both_sides_of_their_limit() {
+    // The loop's deps allow two restarts a turn: the third cut ends the run with its text.
+    let cuts = |n: usize| {
+        let mut turns: Vec<Vec<Result<LlmEvent, LlmError>>> = (0..n)
+            .map(|i| vec![text(&format!("try {i} ")), cut("http://a/v1")])
+            .collect();
+        turns.push(vec![text("answer")]);
+        turns
+    };
+    let (result, ..) = play(cuts(2), limits()).await;
+    assert_eq!((result.status, result.text.as_str()), (RunStatus::Completed, "answer"));
+    let (result, ..) = play(cuts(3), limits()).await;
+    assert_eq!(
+        (result.status, result.failure_reason),
+        (RunStatus::Failed, Some(FailureReason::LlmError)),
+        "{result:?}"
+    );
+    assert_eq!(result.text, "try 2 ", "the last attempt's text is kept");
+    assert!(
+        result.failure_detail.contains("http://a/v1"),
+        "{}",
+        result.failure_detail
+    );
 }
