@@ -9,6 +9,7 @@
 
 mod approvals;
 mod durability;
+mod fleet;
 mod micro;
 mod otlp;
 mod paced;
@@ -89,6 +90,11 @@ struct Cli {
     peers: bool,
     /// Instead of the grid: this many runs (1–100000) parked waiting for approvals at once on 16
     /// run slots, with the memory and the NATS store: RSS per parked run, then every call
+    /// Instead of the grid: the model's time on two real llama-servers, sticky against round
+    /// robin, and the transcript's prefix replayed with and without the per-turn BIOS line;
+    /// writes `fleet.md` / `fleet.json` (needs `./scripts/model-servers`).
+    #[arg(long)]
+    fleet: bool,
     /// approved; writes `approvals.md` / `approvals.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     approvals: Option<u64>,
@@ -701,6 +707,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if cli.paced || cli.peers {
         return paced::run(&bin, cli.quick, cli.peers, &cli.out).await;
+    }
+    if cli.fleet {
+        return fleet::run(&bin, cli.quick, &cli.out).await;
     }
     if let Some(runs) = cli.approvals {
         return approvals::run(&bin, usize::try_from(runs)?, &cli.out).await;

@@ -249,3 +249,48 @@ async fn a_model_server_that_dies_mid_stream_costs_a_turn_restart_not_the_run() 
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_slow_first_tool_runs_while_the_model_writes_the_rest_of_the_turn() -> TestResult {
+    // The first call's tool takes 800 ms; the model takes about 800 ms more to write the
+    // second call's arguments (20 pieces, 40 ms apart).
+    let second = Step::ToolCall {
+        name: "calculate".into(),
+        arguments: json!({"expression": "1 + 1 + 1 + 1 + 1 + 1 + 1 + 1 + 1 + 1"}),
+        id: None,
+        fragments: Some(20),
+    };
+    let scenario = Scenario {
+        token_delay_ms: 40,
+        ..Scenario::new(vec![
+            Turn::text("Two things.\n")
+                .then(Step::call("sleep", json!({"ms": 800})))
+                .then(second),
+            Turn::text("Done."),
+        ])
+    };
+    let stack = Stack::start(scenario, runner_config(None), |_| {}).await?;
+    let turn_time = |out: &testkit::stack::Outcome| out.elapsed;
+    let early = stack.run(request("early", &[])).await?;
+    let mut asked = request("at the end", &[]);
+    asked.eager_tool_dispatch = Some(false);
+    let at_end = stack.run(asked).await?;
+    for out in [&early, &at_end] {
+        assert_eq!(out.status(), S::Completed, "{:?}", out.result);
+        let calls: Vec<(&str, bool)> = out.result.tool_calls.iter().map(|c| (c.name.as_str(), c.ok)).collect();
+        assert_eq!(calls, [("sleep", true), ("calculate", true)]);
+    }
+    eprintln!(
+        "run wall time with the slow tool started early: {:?}; at the stream's end: {:?}",
+        turn_time(&early),
+        turn_time(&at_end)
+    );
+    // Structurally about 800 ms apart; half of it is the margin for a busy machine.
+    assert!(
+        turn_time(&at_end) >= turn_time(&early) + std::time::Duration::from_millis(400),
+        "early {:?}, at the end {:?}",
+        turn_time(&early),
+        turn_time(&at_end)
+    );
+    Ok(())
+}

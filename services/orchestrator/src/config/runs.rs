@@ -25,6 +25,16 @@ pub struct RunSettings {
     /// entries are ignored.
     #[arg(long = "exit-tool", env = "ORCHESTRATOR_EXIT_TOOLS", value_delimiter = ',', value_parser = exit_tool)]
     pub exit_tools: Vec<ToolDefinition>,
+    /// Start a normal tool call as soon as its arguments are complete in the model's stream (the
+    /// next call began), not at the stream's end; a request may turn it off
+    /// (`eager_tool_dispatch: false`). Durable runs (the NATS store) start calls at the end.
+    #[arg(
+        long = "eager-tool-dispatch",
+        env = "ORCHESTRATOR_EAGER_TOOL_DISPATCH",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub eager_tool_dispatch: bool,
     /// Event batches (events the loop produces together) buffered per run stream before the run
     /// waits for a slow reader (cap 65536).
     #[arg(long, env = "ORCHESTRATOR_EVENT_BUFFER", default_value_t = 64)]

@@ -139,6 +139,7 @@ pub(crate) fn resolve(
     let run_id = request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
     Ok(RunSpec {
         affinity_key: request.affinity_key.unwrap_or_else(|| run_id.clone()),
+        eager_dispatch: request.eager_tool_dispatch.unwrap_or(config.runs.eager_tool_dispatch),
         run_id,
         system: request.system,
         messages: request.messages,

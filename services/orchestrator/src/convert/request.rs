@@ -53,6 +53,7 @@ pub(crate) struct RunRequest {
     pub detached: bool,
     pub(super) parse_policy: ParsePolicy,
     pub(super) affinity_key: Option<String>,
+    pub(super) eager_tool_dispatch: Option<bool>,
 }
 
 impl TryFrom<pb::OrchestrateRequest> for RunRequest {
@@ -100,6 +101,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             detached: r.detached,
             parse_policy: parse_policy(r.parse_policy)?,
             affinity_key: affinity_key(r.affinity_key)?,
+            eager_tool_dispatch: r.eager_tool_dispatch,
         })
     }
 }

@@ -74,6 +74,9 @@ pub struct RunSpec {
     /// Keeps the run's turns on one model endpoint (the run id unless the caller chose one).
     #[serde(default)]
     pub affinity_key: String,
+    /// Normal calls start as soon as they are complete in the model's stream.
+    #[serde(default)]
+    pub eager_dispatch: bool,
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before

@@ -134,6 +134,22 @@ impl Assembler {
         }
     }
 
+    /// How many of the calls started so far are complete: every one but the last (a later
+    /// call began after it).
+    pub fn complete(&self) -> usize {
+        self.calls.len().saturating_sub(1)
+    }
+
+    /// Call `position` as assembled so far.
+    pub fn snapshot(&self, position: usize) -> Option<AssembledCall> {
+        self.calls.get(position).map(|c| AssembledCall {
+            arguments: resolve_arguments(c.arguments.clone(), c.last_fragment_len),
+            argument_bytes: c.argument_bytes,
+            id: c.id.clone(),
+            name: c.name.clone(),
+        })
+    }
+
     /// The assembled calls, in the order they started.
     pub fn finish(self) -> Vec<AssembledCall> {
         self.calls

@@ -78,6 +78,16 @@ impl TurnCollector {
         self.gate.release_all()
     }
 
+    /// How many structured calls are complete so far (a later one began).
+    pub fn complete_calls(&self) -> usize {
+        self.assembler.complete()
+    }
+
+    /// Structured call `position` as assembled so far.
+    pub fn call(&self, position: usize) -> Option<AssembledCall> {
+        self.assembler.snapshot(position)
+    }
+
     /// The usage reported so far, if any.
     pub fn usage(&self) -> Option<Usage> {
         self.usage

@@ -47,7 +47,7 @@ impl Driver<'_> {
             let mark = self.mark_turn();
             let mut request = self.chat_request(number);
             request.avoid = avoid.take();
-            let may_restart = restarts < self.deps.max_turn_restarts;
+            let may_restart = restarts < self.deps.max_turn_restarts && !self.eager.any();
             match self.stream_completion(request, turn, may_restart).await? {
                 Streamed::Done(output) => return Ok(output),
                 Streamed::Cut { endpoint, error } => {
@@ -118,6 +118,7 @@ impl Driver<'_> {
             self.reason(turn, &batch.reasoning).await?;
             self.show(turn, &batch.text).await?;
             self.within_output_while_held()?;
+            self.start_complete_calls(turn);
             match batch.error {
                 Some(LlmError::Cut { endpoint, error }) if may_restart => {
                     return Ok(Streamed::Cut {

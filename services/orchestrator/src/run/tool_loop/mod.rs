@@ -21,6 +21,7 @@
 mod approvals;
 mod completion;
 mod durable;
+mod eager;
 mod output;
 mod rules;
 #[cfg(test)]
@@ -401,6 +402,8 @@ struct Driver<'a> {
     attempt: u32,
     /// Set when a draining replica asks the run to hand over at its next safe point.
     handoff: tokio_util::sync::CancellationToken,
+    /// The current turn's calls started while the model still wrote.
+    eager: eager::Eager,
 }
 
 impl<'a> Driver<'a> {
@@ -430,6 +433,7 @@ impl<'a> Driver<'a> {
             turns_done: 0,
             attempt: 1,
             handoff: handoff.at_safe_point,
+            eager: eager::Eager::default(),
             spec,
             deps,
             state,

@@ -28,10 +28,21 @@ impl Driver<'_> {
         self.tools_half(calls, true).await
     }
 
+    /// The rules up to the turn's calls ([`Driver::calls_of_turn`]); a turn that ends the run
+    /// here still records the calls it started while the model wrote.
+    async fn model_half(&mut self, number: u32) -> Step<TurnCalls> {
+        self.reset_early_calls();
+        let calls = self.calls_of_turn(number).await;
+        if calls.is_err() && self.eager.any() {
+            self.record_early_calls(number).await;
+        }
+        calls
+    }
+
     /// The rules up to the turn's calls: the model's completion, its calls sorted, signals
     /// published, the parse policy and the budget applied. `Err` when the run ends with them
     /// (the model called no normal tool: the run is complete).
-    async fn model_half(&mut self, number: u32) -> Step<TurnCalls> {
+    async fn calls_of_turn(&mut self, number: u32) -> Step<TurnCalls> {
         lock(self.state).turns = number;
         let mut turn = Turn {
             number,
@@ -170,14 +181,19 @@ impl Driver<'_> {
             Resolution::Text(text) => {
                 self.show(turn, &text).await?;
                 self.within_calls_per_turn(output.too_many_calls)?;
+                // A call started while the model wrote keeps the id and arguments it ran with.
                 Ok(output
                     .structured
                     .into_iter()
-                    .map(|c| ModelCall {
-                        id: self.ids.take(c.id),
-                        name: c.name,
-                        arguments: c.arguments,
-                        argument_bytes: c.argument_bytes,
+                    .enumerate()
+                    .map(|(i, c)| match self.eager.call(i) {
+                        Some(started) => started.clone(),
+                        None => ModelCall {
+                            id: self.ids.take(c.id),
+                            name: c.name,
+                            arguments: c.arguments,
+                            argument_bytes: c.argument_bytes,
+                        },
                     })
                     .collect())
             }
@@ -365,7 +381,8 @@ impl Driver<'_> {
     pub(super) fn announce_calls(&mut self, calls: &TurnCalls) {
         let (partition, turn) = (&calls.partition, calls.turn.number);
         let waits = |i: &usize| calls.approvals.iter().any(|a| a.index == *i);
-        let executed = calls.spend.executed.iter().filter(|i| !waits(i));
+        let started = |i: &usize| self.eager.call(*i).is_some();
+        let executed = calls.spend.executed.iter().filter(|i| !waits(i) && !started(i));
         for &i in executed.chain(partition.bad.iter().map(|(i, _)| i)) {
             let call = &partition.calls[i];
             self.emitter.queue(Event::ToolCallStarted {
@@ -389,14 +406,19 @@ impl Driver<'_> {
             .tool_timeout
             .min(self.spec.deadline.at.saturating_duration_since(Instant::now()));
         let recorder = self.call_recorder(calls);
-        join_all(calls.unfinished().into_iter().map(|i| {
+        let unfinished = calls.unfinished();
+        let early: Vec<_> = unfinished.iter().map(|&i| self.eager.outcome(i)).collect();
+        join_all(unfinished.into_iter().zip(early).map(|(i, early)| {
             let approval = calls.approvals.iter().find(|a| a.index == i);
-            let call = self.execute(
-                i,
-                &calls.partition.calls[i],
-                timeout,
-                approval.and_then(|a| a.decision.as_ref()),
-            );
+            let call = match early {
+                Some(started) => futures::future::Either::Left(started),
+                None => futures::future::Either::Right(self.execute(
+                    i,
+                    &calls.partition.calls[i],
+                    timeout,
+                    approval.and_then(|a| a.decision.as_ref()),
+                )),
+            };
             let recorder = recorder.clone();
             async move {
                 let outcome = call.await;
@@ -599,7 +621,7 @@ pub(super) struct IdAllocator {
 }
 
 impl IdAllocator {
-    fn take(&mut self, id: Option<String>) -> String {
+    pub(super) fn take(&mut self, id: Option<String>) -> String {
         if let Some(id) = id.filter(|id| !self.used.contains(id)) {
             self.used.insert(id.clone());
             return id;

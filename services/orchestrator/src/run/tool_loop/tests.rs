@@ -142,6 +142,7 @@ fn spec(limits: Limits) -> RunSpec {
         stream_interval: Duration::ZERO,
         approval: Default::default(),
         affinity_key: String::new(),
+        eager_dispatch: false,
     }
 }
 
@@ -208,6 +209,8 @@ struct Outside {
     claim_resumable: bool,
     /// Bad calls are answered with an error instead of ending the run.
     parse_policy: ParsePolicy,
+    /// Calls start as soon as they are complete in the stream.
+    eager: bool,
 }
 
 impl Default for Outside {
@@ -229,6 +232,7 @@ impl Default for Outside {
             hand_over: false,
             claim_resumable: false,
             parse_policy: ParsePolicy::Fail,
+            eager: false,
         }
     }
 }
@@ -269,6 +273,7 @@ async fn play_with(
         spec: RunSpec {
             stream_interval: outside.stream_interval,
             parse_policy: outside.parse_policy,
+            eager_dispatch: outside.eager,
             ..spec(limits)
         },
         emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall).with_log(outside.log),
@@ -1609,4 +1614,137 @@ async fn turn_restarts_on_both_sides_of_their_limit() {
         "{}",
         result.failure_detail
     );
+}
+
+/// A piece of call `index`'s arguments, as servers stream them after the first fragment.
+fn fragment(index: u32, arguments: &str) -> Result<LlmEvent, LlmError> {
+    Ok(LlmEvent::ToolCallFragment {
+        index: Some(index),
+        id: None,
+        name: None,
+        arguments: Some(arguments.into()),
+    })
+}
+
+/// A turn whose first call (a 500 ms nap) is complete at 0.4 s, while the model writes the
+/// second call's arguments until 1.2 s; then an answer. Events come 200 ms apart.
+fn slow_first_tool() -> Vec<Vec<Result<LlmEvent, LlmError>>> {
+    vec![
+        vec![
+            call(0, "nap", r#"{"ms": 500}"#),
+            call(1, "nap", r#"{"ms":"#),
+            fragment(1, " 10"),
+            fragment(1, ", \"pad\": "),
+            fragment(1, "\"x\""),
+            fragment(1, "}"),
+        ],
+        vec![text("rested")],
+    ]
+}
+
+async fn timed(
+    outside: Outside,
+    turns: Vec<Vec<Result<LlmEvent, LlmError>>>,
+    limits: Limits,
+) -> (RunResult, Duration, Arc<Tools>) {
+    let started = Instant::now();
+    let (result, _, _, tools) = play_with(turns, limits, outside).await;
+    (result, started.elapsed(), tools)
+}
+
+fn paced(eager: bool) -> Outside {
+    Outside {
+        eager,
+        pace: Some(Duration::from_millis(200)),
+        ..Outside::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_complete_in_the_stream_starts_while_the_model_writes_the_next() {
+    let (at_end, at_end_took, _) = timed(paced(false), slow_first_tool(), limits()).await;
+    let (early, early_took, tools) = timed(paced(true), slow_first_tool(), limits()).await;
+    for result in [&at_end, &early] {
+        assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+        assert_eq!(result.tool_calls.len(), 2);
+    }
+    // The same calls, ids and arguments, in the model's order.
+    let calls = |r: &RunResult| {
+        r.tool_calls
+            .iter()
+            .map(|c| (c.call_id.clone(), c.arguments_json.clone(), c.ok))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(calls(&early), calls(&at_end));
+    assert_eq!(*tools.started.lock().unwrap(), ["id0", "id1"]);
+    // The first nap ran from 0.4 s, not from the stream's end at 1.2 s: the turn ends with the
+    // stream (plus the second nap), not 0.5 s after it.
+    let saved = at_end_took.saturating_sub(early_took);
+    assert!(
+        saved >= Duration::from_millis(400) && saved <= Duration::from_millis(500),
+        "started at the end {at_end_took:?}, early {early_took:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_start_early_only_within_the_budget_in_call_order() {
+    let turns = vec![vec![
+        call(0, "nap", r#"{"ms": 100}"#),
+        call(1, "nap", r#"{"ms": 100}"#),
+        call(2, "nap", r#"{"ms": 100}"#),
+    ]];
+    let limits = Limits {
+        tool_call_budget: 1,
+        ..limits()
+    };
+    let (result, _, tools) = timed(paced(true), turns, limits).await;
+    assert_eq!(
+        (result.status, result.failure_reason),
+        (RunStatus::Failed, Some(FailureReason::ToolBudgetExhausted))
+    );
+    assert_eq!(
+        *tools.started.lock().unwrap(),
+        ["id0"],
+        "only the first fits the budget"
+    );
+    assert_eq!(result.tool_calls.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_turn_that_fails_on_a_later_bad_call_still_records_the_call_that_ran() {
+    let turns = vec![vec![call(0, "nap", r#"{"ms": 100}"#), call(1, "nope", "{}")]];
+    let (result, _, tools) = timed(paced(true), turns, limits()).await;
+    assert_eq!(
+        (result.status, result.failure_reason),
+        (RunStatus::Failed, Some(FailureReason::ToolParseError)),
+        "{result:?}"
+    );
+    assert_eq!(*tools.started.lock().unwrap(), ["id0"]);
+    let recorded: Vec<(&str, bool)> = result.tool_calls.iter().map(|c| (c.call_id.as_str(), c.ok)).collect();
+    assert_eq!(recorded, [("id0", true)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_that_are_not_run_anyway_are_not_started_early() {
+    // An exit call, a call needing a bad argument object, an unknown tool: none starts early.
+    let turns = vec![
+        vec![
+            call(0, "done", "{}"),
+            call(1, "nap", "[1]"),
+            call(2, "nap", r#"{"ms": 1}"#),
+        ],
+        vec![text("ok")],
+    ];
+    let outside = Outside {
+        parse_policy: ParsePolicy::FeedBack,
+        ..paced(true)
+    };
+    let (result, _, tools) = timed(outside, turns, limits()).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(
+        *tools.started.lock().unwrap(),
+        ["id2"],
+        "only the normal call, at the turn's end"
+    );
+    assert_eq!(result.signals.len(), 1);
 }

@@ -1,0 +1,187 @@
+//! Tools started while the model still writes (docs/architecture.md, "Eager dispatch").
+//!
+//! A structured call is complete in the stream once the next call began. When it is one the
+//! turn would run anyway — a normal tool, arguments a JSON object within their bound, no
+//! approval needed, and within the budget counted in call order — it is started at once, under
+//! the same rules and with the same outcome as at the turn's end: its `tool_call_started` goes
+//! out now, its result is taken when the turn dispatches its calls, failures still count once
+//! per turn at the turn's end, and a turn that ends the run before its calls ran (a bad call
+//! under the FAIL policy, too many calls) still records what ran. A run canceled mid-stream
+//! cancels its started calls on the runners. Durable runs do not start calls early (their calls
+//! leave only after the checkpoint of the turn's calls), and a turn with started calls is not
+//! restarted on another model endpoint (its calls ran).
+
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::rules::is_json_object;
+use super::{CallOutcome, Driver, ModelCall, Turn};
+use crate::domain::{Event, ToolCallError};
+use crate::llm::assembler::AssembledCall;
+
+/// The calls of the current turn started early.
+#[derive(Default)]
+pub(super) struct Eager {
+    started: Vec<Started>,
+    /// Structured calls of the turn looked at so far.
+    seen: usize,
+}
+
+/// A call started early, by its position in the turn's structured calls.
+struct Started {
+    index: usize,
+    call: ModelCall,
+    task: Option<Task>,
+}
+
+/// The call's task, aborted (the call canceled on its runner) if the run drops it.
+struct Task(JoinHandle<CallOutcome>);
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Eager {
+    /// Whether any call of the turn was started early.
+    pub(super) fn any(&self) -> bool {
+        !self.started.is_empty()
+    }
+
+    /// The call started early at `index`, if any (its id and arguments are the turn's).
+    pub(super) fn call(&self, index: usize) -> Option<&ModelCall> {
+        self.started.iter().find(|s| s.index == index).map(|s| &s.call)
+    }
+
+    /// The outcome of the call started early at `index` (to wait for), if there is one.
+    pub(super) fn outcome(&mut self, index: usize) -> Option<impl Future<Output = CallOutcome> + use<>> {
+        let started = self.started.iter_mut().find(|s| s.index == index)?;
+        let task = started.task.take()?;
+        Some(joined(index, task))
+    }
+}
+
+/// A started call's outcome; a task that panicked or was aborted is a failed call.
+async fn joined(index: usize, mut task: Task) -> CallOutcome {
+    let started = Instant::now();
+    match (&mut task.0).await {
+        Ok(outcome) => outcome,
+        Err(e) => CallOutcome {
+            index,
+            result: Err(ToolCallError::new("INTERNAL", format!("the call's task ended: {e}"))),
+            elapsed: started.elapsed(),
+            rejected: false,
+        },
+    }
+}
+
+impl Driver<'_> {
+    /// Whether this run starts calls early.
+    fn eager_dispatch(&self) -> bool {
+        self.spec.eager_dispatch && self.durable().is_none()
+    }
+
+    /// Starts the calls that became complete in the stream since the last look, when the turn
+    /// would run them.
+    pub(super) fn start_complete_calls(&mut self, turn: &Turn) {
+        if !self.eager_dispatch() {
+            return;
+        }
+        let Some(completion) = self.completion.as_ref() else {
+            return;
+        };
+        let complete = completion.collector.complete_calls();
+        let calls: Vec<(usize, AssembledCall)> = (self.eager.seen..complete)
+            .filter_map(|i| completion.collector.call(i).map(|c| (i, c)))
+            .collect();
+        self.eager.seen = self.eager.seen.max(complete);
+        for (index, call) in calls {
+            if self.runs_early(index, &call) {
+                self.start_early(index, call, turn.number);
+            }
+        }
+    }
+
+    /// Whether the turn would run structured call `index` whatever comes after it.
+    fn runs_early(&self, index: usize, call: &AssembledCall) -> bool {
+        let Some(completion) = self.completion.as_ref() else {
+            return false;
+        };
+        let normal_before = (0..index)
+            .filter_map(|i| completion.collector.call(i))
+            .filter(|c| self.normal_names.contains(c.name.as_str()))
+            .count();
+        self.normal_names.contains(call.name.as_str())
+            && call.argument_bytes <= self.deps.output.max_argument_bytes
+            && is_json_object(&call.arguments)
+            && !self.spec.approval.needs(&call.name)
+            && index < self.deps.output.max_calls_per_turn
+            && normal_before < self.budget_left() as usize
+    }
+
+    fn start_early(&mut self, index: usize, call: AssembledCall, turn: u32) {
+        let call = ModelCall {
+            id: self.ids.take(call.id),
+            argument_bytes: call.argument_bytes,
+            name: call.name,
+            arguments: call.arguments,
+        };
+        let timeout = self
+            .spec
+            .limits
+            .tool_timeout
+            .min(self.spec.deadline.at.saturating_duration_since(Instant::now()));
+        let task = Task(tokio::spawn(self.execute(index, &call, timeout, None)));
+        tracing::debug!(call_id = %call.id, tool = %call.name, "tool call started while the model still writes");
+        self.emitter.queue(Event::ToolCallStarted {
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            arguments_json: call.arguments.clone(),
+            turn,
+            arguments_truncated: false,
+        });
+        self.eager.started.push(Started {
+            index,
+            call,
+            task: Some(task),
+        });
+    }
+
+    /// A turn that ends the run before its calls were dispatched: the calls started early ran
+    /// (or run to their end now) and are recorded, their failures counted.
+    pub(super) async fn record_early_calls(&mut self, number: u32) {
+        let mut outcomes = Vec::new();
+        let mut calls = Vec::new();
+        for started in &mut self.eager.started {
+            if let Some(task) = started.task.take() {
+                outcomes.push(joined(started.index, task).await);
+                calls.push(started.call.clone());
+            }
+        }
+        if outcomes.is_empty() {
+            return;
+        }
+        self.used_budget += u32::try_from(outcomes.len()).unwrap_or(u32::MAX);
+        let any_failed = outcomes.iter().any(|o| o.result.is_err());
+        let partition = super::Partition {
+            normal: (0..calls.len()).collect(),
+            calls,
+            exit: Vec::new(),
+            bad: Vec::new(),
+        };
+        let outcomes = outcomes
+            .into_iter()
+            .enumerate()
+            .map(|(i, outcome)| CallOutcome { index: i, ..outcome })
+            .collect();
+        self.report_results(&partition, outcomes, &[], number);
+        self.count_recorded_bytes();
+        self.count_failures(any_failed);
+    }
+
+    /// A new turn starts with no call started.
+    pub(super) fn reset_early_calls(&mut self) {
+        self.eager = Eager::default();
+    }
+}
