@@ -1194,16 +1194,31 @@ async fn output_over_the_limits_ends_the_run_output_limit_keeping_what_fits() ->
     assert_eq!((text.status(), text.reason()), (S::Failed, R::OutputLimit));
     assert_eq!(text.result.text, long[..1024], "the output up to the limit is kept");
 
-    let calls = stack
-        .run(pb::OrchestrateRequest {
-            model: "fan-out".into(),
-            ..request("x", &[])
-        })
-        .await?;
+    let fan_out = |eager| pb::OrchestrateRequest {
+        model: "fan-out".into(),
+        eager_tool_dispatch: Some(eager),
+        ..request("x", &[])
+    };
+    let calls = stack.run(fan_out(false)).await?;
     assert_eq!((calls.status(), calls.reason()), (S::Failed, R::OutputLimit));
     assert!(calls.result.failure_detail.contains("more than 2 tool calls"));
     assert!(calls.result.tool_calls.is_empty(), "none of them ran");
     assert_eq!(calls.result.text, "Three at once.\n");
+    // Started while the model wrote (the next call began), the first call ran and is recorded.
+    let calls = stack.run(fan_out(true)).await?;
+    assert_eq!((calls.status(), calls.reason()), (S::Failed, R::OutputLimit));
+    let detail = &calls.result.failure_detail;
+    assert!(
+        detail.contains("only the 1 started while the model wrote ran"),
+        "{detail}"
+    );
+    let ran: Vec<(&str, bool)> = calls
+        .result
+        .tool_calls
+        .iter()
+        .map(|c| (c.name.as_str(), c.ok))
+        .collect();
+    assert_eq!(ran, [("sleep", true)]);
     Ok(())
 }
 

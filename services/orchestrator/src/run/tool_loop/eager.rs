@@ -49,6 +49,11 @@ impl Eager {
         !self.started.is_empty()
     }
 
+    /// Calls of the turn started early.
+    pub(super) fn count(&self) -> usize {
+        self.started.len()
+    }
+
     /// The call started early at `index`, if any (its id and arguments are the turn's).
     pub(super) fn call(&self, index: usize) -> Option<&ModelCall> {
         self.started.iter().find(|s| s.index == index).map(|s| &s.call)

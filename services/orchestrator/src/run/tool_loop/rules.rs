@@ -223,15 +223,19 @@ impl Driver<'_> {
     }
 
     /// More calls in one turn than `--max-calls-per-turn` end the run `OUTPUT_LIMIT`; none of
-    /// them runs.
+    /// them runs but those started while the model wrote (recorded as the turn ends).
     pub(super) fn within_calls_per_turn(&self, too_many: bool) -> Step<()> {
         if !too_many {
             return Ok(());
         }
         let max = self.deps.output.max_calls_per_turn;
+        let ran = match self.eager.count() {
+            0 => "none of them ran".to_owned(),
+            n => format!("only the {n} started while the model wrote ran"),
+        };
         Err(End::failed(
             FailureReason::OutputLimit,
-            format!("the model made more than {max} tool calls in one turn, this server's limit; none of them ran"),
+            format!("the model made more than {max} tool calls in one turn, this server's limit; {ran}"),
         ))
     }
 
