@@ -48,6 +48,22 @@ fn greedy(prompt: &str, params: pb::ModelParams) -> pb::OrchestrateRequest {
     asked
 }
 
+/// llama-server with one slot and the Llama 3.2 chat template (its tool calls and tool messages).
+async fn llama_with_tool_template() -> anyhow::Result<ModelServer> {
+    let template = installed(&format!("templates/{TEMPLATE_FILE}"))?;
+    let template = template.to_string_lossy();
+    ModelServer::llama(&[
+        "--parallel",
+        "1",
+        "--ctx-size",
+        "4096",
+        "--jinja",
+        "--chat-template-file",
+        &template,
+    ])
+    .await
+}
+
 /// The run failed `LLM_ERROR` with a detail holding `message` (the server's words).
 fn assert_llm_error(out: &Outcome, message: &str) {
     assert_eq!(
@@ -234,19 +250,8 @@ async fn more_concurrent_runs_than_server_slots_all_complete() -> TestResult {
 /// server). The second turn is the model's own; `max_turns: 2` ends the run there.
 #[tokio::test]
 async fn a_structured_tool_call_from_llama_server_runs_on_a_tool_runner_and_goes_back() -> TestResult {
-    let template = installed(&format!("templates/{TEMPLATE_FILE}"))?;
-    let template = template.to_string_lossy();
     let _serial = one_at_a_time().await;
-    let llama = ModelServer::llama(&[
-        "--parallel",
-        "1",
-        "--ctx-size",
-        "4096",
-        "--jinja",
-        "--chat-template-file",
-        &template,
-    ])
-    .await?;
+    let llama = llama_with_tool_template().await?;
     let relay = Relay::start(&llama.origin).await?;
     let stack = stack_on(relay.base_url(), "smollm2", |_| {}).await?;
     let mut asked = greedy(
@@ -338,19 +343,8 @@ const TEXT_CALL_BODY: &str =
 /// usage, and they reach the turn's `turn_finished`.
 #[tokio::test]
 async fn llama_servers_prompt_cache_holds_a_runs_earlier_turns() -> TestResult {
-    let template = installed(&format!("templates/{TEMPLATE_FILE}"))?;
-    let template = template.to_string_lossy();
     let _serial = one_at_a_time().await;
-    let llama = ModelServer::llama(&[
-        "--parallel",
-        "1",
-        "--ctx-size",
-        "4096",
-        "--jinja",
-        "--chat-template-file",
-        &template,
-    ])
-    .await?;
+    let llama = llama_with_tool_template().await?;
     let stack = stack_on(llama.base_url(), "smollm2", |_| {}).await?;
     let mut asked = greedy(
         "What time is it?",

@@ -18,10 +18,12 @@ use proto::orchestrator::v1 as pb;
 ///     .metadata("tenant", "acme")
 ///     .max_turns(6)
 ///     .run_timeout(Duration::from_secs(120))
-///     .temperature(0.2);
+///     .temperature(0.2)
+///     .affinity_key("conversation-42");
 /// let proto = request.into_proto();
 /// assert_eq!(proto.messages[0].role, "user");
 /// assert_eq!(proto.limits.and_then(|l| l.max_turns), Some(6));
+/// assert_eq!(proto.affinity_key, "conversation-42");
 /// ```
 #[derive(Clone, Debug, Default)]
 pub struct RunRequest {
@@ -60,6 +62,21 @@ impl RunRequest {
     /// The idempotency key: a run id that is live already is refused, a finished one replays.
     pub fn run_id(mut self, id: impl Into<String>) -> Self {
         self.request.run_id = id.into();
+        self
+    }
+
+    /// What keeps the run's turns on one model endpoint, whose prefix cache holds its
+    /// transcript (default: the run id); runs that share a prefix, a conversation's say, may
+    /// share one.
+    pub fn affinity_key(mut self, key: impl Into<String>) -> Self {
+        self.request.affinity_key = key.into();
+        self
+    }
+
+    /// Whether a tool call starts as soon as it is complete in the model's stream (default: the
+    /// server's setting, on unless turned off).
+    pub fn eager_tool_dispatch(mut self, eager: bool) -> Self {
+        self.request.eager_tool_dispatch = Some(eager);
         self
     }
 

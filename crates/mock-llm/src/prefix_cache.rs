@@ -102,8 +102,16 @@ fn tokens(bytes: usize) -> u64 {
     (bytes / BYTES_PER_TOKEN) as u64
 }
 
+/// The length of the common prefix of `a` and `b`: compared a block at a time (`memcmp`), then
+/// byte by byte within the first block that differs, so a long shared prefix costs little.
 fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+    const BLOCK: usize = 1024;
+    let len = a.len().min(b.len());
+    let mut at = 0;
+    while at + BLOCK <= len && a[at..at + BLOCK] == b[at..at + BLOCK] {
+        at += BLOCK;
+    }
+    at + a[at..len].iter().zip(&b[at..len]).take_while(|(x, y)| x == y).count()
 }
 
 #[cfg(test)]
@@ -141,6 +149,18 @@ mod tests {
         let b = prompt_of(br#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"auto"}"#);
         assert_eq!(a, b);
         assert!(prompt_of(b"not json").is_empty());
+    }
+
+    #[test]
+    fn the_common_prefix_is_found_across_blocks() {
+        let a = vec![7u8; 5000];
+        for differs_at in [0, 1, 1023, 1024, 1025, 4999] {
+            let mut b = a.clone();
+            b[differs_at] = 8;
+            assert_eq!(common_prefix(&a, &b), differs_at);
+        }
+        assert_eq!(common_prefix(&a, &a[..3000]), 3000);
+        assert_eq!(common_prefix(&a, &[]), 0);
     }
 
     #[test]

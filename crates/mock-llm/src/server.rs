@@ -46,7 +46,9 @@ struct Shared {
     requests: Mutex<Vec<Value>>,
     /// The request bodies as they came, when recorded.
     raw_requests: Mutex<Vec<Bytes>>,
-    cache: PrefixCache,
+    /// The simulated prefix cache (off under load: the benchmark measures the orchestrator, not
+    /// this server's bookkeeping).
+    cache: Option<PrefixCache>,
     attempts: Mutex<HashMap<(String, usize), usize>>,
     record: bool,
     /// Time served per conversation, when measured (see [`MockLlm::start_timed`]).
@@ -66,7 +68,8 @@ impl MockLlm {
         Self::start_with(scenarios.into(), true).await
     }
 
-    /// Like [`MockLlm::start`] without recording requests (for load: memory stays flat).
+    /// Like [`MockLlm::start`] without recording requests and without the prefix cache (for
+    /// load: memory and the cost of a request stay flat).
     pub async fn start_unrecorded(scenarios: impl Into<Scenarios>) -> std::io::Result<Self> {
         Self::start_with(scenarios.into(), false).await
     }
@@ -90,6 +93,7 @@ impl MockLlm {
         let shared = Shared {
             scenarios: scenarios.into(),
             record: true,
+            cache: Some(PrefixCache::default()),
             ..Shared::default()
         };
         Self::start_at(addr, shared).await
@@ -99,6 +103,7 @@ impl MockLlm {
         Self::start_shared(Shared {
             scenarios,
             record,
+            cache: record.then(PrefixCache::default),
             ..Shared::default()
         })
         .await
@@ -159,6 +164,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let shared = Arc::new(Shared {
         scenarios,
+        cache: Some(PrefixCache::default()),
         ..Shared::default()
     });
     axum::serve(listener, router(shared))
@@ -243,11 +249,15 @@ impl Api {
     }
 
     /// The prompt of `request` (its body `body`) as the prefix cache serves it. The Responses
-    /// API's prompt is counted but never cached.
+    /// API's prompt, and any prompt when the cache is off, is counted but not cached.
     fn prompt(self, shared: &Shared, body: &[u8], request: &Value) -> Lookup {
-        match self {
-            Self::ChatCompletions => shared.cache.serve(prompt_of(body)),
-            Self::Responses => {
+        match (self, &shared.cache) {
+            (Self::ChatCompletions, Some(cache)) => cache.serve(prompt_of(body)),
+            (Self::ChatCompletions, None) => Lookup {
+                prompt_tokens: (prompt_of(body).len() / crate::prefix_cache::BYTES_PER_TOKEN) as u64,
+                cached_tokens: 0,
+            },
+            (Self::Responses, _) => {
                 let chars: usize = self.conversation(request).iter().map(|m| m.to_string().len()).sum();
                 Lookup {
                     prompt_tokens: (chars / crate::prefix_cache::BYTES_PER_TOKEN) as u64,

@@ -200,6 +200,7 @@ pub(crate) fn describe() {
         "Runs moved between replicas, by how: taken_over (resumed here), handed_over (released here at a drain), fenced (stopped here, another replica took it)."
     );
     metrics::counter!(metric::CHECKPOINTS).absolute(0);
+    metrics::counter!(metric::TURNS_RESTARTED, "why" => "model_endpoint").absolute(0);
     metrics::counter!(metric::EVENT_LOG_DROPPED).absolute(0);
     metrics::counter!(metric::ATTACHES).absolute(0);
     metrics::counter!(metric::APPROVALS_REQUESTED).absolute(0);

@@ -16,7 +16,6 @@
 //! Dropping a call resets its HTTP/2 stream, which cancels the tool on the runner.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -63,21 +62,7 @@ struct Catalog {
     generation: u64,
 }
 
-/// Resolves DNS names (the system resolver in production; scripted answers in tests).
-pub trait Resolve: Send + Sync + 'static {
-    /// Every address `host` resolves to, with `port`.
-    fn resolve(&self, host: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
-}
-
-/// The system resolver (`getaddrinfo`: `/etc/hosts`, then DNS).
-pub struct SystemResolver;
-
-impl Resolve for SystemResolver {
-    fn resolve(&self, host: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
-        let host = host.to_owned();
-        async move { Ok(tokio::net::lookup_host((host.as_str(), port)).await?.collect()) }.boxed()
-    }
-}
+pub use shared::dns::{Resolve, SystemResolver};
 
 /// What a call needs of the settings (copied into each call, no allocation).
 #[derive(Debug, Clone, Copy)]

@@ -43,6 +43,8 @@ pub(super) struct HealthRules {
 impl Member {
     pub(super) fn new(client: HttpLlm) -> Arc<Self> {
         let name = client.shown_url().trim_end_matches("/chat/completions").to_owned();
+        // Listed on /metrics from the start, so a rate over it starts at zero.
+        metrics::counter!(metric::LLM_EJECTIONS, "endpoint" => name.clone()).absolute(0);
         Arc::new(Self {
             name,
             client,

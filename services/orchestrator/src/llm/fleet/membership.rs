@@ -13,7 +13,7 @@ use super::Inner;
 use super::member::Member;
 use crate::config::{LlmSettings, LlmTarget};
 use crate::llm::HttpLlm;
-use crate::tool_runners::Resolve;
+use shared::dns::Resolve;
 
 /// The fleet's targets and the latest answers.
 pub(super) struct Membership {

@@ -39,7 +39,7 @@ use super::client::{Attempt, request_body_with};
 use super::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use crate::config::LlmSettings;
 use crate::telemetry::metric;
-use crate::tool_runners::Resolve;
+use shared::dns::Resolve;
 
 /// Runs whose turns moved off their first endpoint that are remembered.
 const MAX_MOVED: usize = 65_536;
@@ -77,6 +77,7 @@ impl Fleet {
             settings,
             moved: Mutex::default(),
         });
+        inner.set_members(inner.members());
         let follow = membership.follow(Arc::downgrade(&inner));
         Ok(Self {
             inner,

@@ -14,9 +14,9 @@
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::rules::is_json_object;
+use super::rules::{is_json_object, started_event};
 use super::{CallOutcome, Driver, ModelCall, Turn};
-use crate::domain::{Event, ToolCallError};
+use crate::domain::ToolCallError;
 use crate::llm::assembler::AssembledCall;
 
 /// The calls of the current turn started early.
@@ -132,20 +132,9 @@ impl Driver<'_> {
             name: call.name,
             arguments: call.arguments,
         };
-        let timeout = self
-            .spec
-            .limits
-            .tool_timeout
-            .min(self.spec.deadline.at.saturating_duration_since(Instant::now()));
-        let task = Task(tokio::spawn(self.execute(index, &call, timeout, None)));
+        let task = Task(tokio::spawn(self.execute(index, &call, self.call_timeout(), None)));
         tracing::debug!(call_id = %call.id, tool = %call.name, "tool call started while the model still writes");
-        self.emitter.queue(Event::ToolCallStarted {
-            call_id: call.id.clone(),
-            name: call.name.clone(),
-            arguments_json: call.arguments.clone(),
-            turn,
-            arguments_truncated: false,
-        });
+        self.emitter.queue(started_event(&call, turn));
         self.eager.started.push(Started {
             index,
             call,

@@ -388,15 +388,16 @@ impl Driver<'_> {
         let started = |i: &usize| self.eager.call(*i).is_some();
         let executed = calls.spend.executed.iter().filter(|i| !waits(i) && !started(i));
         for &i in executed.chain(partition.bad.iter().map(|(i, _)| i)) {
-            let call = &partition.calls[i];
-            self.emitter.queue(Event::ToolCallStarted {
-                call_id: call.id.clone(),
-                name: call.name.clone(),
-                arguments_json: call.arguments.clone(),
-                turn,
-                arguments_truncated: false,
-            });
+            self.emitter.queue(started_event(&partition.calls[i], turn));
         }
+    }
+
+    /// How long a call may take now: the smaller of the run's tool timeout and the time left.
+    pub(super) fn call_timeout(&self) -> Duration {
+        self.spec
+            .limits
+            .tool_timeout
+            .min(self.spec.deadline.at.saturating_duration_since(Instant::now()))
     }
 
     /// Runs the calls not finished yet concurrently (`join_all`) on the tool-runners, each within
@@ -404,11 +405,7 @@ impl Driver<'_> {
     /// fail the run: its error is its outcome. A durable run checkpoints each outcome as it
     /// comes (safe point (b)), so a call that finished is never run again.
     pub(super) async fn dispatch(&mut self, calls: &TurnCalls) -> Vec<CallOutcome> {
-        let timeout = self
-            .spec
-            .limits
-            .tool_timeout
-            .min(self.spec.deadline.at.saturating_duration_since(Instant::now()));
+        let timeout = self.call_timeout();
         let recorder = self.call_recorder(calls);
         let unfinished = calls.unfinished();
         let early: Vec<_> = unfinished.iter().map(|&i| self.eager.outcome(i)).collect();
@@ -609,6 +606,17 @@ impl Driver<'_> {
 
     pub(super) fn offers(&self, name: &str) -> bool {
         self.normal_names.contains(name) || self.exit_names.contains(name)
+    }
+}
+
+/// `tool_call_started` of `call`.
+pub(super) fn started_event(call: &ModelCall, turn: u32) -> Event {
+    Event::ToolCallStarted {
+        call_id: call.id.clone(),
+        name: call.name.clone(),
+        arguments_json: call.arguments.clone(),
+        turn,
+        arguments_truncated: false,
     }
 }
 
