@@ -103,6 +103,10 @@ pub struct LlmSettings {
     /// that route by one (OpenAI: prompt_cache_key). Unset: not sent.
     #[arg(long = "llm-affinity-field", env = "LLM_AFFINITY_FIELD")]
     pub affinity_field: Option<String>,
+    /// A header that carries each run's affinity key, for providers and gateways that route by
+    /// one (xAI: x-grok-conv-id). Unset: not sent.
+    #[arg(long = "llm-affinity-header", env = "LLM_AFFINITY_HEADER")]
+    pub affinity_header: Option<String>,
     /// Model used when a request names none.
     #[arg(long = "llm-model", env = "LLM_MODEL", default_value = "llama3.1")]
     pub model: String,
@@ -221,6 +225,18 @@ impl std::str::FromStr for LlmTarget {
 }
 
 impl LlmSettings {
+    /// The header that carries each run's affinity key, checked.
+    pub fn affinity_header(&self) -> Result<Option<reqwest::header::HeaderName>, String> {
+        self.affinity_header
+            .as_deref()
+            .filter(|name| !name.trim().is_empty())
+            .map(|name| {
+                reqwest::header::HeaderName::from_bytes(name.trim().as_bytes())
+                    .map_err(|_| format!("--llm-affinity-header {name:?} is not a header name"))
+            })
+            .transpose()
+    }
+
     /// The model endpoints (at least one), each checked.
     pub fn targets(&self) -> Result<Vec<LlmTarget>, String> {
         if self.base_urls.is_empty() {

@@ -150,6 +150,7 @@ impl Config {
         self.security.options().map_err(Error::Config)?;
         self.check_llm_headers()?;
         self.llm.targets().map_err(Error::Config)?;
+        self.llm.affinity_header().map_err(Error::Config)?;
         self.llm.defaults().map_err(Error::Config)?;
         self.check_nats_names()?;
         self.check_exit_tools()
@@ -270,6 +271,30 @@ mod tests {
         let mut config = Config::default();
         config.tool_runners.endpoints = vec!["dns://x".into()];
         assert!(config.validate().unwrap_err().to_string().contains("--tool-runner"));
+        for (urls, refused) in [
+            (vec!["dns://x/v1"], true),
+            (vec!["dns:///x/v1"], true),
+            (vec!["ftp://x/v1"], true),
+            (vec![], true),
+            (vec!["dns:///vllm.models:8000/v1", "http://a:1/v1"], false),
+        ] {
+            let mut config = Config::default();
+            config.llm.base_urls = urls.iter().map(|u| (*u).to_owned()).collect();
+            let checked = config.validate();
+            assert_eq!(checked.is_err(), refused, "{urls:?}: {checked:?}");
+            if let Err(e) = checked {
+                assert!(e.to_string().contains("--llm-base-url"), "{e}");
+            }
+        }
+        let mut config = Config::default();
+        config.llm.affinity_header = Some("not a header".into());
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--llm-affinity-header")
+        );
     }
 
     #[test]

@@ -136,15 +136,20 @@ impl HttpLlm {
     /// One POST of the request: a stream of events on success; a refusal worth retrying (429, a
     /// server error, no connection) or a final one (no headers within the idle timeout, any
     /// other status or error).
-    pub(super) async fn attempt(&self, body: bytes::Bytes, pace: &ReadPace) -> Attempt {
+    pub(super) async fn attempt(
+        &self,
+        body: bytes::Bytes,
+        header: Option<&(HeaderName, HeaderValue)>,
+        pace: &ReadPace,
+    ) -> Attempt {
         let send = async {
             match &self.direct {
-                Some(direct) => match self.send_direct(direct, body.clone(), pace).await {
+                Some(direct) => match self.send_direct(direct, body.clone(), header, pace).await {
                     // Redirects are the shared client's (followed within the origin only).
-                    Ok(answer) if answer.status.is_redirection() => self.send_pooled(body).await,
+                    Ok(answer) if answer.status.is_redirection() => self.send_pooled(body, header).await,
                     other => other,
                 },
-                None => self.send_pooled(body).await,
+                None => self.send_pooled(body, header).await,
             }
         };
         let answer = match tokio::time::timeout(self.config.idle_timeout, send).await {
@@ -178,11 +183,19 @@ impl HttpLlm {
     }
 
     /// The POST through the shared client (which follows same-origin redirects).
-    async fn send_pooled(&self, body: bytes::Bytes) -> Result<Answer, Attempt> {
+    async fn send_pooled(
+        &self,
+        body: bytes::Bytes,
+        header: Option<&(HeaderName, HeaderValue)>,
+    ) -> Result<Answer, Attempt> {
+        let mut headers = self.headers.clone();
+        if let Some((name, value)) = header {
+            headers.insert(name.clone(), value.clone());
+        }
         let sent = self
             .client
             .post(self.url.clone())
-            .headers(self.headers.clone())
+            .headers(headers)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .body(body)
@@ -198,8 +211,14 @@ impl HttpLlm {
     }
 
     /// The POST on a connection the run reads itself.
-    async fn send_direct(&self, direct: &Arc<Direct>, body: bytes::Bytes, pace: &ReadPace) -> Result<Answer, Attempt> {
-        match direct.send(&body, pace).await {
+    async fn send_direct(
+        &self,
+        direct: &Arc<Direct>,
+        body: bytes::Bytes,
+        header: Option<&(HeaderName, HeaderValue)>,
+        pace: &ReadPace,
+    ) -> Result<Answer, Attempt> {
+        match direct.send_with(&body, header, pace).await {
             Ok(answer) => Ok(Answer {
                 status: answer.status,
                 headers: answer.headers,

@@ -85,27 +85,39 @@ impl Direct {
 
     /// Sends a request carrying `body` on an idle connection, or a new one, and reads until the
     /// answer's head arrives; the answer's body is read by whoever reads the returned stream.
+    #[cfg(test)]
     pub(super) async fn send(self: &Arc<Self>, body: &Bytes, pace: &ReadPace) -> Result<Answered, SendError> {
+        self.send_with(body, None, pace).await
+    }
+
+    /// [`Direct::send`] with one more header of this request's (e.g. its affinity key).
+    pub(super) async fn send_with(
+        self: &Arc<Self>,
+        body: &Bytes,
+        header: Option<&(http::HeaderName, http::HeaderValue)>,
+        pace: &ReadPace,
+    ) -> Result<Answered, SendError> {
+        let head = self.endpoint.head.with(header, body.len());
         if let Some(socket) = self.take_idle() {
             // A connection the server is closing just as it is reused refuses the request
             // before any answer: send it once more, on a fresh connection.
-            match self.exchange(socket, body, pace).await {
+            match self.exchange(socket, &head, body, pace).await {
                 Ok(answer) => return Ok(answer),
                 Err(e) => tracing::debug!("a kept-alive LLM connection failed, sending again on a new one: {e:?}"),
             }
         }
-        self.exchange(self.connect().await?, body, pace).await
+        self.exchange(self.connect().await?, &head, body, pace).await
     }
 
     async fn exchange(
         self: &Arc<Self>,
         mut socket: Socket,
+        head: &Bytes,
         body: &Bytes,
         pace: &ReadPace,
     ) -> Result<Answered, SendError> {
-        let head = self.endpoint.head.with_length(body.len());
         socket
-            .send(head, body.clone())
+            .send(head.clone(), body.clone())
             .await
             .map_err(|e| SendError::Request(format!("sending the request: {e}")))?;
         let (head, rest) = self.read_head(&mut socket, pace).await?;

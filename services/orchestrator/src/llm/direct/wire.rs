@@ -34,9 +34,21 @@ impl RequestHead {
     }
 
     /// The whole head for a body of `length` bytes.
+    #[cfg(test)]
     pub(super) fn with_length(&self, length: usize) -> Bytes {
+        self.with(None, length)
+    }
+
+    /// The whole head for a body of `length` bytes, with one more header of this request's.
+    pub(super) fn with(&self, header: Option<&(HeaderName, HeaderValue)>, length: usize) -> Bytes {
         let mut head = BytesMut::with_capacity(self.0.len() + 32);
         head.put_slice(&self.0);
+        if let Some((name, value)) = header {
+            head.put_slice(name.as_str().as_bytes());
+            head.put_slice(b": ");
+            head.put_slice(value.as_bytes());
+            head.put_slice(b"\r\n");
+        }
         head.put_slice(format!("content-length: {length}\r\n\r\n").as_bytes());
         head.freeze()
     }

@@ -60,6 +60,8 @@ struct Inner {
     rules: HealthRules,
     /// Affinity key → the endpoint its turns moved to (when not their first).
     moved: Mutex<HashMap<String, String>>,
+    /// The header that carries a request's affinity key (`--llm-affinity-header`).
+    affinity_header: Option<reqwest::header::HeaderName>,
 }
 
 impl Fleet {
@@ -67,6 +69,7 @@ impl Fleet {
     /// background. Fails on an unusable URL or header (errors never show a credential).
     pub async fn start(settings: LlmSettings, resolver: Arc<dyn Resolve>) -> Result<Self, String> {
         let targets = settings.targets()?;
+        let affinity_header = settings.affinity_header()?;
         let membership = membership::Membership::start(&settings, targets, resolver).await?;
         let inner = Arc::new(Inner {
             members: RwLock::new(membership.members()),
@@ -76,6 +79,7 @@ impl Fleet {
             },
             settings,
             moved: Mutex::default(),
+            affinity_header,
         });
         inner.set_members(inner.members());
         let follow = membership.follow(Arc::downgrade(&inner));
@@ -121,6 +125,10 @@ impl Inner {
         request: ChatRequest,
     ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
         let body = bytes::Bytes::from(request_body_with(&request, self.settings.affinity_field.as_deref()));
+        let header = self.affinity_header.clone().and_then(|name| {
+            let value = reqwest::header::HeaderValue::from_str(&request.affinity).ok()?;
+            Some((name, value))
+        });
         let plan = self.plan_avoiding(&request.affinity, request.avoid.as_deref());
         if plan.is_empty() {
             return Err(LlmError::Http(
@@ -148,7 +156,8 @@ impl Inner {
                 tokio::time::sleep(delay).await;
             }
             let in_flight = member.enter();
-            let (outcome, failure) = match member.client.attempt(body.clone(), &request.pace).await {
+            let posted = member.client.attempt(body.clone(), header.as_ref(), &request.pace);
+            let (outcome, failure) = match posted.await {
                 Attempt::Streaming(events) => match self.first_event(events, in_flight).await {
                     Ok(stream) => {
                         self.remember(&request.affinity, &member.name, &plan);
@@ -346,5 +355,97 @@ impl Stream for Watched {
             },
         };
         Poll::Ready(self.saw(item))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Reader;
+    use crate::llm::ReadPace;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server that answers one short completion per connection and keeps what it was sent.
+    async fn capturing() -> (String, Arc<Mutex<Vec<String>>>) {
+        const ANSWER: &str = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+            data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n";
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let kept = Arc::clone(&seen);
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let kept = Arc::clone(&kept);
+                tokio::spawn(async move {
+                    let (mut buf, mut request) = (vec![0u8; 65536], Vec::new());
+                    while !String::from_utf8_lossy(&request).contains("\"stream\":true") {
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    lock(&kept).push(String::from_utf8_lossy(&request).into_owned());
+                    let _ = socket.write_all(ANSWER.as_bytes()).await;
+                });
+            }
+        });
+        (url, seen)
+    }
+
+    fn request(affinity: &str) -> ChatRequest {
+        ChatRequest {
+            model: "m".into(),
+            messages: vec![crate::llm::Message::User {
+                content: "hi".into(),
+                name: None,
+            }],
+            tools: Arc::from(Vec::new()),
+            params: Default::default(),
+            pace: ReadPace::default(),
+            affinity: affinity.into(),
+            avoid: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_affinity_key_goes_in_the_configured_field_and_header_on_both_readers() {
+        for reader in [Reader::Run, Reader::Pooled] {
+            let (url, seen) = capturing().await;
+            let settings = LlmSettings {
+                base_urls: vec![url],
+                affinity_field: Some("prompt_cache_key".into()),
+                affinity_header: Some("x-grok-conv-id".into()),
+                reader,
+                ..crate::Config::default().llm
+            };
+            let fleet = Fleet::start(settings, Arc::new(shared::dns::SystemResolver))
+                .await
+                .unwrap();
+            let events: Vec<_> = fleet.stream(request("conversation-9")).await.unwrap().collect().await;
+            assert!(events.iter().all(Result::is_ok), "{events:?}");
+            let sent = lock(&seen).concat();
+            assert!(
+                sent.to_lowercase().contains("x-grok-conv-id: conversation-9"),
+                "{reader:?}: {sent}"
+            );
+            assert!(
+                sent.contains(r#""prompt_cache_key":"conversation-9""#),
+                "{reader:?}: {sent}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn without_the_settings_the_key_is_not_sent() {
+        let (url, seen) = capturing().await;
+        let settings = LlmSettings {
+            base_urls: vec![url],
+            ..crate::Config::default().llm
+        };
+        let fleet = Fleet::start(settings, Arc::new(shared::dns::SystemResolver))
+            .await
+            .unwrap();
+        let _: Vec<_> = fleet.stream(request("conversation-9")).await.unwrap().collect().await;
+        assert!(!lock(&seen).concat().contains("conversation-9"));
     }
 }
