@@ -59,8 +59,8 @@ impl Shape {
         } else {
             Self {
                 runs: 4,
-                turns: 5,
-                background: 120,
+                turns: 4,
+                background: 80,
             }
         }
     }

@@ -294,3 +294,34 @@ async fn a_slow_first_tool_runs_while_the_model_writes_the_rest_of_the_turn() ->
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_saturated_endpoint_passes_its_runs_to_the_next_in_their_order() -> TestResult {
+    // Slow answers (about 1 s), one completion in flight per endpoint.
+    let slow = || Scenario {
+        token_delay_ms: 100,
+        ..Scenario::new(vec![Turn::text("one two three four five six seven eight nine ten")])
+    };
+    let second = mock_llm::MockLlm::start(slow()).await?;
+    let stack = Stack::start(slow(), runner_config(None), |config| {
+        config.llm.base_urls.push(second.base_url());
+        config.llm.max_inflight_per_endpoint = 1;
+    })
+    .await?;
+    // Two runs at once with one affinity key: they prefer the same endpoint, which is full while
+    // the first streams, so the second goes to the other.
+    let runs = (0..2).map(|n| {
+        let mut asked = request(&format!("run {n}"), &[]);
+        asked.affinity_key = "one-conversation".into();
+        stack.run(asked)
+    });
+    for out in futures::future::try_join_all(runs).await? {
+        assert_eq!(out.status(), S::Completed, "{:?}", out.result);
+    }
+    assert_eq!(
+        (runs_served(&stack.mock).len(), runs_served(&second).len()),
+        (1, 1),
+        "one run on each endpoint"
+    );
+    Ok(())
+}
