@@ -119,16 +119,14 @@ impl Inner {
         }
     }
 
-    /// Posts the completion to the endpoints of its plan in turn until one streams it.
+    /// Posts the completion to the endpoints of its plan in turn until one streams it: each
+    /// once at once, then `--llm-max-retries` more tries with backoff, never again to one that
+    /// stalled.
     async fn open(
         self: Arc<Self>,
         request: ChatRequest,
     ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
-        let body = bytes::Bytes::from(request_body_with(&request, self.settings.affinity_field.as_deref()));
-        let header = self.affinity_header.clone().and_then(|name| {
-            let value = reqwest::header::HeaderValue::from_str(&request.affinity).ok()?;
-            Some((name, value))
-        });
+        let post = self.post(&request);
         let plan = self.plan_avoiding(&request.affinity, request.avoid.as_deref());
         if plan.is_empty() {
             return Err(LlmError::Http(
@@ -137,55 +135,88 @@ impl Inner {
         }
         let first_round = plan.len().min(MAX_FAILOVER);
         let tries = first_round + self.settings.max_retries as usize;
-        let mut failures: Vec<(String, LlmError)> = Vec::new();
-        let mut retry_after = None;
+        let (mut failures, mut retry_after) = (Vec::new(), None);
         for attempt in 0..tries {
             let member = &plan[attempt % plan.len()];
             if attempt >= first_round {
-                let backoff = self
-                    .settings
-                    .retry_backoff
-                    .saturating_mul(1 << (attempt - first_round).min(16));
-                let delay = retry_after.take().unwrap_or(backoff);
-                tracing::warn!(
-                    attempt,
-                    endpoint = %member.name,
-                    delay_ms = delay.as_millis() as u64,
-                    "retrying the LLM request"
-                );
-                tokio::time::sleep(delay).await;
+                self.back_off(attempt - first_round, retry_after.take(), member).await;
             }
-            let in_flight = member.enter();
-            let posted = member.client.attempt(body.clone(), header.as_ref(), &request.pace);
-            let (outcome, failure) = match posted.await {
-                Attempt::Streaming(events) => match self.first_event(events, in_flight).await {
-                    Ok(stream) => {
-                        self.remember(&request.affinity, &member.name, &plan);
-                        return Ok(stream);
-                    }
-                    Err(failure) => ("no_event", failure),
-                },
-                Attempt::Retryable {
-                    retry_after: after,
-                    failure,
-                } => {
-                    retry_after = after;
-                    (retry_reason(&failure), failure)
+            let (outcome, failure) = match self.try_member(member, &post, &request.pace).await {
+                Ok(stream) => {
+                    self.remember(&request.affinity, &member.name, &plan);
+                    return Ok(stream);
                 }
-                Attempt::Final(failure @ LlmError::Stalled(_)) => ("no_response", failure),
-                Attempt::Final(failure) => return Err(failure),
+                Err(Tried::Final(failure)) => return Err(failure),
+                Err(Tried::Failed {
+                    outcome,
+                    failure,
+                    retry_after: after,
+                }) => {
+                    retry_after = after;
+                    (outcome, failure)
+                }
             };
             self.failed(member, outcome);
             failures.push((member.name.clone(), failure));
-            // A server that takes the idle timeout to say nothing is not asked again: only an
-            // endpoint not tried yet is.
             let stalled = matches!(outcome, "no_response" | "no_event");
-            if stalled && attempt + 1 >= first_round {
+            if (stalled && attempt + 1 >= first_round) || attempt + 1 == tries {
                 break;
             }
             metrics::counter!(metric::LLM_RETRIES, "reason" => outcome).increment(1);
         }
         Err(combined(failures, plan.len()))
+    }
+
+    /// What every try of `request` sends: its body, and its affinity header when one is set.
+    fn post(&self, request: &ChatRequest) -> Post {
+        let body = bytes::Bytes::from(request_body_with(request, self.settings.affinity_field.as_deref()));
+        let header = self.affinity_header.clone().and_then(|name| {
+            let value = reqwest::header::HeaderValue::from_str(&request.affinity).ok()?;
+            Some((name, value))
+        });
+        Post { body, header }
+    }
+
+    /// Waits before a retry: the server's `Retry-After` when it gave one, else the backoff,
+    /// doubling with each retry.
+    async fn back_off(&self, retry: usize, retry_after: Option<std::time::Duration>, member: &Member) {
+        let backoff = self.settings.retry_backoff.saturating_mul(1 << retry.min(16));
+        let delay = retry_after.unwrap_or(backoff);
+        tracing::warn!(
+            retry,
+            endpoint = %member.name,
+            delay_ms = delay.as_millis() as u64,
+            "retrying the LLM request"
+        );
+        tokio::time::sleep(delay).await;
+    }
+
+    /// One try on `member`: its stream once the first event is in, or how it failed.
+    async fn try_member(
+        self: &Arc<Self>,
+        member: &Arc<Member>,
+        post: &Post,
+        pace: &crate::llm::ReadPace,
+    ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, Tried> {
+        let in_flight = member.enter();
+        let failed = |outcome, failure, retry_after| Tried::Failed {
+            outcome,
+            failure,
+            retry_after,
+        };
+        match member
+            .client
+            .attempt(post.body.clone(), post.header.as_ref(), pace)
+            .await
+        {
+            Attempt::Streaming(events) => self
+                .first_event(events, in_flight)
+                .await
+                .map_err(|failure| failed("no_event", failure, None)),
+            Attempt::Retryable { retry_after, failure } => Err(failed(retry_reason(&failure), failure, retry_after)),
+            Attempt::Final(failure @ LlmError::Stalled(_)) => Err(failed("no_response", failure, None)),
+            Attempt::Final(failure) => Err(Tried::Final(failure)),
+        }
     }
 
     /// Waits for the stream's first event: a stall before it fails over; anything else is the
@@ -273,6 +304,24 @@ impl Inner {
         let may_eject = (ejected + 1) * 100 <= self.settings.max_ejected_percent as usize * members.len();
         member.failed(outcome, self.rules, may_eject);
     }
+}
+
+/// What a completion's tries send.
+struct Post {
+    body: bytes::Bytes,
+    header: Option<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>,
+}
+
+/// How one try on an endpoint failed.
+enum Tried {
+    /// Worth trying elsewhere or again: `outcome` names how (for the metrics and health).
+    Failed {
+        outcome: &'static str,
+        failure: LlmError,
+        retry_after: Option<std::time::Duration>,
+    },
+    /// Not worth another try anywhere (the server understood and refused the request).
+    Final(LlmError),
 }
 
 /// The reason a refusal is retried, for the metrics.
