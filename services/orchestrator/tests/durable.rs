@@ -460,6 +460,77 @@ async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -
     Ok(())
 }
 
+/// Three replicas. A turn's first call starts while the model still writes the turn's second
+/// (eager dispatch: its checkpoint is saved first); the replica running the run is SIGKILLed
+/// while the model writes. The run is taken over from that checkpoint and the turn goes on with
+/// the call it had started (sent again with the same call id): the second call, never complete,
+/// never runs. The run ends COMPLETED; the caller's stream tells GetRun's text.
+#[tokio::test]
+async fn a_call_started_early_survives_its_replica_killed_while_the_model_writes() -> TestResult {
+    use mock_llm::{Step, Turn};
+    let second = Step::ToolCall {
+        name: "record".into(),
+        arguments: serde_json::json!({"pad": "x".repeat(400)}),
+        id: None,
+        fragments: Some(200),
+    };
+    let scenario = mock_llm::Scenario {
+        token_delay_ms: 15,
+        ..mock_llm::Scenario::new(vec![
+            Turn::text("Two records. ")
+                .then(Step::call("record", serde_json::json!({})))
+                .then(second),
+            Turn::text("done").then(Step::call("submit_report", serde_json::json!({"ok": true}))),
+        ])
+    };
+    let mut fleet = Fleet::start(3, scenario, 300).await?;
+    let first = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    start_detached(&first, "early-1").await?;
+    let (seen_tx, mut seen) = tokio::sync::watch::channel(Vec::new());
+    let urls: Vec<String> = fleet.urls()[1..].to_vec();
+    let follower = tokio::spawn(Follower::follow(
+        "early-1".into(),
+        move || urls.clone(),
+        Vec::new(),
+        seen_tx,
+    ));
+    let started = until(&mut seen, "the first call started while the model writes", |events| {
+        events
+            .iter()
+            .any(|e| matches!(&e.event, Some(pb::orchestrate_event::Event::ToolCallStarted(c)) if c.turn == 1))
+    })
+    .await?;
+    let early = in_flight(&started).into_iter().next().unwrap_or_default();
+    fleet.kill(0).await?;
+
+    let follower = follower.await??;
+    let (result, told) = follower.outcome()?;
+    assert_eq!(
+        result.status(),
+        pb::RunStatus::Completed,
+        "{}\n{}",
+        result.failure_detail,
+        fleet.story_of("early-1")
+    );
+    assert_eq!(told, result.text, "the stream tells the result's text");
+    let turn1: Vec<&str> = result
+        .tool_calls
+        .iter()
+        .filter(|c| c.turn == 1)
+        .map(|c| c.call_id.as_str())
+        .collect();
+    assert_eq!(turn1, [early.as_str()], "the turn goes on with the call it had started");
+    let calls = fleet.calls();
+    let runs = calls.get(&format!("early-1/{early}")).copied().unwrap_or(0);
+    assert!(
+        (1..=2).contains(&runs),
+        "the started call ran {runs} time(s): {calls:?}"
+    );
+    assert_eq!(calls.len(), 1, "no other call ran: {calls:?}");
+    assert_eq!(result.signals.len(), 1);
+    Ok(())
+}
+
 /// A drained replica (SIGTERM) hands its runs over at their next safe point instead of canceling
 /// them: its callers' streams end UNAVAILABLE naming the run and the last seq, it exits 0 at once,
 /// and another replica resumes each run well before a lease (15 s) could lapse. Every run ends

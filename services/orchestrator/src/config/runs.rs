@@ -27,7 +27,7 @@ pub struct RunSettings {
     pub exit_tools: Vec<ToolDefinition>,
     /// Start a normal tool call as soon as its arguments are complete in the model's stream (the
     /// next call began), not at the stream's end; a request may turn it off
-    /// (`eager_tool_dispatch: false`). Durable runs (the NATS store) start calls at the end.
+    /// (`eager_tool_dispatch: false`). A durable run checkpoints each such call before it leaves.
     #[arg(
         long = "eager-tool-dispatch",
         env = "ORCHESTRATOR_EAGER_TOOL_DISPATCH",

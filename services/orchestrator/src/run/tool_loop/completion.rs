@@ -118,7 +118,7 @@ impl Driver<'_> {
             self.reason(turn, &batch.reasoning).await?;
             self.show(turn, &batch.text).await?;
             self.within_output_while_held()?;
-            self.start_complete_calls(turn);
+            self.start_complete_calls(turn).await;
             match batch.error {
                 Some(LlmError::Cut { endpoint, error }) if may_restart => {
                     return Ok(Streamed::Cut {

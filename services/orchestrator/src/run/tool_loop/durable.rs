@@ -97,6 +97,18 @@ pub struct TurnCalls {
     /// The calls that wait for a person's decision, and their decisions.
     #[serde(default)]
     pub(super) approvals: Vec<super::approvals::Approval>,
+    /// Saved while the model still wrote, before a call started early left: the turn's calls
+    /// are those started so far, and the run's text and reasoning were these long when the
+    /// turn began.
+    #[serde(default)]
+    pub(super) cut_short: Option<TurnStart>,
+}
+
+/// How long the run's text and reasoning were when a turn began.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub(super) struct TurnStart {
+    pub(super) text_len: usize,
+    pub(super) reasoning_len: usize,
 }
 
 impl TurnCalls {
@@ -233,7 +245,10 @@ impl Driver<'_> {
         self.ids.used = c.call_ids.into_iter().collect();
         self.ids.generated = c.generated_ids;
         (self.turns_done, self.attempt) = (c.turns_done, c.attempt);
-        if logged > c.seq && c.calls.is_none() {
+        let mut calls = c.calls;
+        if let Some(calls) = calls.as_mut().filter(|_| logged > c.seq) {
+            self.void_cut_short_text(calls);
+        } else if logged > c.seq && calls.is_none() {
             self.attempt += 1;
             let turn = self.turns_done + 1;
             tracing::info!(
@@ -253,6 +268,35 @@ impl Driver<'_> {
                 "the event log is ahead of the checkpoint of this turn's calls"
             );
         }
-        c.calls
+        calls
+    }
+
+    /// A turn saved while the model still wrote, whose log holds what it streamed after: that
+    /// text is not in the checkpoint, so the turn's text is void (`turn_restarted`) and the
+    /// turn goes on with the calls it had started, without text.
+    fn void_cut_short_text(&mut self, calls: &mut TurnCalls) {
+        let Some(start) = calls.cut_short else {
+            return;
+        };
+        {
+            let mut state = shared::sync::lock(self.state);
+            state.text.truncate(start.text_len);
+            state.reasoning.truncate(start.reasoning_len);
+        }
+        (calls.turn.text, calls.turn.reasoning) = (String::new(), String::new());
+        self.attempt += 1;
+        let started = calls.partition.calls.len();
+        tracing::info!(
+            turn = calls.turn.number,
+            started,
+            "the model stream of this turn was cut after calls started; the turn goes on with them"
+        );
+        self.emitter.queue(Event::TurnRestarted {
+            turn: calls.turn.number,
+            attempt: self.attempt,
+            reason: format!(
+                "the orchestrator replica running the run stopped while the model was streaming; the turn goes on with the {started} call(s) it had started"
+            ),
+        });
     }
 }

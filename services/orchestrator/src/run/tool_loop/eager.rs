@@ -7,15 +7,21 @@
 //! out now, its result is taken when the turn dispatches its calls, failures still count once
 //! per turn at the turn's end, and a turn that ends the run before its calls ran (a bad call
 //! under the FAIL policy, too many calls) still records what ran. A run canceled mid-stream
-//! cancels its started calls on the runners. Durable runs do not start calls early (their calls
-//! leave only after the checkpoint of the turn's calls), and a turn with started calls is not
-//! restarted on another model endpoint (its calls ran).
+//! cancels its started calls on the runners. A turn with started calls is not restarted on
+//! another model endpoint (its calls ran).
+//!
+//! A durable run starts early only a prefix of the turn's calls (the first call it cannot start
+//! ends early starts for the turn), and saves a checkpoint of the calls started so far, with the
+//! turn's text so far, before each one leaves. A replica that resumes from it finishes the turn
+//! as those calls ([`Driver::restore`]); a call that finished before the turn's own checkpoint
+//! counts as in flight then, and runs again with the same call id.
 
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::durable::{TurnCalls, TurnStart};
 use super::rules::{is_json_object, started_event};
-use super::{CallOutcome, Driver, ModelCall, Turn};
+use super::{CallOutcome, Driver, ModelCall, Partition, Spend, Turn};
 use crate::domain::ToolCallError;
 use crate::llm::assembler::AssembledCall;
 
@@ -25,6 +31,10 @@ pub(super) struct Eager {
     started: Vec<Started>,
     /// Structured calls of the turn looked at so far.
     seen: usize,
+    /// A durable run's turn started no call early after one it could not: it starts a prefix.
+    stopped: bool,
+    /// How long the run's text and reasoning were when the turn began (for its checkpoints).
+    turn_start: TurnStart,
 }
 
 /// A call started early, by its position in the turn's structured calls.
@@ -82,15 +92,10 @@ async fn joined(index: usize, mut task: Task) -> CallOutcome {
 }
 
 impl Driver<'_> {
-    /// Whether this run starts calls early.
-    fn eager_dispatch(&self) -> bool {
-        self.spec.eager_dispatch && self.durable().is_none()
-    }
-
     /// Starts the calls that became complete in the stream since the last look, when the turn
-    /// would run them.
-    pub(super) fn start_complete_calls(&mut self, turn: &Turn) {
-        if !self.eager_dispatch() {
+    /// would run them (a durable run: while each before them started too).
+    pub(super) async fn start_complete_calls(&mut self, turn: &Turn) {
+        if !self.spec.eager_dispatch || self.eager.stopped {
             return;
         }
         let Some(completion) = self.completion.as_ref() else {
@@ -101,9 +106,13 @@ impl Driver<'_> {
             .filter_map(|i| completion.collector.call(i).map(|c| (i, c)))
             .collect();
         self.eager.seen = self.eager.seen.max(complete);
+        let durable = self.durable().is_some();
         for (index, call) in calls {
             if self.runs_early(index, &call) {
-                self.start_early(index, call, turn.number);
+                self.start_early(index, call, turn).await;
+            } else if durable {
+                self.eager.stopped = true;
+                return;
             }
         }
     }
@@ -125,21 +134,68 @@ impl Driver<'_> {
             && normal_before < self.budget_left() as usize
     }
 
-    fn start_early(&mut self, index: usize, call: AssembledCall, turn: u32) {
+    async fn start_early(&mut self, index: usize, call: AssembledCall, turn: &Turn) {
         let call = ModelCall {
             id: self.ids.take(call.id),
             argument_bytes: call.argument_bytes,
             name: call.name,
             arguments: call.arguments,
         };
-        let task = Task(tokio::spawn(self.execute(index, &call, self.call_timeout(), None)));
-        tracing::debug!(call_id = %call.id, tool = %call.name, "tool call started while the model still writes");
-        self.emitter.queue(started_event(&call, turn));
+        self.emitter.queue(started_event(&call, turn.number));
         self.eager.started.push(Started {
             index,
-            call,
-            task: Some(task),
+            call: call.clone(),
+            task: None,
         });
+        if self.durable().is_some() {
+            self.save_started_calls(turn).await;
+        }
+        let task = Task(tokio::spawn(self.execute(index, &call, self.call_timeout(), None)));
+        tracing::debug!(call_id = %call.id, tool = %call.name, "tool call started while the model still writes");
+        if let Some(started) = self.eager.started.last_mut() {
+            started.task = Some(task);
+        }
+    }
+
+    /// A durable run's checkpoint of the turn so far, its calls those started early (the
+    /// newest one's announcement in the outbox), saved before the newest leaves: then its
+    /// announcement goes out.
+    async fn save_started_calls(&mut self, turn: &Turn) {
+        let Some(persister) = self.durable().cloned() else {
+            return;
+        };
+        let started: Vec<ModelCall> = self.eager.started.iter().map(|s| s.call.clone()).collect();
+        let count = started.len();
+        let calls = TurnCalls {
+            turn: Turn {
+                number: turn.number,
+                text: turn.text.clone(),
+                usage: crate::llm::Usage::default(),
+                reasoning: turn.reasoning.clone(),
+            },
+            partition: Partition {
+                calls: started,
+                normal: (0..count).collect(),
+                exit: Vec::new(),
+                bad: Vec::new(),
+            },
+            spend: Spend {
+                executed: (0..count).collect(),
+                exhausted: false,
+                left: self
+                    .budget_left()
+                    .saturating_sub(u32::try_from(count).unwrap_or(u32::MAX)),
+            },
+            finished: Vec::new(),
+            approvals: Vec::new(),
+            cut_short: Some(self.eager.turn_start),
+        };
+        self.emitter.settler(self.deps.log_settle_timeout).wait().await;
+        let checkpoint = self.checkpoint(Some(&calls));
+        if !persister.save(|| checkpoint.snapshot()).await {
+            tracing::warn!("the checkpoint of a call started early was not saved; it starts all the same");
+        }
+        self.emitter.flush().await;
     }
 
     /// A turn that ends the run before its calls were dispatched: the calls started early ran
@@ -176,6 +232,15 @@ impl Driver<'_> {
 
     /// A new turn starts with no call started.
     pub(super) fn reset_early_calls(&mut self) {
-        self.eager = Eager::default();
+        let state = shared::sync::lock(self.state);
+        let turn_start = TurnStart {
+            text_len: state.text.len(),
+            reasoning_len: state.reasoning.len(),
+        };
+        drop(state);
+        self.eager = Eager {
+            turn_start,
+            ..Eager::default()
+        };
     }
 }

@@ -69,6 +69,7 @@ impl Driver<'_> {
             spend,
             finished: Vec::new(),
             approvals: Vec::new(),
+            cut_short: None,
         };
         calls.approvals = self.calls_needing_approval(&calls);
         Ok(calls)

@@ -1748,3 +1748,93 @@ async fn calls_that_are_not_run_anyway_are_not_started_early() {
     );
     assert_eq!(result.signals.len(), 1);
 }
+
+/// A durable run of [`slow_first_tool`] with text before its calls: its checkpoints.
+async fn durable_early_run() -> (RunResult, Vec<Checkpoint>) {
+    let mut turns = slow_first_tool();
+    turns[0].insert(0, text("checking "));
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        ..paced(true)
+    };
+    let (result, _, _, _) = play_with(turns, limits(), outside).await;
+    (result, journal.checkpoints())
+}
+
+/// The checkpoint saved before the first call started early.
+fn cut_short(checkpoints: Vec<Checkpoint>) -> Checkpoint {
+    first(checkpoints, "of a call started early", |c| {
+        c.calls.as_ref().is_some_and(|calls| calls.cut_short.is_some())
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_durable_run_checkpoints_a_call_before_it_starts_early() {
+    let (result, checkpoints) = durable_early_run().await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(result.text, "checking rested");
+    let saved = cut_short(checkpoints);
+    let calls = saved.calls.as_ref().unwrap();
+    let ids: Vec<&str> = calls.partition.calls.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["id0"], "the calls started so far");
+    assert_eq!(calls.turn.text, "checking ");
+    assert!(
+        saved
+            .outbox
+            .iter()
+            .any(|e| matches!(&e.event, Event::ToolCallStarted { call_id, .. } if call_id == "id0")),
+        "its announcement leaves after the checkpoint holding it: {:?}",
+        saved.outbox
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_resumed_from_a_call_started_early_goes_on_with_it() {
+    // The log holds nothing past the checkpoint: the turn keeps its text.
+    let saved = cut_short(durable_early_run().await.1);
+    let seq = saved.seq;
+    let (result, events, script, tools) = resume_at(saved, seq).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(
+        *tools.started.lock().unwrap(),
+        ["id0"],
+        "the started call runs again, same id"
+    );
+    assert_eq!(result.text, "checking all done");
+    assert!(!events.iter().any(|e| matches!(e.event, Event::TurnRestarted { .. })));
+    let request = script.requests.lock().unwrap()[0].clone();
+    let assistant = request.messages.iter().find_map(|m| match m {
+        Message::Assistant {
+            content, tool_calls, ..
+        } => Some((content.clone(), tool_calls.len())),
+        _ => None,
+    });
+    assert_eq!(assistant, Some(("checking ".to_owned(), 1)));
+
+    // The log holds text streamed after it: the turn's text is void, its call goes on.
+    let saved = cut_short(durable_early_run().await.1);
+    let logged = saved.seq + 3;
+    let (result, events, script, tools) = resume_at(saved, logged).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(*tools.started.lock().unwrap(), ["id0"]);
+    assert_eq!(result.text, "all done");
+    let restarted = events.iter().find_map(|e| match &e.event {
+        Event::TurnRestarted { turn: 1, reason, .. } => Some(reason.clone()),
+        _ => None,
+    });
+    assert!(
+        restarted
+            .as_deref()
+            .is_some_and(|r| r.contains("goes on with the 1 call(s)")),
+        "{restarted:?}"
+    );
+    assert!(gap_free_from(&events, logged + 1), "{events:?}");
+    let request = script.requests.lock().unwrap()[0].clone();
+    let tool_messages = request
+        .messages
+        .iter()
+        .filter(|m| matches!(m, Message::Tool { .. }))
+        .count();
+    assert_eq!(tool_messages, 1, "the turn is its started call");
+}
