@@ -16,6 +16,7 @@ mod paced;
 mod peers;
 mod procstat;
 mod real_server;
+mod relay;
 mod replicas;
 mod soak;
 mod stack;

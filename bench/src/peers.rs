@@ -12,8 +12,8 @@ use futures::StreamExt;
 use serde::Serialize;
 use testkit::model_servers::{LITELLM_MASTER_KEY, ModelServer};
 
-use crate::paced::{MODEL, Paced};
 use crate::procstat;
+use crate::relay::{MODEL, Paced, text_pieces};
 
 /// One peer, measured; or why it was not.
 #[derive(Debug, Serialize)]
@@ -384,7 +384,7 @@ impl Relay {
                 while let Some(chunk) = bytes.next().await {
                     text.extend_from_slice(&chunk?);
                 }
-                anyhow::Ok(crate::paced::text_pieces(&text, self.text_key.as_bytes()))
+                anyhow::Ok(text_pieces(&text, self.text_key.as_bytes()))
             }
         });
         let mut tokens = 0;

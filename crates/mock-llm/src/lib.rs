@@ -9,6 +9,7 @@
 
 #![forbid(unsafe_code)]
 
+mod pieces;
 pub mod prefix_cache;
 mod responses;
 pub mod scenario;

@@ -7,8 +7,8 @@
 
 use serde_json::{Value, json};
 
+use crate::pieces::{Piece, split_n, split_text};
 use crate::scenario::{Step, Turn};
-use crate::server::{Piece, split_n, split_text};
 
 /// Numbers the responses served: gateways store responses and their items by id, so ids are
 /// unique per server.

@@ -17,6 +17,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{Value, json};
 
+use crate::pieces::{Piece, split_n, split_text};
 use crate::prefix_cache::{Lookup, PrefixCache, prompt_of};
 use crate::scenario::{Scenario, Step, Turn};
 
@@ -393,14 +394,6 @@ fn tally_when_sent(
     .filter_map(|()| std::future::ready(None::<std::io::Result<Bytes>>))
 }
 
-/// One piece of a streamed response.
-pub(crate) enum Piece {
-    Bytes(String),
-    Delay(Duration),
-    Stall,
-    Cut,
-}
-
 fn chunk(model: &str, delta: Value, finish_reason: Option<&str>) -> Piece {
     let body = json!({
         "id": "chatcmpl-mock",
@@ -410,36 +403,6 @@ fn chunk(model: &str, delta: Value, finish_reason: Option<&str>) -> Piece {
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
     });
     Piece::Bytes(format!("data: {body}\n\n"))
-}
-
-/// Splits `text` into word-sized pieces (each keeps its trailing whitespace), or fixed-size ones.
-pub(crate) fn split_text(text: &str, chunk_chars: Option<usize>) -> Vec<String> {
-    match chunk_chars {
-        Some(n) if n > 0 => {
-            let chars: Vec<char> = text.chars().collect();
-            chars.chunks(n).map(|c| c.iter().collect()).collect()
-        }
-        _ => {
-            let mut pieces = Vec::new();
-            let mut current = String::new();
-            for c in text.chars() {
-                if !c.is_whitespace() && current.ends_with(char::is_whitespace) {
-                    pieces.push(std::mem::take(&mut current));
-                }
-                current.push(c);
-            }
-            if !current.is_empty() {
-                pieces.push(current);
-            }
-            pieces
-        }
-    }
-}
-
-pub(crate) fn split_n(text: &str, n: usize) -> Vec<String> {
-    let chars: Vec<char> = text.chars().collect();
-    let size = chars.len().div_ceil(n.max(1)).max(1);
-    chars.chunks(size).map(|c| c.iter().collect()).collect()
 }
 
 fn render(turn: &Turn, model: &str, turn_number: usize, prompt: Lookup) -> Vec<Piece> {

@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use crate::Error;
 use crate::tools::builtin::Builtin;
+use crate::tools::entry::Entry;
 use crate::tools::mcp::McpServers;
 use crate::tools::{CallContext, ErrorCode, Tool, ToolError, ToolResult, ToolSpec};
 
@@ -17,22 +18,6 @@ use crate::tools::{CallContext, ErrorCode, Tool, ToolError, ToolResult, ToolSpec
 const MAX_REPORTED_VIOLATIONS: usize = 5;
 
 pub use crate::config::ArgLimits;
-
-/// A tool with its compiled argument schema.
-pub(crate) struct Entry {
-    pub(crate) spec: ToolSpec,
-    validator: jsonschema::Validator,
-    tool: Arc<dyn Tool>,
-}
-
-impl Entry {
-    /// Compiles the tool's schema.
-    pub(crate) fn new(spec: ToolSpec, tool: Arc<dyn Tool>) -> Result<Self, String> {
-        let validator = jsonschema::validator_for(&spec.parameters)
-            .map_err(|e| format!("tool {:?} has an unusable JSON Schema: {e}", spec.name))?;
-        Ok(Self { spec, validator, tool })
-    }
-}
 
 /// Every tool of this runner, by name.
 pub struct Registry {

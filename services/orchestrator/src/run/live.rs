@@ -2,18 +2,17 @@
 //! emitter that numbers and sends its events, and [`AdmittedRun`], everything the loop is handed
 //! when a run is let in.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::domain::ports::{LogWriter, Settled};
-use crate::domain::{Event, EventBatch, NumberedEvent, RunResult, RunSpec, ToolCallError};
+use crate::domain::{Event, EventBatch, NumberedEvent, RunSpec, ToolCallError};
 use crate::run::persist::Persister;
 
-/// The live state of a run, shared with `GetRun`.
-pub type SharedState = Arc<Mutex<RunResult>>;
+pub use super::SharedState;
 
 /// Cancels a run, saying why.
 #[derive(Clone, Debug, Default)]

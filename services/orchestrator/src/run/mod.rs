@@ -19,3 +19,6 @@ pub mod loop_detector;
 pub mod persist;
 pub mod tool_loop;
 pub mod turn;
+
+/// The live state of a run, shared with `GetRun`.
+pub type SharedState = std::sync::Arc<std::sync::Mutex<crate::domain::RunResult>>;

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::SharedState;
 use super::backlog::Backlog;
-use super::live::SharedState;
 use crate::domain::ports::{Claim, ParkOutcome, ResultStore, RunJournal, StoreError, within};
 use crate::domain::result::RunResult;
 

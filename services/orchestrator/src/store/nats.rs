@@ -6,7 +6,7 @@
 //! A live run's owner renews its lease by writing the run's state every third of the lease. A run
 //! is claimed with the bucket's create-if-absent, so of two replicas starting the same id at once
 //! exactly one runs it; every later write of its owner is a compare-and-set on the revision it
-//! wrote last, so once another replica took the run over (see [`super::nats_journal`]) the old
+//! wrote last, so once another replica took the run over (see the journal, `nats_journal.rs`) the old
 //! owner's writes are refused ([`StoreError::Fenced`]) and it stops the run.
 //!
 //! A RUNNING record whose lease has expired belongs to a replica that crashed or lost the store.
@@ -186,7 +186,7 @@ impl KvStore {
         owner: String,
         lease: Duration,
     ) -> Result<Self, StoreError> {
-        let checkpoints = super::nats_journal::open_checkpoints(js, bucket, ttl).await?;
+        let checkpoints = open_checkpoints(js, bucket, ttl).await?;
         let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results").await?;
         Ok(Self {
             kv,
@@ -431,6 +431,27 @@ impl ResultStore for KvStore {
         }
         .boxed()
     }
+}
+
+/// Binds (or creates) the object store of the checkpoints beside the results bucket `bucket`.
+async fn open_checkpoints(
+    js: &jetstream::Context,
+    bucket: &str,
+    ttl: Duration,
+) -> Result<jetstream::object_store::ObjectStore, StoreError> {
+    let name = format!("{bucket}-checkpoints");
+    if let Ok(store) = js.get_object_store(&name).await {
+        return Ok(store);
+    }
+    js.create_object_store(jetstream::object_store::Config {
+        bucket: name.clone(),
+        description: Some("orchestrator checkpoints of live runs".to_owned()),
+        max_age: ttl,
+        storage: jetstream::stream::StorageType::File,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| unavailable("creating the checkpoint object store", &name, e))
 }
 
 #[cfg(test)]

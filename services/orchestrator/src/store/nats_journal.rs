@@ -4,8 +4,6 @@
 //! whose record says its owner is gone (lease lapsed, or handed over at a drain) is an orphan,
 //! claimed by the first replica whose compare-and-set on the record's revision succeeds.
 
-use std::time::Duration;
-
 use async_nats::jetstream;
 use async_nats::jetstream::object_store::ObjectStore;
 use futures::future::BoxFuture;
@@ -24,27 +22,6 @@ const LIST_CONCURRENCY: usize = 16;
 struct CancelMessage {
     run_id: String,
     reason: String,
-}
-
-/// Binds (or creates) the object store of the checkpoints beside the results bucket `bucket`.
-pub(super) async fn open_checkpoints(
-    js: &jetstream::Context,
-    bucket: &str,
-    ttl: Duration,
-) -> Result<ObjectStore, StoreError> {
-    let name = format!("{bucket}-checkpoints");
-    if let Ok(store) = js.get_object_store(&name).await {
-        return Ok(store);
-    }
-    js.create_object_store(jetstream::object_store::Config {
-        bucket: name.clone(),
-        description: Some("orchestrator checkpoints of live runs".to_owned()),
-        max_age: ttl,
-        storage: jetstream::stream::StorageType::File,
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| unavailable("creating the checkpoint object store", &name, e))
 }
 
 impl KvStore {

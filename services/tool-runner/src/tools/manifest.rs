@@ -37,10 +37,11 @@ use super::limits::{RawLimits, ResourceLimits};
 use super::mcp::config::{McpServerConfig, RawMcpServer};
 use crate::Error;
 
+pub use super::fields::{DEFAULT_ENV_ALLOWLIST, MAX_TIMEOUT};
+use super::fields::{check_range, parse_bounded_duration, resolve_dir, resolve_program};
+
 /// Default per-call timeout of a command tool.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest timeout a command tool may declare.
-pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Default cap on a command's stdout; more output fails the call.
 pub const DEFAULT_MAX_STDOUT: u64 = 1024 * 1024;
 /// Largest stdout cap a tool may declare.
@@ -49,8 +50,6 @@ pub const MAX_STDOUT_CAP: u64 = 64 * 1024 * 1024;
 pub const DEFAULT_MAX_STDERR: u64 = 64 * 1024;
 /// Largest stderr cap a tool may declare.
 pub const MAX_STDERR_CAP: u64 = 4 * 1024 * 1024;
-/// Environment variables passed through when a tool names none.
-pub const DEFAULT_ENV_ALLOWLIST: &[&str] = &["PATH", "LANG", "LC_ALL", "TZ"];
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -231,62 +230,8 @@ fn parse_timeout(text: &str) -> Result<Duration, String> {
     parse_bounded_duration("timeout", text, Duration::from_millis(1), MAX_TIMEOUT)
 }
 
-/// `text` as a duration within `min..=cap`; the error names the field.
-pub(super) fn parse_bounded_duration(name: &str, text: &str, min: Duration, cap: Duration) -> Result<Duration, String> {
-    let value = shared::config::parse_duration(text).map_err(|e| format!("{name}: {e}"))?;
-    shared::config::bound("value", value, min, cap)
-        .check_as(|| name.to_owned())
-        .map_err(|e| e.to_string())?;
-    Ok(value)
-}
-
 fn check_cap(name: &'static str, value: Option<u64>, default: u64, cap: u64) -> Result<u64, String> {
     check_range(name, value, default, 1, cap)
-}
-
-/// `value` (or `default`) within `min..=cap`; the error names the field.
-pub(super) fn check_range(
-    name: &'static str,
-    value: Option<u64>,
-    default: u64,
-    min: u64,
-    cap: u64,
-) -> Result<u64, String> {
-    let value = value.unwrap_or(default);
-    shared::config::bound(name, value, min, cap)
-        .check_as(|| name.to_owned())
-        .map_err(|e| e.to_string())?;
-    Ok(value)
-}
-
-pub(super) fn resolve_dir(dir: &Path, base_dir: &Path) -> Result<PathBuf, String> {
-    let dir = base_dir.join(dir);
-    if !dir.is_dir() {
-        return Err(format!("working_dir {} is not an existing directory", dir.display()));
-    }
-    Ok(dir)
-}
-
-/// Finds `program` the way a shell would: a path (relative to the manifest) or a name on PATH.
-pub(super) fn resolve_program(program: &str, base_dir: &Path) -> Result<PathBuf, String> {
-    use std::os::unix::fs::PermissionsExt;
-    let executable = |p: &Path| {
-        p.metadata()
-            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    if program.contains('/') {
-        let path = base_dir.join(program);
-        return if executable(&path) {
-            Ok(path)
-        } else {
-            Err(format!("argv[0] {} is not an executable file", path.display()))
-        };
-    }
-    let search = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&search)
-        .map(|dir| dir.join(program))
-        .find(|p| executable(p))
-        .ok_or_else(|| format!("argv[0] {program:?} was not found on PATH"))
 }
 
 fn build_tool(

@@ -11,6 +11,8 @@
 
 pub mod builtin;
 pub mod command;
+pub mod entry;
+mod fields;
 pub mod limits;
 pub mod manifest;
 pub mod mcp;

@@ -7,35 +7,15 @@
 //! rejected or expired one fails with its decision as the error, which is fed back to the model
 //! and does not count as a failed call.
 
-use serde::{Deserialize, Serialize};
 use shared::sync::lock;
 
+use super::approval::Approval;
 use super::durable::TurnCalls;
 use super::{CallOutcome, Driver, End, Step};
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, OnTimeout, PendingApproval};
 use crate::domain::ports::{ParkOutcome, Parked, Wait, Waiting};
 use crate::domain::{Event, FailureReason, RunStatus};
 use crate::telemetry::metric;
-
-/// A call of the turn that waits for a decision.
-#[derive(Clone, Serialize, Deserialize)]
-pub(super) struct Approval {
-    /// Position in the turn's calls.
-    pub(super) index: usize,
-    /// Unix ms: the wait ends then.
-    pub(super) expires_at_unix_ms: u64,
-    /// Set once decided.
-    pub(super) decision: Option<ApprovalDecision>,
-    /// The decision was acted on: the call announced (approved) or failed (not).
-    pub(super) applied: bool,
-}
-
-impl Approval {
-    /// Whether the call may run now: approved, and announced as such.
-    pub(super) fn cleared(&self) -> bool {
-        self.applied && self.decision.as_ref().is_some_and(ApprovalDecision::runs)
-    }
-}
 
 impl super::Checkpoint {
     /// The checkpoint of a parked run that is ready to go on: its calls' decisions taken in (a

@@ -18,6 +18,7 @@
 //! text, reasoning and usage as they arrive), [`output`] (accounting of the run's output
 //! against its bounds) and [`durable`] (checkpoints at safe points, and resuming from one).
 
+mod approval;
 mod approvals;
 mod completion;
 mod durable;

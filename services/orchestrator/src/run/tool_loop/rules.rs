@@ -486,7 +486,7 @@ impl Driver<'_> {
         &mut self,
         partition: &Partition,
         mut outcomes: Vec<CallOutcome>,
-        approvals: &[super::approvals::Approval],
+        approvals: &[super::approval::Approval],
         turn: u32,
     ) -> Vec<(ToolCall, Message)> {
         outcomes.extend(partition.bad.iter().map(|(index, error)| CallOutcome {

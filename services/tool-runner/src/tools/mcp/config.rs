@@ -40,8 +40,8 @@ use std::time::Duration;
 use reqwest::header::{HeaderName, HeaderValue};
 use serde::Deserialize;
 
+use super::super::fields::{self, DEFAULT_ENV_ALLOWLIST};
 use super::super::limits::{RawLimits, ResourceLimits};
-use super::super::manifest::{self, DEFAULT_ENV_ALLOWLIST};
 
 /// Default per-call timeout.
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -189,7 +189,7 @@ pub(in crate::tools) fn build(
     let duration = |name: &str, value: &Option<String>, default: Duration, min: Duration, cap: Duration| {
         value
             .as_deref()
-            .map(|text| manifest::parse_bounded_duration(name, text, min, cap))
+            .map(|text| fields::parse_bounded_duration(name, text, min, cap))
             .transpose()
             .map(|d| d.unwrap_or(default))
     };
@@ -200,7 +200,7 @@ pub(in crate::tools) fn build(
             &raw.timeout,
             DEFAULT_TIMEOUT,
             Duration::from_millis(1),
-            manifest::MAX_TIMEOUT,
+            fields::MAX_TIMEOUT,
         )?,
         connect_timeout: duration(
             "connect_timeout",
@@ -223,7 +223,7 @@ pub(in crate::tools) fn build(
             second,
             MAX_CONNECT_TIMEOUT,
         )?,
-        max_message_bytes: usize::try_from(manifest::check_range(
+        max_message_bytes: usize::try_from(fields::check_range(
             "max_message_bytes",
             raw.max_message_bytes,
             DEFAULT_MAX_MESSAGE_BYTES,
@@ -231,7 +231,7 @@ pub(in crate::tools) fn build(
             64 * 1024 * 1024,
         )?)
         .unwrap_or(usize::MAX),
-        max_tools: usize::try_from(manifest::check_range(
+        max_tools: usize::try_from(fields::check_range(
             "max_tools",
             raw.max_tools,
             DEFAULT_MAX_TOOLS,
@@ -293,11 +293,11 @@ fn stdio(raw: &RawMcpServer, command: &str, base_dir: &Path, prlimit: PathBuf) -
     env.extend(raw.env.clone());
     Ok(Transport::Stdio {
         prlimit,
-        program: manifest::resolve_program(command, base_dir)?,
+        program: fields::resolve_program(command, base_dir)?,
         args: raw.args.clone(),
         env: env.into_iter().collect(),
         cwd: match &raw.cwd {
-            Some(dir) => manifest::resolve_dir(dir, base_dir)?,
+            Some(dir) => fields::resolve_dir(dir, base_dir)?,
             None => base_dir.to_owned(),
         },
         limits: ResourceLimits::resolve(raw.limits.as_ref(), &ResourceLimits::default())?,

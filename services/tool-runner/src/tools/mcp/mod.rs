@@ -26,8 +26,8 @@ use rmcp::service::Peer;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::registry::Entry;
 use crate::tools::ToolSpec;
+use crate::tools::entry::Entry;
 use call::{Link, McpTool};
 use config::McpServerConfig;
 use connection::{Connection, Handler};
