@@ -254,11 +254,7 @@ impl Api {
     fn prompt(self, shared: &Shared, body: &[u8], request: &Value) -> Lookup {
         match (self, &shared.cache) {
             (Self::ChatCompletions, Some(cache)) => cache.serve(prompt_of(body)),
-            (Self::ChatCompletions, None) => Lookup {
-                prompt_tokens: (prompt_of(body).len() / crate::prefix_cache::BYTES_PER_TOKEN) as u64,
-                cached_tokens: 0,
-            },
-            (Self::Responses, _) => {
+            _ => {
                 let chars: usize = self.conversation(request).iter().map(|m| m.to_string().len()).sum();
                 Lookup {
                     prompt_tokens: (chars / crate::prefix_cache::BYTES_PER_TOKEN) as u64,

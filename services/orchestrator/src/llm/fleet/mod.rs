@@ -128,16 +128,17 @@ impl Inner {
     ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError> {
         let post = self.post(&request);
         let plan = self.plan_avoiding(&request.affinity, request.avoid.as_deref());
-        if plan.is_empty() {
+        let tried = &plan.tries;
+        if tried.is_empty() {
             return Err(LlmError::Http(
                 "no model endpoint: every dns:/// name of --llm-base-url resolved to no address".to_owned(),
             ));
         }
-        let first_round = plan.len().min(MAX_FAILOVER);
+        let first_round = tried.len().min(MAX_FAILOVER);
         let tries = first_round + self.settings.max_retries as usize;
         let (mut failures, mut retry_after) = (Vec::new(), None);
         for attempt in 0..tries {
-            let member = &plan[attempt % plan.len()];
+            let member = &tried[attempt % tried.len()];
             if attempt >= first_round {
                 self.back_off(attempt - first_round, retry_after.take(), member).await;
             }
@@ -164,7 +165,7 @@ impl Inner {
             }
             metrics::counter!(metric::LLM_RETRIES, "reason" => outcome).increment(1);
         }
-        Err(combined(failures, plan.len()))
+        Err(combined(failures, tried.len()))
     }
 
     /// What every try of `request` sends: its body, and its affinity header when one is set.
@@ -246,10 +247,11 @@ impl Inner {
     /// The order in which endpoints are tried for `key`: the healthy ones in the key's
     /// rendezvous order, the one its turns moved to first while it is not saturated, else the
     /// first that is not; ejected ones last, as a last resort.
-    fn plan(&self, key: &str) -> Vec<Arc<Member>> {
+    fn plan(&self, key: &str) -> Plan {
         let members = self.members();
         let now = Instant::now();
         let ranked = rendezvous::order(key, members.iter().map(|m| m.name.as_str()));
+        let first_choice = ranked.first().map(|&i| members[i].name.clone());
         let (mut plan, ejected): (Vec<Arc<Member>>, Vec<Arc<Member>>) = ranked
             .into_iter()
             .map(|i| Arc::clone(&members[i]))
@@ -264,28 +266,28 @@ impl Inner {
             plan.insert(0, member);
         }
         plan.extend(ejected);
-        plan
+        Plan {
+            tries: plan,
+            first_choice,
+        }
     }
 
     /// [`Inner::plan`], with `avoid` (an endpoint that just cut the turn's stream) last.
-    fn plan_avoiding(&self, key: &str, avoid: Option<&str>) -> Vec<Arc<Member>> {
+    fn plan_avoiding(&self, key: &str, avoid: Option<&str>) -> Plan {
         let mut plan = self.plan(key);
-        if let Some(at) = avoid.and_then(|name| plan.iter().position(|m| m.name == name)) {
-            let member = plan.remove(at);
-            plan.push(member);
+        let tries = &mut plan.tries;
+        if let Some(at) = avoid.and_then(|name| tries.iter().position(|m| m.name == name)) {
+            let member = tries.remove(at);
+            tries.push(member);
         }
         plan
     }
 
     /// A completion of `key` streams from `endpoint`: remembered when that is not the key's
     /// first choice, forgotten when it is.
-    fn remember(&self, key: &str, endpoint: &str, plan: &[Arc<Member>]) {
-        let members = self.members();
-        let first = rendezvous::order(key, members.iter().map(|m| m.name.as_str()))
-            .first()
-            .map(|&i| members[i].name.as_str());
+    fn remember(&self, key: &str, endpoint: &str, plan: &Plan) {
         let mut moved = lock(&self.moved);
-        if first == Some(endpoint) || plan.len() < 2 {
+        if plan.first_choice.as_deref() == Some(endpoint) || plan.tries.len() < 2 {
             moved.remove(key);
             return;
         }
@@ -304,6 +306,12 @@ impl Inner {
         let may_eject = (ejected + 1) * 100 <= self.settings.max_ejected_percent as usize * members.len();
         member.failed(outcome, self.rules, may_eject);
     }
+}
+
+/// Where a completion is tried, in order, and the endpoint its key ranks first.
+struct Plan {
+    tries: Vec<Arc<Member>>,
+    first_choice: Option<String>,
 }
 
 /// What a completion's tries send.

@@ -31,6 +31,8 @@ pub(super) struct Eager {
     started: Vec<Started>,
     /// Structured calls of the turn looked at so far.
     seen: usize,
+    /// Of them, those naming a normal tool: the budget is spent in call order.
+    normal_seen: usize,
     /// A durable run's turn started no call early after one it could not: it starts a prefix.
     stopped: bool,
     /// How long the run's text and reasoning were when the turn began (for its checkpoints).
@@ -108,7 +110,11 @@ impl Driver<'_> {
         self.eager.seen = self.eager.seen.max(complete);
         let durable = self.durable().is_some();
         for (index, call) in calls {
-            if self.runs_early(index, &call) {
+            let runs = self.runs_early(index, &call);
+            if self.normal_names.contains(call.name.as_str()) {
+                self.eager.normal_seen += 1;
+            }
+            if runs {
                 self.start_early(index, call, turn).await;
             } else if durable {
                 self.eager.stopped = true;
@@ -118,20 +124,14 @@ impl Driver<'_> {
     }
 
     /// Whether the turn would run structured call `index` whatever comes after it.
+    /// The calls before it were looked at in order: `normal_seen` of them name normal tools.
     fn runs_early(&self, index: usize, call: &AssembledCall) -> bool {
-        let Some(completion) = self.completion.as_ref() else {
-            return false;
-        };
-        let normal_before = (0..index)
-            .filter_map(|i| completion.collector.call(i))
-            .filter(|c| self.normal_names.contains(c.name.as_str()))
-            .count();
         self.normal_names.contains(call.name.as_str())
             && call.argument_bytes <= self.deps.output.max_argument_bytes
             && is_json_object(&call.arguments)
             && !self.spec.approval.needs(&call.name)
             && index < self.deps.output.max_calls_per_turn
-            && normal_before < self.budget_left() as usize
+            && self.eager.normal_seen < self.budget_left() as usize
     }
 
     async fn start_early(&mut self, index: usize, call: AssembledCall, turn: &Turn) {
