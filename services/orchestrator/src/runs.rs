@@ -13,7 +13,7 @@ use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
 use crate::domain::ports::{
-    ApprovalLot, Claim, EventFeed, EventLog, LogError, LogWriter, Ready, RemoteCancel, ResultStore, RunJournal,
+    ApprovalLot, Claim, EventFeed, EventLog, LogError, LogWriter, Logged, Ready, RemoteCancel, ResultStore, RunJournal,
     StoreError, within,
 };
 use crate::run::backlog::Backlog;
@@ -141,7 +141,11 @@ impl Admitted {
                 self._lease = self.persister.keep_lease();
                 // The id is this run's: its log starts now (a replay or a duplicate leaves the
                 // log of the run holding the id alone).
-                self.log = Some(self.runs.log.writer(&self.run_id, 0));
+                self.log = Some(self.runs.log.owned_writer(
+                    &self.run_id,
+                    &Logged::default(),
+                    self.persister.ownership(),
+                ));
                 Ok(self)
             }
             Claim::Taken(result) if !sees(caller, &result.principal) => Err(Refusal::Foreign),
@@ -333,6 +337,7 @@ impl Runs {
         if self.free_slots() == 0 {
             return Ok(None);
         }
+        let sent = tokio::time::Instant::now();
         let bytes = match within(self.store_timeout, journal.take_over(run_id)).await {
             Ok(Some(bytes)) => bytes,
             Ok(None) => return Ok(None),
@@ -346,6 +351,7 @@ impl Runs {
             let _ = within(self.store_timeout, journal.hand_over(run_id)).await;
             return Ok(None);
         };
+        admitted.persister.taken(sent, self.store.epoch(run_id));
         let logged = self.log.last(run_id).await.map_err(|e| e.to_string())?;
         if let Some(result) = logged.finished {
             admitted.store_ended(result).await;
@@ -364,7 +370,7 @@ impl Runs {
         };
         *shared::sync::lock(&admitted.state) = checkpoint.result.clone();
         admitted._lease = admitted.persister.keep_lease();
-        admitted.log = Some(self.log.writer(run_id, logged.seq));
+        admitted.log = Some(self.log.owned_writer(run_id, &logged, admitted.persister.ownership()));
         if let Some(reason) = canceled {
             admitted.cancel.cancel(&reason);
         }
@@ -515,8 +521,8 @@ impl Runs {
             .map_err(AttachError::Log)?
             .ok_or(AttachError::NotFound)?;
         metrics::counter!(crate::telemetry::metric::ATTACHES).increment(1);
-        let feed = match self.store.shared() {
-            Some(every) => self.watched(feed, run_id, after_seq, caller, every),
+        let feed = match self.store.lease() {
+            Some(terms) => self.watched(feed, run_id, after_seq, caller, terms.renew_every()),
             None => feed,
         };
         // The caller's permit is held as long as its feed.

@@ -902,13 +902,14 @@ async fn nats_down_at_start_stops_the_orchestrator_with_a_clear_error() -> TestR
     Ok(())
 }
 
-/// NATS goes down while a durable run is in a tool call, and the run ends meanwhile: its result
-/// waits in this replica's backlog (GetRun answers from it), and its caller's stream waits for the
-/// event log, which holds every event a caller is sent (a message is tried again for a lease).
-/// NATS is back: the caller's stream goes on to `run_finished`, whole, the backlog is written, and
-/// another replica reads the result.
+/// NATS goes down while a durable run is in a tool call. The checkpoint of the call's result
+/// cannot be saved, so the run stops on its replica: nothing past its last checkpoint leaves, and
+/// the caller's stream ends `UNAVAILABLE` (the Rust client re-attaches by itself). NATS is back:
+/// the run is taken over from its last checkpoint (by this replica, through a fresh claim), the
+/// call that was in flight runs again with the same call id and the next epoch, and the run
+/// completes. The caller's stream is whole, and another replica reads the same result.
 #[tokio::test]
-async fn nats_down_and_back_keeps_the_results_of_runs_that_ended_meanwhile() -> TestResult {
+async fn nats_down_mid_call_stops_the_run_and_it_completes_from_its_checkpoint_once_back() -> TestResult {
     let mut nats = Nats::start().await?;
     let turns = vec![
         Turn::text("Before.\n").then(Step::call("sleep", serde_json::json!({"ms": 1000}))),
@@ -916,75 +917,55 @@ async fn nats_down_and_back_keeps_the_results_of_runs_that_ended_meanwhile() -> 
     ];
     let mock = mock("fault", Scenario::new(turns)).await?;
     let runner = testkit::tool_runner_in_process().await?;
-    let service = orchestrator_on_nats(&nats.url(), &mock.base_url(), &runner, &["--store-timeout", "500ms"]).await?;
-    let mut watch = Watch::start(
-        &service,
-        pb::OrchestrateRequest {
-            run_id: "while-down".into(),
-            ..model("fault")
-        },
-    )
-    .await?;
-    watch.until_call_started().await?;
-    nats.stop().await?;
-
-    // While NATS is down the run ends: this replica answers from its backlog; an unknown id is
-    // UNAVAILABLE, not NOT_FOUND (the store cannot say).
-    let mut here = client(&service).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let ended = loop {
-        let read = get_run(&mut here, "while-down").await?;
-        if read.status() != Status::Running {
-            break read;
+    let flags = ["--store-timeout", "500ms", "--run-store-lease", "2s"];
+    let service = orchestrator_on_nats(&nats.url(), &mock.base_url(), &runner, &flags).await?;
+    let patient = orchestrator_client::Retry {
+        attempts: 60,
+        first_backoff: Duration::from_millis(200),
+        max_backoff: Duration::from_millis(500),
+    };
+    let caller = orchestrator_client::ClientBuilder::new(format!("http://{}", service.grpc))
+        .retry(patient)
+        .connect()
+        .await?;
+    let request = orchestrator_client::RunRequest::prompt("go")
+        .model("fault")
+        .run_id("while-down");
+    let mut stream = caller.orchestrate(request).await?;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), stream.next_event()).await?? {
+            Some(orchestrator_client::Event::ToolCallStarted(_)) => break,
+            Some(_) => {}
+            None => anyhow::bail!("the stream ended before the call started"),
         }
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the run did not end");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert_eq!(ended.status(), Status::Completed);
-    assert_eq!(ended.text, "Before.\nAfter.");
-    let unknown = get_run(&mut here, "never-ran").await.err();
-    let code = unknown.and_then(|e| e.downcast_ref::<tonic::Status>().map(tonic::Status::code));
-    assert_eq!(code, Some(tonic::Code::Unavailable));
-    let backlog = || async {
-        anyhow::Ok(
-            scrape(&service.metrics)
-                .await?
-                .get("orchestrator_store_backlog{}")
-                .copied(),
-        )
-    };
-    // The final write waits a moment for the log first (a durable run's end is logged first).
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while backlog().await? != Some(1.0) {
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the result never waited in the backlog"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-
-    // NATS is back: the caller's stream goes on, whole; the backlog is written, and another
-    // replica reads the result from the store.
+    nats.stop().await?;
+    assert!(
+        service
+            .logged("this replica stops acting for the run", Duration::from_secs(10))
+            .await,
+        "the run stopped when its checkpoint could not be saved"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
     nats.restart().await?;
-    let seen = tokio::time::timeout(Duration::from_secs(30), watch.finish()).await??;
-    assert_eq!(seen.result, ended);
-    assert_eq!(seen.text, "Before.\nAfter.");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while backlog().await? != Some(0.0) {
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the backlog was never written");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let mut finished = None;
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(60), stream.next_event()).await?? {
+        if let orchestrator_client::Event::Finished(result) = event {
+            finished = Some(result);
+        }
     }
+    let finished = finished.ok_or_else(|| anyhow::anyhow!("no run_finished"))?;
+    assert_eq!(finished.status(), Status::Completed);
+    assert_eq!(
+        (stream.text(), finished.text.as_str()),
+        ("Before.\nAfter.", "Before.\nAfter.")
+    );
+    assert!(stream.reattached() >= 1, "the caller re-attached");
     let other = orchestrator_on_nats(&nats.url(), &mock.base_url(), &runner, &[]).await?;
-    assert_eq!(get_run(&mut client(&other).await?, "while-down").await?, seen.result);
+    assert_eq!(get_run(&mut client(&other).await?, "while-down").await?, finished);
     other.stop().await?;
-    assert_fault(
-        &service,
-        &seen,
-        Status::Completed,
-        Reason::Unspecified,
-        "Before.\nAfter.",
-    )
-    .await?;
+    assert_eq!(mock.requests().len(), 2, "the model was asked once per turn");
     service.stop().await
 }
 

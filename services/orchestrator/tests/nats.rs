@@ -166,6 +166,8 @@ async fn store_suite(store: Arc<dyn ResultStore>) -> TestResult {
     assert_eq!(store.get("missing").await.map_err(anyhow::Error::msg)?, None);
     for id in ["0193a1b2-run", "with.dots:and/slashes and spaces"] {
         let live = result(id, RunStatus::Running);
+        let claimed = store.claim(live.clone()).await.map_err(anyhow::Error::msg)?;
+        assert!(matches!(claimed, orchestrator::domain::ports::Claim::Claimed));
         store.put(live.clone()).await.map_err(anyhow::Error::msg)?;
         assert_eq!(store.get(id).await.map_err(anyhow::Error::msg)?, Some(live));
         let done = result(id, RunStatus::Failed);
@@ -556,8 +558,9 @@ async fn an_id_whose_run_died_before_its_first_checkpoint_can_be_claimed_again()
 
 /// A write of a replica's own that timed out there yet landed moves the record's revision on: its
 /// next write is not refused as if another replica had taken the run (a false fence would stop a
-/// healthy run). A write by another replica still fences it. (`a_late` writes as replica "a"
-/// without knowing its revisions, as a landed write does.)
+/// healthy run). A replica that does not own a live run cannot write it at all, and once another
+/// replica's record stands under the key, the owner is fenced. (The landed write and the other
+/// replica's record are put with the bucket's own API, as they would land.)
 #[tokio::test]
 async fn a_replicas_own_landed_write_does_not_fence_it_and_another_replicas_does() -> TestResult {
     use orchestrator::domain::ports::{Claim, StoreError};
@@ -565,17 +568,27 @@ async fn a_replicas_own_landed_write_does_not_fence_it_and_another_replicas_does
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
     let lease = Duration::from_secs(30);
     let a = replica_store(&js, "fenced-runs", "a", lease).await?;
-    let a_late = replica_store(&js, "fenced-runs", "a", lease).await?;
     let b = replica_store(&js, "fenced-runs", "b", lease).await?;
+    let kv = js.get_key_value("fenced-runs").await?;
     let mut run = RunResult::running("fenced");
     assert!(matches!(a.claim(run.clone()).await, Ok(Claim::Claimed)));
-    run.text = "landed late".into();
-    a_late.put(run.clone()).await?;
+    let landed = kv
+        .get("run.fenced")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no record"))?;
+    kv.put("run.fenced", landed).await?;
     run.text = "next write".into();
     a.put(run.clone())
         .await
         .map_err(|e| anyhow::anyhow!("a false fence: {e}"))?;
-    b.put(run.clone()).await?;
+    let refused = b.put(run.clone()).await;
+    assert!(
+        matches!(&refused, Err(StoreError::Fenced { owner, .. }) if owner == "a"),
+        "a replica that does not own a live run cannot write it: {refused:?}"
+    );
+    assert!(matches!(b.claim(RunResult::running("other")).await, Ok(Claim::Claimed)));
+    let others = kv.get("run.other").await?.ok_or_else(|| anyhow::anyhow!("no record"))?;
+    kv.put("run.fenced", others).await?;
     let fenced = a.put(run).await;
     assert!(
         matches!(&fenced, Err(StoreError::Fenced { owner, .. }) if owner == "b"),
@@ -944,7 +957,8 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
             for _ in 0..500 {
                 // Bounded: an object deleted while it is read leaves the read waiting for
                 // chunks that are gone.
-                match tokio::time::timeout(Duration::from_secs(1), read_object(&checkpoints, key)).await {
+                match tokio::time::timeout(Duration::from_secs(1), read_object(&checkpoints, &format!("{key}#1"))).await
+                {
                     Ok(Some(bytes)) => kept = Some(bytes),
                     Ok(None) if kept.is_some() => break,
                     Ok(None) | Err(_) => {}
@@ -991,7 +1005,10 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
         (pb::RunStatus::Completed, "one two")
     );
     assert_eq!(mock.requests().len(), 2, "nothing of the run ran again");
-    assert!(checkpoints.get(key).await.is_err(), "its checkpoint is gone");
+    assert!(
+        checkpoints.get(&format!("{key}#1")).await.is_err(),
+        "its checkpoint is gone"
+    );
     let client = orchestrator_client::ClientBuilder::new(b_url.clone()).connect().await?;
     let mut replay = client.attach("ended-late", 0).await?;
     let mut finished = None;
@@ -1403,13 +1420,15 @@ async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> Test
         Ok(Claim::Claimed)
     ));
     let loser = jetstream::object_store::ObjectMetadata {
-        name: "run.raced".into(),
+        name: "run.raced#1".into(),
         description: Some("b/1/0".into()),
         ..Default::default()
     };
     checkpoints.put(loser, &mut b"b's start".as_slice()).await?;
 
-    // a's replica dies; its leases lapse.
+    // a's replica dies; c sees its records unchanged for a lease (its own clock), then they
+    // have lapsed.
+    assert!(c.orphans().await?.is_empty(), "nothing has lapsed as c first sees it");
     tokio::time::sleep(Duration::from_millis(800)).await;
     let mut orphans = c.orphans().await?;
     orphans.sort();

@@ -42,6 +42,7 @@ struct ToolCall {
     arguments_json: String,
     metadata: HashMap<String, String>,
     principal: String,
+    epoch: u64,
 }
 
 impl TryFrom<pb::RunToolRequest> for ToolCall {
@@ -57,6 +58,7 @@ impl TryFrom<pb::RunToolRequest> for ToolCall {
             arguments_json: r.arguments_json,
             metadata: r.metadata,
             principal: r.principal,
+            epoch: r.epoch,
         })
     }
 }
@@ -152,6 +154,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
                 call_id: call.call_id.clone(),
                 metadata: call.metadata.clone(),
                 principal: call.principal.clone(),
+                epoch: call.epoch,
             };
             let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
             watch.finished = true;

@@ -8,17 +8,20 @@
 //! * [`result`]: what it produced ([`result::RunResult`], tool-call records, signals);
 //! * [`event`]: the events of its stream;
 //! * [`approval`]: calls that wait for a person's decision, and the decisions;
+//! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
 
 pub mod approval;
 pub mod chat;
 pub mod event;
+pub mod ownership;
 pub mod params;
 pub mod ports;
 pub mod result;
 pub mod spec;
 
 pub use event::{Event, EventBatch, NumberedEvent};
+pub use ownership::{LeaseTerms, Ownership, Stop};
 pub use result::{Delivery, FailureReason, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
 pub use spec::{Deadline, HARD_MAX_TURNS, Limits, LoopDetection, OutputBounds, ParsePolicy, RunSpec};

@@ -10,6 +10,7 @@ use futures::stream::BoxStream;
 
 use super::approval::{DecideError, Decision, PendingApproval};
 use super::event::NumberedEvent;
+use super::ownership::{LeaseTerms, Ownership};
 use super::result::{Delivery, RunResult, Signal, ToolCallError};
 
 /// A normal tool call to execute.
@@ -27,6 +28,9 @@ pub struct ToolInvocation {
     pub metadata: BTreeMap<String, String>,
     /// The caller the run belongs to.
     pub principal: String,
+    /// The epoch of this replica's claim of the run (0: not durable): a tool with side effects
+    /// refuses an older one than it has seen.
+    pub epoch: u64,
     /// Deadline of this call.
     pub timeout: Duration,
 }
@@ -47,10 +51,15 @@ pub trait ResultStore: Send + Sync + 'static {
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>>;
     /// A run's result, if kept.
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>>;
-    /// `Some(renew_every)` when other replicas read this store: live runs are then written at
-    /// turn boundaries and at least this often, which renews their lease (a local store already
-    /// sees them through the registry).
-    fn shared(&self) -> Option<Duration>;
+    /// `Some` when other replicas read this store: live runs are then written at turn
+    /// boundaries and at least every [`LeaseTerms::renew_every`], which renews their lease, and
+    /// their owner stops acting once its lease runs out unrenewed (a local store already sees
+    /// them through the registry).
+    fn lease(&self) -> Option<LeaseTerms>;
+    /// The epoch of this replica's claim of `run_id` (0: not claimed here, or a local store).
+    fn epoch(&self, _run_id: &str) -> u64 {
+        0
+    }
 }
 
 /// Durable runs (the NATS store): a live run's checkpoints, and the takeover of runs whose
@@ -180,6 +189,13 @@ pub trait EventLog: Send + Sync + 'static {
     /// empty (a run id is claimed once); the log's last seq for a run taken over from another
     /// replica (only a shared log has one).
     fn writer(&self, run_id: &str, logged: u64) -> Box<dyn LogWriter>;
+    /// The writer of the run's events for its owner, continuing the log that ends at `from`: a
+    /// log shared by replicas refuses an append that does not follow `from` and what this writer
+    /// appended since (another owner wrote in between), and stops `owner` then; nothing is
+    /// appended once `owner` stopped. A log of one replica is [`EventLog::writer`].
+    fn owned_writer(&self, run_id: &str, from: &Logged, _owner: &Ownership) -> Box<dyn LogWriter> {
+        self.writer(run_id, from.seq)
+    }
     /// The run's events with `seq > after_seq`, then those appended later, up to and including
     /// `run_finished`. `Ok(None)`: this log has nothing of the run (unknown or expired).
     fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>>;
@@ -193,6 +209,9 @@ pub trait EventLog: Send + Sync + 'static {
 pub struct Logged {
     /// The seq of the last event kept (0 when none).
     pub seq: u64,
+    /// Where the log's backend has the run's last message (a shared log's position, which a
+    /// new owner's first append must follow; 0 when none).
+    pub position: u64,
     /// The run's result when that event is `run_finished`: the run ended, though its replica
     /// may have stopped before storing the result.
     pub finished: Option<crate::domain::RunResult>,

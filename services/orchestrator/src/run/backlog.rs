@@ -158,7 +158,7 @@ mod tests {
         fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
             self.inner.get(run_id)
         }
-        fn shared(&self) -> Option<Duration> {
+        fn lease(&self) -> Option<crate::domain::LeaseTerms> {
             None
         }
     }

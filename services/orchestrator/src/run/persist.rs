@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::domain::{Ownership, Stop};
+
 use super::SharedState;
 use super::backlog::Backlog;
 use crate::domain::ports::{Claim, ParkOutcome, ResultStore, RunJournal, StoreError, within};
@@ -26,9 +28,13 @@ pub struct Persister {
     timeout: Duration,
     backlog: Arc<Backlog>,
     journal: Option<Arc<dyn RunJournal>>,
-    /// Cancelled once a write was refused because another replica owns the run, or the run was
-    /// handed over: nothing of it is written from here after that.
-    taken_over: CancellationToken,
+    /// This replica's lease on the run: stopped once a write was refused because another replica
+    /// owns the run, a checkpoint was not saved, the lease ran out unrenewed, or the run was
+    /// handed over. Nothing of the run is written from here after that.
+    ownership: Ownership,
+    /// The final result was stored: a later write (a signal confirmed late) rewrites the run's
+    /// own final record, which no other replica takes over, so it needs no lease.
+    ended: Arc<AtomicBool>,
     /// Set once the run parked for approvals: its record is the lot's now, and nothing of it is
     /// written from here (a lease renewal would make it running again).
     released: CancellationToken,
@@ -69,13 +75,14 @@ impl Persister {
     /// the store does not take waits in `backlog`.
     pub fn new(store: Arc<dyn ResultStore>, state: SharedState, timeout: Duration, backlog: Arc<Backlog>) -> Self {
         Self {
+            ownership: Ownership::new(store.lease(), tokio::time::Instant::now()),
             store,
             state,
             lock: Arc::default(),
             timeout,
             backlog,
             journal: None,
-            taken_over: CancellationToken::new(),
+            ended: Arc::default(),
             released: CancellationToken::new(),
             claimed_resumable: Arc::default(),
         }
@@ -92,30 +99,46 @@ impl Persister {
         self.journal.is_some()
     }
 
-    /// Resolves once another replica took the run over (a write of it was fenced).
+    /// This replica's ownership of the run (its lease and its stop).
+    pub fn ownership(&self) -> &Ownership {
+        &self.ownership
+    }
+
+    /// Resolves once this replica stopped acting for the run (fenced, unsaved, expired or
+    /// handed over): the run is another replica's to resume.
     pub async fn taken_over(&self) {
-        self.taken_over.cancelled().await;
+        self.ownership.lost().await;
+    }
+
+    /// Whether a write may leave now: the run is this replica's (or ended here), and not parked.
+    fn may_write(&self) -> bool {
+        !self.released.is_cancelled() && (self.ended.load(Ordering::Acquire) || self.ownership.holds())
     }
 
     /// Writes the current state now; whether the store took it.
     pub async fn write(&self) -> bool {
         let _serialized = self.lock.lock().await;
-        if self.taken_over.is_cancelled() || self.released.is_cancelled() {
+        if !self.may_write() {
             return false;
         }
         let snapshot = self.snapshot();
         let run_id = snapshot.run_id.clone();
+        let sent = tokio::time::Instant::now();
         let written = within(self.timeout, self.store.put(snapshot)).await;
-        self.outcome(&run_id, "storing the run's state", written)
+        self.outcome(&run_id, "storing the run's state", sent, written)
     }
 
-    /// Whether a write went through; a fenced one marks the run taken over.
-    fn outcome(&self, run_id: &str, what: &str, written: Result<(), StoreError>) -> bool {
+    /// Whether a write sent at `sent` went through (the lease runs from then); a fenced one
+    /// stops this replica's ownership.
+    fn outcome(&self, run_id: &str, what: &str, sent: tokio::time::Instant, written: Result<(), StoreError>) -> bool {
         match written {
-            Ok(()) => true,
+            Ok(()) => {
+                self.ownership.confirmed(sent);
+                true
+            }
             Err(e @ StoreError::Fenced { .. }) => {
                 tracing::warn!(run_id = %run_id, "{e}; this replica stops the run");
-                self.taken_over.cancel();
+                self.ownership.stop(Stop::Fenced(e.to_string()));
                 false
             }
             Err(e) => {
@@ -126,14 +149,16 @@ impl Persister {
     }
 
     /// Saves a checkpoint (made by `make` once the write's turn came, so the newest one is
-    /// written last) and renews the lease with it; whether the store took it. Without a journal
-    /// nothing is written.
+    /// written last) and renews the lease with it; whether the store took it. A checkpoint the
+    /// store did not take stops the run here: what it would reveal next is not saved, so the run
+    /// resumes (elsewhere, or here through a fresh claim) from the last good one. Without a
+    /// journal nothing is written.
     pub async fn save(&self, make: impl FnOnce() -> Snapshot) -> bool {
         let Some(journal) = &self.journal else {
             return false;
         };
         let _serialized = self.lock.lock().await;
-        if self.taken_over.is_cancelled() || self.released.is_cancelled() {
+        if !self.may_write() {
             return false;
         }
         let Snapshot {
@@ -142,8 +167,14 @@ impl Persister {
             bytes,
         } = make().counted();
         let run_id = result.run_id.clone();
+        let sent = tokio::time::Instant::now();
         let saved = within(self.timeout, journal.save(result, deadline_unix_ms, bytes)).await;
-        self.outcome(&run_id, "saving the run's checkpoint", saved)
+        let failure = saved.as_ref().err().map(ToString::to_string);
+        let ok = self.outcome(&run_id, "saving the run's checkpoint", sent, saved);
+        if let Some(failure) = failure {
+            self.ownership.stop(Stop::Unsaved(failure));
+        }
+        ok
     }
 
     /// Parks the run (`park`, the approval lot's) with no write of this persister in between;
@@ -160,17 +191,20 @@ impl Persister {
         parked
     }
 
-    /// Releases the run as handed over at a drain (its last checkpoint stands): another replica
-    /// takes it at once.
+    /// Releases the run as handed over at a drain (its last checkpoint stands, and the caller
+    /// flushed its events to the log first): another replica takes it at once.
     pub async fn hand_over(&self) {
         let Some(journal) = &self.journal else { return };
         let _serialized = self.lock.lock().await;
-        let run_id = self.snapshot().run_id;
-        let handed = within(self.timeout, journal.hand_over(&run_id)).await;
-        self.outcome(&run_id, "handing the run over", handed);
+        if self.ownership.holds() {
+            let run_id = self.snapshot().run_id;
+            let sent = tokio::time::Instant::now();
+            let handed = within(self.timeout, journal.hand_over(&run_id)).await;
+            self.outcome(&run_id, "handing the run over", sent, handed);
+        }
         // The run is another replica's now: no write of it leaves here any more (a lease
         // renewal would take the record back).
-        self.taken_over.cancel();
+        self.ownership.stop(Stop::HandedOver);
     }
 
     /// Forgets the run's checkpoint once its final result is stored.
@@ -186,8 +220,9 @@ impl Persister {
     /// by GetRun here, written again until the store takes it).
     pub async fn write_final(&self) {
         if self.write().await {
+            self.ended.store(true, Ordering::Release);
             self.forget().await;
-        } else if !self.taken_over.is_cancelled() {
+        } else if !self.ownership.stopped() {
             self.backlog.push(self.snapshot());
         }
     }
@@ -197,19 +232,34 @@ impl Persister {
     }
 
     /// Claims the run's id in the store (see [`ResultStore::claim`]). A store that cannot be
-    /// reached does not stop the run: it is logged, and the run goes on unclaimed.
+    /// reached does not stop the run at once: it is logged, and the run goes on unclaimed, its
+    /// lease running from the claim's send (it stops unless a later write lands in time).
     pub async fn claim(&self) -> Claim {
         let snapshot = self.snapshot();
         let run_id = snapshot.run_id.clone();
-        within(self.timeout, self.store.claim(snapshot))
-            .await
-            .unwrap_or_else(|e| unclaimed(&run_id, &e))
+        let sent = tokio::time::Instant::now();
+        let claim = within(self.timeout, self.store.claim(snapshot)).await;
+        self.claimed(&run_id, sent, claim)
+    }
+
+    /// The outcome of a claim sent at `sent`: a claimed run's lease runs from then, with the
+    /// epoch the store gave.
+    fn claimed(&self, run_id: &str, sent: tokio::time::Instant, claim: Result<Claim, StoreError>) -> Claim {
+        match claim {
+            Ok(Claim::Claimed) => {
+                self.ownership.begin(sent);
+                self.ownership.set_epoch(self.store.epoch(run_id));
+                Claim::Claimed
+            }
+            Ok(taken) => taken,
+            Err(e) => unclaimed(run_id, &e),
+        }
     }
 
     /// Claims the run's id with its start checkpoint (made by `start`), so another replica can
     /// resume the run from its first moment ([`RunJournal::claim_resumable`]); without a journal
-    /// as [`Persister::claim`]. A store that cannot be reached does not stop the run: it goes on
-    /// unclaimed, resumable from its first saved checkpoint.
+    /// as [`Persister::claim`]. A store that cannot be reached does not stop the run at once: it
+    /// goes on unclaimed, resumable from its first saved checkpoint.
     pub async fn claim_resumable(&self, start: impl FnOnce() -> Snapshot) -> Claim {
         let Some(journal) = &self.journal else {
             return self.claim().await;
@@ -220,14 +270,18 @@ impl Persister {
             bytes,
         } = start().counted();
         let run_id = result.run_id.clone();
-        match within(self.timeout, journal.claim_resumable(result, deadline_unix_ms, bytes)).await {
-            Ok(claim) => {
-                let claimed = matches!(claim, Claim::Claimed);
-                self.claimed_resumable.store(claimed, Ordering::Release);
-                claim
-            }
-            Err(e) => unclaimed(&run_id, &e),
-        }
+        let sent = tokio::time::Instant::now();
+        let claim = within(self.timeout, journal.claim_resumable(result, deadline_unix_ms, bytes)).await;
+        let claim = self.claimed(&run_id, sent, claim);
+        self.claimed_resumable
+            .store(matches!(claim, Claim::Claimed), Ordering::Release);
+        claim
+    }
+
+    /// A run taken over here: the claim (sent at `sent`) gave it `epoch`.
+    pub fn taken(&self, sent: tokio::time::Instant, epoch: u64) {
+        self.ownership.begin(sent);
+        self.ownership.set_epoch(epoch);
     }
 
     /// Whether the run's id was claimed with its start checkpoint.
@@ -236,14 +290,21 @@ impl Persister {
     }
 
     /// Renews the run's lease in a shared store until the returned guard is dropped: the state is
-    /// written every `renew_every`.
+    /// written every [`LeaseTerms::renew_every`]; a lease that runs out unrenewed stops the
+    /// ownership (the run ends here, see [`Persister::taken_over`]).
+    ///
+    /// [`LeaseTerms::renew_every`]: crate::domain::LeaseTerms::renew_every
     pub fn keep_lease(&self) -> Option<shared::runtime::AbortOnDrop> {
-        let every = self.store.shared()?;
+        let every = self.store.lease()?.renew_every();
         let this = self.clone();
         Some(shared::runtime::AbortOnDrop(tokio::spawn(async move {
             loop {
-                tokio::time::sleep(every).await;
-                let _ = this.write().await;
+                tokio::select! {
+                    () = this.ownership.expire() => return,
+                    () = tokio::time::sleep(every) => {
+                        let _ = this.write().await;
+                    }
+                }
             }
         })))
     }

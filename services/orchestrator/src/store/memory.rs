@@ -64,7 +64,7 @@ impl ResultStore for MemoryStore {
         Box::pin(futures::future::ready(Ok(())))
     }
 
-    fn shared(&self) -> Option<Duration> {
+    fn lease(&self) -> Option<crate::domain::LeaseTerms> {
         None
     }
 

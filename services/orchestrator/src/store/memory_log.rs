@@ -177,10 +177,11 @@ impl EventLog for MemoryLog {
                 Some(event) => Logged {
                     seq: event.seq,
                     finished: event.finished().cloned(),
+                    ..Logged::default()
                 },
                 None => Logged {
                     seq: log.trimmed_through,
-                    finished: None,
+                    ..Logged::default()
                 },
             });
         futures::future::ready(Ok(last)).boxed()

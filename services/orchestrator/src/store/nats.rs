@@ -32,6 +32,13 @@ pub struct KvStore {
     /// This replica, written into the records of its runs.
     pub(super) owner: String,
     pub(super) lease: Duration,
+    /// How much of the lease an owner leaves unused (it stops acting that long before anyone
+    /// may take the run over).
+    pub(super) margin: Duration,
+    /// Records of other replicas' live runs as this replica saw them: the revision, and when it
+    /// was first seen here (this process's clock). A record seen unchanged for a whole lease has
+    /// lapsed; no wall clock of another machine is read.
+    pub(super) seen: Sightings,
     /// The runs this replica owns, by key: their writes are fenced on the revision.
     pub(super) owned: Arc<Mutex<HashMap<String, Owned>>>,
     /// Checkpoints of live runs, by key (an object store: a checkpoint may be larger than one
@@ -42,6 +49,40 @@ pub struct KvStore {
     pub(super) handover_subject: String,
     /// Where cancels are asked of the replica running a run (core NATS, `<bucket>.cancels`).
     pub(super) cancel_subject: String,
+}
+
+/// Records of other replicas' live runs as this replica saw them: the revision, and when it was
+/// first seen here (this process's monotonic clock). A record seen unchanged for a whole lease
+/// has lapsed; no wall clock of another machine is read.
+#[derive(Clone)]
+pub(super) struct Sightings {
+    seen: Arc<Mutex<HashMap<String, (u64, tokio::time::Instant)>>>,
+    lease: Duration,
+}
+
+impl Sightings {
+    /// Whether the record under `key` at `revision` has lapsed: this replica has seen that
+    /// revision, and no later one, for a whole lease. A revision not seen before starts the count.
+    pub(super) fn lapsed(&self, key: &str, revision: u64) -> bool {
+        let now = tokio::time::Instant::now();
+        let mut seen = shared::sync::lock(&self.seen);
+        match seen.get(key) {
+            Some((seen_revision, since)) if *seen_revision == revision => now.duration_since(*since) >= self.lease,
+            _ => {
+                seen.insert(key.to_owned(), (revision, now));
+                false
+            }
+        }
+    }
+
+    /// Forgets what was seen of records not among `keys` (ended, or gone) and not seen in the
+    /// last two leases (an id asked for again at admission).
+    pub(super) fn keep(&self, keys: &std::collections::HashSet<String>) {
+        let now = tokio::time::Instant::now();
+        let recent = self.lease * 2;
+        shared::sync::lock(&self.seen)
+            .retain(|key, (_, since)| keys.contains(key) || now.duration_since(*since) < recent);
+    }
 }
 
 /// A stored run.
@@ -76,6 +117,15 @@ pub(super) struct Record {
     /// checkpoint under the key, and that one is never resumed as this run.
     #[prost(string, tag = "9")]
     pub claim: String,
+    /// The claim's number: 1 at admission, one more at each takeover. Tools are told it, so one
+    /// with side effects can refuse a replaced owner.
+    #[prost(uint64, tag = "10")]
+    pub epoch: u64,
+    /// The epoch whose checkpoint object holds the run's last checkpoint (0: an object named by
+    /// the key alone, as versions before epochs wrote it). A replaced owner writes only objects
+    /// of its own epoch, which the new owner never reads.
+    #[prost(uint64, tag = "11")]
+    pub checkpoint_epoch: u64,
 }
 
 /// What this replica knows of a run it owns.
@@ -87,6 +137,29 @@ pub(super) struct Owned {
     pub resumable_until_unix_ms: u64,
     /// See [`Record::claim`].
     pub claim: String,
+    /// See [`Record::epoch`].
+    pub epoch: u64,
+    /// See [`Record::checkpoint_epoch`].
+    pub checkpoint_epoch: u64,
+}
+
+/// The name of the checkpoint object of the run under `key` written in `epoch`.
+pub(super) fn checkpoint_name(key: &str, epoch: u64) -> String {
+    match epoch {
+        0 => key.to_owned(),
+        epoch => format!("{key}#{epoch}"),
+    }
+}
+
+/// The key and epoch of a checkpoint object's name.
+pub(super) fn checkpoint_of(name: &str) -> (&str, u64) {
+    match name.rsplit_once('#') {
+        Some((key, epoch)) => match epoch.parse() {
+            Ok(epoch) => (key, epoch),
+            Err(_) => (name, 0),
+        },
+        None => (name, 0),
+    }
 }
 
 impl Record {
@@ -133,8 +206,9 @@ impl Record {
     }
 
     /// Whether the run's replica died before the run's first checkpoint, having shown nothing:
-    /// RUNNING, lease lapsed, never checkpointed, no output.
-    pub(super) fn never_started(&self, now_unix_ms: u64) -> bool {
+    /// RUNNING, never checkpointed, no output, and `lapsed` (seen unchanged for a lease here) or
+    /// written lost by the replica that found it unresumable (no lease at all).
+    pub(super) fn never_started(&self, lapsed: bool) -> bool {
         let empty = self
             .result
             .as_ref()
@@ -143,7 +217,7 @@ impl Record {
             && empty
             && !self.handed_over
             && self.resumable_until_unix_ms == 0
-            && self.lease_expires_unix_ms < now_unix_ms
+            && (lapsed || self.lease_expires_unix_ms == 0)
     }
 
     /// Whether the run has not ended: it runs, or it is parked waiting for approvals.
@@ -151,12 +225,11 @@ impl Record {
         self.running() || self.awaiting
     }
 
-    /// Whether the run's owner is gone (lease lapsed, or handed over) while it may be resumed, or
-    /// it is parked and ready to go on (decided, canceled, or its wake time passed).
-    pub(super) fn orphaned(&self, now_unix_ms: u64) -> bool {
-        let lost_owner = self.running()
-            && self.resumable(now_unix_ms)
-            && (self.handed_over || self.lease_expires_unix_ms < now_unix_ms);
+    /// Whether the run's owner is gone (its record `lapsed`: seen unchanged for a lease here; or
+    /// handed over) while it may be resumed, or it is parked and ready to go on (decided,
+    /// canceled, or its wake time passed).
+    pub(super) fn orphaned(&self, now_unix_ms: u64, lapsed: bool) -> bool {
+        let lost_owner = self.running() && self.resumable(now_unix_ms) && (self.handed_over || lapsed);
         lost_owner || (self.awaiting && (self.ready || self.wake_at_unix_ms <= now_unix_ms))
     }
 }
@@ -192,12 +265,24 @@ impl KvStore {
             kv,
             owner,
             lease,
+            margin: lease / 3,
+            seen: Sightings {
+                seen: Arc::default(),
+                lease,
+            },
             owned: Arc::default(),
             checkpoints,
             client: js.client(),
             handover_subject: format!("orchestrator.{bucket}.handovers"),
             cancel_subject: format!("orchestrator.{bucket}.cancels"),
         })
+    }
+
+    /// The store, its owners leaving `margin` of their lease unused (default a third).
+    #[must_use]
+    pub fn with_lease_margin(mut self, margin: Duration) -> Self {
+        self.margin = margin;
+        self
     }
 
     pub(super) async fn open_bucket(
@@ -232,7 +317,10 @@ impl KvStore {
     /// The record of `result` as this replica writes it now.
     pub(super) fn record(&self, result: pb::RunResult, resumable_until_unix_ms: u64) -> Record {
         let lease = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
-        let claim = self.claim_of(&key(&result.run_id));
+        let key = key(&result.run_id);
+        let (claim, epoch, checkpoint_epoch) = self.owned().get(&key).map_or((String::new(), 1, 1), |o| {
+            (o.claim.clone(), o.epoch, o.checkpoint_epoch)
+        });
         Record {
             result: Some(result),
             owner: self.owner.clone(),
@@ -243,61 +331,33 @@ impl KvStore {
             ready: false,
             wake_at_unix_ms: 0,
             claim,
+            epoch,
+            checkpoint_epoch,
         }
-    }
-
-    /// The admission of this replica's run under `key` (empty: not known here).
-    pub(super) fn claim_of(&self, key: &str) -> String {
-        self.owned().get(key).map(|o| o.claim.clone()).unwrap_or_default()
     }
 
     /// Creates the record of a new run under `key` unless the id is taken, atomically; takes
     /// over the record of a run whose replica died before it showed anything
-    /// ([`Record::never_started`]). This replica owns the run once it is [`Claim::Claimed`].
+    /// ([`Record::never_started`]). This replica owns the run once it is [`Claim::Claimed`]. A
+    /// claim the store does not answer is remembered, so a later write adopts the record if it
+    /// landed (or creates it).
     pub(super) fn create(
         &self,
         key: String,
         record: Record,
     ) -> impl Future<Output = Result<Claim, StoreError>> + use<> {
-        let (kv, owned) = (self.kv.clone(), Arc::clone(&self.owned));
-        let bytes = bytes::Bytes::from(record.encode_to_vec());
-        let owned_now = move |revision| Owned {
-            revision,
-            resumable_until_unix_ms: record.resumable_until_unix_ms,
-            claim: record.claim,
-        };
-        async move {
-            match kv.create(&key, bytes.clone()).await {
-                Ok(revision) => {
-                    shared::sync::lock(&owned).insert(key, owned_now(revision));
-                    Ok(Claim::Claimed)
-                }
-                Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
-                    let Some((taken, revision)) = holder(&kv, &key).await? else {
-                        return Err(unavailable("KV create", &key, "taken, then gone"));
-                    };
-                    if taken.never_started(shared::sync::unix_ms()) {
-                        // Its replica died before the run showed anything, and nothing of it can
-                        // be resumed: the id is free again (one winner).
-                        if let Ok(revision) = kv.update(&key, bytes, revision).await {
-                            shared::sync::lock(&owned).insert(key, owned_now(revision));
-                            return Ok(Claim::Claimed);
-                        }
-                    }
-                    Ok(Claim::Taken(Box::new(taken.read(&key)?)))
-                }
-                Err(e) => Err(unavailable("KV create", &key, e)),
-            }
-        }
+        create_record(self.kv.clone(), Arc::clone(&self.owned), self.seen.clone(), key, record)
     }
 
     pub(super) fn owned(&self) -> std::sync::MutexGuard<'_, HashMap<String, Owned>> {
         shared::sync::lock(&self.owned)
     }
 
-    /// Writes `record` under `key`: a compare-and-set on the revision this replica wrote last
-    /// when it owns the run (refused [`StoreError::Fenced`] when another replica took it), a plain
-    /// put otherwise. A final record ends this replica's ownership.
+    /// Writes `record` under `key`, always conditionally: a compare-and-set on the revision this
+    /// replica wrote last when it owns the run (refused [`StoreError::Fenced`] when another
+    /// replica took it); otherwise only the run's own final record is written again (a signal
+    /// confirmed late, a result from the backlog), or a record that is missing created. A final
+    /// record ends this replica's ownership.
     pub(super) fn write(&self, key: String, record: Record) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, owned, owner) = (self.kv.clone(), Arc::clone(&self.owned), self.owner.clone());
         let last = shared::sync::lock(&owned).get(&key).cloned();
@@ -305,13 +365,9 @@ impl KvStore {
         async move {
             let bytes = bytes::Bytes::from(record.encode_to_vec());
             let Some(last) = last else {
-                return kv
-                    .put(&key, bytes)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| unavailable("KV put", &key, e));
+                return rewrite_own_final(&kv, &key, bytes, &owner).await;
             };
-            match update_owned(&kv, &key, bytes, last.revision, &owner).await {
+            match update_owned(&kv, &key, bytes, &last, &owner).await {
                 Ok(revision) => {
                     let mut owned = shared::sync::lock(&owned);
                     if running {
@@ -321,53 +377,124 @@ impl KvStore {
                     }
                     Ok(())
                 }
-                Err(e) => {
-                    if matches!(e, StoreError::Fenced { .. }) {
-                        shared::sync::lock(&owned).remove(&key);
-                    }
-                    Err(e)
-                }
+                Err(e) => Err(e),
             }
         }
         .boxed()
     }
 }
 
+/// See [`KvStore::create`]; `record.epoch` is the claim's (1 when not given), one more than the
+/// taken record's when it takes over a run that never started.
+pub(super) async fn create_record(
+    kv: jetstream::kv::Store,
+    owned: Arc<Mutex<HashMap<String, Owned>>>,
+    seen: Sightings,
+    key: String,
+    mut record: Record,
+) -> Result<Claim, StoreError> {
+    record.epoch = record.epoch.max(1);
+    record.checkpoint_epoch = record.epoch;
+    let owned_now = |revision, record: &Record| Owned {
+        revision,
+        resumable_until_unix_ms: record.resumable_until_unix_ms,
+        claim: record.claim.clone(),
+        epoch: record.epoch,
+        checkpoint_epoch: record.checkpoint_epoch,
+    };
+    match kv.create(&key, record.encode_to_vec().into()).await {
+        Ok(revision) => {
+            shared::sync::lock(&owned).insert(key, owned_now(revision, &record));
+            Ok(Claim::Claimed)
+        }
+        Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
+            let Some((taken, revision)) = holder(&kv, &key).await? else {
+                return Err(unavailable("KV create", &key, "taken, then gone"));
+            };
+            if taken.never_started(seen.lapsed(&key, revision)) {
+                // Its replica died before the run showed anything, and nothing of it can be
+                // resumed: the id is free again (one winner), in a later epoch.
+                record.epoch = record.epoch.max(taken.epoch.saturating_add(1));
+                record.checkpoint_epoch = record.epoch;
+                if let Ok(revision) = kv.update(&key, record.encode_to_vec().into(), revision).await {
+                    shared::sync::lock(&owned).insert(key, owned_now(revision, &record));
+                    return Ok(Claim::Claimed);
+                }
+            }
+            Ok(Claim::Taken(Box::new(taken.read(&key)?)))
+        }
+        Err(e) => {
+            // Unanswered, the claim may have landed: a later write adopts it (or creates it).
+            shared::sync::lock(&owned).insert(key.clone(), owned_now(0, &record));
+            Err(unavailable("KV create", &key, e))
+        }
+    }
+}
+
+/// Writes a record this replica does not own (any more): created when missing; otherwise only
+/// over a final record of this replica's, by compare-and-set. Anything else is another replica's
+/// run, and the write is fenced.
+async fn rewrite_own_final(
+    kv: &jetstream::kv::Store,
+    key: &str,
+    bytes: bytes::Bytes,
+    owner: &str,
+) -> Result<(), StoreError> {
+    let Some((current, revision)) = holder(kv, key).await? else {
+        return match kv.create(key, bytes).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => Err(fenced(key, "another replica")),
+            Err(e) => Err(unavailable("KV create", key, e)),
+        };
+    };
+    if current.live() || current.owner != owner {
+        return Err(fenced(key, &current.owner));
+    }
+    match kv.update(key, bytes, revision).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => Err(fenced(key, "another replica")),
+        Err(e) => Err(unavailable("KV update", key, e)),
+    }
+}
+
+fn fenced(key: &str, owner: &str) -> StoreError {
+    StoreError::Fenced {
+        run_id: run_id_of(key),
+        owner: owner.to_owned(),
+    }
+}
+
 /// A compare-and-set of a record this replica (`owner`) owns, on the revision it wrote last; the
-/// new revision. A revision moved on by a write of this replica's own (one that timed out here,
-/// yet landed) is taken as the last one; moved on by another replica, the write is fenced.
+/// new revision. A revision moved on by a write of this replica's own claim (one that timed out
+/// here, yet landed: same owner, same admission, same epoch, still running) is taken as the last
+/// one; moved on by anyone else, the write is fenced.
 async fn update_owned(
     kv: &jetstream::kv::Store,
     key: &str,
     bytes: bytes::Bytes,
-    revision: u64,
+    last: &Owned,
     owner: &str,
 ) -> Result<u64, StoreError> {
-    match kv.update(key, bytes.clone(), revision).await {
+    match kv.update(key, bytes.clone(), last.revision).await {
         Ok(revision) => return Ok(revision),
         Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => {}
         Err(e) => return Err(unavailable("KV update", key, e)),
     }
-    let entry = kv.entry(key).await.map_err(|e| unavailable("KV entry", key, e))?;
-    let current = entry.and_then(|entry| Some((Record::decode(entry.value.as_ref()).ok()?, entry.revision)));
+    let current = holder(kv, key).await?;
     match current {
-        Some((record, revision)) if record.owner == owner && record.running() => {
+        Some((record, revision))
+            if record.owner == owner
+                && record.running()
+                && record.claim == last.claim
+                && record.epoch == last.epoch =>
+        {
             kv.update(key, bytes, revision).await.map_err(|e| match e.kind() {
-                jetstream::kv::UpdateErrorKind::WrongLastRevision => StoreError::Fenced {
-                    run_id: run_id_of(key),
-                    owner: "another replica".to_owned(),
-                },
+                jetstream::kv::UpdateErrorKind::WrongLastRevision => fenced(key, "another replica"),
                 _ => unavailable("KV update", key, e),
             })
         }
-        Some((record, _)) => Err(StoreError::Fenced {
-            run_id: run_id_of(key),
-            owner: record.owner,
-        }),
-        None => Err(StoreError::Fenced {
-            run_id: run_id_of(key),
-            owner: "another replica".to_owned(),
-        }),
+        Some((record, _)) => Err(fenced(key, &record.owner)),
+        None => Err(fenced(key, "another replica")),
     }
 }
 
@@ -416,8 +543,15 @@ impl ResultStore for KvStore {
         self.create(key(&result.run_id), record).boxed()
     }
 
-    fn shared(&self) -> Option<Duration> {
-        Some(self.lease / 3)
+    fn lease(&self) -> Option<crate::domain::LeaseTerms> {
+        Some(crate::domain::LeaseTerms {
+            length: self.lease,
+            margin: self.margin,
+        })
+    }
+
+    fn epoch(&self, run_id: &str) -> u64 {
+        self.owned().get(&key(run_id)).map_or(0, |o| o.epoch)
     }
 
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {

@@ -11,7 +11,9 @@ use futures::{FutureExt, StreamExt};
 use prost::Message;
 use tokio::io::AsyncReadExt;
 
-use super::nats::{KvStore, Owned, decode_record, holder, key, run_id_of, unavailable};
+use super::nats::{
+    KvStore, Owned, checkpoint_name, checkpoint_of, create_record, decode_record, holder, key, run_id_of, unavailable,
+};
 use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RunJournal, StoreError};
 
 /// Records read at once while looking for orphans.
@@ -32,25 +34,43 @@ impl KvStore {
         format!("{}/{}/{n}", self.owner, shared::sync::unix_ms())
     }
 
-    /// Puts the checkpoint of this replica's run under `key`, named by the run's admission.
+    /// Puts the checkpoint of this replica's run under `key` in the object of its epoch, named by
+    /// the run's admission; once stored, the run's record names that object.
     pub(super) fn put_checkpoint(
         &self,
         key: String,
         checkpoint: Vec<u8>,
     ) -> impl Future<Output = Result<(), StoreError>> + use<> {
-        put_named(self.checkpoints.clone(), key.clone(), self.claim_of(&key), checkpoint)
+        let (epoch, claim) = self
+            .owned()
+            .get(&key)
+            .map_or((1, String::new()), |o| (o.epoch, o.claim.clone()));
+        let put = put_named(
+            self.checkpoints.clone(),
+            checkpoint_name(&key, epoch),
+            claim,
+            checkpoint,
+        );
+        let owned = std::sync::Arc::clone(&self.owned);
+        async move {
+            put.await?;
+            if let Some(o) = shared::sync::lock(&owned).get_mut(&key) {
+                o.checkpoint_epoch = o.checkpoint_epoch.max(epoch);
+            }
+            Ok(())
+        }
     }
 }
 
-/// Puts `checkpoint` under `key`, its description naming the admission `claim`.
+/// Puts `checkpoint` under the object `name`, its description naming the admission `claim`.
 async fn put_named(
     checkpoints: ObjectStore,
-    key: String,
+    name: String,
     claim: String,
     checkpoint: Vec<u8>,
 ) -> Result<(), StoreError> {
     let meta = jetstream::object_store::ObjectMetadata {
-        name: key.clone(),
+        name: name.clone(),
         description: (!claim.is_empty()).then_some(claim),
         ..Default::default()
     };
@@ -58,7 +78,7 @@ async fn put_named(
         .put(meta, &mut checkpoint.as_slice())
         .await
         .map(|_| ())
-        .map_err(|e| unavailable("checkpoint put", &key, e))
+        .map_err(|e| unavailable("checkpoint put", &name, e))
 }
 
 impl RunJournal for KvStore {
@@ -69,29 +89,29 @@ impl RunJournal for KvStore {
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<(), StoreError>> {
         let key = key(&result.run_id);
-        let first = match self.owned().get_mut(&key) {
+        let (epoch, before) = match self.owned().get_mut(&key) {
             Some(owned) => {
-                let first = owned.resumable_until_unix_ms == 0;
                 owned.resumable_until_unix_ms = deadline_unix_ms;
-                first
+                (owned.epoch, owned.checkpoint_epoch)
             }
-            None => true,
+            None => (1, 1),
         };
-        let record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
+        let mut record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
+        record.checkpoint_epoch = epoch;
+        let put = self.put_checkpoint(key.clone(), checkpoint);
         let write = self.write(key.clone(), record);
-        let put = self.put_checkpoint(key, checkpoint);
+        let checkpoints = self.checkpoints.clone();
         async move {
-            if first {
-                // Nothing takes a run over before its record says it can be resumed: the
-                // checkpoint goes first, so such a record always has one.
-                put.await?;
-                write.await
-            } else {
-                // The record first: a replica whose run was taken over is refused there (fenced)
-                // and never overwrites the new owner's checkpoint with an older one.
-                write.await?;
-                put.await
+            // The checkpoint first, in this epoch's object: a record that says the run can be
+            // resumed always has one, and a replaced owner (whose record write is then refused)
+            // never overwrites the object the new owner resumes from.
+            put.await?;
+            write.await?;
+            if before < epoch {
+                // The previous owner's object is not read any more.
+                let _ = checkpoints.delete(checkpoint_name(&key, before)).await;
             }
+            Ok(())
         }
         .boxed()
     }
@@ -105,77 +125,91 @@ impl RunJournal for KvStore {
         let key = key(&result.run_id);
         let mut record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
         record.claim = self.new_claim();
-        let put = put_named(self.checkpoints.clone(), key.clone(), record.claim.clone(), checkpoint);
-        let kv = self.kv.clone();
-        let create = self.create(key.clone(), record);
+        let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
+        let owned = std::sync::Arc::clone(&self.owned);
         async move {
             // An id taken already is answered without putting anything under its key: the run
             // holding it (live, or parked for hours) keeps its checkpoint.
-            if let Some((taken, _)) = holder(&kv, &key).await?
-                && !taken.never_started(shared::sync::unix_ms())
-            {
-                return Ok(Claim::Taken(Box::new(taken.read(&key)?)));
+            if let Some((taken, revision)) = holder(&kv, &key).await? {
+                if !taken.never_started(seen.lapsed(&key, revision)) {
+                    return Ok(Claim::Taken(Box::new(taken.read(&key)?)));
+                }
+                record.epoch = taken.epoch.saturating_add(1);
+            } else {
+                record.epoch = 1;
             }
             // The checkpoint first: a record that says the run can be resumed always has one.
-            put.await?;
-            create.await
+            let name = checkpoint_name(&key, record.epoch);
+            put_named(checkpoints, name, record.claim.clone(), checkpoint).await?;
+            create_record(kv, owned, seen, key, record).await
         }
         .boxed()
     }
 
     fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
-        let (checkpoints, key) = (self.checkpoints.clone(), key(run_id));
+        let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
         self.owned().remove(&key);
         async move {
-            match checkpoints.delete(&key).await {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == jetstream::object_store::DeleteErrorKind::NotFound => Ok(()),
-                Err(e) => Err(unavailable("checkpoint delete", &key, e)),
+            let epochs = match holder(&kv, &key).await? {
+                Some((record, _)) => vec![0, record.checkpoint_epoch, record.epoch],
+                None => vec![0],
+            };
+            for epoch in epochs {
+                let name = checkpoint_name(&key, epoch);
+                match checkpoints.delete(&name).await {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == jetstream::object_store::DeleteErrorKind::NotFound => {}
+                    Err(e) => return Err(unavailable("checkpoint delete", &name, e)),
+                }
             }
+            Ok(())
         }
         .boxed()
     }
 
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
-        let (kv, checkpoints) = (self.kv.clone(), self.checkpoints.clone());
+        let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
         async move {
             let mut listed = checkpoints
                 .list()
                 .await
                 .map_err(|e| unavailable("checkpoint list", "", e))?;
-            let mut names = Vec::new();
+            let mut objects: std::collections::HashMap<String, Vec<u64>> = std::collections::HashMap::new();
             while let Some(info) = listed.next().await {
                 let info = info.map_err(|e| unavailable("checkpoint list", "", e))?;
                 if !info.deleted {
-                    names.push(info.name);
+                    let (key, epoch) = checkpoint_of(&info.name);
+                    objects.entry(key.to_owned()).or_default().push(epoch);
                 }
             }
+            seen.keep(&objects.keys().cloned().collect());
             // The records are read a few at a time: one round trip each, one after the other,
             // would outlast the store timeout with hundreds of runs live under load.
             let now = shared::sync::unix_ms();
-            let orphans = futures::stream::iter(names)
-                .map(|name| {
-                    let (kv, checkpoints) = (kv.clone(), checkpoints.clone());
+            let orphans = futures::stream::iter(objects)
+                .map(|(key, epochs)| {
+                    let (kv, checkpoints, seen) = (kv.clone(), checkpoints.clone(), seen.clone());
                     async move {
-                        let record = match kv.get(&name).await {
-                            Ok(Some(bytes)) => decode_record(&name, &bytes).ok()?,
-                            _ => return None,
-                        };
-                        match record.result.as_ref() {
-                            Some(result) if record.orphaned(now) => Some(result.run_id.clone()),
-                            // A checkpoint left by a run that ended, or whose replica is gone
-                            // and that cannot be resumed any more. Not one whose replica lives:
-                            // its first checkpoint is put before the record says it exists.
-                            _ if !record.live()
-                                || (record.running()
-                                    && !record.resumable(now)
-                                    && record.lease_expires_unix_ms < now) =>
-                            {
+                        let (record, revision) = holder(&kv, &key).await.ok()??;
+                        let lapsed = record.running() && seen.lapsed(&key, revision);
+                        let delete = |epoch| {
+                            let (checkpoints, name) = (checkpoints.clone(), checkpoint_name(&key, epoch));
+                            async move {
                                 let _ = checkpoints.delete(&name).await;
-                                None
                             }
-                            _ => None,
+                        };
+                        let gone = !record.live() || (record.running() && !record.resumable(now) && lapsed);
+                        for epoch in &epochs {
+                            // A checkpoint left by a run that ended, or whose replica is gone and
+                            // that cannot be resumed any more; or one an owner replaced since.
+                            // Not one whose replica lives: its first checkpoint is put before the
+                            // record says it exists.
+                            if gone || *epoch < record.checkpoint_epoch {
+                                delete(*epoch).await;
+                            }
                         }
+                        let result = record.result.as_ref()?;
+                        (!gone && record.orphaned(now, lapsed)).then(|| result.run_id.clone())
                     }
                 })
                 .buffer_unordered(LIST_CONCURRENCY)
@@ -189,26 +223,31 @@ impl RunJournal for KvStore {
 
     fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
         let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
-        let (owned, owner) = (std::sync::Arc::clone(&self.owned), self.owner.clone());
+        let (owned, owner, seen) = (
+            std::sync::Arc::clone(&self.owned),
+            self.owner.clone(),
+            self.seen.clone(),
+        );
         let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
         async move {
             let Some((record, read_revision)) = holder(&kv, &key).await? else {
                 return Ok(None);
             };
-            if !record.orphaned(shared::sync::unix_ms()) {
+            let lapsed = record.running() && seen.lapsed(&key, read_revision);
+            if !record.orphaned(shared::sync::unix_ms(), lapsed) {
                 return Ok(None);
             }
-            // The record as read, now this replica's with a fresh lease.
-            let claimed = super::nats::Record {
+            // The record as read, now this replica's in the next epoch with a fresh lease.
+            let mut claimed = super::nats::Record {
                 owner,
                 lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease_ms),
                 handed_over: false,
                 awaiting: false,
                 ready: false,
                 wake_at_unix_ms: 0,
+                epoch: record.epoch.saturating_add(1),
                 ..record
             };
-            let mut claimed = claimed;
             // A parked run goes on: it runs again once claimed.
             if let Some(result) = claimed.result.as_mut()
                 && result.status == proto::orchestrator::v1::RunStatus::AwaitingApproval as i32
@@ -224,12 +263,15 @@ impl RunJournal for KvStore {
                 revision,
                 resumable_until_unix_ms: claimed.resumable_until_unix_ms,
                 claim: claimed.claim.clone(),
+                epoch: claimed.epoch,
+                checkpoint_epoch: claimed.checkpoint_epoch,
             };
             shared::sync::lock(&owned).insert(key.clone(), owned_now);
+            let name = checkpoint_name(&key, claimed.checkpoint_epoch);
             let mut object = checkpoints
-                .get(&key)
+                .get(&name)
                 .await
-                .map_err(|e| unavailable("checkpoint get", &key, e))?;
+                .map_err(|e| unavailable("checkpoint get", &name, e))?;
             if object.info().description.as_deref().unwrap_or_default() != claimed.claim {
                 // The checkpoint under the key is another admission's (a duplicate that lost the
                 // race for the id): this run cannot be resumed, and reads as lost at once.
@@ -249,7 +291,7 @@ impl RunJournal for KvStore {
             object
                 .read_to_end(&mut bytes)
                 .await
-                .map_err(|e| unavailable("checkpoint read", &key, e))?;
+                .map_err(|e| unavailable("checkpoint read", &name, e))?;
             Ok(Some(bytes))
         }
         .boxed()

@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use super::{Follower as _, LogBounds};
 use crate::convert::event_pb;
 use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, Logged, Settled, StoreError};
-use crate::domain::{Event, EventBatch, NumberedEvent};
+use crate::domain::{Event, EventBatch, NumberedEvent, Ownership, Stop};
 use crate::telemetry::metric;
 
 /// Event batches one run's writer holds for its publishing task.
@@ -110,6 +110,35 @@ impl NatsLog {
         })
     }
 
+    /// A run's writer: its events after `logged` go to its publishing task. With `position`
+    /// (where the run's subject ends, for its owner) every message must follow the last one
+    /// this writer knows of; without it (a run of one replica, tests) appends are not fenced.
+    fn start_writer(&self, run_id: &str, logged: u64, position: Option<u64>, owner: Ownership) -> Box<dyn LogWriter> {
+        let (tx, rx) = mpsc::channel(WRITER_BUFFER);
+        let start = Settled {
+            kept_through: logged,
+            broken: false,
+        };
+        let (settled_tx, settled) = watch::channel(start);
+        let publisher = Publisher {
+            log: self.clone(),
+            subject: self.subject(run_id),
+            run_id: run_id.to_owned(),
+            kept: VecDeque::new(),
+            kept_bytes: 0,
+            settled: settled_tx,
+            text_turn: 0,
+            owner,
+            position,
+        };
+        tokio::spawn(publisher.run(rx));
+        Box::new(Writer {
+            tx,
+            run_id: run_id.to_owned(),
+            settled,
+        })
+    }
+
     fn subject(&self, run_id: &str) -> String {
         format!("{}.{}", self.name, super::nats::key(run_id))
     }
@@ -137,27 +166,11 @@ impl LogWriter for Writer {
 
 impl EventLog for NatsLog {
     fn writer(&self, run_id: &str, logged: u64) -> Box<dyn LogWriter> {
-        let (tx, rx) = mpsc::channel(WRITER_BUFFER);
-        let start = Settled {
-            kept_through: logged,
-            broken: false,
-        };
-        let (settled_tx, settled) = watch::channel(start);
-        let publisher = Publisher {
-            log: self.clone(),
-            subject: self.subject(run_id),
-            run_id: run_id.to_owned(),
-            kept: VecDeque::new(),
-            kept_bytes: 0,
-            settled: settled_tx,
-            text_turn: 0,
-        };
-        tokio::spawn(publisher.run(rx));
-        Box::new(Writer {
-            tx,
-            run_id: run_id.to_owned(),
-            settled,
-        })
+        self.start_writer(run_id, logged, None, Ownership::local())
+    }
+
+    fn owned_writer(&self, run_id: &str, from: &Logged, owner: &Ownership) -> Box<dyn LogWriter> {
+        self.start_writer(run_id, from.seq, Some(from.position), owner.clone())
     }
 
     fn last(&self, run_id: &str) -> BoxFuture<'static, Result<Logged, LogError>> {
@@ -180,12 +193,17 @@ impl EventLog for NatsLog {
             };
             let batch = LogBatch::decode(message.payload.as_ref())
                 .map_err(|e| unavailable(format!("the last log message is not a batch of events: {e}")))?;
+            let position = message.sequence;
             let Some(last) = batch.events.into_iter().last() else {
-                return Ok(Logged::default());
+                return Ok(Logged {
+                    position,
+                    ..Logged::default()
+                });
             };
             let last = NumberedEvent::try_from(last).map_err(|e| unavailable(format!("the last logged event: {e}")))?;
             Ok(Logged {
                 seq: last.seq,
+                position,
                 finished: last.finished().cloned(),
             })
         }
@@ -249,6 +267,21 @@ struct Publisher {
     settled: watch::Sender<Settled>,
     /// The last turn whose text (or reasoning) was published: the next turn's first goes at once.
     text_turn: u32,
+    /// The run's owner here: nothing is published once it stopped, and a message the log
+    /// refuses as out of turn stops it.
+    owner: Ownership,
+    /// The stream sequence of the run's last message as this owner knows it: each message must
+    /// follow it (`None`: not fenced).
+    position: Option<u64>,
+}
+
+/// Why a message was not kept.
+enum Refused {
+    /// JetStream did not take it in time.
+    Unavailable(String),
+    /// Another owner wrote the run's log since (or the message was there already): this owner
+    /// stops.
+    OutOfTurn(String),
 }
 
 impl Publisher {
@@ -328,25 +361,31 @@ impl Publisher {
 
     /// Publishes one message, trying again (with backoff) until JetStream acknowledges it or
     /// `retry_for` passed (at least [`PUBLISH_ATTEMPTS`] times), then keeps the run's log within
-    /// its bound; whether it was kept.
+    /// its bound; whether it was kept. Nothing goes once the run's owner stopped; a message the
+    /// log refuses as out of turn stops it.
     async fn publish(&mut self, first_seq: u64, payload: Vec<u8>) -> bool {
         let size = payload.len();
         let payload = bytes::Bytes::from(payload);
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(
-            async_nats::header::NATS_MESSAGE_ID,
-            format!("{}/{first_seq}", self.run_id).as_str(),
-        );
         let give_up = Instant::now() + self.log.options.retry_for;
         let mut attempt = 0;
         let error = loop {
-            match self.try_publish(&headers, payload.clone()).await {
+            if !self.owner.holds() {
+                return false;
+            }
+            match self.try_publish(first_seq, payload.clone()).await {
                 Ok(()) => {
                     self.keep_within_bound(size).await;
                     return true;
                 }
-                Err(e) if attempt + 1 >= PUBLISH_ATTEMPTS && Instant::now() >= give_up => break e,
-                Err(_) => {}
+                Err(Refused::OutOfTurn(why)) => {
+                    metrics::counter!(metric::EVENT_LOG_DROPPED).increment(1);
+                    self.owner.stop(Stop::Fenced(format!("the run's event log: {why}")));
+                    return false;
+                }
+                Err(Refused::Unavailable(e)) if attempt + 1 >= PUBLISH_ATTEMPTS && Instant::now() >= give_up => {
+                    break e;
+                }
+                Err(Refused::Unavailable(_)) => {}
             }
             attempt += 1;
             tokio::time::sleep((Duration::from_millis(100) * 2u32.saturating_pow(attempt)).min(MAX_BACKOFF)).await;
@@ -356,18 +395,47 @@ impl Publisher {
         false
     }
 
-    async fn try_publish(&self, headers: &async_nats::HeaderMap, payload: bytes::Bytes) -> Result<(), String> {
+    /// One attempt. The message id names the run, the owner's epoch and the first seq; with a
+    /// position the message must follow it (`Nats-Expected-Last-Subject-Sequence`). A duplicate
+    /// acknowledgement is out of turn, never a success: the log held the message already, so
+    /// this owner no longer knows where the log ends.
+    async fn try_publish(&mut self, first_seq: u64, payload: bytes::Bytes) -> Result<(), Refused> {
+        let mut headers = async_nats::HeaderMap::new();
+        let id = format!("{}/{}/{first_seq}", self.run_id, self.owner.epoch());
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+        if let Some(position) = self.position {
+            headers.insert(
+                async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+                position.to_string().as_str(),
+            );
+        }
         let ack = self
             .log
             .js
-            .publish_with_headers(self.subject.clone(), headers.clone(), payload)
+            .publish_with_headers(self.subject.clone(), headers, payload)
             .await
-            .map_err(|e| e.to_string())?;
-        match tokio::time::timeout(self.log.options.timeout, ack).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("no acknowledgement in time".to_owned()),
+            .map_err(|e| Refused::Unavailable(e.to_string()))?;
+        let ack = match tokio::time::timeout(self.log.options.timeout, ack).await {
+            Ok(Ok(ack)) => ack,
+            Ok(Err(e)) if e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence => {
+                return Err(Refused::OutOfTurn(format!(
+                    "another owner appended after stream sequence {}",
+                    self.position.unwrap_or_default()
+                )));
+            }
+            Ok(Err(e)) => return Err(Refused::Unavailable(e.to_string())),
+            Err(_) => return Err(Refused::Unavailable("no acknowledgement in time".to_owned())),
+        };
+        if ack.duplicate {
+            return Err(Refused::OutOfTurn(format!(
+                "message {id} was in the log already (stream sequence {})",
+                ack.sequence
+            )));
         }
+        if self.position.is_some() {
+            self.position = Some(ack.sequence);
+        }
+        Ok(())
     }
 
     /// Past the run's bound, the subject is purged down to its newest messages.

@@ -322,6 +322,7 @@ fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Requ
         arguments_json: call.arguments_json.clone(),
         metadata: call.metadata.clone().into_iter().collect(),
         principal: call.principal.clone(),
+        epoch: call.epoch,
     });
     request.set_timeout(call.timeout);
     transport.authorize(&mut request);
@@ -331,6 +332,9 @@ fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Requ
     }
     if let Some(v) = ascii_header(&call.call_id) {
         request.metadata_mut().insert("x-call-id", v);
+    }
+    if let Some(v) = ascii_header(&call.epoch.to_string()) {
+        request.metadata_mut().insert("x-run-epoch", v);
     }
     request
 }

@@ -36,13 +36,14 @@ pub enum OutputMode {
     Text,
 }
 
-/// The call's context as environment variables: `TOOL_RUN_ID`, `TOOL_CALL_ID`, `TOOL_PRINCIPAL`, and each metadata
+/// The call's context as environment variables: `TOOL_RUN_ID`, `TOOL_CALL_ID`, `TOOL_RUN_EPOCH`, `TOOL_PRINCIPAL`, and each metadata
 /// entry as `TOOL_META_<KEY>` (key upper-cased, characters other than letters and digits as `_`).
 /// Values with NUL bytes are skipped (they cannot be passed in an environment).
 pub fn context_env(ctx: &CallContext) -> Vec<(String, String)> {
     let mut env = vec![
         ("TOOL_RUN_ID".to_owned(), ctx.run_id.clone()),
         ("TOOL_CALL_ID".to_owned(), ctx.call_id.clone()),
+        ("TOOL_RUN_EPOCH".to_owned(), ctx.epoch.to_string()),
         ("TOOL_PRINCIPAL".to_owned(), ctx.principal.clone()),
     ];
     for (key, value) in &ctx.metadata {

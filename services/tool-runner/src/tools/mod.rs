@@ -40,6 +40,9 @@ pub struct CallContext {
     pub metadata: std::collections::HashMap<String, String>,
     /// The orchestrator's caller the run belongs to (empty without authentication there).
     pub principal: String,
+    /// The epoch of the orchestrator's claim of the run (0: not durable): a tool with side
+    /// effects refuses an older one than it has seen for the run.
+    pub epoch: u64,
 }
 
 /// A tool the runner can execute.

@@ -165,6 +165,16 @@ impl Driver<'_> {
         self.persister.as_ref().filter(|p| p.durable())
     }
 
+    /// This replica's ownership of a durable run (`None`: a run of this replica only).
+    pub(super) fn ownership(&self) -> Option<crate::domain::Ownership> {
+        self.durable().map(|p| p.ownership().clone())
+    }
+
+    /// Whether this replica may act for the run now (always, for a run of this replica only).
+    pub(super) fn acting(&self) -> bool {
+        self.durable().is_none_or(|p| p.ownership().holds())
+    }
+
     /// The run's checkpoint as of now, with `calls` the current turn's calls (if among them).
     pub(super) fn checkpoint(&self, calls: Option<&TurnCalls>) -> Checkpoint {
         Checkpoint {
@@ -198,18 +208,18 @@ impl Driver<'_> {
         self.send_at_safe_point(saved).await
     }
 
-    /// Sends what is queued at a safe point whose checkpoint the store took (`saved`) or did
-    /// not; a run asked to hand over stops here, at a saved one only.
+    /// Sends what is queued at a safe point whose checkpoint the store took (`saved`); one it did
+    /// not take ends the run here (it moves). A run asked to hand over stops here.
     async fn send_at_safe_point(&mut self, saved: bool) -> Step<()> {
+        if !saved {
+            // What is queued reveals what the store does not hold: it stays here, and the run
+            // resumes from its last good checkpoint (the persister stopped this replica's
+            // ownership).
+            return Err(End::TakenOver);
+        }
         self.emitter.flush().await;
         if self.handoff.is_cancelled() {
-            // Handed over from a checkpoint the store did not take, the run would resume from
-            // an older one and run again calls that finished since: it goes on to its next safe
-            // point instead (or until the hand-over grace ends).
-            if saved {
-                return Err(End::HandedOver);
-            }
-            tracing::warn!("not handing the run over at this safe point: its checkpoint was not saved");
+            return Err(End::HandedOver);
         }
         Ok(())
     }

@@ -167,7 +167,9 @@ fn drive_run(
         };
         match end {
             End::Parked => return lock(&state).clone(),
-            End::HandedOver | End::TakenOver => return moved(end, persister.as_ref(), &state).await,
+            End::HandedOver | End::TakenOver => {
+                return moved(end, persister.as_ref(), &mut emitter, deps.log_settle_timeout, &state).await;
+            }
             // A wait opened in this turn ends with the run.
             _ if !lock(&state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id).await,
             _ => {}
@@ -203,18 +205,29 @@ fn run_started(spec: &RunSpec) -> Event {
     }
 }
 
-/// A run that moved to another replica: a handed-over one is released in the store (its last
-/// checkpoint stands); one taken over is left alone. The caller's stream ends without
+/// A run that moved to another replica: a handed-over one logs what it queued (the next owner
+/// continues from the log's true end) and is released in the store (its last checkpoint
+/// stands); one this replica stopped acting for (taken over, its lease run out, a checkpoint not
+/// saved) is left alone and sends nothing more. The caller's stream ends without
 /// `run_finished`, which tells it to re-attach.
-async fn moved(end: End, persister: Option<&Persister>, state: &SharedState) -> RunResult {
-    let how = match end {
-        End::HandedOver => {
-            if let Some(persister) = persister {
-                persister.hand_over().await;
+async fn moved(
+    end: End,
+    persister: Option<&Persister>,
+    emitter: &mut Emitter,
+    settle_timeout: Duration,
+    state: &SharedState,
+) -> RunResult {
+    let how = match (end, persister) {
+        (End::HandedOver, Some(persister)) => {
+            if persister.ownership().holds() {
+                emitter.log_queued();
+                emitter.settler(settle_timeout).wait().await;
             }
+            persister.hand_over().await;
             "handed_over"
         }
-        _ => "fenced",
+        (_, Some(persister)) => persister.ownership().why().map_or("fenced", crate::domain::Stop::label),
+        (_, None) => "fenced",
     };
     metrics::counter!(metric::RUNS_MOVED, "how" => how).increment(1);
     tracing::info!(how, "the run moved to another replica");

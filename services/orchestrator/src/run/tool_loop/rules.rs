@@ -298,6 +298,10 @@ impl Driver<'_> {
                 principal: self.spec.principal.clone(),
             };
             lock(self.state).signals.push(signal.clone());
+            if !self.acting() {
+                // A replaced owner publishes nothing; the run ends here at once.
+                continue;
+            }
             self.deps.signals.publish(&signal, self.on_delivery(&signal.call_id));
             // The event carries the delivery as known now (the in-memory topic confirms at once).
             let signal = lock(self.state)
@@ -454,11 +458,18 @@ impl Driver<'_> {
             arguments_json: call.arguments.clone(),
             metadata: self.spec.metadata.clone(),
             principal: self.spec.principal.clone(),
+            epoch: self.ownership().map_or(0, |o| o.epoch()),
             timeout,
         };
         let tool = call.name.clone();
+        let owner = self.ownership();
         let future = span.in_scope(|| self.deps.tools.execute(invocation));
         async move {
+            if owner.is_some_and(|o| !o.holds()) {
+                // This replica no longer acts for the run: the call never leaves, and the run
+                // ends here at once (its ownership stopped).
+                return std::future::pending().await;
+            }
             let _in_flight = InFlight::new(metric::TOOL_CALLS_IN_FLIGHT);
             let started = Instant::now();
             let result = tokio::time::timeout(timeout, future).await.unwrap_or_else(|_| {

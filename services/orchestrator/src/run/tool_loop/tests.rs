@@ -993,6 +993,8 @@ struct Journal {
     saved: Mutex<Vec<Vec<u8>>>,
     /// Saves refused before the journal takes any.
     refuse_saves: std::sync::atomic::AtomicUsize,
+    /// Every save after the first is refused.
+    refuse_after_first: bool,
     log: Option<tokio::sync::watch::Receiver<crate::domain::ports::Settled>>,
     kept_at_save: Mutex<Vec<u64>>,
 }
@@ -1037,7 +1039,7 @@ impl crate::domain::ports::RunJournal for Journal {
             std::sync::atomic::Ordering::SeqCst,
             |n| n.checked_sub(1),
         );
-        if refuse.is_ok() {
+        if refuse.is_ok() || (self.refuse_after_first && !self.saved.lock().unwrap().is_empty()) {
             let refused = crate::domain::ports::StoreError::Unavailable {
                 operation: "checkpoint put",
                 key: "r".into(),
@@ -1154,12 +1156,8 @@ fn gap_free_from(events: &[NumberedEvent], first: u64) -> bool {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_run_asked_to_hand_over_does_so_only_at_a_safe_point_whose_checkpoint_was_saved() {
-    // The first safe point's checkpoint is refused: the run goes on to the next one.
-    let journal = Arc::new(Journal {
-        refuse_saves: 1.into(),
-        ..Journal::default()
-    });
+async fn a_run_asked_to_hand_over_does_so_at_its_next_safe_point() {
+    let journal = Arc::new(Journal::default());
     let outside = Outside {
         journal: Some(Arc::clone(&journal)),
         hand_over: true,
@@ -1168,16 +1166,46 @@ async fn a_run_asked_to_hand_over_does_so_only_at_a_safe_point_whose_checkpoint_
     let (result, _, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
     assert_eq!(result.status, RunStatus::Running, "handed over, not ended: {result:?}");
     let checkpoints = journal.checkpoints();
-    assert_eq!(checkpoints.len(), 1, "handed over at the first checkpoint saved");
-    let last = &checkpoints[0];
+    assert_eq!(checkpoints.len(), 1, "handed over at its first safe point");
+    assert!(checkpoints[0].calls.is_none() && checkpoints[0].turns_done == 0);
     assert!(
-        last.calls.as_ref().is_some_and(|c| c.finished.is_empty()),
-        "the turn's calls, none run yet"
+        script.requests.lock().unwrap().is_empty(),
+        "the model was not asked here"
     );
-    assert_eq!(script.requests.lock().unwrap().len(), 1, "turn 1 was asked for");
     assert!(
         tools.started.lock().unwrap().is_empty(),
         "no call ran on the replica handing over"
+    );
+}
+
+/// A checkpoint the store does not take stops the run at that safe point: what it would reveal
+/// (the calls' announcement) never leaves, no call runs, and the run resumes from its last good
+/// checkpoint on whichever replica claims it next.
+#[tokio::test(start_paused = true)]
+async fn a_checkpoint_the_store_refuses_stops_the_run_before_anything_it_holds_leaves() {
+    let journal = Arc::new(Journal {
+        refuse_after_first: true,
+        ..Journal::default()
+    });
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        ..Outside::default()
+    };
+    let (result, events, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
+    assert_eq!(journal.checkpoints().len(), 1, "only the turn's start was saved");
+    assert_eq!(script.requests.lock().unwrap().len(), 1, "turn 1 was asked for");
+    assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
+    assert!(
+        !events
+            .iter()
+            .flatten()
+            .any(|e| matches!(e.event, Event::ToolCallStarted { .. })),
+        "the calls were never announced: {events:?}"
+    );
+    assert!(
+        !events.iter().flatten().any(|e| e.finished().is_some()),
+        "no run_finished"
     );
 }
 

@@ -4,7 +4,9 @@
 //!
 //! The request's `_meta` also carries the orchestrator's ids: `orchestrator/call_id`, the
 //! idempotency key (a call re-sent after its orchestrator replica died keeps its id, so a server
-//! with side effects can answer the second delivery from the first), and `orchestrator/run_id`.
+//! with side effects can answer the second delivery from the first), `orchestrator/run_id`, and
+//! `orchestrator/epoch` (one more each time another orchestrator replica took the run over: a
+//! server refuses an epoch older than one it has seen for the run).
 //!
 //! How the answer becomes the tool's result (`content_json`):
 //!
@@ -50,6 +52,7 @@ const ERROR_TEXT_BYTES: usize = 4000;
 const META_CALL_ID: &str = "orchestrator/call_id";
 /// The `_meta` key of the run id.
 const META_RUN_ID: &str = "orchestrator/run_id";
+const META_EPOCH: &str = "orchestrator/epoch";
 /// How long sending `notifications/cancelled` may take.
 const CANCEL_SEND_LIMIT: Duration = Duration::from_secs(2);
 
@@ -100,6 +103,7 @@ impl Tool for McpTool {
     fn call(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
         let (link, name) = (std::sync::Arc::clone(&self.link), self.name.clone());
         let ids = [(META_CALL_ID, ctx.call_id.clone()), (META_RUN_ID, ctx.run_id.clone())];
+        let epoch = ctx.epoch;
         let span = tracing::info_span!(
             "mcp_call",
             otel.name = %format!("tools/call {name}"),
@@ -123,6 +127,9 @@ impl Tool for McpTool {
             }
             for (key, id) in ids.into_iter().filter(|(_, id)| !id.is_empty()) {
                 meta.0.insert(key.to_owned(), Value::String(id));
+            }
+            if epoch > 0 {
+                meta.0.insert(META_EPOCH.to_owned(), Value::from(epoch));
             }
             let request = ClientRequest::CallToolRequest(Request::new(
                 CallToolRequestParams::new(name).with_arguments(args),

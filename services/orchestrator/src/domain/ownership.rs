@@ -1,0 +1,285 @@
+//! One replica's ownership of a durable run: the lease it holds in a shared store, measured on
+//! this process's monotonic clock from the last write the store confirmed, and the stop that ends
+//! its acting for the run.
+//!
+//! The owner never compares its clock with another machine's. A write is stamped with the
+//! instant it was *sent*; once the store confirms it, the lease runs from that instant. Another
+//! replica may claim the run only after it has itself seen the record unchanged for a whole lease
+//! (on its own monotonic clock), and it saw that record after the write landed, so after it was
+//! sent: the owner's lease, less a margin, always ends first. A paused process (SIGSTOP, a
+//! throttled cgroup) finds its lease gone the moment it runs again, because the monotonic clock
+//! kept going while it was stopped.
+//!
+//! Once stopped (expired, fenced by a refused write, a checkpoint the store did not take, or
+//! handed over) the ownership stays stopped: the run acts again only through a fresh claim, which
+//! makes a new ownership.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The lease of a shared store: how long a confirmed write holds a run, and how much of it the
+/// owner leaves unused so it stops before anyone may take over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseTerms {
+    /// How long a write the store confirmed holds the run for its owner.
+    pub length: Duration,
+    /// How long before that the owner stops acting: room for a slow clock and a write in flight.
+    pub margin: Duration,
+}
+
+impl LeaseTerms {
+    /// How often an owner renews: a third of the lease, so two renewals may fail before the
+    /// margin is reached with the default margin.
+    pub fn renew_every(&self) -> Duration {
+        self.length / 3
+    }
+
+    /// How long a confirmed write lets the owner act.
+    fn acting(&self) -> Duration {
+        self.length.saturating_sub(self.margin)
+    }
+}
+
+/// Why an owner stopped acting for a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stop {
+    /// Less than the margin was left of its lease.
+    Expired,
+    /// The store refused a write: another replica holds the run.
+    Fenced(String),
+    /// A checkpoint the store did not take: the run resumes from the last good one.
+    Unsaved(String),
+    /// Released at a drain.
+    HandedOver,
+}
+
+impl Stop {
+    /// The label of the stop in the `runs_moved` metric.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Expired => "expired",
+            Self::Fenced(_) => "fenced",
+            Self::Unsaved(_) => "unsaved",
+            Self::HandedOver => "handed_over",
+        }
+    }
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Expired => f.write_str("its lease ran out before the store confirmed a renewal"),
+            Self::Fenced(why) => write!(f, "the store refused a write ({why})"),
+            Self::Unsaved(why) => write!(f, "the store did not take its checkpoint ({why})"),
+            Self::HandedOver => f.write_str("it was handed over at a drain"),
+        }
+    }
+}
+
+/// See the module docs. Cloned handles share one ownership.
+#[derive(Clone)]
+pub struct Ownership {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// `None`: a store no other replica reads; the run is never taken from this replica.
+    terms: Option<LeaseTerms>,
+    /// When the write the store confirmed last was sent (or the claim, before any answer).
+    confirmed: Mutex<Instant>,
+    stop: CancellationToken,
+    why: OnceLock<Stop>,
+    /// The claim's number: a tool with side effects refuses an older one.
+    epoch: AtomicU64,
+}
+
+impl std::fmt::Debug for Ownership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ownership")
+            .field("terms", &self.inner.terms)
+            .field("epoch", &self.epoch())
+            .field("stopped", &self.inner.why.get())
+            .finish()
+    }
+}
+
+impl Ownership {
+    /// An ownership whose lease runs from `since` (the instant its claim was sent); `None` terms:
+    /// a store of this replica only.
+    pub fn new(terms: Option<LeaseTerms>, since: Instant) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                terms,
+                confirmed: Mutex::new(since),
+                stop: CancellationToken::new(),
+                why: OnceLock::new(),
+                epoch: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// An ownership that never lapses (a store no other replica reads).
+    pub fn local() -> Self {
+        Self::new(None, Instant::now())
+    }
+
+    /// The store granted the claim sent at `since`: the lease runs from then.
+    pub fn begin(&self, since: Instant) {
+        *shared::sync::lock(&self.inner.confirmed) = since;
+    }
+
+    /// The store confirmed a write sent at `sent`: the lease runs from then (never backwards).
+    pub fn confirmed(&self, sent: Instant) {
+        let mut confirmed = shared::sync::lock(&self.inner.confirmed);
+        *confirmed = (*confirmed).max(sent);
+    }
+
+    /// Until when the owner may act, on this process's clock (`None`: always).
+    pub fn acts_until(&self) -> Option<Instant> {
+        let terms = self.inner.terms?;
+        Some(*shared::sync::lock(&self.inner.confirmed) + terms.acting())
+    }
+
+    /// Whether this replica may act for the run now: not stopped and within its lease less the
+    /// margin. A lease found run out stops the ownership here.
+    pub fn holds(&self) -> bool {
+        if self.stopped() {
+            return false;
+        }
+        match self.acts_until() {
+            Some(until) if Instant::now() >= until => {
+                self.stop(Stop::Expired);
+                false
+            }
+            _ => true,
+        }
+    }
+
+    /// Stops acting for the run (the first reason given is kept).
+    pub fn stop(&self, why: Stop) {
+        if self.inner.why.set(why).is_ok()
+            && let Some(why) = self.inner.why.get()
+        {
+            tracing::warn!("this replica stops acting for the run: {why}");
+        }
+        self.inner.stop.cancel();
+    }
+
+    /// Whether the ownership stopped.
+    pub fn stopped(&self) -> bool {
+        self.inner.stop.is_cancelled()
+    }
+
+    /// Why it stopped, once it did.
+    pub fn why(&self) -> Option<&Stop> {
+        self.inner.why.get()
+    }
+
+    /// Resolves once the ownership stopped.
+    pub async fn lost(&self) {
+        self.inner.stop.cancelled().await;
+    }
+
+    /// Stops the ownership when its lease runs out unrenewed: resolves once it stopped, for
+    /// whatever reason. The timer is looked at again after each wake, so a process paused past
+    /// its lease stops as soon as it runs.
+    pub async fn expire(&self) {
+        loop {
+            let Some(until) = self.acts_until() else {
+                return self.lost().await;
+            };
+            tokio::select! {
+                () = self.lost() => return,
+                () = tokio::time::sleep_until(until) => {
+                    if !self.holds() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The claim's number (0 before the store gave one).
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch.load(Ordering::Acquire)
+    }
+
+    /// Sets the claim's number the store gave.
+    pub fn set_epoch(&self, epoch: u64) {
+        self.inner.epoch.store(epoch, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{LeaseTerms, Ownership, Stop};
+
+    fn terms() -> Option<LeaseTerms> {
+        Some(LeaseTerms {
+            length: Duration::from_secs(3),
+            margin: Duration::from_secs(1),
+        })
+    }
+
+    /// The owner acts for the lease less the margin after the send of its last confirmed write,
+    /// and not a moment longer; a later confirmation moves the end on, an older one does not.
+    #[tokio::test(start_paused = true)]
+    async fn an_owner_acts_until_its_lease_less_the_margin_from_its_last_confirmed_send() {
+        let start = Instant::now();
+        let owner = Ownership::new(terms(), start);
+        tokio::time::advance(Duration::from_millis(1900)).await;
+        assert!(owner.holds());
+        owner.confirmed(start + Duration::from_millis(1500));
+        owner.confirmed(start);
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert!(owner.holds(), "3.4 s in, the lease runs from 1.5 s");
+        tokio::time::advance(Duration::from_millis(100)).await;
+        assert!(!owner.holds(), "3.5 s: 1.5 + 3 - 1");
+        assert_eq!(owner.why(), Some(&Stop::Expired));
+        owner.confirmed(Instant::now());
+        assert!(!owner.holds(), "stopped stays stopped");
+    }
+
+    /// The expiry resolves when the lease runs out without a renewal, even when the process
+    /// slept through it, and not while renewals come.
+    #[tokio::test(start_paused = true)]
+    async fn expiry_fires_once_renewals_stop() {
+        let owner = Ownership::new(terms(), Instant::now());
+        let watch = tokio::spawn({
+            let owner = owner.clone();
+            async move { owner.expire().await }
+        });
+        for _ in 0..5 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            owner.confirmed(Instant::now());
+            tokio::task::yield_now().await;
+            assert!(!watch.is_finished());
+        }
+        tokio::time::advance(Duration::from_millis(2100)).await;
+        tokio::time::timeout(Duration::from_secs(1), watch)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(owner.stopped());
+    }
+
+    /// The first reason is kept; a local ownership never lapses.
+    #[tokio::test(start_paused = true)]
+    async fn the_first_stop_is_kept_and_a_local_ownership_never_lapses() {
+        let owner = Ownership::new(terms(), Instant::now());
+        owner.stop(Stop::Fenced("taken".into()));
+        owner.stop(Stop::Expired);
+        assert_eq!(owner.why().map(Stop::label), Some("fenced"));
+        let local = Ownership::local();
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(local.holds());
+    }
+}
