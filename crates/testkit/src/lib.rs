@@ -23,6 +23,7 @@ pub mod nats;
 pub mod otlp;
 pub mod pki;
 pub mod proto_docs;
+pub mod proxy;
 pub mod python;
 
 pub use helpers::{delta, get_run, orchestrate, scrape, sibling_bin, start_detached, tool_runner_in_process, user};

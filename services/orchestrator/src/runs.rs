@@ -611,12 +611,28 @@ impl Runs {
     /// run that lives elsewhere, when it moves for one live here. A run that ends here never
     /// resolves it (its last events reach its followers through the log).
     pub(crate) fn moved_away(&self, run_id: &str) -> impl Future<Output = ()> + Send + 'static {
+        self.left_live(run_id, true)
+    }
+
+    /// Resolves once the run, live here now, left this replica without ending (handed over, or
+    /// this replica stopped acting for it); never when it is not live here.
+    pub(crate) fn moved_from_here(&self, run_id: &str) -> impl Future<Output = ()> + Send + 'static {
+        self.left_live(run_id, false)
+    }
+
+    /// See [`Runs::moved_away`]; `elsewhere`: whether a run not live here counts as moved.
+    fn left_live(&self, run_id: &str, elsewhere: bool) -> impl Future<Output = ()> + Send + 'static {
         let live = self
             .lock()
             .get(run_id)
             .map(|run| (run.gone.clone(), Arc::clone(&run.state)));
         async move {
-            let Some((gone, state)) = live else { return };
+            let Some((gone, state)) = live else {
+                if !elsewhere {
+                    std::future::pending::<()>().await;
+                }
+                return;
+            };
             gone.cancelled().await;
             if !shared::sync::lock(&state).status.is_live() {
                 std::future::pending::<()>().await;

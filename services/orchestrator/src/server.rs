@@ -206,7 +206,8 @@ async fn open_store(
                 owner.clone(),
                 config.store.lease,
             )
-            .await?;
+            .await?
+            .with_lease_margin(config.store.lease_margin());
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value; runs are durable");
             let store = Arc::new(store);
             let lot = NatsLot::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;

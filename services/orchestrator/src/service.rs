@@ -245,9 +245,15 @@ fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -
         }
         let (stopping, runs) = (f.core.stopping.clone(), Arc::clone(&f.core.runs));
         let run_id = f.run_id.clone();
+        let moved = f.core.runs.moved_from_here(&run_id);
         let left = async move {
-            stopping.cancelled().await;
-            runs.moved_away(&run_id).await;
+            tokio::select! {
+                () = moved => {}
+                () = async {
+                    stopping.cancelled().await;
+                    runs.moved_away(&run_id).await;
+                } => {}
+            }
         };
         let item = tokio::select! {
             biased;
@@ -255,7 +261,7 @@ fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -
             () = left => {
                 f.done = true;
                 let message = format!(
-                    "this orchestrator replica is draining; attach to run {:?} again after seq {}",
+                    "run {:?} moved to another orchestrator replica (this one is draining, or stopped acting for it); attach to it again after seq {}",
                     f.run_id, f.last_seq
                 );
                 return Some((Err(Status::unavailable(message)), f));

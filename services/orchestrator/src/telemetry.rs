@@ -74,8 +74,8 @@ pub(crate) mod metric {
     /// Histogram: bytes of one checkpoint.
     pub(crate) const CHECKPOINT_BYTES: &str = "orchestrator_checkpoint_bytes";
     /// Counter: runs moved between replicas, by `how` (`taken_over`: resumed here after their
-    /// replica stopped; `handed_over`: released here at a drain; `fenced`: stopped here because
-    /// another replica took them).
+    /// replica stopped; `handed_over`: released here at a drain; `fenced`, `expired`, `unsaved`:
+    /// this replica stopped acting for them, see `domain::Stop`).
     pub(crate) const RUNS_MOVED: &str = "orchestrator_runs_moved_total";
     /// Requests refused for their credentials, by code.
     pub(crate) const AUTH_REFUSED: &str = "orchestrator_auth_refused_total";
@@ -197,7 +197,7 @@ pub(crate) fn describe() {
     );
     describe_counter!(
         metric::RUNS_MOVED,
-        "Runs moved between replicas, by how: taken_over (resumed here), handed_over (released here at a drain), fenced (stopped here, another replica took it)."
+        "Runs moved between replicas, by how: taken_over (resumed here), handed_over (released here at a drain), fenced (a write was refused: another replica took it), expired (its lease ran out here unrenewed), unsaved (a checkpoint the store did not take)."
     );
     metrics::counter!(metric::CHECKPOINTS).absolute(0);
     metrics::counter!(metric::TURNS_RESTARTED, "why" => "model_endpoint").absolute(0);

@@ -2,10 +2,12 @@
 //! (started here; `./scripts/test` installs it), a tool-runner with a command tool that logs the
 //! call ids it runs, and the stand-in model with a scenario that streams text and calls a tool
 //! every turn. Replicas are killed (SIGKILL) mid-stream and mid-tool-call, drained (SIGTERM) one
-//! by one in a rolling deploy of 100 runs, or drained while NATS restarts: every run still ends
+//! by one in a rolling deploy of 100 runs, drained while NATS restarts, cut off from NATS through a
+//! proxy that holds their traffic, or paused (SIGSTOP) past their lease: every run still ends
 //! COMPLETED, its stream (followed across replicas from the last seq seen) is gap-free and equal
 //! to GetRun once `turn_restarted` is applied, its signal is in the signal stream once, no tool
-//! call that finished is run again, and the in-flight gauges are back at 0.
+//! call that finished is run again, no call is sent by a replaced owner (the epochs the tool sees
+//! never go down), and the in-flight gauges are back at 0.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,11 +21,11 @@ use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
-/// A command tool that appends `<run id>/<call id>` to `log` and answers after `ms`.
+/// A command tool that appends `<run id>/<call id> <epoch>` to `log` and answers after `ms`.
 fn manifest(dir: &std::path::Path, log: &std::path::Path, ms: u64) -> anyhow::Result<std::path::PathBuf> {
     let path = dir.join("tools.toml");
     let script = format!(
-        "echo \"$TOOL_RUN_ID/$TOOL_CALL_ID\" >> {}; sleep {}; printf '{{\"call\":\"%s\"}}' \"$TOOL_CALL_ID\"",
+        "echo \"$TOOL_RUN_ID/$TOOL_CALL_ID $TOOL_RUN_EPOCH\" >> {}; sleep {}; printf '{{\"call\":\"%s\"}}' \"$TOOL_CALL_ID\"",
         log.display(),
         ms as f64 / 1000.0
     );
@@ -99,13 +101,19 @@ impl Fleet {
 
     /// Starts one more replica (by default a lease of 2 s, so a killed one's runs move soon).
     async fn add(&mut self) -> anyhow::Result<usize> {
+        let nats = self.nats.url();
+        self.add_on(&nats).await
+    }
+
+    /// Starts one more replica reaching NATS at `nats` (a proxy that can cut it off).
+    async fn add_on(&mut self, nats: &str) -> anyhow::Result<usize> {
         let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
         command
             .env("LLM_BASE_URL", self.mock.base_url())
             .env("TOOL_RUNNER_ENDPOINTS", &self.runner_url)
             .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
-            .env("ORCHESTRATOR_SIGNAL_TOPIC", self.nats.url())
-            .env("ORCHESTRATOR_RUN_STORE", self.nats.url())
+            .env("ORCHESTRATOR_SIGNAL_TOPIC", nats)
+            .env("ORCHESTRATOR_RUN_STORE", nats)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .args(["--run-store-lease", self.lease, "--handoff-grace", self.handoff_grace]);
         let replica = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
@@ -244,10 +252,44 @@ impl Fleet {
     /// `<run id>/<call id>` of the calls the tool ran, with how many times.
     fn calls(&self) -> HashMap<String, usize> {
         let mut counts = HashMap::new();
-        for id in std::fs::read_to_string(&self.calls_log).unwrap_or_default().lines() {
+        for line in std::fs::read_to_string(&self.calls_log).unwrap_or_default().lines() {
+            let id = line.split(' ').next().unwrap_or_default();
             *counts.entry(id.to_owned()).or_insert(0) += 1;
         }
         counts
+    }
+
+    /// The epochs of each run's calls, in the order the tool ran them. Each claim of a run has
+    /// an epoch of its own, so a smaller epoch after a larger one is a call sent by a replica
+    /// after another replica had taken the run and run its own calls: two owners acting.
+    fn epochs(&self) -> HashMap<String, Vec<u64>> {
+        let mut epochs: HashMap<String, Vec<u64>> = HashMap::new();
+        for line in std::fs::read_to_string(&self.calls_log).unwrap_or_default().lines() {
+            let (id, epoch) = line.split_once(' ').unwrap_or((line, ""));
+            let run = id.rsplit_once('/').map_or(id, |(run, _)| run);
+            epochs
+                .entry(run.to_owned())
+                .or_default()
+                .push(epoch.parse().unwrap_or(0));
+        }
+        epochs
+    }
+
+    /// No call of a run was sent by a replica after another replica had run a call of it: the
+    /// epochs of each run's calls never go down, and every call carries one.
+    fn one_owner_at_a_time(&self) -> TestResult {
+        for (run, epochs) in self.epochs() {
+            anyhow::ensure!(
+                epochs.iter().all(|&e| e > 0),
+                "{run}: a call without an epoch: {epochs:?}"
+            );
+            anyhow::ensure!(
+                epochs.windows(2).all(|w| w[0] <= w[1]),
+                "{run}: a replaced owner ran a call after the new one did (epochs in the order run: {epochs:?})\n{}",
+                self.story_of(run.as_str())
+            );
+        }
+        Ok(())
     }
 }
 
@@ -784,4 +826,83 @@ async fn runs_handed_over_across_a_short_nats_restart_complete_elsewhere() -> Te
 #[tokio::test]
 async fn runs_handed_over_across_a_long_nats_restart_are_taken_over_from_their_checkpoints() -> TestResult {
     hand_over_across_a_nats_restart(Duration::from_secs(6)).await
+}
+
+/// What a replica goes through while its runs go on: cut off from NATS, or paused.
+enum Fault {
+    /// Its traffic to NATS held (a partition) for this long, then let through again.
+    CutOff(Duration),
+    /// SIGSTOP for this long, then SIGCONT.
+    Paused(Duration),
+}
+
+/// Three replicas (lease 2 s); replica 0 reaches NATS through a proxy that can cut it off. Twelve
+/// runs start on replica 0, are followed across the replicas, and replica 0 goes through `fault`
+/// while they run. Replica 0 stops acting for them on its own, before the others take them over:
+/// every run completes, every caller's stream is gap-free and equal to GetRun, a call runs at
+/// most twice (the one in flight at the move), every signal once, and no call of a run is sent by
+/// a replica after another replica ran one (the epochs of each run's calls never go down).
+async fn runs_through_a_fault_of_their_replica(fault: Fault, prefix: &str) -> TestResult {
+    let (words, turns) = ("w0 w1 w2 w3 ", 4);
+    let mut fleet = Fleet::start(0, scenario(turns, words), 800).await?;
+    let nats: std::net::SocketAddr = fleet.nats.url().trim_start_matches("nats://").parse()?;
+    let proxy = testkit::proxy::CutProxy::start(nats).await?;
+    let faulty = fleet.add_on(&format!("nats://{}", proxy.addr())).await?;
+    fleet.add().await?;
+    fleet.add().await?;
+    let first = fleet.url(faulty).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    let runs: Vec<String> = (0..12).map(|i| format!("{prefix}-{i}")).collect();
+    for run_id in &runs {
+        start_detached(&first, run_id).await?;
+    }
+    let followers = follow_all(&fleet, &runs);
+    for (run_id, seen, _) in &followers {
+        let mut seen = seen.clone();
+        until(&mut seen, &format!("{run_id}'s first call"), |e| {
+            !in_flight(e).is_empty()
+        })
+        .await?;
+    }
+    let replica = fleet.replicas[faulty]
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    match fault {
+        Fault::CutOff(outage) => {
+            proxy.cut();
+            tokio::time::sleep(outage).await;
+            proxy.heal();
+        }
+        Fault::Paused(pause) => {
+            replica.signal(nix::sys::signal::Signal::SIGSTOP)?;
+            tokio::time::sleep(pause).await;
+            replica.signal(nix::sys::signal::Signal::SIGCONT)?;
+        }
+    }
+    let text = format!("{}done", words.repeat(turns));
+    let result = all_completed(&fleet, followers, &text, 2).await;
+    let stopped = replica
+        .logs()
+        .iter()
+        .filter(|l| l.contains("this replica stops acting for the run"))
+        .count();
+    result?;
+    fleet.one_owner_at_a_time()?;
+    assert!(
+        stopped >= 1,
+        "the faulty replica stopped acting for its runs on its own"
+    );
+    Ok(())
+}
+
+/// Cut off from NATS for three leases while it keeps serving its callers, then healed.
+#[tokio::test]
+async fn a_replica_cut_off_from_nats_stops_acting_before_its_runs_are_taken_over() -> TestResult {
+    runs_through_a_fault_of_their_replica(Fault::CutOff(Duration::from_secs(6)), "cut-off").await
+}
+
+/// Paused (SIGSTOP) for two leases and a half, then resumed (SIGCONT): its lease ran out while it
+/// was stopped, so it acts no more once it runs again.
+#[tokio::test]
+async fn a_paused_replica_acts_no_more_once_resumed_past_its_lease() -> TestResult {
+    runs_through_a_fault_of_their_replica(Fault::Paused(Duration::from_secs(5)), "paused").await
 }

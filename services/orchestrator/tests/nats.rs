@@ -757,6 +757,64 @@ async fn both_event_logs_pass_the_log_suite() -> TestResult {
     .await
 }
 
+/// The event log is fenced: a new owner continues from the log's true end; the replaced owner's
+/// next append (which expects the end it knew) is refused, which stops that owner, and nothing of
+/// it reaches the log. A message the log held already (a duplicate acknowledgement) is a conflict
+/// too, never a success; a stopped owner appends nothing.
+#[tokio::test]
+async fn the_nats_log_refuses_a_replaced_owner_and_stops_it() -> TestResult {
+    use orchestrator::domain::ports::Logged;
+    use orchestrator::domain::{Ownership, Stop};
+    let nats = Nats::start().await?;
+    let options = NatsLogOptions {
+        bounds: log_bounds(1 << 20),
+        flush_interval: Duration::from_millis(1),
+        timeout: Duration::from_secs(5),
+        retry_for: Duration::from_millis(200),
+    };
+    let log = NatsLog::open(async_nats::connect(nats.url()).await?, "FENCED_EVENTS", options).await?;
+    let settled = |writer: &dyn orchestrator::domain::ports::LogWriter, seq: u64| {
+        let mut settled = writer.settled().expect("a NATS writer settles in the background");
+        async move {
+            tokio::time::timeout(Duration::from_secs(5), settled.wait_for(|s| s.resolved(seq)))
+                .await
+                .map(|s| s.map(|s| *s))
+        }
+    };
+    let old = Ownership::local();
+    old.set_epoch(1);
+    let mut first = log.owned_writer("moved", &Logged::default(), &old);
+    first.append(&[text_event(1, "one "), text_event(2, "two ")]);
+    assert!(!settled(first.as_ref(), 2).await??.broken);
+
+    // Another replica takes the run over from the log's end and appends.
+    let end = log.last("moved").await?;
+    assert_eq!(end.seq, 2);
+    let new = Ownership::local();
+    new.set_epoch(2);
+    let mut second = log.owned_writer("moved", &end, &new);
+    second.append(&[text_event(3, "three ")]);
+    assert!(!settled(second.as_ref(), 3).await??.broken);
+
+    // The replaced owner appends what it numbered next: refused, and it stops.
+    first.append(&[text_event(3, "stale ")]);
+    let kept = settled(first.as_ref(), 3).await??;
+    assert_eq!(kept.kept_through, 2, "nothing of the replaced owner is kept: {kept:?}");
+    assert!(matches!(old.why(), Some(Stop::Fenced(_))), "{:?}", old.why());
+    assert!(!new.stopped());
+    second.append(&[finished_event(4)]);
+    let events = follow_all(&log, "moved", 0).await?;
+    let texts: Vec<String> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            orchestrator::domain::Event::TextDelta { text, .. } => Some(text.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(texts, ["one ", "two ", "three "]);
+    Ok(())
+}
+
 /// The NATS log gathers a run's batches into few messages, and past its per-run bound purges the
 /// run's subject down to its newest messages: a follower from the start is told the log was
 /// trimmed (OUT_OF_RANGE), one from a recent seq gets the rest.

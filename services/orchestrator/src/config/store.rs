@@ -34,6 +34,13 @@ pub struct StoreSettings {
     /// resumes it before its deadline (1s..=10m).
     #[arg(long = "run-store-lease", env = "ORCHESTRATOR_RUN_STORE_LEASE", default_value = "15s", value_parser = parse_duration)]
     pub lease: Duration,
+    /// With the NATS store: how much of its lease a replica leaves unused. It measures the lease
+    /// on its own clock from the last renewal the store confirmed and, with less than this left,
+    /// stops acting for the run (no tool call, signal, event or save; attached callers are told
+    /// UNAVAILABLE and re-attach), so a replica cut off from NATS or paused has stopped before any
+    /// other may take the run over (default a third of the lease; 100ms..=half the lease).
+    #[arg(long = "run-store-lease-margin", env = "ORCHESTRATOR_RUN_STORE_LEASE_MARGIN", value_parser = parse_duration)]
+    pub lease_margin: Option<Duration>,
     /// How long the NATS result store keeps a result (cap 365d).
     #[arg(long = "run-store-ttl", env = "ORCHESTRATOR_RUN_STORE_TTL", default_value = "24h", value_parser = parse_duration)]
     pub ttl: Duration,
@@ -68,6 +75,13 @@ pub struct StoreSettings {
     pub event_log_stream: String,
 }
 
+impl StoreSettings {
+    /// See [`StoreSettings::lease_margin`]: a third of the lease unless set.
+    pub fn lease_margin(&self) -> Duration {
+        self.lease_margin.unwrap_or(self.lease / 3)
+    }
+}
+
 impl Bounded for StoreSettings {
     fn bounds(&self) -> Vec<Bound> {
         vec![
@@ -75,6 +89,7 @@ impl Bounded for StoreSettings {
             bound("keep_results_for", self.keep_results_for, Duration::ZERO, DAY * 7),
             bound("ttl", self.ttl, secs(1), DAY * 365),
             bound("lease", self.lease, secs(1), secs(600)),
+            bound("lease_margin", self.lease_margin(), ms(100), self.lease / 2),
             bound("timeout", self.timeout, ms(10), secs(60)),
             bound("backlog", self.backlog, 1usize, 1_000_000usize),
             bound(
