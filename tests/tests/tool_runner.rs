@@ -457,6 +457,7 @@ async fn command_tools_succeed_with_json_text_env_and_working_dir() -> TestResul
             "TOOL_CALL_ID",
             "TOOL_META_TENANT_ID",
             "TOOL_PRINCIPAL",
+            "TOOL_RUN_EPOCH",
             "TOOL_RUN_ID"
         ],
         "the environment is cleared except the allowlist and the call's context: {env}"

@@ -261,7 +261,7 @@ fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -
             () = left => {
                 f.done = true;
                 let message = format!(
-                    "run {:?} moved to another orchestrator replica (this one is draining, or stopped acting for it); attach to it again after seq {}",
+                    "this orchestrator replica is draining, or stopped acting for the run; attach to run {:?} again after seq {}",
                     f.run_id, f.last_seq
                 );
                 return Some((Err(Status::unavailable(message)), f));
