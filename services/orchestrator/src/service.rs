@@ -219,22 +219,38 @@ fn no_run(run_id: &str) -> Status {
     Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)")).into()
 }
 
-/// An attached caller's stream: the run's logged events as proto events. When this replica
-/// drains, a run that runs elsewhere, or that moves away from here (a durable run handed over),
-/// ends its attached streams with `UNAVAILABLE` naming the run and the last seq sent, so the
-/// caller attaches again elsewhere; a run that ends here keeps its followers until its end,
+/// An attached caller's stream: the run's logged events as proto events. A run that moves away
+/// from here (a durable run handed over, or one this replica stopped acting for), or that runs
+/// elsewhere while this replica drains, ends its attached streams with `UNAVAILABLE` naming the
+/// run and the last seq sent, so the caller attaches again elsewhere; a run that ends here keeps its followers until its end,
 /// within the drain's grace.
 fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -> EventStream {
     struct Follow {
         feed: EventFeed,
-        core: Arc<Core>,
+        /// Resolves once the stream must end for the caller to attach elsewhere: looked up once
+        /// per stream, not per event.
+        left: futures::future::BoxFuture<'static, ()>,
         run_id: String,
         last_seq: u64,
         done: bool,
     }
+    let (stopping, runs) = (core.stopping.clone(), Arc::clone(&core.runs));
+    let moved = core.runs.moved_from_here(&run_id);
+    let left = {
+        let run_id = run_id.clone();
+        async move {
+            tokio::select! {
+                () = moved => {}
+                () = async {
+                    stopping.cancelled().await;
+                    runs.moved_away(&run_id).await;
+                } => {}
+            }
+        }
+    };
     let follow = Follow {
         feed,
-        core: Arc::clone(core),
+        left: Box::pin(left),
         run_id,
         last_seq: after_seq,
         done: false,
@@ -243,22 +259,10 @@ fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -
         if f.done {
             return None;
         }
-        let (stopping, runs) = (f.core.stopping.clone(), Arc::clone(&f.core.runs));
-        let run_id = f.run_id.clone();
-        let moved = f.core.runs.moved_from_here(&run_id);
-        let left = async move {
-            tokio::select! {
-                () = moved => {}
-                () = async {
-                    stopping.cancelled().await;
-                    runs.moved_away(&run_id).await;
-                } => {}
-            }
-        };
         let item = tokio::select! {
             biased;
             item = f.feed.next() => item?,
-            () = left => {
+            () = &mut f.left => {
                 f.done = true;
                 let message = format!(
                     "this orchestrator replica is draining, or stopped acting for the run; attach to run {:?} again after seq {}",

@@ -89,6 +89,15 @@ pub(crate) mod metric {
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
 pub(crate) fn describe() {
+    describe_runs();
+    describe_model();
+    describe_tools();
+    describe_durability();
+    start_at_zero();
+}
+
+/// Runs, callers and turns.
+fn describe_runs() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(
         metric::RUNS,
@@ -105,23 +114,16 @@ pub(crate) fn describe() {
         Unit::Seconds,
         "Turn wall time: the completion and its tool calls."
     );
+}
+
+/// The model fleet and its completions.
+fn describe_model() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_histogram!(
         metric::TIME_TO_FIRST_TOKEN,
         Unit::Seconds,
         "Time from a completion request to its first token."
     );
-    describe_counter!(
-        metric::TOOL_CALLS,
-        "Tool calls by tool and outcome (ok or the error code)."
-    );
-    describe_histogram!(
-        metric::TOOL_CALL_DURATION,
-        Unit::Seconds,
-        "Tool call wall time by tool."
-    );
-    describe_gauge!(metric::TOOL_CALLS_IN_FLIGHT, "Tool calls in flight.");
-    describe_counter!(metric::SIGNALS_PUBLISHED, "Signals (exit-tool calls) published.");
-    describe_counter!(metric::SIGNALS_FAILED, "Signals that could not be delivered.");
     describe_counter!(
         metric::LLM_RETRIES,
         "LLM requests retried before the first byte, by reason."
@@ -145,6 +147,23 @@ pub(crate) fn describe() {
         metric::TURNS_RESTARTED,
         "Turns started again on another model endpoint after one cut the stream."
     );
+}
+
+/// Tool calls, tool-runners and signals.
+fn describe_tools() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        metric::TOOL_CALLS,
+        "Tool calls by tool and outcome (ok or the error code)."
+    );
+    describe_histogram!(
+        metric::TOOL_CALL_DURATION,
+        Unit::Seconds,
+        "Tool call wall time by tool."
+    );
+    describe_gauge!(metric::TOOL_CALLS_IN_FLIGHT, "Tool calls in flight.");
+    describe_counter!(metric::SIGNALS_PUBLISHED, "Signals (exit-tool calls) published.");
+    describe_counter!(metric::SIGNALS_FAILED, "Signals that could not be delivered.");
     describe_counter!(
         metric::TOOL_CALL_RETRIES,
         "Tool calls retried because no runner ran them, by reason."
@@ -161,6 +180,11 @@ pub(crate) fn describe() {
         metric::TOOL_RESULTS_CUT,
         "Tool results and tool error messages cut to --max-tool-result-bytes before they were fed back to the model."
     );
+}
+
+/// The result store, event logs, checkpoints, approvals and runs moving between replicas.
+fn describe_durability() {
+    use metrics::{describe_counter, describe_gauge};
     describe_gauge!(
         metric::STORE_BACKLOG,
         "Finished results waiting for the result store to take them (it was unavailable)."
@@ -199,6 +223,10 @@ pub(crate) fn describe() {
         metric::RUNS_MOVED,
         "Runs moved between replicas, by how: taken_over (resumed here), handed_over (released here at a drain), fenced (a write was refused: another replica took it), expired (its lease ran out here unrenewed), unsaved (a checkpoint the store did not take)."
     );
+}
+
+/// The series that exist before anything happened, at zero.
+fn start_at_zero() {
     metrics::counter!(metric::CHECKPOINTS).absolute(0);
     metrics::counter!(metric::TURNS_RESTARTED, "why" => "model_endpoint").absolute(0);
     metrics::counter!(metric::EVENT_LOG_DROPPED).absolute(0);

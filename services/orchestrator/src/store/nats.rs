@@ -75,6 +75,12 @@ impl Sightings {
         }
     }
 
+    /// Whether the live run's `record` at `revision` under `key` has lapsed (see
+    /// [`Sightings::lapsed`]); a record of no running run never does.
+    pub(super) fn lapsed_run(&self, key: &str, record: &Record, revision: u64) -> bool {
+        record.running() && self.lapsed(key, revision)
+    }
+
     /// Forgets what was seen of records not among `keys` (ended, or gone) and not seen in the
     /// last two leases (an id asked for again at admission).
     pub(super) fn keep(&self, keys: &std::collections::HashSet<String>) {
@@ -141,6 +147,19 @@ pub(super) struct Owned {
     pub epoch: u64,
     /// See [`Record::checkpoint_epoch`].
     pub checkpoint_epoch: u64,
+}
+
+impl Owned {
+    /// What this replica knows of a run it owns once `record` stands at `revision`.
+    pub(super) fn of(revision: u64, record: &Record) -> Self {
+        Self {
+            revision,
+            resumable_until_unix_ms: record.resumable_until_unix_ms,
+            claim: record.claim.clone(),
+            epoch: record.epoch,
+            checkpoint_epoch: record.checkpoint_epoch,
+        }
+    }
 }
 
 /// The name of the checkpoint object of the run under `key` written in `epoch`.
@@ -395,16 +414,9 @@ pub(super) async fn create_record(
 ) -> Result<Claim, StoreError> {
     record.epoch = record.epoch.max(1);
     record.checkpoint_epoch = record.epoch;
-    let owned_now = |revision, record: &Record| Owned {
-        revision,
-        resumable_until_unix_ms: record.resumable_until_unix_ms,
-        claim: record.claim.clone(),
-        epoch: record.epoch,
-        checkpoint_epoch: record.checkpoint_epoch,
-    };
     match kv.create(&key, record.encode_to_vec().into()).await {
         Ok(revision) => {
-            shared::sync::lock(&owned).insert(key, owned_now(revision, &record));
+            shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
             Ok(Claim::Claimed)
         }
         Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
@@ -417,7 +429,7 @@ pub(super) async fn create_record(
                 record.epoch = record.epoch.max(taken.epoch.saturating_add(1));
                 record.checkpoint_epoch = record.epoch;
                 if let Ok(revision) = kv.update(&key, record.encode_to_vec().into(), revision).await {
-                    shared::sync::lock(&owned).insert(key, owned_now(revision, &record));
+                    shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
                     return Ok(Claim::Claimed);
                 }
             }
@@ -425,7 +437,7 @@ pub(super) async fn create_record(
         }
         Err(e) => {
             // Unanswered, the claim may have landed: a later write adopts it (or creates it).
-            shared::sync::lock(&owned).insert(key.clone(), owned_now(0, &record));
+            shared::sync::lock(&owned).insert(key.clone(), Owned::of(0, &record));
             Err(unavailable("KV create", &key, e))
         }
     }

@@ -191,7 +191,7 @@ impl RunJournal for KvStore {
                     let (kv, checkpoints, seen) = (kv.clone(), checkpoints.clone(), seen.clone());
                     async move {
                         let (record, revision) = holder(&kv, &key).await.ok()??;
-                        let lapsed = record.running() && seen.lapsed(&key, revision);
+                        let lapsed = seen.lapsed_run(&key, &record, revision);
                         let delete = |epoch| {
                             let (checkpoints, name) = (checkpoints.clone(), checkpoint_name(&key, epoch));
                             async move {
@@ -233,7 +233,7 @@ impl RunJournal for KvStore {
             let Some((record, read_revision)) = holder(&kv, &key).await? else {
                 return Ok(None);
             };
-            let lapsed = record.running() && seen.lapsed(&key, read_revision);
+            let lapsed = seen.lapsed_run(&key, &record, read_revision);
             if !record.orphaned(shared::sync::unix_ms(), lapsed) {
                 return Ok(None);
             }
@@ -259,14 +259,7 @@ impl RunJournal for KvStore {
                 Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => return Ok(None),
                 Err(e) => return Err(unavailable("KV update", &key, e)),
             };
-            let owned_now = Owned {
-                revision,
-                resumable_until_unix_ms: claimed.resumable_until_unix_ms,
-                claim: claimed.claim.clone(),
-                epoch: claimed.epoch,
-                checkpoint_epoch: claimed.checkpoint_epoch,
-            };
-            shared::sync::lock(&owned).insert(key.clone(), owned_now);
+            shared::sync::lock(&owned).insert(key.clone(), Owned::of(revision, &claimed));
             let name = checkpoint_name(&key, claimed.checkpoint_epoch);
             let mut object = checkpoints
                 .get(&name)
