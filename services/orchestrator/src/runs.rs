@@ -56,6 +56,9 @@ pub(crate) struct Runs {
     attach_permits: usize,
     /// Runs waiting for approvals.
     approvals: Arc<dyn ApprovalLot>,
+    /// The drain's request that runs move: each run's [`Handoff`] is its child, so a run let in
+    /// (or taken over) while the replica drains is asked too.
+    drain: Handoff,
 }
 
 /// Why a caller cannot re-attach to a run.
@@ -231,6 +234,7 @@ impl Runs {
             attach_slots: Arc::new(Semaphore::new(max_attached)),
             attach_permits: max_attached,
             approvals,
+            drain: Handoff::default(),
         })
     }
 
@@ -378,16 +382,14 @@ impl Runs {
         Ok(Some((admitted, Resumed { checkpoint, logged })))
     }
 
-    /// Asks every live run to hand over at its next safe point (drain, durable runs).
+    /// Asks every run, live now or let in from now on (a takeover racing the drain), to hand over
+    /// at its next safe point, or at once (`now`) (drain, durable runs); how many are live.
     pub(crate) fn hand_over_all(&self, now: bool) -> usize {
-        let live = self.lock();
-        for run in live.values() {
-            match now {
-                true => run.handoff.now.cancel(),
-                false => run.handoff.at_safe_point.cancel(),
-            }
+        match now {
+            true => self.drain.now.cancel(),
+            false => self.drain.at_safe_point.cancel(),
         }
-        live.len()
+        self.lock().len()
     }
 
     /// Takes a slot and enters the run among the live ones, unless its id is live already or
@@ -412,7 +414,11 @@ impl Runs {
         let mut running = RunResult::running(run_id);
         running.principal.clone_from(&caller.name);
         let state: SharedState = Arc::new(Mutex::new(running));
-        let (cancel, handoff) = (Cancel::default(), Handoff::default());
+        let handoff = Handoff {
+            at_safe_point: self.drain.at_safe_point.child_token(),
+            now: self.drain.now.child_token(),
+        };
+        let cancel = Cancel::default();
         live.insert(
             run_id.to_owned(),
             Live {
@@ -885,5 +891,23 @@ mod tests {
         assert_eq!(runs.cancel("a", &anon(), "test").await, Ok(CancelOutcome::Canceled));
         assert!(admitted.cancel.is_canceled());
         assert_eq!(runs.cancel("zzz", &anon(), "test").await, Ok(CancelOutcome::NotFound));
+    }
+
+    /// A drain asks every run to move, the runs let in after it began too (a takeover that
+    /// raced it): such a run would otherwise run on until the grace ends and be handed over
+    /// mid-call, running that call twice.
+    #[tokio::test]
+    async fn a_run_let_in_while_the_replica_drains_is_asked_to_hand_over_too() {
+        let runs = runs(10, 10, Duration::from_secs(60));
+        let before = runs.admit("before", &anon(), None).await.unwrap();
+        assert!(!before.handoff.at_safe_point.is_cancelled());
+        assert_eq!(runs.hand_over_all(false), 1);
+        let after = runs.admit("after", &anon(), None).await.unwrap();
+        for run in [&before, &after] {
+            assert!(run.handoff.at_safe_point.is_cancelled() && !run.handoff.now.is_cancelled());
+        }
+        runs.hand_over_all(true);
+        let last = runs.admit("last", &anon(), None).await.unwrap();
+        assert!(before.handoff.now.is_cancelled() && last.handoff.now.is_cancelled());
     }
 }
