@@ -121,7 +121,9 @@ fn decide_status(error: &crate::domain::approval::DecideError, message: String) 
     match error {
         D::NotFound(_) => tonic::Status::not_found(message),
         D::NotAllowed { .. } => tonic::Status::permission_denied(message),
-        D::AlreadyDecided { .. } | D::NotPending { .. } => tonic::Status::failed_precondition(message),
+        D::AlreadyDecided { .. } | D::NotPending { .. } | D::Expired { .. } => {
+            tonic::Status::failed_precondition(message)
+        }
         D::Invalid(_) => tonic::Status::invalid_argument(message),
         D::Unavailable(_) => tonic::Status::unavailable(message),
     }

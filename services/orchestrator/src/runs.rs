@@ -338,7 +338,10 @@ impl Runs {
         let Some(journal) = self.journal.clone() else {
             return Ok(None);
         };
-        if self.free_slots() == 0 {
+        if self.free_slots() == 0 || self.lock().contains_key(run_id) {
+            // A run live here is not claimed again here, whatever its record says (a hand-over
+            // announced while it runs, a record seen unchanged): its claim would fence the run
+            // out of its own record, and the admission that follows would fail and hand it over.
             return Ok(None);
         }
         let sent = tokio::time::Instant::now();
@@ -799,6 +802,77 @@ mod tests {
             approvals: Arc::new(crate::store::memory_approvals::MemoryLot::new(100)),
         };
         Runs::new(max_runs, 2, keeping, Duration::from_secs(1), 100)
+    }
+
+    use futures::future::BoxFuture;
+
+    /// A journal that only counts the claims it is asked for (and grants none).
+    #[derive(Default)]
+    struct CountingJournal {
+        claims: std::sync::atomic::AtomicUsize,
+    }
+
+    impl RunJournal for CountingJournal {
+        fn save(&self, _: RunResult, _: u64, _: Vec<u8>) -> BoxFuture<'static, Result<(), StoreError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn claim_resumable(
+            &self,
+            _: RunResult,
+            _: u64,
+            _: Vec<u8>,
+        ) -> BoxFuture<'static, Result<crate::domain::ports::Claim, StoreError>> {
+            Box::pin(async { Ok(crate::domain::ports::Claim::Claimed) })
+        }
+        fn forget(&self, _: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+        fn take_over(&self, _: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
+            self.claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Box::pin(async { Ok(None) })
+        }
+        fn hand_over(&self, _: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn handovers(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, ()>> {
+            Box::pin(async { futures::StreamExt::boxed(futures::stream::pending()) })
+        }
+        fn cancel_elsewhere(
+            &self,
+            _: &str,
+            _: &str,
+        ) -> BoxFuture<'static, Result<Option<crate::domain::ports::RemoteCancel>, StoreError>> {
+            Box::pin(async { Ok(None) })
+        }
+        fn cancel_asks(
+            &self,
+        ) -> BoxFuture<'static, futures::stream::BoxStream<'static, crate::domain::ports::CancelAsk>> {
+            Box::pin(async { futures::StreamExt::boxed(futures::stream::pending()) })
+        }
+    }
+
+    /// A look for orphans (a hand-over announced, a record seen unchanged) never claims a run
+    /// live on this replica: the claim would fence the run out of its own record.
+    #[tokio::test]
+    async fn a_replica_does_not_claim_a_run_live_on_it() {
+        let runs = runs(4, 10, Duration::from_secs(60));
+        let journal = Arc::new(CountingJournal::default());
+        let runs = Arc::new(Runs {
+            journal: Some(Arc::clone(&journal) as Arc<dyn RunJournal>),
+            ..Arc::into_inner(runs).unwrap()
+        });
+        let _live = runs.admit("live", &anon(), None).await.unwrap();
+        assert!(runs.take_over("live").await.unwrap().is_none());
+        assert_eq!(journal.claims.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert!(runs.take_over("elsewhere").await.unwrap().is_none());
+        assert_eq!(
+            journal.claims.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "a run live elsewhere is claimed"
+        );
     }
 
     async fn finish(runs: &Arc<Runs>, id: &str) {

@@ -290,10 +290,11 @@ fn attached(core: &Arc<Core>, run_id: String, after_seq: u64, feed: EventFeed) -
 const MAX_LISTED_APPROVALS: usize = 1000;
 
 /// The caller as the approval lot checks it.
-fn decider(caller: &Principal) -> Decider {
+fn decider(caller: &Principal, config: &crate::config::Config) -> Decider {
     Decider {
         name: caller.name.clone(),
         approver: caller.has_role(shared::auth::APPROVER),
+        approver_required: config.runs.approvals_need_approver,
     }
 }
 
@@ -398,7 +399,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
     ) -> Result<Response<pb::DecideToolCallsResponse>, Status> {
         let caller = caller(&request);
         let DecideRequest { run_id, decisions } = DecideRequest::try_from(request.into_inner())?;
-        let decider = decider(&caller);
+        let decider = decider(&caller, &self.core.config);
         let calls = self
             .core
             .deps
@@ -442,7 +443,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             .core
             .deps
             .approvals
-            .pending(&decider(&caller), run_id, limit)
+            .pending(&decider(&caller, &self.core.config), run_id, limit)
             .await
             .map_err(Error::Store)?;
         Ok(Response::new(pb::ListPendingApprovalsResponse {

@@ -236,7 +236,7 @@ fn outcome_of(record: &pb::ToolCallRecord) -> pb::ApprovalOutcome {
 }
 
 /// The approve path, with the caller's stream open across the wait: `approval_requested` for
-/// `sleep` while `echo` runs at once; the run parks (`AWAITING_APPROVAL`, pending in `GetRun` and
+/// `sleep` while `echo` runs at once and its `tool_call_finished` arrives; the run parks (`AWAITING_APPROVAL`, pending in `GetRun` and
 /// in the listing); once carol (an approver) approves, `sleep` is announced and runs, and the
 /// same stream goes on to `run_finished`; the decision is in the call's record.
 #[tokio::test]
@@ -254,12 +254,15 @@ async fn an_approved_call_runs_and_the_callers_stream_goes_on_across_the_wait() 
     assert_eq!((asked.name.as_str(), asked.turn), ("sleep", 1));
     assert!(asked.expires_at_unix_ms > shared::sync::unix_ms());
 
+    // echo's outcome reaches the caller while sleep waits, not once it is decided.
+    events.extend(read_until(&mut stream, |e| matches!(e, E::ToolCallFinished(c) if c.name == "echo")).await?);
     let parked = wait_status(&mut client, "alice-token", "approve-1", pb::RunStatus::AwaitingApproval).await?;
     assert_eq!(parked.pending_approvals.len(), 1, "{parked:?}");
     assert_eq!(parked.pending_approvals[0].call_id, asked.call_id);
-    assert!(
-        parked.tool_calls.is_empty(),
-        "echo's outcome is reported with the turn, once every call is in"
+    assert_eq!(
+        parked.tool_calls.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+        ["echo"],
+        "echo's outcome is recorded while sleep waits"
     );
     let listed = client
         .list_pending_approvals(as_("carol-token", pb::ListPendingApprovalsRequest::default()))
@@ -360,8 +363,8 @@ async fn a_rejection_is_fed_back_to_the_model_and_is_not_a_failure() -> TestResu
 
 /// An edit is checked against the tool's schema: refused with `INVALID_ARGUMENT` (the call still
 /// waits), then a valid one runs with the edited arguments; the record keeps both. A second
-/// decision, an unknown call, an unknown run and a principal that is neither owner nor approver
-/// are refused with their codes.
+/// decision, an unknown call and an unknown run are refused with their codes; a principal that is
+/// neither owner nor approver is answered as for an unknown run.
 #[tokio::test]
 async fn edits_are_checked_and_second_decisions_and_strangers_are_refused() -> TestResult {
     let w = world(refund_then_answer(), &[]).await?;
@@ -386,7 +389,8 @@ async fn edits_are_checked_and_second_decisions_and_strangers_are_refused() -> T
         vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
     )
     .await;
-    assert_eq!(stranger.map(|_| ()).unwrap_err().code(), tonic::Code::PermissionDenied);
+    let stranger = stranger.map(|_| ()).unwrap_err();
+    assert_eq!(stranger.code(), tonic::Code::NotFound, "{stranger:?}");
     let bad = decide(
         &mut client,
         "alice-token",
@@ -427,7 +431,13 @@ async fn edits_are_checked_and_second_decisions_and_strangers_are_refused() -> T
         vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
     )
     .await;
-    assert_eq!(unknown_run.map(|_| ()).unwrap_err().code(), tonic::Code::NotFound);
+    let unknown_run = unknown_run.map(|_| ()).unwrap_err();
+    assert_eq!(unknown_run.code(), tonic::Code::NotFound);
+    assert_eq!(
+        stranger.message(),
+        unknown_run.message().replace("\"nope\"", "\"edit-1\""),
+        "another owner's run answers as an unknown one"
+    );
 
     decide(
         &mut client,
@@ -595,6 +605,137 @@ async fn an_expired_wait_rejects_the_call_or_fails_the_run() -> TestResult {
         refused.message().contains("approval_timeout_ms"),
         "{}",
         refused.message()
+    );
+    Ok(())
+}
+
+/// Turn 1 calls `echo` (which waits for approval in [`echo_waits`] runs) and a slow `sleep`, so the
+/// run is still in its turn, not parked, when `echo`'s wait expires; turn 2 answers.
+fn slow_turn_with_a_waiting_echo() -> Scenario {
+    Scenario::new(vec![
+        Turn::default()
+            .then(Step::call("echo", json!({"refund": 7})))
+            .then(Step::call("sleep", json!({"ms": 2500}))),
+        Turn::text("Done."),
+    ])
+}
+
+/// A run whose `echo` calls wait for approval at most `timeout_ms`.
+fn echo_waits(run_id: &str, timeout_ms: u32) -> pb::OrchestrateRequest {
+    let mut request = approval_run(run_id);
+    request.tools = Some(pb::ToolSelection {
+        approval: Some(pb::ApprovalPolicy {
+            tools: vec!["echo".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    request.limits = Some(pb::RunLimits {
+        approval_timeout_ms: Some(timeout_ms),
+        ..Default::default()
+    });
+    request
+}
+
+/// A decision taken after `approval_timeout_ms` is refused when it is taken, though nothing has
+/// applied the timeout yet (the run is still in its turn): `FAILED_PRECONDITION` naming the
+/// expiry; the call then ends as timed out, and the run completes.
+async fn a_late_decision_is_refused(client: &mut Client, run_id: &str) -> TestResult {
+    let mut stream = client
+        .orchestrate(as_("alice-token", echo_waits(run_id, 300)))
+        .await?
+        .into_inner();
+    let mut events = read_until(&mut stream, |e| matches!(e, E::ApprovalRequested(_))).await?;
+    let Some(E::ApprovalRequested(asked)) = events.last().and_then(|e| e.event.clone()) else {
+        anyhow::bail!("no approval_requested");
+    };
+    let expires_in = asked.expires_at_unix_ms.saturating_sub(shared::sync::unix_ms());
+    tokio::time::sleep(Duration::from_millis(expires_in + 400)).await;
+    let Err(late) = decide(
+        client,
+        "carol-token",
+        run_id,
+        vec![decision(&asked.call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await
+    else {
+        anyhow::bail!("a decision after the expiry was taken");
+    };
+    assert_eq!(late.code(), tonic::Code::FailedPrecondition, "{late:?}");
+    assert!(
+        late.message().contains("expired at") && late.message().contains("approval_timeout_ms"),
+        "{}",
+        late.message()
+    );
+    events.extend(read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?);
+    let outcome = finish(client, events, stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed, "{:?}", outcome.result);
+    let echo = outcome
+        .result
+        .tool_calls
+        .iter()
+        .find(|c| c.name == "echo")
+        .ok_or_else(|| anyhow::anyhow!("no echo record"))?;
+    assert_eq!(outcome_of(echo), pb::ApprovalOutcome::TimedOut, "{echo:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_decision_after_the_wait_expired_is_refused_with_the_memory_store() -> TestResult {
+    let w = world(slow_turn_with_a_waiting_echo(), &[]).await?;
+    a_late_decision_is_refused(&mut w.client().await?, "late-memory").await
+}
+
+#[tokio::test]
+async fn a_decision_after_the_wait_expired_is_refused_with_the_nats_store() -> TestResult {
+    let f = fleet(slow_turn_with_a_waiting_echo(), 1).await?;
+    a_late_decision_is_refused(&mut f.client(0).await?, "late-nats").await
+}
+
+/// With `--approvals-need-approver` a run's owner cannot approve its own calls
+/// (`PERMISSION_DENIED` naming the setting) nor finds them in its listing; a stranger is answered
+/// as for an unknown run; an approver decides.
+#[tokio::test]
+async fn a_server_may_let_only_approvers_decide() -> TestResult {
+    let w = world(refund_then_answer(), &["--approvals-need-approver"]).await?;
+    let mut client = w.client().await?;
+    let mut request = approval_run("four-eyes");
+    request.detached = true;
+    let stream = client.orchestrate(as_("alice-token", request)).await?.into_inner();
+    let parked = wait_status(&mut client, "alice-token", "four-eyes", pb::RunStatus::AwaitingApproval).await?;
+    let call_id = parked.pending_approvals[0].call_id.clone();
+    let approve = || vec![decision(&call_id, pb::DecisionKind::Approve, "", "")];
+    let own = decide(&mut client, "alice-token", "four-eyes", approve())
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(own.code(), tonic::Code::PermissionDenied, "{own:?}");
+    assert!(own.message().contains("--approvals-need-approver"), "{}", own.message());
+    let stranger = decide(&mut client, "bob-token", "four-eyes", approve())
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(stranger.code(), tonic::Code::NotFound, "{stranger:?}");
+    let listed = |token: &'static str| {
+        let mut client = client.clone();
+        async move {
+            anyhow::Ok(
+                client
+                    .list_pending_approvals(as_(token, pb::ListPendingApprovalsRequest::default()))
+                    .await?
+                    .into_inner()
+                    .approvals
+                    .len(),
+            )
+        }
+    };
+    assert_eq!((listed("alice-token").await?, listed("carol-token").await?), (0, 1));
+    decide(&mut client, "carol-token", "four-eyes", approve()).await?;
+    let outcome = finish(&mut client, Vec::new(), stream).await?;
+    assert_eq!(outcome.status(), pb::RunStatus::Completed, "{:?}", outcome.result);
+    assert_eq!(
+        outcome_of(sleep_record(&outcome.result)?),
+        pb::ApprovalOutcome::Approved
     );
     Ok(())
 }
@@ -864,7 +1005,7 @@ async fn the_command_line_lists_and_decides() -> TestResult {
     ])
     .await?;
     assert_ne!(code, Some(0));
-    assert!(stderr.contains("may not decide"), "{stderr}");
+    assert!(stderr.contains("no run \"cli-1\" waits for approval"), "{stderr}");
     let (code, decided, stderr) = shell(vec![
         "decide".into(),
         "--endpoint".into(),

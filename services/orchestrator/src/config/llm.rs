@@ -32,7 +32,28 @@ impl Header {
     pub(super) fn is_malformed(&self) -> bool {
         self.name.is_empty() && !self.value.expose().is_empty()
     }
+
+    /// A header that frames the request or its connection, which only the HTTP client sets: one
+    /// set by hand could make the model server read the body's end, or the next request, where
+    /// the client did not put it.
+    pub(super) fn is_framing(&self) -> bool {
+        FRAMING_HEADERS.iter().any(|h| self.name.eq_ignore_ascii_case(h))
+    }
 }
+
+/// Headers `--llm-header` may not set (see [`Header::is_framing`]).
+const FRAMING_HEADERS: &[&str] = &[
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "upgrade",
+    "te",
+    "trailer",
+    "expect",
+];
 
 impl std::str::FromStr for Header {
     type Err = std::convert::Infallible;
@@ -113,7 +134,9 @@ pub struct LlmSettings {
     /// Bearer token, from the environment variable LLM_API_KEY.
     #[arg(skip = Secret::from_env("LLM_API_KEY"))]
     pub api_key: Option<Secret>,
-    /// Extra header for the LLM server, `Name: value` (repeatable; `;`-separated in the environment).
+    /// Extra header for the LLM server, `Name: value` (repeatable; `;`-separated in the
+    /// environment). Headers that frame the request (Host, Content-Length, Transfer-Encoding,
+    /// Connection, Upgrade, TE, Trailer, Expect …) are refused: the HTTP client sets those.
     #[arg(long = "llm-header", env = "LLM_HEADERS", value_delimiter = ';')]
     pub headers: Vec<Header>,
     /// No byte from the LLM for this long ends the run LLM_STREAM_STALLED (cap 1h).

@@ -153,20 +153,40 @@ impl Config {
         self.llm.affinity_header().map_err(Error::Config)?;
         self.llm.defaults().map_err(Error::Config)?;
         self.check_nats_names()?;
+        self.check_approvers()?;
         self.check_exit_tools()
+    }
+
+    /// Approvers come from the tokens file: a server that lets only approvers decide needs one.
+    fn check_approvers(&self) -> Result<(), Error> {
+        if self.runs.approvals_need_approver && self.security.auth_tokens.is_none() {
+            return Err(Error::Config(format!(
+                "{} needs {}: the approver role is given in the tokens file",
+                flag::<RunSettings>("approvals_need_approver"),
+                flag::<SecuritySettings>("auth_tokens")
+            )));
+        }
+        Ok(())
     }
 
     /// Every extra LLM header is `Name: value`; the error never shows the entry (it may be a
     /// credential without its name).
     fn check_llm_headers(&self) -> Result<(), Error> {
-        match self.llm.headers.iter().position(Header::is_malformed) {
-            Some(index) => Err(Error::Config(format!(
+        if let Some(index) = self.llm.headers.iter().position(Header::is_malformed) {
+            return Err(Error::Config(format!(
                 "{} entry {} is not `Name: value` (not shown: it may hold a credential)",
                 flag::<LlmSettings>("headers"),
                 index + 1
-            ))),
-            None => Ok(()),
+            )));
         }
+        if let Some(header) = self.llm.headers.iter().find(|h| h.is_framing()) {
+            return Err(Error::Config(format!(
+                "{} may not set {:?}: the HTTP client frames each request itself",
+                flag::<LlmSettings>("headers"),
+                header.name
+            )));
+        }
+        Ok(())
     }
 
     /// NATS subjects, streams and buckets are dot-separated tokens of letters, digits, `_`, `-`.
@@ -362,6 +382,41 @@ mod tests {
         );
         assert!(parse(&["--llm-tool-choice", "two words"]).is_err());
         assert!(parse(&["--llm-reasoning-effort", "HIGH"]).is_err());
+    }
+
+    #[test]
+    fn framing_headers_are_refused_and_others_pass() {
+        for framing in [
+            "Content-Length: 5",
+            "transfer-encoding: chunked",
+            "HOST: evil",
+            "Connection: close",
+            "TE: trailers",
+        ] {
+            let mut config = Config::default();
+            config.llm.headers = vec![framing.parse().unwrap()];
+            let error = config.validate().unwrap_err().to_string();
+            assert!(error.contains("--llm-header may not set"), "{framing}: {error}");
+        }
+        let mut config = Config::default();
+        config.llm.headers = vec![
+            "X-Content-Length-Hint: 5".parse().unwrap(),
+            "Authorization-Extra: x".parse().unwrap(),
+        ];
+        assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn only_approvers_deciding_needs_a_tokens_file() {
+        let mut config = Config::default();
+        config.runs.approvals_need_approver = true;
+        let error = config.validate().unwrap_err().to_string();
+        assert!(
+            error.contains("--approvals-need-approver needs --auth-tokens"),
+            "{error}"
+        );
+        config.security.auth_tokens = Some("tokens.toml".into());
+        assert!(config.validate().is_ok());
     }
 
     #[test]

@@ -72,6 +72,18 @@ pub struct RunSettings {
     /// may add tools, never remove one.
     #[arg(long = "approval-tool", env = "ORCHESTRATOR_APPROVAL_TOOLS", value_delimiter = ',')]
     pub approval_tools: Vec<String>,
+    /// Only principals with the approver role (`roles = ["approver"]` in the tokens file) decide
+    /// tool calls, so a run's owner cannot approve its own calls (four eyes). Needs
+    /// --auth-tokens.
+    #[arg(
+        long,
+        env = "ORCHESTRATOR_APPROVALS_NEED_APPROVER",
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub approvals_need_approver: bool,
     /// Runs parked waiting for approvals at once, with the in-memory store (they hold no run slot,
     /// only their checkpoint in memory); a turn that would park one more has its waiting calls
     /// rejected with APPROVAL_UNAVAILABLE (cap 1000000).

@@ -146,8 +146,10 @@ pub enum DecideError {
     /// No run the caller may see waits under this id.
     #[error("no run {0:?} waits for approval (unknown, finished, or it waits for nothing)")]
     NotFound(String),
-    /// The caller is neither the run's owner nor an approver.
-    #[error("principal {caller:?} may not decide the calls of run {run_id:?}: only its owner and approvers may")]
+    /// The run's owner asks, on a server where only approvers decide.
+    #[error(
+        "principal {caller:?} may not decide the calls of its own run {run_id:?}: this server lets only principals with the approver role decide (--approvals-need-approver)"
+    )]
     NotAllowed {
         /// Who asked.
         caller: String,
@@ -165,6 +167,21 @@ pub enum DecideError {
         principal: String,
         /// Its time.
         decided_at_unix_ms: u64,
+    },
+    /// The call's wait ended (`approval_timeout_ms`) before this decision was taken.
+    #[error(
+        "call {call_id:?} ({name}) can no longer be decided: its wait expired at {} (the run's approval_timeout_ms), {late_ms} ms before this decision",
+        rfc3339(*.expired_at_unix_ms)
+    )]
+    Expired {
+        /// The call.
+        call_id: String,
+        /// Its tool.
+        name: String,
+        /// When its wait ended (Unix ms).
+        expired_at_unix_ms: u64,
+        /// How late the decision came.
+        late_ms: u64,
     },
     /// The run does not wait for this call.
     #[error("run {run_id:?} has no call {call_id:?} waiting for approval")]
@@ -206,6 +223,14 @@ pub fn check_decision(
             decided_at_unix_ms: first.decided_at_unix_ms,
         });
     }
+    if now_unix_ms >= call.expires_at_unix_ms {
+        return Err(DecideError::Expired {
+            call_id: call.call_id.clone(),
+            name: call.name.clone(),
+            expired_at_unix_ms: call.expires_at_unix_ms,
+            late_ms: now_unix_ms - call.expires_at_unix_ms,
+        });
+    }
     let mut recorded = ApprovalDecision {
         outcome: ApprovalOutcome::Approved,
         principal: by.to_owned(),
@@ -239,6 +264,12 @@ pub fn check_decision(
     Ok(recorded)
 }
 
+/// A Unix time in ms as RFC 3339 (UTC, ms).
+fn rfc3339(unix_ms: u64) -> String {
+    let at = std::time::UNIX_EPOCH + Duration::from_millis(unix_ms);
+    humantime::format_rfc3339_millis(at).to_string()
+}
+
 /// The largest rejection message kept (it is fed back to the model).
 pub const MAX_REJECTION_BYTES: usize = 4096;
 
@@ -254,7 +285,7 @@ mod tests {
             arguments_json: r#"{"amount": 5}"#.into(),
             turn: 1,
             requested_at_unix_ms: 1,
-            expires_at_unix_ms: 2,
+            expires_at_unix_ms: 8,
             principal: "alice".into(),
             decision: None,
         }
@@ -317,5 +348,21 @@ mod tests {
         decided.decision = Some(ApprovalDecision::timed_out(5));
         let again = check_decision(&decide(DecisionKind::Approve), &decided, &schema(), "bob", 7).unwrap_err();
         assert!(again.to_string().contains("timed_out by \"orchestrator\""), "{again}");
+    }
+
+    #[test]
+    fn a_decision_at_or_after_the_expiry_is_refused_naming_it() {
+        for late in [8, 9, 5000] {
+            let refused =
+                check_decision(&decide(DecisionKind::Approve), &pending(), &schema(), "bob", late).unwrap_err();
+            assert!(
+                matches!(refused, DecideError::Expired { late_ms, .. } if late_ms == late - 8),
+                "{refused:?}"
+            );
+            let message = refused.to_string();
+            assert!(message.contains("expired at 1970-01-01T00:00:00.008Z"), "{message}");
+            assert!(message.contains("approval_timeout_ms"), "{message}");
+        }
+        assert!(check_decision(&decide(DecisionKind::Approve), &pending(), &schema(), "bob", 7).is_ok());
     }
 }

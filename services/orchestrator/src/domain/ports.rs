@@ -404,12 +404,21 @@ pub struct Decider {
     pub name: String,
     /// It holds the approver role: it decides every run's calls.
     pub approver: bool,
+    /// The server lets only approvers decide (`--approvals-need-approver`), so an owner cannot
+    /// approve its own calls.
+    pub approver_required: bool,
 }
 
 impl Decider {
+    /// Whether it may see that a run of `owner` waits: another caller's run is as unknown to it
+    /// as a run that does not exist.
+    pub fn may_see(&self, owner: &str) -> bool {
+        self.name.is_empty() || self.approver || self.name == owner
+    }
+
     /// Whether it may decide the calls of a run of `owner`.
     pub fn may_decide(&self, owner: &str) -> bool {
-        self.name.is_empty() || self.approver || self.name == owner
+        self.approver || (!self.approver_required && self.may_see(owner))
     }
 }
 

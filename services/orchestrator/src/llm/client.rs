@@ -225,7 +225,7 @@ impl HttpLlm {
                 body: answer.body.map(|c| c.map_err(|e| e.to_string())).boxed(),
             }),
             Err(SendError::Connect(e)) => Err(self.unreachable(&e)),
-            Err(SendError::Request(e)) => Err(Attempt::Final(
+            Err(SendError::Request(e) | SendError::Unread(e)) => Err(Attempt::Final(
                 self.http_error(format!("request to the LLM server failed: {e}")),
             )),
         }

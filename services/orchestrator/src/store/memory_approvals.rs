@@ -200,6 +200,9 @@ pub(super) fn record_decisions(
     decider: &Decider,
     decisions: &[Decision],
 ) -> Result<(), DecideError> {
+    if !decider.may_see(owner) {
+        return Err(DecideError::NotFound(run_id.to_owned()));
+    }
     if !decider.may_decide(owner) {
         return Err(DecideError::NotAllowed {
             caller: decider.name.clone(),

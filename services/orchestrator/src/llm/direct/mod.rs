@@ -39,6 +39,21 @@ pub(super) enum SendError {
     Connect(String),
     /// The connection failed before the answer's head, or the head was not HTTP/1.1.
     Request(String),
+    /// A kept-alive connection failed in a way that shows the server never read the request
+    /// (the write failed, or the server reset the connection with the request unread): it is
+    /// sent again on a new connection.
+    Unread(String),
+}
+
+impl SendError {
+    /// Whether the server cannot have processed the request: a failed write, or a reset before
+    /// any byte of the answer (a server that closes a socket with unread bytes in it resets the
+    /// connection; one that read the request and then closed it ends it cleanly, and may have
+    /// acted on it).
+    fn unread(error: &std::io::Error) -> bool {
+        use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+        matches!(error.kind(), ConnectionReset | ConnectionAborted | BrokenPipe)
+    }
 }
 
 /// How many idle connections are kept, and for how long.
@@ -99,14 +114,22 @@ impl Direct {
     ) -> Result<Answered, SendError> {
         let head = self.endpoint.head.with(header, body.len());
         if let Some(socket) = self.take_idle() {
-            // A connection the server is closing just as it is reused refuses the request
-            // before any answer: send it once more, on a fresh connection.
+            // A connection the server is closing just as it is reused may refuse the request
+            // unread: only then is it sent once more, on a fresh connection (a POST the server
+            // may have acted on is never sent twice).
             match self.exchange(socket, &head, body, pace).await {
-                Ok(answer) => return Ok(answer),
-                Err(e) => tracing::debug!("a kept-alive LLM connection failed, sending again on a new one: {e:?}"),
+                Err(SendError::Unread(e)) => {
+                    tracing::debug!(
+                        "a kept-alive LLM connection refused the request unread, sending it on a new one: {e}"
+                    );
+                }
+                answered => return answered,
             }
         }
-        self.exchange(self.connect().await?, &head, body, pace).await
+        match self.exchange(self.connect().await?, &head, body, pace).await {
+            Err(SendError::Unread(e)) => Err(SendError::Request(e)),
+            answered => answered,
+        }
     }
 
     async fn exchange(
@@ -119,17 +142,24 @@ impl Direct {
         socket
             .send(head.clone(), body.clone())
             .await
-            .map_err(|e| SendError::Request(format!("sending the request: {e}")))?;
+            .map_err(|e| SendError::Unread(format!("sending the request: {e}")))?;
         let (head, rest) = self.read_head(&mut socket, pace).await?;
         let mut body = DirectBody {
             socket: Some(socket),
             decoder: head.framing,
             ready: None,
+            failed: None,
             reusable: head.reusable,
             pace: pace.clone(),
             pool: Arc::clone(self),
         };
-        body.take_in(&rest).map_err(|e| SendError::Request(e.to_string()))?;
+        if let Err(e) = body.take_in(&rest) {
+            if body.ready.is_none() {
+                return Err(SendError::Request(e.to_string()));
+            }
+            // The payload before the error is the answer's too: it is read, then the error.
+            body.fail(e);
+        }
         Ok(Answered {
             status: head.status,
             headers: head.headers,
@@ -138,8 +168,12 @@ impl Direct {
     }
 
     /// Reads the answer's head (past any informational `1xx` one): the head, and the bytes read
-    /// after it.
+    /// after it. The heads together, informational ones included, are bounded by the longest
+    /// head accepted, so a server sending `1xx` heads without end is refused like an endless
+    /// head.
     async fn read_head(&self, socket: &mut Socket, pace: &ReadPace) -> Result<(wire::Head, Vec<u8>), SendError> {
+        let max = self.endpoint.max_head_bytes;
+        let too_long = || SendError::Request(wire::WireError::HeadTooLong(max).to_string());
         let mut seen = Vec::new();
         let mut start = 0;
         loop {
@@ -151,25 +185,31 @@ impl Direct {
                 Poll::Ready(Ok::<_, std::io::Error>(buf.filled().len()))
             })
             .await
-            .map_err(|e| SendError::Request(format!("reading the answer: {e}")))?;
+            .map_err(|e| match seen.is_empty() && SendError::unread(&e) {
+                true => SendError::Unread(format!("reading the answer: {e}")),
+                false => SendError::Request(format!("reading the answer: {e}")),
+            })?;
             if read == 0 {
                 return Err(SendError::Request(
-                    "the server closed the connection before answering".into(),
+                    "the server closed the connection before answering (it may have read the request, so it is not sent again)".into(),
                 ));
             }
             // A head ends at a line's end: parsed again only when one came, so a head sent a byte
             // at a time costs a parse per line, not per byte.
             if memchr::memchr(b'\n', &seen[seen.len() - read..]).is_none() {
-                if seen.len() - start > self.endpoint.max_head_bytes {
-                    let long = wire::WireError::HeadTooLong(self.endpoint.max_head_bytes);
-                    return Err(SendError::Request(long.to_string()));
+                if seen.len() > max {
+                    return Err(too_long());
                 }
                 continue;
             }
-            while let Some((head, length)) = wire::parse_head(&seen[start..], self.endpoint.max_head_bytes)
-                .map_err(|e| SendError::Request(e.to_string()))?
-            {
+            while let Some((head, length)) = wire::parse_head(&seen[start..], max - start).map_err(|e| match e {
+                wire::WireError::HeadTooLong(_) => too_long(),
+                e => SendError::Request(e.to_string()),
+            })? {
                 start += length;
+                if start > max {
+                    return Err(too_long());
+                }
                 if head.status == StatusCode::SWITCHING_PROTOCOLS {
                     return Err(SendError::Request("the server switched protocols".into()));
                 }
@@ -224,6 +264,8 @@ pub(super) struct DirectBody {
     decoder: BodyDecoder,
     /// Payload that came with the head, not yet taken.
     ready: Option<Bytes>,
+    /// An error found after `ready`'s payload in the same read: yielded once the payload is.
+    failed: Option<std::io::Error>,
     reusable: bool,
     pace: ReadPace,
     pool: Arc<Direct>,
@@ -236,6 +278,9 @@ impl futures::Stream for DirectBody {
         let this = &mut *self;
         if let Some(ready) = this.ready.take() {
             return Poll::Ready(Some(Ok(ready)));
+        }
+        if let Some(failed) = this.failed.take() {
+            return Poll::Ready(Some(Err(failed)));
         }
         loop {
             if this.decoder.done() {
@@ -254,8 +299,10 @@ impl futures::Stream for DirectBody {
             };
             match read {
                 Err(e) => {
-                    this.socket = None;
-                    return Poll::Ready(Some(Err(e)));
+                    // What was decoded before the error in this read comes first.
+                    this.fail(e);
+                    let first = this.ready.take().map(Ok).or_else(|| this.failed.take().map(Err));
+                    return Poll::Ready(first);
                 }
                 Ok(()) => {
                     if let Some(payload) = this.ready.take() {
@@ -269,15 +316,22 @@ impl futures::Stream for DirectBody {
 
 impl DirectBody {
     /// Takes the framing off bytes read, keeping their payload to be yielded.
+    /// Bytes before a framing error in `read` are kept in `ready` too (the error is returned).
     fn take_in(&mut self, read: &[u8]) -> std::io::Result<()> {
         let mut payload = BytesMut::with_capacity(read.len());
-        let used = self.decoder.decode(read, &mut payload)?;
-        // Bytes after the end of the answer: the server is not speaking HTTP/1.1 as it should.
-        self.reusable &= used == read.len();
+        let used = self.decoder.decode(read, &mut payload);
         if !payload.is_empty() {
             self.ready = Some(payload.freeze());
         }
+        // Bytes after the end of the answer: the server is not speaking HTTP/1.1 as it should.
+        self.reusable &= used? == read.len();
         Ok(())
+    }
+
+    /// The connection failed after the payload in `ready`: the error comes once it is read.
+    fn fail(&mut self, error: std::io::Error) {
+        self.socket = None;
+        self.failed = Some(error);
     }
 
     /// The server closed the connection: the end of a body that runs to it, or one cut short.
@@ -570,6 +624,133 @@ mod tests {
             matches!(&sent, Err(SendError::Request(e)) if e.contains("closed")),
             "{:?}",
             sent.err()
+        );
+    }
+
+    /// `1xx` heads without end are bounded like one endless head: together they may not pass the
+    /// limit.
+    #[tokio::test]
+    async fn a_flood_of_informational_heads_is_refused_at_the_head_limit() {
+        let flood = format!(
+            "{}HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+            "HTTP/1.1 100 Continue\r\n\r\n".repeat(5000)
+        );
+        let sent = send_to(&flood).await;
+        assert!(
+            matches!(&sent, Err(SendError::Request(e)) if e.contains("longer than 65536 bytes")),
+            "{:?}",
+            sent.err()
+        );
+        let few = format!(
+            "{}HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+            "HTTP/1.1 102 Processing\r\n\r\n".repeat(100)
+        );
+        let (address, _) = scripted(&few, 1).await;
+        assert_eq!(read_all(&run_reader(&address, idle(4))).await, "hello");
+    }
+
+    /// A server writing `first`, then after a pause `then`, to one request.
+    async fn in_two_writes(first: &'static str, then: &'static str) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 65536];
+            let mut seen = Vec::new();
+            while !request_complete(&seen) {
+                let n = socket.read(&mut buf).await.unwrap();
+                seen.extend_from_slice(&buf[..n]);
+            }
+            socket.write_all(first.as_bytes()).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let _ = socket.write_all(then.as_bytes()).await;
+        });
+        address
+    }
+
+    /// Payload decoded before a framing error in the same read is yielded, then the error: with
+    /// the head, or in a later read.
+    #[tokio::test]
+    async fn bytes_before_a_framing_error_in_the_same_read_are_kept() {
+        let head = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n";
+        let bad = "5\r\nhello\r\nZZ\r\n";
+        let mut with_head = send_to(&format!("{head}{bad}")).await.unwrap().body;
+        let address = in_two_writes(head, bad).await;
+        let direct = run_reader(&address, idle(4));
+        let mut later = direct.send(&request_body(), &ReadPace::default()).await.unwrap().body;
+        for body in [&mut with_head, &mut later] {
+            assert_eq!(&body.next().await.unwrap().unwrap()[..], b"hello");
+            let error = body.next().await.unwrap().unwrap_err();
+            assert!(error.to_string().contains("chunk size"), "{error}");
+            assert!(body.next().await.is_none(), "nothing after the error");
+        }
+    }
+
+    /// A server that answers its first request on a connection, then treats the second as
+    /// `second` says: reads it and closes cleanly, or closes with it unread (a reset).
+    async fn closing_on_the_second(read_it: bool) -> (String, Arc<AtomicUsize>) {
+        const ANSWER: &str = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello";
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&requests);
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let count = Arc::clone(&count);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 65536];
+                    let mut seen = Vec::new();
+                    while !request_complete(&seen) {
+                        let Ok(n @ 1..) = socket.read(&mut buf).await else {
+                            return;
+                        };
+                        seen.extend_from_slice(&buf[..n]);
+                    }
+                    count.fetch_add(1, Ordering::SeqCst);
+                    socket.write_all(ANSWER.as_bytes()).await.unwrap();
+                    socket.readable().await.unwrap();
+                    if read_it {
+                        let mut seen = Vec::new();
+                        while !request_complete(&seen) {
+                            let Ok(n @ 1..) = socket.read(&mut buf).await else {
+                                return;
+                            };
+                            seen.extend_from_slice(&buf[..n]);
+                        }
+                        count.fetch_add(1, Ordering::SeqCst);
+                    }
+                    // Dropped: a clean close, or a reset with the request unread.
+                });
+            }
+        });
+        (address, requests)
+    }
+
+    /// A kept-alive connection that fails is sent again on a new one only when the server
+    /// cannot have read the request (it reset the connection with it unread); one the server
+    /// read and then closed is an error, not a second POST.
+    #[tokio::test]
+    async fn a_request_is_sent_again_only_when_the_server_cannot_have_read_it() {
+        let (address, requests) = closing_on_the_second(false).await;
+        let direct = run_reader(&address, idle(4));
+        assert_eq!(read_all(&direct).await, "hello");
+        assert_eq!(read_all(&direct).await, "hello", "sent again on a new connection");
+        assert_eq!(requests.load(Ordering::SeqCst), 2, "each request read once");
+
+        let (address, requests) = closing_on_the_second(true).await;
+        let direct = run_reader(&address, idle(4));
+        assert_eq!(read_all(&direct).await, "hello");
+        let sent = direct.send(&request_body(), &ReadPace::default()).await;
+        assert!(
+            matches!(&sent, Err(SendError::Request(e)) if e.contains("not sent again")),
+            "{:?}",
+            sent.err()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            requests.load(Ordering::SeqCst),
+            2,
+            "the read request was not sent again"
         );
     }
 

@@ -199,6 +199,7 @@ impl Driver<'_> {
                     result: Err(decision.error()),
                     elapsed: std::time::Duration::ZERO,
                     rejected: true,
+                    reported: false,
                 });
             }
         }
@@ -207,6 +208,20 @@ impl Driver<'_> {
             self.deps.approvals.close(&self.spec.run_id).await;
         }
         Ok(())
+    }
+
+    /// The turn's other calls have run while some still wait for a decision: their outcomes are
+    /// recorded and their `tool_call_finished` events reach the caller now, not once the wait
+    /// ends; a durable run saves them in its checkpoint first (safe point (b)).
+    pub(super) async fn report_while_waiting(&mut self, calls: &mut TurnCalls) -> Step<()> {
+        let number = calls.turn.number;
+        let mut finished = std::mem::take(&mut calls.finished);
+        finished.sort_by_key(|o| o.index);
+        for outcome in &mut finished {
+            self.report_call(&calls.partition, outcome, &calls.approvals, number);
+        }
+        calls.finished = finished;
+        self.safe_point(Some(calls)).await
     }
 
     /// The turn's other calls have run and some still wait: the run parks, leaving its slot,

@@ -89,6 +89,7 @@ async fn joined(index: usize, mut task: Task) -> CallOutcome {
             result: Err(ToolCallError::new("INTERNAL", format!("the call's task ended: {e}"))),
             elapsed: started.elapsed(),
             rejected: false,
+            reported: false,
         },
     }
 }

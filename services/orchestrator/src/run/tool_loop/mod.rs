@@ -379,6 +379,10 @@ struct CallOutcome {
     /// Not run: a person rejected it (or nobody decided in time). Not a failure of the turn.
     #[serde(default)]
     rejected: bool,
+    /// Recorded and announced (`tool_call_finished`) already: while its turn waited for a
+    /// decision.
+    #[serde(default)]
+    reported: bool,
 }
 
 /// The state of the loop across turns.

@@ -91,6 +91,7 @@ impl Driver<'_> {
         let ran = self.dispatch(&calls).await;
         calls.finished.extend(ran);
         if calls.undecided() {
+            self.report_while_waiting(&mut calls).await?;
             self.await_decisions(&mut calls).await?;
             self.apply_decisions(&mut calls).await?;
             self.safe_point(Some(&calls)).await?;
@@ -485,14 +486,15 @@ impl Driver<'_> {
                 result,
                 elapsed,
                 rejected: false,
+                reported: false,
             }
         }
         .instrument(span)
     }
 
     /// Records every outcome (bad calls included, with their error) in the result and as events,
-    /// in the model's order, and returns what is fed back: the assistant's calls and one tool
-    /// message each.
+    /// in the model's order (those reported while the turn waited for a decision were recorded
+    /// then), and returns what is fed back: the assistant's calls and one tool message each.
     pub(super) fn report_results(
         &mut self,
         partition: &Partition,
@@ -505,42 +507,17 @@ impl Driver<'_> {
             result: Err(error.clone()),
             elapsed: Duration::ZERO,
             rejected: false,
+            reported: false,
         }));
         outcomes.sort_by_key(|o| o.index);
         let mut fed_back = Vec::with_capacity(outcomes.len());
-        for CallOutcome {
-            index, result, elapsed, ..
-        } in outcomes
-        {
-            let approval = approvals
-                .iter()
-                .find(|a| a.index == index)
-                .and_then(|a| a.decision.clone());
-            let result = result.map_err(|error| self.bounded_error(error));
-            let call = &partition.calls[index];
-            let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-            lock(self.state).tool_calls.push(ToolCallRecord {
-                call_id: call.id.clone(),
-                name: call.name.clone(),
-                arguments_json: call.arguments.clone(),
-                ok: result.is_ok(),
-                error: result.as_ref().err().cloned(),
-                duration_ms,
-                turn,
-                approval,
-            });
-            let content = match &result {
+        for outcome in &mut outcomes {
+            self.report_call(partition, outcome, approvals, turn);
+            let call = &partition.calls[outcome.index];
+            let content = match &outcome.result {
                 Ok(json) => self.fed_back_result(json),
-                Err(error) => error.to_tool_message(),
+                Err(error) => self.bounded_error(error.clone()).to_tool_message(),
             };
-            self.emitter.queue(Event::ToolCallFinished {
-                call_id: call.id.clone(),
-                name: call.name.clone(),
-                content_json: result.as_ref().ok().cloned(),
-                content_truncated: false,
-                error: result.err(),
-                duration_ms,
-            });
             let assistant_call = ToolCall {
                 id: call.id.clone(),
                 name: call.name.clone(),
@@ -552,7 +529,61 @@ impl Driver<'_> {
             };
             fed_back.push((assistant_call, tool_message));
         }
+        self.keep_model_order(partition, turn);
         fed_back
+    }
+
+    /// The turn's records in the model's order, though some were recorded while the turn waited
+    /// for a decision (they are the newest records: no other turn's come between).
+    fn keep_model_order(&self, partition: &Partition, turn: u32) {
+        let mut state = lock(self.state);
+        let first = state
+            .tool_calls
+            .iter()
+            .rposition(|r| r.turn != turn)
+            .map_or(0, |i| i + 1);
+        let position = |id: &str| partition.calls.iter().position(|c| c.id == id);
+        state.tool_calls[first..].sort_by_key(|r| position(&r.call_id));
+    }
+
+    /// Records one call's outcome in the result and sends `tool_call_finished`, once: an outcome
+    /// reported already (while its turn waited for a decision) is left as it is.
+    pub(super) fn report_call(
+        &mut self,
+        partition: &Partition,
+        outcome: &mut CallOutcome,
+        approvals: &[super::approval::Approval],
+        turn: u32,
+    ) {
+        if outcome.reported {
+            return;
+        }
+        outcome.reported = true;
+        let approval = approvals
+            .iter()
+            .find(|a| a.index == outcome.index)
+            .and_then(|a| a.decision.clone());
+        let result = outcome.result.clone().map_err(|error| self.bounded_error(error));
+        let call = &partition.calls[outcome.index];
+        let duration_ms = u64::try_from(outcome.elapsed.as_millis()).unwrap_or(u64::MAX);
+        lock(self.state).tool_calls.push(ToolCallRecord {
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            arguments_json: call.arguments.clone(),
+            ok: result.is_ok(),
+            error: result.as_ref().err().cloned(),
+            duration_ms,
+            turn,
+            approval,
+        });
+        self.emitter.queue(Event::ToolCallFinished {
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            content_json: result.as_ref().ok().cloned(),
+            content_truncated: false,
+            error: result.err(),
+            duration_ms,
+        });
     }
 
     /// A tool result as the model sees it: at most `max_tool_result_bytes`, cut with a note saying
