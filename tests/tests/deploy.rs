@@ -542,3 +542,126 @@ fn the_monitoring_rules_and_dashboard_render_and_their_queries_parse() -> TestRe
     }
     Ok(())
 }
+
+/// The HA overlay: NATS as a three-node JetStream cluster (a headless Service for the routes, one
+/// pod per node where it can, a disruption budget, a release with `sync_interval`), and the
+/// orchestrator keeping three copies of every stream with every node as a seed, the password
+/// defined before the URLs that use it.
+#[test]
+fn the_ha_overlay_runs_nats_as_a_three_node_cluster() -> TestResult {
+    let rendered = render(&repo_root().join("deploy/k8s/overlays/ha"))?;
+    validate(&rendered)?;
+    let nats = document(&rendered, "StatefulSet", "nats")?;
+    for expected in [
+        "replicas: 3",
+        "serviceName: nats-cluster",
+        "image: nats:2.12",
+        "containerPort: 6222",
+        "podAntiAffinity",
+        "fieldPath: metadata.name",
+    ] {
+        assert!(
+            nats.contains(expected),
+            "{expected} missing from the NATS StatefulSet:\n{nats}"
+        );
+    }
+    let config = rendered
+        .split("\n---\n")
+        .find(|doc| doc.contains("kind: ConfigMap") && doc.contains("name: nats-config-"))
+        .ok_or_else(|| anyhow::anyhow!("no nats-config ConfigMap"))?;
+    assert!(config.contains("sync_interval: always"), "{config}");
+    assert!(document(&rendered, "Service", "nats-cluster")?.contains("clusterIP: None"));
+    assert!(document(&rendered, "PodDisruptionBudget", "nats")?.contains("maxUnavailable: 1"));
+    assert!(document(&rendered, "NetworkPolicy", "nats")?.contains("port: 6222"));
+    let orchestrator = document(&rendered, "Deployment", "orchestrator")?;
+    assert!(
+        orchestrator.contains("name: NATS_REPLICAS\n          value: \"3\""),
+        "{orchestrator}"
+    );
+    let seeds = "@nats-0.nats-cluster:4222,nats://orchestrator:$(NATS_PASSWORD)@nats-1.nats-cluster:4222";
+    assert!(orchestrator.contains(seeds), "{orchestrator}");
+    let defined = orchestrator.find("name: NATS_PASSWORD").unwrap_or(usize::MAX);
+    let used = orchestrator.find("$(NATS_PASSWORD)").unwrap_or(0);
+    assert!(defined < used, "NATS_PASSWORD is defined before the URLs that use it");
+    Ok(())
+}
+
+/// The HA overlay's nats.conf, as shipped but for its addresses (loopback ports for the client,
+/// monitoring and route ports, the routes pointed at them, a temporary store), in three real
+/// nats-servers: they form one JetStream cluster that takes a stream of three replicas from the
+/// orchestrator's user, its writes synced to disk.
+#[tokio::test]
+async fn the_ha_nats_config_forms_a_cluster_that_keeps_three_copies() -> TestResult {
+    let bin = repo_root().join("target/tools/nats/bin/nats-server");
+    anyhow::ensure!(bin.exists(), "{} is missing: ./scripts/test installs it", bin.display());
+    let conf = std::fs::read_to_string(repo_root().join("deploy/k8s/overlays/ha/nats.conf"))?;
+    let dir = tempfile::tempdir()?;
+    let free = || -> anyhow::Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
+    let nodes: Vec<(u16, u16, u16)> = (0..3)
+        .map(|_| Ok((free()?, free()?, free()?)))
+        .collect::<anyhow::Result<_>>()?;
+    let password = "d3adbeefcafe0123456789ab";
+    let mut servers = Vec::new();
+    for (i, (client, monitor, route)) in nodes.iter().enumerate() {
+        let mut node = conf
+            .replace("port: 4222", &format!("port: {client}"))
+            .replace("http_port: 8222", &format!("http_port: {monitor}"))
+            .replace("  port: 6222", &format!("  port: {route}"))
+            .replace(
+                "\"/data\"",
+                &format!("{:?}", dir.path().join(format!("n{i}")).display().to_string()),
+            );
+        for (j, (_, _, other)) in nodes.iter().enumerate() {
+            node = node.replace(&format!("nats-{j}.nats-cluster:6222"), &format!("127.0.0.1:{other}"));
+        }
+        let path = dir.path().join(format!("n{i}.conf"));
+        std::fs::write(&path, node)?;
+        servers.push(
+            tokio::process::Command::new(&bin)
+                .arg("-c")
+                .arg(&path)
+                .args(["-a", "127.0.0.1"])
+                .env("POD_NAME", format!("nats-{i}"))
+                .env("NATS_ORCHESTRATOR_PASSWORD", password)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()?,
+        );
+    }
+    let seeds: Vec<String> = nodes.iter().map(|(c, _, _)| format!("nats://127.0.0.1:{c}")).collect();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let attempt = async {
+            let client = async_nats::ConnectOptions::with_user_and_password("orchestrator".into(), password.into())
+                .connect(seeds.clone())
+                .await?;
+            let js = async_nats::jetstream::new(client);
+            let mut stream = js
+                .get_or_create_stream(async_nats::jetstream::stream::Config {
+                    name: "HA_CHECK".into(),
+                    subjects: vec!["ha.>".into()],
+                    num_replicas: 3,
+                    ..Default::default()
+                })
+                .await?;
+            js.publish("ha.check", "kept".into()).await?.await?;
+            let info = stream.info().await?;
+            anyhow::Ok((info.config.num_replicas, info.cluster.clone().map(|c| c.replicas.len())))
+        };
+        match attempt.await {
+            Ok((replicas, followers)) => {
+                assert_eq!((replicas, followers), (3, Some(2)), "a leader and two followers");
+                break;
+            }
+            Err(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            }
+            Err(e) => anyhow::bail!("the HA NATS cluster never took a stream of three replicas: {e}"),
+        }
+    }
+    for mut server in servers {
+        server.kill().await?;
+    }
+    Ok(())
+}

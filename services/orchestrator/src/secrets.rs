@@ -215,6 +215,15 @@ impl NatsUrl {
         &self.servers
     }
 
+    /// Each server of the list, without credentials: the NATS client's seeds.
+    pub fn seeds(&self) -> Vec<&str> {
+        self.servers
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect()
+    }
+
     /// The credentials given in the URL, if any.
     pub fn auth(&self) -> Option<&NatsAuth> {
         self.auth.as_ref()
@@ -268,6 +277,7 @@ mod tests {
     fn nats_credentials_are_held_apart_from_the_address() {
         let url = NatsUrl::parse("nats://alice:s3cret@n1:4222,nats://alice:s3cret@n2:4222").unwrap();
         assert_eq!(url.servers(), "nats://n1:4222,nats://n2:4222");
+        assert_eq!(url.seeds(), ["nats://n1:4222", "nats://n2:4222"]);
         assert!(matches!(url.auth(), Some(NatsAuth::UserPassword(u, p)) if u == "alice" && p.expose() == "s3cret"));
         assert!(!format!("{url} {url:?}").contains("s3cret"));
         let token = NatsUrl::parse("tls://t0ken@n:4222").unwrap();

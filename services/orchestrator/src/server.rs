@@ -25,7 +25,7 @@ use crate::runs::Runs;
 use crate::secrets::{NatsAuth, NatsUrl};
 use crate::service::{Core, OrchestratorService};
 use crate::signals::memory::MemoryTopic;
-use crate::signals::nats::NatsTopic;
+use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
 use crate::store::memory::MemoryStore;
 use crate::store::memory_approvals::MemoryLot;
@@ -175,7 +175,11 @@ async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -
         Backend::Memory => Arc::new(MemoryTopic::new(config.signals.buffer)),
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
-            let topic = NatsTopic::open(client, (&config.signals).into()).await?;
+            let options = TopicOptions {
+                replicas: config.nats.replicas,
+                ..(&config.signals).into()
+            };
+            let topic = NatsTopic::open(client, options).await?;
             tracing::info!(nats = %url, prefix = %config.signals.subject_prefix, stream = %config.signals.stream, "signal topic on NATS JetStream");
             Arc::new(topic)
         }
@@ -205,6 +209,7 @@ async fn open_store(
                 config.store.ttl,
                 owner.clone(),
                 config.store.lease,
+                config.nats.replicas,
             )
             .await?
             .with_lease_margin(config.store.lease_margin());
@@ -239,6 +244,7 @@ async fn open_event_log(config: &Config, connections: &mut NatsConnections) -> R
                 flush_interval: store.event_log_flush_interval,
                 timeout: store.timeout,
                 retry_for: store.lease,
+                replicas: config.nats.replicas,
             };
             let log = NatsLog::open(client, &store.event_log_stream, options).await?;
             tracing::info!(nats = %url, stream = %store.event_log_stream, "run event logs in NATS JetStream");
@@ -338,8 +344,10 @@ impl NatsConnections {
         if let Some(ca) = &options.ca_file {
             connect = connect.add_root_certificates(ca.clone());
         }
+        // Every seed of a list (`nats://a:4222,nats://b:4222`): the client tries them in turn and
+        // then follows the servers the cluster announces.
         let client = connect
-            .connect(url.servers())
+            .connect(url.seeds())
             .await
             .map_err(|e| Error::Dependency(format!("cannot connect to NATS at {url}: {e}")))?;
         self.0.insert(url.clone(), client.clone());

@@ -50,9 +50,40 @@ fn scenario(turns: usize, words: &str) -> mock_llm::Scenario {
     }
 }
 
+/// The NATS the fleet shares: one server, or a JetStream cluster.
+enum Broker {
+    Single(Box<Nats>),
+    Cluster(testkit::nats::NatsCluster),
+}
+
+impl Broker {
+    /// What replicas are given: the server's URL, or every node's (the seed list).
+    fn url(&self) -> String {
+        match self {
+            Self::Single(nats) => nats.url(),
+            Self::Cluster(cluster) => cluster.urls(),
+        }
+    }
+
+    /// A client of it (every node given as a seed).
+    async fn connect(&self) -> anyhow::Result<async_nats::Client> {
+        Ok(match self {
+            Self::Single(nats) => async_nats::connect(nats.url()).await?,
+            Self::Cluster(cluster) => async_nats::connect(cluster.seeds()).await?,
+        })
+    }
+
+    fn single(&mut self) -> anyhow::Result<&mut Nats> {
+        match self {
+            Self::Single(nats) => Ok(nats),
+            Self::Cluster(_) => anyhow::bail!("the fleet runs on a NATS cluster"),
+        }
+    }
+}
+
 /// The fleet: NATS, the model, a tool-runner and orchestrator replica processes.
 struct Fleet {
-    nats: Nats,
+    nats: Broker,
     mock: mock_llm::MockLlm,
     runner_url: String,
     replicas: Vec<Option<Service>>,
@@ -62,6 +93,8 @@ struct Fleet {
     handoff_grace: &'static str,
     /// `--run-store-lease` of the replicas started from now on.
     lease: &'static str,
+    /// More flags of the replicas started from now on.
+    flags: Vec<String>,
     /// Every replica's log lines, retired ones included, to show a failed run's story.
     log_books: Vec<Arc<Mutex<Vec<String>>>>,
     calls_log: std::path::PathBuf,
@@ -70,10 +103,18 @@ struct Fleet {
 
 impl Fleet {
     async fn start(replicas: usize, scenario: mock_llm::Scenario, tool_ms: u64) -> anyhow::Result<Self> {
+        Self::start_on(Broker::Single(Box::new(Nats::start().await?)), replicas, scenario, tool_ms).await
+    }
+
+    async fn start_on(
+        nats: Broker,
+        replicas: usize,
+        scenario: mock_llm::Scenario,
+        tool_ms: u64,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let calls_log = dir.path().join("calls.log");
         let manifest = manifest(dir.path(), &calls_log, tool_ms)?;
-        let nats = Nats::start().await?;
         let mock = mock_llm::MockLlm::start(scenario).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let runner_url = format!("http://{}", listener.local_addr()?);
@@ -89,6 +130,7 @@ impl Fleet {
             serving: Arc::default(),
             handoff_grace: "5s",
             lease: "2s",
+            flags: Vec::new(),
             log_books: Vec::new(),
             calls_log,
             _dir: dir,
@@ -115,7 +157,8 @@ impl Fleet {
             .env("ORCHESTRATOR_SIGNAL_TOPIC", nats)
             .env("ORCHESTRATOR_RUN_STORE", nats)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .args(["--run-store-lease", self.lease, "--handoff-grace", self.handoff_grace]);
+            .args(["--run-store-lease", self.lease, "--handoff-grace", self.handoff_grace])
+            .args(&self.flags);
         let replica = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
         lock(&self.serving).push(format!("http://{}", replica.grpc));
         self.log_books.push(replica.log_book());
@@ -188,10 +231,25 @@ impl Fleet {
         Ok((runs, calls))
     }
 
-    /// How many times the signal stream holds each run's signal.
+    /// How many times the signal stream holds each run's signal (asked again for a while: a
+    /// cluster that lost a node answers once it elected new leaders).
     async fn signals_per_run(&self) -> anyhow::Result<HashMap<String, usize>> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match self.count_signals().await {
+                Ok(counts) => return Ok(counts),
+                Err(e) if tokio::time::Instant::now() < deadline => {
+                    eprintln!("reading the signal stream: {e:#}; asking again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(e.context("reading the signal stream")),
+            }
+        }
+    }
+
+    async fn count_signals(&self) -> anyhow::Result<HashMap<String, usize>> {
         use futures::StreamExt;
-        let client = async_nats::connect(self.nats.url()).await?;
+        let client = self.nats.connect().await?;
         let js = async_nats::jetstream::new(client);
         let consumer = js
             .get_stream("SIGNALS")
@@ -803,9 +861,9 @@ async fn hand_over_across_a_nats_restart(outage: Duration) -> TestResult {
     let followers = follow_all(&fleet, &runs);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let draining = fleet.begin_drain(0)?;
-    fleet.nats.stop().await?;
+    fleet.nats.single()?.stop().await?;
     tokio::time::sleep(outage).await;
-    fleet.nats.restart().await?;
+    fleet.nats.single()?.restart().await?;
     drained(draining).await?;
     fleet.add().await?;
     let text = format!("{}done", words.repeat(turns));
@@ -905,4 +963,60 @@ async fn a_replica_cut_off_from_nats_stops_acting_before_its_runs_are_taken_over
 #[tokio::test]
 async fn a_paused_replica_acts_no_more_once_resumed_past_its_lease() -> TestResult {
     runs_through_a_fault_of_their_replica(Fault::Paused(Duration::from_secs(5)), "paused").await
+}
+
+/// The streams and buckets the orchestrator keeps in JetStream, by stream name.
+const STREAMS: [&str; 5] = [
+    "KV_orchestrator-runs",
+    "OBJ_orchestrator-runs-checkpoints",
+    "KV_orchestrator-runs-approvals",
+    "ORCHESTRATOR_EVENTS",
+    "SIGNALS",
+];
+
+/// A three-node JetStream cluster (every write synced before it is acknowledged), two replicas
+/// given every node as a seed and `--nats-replicas 3`, and 24 twenty-turn runs. Mid-run the node
+/// leading the run store's stream is killed (SIGKILL): JetStream elects another leader, the
+/// replicas follow the cluster to the nodes left, the runs whose owner could not renew its lease
+/// meanwhile stop and are resumed from their checkpoints, and every run completes with the
+/// guarantees of the other fault tests (a call runs at most twice: the one in flight).
+#[tokio::test]
+async fn a_nats_node_killed_mid_run_loses_no_run_with_three_replicas_of_every_stream() -> TestResult {
+    let (words, turns) = ("w0 w1 w2 ", 20);
+    let cluster = testkit::nats::NatsCluster::start(3).await?;
+    let mut fleet = Fleet::start_on(Broker::Cluster(cluster), 0, scenario(turns, words), 150).await?;
+    fleet.lease = "3s";
+    fleet.flags = ["--nats-replicas", "3", "--max-turns", "24"].map(String::from).to_vec();
+    fleet.add().await?;
+    fleet.add().await?;
+    let js = async_nats::jetstream::new(fleet.nats.connect().await?);
+    for name in STREAMS {
+        let info = js.get_stream(name).await?.info().await?.clone();
+        assert_eq!(info.config.num_replicas, 3, "{name}");
+    }
+    let urls = fleet.urls();
+    let runs: Vec<String> = (0..24).map(|i| format!("node-lost-{i}")).collect();
+    for (i, run_id) in runs.iter().enumerate() {
+        start_detached(&urls[i % urls.len()], run_id).await?;
+    }
+    let followers = follow_all(&fleet, &runs);
+    for (run_id, seen, _) in &followers {
+        let mut seen = seen.clone();
+        until(&mut seen, &format!("{run_id}'s third turn"), |e| {
+            e.iter()
+                .any(|e| matches!(&e.event, Some(pb::orchestrate_event::Event::TextDelta(t)) if t.turn >= 3))
+        })
+        .await?;
+    }
+    let Broker::Cluster(cluster) = &mut fleet.nats else {
+        anyhow::bail!("not a cluster");
+    };
+    let leader = cluster.stream_leader("KV_orchestrator-runs").await?;
+    let node = cluster
+        .index_of(&leader)
+        .ok_or_else(|| anyhow::anyhow!("no node {leader}"))?;
+    cluster.kill(node).await?;
+    let text = format!("{}done", words.repeat(turns));
+    all_completed(&fleet, followers, &text, 2).await?;
+    fleet.one_owner_at_a_time()
 }

@@ -206,6 +206,7 @@ async fn both_result_stores_pass_the_store_suite() -> TestResult {
             Duration::from_secs(60),
             "suite".into(),
             Duration::from_secs(60),
+            1,
         )
         .await
         .map_err(anyhow::Error::msg)?,
@@ -478,6 +479,7 @@ async fn a_record_whose_lease_expired_reads_as_lost_and_an_id_is_claimed_once() 
         Duration::from_secs(60),
         "a".into(),
         Duration::from_secs(1),
+        1,
     )
     .await
     .map_err(anyhow::Error::msg)?;
@@ -515,7 +517,7 @@ async fn a_record_whose_lease_expired_reads_as_lost_and_an_id_is_claimed_once() 
 
 /// The NATS result store as replica `owner` opens it on `bucket` (results kept a minute).
 async fn replica_store(js: &jetstream::Context, bucket: &str, owner: &str, lease: Duration) -> anyhow::Result<KvStore> {
-    KvStore::open(js, bucket, Duration::from_secs(60), owner.into(), lease)
+    KvStore::open(js, bucket, Duration::from_secs(60), owner.into(), lease, 1)
         .await
         .map_err(anyhow::Error::msg)
 }
@@ -750,6 +752,7 @@ async fn both_event_logs_pass_the_log_suite() -> TestResult {
         flush_interval: Duration::from_millis(20),
         timeout: Duration::from_secs(5),
         retry_for: Duration::from_secs(2),
+        replicas: 1,
     };
     log_suite(Arc::new(
         NatsLog::open(async_nats::connect(nats.url()).await?, "SUITE_EVENTS", options).await?,
@@ -771,6 +774,7 @@ async fn the_nats_log_refuses_a_replaced_owner_and_stops_it() -> TestResult {
         flush_interval: Duration::from_millis(1),
         timeout: Duration::from_secs(5),
         retry_for: Duration::from_millis(200),
+        replicas: 1,
     };
     let log = NatsLog::open(async_nats::connect(nats.url()).await?, "FENCED_EVENTS", options).await?;
     let settled = |writer: &dyn orchestrator::domain::ports::LogWriter, seq: u64| {
@@ -827,6 +831,7 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
         flush_interval: Duration::from_millis(50),
         timeout: Duration::from_secs(5),
         retry_for: Duration::from_secs(2),
+        replicas: 1,
     };
     let log = NatsLog::open(client.clone(), "BOUND_EVENTS", options(1 << 20)).await?;
     let mut writer = log.writer("gathered", 0);
@@ -911,6 +916,7 @@ async fn a_hole_in_the_nats_log_breaks_it_and_followers_are_told_of_the_loss() -
         flush_interval: Duration::from_millis(10),
         timeout: Duration::from_secs(1),
         retry_for: Duration::from_millis(300),
+        replicas: 1,
     };
     let log = NatsLog::open(client.clone(), "HOLED_EVENTS", options).await?;
     let mut writer = log.writer("holed", 0);
@@ -1509,5 +1515,65 @@ async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> Test
         matches!(c.claim(raced).await, Ok(Claim::Claimed)),
         "the id is free again"
     );
+    Ok(())
+}
+
+/// Every stream and bucket is created with `--nats-replicas` copies, and one that exists with
+/// another count is brought to it when opened again (a cluster grown to three nodes); a server
+/// outside a cluster refuses more than one, and the error says so.
+#[tokio::test]
+async fn streams_and_buckets_are_created_and_brought_to_their_replicas() -> TestResult {
+    let cluster = testkit::nats::NatsCluster::start(3).await?;
+    let client = async_nats::connect(cluster.seeds()).await?;
+    let js = jetstream::new(client.clone());
+    let log_options = |replicas| NatsLogOptions {
+        bounds: log_bounds(1 << 20),
+        flush_interval: Duration::from_millis(20),
+        timeout: Duration::from_secs(10),
+        retry_for: Duration::from_secs(2),
+        replicas,
+    };
+    let replicas_of = |name: &'static str| {
+        let js = js.clone();
+        async move { anyhow::Ok(js.get_stream(name).await?.info().await?.config.num_replicas) }
+    };
+    let streams = [
+        "KV_grow-runs",
+        "OBJ_grow-runs-checkpoints",
+        "GROW_EVENTS",
+        "GROW_STREAM",
+    ];
+    for replicas in [1, 3] {
+        let lease = Duration::from_secs(60);
+        KvStore::open(&js, "grow-runs", lease, "a".into(), lease, replicas)
+            .await
+            .map_err(anyhow::Error::msg)?;
+        NatsLog::open(client.clone(), "GROW_EVENTS", log_options(replicas)).await?;
+        let topic = TopicOptions {
+            replicas,
+            ..topic_settings("grow", 3, 50)
+        };
+        NatsTopic::open(client.clone(), topic).await?;
+        for name in streams {
+            assert_eq!(replicas_of(name).await?, replicas, "{name}");
+        }
+    }
+
+    let single = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(single.url()).await?);
+    let refused = KvStore::open(
+        &js,
+        "alone-runs",
+        Duration::from_secs(60),
+        "a".into(),
+        Duration::from_secs(60),
+        3,
+    )
+    .await
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(refused.contains("alone-runs"), "{refused}");
+    assert!(refused.to_lowercase().contains("replica"), "{refused}");
     Ok(())
 }

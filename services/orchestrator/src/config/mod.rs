@@ -105,6 +105,7 @@ impl Bounded for Config {
             self.runs.bounds(),
             self.signals.bounds(),
             self.store.bounds(),
+            self.nats.bounds(),
             self.telemetry.bounds(),
             self.security.bounds(),
         ];

@@ -31,7 +31,7 @@ impl std::str::FromStr for Backend {
 }
 
 /// How to reach NATS (the signal topic and the result store share one connection per URL).
-#[derive(Debug, Clone, Default, Args)]
+#[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "NATS")]
 pub struct NatsSettings {
     /// NATS credentials file (.creds).
@@ -43,4 +43,16 @@ pub struct NatsSettings {
     /// Extra root certificates (PEM) for TLS to NATS.
     #[arg(long = "nats-ca-file", env = "NATS_CA_FILE")]
     pub ca_file: Option<PathBuf>,
+    /// Copies JetStream keeps of every stream and bucket the orchestrator uses (results,
+    /// checkpoints, approvals, event logs, signals): 3 on a three-node cluster survives the loss
+    /// of a node. Streams are created with it, and existing ones are brought to it at start
+    /// (1..=5; more than 1 needs a JetStream cluster).
+    #[arg(long = "nats-replicas", env = "NATS_REPLICAS", default_value_t = 1)]
+    pub replicas: usize,
+}
+
+impl shared::config::Bounded for NatsSettings {
+    fn bounds(&self) -> Vec<shared::config::Bound> {
+        vec![shared::config::bound("replicas", self.replicas, 1usize, 5usize)]
+    }
 }

@@ -98,6 +98,7 @@ impl From<&SignalSettings> for crate::signals::nats::TopicOptions {
             publish_retries: s.publish_retries,
             publish_backoff: s.publish_backoff,
             ack_timeout: s.ack_timeout,
+            replicas: 1,
         }
     }
 }

@@ -90,6 +90,8 @@ pub struct TopicOptions {
     pub publish_backoff: Duration,
     /// How long one publish waits for JetStream's acknowledgement.
     pub ack_timeout: Duration,
+    /// Copies JetStream keeps of the stream (`--nats-replicas`).
+    pub replicas: usize,
 }
 
 /// See the module docs.
@@ -105,7 +107,7 @@ impl NatsTopic {
         let js = jetstream::context::ContextBuilder::new()
             .timeout(settings.ack_timeout)
             .build(client.clone());
-        js.get_or_create_stream(jetstream::stream::Config {
+        let config = jetstream::stream::Config {
             name: settings.stream.clone(),
             subjects: vec![format!("{}.>", settings.subject_prefix)],
             max_age: settings.stream_max_age,
@@ -113,13 +115,15 @@ impl NatsTopic {
             discard: settings.stream_discard,
             duplicate_window: Duration::from_secs(120),
             storage: jetstream::stream::StorageType::File,
+            num_replicas: settings.replicas,
             ..Default::default()
-        })
-        .await
-        .map_err(|e| TopicError::Stream {
-            stream: settings.stream.clone(),
-            reason: e.to_string(),
-        })?;
+        };
+        crate::nats::ensure_stream(&js, config)
+            .await
+            .map_err(|reason| TopicError::Stream {
+                stream: settings.stream.clone(),
+                reason,
+            })?;
         Ok(Self { client, js, settings })
     }
 

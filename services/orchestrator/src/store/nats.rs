@@ -32,6 +32,8 @@ pub struct KvStore {
     /// This replica, written into the records of its runs.
     pub(super) owner: String,
     pub(super) lease: Duration,
+    /// Copies JetStream keeps of the store's buckets (the approval lot's beside it too).
+    pub(super) replicas: usize,
     /// How much of the lease an owner leaves unused (it stops acting that long before anyone
     /// may take the run over).
     pub(super) margin: Duration,
@@ -277,11 +279,13 @@ impl KvStore {
         ttl: Duration,
         owner: String,
         lease: Duration,
+        replicas: usize,
     ) -> Result<Self, StoreError> {
-        let checkpoints = open_checkpoints(js, bucket, ttl).await?;
-        let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results").await?;
+        let checkpoints = open_checkpoints(js, bucket, ttl, replicas).await?;
+        let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
         Ok(Self {
             kv,
+            replicas,
             owner,
             lease,
             margin: lease / 3,
@@ -304,28 +308,32 @@ impl KvStore {
         self
     }
 
+    /// Binds the bucket `bucket` (its stream created when missing, its replicas brought to
+    /// `replicas`).
     pub(super) async fn open_bucket(
         js: &jetstream::Context,
         bucket: &str,
         ttl: Duration,
         description: &str,
+        replicas: usize,
     ) -> Result<jetstream::kv::Store, StoreError> {
-        if let Ok(kv) = js.get_key_value(bucket).await {
-            return Ok(kv);
-        }
-        js.get_or_create_stream(jetstream::stream::Config {
-            name: format!("KV_{bucket}"),
-            description: Some(description.to_owned()),
-            subjects: vec![format!("$KV.{bucket}.>")],
-            max_messages_per_subject: 1,
-            max_age: ttl,
-            storage: jetstream::stream::StorageType::File,
-            discard: jetstream::stream::DiscardPolicy::New,
-            allow_rollup: true,
-            deny_delete: true,
-            allow_direct: true,
-            ..Default::default()
-        })
+        crate::nats::ensure_stream(
+            js,
+            jetstream::stream::Config {
+                name: format!("KV_{bucket}"),
+                description: Some(description.to_owned()),
+                subjects: vec![format!("$KV.{bucket}.>")],
+                max_messages_per_subject: 1,
+                max_age: ttl,
+                storage: jetstream::stream::StorageType::File,
+                discard: jetstream::stream::DiscardPolicy::New,
+                allow_rollup: true,
+                deny_delete: true,
+                allow_direct: true,
+                num_replicas: replicas,
+                ..Default::default()
+            },
+        )
         .await
         .map_err(|e| unavailable("creating the key-value bucket", bucket, e))?;
         js.get_key_value(bucket)
@@ -584,20 +592,27 @@ async fn open_checkpoints(
     js: &jetstream::Context,
     bucket: &str,
     ttl: Duration,
+    replicas: usize,
 ) -> Result<jetstream::object_store::ObjectStore, StoreError> {
     let name = format!("{bucket}-checkpoints");
-    if let Ok(store) = js.get_object_store(&name).await {
-        return Ok(store);
-    }
-    js.create_object_store(jetstream::object_store::Config {
-        bucket: name.clone(),
-        description: Some("orchestrator checkpoints of live runs".to_owned()),
-        max_age: ttl,
-        storage: jetstream::stream::StorageType::File,
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| unavailable("creating the checkpoint object store", &name, e))
+    let store = match js.get_object_store(&name).await {
+        Ok(store) => store,
+        Err(_) => js
+            .create_object_store(jetstream::object_store::Config {
+                bucket: name.clone(),
+                description: Some("orchestrator checkpoints of live runs".to_owned()),
+                max_age: ttl,
+                storage: jetstream::stream::StorageType::File,
+                num_replicas: replicas,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| unavailable("creating the checkpoint object store", &name, e))?,
+    };
+    crate::nats::ensure_replicas(js, &format!("OBJ_{name}"), replicas)
+        .await
+        .map_err(|e| unavailable("creating the checkpoint object store", &name, e))?;
+    Ok(store)
 }
 
 #[cfg(test)]

@@ -70,7 +70,8 @@ impl NatsLot {
         store: Arc<KvStore>,
     ) -> Result<Self, StoreError> {
         let name = format!("{bucket}-approvals");
-        let waits = KvStore::open_bucket(js, &name, ttl, "orchestrator tool calls waiting for approval").await?;
+        let description = "orchestrator tool calls waiting for approval";
+        let waits = KvStore::open_bucket(js, &name, ttl, description, store.replicas).await?;
         Ok(Self { waits, store })
     }
 }

@@ -61,6 +61,8 @@ pub struct NatsLogOptions {
     /// How long a message is tried again before it is given up (the store's lease: past it,
     /// another replica takes the run over anyway).
     pub retry_for: Duration,
+    /// Copies JetStream keeps of the stream (`--nats-replicas`).
+    pub replicas: usize,
 }
 
 /// See the module docs.
@@ -86,21 +88,20 @@ impl NatsLog {
         let js = jetstream::context::ContextBuilder::new()
             .timeout(options.timeout)
             .build(client);
-        let stream = js
-            .get_or_create_stream(jetstream::stream::Config {
-                name: name.to_owned(),
-                description: Some("orchestrator run events (AttachRun)".to_owned()),
-                subjects: vec![format!("{name}.run.>")],
-                max_age: options.bounds.keep_for,
-                max_bytes: i64::try_from(options.bounds.total_bytes).unwrap_or(i64::MAX),
-                discard: jetstream::stream::DiscardPolicy::Old,
-                duplicate_window: Duration::from_secs(120),
-                storage: jetstream::stream::StorageType::File,
-                allow_direct: true,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| unavailable(e.to_string()))?;
+        let config = jetstream::stream::Config {
+            name: name.to_owned(),
+            description: Some("orchestrator run events (AttachRun)".to_owned()),
+            subjects: vec![format!("{name}.run.>")],
+            max_age: options.bounds.keep_for,
+            max_bytes: i64::try_from(options.bounds.total_bytes).unwrap_or(i64::MAX),
+            discard: jetstream::stream::DiscardPolicy::Old,
+            duplicate_window: Duration::from_secs(120),
+            storage: jetstream::stream::StorageType::File,
+            allow_direct: true,
+            num_replicas: options.replicas,
+            ..Default::default()
+        };
+        let stream = crate::nats::ensure_stream(&js, config).await.map_err(unavailable)?;
         Ok(Self {
             js,
             stream,
