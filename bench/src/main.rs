@@ -76,9 +76,10 @@ struct Cli {
     /// Soak runs at once (1–10000).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     soak_concurrency: u64,
-    /// With `--soak-store nats`: run the soak on three replicas and kill or drain one of them
-    /// (alternately, each in turn) and start a new one every this long (e.g. `3s`), while callers
-    /// follow their runs across replicas.
+    /// With `--soak-store nats`: run the soak on three replicas and, every this long (e.g. `3s`),
+    /// one of them in turn is killed, drained, cut off from NATS or paused (SIGSTOP) for three
+    /// seconds, in that order (a killed or drained one is replaced), while callers follow their
+    /// runs across replicas.
     #[arg(long, value_parser = humantime::parse_duration)]
     soak_replica_faults: Option<Duration>,
     /// Instead of the grid: the paced relay (one turn of streamed text at each stream interval;
@@ -89,13 +90,13 @@ struct Cli {
     /// LiteLLM proxy, from the test cache), each figure as a ratio to theirs.
     #[arg(long)]
     peers: bool,
-    /// Instead of the grid: this many runs (1–100000) parked waiting for approvals at once on 16
-    /// run slots, with the memory and the NATS store: RSS per parked run, then every call
     /// Instead of the grid: the model's time on two real llama-servers, sticky against round
     /// robin, and the transcript's prefix replayed with and without the per-turn BIOS line;
     /// writes `fleet.md` / `fleet.json` (needs `./scripts/model-servers`).
     #[arg(long)]
     fleet: bool,
+    /// Instead of the grid: this many runs (1–100000) parked waiting for approvals at once on 16
+    /// run slots, with the memory and the NATS store: RSS per parked run, then every call
     /// approved; writes `approvals.md` / `approvals.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     approvals: Option<u64>,
@@ -147,10 +148,7 @@ async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()>
         "nats" => Some(testkit::nats::Nats::start().await?),
         _ => None,
     };
-    let mut flags: Vec<String> = soak::FLAGS.iter().map(|f| (*f).to_owned()).collect();
-    if let Some(nats) = &nats {
-        flags.extend(["--run-store".to_owned(), nats.url()]);
-    }
+    let flags: Vec<String> = soak::FLAGS.iter().map(|f| (*f).to_owned()).collect();
     let settings = soak::Soak {
         runs,
         store: cli.soak_store.clone(),
@@ -159,7 +157,11 @@ async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()>
     };
     let passed = match cli.soak_replica_faults {
         None => {
-            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            let mut flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            let url = nats.as_ref().map(testkit::nats::Nats::url);
+            if let Some(url) = &url {
+                flags.extend(["--run-store", url]);
+            }
             let stack = stack::Stack::start(
                 bin,
                 soak::scenarios(runs),
@@ -179,16 +181,19 @@ async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()>
             passed
         }
         Some(every) => {
-            anyhow::ensure!(nats.is_some(), "--soak-replica-faults needs --soak-store nats");
+            let Some(nats) = &nats else {
+                anyhow::bail!("--soak-replica-faults needs --soak-store nats");
+            };
+            let nats: std::net::SocketAddr = nats.url().trim_start_matches("nats://").parse()?;
             anyhow::ensure!(
                 every >= Duration::from_millis(100),
                 "--soak-replica-faults {} is too often (at least 100ms)",
                 humantime::format_duration(every)
             );
-            let fleet =
-                replicas::Replicas::start(bin, soak::scenarios(runs), 3, concurrency.div_ceil(50), &flags).await?;
+            let channels = concurrency.div_ceil(50);
+            let fleet = replicas::Replicas::start(bin, soak::scenarios(runs), 3, channels, &flags, nats).await?;
             eprintln!(
-                "bench: soak of {runs} runs, {concurrency} at once, on 3 replicas (NATS store), one killed or drained every {}",
+                "bench: soak of {runs} runs, {concurrency} at once, on 3 replicas (NATS store), one killed, drained, cut off from NATS or paused every {}",
                 humantime::format_duration(every)
             );
             let passed = settings.run(soak::Target::Fleet(&fleet, every), &cli.out).await;

@@ -1,8 +1,11 @@
 //! `bench --soak N --soak-replica-faults`: the soak's system under test as a fleet of orchestrator
-//! replicas sharing the NATS store, each on a fixed address (as behind a Kubernetes Service), and
-//! the replica faults: every `--soak-replica-fault-every` one replica in turn is SIGKILLed or
-//! drained (SIGTERM, alternately) and a new one started on its address, while the soak's runs go
-//! on; their callers follow them across replicas.
+//! replicas sharing the NATS store, each on a fixed address (as behind a Kubernetes Service) and
+//! reaching NATS through a proxy of its own that can cut it off, and the replica faults: every
+//! `--soak-replica-faults` one replica in turn is SIGKILLed, drained (SIGTERM), cut off from NATS
+//! while it keeps serving (a partition), or paused (SIGSTOP), in that order; a killed or drained
+//! one is replaced by a new one on its address, a cut-off or paused one comes back after
+//! [`OUTAGE`], past its lease. The soak's runs go on meanwhile; their callers follow them across
+//! replicas.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -19,60 +22,92 @@ pub(crate) const FLAGS: &[&str] = &["--run-store-lease", "2s", "--handoff-grace"
 /// How long a drained replica may take to exit.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
 
+/// How long a replica stays cut off from NATS or paused: a lease and a half (see [`FLAGS`]), so
+/// its runs are taken over meanwhile and it must stop acting for them on its own.
+pub(crate) const OUTAGE: Duration = Duration::from_secs(3);
+
+/// What one replica fault does, in the order they come.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    Kill,
+    Drain,
+    CutOff,
+    Pause,
+}
+
+impl Fault {
+    const CYCLE: [Self; 4] = [Self::Kill, Self::Drain, Self::CutOff, Self::Pause];
+}
+
 /// The replicas.
 pub(crate) struct Replicas {
     _mock: MockLlm,
-    launch: Launch,
+    /// Each slot's launch (its own NATS proxy in its flags).
+    launches: Vec<Launch>,
+    /// Each slot's way to NATS.
+    proxies: Vec<testkit::proxy::CutProxy>,
     /// One process per address; a slot is empty while its replica is replaced.
     slots: Vec<tokio::sync::Mutex<Option<Process>>>,
     addresses: Vec<String>,
     channels: Vec<Channel>,
     pub kills: AtomicU64,
     pub drains: AtomicU64,
+    pub partitions: AtomicU64,
+    pub pauses: AtomicU64,
 }
 
 impl Replicas {
-    /// Starts the model, a tool-runner and `count` replicas with `extra` flags (the NATS store
-    /// among them); callers' streams are spread over `channels` channels to all of them.
+    /// Starts the model, a tool-runner and `count` replicas with `extra` flags, each with the
+    /// NATS store at `nats` (`host:port`) through a proxy of its own; callers' streams are spread
+    /// over `channels` channels to all of them.
     pub(crate) async fn start(
         bin: &std::path::Path,
         scenarios: Scenarios,
         count: usize,
         channels: usize,
         extra: &[String],
+        nats: std::net::SocketAddr,
     ) -> anyhow::Result<Self> {
         let (mock, runner) = stack::model_and_runner(scenarios).await?;
-        let launch = Launch {
-            bin: bin.to_owned(),
-            model_url: mock.base_url(),
-            runner,
-            otlp: None,
-            rust_log: "info".to_owned(),
-            extra: extra
-                .iter()
-                .cloned()
-                .chain(FLAGS.iter().map(|f| (*f).to_owned()))
-                .collect(),
-            env: Vec::new(),
-        };
         let mut slots = Vec::with_capacity(count);
         let mut addresses = Vec::with_capacity(count);
+        let (mut launches, mut proxies) = (Vec::with_capacity(count), Vec::with_capacity(count));
         for _ in 0..count {
+            let proxy = testkit::proxy::CutProxy::start(nats).await?;
+            let launch = Launch {
+                bin: bin.to_owned(),
+                model_url: mock.base_url(),
+                runner: runner.clone(),
+                otlp: None,
+                rust_log: "info".to_owned(),
+                extra: extra
+                    .iter()
+                    .cloned()
+                    .chain(FLAGS.iter().map(|f| (*f).to_owned()))
+                    .chain(["--run-store".to_owned(), format!("nats://{}", proxy.addr())])
+                    .collect(),
+                env: Vec::new(),
+            };
             let process = stack::spawn(&launch, "127.0.0.1:0").await?;
             addresses.push(process.address.clone());
             slots.push(tokio::sync::Mutex::new(Some(process)));
+            launches.push(launch);
+            proxies.push(proxy);
         }
         let channels = (0..channels.max(1))
             .map(|_| stack::channel(&addresses))
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(Self {
             _mock: mock,
-            launch,
+            launches,
+            proxies,
             slots,
             addresses,
             channels,
             kills: AtomicU64::new(0),
             drains: AtomicU64::new(0),
+            partitions: AtomicU64::new(0),
+            pauses: AtomicU64::new(0),
         })
     }
 
@@ -92,8 +127,8 @@ impl Replicas {
         all
     }
 
-    /// Injects replica faults until `done` resolves: every `every`, the next replica is killed
-    /// (even faults) or drained (odd ones) and started again on its address.
+    /// Injects replica faults until `done` resolves: every `every`, the next replica goes
+    /// through the next fault of [`Fault::CYCLE`].
     pub(crate) async fn inject_faults(&self, every: Duration, done: impl Future<Output = ()>) -> anyhow::Result<()> {
         tokio::pin!(done);
         for fault in 0.. {
@@ -102,8 +137,38 @@ impl Replicas {
                 () = tokio::time::sleep(every) => {}
             }
             let slot = fault % self.slots.len();
-            self.replace(slot, fault % 2 == 0).await?;
+            match Fault::CYCLE[fault % Fault::CYCLE.len()] {
+                Fault::Kill => self.replace(slot, true).await?,
+                Fault::Drain => self.replace(slot, false).await?,
+                Fault::CutOff => self.cut_off(slot).await,
+                Fault::Pause => self.pause(slot).await?,
+            }
         }
+        Ok(())
+    }
+
+    /// Cuts replica `slot` off from NATS for [`OUTAGE`] while it keeps serving its callers.
+    async fn cut_off(&self, slot: usize) {
+        eprintln!("soak: replica {slot} cut off from NATS for {OUTAGE:?}");
+        self.proxies[slot].cut();
+        tokio::time::sleep(OUTAGE).await;
+        self.proxies[slot].heal();
+        self.partitions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Pauses replica `slot` (SIGSTOP) for [`OUTAGE`], then lets it go on (SIGCONT).
+    async fn pause(&self, slot: usize) -> anyhow::Result<()> {
+        use nix::sys::signal::{Signal, kill};
+        let held = self.slots[slot].lock().await;
+        let Some(pid) = held.as_ref().and_then(|p| i32::try_from(p.pid).ok()) else {
+            return Ok(());
+        };
+        let pid = nix::unistd::Pid::from_raw(pid);
+        eprintln!("soak: replica {slot} paused for {OUTAGE:?}");
+        kill(pid, Signal::SIGSTOP)?;
+        tokio::time::sleep(OUTAGE).await;
+        kill(pid, Signal::SIGCONT)?;
+        self.pauses.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -139,7 +204,7 @@ impl Replicas {
     async fn respawn(&self, slot: usize) -> anyhow::Result<Process> {
         let mut attempt = 0;
         loop {
-            match stack::spawn(&self.launch, &self.addresses[slot]).await {
+            match stack::spawn(&self.launches[slot], &self.addresses[slot]).await {
                 Ok(process) => return Ok(process),
                 Err(e) if attempt < 5 => {
                     attempt += 1;

@@ -235,9 +235,12 @@ struct Report {
     not_retrievable: u64,
     runs_in_flight_after: f64,
     tool_calls_in_flight_after: f64,
-    /// Replicas killed and drained while the runs went on (replica faults).
+    /// Replicas killed, drained, cut off from NATS and paused while the runs went on (replica
+    /// faults).
     replicas_killed: u64,
     replicas_drained: u64,
+    replicas_cut_off: u64,
+    replicas_paused: u64,
     /// Not measured with replicas (they are replaced).
     rss_baseline_mib: Option<f64>,
     rss_peak_mib: Option<f64>,
@@ -267,12 +270,15 @@ impl Soak {
             Some(peak) => Some(peak.finish().await.max(after.unwrap_or(0))),
             None => None,
         };
-        let (killed, drained) = match target {
-            Target::One(_) => (0, 0),
-            Target::Fleet(replicas, _) => (
-                replicas.kills.load(std::sync::atomic::Ordering::Relaxed),
-                replicas.drains.load(std::sync::atomic::Ordering::Relaxed),
-            ),
+        let [killed, drained, cut_off, paused] = match target {
+            Target::One(_) => [0; 4],
+            Target::Fleet(replicas, _) => [
+                &replicas.kills,
+                &replicas.drains,
+                &replicas.partitions,
+                &replicas.pauses,
+            ]
+            .map(|n| n.load(std::sync::atomic::Ordering::Relaxed)),
         };
         let mut report = Report {
             runs: self.runs,
@@ -288,6 +294,8 @@ impl Soak {
             tool_calls_in_flight_after: calls_after,
             replicas_killed: killed,
             replicas_drained: drained,
+            replicas_cut_off: cut_off,
+            replicas_paused: paused,
             rss_baseline_mib: baseline.map(mib),
             rss_peak_mib: peak.map(mib),
             rss_after_mib: after.map(mib),
@@ -298,7 +306,7 @@ impl Soak {
             (Some(baseline), Some(after)) => after <= baseline * 1.25 + 16.0,
             _ => true,
         };
-        let replicas_ok = matches!(target, Target::One(_)) || killed + drained > 0;
+        let replicas_ok = matches!(target, Target::One(_)) || killed + drained + cut_off + paused > 0;
         report.passed = report.mismatches.is_empty()
             && report.not_retrievable == 0
             && (runs_after, calls_after) == (0.0, 0.0)
@@ -694,7 +702,7 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
          | runs (after a warm-up) | {} |\n| faults injected | {} |\n| concurrency | {} |\n\
          | wall time | {:.1} s ({:.0} runs/s) |\n| runs not as their fault says, or whose AttachRun replay differs | {} |\n\
          | runs GetRun cannot find | {} |\n| runs / tool calls in flight after | {} / {} |\n\
-         | replicas killed / drained while the runs went on | {} / {} |\n\
+         | replicas killed / drained / cut off from NATS / paused while the runs went on | {} / {} / {} / {} |\n\
          | RSS after warm-up → peak → after | {} |\n",
         report.runs,
         report.fault_rate * 100.0,
@@ -710,6 +718,8 @@ fn write(report: &Report, out: &Path) -> anyhow::Result<()> {
         report.tool_calls_in_flight_after,
         report.replicas_killed,
         report.replicas_drained,
+        report.replicas_cut_off,
+        report.replicas_paused,
         match (report.rss_baseline_mib, report.rss_peak_mib, report.rss_after_mib) {
             (Some(baseline), Some(peak), Some(after)) => format!("{baseline:.1} → {peak:.1} → {after:.1} MiB"),
             _ => "not measured (the replicas are replaced)".to_owned(),

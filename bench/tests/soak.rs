@@ -41,13 +41,13 @@ fn a_thousand_runs_on_the_nats_store_replay_whole_from_their_event_logs() -> any
     Ok(())
 }
 
-/// Replica faults: the soak on three replicas sharing the NATS store, one of them killed or
-/// drained and replaced every second while the runs go on. Every caller follows its run across
-/// replicas and must see one gap-free stream telling the stored text; every run ends as its
-/// fault says, wherever its replica was killed (a run is resumable from its claim on), and
-/// nothing is left in flight.
+/// Replica faults: the soak on three replicas sharing the NATS store, one of them killed, drained,
+/// cut off from NATS or paused (past its lease) every second while the runs go on. Every caller
+/// follows its run across replicas and must see one gap-free stream telling the stored text; every
+/// run ends as its fault says, wherever its replica was killed (a run is resumable from its claim
+/// on), and nothing is left in flight.
 #[test]
-fn runs_followed_across_replicas_killed_and_drained_end_as_their_faults_say() -> anyhow::Result<()> {
+fn runs_followed_across_replicas_killed_drained_cut_off_and_paused_end_as_their_faults_say() -> anyhow::Result<()> {
     let json = soak(&[
         "--soak",
         "500",
@@ -60,7 +60,13 @@ fn runs_followed_across_replicas_killed_and_drained_end_as_their_faults_say() ->
         "--soak-replica-faults",
         "1s",
     ])?;
-    assert!(json["replicas_killed"].as_u64().unwrap_or(0) >= 1, "{json}");
-    assert!(json["replicas_drained"].as_u64().unwrap_or(0) >= 1, "{json}");
+    for fault in [
+        "replicas_killed",
+        "replicas_drained",
+        "replicas_cut_off",
+        "replicas_paused",
+    ] {
+        assert!(json[fault].as_u64().unwrap_or(0) >= 1, "{fault}: {json}");
+    }
     Ok(())
 }

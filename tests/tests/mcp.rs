@@ -213,6 +213,40 @@ async fn a_changed_tool_list_reaches_the_runner_and_then_the_orchestrators_catal
     Ok(())
 }
 
+/// A call carries the orchestrator's run id, call id and epoch to the MCP server in its request's
+/// `_meta`, so a server with side effects can answer a second delivery from the first and refuse
+/// an owner older than the newest it has seen.
+#[tokio::test]
+async fn a_call_carries_its_run_id_call_id_and_epoch_in_meta() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner = runner_with(&dir, &stdio_manifest(&dir, "", "Etc/GMT-5")?).await?;
+    let mut request = run_tool("everything__echo", &json!({"message": "once"}).to_string());
+    request.run_id = "run-7".into();
+    request.call_id = "call_3".into();
+    request.epoch = 4;
+    let answer = Outcome::of(runner.client().await?.run_tool(request).await?.into_inner())?;
+    assert_eq!(answer.unwrap_ok(), json!("Echo: once"));
+    let sent = wait_for(|| {
+        let log = std::fs::read_to_string(dir.path().join("stdin.log")).unwrap_or_default();
+        log.lines()
+            .find(|l| l.contains("\"tools/call\"") && l.contains("once"))
+            .map(str::to_owned)
+    })
+    .await?;
+    let call: serde_json::Value = serde_json::from_str(&sent)?;
+    let meta = &call["params"]["_meta"];
+    assert_eq!(
+        (
+            &meta["orchestrator/run_id"],
+            &meta["orchestrator/call_id"],
+            &meta["orchestrator/epoch"]
+        ),
+        (&json!("run-7"), &json!("call_3"), &json!(4)),
+        "{call}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_call_past_its_timeout_or_given_up_by_its_caller_is_canceled_on_the_server() -> TestResult {
     let dir = tempfile::tempdir()?;

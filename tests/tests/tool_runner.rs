@@ -445,6 +445,7 @@ async fn command_tools_succeed_with_json_text_env_and_working_dir() -> TestResul
     let mut request = run_tool("env_dump", "{}");
     request.metadata.insert("tenant-id".into(), "acme".into());
     request.principal = "billing".into();
+    request.epoch = 3;
     let env = Outcome::of(runner.client().await?.run_tool(request).await?.into_inner())?.unwrap_ok();
     let env = env.as_str().unwrap_or_default();
     let mut names: Vec<&str> = env.lines().filter_map(|l| l.split('=').next()).collect();
@@ -467,6 +468,7 @@ async fn command_tools_succeed_with_json_text_env_and_working_dir() -> TestResul
         "TOOL_CALL_ID=test-call",
         "TOOL_META_TENANT_ID=acme",
         "TOOL_PRINCIPAL=billing",
+        "TOOL_RUN_EPOCH=3",
         "GREETING=hi",
     ] {
         assert!(env.lines().any(|l| l == line), "{line} missing from {env}");

@@ -103,7 +103,13 @@ struct Fleet {
 
 impl Fleet {
     async fn start(replicas: usize, scenario: mock_llm::Scenario, tool_ms: u64) -> anyhow::Result<Self> {
-        Self::start_on(Broker::Single(Box::new(Nats::start().await?)), replicas, scenario, tool_ms).await
+        Self::start_on(
+            Broker::Single(Box::new(Nats::start().await?)),
+            replicas,
+            scenario,
+            tool_ms,
+        )
+        .await
     }
 
     async fn start_on(

@@ -388,6 +388,40 @@ fn outcome(response: pb::RunToolResponse) -> Result<String, ToolCallError> {
 mod tests {
     use super::*;
 
+    /// A call's run id, call id and epoch reach the runner in the request and as headers (its
+    /// access logs, and a tool behind a gateway that reads headers only).
+    #[test]
+    fn a_call_carries_its_ids_and_epoch_in_the_request_and_its_headers() {
+        let call = ToolInvocation {
+            run_id: "run-7".into(),
+            call_id: "call_3".into(),
+            name: "refund".into(),
+            arguments_json: "{}".into(),
+            metadata: std::collections::BTreeMap::new(),
+            principal: "alice".into(),
+            epoch: 4,
+            timeout: Duration::from_secs(5),
+        };
+        let transport = Transport::from_settings(&crate::Config::default().tool_runners).unwrap();
+        let request = run_tool_request(&call, &transport);
+        let header = |name: &str| {
+            request
+                .metadata()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        assert_eq!(
+            [header("x-run-id"), header("x-call-id"), header("x-run-epoch")],
+            [Some("run-7".into()), Some("call_3".into()), Some("4".into())]
+        );
+        let body = request.get_ref();
+        assert_eq!(
+            (body.run_id.as_str(), body.call_id.as_str(), body.epoch),
+            ("run-7", "call_3", 4)
+        );
+    }
+
     #[test]
     fn only_a_call_that_lasted_its_timeout_timed_out() {
         let timeout = Duration::from_secs(60);

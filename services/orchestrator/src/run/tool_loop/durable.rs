@@ -208,13 +208,16 @@ impl Driver<'_> {
         self.send_at_safe_point(saved).await
     }
 
-    /// Sends what is queued at a safe point whose checkpoint the store took (`saved`); one it did
-    /// not take ends the run here (it moves). A run asked to hand over stops here.
+    /// Sends what is queued at a safe point whose checkpoint the store took (`saved`) while this
+    /// replica still acts for the run; otherwise the run ends here (it moves). A run asked to hand
+    /// over stops here.
     async fn send_at_safe_point(&mut self, saved: bool) -> Step<()> {
-        if !saved {
+        if !saved || !self.acting() {
             // What is queued reveals what the store does not hold: it stays here, and the run
             // resumes from its last good checkpoint (the persister stopped this replica's
-            // ownership).
+            // ownership). A save that came back after the lease less its margin (the replica
+            // was paused, or cut off, while it waited) is the same: another replica may own the
+            // run by now.
             return Err(End::TakenOver);
         }
         self.emitter.flush().await;

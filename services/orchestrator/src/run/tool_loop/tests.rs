@@ -997,6 +997,34 @@ struct Journal {
     refuse_after_first: bool,
     log: Option<tokio::sync::watch::Receiver<crate::domain::ports::Settled>>,
     kept_at_save: Mutex<Vec<u64>>,
+    /// The store's lease terms (a store other replicas read); none: the run never lapses.
+    lease: Option<crate::domain::LeaseTerms>,
+    /// The save of this index (0: the first) takes this long before the store takes it.
+    slow_save: Option<(usize, Duration)>,
+}
+
+/// The memory store with the lease terms of a store other replicas read.
+struct Leased {
+    inner: crate::store::memory::MemoryStore,
+    terms: crate::domain::LeaseTerms,
+}
+
+impl crate::domain::ports::ResultStore for Leased {
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
+        self.inner.put(result)
+    }
+    fn claim(
+        &self,
+        result: RunResult,
+    ) -> BoxFuture<'static, Result<crate::domain::ports::Claim, crate::domain::ports::StoreError>> {
+        self.inner.claim(result)
+    }
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, crate::domain::ports::StoreError>> {
+        self.inner.get(run_id)
+    }
+    fn lease(&self) -> Option<crate::domain::LeaseTerms> {
+        Some(self.terms)
+    }
 }
 
 /// An event log that keeps each batch appended 30 ms later (a publish and its acknowledgement).
@@ -1047,11 +1075,18 @@ impl crate::domain::ports::RunJournal for Journal {
             };
             return futures::future::ready(Err(refused)).boxed();
         }
-        self.saved.lock().unwrap().push(checkpoint);
+        let index = {
+            let mut saved = self.saved.lock().unwrap();
+            saved.push(checkpoint);
+            saved.len() - 1
+        };
         if let Some(log) = &self.log {
             self.kept_at_save.lock().unwrap().push(log.borrow().kept_through);
         }
-        futures::future::ready(Ok(())).boxed()
+        match self.slow_save {
+            Some((slow, took)) if slow == index => tokio::time::sleep(took).map(Ok).boxed(),
+            _ => futures::future::ready(Ok(())).boxed(),
+        }
     }
     fn claim_resumable(
         &self,
@@ -1093,8 +1128,11 @@ impl crate::domain::ports::RunJournal for Journal {
 }
 
 fn durable(state: &SharedState, journal: Arc<Journal>) -> Persister {
-    let store: Arc<dyn crate::domain::ports::ResultStore> =
-        Arc::new(crate::store::memory::MemoryStore::new(16, Duration::from_secs(60)));
+    let memory = crate::store::memory::MemoryStore::new(16, Duration::from_secs(60));
+    let store: Arc<dyn crate::domain::ports::ResultStore> = match journal.lease {
+        Some(terms) => Arc::new(Leased { inner: memory, terms }),
+        None => Arc::new(memory),
+    };
     let timeout = Duration::from_secs(1);
     let backlog = crate::run::backlog::Backlog::new(Arc::clone(&store), 16, timeout, timeout);
     Persister::new(store, Arc::clone(state), timeout, backlog).with_journal(Some(journal))
@@ -1206,6 +1244,42 @@ async fn a_checkpoint_the_store_refuses_stops_the_run_before_anything_it_holds_l
     assert!(
         !events.iter().flatten().any(|e| e.finished().is_some()),
         "no run_finished"
+    );
+}
+
+/// An owner whose lease ran out while its checkpoint was being saved (a save slower than the
+/// lease less its margin, as a paused or cut-off replica sees it) acts no more once the save
+/// returns: the store took the checkpoint, but nothing it holds leaves from here (not the calls'
+/// announcement) and no call runs; another replica resumes the run from that checkpoint.
+#[tokio::test(start_paused = true)]
+async fn an_owner_whose_lease_ran_out_during_a_save_sends_and_runs_nothing_after_it() {
+    let journal = Arc::new(Journal {
+        // The save returns within the store timeout (1 s), after the lease less its margin.
+        lease: Some(crate::domain::LeaseTerms {
+            length: Duration::from_millis(600),
+            margin: Duration::from_millis(200),
+        }),
+        slow_save: Some((1, Duration::from_millis(500))),
+        ..Journal::default()
+    });
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        ..Outside::default()
+    };
+    let (result, events, _, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
+    assert_eq!(
+        journal.checkpoints().len(),
+        2,
+        "the turn's start and its calls were saved"
+    );
+    assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
+    assert!(
+        !events
+            .iter()
+            .flatten()
+            .any(|e| matches!(e.event, Event::ToolCallStarted { .. })),
+        "the calls were never announced from here: {events:?}"
     );
 }
 
