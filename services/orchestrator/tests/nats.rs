@@ -1577,3 +1577,61 @@ async fn streams_and_buckets_are_created_and_brought_to_their_replicas() -> Test
     assert!(refused.to_lowercase().contains("replica"), "{refused}");
     Ok(())
 }
+
+/// A replica that took a run over saves its first checkpoint in its own epoch (the previous
+/// owner's object is then deleted) and renews its lease; if it dies then, the next replica takes
+/// the run over from that checkpoint. (The renewal once wrote the record naming the deleted
+/// object again, and the run could never be taken over.)
+#[tokio::test]
+async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> TestResult {
+    use orchestrator::domain::ports::{Claim, RunJournal};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_millis(500);
+    let (a, b, c) = (
+        replica_store(&js, "twice-runs", "a", lease).await?,
+        replica_store(&js, "twice-runs", "b", lease).await?,
+        replica_store(&js, "twice-runs", "c", lease).await?,
+    );
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let run = RunResult::running("twice");
+    assert!(matches!(
+        a.claim_resumable(run.clone(), deadline, b"a's start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    // a dies; b takes the run over once it has seen its record unchanged for a lease.
+    assert!(b.orphans().await?.is_empty());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(b.orphans().await?, ["twice"]);
+    assert_eq!(b.take_over("twice").await?, Some(b"a's start".to_vec()));
+    // b saves its checkpoint, then renews its lease, then dies.
+    b.save(run.clone(), deadline, b"b's turn".to_vec()).await?;
+    b.put(run.clone()).await?;
+    assert!(c.orphans().await?.is_empty());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(c.orphans().await?, ["twice"]);
+    assert_eq!(c.take_over("twice").await?, Some(b"b's turn".to_vec()));
+
+    // A record that names a checkpoint gone (as that renewal left it) resumes from the newest
+    // one left of the run's admission.
+    let gone = RunResult::running("gone");
+    assert!(matches!(
+        a.claim_resumable(gone.clone(), deadline, b"a's start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    let checkpoints = js.get_object_store("twice-runs-checkpoints").await?;
+    let admission = checkpoints.info("run.gone#1").await?.description;
+    let newer = jetstream::object_store::ObjectMetadata {
+        name: "run.gone#2".into(),
+        description: admission,
+        ..Default::default()
+    };
+    checkpoints.put(newer, &mut b"a later turn".as_slice()).await?;
+    checkpoints.delete("run.gone#1").await?;
+    let d = replica_store(&js, "twice-runs", "d", lease).await?;
+    assert!(!d.orphans().await?.contains(&"gone".to_owned()));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(d.orphans().await?.contains(&"gone".to_owned()));
+    assert_eq!(d.take_over("gone").await?, Some(b"a later turn".to_vec()));
+    Ok(())
+}

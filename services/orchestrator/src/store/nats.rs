@@ -388,24 +388,26 @@ impl KvStore {
     pub(super) fn write(&self, key: String, record: Record) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, owned, owner) = (self.kv.clone(), Arc::clone(&self.owned), self.owner.clone());
         let last = shared::sync::lock(&owned).get(&key).cloned();
-        let running = record.running();
+        let (running, names) = (record.running(), record.checkpoint_epoch);
         async move {
             let bytes = bytes::Bytes::from(record.encode_to_vec());
             let Some(last) = last else {
                 return rewrite_own_final(&kv, &key, bytes, &owner).await;
             };
-            match update_owned(&kv, &key, bytes, &last, &owner).await {
-                Ok(revision) => {
-                    let mut owned = shared::sync::lock(&owned);
-                    if running {
-                        owned.insert(key, Owned { revision, ..last });
-                    } else {
-                        owned.remove(&key);
-                    }
-                    Ok(())
-                }
-                Err(e) => Err(e),
+            let revision = update_owned(&kv, &key, bytes, &last, &owner).await?;
+            let mut owned = shared::sync::lock(&owned);
+            if !running {
+                owned.remove(&key);
+                return Ok(());
             }
+            // What changed meanwhile stays (a checkpoint put in a later epoch while this write
+            // was on its way): only the revision is this write's, and the object the record
+            // names now. Put back as it was read, the entry would name an object that may be
+            // deleted by now, and the next renewal would write that name into the record.
+            let entry = owned.entry(key).or_insert(last);
+            entry.revision = revision;
+            entry.checkpoint_epoch = entry.checkpoint_epoch.max(names);
+            Ok(())
         }
         .boxed()
     }

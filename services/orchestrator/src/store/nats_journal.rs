@@ -81,6 +81,35 @@ async fn put_named(
         .map_err(|e| unavailable("checkpoint put", &name, e))
 }
 
+/// The checkpoint a run taken over resumes from: the object its record names or, should that be
+/// gone, the newest one of an epoch up to the run's (an owner that was replaced after putting
+/// its object may have left the record naming an older one). Its name with it.
+async fn newest_checkpoint(
+    checkpoints: &ObjectStore,
+    key: &str,
+    record: &super::nats::Record,
+) -> Result<(String, jetstream::object_store::Object), StoreError> {
+    let named = record.checkpoint_epoch;
+    let others = (1..=record.epoch.max(named)).rev().filter(|&e| e != named);
+    let mut missing = None;
+    for epoch in std::iter::once(named).chain(others) {
+        let name = checkpoint_name(key, epoch);
+        match checkpoints.get(&name).await {
+            Ok(object) => {
+                if epoch != named {
+                    tracing::warn!(run_id = %run_id_of(key), named, epoch, "the checkpoint the run's record names is gone; it resumes from the newest one left");
+                }
+                return Ok((name, object));
+            }
+            Err(e) if e.kind() == jetstream::object_store::GetErrorKind::NotFound => {
+                missing.get_or_insert_with(|| unavailable("checkpoint get", &name, e));
+            }
+            Err(e) => return Err(unavailable("checkpoint get", &name, e)),
+        }
+    }
+    Err(missing.unwrap_or_else(|| unavailable("checkpoint get", key, "no epoch")))
+}
+
 impl RunJournal for KvStore {
     fn save(
         &self,
@@ -260,11 +289,7 @@ impl RunJournal for KvStore {
                 Err(e) => return Err(unavailable("KV update", &key, e)),
             };
             shared::sync::lock(&owned).insert(key.clone(), Owned::of(revision, &claimed));
-            let name = checkpoint_name(&key, claimed.checkpoint_epoch);
-            let mut object = checkpoints
-                .get(&name)
-                .await
-                .map_err(|e| unavailable("checkpoint get", &name, e))?;
+            let (name, mut object) = newest_checkpoint(&checkpoints, &key, &claimed).await?;
             if object.info().description.as_deref().unwrap_or_default() != claimed.claim {
                 // The checkpoint under the key is another admission's (a duplicate that lost the
                 // race for the id): this run cannot be resumed, and reads as lost at once.
