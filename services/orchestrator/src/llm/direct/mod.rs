@@ -496,12 +496,7 @@ mod tests {
         let (tx, mut chunks) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
         tokio::spawn(async move {
             let (mut socket, _) = listener.accept().await.unwrap();
-            let mut buf = vec![0u8; 65536];
-            let mut seen = Vec::new();
-            while !request_complete(&seen) {
-                let n = socket.read(&mut buf).await.unwrap();
-                seen.extend_from_slice(&buf[..n]);
-            }
+            assert!(read_request(&mut socket).await);
             let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
             socket.write_all(head.as_bytes()).await.unwrap();
             while let Some(piece) = chunks.recv().await {
@@ -655,12 +650,7 @@ mod tests {
         let address = listener.local_addr().unwrap().to_string();
         tokio::spawn(async move {
             let (mut socket, _) = listener.accept().await.unwrap();
-            let mut buf = vec![0u8; 65536];
-            let mut seen = Vec::new();
-            while !request_complete(&seen) {
-                let n = socket.read(&mut buf).await.unwrap();
-                seen.extend_from_slice(&buf[..n]);
-            }
+            assert!(read_request(&mut socket).await);
             socket.write_all(first.as_bytes()).await.unwrap();
             tokio::time::sleep(Duration::from_millis(50)).await;
             let _ = socket.write_all(then.as_bytes()).await;
@@ -698,25 +688,13 @@ mod tests {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let count = Arc::clone(&count);
                 tokio::spawn(async move {
-                    let mut buf = vec![0u8; 65536];
-                    let mut seen = Vec::new();
-                    while !request_complete(&seen) {
-                        let Ok(n @ 1..) = socket.read(&mut buf).await else {
-                            return;
-                        };
-                        seen.extend_from_slice(&buf[..n]);
+                    if !read_request(&mut socket).await {
+                        return;
                     }
                     count.fetch_add(1, Ordering::SeqCst);
                     socket.write_all(ANSWER.as_bytes()).await.unwrap();
                     socket.readable().await.unwrap();
-                    if read_it {
-                        let mut seen = Vec::new();
-                        while !request_complete(&seen) {
-                            let Ok(n @ 1..) = socket.read(&mut buf).await else {
-                                return;
-                            };
-                            seen.extend_from_slice(&buf[..n]);
-                        }
+                    if read_it && read_request(&mut socket).await {
                         count.fetch_add(1, Ordering::SeqCst);
                     }
                     // Dropped: a clean close, or a reset with the request unread.
@@ -724,6 +702,19 @@ mod tests {
             }
         });
         (address, requests)
+    }
+
+    /// Reads one whole request from `socket`; false when it closed first.
+    async fn read_request(socket: &mut tokio::net::TcpStream) -> bool {
+        let mut buf = vec![0u8; 65536];
+        let mut seen = Vec::new();
+        while !request_complete(&seen) {
+            let Ok(n @ 1..) = socket.read(&mut buf).await else {
+                return false;
+            };
+            seen.extend_from_slice(&buf[..n]);
+        }
+        true
     }
 
     /// A kept-alive connection that fails is sent again on a new one only when the server

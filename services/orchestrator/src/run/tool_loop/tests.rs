@@ -1230,21 +1230,22 @@ async fn a_checkpoint_the_store_refuses_stops_the_run_before_anything_it_holds_l
         ..Outside::default()
     };
     let (result, events, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
-    assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
+    stopped_before_its_calls(&result, &events, &tools);
     assert_eq!(journal.checkpoints().len(), 1, "only the turn's start was saved");
     assert_eq!(script.requests.lock().unwrap().len(), 1, "turn 1 was asked for");
+}
+
+/// The run stopped here (it moves) before its turn's calls: it did not end, no call ran, and the
+/// calls were never announced from here.
+fn stopped_before_its_calls(result: &RunResult, events: &[EventBatch], tools: &Tools) {
+    assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
     assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
+    let events: Vec<&NumberedEvent> = events.iter().flatten().collect();
     assert!(
-        !events
-            .iter()
-            .flatten()
-            .any(|e| matches!(e.event, Event::ToolCallStarted { .. })),
+        !events.iter().any(|e| matches!(e.event, Event::ToolCallStarted { .. })),
         "the calls were never announced: {events:?}"
     );
-    assert!(
-        !events.iter().flatten().any(|e| e.finished().is_some()),
-        "no run_finished"
-    );
+    assert!(!events.iter().any(|e| e.finished().is_some()), "no run_finished");
 }
 
 /// An owner whose lease ran out while its checkpoint was being saved (a save slower than the
@@ -1267,19 +1268,11 @@ async fn an_owner_whose_lease_ran_out_during_a_save_sends_and_runs_nothing_after
         ..Outside::default()
     };
     let (result, events, _, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
-    assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
+    stopped_before_its_calls(&result, &events, &tools);
     assert_eq!(
         journal.checkpoints().len(),
         2,
         "the turn's start and its calls were saved"
-    );
-    assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
-    assert!(
-        !events
-            .iter()
-            .flatten()
-            .any(|e| matches!(e.event, Event::ToolCallStarted { .. })),
-        "the calls were never announced from here: {events:?}"
     );
 }
 
