@@ -1635,3 +1635,33 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
     assert_eq!(d.take_over("gone").await?, Some(b"a later turn".to_vec()));
     Ok(())
 }
+
+/// Checkpoints of runs that ended leave nothing behind in the object store: the takeover lists it
+/// every third of the lease, and markers of deleted objects would make that listing walk every
+/// run that ended within the store's age limit (and outlast the store timeout on a busy day).
+#[tokio::test]
+async fn ended_runs_leave_no_marker_for_the_takeover_to_list() -> TestResult {
+    use orchestrator::domain::ports::{Claim, RunJournal};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let a = replica_store(&js, "ended-runs", "a", Duration::from_secs(60)).await?;
+    let deadline = shared::sync::unix_ms() + 60_000;
+    for i in 0..40 {
+        let run = RunResult::running(&format!("ended-{i}"));
+        let claimed = a.claim_resumable(run.clone(), deadline, b"start".to_vec()).await?;
+        assert!(matches!(claimed, Claim::Claimed));
+        a.save(run.clone(), deadline, b"a turn".to_vec()).await?;
+        a.forget(&run.run_id).await?;
+    }
+    let checkpoints = js.get_object_store("ended-runs-checkpoints").await?;
+    let mut listed = checkpoints.list().await?;
+    let mut entries = 0;
+    while let Some(info) = listed.next().await {
+        info?;
+        entries += 1;
+    }
+    assert_eq!(entries, 0, "no object and no marker of a deleted one");
+    let stream = js.get_stream("OBJ_ended-runs-checkpoints").await?.info().await?.clone();
+    assert_eq!(stream.state.messages, 0, "{:?}", stream.state);
+    Ok(())
+}

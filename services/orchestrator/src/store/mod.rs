@@ -23,6 +23,7 @@ pub mod memory_approvals;
 pub mod memory_log;
 pub mod nats;
 pub mod nats_approvals;
+pub(crate) mod nats_checkpoints;
 pub mod nats_journal;
 pub mod nats_log;
 

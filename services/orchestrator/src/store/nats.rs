@@ -45,7 +45,7 @@ pub struct KvStore {
     pub(super) owned: Arc<Mutex<HashMap<String, Owned>>>,
     /// Checkpoints of live runs, by key (an object store: a checkpoint may be larger than one
     /// message).
-    pub(super) checkpoints: jetstream::object_store::ObjectStore,
+    pub(super) checkpoints: super::nats_checkpoints::Checkpoints,
     /// Where hand-overs are announced (core NATS, `<bucket>.handovers`).
     pub(super) client: async_nats::Client,
     pub(super) handover_subject: String,
@@ -281,7 +281,7 @@ impl KvStore {
         lease: Duration,
         replicas: usize,
     ) -> Result<Self, StoreError> {
-        let checkpoints = open_checkpoints(js, bucket, ttl, replicas).await?;
+        let checkpoints = super::nats_checkpoints::Checkpoints::open(js, bucket, ttl, replicas).await?;
         let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
         Ok(Self {
             kv,
@@ -587,34 +587,6 @@ impl ResultStore for KvStore {
         }
         .boxed()
     }
-}
-
-/// Binds (or creates) the object store of the checkpoints beside the results bucket `bucket`.
-async fn open_checkpoints(
-    js: &jetstream::Context,
-    bucket: &str,
-    ttl: Duration,
-    replicas: usize,
-) -> Result<jetstream::object_store::ObjectStore, StoreError> {
-    let name = format!("{bucket}-checkpoints");
-    let store = match js.get_object_store(&name).await {
-        Ok(store) => store,
-        Err(_) => js
-            .create_object_store(jetstream::object_store::Config {
-                bucket: name.clone(),
-                description: Some("orchestrator checkpoints of live runs".to_owned()),
-                max_age: ttl,
-                storage: jetstream::stream::StorageType::File,
-                num_replicas: replicas,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| unavailable("creating the checkpoint object store", &name, e))?,
-    };
-    crate::nats::ensure_replicas(js, &format!("OBJ_{name}"), replicas)
-        .await
-        .map_err(|e| unavailable("creating the checkpoint object store", &name, e))?;
-    Ok(store)
 }
 
 #[cfg(test)]

@@ -5,7 +5,6 @@
 //! claimed by the first replica whose compare-and-set on the record's revision succeeds.
 
 use async_nats::jetstream;
-use async_nats::jetstream::object_store::ObjectStore;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use prost::Message;
@@ -64,7 +63,7 @@ impl KvStore {
 
 /// Puts `checkpoint` under the object `name`, its description naming the admission `claim`.
 async fn put_named(
-    checkpoints: ObjectStore,
+    checkpoints: super::nats_checkpoints::Checkpoints,
     name: String,
     claim: String,
     checkpoint: Vec<u8>,
@@ -85,7 +84,7 @@ async fn put_named(
 /// gone, the newest one of an epoch up to the run's (an owner that was replaced after putting
 /// its object may have left the record naming an older one). Its name with it.
 async fn newest_checkpoint(
-    checkpoints: &ObjectStore,
+    checkpoints: &super::nats_checkpoints::Checkpoints,
     key: &str,
     record: &super::nats::Record,
 ) -> Result<(String, jetstream::object_store::Object), StoreError> {
@@ -138,7 +137,7 @@ impl RunJournal for KvStore {
             write.await?;
             if before < epoch {
                 // The previous owner's object is not read any more.
-                let _ = checkpoints.delete(checkpoint_name(&key, before)).await;
+                let _ = checkpoints.remove(&checkpoint_name(&key, before)).await;
             }
             Ok(())
         }
@@ -179,17 +178,14 @@ impl RunJournal for KvStore {
         let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
         self.owned().remove(&key);
         async move {
-            let epochs = match holder(&kv, &key).await? {
+            let mut epochs = match holder(&kv, &key).await? {
                 Some((record, _)) => vec![0, record.checkpoint_epoch, record.epoch],
                 None => vec![0],
             };
+            epochs.sort_unstable();
+            epochs.dedup();
             for epoch in epochs {
-                let name = checkpoint_name(&key, epoch);
-                match checkpoints.delete(&name).await {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == jetstream::object_store::DeleteErrorKind::NotFound => {}
-                    Err(e) => return Err(unavailable("checkpoint delete", &name, e)),
-                }
+                checkpoints.remove(&checkpoint_name(&key, epoch)).await?;
             }
             Ok(())
         }
@@ -224,7 +220,7 @@ impl RunJournal for KvStore {
                         let delete = |epoch| {
                             let (checkpoints, name) = (checkpoints.clone(), checkpoint_name(&key, epoch));
                             async move {
-                                let _ = checkpoints.delete(&name).await;
+                                let _ = checkpoints.remove(&name).await;
                             }
                         };
                         let gone = !record.live() || (record.running() && !record.resumable(now) && lapsed);

@@ -1,0 +1,95 @@
+//! The checkpoint objects of durable runs (`<bucket>-checkpoints`, a JetStream object store), kept
+//! so that listing them costs the live runs only.
+//!
+//! The takeover lists the store every third of the lease. An object store keeps a metadata message
+//! per object name, and deleting an object leaves that message behind as a "deleted" marker until
+//! the store's age limit, so a listing would walk every run that ended within `--run-store-ttl`
+//! (hundreds of thousands on a busy day) and outlast the store timeout, and no run would be taken
+//! over any more. So removing a checkpoint also purges its metadata message. (Markers left by
+//! versions before this one are walked until the store's age limit drops them.)
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_nats::jetstream::object_store::{DeleteErrorKind, ObjectStore};
+use base64::Engine as _;
+
+use super::nats::unavailable;
+use crate::domain::ports::StoreError;
+
+/// The checkpoint object store and its stream (whose metadata subjects it purges).
+#[derive(Clone)]
+pub(crate) struct Checkpoints {
+    objects: ObjectStore,
+    stream: jetstream::stream::Stream,
+    /// `$O.<store>.M.`: the subject of an object's metadata, less its encoded name.
+    meta_prefix: String,
+}
+
+impl std::ops::Deref for Checkpoints {
+    type Target = ObjectStore;
+
+    fn deref(&self) -> &ObjectStore {
+        &self.objects
+    }
+}
+
+impl Checkpoints {
+    /// Binds (or creates) the object store of the checkpoints beside the results bucket
+    /// `bucket`, with `replicas` copies.
+    pub(crate) async fn open(
+        js: &jetstream::Context,
+        bucket: &str,
+        ttl: Duration,
+        replicas: usize,
+    ) -> Result<Self, StoreError> {
+        let name = format!("{bucket}-checkpoints");
+        let failed = |e: String| unavailable("creating the checkpoint object store", &name, e);
+        let objects = match js.get_object_store(&name).await {
+            Ok(store) => store,
+            Err(_) => js
+                .create_object_store(jetstream::object_store::Config {
+                    bucket: name.clone(),
+                    description: Some("orchestrator checkpoints of live runs".to_owned()),
+                    max_age: ttl,
+                    storage: jetstream::stream::StorageType::File,
+                    num_replicas: replicas,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| failed(e.to_string()))?,
+        };
+        let stream_name = format!("OBJ_{name}");
+        crate::nats::ensure_replicas(js, &stream_name, replicas)
+            .await
+            .map_err(failed)?;
+        let stream = js.get_stream(&stream_name).await.map_err(|e| failed(e.to_string()))?;
+        Ok(Self {
+            objects,
+            stream,
+            meta_prefix: format!("$O.{name}.M."),
+        })
+    }
+
+    /// Deletes the object `name` (nothing when there is none) and purges its metadata, so that
+    /// no listing meets it again.
+    pub(crate) async fn remove(&self, name: &str) -> Result<(), StoreError> {
+        match self.objects.delete(name).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == DeleteErrorKind::NotFound => {}
+            Err(e) => return Err(unavailable("checkpoint delete", name, e)),
+        }
+        self.purge_meta(name).await
+    }
+
+    /// Purges the metadata message of the object `name` (a deleted object's marker).
+    async fn purge_meta(&self, name: &str) -> Result<(), StoreError> {
+        let encoded = base64::engine::general_purpose::URL_SAFE.encode(name);
+        self.stream
+            .purge()
+            .filter(format!("{}{encoded}", self.meta_prefix))
+            .await
+            .map(|_| ())
+            .map_err(|e| unavailable("checkpoint metadata purge", name, e))
+    }
+}
