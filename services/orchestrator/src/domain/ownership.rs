@@ -95,6 +95,9 @@ struct Inner {
     why: OnceLock<Stop>,
     /// The claim's number: a tool with side effects refuses an older one.
     epoch: AtomicU64,
+    /// The run's final result is stored: no replica takes the run over any more, so what is
+    /// left of its event log may still go out once the lease ran out.
+    ended: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Ownership {
@@ -118,6 +121,7 @@ impl Ownership {
                 stop: CancellationToken::new(),
                 why: OnceLock::new(),
                 epoch: AtomicU64::new(0),
+                ended: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -157,6 +161,19 @@ impl Ownership {
             }
             _ => true,
         }
+    }
+
+    /// The run's final result is stored (see [`Ownership::may_log`]).
+    pub fn end(&self) {
+        self.inner.ended.store(true, Ordering::Release);
+    }
+
+    /// Whether the run's events may still be appended to its log from here: while this replica
+    /// acts for the run, and after the run ended here (its final result stored: nobody takes it
+    /// over, so its last events, `run_finished` among them, must reach the log however late;
+    /// the log's own fence still refuses them out of turn).
+    pub fn may_log(&self) -> bool {
+        self.inner.ended.load(Ordering::Acquire) || self.holds()
     }
 
     /// Stops acting for the run (the first reason given is kept).
@@ -272,6 +289,21 @@ mod tests {
     }
 
     /// The first reason is kept; a local ownership never lapses.
+    /// A run that ended here may still append its last events to its log after the lease ran
+    /// out (nobody takes an ended run over); one that did not end may not.
+    #[tokio::test(start_paused = true)]
+    async fn an_ended_run_may_still_log_past_its_lease() {
+        let (ended, live) = (
+            Ownership::new(terms(), Instant::now()),
+            Ownership::new(terms(), Instant::now()),
+        );
+        ended.end();
+        assert!(ended.may_log() && live.may_log());
+        tokio::time::advance(std::time::Duration::from_secs(5)).await;
+        assert!(!live.may_log() && !live.holds());
+        assert!(ended.may_log() && !ended.holds());
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_first_stop_is_kept_and_a_local_ownership_never_lapses() {
         let owner = Ownership::new(terms(), Instant::now());

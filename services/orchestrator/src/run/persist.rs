@@ -221,6 +221,7 @@ impl Persister {
     pub async fn write_final(&self) {
         if self.write().await {
             self.ended.store(true, Ordering::Release);
+            self.ownership.end();
             self.forget().await;
         } else if !self.ownership.stopped() {
             self.backlog.push(self.snapshot());

@@ -362,15 +362,16 @@ impl Publisher {
 
     /// Publishes one message, trying again (with backoff) until JetStream acknowledges it or
     /// `retry_for` passed (at least [`PUBLISH_ATTEMPTS`] times), then keeps the run's log within
-    /// its bound; whether it was kept. Nothing goes once the run's owner stopped; a message the
-    /// log refuses as out of turn stops it.
+    /// its bound; whether it was kept. Nothing goes once the run's owner stopped, unless the run
+    /// ended here (its tail must reach the log); a message the log refuses as out of turn stops
+    /// it.
     async fn publish(&mut self, first_seq: u64, payload: Vec<u8>) -> bool {
         let size = payload.len();
         let payload = bytes::Bytes::from(payload);
         let give_up = Instant::now() + self.log.options.retry_for;
         let mut attempt = 0;
         let error = loop {
-            if !self.owner.holds() {
+            if !self.owner.may_log() {
                 return false;
             }
             match self.try_publish(first_seq, payload.clone()).await {
