@@ -1665,3 +1665,40 @@ async fn ended_runs_leave_no_marker_for_the_takeover_to_list() -> TestResult {
     assert_eq!(stream.state.messages, 0, "{:?}", stream.state);
     Ok(())
 }
+
+/// The look for orphans ends while live runs keep saving checkpoints: it lists the objects stored
+/// when it starts, not until no message is pending (which, under that churn, may never come).
+#[tokio::test]
+async fn the_look_for_orphans_ends_while_runs_keep_saving() -> TestResult {
+    use orchestrator::domain::ports::{Claim, RunJournal};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_secs(60);
+    let a = Arc::new(replica_store(&js, "churn-runs", "a", lease).await?);
+    let b = replica_store(&js, "churn-runs", "b", lease).await?;
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let runs: Vec<RunResult> = (0..16).map(|i| RunResult::running(&format!("churn-{i}"))).collect();
+    for run in &runs {
+        let claimed = a.claim_resumable(run.clone(), deadline, b"start".to_vec()).await?;
+        assert!(matches!(claimed, Claim::Claimed));
+    }
+    // Every run saves as fast as the server takes it, all at once.
+    let saving: Vec<_> = runs
+        .into_iter()
+        .map(|run| {
+            let a = Arc::clone(&a);
+            tokio::spawn(async move {
+                loop {
+                    let _ = a.save(run.clone(), deadline, vec![7; 2048]).await;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..5 {
+        let looked = tokio::time::timeout(Duration::from_secs(3), b.orphans()).await;
+        assert!(matches!(looked, Ok(Ok(_))), "{looked:?}");
+    }
+    saving.iter().for_each(tokio::task::JoinHandle::abort);
+    Ok(())
+}

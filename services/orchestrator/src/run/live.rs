@@ -347,16 +347,19 @@ pub(crate) struct Settler {
 }
 
 impl Settler {
-    /// Waits; a log that takes longer is logged and not waited for.
-    pub(crate) async fn wait(&self) {
+    /// Waits; a log that takes longer is logged and not waited for. Whether the log keeps every
+    /// event through the last one sent (always, without a log).
+    pub(crate) async fn wait(&self) -> bool {
         let (Some(mut settled), through) = (self.settled.clone(), self.through) else {
-            return;
+            return true;
         };
-        if tokio::time::timeout(self.timeout, settled.wait_for(|s| s.resolved(through)))
-            .await
-            .is_err()
-        {
-            tracing::warn!(through, "the event log did not settle in time; going on");
+        match tokio::time::timeout(self.timeout, settled.wait_for(|s| s.resolved(through))).await {
+            Ok(Ok(now)) => now.kept_through >= through,
+            Ok(Err(_)) => false,
+            Err(_) => {
+                tracing::warn!(through, "the event log did not settle in time; going on");
+                false
+            }
         }
     }
 }

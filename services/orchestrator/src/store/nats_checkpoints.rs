@@ -71,6 +71,52 @@ impl Checkpoints {
         })
     }
 
+    /// The names of the objects stored when the listing starts. The object store's own listing
+    /// reads until no message is pending, which under the churn of many live runs (each putting
+    /// its checkpoints) may never come; this one stops at the stream's last message as of its
+    /// start.
+    pub(crate) async fn names(&self) -> Result<Vec<String>, StoreError> {
+        use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+        use futures::StreamExt as _;
+        let failed = |e: String| unavailable("checkpoint list", &self.meta_prefix, e);
+        let state = self
+            .stream
+            .clone()
+            .info()
+            .await
+            .map_err(|e| failed(e.to_string()))?
+            .state
+            .clone();
+        if state.messages == 0 {
+            return Ok(Vec::new());
+        }
+        let consumer = self
+            .stream
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: format!("{}>", self.meta_prefix),
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        let mut messages = consumer.messages().await.map_err(|e| failed(e.to_string()))?;
+        let mut names = Vec::new();
+        while let Some(message) = messages.next().await {
+            let message = message.map_err(|e| failed(e.to_string()))?;
+            let info = message.info().map_err(|e| failed(e.to_string()))?;
+            let (sequence, pending) = (info.stream_sequence, info.pending);
+            let object: jetstream::object_store::ObjectInfo =
+                serde_json::from_slice(&message.payload).map_err(|e| failed(e.to_string()))?;
+            if !object.deleted {
+                names.push(object.name);
+            }
+            if pending == 0 || sequence >= state.last_sequence {
+                break;
+            }
+        }
+        Ok(names)
+    }
+
     /// Deletes the object `name` (nothing when there is none) and purges its metadata, so that
     /// no listing meets it again.
     pub(crate) async fn remove(&self, name: &str) -> Result<(), StoreError> {

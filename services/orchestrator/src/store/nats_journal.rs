@@ -195,17 +195,10 @@ impl RunJournal for KvStore {
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
         let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
         async move {
-            let mut listed = checkpoints
-                .list()
-                .await
-                .map_err(|e| unavailable("checkpoint list", "", e))?;
             let mut objects: std::collections::HashMap<String, Vec<u64>> = std::collections::HashMap::new();
-            while let Some(info) = listed.next().await {
-                let info = info.map_err(|e| unavailable("checkpoint list", "", e))?;
-                if !info.deleted {
-                    let (key, epoch) = checkpoint_of(&info.name);
-                    objects.entry(key.to_owned()).or_default().push(epoch);
-                }
+            for name in checkpoints.names().await? {
+                let (key, epoch) = checkpoint_of(&name);
+                objects.entry(key.to_owned()).or_default().push(epoch);
             }
             seen.keep(&objects.keys().cloned().collect());
             // The records are read a few at a time: one round trip each, one after the other,

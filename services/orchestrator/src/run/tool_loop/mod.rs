@@ -182,7 +182,9 @@ fn drive_run(
                 // A durable run's log holds its end before its record does: a replica that takes
                 // the run over in between finds the end there and stores it, so the log is whole.
                 emitter.log_queued();
-                emitter.settler(deps.log_settle_timeout).wait().await;
+                if !emitter.settler(deps.log_settle_timeout).wait().await {
+                    return end_unlogged(persister, &mut emitter, deps.log_settle_timeout, &state).await;
+                }
             }
             // The result is stored before the stream ends, so GetRun (on any replica) finds it.
             persister.write_final().await;
@@ -193,6 +195,21 @@ fn drive_run(
         emitter.flush().await;
         result
     }
+}
+
+/// A durable run whose end its event log did not keep (this replica was cut off from NATS, or
+/// paused, as it ended): its result is not stored from here, or the log would lack the end for
+/// good. The run stops here as if its checkpoint had not been saved; the replica that takes it
+/// over stores the end if it reached the log after all, or else resumes from the last checkpoint.
+async fn end_unlogged(
+    persister: &Persister,
+    emitter: &mut Emitter,
+    settle_timeout: Duration,
+    state: &SharedState,
+) -> RunResult {
+    let why = "the run's end did not reach its event log".to_owned();
+    persister.ownership().stop(crate::domain::Stop::Unsaved(why));
+    moved(End::TakenOver, Some(persister), emitter, settle_timeout, state).await
 }
 
 /// The run's first event: what it runs with.

@@ -1463,6 +1463,47 @@ async fn a_call_checkpoint_waits_until_the_log_keeps_the_announcement() {
     }
 }
 
+/// An event log that keeps every batch at once, except one carrying the run's end.
+struct EndlessLog {
+    settled: tokio::sync::watch::Sender<crate::domain::ports::Settled>,
+}
+
+impl crate::domain::ports::LogWriter for EndlessLog {
+    fn append(&mut self, events: &[NumberedEvent]) {
+        if events.iter().any(|e| e.finished().is_some()) {
+            return;
+        }
+        let last = events.last().map_or(0, |e| e.seq);
+        self.settled.send_modify(|s| s.kept_through = s.kept_through.max(last));
+    }
+    fn settled(&self) -> Option<tokio::sync::watch::Receiver<crate::domain::ports::Settled>> {
+        Some(self.settled.subscribe())
+    }
+}
+
+/// A durable run whose end its log does not keep (its replica cut off from NATS as it ended)
+/// stores no result from here and sends its caller no `run_finished`: the record stays the last
+/// checkpoint's, and whoever takes the run over stores the end if the log got it after all, or
+/// resumes the run. Otherwise the result would be stored while the log lacked its end for good,
+/// and every follower would be told the events were lost.
+#[tokio::test(start_paused = true)]
+async fn a_run_whose_end_the_log_does_not_keep_stores_no_result_here() {
+    let (settled, _) = tokio::sync::watch::channel(crate::domain::ports::Settled::default());
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        log: Some(Box::new(EndlessLog { settled })),
+        ..Outside::default()
+    };
+    let (_, events, _, _) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert!(
+        !events.iter().flatten().any(|e| e.finished().is_some()),
+        "no run_finished reached the caller"
+    );
+    let last = journal.checkpoints().pop().map(|c| c.result.status);
+    assert_eq!(last, Some(RunStatus::Running), "the last checkpoint is a live run's");
+}
+
 // Coalesced streaming.
 
 /// 40 tokens 10 ms apart, then a call, then an answer: played with `interval`, the text events
