@@ -117,11 +117,29 @@ impl Persister {
 
     /// Writes the current state now; whether the store took it.
     pub async fn write(&self) -> bool {
+        self.write_state(false).await
+    }
+
+    /// Renews the lease with the run's state, as a live run's: a state that reads ended already
+    /// (the run is logging its end) is written as still running. Only
+    /// [`Persister::write_final`] stores an end, once the log keeps it; otherwise the record
+    /// could say the run ended while its log lacks the end for good.
+    async fn renew(&self) -> bool {
+        self.write_state(true).await
+    }
+
+    /// Writes the current state (as a live run's when `still_live`); whether the store took it.
+    async fn write_state(&self, still_live: bool) -> bool {
         let _serialized = self.lock.lock().await;
         if !self.may_write() {
             return false;
         }
-        let snapshot = self.snapshot();
+        let mut snapshot = self.snapshot();
+        if still_live && !snapshot.status.is_live() {
+            snapshot.status = crate::domain::RunStatus::Running;
+            snapshot.failure_reason = None;
+            snapshot.failure_detail.clear();
+        }
         let run_id = snapshot.run_id.clone();
         let sent = tokio::time::Instant::now();
         let written = within(self.timeout, self.store.put(snapshot)).await;
@@ -303,7 +321,7 @@ impl Persister {
                 tokio::select! {
                     () = this.ownership.expire() => return,
                     () = tokio::time::sleep(every) => {
-                        let _ = this.write().await;
+                        let _ = this.renew().await;
                     }
                 }
             }
@@ -315,5 +333,74 @@ impl Persister {
     pub fn write_final_soon(&self) {
         let this = self.clone();
         tokio::spawn(async move { this.write_final().await });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use futures::future::BoxFuture;
+
+    use super::*;
+    use crate::domain::{LeaseTerms, RunStatus};
+
+    /// A store other replicas read (it has lease terms) that records what is put.
+    #[derive(Default)]
+    struct Recording {
+        puts: Mutex<Vec<RunResult>>,
+    }
+
+    impl ResultStore for Recording {
+        fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
+            shared::sync::lock(&self.puts).push(result);
+            Box::pin(std::future::ready(Ok(())))
+        }
+        fn claim(&self, _: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
+            Box::pin(std::future::ready(Ok(Claim::Claimed)))
+        }
+        fn get(&self, _: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+            Box::pin(std::future::ready(Ok(None)))
+        }
+        fn lease(&self) -> Option<LeaseTerms> {
+            Some(LeaseTerms {
+                length: Duration::from_secs(3),
+                margin: Duration::from_secs(1),
+            })
+        }
+    }
+
+    /// While a run logs its end, its state reads ended already, and its lease is still renewed:
+    /// as a live run's. The end itself is stored only by `write_final`, once the log keeps it.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_renewal_never_stores_an_end() {
+        let store = Arc::new(Recording::default());
+        let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
+        let timeout = Duration::from_secs(1);
+        let backlog = Backlog::new(Arc::clone(&store) as Arc<dyn ResultStore>, 4, timeout, timeout);
+        let persister = Persister::new(
+            Arc::clone(&store) as Arc<dyn ResultStore>,
+            Arc::clone(&state),
+            timeout,
+            backlog,
+        );
+        {
+            let mut ended = shared::sync::lock(&state);
+            ended.status = RunStatus::Failed;
+            ended.failure_reason = Some(crate::domain::FailureReason::LlmStreamStalled);
+            ended.text = "so far".into();
+        }
+        let _lease = persister.keep_lease();
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let puts = shared::sync::lock(&store.puts).clone();
+        assert!(!puts.is_empty(), "the lease was renewed");
+        assert!(
+            puts.iter()
+                .all(|p| p.status == RunStatus::Running && p.failure_reason.is_none() && p.text == "so far"),
+            "{puts:?}"
+        );
+        persister.write_final().await;
+        let last = shared::sync::lock(&store.puts).last().cloned().map(|p| p.status);
+        assert_eq!(last, Some(RunStatus::Failed), "write_final stores the end");
     }
 }
