@@ -131,7 +131,8 @@ impl Persister {
     /// Writes the current state (as a live run's when `still_live`); whether the store took it.
     async fn write_state(&self, still_live: bool) -> bool {
         let _serialized = self.lock.lock().await;
-        if !self.may_write() {
+        // An ended run's lease matters no more, and its record is its end.
+        if !self.may_write() || (still_live && self.ended.load(Ordering::Acquire)) {
             return false;
         }
         let mut snapshot = self.snapshot();
@@ -400,7 +401,12 @@ mod tests {
             "{puts:?}"
         );
         persister.write_final().await;
+        tokio::time::sleep(Duration::from_millis(2500)).await;
         let last = shared::sync::lock(&store.puts).last().cloned().map(|p| p.status);
-        assert_eq!(last, Some(RunStatus::Failed), "write_final stores the end");
+        assert_eq!(
+            last,
+            Some(RunStatus::Failed),
+            "write_final stores the end, and no renewal writes after it"
+        );
     }
 }
