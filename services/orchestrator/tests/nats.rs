@@ -1702,3 +1702,33 @@ async fn the_look_for_orphans_ends_while_runs_keep_saving() -> TestResult {
     saving.iter().for_each(tokio::task::JoinHandle::abort);
     Ok(())
 }
+
+/// A run's final record is rewritten only as a final one (a signal confirmed late): a live state
+/// written after it is refused, or the end would read lost once the lease ran out.
+#[tokio::test]
+async fn an_end_is_never_written_back_as_a_live_run() -> TestResult {
+    use orchestrator::domain::ports::Claim;
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let a = replica_store(&js, "end-runs", "a", Duration::from_secs(60)).await?;
+    let mut run = RunResult::running("ended");
+    assert!(matches!(a.claim(run.clone()).await?, Claim::Claimed));
+    run.status = RunStatus::Completed;
+    run.text = "done".into();
+    a.put(run.clone()).await?;
+    run.text = "done, and its signal confirmed".into();
+    a.put(run.clone()).await?;
+    let mut live = run.clone();
+    live.status = RunStatus::Running;
+    let refused = a.put(live).await;
+    assert!(
+        matches!(refused, Err(orchestrator::domain::ports::StoreError::Fenced { .. })),
+        "{refused:?}"
+    );
+    let stored = a.get("ended").await?.ok_or_else(|| anyhow::anyhow!("no record"))?;
+    assert_eq!(
+        (stored.status, stored.text.as_str()),
+        (RunStatus::Completed, "done, and its signal confirmed")
+    );
+    Ok(())
+}

@@ -392,7 +392,7 @@ impl KvStore {
         async move {
             let bytes = bytes::Bytes::from(record.encode_to_vec());
             let Some(last) = last else {
-                return rewrite_own_final(&kv, &key, bytes, &owner).await;
+                return rewrite_own_final(&kv, &key, bytes, &owner, running).await;
             };
             let revision = update_owned(&kv, &key, bytes, &last, &owner).await?;
             let mut owned = shared::sync::lock(&owned);
@@ -453,14 +453,15 @@ pub(super) async fn create_record(
     }
 }
 
-/// Writes a record this replica does not own (any more): created when missing; otherwise only
-/// over a final record of this replica's, by compare-and-set. Anything else is another replica's
-/// run, and the write is fenced.
+/// Writes a record this replica does not own (any more): created when missing; otherwise only a
+/// final (not `live`) record over a final record of this replica's, by compare-and-set. Anything
+/// else is another replica's run, or would turn an end back into a live run, and is fenced.
 async fn rewrite_own_final(
     kv: &jetstream::kv::Store,
     key: &str,
     bytes: bytes::Bytes,
     owner: &str,
+    live: bool,
 ) -> Result<(), StoreError> {
     let Some((current, revision)) = holder(kv, key).await? else {
         return match kv.create(key, bytes).await {
@@ -469,7 +470,9 @@ async fn rewrite_own_final(
             Err(e) => Err(unavailable("KV create", key, e)),
         };
     };
-    if current.live() || current.owner != owner {
+    // An end is rewritten only as an end: a live record over it would read lost once its lease
+    // ran out.
+    if current.live() || current.owner != owner || live {
         return Err(fenced(key, &current.owner));
     }
     match kv.update(key, bytes, revision).await {
