@@ -117,6 +117,8 @@ fn caller_stream(
         caller: Arc<Principal>,
         run_id: String,
         last_seq: u64,
+        /// The run asked for an approval: when its events end, it may be parked.
+        asked: bool,
     }
     let tail = Tail {
         phase: Phase::Direct(Box::pin(events)),
@@ -124,6 +126,7 @@ fn caller_stream(
         caller,
         run_id,
         last_seq: 0,
+        asked: false,
     };
     futures::stream::unfold(tail, |mut t| async move {
         loop {
@@ -135,12 +138,13 @@ fn caller_stream(
             match direct {
                 Some(e) => {
                     t.last_seq = e.seq;
+                    t.asked |= matches!(e.event, crate::domain::Event::ApprovalRequested { .. });
                     if e.is_last() {
                         t.phase = Phase::Done;
                     }
                     return Some((Ok(event_pb(&t.run_id, e.seq, e.event)), t));
                 }
-                None if waited_for_approval(&t.core, &t.run_id).await => {
+                None if t.asked && waited_for_approval(&t.core, &t.run_id).await => {
                     match t.core.runs.attach(&t.run_id, t.last_seq, &t.caller).await {
                         Ok(feed) => t.phase = Phase::Following(attached(&t.core, t.run_id.clone(), t.last_seq, feed)),
                         Err(e) => {
@@ -163,20 +167,26 @@ fn caller_stream(
     .boxed()
 }
 
-/// Whether a run whose caller's stream ended early waits for approvals (or went on after its
-/// wait). Asked twice, a moment apart: a run being taken out of the approval lot to go on is in
-/// neither place for that moment.
+/// Whether a run whose caller's stream ended early (after it asked for an approval) waits for
+/// approvals, or went on after its wait. Asked again for up to two seconds: a run being taken out
+/// of the approval lot to go on is in neither place for a moment.
 async fn waited_for_approval(core: &Core, run_id: &str) -> bool {
+    // A run that parked and is ready at once (its wait expired as it parked) is out of the lot
+    // and not yet live again for a moment: looked at again for a while, on a loaded machine too.
+    const LOOKS: usize = 40;
+    // Ended already (it went on at once and finished): its log has the rest.
     let parked = || async {
         core.runs.waited_for_approval(run_id)
             || matches!(core.runs.get(run_id, &Principal::default()).await,
-                Ok(Some(run)) if run.status == crate::domain::RunStatus::AwaitingApproval)
+                Ok(Some(run)) if run.status == crate::domain::RunStatus::AwaitingApproval || !run.status.is_live())
     };
-    if parked().await {
-        return true;
+    for _ in 0..LOOKS {
+        if parked().await {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    parked().await
+    false
 }
 
 /// Why a caller cannot follow a run's log, as a status.
