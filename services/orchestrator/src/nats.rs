@@ -11,26 +11,38 @@ use async_nats::jetstream::{self, stream};
 /// `config.num_replicas` when it exists with another count.
 pub(crate) async fn ensure_stream(js: &jetstream::Context, config: stream::Config) -> Result<stream::Stream, String> {
     let replicas = config.num_replicas;
-    let name = config.name.clone();
     let stream = js.get_or_create_stream(config).await.map_err(|e| e.to_string())?;
-    ensure_replicas(js, &name, replicas).await?;
-    Ok(stream)
+    with_replicas(js, stream, replicas).await
 }
 
-/// Brings the existing stream `name` to `replicas` copies (nothing when it has them). A server
-/// that is not part of a JetStream cluster refuses more than one; its answer is the error.
-pub(crate) async fn ensure_replicas(js: &jetstream::Context, name: &str, replicas: usize) -> Result<(), String> {
-    let mut stream = js.get_stream(name).await.map_err(|e| e.to_string())?;
-    let info = stream.info().await.map_err(|e| e.to_string())?;
+/// The existing stream `name`, brought to `replicas` copies (see [`with_replicas`]).
+pub(crate) async fn ensure_replicas(
+    js: &jetstream::Context,
+    name: &str,
+    replicas: usize,
+) -> Result<stream::Stream, String> {
+    let stream = js.get_stream(name).await.map_err(|e| e.to_string())?;
+    with_replicas(js, stream, replicas).await
+}
+
+/// `stream`, brought to `replicas` copies as its info read says (nothing when it has them). A
+/// server that is not part of a JetStream cluster refuses more than one; its answer is the error.
+async fn with_replicas(
+    js: &jetstream::Context,
+    stream: stream::Stream,
+    replicas: usize,
+) -> Result<stream::Stream, String> {
+    let info = stream.cached_info();
     let had = info.config.num_replicas.max(1);
     if had == replicas.max(1) {
-        return Ok(());
+        return Ok(stream);
     }
     let mut config = info.config.clone();
     config.num_replicas = replicas;
+    let name = config.name.clone();
     js.update_stream(config)
         .await
         .map_err(|e| format!("changing its replicas from {had} to {replicas}: {e}"))?;
     tracing::info!(stream = %name, from = had, to = replicas, "JetStream stream replicas changed");
-    Ok(())
+    js.get_stream(&name).await.map_err(|e| e.to_string())
 }

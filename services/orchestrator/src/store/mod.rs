@@ -34,6 +34,20 @@ use futures::StreamExt;
 use crate::domain::NumberedEvent;
 use crate::domain::ports::{EventFeed, LogError};
 
+/// A store operation NATS did not do (`operation` on `key`, and why): what every NATS adapter
+/// answers for a request that failed or got no answer.
+pub(crate) fn unavailable(
+    operation: &'static str,
+    key: &str,
+    reason: impl ToString,
+) -> crate::domain::ports::StoreError {
+    crate::domain::ports::StoreError::Unavailable {
+        operation,
+        key: key.to_owned(),
+        reason: reason.to_string(),
+    }
+}
+
 /// Reads one run's log an event at a time, for one caller (the followers of both logs).
 trait Follower: Send + Sized + 'static {
     /// The next event, an error that ends the feed, or `None` after `run_finished`.

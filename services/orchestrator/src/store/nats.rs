@@ -23,6 +23,7 @@ use futures::future::BoxFuture;
 use prost::Message;
 use proto::orchestrator::v1 as pb;
 
+use super::unavailable;
 use crate::domain::ports::{Claim, ResultStore, StoreError};
 use crate::domain::{FailureReason, RunResult, RunStatus};
 
@@ -547,14 +548,6 @@ fn decode(key: &str, bytes: &[u8]) -> Result<RunResult, StoreError> {
 }
 
 /// The store's refusal of `operation` on `key`.
-pub(super) fn unavailable(operation: &'static str, key: &str, reason: impl ToString) -> StoreError {
-    StoreError::Unavailable {
-        operation,
-        key: key.to_owned(),
-        reason: reason.to_string(),
-    }
-}
-
 impl ResultStore for KvStore {
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
         let key = key(&result.run_id);

@@ -21,7 +21,8 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 
 use super::memory_approvals::record_decisions;
-use super::nats::{KvStore, decode_record, key, unavailable};
+use super::nats::{KvStore, decode_record, key};
+use super::unavailable;
 use crate::domain::RunResult;
 use crate::domain::approval::{DecideError, Decision, PendingApproval};
 use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};

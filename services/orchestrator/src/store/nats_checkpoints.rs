@@ -14,7 +14,7 @@ use async_nats::jetstream;
 use async_nats::jetstream::object_store::{DeleteErrorKind, ObjectStore};
 use base64::Engine as _;
 
-use super::nats::unavailable;
+use super::unavailable;
 use crate::domain::ports::StoreError;
 
 /// The checkpoint object store and its stream (whose metadata subjects it purges).
@@ -59,11 +59,9 @@ impl Checkpoints {
                 .await
                 .map_err(|e| failed(e.to_string()))?,
         };
-        let stream_name = format!("OBJ_{name}");
-        crate::nats::ensure_replicas(js, &stream_name, replicas)
+        let stream = crate::nats::ensure_replicas(js, &format!("OBJ_{name}"), replicas)
             .await
             .map_err(failed)?;
-        let stream = js.get_stream(&stream_name).await.map_err(|e| failed(e.to_string()))?;
         Ok(Self {
             objects,
             stream,

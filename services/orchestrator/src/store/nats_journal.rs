@@ -11,8 +11,9 @@ use prost::Message;
 use tokio::io::AsyncReadExt;
 
 use super::nats::{
-    KvStore, Owned, checkpoint_name, checkpoint_of, create_record, decode_record, holder, key, run_id_of, unavailable,
+    KvStore, Owned, checkpoint_name, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
 };
+use super::unavailable;
 use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RunJournal, StoreError};
 
 /// Records read at once while looking for orphans.

@@ -79,11 +79,7 @@ pub struct NatsLog {
 impl NatsLog {
     /// Binds (or creates) the stream `name`.
     pub async fn open(client: async_nats::Client, name: &str, options: NatsLogOptions) -> Result<Self, StoreError> {
-        let unavailable = |e: String| StoreError::Unavailable {
-            operation: "creating the event log stream",
-            key: name.to_owned(),
-            reason: e,
-        };
+        let unavailable = |e: String| super::unavailable("creating the event log stream", name, e);
         let max_message_bytes = client.server_info().max_payload;
         let js = jetstream::context::ContextBuilder::new()
             .timeout(options.timeout)

@@ -516,7 +516,7 @@ impl Driver<'_> {
             let call = &partition.calls[outcome.index];
             let content = match &outcome.result {
                 Ok(json) => self.fed_back_result(json),
-                Err(error) => self.bounded_error(error.clone()).to_tool_message(),
+                Err(error) => error.to_tool_message(),
             };
             let assistant_call = ToolCall {
                 id: call.id.clone(),
@@ -547,7 +547,8 @@ impl Driver<'_> {
     }
 
     /// Records one call's outcome in the result and sends `tool_call_finished`, once: an outcome
-    /// reported already (while its turn waited for a decision) is left as it is.
+    /// reported already (while its turn waited for a decision) is left as it is. Its error is
+    /// bounded here, as the record, the event and the model's tool message keep it.
     pub(super) fn report_call(
         &mut self,
         partition: &Partition,
@@ -563,7 +564,9 @@ impl Driver<'_> {
             .iter()
             .find(|a| a.index == outcome.index)
             .and_then(|a| a.decision.clone());
-        let result = outcome.result.clone().map_err(|error| self.bounded_error(error));
+        let unbounded = std::mem::replace(&mut outcome.result, Ok(String::new()));
+        outcome.result = unbounded.map_err(|error| self.bounded_error(error));
+        let result = outcome.result.clone();
         let call = &partition.calls[outcome.index];
         let duration_ms = u64::try_from(outcome.elapsed.as_millis()).unwrap_or(u64::MAX);
         lock(self.state).tool_calls.push(ToolCallRecord {
