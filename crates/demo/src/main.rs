@@ -14,7 +14,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use orchestrator::client::{CallOptions, call};
+use orchestrator::cli::call::{CallOptions, call};
 use orchestrator::config::{LimitSettings, LlmSettings};
 use orchestrator::{Config, Error};
 

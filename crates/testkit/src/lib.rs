@@ -19,6 +19,7 @@ pub mod helpers;
 pub mod inprocess;
 pub mod mcp_servers;
 pub mod model_servers;
+pub mod module_graph;
 pub mod nats;
 pub mod otlp;
 pub mod pki;

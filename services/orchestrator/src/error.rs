@@ -49,6 +49,30 @@ pub enum Error {
     /// A run live on another replica could not be reached there (it is moving between replicas).
     #[error("run {0} is live on another replica that did not answer (it may be moving between replicas); try again")]
     RunElsewhere(String),
+    /// A caller's stream ended before `run_finished`: the run moved to another replica.
+    #[error(
+        "run {run_id:?} moved to another orchestrator replica (or its event log could not keep its events); attach to it again after seq {after_seq}"
+    )]
+    Moved {
+        /// The run.
+        run_id: String,
+        /// The last seq the caller was sent.
+        after_seq: u64,
+    },
+    /// An attached caller's stream ended: this replica drains, or stopped acting for the run.
+    #[error(
+        "this orchestrator replica is draining, or stopped acting for the run; attach to run {run_id:?} again after seq {after_seq}"
+    )]
+    LeftReplica {
+        /// The run.
+        run_id: String,
+        /// The last seq the caller was sent.
+        after_seq: u64,
+    },
+    /// A command of the command line (`call`, `approvals`, `decide`) was refused by the
+    /// orchestrator it called, or lost its stream.
+    #[error("{0}")]
+    Call(String),
     /// A service the orchestrator depends on (e.g. NATS) cannot be used.
     #[error("{0}")]
     Dependency(String),
@@ -97,6 +121,9 @@ impl From<Error> for tonic::Status {
             Error::PermissionDenied(_) => Self::permission_denied(message),
             Error::NotFound(_) => Self::not_found(message),
             Error::Draining
+            | Error::Moved { .. }
+            | Error::LeftReplica { .. }
+            | Error::Call(_)
             | Error::RunElsewhere(_)
             | Error::NoToolRunner(_)
             | Error::Serve(_)

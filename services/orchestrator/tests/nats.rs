@@ -19,10 +19,10 @@ use orchestrator::domain::{
 use orchestrator::signals::memory::MemoryTopic;
 use orchestrator::signals::nats::{NatsTopic, TopicOptions};
 use orchestrator::store::LogBounds;
+use orchestrator::store::memory::MemoryLog;
 use orchestrator::store::memory::MemoryStore;
-use orchestrator::store::memory_log::MemoryLog;
 use orchestrator::store::nats::KvStore;
-use orchestrator::store::nats_log::{NatsLog, NatsLogOptions};
+use orchestrator::store::nats::{NatsLog, NatsLogOptions};
 use proto::orchestrator::v1 as pb;
 use testkit::nats::Nats;
 use testkit::{Service, get_run, orchestrate, start_detached};

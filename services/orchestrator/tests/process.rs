@@ -143,10 +143,14 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
         !tail.contains("▶ run started") && tail.contains("■ COMPLETED"),
         "{tail}"
     );
+    // A refused call is the orchestrator's answer, not a usage error: exit 1, and not worded
+    // as a configuration error.
     let (code, _, stderr) = run_to_end(&["call", "--endpoint", &endpoint, "--attach", "no-such-run"], &[]).await?;
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(1), "{stderr}");
     assert!(
-        stderr.contains("AttachRun was refused") && stderr.contains("no run \"no-such-run\""),
+        stderr.contains("AttachRun was refused")
+            && stderr.contains("no run \"no-such-run\"")
+            && !stderr.contains("invalid configuration"),
         "{stderr}"
     );
     let (code, _, stderr) = run_to_end(&["call", "--prompt", "x", "--attach", "r"], &[]).await?;

@@ -5,7 +5,9 @@
 //! * [`service`]: the gRPC adapter (`ListTools`, `RunTool`);
 //! * [`admission`]: the concurrency limit and drain refusals, as a tower layer;
 //! * [`server`]: [`serve`]`(listener, config, shutdown)`, which tests call with a port-0 listener;
-//! * [`cli`]: flags (with environment equivalents) and the `list` / `call` client commands.
+//! * [`cli`]: flags (with environment equivalents) and the `list` / `call` client commands;
+//! * `config`: the settings and their bounds; `error`: the crate's error and its gRPC codes;
+//!   `telemetry`: span attributes and metric names.
 
 #![forbid(unsafe_code)]
 

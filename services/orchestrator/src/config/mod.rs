@@ -5,6 +5,12 @@
 //!
 //! [`Config::default`] is what the flags declare, whatever the environment holds; the binary
 //! reads the flags and their environment variables into the same structs.
+//!
+//! The sections, a file each: `server.rs` (listen address, drain, request size), `llm.rs` (the
+//! model fleet), `tool_runners.rs`, `runs.rs` (slots, events, approvals), `limits.rs` (a run's
+//! limits and their ceilings), `output.rs` (output bounds), `loop_detector.rs`, `requests.rs`
+//! (what one request may carry), `store.rs` (the store's backend, leases, event logs),
+//! `signals.rs` (the signal topic), `nats.rs` (NATS credentials and replicas), `telemetry.rs`.
 
 mod limits;
 mod llm;

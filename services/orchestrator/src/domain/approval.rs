@@ -109,15 +109,6 @@ impl ApprovalDecision {
             edited_arguments_json: String::new(),
         }
     }
-
-    /// The error fed back to the model for a call that does not run.
-    pub fn error(&self) -> super::ToolCallError {
-        let code = match self.outcome {
-            ApprovalOutcome::TimedOut => "APPROVAL_TIMEOUT",
-            _ => "REJECTED",
-        };
-        super::ToolCallError::new(code, self.message.clone())
-    }
 }
 
 /// A decision as asked for (`DecideToolCalls`).
@@ -324,7 +315,7 @@ mod tests {
         .unwrap();
         assert_eq!(rejected.message, "rejected by bob");
         assert!(!rejected.runs());
-        assert_eq!(rejected.error().code, "REJECTED");
+        assert_eq!(crate::domain::ToolCallError::refused(&rejected).code, "REJECTED");
         let edited = check_decision(
             &decide(DecisionKind::Edit(r#"{"amount": 3}"#.into())),
             &pending(),

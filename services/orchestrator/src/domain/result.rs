@@ -78,6 +78,15 @@ impl ToolCallError {
         }
     }
 
+    /// The error fed back to the model for a call a person (or the approval timeout) did not let run.
+    pub fn refused(decision: &super::approval::ApprovalDecision) -> Self {
+        let code = match decision.outcome {
+            super::approval::ApprovalOutcome::TimedOut => "APPROVAL_TIMEOUT",
+            _ => "REJECTED",
+        };
+        Self::new(code, decision.message.clone())
+    }
+
     /// The tool message the model sees: `{"error": {"code", "message"}}`.
     pub fn to_tool_message(&self) -> String {
         serde_json::json!({"error": {"code": self.code, "message": self.message}}).to_string()

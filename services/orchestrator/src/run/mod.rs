@@ -4,6 +4,8 @@
 //!
 //! * [`tool_loop`]: the loop, one method per rule;
 //! * [`live`]: a live run's shared state, cancel handle and event emitter;
+//! * [`persist`]: the run's writes to the store (claim, lease, checkpoints, final result), with
+//!   [`backlog`]: final results the store did not take yet, written again until it does;
 //! * [`turn`]: one streamed completion → visible text + tool calls;
 //! * [`fallback`]: tool calls written in the text (`<tool_call>` blocks, standalone JSON);
 //! * [`hold_back`]: what of a turn's text may be shown now, so streamed text equals final text;

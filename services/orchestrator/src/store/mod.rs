@@ -1,31 +1,30 @@
-//! Where run results are kept for `GetRun`: adapters of the [`ResultStore`] port, in memory (the
-//! default, bounded by count and age) or in a NATS JetStream key-value bucket ([`nats::KvStore`]),
-//! which several orchestrator replicas share and which survives restarts.
+//! Where runs are kept: the adapters of the store's ports, one folder per backend — [`memory`] (the
+//! default, bounded by count and age) and [`nats`] (NATS JetStream, which several orchestrator
+//! replicas share and which survives restarts). Each backend has a file per port: `results.rs`
+//! ([`ResultStore`], for `GetRun`), `log.rs` ([`EventLog`], for `AttachRun`), `approvals.rs`
+//! ([`ApprovalLot`]), and for NATS `journal.rs` (`RunJournal`: durable runs) with `checkpoints.rs`.
+//! A new backend is a new folder implementing the same ports; what both share is here
+//! (`decisions.rs`: the rules of a decision; the log follower; the `unavailable` error).
 //!
 //! A run writes its state at every turn boundary (live runs answer `RUN_STATUS_RUNNING` with
 //! their output so far) and its final result before its stream's `run_finished`, through its
 //! persister (`run::persist`).
 //!
 //! Each run's events are kept beside its result for `AttachRun` (the [`EventLog`] port): in memory
-//! with the in-memory store ([`memory_log::MemoryLog`]), in a JetStream stream with the NATS store
-//! ([`nats_log::NatsLog`]), bounded per run and kept as long as results are.
+//! with the in-memory store ([`memory::MemoryLog`]), in a JetStream stream with the NATS store
+//! ([`nats::NatsLog`]), bounded per run and kept as long as results are.
 //!
 //! Runs waiting for approvals are parked in an [`ApprovalLot`]: in this process with the
-//! in-memory store ([`memory_approvals::MemoryLot`]), in NATS with the NATS store
-//! ([`nats_approvals::NatsLot`], decided and resumed on any replica).
+//! in-memory store ([`memory::MemoryLot`]), in NATS with the NATS store
+//! ([`nats::NatsLot`], decided and resumed on any replica).
 //!
 //! [`ApprovalLot`]: crate::domain::ports::ApprovalLot
 //! [`ResultStore`]: crate::domain::ports::ResultStore
 //! [`EventLog`]: crate::domain::ports::EventLog
 
+mod decisions;
 pub mod memory;
-pub mod memory_approvals;
-pub mod memory_log;
 pub mod nats;
-pub mod nats_approvals;
-pub(crate) mod nats_checkpoints;
-pub mod nats_journal;
-pub mod nats_log;
 
 use std::time::Duration;
 

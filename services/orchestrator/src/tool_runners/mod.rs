@@ -14,6 +14,10 @@
 //! on another endpoint with backoff, a bounded number of times; a call whose tool may have
 //! started is never retried.
 //! Dropping a call resets its HTTP/2 stream, which cancels the tool on the runner.
+//!
+//! Files: this one (the catalog, execution, retries), `pool.rs` (the endpoint pool: two random
+//! choices, cooldowns), `membership.rs` (DNS re-resolution, reload of the TLS and token files),
+//! `transport.rs` (one endpoint's channel: TLS, token).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};

@@ -7,7 +7,10 @@
 //!
 //! * [`builtin`]: small useful tools compiled into the runner;
 //! * [`command`]: tools that run a program, declared in a TOML manifest ([`manifest`]);
-//! * [`mcp`]: the tools of MCP servers declared in the same manifest.
+//! * [`mcp`]: the tools of MCP servers declared in the same manifest;
+//! * `entry.rs`: a tool as the registry keeps it (spec, compiled schema, implementation);
+//!   `fields.rs`: the checks of a manifest table's fields; `limits.rs`: the resource limits of
+//!   command tools (set with `prlimit`).
 
 pub mod builtin;
 pub mod command;

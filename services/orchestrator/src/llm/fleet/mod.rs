@@ -15,6 +15,9 @@
 //!   than `--llm-max-ejected-percent` of the fleet at once); let back in, one more failure ejects
 //!   it again for twice as long, and a success clears it.
 //!
+//! Which endpoints the fleet holds (the static URLs and what each DNS name resolves to, again on
+//! an interval) is `membership.rs`.
+//!
 //! Once a completion's first event has arrived it is never retried here: its events went on to
 //! the run.
 

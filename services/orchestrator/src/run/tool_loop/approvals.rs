@@ -9,7 +9,7 @@
 
 use shared::sync::lock;
 
-use super::approval::Approval;
+use super::awaiting::Approval;
 use super::durable::TurnCalls;
 use super::{CallOutcome, Driver, End, Step};
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, OnTimeout, PendingApproval};
@@ -196,7 +196,7 @@ impl Driver<'_> {
             } else {
                 calls.finished.push(CallOutcome {
                     index: approval.index,
-                    result: Err(decision.error()),
+                    result: Err(crate::domain::ToolCallError::refused(&decision)),
                     elapsed: std::time::Duration::ZERO,
                     rejected: true,
                     reported: false,

@@ -96,7 +96,7 @@ pub struct TurnCalls {
     pub(super) finished: Vec<CallOutcome>,
     /// The calls that wait for a person's decision, and their decisions.
     #[serde(default)]
-    pub(super) approvals: Vec<super::approval::Approval>,
+    pub(super) approvals: Vec<super::awaiting::Approval>,
     /// Saved while the model still wrote, before a call started early left: the turn's calls
     /// are those started so far, and the run's text and reasoning were these long when the
     /// turn began.

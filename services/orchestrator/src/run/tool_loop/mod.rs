@@ -13,13 +13,16 @@
 //! per turn) and `append_to_conversation`. Whatever was produced
 //! before the end is kept.
 //!
-//! The loop is in five files: this one (the run from start to end, and the driver's state),
-//! [`rules`] (`Driver::turn` and the rules of a turn), [`completion`] (the streamed completion:
-//! text, reasoning and usage as they arrive), [`output`] (accounting of the run's output
-//! against its bounds) and [`durable`] (checkpoints at safe points, and resuming from one).
+//! The loop's files: this one (the run from start to end, and the driver's state), `rules.rs`
+//! (`Driver::turn` and the rules of a turn), `completion.rs` (the streamed completion: text,
+//! reasoning and usage as they arrive), `eager.rs` (tools started while the model still
+//! writes), `output.rs` (accounting of the run's output against its bounds), `durable.rs`
+//! (checkpoints at safe points, and resuming from one), `approvals.rs` (calls that wait for a
+//! person's decision, parking and going on) with `awaiting.rs` (such a call as the turn holds
+//! it), and `tests.rs` (the rules, without a network).
 
-mod approval;
 mod approvals;
+mod awaiting;
 mod completion;
 mod durable;
 mod eager;

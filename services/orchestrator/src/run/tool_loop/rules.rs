@@ -499,7 +499,7 @@ impl Driver<'_> {
         &mut self,
         partition: &Partition,
         mut outcomes: Vec<CallOutcome>,
-        approvals: &[super::approval::Approval],
+        approvals: &[super::awaiting::Approval],
         turn: u32,
     ) -> Vec<(ToolCall, Message)> {
         outcomes.extend(partition.bad.iter().map(|(index, error)| CallOutcome {
@@ -553,7 +553,7 @@ impl Driver<'_> {
         &mut self,
         partition: &Partition,
         outcome: &mut CallOutcome,
-        approvals: &[super::approval::Approval],
+        approvals: &[super::awaiting::Approval],
         turn: u32,
     ) {
         if outcome.reported {

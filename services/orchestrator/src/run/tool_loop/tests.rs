@@ -262,7 +262,7 @@ async fn play_with(
         output: outside.output,
         send_reasoning: outside.send_reasoning,
         log_settle_timeout: Duration::from_secs(1),
-        approvals: Arc::new(crate::store::memory_approvals::MemoryLot::new(16)),
+        approvals: Arc::new(crate::store::memory::MemoryLot::new(16)),
         max_turn_restarts: 2,
     };
     let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));

@@ -4,7 +4,8 @@
 //! session ends (a stdio server crashed; a ping went unanswered, as when an HTTP server went
 //! away) reconnects with exponential backoff. The registry reads the current tools of
 //! every server from here; their calls ([`call`]) go to the live session, and fail `UNAVAILABLE`
-//! (retryable) while there is none.
+//! (retryable) while there is none. A stdio server's lines are bounded before the client reads
+//! them (`bounded.rs`).
 //!
 //! A server's tools are offered as `<prefix><name>` (prefix `<server>__` unless set; characters a
 //! tool name may not hold become `_`), filtered by its allow / deny lists, with their own JSON

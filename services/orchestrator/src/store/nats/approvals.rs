@@ -20,12 +20,12 @@ use futures::{FutureExt, StreamExt};
 use prost::Message;
 use serde::{Deserialize, Serialize};
 
-use super::memory_approvals::record_decisions;
-use super::nats::{KvStore, decode_record, key};
-use super::unavailable;
+use super::results::{KvStore, decode_record, key};
 use crate::domain::RunResult;
 use crate::domain::approval::{DecideError, Decision, PendingApproval};
 use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
+use crate::store::decisions::record_decisions;
+use crate::store::unavailable;
 
 /// Compare-and-set attempts on one record before giving up (others kept changing it).
 const CAS_ATTEMPTS: usize = 16;

@@ -2,21 +2,18 @@
 //! that need nothing else, in [`request`]) and then a [`RunSpec`] ([`resolve`], checks against
 //! the tool catalog and the server's limits, in [`policy`]); every failure is an
 //! `INVALID_ARGUMENT` naming the field and what to do. Domain results and events become proto
-//! messages in [`wire`]; `DecideToolCalls` requests become decisions in [`decisions`].
+//! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`decisions`].
 //!
 //! [`RunSpec`]: crate::domain::RunSpec
 
 mod decisions;
 mod policy;
 mod request;
-mod wire;
 
+pub(crate) use crate::wire::{event_pb, parse_grpc_timeout};
 pub(crate) use decisions::DecideRequest;
 pub(crate) use policy::resolve;
 pub(crate) use request::RunRequest;
-pub(crate) use wire::{event_pb, parse_grpc_timeout};
-
-use std::time::Duration;
 
 use crate::Error;
 
@@ -24,10 +21,7 @@ fn invalid(message: impl Into<String>) -> Error {
     Error::InvalidArgument(message.into())
 }
 
-/// A duration in whole milliseconds, as the wire's `u32` limits carry it (saturating).
-fn millis(d: Duration) -> u32 {
-    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
-}
+use crate::wire::millis;
 
 #[cfg(test)]
 mod tests {
@@ -39,7 +33,7 @@ mod tests {
 
     use super::policy::*;
 
-    use super::wire::*;
+    use crate::wire::*;
 
     use crate::domain::approval::ApprovalOutcome;
     use crate::domain::{Delivery, FailureReason, Limits, RunResult, RunStatus, Signal};

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use futures::StreamExt;
 use shared::auth::Principal;
 
+use super::Core;
 use crate::domain::ports::RemoteCancel;
-use crate::runs::CancelOutcome;
-use crate::service::Core;
+use crate::registry::CancelOutcome;
 
 /// Answers the cancels asked of this replica until the server stops.
 pub(crate) async fn answer(core: Arc<Core>) {

@@ -6,7 +6,7 @@
 //! A live run's owner renews its lease by writing the run's state every third of the lease. A run
 //! is claimed with the bucket's create-if-absent, so of two replicas starting the same id at once
 //! exactly one runs it; every later write of its owner is a compare-and-set on the revision it
-//! wrote last, so once another replica took the run over (see the journal, `nats_journal.rs`) the old
+//! wrote last, so once another replica took the run over (see the journal, `journal.rs`) the old
 //! owner's writes are refused ([`StoreError::Fenced`]) and it stops the run.
 //!
 //! A RUNNING record whose lease has expired belongs to a replica that crashed or lost the store.
@@ -23,9 +23,9 @@ use futures::future::BoxFuture;
 use prost::Message;
 use proto::orchestrator::v1 as pb;
 
-use super::unavailable;
 use crate::domain::ports::{Claim, ResultStore, StoreError};
 use crate::domain::{FailureReason, RunResult, RunStatus};
+use crate::store::unavailable;
 
 /// See the module docs.
 pub struct KvStore {
@@ -46,7 +46,7 @@ pub struct KvStore {
     pub(super) owned: Arc<Mutex<HashMap<String, Owned>>>,
     /// Checkpoints of live runs, by key (an object store: a checkpoint may be larger than one
     /// message).
-    pub(super) checkpoints: super::nats_checkpoints::Checkpoints,
+    pub(super) checkpoints: super::checkpoints::Checkpoints,
     /// Where hand-overs are announced (core NATS, `<bucket>.handovers`).
     pub(super) client: async_nats::Client,
     pub(super) handover_subject: String,
@@ -282,7 +282,7 @@ impl KvStore {
         lease: Duration,
         replicas: usize,
     ) -> Result<Self, StoreError> {
-        let checkpoints = super::nats_checkpoints::Checkpoints::open(js, bucket, ttl, replicas).await?;
+        let checkpoints = super::checkpoints::Checkpoints::open(js, bucket, ttl, replicas).await?;
         let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
         Ok(Self {
             kv,

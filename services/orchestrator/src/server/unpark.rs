@@ -1,4 +1,4 @@
-//! Runs waiting for approvals, from the server's side: parked runs go on once their calls are
+//! Unparking: runs waiting for approvals, from the server's side: parked runs go on once their calls are
 //! decided, a timeout or their deadline passed, or they were canceled, each on a free run slot
 //! (docs/architecture.md, "Approvals"). The oldest ready run goes first; with no slot free it
 //! waits in the lot, holding nothing but its checkpoint.
@@ -6,8 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::service::Core;
-use crate::takeover::{Resumption, resume};
+use super::{Core, Resumption};
 
 /// How often timeouts and deadlines of parked runs are looked at (and ready runs that found no
 /// slot tried again).
@@ -34,7 +33,7 @@ async fn resume_ready(core: &Arc<Core>) {
     while core.runs.free_slots() > 0 {
         let Some(ready) = lot.take_ready() else { return };
         match core.runs.resume_parked(ready).await {
-            Ok(Some((admitted, resumed))) => resume(core, admitted, resumed, Resumption::Decided),
+            Ok(Some((admitted, resumed))) => core.resume(admitted, resumed, Resumption::Decided),
             Ok(None) => {}
             Err(ready) => {
                 lot.put_back(*ready);

@@ -11,9 +11,9 @@ use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{Follower as _, LogBounds};
 use crate::domain::NumberedEvent;
 use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, Logged};
+use crate::store::{Follower as _, LogBounds};
 
 /// One run's events.
 struct RunLog {
@@ -243,7 +243,7 @@ enum Look {
     Failed(LogError),
 }
 
-impl super::Follower for Follower {
+impl crate::store::Follower for Follower {
     async fn next(&mut self) -> Option<Result<NumberedEvent, LogError>> {
         loop {
             if let Some(event) = self.ready.pop_front() {

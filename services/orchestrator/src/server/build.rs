@@ -1,139 +1,33 @@
-//! Serving: [`serve`] wires the LLM client, the tool-runners, the signal topic and the runs
-//! registry, serves gRPC (orchestrator, health, reflection) on the given listener, and drains
-//! when `shutdown` resolves.
-//!
-//! Drain: the service's health turns NOT_SERVING (the overall status "" stays SERVING, for
-//! liveness), new runs get `UNAVAILABLE`, runs in flight get the grace
-//! period to finish; shortly before it ends the remaining runs are canceled, so every run ends
-//! with a stored result (and its stream's `run_finished`) within the grace period.
+//! Building the server's shared state from the configuration: the signal topic, the store's
+//! backend (results, journal, event log, approval lot), one NATS connection per URL, the registry.
 
-use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use proto::orchestrator::v1::orchestrator_server::OrchestratorServer;
-use shared::runtime::AbortOnDrop;
-use tokio::net::TcpListener;
-use tonic_health::ServingStatus;
-
+use super::Core;
 use crate::config::{Backend, NatsSettings};
 use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, SignalTopic};
 use crate::llm::Fleet;
+use crate::registry::Runs;
 use crate::run::tool_loop::LoopDeps;
-use crate::runs::Runs;
 use crate::secrets::{NatsAuth, NatsUrl};
-use crate::service::{Core, OrchestratorService};
 use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
-use crate::store::memory::MemoryStore;
-use crate::store::memory_approvals::MemoryLot;
-use crate::store::memory_log::MemoryLog;
-use crate::store::nats::KvStore;
-use crate::store::nats_approvals::NatsLot;
-use crate::store::nats_log::{NatsLog, NatsLogOptions};
-use crate::tool_runners::{Resolve, SystemResolver, ToolRunners};
+use crate::store::memory::{MemoryLog, MemoryLot, MemoryStore};
+use crate::store::nats::{KvStore, NatsLog, NatsLogOptions, NatsLot};
+use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
-
-/// The gRPC service name reported by health checks.
-pub const SERVICE_NAME: &str = "orchestrator.v1.Orchestrator";
-/// Timeout of one `ListTools`.
-const LIST_TOOLS_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
-pub async fn serve(
-    listener: TcpListener,
-    config: Config,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), Error> {
-    serve_with_resolver(listener, config, Arc::new(SystemResolver), shutdown).await
-}
-
-/// [`serve`] with another DNS resolver for `dns:///` tool-runner and model targets (tests script
-/// answers).
-pub async fn serve_with_resolver(
-    listener: TcpListener,
-    config: Config,
-    resolver: Arc<dyn Resolve>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), Error> {
-    let config = config.without_blanks();
-    config.validate()?;
-    crate::telemetry::describe();
-    let options = config.security.options().map_err(Error::Config)?;
-    let mut security = shared::serving::Security::start(&options, "orchestrator").await?;
-    let runners = ToolRunners::connect(
-        &config.tool_runners,
-        Arc::clone(&resolver),
-        config.security.tls_reload_interval,
-    )
-    .await?;
-    load_catalog(&runners).await;
-    let refresher = AbortOnDrop(runners.spawn_refresher(config.tool_runners.refresh_interval, LIST_TOOLS_TIMEOUT));
-    let model = Arc::new(
-        Fleet::start(config.llm.clone(), Arc::clone(&resolver))
-            .await
-            .map_err(Error::Config)?,
-    );
-    let llm = model.shown().join(",");
-    let core = build_core(&config, model, runners).await?;
-    let address = listener
-        .local_addr()
-        .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
-    tracing::info!(%address, %llm, model = %config.llm.model, max_runs = config.runs.max_runs, "orchestrator serving");
-
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
-    let _health = security.serve_health(health_service.clone());
-    let reflection = shared::grpc::reflection_service(SERVICE_NAME)
-        .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
-    let reflection_v1alpha = shared::grpc::reflection_service_v1alpha(SERVICE_NAME)
-        .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
-    let service = OrchestratorServer::new(OrchestratorService::new(Arc::clone(&core)))
-        .max_decoding_message_size(config.server.max_request_bytes);
-
-    let _takeover = core
-        .runs
-        .durable()
-        .map(|_| AbortOnDrop(tokio::spawn(crate::takeover::watch(Arc::clone(&core)))));
-    let _cancels = core
-        .runs
-        .durable()
-        .map(|_| AbortOnDrop(tokio::spawn(crate::cancels::answer(Arc::clone(&core)))));
-    let _approvals = AbortOnDrop(tokio::spawn(crate::approvals::watch(Arc::clone(&core))));
-    let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
-    tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .layer(security.auth_layer(crate::telemetry::metric::AUTH_REFUSED))
-        .add_service(health_service)
-        .add_service(reflection)
-        .add_service(reflection_v1alpha)
-        .add_service(service)
-        .serve_with_incoming_shutdown(security.incoming(listener), drain)
-        .await?;
-    drop(refresher);
-    tracing::info!("orchestrator stopped");
-    Ok(())
-}
-
-/// The first tool catalog. The orchestrator serves without one (runners may start later): the
-/// catalog is retried on every refresh and on demand.
-async fn load_catalog(runners: &ToolRunners) {
-    match runners.refresh(LIST_TOOLS_TIMEOUT).await {
-        Ok(count) => tracing::info!(tools = count, endpoints = %runners.endpoints().join(","), "tool catalog loaded"),
-        Err(e) => tracing::warn!("{e}; serving anyway, the catalog is retried on every refresh and on demand"),
-    }
-}
 
 /// What every run shares: the model client, the tool-runners, the signal topic and the runs
 /// registry with its result store.
-async fn build_core(config: &Config, model: Arc<Fleet>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
+pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
     let mut connections = NatsConnections::default();
     let signals = open_signal_topic(config, &mut connections).await?;
     let (store, journal, approvals) = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
-    let keeping = crate::runs::Keeping {
+    let keeping = crate::registry::Keeping {
         store,
         log,
         journal,
@@ -251,66 +145,6 @@ async fn open_event_log(config: &Config, connections: &mut NatsConnections) -> R
             Arc::new(log)
         }
     })
-}
-
-/// The drain (see the module docs): waits for `shutdown`, then hands durable runs over to other
-/// replicas, or gives the runs in flight the grace period to finish and cancels the rest shortly
-/// before it ends.
-async fn drain(
-    core: Arc<Core>,
-    health: tonic_health::server::HealthReporter,
-    settings: &crate::config::ServerSettings,
-    shutdown: impl Future<Output = ()>,
-) {
-    let (grace, handoff_grace) = (
-        settings.shutdown_grace,
-        settings.handoff_grace.min(settings.shutdown_grace),
-    );
-    shutdown.await;
-    tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
-    health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
-    core.draining.store(true, Ordering::Release);
-    core.stopping.cancel();
-    // Keep a margin at the end of the grace period for canceled runs to store their result.
-    let margin = (grace / 10).min(Duration::from_secs(1));
-    if core.runs.durable().is_some() {
-        hand_over(&core, handoff_grace, margin).await;
-    } else if tokio::time::timeout(grace - margin, core.runs.wait_idle())
-        .await
-        .is_err()
-    {
-        let canceled = core.runs.cancel_all("the orchestrator is shutting down");
-        tracing::warn!(canceled, "grace period ending; canceled the runs still in flight");
-        let _ = tokio::time::timeout(margin, core.runs.wait_idle()).await;
-    }
-    match core.runs.unstored() {
-        0 => tracing::info!("drained"),
-        n => tracing::error!(
-            unstored = n,
-            "drained, but the result store never took these finished results; GetRun will not find them"
-        ),
-    }
-}
-
-/// Durable runs move instead of being canceled: each hands over at its next safe point within
-/// `handoff_grace`, and the rest from their last checkpoint after it.
-async fn hand_over(core: &Core, handoff_grace: Duration, margin: Duration) {
-    let asked = core.runs.hand_over_all(false);
-    tracing::info!(
-        runs = asked,
-        "handing the runs over to other replicas at their next safe point"
-    );
-    if tokio::time::timeout(handoff_grace, core.runs.wait_idle())
-        .await
-        .is_err()
-    {
-        let forced = core.runs.hand_over_all(true);
-        tracing::warn!(
-            forced,
-            "handoff grace over; handing the remaining runs over from their last checkpoint"
-        );
-        let _ = tokio::time::timeout(margin.max(Duration::from_secs(1)), core.runs.wait_idle()).await;
-    }
 }
 
 /// One NATS connection per URL, shared by the signal topic and the result store.

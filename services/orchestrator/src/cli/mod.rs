@@ -9,6 +9,8 @@ use shared::config::parse_duration;
 
 use crate::Config;
 
+pub mod call;
+
 /// The orchestrator: runs LLM tool loops for other services over gRPC.
 #[derive(Debug, Parser)]
 #[command(name = "orchestrator", version, about, args_conflicts_with_subcommands = true)]
@@ -105,7 +107,7 @@ impl ApprovalsArgs {
     /// Lists the calls waiting.
     pub async fn run(&self) -> Result<bool, crate::Error> {
         let c = &self.connection;
-        crate::client::approvals(&c.endpoint, c.token.as_deref(), &self.run_id)
+        call::approvals(&c.endpoint, c.token.as_deref(), &self.run_id)
             .await
             .map(|_| true)
     }
@@ -116,7 +118,7 @@ impl DecideArgs {
     pub async fn run(&self) -> Result<bool, crate::Error> {
         let decisions = self.decisions().map_err(crate::Error::Config)?;
         let c = &self.connection;
-        crate::client::decide(&c.endpoint, c.token.as_deref(), &self.run_id, decisions)
+        call::decide(&c.endpoint, c.token.as_deref(), &self.run_id, decisions)
             .await
             .map(|()| true)
     }
@@ -196,8 +198,8 @@ pub struct CallArgs {
 
 impl CallArgs {
     /// The client options these flags describe.
-    pub fn to_options(&self) -> crate::client::CallOptions {
-        crate::client::CallOptions {
+    pub fn to_options(&self) -> call::CallOptions {
+        call::CallOptions {
             endpoint: self.endpoint.clone(),
             prompt: self.prompt.clone().unwrap_or_default(),
             attach: self.attach.clone().map(|run_id| (run_id, self.after)),

@@ -10,11 +10,11 @@ use futures::{FutureExt, StreamExt};
 use prost::Message;
 use tokio::io::AsyncReadExt;
 
-use super::nats::{
+use super::results::{
     KvStore, Owned, checkpoint_name, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
 };
-use super::unavailable;
 use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RunJournal, StoreError};
+use crate::store::unavailable;
 
 /// Records read at once while looking for orphans.
 const LIST_CONCURRENCY: usize = 16;
@@ -64,7 +64,7 @@ impl KvStore {
 
 /// Puts `checkpoint` under the object `name`, its description naming the admission `claim`.
 async fn put_named(
-    checkpoints: super::nats_checkpoints::Checkpoints,
+    checkpoints: super::checkpoints::Checkpoints,
     name: String,
     claim: String,
     checkpoint: Vec<u8>,
@@ -85,9 +85,9 @@ async fn put_named(
 /// gone, the newest one of an epoch up to the run's (an owner that was replaced after putting
 /// its object may have left the record naming an older one). Its name with it.
 async fn newest_checkpoint(
-    checkpoints: &super::nats_checkpoints::Checkpoints,
+    checkpoints: &super::checkpoints::Checkpoints,
     key: &str,
-    record: &super::nats::Record,
+    record: &super::results::Record,
 ) -> Result<(String, jetstream::object_store::Object), StoreError> {
     let named = record.checkpoint_epoch;
     let others = (1..=record.epoch.max(named)).rev().filter(|&e| e != named);
@@ -257,7 +257,7 @@ impl RunJournal for KvStore {
                 return Ok(None);
             }
             // The record as read, now this replica's in the next epoch with a fresh lease.
-            let mut claimed = super::nats::Record {
+            let mut claimed = super::results::Record {
                 owner,
                 lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease_ms),
                 handed_over: false,
@@ -285,7 +285,7 @@ impl RunJournal for KvStore {
                 // race for the id): this run cannot be resumed, and reads as lost at once.
                 tracing::warn!(run_id = %run_id_of(&key), "the run's checkpoint belongs to another admission of its id; the run is lost");
                 shared::sync::lock(&owned).remove(&key);
-                let lost = super::nats::Record {
+                let lost = super::results::Record {
                     resumable_until_unix_ms: 0,
                     lease_expires_unix_ms: 0,
                     ..claimed

@@ -1,5 +1,5 @@
 //! A call of a turn that waits for a person's decision, as the turn's calls (and so its
-//! checkpoint) hold it; what the loop does with it is in `approvals`.
+//! checkpoint) hold it; what the loop does with it is in `approvals.rs`.
 
 use serde::{Deserialize, Serialize};
 

@@ -27,11 +27,11 @@ use proto::orchestrator::v1 as pb;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use super::{Follower as _, LogBounds};
-use crate::convert::event_pb;
 use crate::domain::ports::{EventFeed, EventLog, LogError, LogWriter, Logged, Settled, StoreError};
 use crate::domain::{Event, EventBatch, NumberedEvent, Ownership, Stop};
+use crate::store::{Follower as _, LogBounds};
 use crate::telemetry::metric;
+use crate::wire::event_pb;
 
 /// Event batches one run's writer holds for its publishing task.
 const WRITER_BUFFER: usize = 4096;
@@ -79,7 +79,7 @@ pub struct NatsLog {
 impl NatsLog {
     /// Binds (or creates) the stream `name`.
     pub async fn open(client: async_nats::Client, name: &str, options: NatsLogOptions) -> Result<Self, StoreError> {
-        let unavailable = |e: String| super::unavailable("creating the event log stream", name, e);
+        let unavailable = |e: String| crate::store::unavailable("creating the event log stream", name, e);
         let max_message_bytes = client.server_info().max_payload;
         let js = jetstream::context::ContextBuilder::new()
             .timeout(options.timeout)
@@ -137,7 +137,7 @@ impl NatsLog {
     }
 
     fn subject(&self, run_id: &str) -> String {
-        format!("{}.{}", self.name, super::nats::key(run_id))
+        format!("{}.{}", self.name, super::results::key(run_id))
     }
 }
 
@@ -469,7 +469,7 @@ struct Follower {
     done: bool,
 }
 
-impl super::Follower for Follower {
+impl crate::store::Follower for Follower {
     async fn next(&mut self) -> Option<Result<NumberedEvent, LogError>> {
         loop {
             if self.done {

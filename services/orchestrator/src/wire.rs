@@ -5,12 +5,16 @@ use std::time::Duration;
 
 use proto::orchestrator::v1 as pb;
 
-use super::millis;
 use crate::Error;
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, PendingApproval};
 use crate::domain::{
     Delivery, Event, FailureReason, Limits, NumberedEvent, RunResult, RunStatus, Signal, ToolCallError,
 };
+
+/// A duration in whole milliseconds, as the wire's `u32` limits carry it (saturating).
+pub(crate) fn millis(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
 
 /// Parses a `grpc-timeout` header value (`100m`, `5S`, …) into a duration.
 pub(crate) fn parse_grpc_timeout(value: &str) -> Option<Duration> {
@@ -111,7 +115,7 @@ pub(super) fn error_pb(e: &ToolCallError) -> pb::ToolCallError {
     }
 }
 
-pub(super) fn usage_pb(u: crate::llm::Usage) -> pb::Usage {
+pub(crate) fn usage_pb(u: crate::llm::Usage) -> pb::Usage {
     pb::Usage {
         prompt_tokens: u.prompt_tokens,
         completion_tokens: u.completion_tokens,

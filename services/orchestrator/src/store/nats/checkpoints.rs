@@ -14,8 +14,8 @@ use async_nats::jetstream;
 use async_nats::jetstream::object_store::{DeleteErrorKind, ObjectStore};
 use base64::Engine as _;
 
-use super::unavailable;
 use crate::domain::ports::StoreError;
+use crate::store::unavailable;
 
 /// The checkpoint object store and its stream (whose metadata subjects it purges).
 #[derive(Clone)]

@@ -198,11 +198,11 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
         Some((run_id, after)) => client
             .attach(run_id, *after)
             .await
-            .map_err(|e| Error::Config(format!("AttachRun was refused: {e}")))?,
+            .map_err(|e| Error::Call(format!("AttachRun was refused: {e}")))?,
         None => client
             .orchestrate(run_request(options))
             .await
-            .map_err(|e| Error::Config(format!("Orchestrate was refused: {e}")))?,
+            .map_err(|e| Error::Call(format!("Orchestrate was refused: {e}")))?,
     };
     print_to_end(run).await
 }
@@ -220,7 +220,7 @@ async fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Resu
     builder
         .connect()
         .await
-        .map_err(|e| Error::Config(format!("cannot connect to {endpoint}: {e}")))
+        .map_err(|e| Error::Call(format!("cannot connect to {endpoint}: {e}")))
 }
 
 /// Lists the calls waiting for approval that the caller may decide (of `run_id` only, unless
@@ -230,7 +230,7 @@ pub async fn approvals(endpoint: &str, token: Option<&str>, run_id: &str) -> Res
     let pending = client
         .pending_approvals(Some(run_id).filter(|r| !r.is_empty()))
         .await
-        .map_err(|e| Error::Config(format!("ListPendingApprovals was refused: {e}")))?;
+        .map_err(|e| Error::Call(format!("ListPendingApprovals was refused: {e}")))?;
     let now = shared::sync::unix_ms();
     for call in &pending {
         let left = Duration::from_millis(call.expires_at_unix_ms.saturating_sub(now) / 1000 * 1000);
@@ -262,7 +262,7 @@ pub async fn decide(
     let still = client
         .decide(run_id, decisions)
         .await
-        .map_err(|e| Error::Config(format!("DecideToolCalls was refused: {e}")))?;
+        .map_err(|e| Error::Call(format!("DecideToolCalls was refused: {e}")))?;
     match still.len() {
         0 => println!("decided; run {run_id} goes on"),
         n => println!("decided; {n} call(s) of run {run_id} still wait"),
@@ -298,7 +298,7 @@ async fn print_to_end(mut run: RunStream) -> Result<pb::RunResult, Error> {
     while let Some(event) = run
         .next_event()
         .await
-        .map_err(|e| Error::Config(format!("the event stream broke off: {e}")))?
+        .map_err(|e| Error::Call(format!("the event stream broke off: {e}")))?
     {
         if let Some(id) = run.run_id() {
             printer.run_id = id.to_owned();
@@ -308,5 +308,5 @@ async fn print_to_end(mut run: RunStream) -> Result<pb::RunResult, Error> {
             result = Some(finished);
         }
     }
-    result.ok_or_else(|| Error::Config("the event stream ended without run_finished".into()))
+    result.ok_or_else(|| Error::Call("the event stream ended without run_finished".into()))
 }

@@ -1,0 +1,319 @@
+//! Letting a run in: a slot, a live entry and the claim of its id in the store (or a replay of
+//! the finished run with that id); taking an orphan over; resuming a run whose approvals were
+//! decided. An [`Admitted`] run holds its slot until the loop drops it.
+
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::OwnedSemaphorePermit;
+
+use shared::auth::Principal;
+use shared::runtime::AbortOnDrop;
+
+use super::{Live, Runs, sees};
+use crate::domain::ports::{Claim, LogWriter, Logged, Ready, within};
+use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
+use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
+use crate::run::persist::Persister;
+use crate::run::tool_loop::{Checkpoint, Resumed};
+
+type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
+
+/// Why a run cannot start.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// A live run has this id (here or, with a shared store, on another replica).
+    Duplicate,
+    /// No slot is free.
+    Full(usize),
+    /// The run already finished; here is its result (idempotent replay).
+    Finished(Box<RunResult>),
+    /// The caller has `max_runs` runs in flight already.
+    CallerFull(usize),
+    /// The id belongs to another caller's run, which this caller may not see.
+    Foreign,
+}
+
+/// A started run's place in the registry; dropping it frees the slot and the live entry.
+pub(crate) struct Admitted {
+    runs: Arc<Runs>,
+    run_id: String,
+    /// The run's live state.
+    pub state: SharedState,
+    /// Cancels the run.
+    pub cancel: Cancel,
+    /// Asks the run to move to another replica (drain).
+    pub handoff: Handoff,
+    /// Writes the run's state to the store.
+    pub persister: Persister,
+    /// Appends the run's events to its log (taken by the run's emitter).
+    pub log: Option<Box<dyn LogWriter>>,
+    /// Renews the run's lease in a shared store while the run is admitted.
+    _lease: Option<AbortOnDrop>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut live = self.runs.lock();
+        if let Some(run) = live.remove(&self.run_id) {
+            run.gone.cancel();
+        }
+        if live.is_empty() {
+            self.runs.idle.notify_waiters();
+        }
+        self.runs.freed.notify_one();
+    }
+}
+
+impl Admitted {
+    /// Claims the id in the store, so no other replica runs it too, and keeps the run's lease
+    /// there; a taken id gives the run holding it (dropping `self` frees the slot). A durable
+    /// run's claim (`spec` given) puts its start checkpoint in place first.
+    async fn claim(mut self, caller: &Principal, spec: Option<&RunSpec>) -> Result<Self, Refusal> {
+        let claim = match spec {
+            Some(spec) if self.persister.durable() => {
+                let start = || Checkpoint::at_start(spec, shared::sync::lock(&self.state).clone()).snapshot();
+                self.persister.claim_resumable(start).await
+            }
+            _ => self.persister.claim().await,
+        };
+        match claim {
+            Claim::Claimed => {
+                self._lease = self.persister.keep_lease();
+                // The id is this run's: its log starts now (a replay or a duplicate leaves the
+                // log of the run holding the id alone).
+                self.log = Some(self.runs.log.owned_writer(
+                    &self.run_id,
+                    &Logged::default(),
+                    self.persister.ownership(),
+                ));
+                Ok(self)
+            }
+            Claim::Taken(result) if !sees(caller, &result.principal) => Err(Refusal::Foreign),
+            Claim::Taken(result) if result.status.is_live() => Err(Refusal::Duplicate),
+            Claim::Taken(result) => Err(Refusal::Finished(result)),
+        }
+    }
+
+    /// Stores `result` as the run's end: the run's log ends with it, its replica stopped before
+    /// its record said so. Nothing of it runs again.
+    async fn store_ended(self, result: RunResult) {
+        tracing::info!(run_id = %self.run_id, status = ?result.status, "the run had ended on the replica that stopped; its result is stored");
+        *shared::sync::lock(&self.state) = result;
+        self.persister.write_final().await;
+    }
+
+    /// The run as the loop takes it: `spec`, its stream's `emitter`, the `caller`'s sender to
+    /// watch (`None` when detached), and this slot, freed when the loop is done with the run.
+    pub(crate) fn into_run(self, spec: RunSpec, emitter: Emitter, caller: Option<EventSender>) -> AdmittedRun {
+        AdmittedRun {
+            spec,
+            state: Arc::clone(&self.state),
+            emitter,
+            cancel: self.cancel.clone(),
+            caller,
+            persister: Some(self.persister.clone()),
+            handoff: self.handoff.clone(),
+            slot: Some(Box::new(self)),
+        }
+    }
+}
+
+impl Runs {
+    /// Takes a slot for `run_id`, a run of `caller`; with its `spec`, a durable run is resumable
+    /// from here on (its start checkpoint goes in with its claim).
+    pub(crate) async fn admit(
+        self: &Arc<Self>,
+        run_id: &str,
+        caller: &Principal,
+        spec: Option<&RunSpec>,
+    ) -> Result<Admitted, Refusal> {
+        if let Some(refusal) = self.refusal_here(run_id, caller) {
+            return Err(refusal);
+        }
+        match self.approvals.parked(run_id) {
+            Some(parked) if !sees(caller, &parked.principal) => return Err(Refusal::Foreign),
+            Some(_) => return Err(Refusal::Duplicate),
+            None => {}
+        }
+        match self.stored(run_id).await {
+            Ok(Some(result)) if !sees(caller, &result.principal) => return Err(Refusal::Foreign),
+            Ok(Some(result)) if result.status.is_live() => return Err(Refusal::Duplicate),
+            Ok(Some(result)) => return Err(Refusal::Finished(Box::new(result))),
+            // The claim below tries the store again; a store that is down does not stop runs.
+            Ok(None) | Err(_) => {}
+        }
+        self.admitted(run_id, caller)?.claim(caller, spec).await
+    }
+
+    /// Why `run_id` cannot start when it is live on this replica. A run that has just ended
+    /// here keeps its entry until its task is done: it is replayed like a stored result.
+    fn refusal_here(&self, run_id: &str, caller: &Principal) -> Option<Refusal> {
+        let live = self.lock();
+        let live = live.get(run_id)?;
+        if !sees(caller, &live.principal) {
+            return Some(Refusal::Foreign);
+        }
+        let result = shared::sync::lock(&live.state);
+        Some(if result.status.is_live() {
+            Refusal::Duplicate
+        } else {
+            Refusal::Finished(Box::new(result.clone()))
+        })
+    }
+
+    /// A slot and a live entry for `run_id`, with its persister (not claimed in the store yet).
+    fn admitted(self: &Arc<Self>, run_id: &str, caller: &Principal) -> Result<Admitted, Refusal> {
+        let (state, cancel, handoff, permit) = self.register(run_id, caller)?;
+        let persister = Persister::new(
+            Arc::clone(&self.store),
+            Arc::clone(&state),
+            self.store_timeout,
+            Arc::clone(&self.backlog),
+        )
+        .with_journal(self.journal.clone());
+        Ok(Admitted {
+            runs: Arc::clone(self),
+            run_id: run_id.to_owned(),
+            state,
+            cancel,
+            handoff,
+            _lease: None,
+            log: None,
+            persister,
+            _permit: permit,
+        })
+    }
+
+    /// Takes a slot and enters the run among the live ones, unless its id is live already or
+    /// the caller has its `max_runs` in flight.
+    fn register(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+    ) -> Result<(SharedState, Cancel, Handoff, OwnedSemaphorePermit), Refusal> {
+        let mut live = self.lock();
+        if live.contains_key(run_id) {
+            return Err(Refusal::Duplicate);
+        }
+        if let Some(limit) = caller.max_runs
+            && live.values().filter(|l| l.principal == caller.name).count() >= limit
+        {
+            return Err(Refusal::CallerFull(limit));
+        }
+        let permit = Arc::clone(&self.slots)
+            .try_acquire_owned()
+            .map_err(|_| Refusal::Full(self.max_runs))?;
+        let mut running = RunResult::running(run_id);
+        running.principal.clone_from(&caller.name);
+        let state: SharedState = Arc::new(Mutex::new(running));
+        let handoff = Handoff {
+            at_safe_point: self.drain.at_safe_point.child_token(),
+            now: self.drain.now.child_token(),
+        };
+        let cancel = Cancel::default();
+        live.insert(
+            run_id.to_owned(),
+            Live {
+                state: Arc::clone(&state),
+                cancel: cancel.clone(),
+                handoff: handoff.clone(),
+                principal: caller.name.clone(),
+                gone: tokio_util::sync::CancellationToken::new(),
+                unparked: false,
+            },
+        );
+        Ok((state, cancel, handoff, permit))
+    }
+
+    /// Takes over the orphan `run_id` when a slot is free and this replica wins its claim: its
+    /// slot here (with its lease kept and its log continued), its checkpoint and the last seq its
+    /// log holds. `Ok(None)`: no slot, or another replica won.
+    pub(crate) async fn take_over(self: &Arc<Self>, run_id: &str) -> Result<Option<(Admitted, Resumed)>, String> {
+        let Some(journal) = self.journal.clone() else {
+            return Ok(None);
+        };
+        if self.free_slots() == 0 || self.lock().contains_key(run_id) {
+            // A run live here is not claimed again here, whatever its record says (a hand-over
+            // announced while it runs, a record seen unchanged): its claim would fence the run
+            // out of its own record, and the admission that follows would fail and hand it over.
+            return Ok(None);
+        }
+        let sent = tokio::time::Instant::now();
+        let bytes = match within(self.store_timeout, journal.take_over(run_id)).await {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        };
+        let checkpoint: Checkpoint = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("the checkpoint of run {run_id} cannot be read: {e}"))?;
+        let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
+        let Ok(mut admitted) = self.admitted(run_id, &owner) else {
+            // The slot went to a new run meanwhile: the run goes back for another replica.
+            let _ = within(self.store_timeout, journal.hand_over(run_id)).await;
+            return Ok(None);
+        };
+        admitted.persister.taken(sent, self.store.epoch(run_id));
+        let logged = self.log.last(run_id).await.map_err(|e| e.to_string())?;
+        if let Some(result) = logged.finished {
+            admitted.store_ended(result).await;
+            return Ok(None);
+        }
+        // A run parked for approvals goes on with its decisions (or to end, canceled).
+        let (checkpoint, canceled) = match checkpoint.awaits_decisions() {
+            true => match self.approvals.waiting(run_id).await.map_err(|e| e.to_string())? {
+                Some(waiting) => {
+                    let canceled = waiting.canceled.clone();
+                    (checkpoint.decided(&waiting), canceled)
+                }
+                None => (checkpoint, None),
+            },
+            false => (checkpoint, None),
+        };
+        *shared::sync::lock(&admitted.state) = checkpoint.result.clone();
+        admitted._lease = admitted.persister.keep_lease();
+        admitted.log = Some(self.log.owned_writer(run_id, &logged, admitted.persister.ownership()));
+        if let Some(reason) = canceled {
+            admitted.cancel.cancel(&reason);
+        }
+        let logged = logged.seq;
+        Ok(Some((admitted, Resumed { checkpoint, logged })))
+    }
+
+    /// Takes a slot for a parked run that is ready to go on, with its decisions in its
+    /// checkpoint; gives the run back when no slot is free (or it is still leaving its old one).
+    /// `Ok(None)`: its checkpoint cannot be read (it is dropped, with an error logged).
+    pub(crate) async fn resume_parked(
+        self: &Arc<Self>,
+        ready: Ready,
+    ) -> Result<Option<(Admitted, Resumed)>, Box<Ready>> {
+        let checkpoint = match serde_json::from_slice::<Checkpoint>(&ready.parked.checkpoint) {
+            Ok(checkpoint) => checkpoint.decided(&ready.waiting),
+            Err(e) => {
+                tracing::error!(run_id = %ready.run_id, "the parked run's checkpoint cannot be read: {e}; the run is dropped");
+                return Ok(None);
+            }
+        };
+        let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
+        let Ok(mut admitted) = self.admitted(&ready.run_id, &owner) else {
+            return Err(Box::new(ready));
+        };
+        if let Some(live) = self.lock().get_mut(&ready.run_id) {
+            live.unparked = true;
+        }
+        let Ready { parked, waiting, .. } = ready;
+        let logged = match parked.log.as_ref() {
+            Some(_) => checkpoint.seq,
+            None => self.log.last(&admitted.run_id).await.map_or(checkpoint.seq, |l| l.seq),
+        };
+        let mut state = checkpoint.result.clone();
+        state.status = RunStatus::Running;
+        *shared::sync::lock(&admitted.state) = state;
+        admitted._lease = admitted.persister.keep_lease();
+        admitted.log = parked.log;
+        if let Some(reason) = waiting.canceled {
+            admitted.cancel.cancel(&reason);
+        }
+        Ok(Some((admitted, Resumed { checkpoint, logged })))
+    }
+}

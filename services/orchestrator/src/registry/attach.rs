@@ -1,0 +1,167 @@
+//! Callers following a run (`AttachRun`, and the caller of a run that parked): a bounded number of
+//! followers reading the run's event log, and the signals that a run left this replica.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use shared::auth::Principal;
+
+use super::Runs;
+use crate::domain::ports::{EventFeed, LogError, StoreError};
+
+/// Why a caller cannot re-attach to a run.
+#[derive(Debug)]
+pub(crate) enum AttachError {
+    /// No run the caller may see has this id (or its log expired).
+    NotFound,
+    /// The store cannot say.
+    Store(StoreError),
+    /// The log cannot serve it.
+    Log(LogError),
+    /// As many callers as allowed are attached already.
+    Full(usize),
+}
+
+impl Runs {
+    /// The events of a run `caller` may see (the runs `GetRun` shows it), after `after_seq`, then
+    /// the live ones up to `run_finished`. With a shared store the run may live on another
+    /// replica: a feed that brings nothing for a lease renewal period asks the store, and ends
+    /// with [`LogError::Lost`] when the run ended without its last event reaching the log.
+    pub(crate) async fn attach(
+        self: &Arc<Self>,
+        run_id: &str,
+        after_seq: u64,
+        caller: &Principal,
+    ) -> Result<EventFeed, AttachError> {
+        if self.get(run_id, caller).await.map_err(AttachError::Store)?.is_none() {
+            return Err(AttachError::NotFound);
+        }
+        let permit = Arc::clone(&self.attach_slots)
+            .try_acquire_owned()
+            .map_err(|_| AttachError::Full(self.attach_permits))?;
+        let feed = self
+            .log
+            .follow(run_id, after_seq)
+            .await
+            .map_err(AttachError::Log)?
+            .ok_or(AttachError::NotFound)?;
+        metrics::counter!(crate::telemetry::metric::ATTACHES).increment(1);
+        let feed = match self.store.lease() {
+            Some(terms) => self.watched(feed, run_id, after_seq, caller, terms.renew_every()),
+            None => feed,
+        };
+        // The caller's permit is held as long as its feed.
+        Ok(futures::StreamExt::boxed(futures::StreamExt::map(feed, move |item| {
+            let _held = &permit;
+            item
+        })))
+    }
+
+    /// `feed`, ended with [`LogError::Lost`] when it stays quiet for two periods of `every`
+    /// while the store says the run has ended (its last events never reached the log).
+    fn watched(
+        self: &Arc<Self>,
+        feed: EventFeed,
+        run_id: &str,
+        after_seq: u64,
+        caller: &Principal,
+        every: Duration,
+    ) -> EventFeed {
+        use futures::StreamExt;
+        struct Watch {
+            feed: EventFeed,
+            runs: Arc<Runs>,
+            run_id: String,
+            caller: Principal,
+            last_seq: u64,
+            quiet_after_end: u32,
+        }
+        let watch = Watch {
+            feed,
+            runs: Arc::clone(self),
+            run_id: run_id.to_owned(),
+            caller: caller.clone(),
+            last_seq: after_seq,
+            quiet_after_end: 0,
+        };
+        futures::stream::unfold(watch, move |mut w| async move {
+            loop {
+                match tokio::time::timeout(every, w.feed.next()).await {
+                    Ok(Some(item)) => {
+                        if let Ok(event) = &item {
+                            w.last_seq = event.seq;
+                            if event.is_last() {
+                                w.runs.stored_end(&w.run_id, &w.caller, every).await;
+                            }
+                        }
+                        w.quiet_after_end = 0;
+                        return Some((item, w));
+                    }
+                    Ok(None) => return None,
+                    Err(_quiet) => {
+                        let ended =
+                            matches!(w.runs.get(&w.run_id, &w.caller).await, Ok(Some(r)) if !r.status.is_live());
+                        w.quiet_after_end = if ended { w.quiet_after_end + 1 } else { 0 };
+                        if w.quiet_after_end >= 2 {
+                            let lost = LogError::Lost {
+                                run_id: w.run_id.clone(),
+                                after_seq: w.last_seq,
+                                reason: "the run has ended, and its last events are not in the log".to_owned(),
+                            };
+                            let mut ended = w;
+                            ended.feed = futures::stream::empty().boxed();
+                            return Some((Err(lost), ended));
+                        }
+                    }
+                }
+            }
+        })
+        .boxed()
+    }
+
+    /// Waits (at most `limit`) until the store says the run ended: a durable run's log holds its
+    /// end a moment before its record does, and a follower handed `run_finished` reads the
+    /// result with `GetRun` next.
+    async fn stored_end(&self, run_id: &str, caller: &Principal, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while tokio::time::Instant::now() < deadline {
+            if !matches!(self.get(run_id, caller).await, Ok(Some(r)) if r.status.is_live()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Resolves once the run is not live on this replica and did not end here: at once for a
+    /// run that lives elsewhere, when it moves for one live here. A run that ends here never
+    /// resolves it (its last events reach its followers through the log).
+    pub(crate) fn moved_away(&self, run_id: &str) -> impl Future<Output = ()> + Send + 'static {
+        self.left_live(run_id, true)
+    }
+
+    /// Resolves once the run, live here now, left this replica without ending (handed over, or
+    /// this replica stopped acting for it); never when it is not live here.
+    pub(crate) fn moved_from_here(&self, run_id: &str) -> impl Future<Output = ()> + Send + 'static {
+        self.left_live(run_id, false)
+    }
+
+    /// See [`Runs::moved_away`]; `elsewhere`: whether a run not live here counts as moved.
+    fn left_live(&self, run_id: &str, elsewhere: bool) -> impl Future<Output = ()> + Send + 'static {
+        let live = self
+            .lock()
+            .get(run_id)
+            .map(|run| (run.gone.clone(), Arc::clone(&run.state)));
+        async move {
+            let Some((gone, state)) = live else {
+                if !elsewhere {
+                    std::future::pending::<()>().await;
+                }
+                return;
+            };
+            gone.cancelled().await;
+            if !shared::sync::lock(&state).status.is_live() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! `CancelRun`: a run live here is canceled here; one live on another replica (NATS store) is
+//! asked of that replica, which answers for the runs it holds.
+
+use shared::auth::Principal;
+
+use super::{Runs, sees};
+use crate::domain::RunStatus;
+use crate::domain::ports::{RemoteCancel, StoreError, within};
+
+/// Outcome of a cancel request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CancelOutcome {
+    /// A live run was canceled.
+    Canceled,
+    /// The run had already finished with this status.
+    AlreadyFinished(RunStatus),
+    /// No such run here.
+    NotFound,
+    /// The run is live on another replica that did not answer (it is moving between replicas).
+    Unanswered,
+}
+
+impl Runs {
+    /// Cancels a run of `caller`: live here, parked waiting for approvals, or (shared store)
+    /// live on another replica, which is asked to; `Err` when the store, asked about a run not
+    /// live here, cannot be read.
+    pub(crate) async fn cancel(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+        reason: &str,
+    ) -> Result<CancelOutcome, StoreError> {
+        if let Some(outcome) = self.cancel_here(run_id, caller, reason) {
+            return Ok(outcome);
+        }
+        let parked = match self.approvals.parked(run_id) {
+            Some(parked) => Some(parked),
+            None => self.stored(run_id).await?,
+        };
+        if let Some(parked) = parked.filter(|p| sees(caller, &p.principal) && p.status == RunStatus::AwaitingApproval)
+            && self.approvals.cancel(run_id, reason).await?
+        {
+            tracing::info!(run_id = %run_id, principal = %parked.principal, "a run waiting for approvals is canceled");
+            return Ok(CancelOutcome::Canceled);
+        }
+        Ok(match self.stored(run_id).await? {
+            Some(result) if !sees(caller, &result.principal) => CancelOutcome::NotFound,
+            Some(result) if !result.status.is_live() => CancelOutcome::AlreadyFinished(result.status),
+            Some(_) => self.cancel_elsewhere(run_id, reason).await,
+            None => CancelOutcome::NotFound,
+        })
+    }
+
+    /// Cancels `run_id` when it is live on this replica and `caller` may see it; `None` when it
+    /// is not here (or is leaving: parking, or being handed over, so its next replica answers).
+    pub(crate) fn cancel_here(&self, run_id: &str, caller: &Principal, reason: &str) -> Option<CancelOutcome> {
+        let live = self.lock();
+        let live = live.get(run_id).filter(|l| sees(caller, &l.principal))?;
+        // Under the state lock: the loop settles the end under it too, and a cancel that came
+        // first wins there, so the answer is never `canceled` for a run that completed.
+        let state = shared::sync::lock(&live.state);
+        if !state.status.is_live() {
+            return Some(CancelOutcome::AlreadyFinished(state.status));
+        }
+        let leaving = live.handoff.at_safe_point.is_cancelled() || live.handoff.now.is_cancelled();
+        if state.status == RunStatus::AwaitingApproval || leaving {
+            return None;
+        }
+        live.cancel.cancel(reason);
+        Some(CancelOutcome::Canceled)
+    }
+
+    /// Asks the replica running `run_id` (shared store) to cancel it.
+    async fn cancel_elsewhere(&self, run_id: &str, reason: &str) -> CancelOutcome {
+        let Some(journal) = &self.journal else {
+            return CancelOutcome::NotFound;
+        };
+        match within(self.store_timeout, journal.cancel_elsewhere(run_id, reason)).await {
+            Ok(Some(RemoteCancel::Canceled)) => CancelOutcome::Canceled,
+            Ok(Some(RemoteCancel::Finished(status))) => CancelOutcome::AlreadyFinished(status),
+            Ok(None) => CancelOutcome::Unanswered,
+            Err(e) => {
+                tracing::warn!(run_id = %run_id, "asking the run's replica to cancel it failed: {e}");
+                CancelOutcome::Unanswered
+            }
+        }
+    }
+
+    /// Cancels every live run (the drain's last step).
+    pub(crate) fn cancel_all(&self, reason: &str) -> usize {
+        let live = self.lock();
+        for run in live.values() {
+            run.cancel.cancel(reason);
+        }
+        live.len()
+    }
+}

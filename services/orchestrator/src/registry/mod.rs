@@ -1,0 +1,218 @@
+//! The registry of live runs: run slots, live runs (for `GetRun` and `CancelRun`), runs parked
+//! waiting for approvals (they hold no slot), the result store where finished results (and
+//! checkpoints of live ones) are kept, and the runs' event logs that callers re-attach to
+//! (`AttachRun`). By concern:
+//!
+//! * `mod.rs`: the registry itself, its slots and what it keeps ([`Keeping`]), reading a run;
+//! * [`admission`]: letting a run in ([`Admitted`], [`Refusal`]), taking one over, resuming one
+//!   that waited for approvals;
+//! * [`attach`]: callers following a run's log, and noticing a run leave this replica;
+//! * [`cancel`]: `CancelRun`, here or on the replica that runs it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{Notify, Semaphore};
+
+use shared::auth::Principal;
+
+use crate::domain::RunResult;
+use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, StoreError, within};
+use crate::run::backlog::Backlog;
+use crate::run::live::{Cancel, Handoff, SharedState};
+
+mod admission;
+mod attach;
+mod cancel;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use admission::{Admitted, Refusal};
+pub(crate) use attach::AttachError;
+pub(crate) use cancel::CancelOutcome;
+
+/// How often the backlog of unstored results is written again while the store is unavailable.
+const BACKLOG_RETRY: Duration = Duration::from_secs(1);
+
+struct Live {
+    state: SharedState,
+    cancel: Cancel,
+    handoff: Handoff,
+    principal: String,
+    /// Cancelled once the run leaves this replica (ended, or moved to another one).
+    gone: tokio_util::sync::CancellationToken,
+    /// It went on here after waiting for approvals (its callers follow its log).
+    unparked: bool,
+}
+
+/// See the module docs.
+pub(crate) struct Runs {
+    live: Mutex<HashMap<String, Live>>,
+    slots: Arc<Semaphore>,
+    idle: Notify,
+    /// Told when a run leaves its slot (runs waiting for one, parked and ready, go on).
+    freed: Arc<Notify>,
+    max_runs: usize,
+    store: Arc<dyn ResultStore>,
+    /// How long one write to the store may take.
+    store_timeout: Duration,
+    backlog: Arc<Backlog>,
+    log: Arc<dyn EventLog>,
+    /// Checkpoints and takeover (the NATS store): runs outlive this replica.
+    journal: Option<Arc<dyn RunJournal>>,
+    /// One permit per attached caller.
+    attach_slots: Arc<Semaphore>,
+    attach_permits: usize,
+    /// Runs waiting for approvals.
+    approvals: Arc<dyn ApprovalLot>,
+    /// The drain's request that runs move: each run's [`Handoff`] is its child, so a run let in
+    /// (or taken over) while the replica drains is asked too.
+    drain: Handoff,
+}
+
+/// Whether `caller` may see a run of `owner`: its own runs, or every run when the server does
+/// not authenticate (the anonymous caller).
+fn sees(caller: &Principal, owner: &str) -> bool {
+    caller.name.is_empty() || caller.name == owner
+}
+
+/// Where the registry keeps what outlives a run's task: results, event logs, checkpoints (a
+/// shared store) and runs waiting for approvals.
+pub(crate) struct Keeping {
+    pub(crate) store: Arc<dyn ResultStore>,
+    pub(crate) log: Arc<dyn EventLog>,
+    pub(crate) journal: Option<Arc<dyn RunJournal>>,
+    pub(crate) approvals: Arc<dyn ApprovalLot>,
+}
+
+impl Runs {
+    /// An empty registry of at most `max_runs` live runs and `max_attached` attached callers,
+    /// over `keeping` (a store write waits at most `store_timeout`; final results the store does
+    /// not take wait in a backlog of at most `backlog` results).
+    pub(crate) fn new(
+        max_runs: usize,
+        max_attached: usize,
+        keeping: Keeping,
+        store_timeout: Duration,
+        backlog: usize,
+    ) -> Arc<Self> {
+        let Keeping {
+            store,
+            log,
+            journal,
+            approvals,
+        } = keeping;
+        Arc::new(Self {
+            live: Mutex::default(),
+            slots: Arc::new(Semaphore::new(max_runs)),
+            idle: Notify::new(),
+            freed: Arc::new(Notify::new()),
+            max_runs,
+            backlog: Backlog::new(Arc::clone(&store), backlog, store_timeout, BACKLOG_RETRY),
+            store,
+            store_timeout,
+            log,
+            journal,
+            attach_slots: Arc::new(Semaphore::new(max_attached)),
+            attach_permits: max_attached,
+            approvals,
+            drain: Handoff::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
+        shared::sync::lock(&self.live)
+    }
+
+    /// A result in the backlog or the store; `Err` when the store cannot be read.
+    async fn stored(&self, run_id: &str) -> Result<Option<RunResult>, StoreError> {
+        if let Some(result) = self.backlog.get(run_id) {
+            return Ok(Some(result));
+        }
+        within(self.store_timeout, self.store.get(run_id)).await
+    }
+
+    /// Whether runs outlive this replica (checkpoints and takeover).
+    pub(crate) fn durable(&self) -> Option<&Arc<dyn RunJournal>> {
+        self.journal.as_ref()
+    }
+
+    /// Resolves once a run left its slot (or already did since the last call).
+    pub(crate) fn slot_freed(&self) -> impl Future<Output = ()> + Send + 'static {
+        let freed = Arc::clone(&self.freed);
+        async move { freed.notified().await }
+    }
+
+    /// Slots free now.
+    pub(crate) fn free_slots(&self) -> usize {
+        self.slots.available_permits()
+    }
+
+    /// Asks every run, live now or let in from now on (a takeover racing the drain), to hand over
+    /// at its next safe point, or at once (`now`) (drain, durable runs); how many are live.
+    pub(crate) fn hand_over_all(&self, now: bool) -> usize {
+        match now {
+            true => self.drain.now.cancel(),
+            false => self.drain.at_safe_point.cancel(),
+        }
+        self.lock().len()
+    }
+
+    /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
+    /// store cannot be read.
+    pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
+        let live = self.lock().get(run_id).map(|l| shared::sync::lock(&l.state).clone());
+        let found = match live {
+            Some(result) => Some(result),
+            None => match self.approvals.parked(run_id) {
+                Some(parked) => Some(parked),
+                None => self.stored(run_id).await?,
+            },
+        };
+        let Some(mut found) = found.filter(|r| sees(caller, &r.principal)) else {
+            return Ok(None);
+        };
+        // Decisions reach the approval lot first: the run takes them when it parks or resumes.
+        if !found.pending_approvals.is_empty()
+            && let Ok(Some(waiting)) = self.approvals.waiting(run_id).await
+        {
+            found.pending_approvals = waiting.calls;
+        }
+        Ok(Some(found))
+    }
+
+    /// Whether the run is parked waiting for approvals.
+    pub(crate) fn parked(&self, run_id: &str) -> bool {
+        self.approvals.parked(run_id).is_some()
+    }
+
+    /// Whether the run waits for approvals, or went on here after waiting: its callers follow
+    /// its log.
+    pub(crate) fn waited_for_approval(&self, run_id: &str) -> bool {
+        self.parked(run_id) || self.lock().get(run_id).is_some_and(|l| l.unparked)
+    }
+
+    /// Finished results not yet taken by the store.
+    pub(crate) fn unstored(&self) -> usize {
+        self.backlog.len()
+    }
+
+    /// Runs live now.
+    pub(crate) fn live(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Resolves when no run is live.
+    pub(crate) async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.live() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}

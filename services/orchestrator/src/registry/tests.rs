@@ -1,0 +1,241 @@
+//! The registry's rules, without a network: slots, principals, replays, bounds, cancels.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use shared::auth::Principal;
+
+use super::*;
+use crate::domain::{RunResult, RunStatus};
+
+fn anon() -> Principal {
+    Principal::default()
+}
+
+fn named(name: &str, max_runs: Option<usize>) -> Principal {
+    Principal {
+        max_runs,
+        ..Principal::unrestricted(name)
+    }
+}
+
+#[tokio::test]
+async fn runs_belong_to_their_principal_and_max_runs_holds_per_principal() {
+    let runs = runs(8, 10, Duration::from_secs(60));
+    let (alice, bob) = (named("alice", Some(2)), named("bob", None));
+    let a1 = runs.admit("a1", &alice, None).await.unwrap();
+    let _a2 = runs.admit("a2", &alice, None).await.unwrap();
+    assert!(matches!(
+        runs.admit("a3", &alice, None).await,
+        Err(Refusal::CallerFull(2))
+    ));
+    // Another principal is not held back by alice's limit, and cannot use her ids.
+    let _b1 = runs.admit("b1", &bob, None).await.unwrap();
+    assert!(matches!(runs.admit("a1", &bob, None).await, Err(Refusal::Foreign)));
+    assert!(runs.get("a1", &bob).await.unwrap().is_none());
+    assert_eq!(runs.cancel("a1", &bob, "test").await, Ok(CancelOutcome::NotFound));
+    assert_eq!(
+        runs.get("a1", &alice).await.unwrap().map(|r| r.principal),
+        Some("alice".into())
+    );
+    // The anonymous caller (no authentication) sees every run.
+    assert!(runs.get("a1", &anon()).await.unwrap().is_some());
+    drop(a1);
+    assert!(runs.admit("a3", &alice, None).await.is_ok());
+}
+use crate::store::memory::MemoryStore;
+
+fn runs(max_runs: usize, keep: usize, keep_for: Duration) -> Arc<Runs> {
+    let bounds = crate::store::LogBounds {
+        per_run_bytes: 1 << 20,
+        total_bytes: 1 << 24,
+        keep,
+        keep_for,
+    };
+    let keeping = Keeping {
+        store: Arc::new(MemoryStore::new(keep, keep_for)),
+        log: Arc::new(crate::store::memory::MemoryLog::new(bounds)),
+        journal: None,
+        approvals: Arc::new(crate::store::memory::MemoryLot::new(100)),
+    };
+    Runs::new(max_runs, 2, keeping, Duration::from_secs(1), 100)
+}
+
+use futures::future::BoxFuture;
+
+/// A journal that only counts the claims it is asked for (and grants none).
+#[derive(Default)]
+struct CountingJournal {
+    claims: std::sync::atomic::AtomicUsize,
+}
+
+impl RunJournal for CountingJournal {
+    fn save(&self, _: RunResult, _: u64, _: Vec<u8>) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn claim_resumable(
+        &self,
+        _: RunResult,
+        _: u64,
+        _: Vec<u8>,
+    ) -> BoxFuture<'static, Result<crate::domain::ports::Claim, StoreError>> {
+        Box::pin(async { Ok(crate::domain::ports::Claim::Claimed) })
+    }
+    fn forget(&self, _: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+    fn take_over(&self, _: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
+        self.claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async { Ok(None) })
+    }
+    fn hand_over(&self, _: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn handovers(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, ()>> {
+        Box::pin(async { futures::StreamExt::boxed(futures::stream::pending()) })
+    }
+    fn cancel_elsewhere(
+        &self,
+        _: &str,
+        _: &str,
+    ) -> BoxFuture<'static, Result<Option<crate::domain::ports::RemoteCancel>, StoreError>> {
+        Box::pin(async { Ok(None) })
+    }
+    fn cancel_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, crate::domain::ports::CancelAsk>> {
+        Box::pin(async { futures::StreamExt::boxed(futures::stream::pending()) })
+    }
+}
+
+/// A look for orphans (a hand-over announced, a record seen unchanged) never claims a run
+/// live on this replica: the claim would fence the run out of its own record.
+#[tokio::test]
+async fn a_replica_does_not_claim_a_run_live_on_it() {
+    let runs = runs(4, 10, Duration::from_secs(60));
+    let journal = Arc::new(CountingJournal::default());
+    let runs = Arc::new(Runs {
+        journal: Some(Arc::clone(&journal) as Arc<dyn RunJournal>),
+        ..Arc::into_inner(runs).unwrap()
+    });
+    let _live = runs.admit("live", &anon(), None).await.unwrap();
+    assert!(runs.take_over("live").await.unwrap().is_none());
+    assert_eq!(journal.claims.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert!(runs.take_over("elsewhere").await.unwrap().is_none());
+    assert_eq!(
+        journal.claims.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "a run live elsewhere is claimed"
+    );
+}
+
+async fn finish(runs: &Arc<Runs>, id: &str) {
+    let admitted = runs.admit(id, &anon(), None).await.unwrap();
+    admitted.state.lock().unwrap().status = RunStatus::Completed;
+    admitted.persister.write_final().await;
+}
+
+#[tokio::test]
+async fn slots_on_both_sides_of_the_limit_and_released_on_drop() {
+    let runs = runs(2, 10, Duration::from_secs(60));
+    let a = runs.admit("a", &anon(), None).await.unwrap();
+    let _b = runs.admit("b", &anon(), None).await.unwrap();
+    assert!(matches!(runs.admit("c", &anon(), None).await, Err(Refusal::Full(2))));
+    assert!(matches!(runs.admit("a", &anon(), None).await, Err(Refusal::Duplicate)));
+    drop(a);
+    assert!(runs.admit("c", &anon(), None).await.is_ok());
+}
+
+/// A run that has ended but whose task has not let go of its slot yet is replayed to a
+/// retry of its id, not refused as still running (its final result may not be stored yet).
+#[tokio::test]
+async fn a_retry_just_after_the_end_is_a_replay() {
+    let runs = runs(2, 10, Duration::from_secs(60));
+    let ending = runs.admit("a", &anon(), None).await.unwrap();
+    ending.state.lock().unwrap().status = RunStatus::Completed;
+    assert!(matches!(
+        runs.admit("a", &anon(), None).await,
+        Err(Refusal::Finished(result)) if result.status == RunStatus::Completed
+    ));
+    assert!(matches!(
+        runs.admit("a", &named("mallory", None), None).await,
+        Err(Refusal::Foreign)
+    ));
+}
+
+#[tokio::test]
+async fn results_are_bounded_by_count() {
+    let runs = runs(10, 2, Duration::from_secs(60));
+    for id in ["a", "b", "c"] {
+        finish(&runs, id).await;
+    }
+    assert!(runs.get("a", &anon()).await.unwrap().is_none());
+    assert!(runs.get("b", &anon()).await.unwrap().is_some() && runs.get("c", &anon()).await.unwrap().is_some());
+    assert!(matches!(
+        runs.admit("c", &anon(), None).await,
+        Err(Refusal::Finished(_))
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn results_are_bounded_by_age() {
+    let runs = runs(10, 10, Duration::from_secs(60));
+    finish(&runs, "a").await;
+    tokio::time::advance(Duration::from_secs(59)).await;
+    assert!(runs.get("a", &anon()).await.unwrap().is_some());
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert!(runs.get("a", &anon()).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn attached_callers_are_bounded_and_see_only_their_own_runs() {
+    let runs = runs(10, 10, Duration::from_secs(60));
+    let (alice, bob) = (named("alice", None), named("bob", None));
+    let _run = runs.admit("a", &alice, None).await.unwrap();
+    assert!(matches!(runs.attach("a", 0, &bob).await, Err(AttachError::NotFound)));
+    assert!(matches!(
+        runs.attach("zzz", 0, &alice).await,
+        Err(AttachError::NotFound)
+    ));
+    let first = runs.attach("a", 0, &alice).await.unwrap();
+    let _second = runs.attach("a", 0, &alice).await.unwrap();
+    assert!(matches!(runs.attach("a", 0, &alice).await, Err(AttachError::Full(2))));
+    drop(first);
+    assert!(
+        runs.attach("a", 0, &alice).await.is_ok(),
+        "a finished feed frees its place"
+    );
+}
+
+#[tokio::test]
+async fn live_state_and_cancel() {
+    let runs = runs(10, 10, Duration::from_secs(60));
+    let admitted = runs.admit("a", &anon(), None).await.unwrap();
+    admitted.state.lock().unwrap().text.push_str("so far");
+    assert_eq!(
+        runs.get("a", &anon()).await.unwrap().map(|r| (r.status, r.text)),
+        Some((RunStatus::Running, "so far".into()))
+    );
+    assert_eq!(runs.cancel("a", &anon(), "test").await, Ok(CancelOutcome::Canceled));
+    assert!(admitted.cancel.is_canceled());
+    assert_eq!(runs.cancel("zzz", &anon(), "test").await, Ok(CancelOutcome::NotFound));
+}
+
+/// A drain asks every run to move, the runs let in after it began too (a takeover that
+/// raced it): such a run would otherwise run on until the grace ends and be handed over
+/// mid-call, running that call twice.
+#[tokio::test]
+async fn a_run_let_in_while_the_replica_drains_is_asked_to_hand_over_too() {
+    let runs = runs(10, 10, Duration::from_secs(60));
+    let before = runs.admit("before", &anon(), None).await.unwrap();
+    assert!(!before.handoff.at_safe_point.is_cancelled());
+    assert_eq!(runs.hand_over_all(false), 1);
+    let after = runs.admit("after", &anon(), None).await.unwrap();
+    for run in [&before, &after] {
+        assert!(run.handoff.at_safe_point.is_cancelled() && !run.handoff.now.is_cancelled());
+    }
+    runs.hand_over_all(true);
+    let last = runs.admit("last", &anon(), None).await.unwrap();
+    assert!(before.handoff.now.is_cancelled() && last.handoff.now.is_cancelled());
+}

@@ -1,0 +1,248 @@
+//! The server's shared state ([`Core`]) and the operations the gRPC handlers adapt: start a run
+//! ([`Core::orchestrate`]), go on with one here ([`Core::resume`], the one path for runs taken
+//! over and runs whose approvals were decided), follow one (`attach`), read, cancel, and decide
+//! its calls waiting for approval. Everything here speaks the domain's types and [`Error`];
+//! the proto is the gRPC adapter's business.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures::StreamExt;
+use shared::auth::Principal;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
+
+use super::streams::{self, RunEvents, StreamDeps, attach_error, no_run};
+use crate::Error;
+use crate::config::Config;
+use crate::domain::approval::{Decision, PendingApproval};
+use crate::domain::ports::{Decider, SignalTopic};
+use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
+use crate::registry::{Admitted, CancelOutcome, Refusal, Runs};
+use crate::run::live::{EmitSettings, Emitter, gated};
+use crate::run::tool_loop::{LoopDeps, Resumed};
+use crate::telemetry::metric;
+use crate::tool_runners::ToolRunners;
+
+/// What the requests and the background tasks share.
+pub(crate) struct Core {
+    /// Configuration.
+    pub config: Config,
+    /// The loop's dependencies.
+    pub deps: LoopDeps,
+    /// Live runs and results.
+    pub runs: Arc<Runs>,
+    /// Tool-runner connection (for the catalog).
+    pub runners: ToolRunners,
+    /// The signal topic.
+    pub signals: Arc<dyn SignalTopic>,
+    /// Set when the drain starts: new runs are refused.
+    pub draining: AtomicBool,
+    /// Cancelled when the drain starts: open SubscribeSignals streams end, so the server can stop.
+    pub stopping: tokio_util::sync::CancellationToken,
+}
+
+/// Why a run goes on here without a caller of its own.
+#[derive(Clone, Copy)]
+pub(crate) enum Resumption {
+    /// Taken over from a replica that stopped or handed it over.
+    TakenOver,
+    /// Its calls waiting for approval were decided (or it woke: a timeout, its deadline, a cancel).
+    Decided,
+}
+
+/// Most pending approvals listed at once.
+const MAX_LISTED_APPROVALS: usize = 1000;
+
+impl Core {
+    /// `Err(Draining)` once the drain started: new runs and new followers go to other replicas.
+    pub(crate) fn refuse_when_draining(&self) -> Result<(), Error> {
+        match self.draining.load(Ordering::Acquire) {
+            true => Err(Error::Draining),
+            false => Ok(()),
+        }
+    }
+
+    /// What a caller's stream needs of the server.
+    fn stream_deps(&self) -> StreamDeps {
+        StreamDeps {
+            runs: Arc::clone(&self.runs),
+            stopping: self.stopping.clone(),
+        }
+    }
+
+    /// How a run's emitter sends to its caller.
+    fn emit_settings(&self) -> EmitSettings {
+        EmitSettings {
+            send_timeout: self.config.runs.event_send_timeout,
+            max_event_bytes: self.config.runs.max_caller_event_bytes,
+        }
+    }
+
+    /// Admits and starts the run `spec` of `caller` (in the trace `trace_context` carries), or
+    /// replays the finished run with its id; its events for the caller.
+    pub(crate) async fn orchestrate(
+        self: &Arc<Self>,
+        spec: RunSpec,
+        detached: bool,
+        trace_context: &tonic::metadata::MetadataMap,
+        caller: Arc<Principal>,
+    ) -> Result<RunEvents, Error> {
+        let run_id = spec.run_id.clone();
+        match self.runs.admit(&run_id, &caller, Some(&spec)).await {
+            Ok(admitted) => Ok(self.start(admitted, spec, detached, trace_context, caller)),
+            Err(Refusal::Finished(result)) => Ok(streams::replay(*result)),
+            Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id)),
+            Err(Refusal::Full(slots)) => Err(Error::Busy(slots)),
+            Err(Refusal::CallerFull(limit)) => Err(Error::CallerBusy {
+                principal: caller.name.clone(),
+                limit,
+            }),
+            // Another caller's run is answered as not found, so run ids cannot be probed.
+            Err(Refusal::Foreign) => Err(no_run(&run_id)),
+        }
+    }
+
+    /// Starts an admitted run as its own task, in the caller's trace, and returns its event
+    /// stream. A run that is not `detached` is canceled when the caller goes away or stops
+    /// reading.
+    fn start(
+        self: &Arc<Self>,
+        mut admitted: Admitted,
+        spec: RunSpec,
+        detached: bool,
+        trace_context: &tonic::metadata::MetadataMap,
+        caller: Arc<Principal>,
+    ) -> RunEvents {
+        let run_id = spec.run_id.clone();
+        let (caller_tx, rx) = mpsc::channel::<EventBatch>(self.config.runs.event_buffer);
+        let caller_gone = (!detached).then(|| caller_tx.clone());
+        let settings = self.emit_settings();
+        let on_stall = (!detached).then(|| admitted.cancel.clone());
+        let log = admitted.log.take();
+        // A durable run's caller is sent only what its log holds (see `gated`).
+        let tx = match log.as_ref().and_then(|log| log.settled()) {
+            Some(settled) if admitted.persister.durable() => gated(caller_tx, settled, settings.send_timeout),
+            _ => caller_tx,
+        };
+        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall).with_log(log);
+        let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &spec.principal);
+        shared::telemetry::continue_trace(&span, trace_context);
+        let run = admitted.into_run(spec, emitter, caller_gone);
+        tokio::spawn(crate::run::tool_loop::run(run, self.deps.clone()).instrument(span));
+        // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
+        let events = ReceiverStream::new(rx).flat_map(futures::stream::iter);
+        streams::caller_stream(self.stream_deps(), run_id, caller, events)
+    }
+
+    /// Goes on with a run taken over or unparked here, as its own task with no caller of its own
+    /// (callers follow it with `AttachRun`).
+    pub(crate) fn resume(&self, mut admitted: Admitted, resumed: Resumed, why: Resumption) {
+        let spec = resumed.checkpoint.spec.clone();
+        let emitter =
+            Emitter::new(None, Arc::clone(&admitted.state), self.emit_settings(), None).with_log(admitted.log.take());
+        let span = crate::telemetry::invoke_agent_span(&spec.model, &spec.run_id, &spec.principal);
+        match why {
+            Resumption::TakenOver => {
+                tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.turns_done, logged = resumed.logged, "took the run over");
+                metrics::counter!(metric::RUNS_MOVED, "how" => "taken_over").increment(1);
+            }
+            Resumption::Decided => {
+                tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.turns_done, "the run goes on after its approvals");
+            }
+        }
+        let run = admitted.into_run(spec, emitter, None);
+        tokio::spawn(crate::run::tool_loop::resume(run, resumed, self.deps.clone()).instrument(span));
+    }
+
+    /// `caller` follows run `run_id` from after `after_seq` (`AttachRun`).
+    pub(crate) async fn attach(
+        self: &Arc<Self>,
+        run_id: &str,
+        after_seq: u64,
+        caller: &Principal,
+    ) -> Result<RunEvents, Error> {
+        let feed = self
+            .runs
+            .attach(run_id, after_seq, caller)
+            .await
+            .map_err(|e| attach_error(run_id, e))?;
+        Ok(streams::attached(
+            &self.stream_deps(),
+            run_id.to_owned(),
+            after_seq,
+            feed,
+        ))
+    }
+
+    /// The run as `caller` may see it: live state so far, or its stored result.
+    pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<RunResult, Error> {
+        self.runs.get(run_id, caller).await?.ok_or_else(|| no_run(run_id))
+    }
+
+    /// Cancels the run: whether this call canceled it, and its status.
+    pub(crate) async fn cancel(&self, run_id: &str, caller: &Principal) -> Result<(bool, RunStatus), Error> {
+        match self.runs.cancel(run_id, caller, "canceled by CancelRun").await? {
+            CancelOutcome::Canceled => Ok((true, RunStatus::Canceled)),
+            CancelOutcome::AlreadyFinished(status) => Ok((false, status)),
+            CancelOutcome::NotFound => Err(no_run(run_id)),
+            CancelOutcome::Unanswered => Err(Error::RunElsewhere(run_id.to_owned())),
+        }
+    }
+
+    /// Records `decisions` of `caller` on the run's calls waiting for approval: the run's status
+    /// after them and the calls still waiting.
+    pub(crate) async fn decide(
+        &self,
+        run_id: &str,
+        decisions: &[Decision],
+        caller: &Principal,
+    ) -> Result<(RunStatus, Vec<PendingApproval>), Error> {
+        let calls = self
+            .deps
+            .approvals
+            .decide(run_id, &self.decider(caller), decisions)
+            .await?;
+        for decision in decisions {
+            tracing::info!(run_id = %run_id, gen_ai.tool.call.id = %decision.call_id, principal = %caller.name, kind = ?decision.kind, "tool call decided");
+        }
+        let still_pending: Vec<PendingApproval> = calls.into_iter().filter(|c| c.decision.is_none()).collect();
+        // Read as the server: an approver may decide runs it may not read.
+        let status = match self.runs.get(run_id, &Principal::default()).await {
+            Ok(Some(run)) if !still_pending.is_empty() && run.status == RunStatus::AwaitingApproval => {
+                RunStatus::AwaitingApproval
+            }
+            _ => RunStatus::Running,
+        };
+        Ok((status, still_pending))
+    }
+
+    /// The calls waiting for a decision `caller` may take (of `run_id`, or of every run), at most
+    /// `limit` (0: the most listed at once); whether more wait.
+    pub(crate) async fn pending(
+        &self,
+        caller: &Principal,
+        run_id: Option<&str>,
+        limit: usize,
+    ) -> Result<(Vec<PendingApproval>, bool), Error> {
+        let limit = match limit {
+            0 => MAX_LISTED_APPROVALS,
+            n => n.min(MAX_LISTED_APPROVALS),
+        };
+        Ok(self
+            .deps
+            .approvals
+            .pending(&self.decider(caller), run_id, limit)
+            .await?)
+    }
+
+    /// The caller as the approval lot checks it.
+    fn decider(&self, caller: &Principal) -> Decider {
+        Decider {
+            name: caller.name.clone(),
+            approver: caller.has_role(shared::auth::APPROVER),
+            approver_required: self.config.runs.approvals_need_approver,
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! The handlers of `orchestrator.v1.Orchestrator`: each turns its request into domain values,
+//! calls one operation of the server's [`Core`], and turns the answer into proto. The rules live
+//! in the server (`crate::server`), the registry and the loop (`crate::run`).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use proto::orchestrator::v1 as pb;
+use shared::auth::caller;
+use tonic::{Request, Response, Status};
+
+use super::convert::{DecideRequest, RunRequest, event_pb, parse_grpc_timeout, resolve};
+use crate::domain::ports::{SignalFilter, SignalItem};
+use crate::server::{Core, RunEvents};
+
+/// How long a request waits for the tool catalog when it is still empty.
+const CATALOG_WAIT: Duration = Duration::from_secs(5);
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::OrchestrateEvent, Status>> + Send>>;
+type SignalStream = Pin<Box<dyn Stream<Item = Result<pb::SignalEvent, Status>> + Send>>;
+
+/// The `Orchestrator` gRPC service.
+pub(crate) struct OrchestratorService {
+    core: Arc<Core>,
+}
+
+impl OrchestratorService {
+    /// A service over `core`.
+    pub(crate) fn new(core: Arc<Core>) -> Self {
+        Self { core }
+    }
+}
+
+/// A run's events as proto events.
+fn events_pb(run_id: String, events: RunEvents) -> EventStream {
+    events
+        .map(move |item| match item {
+            Ok(e) => Ok(event_pb(&run_id, e.seq, e.event)),
+            Err(e) => Err(Status::from(e)),
+        })
+        .boxed()
+}
+
+#[tonic::async_trait]
+impl pb::orchestrator_server::Orchestrator for OrchestratorService {
+    type OrchestrateStream = EventStream;
+    type AttachRunStream = EventStream;
+    type SubscribeSignalsStream = SignalStream;
+
+    async fn orchestrate(&self, request: Request<pb::OrchestrateRequest>) -> Result<Response<EventStream>, Status> {
+        let core = &self.core;
+        core.refuse_when_draining()?;
+        let received_at = tokio::time::Instant::now();
+        let caller = caller(&request);
+        let trace_context = request.metadata().clone();
+        let caller_deadline = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout);
+        let run_request = RunRequest::try_from(request.into_inner())?;
+        let detached = run_request.detached;
+        let catalog = core.runners.answering_catalog(CATALOG_WAIT).await?;
+        let spec = resolve(
+            run_request,
+            &catalog,
+            &core.config,
+            &caller,
+            caller_deadline,
+            received_at,
+        )?;
+        let run_id = spec.run_id.clone();
+        let events = core.orchestrate(spec, detached, &trace_context, caller).await?;
+        Ok(Response::new(events_pb(run_id, events)))
+    }
+
+    async fn attach_run(&self, request: Request<pb::AttachRunRequest>) -> Result<Response<EventStream>, Status> {
+        self.core.refuse_when_draining()?;
+        let caller = caller(&request);
+        let pb::AttachRunRequest { run_id, after_seq } = request.into_inner();
+        let events = self.core.attach(&run_id, after_seq, &caller).await?;
+        Ok(Response::new(events_pb(run_id, events)))
+    }
+
+    async fn get_run(&self, request: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
+        let caller = caller(&request);
+        let run = self.core.get(&request.into_inner().run_id, &caller).await?;
+        Ok(Response::new(pb::RunResult::from(&run)))
+    }
+
+    async fn cancel_run(
+        &self,
+        request: Request<pb::CancelRunRequest>,
+    ) -> Result<Response<pb::CancelRunResponse>, Status> {
+        let caller = caller(&request);
+        let (canceled, status) = self.core.cancel(&request.into_inner().run_id, &caller).await?;
+        Ok(Response::new(pb::CancelRunResponse {
+            canceled,
+            status: pb::RunStatus::from(status).into(),
+        }))
+    }
+
+    async fn decide_tool_calls(
+        &self,
+        request: Request<pb::DecideToolCallsRequest>,
+    ) -> Result<Response<pb::DecideToolCallsResponse>, Status> {
+        let caller = caller(&request);
+        let DecideRequest { run_id, decisions } = DecideRequest::try_from(request.into_inner())?;
+        let (status, still_pending) = self.core.decide(&run_id, &decisions, &caller).await?;
+        Ok(Response::new(pb::DecideToolCallsResponse {
+            status: pb::RunStatus::from(status).into(),
+            still_pending: still_pending.iter().map(pb::PendingApproval::from).collect(),
+        }))
+    }
+
+    async fn list_pending_approvals(
+        &self,
+        request: Request<pb::ListPendingApprovalsRequest>,
+    ) -> Result<Response<pb::ListPendingApprovalsResponse>, Status> {
+        let caller = caller(&request);
+        let request = request.into_inner();
+        let run_id = Some(request.run_id.as_str()).filter(|r| !r.is_empty());
+        let limit = usize::try_from(request.limit).unwrap_or(usize::MAX);
+        let (approvals, truncated) = self.core.pending(&caller, run_id, limit).await?;
+        Ok(Response::new(pb::ListPendingApprovalsResponse {
+            approvals: approvals.iter().map(pb::PendingApproval::from).collect(),
+            truncated,
+        }))
+    }
+
+    async fn subscribe_signals(
+        &self,
+        request: Request<pb::SubscribeSignalsRequest>,
+    ) -> Result<Response<SignalStream>, Status> {
+        let caller = caller(&request);
+        let request = request.into_inner();
+        let filter = SignalFilter {
+            run_id: Some(request.run_id).filter(|r| !r.is_empty()),
+            tool_names: request.tool_names,
+            principal: Some(caller.name.clone()).filter(|name| !name.is_empty()),
+        };
+        let stopping = self.core.stopping.clone().cancelled_owned();
+        let stream = self
+            .core
+            .signals
+            .subscribe(filter)
+            .await
+            .take_until(stopping)
+            .map(|item| {
+                let event = match item {
+                    SignalItem::Signal(signal) => pb::signal_event::Event::Signal(pb::Signal::from(&signal)),
+                    SignalItem::Missed(n) => pb::signal_event::Event::Missed(n),
+                };
+                Ok(pb::SignalEvent { event: Some(event) })
+            });
+        Ok(Response::new(stream.boxed()))
+    }
+}

@@ -1,0 +1,228 @@
+//! The event streams of a run's callers: the caller that started it (which follows the run's
+//! log when the run parked for approvals and went on), callers that attach (`AttachRun`), and
+//! the replay of a finished run. A stream that must end before `run_finished` ends with an
+//! error naming the run and the last seq sent, so its caller attaches again.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use shared::auth::Principal;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::Error;
+use crate::domain::ports::EventFeed;
+use crate::domain::{Event, NumberedEvent, RunResult, RunStatus};
+use crate::registry::{AttachError, Runs};
+
+/// A run's events for one caller: numbered events until `run_finished`, or an error that ends
+/// the stream (the run moved away, its log lost events).
+pub(crate) type RunEvents = Pin<Box<dyn Stream<Item = Result<NumberedEvent, Error>> + Send>>;
+
+/// What a caller's stream needs of the server: the registry, and the drain's signal.
+#[derive(Clone)]
+pub(super) struct StreamDeps {
+    pub runs: Arc<Runs>,
+    pub stopping: CancellationToken,
+}
+
+/// Why a caller cannot follow a run's log.
+pub(super) fn attach_error(run_id: &str, error: AttachError) -> Error {
+    match error {
+        AttachError::NotFound => no_run(run_id),
+        AttachError::Store(e) => Error::Store(e),
+        AttachError::Log(e) => Error::Log(e),
+        AttachError::Full(max) => Error::AttachBusy(max),
+    }
+}
+
+/// The answer for a run the caller cannot see, whether or not it exists.
+pub(super) fn no_run(run_id: &str) -> Error {
+    Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)"))
+}
+
+/// A run's events, for the caller that started it. When they end before
+/// `run_finished`, either the run parked waiting for approvals (the stream goes on from the run's
+/// log, as `AttachRun` would, until the run ends) or it moved to another replica (the stream ends
+/// with `UNAVAILABLE` naming the run and the last seq sent, so the caller attaches again).
+pub(super) fn caller_stream(
+    deps: StreamDeps,
+    run_id: String,
+    caller: Arc<Principal>,
+    events: impl Stream<Item = NumberedEvent> + Send + 'static,
+) -> RunEvents {
+    enum Phase {
+        Direct(Pin<Box<dyn Stream<Item = NumberedEvent> + Send>>),
+        Following(RunEvents),
+        Done,
+    }
+    struct Tail {
+        phase: Phase,
+        deps: StreamDeps,
+        caller: Arc<Principal>,
+        run_id: String,
+        last_seq: u64,
+        /// The run asked for an approval: when its events end, it may be parked.
+        asked: bool,
+    }
+    let tail = Tail {
+        phase: Phase::Direct(Box::pin(events)),
+        deps,
+        caller,
+        run_id,
+        last_seq: 0,
+        asked: false,
+    };
+    futures::stream::unfold(tail, |mut t| async move {
+        loop {
+            let direct = match &mut t.phase {
+                Phase::Done => return None,
+                Phase::Following(feed) => return feed.next().await.map(|item| (item, t)),
+                Phase::Direct(events) => events.next().await,
+            };
+            match direct {
+                Some(e) => {
+                    t.last_seq = e.seq;
+                    t.asked |= matches!(e.event, Event::ApprovalRequested { .. });
+                    if e.is_last() {
+                        t.phase = Phase::Done;
+                    }
+                    return Some((Ok(e), t));
+                }
+                None if t.asked && waited_for_approval(&t.deps.runs, &t.run_id).await => {
+                    match t.deps.runs.attach(&t.run_id, t.last_seq, &t.caller).await {
+                        Ok(feed) => t.phase = Phase::Following(attached(&t.deps, t.run_id.clone(), t.last_seq, feed)),
+                        Err(e) => {
+                            t.phase = Phase::Done;
+                            return Some((Err(attach_error(&t.run_id, e)), t));
+                        }
+                    }
+                }
+                None => {
+                    t.phase = Phase::Done;
+                    let moved = Error::Moved {
+                        run_id: t.run_id.clone(),
+                        after_seq: t.last_seq,
+                    };
+                    return Some((Err(moved), t));
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+/// Whether a run whose caller's stream ended early (after it asked for an approval) waits for
+/// approvals, or went on after its wait. Asked again for up to two seconds: a run being taken out
+/// of the approval lot to go on is in neither place for a moment.
+async fn waited_for_approval(runs: &Runs, run_id: &str) -> bool {
+    // A run that parked and is ready at once (its wait expired as it parked) is out of the lot
+    // and not yet live again for a moment: looked at again for a while, on a loaded machine too.
+    const LOOKS: usize = 40;
+    // Ended already (it went on at once and finished): its log has the rest.
+    let parked = || async {
+        runs.waited_for_approval(run_id)
+            || matches!(runs.get(run_id, &Principal::default()).await,
+                Ok(Some(run)) if run.status == RunStatus::AwaitingApproval || !run.status.is_live())
+    };
+    for _ in 0..LOOKS {
+        if parked().await {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Idempotent replay: the run with this id already finished. Its whole text (and reasoning) comes
+/// as one delta each, so the replayed stream keeps the stream invariants.
+pub(super) fn replay(result: RunResult) -> RunEvents {
+    let mut events = Vec::with_capacity(3);
+    if !result.reasoning.is_empty() {
+        events.push(Event::ReasoningDelta {
+            text: result.reasoning.clone(),
+            turn: result.turns,
+        });
+    }
+    if !result.text.is_empty() {
+        events.push(Event::TextDelta {
+            text: result.text.clone(),
+            turn: result.turns,
+        });
+    }
+    events.push(Event::RunFinished(result));
+    let events: Vec<_> = events
+        .into_iter()
+        .zip(1..)
+        .map(|(event, seq)| Ok(NumberedEvent { seq, event }))
+        .collect();
+    futures::stream::iter(events).boxed()
+}
+
+/// An attached caller's stream: the run's logged events. A run that moves away
+/// from here (a durable run handed over, or one this replica stopped acting for), or that runs
+/// elsewhere while this replica drains, ends its attached streams with `UNAVAILABLE` naming the
+/// run and the last seq sent, so the caller attaches again elsewhere; a run that ends here keeps its followers until its end,
+/// within the drain's grace.
+pub(super) fn attached(deps: &StreamDeps, run_id: String, after_seq: u64, feed: EventFeed) -> RunEvents {
+    struct Follow {
+        feed: EventFeed,
+        /// Resolves once the stream must end for the caller to attach elsewhere: looked up once
+        /// per stream, not per event.
+        left: futures::future::BoxFuture<'static, ()>,
+        run_id: String,
+        last_seq: u64,
+        done: bool,
+    }
+    let (stopping, runs) = (deps.stopping.clone(), Arc::clone(&deps.runs));
+    let moved = deps.runs.moved_from_here(&run_id);
+    let left = {
+        let run_id = run_id.clone();
+        async move {
+            tokio::select! {
+                () = moved => {}
+                () = async {
+                    stopping.cancelled().await;
+                    runs.moved_away(&run_id).await;
+                } => {}
+            }
+        }
+    };
+    let follow = Follow {
+        feed,
+        left: Box::pin(left),
+        run_id,
+        last_seq: after_seq,
+        done: false,
+    };
+    futures::stream::unfold(follow, |mut f| async move {
+        if f.done {
+            return None;
+        }
+        let item = tokio::select! {
+            biased;
+            item = f.feed.next() => item?,
+            () = &mut f.left => {
+                f.done = true;
+                let left = Error::LeftReplica {
+                    run_id: f.run_id.clone(),
+                    after_seq: f.last_seq,
+                };
+                return Some((Err(left), f));
+            }
+        };
+        let item = match item {
+            Ok(event) => {
+                f.last_seq = event.seq;
+                Ok(event)
+            }
+            Err(e) => {
+                f.done = true;
+                Err(Error::Log(e))
+            }
+        };
+        Some((item, f))
+    })
+    .boxed()
+}

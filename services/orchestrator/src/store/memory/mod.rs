@@ -1,0 +1,14 @@
+//! The in-memory backend, the default: every port the store offers, kept in this process, bounded
+//! by count and age, lost on restart, local to one replica (so runs are not durable with it).
+//!
+//! * [`results`]: the [`ResultStore`](crate::domain::ports::ResultStore) ([`MemoryStore`]);
+//! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) ([`MemoryLog`]);
+//! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) ([`MemoryLot`]).
+
+pub mod approvals;
+pub mod log;
+pub mod results;
+
+pub use approvals::MemoryLot;
+pub use log::MemoryLog;
+pub use results::MemoryStore;

@@ -1,0 +1,21 @@
+//! The NATS JetStream backend: every port the store offers, shared by the orchestrator replicas and
+//! kept across restarts, so runs are durable with it.
+//!
+//! * [`results`]: the [`ResultStore`](crate::domain::ports::ResultStore) — one key-value record
+//!   per run: its result, owner and lease ([`KvStore`]);
+//! * [`journal`]: the [`RunJournal`](crate::domain::ports::RunJournal) on the same [`KvStore`] —
+//!   claims, checkpoints, takeover, hand-over, cancels asked of other replicas;
+//! * [`checkpoints`]: the checkpoint objects the journal names (an object-store bucket);
+//! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) — a JetStream stream ([`NatsLog`]);
+//! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) — a key-value bucket
+//!   ([`NatsLot`]), decided and resumed on any replica.
+
+pub mod approvals;
+pub(crate) mod checkpoints;
+pub mod journal;
+pub mod log;
+pub mod results;
+
+pub use approvals::NatsLot;
+pub use log::{NatsLog, NatsLogOptions};
+pub use results::KvStore;

@@ -1,0 +1,235 @@
+//! The workspace's layout, checked: no crate has a file-level import cycle.
+
+use std::path::Path;
+
+use testkit::module_graph::{cycles, file_graph};
+
+#[test]
+fn no_crate_has_a_file_level_import_cycle() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut found = Vec::new();
+    for krate in [
+        "bench",
+        "crates/client",
+        "crates/demo",
+        "crates/proto",
+        "crates/shared",
+        "crates/mock-llm",
+        "crates/testkit",
+        "services/orchestrator",
+        "services/tool-runner",
+    ] {
+        let graph = file_graph(&root.join(krate).join("src"))?;
+        assert!(!graph.is_empty(), "{krate}: no source files found");
+        for cycle in cycles(&graph) {
+            found.push(format!("{krate}: {}", cycle.join(" → ")));
+        }
+    }
+    assert!(found.is_empty(), "file-level import cycles:\n{}", found.join("\n"));
+    Ok(())
+}
+
+/// The child modules `text` (a `mod.rs` or `lib.rs`) declares, `tests` aside.
+fn declared_children(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|line| {
+            let line = line.trim();
+            let rest = line
+                .strip_prefix("pub ")
+                .or_else(|| line.strip_prefix("pub(crate) "))
+                .unwrap_or(line);
+            rest.strip_prefix("mod ")?.strip_suffix(';').map(str::to_owned)
+        })
+        .filter(|name| name != "tests")
+        .collect()
+}
+
+/// Whether the module doc (`//!` lines) of `text` names `child`: `` `child` ``, [`child`],
+/// `child.rs` or `child/`.
+fn doc_names(text: &str, child: &str) -> bool {
+    let doc: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("//!"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    [
+        format!("`{child}`"),
+        format!("`{child}.rs`"),
+        format!("`{child}/`"),
+        format!("[`{child}`]"),
+        format!("{child}.rs"),
+    ]
+    .iter()
+    .any(|form| doc.contains(form.as_str()))
+}
+
+#[test]
+fn every_module_map_names_every_child_module() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut missing = Vec::new();
+    for krate in ["services/orchestrator", "services/tool-runner"] {
+        let src = root.join(krate).join("src");
+        for (module, path) in testkit::module_graph::modules(&src)? {
+            let text = std::fs::read_to_string(&path)?;
+            let is_map = path.ends_with("mod.rs") || path.ends_with("lib.rs");
+            if !is_map {
+                continue;
+            }
+            for child in declared_children(&text) {
+                if !doc_names(&text, &child) {
+                    missing.push(format!(
+                        "{krate}/src/{}: its module doc does not name `{child}`",
+                        module.join("/")
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "module maps that miss files:\n{}",
+        missing.join("\n")
+    );
+    Ok(())
+}
+
+/// The text of docs/architecture.md.
+fn architecture() -> anyhow::Result<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    Ok(std::fs::read_to_string(root.join("docs/architecture.md"))?)
+}
+
+/// The rows' first cells (`` `Name` ``) of the table under `heading` in `doc`.
+fn table_names(doc: &str, heading: &str) -> std::collections::BTreeSet<String> {
+    let section = doc.split(heading).nth(1).unwrap_or_default();
+    section
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .skip(2)
+        .filter_map(|l| l.split('|').nth(1))
+        .map(|cell| cell.trim().trim_matches('`').to_owned())
+        .collect()
+}
+
+#[test]
+fn the_architecture_map_lists_every_source_file() -> anyhow::Result<()> {
+    let doc = architecture()?;
+    let map = doc
+        .split("## The map")
+        .nth(1)
+        .and_then(|m| m.split("### The RPCs").next())
+        .unwrap_or_default();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut missing = Vec::new();
+    for (krate, block) in [("services/orchestrator", 0), ("services/tool-runner", 1)] {
+        let tree = map
+            .split("```text")
+            .nth(block + 1)
+            .and_then(|b| b.split("```").next())
+            .unwrap_or_default();
+        let src = root.join(krate).join("src");
+        let mut dirs = vec![src.clone()];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir)? {
+                let path = entry?.path();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                let relative = path.strip_prefix(&src)?.to_string_lossy().replace('\\', "/");
+                if !in_tree(tree, &relative) {
+                    missing.push(format!("{krate}/src/{relative}"));
+                }
+            }
+        }
+    }
+    missing.sort();
+    assert!(
+        missing.is_empty(),
+        "files docs/architecture.md's map does not list:\n{}",
+        missing.join("\n")
+    );
+    Ok(())
+}
+
+/// Whether the indented tree lists `relative` (`a/b/c.rs`): its folders, each indented under the
+/// one before, then the file's name on a line under the last folder.
+fn in_tree(tree: &str, relative: &str) -> bool {
+    let parts: Vec<&str> = relative.split('/').collect();
+    let (file, folders) = parts.split_last().map_or(("", &[][..]), |(f, d)| (*f, d));
+    let mut depth = 0;
+    let mut lines = tree.lines();
+    for folder in folders {
+        let wanted = format!("{folder}/");
+        let found = lines.by_ref().any(|l| {
+            let indent = (l.len() - l.trim_start().len()) / 2;
+            indent == depth && l.split_whitespace().next() == Some(wanted.as_str())
+        });
+        if !found {
+            return false;
+        }
+        depth += 1;
+    }
+    lines
+        .take_while(|l| (l.len() - l.trim_start().len()) / 2 >= depth || l.trim().is_empty())
+        .filter(|l| (l.len() - l.trim_start().len()) / 2 == depth)
+        .any(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            // A line lists file names until its description starts.
+            words.iter().take_while(|w| w.ends_with(".rs")).any(|w| *w == file)
+        })
+}
+
+#[test]
+fn the_architecture_rpc_table_lists_the_protos_rpcs() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut rpcs = std::collections::BTreeSet::new();
+    for proto in [
+        "proto/orchestrator/v1/orchestrator.proto",
+        "proto/toolrunner/v1/tool_runner.proto",
+    ] {
+        for line in std::fs::read_to_string(root.join(proto))?.lines() {
+            if let Some(rest) = line.trim().strip_prefix("rpc ") {
+                rpcs.insert(rest.split('(').next().unwrap_or_default().trim().to_owned());
+            }
+        }
+    }
+    assert!(rpcs.len() >= 9, "{rpcs:?}");
+    assert_eq!(table_names(&architecture()?, "### The RPCs"), rpcs);
+    Ok(())
+}
+
+#[test]
+fn the_architecture_ports_table_lists_the_ports() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let ports = std::fs::read_to_string(root.join("services/orchestrator/src/domain/ports.rs"))?;
+    let traits: std::collections::BTreeSet<String> = ports
+        .lines()
+        .filter_map(|l| l.strip_prefix("pub trait "))
+        .map(|rest| {
+            rest.split(|c: char| !c.is_alphanumeric())
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert!(traits.len() >= 7, "{traits:?}");
+    assert_eq!(table_names(&architecture()?, "### The ports"), traits);
+    Ok(())
+}
+
+#[test]
+fn the_tree_reader_finds_files_by_their_folders() {
+    let tree = "main.rs lib.rs\nrun/    the loop\n  mod.rs  its map\n  tool_loop/   x\n    rules.rs  rules\n  live.rs   live\nstore/\n  mod.rs\n";
+    assert!(in_tree(tree, "main.rs"));
+    assert!(in_tree(tree, "run/tool_loop/rules.rs"));
+    assert!(in_tree(tree, "run/live.rs"));
+    assert!(in_tree(tree, "store/mod.rs"));
+    assert!(
+        !in_tree(tree, "run/rules.rs"),
+        "a file in a sub-folder is not its parent's"
+    );
+    assert!(!in_tree(tree, "store/live.rs"));
+    assert!(!in_tree(tree, "error.rs"));
+}
