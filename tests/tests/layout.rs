@@ -129,18 +129,9 @@ fn the_architecture_map_lists_every_source_file() -> anyhow::Result<()> {
             .and_then(|b| b.split("```").next())
             .unwrap_or_default();
         let src = root.join(krate).join("src");
-        let mut dirs = vec![src.clone()];
-        while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(&dir)? {
-                let path = entry?.path();
-                if path.is_dir() {
-                    dirs.push(path);
-                    continue;
-                }
-                let relative = path.strip_prefix(&src)?.to_string_lossy().replace('\\', "/");
-                if !in_tree(tree, &relative) {
-                    missing.push(format!("{krate}/src/{relative}"));
-                }
+        for relative in testkit::module_graph::source_files(&src)? {
+            if !in_tree(tree, &relative) {
+                missing.push(format!("{krate}/src/{relative}"));
             }
         }
     }

@@ -9,12 +9,14 @@
 //! * the real outside components: [`model_servers`] (llama-server, LiteLLM), [`mcp_servers`],
 //!   [`nats`] (a `nats-server -js`), [`otlp`] (a trace collector), [`python`] (the grpcio
 //!   virtualenv), [`pki`] (test certificates);
+//! * [`fronts`]: a TLS front and a forward HTTP proxy, for the hosted path to a model server;
 //! * [`helpers`]: `/metrics` scraping, one run to its end; [`proto_docs`]: the contract's
 //!   documentation checks;
 //! * [`arm_watchdog`]: a hung test fails its binary after ten minutes instead of holding the suite.
 
 #![forbid(unsafe_code)]
 
+pub mod fronts;
 pub mod helpers;
 pub mod inprocess;
 pub mod mcp_servers;

@@ -18,6 +18,24 @@ pub type ModulePath = Vec<String>;
 /// File (relative to `src/`) → the files its code names.
 pub type Graph = BTreeMap<String, BTreeSet<String>>;
 
+/// Every file under `src`, as paths relative to it with `/` between folders, sorted.
+pub fn source_files(src: &Path) -> anyhow::Result<Vec<String>> {
+    let mut found = Vec::new();
+    let mut dirs = vec![src.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                found.push(path.strip_prefix(src)?.to_string_lossy().replace('\\', "/"));
+            }
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
 /// The files of a crate's library (or of its binary when it has no library), by module path.
 pub fn modules(src: &Path) -> anyhow::Result<BTreeMap<ModulePath, PathBuf>> {
     let root = if src.join("lib.rs").exists() {
@@ -26,36 +44,27 @@ pub fn modules(src: &Path) -> anyhow::Result<BTreeMap<ModulePath, PathBuf>> {
         "main.rs"
     };
     let mut found = BTreeMap::new();
-    let mut dirs = vec![src.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir)? {
-            let path = entry?.path();
-            if path.is_dir() {
-                dirs.push(path);
-                continue;
-            }
-            let relative = path.strip_prefix(src)?.to_string_lossy().replace('\\', "/");
-            let Some(stem) = relative.strip_suffix(".rs") else {
-                continue;
-            };
-            if relative.ends_with("tests.rs") || relative.starts_with("bin/") {
-                continue;
-            }
-            let mut module: ModulePath = stem.split('/').map(str::to_owned).collect();
-            match module.last().map(String::as_str) {
-                Some("mod") => {
-                    module.pop();
-                }
-                Some("lib" | "main") if module.len() == 1 => {
-                    if relative != root {
-                        continue;
-                    }
-                    module.clear();
-                }
-                _ => {}
-            }
-            found.insert(module, path);
+    for relative in source_files(src)? {
+        let Some(stem) = relative.strip_suffix(".rs") else {
+            continue;
+        };
+        if relative.ends_with("tests.rs") || relative.starts_with("bin/") {
+            continue;
         }
+        let mut module: ModulePath = stem.split('/').map(str::to_owned).collect();
+        match module.last().map(String::as_str) {
+            Some("mod") => {
+                module.pop();
+            }
+            Some("lib" | "main") if module.len() == 1 => {
+                if relative != root {
+                    continue;
+                }
+                module.clear();
+            }
+            _ => {}
+        }
+        found.insert(module, src.join(&relative));
     }
     Ok(found)
 }

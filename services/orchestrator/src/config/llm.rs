@@ -139,6 +139,10 @@ pub struct LlmSettings {
     /// Connection, Upgrade, TE, Trailer, Expect …) are refused: the HTTP client sets those.
     #[arg(long = "llm-header", env = "LLM_HEADERS", value_delimiter = ';')]
     pub headers: Vec<Header>,
+    /// PEM file of CA certificates trusted for an `https://` LLM server, besides the system's
+    /// (a self-hosted server behind a private CA). Read once at start.
+    #[arg(long = "llm-ca-file", env = "LLM_CA_FILE")]
+    pub server_ca_file: Option<std::path::PathBuf>,
     /// No byte from the LLM for this long ends the run LLM_STREAM_STALLED (cap 1h).
     #[arg(long = "llm-idle-timeout", env = "LLM_IDLE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub idle_timeout: Duration,
@@ -248,6 +252,21 @@ impl std::str::FromStr for LlmTarget {
 }
 
 impl LlmSettings {
+    /// The certificates of `--llm-ca-file`, each checked; an error names the flag and the file.
+    pub fn ca_certificates(&self) -> Result<Vec<reqwest::Certificate>, String> {
+        let Some(path) = &self.server_ca_file else {
+            return Ok(Vec::new());
+        };
+        let shown = || format!("--llm-ca-file {}", path.display());
+        let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", shown()))?;
+        let certificates = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| format!("{}: not PEM certificates: {e}", shown()))?;
+        if certificates.is_empty() {
+            return Err(format!("{}: holds no certificate", shown()));
+        }
+        Ok(certificates)
+    }
+
     /// The header that carries each run's affinity key, checked.
     pub fn affinity_header(&self) -> Result<Option<reqwest::header::HeaderName>, String> {
         self.affinity_header

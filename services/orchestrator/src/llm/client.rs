@@ -99,10 +99,14 @@ impl HttpLlm {
                 shown_url(base_url)
             ));
         }
-        let client = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .user_agent(USER_AGENT)
-            .redirect(same_origin_redirects())
+            .redirect(same_origin_redirects());
+        for certificate in config.ca_certificates()? {
+            builder = builder.add_root_certificate(certificate);
+        }
+        let client = builder
             .build()
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
         let (url, basic_auth) = split_userinfo(&client, url)?;
