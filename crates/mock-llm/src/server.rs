@@ -125,6 +125,11 @@ impl MockLlm {
         Ok(Self { addr, shared, task })
     }
 
+    /// Where it listens (a front or a proxy put before it connects here).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
     /// The OpenAI-style base URL, ending in `/v1`.
     pub fn base_url(&self) -> String {
         format!("http://{}/v1", self.addr)

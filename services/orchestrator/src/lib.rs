@@ -11,10 +11,11 @@
 //! * the adapters of the ports: [`llm`] (the model fleet), [`tool_runners`] (the tool-runners'
 //!   gRPC client), [`signals`] (the signal topic), [`store`] (results, event logs, approvals,
 //!   the journal of durable runs; a folder per backend);
-//! * [`config`]: the settings, in sections; `error`: the crate's error and its gRPC codes; [`cli`]: the command line and its client commands
-//!   (`call`, `approvals`, `decide`); [`secrets`]: credentials kept out of logs, spans, metrics
-//!   and errors; `telemetry`: span and metric names; `wire`: domain ↔ proto messages (the gRPC
-//!   answers and what the NATS store keeps); `nats`: JetStream streams both NATS adapters set up.
+//! * [`config`]: the settings, in sections; `error`: the crate's error and its gRPC codes;
+//!   [`cli`]: the command line and its client commands (`call`, `approvals`, `decide`);
+//!   [`secrets`]: credentials kept out of logs, spans, metrics and errors; `telemetry`: span and
+//!   metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
+//!   keeps); `nats`: JetStream streams both NATS adapters set up.
 
 // Two unsafe places in the whole crate, allowed where they are (`llm::direct::socket`): setting
 // SO_RCVLOWAT on the LLM connection's socket, which no safe socket crate offers, and reading it

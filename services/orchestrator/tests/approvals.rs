@@ -236,9 +236,10 @@ fn outcome_of(record: &pb::ToolCallRecord) -> pb::ApprovalOutcome {
 }
 
 /// The approve path, with the caller's stream open across the wait: `approval_requested` for
-/// `sleep` while `echo` runs at once and its `tool_call_finished` arrives; the run parks (`AWAITING_APPROVAL`, pending in `GetRun` and
-/// in the listing); once carol (an approver) approves, `sleep` is announced and runs, and the
-/// same stream goes on to `run_finished`; the decision is in the call's record.
+/// `sleep` while `echo` runs at once and its `tool_call_finished` arrives; the run parks
+/// (`AWAITING_APPROVAL`, pending in `GetRun` and in the listing); once carol (an approver)
+/// approves, `sleep` is announced and runs, and the same stream goes on to `run_finished`; the
+/// decision is in the call's record.
 #[tokio::test]
 async fn an_approved_call_runs_and_the_callers_stream_goes_on_across_the_wait() -> TestResult {
     let w = world(refund_then_answer(), &[]).await?;
@@ -809,14 +810,18 @@ async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
         let mut request = approval_run(&format!("park-{i}"));
         request.detached = true;
         streams.push(client.orchestrate(as_("alice-token", request)).await?.into_inner());
+        // The four slots are free again once each run of the four parked (they park in any
+        // order).
         if i % 4 == 3 {
-            wait_status(
-                &mut client,
-                "alice-token",
-                &format!("park-{i}"),
-                pb::RunStatus::AwaitingApproval,
-            )
-            .await?;
+            for parked in i - 3..=i {
+                wait_status(
+                    &mut client,
+                    "alice-token",
+                    &format!("park-{parked}"),
+                    pb::RunStatus::AwaitingApproval,
+                )
+                .await?;
+            }
         }
     }
     for i in 0..200 {

@@ -21,13 +21,6 @@ fn two_turns() -> Scenario {
     ])
 }
 
-/// The stand-in model's address (it serves plain http on loopback).
-fn addr_of(mock: &MockLlm) -> anyhow::Result<std::net::SocketAddr> {
-    let url = mock.base_url();
-    let authority = url.trim_start_matches("http://").split('/').next().unwrap_or_default();
-    Ok(authority.parse()?)
-}
-
 /// A test CA and a server certificate for 127.0.0.1 signed by it.
 async fn pki() -> anyhow::Result<Pki> {
     let pki = Pki::new()?;
@@ -72,7 +65,7 @@ async fn run(service: &Service) -> anyhow::Result<pb::RunResult> {
 async fn an_https_model_server_behind_a_private_ca_is_trusted_with_llm_ca_file() -> TestResult {
     let pki = pki().await?;
     let mock = MockLlm::start(two_turns()).await?;
-    let front = TlsFront::start(addr_of(&mock)?, &pki.path("model.pem"), &pki.path("model.key")).await?;
+    let front = TlsFront::start(mock.addr(), &pki.path("model.pem"), &pki.path("model.key")).await?;
     let base_url = format!("https://{}/v1", front.addr());
 
     let trusting = orchestrator(&base_url, &[("LLM_CA_FILE", pki.arg("ca.pem"))]).await?;
@@ -130,7 +123,7 @@ async fn http_proxy_carries_the_requests_to_a_plain_http_model_server() -> TestR
 async fn https_proxy_tunnels_to_an_https_model_server() -> TestResult {
     let pki = pki().await?;
     let mock = MockLlm::start(two_turns()).await?;
-    let front = TlsFront::start(addr_of(&mock)?, &pki.path("model.pem"), &pki.path("model.key")).await?;
+    let front = TlsFront::start(mock.addr(), &pki.path("model.pem"), &pki.path("model.key")).await?;
     let proxy = HttpProxy::start().await?;
     let env = [("HTTPS_PROXY", proxy.url()), ("LLM_CA_FILE", pki.arg("ca.pem"))];
     let service = orchestrator(&format!("https://{}/v1", front.addr()), &env).await?;

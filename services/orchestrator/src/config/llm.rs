@@ -1,4 +1,5 @@
-//! The LLM server: where it is, how it is reached (credentials, headers, retries, timeouts), and the model parameters of runs that set none.
+//! The LLM server: where it is, how it is reached (credentials, headers, retries, timeouts), and
+//! the model parameters of runs that set none.
 
 use std::time::Duration;
 

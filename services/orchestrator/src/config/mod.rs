@@ -159,7 +159,6 @@ impl Config {
         self.llm.targets().map_err(Error::Config)?;
         self.llm.affinity_header().map_err(Error::Config)?;
         self.llm.defaults().map_err(Error::Config)?;
-        self.llm.ca_certificates().map_err(Error::Config)?;
         self.check_nats_names()?;
         self.check_approvers()?;
         self.check_exit_tools()

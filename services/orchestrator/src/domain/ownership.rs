@@ -168,12 +168,17 @@ impl Ownership {
         self.inner.ended.store(true, Ordering::Release);
     }
 
-    /// Whether the run's events may still be appended to its log from here: while this replica
+    /// Whether the run's final result is stored (see [`Ownership::end`]).
+    pub fn ended(&self) -> bool {
+        self.inner.ended.load(Ordering::Acquire)
+    }
+
+    /// Whether the run's events (and writes) may still leave from here: while this replica
     /// acts for the run, and after the run ended here (its final result stored: nobody takes it
     /// over, so its last events, `run_finished` among them, must reach the log however late;
     /// the log's own fence still refuses them out of turn).
     pub fn may_log(&self) -> bool {
-        self.inner.ended.load(Ordering::Acquire) || self.holds()
+        self.ended() || self.holds()
     }
 
     /// Stops acting for the run (the first reason given is kept).
@@ -288,7 +293,6 @@ mod tests {
         assert!(owner.stopped());
     }
 
-    /// The first reason is kept; a local ownership never lapses.
     /// A run that ended here may still append its last events to its log after the lease ran
     /// out (nobody takes an ended run over); one that did not end may not.
     #[tokio::test(start_paused = true)]
@@ -304,6 +308,7 @@ mod tests {
         assert!(ended.may_log() && !ended.holds());
     }
 
+    /// The first reason is kept; a local ownership never lapses.
     #[tokio::test(start_paused = true)]
     async fn the_first_stop_is_kept_and_a_local_ownership_never_lapses() {
         let owner = Ownership::new(terms(), Instant::now());

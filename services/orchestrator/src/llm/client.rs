@@ -86,9 +86,10 @@ pub(super) enum Attempt {
 }
 
 impl HttpLlm {
-    /// Builds the client of the server at `base_url`; fails on an unusable URL or header. Errors
-    /// never show a credential.
-    pub fn new(config: LlmSettings, base_url: &str) -> Result<Self, String> {
+    /// Builds the client of the server at `base_url`, trusting the CA certificates `trusted`
+    /// besides the system's (`--llm-ca-file`, read once by the fleet); fails on an unusable URL
+    /// or header. Errors never show a credential.
+    pub fn new(config: LlmSettings, base_url: &str, trusted: &[reqwest::Certificate]) -> Result<Self, String> {
         let endpoint = endpoint(base_url);
         let shown = shown_url(&endpoint);
         let url = reqwest::Url::parse(&endpoint)
@@ -103,8 +104,8 @@ impl HttpLlm {
             .connect_timeout(config.connect_timeout)
             .user_agent(USER_AGENT)
             .redirect(same_origin_redirects());
-        for certificate in config.ca_certificates()? {
-            builder = builder.add_root_certificate(certificate);
+        for certificate in trusted {
+            builder = builder.add_root_certificate(certificate.clone());
         }
         let client = builder
             .build()
@@ -707,7 +708,7 @@ mod tests {
         let debug = format!("{:?}", config());
         assert!(!debug.contains("sk-secret"), "{debug}");
         assert!(debug.contains("<redacted>"));
-        let client = HttpLlm::new(config(), URL).unwrap();
+        let client = HttpLlm::new(config(), URL, &[]).unwrap();
         assert_eq!(client.shown_url(), "http://127.0.0.1:1/v1/chat/completions");
         assert!(client.headers.get(AUTHORIZATION).is_some_and(HeaderValue::is_sensitive));
     }
@@ -721,6 +722,7 @@ mod tests {
                 ..config()
             },
             "http://svc:pa55word@127.0.0.1:1/v1?key=qk-123456",
+            &[],
         )
         .unwrap();
         assert_eq!(
@@ -742,14 +744,15 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused() {
-        assert!(HttpLlm::new(config(), "ftp://x/v1").is_err());
+        assert!(HttpLlm::new(config(), "ftp://x/v1", &[]).is_err());
         assert!(
             HttpLlm::new(
                 LlmSettings {
                     headers: vec!["bad name: v".parse().unwrap()],
                     ..config()
                 },
-                URL
+                URL,
+                &[]
             )
             .is_err()
         );

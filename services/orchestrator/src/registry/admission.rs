@@ -220,7 +220,6 @@ impl Runs {
                 handoff: handoff.clone(),
                 principal: caller.name.clone(),
                 gone: tokio_util::sync::CancellationToken::new(),
-                unparked: false,
             },
         );
         Ok((state, cancel, handoff, permit))
@@ -298,9 +297,6 @@ impl Runs {
         let Ok(mut admitted) = self.admitted(&ready.run_id, &owner) else {
             return Err(Box::new(ready));
         };
-        if let Some(live) = self.lock().get_mut(&ready.run_id) {
-            live.unparked = true;
-        }
         let Ready { parked, waiting, .. } = ready;
         let logged = match parked.log.as_ref() {
             Some(_) => checkpoint.seq,

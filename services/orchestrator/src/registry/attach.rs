@@ -36,6 +36,18 @@ impl Runs {
         if self.get(run_id, caller).await.map_err(AttachError::Store)?.is_none() {
             return Err(AttachError::NotFound);
         }
+        self.follow(run_id, after_seq, caller).await
+    }
+
+    /// [`Runs::attach`] without asking whether `caller` may see the run: for the caller that
+    /// started it, whose run parked and goes on from its log (between the approval lot and its
+    /// next slot a run is in neither place for a moment, but its log is there throughout).
+    pub(crate) async fn follow(
+        self: &Arc<Self>,
+        run_id: &str,
+        after_seq: u64,
+        caller: &Principal,
+    ) -> Result<EventFeed, AttachError> {
         let permit = Arc::clone(&self.attach_slots)
             .try_acquire_owned()
             .map_err(|_| AttachError::Full(self.attach_permits))?;

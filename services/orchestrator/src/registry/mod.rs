@@ -42,8 +42,6 @@ struct Live {
     principal: String,
     /// Cancelled once the run leaves this replica (ended, or moved to another one).
     gone: tokio_util::sync::CancellationToken,
-    /// It went on here after waiting for approvals (its callers follow its log).
-    unparked: bool,
 }
 
 /// See the module docs.
@@ -180,17 +178,6 @@ impl Runs {
             found.pending_approvals = waiting.calls;
         }
         Ok(Some(found))
-    }
-
-    /// Whether the run is parked waiting for approvals.
-    pub(crate) fn parked(&self, run_id: &str) -> bool {
-        self.approvals.parked(run_id).is_some()
-    }
-
-    /// Whether the run waits for approvals, or went on here after waiting: its callers follow
-    /// its log.
-    pub(crate) fn waited_for_approval(&self, run_id: &str) -> bool {
-        self.parked(run_id) || self.lock().get(run_id).is_some_and(|l| l.unparked)
     }
 
     /// Finished results not yet taken by the store.

@@ -30,11 +30,10 @@ pub struct Persister {
     journal: Option<Arc<dyn RunJournal>>,
     /// This replica's lease on the run: stopped once a write was refused because another replica
     /// owns the run, a checkpoint was not saved, the lease ran out unrenewed, or the run was
-    /// handed over. Nothing of the run is written from here after that.
+    /// handed over. Nothing of the run is written from here after that — unless it ended here
+    /// (`Ownership::end`): a later write (a signal confirmed late) rewrites the run's own final
+    /// record, which no other replica takes over, so it needs no lease.
     ownership: Ownership,
-    /// The final result was stored: a later write (a signal confirmed late) rewrites the run's
-    /// own final record, which no other replica takes over, so it needs no lease.
-    ended: Arc<AtomicBool>,
     /// Set once the run parked for approvals: its record is the lot's now, and nothing of it is
     /// written from here (a lease renewal would make it running again).
     released: CancellationToken,
@@ -82,7 +81,6 @@ impl Persister {
             timeout,
             backlog,
             journal: None,
-            ended: Arc::default(),
             released: CancellationToken::new(),
             claimed_resumable: Arc::default(),
         }
@@ -112,7 +110,7 @@ impl Persister {
 
     /// Whether a write may leave now: the run is this replica's (or ended here), and not parked.
     fn may_write(&self) -> bool {
-        !self.released.is_cancelled() && (self.ended.load(Ordering::Acquire) || self.ownership.holds())
+        !self.released.is_cancelled() && self.ownership.may_log()
     }
 
     /// Writes the current state now; whether the store took it.
@@ -132,7 +130,7 @@ impl Persister {
     async fn write_state(&self, still_live: bool) -> bool {
         let _serialized = self.lock.lock().await;
         // An ended run's lease matters no more, and its record is its end.
-        if !self.may_write() || (still_live && self.ended.load(Ordering::Acquire)) {
+        if !self.may_write() || (still_live && self.ownership.ended()) {
             return false;
         }
         let mut snapshot = self.snapshot();
@@ -239,7 +237,6 @@ impl Persister {
     /// by GetRun here, written again until the store takes it).
     pub async fn write_final(&self) {
         if self.write().await {
-            self.ended.store(true, Ordering::Release);
             self.ownership.end();
             self.forget().await;
         } else if !self.ownership.stopped() {

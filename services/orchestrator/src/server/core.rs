@@ -126,14 +126,15 @@ impl Core {
             Some(settled) if admitted.persister.durable() => gated(caller_tx, settled, settings.send_timeout),
             _ => caller_tx,
         };
-        let emitter = Emitter::new(Some(tx), Arc::clone(&admitted.state), settings, on_stall).with_log(log);
+        let state = Arc::clone(&admitted.state);
+        let emitter = Emitter::new(Some(tx), Arc::clone(&state), settings, on_stall).with_log(log);
         let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &spec.principal);
         shared::telemetry::continue_trace(&span, trace_context);
         let run = admitted.into_run(spec, emitter, caller_gone);
         tokio::spawn(crate::run::tool_loop::run(run, self.deps.clone()).instrument(span));
         // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
         let events = ReceiverStream::new(rx).flat_map(futures::stream::iter);
-        streams::caller_stream(self.stream_deps(), run_id, caller, events)
+        streams::caller_stream(self.stream_deps(), run_id, caller, state, events)
     }
 
     /// Goes on with a run taken over or unparked here, as its own task with no caller of its own

@@ -15,6 +15,7 @@ use crate::Error;
 use crate::domain::ports::EventFeed;
 use crate::domain::{Event, NumberedEvent, RunResult, RunStatus};
 use crate::registry::{AttachError, Runs};
+use crate::run::SharedState;
 
 /// A run's events for one caller: numbered events until `run_finished`, or an error that ends
 /// the stream (the run moved away, its log lost events).
@@ -42,14 +43,16 @@ pub(super) fn no_run(run_id: &str) -> Error {
     Error::NotFound(format!("no run {run_id:?} (unknown, or its result has expired)"))
 }
 
-/// A run's events, for the caller that started it. When they end before
-/// `run_finished`, either the run parked waiting for approvals (the stream goes on from the run's
-/// log, as `AttachRun` would, until the run ends) or it moved to another replica (the stream ends
-/// with `UNAVAILABLE` naming the run and the last seq sent, so the caller attaches again).
+/// A run's events, for the caller that started it. When they end before `run_finished`, the run
+/// either parked waiting for approvals (its `state` says so; the stream goes on from the run's
+/// log, as `AttachRun` would, until the run ends wherever it goes on) or it moved to another
+/// replica (the stream ends with `UNAVAILABLE` naming the run and the last seq sent, so the caller
+/// attaches again).
 pub(super) fn caller_stream(
     deps: StreamDeps,
     run_id: String,
     caller: Arc<Principal>,
+    state: SharedState,
     events: impl Stream<Item = NumberedEvent> + Send + 'static,
 ) -> RunEvents {
     enum Phase {
@@ -62,17 +65,16 @@ pub(super) fn caller_stream(
         deps: StreamDeps,
         caller: Arc<Principal>,
         run_id: String,
+        state: SharedState,
         last_seq: u64,
-        /// The run asked for an approval: when its events end, it may be parked.
-        asked: bool,
     }
     let tail = Tail {
         phase: Phase::Direct(Box::pin(events)),
         deps,
         caller,
         run_id,
+        state,
         last_seq: 0,
-        asked: false,
     };
     futures::stream::unfold(tail, |mut t| async move {
         loop {
@@ -84,14 +86,14 @@ pub(super) fn caller_stream(
             match direct {
                 Some(e) => {
                     t.last_seq = e.seq;
-                    t.asked |= matches!(e.event, Event::ApprovalRequested { .. });
                     if e.is_last() {
                         t.phase = Phase::Done;
                     }
                     return Some((Ok(e), t));
                 }
-                None if t.asked && waited_for_approval(&t.deps.runs, &t.run_id).await => {
-                    match t.deps.runs.attach(&t.run_id, t.last_seq, &t.caller).await {
+                // The loop marks the run's own state once it parked, before its events end.
+                None if shared::sync::lock(&t.state).status == RunStatus::AwaitingApproval => {
+                    match t.deps.runs.follow(&t.run_id, t.last_seq, &t.caller).await {
                         Ok(feed) => t.phase = Phase::Following(attached(&t.deps, t.run_id.clone(), t.last_seq, feed)),
                         Err(e) => {
                             t.phase = Phase::Done;
@@ -111,28 +113,6 @@ pub(super) fn caller_stream(
         }
     })
     .boxed()
-}
-
-/// Whether a run whose caller's stream ended early (after it asked for an approval) waits for
-/// approvals, or went on after its wait. Asked again for up to two seconds: a run being taken out
-/// of the approval lot to go on is in neither place for a moment.
-async fn waited_for_approval(runs: &Runs, run_id: &str) -> bool {
-    // A run that parked and is ready at once (its wait expired as it parked) is out of the lot
-    // and not yet live again for a moment: looked at again for a while, on a loaded machine too.
-    const LOOKS: usize = 40;
-    // Ended already (it went on at once and finished): its log has the rest.
-    let parked = || async {
-        runs.waited_for_approval(run_id)
-            || matches!(runs.get(run_id, &Principal::default()).await,
-                Ok(Some(run)) if run.status == RunStatus::AwaitingApproval || !run.status.is_live())
-    };
-    for _ in 0..LOOKS {
-        if parked().await {
-            return true;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    false
 }
 
 /// Idempotent replay: the run with this id already finished. Its whole text (and reasoning) comes
@@ -160,11 +140,11 @@ pub(super) fn replay(result: RunResult) -> RunEvents {
     futures::stream::iter(events).boxed()
 }
 
-/// An attached caller's stream: the run's logged events. A run that moves away
-/// from here (a durable run handed over, or one this replica stopped acting for), or that runs
-/// elsewhere while this replica drains, ends its attached streams with `UNAVAILABLE` naming the
-/// run and the last seq sent, so the caller attaches again elsewhere; a run that ends here keeps its followers until its end,
-/// within the drain's grace.
+/// An attached caller's stream: the run's logged events. A run that moves away from here (a durable
+/// run handed over, or one this replica stopped acting for), or that runs elsewhere while this
+/// replica drains, ends its attached streams with `UNAVAILABLE` naming the run and the last seq
+/// sent, so the caller attaches again elsewhere; a run that ends here keeps its followers until its
+/// end, within the drain's grace.
 pub(super) fn attached(deps: &StreamDeps, run_id: String, after_seq: u64, feed: EventFeed) -> RunEvents {
     struct Follow {
         feed: EventFeed,

@@ -1,8 +1,9 @@
 //! The signal topic: where exit-tool calls (signals) are published and read back.
 //!
-//! Backends implement the [`SignalTopic`] port, a file each (`memory.rs`, `nats.rs`); [`memory::MemoryTopic`] is the default (an in-process,
-//! bounded broadcast), [`nats::NatsTopic`] publishes to NATS JetStream. Publishing never waits:
-//! the topic reports the outcome later through the publisher's callback.
+//! Backends implement the [`SignalTopic`] port, a file each (`memory.rs`, `nats.rs`);
+//! [`memory::MemoryTopic`] is the default (an in-process, bounded broadcast), [`nats::NatsTopic`]
+//! publishes to NATS JetStream. Publishing never waits: the topic reports the outcome later through
+//! the publisher's callback.
 //!
 //! [`SignalTopic`]: crate::domain::ports::SignalTopic
 

@@ -4,8 +4,9 @@
 //! to the run's task through a channel: two tasks woken per token, often on two threads. Here a
 //! completion's HTTP/1.1 connection is read by whoever reads its body (the run's task): one task
 //! per token, and nothing read between a stream interval's ticks. The request is written and the
-//! answer parsed in place ([`wire`]; the socket, read at its reader's pace, in `socket.rs`), so a connection waiting for the model's next token holds
-//! its socket and a few counters, no buffer. Connections are kept alive for the next turn in a
+//! answer parsed in place ([`wire`]; the socket, read at its reader's pace, in `socket.rs`), so a
+//! connection waiting for the model's next token holds its socket and a few counters, no buffer.
+//! Connections are kept alive for the next turn in a
 //! bounded pool of idle ones; one that the server closed while idle is found closed when taken
 //! (it is peeked first) and replaced, and a request refused by a reused connection before any
 //! answer is sent again once on a new one.

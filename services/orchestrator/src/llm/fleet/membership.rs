@@ -18,6 +18,8 @@ use shared::dns::Resolve;
 /// The fleet's targets and the latest answers.
 pub(super) struct Membership {
     settings: LlmSettings,
+    /// `--llm-ca-file`'s certificates, read once.
+    trusted: Vec<reqwest::Certificate>,
     statics: Vec<Arc<Member>>,
     dns: Vec<(String, u16, String)>,
     /// The latest members of each DNS target, by base URL.
@@ -32,16 +34,18 @@ impl Membership {
         targets: Vec<LlmTarget>,
         resolver: Arc<dyn Resolve>,
     ) -> Result<Self, String> {
+        let trusted = settings.ca_certificates()?;
         let mut statics = Vec::new();
         let mut dns = Vec::new();
         for target in targets {
             match target {
-                LlmTarget::Static(url) => statics.push(Member::new(HttpLlm::new(settings.clone(), &url)?)),
+                LlmTarget::Static(url) => statics.push(Member::new(HttpLlm::new(settings.clone(), &url, &trusted)?)),
                 LlmTarget::Dns { host, port, path } => dns.push((host, port, path)),
             }
         }
         let mut membership = Self {
             settings: settings.clone(),
+            trusted,
             statics,
             answers: vec![BTreeMap::new(); dns.len()],
             dns,
@@ -93,7 +97,7 @@ impl Membership {
                 let url = format!("http://{address}{path}");
                 let member = match self.answers[i].get(&url) {
                     Some(member) => Arc::clone(member),
-                    None => match HttpLlm::new(self.settings.clone(), &url) {
+                    None => match HttpLlm::new(self.settings.clone(), &url, &self.trusted) {
                         Ok(client) => Member::new(client),
                         Err(e) => {
                             tracing::warn!(%host, "model endpoint {address} left out: {e}");
