@@ -1518,6 +1518,54 @@ async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> Test
     Ok(())
 }
 
+/// Two admissions of one id at once: only the winner puts anything under the key. The loser's
+/// start checkpoint is large, so (were it put before its claim was decided) it would land after
+/// the winner's first save and overwrite it; the replica taking the run over resumes from the
+/// winner's save.
+#[tokio::test]
+async fn a_losing_duplicate_admission_never_overwrites_the_winners_checkpoint() -> TestResult {
+    use orchestrator::domain::ports::{Claim, RunJournal};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_millis(500);
+    let (a, b, c) = (
+        replica_store(&js, "dup-runs", "a", lease).await?,
+        replica_store(&js, "dup-runs", "b", lease).await?,
+        replica_store(&js, "dup-runs", "c", lease).await?,
+    );
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let run = RunResult::running("dup");
+    let large = vec![b'b'; 8 << 20];
+    // b's admission goes on by itself while a's is answered and a, if it won, saves at once.
+    let b = std::sync::Arc::new(b);
+    let on_b = tokio::spawn({
+        let (b, run) = (std::sync::Arc::clone(&b), run.clone());
+        async move { b.claim_resumable(run, deadline, large).await }
+    });
+    let on_a = a.claim_resumable(run.clone(), deadline, b"a's start".to_vec()).await?;
+    if matches!(on_a, Claim::Claimed) {
+        a.save(run.clone(), deadline, b"the winner's first save".to_vec())
+            .await?;
+    }
+    let on_b = on_b.await??;
+    match (&on_a, &on_b) {
+        (Claim::Claimed, Claim::Taken(_)) => {}
+        (Claim::Taken(_), Claim::Claimed) => b.save(run, deadline, b"the winner's first save".to_vec()).await?,
+        (x, y) => anyhow::bail!("exactly one admission wins: {x:?} / {y:?}"),
+    }
+    // Whatever the loser had in flight has landed by now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(c.orphans().await?.is_empty(), "nothing has lapsed as c first sees it");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(c.orphans().await?, ["dup"]);
+    assert_eq!(
+        c.take_over("dup").await?,
+        Some(b"the winner's first save".to_vec()),
+        "the run resumes from the winner's checkpoint"
+    );
+    Ok(())
+}
+
 /// Every stream and bucket is created with `--nats-replicas` copies, and one that exists with
 /// another count is brought to it when opened again (a cluster grown to three nodes); a server
 /// outside a cluster refuses more than one, and the error says so.
