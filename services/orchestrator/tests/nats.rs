@@ -1477,14 +1477,15 @@ async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> Test
     let again = b.claim_resumable(kept, deadline, b"b's start".to_vec()).await;
     assert!(matches!(again, Ok(Claim::Taken(_))), "{again:?}");
 
-    // Raced: b's start checkpoint landed after a's, as b's claim was failing.
+    // Raced: b's start checkpoint landed after a's, as b's claim was failing, before a's run
+    // saved a checkpoint of its own (and a's replica then died).
     let raced = RunResult::running("raced");
     assert!(matches!(
         a.claim_resumable(raced.clone(), deadline, b"a's start".to_vec()).await,
         Ok(Claim::Claimed)
     ));
     let loser = jetstream::object_store::ObjectMetadata {
-        name: "run.raced#1".into(),
+        name: "run.raced".into(),
         description: Some("b/1/0".into()),
         ..Default::default()
     };
@@ -1668,14 +1669,15 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
         Ok(Claim::Claimed)
     ));
     let checkpoints = js.get_object_store("twice-runs-checkpoints").await?;
-    let admission = checkpoints.info("run.gone#1").await?.description;
+    // Its start checkpoint is in the start object (epoch 0).
+    let admission = checkpoints.info("run.gone").await?.description;
     let newer = jetstream::object_store::ObjectMetadata {
         name: "run.gone#2".into(),
         description: admission,
         ..Default::default()
     };
     checkpoints.put(newer, &mut b"a later turn".as_slice()).await?;
-    checkpoints.delete("run.gone#1").await?;
+    checkpoints.delete("run.gone").await?;
     let d = replica_store(&js, "twice-runs", "d", lease).await?;
     assert!(!d.orphans().await?.contains(&"gone".to_owned()));
     tokio::time::sleep(Duration::from_millis(700)).await;

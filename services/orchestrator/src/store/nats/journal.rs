@@ -16,6 +16,10 @@ use super::results::{
 use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RunJournal, StoreError};
 use crate::store::unavailable;
 
+/// The epoch whose object holds a run's start checkpoint (its record names it until its first
+/// safe point saves into the object of the run's epoch).
+const START: u64 = 0;
+
 /// Records read at once while looking for orphans.
 const LIST_CONCURRENCY: usize = 16;
 
@@ -79,34 +83,6 @@ async fn put_named(
         .await
         .map(|_| ())
         .map_err(|e| unavailable("checkpoint put", &name, e))
-}
-
-/// Makes the record of a run just claimed (`mine`, as `record` was created) say the run can be
-/// resumed from the checkpoint of its epoch until `resumable_until`.
-async fn mark_resumable(
-    kv: &jetstream::kv::Store,
-    owned: &std::sync::Mutex<std::collections::HashMap<String, Owned>>,
-    key: &str,
-    record: super::results::Record,
-    mine: &Owned,
-    resumable_until: u64,
-) -> Result<(), StoreError> {
-    let record = super::results::Record {
-        epoch: mine.epoch,
-        checkpoint_epoch: mine.epoch,
-        resumable_until_unix_ms: resumable_until,
-        ..record
-    };
-    let revision = kv
-        .update(key, record.encode_to_vec().into(), mine.revision)
-        .await
-        .map_err(|e| unavailable("KV update", key, e))?;
-    if let Some(entry) = shared::sync::lock(owned).get_mut(key) {
-        entry.revision = revision;
-        entry.resumable_until_unix_ms = resumable_until;
-        entry.checkpoint_epoch = mine.epoch;
-    }
-    Ok(())
 }
 
 /// The checkpoint a run taken over resumes from: the object its record names or, should that be
@@ -195,35 +171,15 @@ impl RunJournal for KvStore {
             } else {
                 record.epoch = 1;
             }
-            // The record first, not resumable yet: of two admissions of the id at once only the
-            // winner puts anything under the key (a loser's put, landing late, would overwrite
-            // the winner's checkpoint). Then the checkpoint, then the record says the run can
-            // be resumed: a record that says so always has one.
-            let resumable_until = std::mem::take(&mut record.resumable_until_unix_ms);
-            match create_record(
-                kv.clone(),
-                std::sync::Arc::clone(&owned),
-                seen,
-                key.clone(),
-                record.clone(),
-            )
-            .await?
-            {
-                Claim::Claimed => {}
-                taken => return Ok(taken),
-            }
-            let Some(mine) = shared::sync::lock(&owned).get(&key).cloned() else {
-                return Err(unavailable("claim", &key, "the claim was forgotten while it was made"));
-            };
-            let name = checkpoint_name(&key, mine.epoch);
-            if let Err(e) = put_named(checkpoints, name, mine.claim.clone(), checkpoint).await {
-                // Nothing of the run exists yet: its id is free again.
-                shared::sync::lock(&owned).remove(&key);
-                let _ = kv.delete_expect_revision(&key, Some(mine.revision)).await;
-                return Err(e);
-            }
-            mark_resumable(&kv, &owned, &key, record, &mine, resumable_until).await?;
-            Ok(Claim::Claimed)
+            // The start checkpoint first, so a record that says the run can be resumed always
+            // has one. It goes to the start object (epoch 0), never to the object of the run's
+            // epoch, which its safe points write: a duplicate admission of the id that loses the
+            // race for the record may have its put land late, and it then overwrites only a start
+            // object the winner no longer reads once it saved.
+            let name = checkpoint_name(&key, START);
+            put_named(checkpoints, name, record.claim.clone(), checkpoint).await?;
+            record.checkpoint_epoch = START;
+            create_record(kv, owned, seen, key, record).await
         }
         .boxed()
     }

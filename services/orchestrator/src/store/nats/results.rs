@@ -414,6 +414,15 @@ impl KvStore {
     }
 }
 
+/// The checkpoint a claimed record names: the start object (epoch 0) when the claim put one
+/// (`claim_resumable`), else the object of its epoch.
+fn named_checkpoint(record: &Record) -> u64 {
+    match record.checkpoint_epoch {
+        0 => 0,
+        _ => record.epoch,
+    }
+}
+
 /// See [`KvStore::create`]; `record.epoch` is the claim's (1 when not given), one more than the
 /// taken record's when it takes over a run that never started.
 pub(super) async fn create_record(
@@ -424,7 +433,7 @@ pub(super) async fn create_record(
     mut record: Record,
 ) -> Result<Claim, StoreError> {
     record.epoch = record.epoch.max(1);
-    record.checkpoint_epoch = record.epoch;
+    record.checkpoint_epoch = named_checkpoint(&record);
     match kv.create(&key, record.encode_to_vec().into()).await {
         Ok(revision) => {
             shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
@@ -438,7 +447,7 @@ pub(super) async fn create_record(
                 // Its replica died before the run showed anything, and nothing of it can be
                 // resumed: the id is free again (one winner), in a later epoch.
                 record.epoch = record.epoch.max(taken.epoch.saturating_add(1));
-                record.checkpoint_epoch = record.epoch;
+                record.checkpoint_epoch = named_checkpoint(&record);
                 if let Ok(revision) = kv.update(&key, record.encode_to_vec().into(), revision).await {
                     shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
                     return Ok(Claim::Claimed);
