@@ -93,6 +93,13 @@ fn variants(nats: Option<&str>) -> Vec<Variant> {
             vec![(shared::runtime::WORKER_THREADS_ENV, "1")],
         ),
     ];
+    if std::env::var_os("BENCH_PACED_HYPER").is_some() {
+        all.push(variant(
+            "hyper reader (--llm-reader hyper)",
+            &["--llm-reader", "hyper"],
+            Vec::new(),
+        ));
+    }
     if let Some(url) = nats {
         all.push(variant("durable (--run-store nats)", &["--run-store", url], Vec::new()));
     }

@@ -20,6 +20,7 @@ use serde_json::Value;
 
 use super::direct::wire::RequestHead;
 use super::direct::{Direct, Endpoint, Idle, SendError};
+use super::hyper_reader::HyperReader;
 use super::sse::{DecodeLimits, decode};
 use crate::config::{LlmSettings, Reader};
 use crate::secrets::{Redactor, shown_url, url_secrets};
@@ -42,6 +43,8 @@ pub struct HttpLlm {
     client: reqwest::Client,
     /// The `run` reader's connections, for a plain-http server without a proxy.
     direct: Option<Arc<Direct>>,
+    /// The `hyper` reader's connections (instead of `direct`, when asked for).
+    hyper: Option<Arc<HyperReader>>,
     /// The endpoint, without userinfo (that became a basic-auth header).
     url: reqwest::Url,
     /// The endpoint as logs and errors show it (no credentials, no query values).
@@ -113,18 +116,21 @@ impl HttpLlm {
         let (url, basic_auth) = split_userinfo(&client, url)?;
         let headers = sensitive_headers(&config, basic_auth)?;
         let redactor = redactor(base_url, &headers);
-        let direct = if read_by_the_run(&config, &url) {
-            let idle = Idle {
-                max: config.max_idle_connections,
-                timeout: config.idle_connection_timeout,
-            };
-            Some(Direct::new(run_reader_endpoint(&config, &url, &headers)?, idle))
-        } else {
-            None
+        let idle = Idle {
+            max: config.max_idle_connections,
+            timeout: config.idle_connection_timeout,
         };
+        let (mut direct, mut hyper) = (None, None);
+        if read_by_the_run(&config, &url) {
+            match config.reader {
+                Reader::Hyper => hyper = Some(hyper_reader(&config, &url, &headers, idle)?),
+                _ => direct = Some(Direct::new(run_reader_endpoint(&config, &url, &headers)?, idle)),
+            }
+        }
         Ok(Self {
             client,
             direct,
+            hyper,
             url,
             shown,
             headers,
@@ -148,6 +154,12 @@ impl HttpLlm {
         pace: &ReadPace,
     ) -> Attempt {
         let send = async {
+            if let Some(hyper) = &self.hyper {
+                return match self.send_hyper(hyper, body.clone(), header, pace).await {
+                    Ok(answer) if answer.status.is_redirection() => self.send_pooled(body, header).await,
+                    other => other,
+                };
+            }
             match &self.direct {
                 Some(direct) => match self.send_direct(direct, body.clone(), header, pace).await {
                     // Redirects are the shared client's (followed within the origin only).
@@ -236,6 +248,27 @@ impl HttpLlm {
         }
     }
 
+    /// The POST on a `hyper` connection the run drives itself.
+    async fn send_hyper(
+        &self,
+        hyper: &Arc<HyperReader>,
+        body: bytes::Bytes,
+        header: Option<&(HeaderName, HeaderValue)>,
+        pace: &ReadPace,
+    ) -> Result<Answer, Attempt> {
+        match hyper.send_with(&body, header, pace).await {
+            Ok(answer) => Ok(Answer {
+                status: answer.status,
+                headers: answer.headers,
+                body: answer.body.boxed(),
+            }),
+            Err(SendError::Connect(e)) => Err(self.unreachable(&e)),
+            Err(SendError::Request(e) | SendError::Unread(e)) => Err(Attempt::Final(
+                self.http_error(format!("request to the LLM server failed: {e}")),
+            )),
+        }
+    }
+
     /// No connection to the server: worth retrying.
     fn unreachable(&self, error: &str) -> Attempt {
         Attempt::Retryable {
@@ -286,7 +319,7 @@ fn read_by_the_run(config: &LlmSettings, url: &reqwest::Url) -> bool {
         "HTTPS_PROXY",
         "https_proxy",
     ];
-    config.reader == Reader::Run
+    matches!(config.reader, Reader::Run | Reader::Hyper)
         && url.scheme() == "http"
         && !PROXIES
             .iter()
@@ -311,6 +344,20 @@ fn run_reader_endpoint(config: &LlmSettings, url: &reqwest::Url, headers: &Heade
         connect_timeout: config.connect_timeout,
         max_head_bytes: config.max_line_bytes,
     })
+}
+
+/// The `hyper` reader of `url`, sending the same headers as the `run` reader.
+fn hyper_reader(config: &LlmSettings, url: &reqwest::Url, headers: &HeaderMap, idle: Idle) -> Result<Arc<HyperReader>, String> {
+    let host = HeaderValue::try_from(host_header(url))
+        .map_err(|e| format!("--llm-base-url: the host is not a valid header value: {e}"))?;
+    let target = http::Uri::try_from(origin_form(url))
+        .map_err(|e| format!("--llm-base-url: its path is not a valid request target: {e}"))?;
+    let mut head = headers.clone();
+    head.insert(http::header::HOST, host);
+    head.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
+    head.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    head.insert(http::header::ACCEPT, HeaderValue::from_static("text/event-stream"));
+    Ok(HyperReader::new(authority(url), target, head, config.connect_timeout, idle))
 }
 
 /// `host:port` of an http URL (port 80 when it names none).

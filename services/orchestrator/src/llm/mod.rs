@@ -12,6 +12,7 @@
 pub mod assembler;
 pub mod client;
 mod direct;
+mod hyper_reader;
 pub mod fleet;
 pub mod sse;
 

@@ -26,7 +26,7 @@ use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 
 use super::ReadPace;
-use socket::Socket;
+pub(super) use socket::Socket;
 use wire::{BodyDecoder, RequestHead};
 
 /// Bytes read from the socket at a time, into a buffer on the reader's stack (so that none is

@@ -18,14 +18,14 @@ use crate::llm::ReadPace;
 /// fills it, the reader is merely woken early).
 const TICKING_LOW_WATER: i32 = 64 * 1024;
 
-pub(super) struct Socket {
+pub(in crate::llm) struct Socket {
     tcp: TcpStream,
     /// The low-water mark set on the socket.
     low_water: i32,
 }
 
 impl Socket {
-    pub(super) fn new(tcp: TcpStream) -> Self {
+    pub(in crate::llm) fn new(tcp: TcpStream) -> Self {
         Self { tcp, low_water: 1 }
     }
 
@@ -36,7 +36,12 @@ impl Socket {
     }
 
     /// Reads what the socket holds into `buf` at `pace`: nothing added to `buf` is its end.
-    pub(super) fn poll_read(
+    /// The TCP stream, to write to.
+    pub(in crate::llm) fn tcp_mut(&mut self) -> &mut TcpStream {
+        &mut self.tcp
+    }
+
+    pub(in crate::llm) fn poll_read(
         &mut self,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
