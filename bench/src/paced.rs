@@ -93,13 +93,6 @@ fn variants(nats: Option<&str>) -> Vec<Variant> {
             vec![(shared::runtime::WORKER_THREADS_ENV, "1")],
         ),
     ];
-    if std::env::var_os("BENCH_PACED_HYPER").is_some() {
-        all.push(variant(
-            "hyper reader (--llm-reader hyper)",
-            &["--llm-reader", "hyper"],
-            Vec::new(),
-        ));
-    }
     if let Some(url) = nats {
         all.push(variant("durable (--run-store nats)", &["--run-store", url], Vec::new()));
     }
@@ -148,12 +141,22 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bo
         .await?;
         others.push((variant.label, stack));
     }
+    let grpcio = match testkit::python::python() {
+        Ok(python) => Some(Caller::Grpcio(python)),
+        Err(e) => {
+            variants_not_run.push(format!("{GRPCIO_LABEL}: {e:#}"));
+            None
+        }
+    };
     let (mut rows, mut variant_rows) = (Vec::new(), Vec::new());
     for &interval_ms in &paced.intervals_ms {
-        rows.extend(rows_of(&shipped, paced, "default", &[interval_ms]).await?);
+        rows.extend(rows_of(&shipped, &Caller::Tonic, paced, "default", &[interval_ms]).await?);
         if [0, 20].contains(&interval_ms) {
+            if let Some(grpcio) = &grpcio {
+                variant_rows.extend(rows_of(&shipped, grpcio, paced, GRPCIO_LABEL, &[interval_ms]).await?);
+            }
             for (label, stack) in &others {
-                variant_rows.extend(rows_of(stack, paced, label, &[interval_ms]).await?);
+                variant_rows.extend(rows_of(stack, &Caller::Tonic, paced, label, &[interval_ms]).await?);
             }
         }
     }
@@ -181,16 +184,32 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bo
     })
 }
 
-/// The rows of one orchestrator (`setup`) at `intervals`: a round of warm-up, then `rounds`
-/// rounds measured per interval.
-async fn rows_of(stack: &Stack, paced: &Paced, setup: &str, intervals: &[u32]) -> anyhow::Result<Vec<Row>> {
+/// Who calls the orchestrator: the benchmark's own tonic client, or Python through grpcio (its
+/// HTTP/2 stack acknowledges, pings and updates windows its own way, which the server pays for).
+enum Caller {
+    Tonic,
+    /// The Python of the test virtualenv (grpcio), running `bench/peers/grpcio_caller.py`.
+    Grpcio(std::path::PathBuf),
+}
+
+const GRPCIO_LABEL: &str = "shipped, Python grpcio callers";
+
+/// The rows of one orchestrator (`setup`) called by `caller` at `intervals`: a round of warm-up,
+/// then `rounds` rounds measured per interval.
+async fn rows_of(
+    stack: &Stack,
+    caller: &Caller,
+    paced: &Paced,
+    setup: &str,
+    intervals: &[u32],
+) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for &interval_ms in intervals {
-        round(stack, paced, interval_ms).await;
+        caller.round(stack, paced, interval_ms).await?;
         let (cpu, switches) = (procstat::scheduled_time(stack.pid)?, procstat::switches(stack.pid)?);
         let mut seen = Vec::new();
         for _ in 0..paced.rounds {
-            seen.extend(round(stack, paced, interval_ms).await);
+            seen.extend(caller.round(stack, paced, interval_ms).await?);
         }
         let cpu = procstat::scheduled_time(stack.pid)?.saturating_sub(cpu);
         let switches = procstat::switches(stack.pid)?.saturating_sub(switches);
@@ -224,6 +243,52 @@ fn row(paced: &Paced, setup: &str, interval_ms: u32, seen: &[Seen], cpu: Duratio
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+impl Caller {
+    /// `concurrency` runs at once, each read to its end.
+    async fn round(&self, stack: &Stack, paced: &Paced, interval_ms: u32) -> anyhow::Result<Vec<Seen>> {
+        match self {
+            Self::Tonic => Ok(round(stack, paced, interval_ms).await),
+            Self::Grpcio(python) => grpcio_round(python, stack, paced, interval_ms).await,
+        }
+    }
+}
+
+/// One round from a Python process (its start-up falls between the measured runs: the
+/// orchestrator is idle then); a run it could not finish counts as failed.
+async fn grpcio_round(
+    python: &std::path::Path,
+    stack: &Stack,
+    paced: &Paced,
+    interval_ms: u32,
+) -> anyhow::Result<Vec<Seen>> {
+    let script = testkit::repo_root().join("bench/peers/grpcio_caller.py");
+    let output = tokio::process::Command::new(python)
+        .arg(script)
+        .args(["--target", &stack.address, "--model", MODEL])
+        .args(["--runs", &paced.concurrency.to_string()])
+        .args(["--interval-ms", &interval_ms.to_string()])
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(300), output)
+        .await
+        .map_err(|_| anyhow::anyhow!("the grpcio callers did not finish within 300 s"))??;
+    anyhow::ensure!(
+        output.status.success(),
+        "the grpcio callers failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut seen = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let run: serde_json::Value = serde_json::from_str(line)?;
+        seen.push(Seen {
+            ttft: run["ttft_ms"].as_f64().map(|ms| Duration::from_secs_f64(ms / 1e3)),
+            text_events: usize::try_from(run["text_events"].as_u64().unwrap_or(0)).unwrap_or(0),
+            ok: run["ok"].as_bool().unwrap_or(false),
+        });
+    }
+    Ok(seen)
 }
 
 /// `concurrency` runs at once, each read to its end.

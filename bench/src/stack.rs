@@ -21,6 +21,8 @@ pub(crate) struct Stack {
     pub child: Child,
     /// Its pid.
     pub pid: u32,
+    /// Its gRPC address (for callers in other languages).
+    pub address: String,
     /// Client channels (streams are spread over them: HTTP/2 limits streams per connection).
     pub channels: Vec<Channel>,
     /// Where its `/metrics` are, when `extra` turned them on.
@@ -228,6 +230,7 @@ impl Stack {
             runner,
             child,
             pid,
+            address,
             channels: pool,
             metrics,
         })

@@ -163,7 +163,8 @@ fn the_real_server_row_says_why_it_did_not_run_and_require_refuses_to_go_without
 /// and agentic-api (installed into the test cache by the benchmark on first use; the stand-in
 /// model serves agentic-api `/v1/responses`) and the LiteLLM proxy (installed by
 /// `./scripts/test`); the orchestrator's variants (the pooled LLM reader, one worker, the NATS
-/// store, and another build named by `BENCH_PACED_AGAINST`) and a two-turn agent run beside the
+/// store, and another build named by `BENCH_PACED_AGAINST`), the shipped one called from Python
+/// through grpcio (the test virtualenv's), and a two-turn agent run beside the
 /// Agents SDK's, in the same report. Gathering is checked on what it must do whatever the
 /// machine: at a 20 ms interval a run's caller gets fewer text events than the 50 tokens it
 /// relays (without it, one per token).
@@ -196,9 +197,15 @@ fn the_paced_relay_reports_cost_per_token_at_each_stream_interval_beside_its_pee
         );
     }
     // The variants in the same run: the shared client reading the model (the baseline), one
-    // runtime worker, the durable mode (the NATS store), and the other build.
+    // runtime worker, the durable mode (the NATS store), the other build, and Python callers.
     let variants = report["variants"].as_array().cloned().unwrap_or_default();
-    for label in ["pooled reader", "one worker", "durable", "BENCH_PACED_AGAINST="] {
+    for label in [
+        "pooled reader",
+        "one worker",
+        "durable",
+        "BENCH_PACED_AGAINST=",
+        "shipped, Python grpcio",
+    ] {
         let measured: Vec<&serde_json::Value> = variants
             .iter()
             .filter(|v| v["setup"].as_str().is_some_and(|s| s.starts_with(label)))

@@ -17,10 +17,7 @@
 //!   metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
 //!   keeps); `nats`: JetStream streams both NATS adapters set up.
 
-// Two unsafe places in the whole crate, allowed where they are (`llm::direct::socket`): setting
-// SO_RCVLOWAT on the LLM connection's socket, which no safe socket crate offers, and reading it
-// into a buffer without zeroing the buffer first, as the runtime's own read does.
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod cli;
 pub mod config;

@@ -3,6 +3,9 @@
 //! kept (in the stream and in `GetRun`), that the run's slot is freed and the in-flight gauges
 //! are back to 0, that nothing panicked, and that the process goes on serving a normal run.
 //!
+//! Every LLM fault is played to both readers of the model's socket (`--llm-reader run`, the
+//! `paced-http1` crate, and `pooled`, the shared client https and proxies use).
+//!
 //! LLM faults come from the stand-in model (scripted per model name) or, for what it cannot do
 //! (a stall before the headers, an error body that never ends, a reset connection, a
 //! `Retry-After`), from a raw HTTP server here that plays one fault per connection and then
@@ -189,7 +192,18 @@ async fn mock(name: &str, scenario: Scenario) -> anyhow::Result<MockLlm> {
     Ok(MockLlm::start(scenarios).await?)
 }
 
-/// One scripted LLM fault on the stand-in model, checked end to end.
+/// Who reads the model's socket (`--llm-reader`): the run's own task (`paced-http1`, the default
+/// for plain http) and the shared client (https, proxies). Every LLM fault is played to both.
+const READERS: [&str; 2] = ["run", "pooled"];
+
+/// `extra`, reading the model with `reader`.
+fn reading<'a>(reader: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut flags = vec!["--llm-reader", reader];
+    flags.extend_from_slice(extra);
+    flags
+}
+
+/// One scripted LLM fault on the stand-in model, checked end to end on both readers.
 async fn scripted_fault(
     turn: Turn,
     extra: &[&str],
@@ -197,11 +211,17 @@ async fn scripted_fault(
     reason: pb::FailureReason,
     kept: &str,
 ) -> TestResult {
-    let mock = mock("fault", Scenario::new(vec![turn])).await?;
-    let service = orchestrator(&mock.base_url(), &testkit::tool_runner_in_process().await?, extra).await?;
-    let seen = run(&service, model("fault")).await?;
-    assert_fault(&service, &seen, status, reason, kept).await?;
-    service.stop().await
+    for reader in READERS {
+        let mock = mock("fault", Scenario::new(vec![turn.clone()])).await?;
+        let runner = testkit::tool_runner_in_process().await?;
+        let service = orchestrator(&mock.base_url(), &runner, &reading(reader, extra)).await?;
+        let seen = run(&service, model("fault")).await?;
+        assert_fault(&service, &seen, status, reason, kept)
+            .await
+            .map_err(|e| e.context(format!("--llm-reader {reader}")))?;
+        service.stop().await?;
+    }
+    Ok(())
 }
 
 use pb::FailureReason as Reason;
@@ -222,13 +242,17 @@ async fn llm_500_then_success_is_retried() -> TestResult {
         fail_first: vec![503],
         ..Turn::text("after a retry")
     };
-    let mock = mock("fault", Scenario::new(vec![turn])).await?;
-    let service = orchestrator(&mock.base_url(), &testkit::tool_runner_in_process().await?, &[]).await?;
-    let seen = run(&service, model("fault")).await?;
-    assert_eq!(seen.result.status(), Status::Completed);
-    assert_eq!(seen.result.text, "after a retry");
-    settled(&service).await?;
-    service.stop().await
+    for reader in READERS {
+        let mock = mock("fault", Scenario::new(vec![turn.clone()])).await?;
+        let runner = testkit::tool_runner_in_process().await?;
+        let service = orchestrator(&mock.base_url(), &runner, &reading(reader, &[])).await?;
+        let seen = run(&service, model("fault")).await?;
+        assert_eq!(seen.result.status(), Status::Completed, "--llm-reader {reader}");
+        assert_eq!(seen.result.text, "after a retry");
+        settled(&service).await?;
+        service.stop().await?;
+    }
+    Ok(())
 }
 
 #[tokio::test]
@@ -410,16 +434,21 @@ async fn serve_raw(mut socket: TcpStream, fault: Option<Raw>) -> std::io::Result
 /// One fault on the raw server, checked end to end (played once: a response that started, or
 /// did not come in time, is not retried).
 async fn raw_fault(fault: Raw, status: pb::RunStatus, reason: pb::FailureReason, kept: &str) -> TestResult {
-    let (url, _) = raw_llm(vec![fault]).await?;
-    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
-    let started = tokio::time::Instant::now();
-    let seen = run(&service, user("go")).await?;
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "ended by the idle timeout, not the run's deadline"
-    );
-    assert_fault(&service, &seen, status, reason, kept).await?;
-    service.stop().await
+    for reader in READERS {
+        let (url, _) = raw_llm(vec![fault]).await?;
+        let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &reading(reader, &[])).await?;
+        let started = tokio::time::Instant::now();
+        let seen = run(&service, user("go")).await?;
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "ended by the idle timeout, not the run's deadline (--llm-reader {reader})"
+        );
+        assert_fault(&service, &seen, status, reason, kept)
+            .await
+            .map_err(|e| e.context(format!("--llm-reader {reader}")))?;
+        service.stop().await?;
+    }
+    Ok(())
 }
 
 #[tokio::test]
@@ -429,30 +458,43 @@ async fn llm_stall_before_headers() -> TestResult {
 
 #[tokio::test]
 async fn llm_error_body_that_never_ends() -> TestResult {
-    let (url, _) = raw_llm(vec![Raw::ErrorBodyNeverEnds, Raw::ErrorBodyNeverEnds]).await?;
-    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
-    let seen = run(&service, user("go")).await?;
-    assert!(
-        seen.result.failure_detail.contains("500") && seen.result.failure_detail.contains("did not arrive"),
-        "{}",
-        seen.result.failure_detail
-    );
-    assert_fault(&service, &seen, Status::Failed, Reason::LlmError, "").await?;
-    service.stop().await
+    for reader in READERS {
+        let (url, _) = raw_llm(vec![Raw::ErrorBodyNeverEnds, Raw::ErrorBodyNeverEnds]).await?;
+        let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &reading(reader, &[])).await?;
+        let seen = run(&service, user("go")).await?;
+        assert!(
+            seen.result.failure_detail.contains("500") && seen.result.failure_detail.contains("did not arrive"),
+            "--llm-reader {reader}: {}",
+            seen.result.failure_detail
+        );
+        assert_fault(&service, &seen, Status::Failed, Reason::LlmError, "").await?;
+        service.stop().await?;
+    }
+    Ok(())
 }
 
 /// A model server that does not answer in HTTP/1.1 ends the run `LLM_ERROR` saying so (not
 /// retried: something answered).
 #[tokio::test]
 async fn llm_answer_that_is_not_http() -> TestResult {
-    let (url, arrivals) = raw_llm(vec![Raw::NotHttp]).await?;
-    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
-    let seen = run(&service, user("go")).await?;
-    let detail = &seen.result.failure_detail;
-    assert!(detail.contains("not valid HTTP/1.1"), "{detail}");
-    assert_eq!(shared::sync::lock(&arrivals).len(), 1, "not retried");
-    assert_fault(&service, &seen, Status::Failed, Reason::LlmError, "").await?;
-    service.stop().await
+    for (reader, says) in [
+        ("run", "not valid HTTP/1.1"),
+        ("pooled", "request to the LLM server failed"),
+    ] {
+        let (url, arrivals) = raw_llm(vec![Raw::NotHttp]).await?;
+        let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &reading(reader, &[])).await?;
+        let seen = run(&service, user("go")).await?;
+        let detail = &seen.result.failure_detail;
+        assert!(detail.contains(says), "--llm-reader {reader}: {detail}");
+        assert_eq!(
+            shared::sync::lock(&arrivals).len(),
+            1,
+            "not retried (--llm-reader {reader})"
+        );
+        assert_fault(&service, &seen, Status::Failed, Reason::LlmError, "").await?;
+        service.stop().await?;
+    }
+    Ok(())
 }
 
 /// `--llm-max-line-bytes` bounds the model's response head too: a head under it streams, one
@@ -477,6 +519,19 @@ async fn a_response_head_is_bounded_by_llm_max_line_bytes() -> TestResult {
     service.stop().await
 }
 
+/// The shared client (`--llm-reader pooled`, as for https or a proxy) bounds a response head by
+/// hyper's own read buffer (about 400 KiB), not by `--llm-max-line-bytes`: a head over that ends
+/// the run `LLM_ERROR`, never a buffer that grows without end.
+#[tokio::test]
+async fn the_pooled_reader_bounds_a_response_head_by_its_read_buffer() -> TestResult {
+    let (url, _) = raw_llm(vec![Raw::LongHead(600_000)]).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let service = orchestrator(&url, &runner, &reading("pooled", &[])).await?;
+    let over = run(&service, user("go")).await?;
+    assert_fault(&service, &over, Status::Failed, Reason::LlmError, "").await?;
+    service.stop().await
+}
+
 #[tokio::test]
 async fn llm_reset_mid_text_on_the_wire() -> TestResult {
     raw_fault(
@@ -490,33 +545,44 @@ async fn llm_reset_mid_text_on_the_wire() -> TestResult {
 
 #[tokio::test]
 async fn llm_429_with_retry_after_is_honoured() -> TestResult {
-    let (url, arrivals) = raw_llm(vec![Raw::RetryAfter]).await?;
-    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
-    let seen = run(&service, user("go")).await?;
-    assert_eq!(
-        (seen.result.status(), seen.result.text.as_str()),
-        (Status::Completed, "all good")
-    );
-    let arrivals = shared::sync::lock(&arrivals).clone();
-    assert!(
-        arrivals.len() >= 2 && arrivals[1] - arrivals[0] >= Duration::from_millis(900),
-        "the retry waited Retry-After (1s), not the 50ms backoff"
-    );
-    service.stop().await
+    for reader in READERS {
+        let (url, arrivals) = raw_llm(vec![Raw::RetryAfter]).await?;
+        let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &reading(reader, &[])).await?;
+        let seen = run(&service, user("go")).await?;
+        assert_eq!(
+            (seen.result.status(), seen.result.text.as_str()),
+            (Status::Completed, "all good"),
+            "--llm-reader {reader}"
+        );
+        let arrivals = shared::sync::lock(&arrivals).clone();
+        assert!(
+            arrivals.len() >= 2 && arrivals[1] - arrivals[0] >= Duration::from_millis(900),
+            "the retry waited Retry-After (1s), not the 50ms backoff (--llm-reader {reader})"
+        );
+        service.stop().await?;
+    }
+    Ok(())
 }
 
 #[tokio::test]
 async fn llm_connection_refused() -> TestResult {
-    let closed = TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}/v1", closed.local_addr()?);
-    drop(closed);
-    let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &[]).await?;
-    let seen = run(&service, user("go")).await?;
-    let r = &seen.result;
-    assert_eq!((r.status(), r.failure_reason()), (Status::Failed, Reason::LlmError));
-    assert!(r.failure_detail.contains("cannot reach"), "{}", r.failure_detail);
-    settled(&service).await?;
-    service.stop().await
+    for reader in READERS {
+        let closed = TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}/v1", closed.local_addr()?);
+        drop(closed);
+        let service = orchestrator(&url, &testkit::tool_runner_in_process().await?, &reading(reader, &[])).await?;
+        let seen = run(&service, user("go")).await?;
+        let r = &seen.result;
+        assert_eq!(
+            (r.status(), r.failure_reason()),
+            (Status::Failed, Reason::LlmError),
+            "--llm-reader {reader}"
+        );
+        assert!(r.failure_detail.contains("cannot reach"), "{}", r.failure_detail);
+        settled(&service).await?;
+        service.stop().await?;
+    }
+    Ok(())
 }
 
 #[tokio::test]

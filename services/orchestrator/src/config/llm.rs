@@ -74,8 +74,6 @@ pub enum Reader {
     Run,
     /// The shared HTTP client's connection tasks.
     Pooled,
-    /// `hyper`'s HTTP/1.1 connection, driven by the run's own task (measured against `run`).
-    Hyper,
 }
 
 /// The LLM server.

@@ -18,12 +18,10 @@ use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LOCATIO
 use serde::Serialize;
 use serde_json::Value;
 
-use super::direct::wire::RequestHead;
-use super::direct::{Direct, Endpoint, Idle, SendError};
-use super::hyper_reader::HyperReader;
 use super::sse::{DecodeLimits, decode};
 use crate::config::{LlmSettings, Reader};
 use crate::secrets::{Redactor, shown_url, url_secrets};
+use paced_http1::{Endpoint, Idle, SendError};
 use shared::text::excerpt;
 
 use super::{ChatRequest, LlmError, LlmEvent, Message, ReadPace, ToolChoice};
@@ -42,9 +40,7 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
 pub struct HttpLlm {
     client: reqwest::Client,
     /// The `run` reader's connections, for a plain-http server without a proxy.
-    direct: Option<Arc<Direct>>,
-    /// The `hyper` reader's connections (instead of `direct`, when asked for).
-    hyper: Option<Arc<HyperReader>>,
+    direct: Option<Arc<paced_http1::Client>>,
     /// The endpoint, without userinfo (that became a basic-auth header).
     url: reqwest::Url,
     /// The endpoint as logs and errors show it (no credentials, no query values).
@@ -116,21 +112,21 @@ impl HttpLlm {
         let (url, basic_auth) = split_userinfo(&client, url)?;
         let headers = sensitive_headers(&config, basic_auth)?;
         let redactor = redactor(base_url, &headers);
-        let idle = Idle {
-            max: config.max_idle_connections,
-            timeout: config.idle_connection_timeout,
+        let direct = if read_by_the_run(&config, &url) {
+            let idle = Idle {
+                max: config.max_idle_connections,
+                timeout: config.idle_connection_timeout,
+            };
+            Some(paced_http1::Client::new(
+                run_reader_endpoint(&config, &url, &headers)?,
+                idle,
+            ))
+        } else {
+            None
         };
-        let (mut direct, mut hyper) = (None, None);
-        if read_by_the_run(&config, &url) {
-            match config.reader {
-                Reader::Hyper => hyper = Some(hyper_reader(&config, &url, &headers, idle)?),
-                _ => direct = Some(Direct::new(run_reader_endpoint(&config, &url, &headers)?, idle)),
-            }
-        }
         Ok(Self {
             client,
             direct,
-            hyper,
             url,
             shown,
             headers,
@@ -154,12 +150,6 @@ impl HttpLlm {
         pace: &ReadPace,
     ) -> Attempt {
         let send = async {
-            if let Some(hyper) = &self.hyper {
-                return match self.send_hyper(hyper, body.clone(), header, pace).await {
-                    Ok(answer) if answer.status.is_redirection() => self.send_pooled(body, header).await,
-                    other => other,
-                };
-            }
             match &self.direct {
                 Some(direct) => match self.send_direct(direct, body.clone(), header, pace).await {
                     // Redirects are the shared client's (followed within the origin only).
@@ -230,37 +220,16 @@ impl HttpLlm {
     /// The POST on a connection the run reads itself.
     async fn send_direct(
         &self,
-        direct: &Arc<Direct>,
+        direct: &Arc<paced_http1::Client>,
         body: bytes::Bytes,
         header: Option<&(HeaderName, HeaderValue)>,
         pace: &ReadPace,
     ) -> Result<Answer, Attempt> {
-        match direct.send_with(&body, header, pace).await {
+        match direct.send(&body, header, pace).await {
             Ok(answer) => Ok(Answer {
                 status: answer.status,
                 headers: answer.headers,
                 body: answer.body.map(|c| c.map_err(|e| e.to_string())).boxed(),
-            }),
-            Err(SendError::Connect(e)) => Err(self.unreachable(&e)),
-            Err(SendError::Request(e) | SendError::Unread(e)) => Err(Attempt::Final(
-                self.http_error(format!("request to the LLM server failed: {e}")),
-            )),
-        }
-    }
-
-    /// The POST on a `hyper` connection the run drives itself.
-    async fn send_hyper(
-        &self,
-        hyper: &Arc<HyperReader>,
-        body: bytes::Bytes,
-        header: Option<&(HeaderName, HeaderValue)>,
-        pace: &ReadPace,
-    ) -> Result<Answer, Attempt> {
-        match hyper.send_with(&body, header, pace).await {
-            Ok(answer) => Ok(Answer {
-                status: answer.status,
-                headers: answer.headers,
-                body: answer.body.boxed(),
             }),
             Err(SendError::Connect(e)) => Err(self.unreachable(&e)),
             Err(SendError::Request(e) | SendError::Unread(e)) => Err(Attempt::Final(
@@ -319,7 +288,7 @@ fn read_by_the_run(config: &LlmSettings, url: &reqwest::Url) -> bool {
         "HTTPS_PROXY",
         "https_proxy",
     ];
-    matches!(config.reader, Reader::Run | Reader::Hyper)
+    config.reader == Reader::Run
         && url.scheme() == "http"
         && !PROXIES
             .iter()
@@ -338,26 +307,9 @@ fn run_reader_endpoint(config: &LlmSettings, url: &reqwest::Url, headers: &Heade
     head.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
     head.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     head.insert(http::header::ACCEPT, HeaderValue::from_static("text/event-stream"));
-    Ok(Endpoint {
-        authority: authority(url),
-        head: RequestHead::new(&target.to_string(), &head),
-        connect_timeout: config.connect_timeout,
-        max_head_bytes: config.max_line_bytes,
-    })
-}
-
-/// The `hyper` reader of `url`, sending the same headers as the `run` reader.
-fn hyper_reader(config: &LlmSettings, url: &reqwest::Url, headers: &HeaderMap, idle: Idle) -> Result<Arc<HyperReader>, String> {
-    let host = HeaderValue::try_from(host_header(url))
-        .map_err(|e| format!("--llm-base-url: the host is not a valid header value: {e}"))?;
-    let target = http::Uri::try_from(origin_form(url))
-        .map_err(|e| format!("--llm-base-url: its path is not a valid request target: {e}"))?;
-    let mut head = headers.clone();
-    head.insert(http::header::HOST, host);
-    head.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
-    head.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    head.insert(http::header::ACCEPT, HeaderValue::from_static("text/event-stream"));
-    Ok(HyperReader::new(authority(url), target, head, config.connect_timeout, idle))
+    Ok(Endpoint::new(&authority(url), &target.to_string(), &head)
+        .connect_timeout(config.connect_timeout)
+        .max_head_bytes(config.max_line_bytes))
 }
 
 /// `host:port` of an http URL (port 80 when it names none).

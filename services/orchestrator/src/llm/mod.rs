@@ -2,7 +2,8 @@
 //!
 //! * [`fleet`]: the model endpoints, which one each run's turns go to, failover and health;
 //! * [`client`]: the HTTP side of one endpoint (request body, API key, extra headers, what is
-//!   worth a retry, idle timeout), with `direct`: connections read by the run's own task;
+//!   worth a retry, idle timeout); a plain-http endpoint's connections are read by the run's own
+//!   task (the `paced-http1` crate, whose [`ReadPace`] a run sets);
 //! * [`sse`]: bytes → SSE events → semantic [`LlmEvent`]s, tolerant of the differences between
 //!   real servers (see `tests/fixtures/llm-streams/`);
 //! * [`assembler`]: tool-call fragments → whole tool calls;
@@ -11,12 +12,8 @@
 
 pub mod assembler;
 pub mod client;
-mod direct;
-mod hyper_reader;
 pub mod fleet;
 pub mod sse;
-
-use std::sync::atomic::Ordering::Relaxed;
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
@@ -25,6 +22,7 @@ pub use crate::domain::chat::{Message, ToolCall, ToolDefinition, Usage};
 pub use crate::domain::params::{SamplingParams, ToolChoice};
 pub use client::HttpLlm;
 pub use fleet::Fleet;
+pub use paced_http1::ReadPace;
 
 /// One streamed chat completion request.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,62 +43,6 @@ pub struct ChatRequest {
     pub affinity: String,
     /// An endpoint to try only when no other will do: it just cut this turn's stream.
     pub avoid: Option<String>,
-}
-
-/// Whether a completion's reader reads it only on its stream interval's ticks (shared between
-/// the reader and the connection). While it does, the connection's socket need not wake anyone
-/// for each chunk that arrives: the reader takes them all at the next tick; and once a tick's
-/// read found the socket drained, it is not read again before the next tick.
-#[derive(Debug, Clone, Default)]
-pub struct ReadPace(std::sync::Arc<PaceState>);
-
-#[derive(Debug, Default)]
-struct PaceState {
-    ticking: std::sync::atomic::AtomicBool,
-    /// Ticks the reader has woken on.
-    ticks: std::sync::atomic::AtomicU64,
-    /// `ticks` + 1 when the socket was last found drained (0: never).
-    drained: std::sync::atomic::AtomicU64,
-}
-
-impl ReadPace {
-    /// The reader now reads only on its ticks (`true`), or waits for the next chunk (`false`).
-    pub fn set_ticking(&self, ticking: bool) {
-        self.0.ticking.store(ticking, Relaxed);
-    }
-
-    /// Whether the reader reads only on its ticks.
-    pub fn ticking(&self) -> bool {
-        self.0.ticking.load(Relaxed)
-    }
-
-    /// The reader woke on a tick: the socket is worth reading again.
-    pub fn ticked(&self) {
-        self.0.ticks.fetch_add(1, Relaxed);
-    }
-
-    /// Ticks the reader has woken on.
-    pub fn ticks(&self) -> u64 {
-        self.0.ticks.load(Relaxed)
-    }
-
-    /// The connection read everything the socket held (a short read, or none).
-    pub fn drained(&self) {
-        self.0.drained.store(self.0.ticks.load(Relaxed) + 1, Relaxed);
-    }
-
-    /// Whether the socket was found drained since the reader's last tick: what arrives after
-    /// waits for the next one.
-    pub fn drained_this_tick(&self) -> bool {
-        self.ticking() && self.0.drained.load(Relaxed) == self.0.ticks.load(Relaxed) + 1
-    }
-}
-
-/// A hint between reader and connection, not part of what is asked: any two are equal.
-impl PartialEq for ReadPace {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
 }
 
 /// What the stream says, independent of any server's quirks.

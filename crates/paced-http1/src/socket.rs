@@ -11,37 +11,32 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncWriteExt as _, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::llm::ReadPace;
+use crate::ReadPace;
 
 /// Bytes that must be waiting before the socket wakes a reader that reads only on its ticks:
 /// far more than a tick's worth of tokens, so arriving tokens wake nobody (and if a fast model
 /// fills it, the reader is merely woken early).
 const TICKING_LOW_WATER: i32 = 64 * 1024;
 
-pub(in crate::llm) struct Socket {
+pub(crate) struct Socket {
     tcp: TcpStream,
     /// The low-water mark set on the socket.
     low_water: i32,
 }
 
 impl Socket {
-    pub(in crate::llm) fn new(tcp: TcpStream) -> Self {
+    pub(crate) fn new(tcp: TcpStream) -> Self {
         Self { tcp, low_water: 1 }
     }
 
     /// Writes all of `head` and `body` (in one system call when the socket takes them).
-    pub(super) async fn send(&mut self, head: bytes::Bytes, body: bytes::Bytes) -> std::io::Result<()> {
+    pub(crate) async fn send(&mut self, head: bytes::Bytes, body: bytes::Bytes) -> std::io::Result<()> {
         use bytes::Buf as _;
         self.tcp.write_all_buf(&mut head.chain(body)).await
     }
 
     /// Reads what the socket holds into `buf` at `pace`: nothing added to `buf` is its end.
-    /// The TCP stream, to write to.
-    pub(in crate::llm) fn tcp_mut(&mut self) -> &mut TcpStream {
-        &mut self.tcp
-    }
-
-    pub(in crate::llm) fn poll_read(
+    pub(crate) fn poll_read(
         &mut self,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
@@ -93,7 +88,7 @@ impl Socket {
     }
 
     /// The low-water mark for the reader's pace, set on the socket when it changed.
-    pub(super) fn follow_pace(&mut self, ticking: bool) {
+    pub(crate) fn follow_pace(&mut self, ticking: bool) {
         let wanted = if ticking { TICKING_LOW_WATER } else { 1 };
         if wanted != self.low_water {
             match set_receive_low_water(&self.tcp, wanted) {
@@ -106,7 +101,7 @@ impl Socket {
 
     /// Whether an idle connection can carry a request: the server neither closed it nor sent
     /// anything since its last answer (both make it unusable).
-    pub(super) fn idle_and_open(&self) -> bool {
+    pub(crate) fn idle_and_open(&self) -> bool {
         let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
         matches!(
             socket2::SockRef::from(&self.tcp).peek(&mut probe),

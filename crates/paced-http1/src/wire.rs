@@ -15,11 +15,11 @@ const MAX_FRAMING_LINE: usize = 4096;
 
 /// A request's head up to its `Content-Length`: the same for every completion of a client.
 #[derive(Clone)]
-pub(in crate::llm) struct RequestHead(Bytes);
+pub(crate) struct RequestHead(Bytes);
 
 impl RequestHead {
     /// `POST {target} HTTP/1.1` and `headers` (which a `HeaderMap` keeps free of line breaks).
-    pub(in crate::llm) fn new(target: &str, headers: &HeaderMap) -> Self {
+    pub(crate) fn new(target: &str, headers: &HeaderMap) -> Self {
         let mut head = BytesMut::with_capacity(256);
         head.put_slice(b"POST ");
         head.put_slice(target.as_bytes());
@@ -35,12 +35,12 @@ impl RequestHead {
 
     /// The whole head for a body of `length` bytes.
     #[cfg(test)]
-    pub(super) fn with_length(&self, length: usize) -> Bytes {
+    pub(crate) fn with_length(&self, length: usize) -> Bytes {
         self.with(None, length)
     }
 
     /// The whole head for a body of `length` bytes, with one more header of this request's.
-    pub(super) fn with(&self, header: Option<&(HeaderName, HeaderValue)>, length: usize) -> Bytes {
+    pub(crate) fn with(&self, header: Option<&(HeaderName, HeaderValue)>, length: usize) -> Bytes {
         let mut head = BytesMut::with_capacity(self.0.len() + 32);
         head.put_slice(&self.0);
         if let Some((name, value)) = header {
@@ -56,7 +56,7 @@ impl RequestHead {
 
 /// What is wrong with an answer, as HTTP/1.1 framing goes.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub(super) enum WireError {
+pub(crate) enum WireError {
     #[error("the LLM server's response head is not valid HTTP/1.1: {0}")]
     Head(String),
     #[error("the LLM server's response head is longer than {0} bytes")]
@@ -75,7 +75,7 @@ impl From<WireError> for std::io::Error {
 
 /// An answer's head, and how its body is framed.
 #[derive(Debug)]
-pub(super) struct Head {
+pub(crate) struct Head {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub framing: BodyDecoder,
@@ -85,7 +85,7 @@ pub(super) struct Head {
 
 /// The head found at the start of `buf`, with its length; `None` while it is incomplete. An
 /// informational answer (`1xx`) comes back as is: the caller skips it and parses again.
-pub(super) fn parse_head(buf: &[u8], max_bytes: usize) -> Result<Option<(Head, usize)>, WireError> {
+pub(crate) fn parse_head(buf: &[u8], max_bytes: usize) -> Result<Option<(Head, usize)>, WireError> {
     let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut response = httparse::Response::new(&mut slots);
     let length = match response.parse(buf) {
@@ -174,7 +174,7 @@ fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
 
 /// Takes a body's framing off as its bytes arrive, in whatever pieces.
 #[derive(Debug)]
-pub(super) struct BodyDecoder(State);
+pub(crate) struct BodyDecoder(State);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -200,7 +200,7 @@ enum State {
 }
 
 impl BodyDecoder {
-    pub(super) fn length(length: u64) -> Self {
+    pub(crate) fn length(length: u64) -> Self {
         Self(if length == 0 {
             State::Done
         } else {
@@ -208,21 +208,21 @@ impl BodyDecoder {
         })
     }
 
-    pub(super) fn chunked() -> Self {
+    pub(crate) fn chunked() -> Self {
         Self(State::Size { size: 0, digits: 0 })
     }
 
-    pub(super) fn until_close() -> Self {
+    pub(crate) fn until_close() -> Self {
         Self(State::UntilClose)
     }
 
     /// Whether the body was read to its end.
-    pub(super) fn done(&self) -> bool {
+    pub(crate) fn done(&self) -> bool {
         self.0 == State::Done
     }
 
     /// The connection closed: the end of a body that runs to it, or one cut short.
-    pub(super) fn closed(&mut self) -> Result<(), WireError> {
+    pub(crate) fn closed(&mut self) -> Result<(), WireError> {
         match self.0 {
             State::UntilClose | State::Done => {
                 self.0 = State::Done;
@@ -234,7 +234,7 @@ impl BodyDecoder {
 
     /// Takes the framing off `input`, putting the payload into `out`; returns the bytes used
     /// (fewer than given only once the body is done).
-    pub(super) fn decode(&mut self, input: &[u8], out: &mut BytesMut) -> Result<usize, WireError> {
+    pub(crate) fn decode(&mut self, input: &[u8], out: &mut BytesMut) -> Result<usize, WireError> {
         let mut used = 0;
         while used < input.len() && !self.done() {
             let rest = &input[used..];

@@ -1,18 +1,46 @@
-//! The `run` reader: completions from a plain-http LLM server read by the run itself.
+//! An HTTP/1.1 client for streamed answers (server-sent events from a model server), read by
+//! whoever reads the answer's body, at its reader's pace.
 //!
-//! A shared HTTP client reads every socket in a connection task of its own and hands each chunk
-//! to the run's task through a channel: two tasks woken per token, often on two threads. Here a
-//! completion's HTTP/1.1 connection is read by whoever reads its body (the run's task): one task
-//! per token, and nothing read between a stream interval's ticks. The request is written and the
-//! answer parsed in place ([`wire`]; the socket, read at its reader's pace, in `socket.rs`), so a
-//! connection waiting for the model's next token holds its socket and a few counters, no buffer.
-//! Connections are kept alive for the next turn in a
-//! bounded pool of idle ones; one that the server closed while idle is found closed when taken
+//! A general HTTP client reads every socket in a connection task of its own and hands each chunk
+//! to the reader's task through a channel: two tasks woken per chunk, often on two threads, and
+//! the connection's buffers kept while the server thinks. Here the connection is read by
+//! whoever polls the body: one task per chunk, and nothing read between a paced reader's ticks
+//! ([`ReadPace`]). The request is written and the answer parsed in place (`wire.rs`; the socket,
+//! read at its reader's pace, in `socket.rs`), so a connection waiting for the next chunk holds
+//! its socket and a few counters, no buffer. Connections are kept alive for the next request in
+//! a bounded pool of idle ones; one that the server closed while idle is found closed when taken
 //! (it is peeked first) and replaced, and a request refused by a reused connection before any
 //! answer is sent again once on a new one.
+//!
+//! What it does not do: TLS, proxies, redirects, HTTP/2, compressed bodies, requests other than
+//! `POST` with a body. The orchestrator reads a plain-http model server without a proxy with it,
+//! and every other one through `reqwest` (docs/architecture.md, "Who reads the model's socket").
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), paced_http1::SendError> {
+//! use futures::StreamExt as _;
+//! let mut headers = http::HeaderMap::new();
+//! headers.insert(http::header::HOST, http::HeaderValue::from_static("127.0.0.1:8000"));
+//! let endpoint = paced_http1::Endpoint::new("127.0.0.1:8000", "/v1/chat/completions", &headers);
+//! let client = paced_http1::Client::new(endpoint, paced_http1::Idle::default());
+//! let pace = paced_http1::ReadPace::default();
+//! let answer = client.send(&bytes::Bytes::from_static(b"{}"), None, &pace).await?;
+//! let mut body = answer.body;
+//! while let Some(chunk) = body.next().await {
+//!     let _payload = chunk.map_err(|e| paced_http1::SendError::Request(e.to_string()))?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
 
+// Two unsafe places in the whole crate, allowed where they are (`socket.rs`): setting
+// SO_RCVLOWAT on the socket, which no safe socket crate offers, and reading it into a buffer
+// without zeroing the buffer first, as the runtime's own read does.
+#![deny(unsafe_code)]
+
+mod pace;
 mod socket;
-pub(super) mod wire;
+mod wire;
 
 use std::mem::MaybeUninit;
 use std::pin::Pin;
@@ -25,8 +53,8 @@ use http::{HeaderMap, StatusCode};
 use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 
-use super::ReadPace;
-pub(super) use socket::Socket;
+pub use pace::ReadPace;
+use socket::Socket;
 use wire::{BodyDecoder, RequestHead};
 
 /// Bytes read from the socket at a time, into a buffer on the reader's stack (so that none is
@@ -34,15 +62,18 @@ use wire::{BodyDecoder, RequestHead};
 const READ_BYTES: usize = 16 * 1024;
 
 /// Why a request got no answer.
-#[derive(Debug)]
-pub(super) enum SendError {
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
     /// No connection could be made (worth retrying).
+    #[error("{0}")]
     Connect(String),
     /// The connection failed before the answer's head, or the head was not HTTP/1.1.
+    #[error("{0}")]
     Request(String),
     /// A kept-alive connection failed in a way that shows the server never read the request
     /// (the write failed, or the server reset the connection with the request unread): it is
-    /// sent again on a new connection.
+    /// sent again on a new connection, and only reaches the caller if that one fails the same way.
+    #[error("{0}")]
     Unread(String),
 }
 
@@ -59,24 +90,62 @@ impl SendError {
 
 /// How many idle connections are kept, and for how long.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Idle {
+pub struct Idle {
+    /// The most kept; a connection read to its end when there are this many is closed.
     pub max: usize,
+    /// How long one is kept unused.
     pub timeout: Duration,
 }
 
-/// Where and what the `run` reader sends.
-pub(super) struct Endpoint {
-    /// `host:port`, as connected to.
-    pub authority: String,
-    /// Every request's head but its length.
-    pub head: RequestHead,
-    pub connect_timeout: Duration,
-    /// The longest answer head accepted.
-    pub max_head_bytes: usize,
+impl Default for Idle {
+    fn default() -> Self {
+        Self {
+            max: 32,
+            timeout: Duration::from_secs(90),
+        }
+    }
 }
 
-/// The LLM server's idle HTTP/1.1 connections, and how to make new ones.
-pub(super) struct Direct {
+/// Where requests go and the head every one of them carries.
+pub struct Endpoint {
+    /// `host:port`, as connected to.
+    authority: String,
+    /// Every request's head but its length.
+    head: RequestHead,
+    connect_timeout: Duration,
+    /// The longest answer head accepted.
+    max_head_bytes: usize,
+}
+
+impl Endpoint {
+    /// `POST {target}` to `authority` (`host:port`) with `headers` (which should hold `Host`); a
+    /// connection is given 10 s to open and an answer's head 64 KiB, unless set otherwise.
+    pub fn new(authority: &str, target: &str, headers: &HeaderMap) -> Self {
+        Self {
+            authority: authority.to_owned(),
+            head: RequestHead::new(target, headers),
+            connect_timeout: Duration::from_secs(10),
+            max_head_bytes: 64 * 1024,
+        }
+    }
+
+    /// How long a new connection may take to open.
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The longest answer head accepted (informational heads before it included).
+    #[must_use]
+    pub fn max_head_bytes(mut self, bytes: usize) -> Self {
+        self.max_head_bytes = bytes;
+        self
+    }
+}
+
+/// A server's idle HTTP/1.1 connections, and how to make new ones.
+pub struct Client {
     endpoint: Endpoint,
     limits: Idle,
     /// Idle connections, each with when it went idle; the newest last.
@@ -84,14 +153,19 @@ pub(super) struct Direct {
 }
 
 /// An answer's status and headers; its body is read by whoever reads `body`.
-pub(super) struct Answered {
+pub struct Answer {
+    /// The final status (informational heads before it are skipped).
     pub status: StatusCode,
+    /// The answer's headers.
     pub headers: HeaderMap,
-    pub body: DirectBody,
+    /// The payload, framing taken off; read to its end, the connection is kept for the next
+    /// request, dropped before, it is closed.
+    pub body: Body,
 }
 
-impl Direct {
-    pub(super) fn new(endpoint: Endpoint, limits: Idle) -> Arc<Self> {
+impl Client {
+    /// The client of `endpoint`, keeping up to `limits` idle connections.
+    pub fn new(endpoint: Endpoint, limits: Idle) -> Arc<Self> {
         Arc::new(Self {
             endpoint,
             limits,
@@ -99,20 +173,15 @@ impl Direct {
         })
     }
 
-    /// Sends a request carrying `body` on an idle connection, or a new one, and reads until the
-    /// answer's head arrives; the answer's body is read by whoever reads the returned stream.
-    #[cfg(test)]
-    pub(super) async fn send(self: &Arc<Self>, body: &Bytes, pace: &ReadPace) -> Result<Answered, SendError> {
-        self.send_with(body, None, pace).await
-    }
-
-    /// [`Direct::send`] with one more header of this request's (e.g. its affinity key).
-    pub(super) async fn send_with(
+    /// Sends a request carrying `body` (and `header`, one more header of this request's, e.g. an
+    /// affinity key) on an idle connection, or a new one, and reads until the answer's head
+    /// arrives; the answer's body is read by whoever reads it, at `pace`.
+    pub async fn send(
         self: &Arc<Self>,
         body: &Bytes,
         header: Option<&(http::HeaderName, http::HeaderValue)>,
         pace: &ReadPace,
-    ) -> Result<Answered, SendError> {
+    ) -> Result<Answer, SendError> {
         let head = self.endpoint.head.with(header, body.len());
         if let Some(socket) = self.take_idle() {
             // A connection the server is closing just as it is reused may refuse the request
@@ -139,13 +208,13 @@ impl Direct {
         head: &Bytes,
         body: &Bytes,
         pace: &ReadPace,
-    ) -> Result<Answered, SendError> {
+    ) -> Result<Answer, SendError> {
         socket
             .send(head.clone(), body.clone())
             .await
             .map_err(|e| SendError::Unread(format!("sending the request: {e}")))?;
         let (head, rest) = self.read_head(&mut socket, pace).await?;
-        let mut body = DirectBody {
+        let mut body = Body {
             socket: Some(socket),
             decoder: head.framing,
             ready: None,
@@ -161,7 +230,7 @@ impl Direct {
             // The payload before the error is the answer's too: it is read, then the error.
             body.fail(e);
         }
-        Ok(Answered {
+        Ok(Answer {
             status: head.status,
             headers: head.headers,
             body,
@@ -237,20 +306,25 @@ impl Direct {
     /// The newest idle connection still open and quiet; those idle too long are closed.
     fn take_idle(&self) -> Option<Socket> {
         let timeout = self.limits.timeout;
-        shared::sync::lock(&self.idle).retain(|(_, since)| since.elapsed() < timeout);
+        self.idle_connections().retain(|(_, since)| since.elapsed() < timeout);
         loop {
-            let (socket, _) = shared::sync::lock(&self.idle).pop()?;
+            let (socket, _) = self.idle_connections().pop()?;
             if socket.idle_and_open() {
                 return Some(socket);
             }
         }
     }
 
+    /// The idle connections (a panic elsewhere while holding them leaves them usable).
+    fn idle_connections(&self) -> std::sync::MutexGuard<'_, Vec<(Socket, Instant)>> {
+        self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Keeps a connection whose answer was read to its end for the next request, if there is
     /// room.
     fn keep(&self, mut socket: Socket) {
         socket.follow_pace(false);
-        let mut idle = shared::sync::lock(&self.idle);
+        let mut idle = self.idle_connections();
         if idle.len() < self.limits.max {
             idle.push((socket, Instant::now()));
         }
@@ -259,7 +333,7 @@ impl Direct {
 
 /// A completion's body, read from its connection by the reader's own task. Read to its end, the
 /// connection goes back to the pool (when its framing allows); dropped before, it is closed.
-pub(super) struct DirectBody {
+pub struct Body {
     /// `None` once the connection failed.
     socket: Option<Socket>,
     decoder: BodyDecoder,
@@ -269,10 +343,10 @@ pub(super) struct DirectBody {
     failed: Option<std::io::Error>,
     reusable: bool,
     pace: ReadPace,
-    pool: Arc<Direct>,
+    pool: Arc<Client>,
 }
 
-impl futures::Stream for DirectBody {
+impl futures::Stream for Body {
     type Item = Result<Bytes, std::io::Error>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
@@ -315,7 +389,7 @@ impl futures::Stream for DirectBody {
     }
 }
 
-impl DirectBody {
+impl Body {
     /// Takes the framing off bytes read, keeping their payload to be yielded.
     /// Bytes before a framing error in `read` are kept in `ready` too (the error is returned).
     fn take_in(&mut self, read: &[u8]) -> std::io::Result<()> {
@@ -355,7 +429,7 @@ impl DirectBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::direct::wire::WireError;
+    use crate::wire::WireError;
     use futures::{FutureExt as _, StreamExt as _};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -399,10 +473,10 @@ mod tests {
     }
 
     /// One request to a server answering it with `answer`, then closing.
-    async fn send_to(answer: &str) -> Result<Answered, SendError> {
+    async fn send_to(answer: &str) -> Result<Answer, SendError> {
         let (address, _) = scripted(answer, 1).await;
         run_reader(&address, idle(4))
-            .send(&request_body(), &ReadPace::default())
+            .send(&request_body(), None, &ReadPace::default())
             .await
     }
 
@@ -419,24 +493,19 @@ mod tests {
     }
 
     /// The `run` reader of the server at `address`.
-    fn run_reader(address: &str, limits: Idle) -> Arc<Direct> {
+    fn run_reader(address: &str, limits: Idle) -> Arc<Client> {
         let mut headers = HeaderMap::new();
         headers.insert(http::header::HOST, http::HeaderValue::try_from(address).unwrap());
-        let endpoint = Endpoint {
-            authority: address.to_owned(),
-            head: RequestHead::new("/v1/chat/completions", &headers),
-            connect_timeout: Duration::from_secs(5),
-            max_head_bytes: 64 * 1024,
-        };
-        Direct::new(endpoint, limits)
+        let endpoint = Endpoint::new(address, "/v1/chat/completions", &headers).connect_timeout(Duration::from_secs(5));
+        Client::new(endpoint, limits)
     }
 
     fn request_body() -> Bytes {
         Bytes::from_static(b"{}")
     }
 
-    async fn read_all(direct: &Arc<Direct>) -> String {
-        let answer = direct.send(&request_body(), &ReadPace::default()).await.unwrap();
+    async fn read_all(direct: &Arc<Client>) -> String {
+        let answer = direct.send(&request_body(), None, &ReadPace::default()).await.unwrap();
         assert_eq!(answer.status, 200);
         let mut body = answer.body;
         let mut text = Vec::new();
@@ -518,7 +587,7 @@ mod tests {
         let (address, chunks) = server_of_chunks().await;
         let direct = run_reader(&address, idle(4));
         let pace = ReadPace::default();
-        let mut body = direct.send(&request_body(), &pace).await.unwrap().body;
+        let mut body = direct.send(&request_body(), None, &pace).await.unwrap().body;
         chunks.send("data: 1\n\n").unwrap();
         assert_eq!(&body.next().await.unwrap().unwrap()[..], b"data: 1\n\n");
 
@@ -668,7 +737,11 @@ mod tests {
         let mut with_head = send_to(&format!("{head}{bad}")).await.unwrap().body;
         let address = in_two_writes(head, bad).await;
         let direct = run_reader(&address, idle(4));
-        let mut later = direct.send(&request_body(), &ReadPace::default()).await.unwrap().body;
+        let mut later = direct
+            .send(&request_body(), None, &ReadPace::default())
+            .await
+            .unwrap()
+            .body;
         for body in [&mut with_head, &mut later] {
             assert_eq!(&body.next().await.unwrap().unwrap()[..], b"hello");
             let error = body.next().await.unwrap().unwrap_err();
@@ -732,7 +805,7 @@ mod tests {
         let (address, requests) = closing_on_the_second(true).await;
         let direct = run_reader(&address, idle(4));
         assert_eq!(read_all(&direct).await, "hello");
-        let sent = direct.send(&request_body(), &ReadPace::default()).await;
+        let sent = direct.send(&request_body(), None, &ReadPace::default()).await;
         assert!(
             matches!(&sent, Err(SendError::Request(e)) if e.contains("not sent again")),
             "{:?}",
@@ -756,7 +829,7 @@ mod tests {
         let address = format!("127.0.0.1:{port}");
         let direct = run_reader(&address, idle(4));
         assert!(matches!(
-            direct.send(&request_body(), &ReadPace::default()).await,
+            direct.send(&request_body(), None, &ReadPace::default()).await,
             Err(SendError::Connect(_))
         ));
     }
