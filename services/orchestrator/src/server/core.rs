@@ -146,11 +146,11 @@ impl Core {
         let span = crate::telemetry::invoke_agent_span(&spec.model, &spec.run_id, &spec.principal);
         match why {
             Resumption::TakenOver => {
-                tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.turns_done, logged = resumed.logged, "took the run over");
+                tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.progress.turns_done, logged = resumed.logged, "took the run over");
                 metrics::counter!(metric::RUNS_MOVED, "how" => "taken_over").increment(1);
             }
             Resumption::Decided => {
-                tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.turns_done, "the run goes on after its approvals");
+                tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.progress.turns_done, "the run goes on after its approvals");
             }
         }
         let run = admitted.into_run(spec, emitter, None);

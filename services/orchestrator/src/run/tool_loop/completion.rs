@@ -65,8 +65,8 @@ impl Driver<'_> {
             text_len: state.text.len(),
             reasoning_len: state.reasoning.len(),
             reasoning_truncated: state.reasoning_truncated,
-            detector: self.detector.clone(),
-            reasoning_detector: self.reasoning_detector.clone(),
+            detector: self.loops.text.clone(),
+            reasoning_detector: self.loops.reasoning.clone(),
         }
     }
 
@@ -80,14 +80,14 @@ impl Driver<'_> {
             state.reasoning.truncate(mark.reasoning_len);
             state.reasoning_truncated = mark.reasoning_truncated;
         }
-        (self.detector, self.reasoning_detector) = (mark.detector, mark.reasoning_detector);
+        (self.loops.text, self.loops.reasoning) = (mark.detector, mark.reasoning_detector);
         (turn.text, turn.reasoning, turn.usage) = (String::new(), String::new(), Usage::default());
-        self.attempt += 1;
-        tracing::warn!(turn = turn.number, attempt = self.attempt, %endpoint, "the model stream was cut; the turn starts again on another endpoint: {}", error.cause());
+        self.progress.attempt += 1;
+        tracing::warn!(turn = turn.number, attempt = self.progress.attempt, %endpoint, "the model stream was cut; the turn starts again on another endpoint: {}", error.cause());
         metrics::counter!(metric::TURNS_RESTARTED, "why" => "model_endpoint").increment(1);
         self.emitter.queue(Event::TurnRestarted {
             turn: turn.number,
-            attempt: self.attempt,
+            attempt: self.progress.attempt,
             reason: format!(
                 "the model server at {endpoint} cut the stream ({}); the turn starts again on another",
                 error.cause()
@@ -155,7 +155,7 @@ impl Driver<'_> {
         if release_text {
             let mut held = completion.collector.release_held();
             held.truncate(shared::text::truncate(&held, self.output_room()).len());
-            self.detector.feed(&held);
+            self.loops.text.feed(&held);
             let turn = lock(self.state).turns;
             self.emitter.queue(Event::TextDelta { text: held, turn });
         }
@@ -170,7 +170,7 @@ impl Driver<'_> {
         if reasoning.is_empty() {
             return Ok(());
         }
-        let tripped = self.reasoning_detector.feed(reasoning);
+        let tripped = self.loops.reasoning.feed(reasoning);
         let seen = tripped.as_ref().map_or(reasoning, |(_, end)| &reasoning[..*end]);
         self.keep_reasoning(turn, seen).await;
         match tripped {
@@ -232,7 +232,7 @@ impl Driver<'_> {
         if text.is_empty() {
             return Ok(());
         }
-        let tripped = self.detector.feed(text);
+        let tripped = self.loops.text.feed(text);
         let mut shown = tripped.as_ref().map_or(text, |(_, end)| &text[..*end]);
         let over = shown.len() > self.output_room();
         if over {

@@ -29,26 +29,49 @@ pub struct Checkpoint {
     pub result: RunResult,
     /// Assistant and tool messages of the turns so far.
     pub conversation: Vec<Message>,
-    /// Normal calls executed.
-    pub used_budget: u32,
-    /// Turns with a failed call.
-    pub failed_turns: u32,
-    /// Bytes of arguments and errors counted against the output bound.
-    pub recorded_bytes: usize,
+    /// How far the run got (kept flat in the stored checkpoint).
+    #[serde(flatten)]
+    pub progress: Progress,
     /// Call ids given out (a resumed run never gives one out twice).
     pub call_ids: Vec<String>,
     /// Call ids generated so far.
     pub generated_ids: u32,
-    /// Turns ended.
-    pub turns_done: u32,
-    /// The attempt of the turn after `turns_done` (1, or more once it was restarted).
-    pub attempt: u32,
     /// The last seq numbered.
     pub seq: u64,
     /// Events numbered and not known to be in the log yet.
     pub outbox: Vec<NumberedEvent>,
     /// The current turn's calls, when the checkpoint is taken among them.
     pub calls: Option<TurnCalls>,
+}
+
+/// How far a run got, counted against its limits: what the loop's rules count as they go and a
+/// checkpoint carries over to the replica that resumes the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Turns ended.
+    pub turns_done: u32,
+    /// The attempt of the turn after `turns_done` (1, or more once it was restarted).
+    pub attempt: u32,
+    /// Normal calls executed (against the tool-call budget).
+    pub used_budget: u32,
+    /// Turns with a failed call (against the failure limit).
+    pub failed_turns: u32,
+    /// Bytes of the arguments and errors of the calls and signals recorded so far (against the
+    /// output bound), counted at the turn boundaries where they change, not on every batch of
+    /// text.
+    pub recorded_bytes: usize,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self {
+            turns_done: 0,
+            attempt: 1,
+            used_budget: 0,
+            failed_turns: 0,
+            recorded_bytes: 0,
+        }
+    }
 }
 
 impl Checkpoint {
@@ -60,13 +83,9 @@ impl Checkpoint {
             spec: spec.clone(),
             result,
             conversation: Vec::new(),
-            used_budget: 0,
-            failed_turns: 0,
-            recorded_bytes: 0,
+            progress: Progress::default(),
             call_ids: Vec::new(),
             generated_ids: 0,
-            turns_done: 0,
-            attempt: 1,
             seq: 1,
             outbox: vec![NumberedEvent {
                 seq: 1,
@@ -181,13 +200,9 @@ impl Driver<'_> {
             spec: self.spec.clone(),
             result: shared::sync::lock(self.state).clone(),
             conversation: self.conversation.clone(),
-            used_budget: self.used_budget,
-            failed_turns: self.failed_turns,
-            recorded_bytes: self.recorded_bytes,
+            progress: self.progress,
             call_ids: self.ids.used.iter().cloned().collect(),
             generated_ids: self.ids.generated,
-            turns_done: self.turns_done,
-            attempt: self.attempt,
             seq: self.emitter.seq(),
             outbox: self.emitter.queued().to_vec(),
             calls: calls.cloned(),
@@ -254,24 +269,23 @@ impl Driver<'_> {
         let Resumed { checkpoint: c, logged } = resumed;
         *shared::sync::lock(self.state) = c.result;
         self.conversation = c.conversation;
-        (self.used_budget, self.failed_turns, self.recorded_bytes) = (c.used_budget, c.failed_turns, c.recorded_bytes);
+        self.progress = c.progress;
         self.ids.used = c.call_ids.into_iter().collect();
         self.ids.generated = c.generated_ids;
-        (self.turns_done, self.attempt) = (c.turns_done, c.attempt);
         let mut calls = c.calls;
         if let Some(calls) = calls.as_mut().filter(|_| logged > c.seq) {
             self.void_cut_short_text(calls);
         } else if logged > c.seq && calls.is_none() {
-            self.attempt += 1;
-            let turn = self.turns_done + 1;
+            self.progress.attempt += 1;
+            let turn = self.progress.turns_done + 1;
             tracing::info!(
                 turn,
-                attempt = self.attempt,
+                attempt = self.progress.attempt,
                 "the model stream of this turn was cut; it starts again"
             );
             self.emitter.queue(Event::TurnRestarted {
                 turn,
-                attempt: self.attempt,
+                attempt: self.progress.attempt,
                 reason: "the orchestrator replica running the run stopped while the model was streaming".to_owned(),
             });
         } else if logged > c.seq {
@@ -297,7 +311,7 @@ impl Driver<'_> {
             state.reasoning.truncate(start.reasoning_len);
         }
         (calls.turn.text, calls.turn.reasoning) = (String::new(), String::new());
-        self.attempt += 1;
+        self.progress.attempt += 1;
         let started = calls.partition.calls.len();
         tracing::info!(
             turn = calls.turn.number,
@@ -306,7 +320,7 @@ impl Driver<'_> {
         );
         self.emitter.queue(Event::TurnRestarted {
             turn: calls.turn.number,
-            attempt: self.attempt,
+            attempt: self.progress.attempt,
             reason: format!(
                 "the orchestrator replica running the run stopped while the model was streaming; the turn goes on with the {started} call(s) it had started"
             ),

@@ -112,7 +112,7 @@ impl Driver<'_> {
         let durable = self.durable().is_some();
         for (index, call) in calls {
             let runs = self.runs_early(index, &call);
-            if self.normal_names.contains(call.name.as_str()) {
+            if self.offer.normal.contains(call.name.as_str()) {
                 self.eager.normal_seen += 1;
             }
             if runs {
@@ -127,7 +127,7 @@ impl Driver<'_> {
     /// Whether the turn would run structured call `index` whatever comes after it.
     /// The calls before it were looked at in order: `normal_seen` of them name normal tools.
     fn runs_early(&self, index: usize, call: &AssembledCall) -> bool {
-        self.normal_names.contains(call.name.as_str())
+        self.offer.normal.contains(call.name.as_str())
             && call.argument_bytes <= self.deps.output.max_argument_bytes
             && is_json_object(&call.arguments)
             && !self.spec.approval.needs(&call.name)
@@ -213,7 +213,7 @@ impl Driver<'_> {
         if outcomes.is_empty() {
             return;
         }
-        self.used_budget += u32::try_from(outcomes.len()).unwrap_or(u32::MAX);
+        self.progress.used_budget += u32::try_from(outcomes.len()).unwrap_or(u32::MAX);
         let any_failed = outcomes.iter().any(|o| o.result.is_err());
         let partition = super::Partition {
             normal: (0..calls.len()).collect(),

@@ -40,7 +40,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-pub use self::durable::{Checkpoint, Resumed};
+pub use self::durable::{Checkpoint, Progress, Resumed};
 
 use self::completion::Completion;
 use self::durable::TurnCalls;
@@ -411,37 +411,52 @@ struct Driver<'a> {
     deps: &'a LoopDeps,
     state: &'a SharedState,
     emitter: &'a mut Emitter,
-    normal_names: HashSet<&'a str>,
-    exit_names: HashSet<&'a str>,
-    /// Normal and exit tools, as offered to the model.
-    tools: Arc<[ToolDefinition]>,
+    /// What the model is offered, and which of its calls are run and which are signals.
+    offer: Offer<'a>,
     max_turns: u32,
     /// Assistant and tool messages of the turns so far (exit calls excluded).
     conversation: Vec<Message>,
-    detector: LoopDetector,
-    /// The same rule over the model's reasoning, which is not shown but can loop too.
-    reasoning_detector: LoopDetector,
+    /// The loop detector's rule over the text and over the reasoning.
+    loops: Loops,
     /// The completion streaming now, kept here so a run that ends mid-turn keeps its held text
     /// and usage.
     completion: Option<Completion>,
-    /// Bytes of the arguments and errors of the calls and signals recorded so far, counted at
-    /// the turn boundaries where they change, not on every batch of text.
-    recorded_bytes: usize,
     ids: IdAllocator,
-    used_budget: u32,
-    failed_turns: u32,
+    /// How far the run got, against its limits (what a checkpoint carries over).
+    progress: Progress,
     /// The run's span (`invoke_agent`), for signal events.
     run_span: tracing::Span,
     /// Writes the run's state to the result store (checkpoints, late signal deliveries).
     persister: Option<Persister>,
-    /// Turns ended.
-    turns_done: u32,
-    /// The attempt of the turn after `turns_done` (more than 1 once it was restarted elsewhere).
-    attempt: u32,
     /// Set when a draining replica asks the run to hand over at its next safe point.
     handoff: tokio_util::sync::CancellationToken,
     /// The current turn's calls started while the model still wrote.
     eager: eager::Eager,
+}
+
+/// The tools a run offers the model: the definitions sent with every turn, and the names that
+/// sort its calls into normal ones (run on the tool-runners) and exit ones (signals).
+struct Offer<'a> {
+    tools: Arc<[ToolDefinition]>,
+    normal: HashSet<&'a str>,
+    exit: HashSet<&'a str>,
+}
+
+impl<'a> Offer<'a> {
+    fn of(spec: &'a RunSpec) -> Self {
+        Self {
+            tools: spec.normal_tools.iter().chain(&spec.exit_tools).cloned().collect(),
+            normal: spec.normal_tools.iter().map(|t| t.name.as_str()).collect(),
+            exit: spec.exit_tools.iter().map(|t| t.name.as_str()).collect(),
+        }
+    }
+}
+
+/// The loop detector's rule, over the model's text and over its reasoning (not shown, but it
+/// can loop too).
+struct Loops {
+    text: LoopDetector,
+    reasoning: LoopDetector,
 }
 
 impl<'a> Driver<'a> {
@@ -454,22 +469,18 @@ impl<'a> Driver<'a> {
         handoff: Handoff,
     ) -> Self {
         Self {
-            normal_names: spec.normal_tools.iter().map(|t| t.name.as_str()).collect(),
-            exit_names: spec.exit_tools.iter().map(|t| t.name.as_str()).collect(),
-            tools: spec.normal_tools.iter().chain(&spec.exit_tools).cloned().collect(),
+            offer: Offer::of(spec),
             max_turns: spec.limits.max_turns.min(HARD_MAX_TURNS),
             conversation: Vec::new(),
-            detector: LoopDetector::new(deps.detector),
-            reasoning_detector: LoopDetector::new(deps.detector),
+            loops: Loops {
+                text: LoopDetector::new(deps.detector),
+                reasoning: LoopDetector::new(deps.detector),
+            },
             completion: None,
-            recorded_bytes: 0,
             ids: IdAllocator::default(),
-            used_budget: 0,
-            failed_turns: 0,
+            progress: Progress::default(),
             run_span: tracing::Span::current(),
             persister,
-            turns_done: 0,
-            attempt: 1,
             handoff: handoff.at_safe_point,
             eager: eager::Eager::default(),
             spec,
@@ -495,7 +506,7 @@ impl<'a> Driver<'a> {
         if let Err(end) = first {
             return end;
         }
-        for number in self.turns_done + 1..=self.max_turns {
+        for number in self.progress.turns_done + 1..=self.max_turns {
             let span = telemetry::chat_span(&self.spec.model, number);
             let started = Instant::now();
             let step = self.turn(number).instrument(span).await;
@@ -529,7 +540,7 @@ impl<'a> Driver<'a> {
     /// Safe point (c): the turn ended. A durable run saves its checkpoint, which also shows its
     /// output so far to GetRun on every replica (a local store's registry shows live runs).
     async fn end_turn(&mut self, number: u32) -> Step<()> {
-        (self.turns_done, self.attempt) = (number, 1);
+        (self.progress.turns_done, self.progress.attempt) = (number, 1);
         match self.durable() {
             Some(_) => self.safe_point(None).await,
             None => Ok(()),

@@ -17,13 +17,13 @@ impl Driver<'_> {
             .map(|c| c.arguments_json.len() + c.error.as_ref().map_or(0, |e| e.message.len()))
             .sum();
         let signals: usize = state.signals.iter().map(|s| s.arguments_json.len()).sum();
-        self.recorded_bytes = calls + signals;
+        self.progress.recorded_bytes = calls + signals;
     }
 
     /// Bytes of the run's output so far: its text and the arguments and errors of its calls and
     /// signals (what its result carries).
     pub(super) fn output_bytes(&self) -> usize {
-        lock(self.state).text.len() + self.recorded_bytes
+        lock(self.state).text.len() + self.progress.recorded_bytes
     }
 
     /// Bytes the run may still output.

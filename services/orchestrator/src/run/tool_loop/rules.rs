@@ -152,7 +152,7 @@ impl Driver<'_> {
         ChatRequest {
             model: spec.model.clone(),
             messages,
-            tools: self.tools.clone(),
+            tools: self.offer.tools.clone(),
             params: spec.params.for_turn(turn),
             pace: crate::llm::ReadPace::default(),
             affinity: match spec.affinity_key.as_str() {
@@ -170,7 +170,11 @@ impl Driver<'_> {
             turn: ended + 1,
             max_turns: self.max_turns,
             budget_remaining: self.budget_left(),
-            failures_remaining: self.spec.limits.max_tool_failures.saturating_sub(self.failed_turns),
+            failures_remaining: self
+                .spec
+                .limits
+                .max_tool_failures
+                .saturating_sub(self.progress.failed_turns),
         });
         append_note(&mut self.conversation, note);
     }
@@ -251,9 +255,9 @@ impl Driver<'_> {
             calls: Vec::new(),
         };
         for (i, call) in calls.iter().enumerate() {
-            if self.exit_names.contains(call.name.as_str()) {
+            if self.offer.exit.contains(call.name.as_str()) {
                 partition.exit.push(i);
-            } else if !self.normal_names.contains(call.name.as_str()) {
+            } else if !self.offer.normal.contains(call.name.as_str()) {
                 let message = format!("there is no tool named {:?} in this run", call.name);
                 partition.bad.push((i, ToolCallError::new("NOT_FOUND", message)));
             } else if call.argument_bytes > self.deps.output.max_argument_bytes {
@@ -360,7 +364,7 @@ impl Driver<'_> {
     pub(super) fn spend_budget(&mut self, partition: &Partition) -> Spend {
         let remaining = self.budget_left() as usize;
         let executed: Vec<usize> = partition.normal.iter().copied().take(remaining).collect();
-        self.used_budget += u32::try_from(executed.len()).unwrap_or(u32::MAX);
+        self.progress.used_budget += u32::try_from(executed.len()).unwrap_or(u32::MAX);
         Spend {
             exhausted: partition.normal.len() > remaining,
             executed,
@@ -369,7 +373,10 @@ impl Driver<'_> {
     }
 
     pub(super) fn budget_left(&self) -> u32 {
-        self.spec.limits.tool_call_budget.saturating_sub(self.used_budget)
+        self.spec
+            .limits
+            .tool_call_budget
+            .saturating_sub(self.progress.used_budget)
     }
 
     /// `TOOL_BUDGET_EXHAUSTED` when the turn asked for more calls than were left.
@@ -608,20 +615,20 @@ impl Driver<'_> {
     /// Failures count once per turn, however many of its calls failed.
     pub(super) fn count_failures(&mut self, any_failed: bool) {
         if any_failed {
-            self.failed_turns += 1;
-            lock(self.state).failed_turns = self.failed_turns;
+            self.progress.failed_turns += 1;
+            lock(self.state).failed_turns = self.progress.failed_turns;
         }
     }
 
     /// `TOOL_FAILURE_LIMIT` once the failing turns exceed `max_tool_failures`.
     pub(super) fn check_failure_limit(&self) -> Step<()> {
         let max = self.spec.limits.max_tool_failures;
-        if self.failed_turns > max {
+        if self.progress.failed_turns > max {
             return Err(End::Failed(
                 FailureReason::ToolFailureLimit,
                 format!(
                     "{} turn(s) had failing tool calls; at most {max} are tolerated",
-                    self.failed_turns
+                    self.progress.failed_turns
                 ),
             ));
         }
@@ -646,12 +653,12 @@ impl Driver<'_> {
             turn: turn.number,
             usage: turn.usage,
             tool_call_budget_remaining: budget_left,
-            failed_turns: self.failed_turns,
+            failed_turns: self.progress.failed_turns,
         });
     }
 
     pub(super) fn offers(&self, name: &str) -> bool {
-        self.normal_names.contains(name) || self.exit_names.contains(name)
+        self.offer.normal.contains(name) || self.offer.exit.contains(name)
     }
 }
 

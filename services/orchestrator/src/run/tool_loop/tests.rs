@@ -1205,7 +1205,7 @@ async fn a_run_asked_to_hand_over_does_so_at_its_next_safe_point() {
     assert_eq!(result.status, RunStatus::Running, "handed over, not ended: {result:?}");
     let checkpoints = journal.checkpoints();
     assert_eq!(checkpoints.len(), 1, "handed over at its first safe point");
-    assert!(checkpoints[0].calls.is_none() && checkpoints[0].turns_done == 0);
+    assert!(checkpoints[0].calls.is_none() && checkpoints[0].progress.turns_done == 0);
     assert!(
         script.requests.lock().unwrap().is_empty(),
         "the model was not asked here"
@@ -1280,7 +1280,7 @@ async fn an_owner_whose_lease_ran_out_during_a_save_sends_and_runs_nothing_after
 async fn a_durable_run_is_checkpointed_at_each_safe_point() {
     let (_, events, checkpoints) = whole_durable_run().await;
     let at = |c: &Checkpoint| match &c.calls {
-        None => format!("turn end {}", c.turns_done),
+        None => format!("turn end {}", c.progress.turns_done),
         Some(calls) => format!("calls, {} finished", calls.finished.len()),
     };
     assert_eq!(
@@ -1385,7 +1385,7 @@ async fn a_run_resumed_after_one_call_finished_runs_only_the_other() {
 async fn a_run_resumed_with_its_log_ahead_restarts_the_turn_that_was_streaming() {
     let (whole, _, checkpoints) = whole_durable_run().await;
     let turn_end = first(checkpoints, "at the end of turn 1", |c| {
-        c.calls.is_none() && c.turns_done == 1
+        c.calls.is_none() && c.progress.turns_done == 1
     });
     // The log holds two events of turn 2 the checkpoint does not account for.
     let logged = turn_end.seq + 2;
@@ -1664,7 +1664,7 @@ async fn a_resumed_or_restarted_turn_sends_what_the_run_would_have_sent_here() {
         c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1)
     });
     let turn_end = first(checkpoints, "at the end of turn 1", |c| {
-        c.calls.is_none() && c.turns_done == 1
+        c.calls.is_none() && c.progress.turns_done == 1
     });
     let seq = one_done.seq;
     let (_, _, resumed, _) = resume_at(one_done, seq).await;
