@@ -12,6 +12,7 @@
 //! * [`fronts`]: a TLS front and a forward HTTP proxy, for the hosted path to a model server;
 //! * [`helpers`]: `/metrics` scraping, one run to its end; [`proto_docs`]: the contract's
 //!   documentation checks;
+//! * [`wait`]: waiting for a condition with a deadline (no fixed sleeps in tests);
 //! * [`arm_watchdog`]: a hung test fails its binary after ten minutes instead of holding the suite.
 
 #![forbid(unsafe_code)]
@@ -28,6 +29,7 @@ pub mod pki;
 pub mod proto_docs;
 pub mod proxy;
 pub mod python;
+pub mod wait;
 
 pub use helpers::{delta, get_run, orchestrate, scrape, sibling_bin, start_detached, tool_runner_in_process, user};
 pub use inprocess::{Outcome, Runner, Served, reflected_services, run_tool, stack};

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use proto::toolrunner::v1 as pb;
 use proto::toolrunner::v1::ToolErrorCode as Code;
 use serde_json::json;
-use testkit::mcp_servers::{everything_js, python, time_server};
+use testkit::mcp_servers::{everything_js, time_server};
 use testkit::{Outcome, Runner, run_tool};
 use tool_runner::Config;
 
@@ -151,65 +151,6 @@ async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResul
     assert_eq!(code, Code::InvalidArguments, "{message}");
     let (code, message) = call(&runner, "everything__get-env", json!({})).await?.unwrap_err();
     assert_eq!(code, Code::NotFound, "{message}");
-    Ok(())
-}
-
-#[tokio::test]
-async fn a_changed_tool_list_reaches_the_runner_and_then_the_orchestrators_catalog() -> TestResult {
-    use testkit::stack::{Stack, request, runner_config};
-    // server-everything adds `simulate-research-query` once initialized and then sends
-    // notifications/tools/list_changed; a filter holds `notifications/initialized` back for 4 s,
-    // so the first tools/list comes before the change.
-    let dir = tempfile::tempdir()?;
-    let hold = testkit::repo_root().join("tests/fixtures/mcp/hold-initialized.py");
-    let manifest = format!(
-        "[[mcp_servers]]\nname = \"everything\"\ncommand = \"sh\"\nargs = [\"-c\", \"'{python}' -u '{hold}' 4 | exec node '{js}' stdio\"]\n",
-        python = python()?.display(),
-        hold = hold.display(),
-        js = everything_js()?.display(),
-    );
-    let path = dir.path().join("tools.toml");
-    std::fs::write(&path, manifest)?;
-    let added = "everything__simulate-research-query";
-    let stack = Stack::start(
-        mock_llm::Scenario::new(vec![mock_llm::Turn::text("Listed.")]),
-        runner_config(Some(path)),
-        |config| config.tool_runners.refresh_interval = Duration::from_secs(1),
-    )
-    .await?;
-    let offered = |body: &serde_json::Value| -> Vec<String> {
-        body["tools"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
-            .collect()
-    };
-
-    // Before the change: the runner and the model see the server's first list.
-    let runner_names: Vec<String> = list(&stack.runner).await?.into_iter().map(|t| t.name).collect();
-    assert!(
-        runner_names.iter().any(|n| n == "everything__get-sum"),
-        "{runner_names:?}"
-    );
-    assert!(!runner_names.iter().any(|n| n == added), "{runner_names:?}");
-    stack.run(request("list", &[])).await?;
-    let first = offered(stack.mock.requests().last().unwrap_or(&serde_json::Value::Null));
-    assert!(first.iter().any(|n| n == "everything__get-sum"), "{first:?}");
-    assert!(!first.iter().any(|n| n == added), "{first:?}");
-
-    // After it: the runner lists the new tool, and the orchestrator's next refresh offers it.
-    wait_for_async(|| async {
-        let names = list(&stack.runner).await.ok()?;
-        names.iter().any(|t| t.name == added).then_some(())
-    })
-    .await?;
-    wait_for_async(|| async {
-        stack.run(request("list", &[])).await.ok()?;
-        let names = offered(stack.mock.requests().last()?);
-        names.iter().any(|n| n == added).then_some(())
-    })
-    .await?;
     Ok(())
 }
 
@@ -645,19 +586,12 @@ async fn health(runner: &Runner) -> anyhow::Result<tonic_health::pb::health_chec
         .status())
 }
 
-/// Polls `probe` every 100 ms for up to 20 s.
-async fn wait_for<T>(mut probe: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
-    wait_for_async(|| std::future::ready(probe())).await
+/// Polls `probe` for up to 20 s.
+async fn wait_for<T>(probe: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+    testkit::wait::until_sync("the MCP server", Duration::from_secs(20), probe).await
 }
 
-/// Polls `probe` every 100 ms for up to 20 s.
-async fn wait_for_async<T, F: Future<Output = Option<T>>>(mut probe: impl FnMut() -> F) -> anyhow::Result<T> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(value) = probe().await {
-            return Ok(value);
-        }
-        anyhow::ensure!(Instant::now() < deadline, "gave up waiting after 20 s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+/// Polls `probe` for up to 20 s.
+async fn wait_for_async<T, F: Future<Output = Option<T>>>(probe: impl FnMut() -> F) -> anyhow::Result<T> {
+    testkit::wait::until("the MCP server", Duration::from_secs(20), probe).await
 }
