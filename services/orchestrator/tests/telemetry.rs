@@ -51,75 +51,132 @@ fn metrics_used_in_deploy() -> anyhow::Result<std::collections::BTreeSet<String>
     Ok(names)
 }
 
-#[tokio::test]
-async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
-    let (collector, otlp) = Collector::start().await?;
+/// The two runs' world: the stand-in model (the demo by default, and `failing`, a run whose
+/// calls all fail), two tool-runner replicas and the orchestrator, all exporting to `collector`.
+struct World {
+    collector: Collector,
+    _mock: mock_llm::MockLlm,
+    runners: Vec<Service>,
+    orchestrator: Service,
+}
 
-    // The stand-in model: the demo by default, and a run whose calls all fail.
-    let failing = Scenario::new(vec![
-        Turn::text("Bad naps.\n")
-            .then(Step::call("sleep", serde_json::json!({"ms": -1})))
-            .then(Step::call("sleep", serde_json::json!({"ms": -2}))),
-        Turn::text("Gave up napping."),
-    ]);
-    let mock = mock_llm::MockLlm::start(Scenarios {
-        default: Scenario::demo(),
-        named: [("failing".to_owned(), failing)].into_iter().collect(),
-    })
-    .await?;
+type Spans = Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>;
 
-    // Two tool-runner replicas and the orchestrator, exporting to the collector.
-    let runner_bin = testkit::tool_runner_bin!()?;
-    let mut runners = Vec::new();
-    for _ in 0..2 {
-        let mut command = Command::new(&runner_bin);
+impl World {
+    async fn start() -> anyhow::Result<Self> {
+        let (collector, otlp) = Collector::start().await?;
+        let failing = Scenario::new(vec![
+            Turn::text("Bad naps.\n")
+                .then(Step::call("sleep", serde_json::json!({"ms": -1})))
+                .then(Step::call("sleep", serde_json::json!({"ms": -2}))),
+            Turn::text("Gave up napping."),
+        ]);
+        let mock = mock_llm::MockLlm::start(Scenarios {
+            default: Scenario::demo(),
+            named: [("failing".to_owned(), failing)].into_iter().collect(),
+        })
+        .await?;
+        let runner_bin = testkit::tool_runner_bin!()?;
+        let mut runners = Vec::new();
+        for _ in 0..2 {
+            let mut command = Command::new(&runner_bin);
+            command
+                .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
+                .env_remove("OTEL_SERVICE_NAME");
+            runners.push(Service::spawn(command, "127.0.0.1", "tool-runner serving").await?);
+        }
+        let endpoints: Vec<String> = runners.iter().map(|r| format!("http://{}", r.grpc)).collect();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
         command
             .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
-            .env_remove("OTEL_SERVICE_NAME");
-        runners.push(Service::spawn(command, "127.0.0.1", "tool-runner serving").await?);
+            .env_remove("OTEL_SERVICE_NAME")
+            .env("LLM_BASE_URL", mock.base_url())
+            .env("LLM_MODEL", "stand-in")
+            .env("TOOL_RUNNER_ENDPOINTS", endpoints.join(","))
+            .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report");
+        let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+        Ok(Self {
+            collector,
+            _mock: mock,
+            runners,
+            orchestrator,
+        })
     }
-    let endpoints: Vec<String> = runners.iter().map(|r| format!("http://{}", r.grpc)).collect();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
-    command
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
-        .env_remove("OTEL_SERVICE_NAME")
-        .env("LLM_BASE_URL", mock.base_url())
-        .env("LLM_MODEL", "stand-in")
-        .env("TOOL_RUNNER_ENDPOINTS", endpoints.join(","))
-        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report");
-    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
-    let endpoint = format!("http://{}", orchestrator.grpc);
 
-    // The traced run, continuing the caller's trace.
-    let caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let caller_span = "00f067aa0ba902b7";
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.orchestrator.grpc)
+    }
+
+    /// Stops every process (spans are flushed on shutdown) and returns the spans collected.
+    async fn stop(self) -> anyhow::Result<Spans> {
+        self.orchestrator.stop().await?;
+        for runner in self.runners {
+            runner.stop().await?;
+        }
+        Ok(self
+            .collector
+            .0
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .clone())
+    }
+}
+
+const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CALLER_SPAN: &str = "00f067aa0ba902b7";
+
+/// One demo run continuing the caller's trace and one whose two calls fail; `/metrics` of every
+/// process moves by exactly what they did, the deploy's dashboard and rules query only exported
+/// metrics, and the traced run arrives as one trace across both services.
+#[tokio::test]
+async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
+    let world = World::start().await?;
+    let endpoint = world.endpoint();
+    let before_orch = scrape(&world.orchestrator.metrics).await?;
+    let before_runners = [
+        scrape(&world.runners[0].metrics).await?,
+        scrape(&world.runners[1].metrics).await?,
+    ];
     let mut request = tonic::Request::new(user("go"));
     request
         .metadata_mut()
-        .insert("traceparent", format!("00-{caller_trace}-{caller_span}-01").parse()?);
-    let before_orch = scrape(&orchestrator.metrics).await?;
-    let before_runners = [scrape(&runners[0].metrics).await?, scrape(&runners[1].metrics).await?];
+        .insert("traceparent", format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01").parse()?);
     let traced = orchestrate(&endpoint, request).await?;
     assert_eq!(traced.status(), pb::RunStatus::Completed);
-
-    // A run whose two calls fail, for the metric deltas.
-    let failed = orchestrate(
-        &endpoint,
-        tonic::Request::new(pb::OrchestrateRequest {
-            model: "failing".into(),
-            ..user("nap")
-        }),
-    )
-    .await?;
+    let failing = pb::OrchestrateRequest {
+        model: "failing".into(),
+        ..user("nap")
+    };
+    let failed = orchestrate(&endpoint, tonic::Request::new(failing)).await?;
     assert_eq!((failed.status(), failed.failed_turns), (pb::RunStatus::Completed, 1));
 
-    // Metrics move by exactly what the two runs did.
-    let after_orch = scrape(&orchestrator.metrics).await?;
-    let o = |series: &str| delta(&before_orch, &after_orch, series);
+    let after_orch = scrape(&world.orchestrator.metrics).await?;
+    the_orchestrators_metrics_move_by_what_the_runs_did(&before_orch, &after_orch);
+    let mut exported: std::collections::BTreeSet<String> = after_orch.keys().map(|k| series_name(k)).collect();
+    let mut after_runners = Vec::new();
+    for runner in &world.runners {
+        let after = scrape(&runner.metrics).await?;
+        exported.extend(after.keys().map(|k| series_name(k)));
+        after_runners.push(after);
+    }
+    the_runners_metrics_summed_move_by_what_the_runs_did(&before_runners, &after_runners);
+    the_deploys_dashboard_and_rules_query_only_exported_metrics(&exported)?;
+
+    let spans = world.stop().await?;
+    let traced_spans: Vec<_> = spans.iter().filter(|(_, s)| hex(&s.trace_id) == CALLER_TRACE).collect();
+    let agent = invoke_agent_continues_the_callers_span(&traced_spans, &traced.run_id)?;
+    let first_turn = two_chat_turns_are_under_it(&traced_spans, agent)?;
+    each_call_of_turn_1_is_the_parent_of_a_runners_span(&traced_spans, first_turn)
+}
+
+type Scraped = std::collections::HashMap<String, f64>;
+
+fn the_orchestrators_metrics_move_by_what_the_runs_did(before: &Scraped, after: &Scraped) {
+    let o = |series: &str| delta(before, after, series);
     assert_eq!(
         o("orchestrator_runs_total{principal=\"\",reason=\"none\",status=\"completed\"}"),
         2.0,
-        "{after_orch:?}"
+        "{after:?}"
     );
     assert_eq!(
         o("orchestrator_tool_calls_total{outcome=\"ok\",tool=\"calculate\"}"),
@@ -138,16 +195,13 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
     assert_eq!(o("orchestrator_run_duration_seconds_count{status=\"completed\"}"), 2.0);
     assert_eq!(o("orchestrator_turn_duration_seconds_count{}"), 4.0);
     assert_eq!(o("orchestrator_time_to_first_token_seconds_count{}"), 4.0);
-    assert_eq!(after_orch.get("orchestrator_runs_in_flight{}").copied(), Some(0.0));
-    assert_eq!(
-        after_orch.get("orchestrator_tool_calls_in_flight{}").copied(),
-        Some(0.0)
-    );
-    let mut runner_deltas: BTreeMap<String, f64> = BTreeMap::new();
-    let mut exported: std::collections::BTreeSet<String> = after_orch.keys().map(|k| series_name(k)).collect();
-    for (runner, before) in runners.iter().zip(&before_runners) {
-        let after = scrape(&runner.metrics).await?;
-        exported.extend(after.keys().map(|k| series_name(k)));
+    assert_eq!(after.get("orchestrator_runs_in_flight{}").copied(), Some(0.0));
+    assert_eq!(after.get("orchestrator_tool_calls_in_flight{}").copied(), Some(0.0));
+}
+
+fn the_runners_metrics_summed_move_by_what_the_runs_did(before: &[Scraped], after: &[Scraped]) {
+    let mut summed: BTreeMap<String, f64> = BTreeMap::new();
+    for (before, after) in before.iter().zip(after) {
         for series in [
             "tool_runner_executions_total{outcome=\"ok\",tool=\"calculate\"}",
             "tool_runner_executions_total{outcome=\"ok\",tool=\"sleep\"}",
@@ -155,7 +209,7 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
             "tool_runner_execution_duration_seconds_count{tool=\"sleep\"}",
             "tool_runner_rejected_total{reason=\"concurrency_limit\"}",
         ] {
-            *runner_deltas.entry(series.to_owned()).or_default() += delta(before, &after, series);
+            *summed.entry(series.to_owned()).or_default() += delta(before, after, series);
         }
         assert_eq!(after.get("tool_runner_executions_in_flight{}").copied(), Some(0.0));
     }
@@ -172,9 +226,12 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
-    assert_eq!(runner_deltas, expected, "summed over both replicas");
+    assert_eq!(summed, expected, "summed over both replicas");
+}
 
-    // The dashboard and the alert rules in deploy/ use only metrics the services export.
+fn the_deploys_dashboard_and_rules_query_only_exported_metrics(
+    exported: &std::collections::BTreeSet<String>,
+) -> TestResult {
     let used = metrics_used_in_deploy()?;
     assert!(used.len() >= 15, "{used:?}");
     let missing: Vec<&String> = used.iter().filter(|m| !exported.contains(*m)).collect();
@@ -182,54 +239,44 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
         missing.is_empty(),
         "not on /metrics: {missing:?}\nexported: {exported:?}"
     );
+    Ok(())
+}
 
-    // Stop everything: spans are flushed on shutdown.
-    orchestrator.stop().await?;
-    for runner in runners {
-        runner.stop().await?;
-    }
-    let spans = collector.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
-    let traced_spans: Vec<&(String, opentelemetry_proto::tonic::trace::v1::Span)> =
-        spans.iter().filter(|(_, s)| hex(&s.trace_id) == caller_trace).collect();
-    let named = |prefix: &str| -> Vec<&(String, opentelemetry_proto::tonic::trace::v1::Span)> {
-        traced_spans
-            .iter()
-            .copied()
-            .filter(|(_, s)| s.name.starts_with(prefix))
-            .collect()
-    };
+type Traced<'a> = [&'a (String, opentelemetry_proto::tonic::trace::v1::Span)];
 
-    // invoke_agent continues the caller's span.
-    let agents = named("invoke_agent");
+fn named<'a>(spans: &Traced<'a>, prefix: &str) -> Vec<&'a (String, opentelemetry_proto::tonic::trace::v1::Span)> {
+    spans
+        .iter()
+        .copied()
+        .filter(|(_, s)| s.name.starts_with(prefix))
+        .collect()
+}
+
+/// `invoke_agent` is the orchestrator's, a child of the caller's span, with the run's attributes
+/// and its signal as an event.
+fn invoke_agent_continues_the_callers_span<'a>(
+    spans: &Traced<'a>,
+    run_id: &str,
+) -> anyhow::Result<&'a opentelemetry_proto::tonic::trace::v1::Span> {
+    let agents = named(spans, "invoke_agent");
     assert_eq!(
         agents.len(),
         1,
         "spans of the caller's trace: {:?}",
-        traced_spans.iter().map(|(svc, s)| (svc, &s.name)).collect::<Vec<_>>()
+        spans.iter().map(|(svc, s)| (svc, &s.name)).collect::<Vec<_>>()
     );
     let (service, agent) = agents[0];
     assert_eq!(service, "orchestrator");
-    assert_eq!(hex(&agent.parent_span_id), caller_span);
-    assert_eq!(
-        string_attr(&agent.attributes, "gen_ai.operation.name").as_deref(),
-        Some("invoke_agent")
-    );
-    assert_eq!(
-        string_attr(&agent.attributes, "orchestrator.run.id").as_deref(),
-        Some(traced.run_id.as_str())
-    );
-    assert_eq!(
-        string_attr(&agent.attributes, "orchestrator.run.status").as_deref(),
-        Some("completed")
-    );
-    assert_eq!(
-        string_attr(&agent.attributes, "orchestrator.run.turns").as_deref(),
-        Some("2")
-    );
-    assert_eq!(
-        string_attr(&agent.attributes, "orchestrator.run.signals").as_deref(),
-        Some("1")
-    );
+    assert_eq!(hex(&agent.parent_span_id), CALLER_SPAN);
+    for (key, value) in [
+        ("gen_ai.operation.name", "invoke_agent"),
+        ("orchestrator.run.id", run_id),
+        ("orchestrator.run.status", "completed"),
+        ("orchestrator.run.turns", "2"),
+        ("orchestrator.run.signals", "1"),
+    ] {
+        assert_eq!(string_attr(&agent.attributes, key).as_deref(), Some(value), "{key}");
+    }
     let signal = agent
         .events
         .iter()
@@ -239,9 +286,16 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
         string_attr(&signal.attributes, "gen_ai.tool.name").as_deref(),
         Some("submit_report")
     );
+    Ok(agent)
+}
 
-    // Two chat turns under it.
-    let chats = named("chat stand-in");
+/// Two `chat` client spans under `invoke_agent`, with the GenAI request and usage attributes;
+/// returns turn 1's.
+fn two_chat_turns_are_under_it<'a>(
+    spans: &Traced<'a>,
+    agent: &opentelemetry_proto::tonic::trace::v1::Span,
+) -> anyhow::Result<&'a opentelemetry_proto::tonic::trace::v1::Span> {
+    let chats = named(spans, "chat stand-in");
     assert_eq!(chats.len(), 2);
     for (_, chat) in &chats {
         assert_eq!(chat.parent_span_id, agent.span_id);
@@ -263,23 +317,25 @@ async fn one_trace_across_both_services_and_exact_metrics() -> TestResult {
             assert!(attr(&chat.attributes, key).is_some(), "chat span lacks {key}");
         }
     }
-    let first_turn = chats
-        .iter()
-        .find(|(_, c)| string_attr(&c.attributes, "orchestrator.turn").as_deref() == Some("1"))
-        .ok_or_else(|| anyhow::anyhow!("no turn 1"))?;
+    chats
+        .into_iter()
+        .map(|(_, c)| c)
+        .find(|c| string_attr(&c.attributes, "orchestrator.turn").as_deref() == Some("1"))
+        .ok_or_else(|| anyhow::anyhow!("no turn 1"))
+}
 
-    // Three client calls under turn 1, each the parent of a server span from a runner.
-    let clients: Vec<_> = named("execute_tool")
-        .into_iter()
-        .filter(|(svc, _)| svc == "orchestrator")
-        .collect();
-    let servers: Vec<_> = named("execute_tool")
-        .into_iter()
-        .filter(|(svc, _)| svc == "tool-runner")
-        .collect();
+/// Turn 1's three `execute_tool` client spans, each the parent of a runner's server span of the
+/// same call (payloads off by default).
+fn each_call_of_turn_1_is_the_parent_of_a_runners_span(
+    spans: &Traced<'_>,
+    first_turn: &opentelemetry_proto::tonic::trace::v1::Span,
+) -> TestResult {
+    let calls = named(spans, "execute_tool");
+    let clients: Vec<_> = calls.iter().filter(|(svc, _)| svc == "orchestrator").collect();
+    let servers: Vec<_> = calls.iter().filter(|(svc, _)| svc == "tool-runner").collect();
     assert_eq!((clients.len(), servers.len()), (3, 3));
-    for (_, client) in &clients {
-        assert_eq!(client.parent_span_id, first_turn.1.span_id);
+    for (_, client) in clients {
+        assert_eq!(client.parent_span_id, first_turn.span_id);
         assert_eq!(client.kind, SpanKind::Client as i32);
         let tool = string_attr(&client.attributes, "gen_ai.tool.name").unwrap_or_default();
         assert_eq!(client.name, format!("execute_tool {tool}"));
