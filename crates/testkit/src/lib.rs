@@ -108,6 +108,28 @@ pub async fn run_to_end(
     ))
 }
 
+/// The command of an orchestrator process (`bin`: the test's `CARGO_BIN_EXE_orchestrator`) on
+/// the model at `llm` and the tool-runners at `runners` (`TOOL_RUNNER_ENDPOINTS`), exporting no
+/// spans; the test adds its own settings, then [`Service::orchestrator`] starts it.
+pub fn orchestrator_command(bin: &str, llm: &str, runners: &str) -> Command {
+    let mut command = Command::new(bin);
+    command
+        .env("LLM_BASE_URL", llm)
+        .env("TOOL_RUNNER_ENDPOINTS", runners)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
+    command
+}
+
+/// `command` keeping its runs and signals in the NATS at `nats` (`submit_report` the exit tool
+/// the signal topic carries): a replica of a durable deployment.
+pub fn on_nats(mut command: Command, nats: &str) -> Command {
+    command
+        .env("ORCHESTRATOR_RUN_STORE", nats)
+        .env("ORCHESTRATOR_SIGNAL_TOPIC", nats)
+        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report");
+    command
+}
+
 /// A spawned service (`--log-format json`), the addresses it logged, and every log line it wrote.
 pub struct Service {
     /// The process.
@@ -125,6 +147,11 @@ impl Service {
     /// logs `ready_message` with its address.
     pub async fn spawn(command: Command, ip: &str, ready_message: &str) -> anyhow::Result<Self> {
         Self::spawn_on(command, &format!("{ip}:0"), ip, ready_message).await
+    }
+
+    /// Spawns an orchestrator's `command` on loopback and waits until it serves.
+    pub async fn orchestrator(command: Command) -> anyhow::Result<Self> {
+        Self::spawn(command, "127.0.0.1", "orchestrator serving").await
     }
 
     /// Spawns `command` listening on `listen` (`ip:port`), metrics on `metrics_ip` (any port).

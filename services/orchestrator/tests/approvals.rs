@@ -84,7 +84,7 @@ async fn world_with(
     if let Some(otlp) = otlp {
         command.env("OTEL_EXPORTER_OTLP_ENDPOINT", otlp);
     }
-    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let orchestrator = Service::orchestrator(command).await?;
     Ok(World {
         orchestrator,
         llm,
@@ -1078,9 +1078,7 @@ async fn fleet(scenario: Scenario, replicas: usize) -> anyhow::Result<Fleet> {
             .args(["--tool-runner", &runner])
             .args(["--auth-tokens", &tokens.display().to_string()])
             .args(["--run-store-lease", "2s"]);
-        started.push(Some(
-            Service::spawn(command, "127.0.0.1", "orchestrator serving").await?,
-        ));
+        started.push(Some(Service::orchestrator(command).await?));
     }
     Ok(Fleet {
         replicas: started,

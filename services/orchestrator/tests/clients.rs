@@ -148,7 +148,7 @@ async fn services(model: &MockLlm, orchestrator_args: &[String]) -> anyhow::Resu
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .args(["--tool-runner", &format!("http://{}", runner.grpc)])
         .args(orchestrator_args);
-    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let orchestrator = Service::orchestrator(command).await?;
     Ok((runner, orchestrator))
 }
 

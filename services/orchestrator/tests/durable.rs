@@ -17,7 +17,6 @@ use orchestrator_client::{Event, Transcript};
 use proto::orchestrator::v1 as pb;
 use testkit::nats::Nats;
 use testkit::{Service, get_run, start_detached};
-use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
@@ -155,17 +154,15 @@ impl Fleet {
 
     /// Starts one more replica reaching NATS at `nats` (a proxy that can cut it off).
     async fn add_on(&mut self, nats: &str) -> anyhow::Result<usize> {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+        let orchestrator = env!("CARGO_BIN_EXE_orchestrator");
+        let mut command = testkit::on_nats(
+            testkit::orchestrator_command(orchestrator, &self.mock.base_url(), &self.runner_url),
+            nats,
+        );
         command
-            .env("LLM_BASE_URL", self.mock.base_url())
-            .env("TOOL_RUNNER_ENDPOINTS", &self.runner_url)
-            .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
-            .env("ORCHESTRATOR_SIGNAL_TOPIC", nats)
-            .env("ORCHESTRATOR_RUN_STORE", nats)
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .args(["--run-store-lease", self.lease, "--handoff-grace", self.handoff_grace])
             .args(&self.flags);
-        let replica = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+        let replica = Service::orchestrator(command).await?;
         lock(&self.serving).push(format!("http://{}", replica.grpc));
         self.log_books.push(replica.log_book());
         self.replicas.push(Some(replica));

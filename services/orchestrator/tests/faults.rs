@@ -29,16 +29,13 @@ type TestResult = anyhow::Result<()>;
 /// An orchestrator process on `llm` and `runner`, with short timeouts so faults show quickly
 /// (from the environment, so `extra` flags can override them).
 async fn orchestrator(llm: &str, runner: &str, extra: &[&str]) -> anyhow::Result<Service> {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    let mut command = testkit::orchestrator_command(env!("CARGO_BIN_EXE_orchestrator"), llm, runner);
     command
-        .env("LLM_BASE_URL", llm)
-        .env("TOOL_RUNNER_ENDPOINTS", runner)
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env("LLM_IDLE_TIMEOUT", "1s")
         .env("LLM_MAX_RETRIES", "1")
         .env("LLM_RETRY_BACKOFF", "50ms")
         .args(extra);
-    Service::spawn(command, "127.0.0.1", "orchestrator serving").await
+    Service::orchestrator(command).await
 }
 
 async fn client(

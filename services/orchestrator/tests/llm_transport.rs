@@ -32,12 +32,8 @@ async fn pki() -> anyhow::Result<Pki> {
 /// An orchestrator whose model is at `base_url`, with `env` set and no proxy variable inherited.
 async fn orchestrator(base_url: &str, env: &[(&str, String)]) -> anyhow::Result<Service> {
     let runner = testkit::tool_runner_in_process().await?;
-    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
-    command
-        .env("LLM_BASE_URL", base_url)
-        .env("TOOL_RUNNER_ENDPOINTS", &runner)
-        .env("LLM_MAX_RETRIES", "0")
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
+    let mut command = testkit::orchestrator_command(env!("CARGO_BIN_EXE_orchestrator"), base_url, &runner);
+    command.env("LLM_MAX_RETRIES", "0");
     for proxy in [
         "HTTP_PROXY",
         "http_proxy",
@@ -53,7 +49,7 @@ async fn orchestrator(base_url: &str, env: &[(&str, String)]) -> anyhow::Result<
     for (name, value) in env {
         command.env(name, value);
     }
-    Service::spawn(command, "127.0.0.1", "orchestrator serving").await
+    Service::orchestrator(command).await
 }
 
 /// Runs one two-turn run to its end.

@@ -79,13 +79,10 @@ async fn a_model_server_killed_mid_stream_costs_its_runs_a_turn_restart_not_the_
     let mut a = ModelProcess::start(&scenario).await?;
     let b = ModelProcess::start(&scenario).await?;
     let runner = testkit::tool_runner_in_process().await?;
-    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
-    command
-        .env("LLM_BASE_URL", format!("{},{}", a.base_url, b.base_url))
-        .env("TOOL_RUNNER_ENDPOINTS", &runner)
-        .env("LLM_IDLE_TIMEOUT", "2s")
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
-    let service = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let models = format!("{},{}", a.base_url, b.base_url);
+    let mut command = testkit::orchestrator_command(env!("CARGO_BIN_EXE_orchestrator"), &models, &runner);
+    command.env("LLM_IDLE_TIMEOUT", "2s");
+    let service = Service::orchestrator(command).await?;
     let runs: Vec<_> = (0..10)
         .map(|n| {
             let service = &service;

@@ -324,16 +324,10 @@ async fn ended(url: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
 /// An orchestrator process using NATS for signals and results, with a tool-runner and the
 /// stand-in model in this process.
 async fn orchestrator_process(nats: &Nats, llm: &str, runner: &str, extra: &[&str]) -> anyhow::Result<Service> {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
-    command
-        .env("LLM_BASE_URL", llm)
-        .env("TOOL_RUNNER_ENDPOINTS", runner)
-        .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
-        .env("ORCHESTRATOR_SIGNAL_TOPIC", nats.url())
-        .env("ORCHESTRATOR_RUN_STORE", nats.url())
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .args(extra);
-    Service::spawn(command, "127.0.0.1", "orchestrator serving").await
+    let command = testkit::orchestrator_command(env!("CARGO_BIN_EXE_orchestrator"), llm, runner);
+    let mut command = testkit::on_nats(command, &nats.url());
+    command.args(extra);
+    Service::orchestrator(command).await
 }
 
 #[tokio::test]
@@ -434,7 +428,7 @@ async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -
             "--signal-ack-timeout",
             "300ms",
         ]);
-    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let orchestrator = Service::orchestrator(command).await?;
     let url = format!("http://{}", orchestrator.grpc);
     nats.stop().await?;
     let finished = orchestrate(

@@ -91,7 +91,7 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
         .env_remove("TOOL_RUNNER_ENDPOINTS")
         .env_remove("ORCHESTRATOR_EXIT_TOOLS")
         .env("LLM_API_KEY", "sk-never-logged");
-    let mut orchestrator = testkit::Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let mut orchestrator = testkit::Service::orchestrator(command).await?;
     let endpoint = format!("http://{}", orchestrator.grpc);
     let (code, stdout, stderr) = run_to_end(
         &[

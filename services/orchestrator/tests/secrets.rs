@@ -261,7 +261,7 @@ async fn completed_run_on_nats_with_credentials(otlp: &str, outputs: &mut Output
         .env("ORCHESTRATOR_SIGNAL_TOPIC", nats.url())
         .env("ORCHESTRATOR_RUN_STORE", nats.url())
         .env("ORCHESTRATOR_AUTH_TOKENS", &tokens);
-    let service = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let service = Service::orchestrator(command).await?;
     let endpoint = format!("http://{}", service.grpc);
 
     let request = testkit::user("compute");
@@ -294,7 +294,7 @@ async fn llm_gateways_that_echo_redirect_or_vanish(otlp: &str, outputs: &mut Out
     let gateway = Gateway::start(elsewhere_address).await?;
     let mut command = orchestrator(&gateway.address, otlp);
     command.env("TOOL_RUNNER_ENDPOINTS", testkit::tool_runner_in_process().await?);
-    let service = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let service = Service::orchestrator(command).await?;
     let endpoint = format!("http://{}", service.grpc);
     let run = |model: &str| pb::OrchestrateRequest {
         model: model.into(),

@@ -169,7 +169,7 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
             "--health-listen",
             "127.0.0.1:0",
         ]);
-    let orchestrator = Service::spawn(orchestrator_command, "127.0.0.1", "orchestrator serving").await?;
+    let orchestrator = Service::orchestrator(orchestrator_command).await?;
     for service in [&runner, &orchestrator] {
         assert!(
             !service.logs().iter().any(|l| l.contains("is unauthenticated")),
@@ -433,7 +433,7 @@ async fn the_orchestrators_runner_certificate_is_reloaded_when_rotated() -> Test
         .args(["--tool-runner-cert", &pki.arg("live.pem")])
         .args(["--tool-runner-key", &pki.arg("live.key")])
         .args(["--tls-reload-interval", "1s"]);
-    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let orchestrator = Service::orchestrator(command).await?;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", orchestrator.grpc))?
         .connect()
         .await?;
@@ -612,7 +612,7 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
             "--tls-reload-interval",
             "1s",
         ]);
-    let orchestrator = Service::spawn(orchestrator_command, "127.0.0.1", "orchestrator serving").await?;
+    let orchestrator = Service::orchestrator(orchestrator_command).await?;
     let address = orchestrator.grpc.clone();
     let client = |identity: &'static str| {
         let (pki, address) = (&pki, address.clone());

@@ -94,7 +94,7 @@ impl World {
             .env("LLM_MODEL", "stand-in")
             .env("TOOL_RUNNER_ENDPOINTS", endpoints.join(","))
             .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report");
-        let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+        let orchestrator = Service::orchestrator(command).await?;
         Ok(Self {
             collector,
             _mock: mock,
@@ -377,7 +377,7 @@ async fn tool_payloads_are_recorded_only_when_asked_and_capped() -> TestResult {
         .env("TOOL_RUNNER_ENDPOINTS", format!("http://{}", runner.grpc))
         .env("ORCHESTRATOR_EXIT_TOOLS", "submit_report")
         .args(["--trace-tool-payloads", "--trace-payload-max-bytes", "12"]);
-    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let orchestrator = Service::orchestrator(command).await?;
     let result = orchestrate(
         &format!("http://{}", orchestrator.grpc),
         tonic::Request::new(user("go")),
@@ -462,7 +462,7 @@ async fn an_mcp_tool_and_a_built_in_called_in_one_turn_make_one_trace_down_to_th
         .env_remove("OTEL_SERVICE_NAME")
         .env("LLM_BASE_URL", mock.base_url())
         .env("TOOL_RUNNER_ENDPOINTS", format!("http://{}", runner.grpc));
-    let orchestrator = Service::spawn(command, "127.0.0.1", "orchestrator serving").await?;
+    let orchestrator = Service::orchestrator(command).await?;
 
     let caller_trace = "0af7651916cd43dd8448eb211c80319c";
     let mut request = tonic::Request::new(user("time and sum"));
