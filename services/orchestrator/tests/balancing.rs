@@ -16,36 +16,69 @@ use tokio::process::Command;
 
 type TestResult = anyhow::Result<()>;
 
-/// A resolver answering whatever the test last set, for `tool-runner.test` and `model.test`.
+/// A resolver answering whatever the test last set, for `tool-runner.test` and `model.test`,
+/// counting the lookups of each (so a test waits for the answer it set to be read).
 #[derive(Clone, Default)]
-struct Scripted(Arc<Mutex<Vec<SocketAddr>>>, Arc<Mutex<Vec<SocketAddr>>>);
+struct Scripted {
+    runners: Arc<Mutex<Vec<SocketAddr>>>,
+    models: Arc<Mutex<Vec<SocketAddr>>>,
+    runner_lookups: Arc<std::sync::atomic::AtomicUsize>,
+    model_lookups: Arc<std::sync::atomic::AtomicUsize>,
+}
 
 impl Scripted {
-    fn set(&self, addrs: &[SocketAddr]) {
-        if let Ok(mut a) = self.0.lock() {
+    /// Answers `addrs` for `tool-runner.test` from now on, and waits until the orchestrator has
+    /// looked it up twice since (a whole re-resolution on the new answer).
+    async fn set(&self, addrs: &[SocketAddr]) -> anyhow::Result<()> {
+        Self::answer(&self.runners, addrs);
+        Self::read_twice(&self.runner_lookups, "tool-runner.test").await
+    }
+
+    /// [`Scripted::set`] for `model.test`.
+    async fn set_models(&self, addrs: &[SocketAddr]) -> anyhow::Result<()> {
+        Self::answer(&self.models, addrs);
+        Self::read_twice(&self.model_lookups, "model.test").await
+    }
+
+    /// The first answers, before anyone looks them up.
+    fn first(self, runners: &[SocketAddr], models: &[SocketAddr]) -> Self {
+        Self::answer(&self.runners, runners);
+        Self::answer(&self.models, models);
+        self
+    }
+
+    fn answer(answers: &Mutex<Vec<SocketAddr>>, addrs: &[SocketAddr]) {
+        if let Ok(mut a) = answers.lock() {
             *a = addrs.to_vec();
         }
     }
 
-    fn set_models(&self, addrs: &[SocketAddr]) {
-        if let Ok(mut a) = self.1.lock() {
-            *a = addrs.to_vec();
-        }
+    async fn read_twice(lookups: &std::sync::atomic::AtomicUsize, host: &str) -> anyhow::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let since = lookups.load(SeqCst);
+        let what = format!("two lookups of {host} after its answer changed");
+        testkit::wait::until_sync(&what, Duration::from_secs(10), || {
+            (lookups.load(SeqCst) >= since + 2).then_some(())
+        })
+        .await
     }
 }
 
 impl Resolve for Scripted {
     fn resolve(&self, host: &str, _port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        use std::sync::atomic::Ordering::SeqCst;
         let answers = match host {
-            "tool-runner.test" => Some(&self.0),
-            "model.test" => Some(&self.1),
+            "tool-runner.test" => Some((&self.runners, &self.runner_lookups)),
+            "model.test" => Some((&self.models, &self.model_lookups)),
             _ => None,
         };
-        let answer = if let Some(answers) = answers {
-            answers
+        let answer = if let Some((answers, lookups)) = answers {
+            let answer = answers
                 .lock()
                 .map(|a| a.clone())
-                .map_err(|_| std::io::Error::other("poisoned"))
+                .map_err(|_| std::io::Error::other("poisoned"));
+            lookups.fetch_add(1, SeqCst);
+            answer
         } else {
             Err(std::io::Error::new(
                 std::io::ErrorKind::NotFound,
@@ -143,8 +176,7 @@ fn addr(service: &Service) -> anyhow::Result<SocketAddr> {
 async fn dns_answers_add_and_remove_replicas_and_calls_spread_over_them() -> TestResult {
     let runners = three_on_one_port(&[]).await?;
     let port = addr(&runners[0])?.port();
-    let resolver = Scripted::default();
-    resolver.set(&[addr(&runners[0])?, addr(&runners[1])?]);
+    let resolver = Scripted::default().first(&[addr(&runners[0])?, addr(&runners[1])?], &[]);
     let mock = mock_llm::MockLlm::start(burst(12, "echo", serde_json::json!({"x": 1}))).await?;
     let (endpoint, _stop) =
         orchestrator(&mock, vec![format!("dns:///tool-runner.test:{port}")], resolver.clone()).await?;
@@ -165,8 +197,9 @@ async fn dns_answers_add_and_remove_replicas_and_calls_spread_over_them() -> Tes
     assert_eq!(counts[2], 0.0, "a replica not in the answer gets nothing: {counts:?}");
 
     // A new pod appears in the answer: after re-resolution it receives traffic.
-    resolver.set(&[addr(&runners[0])?, addr(&runners[1])?, addr(&runners[2])?]);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    resolver
+        .set(&[addr(&runners[0])?, addr(&runners[1])?, addr(&runners[2])?])
+        .await?;
     runs(&endpoint, 2).await?;
     assert!(
         executed(&runners[2], "echo", "ok").await? > 0.0,
@@ -174,8 +207,7 @@ async fn dns_answers_add_and_remove_replicas_and_calls_spread_over_them() -> Tes
     );
 
     // A pod leaves the answer: no call goes to it any more.
-    resolver.set(&[addr(&runners[1])?, addr(&runners[2])?]);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    resolver.set(&[addr(&runners[1])?, addr(&runners[2])?]).await?;
     let before = executed(&runners[0], "echo", "ok").await?;
     runs(&endpoint, 2).await?;
     assert_eq!(
@@ -239,8 +271,17 @@ async fn killing_a_runner_mid_burst_fails_only_its_calls_in_flight() -> TestResu
         let endpoint = endpoint.clone();
         async move { runs(&endpoint, 3).await }
     });
-    tokio::time::sleep(Duration::from_millis(400)).await;
     let victim = runners.remove(0);
+    testkit::wait::until(
+        "calls in flight on the runner to kill",
+        Duration::from_secs(10),
+        || async {
+            let metrics = testkit::scrape(&victim.metrics).await.ok()?;
+            let in_flight = metrics.get("tool_runner_executions_in_flight{}").copied()?;
+            (in_flight > 0.0).then_some(())
+        },
+    )
+    .await?;
     victim.kill().await?;
     let results = burst.await??;
     let mut lost = 0;
@@ -291,12 +332,11 @@ async fn model_endpoints_follow_the_dns_answer() -> TestResult {
         .map(|(_, p)| p.trim_end_matches("/v1").to_owned());
     let port = port.unwrap_or_default();
     let b = mock_llm::MockLlm::start_on(format!("127.0.0.3:{port}").parse()?, answer()).await?;
-    let resolver = Scripted::default();
     let (a_addr, b_addr): (SocketAddr, SocketAddr) = (
         format!("127.0.0.2:{port}").parse()?,
         format!("127.0.0.3:{port}").parse()?,
     );
-    resolver.set_models(&[a_addr]);
+    let resolver = Scripted::default().first(&[], &[a_addr]);
     let runner = testkit::inprocess::Runner::start(testkit::stack::runner_config(None)).await?;
     let mut config = orchestrator::Config::new(
         &format!("dns:///model.test:{port}/v1"),
@@ -314,13 +354,11 @@ async fn model_endpoints_follow_the_dns_answer() -> TestResult {
     all_completed(runs(&endpoint, 8).await?);
     assert_eq!((served(&a), served(&b)), (8, 0));
     // A second address: new runs spread over both.
-    resolver.set_models(&[a_addr, b_addr]);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    resolver.set_models(&[a_addr, b_addr]).await?;
     all_completed(runs(&endpoint, 24).await?);
     assert!(served(&b) > 0, "b served none of 24 runs");
     // The first address gone: nothing more goes there.
-    resolver.set_models(&[b_addr]);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    resolver.set_models(&[b_addr]).await?;
     let on_a = served(&a);
     all_completed(runs(&endpoint, 8).await?);
     assert_eq!(served(&a), on_a);

@@ -777,7 +777,11 @@ async fn a_tool_runner_killed_mid_call_fails_the_call_and_the_run_goes_on() -> T
     let service = orchestrator(&mock.base_url(), &format!("http://{address}"), &[]).await?;
     let mut watch = Watch::start(&service, model("fault")).await?;
     watch.until_call_started().await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    testkit::wait::until("the call to run on the runner", Duration::from_secs(10), || async {
+        let metrics = scrape(&runner.metrics).await.ok()?;
+        (metrics.get("tool_runner_executions_in_flight{}").copied()? > 0.0).then_some(())
+    })
+    .await?;
     runner.kill().await?;
     let seen = watch.finish().await?;
     let failed = failed_calls(&seen);

@@ -690,7 +690,10 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
     // Carol may have one run in flight: a second, while a slow one runs, is RESOURCE_EXHAUSTED.
     let mut first = client("carol").await?;
     let slow_run = tokio::spawn(async move { run_to_result(&mut first, ask("slow")).await });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    testkit::wait::until_sync("the slow run to ask the model", Duration::from_secs(10), || {
+        llm.requests().iter().any(|r| r["model"] == "slow").then_some(())
+    })
+    .await?;
     let second = carol.orchestrate(ask("")).await.err().map(|s| s.code());
     assert_eq!(second, Some(tonic::Code::ResourceExhausted));
     assert_eq!(slow_run.await??.status(), pb::RunStatus::Completed);

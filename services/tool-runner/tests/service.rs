@@ -657,13 +657,13 @@ async fn concurrency_limit_refuses_beyond_and_admits_again_after() -> TestResult
             client.run_tool(run_tool("sleep", r#"{"ms": 800}"#)).await
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let status = runner
-        .client()
-        .await?
-        .run_tool(run_tool("echo", "{}"))
-        .await
-        .unwrap_err();
+    // Once both sleeps hold the two slots, a third call is refused (an echo admitted before that
+    // merely finishes).
+    let status = testkit::wait::until("both sleeps to hold the runner", Duration::from_secs(5), || async {
+        let mut client = runner.client().await.ok()?;
+        client.run_tool(run_tool("echo", "{}")).await.err()
+    })
+    .await?;
     assert_eq!(status.code(), tonic::Code::ResourceExhausted);
     assert!(
         status.message().contains("concurrency limit of 2"),
@@ -699,15 +699,14 @@ async fn health_reports_serving_then_not_serving_while_draining() -> TestResult 
     let in_flight = tokio::spawn(async move { client.run_tool(run_tool("sleep", r#"{"ms": 700}"#)).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     runner.begin_shutdown();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        health
-            .check(check("toolrunner.v1.ToolRunner"))
-            .await?
-            .into_inner()
-            .status(),
-        ServingStatus::NotServing
-    );
+    testkit::wait::until("the runner to report NOT_SERVING", Duration::from_secs(5), || {
+        let mut health = health.clone();
+        async move {
+            let status = health.check(check("toolrunner.v1.ToolRunner")).await.ok()?;
+            (status.into_inner().status() == ServingStatus::NotServing).then_some(())
+        }
+    })
+    .await?;
     assert_eq!(
         health.check(check("")).await?.into_inner().status(),
         ServingStatus::Serving,
