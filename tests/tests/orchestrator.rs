@@ -1387,12 +1387,10 @@ where
     }
 }
 
-/// The model parameters through the API: what the caller sets and the server's `--llm-*`
-/// defaults reach the model server's request body exactly; `tool_choice` naming a tool forces the
-/// first turn only; `extra_body_json` merges flat. Bad values are INVALID_ARGUMENT naming the field.
-#[tokio::test]
-async fn model_parameters_reach_the_request_body_and_bad_ones_are_refused() -> TestResult {
-    let stack = Stack::start(
+/// A stack whose model calls `calculate` then answers, and whose server sets `--llm-*`
+/// defaults: temperature 0.3, max_tokens 256, and top_k and min_p in the extra body.
+async fn parameters_stack() -> anyhow::Result<Stack> {
+    Stack::start(
         Scenario::new(vec![
             Turn::default().then(Step::call("calculate", json!({"expression": "1+1"}))),
             Turn::text("Two."),
@@ -1404,7 +1402,15 @@ async fn model_parameters_reach_the_request_body_and_bad_ones_are_refused() -> T
             config.llm.extra_body = json!({"top_k": 40, "min_p": 0.05}).as_object().cloned();
         },
     )
-    .await?;
+    .await
+}
+
+/// The model parameters through the API: what the caller sets and the server's `--llm-*`
+/// defaults reach the model server's request body exactly; `tool_choice` naming a tool forces the
+/// first turn only; `extra_body_json` merges flat.
+#[tokio::test]
+async fn model_parameters_and_server_defaults_reach_the_request_body() -> TestResult {
+    let stack = parameters_stack().await?;
     let mut asked = request("add", &[]);
     asked.params = Some(pb::ModelParams {
         temperature: Some(0.0),
@@ -1444,6 +1450,13 @@ async fn model_parameters_reach_the_request_body_and_bad_ones_are_refused() -> T
     );
     assert!(requests[0].get("top_p").is_none() && requests[0].get("seed").is_none());
 
+    Ok(())
+}
+
+/// Bad model parameters are INVALID_ARGUMENT naming the field and what is wrong with it.
+#[tokio::test]
+async fn bad_model_parameters_are_refused_naming_the_field() -> TestResult {
+    let stack = parameters_stack().await?;
     let mut client = stack.client().await?;
     for (params, expected) in [
         (
@@ -1500,8 +1513,13 @@ async fn model_parameters_reach_the_request_body_and_bad_ones_are_refused() -> T
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{}", status.message());
         assert!(status.message().contains(expected), "{}", status.message());
     }
+    Ok(())
+}
 
-    // A server default gives way to a run's extra_body setting the same field.
+/// A server default gives way to a run's `extra_body_json` setting the same field.
+#[tokio::test]
+async fn a_server_default_gives_way_to_a_runs_extra_body() -> TestResult {
+    let stack = parameters_stack().await?;
     let mut own = request("add", &[]);
     own.params = Some(pb::ModelParams {
         extra_body_json: r#"{"temperature": 1.5}"#.into(),

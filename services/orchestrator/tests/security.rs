@@ -122,18 +122,11 @@ fn code(outcomes: &std::collections::HashMap<String, Value>, name: &str) -> Stri
     )
 }
 
-#[tokio::test]
-async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> TestResult {
-    python()?;
-    let pki = Pki::new()?;
-    pki.ca("ca").await?;
-    pki.ca("other-ca").await?;
-    pki.leaf("ca", "server").await?;
-    pki.leaf("ca", "orchestrator").await?;
-    pki.leaf("other-ca", "impostor").await?;
-
+/// The orchestrator (TLS, tokens, an mTLS tool-runner) and its tool-runner (mTLS only, and
+/// plaintext health), on a model that calls `calculate` then answers.
+async fn secured_pair(pki: &Pki) -> anyhow::Result<(Service, Service, MockLlm)> {
     let runner_command = mtls_runner(
-        &pki,
+        pki,
         ["server.pem", "server.key", "ca.pem"],
         &["--health-listen", "127.0.0.1:0"],
     )?;
@@ -177,6 +170,12 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
         );
     }
 
+    Ok((runner, orchestrator, llm))
+}
+
+/// Every call the grpcio callers make: to the orchestrator with and without TLS and tokens, on
+/// Alice's run as Bob and as Alice; to the runner with and without a client certificate.
+fn grpcio_steps(pki: &Pki, orchestrator: &Service, runner: &Service) -> Vec<Value> {
     let (orch, run) = (orchestrator.grpc.as_str(), runner.grpc.as_str());
     let tls = json!({"ca": pki.arg("ca.pem")});
     let o = |name: &str, method: &str, request: Value, tls: &Value, token: Option<&str>| {
@@ -184,7 +183,7 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
     };
     let r = |name: &str, tls: Value| step(name, run, "runner", "ListTools", json!({}), tls, None);
     let get = |id: &str| json!({"run_id": id});
-    let outcomes = grpcio(vec![
+    vec![
         o(
             "plaintext",
             "Orchestrate",
@@ -245,31 +244,55 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
             "runner_with_cert",
             json!({"ca": pki.arg("ca.pem"), "cert": pki.arg("orchestrator.pem"), "key": pki.arg("orchestrator.key")}),
         ),
-    ])
-    .await?;
+    ]
+}
 
-    for (name, expected) in [
-        ("plaintext", "UNAVAILABLE"),
-        ("no_token", "UNAUTHENTICATED"),
-        ("wrong_token", "UNAUTHENTICATED"),
-        ("no_token_get", "UNAUTHENTICATED"),
-        ("forbidden_tool", "PERMISSION_DENIED"),
-        ("alice_run", "OK"),
-        ("bob_get", "NOT_FOUND"),
-        ("bob_cancel", "NOT_FOUND"),
-        ("bob_attach", "NOT_FOUND"),
-        ("no_token_attach", "UNAUTHENTICATED"),
-        ("alice_attach", "OK"),
-        ("bob_replay", "NOT_FOUND"),
-        ("alice_get", "OK"),
-        ("alice_replay", "OK"),
-        ("runner_plaintext", "UNAVAILABLE"),
-        ("runner_no_client_cert", "UNAVAILABLE"),
-        ("runner_other_ca", "UNAVAILABLE"),
-        ("runner_with_cert", "OK"),
-    ] {
+/// The code each step must get.
+const EXPECTED_CODES: [(&str, &str); 18] = [
+    ("plaintext", "UNAVAILABLE"),
+    ("no_token", "UNAUTHENTICATED"),
+    ("wrong_token", "UNAUTHENTICATED"),
+    ("no_token_get", "UNAUTHENTICATED"),
+    ("forbidden_tool", "PERMISSION_DENIED"),
+    ("alice_run", "OK"),
+    ("bob_get", "NOT_FOUND"),
+    ("bob_cancel", "NOT_FOUND"),
+    ("bob_attach", "NOT_FOUND"),
+    ("no_token_attach", "UNAUTHENTICATED"),
+    ("alice_attach", "OK"),
+    ("bob_replay", "NOT_FOUND"),
+    ("alice_get", "OK"),
+    ("alice_replay", "OK"),
+    ("runner_plaintext", "UNAVAILABLE"),
+    ("runner_no_client_cert", "UNAVAILABLE"),
+    ("runner_other_ca", "UNAVAILABLE"),
+    ("runner_with_cert", "OK"),
+];
+
+#[tokio::test]
+async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> TestResult {
+    python()?;
+    let pki = Pki::new()?;
+    pki.ca("ca").await?;
+    pki.ca("other-ca").await?;
+    pki.leaf("ca", "server").await?;
+    pki.leaf("ca", "orchestrator").await?;
+    pki.leaf("other-ca", "impostor").await?;
+    let (runner, orchestrator, _llm) = secured_pair(&pki).await?;
+    let outcomes = grpcio(grpcio_steps(&pki, &orchestrator, &runner)).await?;
+    for (name, expected) in EXPECTED_CODES {
         assert_eq!(code(&outcomes, name), expected, "{name}: {}", outcomes[name]);
     }
+    refusals_say_what_to_do_and_alices_run_went_through_the_mtls_runner(&outcomes);
+    probes_are_plaintext_and_serving(&orchestrator, &runner).await?;
+    orchestrator.stop().await?;
+    runner.stop().await?;
+    Ok(())
+}
+
+fn refusals_say_what_to_do_and_alices_run_went_through_the_mtls_runner(
+    outcomes: &std::collections::HashMap<String, Value>,
+) {
     // The refusals say what to do, and never echo the token.
     assert!(
         outcomes["no_token"]["details"]
@@ -298,22 +321,22 @@ async fn grpcio_callers_meet_tls_tokens_ownership_and_an_mtls_tool_runner() -> T
         .as_array()
         .map_or(0, Vec::len);
     assert!(tools > 0, "ListTools over mTLS listed no tool");
+}
 
-    // Probes: plaintext health on its own address, SERVING, with no credentials.
+/// Plaintext health on its own address, SERVING, with no credentials.
+async fn probes_are_plaintext_and_serving(orchestrator: &Service, runner: &Service) -> TestResult {
     let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
-    let orchestrator_health = logged_address(&orchestrator, "health serving (plaintext)")?;
+    let orchestrator_health = logged_address(orchestrator, "health serving (plaintext)")?;
     assert_eq!(
         health_status(&orchestrator_health, "orchestrator.v1.Orchestrator").await?,
         serving
     );
-    let runner_health = logged_address(&runner, "health serving (plaintext)")?;
+    let runner_health = logged_address(runner, "health serving (plaintext)")?;
     assert_eq!(
         health_status(&runner_health, "toolrunner.v1.ToolRunner").await?,
         serving
     );
 
-    orchestrator.stop().await?;
-    runner.stop().await?;
     Ok(())
 }
 
@@ -639,19 +662,63 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
 
     // Mallory's certificate is valid but she is not a principal here: refused, reflection too.
     let mut mallory = client("mallory").await?;
-    let refused = mallory.orchestrate(ask("")).await.err().map(|s| s.code());
-    assert_eq!(refused, Some(tonic::Code::PermissionDenied));
     let channel = tls_channel(&pki, &address, "ca", "mallory").await?;
-    let mut reflection =
-        tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel.clone());
-    let list = tonic_reflection::pb::v1::ServerReflectionRequest {
+    a_certificate_the_tokens_file_does_not_list_is_refused_reflection_too(&mut mallory, &channel).await?;
+    let reflection = tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
+
+    // The tokens file is re-read while serving: once it lists mallory, she is served.
+    std::fs::write(&tokens, format!("{carol_only}\n[[token]]\nprincipal = \"mallory\"\n"))?;
+    testkit::wait::until("the new tokens file to be read", Duration::from_secs(10), || {
+        let mut reflection = reflection.clone();
+        async move { list_services(&mut reflection, &list_request()).await.ok() }
+    })
+    .await?;
+
+    // Carol may have one run in flight: a second, while a slow one runs, is RESOURCE_EXHAUSTED.
+    let mut first = client("carol").await?;
+    let slow_run = tokio::spawn(async move { run_to_result(&mut first, ask("slow")).await });
+    testkit::wait::until_sync("the slow run to ask the model", Duration::from_secs(10), || {
+        llm.requests().iter().any(|r| r["model"] == "slow").then_some(())
+    })
+    .await?;
+    let second = carol.orchestrate(ask("")).await.err().map(|s| s.code());
+    assert_eq!(second, Some(tonic::Code::ResourceExhausted));
+    assert_eq!(slow_run.await??.status(), pb::RunStatus::Completed);
+    // Mallory, another principal, was never limited by Carol's runs.
+    assert_eq!(run_to_result(&mut mallory, ask("")).await?.principal, "mallory");
+
+    orchestrator.stop().await?;
+    runner.stop().await?;
+    Ok(())
+}
+
+/// One reflection `list_services` exchange: Ok, or the refusal's code.
+/// A `ListServices` reflection request.
+fn list_request() -> tonic_reflection::pb::v1::ServerReflectionRequest {
+    tonic_reflection::pb::v1::ServerReflectionRequest {
         host: String::new(),
         message_request: Some(
             tonic_reflection::pb::v1::server_reflection_request::MessageRequest::ListServices(String::new()),
         ),
-    };
+    }
+}
+
+/// A caller whose certificate is valid but names no principal of the tokens file is
+/// PERMISSION_DENIED: its runs, and reflection (v1 and v1alpha) too.
+async fn a_certificate_the_tokens_file_does_not_list_is_refused_reflection_too(
+    stranger: &mut proto::orchestrator::v1::orchestrator_client::OrchestratorClient<tonic::transport::Channel>,
+    channel: &tonic::transport::Channel,
+) -> TestResult {
+    let refused = stranger
+        .orchestrate(testkit::user("what is 6*7?"))
+        .await
+        .err()
+        .map(|s| s.code());
+    assert_eq!(refused, Some(tonic::Code::PermissionDenied));
+    let mut reflection =
+        tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel.clone());
     assert_eq!(
-        list_services(&mut reflection, &list).await.err(),
+        list_services(&mut reflection, &list_request()).await.err(),
         Some(tonic::Code::PermissionDenied),
         "reflection without a principal"
     );
@@ -675,37 +742,9 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
         Some(tonic::Code::PermissionDenied),
         "reflection v1alpha without a principal"
     );
-
-    // The tokens file is re-read while serving: once it lists mallory, she is served.
-    std::fs::write(&tokens, format!("{carol_only}\n[[token]]\nprincipal = \"mallory\"\n"))?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while let Err(code) = list_services(&mut reflection, &list).await {
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the new tokens file was not picked up: {code:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-
-    // Carol may have one run in flight: a second, while a slow one runs, is RESOURCE_EXHAUSTED.
-    let mut first = client("carol").await?;
-    let slow_run = tokio::spawn(async move { run_to_result(&mut first, ask("slow")).await });
-    testkit::wait::until_sync("the slow run to ask the model", Duration::from_secs(10), || {
-        llm.requests().iter().any(|r| r["model"] == "slow").then_some(())
-    })
-    .await?;
-    let second = carol.orchestrate(ask("")).await.err().map(|s| s.code());
-    assert_eq!(second, Some(tonic::Code::ResourceExhausted));
-    assert_eq!(slow_run.await??.status(), pb::RunStatus::Completed);
-    // Mallory, another principal, was never limited by Carol's runs.
-    assert_eq!(run_to_result(&mut mallory, ask("")).await?.principal, "mallory");
-
-    orchestrator.stop().await?;
-    runner.stop().await?;
     Ok(())
 }
 
-/// One reflection `list_services` exchange: Ok, or the refusal's code.
 async fn list_services(
     client: &mut tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient<tonic::transport::Channel>,
     request: &tonic_reflection::pb::v1::ServerReflectionRequest,
