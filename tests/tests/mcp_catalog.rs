@@ -5,21 +5,10 @@
 
 use std::time::Duration;
 
-use proto::toolrunner::v1 as pb;
 use testkit::mcp_servers::{everything_js, python};
 use testkit::stack::{Stack, request, runner_config};
 
 type TestResult = anyhow::Result<()>;
-
-async fn list(runner: &testkit::Runner) -> anyhow::Result<Vec<pb::ToolSpec>> {
-    Ok(runner
-        .client()
-        .await?
-        .list_tools(pb::ListToolsRequest {})
-        .await?
-        .into_inner()
-        .tools)
-}
 
 #[tokio::test]
 async fn a_changed_tool_list_reaches_the_runner_and_then_the_orchestrators_catalog() -> TestResult {
@@ -53,7 +42,7 @@ async fn a_changed_tool_list_reaches_the_runner_and_then_the_orchestrators_catal
     };
 
     // Before the change: the runner and the model see the server's first list.
-    let runner_names: Vec<String> = list(&stack.runner).await?.into_iter().map(|t| t.name).collect();
+    let runner_names: Vec<String> = stack.runner.tools().await?.into_iter().map(|t| t.name).collect();
     assert!(
         runner_names.iter().any(|n| n == "everything__get-sum"),
         "{runner_names:?}"
@@ -67,7 +56,7 @@ async fn a_changed_tool_list_reaches_the_runner_and_then_the_orchestrators_catal
     // After it: the runner lists the new tool, and the orchestrator's next refresh offers it.
     let limit = Duration::from_secs(20);
     testkit::wait::until("the runner to list the new tool", limit, || async {
-        let names = list(&stack.runner).await.ok()?;
+        let names = stack.runner.tools().await.ok()?;
         names.iter().any(|t| t.name == added).then_some(())
     })
     .await?;

@@ -719,13 +719,10 @@ async fn full_run_slots_refuse_at_once() -> TestResult {
     Ok(())
 }
 
-#[tokio::test]
-async fn malformed_requests_get_invalid_argument_with_an_actionable_message() -> TestResult {
-    let stack = scripted(vec![
-        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
-    ])
-    .await?;
-    let mut client = stack.client().await?;
+/// Requests that break a rule of the contract, each with the words its refusal must hold: no
+/// user message, an unknown role, a tool not offered, an exit tool named as a normal one, a bad
+/// exit schema, limits past their ceilings or below their minimums, a bad run id.
+fn malformed_requests() -> Vec<(pb::OrchestrateRequest, &'static str)> {
     let base = request("x", &[]);
     let mut cases: Vec<(pb::OrchestrateRequest, &str)> = Vec::new();
     cases.push((
@@ -802,7 +799,17 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
         },
         "run_id must be",
     ));
-    for (req, expected) in cases {
+    cases
+}
+
+#[tokio::test]
+async fn malformed_requests_get_invalid_argument_with_an_actionable_message() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
+    ])
+    .await?;
+    let mut client = stack.client().await?;
+    for (req, expected) in malformed_requests() {
         let status = client.orchestrate(req).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{expected}: {status:?}");
         assert!(
@@ -811,7 +818,17 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
             status.message()
         );
     }
-    // The limit exactly at the ceiling is accepted.
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_limit_exactly_at_its_ceiling_is_accepted() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
+    ])
+    .await?;
+    let mut client = stack.client().await?;
+    let base = request("x", &[]);
     let ok = client
         .orchestrate(with_limits(
             base.clone(),
@@ -822,7 +839,18 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
         ))
         .await;
     assert!(ok.is_ok());
-    // A duplicate live run_id.
+    Ok(())
+}
+
+/// A second request with the id of a live run is `ALREADY_EXISTS`, not a malformed request.
+#[tokio::test]
+async fn a_live_duplicate_run_id_already_exists() -> TestResult {
+    let stack = scripted(vec![
+        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
+    ])
+    .await?;
+    let mut client = stack.client().await?;
+    let base = request("x", &[]);
     let live = pb::OrchestrateRequest {
         run_id: "twice".into(),
         ..base.clone()

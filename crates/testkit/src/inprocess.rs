@@ -96,6 +96,17 @@ impl Runner {
         Ok(pb::tool_runner_client::ToolRunnerClient::new(self.channel().await?))
     }
 
+    /// The tools it lists (`ListTools`).
+    pub async fn tools(&self) -> anyhow::Result<Vec<pb::ToolSpec>> {
+        Ok(self
+            .client()
+            .await?
+            .list_tools(pb::ListToolsRequest {})
+            .await?
+            .into_inner()
+            .tools)
+    }
+
     /// Triggers the drain (as SIGTERM would) without waiting for it.
     pub fn begin_shutdown(&mut self) {
         self.server.begin_shutdown();

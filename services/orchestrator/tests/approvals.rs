@@ -362,6 +362,72 @@ async fn a_rejection_is_fed_back_to_the_model_and_is_not_a_failure() -> TestResu
     Ok(())
 }
 
+/// The refusal of a decision that must be refused.
+fn refused(answer: Result<pb::DecideToolCallsResponse, tonic::Status>) -> anyhow::Result<tonic::Status> {
+    answer.err().ok_or_else(|| anyhow::anyhow!("the decision was taken"))
+}
+
+/// On Alice's run `edit-1`, waiting for `call_id`: a stranger's decision reads as one for an
+/// unknown run; an edit that breaks the tool's schema is `INVALID_ARGUMENT` and leaves the call
+/// waiting; an unknown call is `FAILED_PRECONDITION`, an unknown run `NOT_FOUND`.
+async fn refused_decisions_leave_the_call_waiting(client: &mut Client, call_id: &str) -> TestResult {
+    let call_id = call_id.to_owned();
+    let stranger = decide(
+        client,
+        "bob-token",
+        "edit-1",
+        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await;
+    let stranger = refused(stranger)?;
+    assert_eq!(stranger.code(), tonic::Code::NotFound, "{stranger:?}");
+    let bad = decide(
+        client,
+        "alice-token",
+        "edit-1",
+        vec![decision(
+            &call_id,
+            pb::DecisionKind::ApproveEdited,
+            "",
+            r#"{"ms": "soon"}"#,
+        )],
+    )
+    .await;
+    let bad = refused(bad)?;
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
+    assert!(bad.message().contains("still waits"), "{}", bad.message());
+    let still = get(client, "alice-token", "edit-1").await?;
+    assert_eq!(still.status, pb::RunStatus::AwaitingApproval as i32);
+    assert!(
+        still.pending_approvals[0].decision.is_none(),
+        "a refused edit leaves the call waiting"
+    );
+    let unknown_call = decide(
+        client,
+        "alice-token",
+        "edit-1",
+        vec![decision("nope", pb::DecisionKind::Approve, "", "")],
+    )
+    .await;
+    assert_eq!(refused(unknown_call)?.code(), tonic::Code::FailedPrecondition);
+    let unknown_run = decide(
+        client,
+        "alice-token",
+        "nope",
+        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await;
+    let unknown_run = refused(unknown_run)?;
+    assert_eq!(unknown_run.code(), tonic::Code::NotFound);
+    assert_eq!(
+        stranger.message(),
+        unknown_run.message().replace("\"nope\"", "\"edit-1\""),
+        "another owner's run answers as an unknown one"
+    );
+
+    Ok(())
+}
+
 /// An edit is checked against the tool's schema: refused with `INVALID_ARGUMENT` (the call still
 /// waits), then a valid one runs with the edited arguments; the record keeps both. A second
 /// decision, an unknown call and an unknown run are refused with their codes; a principal that is
@@ -383,62 +449,7 @@ async fn edits_are_checked_and_second_decisions_and_strangers_are_refused() -> T
         .unwrap_or_default();
     wait_status(&mut client, "alice-token", "edit-1", pb::RunStatus::AwaitingApproval).await?;
 
-    let stranger = decide(
-        &mut client,
-        "bob-token",
-        "edit-1",
-        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
-    )
-    .await;
-    let stranger = stranger.map(|_| ()).unwrap_err();
-    assert_eq!(stranger.code(), tonic::Code::NotFound, "{stranger:?}");
-    let bad = decide(
-        &mut client,
-        "alice-token",
-        "edit-1",
-        vec![decision(
-            &call_id,
-            pb::DecisionKind::ApproveEdited,
-            "",
-            r#"{"ms": "soon"}"#,
-        )],
-    )
-    .await
-    .map(|_| ())
-    .unwrap_err();
-    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
-    assert!(bad.message().contains("still waits"), "{}", bad.message());
-    let still = get(&mut client, "alice-token", "edit-1").await?;
-    assert_eq!(still.status, pb::RunStatus::AwaitingApproval as i32);
-    assert!(
-        still.pending_approvals[0].decision.is_none(),
-        "a refused edit leaves the call waiting"
-    );
-    let unknown_call = decide(
-        &mut client,
-        "alice-token",
-        "edit-1",
-        vec![decision("nope", pb::DecisionKind::Approve, "", "")],
-    )
-    .await;
-    assert_eq!(
-        unknown_call.map(|_| ()).unwrap_err().code(),
-        tonic::Code::FailedPrecondition
-    );
-    let unknown_run = decide(
-        &mut client,
-        "alice-token",
-        "nope",
-        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
-    )
-    .await;
-    let unknown_run = unknown_run.map(|_| ()).unwrap_err();
-    assert_eq!(unknown_run.code(), tonic::Code::NotFound);
-    assert_eq!(
-        stranger.message(),
-        unknown_run.message().replace("\"nope\"", "\"edit-1\""),
-        "another owner's run answers as an unknown one"
-    );
+    refused_decisions_leave_the_call_waiting(&mut client, &call_id).await?;
 
     decide(
         &mut client,
@@ -798,13 +809,11 @@ async fn the_deadline_runs_while_waiting_unless_paused() -> TestResult {
     Ok(())
 }
 
-/// Parked runs hold no slot: with `--max-runs 4`, 200 runs wait at once and new runs still
-/// start; `--max-awaiting-runs` bounds them (one more has its call rejected at once); CancelRun
-/// ends a waiting run; once approved, every run completes within the 4 slots.
-#[tokio::test]
-async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
-    let w = world(refund_then_answer(), &["--max-runs", "4", "--max-awaiting-runs", "200"]).await?;
-    let mut client = w.client().await?;
+/// Starts 200 runs that each park for approval, four at a time on the four slots (waiting for
+/// each group to park before the next: they hold no slot once parked), and waits until all wait.
+async fn park_200_runs_four_at_a_time(
+    client: &mut Client,
+) -> anyhow::Result<Vec<tonic::Streaming<pb::OrchestrateEvent>>> {
     let mut streams = Vec::new();
     for i in 0..200 {
         let mut request = approval_run(&format!("park-{i}"));
@@ -815,7 +824,7 @@ async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
         if i % 4 == 3 {
             for parked in i - 3..=i {
                 wait_status(
-                    &mut client,
+                    client,
                     "alice-token",
                     &format!("park-{parked}"),
                     pb::RunStatus::AwaitingApproval,
@@ -826,19 +835,24 @@ async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
     }
     for i in 0..200 {
         wait_status(
-            &mut client,
+            client,
             "alice-token",
             &format!("park-{i}"),
             pb::RunStatus::AwaitingApproval,
         )
         .await?;
     }
-    // One more waiting run than allowed: its call is rejected at once, and it completes.
+    Ok(streams)
+}
+
+/// With `--max-awaiting-runs` runs waiting, one more has its call rejected at once (naming the
+/// flag), and it completes.
+async fn one_more_waiting_run_than_allowed_has_its_call_rejected_at_once(client: &mut Client) -> TestResult {
     let stream = client
         .orchestrate(as_("alice-token", approval_run("park-full")))
         .await?
         .into_inner();
-    let outcome = finish(&mut client, Vec::new(), stream).await?;
+    let outcome = finish(client, Vec::new(), stream).await?;
     assert_eq!(outcome.status(), pb::RunStatus::Completed);
     let record = sleep_record(&outcome.result)?;
     assert!(
@@ -849,6 +863,18 @@ async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
         "{record:?}"
     );
 
+    Ok(())
+}
+
+/// Parked runs hold no slot: with `--max-runs 4`, 200 runs wait at once and new runs still
+/// start; `--max-awaiting-runs` bounds them (one more has its call rejected at once); CancelRun
+/// ends a waiting run; once approved, every run completes within the 4 slots.
+#[tokio::test]
+async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
+    let w = world(refund_then_answer(), &["--max-runs", "4", "--max-awaiting-runs", "200"]).await?;
+    let mut client = w.client().await?;
+    let streams = park_200_runs_four_at_a_time(&mut client).await?;
+    one_more_waiting_run_than_allowed_has_its_call_rejected_at_once(&mut client).await?;
     let canceled = client
         .cancel_run(as_(
             "alice-token",
@@ -951,6 +977,13 @@ async fn the_runner_and_the_server_decide_which_tools_wait_too() -> TestResult {
     Ok(())
 }
 
+/// `orchestrator ARGS` run to its end: exit code, stdout, stderr.
+async fn cli(args: &[&str]) -> anyhow::Result<(Option<i32>, String, String)> {
+    let mut command = Command::new(BIN);
+    command.env("ORCHESTRATOR_METRICS_LISTEN", "off");
+    testkit::run_to_end(command, args, &[]).await
+}
+
 /// From a shell: `orchestrator call --needs-approval` prints the call waiting with the command
 /// that decides it, `orchestrator approvals` lists it, `orchestrator decide --approve` lets the run
 /// go on, and `call` prints the rest of the run.
@@ -978,51 +1011,19 @@ async fn the_command_line_lists_and_decides() -> TestResult {
     let parked = wait_status(&mut client, "alice-token", "cli-1", pb::RunStatus::AwaitingApproval).await?;
     let call_id = parked.pending_approvals[0].call_id.clone();
 
-    let shell = |args: Vec<String>| async move {
-        let mut command = Command::new(BIN);
-        command.env("ORCHESTRATOR_METRICS_LISTEN", "off");
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        testkit::run_to_end(command, &args, &[]).await
-    };
-    let (code, listed, stderr) = shell(vec![
-        "approvals".into(),
-        "--endpoint".into(),
-        endpoint.clone(),
-        "--token".into(),
-        "carol-token".into(),
-    ])
-    .await?;
+    let carol = ["--endpoint", &endpoint, "--token", "carol-token"];
+    let (code, listed, stderr) = cli(&[&["approvals"][..], &carol].concat()).await?;
     assert_eq!(code, Some(0), "{stderr}");
     assert!(
         listed.contains("cli-1") && listed.contains(&call_id) && listed.contains("sleep"),
         "{listed}"
     );
-    let (code, _, stderr) = shell(vec![
-        "decide".into(),
-        "--endpoint".into(),
-        endpoint.clone(),
-        "--token".into(),
-        "bob-token".into(),
-        "--run-id".into(),
-        "cli-1".into(),
-        "--approve".into(),
-        call_id.clone(),
-    ])
-    .await?;
+    let approve = ["decide", "--run-id", "cli-1", "--approve", &call_id];
+    let bob = ["--endpoint", &endpoint, "--token", "bob-token"];
+    let (code, _, stderr) = cli(&[&approve[..], &bob].concat()).await?;
     assert_ne!(code, Some(0));
     assert!(stderr.contains("no run \"cli-1\" waits for approval"), "{stderr}");
-    let (code, decided, stderr) = shell(vec![
-        "decide".into(),
-        "--endpoint".into(),
-        endpoint.clone(),
-        "--token".into(),
-        "carol-token".into(),
-        "--run-id".into(),
-        "cli-1".into(),
-        "--approve".into(),
-        call_id.clone(),
-    ])
-    .await?;
+    let (code, decided, stderr) = cli(&[&approve[..], &carol].concat()).await?;
     assert_eq!(code, Some(0), "{stderr}");
     assert!(decided.contains("goes on"), "{decided}");
 

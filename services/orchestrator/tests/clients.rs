@@ -636,6 +636,58 @@ impl Proxy {
     }
 }
 
+/// The events a client printed (`--json`, one per line) are numbered 1, 2, … without a gap or a
+/// duplicate, end with `run_finished` COMPLETED, and their text is the result's.
+fn the_printed_events_are_one_stream_without_gaps_ending_completed(client: &str, output: &Output) -> TestResult {
+    let events = events(output)?;
+    let seqs: Vec<u64> = events
+        .iter()
+        .map(|(_, body)| body.clone())
+        .zip(String::from_utf8(output.stdout.clone())?.lines())
+        .map(|(_, line)| {
+            let event: Value = serde_json::from_str(line)?;
+            anyhow::Ok(
+                event["seq"]
+                    .as_str()
+                    .and_then(|s| s.parse().ok())
+                    .or(event["seq"].as_u64())
+                    .unwrap_or(0),
+            )
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let expected: Vec<u64> = (1..=seqs.len() as u64).collect();
+    assert_eq!(seqs, expected, "{client}: one stream without gaps or duplicates");
+    let text: String = events
+        .iter()
+        .filter(|(k, _)| k == "text_delta")
+        .map(|(_, body)| body["text"].as_str().unwrap_or_default())
+        .collect();
+    let (last, body) = events.last().ok_or_else(|| anyhow::anyhow!("{client}: no events"))?;
+    assert_eq!(last, "run_finished", "{client}");
+    assert_eq!(body["result"]["status"], "RUN_STATUS_COMPLETED", "{client}");
+    assert_eq!(
+        body["result"]["text"],
+        Value::String(text),
+        "{client}: streamed text = result"
+    );
+    Ok(())
+}
+
+/// `--attach RUN --after 3` (`command`) prints exactly the lines after the third of `output`.
+async fn attach_after_3_prints_the_rest(client: &str, command: Command, output: &Output) -> TestResult {
+    let attached = run(command).await?;
+    assert_eq!(attached.status.code(), Some(0), "{client}: {}", stderr(&attached));
+    let tail = String::from_utf8(attached.stdout.clone())?;
+    let whole = String::from_utf8(output.stdout.clone())?;
+    let expected_tail: Vec<&str> = whole.lines().skip(3).collect();
+    assert_eq!(
+        tail.lines().collect::<Vec<_>>(),
+        expected_tail,
+        "{client}: attach --after 3"
+    );
+    Ok(())
+}
+
 /// A detached run read through a proxy that dies mid-run: the Python and TypeScript clients
 /// re-attach (AttachRun from their last seq, reaching the orchestrator by the second address of
 /// the gRPC name) and print one gap-free stream that ends COMPLETED; `--attach RUN_ID --after 3`
@@ -694,38 +746,7 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
             "{client}: {}",
             stderr(&output)
         );
-        let events = events(&output)?;
-        let seqs: Vec<u64> = events
-            .iter()
-            .map(|(_, body)| body.clone())
-            .zip(String::from_utf8(output.stdout.clone())?.lines())
-            .map(|(_, line)| {
-                let event: Value = serde_json::from_str(line)?;
-                anyhow::Ok(
-                    event["seq"]
-                        .as_str()
-                        .and_then(|s| s.parse().ok())
-                        .or(event["seq"].as_u64())
-                        .unwrap_or(0),
-                )
-            })
-            .collect::<anyhow::Result<_>>()?;
-        let expected: Vec<u64> = (1..=seqs.len() as u64).collect();
-        assert_eq!(seqs, expected, "{client}: one stream without gaps or duplicates");
-        let text: String = events
-            .iter()
-            .filter(|(k, _)| k == "text_delta")
-            .map(|(_, body)| body["text"].as_str().unwrap_or_default())
-            .collect();
-        let (last, body) = events.last().ok_or_else(|| anyhow::anyhow!("{client}: no events"))?;
-        assert_eq!(last, "run_finished", "{client}");
-        assert_eq!(body["result"]["status"], "RUN_STATUS_COMPLETED", "{client}");
-        assert_eq!(
-            body["result"]["text"],
-            Value::String(text),
-            "{client}: streamed text = result"
-        );
-
+        the_printed_events_are_one_stream_without_gaps_ending_completed(client, &output)?;
         let mut command = make()?;
         command.args([
             "--target",
@@ -736,16 +757,7 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
             "3",
             "--json",
         ]);
-        let attached = run(command).await?;
-        assert_eq!(attached.status.code(), Some(0), "{client}: {}", stderr(&attached));
-        let tail = String::from_utf8(attached.stdout.clone())?;
-        let whole = String::from_utf8(output.stdout.clone())?;
-        let expected_tail: Vec<&str> = whole.lines().skip(3).collect();
-        assert_eq!(
-            tail.lines().collect::<Vec<_>>(),
-            expected_tail,
-            "{client}: attach --after 3"
-        );
+        attach_after_3_prints_the_rest(client, command, &output).await?;
     }
     Ok(())
 }

@@ -237,7 +237,7 @@ impl Fleet {
     /// How many times the signal stream holds each run's signal (asked again for a while: a
     /// cluster that lost a node answers once it elected new leaders).
     async fn signals_per_run(&self) -> anyhow::Result<HashMap<String, usize>> {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             match self.count_signals().await {
                 Ok(counts) => return Ok(counts),
@@ -259,6 +259,10 @@ impl Fleet {
             .await?
             .create_consumer(async_nats::jetstream::consumer::pull::Config {
                 deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::All,
+                // A reader's own consumer needs no replicas: one node that holds the stream can
+                // serve it while a cluster that lost a node places replicated ones again.
+                num_replicas: 1,
+                memory_storage: true,
                 ..Default::default()
             })
             .await?;

@@ -982,6 +982,48 @@ async fn a_hole_in_the_nats_log_breaks_it_and_followers_are_told_of_the_loss() -
     Ok(())
 }
 
+/// Reads the checkpoint object `name` over and over while the run goes on, keeping the newest
+/// whole copy (and its metadata) until the object is gone.
+fn keep_the_newest_checkpoint(
+    checkpoints: jetstream::object_store::ObjectStore,
+    name: String,
+) -> tokio::task::JoinHandle<Option<(Vec<u8>, jetstream::object_store::ObjectMetadata)>> {
+    tokio::spawn(async move {
+        let mut kept = None;
+        for _ in 0..500 {
+            // Bounded: an object deleted while it is read leaves the read waiting for
+            // chunks that are gone.
+            match tokio::time::timeout(Duration::from_secs(1), read_object(&checkpoints, &name)).await {
+                Ok(Some(bytes)) => kept = Some(bytes),
+                Ok(None) if kept.is_some() => break,
+                Ok(None) | Err(_) => {}
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        kept
+    })
+}
+
+/// A run's log replayed from seq 0 through `AttachRun` ends `run_finished` COMPLETED with `text`.
+async fn the_replay_from_its_log_is_whole(url: &str, run_id: &str, text: &str) -> TestResult {
+    let client = orchestrator_client::ClientBuilder::new(url.to_owned())
+        .connect()
+        .await?;
+    let mut replay = client.attach(run_id, 0).await?;
+    let mut finished = None;
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(10), replay.next_event()).await?? {
+        if let orchestrator_client::Event::Finished(result) = event {
+            finished = Some(result.status());
+        }
+    }
+    assert_eq!(
+        (finished, replay.text()),
+        (Some(pb::RunStatus::Completed), text),
+        "the log is whole"
+    );
+    Ok(())
+}
+
 /// The crash window between a durable run's end reaching its log and its record: the record
 /// still reads RUNNING with a checkpoint (put back here as they were just before the end), the
 /// log ends with `run_finished`. The replica taking the run over stores that end instead of
@@ -1008,24 +1050,7 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
     let key = "run.ended-late";
     let mut revisions = kv.watch(key).await?;
     // Keep the newest checkpoint while the run goes on.
-    let kept = {
-        let checkpoints = checkpoints.clone();
-        tokio::spawn(async move {
-            let mut kept = None;
-            for _ in 0..500 {
-                // Bounded: an object deleted while it is read leaves the read waiting for
-                // chunks that are gone.
-                match tokio::time::timeout(Duration::from_secs(1), read_object(&checkpoints, &format!("{key}#1"))).await
-                {
-                    Ok(Some(bytes)) => kept = Some(bytes),
-                    Ok(None) if kept.is_some() => break,
-                    Ok(None) | Err(_) => {}
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            kept
-        })
-    };
+    let kept = keep_the_newest_checkpoint(checkpoints.clone(), format!("{key}#1"));
     let request = pb::OrchestrateRequest {
         run_id: "ended-late".into(),
         ..testkit::user("go")
@@ -1067,19 +1092,7 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
         checkpoints.get(&format!("{key}#1")).await.is_err(),
         "its checkpoint is gone"
     );
-    let client = orchestrator_client::ClientBuilder::new(b_url.clone()).connect().await?;
-    let mut replay = client.attach("ended-late", 0).await?;
-    let mut finished = None;
-    while let Some(event) = tokio::time::timeout(Duration::from_secs(10), replay.next_event()).await?? {
-        if let orchestrator_client::Event::Finished(result) = event {
-            finished = Some(result.status());
-        }
-    }
-    assert_eq!(
-        (finished, replay.text()),
-        (Some(pb::RunStatus::Completed), "one two"),
-        "the log is whole"
-    );
+    the_replay_from_its_log_is_whole(&b_url, "ended-late", "one two").await?;
     b.stop().await
 }
 

@@ -68,6 +68,68 @@ async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
     Ok(())
 }
 
+/// `call --attach` replays the finished run from the start (printing what the run printed), or
+/// from a seq on.
+async fn call_attach_replays_what_the_run_printed(endpoint: &str, printed: &str) -> TestResult {
+    let (code, replayed, stderr) =
+        run_to_end(&["call", "--endpoint", endpoint, "--attach", "process-run"], &[]).await?;
+    assert_eq!(code, Some(0), "{replayed}\n{stderr}");
+    assert_eq!(replayed, printed, "the replay prints what the run printed");
+    let (code, tail, stderr) = run_to_end(
+        &[
+            "call",
+            "--endpoint",
+            endpoint,
+            "--attach",
+            "process-run",
+            "--after",
+            "3",
+        ],
+        &[],
+    )
+    .await?;
+    assert_eq!(code, Some(0), "{tail}\n{stderr}");
+    assert!(
+        !tail.contains("▶ run started") && tail.contains("■ COMPLETED"),
+        "{tail}"
+    );
+    Ok(())
+}
+
+/// A refused call is the orchestrator's answer, not a usage error: exit 1, and not worded as a
+/// configuration error; conflicting flags are a usage error, exit 2.
+async fn a_refused_call_exits_1_and_bad_usage_exits_2(endpoint: &str) -> TestResult {
+    let (code, _, stderr) = run_to_end(&["call", "--endpoint", endpoint, "--attach", "no-such-run"], &[]).await?;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("AttachRun was refused")
+            && stderr.contains("no run \"no-such-run\"")
+            && !stderr.contains("invalid configuration"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run_to_end(&["call", "--prompt", "x", "--attach", "r"], &[]).await?;
+    assert_eq!(code, Some(2), "--prompt and --attach together: {stderr}");
+
+    Ok(())
+}
+
+/// SIGTERM drains and exits 0, logging each step; the API key is in no log line.
+async fn sigterm_drains_and_the_key_is_never_logged(orchestrator: &mut testkit::Service) -> TestResult {
+    orchestrator.signal(nix::sys::signal::Signal::SIGTERM)?;
+    assert_eq!(orchestrator.wait_exit().await?, Some(0));
+    let logs = orchestrator.logs().join("\n");
+    for expected in [
+        "stop signal received",
+        "draining",
+        "orchestrator stopped",
+        "run finished",
+    ] {
+        assert!(logs.contains(expected), "{expected:?} missing from the logs:\n{logs}");
+    }
+    assert!(!logs.contains("sk-never-logged"), "the API key leaked into the logs");
+    Ok(())
+}
+
 #[tokio::test]
 async fn serve_call_and_drain_on_sigterm() -> TestResult {
     // A tool-runner and the stand-in model in this process; the orchestrator as a real process.
@@ -120,54 +182,9 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
             && stdout.contains("■ COMPLETED"),
         "{stdout}"
     );
-    // `call --attach` replays the finished run from the start, or from a seq on.
-    let (code, replayed, stderr) =
-        run_to_end(&["call", "--endpoint", &endpoint, "--attach", "process-run"], &[]).await?;
-    assert_eq!(code, Some(0), "{replayed}\n{stderr}");
-    assert_eq!(replayed, stdout, "the replay prints what the run printed");
-    let (code, tail, stderr) = run_to_end(
-        &[
-            "call",
-            "--endpoint",
-            &endpoint,
-            "--attach",
-            "process-run",
-            "--after",
-            "3",
-        ],
-        &[],
-    )
-    .await?;
-    assert_eq!(code, Some(0), "{tail}\n{stderr}");
-    assert!(
-        !tail.contains("▶ run started") && tail.contains("■ COMPLETED"),
-        "{tail}"
-    );
-    // A refused call is the orchestrator's answer, not a usage error: exit 1, and not worded
-    // as a configuration error.
-    let (code, _, stderr) = run_to_end(&["call", "--endpoint", &endpoint, "--attach", "no-such-run"], &[]).await?;
-    assert_eq!(code, Some(1), "{stderr}");
-    assert!(
-        stderr.contains("AttachRun was refused")
-            && stderr.contains("no run \"no-such-run\"")
-            && !stderr.contains("invalid configuration"),
-        "{stderr}"
-    );
-    let (code, _, stderr) = run_to_end(&["call", "--prompt", "x", "--attach", "r"], &[]).await?;
-    assert_eq!(code, Some(2), "--prompt and --attach together: {stderr}");
-
-    orchestrator.signal(nix::sys::signal::Signal::SIGTERM)?;
-    assert_eq!(orchestrator.wait_exit().await?, Some(0));
-    let logs = orchestrator.logs().join("\n");
-    for expected in [
-        "stop signal received",
-        "draining",
-        "orchestrator stopped",
-        "run finished",
-    ] {
-        assert!(logs.contains(expected), "{expected:?} missing from the logs:\n{logs}");
-    }
-    assert!(!logs.contains("sk-never-logged"), "the API key leaked into the logs");
+    call_attach_replays_what_the_run_printed(&endpoint, &stdout).await?;
+    a_refused_call_exits_1_and_bad_usage_exits_2(&endpoint).await?;
+    sigterm_drains_and_the_key_is_never_logged(&mut orchestrator).await?;
     Ok(())
 }
 

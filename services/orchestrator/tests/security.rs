@@ -692,7 +692,6 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
     Ok(())
 }
 
-/// One reflection `list_services` exchange: Ok, or the refusal's code.
 /// A `ListServices` reflection request.
 fn list_request() -> tonic_reflection::pb::v1::ServerReflectionRequest {
     tonic_reflection::pb::v1::ServerReflectionRequest {
@@ -745,6 +744,7 @@ async fn a_certificate_the_tokens_file_does_not_list_is_refused_reflection_too(
     Ok(())
 }
 
+/// One reflection `list_services` exchange: Ok, or the refusal's code.
 async fn list_services(
     client: &mut tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient<tonic::transport::Channel>,
     request: &tonic_reflection::pb::v1::ServerReflectionRequest,

@@ -421,6 +421,74 @@ async fn tool_payloads_are_recorded_only_when_asked_and_capped() -> TestResult {
     Ok(())
 }
 
+/// One trace: invoke_agent → chat → execute_tool (client, both tools, same turn) → execute_tool
+/// (server) → tools/call (the MCP call), whose context reached the MCP server in `_meta` (`sent`
+/// is what the runner wrote to the server's stdin) with the call id and run id.
+fn the_mcp_call_is_one_trace_down_to_the_server(
+    spans: &Spans,
+    caller_trace: &str,
+    sent: &str,
+    result: &pb::RunResult,
+) -> TestResult {
+    let traced: Vec<_> = spans.iter().filter(|(_, s)| hex(&s.trace_id) == caller_trace).collect();
+    let one = |service: &str, name: &str| -> anyhow::Result<&opentelemetry_proto::tonic::trace::v1::Span> {
+        let found: Vec<_> = traced
+            .iter()
+            .filter(|(svc, s)| svc == service && s.name == name)
+            .collect();
+        anyhow::ensure!(
+            found.len() == 1,
+            "{} spans {service}/{name} in {:?}",
+            found.len(),
+            traced.iter().map(|(svc, s)| (svc, &s.name)).collect::<Vec<_>>()
+        );
+        Ok(&found[0].1)
+    };
+    let mcp_client = one("orchestrator", "execute_tool time__get_current_time")?;
+    let builtin_client = one("orchestrator", "execute_tool calculate")?;
+    assert_eq!(
+        mcp_client.parent_span_id, builtin_client.parent_span_id,
+        "both calls belong to the same turn"
+    );
+    let mcp_server = one("tool-runner", "execute_tool time__get_current_time")?;
+    assert_eq!(mcp_server.parent_span_id, mcp_client.span_id);
+    assert_eq!(
+        one("tool-runner", "execute_tool calculate")?.parent_span_id,
+        builtin_client.span_id
+    );
+    let mcp_call = one("tool-runner", "tools/call get_current_time")?;
+    assert_eq!(mcp_call.parent_span_id, mcp_server.span_id);
+    assert_eq!(mcp_call.kind, SpanKind::Client as i32);
+    assert_eq!(string_attr(&mcp_call.attributes, "mcp.server").as_deref(), Some("time"));
+    let call_line = sent
+        .lines()
+        .find(|l| l.contains("\"tools/call\""))
+        .ok_or_else(|| anyhow::anyhow!("no tools/call in {sent}"))?;
+    let call: serde_json::Value = serde_json::from_str(call_line)?;
+    assert_eq!(
+        call["params"]["_meta"]["traceparent"],
+        format!("00-{caller_trace}-{}-01", hex(&mcp_call.span_id)),
+        "{call}"
+    );
+    // The call id travels as the idempotency key, with the run id.
+    let mcp_record = result
+        .tool_calls
+        .iter()
+        .find(|c| c.name == "time__get_current_time")
+        .ok_or_else(|| anyhow::anyhow!("no MCP call in {result:?}"))?;
+    assert_eq!(
+        call["params"]["_meta"]["orchestrator/call_id"],
+        mcp_record.call_id.as_str(),
+        "{call}"
+    );
+    assert_eq!(
+        call["params"]["_meta"]["orchestrator/run_id"],
+        result.run_id.as_str(),
+        "{call}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn an_mcp_tool_and_a_built_in_called_in_one_turn_make_one_trace_down_to_the_mcp_server() -> TestResult {
     use testkit::mcp_servers::time_server;
@@ -486,65 +554,7 @@ async fn an_mcp_tool_and_a_built_in_called_in_one_turn_make_one_trace_down_to_th
     orchestrator.stop().await?;
     runner.stop().await?;
 
-    // One trace: invoke_agent → chat → execute_tool (client, both tools, same turn) → execute_tool
-    // (server) → tools/call (the MCP call), whose context reached the MCP server in `_meta`.
     let spans = collector.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
-    let traced: Vec<_> = spans.iter().filter(|(_, s)| hex(&s.trace_id) == caller_trace).collect();
-    let one = |service: &str, name: &str| -> anyhow::Result<&opentelemetry_proto::tonic::trace::v1::Span> {
-        let found: Vec<_> = traced
-            .iter()
-            .filter(|(svc, s)| svc == service && s.name == name)
-            .collect();
-        anyhow::ensure!(
-            found.len() == 1,
-            "{} spans {service}/{name} in {:?}",
-            found.len(),
-            traced.iter().map(|(svc, s)| (svc, &s.name)).collect::<Vec<_>>()
-        );
-        Ok(&found[0].1)
-    };
-    let mcp_client = one("orchestrator", "execute_tool time__get_current_time")?;
-    let builtin_client = one("orchestrator", "execute_tool calculate")?;
-    assert_eq!(
-        mcp_client.parent_span_id, builtin_client.parent_span_id,
-        "both calls belong to the same turn"
-    );
-    let mcp_server = one("tool-runner", "execute_tool time__get_current_time")?;
-    assert_eq!(mcp_server.parent_span_id, mcp_client.span_id);
-    assert_eq!(
-        one("tool-runner", "execute_tool calculate")?.parent_span_id,
-        builtin_client.span_id
-    );
-    let mcp_call = one("tool-runner", "tools/call get_current_time")?;
-    assert_eq!(mcp_call.parent_span_id, mcp_server.span_id);
-    assert_eq!(mcp_call.kind, SpanKind::Client as i32);
-    assert_eq!(string_attr(&mcp_call.attributes, "mcp.server").as_deref(), Some("time"));
     let sent = std::fs::read_to_string(&sent_log)?;
-    let call_line = sent
-        .lines()
-        .find(|l| l.contains("\"tools/call\""))
-        .ok_or_else(|| anyhow::anyhow!("no tools/call in {sent}"))?;
-    let call: serde_json::Value = serde_json::from_str(call_line)?;
-    assert_eq!(
-        call["params"]["_meta"]["traceparent"],
-        format!("00-{caller_trace}-{}-01", hex(&mcp_call.span_id)),
-        "{call}"
-    );
-    // The call id travels as the idempotency key, with the run id.
-    let mcp_record = result
-        .tool_calls
-        .iter()
-        .find(|c| c.name == "time__get_current_time")
-        .ok_or_else(|| anyhow::anyhow!("no MCP call in {result:?}"))?;
-    assert_eq!(
-        call["params"]["_meta"]["orchestrator/call_id"],
-        mcp_record.call_id.as_str(),
-        "{call}"
-    );
-    assert_eq!(
-        call["params"]["_meta"]["orchestrator/run_id"],
-        result.run_id.as_str(),
-        "{call}"
-    );
-    Ok(())
+    the_mcp_call_is_one_trace_down_to_the_server(&spans, caller_trace, &sent, &result)
 }

@@ -5,7 +5,6 @@
 
 use std::time::{Duration, Instant};
 
-use proto::toolrunner::v1 as pb;
 use proto::toolrunner::v1::ToolErrorCode as Code;
 use serde_json::json;
 use testkit::mcp_servers::{everything_js, time_server};
@@ -61,22 +60,12 @@ async fn call(runner: &Runner, tool: &str, args: serde_json::Value) -> anyhow::R
     Outcome::of(response.into_inner())
 }
 
-async fn list(runner: &Runner) -> anyhow::Result<Vec<pb::ToolSpec>> {
-    Ok(runner
-        .client()
-        .await?
-        .list_tools(pb::ListToolsRequest {})
-        .await?
-        .into_inner()
-        .tools)
-}
-
 #[tokio::test]
 async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResult {
     let dir = tempfile::tempdir()?;
     let extra = "deny = [\"get-env\"]\nneeds_approval = [\"get-sum\"]";
     let runner = runner_with(&dir, &stdio_manifest(&dir, extra, "UTC")?).await?;
-    let tools = list(&runner).await?;
+    let tools = runner.tools().await?;
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
     for expected in [
         "echo",
@@ -309,7 +298,8 @@ async fn a_streamable_http_server_is_listed_and_called_with_headers_from_the_env
         "[[mcp_servers]]\nname = \"remote\"\nurl = \"http://127.0.0.1:{proxy_port}/mcp\"\nprefix = \"\"\nallow = [\"get-sum\", \"echo\"]\nheaders = {{ \"X-Team\" = \"tests\" }}\nheaders_from_env = {{ Authorization = \"{variable}\" }}\n"
     );
     let runner = runner_with(&dir, &manifest).await?;
-    let names: Vec<String> = list(&runner)
+    let names: Vec<String> = runner
+        .tools()
         .await?
         .into_iter()
         .filter(|t| t.source == "mcp")
@@ -436,7 +426,8 @@ async fn a_server_is_held_to_max_tools_and_max_message_bytes() -> TestResult {
         &stdio_manifest(&dir, "max_tools = 3\nmax_message_bytes = 65536", "Etc/GMT-4")?,
     )
     .await?;
-    let offered: Vec<String> = list(&runner)
+    let offered: Vec<String> = runner
+        .tools()
         .await?
         .into_iter()
         .filter(|t| t.name.starts_with("everything__"))
