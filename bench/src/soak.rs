@@ -544,7 +544,10 @@ async fn play(
             Some(pb::orchestrate_event::Event::ToolCallStarted(_)) if kind == Kind::CallerGone => return Ok(events),
             Some(pb::orchestrate_event::Event::ToolCallStarted(_)) if kind == Kind::CancelRun => {
                 client
-                    .cancel_run(pb::CancelRunRequest { run_id: run_id.into() })
+                    .cancel_run(pb::CancelRunRequest {
+                        run_id: run_id.into(),
+                        ..Default::default()
+                    })
                     .await?;
             }
             Some(pb::orchestrate_event::Event::RunFinished(_)) => finished = true,

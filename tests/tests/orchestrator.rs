@@ -534,6 +534,7 @@ async fn cancel_run_mid_tool_cancels_the_call_on_the_runner() -> TestResult {
         .await?
         .cancel_run(pb::CancelRunRequest {
             run_id: "cancel-me".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -551,6 +552,7 @@ async fn cancel_run_mid_tool_cancels_the_call_on_the_runner() -> TestResult {
         .await?
         .cancel_run(pb::CancelRunRequest {
             run_id: "cancel-me".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();

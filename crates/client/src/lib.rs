@@ -151,9 +151,25 @@ impl Client {
             .await?)
     }
 
-    /// Cancels a live run; `true` when it was live (it ends `CANCELED`, keeping its output).
+    /// Cancels a live run at once; `true` when it was live (it ends `CANCELED`, keeping its
+    /// output).
     pub async fn cancel_run(&self, run_id: &str) -> Result<bool, Error> {
-        let request = pb::CancelRunRequest { run_id: run_id.into() };
+        self.cancel(run_id, pb::CancelMode::Immediate).await
+    }
+
+    /// Cancels a live run once its turn in progress has ended: the turn's tool calls run and
+    /// are recorded, no new model request is made, and the run ends `CANCELED` with everything
+    /// kept (a turn that ends the run by itself ends it as it would have). `true` when it was
+    /// live. A [`cancel_run`](Self::cancel_run) may follow and wins.
+    pub async fn cancel_after_turn(&self, run_id: &str) -> Result<bool, Error> {
+        self.cancel(run_id, pb::CancelMode::AfterTurn).await
+    }
+
+    async fn cancel(&self, run_id: &str, mode: pb::CancelMode) -> Result<bool, Error> {
+        let request = pb::CancelRunRequest {
+            run_id: run_id.into(),
+            mode: mode.into(),
+        };
         let answer = self
             .retried(request, |mut client, request| async move {
                 client.cancel_run(request).await

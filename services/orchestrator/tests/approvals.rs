@@ -880,6 +880,7 @@ async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
             "alice-token",
             pb::CancelRunRequest {
                 run_id: "park-0".into(),
+                ..Default::default()
             },
         ))
         .await?
@@ -1223,6 +1224,7 @@ async fn expiry_and_cancel_of_parked_runs_with_the_nats_store() -> TestResult {
             "alice-token",
             pb::CancelRunRequest {
                 run_id: "nats-canceled".into(),
+                ..Default::default()
             },
         ))
         .await?

@@ -177,7 +177,10 @@ async fn canceling_mid_generation_frees_the_servers_slot() -> TestResult {
     assert_eq!(slots[0]["is_processing"], true, "generating: {slots}");
 
     let canceled = client
-        .cancel_run(pb::CancelRunRequest { run_id: run_id.clone() })
+        .cancel_run(pb::CancelRunRequest {
+            run_id: run_id.clone(),
+            ..Default::default()
+        })
         .await?
         .into_inner();
     assert!(canceled.canceled);

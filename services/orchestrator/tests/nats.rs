@@ -1375,7 +1375,10 @@ async fn a_run_is_canceled_through_any_replica() -> TestResult {
     started.await??;
 
     let mut on_b = pb::orchestrator_client::OrchestratorClient::connect(b_url.clone()).await?;
-    let cancel = |run_id: &str| pb::CancelRunRequest { run_id: run_id.into() };
+    let cancel = |run_id: &str| pb::CancelRunRequest {
+        run_id: run_id.into(),
+        ..Default::default()
+    };
     let answer = on_b.cancel_run(cancel("cancel-anywhere")).await?.into_inner();
     assert!(answer.canceled, "{answer:?}");
     assert_eq!(answer.status(), pb::RunStatus::Canceled);

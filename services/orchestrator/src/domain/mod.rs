@@ -8,11 +8,13 @@
 //! * [`result`]: what it produced ([`result::RunResult`], tool-call records, signals);
 //! * [`event`]: the events of its stream;
 //! * [`approval`]: calls that wait for a person's decision, and the decisions;
+//! * [`cancel`]: how a run is asked to stop (at once, or after its turn);
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
 
 pub mod approval;
+pub mod cancel;
 pub mod chat;
 pub mod event;
 pub mod ownership;
@@ -21,6 +23,7 @@ pub mod ports;
 pub mod result;
 pub mod spec;
 
+pub use cancel::CancelMode;
 pub use event::{Event, EventBatch, NumberedEvent};
 pub use ownership::{LeaseTerms, Ownership, Stop};
 pub use result::{Delivery, FailureReason, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};

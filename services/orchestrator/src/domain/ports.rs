@@ -97,12 +97,14 @@ pub trait RunJournal: Send + Sync + 'static {
     /// Tells of runs handed over by any replica, as they are (the takeover looks at once instead
     /// of at its next round); an item per hand-over, best effort.
     fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>>;
-    /// Asks the replica running `run_id` to cancel it with `reason`, and returns its answer;
-    /// `None` when no replica answered (none runs it now: it is moving between replicas).
+    /// Asks the replica running `run_id` to cancel it `mode`'s way with `reason`, and returns
+    /// its answer; `None` when no replica answered (none runs it now: it is moving between
+    /// replicas).
     fn cancel_elsewhere(
         &self,
         run_id: &str,
         reason: &str,
+        mode: super::CancelMode,
     ) -> BoxFuture<'static, Result<Option<RemoteCancel>, StoreError>>;
     /// The cancels other replicas were asked for, as they come; only the replica running the run
     /// answers one.
@@ -114,6 +116,8 @@ pub trait RunJournal: Send + Sync + 'static {
 pub enum RemoteCancel {
     /// The run was live there, and is canceled.
     Canceled,
+    /// The run was live there, and ends once its turn in progress has ended.
+    EndsAfterTurn,
     /// The run had already ended there, with this status.
     Finished(super::RunStatus),
 }
@@ -124,6 +128,8 @@ pub struct CancelAsk {
     pub run_id: String,
     /// Why (the run's failure detail).
     pub reason: String,
+    /// At once, or after the run's turn in progress.
+    pub mode: super::CancelMode,
     /// Sends the answer to the replica that asked.
     pub answer: Box<dyn FnOnce(RemoteCancel) -> BoxFuture<'static, ()> + Send>,
 }

@@ -4,14 +4,16 @@
 use shared::auth::Principal;
 
 use super::{Runs, sees};
-use crate::domain::RunStatus;
 use crate::domain::ports::{RemoteCancel, StoreError, within};
+use crate::domain::{CancelMode, RunStatus};
 
 /// Outcome of a cancel request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CancelOutcome {
     /// A live run was canceled.
     Canceled,
+    /// A live run ends once its turn in progress has ended.
+    EndsAfterTurn,
     /// The run had already finished with this status.
     AlreadyFinished(RunStatus),
     /// No such run here.
@@ -21,16 +23,18 @@ pub(crate) enum CancelOutcome {
 }
 
 impl Runs {
-    /// Cancels a run of `caller`: live here, parked waiting for approvals, or (shared store)
-    /// live on another replica, which is asked to; `Err` when the store, asked about a run not
-    /// live here, cannot be read.
+    /// Cancels a run of `caller` `mode`'s way: live here, parked waiting for approvals (at once
+    /// in either mode: no turn of it can end without a person), or (shared store) live on another
+    /// replica, which is asked to; `Err` when the store, asked about a run not live here, cannot
+    /// be read.
     pub(crate) async fn cancel(
         &self,
         run_id: &str,
         caller: &Principal,
         reason: &str,
+        mode: CancelMode,
     ) -> Result<CancelOutcome, StoreError> {
-        if let Some(outcome) = self.cancel_here(run_id, caller, reason) {
+        if let Some(outcome) = self.cancel_here(run_id, caller, reason, mode) {
             return Ok(outcome);
         }
         let parked = match self.approvals.parked(run_id) {
@@ -46,14 +50,21 @@ impl Runs {
         Ok(match self.stored(run_id).await? {
             Some(result) if !sees(caller, &result.principal) => CancelOutcome::NotFound,
             Some(result) if !result.status.is_live() => CancelOutcome::AlreadyFinished(result.status),
-            Some(_) => self.cancel_elsewhere(run_id, reason).await,
+            Some(_) => self.cancel_elsewhere(run_id, reason, mode).await,
             None => CancelOutcome::NotFound,
         })
     }
 
-    /// Cancels `run_id` when it is live on this replica and `caller` may see it; `None` when it
-    /// is not here (or is leaving: parking, or being handed over, so its next replica answers).
-    pub(crate) fn cancel_here(&self, run_id: &str, caller: &Principal, reason: &str) -> Option<CancelOutcome> {
+    /// Cancels `run_id` `mode`'s way when it is live on this replica and `caller` may see it;
+    /// `None` when it is not here (or is leaving: parking, or being handed over, so its next
+    /// replica answers).
+    pub(crate) fn cancel_here(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+        reason: &str,
+        mode: CancelMode,
+    ) -> Option<CancelOutcome> {
         let live = self.lock();
         let live = live.get(run_id).filter(|l| sees(caller, &l.principal))?;
         // Under the state lock: the loop settles the end under it too, and a cancel that came
@@ -66,17 +77,21 @@ impl Runs {
         if state.status == RunStatus::AwaitingApproval || leaving {
             return None;
         }
-        live.cancel.cancel(reason);
-        Some(CancelOutcome::Canceled)
+        live.cancel.cancel_with(mode, reason);
+        Some(match mode {
+            CancelMode::Immediate => CancelOutcome::Canceled,
+            CancelMode::AfterTurn => CancelOutcome::EndsAfterTurn,
+        })
     }
 
     /// Asks the replica running `run_id` (shared store) to cancel it.
-    async fn cancel_elsewhere(&self, run_id: &str, reason: &str) -> CancelOutcome {
+    async fn cancel_elsewhere(&self, run_id: &str, reason: &str, mode: CancelMode) -> CancelOutcome {
         let Some(journal) = &self.journal else {
             return CancelOutcome::NotFound;
         };
-        match within(self.store_timeout, journal.cancel_elsewhere(run_id, reason)).await {
+        match within(self.store_timeout, journal.cancel_elsewhere(run_id, reason, mode)).await {
             Ok(Some(RemoteCancel::Canceled)) => CancelOutcome::Canceled,
+            Ok(Some(RemoteCancel::EndsAfterTurn)) => CancelOutcome::EndsAfterTurn,
             Ok(Some(RemoteCancel::Finished(status))) => CancelOutcome::AlreadyFinished(status),
             Ok(None) => CancelOutcome::Unanswered,
             Err(e) => {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use shared::auth::Principal;
 
 use super::*;
-use crate::domain::{RunResult, RunStatus};
+use crate::domain::{CancelMode, RunResult, RunStatus};
 
 fn anon() -> Principal {
     Principal::default()
@@ -33,7 +33,10 @@ async fn runs_belong_to_their_principal_and_max_runs_holds_per_principal() {
     let _b1 = runs.admit("b1", &bob, None).await.unwrap();
     assert!(matches!(runs.admit("a1", &bob, None).await, Err(Refusal::Foreign)));
     assert!(runs.get("a1", &bob).await.unwrap().is_none());
-    assert_eq!(runs.cancel("a1", &bob, "test").await, Ok(CancelOutcome::NotFound));
+    assert_eq!(
+        runs.cancel("a1", &bob, "test", CancelMode::Immediate).await,
+        Ok(CancelOutcome::NotFound)
+    );
     assert_eq!(
         runs.get("a1", &alice).await.unwrap().map(|r| r.principal),
         Some("alice".into())
@@ -101,6 +104,7 @@ impl RunJournal for CountingJournal {
         &self,
         _: &str,
         _: &str,
+        _: crate::domain::CancelMode,
     ) -> BoxFuture<'static, Result<Option<crate::domain::ports::RemoteCancel>, StoreError>> {
         Box::pin(async { Ok(None) })
     }
@@ -217,9 +221,15 @@ async fn live_state_and_cancel() {
         runs.get("a", &anon()).await.unwrap().map(|r| (r.status, r.text)),
         Some((RunStatus::Running, "so far".into()))
     );
-    assert_eq!(runs.cancel("a", &anon(), "test").await, Ok(CancelOutcome::Canceled));
+    assert_eq!(
+        runs.cancel("a", &anon(), "test", CancelMode::Immediate).await,
+        Ok(CancelOutcome::Canceled)
+    );
     assert!(admitted.cancel.is_canceled());
-    assert_eq!(runs.cancel("zzz", &anon(), "test").await, Ok(CancelOutcome::NotFound));
+    assert_eq!(
+        runs.cancel("zzz", &anon(), "test", CancelMode::Immediate).await,
+        Ok(CancelOutcome::NotFound)
+    );
 }
 
 /// A drain asks every run to move, the runs let in after it began too (a takeover that

@@ -9,16 +9,19 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::domain::ports::{LogWriter, Settled};
-use crate::domain::{Event, EventBatch, NumberedEvent, RunSpec, ToolCallError};
+use crate::domain::{CancelMode, Event, EventBatch, NumberedEvent, RunSpec, ToolCallError};
 use crate::run::persist::Persister;
 
 pub use super::SharedState;
 
-/// Cancels a run, saying why.
+/// Cancels a run, saying why: at once, or after the turn in progress.
 #[derive(Clone, Debug, Default)]
 pub struct Cancel {
     token: CancellationToken,
     reason: Arc<OnceLock<String>>,
+    /// Set by a cancel that lets the turn in progress end first (the loop reads it at the turn's
+    /// end); an immediate cancel may still follow.
+    after_turn: Arc<OnceLock<String>>,
 }
 
 impl Cancel {
@@ -26,6 +29,21 @@ impl Cancel {
     pub fn cancel(&self, reason: &str) {
         let _ = self.reason.set(reason.to_owned());
         self.token.cancel();
+    }
+
+    /// Cancels the run `mode`'s way.
+    pub fn cancel_with(&self, mode: CancelMode, reason: &str) {
+        match mode {
+            CancelMode::Immediate => self.cancel(reason),
+            CancelMode::AfterTurn => {
+                let _ = self.after_turn.set(reason.to_owned());
+            }
+        }
+    }
+
+    /// Why the run is to end once its turn has ended, if it is.
+    pub(crate) fn after_turn(&self) -> Option<String> {
+        self.after_turn.get().cloned()
     }
 
     /// Whether the run was canceled.

@@ -18,7 +18,7 @@ use crate::Error;
 use crate::config::Config;
 use crate::domain::approval::{Decision, PendingApproval};
 use crate::domain::ports::{Decider, SignalTopic};
-use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
+use crate::domain::{CancelMode, EventBatch, RunResult, RunSpec, RunStatus};
 use crate::registry::{Admitted, CancelOutcome, Refusal, Runs};
 use crate::run::live::{EmitSettings, Emitter, gated};
 use crate::run::tool_loop::{LoopDeps, Resumed};
@@ -183,9 +183,19 @@ impl Core {
     }
 
     /// Cancels the run: whether this call canceled it, and its status.
-    pub(crate) async fn cancel(&self, run_id: &str, caller: &Principal) -> Result<(bool, RunStatus), Error> {
-        match self.runs.cancel(run_id, caller, "canceled by CancelRun").await? {
+    pub(crate) async fn cancel(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+        mode: CancelMode,
+    ) -> Result<(bool, RunStatus), Error> {
+        let reason = match mode {
+            CancelMode::Immediate => "canceled by CancelRun",
+            CancelMode::AfterTurn => "canceled by CancelRun after its turn",
+        };
+        match self.runs.cancel(run_id, caller, reason, mode).await? {
             CancelOutcome::Canceled => Ok((true, RunStatus::Canceled)),
+            CancelOutcome::EndsAfterTurn => Ok((true, RunStatus::Running)),
             CancelOutcome::AlreadyFinished(status) => Ok((false, status)),
             CancelOutcome::NotFound => Err(no_run(run_id)),
             CancelOutcome::Unanswered => Err(Error::RunElsewhere(run_id.to_owned())),

@@ -19,8 +19,12 @@ pub(crate) async fn answer(core: Arc<Core>) {
     while let Some(ask) = asks.next().await {
         // The asking replica checked the caller against the run's owner; this one acts as the
         // server does.
-        let answer = match core.runs.cancel_here(&ask.run_id, &Principal::default(), &ask.reason) {
+        let answer = match core
+            .runs
+            .cancel_here(&ask.run_id, &Principal::default(), &ask.reason, ask.mode)
+        {
             Some(CancelOutcome::Canceled) => RemoteCancel::Canceled,
+            Some(CancelOutcome::EndsAfterTurn) => RemoteCancel::EndsAfterTurn,
             Some(CancelOutcome::AlreadyFinished(status)) => RemoteCancel::Finished(status),
             Some(CancelOutcome::NotFound | CancelOutcome::Unanswered) | None => continue,
         };

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::{CallOutcome, Driver, End, Partition, Spend, Step, Turn};
 use crate::domain::{Event, NumberedEvent, RunResult, RunSpec};
 use crate::llm::Message;
-use crate::run::live::Settler;
+use crate::run::live::{Cancel, Settler};
 use crate::run::persist::{Persister, Snapshot};
 
 /// Everything another replica needs to resume a run at a safe point.
@@ -42,6 +42,10 @@ pub struct Checkpoint {
     pub outbox: Vec<NumberedEvent>,
     /// The current turn's calls, when the checkpoint is taken among them.
     pub calls: Option<TurnCalls>,
+    /// Why the run is to end once its turn has ended (a cancel that let the turn finish), so a
+    /// replica that takes the run over ends it there too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel_after_turn: Option<String>,
 }
 
 /// How far a run got, counted against its limits: what the loop's rules count as they go and a
@@ -92,6 +96,7 @@ impl Checkpoint {
                 event: super::run_started(spec),
             }],
             calls: None,
+            cancel_after_turn: None,
         }
     }
 
@@ -160,6 +165,9 @@ pub(super) struct CallRecorder {
     /// The calls' announcement may still be on its way to the log: a checkpoint that says it
     /// was sent waits until the log keeps it.
     settler: Settler,
+    /// The run's cancel: one that lets the turn finish, asked while the calls run, goes into the
+    /// checkpoints that follow.
+    cancel: Cancel,
 }
 
 impl CallRecorder {
@@ -172,6 +180,7 @@ impl CallRecorder {
                 if let Some(calls) = base.calls.as_mut() {
                     calls.finished.push(outcome.clone());
                 }
+                base.cancel_after_turn = self.cancel.after_turn();
                 base.snapshot()
             })
             .await;
@@ -206,6 +215,7 @@ impl Driver<'_> {
             seq: self.emitter.seq(),
             outbox: self.emitter.queued().to_vec(),
             calls: calls.cloned(),
+            cancel_after_turn: self.cancel.after_turn(),
         }
     }
 
@@ -259,6 +269,7 @@ impl Driver<'_> {
             base: Mutex::new(self.checkpoint(Some(calls))),
             persister,
             settler: self.emitter.settler(self.deps.log_settle_timeout),
+            cancel: self.cancel.clone(),
         }))
     }
 
@@ -270,6 +281,9 @@ impl Driver<'_> {
         *shared::sync::lock(self.state) = c.result;
         self.conversation = c.conversation;
         self.progress = c.progress;
+        if let Some(reason) = &c.cancel_after_turn {
+            self.cancel.cancel_with(crate::domain::CancelMode::AfterTurn, reason);
+        }
         self.ids.used = c.call_ids.into_iter().collect();
         self.ids.generated = c.generated_ids;
         let mut calls = c.calls;

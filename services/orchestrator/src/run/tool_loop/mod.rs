@@ -156,6 +156,7 @@ fn drive_run(
         }
         let end = {
             let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone(), handoff.clone());
+            driver.cancel = cancel.clone();
             let ends = Ends {
                 cancel: &cancel,
                 caller: caller.as_ref(),
@@ -430,6 +431,8 @@ struct Driver<'a> {
     persister: Option<Persister>,
     /// Set when a draining replica asks the run to hand over at its next safe point.
     handoff: tokio_util::sync::CancellationToken,
+    /// The run's cancel: read at each turn's end for a cancel that let the turn finish.
+    cancel: Cancel,
     /// The current turn's calls started while the model still wrote.
     eager: eager::Eager,
 }
@@ -482,6 +485,7 @@ impl<'a> Driver<'a> {
             run_span: tracing::Span::current(),
             persister,
             handoff: handoff.at_safe_point,
+            cancel: Cancel::default(),
             eager: eager::Eager::default(),
             spec,
             deps,
@@ -496,7 +500,7 @@ impl<'a> Driver<'a> {
         let first = match resumed {
             Some(resumed) => {
                 let calls = self.restore(resumed);
-                self.resume_turn(calls).await
+                self.resume_turn(calls).await.and_then(|()| self.stop_after_the_turn())
             }
             // A durable run is resumable from its start: a replica stopping in its first turn
             // loses nothing but that turn's attempt.
@@ -517,11 +521,22 @@ impl<'a> Driver<'a> {
             if let Err(end) = self.end_turn(number).await {
                 return end;
             }
+            if let Err(end) = self.stop_after_the_turn() {
+                return end;
+            }
         }
         End::failed(
             FailureReason::MaxTurnsExceeded,
             format!("the model still called tools after {} turn(s)", self.max_turns),
         )
+    }
+
+    /// A cancel that let the turn finish ends the run once the turn has ended.
+    fn stop_after_the_turn(&self) -> Step<()> {
+        match self.cancel.after_turn() {
+            Some(reason) => Err(End::Canceled(reason)),
+            None => Ok(()),
+        }
     }
 
     /// A resumed run's first step: the rest of the turn it was among the calls of, or a safe

@@ -17,8 +17,8 @@ use futures::{FutureExt, StreamExt};
 
 use crate::domain::ports::{ToolExecutor, ToolInvocation};
 use crate::domain::{
-    Deadline, Event, EventBatch, FailureReason, Limits, LoopDetection, NumberedEvent, OutputBounds, ParsePolicy,
-    RunResult, RunSpec, RunStatus, ToolCallError,
+    CancelMode, Deadline, Event, EventBatch, FailureReason, Limits, LoopDetection, NumberedEvent, OutputBounds,
+    ParsePolicy, RunResult, RunSpec, RunStatus, ToolCallError,
 };
 use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolDefinition, Usage};
 use crate::run::live::{AdmittedRun, Emitter, SharedState};
@@ -184,6 +184,10 @@ struct Outside {
     hang: bool,
     /// `CancelRun` after this long.
     cancel_after: Option<Duration>,
+    /// That cancel's mode.
+    cancel_mode: CancelMode,
+    /// An immediate `CancelRun` after this long (after a cancel that let the turn finish).
+    cancel_at_once_after: Option<Duration>,
     emit: EmitSettings,
     /// The caller's stream: its buffer, and the pause before each read (`None`: never reads
     /// until the run is over).
@@ -218,6 +222,8 @@ impl Default for Outside {
         Self {
             hang: false,
             cancel_after: None,
+            cancel_mode: CancelMode::Immediate,
+            cancel_at_once_after: None,
             emit: EMIT,
             buffer: 1024,
             read_every: Some(Duration::ZERO),
@@ -294,9 +300,16 @@ async fn play_with(
         assert!(persister.claimed_resumable(), "the claim saved the start checkpoint");
     }
     if let Some(after) = outside.cancel_after {
+        let (cancel, mode) = (cancel.clone(), outside.cancel_mode);
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
-            cancel.cancel("canceled by the test");
+            cancel.cancel_with(mode, "canceled by the test");
+        });
+    }
+    if let Some(after) = outside.cancel_at_once_after {
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            cancel.cancel("canceled at once by the test");
         });
     }
     let reader = tokio::spawn(async move {
@@ -563,6 +576,70 @@ async fn a_cancel_mid_code_block_keeps_the_held_text_and_the_usage() {
     assert_eq!(result.text, HELD_CALL);
     assert_eq!(streamed(&batches), (result.text.clone(), true));
     assert_eq!(result.usage.prompt_tokens, 7, "the interrupted turn's usage counts");
+}
+
+/// A turn whose call naps `ms`, then one the model would answer with.
+fn a_nap_then_an_answer(ms: u64) -> Vec<Vec<Result<LlmEvent, LlmError>>> {
+    vec![
+        vec![text("Napping.\n"), call(0, "nap", &format!("{{\"ms\": {ms}}}"))],
+        vec![text("Rested.")],
+    ]
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancel_after_the_turn_lets_its_call_finish_and_asks_the_model_no_more() {
+    let outside = Outside {
+        cancel_after: Some(Duration::from_secs(1)),
+        cancel_mode: CancelMode::AfterTurn,
+        ..Outside::default()
+    };
+    let (result, batches, script, _) = play_with(a_nap_then_an_answer(3000), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Canceled);
+    assert_eq!(result.failure_detail, "canceled by the test");
+    assert_eq!(result.text, "Napping.\n");
+    assert_eq!(result.tool_calls.len(), 1);
+    assert!(
+        result.tool_calls[0].ok,
+        "the turn's call ran to its end: {:?}",
+        result.tool_calls
+    );
+    assert_eq!(script.requests.lock().unwrap().len(), 1, "no new model request");
+    assert_eq!(streamed(&batches), (result.text.clone(), true));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_immediate_cancel_after_a_cancel_after_the_turn_wins() {
+    let outside = Outside {
+        cancel_after: Some(Duration::from_secs(1)),
+        cancel_mode: CancelMode::AfterTurn,
+        cancel_at_once_after: Some(Duration::from_secs(2)),
+        ..Outside::default()
+    };
+    let (result, _, script, _) = play_with(a_nap_then_an_answer(60_000), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Canceled);
+    assert_eq!(result.failure_detail, "canceled at once by the test");
+    assert!(
+        result.tool_calls.iter().all(|c| !c.ok),
+        "the call in flight was abandoned, not waited for: {:?}",
+        result.tool_calls
+    );
+    assert_eq!(script.requests.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancel_after_a_turn_that_ends_the_run_lets_it_complete() {
+    let outside = Outside {
+        cancel_after: Some(Duration::from_millis(10)),
+        cancel_mode: CancelMode::AfterTurn,
+        pace: Some(Duration::from_millis(100)),
+        ..Outside::default()
+    };
+    let turn = vec![text("All "), text("done.")];
+    let (result, ..) = play_with(vec![turn], limits(), outside).await;
+    assert_eq!(
+        (result.status, result.text.as_str()),
+        (RunStatus::Completed, "All done.")
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -1119,6 +1196,7 @@ impl crate::domain::ports::RunJournal for Journal {
         &self,
         _run_id: &str,
         _reason: &str,
+        _mode: crate::domain::CancelMode,
     ) -> BoxFuture<'static, Result<Option<crate::domain::ports::RemoteCancel>, crate::domain::ports::StoreError>> {
         futures::future::ready(Ok(None)).boxed()
     }
@@ -1351,6 +1429,34 @@ async fn a_resumed_turn_keeps_its_finished_calls_in_the_checkpoints_that_follow(
         .map(|calls| calls.finished.iter().map(|f| f.index).collect())
         .collect();
     assert_eq!(finished.last(), Some(&vec![0, 1]), "{finished:?}");
+}
+
+/// A cancel that lets the turn finish is kept in the checkpoints that follow it: a replica that
+/// resumes the run from one finishes the turn's calls and ends it there, asking the model nothing.
+#[tokio::test(start_paused = true)]
+async fn a_cancel_after_the_turn_is_kept_in_the_checkpoint_and_honoured_on_resume() {
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        cancel_after: Some(Duration::from_millis(5)),
+        cancel_mode: CancelMode::AfterTurn,
+        ..Outside::default()
+    };
+    let (ended, ..) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(ended.status, RunStatus::Canceled, "{ended:?}");
+    let one_done = first(journal.checkpoints(), "after one call, with the cancel", |c| {
+        c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1) && c.cancel_after_turn.is_some()
+    });
+    let seq = one_done.seq;
+    let (result, _, script, tools) = resume_at(one_done, seq).await;
+    assert_eq!(*tools.started.lock().unwrap(), ["id1"], "the turn's other call runs");
+    assert_eq!(result.status, RunStatus::Canceled, "{result:?}");
+    assert_eq!(result.failure_detail, "canceled by the test");
+    assert!(result.tool_calls.iter().all(|c| c.ok), "{:?}", result.tool_calls);
+    assert!(
+        script.requests.lock().unwrap().is_empty(),
+        "the model is not asked again"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -11,7 +11,7 @@ use proto::orchestrator::v1 as pb;
 use shared::auth::caller;
 use tonic::{Request, Response, Status};
 
-use super::convert::{DecideRequest, RunRequest, event_pb, parse_grpc_timeout, resolve};
+use super::convert::{CancelRequest, DecideRequest, RunRequest, event_pb, parse_grpc_timeout, resolve};
 use crate::domain::ports::{SignalFilter, SignalItem};
 use crate::server::{Core, RunEvents};
 
@@ -95,7 +95,8 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         request: Request<pb::CancelRunRequest>,
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
         let caller = caller(&request);
-        let (canceled, status) = self.core.cancel(&request.into_inner().run_id, &caller).await?;
+        let CancelRequest { run_id, mode } = CancelRequest::try_from(request.into_inner())?;
+        let (canceled, status) = self.core.cancel(&run_id, &caller, mode).await?;
         Ok(Response::new(pb::CancelRunResponse {
             canceled,
             status: pb::RunStatus::from(status).into(),

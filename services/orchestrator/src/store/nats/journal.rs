@@ -28,6 +28,9 @@ const LIST_CONCURRENCY: usize = 16;
 struct CancelMessage {
     run_id: String,
     reason: String,
+    /// Absent from a replica that predates cancel modes: at once.
+    #[serde(default)]
+    mode: crate::domain::CancelMode,
 }
 
 impl KvStore {
@@ -334,11 +337,13 @@ impl RunJournal for KvStore {
         &self,
         run_id: &str,
         reason: &str,
+        mode: crate::domain::CancelMode,
     ) -> BoxFuture<'static, Result<Option<RemoteCancel>, StoreError>> {
         let (client, subject) = (self.client.clone(), self.cancel_subject.clone());
         let message = CancelMessage {
             run_id: run_id.to_owned(),
             reason: reason.to_owned(),
+            mode,
         };
         let key = key(run_id);
         async move {
@@ -382,7 +387,7 @@ impl RunJournal for KvStore {
                     let client = client.clone();
                     async move {
                         let reply = message.reply?;
-                        let CancelMessage { run_id, reason } = serde_json::from_slice(&message.payload).ok()?;
+                        let CancelMessage { run_id, reason, mode } = serde_json::from_slice(&message.payload).ok()?;
                         let answer = move |answer: RemoteCancel| {
                             async move {
                                 let bytes = serde_json::to_vec(&answer).unwrap_or_default();
@@ -395,6 +400,7 @@ impl RunJournal for KvStore {
                         Some(CancelAsk {
                             run_id,
                             reason,
+                            mode,
                             answer: Box::new(answer),
                         })
                     }

@@ -2,15 +2,18 @@
 //! that need nothing else, in [`request`]) and then a [`RunSpec`] ([`resolve`], checks against
 //! the tool catalog and the server's limits, in [`policy`]); every failure is an
 //! `INVALID_ARGUMENT` naming the field and what to do. Domain results and events become proto
-//! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`decisions`].
+//! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`decisions`], and
+//! `CancelRun` requests a run id and a mode in [`cancel`].
 //!
 //! [`RunSpec`]: crate::domain::RunSpec
 
+mod cancel;
 mod decisions;
 mod policy;
 mod request;
 
 pub(crate) use crate::wire::{event_pb, parse_grpc_timeout};
+pub(crate) use cancel::CancelRequest;
 pub(crate) use decisions::DecideRequest;
 pub(crate) use policy::resolve;
 pub(crate) use request::RunRequest;
