@@ -9,7 +9,8 @@
 TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
 --server-name when the certificate names another host. Token: --token or ORCHESTRATOR_TOKEN,
 sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the run
-ends CANCELED with its output so far); Ctrl-C drops the call, which cancels a run that is not
+ends CANCELED with its output so far; with --cancel-mode after-turn once its turn in progress has
+ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is not
 --detached. --attach follows a live or finished run from any replica (AttachRun) instead of
 starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
 approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
@@ -64,6 +65,8 @@ def parse_args(argv):
     p.add_argument("--authority", help="the :authority sent (needed with a list of addresses, e.g. ipv4:a,b)")
     p.add_argument("--token", default=os.environ.get("ORCHESTRATOR_TOKEN"), help="bearer token")
     p.add_argument("--cancel-after", type=float, help="call CancelRun after this many seconds")
+    p.add_argument("--cancel-mode", choices=["immediate", "after-turn"], default="immediate",
+                   help="with --cancel-after: stop at once, or once the turn in progress has ended")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole call, seconds")
     p.add_argument("--json", action="store_true", help="print each event as one JSON line")
     return p.parse_args(argv)
@@ -190,9 +193,13 @@ class Printer:
             self.inline = None
 
 
-def cancel_later(stub, metadata, run_id, seconds):
+CANCEL_MODES = {"immediate": pb.CANCEL_MODE_IMMEDIATE, "after-turn": pb.CANCEL_MODE_AFTER_TURN}
+
+
+def cancel_later(stub, metadata, run_id, seconds, mode):
     def cancel():
-        answer = stub.CancelRun(pb.CancelRunRequest(run_id=run_id), metadata=metadata, timeout=10)
+        request = pb.CancelRunRequest(run_id=run_id, mode=CANCEL_MODES[mode])
+        answer = stub.CancelRun(request, metadata=metadata, timeout=10)
         print(f"CancelRun({run_id}): canceled={answer.canceled}", file=sys.stderr, flush=True)
 
     timer = threading.Timer(seconds, cancel)
@@ -291,7 +298,7 @@ def run(args):
         try:
             for event in follower.events():
                 if timer is None and args.cancel_after is not None:
-                    timer = cancel_later(stub, metadata, event.run_id, args.cancel_after)
+                    timer = cancel_later(stub, metadata, event.run_id, args.cancel_after, args.cancel_mode)
                 printer.event(event)
                 if args.decide and event.WhichOneof("event") == "approval_requested":
                     decide(stub, metadata, event, args.decide)

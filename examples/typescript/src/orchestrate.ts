@@ -11,7 +11,8 @@
  * TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
  * --server-name when the certificate names another host. Token: --token or ORCHESTRATOR_TOKEN,
  * sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the
- * run ends CANCELED with its output so far); Ctrl-C drops the call, which cancels a run that is
+ * run ends CANCELED with its output so far; with --cancel-mode after-turn once its turn in
+ * progress has ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is
  * not --detached. --attach follows a live or finished run from any replica (AttachRun) instead of
  * starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
  * approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
@@ -101,12 +102,16 @@ function options() {
       authority: { type: "string" },
       token: { type: "string", default: process.env.ORCHESTRATOR_TOKEN },
       "cancel-after": { type: "string" },
+      "cancel-mode": { type: "string", default: "immediate" },
       timeout: { type: "string", default: "600" },
       json: { type: "boolean", default: false },
     },
   });
   if ([values.prompt, values.attach, values["list-approvals"] || undefined].filter((v) => v).length !== 1) {
     throw new Error("one of --prompt, --attach or --list-approvals is required");
+  }
+  if (!["immediate", "after-turn"].includes(String(values["cancel-mode"]))) {
+    throw new Error("--cancel-mode is immediate or after-turn");
   }
   if (values.decide !== undefined && values.decide !== "approve" && values.decide !== "reject") {
     throw new Error("--decide takes approve or reject");
@@ -323,7 +328,8 @@ async function run(opts: Options): Promise<number> {
     timer = setTimeout(() => {
       canceling = new Promise((done) => {
         const deadline = new Date(Date.now() + 10_000);
-        client.CancelRun({ run_id: id }, metadata, { deadline }, (err: grpc.ServiceError | null, answer: any) => {
+        const mode = opts["cancel-mode"] === "after-turn" ? "CANCEL_MODE_AFTER_TURN" : "CANCEL_MODE_IMMEDIATE";
+        client.CancelRun({ run_id: id, mode }, metadata, { deadline }, (err: grpc.ServiceError | null, answer: any) => {
           process.stderr.write(err ? `CancelRun failed: ${err.message}\n` : `CancelRun(${id}): canceled=${answer.canceled}\n`);
           done();
         });

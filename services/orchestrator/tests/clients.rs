@@ -229,6 +229,26 @@ fn check_canceled(client: &str, output: &Output) -> TestResult {
     Ok(())
 }
 
+/// `--cancel-mode after-turn`: the turn's nap ran to its end and is recorded, the model was not
+/// asked again, and the run ended CANCELED with its text (exit 2).
+fn check_canceled_after_the_turn(client: &str, output: &Output) -> TestResult {
+    check_canceled(client, output)?;
+    let events = events(output)?;
+    let (_, body) = events.last().ok_or_else(|| anyhow::anyhow!("{client}: no events"))?;
+    let calls = body["result"]["tool_calls"].as_array().cloned().unwrap_or_default();
+    assert!(
+        calls.len() == 1 && calls[0]["ok"] == true,
+        "{client}: the turn's call ran to its end: {calls:?}"
+    );
+    assert!(
+        body["result"]["failure_detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("after its turn")),
+        "{client}: {body}"
+    );
+    Ok(())
+}
+
 /// 5 MiB of distinct lines: a result over gRPC's usual 4 MiB receive limit.
 fn large_text() -> String {
     (0..5 * 1024 * 1024 / 32)
@@ -285,6 +305,13 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
         let mut command = make()?;
         command.args(deployment.client_args(TOKEN)).args(slow);
         check_canceled(client, &run(command).await?)?;
+
+        let mut command = make()?;
+        command
+            .args(deployment.client_args(TOKEN))
+            .args(slow)
+            .args(["--cancel-mode", "after-turn"]);
+        check_canceled_after_the_turn(client, &run(command).await?)?;
 
         let mut command = make()?;
         command
