@@ -580,21 +580,14 @@ async fn slow_handshakes_are_bounded_in_number_and_time() -> TestResult {
     Ok(())
 }
 
-/// Principals from client certificates (mTLS on the orchestrator, `--auth-principal-from-cert`),
-/// through a tool-runner found by `dns:///localhost` over mTLS (the certificate checked against
-/// the name, as in Kubernetes with a headless Service): the principal is the certificate's common
-/// name; a subject the tokens file does not list is PERMISSION_DENIED, reflection included, until
-/// the file (re-read while serving) lists it; a principal's `max_runs` holds through the API.
-/// (Callers without a certificate meet the handshake refusal of the grpcio test above.)
-#[tokio::test]
-async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResult {
-    use proto::orchestrator::v1 as pb;
-    let pki = Pki::new()?;
-    pki.ca("ca").await?;
-    for leaf in ["server", "orchestrator", "carol", "mallory"] {
-        pki.leaf("ca", leaf).await?;
-    }
-    let runner_command = mtls_runner(&pki, ["server.pem", "server.key", "ca.pem"], &[])?;
+/// Carol's `max_runs` in the tokens file, alone.
+const CAROL_ONLY: &str = "[[token]]\nprincipal = \"carol\"\nmax_runs = 1\n";
+
+/// A tool-runner over mTLS found by `dns:///localhost`, and the orchestrator taking principals
+/// from client certificates with a tokens file listing Carol only (re-read every second); the
+/// model calls `calculate` then answers, or (`slow`) answers after 1.5 s.
+async fn certificate_world(pki: &Pki) -> anyhow::Result<(Service, Service, MockLlm, std::path::PathBuf)> {
+    let runner_command = mtls_runner(pki, ["server.pem", "server.key", "ca.pem"], &[])?;
     let runner = Service::spawn(runner_command, "127.0.0.1", "tool-runner serving").await?;
     let runner_port = runner.grpc.rsplit(':').next().unwrap_or_default().to_owned();
 
@@ -612,8 +605,7 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
     })
     .await?;
     let tokens = pki.path("tokens.toml");
-    let carol_only = "[[token]]\nprincipal = \"carol\"\nmax_runs = 1\n";
-    std::fs::write(&tokens, carol_only)?;
+    std::fs::write(&tokens, CAROL_ONLY)?;
     let mut orchestrator_command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
     orchestrator_command
         .env("LLM_BASE_URL", llm.base_url())
@@ -636,6 +628,24 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
             "1s",
         ]);
     let orchestrator = Service::orchestrator(orchestrator_command).await?;
+    Ok((runner, orchestrator, llm, tokens))
+}
+
+/// Principals from client certificates (mTLS on the orchestrator, `--auth-principal-from-cert`),
+/// through a tool-runner found by `dns:///localhost` over mTLS (the certificate checked against
+/// the name, as in Kubernetes with a headless Service): the principal is the certificate's common
+/// name; a subject the tokens file does not list is PERMISSION_DENIED, reflection included, until
+/// the file (re-read while serving) lists it; a principal's `max_runs` holds through the API.
+/// (Callers without a certificate meet the handshake refusal of the grpcio test above.)
+#[tokio::test]
+async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResult {
+    use proto::orchestrator::v1 as pb;
+    let pki = Pki::new()?;
+    pki.ca("ca").await?;
+    for leaf in ["server", "orchestrator", "carol", "mallory"] {
+        pki.leaf("ca", leaf).await?;
+    }
+    let (runner, orchestrator, llm, tokens) = certificate_world(&pki).await?;
     let address = orchestrator.grpc.clone();
     let client = |identity: &'static str| {
         let (pki, address) = (&pki, address.clone());
@@ -667,7 +677,7 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
     let reflection = tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
 
     // The tokens file is re-read while serving: once it lists mallory, she is served.
-    std::fs::write(&tokens, format!("{carol_only}\n[[token]]\nprincipal = \"mallory\"\n"))?;
+    std::fs::write(&tokens, format!("{CAROL_ONLY}\n[[token]]\nprincipal = \"mallory\"\n"))?;
     testkit::wait::until("the new tokens file to be read", Duration::from_secs(10), || {
         let mut reflection = reflection.clone();
         async move { list_services(&mut reflection, &list_request()).await.ok() }
