@@ -7,6 +7,7 @@ use std::time::Duration;
 use shared::auth::Principal;
 
 use super::Runs;
+use crate::domain::RunStatus;
 use crate::domain::ports::{EventFeed, LogError, StoreError};
 
 /// Why a caller cannot re-attach to a run.
@@ -152,7 +153,8 @@ impl Runs {
     }
 
     /// Resolves once the run, live here now, left this replica without ending (handed over, or
-    /// this replica stopped acting for it); never when it is not live here.
+    /// this replica stopped acting for it); never when it is not live here, and never for a run
+    /// that left its slot to wait for approvals (its log goes on wherever it resumes).
     pub(crate) fn moved_from_here(&self, run_id: &str) -> impl Future<Output = ()> + Send + 'static {
         self.left_live(run_id, false)
     }
@@ -171,7 +173,8 @@ impl Runs {
                 return;
             };
             gone.cancelled().await;
-            if !shared::sync::lock(&state).status.is_live() {
+            let status = shared::sync::lock(&state).status;
+            if !status.is_live() || status == RunStatus::AwaitingApproval {
                 std::future::pending::<()>().await;
             }
         }

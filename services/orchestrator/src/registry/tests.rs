@@ -19,6 +19,22 @@ fn named(name: &str, max_runs: Option<usize>) -> Principal {
     }
 }
 
+/// A run that leaves its slot to wait for approvals has not moved away: its caller, following its
+/// log, is not told to attach elsewhere (it once was, when the decision came before the caller
+/// looked); a run handed over has.
+#[tokio::test]
+async fn a_run_parked_for_approvals_has_not_moved_from_here() {
+    let runs = runs(8, 10, Duration::from_secs(60));
+    for (status, moved) in [(RunStatus::AwaitingApproval, false), (RunStatus::Running, true)] {
+        let admitted = runs.admit("p", &anon(), None).await.unwrap();
+        let left = runs.moved_from_here("p");
+        shared::sync::lock(&admitted.state).status = status;
+        drop(admitted);
+        let resolved = tokio::time::timeout(Duration::from_millis(200), left).await.is_ok();
+        assert_eq!(resolved, moved, "{status:?}");
+    }
+}
+
 #[tokio::test]
 async fn runs_belong_to_their_principal_and_max_runs_holds_per_principal() {
     let runs = runs(8, 10, Duration::from_secs(60));
