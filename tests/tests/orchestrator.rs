@@ -721,6 +721,14 @@ async fn full_run_slots_refuse_at_once() -> TestResult {
     Ok(())
 }
 
+/// A stack whose model writes, then calls `sleep` for a second.
+async fn sleepy_stack() -> anyhow::Result<Stack> {
+    scripted(vec![
+        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
+    ])
+    .await
+}
+
 /// Requests that break a rule of the contract, each with the words its refusal must hold: no
 /// user message, an unknown role, a tool not offered, an exit tool named as a normal one, a bad
 /// exit schema, limits past their ceilings or below their minimums, a bad run id.
@@ -806,10 +814,7 @@ fn malformed_requests() -> Vec<(pb::OrchestrateRequest, &'static str)> {
 
 #[tokio::test]
 async fn malformed_requests_get_invalid_argument_with_an_actionable_message() -> TestResult {
-    let stack = scripted(vec![
-        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
-    ])
-    .await?;
+    let stack = sleepy_stack().await?;
     let mut client = stack.client().await?;
     for (req, expected) in malformed_requests() {
         let status = client.orchestrate(req).await.unwrap_err();
@@ -825,10 +830,7 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
 
 #[tokio::test]
 async fn a_limit_exactly_at_its_ceiling_is_accepted() -> TestResult {
-    let stack = scripted(vec![
-        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
-    ])
-    .await?;
+    let stack = sleepy_stack().await?;
     let mut client = stack.client().await?;
     let base = request("x", &[]);
     let ok = client
@@ -847,10 +849,7 @@ async fn a_limit_exactly_at_its_ceiling_is_accepted() -> TestResult {
 /// A second request with the id of a live run is `ALREADY_EXISTS`, not a malformed request.
 #[tokio::test]
 async fn a_live_duplicate_run_id_already_exists() -> TestResult {
-    let stack = scripted(vec![
-        Turn::text("Sleepy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
-    ])
-    .await?;
+    let stack = sleepy_stack().await?;
     let mut client = stack.client().await?;
     let base = request("x", &[]);
     let live = pb::OrchestrateRequest {
