@@ -155,8 +155,8 @@ fn drive_run(
             emitter.queue(run_started(&spec));
         }
         let end = {
-            let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone(), handoff.clone());
-            driver.cancel = cancel.clone();
+            let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone(), handoff.clone())
+                .with_cancel(cancel.clone());
             let ends = Ends {
                 cancel: &cancel,
                 caller: caller.as_ref(),
@@ -492,6 +492,12 @@ impl<'a> Driver<'a> {
             state,
             emitter,
         }
+    }
+
+    /// The driver reading `cancel` at each turn's end (a cancel that lets the turn finish).
+    fn with_cancel(mut self, cancel: Cancel) -> Self {
+        self.cancel = cancel;
+        self
     }
 
     /// Turns until one ends the run; `max_turns` (never above the hard guard) bounds them. A
