@@ -247,6 +247,52 @@ async fn more_concurrent_runs_than_server_slots_all_complete() -> TestResult {
     Ok(())
 }
 
+/// The second chat request (of `sent`) carried the call `call_id` and its `result` back (with
+/// `tool_choice` back to auto), starts with the first request byte for byte (the BIOS is the
+/// same), and ends with the status note as a user message (which the Llama 3.2 template takes).
+fn the_second_request_extends_the_first_with_the_call_and_its_result(
+    sent: &[String],
+    call_id: &str,
+    result: &str,
+) -> TestResult {
+    // The second request carried the call and its result back to llama-server.
+    assert_eq!(sent.len(), 2, "two chat requests: {sent:?}");
+    let second: serde_json::Value = serde_json::from_str(&sent[1])?;
+    let messages = second["messages"].as_array().cloned().unwrap_or_default();
+    let tool = messages
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(tool["tool_call_id"], call_id);
+    assert_eq!(tool["content"].as_str(), Some(result), "{tool}");
+    assert_eq!(second["tool_choice"], "auto", "required forces the first turn only");
+
+    // The second request starts with the first byte for byte (the BIOS is the same; the status
+    // note follows the tool message as a user message, which the Llama 3.2 template takes).
+    let first_body = sent[0].as_bytes();
+    let marker = br#"],"stream":true,"#;
+    let end = first_body
+        .windows(marker.len())
+        .rposition(|w| w == marker)
+        .unwrap_or(first_body.len());
+    assert!(
+        sent[1].as_bytes().starts_with(&first_body[..end]),
+        "{}\n{}",
+        sent[0],
+        sent[1]
+    );
+    let note = messages.last().cloned().unwrap_or_default();
+    assert_eq!(note["role"], "user", "{note}");
+    assert!(
+        note["content"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("[orchestrator status] Turn 2")),
+        "{note}"
+    );
+    Ok(())
+}
+
 /// A structured call made by llama-server's own tool-call grammar and parser (SmolLM2-135M with
 /// the Llama 3.2 template; [`FORCED_CALL_BODY`] makes the call certain on every CPU), executed on
 /// a tool-runner, its result sent back in the next request (seen by a relay in front of the
@@ -293,42 +339,7 @@ async fn a_structured_tool_call_from_llama_server_runs_on_a_tool_runner_and_goes
     });
     assert!(finished[0].contains("unix_ms"), "{finished:?}");
 
-    // The second request carried the call and its result back to llama-server.
-    let sent = relay.requests();
-    assert_eq!(sent.len(), 2, "two chat requests: {sent:?}");
-    let second: serde_json::Value = serde_json::from_str(&sent[1])?;
-    let messages = second["messages"].as_array().cloned().unwrap_or_default();
-    let tool = messages
-        .iter()
-        .find(|m| m["role"] == "tool")
-        .cloned()
-        .unwrap_or_default();
-    assert_eq!(tool["tool_call_id"], first.call_id);
-    assert_eq!(tool["content"].as_str(), Some(finished[0].as_str()), "{tool}");
-    assert_eq!(second["tool_choice"], "auto", "required forces the first turn only");
-
-    // The second request starts with the first byte for byte (the BIOS is the same; the status
-    // note follows the tool message as a user message, which the Llama 3.2 template takes).
-    let first_body = sent[0].as_bytes();
-    let marker = br#"],"stream":true,"#;
-    let end = first_body
-        .windows(marker.len())
-        .rposition(|w| w == marker)
-        .unwrap_or(first_body.len());
-    assert!(
-        sent[1].as_bytes().starts_with(&first_body[..end]),
-        "{}\n{}",
-        sent[0],
-        sent[1]
-    );
-    let note = messages.last().cloned().unwrap_or_default();
-    assert_eq!(note["role"], "user", "{note}");
-    assert!(
-        note["content"]
-            .as_str()
-            .is_some_and(|c| c.starts_with("[orchestrator status] Turn 2")),
-        "{note}"
-    );
+    the_second_request_extends_the_first_with_the_call_and_its_result(&relay.requests(), &first.call_id, &finished[0])?;
 
     // Turn 2 is the model's own (text, another call, or output the server's parser refuses);
     // `max_turns: 2` ends the run there whatever it is, with turn 1's call kept.

@@ -419,6 +419,28 @@ async fn tls_files_are_reloaded_without_dropping_connections() -> TestResult {
     Ok(())
 }
 
+/// A half-done rotation of the orchestrator's runner certificate (the new key with the old
+/// certificate) is refused and nothing changes; once the certificate follows, it is taken for new
+/// connections.
+async fn rotate_the_orchestrators_certificate(pki: &Pki, orchestrator: &Service) -> TestResult {
+    std::fs::copy(pki.path("rotated.key"), pki.path("live.key"))?;
+    assert!(
+        orchestrator
+            .logged("keeping the previous ones", Duration::from_secs(10))
+            .await,
+        "the unusable pair was not refused"
+    );
+    // The rotation completes.
+    std::fs::copy(pki.path("rotated.pem"), pki.path("live.pem"))?;
+    assert!(
+        orchestrator
+            .logged("new connections to the runners use them", Duration::from_secs(10))
+            .await,
+        "the rotated certificate was not picked up"
+    );
+    Ok(())
+}
+
 /// The orchestrator's client certificate for the runners (`--tool-runner-cert`) is rotated in
 /// place, as cert-manager does: the orchestrator notices, and its next connections present the
 /// new one. The runner is replaced by one that trusts only the new CA, so a call can only succeed
@@ -472,22 +494,8 @@ async fn the_orchestrators_runner_certificate_is_reloaded_when_rotated() -> Test
     let before = run_to_result(&mut client, ask()).await?;
     assert_eq!(calls_ok(&before), [true], "{before:?}");
 
-    // A half-done rotation (the new key with the old certificate) is refused; nothing changes.
-    std::fs::copy(pki.path("rotated.key"), pki.path("live.key"))?;
-    assert!(
-        orchestrator
-            .logged("keeping the previous ones", Duration::from_secs(10))
-            .await,
-        "the unusable pair was not refused"
-    );
-    // The rotation completes; then the runner is replaced by one trusting only the new CA.
-    std::fs::copy(pki.path("rotated.pem"), pki.path("live.pem"))?;
-    assert!(
-        orchestrator
-            .logged("new connections to the runners use them", Duration::from_secs(10))
-            .await,
-        "the rotated certificate was not picked up"
-    );
+    rotate_the_orchestrators_certificate(&pki, &orchestrator).await?;
+    // The runner is replaced by one trusting only the new CA.
     runner.stop().await?;
     let listen = runner_address.clone();
     let runner = Service::spawn_on(

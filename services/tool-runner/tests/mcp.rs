@@ -60,6 +60,58 @@ async fn call(runner: &Runner, tool: &str, args: serde_json::Value) -> anyhow::R
     Outcome::of(response.into_inner())
 }
 
+/// Text, structured content, JSON text, an image described (not carried), a resource link.
+async fn answers_are_mapped_text_structured_json_image_and_link(runner: &Runner) -> TestResult {
+    assert_eq!(
+        call(runner, "everything__get-sum", json!({"a": 2, "b": 3}))
+            .await?
+            .unwrap_ok(),
+        json!("The sum of 2 and 3 is 5.")
+    );
+    let weather = call(
+        runner,
+        "everything__get-structured-content",
+        json!({"location": "Chicago"}),
+    )
+    .await?
+    .unwrap_ok();
+    assert!(weather["temperature"].is_number(), "{weather}");
+    let now = call(runner, "time__get_current_time", json!({"timezone": "Europe/Paris"}))
+        .await?
+        .unwrap_ok();
+    assert_eq!(now["timezone"], "Europe/Paris", "{now}");
+    let image = call(runner, "everything__get-tiny-image", json!({})).await?.unwrap_ok();
+    assert_eq!(image[1]["type"], "image", "{image}");
+    assert_eq!(image[1]["mimeType"], "image/png");
+    assert!(
+        image[1]["bytes"].as_u64().unwrap_or(0) > 100 && image[1].get("data").is_none(),
+        "{image}"
+    );
+    let links = call(runner, "everything__get-resource-links", json!({"count": 2}))
+        .await?
+        .unwrap_ok();
+    assert_eq!(links[1]["type"], "resource_link", "{links}");
+
+    Ok(())
+}
+
+/// The server's `isError` is `FAILED`, our schema check `INVALID_ARGUMENTS`, a denied tool
+/// `NOT_FOUND`.
+async fn errors_are_the_servers_our_schema_checks_and_denied_tools(runner: &Runner) -> TestResult {
+    let (code, message) = call(runner, "time__get_current_time", json!({"timezone": "Nowhere/City"}))
+        .await?
+        .unwrap_err();
+    assert_eq!(code, Code::Failed);
+    assert!(message.contains("Nowhere/City"), "{message}");
+    let (code, message) = call(runner, "everything__get-sum", json!({"a": "x"}))
+        .await?
+        .unwrap_err();
+    assert_eq!(code, Code::InvalidArguments, "{message}");
+    let (code, message) = call(runner, "everything__get-env", json!({})).await?.unwrap_err();
+    assert_eq!(code, Code::NotFound, "{message}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -95,51 +147,8 @@ async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResul
     let schema: serde_json::Value = serde_json::from_str(&sum.parameters_json_schema)?;
     assert_eq!(schema["properties"]["a"]["type"], "number", "{schema}");
 
-    // Text, structured content, JSON text, an image described, a resource link.
-    assert_eq!(
-        call(&runner, "everything__get-sum", json!({"a": 2, "b": 3}))
-            .await?
-            .unwrap_ok(),
-        json!("The sum of 2 and 3 is 5.")
-    );
-    let weather = call(
-        &runner,
-        "everything__get-structured-content",
-        json!({"location": "Chicago"}),
-    )
-    .await?
-    .unwrap_ok();
-    assert!(weather["temperature"].is_number(), "{weather}");
-    let now = call(&runner, "time__get_current_time", json!({"timezone": "Europe/Paris"}))
-        .await?
-        .unwrap_ok();
-    assert_eq!(now["timezone"], "Europe/Paris", "{now}");
-    let image = call(&runner, "everything__get-tiny-image", json!({}))
-        .await?
-        .unwrap_ok();
-    assert_eq!(image[1]["type"], "image", "{image}");
-    assert_eq!(image[1]["mimeType"], "image/png");
-    assert!(
-        image[1]["bytes"].as_u64().unwrap_or(0) > 100 && image[1].get("data").is_none(),
-        "{image}"
-    );
-    let links = call(&runner, "everything__get-resource-links", json!({"count": 2}))
-        .await?
-        .unwrap_ok();
-    assert_eq!(links[1]["type"], "resource_link", "{links}");
-
-    // Errors: the server's isError, our schema check, a task-only tool.
-    let (code, message) = call(&runner, "time__get_current_time", json!({"timezone": "Nowhere/City"}))
-        .await?
-        .unwrap_err();
-    assert_eq!(code, Code::Failed);
-    assert!(message.contains("Nowhere/City"), "{message}");
-    let (code, message) = call(&runner, "everything__get-sum", json!({"a": "x"}))
-        .await?
-        .unwrap_err();
-    assert_eq!(code, Code::InvalidArguments, "{message}");
-    let (code, message) = call(&runner, "everything__get-env", json!({})).await?.unwrap_err();
-    assert_eq!(code, Code::NotFound, "{message}");
+    answers_are_mapped_text_structured_json_image_and_link(&runner).await?;
+    errors_are_the_servers_our_schema_checks_and_denied_tools(&runner).await?;
     Ok(())
 }
 
