@@ -832,10 +832,9 @@ async fn malformed_requests_get_invalid_argument_with_an_actionable_message() ->
 async fn a_limit_exactly_at_its_ceiling_is_accepted() -> TestResult {
     let stack = sleepy_stack().await?;
     let mut client = stack.client().await?;
-    let base = request("x", &[]);
     let ok = client
         .orchestrate(with_limits(
-            base.clone(),
+            request("x", &[]),
             pb::RunLimits {
                 max_turns: Some(128),
                 ..Default::default()
@@ -851,10 +850,9 @@ async fn a_limit_exactly_at_its_ceiling_is_accepted() -> TestResult {
 async fn a_live_duplicate_run_id_already_exists() -> TestResult {
     let stack = sleepy_stack().await?;
     let mut client = stack.client().await?;
-    let base = request("x", &[]);
     let live = pb::OrchestrateRequest {
         run_id: "twice".into(),
-        ..base.clone()
+        ..request("x", &[])
     };
     let mut stream = client.orchestrate(live.clone()).await?.into_inner();
     let _started = stream.message().await?;

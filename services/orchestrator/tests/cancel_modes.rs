@@ -32,6 +32,15 @@ async fn orchestrator(model: &MockLlm, runner: &str, nats: Option<&Nats>) -> any
     Service::orchestrator(command).await
 }
 
+/// One orchestrator on the memory store, its model napping `ms` in the first turn, and a client.
+async fn one_replica(ms: u64) -> anyhow::Result<(MockLlm, Service, Client)> {
+    let model = a_nap_then_an_answer(ms).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let service = orchestrator(&model, &runner, None).await?;
+    let client = client(&service).await?;
+    Ok((model, service, client))
+}
+
 async fn client(service: &Service) -> anyhow::Result<Client> {
     Ok(ClientBuilder::new(format!("http://{}", service.grpc)).connect().await?)
 }
@@ -78,10 +87,7 @@ fn ended_after_its_turn(run: &pb::RunResult, model: &MockLlm) {
 
 #[tokio::test]
 async fn a_cancel_after_the_turn_lets_its_call_finish_and_the_run_ends_canceled() -> TestResult {
-    let model = a_nap_then_an_answer(1500).await?;
-    let runner = testkit::tool_runner_in_process().await?;
-    let service = orchestrator(&model, &runner, None).await?;
-    let client = client(&service).await?;
+    let (model, service, client) = one_replica(1500).await?;
     let mut stream = client.orchestrate(request("after-turn")).await?;
     until_the_call_runs(&client, "after-turn").await?;
     assert!(client.cancel_after_turn("after-turn").await?, "the run was live");
@@ -106,10 +112,7 @@ async fn a_cancel_after_the_turn_lets_its_call_finish_and_the_run_ends_canceled(
 
 #[tokio::test]
 async fn an_immediate_cancel_after_a_cancel_after_the_turn_wins() -> TestResult {
-    let model = a_nap_then_an_answer(60_000).await?;
-    let runner = testkit::tool_runner_in_process().await?;
-    let service = orchestrator(&model, &runner, None).await?;
-    let client = client(&service).await?;
+    let (model, service, client) = one_replica(60_000).await?;
     client.orchestrate(request("both")).await?;
     until_the_call_runs(&client, "both").await?;
     assert!(client.cancel_after_turn("both").await?);

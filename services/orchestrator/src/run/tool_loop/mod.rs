@@ -155,8 +155,15 @@ fn drive_run(
             emitter.queue(run_started(&spec));
         }
         let end = {
-            let mut driver = Driver::new(&spec, deps, &state, &mut emitter, persister.clone(), handoff.clone())
-                .with_cancel(cancel.clone());
+            let mut driver = Driver::new(
+                &spec,
+                deps,
+                &state,
+                &mut emitter,
+                persister.clone(),
+                handoff.clone(),
+                cancel.clone(),
+            );
             let ends = Ends {
                 cancel: &cancel,
                 caller: caller.as_ref(),
@@ -470,6 +477,7 @@ impl<'a> Driver<'a> {
         emitter: &'a mut Emitter,
         persister: Option<Persister>,
         handoff: Handoff,
+        cancel: Cancel,
     ) -> Self {
         Self {
             offer: Offer::of(spec),
@@ -485,19 +493,13 @@ impl<'a> Driver<'a> {
             run_span: tracing::Span::current(),
             persister,
             handoff: handoff.at_safe_point,
-            cancel: Cancel::default(),
+            cancel,
             eager: eager::Eager::default(),
             spec,
             deps,
             state,
             emitter,
         }
-    }
-
-    /// The driver reading `cancel` at each turn's end (a cancel that lets the turn finish).
-    fn with_cancel(mut self, cancel: Cancel) -> Self {
-        self.cancel = cancel;
-        self
     }
 
     /// Turns until one ends the run; `max_turns` (never above the hard guard) bounds them. A
