@@ -11,7 +11,8 @@ TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key f
 sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the run
 ends CANCELED with its output so far; with --cancel-mode after-turn once its turn in progress has
 ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is not
---detached. --attach follows a live or finished run from any replica (AttachRun) instead of
+--detached. --say TEXT sends a user message to the run --say-after S seconds after it starts
+(SendMessage: it joins the conversation at the run's next turn boundary). --attach follows a live or finished run from any replica (AttachRun) instead of
 starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
 approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
 person); --list-approvals prints the calls waiting that this caller may decide (one JSON line each)
@@ -67,6 +68,8 @@ def parse_args(argv):
     p.add_argument("--cancel-after", type=float, help="call CancelRun after this many seconds")
     p.add_argument("--cancel-mode", choices=["immediate", "after-turn"], default="immediate",
                    help="with --cancel-after: stop at once, or once the turn in progress has ended")
+    p.add_argument("--say", metavar="TEXT", help="send this user message to the run (SendMessage)")
+    p.add_argument("--say-after", type=float, default=1.0, help="with --say: after this many seconds")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole call, seconds")
     p.add_argument("--json", action="store_true", help="print each event as one JSON line")
     return p.parse_args(argv)
@@ -132,6 +135,8 @@ def describe(event):
         return f"turn {e.turn} restarted (attempt {e.attempt}: {e.reason}); its text above is void"
     if kind == "approval_requested":
         return f"tool call {e.call_id}: {e.name}({e.arguments_json}) waits for approval (expires at {e.expires_at_unix_ms} ms)"
+    if kind == "message_added":
+        return f"a message joins turn {e.turn}: {e.message.content}"
     r = e.result
     reason = f" ({pb.FailureReason.Name(r.failure_reason)}: {r.failure_detail})" if r.failure_reason else ""
     return f"run finished {pb.RunStatus.Name(r.status)}{reason} after {r.turns} turns"
@@ -194,6 +199,22 @@ class Printer:
 
 
 CANCEL_MODES = {"immediate": pb.CANCEL_MODE_IMMEDIATE, "after-turn": pb.CANCEL_MODE_AFTER_TURN}
+
+
+def say_later(stub, metadata, run_id, seconds, text):
+    """Sends `text` to the run after `seconds` (SendMessage; it joins at the run's next turn)."""
+    def say():
+        request = pb.SendMessageRequest(run_id=run_id, message=pb.ChatMessage(role="user", content=text))
+        try:
+            answer = stub.SendMessage(request, metadata=metadata, timeout=10)
+            print(f"SendMessage({run_id}): {answer.waiting} waiting", file=sys.stderr, flush=True)
+        except grpc.RpcError as e:
+            print(f"SendMessage({run_id}) refused: {e.code().name}: {e.details()}", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(seconds, say)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def cancel_later(stub, metadata, run_id, seconds, mode):
@@ -293,12 +314,14 @@ def run(args):
     with open_channel(args) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         follower = Follower(stub, metadata, args)
-        timer = None
+        timer, say_timer = None, None
         printer = Printer(args.json)
         try:
             for event in follower.events():
                 if timer is None and args.cancel_after is not None:
                     timer = cancel_later(stub, metadata, event.run_id, args.cancel_after, args.cancel_mode)
+                if say_timer is None and args.say:
+                    say_timer = say_later(stub, metadata, event.run_id, args.say_after, args.say)
                 printer.event(event)
                 if args.decide and event.WhichOneof("event") == "approval_requested":
                     decide(stub, metadata, event, args.decide)
@@ -311,11 +334,12 @@ def run(args):
             print("interrupted: the call was dropped", file=sys.stderr)
             return 130
         finally:
-            if timer is not None:
-                # Not fired yet: it never will. Fired: its answer may come after run_finished,
-                # so wait for it (CancelRun has its own 10 s deadline).
-                timer.cancel()
-                timer.join(timeout=15)
+            for pending in (timer, say_timer):
+                if pending is not None:
+                    # Not fired yet: it never will. Fired: its answer may come after
+                    # run_finished, so wait for it (each call has its own 10 s deadline).
+                    pending.cancel()
+                    pending.join(timeout=15)
     print("error: the stream ended without run_finished", file=sys.stderr)
     return 3
 

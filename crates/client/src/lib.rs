@@ -178,6 +178,23 @@ impl Client {
         Ok(answer.canceled)
     }
 
+    /// Sends a user message to a live run: it joins the conversation at the run's next turn
+    /// boundary (announced by [`Event::MessageAdded`]); returns how many messages wait for that
+    /// boundary. Not retried, so a message never joins twice: on `UNAVAILABLE` (the run is
+    /// moving between replicas) send it again once the run has not announced it.
+    pub async fn send_message(&self, run_id: &str, text: &str) -> Result<u32, Error> {
+        let request = pb::SendMessageRequest {
+            run_id: run_id.into(),
+            message: Some(pb::ChatMessage {
+                role: "user".into(),
+                content: text.into(),
+                ..Default::default()
+            }),
+        };
+        let answer = self.inner.clone().send_message(self.request(request)).await?;
+        Ok(answer.into_inner().waiting)
+    }
+
     /// The tool calls waiting for approval that this caller may decide (of `run_id` only, when
     /// given): its own runs', or every run's for an approver.
     pub async fn pending_approvals(&self, run_id: Option<&str>) -> Result<Vec<pb::PendingApproval>, Error> {

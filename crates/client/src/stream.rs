@@ -57,6 +57,8 @@ pub enum Event {
     /// A normal tool call waits for a person's decision ([`Client::decide`]); the run parks
     /// (the stream goes on when it resumes).
     ApprovalRequested(pb::ApprovalRequested),
+    /// A user message sent with [`Client::send_message`] joined the conversation.
+    MessageAdded(pb::MessageAdded),
     /// The run ended; always the last event.
     Finished(pb::RunResult),
 }
@@ -80,6 +82,7 @@ impl Event {
             E::TurnFinished(e) => Self::TurnFinished(e),
             E::TurnRestarted(e) => Self::TurnRestarted(e),
             E::ApprovalRequested(e) => Self::ApprovalRequested(e),
+            E::MessageAdded(e) => Self::MessageAdded(e),
             E::RunFinished(e) => Self::Finished(e.result.unwrap_or_default()),
         }
     }

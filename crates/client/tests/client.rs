@@ -379,6 +379,13 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn send_message(
+        &self,
+        _: tonic::Request<pb::SendMessageRequest>,
+    ) -> Result<tonic::Response<pb::SendMessageResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn subscribe_signals(
         &self,
         _: tonic::Request<pb::SubscribeSignalsRequest>,
@@ -540,6 +547,13 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         &self,
         _: tonic::Request<pb::CancelRunRequest>,
     ) -> Result<tonic::Response<pb::CancelRunResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn send_message(
+        &self,
+        _: tonic::Request<pb::SendMessageRequest>,
+    ) -> Result<tonic::Response<pb::SendMessageResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 

@@ -13,7 +13,8 @@
  * sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the
  * run ends CANCELED with its output so far; with --cancel-mode after-turn once its turn in
  * progress has ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is
- * not --detached. --attach follows a live or finished run from any replica (AttachRun) instead of
+ * not --detached. --say TEXT sends a user message to the run --say-after S seconds after it starts
+ * (SendMessage: it joins the conversation at the run's next turn boundary). --attach follows a live or finished run from any replica (AttachRun) instead of
  * starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
  * approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
  * person); --list-approvals prints the calls waiting that this caller may decide (one JSON line
@@ -73,6 +74,7 @@ interface OrchestrateEvent {
   turn_finished?: { turn: number };
   turn_restarted?: { turn: number; attempt: number; reason: string };
   approval_requested?: { call_id: string; name: string; arguments_json: string; expires_at_unix_ms: string };
+  message_added?: { turn: number; message: { content: string } };
   run_finished?: { result: RunResult };
 }
 
@@ -103,6 +105,8 @@ function options() {
       token: { type: "string", default: process.env.ORCHESTRATOR_TOKEN },
       "cancel-after": { type: "string" },
       "cancel-mode": { type: "string", default: "immediate" },
+      say: { type: "string" },
+      "say-after": { type: "string", default: "1" },
       timeout: { type: "string", default: "600" },
       json: { type: "boolean", default: false },
     },
@@ -184,6 +188,10 @@ function describe(e: OrchestrateEvent): string {
     case "approval_requested": {
       const a = e.approval_requested!;
       return `tool call ${a.call_id}: ${a.name}(${a.arguments_json}) waits for approval (expires at ${a.expires_at_unix_ms} ms)`;
+    }
+    case "message_added": {
+      const m = e.message_added!;
+      return `a message joins turn ${m.turn}: ${m.message.content}`;
     }
     case "run_finished": {
       const r = e.run_finished!.result;
@@ -317,8 +325,11 @@ async function run(opts: Options): Promise<number> {
   let lastSeq = opts.attach ? Number(opts.after) : 0;
   let status: number | null = null;
   let timer: NodeJS.Timeout | null = null;
-  // The CancelRun answer may come after run_finished; the program waits for it before exiting.
+  let sayTimer: NodeJS.Timeout | null = null;
+  // The CancelRun (and SendMessage) answer may come after run_finished; the program waits for it
+  // before exiting.
   let canceling: Promise<void> = Promise.resolve();
+  let saying: Promise<void> = Promise.resolve();
   let call: grpc.ClientReadableStream<OrchestrateEvent> | null = null;
   const open = () =>
     runId === null
@@ -335,6 +346,21 @@ async function run(opts: Options): Promise<number> {
         });
       });
     }, Number(opts["cancel-after"]) * 1000);
+  };
+
+  const sayLater = (id: string) => {
+    sayTimer = setTimeout(() => {
+      saying = new Promise((done) => {
+        const deadline = new Date(Date.now() + 10_000);
+        const message = { role: "user", content: opts.say };
+        client.SendMessage({ run_id: id, message }, metadata, { deadline }, (err: grpc.ServiceError | null, answer: any) => {
+          process.stderr.write(
+            err ? `SendMessage(${id}) refused: ${grpc.status[err.code]}: ${err.details}\n` : `SendMessage(${id}): ${answer.waiting} waiting\n`,
+          );
+          done();
+        });
+      });
+    }, Number(opts["say-after"]) * 1000);
   };
 
   process.once("SIGINT", () => {
@@ -355,6 +381,7 @@ async function run(opts: Options): Promise<number> {
           if (Number(e.seq) <= lastSeq) continue; // sent again by the replica re-attached to
           [runId, lastSeq, failures] = [e.run_id, Number(e.seq), 0];
           if (timer === null && opts["cancel-after"] !== undefined) cancelLater(e.run_id);
+          if (sayTimer === null && opts.say !== undefined) sayLater(e.run_id);
           printer.event(e);
           if (opts.decide !== undefined && e.event === "approval_requested") {
             await decide(client, metadata, e, opts.decide);
@@ -381,7 +408,9 @@ async function run(opts: Options): Promise<number> {
     }
   } finally {
     if (timer !== null) clearTimeout(timer);
+    if (sayTimer !== null) clearTimeout(sayTimer);
     await canceling;
+    await saying;
     client.close();
   }
   return status ?? 3;

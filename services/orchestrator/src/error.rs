@@ -105,6 +105,17 @@ pub enum Error {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    /// The run cannot take what was sent now (it ended, or has no turn boundary left).
+    #[error("{0}")]
+    NotNow(String),
+    /// The run was sent as many messages as it may be.
+    #[error("run {run_id:?} was sent its limit of {max} messages (--max-steering-messages)")]
+    InboxFull {
+        /// The run.
+        run_id: String,
+        /// Its bound.
+        max: u32,
+    },
     /// A decision on calls waiting for approval was refused.
     #[error(transparent)]
     Decide(#[from] crate::domain::approval::DecideError),
@@ -117,7 +128,10 @@ impl From<Error> for tonic::Status {
         match error {
             Error::InvalidArgument(_) => Self::invalid_argument(message),
             Error::AlreadyRunning(_) => Self::already_exists(message),
-            Error::Busy(_) | Error::CallerBusy { .. } | Error::AttachBusy(_) => Self::resource_exhausted(message),
+            Error::Busy(_) | Error::CallerBusy { .. } | Error::AttachBusy(_) | Error::InboxFull { .. } => {
+                Self::resource_exhausted(message)
+            }
+            Error::NotNow(_) => Self::failed_precondition(message),
             Error::PermissionDenied(_) => Self::permission_denied(message),
             Error::NotFound(_) => Self::not_found(message),
             Error::Draining

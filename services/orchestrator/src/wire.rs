@@ -393,6 +393,15 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             expires_at_unix_ms,
             arguments_truncated,
         }),
+        Event::MessageAdded { turn, content, name } => E::MessageAdded(pb::MessageAdded {
+            turn,
+            message: Some(pb::ChatMessage {
+                role: "user".to_owned(),
+                content,
+                name: name.unwrap_or_default(),
+                ..Default::default()
+            }),
+        }),
         Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
             result: Some(pb::RunResult::from(&result)),
         }),
@@ -475,6 +484,14 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                 expires_at_unix_ms: e.expires_at_unix_ms,
                 arguments_truncated: e.arguments_truncated,
             },
+            E::MessageAdded(e) => {
+                let message = e.message.unwrap_or_default();
+                Event::MessageAdded {
+                    turn: e.turn,
+                    content: message.content,
+                    name: Some(message.name).filter(|n| !n.is_empty()),
+                }
+            }
             E::RunFinished(e) => Event::RunFinished(RunResult::try_from(e.result.unwrap_or_default())?),
         };
         Ok(NumberedEvent {

@@ -143,6 +143,13 @@ impl Printer {
                     ),
                 );
             }
+            E::MessageAdded(m) => {
+                let text = m.message.as_ref().map_or("", |m| m.content.as_str());
+                self.line(
+                    out,
+                    &format!("✉ a message joins turn {}: {}", m.turn, shared::text::excerpt(text)),
+                );
+            }
             E::Finished(r) => self.line(out, &finished_line(r)),
         }
         let _ = out.flush();
@@ -309,4 +316,15 @@ async fn print_to_end(mut run: RunStream) -> Result<pb::RunResult, Error> {
         }
     }
     result.ok_or_else(|| Error::Call("the event stream ended without run_finished".into()))
+}
+
+/// Sends `text` to the live run `run_id` and says how many messages wait for its next turn.
+pub async fn say(endpoint: &str, token: Option<&str>, run_id: &str, text: &str) -> Result<(), Error> {
+    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
+    let waiting = client
+        .send_message(run_id, text)
+        .await
+        .map_err(|e| Error::Call(format!("SendMessage was refused: {e}")))?;
+    println!("sent; {waiting} message(s) wait for the next turn of run {run_id}");
+    Ok(())
 }

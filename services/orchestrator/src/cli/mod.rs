@@ -1,5 +1,6 @@
 //! Command line: `serve` (the default) with flags that all have environment equivalents, and
-//! `call` (start a run on a running orchestrator). The one-command demo is its own binary
+//! the client commands `call` (start a run on a running orchestrator, or attach to one),
+//! `approvals`, `decide` and `say` (a message for a live run). The one-command demo is its own binary
 //! (`cargo run -p demo`), so this one carries no stand-in model.
 
 use std::time::Duration;
@@ -59,6 +60,9 @@ pub enum Command {
     Approvals(ApprovalsArgs),
     /// Decide tool calls waiting for approval: approve, reject or approve with edited arguments.
     Decide(DecideArgs),
+    /// Send a user message to a live run: it joins the run's conversation at its next turn
+    /// boundary (SendMessage).
+    Say(SayArgs),
 }
 
 /// How the client commands reach the orchestrator.
@@ -101,6 +105,28 @@ pub struct DecideArgs {
     /// Approve this call with these arguments instead (a JSON object; repeatable).
     #[arg(long = "edit", value_name = "CALL_ID=JSON")]
     pub edit: Vec<String>,
+}
+
+/// Flags of `say`.
+#[derive(Debug, Clone, Args)]
+pub struct SayArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The live run.
+    pub run_id: String,
+    /// The message.
+    pub text: String,
+}
+
+impl SayArgs {
+    /// Sends the message.
+    pub async fn run(&self) -> Result<bool, crate::Error> {
+        let c = &self.connection;
+        call::say(&c.endpoint, c.token.as_deref(), &self.run_id, &self.text)
+            .await
+            .map(|()| true)
+    }
 }
 
 impl ApprovalsArgs {

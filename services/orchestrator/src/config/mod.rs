@@ -10,8 +10,10 @@
 //! model fleet), `tool_runners.rs`, `runs.rs` (slots, events, approvals), `limits.rs` (a run's
 //! limits and their ceilings), `output.rs` (output bounds), `loop_detector.rs`, `requests.rs`
 //! (what one request may carry), `store.rs` (the store's backend, leases, event logs),
-//! `signals.rs` (the signal topic), `nats.rs` (NATS credentials and replicas), `telemetry.rs`.
+//! `signals.rs` (the signal topic), `nats.rs` (NATS credentials and replicas), `telemetry.rs`,
+//! `conversations.rs` (messages sent to live runs).
 
+mod conversations;
 mod limits;
 mod llm;
 mod loop_detector;
@@ -25,6 +27,7 @@ mod store;
 mod telemetry;
 mod tool_runners;
 
+pub use conversations::ConversationSettings;
 pub use limits::LimitSettings;
 pub use llm::{Header, LlmSettings, LlmTarget, Reader};
 pub use loop_detector::LoopDetectorSettings;
@@ -84,6 +87,9 @@ pub struct Config {
     pub runs: RunSettings,
     #[allow(missing_docs)]
     #[command(flatten)]
+    pub conversations: ConversationSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
     pub signals: SignalSettings,
     #[allow(missing_docs)]
     #[command(flatten)]
@@ -109,6 +115,7 @@ impl Bounded for Config {
             self.tool_runners.bounds(),
             self.limits.bounds(),
             self.runs.bounds(),
+            self.conversations.bounds(),
             self.signals.bounds(),
             self.store.bounds(),
             self.nats.bounds(),

@@ -33,6 +33,22 @@ pub enum Message {
     },
 }
 
+/// Puts a user message after the newest message of `conversation`, in a form every chat
+/// template takes: a message of its own, or, when the newest message already is a user message,
+/// a paragraph added to it (some templates refuse two user messages in a row; the name of a
+/// message added so is not kept).
+pub fn append_user(conversation: &mut Vec<Message>, text: &str, name: Option<String>) {
+    if let Some(Message::User { content, .. }) = conversation.last_mut() {
+        content.push_str("\n\n");
+        content.push_str(text);
+        return;
+    }
+    conversation.push(Message::User {
+        content: text.to_owned(),
+        name,
+    });
+}
+
 /// A whole tool call, as the model made it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ToolCall {

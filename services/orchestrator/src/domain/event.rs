@@ -98,6 +98,15 @@ pub enum Event {
         /// The arguments were cut to fit one event.
         arguments_truncated: bool,
     },
+    /// A user message sent to the live run (`SendMessage`) joined its conversation.
+    MessageAdded {
+        /// The turn whose model request first holds it.
+        turn: u32,
+        /// Its text.
+        content: String,
+        /// Its participant name, if any.
+        name: Option<String>,
+    },
     /// The run ended (always last).
     RunFinished(RunResult),
 }
@@ -129,6 +138,7 @@ impl NumberedEvent {
                 Event::RunFinished(result) => result.text.len() + result.reasoning.len(),
                 Event::RunStarted { .. } | Event::TurnFinished { .. } => 0,
                 Event::TurnRestarted { reason, .. } => reason.len(),
+                Event::MessageAdded { content, .. } => content.len(),
             }
     }
 

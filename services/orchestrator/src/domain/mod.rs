@@ -9,6 +9,7 @@
 //! * [`event`]: the events of its stream;
 //! * [`approval`]: calls that wait for a person's decision, and the decisions;
 //! * [`cancel`]: how a run is asked to stop (at once, or after its turn);
+//! * [`steering`]: a user message sent to a live run, and why a run refuses one;
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
@@ -22,6 +23,7 @@ pub mod params;
 pub mod ports;
 pub mod result;
 pub mod spec;
+pub mod steering;
 
 pub use cancel::CancelMode;
 pub use event::{Event, EventBatch, NumberedEvent};

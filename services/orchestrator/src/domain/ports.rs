@@ -109,6 +109,42 @@ pub trait RunJournal: Send + Sync + 'static {
     /// The cancels other replicas were asked for, as they come; only the replica running the run
     /// answers one.
     fn cancel_asks(&self) -> BoxFuture<'static, BoxStream<'static, CancelAsk>>;
+    /// Sends `message` to the replica running `run_id` (`SendMessage` reached another one), and
+    /// returns its answer; `None` when no replica answered (always, for a journal whose
+    /// replicas cannot ask each other).
+    fn steer_elsewhere(
+        &self,
+        _run_id: &str,
+        _message: super::steering::UserMessage,
+    ) -> BoxFuture<'static, Result<Option<RemoteSteer>, StoreError>> {
+        Box::pin(async { Ok(None) })
+    }
+    /// The messages other replicas were sent for runs, as they come; only the replica running
+    /// the run answers one (none, for a journal whose replicas cannot ask each other).
+    fn steer_asks(&self) -> BoxFuture<'static, BoxStream<'static, SteerAsk>> {
+        Box::pin(async { Box::pin(futures::stream::pending()) as BoxStream<'static, SteerAsk> })
+    }
+}
+
+/// What the replica running a run answered to a message sent on another replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum RemoteSteer {
+    /// The run took it: this many messages wait for its next turn boundary.
+    Accepted(u32),
+    /// The run refused it.
+    Refused(super::steering::Refused),
+    /// The run had already ended there, with this status.
+    Finished(super::RunStatus),
+}
+
+/// A message for a run, sent on another replica.
+pub struct SteerAsk {
+    /// The run.
+    pub run_id: String,
+    /// The message.
+    pub message: super::steering::UserMessage,
+    /// Sends the answer to the replica that asked.
+    pub answer: Box<dyn FnOnce(RemoteSteer) -> BoxFuture<'static, ()> + Send>,
 }
 
 /// What the replica running a run answered to a cancel asked on another replica.

@@ -14,6 +14,7 @@ use crate::domain::ports::{Claim, LogWriter, Logged, Ready, within};
 use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
 use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 use crate::run::persist::Persister;
+use crate::run::steering::Inbox;
 use crate::run::tool_loop::{Checkpoint, Resumed};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
@@ -33,6 +34,15 @@ pub(crate) enum Refusal {
     Foreign,
 }
 
+/// A run's live entry, as [`Runs::register`] made it.
+struct Registered {
+    state: SharedState,
+    cancel: Cancel,
+    handoff: Handoff,
+    inbox: Inbox,
+    permit: OwnedSemaphorePermit,
+}
+
 /// A started run's place in the registry; dropping it frees the slot and the live entry.
 pub(crate) struct Admitted {
     runs: Arc<Runs>,
@@ -43,6 +53,8 @@ pub(crate) struct Admitted {
     pub cancel: Cancel,
     /// Asks the run to move to another replica (drain).
     pub handoff: Handoff,
+    /// Messages sent to the run.
+    pub inbox: Inbox,
     /// Writes the run's state to the store.
     pub persister: Persister,
     /// Appends the run's events to its log (taken by the run's emitter).
@@ -114,6 +126,7 @@ impl Admitted {
             caller,
             persister: Some(self.persister.clone()),
             handoff: self.handoff.clone(),
+            inbox: self.inbox.clone(),
             slot: Some(Box::new(self)),
         }
     }
@@ -164,7 +177,13 @@ impl Runs {
 
     /// A slot and a live entry for `run_id`, with its persister (not claimed in the store yet).
     fn admitted(self: &Arc<Self>, run_id: &str, caller: &Principal) -> Result<Admitted, Refusal> {
-        let (state, cancel, handoff, permit) = self.register(run_id, caller)?;
+        let Registered {
+            state,
+            cancel,
+            handoff,
+            inbox,
+            permit,
+        } = self.register(run_id, caller)?;
         let persister = Persister::new(
             Arc::clone(&self.store),
             Arc::clone(&state),
@@ -178,6 +197,7 @@ impl Runs {
             state,
             cancel,
             handoff,
+            inbox,
             _lease: None,
             log: None,
             persister,
@@ -187,11 +207,7 @@ impl Runs {
 
     /// Takes a slot and enters the run among the live ones, unless its id is live already or
     /// the caller has its `max_runs` in flight.
-    fn register(
-        &self,
-        run_id: &str,
-        caller: &Principal,
-    ) -> Result<(SharedState, Cancel, Handoff, OwnedSemaphorePermit), Refusal> {
+    fn register(&self, run_id: &str, caller: &Principal) -> Result<Registered, Refusal> {
         let mut live = self.lock();
         if live.contains_key(run_id) {
             return Err(Refusal::Duplicate);
@@ -212,6 +228,7 @@ impl Runs {
             now: self.drain.now.child_token(),
         };
         let cancel = Cancel::default();
+        let inbox = Inbox::new(self.max_steering);
         live.insert(
             run_id.to_owned(),
             Live {
@@ -219,10 +236,17 @@ impl Runs {
                 cancel: cancel.clone(),
                 handoff: handoff.clone(),
                 principal: caller.name.clone(),
+                inbox: inbox.clone(),
                 gone: tokio_util::sync::CancellationToken::new(),
             },
         );
-        Ok((state, cancel, handoff, permit))
+        Ok(Registered {
+            state,
+            cancel,
+            handoff,
+            inbox,
+            permit,
+        })
     }
 
     /// Takes over the orphan `run_id` when a slot is free and this replica wins its claim: its

@@ -7,7 +7,8 @@
 //! * [`admission`]: letting a run in ([`Admitted`], [`Refusal`]), taking one over, resuming one
 //!   that waited for approvals;
 //! * [`attach`]: callers following a run's log, and noticing a run leave this replica;
-//! * [`cancel`]: `CancelRun`, here or on the replica that runs it.
+//! * [`cancel`]: `CancelRun`, here or on the replica that runs it;
+//! * [`steer`]: `SendMessage`, here or on the replica that runs it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,16 +22,19 @@ use crate::domain::RunResult;
 use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, StoreError, within};
 use crate::run::backlog::Backlog;
 use crate::run::live::{Cancel, Handoff, SharedState};
+use crate::run::steering::Inbox;
 
 mod admission;
 mod attach;
 mod cancel;
+mod steer;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use admission::{Admitted, Refusal};
 pub(crate) use attach::AttachError;
 pub(crate) use cancel::CancelOutcome;
+pub(crate) use steer::SteerOutcome;
 
 /// How often the backlog of unstored results is written again while the store is unavailable.
 const BACKLOG_RETRY: Duration = Duration::from_secs(1);
@@ -40,6 +44,8 @@ struct Live {
     cancel: Cancel,
     handoff: Handoff,
     principal: String,
+    /// Messages sent to the run (`SendMessage`), waiting for its next turn boundary.
+    inbox: Inbox,
     /// Cancelled once the run leaves this replica (ended, or moved to another one).
     gone: tokio_util::sync::CancellationToken,
 }
@@ -64,6 +70,8 @@ pub(crate) struct Runs {
     attach_permits: usize,
     /// Runs waiting for approvals.
     approvals: Arc<dyn ApprovalLot>,
+    /// Messages a run may be sent over its life (`--max-steering-messages`).
+    max_steering: u32,
     /// The drain's request that runs move: each run's [`Handoff`] is its child, so a run let in
     /// (or taken over) while the replica drains is asked too.
     drain: Handoff,
@@ -87,10 +95,10 @@ pub(crate) struct Keeping {
 impl Runs {
     /// An empty registry of at most `max_runs` live runs and `max_attached` attached callers,
     /// over `keeping` (a store write waits at most `store_timeout`; final results the store does
-    /// not take wait in a backlog of at most `backlog` results).
+    /// not take wait in a backlog of at most `backlog` results). A run may be sent
+    /// `max_steering` messages.
     pub(crate) fn new(
-        max_runs: usize,
-        max_attached: usize,
+        (max_runs, max_attached, max_steering): (usize, usize, u32),
         keeping: Keeping,
         store_timeout: Duration,
         backlog: usize,
@@ -115,6 +123,7 @@ impl Runs {
             attach_slots: Arc::new(Semaphore::new(max_attached)),
             attach_permits: max_attached,
             approvals,
+            max_steering,
             drain: Handoff::default(),
         })
     }

@@ -77,7 +77,7 @@ fn runs(max_runs: usize, keep: usize, keep_for: Duration) -> Arc<Runs> {
         journal: None,
         approvals: Arc::new(crate::store::memory::MemoryLot::new(100)),
     };
-    Runs::new(max_runs, 2, keeping, Duration::from_secs(1), 100)
+    Runs::new((max_runs, 2, 4), keeping, Duration::from_secs(1), 100)
 }
 
 use futures::future::BoxFuture;
@@ -264,4 +264,41 @@ async fn a_run_let_in_while_the_replica_drains_is_asked_to_hand_over_too() {
     runs.hand_over_all(true);
     let last = runs.admit("last", &anon(), None).await.unwrap();
     assert!(before.handoff.now.is_cancelled() && last.handoff.now.is_cancelled());
+}
+
+fn said(text: &str) -> crate::domain::steering::UserMessage {
+    crate::domain::steering::UserMessage {
+        content: text.to_owned(),
+        name: None,
+    }
+}
+
+/// `SendMessage` reaches a run for its owner only: another principal is told the run does not
+/// exist, as for `GetRun`; a run waiting for approvals or ended refuses the message.
+#[tokio::test]
+async fn a_message_reaches_a_run_for_its_owner_only() {
+    let runs = runs(8, 10, Duration::from_secs(60));
+    let (alice, bob) = (named("alice", None), named("bob", None));
+    let admitted = runs.admit("r", &alice, None).await.unwrap();
+    assert_eq!(
+        runs.send_message("r", &bob, said("hi")).await,
+        Ok(SteerOutcome::NotFound)
+    );
+    assert_eq!(
+        runs.send_message("r", &alice, said("hi")).await,
+        Ok(SteerOutcome::Accepted(1))
+    );
+    assert_eq!(admitted.inbox.kept().waiting, [said("hi")]);
+    shared::sync::lock(&admitted.state).status = RunStatus::AwaitingApproval;
+    assert_eq!(
+        runs.send_message("r", &alice, said("wait")).await,
+        Ok(SteerOutcome::Refused(
+            crate::domain::steering::Refused::AwaitingApproval
+        ))
+    );
+    shared::sync::lock(&admitted.state).status = RunStatus::Completed;
+    assert_eq!(
+        runs.send_message("r", &alice, said("late")).await,
+        Ok(SteerOutcome::Finished(RunStatus::Completed))
+    );
 }

@@ -94,19 +94,11 @@ pub fn status_note(status: Status) -> String {
     )
 }
 
-/// Puts `note` after the newest message of `conversation`, in a form every chat template takes:
-/// a user message, or, when the newest message already is one, a paragraph added to it (some
-/// templates refuse two user messages in a row, and many a system message after the first).
+/// Puts `note` after the newest message of `conversation` as a user message (see
+/// [`append_user`](crate::domain::chat::append_user): a paragraph of the newest message when it
+/// is one already; many templates also refuse a system message after the first).
 pub fn append_note(conversation: &mut Vec<Message>, note: String) {
-    if let Some(Message::User { content, .. }) = conversation.last_mut() {
-        content.push_str("\n\n");
-        content.push_str(&note);
-        return;
-    }
-    conversation.push(Message::User {
-        content: note,
-        name: None,
-    });
+    crate::domain::chat::append_user(conversation, &note, None);
 }
 
 #[cfg(test)]

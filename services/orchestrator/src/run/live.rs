@@ -256,6 +256,11 @@ impl Emitter {
                     duration_ms,
                 });
             }
+            Event::MessageAdded { turn, content, name } => self.number(Event::MessageAdded {
+                turn,
+                content: shared::text::truncate_owned(content, self.settings.max_event_bytes).0,
+                name,
+            }),
             event => self.number(event),
         }
     }
@@ -432,6 +437,8 @@ pub struct AdmittedRun {
     pub slot: Option<Box<dyn Send>>,
     /// Set by a draining replica: a durable run hands over to another replica.
     pub handoff: Handoff,
+    /// Messages sent to the run (`SendMessage`), taken at its turn boundaries.
+    pub inbox: super::steering::Inbox,
 }
 
 /// A draining replica's request that a durable run move to another replica: at its next safe

@@ -4,6 +4,7 @@
 //!
 //! * [`tool_loop`]: the loop, one method per rule;
 //! * [`live`]: a live run's shared state, cancel handle and event emitter;
+//! * [`steering`]: user messages sent to a live run, waiting for its next turn boundary;
 //! * [`persist`]: the run's writes to the store (claim, lease, checkpoints, final result), with
 //!   [`backlog`]: final results the store did not take yet, written again until it does;
 //! * [`turn`]: one streamed completion → visible text + tool calls;
@@ -19,6 +20,7 @@ pub mod hold_back;
 pub mod live;
 pub mod loop_detector;
 pub mod persist;
+pub mod steering;
 pub mod tool_loop;
 pub mod turn;
 

@@ -34,8 +34,11 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         approvals: Arc::clone(&approvals),
     };
     let runs = Runs::new(
-        config.runs.max_runs,
-        config.runs.max_attached,
+        (
+            config.runs.max_runs,
+            config.runs.max_attached,
+            config.conversations.max_steering_messages,
+        ),
         keeping,
         config.store.timeout,
         config.store.backlog,

@@ -18,8 +18,9 @@ use crate::Error;
 use crate::config::Config;
 use crate::domain::approval::{Decision, PendingApproval};
 use crate::domain::ports::{Decider, SignalTopic};
+use crate::domain::steering::{Closed, Refused, UserMessage};
 use crate::domain::{CancelMode, EventBatch, RunResult, RunSpec, RunStatus};
-use crate::registry::{Admitted, CancelOutcome, Refusal, Runs};
+use crate::registry::{Admitted, CancelOutcome, Refusal, Runs, SteerOutcome};
 use crate::run::live::{EmitSettings, Emitter, gated};
 use crate::run::tool_loop::{LoopDeps, Resumed};
 use crate::telemetry::metric;
@@ -50,6 +51,22 @@ pub(crate) enum Resumption {
     TakenOver,
     /// Its calls waiting for approval were decided (or it woke: a timeout, its deadline, a cancel).
     Decided,
+}
+
+/// Why a live run takes no message now.
+fn not_taking(run_id: &str, refused: Refused) -> String {
+    match refused {
+        Refused::Closed(Closed::Answered) => {
+            format!("run {run_id:?} has answered and is completing; start a new run to go on")
+        }
+        Refused::Closed(Closed::LastTurn) => {
+            format!("run {run_id:?} is in its last turn (max_turns): no turn is left to take a message")
+        }
+        Refused::AwaitingApproval => {
+            format!("run {run_id:?} waits for approvals; decide its calls (DecideToolCalls), then send the message")
+        }
+        Refused::Full(max) => format!("run {run_id:?} was sent its limit of {max} messages"),
+    }
 }
 
 /// Most pending approvals listed at once.
@@ -199,6 +216,32 @@ impl Core {
             CancelOutcome::AlreadyFinished(status) => Ok((false, status)),
             CancelOutcome::NotFound => Err(no_run(run_id)),
             CancelOutcome::Unanswered => Err(Error::RunElsewhere(run_id.to_owned())),
+        }
+    }
+
+    /// Sends `message` to a live run of `caller`: how many messages wait for its next turn
+    /// boundary, this one included.
+    pub(crate) async fn send_message(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+        message: UserMessage,
+    ) -> Result<u32, Error> {
+        match self.runs.send_message(run_id, caller, message).await? {
+            SteerOutcome::Accepted(waiting) => {
+                tracing::info!(run_id = %run_id, principal = %caller.name, waiting, "a message for the run's next turn");
+                Ok(waiting)
+            }
+            SteerOutcome::Refused(Refused::Full(max)) => Err(Error::InboxFull {
+                run_id: run_id.to_owned(),
+                max,
+            }),
+            SteerOutcome::Refused(refused) => Err(Error::NotNow(not_taking(run_id, refused))),
+            SteerOutcome::Finished(status) => Err(Error::NotNow(format!(
+                "run {run_id:?} has ended ({status:?}); start a new run to go on"
+            ))),
+            SteerOutcome::NotFound => Err(no_run(run_id)),
+            SteerOutcome::Unanswered => Err(Error::RunElsewhere(run_id.to_owned())),
         }
     }
 

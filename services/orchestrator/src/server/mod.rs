@@ -3,7 +3,7 @@
 //! ([`Core`], `core.rs`: starting, resuming, reading, cancelling and deciding runs), serves gRPC
 //! (orchestrator, health, reflection) on the given listener, and drains when `shutdown` resolves.
 //! The background tasks: `takeover.rs` (orphaned runs), `unpark.rs` (runs whose approvals were
-//! decided), `remote_cancels.rs` (cancels asked on other replicas); `streams.rs`: the event
+//! decided), `remote_asks.rs` (cancels and messages asked on other replicas); `streams.rs`: the event
 //! streams of a run's caller and of callers that attach; `grpc/`: the gRPC adapter, which only
 //! turns requests into calls of `Core` and answers into proto.
 //!
@@ -29,7 +29,7 @@ use crate::{Config, Error};
 mod build;
 mod core;
 pub(crate) mod grpc;
-mod remote_cancels;
+mod remote_asks;
 mod streams;
 mod takeover;
 mod unpark;
@@ -102,7 +102,7 @@ pub async fn serve_with_resolver(
     let _cancels = core
         .runs
         .durable()
-        .map(|_| AbortOnDrop(tokio::spawn(remote_cancels::answer(Arc::clone(&core)))));
+        .map(|_| AbortOnDrop(tokio::spawn(remote_asks::answer(Arc::clone(&core)))));
     let _approvals = AbortOnDrop(tokio::spawn(unpark::watch(Arc::clone(&core))));
     let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
     tonic::transport::Server::builder()

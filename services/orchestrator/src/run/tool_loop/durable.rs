@@ -19,6 +19,7 @@ use crate::domain::{Event, NumberedEvent, RunResult, RunSpec};
 use crate::llm::Message;
 use crate::run::live::{Cancel, Settler};
 use crate::run::persist::{Persister, Snapshot};
+use crate::run::steering::{Inbox, Kept};
 
 /// Everything another replica needs to resume a run at a safe point.
 #[derive(Serialize, Deserialize)]
@@ -46,6 +47,9 @@ pub struct Checkpoint {
     /// replica that takes the run over ends it there too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancel_after_turn: Option<String>,
+    /// The messages sent to the run and not taken by a turn yet, and how many it was sent.
+    #[serde(default, skip_serializing_if = "Kept::is_empty")]
+    pub steering: Kept,
 }
 
 /// How far a run got, counted against its limits: what the loop's rules count as they go and a
@@ -97,6 +101,7 @@ impl Checkpoint {
             }],
             calls: None,
             cancel_after_turn: None,
+            steering: Kept::default(),
         }
     }
 
@@ -168,6 +173,8 @@ pub(super) struct CallRecorder {
     /// The run's cancel: one that lets the turn finish, asked while the calls run, goes into the
     /// checkpoints that follow.
     cancel: Cancel,
+    /// The run's inbox: messages sent while the calls run go into the checkpoints that follow.
+    inbox: Inbox,
 }
 
 impl CallRecorder {
@@ -181,6 +188,7 @@ impl CallRecorder {
                     calls.finished.push(outcome.clone());
                 }
                 base.cancel_after_turn = self.cancel.after_turn();
+                base.steering = self.inbox.kept();
                 base.snapshot()
             })
             .await;
@@ -216,6 +224,7 @@ impl Driver<'_> {
             outbox: self.emitter.queued().to_vec(),
             calls: calls.cloned(),
             cancel_after_turn: self.cancel.after_turn(),
+            steering: self.inbox.kept(),
         }
     }
 
@@ -270,6 +279,7 @@ impl Driver<'_> {
             persister,
             settler: self.emitter.settler(self.deps.log_settle_timeout),
             cancel: self.cancel.clone(),
+            inbox: self.inbox.clone(),
         }))
     }
 
@@ -284,6 +294,7 @@ impl Driver<'_> {
         if let Some(reason) = &c.cancel_after_turn {
             self.cancel.cancel_with(crate::domain::CancelMode::AfterTurn, reason);
         }
+        self.inbox.restore(c.steering);
         self.ids.used = c.call_ids.into_iter().collect();
         self.ids.generated = c.generated_ids;
         let mut calls = c.calls;

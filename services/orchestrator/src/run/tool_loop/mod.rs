@@ -47,6 +47,7 @@ use self::durable::TurnCalls;
 use self::rules::IdAllocator;
 use super::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 use super::loop_detector::LoopDetector;
+use super::steering::{Closed, Inbox};
 use crate::domain::ports::{SignalTopic, ToolExecutor};
 use crate::domain::{
     Event, EventBatch, FailureReason, HARD_MAX_TURNS, LoopDetection, OutputBounds, RunResult, RunSpec, RunStatus,
@@ -140,6 +141,7 @@ fn drive_run(
         persister,
         slot,
         handoff,
+        inbox,
     } = run;
     async move {
         let deps = &deps;
@@ -162,7 +164,7 @@ fn drive_run(
                 &mut emitter,
                 persister.clone(),
                 handoff.clone(),
-                cancel.clone(),
+                (cancel.clone(), inbox),
             );
             let ends = Ends {
                 cancel: &cancel,
@@ -440,6 +442,8 @@ struct Driver<'a> {
     handoff: tokio_util::sync::CancellationToken,
     /// The run's cancel: read at each turn's end for a cancel that let the turn finish.
     cancel: Cancel,
+    /// Messages sent to the run, taken at each turn's end.
+    inbox: Inbox,
     /// The current turn's calls started while the model still wrote.
     eager: eager::Eager,
 }
@@ -477,7 +481,7 @@ impl<'a> Driver<'a> {
         emitter: &'a mut Emitter,
         persister: Option<Persister>,
         handoff: Handoff,
-        cancel: Cancel,
+        (cancel, inbox): (Cancel, Inbox),
     ) -> Self {
         Self {
             offer: Offer::of(spec),
@@ -494,6 +498,7 @@ impl<'a> Driver<'a> {
             persister,
             handoff: handoff.at_safe_point,
             cancel,
+            inbox,
             eager: eager::Eager::default(),
             spec,
             deps,
@@ -512,8 +517,13 @@ impl<'a> Driver<'a> {
             }
             // A durable run is resumable from its start: a replica stopping in its first turn
             // loses nothing but that turn's attempt.
-            None if self.durable().is_some() => self.start().await,
-            None => Ok(()),
+            None => match (self.take_messages(0), self.durable()) {
+                // A message taken before the first turn is not in the checkpoint the run's id
+                // was claimed with.
+                (true, Some(_)) => self.safe_point(None).await,
+                (false, Some(_)) => self.start().await,
+                (_, None) => Ok(()),
+            },
         };
         if let Err(end) = first {
             return end;
@@ -539,6 +549,32 @@ impl<'a> Driver<'a> {
         )
     }
 
+    /// Steering: the messages sent to the run join the conversation at the boundary after turn
+    /// `ended` (0: before the first), after its tool results and status note, each announced
+    /// by `message_added`. When the next turn is the run's last, the inbox closes in the same
+    /// step: no later boundary could take a message. Whether any joined.
+    fn take_messages(&mut self, ended: u32) -> bool {
+        let next = ended + 1;
+        let close = (next >= self.max_turns).then_some(Closed::LastTurn);
+        let messages = self.inbox.take(close);
+        let any = !messages.is_empty();
+        for message in messages {
+            crate::domain::chat::append_user(&mut self.conversation, &message.content, message.name.clone());
+            self.emitter.queue(Event::MessageAdded {
+                turn: next,
+                content: message.content,
+                name: message.name,
+            });
+        }
+        any
+    }
+
+    /// The model answered without calling a tool: whether messages sent to the run wait for
+    /// one more turn (when none does, the inbox closes in the same step and the run ends).
+    fn messages_wait(&self, number: u32) -> bool {
+        number < self.max_turns && self.inbox.close_unless_waiting()
+    }
+
     /// A cancel that let the turn finish ends the run once the turn has ended.
     fn stop_after_the_turn(&self) -> Step<()> {
         match self.cancel.after_turn() {
@@ -560,10 +596,12 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Safe point (c): the turn ended. A durable run saves its checkpoint, which also shows its
-    /// output so far to GetRun on every replica (a local store's registry shows live runs).
+    /// Safe point (c): the turn ended; the messages sent to the run meanwhile join the
+    /// conversation. A durable run saves its checkpoint, which also shows its output so far to
+    /// GetRun on every replica (a local store's registry shows live runs).
     async fn end_turn(&mut self, number: u32) -> Step<()> {
         (self.progress.turns_done, self.progress.attempt) = (number, 1);
+        self.take_messages(number);
         match self.durable() {
             Some(_) => self.safe_point(None).await,
             None => Ok(()),

@@ -41,7 +41,7 @@ impl Driver<'_> {
 
     /// The rules up to the turn's calls: the model's completion, its calls sorted, signals
     /// published, the parse policy and the budget applied. `Err` when the run ends with them
-    /// (the model called no normal tool: the run is complete).
+    /// (the model called no normal tool: the run is complete, unless messages sent to it wait).
     async fn calls_of_turn(&mut self, number: u32) -> Step<TurnCalls> {
         lock(self.state).turns = number;
         let mut turn = Turn {
@@ -60,8 +60,13 @@ impl Driver<'_> {
         self.apply_parse_policy(&partition, &turn, budget_before)?;
         let spend = self.spend_budget(&partition);
         if spend.executed.is_empty() && partition.bad.is_empty() {
-            self.finish_turn(&turn, spend.left);
-            return Err(self.budget_end(&spend, &partition).unwrap_or(End::Completed));
+            // The model answered: the run ends, unless messages sent to it wait (the turn then
+            // ends as one without calls, and the next one takes them).
+            let end = self.budget_end(&spend, &partition);
+            if end.is_some() || !self.messages_wait(number) {
+                self.finish_turn(&turn, spend.left);
+                return Err(end.unwrap_or(End::Completed));
+            }
         }
         let mut calls = TurnCalls {
             turn,

@@ -23,6 +23,7 @@ use crate::domain::{
 use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent, Message, ToolDefinition, Usage};
 use crate::run::live::{AdmittedRun, Emitter, SharedState};
 use crate::run::live::{Cancel, EmitSettings};
+use crate::run::steering::{Closed, Inbox, Refused, UserMessage};
 use crate::signals::memory::MemoryTopic;
 
 /// Plays one list of events per turn and records the requests.
@@ -215,6 +216,10 @@ struct Outside {
     parse_policy: ParsePolicy,
     /// Calls start as soon as they are complete in the stream.
     eager: bool,
+    /// The run's inbox (a clone stays with the test).
+    inbox: Inbox,
+    /// Messages sent to the run, each this long after the start.
+    messages: Vec<(Duration, &'static str)>,
 }
 
 impl Default for Outside {
@@ -239,6 +244,8 @@ impl Default for Outside {
             claim_resumable: false,
             parse_policy: ParsePolicy::Fail,
             eager: false,
+            inbox: Inbox::new(16),
+            messages: Vec::new(),
         }
     }
 }
@@ -289,7 +296,15 @@ async fn play_with(
         persister: outside.journal.map(|journal| durable(&state, journal)),
         slot: None,
         handoff: Default::default(),
+        inbox: outside.inbox.clone(),
     };
+    for (after, text) in outside.messages {
+        let inbox = outside.inbox.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            let _ = inbox.send(user(text));
+        });
+    }
     if outside.hand_over {
         admitted.handoff.at_safe_point.cancel();
     }
@@ -374,6 +389,7 @@ async fn events_produced_together_reach_the_stream_as_one_batch() {
                     Event::TurnFinished { .. } => "turn_finished",
                     Event::TurnRestarted { .. } => "turn_restarted",
                     Event::ApprovalRequested { .. } => "approval_requested",
+                    Event::MessageAdded { .. } => "message_added",
                     Event::RunFinished(_) => "run_finished",
                 })
                 .collect()
@@ -640,6 +656,146 @@ async fn a_cancel_after_a_turn_that_ends_the_run_lets_it_complete() {
         (result.status, result.text.as_str()),
         (RunStatus::Completed, "All done.")
     );
+}
+
+fn user(text: &str) -> UserMessage {
+    UserMessage {
+        content: text.to_owned(),
+        name: None,
+    }
+}
+
+/// The text of the newest message of a request, when it is a user message.
+fn last_user_text(request: &ChatRequest) -> Option<&str> {
+    match request.messages.last() {
+        Some(Message::User { content, .. }) => Some(content),
+        _ => None,
+    }
+}
+
+/// The `message_added` events: their turn and text.
+fn messages_added(events: &[NumberedEvent]) -> Vec<(u32, &str)> {
+    events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::MessageAdded { turn, content, .. } => Some((*turn, content.as_str())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Steering: a message sent while the turn's call runs joins the conversation after the call's
+/// result (after the turn's status note, as one user message), so the next request holds it at
+/// its end and starts with the one before byte for byte.
+#[tokio::test(start_paused = true)]
+async fn a_message_sent_while_a_call_runs_joins_the_next_request_after_its_result() {
+    let outside = Outside {
+        messages: vec![(Duration::from_secs(1), "Also check the weather in Oslo.")],
+        ..Outside::default()
+    };
+    let (result, batches, script, _) = play_with(a_nap_then_an_answer(3000), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    let events: Vec<NumberedEvent> = batches.into_iter().flatten().collect();
+    assert_eq!(messages_added(&events), [(2, "Also check the weather in Oslo.")]);
+    let turn_one_ended = events
+        .iter()
+        .position(|e| matches!(e.event, Event::TurnFinished { turn: 1, .. }));
+    let added = events
+        .iter()
+        .position(|e| matches!(e.event, Event::MessageAdded { .. }));
+    assert!(turn_one_ended < added, "announced after turn 1 ended");
+    let requests = script.requests.lock().unwrap();
+    assert_eq!(requests.len(), 2);
+    let last = last_user_text(&requests[1]).unwrap_or_default();
+    assert!(last.ends_with("Also check the weather in Oslo."), "{last:?}");
+    assert!(
+        matches!(
+            requests[1].messages[requests[1].messages.len() - 2],
+            Message::Tool { .. }
+        ),
+        "after the call's result"
+    );
+    assert_eq!(
+        requests[0].messages[..],
+        requests[1].messages[..requests[0].messages.len()],
+        "the first request is a prefix of the second"
+    );
+}
+
+/// A message that comes while the model answers without calling a tool gives the run one more
+/// turn, which holds the answer and then the message.
+#[tokio::test(start_paused = true)]
+async fn a_message_sent_while_the_model_answers_takes_one_more_turn() {
+    let outside = Outside {
+        messages: vec![(Duration::from_millis(150), "Shorter, please.")],
+        pace: Some(Duration::from_millis(100)),
+        ..Outside::default()
+    };
+    let turns = vec![vec![text("A long "), text("answer.")], vec![text("Short.")]];
+    let (result, events, script) = {
+        let (result, batches, script, _) = play_with(turns, limits(), outside).await;
+        (result, batches.into_iter().flatten().collect::<Vec<_>>(), script)
+    };
+    assert_eq!(result.status, RunStatus::Completed);
+    assert_eq!(result.text, "A long answer.Short.");
+    assert_eq!(result.turns, 2);
+    assert_eq!(messages_added(&events), [(2, "Shorter, please.")]);
+    let requests = script.requests.lock().unwrap();
+    let answer = &requests[1].messages[requests[1].messages.len() - 2];
+    assert!(
+        matches!(answer, Message::Assistant { content, tool_calls, .. } if content == "A long answer." && tool_calls.is_empty()),
+        "{answer:?}"
+    );
+    assert!(last_user_text(&requests[1]).is_some_and(|t| t.ends_with("Shorter, please.")));
+}
+
+/// A run that answered with nothing waiting takes no more messages; one in its last turn takes
+/// none either (no boundary is left), and the message that came before that turn joined it.
+#[tokio::test(start_paused = true)]
+async fn the_inbox_closes_when_the_run_answers_and_in_its_last_turn() {
+    let answered = Outside::default();
+    let inbox = answered.inbox.clone();
+    let (result, ..) = play_with(vec![vec![text("Done.")]], limits(), answered).await;
+    assert_eq!(result.status, RunStatus::Completed);
+    assert_eq!(inbox.send(user("late")), Err(Refused::Closed(Closed::Answered)));
+
+    let two_turns = Limits {
+        max_turns: 2,
+        ..limits()
+    };
+    let last = Outside {
+        messages: vec![(Duration::from_secs(1), "in time")],
+        ..Outside::default()
+    };
+    let inbox = last.inbox.clone();
+    let (result, batches, ..) = play_with(a_nap_then_an_answer(3000), two_turns, last).await;
+    assert_eq!(result.status, RunStatus::Completed);
+    let events: Vec<NumberedEvent> = batches.into_iter().flatten().collect();
+    assert_eq!(messages_added(&events), [(2, "in time")]);
+    assert_eq!(inbox.send(user("too late")), Err(Refused::Closed(Closed::LastTurn)));
+}
+
+/// A message that waits when the run's replica stops is in the checkpoints of the turn's calls:
+/// the replica that resumes the run has it join at the turn's end.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_message_is_kept_in_the_checkpoint_and_joins_on_resume() {
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        messages: vec![(Duration::from_millis(5), "kept")],
+        ..Outside::default()
+    };
+    let (ended, ..) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(ended.status, RunStatus::Completed, "{ended:?}");
+    let one_done = first(journal.checkpoints(), "after one call, with the message", |c| {
+        c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1) && !c.steering.waiting.is_empty()
+    });
+    let seq = one_done.seq;
+    let (result, events, script, _) = resume_at(one_done, seq).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(messages_added(&events), [(2, "kept")]);
+    let requests = script.requests.lock().unwrap();
+    assert!(last_user_text(&requests[0]).is_some_and(|t| t.ends_with("kept")));
 }
 
 #[tokio::test(start_paused = true)]

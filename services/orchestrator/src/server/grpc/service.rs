@@ -11,7 +11,7 @@ use proto::orchestrator::v1 as pb;
 use shared::auth::caller;
 use tonic::{Request, Response, Status};
 
-use super::convert::{CancelRequest, DecideRequest, RunRequest, event_pb, parse_grpc_timeout, resolve};
+use super::convert::{CancelRequest, DecideRequest, RunRequest, SteerRequest, event_pb, parse_grpc_timeout, resolve};
 use crate::domain::ports::{SignalFilter, SignalItem};
 use crate::server::{Core, RunEvents};
 
@@ -101,6 +101,17 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             canceled,
             status: pb::RunStatus::from(status).into(),
         }))
+    }
+
+    async fn send_message(
+        &self,
+        request: Request<pb::SendMessageRequest>,
+    ) -> Result<Response<pb::SendMessageResponse>, Status> {
+        let caller = caller(&request);
+        let SteerRequest { run_id, message } = SteerRequest::try_from(request.into_inner())?
+            .within(self.core.config.conversations.max_steering_message_bytes)?;
+        let waiting = self.core.send_message(&run_id, &caller, message).await?;
+        Ok(Response::new(pb::SendMessageResponse { waiting }))
     }
 
     async fn decide_tool_calls(

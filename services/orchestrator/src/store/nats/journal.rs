@@ -13,7 +13,8 @@ use tokio::io::AsyncReadExt;
 use super::results::{
     KvStore, Owned, checkpoint_name, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
 };
-use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RunJournal, StoreError};
+use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RemoteSteer, RunJournal, SteerAsk, StoreError};
+use crate::domain::steering::UserMessage;
 use crate::store::unavailable;
 
 /// The epoch whose object holds a run's start checkpoint (its record names it until its first
@@ -31,6 +32,84 @@ struct CancelMessage {
     /// Absent from a replica that predates cancel modes: at once.
     #[serde(default)]
     mode: crate::domain::CancelMode,
+}
+
+/// A message sent to the replica running a run (core NATS request, `<bucket>.messages`).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SteerMessage {
+    run_id: String,
+    message: UserMessage,
+}
+
+/// Sends the answer to an ask to the replica that asked.
+type Answerer<A> = Box<dyn FnOnce(A) -> BoxFuture<'static, ()> + Send>;
+
+/// Asks `question` of whichever replica answers on `subject` (the one running the run `key`
+/// names): its answer, or `None` when none answered in time.
+async fn ask<Q: serde::Serialize, A: serde::de::DeserializeOwned>(
+    client: async_nats::Client,
+    subject: String,
+    key: String,
+    question: Q,
+) -> Result<Option<A>, StoreError> {
+    let payload = serde_json::to_vec(&question).unwrap_or_default();
+    let reply = match client.request(subject.clone(), payload.into()).await {
+        Ok(reply) => reply,
+        Err(e)
+            if matches!(
+                e.kind(),
+                async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
+            ) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(unavailable("request", &format!("{subject} {key}"), e)),
+    };
+    serde_json::from_slice(&reply.payload)
+        .map(Some)
+        .map_err(|e| StoreError::Corrupt {
+            key,
+            reason: format!("the answer on {subject} is not one: {e}"),
+        })
+}
+
+/// The questions asked on `subject` (`what` names them in logs), each with what answers it; a
+/// question this build cannot read is left to the replicas that can.
+async fn asks<Q, A>(
+    client: async_nats::Client,
+    subject: String,
+    what: &'static str,
+) -> futures::stream::BoxStream<'static, (Q, Answerer<A>)>
+where
+    Q: serde::de::DeserializeOwned + Send + 'static,
+    A: serde::Serialize + Send + 'static,
+{
+    let subscriber = match client.subscribe(subject).await {
+        Ok(subscriber) => subscriber,
+        Err(e) => {
+            tracing::warn!("subscribing to {what} failed (they reach only the runs of the replica asked): {e}");
+            return futures::stream::pending().boxed();
+        }
+    };
+    subscriber
+        .filter_map(move |message| {
+            let client = client.clone();
+            async move {
+                let reply = message.reply?;
+                let question: Q = serde_json::from_slice(&message.payload).ok()?;
+                let answer: Answerer<A> = Box::new(move |answer: A| {
+                    async move {
+                        let bytes = serde_json::to_vec(&answer).unwrap_or_default();
+                        if let Err(e) = client.publish(reply, bytes.into()).await {
+                            tracing::warn!("answering one of the {what} failed: {e}");
+                        }
+                    }
+                    .boxed()
+                });
+                Some((question, answer))
+            }
+        })
+        .boxed()
 }
 
 impl KvStore {
@@ -339,71 +418,51 @@ impl RunJournal for KvStore {
         reason: &str,
         mode: crate::domain::CancelMode,
     ) -> BoxFuture<'static, Result<Option<RemoteCancel>, StoreError>> {
-        let (client, subject) = (self.client.clone(), self.cancel_subject.clone());
         let message = CancelMessage {
             run_id: run_id.to_owned(),
             reason: reason.to_owned(),
             mode,
         };
-        let key = key(run_id);
+        ask(self.client.clone(), self.cancel_subject.clone(), key(run_id), message).boxed()
+    }
+
+    fn cancel_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, CancelAsk>> {
+        let asked = asks::<CancelMessage, RemoteCancel>(self.client.clone(), self.cancel_subject.clone(), "cancels");
         async move {
-            let payload = serde_json::to_vec(&message).unwrap_or_default();
-            let reply = match client.request(subject, payload.into()).await {
-                Ok(reply) => reply,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
-                    ) =>
-                {
-                    return Ok(None);
-                }
-                Err(e) => return Err(unavailable("cancel request", &key, e)),
-            };
-            serde_json::from_slice(&reply.payload)
-                .map(Some)
-                .map_err(|e| StoreError::Corrupt {
-                    key,
-                    reason: format!("the answer to a cancel is not one: {e}"),
+            asked
+                .await
+                .map(|(CancelMessage { run_id, reason, mode }, answer)| CancelAsk {
+                    run_id,
+                    reason,
+                    mode,
+                    answer,
                 })
+                .boxed()
         }
         .boxed()
     }
 
-    fn cancel_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, CancelAsk>> {
-        let (client, subject) = (self.client.clone(), self.cancel_subject.clone());
+    fn steer_elsewhere(
+        &self,
+        run_id: &str,
+        message: UserMessage,
+    ) -> BoxFuture<'static, Result<Option<RemoteSteer>, StoreError>> {
+        let message = SteerMessage {
+            run_id: run_id.to_owned(),
+            message,
+        };
+        ask(self.client.clone(), self.steer_subject.clone(), key(run_id), message).boxed()
+    }
+
+    fn steer_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, SteerAsk>> {
+        let asked = asks::<SteerMessage, RemoteSteer>(self.client.clone(), self.steer_subject.clone(), "messages");
         async move {
-            let subscriber = match client.subscribe(subject).await {
-                Ok(subscriber) => subscriber,
-                Err(e) => {
-                    tracing::warn!(
-                        "subscribing to cancels failed (CancelRun reaches only the runs of the replica asked): {e}"
-                    );
-                    return futures::stream::pending().boxed();
-                }
-            };
-            subscriber
-                .filter_map(move |message| {
-                    let client = client.clone();
-                    async move {
-                        let reply = message.reply?;
-                        let CancelMessage { run_id, reason, mode } = serde_json::from_slice(&message.payload).ok()?;
-                        let answer = move |answer: RemoteCancel| {
-                            async move {
-                                let bytes = serde_json::to_vec(&answer).unwrap_or_default();
-                                if let Err(e) = client.publish(reply, bytes.into()).await {
-                                    tracing::warn!("answering a cancel failed: {e}");
-                                }
-                            }
-                            .boxed()
-                        };
-                        Some(CancelAsk {
-                            run_id,
-                            reason,
-                            mode,
-                            answer: Box::new(answer),
-                        })
-                    }
+            asked
+                .await
+                .map(|(SteerMessage { run_id, message }, answer)| SteerAsk {
+                    run_id,
+                    message,
+                    answer,
                 })
                 .boxed()
         }

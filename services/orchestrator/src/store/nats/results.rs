@@ -52,6 +52,9 @@ pub struct KvStore {
     pub(super) handover_subject: String,
     /// Where cancels are asked of the replica running a run (core NATS, `<bucket>.cancels`).
     pub(super) cancel_subject: String,
+    /// Where `SendMessage` asks the replica running a run (a subject of its own, so a replica
+    /// that predates steering never reads a message as a cancel).
+    pub(super) steer_subject: String,
 }
 
 /// Records of other replicas' live runs as this replica saw them: the revision, and when it was
@@ -299,6 +302,7 @@ impl KvStore {
             client: js.client(),
             handover_subject: format!("orchestrator.{bucket}.handovers"),
             cancel_subject: format!("orchestrator.{bucket}.cancels"),
+            steer_subject: format!("orchestrator.{bucket}.messages"),
         })
     }
 

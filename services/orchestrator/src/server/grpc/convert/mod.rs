@@ -3,7 +3,8 @@
 //! the tool catalog and the server's limits, in [`policy`]); every failure is an
 //! `INVALID_ARGUMENT` naming the field and what to do. Domain results and events become proto
 //! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`decisions`], and
-//! `CancelRun` requests a run id and a mode in [`cancel`].
+//! `CancelRun` requests a run id and a mode in [`cancel`], `SendMessage` requests a run id and a
+//! user message in [`steer`].
 //!
 //! [`RunSpec`]: crate::domain::RunSpec
 
@@ -11,12 +12,14 @@ mod cancel;
 mod decisions;
 mod policy;
 mod request;
+mod steer;
 
 pub(crate) use crate::wire::{event_pb, parse_grpc_timeout};
 pub(crate) use cancel::CancelRequest;
 pub(crate) use decisions::DecideRequest;
 pub(crate) use policy::resolve;
 pub(crate) use request::RunRequest;
+pub(crate) use steer::SteerRequest;
 
 use crate::Error;
 
