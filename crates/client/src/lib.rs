@@ -151,6 +151,32 @@ impl Client {
             .await?)
     }
 
+    /// A thread: its messages, the runs they came from, the run holding it (`NOT_FOUND` for an
+    /// unknown thread, or another caller's).
+    pub async fn thread(&self, thread_id: &str) -> Result<pb::Thread, Error> {
+        let request = pb::GetThreadRequest {
+            thread_id: thread_id.into(),
+        };
+        Ok(self
+            .retried(request, |mut client, request| async move {
+                client.get_thread(request).await
+            })
+            .await?)
+    }
+
+    /// Deletes a thread; `FAILED_PRECONDITION` while a run holds it or waits for it.
+    pub async fn delete_thread(&self, thread_id: &str) -> Result<bool, Error> {
+        let request = pb::DeleteThreadRequest {
+            thread_id: thread_id.into(),
+        };
+        let answer = self
+            .retried(request, |mut client, request| async move {
+                client.delete_thread(request).await
+            })
+            .await?;
+        Ok(answer.deleted)
+    }
+
     /// Cancels a live run at once; `true` when it was live (it ends `CANCELED`, keeping its
     /// output).
     pub async fn cancel_run(&self, run_id: &str) -> Result<bool, Error> {

@@ -80,6 +80,25 @@ impl RunRequest {
         self
     }
 
+    /// Continues thread `id`: the model sees the thread's earlier runs before this request's
+    /// messages, and this run's messages join the thread when it ends (a new id starts one).
+    pub fn thread(mut self, id: impl Into<String>) -> Self {
+        self.request.thread_id = id.into();
+        self
+    }
+
+    /// What the run does when another run holds its thread (default: refused, `ABORTED`).
+    pub fn on_busy(mut self, policy: pb::ThreadBusyPolicy) -> Self {
+        self.request.on_busy = policy.into();
+        self
+    }
+
+    /// The most turns of the thread the model sees, the newest (default: all it keeps).
+    pub fn thread_history(mut self, turns: u32) -> Self {
+        self.request.thread_history = Some(turns);
+        self
+    }
+
     /// The model to ask (default: the server's).
     pub fn model(mut self, name: impl Into<String>) -> Self {
         self.request.model = name.into();

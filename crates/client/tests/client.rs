@@ -386,6 +386,20 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn get_thread(
+        &self,
+        _: tonic::Request<pb::GetThreadRequest>,
+    ) -> Result<tonic::Response<pb::Thread>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn delete_thread(
+        &self,
+        _: tonic::Request<pb::DeleteThreadRequest>,
+    ) -> Result<tonic::Response<pb::DeleteThreadResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn subscribe_signals(
         &self,
         _: tonic::Request<pb::SubscribeSignalsRequest>,
@@ -554,6 +568,20 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         &self,
         _: tonic::Request<pb::SendMessageRequest>,
     ) -> Result<tonic::Response<pb::SendMessageResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn get_thread(
+        &self,
+        _: tonic::Request<pb::GetThreadRequest>,
+    ) -> Result<tonic::Response<pb::Thread>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn delete_thread(
+        &self,
+        _: tonic::Request<pb::DeleteThreadRequest>,
+    ) -> Result<tonic::Response<pb::DeleteThreadResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 

@@ -116,6 +116,27 @@ pub enum Error {
         /// Its bound.
         max: u32,
     },
+    /// Another run holds the thread and the request's policy is to refuse.
+    #[error(
+        "thread {thread_id:?} is busy: run {live:?} holds it; wait for it to end, or ask for on_busy enqueue, interrupt or rollback"
+    )]
+    ThreadBusy {
+        /// The thread.
+        thread_id: String,
+        /// The run holding it.
+        live: String,
+    },
+    /// As many runs wait for the thread as may.
+    #[error("{max} runs wait for thread {thread_id:?} already (--thread-queue); retry later")]
+    ThreadQueueFull {
+        /// The thread.
+        thread_id: String,
+        /// Its bound.
+        max: usize,
+    },
+    /// The caller's deadline passed while its run waited for the thread.
+    #[error("the run waited for thread {0:?} until its deadline; it did not start")]
+    ThreadWait(String),
     /// A decision on calls waiting for approval was refused.
     #[error(transparent)]
     Decide(#[from] crate::domain::approval::DecideError),
@@ -132,6 +153,9 @@ impl From<Error> for tonic::Status {
                 Self::resource_exhausted(message)
             }
             Error::NotNow(_) => Self::failed_precondition(message),
+            Error::ThreadBusy { .. } => Self::aborted(message),
+            Error::ThreadQueueFull { .. } => Self::resource_exhausted(message),
+            Error::ThreadWait(_) => Self::deadline_exceeded(message),
             Error::PermissionDenied(_) => Self::permission_denied(message),
             Error::NotFound(_) => Self::not_found(message),
             Error::Draining

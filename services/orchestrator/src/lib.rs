@@ -4,15 +4,17 @@
 //! * [`domain`]: the domain, a leaf — a run's spec, result, events, approvals, ownership, and the
 //!   ports the loop and the server talk through;
 //! * [`run`] (module): the tool loop — nothing there knows about gRPC or HTTP;
-//! * `registry`: the live runs of this replica — slots, admission, attach, cancel;
+//! * `registry`: the live runs of this replica — slots, admission, attach, cancel, steering;
+//! * [`threads`]: conversations across runs, changed by their rules on the thread store;
 //! * [`server`]: [`serve`], the shared state every request and background task uses (`Core`),
-//!   the background tasks (takeover, unparking, remote cancels) and the gRPC adapter
+//!   the background tasks (takeover, unparking, remote cancels and messages) and the gRPC adapter
 //!   (`server::grpc`);
 //! * the adapters of the ports: [`llm`] (the model fleet), [`tool_runners`] (the tool-runners'
 //!   gRPC client), [`signals`] (the signal topic), [`store`] (results, event logs, approvals,
-//!   the journal of durable runs; a folder per backend);
+//!   threads, the journal of durable runs; a folder per backend);
 //! * [`config`]: the settings, in sections; `error`: the crate's error and its gRPC codes;
-//!   [`cli`]: the command line and its client commands (`call`, `approvals`, `decide`);
+//!   [`cli`]: the command line and its client commands (`call`, `approvals`, `decide`, `say`,
+//!   `thread`);
 //!   [`secrets`]: credentials kept out of logs, spans, metrics and errors; `telemetry`: span and
 //!   metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
 //!   keeps); `nats`: JetStream streams both NATS adapters set up.
@@ -32,6 +34,7 @@ pub mod server;
 pub mod signals;
 pub mod store;
 pub(crate) mod telemetry;
+pub mod threads;
 pub mod tool_runners;
 pub(crate) mod wire;
 

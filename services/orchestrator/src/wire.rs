@@ -273,6 +273,7 @@ impl TryFrom<pb::RunResult> for RunResult {
                 .into_iter()
                 .map(PendingApproval::try_from)
                 .collect::<Result<_, _>>()?,
+            thread_id: r.thread_id,
         })
     }
 }
@@ -308,6 +309,7 @@ impl From<&RunResult> for pb::RunResult {
             reasoning: r.reasoning.clone(),
             reasoning_truncated: r.reasoning_truncated,
             pending_approvals: r.pending_approvals.iter().map(pb::PendingApproval::from).collect(),
+            thread_id: r.thread_id.clone(),
         }
     }
 }
@@ -321,10 +323,14 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             normal_tools,
             exit_tools,
             limits,
+            thread,
         } => E::RunStarted(pb::RunStarted {
             model,
             normal_tools,
             exit_tools,
+            thread_id: thread.as_ref().map(|t| t.thread_id.clone()).unwrap_or_default(),
+            thread_turns: thread.as_ref().map_or(0, |t| t.turns),
+            thread_turns_left_out: thread.as_ref().map_or(0, |t| t.turns_left_out),
             limits: Some(pb::EffectiveLimits {
                 max_turns: limits.max_turns,
                 tool_call_budget: limits.tool_call_budget,
@@ -436,6 +442,11 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                         run_timeout: Duration::from_millis(limits.run_timeout_ms.into()),
                         approval_timeout: Duration::from_millis(limits.approval_timeout_ms.into()),
                     },
+                    thread: (!e.thread_id.is_empty()).then_some(crate::domain::thread::ThreadStart {
+                        thread_id: e.thread_id,
+                        turns: e.thread_turns,
+                        turns_left_out: e.thread_turns_left_out,
+                    }),
                 }
             }
             E::TextDelta(e) => Event::TextDelta {
@@ -498,5 +509,71 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
             seq: event_seq,
             event: domain,
         })
+    }
+}
+
+/// A conversation message as the contract's `ChatMessage` (reasoning is the model's, not the
+/// conversation's, and stays out).
+pub(crate) fn message_pb(message: &crate::domain::chat::Message) -> pb::ChatMessage {
+    use crate::domain::chat::Message;
+    match message {
+        Message::System(content) => pb::ChatMessage {
+            role: "system".to_owned(),
+            content: content.clone(),
+            ..Default::default()
+        },
+        Message::User { content, name } => pb::ChatMessage {
+            role: "user".to_owned(),
+            content: content.clone(),
+            name: name.clone().unwrap_or_default(),
+            ..Default::default()
+        },
+        Message::Assistant {
+            content, tool_calls, ..
+        } => pb::ChatMessage {
+            role: "assistant".to_owned(),
+            content: content.clone(),
+            tool_calls: tool_calls
+                .iter()
+                .map(|c| pb::ToolCall {
+                    id: c.id.clone(),
+                    name: c.name.clone(),
+                    arguments_json: c.arguments.clone(),
+                })
+                .collect(),
+            ..Default::default()
+        },
+        Message::Tool { tool_call_id, content } => pb::ChatMessage {
+            role: "tool".to_owned(),
+            content: content.clone(),
+            tool_call_id: tool_call_id.clone(),
+            ..Default::default()
+        },
+    }
+}
+
+impl From<&crate::domain::thread::Thread> for pb::Thread {
+    fn from(t: &crate::domain::thread::Thread) -> Self {
+        Self {
+            thread_id: t.thread_id.clone(),
+            principal: t.principal.clone(),
+            messages: t.messages().map(message_pb).collect(),
+            runs: t
+                .runs
+                .iter()
+                .map(|r| pb::ThreadRun {
+                    run_id: r.run_id.clone(),
+                    status: pb::RunStatus::from(r.status).into(),
+                    messages: u32::try_from(r.messages.len()).unwrap_or(u32::MAX),
+                    ended_at_unix_ms: r.ended_at_unix_ms,
+                })
+                .collect(),
+            live_run_id: t.live.clone().unwrap_or_default(),
+            waiting_run_ids: t.queue.iter().map(|w| w.run_id.clone()).collect(),
+            dropped_turns: t.dropped_turns,
+            bytes: t.bytes() as u64,
+            created_at_unix_ms: t.created_at_unix_ms,
+            updated_at_unix_ms: t.updated_at_unix_ms,
+        }
     }
 }

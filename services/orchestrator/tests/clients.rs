@@ -82,8 +82,8 @@ impl Deployment {
                 ("large".to_owned(), large),
                 ("steered".to_owned(), steered),
             ]
-                .into_iter()
-                .collect(),
+            .into_iter()
+            .collect(),
         })
         .await?;
         let mut tls = [

@@ -17,6 +17,8 @@ pub enum Event {
         exit_tools: Vec<String>,
         /// Limits in force.
         limits: Limits,
+        /// The thread it continues, and how much of it the model sees.
+        thread: Option<super::thread::ThreadStart>,
     },
     /// Visible text.
     TextDelta {

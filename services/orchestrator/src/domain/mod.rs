@@ -10,6 +10,7 @@
 //! * [`approval`]: calls that wait for a person's decision, and the decisions;
 //! * [`cancel`]: how a run is asked to stop (at once, or after its turn);
 //! * [`steering`]: a user message sent to a live run, and why a run refuses one;
+//! * [`thread`]: conversations that continue across runs, their limits and busy policies;
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
@@ -24,6 +25,7 @@ pub mod ports;
 pub mod result;
 pub mod spec;
 pub mod steering;
+pub mod thread;
 
 pub use cancel::CancelMode;
 pub use event::{Event, EventBatch, NumberedEvent};

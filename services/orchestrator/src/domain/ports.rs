@@ -508,3 +508,16 @@ pub trait ApprovalLot: Send + Sync + 'static {
     /// Resolves when a run may have become ready.
     fn changed(&self) -> BoxFuture<'static, ()>;
 }
+
+/// Where threads are kept (beside the runs: in memory, or in NATS shared by the replicas). Reads
+/// and writes are compare-and-set on a revision, so two replicas changing one thread never lose
+/// a change: the rules of a change are the thread's ([`super::thread::Thread`]).
+pub trait ThreadStore: Send + Sync + 'static {
+    /// The thread and its revision; `None` when it is not kept (unknown, deleted or expired).
+    fn read(&self, thread_id: &str) -> BoxFuture<'static, Result<Option<(super::thread::Thread, u64)>, StoreError>>;
+    /// Writes `thread` over `revision` (0: a thread not kept yet); `Ok(false)` when another write
+    /// came first.
+    fn write(&self, thread: super::thread::Thread, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>>;
+    /// Deletes the thread at `revision`; `Ok(false)` when another write came first.
+    fn delete(&self, thread_id: &str, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>>;
+}

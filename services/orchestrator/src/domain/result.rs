@@ -187,6 +187,9 @@ pub struct RunResult {
     /// The current turn's calls that wait for a decision.
     #[serde(default)]
     pub pending_approvals: Vec<super::approval::PendingApproval>,
+    /// The thread the run continues (empty: none).
+    #[serde(default)]
+    pub thread_id: String,
 }
 
 impl RunResult {
@@ -208,6 +211,7 @@ impl RunResult {
             reasoning: String::new(),
             reasoning_truncated: false,
             pending_approvals: Vec::new(),
+            thread_id: String::new(),
         }
     }
 }

@@ -77,6 +77,9 @@ pub struct RunSpec {
     /// Normal calls start as soon as they are complete in the model's stream.
     #[serde(default)]
     pub eager_dispatch: bool,
+    /// The thread the run continues, and what the model sees of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread: Option<super::thread::RunThread>,
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before

@@ -77,9 +77,9 @@ pub(crate) struct Runs {
     drain: Handoff,
 }
 
-/// Whether `caller` may see a run of `owner`: its own runs, or every run when the server does
-/// not authenticate (the anonymous caller).
-fn sees(caller: &Principal, owner: &str) -> bool {
+/// Whether `caller` may see a run (or a thread) of `owner`: its own, or every one when the server
+/// does not authenticate (the anonymous caller).
+pub(crate) fn sees(caller: &Principal, owner: &str) -> bool {
     caller.name.is_empty() || caller.name == owner
 }
 

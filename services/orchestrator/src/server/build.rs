@@ -1,5 +1,6 @@
 //! Building the server's shared state from the configuration: the signal topic, the store's
-//! backend (results, journal, event log, approval lot), one NATS connection per URL, the registry.
+//! backend (results, journal, event log, approval lot, threads), one NATS connection per URL, the
+//! registry.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -7,7 +8,7 @@ use std::time::Duration;
 
 use super::Core;
 use crate::config::{Backend, NatsSettings};
-use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, SignalTopic};
+use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, SignalTopic, ThreadStore};
 use crate::llm::Fleet;
 use crate::registry::Runs;
 use crate::run::tool_loop::LoopDeps;
@@ -15,8 +16,9 @@ use crate::secrets::{NatsAuth, NatsUrl};
 use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
-use crate::store::memory::{MemoryLog, MemoryLot, MemoryStore};
-use crate::store::nats::{KvStore, NatsLog, NatsLogOptions, NatsLot};
+use crate::store::memory::{MemoryLog, MemoryLot, MemoryStore, MemoryThreads};
+use crate::store::nats::{KvStore, NatsLog, NatsLogOptions, NatsLot, NatsThreads};
+use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
 
@@ -27,6 +29,11 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
     let signals = open_signal_topic(config, &mut connections).await?;
     let (store, journal, approvals) = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
+    let threads = Arc::new(Keeper::new(
+        open_threads(config, &mut connections).await?,
+        config.conversations.thread_limits(),
+        config.store.timeout,
+    ));
     let keeping = crate::registry::Keeping {
         store,
         log,
@@ -56,7 +63,9 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
             log_settle_timeout: config.store.timeout,
             approvals,
             max_turn_restarts: config.llm.max_retries,
+            threads: Some(Arc::clone(&threads)),
         },
+        threads,
         runs,
         runners,
         signals,
@@ -64,6 +73,30 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         stopping: tokio_util::sync::CancellationToken::new(),
         config: config.clone(),
     }))
+}
+
+/// Where threads are kept: in memory (bounded by `--max-threads`, this replica only) or a NATS
+/// key-value bucket shared by the replicas, beside the runs.
+async fn open_threads(config: &Config, connections: &mut NatsConnections) -> Result<Arc<dyn ThreadStore>, Error> {
+    let conversations = &config.conversations;
+    Ok(match &config.store.backend {
+        Backend::Memory => Arc::new(MemoryThreads::new(
+            conversations.max_threads,
+            conversations.thread_max_age,
+        )),
+        Backend::Nats(url) => {
+            let client = connections.get(url, &config.nats).await?;
+            let js = async_nats::jetstream::new(client);
+            let threads = NatsThreads::open(
+                &js,
+                &config.store.bucket,
+                conversations.thread_max_age,
+                config.nats.replicas,
+            )
+            .await?;
+            Arc::new(threads)
+        }
+    })
 }
 
 /// The signal topic: in memory (this replica's subscribers only) or a NATS JetStream stream.

@@ -38,6 +38,8 @@ pub(crate) struct Core {
     pub runners: ToolRunners,
     /// The signal topic.
     pub signals: Arc<dyn SignalTopic>,
+    /// Threads (conversations across runs).
+    pub threads: Arc<crate::threads::Keeper>,
     /// Set when the drain starts: new runs are refused.
     pub draining: AtomicBool,
     /// Cancelled when the drain starts: open SubscribeSignals streams end, so the server can stop.
@@ -98,7 +100,8 @@ impl Core {
     }
 
     /// Admits and starts the run `spec` of `caller` (in the trace `trace_context` carries), or
-    /// replays the finished run with its id; its events for the caller.
+    /// replays the finished run with its id; its events for the caller. A run on a thread takes
+    /// the thread first (see `take_thread`), and lets it go if it is not let in.
     pub(crate) async fn orchestrate(
         self: &Arc<Self>,
         spec: RunSpec,
@@ -106,8 +109,13 @@ impl Core {
         trace_context: &tonic::metadata::MetadataMap,
         caller: Arc<Principal>,
     ) -> Result<RunEvents, Error> {
+        let (spec, took_thread) = self.take_thread(spec, &caller).await?;
         let run_id = spec.run_id.clone();
-        match self.runs.admit(&run_id, &caller, Some(&spec)).await {
+        let admitted = self.runs.admit(&run_id, &caller, Some(&spec)).await;
+        if admitted.is_err() && took_thread {
+            self.leave_thread(&spec).await;
+        }
+        match admitted {
             Ok(admitted) => Ok(self.start(admitted, spec, detached, trace_context, caller)),
             Err(Refusal::Finished(result)) => Ok(streams::replay(*result)),
             Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id)),

@@ -1,11 +1,13 @@
 //! The server: [`serve`] wires the LLM client, the tool-runners, the signal topic, the store and
 //! the runs registry (`build.rs`) into the shared state every request and background task uses
-//! ([`Core`], `core.rs`: starting, resuming, reading, cancelling and deciding runs), serves gRPC
-//! (orchestrator, health, reflection) on the given listener, and drains when `shutdown` resolves.
-//! The background tasks: `takeover.rs` (orphaned runs), `unpark.rs` (runs whose approvals were
-//! decided), `remote_asks.rs` (cancels and messages asked on other replicas); `streams.rs`: the event
-//! streams of a run's caller and of callers that attach; `grpc/`: the gRPC adapter, which only
-//! turns requests into calls of `Core` and answers into proto.
+//! ([`Core`], `core.rs`: starting, resuming, reading, cancelling, steering and deciding runs;
+//! `threads.rs`: a run taking its thread under its busy policy, reading and deleting threads),
+//! serves gRPC (orchestrator, health, reflection) on the given listener, and drains when
+//! `shutdown` resolves. The background tasks: `takeover.rs` (orphaned runs), `unpark.rs` (runs
+//! whose approvals were decided), `remote_asks.rs` (cancels and messages asked on other
+//! replicas); `streams.rs`: the event streams of a run's caller and of callers that attach;
+//! `grpc/`: the gRPC adapter, which only turns requests into calls of `Core` and answers into
+//! proto.
 //!
 //! Drain: the service's health turns NOT_SERVING (the overall status "" stays SERVING, for
 //! liveness), new runs get `UNAVAILABLE`, runs in flight get the grace
@@ -32,6 +34,7 @@ pub(crate) mod grpc;
 mod remote_asks;
 mod streams;
 mod takeover;
+mod threads;
 mod unpark;
 
 pub(crate) use self::core::{Core, Resumption};

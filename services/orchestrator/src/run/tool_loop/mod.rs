@@ -83,6 +83,8 @@ pub struct LoopDeps {
     pub approvals: Arc<dyn crate::domain::ports::ApprovalLot>,
     /// Times a turn starts again on another model endpoint after one cut its stream.
     pub max_turn_restarts: u32,
+    /// Where a run on a thread adds its messages as it ends (`None`: runs name no thread).
+    pub threads: Option<Arc<crate::threads::Keeper>>,
 }
 
 /// How the loop ended.
@@ -156,7 +158,10 @@ fn drive_run(
             // Sent with the first model request.
             emitter.queue(run_started(&spec));
         }
-        let end = {
+        if let Some(thread) = &spec.thread {
+            lock(&state).thread_id.clone_from(&thread.thread_id);
+        }
+        let (end, conversation) = {
             let mut driver = Driver::new(
                 &spec,
                 deps,
@@ -176,7 +181,7 @@ fn drive_run(
             if !matches!(end, End::Completed | End::HandedOver | End::TakenOver | End::Parked) {
                 driver.keep_interrupted_turn(true);
             }
-            end
+            (end, std::mem::take(&mut driver.conversation))
         };
         match end {
             End::Parked => return lock(&state).clone(),
@@ -189,6 +194,11 @@ fn drive_run(
         }
         let result = settle(&state, end, &cancel);
         telemetry::record_run_end(&result, started.elapsed());
+        // The thread holds the run's messages before its caller hears of its end, so the next run
+        // on the thread (which the caller may start at once) finds it free and sees them.
+        if let (Some(thread), Some(threads)) = (&spec.thread, &deps.threads) {
+            threads.end_run(&spec, thread, conversation, result.status).await;
+        }
         emitter.queue(Event::RunFinished(result.clone()));
         if let Some(persister) = &persister {
             if persister.durable() {
@@ -232,6 +242,7 @@ fn run_started(spec: &RunSpec) -> Event {
         normal_tools: spec.normal_tools.iter().map(|t| t.name.clone()).collect(),
         exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
         limits: spec.limits,
+        thread: spec.thread.as_ref().map(crate::domain::thread::RunThread::start),
     }
 }
 

@@ -65,6 +65,8 @@ impl Driver<'_> {
             let end = self.budget_end(&spend, &partition);
             if end.is_some() || !self.messages_wait(number) {
                 self.finish_turn(&turn, spend.left);
+                // The answer ends the conversation (a run on a thread leaves it there).
+                self.append_to_conversation(&mut turn, Vec::new());
                 return Err(end.unwrap_or(End::Completed));
             }
         }
@@ -134,8 +136,9 @@ impl Driver<'_> {
         Ok(())
     }
 
-    /// The request of a turn: the BIOS (fixed for the run), the caller's system message and
-    /// messages, then the turns so far with their status notes. Nothing before the newest turn
+    /// The request of a turn: the BIOS (fixed for the run), the caller's system message, the
+    /// thread's messages (a run on a thread), the caller's messages, then the turns so far with
+    /// their status notes. Nothing before the newest turn
     /// changes, so each request starts with the previous one byte for byte and the model
     /// server's prefix cache holds all but the newest messages.
     pub(super) fn chat_request(&self, turn: u32) -> ChatRequest {
@@ -147,12 +150,23 @@ impl Driver<'_> {
             tool_call_budget: limits.tool_call_budget,
             max_tool_failures: limits.max_tool_failures,
         });
-        let mut messages = Vec::with_capacity(2 + spec.messages.len() + self.conversation.len());
+        let history = spec.thread.as_ref().map_or(&[][..], |t| &t.history[..]);
+        let mut messages = Vec::with_capacity(2 + history.len() + spec.messages.len() + self.conversation.len());
         messages.push(Message::System(bios));
         if !spec.system.is_empty() {
             messages.push(Message::System(spec.system.clone()));
         }
-        messages.extend(spec.messages.iter().cloned());
+        messages.extend(history.iter().cloned());
+        // A thread whose last run ended between turns ends with that run's status note: the
+        // request's first user message joins it (templates refuse two user messages in a row).
+        let mut asked = spec.messages.iter().cloned();
+        if let (Some(Message::User { .. }), Some(Message::User { content, name })) =
+            (messages.last(), spec.messages.first())
+        {
+            crate::domain::chat::append_user(&mut messages, content, name.clone());
+            asked.next();
+        }
+        messages.extend(asked);
         messages.extend(self.conversation.iter().cloned());
         ChatRequest {
             model: spec.model.clone(),

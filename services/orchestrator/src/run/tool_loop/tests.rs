@@ -144,6 +144,7 @@ fn spec(limits: Limits) -> RunSpec {
         approval: Default::default(),
         affinity_key: String::new(),
         eager_dispatch: false,
+        thread: None,
     }
 }
 
@@ -220,6 +221,9 @@ struct Outside {
     inbox: Inbox,
     /// Messages sent to the run, each this long after the start.
     messages: Vec<(Duration, &'static str)>,
+    /// The run's thread, and where threads are kept.
+    thread: Option<crate::domain::thread::RunThread>,
+    threads: Option<Arc<crate::threads::Keeper>>,
 }
 
 impl Default for Outside {
@@ -246,6 +250,8 @@ impl Default for Outside {
             eager: false,
             inbox: Inbox::new(16),
             messages: Vec::new(),
+            thread: None,
+            threads: None,
         }
     }
 }
@@ -277,6 +283,7 @@ async fn play_with(
         log_settle_timeout: Duration::from_secs(1),
         approvals: Arc::new(crate::store::memory::MemoryLot::new(16)),
         max_turn_restarts: 2,
+        threads: outside.threads,
     };
     let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
     let (tx, mut rx) = mpsc::channel(outside.buffer);
@@ -287,6 +294,7 @@ async fn play_with(
             stream_interval: outside.stream_interval,
             parse_policy: outside.parse_policy,
             eager_dispatch: outside.eager,
+            thread: outside.thread,
             ..spec(limits)
         },
         emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall).with_log(outside.log),
@@ -773,6 +781,62 @@ async fn the_inbox_closes_when_the_run_answers_and_in_its_last_turn() {
     let events: Vec<NumberedEvent> = batches.into_iter().flatten().collect();
     assert_eq!(messages_added(&events), [(2, "in time")]);
     assert_eq!(inbox.send(user("too late")), Err(Refused::Closed(Closed::LastTurn)));
+}
+
+/// A run on a thread: the model sees the thread's messages after the system messages and before
+/// the request's; as the run ends, its request messages and turns join the thread and it lets
+/// the thread go.
+#[tokio::test(start_paused = true)]
+async fn a_run_on_a_thread_sees_its_history_and_adds_its_messages_as_it_ends() {
+    use crate::domain::ports::ThreadStore;
+    use crate::domain::thread::{RunThread, Thread, ThreadLimits};
+    let store = Arc::new(crate::store::memory::MemoryThreads::new(8, Duration::from_secs(3600)));
+    let bounds = ThreadLimits {
+        max_runs: 8,
+        max_bytes: 1 << 20,
+        max_queue: 2,
+    };
+    let keeper = Arc::new(crate::threads::Keeper::new(
+        store.clone(),
+        bounds,
+        Duration::from_secs(1),
+    ));
+    let mut held = Thread::new("t", "", shared::sync::unix_ms());
+    held.live = Some("r".into());
+    assert!(store.write(held, 0).await.unwrap());
+    let answer = Message::Assistant {
+        content: "earlier answer".into(),
+        tool_calls: Vec::new(),
+        reasoning: None,
+    };
+    let earlier = vec![user_message("earlier question"), answer];
+    let outside = Outside {
+        thread: Some(RunThread {
+            thread_id: "t".into(),
+            history: earlier.clone(),
+            ..RunThread::default()
+        }),
+        threads: Some(keeper),
+        ..Outside::default()
+    };
+    let (result, _, script, _) = play_with(a_nap_then_an_answer(10), limits(), outside).await;
+    assert_eq!((result.status, result.thread_id.as_str()), (RunStatus::Completed, "t"));
+    let first = script.requests.lock().unwrap()[0].messages.clone();
+    assert_eq!(first[1..3], earlier[..], "after the BIOS, before the request's");
+    assert_eq!(first[3], user_message("go"));
+    let (thread, _) = store.read("t").await.unwrap().unwrap();
+    assert_eq!(thread.live, None, "the run let the thread go");
+    let kept: Vec<&Message> = thread.messages().collect();
+    assert_eq!(kept[0], &user_message("go"), "its request's messages, then its turns");
+    assert!(matches!(kept.last(), Some(Message::Assistant { content, .. }) if content == "Rested."));
+    assert_eq!(thread.runs[0].run_id, "r");
+}
+
+fn user_message(text: &str) -> Message {
+    Message::User {
+        content: text.into(),
+        name: None,
+    }
 }
 
 /// A message that waits when the run's replica stops is in the checkpoints of the turn's calls:

@@ -114,6 +114,24 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         Ok(Response::new(pb::SendMessageResponse { waiting }))
     }
 
+    async fn get_thread(&self, request: Request<pb::GetThreadRequest>) -> Result<Response<pb::Thread>, Status> {
+        let caller = caller(&request);
+        let thread = self.core.get_thread(&request.into_inner().thread_id, &caller).await?;
+        Ok(Response::new(pb::Thread::from(&thread)))
+    }
+
+    async fn delete_thread(
+        &self,
+        request: Request<pb::DeleteThreadRequest>,
+    ) -> Result<Response<pb::DeleteThreadResponse>, Status> {
+        let caller = caller(&request);
+        let deleted = self
+            .core
+            .delete_thread(&request.into_inner().thread_id, &caller)
+            .await?;
+        Ok(Response::new(pb::DeleteThreadResponse { deleted }))
+    }
+
     async fn decide_tool_calls(
         &self,
         request: Request<pb::DecideToolCallsRequest>,

@@ -3,12 +3,15 @@
 //!
 //! * [`results`]: the [`ResultStore`](crate::domain::ports::ResultStore) ([`MemoryStore`]);
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) ([`MemoryLog`]);
-//! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) ([`MemoryLot`]).
+//! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) ([`MemoryLot`]);
+//! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) ([`MemoryThreads`]).
 
 pub mod approvals;
 pub mod log;
 pub mod results;
+pub mod threads;
 
 pub use approvals::MemoryLot;
 pub use log::MemoryLog;
 pub use results::MemoryStore;
+pub use threads::MemoryThreads;

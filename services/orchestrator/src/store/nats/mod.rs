@@ -8,14 +8,18 @@
 //! * [`checkpoints`]: the checkpoint objects the journal names (an object-store bucket);
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) — a JetStream stream ([`NatsLog`]);
 //! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) — a key-value bucket
-//!   ([`NatsLot`]), decided and resumed on any replica.
+//!   ([`NatsLot`]), decided and resumed on any replica;
+//! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) — a key-value bucket
+//!   ([`NatsThreads`]), one record per thread, compare-and-set.
 
 pub mod approvals;
 pub(crate) mod checkpoints;
 pub mod journal;
 pub mod log;
 pub mod results;
+pub mod threads;
 
 pub use approvals::NatsLot;
 pub use log::{NatsLog, NatsLogOptions};
 pub use results::KvStore;
+pub use threads::NatsThreads;

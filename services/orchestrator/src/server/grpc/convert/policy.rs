@@ -138,7 +138,11 @@ pub(crate) fn resolve(
     )?;
     let run_id = request.run_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
     Ok(RunSpec {
-        affinity_key: request.affinity_key.unwrap_or_else(|| run_id.clone()),
+        // A thread's runs share its transcript, so they go to one endpoint by default too.
+        affinity_key: request
+            .affinity_key
+            .or_else(|| request.thread.as_ref().map(|t| t.thread_id.clone()))
+            .unwrap_or_else(|| run_id.clone()),
         eager_dispatch: request.eager_tool_dispatch.unwrap_or(config.runs.eager_tool_dispatch),
         run_id,
         system: request.system,
@@ -159,6 +163,7 @@ pub(crate) fn resolve(
         principal: caller.name.clone(),
         stream_interval,
         approval,
+        thread: request.thread,
     })
 }
 

@@ -10,6 +10,7 @@ use crate::Error;
 use crate::config::RequestBounds;
 use crate::domain::ParsePolicy;
 use crate::domain::params::parse_extra_body;
+use crate::domain::thread::{BusyPolicy, RunThread};
 use crate::llm::{Message, SamplingParams, ToolCall, ToolChoice, ToolDefinition};
 
 /// Longest caller-supplied run id.
@@ -54,6 +55,7 @@ pub(crate) struct RunRequest {
     pub(super) parse_policy: ParsePolicy,
     pub(super) affinity_key: Option<String>,
     pub(super) eager_tool_dispatch: Option<bool>,
+    pub(super) thread: Option<RunThread>,
 }
 
 impl TryFrom<pb::OrchestrateRequest> for RunRequest {
@@ -102,6 +104,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
             parse_policy: parse_policy(r.parse_policy)?,
             affinity_key: affinity_key(r.affinity_key)?,
             eager_tool_dispatch: r.eager_tool_dispatch,
+            thread: thread(r.thread_id, r.on_busy, r.thread_history)?,
         })
     }
 }
@@ -118,6 +121,38 @@ pub(super) fn caller_run_id(id: String) -> Result<Option<String>, Error> {
         )));
     }
     Ok(Some(id))
+}
+
+/// The thread a request continues: its id checked as a run id is, its busy policy known.
+fn thread(thread_id: String, on_busy: i32, window: Option<u32>) -> Result<Option<RunThread>, Error> {
+    let on_busy = match pb::ThreadBusyPolicy::try_from(on_busy) {
+        Ok(pb::ThreadBusyPolicy::Unspecified | pb::ThreadBusyPolicy::Reject) => BusyPolicy::Reject,
+        Ok(pb::ThreadBusyPolicy::Enqueue) => BusyPolicy::Enqueue,
+        Ok(pb::ThreadBusyPolicy::Interrupt) => BusyPolicy::Interrupt,
+        Ok(pb::ThreadBusyPolicy::Rollback) => BusyPolicy::Rollback,
+        Err(_) => {
+            return Err(invalid(format!(
+                "on_busy = {on_busy} is not a ThreadBusyPolicy (REJECT, ENQUEUE, INTERRUPT or ROLLBACK)"
+            )));
+        }
+    };
+    if thread_id.is_empty() {
+        if on_busy != BusyPolicy::Reject || window.is_some() {
+            return Err(invalid("on_busy and thread_history need a thread_id"));
+        }
+        return Ok(None);
+    }
+    if thread_id.len() > MAX_RUN_ID_LEN || !thread_id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(invalid(format!(
+            "thread_id must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty for no thread)"
+        )));
+    }
+    Ok(Some(RunThread {
+        thread_id,
+        on_busy,
+        window,
+        ..RunThread::default()
+    }))
 }
 
 /// A caller's affinity key: empty means the run id; otherwise as short and printable as a run id.

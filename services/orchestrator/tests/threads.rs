@@ -1,0 +1,418 @@
+//! Threads through the real binary, on both stores: a thread of three runs where each model
+//! request holds the earlier runs' messages; `GetThread`, `DeleteThread` and a stranger's
+//! `NOT_FOUND`; the thread's limits and a request's window on both sides; each busy policy with
+//! two callers racing on one thread on two replicas; and a replica killed while a run holds the
+//! thread (the run taken over ends once in the thread).
+
+use std::time::Duration;
+
+use mock_llm::{MockLlm, Scenario, Scenarios, Step, Turn};
+use orchestrator_client::{Client, ClientBuilder, Event, RunRequest};
+use proto::orchestrator::v1 as pb;
+use testkit::Service;
+use testkit::nats::Nats;
+
+type TestResult = anyhow::Result<()>;
+
+/// The models: `chat` answers each run in one turn ("Answer 1.", "Answer 2." … by the answers
+/// the conversation holds already); `nap` naps in each run's first turn, then answers.
+async fn model(nap_ms: u64) -> anyhow::Result<MockLlm> {
+    let chat = Scenario::new((1..=8).map(|n| Turn::text(&format!("Answer {n}."))).collect());
+    let nap = Scenario::new(
+        (1..=4)
+            .flat_map(|n| {
+                [
+                    Turn::text("Napping.\n").then(Step::call("sleep", serde_json::json!({ "ms": nap_ms }))),
+                    Turn::text(&format!("Rested {n}.")),
+                ]
+            })
+            .collect(),
+    );
+    Ok(MockLlm::start(Scenarios {
+        default: chat,
+        named: [("nap".to_owned(), nap)].into_iter().collect(),
+    })
+    .await?)
+}
+
+async fn orchestrator(model: &MockLlm, runner: &str, nats: Option<&Nats>, flags: &[&str]) -> anyhow::Result<Service> {
+    let mut command = testkit::orchestrator_command(env!("CARGO_BIN_EXE_orchestrator"), &model.base_url(), runner);
+    command.args(flags);
+    let command = match nats {
+        Some(nats) => testkit::on_nats(command, &nats.url()),
+        None => command,
+    };
+    Service::orchestrator(command).await
+}
+
+async fn client(service: &Service) -> anyhow::Result<Client> {
+    Ok(ClientBuilder::new(format!("http://{}", service.grpc)).connect().await?)
+}
+
+/// Runs `prompt` on `thread` to its end; its result.
+async fn say(client: &Client, thread: &str, run_id: &str, prompt: &str) -> anyhow::Result<pb::RunResult> {
+    let request = RunRequest::prompt(prompt).run_id(run_id).thread(thread);
+    Ok(client.orchestrate(request).await?.result().await?)
+}
+
+/// The `content` of every message of the model's `n`th request.
+fn contents(model: &MockLlm, n: usize) -> Vec<String> {
+    let requests = model.requests();
+    requests
+        .get(n)
+        .and_then(|r| r["messages"].as_array())
+        .map(|m| {
+            m.iter()
+                .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether the model's `n`th request holds `text` in one of its messages.
+fn holds(model: &MockLlm, n: usize, text: &str) -> bool {
+    contents(model, n).iter().any(|c| c.contains(text))
+}
+
+/// A thread of three runs, each seeing the ones before; asked on `clients` in turn (one replica,
+/// or alternating replicas).
+async fn three_runs(model: &MockLlm, clients: &[&Client]) -> TestResult {
+    let prompts = ["First question.", "Second question.", "Third question."];
+    for (i, prompt) in prompts.iter().enumerate() {
+        let on = clients[i % clients.len()];
+        let run = say(on, "conversation", &format!("run-{i}"), prompt).await?;
+        assert_eq!(run.status(), pb::RunStatus::Completed, "{run:?}");
+        assert_eq!(run.thread_id, "conversation");
+        assert_eq!(
+            run.text,
+            format!("Answer {}.", i + 1),
+            "each run answers once, after the ones before"
+        );
+        for (earlier, asked) in prompts[..i].iter().enumerate() {
+            assert!(holds(model, i, asked), "request {i} holds {asked:?}");
+            assert!(holds(model, i, &format!("Answer {}.", earlier + 1)));
+        }
+        assert!(holds(model, i, prompt));
+    }
+    let thread = clients[0].thread("conversation").await?;
+    let runs: Vec<&str> = thread.runs.iter().map(|r| r.run_id.as_str()).collect();
+    assert_eq!(runs, ["run-0", "run-1", "run-2"]);
+    assert_eq!(thread.messages.len(), 6, "three questions, three answers");
+    assert_eq!(thread.live_run_id, "");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_thread_of_three_runs_on_the_memory_store() -> TestResult {
+    let model = model(100).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let service = orchestrator(&model, &runner, None, &[]).await?;
+    let client = client(&service).await?;
+    three_runs(&model, &[&client]).await?;
+    assert!(client.delete_thread("conversation").await?);
+    let gone = client.thread("conversation").await.err().and_then(|e| e.code());
+    assert_eq!(gone, Some(tonic::Code::NotFound));
+    service.stop().await
+}
+
+#[tokio::test]
+async fn a_thread_of_three_runs_across_two_replicas_on_nats() -> TestResult {
+    let nats = Nats::start().await?;
+    let model = model(100).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let a = orchestrator(&model, &runner, Some(&nats), &[]).await?;
+    let b = orchestrator(&model, &runner, Some(&nats), &[]).await?;
+    let (on_a, on_b) = (client(&a).await?, client(&b).await?);
+    three_runs(&model, &[&on_a, &on_b]).await?;
+    a.stop().await?;
+    b.stop().await
+}
+
+/// A thread belongs to the principal that started it: another gets `NOT_FOUND` for it, from
+/// `GetThread`, `DeleteThread` and a run naming it.
+#[tokio::test]
+async fn another_principal_is_told_the_thread_does_not_exist() -> TestResult {
+    let model = model(100).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens.toml");
+    let sha = shared::auth::token_sha256;
+    std::fs::write(
+        &tokens,
+        format!(
+            "[[token]]\nprincipal = \"alice\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"bob\"\nsha256 = \"{}\"\n",
+            sha("alice-token"),
+            sha("bob-token")
+        ),
+    )?;
+    let tokens = tokens.to_string_lossy().into_owned();
+    let service = orchestrator(&model, &runner, None, &["--auth-tokens", &tokens]).await?;
+    let as_ = |token: &str| {
+        ClientBuilder::new(format!("http://{}", service.grpc))
+            .token(token)
+            .connect()
+    };
+    let (alice, bob) = (as_("alice-token").await?, as_("bob-token").await?);
+    say(&alice, "alices", "a-1", "Hello.").await?;
+    assert_eq!(alice.thread("alices").await?.principal, "alice");
+    let code = |e: orchestrator_client::Error| e.code();
+    assert_eq!(
+        bob.thread("alices").await.err().and_then(code),
+        Some(tonic::Code::NotFound)
+    );
+    assert_eq!(
+        bob.delete_thread("alices").await.err().and_then(code),
+        Some(tonic::Code::NotFound)
+    );
+    let run = bob
+        .orchestrate(RunRequest::prompt("Mine now?").run_id("b-1").thread("alices"))
+        .await;
+    assert_eq!(run.err().and_then(code), Some(tonic::Code::NotFound));
+    assert_eq!(alice.thread("alices").await?.runs.len(), 1, "untouched");
+    service.stop().await
+}
+
+/// `--thread-max-runs` on both sides (at two runs nothing goes; a third drops the oldest run's
+/// turns), and a request's `thread_history` window (the oldest turns left out, and said so).
+#[tokio::test]
+async fn a_thread_keeps_within_its_limits_and_a_request_sees_its_window() -> TestResult {
+    let model = model(100).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let service = orchestrator(&model, &runner, None, &["--thread-max-runs", "2"]).await?;
+    let client = client(&service).await?;
+    say(&client, "bounded", "r-1", "One.").await?;
+    say(&client, "bounded", "r-2", "Two.").await?;
+    let at_bound = client.thread("bounded").await?;
+    assert_eq!((at_bound.runs.len(), at_bound.dropped_turns), (2, 0));
+    say(&client, "bounded", "r-3", "Three.").await?;
+    let over = client.thread("bounded").await?;
+    let runs: Vec<&str> = over.runs.iter().map(|r| r.run_id.as_str()).collect();
+    assert_eq!(runs, ["r-2", "r-3"]);
+    assert_eq!(over.dropped_turns, 1, "r-1's one turn");
+
+    let windowed = RunRequest::prompt("Four.")
+        .run_id("r-4")
+        .thread("bounded")
+        .thread_history(1);
+    let mut stream = client.orchestrate(windowed).await?;
+    let mut started = None;
+    while let Some(event) = stream.next_event().await? {
+        if let Event::Started(s) = event {
+            started = Some(s);
+        }
+    }
+    let started = started.ok_or_else(|| anyhow::anyhow!("no run_started"))?;
+    assert_eq!(
+        (
+            started.thread_id.as_str(),
+            started.thread_turns,
+            started.thread_turns_left_out
+        ),
+        ("bounded", 1, 1)
+    );
+    let last = model.requests().len() - 1;
+    assert!(
+        !holds(&model, last, "Two.") && holds(&model, last, "Three."),
+        "{:?}",
+        contents(&model, last)
+    );
+    service.stop().await
+}
+
+/// Two replicas on one NATS, the model napping 1.5 s in each run's first turn.
+struct Pair {
+    _nats: Nats,
+    model: MockLlm,
+    a: Service,
+    b: Service,
+    on_a: Client,
+    on_b: Client,
+}
+
+impl Pair {
+    async fn start() -> anyhow::Result<Self> {
+        let nats = Nats::start().await?;
+        let model = model(1500).await?;
+        let runner = testkit::tool_runner_in_process().await?;
+        let a = orchestrator(&model, &runner, Some(&nats), &[]).await?;
+        let b = orchestrator(&model, &runner, Some(&nats), &[]).await?;
+        let (on_a, on_b) = (client(&a).await?, client(&b).await?);
+        Ok(Self {
+            _nats: nats,
+            model,
+            a,
+            b,
+            on_a,
+            on_b,
+        })
+    }
+
+    /// The first run, on replica a, napping: once its call runs, the second caller comes.
+    async fn first_run_naps(&self, thread: &str) -> anyhow::Result<orchestrator_client::RunStream> {
+        let request = RunRequest::prompt("First.")
+            .run_id("first")
+            .thread(thread)
+            .model("nap")
+            .tool("sleep");
+        let mut stream = self.on_a.orchestrate(request).await?;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), stream.next_event()).await?? {
+                Some(Event::ToolCallStarted(_)) => return Ok(stream),
+                Some(_) => {}
+                None => anyhow::bail!("the first run ended before its call"),
+            }
+        }
+    }
+
+    /// The second run, on replica b, under `policy`.
+    fn second(thread: &str, policy: pb::ThreadBusyPolicy) -> RunRequest {
+        RunRequest::prompt("Second.")
+            .run_id("second")
+            .thread(thread)
+            .model("nap")
+            .tool("sleep")
+            .on_busy(policy)
+    }
+
+    async fn stop(self) -> TestResult {
+        self.a.stop().await?;
+        self.b.stop().await
+    }
+}
+
+fn run_ids(thread: &pb::Thread) -> Vec<&str> {
+    thread.runs.iter().map(|r| r.run_id.as_str()).collect()
+}
+
+#[tokio::test]
+async fn reject_refuses_the_second_run_naming_the_first() -> TestResult {
+    let pair = Pair::start().await?;
+    let first = pair.first_run_naps("busy-reject").await?;
+    let second = pair
+        .on_b
+        .orchestrate(Pair::second("busy-reject", pb::ThreadBusyPolicy::Reject))
+        .await;
+    let refused = second.err().ok_or_else(|| anyhow::anyhow!("the second run started"))?;
+    assert_eq!(refused.code(), Some(tonic::Code::Aborted));
+    assert!(refused.to_string().contains("\"first\""), "{refused}");
+    assert_eq!(first.result().await?.status(), pb::RunStatus::Completed);
+    assert_eq!(run_ids(&pair.on_b.thread("busy-reject").await?), ["first"]);
+    pair.stop().await
+}
+
+#[tokio::test]
+async fn enqueue_starts_the_second_run_once_the_first_has_ended() -> TestResult {
+    let pair = Pair::start().await?;
+    let first = pair.first_run_naps("busy-enqueue").await?;
+    let second = pair
+        .on_b
+        .orchestrate(Pair::second("busy-enqueue", pb::ThreadBusyPolicy::Enqueue));
+    let (first, second) = tokio::join!(first.result(), async { second.await?.result().await });
+    assert_eq!(first?.status(), pb::RunStatus::Completed);
+    let second = second?;
+    assert_eq!(second.status(), pb::RunStatus::Completed, "{second:?}");
+    assert_eq!(second.text, "Napping.\nRested 2.", "it saw the first run's two turns");
+    let thread = pair.on_a.thread("busy-enqueue").await?;
+    assert_eq!(run_ids(&thread), ["first", "second"]);
+    let second_request = pair.model.requests().len() - 2;
+    assert!(holds(&pair.model, second_request, "First.") && holds(&pair.model, second_request, "Rested 1."));
+    pair.stop().await
+}
+
+#[tokio::test]
+async fn interrupt_ends_the_first_run_after_its_turn_and_keeps_its_output() -> TestResult {
+    let pair = Pair::start().await?;
+    let first = pair.first_run_naps("busy-interrupt").await?;
+    let second = pair
+        .on_b
+        .orchestrate(Pair::second("busy-interrupt", pb::ThreadBusyPolicy::Interrupt));
+    let (first, second) = tokio::join!(first.result(), async { second.await?.result().await });
+    let first = first?;
+    assert_eq!(first.status(), pb::RunStatus::Canceled, "{first:?}");
+    assert!(
+        first.failure_detail.contains("interrupted by run second"),
+        "{}",
+        first.failure_detail
+    );
+    assert!(first.tool_calls.iter().all(|c| c.ok), "its turn's call ran to its end");
+    let second = second?;
+    assert_eq!(second.status(), pb::RunStatus::Completed, "{second:?}");
+    let thread = pair.on_a.thread("busy-interrupt").await?;
+    assert_eq!(run_ids(&thread), ["first", "second"]);
+    assert_eq!(thread.runs[0].status(), pb::RunStatus::Canceled);
+    let first_call = thread.messages.iter().any(|m| m.role == "tool");
+    assert!(first_call, "the first run's finished call is in the thread");
+    pair.stop().await
+}
+
+#[tokio::test]
+async fn rollback_cancels_the_first_run_and_drops_its_messages() -> TestResult {
+    let pair = Pair::start().await?;
+    let first = pair.first_run_naps("busy-rollback").await?;
+    let second = pair
+        .on_b
+        .orchestrate(Pair::second("busy-rollback", pb::ThreadBusyPolicy::Rollback));
+    let (first, second) = tokio::join!(first.result(), async { second.await?.result().await });
+    let first = first?;
+    assert_eq!(first.status(), pb::RunStatus::Canceled, "{first:?}");
+    assert!(
+        first.failure_detail.contains("rolled back by run second"),
+        "{}",
+        first.failure_detail
+    );
+    let second = second?;
+    assert_eq!(second.status(), pb::RunStatus::Completed, "{second:?}");
+    assert_eq!(
+        second.text, "Napping.\nRested 1.",
+        "it started as if the first had not run"
+    );
+    let thread = pair.on_a.thread("busy-rollback").await?;
+    assert_eq!(run_ids(&thread), ["second"]);
+    let texts: Vec<&str> = thread.messages.iter().map(|m| m.content.as_str()).collect();
+    assert!(!texts.contains(&"First."), "{texts:?}");
+    pair.stop().await
+}
+
+/// The replica running the run that holds a thread is killed: another takes the run over and
+/// ends it, and the thread holds that run once; the next run on the thread sees it once.
+#[tokio::test]
+async fn a_replica_killed_mid_run_leaves_the_thread_consistent() -> TestResult {
+    let pair = Pair::start().await?;
+    let Pair {
+        _nats,
+        model,
+        mut a,
+        b,
+        on_b,
+        ..
+    } = pair;
+    let request = RunRequest::prompt("First.")
+        .run_id("survivor")
+        .thread("killed")
+        .model("nap")
+        .tool("sleep")
+        .detached(true);
+    let on_a = client(&a).await?;
+    let mut stream = on_a.orchestrate(request).await?;
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(20), stream.next_event()).await?? {
+        if matches!(event, Event::ToolCallStarted(_)) {
+            break;
+        }
+    }
+    a.child.start_kill()?;
+    let _ = a.child.wait().await;
+    let ended = testkit::wait::until("the run to end on b", Duration::from_secs(60), || async {
+        let run = on_b.get_run("survivor").await.ok()?;
+        (!matches!(run.status(), pb::RunStatus::Running)).then_some(run)
+    })
+    .await?;
+    assert_eq!(ended.status(), pb::RunStatus::Completed, "{ended:?}");
+    let next = say(&on_b, "killed", "after", "Next.").await?;
+    assert_eq!(next.status(), pb::RunStatus::Completed);
+    let thread = on_b.thread("killed").await?;
+    assert_eq!(run_ids(&thread), ["survivor", "after"], "no lost or doubled run");
+    let firsts = thread.messages.iter().filter(|m| m.content == "First.").count();
+    assert_eq!(firsts, 1);
+    drop(model);
+    b.stop().await
+}
