@@ -12,7 +12,9 @@ sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after 
 ends CANCELED with its output so far; with --cancel-mode after-turn once its turn in progress has
 ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is not
 --detached. --say TEXT sends a user message to the run --say-after S seconds after it starts
-(SendMessage: it joins the conversation at the run's next turn boundary). --attach follows a live or finished run from any replica (AttachRun) instead of
+(SendMessage: it joins the conversation at the run's next turn boundary). --thread ID continues
+a thread (the model sees its earlier runs), --on-busy reject|enqueue|interrupt|rollback says what
+the run does when another run holds it, and --get-thread ID prints one as JSON. --attach follows a live or finished run from any replica (AttachRun) instead of
 starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
 approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
 person); --list-approvals prints the calls waiting that this caller may decide (one JSON line each)
@@ -49,6 +51,7 @@ def parse_args(argv):
     start.add_argument("--prompt", help="the user message")
     start.add_argument("--attach", metavar="RUN_ID", help="follow this run instead of starting one")
     start.add_argument("--list-approvals", action="store_true", help="list the calls waiting for approval")
+    start.add_argument("--get-thread", metavar="THREAD_ID", help="print this thread (GetThread) as JSON")
     p.add_argument("--after", type=int, default=0, help="with --attach: the last seq already seen")
     p.add_argument("--reattach-attempts", type=int, default=5, help="re-attaches in a row without a new event")
     p.add_argument("--system", default="", help="a system message")
@@ -68,6 +71,9 @@ def parse_args(argv):
     p.add_argument("--cancel-after", type=float, help="call CancelRun after this many seconds")
     p.add_argument("--cancel-mode", choices=["immediate", "after-turn"], default="immediate",
                    help="with --cancel-after: stop at once, or once the turn in progress has ended")
+    p.add_argument("--thread", default="", metavar="THREAD_ID", help="continue this thread")
+    p.add_argument("--on-busy", choices=["reject", "enqueue", "interrupt", "rollback"], default="reject",
+                   help="with --thread: what the run does when another run holds the thread")
     p.add_argument("--say", metavar="TEXT", help="send this user message to the run (SendMessage)")
     p.add_argument("--say-after", type=float, default=1.0, help="with --say: after this many seconds")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole call, seconds")
@@ -108,6 +114,8 @@ def build_request(args):
         model=args.model,
         detached=args.detached,
         messages=[pb.ChatMessage(role="user", content=args.prompt)],
+        thread_id=args.thread,
+        on_busy=pb.ThreadBusyPolicy.Value(f"THREAD_BUSY_POLICY_{args.on_busy.upper()}"),
         tools=pb.ToolSelection(
             normal=args.tool,
             exit=[pb.ExitToolSpec(name=name, description=f"signal {name}") for name in args.exit_tool],
@@ -121,7 +129,8 @@ def describe(event):
     kind = event.WhichOneof("event")
     e = getattr(event, kind)
     if kind == "run_started":
-        return f"run {event.run_id} started on {e.model}; tools {list(e.normal_tools)}, exit tools {list(e.exit_tools)}"
+        thread = f"; thread {e.thread_id} ({e.thread_turns} earlier turns)" if e.thread_id else ""
+        return f"run {event.run_id} started on {e.model}; tools {list(e.normal_tools)}, exit tools {list(e.exit_tools)}{thread}"
     if kind == "tool_call_started":
         return f"tool call {e.call_id}: {e.name}({e.arguments_json})"
     if kind == "tool_call_finished":
@@ -306,11 +315,26 @@ def list_approvals(args, metadata):
     return 0
 
 
+def get_thread(args, metadata):
+    """Prints the thread as one JSON object; exit 3 with the gRPC status when refused."""
+    with open_channel(args) as channel:
+        stub = pb_grpc.OrchestratorStub(channel)
+        try:
+            thread = stub.GetThread(pb.GetThreadRequest(thread_id=args.get_thread), metadata=metadata, timeout=30)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 3
+        print(json.dumps(json_format.MessageToDict(thread, preserving_proto_field_name=True)), flush=True)
+    return 0
+
+
 def run(args):
     """Streams the run; returns the exit status."""
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
     if args.list_approvals:
         return list_approvals(args, metadata)
+    if args.get_thread:
+        return get_thread(args, metadata)
     with open_channel(args) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         follower = Follower(stub, metadata, args)

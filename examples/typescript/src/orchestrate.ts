@@ -14,7 +14,10 @@
  * run ends CANCELED with its output so far; with --cancel-mode after-turn once its turn in
  * progress has ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is
  * not --detached. --say TEXT sends a user message to the run --say-after S seconds after it starts
- * (SendMessage: it joins the conversation at the run's next turn boundary). --attach follows a live or finished run from any replica (AttachRun) instead of
+ * (SendMessage: it joins the conversation at the run's next turn boundary). --thread ID continues
+ * a thread (the model sees its earlier runs), --on-busy reject|enqueue|interrupt|rollback says
+ * what the run does when another run holds it, and --get-thread ID prints one as JSON. --attach
+ * follows a live or finished run from any replica (AttachRun) instead of
  * starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
  * approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
  * person); --list-approvals prints the calls waiting that this caller may decide (one JSON line
@@ -58,7 +61,7 @@ interface OrchestrateEvent {
   run_id: string;
   seq: string;
   event: string;
-  run_started?: { model: string; normal_tools: string[]; exit_tools: string[] };
+  run_started?: { model: string; normal_tools: string[]; exit_tools: string[]; thread_id: string; thread_turns: number };
   text_delta?: { text: string; turn: number };
   reasoning_delta?: { text: string; turn: number };
   tool_call_started?: { call_id: string; name: string; arguments_json: string };
@@ -97,6 +100,9 @@ function options() {
       "needs-approval": { type: "string", multiple: true, default: [] },
       decide: { type: "string" },
       "list-approvals": { type: "boolean", default: false },
+      "get-thread": { type: "string" },
+      thread: { type: "string", default: "" },
+      "on-busy": { type: "string", default: "reject" },
       ca: { type: "string" },
       cert: { type: "string" },
       key: { type: "string" },
@@ -111,8 +117,11 @@ function options() {
       json: { type: "boolean", default: false },
     },
   });
-  if ([values.prompt, values.attach, values["list-approvals"] || undefined].filter((v) => v).length !== 1) {
-    throw new Error("one of --prompt, --attach or --list-approvals is required");
+  if ([values.prompt, values.attach, values["list-approvals"] || undefined, values["get-thread"]].filter((v) => v).length !== 1) {
+    throw new Error("one of --prompt, --attach, --list-approvals or --get-thread is required");
+  }
+  if (!["reject", "enqueue", "interrupt", "rollback"].includes(String(values["on-busy"]))) {
+    throw new Error("--on-busy is reject, enqueue, interrupt or rollback");
   }
   if (!["immediate", "after-turn"].includes(String(values["cancel-mode"]))) {
     throw new Error("--cancel-mode is immediate or after-turn");
@@ -153,6 +162,8 @@ function request(opts: Options) {
     model: opts.model,
     detached: opts.detached,
     messages: [{ role: "user", content: opts.prompt }],
+    thread_id: opts.thread,
+    on_busy: `THREAD_BUSY_POLICY_${String(opts["on-busy"]).toUpperCase()}`,
     tools: {
       normal: opts.tool,
       exit: opts["exit-tool"].map((name) => ({ name, description: `signal ${name}` })),
@@ -166,7 +177,8 @@ function describe(e: OrchestrateEvent): string {
   switch (e.event) {
     case "run_started": {
       const s = e.run_started!;
-      return `run ${e.run_id} started on ${s.model}; tools ${JSON.stringify(s.normal_tools)}, exit tools ${JSON.stringify(s.exit_tools)}`;
+      const thread = s.thread_id ? `; thread ${s.thread_id} (${s.thread_turns} earlier turns)` : "";
+      return `run ${e.run_id} started on ${s.model}; tools ${JSON.stringify(s.normal_tools)}, exit tools ${JSON.stringify(s.exit_tools)}${thread}`;
     }
     case "tool_call_started": {
       const c = e.tool_call_started!;
@@ -309,6 +321,24 @@ async function listApprovals(opts: Options): Promise<number> {
   }
 }
 
+/** Prints the thread (GetThread) as one JSON object; 3 with the gRPC status when refused. */
+async function getThread(opts: Options): Promise<number> {
+  const client = loadClient(opts);
+  const metadata = new grpc.Metadata();
+  if (opts.token) metadata.set("authorization", `Bearer ${opts.token}`);
+  try {
+    const thread = await unary<object>(client, "GetThread", { thread_id: opts["get-thread"] }, metadata);
+    process.stdout.write(`${JSON.stringify(thread)}\n`);
+    return 0;
+  } catch (err) {
+    const e = err as grpc.ServiceError;
+    process.stderr.write(`error: ${grpc.status[e.code]}: ${e.details}\n`);
+    return 3;
+  } finally {
+    client.close();
+  }
+}
+
 /**
  * Streams the run (Orchestrate, or AttachRun with --attach), re-attaching from the last seq seen
  * whenever the stream ends UNAVAILABLE or breaks off; resolves to the exit status.
@@ -426,7 +456,8 @@ async function main() {
     process.stderr.write(`orchestrate: ${(err as Error).message}\n`);
     return 2;
   }
-  return opts["list-approvals"] ? listApprovals(opts) : run(opts);
+  if (opts["list-approvals"]) return listApprovals(opts);
+  return opts["get-thread"] !== undefined ? getThread(opts) : run(opts);
 }
 
 // Not process.exit(): it would cut off what is still queued for a piped stdout.

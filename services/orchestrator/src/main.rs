@@ -28,6 +28,7 @@ async fn run() -> ExitCode {
         Command::Approvals(args) => args.run().await,
         Command::Decide(args) => args.run().await,
         Command::Say(args) => args.run().await,
+        Command::Thread(args) => args.run().await,
     };
     shared::runtime::exit_code("orchestrator", result)
 }

@@ -71,6 +71,7 @@ impl Deployment {
             Turn::text("Napping.\n").then(Step::call("sleep", json!({"ms": 2500}))),
             Turn::text("Noted."),
         ]);
+        let chat = Scenario::new((1..=4).map(|n| Turn::text(&format!("Answer {n}."))).collect());
         let large = Scenario::new(vec![Turn::default().then(Step::Text {
             text: large_text(),
             chunk_chars: Some(64 * 1024),
@@ -81,6 +82,7 @@ impl Deployment {
                 ("slow".to_owned(), slow),
                 ("large".to_owned(), large),
                 ("steered".to_owned(), steered),
+                ("chat".to_owned(), chat),
             ]
             .into_iter()
             .collect(),
@@ -271,6 +273,43 @@ fn check_steered(client: &str, output: &Output) -> TestResult {
     Ok(())
 }
 
+/// Two runs on one thread (`--thread`, the second `--on-busy enqueue`), then `--get-thread`: the
+/// second run answered after seeing the first, and the thread holds both.
+async fn check_thread(client: &str, make: fn() -> anyhow::Result<Command>, args: &[String]) -> TestResult {
+    let thread = format!("{client}-thread");
+    for (prompt, policy, answer) in [("Hi.", "reject", "Answer 1."), ("Again.", "enqueue", "Answer 2.")] {
+        let mut command = make()?;
+        command.args(args).args([
+            "--prompt",
+            prompt,
+            "--model",
+            "chat",
+            "--thread",
+            &thread,
+            "--on-busy",
+            policy,
+        ]);
+        let output = run(command).await?;
+        assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(&output));
+        let events = events(&output)?;
+        let (_, body) = events.last().ok_or_else(|| anyhow::anyhow!("{client}: no events"))?;
+        assert_eq!(body["result"]["text"], answer, "{client}");
+        assert_eq!(body["result"]["thread_id"], thread.as_str(), "{client}");
+    }
+    let mut command = make()?;
+    command.args(args).args(["--get-thread", &thread]);
+    let output = run(command).await?;
+    assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(&output));
+    let thread: Value = serde_json::from_slice(&output.stdout)?;
+    assert_eq!(thread["runs"].as_array().map(Vec::len), Some(2), "{client}: {thread}");
+    assert_eq!(
+        thread["messages"].as_array().map(Vec::len),
+        Some(4),
+        "{client}: {thread}"
+    );
+    Ok(())
+}
+
 /// 5 MiB of distinct lines: a result over gRPC's usual 4 MiB receive limit.
 fn large_text() -> String {
     (0..5 * 1024 * 1024 / 32)
@@ -347,6 +386,8 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
             "1",
         ]);
         check_steered(client, &run(command).await?)?;
+
+        check_thread(client, make, &deployment.client_args(TOKEN)).await?;
 
         let mut command = make()?;
         command
@@ -506,6 +547,9 @@ fn expected_output(recipe: &str) -> &'static str {
         ("/GetRun", "\"run_id\": \"readme-1\""),
         ("/AttachRun", "\"seq\": \"4\""),
         ("/CancelRun", "RUN_STATUS_COMPLETED"),
+        ("/SendMessage", "FAILED_PRECONDITION"),
+        ("/GetThread", "\"run_id\": \"readme-3\""),
+        ("/DeleteThread", "\"deleted\": true"),
         ("/Check", "SERVING"),
         ("/ListTools", "\"calculate\""),
         ("/RunTool", "1024"),
@@ -532,6 +576,9 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
         "SubscribeSignals",
         "DecideToolCalls",
         "ListPendingApprovals",
+        "SendMessage",
+        "GetThread",
+        "DeleteThread",
         "ListTools",
         "RunTool",
     ] {
@@ -567,8 +614,18 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             let output = run(command).await?;
-            let printed = String::from_utf8_lossy(&output.stdout).into_owned();
-            assert!(output.status.success(), "{recipe}\n{printed}{}", stderr(&output));
+            // A recipe documented to be refused prints the status on stderr.
+            let refused = recipe.contains("/SendMessage");
+            let printed = match refused {
+                true => stderr(&output),
+                false => String::from_utf8_lossy(&output.stdout).into_owned(),
+            };
+            assert_eq!(
+                output.status.success(),
+                !refused,
+                "{recipe}\n{printed}{}",
+                stderr(&output)
+            );
             if printed.contains(expected_output(recipe)) {
                 break;
             }

@@ -128,6 +128,42 @@ async fn a_thread_of_three_runs_across_two_replicas_on_nats() -> TestResult {
     b.stop().await
 }
 
+/// The command line: `orchestrator call --thread` continues a thread, `orchestrator thread`
+/// prints it and `--delete` deletes it.
+#[tokio::test]
+async fn the_command_line_continues_prints_and_deletes_a_thread() -> TestResult {
+    let model = model(100).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let service = orchestrator(&model, &runner, None, &[]).await?;
+    let endpoint = format!("http://{}", service.grpc);
+    let cli = |args: &[&str]| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+        command.args(args).args(["--endpoint", &endpoint]);
+        command.output()
+    };
+    for prompt in ["Where is Oslo?", "And Bergen?"] {
+        let call = cli(&["call", "--prompt", prompt, "--thread", "cli", "--on-busy", "enqueue"]).await?;
+        assert!(call.status.success(), "{}", String::from_utf8_lossy(&call.stderr));
+    }
+    let second =
+        String::from_utf8_lossy(&cli(&["call", "--prompt", "x", "--thread", "cli"]).await?.stdout).into_owned();
+    assert!(second.contains("thread cli (2 earlier turn(s))"), "{second}");
+    let printed = cli(&["thread", "cli"]).await?;
+    let out = String::from_utf8_lossy(&printed.stdout);
+    assert!(printed.status.success(), "{}", String::from_utf8_lossy(&printed.stderr));
+    assert!(out.starts_with("thread cli · 3 run(s) · 6 message(s)"), "{out}");
+    assert!(
+        out.contains("user: Where is Oslo?") && out.contains("assistant: Answer 2."),
+        "{out}"
+    );
+    let deleted = cli(&["thread", "cli", "--delete"]).await?;
+    assert!(deleted.status.success(), "{}", String::from_utf8_lossy(&deleted.stderr));
+    let gone = cli(&["thread", "cli"]).await?;
+    assert!(!gone.status.success());
+    assert!(String::from_utf8_lossy(&gone.stderr).contains("not found"));
+    service.stop().await
+}
+
 /// A thread belongs to the principal that started it: another gets `NOT_FOUND` for it, from
 /// `GetThread`, `DeleteThread` and a run naming it.
 #[tokio::test]

@@ -37,6 +37,10 @@ pub struct CallOptions {
     pub needs_approval: Vec<String>,
     /// Bearer token.
     pub token: Option<String>,
+    /// The thread the run continues (empty: none).
+    pub thread: String,
+    /// What the run does when another run holds the thread.
+    pub on_busy: pb::ThreadBusyPolicy,
 }
 
 /// Prints events as they arrive.
@@ -166,8 +170,16 @@ fn started_line(s: &pb::RunStarted) -> String {
         }
     };
     let limits = s.limits.unwrap_or_default();
+    let thread = match (s.thread_id.as_str(), s.thread_turns_left_out) {
+        ("", _) => String::new(),
+        (id, 0) => format!(" · thread {id} ({} earlier turn(s))", s.thread_turns),
+        (id, left_out) => format!(
+            " · thread {id} ({} earlier turn(s), {left_out} older left out)",
+            s.thread_turns
+        ),
+    };
     format!(
-        "▶ run started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns",
+        "▶ run started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns{thread}",
         s.model,
         list(&s.normal_tools),
         list(&s.exit_tools),
@@ -293,6 +305,9 @@ fn run_request(options: &CallOptions) -> RunRequest {
     for tool in &options.needs_approval {
         request = request.needs_approval(tool.clone());
     }
+    if !options.thread.is_empty() {
+        request = request.thread(options.thread.clone()).on_busy(options.on_busy);
+    }
     request
 }
 
@@ -327,4 +342,74 @@ pub async fn say(endpoint: &str, token: Option<&str>, run_id: &str, text: &str) 
         .map_err(|e| Error::Call(format!("SendMessage was refused: {e}")))?;
     println!("sent; {waiting} message(s) wait for the next turn of run {run_id}");
     Ok(())
+}
+
+/// Prints thread `thread_id` (its runs, then its messages, a line each), or deletes it.
+pub async fn thread(endpoint: &str, token: Option<&str>, thread_id: &str, delete: bool) -> Result<(), Error> {
+    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
+    if delete {
+        client
+            .delete_thread(thread_id)
+            .await
+            .map_err(|e| Error::Call(format!("DeleteThread was refused: {e}")))?;
+        println!("thread {thread_id} deleted");
+        return Ok(());
+    }
+    let thread = client
+        .thread(thread_id)
+        .await
+        .map_err(|e| Error::Call(format!("GetThread was refused: {e}")))?;
+    println!("{}", thread_line(&thread));
+    for run in &thread.runs {
+        let status = pb::RunStatus::try_from(run.status).map_or("?", |s| s.as_str_name());
+        println!(
+            "  run {} · {} · {} message(s)",
+            run.run_id,
+            status.trim_start_matches("RUN_STATUS_"),
+            run.messages
+        );
+    }
+    for message in &thread.messages {
+        println!("{}", message_line(message));
+    }
+    Ok(())
+}
+
+/// A thread's first line: its owner, size, the run holding it and those waiting.
+fn thread_line(t: &pb::Thread) -> String {
+    let mut line = format!(
+        "thread {} · {} run(s) · {} message(s) · {} bytes",
+        t.thread_id,
+        t.runs.len(),
+        t.messages.len(),
+        t.bytes
+    );
+    if !t.principal.is_empty() {
+        line.push_str(&format!(" · owner {}", t.principal));
+    }
+    if t.dropped_turns > 0 {
+        line.push_str(&format!(" · {} older turn(s) dropped", t.dropped_turns));
+    }
+    if !t.live_run_id.is_empty() {
+        line.push_str(&format!(" · held by run {}", t.live_run_id));
+    }
+    if !t.waiting_run_ids.is_empty() {
+        line.push_str(&format!(" · waiting: {}", t.waiting_run_ids.join(", ")));
+    }
+    line
+}
+
+/// One message of a thread, on one line.
+fn message_line(m: &pb::ChatMessage) -> String {
+    let calls: Vec<String> = m
+        .tool_calls
+        .iter()
+        .map(|c| format!("⚙ {} {}", c.name, shared::text::excerpt(&c.arguments_json)))
+        .collect();
+    let text = shared::text::excerpt(m.content.trim());
+    match (m.role.as_str(), calls.is_empty()) {
+        ("assistant", false) => format!("  assistant: {text} {}", calls.join(" ")),
+        ("tool", _) => format!("  tool [{}]: {text}", m.tool_call_id),
+        (role, _) => format!("  {role}: {text}"),
+    }
 }

@@ -1,7 +1,8 @@
 //! Command line: `serve` (the default) with flags that all have environment equivalents, and
 //! the client commands `call` (start a run on a running orchestrator, or attach to one),
-//! `approvals`, `decide` and `say` (a message for a live run). The one-command demo is its own binary
-//! (`cargo run -p demo`), so this one carries no stand-in model.
+//! `approvals`, `decide`, `say` (a message for a live run) and `thread` (print or delete one).
+//! The one-command demo is its own binary (`cargo run -p demo`), so this one carries no stand-in
+//! model.
 
 use std::time::Duration;
 
@@ -63,6 +64,8 @@ pub enum Command {
     /// Send a user message to a live run: it joins the run's conversation at its next turn
     /// boundary (SendMessage).
     Say(SayArgs),
+    /// Print a thread (GetThread): its runs and messages; or delete it (--delete).
+    Thread(ThreadArgs),
 }
 
 /// How the client commands reach the orchestrator.
@@ -117,6 +120,29 @@ pub struct SayArgs {
     pub run_id: String,
     /// The message.
     pub text: String,
+}
+
+/// Flags of `thread`.
+#[derive(Debug, Clone, Args)]
+pub struct ThreadArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The thread.
+    pub thread_id: String,
+    /// Delete the thread instead (DeleteThread).
+    #[arg(long)]
+    pub delete: bool,
+}
+
+impl ThreadArgs {
+    /// Prints or deletes the thread.
+    pub async fn run(&self) -> Result<bool, crate::Error> {
+        let c = &self.connection;
+        call::thread(&c.endpoint, c.token.as_deref(), &self.thread_id, self.delete)
+            .await
+            .map(|()| true)
+    }
 }
 
 impl SayArgs {
@@ -220,6 +246,36 @@ pub struct CallArgs {
     /// Bearer token sent with each call (when the orchestrator authenticates callers).
     #[arg(long, env = "ORCHESTRATOR_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Continue this thread: the model sees its earlier runs, and this run joins it.
+    #[arg(long, value_name = "THREAD_ID", default_value = "")]
+    pub thread: String,
+    /// With --thread: what the run does when another run holds the thread.
+    #[arg(long, value_enum, default_value_t = OnBusy::Reject, requires = "thread")]
+    pub on_busy: OnBusy,
+}
+
+/// `--on-busy`: the thread's busy policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnBusy {
+    /// Refused (ABORTED, naming the run holding the thread).
+    Reject,
+    /// Wait until the runs before it have ended.
+    Enqueue,
+    /// The run holding the thread ends after its turn; this one starts from there.
+    Interrupt,
+    /// The run holding the thread is canceled and its messages dropped.
+    Rollback,
+}
+
+impl From<OnBusy> for proto::orchestrator::v1::ThreadBusyPolicy {
+    fn from(policy: OnBusy) -> Self {
+        match policy {
+            OnBusy::Reject => Self::Reject,
+            OnBusy::Enqueue => Self::Enqueue,
+            OnBusy::Interrupt => Self::Interrupt,
+            OnBusy::Rollback => Self::Rollback,
+        }
+    }
 }
 
 impl CallArgs {
@@ -244,6 +300,8 @@ impl CallArgs {
             timeout: self.timeout,
             needs_approval: self.needs_approval.clone(),
             token: self.token.clone(),
+            thread: self.thread.clone(),
+            on_busy: self.on_busy.into(),
             params: proto::orchestrator::v1::ModelParams {
                 tool_choice: self.tool_choice.clone(),
                 temperature: self.temperature,
