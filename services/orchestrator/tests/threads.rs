@@ -1,7 +1,7 @@
 //! Threads through the real binary, on both stores: a thread of three runs where each model
 //! request holds the earlier runs' messages; `GetThread`, `DeleteThread` and a stranger's
 //! `NOT_FOUND`; the thread's limits and a request's window on both sides; each busy policy with
-//! two callers racing on one thread on two replicas; and a replica killed while a run holds the
+//! two callers racing on one thread (on one replica, and on two replicas over NATS); and a replica killed while a run holds the
 //! thread (the run taken over ends once in the thread).
 
 use std::time::Duration;
@@ -255,24 +255,33 @@ async fn a_thread_keeps_within_its_limits_and_a_request_sees_its_window() -> Tes
     service.stop().await
 }
 
-/// Two replicas on one NATS, the model napping 1.5 s in each run's first turn.
+/// Where the racing callers are: one replica on the memory store (both callers on it), or two
+/// replicas on one NATS (the first caller on a, the second on b); the model naps 1.5 s in each
+/// run's first turn.
 struct Pair {
-    _nats: Nats,
+    _nats: Option<Nats>,
     model: MockLlm,
     a: Service,
-    b: Service,
+    b: Option<Service>,
     on_a: Client,
     on_b: Client,
 }
 
 impl Pair {
-    async fn start() -> anyhow::Result<Self> {
-        let nats = Nats::start().await?;
+    async fn start(on_nats: bool) -> anyhow::Result<Self> {
+        let nats = match on_nats {
+            true => Some(Nats::start().await?),
+            false => None,
+        };
         let model = model(1500).await?;
         let runner = testkit::tool_runner_in_process().await?;
-        let a = orchestrator(&model, &runner, Some(&nats), &[]).await?;
-        let b = orchestrator(&model, &runner, Some(&nats), &[]).await?;
-        let (on_a, on_b) = (client(&a).await?, client(&b).await?);
+        let a = orchestrator(&model, &runner, nats.as_ref(), &[]).await?;
+        let b = match &nats {
+            Some(nats) => Some(orchestrator(&model, &runner, Some(nats), &[]).await?),
+            None => None,
+        };
+        let on_a = client(&a).await?;
+        let on_b = client(b.as_ref().unwrap_or(&a)).await?;
         Ok(Self {
             _nats: nats,
             model,
@@ -312,7 +321,10 @@ impl Pair {
 
     async fn stop(self) -> TestResult {
         self.a.stop().await?;
-        self.b.stop().await
+        match self.b {
+            Some(b) => b.stop().await,
+            None => Ok(()),
+        }
     }
 }
 
@@ -322,7 +334,13 @@ fn run_ids(thread: &pb::Thread) -> Vec<&str> {
 
 #[tokio::test]
 async fn reject_refuses_the_second_run_naming_the_first() -> TestResult {
-    let pair = Pair::start().await?;
+    for on_nats in [false, true] {
+        reject(Pair::start(on_nats).await?).await?;
+    }
+    Ok(())
+}
+
+async fn reject(pair: Pair) -> TestResult {
     let first = pair.first_run_naps("busy-reject").await?;
     let second = pair
         .on_b
@@ -331,14 +349,39 @@ async fn reject_refuses_the_second_run_naming_the_first() -> TestResult {
     let refused = second.err().ok_or_else(|| anyhow::anyhow!("the second run started"))?;
     assert_eq!(refused.code(), Some(tonic::Code::Aborted));
     assert!(refused.to_string().contains("\"first\""), "{refused}");
+    // The holder's own id again is a live duplicate, as without a thread.
+    let again = RunRequest::prompt("First.").run_id("first").thread("busy-reject");
+    let duplicate = pair.on_b.orchestrate(again).await.err().and_then(|e| e.code());
+    assert_eq!(duplicate, Some(tonic::Code::AlreadyExists));
     assert_eq!(first.result().await?.status(), pb::RunStatus::Completed);
     assert_eq!(run_ids(&pair.on_b.thread("busy-reject").await?), ["first"]);
+    // A finished run's id replays it, whoever holds the thread.
+    let holder = pair
+        .on_a
+        .orchestrate(
+            RunRequest::prompt("Hold.")
+                .run_id("holder")
+                .thread("busy-reject")
+                .model("nap")
+                .tool("sleep"),
+        )
+        .await?;
+    let replay = RunRequest::prompt("First.").run_id("first").thread("busy-reject");
+    let replayed = pair.on_b.orchestrate(replay).await?.result().await?;
+    assert_eq!(replayed.status(), pb::RunStatus::Completed);
+    assert_eq!(holder.result().await?.status(), pb::RunStatus::Completed);
     pair.stop().await
 }
 
 #[tokio::test]
 async fn enqueue_starts_the_second_run_once_the_first_has_ended() -> TestResult {
-    let pair = Pair::start().await?;
+    for on_nats in [false, true] {
+        enqueue(Pair::start(on_nats).await?).await?;
+    }
+    Ok(())
+}
+
+async fn enqueue(pair: Pair) -> TestResult {
     let first = pair.first_run_naps("busy-enqueue").await?;
     let second = pair
         .on_b
@@ -357,7 +400,13 @@ async fn enqueue_starts_the_second_run_once_the_first_has_ended() -> TestResult 
 
 #[tokio::test]
 async fn interrupt_ends_the_first_run_after_its_turn_and_keeps_its_output() -> TestResult {
-    let pair = Pair::start().await?;
+    for on_nats in [false, true] {
+        interrupt(Pair::start(on_nats).await?).await?;
+    }
+    Ok(())
+}
+
+async fn interrupt(pair: Pair) -> TestResult {
     let first = pair.first_run_naps("busy-interrupt").await?;
     let second = pair
         .on_b
@@ -383,7 +432,13 @@ async fn interrupt_ends_the_first_run_after_its_turn_and_keeps_its_output() -> T
 
 #[tokio::test]
 async fn rollback_cancels_the_first_run_and_drops_its_messages() -> TestResult {
-    let pair = Pair::start().await?;
+    for on_nats in [false, true] {
+        rollback(Pair::start(on_nats).await?).await?;
+    }
+    Ok(())
+}
+
+async fn rollback(pair: Pair) -> TestResult {
     let first = pair.first_run_naps("busy-rollback").await?;
     let second = pair
         .on_b
@@ -413,7 +468,7 @@ async fn rollback_cancels_the_first_run_and_drops_its_messages() -> TestResult {
 /// ends it, and the thread holds that run once; the next run on the thread sees it once.
 #[tokio::test]
 async fn a_replica_killed_mid_run_leaves_the_thread_consistent() -> TestResult {
-    let pair = Pair::start().await?;
+    let pair = Pair::start(true).await?;
     let Pair {
         _nats,
         model,
@@ -450,5 +505,8 @@ async fn a_replica_killed_mid_run_leaves_the_thread_consistent() -> TestResult {
     let firsts = thread.messages.iter().filter(|m| m.content == "First.").count();
     assert_eq!(firsts, 1);
     drop(model);
-    b.stop().await
+    match b {
+        Some(b) => b.stop().await,
+        None => Ok(()),
+    }
 }

@@ -71,6 +71,14 @@ impl Core {
     /// spec comes back with what the model sees of the thread, and whether the run took the
     /// thread now (so it lets it go if it is not let in).
     pub(crate) async fn take_thread(&self, mut spec: RunSpec, caller: &Principal) -> Result<(RunSpec, bool), Error> {
+        if spec.thread.is_none() {
+            return Ok((spec, false));
+        }
+        // A run id known already is answered by its admission (a replay, or a run live
+        // already), whoever holds the thread now.
+        if self.runs.get(&spec.run_id, caller).await.ok().flatten().is_some() {
+            return Ok((spec, false));
+        }
         let Some(thread) = spec.thread.take() else {
             return Ok((spec, false));
         };
