@@ -13,6 +13,7 @@
 //! * [`helpers`]: `/metrics` scraping, one run to its end; [`proto_docs`]: the contract's
 //!   documentation checks;
 //! * [`wait`]: waiting for a condition with a deadline (no fixed sleeps in tests);
+//! * [`runs`]: the orchestrator process, a client of it, a run's call running and its end;
 //! * [`arm_watchdog`]: a hung test fails its binary after ten minutes instead of holding the suite.
 
 #![forbid(unsafe_code)]
@@ -29,6 +30,7 @@ pub mod pki;
 pub mod proto_docs;
 pub mod proxy;
 pub mod python;
+pub mod runs;
 pub mod wait;
 
 pub use helpers::{delta, get_run, orchestrate, scrape, sibling_bin, start_detached, tool_runner_in_process, user};

@@ -6,10 +6,11 @@
 use std::time::Duration;
 
 use mock_llm::{MockLlm, Scenario, Step, Turn};
-use orchestrator_client::{Client, ClientBuilder, Event, RunRequest};
+use orchestrator_client::{Client, Event, RunRequest};
 use proto::orchestrator::v1 as pb;
 use testkit::Service;
 use testkit::nats::Nats;
+use testkit::runs::{client, ended, until_the_call_runs};
 
 type TestResult = anyhow::Result<()>;
 
@@ -22,16 +23,6 @@ async fn a_nap_then_an_answer(ms: u64) -> anyhow::Result<MockLlm> {
     .await?)
 }
 
-/// An orchestrator process on `model`, keeping runs in `nats` when given.
-async fn orchestrator(model: &MockLlm, runner: &str, nats: Option<&Nats>) -> anyhow::Result<Service> {
-    let command = testkit::orchestrator_command(env!("CARGO_BIN_EXE_orchestrator"), &model.base_url(), runner);
-    let command = match nats {
-        Some(nats) => testkit::on_nats(command, &nats.url()),
-        None => command,
-    };
-    Service::orchestrator(command).await
-}
-
 /// One orchestrator on the memory store, its model napping `ms` in the first turn, and a client.
 async fn one_replica(ms: u64) -> anyhow::Result<(MockLlm, Service, Client)> {
     let model = a_nap_then_an_answer(ms).await?;
@@ -41,33 +32,14 @@ async fn one_replica(ms: u64) -> anyhow::Result<(MockLlm, Service, Client)> {
     Ok((model, service, client))
 }
 
-async fn client(service: &Service) -> anyhow::Result<Client> {
-    Ok(ClientBuilder::new(format!("http://{}", service.grpc)).connect().await?)
+/// An orchestrator process on `model`, keeping runs in `nats` when given.
+async fn orchestrator(model: &MockLlm, runner: &str, nats: Option<&Nats>) -> anyhow::Result<Service> {
+    let bin = env!("CARGO_BIN_EXE_orchestrator");
+    testkit::runs::orchestrator(bin, (&model.base_url(), runner), nats.map(Nats::url).as_deref(), &[]).await
 }
 
 fn request(run_id: &str) -> RunRequest {
     RunRequest::prompt("work").run_id(run_id).tool("sleep").detached(true)
-}
-
-/// Waits until the run's call is running: its `tool_call_started` has been logged.
-async fn until_the_call_runs(client: &Client, run_id: &str) -> TestResult {
-    let mut stream = client.attach(run_id, 0).await?;
-    loop {
-        match tokio::time::timeout(Duration::from_secs(20), stream.next_event()).await?? {
-            Some(Event::ToolCallStarted(_)) => return Ok(()),
-            Some(_) => {}
-            None => anyhow::bail!("{run_id} ended before its call started"),
-        }
-    }
-}
-
-/// The run's result once it has ended (polled on `client`, within 30 s).
-async fn ended(client: &Client, run_id: &str) -> anyhow::Result<pb::RunResult> {
-    testkit::wait::until(&format!("{run_id} to end"), Duration::from_secs(30), || async {
-        let run = client.get_run(run_id).await.ok()?;
-        (run.status() != pb::RunStatus::Running).then_some(run)
-    })
-    .await
 }
 
 /// What a run canceled after its turn keeps: its text, its call run to the end and recorded, and

@@ -11,6 +11,7 @@ use orchestrator_client::{Client, ClientBuilder, Event, RunRequest};
 use proto::orchestrator::v1 as pb;
 use testkit::Service;
 use testkit::nats::Nats;
+use testkit::runs::client;
 
 type TestResult = anyhow::Result<()>;
 
@@ -36,17 +37,8 @@ async fn model(nap_ms: u64) -> anyhow::Result<MockLlm> {
 }
 
 async fn orchestrator(model: &MockLlm, runner: &str, nats: Option<&Nats>, flags: &[&str]) -> anyhow::Result<Service> {
-    let mut command = testkit::orchestrator_command(env!("CARGO_BIN_EXE_orchestrator"), &model.base_url(), runner);
-    command.args(flags);
-    let command = match nats {
-        Some(nats) => testkit::on_nats(command, &nats.url()),
-        None => command,
-    };
-    Service::orchestrator(command).await
-}
-
-async fn client(service: &Service) -> anyhow::Result<Client> {
-    Ok(ClientBuilder::new(format!("http://{}", service.grpc)).connect().await?)
+    let bin = env!("CARGO_BIN_EXE_orchestrator");
+    testkit::runs::orchestrator(bin, (&model.base_url(), runner), nats.map(Nats::url).as_deref(), flags).await
 }
 
 /// Runs `prompt` on `thread` to its end; its result.
