@@ -118,3 +118,21 @@ impl Pki {
         self.path(name).display().to_string()
     }
 }
+
+/// A tokens file (`--auth-tokens`) for `tokens`: each a principal, its bearer token, and extra
+/// TOML lines of its entry (`roles = ["approver"]`, `tools = [...]`; empty for none).
+pub fn tokens_toml(tokens: &[(&str, &str, &str)]) -> String {
+    tokens
+        .iter()
+        .map(|(principal, token, extra)| {
+            let sha = shared::auth::token_sha256(token);
+            let extra = if extra.is_empty() {
+                String::new()
+            } else {
+                format!("{extra}\n")
+            };
+            format!("[[token]]\nprincipal = \"{principal}\"\nsha256 = \"{sha}\"\n{extra}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}

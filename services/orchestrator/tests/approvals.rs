@@ -56,15 +56,13 @@ async fn world_with(
 ) -> anyhow::Result<World> {
     let dir = tempfile::tempdir()?;
     let tokens = dir.path().join("tokens.toml");
-    let sha = shared::auth::token_sha256;
     std::fs::write(
         &tokens,
-        format!(
-            "[[token]]\nprincipal = \"alice\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"bob\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"carol\"\nsha256 = \"{}\"\nroles = [\"approver\"]\n",
-            sha("alice-token"),
-            sha("bob-token"),
-            sha("carol-token")
-        ),
+        testkit::pki::tokens_toml(&[
+            ("alice", "alice-token", ""),
+            ("bob", "bob-token", ""),
+            ("carol", "carol-token", "roles = [\"approver\"]"),
+        ]),
     )?;
     let llm = MockLlm::start(scenario).await?;
     let mut runner = tool_runner::Config::default();
@@ -1056,14 +1054,12 @@ struct Fleet {
 async fn fleet(scenario: Scenario, replicas: usize) -> anyhow::Result<Fleet> {
     let dir = tempfile::tempdir()?;
     let tokens = dir.path().join("tokens.toml");
-    let sha = shared::auth::token_sha256;
     std::fs::write(
         &tokens,
-        format!(
-            "[[token]]\nprincipal = \"alice\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"carol\"\nsha256 = \"{}\"\nroles = [\"approver\"]\n",
-            sha("alice-token"),
-            sha("carol-token")
-        ),
+        testkit::pki::tokens_toml(&[
+            ("alice", "alice-token", ""),
+            ("carol", "carol-token", "roles = [\"approver\"]"),
+        ]),
     )?;
     let nats = testkit::nats::Nats::start().await?;
     let llm = MockLlm::start(scenario).await?;

@@ -164,15 +164,8 @@ async fn another_principal_is_told_the_thread_does_not_exist() -> TestResult {
     let runner = testkit::tool_runner_in_process().await?;
     let dir = tempfile::tempdir()?;
     let tokens = dir.path().join("tokens.toml");
-    let sha = shared::auth::token_sha256;
-    std::fs::write(
-        &tokens,
-        format!(
-            "[[token]]\nprincipal = \"alice\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"bob\"\nsha256 = \"{}\"\n",
-            sha("alice-token"),
-            sha("bob-token")
-        ),
-    )?;
+    let both = [("alice", "alice-token", ""), ("bob", "bob-token", "")];
+    std::fs::write(&tokens, testkit::pki::tokens_toml(&both))?;
     let tokens = tokens.to_string_lossy().into_owned();
     let service = orchestrator(&model, &runner, None, &["--auth-tokens", &tokens]).await?;
     let as_ = |token: &str| {
