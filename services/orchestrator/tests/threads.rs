@@ -334,6 +334,15 @@ async fn reject(pair: Pair) -> TestResult {
     let refused = second.err().ok_or_else(|| anyhow::anyhow!("the second run started"))?;
     assert_eq!(refused.code(), Some(tonic::Code::Aborted));
     assert!(refused.to_string().contains("\"first\""), "{refused}");
+    let held = pair.on_b.thread("busy-reject").await?;
+    assert_eq!(held.live_run_id, "first");
+    let deleted = pair
+        .on_b
+        .delete_thread("busy-reject")
+        .await
+        .err()
+        .and_then(|e| e.code());
+    assert_eq!(deleted, Some(tonic::Code::FailedPrecondition), "a held thread stays");
     // The holder's own id again is a live duplicate, as without a thread.
     let again = RunRequest::prompt("First.").run_id("first").thread("busy-reject");
     let duplicate = pair.on_b.orchestrate(again).await.err().and_then(|e| e.code());
