@@ -409,7 +409,7 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             }),
         }),
         Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
-            result: Some(pb::RunResult::from(&result)),
+            result: Some(pb::RunResult::from(&*result)),
         }),
     };
     pb::OrchestrateEvent {
@@ -503,7 +503,7 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                     name: Some(message.name).filter(|n| !n.is_empty()),
                 }
             }
-            E::RunFinished(e) => Event::RunFinished(RunResult::try_from(e.result.unwrap_or_default())?),
+            E::RunFinished(e) => Event::RunFinished(Box::new(RunResult::try_from(e.result.unwrap_or_default())?)),
         };
         Ok(NumberedEvent {
             seq: event_seq,

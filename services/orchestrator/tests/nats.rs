@@ -699,11 +699,11 @@ fn call_started_event(seq: u64) -> NumberedEvent {
 fn finished_event(seq: u64) -> NumberedEvent {
     NumberedEvent {
         seq,
-        event: Event::RunFinished(RunResult {
+        event: Event::RunFinished(Box::new(RunResult {
             status: RunStatus::Completed,
             text: "abc".into(),
             ..RunResult::running("logged")
-        }),
+        })),
     }
 }
 

@@ -240,6 +240,28 @@ async fn a_thread_keeps_within_its_limits_and_a_request_sees_its_window() -> Tes
     service.stop().await
 }
 
+/// `--thread-max-bytes` on both sides: two runs of 459 bytes fit in 1 KiB; a third drops the
+/// oldest turn.
+#[tokio::test]
+async fn a_thread_keeps_within_its_bytes() -> TestResult {
+    let model = model(100).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let service = orchestrator(&model, &runner, None, &["--thread-max-bytes", "1024"]).await?;
+    let client = client(&service).await?;
+    let prompt = |c: char| c.to_string().repeat(450);
+    say(&client, "bytes", "b-1", &prompt('a')).await?;
+    say(&client, "bytes", "b-2", &prompt('b')).await?;
+    let under = client.thread("bytes").await?;
+    assert_eq!((under.runs.len(), under.dropped_turns, under.bytes), (2, 0, 918));
+    say(&client, "bytes", "b-3", &prompt('c')).await?;
+    let over = client.thread("bytes").await?;
+    assert_eq!(
+        (run_ids(&over), over.dropped_turns, over.bytes),
+        (vec!["b-2", "b-3"], 1, 918)
+    );
+    service.stop().await
+}
+
 /// Where the racing callers are: one replica on the memory store (both callers on it), or two
 /// replicas on one NATS (the first caller on a, the second on b); the model naps 1.5 s in each
 /// run's first turn.

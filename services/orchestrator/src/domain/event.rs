@@ -109,8 +109,9 @@ pub enum Event {
         /// Its participant name, if any.
         name: Option<String>,
     },
-    /// The run ended (always last).
-    RunFinished(RunResult),
+    /// The run ended (always last). Boxed: the result is the largest event by far, and every
+    /// event queued, batched or logged takes the size of the largest.
+    RunFinished(Box<RunResult>),
 }
 
 /// An event with its position in the stream.

@@ -77,9 +77,10 @@ pub struct RunSpec {
     /// Normal calls start as soon as they are complete in the model's stream.
     #[serde(default)]
     pub eager_dispatch: bool,
-    /// The thread the run continues, and what the model sees of it.
+    /// The thread the run continues, and what the model sees of it (boxed: most runs have
+    /// none, and a held run's future holds its spec).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub thread: Option<super::thread::RunThread>,
+    pub thread: Option<Box<super::thread::RunThread>>,
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before

@@ -131,7 +131,7 @@ pub(super) fn replay(result: RunResult) -> RunEvents {
             turn: result.turns,
         });
     }
-    events.push(Event::RunFinished(result));
+    events.push(Event::RunFinished(Box::new(result)));
     let events: Vec<_> = events
         .into_iter()
         .zip(1..)

@@ -97,11 +97,11 @@ impl Core {
                     waiting.armed = false;
                     let took = asked.begin == Begin::Started;
                     let (history, left_out) = asked.seen.unwrap_or_default();
-                    spec.thread = Some(RunThread {
+                    spec.thread = Some(Box::new(RunThread {
                         history,
                         turns_left_out: u32::try_from(left_out).unwrap_or(u32::MAX),
-                        ..thread
-                    });
+                        ..*thread
+                    }));
                     return Ok((spec, took));
                 }
                 Begin::Busy(live) => {

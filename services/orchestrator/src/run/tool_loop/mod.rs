@@ -196,10 +196,11 @@ fn drive_run(
         telemetry::record_run_end(&result, started.elapsed());
         // The thread holds the run's messages before its caller hears of its end, so the next run
         // on the thread (which the caller may start at once) finds it free and sees them.
+        // Boxed: its state would otherwise make every held run's future larger.
         if let (Some(thread), Some(threads)) = (&spec.thread, &deps.threads) {
-            threads.end_run(&spec, thread, conversation, result.status).await;
+            Box::pin(threads.end_run(&spec, thread, conversation, result.status)).await;
         }
-        emitter.queue(Event::RunFinished(result.clone()));
+        emitter.queue(Event::RunFinished(Box::new(result.clone())));
         if let Some(persister) = &persister {
             if persister.durable() {
                 // A durable run's log holds its end before its record does: a replica that takes
@@ -242,7 +243,7 @@ fn run_started(spec: &RunSpec) -> Event {
         normal_tools: spec.normal_tools.iter().map(|t| t.name.clone()).collect(),
         exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
         limits: spec.limits,
-        thread: spec.thread.as_ref().map(crate::domain::thread::RunThread::start),
+        thread: spec.thread.as_deref().map(crate::domain::thread::RunThread::start),
     }
 }
 

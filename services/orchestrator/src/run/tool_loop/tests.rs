@@ -294,7 +294,7 @@ async fn play_with(
             stream_interval: outside.stream_interval,
             parse_policy: outside.parse_policy,
             eager_dispatch: outside.eager,
-            thread: outside.thread,
+            thread: outside.thread.map(Box::new),
             ..spec(limits)
         },
         emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall).with_log(outside.log),

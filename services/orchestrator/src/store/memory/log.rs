@@ -333,7 +333,7 @@ mod tests {
     fn finished(seq: u64) -> NumberedEvent {
         NumberedEvent {
             seq,
-            event: Event::RunFinished(RunResult::running("r")),
+            event: Event::RunFinished(Box::new(RunResult::running("r"))),
         }
     }
 

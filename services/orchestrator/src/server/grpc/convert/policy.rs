@@ -163,7 +163,7 @@ pub(crate) fn resolve(
         principal: caller.name.clone(),
         stream_interval,
         approval,
-        thread: request.thread,
+        thread: request.thread.map(Box::new),
     })
 }
 
