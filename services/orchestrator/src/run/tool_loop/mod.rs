@@ -183,42 +183,89 @@ fn drive_run(
             }
             (end, std::mem::take(&mut driver.conversation))
         };
-        match end {
-            End::Parked => return lock(&state).clone(),
-            End::HandedOver | End::TakenOver => {
-                return moved(end, persister.as_ref(), &mut emitter, deps.log_settle_timeout, &state).await;
-            }
-            // A wait opened in this turn ends with the run.
-            _ if !lock(&state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id).await,
-            _ => {}
-        }
-        let result = settle(&state, end, &cancel);
-        telemetry::record_run_end(&result, started.elapsed());
-        // The thread holds the run's messages before its caller hears of its end, so the next run
-        // on the thread (which the caller may start at once) finds it free and sees them.
-        // Boxed: its state would otherwise make every held run's future larger.
-        if let (Some(thread), Some(threads)) = (&spec.thread, &deps.threads) {
-            Box::pin(threads.end_run(&spec, thread, conversation, result.status)).await;
-        }
-        emitter.queue(Event::RunFinished(Box::new(result.clone())));
-        if let Some(persister) = &persister {
-            if persister.durable() {
-                // A durable run's log holds its end before its record does: a replica that takes
-                // the run over in between finds the end there and stores it, so the log is whole.
-                emitter.log_queued();
-                if !emitter.settler(deps.log_settle_timeout).wait().await {
-                    return end_unlogged(persister, &mut emitter, deps.log_settle_timeout, &state).await;
-                }
-            }
-            // The result is stored before the stream ends, so GetRun (on any replica) finds it.
-            persister.write_final().await;
-        }
-        // The slot counts running work: it is free before the last event is delivered, which a
-        // caller that reads nothing holds up to the event send timeout.
-        drop(slot);
-        emitter.flush().await;
-        result
+        // The run's end is a future of its own, made once the loop is done: its state (the
+        // result, the thread's messages) is not part of every held run's future.
+        let ending = Ending {
+            end,
+            conversation,
+            spec: &spec,
+            deps,
+            state: &state,
+            emitter: &mut emitter,
+            cancel: &cancel,
+            persister: persister.as_ref(),
+            slot,
+            started,
+        };
+        Box::pin(conclude(ending)).await
     }
+}
+
+/// What the run's end needs once the loop is done.
+struct Ending<'a> {
+    end: End,
+    /// The run's turns, which join its thread.
+    conversation: Vec<Message>,
+    spec: &'a RunSpec,
+    deps: &'a LoopDeps,
+    state: &'a SharedState,
+    emitter: &'a mut Emitter,
+    cancel: &'a Cancel,
+    persister: Option<&'a Persister>,
+    slot: Option<Box<dyn Send>>,
+    started: Instant,
+}
+
+/// The run's end: a run that moved or parked leaves as it is; any other is settled (a cancel
+/// that came first wins), its messages join its thread, its result is stored, and then
+/// `run_finished` goes to the caller, the run's slot freed in between.
+async fn conclude(ending: Ending<'_>) -> RunResult {
+    let Ending {
+        end,
+        conversation,
+        spec,
+        deps,
+        state,
+        emitter,
+        cancel,
+        persister,
+        slot,
+        started,
+    } = ending;
+    match end {
+        End::Parked => return lock(state).clone(),
+        End::HandedOver | End::TakenOver => {
+            return moved(end, persister, emitter, deps.log_settle_timeout, state).await;
+        }
+        // A wait opened in this turn ends with the run.
+        _ if !lock(state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id).await,
+        _ => {}
+    }
+    let result = settle(state, end, cancel);
+    telemetry::record_run_end(&result, started.elapsed());
+    // The thread holds the run's messages before its caller hears of its end, so the next run on
+    // the thread (which the caller may start at once) finds it free and sees them.
+    if let (Some(thread), Some(threads)) = (&spec.thread, &deps.threads) {
+        threads.end_run(spec, thread, conversation, result.status).await;
+    }
+    emitter.queue(Event::RunFinished(Box::new(result.clone())));
+    if let Some(persister) = persister {
+        if persister.durable() {
+            // A durable run's log holds its end before its record does: a replica that takes the
+            // run over in between finds the end there and stores it, so the log is whole.
+            emitter.log_queued();
+            if !emitter.settler(deps.log_settle_timeout).wait().await {
+                return end_unlogged(persister, emitter, deps.log_settle_timeout, state).await;
+            }
+        }
+        // The result is stored before the stream ends, so GetRun (on any replica) finds it.
+        persister.write_final().await;
+    }
+    // The slot counts running work: it is free before the last event is delivered, which a
+    // caller that reads nothing holds up to the event send timeout.
+    drop(slot);
+    emitter.flush().await;
+    result
 }
 
 /// A durable run whose end its event log did not keep (this replica was cut off from NATS, or
