@@ -589,53 +589,14 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
             "no recipe for {rpc}"
         );
     }
-    let reflect = testkit::repo_root().join("examples/python/reflect.py");
     let mut background = Vec::new();
     for recipe in &recipes {
         let line = recipe
             .replace("127.0.0.1:50051", &orchestrator.grpc)
             .replace("127.0.0.1:50052", &runner.grpc);
-        let (line, in_background) = match line.strip_suffix(" &") {
-            Some(line) => (line.to_owned(), true),
-            None => (line, false),
-        };
-        let args = line.strip_prefix("grpcurl ").unwrap_or(&line);
-        let mut command = Command::new("sh");
-        command
-            .arg("-c")
-            .arg(format!("exec '{}' '{}' {args}", python()?.display(), reflect.display()))
-            .kill_on_drop(true);
-        if in_background {
-            background.push((recipe, subscribe(command).await?));
-            continue;
-        }
-        // A recipe after a background one may come before the state it reads (a run in the
-        // background asks for its approval a moment after its call is established).
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let output = run(command).await?;
-            // A recipe documented to be refused prints the status on stderr.
-            let refused = recipe.contains("/SendMessage");
-            let printed = match refused {
-                true => stderr(&output),
-                false => String::from_utf8_lossy(&output.stdout).into_owned(),
-            };
-            assert_eq!(
-                output.status.success(),
-                !refused,
-                "{recipe}\n{printed}{}",
-                stderr(&output)
-            );
-            if printed.contains(expected_output(recipe)) {
-                break;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "{recipe} printed:\n{printed}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            command = Command::new("sh");
-            command
-                .arg("-c")
-                .arg(format!("exec '{}' '{}' {args}", python()?.display(), reflect.display()))
-                .kill_on_drop(true);
+        match line.strip_suffix(" &") {
+            Some(line) => background.push((recipe, subscribe(recipe_command(line)?).await?)),
+            None => replay_until_expected(recipe, &line).await?,
         }
     }
     assert_eq!(
@@ -651,6 +612,45 @@ async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResu
         );
     }
     Ok(())
+}
+
+/// A recipe's line (`grpcurl …`) as `reflect.py` runs it.
+fn recipe_command(line: &str) -> anyhow::Result<Command> {
+    let reflect = testkit::repo_root().join("examples/python/reflect.py");
+    let args = line.strip_prefix("grpcurl ").unwrap_or(line);
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(format!("exec '{}' '{}' {args}", python()?.display(), reflect.display()))
+        .kill_on_drop(true);
+    Ok(command)
+}
+
+/// Runs `recipe` (as `line`, on the test's ports) until it prints what it is documented to, for
+/// 10 s: a recipe after a background one may come before the state it reads (a run in the
+/// background asks for its approval a moment after its call is established). A recipe documented
+/// to be refused prints the status on stderr and exits non-zero.
+async fn replay_until_expected(recipe: &str, line: &str) -> TestResult {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let output = run(recipe_command(line)?).await?;
+        let refused = recipe.contains("/SendMessage");
+        let printed = match refused {
+            true => stderr(&output),
+            false => String::from_utf8_lossy(&output.stdout).into_owned(),
+        };
+        assert_eq!(
+            output.status.success(),
+            !refused,
+            "{recipe}\n{printed}{}",
+            stderr(&output)
+        );
+        if printed.contains(expected_output(recipe)) {
+            return Ok(());
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{recipe} printed:\n{printed}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A streaming recipe running in the background; killed when dropped.
