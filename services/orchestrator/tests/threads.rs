@@ -316,6 +316,22 @@ impl Pair {
         }
     }
 
+    /// The first run napping on replica a, then the second on replica b under `policy`: both
+    /// runs' results.
+    async fn race(
+        &self,
+        thread: &str,
+        policy: pb::ThreadBusyPolicy,
+    ) -> (anyhow::Result<pb::RunResult>, anyhow::Result<pb::RunResult>) {
+        let first = match self.first_run_naps(thread).await {
+            Ok(first) => first,
+            Err(e) => return (Err(e), Err(anyhow::anyhow!("the first run did not start"))),
+        };
+        let second = self.on_b.orchestrate(Self::second(thread, policy));
+        let (first, second) = tokio::join!(first.result(), async { second.await?.result().await });
+        (first.map_err(Into::into), second.map_err(Into::into))
+    }
+
     /// The second run, on replica b, under `policy`.
     fn second(thread: &str, policy: pb::ThreadBusyPolicy) -> RunRequest {
         RunRequest::prompt("Second.")
@@ -398,11 +414,7 @@ async fn enqueue_starts_the_second_run_once_the_first_has_ended() -> TestResult 
 }
 
 async fn enqueue(pair: Pair) -> TestResult {
-    let first = pair.first_run_naps("busy-enqueue").await?;
-    let second = pair
-        .on_b
-        .orchestrate(Pair::second("busy-enqueue", pb::ThreadBusyPolicy::Enqueue));
-    let (first, second) = tokio::join!(first.result(), async { second.await?.result().await });
+    let (first, second) = pair.race("busy-enqueue", pb::ThreadBusyPolicy::Enqueue).await;
     assert_eq!(first?.status(), pb::RunStatus::Completed);
     let second = second?;
     assert_eq!(second.status(), pb::RunStatus::Completed, "{second:?}");
@@ -423,11 +435,7 @@ async fn interrupt_ends_the_first_run_after_its_turn_and_keeps_its_output() -> T
 }
 
 async fn interrupt(pair: Pair) -> TestResult {
-    let first = pair.first_run_naps("busy-interrupt").await?;
-    let second = pair
-        .on_b
-        .orchestrate(Pair::second("busy-interrupt", pb::ThreadBusyPolicy::Interrupt));
-    let (first, second) = tokio::join!(first.result(), async { second.await?.result().await });
+    let (first, second) = pair.race("busy-interrupt", pb::ThreadBusyPolicy::Interrupt).await;
     let first = first?;
     assert_eq!(first.status(), pb::RunStatus::Canceled, "{first:?}");
     assert!(
@@ -455,11 +463,7 @@ async fn rollback_cancels_the_first_run_and_drops_its_messages() -> TestResult {
 }
 
 async fn rollback(pair: Pair) -> TestResult {
-    let first = pair.first_run_naps("busy-rollback").await?;
-    let second = pair
-        .on_b
-        .orchestrate(Pair::second("busy-rollback", pb::ThreadBusyPolicy::Rollback));
-    let (first, second) = tokio::join!(first.result(), async { second.await?.result().await });
+    let (first, second) = pair.race("busy-rollback", pb::ThreadBusyPolicy::Rollback).await;
     let first = first?;
     assert_eq!(first.status(), pb::RunStatus::Canceled, "{first:?}");
     assert!(
