@@ -188,11 +188,16 @@ fn started_line(s: &pb::RunStarted) -> String {
     )
 }
 
+/// A run status as printed: `COMPLETED`, `FAILED` … (`?` for a number this build does not know).
+fn status_name(status: i32) -> &'static str {
+    pb::RunStatus::try_from(status)
+        .map_or("?", |s| s.as_str_name())
+        .trim_start_matches("RUN_STATUS_")
+}
+
 /// The run's last line: status, counts and, for a failed run, the reason.
 fn finished_line(r: &pb::RunResult) -> String {
-    let status = pb::RunStatus::try_from(r.status)
-        .map_or("?", |s| s.as_str_name())
-        .trim_start_matches("RUN_STATUS_");
+    let status = status_name(r.status);
     let mut summary = format!(
         "■ {status} · {} turn(s) · {} tool call(s) · {} signal(s) · finish_reason {:?}",
         r.turns,
@@ -361,13 +366,8 @@ pub async fn thread(endpoint: &str, token: Option<&str>, thread_id: &str, delete
         .map_err(|e| Error::Call(format!("GetThread was refused: {e}")))?;
     println!("{}", thread_line(&thread));
     for run in &thread.runs {
-        let status = pb::RunStatus::try_from(run.status).map_or("?", |s| s.as_str_name());
-        println!(
-            "  run {} · {} · {} message(s)",
-            run.run_id,
-            status.trim_start_matches("RUN_STATUS_"),
-            run.messages
-        );
+        let status = status_name(run.status);
+        println!("  run {} · {status} · {} message(s)", run.run_id, run.messages);
     }
     for message in &thread.messages {
         println!("{}", message_line(message));

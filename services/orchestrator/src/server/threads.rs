@@ -27,6 +27,8 @@ const MAX_POLL: Duration = Duration::from_millis(500);
 struct Asked {
     begin: Begin,
     seen: Option<(Vec<crate::domain::chat::Message>, usize)>,
+    /// Since when the holder holds the thread (Unix ms).
+    live_since_unix_ms: u64,
 }
 
 /// A run waiting for its thread: dropped before it holds it (its caller went away, or its
@@ -119,7 +121,8 @@ impl Core {
                 Begin::Wait { live } => {
                     waiting.armed = true;
                     if let Some(live) = live {
-                        self.act_on_holder(&spec, &thread, &live, &mut acted_on).await;
+                        let holder = (live.as_str(), asked.live_since_unix_ms);
+                        self.act_on_holder(&spec, &thread, holder, &mut acted_on).await;
                     }
                 }
             }
@@ -149,7 +152,11 @@ impl Core {
                 let before = kept.clone();
                 let begin = kept.begin(&spec.run_id, thread.on_busy, (now, until), &limits);
                 let seen = matches!(begin, Begin::Started | Begin::Holding).then(|| kept.transcript(thread.window));
-                let asked = Asked { begin, seen };
+                let asked = Asked {
+                    begin,
+                    seen,
+                    live_since_unix_ms: kept.live_since_unix_ms,
+                };
                 match kept == before {
                     true => Change::Keep(Some(asked)),
                     false => Change::Write(kept, Some(asked)),
@@ -162,8 +169,14 @@ impl Core {
     /// While the run waits: a holder that has ended (its end never reached the thread) or never
     /// started is let go; otherwise, once per holder, the policy acts on it: `Interrupt` asks it
     /// to end after its turn, `Rollback` marks its messages dropped and cancels it at once.
-    async fn act_on_holder(&self, spec: &RunSpec, thread: &RunThread, live: &str, acted_on: &mut Option<String>) {
-        if self.holder_is_gone(live, &thread.thread_id).await {
+    async fn act_on_holder(
+        &self,
+        spec: &RunSpec,
+        thread: &RunThread,
+        (live, since): (&str, u64),
+        acted_on: &mut Option<String>,
+    ) {
+        if self.holder_is_gone(live, since).await {
             tracing::info!(thread_id = %thread.thread_id, run_id = %live, "the run holding the thread has ended; the thread is let go");
             leave(&self.threads, &thread.thread_id, live).await;
             return;
@@ -193,19 +206,15 @@ impl Core {
         }
     }
 
-    /// Whether the run holding the thread has ended (its result says so) or never started
-    /// (unknown long after it took the thread).
-    async fn holder_is_gone(&self, live: &str, thread_id: &str) -> bool {
+    /// Whether the run holding the thread (`since` then, Unix ms) has ended (its result says so)
+    /// or never started (unknown long after it took the thread).
+    async fn holder_is_gone(&self, live: &str, since: u64) -> bool {
         match self.runs.get(live, &Principal::default()).await {
             Ok(Some(run)) => !run.status.is_live(),
-            Ok(None) => match self.threads.read(thread_id).await {
-                Ok(Some(thread)) => {
-                    let since = thread.live_since_unix_ms;
-                    let limit = u64::try_from(NEVER_STARTED.as_millis()).unwrap_or(u64::MAX);
-                    thread.live.as_deref() == Some(live) && since.saturating_add(limit) <= shared::sync::unix_ms()
-                }
-                _ => false,
-            },
+            Ok(None) => {
+                let limit = u64::try_from(NEVER_STARTED.as_millis()).unwrap_or(u64::MAX);
+                since.saturating_add(limit) <= shared::sync::unix_ms()
+            }
             Err(_) => false,
         }
     }

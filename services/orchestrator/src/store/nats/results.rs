@@ -259,11 +259,17 @@ impl Record {
     }
 }
 
-/// A valid KV key for `run_id` (keys allow `[-/_=.a-zA-Z0-9]`; anything else is hex-escaped).
+/// A valid KV key for `run_id`.
 pub(super) fn key(run_id: &str) -> String {
-    let mut key = String::with_capacity(run_id.len() + 4);
-    key.push_str("run.");
-    for b in run_id.bytes() {
+    escaped_key("run.", run_id)
+}
+
+/// A valid KV key for `id` after `prefix` (keys allow `[-/_=.a-zA-Z0-9]`; anything else is
+/// hex-escaped).
+pub(super) fn escaped_key(prefix: &str, id: &str) -> String {
+    let mut key = String::with_capacity(prefix.len() + id.len());
+    key.push_str(prefix);
+    for b in id.bytes() {
         if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
             key.push(b as char);
         } else {

@@ -32,18 +32,9 @@ impl NatsThreads {
     }
 }
 
-/// A valid KV key for `thread_id` (keys allow `[-/_=.a-zA-Z0-9]`; anything else is hex-escaped).
+/// A valid KV key for `thread_id`.
 fn key(thread_id: &str) -> String {
-    let mut key = String::with_capacity(thread_id.len() + 7);
-    key.push_str("thread.");
-    for b in thread_id.bytes() {
-        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
-            key.push(b as char);
-        } else {
-            key.push_str(&format!("={b:02x}"));
-        }
-    }
-    key
+    super::results::escaped_key("thread.", thread_id)
 }
 
 impl ThreadStore for NatsThreads {
