@@ -54,6 +54,9 @@ pub(crate) mod metric {
     pub(crate) const LLM_ENDPOINTS: &str = "orchestrator_llm_endpoints";
     /// Counter: tool calls retried because no runner ran them, by `reason`.
     pub(crate) const TOOL_CALL_RETRIES: &str = "orchestrator_tool_call_retries_total";
+    /// Counter: tool calls a runner refused as a replaced owner's (the run is in a newer epoch):
+    /// each stopped this replica acting for its run.
+    pub(crate) const TOOL_CALLS_SUPERSEDED: &str = "orchestrator_tool_calls_superseded_total";
     /// Gauge: tool-runner endpoints calls are balanced over.
     pub(crate) const TOOL_RUNNER_ENDPOINTS: &str = "orchestrator_tool_runner_endpoints";
     /// Counter: callers whose event stream was dropped because they stopped reading.
@@ -167,6 +170,10 @@ fn describe_tools() {
     describe_counter!(
         metric::TOOL_CALL_RETRIES,
         "Tool calls retried because no runner ran them, by reason."
+    );
+    describe_counter!(
+        metric::TOOL_CALLS_SUPERSEDED,
+        "Tool calls a runner refused as a replaced owner's; each stopped this replica acting for the run."
     );
     describe_gauge!(
         metric::TOOL_RUNNER_ENDPOINTS,

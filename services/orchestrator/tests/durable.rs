@@ -126,6 +126,8 @@ impl Fleet {
         // Room for a call of every run at once (the rolling deploy has 100).
         let mut config = testkit::stack::runner_config(Some(manifest));
         config.server.max_concurrency = 256;
+        // The runner refuses a replaced owner's calls, reading each run's fence from the store.
+        config.fence.run_store = Some(nats.url());
         tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
         let mut fleet = Self {
             nats,
@@ -355,6 +357,46 @@ impl Fleet {
             );
         }
         Ok(())
+    }
+}
+
+impl Fleet {
+    /// The runner refuses a call sent now in any epoch older than the last one a run's calls ran
+    /// in (as a replaced owner's call would be, arriving late): `FAILED_PRECONDITION` naming the
+    /// run's epoch, and the tool does not run. Returns how many runs were tried (those that moved).
+    async fn stale_calls_are_refused(&self) -> anyhow::Result<usize> {
+        let channel = tonic::transport::Channel::from_shared(self.runner_url.clone())?
+            .connect()
+            .await?;
+        let mut runner = proto::toolrunner::v1::tool_runner_client::ToolRunnerClient::new(channel);
+        let before = self.calls().len();
+        let mut tried = 0;
+        for (run, epochs) in self.epochs() {
+            let newest = epochs.iter().copied().max().unwrap_or(0);
+            if newest < 2 {
+                continue;
+            }
+            tried += 1;
+            let request = proto::toolrunner::v1::RunToolRequest {
+                run_id: run.clone(),
+                call_id: "late".to_owned(),
+                tool_name: "record".to_owned(),
+                arguments_json: "{}".to_owned(),
+                epoch: newest - 1,
+                ..Default::default()
+            };
+            let refused = match runner.run_tool(request).await {
+                Ok(_) => anyhow::bail!("{run}: a call of epoch {} ran after epoch {newest}", newest - 1),
+                Err(status) => status,
+            };
+            anyhow::ensure!(
+                refused.code() == tonic::Code::FailedPrecondition
+                    && refused.metadata().get("x-run-epoch-current").is_some(),
+                "{run}: {refused:?}"
+            );
+        }
+        anyhow::ensure!(self.calls().len() == before, "a refused call ran");
+        Ok(tried)
     }
 }
 
@@ -956,6 +998,8 @@ async fn runs_through_a_fault_of_their_replica(fault: Fault, prefix: &str) -> Te
         stopped >= 1,
         "the faulty replica stopped acting for its runs on its own"
     );
+    let moved = fleet.stale_calls_are_refused().await?;
+    assert!(moved >= 1, "some runs were taken over, and their fences raised");
     Ok(())
 }
 

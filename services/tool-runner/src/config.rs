@@ -43,6 +43,9 @@ pub struct Config {
     pub arg_limits: ArgLimits,
     #[allow(missing_docs)]
     #[command(flatten)]
+    pub fence: FenceSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
     pub telemetry: TelemetrySettings,
     #[allow(missing_docs)]
     #[command(flatten)]
@@ -158,6 +161,68 @@ impl Bounded for ArgLimits {
     }
 }
 
+/// The run fence: where a durable call's epoch is checked before its tool runs.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Run fence")]
+pub struct FenceSettings {
+    /// The orchestrators' run store, read only (`nats://host:4222`, `tls://…`, or a comma-separated
+    /// seed list; credentials go in --nats-credentials): a durable call whose epoch is older than
+    /// its run's is refused FAILED_PRECONDITION before its tool runs. Unset: calls are not checked.
+    #[arg(long = "run-store", env = "TOOL_RUNNER_RUN_STORE", value_name = "URL")]
+    pub run_store: Option<String>,
+    /// The orchestrators' --run-store-bucket.
+    #[arg(
+        long = "run-store-bucket",
+        env = "TOOL_RUNNER_RUN_STORE_BUCKET",
+        default_value = "orchestrator-runs"
+    )]
+    pub bucket: String,
+    /// Longest wait for a run's fence (cap 60s); past it the call is refused UNAVAILABLE, unrun,
+    /// and the orchestrator sends it to another runner.
+    #[arg(long = "run-store-timeout", env = "TOOL_RUNNER_RUN_STORE_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// NATS credentials file (.creds) for the run store.
+    #[arg(long = "nats-credentials", env = "TOOL_RUNNER_NATS_CREDENTIALS", value_name = "FILE")]
+    pub credentials: Option<PathBuf>,
+    /// Require TLS to NATS.
+    #[arg(long = "nats-tls", env = "TOOL_RUNNER_NATS_TLS")]
+    pub tls_required: bool,
+    /// Extra root certificates (PEM) for TLS to NATS.
+    #[arg(long = "nats-ca-file", env = "TOOL_RUNNER_NATS_CA_FILE", value_name = "FILE")]
+    pub ca_file: Option<PathBuf>,
+}
+
+impl Bounded for FenceSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![bound("timeout", self.timeout, Duration::from_millis(1), secs(60))]
+    }
+}
+
+impl FenceSettings {
+    /// The run store's seeds, when one is set: each a `nats://` or `tls://` address without
+    /// credentials (the NATS client logs its addresses; a password in one would be logged).
+    pub fn seeds(&self) -> Result<Option<Vec<String>>, Error> {
+        let Some(raw) = self.run_store.as_deref().map(str::trim).filter(|s| !s.is_empty()) else {
+            return Ok(None);
+        };
+        let mut seeds = Vec::new();
+        for seed in raw.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let Some(rest) = seed.strip_prefix("nats://").or_else(|| seed.strip_prefix("tls://")) else {
+                return Err(Error::Config(format!(
+                    "--run-store {seed:?}: use nats://host:port or tls://host:port"
+                )));
+            };
+            if rest.contains('@') {
+                return Err(Error::Config(
+                    "--run-store: put NATS credentials in --nats-credentials, not in the URL".to_owned(),
+                ));
+            }
+            seeds.push(seed.to_owned());
+        }
+        Ok(Some(seeds))
+    }
+}
+
 /// Logs and traces.
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Telemetry")]
@@ -198,6 +263,7 @@ impl Bounded for Config {
             self.server.bounds(),
             self.builtins.bounds(),
             self.arg_limits.bounds(),
+            self.fence.bounds(),
             self.telemetry.bounds(),
             self.security.bounds(),
         ];
@@ -215,6 +281,7 @@ impl Config {
     /// Checks every limit against its range; the error names the flag.
     pub fn validate(&self) -> Result<(), Error> {
         self.check_bounds()?;
+        self.fence.seeds()?;
         self.security.options().map_err(Error::Config)?;
         Ok(())
     }
@@ -238,5 +305,29 @@ mod tests {
             _ => Vec::new(),
         };
         assert_eq!(shared::config::check_every_bound(validate, companions), Ok(()));
+    }
+
+    /// The run store takes NATS addresses without credentials, and says what to use instead.
+    #[test]
+    fn the_run_store_is_a_nats_address_without_credentials() {
+        let with = |store: &str| {
+            let mut config = Config::default();
+            config.fence.run_store = Some(store.to_owned());
+            config
+                .validate()
+                .and_then(|()| config.fence.seeds())
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(with(""), Ok(None));
+        assert_eq!(
+            with("nats://a:4222, tls://b:4222"),
+            Ok(Some(vec!["nats://a:4222".to_owned(), "tls://b:4222".to_owned()]))
+        );
+        assert!(with("http://a:4222").unwrap_err().contains("use nats://host:port"));
+        let refused = with("nats://user:secret@a:4222").unwrap_err();
+        assert!(
+            refused.contains("--nats-credentials") && !refused.contains("secret"),
+            "{refused}"
+        );
     }
 }

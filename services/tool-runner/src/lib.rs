@@ -4,6 +4,7 @@
 //! * [`registry`]: lookup, argument limits, JSON Schema validation and timeouts for every call;
 //! * [`service`]: the gRPC adapter (`ListTools`, `RunTool`);
 //! * [`admission`]: the concurrency limit and drain refusals, as a tower layer;
+//! * [`fence`]: the refusal of a replaced orchestrator replica's call, read from the run store;
 //! * [`server`]: [`serve`]`(listener, config, shutdown)`, which tests call with a port-0 listener;
 //! * [`cli`]: flags (with environment equivalents) and the `list` / `call` client commands;
 //! * `config`: the settings and their bounds; `error`: the crate's error and its gRPC codes;
@@ -15,6 +16,7 @@ pub mod admission;
 pub mod cli;
 pub mod config;
 mod error;
+pub mod fence;
 pub mod registry;
 pub mod server;
 pub mod service;

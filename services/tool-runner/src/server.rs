@@ -129,10 +129,10 @@ pub async fn serve(
         .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let reflection_v1alpha = shared::grpc::reflection_service_v1alpha(SERVICE_NAME)
         .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
-    let runner = ToolRunnerServer::new(ToolRunnerService::new(
-        Arc::clone(&registry),
-        config.telemetry.trace_payloads(),
-    ))
+    let fence = crate::fence::RunFence::connect(&config.fence).await?;
+    let runner = ToolRunnerServer::new(
+        ToolRunnerService::new(Arc::clone(&registry), config.telemetry.trace_payloads()).with_fence(fence),
+    )
     .max_decoding_message_size(config.arg_limits.max_bytes.saturating_mul(2).saturating_add(64 * 1024));
 
     let admission = Admission::new(config.server.max_concurrency);

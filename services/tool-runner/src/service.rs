@@ -10,18 +10,26 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::Error;
+use crate::admission::REFUSED_HEADER;
+use crate::fence::{Refusal, RunFence};
 use crate::registry::Registry;
 use shared::metrics::InFlight;
 use shared::telemetry::truncate;
+use tonic::metadata::MetadataValue;
 
 use crate::telemetry::metric;
 use crate::tools::{CallContext, ErrorCode, ToolError, ToolSpec};
+
+/// Response metadata of a refused replaced owner's call: the run's epoch, as its fence holds it.
+pub const CURRENT_EPOCH_HEADER: &str = "x-run-epoch-current";
 
 /// Serves `ListTools` and `RunTool` from a [`Registry`].
 pub struct ToolRunnerService {
     registry: Arc<Registry>,
     /// Record arguments and results on spans, truncated to this many bytes (`None`: off).
     trace_payloads: Option<usize>,
+    /// Refuses a replaced orchestrator replica's calls (`None`: calls are not checked).
+    fence: Option<Arc<RunFence>>,
 }
 
 impl ToolRunnerService {
@@ -30,7 +38,51 @@ impl ToolRunnerService {
         Self {
             registry,
             trace_payloads,
+            fence: None,
         }
+    }
+
+    /// The service, checking every durable call against `fence` before its tool runs.
+    #[must_use]
+    pub fn with_fence(mut self, fence: Option<RunFence>) -> Self {
+        self.fence = fence.map(Arc::new);
+        self
+    }
+
+    /// Refuses the call when the run fence says it comes from a replaced owner, or cannot say.
+    async fn admit(&self, call: &ToolCall) -> Result<(), Status> {
+        let Some(fence) = &self.fence else { return Ok(()) };
+        let refusal = match fence.admit(&call.run_id, &call.call_id, call.epoch).await {
+            Ok(()) => return Ok(()),
+            Err(refusal) => refusal,
+        };
+        let span = tracing::Span::current();
+        span.record("otel.status_code", "ERROR");
+        let mut status = match &refusal {
+            Refusal::Stale { current, .. } => {
+                span.record("error.type", "stale_epoch");
+                tracing::warn!("{refusal}");
+                let mut status = Status::failed_precondition(refusal.to_string());
+                status
+                    .metadata_mut()
+                    .insert(CURRENT_EPOCH_HEADER, MetadataValue::from(*current));
+                status
+            }
+            Refusal::Unreadable { .. } => {
+                span.record("error.type", "run_store");
+                tracing::warn!("{refusal}");
+                Status::unavailable(refusal.to_string())
+            }
+        };
+        let reason = match refusal {
+            Refusal::Stale { .. } => "stale-epoch",
+            Refusal::Unreadable { .. } => "run-store",
+        };
+        status
+            .metadata_mut()
+            .insert(REFUSED_HEADER, MetadataValue::from_static(reason));
+        metrics::counter!(metric::REJECTED, "reason" => reason.replace('-', "_")).increment(1);
+        Err(status)
     }
 }
 
@@ -146,6 +198,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
             span.record("gen_ai.tool.call.arguments", truncate(&call.arguments_json, max));
         }
         async move {
+            self.admit(&call).await?;
             let started = Instant::now();
             let _in_flight = InFlight::new(metric::IN_FLIGHT);
             let mut watch = CancelWatch { finished: false };

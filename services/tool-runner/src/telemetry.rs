@@ -9,7 +9,8 @@ pub mod metric {
     pub const EXECUTION_DURATION: &str = "tool_runner_execution_duration_seconds";
     /// Gauge: executions in flight.
     pub const IN_FLIGHT: &str = "tool_runner_executions_in_flight";
-    /// Counter: calls refused before running, by `reason` (`concurrency_limit`, `draining`).
+    /// Counter: calls refused before running, by `reason` (`concurrency_limit`, `draining`,
+    /// `stale_epoch`: a replaced orchestrator replica's; `run_store`: its fence unreadable).
     pub const REJECTED: &str = "tool_runner_rejected_total";
     /// Requests refused for their credentials, by code.
     pub const AUTH_REFUSED: &str = "tool_runner_auth_refused_total";
@@ -34,7 +35,7 @@ pub fn describe() {
         "Requests refused for their credentials, by code (unauthenticated, permission_denied)."
     );
     metrics::gauge!(metric::IN_FLIGHT).set(0.0);
-    for reason in ["concurrency_limit", "draining"] {
+    for reason in ["concurrency_limit", "draining", "stale_epoch", "run_store"] {
         metrics::counter!(metric::REJECTED, "reason" => reason).absolute(0);
     }
 }

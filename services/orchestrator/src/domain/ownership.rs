@@ -49,7 +49,7 @@ impl LeaseTerms {
 pub enum Stop {
     /// Less than the margin was left of its lease.
     Expired,
-    /// The store refused a write: another replica holds the run.
+    /// The store refused a write, or a tool-runner a call: another replica holds the run.
     Fenced(String),
     /// A checkpoint the store did not take: the run resumes from the last good one.
     Unsaved(String),
@@ -73,7 +73,7 @@ impl std::fmt::Display for Stop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Expired => f.write_str("its lease ran out before the store confirmed a renewal"),
-            Self::Fenced(why) => write!(f, "the store refused a write ({why})"),
+            Self::Fenced(why) => write!(f, "another replica holds the run ({why})"),
             Self::Unsaved(why) => write!(f, "the store did not take its checkpoint ({why})"),
             Self::HandedOver => f.write_str("it was handed over at a drain"),
         }

@@ -28,9 +28,14 @@ pub struct ToolInvocation {
     pub metadata: BTreeMap<String, String>,
     /// The caller the run belongs to.
     pub principal: String,
-    /// The epoch of this replica's claim of the run (0: not durable): a tool with side effects
-    /// refuses an older one than it has seen.
+    /// The epoch of this replica's claim of the run (0: not durable): a runner given the run
+    /// store refuses a call whose epoch is older than the run's fence, and a tool with side
+    /// effects may refuse an older one than it has seen.
     pub epoch: u64,
+    /// This replica's ownership of the run (`None`: a run no other replica reads): every
+    /// attempt, retries included, is sent only while it holds the run, and a runner's answer
+    /// that the run is in a newer epoch stops it.
+    pub owner: Option<Ownership>,
     /// Deadline of this call.
     pub timeout: Duration,
 }

@@ -32,6 +32,8 @@ pub(crate) enum Refusal {
     CallerFull(usize),
     /// The id belongs to another caller's run, which this caller may not see.
     Foreign,
+    /// The store did not take the claim of the id: the run does not start (the caller retries).
+    Unclaimed(crate::domain::ports::StoreError),
 }
 
 /// A run's live entry, as [`Runs::register`] made it.
@@ -89,7 +91,7 @@ impl Admitted {
             }
             _ => self.persister.claim().await,
         };
-        match claim {
+        match claim.map_err(Refusal::Unclaimed)? {
             Claim::Claimed => {
                 self._lease = self.persister.keep_lease();
                 // The id is this run's: its log starts now (a replay or a duplicate leaves the

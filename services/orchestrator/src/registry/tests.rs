@@ -302,3 +302,52 @@ async fn a_message_reaches_a_run_for_its_owner_only() {
         Ok(SteerOutcome::Finished(RunStatus::Completed))
     );
 }
+
+/// A store that answers no claim (and holds nothing).
+struct Unclaiming;
+
+impl ResultStore for Unclaiming {
+    fn put(&self, _: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<crate::domain::ports::Claim, StoreError>> {
+        Box::pin(async move {
+            Err(StoreError::Unavailable {
+                operation: "KV create",
+                key: result.run_id,
+                reason: "timed out".to_owned(),
+            })
+        })
+    }
+    fn get(&self, _: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+        Box::pin(async { Ok(None) })
+    }
+    fn lease(&self) -> Option<crate::domain::LeaseTerms> {
+        Some(crate::domain::LeaseTerms {
+            length: Duration::from_secs(3),
+            margin: Duration::from_secs(1),
+        })
+    }
+}
+
+/// A claim the store did not answer does not start the run (it would run unclaimed, at epoch 0,
+/// maybe twice): the caller is refused, retryably, and the slot is free again.
+#[tokio::test]
+async fn a_claim_the_store_did_not_answer_starts_nothing() {
+    let runs = runs(1, 10, Duration::from_secs(60));
+    let runs = Arc::new(Runs {
+        store: Arc::new(Unclaiming),
+        ..Arc::into_inner(runs).unwrap()
+    });
+    for _ in 0..2 {
+        match runs.admit("u", &anon(), None).await {
+            Err(Refusal::Unclaimed(StoreError::Unavailable { key, .. })) => assert_eq!(key, "u"),
+            Err(other) => panic!("refused otherwise: {other:?}"),
+            Ok(_) => panic!("an unclaimed run was let in"),
+        }
+    }
+    assert!(
+        runs.get("u", &anon()).await.unwrap().is_none(),
+        "no live entry was left"
+    );
+}

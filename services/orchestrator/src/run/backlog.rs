@@ -97,6 +97,13 @@ impl Backlog {
                     tracing::info!(run_id = %result.run_id, "a result held back while the store was unavailable is stored now");
                     self.remove_written(&result);
                 }
+                Err(e @ StoreError::Fenced { .. }) => {
+                    // Another replica holds the run (it moved before this end was stored, and
+                    // ends it there): this end is not the run's, and no retry makes it so.
+                    metrics::counter!(metric::STORE_BACKLOG_DROPPED).increment(1);
+                    tracing::warn!(run_id = %result.run_id, "a held-back result is dropped: {e}");
+                    self.remove_written(&result);
+                }
                 Err(e) => self.wait_after_failure(&result.run_id, &e).await,
             }
         }
@@ -130,19 +137,29 @@ mod tests {
     use crate::domain::ports::Claim;
     use crate::store::memory::MemoryStore;
 
-    /// A store that refuses writes until `up` is set.
+    /// A store that refuses writes until `up` is set and fences the run `fenced`, counting writes.
     struct Flaky {
         up: Arc<AtomicBool>,
         inner: MemoryStore,
-        refused: AtomicUsize,
+        writes: AtomicUsize,
     }
 
     impl ResultStore for Flaky {
         fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+            if result.run_id == "fenced" {
+                let run_id = result.run_id.clone();
+                return async move {
+                    Err(StoreError::Fenced {
+                        run_id,
+                        owner: "another replica".to_owned(),
+                    })
+                }
+                .boxed();
+            }
             if self.up.load(Ordering::Acquire) {
                 return self.inner.put(result);
             }
-            self.refused.fetch_add(1, Ordering::Relaxed);
             async {
                 Err(StoreError::Unavailable {
                     operation: "put",
@@ -175,7 +192,7 @@ mod tests {
         let store = Arc::new(Flaky {
             up: Arc::clone(&up),
             inner: MemoryStore::new(100, Duration::from_secs(60)),
-            refused: AtomicUsize::new(0),
+            writes: AtomicUsize::new(0),
         });
         let backlog = Backlog::new(store.clone(), 2, Duration::from_secs(1), Duration::from_millis(10));
         for id in ["a", "b", "c"] {
@@ -185,7 +202,7 @@ mod tests {
         assert_eq!(backlog.get("a"), None);
         assert_eq!(backlog.get("c").map(|r| r.status), Some(RunStatus::Completed));
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(store.refused.load(Ordering::Relaxed) >= 2, "retried while down");
+        assert!(store.writes.load(Ordering::Relaxed) >= 2, "retried while down");
         up.store(true, Ordering::Release);
         for _ in 0..200 {
             if backlog.is_empty() {
@@ -201,5 +218,26 @@ mod tests {
         backlog.push(finished("d"));
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(backlog.is_empty());
+    }
+
+    /// A result the store fences (another replica holds its run) is dropped at the first refusal,
+    /// not retried, and the results behind it are written.
+    #[tokio::test]
+    async fn a_fenced_result_is_dropped_and_blocks_nothing_behind_it() {
+        let store = Arc::new(Flaky {
+            up: Arc::new(AtomicBool::new(true)),
+            inner: MemoryStore::new(100, Duration::from_secs(60)),
+            writes: AtomicUsize::new(0),
+        });
+        let backlog = Backlog::new(store.clone(), 4, Duration::from_secs(1), Duration::from_secs(3600));
+        backlog.push(finished("fenced"));
+        backlog.push(finished("behind"));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !backlog.is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "the backlog never emptied");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(store.get("behind").await.ok().flatten().is_some());
+        assert_eq!(store.writes.load(Ordering::Relaxed), 2, "one write each: no retry");
     }
 }

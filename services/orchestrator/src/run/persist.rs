@@ -55,9 +55,11 @@ pub struct Snapshot {
 
 /// A claim the store could not answer: the run goes on unclaimed (a store that is down does not
 /// stop runs).
-fn unclaimed(run_id: &str, error: &StoreError) -> Claim {
-    tracing::warn!(run_id = %run_id, "claiming the run id in the store failed (running unclaimed): {error}");
-    Claim::Claimed
+/// A claim the store did not answer: the run does not start (it might run twice, or at epoch 0,
+/// which tools read as "not durable"); the caller is told to retry.
+fn unclaimed(run_id: &str, error: StoreError) -> Result<Claim, StoreError> {
+    tracing::warn!(run_id = %run_id, "claiming the run id in the store failed; the run is not started: {error}");
+    Err(error)
 }
 
 impl Snapshot {
@@ -251,7 +253,7 @@ impl Persister {
     /// Claims the run's id in the store (see [`ResultStore::claim`]). A store that cannot be
     /// reached does not stop the run at once: it is logged, and the run goes on unclaimed, its
     /// lease running from the claim's send (it stops unless a later write lands in time).
-    pub async fn claim(&self) -> Claim {
+    pub async fn claim(&self) -> Result<Claim, StoreError> {
         let snapshot = self.snapshot();
         let run_id = snapshot.run_id.clone();
         let sent = tokio::time::Instant::now();
@@ -261,15 +263,20 @@ impl Persister {
 
     /// The outcome of a claim sent at `sent`: a claimed run's lease runs from then, with the
     /// epoch the store gave.
-    fn claimed(&self, run_id: &str, sent: tokio::time::Instant, claim: Result<Claim, StoreError>) -> Claim {
+    fn claimed(
+        &self,
+        run_id: &str,
+        sent: tokio::time::Instant,
+        claim: Result<Claim, StoreError>,
+    ) -> Result<Claim, StoreError> {
         match claim {
             Ok(Claim::Claimed) => {
                 self.ownership.begin(sent);
                 self.ownership.set_epoch(self.store.epoch(run_id));
-                Claim::Claimed
+                Ok(Claim::Claimed)
             }
-            Ok(taken) => taken,
-            Err(e) => unclaimed(run_id, &e),
+            Ok(taken) => Ok(taken),
+            Err(e) => unclaimed(run_id, e),
         }
     }
 
@@ -277,7 +284,7 @@ impl Persister {
     /// resume the run from its first moment ([`RunJournal::claim_resumable`]); without a journal
     /// as [`Persister::claim`]. A store that cannot be reached does not stop the run at once: it
     /// goes on unclaimed, resumable from its first saved checkpoint.
-    pub async fn claim_resumable(&self, start: impl FnOnce() -> Snapshot) -> Claim {
+    pub async fn claim_resumable(&self, start: impl FnOnce() -> Snapshot) -> Result<Claim, StoreError> {
         let Some(journal) = &self.journal else {
             return self.claim().await;
         };
@@ -291,7 +298,7 @@ impl Persister {
         let claim = within(self.timeout, journal.claim_resumable(result, deadline_unix_ms, bytes)).await;
         let claim = self.claimed(&run_id, sent, claim);
         self.claimed_resumable
-            .store(matches!(claim, Claim::Claimed), Ordering::Release);
+            .store(matches!(claim, Ok(Claim::Claimed)), Ordering::Release);
         claim
     }
 

@@ -126,6 +126,7 @@ impl Core {
             }),
             // Another caller's run is answered as not found, so run ids cannot be probed.
             Err(Refusal::Foreign) => Err(no_run(&run_id)),
+            Err(Refusal::Unclaimed(e)) => Err(Error::Store(e)),
         }
     }
 

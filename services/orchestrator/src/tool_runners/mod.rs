@@ -10,9 +10,11 @@
 //! Each `RunTool` carries the run id and call id as request metadata (`x-run-id`, `x-call-id`),
 //! the run's metadata in the request body, the trace context, and a gRPC deadline. A call the
 //! runner refused before running it (it says so with `x-tool-runner-refused`: over its
-//! concurrency limit, or draining), or that never reached a runner (connect error), is retried
-//! on another endpoint with backoff, a bounded number of times; a call whose tool may have
-//! started is never retried.
+//! concurrency limit, draining, or unable to read the run's fence), or that never reached a
+//! runner (connect error), is retried on another endpoint with backoff, a bounded number of
+//! times; a call whose tool may have started is never retried. Every attempt is sent only while
+//! this replica holds the run, and a runner's refusal of a replaced owner's call
+//! (`FAILED_PRECONDITION` with `x-run-epoch-current`) stops this replica acting for the run.
 //! Dropping a call resets its HTTP/2 stream, which cancels the tool on the runner.
 //!
 //! Files: this one (the catalog, execution, retries), `pool.rs` (the endpoint pool: two random
@@ -43,6 +45,10 @@ use crate::domain::ports::{ToolExecutor, ToolInvocation};
 
 /// Response metadata by which a runner says it refused a call before running it.
 pub const REFUSED_HEADER: &str = "x-tool-runner-refused";
+
+/// Response metadata of a runner's `FAILED_PRECONDITION` for a replaced owner's call: the run's
+/// epoch as the runner read it from the run store's fence.
+pub const CURRENT_EPOCH_HEADER: &str = "x-run-epoch-current";
 
 /// A tool the runners offer.
 #[derive(Debug, Clone)]
@@ -253,11 +259,11 @@ fn ascii_header(value: &str) -> Option<tonic::metadata::MetadataValue<tonic::met
 
 /// Whether the call certainly did not run: the runner refused it, or it never reached one.
 fn refused_before_run(status: &tonic::Status) -> Option<&'static str> {
-    if status.metadata().get(REFUSED_HEADER).is_some() {
-        return Some(if status.code() == tonic::Code::ResourceExhausted {
-            "concurrency_limit"
-        } else {
-            "draining"
+    if let Some(why) = status.metadata().get(REFUSED_HEADER) {
+        return Some(match why.to_str().unwrap_or_default() {
+            "run-store" => "run_store",
+            _ if status.code() == tonic::Code::ResourceExhausted => "concurrency_limit",
+            _ => "draining",
         });
     }
     if status.code() != tonic::Code::Unavailable {
@@ -286,6 +292,9 @@ impl ToolExecutor for ToolRunners {
             let mut attempt = 0u32;
             let mut tried: Vec<String> = Vec::new();
             loop {
+                if let Some(moved) = moved_away(&call) {
+                    return Err(moved);
+                }
                 let Some(lease) = pool.pick(&tried) else {
                     return Err(ToolCallError::new("UNAVAILABLE", "no tool-runner endpoint is known (check --tool-runner)"));
                 };
@@ -296,6 +305,9 @@ impl ToolExecutor for ToolRunners {
                     Ok(response) => return outcome(response.into_inner()),
                     Err(status) => status,
                 };
+                if let Some(current) = superseded(&status) {
+                    return Err(stop_superseded(&call, current, &lease.member.uri));
+                }
                 let refused = refused_before_run(&status);
                 if let Some(reason) = refused {
                     let cooldown = if reason == "concurrency_limit" { BUSY_COOLDOWN } else { GONE_COOLDOWN };
@@ -314,6 +326,42 @@ impl ToolExecutor for ToolRunners {
         }
         .boxed()
     }
+}
+
+/// Why the call must not be sent (again): this replica no longer acts for its run.
+fn moved_away(call: &ToolInvocation) -> Option<ToolCallError> {
+    let owner = call.owner.as_ref()?;
+    (!owner.holds()).then(|| {
+        let why = owner
+            .why()
+            .map_or_else(|| "its ownership stopped".to_owned(), ToString::to_string);
+        ToolCallError::new(
+            "UNAVAILABLE",
+            format!("not sent: this replica no longer acts for the run ({why})"),
+        )
+    })
+}
+
+/// The run's current epoch, when `status` is a runner's refusal of a replaced owner's call.
+fn superseded(status: &tonic::Status) -> Option<u64> {
+    if status.code() != tonic::Code::FailedPrecondition {
+        return None;
+    }
+    status.metadata().get(CURRENT_EPOCH_HEADER)?.to_str().ok()?.parse().ok()
+}
+
+/// A runner refused the call as a replaced owner's: the run is another replica's now, so this
+/// one stops acting for it (the call's outcome is never reported from here).
+fn stop_superseded(call: &ToolInvocation, current: u64, runner: &str) -> ToolCallError {
+    let why = format!(
+        "tool-runner {runner} refused call {} of epoch {}: the run is in epoch {current}",
+        call.call_id, call.epoch
+    );
+    metrics::counter!(crate::telemetry::metric::TOOL_CALLS_SUPERSEDED).increment(1);
+    if let Some(owner) = &call.owner {
+        owner.stop(crate::domain::Stop::Fenced(why.clone()));
+    }
+    ToolCallError::new("UNAVAILABLE", why)
 }
 
 /// The `RunTool` request of a call: its deadline, the runner credentials, the trace context and
@@ -404,6 +452,7 @@ mod tests {
             metadata: std::collections::BTreeMap::new(),
             principal: "alice".into(),
             epoch: 4,
+            owner: None,
             timeout: Duration::from_secs(5),
         };
         let transport = Transport::from_settings(&crate::Config::default().tool_runners).unwrap();
@@ -424,6 +473,50 @@ mod tests {
             (body.run_id.as_str(), body.call_id.as_str(), body.epoch),
             ("run-7", "call_3", 4)
         );
+    }
+
+    /// A runner's refusal of a replaced owner's call stops the sender's ownership of the run, and
+    /// a call whose sender no longer holds its run is not sent (again): before every attempt.
+    #[tokio::test]
+    async fn a_stale_refusal_stops_the_owner_and_a_stopped_owner_sends_nothing() {
+        let owner = crate::domain::Ownership::local();
+        let call = ToolInvocation {
+            run_id: "run-7".into(),
+            call_id: "call_3".into(),
+            name: "refund".into(),
+            arguments_json: "{}".into(),
+            metadata: std::collections::BTreeMap::new(),
+            principal: String::new(),
+            epoch: 1,
+            owner: Some(owner.clone()),
+            timeout: Duration::from_secs(5),
+        };
+        assert!(moved_away(&call).is_none());
+        let mut refusal = tonic::Status::failed_precondition("stale");
+        refusal.metadata_mut().insert(CURRENT_EPOCH_HEADER, 2.into());
+        assert_eq!(superseded(&refusal), Some(2));
+        assert_eq!(
+            superseded(&tonic::Status::failed_precondition("a tool's own refusal")),
+            None
+        );
+        let error = stop_superseded(&call, 2, "http://runner-b:50052");
+        assert!(
+            error.message.contains("epoch 1") && error.message.contains("epoch 2"),
+            "{}",
+            error.message
+        );
+        assert!(owner.stopped());
+        assert!(moved_away(&call).is_some_and(|e| e.message.contains("runner-b")));
+        // Not sent at all: the check answers before any runner is tried.
+        let runners = ToolRunners::connect(
+            &crate::Config::new("http://127.0.0.1:1/v1", "m", vec!["http://127.0.0.1:1".into()]).tool_runners,
+            Arc::new(SystemResolver),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        let answer = runners.execute(call).await.unwrap_err();
+        assert!(answer.message.starts_with("not sent"), "{}", answer.message);
     }
 
     #[test]

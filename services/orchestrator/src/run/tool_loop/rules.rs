@@ -486,13 +486,15 @@ impl Driver<'_> {
             metadata: self.spec.metadata.clone(),
             principal: self.spec.principal.clone(),
             epoch: self.ownership().map_or(0, |o| o.epoch()),
+            owner: self.ownership(),
             timeout,
         };
         let tool = call.name.clone();
         let owner = self.ownership();
         let future = span.in_scope(|| self.deps.tools.execute(invocation));
         async move {
-            if owner.is_some_and(|o| !o.holds()) {
+            let moved = || owner.as_ref().is_some_and(|o| !o.holds());
+            if moved() {
                 // This replica no longer acts for the run: the call never leaves, and the run
                 // ends here at once (its ownership stopped).
                 return std::future::pending().await;
@@ -506,6 +508,11 @@ impl Driver<'_> {
                 ))
             });
             let elapsed = started.elapsed();
+            if moved() {
+                // The run moved while the call was out (a runner refused it as a replaced
+                // owner's, or the lease ran out): its outcome is the new owner's to find.
+                return std::future::pending().await;
+            }
             telemetry::record_tool_call(&tool, &result, elapsed, payloads);
             CallOutcome {
                 index,

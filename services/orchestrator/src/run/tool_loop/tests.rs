@@ -319,7 +319,7 @@ async fn play_with(
     if let (true, Some(persister)) = (outside.claim_resumable, &admitted.persister) {
         let start = Checkpoint::at_start(&admitted.spec, RunResult::running("r"));
         let claim = persister.claim_resumable(|| start.snapshot()).await;
-        assert!(matches!(claim, crate::domain::ports::Claim::Claimed));
+        assert!(matches!(claim, Ok(crate::domain::ports::Claim::Claimed)));
         assert!(persister.claimed_resumable(), "the claim saved the start checkpoint");
     }
     if let Some(after) = outside.cancel_after {

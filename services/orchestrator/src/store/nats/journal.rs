@@ -347,6 +347,10 @@ impl RunJournal for KvStore {
             if !record.orphaned(shared::sync::unix_ms(), lapsed) {
                 return Ok(None);
             }
+            // The fence first: once the record is this replica's its calls may go out, and by
+            // then every runner refuses the replaced owner's (a raise is never undone; should the
+            // claim below lose, the winner holds the same epoch).
+            super::fence::raise(&kv, &key, record.epoch.saturating_add(1)).await?;
             // The record as read, now this replica's in the next epoch with a fresh lease.
             let mut claimed = super::results::Record {
                 owner,

@@ -14,6 +14,7 @@
 
 pub mod approvals;
 pub(crate) mod checkpoints;
+mod fence;
 pub mod journal;
 pub mod log;
 pub mod results;

@@ -264,20 +264,7 @@ pub(super) fn key(run_id: &str) -> String {
     escaped_key("run.", run_id)
 }
 
-/// A valid KV key for `id` after `prefix` (keys allow `[-/_=.a-zA-Z0-9]`; anything else is
-/// hex-escaped).
-pub(super) fn escaped_key(prefix: &str, id: &str) -> String {
-    let mut key = String::with_capacity(prefix.len() + id.len());
-    key.push_str(prefix);
-    for b in id.bytes() {
-        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
-            key.push(b as char);
-        } else {
-            key.push_str(&format!("={b:02x}"));
-        }
-    }
-    key
-}
+pub(super) use shared::fence::escaped_key;
 
 impl KvStore {
     /// Binds the bucket, creating it when missing. The bucket's stream is created in the KV
@@ -458,6 +445,7 @@ pub(super) async fn create_record(
                 // resumed: the id is free again (one winner), in a later epoch.
                 record.epoch = record.epoch.max(taken.epoch.saturating_add(1));
                 record.checkpoint_epoch = named_checkpoint(&record);
+                super::fence::raise(&kv, &key, record.epoch).await?;
                 if let Ok(revision) = kv.update(&key, record.encode_to_vec().into(), revision).await {
                     shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
                     return Ok(Claim::Claimed);
@@ -465,11 +453,9 @@ pub(super) async fn create_record(
             }
             Ok(Claim::Taken(Box::new(taken.read(&key)?)))
         }
-        Err(e) => {
-            // Unanswered, the claim may have landed: a later write adopts it (or creates it).
-            shared::sync::lock(&owned).insert(key.clone(), Owned::of(0, &record));
-            Err(unavailable("KV create", &key, e))
-        }
+        // Unanswered, the claim may have landed: the run is not started here, and a record that
+        // did land lapses unrenewed (then it is resumed from its start checkpoint, or reads lost).
+        Err(e) => Err(unavailable("KV create", &key, e)),
     }
 }
 
@@ -611,5 +597,10 @@ mod tests {
         assert_eq!(super::key("0193-abc_DEF"), "run.0193-abc_DEF");
         assert_eq!(super::key("a.b:c"), "run.a=2eb=3ac");
         assert_ne!(super::key("a.b"), super::key("a_b"));
+        assert_ne!(
+            super::key("a"),
+            shared::fence::key("a"),
+            "a run's fence is not its record"
+        );
     }
 }

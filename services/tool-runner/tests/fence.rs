@@ -1,0 +1,173 @@
+//! The run fence at the receiver, against a real `nats-server -js`: two runners given the run
+//! store refuse a call sent in an older epoch than the run's fence before its tool runs, each
+//! reading the fence from the store (neither has seen the newer epoch's calls), say which epochs
+//! met, and refuse a durable call `UNAVAILABLE`, unrun, while the store cannot be read.
+
+use std::time::Duration;
+
+use proto::toolrunner::v1 as pb;
+use testkit::Runner;
+use testkit::nats::Nats;
+
+type TestResult = anyhow::Result<()>;
+
+/// The orchestrators' run-store bucket, as they create it.
+const BUCKET: &str = "orchestrator-runs";
+
+/// A command tool `record` that appends `<run id>/<call id> <epoch>` to `log`: what ran.
+fn manifest(dir: &std::path::Path, log: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+    let path = dir.join("tools.toml");
+    let script = format!(
+        "echo \"$TOOL_RUN_ID/$TOOL_CALL_ID $TOOL_RUN_EPOCH\" >> {}; printf '{{}}'",
+        log.display()
+    );
+    std::fs::write(
+        &path,
+        format!(
+            "[[tool]]\nname = \"record\"\ndescription = \"records its call\"\nargv = [\"sh\", \"-c\", {script:?}]\n"
+        ),
+    )?;
+    Ok(path)
+}
+
+/// Two runners reading the run store at `nats`, with the `record` tool logging to `log`.
+async fn runners(nats: &Nats, manifest: &std::path::Path) -> anyhow::Result<[Runner; 2]> {
+    let config = || {
+        let mut config = testkit::stack::runner_config(Some(manifest.to_owned()));
+        config.fence.run_store = Some(nats.url());
+        config.fence.timeout = Duration::from_millis(500);
+        config
+    };
+    Ok([Runner::start(config()).await?, Runner::start(config()).await?])
+}
+
+/// The run store's bucket, and a way to set a run's fence as a replica taking it over does.
+async fn bucket(nats: &Nats) -> anyhow::Result<async_nats::jetstream::kv::Store> {
+    use async_nats::jetstream::stream;
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await?);
+    // In the KV layout directly, as the orchestrators create it (any JetStream from 2.9 on).
+    js.get_or_create_stream(stream::Config {
+        name: format!("KV_{BUCKET}"),
+        subjects: vec![format!("$KV.{BUCKET}.>")],
+        max_messages_per_subject: 1,
+        discard: stream::DiscardPolicy::New,
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await?;
+    Ok(js.get_key_value(BUCKET).await?)
+}
+
+/// `record` for `call` of `run` sent in `epoch`: what the runner answered.
+async fn call(runner: &Runner, run: &str, call: &str, epoch: u64) -> anyhow::Result<Result<(), tonic::Status>> {
+    let request = pb::RunToolRequest {
+        run_id: run.to_owned(),
+        call_id: call.to_owned(),
+        tool_name: "record".to_owned(),
+        arguments_json: "{}".to_owned(),
+        epoch,
+        ..Default::default()
+    };
+    Ok(runner.client().await?.run_tool(request).await.map(|_| ()))
+}
+
+/// The lines the tool wrote: the calls that ran.
+fn ran(log: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn header(status: &tonic::Status, name: &str) -> Option<String> {
+    status.metadata().get(name)?.to_str().ok().map(str::to_owned)
+}
+
+/// A replaced owner's call is refused by whichever runner it reaches, before its tool runs, and
+/// the refusal names both epochs; the owner's calls, calls of runs never taken over and calls of
+/// no durable run run. Raising the fence again refuses the epoch that just ran.
+#[tokio::test]
+async fn a_call_older_than_its_runs_fence_is_refused_by_every_runner_before_its_tool_runs() -> TestResult {
+    let nats = Nats::start().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.log");
+    let [a, b] = runners(&nats, &manifest(dir.path(), &log)?).await?;
+    let kv = bucket(&nats).await?;
+    kv.put(shared::fence::key("run.1"), shared::fence::encode(2).into())
+        .await?;
+
+    let refused = call(&a, "run.1", "call_1", 1)
+        .await?
+        .expect_err("epoch 1 under a fence of 2");
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        refused.message().contains("epoch 1") && refused.message().contains("epoch 2"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(header(&refused, "x-run-epoch-current").as_deref(), Some("2"));
+    call(&b, "run.1", "call_1", 2).await?.map_err(anyhow::Error::msg)?;
+    call(&a, "run.1", "call_2", 3).await?.map_err(anyhow::Error::msg)?;
+    call(&a, "never-moved", "call_1", 1)
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    call(&b, "run.1", "local", 0).await?.map_err(anyhow::Error::msg)?;
+
+    // Another takeover: runner b refuses the epoch it ran a moment ago, learnt from the store.
+    kv.put(shared::fence::key("run.1"), shared::fence::encode(4).into())
+        .await?;
+    let refused = call(&b, "run.1", "call_3", 3)
+        .await?
+        .expect_err("epoch 3 under a fence of 4");
+    assert_eq!(header(&refused, "x-run-epoch-current").as_deref(), Some("4"));
+    assert_eq!(
+        ran(&log),
+        [
+            "run.1/call_1 2",
+            "run.1/call_2 3",
+            "never-moved/call_1 1",
+            "run.1/local 0"
+        ],
+        "only the calls of the run's current owner (or of no durable run) ran"
+    );
+    Ok(())
+}
+
+/// While the store cannot be read a durable call is refused `UNAVAILABLE`, unrun, marked as
+/// refused (the orchestrator sends it to another runner); a call of no durable run still runs,
+/// and durable calls run again once the store is back.
+#[tokio::test]
+async fn a_durable_call_is_refused_unrun_while_the_run_store_cannot_be_read() -> TestResult {
+    let mut nats = Nats::start().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.log");
+    let [a, _b] = runners(&nats, &manifest(dir.path(), &log)?).await?;
+    bucket(&nats).await?;
+    call(&a, "run.2", "before", 1).await?.map_err(anyhow::Error::msg)?;
+
+    nats.stop().await?;
+    let refused = call(&a, "run.2", "during", 1)
+        .await?
+        .expect_err("no store, no durable call");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{}", refused.message());
+    assert_eq!(header(&refused, "x-tool-runner-refused").as_deref(), Some("run-store"));
+    assert!(refused.message().contains("run fence"), "{}", refused.message());
+    call(&a, "run.2", "local", 0).await?.map_err(anyhow::Error::msg)?;
+
+    nats.restart().await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while call(&a, "run.2", "after", 1).await?.is_err() {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the runner never read the store again"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ran = ran(&log);
+    assert!(!ran.iter().any(|l| l.contains("during")), "{ran:?}");
+    assert_eq!(&ran[..2], ["run.2/before 1", "run.2/local 0"]);
+    Ok(())
+}
