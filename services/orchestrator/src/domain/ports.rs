@@ -383,6 +383,9 @@ pub struct Wait {
     pub principal: String,
     /// The calls that wait, each with its tool's argument schema (an edit must pass it).
     pub calls: Vec<(PendingApproval, serde_json::Value)>,
+    /// The epoch of the claim that opens it (0: a run of this replica only): a shared lot keeps
+    /// a newer owner's wait from an older owner's writes.
+    pub epoch: u64,
 }
 
 impl Wait {
@@ -476,7 +479,9 @@ impl Decider {
 /// expired, past its deadline or canceled; a shared lot (NATS) marks it so in the run store,
 /// where any replica takes it over.
 pub trait ApprovalLot: Send + Sync + 'static {
-    /// Opens the wait of a run's turn; `Err` with the reason when no more runs may wait.
+    /// Opens the wait of a run's turn (keeping the decisions of its calls already made, when a
+    /// resumed run opens the same wait again); `Err` with the reason when no more runs may wait,
+    /// or a newer owner's wait stands.
     fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>>;
     /// Parks the run with an open wait.
     fn park(&self, run_id: &str, parked: Parked) -> BoxFuture<'static, Result<ParkOutcome, StoreError>>;
@@ -502,8 +507,9 @@ pub trait ApprovalLot: Send + Sync + 'static {
     fn parked(&self, run_id: &str) -> Option<RunResult>;
     /// Cancels a parked run (it goes on only to end); whether one was parked.
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>>;
-    /// Forgets a run's wait (its calls were decided and taken, or it ended).
-    fn close(&self, run_id: &str) -> BoxFuture<'static, ()>;
+    /// Forgets a run's wait (its calls were decided and taken, or it ended), unless a newer
+    /// owner than `epoch`'s opened it.
+    fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()>;
     /// Applies timeouts and deadlines as of `now_unix_ms` (a lot of this process).
     fn expire(&self, now_unix_ms: u64);
     /// The oldest parked run of this process ready to resume, taken out of the lot.

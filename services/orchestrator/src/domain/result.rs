@@ -193,6 +193,17 @@ pub struct RunResult {
 }
 
 impl RunResult {
+    /// The result as a reader outside the run sees it while the run's end is not kept yet (its
+    /// log and its store do not hold it): still running, its output so far.
+    pub fn unended(mut self) -> Self {
+        if !self.status.is_live() {
+            self.status = RunStatus::Running;
+            self.failure_reason = None;
+            self.failure_detail.clear();
+        }
+        self
+    }
+
     /// A live run with no output yet.
     pub fn running(run_id: &str) -> Self {
         Self {

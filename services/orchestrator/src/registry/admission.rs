@@ -11,7 +11,7 @@ use shared::runtime::AbortOnDrop;
 
 use super::{Live, Runs, sees};
 use crate::domain::ports::{Claim, LogWriter, Logged, Ready, within};
-use crate::domain::{EventBatch, RunResult, RunSpec, RunStatus};
+use crate::domain::{EventBatch, Ownership, RunResult, RunSpec, RunStatus};
 use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 use crate::run::persist::Persister;
 use crate::run::steering::Inbox;
@@ -43,6 +43,7 @@ struct Registered {
     handoff: Handoff,
     inbox: Inbox,
     permit: OwnedSemaphorePermit,
+    ownership: Ownership,
 }
 
 /// A started run's place in the registry; dropping it frees the slot and the live entry.
@@ -169,11 +170,11 @@ impl Runs {
         if !sees(caller, &live.principal) {
             return Some(Refusal::Foreign);
         }
-        let result = shared::sync::lock(&live.state);
+        let result = live.shown();
         Some(if result.status.is_live() {
             Refusal::Duplicate
         } else {
-            Refusal::Finished(Box::new(result.clone()))
+            Refusal::Finished(Box::new(result))
         })
     }
 
@@ -185,6 +186,7 @@ impl Runs {
             handoff,
             inbox,
             permit,
+            ownership,
         } = self.register(run_id, caller)?;
         let persister = Persister::new(
             Arc::clone(&self.store),
@@ -192,7 +194,8 @@ impl Runs {
             self.store_timeout,
             Arc::clone(&self.backlog),
         )
-        .with_journal(self.journal.clone());
+        .with_journal(self.journal.clone())
+        .with_ownership(ownership);
         Ok(Admitted {
             runs: Arc::clone(self),
             run_id: run_id.to_owned(),
@@ -231,6 +234,7 @@ impl Runs {
         };
         let cancel = Cancel::default();
         let inbox = Inbox::new(self.max_steering);
+        let ownership = Ownership::new(self.store.lease(), tokio::time::Instant::now());
         live.insert(
             run_id.to_owned(),
             Live {
@@ -240,6 +244,7 @@ impl Runs {
                 principal: caller.name.clone(),
                 inbox: inbox.clone(),
                 gone: tokio_util::sync::CancellationToken::new(),
+                ownership: ownership.clone(),
             },
         );
         Ok(Registered {
@@ -248,6 +253,7 @@ impl Runs {
             handoff,
             inbox,
             permit,
+            ownership,
         })
     }
 

@@ -26,8 +26,8 @@ pub(crate) enum AttachError {
 impl Runs {
     /// The events of a run `caller` may see (the runs `GetRun` shows it), after `after_seq`, then
     /// the live ones up to `run_finished`. With a shared store the run may live on another
-    /// replica: a feed that brings nothing for a lease renewal period asks the store, and ends
-    /// with [`LogError::Lost`] when the run ended without its last event reaching the log.
+    /// replica: a feed that brings nothing for a lease renewal period asks the store and the log,
+    /// and ends with [`LogError::Lost`] when the run ended without its last event reaching the log.
     pub(crate) async fn attach(
         self: &Arc<Self>,
         run_id: &str,
@@ -70,8 +70,8 @@ impl Runs {
         })))
     }
 
-    /// `feed`, ended with [`LogError::Lost`] when it stays quiet for two periods of `every`
-    /// while the store says the run has ended (its last events never reached the log).
+    /// `feed`, ended with [`LogError::Lost`] when, quiet for a period of `every`, the store and
+    /// the log say the run's end will never come ([`Runs::lost_end`]).
     fn watched(
         self: &Arc<Self>,
         feed: EventFeed,
@@ -87,7 +87,6 @@ impl Runs {
             run_id: String,
             caller: Principal,
             last_seq: u64,
-            quiet_after_end: u32,
         }
         let watch = Watch {
             feed,
@@ -95,7 +94,6 @@ impl Runs {
             run_id: run_id.to_owned(),
             caller: caller.clone(),
             last_seq: after_seq,
-            quiet_after_end: 0,
         };
         futures::stream::unfold(watch, move |mut w| async move {
             loop {
@@ -107,20 +105,11 @@ impl Runs {
                                 w.runs.stored_end(&w.run_id, &w.caller, every).await;
                             }
                         }
-                        w.quiet_after_end = 0;
                         return Some((item, w));
                     }
                     Ok(None) => return None,
                     Err(_quiet) => {
-                        let ended =
-                            matches!(w.runs.get(&w.run_id, &w.caller).await, Ok(Some(r)) if !r.status.is_live());
-                        w.quiet_after_end = if ended { w.quiet_after_end + 1 } else { 0 };
-                        if w.quiet_after_end >= 2 {
-                            let lost = LogError::Lost {
-                                run_id: w.run_id.clone(),
-                                after_seq: w.last_seq,
-                                reason: "the run has ended, and its last events are not in the log".to_owned(),
-                            };
+                        if let Some(lost) = w.runs.lost_end(&w.run_id, &w.caller, w.last_seq).await {
                             let mut ended = w;
                             ended.feed = futures::stream::empty().boxed();
                             return Some((Err(lost), ended));
@@ -130,6 +119,30 @@ impl Runs {
             }
         })
         .boxed()
+    }
+
+    /// Whether a follower at `cursor` of a quiet feed will never see the run's end, read from the
+    /// store and the log, never from silence: the stored result is final, and the log's last
+    /// event is neither `run_finished` nor past the cursor (the end never reached the log). A
+    /// store or log that cannot answer says nothing is lost: the follower waits on.
+    async fn lost_end(&self, run_id: &str, caller: &Principal, cursor: u64) -> Option<LogError> {
+        let ended = matches!(self.get(run_id, caller).await, Ok(Some(r)) if !r.status.is_live());
+        if !ended {
+            return None;
+        }
+        let logged = self.log.last(run_id).await.ok()?;
+        if logged.finished.is_some() || logged.seq > cursor {
+            return None;
+        }
+        let replica = std::env::var("HOSTNAME").unwrap_or_else(|_| "this replica".to_owned());
+        Some(LogError::Lost {
+            run_id: run_id.to_owned(),
+            after_seq: cursor,
+            reason: format!(
+                "the run has ended, and its log ends at seq {} without its end (read by {replica})",
+                logged.seq
+            ),
+        })
     }
 
     /// Waits (at most `limit`) until the store says the run ended: a durable run's log holds its
@@ -164,17 +177,18 @@ impl Runs {
         let live = self
             .lock()
             .get(run_id)
-            .map(|run| (run.gone.clone(), Arc::clone(&run.state)));
+            .map(|run| (run.gone.clone(), Arc::clone(&run.state), run.ownership.clone()));
         async move {
-            let Some((gone, state)) = live else {
+            let Some((gone, state, ownership)) = live else {
                 if !elsewhere {
                     std::future::pending::<()>().await;
                 }
                 return;
             };
             gone.cancelled().await;
+            // Ended here means its end was kept: one settled but never logged moved on.
             let status = shared::sync::lock(&state).status;
-            if !status.is_live() || status == RunStatus::AwaitingApproval {
+            if ownership.ended() || status == RunStatus::AwaitingApproval {
                 std::future::pending::<()>().await;
             }
         }

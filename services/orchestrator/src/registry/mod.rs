@@ -48,6 +48,21 @@ struct Live {
     inbox: Inbox,
     /// Cancelled once the run leaves this replica (ended, or moved to another one).
     gone: tokio_util::sync::CancellationToken,
+    /// This replica's ownership of the run: its end is shown once it is stored.
+    ownership: crate::domain::Ownership,
+}
+
+impl Live {
+    /// The run as readers outside it see it: an end is shown only once it is kept (logged, and
+    /// the result stored); until then the run reads running, with its output so far.
+    fn shown(&self) -> RunResult {
+        let result = shared::sync::lock(&self.state).clone();
+        if self.ownership.ended() {
+            result
+        } else {
+            result.unended()
+        }
+    }
 }
 
 /// See the module docs.
@@ -169,7 +184,7 @@ impl Runs {
     /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
     /// store cannot be read.
     pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
-        let live = self.lock().get(run_id).map(|l| shared::sync::lock(&l.state).clone());
+        let live = self.lock().get(run_id).map(Live::shown);
         let found = match live {
             Some(result) => Some(result),
             None => match self.approvals.parked(run_id) {

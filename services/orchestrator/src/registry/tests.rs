@@ -167,16 +167,25 @@ async fn slots_on_both_sides_of_the_limit_and_released_on_drop() {
     assert!(runs.admit("c", &anon(), None).await.is_ok());
 }
 
-/// A run that has ended but whose task has not let go of its slot yet is replayed to a
-/// retry of its id, not refused as still running (its final result may not be stored yet).
+/// An end is shown once it is kept: a run whose end is settled but not stored reads running
+/// (GetRun, and a retry of its id is refused as live); once stored, while its task has not let
+/// go of its slot yet, a retry is a replay.
 #[tokio::test]
-async fn a_retry_just_after_the_end_is_a_replay() {
+async fn a_retry_just_after_the_end_is_a_replay_once_the_end_is_kept() {
     let runs = runs(2, 10, Duration::from_secs(60));
     let ending = runs.admit("a", &anon(), None).await.unwrap();
-    ending.state.lock().unwrap().status = RunStatus::Completed;
+    {
+        let mut state = ending.state.lock().unwrap();
+        state.status = RunStatus::Failed;
+        state.failure_reason = Some(crate::domain::FailureReason::LlmStreamStalled);
+    }
+    assert!(matches!(runs.admit("a", &anon(), None).await, Err(Refusal::Duplicate)));
+    let shown = runs.get("a", &anon()).await.unwrap().unwrap();
+    assert_eq!((shown.status, shown.failure_reason), (RunStatus::Running, None));
+    ending.persister.write_final().await;
     assert!(matches!(
         runs.admit("a", &anon(), None).await,
-        Err(Refusal::Finished(result)) if result.status == RunStatus::Completed
+        Err(Refusal::Finished(result)) if result.status == RunStatus::Failed
     ));
     assert!(matches!(
         runs.admit("a", &named("mallory", None), None).await,

@@ -110,6 +110,14 @@ impl Persister {
         self.ownership.lost().await;
     }
 
+    /// The persister, acting for the run with `ownership` (made by the registry, which shows the
+    /// run's end only once that ownership says it is stored).
+    #[must_use]
+    pub fn with_ownership(mut self, ownership: Ownership) -> Self {
+        self.ownership = ownership;
+        self
+    }
+
     /// Whether a write may leave now: the run is this replica's (or ended here), and not parked.
     fn may_write(&self) -> bool {
         !self.released.is_cancelled() && self.ownership.may_log()
@@ -136,10 +144,8 @@ impl Persister {
             return false;
         }
         let mut snapshot = self.snapshot();
-        if still_live && !snapshot.status.is_live() {
-            snapshot.status = crate::domain::RunStatus::Running;
-            snapshot.failure_reason = None;
-            snapshot.failure_detail.clear();
+        if still_live {
+            snapshot = snapshot.unended();
         }
         let run_id = snapshot.run_id.clone();
         let sent = tokio::time::Instant::now();
@@ -238,8 +244,14 @@ impl Persister {
     /// Writes the final result; if the store does not take it, it waits in the backlog (answered
     /// by GetRun here, written again until the store takes it).
     pub async fn write_final(&self) {
+        let written = self.snapshot();
         if self.write().await {
             self.ownership.end();
+            // A signal confirmed while the end was on its way changed it (its delivery report
+            // found the end not stored yet, and left the write to this one).
+            if self.snapshot() != written {
+                self.write().await;
+            }
             self.forget().await;
         } else if !self.ownership.stopped() {
             self.backlog.push(self.snapshot());
@@ -334,8 +346,13 @@ impl Persister {
     }
 
     /// Writes the final result again in the background (off the run's path), e.g. after a late
-    /// signal confirmation changed it.
+    /// signal confirmation changed it, once it is stored: an end not stored yet is the run's own
+    /// to store, after its log keeps it (written earlier, the record would say the run ended
+    /// while its log may never hold the end, and the checkpoint would be gone).
     pub fn write_final_soon(&self) {
+        if !self.ownership.ended() {
+            return;
+        }
         let this = self.clone();
         tokio::spawn(async move { this.write_final().await });
     }

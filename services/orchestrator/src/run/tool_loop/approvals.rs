@@ -135,6 +135,7 @@ impl Driver<'_> {
             run_id: self.spec.run_id.clone(),
             principal: self.spec.principal.clone(),
             calls: waiting,
+            epoch: self.epoch(),
         };
         if let Err(reason) = self.deps.approvals.open(wait).await {
             tracing::warn!("{reason}; the calls that need approval are rejected");
@@ -205,7 +206,7 @@ impl Driver<'_> {
         }
         if !calls.undecided() {
             lock(self.state).pending_approvals.clear();
-            self.deps.approvals.close(&self.spec.run_id).await;
+            self.deps.approvals.close(&self.spec.run_id, self.epoch()).await;
         }
         Ok(())
     }
@@ -266,12 +267,21 @@ impl Driver<'_> {
                 calls.reject_undecided("the wait for its approval was lost");
                 Ok(())
             }
-            Err(e) => {
-                // The store cannot take the parked run: it waits on its slot instead.
-                tracing::warn!("parking the run failed ({e}); it waits for its approvals in place");
-                self.wait_in_place(calls).await;
-                Ok(())
-            }
+            Err(e) => match self.ownership() {
+                // The store did not take the parked run, and its log writer went with the park:
+                // the run stops here, and whichever replica takes it resumes it from its last
+                // checkpoint (waiting in place, its checkpoints would run ahead of its log).
+                Some(owner) => {
+                    tracing::warn!("parking the run failed ({e}); it stops here and resumes from its checkpoint");
+                    owner.stop(crate::domain::Stop::Unsaved(format!("parking it failed: {e}")));
+                    Err(End::TakenOver)
+                }
+                None => {
+                    tracing::warn!("parking the run failed ({e}); it waits for its approvals in place");
+                    self.wait_in_place(calls).await;
+                    Ok(())
+                }
+            },
         }
     }
 

@@ -206,6 +206,11 @@ impl Driver<'_> {
         self.durable().map(|p| p.ownership().clone())
     }
 
+    /// The epoch of this replica's claim of the run (0: a run of this replica only).
+    pub(super) fn epoch(&self) -> u64 {
+        self.ownership().map_or(0, |o| o.epoch())
+    }
+
     /// Whether this replica may act for the run now (always, for a run of this replica only).
     pub(super) fn acting(&self) -> bool {
         self.durable().is_none_or(|p| p.ownership().holds())

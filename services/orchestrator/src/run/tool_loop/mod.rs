@@ -238,26 +238,31 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
             return moved(end, persister, emitter, deps.log_settle_timeout, state).await;
         }
         // A wait opened in this turn ends with the run.
-        _ if !lock(state).pending_approvals.is_empty() => deps.approvals.close(&spec.run_id).await,
+        _ if !lock(state).pending_approvals.is_empty() => {
+            let epoch = persister.filter(|p| p.durable()).map_or(0, |p| p.ownership().epoch());
+            deps.approvals.close(&spec.run_id, epoch).await;
+        }
         _ => {}
     }
     let result = settle(state, end, cancel);
     telemetry::record_run_end(&result, started.elapsed());
+    emitter.queue(Event::RunFinished(Box::new(result.clone())));
+    if let Some(persister) = persister.filter(|p| p.durable()) {
+        // A durable run's log holds its end before anything else shows it: a replica that takes
+        // the run over in between finds the end there and stores it, so the log is whole; an end
+        // the log refused (a replaced owner's) changes nothing anywhere.
+        emitter.log_queued();
+        if !emitter.settler(deps.log_settle_timeout).wait().await {
+            return end_unlogged(persister, emitter, deps.log_settle_timeout, state).await;
+        }
+    }
     // The thread holds the run's messages before its caller hears of its end, so the next run on
-    // the thread (which the caller may start at once) finds it free and sees them.
+    // the thread (which the caller may start at once) finds it free and sees them. It joins once:
+    // the thread keeps one copy of a run, whoever adds it.
     if let (Some(thread), Some(threads)) = (&spec.thread, &deps.threads) {
         threads.end_run(spec, thread, conversation, result.status).await;
     }
-    emitter.queue(Event::RunFinished(Box::new(result.clone())));
     if let Some(persister) = persister {
-        if persister.durable() {
-            // A durable run's log holds its end before its record does: a replica that takes the
-            // run over in between finds the end there and stores it, so the log is whole.
-            emitter.log_queued();
-            if !emitter.settler(deps.log_settle_timeout).wait().await {
-                return end_unlogged(persister, emitter, deps.log_settle_timeout, state).await;
-            }
-        }
         // The result is stored before the stream ends, so GetRun (on any replica) finds it.
         persister.write_final().await;
     }

@@ -485,7 +485,7 @@ impl Driver<'_> {
             arguments_json: call.arguments.clone(),
             metadata: self.spec.metadata.clone(),
             principal: self.spec.principal.clone(),
-            epoch: self.ownership().map_or(0, |o| o.epoch()),
+            epoch: self.epoch(),
             owner: self.ownership(),
             timeout,
         };

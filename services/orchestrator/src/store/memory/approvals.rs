@@ -234,7 +234,7 @@ impl ApprovalLot for MemoryLot {
         ready(Ok(self.cancel_now(run_id, reason))).boxed()
     }
 
-    fn close(&self, run_id: &str) -> BoxFuture<'static, ()> {
+    fn close(&self, run_id: &str, _epoch: u64) -> BoxFuture<'static, ()> {
         let mut inner = self.lock();
         if let Some(entry) = inner.runs.remove(run_id) {
             inner.ready.remove(&entry.opened);

@@ -40,6 +40,10 @@ struct WaitRecord {
     schemas: BTreeMap<String, serde_json::Value>,
     canceled: Option<String>,
     parked_at_unix_ms: u64,
+    /// The epoch of the claim that opened it (absent from versions before epochs: 0): an older
+    /// owner neither replaces nor deletes it.
+    #[serde(default)]
+    epoch: u64,
 }
 
 impl WaitRecord {
@@ -187,7 +191,8 @@ impl NatsLot {
                 return Ok(ParkOutcome::Decided(Vec::new(), Box::new(parked)));
             };
             if wait.decided() {
-                let _ = waits.delete(&key).await;
+                // Taken by this run now; a change since (a newer owner's wait) stays.
+                let _ = waits.delete_expect_revision(&key, Some(revision)).await;
                 return Ok(ParkOutcome::Decided(wait.calls, Box::new(parked)));
             }
             wait.parked_at_unix_ms = parked.parked_at_unix_ms;
@@ -258,10 +263,72 @@ impl NatsLot {
     }
 }
 
+/// Opens `record` under `key`, by compare-and-set: over no wait, over an older owner's, or over
+/// the same calls' wait (a resumed run opening it again), whose decisions it keeps. A newer
+/// owner's wait stands: the opener was replaced.
+async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRecord) -> Result<(), String> {
+    let refused = |e: &dyn std::fmt::Display| format!("the approvals bucket did not take the wait: {e}");
+    for _ in 0..CAS_ATTEMPTS {
+        let current = read(waits, key).await.map_err(|e| refused(&e))?;
+        let written = match current {
+            None => {
+                let bytes = serde_json::to_vec(&record).unwrap_or_default();
+                match waits.create(key, bytes.into()).await {
+                    Ok(_) => true,
+                    Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => false,
+                    Err(e) => return Err(refused(&e)),
+                }
+            }
+            Some((stored, _)) if stored.epoch > record.epoch => {
+                return Err(format!(
+                    "another replica holds the run (its wait is of epoch {}, this replica's claim of epoch {})",
+                    stored.epoch, record.epoch
+                ));
+            }
+            Some((stored, revision)) => {
+                if same_calls(&stored, &record) {
+                    record.calls = stored.calls.clone();
+                    record.canceled = stored.canceled.clone();
+                }
+                replace(waits, key, &record, revision).await.map_err(|e| refused(&e))?
+            }
+        };
+        if written {
+            return Ok(());
+        }
+    }
+    Err(refused(&"the wait kept changing"))
+}
+
+/// Whether two waits are of the same calls.
+fn same_calls(a: &WaitRecord, b: &WaitRecord) -> bool {
+    a.calls.len() == b.calls.len() && a.calls.iter().zip(&b.calls).all(|(x, y)| x.call_id == y.call_id)
+}
+
+/// Deletes the wait under `key` unless a newer owner than `epoch`'s opened it, by its revision.
+async fn close_stored(waits: &jetstream::kv::Store, key: &str, epoch: u64) {
+    for _ in 0..CAS_ATTEMPTS {
+        let Ok(Some((stored, revision))) = read(waits, key).await else {
+            return;
+        };
+        if stored.epoch > epoch {
+            return;
+        }
+        match waits.delete_expect_revision(key, Some(revision)).await {
+            Ok(()) => return,
+            Err(e) if e.kind() == jetstream::kv::DeleteErrorKind::WrongLastRevision => {}
+            Err(e) => {
+                tracing::warn!(%key, "closing the approval wait failed (it expires with the bucket): {e}");
+                return;
+            }
+        }
+    }
+}
+
 impl ApprovalLot for NatsLot {
     fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
         let waits = self.waits.clone();
-        let (key, principal) = (key(&wait.run_id), wait.principal.clone());
+        let (key, principal, epoch) = (key(&wait.run_id), wait.principal.clone(), wait.epoch);
         let (calls, schemas) = wait.into_calls();
         let record = WaitRecord {
             principal,
@@ -269,16 +336,9 @@ impl ApprovalLot for NatsLot {
             schemas,
             canceled: None,
             parked_at_unix_ms: 0,
+            epoch,
         };
-        async move {
-            let bytes = serde_json::to_vec(&record).unwrap_or_default();
-            waits
-                .put(&key, bytes.into())
-                .await
-                .map(|_| ())
-                .map_err(|e| format!("the approvals bucket did not take the wait: {e}"))
-        }
-        .boxed()
+        async move { open_stored(&waits, &key, record).await }.boxed()
     }
 
     fn park(&self, run_id: &str, parked: Parked) -> BoxFuture<'static, Result<ParkOutcome, StoreError>> {
@@ -348,12 +408,9 @@ impl ApprovalLot for NatsLot {
         .boxed()
     }
 
-    fn close(&self, run_id: &str) -> BoxFuture<'static, ()> {
+    fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
         let (waits, key) = (self.waits.clone(), key(run_id));
-        async move {
-            let _ = waits.delete(&key).await;
-        }
-        .boxed()
+        async move { close_stored(&waits, &key, epoch).await }.boxed()
     }
 
     fn expire(&self, _now_unix_ms: u64) {

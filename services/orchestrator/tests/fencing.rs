@@ -1,0 +1,158 @@
+//! The fences of a run's shared state against a real `nats-server -js` (started here;
+//! `./scripts/test` installs it), at the store's level, where each write can be put in the order
+//! a paused or replaced replica would send it: a takeover raises the run's fence (what every
+//! tool-runner reads) before the new owner acts, and an approval wait is neither replaced nor
+//! deleted by an older owner, while a resumed run opening the same wait keeps its decisions.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use orchestrator::domain::RunResult;
+use orchestrator::domain::approval::{Decision, DecisionKind, PendingApproval};
+use orchestrator::domain::ports::{ApprovalLot, Claim, Decider, ResultStore, RunJournal, Wait};
+use orchestrator::store::nats::{KvStore, NatsLot};
+use testkit::nats::Nats;
+
+type TestResult = anyhow::Result<()>;
+
+async fn replica_store(js: &jetstream::Context, bucket: &str, owner: &str, lease: Duration) -> anyhow::Result<KvStore> {
+    KvStore::open(js, bucket, Duration::from_secs(60), owner.into(), lease, 1)
+        .await
+        .map_err(anyhow::Error::msg)
+}
+
+/// The run's fence as a tool-runner reads it (0: none).
+async fn fence(js: &jetstream::Context, bucket: &str, run_id: &str) -> anyhow::Result<u64> {
+    let kv = js.get_key_value(bucket).await?;
+    Ok(match kv.get(shared::fence::key(run_id)).await? {
+        Some(value) => shared::fence::decode(&value).map_err(anyhow::Error::msg)?,
+        None => 0,
+    })
+}
+
+/// A run admitted in epoch 1 has no fence (no runner has anything to refuse); each takeover
+/// raises it to the new owner's epoch before that owner may act, and a raise is never undone.
+#[tokio::test]
+async fn each_takeover_raises_the_runs_fence_to_its_epoch_before_it_acts() -> TestResult {
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_millis(500);
+    let (a, b, c) = (
+        replica_store(&js, "fence-runs", "a", lease).await?,
+        replica_store(&js, "fence-runs", "b", lease).await?,
+        replica_store(&js, "fence-runs", "c", lease).await?,
+    );
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let run = RunResult::running("fenced.run");
+    assert!(matches!(
+        a.claim_resumable(run.clone(), deadline, b"start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    assert_eq!(fence(&js, "fence-runs", "fenced.run").await?, 0);
+    for (taker, epoch) in [(&b, 2), (&c, 3)] {
+        assert!(taker.orphans().await?.is_empty());
+        let deadline_seen = tokio::time::Instant::now() + Duration::from_secs(20);
+        while taker.orphans().await?.is_empty() {
+            anyhow::ensure!(tokio::time::Instant::now() < deadline_seen, "the run never lapsed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(taker.take_over("fenced.run").await?.is_some());
+        assert_eq!(taker.epoch("fenced.run"), epoch);
+        assert_eq!(fence(&js, "fence-runs", "fenced.run").await?, epoch);
+    }
+    Ok(())
+}
+
+/// A wait of `calls` of run `run_id`, opened by the owner of `epoch`.
+fn wait(run_id: &str, calls: &[&str], epoch: u64) -> Wait {
+    let pending = |call_id: &str| PendingApproval {
+        run_id: run_id.to_owned(),
+        call_id: call_id.to_owned(),
+        name: "refund".to_owned(),
+        arguments_json: "{}".to_owned(),
+        turn: 1,
+        requested_at_unix_ms: shared::sync::unix_ms(),
+        expires_at_unix_ms: shared::sync::unix_ms() + 600_000,
+        principal: String::new(),
+        decision: None,
+    };
+    Wait {
+        run_id: run_id.to_owned(),
+        principal: String::new(),
+        calls: calls
+            .iter()
+            .map(|c| (pending(c), serde_json::json!({"type": "object"})))
+            .collect(),
+        epoch,
+    }
+}
+
+/// The decided calls of the run's wait, and whether one is open.
+async fn decided(lot: &NatsLot, run_id: &str) -> anyhow::Result<Option<Vec<String>>> {
+    Ok(lot.waiting(run_id).await?.map(|w| {
+        w.calls
+            .into_iter()
+            .filter(|c| c.decision.is_some())
+            .map(|c| c.call_id)
+            .collect()
+    }))
+}
+
+/// A replaced owner (epoch 1) neither replaces nor deletes the wait the new owner (epoch 2)
+/// opened; the new owner, opening the same wait again (resumed), keeps the decisions made on it;
+/// its own close deletes it.
+#[tokio::test]
+async fn an_approval_wait_is_fenced_by_the_epoch_that_opened_it() -> TestResult {
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let store = Arc::new(replica_store(&js, "waits-runs", "a", Duration::from_secs(5)).await?);
+    let lot = NatsLot::open(&js, "waits-runs", Duration::from_secs(60), store)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let person = Decider {
+        name: String::new(),
+        approver: true,
+        approver_required: false,
+    };
+    lot.open(wait("r", &["call_1", "call_2"], 2))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let approve = Decision {
+        call_id: "call_1".to_owned(),
+        kind: DecisionKind::Approve,
+    };
+    lot.decide("r", &person, &[approve]).await?;
+
+    let refused = lot
+        .open(wait("r", &["call_9"], 1))
+        .await
+        .expect_err("a replaced owner's wait");
+    assert!(refused.contains("epoch 2") && refused.contains("epoch 1"), "{refused}");
+    lot.close("r", 1).await;
+    assert_eq!(
+        decided(&lot, "r").await?,
+        Some(vec!["call_1".to_owned()]),
+        "the wait stands, decided"
+    );
+
+    lot.open(wait("r", &["call_1", "call_2"], 2))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(
+        decided(&lot, "r").await?,
+        Some(vec!["call_1".to_owned()]),
+        "opened again, its decision kept"
+    );
+    lot.open(wait("r", &["call_3"], 3)).await.map_err(anyhow::Error::msg)?;
+    assert_eq!(
+        decided(&lot, "r").await?,
+        Some(Vec::new()),
+        "a newer owner's next turn replaces it"
+    );
+    lot.close("r", 3).await;
+    assert_eq!(decided(&lot, "r").await?, None);
+    lot.open(wait("r", &["call_4"], 3)).await.map_err(anyhow::Error::msg)?;
+    assert!(decided(&lot, "r").await?.is_some(), "a closed wait is opened again");
+    Ok(())
+}
