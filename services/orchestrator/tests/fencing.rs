@@ -156,3 +156,69 @@ async fn an_approval_wait_is_fenced_by_the_epoch_that_opened_it() -> TestResult 
     assert!(decided(&lot, "r").await?.is_some(), "a closed wait is opened again");
     Ok(())
 }
+
+/// A replica that no longer acts for a run publishes none of its signals (its retries included):
+/// the signal stream holds only what the run's owner published.
+#[tokio::test]
+async fn a_replaced_owner_publishes_no_signal() -> TestResult {
+    use orchestrator::domain::ports::SignalTopic;
+    use orchestrator::domain::{Delivery, Ownership, Signal, Stop};
+    use orchestrator::signals::nats::{NatsTopic, TopicOptions};
+    let nats = Nats::start().await?;
+    let client = async_nats::connect(nats.url()).await?;
+    let settings = orchestrator::config::SignalSettings {
+        subject_prefix: "stale".to_owned(),
+        stream: "STALE_SIGNALS".to_owned(),
+        ..orchestrator::Config::default().signals
+    };
+    let topic = NatsTopic::open(client, TopicOptions::from(&settings))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let signal = |call: &str| Signal {
+        run_id: "moved".to_owned(),
+        call_id: call.to_owned(),
+        tool_name: "submit_report".to_owned(),
+        arguments_json: "{}".to_owned(),
+        arguments_valid: true,
+        turn: 1,
+        emitted_at_unix_ms: shared::sync::unix_ms(),
+        metadata: Default::default(),
+        delivery: Delivery::Pending,
+        principal: String::new(),
+    };
+    let replaced = Ownership::local();
+    replaced.stop(Stop::Fenced("taken over".to_owned()));
+    let (stale_tx, mut stale_rx) = tokio::sync::oneshot::channel();
+    topic.publish(
+        &signal("stale_call"),
+        Some(replaced),
+        Box::new(move |d| {
+            let _ = stale_tx.send(d);
+        }),
+    );
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    topic.publish(
+        &signal("owners_call"),
+        Some(Ownership::local()),
+        Box::new(move |d| {
+            let _ = tx.send(d);
+        }),
+    );
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(30), rx).await??,
+        Delivery::Delivered
+    );
+    let js = topic.jetstream();
+    assert_eq!(js.get_stream("STALE_SIGNALS").await?.info().await?.state.messages, 1);
+    let last = js
+        .get_stream("STALE_SIGNALS")
+        .await?
+        .get_last_raw_message_by_subject("stale.submit_report")
+        .await?;
+    let last: serde_json::Value = serde_json::from_slice(&last.payload)?;
+    assert_eq!(last["call_id"], "owners_call");
+    // Its publisher gave up unreported: the report's sender is dropped unused.
+    let stale = tokio::time::timeout(Duration::from_secs(30), &mut stale_rx).await?;
+    assert!(stale.is_err(), "the replaced owner's signal was reported: {stale:?}");
+    Ok(())
+}

@@ -65,6 +65,7 @@ async fn publish(topic: &dyn SignalTopic, signal: &Signal) -> anyhow::Result<Del
     let (tx, rx) = tokio::sync::oneshot::channel();
     topic.publish(
         signal,
+        None,
         Box::new(move |d| {
             let _ = tx.send(d);
         }),
@@ -223,10 +224,23 @@ async fn signals_land_on_their_subject_with_headers_stay_in_the_stream_and_dedup
     let topic = NatsTopic::open(client.clone(), topic_settings("signals", 3, 50))
         .await
         .map_err(anyhow::Error::msg)?;
+    let mut subscribed = topic.subscribe(SignalFilter::default()).await;
     let s = signal("run-1", "call-1", "submit_report");
     assert_eq!(publish(&topic, &s).await?, Delivery::Delivered);
     // A retry of the same signal (same Nats-Msg-Id) is dropped by JetStream.
     assert_eq!(publish(&topic, &s).await?, Delivery::Delivered);
+    // A subscriber sees it once: the next signal it sees is the next one published.
+    assert_eq!(
+        publish(&topic, &signal("run-1", "call-2", "submit_report")).await?,
+        Delivery::Delivered
+    );
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        if let Some(SignalItem::Signal(s)) = next_item(&mut subscribed).await? {
+            seen.push(s.call_id);
+        }
+    }
+    assert_eq!(seen, ["call-1", "call-2"], "the retry reached the subscriber once");
 
     let message = tokio::time::timeout(Duration::from_secs(5), live.next())
         .await?
@@ -249,7 +263,7 @@ async fn signals_land_on_their_subject_with_headers_stay_in_the_stream_and_dedup
 
     // A consumer created after the fact reads the signal from the stream, once.
     let mut stream = topic.jetstream().get_stream("SIGNALS_STREAM").await?;
-    assert_eq!(stream.info().await?.state.messages, 1, "the retry was de-duplicated");
+    assert_eq!(stream.info().await?.state.messages, 2, "the retry was de-duplicated");
     let consumer = stream
         .create_consumer(jetstream::consumer::pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::All,
@@ -268,7 +282,14 @@ async fn signals_land_on_their_subject_with_headers_stay_in_the_stream_and_dedup
         .ok_or_else(|| anyhow::anyhow!("nothing in the stream"))?
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     assert_eq!(first.subject.as_str(), "signals.submit_report");
-    assert!(batch.next().await.is_none(), "exactly one message");
+    let second = batch
+        .next()
+        .await
+        .ok_or_else(|| anyhow::anyhow!("the second signal is not in the stream"))?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let second: serde_json::Value = serde_json::from_slice(&second.payload)?;
+    assert_eq!(second["call_id"], "call-2");
+    assert!(batch.next().await.is_none(), "each signal once");
     Ok(())
 }
 
@@ -294,6 +315,7 @@ async fn a_signal_published_while_the_broker_is_down_is_retried_then_delivered_o
     let (tx, rx) = tokio::sync::oneshot::channel();
     patient.publish(
         &signal("run-p", "c", "submit_report"),
+        None,
         Box::new(move |d| {
             let _ = tx.send(d);
         }),

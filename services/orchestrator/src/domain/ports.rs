@@ -370,7 +370,9 @@ pub enum SignalItem {
 /// A topic signals are published to and subscribed from.
 pub trait SignalTopic: Send + Sync + 'static {
     /// Publishes a signal and returns at once; `on_delivery` is called once with the outcome.
-    fn publish(&self, signal: &Signal, on_delivery: OnDelivery);
+    /// With `owner` (a durable run's ownership) each attempt goes out only while this replica
+    /// may still act for the run; a replaced owner's retries stop unreported.
+    fn publish(&self, signal: &Signal, owner: Option<Ownership>, on_delivery: OnDelivery);
     /// Signals published from the moment the returned future resolves that pass `filter`.
     fn subscribe(&self, filter: SignalFilter) -> BoxFuture<'static, BoxStream<'static, SignalItem>>;
 }

@@ -11,7 +11,7 @@ use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 
 use crate::domain::ports::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
-use crate::domain::{Delivery, Signal};
+use crate::domain::{Delivery, Ownership, Signal};
 
 /// See the module docs.
 pub struct MemoryTopic {
@@ -27,7 +27,7 @@ impl MemoryTopic {
 }
 
 impl SignalTopic for MemoryTopic {
-    fn publish(&self, signal: &Signal, on_delivery: OnDelivery) {
+    fn publish(&self, signal: &Signal, _owner: Option<Ownership>, on_delivery: OnDelivery) {
         // No subscriber is not an error: the signal is in the run's result and events anyway.
         let delivered = Signal {
             delivery: Delivery::Delivered,
@@ -83,7 +83,11 @@ mod tests {
             })
             .await;
         for (run, tool) in [("r1", "finish"), ("r2", "escalate"), ("r2", "finish"), ("r3", "finish")] {
-            topic.publish(&signal(run, tool), Box::new(|d| assert_eq!(d, Delivery::Delivered)));
+            topic.publish(
+                &signal(run, tool),
+                None,
+                Box::new(|d| assert_eq!(d, Delivery::Delivered)),
+            );
         }
         // `all` lagged: capacity 2, four published.
         assert_eq!(all.next().await, Some(SignalItem::Missed(2)));

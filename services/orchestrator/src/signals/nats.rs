@@ -7,8 +7,9 @@
 //! Publishing never blocks the run: a background task awaits the JetStream acknowledgement,
 //! retries with exponential backoff, and reports the outcome; a signal that could not be
 //! delivered within the retries is marked undelivered in the run's result and counted in
-//! `orchestrator_signals_failed_total`. `subscribe` reads the subject from the broker, so it
-//! sees the signals of every replica.
+//! `orchestrator_signals_failed_total`. Each attempt goes out only while the publishing replica
+//! still acts for the run (or the run ended there): a replaced owner's retries stop. `subscribe`
+//! reads the stream (an ordered consumer), so it sees the signals of every replica, each once.
 
 use std::time::Duration;
 
@@ -20,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use super::TopicError;
 use crate::domain::ports::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
-use crate::domain::{Delivery, Signal};
+use crate::domain::{Delivery, Ownership, Signal};
 
 /// A signal as published: the `orchestrator.v1.Signal` fields, as JSON.
 #[derive(Debug, Serialize, Deserialize)]
@@ -96,7 +97,6 @@ pub struct TopicOptions {
 
 /// See the module docs.
 pub struct NatsTopic {
-    client: async_nats::Client,
     js: jetstream::Context,
     settings: TopicOptions,
 }
@@ -124,7 +124,7 @@ impl NatsTopic {
                 stream: settings.stream.clone(),
                 reason,
             })?;
-        Ok(Self { client, js, settings })
+        Ok(Self { js, settings })
     }
 
     /// The JetStream context (for tests and tools).
@@ -133,8 +133,26 @@ impl NatsTopic {
     }
 }
 
+/// The signals stored in `stream` under `<prefix>.>` from now on, each once, in order.
+async fn ordered_messages(
+    js: &jetstream::Context,
+    stream: &str,
+    prefix: &str,
+) -> Result<jetstream::consumer::pull::Ordered, String> {
+    let stream = js.get_stream(stream).await.map_err(|e| e.to_string())?;
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            filter_subject: format!("{prefix}.>"),
+            deliver_policy: jetstream::consumer::DeliverPolicy::New,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    consumer.messages().await.map_err(|e| e.to_string())
+}
+
 impl SignalTopic for NatsTopic {
-    fn publish(&self, signal: &Signal, on_delivery: OnDelivery) {
+    fn publish(&self, signal: &Signal, owner: Option<Ownership>, on_delivery: OnDelivery) {
         let subject = format!("{}.{}", self.settings.subject_prefix, signal.tool_name);
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(
@@ -161,6 +179,10 @@ impl SignalTopic for NatsTopic {
                 if attempt > 0 {
                     tokio::time::sleep(settings.publish_backoff.saturating_mul(1 << (attempt - 1).min(16))).await;
                 }
+                if owner.as_ref().is_some_and(|o| !o.may_log()) {
+                    tracing::info!(run_id = %run_id, call_id = %call_id, attempt, "signal not published: this replica no longer acts for the run");
+                    return;
+                }
                 let error = match js
                     .publish_with_headers(subject.clone(), headers.clone(), payload.clone())
                     .await
@@ -183,32 +205,34 @@ impl SignalTopic for NatsTopic {
         });
     }
 
+    /// Read from the stream (an ordered consumer from the moment it is created), not from the
+    /// subject: a publish retried after its acknowledgement was lost reaches the subject twice,
+    /// but the stream keeps it once (its `Nats-Msg-Id`), so each signal is seen once.
     fn subscribe(&self, filter: SignalFilter) -> BoxFuture<'static, BoxStream<'static, SignalItem>> {
-        let client = self.client.clone();
-        let subjects: Vec<String> = if filter.tool_names.is_empty() {
-            vec![format!("{}.>", self.settings.subject_prefix)]
-        } else {
-            filter
-                .tool_names
-                .iter()
-                .map(|t| format!("{}.{t}", self.settings.subject_prefix))
-                .collect()
-        };
+        let (js, stream, prefix) = (
+            self.js.clone(),
+            self.settings.stream.clone(),
+            self.settings.subject_prefix.clone(),
+        );
         async move {
-            let mut streams = Vec::with_capacity(subjects.len());
-            for subject in subjects {
-                match client.subscribe(subject.clone()).await {
-                    Ok(subscriber) => streams.push(subscriber),
-                    Err(e) => tracing::warn!("cannot subscribe to {subject}: {e}"),
+            let messages = match ordered_messages(&js, &stream, &prefix).await {
+                Ok(messages) => messages,
+                Err(e) => {
+                    tracing::warn!("cannot subscribe to the signals of stream {stream}: {e}");
+                    return futures::stream::empty().boxed();
                 }
-            }
-            // Make sure the server has the subscription before answering.
-            let _ = client.flush().await;
-            futures::stream::select_all(streams)
+            };
+            messages
                 .filter_map(move |message| {
-                    let signal = serde_json::from_slice::<SignalJson>(&message.payload)
-                        .ok()
-                        .map(Signal::from);
+                    let signal = match message {
+                        Ok(message) => serde_json::from_slice::<SignalJson>(&message.payload)
+                            .ok()
+                            .map(Signal::from),
+                        Err(e) => {
+                            tracing::debug!("a signal subscription's consumer: {e}");
+                            None
+                        }
+                    };
                     futures::future::ready(signal.filter(|s| filter.matches(s)).map(SignalItem::Signal))
                 })
                 .boxed()

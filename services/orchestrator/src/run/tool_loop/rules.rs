@@ -326,7 +326,9 @@ impl Driver<'_> {
                 // A replaced owner publishes nothing; the run ends here at once.
                 continue;
             }
-            self.deps.signals.publish(&signal, self.on_delivery(&signal.call_id));
+            self.deps
+                .signals
+                .publish(&signal, self.ownership(), self.on_delivery(&signal.call_id));
             // The event carries the delivery as known now (the in-memory topic confirms at once).
             let signal = lock(self.state)
                 .signals
