@@ -41,6 +41,12 @@ pub struct StoreSettings {
     /// other may take the run over (default a third of the lease; 100ms..=half the lease).
     #[arg(long = "run-store-lease-margin", env = "ORCHESTRATOR_RUN_STORE_LEASE_MARGIN", value_parser = parse_duration)]
     pub lease_margin: Option<Duration>,
+    /// With the NATS store: how long a replica that took a run over waits, once its claim
+    /// raised the run's fence, before its first tool call. A tool-runner's fence read answered
+    /// just before the raise may start its tool until the runner's --run-store-timeout is over;
+    /// keep this at least that (0..=1m).
+    #[arg(long = "run-fence-grace", env = "ORCHESTRATOR_RUN_FENCE_GRACE", default_value = "2s", value_parser = parse_duration)]
+    pub fence_grace: Duration,
     /// How long the NATS result store keeps a result (cap 365d).
     #[arg(long = "run-store-ttl", env = "ORCHESTRATOR_RUN_STORE_TTL", default_value = "24h", value_parser = parse_duration)]
     pub ttl: Duration,
@@ -90,6 +96,7 @@ impl Bounded for StoreSettings {
             bound("ttl", self.ttl, secs(1), DAY * 365),
             bound("lease", self.lease, secs(1), secs(600)),
             bound("lease_margin", self.lease_margin(), ms(100), self.lease / 2),
+            bound("fence_grace", self.fence_grace, Duration::ZERO, secs(60)),
             bound("timeout", self.timeout, ms(10), secs(60)),
             bound("backlog", self.backlog, 1usize, 1_000_000usize),
             bound(

@@ -29,6 +29,10 @@ pub struct LeaseTerms {
     pub length: Duration,
     /// How long before that the owner stops acting: room for a slow clock and a write in flight.
     pub margin: Duration,
+    /// How long an owner in a later epoch waits, after its claim raised the run's fence, before
+    /// its first tool call: a runner's fence read answered before the raise may still start its
+    /// tool until the runner's read timeout is over, and this outlasts it.
+    pub fence_grace: Duration,
 }
 
 impl LeaseTerms {
@@ -95,6 +99,8 @@ struct Inner {
     why: OnceLock<Stop>,
     /// The claim's number: a tool with side effects refuses an older one.
     epoch: AtomicU64,
+    /// No tool call leaves before then (a claim in a later epoch: see [`LeaseTerms::fence_grace`]).
+    calls_from: Mutex<Option<Instant>>,
     /// The run's final result is stored: no replica takes the run over any more, so what is
     /// left of its event log may still go out once the lease ran out.
     ended: std::sync::atomic::AtomicBool,
@@ -121,6 +127,7 @@ impl Ownership {
                 stop: CancellationToken::new(),
                 why: OnceLock::new(),
                 epoch: AtomicU64::new(0),
+                calls_from: Mutex::new(None),
                 ended: std::sync::atomic::AtomicBool::new(false),
             }),
         }
@@ -230,9 +237,22 @@ impl Ownership {
         self.inner.epoch.load(Ordering::Acquire)
     }
 
-    /// Sets the claim's number the store gave.
+    /// Sets the claim's number the store gave. A claim after the first (a takeover) raised the
+    /// run's fence just now: this owner's tool calls wait out the fence grace from here.
     pub fn set_epoch(&self, epoch: u64) {
         self.inner.epoch.store(epoch, Ordering::Release);
+        if let Some(terms) = self.inner.terms.filter(|_| epoch > 1) {
+            *shared::sync::lock(&self.inner.calls_from) = Some(Instant::now() + terms.fence_grace);
+        }
+    }
+
+    /// Waits until this owner may send tool calls (at once, unless its claim raised the fence
+    /// less than the fence grace ago).
+    pub async fn calls_allowed(&self) {
+        let from = *shared::sync::lock(&self.inner.calls_from);
+        if let Some(from) = from {
+            tokio::time::sleep_until(from).await;
+        }
     }
 }
 
@@ -248,6 +268,7 @@ mod tests {
         Some(LeaseTerms {
             length: Duration::from_secs(3),
             margin: Duration::from_secs(1),
+            fence_grace: Duration::from_secs(2),
         })
     }
 
@@ -306,6 +327,22 @@ mod tests {
         tokio::time::advance(std::time::Duration::from_secs(5)).await;
         assert!(!live.may_log() && !live.holds());
         assert!(ended.may_log() && !ended.holds());
+    }
+
+    /// An owner whose claim is a takeover (epoch 2 on) sends no call before the fence grace is
+    /// over; the first owner, and a local one, send at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_takeovers_calls_wait_out_the_fence_grace() {
+        let first = Ownership::new(terms(), Instant::now());
+        first.set_epoch(1);
+        let taker = Ownership::new(terms(), Instant::now());
+        taker.set_epoch(2);
+        let start = Instant::now();
+        first.calls_allowed().await;
+        Ownership::local().calls_allowed().await;
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        taker.calls_allowed().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
     }
 
     /// The first reason is kept; a local ownership never lapses.

@@ -335,6 +335,7 @@ impl ResultStore for Unclaiming {
         Some(crate::domain::LeaseTerms {
             length: Duration::from_secs(3),
             margin: Duration::from_secs(1),
+            fence_grace: Duration::ZERO,
         })
     }
 }

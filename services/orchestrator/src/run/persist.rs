@@ -388,6 +388,7 @@ mod tests {
             Some(LeaseTerms {
                 length: Duration::from_secs(3),
                 margin: Duration::from_secs(1),
+                fence_grace: Duration::ZERO,
             })
         }
     }

@@ -142,7 +142,8 @@ async fn open_store(
                 config.nats.replicas,
             )
             .await?
-            .with_lease_margin(config.store.lease_margin());
+            .with_lease_margin(config.store.lease_margin())
+            .with_fence_grace(config.store.fence_grace);
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value; runs are durable");
             let store = Arc::new(store);
             let lot = NatsLot::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;

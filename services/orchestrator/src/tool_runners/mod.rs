@@ -289,6 +289,9 @@ impl ToolExecutor for ToolRunners {
         let settings = self.call;
         let transport = self.transport.current();
         async move {
+            if let Some(owner) = &call.owner {
+                owner.calls_allowed().await;
+            }
             let mut attempt = 0u32;
             let mut tried: Vec<String> = Vec::new();
             loop {

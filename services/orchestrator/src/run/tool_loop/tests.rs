@@ -1557,6 +1557,7 @@ async fn an_owner_whose_lease_ran_out_during_a_save_sends_and_runs_nothing_after
         lease: Some(crate::domain::LeaseTerms {
             length: Duration::from_millis(600),
             margin: Duration::from_millis(200),
+            fence_grace: Duration::ZERO,
         }),
         slow_save: Some((1, Duration::from_millis(500))),
         ..Journal::default()

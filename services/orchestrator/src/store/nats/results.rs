@@ -27,6 +27,9 @@ use crate::domain::ports::{Claim, ResultStore, StoreError};
 use crate::domain::{FailureReason, RunResult, RunStatus};
 use crate::store::unavailable;
 
+/// The fence grace unless set: the tool-runner's default `--run-store-timeout`.
+const DEFAULT_FENCE_GRACE: Duration = Duration::from_secs(2);
+
 /// See the module docs.
 pub struct KvStore {
     pub(super) kv: jetstream::kv::Store,
@@ -38,6 +41,8 @@ pub struct KvStore {
     /// How much of the lease an owner leaves unused (it stops acting that long before anyone
     /// may take the run over).
     pub(super) margin: Duration,
+    /// See [`crate::domain::LeaseTerms::fence_grace`].
+    pub(super) fence_grace: Duration,
     /// Records of other replicas' live runs as this replica saw them: the revision, and when it
     /// was first seen here (this process's clock). A record seen unchanged for a whole lease has
     /// lapsed; no wall clock of another machine is read.
@@ -286,6 +291,7 @@ impl KvStore {
             owner,
             lease,
             margin: lease / 3,
+            fence_grace: DEFAULT_FENCE_GRACE,
             seen: Sightings {
                 seen: Arc::default(),
                 lease,
@@ -303,6 +309,14 @@ impl KvStore {
     #[must_use]
     pub fn with_lease_margin(mut self, margin: Duration) -> Self {
         self.margin = margin;
+        self
+    }
+
+    /// The store, a new owner's tool calls waiting `grace` after its claim raised the run's
+    /// fence (see [`crate::domain::LeaseTerms::fence_grace`]).
+    #[must_use]
+    pub fn with_fence_grace(mut self, grace: Duration) -> Self {
+        self.fence_grace = grace;
         self
     }
 
@@ -570,6 +584,7 @@ impl ResultStore for KvStore {
         Some(crate::domain::LeaseTerms {
             length: self.lease,
             margin: self.margin,
+            fence_grace: self.fence_grace,
         })
     }
 
