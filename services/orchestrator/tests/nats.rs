@@ -1047,9 +1047,10 @@ async fn the_replay_from_its_log_is_whole(url: &str, run_id: &str, text: &str) -
 }
 
 /// The crash window between a durable run's end reaching its log and its record: the record
-/// still reads RUNNING with a checkpoint (put back here as they were just before the end), the
-/// log ends with `run_finished`. The replica taking the run over stores that end instead of
-/// resuming: the model is not asked again, the checkpoint goes, and the log stays whole.
+/// still reads RUNNING with a checkpoint and its thread is still held by it (put back here as
+/// they were just before the end), the log ends with `run_finished`. The replica taking the run
+/// over stores that end instead of resuming: the model is not asked again, the checkpoint goes,
+/// the log stays whole, and the run joins its thread (once, with its last answer) and lets it go.
 #[tokio::test]
 async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestResult {
     use mock_llm::{Scenario, Step, Turn};
@@ -1071,10 +1072,13 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
     );
     let key = "run.ended-late";
     let mut revisions = kv.watch(key).await?;
+    let threads = js.get_key_value("orchestrator-runs-threads").await?;
+    let mut thread_revisions = threads.watch("thread.late-thread").await?;
     // Keep the newest checkpoint while the run goes on.
     let kept = keep_the_newest_checkpoint(checkpoints.clone(), format!("{key}#1"));
     let request = pb::OrchestrateRequest {
         run_id: "ended-late".into(),
+        thread_id: "late-thread".into(),
         ..testkit::user("go")
     };
     let ended = tokio::time::timeout(
@@ -1093,11 +1097,22 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
     }
     anyhow::ensure!(entries.len() >= 2, "the record was written {} times", entries.len());
     let running = entries[entries.len() - 2].value.clone();
+    let held = tokio::time::timeout(Duration::from_secs(5), thread_revisions.next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the thread was never written"))??
+        .value;
+    let held_by: orchestrator::domain::thread::Thread = serde_json::from_slice(&held)?;
+    assert_eq!(
+        held_by.live.as_deref(),
+        Some("ended-late"),
+        "the thread as the run took it"
+    );
 
     // Back to the moment before the record said the run ended (its lease long lapsed).
     let (checkpoint, meta) = checkpoint;
     checkpoints.put(meta, &mut checkpoint.as_slice()).await?;
     kv.put(key, running).await?;
+    threads.put("thread.late-thread", held).await?;
     let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
     let b_url = format!("http://{}", b.grpc);
     assert!(
@@ -1115,6 +1130,20 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
         "its checkpoint is gone"
     );
     the_replay_from_its_log_is_whole(&b_url, "ended-late", "one two").await?;
+    let thread: orchestrator::domain::thread::Thread = serde_json::from_slice(
+        &threads
+            .get("thread.late-thread")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("the thread is gone"))?,
+    )?;
+    assert_eq!(thread.live, None, "the ended run let its thread go");
+    let runs: Vec<&str> = thread.runs.iter().map(|r| r.run_id.as_str()).collect();
+    assert_eq!(runs, ["ended-late"]);
+    let last = thread.runs[0].messages.last().cloned();
+    assert!(
+        matches!(&last, Some(orchestrator::domain::chat::Message::Assistant { content, .. }) if content == "two"),
+        "the run's last answer is in the thread: {last:?}"
+    );
     b.stop().await
 }
 

@@ -19,6 +19,48 @@ use crate::run::tool_loop::{Checkpoint, Resumed};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
 
+/// What a takeover found.
+pub(crate) enum TakenOver {
+    /// The run goes on here from its checkpoint.
+    Resumed(Box<(Admitted, Resumed)>),
+    /// Its log held its end (its replica stopped between logging and storing it): the end is
+    /// stored, and the run is to join its thread.
+    Ended(Box<EndedElsewhere>),
+}
+
+/// A run whose end its log held when it was taken over: what its thread takes.
+pub(crate) struct EndedElsewhere {
+    /// What it was asked.
+    pub spec: RunSpec,
+    /// Its turns: those of its last checkpoint, and the answer that ended it, if it came after.
+    pub conversation: Vec<crate::domain::chat::Message>,
+    /// How it ended.
+    pub status: RunStatus,
+}
+
+impl EndedElsewhere {
+    /// The run of `checkpoint` that ended with `result`.
+    fn of(checkpoint: &Checkpoint, result: &RunResult) -> Self {
+        let mut conversation = checkpoint.conversation.clone();
+        let answer = result
+            .text
+            .strip_prefix(checkpoint.result.text.as_str())
+            .unwrap_or_default();
+        if result.turns > checkpoint.progress.turns_done && !answer.is_empty() {
+            conversation.push(crate::domain::chat::Message::Assistant {
+                content: answer.to_owned(),
+                tool_calls: Vec::new(),
+                reasoning: None,
+            });
+        }
+        Self {
+            spec: checkpoint.spec.clone(),
+            conversation,
+            status: result.status,
+        }
+    }
+}
+
 /// Why a run cannot start.
 #[derive(Debug)]
 pub(crate) enum Refusal {
@@ -260,7 +302,7 @@ impl Runs {
     /// Takes over the orphan `run_id` when a slot is free and this replica wins its claim: its
     /// slot here (with its lease kept and its log continued), its checkpoint and the last seq its
     /// log holds. `Ok(None)`: no slot, or another replica won.
-    pub(crate) async fn take_over(self: &Arc<Self>, run_id: &str) -> Result<Option<(Admitted, Resumed)>, String> {
+    pub(crate) async fn take_over(self: &Arc<Self>, run_id: &str) -> Result<Option<TakenOver>, String> {
         let Some(journal) = self.journal.clone() else {
             return Ok(None);
         };
@@ -287,8 +329,9 @@ impl Runs {
         admitted.persister.taken(sent, self.store.epoch(run_id));
         let logged = self.log.last(run_id).await.map_err(|e| e.to_string())?;
         if let Some(result) = logged.finished {
+            let ended = EndedElsewhere::of(&checkpoint, &result);
             admitted.store_ended(result).await;
-            return Ok(None);
+            return Ok(Some(TakenOver::Ended(Box::new(ended))));
         }
         // A run parked for approvals goes on with its decisions (or to end, canceled).
         let (checkpoint, canceled) = match checkpoint.awaits_decisions() {
@@ -308,7 +351,10 @@ impl Runs {
             admitted.cancel.cancel(&reason);
         }
         let logged = logged.seq;
-        Ok(Some((admitted, Resumed { checkpoint, logged })))
+        Ok(Some(TakenOver::Resumed(Box::new((
+            admitted,
+            Resumed { checkpoint, logged },
+        )))))
     }
 
     /// Takes a slot for a parked run that is ready to go on, with its decisions in its

@@ -31,7 +31,7 @@ mod steer;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use admission::{Admitted, Refusal};
+pub(crate) use admission::{Admitted, EndedElsewhere, Refusal, TakenOver};
 pub(crate) use attach::AttachError;
 pub(crate) use cancel::CancelOutcome;
 pub(crate) use steer::SteerOutcome;

@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use futures::StreamExt;
 
 use super::{Core, Resumption};
+use crate::registry::TakenOver;
 
 /// Looks for orphans until the replica drains.
 pub(crate) async fn watch(core: Arc<Core>) {
@@ -44,7 +45,11 @@ async fn take_over_orphans(core: &Arc<Core>) {
             return;
         }
         match core.runs.take_over(&run_id).await {
-            Ok(Some((admitted, resumed))) => core.resume(admitted, resumed, Resumption::TakenOver),
+            Ok(Some(TakenOver::Resumed(taken))) => {
+                let (admitted, resumed) = *taken;
+                core.resume(admitted, resumed, Resumption::TakenOver);
+            }
+            Ok(Some(TakenOver::Ended(ended))) => core.end_on_thread(*ended).await,
             Ok(None) => {}
             Err(e) => tracing::warn!(run_id = %run_id, "taking the run over failed: {e}"),
         }

@@ -135,6 +135,17 @@ impl Core {
         }
     }
 
+    /// A run taken over whose log held its end joins its thread, as its own replica would have
+    /// had it not stopped between logging the end and adding the run (the thread joins a run
+    /// once, whoever adds it).
+    pub(crate) async fn end_on_thread(&self, ended: crate::registry::EndedElsewhere) {
+        if let Some(thread) = &ended.spec.thread {
+            self.threads
+                .end_run(&ended.spec, thread, ended.conversation, ended.status)
+                .await;
+        }
+    }
+
     /// One look at the thread: `begin` applied and written (see [`Thread::begin`]).
     async fn ask_for_thread(&self, spec: &RunSpec, thread: &RunThread, caller: &Principal) -> Result<Asked, Error> {
         let now = shared::sync::unix_ms();
