@@ -49,6 +49,19 @@ fn scenario(turns: usize, words: &str) -> mock_llm::Scenario {
     }
 }
 
+/// A tool-runner in this process serving `manifest`'s tools, refusing a replaced owner's calls
+/// by the fences it reads from the run store at `nats`; its URL.
+async fn start_runner(manifest: &std::path::Path, nats: &str) -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    // Room for a call of every run at once (the rolling deploy has 100).
+    let mut config = testkit::stack::runner_config(Some(manifest.to_owned()));
+    config.server.max_concurrency = 256;
+    config.fence.run_store = Some(nats.to_owned());
+    tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
+    Ok(url)
+}
+
 /// The NATS the fleet shares: one server, or a JetStream cluster.
 enum Broker {
     Single(Box<Nats>),
@@ -97,6 +110,8 @@ struct Fleet {
     /// Every replica's log lines, retired ones included, to show a failed run's story.
     log_books: Vec<Arc<Mutex<Vec<String>>>>,
     calls_log: std::path::PathBuf,
+    /// The command tools every runner of the fleet serves.
+    manifest: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -121,14 +136,7 @@ impl Fleet {
         let calls_log = dir.path().join("calls.log");
         let manifest = manifest(dir.path(), &calls_log, tool_ms)?;
         let mock = mock_llm::MockLlm::start(scenario).await?;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let runner_url = format!("http://{}", listener.local_addr()?);
-        // Room for a call of every run at once (the rolling deploy has 100).
-        let mut config = testkit::stack::runner_config(Some(manifest));
-        config.server.max_concurrency = 256;
-        // The runner refuses a replaced owner's calls, reading each run's fence from the store.
-        config.fence.run_store = Some(nats.url());
-        tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
+        let runner_url = start_runner(&manifest, &nats.url()).await?;
         let mut fleet = Self {
             nats,
             mock,
@@ -140,6 +148,7 @@ impl Fleet {
             flags: Vec::new(),
             log_books: Vec::new(),
             calls_log,
+            manifest,
             _dir: dir,
         };
         for _ in 0..replicas {
@@ -156,9 +165,21 @@ impl Fleet {
 
     /// Starts one more replica reaching NATS at `nats` (a proxy that can cut it off).
     async fn add_on(&mut self, nats: &str) -> anyhow::Result<usize> {
+        let runner = self.runner_url.clone();
+        self.add_with(nats, &runner).await
+    }
+
+    /// Starts another tool-runner like the first (same tools, same call log, the same run
+    /// store to read fences from); its URL.
+    async fn start_runner(&self) -> anyhow::Result<String> {
+        start_runner(&self.manifest, &self.nats.url()).await
+    }
+
+    /// Starts one more replica reaching NATS at `nats` and sending its calls to `runner`.
+    async fn add_with(&mut self, nats: &str, runner: &str) -> anyhow::Result<usize> {
         let orchestrator = env!("CARGO_BIN_EXE_orchestrator");
         let mut command = testkit::on_nats(
-            testkit::orchestrator_command(orchestrator, &self.mock.base_url(), &self.runner_url),
+            testkit::orchestrator_command(orchestrator, &self.mock.base_url(), runner),
             nats,
         );
         command
@@ -1014,6 +1035,70 @@ async fn a_replica_cut_off_from_nats_stops_acting_before_its_runs_are_taken_over
 #[tokio::test]
 async fn a_paused_replica_acts_no_more_once_resumed_past_its_lease() -> TestResult {
     runs_through_a_fault_of_their_replica(Fault::Paused(Duration::from_secs(5)), "paused").await
+}
+
+/// Waits until a caller of any of `followers` sees a tool call start.
+async fn a_call_starts(followers: &[Following]) -> TestResult {
+    let waits = followers.iter().map(|(_, seen, _)| {
+        let mut seen = seen.clone();
+        Box::pin(async move {
+            let _ = seen.wait_for(|events| !in_flight(events).is_empty()).await;
+        })
+    });
+    tokio::time::timeout(Duration::from_secs(60), futures::future::select_all(waits))
+        .await
+        .map(|_| ())
+        .map_err(|_| anyhow::anyhow!("no caller saw a tool call start"))
+}
+
+/// Three waves of four runs on replica 0, which sends its calls to runner A through a proxy
+/// while the other two replicas send theirs to runner B. Each wave, the moment a caller sees one
+/// of the runs' tool calls start, the link to runner A is cut (what replica 0 sends is held, as a
+/// slow network or a lazily connected channel holds a request after its lease check), and a
+/// moment later replica 0 is paused (SIGSTOP) for two leases and a half: the others take its runs
+/// over and run their calls on runner B. Then the link heals and replica 0 resumes: what it had
+/// sent reaches runner A after the new owners' calls ran. Runner A reads each run's fence from
+/// the store and refuses those calls: no call of a replaced owner runs (the epochs each run's
+/// calls ran in never go down, across both runners), and every run completes as in the other
+/// fault tests.
+#[tokio::test]
+async fn a_paused_replicas_held_calls_reach_another_runner_late_and_run_nothing() -> TestResult {
+    let (words, turns) = ("w0 w1 ", 3);
+    let mut fleet = Fleet::start(0, scenario(turns, words), 800).await?;
+    let nats = fleet.nats.url();
+    let runner_a: std::net::SocketAddr = fleet.runner_url.trim_start_matches("http://").parse()?;
+    let link = testkit::proxy::CutProxy::start(runner_a).await?;
+    let runner_b = fleet.start_runner().await?;
+    let paused = fleet.add_with(&nats, &format!("http://{}", link.addr())).await?;
+    fleet.add_with(&nats, &runner_b).await?;
+    fleet.add_with(&nats, &runner_b).await?;
+    let first = fleet.url(paused).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    let mut everyone = Vec::new();
+    for wave in 0..3 {
+        let runs: Vec<String> = (0..4).map(|i| format!("wave{wave}-{i}")).collect();
+        for run_id in &runs {
+            start_detached(&first, run_id).await?;
+        }
+        let followers = follow_all(&fleet, &runs);
+        a_call_starts(&followers).await?;
+        link.cut();
+        let replica = fleet.replicas[paused]
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("no replica"))?;
+        // Its other runs' calls go out into the held link meanwhile.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        replica.signal(nix::sys::signal::Signal::SIGSTOP)?;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        link.heal();
+        replica.signal(nix::sys::signal::Signal::SIGCONT)?;
+        everyone.extend(followers);
+    }
+    let text = format!("{}done", words.repeat(turns));
+    all_completed(&fleet, everyone, &text, 2).await?;
+    fleet.one_owner_at_a_time()?;
+    let moved = fleet.stale_calls_are_refused().await?;
+    assert!(moved >= 3, "runs of every wave were taken over ({moved} were)");
+    Ok(())
 }
 
 /// The streams and buckets the orchestrator keeps in JetStream, by stream name.
