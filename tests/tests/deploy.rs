@@ -408,6 +408,7 @@ async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> 
         .arg(&conf_path)
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-m", "0"])
         .env("NATS_ORCHESTRATOR_PASSWORD", password)
+        .env("NATS_TOOL_RUNNER_PASSWORD", RUNNER_PASSWORD)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
@@ -419,6 +420,7 @@ async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> 
         async move {
             let mut config = orchestrator::Config::new("http://127.0.0.1:1/v1", "m", vec![runner]);
             config.signals.topic = url.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+            config.store.backend = url.parse().map_err(|e: String| anyhow::anyhow!(e))?;
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             // Serves until its (immediate) shutdown: Ok once NATS and the signal stream are up.
             anyhow::Ok(orchestrator::serve(listener, config, async {}).await)
@@ -446,7 +448,50 @@ async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> 
         "{refused}"
     );
     assert!(!refused.contains(wrong), "{refused}");
+    the_runners_user_reads_run_fences_only(port, password).await?;
     server.kill().await?;
+    Ok(())
+}
+
+/// The tool-runners' password in the deploy tests' NATS.
+const RUNNER_PASSWORD: &str = "f3nce0123456789abcdef012";
+
+/// The shipped config's `tool-runner` user: a runner given it in `--run-store` reads a run's
+/// fence and refuses an older epoch's call; the user writes nothing.
+async fn the_runners_user_reads_run_fences_only(port: u16, orchestrator_password: &str) -> TestResult {
+    let connect = |user: &'static str, password: String| async move {
+        async_nats::ConnectOptions::with_user_and_password(user.to_owned(), password)
+            .connect(format!("127.0.0.1:{port}"))
+            .await
+    };
+    let orchestrator = async_nats::jetstream::new(connect("orchestrator", orchestrator_password.to_owned()).await?);
+    let runs = orchestrator.get_key_value("orchestrator-runs").await?;
+    runs.put(shared::fence::key("moved"), shared::fence::encode(2).into())
+        .await?;
+    let mut config = tool_runner::Config::default();
+    config.fence.run_store = Some(format!("nats://tool-runner:{RUNNER_PASSWORD}@127.0.0.1:{port}"));
+    let runner = testkit::Runner::start(config).await?;
+    let call = |epoch| proto::toolrunner::v1::RunToolRequest {
+        run_id: "moved".to_owned(),
+        call_id: "c".to_owned(),
+        tool_name: "echo".to_owned(),
+        arguments_json: "{}".to_owned(),
+        epoch,
+        ..Default::default()
+    };
+    let Err(refused) = runner.client().await?.run_tool(call(1)).await else {
+        anyhow::bail!("a call of a replaced owner ran");
+    };
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    runner.client().await?.run_tool(call(2)).await?;
+    let as_runner = async_nats::jetstream::new(connect("tool-runner", RUNNER_PASSWORD.to_owned()).await?);
+    let read_only = as_runner.get_key_value("orchestrator-runs").await?;
+    let written = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        read_only.put(shared::fence::key("moved"), shared::fence::encode(1).into()),
+    )
+    .await;
+    assert!(!matches!(written, Ok(Ok(_))), "the runners' user wrote a fence");
     Ok(())
 }
 
@@ -623,6 +668,7 @@ async fn the_ha_nats_config_forms_a_cluster_that_keeps_three_copies() -> TestRes
                 .args(["-a", "127.0.0.1"])
                 .env("POD_NAME", format!("nats-{i}"))
                 .env("NATS_ORCHESTRATOR_PASSWORD", password)
+                .env("NATS_TOOL_RUNNER_PASSWORD", RUNNER_PASSWORD)
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
                 .kill_on_drop(true)

@@ -51,7 +51,7 @@ impl DemoOptions {
     fn from_env() -> Result<Self, Error> {
         let set = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let llm = shared::config::from_env::<LlmSettings>("demo")
-            .map_err(|e| Error::Config(orchestrator::secrets::without_userinfo(&e)))?;
+            .map_err(|e| Error::Config(shared::secrets::without_userinfo(&e)))?;
         let limits = shared::config::from_env::<LimitSettings>("demo").map_err(Error::Config)?;
         let (tools, submit_report) = offered(&set("DEMO_TOOLS").unwrap_or_else(|| TOOLS.to_owned()))?;
         Ok(Self {
@@ -126,7 +126,7 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
     println!(
         "demo: tool-runner on {runner_url}, model {:?} at {}{}",
         llm.model,
-        orchestrator::secrets::shown_url(&llm.base_urls.join(",")),
+        shared::secrets::shown_url(&llm.base_urls.join(",")),
         if mock.is_some() {
             " (the embedded scripted stand-in; set LLM_BASE_URL to use a real server)"
         } else {

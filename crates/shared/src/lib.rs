@@ -12,6 +12,7 @@ pub mod fence;
 pub mod grpc;
 pub mod metrics;
 pub mod runtime;
+pub mod secrets;
 pub mod serving;
 pub mod shutdown;
 pub mod sync;

@@ -15,7 +15,7 @@
 //! * [`config`]: the settings, in sections; `error`: the crate's error and its gRPC codes;
 //!   [`cli`]: the command line and its client commands (`call`, `approvals`, `decide`, `say`,
 //!   `thread`);
-//!   [`secrets`]: credentials kept out of logs, spans, metrics and errors; `telemetry`: span and
+//!   `telemetry`: span and
 //!   metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
 //!   keeps); `nats`: JetStream streams both NATS adapters set up.
 
@@ -29,7 +29,6 @@ pub mod llm;
 pub(crate) mod nats;
 pub(crate) mod registry;
 pub mod run;
-pub mod secrets;
 pub mod server;
 pub mod signals;
 pub mod store;

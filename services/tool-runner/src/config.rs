@@ -166,8 +166,9 @@ impl Bounded for ArgLimits {
 #[command(next_help_heading = "Run fence")]
 pub struct FenceSettings {
     /// The orchestrators' run store, read only (`nats://host:4222`, `tls://…`, or a comma-separated
-    /// seed list; credentials go in --nats-credentials): a durable call whose epoch is older than
-    /// its run's is refused FAILED_PRECONDITION before its tool runs. Unset: calls are not checked.
+    /// seed list; `user:password@` or `token@` are held apart from the address): a durable call
+    /// whose epoch is older than its run's is refused FAILED_PRECONDITION before its tool runs.
+    /// Unset: calls are not checked.
     #[arg(long = "run-store", env = "TOOL_RUNNER_RUN_STORE", value_name = "URL")]
     pub run_store: Option<String>,
     /// The orchestrators' --run-store-bucket.
@@ -199,27 +200,23 @@ impl Bounded for FenceSettings {
 }
 
 impl FenceSettings {
-    /// The run store's seeds, when one is set: each a `nats://` or `tls://` address without
-    /// credentials (the NATS client logs its addresses; a password in one would be logged).
-    pub fn seeds(&self) -> Result<Option<Vec<String>>, Error> {
+    /// The run store's address, when one is set: `nats://` or `tls://` servers, their
+    /// credentials held apart (the NATS client logs its addresses; it never sees them).
+    pub fn store(&self) -> Result<Option<shared::secrets::NatsUrl>, Error> {
         let Some(raw) = self.run_store.as_deref().map(str::trim).filter(|s| !s.is_empty()) else {
             return Ok(None);
         };
-        let mut seeds = Vec::new();
         for seed in raw.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let Some(rest) = seed.strip_prefix("nats://").or_else(|| seed.strip_prefix("tls://")) else {
+            if !seed.starts_with("nats://") && !seed.starts_with("tls://") {
                 return Err(Error::Config(format!(
-                    "--run-store {seed:?}: use nats://host:port or tls://host:port"
+                    "--run-store {:?}: use nats://host:port or tls://host:port",
+                    shared::secrets::without_userinfo(seed)
                 )));
-            };
-            if rest.contains('@') {
-                return Err(Error::Config(
-                    "--run-store: put NATS credentials in --nats-credentials, not in the URL".to_owned(),
-                ));
             }
-            seeds.push(seed.to_owned());
         }
-        Ok(Some(seeds))
+        shared::secrets::NatsUrl::parse(raw)
+            .map(Some)
+            .map_err(|e| Error::Config(format!("--run-store: {e}")))
     }
 }
 
@@ -281,7 +278,7 @@ impl Config {
     /// Checks every limit against its range; the error names the flag.
     pub fn validate(&self) -> Result<(), Error> {
         self.check_bounds()?;
-        self.fence.seeds()?;
+        self.fence.store()?;
         self.security.options().map_err(Error::Config)?;
         Ok(())
     }
@@ -307,26 +304,31 @@ mod tests {
         assert_eq!(shared::config::check_every_bound(validate, companions), Ok(()));
     }
 
-    /// The run store takes NATS addresses without credentials, and says what to use instead.
+    /// The run store is a NATS address (or a seed list) whose credentials are held apart; any
+    /// other scheme is refused naming the flag, without the credentials.
     #[test]
-    fn the_run_store_is_a_nats_address_without_credentials() {
+    fn the_run_store_is_a_nats_address_with_its_credentials_held_apart() {
         let with = |store: &str| {
             let mut config = Config::default();
             config.fence.run_store = Some(store.to_owned());
             config
                 .validate()
-                .and_then(|()| config.fence.seeds())
+                .and_then(|()| config.fence.store())
+                .map(|url| url.map(|u| (u.seeds().join(" "), u.auth().is_some())))
                 .map_err(|e| e.to_string())
         };
         assert_eq!(with(""), Ok(None));
         assert_eq!(
             with("nats://a:4222, tls://b:4222"),
-            Ok(Some(vec!["nats://a:4222".to_owned(), "tls://b:4222".to_owned()]))
+            Ok(Some(("nats://a:4222 tls://b:4222".to_owned(), false)))
         );
-        assert!(with("http://a:4222").unwrap_err().contains("use nats://host:port"));
-        let refused = with("nats://user:secret@a:4222").unwrap_err();
+        assert_eq!(
+            with("nats://runner:s3cret@a:4222"),
+            Ok(Some(("nats://a:4222".to_owned(), true)))
+        );
+        let refused = with("http://runner:s3cret@a:4222").unwrap_err();
         assert!(
-            refused.contains("--nats-credentials") && !refused.contains("secret"),
+            refused.contains("use nats://host:port") && !refused.contains("s3cret"),
             "{refused}"
         );
     }

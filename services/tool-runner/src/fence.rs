@@ -14,6 +14,8 @@ use std::time::Duration;
 use async_nats::jetstream;
 use tokio::sync::OnceCell;
 
+use shared::secrets::NatsAuth;
+
 use crate::Error;
 use crate::config::FenceSettings;
 
@@ -49,7 +51,7 @@ impl RunFence {
     /// Connects to the run store `settings` names, if it names one. The connection is made in
     /// the background (retried while NATS is down); a bad credentials file fails here.
     pub async fn connect(settings: &FenceSettings) -> Result<Option<Self>, Error> {
-        let Some(seeds) = settings.seeds()? else {
+        let Some(url) = settings.store()? else {
             return Ok(None);
         };
         let mut options = async_nats::ConnectOptions::new()
@@ -57,6 +59,13 @@ impl RunFence {
             .retry_on_initial_connect()
             .connection_timeout(settings.timeout)
             .require_tls(settings.tls_required);
+        options = match url.auth() {
+            Some(NatsAuth::UserPassword(user, password)) => {
+                options.user_and_password(user.clone(), password.expose().to_owned())
+            }
+            Some(NatsAuth::Token(token)) => options.token(token.expose().to_owned()),
+            None => options,
+        };
         if let Some(creds) = &settings.credentials {
             options = options
                 .credentials_file(creds)
@@ -67,10 +76,10 @@ impl RunFence {
             options = options.add_root_certificates(ca.clone());
         }
         let client = options
-            .connect(seeds.clone())
+            .connect(url.seeds())
             .await
-            .map_err(|e| Error::Config(format!("--run-store {}: {e}", seeds.join(","))))?;
-        tracing::info!(run_store = %seeds.join(","), bucket = %settings.bucket, "durable calls are checked against the run fence");
+            .map_err(|e| Error::Config(format!("--run-store {url}: {e}")))?;
+        tracing::info!(run_store = %url, bucket = %settings.bucket, "durable calls are checked against the run fence");
         Ok(Some(Self {
             client,
             bucket: settings.bucket.clone(),

@@ -44,7 +44,14 @@ async fn runners(nats: &Nats, manifest: &std::path::Path) -> anyhow::Result<[Run
 /// The run store's bucket, and a way to set a run's fence as a replica taking it over does.
 async fn bucket(nats: &Nats) -> anyhow::Result<async_nats::jetstream::kv::Store> {
     use async_nats::jetstream::stream;
-    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await?);
+    let url = shared::secrets::NatsUrl::parse(&nats.url()).map_err(anyhow::Error::msg)?;
+    let options = match url.auth() {
+        Some(shared::secrets::NatsAuth::UserPassword(user, password)) => {
+            async_nats::ConnectOptions::with_user_and_password(user.clone(), password.expose().to_owned())
+        }
+        _ => async_nats::ConnectOptions::new(),
+    };
+    let js = async_nats::jetstream::new(options.connect(url.seeds()).await?);
     // In the KV layout directly, as the orchestrators create it (any JetStream from 2.9 on).
     js.get_or_create_stream(stream::Config {
         name: format!("KV_{BUCKET}"),
@@ -88,10 +95,11 @@ fn header(status: &tonic::Status, name: &str) -> Option<String> {
 
 /// A replaced owner's call is refused by whichever runner it reaches, before its tool runs, and
 /// the refusal names both epochs; the owner's calls, calls of runs never taken over and calls of
-/// no durable run run. Raising the fence again refuses the epoch that just ran.
+/// no durable run run. Raising the fence again refuses the epoch that just ran. The store wants a
+/// password, given in `--run-store`'s URL as the orchestrators' is.
 #[tokio::test]
 async fn a_call_older_than_its_runs_fence_is_refused_by_every_runner_before_its_tool_runs() -> TestResult {
-    let nats = Nats::start().await?;
+    let nats = Nats::start_authenticated("runner", "fence-pw").await?;
     let dir = tempfile::tempdir()?;
     let log = dir.path().join("calls.log");
     let [a, b] = runners(&nats, &manifest(dir.path(), &log)?).await?;

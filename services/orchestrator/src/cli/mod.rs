@@ -37,14 +37,14 @@ impl Cli {
             "ORCHESTRATOR_CONFIG",
         )
         .unwrap_or_else(|e| {
-            eprintln!("error: {}", crate::secrets::without_userinfo(&e));
+            eprintln!("error: {}", shared::secrets::without_userinfo(&e));
             std::process::exit(2)
         });
         Self::try_parse_from(argv).unwrap_or_else(|error| {
             if !error.use_stderr() {
                 error.exit()
             }
-            eprint!("{}", crate::secrets::without_userinfo(&error.render().to_string()));
+            eprint!("{}", shared::secrets::without_userinfo(&error.render().to_string()));
             std::process::exit(error.exit_code())
         })
     }

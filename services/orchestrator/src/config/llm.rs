@@ -9,7 +9,7 @@ use shared::config::{Bound, Bounded, bound, parse_duration};
 use super::{KIB, MIB, ms, secs};
 use crate::domain::params::parse_extra_body;
 use crate::domain::params::{SamplingParams, ToolChoice};
-use crate::secrets::Secret;
+use shared::secrets::Secret;
 
 /// An extra HTTP header for the LLM server (`Name: value`); its value may be a credential. A
 /// blank entry (`LLM_HEADERS=""`, or a trailing `;`) parses to a header without a name, which is
@@ -230,7 +230,7 @@ impl std::str::FromStr for LlmTarget {
             return Ok(Self::Static(s.to_owned()));
         };
         // dns:///name:port/path (the authority, a DNS server, is not supported).
-        let shown = crate::secrets::shown_url(s);
+        let shown = shared::secrets::shown_url(s);
         let Some(rest) = rest.strip_prefix('/') else {
             return Err(format!(
                 "{shown:?}: use dns:///name:port/path (a DNS server in the authority is not supported)"
@@ -296,7 +296,7 @@ impl LlmSettings {
             {
                 return Err(format!(
                     "--llm-base-url {:?} must be an http or https URL, or dns:///name:port/path",
-                    crate::secrets::shown_url(url)
+                    shared::secrets::shown_url(url)
                 ));
             }
         }

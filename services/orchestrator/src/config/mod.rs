@@ -251,7 +251,7 @@ mod tests {
     use super::runs::exit_tool;
     use super::*;
     use crate::domain::params::ToolChoice;
-    use crate::secrets::Secret;
+    use shared::secrets::Secret;
 
     /// Settings whose range depends on this one, set so that both edges of this one are valid.
     fn companions(flag: &str) -> Vec<String> {

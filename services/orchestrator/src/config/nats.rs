@@ -11,7 +11,7 @@ pub enum Backend {
     Memory,
     /// A NATS server with JetStream, `nats://host:4222` (or `tls://…`); credentials in the URL
     /// (`nats://user:password@…`, `nats://token@…`) are held apart from the address.
-    Nats(crate::secrets::NatsUrl),
+    Nats(shared::secrets::NatsUrl),
 }
 
 impl std::str::FromStr for Backend {
@@ -20,11 +20,11 @@ impl std::str::FromStr for Backend {
         match s.trim() {
             "" | "memory" => Ok(Self::Memory),
             url if url.starts_with("nats://") || url.starts_with("tls://") => {
-                crate::secrets::NatsUrl::parse(url).map(Self::Nats)
+                shared::secrets::NatsUrl::parse(url).map(Self::Nats)
             }
             other => Err(format!(
                 "{:?}: use memory or nats://host:port",
-                crate::secrets::without_userinfo(other)
+                shared::secrets::without_userinfo(other)
             )),
         }
     }

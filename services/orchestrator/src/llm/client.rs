@@ -20,8 +20,8 @@ use serde_json::Value;
 
 use super::sse::{DecodeLimits, decode};
 use crate::config::{LlmSettings, Reader};
-use crate::secrets::{Redactor, shown_url, url_secrets};
 use paced_http1::{Endpoint, Idle, SendError};
+use shared::secrets::{Redactor, shown_url, url_secrets};
 use shared::text::excerpt;
 
 use super::{ChatRequest, LlmError, LlmEvent, Message, ReadPace, ToolChoice};

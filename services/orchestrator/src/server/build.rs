@@ -12,7 +12,6 @@ use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, Signa
 use crate::llm::Fleet;
 use crate::registry::Runs;
 use crate::run::tool_loop::LoopDeps;
-use crate::secrets::{NatsAuth, NatsUrl};
 use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
@@ -21,6 +20,7 @@ use crate::store::nats::{KvStore, NatsLog, NatsLogOptions, NatsLot, NatsThreads}
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
+use shared::secrets::{NatsAuth, NatsUrl};
 
 /// What every run shares: the model client, the tool-runners, the signal topic and the runs
 /// registry with its result store.

@@ -1,4 +1,4 @@
-//! Credentials kept out of everything the orchestrator shows: logs at any level (its
+//! Credentials kept out of everything the services show: logs at any level (their
 //! dependencies' included), spans, metrics and error messages.
 //!
 //! * [`shown_url`] / [`without_userinfo`]: a URL, or any text holding URLs, as it may be shown:
