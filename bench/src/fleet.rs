@@ -142,7 +142,7 @@ pub(crate) async fn run(bin: &std::path::Path, quick: bool, out: &std::path::Pat
         "--chat-template-file",
         &template,
     ];
-    let (_, runner) = model_and_runner(mock_llm::Scenario::demo().into()).await?;
+    let (_, runner) = model_and_runner(mock_llm::Scenario::demo().into(), None).await?;
     let mut sides = Vec::new();
     for name in ["sticky", "round_robin"] {
         // Fresh servers for each side: neither starts with the other's cache.

@@ -9,6 +9,7 @@
 
 mod approvals;
 mod durability;
+mod fence;
 mod fleet;
 mod micro;
 mod otlp;
@@ -100,6 +101,11 @@ struct Cli {
     /// approved; writes `approvals.md` / `approvals.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     approvals: Option<u64>,
+    /// Instead of the grid: this many `RunTool` calls (100–1000000) to a runner without and with
+    /// the run fence (a NATS on loopback, `nats-server` on the PATH), beside one bare key-value
+    /// read; writes `fence.md` / `fence.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(100..=1_000_000))]
+    fence: Option<u64>,
 }
 
 /// Whether the real-server row runs.
@@ -719,6 +725,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(runs) = cli.approvals {
         return approvals::run(&bin, usize::try_from(runs)?, &cli.out).await;
+    }
+    if let Some(calls) = cli.fence {
+        return fence::run(usize::try_from(calls)?, &cli.out).await;
     }
     let workloads = selected_workloads(&cli)?;
     let real_server_skipped = real_server_skip_reason(&cli)?;

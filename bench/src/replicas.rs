@@ -68,7 +68,7 @@ impl Replicas {
         extra: &[String],
         nats: std::net::SocketAddr,
     ) -> anyhow::Result<Self> {
-        let (mock, runner) = stack::model_and_runner(scenarios).await?;
+        let (mock, runner) = stack::model_and_runner(scenarios, Some(format!("nats://{nats}"))).await?;
         let mut slots = Vec::with_capacity(count);
         let mut addresses = Vec::with_capacity(count);
         let (mut launches, mut proxies) = (Vec::with_capacity(count), Vec::with_capacity(count));

@@ -180,13 +180,18 @@ pub(crate) fn channel(addresses: &[String]) -> anyhow::Result<Channel> {
     Ok(Channel::balance_list(endpoints.into_iter()))
 }
 
-/// The stand-in model playing `scenarios`, and a tool-runner in this process; its endpoint.
-pub(crate) async fn model_and_runner(scenarios: Scenarios) -> anyhow::Result<(MockLlm, String)> {
+/// The stand-in model playing `scenarios`, and a tool-runner in this process (reading run
+/// fences from `run_store` when given, as a deployment's runners do); its endpoint.
+pub(crate) async fn model_and_runner(
+    scenarios: Scenarios,
+    run_store: Option<String>,
+) -> anyhow::Result<(MockLlm, String)> {
     let mock = MockLlm::start_timed(scenarios).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let runner = format!("http://{}", listener.local_addr()?);
     let mut runner_config = tool_runner::Config::default();
     runner_config.server.max_concurrency = 10_000;
+    runner_config.fence.run_store = run_store;
     tokio::spawn(tool_runner::serve(listener, runner_config, std::future::pending()));
     Ok((mock, runner))
 }
@@ -204,7 +209,11 @@ impl Stack {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> anyhow::Result<Self> {
-        let (mock, runner) = model_and_runner(scenarios).await?;
+        let run_store = extra
+            .windows(2)
+            .find(|pair| pair[0] == "--run-store")
+            .map(|pair| pair[1].to_owned());
+        let (mock, runner) = model_and_runner(scenarios, run_store).await?;
         let launch = Launch {
             bin: orchestrator_bin.to_owned(),
             model_url: mock.base_url(),

@@ -1,0 +1,173 @@
+//! What the run fence costs a call (`bench --fence N`): the same `RunTool` (the `echo` built-in,
+//! a durable call of epoch 1) sent N times to a runner that checks nothing and to one that reads
+//! the run's fence from a NATS on loopback first, one call at a time (latency) and 16 at a time
+//! (throughput), with the CPU this process spent (client and runner both run in it, the same for
+//! both rows). Beside them, the peer the issue names as the order to beat: one key-value read of
+//! the fence on loopback, as the runner makes it. Writes `fence.md` / `fence.json`.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, stream};
+use proto::toolrunner::v1 as pb;
+use serde::Serialize;
+
+use crate::procstat;
+
+/// The orchestrators' run bucket.
+const BUCKET: &str = "orchestrator-runs";
+/// Calls in flight at once in the throughput pass.
+const CONCURRENCY: usize = 16;
+
+/// One runner's (or the bare read's) figures.
+#[derive(Debug, Serialize)]
+struct Row {
+    what: String,
+    p50_us: f64,
+    p99_us: f64,
+    /// Calls per second with 16 in flight (none for the bare read).
+    throughput: Option<f64>,
+    /// CPU of this process per call in the throughput pass, µs.
+    cpu_per_call_us: Option<f64>,
+}
+
+/// See the module docs.
+pub(crate) async fn run(calls: usize, out: &Path) -> anyhow::Result<()> {
+    let nats = testkit::nats::Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    js.get_or_create_stream(stream::Config {
+        name: format!("KV_{BUCKET}"),
+        subjects: vec![format!("$KV.{BUCKET}.>")],
+        max_messages_per_subject: 1,
+        discard: stream::DiscardPolicy::New,
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await?;
+    let kv = js.get_key_value(BUCKET).await?;
+    kv.put(shared::fence::key("bench"), shared::fence::encode(1).into())
+        .await?;
+
+    let plain = testkit::Runner::start(tool_runner::Config::default()).await?;
+    let mut config = tool_runner::Config::default();
+    config.fence.run_store = Some(nats.url());
+    let fenced = testkit::Runner::start(config).await?;
+    let rows = vec![
+        measure_runner("runner, no fence", &plain, calls).await?,
+        measure_runner("runner reading the run fence", &fenced, calls).await?,
+        measure_read(&kv, calls).await?,
+    ];
+    let report = render(&rows, calls);
+    print!("{report}");
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("fence.md"), &report)?;
+    std::fs::write(out.join("fence.json"), serde_json::to_string_pretty(&rows)?)?;
+    Ok(())
+}
+
+fn call() -> pb::RunToolRequest {
+    pb::RunToolRequest {
+        run_id: "bench".into(),
+        call_id: "c".into(),
+        tool_name: "echo".into(),
+        arguments_json: r#"{"a":1}"#.into(),
+        epoch: 1,
+        ..Default::default()
+    }
+}
+
+async fn measure_runner(what: &str, runner: &testkit::Runner, calls: usize) -> anyhow::Result<Row> {
+    let client = runner.client().await?;
+    for _ in 0..calls.min(200) {
+        client.clone().run_tool(call()).await?;
+    }
+    let mut latencies = Vec::with_capacity(calls);
+    for _ in 0..calls {
+        let started = Instant::now();
+        client.clone().run_tool(call()).await?;
+        latencies.push(started.elapsed());
+    }
+    let cpu = procstat::cpu_time(std::process::id())?;
+    let started = Instant::now();
+    let per_task = calls.div_ceil(CONCURRENCY);
+    let tasks: Vec<_> = (0..CONCURRENCY)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                for _ in 0..per_task {
+                    client.clone().run_tool(call()).await?;
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await??;
+    }
+    let (wall, cpu) = (started.elapsed(), procstat::cpu_time(std::process::id())? - cpu);
+    let sent = (per_task * CONCURRENCY) as f64;
+    let (p50, p99) = percentiles(&mut latencies);
+    Ok(Row {
+        what: what.to_owned(),
+        p50_us: p50,
+        p99_us: p99,
+        throughput: Some(sent / wall.as_secs_f64()),
+        cpu_per_call_us: Some(cpu.as_secs_f64() * 1e6 / sent),
+    })
+}
+
+async fn measure_read(kv: &jetstream::kv::Store, calls: usize) -> anyhow::Result<Row> {
+    let key = shared::fence::key("bench");
+    let mut latencies = Vec::with_capacity(calls);
+    for _ in 0..calls {
+        let started = Instant::now();
+        kv.entry(&key).await?;
+        latencies.push(started.elapsed());
+    }
+    let (p50, p99) = percentiles(&mut latencies);
+    Ok(Row {
+        what: "one key-value read of the fence (the peer)".to_owned(),
+        p50_us: p50,
+        p99_us: p99,
+        throughput: None,
+        cpu_per_call_us: None,
+    })
+}
+
+fn percentiles(latencies: &mut [Duration]) -> (f64, f64) {
+    latencies.sort_unstable();
+    let at = |q: f64| {
+        let i = ((latencies.len() as f64 - 1.0) * q).round() as usize;
+        latencies.get(i).map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    };
+    (at(0.5), at(0.99))
+}
+
+fn render(rows: &[Row], calls: usize) -> String {
+    let mut s = format!(
+        "# The run fence's cost per call\n\n{calls} `RunTool` calls (`echo`, a durable call) one at a time, then {calls} with {CONCURRENCY} in flight, on loopback (client, runners and NATS on this machine).\n\n| | p50 (µs) | p99 (µs) | calls/s at {CONCURRENCY} | CPU per call (µs, client + runner) |\n|---|---:|---:|---:|---:|\n"
+    );
+    for row in rows {
+        let or_dash = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.0}"));
+        s.push_str(&format!(
+            "| {} | {:.0} | {:.0} | {} | {} |\n",
+            row.what,
+            row.p50_us,
+            row.p99_us,
+            or_dash(row.throughput),
+            or_dash(row.cpu_per_call_us)
+        ));
+    }
+    if let [plain, fenced, read] = rows {
+        s.push_str(&format!(
+            "\nThe fence adds {:.0} µs to a call's p50 (×{:.2} of the call without it); the bare read is {:.0} µs: the fence costs {:.2} reads.\n",
+            fenced.p50_us - plain.p50_us,
+            fenced.p50_us / plain.p50_us.max(1.0),
+            read.p50_us,
+            (fenced.p50_us - plain.p50_us) / read.p50_us.max(1.0)
+        ));
+    }
+    s
+}
