@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream;
 use proto::toolrunner::v1 as pb;
 use serde::Serialize;
 
@@ -35,18 +35,7 @@ struct Row {
 pub(crate) async fn run(calls: usize, out: &Path) -> anyhow::Result<()> {
     let nats = testkit::nats::Nats::start().await?;
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
-    js.get_or_create_stream(stream::Config {
-        name: format!("KV_{BUCKET}"),
-        subjects: vec![format!("$KV.{BUCKET}.>")],
-        max_messages_per_subject: 1,
-        discard: stream::DiscardPolicy::New,
-        allow_rollup: true,
-        deny_delete: true,
-        allow_direct: true,
-        ..Default::default()
-    })
-    .await?;
-    let kv = js.get_key_value(BUCKET).await?;
+    let kv = testkit::nats::run_bucket(&js, BUCKET).await?;
     kv.put(shared::fence::key("bench"), shared::fence::encode(1).into())
         .await?;
 

@@ -718,20 +718,27 @@ impl World {
     }
 
     fn save_record(&mut self, replica: usize, run: &str, then: Then) {
-        let now = self.now;
         let Some(task) = self.task(replica, run) else { return };
         if task.record_busy {
             task.waiting_save = Some(then);
             return;
         }
+        self.write_record(replica, run, Step::SaveRecord(then), Status::Running);
+    }
+
+    /// Sends the run's record as it stands (with `status`), by compare-and-set on the revision
+    /// written last; one write at a time.
+    fn write_record(&mut self, replica: usize, run: &str, step: Step, status: Status) {
+        let now = self.now;
+        let Some(task) = self.task(replica, run) else { return };
         task.record_busy = true;
         task.write_sent = now;
         let rev = task.rev;
         let Some(task) = self.replicas[replica].tasks.get(run) else {
             return;
         };
-        let record = self.record_of(replica, task, Status::Running);
-        self.ask_for(replica, run, Step::SaveRecord(then), Op::UpdateRecord(record, rev));
+        let record = self.record_of(replica, task, status);
+        self.ask_for(replica, run, step, Op::UpdateRecord(record, rev));
     }
 
     /// A lease renewal: the record written again, unless a write of it is on its way.
@@ -741,19 +748,12 @@ impl World {
         }
         let every = self.settings.lease / 3;
         self.wake_in(every, replica, run, epoch, Wake::Renew);
-        let now = self.now;
-        let Some(task) = self.task(replica, run) else { return };
-        if task.record_busy || task.ending {
-            return;
+        match self.task(replica, run) {
+            Some(task) if !task.record_busy && !task.ending => {
+                self.write_record(replica, run, Step::Renew, Status::Running);
+            }
+            _ => {}
         }
-        task.record_busy = true;
-        task.write_sent = now;
-        let rev = task.rev;
-        let Some(task) = self.replicas[replica].tasks.get(run) else {
-            return;
-        };
-        let record = self.record_of(replica, task, Status::Running);
-        self.ask_for(replica, run, Step::Renew, Op::UpdateRecord(record, rev));
     }
 
     /// A record write answered: the lease runs from its send; refused, the run moved.
@@ -1003,7 +1003,6 @@ impl World {
     }
 
     fn store_end(&mut self, replica: usize, run: &str) {
-        let now = self.now;
         let Some(task) = self.task(replica, run) else { return };
         if task.record_busy {
             // A renewal is on its way: the end goes once it is answered.
@@ -1014,14 +1013,7 @@ impl World {
                 Op::ThreadEnd(run.to_owned(), RunStatus::Completed),
             );
         }
-        task.record_busy = true;
-        task.write_sent = now;
-        let rev = task.rev;
-        let Some(task) = self.replicas[replica].tasks.get(run) else {
-            return;
-        };
-        let record = self.record_of(replica, task, Status::Ended);
-        self.ask_for(replica, run, Step::EndRecord, Op::UpdateRecord(record, rev));
+        self.write_record(replica, run, Step::EndRecord, Status::Ended);
     }
 
     fn admitted(&mut self, replica: usize, run: &str, reply: Option<Reply>, sent: u64) {

@@ -322,3 +322,25 @@ impl NatsCluster {
             .join("\n")
     }
 }
+
+/// The orchestrators' run bucket `bucket` on `js`, created in the key-value layout they create it
+/// in (the stream `KV_<bucket>` directly, which any JetStream from 2.9 on takes), as a tool-runner
+/// or a benchmark finds it.
+pub async fn run_bucket(
+    js: &async_nats::jetstream::Context,
+    bucket: &str,
+) -> anyhow::Result<async_nats::jetstream::kv::Store> {
+    use async_nats::jetstream::stream;
+    js.get_or_create_stream(stream::Config {
+        name: format!("KV_{bucket}"),
+        subjects: vec![format!("$KV.{bucket}.>")],
+        max_messages_per_subject: 1,
+        discard: stream::DiscardPolicy::New,
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await?;
+    Ok(js.get_key_value(bucket).await?)
+}

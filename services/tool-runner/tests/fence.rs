@@ -43,7 +43,6 @@ async fn runners(nats: &Nats, manifest: &std::path::Path) -> anyhow::Result<[Run
 
 /// The run store's bucket, and a way to set a run's fence as a replica taking it over does.
 async fn bucket(nats: &Nats) -> anyhow::Result<async_nats::jetstream::kv::Store> {
-    use async_nats::jetstream::stream;
     let url = shared::secrets::NatsUrl::parse(&nats.url()).map_err(anyhow::Error::msg)?;
     let options = match url.auth() {
         Some(shared::secrets::NatsAuth::UserPassword(user, password)) => {
@@ -52,19 +51,7 @@ async fn bucket(nats: &Nats) -> anyhow::Result<async_nats::jetstream::kv::Store>
         _ => async_nats::ConnectOptions::new(),
     };
     let js = async_nats::jetstream::new(options.connect(url.seeds()).await?);
-    // In the KV layout directly, as the orchestrators create it (any JetStream from 2.9 on).
-    js.get_or_create_stream(stream::Config {
-        name: format!("KV_{BUCKET}"),
-        subjects: vec![format!("$KV.{BUCKET}.>")],
-        max_messages_per_subject: 1,
-        discard: stream::DiscardPolicy::New,
-        allow_rollup: true,
-        deny_delete: true,
-        allow_direct: true,
-        ..Default::default()
-    })
-    .await?;
-    Ok(js.get_key_value(BUCKET).await?)
+    testkit::nats::run_bucket(&js, BUCKET).await
 }
 
 /// `record` for `call` of `run` sent in `epoch`: what the runner answered.

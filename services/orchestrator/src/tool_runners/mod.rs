@@ -443,20 +443,29 @@ fn outcome(response: pb::RunToolResponse) -> Result<String, ToolCallError> {
 mod tests {
     use super::*;
 
-    /// A call's run id, call id and epoch reach the runner in the request and as headers (its
-    /// access logs, and a tool behind a gateway that reads headers only).
-    #[test]
-    fn a_call_carries_its_ids_and_epoch_in_the_request_and_its_headers() {
-        let call = ToolInvocation {
+    /// Call `call_3` of run `run-7` to `refund`, in epoch 1, sent by `owner`.
+    fn refund(owner: Option<crate::domain::Ownership>) -> ToolInvocation {
+        ToolInvocation {
             run_id: "run-7".into(),
             call_id: "call_3".into(),
             name: "refund".into(),
             arguments_json: "{}".into(),
             metadata: std::collections::BTreeMap::new(),
+            principal: String::new(),
+            epoch: 1,
+            owner,
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// A call's run id, call id and epoch reach the runner in the request and as headers (its
+    /// access logs, and a tool behind a gateway that reads headers only).
+    #[test]
+    fn a_call_carries_its_ids_and_epoch_in_the_request_and_its_headers() {
+        let call = ToolInvocation {
             principal: "alice".into(),
             epoch: 4,
-            owner: None,
-            timeout: Duration::from_secs(5),
+            ..refund(None)
         };
         let transport = Transport::from_settings(&crate::Config::default().tool_runners).unwrap();
         let request = run_tool_request(&call, &transport);
@@ -483,17 +492,7 @@ mod tests {
     #[tokio::test]
     async fn a_stale_refusal_stops_the_owner_and_a_stopped_owner_sends_nothing() {
         let owner = crate::domain::Ownership::local();
-        let call = ToolInvocation {
-            run_id: "run-7".into(),
-            call_id: "call_3".into(),
-            name: "refund".into(),
-            arguments_json: "{}".into(),
-            metadata: std::collections::BTreeMap::new(),
-            principal: String::new(),
-            epoch: 1,
-            owner: Some(owner.clone()),
-            timeout: Duration::from_secs(5),
-        };
+        let call = refund(Some(owner.clone()));
         assert!(moved_away(&call).is_none());
         let mut refusal = tonic::Status::failed_precondition("stale");
         refusal.metadata_mut().insert(CURRENT_EPOCH_HEADER, 2.into());
