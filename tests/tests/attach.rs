@@ -71,8 +71,18 @@ async fn a_caller_that_left_reattaches_from_its_last_seq_and_the_finished_run_re
     assert_eq!(whole.status(), S::Completed);
     assert_eq!(whole.result.turns, 2);
 
-    // The finished run replays its kept log, from the start or from any seq.
+    // The finished run replays its kept log, from the start or from any seq; a retry of its
+    // Orchestrate gets the same events as its caller did, from the log.
     assert_eq!(attach(&mut client, "attach-1", 0).await?, whole.events);
+    let retried: Vec<_> = client
+        .orchestrate(detached("attach-1"))
+        .await?
+        .into_inner()
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    assert_eq!(retried, whole.events, "a retried Orchestrate replays the log");
     assert_eq!(attach(&mut client, "attach-1", 20).await?, whole.events[20..]);
     let last = whole.events.len() as u64;
     assert!(
@@ -105,7 +115,8 @@ async fn callers_attached_to_a_live_run_follow_it_to_its_end() -> TestResult {
 
 /// Unknown runs are NOT_FOUND. A run's log is bounded: with --event-log-max-bytes at its floor a
 /// long run's oldest events are dropped, so a replay from the start is OUT_OF_RANGE while a
-/// re-attach near the end works; with the default bound the same run replays whole.
+/// re-attach near the end works; with the default bound the same run replays whole. A retried
+/// Orchestrate of the run whose log dropped its start gets its result (its text as one delta).
 #[tokio::test]
 async fn attach_answers_not_found_and_a_bounded_log_refuses_what_it_dropped() -> TestResult {
     let long: String = (0..20_000).map(|i| format!("w{i} ")).collect();
@@ -141,6 +152,21 @@ async fn attach_answers_not_found_and_a_bounded_log_refuses_what_it_dropped() ->
             attach(&mut client, &run_id, last - 1).await?,
             out.events[out.events.len() - 1..]
         );
+        let mut again = request("go", &[]);
+        again.run_id.clone_from(&run_id);
+        let retried: Vec<_> = client
+            .orchestrate(again)
+            .await?
+            .into_inner()
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()?;
+        let retried = Outcome::new(retried, Duration::ZERO)?;
+        assert_eq!(retried.result.text, long, "bound {bound}");
+        if replays {
+            assert_eq!(retried.events, out.events, "bound {bound}: the log replayed");
+        }
     }
     Ok(())
 }

@@ -117,7 +117,7 @@ impl Core {
         }
         match admitted {
             Ok(admitted) => Ok(self.start(admitted, spec, detached, trace_context, caller)),
-            Err(Refusal::Finished(result)) => Ok(streams::replay(*result)),
+            Err(Refusal::Finished(result)) => Ok(self.replay(*result, &caller).await),
             Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id)),
             Err(Refusal::Full(slots)) => Err(Error::Busy(slots)),
             Err(Refusal::CallerFull(limit)) => Err(Error::CallerBusy {
@@ -201,6 +201,21 @@ impl Core {
             after_seq,
             feed,
         ))
+    }
+
+    /// A finished run's events, for a retry of its `Orchestrate`: its log from the first event,
+    /// as its caller saw them; its result as one delta each only when the log no longer holds
+    /// the run whole (the memory store's log past its bounds, or its age).
+    async fn replay(&self, result: RunResult, caller: &Principal) -> RunEvents {
+        let Ok(mut feed) = self.runs.follow(&result.run_id, 0, caller).await else {
+            return streams::replay(result);
+        };
+        match feed.next().await {
+            Some(Ok(first)) if first.seq == 1 => futures::stream::once(async move { Ok(first) })
+                .chain(feed.map(|item| item.map_err(Error::Log)))
+                .boxed(),
+            _ => streams::replay(result),
+        }
     }
 
     /// The run as `caller` may see it: live state so far, or its stored result.
