@@ -361,3 +361,77 @@ async fn a_claim_the_store_did_not_answer_starts_nothing() {
         "no live entry was left"
     );
 }
+
+/// A store other replicas read (it has lease terms) that says run `r` has `status`.
+struct Says(RunStatus);
+
+impl ResultStore for Says {
+    fn put(&self, _: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn claim(&self, _: RunResult) -> BoxFuture<'static, Result<crate::domain::ports::Claim, StoreError>> {
+        Box::pin(async { Ok(crate::domain::ports::Claim::Claimed) })
+    }
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+        let mut result = RunResult::running(run_id);
+        result.status = self.0;
+        Box::pin(async move { Ok(Some(result)) })
+    }
+    fn lease(&self) -> Option<crate::domain::LeaseTerms> {
+        Some(crate::domain::LeaseTerms {
+            length: Duration::from_secs(3),
+            margin: Duration::from_secs(1),
+            fence_grace: Duration::ZERO,
+        })
+    }
+}
+
+/// The registry of a replica whose store says run `r` has `status`, and whose log holds two of
+/// its events and not its end; with the log's writer, still there (a writer dropped is a loss
+/// the memory log tells of itself).
+fn runs_of_a_quiet_run(status: RunStatus) -> (Arc<Runs>, Box<dyn crate::domain::ports::LogWriter>) {
+    let runs = runs(4, 10, Duration::from_secs(60));
+    let runs = Arc::into_inner(runs).unwrap();
+    let mut writer = runs.log.writer("r", 0);
+    let text = |seq| crate::domain::NumberedEvent {
+        seq,
+        event: crate::domain::Event::TextDelta {
+            text: "so far ".into(),
+            turn: 1,
+        },
+    };
+    writer.append(&[text(1), text(2)]);
+    let runs = Arc::new(Runs {
+        store: Arc::new(Says(status)),
+        ..runs
+    });
+    (runs, writer)
+}
+
+/// A follower whose feed goes quiet is told `DATA_LOSS` only when the store says the run ended
+/// and the log's last event is neither its end nor past the follower, naming the log's last seq;
+/// while the store says the run goes on (a paused or starved replica), silence is only silence.
+#[tokio::test(start_paused = true)]
+async fn loss_is_read_from_the_store_and_the_log_never_from_silence() {
+    use futures::StreamExt;
+    let (live, _writer) = runs_of_a_quiet_run(RunStatus::Running);
+    let mut feed = live.follow("r", 2, &anon()).await.unwrap();
+    let quiet = tokio::time::timeout(Duration::from_secs(60), feed.next()).await;
+    assert!(
+        quiet.is_err(),
+        "twenty quiet renewal periods of a live run are no loss: {quiet:?}"
+    );
+
+    let (ended, _writer) = runs_of_a_quiet_run(RunStatus::Completed);
+    let mut feed = ended.follow("r", 2, &anon()).await.unwrap();
+    let lost = tokio::time::timeout(Duration::from_secs(60), feed.next())
+        .await
+        .unwrap();
+    match lost {
+        Some(Err(crate::domain::ports::LogError::Lost { after_seq, reason, .. })) => {
+            assert_eq!(after_seq, 2);
+            assert!(reason.contains("ends at seq 2"), "{reason}");
+        }
+        other => panic!("not told of the loss: {other:?}"),
+    }
+}
