@@ -49,6 +49,9 @@ fn scenario(turns: usize, words: &str) -> mock_llm::Scenario {
     }
 }
 
+/// How long the runners' fence reads may take (the replicas' `--run-fence-grace` is as long).
+const FENCE_READ: Duration = Duration::from_millis(500);
+
 /// A tool-runner in this process serving `manifest`'s tools, refusing a replaced owner's calls
 /// by the fences it reads from the run store at `nats`; its URL.
 async fn start_runner(manifest: &std::path::Path, nats: &str) -> anyhow::Result<String> {
@@ -58,6 +61,7 @@ async fn start_runner(manifest: &std::path::Path, nats: &str) -> anyhow::Result<
     let mut config = testkit::stack::runner_config(Some(manifest.to_owned()));
     config.server.max_concurrency = 256;
     config.fence.run_store = Some(nats.to_owned());
+    config.fence.timeout = FENCE_READ;
     tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
     Ok(url)
 }
@@ -182,8 +186,11 @@ impl Fleet {
             testkit::orchestrator_command(orchestrator, &self.mock.base_url(), runner),
             nats,
         );
+        // A takeover's calls wait the fence grace: short here, with the runners' fence reads
+        // bounded as short (FENCE_READ), as the rule between the two settings wants.
         command
             .args(["--run-store-lease", self.lease, "--handoff-grace", self.handoff_grace])
+            .args(["--run-fence-grace", "500ms"])
             .args(&self.flags);
         let replica = Service::orchestrator(command).await?;
         lock(&self.serving).push(format!("http://{}", replica.grpc));

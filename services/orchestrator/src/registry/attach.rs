@@ -121,20 +121,29 @@ impl Runs {
         .boxed()
     }
 
-    /// Whether a follower at `cursor` of a quiet feed will never see the run's end, read from the
-    /// store and the log, never from silence: the stored result is final, and the log's last
-    /// event is neither `run_finished` nor past the cursor (the end never reached the log). A
-    /// store or log that cannot answer says nothing is lost: the follower waits on.
+    /// What a quiet feed of a follower at `cursor` means, read from the store and the log, never
+    /// from silence. The stored result is final and the log's last event is neither
+    /// `run_finished` nor past the cursor: the end never reached the log (`Lost`). The run ended
+    /// and the log holds what the feed did not bring: the feed stalled (its consumer was on a
+    /// lost node), and the follower is told to attach again after its cursor (`Unavailable`),
+    /// which reads the log anew. A run that goes on, or a store or log that cannot answer:
+    /// nothing, the follower waits on.
     async fn lost_end(&self, run_id: &str, caller: &Principal, cursor: u64) -> Option<LogError> {
         let ended = matches!(self.get(run_id, caller).await, Ok(Some(r)) if !r.status.is_live());
         if !ended {
             return None;
         }
         let logged = self.log.last(run_id).await.ok()?;
-        if logged.finished.is_some() || logged.seq > cursor {
-            return None;
-        }
         let replica = std::env::var("HOSTNAME").unwrap_or_else(|_| "this replica".to_owned());
+        if logged.finished.is_some() || logged.seq > cursor {
+            return Some(LogError::Unavailable {
+                run_id: run_id.to_owned(),
+                reason: format!(
+                    "the run has ended and its log holds seq {} that this stream did not bring (read by {replica}); attach again after seq {cursor}",
+                    logged.seq
+                ),
+            });
+        }
         Some(LogError::Lost {
             run_id: run_id.to_owned(),
             after_seq: cursor,

@@ -6,6 +6,8 @@
 //! * [`journal`]: the [`RunJournal`](crate::domain::ports::RunJournal) on the same [`KvStore`] —
 //!   claims, checkpoints, takeover, hand-over, cancels asked of other replicas;
 //! * [`checkpoints`]: the checkpoint objects the journal names (an object-store bucket);
+//! * `fence`: a run's fence (the newest epoch it was claimed in, which the tool-runners read),
+//!   raised by a takeover before it acts;
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) — a JetStream stream ([`NatsLog`]);
 //! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) — a key-value bucket
 //!   ([`NatsLot`]), decided and resumed on any replica;
