@@ -27,13 +27,25 @@ fn slow_two_turns() -> Scenario {
 }
 
 async fn attach(client: &mut Client, run_id: &str, after_seq: u64) -> Result<Vec<pb::OrchestrateEvent>, tonic::Status> {
-    let mut stream = client
-        .attach_run(pb::AttachRunRequest {
-            run_id: run_id.into(),
-            after_seq,
-        })
-        .await?
-        .into_inner();
+    let request = pb::AttachRunRequest {
+        run_id: run_id.into(),
+        after_seq,
+    };
+    every_event(client.attach_run(request).await?.into_inner()).await
+}
+
+/// The events `Orchestrate` answers `request` with, to the end of its stream.
+async fn orchestrate(
+    client: &mut Client,
+    request: pb::OrchestrateRequest,
+) -> Result<Vec<pb::OrchestrateEvent>, tonic::Status> {
+    every_event(client.orchestrate(request).await?.into_inner()).await
+}
+
+/// Every event of `stream`, to its end.
+async fn every_event(
+    mut stream: tonic::Streaming<pb::OrchestrateEvent>,
+) -> Result<Vec<pb::OrchestrateEvent>, tonic::Status> {
     let mut events = Vec::new();
     while let Some(event) = stream.next().await {
         events.push(event?);
@@ -74,14 +86,7 @@ async fn a_caller_that_left_reattaches_from_its_last_seq_and_the_finished_run_re
     // The finished run replays its kept log, from the start or from any seq; a retry of its
     // Orchestrate gets the same events as its caller did, from the log.
     assert_eq!(attach(&mut client, "attach-1", 0).await?, whole.events);
-    let retried: Vec<_> = client
-        .orchestrate(detached("attach-1"))
-        .await?
-        .into_inner()
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<Result<_, _>>()?;
+    let retried = orchestrate(&mut client, detached("attach-1")).await?;
     assert_eq!(retried, whole.events, "a retried Orchestrate replays the log");
     assert_eq!(attach(&mut client, "attach-1", 20).await?, whole.events[20..]);
     let last = whole.events.len() as u64;
@@ -154,15 +159,7 @@ async fn attach_answers_not_found_and_a_bounded_log_refuses_what_it_dropped() ->
         );
         let mut again = request("go", &[]);
         again.run_id.clone_from(&run_id);
-        let retried: Vec<_> = client
-            .orchestrate(again)
-            .await?
-            .into_inner()
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<_, _>>()?;
-        let retried = Outcome::new(retried, Duration::ZERO)?;
+        let retried = Outcome::new(orchestrate(&mut client, again).await?, Duration::ZERO)?;
         assert_eq!(retried.result.text, long, "bound {bound}");
         if replays {
             assert_eq!(retried.events, out.events, "bound {bound}: the log replayed");

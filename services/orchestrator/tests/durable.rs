@@ -1044,6 +1044,29 @@ async fn a_paused_replica_acts_no_more_once_resumed_past_its_lease() -> TestResu
     runs_through_a_fault_of_their_replica(Fault::Paused(Duration::from_secs(5)), "paused").await
 }
 
+/// Waits until the caller of each of `followers` has seen a tool call of its run start.
+async fn every_run_called(followers: &[Following]) -> TestResult {
+    for (run_id, seen, _) in followers {
+        let mut seen = seen.clone();
+        until(&mut seen, &format!("{run_id}'s call"), |e| !in_flight(e).is_empty()).await?;
+    }
+    Ok(())
+}
+
+impl Fleet {
+    /// Waits until the tool ran a call of each of `runs` in an epoch after the first: another
+    /// replica took each over and sent its own calls.
+    async fn every_run_called_in_a_newer_epoch(&self, runs: &[String]) -> TestResult {
+        testkit::wait::until_sync("every run's call in a newer epoch", Duration::from_secs(60), || {
+            let epochs = self.epochs();
+            runs.iter()
+                .all(|run| epochs.get(run).is_some_and(|e| e.iter().any(|&epoch| epoch >= 2)))
+                .then_some(())
+        })
+        .await
+    }
+}
+
 /// Waits until a caller of any of `followers` sees a tool call start.
 async fn a_call_starts(followers: &[Following]) -> TestResult {
     let waits = followers.iter().map(|(_, seen, _)| {
@@ -1061,9 +1084,9 @@ async fn a_call_starts(followers: &[Following]) -> TestResult {
 /// Three waves of four runs on replica 0, which sends its calls to runner A through a proxy
 /// while the other two replicas send theirs to runner B. Each wave, the moment a caller sees one
 /// of the runs' tool calls start, the link to runner A is cut (what replica 0 sends is held, as a
-/// slow network or a lazily connected channel holds a request after its lease check), and a
-/// moment later replica 0 is paused (SIGSTOP) for two leases and a half: the others take its runs
-/// over and run their calls on runner B. Then the link heals and replica 0 resumes: what it had
+/// slow network or a lazily connected channel holds a request after its lease check), and once
+/// each run has a call out replica 0 is paused (SIGSTOP) until the others have taken its runs over
+/// and run their calls on runner B. Then the link heals and replica 0 resumes: what it had
 /// sent reaches runner A after the new owners' calls ran. Runner A reads each run's fence from
 /// the store and refuses those calls: no call of a replaced owner runs (the epochs each run's
 /// calls ran in never go down, across both runners), and every run completes as in the other
@@ -1093,9 +1116,9 @@ async fn a_paused_replicas_held_calls_reach_another_runner_late_and_run_nothing(
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("no replica"))?;
         // Its other runs' calls go out into the held link meanwhile.
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        every_run_called(&followers).await?;
         replica.signal(nix::sys::signal::Signal::SIGSTOP)?;
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        fleet.every_run_called_in_a_newer_epoch(&runs).await?;
         link.heal();
         replica.signal(nix::sys::signal::Signal::SIGCONT)?;
         everyone.extend(followers);

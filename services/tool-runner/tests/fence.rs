@@ -153,14 +153,12 @@ async fn a_durable_call_is_refused_unrun_while_the_run_store_cannot_be_read() ->
     call(&a, "run.2", "local", 0).await?.map_err(anyhow::Error::msg)?;
 
     nats.restart().await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while call(&a, "run.2", "after", 1).await?.is_err() {
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the runner never read the store again"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    testkit::wait::until(
+        "the runner to read the store again",
+        Duration::from_secs(30),
+        || async { call(&a, "run.2", "after", 1).await.ok()?.ok() },
+    )
+    .await?;
     let ran = ran(&log);
     assert!(!ran.iter().any(|l| l.contains("during")), "{ran:?}");
     assert_eq!(&ran[..2], ["run.2/before 1", "run.2/local 0"]);
