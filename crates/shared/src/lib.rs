@@ -11,6 +11,7 @@ pub mod dns;
 pub mod fence;
 pub mod grpc;
 pub mod metrics;
+pub mod nats;
 pub mod runtime;
 pub mod secrets;
 pub mod serving;

@@ -14,8 +14,6 @@ use std::time::Duration;
 use async_nats::jetstream;
 use tokio::sync::OnceCell;
 
-use shared::secrets::NatsAuth;
-
 use crate::Error;
 use crate::config::FenceSettings;
 
@@ -54,27 +52,16 @@ impl RunFence {
         let Some(url) = settings.store()? else {
             return Ok(None);
         };
-        let mut options = async_nats::ConnectOptions::new()
-            .name("tool-runner")
-            .retry_on_initial_connect()
-            .connection_timeout(settings.timeout)
-            .require_tls(settings.tls_required);
-        options = match url.auth() {
-            Some(NatsAuth::UserPassword(user, password)) => {
-                options.user_and_password(user.clone(), password.expose().to_owned())
-            }
-            Some(NatsAuth::Token(token)) => options.token(token.expose().to_owned()),
-            None => options,
+        let access = shared::nats::Access {
+            tls_required: settings.tls_required,
+            credentials: settings.credentials.as_deref(),
+            ca_file: settings.ca_file.as_deref(),
         };
-        if let Some(creds) = &settings.credentials {
-            options = options
-                .credentials_file(creds)
-                .await
-                .map_err(|e| Error::Config(format!("--nats-credentials {}: {e}", creds.display())))?;
-        }
-        if let Some(ca) = &settings.ca_file {
-            options = options.add_root_certificates(ca.clone());
-        }
+        let options = shared::nats::options(&url, "tool-runner", access)
+            .await
+            .map_err(Error::Config)?
+            .retry_on_initial_connect()
+            .connection_timeout(settings.timeout);
         let client = options
             .connect(url.seeds())
             .await

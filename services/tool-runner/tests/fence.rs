@@ -44,12 +44,14 @@ async fn runners(nats: &Nats, manifest: &std::path::Path) -> anyhow::Result<[Run
 /// The run store's bucket, and a way to set a run's fence as a replica taking it over does.
 async fn bucket(nats: &Nats) -> anyhow::Result<async_nats::jetstream::kv::Store> {
     let url = shared::secrets::NatsUrl::parse(&nats.url()).map_err(anyhow::Error::msg)?;
-    let options = match url.auth() {
-        Some(shared::secrets::NatsAuth::UserPassword(user, password)) => {
-            async_nats::ConnectOptions::with_user_and_password(user.clone(), password.expose().to_owned())
-        }
-        _ => async_nats::ConnectOptions::new(),
+    let access = shared::nats::Access {
+        tls_required: false,
+        credentials: None,
+        ca_file: None,
     };
+    let options = shared::nats::options(&url, "test", access)
+        .await
+        .map_err(anyhow::Error::msg)?;
     let js = async_nats::jetstream::new(options.connect(url.seeds()).await?);
     testkit::nats::run_bucket(&js, BUCKET).await
 }

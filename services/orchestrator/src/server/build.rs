@@ -20,7 +20,7 @@ use crate::store::nats::{KvStore, NatsLog, NatsLogOptions, NatsLot, NatsThreads}
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
-use shared::secrets::{NatsAuth, NatsUrl};
+use shared::secrets::NatsUrl;
 
 /// What every run shares: the model client, the tool-runners, the signal topic and the runs
 /// registry with its result store.
@@ -195,26 +195,15 @@ impl NatsConnections {
         if let Some(client) = self.0.get(url) {
             return Ok(client.clone());
         }
-        let mut connect = async_nats::ConnectOptions::new()
-            .name("orchestrator")
-            .connection_timeout(Duration::from_secs(5))
-            .require_tls(options.tls_required);
-        connect = match url.auth() {
-            Some(NatsAuth::UserPassword(user, password)) => {
-                connect.user_and_password(user.clone(), password.expose().to_owned())
-            }
-            Some(NatsAuth::Token(token)) => connect.token(token.expose().to_owned()),
-            None => connect,
+        let access = shared::nats::Access {
+            tls_required: options.tls_required,
+            credentials: options.credentials.as_deref(),
+            ca_file: options.ca_file.as_deref(),
         };
-        if let Some(creds) = &options.credentials {
-            connect = connect
-                .credentials_file(creds)
-                .await
-                .map_err(|e| Error::Config(format!("--nats-credentials {}: {e}", creds.display())))?;
-        }
-        if let Some(ca) = &options.ca_file {
-            connect = connect.add_root_certificates(ca.clone());
-        }
+        let connect = shared::nats::options(url, "orchestrator", access)
+            .await
+            .map_err(Error::Config)?
+            .connection_timeout(Duration::from_secs(5));
         // Every seed of a list (`nats://a:4222,nats://b:4222`): the client tries them in turn and
         // then follows the servers the cluster announces.
         let client = connect
