@@ -9,7 +9,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use shared::auth::Principal;
 use shared::runtime::AbortOnDrop;
 
-use super::{Live, Runs, sees};
+use super::{Live, LiveRuns, Runs, sees};
 use crate::domain::ports::{Claim, LogWriter, Logged, Ready, within};
 use crate::domain::{EventBatch, Ownership, RunResult, RunSpec, RunStatus};
 use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
@@ -222,6 +222,17 @@ impl Runs {
 
     /// A slot and a live entry for `run_id`, with its persister (not claimed in the store yet).
     fn admitted(self: &Arc<Self>, run_id: &str, caller: &Principal) -> Result<Admitted, Refusal> {
+        let mut live = self.lock();
+        self.admitted_in(&mut live, run_id, caller)
+    }
+
+    /// [`Self::admitted`], with the registry's lock held by the caller.
+    fn admitted_in(
+        self: &Arc<Self>,
+        live: &mut LiveRuns,
+        run_id: &str,
+        caller: &Principal,
+    ) -> Result<Admitted, Refusal> {
         let Registered {
             state,
             cancel,
@@ -229,7 +240,7 @@ impl Runs {
             inbox,
             permit,
             ownership,
-        } = self.register(run_id, caller)?;
+        } = self.register(live, run_id, caller)?;
         let persister = Persister::new(
             Arc::clone(&self.store),
             Arc::clone(&state),
@@ -254,8 +265,7 @@ impl Runs {
 
     /// Takes a slot and enters the run among the live ones, unless its id is live already or
     /// the caller has its `max_runs` in flight.
-    fn register(&self, run_id: &str, caller: &Principal) -> Result<Registered, Refusal> {
-        let mut live = self.lock();
+    fn register(&self, live: &mut LiveRuns, run_id: &str, caller: &Principal) -> Result<Registered, Refusal> {
         if live.contains_key(run_id) {
             return Err(Refusal::Duplicate);
         }
@@ -357,37 +367,58 @@ impl Runs {
         )))))
     }
 
-    /// Takes a slot for a parked run that is ready to go on, with its decisions in its
-    /// checkpoint; gives the run back when no slot is free (or it is still leaving its old one).
-    /// `Ok(None)`: its checkpoint cannot be read (it is dropped, with an error logged).
-    pub(crate) async fn resume_parked(
-        self: &Arc<Self>,
-        ready: Ready,
-    ) -> Result<Option<(Admitted, Resumed)>, Box<Ready>> {
-        let checkpoint = match serde_json::from_slice::<Checkpoint>(&ready.parked.checkpoint) {
-            Ok(checkpoint) => checkpoint.decided(&ready.waiting),
-            Err(e) => {
-                tracing::error!(run_id = %ready.run_id, "the parked run's checkpoint cannot be read: {e}; the run is dropped");
-                return Ok(None);
+    /// Takes the oldest parked run that is ready to go on off the approval lot and gives it a
+    /// slot, with its decisions in its checkpoint. Both happen under the registry's lock, so a
+    /// reader ([`Runs::get`]) finds the run in the lot or among the live ones, never in neither.
+    /// With no slot free (or the run still leaving its old one) the run stays in the lot.
+    pub(crate) async fn resume_parked(self: &Arc<Self>) -> Unparked {
+        let (mut admitted, checkpoint, ready) = {
+            let mut live = self.lock();
+            let Some(ready) = self.approvals.take_ready() else {
+                return Unparked::Nothing;
+            };
+            let checkpoint = match serde_json::from_slice::<Checkpoint>(&ready.parked.checkpoint) {
+                Ok(checkpoint) => checkpoint.decided(&ready.waiting),
+                Err(e) => {
+                    tracing::error!(run_id = %ready.run_id, "the parked run's checkpoint cannot be read: {e}; the run is dropped");
+                    return Unparked::Dropped;
+                }
+            };
+            let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
+            match self.admitted_in(&mut live, &ready.run_id, &owner) {
+                Ok(admitted) => {
+                    // Its output so far, from the moment it is live again.
+                    let mut state = checkpoint.result.clone();
+                    state.status = RunStatus::Running;
+                    *shared::sync::lock(&admitted.state) = state;
+                    (admitted, checkpoint, ready)
+                }
+                Err(_) => {
+                    self.approvals.put_back(ready);
+                    return Unparked::Nothing;
+                }
             }
-        };
-        let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
-        let Ok(mut admitted) = self.admitted(&ready.run_id, &owner) else {
-            return Err(Box::new(ready));
         };
         let Ready { parked, waiting, .. } = ready;
         let logged = match parked.log.as_ref() {
             Some(_) => checkpoint.seq,
             None => self.log.last(&admitted.run_id).await.map_or(checkpoint.seq, |l| l.seq),
         };
-        let mut state = checkpoint.result.clone();
-        state.status = RunStatus::Running;
-        *shared::sync::lock(&admitted.state) = state;
         admitted._lease = admitted.persister.keep_lease();
         admitted.log = parked.log;
         if let Some(reason) = waiting.canceled {
             admitted.cancel.cancel(&reason);
         }
-        Ok(Some((admitted, Resumed { checkpoint, logged })))
+        Unparked::Resumed(Box::new((admitted, Resumed { checkpoint, logged })))
     }
+}
+
+/// What [`Runs::resume_parked`] did.
+pub(crate) enum Unparked {
+    /// No parked run is ready, or none found a slot (it waits in the lot).
+    Nothing,
+    /// A ready run's checkpoint could not be read: it is dropped (an error is logged).
+    Dropped,
+    /// The run goes on from its checkpoint.
+    Resumed(Box<(Admitted, Resumed)>),
 }

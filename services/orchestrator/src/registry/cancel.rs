@@ -7,6 +7,9 @@ use super::{Runs, sees};
 use crate::domain::ports::{RemoteCancel, StoreError, within};
 use crate::domain::{CancelMode, RunStatus};
 
+/// How often a cancel looks for a run that is moving between its slot and the approval lot.
+const MOVING_LOOKS: usize = 50;
+
 /// Outcome of a cancel request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CancelOutcome {
@@ -28,6 +31,32 @@ impl Runs {
     /// replica, which is asked to; `Err` when the store, asked about a run not live here, cannot
     /// be read.
     pub(crate) async fn cancel(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+        reason: &str,
+        mode: CancelMode,
+    ) -> Result<CancelOutcome, StoreError> {
+        // A run moving between its slot and the approval lot (parking, or resuming) can be
+        // missed in both by one look: it is looked for again while it is in sight here.
+        for _ in 0..MOVING_LOOKS {
+            let outcome = self.cancel_once(run_id, caller, reason, mode).await?;
+            if outcome != CancelOutcome::NotFound || !self.in_sight(run_id) {
+                return Ok(outcome);
+            }
+            tokio::task::yield_now().await;
+        }
+        Ok(CancelOutcome::NotFound)
+    }
+
+    /// Whether `run_id` is live here or parked in this replica's lot.
+    fn in_sight(&self, run_id: &str) -> bool {
+        let live = self.lock();
+        live.contains_key(run_id) || self.approvals.parked(run_id).is_some()
+    }
+
+    /// One look for the run: here, parked, or elsewhere.
+    async fn cancel_once(
         &self,
         run_id: &str,
         caller: &Principal,

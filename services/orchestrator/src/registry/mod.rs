@@ -31,7 +31,7 @@ mod steer;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use admission::{Admitted, EndedElsewhere, Refusal, TakenOver};
+pub(crate) use admission::{Admitted, EndedElsewhere, Refusal, TakenOver, Unparked};
 pub(crate) use attach::AttachError;
 pub(crate) use cancel::CancelOutcome;
 pub(crate) use steer::SteerOutcome;
@@ -65,9 +65,12 @@ impl Live {
     }
 }
 
+/// The runs live on this replica, by id.
+type LiveRuns = HashMap<String, Live>;
+
 /// See the module docs.
 pub(crate) struct Runs {
-    live: Mutex<HashMap<String, Live>>,
+    live: Mutex<LiveRuns>,
     slots: Arc<Semaphore>,
     idle: Notify,
     /// Told when a run leaves its slot (runs waiting for one, parked and ready, go on).
@@ -143,7 +146,7 @@ impl Runs {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LiveRuns> {
         shared::sync::lock(&self.live)
     }
 
@@ -184,13 +187,16 @@ impl Runs {
     /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
     /// store cannot be read.
     pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
-        let live = self.lock().get(run_id).map(Live::shown);
-        let found = match live {
+        // Under the registry's lock: a parked run resuming leaves the lot under it too.
+        let here = {
+            let live = self.lock();
+            live.get(run_id)
+                .map(Live::shown)
+                .or_else(|| self.approvals.parked(run_id))
+        };
+        let found = match here {
             Some(result) => Some(result),
-            None => match self.approvals.parked(run_id) {
-                Some(parked) => Some(parked),
-                None => self.stored(run_id).await?,
-            },
+            None => self.stored(run_id).await?,
         };
         let Some(mut found) = found.filter(|r| sees(caller, &r.principal)) else {
             return Ok(None);

@@ -1,6 +1,6 @@
 //! The registry's rules, without a network: slots, principals, replays, bounds, cancels.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use shared::auth::Principal;
@@ -65,19 +65,23 @@ async fn runs_belong_to_their_principal_and_max_runs_holds_per_principal() {
 use crate::store::memory::MemoryStore;
 
 fn runs(max_runs: usize, keep: usize, keep_for: Duration) -> Arc<Runs> {
+    Runs::new((max_runs, 2, 4), keeping(keep, keep_for), Duration::from_secs(1), 100)
+}
+
+/// In-memory stores keeping `keep` results for `keep_for`.
+fn keeping(keep: usize, keep_for: Duration) -> Keeping {
     let bounds = crate::store::LogBounds {
         per_run_bytes: 1 << 20,
         total_bytes: 1 << 24,
         keep,
         keep_for,
     };
-    let keeping = Keeping {
+    Keeping {
         store: Arc::new(MemoryStore::new(keep, keep_for)),
         log: Arc::new(crate::store::memory::MemoryLog::new(bounds)),
         journal: None,
         approvals: Arc::new(crate::store::memory::MemoryLot::new(100)),
-    };
-    Runs::new((max_runs, 2, 4), keeping, Duration::from_secs(1), 100)
+    }
 }
 
 use futures::future::BoxFuture;
@@ -434,4 +438,153 @@ async fn loss_is_read_from_the_store_and_the_log_never_from_silence() {
         }
         other => panic!("not told of the loss: {other:?}"),
     }
+}
+
+/// A lot that, once it has handed a ready run out, lets a reader look for the run before the
+/// registry goes on (or until a deadline, when the reader is held by the registry's lock).
+struct WatchedLot {
+    inner: crate::store::memory::MemoryLot,
+    taken: std::sync::mpsc::SyncSender<()>,
+    read: Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl ApprovalLot for WatchedLot {
+    fn open(&self, wait: crate::domain::ports::Wait) -> BoxFuture<'static, Result<(), String>> {
+        self.inner.open(wait)
+    }
+    fn park(
+        &self,
+        run_id: &str,
+        parked: crate::domain::ports::Parked,
+    ) -> BoxFuture<'static, Result<crate::domain::ports::ParkOutcome, StoreError>> {
+        self.inner.park(run_id, parked)
+    }
+    fn decide(
+        &self,
+        run_id: &str,
+        decider: &crate::domain::ports::Decider,
+        decisions: &[crate::domain::approval::Decision],
+    ) -> BoxFuture<'static, Result<Vec<crate::domain::approval::PendingApproval>, crate::domain::approval::DecideError>>
+    {
+        self.inner.decide(run_id, decider, decisions)
+    }
+    fn pending(
+        &self,
+        decider: &crate::domain::ports::Decider,
+        run_id: Option<&str>,
+        limit: usize,
+    ) -> BoxFuture<'static, Result<(Vec<crate::domain::approval::PendingApproval>, bool), StoreError>> {
+        self.inner.pending(decider, run_id, limit)
+    }
+    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<crate::domain::ports::Waiting>, StoreError>> {
+        self.inner.waiting(run_id)
+    }
+    fn parked(&self, run_id: &str) -> Option<RunResult> {
+        self.inner.parked(run_id)
+    }
+    fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
+        self.inner.cancel(run_id, reason)
+    }
+    fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
+        self.inner.close(run_id, epoch)
+    }
+    fn expire(&self, now_unix_ms: u64) {
+        self.inner.expire(now_unix_ms);
+    }
+    fn take_ready(&self) -> Option<crate::domain::ports::Ready> {
+        let ready = self.inner.take_ready()?;
+        let _ = self.taken.send(());
+        let _ = shared::sync::lock(&self.read).recv_timeout(Duration::from_millis(300));
+        Some(ready)
+    }
+    fn put_back(&self, ready: crate::domain::ports::Ready) {
+        self.inner.put_back(ready);
+    }
+    fn changed(&self) -> BoxFuture<'static, ()> {
+        self.inner.changed()
+    }
+}
+
+/// A parked run that resumes is, for a reader (GetRun), in the lot or live, never in neither:
+/// it leaves the lot under the registry's lock (in CI a reader once found it nowhere, and the
+/// caller was told the run did not exist).
+#[tokio::test]
+async fn a_parked_run_resuming_is_never_out_of_sight() {
+    use crate::domain::ports::{Parked, Wait};
+    let (taken, taken_rx) = std::sync::mpsc::sync_channel(1);
+    let (read_tx, read) = std::sync::mpsc::sync_channel(1);
+    let lot = Arc::new(WatchedLot {
+        inner: crate::store::memory::MemoryLot::new(100),
+        taken,
+        read: Mutex::new(read),
+    });
+    let keeping = Keeping {
+        approvals: Arc::clone(&lot) as Arc<dyn ApprovalLot>,
+        ..keeping(10, Duration::from_secs(60))
+    };
+    let runs = Runs::new((8, 2, 4), keeping, Duration::from_secs(1), 100);
+    let mut spec = crate::run::tool_loop::tests::spec(crate::run::tool_loop::tests::limits());
+    spec.run_id = "p".into();
+    let mut state = RunResult::running("p");
+    state.status = RunStatus::AwaitingApproval;
+    let checkpoint = crate::run::tool_loop::Checkpoint::at_start(&spec, state.clone())
+        .snapshot()
+        .bytes;
+    let wait = Wait {
+        run_id: "p".into(),
+        principal: String::new(),
+        calls: vec![(
+            crate::domain::approval::PendingApproval {
+                run_id: "p".into(),
+                call_id: "c".into(),
+                name: "refund".into(),
+                arguments_json: "{}".into(),
+                turn: 1,
+                requested_at_unix_ms: 0,
+                expires_at_unix_ms: u64::MAX,
+                principal: String::new(),
+                decision: None,
+            },
+            serde_json::json!({"type": "object"}),
+        )],
+        epoch: 0,
+    };
+    lot.open(wait).await.unwrap();
+    let parked = Parked {
+        checkpoint,
+        result: state,
+        wake_at_unix_ms: u64::MAX,
+        parked_at_unix_ms: 0,
+        deadline_unix_ms: u64::MAX,
+        log: None,
+    };
+    assert!(matches!(
+        lot.park("p", parked).await.unwrap(),
+        crate::domain::ports::ParkOutcome::Parked
+    ));
+    assert!(lot.cancel("p", "test").await.unwrap(), "a canceled parked run is ready");
+
+    let reader = {
+        let runs = Arc::clone(&runs);
+        std::thread::spawn(move || {
+            taken_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            let found = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .unwrap()
+                .block_on(runs.get("p", &anon()));
+            let _ = read_tx.send(());
+            found.unwrap()
+        })
+    };
+    let Unparked::Resumed(resumed) = runs.resume_parked().await else {
+        panic!("the ready run did not resume");
+    };
+    let found = reader.join().unwrap();
+    assert_eq!(
+        found.map(|r| r.status),
+        Some(RunStatus::Running),
+        "seen while it resumed"
+    );
+    drop(resumed);
 }

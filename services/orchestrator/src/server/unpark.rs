@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Core, Resumption};
+use crate::registry::Unparked;
 
 /// How often timeouts and deadlines of parked runs are looked at (and ready runs that found no
 /// slot tried again).
@@ -29,16 +30,14 @@ pub(crate) async fn watch(core: Arc<Core>) {
 
 /// Resumes the ready runs while slots are free.
 async fn resume_ready(core: &Arc<Core>) {
-    let lot = &core.deps.approvals;
     while core.runs.free_slots() > 0 {
-        let Some(ready) = lot.take_ready() else { return };
-        match core.runs.resume_parked(ready).await {
-            Ok(Some((admitted, resumed))) => core.resume(admitted, resumed, Resumption::Decided),
-            Ok(None) => {}
-            Err(ready) => {
-                lot.put_back(*ready);
-                return;
+        match core.runs.resume_parked().await {
+            Unparked::Resumed(run) => {
+                let (admitted, resumed) = *run;
+                core.resume(admitted, resumed, Resumption::Decided);
             }
+            Unparked::Dropped => {}
+            Unparked::Nothing => return,
         }
     }
 }

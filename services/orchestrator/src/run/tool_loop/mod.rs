@@ -29,7 +29,7 @@ mod eager;
 mod output;
 mod rules;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -123,7 +123,7 @@ fn tool(name: &str) -> ToolDefinition {
     }
 }
 
-fn spec(limits: Limits) -> RunSpec {
+pub(crate) fn spec(limits: Limits) -> RunSpec {
     RunSpec {
         run_id: "r".into(),
         system: String::new(),
@@ -153,7 +153,7 @@ const EMIT: EmitSettings = EmitSettings {
     max_event_bytes: 1024,
 };
 
-fn limits() -> Limits {
+pub(crate) fn limits() -> Limits {
     Limits {
         max_turns: 8,
         tool_call_budget: 10,
