@@ -224,6 +224,9 @@ struct Outside {
     /// The run's thread, and where threads are kept.
     thread: Option<crate::domain::thread::RunThread>,
     threads: Option<Arc<crate::threads::Keeper>>,
+    /// Which calls wait for a person, and the lot they wait in.
+    approval: crate::domain::approval::ApprovalRules,
+    approvals: Arc<dyn crate::domain::ports::ApprovalLot>,
 }
 
 impl Default for Outside {
@@ -252,6 +255,8 @@ impl Default for Outside {
             messages: Vec::new(),
             thread: None,
             threads: None,
+            approval: Default::default(),
+            approvals: Arc::new(crate::store::memory::MemoryLot::new(16)),
         }
     }
 }
@@ -281,7 +286,7 @@ async fn play_with(
         output: outside.output,
         send_reasoning: outside.send_reasoning,
         log_settle_timeout: Duration::from_secs(1),
-        approvals: Arc::new(crate::store::memory::MemoryLot::new(16)),
+        approvals: outside.approvals,
         max_turn_restarts: 2,
         threads: outside.threads,
     };
@@ -295,6 +300,7 @@ async fn play_with(
             parse_policy: outside.parse_policy,
             eager_dispatch: outside.eager,
             thread: outside.thread.map(Box::new),
+            approval: outside.approval,
             ..spec(limits)
         },
         emitter: Emitter::new(Some(tx), Arc::clone(&state), outside.emit, on_stall).with_log(outside.log),
@@ -1531,6 +1537,109 @@ async fn a_checkpoint_the_store_refuses_stops_the_run_before_anything_it_holds_l
     stopped_before_its_calls(&result, &events, &tools);
     assert_eq!(journal.checkpoints().len(), 1, "only the turn's start was saved");
     assert_eq!(script.requests.lock().unwrap().len(), 1, "turn 1 was asked for");
+}
+
+/// The memory lot, refusing to park a run (a store that does not take the parked record).
+struct UnparkableLot(crate::store::memory::MemoryLot);
+
+impl crate::domain::ports::ApprovalLot for UnparkableLot {
+    fn open(&self, wait: crate::domain::ports::Wait) -> BoxFuture<'static, Result<(), String>> {
+        self.0.open(wait)
+    }
+    fn park(
+        &self,
+        run_id: &str,
+        _: crate::domain::ports::Parked,
+    ) -> BoxFuture<'static, Result<crate::domain::ports::ParkOutcome, crate::domain::ports::StoreError>> {
+        let refused = crate::domain::ports::StoreError::Unavailable {
+            operation: "KV update",
+            key: format!("wait.{run_id}"),
+            reason: "the store is restarting".into(),
+        };
+        Box::pin(std::future::ready(Err(refused)))
+    }
+    fn decide(
+        &self,
+        run_id: &str,
+        decider: &crate::domain::ports::Decider,
+        decisions: &[crate::domain::approval::Decision],
+    ) -> BoxFuture<'static, Result<Vec<crate::domain::approval::PendingApproval>, crate::domain::approval::DecideError>>
+    {
+        self.0.decide(run_id, decider, decisions)
+    }
+    fn pending(
+        &self,
+        decider: &crate::domain::ports::Decider,
+        run_id: Option<&str>,
+        limit: usize,
+    ) -> BoxFuture<
+        'static,
+        Result<(Vec<crate::domain::approval::PendingApproval>, bool), crate::domain::ports::StoreError>,
+    > {
+        self.0.pending(decider, run_id, limit)
+    }
+    fn waiting(
+        &self,
+        run_id: &str,
+    ) -> BoxFuture<'static, Result<Option<crate::domain::ports::Waiting>, crate::domain::ports::StoreError>> {
+        self.0.waiting(run_id)
+    }
+    fn parked(&self, run_id: &str) -> Option<RunResult> {
+        self.0.parked(run_id)
+    }
+    fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, crate::domain::ports::StoreError>> {
+        self.0.cancel(run_id, reason)
+    }
+    fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
+        self.0.close(run_id, epoch)
+    }
+    fn expire(&self, now_unix_ms: u64) {
+        self.0.expire(now_unix_ms);
+    }
+    fn take_ready(&self) -> Option<crate::domain::ports::Ready> {
+        self.0.take_ready()
+    }
+    fn put_back(&self, ready: crate::domain::ports::Ready) {
+        self.0.put_back(ready);
+    }
+    fn changed(&self) -> BoxFuture<'static, ()> {
+        self.0.changed()
+    }
+}
+
+/// A durable run whose park the store refuses stops here, ended nowhere: its log writer went
+/// with the park, so waiting in place would let its checkpoints run ahead of its log. The
+/// replica that takes it next resumes it from its last checkpoint; no call ran.
+#[tokio::test(start_paused = true)]
+async fn a_durable_run_the_store_will_not_park_stops_here_for_another_replica() {
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        approval: crate::domain::approval::ApprovalRules {
+            tools: ["nap".to_owned()].into(),
+            timeout: Duration::from_secs(60),
+            ..Default::default()
+        },
+        approvals: Arc::new(UnparkableLot(crate::store::memory::MemoryLot::new(16))),
+        ..Outside::default()
+    };
+    let (result, batches, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
+    assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
+    let events: Vec<&NumberedEvent> = batches.iter().flatten().collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e.event, Event::ApprovalRequested { .. })),
+        "the calls waited for approval: {events:?}"
+    );
+    assert!(!events.iter().any(|e| e.finished().is_some()), "no run_finished");
+    assert_eq!(script.requests.lock().unwrap().len(), 1, "no turn after the first");
+    let last = journal.checkpoints().pop().unwrap();
+    assert!(
+        last.calls.is_some(),
+        "the last checkpoint holds the turn's waiting calls"
+    );
 }
 
 /// The run stopped here (it moves) before its turn's calls: it did not end, no call ran, and the
