@@ -1843,3 +1843,59 @@ async fn an_end_is_never_written_back_as_a_live_run() -> TestResult {
     );
     Ok(())
 }
+
+/// A follower whose consumer's node is lost goes on: the client gives the silent consumer up
+/// after two missed idle heartbeats (each half a pull's expiry, two store timeouts) and reads on
+/// from a new one on a live node. It once waited for the client's defaults (30 s and more), and
+/// an attached caller took the quiet of a run that had ended for its loss.
+#[tokio::test]
+async fn a_follower_goes_on_when_the_node_of_its_consumer_is_lost() -> TestResult {
+    let mut cluster = testkit::nats::NatsCluster::start(3).await?;
+    let options = NatsLogOptions {
+        bounds: log_bounds(1 << 20),
+        flush_interval: Duration::from_millis(20),
+        timeout: Duration::from_secs(2),
+        retry_for: Duration::from_secs(10),
+        replicas: 3,
+    };
+    let log = NatsLog::open(async_nats::connect(cluster.seeds()).await?, "LOSS_EVENTS", options).await?;
+    let mut writer = log.writer("followed", 0);
+    writer.append(&[text_event(1, "a")]);
+    let mut feed = log
+        .follow("followed", 0)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no log of the run"))?;
+    let first = tokio::time::timeout(Duration::from_secs(10), feed.next()).await?;
+    assert_eq!(first.transpose()?.map(|e| e.seq), Some(1));
+
+    // The node that holds the follower's consumer (the stream's only one) is lost.
+    let js = jetstream::new(async_nats::connect(cluster.seeds()).await?);
+    let mut consumers = js.get_stream("LOSS_EVENTS").await?.consumers();
+    let consumer = consumers
+        .next()
+        .await
+        .ok_or_else(|| anyhow::anyhow!("the follower has no consumer"))??;
+    let host = consumer
+        .cluster
+        .and_then(|c| c.leader)
+        .ok_or_else(|| anyhow::anyhow!("the consumer has no leader"))?;
+    let lost = cluster
+        .index_of(&host)
+        .ok_or_else(|| anyhow::anyhow!("no node is named {host}"))?;
+    cluster.kill(lost).await?;
+
+    // The rest of the run is written once the stream leads again.
+    cluster.stream_leader("LOSS_EVENTS").await?;
+    let log = NatsLog::open(async_nats::connect(cluster.seeds()).await?, "LOSS_EVENTS", options).await?;
+    let mut writer = log.writer("followed", 1);
+    writer.append(&[text_event(2, "b"), finished_event(3)]);
+    let rest = tokio::time::timeout(Duration::from_secs(20), feed.collect::<Vec<_>>())
+        .await
+        .map_err(|_| anyhow::anyhow!("the follower stalled with its consumer's node\n{}", cluster.logs()))?;
+    let seqs = rest
+        .into_iter()
+        .map(|e| e.map(|e| e.seq))
+        .collect::<Result<Vec<_>, _>>()?;
+    assert_eq!(seqs, [2, 3]);
+    Ok(())
+}

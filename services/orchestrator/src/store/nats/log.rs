@@ -209,6 +209,7 @@ impl EventLog for NatsLog {
 
     fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>> {
         let (stream, subject, run_id) = (self.stream.clone(), self.subject(run_id), run_id.to_owned());
+        let max_expires = follow_expiry(self.options.timeout);
         async move {
             let unavailable = |e: String| LogError::Unavailable {
                 run_id: run_id.clone(),
@@ -218,6 +219,7 @@ impl EventLog for NatsLog {
                 .create_consumer(jetstream::consumer::pull::OrderedConfig {
                     filter_subject: subject,
                     deliver_policy: jetstream::consumer::DeliverPolicy::All,
+                    max_expires,
                     ..Default::default()
                 })
                 .await
@@ -236,6 +238,15 @@ impl EventLog for NatsLog {
         }
         .boxed()
     }
+}
+
+/// How long one pull of a follower's consumer waits for messages. The client gives the server an
+/// idle heartbeat of half of it, and recreates a consumer that missed two (one lost with its
+/// node): so a follower whose consumer was lost goes on after about two store timeouts, not
+/// after the client's default of 30 s or more, at the price of a pull request per expiry on a
+/// quiet run.
+fn follow_expiry(timeout: Duration) -> Duration {
+    (timeout * 2).max(Duration::from_secs(1))
 }
 
 /// One message of a run's log: the seq of its first event, its payload, the seq of its last.
