@@ -5,16 +5,19 @@
 //! runners, calls held between the sender's lease check and the send), drawn from the seed.
 //! Each history is checked against the invariants in [`check`]; a seed replays exactly.
 //!
-//! It models the protocol, not the services' code: the rules each side follows, in the order the
-//! services follow them, on a store that answers as NATS does. The domain rules it can use as
-//! they are, it uses: `shared::fence::stale` at the runners, the thread's membership rules
+//! [`world`] models the protocol, not the services' code: the rules each side follows, in the
+//! order the services follow them, on a store ([`store`]) that answers as NATS does, with the
+//! fault plan of [`plan`] and the lease of [`lease`]. The domain rules it can use as they are,
+//! it uses: `shared::fence::stale` at the runners, the thread's membership rules
 //! (`orchestrator::domain::thread`), and a lease held against `orchestrator::domain::Ownership`
 //! by a test. Each fix can be switched off ([`plan::Rules`]) to show the history that breaks
-//! without it.
+//! without it. [`ports`] runs the services' own code (the orchestrator's `Core` over the domain
+//! ports) under the same kinds of faults, checked against its own invariants.
 
 pub mod check;
 pub mod lease;
 pub mod plan;
+pub mod ports;
 pub mod store;
 pub mod world;
 

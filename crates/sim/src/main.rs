@@ -4,6 +4,8 @@
 //! cargo run --release -p sim -- --seeds 5000            # seeds 0..5000, every fix on
 //! cargo run --release -p sim -- --seed 41 --trace       # one seed, its whole history
 //! cargo run --release -p sim -- --seeds 500 --without receiver-fence   # what breaks without it
+//! cargo run --release -p sim -- --ports --seeds 200   # the services' own code over the ports
+//! cargo run --release -p sim -- --ports --seed 7 --trace
 //! ```
 //!
 //! A failing seed prints itself with what it broke; it replays the same history with `--seed`.
@@ -41,10 +43,17 @@ struct Args {
     /// Runs per seed.
     #[arg(long, default_value_t = Settings::default().runs)]
     runs: usize,
+    /// Simulates the services' own code (the orchestrator's `Core` over the domain ports)
+    /// instead of the protocol model.
+    #[arg(long)]
+    ports: bool,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.ports {
+        return over_ports(&args);
+    }
     let mut rules = Rules::current();
     for fix in &args.without {
         match Rules::without(fix) {
@@ -88,6 +97,53 @@ fn main() -> ExitCode {
     let total = seeds.end - seeds.start;
     println!(
         "{} passed, {} failed ({total} seeds, {starts} tool calls started, {:.1?}; rules: {rules:?})",
+        total - failed.len() as u64,
+        failed.len(),
+        started.elapsed()
+    );
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// The seeds of `args` over the services' own code.
+fn over_ports(args: &Args) -> ExitCode {
+    let settings = sim::ports::Settings {
+        faults: args.faults,
+        runs: args.runs,
+        ..sim::ports::Settings::default()
+    };
+    let seeds = match args.seed {
+        Some(seed) => seed..seed + 1,
+        None => args.from..args.from.saturating_add(args.seeds),
+    };
+    let started = Instant::now();
+    let (mut failed, mut starts, mut takeovers) = (Vec::new(), 0usize, 0u64);
+    for (n, seed) in seeds.clone().enumerate() {
+        let outcome = sim::ports::simulate(seed, &settings);
+        starts += outcome.starts;
+        takeovers += outcome.takeovers;
+        if args.trace && args.seed.is_some() {
+            for line in &outcome.history {
+                println!("{line}");
+            }
+        }
+        if !outcome.violations.is_empty() {
+            println!("seed {seed} FAILED (replay: --ports --seed {seed}):");
+            for violation in outcome.violations.iter().take(5) {
+                println!("  {violation}");
+            }
+            failed.push(seed);
+        }
+        if (n + 1) % 50 == 0 {
+            eprintln!("… {} seeds, {} failed, {:.1?}", n + 1, failed.len(), started.elapsed());
+        }
+    }
+    let total = seeds.end - seeds.start;
+    println!(
+        "over the ports: {} passed, {} failed ({total} seeds, {starts} tool calls started, {takeovers} takeovers, {:.1?})",
         total - failed.len() as u64,
         failed.len(),
         started.elapsed()

@@ -54,8 +54,8 @@ pub struct StoreSettings {
     #[arg(long = "store-timeout", env = "ORCHESTRATOR_STORE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub timeout: Duration,
     /// Finished results kept in memory while the store cannot take them (NATS down), written
-    /// again when it is back and answered by GetRun meanwhile; the oldest is dropped past this
-    /// (1..=1000000).
+    /// again when it is back (GetRun reads such a run as running, with its output, until then);
+    /// the oldest is dropped past this (1..=1000000).
     #[arg(
         long = "run-store-backlog",
         env = "ORCHESTRATOR_RUN_STORE_BACKLOG",

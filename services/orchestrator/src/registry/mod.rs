@@ -150,10 +150,12 @@ impl Runs {
         shared::sync::lock(&self.live)
     }
 
-    /// A result in the backlog or the store; `Err` when the store cannot be read.
+    /// A result in the store, or in the backlog of ends the store has not taken yet; `Err` when
+    /// the store cannot be read. An end in the backlog reads unended (its output so far): it is
+    /// not kept until the store takes it, and every other replica reads the run as running.
     async fn stored(&self, run_id: &str) -> Result<Option<RunResult>, StoreError> {
         if let Some(result) = self.backlog.get(run_id) {
-            return Ok(Some(result));
+            return Ok(Some(result.unended()));
         }
         within(self.store_timeout, self.store.get(run_id)).await
     }

@@ -241,8 +241,8 @@ impl Persister {
         }
     }
 
-    /// Writes the final result; if the store does not take it, it waits in the backlog (answered
-    /// by GetRun here, written again until the store takes it).
+    /// Writes the final result; if the store does not take it, it waits in the backlog (written
+    /// again until the store takes it; GetRun reads the run as running meanwhile).
     pub async fn write_final(&self) {
         let written = self.snapshot();
         if self.write().await {

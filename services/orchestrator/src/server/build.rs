@@ -29,16 +29,54 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
     let signals = open_signal_topic(config, &mut connections).await?;
     let (store, journal, approvals) = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
+    let threads = open_threads(config, &mut connections).await?;
+    let ports = Ports {
+        store,
+        journal,
+        log,
+        approvals,
+        threads,
+        signals,
+        model,
+        tools: Arc::new(runners.clone()),
+    };
+    Ok(assemble(config, ports, Some(runners)))
+}
+
+/// The ports a replica's runs go through: where results, checkpoints, events, approvals and
+/// threads are kept, where signals go, the model, and where tool calls run.
+pub struct Ports {
+    /// Results (and, shared, the runs' records and leases).
+    pub store: Arc<dyn ResultStore>,
+    /// Checkpoints and takeover: runs outlive the replica (a shared store only).
+    pub journal: Option<Arc<dyn RunJournal>>,
+    /// The runs' events.
+    pub log: Arc<dyn EventLog>,
+    /// Calls waiting for a person.
+    pub approvals: Arc<dyn ApprovalLot>,
+    /// Conversations across runs.
+    pub threads: Arc<dyn ThreadStore>,
+    /// Where exit calls go.
+    pub signals: Arc<dyn SignalTopic>,
+    /// The model.
+    pub model: Arc<dyn crate::llm::ChatModel>,
+    /// Where normal calls run.
+    pub tools: Arc<dyn crate::domain::ports::ToolExecutor>,
+}
+
+/// The server's shared state over `ports`; `runners` gives the tool catalog (`None`: the runs
+/// are given their tools, as in a simulation).
+pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunners>) -> Arc<Core> {
     let threads = Arc::new(Keeper::new(
-        open_threads(config, &mut connections).await?,
+        ports.threads,
         config.conversations.thread_limits(),
         config.store.timeout,
     ));
     let keeping = crate::registry::Keeping {
-        store,
-        log,
-        journal,
-        approvals: Arc::clone(&approvals),
+        store: ports.store,
+        log: ports.log,
+        journal: ports.journal,
+        approvals: Arc::clone(&ports.approvals),
     };
     let runs = Runs::new(
         (
@@ -50,29 +88,29 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         config.store.timeout,
         config.store.backlog,
     );
-    Ok(Arc::new(Core {
+    Arc::new(Core {
         deps: LoopDeps {
-            model,
-            tools: Arc::new(runners.clone()),
-            signals: Arc::clone(&signals),
+            model: ports.model,
+            tools: ports.tools,
+            signals: Arc::clone(&ports.signals),
             detector: (&config.runs.loop_detector).into(),
             trace_payloads: config.telemetry.trace_payloads(),
             max_tool_result_bytes: config.runs.max_tool_result_bytes,
             output: (&config.runs.output).into(),
             send_reasoning: config.llm.send_reasoning,
             log_settle_timeout: config.store.timeout,
-            approvals,
+            approvals: ports.approvals,
             max_turn_restarts: config.llm.max_retries,
             threads: Some(Arc::clone(&threads)),
         },
         threads,
         runs,
         runners,
-        signals,
+        signals: ports.signals,
         draining: AtomicBool::new(false),
         stopping: tokio_util::sync::CancellationToken::new(),
         config: config.clone(),
-    }))
+    })
 }
 
 /// Where threads are kept: in memory (bounded by `--max-threads`, this replica only) or a NATS

@@ -34,8 +34,9 @@ pub(crate) struct Core {
     pub deps: LoopDeps,
     /// Live runs and results.
     pub runs: Arc<Runs>,
-    /// Tool-runner connection (for the catalog).
-    pub runners: ToolRunners,
+    /// Tool-runner connection (for the catalog; `None` in a simulation, whose runs are given
+    /// their tools).
+    pub runners: Option<ToolRunners>,
     /// The signal topic.
     pub signals: Arc<dyn SignalTopic>,
     /// Threads (conversations across runs).

@@ -7,7 +7,7 @@
 //! whose approvals were decided), `remote_asks.rs` (cancels and messages asked on other
 //! replicas); `streams.rs`: the event streams of a run's caller and of callers that attach;
 //! `grpc/`: the gRPC adapter, which only turns requests into calls of `Core` and answers into
-//! proto.
+//! proto; `harness.rs`: a replica over given ports, with no network (the simulation's).
 //!
 //! Drain: the service's health turns NOT_SERVING (the overall status "" stays SERVING, for
 //! liveness), new runs get `UNAVAILABLE`, runs in flight get the grace
@@ -31,6 +31,7 @@ use crate::{Config, Error};
 mod build;
 mod core;
 pub(crate) mod grpc;
+pub mod harness;
 mod remote_asks;
 mod streams;
 mod takeover;

@@ -177,10 +177,25 @@ pub(super) struct CallRecorder {
     inbox: Inbox,
 }
 
+/// The log did not keep every event sent (it refused them for too long, or did not answer in
+/// time): a checkpoint saved now would count them as sent, and the next owner would number on
+/// past a gap in the log. Nothing is saved; this replica stops acting for the run, which
+/// resumes elsewhere from its last checkpoint and sends again what the log lacks.
+fn log_not_kept(persister: &Persister) {
+    tracing::warn!(
+        "the event log did not keep the events sent; the run stops here and resumes from its last checkpoint"
+    );
+    persister.ownership().stop(crate::domain::Stop::Unsaved(
+        "the event log did not keep the events sent".to_owned(),
+    ));
+}
+
 impl CallRecorder {
     /// Adds `outcome` to the checkpoint and saves it (the newest state is written last).
     pub(super) async fn finished(&self, outcome: &CallOutcome) {
-        self.settler.wait().await;
+        if !self.settler.wait().await {
+            return log_not_kept(&self.persister);
+        }
         self.persister
             .save(|| {
                 let mut base = shared::sync::lock(&self.base);
@@ -241,7 +256,10 @@ impl Driver<'_> {
             self.emitter.flush().await;
             return Ok(());
         };
-        self.emitter.settler(self.deps.log_settle_timeout).wait().await;
+        if !self.emitter.settler(self.deps.log_settle_timeout).wait().await {
+            log_not_kept(&persister);
+            return Err(End::TakenOver);
+        }
         let checkpoint = self.checkpoint(calls);
         let saved = persister.save(|| checkpoint.snapshot()).await;
         self.send_at_safe_point(saved).await

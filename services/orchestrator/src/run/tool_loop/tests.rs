@@ -1940,6 +1940,47 @@ async fn a_run_whose_end_the_log_does_not_keep_stores_no_result_here() {
     assert_eq!(last, Some(RunStatus::Running), "the last checkpoint is a live run's");
 }
 
+/// An event log that keeps the run's first batch (`run_started`) and loses the rest: the
+/// stream lost its leader for longer than the writer retries, while the store answers.
+struct LosingLog {
+    settled: tokio::sync::watch::Sender<crate::domain::ports::Settled>,
+}
+
+impl crate::domain::ports::LogWriter for LosingLog {
+    fn append(&mut self, events: &[NumberedEvent]) {
+        let last = events.last().map_or(0, |e| e.seq);
+        self.settled.send_modify(|s| match last {
+            1 => s.kept_through = 1,
+            _ => s.broken = true,
+        });
+    }
+    fn settled(&self) -> Option<tokio::sync::watch::Receiver<crate::domain::ports::Settled>> {
+        Some(self.settled.subscribe())
+    }
+}
+
+/// A safe point whose log lost events sent since the last one saves no checkpoint: one would
+/// count them as sent, and the replica taking the run over would number on past a gap in the
+/// log for good (the simulation over the ports found it: a log of seqs 37..42 only). The run
+/// stops here, ended nowhere, its last checkpoint the one before the loss; no call runs.
+#[tokio::test(start_paused = true)]
+async fn a_safe_point_after_the_log_lost_events_saves_nothing_and_stops_here() {
+    let (settled, _) = tokio::sync::watch::channel(crate::domain::ports::Settled::default());
+    let journal = Arc::new(Journal::default());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        claim_resumable: true,
+        log: Some(Box::new(LosingLog { settled })),
+        ..Outside::default()
+    };
+    let (result, _, _, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
+    assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
+    let checkpoints = journal.checkpoints();
+    assert_eq!(checkpoints.len(), 1, "only the start was saved");
+    assert_eq!(checkpoints[0].seq, 1, "the start checkpoint: run_started only");
+}
+
 // Coalesced streaming.
 
 /// 40 tokens 10 ms apart, then a call, then an answer: played with `interval`, the text events

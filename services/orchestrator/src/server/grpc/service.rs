@@ -62,7 +62,10 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             .and_then(parse_grpc_timeout);
         let run_request = RunRequest::try_from(request.into_inner())?;
         let detached = run_request.detached;
-        let catalog = core.runners.answering_catalog(CATALOG_WAIT).await?;
+        let catalog = match &core.runners {
+            Some(runners) => runners.answering_catalog(CATALOG_WAIT).await?,
+            None => Arc::default(),
+        };
         let spec = resolve(
             run_request,
             &catalog,

@@ -241,10 +241,10 @@ impl EventLog for NatsLog {
 }
 
 /// How long one pull of a follower's consumer waits for messages. The client gives the server an
-/// idle heartbeat of half of it, and recreates a consumer that missed two (one lost with its
-/// node): so a follower whose consumer was lost goes on after about two store timeouts, not
-/// after the client's default of 30 s or more, at the price of a pull request per expiry on a
-/// quiet run.
+/// idle heartbeat of half of it, and makes a consumer that missed two again (one lost with its
+/// node), the first looked for after two heartbeats: so a follower whose consumer was lost goes
+/// on after about four store timeouts (and the new consumer's creation), not after the client's
+/// default of a minute, at the price of a pull request per expiry on a quiet run.
 fn follow_expiry(timeout: Duration) -> Duration {
     (timeout * 2).max(Duration::from_secs(1))
 }

@@ -1,0 +1,187 @@
+//! The invariants a history of the simulation over the services' code must keep:
+//!
+//! - **epoch order**: a run's tool calls start in non-decreasing epoch order as the runners
+//!   saw them (a replaced owner runs nothing after the new owner's first call);
+//! - **again only when unrecorded**: a call id runs at most once in each epoch, and in a later
+//!   epoch only when the checkpoint its run was taken over from did not hold its outcome (it was
+//!   in flight, or its turn had not ended, when the run moved);
+//! - **the log**: a run's events are seqs 1..N without gap or duplicate, with one `run_finished`,
+//!   the last;
+//! - **the end, once and kept**: every run claimed ends, its record holds the end its log holds,
+//!   and no reader was shown an end before both held it.
+
+use std::collections::BTreeMap;
+
+use orchestrator::domain::{NumberedEvent, RunResult};
+
+use super::actors::Runners;
+use super::store::Store;
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Every invariant broken, with its evidence.
+pub fn violations(store: &Store, runners: &Runners, runs: usize) -> Vec<String> {
+    let mut broken = epoch_order(runners);
+    let shared = lock(store);
+    broken.extend(again_only_when_unrecorded(runners, &shared.takeovers));
+    for run in 0..runs {
+        let run_id = format!("run-{run}");
+        let Some(record) = shared.records.get(&run_id) else {
+            continue;
+        };
+        let events: Vec<&NumberedEvent> = shared
+            .logs
+            .get(&run_id)
+            .map(|log| log.iter().flat_map(|m| m.events.iter()).collect())
+            .unwrap_or_default();
+        broken.extend(log_whole(&run_id, &events));
+        broken.extend(end_kept(&run_id, &record.result, &events));
+    }
+    broken
+}
+
+fn epoch_order(runners: &Runners) -> Vec<String> {
+    let mut last: BTreeMap<&str, (u64, &str)> = BTreeMap::new();
+    let starts = lock(&runners.starts);
+    let mut broken = Vec::new();
+    for start in starts.iter() {
+        if let Some((epoch, call)) = last.get(start.run_id.as_str())
+            && start.epoch < *epoch
+        {
+            broken.push(format!(
+                "epoch order: {} call {} of epoch {} started after call {call} of epoch {epoch} (fence read {})",
+                start.run_id, start.call_id, start.epoch, start.fence
+            ));
+        }
+        let newest = last.get(start.run_id.as_str()).map_or(0, |(e, _)| *e);
+        if start.epoch >= newest {
+            last.insert(&start.run_id, (start.epoch, &start.call_id));
+        }
+    }
+    broken
+}
+
+fn again_only_when_unrecorded(runners: &Runners, takeovers: &[super::store::Takeover]) -> Vec<String> {
+    let mut broken = Vec::new();
+    let mut runs: BTreeMap<(&str, &str), Vec<u64>> = BTreeMap::new();
+    for start in lock(&runners.starts).iter() {
+        let epochs = runs.entry((&start.run_id, &start.call_id)).or_default();
+        if epochs.contains(&start.epoch) {
+            broken.push(format!(
+                "again only when unrecorded: {} call {} ran twice in epoch {}",
+                start.run_id, start.call_id, start.epoch
+            ));
+        }
+        epochs.push(start.epoch);
+        let recorded = takeovers
+            .iter()
+            .find(|t| t.run_id == start.run_id && t.epoch == start.epoch)
+            .is_some_and(|t| t.checkpointed_calls.contains(&start.call_id));
+        if recorded {
+            broken.push(format!(
+                "again only when unrecorded: {} call {} ran in epoch {} though the checkpoint it was taken over from held its outcome",
+                start.run_id, start.call_id, start.epoch
+            ));
+        }
+    }
+    broken
+}
+
+fn log_whole(run_id: &str, events: &[&NumberedEvent]) -> Vec<String> {
+    let mut broken = Vec::new();
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+    if seqs != (1..=seqs.len() as u64).collect::<Vec<_>>() {
+        broken.push(format!("the log: {run_id} holds seqs {seqs:?}"));
+    }
+    let ends = events.iter().filter(|e| e.finished().is_some()).count();
+    if ends > 1 || (ends == 1 && events.last().is_some_and(|e| e.finished().is_none())) {
+        broken.push(format!(
+            "the log: {run_id} holds {ends} run_finished, the last at the end: {}",
+            ends == 1
+        ));
+    }
+    broken
+}
+
+fn end_kept(run_id: &str, record: &RunResult, events: &[&NumberedEvent]) -> Option<String> {
+    let logged = events.iter().find_map(|e| e.finished());
+    match logged {
+        Some(end) if record.status != end.status || record.text != end.text => Some(format!(
+            "the end: {run_id} is stored {:?} {:?} but logged {:?} {:?}",
+            record.status, record.text, end.status, end.text
+        )),
+        None if !record.status.is_live() => Some(format!(
+            "the end: {run_id} is stored {:?} but its log holds no end",
+            record.status
+        )),
+        _ => None,
+    }
+}
+
+/// Why a reader shown `seen` (ended) saw an end not kept yet: the log or the store lacked it.
+pub fn end_not_kept(store: &Store, seen: &RunResult) -> Option<String> {
+    let shared = lock(store);
+    let stored = shared.records.get(&seen.run_id).map(|r| r.result.status);
+    let logged = shared
+        .logs
+        .get(&seen.run_id)
+        .is_some_and(|log| log.iter().flat_map(|m| m.events.iter()).any(|e| e.finished().is_some()));
+    let kept = logged && stored.is_some_and(|s| !s.is_live());
+    (!kept).then(|| {
+        format!(
+            "the end: a reader was shown {} {:?} while the log held its end: {logged}, the store: {stored:?}",
+            seen.run_id, seen.status
+        )
+    })
+}
+
+/// The runs claimed that have not ended in the store.
+pub fn unended(store: &Store, runs: usize) -> Vec<String> {
+    let shared = lock(store);
+    (0..runs)
+        .map(|run| format!("run-{run}"))
+        .filter(|run_id| shared.records.get(run_id).is_none_or(|r| r.result.status.is_live()))
+        .collect()
+}
+
+/// Takeovers: the epochs past the first, over every run.
+pub fn takeovers(store: &Store) -> u64 {
+    lock(store).records.values().map(|r| r.epoch - 1).sum()
+}
+
+/// The history: every tool start (its time from `begun`), and each run's log and record, a
+/// line each.
+pub fn history(store: &Store, runners: &Runners, begun: tokio::time::Instant) -> Vec<String> {
+    let mut lines: Vec<String> = lock(&runners.starts)
+        .iter()
+        .map(|s| {
+            format!(
+                "{:>8.3}s start {} {} epoch {} (fence {})",
+                s.at.duration_since(begun).as_secs_f64(),
+                s.run_id,
+                s.call_id,
+                s.epoch,
+                s.fence
+            )
+        })
+        .collect();
+    let shared = lock(store);
+    for (run_id, record) in &shared.records {
+        let seqs: Vec<u64> = shared
+            .logs
+            .get(run_id)
+            .map(|log| log.iter().flat_map(|m| m.events.iter().map(|e| e.seq)).collect())
+            .unwrap_or_default();
+        lines.push(format!(
+            "{run_id}: {:?} by {} in epoch {}, {} turns, log {} events",
+            record.result.status,
+            record.owner,
+            record.epoch,
+            record.result.turns,
+            seqs.len()
+        ));
+    }
+    lines
+}

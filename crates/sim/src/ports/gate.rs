@@ -1,0 +1,81 @@
+//! What a fault does to one process: a replica (or a tool-runner) is up, paused (SIGSTOP: it
+//! sends and hears nothing until it resumes, while time runs), cut off from the store (its store
+//! requests fail after their timeout; the model and the runners still answer), or dead
+//! (SIGKILL: it never sends or hears anything again).
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+/// One process's state, as the fault plan sets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Running.
+    Up,
+    /// Paused: every request it would send or answer it would hear waits.
+    Paused,
+    /// Cut off from the store (a network partition): store requests fail.
+    CutOff,
+    /// Killed: nothing it does reaches anyone, ever.
+    Dead,
+}
+
+/// Where a process's requests pass (or wait) according to its [`Mode`].
+#[derive(Clone)]
+pub struct Gate(Arc<watch::Sender<Mode>>);
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self(Arc::new(watch::Sender::new(Mode::Up)))
+    }
+}
+
+impl Gate {
+    /// Sets the process's mode (a dead process stays dead).
+    pub fn set(&self, mode: Mode) {
+        self.0.send_if_modified(|now| {
+            let change = *now != Dead && *now != mode;
+            if change {
+                *now = mode;
+            }
+            change
+        });
+    }
+
+    /// The mode now.
+    pub fn mode(&self) -> Mode {
+        *self.0.borrow()
+    }
+
+    /// Waits while the process is paused (forever once it is dead); whether it reaches the
+    /// store now.
+    pub async fn pass(&self) -> bool {
+        let mut rx = self.0.subscribe();
+        loop {
+            match *rx.borrow_and_update() {
+                Mode::Up => return true,
+                Mode::CutOff => return false,
+                Mode::Paused | Mode::Dead => {}
+            }
+            if rx.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// Waits while the process is paused or dead (the model and the runners answer one that
+    /// is cut off from the store).
+    pub async fn running(&self) {
+        let mut rx = self.0.subscribe();
+        loop {
+            if matches!(*rx.borrow_and_update(), Mode::Up | Mode::CutOff) {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    }
+}
+
+use Mode::Dead;

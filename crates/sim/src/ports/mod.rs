@@ -1,0 +1,460 @@
+//! The simulation over the services' own code: several replicas, each the orchestrator's `Core`
+//! (admission, takeover, the loop, the persister, the registry) built over the domain ports
+//! (`orchestrator::server::harness`), on a store that answers as the NATS adapters do
+//! ([`store`]), with a model and tool-runners that read the run's fence ([`actors`]), each
+//! process behind the [`gate`] its faults set, in one
+//! tokio runtime whose clock is virtual and whose every random draw comes from the seed. The
+//! fault plan, drawn from the seed too, pauses replicas (SIGSTOP), cuts them off from the store,
+//! kills them (SIGKILL, and starts a new replica in their place), slows the store down, leaves
+//! the event stream without a leader for a while (the buckets answering) and loses tool-runners; at the end every fault heals and the runs must end. The history is checked
+//! against the invariants of [`check`].
+//!
+//! The protocol model (`crate::world`) draws its interleavings one event at a time; here the
+//! tokio scheduler does, on one thread and virtual time, so a seed replays its faults and its
+//! history (a test checks it; `--ports --seed N --trace` prints it).
+
+pub mod actors;
+pub mod check;
+pub mod gate;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use orchestrator::domain::chat::{Message, ToolDefinition};
+use orchestrator::domain::spec::{Deadline, Limits, ParsePolicy};
+use orchestrator::domain::{LeaseTerms, RunSpec};
+use orchestrator::server::harness::{Ports, Replica};
+use tokio::time::Instant;
+
+use actors::{Client, Model, Runners};
+use gate::{Gate, Mode};
+use store::{ReplicaStore, Store};
+
+/// What a seed simulates.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Replicas alive at once.
+    pub replicas: usize,
+    /// Tool-runners.
+    pub runners: usize,
+    /// Runs started.
+    pub runs: usize,
+    /// Faults drawn.
+    pub faults: usize,
+    /// Faults fall within this long from the start.
+    pub horizon: Duration,
+    /// After the faults healed, how long the runs have to end.
+    pub settle: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            replicas: 3,
+            runners: 2,
+            runs: 4,
+            faults: 8,
+            horizon: Duration::from_secs(30),
+            settle: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What one seed did.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The seed.
+    pub seed: u64,
+    /// The invariants broken, each with its evidence.
+    pub violations: Vec<String>,
+    /// Tool calls started.
+    pub starts: usize,
+    /// Runs taken over (epochs past 1).
+    pub takeovers: u64,
+    /// The history in a line each: faults, tool starts, and each run's log and record.
+    pub history: Vec<String>,
+}
+
+/// The lease every replica holds its runs with (short, so that faults move runs).
+const LEASE: Duration = Duration::from_secs(3);
+/// How long a store request may take.
+const STORE_TIMEOUT: Duration = Duration::from_secs(1);
+
+fn terms() -> LeaseTerms {
+    LeaseTerms {
+        length: LEASE,
+        margin: Duration::from_secs(1),
+        fence_grace: Duration::from_millis(500),
+    }
+}
+
+fn config() -> orchestrator::Config {
+    let mut config = orchestrator::Config::default();
+    config.store.lease = LEASE;
+    config.store.lease_margin = Some(terms().margin);
+    config.store.fence_grace = terms().fence_grace;
+    config.store.timeout = STORE_TIMEOUT;
+    config
+}
+
+/// Runs one seed.
+pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build();
+    let runtime = match runtime {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            return Outcome {
+                seed,
+                violations: vec![format!("no runtime: {e}")],
+                starts: 0,
+                takeovers: 0,
+                history: Vec::new(),
+            };
+        }
+    };
+    let outcome = runtime.block_on(World::new(seed, settings.clone()).run());
+    runtime.shutdown_background();
+    outcome
+}
+
+/// A replica process: its gate and, while it lives, its `Core`.
+struct Process {
+    name: String,
+    gate: Gate,
+    replica: Option<Arc<Replica>>,
+}
+
+struct World {
+    seed: u64,
+    settings: Settings,
+    rng: fastrand::Rng,
+    store: Store,
+    runners: Arc<Runners>,
+    processes: Vec<Process>,
+    /// The replicas alive, for callers and readers.
+    living: Arc<std::sync::Mutex<Vec<Arc<Replica>>>>,
+    begun: Instant,
+    history: Vec<String>,
+    observations: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+/// A fault of the plan.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    Pause(usize, Duration),
+    CutOff(usize, Duration),
+    Kill(usize, Duration),
+    SlowStore(Duration),
+    LogDown(Duration),
+    LoseRunner(usize, Duration),
+}
+
+impl World {
+    fn new(seed: u64, settings: Settings) -> Self {
+        let store = store::store(seed);
+        let runners = Runners::new(Arc::clone(&store), settings.runners, seed);
+        Self {
+            seed,
+            rng: fastrand::Rng::with_seed(seed),
+            store,
+            runners,
+            processes: Vec::new(),
+            living: Arc::default(),
+            begun: Instant::now(),
+            history: Vec::new(),
+            observations: Arc::default(),
+            settings,
+        }
+    }
+
+    /// Starts replica process number `n` (a new name each time).
+    fn spawn_replica(&mut self) -> usize {
+        let n = self.processes.len();
+        let name = format!("replica-{n}");
+        let gate = Gate::default();
+        let store = ReplicaStore::new(Arc::clone(&self.store), &name, gate.clone(), terms(), STORE_TIMEOUT);
+        let ports = Ports {
+            store: Arc::new(store.clone()),
+            journal: Some(Arc::new(store.clone())),
+            log: Arc::new(store),
+            approvals: Arc::new(orchestrator::store::memory::MemoryLot::new(16)),
+            threads: Arc::new(orchestrator::store::memory::MemoryThreads::new(
+                16,
+                Duration::from_secs(3600),
+            )),
+            signals: Arc::new(orchestrator::signals::memory::MemoryTopic::new(16)),
+            model: Arc::new(Model::new(gate.clone(), self.seed.wrapping_add(n as u64 * 7919))),
+            tools: Arc::new(Client {
+                gate: gate.clone(),
+                runners: Arc::clone(&self.runners),
+            }),
+        };
+        let replica = Arc::new(Replica::new(&config(), ports));
+        lock(&self.living).push(Arc::clone(&replica));
+        self.processes.push(Process {
+            name,
+            gate,
+            replica: Some(replica),
+        });
+        n
+    }
+
+    /// The processes alive now.
+    fn alive(&self) -> Vec<usize> {
+        (0..self.processes.len())
+            .filter(|&i| self.processes[i].replica.is_some())
+            .collect()
+    }
+
+    async fn run(mut self) -> Outcome {
+        for _ in 0..self.settings.replicas {
+            self.spawn_replica();
+        }
+        self.begun = Instant::now();
+        let begun = self.begun;
+        for i in 0..self.settings.runs {
+            let after = Duration::from_millis(self.rng.u64(..self.settings.horizon.as_millis() as u64 / 2));
+            self.start_run(format!("run-{i}"), after);
+        }
+        let reader = self.spawn_reader();
+        for (at, fault) in self.plan() {
+            tokio::time::sleep_until(begun + at).await;
+            self.apply(fault).await;
+        }
+        tokio::time::sleep_until(begun + self.settings.horizon).await;
+        self.heal();
+        let ended = self.wait_for_ends().await;
+        reader.abort();
+        let mut violations = check::violations(&self.store, &self.runners, self.settings.runs);
+        violations.extend(lock(&self.observations).drain(..));
+        if let Err(unended) = ended {
+            violations.push(unended);
+        }
+        let starts = lock(&self.runners.starts).len();
+        let mut history = std::mem::take(&mut self.history);
+        history.extend(check::history(&self.store, &self.runners, self.begun));
+        Outcome {
+            seed: self.seed,
+            violations,
+            starts,
+            takeovers: check::takeovers(&self.store),
+            history,
+        }
+    }
+
+    /// The faults, each at a moment within the horizon, in time order.
+    fn plan(&mut self) -> Vec<(Duration, Fault)> {
+        let horizon = self.settings.horizon.as_millis() as u64;
+        let mut plan: Vec<(Duration, Fault)> = (0..self.settings.faults)
+            .map(|_| {
+                let at = Duration::from_millis(self.rng.u64(100..horizon.max(101)));
+                let lasting = Duration::from_millis(self.rng.u64(200..8000));
+                let who = self.rng.usize(..self.settings.replicas.max(1));
+                let fault = match self.rng.u8(..6) {
+                    0 => Fault::Pause(who, lasting),
+                    1 => Fault::CutOff(who, lasting),
+                    2 => Fault::Kill(who, lasting),
+                    3 => Fault::SlowStore(lasting),
+                    4 => Fault::LogDown(lasting),
+                    _ => Fault::LoseRunner(self.rng.usize(..self.settings.runners.max(1)), lasting),
+                };
+                (at, fault)
+            })
+            .collect();
+        plan.sort_by_key(|(at, _)| *at);
+        plan
+    }
+
+    /// Applies `fault` to the `n`-th replica alive (by its place among the living).
+    async fn apply(&mut self, fault: Fault) {
+        let alive = self.alive();
+        let pick = |n: usize| alive.get(n % alive.len().max(1)).copied();
+        let line = format!("{:>8.3}s {fault:?}", self.begun.elapsed().as_secs_f64());
+        match fault {
+            Fault::Pause(n, lasting) | Fault::CutOff(n, lasting) => {
+                let Some(i) = pick(n) else { return };
+                let mode = if matches!(fault, Fault::Pause(..)) {
+                    Mode::Paused
+                } else {
+                    Mode::CutOff
+                };
+                let gate = self.processes[i].gate.clone();
+                gate.set(mode);
+                tokio::spawn(async move {
+                    tokio::time::sleep(lasting).await;
+                    gate.set(Mode::Up);
+                });
+                self.history.push(format!("{line} on {}", self.processes[i].name));
+            }
+            Fault::Kill(n, after) => {
+                let Some(i) = pick(n) else { return };
+                self.processes[i].gate.set(Mode::Dead);
+                if let Some(dead) = self.processes[i].replica.take() {
+                    lock(&self.living).retain(|r| !Arc::ptr_eq(r, &dead));
+                }
+                self.history.push(format!("{line} on {}", self.processes[i].name));
+                tokio::time::sleep(after).await;
+                let new = self.spawn_replica();
+                self.history.push(format!("  {} starts", self.processes[new].name));
+            }
+            Fault::SlowStore(lasting) => {
+                store::slow_down(&self.store, Instant::now() + lasting);
+                self.history.push(line);
+            }
+            Fault::LogDown(lasting) => {
+                store::take_log_down(&self.store, Instant::now() + lasting);
+                self.history.push(line);
+            }
+            Fault::LoseRunner(r, lasting) => {
+                self.runners.gates[r].set(Mode::Paused);
+                self.history.push(line);
+                // A lost runner's pod is replaced: a new one answers after a while.
+                self.runners_replace(r, lasting);
+            }
+        }
+    }
+
+    fn runners_replace(&self, r: usize, after: Duration) {
+        let runners = Arc::clone(&self.runners);
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            runners.revive(r);
+        });
+    }
+
+    /// Every fault heals: paused and cut-off replicas run again, as many replicas live as at the
+    /// start, every runner answers, the store is quick.
+    fn heal(&mut self) {
+        for process in &self.processes {
+            if process.replica.is_some() {
+                process.gate.set(Mode::Up);
+            }
+        }
+        while self.alive().len() < self.settings.replicas {
+            self.spawn_replica();
+        }
+        for r in 0..self.runners.gates.len() {
+            self.runners.revive(r);
+        }
+        store::slow_down(&self.store, Instant::now());
+        store::take_log_down(&self.store, Instant::now());
+    }
+
+    /// Starts run `run_id` as a caller would: on some replica, trying another one while none
+    /// admits it (a replica that is paused or cut off does not answer in time).
+    fn start_run(&mut self, run_id: String, after: Duration) {
+        let first = self.rng.usize(..self.processes.len());
+        let living = Arc::clone(&self.living);
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            for attempt in 0..10 {
+                let Some(replica) = pick(&living, first + attempt) else {
+                    return;
+                };
+                match tokio::time::timeout(Duration::from_secs(5), replica.start(spec(&run_id))).await {
+                    Ok(Ok(())) | Ok(Err(orchestrator::Error::AlreadyRunning(_))) => return,
+                    _ => tokio::time::sleep(Duration::from_millis(500)).await,
+                }
+            }
+        });
+    }
+
+    /// Reads runs on random replicas all along (`GetRun`): an end it is shown must be in the
+    /// log and the store already.
+    fn spawn_reader(&mut self) -> tokio::task::JoinHandle<()> {
+        let living = Arc::clone(&self.living);
+        let (store, observations, runs) = (
+            Arc::clone(&self.store),
+            Arc::clone(&self.observations),
+            self.settings.runs,
+        );
+        let mut rng = fastrand::Rng::with_seed(self.seed ^ 0x4ead);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(rng.u64(50..500))).await;
+                let Some(replica) = pick(&living, rng.usize(..64)) else {
+                    continue;
+                };
+                let run_id = format!("run-{}", rng.usize(..runs.max(1)));
+                let Ok(Ok(seen)) = tokio::time::timeout(Duration::from_secs(2), replica.get(&run_id)).await else {
+                    continue;
+                };
+                if !seen.status.is_live()
+                    && let Some(broken) = check::end_not_kept(&store, &seen)
+                {
+                    lock(&observations).push(broken);
+                }
+            }
+        })
+    }
+
+    /// Waits (at most the settle time) until every run claimed has its end in the store.
+    async fn wait_for_ends(&self) -> Result<(), String> {
+        let deadline = Instant::now() + self.settings.settle;
+        loop {
+            let unended = check::unended(&self.store, self.settings.runs);
+            if unended.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "runs never ended within {:?} after every fault healed: {unended:?}",
+                    self.settings.settle
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// The `n`-th replica alive (modulo their number).
+fn pick(living: &std::sync::Mutex<Vec<Arc<Replica>>>, n: usize) -> Option<Arc<Replica>> {
+    let living = lock(living);
+    (!living.is_empty()).then(|| Arc::clone(&living[n % living.len()]))
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The spec of every run: three turns of `work` calls.
+fn spec(run_id: &str) -> RunSpec {
+    let limits = Limits {
+        max_turns: 12,
+        tool_call_budget: 40,
+        max_tool_failures: 4,
+        tool_timeout: Duration::from_secs(10),
+        run_timeout: Duration::from_secs(3600),
+        approval_timeout: Duration::from_secs(60),
+    };
+    RunSpec {
+        run_id: run_id.to_owned(),
+        system: String::new(),
+        messages: vec![Message::User {
+            content: "work".to_owned(),
+            name: None,
+        }],
+        model: "sim".to_owned(),
+        params: Default::default(),
+        normal_tools: vec![ToolDefinition {
+            name: "work".to_owned(),
+            description: "works".to_owned(),
+            parameters: serde_json::json!({"type": "object"}).into(),
+        }],
+        exit_tools: Vec::new(),
+        limits,
+        metadata: Default::default(),
+        parse_policy: ParsePolicy::Fail,
+        deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
+        principal: String::new(),
+        stream_interval: Duration::ZERO,
+        approval: Default::default(),
+        affinity_key: String::new(),
+        eager_dispatch: false,
+        thread: None,
+    }
+}

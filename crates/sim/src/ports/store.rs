@@ -1,0 +1,644 @@
+//! The store the simulated replicas share, answering as the NATS adapters do: a run's record
+//! with its owner, epoch and lease, written only by its owner in its epoch (compare-and-set on
+//! the record's revision in NATS; `Fenced` otherwise); a takeover that raises the run's fence
+//! before it claims the record; a run's event log whose appends must follow the position their
+//! owner knows (`Nats-Expected-Last-Subject-Sequence`) and whose message ids make a repeated
+//! append a duplicate (out of turn, never a success). Every request takes a latency drawn from
+//! the seed, passes its replica's gate before it is applied and again before its answer is
+//! heard: a replica paused or cut off in between has its write applied and never learns it.
+//! One replica's requests apply in the order it sent them (one connection, as a NATS client's).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
+use orchestrator::domain::ports::{
+    CancelAsk, Claim, EventFeed, EventLog, LogError, LogWriter, Logged, RemoteCancel, ResultStore, RunJournal, Settled,
+    StoreError,
+};
+use orchestrator::domain::{CancelMode, LeaseTerms, NumberedEvent, Ownership, RunResult, Stop};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::gate::Gate;
+
+/// A run's record.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Its state as last written.
+    pub result: RunResult,
+    /// The replica that owns it.
+    pub owner: String,
+    /// The owner's claim: 1 at admission, one more at each takeover.
+    pub epoch: u64,
+    /// When its owner last wrote it (its lease runs from there).
+    renewed: Instant,
+    /// Its last checkpoint (a durable run resumes from it).
+    checkpoint: Option<Vec<u8>>,
+    /// Released at a drain: another replica takes it at once.
+    handed_over: bool,
+    /// The calls whose outcome its last checkpoint holds.
+    checkpointed_calls: BTreeSet<String>,
+}
+
+/// A takeover: the run, the epoch it began, and the calls whose outcome the checkpoint it
+/// resumed from held (none of them may run again).
+#[derive(Debug, Clone)]
+pub struct Takeover {
+    /// The run.
+    pub run_id: String,
+    /// The new owner's epoch.
+    pub epoch: u64,
+    /// The calls the checkpoint held the outcome of.
+    pub checkpointed_calls: BTreeSet<String>,
+}
+
+/// The calls whose outcome `result` records.
+fn recorded(result: &RunResult) -> BTreeSet<String> {
+    result.tool_calls.iter().map(|c| c.call_id.clone()).collect()
+}
+
+/// One message of a run's log.
+#[derive(Debug, Clone)]
+pub struct Message {
+    /// Its position in the stream.
+    pub position: u64,
+    /// Its events.
+    pub events: Vec<NumberedEvent>,
+}
+
+/// What the replicas share.
+pub struct Shared {
+    /// The runs' records, by run id.
+    pub records: BTreeMap<String, Record>,
+    /// The runs' fences (what the runners read), by run id.
+    pub fences: BTreeMap<String, u64>,
+    /// The runs' logs, by run id.
+    pub logs: BTreeMap<String, Vec<Message>>,
+    /// Every takeover, in order.
+    pub takeovers: Vec<Takeover>,
+    /// Message ids the stream has seen (its duplicate window, kept whole here).
+    message_ids: BTreeSet<String>,
+    next_position: u64,
+    /// Draws latencies.
+    rng: fastrand::Rng,
+    /// Until then, every request is slow (a store restarting or overloaded).
+    slow_until: Option<Instant>,
+    /// Until then, the event stream takes no message (its leader lost, a new one not yet
+    /// elected), while the key-value buckets answer.
+    log_down_until: Option<Instant>,
+    /// Told when a log grows.
+    appended: Arc<tokio::sync::Notify>,
+}
+
+/// The store, shared.
+pub type Store = Arc<Mutex<Shared>>;
+
+/// A store seeded with `seed`.
+pub fn store(seed: u64) -> Store {
+    Arc::new(Mutex::new(Shared {
+        records: BTreeMap::new(),
+        fences: BTreeMap::new(),
+        logs: BTreeMap::new(),
+        takeovers: Vec::new(),
+        message_ids: BTreeSet::new(),
+        next_position: 1,
+        rng: fastrand::Rng::with_seed(seed ^ 0x5707e),
+        slow_until: None,
+        log_down_until: None,
+        appended: Arc::default(),
+    }))
+}
+
+/// Makes every request slow until `until`.
+pub fn slow_down(store: &Store, until: Instant) {
+    lock(store).slow_until = Some(until);
+}
+
+/// Makes the event stream refuse messages until `until`.
+pub fn take_log_down(store: &Store, until: Instant) {
+    lock(store).log_down_until = Some(until);
+}
+
+fn lock(store: &Store) -> std::sync::MutexGuard<'_, Shared> {
+    store.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Shared {
+    /// A request's latency: a few milliseconds, or up to seconds while the store is slow.
+    fn latency(&mut self) -> Duration {
+        let slow = self.slow_until.is_some_and(|until| Instant::now() < until);
+        match slow {
+            true => Duration::from_millis(self.rng.u64(200..3000)),
+            false => Duration::from_micros(self.rng.u64(200..8000)),
+        }
+    }
+}
+
+/// One replica's view of the store: its name, its gate, the epochs it claimed.
+#[derive(Clone)]
+pub struct ReplicaStore {
+    store: Store,
+    me: String,
+    gate: Gate,
+    terms: LeaseTerms,
+    /// How long a request waits for an answer.
+    timeout: Duration,
+    owned: Arc<Mutex<BTreeMap<String, u64>>>,
+    /// Held by the request on the wire: the replica's requests apply in order.
+    wire: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl ReplicaStore {
+    /// Replica `me`'s handle on `store`, its requests passing `gate`.
+    pub fn new(store: Store, me: &str, gate: Gate, terms: LeaseTerms, timeout: Duration) -> Self {
+        Self {
+            store,
+            me: me.to_owned(),
+            gate,
+            terms,
+            timeout,
+            owned: Arc::default(),
+            wire: Arc::default(),
+        }
+    }
+
+    /// One request: it leaves through the gate, takes its latency, is applied at once by `apply`,
+    /// and its answer is heard through the gate (a replica cut off by then never hears it).
+    async fn request<T: Send + 'static>(
+        &self,
+        operation: &'static str,
+        key: &str,
+        apply: impl FnOnce(&mut Shared, &ReplicaStore) -> Result<T, StoreError> + Send,
+    ) -> Result<T, StoreError> {
+        let unavailable = |reason: &str| StoreError::Unavailable {
+            operation,
+            key: key.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let wire = self.wire.lock().await;
+        if !self.gate.pass().await {
+            drop(wire);
+            tokio::time::sleep(self.timeout).await;
+            return Err(unavailable("no route to the store"));
+        }
+        let latency = lock(&self.store).latency();
+        tokio::time::sleep(latency).await;
+        let answer = apply(&mut lock(&self.store), self);
+        drop(wire);
+        if !self.gate.pass().await {
+            return Err(unavailable("the answer was lost"));
+        }
+        answer
+    }
+
+    fn owned_epoch(&self, run_id: &str) -> Option<u64> {
+        self.owned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(run_id)
+            .copied()
+    }
+
+    fn own(&self, run_id: &str, epoch: u64) {
+        self.owned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(run_id.to_owned(), epoch);
+    }
+
+    /// The record of `run_id` when this replica owns it in the epoch it claimed; `Fenced` else.
+    fn mine<'a>(&self, shared: &'a mut Shared, run_id: &str) -> Result<&'a mut Record, StoreError> {
+        let epoch = self.owned_epoch(run_id);
+        match shared.records.get_mut(run_id) {
+            Some(record) if record.owner == self.me && Some(record.epoch) == epoch => Ok(record),
+            Some(record) => Err(StoreError::Fenced {
+                run_id: run_id.to_owned(),
+                owner: record.owner.clone(),
+            }),
+            None => Err(StoreError::Fenced {
+                run_id: run_id.to_owned(),
+                owner: "nobody".to_owned(),
+            }),
+        }
+    }
+
+    fn claim_with(&self, shared: &mut Shared, result: RunResult, checkpoint: Option<Vec<u8>>) -> Claim {
+        if let Some(taken) = shared.records.get(&result.run_id) {
+            return Claim::Taken(Box::new(taken.result.clone()));
+        }
+        let run_id = result.run_id.clone();
+        shared.records.insert(
+            run_id.clone(),
+            Record {
+                checkpointed_calls: recorded(&result),
+                result,
+                owner: self.me.clone(),
+                epoch: 1,
+                renewed: Instant::now(),
+                checkpoint,
+                handed_over: false,
+            },
+        );
+        self.own(&run_id, 1);
+        Claim::Claimed
+    }
+
+    /// Whether `record` is an orphan now: live, resumable, and its owner gone or released it.
+    fn orphaned(&self, record: &Record) -> bool {
+        record.result.status.is_live()
+            && record.checkpoint.is_some()
+            && (record.handed_over || record.renewed.elapsed() > self.terms.length)
+    }
+}
+
+impl ResultStore for ReplicaStore {
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
+        let this = self.clone();
+        async move {
+            let run_id = result.run_id.clone();
+            this.request("KV update", &run_id.clone(), move |shared, this| {
+                let record = this.mine(shared, &run_id)?;
+                record.result = result;
+                record.renewed = Instant::now();
+                Ok(())
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
+        let this = self.clone();
+        async move {
+            let run_id = result.run_id.clone();
+            this.request("KV create", &run_id.clone(), move |shared, this| {
+                Ok(this.claim_with(shared, result, None))
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+        let (this, run_id) = (self.clone(), run_id.to_owned());
+        async move {
+            this.request("KV get", &run_id.clone(), move |shared, _| {
+                Ok(shared.records.get(&run_id).map(|r| r.result.clone()))
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn lease(&self) -> Option<LeaseTerms> {
+        Some(self.terms)
+    }
+
+    fn epoch(&self, run_id: &str) -> u64 {
+        self.owned_epoch(run_id).unwrap_or(0)
+    }
+}
+
+impl RunJournal for ReplicaStore {
+    fn save(
+        &self,
+        result: RunResult,
+        _deadline: u64,
+        checkpoint: Vec<u8>,
+    ) -> BoxFuture<'static, Result<(), StoreError>> {
+        let this = self.clone();
+        async move {
+            let run_id = result.run_id.clone();
+            this.request("KV update", &run_id.clone(), move |shared, this| {
+                let record = this.mine(shared, &run_id)?;
+                record.checkpointed_calls = recorded(&result);
+                record.result = result;
+                record.checkpoint = Some(checkpoint);
+                record.renewed = Instant::now();
+                Ok(())
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn claim_resumable(
+        &self,
+        result: RunResult,
+        _deadline: u64,
+        checkpoint: Vec<u8>,
+    ) -> BoxFuture<'static, Result<Claim, StoreError>> {
+        let this = self.clone();
+        async move {
+            let run_id = result.run_id.clone();
+            this.request("KV create", &run_id.clone(), move |shared, this| {
+                Ok(this.claim_with(shared, result, Some(checkpoint)))
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+        let (this, run_id) = (self.clone(), run_id.to_owned());
+        async move {
+            this.request("checkpoint delete", &run_id.clone(), move |shared, this| {
+                this.mine(shared, &run_id)?.checkpoint = None;
+                Ok(())
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
+        let this = self.clone();
+        async move {
+            this.request("KV keys", "runs", |shared, this| {
+                Ok(shared
+                    .records
+                    .iter()
+                    .filter(|(_, record)| this.orphaned(record))
+                    .map(|(id, _)| id.clone())
+                    .collect())
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
+        let (this, run_id) = (self.clone(), run_id.to_owned());
+        async move {
+            this.request("KV update", &run_id.clone(), move |shared, this| {
+                let Some(record) = shared.records.get(&run_id).filter(|r| this.orphaned(r)) else {
+                    return Ok(None);
+                };
+                let epoch = record.epoch + 1;
+                // The fence first: a runner refuses the old owner's calls from now on.
+                let fence = shared.fences.entry(run_id.clone()).or_default();
+                *fence = (*fence).max(epoch);
+                let Some(record) = shared.records.get_mut(&run_id) else {
+                    return Ok(None);
+                };
+                record.epoch = epoch;
+                record.owner.clone_from(&this.me);
+                record.renewed = Instant::now();
+                record.handed_over = false;
+                this.own(&run_id, epoch);
+                let taken = record.checkpoint.clone();
+                let checkpointed_calls = record.checkpointed_calls.clone();
+                shared.takeovers.push(Takeover {
+                    run_id,
+                    epoch,
+                    checkpointed_calls,
+                });
+                Ok(taken)
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+        let (this, run_id) = (self.clone(), run_id.to_owned());
+        async move {
+            this.request("KV update", &run_id.clone(), move |shared, this| {
+                this.mine(shared, &run_id)?.handed_over = true;
+                Ok(())
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>> {
+        async { futures::stream::pending().boxed() }.boxed()
+    }
+
+    fn cancel_elsewhere(
+        &self,
+        _run_id: &str,
+        _reason: &str,
+        _mode: CancelMode,
+    ) -> BoxFuture<'static, Result<Option<RemoteCancel>, StoreError>> {
+        async { Ok(None) }.boxed()
+    }
+
+    fn cancel_asks(&self) -> BoxFuture<'static, BoxStream<'static, CancelAsk>> {
+        async { futures::stream::pending().boxed() }.boxed()
+    }
+}
+
+/// How often a replica's log writer tries a message before the log is broken for the run.
+const PUBLISH_ATTEMPTS: u32 = 4;
+
+impl EventLog for ReplicaStore {
+    fn writer(&self, run_id: &str, logged: u64) -> Box<dyn LogWriter> {
+        self.start_writer(run_id, logged, None, Ownership::local())
+    }
+
+    fn owned_writer(&self, run_id: &str, from: &Logged, owner: &Ownership) -> Box<dyn LogWriter> {
+        self.start_writer(run_id, from.seq, Some(from.position), owner.clone())
+    }
+
+    fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>> {
+        let (store, run_id) = (Arc::clone(&self.store), run_id.to_owned());
+        async move {
+            let feed = futures::stream::unfold(after_seq, move |cursor| {
+                let (store, run_id) = (Arc::clone(&store), run_id.clone());
+                async move {
+                    loop {
+                        let appended = Arc::clone(&lock(&store).appended);
+                        let notified = appended.notified();
+                        let next = lock(&store).logs.get(&run_id).and_then(|log| {
+                            log.iter()
+                                .flat_map(|m| m.events.iter())
+                                .find(|e| e.seq > cursor)
+                                .cloned()
+                        });
+                        if let Some(event) = next {
+                            if event.seq != cursor + 1 {
+                                let lost = LogError::Lost {
+                                    run_id: run_id.clone(),
+                                    after_seq: cursor,
+                                    reason: format!("the next event kept is seq {}", event.seq),
+                                };
+                                return Some((Err(lost), u64::MAX));
+                            }
+                            let seq = if event.is_last() { u64::MAX } else { event.seq };
+                            return Some((Ok(event), seq));
+                        }
+                        if cursor == u64::MAX {
+                            return None;
+                        }
+                        notified.await;
+                    }
+                }
+            });
+            Ok(Some(feed.boxed()))
+        }
+        .boxed()
+    }
+
+    fn last(&self, run_id: &str) -> BoxFuture<'static, Result<Logged, LogError>> {
+        let (this, run_id) = (self.clone(), run_id.to_owned());
+        async move {
+            let key = run_id.clone();
+            this.request("last message", &run_id.clone(), move |shared, _| {
+                let Some(message) = shared.logs.get(&key).and_then(|log| log.last()) else {
+                    return Ok(Logged::default());
+                };
+                let last = message.events.last();
+                Ok(Logged {
+                    seq: last.map_or(0, |e| e.seq),
+                    position: message.position,
+                    finished: last.and_then(|e| e.finished().cloned()),
+                })
+            })
+            .await
+            .map_err(|e| LogError::Unavailable {
+                run_id: run_id.clone(),
+                reason: e.to_string(),
+            })
+        }
+        .boxed()
+    }
+}
+
+impl ReplicaStore {
+    fn start_writer(&self, run_id: &str, logged: u64, position: Option<u64>, owner: Ownership) -> Box<dyn LogWriter> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<NumberedEvent>>();
+        let (settled, settled_rx) = watch::channel(Settled {
+            kept_through: logged,
+            broken: false,
+        });
+        let mut publisher = Publisher {
+            store: self.clone(),
+            run_id: run_id.to_owned(),
+            owner,
+            position,
+            settled,
+        };
+        tokio::spawn(async move {
+            while let Some(events) = rx.recv().await {
+                publisher.publish(events).await;
+            }
+        });
+        Box::new(Writer {
+            tx,
+            settled: settled_rx,
+        })
+    }
+}
+
+/// Hands a run's batches to its publishing task.
+struct Writer {
+    tx: tokio::sync::mpsc::UnboundedSender<Vec<NumberedEvent>>,
+    settled: watch::Receiver<Settled>,
+}
+
+impl LogWriter for Writer {
+    fn append(&mut self, events: &[NumberedEvent]) {
+        let _ = self.tx.send(events.to_vec());
+    }
+
+    fn settled(&self) -> Option<watch::Receiver<Settled>> {
+        Some(self.settled.clone())
+    }
+}
+
+/// One run's publishing task, as the NATS log's.
+struct Publisher {
+    store: ReplicaStore,
+    run_id: String,
+    owner: Ownership,
+    position: Option<u64>,
+    settled: watch::Sender<Settled>,
+}
+
+/// Why a message was not kept.
+enum Refused {
+    Unavailable,
+    OutOfTurn(String),
+}
+
+impl Publisher {
+    /// Publishes one batch (retried while the store cannot be reached), and settles it.
+    async fn publish(&mut self, events: Vec<NumberedEvent>) {
+        let Some(last) = events.last().map(|e| e.seq) else {
+            return;
+        };
+        if self.settled.borrow().broken || !self.owner.may_log() {
+            return self.settled.send_modify(|s| s.broken = true);
+        }
+        for attempt in 0..PUBLISH_ATTEMPTS {
+            match self.try_publish(&events).await {
+                Ok(()) => return self.settled.send_modify(|s| s.kept_through = s.kept_through.max(last)),
+                Err(Refused::OutOfTurn(why)) => {
+                    self.owner.stop(Stop::Fenced(format!("the run's event log: {why}")));
+                    break;
+                }
+                Err(Refused::Unavailable) => {
+                    tokio::time::sleep(Duration::from_millis(100) * 2u32.pow(attempt)).await;
+                }
+            }
+        }
+        self.settled.send_modify(|s| s.broken = true);
+    }
+
+    /// One attempt: the message id names the run, the owner's epoch and the first seq; with a
+    /// position the message must follow it.
+    async fn try_publish(&mut self, events: &[NumberedEvent]) -> Result<(), Refused> {
+        let first = events.first().map_or(0, |e| e.seq);
+        let id = format!("{}/{}/{first}", self.run_id, self.owner.epoch());
+        let (run_id, expected, batch) = (self.run_id.clone(), self.position, events.to_vec());
+        let answer = self
+            .store
+            .request("publish", &run_id.clone(), move |shared, _| {
+                if shared.log_down_until.is_some_and(|until| Instant::now() < until) {
+                    return Err(StoreError::Unavailable {
+                        operation: "publish",
+                        key: run_id,
+                        reason: "the stream has no leader".to_owned(),
+                    });
+                }
+                let last_position = shared
+                    .logs
+                    .get(&run_id)
+                    .and_then(|l| l.last())
+                    .map_or(0, |m| m.position);
+                if let Some(expected) = expected
+                    && expected != last_position
+                {
+                    return Ok(Err(format!("another owner appended after stream sequence {expected}")));
+                }
+                if !shared.message_ids.insert(id.clone()) {
+                    return Ok(Err(format!("message {id} was in the log already")));
+                }
+                let position = shared.next_position;
+                shared.next_position += 1;
+                shared.logs.entry(run_id).or_default().push(Message {
+                    position,
+                    events: batch,
+                });
+                shared.appended.notify_waiters();
+                Ok(Ok(position))
+            })
+            .await;
+        match answer {
+            Ok(Ok(position)) => {
+                if self.position.is_some() {
+                    self.position = Some(position);
+                }
+                Ok(())
+            }
+            Ok(Err(why)) => Err(Refused::OutOfTurn(why)),
+            Err(_) => Err(Refused::Unavailable),
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! A replica of the service built over given ports, with no network: the server's own `Core`
+//! (admission, takeover, the loop, the persister, the registry) as a simulation drives it, with
+//! stores, a model and tool-runners of its making. Nothing here is a second set of rules: each
+//! method is the `Core` operation the gRPC adapter calls.
+
+use std::sync::Arc;
+
+use shared::auth::Principal;
+use shared::runtime::AbortOnDrop;
+
+use super::Core;
+pub use super::build::Ports;
+use crate::domain::{RunResult, RunSpec};
+use crate::{Config, Error};
+
+/// One replica: its `Core` and its takeover watcher (durable runs).
+pub struct Replica {
+    core: Arc<Core>,
+    _takeover: Option<AbortOnDrop>,
+}
+
+impl Replica {
+    /// A replica of `config` over `ports`, looking for orphaned runs when `ports` has a journal.
+    pub fn new(config: &Config, ports: Ports) -> Self {
+        let core = super::build::assemble(config, ports, None);
+        let takeover = core
+            .runs
+            .durable()
+            .is_some()
+            .then(|| AbortOnDrop(tokio::spawn(super::takeover::watch(Arc::clone(&core)))));
+        Self {
+            core,
+            _takeover: takeover,
+        }
+    }
+
+    /// Starts `spec` detached (as `Orchestrate` with `detached`, by an unauthenticated caller).
+    pub async fn start(&self, spec: RunSpec) -> Result<(), Error> {
+        let caller = Arc::new(Principal::default());
+        let events = self
+            .core
+            .orchestrate(spec, true, &tonic::metadata::MetadataMap::new(), caller)
+            .await?;
+        drop(events);
+        Ok(())
+    }
+
+    /// The run as `GetRun` answers it.
+    pub async fn get(&self, run_id: &str) -> Result<RunResult, Error> {
+        self.core.get(run_id, &Principal::default()).await
+    }
+
+    /// Runs live on this replica now.
+    pub fn live(&self) -> usize {
+        self.core.runs.live()
+    }
+}
