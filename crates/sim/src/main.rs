@@ -69,43 +69,15 @@ fn main() -> ExitCode {
         runs: args.runs,
         ..Settings::default()
     };
-    let seeds = match args.seed {
-        Some(seed) => seed..seed + 1,
-        None => args.from..args.from.saturating_add(args.seeds),
-    };
-    let started = Instant::now();
-    let (mut failed, mut starts) = (Vec::new(), 0usize);
-    for (n, seed) in seeds.clone().enumerate() {
-        let outcome = sim::simulate(seed, &settings, rules, args.trace && args.seed.is_some());
-        starts += outcome.starts;
-        if let Some(trace) = &outcome.trace {
-            for line in trace {
-                println!("{line}");
-            }
-        }
-        if !outcome.violations.is_empty() {
-            println!("seed {seed} FAILED (replay: --seed {seed}):");
-            for violation in outcome.violations.iter().take(5) {
-                println!("  {violation}");
-            }
-            failed.push(seed);
-        }
-        if (n + 1) % 500 == 0 {
-            eprintln!("… {} seeds, {} failed, {:.1?}", n + 1, failed.len(), started.elapsed());
-        }
-    }
-    let total = seeds.end - seeds.start;
-    println!(
-        "{} passed, {} failed ({total} seeds, {starts} tool calls started, {:.1?}; rules: {rules:?})",
-        total - failed.len() as u64,
-        failed.len(),
-        started.elapsed()
-    );
-    if failed.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    let trace = args.trace && args.seed.is_some();
+    let report = run_seeds(&args, "", |seed| {
+        let outcome = sim::simulate(seed, &settings, rules, trace);
+        let mut seen = Seen::new(outcome.violations, outcome.starts, None);
+        seen.trace = outcome.trace.unwrap_or_default();
+        seen
+    });
+    println!("{report}; rules: {rules:?}");
+    exit_code(&report)
 }
 
 /// The seeds of `args` over the services' own code.
@@ -115,40 +87,112 @@ fn over_ports(args: &Args) -> ExitCode {
         runs: args.runs,
         ..sim::ports::Settings::default()
     };
+    let trace = args.trace && args.seed.is_some();
+    let report = run_seeds(args, "--ports ", |seed| {
+        let outcome = sim::ports::simulate(seed, &settings);
+        let mut seen = Seen::new(outcome.violations, outcome.starts, Some(outcome.takeovers));
+        if trace {
+            seen.trace = outcome.history;
+        }
+        seen
+    });
+    println!("over the ports: {report}");
+    exit_code(&report)
+}
+
+/// What one seed showed.
+struct Seen {
+    violations: Vec<String>,
+    starts: usize,
+    /// Takeovers, where the simulation counts them.
+    takeovers: Option<u64>,
+    /// Its history, when asked for.
+    trace: Vec<String>,
+}
+
+impl Seen {
+    fn new(violations: Vec<String>, starts: usize, takeovers: Option<u64>) -> Self {
+        Self {
+            violations,
+            starts,
+            takeovers,
+            trace: Vec::new(),
+        }
+    }
+}
+
+/// What the seeds of a run showed, as its last line says.
+struct Report {
+    total: u64,
+    failed: Vec<u64>,
+    starts: usize,
+    takeovers: Option<u64>,
+    took: std::time::Duration,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} passed, {} failed ({} seeds, {} tool calls started",
+            self.total - self.failed.len() as u64,
+            self.failed.len(),
+            self.total,
+            self.starts,
+        )?;
+        if let Some(takeovers) = self.takeovers {
+            write!(f, ", {takeovers} takeovers")?;
+        }
+        write!(f, ", {:.1?})", self.took)
+    }
+}
+
+/// Runs the seeds `args` names through `simulate`, printing each failing seed (and a seed's
+/// history when asked for) and progress every 500 seeds.
+fn run_seeds(args: &Args, replay: &str, simulate: impl Fn(u64) -> Seen) -> Report {
     let seeds = match args.seed {
         Some(seed) => seed..seed + 1,
         None => args.from..args.from.saturating_add(args.seeds),
     };
     let started = Instant::now();
-    let (mut failed, mut starts, mut takeovers) = (Vec::new(), 0usize, 0u64);
-    for (n, seed) in seeds.clone().enumerate() {
-        let outcome = sim::ports::simulate(seed, &settings);
-        starts += outcome.starts;
-        takeovers += outcome.takeovers;
-        if args.trace && args.seed.is_some() {
-            for line in &outcome.history {
-                println!("{line}");
-            }
+    let mut report = Report {
+        total: seeds.end - seeds.start,
+        failed: Vec::new(),
+        starts: 0,
+        takeovers: None,
+        took: std::time::Duration::ZERO,
+    };
+    for (n, seed) in seeds.enumerate() {
+        let seen = simulate(seed);
+        report.starts += seen.starts;
+        if let Some(takeovers) = seen.takeovers {
+            report.takeovers = Some(report.takeovers.unwrap_or(0) + takeovers);
         }
-        if !outcome.violations.is_empty() {
-            println!("seed {seed} FAILED (replay: --ports --seed {seed}):");
-            for violation in outcome.violations.iter().take(5) {
+        for line in &seen.trace {
+            println!("{line}");
+        }
+        if !seen.violations.is_empty() {
+            println!("seed {seed} FAILED (replay: {replay}--seed {seed}):");
+            for violation in seen.violations.iter().take(5) {
                 println!("  {violation}");
             }
-            failed.push(seed);
+            report.failed.push(seed);
         }
-        if (n + 1) % 50 == 0 {
-            eprintln!("… {} seeds, {} failed, {:.1?}", n + 1, failed.len(), started.elapsed());
+        if (n + 1) % 500 == 0 {
+            eprintln!(
+                "… {} seeds, {} failed, {:.1?}",
+                n + 1,
+                report.failed.len(),
+                started.elapsed()
+            );
         }
     }
-    let total = seeds.end - seeds.start;
-    println!(
-        "over the ports: {} passed, {} failed ({total} seeds, {starts} tool calls started, {takeovers} takeovers, {:.1?})",
-        total - failed.len() as u64,
-        failed.len(),
-        started.elapsed()
-    );
-    if failed.is_empty() {
+    report.took = started.elapsed();
+    report
+}
+
+fn exit_code(report: &Report) -> ExitCode {
+    if report.failed.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

@@ -440,71 +440,6 @@ async fn loss_is_read_from_the_store_and_the_log_never_from_silence() {
     }
 }
 
-/// A lot that, once it has handed a ready run out, lets a reader look for the run before the
-/// registry goes on (or until a deadline, when the reader is held by the registry's lock).
-struct WatchedLot {
-    inner: crate::store::memory::MemoryLot,
-    taken: std::sync::mpsc::SyncSender<()>,
-    read: Mutex<std::sync::mpsc::Receiver<()>>,
-}
-
-impl ApprovalLot for WatchedLot {
-    fn open(&self, wait: crate::domain::ports::Wait) -> BoxFuture<'static, Result<(), String>> {
-        self.inner.open(wait)
-    }
-    fn park(
-        &self,
-        run_id: &str,
-        parked: crate::domain::ports::Parked,
-    ) -> BoxFuture<'static, Result<crate::domain::ports::ParkOutcome, StoreError>> {
-        self.inner.park(run_id, parked)
-    }
-    fn decide(
-        &self,
-        run_id: &str,
-        decider: &crate::domain::ports::Decider,
-        decisions: &[crate::domain::approval::Decision],
-    ) -> BoxFuture<'static, Result<Vec<crate::domain::approval::PendingApproval>, crate::domain::approval::DecideError>>
-    {
-        self.inner.decide(run_id, decider, decisions)
-    }
-    fn pending(
-        &self,
-        decider: &crate::domain::ports::Decider,
-        run_id: Option<&str>,
-        limit: usize,
-    ) -> BoxFuture<'static, Result<(Vec<crate::domain::approval::PendingApproval>, bool), StoreError>> {
-        self.inner.pending(decider, run_id, limit)
-    }
-    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<crate::domain::ports::Waiting>, StoreError>> {
-        self.inner.waiting(run_id)
-    }
-    fn parked(&self, run_id: &str) -> Option<RunResult> {
-        self.inner.parked(run_id)
-    }
-    fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
-        self.inner.cancel(run_id, reason)
-    }
-    fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
-        self.inner.close(run_id, epoch)
-    }
-    fn expire(&self, now_unix_ms: u64) {
-        self.inner.expire(now_unix_ms);
-    }
-    fn take_ready(&self) -> Option<crate::domain::ports::Ready> {
-        let ready = self.inner.take_ready()?;
-        let _ = self.taken.send(());
-        let _ = shared::sync::lock(&self.read).recv_timeout(Duration::from_millis(300));
-        Some(ready)
-    }
-    fn put_back(&self, ready: crate::domain::ports::Ready) {
-        self.inner.put_back(ready);
-    }
-    fn changed(&self) -> BoxFuture<'static, ()> {
-        self.inner.changed()
-    }
-}
-
 /// A parked run that resumes is, for a reader (GetRun), in the lot or live, never in neither:
 /// it leaves the lot under the registry's lock (in CI a reader once found it nowhere, and the
 /// caller was told the run did not exist).
@@ -513,10 +448,15 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
     use crate::domain::ports::{Parked, Wait};
     let (taken, taken_rx) = std::sync::mpsc::sync_channel(1);
     let (read_tx, read) = std::sync::mpsc::sync_channel(1);
-    let lot = Arc::new(WatchedLot {
-        inner: crate::store::memory::MemoryLot::new(100),
-        taken,
-        read: Mutex::new(read),
+    let read = Mutex::new(read);
+    // Once a ready run is handed out, a reader looks for it before the registry goes on (or
+    // until a deadline, when the reader waits for the registry's lock).
+    let lot = Arc::new(crate::store::memory::approvals::HookedLot {
+        after_take: Some(Box::new(move || {
+            let _ = taken.send(());
+            let _ = shared::sync::lock(&read).recv_timeout(Duration::from_millis(300));
+        })),
+        ..crate::store::memory::approvals::HookedLot::new()
     });
     let keeping = Keeping {
         approvals: Arc::clone(&lot) as Arc<dyn ApprovalLot>,

@@ -1539,74 +1539,6 @@ async fn a_checkpoint_the_store_refuses_stops_the_run_before_anything_it_holds_l
     assert_eq!(script.requests.lock().unwrap().len(), 1, "turn 1 was asked for");
 }
 
-/// The memory lot, refusing to park a run (a store that does not take the parked record).
-struct UnparkableLot(crate::store::memory::MemoryLot);
-
-impl crate::domain::ports::ApprovalLot for UnparkableLot {
-    fn open(&self, wait: crate::domain::ports::Wait) -> BoxFuture<'static, Result<(), String>> {
-        self.0.open(wait)
-    }
-    fn park(
-        &self,
-        run_id: &str,
-        _: crate::domain::ports::Parked,
-    ) -> BoxFuture<'static, Result<crate::domain::ports::ParkOutcome, crate::domain::ports::StoreError>> {
-        let refused = crate::domain::ports::StoreError::Unavailable {
-            operation: "KV update",
-            key: format!("wait.{run_id}"),
-            reason: "the store is restarting".into(),
-        };
-        Box::pin(std::future::ready(Err(refused)))
-    }
-    fn decide(
-        &self,
-        run_id: &str,
-        decider: &crate::domain::ports::Decider,
-        decisions: &[crate::domain::approval::Decision],
-    ) -> BoxFuture<'static, Result<Vec<crate::domain::approval::PendingApproval>, crate::domain::approval::DecideError>>
-    {
-        self.0.decide(run_id, decider, decisions)
-    }
-    fn pending(
-        &self,
-        decider: &crate::domain::ports::Decider,
-        run_id: Option<&str>,
-        limit: usize,
-    ) -> BoxFuture<
-        'static,
-        Result<(Vec<crate::domain::approval::PendingApproval>, bool), crate::domain::ports::StoreError>,
-    > {
-        self.0.pending(decider, run_id, limit)
-    }
-    fn waiting(
-        &self,
-        run_id: &str,
-    ) -> BoxFuture<'static, Result<Option<crate::domain::ports::Waiting>, crate::domain::ports::StoreError>> {
-        self.0.waiting(run_id)
-    }
-    fn parked(&self, run_id: &str) -> Option<RunResult> {
-        self.0.parked(run_id)
-    }
-    fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, crate::domain::ports::StoreError>> {
-        self.0.cancel(run_id, reason)
-    }
-    fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
-        self.0.close(run_id, epoch)
-    }
-    fn expire(&self, now_unix_ms: u64) {
-        self.0.expire(now_unix_ms);
-    }
-    fn take_ready(&self) -> Option<crate::domain::ports::Ready> {
-        self.0.take_ready()
-    }
-    fn put_back(&self, ready: crate::domain::ports::Ready) {
-        self.0.put_back(ready);
-    }
-    fn changed(&self) -> BoxFuture<'static, ()> {
-        self.0.changed()
-    }
-}
-
 /// A durable run whose park the store refuses stops here, ended nowhere: its log writer went
 /// with the park, so waiting in place would let its checkpoints run ahead of its log. The
 /// replica that takes it next resumes it from its last checkpoint; no call ran.
@@ -1620,7 +1552,10 @@ async fn a_durable_run_the_store_will_not_park_stops_here_for_another_replica() 
             timeout: Duration::from_secs(60),
             ..Default::default()
         },
-        approvals: Arc::new(UnparkableLot(crate::store::memory::MemoryLot::new(16))),
+        approvals: Arc::new(crate::store::memory::approvals::HookedLot {
+            refuse_park: true,
+            ..crate::store::memory::approvals::HookedLot::new()
+        }),
         ..Outside::default()
     };
     let (result, batches, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;

@@ -304,3 +304,88 @@ impl ApprovalLot for MemoryLot {
         async move { changed.notified().await }.boxed()
     }
 }
+
+/// The memory lot with faults a test puts in: a park the store refuses, and a hook run right
+/// after a ready run was handed out.
+#[cfg(test)]
+pub(crate) struct HookedLot {
+    pub(crate) inner: MemoryLot,
+    /// Every park is refused (a store that does not take the parked record).
+    pub(crate) refuse_park: bool,
+    /// Runs after `take_ready` handed a run out, before the caller has it.
+    pub(crate) after_take: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+#[cfg(test)]
+impl HookedLot {
+    /// A lot of at most 16 waiting runs, without faults.
+    pub(crate) fn new() -> Self {
+        Self {
+            inner: MemoryLot::new(16),
+            refuse_park: false,
+            after_take: None,
+        }
+    }
+}
+
+#[cfg(test)]
+impl ApprovalLot for HookedLot {
+    fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
+        self.inner.open(wait)
+    }
+    fn park(&self, run_id: &str, parked: Parked) -> BoxFuture<'static, Result<ParkOutcome, StoreError>> {
+        if !self.refuse_park {
+            return self.inner.park(run_id, parked);
+        }
+        let refused = StoreError::Unavailable {
+            operation: "KV update",
+            key: format!("wait.{run_id}"),
+            reason: "the store is restarting".into(),
+        };
+        ready(Err(refused)).boxed()
+    }
+    fn decide(
+        &self,
+        run_id: &str,
+        decider: &Decider,
+        decisions: &[Decision],
+    ) -> BoxFuture<'static, Result<Vec<PendingApproval>, DecideError>> {
+        self.inner.decide(run_id, decider, decisions)
+    }
+    fn pending(
+        &self,
+        decider: &Decider,
+        run_id: Option<&str>,
+        limit: usize,
+    ) -> BoxFuture<'static, Result<(Vec<PendingApproval>, bool), StoreError>> {
+        self.inner.pending(decider, run_id, limit)
+    }
+    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
+        self.inner.waiting(run_id)
+    }
+    fn parked(&self, run_id: &str) -> Option<RunResult> {
+        self.inner.parked(run_id)
+    }
+    fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
+        self.inner.cancel(run_id, reason)
+    }
+    fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
+        self.inner.close(run_id, epoch)
+    }
+    fn expire(&self, now_unix_ms: u64) {
+        self.inner.expire(now_unix_ms);
+    }
+    fn take_ready(&self) -> Option<Ready> {
+        let ready = self.inner.take_ready()?;
+        if let Some(hook) = &self.after_take {
+            hook();
+        }
+        Some(ready)
+    }
+    fn put_back(&self, ready: Ready) {
+        self.inner.put_back(ready);
+    }
+    fn changed(&self) -> BoxFuture<'static, ()> {
+        self.inner.changed()
+    }
+}
