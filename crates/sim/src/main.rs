@@ -34,7 +34,8 @@ struct Args {
     /// Prints the seed's every event (with --seed).
     #[arg(long)]
     trace: bool,
-    /// Switches a fix off (repeatable): receiver-fence, fence-grace, end-after-log, recheck-retries.
+    /// Switches a fix off (repeatable): receiver-fence, fence-grace, end-after-log, recheck-retries
+    /// (with --ports: receiver-fence only).
     #[arg(long = "without")]
     without: Vec<String>,
     /// Faults drawn per seed.
@@ -52,6 +53,10 @@ struct Args {
 fn main() -> ExitCode {
     let args = Args::parse();
     if args.ports {
+        if let Some(other) = args.without.iter().find(|fix| *fix != "receiver-fence") {
+            eprintln!("sim: --ports switches off receiver-fence only, not {other}");
+            return ExitCode::from(2);
+        }
         return over_ports(&args);
     }
     let mut rules = Rules::current();
@@ -85,6 +90,7 @@ fn over_ports(args: &Args) -> ExitCode {
     let settings = sim::ports::Settings {
         faults: args.faults,
         runs: args.runs,
+        receiver_fence: !args.without.iter().any(|fix| fix == "receiver-fence"),
         ..sim::ports::Settings::default()
     };
     let trace = args.trace && args.seed.is_some();

@@ -12,11 +12,8 @@ const BUDGET: Duration = Duration::from_secs(45);
 
 /// The event stream lost events while the buckets answered (its leader lost): a safe point
 /// saved a checkpoint that counted them as sent, and the next owner numbered on past the gap
-/// (the log of run-1 held seqs 37..42 only).
+/// (the log of run-1 held seqs 37..42 only; `--ports --seed 996` in a release build).
 const LOG_GAP_PAST_A_LOST_BATCH: u64 = 996;
-/// A run's end whose store write failed waited in the replica's backlog, and `GetRun` there
-/// showed it `COMPLETED` while the store still read `RUNNING`.
-const END_SHOWN_FROM_THE_BACKLOG: u64 = 2809;
 
 #[test]
 fn every_invariant_holds_over_the_services_code() {
@@ -47,12 +44,36 @@ fn every_invariant_holds_over_the_services_code() {
     );
 }
 
+/// The seed that broke the log before the loop's fix (`durable.rs`, `log_not_kept`) holds. (The
+/// other bug the simulation found, an end shown from the backlog, is pinned by a registry test:
+/// its seeds were rare, 2 in 20,000, and moved with the simulation's draws.)
 #[test]
-fn the_seeds_that_broke_the_services_code_hold() {
-    for seed in [LOG_GAP_PAST_A_LOST_BATCH, END_SHOWN_FROM_THE_BACKLOG] {
-        let outcome = simulate(seed, &Settings::default());
-        assert_eq!(outcome.violations, Vec::<String>::new(), "seed {seed}");
-    }
+fn the_seed_that_broke_the_services_code_holds() {
+    let outcome = simulate(LOG_GAP_PAST_A_LOST_BATCH, &Settings::default());
+    assert_eq!(outcome.violations, Vec::<String>::new());
+}
+
+/// The runners' fence is what keeps a replaced owner's call from running after the new owner's:
+/// without it, some of the first seeds break the epoch order (a paused replica's call, written to
+/// a congested link before the pause, reaches a runner after the new owner's call of the same id;
+/// about 6% of seeds, e.g. `--ports --seed 973 --without receiver-fence` in a release build), and
+/// the first such seed holds with it.
+#[test]
+fn the_receiver_fence_holds_the_seeds_that_break_without_it() {
+    let without = Settings {
+        receiver_fence: false,
+        ..Settings::default()
+    };
+    let broken = (0..400)
+        .find(|&seed| {
+            simulate(seed, &without)
+                .violations
+                .iter()
+                .any(|v| v.starts_with("epoch order"))
+        })
+        .expect("no seed of 400 broke the epoch order without the runners' fence");
+    let with = simulate(broken, &Settings::default());
+    assert_eq!(with.violations, Vec::<String>::new(), "seed {broken} with the fence");
 }
 
 /// A seed replays its faults, and (the scheduler's choices being the same) its history.

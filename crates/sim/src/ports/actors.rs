@@ -10,10 +10,11 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
+use orchestrator::domain::ToolCallError;
 use orchestrator::domain::chat::Message;
 use orchestrator::domain::ports::{ToolExecutor, ToolInvocation};
-use orchestrator::domain::{Stop, ToolCallError};
 use orchestrator::llm::{ChatModel, ChatRequest, LlmError, LlmEvent};
+use orchestrator::tool_runners::sender::{self, Attempt, Retries};
 use tokio::time::Instant;
 
 use super::gate::Gate;
@@ -104,14 +105,17 @@ pub struct Runners {
     pub starts: Mutex<Vec<Start>>,
     /// The runners' gates (one lost: a call to it is refused before it runs).
     pub gates: Vec<Gate>,
+    /// The runners refuse a replaced owner's call (off: to show what breaks without it).
+    pub fence: bool,
     rng: Mutex<fastrand::Rng>,
 }
 
 impl Runners {
     /// `count` runners reading fences from `store`.
-    pub fn new(store: Store, count: usize, seed: u64) -> Arc<Self> {
+    pub fn new(store: Store, count: usize, seed: u64, fence: bool) -> Arc<Self> {
         Arc::new(Self {
             store,
+            fence,
             starts: Mutex::default(),
             gates: (0..count).map(|_| Gate::default()).collect(),
             rng: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x7001)),
@@ -137,8 +141,10 @@ impl Runners {
     }
 }
 
-/// A replica's client of the runners: it checks its lease before every attempt, as the
-/// service's does, and a paused replica may be paused between that check and the send.
+/// A replica's client of the runners: it sends through the service's own sender rules
+/// (`orchestrator::tool_runners::sender`: the lease checked before every attempt, a stale
+/// refusal stopping the owner, retries of calls no runner ran), and a paused replica may be
+/// paused between that check and the send.
 pub struct Client {
     /// The replica's gate.
     pub gate: Gate,
@@ -146,67 +152,85 @@ pub struct Client {
     pub runners: Arc<Runners>,
 }
 
-/// Attempts at a call no runner ran before it gives up.
-const ATTEMPTS: u32 = 3;
+/// Retries of a call no runner ran.
+const RETRIES: Retries = Retries {
+    retries: 2,
+    backoff: Duration::from_millis(50),
+};
 
 impl ToolExecutor for Client {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
         let (gate, runners) = (self.gate.clone(), Arc::clone(&self.runners));
         async move {
-            if let Some(owner) = &call.owner {
-                owner.calls_allowed().await;
-            }
-            for attempt in 0..ATTEMPTS {
-                if call.owner.as_ref().is_some_and(|o| !o.holds()) {
-                    return Err(ToolCallError::new(
-                        "UNAVAILABLE",
-                        "not sent: this replica no longer acts for the run",
-                    ));
-                }
-                // Checked, then sent: a pause falls in between as often as anywhere else.
-                gate.running().await;
-                let (runner, wire, work) = {
-                    let mut rng = lock(&runners.rng);
-                    let runner = rng.usize(..runners.gates.len());
-                    (
-                        runner,
-                        Duration::from_micros(rng.u64(100..20_000)),
-                        Duration::from_millis(rng.u64(10..2000)),
-                    )
-                };
-                tokio::time::sleep(wire).await;
-                if runners.gates[runner].mode() != super::gate::Mode::Up {
-                    tokio::time::sleep(Duration::from_millis(50) * (attempt + 1)).await;
-                    continue;
-                }
-                // The fence is read, and its answer takes a moment to come back.
-                let fence = runners.fence(&call.run_id);
-                tokio::time::sleep(wire / 4).await;
-                if call.epoch != 0 && shared::fence::stale(call.epoch, fence) {
-                    let why = format!(
-                        "runner {runner} refused call {} of epoch {}: the run is in epoch {fence}",
-                        call.call_id, call.epoch
-                    );
-                    if let Some(owner) = &call.owner {
-                        owner.stop(Stop::Fenced(why.clone()));
-                    }
-                    return Err(ToolCallError::new("UNAVAILABLE", why));
-                }
-                lock(&runners.starts).push(Start {
-                    run_id: call.run_id.clone(),
-                    call_id: call.call_id.clone(),
-                    epoch: call.epoch,
-                    fence,
-                    at: Instant::now(),
-                });
-                tokio::time::sleep(work).await;
-                gate.running().await;
-                return Ok(format!("{{\"done\": \"{}\"}}", call.call_id));
-            }
-            Err(ToolCallError::new("UNAVAILABLE", "no tool-runner answered"))
+            sender::send(&call, RETRIES, || {
+                attempt(gate.clone(), Arc::clone(&runners), call.clone())
+            })
+            .await
         }
         .boxed()
     }
+}
+
+/// One attempt: the replica (maybe paused since its check) writes the request to the network,
+/// which carries it to a runner however the sender fares from then on (a paused or dead
+/// process's kernel still sends what it was given, and a congested link may hold it for
+/// seconds); the runner reads the run's fence and refuses a replaced owner's call, or starts
+/// the tool and answers.
+async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Attempt {
+    let (runner, out, link, work) = {
+        let mut rng = lock(&runners.rng);
+        let runner = rng.usize(..runners.gates.len());
+        let out = Duration::from_micros(rng.u64(100..20_000));
+        // Now and then the link is congested and holds the request a while.
+        let link = match rng.u8(..50) {
+            0 => Duration::from_millis(rng.u64(1000..8000)),
+            _ => Duration::from_micros(rng.u64(100..5000)),
+        };
+        (runner, out, link, Duration::from_millis(rng.u64(10..2000)))
+    };
+    // Checked, then on its way out of the process (a client's buffer, a connection being
+    // made): a replica paused now writes it when it resumes.
+    tokio::time::sleep(out).await;
+    gate.running().await;
+    let (answer, heard) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        tokio::time::sleep(link).await;
+        let _ = answer.send(run_on(&runners, runner, &call, work).await);
+    });
+    let answered = heard
+        .await
+        .unwrap_or_else(|_| Attempt::Answered(Err(ToolCallError::new("UNAVAILABLE", "no answer"))));
+    gate.running().await;
+    answered
+}
+
+/// What runner `runner` does with `call` once it arrives.
+async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, work: Duration) -> Attempt {
+    if runners.gates[runner].mode() != super::gate::Mode::Up {
+        let error = ToolCallError::new("UNAVAILABLE", format!("runner {runner} cannot be reached"));
+        return Attempt::Unrun {
+            reason: "connect",
+            error,
+        };
+    }
+    // The fence is read, and its answer takes a moment to come back.
+    let fence = runners.fence(&call.run_id);
+    tokio::time::sleep(Duration::from_micros(200)).await;
+    if runners.fence && call.epoch != 0 && shared::fence::stale(call.epoch, fence) {
+        return Attempt::Superseded {
+            current: fence,
+            runner: format!("runner-{runner}"),
+        };
+    }
+    lock(&runners.starts).push(Start {
+        run_id: call.run_id.clone(),
+        call_id: call.call_id.clone(),
+        epoch: call.epoch,
+        fence,
+        at: Instant::now(),
+    });
+    tokio::time::sleep(work).await;
+    Attempt::Answered(Ok(format!("{{\"done\": \"{}\"}}", call.call_id)))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -11,7 +11,8 @@
 //!
 //! The protocol model (`crate::world`) draws its interleavings one event at a time; here the
 //! tokio scheduler does, on one thread and virtual time, so a seed replays its faults and its
-//! history (a test checks it; `--ports --seed N --trace` prints it).
+//! history (a test checks it; `--ports --seed N --trace` prints it) — in the same build: a debug
+//! and a release build of one seed may differ.
 
 pub mod actors;
 pub mod check;
@@ -46,6 +47,8 @@ pub struct Settings {
     pub horizon: Duration,
     /// After the faults healed, how long the runs have to end.
     pub settle: Duration,
+    /// The runners refuse a replaced owner's call (off: what breaks without it).
+    pub receiver_fence: bool,
 }
 
 impl Default for Settings {
@@ -57,6 +60,7 @@ impl Default for Settings {
             faults: 8,
             horizon: Duration::from_secs(30),
             settle: Duration::from_secs(120),
+            receiver_fence: true,
         }
     }
 }
@@ -156,7 +160,7 @@ enum Fault {
 impl World {
     fn new(seed: u64, settings: Settings) -> Self {
         let store = store::store(seed);
-        let runners = Runners::new(Arc::clone(&store), settings.runners, seed);
+        let runners = Runners::new(Arc::clone(&store), settings.runners, seed, settings.receiver_fence);
         Self {
             seed,
             rng: fastrand::Rng::with_seed(seed),

@@ -528,3 +528,52 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
     );
     drop(resumed);
 }
+
+/// A store other replicas read whose writes all fail (NATS down), and which says every run is
+/// still running (its last renewal).
+struct TakesNoWrite;
+
+impl ResultStore for TakesNoWrite {
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move {
+            Err(StoreError::Unavailable {
+                operation: "KV update",
+                key: result.run_id,
+                reason: "no responders".to_owned(),
+            })
+        })
+    }
+    fn claim(&self, _: RunResult) -> BoxFuture<'static, Result<crate::domain::ports::Claim, StoreError>> {
+        Box::pin(async { Ok(crate::domain::ports::Claim::Claimed) })
+    }
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+        let running = RunResult::running(run_id);
+        Box::pin(async move { Ok(Some(running)) })
+    }
+    fn lease(&self) -> Option<crate::domain::LeaseTerms> {
+        Says(RunStatus::Running).lease()
+    }
+}
+
+/// An end the store did not take waits in the backlog, and until the store keeps it `GetRun`
+/// reads the run as running, with its output so far: every other replica reads the store, which
+/// says running (the simulation over the ports once saw `COMPLETED` here and `RUNNING` there).
+#[tokio::test(start_paused = true)]
+async fn an_end_in_the_backlog_reads_unended_until_the_store_keeps_it() {
+    let store: Arc<dyn ResultStore> = Arc::new(TakesNoWrite);
+    let backlog =
+        crate::run::backlog::Backlog::new(Arc::clone(&store), 16, Duration::from_secs(1), Duration::from_secs(1));
+    let runs = Arc::new(Runs {
+        store,
+        backlog,
+        ..Arc::into_inner(runs(4, 10, Duration::from_secs(60))).unwrap()
+    });
+    let ended = RunResult {
+        status: RunStatus::Completed,
+        text: "all done".into(),
+        ..RunResult::running("r")
+    };
+    runs.backlog.push(ended);
+    let read = runs.get("r", &anon()).await.unwrap().unwrap();
+    assert_eq!((read.status, read.text.as_str()), (RunStatus::Running, "all done"));
+}

@@ -17,9 +17,10 @@
 //! (`FAILED_PRECONDITION` with `x-run-epoch-current`) stops this replica acting for the run.
 //! Dropping a call resets its HTTP/2 stream, which cancels the tool on the runner.
 //!
-//! Files: this one (the catalog, execution, retries), `pool.rs` (the endpoint pool: two random
-//! choices, cooldowns), `membership.rs` (DNS re-resolution, reload of the TLS and token files),
-//! `transport.rs` (one endpoint's channel: TLS, token).
+//! Files: this one (the catalog, a call's gRPC attempts), `sender.rs` (the rules every attempt
+//! follows: lease checks, stale refusals, retries of calls that did not run), `pool.rs` (the
+//! endpoint pool: two random choices, cooldowns), `membership.rs` (DNS re-resolution, reload of
+//! the TLS and token files), `transport.rs` (one endpoint's channel: TLS, token).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -39,9 +40,13 @@ use pool::Pool;
 
 mod membership;
 mod pool;
+pub mod sender;
 mod transport;
 use crate::domain::ToolCallError;
 use crate::domain::ports::{ToolExecutor, ToolInvocation};
+use sender::{Attempt, Retries};
+#[cfg(test)]
+use sender::{moved_away, stop_superseded};
 
 /// Response metadata by which a runner says it refused a call before running it.
 pub const REFUSED_HEADER: &str = "x-tool-runner-refused";
@@ -289,60 +294,49 @@ impl ToolExecutor for ToolRunners {
         let settings = self.call;
         let transport = self.transport.current();
         async move {
-            if let Some(owner) = &call.owner {
-                owner.calls_allowed().await;
-            }
-            let mut attempt = 0u32;
-            let mut tried: Vec<String> = Vec::new();
-            loop {
-                if let Some(moved) = moved_away(&call) {
-                    return Err(moved);
-                }
-                let Some(lease) = pool.pick(&tried) else {
-                    return Err(ToolCallError::new("UNAVAILABLE", "no tool-runner endpoint is known (check --tool-runner)"));
-                };
-                let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
-                    .max_decoding_message_size(settings.max_response_bytes);
-                let started = tokio::time::Instant::now();
-                let status = match client.run_tool(run_tool_request(&call, &transport)).await {
-                    Ok(response) => return outcome(response.into_inner()),
-                    Err(status) => status,
-                };
-                if let Some(current) = superseded(&status) {
-                    return Err(stop_superseded(&call, current, &lease.member.uri));
-                }
-                let refused = refused_before_run(&status);
-                if let Some(reason) = refused {
-                    let cooldown = if reason == "concurrency_limit" { BUSY_COOLDOWN } else { GONE_COOLDOWN };
+            let retries = Retries {
+                retries: settings.retries,
+                backoff: settings.backoff,
+            };
+            let tried: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+            sender::send(&call, retries, || {
+                let lease = pool.pick(&shared::sync::lock(&tried));
+                let request = run_tool_request(&call, &transport);
+                let (pool, tried, timeout) = (Arc::clone(&pool), Arc::clone(&tried), call.timeout);
+                async move {
+                    let Some(lease) = lease else {
+                        let none = "no tool-runner endpoint is known (check --tool-runner)";
+                        return Attempt::Answered(Err(ToolCallError::new("UNAVAILABLE", none)));
+                    };
+                    let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
+                        .max_decoding_message_size(settings.max_response_bytes);
+                    let started = tokio::time::Instant::now();
+                    let status = match client.run_tool(request).await {
+                        Ok(response) => return Attempt::Answered(outcome(response.into_inner())),
+                        Err(status) => status,
+                    };
+                    let runner = lease.member.uri.clone();
+                    if let Some(current) = superseded(&status) {
+                        return Attempt::Superseded { current, runner };
+                    }
+                    let error = call_error(&status, &runner, started.elapsed(), timeout);
+                    let Some(reason) = refused_before_run(&status) else {
+                        return Attempt::Answered(Err(error));
+                    };
+                    let cooldown = if reason == "concurrency_limit" {
+                        BUSY_COOLDOWN
+                    } else {
+                        GONE_COOLDOWN
+                    };
                     pool.cool_down(&lease.member, cooldown);
+                    shared::sync::lock(&tried).push(runner);
+                    Attempt::Unrun { reason, error }
                 }
-                let Some(reason) = refused.filter(|_| attempt < settings.retries) else {
-                    return Err(call_error(&status, &lease.member.uri, started.elapsed(), call.timeout));
-                };
-                metrics::counter!(crate::telemetry::metric::TOOL_CALL_RETRIES, "reason" => reason).increment(1);
-                tracing::debug!(attempt, reason, endpoint = %lease.member.uri, "retrying a tool call no runner ran: {}", status.message());
-                tried.push(lease.member.uri.clone());
-                drop(lease);
-                tokio::time::sleep(settings.backoff.saturating_mul(1 << attempt.min(16))).await;
-                attempt += 1;
-            }
+            })
+            .await
         }
         .boxed()
     }
-}
-
-/// Why the call must not be sent (again): this replica no longer acts for its run.
-fn moved_away(call: &ToolInvocation) -> Option<ToolCallError> {
-    let owner = call.owner.as_ref()?;
-    (!owner.holds()).then(|| {
-        let why = owner
-            .why()
-            .map_or_else(|| "its ownership stopped".to_owned(), ToString::to_string);
-        ToolCallError::new(
-            "UNAVAILABLE",
-            format!("not sent: this replica no longer acts for the run ({why})"),
-        )
-    })
 }
 
 /// The run's current epoch, when `status` is a runner's refusal of a replaced owner's call.
@@ -351,20 +345,6 @@ fn superseded(status: &tonic::Status) -> Option<u64> {
         return None;
     }
     status.metadata().get(CURRENT_EPOCH_HEADER)?.to_str().ok()?.parse().ok()
-}
-
-/// A runner refused the call as a replaced owner's: the run is another replica's now, so this
-/// one stops acting for it (the call's outcome is never reported from here).
-fn stop_superseded(call: &ToolInvocation, current: u64, runner: &str) -> ToolCallError {
-    let why = format!(
-        "tool-runner {runner} refused call {} of epoch {}: the run is in epoch {current}",
-        call.call_id, call.epoch
-    );
-    metrics::counter!(crate::telemetry::metric::TOOL_CALLS_SUPERSEDED).increment(1);
-    if let Some(owner) = &call.owner {
-        owner.stop(crate::domain::Stop::Fenced(why.clone()));
-    }
-    ToolCallError::new("UNAVAILABLE", why)
 }
 
 /// The `RunTool` request of a call: its deadline, the runner credentials, the trace context and
