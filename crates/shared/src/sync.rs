@@ -1,4 +1,5 @@
-//! Locks that survive a panic elsewhere, and the wall clock as Unix milliseconds.
+//! Locks that survive a panic elsewhere, and the wall clock as Unix milliseconds (which a
+//! simulation may replace with its virtual one, [`set_clock`]; the services never do).
 //!
 //! Every lock in both services guards a value a panicking holder cannot leave harmful (a table
 //! swapped whole, a result written field by field), so a poisoned lock is used as it is rather than
@@ -22,8 +23,22 @@ pub fn write<T: ?Sized>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// The clock a simulation put in place of the system's, if any.
+static CLOCK: std::sync::OnceLock<fn() -> Option<u64>> = std::sync::OnceLock::new();
+
+/// Makes [`unix_ms`] ask `clock` first (its `None`: the system clock), for the rest of the
+/// process; a second call changes nothing. A simulation on a virtual clock sets it, so that the
+/// Unix times the services compare (a thread's holder since when, an approval's expiry) move
+/// with that clock; the services never set it.
+pub fn set_clock(clock: fn() -> Option<u64>) {
+    let _ = CLOCK.set(clock);
+}
+
 /// Now, in milliseconds since the Unix epoch (0 for a clock set before 1970).
 pub fn unix_ms() -> u64 {
+    if let Some(now) = CLOCK.get().and_then(|clock| clock()) {
+        return now;
+    }
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

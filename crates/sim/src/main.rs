@@ -52,6 +52,13 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // `SIM_LOG=info` (an env filter) prints the services' own log lines of a replayed seed.
+    if let Ok(filter) = std::env::var("SIM_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .without_time()
+            .init();
+    }
     if args.ports {
         if let Some(other) = args.without.iter().find(|fix| *fix != "receiver-fence") {
             eprintln!("sim: --ports switches off receiver-fence only, not {other}");

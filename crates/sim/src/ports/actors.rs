@@ -39,10 +39,15 @@ impl Model {
     }
 }
 
-/// The turn the model answers: how many of the conversation's messages it wrote.
+/// The turn the model answers: how many messages it wrote since the run's request (a run on a
+/// thread is sent the thread's earlier runs first; the loop's status notes are user messages too).
 fn turn_of(request: &ChatRequest) -> usize {
-    request
+    let asked = request
         .messages
+        .iter()
+        .rposition(|m| matches!(m, Message::User { content, .. } if content == super::ASK))
+        .map_or(0, |i| i + 1);
+    request.messages[asked..]
         .iter()
         .filter(|m| matches!(m, Message::Assistant { .. }))
         .count()

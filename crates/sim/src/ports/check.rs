@@ -8,7 +8,9 @@
 //! - **the log**: a run's events are seqs 1..N without gap or duplicate, with one `run_finished`,
 //!   the last;
 //! - **the end, once and kept**: every run claimed ends, its record holds the end its log holds,
-//!   and no reader was shown an end before both held it.
+//!   and no reader was shown an end before both held it;
+//! - **the thread**: once every run ended, the thread holds each of its runs that ended exactly
+//!   once, and no run holds it or waits for it.
 
 use std::collections::BTreeMap;
 
@@ -39,6 +41,7 @@ pub fn violations(store: &Store, runners: &Runners, runs: usize) -> Vec<String> 
         broken.extend(log_whole(&run_id, &events));
         broken.extend(end_kept(&run_id, &record.result, &events));
     }
+    broken.extend(thread_whole(&shared, runs));
     broken
 }
 
@@ -146,6 +149,36 @@ pub fn unended(store: &Store, runs: usize) -> Vec<String> {
         .collect()
 }
 
+/// The threads still held, or with runs waiting, as "thread by run".
+pub fn held_threads(store: &Store) -> Vec<String> {
+    lock(store)
+        .threads
+        .values()
+        .filter(|(t, _)| t.live.is_some() || !t.queue.is_empty())
+        .map(|(t, _)| format!("{} held by {:?} ({} waiting)", t.thread_id, t.live, t.queue.len()))
+        .collect()
+}
+
+/// The thread's invariants once every run ended.
+fn thread_whole(shared: &super::store::Shared, runs: usize) -> Vec<String> {
+    let mut broken = Vec::new();
+    let Some((thread, _)) = shared.threads.get(super::THREAD) else {
+        return broken;
+    };
+    let on_thread: Vec<&str> = thread.runs.iter().map(|r| r.run_id.as_str()).collect();
+    for run in (1..runs).step_by(2) {
+        let run_id = format!("run-{run}");
+        let ended = shared.records.get(&run_id).is_some_and(|r| !r.result.status.is_live());
+        let times = on_thread.iter().filter(|id| **id == run_id).count();
+        if ended && times != 1 {
+            broken.push(format!(
+                "the thread: {run_id} ended and is on its thread {times} times: {on_thread:?}"
+            ));
+        }
+    }
+    broken
+}
+
 /// Takeovers: the epochs past the first, over every run.
 pub fn takeovers(store: &Store) -> u64 {
     lock(store).records.values().map(|r| r.epoch - 1).sum()
@@ -174,13 +207,23 @@ pub fn history(store: &Store, runners: &Runners, begun: tokio::time::Instant) ->
             .get(run_id)
             .map(|log| log.iter().flat_map(|m| m.events.iter().map(|e| e.seq)).collect())
             .unwrap_or_default();
+        let (checkpoint, handed_over) = record.resumable();
         lines.push(format!(
-            "{run_id}: {:?} by {} in epoch {}, {} turns, log {} events",
+            "{run_id}: {:?} by {} in epoch {}, {} turns, log {} events, checkpoint {checkpoint}, handed over {handed_over}",
             record.result.status,
             record.owner,
             record.epoch,
             record.result.turns,
             seqs.len()
+        ));
+    }
+    for (thread, revision) in shared.threads.values() {
+        let runs: Vec<&str> = thread.runs.iter().map(|r| r.run_id.as_str()).collect();
+        lines.push(format!(
+            "{} (revision {revision}): runs {runs:?}, held by {:?}, {} waiting",
+            thread.thread_id,
+            thread.live,
+            thread.queue.len()
         ));
     }
     lines

@@ -102,8 +102,20 @@ fn config() -> orchestrator::Config {
     config
 }
 
+thread_local! {
+    /// The virtual clock's Unix time at a moment of the seed's runtime (set while a seed runs).
+    static ANCHOR: std::cell::Cell<Option<(u64, Instant)>> = const { std::cell::Cell::new(None) };
+}
+
+/// The Unix time of the seed's virtual clock (while a seed runs on this thread).
+fn virtual_unix_ms() -> Option<u64> {
+    let (unix, at) = ANCHOR.with(std::cell::Cell::get)?;
+    Some(unix + u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX))
+}
+
 /// Runs one seed.
 pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
+    shared::sync::set_clock(virtual_unix_ms);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -120,7 +132,12 @@ pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
             };
         }
     };
-    let outcome = runtime.block_on(World::new(seed, settings.clone()).run());
+    let outcome = runtime.block_on(async {
+        // A fixed Unix time: the history does not depend on the day it runs.
+        ANCHOR.with(|anchor| anchor.set(Some((1_800_000_000_000, Instant::now()))));
+        World::new(seed, settings.clone()).run().await
+    });
+    ANCHOR.with(|anchor| anchor.set(None));
     runtime.shutdown_background();
     outcome
 }
@@ -184,12 +201,9 @@ impl World {
         let ports = Ports {
             store: Arc::new(store.clone()),
             journal: Some(Arc::new(store.clone())),
-            log: Arc::new(store),
+            log: Arc::new(store.clone()),
             approvals: Arc::new(orchestrator::store::memory::MemoryLot::new(16)),
-            threads: Arc::new(orchestrator::store::memory::MemoryThreads::new(
-                16,
-                Duration::from_secs(3600),
-            )),
+            threads: Arc::new(store.clone()),
             signals: Arc::new(orchestrator::signals::memory::MemoryTopic::new(16)),
             model: Arc::new(Model::new(gate.clone(), self.seed.wrapping_add(n as u64 * 7919))),
             tools: Arc::new(Client {
@@ -359,7 +373,7 @@ impl World {
                 let Some(replica) = pick(&living, first + attempt) else {
                     return;
                 };
-                match tokio::time::timeout(Duration::from_secs(5), replica.start(spec(&run_id))).await {
+                match tokio::time::timeout(Duration::from_secs(120), replica.start(spec(&run_id))).await {
                     Ok(Ok(())) | Ok(Err(orchestrator::Error::AlreadyRunning(_))) => return,
                     _ => tokio::time::sleep(Duration::from_millis(500)).await,
                 }
@@ -400,7 +414,8 @@ impl World {
     async fn wait_for_ends(&self) -> Result<(), String> {
         let deadline = Instant::now() + self.settings.settle;
         loop {
-            let unended = check::unended(&self.store, self.settings.runs);
+            let mut unended = check::unended(&self.store, self.settings.runs);
+            unended.extend(check::held_threads(&self.store));
             if unended.is_empty() {
                 return Ok(());
             }
@@ -427,6 +442,17 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The spec of every run: three turns of `work` calls.
 fn spec(run_id: &str) -> RunSpec {
+    // Every other run continues the one thread, queueing while another run holds it.
+    let on_thread = run_id.ends_with(['1', '3', '5', '7', '9']);
+    let thread = on_thread.then(|| {
+        Box::new(orchestrator::domain::thread::RunThread {
+            thread_id: THREAD.to_owned(),
+            on_busy: orchestrator::domain::thread::BusyPolicy::Enqueue,
+            window: None,
+            history: Vec::new(),
+            turns_left_out: 0,
+        })
+    });
     let limits = Limits {
         max_turns: 12,
         tool_call_budget: 40,
@@ -439,7 +465,7 @@ fn spec(run_id: &str) -> RunSpec {
         run_id: run_id.to_owned(),
         system: String::new(),
         messages: vec![Message::User {
-            content: "work".to_owned(),
+            content: ASK.to_owned(),
             name: None,
         }],
         model: "sim".to_owned(),
@@ -459,6 +485,12 @@ fn spec(run_id: &str) -> RunSpec {
         approval: Default::default(),
         affinity_key: String::new(),
         eager_dispatch: false,
-        thread: None,
+        thread,
     }
 }
+
+/// What every run is asked.
+pub const ASK: &str = "work";
+
+/// The thread the odd runs continue.
+pub const THREAD: &str = "thread-0";

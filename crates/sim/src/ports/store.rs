@@ -17,8 +17,9 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use orchestrator::domain::ports::{
     CancelAsk, Claim, EventFeed, EventLog, LogError, LogWriter, Logged, RemoteCancel, ResultStore, RunJournal, Settled,
-    StoreError,
+    StoreError, ThreadStore,
 };
+use orchestrator::domain::thread::Thread;
 use orchestrator::domain::{CancelMode, LeaseTerms, NumberedEvent, Ownership, RunResult, Stop};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -61,6 +62,13 @@ fn recorded(result: &RunResult) -> BTreeSet<String> {
     result.tool_calls.iter().map(|c| c.call_id.clone()).collect()
 }
 
+impl Record {
+    /// Whether it holds a checkpoint, and whether its owner handed it over.
+    pub fn resumable(&self) -> (bool, bool) {
+        (self.checkpoint.is_some(), self.handed_over)
+    }
+}
+
 /// One message of a run's log.
 #[derive(Debug, Clone)]
 pub struct Message {
@@ -80,6 +88,9 @@ pub struct Shared {
     pub logs: BTreeMap<String, Vec<Message>>,
     /// Every takeover, in order.
     pub takeovers: Vec<Takeover>,
+    /// The threads, by id, each with its revision.
+    pub threads: BTreeMap<String, (Thread, u64)>,
+    next_revision: u64,
     /// Message ids the stream has seen (its duplicate window, kept whole here).
     message_ids: BTreeSet<String>,
     next_position: u64,
@@ -104,6 +115,8 @@ pub fn store(seed: u64) -> Store {
         fences: BTreeMap::new(),
         logs: BTreeMap::new(),
         takeovers: Vec::new(),
+        threads: BTreeMap::new(),
+        next_revision: 1,
         message_ids: BTreeSet::new(),
         next_position: 1,
         rng: fastrand::Rng::with_seed(seed ^ 0x5707e),
@@ -431,6 +444,55 @@ impl RunJournal for ReplicaStore {
 
     fn cancel_asks(&self) -> BoxFuture<'static, BoxStream<'static, CancelAsk>> {
         async { futures::stream::pending().boxed() }.boxed()
+    }
+}
+
+impl ThreadStore for ReplicaStore {
+    fn read(&self, thread_id: &str) -> BoxFuture<'static, Result<Option<(Thread, u64)>, StoreError>> {
+        let (this, thread_id) = (self.clone(), thread_id.to_owned());
+        async move {
+            this.request("KV get", &thread_id.clone(), move |shared, _| {
+                Ok(shared.threads.get(&thread_id).cloned())
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn write(&self, thread: Thread, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>> {
+        let this = self.clone();
+        async move {
+            let thread_id = thread.thread_id.clone();
+            this.request("KV update", &thread_id.clone(), move |shared, _| {
+                let now = shared.threads.get(&thread_id).map_or(0, |(_, r)| *r);
+                if now != revision {
+                    return Ok(false);
+                }
+                let next = shared.next_revision;
+                shared.next_revision += 1;
+                shared.threads.insert(thread_id, (thread, next));
+                Ok(true)
+            })
+            .await
+        }
+        .boxed()
+    }
+
+    fn delete(&self, thread_id: &str, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>> {
+        let (this, thread_id) = (self.clone(), thread_id.to_owned());
+        async move {
+            this.request("KV delete", &thread_id.clone(), move |shared, _| {
+                match shared.threads.get(&thread_id) {
+                    Some((_, now)) if *now == revision => {
+                        shared.threads.remove(&thread_id);
+                        Ok(true)
+                    }
+                    _ => Ok(false),
+                }
+            })
+            .await
+        }
+        .boxed()
     }
 }
 
