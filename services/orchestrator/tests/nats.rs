@@ -1896,26 +1896,28 @@ async fn a_follower_goes_on_when_the_node_of_its_consumer_is_lost() -> TestResul
     anyhow::ensure!(!kept.broken, "the log did not keep the rest of the run: {kept:?}");
     // With the client's defaults (15 s heartbeats) the lost consumer is given up after a
     // minute of silence; here after about 8 s, and made again once the stream answers. A pull
-    // that failed meanwhile ends the feed `UNAVAILABLE`: its follower (an attached caller)
-    // follows again.
+    // that failed meanwhile ends the feed `UNAVAILABLE`, and a feed quiet for longer than a
+    // caller would wait is followed again: either way the follower gets the rest of the run.
     let mut seqs = Vec::new();
     let read_on = async {
         loop {
-            match feed.next().await {
+            // A feed quiet for 15 s (its consumer not made again yet) is followed again, as an
+            // attached caller is told to when the run has ended.
+            let next = tokio::time::timeout(Duration::from_secs(15), feed.next()).await;
+            match next.unwrap_or(Some(Err(LogError::Unavailable {
+                run_id: "followed".into(),
+                reason: "quiet".into(),
+            }))) {
                 Some(Ok(event)) => seqs.push(event.seq),
                 None => return anyhow::Ok(()),
-                Some(Err(LogError::Unavailable { .. })) => loop {
+                Some(Err(LogError::Unavailable { .. })) => {
                     let after = seqs.last().copied().unwrap_or(1);
-                    match log.follow("followed", after).await {
-                        Ok(Some(again)) => {
-                            feed = again;
-                            break;
-                        }
-                        Ok(None) => anyhow::bail!("no log of the run"),
-                        // The stream is still electing: follow again a moment later.
-                        Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-                    }
-                },
+                    // The stream may still be electing: follow again until it answers.
+                    feed = testkit::wait::until("the log to be followed again", Duration::from_secs(30), || async {
+                        log.follow("followed", after).await.ok().flatten()
+                    })
+                    .await?;
+                }
                 Some(Err(e)) => return Err(anyhow::Error::from(e)),
             }
         }
