@@ -208,6 +208,17 @@ impl ReplicaStore {
         answer
     }
 
+    /// [`Self::request`] as a port's boxed future.
+    fn boxed<T: Send + 'static>(
+        &self,
+        operation: &'static str,
+        key: &str,
+        apply: impl FnOnce(&mut Shared, &ReplicaStore) -> Result<T, StoreError> + Send + 'static,
+    ) -> BoxFuture<'static, Result<T, StoreError>> {
+        let (this, key) = (self.clone(), key.to_owned());
+        async move { this.request(operation, &key, apply).await }.boxed()
+    }
+
     fn owned_epoch(&self, run_id: &str) -> Option<u64> {
         self.owned
             .lock()
@@ -270,41 +281,27 @@ impl ReplicaStore {
 
 impl ResultStore for ReplicaStore {
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
-        let this = self.clone();
-        async move {
-            let run_id = result.run_id.clone();
-            this.request("KV update", &run_id.clone(), move |shared, this| {
-                let record = this.mine(shared, &run_id)?;
-                record.result = result;
-                record.renewed = Instant::now();
-                Ok(())
-            })
-            .await
-        }
-        .boxed()
+        let run_id = result.run_id.clone();
+        self.boxed("KV update", &run_id.clone(), move |shared, this| {
+            let record = this.mine(shared, &run_id)?;
+            record.result = result;
+            record.renewed = Instant::now();
+            Ok(())
+        })
     }
 
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
-        let this = self.clone();
-        async move {
-            let run_id = result.run_id.clone();
-            this.request("KV create", &run_id.clone(), move |shared, this| {
-                Ok(this.claim_with(shared, result, None))
-            })
-            .await
-        }
-        .boxed()
+        let run_id = result.run_id.clone();
+        self.boxed("KV create", &run_id.clone(), move |shared, this| {
+            Ok(this.claim_with(shared, result, None))
+        })
     }
 
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
-        let (this, run_id) = (self.clone(), run_id.to_owned());
-        async move {
-            this.request("KV get", &run_id.clone(), move |shared, _| {
-                Ok(shared.records.get(&run_id).map(|r| r.result.clone()))
-            })
-            .await
-        }
-        .boxed()
+        let run_id = run_id.to_owned();
+        self.boxed("KV get", &run_id.clone(), move |shared, _| {
+            Ok(shared.records.get(&run_id).map(|r| r.result.clone()))
+        })
     }
 
     fn lease(&self) -> Option<LeaseTerms> {
@@ -323,20 +320,15 @@ impl RunJournal for ReplicaStore {
         _deadline: u64,
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<(), StoreError>> {
-        let this = self.clone();
-        async move {
-            let run_id = result.run_id.clone();
-            this.request("KV update", &run_id.clone(), move |shared, this| {
-                let record = this.mine(shared, &run_id)?;
-                record.checkpointed_calls = recorded(&result);
-                record.result = result;
-                record.checkpoint = Some(checkpoint);
-                record.renewed = Instant::now();
-                Ok(())
-            })
-            .await
-        }
-        .boxed()
+        let run_id = result.run_id.clone();
+        self.boxed("KV update", &run_id.clone(), move |shared, this| {
+            let record = this.mine(shared, &run_id)?;
+            record.checkpointed_calls = recorded(&result);
+            record.result = result;
+            record.checkpoint = Some(checkpoint);
+            record.renewed = Instant::now();
+            Ok(())
+        })
     }
 
     fn claim_resumable(
@@ -345,88 +337,66 @@ impl RunJournal for ReplicaStore {
         _deadline: u64,
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<Claim, StoreError>> {
-        let this = self.clone();
-        async move {
-            let run_id = result.run_id.clone();
-            this.request("KV create", &run_id.clone(), move |shared, this| {
-                Ok(this.claim_with(shared, result, Some(checkpoint)))
-            })
-            .await
-        }
-        .boxed()
+        let run_id = result.run_id.clone();
+        self.boxed("KV create", &run_id.clone(), move |shared, this| {
+            Ok(this.claim_with(shared, result, Some(checkpoint)))
+        })
     }
 
     fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
-        let (this, run_id) = (self.clone(), run_id.to_owned());
-        async move {
-            this.request("checkpoint delete", &run_id.clone(), move |shared, this| {
-                this.mine(shared, &run_id)?.checkpoint = None;
-                Ok(())
-            })
-            .await
-        }
-        .boxed()
+        let run_id = run_id.to_owned();
+        self.boxed("checkpoint delete", &run_id.clone(), move |shared, this| {
+            this.mine(shared, &run_id)?.checkpoint = None;
+            Ok(())
+        })
     }
 
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
-        let this = self.clone();
-        async move {
-            this.request("KV keys", "runs", |shared, this| {
-                Ok(shared
-                    .records
-                    .iter()
-                    .filter(|(_, record)| this.orphaned(record))
-                    .map(|(id, _)| id.clone())
-                    .collect())
-            })
-            .await
-        }
-        .boxed()
+        self.boxed("KV keys", "runs", |shared, this| {
+            Ok(shared
+                .records
+                .iter()
+                .filter(|(_, record)| this.orphaned(record))
+                .map(|(id, _)| id.clone())
+                .collect())
+        })
     }
 
     fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
-        let (this, run_id) = (self.clone(), run_id.to_owned());
-        async move {
-            this.request("KV update", &run_id.clone(), move |shared, this| {
-                let Some(record) = shared.records.get(&run_id).filter(|r| this.orphaned(r)) else {
-                    return Ok(None);
-                };
-                let epoch = record.epoch + 1;
-                // The fence first: a runner refuses the old owner's calls from now on.
-                let fence = shared.fences.entry(run_id.clone()).or_default();
-                *fence = (*fence).max(epoch);
-                let Some(record) = shared.records.get_mut(&run_id) else {
-                    return Ok(None);
-                };
-                record.epoch = epoch;
-                record.owner.clone_from(&this.me);
-                record.renewed = Instant::now();
-                record.handed_over = false;
-                this.own(&run_id, epoch);
-                let taken = record.checkpoint.clone();
-                let checkpointed_calls = record.checkpointed_calls.clone();
-                shared.takeovers.push(Takeover {
-                    run_id,
-                    epoch,
-                    checkpointed_calls,
-                });
-                Ok(taken)
-            })
-            .await
-        }
-        .boxed()
+        let run_id = run_id.to_owned();
+        self.boxed("KV update", &run_id.clone(), move |shared, this| {
+            let Some(record) = shared.records.get(&run_id).filter(|r| this.orphaned(r)) else {
+                return Ok(None);
+            };
+            let epoch = record.epoch + 1;
+            // The fence first: a runner refuses the old owner's calls from now on.
+            let fence = shared.fences.entry(run_id.clone()).or_default();
+            *fence = (*fence).max(epoch);
+            let Some(record) = shared.records.get_mut(&run_id) else {
+                return Ok(None);
+            };
+            record.epoch = epoch;
+            record.owner.clone_from(&this.me);
+            record.renewed = Instant::now();
+            record.handed_over = false;
+            this.own(&run_id, epoch);
+            let taken = record.checkpoint.clone();
+            let checkpointed_calls = record.checkpointed_calls.clone();
+            shared.takeovers.push(Takeover {
+                run_id,
+                epoch,
+                checkpointed_calls,
+            });
+            Ok(taken)
+        })
     }
 
     fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
-        let (this, run_id) = (self.clone(), run_id.to_owned());
-        async move {
-            this.request("KV update", &run_id.clone(), move |shared, this| {
-                this.mine(shared, &run_id)?.handed_over = true;
-                Ok(())
-            })
-            .await
-        }
-        .boxed()
+        let run_id = run_id.to_owned();
+        self.boxed("KV update", &run_id.clone(), move |shared, this| {
+            this.mine(shared, &run_id)?.handed_over = true;
+            Ok(())
+        })
     }
 
     fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>> {
@@ -449,50 +419,37 @@ impl RunJournal for ReplicaStore {
 
 impl ThreadStore for ReplicaStore {
     fn read(&self, thread_id: &str) -> BoxFuture<'static, Result<Option<(Thread, u64)>, StoreError>> {
-        let (this, thread_id) = (self.clone(), thread_id.to_owned());
-        async move {
-            this.request("KV get", &thread_id.clone(), move |shared, _| {
-                Ok(shared.threads.get(&thread_id).cloned())
-            })
-            .await
-        }
-        .boxed()
+        let thread_id = thread_id.to_owned();
+        self.boxed("KV get", &thread_id.clone(), move |shared, _| {
+            Ok(shared.threads.get(&thread_id).cloned())
+        })
     }
 
     fn write(&self, thread: Thread, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>> {
-        let this = self.clone();
-        async move {
-            let thread_id = thread.thread_id.clone();
-            this.request("KV update", &thread_id.clone(), move |shared, _| {
-                let now = shared.threads.get(&thread_id).map_or(0, |(_, r)| *r);
-                if now != revision {
-                    return Ok(false);
-                }
-                let next = shared.next_revision;
-                shared.next_revision += 1;
-                shared.threads.insert(thread_id, (thread, next));
-                Ok(true)
-            })
-            .await
-        }
-        .boxed()
+        let thread_id = thread.thread_id.clone();
+        self.boxed("KV update", &thread_id.clone(), move |shared, _| {
+            let now = shared.threads.get(&thread_id).map_or(0, |(_, r)| *r);
+            if now != revision {
+                return Ok(false);
+            }
+            let next = shared.next_revision;
+            shared.next_revision += 1;
+            shared.threads.insert(thread_id, (thread, next));
+            Ok(true)
+        })
     }
 
     fn delete(&self, thread_id: &str, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>> {
-        let (this, thread_id) = (self.clone(), thread_id.to_owned());
-        async move {
-            this.request("KV delete", &thread_id.clone(), move |shared, _| {
-                match shared.threads.get(&thread_id) {
-                    Some((_, now)) if *now == revision => {
-                        shared.threads.remove(&thread_id);
-                        Ok(true)
-                    }
-                    _ => Ok(false),
+        let thread_id = thread_id.to_owned();
+        self.boxed("KV delete", &thread_id.clone(), move |shared, _| {
+            match shared.threads.get(&thread_id) {
+                Some((_, now)) if *now == revision => {
+                    shared.threads.remove(&thread_id);
+                    Ok(true)
                 }
-            })
-            .await
-        }
-        .boxed()
+                _ => Ok(false),
+            }
+        })
     }
 }
 
