@@ -236,6 +236,37 @@ impl Client {
         Ok(answer.approvals)
     }
 
+    /// A page of the runs this caller may see that `request` asks for (its own; every
+    /// principal's with the operator role), newest first; send the answer's `next_page_token`
+    /// as the next request's `page_token` (with the same filters) for the next page.
+    pub async fn list_runs(&self, request: pb::ListRunsRequest) -> Result<pb::ListRunsResponse, Error> {
+        Ok(self
+            .retried(
+                request,
+                |mut client, request| async move { client.list_runs(request).await },
+            )
+            .await?)
+    }
+
+    /// Every run `request` asks for, page after page (at most `max` rows: a listing of a busy
+    /// service is long).
+    pub async fn list_all_runs(
+        &self,
+        mut request: pb::ListRunsRequest,
+        max: usize,
+    ) -> Result<Vec<pb::RunSummary>, Error> {
+        let mut runs = Vec::new();
+        loop {
+            let page = self.list_runs(request.clone()).await?;
+            runs.extend(page.runs);
+            if page.next_page_token.is_empty() || runs.len() >= max {
+                runs.truncate(max);
+                return Ok(runs);
+            }
+            request.page_token = page.next_page_token;
+        }
+    }
+
     /// Decides calls of `run_id` waiting for approval (see [`decision`]); returns the calls
     /// still waiting. A call decided already is refused `FAILED_PRECONDITION`, an edit its tool's
     /// schema refuses `INVALID_ARGUMENT` (and nothing of the request is applied).

@@ -137,6 +137,12 @@ impl RunRequest {
         self
     }
 
+    /// Adds a label: what `ListRuns` finds the run by (exact key=value).
+    pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.request.labels.insert(key.into(), value.into());
+        self
+    }
+
     /// The run goes on if the caller goes away (a dropped [`RunStream`](crate::RunStream) still
     /// cancels it).
     pub fn detached(mut self, detached: bool) -> Self {

@@ -400,6 +400,13 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn list_runs(
+        &self,
+        _: tonic::Request<pb::ListRunsRequest>,
+    ) -> Result<tonic::Response<pb::ListRunsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn subscribe_signals(
         &self,
         _: tonic::Request<pb::SubscribeSignalsRequest>,
@@ -582,6 +589,13 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         &self,
         _: tonic::Request<pb::DeleteThreadRequest>,
     ) -> Result<tonic::Response<pb::DeleteThreadResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn list_runs(
+        &self,
+        _: tonic::Request<pb::ListRunsRequest>,
+    ) -> Result<tonic::Response<pb::ListRunsResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 

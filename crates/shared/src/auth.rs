@@ -16,7 +16,8 @@
 //! sha256 = "9f86d081884c7d65…"          # hex SHA-256 of the token (`printf %s "$TOKEN" | sha256sum`)
 //! tools = ["calculate", "time_*"]       # optional: the tools it may use (`*` globs); default all
 //! max_runs = 8                          # optional: its runs in flight at once
-//! roles = ["approver"]                  # optional: "approver" decides any run's tool calls
+//! roles = ["approver"]                  # optional: "approver" decides any run's tool calls,
+//!                                       # "operator" lists every principal's runs
 //! [token.limits]                        # optional: ceilings on what its requests may ask
 //! max_turns = 8
 //! tool_call_budget = 32
@@ -91,9 +92,11 @@ struct Entry {
 }
 
 /// The roles a tokens file may give.
-pub const ROLES: &[&str] = &[APPROVER];
+pub const ROLES: &[&str] = &[APPROVER, OPERATOR];
 /// Decides tool calls waiting for approval in any caller's run (not only its own).
 pub const APPROVER: &str = "approver";
+/// Finds every caller's runs (`ListRuns`), not only its own: the people who run the service.
+pub const OPERATOR: &str = "operator";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

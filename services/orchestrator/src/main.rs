@@ -29,6 +29,7 @@ async fn run() -> ExitCode {
         Command::Decide(args) => args.run().await,
         Command::Say(args) => args.run().await,
         Command::Thread(args) => args.run().await,
+        Command::Runs(args) => args.run().await,
     };
     shared::runtime::exit_code("orchestrator", result)
 }

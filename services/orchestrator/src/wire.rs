@@ -274,6 +274,9 @@ impl TryFrom<pb::RunResult> for RunResult {
                 .map(PendingApproval::try_from)
                 .collect::<Result<_, _>>()?,
             thread_id: r.thread_id,
+            labels: r.labels.into_iter().collect(),
+            created_at_ms: u64::try_from(r.created_at_ms).unwrap_or(0),
+            updated_at_ms: u64::try_from(r.updated_at_ms).unwrap_or(0),
         })
     }
 }
@@ -310,6 +313,40 @@ impl From<&RunResult> for pb::RunResult {
             reasoning_truncated: r.reasoning_truncated,
             pending_approvals: r.pending_approvals.iter().map(pb::PendingApproval::from).collect(),
             thread_id: r.thread_id.clone(),
+            labels: r.labels.clone().into_iter().collect(),
+            created_at_ms: unix_ms_pb(r.created_at_ms),
+            updated_at_ms: unix_ms_pb(r.updated_at_ms),
+        }
+    }
+}
+
+/// A time in Unix ms as the proto carries it (int64).
+fn unix_ms_pb(ms: u64) -> i64 {
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+impl From<&crate::domain::listing::RunSummary> for pb::RunSummary {
+    fn from(r: &crate::domain::listing::RunSummary) -> Self {
+        use crate::domain::listing::Waiting;
+        let waiting_for = match r.waiting_for {
+            Waiting::Nothing => pb::WaitingFor::Unspecified,
+            Waiting::Approval => pb::WaitingFor::Approval,
+            Waiting::Input => pb::WaitingFor::Input,
+            Waiting::Thread => pb::WaitingFor::Thread,
+        };
+        Self {
+            run_id: r.run_id.clone(),
+            status: pb::RunStatus::from(r.status).into(),
+            failure_reason: reason_to_wire(r.failure_reason),
+            principal: r.principal.clone(),
+            thread_id: r.thread_id.clone(),
+            labels: r.labels.clone().into_iter().collect(),
+            created_at_ms: unix_ms_pb(r.created_at_ms),
+            updated_at_ms: unix_ms_pb(r.updated_at_ms),
+            turns: r.turns,
+            usage: Some(usage_pb(r.usage)),
+            tool_calls: r.tool_calls,
+            waiting_for: waiting_for.into(),
         }
     }
 }

@@ -200,6 +200,7 @@ impl World {
         let store = ReplicaStore::new(Arc::clone(&self.store), &name, gate.clone(), terms(), STORE_TIMEOUT);
         let ports = Ports {
             store: Arc::new(store.clone()),
+            index: Arc::new(store.clone()),
             journal: Some(Arc::new(store.clone())),
             log: Arc::new(store.clone()),
             approvals: Arc::new(orchestrator::store::memory::MemoryLot::new(16)),
@@ -478,6 +479,7 @@ fn spec(run_id: &str) -> RunSpec {
         exit_tools: Vec::new(),
         limits,
         metadata: Default::default(),
+        labels: [("kind".to_owned(), "sim".to_owned())].into(),
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         principal: String::new(),

@@ -15,9 +15,10 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
+use orchestrator::domain::listing::{RunPage, RunQuery, RunSummary};
 use orchestrator::domain::ports::{
-    CancelAsk, Claim, EventFeed, EventLog, LogError, LogWriter, Logged, RemoteCancel, ResultStore, RunJournal, Settled,
-    StoreError, ThreadStore,
+    CancelAsk, Claim, EventFeed, EventLog, LogError, LogWriter, Logged, RemoteCancel, ResultStore, RunIndex,
+    RunJournal, Settled, StoreError, ThreadStore,
 };
 use orchestrator::domain::thread::Thread;
 use orchestrator::domain::{CancelMode, LeaseTerms, NumberedEvent, Ownership, RunResult, Stop};
@@ -276,6 +277,26 @@ impl ReplicaStore {
         record.result.status.is_live()
             && record.checkpoint.is_some()
             && (record.handed_over || record.renewed.elapsed() > self.terms.length)
+    }
+}
+
+/// A listing reads every record (a store of a few dozen runs), the live runs of the replica
+/// asking shown as it sees them.
+impl RunIndex for ReplicaStore {
+    fn list(&self, query: RunQuery, here: Vec<RunSummary>) -> BoxFuture<'static, Result<RunPage, StoreError>> {
+        self.boxed("KV list", "run.>", move |shared, _| {
+            let mut rows: BTreeMap<String, RunSummary> = shared
+                .records
+                .values()
+                .map(|r| (r.result.run_id.clone(), RunSummary::from(&r.result)))
+                .collect();
+            for live in here {
+                if rows.contains_key(&live.run_id) {
+                    rows.insert(live.run_id.clone(), live);
+                }
+            }
+            Ok(query.page_of(rows.into_values()))
+        })
     }
 }
 

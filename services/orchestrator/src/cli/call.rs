@@ -41,6 +41,8 @@ pub struct CallOptions {
     pub thread: String,
     /// What the run does when another run holds the thread.
     pub on_busy: pb::ThreadBusyPolicy,
+    /// What `ListRuns` finds the run by.
+    pub labels: Vec<(String, String)>,
 }
 
 /// Prints events as they arrive.
@@ -313,7 +315,75 @@ fn run_request(options: &CallOptions) -> RunRequest {
     if !options.thread.is_empty() {
         request = request.thread(options.thread.clone()).on_busy(options.on_busy);
     }
+    for (key, value) in &options.labels {
+        request = request.label(key.clone(), value.clone());
+    }
     request
+}
+
+/// Prints the runs `request` finds, a line each (every page with `all`, up to its rows), and
+/// the token of the next page when there is one.
+pub async fn runs(
+    endpoint: &str,
+    token: Option<&str>,
+    mut request: pb::ListRunsRequest,
+    all: Option<usize>,
+) -> Result<(), Error> {
+    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
+    let refused = |e: orchestrator_client::Error| Error::Call(format!("ListRuns was refused: {e}"));
+    let (mut printed, max) = (0usize, all.unwrap_or(usize::MAX));
+    println!(
+        "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<24}  LABELS",
+        "RUN", "STATUS", "PRINCIPAL", "THREAD", "TURNS", "TOKENS", "CREATED"
+    );
+    loop {
+        let page = client.list_runs(request.clone()).await.map_err(refused)?;
+        for run in page.runs.iter().take(max - printed) {
+            println!("{}", run_line(run));
+            printed += 1;
+        }
+        match (all.is_some() && printed < max, page.next_page_token.is_empty()) {
+            (_, true) => break,
+            (true, false) => request.page_token = page.next_page_token,
+            (false, false) => {
+                println!("more: --page-token {}", page.next_page_token);
+                break;
+            }
+        }
+    }
+    if printed == 0 {
+        println!("no run matches");
+    }
+    Ok(())
+}
+
+/// One row of `runs`.
+fn run_line(run: &pb::RunSummary) -> String {
+    let status = match pb::RunStatus::try_from(run.status) {
+        Ok(status) => status.as_str_name().trim_start_matches("RUN_STATUS_").to_owned(),
+        Err(_) => run.status.to_string(),
+    };
+    let usage = run.usage.unwrap_or_default();
+    let labels: Vec<String> = run.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut labels = labels;
+    labels.sort();
+    format!(
+        "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<24}  {}",
+        run.run_id,
+        status,
+        if run.principal.is_empty() { "-" } else { &run.principal },
+        if run.thread_id.is_empty() { "-" } else { &run.thread_id },
+        run.turns,
+        usage.prompt_tokens + usage.completion_tokens,
+        utc(run.created_at_ms),
+        labels.join(",")
+    )
+}
+
+/// A Unix time in ms as RFC 3339 (UTC, ms).
+fn utc(ms: i64) -> String {
+    let at = std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    humantime::format_rfc3339_millis(at).to_string()
 }
 
 /// Prints the run's events as they come and returns its result.

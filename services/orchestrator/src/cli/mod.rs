@@ -1,6 +1,7 @@
 //! Command line: `serve` (the default) with flags that all have environment equivalents, and
 //! the client commands `call` (start a run on a running orchestrator, or attach to one),
-//! `approvals`, `decide`, `say` (a message for a live run) and `thread` (print or delete one).
+//! `approvals`, `decide`, `say` (a message for a live run), `thread` (print or delete one) and
+//! `runs` (find runs: `ListRuns`).
 //! The one-command demo is its own binary (`cargo run -p demo`), so this one carries no stand-in
 //! model.
 
@@ -66,6 +67,107 @@ pub enum Command {
     Say(SayArgs),
     /// Print a thread (GetThread): its runs and messages; or delete it (--delete).
     Thread(ThreadArgs),
+    /// Find runs (ListRuns), newest first: yours, or everyone's with the operator role.
+    Runs(RunsArgs),
+}
+
+/// Flags of `runs`.
+#[derive(Debug, Clone, Args)]
+pub struct RunsArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// Runs in this status (repeatable: any of them).
+    #[arg(long = "status", value_enum)]
+    pub statuses: Vec<StatusArg>,
+    /// Runs carrying this label, KEY=VALUE (repeatable: all of them).
+    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
+    pub labels: Vec<(String, String)>,
+    /// Runs of this thread.
+    #[arg(long, default_value = "")]
+    pub thread: String,
+    /// Runs of this principal (another's needs the operator role).
+    #[arg(long, default_value = "")]
+    pub principal: String,
+    /// Runs admitted within this long before now (e.g. 1h, 7d).
+    #[arg(long, value_parser = parse_duration)]
+    pub since: Option<Duration>,
+    /// Rows per page (0: the server's default).
+    #[arg(long, default_value_t = 0)]
+    pub page_size: u32,
+    /// Continue a listing: the token the previous page printed.
+    #[arg(long, default_value = "")]
+    pub page_token: String,
+    /// Every page, not just the first (at most this many rows).
+    #[arg(long, value_name = "MAX_ROWS")]
+    pub all: Option<usize>,
+}
+
+/// `--status`: a run's status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StatusArg {
+    /// Live, running.
+    Running,
+    /// Live, waiting for a person's decision on its tool calls.
+    AwaitingApproval,
+    /// Ended: the model answered.
+    Completed,
+    /// Ended: a limit or an error.
+    Failed,
+    /// Ended: canceled.
+    Canceled,
+}
+
+impl From<StatusArg> for proto::orchestrator::v1::RunStatus {
+    fn from(status: StatusArg) -> Self {
+        match status {
+            StatusArg::Running => Self::Running,
+            StatusArg::AwaitingApproval => Self::AwaitingApproval,
+            StatusArg::Completed => Self::Completed,
+            StatusArg::Failed => Self::Failed,
+            StatusArg::Canceled => Self::Canceled,
+        }
+    }
+}
+
+/// `KEY=VALUE`.
+fn key_value(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((key, value)) if !key.is_empty() => Ok((key.to_owned(), value.to_owned())),
+        _ => Err(format!("{text:?} is not KEY=VALUE")),
+    }
+}
+
+impl RunsArgs {
+    /// Lists the runs.
+    pub async fn run(&self) -> Result<bool, crate::Error> {
+        let since = self.since.map(|ago| {
+            let now = shared::sync::unix_ms();
+            i64::try_from(
+                now.saturating_sub(u64::try_from(ago.as_millis()).unwrap_or(u64::MAX))
+                    .max(1),
+            )
+            .unwrap_or(1)
+        });
+        let request = proto::orchestrator::v1::ListRunsRequest {
+            statuses: self
+                .statuses
+                .iter()
+                .map(|s| proto::orchestrator::v1::RunStatus::from(*s).into())
+                .collect(),
+            thread_id: self.thread.clone(),
+            principal: self.principal.clone(),
+            labels: self.labels.iter().cloned().collect(),
+            created_after_ms: since.unwrap_or(0),
+            created_before_ms: 0,
+            page_size: self.page_size,
+            page_token: self.page_token.clone(),
+        };
+        let c = &self.connection;
+        call::runs(&c.endpoint, c.token.as_deref(), request, self.all)
+            .await
+            .map(|()| true)
+    }
 }
 
 /// How the client commands reach the orchestrator.
@@ -252,6 +354,9 @@ pub struct CallArgs {
     /// With --thread: what the run does when another run holds the thread.
     #[arg(long, value_enum, default_value_t = OnBusy::Reject, requires = "thread")]
     pub on_busy: OnBusy,
+    /// A label ListRuns finds the run by, KEY=VALUE (repeatable).
+    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
+    pub labels: Vec<(String, String)>,
 }
 
 /// `--on-busy`: the thread's busy policies.
@@ -302,6 +407,7 @@ impl CallArgs {
             token: self.token.clone(),
             thread: self.thread.clone(),
             on_busy: self.on_busy.into(),
+            labels: self.labels.clone(),
             params: proto::orchestrator::v1::ModelParams {
                 tool_choice: self.tool_choice.clone(),
                 temperature: self.temperature,

@@ -20,6 +20,13 @@ pub struct RequestBounds {
     /// Bytes of metadata keys and values in one request (0..=1 MiB).
     #[arg(long, env = "ORCHESTRATOR_MAX_METADATA_BYTES", default_value_t = 16 * KIB)]
     pub max_metadata_bytes: usize,
+    /// Labels of one run (what ListRuns finds it by); each is kept in the run's index entry and
+    /// record (0..=64).
+    #[arg(long, env = "ORCHESTRATOR_MAX_LABELS", default_value_t = 16)]
+    pub max_labels: usize,
+    /// Bytes of one label's value (1..=1024).
+    #[arg(long, env = "ORCHESTRATOR_MAX_LABEL_BYTES", default_value_t = 256)]
+    pub max_label_bytes: usize,
 }
 
 impl Bounded for RequestBounds {
@@ -29,6 +36,8 @@ impl Bounded for RequestBounds {
             bound("max_request_exit_tools", self.max_request_exit_tools, 0usize, 1024usize),
             bound("max_metadata_entries", self.max_metadata_entries, 0usize, 1024usize),
             bound("max_metadata_bytes", self.max_metadata_bytes, 0usize, MIB),
+            bound("max_labels", self.max_labels, 0usize, 64usize),
+            bound("max_label_bytes", self.max_label_bytes, 1usize, 1024usize),
         ]
     }
 }

@@ -79,6 +79,17 @@ pub struct StoreSettings {
     /// subjects `<stream>.run.>`).
     #[arg(long, env = "ORCHESTRATOR_EVENT_LOG_STREAM", default_value = "ORCHESTRATOR_EVENTS")]
     pub event_log_stream: String,
+    /// The most rows of one ListRuns page (1..=5000).
+    #[arg(long, env = "ORCHESTRATOR_LIST_PAGE_MAX", default_value_t = 500)]
+    pub list_page_max: usize,
+    /// With the NATS store: the most positions of the run index one ListRuns call walks; a
+    /// listing whose filters match few runs goes on from its next_page_token (100..=10000000).
+    #[arg(long, env = "ORCHESTRATOR_LIST_SCAN_MAX", default_value_t = 200_000)]
+    pub list_scan_max: u64,
+    /// With the NATS store: the most run records one ListRuns call reads (one per run its
+    /// index entry and time filters let through) (10..=100000).
+    #[arg(long, env = "ORCHESTRATOR_LIST_READ_MAX", default_value_t = 2_000)]
+    pub list_read_max: usize,
 }
 
 impl StoreSettings {
@@ -99,6 +110,9 @@ impl Bounded for StoreSettings {
             bound("fence_grace", self.fence_grace, Duration::ZERO, secs(60)),
             bound("timeout", self.timeout, ms(10), secs(60)),
             bound("backlog", self.backlog, 1usize, 1_000_000usize),
+            bound("list_page_max", self.list_page_max, 1usize, 5000usize),
+            bound("list_scan_max", self.list_scan_max, 100u64, 10_000_000u64),
+            bound("list_read_max", self.list_read_max, 10usize, 100_000usize),
             bound(
                 "event_log_max_bytes",
                 self.event_log_max_bytes,

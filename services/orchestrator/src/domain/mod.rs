@@ -11,6 +11,7 @@
 //! * [`cancel`]: how a run is asked to stop (at once, or after its turn);
 //! * [`steering`]: a user message sent to a live run, and why a run refuses one;
 //! * [`thread`]: conversations that continue across runs, their limits and busy policies;
+//! * [`listing`]: finding runs (`ListRuns`): queries, rows, pages and their cursors, labels;
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
@@ -19,6 +20,7 @@ pub mod approval;
 pub mod cancel;
 pub mod chat;
 pub mod event;
+pub mod listing;
 pub mod ownership;
 pub mod params;
 pub mod ports;

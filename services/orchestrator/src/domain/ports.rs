@@ -67,6 +67,19 @@ pub trait ResultStore: Send + Sync + 'static {
     }
 }
 
+/// Where runs are found (`ListRuns`): the stored runs of every replica that shares the store,
+/// through an index rather than a scan of every result.
+pub trait RunIndex: Send + Sync + 'static {
+    /// A page of the runs `query` asks for, newest first. `here` are the runs live on this
+    /// replica as it sees them now: a store that does not keep live runs lists them from there;
+    /// one that does shows them as they are here (fresher than their last record).
+    fn list(
+        &self,
+        query: super::listing::RunQuery,
+        here: Vec<super::listing::RunSummary>,
+    ) -> BoxFuture<'static, Result<super::listing::RunPage, StoreError>>;
+}
+
 /// Durable runs (the NATS store): a live run's checkpoints, and the takeover of runs whose
 /// replica stopped. Checkpoints are opaque bytes here (the loop writes and reads them). The owner
 /// of a run is fenced: once another replica took the run over, the old owner's writes of it are
@@ -507,6 +520,11 @@ pub trait ApprovalLot: Send + Sync + 'static {
     fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>>;
     /// A run parked in this process, as `GetRun` shows it (a shared lot leaves that to the store).
     fn parked(&self, run_id: &str) -> Option<RunResult>;
+    /// Every run parked in this process, as `ListRuns` shows them (none for a shared lot: the
+    /// store lists its parked runs).
+    fn parked_runs(&self) -> Vec<RunResult> {
+        Vec::new()
+    }
     /// Cancels a parked run (it goes on only to end); whether one was parked.
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>>;
     /// Forgets a run's wait (its calls were decided and taken, or it ended), unless a newer

@@ -190,6 +190,15 @@ pub struct RunResult {
     /// The thread the run continues (empty: none).
     #[serde(default)]
     pub thread_id: String,
+    /// The caller's labels: what `ListRuns` finds the run by.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// When the run was admitted (Unix ms): listings are newest first.
+    #[serde(default)]
+    pub created_at_ms: u64,
+    /// When its state was last written (Unix ms): a listing shows how fresh a row is.
+    #[serde(default)]
+    pub updated_at_ms: u64,
 }
 
 impl RunResult {
@@ -223,6 +232,9 @@ impl RunResult {
             reasoning_truncated: false,
             pending_approvals: Vec::new(),
             thread_id: String::new(),
+            labels: BTreeMap::new(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
         }
     }
 }

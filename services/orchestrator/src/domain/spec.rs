@@ -59,6 +59,10 @@ pub struct RunSpec {
     pub limits: Limits,
     /// Caller metadata, passed to tool-runners and signals.
     pub metadata: BTreeMap<String, String>,
+    /// The caller's labels, what `ListRuns` finds the run by (kept with its result, never sent
+    /// to a tool or the model).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
     /// Bad-call policy.
     pub parse_policy: ParsePolicy,
     /// When the run must end.

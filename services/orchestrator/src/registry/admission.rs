@@ -152,6 +152,15 @@ impl Admitted {
         }
     }
 
+    /// Writes what a listing finds the run by into its state, before its claim stores it.
+    fn describe(&self, spec: &RunSpec) {
+        let mut state = shared::sync::lock(&self.state);
+        state.labels.clone_from(&spec.labels);
+        if let Some(thread) = &spec.thread {
+            state.thread_id.clone_from(&thread.thread_id);
+        }
+    }
+
     /// Stores `result` as the run's end: the run's log ends with it, its replica stopped before
     /// its record said so. Nothing of it runs again.
     async fn store_ended(self, result: RunResult) {
@@ -201,7 +210,11 @@ impl Runs {
             // The claim below tries the store again; a store that is down does not stop runs.
             Ok(None) | Err(_) => {}
         }
-        self.admitted(run_id, caller)?.claim(caller, spec).await
+        let admitted = self.admitted(run_id, caller)?;
+        if let Some(spec) = spec {
+            admitted.describe(spec);
+        }
+        admitted.claim(caller, spec).await
     }
 
     /// Why `run_id` cannot start when it is live on this replica. A run that has just ended
@@ -279,6 +292,8 @@ impl Runs {
             .map_err(|_| Refusal::Full(self.max_runs))?;
         let mut running = RunResult::running(run_id);
         running.principal.clone_from(&caller.name);
+        running.created_at_ms = shared::sync::unix_ms();
+        running.updated_at_ms = running.created_at_ms;
         let state: SharedState = Arc::new(Mutex::new(running));
         let handoff = Handoff {
             at_safe_point: self.drain.at_safe_point.child_token(),

@@ -8,6 +8,7 @@
 //!   that waited for approvals;
 //! * [`attach`]: callers following a run's log, and noticing a run leave this replica;
 //! * [`cancel`]: `CancelRun`, here or on the replica that runs it;
+//! * [`listing`]: `ListRuns`, the runs live here given to the store's index;
 //! * [`steer`]: `SendMessage`, here or on the replica that runs it.
 
 use std::collections::HashMap;
@@ -19,7 +20,7 @@ use tokio::sync::{Notify, Semaphore};
 use shared::auth::Principal;
 
 use crate::domain::RunResult;
-use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, StoreError, within};
+use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunIndex, RunJournal, StoreError, within};
 use crate::run::backlog::Backlog;
 use crate::run::live::{Cancel, Handoff, SharedState};
 use crate::run::steering::Inbox;
@@ -27,6 +28,7 @@ use crate::run::steering::Inbox;
 mod admission;
 mod attach;
 mod cancel;
+mod listing;
 mod steer;
 #[cfg(test)]
 mod tests;
@@ -88,6 +90,8 @@ pub(crate) struct Runs {
     attach_permits: usize,
     /// Runs waiting for approvals.
     approvals: Arc<dyn ApprovalLot>,
+    /// Where runs are found (`ListRuns`).
+    index: Arc<dyn RunIndex>,
     /// Messages a run may be sent over its life (`--max-steering-messages`).
     max_steering: u32,
     /// The drain's request that runs move: each run's [`Handoff`] is its child, so a run let in
@@ -108,6 +112,7 @@ pub(crate) struct Keeping {
     pub(crate) log: Arc<dyn EventLog>,
     pub(crate) journal: Option<Arc<dyn RunJournal>>,
     pub(crate) approvals: Arc<dyn ApprovalLot>,
+    pub(crate) index: Arc<dyn RunIndex>,
 }
 
 impl Runs {
@@ -126,6 +131,7 @@ impl Runs {
             log,
             journal,
             approvals,
+            index,
         } = keeping;
         Arc::new(Self {
             live: Mutex::default(),
@@ -141,6 +147,7 @@ impl Runs {
             attach_slots: Arc::new(Semaphore::new(max_attached)),
             attach_permits: max_attached,
             approvals,
+            index,
             max_steering,
             drain: Handoff::default(),
         })

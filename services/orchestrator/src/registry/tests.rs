@@ -76,8 +76,10 @@ fn keeping(keep: usize, keep_for: Duration) -> Keeping {
         keep,
         keep_for,
     };
+    let store = Arc::new(MemoryStore::new(keep, keep_for));
     Keeping {
-        store: Arc::new(MemoryStore::new(keep, keep_for)),
+        store: Arc::clone(&store) as Arc<dyn crate::domain::ports::ResultStore>,
+        index: store,
         log: Arc::new(crate::store::memory::MemoryLog::new(bounds)),
         journal: None,
         approvals: Arc::new(crate::store::memory::MemoryLot::new(100)),

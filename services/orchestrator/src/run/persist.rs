@@ -147,6 +147,7 @@ impl Persister {
         if still_live {
             snapshot = snapshot.unended();
         }
+        snapshot.updated_at_ms = shared::sync::unix_ms();
         let run_id = snapshot.run_id.clone();
         let sent = tokio::time::Instant::now();
         let written = within(self.timeout, self.store.put(snapshot)).await;
@@ -187,10 +188,11 @@ impl Persister {
             return false;
         }
         let Snapshot {
-            result,
+            mut result,
             deadline_unix_ms,
             bytes,
         } = make().counted();
+        result.updated_at_ms = shared::sync::unix_ms();
         let run_id = result.run_id.clone();
         let sent = tokio::time::Instant::now();
         let saved = within(self.timeout, journal.save(result, deadline_unix_ms, bytes)).await;

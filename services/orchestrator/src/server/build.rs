@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::Core;
 use crate::config::{Backend, NatsSettings};
-use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunJournal, SignalTopic, ThreadStore};
+use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore};
 use crate::llm::Fleet;
 use crate::registry::Runs;
 use crate::run::tool_loop::LoopDeps;
@@ -16,7 +16,7 @@ use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
 use crate::store::memory::{MemoryLog, MemoryLot, MemoryStore, MemoryThreads};
-use crate::store::nats::{KvStore, NatsLog, NatsLogOptions, NatsLot, NatsThreads};
+use crate::store::nats::{KvStore, NatsIndex, NatsLog, NatsLogOptions, NatsLot, NatsThreads};
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
@@ -27,11 +27,17 @@ use shared::secrets::NatsUrl;
 pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
     let mut connections = NatsConnections::default();
     let signals = open_signal_topic(config, &mut connections).await?;
-    let (store, journal, approvals) = open_store(config, &mut connections).await?;
+    let Stored {
+        store,
+        journal,
+        approvals,
+        index,
+    } = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
     let threads = open_threads(config, &mut connections).await?;
     let ports = Ports {
         store,
+        index,
         journal,
         log,
         approvals,
@@ -48,6 +54,8 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
 pub struct Ports {
     /// Results (and, shared, the runs' records and leases).
     pub store: Arc<dyn ResultStore>,
+    /// Where runs are found (`ListRuns`).
+    pub index: Arc<dyn RunIndex>,
     /// Checkpoints and takeover: runs outlive the replica (a shared store only).
     pub journal: Option<Arc<dyn RunJournal>>,
     /// The runs' events.
@@ -77,6 +85,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
         log: ports.log,
         journal: ports.journal,
         approvals: Arc::clone(&ports.approvals),
+        index: ports.index,
     };
     let runs = Runs::new(
         (
@@ -154,18 +163,32 @@ async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -
     })
 }
 
+/// What the store's backend opens: results, the journal (a shared store), the approval lot and
+/// the run index.
+struct Stored {
+    store: Arc<dyn ResultStore>,
+    journal: Option<Arc<dyn RunJournal>>,
+    approvals: Arc<dyn ApprovalLot>,
+    index: Arc<dyn RunIndex>,
+}
+
 /// The result store: in memory (bounded, this replica only) or a NATS key-value bucket shared
 /// by the replicas, with this replica's lease on the runs it owns and their checkpoints (the
-/// journal that lets runs outlive their replica); and where runs wait for approvals, beside it.
-async fn open_store(
-    config: &Config,
-    connections: &mut NatsConnections,
-) -> Result<(Arc<dyn ResultStore>, Option<Arc<dyn RunJournal>>, Arc<dyn ApprovalLot>), Error> {
+/// journal that lets runs outlive their replica); where runs wait for approvals, beside it; and
+/// the index `ListRuns` reads.
+async fn open_store(config: &Config, connections: &mut NatsConnections) -> Result<Stored, Error> {
     Ok(match &config.store.backend {
         Backend::Memory => {
-            let store = MemoryStore::new(config.store.keep_results, config.store.keep_results_for);
-            let lot = MemoryLot::new(config.runs.max_awaiting_runs);
-            (Arc::new(store), None, Arc::new(lot))
+            let store = Arc::new(MemoryStore::new(
+                config.store.keep_results,
+                config.store.keep_results_for,
+            ));
+            Stored {
+                store: Arc::clone(&store) as Arc<dyn ResultStore>,
+                journal: None,
+                approvals: Arc::new(MemoryLot::new(config.runs.max_awaiting_runs)),
+                index: store,
+            }
         }
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
@@ -185,11 +208,17 @@ async fn open_store(
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value; runs are durable");
             let store = Arc::new(store);
             let lot = NatsLot::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;
-            (
-                Arc::clone(&store) as Arc<dyn ResultStore>,
-                Some(store as Arc<dyn RunJournal>),
-                Arc::new(lot),
-            )
+            let index = NatsIndex::new(
+                Arc::clone(&store),
+                config.store.list_scan_max,
+                config.store.list_read_max,
+            );
+            Stored {
+                store: Arc::clone(&store) as Arc<dyn ResultStore>,
+                journal: Some(store as Arc<dyn RunJournal>),
+                approvals: Arc::new(lot),
+                index: Arc::new(index),
+            }
         }
     })
 }

@@ -17,6 +17,7 @@ use super::streams::{self, RunEvents, StreamDeps, attach_error, no_run};
 use crate::Error;
 use crate::config::Config;
 use crate::domain::approval::{Decision, PendingApproval};
+use crate::domain::listing::{Cursor, ListRequest, RunPage, RunQuery, check_labels};
 use crate::domain::ports::{Decider, SignalTopic};
 use crate::domain::steering::{Closed, Refused, UserMessage};
 use crate::domain::{CancelMode, EventBatch, RunResult, RunSpec, RunStatus};
@@ -71,6 +72,9 @@ fn not_taking(run_id: &str, refused: Refused) -> String {
         Refused::Full(max) => format!("run {run_id:?} was sent its limit of {max} messages"),
     }
 }
+
+/// Rows of a `ListRuns` page that asks for no size.
+const DEFAULT_PAGE_SIZE: usize = 50;
 
 /// Most pending approvals listed at once.
 const MAX_LISTED_APPROVALS: usize = 1000;
@@ -314,6 +318,58 @@ impl Core {
             .approvals
             .pending(&self.decider(caller), run_id, limit)
             .await?)
+    }
+
+    /// A page of the runs `caller` may see that `request` asks for: its own, or any
+    /// principal's for an operator (and for the anonymous caller of a server without
+    /// authentication).
+    pub(crate) async fn list_runs(
+        &self,
+        request: ListRequest,
+        caller: &Principal,
+    ) -> Result<(RunPage, Option<String>), Error> {
+        let query = self.run_query(request, caller)?;
+        let page = self.runs.list(query.clone()).await?;
+        let token = page.next.as_ref().map(|cursor| cursor.token(&query));
+        Ok((page, token))
+    }
+
+    /// The query `request` asks, within what `caller` may see and this server's bounds.
+    fn run_query(&self, request: ListRequest, caller: &Principal) -> Result<RunQuery, Error> {
+        let everyone = caller.name.is_empty() || caller.has_role(shared::auth::OPERATOR);
+        let principal = match request.principal {
+            Some(other) if !everyone && other != caller.name => {
+                return Err(Error::PermissionDenied(format!(
+                    "listing the runs of {other:?} needs the \"{}\" role in the tokens file; leave principal empty for your own runs",
+                    shared::auth::OPERATOR
+                )));
+            }
+            Some(principal) => Some(principal),
+            None if everyone => None,
+            None => Some(caller.name.clone()),
+        };
+        let bounds = &self.config.runs.request;
+        check_labels(&request.labels, bounds.max_labels, bounds.max_label_bytes)
+            .map_err(|e| Error::InvalidArgument(format!("labels: {e}")))?;
+        let page_max = self.config.store.list_page_max;
+        let mut query = RunQuery {
+            statuses: request.statuses,
+            thread_id: request.thread_id,
+            principal,
+            labels: request.labels,
+            created_after_ms: request.created_after_ms,
+            created_before_ms: request.created_before_ms,
+            page_size: match request.page_size {
+                0 => DEFAULT_PAGE_SIZE.min(page_max),
+                asked => asked.min(page_max),
+            },
+            after: None,
+        };
+        if let Some(token) = &request.page_token {
+            let cursor = Cursor::parse(token, &query).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            query.after = Some(cursor);
+        }
+        Ok(query)
     }
 
     /// The caller as the approval lot checks it.

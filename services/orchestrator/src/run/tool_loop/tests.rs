@@ -137,6 +137,7 @@ pub(crate) fn spec(limits: Limits) -> RunSpec {
         exit_tools: vec![tool("done")],
         limits,
         metadata: Default::default(),
+        labels: Default::default(),
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         principal: String::new(),

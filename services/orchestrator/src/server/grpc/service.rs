@@ -12,6 +12,7 @@ use shared::auth::caller;
 use tonic::{Request, Response, Status};
 
 use super::convert::{CancelRequest, DecideRequest, RunRequest, SteerRequest, event_pb, parse_grpc_timeout, resolve};
+use crate::domain::listing::ListRequest;
 use crate::domain::ports::{SignalFilter, SignalItem};
 use crate::server::{Core, RunEvents};
 
@@ -91,6 +92,16 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let caller = caller(&request);
         let run = self.core.get(&request.into_inner().run_id, &caller).await?;
         Ok(Response::new(pb::RunResult::from(&run)))
+    }
+
+    async fn list_runs(&self, request: Request<pb::ListRunsRequest>) -> Result<Response<pb::ListRunsResponse>, Status> {
+        let caller = caller(&request);
+        let asked = ListRequest::try_from(request.into_inner())?;
+        let (page, next) = self.core.list_runs(asked, &caller).await?;
+        Ok(Response::new(pb::ListRunsResponse {
+            runs: page.runs.iter().map(pb::RunSummary::from).collect(),
+            next_page_token: next.unwrap_or_default(),
+        }))
     }
 
     async fn cancel_run(

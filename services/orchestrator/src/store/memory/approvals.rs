@@ -230,6 +230,18 @@ impl ApprovalLot for MemoryLot {
         Some(result)
     }
 
+    fn parked_runs(&self) -> Vec<RunResult> {
+        let inner = self.lock();
+        let ids: Vec<String> = inner
+            .runs
+            .iter()
+            .filter(|(_, e)| e.parked.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
+        drop(inner);
+        ids.iter().filter_map(|id| self.parked(id)).collect()
+    }
+
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
         ready(Ok(self.cancel_now(run_id, reason))).boxed()
     }
@@ -365,6 +377,9 @@ impl ApprovalLot for HookedLot {
     }
     fn parked(&self, run_id: &str) -> Option<RunResult> {
         self.inner.parked(run_id)
+    }
+    fn parked_runs(&self) -> Vec<RunResult> {
+        self.inner.parked_runs()
     }
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
         self.inner.cancel(run_id, reason)

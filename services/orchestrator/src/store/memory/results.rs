@@ -1,4 +1,5 @@
 //! The in-memory result store: bounded by count and by age, lost on restart, local to one replica.
+//! Its listing reads every result it keeps (at most `--keep-results`) with the runs live here.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -8,7 +9,8 @@ use futures::future::BoxFuture;
 use tokio::time::Instant;
 
 use crate::domain::RunResult;
-use crate::domain::ports::{Claim, ResultStore, StoreError};
+use crate::domain::listing::{RunPage, RunQuery, RunSummary};
+use crate::domain::ports::{Claim, ResultStore, RunIndex, StoreError};
 
 #[derive(Default)]
 struct Inner {
@@ -78,5 +80,23 @@ impl ResultStore for MemoryStore {
         self.expire(&mut inner);
         let found = inner.results.get(run_id).map(|(r, _)| r.clone());
         Box::pin(futures::future::ready(Ok(found)))
+    }
+}
+
+impl RunIndex for MemoryStore {
+    /// The results kept, and the runs live here (this replica is the whole fleet), one row per
+    /// run, the live one's where both have it.
+    fn list(&self, query: RunQuery, here: Vec<RunSummary>) -> BoxFuture<'static, Result<RunPage, StoreError>> {
+        let mut inner = shared::sync::lock(&self.inner);
+        self.expire(&mut inner);
+        let live: std::collections::HashSet<&str> = here.iter().map(|r| r.run_id.as_str()).collect();
+        let stored: Vec<RunSummary> = inner
+            .results
+            .values()
+            .filter(|(r, _)| !live.contains(r.run_id.as_str()))
+            .map(|(r, _)| RunSummary::from(r))
+            .collect();
+        let page = query.page_of(here.into_iter().chain(stored));
+        Box::pin(futures::future::ready(Ok(page)))
     }
 }

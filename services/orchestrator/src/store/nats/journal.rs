@@ -242,6 +242,7 @@ impl RunJournal for KvStore {
         record.claim = self.new_claim();
         let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
         let owned = std::sync::Arc::clone(&self.owned);
+        let enter = self.index.enter(&result);
         async move {
             // An id taken already is answered without putting anything under its key: the run
             // holding it (live, or parked for hours) keeps its checkpoint.
@@ -253,6 +254,9 @@ impl RunJournal for KvStore {
             } else {
                 record.epoch = 1;
             }
+            // Entered before it is claimed: a claimed run is always found (an entry whose claim
+            // then loses is skipped by the listing: the record is another admission's).
+            enter.await?;
             // The start checkpoint first, so a record that says the run can be resumed always
             // has one. It goes to the start object (epoch 0), never to the object of the run's
             // epoch, which its safe points write: a duplicate admission of the id that loses the

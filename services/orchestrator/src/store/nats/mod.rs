@@ -8,6 +8,8 @@
 //! * [`checkpoints`]: the checkpoint objects the journal names (an object-store bucket);
 //! * `fence`: a run's fence (the newest epoch it was claimed in, which the tool-runners read),
 //!   raised by a takeover before it acts;
+//! * [`index`]: the [`RunIndex`](crate::domain::ports::RunIndex) — a JetStream stream with an
+//!   entry per claimed run, walked newest first by principal and thread ([`NatsIndex`]);
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) — a JetStream stream ([`NatsLog`]);
 //! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) — a key-value bucket
 //!   ([`NatsLot`]), decided and resumed on any replica;
@@ -17,12 +19,14 @@
 pub mod approvals;
 pub(crate) mod checkpoints;
 mod fence;
+pub mod index;
 pub mod journal;
 pub mod log;
 pub mod results;
 pub mod threads;
 
 pub use approvals::NatsLot;
+pub use index::NatsIndex;
 pub use log::{NatsLog, NatsLogOptions};
 pub use results::KvStore;
 pub use threads::NatsThreads;

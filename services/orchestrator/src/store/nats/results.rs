@@ -60,6 +60,9 @@ pub struct KvStore {
     /// Where `SendMessage` asks the replica running a run (a subject of its own, so a replica
     /// that predates steering never reads a message as a cancel).
     pub(super) steer_subject: String,
+    /// Where each claim enters its run first (`ListRuns`).
+    pub(super) index: super::index::IndexWriter,
+    pub(super) index_stream: jetstream::stream::Stream,
 }
 
 /// Records of other replicas' live runs as this replica saw them: the revision, and when it was
@@ -285,7 +288,10 @@ impl KvStore {
     ) -> Result<Self, StoreError> {
         let checkpoints = super::checkpoints::Checkpoints::open(js, bucket, ttl, replicas).await?;
         let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
+        let (index, index_stream) = super::index::IndexWriter::open(js, bucket, ttl, replicas).await?;
         Ok(Self {
+            index,
+            index_stream,
             kv,
             replicas,
             owner,
@@ -386,6 +392,18 @@ impl KvStore {
         record: Record,
     ) -> impl Future<Output = Result<Claim, StoreError>> + use<> {
         create_record(self.kv.clone(), Arc::clone(&self.owned), self.seen.clone(), key, record)
+    }
+
+    /// The run stored under `key`, as it reads now.
+    pub(super) fn read_key(&self, key: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+        let (kv, key) = (self.kv.clone(), key.to_owned());
+        async move {
+            let Some(bytes) = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))? else {
+                return Ok(None);
+            };
+            decode(&key, &bytes).map(Some)
+        }
+        .boxed()
     }
 
     pub(super) fn owned(&self) -> std::sync::MutexGuard<'_, HashMap<String, Owned>> {
@@ -577,7 +595,12 @@ impl ResultStore for KvStore {
 
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
         let record = self.record(pb::RunResult::from(&result), 0);
-        self.create(key(&result.run_id), record).boxed()
+        let (enter, create) = (self.index.enter(&result), self.create(key(&result.run_id), record));
+        async move {
+            enter.await?;
+            create.await
+        }
+        .boxed()
     }
 
     fn lease(&self) -> Option<crate::domain::LeaseTerms> {
@@ -593,15 +616,7 @@ impl ResultStore for KvStore {
     }
 
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
-        let kv = self.kv.clone();
-        let key = key(run_id);
-        async move {
-            let Some(bytes) = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))? else {
-                return Ok(None);
-            };
-            decode(&key, &bytes).map(Some)
-        }
-        .boxed()
+        self.read_key(&key(run_id))
     }
 }
 

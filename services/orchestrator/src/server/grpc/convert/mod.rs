@@ -4,12 +4,13 @@
 //! `INVALID_ARGUMENT` naming the field and what to do. Domain results and events become proto
 //! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`decisions`], and
 //! `CancelRun` requests a run id and a mode in [`cancel`], `SendMessage` requests a run id and a
-//! user message in [`steer`].
+//! user message in [`steer`], `ListRuns` requests checked filters in [`listing`].
 //!
 //! [`RunSpec`]: crate::domain::RunSpec
 
 mod cancel;
 mod decisions;
+mod listing;
 mod policy;
 mod request;
 mod steer;

@@ -153,6 +153,7 @@ pub(crate) fn resolve(
         exit_tools,
         limits,
         metadata: request.metadata,
+        labels: request.labels,
         parse_policy: request.parse_policy,
         deadline: Deadline::new(
             received_at,

@@ -50,6 +50,7 @@ pub(crate) struct RunRequest {
     pub(super) approval: RequestedApproval,
     pub(super) limits: RequestedLimits,
     pub(super) metadata: BTreeMap<String, String>,
+    pub(super) labels: BTreeMap<String, String>,
     /// Keep running if the caller goes away.
     pub detached: bool,
     pub(super) parse_policy: ParsePolicy,
@@ -100,6 +101,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
                 approval_timeout_ms: limits.approval_timeout_ms,
             },
             metadata: r.metadata.into_iter().collect(),
+            labels: r.labels.into_iter().collect(),
             detached: r.detached,
             parse_policy: parse_policy(r.parse_policy)?,
             affinity_key: affinity_key(r.affinity_key)?,
@@ -318,6 +320,7 @@ impl RunRequest {
                 "bytes of keys and values",
             ));
         }
-        Ok(())
+        crate::domain::listing::check_labels(&self.labels, bounds.max_labels, bounds.max_label_bytes)
+            .map_err(|e| invalid(format!("labels: {e}")))
     }
 }

@@ -1,0 +1,239 @@
+//! The run index (`ListRuns` on the NATS store): a JetStream stream `INDEX_<bucket>` with one
+//! message per claimed run, on the subject `orchestrator.<bucket>.index.<principal>.<thread>`
+//! (each an encoded token), holding what never changes of the run: its id, owner, thread, labels
+//! and admission time. Entries are written once, before the run's claim, in the order runs are
+//! admitted, and expire with the results (`--run-store-ttl`).
+//!
+//! A page is read newest first by walking the stream down from its end (or from the cursor, a
+//! stream position) in windows that double, each read by a consumer filtered on the principal
+//! and thread the query names, so the server skips other callers' runs; a run's status, turns and
+//! usage come from its record, read for the entries that pass the query's times and labels. A
+//! query for live runs only (running, waiting for approval) lists the fleet's live runs from
+//! their checkpoints instead: they are few, however many runs are stored.
+//!
+//! The index never decides who sees a run: an entry is shown only when the run's record agrees
+//! with it (same owner, same admission time). So an entry left by an admission that lost the race
+//! for its id, or by a claim that failed, names a run that is not its own and is skipped.
+//!
+//! Every call is bounded: at most `--list-scan-max` stream positions walked and
+//! `--list-read-max` records read; a page cut short by either is returned with a cursor that
+//! continues below where it stopped (it may hold fewer rows than asked, even none).
+//!
+//! * `mod.rs`: reading a page ([`NatsIndex`]);
+//! * [`entry`]: what the index keeps of a run, and its writing at a claim ([`IndexWriter`]).
+
+pub(crate) mod entry;
+
+use entry::Entry;
+pub(crate) use entry::IndexWriter;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_nats::jetstream::{self, consumer};
+use futures::future::BoxFuture;
+use futures::{FutureExt as _, StreamExt as _};
+use prost::Message as _;
+
+use super::results::{KvStore, checkpoint_of};
+use crate::domain::listing::{Cursor, RunPage, RunQuery, RunSummary};
+use crate::domain::ports::{RunIndex, StoreError};
+use crate::store::unavailable;
+
+/// Records read at once.
+const READ_CONCURRENCY: usize = 16;
+/// The first window walked: a page's worth and some.
+const MIN_WINDOW: u64 = 64;
+
+/// See the module docs.
+pub struct NatsIndex {
+    store: Arc<KvStore>,
+    stream: jetstream::stream::Stream,
+    /// Stream positions walked per call, at most.
+    scan_max: u64,
+    /// Records read per call, at most.
+    read_max: usize,
+}
+
+impl NatsIndex {
+    /// The index of `store`'s runs, each call walking at most `scan_max` positions and reading
+    /// at most `read_max` records.
+    pub fn new(store: Arc<KvStore>, scan_max: u64, read_max: usize) -> Self {
+        let stream = store.index_stream.clone();
+        Self {
+            store,
+            stream,
+            scan_max: scan_max.max(1),
+            read_max: read_max.max(1),
+        }
+    }
+}
+
+impl RunIndex for NatsIndex {
+    fn list(&self, query: RunQuery, here: Vec<RunSummary>) -> BoxFuture<'static, Result<RunPage, StoreError>> {
+        let walk = Walk {
+            store: Arc::clone(&self.store),
+            stream: self.stream.clone(),
+            scan_max: self.scan_max,
+            read_max: self.read_max,
+            here: here.into_iter().map(|r| (r.run_id.clone(), r)).collect(),
+            query,
+        };
+        async move {
+            match walk.query.live_only() {
+                true => walk.live().await,
+                false => walk.down().await,
+            }
+        }
+        .boxed()
+    }
+}
+
+/// One listing call.
+struct Walk {
+    store: Arc<KvStore>,
+    stream: jetstream::stream::Stream,
+    scan_max: u64,
+    read_max: usize,
+    /// The runs live on this replica, fresher than their records.
+    here: HashMap<String, RunSummary>,
+    query: RunQuery,
+}
+
+impl Walk {
+    /// A page of live runs only: the fleet's live runs are those with a checkpoint.
+    async fn live(mut self) -> Result<RunPage, StoreError> {
+        let mut keys: Vec<String> = self
+            .store
+            .checkpoints
+            .names()
+            .await?
+            .iter()
+            .map(|name| checkpoint_of(name).0.to_owned())
+            .collect();
+        keys.sort();
+        keys.dedup();
+        keys.truncate(self.read_max);
+        let store = Arc::clone(&self.store);
+        let mut rows: Vec<RunSummary> = futures::stream::iter(keys)
+            .map(|key| {
+                let store = Arc::clone(&store);
+                async move { store.read_key(&key).await }
+            })
+            .buffer_unordered(READ_CONCURRENCY)
+            .filter_map(|read| std::future::ready(read.ok().flatten()))
+            .map(|run| self.here.remove(&run.run_id).unwrap_or_else(|| RunSummary::from(&run)))
+            .collect()
+            .await;
+        rows.extend(self.here.into_values());
+        Ok(self.query.page_of(rows))
+    }
+
+    /// A page walked down the index from the cursor (or its end).
+    async fn down(self) -> Result<RunPage, StoreError> {
+        let state = self
+            .stream
+            .clone()
+            .info()
+            .await
+            .map_err(|e| self.failed(e))?
+            .state
+            .clone();
+        let first = state.first_sequence.max(1);
+        let mut below = match &self.query.after {
+            Some(Cursor::Position(position)) => *position,
+            _ => state.last_sequence.saturating_add(1),
+        };
+        let (mut rows, mut walked, mut read) = (Vec::new(), 0u64, 0usize);
+        let mut window = MIN_WINDOW.max(2 * self.query.page_size as u64);
+        while below > first && walked < self.scan_max {
+            let from = below.saturating_sub(window.min(self.scan_max - walked)).max(first);
+            walked += below - from;
+            let entries = self.entries(from, below).await?;
+            for (position, entry) in entries.into_iter().rev() {
+                if !self.query.admits(entry.created_at_ms, &entry.labels) {
+                    continue;
+                }
+                if read == self.read_max {
+                    return Ok(self.page(rows, Some(position + 1)));
+                }
+                read += 1;
+                if let Some(row) = self.row(&entry).await?.filter(|r| self.query.matches(r)) {
+                    rows.push(row);
+                    if rows.len() == self.query.page_size {
+                        let more = position > first;
+                        return Ok(self.page(rows, more.then_some(position)));
+                    }
+                }
+            }
+            below = from;
+            window = window.saturating_mul(2);
+        }
+        let more = below > first;
+        Ok(self.page(rows, more.then_some(below)))
+    }
+
+    fn page(&self, runs: Vec<RunSummary>, below: Option<u64>) -> RunPage {
+        RunPage {
+            runs,
+            next: below.map(Cursor::Position),
+        }
+    }
+
+    /// The row of `entry`'s run, when its record agrees with the entry (see the module docs);
+    /// this replica's view of it when it runs here.
+    async fn row(&self, entry: &Entry) -> Result<Option<RunSummary>, StoreError> {
+        let here = self.here.get(&entry.run_id);
+        let run = match here {
+            Some(live) => Some(live.clone()),
+            None => self
+                .store
+                .read_key(&super::results::key(&entry.run_id))
+                .await?
+                .map(|r| RunSummary::from(&r)),
+        };
+        Ok(run.filter(|r| r.principal == entry.principal && r.created_at_ms == entry.created_at_ms))
+    }
+
+    /// The entries at positions `from..below` under the query's subject, in stream order.
+    async fn entries(&self, from: u64, below: u64) -> Result<Vec<(u64, Entry)>, StoreError> {
+        let filter = self
+            .store
+            .index
+            .subject(self.query.principal.as_deref(), self.query.thread_id.as_deref());
+        let consumer = self
+            .stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subject: filter,
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence { start_sequence: from },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| self.failed(e))?;
+        let mut entries = Vec::new();
+        if consumer.cached_info().num_pending == 0 {
+            return Ok(entries);
+        }
+        let mut messages = consumer.messages().await.map_err(|e| self.failed(e))?;
+        while let Some(message) = messages.next().await {
+            let message = message.map_err(|e| self.failed(e))?;
+            let info = message.info().map_err(|e| self.failed(e))?;
+            let (position, pending) = (info.stream_sequence, info.pending);
+            if position >= below {
+                break;
+            }
+            // An entry that is not one (written by hand) is skipped, not fatal.
+            if let Ok(entry) = Entry::decode(message.payload.as_ref()) {
+                entries.push((position, entry));
+            }
+            if pending == 0 {
+                break;
+            }
+        }
+        Ok(entries)
+    }
+
+    fn failed(&self, e: impl ToString) -> StoreError {
+        unavailable("run index read", &self.stream.cached_info().config.name, e)
+    }
+}

@@ -1,0 +1,453 @@
+//! A service many callers share, through the real `orchestrator` binaries: `ListRuns` finds a
+//! caller's runs by status, thread, label and time, newest first, paged by a cursor, hiding every
+//! other principal's runs unless the caller is an operator; with the in-memory store on one
+//! replica, and with three replicas on a real `nats-server -js`, where any replica lists the
+//! runs of all (live ones too) and pages stay free of gaps and repeats while runs start and end.
+//! `orchestrator runs` does the same from a shell.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use mock_llm::{MockLlm, Scenario, Step, Turn};
+use proto::orchestrator::v1 as pb;
+use serde_json::json;
+use testkit::Service;
+use testkit::wait::until;
+use tonic::transport::Channel;
+
+type TestResult = anyhow::Result<()>;
+type Client = pb::orchestrator_client::OrchestratorClient<Channel>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
+
+/// Turn 1 calls `sleep` (which waits for approval in the runs that ask so) and `echo`; turn 2
+/// answers.
+fn scenario() -> Scenario {
+    Scenario::new(vec![
+        Turn::text("Refunding.")
+            .then(Step::call("sleep", json!({"ms": 5})))
+            .then(Step::call("echo", json!({"note": "refund"}))),
+        Turn::text("Done."),
+    ])
+}
+
+/// Replicas of the orchestrator (alice and bob own runs, olga is an operator), a tool-runner in
+/// this process, the stand-in model, and NATS when there are several replicas.
+struct World {
+    replicas: Vec<Service>,
+    _nats: Option<testkit::nats::Nats>,
+    _llm: MockLlm,
+    _dir: tempfile::TempDir,
+}
+
+async fn world(replicas: usize, flags: &[&str]) -> anyhow::Result<World> {
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(
+        &tokens,
+        testkit::pki::tokens_toml(&[
+            ("alice", "alice-token", ""),
+            ("bob", "bob-token", ""),
+            ("olga", "olga-token", "roles = [\"operator\"]"),
+        ]),
+    )?;
+    let llm = MockLlm::start(scenario()).await?;
+    let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config::default()).await?;
+    let nats = match replicas {
+        1 => None,
+        _ => Some(testkit::nats::Nats::start().await?),
+    };
+    let mut started = Vec::new();
+    for _ in 0..replicas {
+        let mut command = testkit::orchestrator_command(BIN, &llm.base_url(), &runner);
+        if let Some(nats) = &nats {
+            command = testkit::on_nats(command, &nats.url());
+        }
+        command
+            .args(["--auth-tokens", &tokens.display().to_string()])
+            .args(flags);
+        started.push(Service::orchestrator(command).await?);
+    }
+    Ok(World {
+        replicas: started,
+        _nats: nats,
+        _llm: llm,
+        _dir: dir,
+    })
+}
+
+impl World {
+    async fn client(&self, replica: usize) -> anyhow::Result<Client> {
+        Ok(Client::connect(self.endpoint(replica)).await?)
+    }
+
+    fn endpoint(&self, replica: usize) -> String {
+        format!("http://{}", self.replicas[replica].grpc)
+    }
+}
+
+/// `message` sent as `token`'s principal.
+fn as_<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Ok(value) = format!("Bearer {token}").parse() {
+        request.metadata_mut().insert("authorization", value);
+    }
+    request
+}
+
+/// A detached run `run_id` with `labels`, on `thread` (empty: none); its `sleep` calls wait for
+/// approval when `parks`.
+fn run(run_id: &str, labels: &[(&str, &str)], thread: &str, parks: bool) -> pb::OrchestrateRequest {
+    let approval = parks.then(|| pb::ApprovalPolicy {
+        tools: vec!["sleep".into()],
+        ..Default::default()
+    });
+    pb::OrchestrateRequest {
+        run_id: run_id.into(),
+        detached: true,
+        thread_id: thread.into(),
+        labels: labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+        tools: Some(pb::ToolSelection {
+            approval,
+            ..Default::default()
+        }),
+        ..testkit::user("refund order 7")
+    }
+}
+
+/// Starts `request` as `token` and waits until it has ended (or parked, when it `parks`).
+async fn start(client: &mut Client, token: &str, request: pb::OrchestrateRequest) -> TestResult {
+    let run_id = request.run_id.clone();
+    drop(client.orchestrate(as_(token, request)).await?);
+    until(&format!("run {run_id} ends or parks"), Duration::from_secs(30), || {
+        let (mut client, run_id) = (client.clone(), run_id.clone());
+        async move {
+            let run = client.get_run(as_(token, pb::GetRunRequest { run_id })).await.ok()?;
+            (run.into_inner().status != pb::RunStatus::Running as i32).then_some(())
+        }
+    })
+    .await
+}
+
+/// Every page of `request` as `token`, `page_size` rows at a time, calling `between` after each
+/// page; the run ids in order.
+async fn all_pages(
+    client: &mut Client,
+    token: &str,
+    mut request: pb::ListRunsRequest,
+    mut between: impl AsyncFnMut(),
+) -> anyhow::Result<Vec<pb::RunSummary>> {
+    let mut rows = Vec::new();
+    for _ in 0..1000 {
+        let page = client.list_runs(as_(token, request.clone())).await?.into_inner();
+        rows.extend(page.runs);
+        if page.next_page_token.is_empty() {
+            return Ok(rows);
+        }
+        request.page_token = page.next_page_token;
+        between().await;
+    }
+    anyhow::bail!("the listing did not end in 1000 pages")
+}
+
+fn ids(rows: &[pb::RunSummary]) -> Vec<String> {
+    rows.iter().map(|r| r.run_id.clone()).collect()
+}
+
+fn sorted(mut ids: Vec<String>) -> Vec<String> {
+    ids.sort();
+    ids
+}
+
+fn list(statuses: &[pb::RunStatus]) -> pb::ListRunsRequest {
+    pb::ListRunsRequest {
+        statuses: statuses.iter().map(|s| *s as i32).collect(),
+        ..Default::default()
+    }
+}
+
+/// Rows newest first: by admission time, then run id.
+fn assert_newest_first(rows: &[pb::RunSummary]) {
+    for pair in rows.windows(2) {
+        assert!(
+            (pair[0].created_at_ms, &pair[0].run_id) > (pair[1].created_at_ms, &pair[1].run_id),
+            "{:?} before {:?}",
+            pair[0],
+            pair[1]
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_caller_finds_its_runs_by_every_filter_and_no_one_elses() -> TestResult {
+    let w = world(1, &["--list-page-max", "3"]).await?;
+    let mut client = w.client(0).await?;
+    let refunds = [("team", "refunds")];
+    start(&mut client, "alice-token", run("a1", &refunds, "", false)).await?;
+    let before_a2 = shared::sync::unix_ms();
+    start(&mut client, "alice-token", run("a2", &refunds, "t-1", false)).await?;
+    start(&mut client, "alice-token", run("a3", &[("team", "sales")], "", true)).await?;
+    start(&mut client, "bob-token", run("b1", &refunds, "", false)).await?;
+    start(&mut client, "bob-token", run("b2", &[], "", false)).await?;
+
+    // Her own runs only, newest first, three a page (--list-page-max), the waiting one marked.
+    let mine = all_pages(&mut client, "alice-token", pb::ListRunsRequest::default(), async || {}).await?;
+    assert_eq!(sorted(ids(&mine)), ["a1", "a2", "a3"]);
+    assert_newest_first(&mine);
+    let a3 = mine
+        .iter()
+        .find(|r| r.run_id == "a3")
+        .ok_or_else(|| anyhow::anyhow!("a3 is not listed"))?;
+    assert_eq!(a3.status, pb::RunStatus::AwaitingApproval as i32);
+    assert_eq!(a3.waiting_for, pb::WaitingFor::Approval as i32);
+    assert_eq!(a3.principal, "alice");
+    assert_eq!(a3.labels.get("team").map(String::as_str), Some("sales"));
+    let a2 = mine
+        .iter()
+        .find(|r| r.run_id == "a2")
+        .ok_or_else(|| anyhow::anyhow!("a2 is not listed"))?;
+    assert_eq!(
+        (a2.status, a2.thread_id.as_str(), a2.turns),
+        (pb::RunStatus::Completed as i32, "t-1", 2)
+    );
+    assert!(a2.usage.is_some_and(|u| u.completion_tokens > 0), "{a2:?}");
+    assert!(
+        a2.created_at_ms >= i64::try_from(before_a2)? && a2.updated_at_ms >= a2.created_at_ms,
+        "{a2:?}"
+    );
+
+    // Each filter.
+    let by = async |client: &mut Client, request: pb::ListRunsRequest| -> anyhow::Result<Vec<String>> {
+        Ok(sorted(ids(
+            &all_pages(client, "alice-token", request, async || {}).await?
+        )))
+    };
+    let waiting = list(&[pb::RunStatus::AwaitingApproval]);
+    assert_eq!(by(&mut client, waiting).await?, ["a3"]);
+    let ended = list(&[pb::RunStatus::Completed, pb::RunStatus::Failed]);
+    assert_eq!(by(&mut client, ended).await?, ["a1", "a2"]);
+    let thread = pb::ListRunsRequest {
+        thread_id: "t-1".into(),
+        ..Default::default()
+    };
+    assert_eq!(by(&mut client, thread).await?, ["a2"]);
+    let labeled = pb::ListRunsRequest {
+        labels: [("team".to_owned(), "refunds".to_owned())].into(),
+        ..Default::default()
+    };
+    assert_eq!(by(&mut client, labeled).await?, ["a1", "a2"]);
+    let since = pb::ListRunsRequest {
+        created_after_ms: i64::try_from(before_a2)?,
+        ..Default::default()
+    };
+    assert_eq!(by(&mut client, since).await?, ["a2", "a3"]);
+    let until_a2 = pb::ListRunsRequest {
+        created_before_ms: i64::try_from(before_a2)?,
+        ..Default::default()
+    };
+    assert_eq!(by(&mut client, until_a2).await?, ["a1"]);
+
+    // Another principal's runs: refused by name, and never in her listing; an operator sees all.
+    let bobs = pb::ListRunsRequest {
+        principal: "bob".into(),
+        ..Default::default()
+    };
+    let refused = client.list_runs(as_("alice-token", bobs.clone())).await.err();
+    assert_eq!(refused.map(|s| s.code()), Some(tonic::Code::PermissionDenied));
+    let everyone = all_pages(&mut client, "olga-token", pb::ListRunsRequest::default(), async || {}).await?;
+    assert_eq!(sorted(ids(&everyone)), ["a1", "a2", "a3", "b1", "b2"]);
+    assert_newest_first(&everyone);
+    let of_bob = all_pages(&mut client, "olga-token", bobs, async || {}).await?;
+    assert_eq!(sorted(ids(&of_bob)), ["b1", "b2"]);
+
+    // The page size on both sides of its cap, and tokens of other listings.
+    let two = client
+        .list_runs(as_(
+            "olga-token",
+            pb::ListRunsRequest {
+                page_size: 2,
+                ..Default::default()
+            },
+        ))
+        .await?
+        .into_inner();
+    assert_eq!(two.runs.len(), 2);
+    let capped = client
+        .list_runs(as_(
+            "olga-token",
+            pb::ListRunsRequest {
+                page_size: 4,
+                ..Default::default()
+            },
+        ))
+        .await?
+        .into_inner();
+    assert_eq!(capped.runs.len(), 3, "--list-page-max 3 caps page_size 4");
+    let other_filters = pb::ListRunsRequest {
+        statuses: vec![pb::RunStatus::Completed as i32],
+        page_token: two.next_page_token.clone(),
+        ..Default::default()
+    };
+    let status = client.list_runs(as_("olga-token", other_filters)).await.err();
+    assert_eq!(
+        status.as_ref().map(tonic::Status::code),
+        Some(tonic::Code::InvalidArgument),
+        "{status:?}"
+    );
+    let forged = pb::ListRunsRequest {
+        page_token: "bm90IG1pbmU".into(),
+        ..Default::default()
+    };
+    let status = client.list_runs(as_("olga-token", forged)).await.err();
+    assert_eq!(status.map(|s| s.code()), Some(tonic::Code::InvalidArgument));
+    let bad_label = pb::ListRunsRequest {
+        labels: [("no spaces".to_owned(), "x".to_owned())].into(),
+        ..Default::default()
+    };
+    let status = client.list_runs(as_("olga-token", bad_label)).await.err();
+    assert_eq!(status.map(|s| s.code()), Some(tonic::Code::InvalidArgument));
+
+    // A run's labels are checked when it starts.
+    let too_many: Vec<(String, String)> = (0..17).map(|i| (format!("k{i}"), "v".to_owned())).collect();
+    let mut request = run("a4", &[], "", false);
+    request.labels = too_many.into_iter().collect();
+    let status = client.orchestrate(as_("alice-token", request)).await.err();
+    assert!(
+        status
+            .as_ref()
+            .is_some_and(|s| s.code() == tonic::Code::InvalidArgument && s.message().contains("--max-labels")),
+        "{status:?}"
+    );
+
+    // From a shell.
+    let output = tokio::process::Command::new(BIN)
+        .args([
+            "runs",
+            "--endpoint",
+            &w.endpoint(0),
+            "--status",
+            "awaiting-approval",
+            "--label",
+            "team=sales",
+        ])
+        .env("ORCHESTRATOR_TOKEN", "alice-token")
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert!(
+        lines[1].starts_with("a3 ") && lines[1].contains("AWAITING_APPROVAL") && lines[1].contains("team=sales"),
+        "{stdout}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn any_replica_lists_the_fleets_runs_and_pages_without_gaps_while_runs_come_and_go() -> TestResult {
+    let w = world(3, &[]).await?;
+    let mut clients = Vec::new();
+    for replica in 0..3 {
+        clients.push(w.client(replica).await?);
+    }
+    // Alice's runs on every replica, one parked on replica 0; bob's on replica 2.
+    let mut alices = Vec::new();
+    for i in 0..9 {
+        let id = format!("a{i}");
+        let labels: &[(&str, &str)] = if i % 3 == 0 { &[("team", "refunds")] } else { &[] };
+        start(&mut clients[i % 3], "alice-token", run(&id, labels, "", false)).await?;
+        alices.push(id);
+    }
+    start(
+        &mut clients[0],
+        "alice-token",
+        run("parked", &[("team", "refunds")], "", true),
+    )
+    .await?;
+    alices.push("parked".to_owned());
+    start(&mut clients[2], "bob-token", run("b0", &[], "", false)).await?;
+    start(&mut clients[2], "bob-token", run("b1", &[], "", false)).await?;
+
+    for client in &mut clients {
+        let request = pb::ListRunsRequest {
+            page_size: 4,
+            ..Default::default()
+        };
+        let rows = all_pages(client, "alice-token", request, async || {}).await?;
+        assert_eq!(sorted(ids(&rows)), sorted(alices.clone()));
+        // The live run parked on replica 0, found from every replica.
+        let waiting = all_pages(
+            client,
+            "alice-token",
+            list(&[pb::RunStatus::AwaitingApproval]),
+            async || {},
+        )
+        .await?;
+        assert_eq!(ids(&waiting), ["parked"]);
+        assert_eq!(waiting[0].waiting_for, pb::WaitingFor::Approval as i32);
+        let labeled = pb::ListRunsRequest {
+            labels: [("team".to_owned(), "refunds".to_owned())].into(),
+            ..Default::default()
+        };
+        let rows = all_pages(client, "alice-token", labeled, async || {}).await?;
+        assert_eq!(sorted(ids(&rows)), ["a0", "a3", "a6", "parked"]);
+    }
+    let of_bob = pb::ListRunsRequest {
+        principal: "bob".into(),
+        ..Default::default()
+    };
+    let rows = all_pages(&mut clients[1], "olga-token", of_bob, async || {}).await?;
+    assert_eq!(sorted(ids(&rows)), ["b0", "b1"]);
+
+    // Paging on replica 1 while runs start on the others and the parked one is decided and ends:
+    // every run there at the start is listed once, none twice.
+    let (mut starter, mut decider) = (clients[0].clone(), clients[2].clone());
+    let mut started = 0;
+    let request = pb::ListRunsRequest {
+        page_size: 2,
+        ..Default::default()
+    };
+    let rows = all_pages(&mut clients[1], "alice-token", request, async || {
+        started += 1;
+        let _ = start(
+            &mut starter,
+            "alice-token",
+            run(&format!("new{started}"), &[], "", false),
+        )
+        .await;
+        if started == 2 {
+            let pending = decider
+                .list_pending_approvals(as_("alice-token", pb::ListPendingApprovalsRequest::default()))
+                .await
+                .map(|r| r.into_inner().approvals)
+                .unwrap_or_default();
+            let decisions = pending
+                .iter()
+                .map(|p| pb::ToolCallDecision {
+                    call_id: p.call_id.clone(),
+                    kind: pb::DecisionKind::Approve as i32,
+                    ..Default::default()
+                })
+                .collect();
+            let decide = pb::DecideToolCallsRequest {
+                run_id: "parked".into(),
+                decisions,
+            };
+            let _ = decider.decide_tool_calls(as_("alice-token", decide)).await;
+        }
+    })
+    .await?;
+    let listed = ids(&rows);
+    let unique: HashSet<&String> = listed.iter().collect();
+    assert_eq!(unique.len(), listed.len(), "a run listed twice: {listed:?}");
+    for id in &alices {
+        assert!(unique.contains(id), "{id} missing from {listed:?}");
+    }
+    assert!(started >= 4, "the listing took {started} pages");
+    Ok(())
+}
