@@ -5,6 +5,7 @@
         --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
     python orchestrate.py --target 127.0.0.1:50051 --attach RUN_ID [--after SEQ]
     python orchestrate.py --target 127.0.0.1:50051 --list-approvals [--run-id RUN_ID]
+    python orchestrate.py --target 127.0.0.1:50051 --list-runs [--status RUNNING] [--label K=V]
 
 TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
 --server-name when the certificate names another host. Token: --token or ORCHESTRATOR_TOKEN,
@@ -18,7 +19,9 @@ the run does when another run holds it, and --get-thread ID prints one as JSON. 
 starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
 approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
 person); --list-approvals prints the calls waiting that this caller may decide (one JSON line each)
-and exits. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
+and exits. --label K=V labels the run (repeatable); --list-runs prints the caller's runs (ListRuns,
+every page, one JSON line each, newest first), filtered by --status (RUNNING, AWAITING_APPROVAL,
+COMPLETED, FAILED, CANCELED; repeatable), --label and --thread. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
 UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a row
 without a new event, so the printed stream has no gap and no duplicate. --target takes any gRPC
 name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with --authority
@@ -52,6 +55,9 @@ def parse_args(argv):
     start.add_argument("--attach", metavar="RUN_ID", help="follow this run instead of starting one")
     start.add_argument("--list-approvals", action="store_true", help="list the calls waiting for approval")
     start.add_argument("--get-thread", metavar="THREAD_ID", help="print this thread (GetThread) as JSON")
+    start.add_argument("--list-runs", action="store_true", help="list this caller's runs (ListRuns)")
+    p.add_argument("--status", action="append", default=[], help="with --list-runs: runs in this status (repeatable)")
+    p.add_argument("--label", action="append", default=[], metavar="K=V", help="label the run; with --list-runs: runs with it")
     p.add_argument("--after", type=int, default=0, help="with --attach: the last seq already seen")
     p.add_argument("--reattach-attempts", type=int, default=5, help="re-attaches in a row without a new event")
     p.add_argument("--system", default="", help="a system message")
@@ -107,8 +113,20 @@ def open_channel(args):
     return grpc.secure_channel(args.target, credentials, options=options)
 
 
+def labels(args):
+    """The --label K=V pairs as a dict; SystemExit naming one without '='."""
+    pairs = {}
+    for label in args.label:
+        key, sep, value = label.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--label {label!r} is not K=V")
+        pairs[key] = value
+    return pairs
+
+
 def build_request(args):
     return pb.OrchestrateRequest(
+        labels=labels(args),
         run_id=args.run_id,
         system=args.system,
         model=args.model,
@@ -315,6 +333,21 @@ def list_approvals(args, metadata):
     return 0
 
 
+def list_runs(args, metadata):
+    """Prints every page of the caller's runs that the filters match, one JSON line each."""
+    statuses = [pb.RunStatus.Value(f"RUN_STATUS_{s.upper()}") for s in args.status]
+    request = pb.ListRunsRequest(statuses=statuses, labels=labels(args), thread_id=args.thread)
+    with open_channel(args) as channel:
+        stub = pb_grpc.OrchestratorStub(channel)
+        while True:
+            page = stub.ListRuns(request, metadata=metadata, timeout=30)
+            for summary in page.runs:
+                print(json.dumps(json_format.MessageToDict(summary, preserving_proto_field_name=True)), flush=True)
+            if not page.next_page_token:
+                return 0
+            request.page_token = page.next_page_token
+
+
 def get_thread(args, metadata):
     """Prints the thread as one JSON object; exit 3 with the gRPC status when refused."""
     with open_channel(args) as channel:
@@ -335,6 +368,8 @@ def run(args):
         return list_approvals(args, metadata)
     if args.get_thread:
         return get_thread(args, metadata)
+    if args.list_runs:
+        return list_runs(args, metadata)
     with open_channel(args) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         follower = Follower(stub, metadata, args)

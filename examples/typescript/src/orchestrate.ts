@@ -6,6 +6,7 @@
  *     --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --attach RUN_ID [--after SEQ]
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --list-approvals [--run-id RUN_ID]
+ *   node dist/orchestrate.js --target 127.0.0.1:50051 --list-runs [--status RUNNING] [--label K=V]
  *
  * The contract is loaded from the repository's .proto at run time (@grpc/proto-loader).
  * TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key for mTLS,
@@ -21,7 +22,9 @@
  * starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
  * approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
  * person); --list-approvals prints the calls waiting that this caller may decide (one JSON line
- * each) and exits. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
+ * each) and exits. --label K=V labels the run (repeatable); --list-runs prints the caller's runs
+ * (ListRuns, every page, one JSON line each, newest first), filtered by --status (RUNNING,
+ * AWAITING_APPROVAL, COMPLETED, FAILED, CANCELED; repeatable), --label and --thread. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
  * UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a
  * row without a new event, so the printed stream has no gap and no duplicate. --target takes any
  * gRPC name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with
@@ -101,6 +104,9 @@ function options() {
       decide: { type: "string" },
       "list-approvals": { type: "boolean", default: false },
       "get-thread": { type: "string" },
+      "list-runs": { type: "boolean", default: false },
+      status: { type: "string", multiple: true, default: [] },
+      label: { type: "string", multiple: true, default: [] },
       thread: { type: "string", default: "" },
       "on-busy": { type: "string", default: "reject" },
       ca: { type: "string" },
@@ -117,8 +123,12 @@ function options() {
       json: { type: "boolean", default: false },
     },
   });
-  if ([values.prompt, values.attach, values["list-approvals"] || undefined, values["get-thread"]].filter((v) => v).length !== 1) {
-    throw new Error("one of --prompt, --attach, --list-approvals or --get-thread is required");
+  const modes = [values.prompt, values.attach, values["list-approvals"] || undefined, values["get-thread"], values["list-runs"] || undefined];
+  if (modes.filter((v) => v).length !== 1) {
+    throw new Error("one of --prompt, --attach, --list-approvals, --get-thread or --list-runs is required");
+  }
+  for (const label of values.label) {
+    if (label.indexOf("=") < 1) throw new Error(`--label ${JSON.stringify(label)} is not K=V`);
   }
   if (!["reject", "enqueue", "interrupt", "rollback"].includes(String(values["on-busy"]))) {
     throw new Error("--on-busy is reject, enqueue, interrupt or rollback");
@@ -155,8 +165,14 @@ function loadClient(opts: Options) {
   return new Orchestrator(opts.target, credentials, channelOptions) as any;
 }
 
+/** The --label K=V pairs. */
+function labels(opts: Options): Record<string, string> {
+  return Object.fromEntries(opts.label.map((label) => [label.slice(0, label.indexOf("=")), label.slice(label.indexOf("=") + 1)]));
+}
+
 function request(opts: Options) {
   return {
+    labels: labels(opts),
     run_id: opts["run-id"],
     system: opts.system,
     model: opts.model,
@@ -321,6 +337,33 @@ async function listApprovals(opts: Options): Promise<number> {
   }
 }
 
+/** Prints every page of the caller's runs the filters match (ListRuns), one JSON line each. */
+async function listRuns(opts: Options): Promise<number> {
+  const client = loadClient(opts);
+  const metadata = new grpc.Metadata();
+  if (opts.token) metadata.set("authorization", `Bearer ${opts.token}`);
+  const asked = {
+    statuses: opts.status.map((s) => `RUN_STATUS_${s.toUpperCase()}`),
+    labels: labels(opts),
+    thread_id: opts.thread,
+    page_token: "",
+  };
+  try {
+    for (;;) {
+      const page = await unary<{ runs: object[]; next_page_token: string }>(client, "ListRuns", asked, metadata);
+      for (const summary of page.runs) process.stdout.write(`${JSON.stringify(summary)}\n`);
+      if (!page.next_page_token) return 0;
+      asked.page_token = page.next_page_token;
+    }
+  } catch (err) {
+    const e = err as grpc.ServiceError;
+    process.stderr.write(`error: ${grpc.status[e.code]}: ${e.details}\n`);
+    return 3;
+  } finally {
+    client.close();
+  }
+}
+
 /** Prints the thread (GetThread) as one JSON object; 3 with the gRPC status when refused. */
 async function getThread(opts: Options): Promise<number> {
   const client = loadClient(opts);
@@ -457,6 +500,7 @@ async function main() {
     return 2;
   }
   if (opts["list-approvals"]) return listApprovals(opts);
+  if (opts["list-runs"]) return listRuns(opts);
   return opts["get-thread"] !== undefined ? getThread(opts) : run(opts);
 }
 

@@ -273,8 +273,9 @@ fn check_steered(client: &str, output: &Output) -> TestResult {
     Ok(())
 }
 
-/// Two runs on one thread (`--thread`, the second `--on-busy enqueue`), then `--get-thread`: the
-/// second run answered after seeing the first, and the thread holds both.
+/// Two runs on one thread (`--thread`, the second `--on-busy enqueue`, each `--label`ed), then
+/// `--get-thread`: the second run answered after seeing the first, and the thread holds both; and
+/// `--list-runs --label` finds both, newest first.
 async fn check_thread(client: &str, make: fn() -> anyhow::Result<Command>, args: &[String]) -> TestResult {
     let thread = format!("{client}-thread");
     for (prompt, policy, answer) in [("Hi.", "reject", "Answer 1."), ("Again.", "enqueue", "Answer 2.")] {
@@ -288,6 +289,8 @@ async fn check_thread(client: &str, make: fn() -> anyhow::Result<Command>, args:
             &thread,
             "--on-busy",
             policy,
+            "--label",
+            &format!("client={client}"),
         ]);
         let output = run(command).await?;
         assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(&output));
@@ -307,6 +310,24 @@ async fn check_thread(client: &str, make: fn() -> anyhow::Result<Command>, args:
         Some(4),
         "{client}: {thread}"
     );
+    let mut command = make()?;
+    let label = format!("client={client}");
+    command.args(args).args(["--list-runs", "--label", &label, "--status", "COMPLETED"]);
+    let output = run(command).await?;
+    assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(&output));
+    let rows: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let runs: Vec<&Value> = thread["runs"].as_array().map(|r| r.iter().collect()).unwrap_or_default();
+    assert_eq!(rows.len(), 2, "{client}: {rows:?}");
+    for row in &rows {
+        assert_eq!(row["thread_id"], thread["thread_id"], "{client}: {row}");
+        assert_eq!(row["labels"]["client"], client, "{client}: {row}");
+        assert_eq!(row["status"], "RUN_STATUS_COMPLETED", "{client}: {row}");
+    }
+    // Newest first: the second run of the thread is listed first.
+    assert_eq!(rows[0]["run_id"], runs[1]["run_id"], "{client}: {rows:?} {runs:?}");
     Ok(())
 }
 
