@@ -11,6 +11,7 @@ mod approvals;
 mod durability;
 mod fence;
 mod fleet;
+mod listing;
 mod micro;
 mod otlp;
 mod paced;
@@ -106,6 +107,11 @@ struct Cli {
     /// read; writes `fence.md` / `fence.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(100..=1_000_000))]
     fence: Option<u64>,
+    /// Instead of the grid: this many ended runs (100–1000000) stored in a NATS (`nats-server`
+    /// on the PATH), then the latency of `ListRuns` pages of 50 for several queries beside one
+    /// `GetRun`; writes `list_runs.md` / `list_runs.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(100..=1_000_000))]
+    list_runs: Option<u64>,
 }
 
 /// Whether the real-server row runs.
@@ -728,6 +734,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(calls) = cli.fence {
         return fence::run(usize::try_from(calls)?, &cli.out).await;
+    }
+    if let Some(runs) = cli.list_runs {
+        return listing::run(&bin, usize::try_from(runs)?, &cli.out).await;
     }
     let workloads = selected_workloads(&cli)?;
     let real_server_skipped = real_server_skip_reason(&cli)?;

@@ -312,14 +312,19 @@ async fn check_thread(client: &str, make: fn() -> anyhow::Result<Command>, args:
     );
     let mut command = make()?;
     let label = format!("client={client}");
-    command.args(args).args(["--list-runs", "--label", &label, "--status", "COMPLETED"]);
+    command
+        .args(args)
+        .args(["--list-runs", "--label", &label, "--status", "COMPLETED"]);
     let output = run(command).await?;
     assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(&output));
     let rows: Vec<Value> = String::from_utf8_lossy(&output.stdout)
         .lines()
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()?;
-    let runs: Vec<&Value> = thread["runs"].as_array().map(|r| r.iter().collect()).unwrap_or_default();
+    let runs: Vec<&Value> = thread["runs"]
+        .as_array()
+        .map(|r| r.iter().collect())
+        .unwrap_or_default();
     assert_eq!(rows.len(), 2, "{client}: {rows:?}");
     for row in &rows {
         assert_eq!(row["thread_id"], thread["thread_id"], "{client}: {row}");

@@ -10,10 +10,13 @@
 //! - **the end, once and kept**: every run claimed ends, its record holds the end its log holds,
 //!   and no reader was shown an end before both held it;
 //! - **the thread**: once every run ended, the thread holds each of its runs that ended exactly
-//!   once, and no run holds it or waits for it.
+//!   once, and no run holds it or waits for it;
+//! - **the listing**: once every run ended, `ListRuns` on every replica, page after page, shows
+//!   each run claimed exactly once, newest first, with the status its record holds.
 
 use std::collections::BTreeMap;
 
+use orchestrator::domain::listing::RunSummary;
 use orchestrator::domain::{NumberedEvent, RunResult};
 
 use super::actors::Runners;
@@ -21,6 +24,44 @@ use super::store::Store;
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The listing's invariant, for the rows one replica's `ListRuns` pages showed in order.
+pub fn listing_whole(store: &Store, replica: &str, rows: &[RunSummary]) -> Vec<String> {
+    let shared = lock(store);
+    let mut broken = Vec::new();
+    let mut seen = BTreeMap::new();
+    for row in rows {
+        if let Some(again) = seen.insert(row.run_id.as_str(), row) {
+            broken.push(format!(
+                "the listing on {replica} shows {} twice: {again:?}",
+                row.run_id
+            ));
+        }
+        match shared.records.get(&row.run_id) {
+            Some(record) if record.result.status != row.status => broken.push(format!(
+                "the listing on {replica} shows {} {:?}, its record {:?}",
+                row.run_id, row.status, record.result.status
+            )),
+            Some(_) => {}
+            None => broken.push(format!(
+                "the listing on {replica} shows {}, which has no record",
+                row.run_id
+            )),
+        }
+    }
+    for run_id in shared.records.keys().filter(|id| !seen.contains_key(id.as_str())) {
+        broken.push(format!("the listing on {replica} misses {run_id}"));
+    }
+    for pair in rows.windows(2) {
+        if (pair[0].created_at_ms, &pair[0].run_id) < (pair[1].created_at_ms, &pair[1].run_id) {
+            broken.push(format!(
+                "the listing on {replica} shows {} before the newer {}",
+                pair[0].run_id, pair[1].run_id
+            ));
+        }
+    }
+    broken
 }
 
 /// Every invariant broken, with its evidence.

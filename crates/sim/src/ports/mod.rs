@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use orchestrator::domain::chat::{Message, ToolDefinition};
+use orchestrator::domain::listing::ListRequest;
 use orchestrator::domain::spec::{Deadline, Limits, ParsePolicy};
 use orchestrator::domain::{LeaseTerms, RunSpec};
 use orchestrator::server::harness::{Ports, Replica};
@@ -249,6 +250,9 @@ impl World {
         let ended = self.wait_for_ends().await;
         reader.abort();
         let mut violations = check::violations(&self.store, &self.runners, self.settings.runs);
+        if ended.is_ok() {
+            violations.extend(self.listings().await);
+        }
         violations.extend(lock(&self.observations).drain(..));
         if let Err(unended) = ended {
             violations.push(unended);
@@ -409,6 +413,36 @@ impl World {
                 }
             }
         })
+    }
+
+    /// The listing's invariant on every replica alive: its pages of `ListRuns`, a few rows at a
+    /// time (runs carry the label `kind=sim`, which the listing asks for).
+    async fn listings(&self) -> Vec<String> {
+        let living: Vec<Arc<Replica>> = lock(&self.living).clone();
+        let mut broken = Vec::new();
+        for (n, replica) in living.iter().enumerate() {
+            let mut request = ListRequest {
+                labels: [("kind".to_owned(), "sim".to_owned())].into(),
+                page_size: 3,
+                ..ListRequest::default()
+            };
+            let mut rows = Vec::new();
+            for _ in 0..=self.settings.runs {
+                match tokio::time::timeout(Duration::from_secs(10), replica.list(request.clone())).await {
+                    Ok(Ok((page, next))) => {
+                        rows.extend(page.runs);
+                        let Some(next) = next else { break };
+                        request.page_token = Some(next);
+                    }
+                    other => {
+                        broken.push(format!("ListRuns on replica {n} failed: {other:?}"));
+                        break;
+                    }
+                }
+            }
+            broken.extend(check::listing_whole(&self.store, &format!("replica {n}"), &rows));
+        }
+        broken
     }
 
     /// Waits (at most the settle time) until every run claimed has its end in the store.

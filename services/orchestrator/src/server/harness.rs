@@ -10,6 +10,7 @@ use shared::runtime::AbortOnDrop;
 
 use super::Core;
 pub use super::build::Ports;
+use crate::domain::listing::{ListRequest, RunPage};
 use crate::domain::{RunResult, RunSpec};
 use crate::{Config, Error};
 
@@ -48,6 +49,12 @@ impl Replica {
     /// The run as `GetRun` answers it.
     pub async fn get(&self, run_id: &str) -> Result<RunResult, Error> {
         self.core.get(run_id, &Principal::default()).await
+    }
+
+    /// A page of the runs `request` asks for, as `ListRuns` answers it (every run: the caller is
+    /// unauthenticated), and the next page's token.
+    pub async fn list(&self, request: ListRequest) -> Result<(RunPage, Option<String>), Error> {
+        self.core.list_runs(request, &Principal::default()).await
     }
 
     /// Runs live on this replica now.

@@ -42,6 +42,9 @@ use crate::store::unavailable;
 
 /// Records read at once.
 const READ_CONCURRENCY: usize = 16;
+/// Records read before the page is looked at again: a full page reads at most this many more
+/// than it shows.
+const READ_BATCH: usize = 32;
 /// The first window walked: a page's worth and some.
 const MIN_WINDOW: u64 = 64;
 
@@ -149,21 +152,37 @@ impl Walk {
         while below > first && walked < self.scan_max {
             let from = below.saturating_sub(window.min(self.scan_max - walked)).max(first);
             walked += below - from;
-            let entries = self.entries(from, below).await?;
-            for (position, entry) in entries.into_iter().rev() {
-                if !self.query.admits(entry.created_at_ms, &entry.labels) {
-                    continue;
-                }
-                if read == self.read_max {
-                    return Ok(self.page(rows, Some(position + 1)));
-                }
-                read += 1;
-                if let Some(row) = self.row(&entry).await?.filter(|r| self.query.matches(r)) {
+            let admitted: Vec<(u64, Entry)> = self
+                .entries(from, below)
+                .await?
+                .into_iter()
+                .rev()
+                .filter(|(_, e)| self.query.admits(e.created_at_ms, &e.labels))
+                .collect();
+            // Records are read a batch at a time, the batch's reads at once, in the walk's order.
+            for batch in admitted.chunks(READ_BATCH) {
+                let Some(room) = self.read_max.checked_sub(read).filter(|room| *room > 0) else {
+                    return Ok(self.page(rows, Some(batch[0].0 + 1)));
+                };
+                let batch = &batch[..batch.len().min(room)];
+                read += batch.len();
+                let reads: Vec<_> = batch.iter().map(|(_, entry)| self.row(entry)).collect();
+                let found = futures::stream::iter(reads)
+                    .buffered(READ_CONCURRENCY)
+                    .collect::<Vec<_>>()
+                    .await;
+                for ((position, _), row) in batch.iter().zip(found) {
+                    let Some(row) = row?.filter(|r| self.query.matches(r)) else {
+                        continue;
+                    };
                     rows.push(row);
                     if rows.len() == self.query.page_size {
-                        let more = position > first;
-                        return Ok(self.page(rows, more.then_some(position)));
+                        let more = *position > first;
+                        return Ok(self.page(rows, more.then_some(*position)));
                     }
+                }
+                if let Some((position, _)) = batch.last().filter(|_| read == self.read_max) {
+                    return Ok(self.page(rows, Some(*position)));
                 }
             }
             below = from;
@@ -182,17 +201,16 @@ impl Walk {
 
     /// The row of `entry`'s run, when its record agrees with the entry (see the module docs);
     /// this replica's view of it when it runs here.
-    async fn row(&self, entry: &Entry) -> Result<Option<RunSummary>, StoreError> {
-        let here = self.here.get(&entry.run_id);
-        let run = match here {
-            Some(live) => Some(live.clone()),
-            None => self
-                .store
-                .read_key(&super::results::key(&entry.run_id))
-                .await?
-                .map(|r| RunSummary::from(&r)),
+    fn row(&self, entry: &Entry) -> BoxFuture<'static, Result<Option<RunSummary>, StoreError>> {
+        let agrees = {
+            let (principal, created_at_ms) = (entry.principal.clone(), entry.created_at_ms);
+            move |r: &RunSummary| r.principal == principal && r.created_at_ms == created_at_ms
         };
-        Ok(run.filter(|r| r.principal == entry.principal && r.created_at_ms == entry.created_at_ms))
+        if let Some(live) = self.here.get(&entry.run_id) {
+            return futures::future::ready(Ok(Some(live.clone()).filter(agrees))).boxed();
+        }
+        let read = self.store.read_key(&super::results::key(&entry.run_id));
+        async move { Ok(read.await?.map(|r| RunSummary::from(&r)).filter(agrees)) }.boxed()
     }
 
     /// The entries at positions `from..below` under the query's subject, in stream order.
