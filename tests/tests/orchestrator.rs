@@ -703,13 +703,19 @@ async fn max_turns_ends_a_model_that_never_stops() -> TestResult {
     Ok(())
 }
 
+/// With no room to wait (`--max-queued-runs 0`) a run that finds every slot taken is refused at
+/// once (`tests/sharing.rs` has the runs that wait).
 #[tokio::test]
 async fn full_run_slots_refuse_at_once() -> TestResult {
     let scenario = Scenario::new(vec![
         Turn::text("Busy.\n").then(Step::call("sleep", json!({"ms": 1000}))),
         Turn::text("Free."),
     ]);
-    let stack = Stack::start(scenario, runner_config(None), |c| c.runs.max_runs = 1).await?;
+    let stack = Stack::start(scenario, runner_config(None), |c| {
+        c.runs.max_runs = 1;
+        c.runs.max_queued_runs = 0;
+    })
+    .await?;
     let mut client = stack.client().await?;
     let mut first = client.orchestrate(request("a", &[])).await?.into_inner();
     let _started = first.message().await?;

@@ -88,7 +88,11 @@ async fn a_run_streams_typed_events_and_collects_its_result() -> TestResult {
 
 #[tokio::test]
 async fn a_call_refused_for_want_of_a_run_slot_is_retried_with_backoff() -> TestResult {
-    let stack = Stack::start(scenarios(1500), runner_config(None), |config| config.runs.max_runs = 1).await?;
+    let stack = Stack::start(scenarios(1500), runner_config(None), |config| {
+        config.runs.max_runs = 1;
+        config.runs.max_queued_runs = 0;
+    })
+    .await?;
     let endpoint = format!("http://{}", stack.addr);
     let client = ClientBuilder::new(&endpoint).retry(Retry::none()).connect().await?;
     let mut slow = client.orchestrate(RunRequest::prompt("nap").model("slow")).await?;

@@ -15,7 +15,10 @@
 //! principal = "billing"                 # who the caller is: owner of its runs, in logs and spans
 //! sha256 = "9f86d081884c7d65…"          # hex SHA-256 of the token (`printf %s "$TOKEN" | sha256sum`)
 //! tools = ["calculate", "time_*"]       # optional: the tools it may use (`*` globs); default all
-//! max_runs = 8                          # optional: its runs in flight at once
+//! max_runs = 8                          # optional: its runs in flight at once, on all replicas
+//! max_queued = 100                      # optional: its runs waiting for a slot (default
+//!                                       # --max-queued-runs)
+//! weight = 2                            # optional: its share of the slots when runs wait (1-1000)
 //! roles = ["approver"]                  # optional: "approver" decides any run's tool calls,
 //!                                       # "operator" lists every principal's runs
 //! [token.limits]                        # optional: ceilings on what its requests may ask
@@ -41,6 +44,8 @@ use crate::tls::PeerInfo;
 
 /// The longest principal name accepted (it becomes a label and a log field).
 pub const MAX_PRINCIPAL_LEN: usize = 128;
+/// The largest share weight a principal may have.
+pub const MAX_WEIGHT: u32 = 1000;
 /// The most entries a tokens file may hold.
 pub const MAX_TOKENS: usize = 10_000;
 /// The largest tokens file read.
@@ -85,6 +90,8 @@ struct Entry {
     sha256: Option<String>,
     tools: Option<Vec<String>>,
     max_runs: Option<usize>,
+    max_queued: Option<usize>,
+    weight: Option<u32>,
     #[serde(default)]
     limits: LimitCeilings,
     #[serde(default)]
@@ -114,6 +121,10 @@ pub struct Principal {
     pub tools: Option<Vec<String>>,
     /// Its runs in flight at once; `None`: only the server's limit.
     pub max_runs: Option<usize>,
+    /// Its runs waiting for a slot at once; `None`: the server's limit.
+    pub max_queued: Option<usize>,
+    /// Its share of the slots when runs wait for them (`None`: 1).
+    pub weight: Option<u32>,
     /// Its ceilings on request limits.
     pub limits: LimitCeilings,
     /// Its roles (see [`ROLES`]).
@@ -205,6 +216,9 @@ fn check_entry(entry: &Entry) -> Result<(), String> {
     if entry.max_runs == Some(0) {
         return Err(format!("principal {name:?}: max_runs must be at least 1"));
     }
+    if entry.weight.is_some_and(|w| !(1..=MAX_WEIGHT).contains(&w)) {
+        return Err(format!("principal {name:?}: weight must be from 1 to {MAX_WEIGHT}"));
+    }
     if let Some(role) = entry.roles.iter().find(|r| !ROLES.contains(&r.as_str())) {
         return Err(format!(
             "principal {name:?}: unknown role {role:?} (known: {})",
@@ -232,6 +246,8 @@ impl Table {
                 name: entry.principal.clone(),
                 tools: entry.tools,
                 max_runs: entry.max_runs,
+                max_queued: entry.max_queued,
+                weight: entry.weight,
                 limits: entry.limits,
                 roles: entry.roles,
             });
@@ -511,6 +527,14 @@ mod tests {
             ("[[token]]\nprincipal = \"\"\n", "printable"),
             ("[[token]]\nprincipal = \"a\"\ntool = [\"x\"]\n", "unknown field"),
             ("[[token]]\nprincipal = \"a\"\nmax_runs = 0\n", "at least 1"),
+            (
+                "[[token]]\nprincipal = \"a\"\nweight = 0\n",
+                "weight must be from 1 to 1000",
+            ),
+            (
+                "[[token]]\nprincipal = \"a\"\nweight = 1001\n",
+                "weight must be from 1 to 1000",
+            ),
         ] {
             let (_f, auth) = file(text);
             let e = auth.err().unwrap().to_string();

@@ -134,6 +134,17 @@ pub enum Error {
         /// Its bound.
         max: usize,
     },
+    /// No slot was free and the run may not wait for one.
+    #[error("no run slot is free for principal {principal:?} and it may not wait: {full}; retry later")]
+    QueueFull {
+        /// The caller.
+        principal: String,
+        /// Which queue is full.
+        full: crate::domain::share::QueueFull,
+    },
+    /// The run's deadline passed while it waited for a slot.
+    #[error("the run waited {} for a run slot until its deadline; it did not start", humantime::format_duration(*.0))]
+    SlotWait(std::time::Duration),
     /// The caller's deadline passed while its run waited for the thread.
     #[error("the run waited for thread {0:?} until its deadline; it did not start")]
     ThreadWait(String),
@@ -155,7 +166,8 @@ impl From<Error> for tonic::Status {
             Error::NotNow(_) => Self::failed_precondition(message),
             Error::ThreadBusy { .. } => Self::aborted(message),
             Error::ThreadQueueFull { .. } => Self::resource_exhausted(message),
-            Error::ThreadWait(_) => Self::deadline_exceeded(message),
+            Error::ThreadWait(_) | Error::SlotWait(_) => Self::deadline_exceeded(message),
+            Error::QueueFull { .. } => Self::resource_exhausted(message),
             Error::PermissionDenied(_) => Self::permission_denied(message),
             Error::NotFound(_) => Self::not_found(message),
             Error::Draining

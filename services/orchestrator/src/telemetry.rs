@@ -22,6 +22,8 @@ pub(crate) mod metric {
     pub(crate) const RUN_DURATION: &str = "orchestrator_run_duration_seconds";
     /// Gauge: runs in flight.
     pub(crate) const RUNS_IN_FLIGHT: &str = "orchestrator_runs_in_flight";
+    /// Gauge: runs waiting for a run slot on this replica.
+    pub(crate) const RUNS_QUEUED: &str = "orchestrator_runs_queued";
     /// Histogram: turn wall time (completion plus tool calls).
     pub(crate) const TURN_DURATION: &str = "orchestrator_turn_duration_seconds";
     /// Histogram: time from sending a completion request to its first token.

@@ -277,6 +277,7 @@ impl TryFrom<pb::RunResult> for RunResult {
             labels: r.labels.into_iter().collect(),
             created_at_ms: u64::try_from(r.created_at_ms).unwrap_or(0),
             updated_at_ms: u64::try_from(r.updated_at_ms).unwrap_or(0),
+            queued_ms: r.queued_ms,
         })
     }
 }
@@ -316,6 +317,7 @@ impl From<&RunResult> for pb::RunResult {
             labels: r.labels.clone().into_iter().collect(),
             created_at_ms: unix_ms_pb(r.created_at_ms),
             updated_at_ms: unix_ms_pb(r.updated_at_ms),
+            queued_ms: r.queued_ms,
         }
     }
 }
@@ -361,7 +363,9 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             exit_tools,
             limits,
             thread,
+            queued_ms,
         } => E::RunStarted(pb::RunStarted {
+            queued_ms,
             model,
             normal_tools,
             exit_tools,
@@ -484,6 +488,7 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                         turns: e.thread_turns,
                         turns_left_out: e.thread_turns_left_out,
                     }),
+                    queued_ms: e.queued_ms,
                 }
             }
             E::TextDelta(e) => Event::TextDelta {

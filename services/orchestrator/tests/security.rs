@@ -589,7 +589,7 @@ async fn slow_handshakes_are_bounded_in_number_and_time() -> TestResult {
 }
 
 /// Carol's `max_runs` in the tokens file, alone.
-const CAROL_ONLY: &str = "[[token]]\nprincipal = \"carol\"\nmax_runs = 1\n";
+const CAROL_ONLY: &str = "[[token]]\nprincipal = \"carol\"\nmax_runs = 1\nmax_queued = 0\n";
 
 /// A tool-runner over mTLS found by `dns:///localhost`, and the orchestrator taking principals
 /// from client certificates with a tokens file listing Carol only (re-read every second); the
@@ -692,7 +692,8 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
     })
     .await?;
 
-    // Carol may have one run in flight: a second, while a slow one runs, is RESOURCE_EXHAUSTED.
+    // Carol may have one run in flight and none waiting: a second, while a slow one runs, is
+    // RESOURCE_EXHAUSTED.
     let mut first = client("carol").await?;
     let slow_run = tokio::spawn(async move { run_to_result(&mut first, ask("slow")).await });
     testkit::wait::until_sync("the slow run to ask the model", Duration::from_secs(10), || {

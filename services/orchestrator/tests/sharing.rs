@@ -41,17 +41,26 @@ struct World {
 }
 
 async fn world(replicas: usize, flags: &[&str]) -> anyhow::Result<World> {
+    world_with(replicas, flags, scenario(), &[]).await
+}
+
+/// [`world`] with another scenario, and `more` principals: `(name, token, tokens file lines)`.
+async fn world_with(
+    replicas: usize,
+    flags: &[&str],
+    scenario: impl Into<mock_llm::Scenarios>,
+    more: &[(&str, &str, &str)],
+) -> anyhow::Result<World> {
     let dir = tempfile::tempdir()?;
     let tokens = dir.path().join("tokens.toml");
-    std::fs::write(
-        &tokens,
-        testkit::pki::tokens_toml(&[
-            ("alice", "alice-token", ""),
-            ("bob", "bob-token", ""),
-            ("olga", "olga-token", "roles = [\"operator\"]"),
-        ]),
-    )?;
-    let llm = MockLlm::start(scenario()).await?;
+    let mut principals = vec![
+        ("alice", "alice-token", ""),
+        ("bob", "bob-token", ""),
+        ("olga", "olga-token", "roles = [\"operator\"]"),
+    ];
+    principals.extend_from_slice(more);
+    std::fs::write(&tokens, testkit::pki::tokens_toml(&principals))?;
+    let llm = MockLlm::start(scenario).await?;
     let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config::default()).await?;
     let nats = match replicas {
         1 => None,
@@ -449,5 +458,161 @@ async fn any_replica_lists_the_fleets_runs_and_pages_without_gaps_while_runs_com
         assert!(unique.contains(id), "{id} missing from {listed:?}");
     }
     assert!(started >= 4, "the listing took {started} pages");
+    Ok(())
+}
+
+/// Turn 1 naps `ms` in a tool call, turn 2 answers.
+fn napping(ms: u64) -> Scenario {
+    Scenario::new(vec![
+        Turn::text("Working.").then(Step::call("sleep", json!({"ms": ms}))),
+        Turn::text("Done."),
+    ])
+}
+
+/// Runs the orchestrate call of `request` as `token` to its last event in a task: the call
+/// returns once the run was let in (it may wait for a slot first); the run's `run_started`
+/// `queued_ms`, or the refusal's code.
+fn spawn_run(
+    client: &Client,
+    token: &'static str,
+    request: pb::OrchestrateRequest,
+) -> tokio::task::JoinHandle<Result<u64, tonic::Code>> {
+    let mut client = client.clone();
+    tokio::spawn(async move {
+        let mut stream = client
+            .orchestrate(as_(token, request))
+            .await
+            .map_err(|s| s.code())?
+            .into_inner();
+        let mut queued = 0;
+        while let Some(event) = stream.message().await.map_err(|s| s.code())? {
+            if let Some(pb::orchestrate_event::Event::RunStarted(started)) = event.event {
+                queued = started.queued_ms;
+            }
+        }
+        Ok(queued)
+    })
+}
+
+/// How many runs wait for a slot on the replica (its metrics).
+async fn queued(service: &Service) -> f64 {
+    testkit::helpers::scrape(&service.metrics)
+        .await
+        .ok()
+        .and_then(|m| m.get("orchestrator_runs_queued{}").copied())
+        .unwrap_or(-1.0)
+}
+
+#[tokio::test]
+async fn runs_wait_for_a_slot_and_a_flood_does_not_starve_a_quiet_caller() -> TestResult {
+    let flood = "max_queued = 30";
+    let w = world_with(
+        1,
+        &["--max-runs", "2", "--max-queued-runs", "100"],
+        mock_llm::Scenarios {
+            default: napping(100),
+            named: [("slow".to_owned(), napping(4000))].into(),
+        },
+        &[("flood", "flood-token", flood), ("quiet", "quiet-token", "")],
+    )
+    .await?;
+    let client = w.client(0).await?;
+    let plain = |id: String| pb::OrchestrateRequest {
+        run_id: id,
+        ..testkit::user("work")
+    };
+    // Two slow flood runs hold both slots, and 29 more wait.
+    let mut floods = Vec::new();
+    for i in 0..2 {
+        let slow = pb::OrchestrateRequest {
+            model: "slow".into(),
+            ..plain(format!("flood-{i}"))
+        };
+        floods.push(spawn_run(&client, "flood-token", slow));
+    }
+    until("both slots to be taken", Duration::from_secs(30), || async {
+        let live = testkit::helpers::scrape(&w.replicas[0].metrics).await.ok()?;
+        (live.get("orchestrator_runs_in_flight{}") == Some(&2.0)).then_some(())
+    })
+    .await?;
+    for i in 2..31 {
+        floods.push(spawn_run(&client, "flood-token", plain(format!("flood-{i}"))));
+    }
+    until("29 flood runs to wait", Duration::from_secs(30), || async {
+        (queued(&w.replicas[0]).await == 29.0).then_some(())
+    })
+    .await?;
+    // A run whose deadline passes while it waits, as the 30th: DEADLINE_EXCEEDED.
+    let mut hurried = plain("flood-hurried".into());
+    hurried.limits = Some(pb::RunLimits {
+        run_timeout_ms: Some(300),
+        ..Default::default()
+    });
+    let hurried = spawn_run(&client, "flood-token", hurried).await?;
+    assert_eq!(hurried, Err(tonic::Code::DeadlineExceeded));
+    // The flood's queue holds 30 (its max_queued): the 31st waiting is refused at once.
+    floods.push(spawn_run(&client, "flood-token", plain("flood-31".into())));
+    until("30 flood runs to wait", Duration::from_secs(30), || async {
+        (queued(&w.replicas[0]).await == 30.0).then_some(())
+    })
+    .await?;
+    let refused = spawn_run(&client, "flood-token", plain("flood-32".into())).await?;
+    assert_eq!(refused, Err(tonic::Code::ResourceExhausted));
+    // The quiet caller's runs go ahead of the flood's queue as slots free.
+    let quiets: Vec<_> = (0..3)
+        .map(|i| spawn_run(&client, "quiet-token", plain(format!("quiet-{i}"))))
+        .collect();
+    let mut waited = Vec::new();
+    for quiet in quiets {
+        waited.push(
+            quiet
+                .await?
+                .map_err(|code| anyhow::anyhow!("a quiet run was refused: {code:?}"))?,
+        );
+    }
+    for flood in floods {
+        flood
+            .await?
+            .map_err(|code| anyhow::anyhow!("a flood run was refused: {code:?}"))?;
+    }
+    let mut admin = w.client(0).await?;
+    let request = pb::ListRunsRequest {
+        page_size: 100,
+        ..Default::default()
+    };
+    let rows = all_pages(&mut admin, "olga-token", request, async || {}).await?;
+    let mut order: Vec<(i64, String)> = rows.iter().map(|r| (r.created_at_ms, r.run_id.clone())).collect();
+    order.sort();
+    let last_quiet = order
+        .iter()
+        .rposition(|(_, id)| id.starts_with("quiet"))
+        .unwrap_or(usize::MAX);
+    let floods_after = order[last_quiet..]
+        .iter()
+        .filter(|(_, id)| id.starts_with("flood"))
+        .count();
+    assert!(floods_after >= 15, "the quiet runs waited behind the flood: {order:?}");
+    // Each run says how long it waited, in its stream and in GetRun.
+    let quiet = admin
+        .get_run(as_(
+            "quiet-token",
+            pb::GetRunRequest {
+                run_id: "quiet-2".into(),
+            },
+        ))
+        .await?
+        .into_inner();
+    assert!(waited.contains(&quiet.queued_ms), "{waited:?} vs {}", quiet.queued_ms);
+    let last_flood = admin
+        .get_run(as_(
+            "flood-token",
+            pb::GetRunRequest {
+                run_id: "flood-31".into(),
+            },
+        ))
+        .await?
+        .into_inner();
+    assert!(last_flood.queued_ms >= 1000, "{}", last_flood.queued_ms);
+    assert_eq!(queued(&w.replicas[0]).await, 0.0);
     Ok(())
 }

@@ -514,6 +514,7 @@ fn spec(run_id: &str) -> RunSpec {
         limits,
         metadata: Default::default(),
         labels: [("kind".to_owned(), "sim".to_owned())].into(),
+        queued_ms: 0,
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         principal: String::new(),

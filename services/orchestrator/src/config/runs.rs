@@ -16,6 +16,13 @@ pub struct RunSettings {
     /// Runs live at once; more get RESOURCE_EXHAUSTED (cap 100000).
     #[arg(long, env = "ORCHESTRATOR_MAX_RUNS", default_value_t = 256)]
     pub max_runs: usize,
+    /// Runs that wait for a slot at once, all callers together (and each caller's, unless its
+    /// max_queued in the tokens file says otherwise): a run that finds its replica full or its
+    /// caller at its max_runs waits in its caller's queue until its deadline, slots going to
+    /// callers by their weights; past this it gets RESOURCE_EXHAUSTED (0: none waits) (cap
+    /// 1000000).
+    #[arg(long, env = "ORCHESTRATOR_MAX_QUEUED_RUNS", default_value_t = 1024)]
+    pub max_queued_runs: usize,
     /// Callers attached to runs at once (AttachRun streams); more get RESOURCE_EXHAUSTED (cap
     /// 100000).
     #[arg(long, env = "ORCHESTRATOR_MAX_ATTACHED", default_value_t = 1024)]
@@ -105,6 +112,7 @@ impl Bounded for RunSettings {
         let mut rows = vec![
             bound("max_runs", self.max_runs, 1usize, 100_000usize),
             bound("max_attached", self.max_attached, 1usize, 100_000usize),
+            bound("max_queued_runs", self.max_queued_runs, 0usize, 1_000_000usize),
             bound("max_awaiting_runs", self.max_awaiting_runs, 1usize, 1_000_000usize),
             bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
             bound("event_send_timeout", self.event_send_timeout, ms(10), secs(600)),

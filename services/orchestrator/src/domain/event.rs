@@ -19,6 +19,8 @@ pub enum Event {
         limits: Limits,
         /// The thread it continues, and how much of it the model sees.
         thread: Option<super::thread::ThreadStart>,
+        /// How long it waited for a run slot before it started.
+        queued_ms: u64,
     },
     /// Visible text.
     TextDelta {

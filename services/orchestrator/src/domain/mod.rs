@@ -12,6 +12,7 @@
 //! * [`steering`]: a user message sent to a live run, and why a run refuses one;
 //! * [`thread`]: conversations that continue across runs, their limits and busy policies;
 //! * [`listing`]: finding runs (`ListRuns`): queries, rows, pages and their cursors, labels;
+//! * [`share`]: fair shares of the run slots among the principals whose runs wait;
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
@@ -25,6 +26,7 @@ pub mod ownership;
 pub mod params;
 pub mod ports;
 pub mod result;
+pub mod share;
 pub mod spec;
 pub mod steering;
 pub mod thread;

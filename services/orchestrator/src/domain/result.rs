@@ -199,6 +199,9 @@ pub struct RunResult {
     /// When its state was last written (Unix ms): a listing shows how fresh a row is.
     #[serde(default)]
     pub updated_at_ms: u64,
+    /// How long it waited for a run slot before it started.
+    #[serde(default)]
+    pub queued_ms: u64,
 }
 
 impl RunResult {
@@ -235,6 +238,7 @@ impl RunResult {
             labels: BTreeMap::new(),
             created_at_ms: 0,
             updated_at_ms: 0,
+            queued_ms: 0,
         }
     }
 }

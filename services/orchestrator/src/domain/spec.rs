@@ -59,6 +59,10 @@ pub struct RunSpec {
     pub limits: Limits,
     /// Caller metadata, passed to tool-runners and signals.
     pub metadata: BTreeMap<String, String>,
+    /// How long the run waited for a slot before it started (its share of the fleet was held,
+    /// or its replica was full).
+    #[serde(default)]
+    pub queued_ms: u64,
     /// The caller's labels, what `ListRuns` finds the run by (kept with its result, never sent
     /// to a tool or the model).
     #[serde(default)]

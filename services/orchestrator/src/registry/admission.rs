@@ -76,6 +76,10 @@ pub(crate) enum Refusal {
     Foreign,
     /// The store did not take the claim of the id: the run does not start (the caller retries).
     Unclaimed(crate::domain::ports::StoreError),
+    /// No slot was free and the run may not wait for one.
+    QueueFull(crate::domain::share::QueueFull),
+    /// The run's deadline passed while it waited this long for a slot.
+    Waited(std::time::Duration),
 }
 
 /// A run's live entry, as [`Runs::register`] made it.
@@ -106,18 +110,23 @@ pub(crate) struct Admitted {
     pub log: Option<Box<dyn LogWriter>>,
     /// Renews the run's lease in a shared store while the run is admitted.
     _lease: Option<AbortOnDrop>,
-    _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        let mut live = self.runs.lock();
-        if let Some(run) = live.remove(&self.run_id) {
-            run.gone.cancel();
+        {
+            let mut live = self.runs.lock();
+            if let Some(run) = live.remove(&self.run_id) {
+                run.gone.cancel();
+            }
+            if live.is_empty() {
+                self.runs.idle.notify_waiters();
+            }
         }
-        if live.is_empty() {
-            self.runs.idle.notify_waiters();
-        }
+        // The slot is free before the next waiting run is woken for it.
+        drop(self.permit.take());
+        self.runs.wake_next();
         self.runs.freed.notify_one();
     }
 }
@@ -272,7 +281,7 @@ impl Runs {
             _lease: None,
             log: None,
             persister,
-            _permit: permit,
+            permit: Some(permit),
         })
     }
 

@@ -9,6 +9,7 @@
 //! * [`attach`]: callers following a run's log, and noticing a run leave this replica;
 //! * [`cancel`]: `CancelRun`, here or on the replica that runs it;
 //! * [`listing`]: `ListRuns`, the runs live here given to the store's index;
+//! * [`queue`]: runs waiting for a slot, woken by the share rules;
 //! * [`steer`]: `SendMessage`, here or on the replica that runs it.
 
 use std::collections::HashMap;
@@ -29,6 +30,7 @@ mod admission;
 mod attach;
 mod cancel;
 mod listing;
+mod queue;
 mod steer;
 #[cfg(test)]
 mod tests;
@@ -36,6 +38,7 @@ mod tests;
 pub(crate) use admission::{Admitted, EndedElsewhere, Refusal, TakenOver, Unparked};
 pub(crate) use attach::AttachError;
 pub(crate) use cancel::CancelOutcome;
+pub(crate) use queue::Queuing;
 pub(crate) use steer::SteerOutcome;
 
 /// How often the backlog of unstored results is written again while the store is unavailable.
@@ -92,6 +95,11 @@ pub(crate) struct Runs {
     approvals: Arc<dyn ApprovalLot>,
     /// Where runs are found (`ListRuns`).
     index: Arc<dyn RunIndex>,
+    /// Runs waiting for a slot, by principal.
+    queue: Mutex<queue::Queued>,
+    /// Runs that may wait for a slot at once (`--max-queued-runs`): all principals together, and
+    /// each one's unless its `max_queued` says otherwise.
+    max_queued: usize,
     /// Messages a run may be sent over its life (`--max-steering-messages`).
     max_steering: u32,
     /// The drain's request that runs move: each run's [`Handoff`] is its child, so a run let in
@@ -121,7 +129,7 @@ impl Runs {
     /// not take wait in a backlog of at most `backlog` results). A run may be sent
     /// `max_steering` messages.
     pub(crate) fn new(
-        (max_runs, max_attached, max_steering): (usize, usize, u32),
+        (max_runs, max_attached, max_steering, max_queued): (usize, usize, u32, usize),
         keeping: Keeping,
         store_timeout: Duration,
         backlog: usize,
@@ -148,6 +156,8 @@ impl Runs {
             attach_permits: max_attached,
             approvals,
             index,
+            queue: Mutex::default(),
+            max_queued,
             max_steering,
             drain: Handoff::default(),
         })

@@ -65,7 +65,12 @@ async fn runs_belong_to_their_principal_and_max_runs_holds_per_principal() {
 use crate::store::memory::MemoryStore;
 
 fn runs(max_runs: usize, keep: usize, keep_for: Duration) -> Arc<Runs> {
-    Runs::new((max_runs, 2, 4), keeping(keep, keep_for), Duration::from_secs(1), 100)
+    Runs::new(
+        (max_runs, 2, 4, 8),
+        keeping(keep, keep_for),
+        Duration::from_secs(1),
+        100,
+    )
 }
 
 /// In-memory stores keeping `keep` results for `keep_for`.
@@ -464,7 +469,7 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
         approvals: Arc::clone(&lot) as Arc<dyn ApprovalLot>,
         ..keeping(10, Duration::from_secs(60))
     };
-    let runs = Runs::new((8, 2, 4), keeping, Duration::from_secs(1), 100);
+    let runs = Runs::new((8, 2, 4, 8), keeping, Duration::from_secs(1), 100);
     let mut spec = crate::run::tool_loop::tests::spec(crate::run::tool_loop::tests::limits());
     spec.run_id = "p".into();
     let mut state = RunResult::running("p");

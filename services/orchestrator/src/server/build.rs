@@ -92,6 +92,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
             config.runs.max_runs,
             config.runs.max_attached,
             config.conversations.max_steering_messages,
+            config.runs.max_queued_runs,
         ),
         keeping,
         config.store.timeout,

@@ -21,7 +21,7 @@ use crate::domain::listing::{Cursor, ListRequest, RunPage, RunQuery, check_label
 use crate::domain::ports::{Decider, SignalTopic};
 use crate::domain::steering::{Closed, Refused, UserMessage};
 use crate::domain::{CancelMode, EventBatch, RunResult, RunSpec, RunStatus};
-use crate::registry::{Admitted, CancelOutcome, Refusal, Runs, SteerOutcome};
+use crate::registry::{Admitted, CancelOutcome, Queuing, Refusal, Runs, SteerOutcome};
 use crate::run::live::{EmitSettings, Emitter, gated};
 use crate::run::tool_loop::{LoopDeps, Resumed};
 use crate::telemetry::metric;
@@ -114,14 +114,21 @@ impl Core {
         trace_context: &tonic::metadata::MetadataMap,
         caller: Arc<Principal>,
     ) -> Result<RunEvents, Error> {
-        let (spec, took_thread) = self.take_thread(spec, &caller).await?;
+        let (mut spec, took_thread) = self.take_thread(spec, &caller).await?;
         let run_id = spec.run_id.clone();
-        let admitted = self.runs.admit(&run_id, &caller, Some(&spec)).await;
+        let admitted = self
+            .runs
+            .admit_queued(&run_id, &caller, Some(&spec), spec.deadline.at)
+            .await;
         if admitted.is_err() && took_thread {
             self.leave_thread(&spec).await;
         }
         match admitted {
-            Ok(admitted) => Ok(self.start(admitted, spec, detached, trace_context, caller)),
+            Ok(Queuing { admitted, waited }) => {
+                spec.queued_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
+                shared::sync::lock(&admitted.state).queued_ms = spec.queued_ms;
+                Ok(self.start(admitted, spec, detached, trace_context, caller))
+            }
             Err(Refusal::Finished(result)) => Ok(self.replay(*result, &caller).await),
             Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id)),
             Err(Refusal::Full(slots)) => Err(Error::Busy(slots)),
@@ -132,6 +139,11 @@ impl Core {
             // Another caller's run is answered as not found, so run ids cannot be probed.
             Err(Refusal::Foreign) => Err(no_run(&run_id)),
             Err(Refusal::Unclaimed(e)) => Err(Error::Store(e)),
+            Err(Refusal::QueueFull(full)) => Err(Error::QueueFull {
+                principal: caller.name.clone(),
+                full,
+            }),
+            Err(Refusal::Waited(waited)) => Err(Error::SlotWait(waited)),
         }
     }
 

@@ -296,6 +296,7 @@ fn run_started(spec: &RunSpec) -> Event {
         exit_tools: spec.exit_tools.iter().map(|t| t.name.clone()).collect(),
         limits: spec.limits,
         thread: spec.thread.as_deref().map(crate::domain::thread::RunThread::start),
+        queued_ms: spec.queued_ms,
     }
 }
 

@@ -138,6 +138,7 @@ pub(crate) fn spec(limits: Limits) -> RunSpec {
         limits,
         metadata: Default::default(),
         labels: Default::default(),
+        queued_ms: 0,
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         principal: String::new(),

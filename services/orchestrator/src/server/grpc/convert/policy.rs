@@ -154,6 +154,7 @@ pub(crate) fn resolve(
         limits,
         metadata: request.metadata,
         labels: request.labels,
+        queued_ms: 0,
         parse_policy: request.parse_policy,
         deadline: Deadline::new(
             received_at,
