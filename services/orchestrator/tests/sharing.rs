@@ -616,3 +616,104 @@ async fn runs_wait_for_a_slot_and_a_flood_does_not_starve_a_quiet_caller() -> Te
     assert_eq!(queued(&w.replicas[0]).await, 0.0);
     Ok(())
 }
+
+/// The most of `spans` (`[from, to]`, ms) that overlap at one instant.
+fn most_at_once(spans: &[(i64, i64)]) -> usize {
+    let mut edges: Vec<(i64, i32)> = spans.iter().flat_map(|(from, to)| [(*from, 1), (*to, -1)]).collect();
+    // An end and a start at the same ms: the end first (a slot given back, then taken).
+    edges.sort();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, step) in edges {
+        now += step;
+        most = most.max(now);
+    }
+    usize::try_from(most).unwrap_or(0)
+}
+
+#[tokio::test]
+async fn max_runs_holds_across_replicas_also_when_one_is_killed_with_slots_held() -> TestResult {
+    let mut w = world_with(
+        3,
+        &[
+            "--max-runs",
+            "4",
+            "--run-store-lease",
+            "2s",
+            "--run-fence-grace",
+            "200ms",
+        ],
+        napping(600),
+        &[("capped", "capped-token", "max_runs = 3\nmax_queued = 50")],
+    )
+    .await?;
+    let mut clients = Vec::new();
+    for replica in 0..3 {
+        clients.push(w.client(replica).await?);
+    }
+    // Twelve runs of a caller allowed three in flight, four on each replica; each call returns
+    // once its run is let in (a killed replica's waiting ones never are).
+    let mut calls = Vec::new();
+    for i in 0..12 {
+        let mut client = clients[i % 3].clone();
+        let request = pb::OrchestrateRequest {
+            run_id: format!("capped-{i}"),
+            detached: true,
+            ..testkit::user("work")
+        };
+        calls.push(tokio::spawn(async move {
+            client
+                .orchestrate(as_("capped-token", request))
+                .await
+                .map(drop)
+                .map_err(|s| s.code())
+        }));
+    }
+    until(
+        "a run of the caller live on replica 0",
+        Duration::from_secs(30),
+        || async {
+            let metrics = testkit::helpers::scrape(&w.replicas[0].metrics).await.ok()?;
+            (metrics.get("orchestrator_runs_in_flight{}").copied().unwrap_or(0.0) >= 1.0).then_some(())
+        },
+    )
+    .await?;
+    w.replicas[0].child.start_kill()?;
+    let mut let_in = 0;
+    for call in calls {
+        if call.await?.is_ok() {
+            let_in += 1;
+        }
+    }
+    // Every run let in ends, those of the killed replica taken over by the others.
+    let mut operator = w.client(1).await?;
+    let rows = until("every run let in to end", Duration::from_secs(90), || {
+        let mut operator = operator.clone();
+        async move {
+            let request = pb::ListRunsRequest {
+                page_size: 100,
+                ..Default::default()
+            };
+            let rows = operator
+                .list_runs(as_("olga-token", request))
+                .await
+                .ok()?
+                .into_inner()
+                .runs;
+            rows.iter()
+                .all(|r| r.status == pb::RunStatus::Completed as i32)
+                .then_some(rows)
+        }
+    })
+    .await?;
+    assert!(
+        rows.len() >= let_in && let_in >= 6,
+        "{let_in} let in, {} listed",
+        rows.len()
+    );
+    // From each run's admission to its end as its record holds them: never more than three.
+    let spans: Vec<(i64, i64)> = rows.iter().map(|r| (r.created_at_ms, r.updated_at_ms)).collect();
+    let most = most_at_once(&spans);
+    assert!((2..=3).contains(&most), "{most} runs of the caller at once: {spans:?}");
+    let _ = &mut operator;
+    Ok(())
+}

@@ -202,6 +202,7 @@ impl World {
         let ports = Ports {
             store: Arc::new(store.clone()),
             index: Arc::new(store.clone()),
+            quotas: None,
             journal: Some(Arc::new(store.clone())),
             log: Arc::new(store.clone()),
             approvals: Arc::new(orchestrator::store::memory::MemoryLot::new(16)),

@@ -80,6 +80,31 @@ pub trait RunIndex: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<super::listing::RunPage, StoreError>>;
 }
 
+/// A principal's runs in flight across the fleet (its `max_runs` counted on every replica that
+/// shares the store): a slot per run, taken before the run is let in and given back once it
+/// ends or parks. A slot is the run's, not its replica's: a run taken over keeps it, and a slot
+/// whose run has ended (its replica stopped before giving it back) is free to take.
+pub trait Quotas: Send + Sync + 'static {
+    /// Takes one of `principal`'s `max` slots for the admission `admission` of `run_id`;
+    /// `Ok(false)` when live runs hold them all.
+    fn take(
+        &self,
+        principal: &str,
+        max: usize,
+        run_id: &str,
+        admission: &str,
+    ) -> BoxFuture<'static, Result<bool, StoreError>>;
+    /// Gives back the slot `run_id` holds: the one its `admission` took, or (`None`: a run
+    /// taken over, whose admission was another replica's) any of its own; nothing when it holds
+    /// none.
+    fn give_back(
+        &self,
+        principal: &str,
+        run_id: &str,
+        admission: Option<&str>,
+    ) -> BoxFuture<'static, Result<(), StoreError>>;
+}
+
 /// Durable runs (the NATS store): a live run's checkpoints, and the takeover of runs whose
 /// replica stopped. Checkpoints are opaque bytes here (the loop writes and reads them). The owner
 /// of a run is fenced: once another replica took the run over, the old owner's writes of it are

@@ -9,6 +9,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use shared::auth::Principal;
 use shared::runtime::AbortOnDrop;
 
+use super::quota::HeldQuota;
 use super::{Live, LiveRuns, Runs, sees};
 use crate::domain::ports::{Claim, LogWriter, Logged, Ready, within};
 use crate::domain::{EventBatch, Ownership, RunResult, RunSpec, RunStatus};
@@ -94,8 +95,8 @@ struct Registered {
 
 /// A started run's place in the registry; dropping it frees the slot and the live entry.
 pub(crate) struct Admitted {
-    runs: Arc<Runs>,
-    run_id: String,
+    pub(super) runs: Arc<Runs>,
+    pub(super) run_id: String,
     /// The run's live state.
     pub state: SharedState,
     /// Cancels the run.
@@ -110,11 +111,17 @@ pub(crate) struct Admitted {
     pub log: Option<Box<dyn LogWriter>>,
     /// Renews the run's lease in a shared store while the run is admitted.
     _lease: Option<AbortOnDrop>,
+    /// The run's slot among its principal's `max_runs` across the fleet.
+    pub(super) quota: Option<super::quota::HeldQuota>,
+    /// The run started here (claimed, taken over or resumed): a run that did not gives its
+    /// slot back whatever its state says.
+    pub(super) started: bool,
     permit: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
+        self.leave_quota();
         {
             let mut live = self.runs.lock();
             if let Some(run) = live.remove(&self.run_id) {
@@ -145,6 +152,7 @@ impl Admitted {
         };
         match claim.map_err(Refusal::Unclaimed)? {
             Claim::Claimed => {
+                self.started = true;
                 self._lease = self.persister.keep_lease();
                 // The id is this run's: its log starts now (a replay or a duplicate leaves the
                 // log of the run holding the id alone).
@@ -195,6 +203,45 @@ impl Admitted {
     }
 }
 
+impl Admitted {
+    /// Takes a slot of `caller`'s `max_runs` across the fleet for this new run (nothing to take
+    /// without a limit or a shared store): [`Refusal::CallerFull`] when live runs hold them all.
+    pub(crate) async fn take_quota(&mut self, caller: &Principal) -> Result<(), Refusal> {
+        let (Some(quotas), Some(max)) = (self.runs.quotas.clone(), caller.max_runs) else {
+            return Ok(());
+        };
+        let admission = uuid::Uuid::now_v7().to_string();
+        let take = quotas.take(&caller.name, max, &self.run_id, &admission);
+        match within(self.runs.store_timeout, take).await {
+            Ok(true) => {
+                self.quota = Some(HeldQuota::taken(
+                    quotas,
+                    &caller.name,
+                    admission,
+                    self.runs.store_timeout,
+                ));
+                Ok(())
+            }
+            Ok(false) => {
+                self.runs.block(&caller.name);
+                Err(Refusal::CallerFull(max))
+            }
+            Err(e) => Err(Refusal::Unclaimed(e)),
+        }
+    }
+
+    /// Gives back the run's slot when the run leaves it: it ended here (its result stored), it
+    /// parked, or it never started (its claim failed); not when it moved to another replica.
+    pub(crate) fn leave_quota(&mut self) {
+        let Some(quota) = self.quota.take() else { return };
+        let status = shared::sync::lock(&self.state).status;
+        let ended = self.persister.ownership().ended() || status == RunStatus::AwaitingApproval;
+        if ended || !self.started {
+            quota.give_back(&self.run_id);
+        }
+    }
+}
+
 impl Runs {
     /// Takes a slot for `run_id`, a run of `caller`; with its `spec`, a durable run is resumable
     /// from here on (its start checkpoint goes in with its claim).
@@ -219,10 +266,11 @@ impl Runs {
             // The claim below tries the store again; a store that is down does not stop runs.
             Ok(None) | Err(_) => {}
         }
-        let admitted = self.admitted(run_id, caller)?;
+        let mut admitted = self.admitted(run_id, caller)?;
         if let Some(spec) = spec {
             admitted.describe(spec);
         }
+        admitted.take_quota(caller).await?;
         admitted.claim(caller, spec).await
     }
 
@@ -279,6 +327,8 @@ impl Runs {
             handoff,
             inbox,
             _lease: None,
+            quota: None,
+            started: false,
             log: None,
             persister,
             permit: Some(permit),
@@ -361,6 +411,8 @@ impl Runs {
             return Ok(None);
         };
         admitted.persister.taken(sent, self.store.epoch(run_id));
+        admitted.started = true;
+        admitted.quota = super::quota::HeldQuota::of_run(self, &checkpoint.spec.principal);
         let logged = self.log.last(run_id).await.map_err(|e| e.to_string())?;
         if let Some(result) = logged.finished {
             let ended = EndedElsewhere::of(&checkpoint, &result);
@@ -429,6 +481,7 @@ impl Runs {
             None => self.log.last(&admitted.run_id).await.map_or(checkpoint.seq, |l| l.seq),
         };
         admitted._lease = admitted.persister.keep_lease();
+        admitted.started = true;
         admitted.log = parked.log;
         if let Some(reason) = waiting.canceled {
             admitted.cancel.cancel(&reason);

@@ -10,6 +10,7 @@
 //! * [`cancel`]: `CancelRun`, here or on the replica that runs it;
 //! * [`listing`]: `ListRuns`, the runs live here given to the store's index;
 //! * [`queue`]: runs waiting for a slot, woken by the share rules;
+//! * [`quota`]: a run's slot among its principal's `max_runs` across the fleet;
 //! * [`steer`]: `SendMessage`, here or on the replica that runs it.
 
 use std::collections::HashMap;
@@ -21,7 +22,7 @@ use tokio::sync::{Notify, Semaphore};
 use shared::auth::Principal;
 
 use crate::domain::RunResult;
-use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunIndex, RunJournal, StoreError, within};
+use crate::domain::ports::{ApprovalLot, EventLog, Quotas, ResultStore, RunIndex, RunJournal, StoreError, within};
 use crate::run::backlog::Backlog;
 use crate::run::live::{Cancel, Handoff, SharedState};
 use crate::run::steering::Inbox;
@@ -31,6 +32,7 @@ mod attach;
 mod cancel;
 mod listing;
 mod queue;
+mod quota;
 mod steer;
 #[cfg(test)]
 mod tests;
@@ -97,6 +99,8 @@ pub(crate) struct Runs {
     index: Arc<dyn RunIndex>,
     /// Runs waiting for a slot, by principal.
     queue: Mutex<queue::Queued>,
+    /// Each principal's `max_runs` across the fleet (a shared store).
+    quotas: Option<Arc<dyn Quotas>>,
     /// Runs that may wait for a slot at once (`--max-queued-runs`): all principals together, and
     /// each one's unless its `max_queued` says otherwise.
     max_queued: usize,
@@ -121,6 +125,7 @@ pub(crate) struct Keeping {
     pub(crate) journal: Option<Arc<dyn RunJournal>>,
     pub(crate) approvals: Arc<dyn ApprovalLot>,
     pub(crate) index: Arc<dyn RunIndex>,
+    pub(crate) quotas: Option<Arc<dyn Quotas>>,
 }
 
 impl Runs {
@@ -140,6 +145,7 @@ impl Runs {
             journal,
             approvals,
             index,
+            quotas,
         } = keeping;
         Arc::new(Self {
             live: Mutex::default(),
@@ -157,6 +163,7 @@ impl Runs {
             approvals,
             index,
             queue: Mutex::default(),
+            quotas,
             max_queued,
             max_steering,
             drain: Handoff::default(),

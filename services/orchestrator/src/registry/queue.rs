@@ -26,10 +26,17 @@ pub(crate) struct Queued {
     wakers: HashMap<u64, (String, oneshot::Sender<()>)>,
     /// The `max_runs` of each principal waiting (`None`: only the replica's slots bound it).
     limits: HashMap<String, Option<usize>>,
+    /// Principals whose slots across the fleet were all held, passed over until then.
+    blocked: HashMap<String, Instant>,
     next_ticket: u64,
 }
 
 impl Queued {
+    /// Passes `principal` over until `until`.
+    pub(super) fn block(&mut self, principal: &str, until: Instant) {
+        self.blocked.insert(principal.to_owned(), until);
+    }
+
     /// Exports how many runs wait.
     fn count(&self) {
         metrics::gauge!(crate::telemetry::metric::RUNS_QUEUED).set(self.shares.waiting() as f64);
@@ -70,9 +77,23 @@ impl Runs {
             }
             let since = *place.get_or_insert_with(|| self.queue_clock());
             let (ticket, woken) = self.wait_in_queue(caller, since)?;
-            if tokio::time::timeout_at(until, woken).await.is_err() {
+            if !self.woken_by(woken, until).await {
                 self.leave_queue(&caller.name, ticket);
                 return Err(Refusal::Waited(began.elapsed()));
+            }
+        }
+    }
+
+    /// Waits until `woken` or `until`; whether it was woken. Meanwhile the queue is looked at
+    /// again now and then: a principal passed over (its slots across the fleet were held) is
+    /// tried again once its block is over, which no slot freed here announces.
+    async fn woken_by(&self, mut woken: oneshot::Receiver<()>, until: Instant) -> bool {
+        loop {
+            let look_again = (Instant::now() + super::quota::BLOCKED_FOR).min(until);
+            match tokio::time::timeout_at(look_again, &mut woken).await {
+                Ok(answer) => return answer.is_ok(),
+                Err(_) if Instant::now() >= until => return false,
+                Err(_) => self.wake_next(),
             }
         }
     }
@@ -122,15 +143,23 @@ impl Runs {
     /// principal at its `max_runs` here is passed over).
     pub(crate) fn wake_next(&self) {
         let mut queued = shared::sync::lock(&self.queue);
+        let now = Instant::now();
+        queued.blocked.retain(|_, until| *until > now);
         let mut in_flight: HashMap<String, usize> = HashMap::new();
         for live in self.lock().values() {
             *in_flight.entry(live.principal.clone()).or_default() += 1;
         }
         let mut woken = 0;
         while woken < self.free_slots() {
-            let Queued { shares, limits, .. } = &*queued;
+            let Queued {
+                shares,
+                limits,
+                blocked,
+                ..
+            } = &*queued;
             let count = |p: &str| in_flight.get(p).copied().unwrap_or(0);
-            let may_run = |p: &str| limits.get(p).copied().flatten().is_none_or(|limit| count(p) < limit);
+            let under = |p: &str| limits.get(p).copied().flatten().is_none_or(|limit| count(p) < limit);
+            let may_run = |p: &str| under(p) && !blocked.contains_key(p);
             let Some(principal) = shares.next(count, may_run) else {
                 return;
             };

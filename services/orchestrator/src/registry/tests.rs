@@ -85,6 +85,7 @@ fn keeping(keep: usize, keep_for: Duration) -> Keeping {
     Keeping {
         store: Arc::clone(&store) as Arc<dyn crate::domain::ports::ResultStore>,
         index: store,
+        quotas: None,
         log: Arc::new(crate::store::memory::MemoryLog::new(bounds)),
         journal: None,
         approvals: Arc::new(crate::store::memory::MemoryLot::new(100)),

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use super::Core;
 use crate::config::{Backend, NatsSettings};
-use crate::domain::ports::{ApprovalLot, EventLog, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore};
+use crate::domain::ports::{
+    ApprovalLot, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore,
+};
 use crate::llm::Fleet;
 use crate::registry::Runs;
 use crate::run::tool_loop::LoopDeps;
@@ -16,7 +18,7 @@ use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
 use crate::store::memory::{MemoryLog, MemoryLot, MemoryStore, MemoryThreads};
-use crate::store::nats::{KvStore, NatsIndex, NatsLog, NatsLogOptions, NatsLot, NatsThreads};
+use crate::store::nats::{KvStore, NatsIndex, NatsLog, NatsLogOptions, NatsLot, NatsQuotas, NatsThreads};
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
@@ -32,12 +34,14 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         journal,
         approvals,
         index,
+        quotas,
     } = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
     let threads = open_threads(config, &mut connections).await?;
     let ports = Ports {
         store,
         index,
+        quotas,
         journal,
         log,
         approvals,
@@ -56,6 +60,8 @@ pub struct Ports {
     pub store: Arc<dyn ResultStore>,
     /// Where runs are found (`ListRuns`).
     pub index: Arc<dyn RunIndex>,
+    /// Each principal's `max_runs` across the fleet (a shared store only).
+    pub quotas: Option<Arc<dyn Quotas>>,
     /// Checkpoints and takeover: runs outlive the replica (a shared store only).
     pub journal: Option<Arc<dyn RunJournal>>,
     /// The runs' events.
@@ -86,6 +92,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
         journal: ports.journal,
         approvals: Arc::clone(&ports.approvals),
         index: ports.index,
+        quotas: ports.quotas,
     };
     let runs = Runs::new(
         (
@@ -171,6 +178,7 @@ struct Stored {
     journal: Option<Arc<dyn RunJournal>>,
     approvals: Arc<dyn ApprovalLot>,
     index: Arc<dyn RunIndex>,
+    quotas: Option<Arc<dyn Quotas>>,
 }
 
 /// The result store: in memory (bounded, this replica only) or a NATS key-value bucket shared
@@ -189,6 +197,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                 journal: None,
                 approvals: Arc::new(MemoryLot::new(config.runs.max_awaiting_runs)),
                 index: store,
+                quotas: None,
             }
         }
         Backend::Nats(url) => {
@@ -214,11 +223,13 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                 config.store.list_scan_max,
                 config.store.list_read_max,
             );
+            let quotas = NatsQuotas::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;
             Stored {
                 store: Arc::clone(&store) as Arc<dyn ResultStore>,
                 journal: Some(store as Arc<dyn RunJournal>),
                 approvals: Arc::new(lot),
                 index: Arc::new(index),
+                quotas: Some(Arc::new(Arc::new(quotas))),
             }
         }
     })

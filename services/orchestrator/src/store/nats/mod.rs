@@ -13,6 +13,8 @@
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) — a JetStream stream ([`NatsLog`]);
 //! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) — a key-value bucket
 //!   ([`NatsLot`]), decided and resumed on any replica;
+//! * [`quotas`]: the [`Quotas`](crate::domain::ports::Quotas) — each principal's run slots
+//!   across the fleet, a key-value bucket ([`NatsQuotas`]);
 //! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) — a key-value bucket
 //!   ([`NatsThreads`]), one record per thread, compare-and-set.
 
@@ -22,11 +24,13 @@ mod fence;
 pub mod index;
 pub mod journal;
 pub mod log;
+pub mod quotas;
 pub mod results;
 pub mod threads;
 
 pub use approvals::NatsLot;
 pub use index::NatsIndex;
 pub use log::{NatsLog, NatsLogOptions};
+pub use quotas::NatsQuotas;
 pub use results::KvStore;
 pub use threads::NatsThreads;

@@ -37,7 +37,7 @@ pub(crate) struct IndexWriter {
 }
 
 /// A subject token for `value` (any text, even empty).
-fn token(value: &str) -> String {
+pub(crate) fn token(value: &str) -> String {
     match value {
         "" => "_".to_owned(),
         value => format!("x{}", base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(value)),

@@ -1,0 +1,174 @@
+//! A principal's share of the fleet on the NATS store ([`Quotas`]): its `max_runs` slots are
+//! keys `<principal>.<n>` (n below `max_runs`, the principal an encoded token) in the key-value
+//! bucket `<bucket>-slots`, each naming the run that holds it and the admission that took it
+//! (`<run id> <admission>`: a second admission of a live run's id never gives back the first's). A slot is taken with the bucket's
+//! create-if-absent, or, when every slot is held, by a compare-and-set over one whose run is no
+//! longer live; it is given back (a delete on the revision read) when its run ends or parks.
+//!
+//! The run's record decides whether a slot is held: a run that ended, or whose replica died
+//! before giving its slot back, reads ended (its owner lost past its deadline), so its slot is
+//! free; a run taken over reads live and keeps its slot, whichever replica runs it now. A slot
+//! naming a run with no record yet (its claim on its way) is free only once this replica has
+//! seen it unchanged for a whole lease, on its own clock. So the number of live runs of a
+//! principal never exceeds its `max_runs`: a run is let in only once it holds a slot, and a
+//! slot changes hands only by a write conditional on the revision that showed it free.
+
+use std::sync::Arc;
+
+use async_nats::jetstream::{self, kv};
+use futures::future::BoxFuture;
+use futures::{FutureExt as _, StreamExt as _};
+
+use super::index::entry::token;
+use super::results::{KvStore, key as run_key};
+use crate::domain::ports::{Quotas, StoreError};
+use crate::store::unavailable;
+
+/// See the module docs.
+pub struct NatsQuotas {
+    slots: kv::Store,
+    store: Arc<KvStore>,
+}
+
+impl NatsQuotas {
+    /// Binds (or creates) the slots bucket beside the results bucket `bucket`.
+    pub async fn open(
+        js: &jetstream::Context,
+        bucket: &str,
+        ttl: std::time::Duration,
+        store: Arc<KvStore>,
+    ) -> Result<Self, StoreError> {
+        let name = format!("{bucket}-slots");
+        let description = "orchestrator run slots of each principal (max_runs across the fleet)";
+        let slots = KvStore::open_bucket(js, &name, ttl, description, store.replicas).await?;
+        Ok(Self { slots, store })
+    }
+}
+
+/// The run a slot names, and the slot's revision.
+async fn holder(slots: &kv::Store, key: &str) -> Result<Option<(String, u64)>, StoreError> {
+    let Some(entry) = slots.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? else {
+        return Ok(None);
+    };
+    if entry.operation != kv::Operation::Put {
+        return Ok(None);
+    }
+    Ok(Some((
+        String::from_utf8_lossy(&entry.value).into_owned(),
+        entry.revision,
+    )))
+}
+
+/// The run a slot's value names.
+fn run_of(value: &str) -> &str {
+    value.split_once(' ').map_or(value, |(run_id, _)| run_id)
+}
+
+impl NatsQuotas {
+    /// Whether the run a slot names at `revision` holds it no more: it ended, or it has no
+    /// record and this replica has seen the slot unchanged for a lease.
+    async fn free(&self, key: &str, run_id: &str, revision: u64) -> Result<bool, StoreError> {
+        match self.store.read_key(&run_key(run_id)).await? {
+            Some(run) => Ok(!run.status.is_live()),
+            None => Ok(self.store.seen.lapsed(&format!("slot:{key}"), revision)),
+        }
+    }
+
+    /// Takes `key` for `run_id`: created when absent, or written over `revision`; whether this
+    /// write won.
+    async fn claim(&self, key: &str, holder: &str, over: Option<u64>) -> Result<bool, StoreError> {
+        let value = bytes::Bytes::from(holder.to_owned());
+        let failed = |e: String| unavailable("KV slot write", key, e);
+        match over {
+            None => match self.slots.create(key, value).await {
+                Ok(_) => Ok(true),
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+                Err(e) => Err(failed(e.to_string())),
+            },
+            Some(revision) => match self.slots.update(key, value, revision).await {
+                Ok(_) => Ok(true),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(false),
+                Err(e) => Err(failed(e.to_string())),
+            },
+        }
+    }
+
+    async fn take_one(&self, principal: &str, max: usize, holder_value: &str) -> Result<bool, StoreError> {
+        let prefix = token(principal);
+        let mut held = Vec::new();
+        for n in 0..max {
+            let key = format!("{prefix}.{n}");
+            match holder(&self.slots, &key).await? {
+                Some((holding, _)) if holding == holder_value => return Ok(true),
+                Some((holding, revision)) => held.push((key, holding, revision)),
+                None => {
+                    if self.claim(&key, holder_value, None).await? {
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+        for (key, holding, revision) in held {
+            if self.free(&key, run_of(&holding), revision).await?
+                && self.claim(&key, holder_value, Some(revision)).await?
+            {
+                tracing::info!(principal, slot = %key, ended = %run_of(&holding), "a run slot whose run ended is taken");
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    async fn give_back_one(&self, principal: &str, run_id: &str, admission: Option<&str>) -> Result<(), StoreError> {
+        let prefix = format!("{}.", token(principal));
+        let mut keys = self
+            .slots
+            .keys()
+            .await
+            .map_err(|e| unavailable("KV keys", &prefix, e))?;
+        while let Some(key) = keys.next().await {
+            let key = key.map_err(|e| unavailable("KV keys", &prefix, e))?;
+            if !key.starts_with(&prefix) {
+                continue;
+            }
+            let ours = |holding: &str| match admission {
+                Some(admission) => holding == format!("{run_id} {admission}"),
+                None => run_of(holding) == run_id,
+            };
+            if let Some((holding, revision)) = holder(&self.slots, &key).await?
+                && ours(&holding)
+            {
+                return self
+                    .slots
+                    .delete_expect_revision(&key, Some(revision))
+                    .await
+                    .map_err(|e| unavailable("KV slot delete", &key, e));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Quotas for Arc<NatsQuotas> {
+    fn take(
+        &self,
+        principal: &str,
+        max: usize,
+        run_id: &str,
+        admission: &str,
+    ) -> BoxFuture<'static, Result<bool, StoreError>> {
+        let (this, principal, holder) = (Arc::clone(self), principal.to_owned(), format!("{run_id} {admission}"));
+        async move { this.take_one(&principal, max, &holder).await }.boxed()
+    }
+
+    fn give_back(
+        &self,
+        principal: &str,
+        run_id: &str,
+        admission: Option<&str>,
+    ) -> BoxFuture<'static, Result<(), StoreError>> {
+        let (this, principal, run_id) = (Arc::clone(self), principal.to_owned(), run_id.to_owned());
+        let admission = admission.map(str::to_owned);
+        async move { this.give_back_one(&principal, &run_id, admission.as_deref()).await }.boxed()
+    }
+}
