@@ -27,6 +27,7 @@
 //! max_tool_failures = 2
 //! tool_timeout = "30s"
 //! run_timeout = "2m"
+//! max_total_tokens = 200000
 //! ```
 
 use std::collections::HashMap;
@@ -67,6 +68,8 @@ pub struct LimitCeilings {
     /// Time per run.
     #[serde(default, with = "humantime_option")]
     pub run_timeout: Option<Duration>,
+    /// Tokens per run.
+    pub max_total_tokens: Option<u64>,
 }
 
 mod humantime_option {

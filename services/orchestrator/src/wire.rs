@@ -92,6 +92,7 @@ one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
     OrchestratorLost,
     OutputLimit,
     ApprovalTimeout,
+    TokenBudget,
 ]);
 
 /// A run's failure reason on the wire: `UNSPECIFIED` is "did not fail".
@@ -379,6 +380,7 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
                 tool_timeout_ms: millis(limits.tool_timeout),
                 run_timeout_ms: millis(limits.run_timeout),
                 approval_timeout_ms: millis(limits.approval_timeout),
+                max_total_tokens: limits.max_total_tokens,
             }),
         }),
         Event::TextDelta { text, turn } => E::TextDelta(pb::TextDelta { text, turn }),
@@ -482,6 +484,7 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                         tool_timeout: Duration::from_millis(limits.tool_timeout_ms.into()),
                         run_timeout: Duration::from_millis(limits.run_timeout_ms.into()),
                         approval_timeout: Duration::from_millis(limits.approval_timeout_ms.into()),
+                        max_total_tokens: limits.max_total_tokens,
                     },
                     thread: (!e.thread_id.is_empty()).then_some(crate::domain::thread::ThreadStart {
                         thread_id: e.thread_id,

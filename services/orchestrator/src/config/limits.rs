@@ -49,6 +49,13 @@ pub struct LimitSettings {
     /// Longest approval wait a request may ask for (cap 7d).
     #[arg(long, env = "ORCHESTRATOR_APPROVAL_TIMEOUT_CEILING", default_value = "24h", value_parser = parse_duration)]
     pub approval_timeout_ceiling: Duration,
+    /// Default tokens (prompt and completion over all turns) a run may spend
+    /// (limits.max_total_tokens); the turn that goes over it is the run's last.
+    #[arg(long, env = "ORCHESTRATOR_MAX_TOTAL_TOKENS", default_value_t = 10_000_000)]
+    pub max_total_tokens: u64,
+    /// Most tokens a request may let its run spend (cap 1000000000000).
+    #[arg(long, env = "ORCHESTRATOR_MAX_TOTAL_TOKENS_CEILING", default_value_t = 10_000_000)]
+    pub max_total_tokens_ceiling: u64,
 }
 
 impl LimitSettings {
@@ -61,6 +68,7 @@ impl LimitSettings {
             tool_timeout: self.tool_timeout,
             run_timeout: self.run_timeout,
             approval_timeout: self.approval_timeout,
+            max_total_tokens: self.max_total_tokens,
         }
     }
 
@@ -73,6 +81,7 @@ impl LimitSettings {
             tool_timeout: self.tool_timeout_ceiling,
             run_timeout: self.run_timeout_ceiling,
             approval_timeout: self.approval_timeout_ceiling,
+            max_total_tokens: self.max_total_tokens_ceiling,
         }
     }
 }
@@ -122,6 +131,18 @@ impl Bounded for LimitSettings {
                 self.approval_timeout,
                 ms(1),
                 self.approval_timeout_ceiling,
+            ),
+            bound(
+                "max_total_tokens_ceiling",
+                self.max_total_tokens_ceiling,
+                1u64,
+                1_000_000_000_000u64,
+            ),
+            bound(
+                "max_total_tokens",
+                self.max_total_tokens,
+                1u64,
+                self.max_total_tokens_ceiling,
             ),
         ]
     }

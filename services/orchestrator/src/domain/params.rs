@@ -6,6 +6,10 @@ use std::fmt;
 
 use serde_json::{Map, Value};
 
+/// Below this many tokens left in its budget, a run's model request asks for at most that many
+/// even when nothing else set `max_tokens`.
+pub const UNASKED_MAX_TOKENS_BOUND: u64 = 16_384;
+
 /// Fields of the request body the orchestrator writes itself: `extra_body` may not set them.
 pub const RESERVED_FIELDS: [&str; 5] = ["model", "messages", "tools", "stream", "stream_options"];
 
@@ -105,6 +109,20 @@ impl SamplingParams {
             tool_choice: self.tool_choice.as_ref().map(|c| c.for_turn(turn)),
             ..self.clone()
         }
+    }
+
+    /// These parameters with `max_tokens` at most `left`, the tokens a run's budget has left:
+    /// a `max_tokens` asked for is lowered to it; none asked is set to it only when fewer than
+    /// [`UNASKED_MAX_TOKENS_BOUND`] are left (a larger one could pass the model's context, which
+    /// servers refuse). At least 1: servers refuse a request for nothing.
+    pub fn within_tokens(mut self, left: u64) -> Self {
+        let left32 = u32::try_from(left).unwrap_or(u32::MAX).max(1);
+        self.max_tokens = match self.max_tokens {
+            Some(asked) => Some(asked.min(left32)),
+            None if left < UNASKED_MAX_TOKENS_BOUND => Some(left32),
+            None => None,
+        };
+        self
     }
 
     /// These parameters, with each one left unset taken from `defaults`; `extra_body` keys
@@ -234,6 +252,27 @@ pub fn parse_extra_body(text: &str) -> Result<Map<String, Value>, String> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_token_budget_bounds_max_tokens_on_both_sides_of_its_rules() {
+        let asked = |max_tokens| SamplingParams {
+            max_tokens,
+            ..SamplingParams::default()
+        };
+        assert_eq!(asked(Some(500)).within_tokens(100).max_tokens, Some(100));
+        assert_eq!(asked(Some(50)).within_tokens(100).max_tokens, Some(50));
+        assert_eq!(
+            asked(None).within_tokens(UNASKED_MAX_TOKENS_BOUND - 1).max_tokens,
+            Some(16_383)
+        );
+        assert_eq!(asked(None).within_tokens(UNASKED_MAX_TOKENS_BOUND).max_tokens, None);
+        assert_eq!(
+            asked(None).within_tokens(0).max_tokens,
+            Some(1),
+            "never a request for nothing"
+        );
+        assert_eq!(asked(Some(7)).within_tokens(u64::MAX).max_tokens, Some(7));
+    }
 
     #[test]
     fn required_and_named_choices_force_the_first_turn_only() {

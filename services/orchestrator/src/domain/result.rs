@@ -58,6 +58,9 @@ pub enum FailureReason {
     OutputLimit,
     /// Calls were not decided within the approval timeout, and the run was asked to end then.
     ApprovalTimeout,
+    /// The run's tokens went over its `max_total_tokens`, or its caller's over its
+    /// `tokens_per_hour`.
+    TokenBudget,
 }
 
 /// A tool call's failure, as fed back to the model.

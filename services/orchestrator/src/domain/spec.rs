@@ -36,6 +36,23 @@ pub struct Limits {
     /// How long a call may wait for approval.
     #[serde(default)]
     pub approval_timeout: Duration,
+    /// Tokens (prompt and completion, over every turn) the run may spend; the turn that goes
+    /// over it is its last.
+    #[serde(default = "no_token_budget")]
+    pub max_total_tokens: u64,
+}
+
+/// The token budget of a run checkpointed before budgets existed: none.
+fn no_token_budget() -> u64 {
+    u64::MAX
+}
+
+impl Limits {
+    /// The tokens the run may still spend after spending `used` (0: none, the run is over it).
+    pub fn tokens_left(&self, used: &super::chat::Usage) -> u64 {
+        self.max_total_tokens
+            .saturating_sub(used.prompt_tokens.saturating_add(used.completion_tokens))
+    }
 }
 
 /// Everything one run needs, validated.

@@ -598,7 +598,7 @@ impl<'a> Driver<'a> {
             let started = Instant::now();
             let step = self.turn(number).instrument(span).await;
             metrics::histogram!(metric::TURN_DURATION).record(started.elapsed().as_secs_f64());
-            if let Err(end) = step {
+            if let Err(end) = step.and_then(|()| self.within_token_budget()) {
                 return end;
             }
             if let Err(end) = self.end_turn(number).await {

@@ -172,7 +172,7 @@ impl Driver<'_> {
             model: spec.model.clone(),
             messages,
             tools: self.offer.tools.clone(),
-            params: spec.params.for_turn(turn),
+            params: spec.params.for_turn(turn).within_tokens(self.tokens_left()),
             pace: crate::llm::ReadPace::default(),
             affinity: match spec.affinity_key.as_str() {
                 "" => spec.run_id.clone(),
@@ -391,6 +391,30 @@ impl Driver<'_> {
             executed,
             left: self.budget_left(),
         }
+    }
+
+    /// The tokens the run may still spend (its `max_total_tokens` less its usage so far).
+    pub(super) fn tokens_left(&self) -> u64 {
+        self.spec.limits.tokens_left(&lock(self.state).usage)
+    }
+
+    /// `TOKEN_BUDGET` once the run's tokens went over its `max_total_tokens`: the turn that
+    /// crossed it was its last (its output and tool results are kept).
+    pub(super) fn within_token_budget(&self) -> Step<()> {
+        if self.tokens_left() > 0 {
+            return Ok(());
+        }
+        let used = lock(self.state).usage;
+        Err(End::Failed(
+            FailureReason::TokenBudget,
+            format!(
+                "the run spent {} tokens ({} prompt, {} completion), over its limits.max_total_tokens of {}",
+                used.prompt_tokens + used.completion_tokens,
+                used.prompt_tokens,
+                used.completion_tokens,
+                self.spec.limits.max_total_tokens
+            ),
+        ))
     }
 
     pub(super) fn budget_left(&self) -> u32 {

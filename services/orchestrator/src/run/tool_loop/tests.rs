@@ -163,6 +163,7 @@ pub(crate) fn limits() -> Limits {
         tool_timeout: Duration::from_secs(5),
         run_timeout: Duration::from_secs(30),
         approval_timeout: Duration::from_secs(60),
+        max_total_tokens: u64::MAX,
     }
 }
 
@@ -2387,4 +2388,60 @@ async fn a_run_resumed_from_a_call_started_early_goes_on_with_it() {
         .filter(|m| matches!(m, Message::Tool { .. }))
         .count();
     assert_eq!(tool_messages, 1, "the turn is its started call");
+}
+
+/// A run's token budget: each request asks for at most what is left, and the turn that goes
+/// over it is the last, its tool results kept, the run FAILED `TOKEN_BUDGET`.
+#[tokio::test(start_paused = true)]
+async fn the_turn_that_spends_the_token_budget_is_the_last() {
+    let turn = || vec![text("working"), call(0, "nap", r#"{"ms": 1}"#), usage(30, 20)];
+    let budget = Limits {
+        max_total_tokens: 120,
+        ..many_turns()
+    };
+    let (result, _, script, _) = play(vec![turn(), turn(), turn(), turn()], budget).await;
+    assert_eq!(
+        (result.status, result.failure_reason, result.turns),
+        (RunStatus::Failed, Some(FailureReason::TokenBudget), 3)
+    );
+    assert_eq!(result.tool_calls.len(), 3, "the last turn's call ran and is kept");
+    assert!(
+        result.failure_detail.contains("150 tokens") && result.failure_detail.contains("120"),
+        "{}",
+        result.failure_detail
+    );
+    let asked: Vec<Option<u32>> = script
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.params.max_tokens)
+        .collect();
+    assert_eq!(asked, [Some(120), Some(70), Some(20)]);
+}
+
+/// A budget that is never reached changes nothing: a large one sets no `max_tokens`.
+#[tokio::test(start_paused = true)]
+async fn a_budget_not_reached_changes_nothing() {
+    let turns = vec![
+        vec![text("working"), call(0, "nap", r#"{"ms": 1}"#), usage(30, 20)],
+        vec![text("done"), usage(10, 5)],
+    ];
+    let (result, _, script, _) = play(
+        turns,
+        Limits {
+            max_total_tokens: 1_000_000,
+            ..limits()
+        },
+    )
+    .await;
+    assert_eq!((result.status, result.usage.prompt_tokens), (RunStatus::Completed, 40));
+    let asked: Vec<Option<u32>> = script
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.params.max_tokens)
+        .collect();
+    assert_eq!(asked, [None, None]);
 }

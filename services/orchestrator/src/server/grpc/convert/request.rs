@@ -25,6 +25,7 @@ pub(crate) struct RequestedLimits {
     pub(super) tool_timeout_ms: Option<u32>,
     pub(super) run_timeout_ms: Option<u32>,
     pub(super) approval_timeout_ms: Option<u32>,
+    pub(super) max_total_tokens: Option<u64>,
 }
 
 /// The request's approval policy as asked (checked against the run's tools later).
@@ -99,6 +100,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
                 tool_timeout_ms: limits.tool_timeout_ms,
                 run_timeout_ms: limits.run_timeout_ms,
                 approval_timeout_ms: limits.approval_timeout_ms,
+                max_total_tokens: limits.max_total_tokens,
             },
             metadata: r.metadata.into_iter().collect(),
             labels: r.labels.into_iter().collect(),
