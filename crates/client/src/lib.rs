@@ -248,6 +248,22 @@ impl Client {
             .await?)
     }
 
+    /// What `principal` (empty: this caller; another's needs the operator role) spent from
+    /// `from_ms` to `to_ms` (Unix ms; 0 and 0: the last 24 hours), an hour a window.
+    pub async fn usage(&self, principal: &str, from_ms: i64, to_ms: i64) -> Result<pb::GetUsageResponse, Error> {
+        let request = pb::GetUsageRequest {
+            principal: principal.into(),
+            from_ms,
+            to_ms,
+        };
+        Ok(self
+            .retried(
+                request,
+                |mut client, request| async move { client.get_usage(request).await },
+            )
+            .await?)
+    }
+
     /// Every run `request` asks for, page after page (at most `max` rows: a listing of a busy
     /// service is long).
     pub async fn list_all_runs(

@@ -411,6 +411,13 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn get_usage(
+        &self,
+        _: tonic::Request<pb::GetUsageRequest>,
+    ) -> Result<tonic::Response<pb::GetUsageResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn subscribe_signals(
         &self,
         _: tonic::Request<pb::SubscribeSignalsRequest>,
@@ -600,6 +607,13 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         &self,
         _: tonic::Request<pb::ListRunsRequest>,
     ) -> Result<tonic::Response<pb::ListRunsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn get_usage(
+        &self,
+        _: tonic::Request<pb::GetUsageRequest>,
+    ) -> Result<tonic::Response<pb::GetUsageResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 

@@ -19,6 +19,7 @@
 //! max_queued = 100                      # optional: its runs waiting for a slot (default
 //!                                       # --max-queued-runs)
 //! weight = 2                            # optional: its share of the slots when runs wait (1-1000)
+//! tokens_per_hour = 2000000             # optional: tokens its runs may spend per hour, together
 //! roles = ["approver"]                  # optional: "approver" decides any run's tool calls,
 //!                                       # "operator" lists every principal's runs
 //! [token.limits]                        # optional: ceilings on what its requests may ask
@@ -95,6 +96,7 @@ struct Entry {
     max_runs: Option<usize>,
     max_queued: Option<usize>,
     weight: Option<u32>,
+    tokens_per_hour: Option<u64>,
     #[serde(default)]
     limits: LimitCeilings,
     #[serde(default)]
@@ -128,6 +130,8 @@ pub struct Principal {
     pub max_queued: Option<usize>,
     /// Its share of the slots when runs wait for them (`None`: 1).
     pub weight: Option<u32>,
+    /// Tokens its runs may spend per hour, all together (`None`: no such budget).
+    pub tokens_per_hour: Option<u64>,
     /// Its ceilings on request limits.
     pub limits: LimitCeilings,
     /// Its roles (see [`ROLES`]).
@@ -251,6 +255,7 @@ impl Table {
                 max_runs: entry.max_runs,
                 max_queued: entry.max_queued,
                 weight: entry.weight,
+                tokens_per_hour: entry.tokens_per_hour,
                 limits: entry.limits,
                 roles: entry.roles,
             });

@@ -142,6 +142,20 @@ pub enum Error {
         /// Which queue is full.
         full: crate::domain::share::QueueFull,
     },
+    /// The caller's tokens this hour are spent.
+    #[error(
+        "principal {principal:?} spent {spent} tokens this hour, its tokens_per_hour of {budget}; its budget resets at {resets}"
+    )]
+    HourSpent {
+        /// The caller.
+        principal: String,
+        /// Its tokens this hour.
+        spent: u64,
+        /// Its tokens_per_hour.
+        budget: u64,
+        /// When the next hour begins (RFC 3339).
+        resets: String,
+    },
     /// The run's deadline passed while it waited for a slot.
     #[error("the run waited {} for a run slot until its deadline; it did not start", humantime::format_duration(*.0))]
     SlotWait(std::time::Duration),
@@ -167,7 +181,7 @@ impl From<Error> for tonic::Status {
             Error::ThreadBusy { .. } => Self::aborted(message),
             Error::ThreadQueueFull { .. } => Self::resource_exhausted(message),
             Error::ThreadWait(_) | Error::SlotWait(_) => Self::deadline_exceeded(message),
-            Error::QueueFull { .. } => Self::resource_exhausted(message),
+            Error::QueueFull { .. } | Error::HourSpent { .. } => Self::resource_exhausted(message),
             Error::PermissionDenied(_) => Self::permission_denied(message),
             Error::NotFound(_) => Self::not_found(message),
             Error::Draining

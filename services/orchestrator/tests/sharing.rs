@@ -717,3 +717,145 @@ async fn max_runs_holds_across_replicas_also_when_one_is_killed_with_slots_held(
     let _ = &mut operator;
     Ok(())
 }
+
+/// Three turns of 50 tokens each (30 prompt, 20 completion): two call `echo`, the third answers.
+fn fifty_a_turn() -> Scenario {
+    let turn = |text: &str| Turn {
+        usage: Some([30, 20]),
+        ..Turn::text(text)
+    };
+    Scenario::new(vec![
+        turn("One.").then(Step::call("echo", json!({"n": 1}))),
+        turn("Two.").then(Step::call("echo", json!({"n": 2}))),
+        turn("Done."),
+    ])
+}
+
+/// Runs `request` as `token` to its end on `client`: its result.
+async fn run_to_end(
+    client: &mut Client,
+    token: &str,
+    request: pb::OrchestrateRequest,
+) -> anyhow::Result<pb::RunResult> {
+    let mut stream = client.orchestrate(as_(token, request)).await?.into_inner();
+    while let Some(event) = stream.message().await? {
+        if let Some(pb::orchestrate_event::Event::RunFinished(finished)) = event.event {
+            return finished
+                .result
+                .ok_or_else(|| anyhow::anyhow!("run_finished without a result"));
+        }
+    }
+    anyhow::bail!("the stream ended without run_finished")
+}
+
+#[tokio::test]
+async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> TestResult {
+    // Not across an hour's turn: the caller's budget is per hour.
+    let hour = 3_600_000;
+    until(
+        "a moment not just before the hour turns",
+        Duration::from_secs(30),
+        || async { (shared::sync::unix_ms() % hour < hour - 20_000).then_some(()) },
+    )
+    .await?;
+    let w = world_with(
+        2,
+        &[],
+        fifty_a_turn(),
+        &[("thrifty", "thrifty-token", "tokens_per_hour = 80")],
+    )
+    .await?;
+    let (mut first, mut second) = (w.client(0).await?, w.client(1).await?);
+
+    // A run's own budget: the turn that crosses it is its last, its output kept.
+    let mut capped = testkit::user("go");
+    capped.limits = Some(pb::RunLimits {
+        max_total_tokens: Some(60),
+        ..Default::default()
+    });
+    let result = run_to_end(&mut first, "alice-token", capped.clone()).await?;
+    assert_eq!(
+        (
+            result.status,
+            result.failure_reason,
+            result.turns,
+            result.tool_calls.len()
+        ),
+        (
+            pb::RunStatus::Failed as i32,
+            pb::FailureReason::TokenBudget as i32,
+            2,
+            2
+        ),
+        "{result:?}"
+    );
+    assert!(
+        result.failure_detail.contains("max_total_tokens"),
+        "{}",
+        result.failure_detail
+    );
+    // Both sides of the ceiling.
+    capped.limits = Some(pb::RunLimits {
+        max_total_tokens: Some(10_000_001),
+        ..Default::default()
+    });
+    let refused = first.orchestrate(as_("alice-token", capped)).await.err();
+    assert_eq!(refused.map(|s| s.code()), Some(tonic::Code::InvalidArgument));
+
+    // The caller's hour: 80 tokens; its run crosses them on its second turn, on replica 0 …
+    let result = run_to_end(&mut first, "thrifty-token", testkit::user("go")).await?;
+    assert_eq!(
+        (result.status, result.failure_reason),
+        (pb::RunStatus::Failed as i32, pb::FailureReason::TokenBudget as i32),
+        "{result:?}"
+    );
+    assert!(
+        result.failure_detail.contains("tokens_per_hour"),
+        "{}",
+        result.failure_detail
+    );
+    // … and its next run, on replica 1, is refused with the time the budget resets.
+    let refused = second
+        .orchestrate(as_("thrifty-token", testkit::user("again")))
+        .await
+        .err();
+    let refused = refused.ok_or_else(|| anyhow::anyhow!("a run past the caller's hour was let in"))?;
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+    assert!(refused.message().contains("resets at"), "{}", refused.message());
+
+    // What it spent, from either replica: its own, or an operator's view; not another caller's.
+    let spent = second
+        .get_usage(as_("thrifty-token", pb::GetUsageRequest::default()))
+        .await?
+        .into_inner();
+    let total = spent.total.unwrap_or_default();
+    assert_eq!(
+        (
+            total.prompt_tokens,
+            total.completion_tokens,
+            total.runs,
+            total.tool_calls
+        ),
+        (60, 40, 1, 2),
+        "{spent:?}"
+    );
+    assert_eq!(spent.tokens_per_hour, Some(80));
+    let of_thrifty = pb::GetUsageRequest {
+        principal: "thrifty".into(),
+        ..Default::default()
+    };
+    let seen = first
+        .get_usage(as_("olga-token", of_thrifty.clone()))
+        .await?
+        .into_inner();
+    assert_eq!(seen.total, spent.total);
+    let denied = first.get_usage(as_("alice-token", of_thrifty)).await.err();
+    assert_eq!(denied.map(|s| s.code()), Some(tonic::Code::PermissionDenied));
+    let too_long = pb::GetUsageRequest {
+        from_ms: 1,
+        ..Default::default()
+    };
+    let refused = first.get_usage(as_("alice-token", too_long)).await.err();
+    assert_eq!(refused.map(|s| s.code()), Some(tonic::Code::InvalidArgument));
+    Ok(())
+}

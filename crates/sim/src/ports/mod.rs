@@ -162,6 +162,8 @@ struct World {
     begun: Instant,
     history: Vec<String>,
     observations: Arc<std::sync::Mutex<Vec<String>>>,
+    /// The principals' spend, shared by the replicas as the store's is.
+    usage: Arc<orchestrator::store::memory::MemoryUsage>,
 }
 
 /// A fault of the plan.
@@ -189,6 +191,9 @@ impl World {
             begun: Instant::now(),
             history: Vec::new(),
             observations: Arc::default(),
+            usage: Arc::new(orchestrator::store::memory::MemoryUsage::new(Duration::from_secs(
+                86_400,
+            ))),
             settings,
         }
     }
@@ -203,6 +208,7 @@ impl World {
             store: Arc::new(store.clone()),
             index: Arc::new(store.clone()),
             quotas: None,
+            usage: Arc::clone(&self.usage) as Arc<dyn orchestrator::domain::ports::UsageBook>,
             journal: Some(Arc::new(store.clone())),
             log: Arc::new(store.clone()),
             approvals: Arc::new(orchestrator::store::memory::MemoryLot::new(16)),
@@ -516,6 +522,7 @@ fn spec(run_id: &str) -> RunSpec {
         limits,
         metadata: Default::default(),
         labels: [("kind".to_owned(), "sim".to_owned())].into(),
+        hourly_budget: None,
         queued_ms: 0,
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),

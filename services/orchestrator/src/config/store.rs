@@ -79,6 +79,13 @@ pub struct StoreSettings {
     /// subjects `<stream>.run.>`).
     #[arg(long, env = "ORCHESTRATOR_EVENT_LOG_STREAM", default_value = "ORCHESTRATOR_EVENTS")]
     pub event_log_stream: String,
+    /// How long each principal's spend per hour is kept (GetUsage; in memory, or in the NATS
+    /// store's `<bucket>-usage`) (1h..=365d).
+    #[arg(long, env = "ORCHESTRATOR_USAGE_KEEP_FOR", default_value = "7d", value_parser = parse_duration)]
+    pub usage_keep_for: Duration,
+    /// The longest span one GetUsage call reads, an hour a window (1h..=31d).
+    #[arg(long, env = "ORCHESTRATOR_USAGE_MAX_RANGE", default_value = "7d", value_parser = parse_duration)]
+    pub usage_max_range: Duration,
     /// The most rows of one ListRuns page (1..=5000).
     #[arg(long, env = "ORCHESTRATOR_LIST_PAGE_MAX", default_value_t = 500)]
     pub list_page_max: usize,
@@ -111,6 +118,8 @@ impl Bounded for StoreSettings {
             bound("timeout", self.timeout, ms(10), secs(60)),
             bound("backlog", self.backlog, 1usize, 1_000_000usize),
             bound("list_page_max", self.list_page_max, 1usize, 5000usize),
+            bound("usage_keep_for", self.usage_keep_for, secs(3600), DAY * 365),
+            bound("usage_max_range", self.usage_max_range, secs(3600), DAY * 31),
             bound("list_scan_max", self.list_scan_max, 100u64, 10_000_000u64),
             bound("list_read_max", self.list_read_max, 10usize, 100_000usize),
             bound(

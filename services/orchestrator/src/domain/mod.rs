@@ -12,6 +12,7 @@
 //! * [`steering`]: a user message sent to a live run, and why a run refuses one;
 //! * [`thread`]: conversations that continue across runs, their limits and busy policies;
 //! * [`listing`]: finding runs (`ListRuns`): queries, rows, pages and their cursors, labels;
+//! * [`usage`]: what each principal spends, per hour window, and its budget;
 //! * [`share`]: fair shares of the run slots among the principals whose runs wait;
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
@@ -30,6 +31,7 @@ pub mod share;
 pub mod spec;
 pub mod steering;
 pub mod thread;
+pub mod usage;
 
 pub use cancel::CancelMode;
 pub use event::{Event, EventBatch, NumberedEvent};

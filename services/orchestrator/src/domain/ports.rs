@@ -105,6 +105,27 @@ pub trait Quotas: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<(), StoreError>>;
 }
 
+/// Where each principal's spend adds up, per hour window (in memory, or shared by the replicas
+/// in the store). Adding is atomic: concurrent runs of a principal on several replicas never
+/// lose each other's spend.
+pub trait UsageBook: Send + Sync + 'static {
+    /// Adds `spend` to `principal`'s window starting `window`; the window's total after it.
+    fn add(
+        &self,
+        principal: &str,
+        window: u64,
+        spend: super::usage::Tally,
+    ) -> BoxFuture<'static, Result<super::usage::Tally, StoreError>>;
+    /// `principal`'s windows from `from` to `to` (window starts, both included) that spent
+    /// anything, oldest first.
+    fn read(
+        &self,
+        principal: &str,
+        from: u64,
+        to: u64,
+    ) -> BoxFuture<'static, Result<Vec<(u64, super::usage::Tally)>, StoreError>>;
+}
+
 /// Durable runs (the NATS store): a live run's checkpoints, and the takeover of runs whose
 /// replica stopped. Checkpoints are opaque bytes here (the loop writes and reads them). The owner
 /// of a run is fenced: once another replica took the run over, the old owner's writes of it are

@@ -76,6 +76,9 @@ pub struct RunSpec {
     pub limits: Limits,
     /// Caller metadata, passed to tool-runners and signals.
     pub metadata: BTreeMap<String, String>,
+    /// The caller's tokens per hour, held across its runs (tokens file; `None`: none).
+    #[serde(default)]
+    pub hourly_budget: Option<super::usage::HourlyBudget>,
     /// How long the run waited for a slot before it started (its share of the fleet was held,
     /// or its replica was full).
     #[serde(default)]

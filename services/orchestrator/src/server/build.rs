@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::Core;
 use crate::config::{Backend, NatsSettings};
 use crate::domain::ports::{
-    ApprovalLot, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore,
+    ApprovalLot, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore, UsageBook,
 };
 use crate::llm::Fleet;
 use crate::registry::Runs;
@@ -17,8 +17,8 @@ use crate::run::tool_loop::LoopDeps;
 use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
-use crate::store::memory::{MemoryLog, MemoryLot, MemoryStore, MemoryThreads};
-use crate::store::nats::{KvStore, NatsIndex, NatsLog, NatsLogOptions, NatsLot, NatsQuotas, NatsThreads};
+use crate::store::memory::{MemoryLog, MemoryLot, MemoryStore, MemoryThreads, MemoryUsage};
+use crate::store::nats::{KvStore, NatsIndex, NatsLog, NatsLogOptions, NatsLot, NatsQuotas, NatsThreads, NatsUsage};
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
@@ -35,6 +35,7 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         approvals,
         index,
         quotas,
+        usage,
     } = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
     let threads = open_threads(config, &mut connections).await?;
@@ -42,6 +43,7 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         store,
         index,
         quotas,
+        usage,
         journal,
         log,
         approvals,
@@ -62,6 +64,8 @@ pub struct Ports {
     pub index: Arc<dyn RunIndex>,
     /// Each principal's `max_runs` across the fleet (a shared store only).
     pub quotas: Option<Arc<dyn Quotas>>,
+    /// Each principal's spend per hour.
+    pub usage: Arc<dyn UsageBook>,
     /// Checkpoints and takeover: runs outlive the replica (a shared store only).
     pub journal: Option<Arc<dyn RunJournal>>,
     /// The runs' events.
@@ -119,6 +123,8 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
             approvals: ports.approvals,
             max_turn_restarts: config.llm.max_retries,
             threads: Some(Arc::clone(&threads)),
+            usage: ports.usage,
+            store_timeout: config.store.timeout,
         },
         threads,
         runs,
@@ -179,6 +185,7 @@ struct Stored {
     approvals: Arc<dyn ApprovalLot>,
     index: Arc<dyn RunIndex>,
     quotas: Option<Arc<dyn Quotas>>,
+    usage: Arc<dyn UsageBook>,
 }
 
 /// The result store: in memory (bounded, this replica only) or a NATS key-value bucket shared
@@ -198,6 +205,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                 approvals: Arc::new(MemoryLot::new(config.runs.max_awaiting_runs)),
                 index: store,
                 quotas: None,
+                usage: Arc::new(MemoryUsage::new(config.store.usage_keep_for)),
             }
         }
         Backend::Nats(url) => {
@@ -230,6 +238,15 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                 approvals: Arc::new(lot),
                 index: Arc::new(index),
                 quotas: Some(Arc::new(Arc::new(quotas))),
+                usage: Arc::new(
+                    NatsUsage::open(
+                        &js,
+                        &config.store.bucket,
+                        config.store.usage_keep_for,
+                        config.nats.replicas,
+                    )
+                    .await?,
+                ),
             }
         }
     })

@@ -114,6 +114,7 @@ impl Core {
         trace_context: &tonic::metadata::MetadataMap,
         caller: Arc<Principal>,
     ) -> Result<RunEvents, Error> {
+        self.within_hourly_budget(&caller).await?;
         let (mut spec, took_thread) = self.take_thread(spec, &caller).await?;
         let run_id = spec.run_id.clone();
         let admitted = self

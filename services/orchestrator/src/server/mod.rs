@@ -1,7 +1,8 @@
 //! The server: [`serve`] wires the LLM client, the tool-runners, the signal topic, the store and
 //! the runs registry (`build.rs`) into the shared state every request and background task uses
 //! ([`Core`], `core.rs`: starting, resuming, reading, cancelling, steering and deciding runs;
-//! `threads.rs`: a run taking its thread under its busy policy, reading and deleting threads),
+//! `threads.rs`: a run taking its thread under its busy policy, reading and deleting threads;
+//! `usage.rs`: the caller's hourly token budget at admission, and `GetUsage`),
 //! serves gRPC (orchestrator, health, reflection) on the given listener, and drains when
 //! `shutdown` resolves. The background tasks: `takeover.rs` (orphaned runs), `unpark.rs` (runs
 //! whose approvals were decided), `remote_asks.rs` (cancels and messages asked on other
@@ -37,6 +38,7 @@ mod streams;
 mod takeover;
 mod threads;
 mod unpark;
+mod usage;
 
 pub(crate) use self::core::{Core, Resumption};
 pub(crate) use self::streams::RunEvents;

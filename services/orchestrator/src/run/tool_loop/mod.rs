@@ -85,6 +85,10 @@ pub struct LoopDeps {
     pub max_turn_restarts: u32,
     /// Where a run on a thread adds its messages as it ends (`None`: runs name no thread).
     pub threads: Option<Arc<crate::threads::Keeper>>,
+    /// Where each principal's spend adds up (each turn's tokens, each run's calls and time).
+    pub usage: Arc<dyn crate::domain::ports::UsageBook>,
+    /// How long one add to it may take.
+    pub store_timeout: Duration,
 }
 
 /// How the loop ended.
@@ -246,6 +250,7 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
     }
     let result = settle(state, end, cancel);
     telemetry::record_run_end(&result, started.elapsed());
+    tally_run_end(deps, &result).await;
     emitter.queue(Event::RunFinished(Box::new(result.clone())));
     if let Some(persister) = persister.filter(|p| p.durable()) {
         // A durable run's log holds its end before anything else shows it: a replica that takes
@@ -271,6 +276,23 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
     drop(slot);
     emitter.flush().await;
     result
+}
+
+/// Adds the run's end to its caller's spend this hour: the run, its calls and its time (its
+/// tokens were added turn by turn). A store that does not take it leaves the end as it is.
+async fn tally_run_end(deps: &LoopDeps, result: &RunResult) {
+    let now = shared::sync::unix_ms();
+    let tally = crate::domain::usage::Tally {
+        tool_calls: u64::try_from(result.tool_calls.len()).unwrap_or(u64::MAX),
+        runs: 1,
+        run_ms: now.saturating_sub(result.created_at_ms),
+        ..Default::default()
+    };
+    let window = crate::domain::usage::window_of(now);
+    let add = deps.usage.add(&result.principal, window, tally);
+    if let Err(e) = crate::domain::ports::within(deps.store_timeout, add).await {
+        tracing::warn!(principal = %result.principal, "the run's end was not added to the caller's usage: {e}");
+    }
 }
 
 /// A durable run whose end its event log did not keep (this replica was cut off from NATS, or
@@ -511,6 +533,9 @@ struct Driver<'a> {
     inbox: Inbox,
     /// The current turn's calls started while the model still wrote.
     eager: eager::Eager,
+    /// The tokens the caller's `tokens_per_hour` had left when a turn last added its tokens
+    /// (`None`: no such budget, or no turn added yet).
+    window_left: Option<u64>,
 }
 
 /// The tools a run offers the model: the definitions sent with every turn, and the names that
@@ -565,6 +590,7 @@ impl<'a> Driver<'a> {
             cancel,
             inbox,
             eager: eager::Eager::default(),
+            window_left: None,
             spec,
             deps,
             state,
@@ -596,9 +622,11 @@ impl<'a> Driver<'a> {
         for number in self.progress.turns_done + 1..=self.max_turns {
             let span = telemetry::chat_span(&self.spec.model, number);
             let started = Instant::now();
+            let spent_before = lock(self.state).usage;
             let step = self.turn(number).instrument(span).await;
             metrics::histogram!(metric::TURN_DURATION).record(started.elapsed().as_secs_f64());
-            if let Err(end) = step.and_then(|()| self.within_token_budget()) {
+            let within = self.account_turn(spent_before).await;
+            if let Err(end) = step.and(within).and_then(|()| self.within_token_budget()) {
                 return end;
             }
             if let Err(end) = self.end_turn(number).await {

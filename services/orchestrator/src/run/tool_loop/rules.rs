@@ -11,7 +11,8 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::*;
-use crate::domain::ports::{OnDelivery, ToolInvocation};
+use crate::domain::ports::{OnDelivery, ToolInvocation, within};
+use crate::domain::usage::{Tally, WINDOW_MS, window_of};
 use crate::domain::{Delivery, Event, FailureReason, ParsePolicy, RunStatus, Signal, ToolCallError, ToolCallRecord};
 use crate::llm::{ChatRequest, Message, ToolCall, Usage};
 use crate::run::bios::{BiosContext, Status, append_note, render, status_note};
@@ -393,9 +394,53 @@ impl Driver<'_> {
         }
     }
 
-    /// The tokens the run may still spend (its `max_total_tokens` less its usage so far).
+    /// The tokens the run may still spend: its `max_total_tokens` less its usage so far, and no
+    /// more than its caller's `tokens_per_hour` had left at the last turn's end.
     pub(super) fn tokens_left(&self) -> u64 {
-        self.spec.limits.tokens_left(&lock(self.state).usage)
+        let run = self.spec.limits.tokens_left(&lock(self.state).usage);
+        self.window_left.map_or(run, |window| window.min(run))
+    }
+
+    /// Adds the turn's tokens (those spent since `before`) to the caller's spend this hour;
+    /// `TOKEN_BUDGET` once that went over the caller's `tokens_per_hour`. A store that does not
+    /// take the add leaves the run going (logged).
+    pub(super) async fn account_turn(&mut self, before: Usage) -> Step<()> {
+        let now = lock(self.state).usage;
+        let turn = Usage {
+            prompt_tokens: now.prompt_tokens.saturating_sub(before.prompt_tokens),
+            completion_tokens: now.completion_tokens.saturating_sub(before.completion_tokens),
+            cached_prompt_tokens: now.cached_prompt_tokens.saturating_sub(before.cached_prompt_tokens),
+        };
+        let window = window_of(shared::sync::unix_ms());
+        let add = self
+            .deps
+            .usage
+            .add(&self.spec.principal, window, Tally::of_tokens(&turn));
+        let total = match within(self.deps.store_timeout, add).await {
+            Ok(total) => total,
+            Err(e) => {
+                tracing::warn!(principal = %self.spec.principal, "the turn's tokens were not added to the caller's usage: {e}");
+                return Ok(());
+            }
+        };
+        let Some(budget) = self.spec.hourly_budget else {
+            return Ok(());
+        };
+        self.window_left = Some(budget.left(&total));
+        if budget.left(&total) > 0 {
+            return Ok(());
+        }
+        let resets = std::time::UNIX_EPOCH + std::time::Duration::from_millis(window + WINDOW_MS);
+        Err(End::Failed(
+            FailureReason::TokenBudget,
+            format!(
+                "the caller {:?} spent {} tokens this hour, over its tokens_per_hour of {}; the budget resets at {}",
+                self.spec.principal,
+                total.tokens(),
+                budget.tokens_per_hour,
+                humantime::format_rfc3339_seconds(resets)
+            ),
+        ))
     }
 
     /// `TOKEN_BUDGET` once the run's tokens went over its `max_total_tokens`: the turn that

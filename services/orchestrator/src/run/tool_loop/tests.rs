@@ -138,6 +138,7 @@ pub(crate) fn spec(limits: Limits) -> RunSpec {
         limits,
         metadata: Default::default(),
         labels: Default::default(),
+        hourly_budget: None,
         queued_ms: 0,
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
@@ -292,6 +293,8 @@ async fn play_with(
         approvals: outside.approvals,
         max_turn_restarts: 2,
         threads: outside.threads,
+        usage: Arc::new(crate::store::memory::MemoryUsage::new(Duration::from_secs(3600))),
+        store_timeout: Duration::from_secs(5),
     };
     let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
     let (tx, mut rx) = mpsc::channel(outside.buffer);

@@ -104,6 +104,34 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         }))
     }
 
+    async fn get_usage(&self, request: Request<pb::GetUsageRequest>) -> Result<Response<pb::GetUsageResponse>, Status> {
+        let caller = caller(&request);
+        let asked = request.into_inner();
+        let time = |field: &str, ms: i64| {
+            u64::try_from(ms)
+                .map_err(|_| Status::invalid_argument(format!("{field} must be a Unix time in ms, not {ms}")))
+        };
+        let span = (time("from_ms", asked.from_ms)?, time("to_ms", asked.to_ms)?);
+        let principal = Some(asked.principal).filter(|p| !p.is_empty());
+        let spent = self.core.usage(&caller, principal, span).await?;
+        let window = |start: u64, t: &crate::domain::usage::Tally| pb::UsageWindow {
+            start_ms: i64::try_from(start).unwrap_or(i64::MAX),
+            prompt_tokens: t.prompt_tokens,
+            cached_prompt_tokens: t.cached_prompt_tokens,
+            completion_tokens: t.completion_tokens,
+            tool_calls: t.tool_calls,
+            runs: t.runs,
+            run_ms: t.run_ms,
+        };
+        let first = spent.windows.first().map_or(0, |(start, _)| *start);
+        Ok(Response::new(pb::GetUsageResponse {
+            windows: spent.windows.iter().map(|(start, t)| window(*start, t)).collect(),
+            total: Some(window(first, &spent.total)),
+            principal: spent.principal,
+            tokens_per_hour: spent.tokens_per_hour,
+        }))
+    }
+
     async fn cancel_run(
         &self,
         request: Request<pb::CancelRunRequest>,

@@ -4,14 +4,17 @@
 //! * [`results`]: the [`ResultStore`](crate::domain::ports::ResultStore) ([`MemoryStore`]);
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) ([`MemoryLog`]);
 //! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) ([`MemoryLot`]);
-//! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) ([`MemoryThreads`]).
+//! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) ([`MemoryThreads`]);
+//! * [`usage`]: the [`UsageBook`](crate::domain::ports::UsageBook) ([`MemoryUsage`]).
 
 pub mod approvals;
 pub mod log;
 pub mod results;
 pub mod threads;
+pub mod usage;
 
 pub use approvals::MemoryLot;
 pub use log::MemoryLog;
 pub use results::MemoryStore;
 pub use threads::MemoryThreads;
+pub use usage::MemoryUsage;

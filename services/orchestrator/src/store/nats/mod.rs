@@ -15,6 +15,8 @@
 //!   ([`NatsLot`]), decided and resumed on any replica;
 //! * [`quotas`]: the [`Quotas`](crate::domain::ports::Quotas) — each principal's run slots
 //!   across the fleet, a key-value bucket ([`NatsQuotas`]);
+//! * [`usage`]: the [`UsageBook`](crate::domain::ports::UsageBook) — each principal's spend per
+//!   hour, a key-value bucket ([`NatsUsage`]);
 //! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) — a key-value bucket
 //!   ([`NatsThreads`]), one record per thread, compare-and-set.
 
@@ -27,6 +29,7 @@ pub mod log;
 pub mod quotas;
 pub mod results;
 pub mod threads;
+pub mod usage;
 
 pub use approvals::NatsLot;
 pub use index::NatsIndex;
@@ -34,3 +37,4 @@ pub use log::{NatsLog, NatsLogOptions};
 pub use quotas::NatsQuotas;
 pub use results::KvStore;
 pub use threads::NatsThreads;
+pub use usage::NatsUsage;

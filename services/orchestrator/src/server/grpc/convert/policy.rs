@@ -155,6 +155,9 @@ pub(crate) fn resolve(
         limits,
         metadata: request.metadata,
         labels: request.labels,
+        hourly_budget: caller
+            .tokens_per_hour
+            .map(|tokens_per_hour| crate::domain::usage::HourlyBudget { tokens_per_hour }),
         queued_ms: 0,
         parse_policy: request.parse_policy,
         deadline: Deadline::new(

@@ -1,0 +1,125 @@
+//! Each principal's spend per hour window on the NATS store ([`UsageBook`]): a key
+//! `<principal>.<window start>` (the principal an encoded token) in the key-value bucket
+//! `<bucket>-usage`, whose entries expire after `--usage-keep-for`. Adding is a compare-and-set on
+//! the revision read, tried again when another replica added first, so concurrent runs never
+//! lose each other's spend.
+
+use async_nats::jetstream::{self, kv};
+use futures::future::BoxFuture;
+use futures::{FutureExt as _, StreamExt as _};
+
+use super::index::entry::token;
+use super::results::KvStore;
+use crate::domain::ports::{StoreError, UsageBook};
+use crate::domain::usage::{Tally, WINDOW_MS};
+use crate::store::unavailable;
+
+/// Attempts of one add against other replicas' adds.
+const CAS_ATTEMPTS: usize = 32;
+/// Windows read at once.
+const READ_CONCURRENCY: usize = 16;
+
+/// See the module docs.
+#[derive(Clone)]
+pub struct NatsUsage {
+    windows: kv::Store,
+}
+
+impl NatsUsage {
+    /// Binds (or creates) the usage bucket beside the results bucket `bucket`, keeping windows
+    /// `keep_for`.
+    pub async fn open(
+        js: &jetstream::Context,
+        bucket: &str,
+        keep_for: std::time::Duration,
+        replicas: usize,
+    ) -> Result<Self, StoreError> {
+        let name = format!("{bucket}-usage");
+        let description = "orchestrator spend of each principal per hour";
+        let windows = KvStore::open_bucket(js, &name, keep_for, description, replicas).await?;
+        Ok(Self { windows })
+    }
+}
+
+fn key(principal: &str, window: u64) -> String {
+    format!("{}.{window}", token(principal))
+}
+
+/// The window under `key` and its revision (`None`: nothing spent yet).
+async fn read(windows: &kv::Store, key: &str) -> Result<Option<(Tally, u64)>, StoreError> {
+    let Some(entry) = windows.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? else {
+        return Ok(None);
+    };
+    if entry.operation != kv::Operation::Put {
+        return Ok(None);
+    }
+    let spend = serde_json::from_slice(&entry.value).map_err(|e| StoreError::Corrupt {
+        key: key.to_owned(),
+        reason: e.to_string(),
+    })?;
+    Ok(Some((spend, entry.revision)))
+}
+
+/// Writes `total` over `revision` (`None`: a key not there yet); whether this write won.
+async fn write(windows: &kv::Store, key: &str, total: &Tally, revision: Option<u64>) -> Result<bool, StoreError> {
+    let value = bytes::Bytes::from(serde_json::to_vec(total).unwrap_or_default());
+    let failed = |e: String| unavailable("KV usage write", key, e);
+    match revision {
+        None => match windows.create(key, value).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(failed(e.to_string())),
+        },
+        Some(revision) => match windows.update(key, value, revision).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(false),
+            Err(e) => Err(failed(e.to_string())),
+        },
+    }
+}
+
+impl UsageBook for NatsUsage {
+    fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
+        let (windows, key) = (self.windows.clone(), key(principal, window));
+        async move {
+            for _ in 0..CAS_ATTEMPTS {
+                let (mut total, revision) = match read(&windows, &key).await? {
+                    Some((total, revision)) => (total, Some(revision)),
+                    None => (Tally::default(), None),
+                };
+                total.add(&spend);
+                if write(&windows, &key, &total, revision).await? {
+                    return Ok(total);
+                }
+            }
+            Err(unavailable(
+                "KV usage add",
+                &key,
+                format!("{CAS_ATTEMPTS} other writes came first"),
+            ))
+        }
+        .boxed()
+    }
+
+    fn read(&self, principal: &str, from: u64, to: u64) -> BoxFuture<'static, Result<Vec<(u64, Tally)>, StoreError>> {
+        let (windows, principal) = (self.windows.clone(), principal.to_owned());
+        async move {
+            let starts: Vec<u64> = (from / WINDOW_MS..=to / WINDOW_MS).map(|n| n * WINDOW_MS).collect();
+            let read_one = |start: u64| {
+                let (windows, key) = (windows.clone(), key(&principal, start));
+                async move {
+                    read(&windows, &key)
+                        .await
+                        .map(|found| found.map(|(spend, _)| (start, spend)))
+                }
+            };
+            let found: Vec<Result<Option<(u64, Tally)>, StoreError>> = futures::stream::iter(starts)
+                .map(read_one)
+                .buffered(READ_CONCURRENCY)
+                .collect()
+                .await;
+            found.into_iter().filter_map(Result::transpose).collect()
+        }
+        .boxed()
+    }
+}
