@@ -30,6 +30,7 @@ async fn run() -> ExitCode {
         Command::Say(args) => args.run().await,
         Command::Thread(args) => args.run().await,
         Command::Runs(args) => args.run().await,
+        Command::Usage(args) => args.run().await,
     };
     shared::runtime::exit_code("orchestrator", result)
 }

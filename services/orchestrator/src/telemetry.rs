@@ -22,6 +22,9 @@ pub(crate) mod metric {
     pub(crate) const RUN_DURATION: &str = "orchestrator_run_duration_seconds";
     /// Gauge: runs in flight.
     pub(crate) const RUNS_IN_FLIGHT: &str = "orchestrator_runs_in_flight";
+    /// Counter: tokens of runs that ended, by `principal` and `kind` (`prompt`, `cached`,
+    /// `completion`).
+    pub(crate) const PRINCIPAL_TOKENS: &str = "orchestrator_principal_tokens_total";
     /// Gauge: runs waiting for a run slot on this replica.
     pub(crate) const RUNS_QUEUED: &str = "orchestrator_runs_queued";
     /// Histogram: turn wall time (completion plus tool calls).
@@ -376,7 +379,15 @@ pub(crate) fn record_run_end(result: &RunResult, elapsed: Duration) {
     let (status, reason) = (status_label(result.status), reason_label(result.failure_reason));
     // Principals come from the tokens file or the client CA, so the label stays bounded.
     let principal = result.principal.clone();
-    metrics::counter!(metric::RUNS, "status" => status, "reason" => reason, "principal" => principal).increment(1);
+    metrics::counter!(metric::RUNS, "status" => status, "reason" => reason, "principal" => principal.clone())
+        .increment(1);
+    for (kind, tokens) in [
+        ("prompt", result.usage.prompt_tokens),
+        ("cached", result.usage.cached_prompt_tokens),
+        ("completion", result.usage.completion_tokens),
+    ] {
+        metrics::counter!(metric::PRINCIPAL_TOKENS, "principal" => principal.clone(), "kind" => kind).increment(tokens);
+    }
     metrics::histogram!(metric::RUN_DURATION, "status" => status).record(elapsed.as_secs_f64());
     let span = Span::current();
     span.record("orchestrator.run.status", status);

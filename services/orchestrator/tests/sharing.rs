@@ -851,6 +851,41 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
     assert_eq!(seen.total, spent.total);
     let denied = first.get_usage(as_("alice-token", of_thrifty)).await.err();
     assert_eq!(denied.map(|s| s.code()), Some(tonic::Code::PermissionDenied));
+    // From a shell.
+    let output = tokio::process::Command::new(BIN)
+        .args(["usage", "--endpoint", &w.endpoint(1), "--since", "2h"])
+        .env("ORCHESTRATOR_TOKEN", "thrifty-token")
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let total = stdout
+        .lines()
+        .find(|l| l.starts_with("total (thrifty)"))
+        .unwrap_or_default();
+    let numbers: Vec<&str> = total.split_whitespace().skip(2).take(5).collect();
+    // Prompt, cached (what the stand-in model's prefix cache served), completion, runs, calls.
+    assert_eq!(
+        [numbers[0], numbers[2], numbers[3], numbers[4]],
+        ["60", "40", "1", "2"],
+        "{stdout}"
+    );
+    assert!(stdout.contains("tokens_per_hour: 80"), "{stdout}");
+    // The replica the run ended on counts its tokens by principal.
+    let metrics = testkit::helpers::scrape(&w.replicas[0].metrics).await?;
+    let prompt = metrics
+        .iter()
+        .find(|(k, _)| {
+            k.starts_with("orchestrator_principal_tokens_total")
+                && k.contains("principal=\"thrifty\"")
+                && k.contains("kind=\"prompt\"")
+        })
+        .map(|(_, v)| *v);
+    assert_eq!(prompt, Some(60.0), "{metrics:?}");
     let too_long = pb::GetUsageRequest {
         from_ms: 1,
         ..Default::default()

@@ -357,6 +357,40 @@ pub async fn runs(
     Ok(())
 }
 
+/// Prints what `principal` (empty: the caller) spent over `span` (Unix ms), an hour a line, and
+/// the total.
+pub async fn usage(endpoint: &str, token: Option<&str>, principal: &str, span: (i64, i64)) -> Result<(), Error> {
+    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
+    let spent = client
+        .usage(principal, span.0, span.1)
+        .await
+        .map_err(|e| Error::Call(format!("GetUsage was refused: {e}")))?;
+    println!(
+        "{:<24}  {:>12}  {:>12}  {:>12}  {:>6}  {:>10}  {:>10}",
+        "HOUR", "PROMPT", "CACHED", "COMPLETION", "RUNS", "TOOL CALLS", "RUN TIME"
+    );
+    let line = |label: String, w: &pb::UsageWindow| {
+        println!(
+            "{:<24}  {:>12}  {:>12}  {:>12}  {:>6}  {:>10}  {:>10}",
+            label,
+            w.prompt_tokens,
+            w.cached_prompt_tokens,
+            w.completion_tokens,
+            w.runs,
+            w.tool_calls,
+            humantime::format_duration(Duration::from_secs(w.run_ms / 1000))
+        );
+    };
+    for window in &spent.windows {
+        line(utc(window.start_ms), window);
+    }
+    line(format!("total ({})", spent.principal), &spent.total.unwrap_or_default());
+    if let Some(budget) = spent.tokens_per_hour {
+        println!("tokens_per_hour: {budget}");
+    }
+    Ok(())
+}
+
 /// One row of `runs`.
 fn run_line(run: &pb::RunSummary) -> String {
     let status = match pb::RunStatus::try_from(run.status) {

@@ -1,7 +1,7 @@
 //! Command line: `serve` (the default) with flags that all have environment equivalents, and
 //! the client commands `call` (start a run on a running orchestrator, or attach to one),
 //! `approvals`, `decide`, `say` (a message for a live run), `thread` (print or delete one) and
-//! `runs` (find runs: `ListRuns`).
+//! `runs` (find runs: `ListRuns`) and `usage` (what a principal spent: `GetUsage`).
 //! The one-command demo is its own binary (`cargo run -p demo`), so this one carries no stand-in
 //! model.
 
@@ -69,6 +69,37 @@ pub enum Command {
     Thread(ThreadArgs),
     /// Find runs (ListRuns), newest first: yours, or everyone's with the operator role.
     Runs(RunsArgs),
+    /// What a principal spent an hour at a time (GetUsage): yours, or anyone's as an operator.
+    Usage(UsageArgs),
+}
+
+/// Flags of `usage`.
+#[derive(Debug, Clone, Args)]
+pub struct UsageArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The principal (default: yours; another's needs the operator role).
+    #[arg(long, default_value = "")]
+    pub principal: String,
+    /// How far back (e.g. 24h, 3d; at most the server's --usage-max-range).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    pub since: Duration,
+}
+
+impl UsageArgs {
+    /// Prints the spend.
+    pub async fn run(&self) -> Result<bool, crate::Error> {
+        let now = shared::sync::unix_ms();
+        let from = now
+            .saturating_sub(u64::try_from(self.since.as_millis()).unwrap_or(u64::MAX))
+            .max(1);
+        let c = &self.connection;
+        let span = (i64::try_from(from).unwrap_or(1), i64::try_from(now).unwrap_or(0));
+        call::usage(&c.endpoint, c.token.as_deref(), &self.principal, span)
+            .await
+            .map(|()| true)
+    }
 }
 
 /// Flags of `runs`.
