@@ -180,8 +180,15 @@ fn started_line(s: &pb::RunStarted) -> String {
             s.thread_turns
         ),
     };
+    let queued = match s.queued_ms {
+        0 => String::new(),
+        ms => format!(
+            " · waited {} for a run slot",
+            humantime::format_duration(Duration::from_millis(ms))
+        ),
+    };
     format!(
-        "▶ run started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns{thread}",
+        "▶ run started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns{thread}{queued}",
         s.model,
         list(&s.normal_tools),
         list(&s.exit_tools),
@@ -332,19 +339,22 @@ pub async fn runs(
     let client = connect(endpoint, token, Duration::from_secs(30)).await?;
     let refused = |e: orchestrator_client::Error| Error::Call(format!("ListRuns was refused: {e}"));
     let (mut printed, max) = (0usize, all.unwrap_or(usize::MAX));
+    let mut page = client.list_runs(request.clone()).await.map_err(refused)?;
     println!(
         "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<24}  LABELS",
         "RUN", "STATUS", "PRINCIPAL", "THREAD", "TURNS", "TOKENS", "CREATED"
     );
     loop {
-        let page = client.list_runs(request.clone()).await.map_err(refused)?;
         for run in page.runs.iter().take(max - printed) {
             println!("{}", run_line(run));
             printed += 1;
         }
         match (all.is_some() && printed < max, page.next_page_token.is_empty()) {
             (_, true) => break,
-            (true, false) => request.page_token = page.next_page_token,
+            (true, false) => {
+                request.page_token = page.next_page_token;
+                page = client.list_runs(request.clone()).await.map_err(refused)?;
+            }
             (false, false) => {
                 println!("more: --page-token {}", page.next_page_token);
                 break;

@@ -144,10 +144,12 @@ impl Persister {
             return false;
         }
         let mut snapshot = self.snapshot();
+        // A live run's record says when it was written; an end keeps the time it was settled
+        // (the result `run_finished` carries, which GetRun answers the same).
         if still_live {
             snapshot = snapshot.unended();
+            snapshot.updated_at_ms = shared::sync::unix_ms();
         }
-        snapshot.updated_at_ms = shared::sync::unix_ms();
         let run_id = snapshot.run_id.clone();
         let sent = tokio::time::Instant::now();
         let written = within(self.timeout, self.store.put(snapshot)).await;

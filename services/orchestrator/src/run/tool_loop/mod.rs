@@ -439,6 +439,7 @@ fn settle(state: &SharedState, end: End, cancel: &Cancel) -> RunResult {
     }
     // An ended run waits for nothing.
     state.pending_approvals.clear();
+    state.updated_at_ms = shared::sync::unix_ms();
     state.clone()
 }
 
