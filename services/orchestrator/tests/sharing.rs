@@ -894,3 +894,69 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
     assert_eq!(refused.map(|s| s.code()), Some(tonic::Code::InvalidArgument));
     Ok(())
 }
+
+/// How many runs wait for a slot on all `replicas` together.
+async fn queued_on(replicas: &[Service]) -> f64 {
+    let mut total = 0.0;
+    for replica in replicas {
+        total += queued(replica).await.max(0.0);
+    }
+    total
+}
+
+#[tokio::test]
+async fn a_flood_of_200_across_three_replicas_does_not_keep_a_quiet_caller_waiting() -> TestResult {
+    let w = world_with(
+        3,
+        &["--max-runs", "4", "--max-queued-runs", "300"],
+        napping(100),
+        &[
+            ("flood", "flood-token", "max_queued = 200"),
+            ("quiet", "quiet-token", ""),
+        ],
+    )
+    .await?;
+    let mut clients = Vec::new();
+    for replica in 0..3 {
+        clients.push(w.client(replica).await?);
+    }
+    let plain = |id: String| pb::OrchestrateRequest {
+        run_id: id,
+        ..testkit::user("work")
+    };
+    let floods: Vec<_> = (0..200)
+        .map(|i| spawn_run(&clients[i % 3], "flood-token", plain(format!("flood-{i}"))))
+        .collect();
+    until("a hundred flood runs to wait", Duration::from_secs(60), || async {
+        (queued_on(&w.replicas).await >= 100.0).then_some(())
+    })
+    .await?;
+    let quiets: Vec<_> = (0..20)
+        .map(|i| spawn_run(&clients[i % 3], "quiet-token", plain(format!("quiet-{i}"))))
+        .collect();
+    let mut quiet_waits = Vec::new();
+    for quiet in quiets {
+        quiet_waits.push(
+            quiet
+                .await?
+                .map_err(|code| anyhow::anyhow!("a quiet run was refused: {code:?}"))?,
+        );
+    }
+    let mut flood_waits = Vec::new();
+    for flood in floods {
+        flood_waits.push(
+            flood
+                .await?
+                .map_err(|code| anyhow::anyhow!("a flood run was refused: {code:?}"))?,
+        );
+    }
+    flood_waits.sort_unstable();
+    let median = flood_waits[flood_waits.len() / 2];
+    let worst = quiet_waits.iter().copied().max().unwrap_or(0);
+    // First come first served would put every quiet run behind the hundred flood runs waiting.
+    assert!(
+        worst < median,
+        "the quiet caller waited up to {worst} ms, the flood's median {median} ms: {quiet_waits:?}"
+    );
+    Ok(())
+}

@@ -139,6 +139,8 @@ impl Runs {
         store_timeout: Duration,
         backlog: usize,
     ) -> Arc<Self> {
+        // Exported from the start: a dashboard reads it before any run waited.
+        metrics::gauge!(crate::telemetry::metric::RUNS_QUEUED).set(0.0);
         let Keeping {
             store,
             log,

@@ -176,7 +176,7 @@ mod tests {
                 FailureReason::ALL.len(),
                 ApprovalOutcome::ALL.len()
             ),
-            (5, 3, 13, 4),
+            (5, 3, 14, 4),
             "the lists are the enums"
         );
     }
