@@ -7,6 +7,7 @@
 //! `cargo run --release -p bench` runs the full grid (minutes); `--quick` a small one (seconds,
 //! run in CI so the benchmark cannot rot).
 
+mod admission;
 mod approvals;
 mod durability;
 mod fence;
@@ -112,6 +113,11 @@ struct Cli {
     /// `GetRun`; writes `list_runs.md` / `list_runs.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(100..=1_000_000))]
     list_runs: Option<u64>,
+    /// Instead of the grid: this many one-turn runs (10–100000) one after the other with the
+    /// memory and the NATS store, by a caller without and with a max_runs: admission time and
+    /// CPU per run; writes `admission.md` / `admission.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    admission: Option<u64>,
 }
 
 /// Whether the real-server row runs.
@@ -734,6 +740,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(calls) = cli.fence {
         return fence::run(usize::try_from(calls)?, &cli.out).await;
+    }
+    if let Some(runs) = cli.admission {
+        return admission::run(&bin, usize::try_from(runs)?, &cli.out).await;
     }
     if let Some(runs) = cli.list_runs {
         return listing::run(&bin, usize::try_from(runs)?, &cli.out).await;
