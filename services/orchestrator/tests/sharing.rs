@@ -503,6 +503,14 @@ async fn queued(service: &Service) -> f64 {
         .unwrap_or(-1.0)
 }
 
+/// Waits until `runs` wait for a slot on `replica`.
+async fn waiting(replica: &Service, runs: f64) -> TestResult {
+    until(&format!("{runs} runs to wait"), Duration::from_secs(30), || async {
+        (queued(replica).await == runs).then_some(())
+    })
+    .await
+}
+
 #[tokio::test]
 async fn runs_wait_for_a_slot_and_a_flood_does_not_starve_a_quiet_caller() -> TestResult {
     let flood = "max_queued = 30";
@@ -538,10 +546,7 @@ async fn runs_wait_for_a_slot_and_a_flood_does_not_starve_a_quiet_caller() -> Te
     for i in 2..31 {
         floods.push(spawn_run(&client, "flood-token", plain(format!("flood-{i}"))));
     }
-    until("29 flood runs to wait", Duration::from_secs(30), || async {
-        (queued(&w.replicas[0]).await == 29.0).then_some(())
-    })
-    .await?;
+    waiting(&w.replicas[0], 29.0).await?;
     // A run whose deadline passes while it waits, as the 30th: DEADLINE_EXCEEDED.
     let mut hurried = plain("flood-hurried".into());
     hurried.limits = Some(pb::RunLimits {
@@ -552,10 +557,7 @@ async fn runs_wait_for_a_slot_and_a_flood_does_not_starve_a_quiet_caller() -> Te
     assert_eq!(hurried, Err(tonic::Code::DeadlineExceeded));
     // The flood's queue holds 30 (its max_queued): the 31st waiting is refused at once.
     floods.push(spawn_run(&client, "flood-token", plain("flood-31".into())));
-    until("30 flood runs to wait", Duration::from_secs(30), || async {
-        (queued(&w.replicas[0]).await == 30.0).then_some(())
-    })
-    .await?;
+    waiting(&w.replicas[0], 30.0).await?;
     let refused = spawn_run(&client, "flood-token", plain("flood-32".into())).await?;
     assert_eq!(refused, Err(tonic::Code::ResourceExhausted));
     // The quiet caller's runs go ahead of the flood's queue as slots free.

@@ -85,24 +85,33 @@ pub trait RunIndex: Send + Sync + 'static {
 /// ends or parks. A slot is the run's, not its replica's: a run taken over keeps it, and a slot
 /// whose run has ended (its replica stopped before giving it back) is free to take.
 pub trait Quotas: Send + Sync + 'static {
-    /// Takes one of `principal`'s `max` slots for the admission `admission` of `run_id`;
-    /// `Ok(false)` when live runs hold them all.
+    /// Takes one of `principal`'s `max` slots for the admission `admission` of `run_id`: the
+    /// slot taken; `Ok(None)` when live runs hold them all.
     fn take(
         &self,
         principal: &str,
         max: usize,
         run_id: &str,
         admission: &str,
-    ) -> BoxFuture<'static, Result<bool, StoreError>>;
-    /// Gives back the slot `run_id` holds: the one its `admission` took, or (`None`: a run
-    /// taken over, whose admission was another replica's) any of its own; nothing when it holds
-    /// none.
+    ) -> BoxFuture<'static, Result<Option<TakenSlot>, StoreError>>;
+    /// Gives back the slot `run_id` holds: the one `taken` names (while it still holds it), or
+    /// (`None`: a run taken over, whose admission was another replica's) any of its own;
+    /// nothing when it holds none.
     fn give_back(
         &self,
         principal: &str,
         run_id: &str,
-        admission: Option<&str>,
+        taken: Option<TakenSlot>,
     ) -> BoxFuture<'static, Result<(), StoreError>>;
+}
+
+/// A slot an admission took ([`Quotas::take`]): which one, and the admission that holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakenSlot {
+    /// The slot.
+    pub slot: String,
+    /// The admission.
+    pub admission: String,
 }
 
 /// Where each principal's spend adds up, per hour window (in memory, or shared by the replicas

@@ -213,16 +213,11 @@ impl Admitted {
         let admission = uuid::Uuid::now_v7().to_string();
         let take = quotas.take(&caller.name, max, &self.run_id, &admission);
         match within(self.runs.store_timeout, take).await {
-            Ok(true) => {
-                self.quota = Some(HeldQuota::taken(
-                    quotas,
-                    &caller.name,
-                    admission,
-                    self.runs.store_timeout,
-                ));
+            Ok(Some(taken)) => {
+                self.quota = Some(HeldQuota::taken(quotas, &caller.name, taken, self.runs.store_timeout));
                 Ok(())
             }
-            Ok(false) => {
+            Ok(None) => {
                 self.runs.block(&caller.name);
                 Err(Refusal::CallerFull(max))
             }

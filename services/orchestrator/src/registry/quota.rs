@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::Runs;
-use crate::domain::ports::{Quotas, within};
+use crate::domain::ports::{Quotas, TakenSlot, within};
 
 /// How long a principal whose slots were all held is not woken for a slot here.
 pub(crate) const BLOCKED_FOR: Duration = Duration::from_millis(500);
@@ -18,18 +18,18 @@ pub(crate) const BLOCKED_FOR: Duration = Duration::from_millis(500);
 pub(crate) struct HeldQuota {
     quotas: Arc<dyn Quotas>,
     principal: String,
-    /// The admission that took it (`None`: a run taken over or resumed here).
-    admission: Option<String>,
+    /// The slot its admission took (`None`: a run taken over or resumed here).
+    taken: Option<TakenSlot>,
     timeout: Duration,
 }
 
 impl HeldQuota {
-    /// The slot the admission `admission` of a run of `principal` took.
-    pub(super) fn taken(quotas: Arc<dyn Quotas>, principal: &str, admission: String, timeout: Duration) -> Self {
+    /// The slot an admission of a run of `principal` took.
+    pub(super) fn taken(quotas: Arc<dyn Quotas>, principal: &str, taken: TakenSlot, timeout: Duration) -> Self {
         Self {
             quotas,
             principal: principal.to_owned(),
-            admission: Some(admission),
+            taken: Some(taken),
             timeout,
         }
     }
@@ -40,7 +40,7 @@ impl HeldQuota {
         runs.quotas.as_ref().map(|quotas| Self {
             quotas: Arc::clone(quotas),
             principal: principal.to_owned(),
-            admission: None,
+            taken: None,
             timeout: runs.store_timeout,
         })
     }
@@ -50,9 +50,7 @@ impl HeldQuota {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let give_back = self
-            .quotas
-            .give_back(&self.principal, run_id, self.admission.as_deref());
+        let give_back = self.quotas.give_back(&self.principal, run_id, self.taken);
         let (run_id, timeout) = (run_id.to_owned(), self.timeout);
         runtime.spawn(async move {
             if let Err(e) = within(timeout, give_back).await {

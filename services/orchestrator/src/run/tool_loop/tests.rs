@@ -2393,6 +2393,17 @@ async fn a_run_resumed_from_a_call_started_early_goes_on_with_it() {
     assert_eq!(tool_messages, 1, "the turn is its started call");
 }
 
+/// The `max_tokens` each model request asked for, in order.
+fn asked_max_tokens(script: &Script) -> Vec<Option<u32>> {
+    script
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.params.max_tokens)
+        .collect()
+}
+
 /// A run's token budget: each request asks for at most what is left, and the turn that goes
 /// over it is the last, its tool results kept, the run FAILED `TOKEN_BUDGET`.
 #[tokio::test(start_paused = true)]
@@ -2413,13 +2424,7 @@ async fn the_turn_that_spends_the_token_budget_is_the_last() {
         "{}",
         result.failure_detail
     );
-    let asked: Vec<Option<u32>> = script
-        .requests
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|r| r.params.max_tokens)
-        .collect();
+    let asked = asked_max_tokens(&script);
     assert_eq!(asked, [Some(120), Some(70), Some(20)]);
 }
 
@@ -2439,12 +2444,6 @@ async fn a_budget_not_reached_changes_nothing() {
     )
     .await;
     assert_eq!((result.status, result.usage.prompt_tokens), (RunStatus::Completed, 40));
-    let asked: Vec<Option<u32>> = script
-        .requests
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|r| r.params.max_tokens)
-        .collect();
+    let asked = asked_max_tokens(&script);
     assert_eq!(asked, [None, None]);
 }

@@ -104,11 +104,7 @@ async fn replace(
     revision: u64,
 ) -> Result<bool, StoreError> {
     let bytes = serde_json::to_vec(record).unwrap_or_default();
-    match waits.update(key, bytes.into(), revision).await {
-        Ok(_) => Ok(true),
-        Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => Ok(false),
-        Err(e) => Err(unavailable("KV update", key, e)),
-    }
+    super::kv::write_at(waits, key, bytes.into(), Some(revision)).await
 }
 
 /// Marks a parked run `ready` in the run store (compare-and-set; nothing when it is not parked

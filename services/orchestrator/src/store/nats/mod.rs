@@ -6,6 +6,7 @@
 //! * [`journal`]: the [`RunJournal`](crate::domain::ports::RunJournal) on the same [`KvStore`] —
 //!   claims, checkpoints, takeover, hand-over, cancels asked of other replicas;
 //! * [`checkpoints`]: the checkpoint objects the journal names (an object-store bucket);
+//! * `kv`: what the key-value adapters share (subject tokens, conditional writes);
 //! * `fence`: a run's fence (the newest epoch it was claimed in, which the tool-runners read),
 //!   raised by a takeover before it acts;
 //! * [`index`]: the [`RunIndex`](crate::domain::ports::RunIndex) — a JetStream stream with an
@@ -25,6 +26,7 @@ pub(crate) mod checkpoints;
 mod fence;
 pub mod index;
 pub mod journal;
+mod kv;
 pub mod log;
 pub mod quotas;
 pub mod results;

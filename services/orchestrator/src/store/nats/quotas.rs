@@ -19,9 +19,9 @@ use async_nats::jetstream::{self, kv};
 use futures::future::BoxFuture;
 use futures::{FutureExt as _, StreamExt as _};
 
-use super::index::entry::token;
+use super::kv::{token, write_at};
 use super::results::{KvStore, key as run_key};
-use crate::domain::ports::{Quotas, StoreError};
+use crate::domain::ports::{Quotas, StoreError, TakenSlot};
 use crate::store::unavailable;
 
 /// See the module docs.
@@ -77,33 +77,21 @@ impl NatsQuotas {
     /// Takes `key` for `run_id`: created when absent, or written over `revision`; whether this
     /// write won.
     async fn claim(&self, key: &str, holder: &str, over: Option<u64>) -> Result<bool, StoreError> {
-        let value = bytes::Bytes::from(holder.to_owned());
-        let failed = |e: String| unavailable("KV slot write", key, e);
-        match over {
-            None => match self.slots.create(key, value).await {
-                Ok(_) => Ok(true),
-                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
-                Err(e) => Err(failed(e.to_string())),
-            },
-            Some(revision) => match self.slots.update(key, value, revision).await {
-                Ok(_) => Ok(true),
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(false),
-                Err(e) => Err(failed(e.to_string())),
-            },
-        }
+        write_at(&self.slots, key, bytes::Bytes::from(holder.to_owned()), over).await
     }
 
-    async fn take_one(&self, principal: &str, max: usize, holder_value: &str) -> Result<bool, StoreError> {
+    /// The slot `holder_value` holds now, or one it takes; `None` when live runs hold them all.
+    async fn take_one(&self, principal: &str, max: usize, holder_value: &str) -> Result<Option<String>, StoreError> {
         let prefix = token(principal);
         let mut held = Vec::new();
         for n in 0..max {
             let key = format!("{prefix}.{n}");
             match holder(&self.slots, &key).await? {
-                Some((holding, _)) if holding == holder_value => return Ok(true),
+                Some((holding, _)) if holding == holder_value => return Ok(Some(key)),
                 Some((holding, revision)) => held.push((key, holding, revision)),
                 None => {
                     if self.claim(&key, holder_value, None).await? {
-                        return Ok(true);
+                        return Ok(Some(key));
                     }
                 }
             }
@@ -113,13 +101,37 @@ impl NatsQuotas {
                 && self.claim(&key, holder_value, Some(revision)).await?
             {
                 tracing::info!(principal, slot = %key, ended = %run_of(&holding), "a run slot whose run ended is taken");
-                return Ok(true);
+                return Ok(Some(key));
             }
         }
-        Ok(false)
+        Ok(None)
     }
 
-    async fn give_back_one(&self, principal: &str, run_id: &str, admission: Option<&str>) -> Result<(), StoreError> {
+    /// Deletes `key` when it still holds `holder_value` (over the revision that showed it).
+    async fn give_back_slot(&self, key: &str, ours: impl Fn(&str) -> bool) -> Result<bool, StoreError> {
+        let Some((holding, revision)) = holder(&self.slots, key).await? else {
+            return Ok(false);
+        };
+        if !ours(&holding) {
+            return Ok(false);
+        }
+        self.slots
+            .delete_expect_revision(key, Some(revision))
+            .await
+            .map(|()| true)
+            .map_err(|e| unavailable("KV slot delete", key, e))
+    }
+
+    /// Gives back the slot `taken` names, or (a run taken over) looks for the run's among the
+    /// principal's slots.
+    async fn give_back_one(&self, principal: &str, run_id: &str, taken: Option<TakenSlot>) -> Result<(), StoreError> {
+        if let Some(TakenSlot { slot, admission }) = taken {
+            let holder_value = format!("{run_id} {admission}");
+            return self
+                .give_back_slot(&slot, |holding| holding == holder_value)
+                .await
+                .map(drop);
+        }
         let prefix = format!("{}.", token(principal));
         let mut keys = self
             .slots
@@ -128,21 +140,8 @@ impl NatsQuotas {
             .map_err(|e| unavailable("KV keys", &prefix, e))?;
         while let Some(key) = keys.next().await {
             let key = key.map_err(|e| unavailable("KV keys", &prefix, e))?;
-            if !key.starts_with(&prefix) {
-                continue;
-            }
-            let ours = |holding: &str| match admission {
-                Some(admission) => holding == format!("{run_id} {admission}"),
-                None => run_of(holding) == run_id,
-            };
-            if let Some((holding, revision)) = holder(&self.slots, &key).await?
-                && ours(&holding)
-            {
-                return self
-                    .slots
-                    .delete_expect_revision(&key, Some(revision))
-                    .await
-                    .map_err(|e| unavailable("KV slot delete", &key, e));
+            if key.starts_with(&prefix) && self.give_back_slot(&key, |holding| run_of(holding) == run_id).await? {
+                return Ok(());
             }
         }
         Ok(())
@@ -156,19 +155,23 @@ impl Quotas for Arc<NatsQuotas> {
         max: usize,
         run_id: &str,
         admission: &str,
-    ) -> BoxFuture<'static, Result<bool, StoreError>> {
+    ) -> BoxFuture<'static, Result<Option<TakenSlot>, StoreError>> {
         let (this, principal, holder) = (Arc::clone(self), principal.to_owned(), format!("{run_id} {admission}"));
-        async move { this.take_one(&principal, max, &holder).await }.boxed()
+        let admission = admission.to_owned();
+        async move {
+            let slot = this.take_one(&principal, max, &holder).await?;
+            Ok(slot.map(|slot| TakenSlot { slot, admission }))
+        }
+        .boxed()
     }
 
     fn give_back(
         &self,
         principal: &str,
         run_id: &str,
-        admission: Option<&str>,
+        taken: Option<TakenSlot>,
     ) -> BoxFuture<'static, Result<(), StoreError>> {
         let (this, principal, run_id) = (Arc::clone(self), principal.to_owned(), run_id.to_owned());
-        let admission = admission.map(str::to_owned);
-        async move { this.give_back_one(&principal, &run_id, admission.as_deref()).await }.boxed()
+        async move { this.give_back_one(&principal, &run_id, taken).await }.boxed()
     }
 }

@@ -61,7 +61,7 @@ pub struct KvStore {
     /// that predates steering never reads a message as a cancel).
     pub(super) steer_subject: String,
     /// Where each claim enters its run first (`ListRuns`).
-    pub(super) index: super::index::IndexWriter,
+    pub(super) index: super::index::entry::IndexWriter,
     pub(super) index_stream: jetstream::stream::Stream,
 }
 
@@ -288,7 +288,7 @@ impl KvStore {
     ) -> Result<Self, StoreError> {
         let checkpoints = super::checkpoints::Checkpoints::open(js, bucket, ttl, replicas).await?;
         let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
-        let (index, index_stream) = super::index::IndexWriter::open(js, bucket, ttl, replicas).await?;
+        let (index, index_stream) = super::index::entry::IndexWriter::open(js, bucket, ttl, replicas).await?;
         Ok(Self {
             index,
             index_stream,

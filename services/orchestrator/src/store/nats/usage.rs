@@ -8,7 +8,7 @@ use async_nats::jetstream::{self, kv};
 use futures::future::BoxFuture;
 use futures::{FutureExt as _, StreamExt as _};
 
-use super::index::entry::token;
+use super::kv::{token, write_at};
 use super::results::KvStore;
 use crate::domain::ports::{StoreError, UsageBook};
 use crate::domain::usage::{Tally, WINDOW_MS};
@@ -60,24 +60,6 @@ async fn read(windows: &kv::Store, key: &str) -> Result<Option<(Tally, u64)>, St
     Ok(Some((spend, entry.revision)))
 }
 
-/// Writes `total` over `revision` (`None`: a key not there yet); whether this write won.
-async fn write(windows: &kv::Store, key: &str, total: &Tally, revision: Option<u64>) -> Result<bool, StoreError> {
-    let value = bytes::Bytes::from(serde_json::to_vec(total).unwrap_or_default());
-    let failed = |e: String| unavailable("KV usage write", key, e);
-    match revision {
-        None => match windows.create(key, value).await {
-            Ok(_) => Ok(true),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
-            Err(e) => Err(failed(e.to_string())),
-        },
-        Some(revision) => match windows.update(key, value, revision).await {
-            Ok(_) => Ok(true),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(false),
-            Err(e) => Err(failed(e.to_string())),
-        },
-    }
-}
-
 impl UsageBook for NatsUsage {
     fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
         let (windows, key) = (self.windows.clone(), key(principal, window));
@@ -88,7 +70,8 @@ impl UsageBook for NatsUsage {
                     None => (Tally::default(), None),
                 };
                 total.add(&spend);
-                if write(&windows, &key, &total, revision).await? {
+                let value = bytes::Bytes::from(serde_json::to_vec(&total).unwrap_or_default());
+                if write_at(&windows, &key, value, revision).await? {
                     return Ok(total);
                 }
             }

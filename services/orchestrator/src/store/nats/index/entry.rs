@@ -4,13 +4,13 @@
 use std::collections::BTreeMap;
 
 use async_nats::jetstream;
-use base64::Engine as _;
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
 use prost::Message as _;
 
 use crate::domain::RunResult;
 use crate::domain::ports::StoreError;
+use crate::store::nats::kv::token;
 use crate::store::unavailable;
 
 /// What the index keeps of a run.
@@ -34,14 +34,6 @@ pub(crate) struct IndexWriter {
     js: jetstream::Context,
     /// `orchestrator.<bucket>.index.`
     prefix: String,
-}
-
-/// A subject token for `value` (any text, even empty).
-pub(crate) fn token(value: &str) -> String {
-    match value {
-        "" => "_".to_owned(),
-        value => format!("x{}", base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(value)),
-    }
 }
 
 impl IndexWriter {
@@ -98,22 +90,5 @@ impl IndexWriter {
             ack.await.map(|_| ()).map_err(|e| failed(e.to_string()))
         }
         .boxed()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn tokens_are_valid_subject_tokens_and_distinct() {
-        for value in ["", "a.b", "*", ">", "billing team", "ü"] {
-            let token = super::token(value);
-            assert!(!token.is_empty());
-            assert!(
-                token.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
-                "{token}"
-            );
-        }
-        assert_ne!(super::token(""), super::token("_"));
-        assert_ne!(super::token("a"), super::token("b"));
     }
 }

@@ -20,12 +20,11 @@
 //! continues below where it stopped (it may hold fewer rows than asked, even none).
 //!
 //! * `mod.rs`: reading a page ([`NatsIndex`]);
-//! * [`entry`]: what the index keeps of a run, and its writing at a claim ([`IndexWriter`]).
+//! * [`entry`]: what the index keeps of a run, and its writing at a claim ([`entry::IndexWriter`]).
 
 pub(crate) mod entry;
 
 use entry::Entry;
-pub(crate) use entry::IndexWriter;
 
 use std::collections::HashMap;
 use std::sync::Arc;
