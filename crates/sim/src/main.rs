@@ -35,7 +35,7 @@ struct Args {
     #[arg(long)]
     trace: bool,
     /// Switches a fix off (repeatable): receiver-fence, fence-grace, end-after-log, recheck-retries
-    /// (with --ports: receiver-fence only).
+    /// (with --ports: receiver-fence, fleet-slots).
     #[arg(long = "without")]
     without: Vec<String>,
     /// Faults drawn per seed.
@@ -50,6 +50,9 @@ struct Args {
     ports: bool,
 }
 
+/// The fixes `--ports --without` switches off.
+const PORTS_FIXES: [&str; 2] = ["receiver-fence", "fleet-slots"];
+
 fn main() -> ExitCode {
     let args = Args::parse();
     // `SIM_LOG=info` (an env filter) prints the services' own log lines of a replayed seed.
@@ -60,8 +63,8 @@ fn main() -> ExitCode {
             .init();
     }
     if args.ports {
-        if let Some(other) = args.without.iter().find(|fix| *fix != "receiver-fence") {
-            eprintln!("sim: --ports switches off receiver-fence only, not {other}");
+        if let Some(other) = args.without.iter().find(|fix| !PORTS_FIXES.contains(&fix.as_str())) {
+            eprintln!("sim: --ports switches off receiver-fence or fleet-slots, not {other}");
             return ExitCode::from(2);
         }
         return over_ports(&args);
@@ -98,6 +101,7 @@ fn over_ports(args: &Args) -> ExitCode {
         faults: args.faults,
         runs: args.runs,
         receiver_fence: !args.without.iter().any(|fix| fix == "receiver-fence"),
+        fleet_slots: !args.without.iter().any(|fix| fix == "fleet-slots"),
         ..sim::ports::Settings::default()
     };
     let trace = args.trace && args.seed.is_some();

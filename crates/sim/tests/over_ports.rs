@@ -76,6 +76,27 @@ fn the_receiver_fence_holds_the_seeds_that_break_without_it() {
     assert_eq!(with.violations, Vec::<String>::new(), "seed {broken} with the fence");
 }
 
+/// The principal's slots kept in the store are what holds its `max_runs` across the fleet:
+/// without them each replica counts only its own runs, and some of the first seeds let more of
+/// its runs live at once than it may have (`--ports --without fleet-slots`).
+#[test]
+fn the_fleet_slots_hold_the_seeds_that_break_without_them() {
+    let without = Settings {
+        fleet_slots: false,
+        ..Settings::default()
+    };
+    let broken = (0..200)
+        .find(|&seed| {
+            simulate(seed, &without)
+                .violations
+                .iter()
+                .any(|v| v.starts_with("the share"))
+        })
+        .expect("no seed of 200 let the tenant past its max_runs without the fleet's slots");
+    let with = simulate(broken, &Settings::default());
+    assert_eq!(with.violations, Vec::<String>::new(), "seed {broken} with the slots");
+}
+
 /// A seed replays its faults, and (the scheduler's choices being the same) its history.
 #[test]
 fn a_seed_over_the_ports_replays_the_same_history() {

@@ -81,7 +81,18 @@ impl ChatModel for Model {
                 _ => events.extend([call(0, format!("t{turn}a")), call(1, format!("t{turn}b"))]),
             }
             let finish = if turn + 1 < TURNS { "tool_calls" } else { "stop" };
-            events.extend([Ok(LlmEvent::Finish(finish.to_owned())), Ok(LlmEvent::Done)]);
+            // Each turn spends tokens (the usage invariant counts them): a prompt that grows
+            // with the turns, and a completion.
+            let usage = orchestrator::domain::chat::Usage {
+                prompt_tokens: 100 + 10 * turn as u64,
+                completion_tokens: 7,
+                cached_prompt_tokens: 0,
+            };
+            events.extend([
+                Ok(LlmEvent::Finish(finish.to_owned())),
+                Ok(LlmEvent::Usage(usage)),
+                Ok(LlmEvent::Done),
+            ]);
             Ok(futures::stream::iter(events).boxed())
         }
         .boxed()

@@ -13,6 +13,10 @@
 //!   once, and no run holds it or waits for it;
 //! - **the listing**: once every run ended, `ListRuns` on every replica, page after page, shows
 //!   each run claimed exactly once, newest first, with the status its record holds.
+//! - **the share**: no write ever leaves a principal with more runs live (their records) than
+//!   its `max_runs`, and once every run ended each slot left names a run that ended;
+//! - **the spend**: once every run ended, each principal's usage book holds at least the tokens
+//!   its runs' results count.
 
 use std::collections::BTreeMap;
 
@@ -83,7 +87,55 @@ pub fn violations(store: &Store, runners: &Runners, runs: usize) -> Vec<String> 
         broken.extend(end_kept(&run_id, &record.result, &events));
     }
     broken.extend(thread_whole(&shared, runs));
+    broken.extend(shared.quota_breaches.iter().map(|b| format!("the share: {b}")));
+    broken.extend(slots_free(&shared));
+    broken.extend(spend_counted(&shared));
     broken
+}
+
+/// Once every run ended, each slot left names a run whose record reads ended (the next take
+/// finds it free): none is held by a run that never was, or still is.
+fn slots_free(shared: &super::store::Shared) -> Vec<String> {
+    shared
+        .slots
+        .iter()
+        .filter_map(|(key, (value, _))| {
+            let run_id = value.split_once(' ').map_or(value.as_str(), |(run_id, _)| run_id);
+            match shared.records.get(run_id) {
+                Some(record) if !record.result.status.is_live() => None,
+                Some(record) => Some(format!(
+                    "the share: slot {key} is held by {run_id}, {:?} after every run ended",
+                    record.result.status
+                )),
+                None => Some(format!(
+                    "the share: slot {key} is held by {run_id}, which has no record"
+                )),
+            }
+        })
+        .collect()
+}
+
+/// Each principal's book holds at least the tokens its runs' results count (a turn done twice,
+/// before and after a takeover, is counted twice; a turn done is never missing).
+fn spend_counted(shared: &super::store::Shared) -> Vec<String> {
+    let mut spent: BTreeMap<&str, u64> = BTreeMap::new();
+    for record in shared.records.values() {
+        let usage = &record.result.usage;
+        *spent.entry(record.result.principal.as_str()).or_default() += usage.prompt_tokens + usage.completion_tokens;
+    }
+    spent
+        .into_iter()
+        .filter_map(|(principal, results)| {
+            let booked: u64 = shared
+                .usage
+                .iter()
+                .filter(|((p, _), _)| p == principal)
+                .map(|(_, tally)| tally.prompt_tokens + tally.completion_tokens)
+                .sum();
+            (booked < results)
+                .then(|| format!("the spend: {principal:?}'s book holds {booked} tokens, its runs' results {results}"))
+        })
+        .collect()
 }
 
 fn epoch_order(runners: &Runners) -> Vec<String> {

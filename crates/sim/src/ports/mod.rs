@@ -50,6 +50,9 @@ pub struct Settings {
     pub settle: Duration,
     /// The runners refuse a replaced owner's call (off: what breaks without it).
     pub receiver_fence: bool,
+    /// The store keeps the principal's run slots across the fleet (off: each replica counts
+    /// only its own runs against `max_runs`, what breaks without them).
+    pub fleet_slots: bool,
 }
 
 impl Default for Settings {
@@ -62,6 +65,7 @@ impl Default for Settings {
             horizon: Duration::from_secs(30),
             settle: Duration::from_secs(120),
             receiver_fence: true,
+            fleet_slots: true,
         }
     }
 }
@@ -162,8 +166,6 @@ struct World {
     begun: Instant,
     history: Vec<String>,
     observations: Arc<std::sync::Mutex<Vec<String>>>,
-    /// The principals' spend, shared by the replicas as the store's is.
-    usage: Arc<orchestrator::store::memory::MemoryUsage>,
 }
 
 /// A fault of the plan.
@@ -180,6 +182,7 @@ enum Fault {
 impl World {
     fn new(seed: u64, settings: Settings) -> Self {
         let store = store::store(seed);
+        store::lock(&store).max_runs.insert(TENANT.to_owned(), TENANT_MAX_RUNS);
         let runners = Runners::new(Arc::clone(&store), settings.runners, seed, settings.receiver_fence);
         Self {
             seed,
@@ -191,9 +194,6 @@ impl World {
             begun: Instant::now(),
             history: Vec::new(),
             observations: Arc::default(),
-            usage: Arc::new(orchestrator::store::memory::MemoryUsage::new(Duration::from_secs(
-                86_400,
-            ))),
             settings,
         }
     }
@@ -207,8 +207,11 @@ impl World {
         let ports = Ports {
             store: Arc::new(store.clone()),
             index: Arc::new(store.clone()),
-            quotas: None,
-            usage: Arc::clone(&self.usage) as Arc<dyn orchestrator::domain::ports::UsageBook>,
+            quotas: self
+                .settings
+                .fleet_slots
+                .then(|| Arc::new(store.clone()) as Arc<dyn orchestrator::domain::ports::Quotas>),
+            usage: Arc::new(store.clone()),
             journal: Some(Arc::new(store.clone())),
             log: Arc::new(store.clone()),
             approvals: Arc::new(orchestrator::store::memory::MemoryLot::new(16)),
@@ -385,7 +388,7 @@ impl World {
                 let Some(replica) = pick(&living, first + attempt) else {
                     return;
                 };
-                match tokio::time::timeout(Duration::from_secs(120), replica.start(spec(&run_id))).await {
+                match tokio::time::timeout(Duration::from_secs(120), replica.start(spec(&run_id), tenant())).await {
                     Ok(Ok(())) | Ok(Err(orchestrator::Error::AlreadyRunning(_))) => return,
                     _ => tokio::time::sleep(Duration::from_millis(500)).await,
                 }
@@ -526,12 +529,25 @@ fn spec(run_id: &str) -> RunSpec {
         queued_ms: 0,
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
-        principal: String::new(),
+        principal: TENANT.to_owned(),
         stream_interval: Duration::ZERO,
         approval: Default::default(),
         affinity_key: String::new(),
         eager_dispatch: false,
         thread,
+    }
+}
+
+/// The principal every run belongs to.
+pub const TENANT: &str = "team";
+/// Its runs live at once across the fleet.
+pub const TENANT_MAX_RUNS: usize = 2;
+
+/// The caller of every run: [`TENANT`], held to [`TENANT_MAX_RUNS`].
+fn tenant() -> shared::auth::Principal {
+    shared::auth::Principal {
+        max_runs: Some(TENANT_MAX_RUNS),
+        ..shared::auth::Principal::unrestricted(TENANT)
     }
 }
 

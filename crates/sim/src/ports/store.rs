@@ -7,6 +7,7 @@
 //! the seed, passes its replica's gate before it is applied and again before its answer is
 //! heard: a replica paused or cut off in between has its write applied and never learns it.
 //! One replica's requests apply in the order it sent them (one connection, as a NATS client's).
+//! The principals' run slots ([`quotas`]) and their spend ([`usage`]) are keys of the store too.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -26,6 +27,9 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::gate::Gate;
+
+mod quotas;
+mod usage;
 
 /// A run's record.
 #[derive(Debug, Clone)]
@@ -104,6 +108,16 @@ pub struct Shared {
     log_down_until: Option<Instant>,
     /// Told when a log grows.
     appended: Arc<tokio::sync::Notify>,
+    /// The principals' run slots, by key (`<principal>.<n>`): the value naming the run and
+    /// admission that hold it, and its revision.
+    pub slots: BTreeMap<String, (String, u64)>,
+    /// Each principal's `max_runs`, for [`Shared::quota_breaches`].
+    pub max_runs: BTreeMap<String, usize>,
+    /// Every moment a principal had more runs live (their records read live) than its
+    /// `max_runs`, as the writes that made it so left the store.
+    pub quota_breaches: Vec<String>,
+    /// Each principal's spend by hour window.
+    pub usage: BTreeMap<(String, u64), orchestrator::domain::usage::Tally>,
 }
 
 /// The store, shared.
@@ -124,6 +138,10 @@ pub fn store(seed: u64) -> Store {
         slow_until: None,
         log_down_until: None,
         appended: Arc::default(),
+        slots: BTreeMap::new(),
+        max_runs: BTreeMap::new(),
+        quota_breaches: Vec::new(),
+        usage: BTreeMap::new(),
     }))
 }
 
@@ -137,11 +155,35 @@ pub fn take_log_down(store: &Store, until: Instant) {
     lock(store).log_down_until = Some(until);
 }
 
-fn lock(store: &Store) -> std::sync::MutexGuard<'_, Shared> {
+/// The store, locked (a poisoned lock is taken as it is).
+pub fn lock(store: &Store) -> std::sync::MutexGuard<'_, Shared> {
     store.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Shared {
+    /// Notes a principal with more runs live than its `max_runs` after `operation`.
+    fn check_quotas(&mut self, operation: &str) {
+        for (principal, max) in &self.max_runs {
+            let live: Vec<&str> = self
+                .records
+                .values()
+                .filter(|r| &r.result.principal == principal && r.result.status.is_live())
+                .map(|r| r.result.run_id.as_str())
+                .collect();
+            let again = self
+                .quota_breaches
+                .last()
+                .is_some_and(|last| last.ends_with(&format!("{live:?}")));
+            if live.len() > *max && !again {
+                let breach = format!(
+                    "{principal} has {} runs live after a {operation}, its max_runs {max}: {live:?}",
+                    live.len()
+                );
+                self.quota_breaches.push(breach);
+            }
+        }
+    }
+
     /// A request's latency: a few milliseconds, or up to seconds while the store is slow.
     fn latency(&mut self) -> Duration {
         let slow = self.slow_until.is_some_and(|until| Instant::now() < until);
@@ -162,6 +204,8 @@ pub struct ReplicaStore {
     /// How long a request waits for an answer.
     timeout: Duration,
     owned: Arc<Mutex<BTreeMap<String, u64>>>,
+    /// The slots it saw naming a run with no record: the revision seen, and since when.
+    sightings: Arc<Mutex<BTreeMap<String, (u64, Instant)>>>,
     /// Held by the request on the wire: the replica's requests apply in order.
     wire: Arc<tokio::sync::Mutex<()>>,
 }
@@ -176,6 +220,7 @@ impl ReplicaStore {
             terms,
             timeout,
             owned: Arc::default(),
+            sightings: Arc::default(),
             wire: Arc::default(),
         }
     }
@@ -201,7 +246,12 @@ impl ReplicaStore {
         }
         let latency = lock(&self.store).latency();
         tokio::time::sleep(latency).await;
-        let answer = apply(&mut lock(&self.store), self);
+        let answer = {
+            let mut shared = lock(&self.store);
+            let answer = apply(&mut shared, self);
+            shared.check_quotas(operation);
+            answer
+        };
         drop(wire);
         if !self.gate.pass().await {
             return Err(unavailable("the answer was lost"));

@@ -92,4 +92,13 @@ impl Usage {
         self.completion_tokens += other.completion_tokens;
         self.cached_prompt_tokens += other.cached_prompt_tokens;
     }
+
+    /// The tokens of these not in `earlier` (a count taken before them).
+    pub fn since(&self, earlier: &Usage) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens.saturating_sub(earlier.prompt_tokens),
+            completion_tokens: self.completion_tokens.saturating_sub(earlier.completion_tokens),
+            cached_prompt_tokens: self.cached_prompt_tokens.saturating_sub(earlier.cached_prompt_tokens),
+        }
+    }
 }

@@ -5,6 +5,9 @@
 //! to the waiting principal with the fewest runs in flight per unit of weight, ties to the one
 //! that has waited longest. So a flood from one principal cannot starve a quiet one: the quiet
 //! one's first run is next as soon as a slot frees.
+//!
+//! Across the fleet a principal's `max_runs` are slots in the store; [`slot_order`] is the
+//! order a run tries them in.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -127,6 +130,16 @@ impl Shares {
     }
 }
 
+/// The order run `run_id` tries its principal's `max` slots in: all of them, from one its id
+/// picks (FNV-1a), so a principal's runs spread over its slots instead of all trying slot 0.
+pub fn slot_order(run_id: &str, max: usize) -> impl Iterator<Item = usize> {
+    let hash = run_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let start = usize::try_from(hash % u64::try_from(max.max(1)).unwrap_or(1)).unwrap_or(0);
+    (0..max).map(move |n| (start + n) % max)
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -205,5 +218,20 @@ mod tests {
         assert!(!shares.remove("a", 1), "once");
         assert_eq!((shares.waiting(), shares.waiting_of("a")), (2, 1));
         shares.push("c", 1, waiter(6), (2, 3)).unwrap();
+    }
+
+    #[test]
+    fn a_run_tries_every_slot_once_from_the_one_its_id_picks() {
+        let order: Vec<usize> = super::slot_order("run-1", 5).collect();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, [0, 1, 2, 3, 4]);
+        assert!(order.windows(2).all(|w| w[1] == (w[0] + 1) % 5), "{order:?}");
+        let starts: std::collections::BTreeSet<usize> = (0..100)
+            .filter_map(|n| super::slot_order(&format!("run-{n}"), 8).next())
+            .collect();
+        assert!(starts.len() > 4, "runs spread over the slots: {starts:?}");
+        assert_eq!(super::slot_order("x", 0).count(), 0);
+        assert_eq!(super::slot_order("x", 1).collect::<Vec<_>>(), [0]);
     }
 }

@@ -35,9 +35,9 @@ impl Replica {
         }
     }
 
-    /// Starts `spec` detached (as `Orchestrate` with `detached`, by an unauthenticated caller).
-    pub async fn start(&self, spec: RunSpec) -> Result<(), Error> {
-        let caller = Arc::new(Principal::default());
+    /// Starts `spec` detached (as `Orchestrate` with `detached`), a run of `caller`.
+    pub async fn start(&self, spec: RunSpec, caller: Principal) -> Result<(), Error> {
+        let caller = Arc::new(caller);
         let events = self
             .core
             .orchestrate(spec, true, &tonic::metadata::MetadataMap::new(), caller)

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use super::{CallOutcome, Driver, End, Partition, Spend, Step, Turn};
+use crate::domain::chat::Usage;
 use crate::domain::{Event, NumberedEvent, RunResult, RunSpec};
 use crate::llm::Message;
 use crate::run::live::{Cancel, Settler};
@@ -68,6 +69,12 @@ pub struct Progress {
     /// output bound), counted at the turn boundaries where they change, not on every batch of
     /// text.
     pub recorded_bytes: usize,
+    /// The run's tokens its caller's usage book holds: each add books the tokens past these,
+    /// so a turn's add that failed is made good by the next, and a replica that takes the run
+    /// over books what the checkpoint's owner may not have (a turn counted twice rather than
+    /// never).
+    #[serde(default)]
+    pub booked: Usage,
 }
 
 impl Default for Progress {
@@ -78,6 +85,7 @@ impl Default for Progress {
             used_budget: 0,
             failed_turns: 0,
             recorded_bytes: 0,
+            booked: Usage::default(),
         }
     }
 }

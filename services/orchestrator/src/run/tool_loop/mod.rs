@@ -165,7 +165,7 @@ fn drive_run(
         if let Some(thread) = &spec.thread {
             lock(&state).thread_id.clone_from(&thread.thread_id);
         }
-        let (end, conversation) = {
+        let (end, conversation, booked) = {
             let mut driver = Driver::new(
                 &spec,
                 deps,
@@ -185,13 +185,14 @@ fn drive_run(
             if !matches!(end, End::Completed | End::HandedOver | End::TakenOver | End::Parked) {
                 driver.keep_interrupted_turn(true);
             }
-            (end, std::mem::take(&mut driver.conversation))
+            (end, std::mem::take(&mut driver.conversation), driver.progress.booked)
         };
         // The run's end is a future of its own, made once the loop is done: its state (the
         // result, the thread's messages) is not part of every held run's future.
         let ending = Ending {
             end,
             conversation,
+            booked,
             spec: &spec,
             deps,
             state: &state,
@@ -210,6 +211,8 @@ struct Ending<'a> {
     end: End,
     /// The run's turns, which join its thread.
     conversation: Vec<Message>,
+    /// The run's tokens its caller's usage book holds already.
+    booked: Usage,
     spec: &'a RunSpec,
     deps: &'a LoopDeps,
     state: &'a SharedState,
@@ -227,6 +230,7 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
     let Ending {
         end,
         conversation,
+        booked,
         spec,
         deps,
         state,
@@ -250,7 +254,15 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
     }
     let result = settle(state, end, cancel);
     telemetry::record_run_end(&result, started.elapsed());
-    tally_run_end(deps, &result).await;
+    if !tally_run_end(deps, &result, &booked).await
+        && let Some(persister) = persister.filter(|p| p.durable())
+    {
+        // Its end is not shown before its spend is booked: the replica that takes it over
+        // resumes it from its last checkpoint and books what this one could not.
+        let why = "the run's spend did not reach its caller's usage book".to_owned();
+        persister.ownership().stop(crate::domain::Stop::Unsaved(why));
+        return moved(End::TakenOver, Some(persister), emitter, deps.log_settle_timeout, state).await;
+    }
     emitter.queue(Event::RunFinished(Box::new(result.clone())));
     if let Some(persister) = persister.filter(|p| p.durable()) {
         // A durable run's log holds its end before anything else shows it: a replica that takes
@@ -278,20 +290,24 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
     result
 }
 
-/// Adds the run's end to its caller's spend this hour: the run, its calls and its time (its
-/// tokens were added turn by turn). A store that does not take it leaves the end as it is.
-async fn tally_run_end(deps: &LoopDeps, result: &RunResult) {
+/// Adds the run's end to its caller's spend this hour: the run, its calls, its time and the
+/// tokens not `booked` turn by turn; whether the book took it.
+async fn tally_run_end(deps: &LoopDeps, result: &RunResult, booked: &Usage) -> bool {
     let now = shared::sync::unix_ms();
     let tally = crate::domain::usage::Tally {
         tool_calls: u64::try_from(result.tool_calls.len()).unwrap_or(u64::MAX),
         runs: 1,
         run_ms: now.saturating_sub(result.created_at_ms),
-        ..Default::default()
+        ..crate::domain::usage::Tally::of_tokens(&result.usage.since(booked))
     };
     let window = crate::domain::usage::window_of(now);
     let add = deps.usage.add(&result.principal, window, tally);
-    if let Err(e) = crate::domain::ports::within(deps.store_timeout, add).await {
-        tracing::warn!(principal = %result.principal, "the run's end was not added to the caller's usage: {e}");
+    match crate::domain::ports::within(deps.store_timeout, add).await {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(principal = %result.principal, "the run's end was not added to the caller's usage: {e}");
+            false
+        }
     }
 }
 
@@ -623,10 +639,9 @@ impl<'a> Driver<'a> {
         for number in self.progress.turns_done + 1..=self.max_turns {
             let span = telemetry::chat_span(&self.spec.model, number);
             let started = Instant::now();
-            let spent_before = lock(self.state).usage;
             let step = self.turn(number).instrument(span).await;
             metrics::histogram!(metric::TURN_DURATION).record(started.elapsed().as_secs_f64());
-            let within = self.account_turn(spent_before).await;
+            let within = self.account_turn().await;
             if let Err(end) = step.and(within).and_then(|()| self.within_token_budget()) {
                 return end;
             }

@@ -401,28 +401,26 @@ impl Driver<'_> {
         self.window_left.map_or(run, |window| window.min(run))
     }
 
-    /// Adds the turn's tokens (those spent since `before`) to the caller's spend this hour;
-    /// `TOKEN_BUDGET` once that went over the caller's `tokens_per_hour`. A store that does not
-    /// take the add leaves the run going (logged).
-    pub(super) async fn account_turn(&mut self, before: Usage) -> Step<()> {
+    /// Adds the run's tokens not booked yet (the turn's, and any an earlier add failed to
+    /// book) to the caller's spend this hour; `TOKEN_BUDGET` once that went over the caller's
+    /// `tokens_per_hour`. A store that does not take the add leaves the run going (logged): the
+    /// next add books them.
+    pub(super) async fn account_turn(&mut self) -> Step<()> {
         let now = lock(self.state).usage;
-        let turn = Usage {
-            prompt_tokens: now.prompt_tokens.saturating_sub(before.prompt_tokens),
-            completion_tokens: now.completion_tokens.saturating_sub(before.completion_tokens),
-            cached_prompt_tokens: now.cached_prompt_tokens.saturating_sub(before.cached_prompt_tokens),
-        };
+        let unbooked = now.since(&self.progress.booked);
         let window = window_of(shared::sync::unix_ms());
         let add = self
             .deps
             .usage
-            .add(&self.spec.principal, window, Tally::of_tokens(&turn));
+            .add(&self.spec.principal, window, Tally::of_tokens(&unbooked));
         let total = match within(self.deps.store_timeout, add).await {
             Ok(total) => total,
             Err(e) => {
-                tracing::warn!(principal = %self.spec.principal, "the turn's tokens were not added to the caller's usage: {e}");
+                tracing::warn!(principal = %self.spec.principal, "the turn's tokens were not added to the caller's usage yet: {e}");
                 return Ok(());
             }
         };
+        self.progress.booked = now;
         let Some(budget) = self.spec.hourly_budget else {
             return Ok(());
         };

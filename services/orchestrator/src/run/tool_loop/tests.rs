@@ -231,6 +231,8 @@ struct Outside {
     /// Which calls wait for a person, and the lot they wait in.
     approval: crate::domain::approval::ApprovalRules,
     approvals: Arc<dyn crate::domain::ports::ApprovalLot>,
+    /// The caller's usage book.
+    usage: Arc<dyn crate::domain::ports::UsageBook>,
 }
 
 impl Default for Outside {
@@ -261,6 +263,7 @@ impl Default for Outside {
             threads: None,
             approval: Default::default(),
             approvals: Arc::new(crate::store::memory::MemoryLot::new(16)),
+            usage: Arc::new(crate::store::memory::MemoryUsage::new(Duration::from_secs(3600))),
         }
     }
 }
@@ -293,7 +296,7 @@ async fn play_with(
         approvals: outside.approvals,
         max_turn_restarts: 2,
         threads: outside.threads,
-        usage: Arc::new(crate::store::memory::MemoryUsage::new(Duration::from_secs(3600))),
+        usage: outside.usage,
         store_timeout: Duration::from_secs(5),
     };
     let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
@@ -2446,4 +2449,114 @@ async fn a_budget_not_reached_changes_nothing() {
     assert_eq!((result.status, result.usage.prompt_tokens), (RunStatus::Completed, 40));
     let asked = asked_max_tokens(&script);
     assert_eq!(asked, [None, None]);
+}
+
+/// A usage book that refuses the adds whose numbers (from 1) it is given, as a store cut off
+/// would, and keeps the others.
+struct RefusingBook {
+    book: crate::store::memory::MemoryUsage,
+    refuse: Vec<usize>,
+    adds: Mutex<usize>,
+}
+
+impl RefusingBook {
+    fn refusing(refuse: Vec<usize>) -> Arc<Self> {
+        Arc::new(Self {
+            book: crate::store::memory::MemoryUsage::new(Duration::from_secs(3600)),
+            refuse,
+            adds: Mutex::default(),
+        })
+    }
+
+    /// The tokens the book holds for the test's caller.
+    async fn tokens(&self) -> u64 {
+        use crate::domain::ports::UsageBook as _;
+        let windows = self.book.read(&spec(limits()).principal, 0, u64::MAX).await.unwrap();
+        windows.iter().map(|(_, tally)| tally.tokens()).sum()
+    }
+}
+
+impl crate::domain::ports::UsageBook for RefusingBook {
+    fn add(
+        &self,
+        principal: &str,
+        window: u64,
+        spend: crate::domain::usage::Tally,
+    ) -> futures::future::BoxFuture<'static, Result<crate::domain::usage::Tally, crate::domain::ports::StoreError>>
+    {
+        let number = {
+            let mut adds = self.adds.lock().unwrap();
+            *adds += 1;
+            *adds
+        };
+        if self.refuse.contains(&number) {
+            let refused = crate::domain::ports::StoreError::Unavailable {
+                operation: "usage add",
+                key: principal.to_owned(),
+                reason: "cut off".to_owned(),
+            };
+            return Box::pin(std::future::ready(Err(refused)));
+        }
+        self.book.add(principal, window, spend)
+    }
+
+    fn read(
+        &self,
+        principal: &str,
+        from: u64,
+        to: u64,
+    ) -> futures::future::BoxFuture<
+        'static,
+        Result<Vec<(u64, crate::domain::usage::Tally)>, crate::domain::ports::StoreError>,
+    > {
+        self.book.read(principal, from, to)
+    }
+}
+
+/// Three turns that spend 50, 50 and 15 tokens.
+fn three_spending_turns() -> Vec<Vec<Result<LlmEvent, LlmError>>> {
+    vec![
+        vec![text("working"), call(0, "nap", r#"{"ms": 1}"#), usage(30, 20)],
+        vec![text("working"), call(0, "nap", r#"{"ms": 1}"#), usage(30, 20)],
+        vec![text("done"), usage(10, 5)],
+    ]
+}
+
+/// A turn's spend the book refused (the store cut off) is booked by the next add: the book
+/// ends holding every token the run spent.
+#[tokio::test(start_paused = true)]
+async fn a_turns_spend_the_book_refused_is_booked_by_the_next_add() {
+    let book = RefusingBook::refusing(vec![1]);
+    let outside = Outside {
+        usage: book.clone(),
+        ..Outside::default()
+    };
+    let (result, _, _, _) = play_with(three_spending_turns(), many_turns(), outside).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(result.usage.prompt_tokens + result.usage.completion_tokens, 115);
+    assert_eq!(
+        book.tokens().await,
+        115,
+        "the refused turn's 50 tokens came with the next add"
+    );
+}
+
+/// A durable run whose end the book refused is not shown ended: the replica that takes it over
+/// books its spend and ends it (no end is shown whose spend the book may lack).
+#[tokio::test(start_paused = true)]
+async fn a_durable_runs_end_waits_for_its_spend_to_be_booked() {
+    let book = RefusingBook::refusing(vec![3, 4]);
+    let outside = Outside {
+        usage: book.clone(),
+        journal: Some(Arc::default()),
+        ..Outside::default()
+    };
+    let (result, batches, _, _) = play_with(three_spending_turns(), many_turns(), outside).await;
+    let events: Vec<NumberedEvent> = batches.into_iter().flatten().collect();
+    assert_eq!(result.turns, 3, "{result:?}");
+    assert!(
+        events.iter().all(|e| e.finished().is_none()),
+        "no end is shown: {events:?}"
+    );
+    assert_eq!(book.tokens().await, 100, "the first two turns are booked");
 }

@@ -22,6 +22,7 @@ use futures::{FutureExt as _, StreamExt as _};
 use super::kv::{token, write_at};
 use super::results::{KvStore, key as run_key};
 use crate::domain::ports::{Quotas, StoreError, TakenSlot};
+use crate::domain::share::slot_order;
 use crate::store::unavailable;
 
 /// See the module docs.
@@ -64,6 +65,24 @@ fn run_of(value: &str) -> &str {
     value.split_once(' ').map_or(value, |(run_id, _)| run_id)
 }
 
+/// The most slot keys a take reads at once.
+const READ_AT_ONCE: usize = 8;
+
+/// `keys` in windows that start at `window` keys and double up to [`READ_AT_ONCE`].
+fn chunks_doubling<'a>(keys: &'a [String], window: &'a mut usize) -> impl Iterator<Item = &'a [String]> + 'a {
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        if from >= keys.len() {
+            return None;
+        }
+        let to = (from + *window).min(keys.len());
+        let chunk = &keys[from..to];
+        from = to;
+        *window = (*window * 2).min(READ_AT_ONCE);
+        Some(chunk)
+    })
+}
+
 impl NatsQuotas {
     /// Whether the run a slot names at `revision` holds it no more: it ended, or it has no
     /// record and this replica has seen the slot unchanged for a lease.
@@ -81,17 +100,32 @@ impl NatsQuotas {
     }
 
     /// The slot `holder_value` holds now, or one it takes; `None` when live runs hold them all.
+    /// The keys are read from one the run's id picks (runs of a principal spread over its
+    /// slots, so a take seldom meets the slot a run just ended with, not given back yet), in
+    /// windows read at once that double (1, 2, 4, 8, 8…), after a create of the first: a take
+    /// that finds the first key free costs that one write.
     async fn take_one(&self, principal: &str, max: usize, holder_value: &str) -> Result<Option<String>, StoreError> {
         let prefix = token(principal);
+        let keys: Vec<String> = slot_order(run_of(holder_value), max)
+            .map(|n| format!("{prefix}.{n}"))
+            .collect();
+        // The first key is most often free: a create alone takes it.
+        match keys.first() {
+            Some(first) if self.claim(first, holder_value, None).await? => return Ok(Some(first.clone())),
+            _ => {}
+        }
         let mut held = Vec::new();
-        for n in 0..max {
-            let key = format!("{prefix}.{n}");
-            match holder(&self.slots, &key).await? {
-                Some((holding, _)) if holding == holder_value => return Ok(Some(key)),
-                Some((holding, revision)) => held.push((key, holding, revision)),
-                None => {
-                    if self.claim(&key, holder_value, None).await? {
-                        return Ok(Some(key));
+        let mut window = 1;
+        for keys in chunks_doubling(&keys, &mut window) {
+            let read = futures::future::join_all(keys.iter().map(|key| holder(&self.slots, key))).await;
+            for (key, found) in keys.iter().zip(read) {
+                match found? {
+                    Some((holding, _)) if holding == holder_value => return Ok(Some(key.clone())),
+                    Some((holding, revision)) => held.push((key.clone(), holding, revision)),
+                    None => {
+                        if self.claim(key, holder_value, None).await? {
+                            return Ok(Some(key.clone()));
+                        }
                     }
                 }
             }
