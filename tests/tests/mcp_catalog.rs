@@ -14,11 +14,12 @@ type TestResult = anyhow::Result<()>;
 async fn a_changed_tool_list_reaches_the_runner_and_then_the_orchestrators_catalog() -> TestResult {
     // server-everything adds `simulate-research-query` once initialized and then sends
     // notifications/tools/list_changed; a filter holds `notifications/initialized` back for 4 s,
-    // so the first tools/list comes before the change.
+    // so the first tools/list comes before the change (the handshake of 2025-11-25, whose
+    // `initialized` it holds, is asked for).
     let dir = tempfile::tempdir()?;
     let hold = testkit::repo_root().join("tests/fixtures/mcp/hold-initialized.py");
     let manifest = format!(
-        "[[mcp_servers]]\nname = \"everything\"\ncommand = \"sh\"\nargs = [\"-c\", \"'{python}' -u '{hold}' 4 | exec node '{js}' stdio\"]\n",
+        "[[mcp_servers]]\nname = \"everything\"\nprotocol = \"2025-11-25\"\ncommand = \"sh\"\nargs = [\"-c\", \"'{python}' -u '{hold}' 4 | exec node '{js}' stdio\"]\n",
         python = python()?.display(),
         hold = hold.display(),
         js = everything_js()?.display(),

@@ -167,6 +167,8 @@ pub enum Outcome {
     Ok(serde_json::Value),
     /// The tool error: code and message.
     Err(pb::ToolErrorCode, String),
+    /// The tool's questions for a person.
+    Asked(pb::ToolInputRequired),
 }
 
 impl Outcome {
@@ -177,6 +179,7 @@ impl Outcome {
             Some(pb::run_tool_response::Outcome::Error(e)) => {
                 Self::Err(pb::ToolErrorCode::try_from(e.code)?, e.message)
             }
+            Some(pb::run_tool_response::Outcome::InputRequired(asked)) => Self::Asked(asked),
             None => anyhow::bail!("response has no outcome"),
         })
     }
@@ -186,6 +189,16 @@ impl Outcome {
         match self {
             Self::Ok(v) => v,
             Self::Err(code, message) => panic!("expected a result, got {code:?}: {message}"),
+            Self::Asked(asked) => panic!("expected a result, got questions: {asked:?}"),
+        }
+    }
+
+    /// The questions, or a test failure naming what came instead.
+    pub fn unwrap_asked(self) -> pb::ToolInputRequired {
+        match self {
+            Self::Asked(asked) => asked,
+            Self::Ok(v) => panic!("expected questions, got {v}"),
+            Self::Err(code, message) => panic!("expected questions, got {code:?}: {message}"),
         }
     }
 
@@ -194,6 +207,7 @@ impl Outcome {
         match self {
             Self::Err(code, message) => (code, message),
             Self::Ok(v) => panic!("expected an error, got {v}"),
+            Self::Asked(asked) => panic!("expected an error, got questions: {asked:?}"),
         }
     }
 }

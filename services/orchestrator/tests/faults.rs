@@ -811,6 +811,7 @@ impl tr::tool_runner_server::ToolRunner for BlackHole {
             timeout_ms: 60_000,
             source: "builtin".into(),
             needs_approval: false,
+            mcp_protocol: String::new(),
         };
         Ok(tonic::Response::new(tr::ListToolsResponse { tools: vec![lookup] }))
     }

@@ -148,6 +148,18 @@ pub async fn call(args: &ClientArgs, tool: &str, arguments: &str) -> Result<bool
             );
             Ok(false)
         }
+        Some(pb::run_tool_response::Outcome::InputRequired(asked)) => {
+            eprintln!("{tool} asks for input before it can finish (an orchestrated run waits for a person's answers):");
+            for request in &asked.requests {
+                let detail = if request.mode == "url" {
+                    &request.url
+                } else {
+                    &request.schema_json
+                };
+                eprintln!("  {} ({}): {} {detail}", request.key, request.mode, request.message);
+            }
+            Ok(false)
+        }
         None => Err(Error::Config(
             "the runner answered with neither a result nor an error".into(),
         )),

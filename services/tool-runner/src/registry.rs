@@ -11,8 +11,9 @@ use serde_json::Value;
 use crate::Error;
 use crate::tools::builtin::Builtin;
 use crate::tools::entry::Entry;
+use crate::tools::input::Output;
 use crate::tools::mcp::McpServers;
-use crate::tools::{CallContext, ErrorCode, Tool, ToolError, ToolResult, ToolSpec};
+use crate::tools::{CallContext, ErrorCode, Tool, ToolError, ToolSpec};
 
 /// How many schema violations one error message lists.
 const MAX_REPORTED_VIOLATIONS: usize = 5;
@@ -101,7 +102,7 @@ impl Registry {
     }
 
     /// Checks the call and runs it under the tool's timeout.
-    pub async fn run(&self, tool_name: &str, arguments_json: &str, ctx: &CallContext) -> ToolResult {
+    pub async fn run(&self, tool_name: &str, arguments_json: &str, ctx: &CallContext) -> Result<Output, ToolError> {
         let entry = self.lookup(tool_name)?;
         let args = self.parse_arguments(arguments_json)?;
         check_schema(tool_name, &entry.validator, &args)?;
@@ -109,7 +110,7 @@ impl Registry {
             return Err(ToolError::invalid("arguments must be a JSON object"));
         };
         let timeout = entry.spec.timeout;
-        match tokio::time::timeout(timeout, entry.tool.call(args, ctx)).await {
+        match tokio::time::timeout(timeout, entry.tool.run(args, ctx)).await {
             Ok(result) => result,
             Err(_) => Err(ToolError::retryable(
                 ErrorCode::Timeout,

@@ -18,6 +18,7 @@ use shared::telemetry::truncate;
 use tonic::metadata::MetadataValue;
 
 use crate::telemetry::metric;
+use crate::tools::input::{InputAnswers, InputRequired, Output};
 use crate::tools::{CallContext, ErrorCode, ToolError, ToolSpec};
 
 /// Response metadata of a refused replaced owner's call: the run's epoch, as its fence holds it.
@@ -95,6 +96,22 @@ struct ToolCall {
     metadata: HashMap<String, String>,
     principal: String,
     epoch: u64,
+    input: Option<InputAnswers>,
+}
+
+/// The answers a request carries, each parsed as JSON.
+fn input_answers(input: Option<pb::ToolInputAnswers>) -> Result<Option<InputAnswers>, Error> {
+    let Some(input) = input else { return Ok(None) };
+    let mut responses = std::collections::BTreeMap::new();
+    for (key, json) in input.responses_json {
+        let response = serde_json::from_str(&json)
+            .map_err(|e| Error::InvalidRequest(format!("input.responses_json[{key:?}] is not JSON: {e}")))?;
+        responses.insert(key, response);
+    }
+    Ok(Some(InputAnswers {
+        request_state: input.request_state,
+        responses,
+    }))
 }
 
 impl TryFrom<pb::RunToolRequest> for ToolCall {
@@ -111,6 +128,7 @@ impl TryFrom<pb::RunToolRequest> for ToolCall {
             metadata: r.metadata,
             principal: r.principal,
             epoch: r.epoch,
+            input: input_answers(r.input)?,
         })
     }
 }
@@ -124,6 +142,30 @@ impl From<&ToolSpec> for pb::ToolSpec {
             timeout_ms: u32::try_from(spec.timeout.as_millis()).unwrap_or(u32::MAX),
             source: spec.source.to_owned(),
             needs_approval: spec.needs_approval,
+            mcp_protocol: spec.mcp_protocol.clone(),
+        }
+    }
+}
+
+impl From<InputRequired> for pb::ToolInputRequired {
+    fn from(asked: InputRequired) -> Self {
+        Self {
+            request_state: asked.request_state,
+            requests: asked
+                .requests
+                .into_iter()
+                .map(|r| pb::ToolInputRequest {
+                    key: r.key,
+                    mode: r.mode.as_str().to_owned(),
+                    message: r.message,
+                    schema_json: if r.schema.is_null() {
+                        String::new()
+                    } else {
+                        r.schema.to_string()
+                    },
+                    url: r.url,
+                })
+                .collect(),
         }
     }
 }
@@ -208,6 +250,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
                 metadata: call.metadata.clone(),
                 principal: call.principal.clone(),
                 epoch: call.epoch,
+                input: call.input.clone(),
             };
             let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
             watch.finished = true;
@@ -236,13 +279,21 @@ impl ToolRunnerService {
     /// result itself only when payloads are traced); returns the outcome and its metric label.
     fn record(
         &self,
-        result: Result<serde_json::Value, ToolError>,
+        result: Result<Output, ToolError>,
         elapsed: std::time::Duration,
     ) -> (pb::run_tool_response::Outcome, String) {
         let duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
         let span = tracing::Span::current();
         match result {
-            Ok(value) => {
+            Ok(Output::InputRequired(asked)) => {
+                let keys: Vec<&str> = asked.requests.iter().map(|r| r.key.as_str()).collect();
+                tracing::info!(duration_ms, ?keys, "the tool asks for input before it can finish");
+                (
+                    pb::run_tool_response::Outcome::InputRequired(asked.into()),
+                    "input_required".to_owned(),
+                )
+            }
+            Ok(Output::Done(value)) => {
                 let json = value.to_string();
                 if let Some(max) = self.trace_payloads {
                     span.record("gen_ai.tool.call.result", truncate(&json, max));

@@ -544,6 +544,10 @@ async fn manifest_errors_name_the_server_and_the_problem() -> TestResult {
             "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nprefix = \"a.b\"\n",
             "prefix \"a.b\"",
         ),
+        (
+            "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nprotocol = \"2027-01-01\"\n",
+            "protocol \"2027-01-01\" must be \"auto\" or one of 2026-07-28, 2025-11-25",
+        ),
     ] {
         std::fs::write(&path, manifest)?;
         let error = tool_runner::tools::manifest::load(&path)
@@ -570,6 +574,13 @@ async fn manifest_errors_name_the_server_and_the_problem() -> TestResult {
         "[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nping_interval = \"1s\"\n",
     )?;
     assert!(tool_runner::tools::manifest::load(&path).is_ok());
+    for protocol in ["auto", "2026-07-28", "2024-11-05"] {
+        std::fs::write(
+            &path,
+            format!("[[mcp_servers]]\nname = \"a\"\ncommand = \"sh\"\nprotocol = \"{protocol}\"\n"),
+        )?;
+        assert!(tool_runner::tools::manifest::load(&path).is_ok(), "{protocol}");
+    }
     Ok(())
 }
 

@@ -358,6 +358,7 @@ fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Requ
         metadata: call.metadata.clone().into_iter().collect(),
         principal: call.principal.clone(),
         epoch: call.epoch,
+        input: None,
     });
     request.set_timeout(call.timeout);
     transport.authorize(&mut request);
@@ -410,6 +411,18 @@ fn outcome(response: pb::RunToolResponse) -> Result<String, ToolCallError> {
             Err(ToolCallError::new(
                 if name == "UNSPECIFIED" { "FAILED" } else { name },
                 e.message,
+            ))
+        }
+        // Waiting for a person's answers is not built into the loop yet: the model hears that
+        // the tool asked (never a URL question's URL, which is not for the model).
+        Some(pb::run_tool_response::Outcome::InputRequired(asked)) => {
+            let asked: Vec<String> = asked.requests.iter().map(|r| format!("{:?}", r.message)).collect();
+            Err(ToolCallError::new(
+                "FAILED",
+                format!(
+                    "the tool asked for a person's input ({}), which this orchestrator cannot collect; the call did not finish",
+                    asked.join(", ")
+                ),
             ))
         }
         None => Err(ToolCallError::new(

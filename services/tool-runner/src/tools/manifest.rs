@@ -276,6 +276,7 @@ fn build_tool(
         timeout,
         source: "command",
         needs_approval: raw.needs_approval,
+        mcp_protocol: String::new(),
     };
     let tool = CommandTool::new(CommandConfig {
         prlimit: prlimit.to_owned(),

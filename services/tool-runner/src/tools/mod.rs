@@ -8,6 +8,7 @@
 //! * [`builtin`]: small useful tools compiled into the runner;
 //! * [`command`]: tools that run a program, declared in a TOML manifest ([`manifest`]);
 //! * [`mcp`]: the tools of MCP servers declared in the same manifest;
+//! * [`input`]: questions a call asks a person before it can finish (MCP's `input_required`);
 //! * `entry.rs`: a tool as the registry keeps it (spec, compiled schema, implementation);
 //!   `fields.rs`: the checks of a manifest table's fields; `limits.rs`: the resource limits of
 //!   command tools (set with `prlimit`).
@@ -16,6 +17,7 @@ pub mod builtin;
 pub mod command;
 pub mod entry;
 mod fields;
+pub mod input;
 pub mod limits;
 pub mod manifest;
 pub mod mcp;
@@ -46,12 +48,23 @@ pub struct CallContext {
     /// The epoch of the orchestrator's claim of the run (0: not durable): a tool with side
     /// effects refuses an older one than it has seen for the run.
     pub epoch: u64,
+    /// The answers to the questions the call's last attempt asked (it is tried again with them).
+    pub input: Option<input::InputAnswers>,
 }
 
 /// A tool the runner can execute.
 pub trait Tool: Send + Sync + 'static {
     /// Runs the tool. The returned future must stop the tool's work when dropped.
     fn call(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, ToolResult>;
+
+    /// Runs the tool, which may ask questions before it can finish (an MCP server's tools);
+    /// every other tool's output is its [`Tool::call`]'s result.
+    fn run(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, Result<input::Output, ToolError>> {
+        use futures::FutureExt as _;
+        self.call(args, ctx)
+            .map(|result| result.map(input::Output::Done))
+            .boxed()
+    }
 }
 
 /// Describes a tool to callers (served by `ListTools`).
@@ -70,6 +83,8 @@ pub struct ToolSpec {
     /// Calls with side effects a person must see first: the orchestrator asks for a decision
     /// before it sends the call here.
     pub needs_approval: bool,
+    /// The MCP protocol its server speaks (empty for other tools).
+    pub mcp_protocol: String,
 }
 
 /// Kinds of tool-level failure; mirrors `toolrunner.v1.ToolErrorCode`.

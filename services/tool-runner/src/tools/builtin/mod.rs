@@ -59,5 +59,6 @@ fn spec(name: &str, description: &str, parameters: serde_json::Value, timeout: D
         timeout,
         source: "builtin",
         needs_approval: false,
+        mcp_protocol: String::new(),
     }
 }

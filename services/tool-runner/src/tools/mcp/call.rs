@@ -2,6 +2,11 @@
 //! whose trace context also travels in the request's `_meta.traceparent`; a call dropped before
 //! its answer (the caller canceled, the timeout passed) sends `notifications/cancelled`.
 //!
+//! A server may answer `input_required` (a 2026-07-28 multi-round-trip call): its elicitations
+//! become the call's questions ([`Output::InputRequired`]), and the call's next attempt carries
+//! the answers and the server's `requestState` back (`inputResponses`), on whichever runner
+//! takes it. A question the runner cannot put to a person (sampling, roots) fails the call.
+//!
 //! The request's `_meta` also carries the orchestrator's ids: `orchestrator/call_id`, the
 //! idempotency key (a call re-sent after its orchestrator replica died keeps its id, so a server
 //! with side effects can answer the second delivery from the first), `orchestrator/run_id`, and
@@ -44,6 +49,7 @@ use rmcp::service::{Peer, PeerRequestOptions, ServiceError};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
+use crate::tools::input::{InputRequest, InputRequired, Output};
 use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult};
 
 /// How much of an error's text reaches the model.
@@ -101,7 +107,17 @@ impl McpTool {
 
 impl Tool for McpTool {
     fn call(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, ToolResult> {
+        self.run(args, ctx)
+            .map(|output| match output? {
+                Output::Done(value) => Ok(value),
+                Output::InputRequired(_) => Err(ToolError::failed("the MCP tool asked for input nobody can give here")),
+            })
+            .boxed()
+    }
+
+    fn run(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, Result<Output, ToolError>> {
         let (link, name) = (std::sync::Arc::clone(&self.link), self.name.clone());
+        let input = ctx.input.clone();
         let ids = [(META_CALL_ID, ctx.call_id.clone()), (META_RUN_ID, ctx.run_id.clone())];
         let epoch = ctx.epoch;
         let span = tracing::info_span!(
@@ -131,9 +147,12 @@ impl Tool for McpTool {
             if epoch > 0 {
                 meta.0.insert(META_EPOCH.to_owned(), Value::from(epoch));
             }
-            let request = ClientRequest::CallToolRequest(Request::new(
-                CallToolRequestParams::new(name).with_arguments(args),
-            ));
+            let mut params = CallToolRequestParams::new(name).with_arguments(args);
+            if let Some(input) = input {
+                params = params.with_input_responses(input.responses);
+                params.request_state = Some(input.request_state).filter(|state| !state.is_empty());
+            }
+            let request = ClientRequest::CallToolRequest(Request::new(params));
             let handle = peer
                 .send_cancellable_request(request, PeerRequestOptions::no_options().with_meta(meta))
                 .await
@@ -142,9 +161,12 @@ impl Tool for McpTool {
             let answer = handle.await_response().await;
             cancel.0 = None;
             match answer {
-                Ok(ServerResult::CallToolResult(result)) => content_json(&serde_json::to_value(&result).unwrap_or_default()),
+                Ok(ServerResult::CallToolResult(result)) => {
+                    content_json(&serde_json::to_value(&result).unwrap_or_default()).map(Output::Done)
+                }
+                Ok(ServerResult::InputRequiredResult(asked)) => questions(&server, &serde_json::to_value(&asked).unwrap_or_default()),
                 Ok(_) => Err(ToolError::failed(format!(
-                    "MCP server {server} answered tools/call with something other than a tool result (tasks and input requests are not supported)"
+                    "MCP server {server} answered tools/call with something other than a tool result or questions (tasks are not supported)"
                 ))),
                 Err(ServiceError::TransportClosed) if !peer.is_transport_closed() => Err(ToolError::failed(format!(
                     "MCP server {server}: the transport dropped this call's answer while the session stays open \
@@ -157,6 +179,25 @@ impl Tool for McpTool {
         .instrument(span)
         .boxed()
     }
+}
+
+/// An `input_required` answer (as JSON) as the call's questions.
+fn questions(server: &str, asked: &Value) -> Result<Output, ToolError> {
+    let requests = asked["inputRequests"].as_object().cloned().unwrap_or_default();
+    if requests.is_empty() {
+        return Err(ToolError::failed(format!(
+            "MCP server {server} answered input_required with no input requests"
+        )));
+    }
+    let requests = requests
+        .iter()
+        .map(|(key, request)| InputRequest::of_mcp(key, request))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ToolError::failed(format!("MCP server {server}: {e}")))?;
+    Ok(Output::InputRequired(InputRequired {
+        request_state: asked["requestState"].as_str().unwrap_or_default().to_owned(),
+        requests,
+    }))
 }
 
 /// Sends `notifications/cancelled` for a request whose answer nobody waits for any more.

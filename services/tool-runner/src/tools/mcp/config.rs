@@ -24,6 +24,8 @@
 //! required = true                     # health is NOT_SERVING while it is down (default false)
 //! needs_approval = ["query"]          # a person approves each call of these first (MCP names;
 //!                                     # `true`: every tool of the server; default none)
+//! protocol = "auto"                   # "auto" (default): `server/discover` (2026-07-28), else
+//!                                     # the `initialize` handshake; or one version to speak
 //! ```
 //!
 //! Each server also takes `connect_timeout` (connecting, the handshake and listing its tools;
@@ -90,6 +92,32 @@ pub(in crate::tools) struct RawMcpServer {
     required: bool,
     #[serde(default, deserialize_with = "needs_approval")]
     needs_approval: NeedsApproval,
+    protocol: Option<String>,
+}
+
+/// The protocol versions a server may be asked to speak, newest first (`protocol`).
+pub(crate) const PROTOCOLS: [&str; 5] = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"];
+
+/// Which protocol the runner speaks with a server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    /// `server/discover` first (stateless 2026-07-28); a server that does not know it gets the
+    /// `initialize` handshake.
+    Auto,
+    /// This version only (one of [`PROTOCOLS`]).
+    Only(String),
+}
+
+/// `protocol` as written.
+fn protocol(raw: &RawMcpServer) -> Result<Protocol, String> {
+    match raw.protocol.as_deref() {
+        None | Some("auto") => Ok(Protocol::Auto),
+        Some(version) if PROTOCOLS.contains(&version) => Ok(Protocol::Only(version.to_owned())),
+        Some(other) => Err(format!(
+            "protocol {other:?} must be \"auto\" or one of {}",
+            PROTOCOLS.join(", ")
+        )),
+    }
 }
 
 /// `needs_approval` as written, with an error that says what it may be.
@@ -160,6 +188,8 @@ pub(crate) struct McpServerConfig {
     pub(crate) required: bool,
     /// Its tools whose calls a person approves first.
     pub(crate) needs_approval: NeedsApproval,
+    /// Which protocol version to speak: a server known to be old need not be probed.
+    pub(crate) protocol: Protocol,
 }
 
 impl McpServerConfig {
@@ -185,6 +215,7 @@ pub(in crate::tools) fn build(
     prlimit: impl Fn() -> Result<PathBuf, String>,
 ) -> Result<McpServerConfig, String> {
     let prefix = prefix(&raw)?;
+    let protocol = protocol(&raw)?;
     let transport = transport(&raw, base_dir, prlimit)?;
     let duration = |name: &str, value: &Option<String>, default: Duration, min: Duration, cap: Duration| {
         value
@@ -246,6 +277,7 @@ pub(in crate::tools) fn build(
         deny: raw.deny,
         required: raw.required,
         needs_approval: raw.needs_approval,
+        protocol,
     })
 }
 

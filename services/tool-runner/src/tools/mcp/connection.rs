@@ -1,31 +1,62 @@
 //! One connection to an MCP server: start the stdio child (under `prlimit`, in its own process
-//! group, with a cleared environment) or open the streamable-HTTP session, shake hands, and hear
+//! group, with a cleared environment) or open the streamable-HTTP transport, agree on the
+//! protocol (`server/discover` for 2026-07-28, falling back to the `initialize` handshake of
+//! older servers; or the one version the manifest names), and hear
 //! `notifications/tools/list_changed`.
+//!
+//! The runner offers elicitation (form and URL): a 2026-07-28 server asks its questions in its
+//! answer to `tools/call` (`input_required`), which goes back to the orchestrator, where the run
+//! waits for a person without holding anything here. An older server asks in the middle of the
+//! call (`elicitation/create` on the session); nobody can answer within one call held open on
+//! one runner, so the runner answers `cancel` (nobody answered) and logs it, never `decline` on
+//! a person's behalf.
 
 use std::sync::Arc;
 
 use futures::StreamExt;
-use rmcp::model::{ClientCapabilities, ClientConfig, Implementation};
-use rmcp::service::{NotificationContext, RunningService};
+use rmcp::model::{
+    ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult, ElicitationAction, ElicitationCapability,
+    ErrorData, FormElicitationCapability, Implementation, ProtocolVersion, UrlElicitationCapability,
+};
+use rmcp::service::{ClientLifecycleMode, ClientServiceExt as _, NotificationContext, RequestContext, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::async_rw::AsyncRwTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::{ClientHandler, RoleClient, ServiceExt};
+use rmcp::{ClientHandler, RoleClient};
 use tokio::sync::Notify;
 
 use super::bounded;
-use super::config::{McpServerConfig, Transport};
+use super::config::{McpServerConfig, Protocol, Transport};
 use crate::tools::command::GroupKiller;
 
 /// Longest stderr line of a stdio server that is logged whole.
 const STDERR_LINE_BYTES: usize = 4096;
 
-/// What the runner tells a server about itself; it offers no client capabilities (no sampling,
-/// roots or elicitation: nobody is there to answer them).
+/// What the runner tells a server about itself: it offers elicitation (see the module docs),
+/// not sampling or roots.
 #[derive(Clone)]
 pub(super) struct Handler {
     /// Woken by `notifications/tools/list_changed`.
     pub list_changed: Arc<Notify>,
+    /// The server's name, for the log.
+    pub server: String,
+    /// The version the `initialize` handshake offers (`None`: the newest it can).
+    pub handshake: Option<ProtocolVersion>,
+}
+
+impl Handler {
+    /// The handler of a connection to the server `config` describes.
+    pub(super) fn new(config: &McpServerConfig) -> Self {
+        let handshake = match &config.protocol {
+            Protocol::Only(version) => serde_json::from_value(serde_json::Value::String(version.clone())).ok(),
+            Protocol::Auto => None,
+        };
+        Self {
+            list_changed: Arc::new(Notify::new()),
+            server: config.name.clone(),
+            handshake,
+        }
+    }
 }
 
 impl ClientHandler for Handler {
@@ -35,10 +66,52 @@ impl ClientHandler for Handler {
     }
 
     fn get_info(&self) -> ClientConfig {
-        ClientConfig::new(
-            ClientCapabilities::default(),
+        let mut capabilities = ClientCapabilities::default();
+        let mut elicitation = ElicitationCapability::new();
+        elicitation.form = Some(FormElicitationCapability::new());
+        elicitation.url = Some(UrlElicitationCapability::new());
+        capabilities.elicitation = Some(elicitation);
+        let mut config = ClientConfig::new(
+            capabilities,
             Implementation::new("tool-runner", env!("CARGO_PKG_VERSION")),
-        )
+        );
+        if let Some(version) = &self.handshake {
+            config.protocol_version = version.clone();
+        }
+        config
+    }
+
+    fn create_elicitation(
+        &self,
+        request: ElicitRequestParams,
+        _context: RequestContext<RoleClient>,
+    ) -> impl Future<Output = Result<ElicitResult, ErrorData>> + Send + '_ {
+        let message = match &request {
+            ElicitRequestParams::FormElicitationParams { message, .. }
+            | ElicitRequestParams::UrlElicitationParams { message, .. } => message.clone(),
+            _ => String::new(),
+        };
+        tracing::warn!(
+            mcp.server = %self.server,
+            "the server asked within a call ({message:?}), as servers older than 2026-07-28 do; nobody can answer a call held open on one runner, so the answer is cancel"
+        );
+        std::future::ready(Ok(ElicitResult::new(ElicitationAction::Cancel)))
+    }
+}
+
+/// How the connection agrees on the protocol.
+fn lifecycle(protocol: &Protocol) -> ClientLifecycleMode {
+    match protocol {
+        Protocol::Auto => ClientLifecycleMode::Auto {
+            preferred_versions: vec![ProtocolVersion::LATEST],
+            legacy_version: None,
+        },
+        Protocol::Only(version) if *version == ProtocolVersion::V_2026_07_28.to_string() => {
+            ClientLifecycleMode::Discover {
+                preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+            }
+        }
+        Protocol::Only(_) => ClientLifecycleMode::Initialize,
     }
 }
 
@@ -89,7 +162,10 @@ async fn connect_http(
         .build()
         .map_err(|e| format!("HTTP client: {e}"))?;
     let transport = StreamableHttpClientTransport::with_client(client, transport_config);
-    let service = handler.serve(transport).await.map_err(|e| e.to_string())?;
+    let service = handler
+        .serve_with_lifecycle(transport, lifecycle(&config.protocol))
+        .await
+        .map_err(|e| e.to_string())?;
     Ok(Connection {
         service,
         _group: None,
@@ -118,7 +194,10 @@ async fn connect_stdio(
         config.max_message_bytes,
     ));
     let transport = AsyncRwTransport::new_client(stdout_lines, stdin).with_max_line_length(config.max_message_bytes);
-    let service = handler.serve(transport).await.map_err(|e| e.to_string())?;
+    let service = handler
+        .serve_with_lifecycle(transport, lifecycle(&config.protocol))
+        .await
+        .map_err(|e| e.to_string())?;
     Ok(Connection {
         service,
         _group: Some(group),

@@ -24,7 +24,7 @@ use std::time::Duration;
 use rmcp::RoleClient;
 use rmcp::model::{ClientRequest, PaginatedRequestParams, PingRequest};
 use rmcp::service::Peer;
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::tools::ToolSpec;
@@ -144,9 +144,7 @@ impl McpServer {
         let name = self.config.name.clone();
         let mut backoff = FIRST_BACKOFF;
         loop {
-            let handler = Handler {
-                list_changed: Arc::new(Notify::new()),
-            };
+            let handler = Handler::new(&self.config);
             let attempt = tokio::select! {
                 attempt = tokio::time::timeout(self.config.connect_timeout, self.open(handler.clone())) => attempt,
                 () = shutdown.cancelled() => return,
@@ -155,7 +153,8 @@ impl McpServer {
                 attempt.unwrap_or_else(|_| Err(format!("no answer within {:?}", self.config.connect_timeout)));
             match attempt {
                 Ok((connection, tools)) => {
-                    tracing::info!(mcp.server = %name, tools = tools.len(), "MCP server connected");
+                    let protocol = protocol_of(connection.service.peer());
+                    tracing::info!(mcp.server = %name, mcp.protocol = %protocol, tools = tools.len(), "MCP server connected");
                     self.set_tools(tools);
                     self.link.set_peer(Some(connection.service.peer().clone()));
                     changed.send_replace(());
@@ -272,12 +271,13 @@ impl McpServer {
                 break;
             }
         }
+        let protocol = protocol_of(peer);
         let mut tools = BTreeMap::new();
         for tool in listed {
             if !config.offers(&tool.name) {
                 continue;
             }
-            match self.entry(&tool) {
+            match self.entry(&tool, &protocol) {
                 Ok(entry) if tools.contains_key(&entry.spec.name) => {
                     tracing::warn!(mcp.server = %config.name, tool = %tool.name, "not offered: {} is taken by another of its tools", entry.spec.name);
                 }
@@ -291,7 +291,7 @@ impl McpServer {
     }
 
     /// One listed tool as a registry entry.
-    fn entry(&self, tool: &rmcp::model::Tool) -> Result<Entry, String> {
+    fn entry(&self, tool: &rmcp::model::Tool, protocol: &str) -> Result<Entry, String> {
         let name = offered_name(&self.config.prefix, &tool.name);
         if !shared::tools::valid_tool_name(&name) {
             return Err(format!("{name:?} is longer than 64 characters"));
@@ -313,10 +313,18 @@ impl McpServer {
             timeout: self.config.timeout,
             source: "mcp",
             needs_approval: self.config.needs_approval(&tool.name),
+            mcp_protocol: protocol.to_owned(),
         };
         let call = McpTool::new(Arc::clone(&self.link), tool.name.to_string());
         Entry::new(spec, Arc::new(call))
     }
+}
+
+/// The protocol version negotiated with the server `peer` speaks for.
+fn protocol_of(peer: &Peer<RoleClient>) -> String {
+    peer.peer_info()
+        .map(|info| info.protocol_version.to_string())
+        .unwrap_or_default()
 }
 
 /// `prefix` + `name`, with every character a tool name may not hold as `_`.
