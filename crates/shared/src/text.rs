@@ -1,6 +1,6 @@
 //! Cutting text to a byte limit without splitting a character: the one text cutter of the
 //! workspace (prefixes, suffixes, excerpts for error messages, cuts that say what was left out,
-//! pieces for streaming).
+//! pieces for streaming); and a stable hash of text ([`fnv1a`]).
 
 /// Characters an [`excerpt`] keeps: enough to recognise a value in an error message, short enough
 /// that a huge or hostile value never floods a log line or a caller's status.
@@ -70,6 +70,14 @@ pub fn pieces(text: &str, max: usize) -> impl Iterator<Item = &str> {
         let (piece, tail) = rest.split_at(cut);
         rest = tail;
         Some(piece)
+    })
+}
+
+/// FNV-1a, 64 bits, of `bytes`: the same on every replica, machine and release (a std hasher is
+/// neither), for choices every replica must make alike.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
     })
 }
 

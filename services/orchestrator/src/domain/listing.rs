@@ -157,7 +157,7 @@ impl RunQuery {
         for (k, v) in &self.labels {
             text.push_str(&format!("|{k}={v}"));
         }
-        fnv1a(text.as_bytes())
+        shared::text::fnv1a(text.as_bytes())
     }
 
     /// The rows of a page out of `rows` (any order; each run once): those matching the query
@@ -258,13 +258,6 @@ impl Cursor {
             _ => Err(CursorError::Malformed),
         }
     }
-}
-
-/// FNV-1a, 64 bits: the same on every replica and release (a std hasher is neither).
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// Why a run's labels are refused.

@@ -133,9 +133,7 @@ impl Shares {
 /// The order run `run_id` tries its principal's `max` slots in: all of them, from one its id
 /// picks (FNV-1a), so a principal's runs spread over its slots instead of all trying slot 0.
 pub fn slot_order(run_id: &str, max: usize) -> impl Iterator<Item = usize> {
-    let hash = run_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
+    let hash = shared::text::fnv1a(run_id.as_bytes());
     let start = usize::try_from(hash % u64::try_from(max.max(1)).unwrap_or(1)).unwrap_or(0);
     (0..max).map(move |n| (start + n) % max)
 }

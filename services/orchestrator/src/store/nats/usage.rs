@@ -2,7 +2,9 @@
 //! `<principal>.<window start>` (the principal an encoded token) in the key-value bucket
 //! `<bucket>-usage`, whose entries expire after `--usage-keep-for`. Adding is a compare-and-set on
 //! the revision read, tried again when another replica added first, so concurrent runs never
-//! lose each other's spend.
+//! lose each other's spend. A principal's key is hot (every turn of each of its runs adds to
+//! it): this replica's adds to one key take turns ([`Stripes`]), so they never fight each other,
+//! only other replicas' adds.
 
 use async_nats::jetstream::{self, kv};
 use futures::future::BoxFuture;
@@ -19,10 +21,24 @@ const CAS_ATTEMPTS: usize = 32;
 /// Windows read at once.
 const READ_CONCURRENCY: usize = 16;
 
+/// Locks striped over the keys: an add holds its key's stripe from its read to its write.
+const STRIPES: usize = 64;
+
 /// See the module docs.
 #[derive(Clone)]
 pub struct NatsUsage {
     windows: kv::Store,
+    stripes: std::sync::Arc<Stripes>,
+}
+
+/// One lock per stripe of the keys.
+struct Stripes([tokio::sync::Mutex<()>; STRIPES]);
+
+impl Stripes {
+    fn of(&self, key: &str) -> &tokio::sync::Mutex<()> {
+        let hash = shared::text::fnv1a(key.as_bytes());
+        &self.0[usize::try_from(hash % STRIPES as u64).unwrap_or(0)]
+    }
 }
 
 impl NatsUsage {
@@ -37,7 +53,8 @@ impl NatsUsage {
         let name = format!("{bucket}-usage");
         let description = "orchestrator spend of each principal per hour";
         let windows = KvStore::open_bucket(js, &name, keep_for, description, replicas).await?;
-        Ok(Self { windows })
+        let stripes = std::sync::Arc::new(Stripes(std::array::from_fn(|_| tokio::sync::Mutex::new(()))));
+        Ok(Self { windows, stripes })
     }
 }
 
@@ -62,8 +79,13 @@ async fn read(windows: &kv::Store, key: &str) -> Result<Option<(Tally, u64)>, St
 
 impl UsageBook for NatsUsage {
     fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
-        let (windows, key) = (self.windows.clone(), key(principal, window));
+        let (windows, key, stripes) = (
+            self.windows.clone(),
+            key(principal, window),
+            std::sync::Arc::clone(&self.stripes),
+        );
         async move {
+            let _turn = stripes.of(&key).lock().await;
             for _ in 0..CAS_ATTEMPTS {
                 let (mut total, revision) = match read(&windows, &key).await? {
                     Some((total, revision)) => (total, Some(revision)),
