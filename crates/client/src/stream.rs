@@ -59,6 +59,9 @@ pub enum Event {
     ApprovalRequested(pb::ApprovalRequested),
     /// A user message sent with [`Client::send_message`] joined the conversation.
     MessageAdded(pb::MessageAdded),
+    /// A normal tool call asks a person questions before it can finish; the run parks until
+    /// they are answered (`AnswerToolInput`) or expire.
+    ToolInputRequested(pb::ToolInputRequested),
     /// The run ended; always the last event.
     Finished(pb::RunResult),
 }
@@ -83,6 +86,7 @@ impl Event {
             E::TurnRestarted(e) => Self::TurnRestarted(e),
             E::ApprovalRequested(e) => Self::ApprovalRequested(e),
             E::MessageAdded(e) => Self::MessageAdded(e),
+            E::ToolInputRequested(e) => Self::ToolInputRequested(e),
             E::RunFinished(e) => Self::Finished(e.result.unwrap_or_default()),
         }
     }

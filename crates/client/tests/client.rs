@@ -418,6 +418,13 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn answer_tool_input(
+        &self,
+        _: tonic::Request<pb::AnswerToolInputRequest>,
+    ) -> Result<tonic::Response<pb::AnswerToolInputResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn subscribe_signals(
         &self,
         _: tonic::Request<pb::SubscribeSignalsRequest>,
@@ -614,6 +621,13 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         &self,
         _: tonic::Request<pb::GetUsageRequest>,
     ) -> Result<tonic::Response<pb::GetUsageResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn answer_tool_input(
+        &self,
+        _: tonic::Request<pb::AnswerToolInputRequest>,
+    ) -> Result<tonic::Response<pb::AnswerToolInputResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 

@@ -89,7 +89,10 @@ pub(crate) mod metric {
     pub(crate) const AUTH_REFUSED: &str = "orchestrator_auth_refused_total";
     /// Counter: tool calls that waited for a person's approval.
     pub(crate) const APPROVALS_REQUESTED: &str = "orchestrator_approvals_requested_total";
-    /// Counter: approval decisions acted on, by `outcome` (approved, edited, rejected, timed_out).
+    /// Counter: tool calls that asked a person questions (each round counts).
+    pub(crate) const INPUT_REQUESTED: &str = "orchestrator_tool_input_requested_total";
+    /// Counter: approval decisions acted on, by `outcome` (approved, edited, rejected, timed_out,
+    /// answered).
     pub(crate) const APPROVAL_DECISIONS: &str = "orchestrator_approval_decisions_total";
     /// Gauge: runs parked waiting for approvals (they hold no run slot).
     pub(crate) const RUNS_AWAITING_APPROVAL: &str = "orchestrator_runs_awaiting_approval";
@@ -219,8 +222,12 @@ fn describe_durability() {
         "Tool calls that waited for a person's approval."
     );
     describe_counter!(
+        metric::INPUT_REQUESTED,
+        "Tool calls that asked a person questions before they could finish (each round counts)."
+    );
+    describe_counter!(
         metric::APPROVAL_DECISIONS,
-        "Approval decisions acted on, by outcome (approved, edited, rejected, timed_out)."
+        "Approval decisions acted on, by outcome (approved, edited, rejected, timed_out, answered)."
     );
     describe_gauge!(
         metric::RUNS_AWAITING_APPROVAL,
@@ -244,6 +251,7 @@ fn start_at_zero() {
     metrics::counter!(metric::EVENT_LOG_DROPPED).absolute(0);
     metrics::counter!(metric::ATTACHES).absolute(0);
     metrics::counter!(metric::APPROVALS_REQUESTED).absolute(0);
+    metrics::counter!(metric::INPUT_REQUESTED).absolute(0);
     for &outcome in crate::domain::approval::ApprovalOutcome::ALL {
         let outcome: &'static str = outcome.into();
         metrics::counter!(metric::APPROVAL_DECISIONS, "outcome" => outcome).absolute(0);

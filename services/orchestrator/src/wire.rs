@@ -7,6 +7,7 @@ use proto::orchestrator::v1 as pb;
 
 use crate::Error;
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, PendingApproval};
+use crate::domain::input::{InputAction, InputAnswer, InputMode, InputRequest, Questions};
 use crate::domain::{
     Delivery, Event, FailureReason, Limits, NumberedEvent, RunResult, RunStatus, Signal, ToolCallError,
 };
@@ -75,8 +76,8 @@ macro_rules! one_to_one {
     };
 }
 
-one_to_one!(RunStatus <=> RunStatus, unspecified: Unspecified, [Running, Completed, Failed, Canceled, AwaitingApproval]);
-one_to_one!(ApprovalOutcome <=> ApprovalOutcome, unspecified: Unspecified, [Approved, Edited, Rejected, TimedOut]);
+one_to_one!(RunStatus <=> RunStatus, unspecified: Unspecified, [Running, Completed, Failed, Canceled, AwaitingApproval, AwaitingInput]);
+one_to_one!(ApprovalOutcome <=> ApprovalOutcome, unspecified: Unspecified, [Approved, Edited, Rejected, TimedOut, Answered]);
 one_to_one!(Delivery <=> SignalDelivery, unspecified: Unspecified, [Pending, Delivered, Undelivered]);
 one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
     ToolParseError,
@@ -177,8 +178,93 @@ impl From<&ApprovalDecision> for pb::ApprovalDecision {
             message: d.message.clone(),
             original_arguments_json: d.original_arguments_json.clone(),
             edited_arguments_json: d.edited_arguments_json.clone(),
+            answers: d.answers.iter().map(pb::ToolInputAnswer::from).collect(),
         }
     }
+}
+
+impl From<&InputAnswer> for pb::ToolInputAnswer {
+    fn from(a: &InputAnswer) -> Self {
+        let action = match a.action {
+            InputAction::Accept => pb::InputAction::Accept,
+            InputAction::Decline => pb::InputAction::Decline,
+            InputAction::Cancel => pb::InputAction::Cancel,
+        };
+        Self {
+            key: a.key.clone(),
+            action: action.into(),
+            content_json: a.content.as_ref().map(ToString::to_string).unwrap_or_default(),
+        }
+    }
+}
+
+impl TryFrom<pb::ToolInputAnswer> for InputAnswer {
+    type Error = String;
+
+    /// An answer as asked for: a known action, content that is JSON.
+    fn try_from(a: pb::ToolInputAnswer) -> Result<Self, String> {
+        let action = match pb::InputAction::try_from(a.action) {
+            Ok(pb::InputAction::Accept) => InputAction::Accept,
+            Ok(pb::InputAction::Decline) => InputAction::Decline,
+            Ok(pb::InputAction::Cancel) => InputAction::Cancel,
+            _ => {
+                return Err(format!(
+                    "the answer to question {:?} has no action (accept, decline or cancel)",
+                    a.key
+                ));
+            }
+        };
+        let content = match a.content_json.trim() {
+            "" => None,
+            json => Some(
+                serde_json::from_str(json)
+                    .map_err(|e| format!("the content for question {:?} is not JSON: {e}", a.key))?,
+            ),
+        };
+        Ok(Self {
+            key: a.key,
+            action,
+            content,
+        })
+    }
+}
+
+impl From<&InputRequest> for pb::ToolInputRequest {
+    fn from(r: &InputRequest) -> Self {
+        Self {
+            key: r.key.clone(),
+            mode: r.mode.as_str().to_owned(),
+            message: r.message.clone(),
+            schema_json: if r.schema.is_null() {
+                String::new()
+            } else {
+                r.schema.to_string()
+            },
+            url: r.url.clone(),
+        }
+    }
+}
+
+/// A question as a runner (or a stored record) gives it; `None` for a mode this version does
+/// not know.
+pub(crate) fn input_request(
+    key: String,
+    mode: &str,
+    message: String,
+    schema_json: &str,
+    url: String,
+) -> Option<InputRequest> {
+    Some(InputRequest {
+        key,
+        mode: InputMode::named(mode)?,
+        message,
+        schema: serde_json::from_str(schema_json).unwrap_or(serde_json::Value::Null),
+        url,
+    })
+}
+
+fn input_request_of(r: pb::ToolInputRequest) -> Option<InputRequest> {
+    input_request(r.key, &r.mode, r.message, &r.schema_json, r.url)
 }
 
 impl TryFrom<pb::ApprovalDecision> for ApprovalDecision {
@@ -192,6 +278,11 @@ impl TryFrom<pb::ApprovalDecision> for ApprovalDecision {
             message: d.message,
             original_arguments_json: d.original_arguments_json,
             edited_arguments_json: d.edited_arguments_json,
+            answers: d
+                .answers
+                .into_iter()
+                .filter_map(|a| InputAnswer::try_from(a).ok())
+                .collect(),
         })
     }
 }
@@ -208,6 +299,12 @@ impl From<&PendingApproval> for pb::PendingApproval {
             expires_at_unix_ms: p.expires_at_unix_ms,
             principal: p.principal.clone(),
             decision: p.decision.as_ref().map(pb::ApprovalDecision::from),
+            // The questions' state is the tool's, opaque: it is not shown.
+            input_requests: p
+                .questions
+                .iter()
+                .flat_map(|q| q.requests.iter().map(pb::ToolInputRequest::from))
+                .collect(),
         }
     }
 }
@@ -216,7 +313,12 @@ impl TryFrom<pb::PendingApproval> for PendingApproval {
     type Error = Error;
 
     fn try_from(p: pb::PendingApproval) -> Result<Self, Error> {
+        let requests: Vec<InputRequest> = p.input_requests.into_iter().filter_map(input_request_of).collect();
         Ok(Self {
+            questions: (!requests.is_empty()).then(|| Questions {
+                request_state: String::new(),
+                requests,
+            }),
             decision: p.decision.map(ApprovalDecision::try_from).transpose()?,
             run_id: p.run_id,
             call_id: p.call_id,
@@ -442,6 +544,19 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             expires_at_unix_ms,
             arguments_truncated,
         }),
+        Event::ToolInputRequested {
+            call_id,
+            name,
+            turn,
+            expires_at_unix_ms,
+            requests,
+        } => E::ToolInputRequested(pb::ToolInputRequested {
+            call_id,
+            requests: requests.iter().map(pb::ToolInputRequest::from).collect(),
+            name,
+            turn,
+            expires_at_unix_ms,
+        }),
         Event::MessageAdded { turn, content, name } => E::MessageAdded(pb::MessageAdded {
             turn,
             message: Some(pb::ChatMessage {
@@ -539,6 +654,13 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                 turn: e.turn,
                 expires_at_unix_ms: e.expires_at_unix_ms,
                 arguments_truncated: e.arguments_truncated,
+            },
+            E::ToolInputRequested(e) => Event::ToolInputRequested {
+                call_id: e.call_id,
+                name: e.name,
+                turn: e.turn,
+                expires_at_unix_ms: e.expires_at_unix_ms,
+                requests: e.requests.into_iter().filter_map(input_request_of).collect(),
             },
             E::MessageAdded(e) => {
                 let message = e.message.unwrap_or_default();

@@ -75,6 +75,7 @@ fn wait(run_id: &str, calls: &[&str], epoch: u64) -> Wait {
         expires_at_unix_ms: shared::sync::unix_ms() + 600_000,
         principal: String::new(),
         decision: None,
+        questions: None,
     };
     Wait {
         run_id: run_id.to_owned(),

@@ -153,6 +153,7 @@ fn result(run_id: &str, status: RunStatus) -> RunResult {
                 message: String::new(),
                 original_arguments_json: r#"{"a": 1}"#.into(),
                 edited_arguments_json: "{}".into(),
+                answers: Vec::new(),
             }),
         }],
         failure_reason: (status == RunStatus::Failed).then_some(orchestrator::domain::FailureReason::ToolFailureLimit),

@@ -12,7 +12,7 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use orchestrator::domain::ToolCallError;
 use orchestrator::domain::chat::Message;
-use orchestrator::domain::ports::{ToolExecutor, ToolInvocation};
+use orchestrator::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
 use orchestrator::llm::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use orchestrator::tool_runners::sender::{self, Attempt, Retries};
 use tokio::time::Instant;
@@ -175,7 +175,7 @@ const RETRIES: Retries = Retries {
 };
 
 impl ToolExecutor for Client {
-    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
+    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<ToolOutput, ToolCallError>> {
         let (gate, runners) = (self.gate.clone(), Arc::clone(&self.runners));
         async move {
             sender::send(&call, RETRIES, || {
@@ -246,7 +246,7 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, work: D
         at: Instant::now(),
     });
     tokio::time::sleep(work).await;
-    Attempt::Answered(Ok(format!("{{\"done\": \"{}\"}}", call.call_id)))
+    Attempt::Answered(Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id))))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -149,6 +149,31 @@ impl Printer {
                     ),
                 );
             }
+            E::ToolInputRequested(asked) => {
+                self.in_reasoning = false;
+                self.turn_header(out, asked.turn);
+                self.line(
+                    out,
+                    &format!(
+                        "  ? {} [{}] asks before it can finish (orchestrator answer --run-id {} --call-id {}):",
+                        asked.name, asked.call_id, self.run_id, asked.call_id
+                    ),
+                );
+                for question in &asked.requests {
+                    let detail = if question.mode == "url" {
+                        &question.url
+                    } else {
+                        &question.schema_json
+                    };
+                    self.line(
+                        out,
+                        &format!(
+                            "      {} ({}): {} {detail}",
+                            question.key, question.mode, question.message
+                        ),
+                    );
+                }
+            }
             E::MessageAdded(m) => {
                 let text = m.message.as_ref().map_or("", |m| m.content.as_str());
                 self.line(

@@ -141,6 +141,8 @@ pub enum StatusArg {
     Running,
     /// Live, waiting for a person's decision on its tool calls.
     AwaitingApproval,
+    /// Live, waiting for a person's answers to a tool's questions.
+    AwaitingInput,
     /// Ended: the model answered.
     Completed,
     /// Ended: a limit or an error.
@@ -154,6 +156,7 @@ impl From<StatusArg> for proto::orchestrator::v1::RunStatus {
         match status {
             StatusArg::Running => Self::Running,
             StatusArg::AwaitingApproval => Self::AwaitingApproval,
+            StatusArg::AwaitingInput => Self::AwaitingInput,
             StatusArg::Completed => Self::Completed,
             StatusArg::Failed => Self::Failed,
             StatusArg::Canceled => Self::Canceled,

@@ -1,5 +1,6 @@
 //! Approvals (docs/architecture.md, "Approvals"): which normal calls of a run wait for a person's
-//! decision, the decisions, and the rules a decision must pass.
+//! decision, the decisions, and the rules a decision must pass. A call that asks questions
+//! (`input.rs`) waits the same way: its answers are its decision.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -55,6 +56,20 @@ pub struct PendingApproval {
     pub principal: String,
     /// Set once decided.
     pub decision: Option<ApprovalDecision>,
+    /// Set when the call asks questions (its answers decide it; an approval does not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub questions: Option<super::input::Questions>,
+}
+
+impl PendingApproval {
+    /// What the call gets when its wait expires undecided: a timeout (it does not run), or for
+    /// questions, `cancel` to each (it is tried again with them).
+    pub fn expired(&self, now_unix_ms: u64) -> ApprovalDecision {
+        match &self.questions {
+            Some(questions) => ApprovalDecision::unanswered(questions, now_unix_ms),
+            None => ApprovalDecision::timed_out(now_unix_ms),
+        }
+    }
 }
 
 /// What was decided about a call, by whom and when (kept in the call's record).
@@ -73,6 +88,9 @@ pub struct ApprovalDecision {
     /// For an edit: the arguments the call runs with.
     #[serde(default)]
     pub edited_arguments_json: String,
+    /// For answered questions: the answers the call is tried again with.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub answers: Vec<super::input::InputAnswer>,
 }
 
 /// Who "decides" a call nobody decided in time.
@@ -90,12 +108,30 @@ pub enum ApprovalOutcome {
     Rejected,
     /// Nobody decided in time.
     TimedOut,
+    /// The call's questions were answered (by a person, or `cancel` when they expired).
+    Answered,
 }
 
 impl ApprovalDecision {
     /// Whether the call runs.
     pub fn runs(&self) -> bool {
-        matches!(self.outcome, ApprovalOutcome::Approved | ApprovalOutcome::Edited)
+        matches!(
+            self.outcome,
+            ApprovalOutcome::Approved | ApprovalOutcome::Edited | ApprovalOutcome::Answered
+        )
+    }
+
+    /// The decision of questions nobody answered before they expired: `cancel` to each.
+    pub fn unanswered(questions: &super::input::Questions, now_unix_ms: u64) -> Self {
+        Self {
+            outcome: ApprovalOutcome::Answered,
+            principal: TIMEOUT_PRINCIPAL.to_owned(),
+            decided_at_unix_ms: now_unix_ms,
+            message: "nobody answered the tool's questions in time: each was answered cancel".to_owned(),
+            original_arguments_json: String::new(),
+            edited_arguments_json: String::new(),
+            answers: questions.canceled(),
+        }
     }
 
     /// The decision of a call nobody decided within its timeout.
@@ -107,6 +143,7 @@ impl ApprovalDecision {
             message: "approval timed out: nobody approved the call in time, and it did not run".to_owned(),
             original_arguments_json: String::new(),
             edited_arguments_json: String::new(),
+            answers: Vec::new(),
         }
     }
 }
@@ -129,6 +166,8 @@ pub enum DecisionKind {
     Reject(String),
     /// Run with these arguments.
     Edit(String),
+    /// The answers to the call's questions (`AnswerToolInput`).
+    Answer(Vec<super::input::InputAnswer>),
 }
 
 /// Why a decision is refused.
@@ -229,7 +268,23 @@ pub fn check_decision(
         message: String::new(),
         original_arguments_json: String::new(),
         edited_arguments_json: String::new(),
+        answers: Vec::new(),
     };
+    match (&decision.kind, &call.questions) {
+        (DecisionKind::Answer(_), None) => {
+            return Err(DecideError::Invalid(format!(
+                "call {:?} ({}) waits for approval, not for answers: decide it with DecideToolCalls",
+                call.call_id, call.name
+            )));
+        }
+        (DecisionKind::Approve | DecisionKind::Reject(_) | DecisionKind::Edit(_), Some(_)) => {
+            return Err(DecideError::Invalid(format!(
+                "call {:?} ({}) asks questions: answer them with AnswerToolInput",
+                call.call_id, call.name
+            )));
+        }
+        _ => {}
+    }
     match &decision.kind {
         DecisionKind::Approve => {}
         DecisionKind::Reject(message) => {
@@ -250,6 +305,17 @@ pub fn check_decision(
             recorded.outcome = ApprovalOutcome::Edited;
             recorded.original_arguments_json.clone_from(&call.arguments_json);
             recorded.edited_arguments_json.clone_from(arguments);
+        }
+        DecisionKind::Answer(answers) => {
+            let questions = call.questions.as_ref().map_or_else(Default::default, Clone::clone);
+            questions.check(answers).map_err(|e| {
+                DecideError::Invalid(format!(
+                    "the answers to call {:?} ({}) are refused: {e}; its questions still wait",
+                    call.call_id, call.name
+                ))
+            })?;
+            recorded.outcome = ApprovalOutcome::Answered;
+            recorded.answers.clone_from(answers);
         }
     }
     Ok(recorded)
@@ -279,6 +345,7 @@ mod tests {
             expires_at_unix_ms: 8,
             principal: "alice".into(),
             decision: None,
+            questions: None,
         }
     }
 

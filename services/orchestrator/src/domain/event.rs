@@ -102,6 +102,19 @@ pub enum Event {
         /// The arguments were cut to fit one event.
         arguments_truncated: bool,
     },
+    /// A call asks a person questions before it can finish; the run waits for the answers.
+    ToolInputRequested {
+        /// Call id.
+        call_id: String,
+        /// Tool.
+        name: String,
+        /// Turn.
+        turn: u32,
+        /// Unix ms: the questions expire then.
+        expires_at_unix_ms: u64,
+        /// The questions.
+        requests: Vec<super::input::InputRequest>,
+    },
     /// A user message sent to the live run (`SendMessage`) joined its conversation.
     MessageAdded {
         /// The turn whose model request first holds it.
@@ -144,6 +157,10 @@ impl NumberedEvent {
                 Event::RunStarted { .. } | Event::TurnFinished { .. } => 0,
                 Event::TurnRestarted { reason, .. } => reason.len(),
                 Event::MessageAdded { content, .. } => content.len(),
+                Event::ToolInputRequested { requests, .. } => requests
+                    .iter()
+                    .map(|r| r.message.len() + r.url.len() + r.schema.to_string().len())
+                    .sum(),
             }
     }
 

@@ -73,6 +73,7 @@ impl From<&RunResult> for RunSummary {
             tool_calls: u32::try_from(run.tool_calls.len()).unwrap_or(u32::MAX),
             waiting_for: match run.status {
                 RunStatus::AwaitingApproval => Waiting::Approval,
+                RunStatus::AwaitingInput => Waiting::Input,
                 _ => Waiting::Nothing,
             },
         }

@@ -8,6 +8,7 @@
 //! * [`result`]: what it produced ([`result::RunResult`], tool-call records, signals);
 //! * [`event`]: the events of its stream;
 //! * [`approval`]: calls that wait for a person's decision, and the decisions;
+//! * [`input`]: questions a call asks a person before it can finish, and the answers;
 //! * [`cancel`]: how a run is asked to stop (at once, or after its turn);
 //! * [`steering`]: a user message sent to a live run, and why a run refuses one;
 //! * [`thread`]: conversations that continue across runs, their limits and busy policies;
@@ -22,6 +23,7 @@ pub mod approval;
 pub mod cancel;
 pub mod chat;
 pub mod event;
+pub mod input;
 pub mod listing;
 pub mod ownership;
 pub mod params;

@@ -38,13 +38,25 @@ pub struct ToolInvocation {
     pub owner: Option<Ownership>,
     /// Deadline of this call.
     pub timeout: Duration,
+    /// The answers to the questions this call asked in its last attempt (it is tried again
+    /// with them).
+    pub answers: Option<super::input::Answers>,
+}
+
+/// What a call gave back when it did not fail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolOutput {
+    /// Its result, as JSON text.
+    Result(String),
+    /// It asks a person these questions before it can finish.
+    Asked(super::input::Questions),
 }
 
 /// Executes normal tool calls (on tool-runners, or scripted in tests). Dropping the future
 /// cancels the call.
 pub trait ToolExecutor: Send + Sync + 'static {
-    /// Runs one call; the `Ok` value is the result as JSON text.
-    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>>;
+    /// Runs one call: its result (as JSON text) or its questions.
+    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<ToolOutput, ToolCallError>>;
 }
 
 /// A place for run results.

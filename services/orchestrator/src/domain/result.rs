@@ -19,12 +19,32 @@ pub enum RunStatus {
     Canceled,
     /// Parked until its pending approvals are decided (it holds no slot meanwhile).
     AwaitingApproval,
+    /// Parked until the questions of its pending calls are answered, and for nothing else.
+    AwaitingInput,
 }
 
 impl RunStatus {
-    /// Whether the run has not ended (it runs, or waits for decisions).
+    /// Whether the run has not ended (it runs, or waits for a person).
     pub fn is_live(self) -> bool {
-        matches!(self, Self::Running | Self::AwaitingApproval)
+        matches!(self, Self::Running | Self::AwaitingApproval | Self::AwaitingInput)
+    }
+
+    /// Whether the run is parked, waiting for a person (it holds no slot).
+    pub fn is_parked(self) -> bool {
+        matches!(self, Self::AwaitingApproval | Self::AwaitingInput)
+    }
+
+    /// The status of a run parked with `pending` calls: waiting for input when every one waits
+    /// for answers, else for approval.
+    pub fn parked_for(pending: &[super::approval::PendingApproval]) -> Self {
+        match pending
+            .iter()
+            .filter(|p| p.decision.is_none())
+            .all(|p| p.questions.is_some())
+        {
+            true if !pending.is_empty() => Self::AwaitingInput,
+            _ => Self::AwaitingApproval,
+        }
     }
 }
 

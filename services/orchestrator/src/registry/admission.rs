@@ -230,7 +230,7 @@ impl Admitted {
     pub(crate) fn leave_quota(&mut self) {
         let Some(quota) = self.quota.take() else { return };
         let status = shared::sync::lock(&self.state).status;
-        let ended = self.persister.ownership().ended() || status == RunStatus::AwaitingApproval;
+        let ended = self.persister.ownership().ended() || status.is_parked();
         if ended || !self.started {
             quota.give_back(&self.run_id);
         }

@@ -7,7 +7,6 @@ use std::time::Duration;
 use shared::auth::Principal;
 
 use super::Runs;
-use crate::domain::RunStatus;
 use crate::domain::ports::{EventFeed, LogError, StoreError};
 
 /// Why a caller cannot re-attach to a run.
@@ -197,7 +196,7 @@ impl Runs {
             gone.cancelled().await;
             // Ended here means its end was kept: one settled but never logged moved on.
             let status = shared::sync::lock(&state).status;
-            if ownership.ended() || status == RunStatus::AwaitingApproval {
+            if ownership.ended() || status.is_parked() {
                 std::future::pending::<()>().await;
             }
         }

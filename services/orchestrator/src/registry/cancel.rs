@@ -70,7 +70,7 @@ impl Runs {
             Some(parked) => Some(parked),
             None => self.stored(run_id).await?,
         };
-        if let Some(parked) = parked.filter(|p| sees(caller, &p.principal) && p.status == RunStatus::AwaitingApproval)
+        if let Some(parked) = parked.filter(|p| sees(caller, &p.principal) && p.status.is_parked())
             && self.approvals.cancel(run_id, reason).await?
         {
             tracing::info!(run_id = %run_id, principal = %parked.principal, "a run waiting for approvals is canceled");
@@ -103,7 +103,7 @@ impl Runs {
             return Some(CancelOutcome::AlreadyFinished(state.status));
         }
         let leaving = live.handoff.at_safe_point.is_cancelled() || live.handoff.now.is_cancelled();
-        if state.status == RunStatus::AwaitingApproval || leaving {
+        if state.status.is_parked() || leaving {
             return None;
         }
         live.cancel.cancel_with(mode, reason);

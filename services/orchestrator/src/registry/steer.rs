@@ -55,9 +55,7 @@ impl Runs {
         }
         Ok(match self.stored(run_id).await? {
             Some(result) if !sees(caller, &result.principal) => SteerOutcome::NotFound,
-            Some(result) if result.status == RunStatus::AwaitingApproval => {
-                SteerOutcome::Refused(Refused::AwaitingApproval)
-            }
+            Some(result) if result.status.is_parked() => SteerOutcome::Refused(Refused::AwaitingApproval),
             Some(result) if !result.status.is_live() => SteerOutcome::Finished(result.status),
             Some(_) => self.steer_elsewhere(run_id, message).await,
             None => SteerOutcome::NotFound,
@@ -75,7 +73,7 @@ impl Runs {
         if !state.status.is_live() {
             return Some(SteerOutcome::Finished(state.status));
         }
-        if state.status == RunStatus::AwaitingApproval {
+        if state.status.is_parked() {
             return Some(SteerOutcome::Refused(Refused::AwaitingApproval));
         }
         if live.handoff.at_safe_point.is_cancelled() || live.handoff.now.is_cancelled() {

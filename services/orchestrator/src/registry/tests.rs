@@ -492,6 +492,7 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
                 expires_at_unix_ms: u64::MAX,
                 principal: String::new(),
                 decision: None,
+                questions: None,
             },
             serde_json::json!({"type": "object"}),
         )],

@@ -306,8 +306,8 @@ impl Core {
         let still_pending: Vec<PendingApproval> = calls.into_iter().filter(|c| c.decision.is_none()).collect();
         // Read as the server: an approver may decide runs it may not read.
         let status = match self.runs.get(run_id, &Principal::default()).await {
-            Ok(Some(run)) if !still_pending.is_empty() && run.status == RunStatus::AwaitingApproval => {
-                RunStatus::AwaitingApproval
+            Ok(Some(run)) if !still_pending.is_empty() && run.status.is_parked() => {
+                RunStatus::parked_for(&still_pending)
             }
             _ => RunStatus::Running,
         };

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Error;
 use crate::domain::ports::EventFeed;
-use crate::domain::{Event, NumberedEvent, RunResult, RunStatus};
+use crate::domain::{Event, NumberedEvent, RunResult};
 use crate::registry::{AttachError, Runs};
 use crate::run::SharedState;
 
@@ -92,7 +92,7 @@ pub(super) fn caller_stream(
                     return Some((Ok(e), t));
                 }
                 // The loop marks the run's own state once it parked, before its events end.
-                None if shared::sync::lock(&t.state).status == RunStatus::AwaitingApproval => {
+                None if shared::sync::lock(&t.state).status.is_parked() => {
                     match t.deps.runs.follow(&t.run_id, t.last_seq, &t.caller).await {
                         Ok(feed) => t.phase = Phase::Following(attached(&t.deps, t.run_id.clone(), t.last_seq, feed)),
                         Err(e) => {

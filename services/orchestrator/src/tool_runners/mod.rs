@@ -43,7 +43,8 @@ mod pool;
 pub mod sender;
 mod transport;
 use crate::domain::ToolCallError;
-use crate::domain::ports::{ToolExecutor, ToolInvocation};
+use crate::domain::input::{MAX_QUESTIONS, Questions};
+use crate::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
 use sender::{Attempt, Retries};
 #[cfg(test)]
 use sender::{moved_away, stop_superseded};
@@ -289,7 +290,7 @@ fn refused_before_run(status: &tonic::Status) -> Option<&'static str> {
 }
 
 impl ToolExecutor for ToolRunners {
-    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
+    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<ToolOutput, ToolCallError>> {
         let pool = Arc::clone(&self.pool);
         let settings = self.call;
         let transport = self.transport.current();
@@ -358,7 +359,14 @@ fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Requ
         metadata: call.metadata.clone().into_iter().collect(),
         principal: call.principal.clone(),
         epoch: call.epoch,
-        input: None,
+        input: call.answers.as_ref().map(|answers| pb::ToolInputAnswers {
+            request_state: answers.request_state.clone(),
+            responses_json: answers
+                .responses
+                .iter()
+                .map(|(key, response)| (key.clone(), response.to_string()))
+                .collect(),
+        }),
     });
     request.set_timeout(call.timeout);
     transport.authorize(&mut request);
@@ -401,10 +409,11 @@ fn call_error(status: &tonic::Status, runner: &str, elapsed: Duration, timeout: 
     )
 }
 
-/// A runner's answer: the tool's JSON content, or its error with the runner's code.
-fn outcome(response: pb::RunToolResponse) -> Result<String, ToolCallError> {
+/// A runner's answer: the tool's JSON content, its questions, or its error with the runner's
+/// code.
+fn outcome(response: pb::RunToolResponse) -> Result<ToolOutput, ToolCallError> {
     match response.outcome {
-        Some(pb::run_tool_response::Outcome::ContentJson(json)) => Ok(json),
+        Some(pb::run_tool_response::Outcome::ContentJson(json)) => Ok(ToolOutput::Result(json)),
         Some(pb::run_tool_response::Outcome::Error(e)) => {
             let code = pb::ToolErrorCode::try_from(e.code).unwrap_or(pb::ToolErrorCode::Unspecified);
             let name = code.as_str_name().trim_start_matches("TOOL_ERROR_CODE_");
@@ -413,23 +422,41 @@ fn outcome(response: pb::RunToolResponse) -> Result<String, ToolCallError> {
                 e.message,
             ))
         }
-        // Waiting for a person's answers is not built into the loop yet: the model hears that
-        // the tool asked (never a URL question's URL, which is not for the model).
-        Some(pb::run_tool_response::Outcome::InputRequired(asked)) => {
-            let asked: Vec<String> = asked.requests.iter().map(|r| format!("{:?}", r.message)).collect();
-            Err(ToolCallError::new(
-                "FAILED",
-                format!(
-                    "the tool asked for a person's input ({}), which this orchestrator cannot collect; the call did not finish",
-                    asked.join(", ")
-                ),
-            ))
-        }
+        Some(pb::run_tool_response::Outcome::InputRequired(asked)) => questions(asked).map(ToolOutput::Asked),
         None => Err(ToolCallError::new(
             "FAILED",
             "the tool-runner answered with neither a result nor an error",
         )),
     }
+}
+
+/// A runner's questions, within [`MAX_QUESTIONS`] and in modes this version knows.
+fn questions(asked: pb::ToolInputRequired) -> Result<Questions, ToolCallError> {
+    if asked.requests.is_empty() || asked.requests.len() > MAX_QUESTIONS {
+        return Err(ToolCallError::new(
+            "FAILED",
+            format!(
+                "the tool asked {} questions; a call may ask 1 to {MAX_QUESTIONS}",
+                asked.requests.len()
+            ),
+        ));
+    }
+    let mut requests = Vec::with_capacity(asked.requests.len());
+    for r in asked.requests {
+        let mode = r.mode.clone();
+        let request =
+            crate::wire::input_request(r.key, &r.mode, r.message, &r.schema_json, r.url).ok_or_else(|| {
+                ToolCallError::new(
+                    "FAILED",
+                    format!("the tool asked a question in mode {mode:?}, which this orchestrator does not know"),
+                )
+            })?;
+        requests.push(request);
+    }
+    Ok(Questions {
+        request_state: asked.request_state,
+        requests,
+    })
 }
 
 #[cfg(test)]
@@ -448,6 +475,7 @@ mod tests {
             epoch: 1,
             owner,
             timeout: Duration::from_secs(5),
+            answers: None,
         }
     }
 

@@ -9,13 +9,13 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::domain::ToolCallError;
-use crate::domain::ports::ToolInvocation;
+use crate::domain::ports::{ToolInvocation, ToolOutput};
 
 /// What one attempt came to.
 #[derive(Debug)]
 pub enum Attempt {
     /// A runner answered: the tool's result, or its error (the tool may have run).
-    Answered(Result<String, ToolCallError>),
+    Answered(Result<ToolOutput, ToolCallError>),
     /// A runner refused the call as a replaced owner's: the run is in epoch `current`.
     Superseded {
         /// The run's epoch as the runner read it.
@@ -42,7 +42,7 @@ pub struct Retries {
 }
 
 /// Sends `call` by `attempt` under the rules of the module docs; the call's outcome.
-pub async fn send<F, Fut>(call: &ToolInvocation, retries: Retries, mut attempt: F) -> Result<String, ToolCallError>
+pub async fn send<F, Fut>(call: &ToolInvocation, retries: Retries, mut attempt: F) -> Result<ToolOutput, ToolCallError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Attempt>,

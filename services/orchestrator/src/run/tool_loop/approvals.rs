@@ -6,13 +6,20 @@
 //! applied: an approved call is announced and runs (with edited arguments, if so decided), a
 //! rejected or expired one fails with its decision as the error, which is fed back to the model
 //! and does not count as a failed call.
+//!
+//! A call that asked questions (its tool answered `input_required`) waits the same way, after it
+//! ran: `tool_input_requested` announces the questions, the run parks (status `AWAITING_INPUT`
+//! when nothing else waits), and once answered (or expired: `cancel` to each) the call runs again
+//! with the answers; it may ask again, up to [`MAX_ROUNDS`] times.
 
 use shared::sync::lock;
 
 use super::awaiting::Approval;
 use super::durable::TurnCalls;
 use super::{CallOutcome, Driver, End, Step};
+use crate::domain::ToolCallError;
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, OnTimeout, PendingApproval};
+use crate::domain::input::MAX_ROUNDS;
 use crate::domain::ports::{ParkOutcome, Parked, Wait, Waiting};
 use crate::domain::{Event, FailureReason, RunStatus};
 use crate::telemetry::metric;
@@ -27,7 +34,7 @@ impl super::Checkpoint {
             calls.take_decisions(&waiting.calls);
             for approval in calls.approvals.iter_mut().filter(|a| a.decision.is_none()) {
                 if approval.expires_at_unix_ms <= now {
-                    approval.decision = Some(ApprovalDecision::timed_out(now));
+                    approval.decision = Some(approval.expired(now));
                 }
             }
         }
@@ -62,10 +69,16 @@ impl TurnCalls {
     }
 
     /// Calls still undecided when the lot knew no wait of the run (it was lost): they are
-    /// rejected, so the turn can end.
+    /// rejected (questions are answered `cancel`), so the turn can end.
     fn reject_undecided(&mut self, why: &str) {
         let now = shared::sync::unix_ms();
         for approval in self.approvals.iter_mut().filter(|a| a.decision.is_none()) {
+            if let Some(questions) = &approval.questions {
+                let mut unanswered = ApprovalDecision::unanswered(questions, now);
+                unanswered.message = format!("{why}; each question was answered cancel");
+                approval.decision = Some(unanswered);
+                continue;
+            }
             approval.decision = Some(ApprovalDecision {
                 outcome: ApprovalOutcome::Rejected,
                 principal: crate::domain::approval::TIMEOUT_PRINCIPAL.to_owned(),
@@ -73,6 +86,7 @@ impl TurnCalls {
                 message: format!("{why}; the call did not run"),
                 original_arguments_json: String::new(),
                 edited_arguments_json: String::new(),
+                answers: Vec::new(),
             });
         }
     }
@@ -92,6 +106,8 @@ impl Driver<'_> {
                 expires_at_unix_ms: expires_at,
                 decision: None,
                 applied: false,
+                questions: None,
+                rounds: 0,
             })
             .collect()
     }
@@ -103,6 +119,88 @@ impl Driver<'_> {
         if calls.approvals.is_empty() {
             return;
         }
+        for approval in &calls.approvals {
+            let call = &calls.partition.calls[approval.index];
+            self.emitter.queue(Event::ApprovalRequested {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments_json: call.arguments.clone(),
+                turn: calls.turn.number,
+                expires_at_unix_ms: approval.expires_at_unix_ms,
+                arguments_truncated: false,
+            });
+        }
+        metrics::counter!(metric::APPROVALS_REQUESTED).increment(calls.approvals.len() as u64);
+        self.open_wait(calls).await;
+    }
+
+    /// Sorts what the calls that `ran` gave back: an outcome is finished; a call that asked
+    /// questions waits for the answers (its next round), unless it asked [`MAX_ROUNDS`] times
+    /// already (it then fails). The positions of the calls that asked.
+    pub(super) fn take_questions(&mut self, calls: &mut TurnCalls, ran: Vec<CallOutcome>) -> Vec<usize> {
+        let expires_at = self.spec.approval.expires_at(shared::sync::unix_ms());
+        let mut asked = Vec::new();
+        for mut outcome in ran {
+            let Some(questions) = outcome.asked.take() else {
+                calls.finished.push(outcome);
+                continue;
+            };
+            let index = outcome.index;
+            let rounds = calls
+                .approvals
+                .iter()
+                .find(|a| a.index == index)
+                .map_or(0, |a| a.rounds);
+            if rounds >= MAX_ROUNDS {
+                let why = format!(
+                    "the tool asked for a person's input {} times; a call may ask at most {MAX_ROUNDS} times",
+                    rounds + 1
+                );
+                outcome.result = Err(ToolCallError::new("FAILED", why));
+                calls.finished.push(outcome);
+                continue;
+            }
+            calls.approvals.retain(|a| a.index != index);
+            calls.approvals.push(Approval {
+                index,
+                expires_at_unix_ms: expires_at,
+                decision: None,
+                applied: false,
+                questions: Some(questions),
+                rounds: rounds + 1,
+            });
+            asked.push(index);
+        }
+        asked
+    }
+
+    /// Announces the questions of the calls at `asked` (`tool_input_requested`) and opens the
+    /// turn's wait with them.
+    pub(super) async fn ask_for_input(&mut self, calls: &mut TurnCalls, asked: &[usize]) {
+        if asked.is_empty() {
+            return;
+        }
+        for approval in calls.approvals.iter().filter(|a| asked.contains(&a.index)) {
+            let (call, Some(questions)) = (&calls.partition.calls[approval.index], &approval.questions) else {
+                continue;
+            };
+            tracing::info!(gen_ai.tool.call.id = %call.id, gen_ai.tool.name = %call.name, questions = questions.requests.len(), "the tool asks a person before it can finish");
+            self.emitter.queue(Event::ToolInputRequested {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                turn: calls.turn.number,
+                expires_at_unix_ms: approval.expires_at_unix_ms,
+                requests: questions.requests.clone(),
+            });
+        }
+        metrics::counter!(metric::INPUT_REQUESTED).increment(asked.len() as u64);
+        self.open_wait(calls).await;
+    }
+
+    /// Opens (or opens again) the turn's wait in the lot with every call that waits or waited,
+    /// their decisions so far, and the run's pending approvals: those still undecided. A lot
+    /// that takes no more runs decides them at once (rejected; questions answered `cancel`).
+    async fn open_wait(&mut self, calls: &mut TurnCalls) {
         let now = shared::sync::unix_ms();
         let mut waiting = Vec::with_capacity(calls.approvals.len());
         for approval in &calls.approvals {
@@ -116,21 +214,16 @@ impl Driver<'_> {
                 requested_at_unix_ms: now,
                 expires_at_unix_ms: approval.expires_at_unix_ms,
                 principal: self.spec.principal.clone(),
-                decision: None,
+                decision: approval.decision.clone(),
+                questions: approval.questions.clone(),
             };
-            self.emitter.queue(Event::ApprovalRequested {
-                call_id: pending.call_id.clone(),
-                name: pending.name.clone(),
-                arguments_json: pending.arguments_json.clone(),
-                turn: pending.turn,
-                expires_at_unix_ms: pending.expires_at_unix_ms,
-                arguments_truncated: false,
-            });
-            let schema = self.schema_of(&call.name);
-            waiting.push((pending, schema));
+            waiting.push((pending, self.schema_of(&call.name)));
         }
-        metrics::counter!(metric::APPROVALS_REQUESTED).increment(waiting.len() as u64);
-        lock(self.state).pending_approvals = waiting.iter().map(|(p, _)| p.clone()).collect();
+        lock(self.state).pending_approvals = waiting
+            .iter()
+            .filter(|(p, _)| p.decision.is_none())
+            .map(|(p, _)| p.clone())
+            .collect();
         let wait = Wait {
             run_id: self.spec.run_id.clone(),
             principal: self.spec.principal.clone(),
@@ -138,8 +231,8 @@ impl Driver<'_> {
             epoch: self.epoch(),
         };
         if let Err(reason) = self.deps.approvals.open(wait).await {
-            tracing::warn!("{reason}; the calls that need approval are rejected");
-            calls.reject_undecided(&format!("no person could be asked to approve it ({reason})"));
+            tracing::warn!("{reason}; the calls that wait for a person are decided at once");
+            calls.reject_undecided(&format!("no person could be asked ({reason})"));
         }
     }
 
@@ -182,6 +275,10 @@ impl Driver<'_> {
                     ),
                 ));
             }
+            if decision.outcome == ApprovalOutcome::Answered {
+                // The call runs again with the answers; it was announced when it first ran.
+                continue;
+            }
             if decision.runs() {
                 if decision.outcome == ApprovalOutcome::Edited {
                     call.arguments.clone_from(&decision.edited_arguments_json);
@@ -201,6 +298,7 @@ impl Driver<'_> {
                     elapsed: std::time::Duration::ZERO,
                     rejected: true,
                     reported: false,
+                    asked: None,
                 });
             }
         }
@@ -235,9 +333,10 @@ impl Driver<'_> {
         // everything sent.
         self.emitter.settler(self.deps.log_settle_timeout).wait().await;
         let checkpoint = self.checkpoint(Some(calls));
+        let parked_as = RunStatus::parked_for(&lock(self.state).pending_approvals);
         let result = {
             let mut state = lock(self.state);
-            state.status = RunStatus::AwaitingApproval;
+            state.status = parked_as;
             let result = state.clone();
             state.status = RunStatus::Running;
             result
@@ -257,8 +356,11 @@ impl Driver<'_> {
         };
         match parked {
             Ok(ParkOutcome::Parked) => {
-                lock(self.state).status = RunStatus::AwaitingApproval;
-                tracing::info!("the run waits for approvals; it leaves its slot");
+                lock(self.state).status = parked_as;
+                tracing::info!(
+                    status = <&str>::from(parked_as),
+                    "the run waits for a person; it leaves its slot"
+                );
                 Err(End::Parked)
             }
             Ok(ParkOutcome::Decided(decided, parked)) => {
@@ -297,7 +399,7 @@ impl Driver<'_> {
             let now = shared::sync::unix_ms();
             for approval in calls.approvals.iter_mut().filter(|a| a.decision.is_none()) {
                 if approval.expires_at_unix_ms <= now {
-                    approval.decision = Some(ApprovalDecision::timed_out(now));
+                    approval.decision = Some(approval.expired(now));
                 }
             }
             if !calls.undecided() {

@@ -1,9 +1,11 @@
-//! A call of a turn that waits for a person's decision, as the turn's calls (and so its
-//! checkpoint) hold it; what the loop does with it is in `approvals.rs`.
+//! A call of a turn that waits for a person: for a decision before it runs, or for the answers
+//! to the questions it asked; as the turn's calls (and so its checkpoint) hold it. What the loop
+//! does with it is in `approvals.rs`.
 
 use serde::{Deserialize, Serialize};
 
 use crate::domain::approval::ApprovalDecision;
+use crate::domain::input::{Answers, Questions};
 
 /// A call of the turn that waits for a decision.
 #[derive(Clone, Serialize, Deserialize)]
@@ -16,11 +18,32 @@ pub(super) struct Approval {
     pub(super) decision: Option<ApprovalDecision>,
     /// The decision was acted on: the call announced (approved) or failed (not).
     pub(super) applied: bool,
+    /// The questions the call asked (its answers are its decision); `None` for an approval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) questions: Option<Questions>,
+    /// Times the call asked (bounded by [`crate::domain::input::MAX_ROUNDS`]).
+    #[serde(default)]
+    pub(super) rounds: u32,
 }
 
 impl Approval {
     /// Whether the call may run now: approved, and announced as such.
     pub(super) fn cleared(&self) -> bool {
         self.applied && self.decision.as_ref().is_some_and(ApprovalDecision::runs)
+    }
+
+    /// What the call's next attempt carries: the answers to its questions, once answered.
+    pub(super) fn answers(&self) -> Option<Answers> {
+        let questions = self.questions.as_ref()?;
+        let decision = self.decision.as_ref()?;
+        Some(questions.answered(&decision.answers))
+    }
+
+    /// What the call gets when its wait expires undecided (see `PendingApproval::expired`).
+    pub(super) fn expired(&self, now_unix_ms: u64) -> ApprovalDecision {
+        match &self.questions {
+            Some(questions) => ApprovalDecision::unanswered(questions, now_unix_ms),
+            None => ApprovalDecision::timed_out(now_unix_ms),
+        }
     }
 }

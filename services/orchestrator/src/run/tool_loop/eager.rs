@@ -90,6 +90,7 @@ async fn joined(index: usize, mut task: Task) -> CallOutcome {
             elapsed: started.elapsed(),
             rejected: false,
             reported: false,
+            asked: None,
         },
     }
 }
@@ -151,7 +152,13 @@ impl Driver<'_> {
         if self.durable().is_some() {
             self.save_started_calls(turn).await;
         }
-        let task = Task(tokio::spawn(self.execute(index, &call, self.call_timeout(), None)));
+        let task = Task(tokio::spawn(self.execute(
+            index,
+            &call,
+            self.call_timeout(),
+            None,
+            None,
+        )));
         tracing::debug!(call_id = %call.id, tool = %call.name, "tool call started while the model still writes");
         if let Some(started) = self.eager.started.last_mut() {
             started.task = Some(task);

@@ -517,6 +517,9 @@ struct CallOutcome {
     /// decision.
     #[serde(default)]
     reported: bool,
+    /// The call did not finish: it asks a person these questions (its `result` is empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    asked: Option<crate::domain::input::Questions>,
 }
 
 /// The state of the loop across turns.

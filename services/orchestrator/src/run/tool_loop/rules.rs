@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::*;
-use crate::domain::ports::{OnDelivery, ToolInvocation, within};
+use crate::domain::ports::{OnDelivery, ToolInvocation, ToolOutput, within};
 use crate::domain::usage::{Tally, WINDOW_MS, window_of};
 use crate::domain::{Delivery, Event, FailureReason, ParsePolicy, RunStatus, Signal, ToolCallError, ToolCallRecord};
 use crate::llm::{ChatRequest, Message, ToolCall, Usage};
@@ -85,8 +85,9 @@ impl Driver<'_> {
 
     /// The rules from the turn's calls on: announced (safe point (a), unless `announce` is false
     /// for a resumed turn whose checkpoint holds the announcement), run concurrently (those
-    /// waiting for approval once decided; see [`super::approvals`]), reported, failures counted,
-    /// the conversation extended. `Err` when a limit ends the run, or the run parks.
+    /// waiting for approval once decided, those that asked questions again once answered; see
+    /// [`super::approvals`]), reported, failures counted, the conversation extended. `Err` when a
+    /// limit ends the run, or the run parks.
     pub(super) async fn tools_half(&mut self, mut calls: TurnCalls, announce: bool) -> Step<()> {
         if announce {
             self.announce_calls(&calls);
@@ -96,17 +97,23 @@ impl Driver<'_> {
         self.safe_point(Some(&calls)).await?;
         // The calls that finished before this replica resumed the turn are not run again, and
         // stay in the checkpoints taken as the others finish.
-        let ran = self.dispatch(&calls).await;
-        calls.finished.extend(ran);
-        if calls.undecided() {
+        self.run_unfinished(&mut calls).await;
+        // Each round a call asks again counts against its bound, so this ends.
+        while calls.undecided() {
             self.report_while_waiting(&mut calls).await?;
             self.await_decisions(&mut calls).await?;
             self.apply_decisions(&mut calls).await?;
             self.safe_point(Some(&calls)).await?;
-            let ran = self.dispatch(&calls).await;
-            calls.finished.extend(ran);
+            self.run_unfinished(&mut calls).await;
         }
         self.report_turn(calls)
+    }
+
+    /// Runs the calls not finished yet; those that asked questions wait for the answers.
+    async fn run_unfinished(&mut self, calls: &mut TurnCalls) {
+        let ran = self.dispatch(calls).await;
+        let asked = self.take_questions(calls, ran);
+        self.ask_for_input(calls, &asked).await;
     }
 
     /// The turn's outcomes reported, failures counted (a call a person rejected is no failure),
@@ -519,6 +526,7 @@ impl Driver<'_> {
                     &calls.partition.calls[i],
                     timeout,
                     approval.and_then(|a| a.decision.as_ref()),
+                    approval.and_then(super::awaiting::Approval::answers),
                 )),
             };
             let recorder = recorder.clone();
@@ -534,13 +542,14 @@ impl Driver<'_> {
     }
 
     /// One call on a tool-runner, in its `execute_tool` span (which records the `approval` that
-    /// let it run, if it needed one).
+    /// let it run, if it needed one), with the `answers` to the questions it asked last, if any.
     pub(super) fn execute(
         &self,
         index: usize,
         call: &ModelCall,
         timeout: Duration,
         approval: Option<&crate::domain::approval::ApprovalDecision>,
+        answers: Option<crate::domain::input::Answers>,
     ) -> impl Future<Output = CallOutcome> + use<> {
         let payloads = self.deps.trace_payloads;
         let span = telemetry::execute_tool_span(&call.name, &call.id, &call.arguments, payloads);
@@ -557,6 +566,7 @@ impl Driver<'_> {
             epoch: self.epoch(),
             owner: self.ownership(),
             timeout,
+            answers,
         };
         let tool = call.name.clone();
         let owner = self.ownership();
@@ -582,13 +592,21 @@ impl Driver<'_> {
                 // owner's, or the lease ran out): its outcome is the new owner's to find.
                 return std::future::pending().await;
             }
-            telemetry::record_tool_call(&tool, &result, elapsed, payloads);
+            let (result, asked) = match result {
+                Ok(ToolOutput::Result(json)) => (Ok(json), None),
+                Ok(ToolOutput::Asked(questions)) => (Ok(String::new()), Some(questions)),
+                Err(e) => (Err(e), None),
+            };
+            if asked.is_none() {
+                telemetry::record_tool_call(&tool, &result, elapsed, payloads);
+            }
             CallOutcome {
                 index,
                 result,
                 elapsed,
                 rejected: false,
                 reported: false,
+                asked,
             }
         }
         .instrument(span)
@@ -610,6 +628,7 @@ impl Driver<'_> {
             elapsed: Duration::ZERO,
             rejected: false,
             reported: false,
+            asked: None,
         }));
         outcomes.sort_by_key(|o| o.index);
         let mut fed_back = Vec::with_capacity(outcomes.len());

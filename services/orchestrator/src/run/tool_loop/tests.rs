@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 
-use crate::domain::ports::{ToolExecutor, ToolInvocation};
+use crate::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
 use crate::domain::{
     CancelMode, Deadline, Event, EventBatch, FailureReason, Limits, LoopDetection, NumberedEvent, OutputBounds,
     ParsePolicy, RunResult, RunSpec, RunStatus, ToolCallError,
@@ -75,7 +75,8 @@ impl ChatModel for Script {
     }
 }
 
-/// Sleeps `ms` from the arguments, fails tools named `bad`, and counts calls in flight.
+/// Sleeps `ms` from the arguments, fails tools named `bad`, asks a question from tools named
+/// `ask` (answered: their result is the answers), and counts calls in flight.
 #[derive(Default)]
 struct Tools {
     in_flight: AtomicUsize,
@@ -85,7 +86,7 @@ struct Tools {
 }
 
 impl ToolExecutor for Arc<Tools> {
-    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<String, ToolCallError>> {
+    fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<ToolOutput, ToolCallError>> {
         let this = Arc::clone(self);
         async move {
             this.started.lock().unwrap().push(call.call_id.clone());
@@ -100,7 +101,19 @@ impl ToolExecutor for Arc<Tools> {
                     args["message"].as_str().unwrap_or("bad tool"),
                 ));
             }
-            Ok(call.arguments_json)
+            if call.name == "ask" {
+                return Ok(match &call.answers {
+                    None => ToolOutput::Asked(confirm_question()),
+                    Some(answers) => ToolOutput::Result(
+                        serde_json::json!({
+                            "state": answers.request_state,
+                            "answers": answers.responses,
+                        })
+                        .to_string(),
+                    ),
+                });
+            }
+            Ok(ToolOutput::Result(call.arguments_json))
         }
         .boxed()
     }
@@ -413,6 +426,7 @@ async fn events_produced_together_reach_the_stream_as_one_batch() {
                     Event::TurnRestarted { .. } => "turn_restarted",
                     Event::ApprovalRequested { .. } => "approval_requested",
                     Event::MessageAdded { .. } => "message_added",
+                    Event::ToolInputRequested { .. } => "input_requested",
                     Event::RunFinished(_) => "run_finished",
                 })
                 .collect()
@@ -2559,4 +2573,18 @@ async fn a_durable_runs_end_waits_for_its_spend_to_be_booked() {
         "no end is shown: {events:?}"
     );
     assert_eq!(book.tokens().await, 100, "the first two turns are booked");
+}
+
+/// The question the `ask` tool asks.
+fn confirm_question() -> crate::domain::input::Questions {
+    crate::domain::input::Questions {
+        request_state: "order=7".into(),
+        requests: vec![crate::domain::input::InputRequest {
+            key: "confirm".into(),
+            mode: crate::domain::input::InputMode::Form,
+            message: "Refund 5?".into(),
+            schema: serde_json::json!({"type": "object", "properties": {"confirm": {"type": "boolean"}}}),
+            url: String::new(),
+        }],
+    }
 }

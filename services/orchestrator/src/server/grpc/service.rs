@@ -187,6 +187,19 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         }))
     }
 
+    async fn answer_tool_input(
+        &self,
+        request: Request<pb::AnswerToolInputRequest>,
+    ) -> Result<Response<pb::AnswerToolInputResponse>, Status> {
+        let caller = caller(&request);
+        let DecideRequest { run_id, decisions } = DecideRequest::try_from(request.into_inner())?;
+        let (status, still_pending) = self.core.decide(&run_id, &decisions, &caller).await?;
+        Ok(Response::new(pb::AnswerToolInputResponse {
+            status: pb::RunStatus::from(status).into(),
+            still_pending: still_pending.iter().map(pb::PendingApproval::from).collect(),
+        }))
+    }
+
     async fn list_pending_approvals(
         &self,
         request: Request<pb::ListPendingApprovalsRequest>,

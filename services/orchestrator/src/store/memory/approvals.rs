@@ -10,7 +10,7 @@ use futures::future::{BoxFuture, ready};
 use tokio::sync::Notify;
 
 use crate::domain::RunResult;
-use crate::domain::approval::{ApprovalDecision, DecideError, Decision, PendingApproval};
+use crate::domain::approval::{DecideError, Decision, PendingApproval};
 use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 use crate::store::decisions::record_decisions;
 
@@ -267,7 +267,7 @@ impl ApprovalLot for MemoryLot {
             }
             for call in entry.calls.iter_mut().filter(|c| c.decision.is_none()) {
                 if call.expires_at_unix_ms <= now_unix_ms {
-                    call.decision = Some(ApprovalDecision::timed_out(now_unix_ms));
+                    call.decision = Some(call.expired(now_unix_ms));
                 }
             }
             entry.woke = true;

@@ -298,7 +298,13 @@ async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRe
 
 /// Whether two waits are of the same calls.
 fn same_calls(a: &WaitRecord, b: &WaitRecord) -> bool {
-    a.calls.len() == b.calls.len() && a.calls.iter().zip(&b.calls).all(|(x, y)| x.call_id == y.call_id)
+    // A call that asks again (its next questions) is a new wait: its answers to the last ones
+    // are not kept.
+    a.calls.len() == b.calls.len()
+        && a.calls
+            .iter()
+            .zip(&b.calls)
+            .all(|(x, y)| x.call_id == y.call_id && x.questions == y.questions)
 }
 
 /// Deletes the wait under `key` unless a newer owner than `epoch`'s opened it, by its revision.

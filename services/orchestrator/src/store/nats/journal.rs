@@ -368,7 +368,11 @@ impl RunJournal for KvStore {
             };
             // A parked run goes on: it runs again once claimed.
             if let Some(result) = claimed.result.as_mut()
-                && result.status == proto::orchestrator::v1::RunStatus::AwaitingApproval as i32
+                && [
+                    proto::orchestrator::v1::RunStatus::AwaitingApproval as i32,
+                    proto::orchestrator::v1::RunStatus::AwaitingInput as i32,
+                ]
+                .contains(&result.status)
             {
                 result.status = proto::orchestrator::v1::RunStatus::Running.into();
             }

@@ -1,15 +1,55 @@
 //! `DecideToolCalls` requests as domain decisions: each names a call and one kind of decision,
 //! with what that kind needs (a rejection's message is bounded; an edit's arguments are checked
-//! against the tool's schema later, by the approval lot).
+//! against the tool's schema later, by the approval lot). `AnswerToolInput` requests as the
+//! decision of one call: its answers (their content is checked against the questions' schemas
+//! by the lot too).
 
 use proto::orchestrator::v1 as pb;
 
 use super::invalid;
 use crate::Error;
 use crate::domain::approval::{Decision, DecisionKind, MAX_REJECTION_BYTES};
+use crate::domain::input::InputAnswer;
 
 /// Most decisions in one request.
 pub(crate) const MAX_DECISIONS: usize = 1024;
+
+/// Most bytes of one answer's content.
+pub(crate) const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+impl TryFrom<pb::AnswerToolInputRequest> for DecideRequest {
+    type Error = Error;
+
+    fn try_from(r: pb::AnswerToolInputRequest) -> Result<Self, Error> {
+        if r.run_id.is_empty() || r.call_id.is_empty() {
+            return Err(invalid("run_id and call_id name the call whose questions are answered"));
+        }
+        if r.answers.is_empty() || r.answers.len() > crate::domain::input::MAX_QUESTIONS {
+            return Err(invalid(format!(
+                "answers has {} entries; a call's 1 to {} questions are answered in one request",
+                r.answers.len(),
+                crate::domain::input::MAX_QUESTIONS
+            )));
+        }
+        let mut answers = Vec::with_capacity(r.answers.len());
+        for (i, answer) in r.answers.into_iter().enumerate() {
+            if answer.content_json.len() > MAX_ANSWER_BYTES {
+                return Err(invalid(format!(
+                    "answers[{i}].content_json is {} bytes; at most {MAX_ANSWER_BYTES}",
+                    answer.content_json.len()
+                )));
+            }
+            answers.push(InputAnswer::try_from(answer).map_err(|e| invalid(format!("answers[{i}]: {e}")))?);
+        }
+        Ok(Self {
+            run_id: r.run_id,
+            decisions: vec![Decision {
+                call_id: r.call_id,
+                kind: DecisionKind::Answer(answers),
+            }],
+        })
+    }
+}
 
 /// A checked `DecideToolCallsRequest`: the run and its decisions.
 pub(crate) struct DecideRequest {

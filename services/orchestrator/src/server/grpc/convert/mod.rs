@@ -176,7 +176,7 @@ mod tests {
                 FailureReason::ALL.len(),
                 ApprovalOutcome::ALL.len()
             ),
-            (5, 3, 14, 4),
+            (6, 3, 14, 5),
             "the lists are the enums"
         );
     }

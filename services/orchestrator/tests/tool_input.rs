@@ -1,0 +1,464 @@
+//! A tool that asks a person before it can finish, through the real `orchestrator` binary
+//! (in-memory store), a tool-runner speaking MCP 2026-07-28 to a Python `mcp` 2.x server
+//! written for the tests (`tests/fixtures/mcp/refund_server.py`: a refund that asks for a
+//! confirmation, a payment page), and the stand-in model: the run streams
+//! `tool_input_requested` and parks holding no slot (`RUN_STATUS_AWAITING_INPUT`); answers
+//! (`AnswerToolInput`) are checked against the question's schema; accepted, the call runs again
+//! with them and the refund happens once; declined or expired (`cancel`), the tool says so to
+//! the model; a URL question's page never reaches the model. With the NATS store the waiting run
+//! belongs to no replica: answered on another one (the one that asked even killed meanwhile), it
+//! goes on there and the refund happens once.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use mock_llm::{MockLlm, Scenario, Step, Turn};
+use proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1::orchestrate_event::Event as E;
+use serde_json::json;
+use testkit::Service;
+use tokio::process::Command;
+use tonic::transport::Channel;
+
+type TestResult = anyhow::Result<()>;
+type Client = pb::orchestrator_client::OrchestratorClient<Channel>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
+
+/// Orchestrator binaries (several on one NATS store, or one in memory) on a tool-runner in this
+/// process that serves the refund server.
+struct World {
+    replicas: Vec<Option<Service>>,
+    llm: MockLlm,
+    dir: tempfile::TempDir,
+    _nats: Option<testkit::nats::Nats>,
+}
+
+async fn world(scenario: Scenario, flags: &[&str]) -> anyhow::Result<World> {
+    world_of(scenario, flags, 1, None).await
+}
+
+/// `replicas` orchestrators with `flags`, on `nats` when given.
+async fn world_of(
+    scenario: Scenario,
+    flags: &[&str],
+    replicas: usize,
+    nats: Option<testkit::nats::Nats>,
+) -> anyhow::Result<World> {
+    let dir = tempfile::tempdir()?;
+    let server = testkit::repo_root().join("tests/fixtures/mcp/refund_server.py");
+    let manifest = format!(
+        "[[mcp_servers]]\nname = \"shop\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ REFUND_LOG = \"{log}\" }}\nrequired = true\n",
+        python = testkit::mcp_servers::python()?.display(),
+        server = server.display(),
+        log = dir.path().join("refunds.log").display(),
+    );
+    let path = dir.path().join("tools.toml");
+    std::fs::write(&path, manifest)?;
+    let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config {
+        tools_manifest: Some(path),
+        ..tool_runner::Config::default()
+    })
+    .await?;
+    let llm = MockLlm::start(scenario).await?;
+    let mut started = Vec::new();
+    for _ in 0..replicas {
+        let mut command = Command::new(BIN);
+        command
+            .env("LLM_BASE_URL", llm.base_url())
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .args(["--tool-runner", &runner])
+            .args(flags);
+        if let Some(nats) = &nats {
+            command
+                .env("ORCHESTRATOR_RUN_STORE", nats.url())
+                .args(["--run-store-lease", "2s"]);
+        }
+        started.push(Some(Service::orchestrator(command).await?));
+    }
+    Ok(World {
+        replicas: started,
+        llm,
+        dir,
+        _nats: nats,
+    })
+}
+
+impl World {
+    async fn client(&self) -> anyhow::Result<Client> {
+        self.client_of(0).await
+    }
+
+    async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
+        let replica = self.replicas[i]
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
+        Ok(Client::connect(format!("http://{}", replica.grpc)).await?)
+    }
+
+    fn refunds(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.path().join("refunds.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// Turn 1 calls `tool` with `args`; turn 2 answers.
+fn call_then_answer(tool: &str, args: serde_json::Value) -> Scenario {
+    Scenario::new(vec![
+        Turn::text("On it.").then(Step::call(tool, args)),
+        Turn::text("Done."),
+    ])
+}
+
+/// A run whose questions expire after `timeout_ms` (`approval_timeout_ms`; 0: the server's
+/// default).
+fn run(run_id: &str, timeout_ms: u32) -> pb::OrchestrateRequest {
+    pb::OrchestrateRequest {
+        run_id: run_id.into(),
+        limits: Some(pb::RunLimits {
+            approval_timeout_ms: (timeout_ms > 0).then_some(timeout_ms),
+            ..Default::default()
+        }),
+        ..testkit::user("refund order A-7")
+    }
+}
+
+/// Reads `stream` until an event `stop` picks, returning the events so far.
+async fn read_until(
+    stream: &mut tonic::Streaming<pb::OrchestrateEvent>,
+    stop: impl Fn(&E) -> bool,
+) -> anyhow::Result<Vec<pb::OrchestrateEvent>> {
+    let mut events = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("the stream ended after {events:?}"))??;
+        let hit = event.event.as_ref().is_some_and(&stop);
+        events.push(event);
+        if hit {
+            return Ok(events);
+        }
+    }
+}
+
+fn asked(events: &[pb::OrchestrateEvent]) -> Option<pb::ToolInputRequested> {
+    events.iter().find_map(|e| match &e.event {
+        Some(E::ToolInputRequested(asked)) => Some(asked.clone()),
+        _ => None,
+    })
+}
+
+fn finished(events: &[pb::OrchestrateEvent]) -> Option<pb::RunResult> {
+    events.iter().find_map(|e| match &e.event {
+        Some(E::RunFinished(f)) => f.result.clone(),
+        _ => None,
+    })
+}
+
+fn answer(run_id: &str, call_id: &str, answers: Vec<(&str, pb::InputAction, &str)>) -> pb::AnswerToolInputRequest {
+    pb::AnswerToolInputRequest {
+        run_id: run_id.into(),
+        call_id: call_id.into(),
+        answers: answers
+            .into_iter()
+            .map(|(key, action, content)| pb::ToolInputAnswer {
+                key: key.into(),
+                action: action.into(),
+                content_json: content.into(),
+            })
+            .collect(),
+    }
+}
+
+/// The result the model was fed for the run's call (its tool message), from the model's second
+/// request.
+fn fed_back(world: &World) -> String {
+    world
+        .llm
+        .requests()
+        .last()
+        .and_then(|r| r["messages"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["content"].as_str().map(str::to_owned))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test]
+async fn a_question_is_asked_the_run_parks_and_the_answer_finishes_the_call() -> TestResult {
+    let world = world(
+        call_then_answer("shop__refund", json!({"order": "A-7", "amount": 5.0})),
+        &[],
+    )
+    .await?;
+    let mut client = world.client().await?;
+    let mut stream = client.orchestrate(run("ask-1", 0)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
+    let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
+    assert_eq!((question.name.as_str(), question.turn), ("shop__refund", 1));
+    let [request] = &question.requests[..] else {
+        anyhow::bail!("one question expected: {question:?}");
+    };
+    assert_eq!((request.key.as_str(), request.mode.as_str()), ("confirm", "form"));
+    assert!(request.message.contains("A-7"), "{request:?}");
+    let schema: serde_json::Value = serde_json::from_str(&request.schema_json)?;
+    assert_eq!(schema["properties"]["confirm"]["type"], "boolean");
+
+    // It waits, holding no slot, shown as waiting for input and listed with approvals.
+    let waiting = testkit::wait::until("the run to wait for input", Duration::from_secs(20), || {
+        let mut client = client.clone();
+        async move {
+            let run = client
+                .get_run(pb::GetRunRequest { run_id: "ask-1".into() })
+                .await
+                .ok()?
+                .into_inner();
+            (run.status == pb::RunStatus::AwaitingInput as i32).then_some(run)
+        }
+    })
+    .await?;
+    assert_eq!(waiting.pending_approvals[0].input_requests[0].key, "confirm");
+    let listed = client
+        .list_pending_approvals(pb::ListPendingApprovalsRequest::default())
+        .await?
+        .into_inner();
+    assert_eq!(listed.approvals[0].call_id, question.call_id);
+    assert!(world.refunds().is_empty(), "nothing refunded before the answer");
+
+    // Approving it is refused (it is answered), and so are answers its schema refuses.
+    let refused = client
+        .decide_tool_calls(pb::DecideToolCallsRequest {
+            run_id: "ask-1".into(),
+            decisions: vec![pb::ToolCallDecision {
+                call_id: question.call_id.clone(),
+                kind: pb::DecisionKind::Approve.into(),
+                ..Default::default()
+            }],
+        })
+        .await
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("an approval of questions was taken"))?;
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("AnswerToolInput"), "{refused:?}");
+    let accept = pb::InputAction::Accept;
+    for (content, says) in [
+        (r#"{"confirm": "yes"}"#, "refused"),
+        ("", "takes content_json"),
+        ("not json", "not JSON"),
+    ] {
+        let bad = answer("ask-1", &question.call_id, vec![("confirm", accept, content)]);
+        let refused = client
+            .answer_tool_input(bad)
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("{content:?} was taken"))?;
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{content}: {refused:?}");
+        assert!(refused.message().contains(says), "{content}: {refused:?}");
+    }
+
+    // Accepted: the call runs again with the answer, the refund happens once, the run ends.
+    let taken = client
+        .answer_tool_input(answer(
+            "ask-1",
+            &question.call_id,
+            vec![("confirm", accept, r#"{"confirm": true}"#)],
+        ))
+        .await?
+        .into_inner();
+    assert!(taken.still_pending.is_empty(), "{taken:?}");
+    let again = client
+        .answer_tool_input(answer(
+            "ask-1",
+            &question.call_id,
+            vec![("confirm", accept, r#"{"confirm": true}"#)],
+        ))
+        .await
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("a second answer was taken"))?;
+    assert!(
+        matches!(again.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound),
+        "{again:?}"
+    );
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
+    let call = &result.tool_calls[0];
+    assert!(call.ok, "{call:?}");
+    let decision = call
+        .approval
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("no answer recorded"))?;
+    assert_eq!(decision.outcome, pb::ApprovalOutcome::Answered as i32);
+    assert_eq!(world.refunds(), ["A-7 5.0"]);
+    assert!(
+        fed_back(&world).contains("refunded 5.0 for order A-7"),
+        "{}",
+        fed_back(&world)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn declined_and_expired_questions_reach_the_model_as_the_tools_answer() -> TestResult {
+    let world = world(
+        call_then_answer("shop__refund", json!({"order": "B-2", "amount": 9.0})),
+        &[],
+    )
+    .await?;
+    let mut client = world.client().await?;
+    let mut stream = client.orchestrate(run("ask-2", 0)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
+    let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
+    client
+        .answer_tool_input(answer(
+            "ask-2",
+            &question.call_id,
+            vec![("confirm", pb::InputAction::Decline, "")],
+        ))
+        .await?;
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    assert_eq!(
+        finished(&events).map(|r| r.status),
+        Some(pb::RunStatus::Completed as i32)
+    );
+    assert!(
+        fed_back(&world).contains("the person answered decline"),
+        "{}",
+        fed_back(&world)
+    );
+    assert!(world.refunds().is_empty());
+
+    // Nobody answers a run whose questions expire after 1.5 s: each is answered cancel.
+    let world = world_again(&world, "C-3").await?;
+    let mut client = world.client().await?;
+    let mut stream = client.orchestrate(run("ask-3", 1500)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    assert!(asked(&events).is_some(), "{events:?}");
+    assert!(
+        fed_back(&world).contains("the person answered cancel"),
+        "{}",
+        fed_back(&world)
+    );
+    assert!(world.refunds().is_empty());
+    Ok(())
+}
+
+/// A new world for order `order` (its own stand-in model script).
+async fn world_again(_: &World, order: &str) -> anyhow::Result<World> {
+    world(
+        call_then_answer("shop__refund", json!({"order": order, "amount": 1.0})),
+        &[],
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_url_questions_page_goes_to_the_person_never_to_the_model() -> TestResult {
+    let world = world(call_then_answer("shop__pay", json!({"order": "D-4"})), &[]).await?;
+    let mut client = world.client().await?;
+    let mut stream = client.orchestrate(run("ask-4", 0)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
+    let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
+    assert_eq!(
+        (question.requests[0].mode.as_str(), question.requests[0].url.as_str()),
+        ("url", "https://pay.example/D-4")
+    );
+    client
+        .answer_tool_input(answer(
+            "ask-4",
+            &question.call_id,
+            vec![("visit", pb::InputAction::Accept, "")],
+        ))
+        .await?;
+    read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let requests = serde_json::to_string(&world.llm.requests())?;
+    assert!(
+        !requests.contains("pay.example"),
+        "the page reached the model: {requests}"
+    );
+    assert!(
+        fed_back(&world).contains("payment page for D-4: accept"),
+        "{}",
+        fed_back(&world)
+    );
+    Ok(())
+}
+
+/// Waits until run `run_id` reads `status` on `client`.
+async fn wait_status(client: &Client, run_id: &str, status: pb::RunStatus) -> anyhow::Result<pb::RunResult> {
+    testkit::wait::until(
+        &format!("run {run_id} to read {status:?}"),
+        Duration::from_secs(30),
+        || {
+            let mut client = client.clone();
+            let run_id = run_id.to_owned();
+            async move {
+                let run = client.get_run(pb::GetRunRequest { run_id }).await.ok()?.into_inner();
+                (run.status == status as i32).then_some(run)
+            }
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn on_nats_a_question_asked_on_one_replica_is_answered_on_another_and_the_run_goes_on() -> TestResult {
+    let nats = testkit::nats::Nats::start().await?;
+    let world = world_of(
+        call_then_answer("shop__refund", json!({"order": "E-5", "amount": 2.0})),
+        &[],
+        2,
+        Some(nats),
+    )
+    .await?;
+    let (mut a, mut b) = (world.client_of(0).await?, world.client_of(1).await?);
+    let mut stream = a.orchestrate(run("nats-ask-1", 0)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
+    let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
+    let parked = wait_status(&b, "nats-ask-1", pb::RunStatus::AwaitingInput).await?;
+    assert_eq!(parked.pending_approvals[0].input_requests[0].key, "confirm");
+    b.answer_tool_input(answer(
+        "nats-ask-1",
+        &question.call_id,
+        vec![("confirm", pb::InputAction::Accept, r#"{"confirm": true}"#)],
+    ))
+    .await?;
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
+    assert_eq!(world.refunds(), ["E-5 2.0"]);
+    let stored = b
+        .get_run(pb::GetRunRequest {
+            run_id: "nats-ask-1".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(stored, result, "every replica reads the end the caller saw");
+
+    // The replica that asked is killed while the next run waits; answered on the other, it
+    // goes on there.
+    let mut request = run("nats-ask-2", 0);
+    request.detached = true;
+    drop(a.orchestrate(request).await?);
+    let parked = wait_status(&b, "nats-ask-2", pb::RunStatus::AwaitingInput).await?;
+    let call_id = parked.pending_approvals[0].call_id.clone();
+    let mut world = world;
+    if let Some(replica) = world.replicas[0].take() {
+        replica.kill().await?;
+    }
+    b.answer_tool_input(answer(
+        "nats-ask-2",
+        &call_id,
+        vec![("confirm", pb::InputAction::Accept, r#"{"confirm": true}"#)],
+    ))
+    .await?;
+    let done = wait_status(&b, "nats-ask-2", pb::RunStatus::Completed).await?;
+    assert!(done.tool_calls[0].ok, "{done:?}");
+    assert_eq!(world.refunds(), ["E-5 2.0", "E-5 2.0"], "each run's refund once");
+    Ok(())
+}
