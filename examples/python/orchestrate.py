@@ -18,7 +18,9 @@ a thread (the model sees its earlier runs), --on-busy reject|enqueue|interrupt|r
 the run does when another run holds it, and --get-thread ID prints one as JSON. --attach follows a live or finished run from any replica (AttachRun) instead of
 starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
 approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
-person); --list-approvals prints the calls waiting that this caller may decide (one JSON line each)
+person); --answer accept|decline|cancel answers each question a tool asks as it is asked
+(AnswerToolInput; a form accepted with --answer-content JSON, a URL question accepted as visited);
+--list-approvals prints the calls waiting that this caller may decide or answer (one JSON line each)
 and exits. --label K=V labels the run (repeatable); --list-runs prints the caller's runs (ListRuns,
 every page, one JSON line each, newest first), filtered by --status (RUNNING, AWAITING_APPROVAL,
 COMPLETED, FAILED, CANCELED; repeatable), --label and --thread. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
@@ -68,6 +70,8 @@ def parse_args(argv):
     p.add_argument("--detached", action="store_true", help="the run goes on if this client goes away")
     p.add_argument("--needs-approval", action="append", default=[], metavar="TOOL", help="calls of this tool wait for a decision")
     p.add_argument("--decide", choices=["approve", "reject"], help="decide each call that waits, as it is asked for")
+    p.add_argument("--answer", choices=["accept", "decline", "cancel"], help="answer each tool's questions as they are asked")
+    p.add_argument("--answer-content", default="{}", metavar="JSON", help="with --answer accept: a form's content")
     p.add_argument("--ca", help="PEM CA of the server's certificate (TLS)")
     p.add_argument("--cert", help="PEM client certificate (mTLS)")
     p.add_argument("--key", help="PEM client key (mTLS)")
@@ -162,6 +166,9 @@ def describe(event):
         return f"turn {e.turn} restarted (attempt {e.attempt}: {e.reason}); its text above is void"
     if kind == "approval_requested":
         return f"tool call {e.call_id}: {e.name}({e.arguments_json}) waits for approval (expires at {e.expires_at_unix_ms} ms)"
+    if kind == "tool_input_requested":
+        questions = "; ".join(f"{q.key} ({q.mode}): {q.message} {q.url or q.schema_json}" for q in e.requests)
+        return f"tool call {e.call_id}: {e.name} asks before it can finish: {questions}"
     if kind == "message_added":
         return f"a message joins turn {e.turn}: {e.message.content}"
     r = e.result
@@ -323,6 +330,20 @@ def decide(stub, metadata, event, kind):
     print(f"DecideToolCalls({asked.call_id}): {kind}d; {len(answer.still_pending)} still waiting", file=sys.stderr, flush=True)
 
 
+def answer(stub, metadata, event, action, content):
+    """Answers every question a tool_input_requested event asks (as a person would)."""
+    asked = event.tool_input_requested
+    answers = []
+    for question in asked.requests:
+        answer = pb.ToolInputAnswer(key=question.key, action=pb.InputAction.Value(f"INPUT_ACTION_{action.upper()}"))
+        if action == "accept" and question.mode == "form":
+            answer.content_json = content
+        answers.append(answer)
+    request = pb.AnswerToolInputRequest(run_id=event.run_id, call_id=asked.call_id, answers=answers)
+    reply = stub.AnswerToolInput(request, metadata=metadata, timeout=10)
+    print(f"AnswerToolInput({asked.call_id}): {action}; {len(reply.still_pending)} still waiting", file=sys.stderr, flush=True)
+
+
 def list_approvals(args, metadata):
     """Prints the calls waiting that this caller may decide, one JSON line each."""
     with open_channel(args) as channel:
@@ -384,6 +405,8 @@ def run(args):
                 printer.event(event)
                 if args.decide and event.WhichOneof("event") == "approval_requested":
                     decide(stub, metadata, event, args.decide)
+                if args.answer and event.WhichOneof("event") == "tool_input_requested":
+                    answer(stub, metadata, event, args.answer, args.answer_content)
                 if event.WhichOneof("event") == "run_finished":
                     return EXIT.get(event.run_finished.result.status, 1)
         except KeyboardInterrupt:

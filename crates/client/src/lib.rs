@@ -84,6 +84,31 @@ pub mod decision {
             ..Default::default()
         }
     }
+
+    /// The answer to question `key` of a call that asks (`AnswerToolInput`): accepted with
+    /// `content_json` (a JSON object its schema takes; empty for a URL question, whose page the
+    /// person visited).
+    pub fn accept(key: impl Into<String>, content_json: impl Into<String>) -> pb::ToolInputAnswer {
+        answer(key, pb::InputAction::Accept, content_json)
+    }
+
+    /// Question `key` declined.
+    pub fn decline(key: impl Into<String>) -> pb::ToolInputAnswer {
+        answer(key, pb::InputAction::Decline, "")
+    }
+
+    /// Question `key` dismissed without a choice.
+    pub fn cancel(key: impl Into<String>) -> pb::ToolInputAnswer {
+        answer(key, pb::InputAction::Cancel, "")
+    }
+
+    fn answer(key: impl Into<String>, action: pb::InputAction, content_json: impl Into<String>) -> pb::ToolInputAnswer {
+        pb::ToolInputAnswer {
+            key: key.into(),
+            action: action.into(),
+            content_json: content_json.into(),
+        }
+    }
 }
 
 /// A connected client; cheap to clone (clones share the connection).
@@ -298,6 +323,24 @@ impl Client {
         // Not retried: a decision that reached the server before the connection broke would
         // be refused the second time as decided already.
         let answer = self.inner.clone().decide_tool_calls(self.request(request)).await?;
+        Ok(answer.into_inner().still_pending)
+    }
+
+    /// Answers the questions of call `call_id` of run `run_id` (one answer per question; see
+    /// [`decision::accept`]); the run's calls still waiting after it.
+    pub async fn answer(
+        &self,
+        run_id: &str,
+        call_id: &str,
+        answers: Vec<pb::ToolInputAnswer>,
+    ) -> Result<Vec<pb::PendingApproval>, Error> {
+        let request = pb::AnswerToolInputRequest {
+            run_id: run_id.into(),
+            call_id: call_id.into(),
+            answers,
+        };
+        // Not retried, as a decision.
+        let answer = self.inner.clone().answer_tool_input(self.request(request)).await?;
         Ok(answer.into_inner().still_pending)
     }
 

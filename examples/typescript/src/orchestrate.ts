@@ -21,8 +21,10 @@
  * follows a live or finished run from any replica (AttachRun) instead of
  * starting one. --needs-approval TOOL makes that tool's calls wait for a person's decision; --decide
  * approve|reject decides each such call as it is asked for (DecideToolCalls, standing in for the
- * person); --list-approvals prints the calls waiting that this caller may decide (one JSON line
- * each) and exits. --label K=V labels the run (repeatable); --list-runs prints the caller's runs
+ * person); --answer accept|decline|cancel answers each question a tool asks as it is asked
+ * (AnswerToolInput; a form accepted with --answer-content JSON, a URL question accepted as
+ * visited); --list-approvals prints the calls waiting that this caller may decide or answer (one
+ * JSON line each) and exits. --label K=V labels the run (repeatable); --list-runs prints the caller's runs
  * (ListRuns, every page, one JSON line each, newest first), filtered by --status (RUNNING,
  * AWAITING_APPROVAL, COMPLETED, FAILED, CANCELED; repeatable), --label and --thread. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
  * UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a
@@ -80,6 +82,11 @@ interface OrchestrateEvent {
   turn_finished?: { turn: number };
   turn_restarted?: { turn: number; attempt: number; reason: string };
   approval_requested?: { call_id: string; name: string; arguments_json: string; expires_at_unix_ms: string };
+  tool_input_requested?: {
+    call_id: string;
+    name: string;
+    requests: { key: string; mode: string; message: string; schema_json: string; url: string }[];
+  };
   message_added?: { turn: number; message: { content: string } };
   run_finished?: { result: RunResult };
 }
@@ -102,6 +109,8 @@ function options() {
       detached: { type: "boolean", default: false },
       "needs-approval": { type: "string", multiple: true, default: [] },
       decide: { type: "string" },
+      answer: { type: "string" },
+      "answer-content": { type: "string", default: "{}" },
       "list-approvals": { type: "boolean", default: false },
       "get-thread": { type: "string" },
       "list-runs": { type: "boolean", default: false },
@@ -138,6 +147,9 @@ function options() {
   }
   if (values.decide !== undefined && values.decide !== "approve" && values.decide !== "reject") {
     throw new Error("--decide takes approve or reject");
+  }
+  if (values.answer !== undefined && !["accept", "decline", "cancel"].includes(values.answer)) {
+    throw new Error("--answer takes accept, decline or cancel");
   }
   return values;
 }
@@ -216,6 +228,11 @@ function describe(e: OrchestrateEvent): string {
     case "approval_requested": {
       const a = e.approval_requested!;
       return `tool call ${a.call_id}: ${a.name}(${a.arguments_json}) waits for approval (expires at ${a.expires_at_unix_ms} ms)`;
+    }
+    case "tool_input_requested": {
+      const t = e.tool_input_requested!;
+      const questions = t.requests.map((q) => `${q.key} (${q.mode}): ${q.message} ${q.url || q.schema_json}`).join("; ");
+      return `tool call ${t.call_id}: ${t.name} asks before it can finish: ${questions}`;
     }
     case "message_added": {
       const m = e.message_added!;
@@ -317,6 +334,23 @@ async function decide(client: any, metadata: grpc.Metadata, e: OrchestrateEvent,
       : { call_id: asked.call_id, kind: "DECISION_KIND_REJECT", message: "rejected by the caller's --decide" };
   const answer = await unary<{ still_pending: unknown[] }>(client, "DecideToolCalls", { run_id: e.run_id, decisions: [decision] }, metadata);
   process.stderr.write(`DecideToolCalls(${asked.call_id}): ${kind}d; ${answer.still_pending.length} still waiting\n`);
+}
+
+/** Answers every question a tool_input_requested event asks (as a person would). */
+async function answer(client: any, metadata: grpc.Metadata, e: OrchestrateEvent, action: string, content: string) {
+  const asked = e.tool_input_requested!;
+  const answers = asked.requests.map((q) => ({
+    key: q.key,
+    action: `INPUT_ACTION_${action.toUpperCase()}`,
+    content_json: action === "accept" && q.mode === "form" ? content : "",
+  }));
+  const reply = await unary<{ still_pending: unknown[] }>(
+    client,
+    "AnswerToolInput",
+    { run_id: e.run_id, call_id: asked.call_id, answers },
+    metadata,
+  );
+  process.stderr.write(`AnswerToolInput(${asked.call_id}): ${action}; ${reply.still_pending.length} still waiting\n`);
 }
 
 /** Prints the calls waiting that this caller may decide, one JSON line each. */
@@ -458,6 +492,9 @@ async function run(opts: Options): Promise<number> {
           printer.event(e);
           if (opts.decide !== undefined && e.event === "approval_requested") {
             await decide(client, metadata, e, opts.decide);
+          }
+          if (opts.answer !== undefined && e.event === "tool_input_requested") {
+            await answer(client, metadata, e, opts.answer, String(opts["answer-content"]));
           }
           if (e.event === "run_finished") {
             status = EXIT[e.run_finished!.result.status] ?? 1;

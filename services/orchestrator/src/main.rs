@@ -27,6 +27,7 @@ async fn run() -> ExitCode {
             .map(|r| r.status == proto::orchestrator::v1::RunStatus::Completed as i32),
         Command::Approvals(args) => args.run().await,
         Command::Decide(args) => args.run().await,
+        Command::Answer(args) => args.run().await,
         Command::Say(args) => args.run().await,
         Command::Thread(args) => args.run().await,
         Command::Runs(args) => args.run().await,

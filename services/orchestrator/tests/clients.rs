@@ -21,10 +21,11 @@ type TestResult = anyhow::Result<()>;
 const TOKEN: &str = "client-example-token";
 
 /// The kinds of `OrchestrateEvent`'s oneof, as the clients print them.
-const KINDS: [&str; 10] = [
+const KINDS: [&str; 11] = [
     "run_started",
     "message_added",
     "approval_requested",
+    "tool_input_requested",
     "text_delta",
     "reasoning_delta",
     "tool_call_started",
@@ -72,6 +73,10 @@ impl Deployment {
             Turn::text("Noted."),
         ]);
         let chat = Scenario::new((1..=4).map(|n| Turn::text(&format!("Answer {n}."))).collect());
+        let refund = Scenario::new(vec![
+            Turn::text("Refunding.\n").then(Step::call("shop__refund", json!({"order": "G-7", "amount": 4.0}))),
+            Turn::text("Done."),
+        ]);
         let large = Scenario::new(vec![Turn::default().then(Step::Text {
             text: large_text(),
             chunk_chars: Some(64 * 1024),
@@ -83,6 +88,7 @@ impl Deployment {
                 ("large".to_owned(), large),
                 ("steered".to_owned(), steered),
                 ("chat".to_owned(), chat),
+                ("refund".to_owned(), refund),
             ]
             .into_iter()
             .collect(),
@@ -105,7 +111,8 @@ impl Deployment {
         if mtls {
             tls.extend(["--tls-client-ca".to_owned(), pki.arg("ca.pem")]);
         }
-        let (runner, orchestrator) = services(&model, &tls).await?;
+        let manifest = refund_manifest(&pki)?;
+        let (runner, orchestrator) = services(&model, &tls, Some(&manifest)).await?;
         Ok(Self {
             pki,
             mtls,
@@ -148,10 +155,33 @@ impl Deployment {
     }
 }
 
-/// A tool-runner and an orchestrator (with `orchestrator_args`) using it and `model`.
-async fn services(model: &MockLlm, orchestrator_args: &[String]) -> anyhow::Result<(Service, Service)> {
+/// A tools manifest (in `pki`'s directory) with the refund MCP server
+/// (`tests/fixtures/mcp/refund_server.py`), its refunds logged to `refunds.log` there.
+fn refund_manifest(pki: &Pki) -> anyhow::Result<std::path::PathBuf> {
+    let server = testkit::repo_root().join("tests/fixtures/mcp/refund_server.py");
+    let manifest = format!(
+        "[[mcp_servers]]\nname = \"shop\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ REFUND_LOG = \"{log}\" }}\nrequired = true\n",
+        python = testkit::mcp_servers::python()?.display(),
+        server = server.display(),
+        log = pki.path("refunds.log").display(),
+    );
+    let path = pki.path("tools.toml");
+    std::fs::write(&path, manifest)?;
+    Ok(path)
+}
+
+/// A tool-runner (serving `manifest` too, when given) and an orchestrator (with
+/// `orchestrator_args`) using it and `model`.
+async fn services(
+    model: &MockLlm,
+    orchestrator_args: &[String],
+    manifest: Option<&std::path::Path>,
+) -> anyhow::Result<(Service, Service)> {
     let mut command = Command::new(testkit::tool_runner_bin!()?);
     command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
+    if let Some(manifest) = manifest {
+        command.args(["--tools-manifest", &manifest.display().to_string()]);
+    }
     let runner = Service::spawn(command, "127.0.0.1", "tool-runner serving").await?;
     let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
     command
@@ -432,6 +462,44 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
     Ok(())
 }
 
+/// Both clients with a tool that asks a person (the refund MCP server): `--answer accept` with
+/// the form's content lets the refund happen, `--answer decline` does not; the question is
+/// printed.
+#[tokio::test]
+async fn the_python_and_typescript_clients_answer_a_tools_questions() -> TestResult {
+    let deployment = Deployment::start().await?;
+    let refunds =
+        || -> usize { std::fs::read_to_string(deployment.pki.path("refunds.log")).map_or(0, |s| s.lines().count()) };
+    let mut expected = 0;
+    for (client, make) in [
+        (
+            "python",
+            (|| python_example("orchestrate.py")) as fn() -> anyhow::Result<Command>,
+        ),
+        ("typescript", typescript_example),
+    ] {
+        for (action, refunded) in [("accept", 1), ("decline", 0)] {
+            let mut command = make()?;
+            command
+                .args(deployment.client_args(TOKEN))
+                .args(["--prompt", "refund order G-7", "--model", "refund"])
+                .args(["--answer", action, "--answer-content", r#"{"confirm": true}"#]);
+            let output = run(command).await?;
+            assert_eq!(output.status.code(), Some(0), "{client} {action}: {}", stderr(&output));
+            let asked: Vec<Value> = events(&output)?
+                .into_iter()
+                .filter(|(k, _)| k == "tool_input_requested")
+                .map(|(_, body)| body)
+                .collect();
+            assert_eq!(asked.len(), 1, "{client} {action}: {asked:?}");
+            assert_eq!(asked[0]["requests"][0]["key"], "confirm", "{client}");
+            expected += refunded;
+            assert_eq!(refunds(), expected, "{client} {action}");
+        }
+    }
+    Ok(())
+}
+
 /// Both clients with a tool that waits for approval: `--decide approve` (the call runs once
 /// approved: the demo completes as usual), `--decide reject` (the call fails `REJECTED` and the
 /// run completes), and `--list-approvals` lists a call left waiting.
@@ -591,7 +659,7 @@ fn expected_output(recipe: &str) -> &'static str {
 async fn the_readme_grpcurl_recipes_run_through_reflection_v1alpha() -> TestResult {
     // The services of "Running the pieces yourself", on free ports.
     let model = MockLlm::start(Scenario::demo()).await?;
-    let (runner, orchestrator) = services(&model, &["--exit-tool".into(), "submit_report".into()]).await?;
+    let (runner, orchestrator) = services(&model, &["--exit-tool".into(), "submit_report".into()], None).await?;
 
     let recipes = documented_recipes()?;
     for rpc in [
@@ -846,7 +914,7 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
         ..Scenario::new(vec![Turn::text(&words)])
     };
     let model = MockLlm::start(scenario).await?;
-    let (_runner, orchestrator) = services(&model, &[]).await?;
+    let (_runner, orchestrator) = services(&model, &[], None).await?;
     for (client, make) in [
         (
             "python",

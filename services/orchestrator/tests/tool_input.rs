@@ -462,3 +462,59 @@ async fn on_nats_a_question_asked_on_one_replica_is_answered_on_another_and_the_
     assert_eq!(world.refunds(), ["E-5 2.0", "E-5 2.0"], "each run's refund once");
     Ok(())
 }
+
+/// From a shell: `orchestrator approvals` lists the questions, `orchestrator answer` answers
+/// them, and the run goes on.
+#[tokio::test]
+async fn the_command_line_lists_and_answers_questions() -> TestResult {
+    let world = world(
+        call_then_answer("shop__refund", json!({"order": "F-6", "amount": 3.0})),
+        &[],
+    )
+    .await?;
+    let endpoint = format!(
+        "http://{}",
+        world.replicas[0]
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("no replica"))?
+            .grpc
+    );
+    let mut client = world.client().await?;
+    let mut stream = client.orchestrate(run("cli-ask", 0)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
+    let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
+    wait_status(&client, "cli-ask", pb::RunStatus::AwaitingInput).await?;
+    let listed = Command::new(BIN)
+        .args(["approvals", "--endpoint", &endpoint])
+        .output()
+        .await?;
+    let printed = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.status.success(), "{printed}");
+    assert!(
+        printed.contains("waits for answers") && printed.contains("? confirm (form): Refund 3.0 for order F-6?"),
+        "{printed}"
+    );
+    let answered = Command::new(BIN)
+        .args(["answer", "--endpoint", &endpoint, "--run-id", "cli-ask"])
+        .args([
+            "--call-id",
+            &question.call_id,
+            "--accept",
+            r#"confirm={"confirm": true}"#,
+        ])
+        .output()
+        .await?;
+    let printed = String::from_utf8_lossy(&answered.stdout);
+    assert!(
+        answered.status.success() && printed.contains("answered; run cli-ask goes on"),
+        "{printed}\n{}",
+        String::from_utf8_lossy(&answered.stderr)
+    );
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    assert_eq!(
+        finished(&events).map(|r| r.status),
+        Some(pb::RunStatus::Completed as i32)
+    );
+    assert_eq!(world.refunds(), ["F-6 3.0"]);
+    Ok(())
+}

@@ -292,8 +292,13 @@ pub async fn approvals(endpoint: &str, token: Option<&str>, run_id: &str) -> Res
     let now = shared::sync::unix_ms();
     for call in &pending {
         let left = Duration::from_millis(call.expires_at_unix_ms.saturating_sub(now) / 1000 * 1000);
+        let waits = if call.input_requests.is_empty() {
+            "approval"
+        } else {
+            "answers"
+        };
         println!(
-            "{}  {}  {} {}  (turn {}, owner {:?}, expires in {})",
+            "{}  {}  {} {}  (turn {}, owner {:?}, waits for {waits}, expires in {})",
             call.run_id,
             call.call_id,
             call.name,
@@ -302,9 +307,20 @@ pub async fn approvals(endpoint: &str, token: Option<&str>, run_id: &str) -> Res
             call.principal,
             humantime::format_duration(left)
         );
+        for question in &call.input_requests {
+            let detail = if question.mode == "url" {
+                &question.url
+            } else {
+                &question.schema_json
+            };
+            println!(
+                "    ? {} ({}): {} {detail}",
+                question.key, question.mode, question.message
+            );
+        }
     }
     if pending.is_empty() {
-        println!("no tool call waits for approval");
+        println!("no tool call waits for a person");
     }
     Ok(pending)
 }
@@ -324,6 +340,31 @@ pub async fn decide(
     match still.len() {
         0 => println!("decided; run {run_id} goes on"),
         n => println!("decided; {n} call(s) of run {run_id} still wait"),
+    }
+    Ok(())
+}
+
+/// Sends `answers` to the questions of `call_id` of `run_id` and prints what still waits.
+pub async fn answer(
+    endpoint: &str,
+    token: Option<&str>,
+    run_id: &str,
+    call_id: &str,
+    answers: Vec<pb::ToolInputAnswer>,
+) -> Result<(), Error> {
+    if answers.is_empty() {
+        return Err(Error::Config(
+            "answer each question of the call: --accept KEY[=JSON], --decline KEY or --cancel KEY".into(),
+        ));
+    }
+    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
+    let still = client
+        .answer(run_id, call_id, answers)
+        .await
+        .map_err(|e| Error::Call(format!("AnswerToolInput was refused: {e}")))?;
+    match still.len() {
+        0 => println!("answered; run {run_id} goes on"),
+        n => println!("answered; {n} call(s) of run {run_id} still wait"),
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Command line: `serve` (the default) with flags that all have environment equivalents, and
 //! the client commands `call` (start a run on a running orchestrator, or attach to one),
-//! `approvals`, `decide`, `say` (a message for a live run), `thread` (print or delete one) and
+//! `approvals`, `decide`, `answer` (a tool's questions), `say` (a message for a live run),
+//! `thread` (print or delete one) and
 //! `runs` (find runs: `ListRuns`) and `usage` (what a principal spent: `GetUsage`).
 //! The one-command demo is its own binary (`cargo run -p demo`), so this one carries no stand-in
 //! model.
@@ -62,6 +63,8 @@ pub enum Command {
     Approvals(ApprovalsArgs),
     /// Decide tool calls waiting for approval: approve, reject or approve with edited arguments.
     Decide(DecideArgs),
+    /// Answer the questions a tool call asks before it can finish (AnswerToolInput).
+    Answer(AnswerArgs),
     /// Send a user message to a live run: it joins the run's conversation at its next turn
     /// boundary (SendMessage).
     Say(SayArgs),
@@ -244,6 +247,62 @@ pub struct DecideArgs {
     /// Approve this call with these arguments instead (a JSON object; repeatable).
     #[arg(long = "edit", value_name = "CALL_ID=JSON")]
     pub edit: Vec<String>,
+}
+
+/// Flags of `answer`: one answer per question of the call.
+#[derive(Debug, Clone, Args)]
+pub struct AnswerArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The run.
+    #[arg(long)]
+    pub run_id: String,
+    /// The call whose questions are answered.
+    #[arg(long)]
+    pub call_id: String,
+    /// Accept this question, with content (a JSON object its schema takes) after `=`; a URL
+    /// question takes none (repeatable).
+    #[arg(long = "accept", value_name = "KEY[=JSON]")]
+    pub accept: Vec<String>,
+    /// Decline this question (repeatable).
+    #[arg(long = "decline", value_name = "KEY")]
+    pub decline: Vec<String>,
+    /// Dismiss this question without a choice (repeatable).
+    #[arg(long = "cancel", value_name = "KEY")]
+    pub cancel: Vec<String>,
+}
+
+impl AnswerArgs {
+    /// Sends the answers.
+    pub async fn run(&self) -> Result<bool, crate::Error> {
+        let c = &self.connection;
+        call::answer(
+            &c.endpoint,
+            c.token.as_deref(),
+            &self.run_id,
+            &self.call_id,
+            self.answers(),
+        )
+        .await
+        .map(|()| true)
+    }
+
+    /// The answers these flags describe, in the order accept, decline, cancel.
+    pub fn answers(&self) -> Vec<proto::orchestrator::v1::ToolInputAnswer> {
+        use orchestrator_client::decision;
+        let mut answers: Vec<_> = self
+            .accept
+            .iter()
+            .map(|a| {
+                let (key, content) = a.split_once('=').unwrap_or((a, ""));
+                decision::accept(key, content)
+            })
+            .collect();
+        answers.extend(self.decline.iter().map(decision::decline));
+        answers.extend(self.cancel.iter().map(decision::cancel));
+        answers
+    }
 }
 
 /// Flags of `say`.
