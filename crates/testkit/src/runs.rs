@@ -51,3 +51,23 @@ pub async fn ended(client: &Client, run_id: &str) -> anyhow::Result<pb::RunResul
     })
     .await
 }
+
+/// Reads a run's gRPC event `stream` until an event `stop` picks (each within 30 s), returning
+/// the events read, that one included.
+pub async fn read_until(
+    stream: &mut tonic::Streaming<pb::OrchestrateEvent>,
+    stop: impl Fn(&pb::orchestrate_event::Event) -> bool,
+) -> anyhow::Result<Vec<pb::OrchestrateEvent>> {
+    use futures::StreamExt as _;
+    let mut events = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("the stream ended after {events:?}"))??;
+        let hit = event.event.as_ref().is_some_and(&stop);
+        events.push(event);
+        if hit {
+            return Ok(events);
+        }
+    }
+}

@@ -11,12 +11,12 @@
 
 use std::time::Duration;
 
-use futures::StreamExt;
 use mock_llm::{MockLlm, Scenario, Step, Turn};
 use proto::orchestrator::v1 as pb;
 use proto::orchestrator::v1::orchestrate_event::Event as E;
 use serde_json::json;
 use testkit::Service;
+use testkit::runs::read_until;
 use tokio::process::Command;
 use tonic::transport::Channel;
 
@@ -123,24 +123,6 @@ fn run(run_id: &str, timeout_ms: u32) -> pb::OrchestrateRequest {
             ..Default::default()
         }),
         ..testkit::user("refund order A-7")
-    }
-}
-
-/// Reads `stream` until an event `stop` picks, returning the events so far.
-async fn read_until(
-    stream: &mut tonic::Streaming<pb::OrchestrateEvent>,
-    stop: impl Fn(&E) -> bool,
-) -> anyhow::Result<Vec<pb::OrchestrateEvent>> {
-    let mut events = Vec::new();
-    loop {
-        let event = tokio::time::timeout(Duration::from_secs(30), stream.next())
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("the stream ended after {events:?}"))??;
-        let hit = event.event.as_ref().is_some_and(&stop);
-        events.push(event);
-        if hit {
-            return Ok(events);
-        }
     }
 }
 

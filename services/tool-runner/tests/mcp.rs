@@ -152,6 +152,22 @@ async fn stdio_servers_are_listed_called_and_their_answers_mapped() -> TestResul
     Ok(())
 }
 
+/// server-everything (its newest release) asks within the call (`elicitation/create` on the
+/// session, as servers before 2026-07-28 do) once the client offers elicitation: nobody can
+/// answer a call held open on one runner, so the runner answers `cancel`, never `decline` on a
+/// person's behalf, and the tool says so.
+#[tokio::test]
+async fn a_question_asked_within_the_call_is_answered_cancel_not_decline() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner = runner_with(&dir, &stdio_manifest(&dir, "", "Etc/GMT-2")?).await?;
+    let answer = call(&runner, "everything__trigger-elicitation-request", json!({}))
+        .await?
+        .unwrap_ok();
+    let text = answer.to_string();
+    assert!(text.contains("cancelled") && !text.contains("declined"), "{text}");
+    Ok(())
+}
+
 /// A call carries the orchestrator's run id, call id and epoch to the MCP server in its request's
 /// `_meta`, so a server with side effects can answer a second delivery from the first and refuse
 /// an owner older than the newest it has seen.
