@@ -483,6 +483,7 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
                 run_timeout_ms: millis(limits.run_timeout),
                 approval_timeout_ms: millis(limits.approval_timeout),
                 max_total_tokens: limits.max_total_tokens,
+                input_timeout_ms: millis(limits.input_timeout),
             }),
         }),
         Event::TextDelta { text, turn } => E::TextDelta(pb::TextDelta { text, turn }),
@@ -600,6 +601,7 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                         run_timeout: Duration::from_millis(limits.run_timeout_ms.into()),
                         approval_timeout: Duration::from_millis(limits.approval_timeout_ms.into()),
                         max_total_tokens: limits.max_total_tokens,
+                        input_timeout: Duration::from_millis(limits.input_timeout_ms.into()),
                     },
                     thread: (!e.thread_id.is_empty()).then_some(crate::domain::thread::ThreadStart {
                         thread_id: e.thread_id,

@@ -189,7 +189,7 @@ fn exit_tool() -> impl Strategy<Value = pb::ExitToolSpec> {
 fn limits() -> impl Strategy<Value = Option<pb::RunLimits>> {
     let n = || proptest::option::of(prop_oneof![Just(0u32), Just(1), Just(u32::MAX), 0u32..2000]);
     proptest::option::of(
-        (n(), n(), n(), n(), n(), n()).prop_map(|(a, b, c, d, e, f)| pb::RunLimits {
+        (n(), n(), n(), n(), n(), n(), n()).prop_map(|(a, b, c, d, e, f, g)| pb::RunLimits {
             max_turns: a,
             tool_call_budget: b,
             max_tool_failures: c,
@@ -197,6 +197,7 @@ fn limits() -> impl Strategy<Value = Option<pb::RunLimits>> {
             run_timeout_ms: e.map(|ms| ms.min(5_000)),
             approval_timeout_ms: None,
             max_total_tokens: f.map(u64::from),
+            input_timeout_ms: g,
         }),
     )
 }

@@ -113,13 +113,13 @@ fn call_then_answer(tool: &str, args: serde_json::Value) -> Scenario {
     ])
 }
 
-/// A run whose questions expire after `timeout_ms` (`approval_timeout_ms`; 0: the server's
+/// A run whose questions expire after `timeout_ms` (`input_timeout_ms`; 0: the server's
 /// default).
 fn run(run_id: &str, timeout_ms: u32) -> pb::OrchestrateRequest {
     pb::OrchestrateRequest {
         run_id: run_id.into(),
         limits: Some(pb::RunLimits {
-            approval_timeout_ms: (timeout_ms > 0).then_some(timeout_ms),
+            input_timeout_ms: (timeout_ms > 0).then_some(timeout_ms),
             ..Default::default()
         }),
         ..testkit::user("refund order A-7")
@@ -315,9 +315,17 @@ async fn declined_and_expired_questions_reach_the_model_as_the_tools_answer() ->
     );
     assert!(world.refunds().is_empty());
 
-    // Nobody answers a run whose questions expire after 1.5 s: each is answered cancel.
+    // Nobody answers a run whose questions expire after 1.5 s: each is answered cancel. The
+    // server's ceiling (--input-timeout-ceiling 2s here) is taken, a wait above it refused.
     let world = world_again(&world, "C-3").await?;
     let mut client = world.client().await?;
+    let refused = client
+        .orchestrate(run("ask-too-long", 2001))
+        .await
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("a wait above the ceiling was taken"))?;
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("input_timeout_ms"), "{refused:?}");
     let mut stream = client.orchestrate(run("ask-3", 1500)).await?.into_inner();
     let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
     assert!(asked(&events).is_some(), "{events:?}");
@@ -330,11 +338,12 @@ async fn declined_and_expired_questions_reach_the_model_as_the_tools_answer() ->
     Ok(())
 }
 
-/// A new world for order `order` (its own stand-in model script).
+/// A new world for order `order` (its own stand-in model script), its answer waits at most 2 s
+/// and 1 s by default.
 async fn world_again(_: &World, order: &str) -> anyhow::Result<World> {
     world(
         call_then_answer("shop__refund", json!({"order": order, "amount": 1.0})),
-        &[],
+        &["--input-timeout", "1s", "--input-timeout-ceiling", "2s"],
     )
     .await
 }
@@ -498,5 +507,41 @@ async fn the_command_line_lists_and_answers_questions() -> TestResult {
         Some(pb::RunStatus::Completed as i32)
     );
     assert_eq!(world.refunds(), ["F-6 3.0"]);
+    Ok(())
+}
+
+/// A tool that asks twice (two rounds) finishes once both are answered; with
+/// `--max-input-rounds 1` its second round fails the call instead, and the model is told why.
+#[tokio::test]
+async fn a_tool_asks_again_up_to_max_input_rounds() -> TestResult {
+    for (rounds, finishes) in [("2", true), ("1", false)] {
+        let world = world(
+            call_then_answer("shop__close_account", json!({"account": "H-8"})),
+            &["--max-input-rounds", rounds],
+        )
+        .await?;
+        let mut client = world.client().await?;
+        let mut stream = client.orchestrate(run("rounds", 0)).await?.into_inner();
+        for key in ["close", "sure"].into_iter().take(if finishes { 2 } else { 1 }) {
+            let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
+            let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
+            assert_eq!(question.requests[0].key, key, "{question:?}");
+            client
+                .answer_tool_input(answer(
+                    "rounds",
+                    &question.call_id,
+                    vec![(key, pb::InputAction::Accept, r#"{"yes": true}"#)],
+                ))
+                .await?;
+        }
+        let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+        let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+        let call = &result.tool_calls[0];
+        assert_eq!(call.ok, finishes, "--max-input-rounds {rounds}: {call:?}");
+        if !finishes {
+            let error = call.error.as_ref().map(|e| e.message.clone()).unwrap_or_default();
+            assert!(error.contains("at most 1 times (--max-input-rounds)"), "{error}");
+        }
+    }
     Ok(())
 }

@@ -505,6 +505,7 @@ fn spec(run_id: &str) -> RunSpec {
         tool_timeout: Duration::from_secs(10),
         run_timeout: Duration::from_secs(3600),
         approval_timeout: Duration::from_secs(60),
+        input_timeout: Duration::from_secs(3600),
         max_total_tokens: u64::MAX,
     };
     RunSpec {

@@ -49,6 +49,13 @@ pub struct LimitSettings {
     /// Longest approval wait a request may ask for (cap 7d).
     #[arg(long, env = "ORCHESTRATOR_APPROVAL_TIMEOUT_CEILING", default_value = "24h", value_parser = parse_duration)]
     pub approval_timeout_ceiling: Duration,
+    /// Default longest wait of a tool's questions for answers (limits.input_timeout_ms); past it
+    /// each is answered cancel.
+    #[arg(long, env = "ORCHESTRATOR_INPUT_TIMEOUT", default_value = "1h", value_parser = parse_duration)]
+    pub input_timeout: Duration,
+    /// Longest answer wait a request may ask for (cap 7d).
+    #[arg(long, env = "ORCHESTRATOR_INPUT_TIMEOUT_CEILING", default_value = "24h", value_parser = parse_duration)]
+    pub input_timeout_ceiling: Duration,
     /// Default tokens (prompt and completion over all turns) a run may spend
     /// (limits.max_total_tokens); the turn that goes over it is the run's last.
     #[arg(long, env = "ORCHESTRATOR_MAX_TOTAL_TOKENS", default_value_t = 10_000_000)]
@@ -69,6 +76,7 @@ impl LimitSettings {
             run_timeout: self.run_timeout,
             approval_timeout: self.approval_timeout,
             max_total_tokens: self.max_total_tokens,
+            input_timeout: self.input_timeout,
         }
     }
 
@@ -82,6 +90,7 @@ impl LimitSettings {
             run_timeout: self.run_timeout_ceiling,
             approval_timeout: self.approval_timeout_ceiling,
             max_total_tokens: self.max_total_tokens_ceiling,
+            input_timeout: self.input_timeout_ceiling,
         }
     }
 }
@@ -132,6 +141,8 @@ impl Bounded for LimitSettings {
                 ms(1),
                 self.approval_timeout_ceiling,
             ),
+            bound("input_timeout_ceiling", self.input_timeout_ceiling, ms(1), 7 * DAY),
+            bound("input_timeout", self.input_timeout, ms(1), self.input_timeout_ceiling),
             bound(
                 "max_total_tokens_ceiling",
                 self.max_total_tokens_ceiling,

@@ -264,6 +264,7 @@ mod tests {
             "--tool-timeout-ceiling" => &["--tool-timeout=1ms"],
             "--run-timeout-ceiling" => &["--run-timeout=1ms"],
             "--approval-timeout-ceiling" => &["--approval-timeout=1ms"],
+            "--input-timeout-ceiling" => &["--input-timeout=1ms"],
             "--max-total-tokens-ceiling" => &["--max-total-tokens=1"],
             "--trace-payload-max-bytes" => &["--trace-tool-payloads"],
             _ => &[],

@@ -42,6 +42,10 @@ pub struct RunSettings {
         action = clap::ArgAction::Set
     )]
     pub eager_tool_dispatch: bool,
+    /// Times one tool call may ask a person questions before it fails (a tool that keeps asking
+    /// would hold its run forever) (cap 100).
+    #[arg(long, env = "ORCHESTRATOR_MAX_INPUT_ROUNDS", default_value_t = 10)]
+    pub max_input_rounds: u32,
     /// Event batches (events the loop produces together) buffered per run stream before the run
     /// waits for a slow reader (cap 65536).
     #[arg(long, env = "ORCHESTRATOR_EVENT_BUFFER", default_value_t = 64)]
@@ -115,6 +119,7 @@ impl Bounded for RunSettings {
             bound("max_queued_runs", self.max_queued_runs, 0usize, 1_000_000usize),
             bound("max_awaiting_runs", self.max_awaiting_runs, 1usize, 1_000_000usize),
             bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
+            bound("max_input_rounds", self.max_input_rounds, 1u32, 100u32),
             bound("event_send_timeout", self.event_send_timeout, ms(10), secs(600)),
             bound("max_caller_event_bytes", self.max_caller_event_bytes, KIB, 3 * MIB),
             bound("max_tool_result_bytes", self.max_tool_result_bytes, 256usize, 16 * MIB),

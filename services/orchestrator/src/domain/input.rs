@@ -177,10 +177,6 @@ fn check_content(question: &InputRequest, answer: &InputAnswer) -> Result<(), St
 /// The most questions one call may ask (more fail the call).
 pub const MAX_QUESTIONS: usize = 16;
 
-/// The most times one call may ask (a tool that keeps asking fails, as MCP clients bound the
-/// rounds of one call).
-pub const MAX_ROUNDS: u32 = 10;
-
 #[cfg(test)]
 mod tests {
     use serde_json::json;

@@ -40,6 +40,14 @@ pub struct Limits {
     /// over it is its last.
     #[serde(default = "no_token_budget")]
     pub max_total_tokens: u64,
+    /// How long a tool's questions wait for answers (each is answered `cancel` past it).
+    #[serde(default = "an_hour")]
+    pub input_timeout: Duration,
+}
+
+/// The answer wait of a run checkpointed before it had one.
+fn an_hour() -> Duration {
+    Duration::from_secs(3600)
 }
 
 /// The token budget of a run checkpointed before budgets existed: none.

@@ -122,6 +122,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
             log_settle_timeout: config.store.timeout,
             approvals: ports.approvals,
             max_turn_restarts: config.llm.max_retries,
+            max_input_rounds: config.runs.max_input_rounds,
             threads: Some(Arc::clone(&threads)),
             usage: ports.usage,
             store_timeout: config.store.timeout,

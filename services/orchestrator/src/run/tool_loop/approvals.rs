@@ -10,7 +10,7 @@
 //! A call that asked questions (its tool answered `input_required`) waits the same way, after it
 //! ran: `tool_input_requested` announces the questions, the run parks (status `AWAITING_INPUT`
 //! when nothing else waits), and once answered (or expired: `cancel` to each) the call runs again
-//! with the answers; it may ask again, up to [`MAX_ROUNDS`] times.
+//! with the answers; it may ask again, up to `--max-input-rounds` times.
 
 use shared::sync::lock;
 
@@ -19,7 +19,6 @@ use super::durable::TurnCalls;
 use super::{CallOutcome, Driver, End, Step};
 use crate::domain::ToolCallError;
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, OnTimeout, PendingApproval};
-use crate::domain::input::MAX_ROUNDS;
 use crate::domain::ports::{ParkOutcome, Parked, Wait, Waiting};
 use crate::domain::{Event, FailureReason, RunStatus};
 use crate::telemetry::metric;
@@ -135,10 +134,11 @@ impl Driver<'_> {
     }
 
     /// Sorts what the calls that `ran` gave back: an outcome is finished; a call that asked
-    /// questions waits for the answers (its next round), unless it asked [`MAX_ROUNDS`] times
+    /// questions waits for the answers (its next round), unless it asked `--max-input-rounds` times
     /// already (it then fails). The positions of the calls that asked.
     pub(super) fn take_questions(&mut self, calls: &mut TurnCalls, ran: Vec<CallOutcome>) -> Vec<usize> {
-        let expires_at = self.spec.approval.expires_at(shared::sync::unix_ms());
+        let wait = u64::try_from(self.spec.limits.input_timeout.as_millis()).unwrap_or(u64::MAX);
+        let expires_at = shared::sync::unix_ms().saturating_add(wait);
         let mut asked = Vec::new();
         for mut outcome in ran {
             let Some(questions) = outcome.asked.take() else {
@@ -151,9 +151,10 @@ impl Driver<'_> {
                 .iter()
                 .find(|a| a.index == index)
                 .map_or(0, |a| a.rounds);
-            if rounds >= MAX_ROUNDS {
+            let most = self.deps.max_input_rounds;
+            if rounds >= most {
                 let why = format!(
-                    "the tool asked for a person's input {} times; a call may ask at most {MAX_ROUNDS} times",
+                    "the tool asked for a person's input {} times; a call may ask at most {most} times (--max-input-rounds)",
                     rounds + 1
                 );
                 outcome.result = Err(ToolCallError::new("FAILED", why));

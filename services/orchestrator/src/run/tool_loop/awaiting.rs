@@ -21,7 +21,7 @@ pub(super) struct Approval {
     /// The questions the call asked (its answers are its decision); `None` for an approval.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) questions: Option<Questions>,
-    /// Times the call asked (bounded by [`crate::domain::input::MAX_ROUNDS`]).
+    /// Times the call asked (bounded by `--max-input-rounds`).
     #[serde(default)]
     pub(super) rounds: u32,
 }

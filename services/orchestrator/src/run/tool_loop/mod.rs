@@ -83,6 +83,8 @@ pub struct LoopDeps {
     pub approvals: Arc<dyn crate::domain::ports::ApprovalLot>,
     /// Times a turn starts again on another model endpoint after one cut its stream.
     pub max_turn_restarts: u32,
+    /// Times one call may ask questions before it fails (`--max-input-rounds`).
+    pub max_input_rounds: u32,
     /// Where a run on a thread adds its messages as it ends (`None`: runs name no thread).
     pub threads: Option<Arc<crate::threads::Keeper>>,
     /// Where each principal's spend adds up (each turn's tokens, each run's calls and time).

@@ -177,6 +177,7 @@ pub(crate) fn limits() -> Limits {
         tool_timeout: Duration::from_secs(5),
         run_timeout: Duration::from_secs(30),
         approval_timeout: Duration::from_secs(60),
+        input_timeout: Duration::from_secs(3600),
         max_total_tokens: u64::MAX,
     }
 }
@@ -308,6 +309,7 @@ async fn play_with(
         log_settle_timeout: Duration::from_secs(1),
         approvals: outside.approvals,
         max_turn_restarts: 2,
+        max_input_rounds: 10,
         threads: outside.threads,
         usage: outside.usage,
         store_timeout: Duration::from_secs(5),

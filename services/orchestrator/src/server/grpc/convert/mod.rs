@@ -109,6 +109,7 @@ mod tests {
             tool_timeout: Duration::from_secs(30),
             run_timeout: Duration::from_secs(600),
             approval_timeout: Duration::from_secs(3600),
+            input_timeout: Duration::from_secs(3600),
             max_total_tokens: 1_000_000,
         };
         let lowered = caller_ceilings(server, &alice.limits);

@@ -103,6 +103,7 @@ pub(super) fn caller_ceilings(server: Limits, caller: &LimitCeilings) -> Limits 
         tool_timeout: lower(server.tool_timeout, caller.tool_timeout),
         run_timeout: lower(server.run_timeout, caller.run_timeout),
         approval_timeout: server.approval_timeout,
+        input_timeout: server.input_timeout,
         max_total_tokens: lower(server.max_total_tokens, caller.max_total_tokens),
     }
 }
@@ -293,6 +294,12 @@ pub(super) fn run_limits(
             asked.approval_timeout_ms,
             d.approval_timeout,
             c.approval_timeout,
+        )?,
+        input_timeout: ms(
+            "input_timeout_ms",
+            asked.input_timeout_ms,
+            d.input_timeout,
+            c.input_timeout,
         )?,
         max_total_tokens: pick(
             "max_total_tokens",

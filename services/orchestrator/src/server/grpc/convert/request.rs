@@ -26,6 +26,7 @@ pub(crate) struct RequestedLimits {
     pub(super) run_timeout_ms: Option<u32>,
     pub(super) approval_timeout_ms: Option<u32>,
     pub(super) max_total_tokens: Option<u64>,
+    pub(super) input_timeout_ms: Option<u32>,
 }
 
 /// The request's approval policy as asked (checked against the run's tools later).
@@ -101,6 +102,7 @@ impl TryFrom<pb::OrchestrateRequest> for RunRequest {
                 run_timeout_ms: limits.run_timeout_ms,
                 approval_timeout_ms: limits.approval_timeout_ms,
                 max_total_tokens: limits.max_total_tokens,
+                input_timeout_ms: limits.input_timeout_ms,
             },
             metadata: r.metadata.into_iter().collect(),
             labels: r.labels.into_iter().collect(),
