@@ -3,7 +3,9 @@
 //! (`tests/fixtures/mcp/refund_server.py`, installed by `./scripts/mcp-servers`) over stdio. The
 //! runner negotiates the protocol per server and shows it in `ListTools`; a call that asks comes
 //! back as `input_required` with its questions, and its retry with the answers (on another
-//! runner: the questions' state travels with the call, not in a runner) finishes it.
+//! runner: the questions' state travels with the call, not in a runner) finishes it; over
+//! streamable HTTP, a stateless server of two processes behind one URL takes the retry on the
+//! process that did not ask.
 
 use std::collections::HashMap;
 
@@ -116,7 +118,8 @@ async fn a_question_comes_back_and_the_answer_finishes_the_call_on_another_runne
     let yes = json!({"action": "accept", "content": {"confirm": true}});
     let done = send(&second, answered("shop__refund", &args, &asked, &[("confirm", yes)])).await?;
     // (The SDK answers a `str` tool with structured content `{"result": …}`.)
-    assert_eq!(done.unwrap_ok()["result"], "refunded 5.0 for order A-7");
+    let result = done.unwrap_ok()["result"].as_str().unwrap_or_default().to_owned();
+    assert!(result.starts_with("refunded 5.0 for order A-7 (process "), "{result}");
     assert_eq!(refunds(&dir), ["A-7 5.0"]);
 
     // Declined: the tool says so, and nothing is refunded.
@@ -164,4 +167,115 @@ async fn a_url_question_carries_its_page_and_bad_answers_are_refused() -> TestRe
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("visit"), "{status:?}");
     Ok(())
+}
+
+/// Two processes of the refund server over stateless streamable HTTP behind one URL: a proxy
+/// that sends each new connection to the process `to` names (and asks the server to close each
+/// connection after its answer, so every request picks anew). The question is asked by one
+/// process, the answer taken by the other (the server names its process in both), and the refund
+/// happens once.
+#[tokio::test]
+async fn a_stateless_http_server_takes_the_answer_on_another_process() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let server = testkit::repo_root().join("tests/fixtures/mcp/refund_server.py");
+    let mut processes = Vec::new();
+    let mut ports = Vec::new();
+    for _ in 0..2 {
+        let port = tokio::net::TcpListener::bind("127.0.0.1:0").await?.local_addr()?.port();
+        let child = tokio::process::Command::new(python()?)
+            .arg("-u")
+            .arg(&server)
+            .args(["http", &port.to_string()])
+            .env("REQUEST_STATE_KEY", "k".repeat(40))
+            .env("REFUND_LOG", dir.path().join("refunds.log"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?;
+        testkit::wait::until(
+            "the server process to listen",
+            std::time::Duration::from_secs(30),
+            || async move { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok() },
+        )
+        .await?;
+        processes.push(child);
+        ports.push(port);
+    }
+    let to = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let proxy = switching_proxy(ports, std::sync::Arc::clone(&to)).await?;
+    let manifest =
+        format!("[[mcp_servers]]\nname = \"shop\"\nurl = \"http://127.0.0.1:{proxy}/mcp\"\nrequired = true\n");
+    let path = dir.path().join("tools.toml");
+    std::fs::write(&path, manifest)?;
+    let runner = Runner::start(Config {
+        tools_manifest: Some(path),
+        ..Config::default()
+    })
+    .await?;
+    let protocol = runner
+        .tools()
+        .await?
+        .into_iter()
+        .find(|t| t.name == "shop__refund")
+        .map(|t| t.mcp_protocol);
+    assert_eq!(protocol.as_deref(), Some("2026-07-28"));
+
+    let args = json!({"order": "K-9", "amount": 6.0});
+    let asked = send(&runner, run_tool("shop__refund", &args.to_string()))
+        .await?
+        .unwrap_asked();
+    let asker = process_of(&asked.requests[0].message);
+    to.store(1, std::sync::atomic::Ordering::SeqCst);
+    let yes = json!({"action": "accept", "content": {"confirm": true}});
+    let done = send(&runner, answered("shop__refund", &args, &asked, &[("confirm", yes)])).await?;
+    let result = done.unwrap_ok()["result"].as_str().unwrap_or_default().to_owned();
+    assert!(result.starts_with("refunded 6.0 for order K-9"), "{result}");
+    let finisher = process_of(&result);
+    assert!(
+        asker.is_some() && finisher.is_some() && asker != finisher,
+        "asked by {asker:?}, answered by {finisher:?}"
+    );
+    assert_eq!(refunds(&dir), ["K-9 6.0"]);
+    drop(processes);
+    Ok(())
+}
+
+/// The process id a refund server's text names (`… (process N)`).
+fn process_of(text: &str) -> Option<u32> {
+    text.rsplit_once("(process ")?.1.trim_end_matches(')').parse().ok()
+}
+
+/// A TCP proxy on a free port: each connection goes to `upstreams[to]` as `to` reads when it
+/// comes, its request head given `Connection: close`.
+async fn switching_proxy(
+    upstreams: Vec<u16>,
+    to: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> anyhow::Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let upstream = upstreams[to.load(std::sync::atomic::Ordering::SeqCst) % upstreams.len()];
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && head.len() < 64 * 1024 {
+                    match client.read(&mut byte).await {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                head.truncate(head.len().saturating_sub(2));
+                head.extend_from_slice(b"Connection: close\r\n\r\n");
+                let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+                    return;
+                };
+                if server.write_all(&head).await.is_ok() {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    Ok(port)
 }
