@@ -45,6 +45,14 @@ pub struct ToolRunnerSettings {
     /// reaches the model is then cut to --max-tool-result-bytes.
     #[arg(long = "tool-runner-max-response-bytes", env = "ORCHESTRATOR_TOOL_RUNNER_MAX_RESPONSE_BYTES", default_value_t = 64 * MIB)]
     pub max_response_bytes: usize,
+    /// Most questions one tool call may ask a person at once (an MCP server's input_required);
+    /// more fail the call (cap 256).
+    #[arg(
+        long = "max-tool-questions",
+        env = "ORCHESTRATOR_MAX_TOOL_QUESTIONS",
+        default_value_t = 16
+    )]
+    pub max_questions: usize,
     /// PEM CA bundle that signs the tool-runners' certificates: https:// targets, and dns:///
     /// targets over TLS (their certificates must name the DNS name).
     #[arg(long = "tool-runner-ca", env = "ORCHESTRATOR_TOOL_RUNNER_CA")]
@@ -68,6 +76,12 @@ impl Bounded for ToolRunnerSettings {
             bound("call_retries", self.call_retries, 0u32, 10u32),
             bound("call_retry_backoff", self.call_retry_backoff, Duration::ZERO, secs(5)),
             bound("max_response_bytes", self.max_response_bytes, 64 * KIB, 256 * MIB),
+            bound(
+                "max_questions",
+                self.max_questions,
+                1usize,
+                crate::domain::input::MAX_QUESTIONS,
+            ),
         ]
     }
 }

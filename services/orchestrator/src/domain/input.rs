@@ -174,8 +174,8 @@ fn check_content(question: &InputRequest, answer: &InputAnswer) -> Result<(), St
     }
 }
 
-/// The most questions one call may ask (more fail the call).
-pub const MAX_QUESTIONS: usize = 16;
+/// The cap of `--max-tool-questions`, and so the most answers one `AnswerToolInput` carries.
+pub const MAX_QUESTIONS: usize = 256;
 
 #[cfg(test)]
 mod tests {

@@ -43,7 +43,7 @@ mod pool;
 pub mod sender;
 mod transport;
 use crate::domain::ToolCallError;
-use crate::domain::input::{MAX_QUESTIONS, Questions};
+use crate::domain::input::Questions;
 use crate::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
 use sender::{Attempt, Retries};
 #[cfg(test)]
@@ -86,6 +86,8 @@ struct CallSettings {
     retries: u32,
     backoff: Duration,
     max_response_bytes: usize,
+    /// Most questions one call may ask.
+    max_questions: usize,
 }
 
 /// How long an endpoint is skipped after refusing a call over its concurrency limit.
@@ -130,6 +132,7 @@ impl ToolRunners {
                 retries: settings.call_retries,
                 backoff: settings.call_retry_backoff,
                 max_response_bytes: settings.max_response_bytes,
+                max_questions: settings.max_questions,
             },
             _membership: membership.follow(settings.clone(), reload_interval).map(Arc::new),
             transport,
@@ -313,7 +316,9 @@ impl ToolExecutor for ToolRunners {
                         .max_decoding_message_size(settings.max_response_bytes);
                     let started = tokio::time::Instant::now();
                     let status = match client.run_tool(request).await {
-                        Ok(response) => return Attempt::Answered(outcome(response.into_inner())),
+                        Ok(response) => {
+                            return Attempt::Answered(outcome(response.into_inner(), settings.max_questions));
+                        }
                         Err(status) => status,
                     };
                     let runner = lease.member.uri.clone();
@@ -411,7 +416,7 @@ fn call_error(status: &tonic::Status, runner: &str, elapsed: Duration, timeout: 
 
 /// A runner's answer: the tool's JSON content, its questions, or its error with the runner's
 /// code.
-fn outcome(response: pb::RunToolResponse) -> Result<ToolOutput, ToolCallError> {
+fn outcome(response: pb::RunToolResponse, max_questions: usize) -> Result<ToolOutput, ToolCallError> {
     match response.outcome {
         Some(pb::run_tool_response::Outcome::ContentJson(json)) => Ok(ToolOutput::Result(json)),
         Some(pb::run_tool_response::Outcome::Error(e)) => {
@@ -422,7 +427,9 @@ fn outcome(response: pb::RunToolResponse) -> Result<ToolOutput, ToolCallError> {
                 e.message,
             ))
         }
-        Some(pb::run_tool_response::Outcome::InputRequired(asked)) => questions(asked).map(ToolOutput::Asked),
+        Some(pb::run_tool_response::Outcome::InputRequired(asked)) => {
+            questions(asked, max_questions).map(ToolOutput::Asked)
+        }
         None => Err(ToolCallError::new(
             "FAILED",
             "the tool-runner answered with neither a result nor an error",
@@ -430,13 +437,13 @@ fn outcome(response: pb::RunToolResponse) -> Result<ToolOutput, ToolCallError> {
     }
 }
 
-/// A runner's questions, within [`MAX_QUESTIONS`] and in modes this version knows.
-fn questions(asked: pb::ToolInputRequired) -> Result<Questions, ToolCallError> {
-    if asked.requests.is_empty() || asked.requests.len() > MAX_QUESTIONS {
+/// A runner's questions, at most `max` (`--max-tool-questions`), in modes this version knows.
+fn questions(asked: pb::ToolInputRequired, max: usize) -> Result<Questions, ToolCallError> {
+    if asked.requests.is_empty() || asked.requests.len() > max {
         return Err(ToolCallError::new(
             "FAILED",
             format!(
-                "the tool asked {} questions; a call may ask 1 to {MAX_QUESTIONS}",
+                "the tool asked {} questions; a call may ask 1 to {max} (--max-tool-questions)",
                 asked.requests.len()
             ),
         ));
@@ -462,6 +469,35 @@ fn questions(asked: pb::ToolInputRequired) -> Result<Questions, ToolCallError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A runner's questions are taken up to `--max-tool-questions`; one more fails the call, and
+    /// so does a mode this version does not know.
+    #[test]
+    fn questions_are_held_to_max_tool_questions() {
+        let question = |key: &str, mode: &str| pb::ToolInputRequest {
+            key: key.into(),
+            mode: mode.into(),
+            message: "ok?".into(),
+            schema_json: r#"{"type": "object"}"#.into(),
+            url: String::new(),
+        };
+        let asked = pb::ToolInputRequired {
+            request_state: "s".into(),
+            requests: vec![question("a", "form"), question("b", "url")],
+        };
+        let taken = questions(asked.clone(), 2).unwrap();
+        assert_eq!((taken.requests.len(), taken.request_state.as_str()), (2, "s"));
+        let refused = questions(asked, 1).unwrap_err();
+        assert!(
+            refused.message.contains("asked 2 questions; a call may ask 1 to 1"),
+            "{refused:?}"
+        );
+        let odd = pb::ToolInputRequired {
+            request_state: String::new(),
+            requests: vec![question("a", "voice")],
+        };
+        assert!(questions(odd, 2).unwrap_err().message.contains("\"voice\""));
+    }
 
     /// Call `call_3` of run `run-7` to `refund`, in epoch 1, sent by `owner`.
     fn refund(owner: Option<crate::domain::Ownership>) -> ToolInvocation {
