@@ -1,4 +1,5 @@
-//! Rules about tools that both services enforce: valid names and usable argument schemas.
+//! Rules about tools that both services enforce: valid names and usable argument schemas; and
+//! how a tool's question for a person is answered ([`InputMode`]), named alike on both sides.
 
 use serde_json::Value;
 
@@ -40,6 +41,34 @@ pub fn check_arguments(schema: &Value, arguments: &str) -> Result<(), String> {
     match validator.iter_errors(&value).next() {
         None => Ok(()),
         Some(e) => Err(format!("{e} (at {:?})", e.instance_path().to_string())),
+    }
+}
+
+/// How a tool's question for a person is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum InputMode {
+    /// With content its schema takes.
+    Form,
+    /// By visiting its page (consent, payment), out of the model's sight.
+    Url,
+}
+
+impl InputMode {
+    /// Its name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Form => "form",
+            Self::Url => "url",
+        }
+    }
+
+    /// The mode named `name` on the wire.
+    pub fn named(name: &str) -> Option<Self> {
+        match name {
+            "form" => Some(Self::Form),
+            "url" => Some(Self::Url),
+            _ => None,
+        }
     }
 }
 

@@ -1,8 +1,9 @@
 //! Where `./scripts/mcp-servers` (run by `./scripts/test`) installs the official MCP reference
 //! servers the tests run against: `@modelcontextprotocol/server-everything` (npm) and
-//! `mcp-server-time` (PyPI, in a venv).
+//! `mcp-server-time` (PyPI, in a venv, with the Python SDK `mcp` the tests' own refund server
+//! is written with).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::model_servers::cache_dir;
 
@@ -30,4 +31,24 @@ pub fn time_server() -> anyhow::Result<PathBuf> {
 /// The Python of the venv the time server is in (for the tests' small stdio filters).
 pub fn python() -> anyhow::Result<PathBuf> {
     installed("time/bin/python")
+}
+
+/// The tests' own MCP server (`tests/fixtures/mcp/refund_server.py`): a refund that asks a
+/// person to confirm, a payment page, a closing asked twice.
+pub fn refund_server() -> PathBuf {
+    crate::repo_root().join("tests/fixtures/mcp/refund_server.py")
+}
+
+/// The key every process of the refund server seals its `requestState` with.
+pub const REFUND_STATE_KEY: &str = "refund-server-state-key-of-the-tests-000000";
+
+/// A tools-manifest table that serves the refund server as `shop` over stdio (required), its
+/// refunds logged to `log`, its state sealed with [`REFUND_STATE_KEY`].
+pub fn refund_server_table(log: &Path) -> anyhow::Result<String> {
+    Ok(format!(
+        "[[mcp_servers]]\nname = \"shop\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ REFUND_LOG = \"{log}\", REQUEST_STATE_KEY = \"{REFUND_STATE_KEY}\" }}\nrequired = true\n",
+        python = python()?.display(),
+        server = refund_server().display(),
+        log = log.display(),
+    ))
 }

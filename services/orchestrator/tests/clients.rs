@@ -158,13 +158,7 @@ impl Deployment {
 /// A tools manifest (in `pki`'s directory) with the refund MCP server
 /// (`tests/fixtures/mcp/refund_server.py`), its refunds logged to `refunds.log` there.
 fn refund_manifest(pki: &Pki) -> anyhow::Result<std::path::PathBuf> {
-    let server = testkit::repo_root().join("tests/fixtures/mcp/refund_server.py");
-    let manifest = format!(
-        "[[mcp_servers]]\nname = \"shop\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ REFUND_LOG = \"{log}\" }}\nrequired = true\n",
-        python = testkit::mcp_servers::python()?.display(),
-        server = server.display(),
-        log = pki.path("refunds.log").display(),
-    );
+    let manifest = testkit::mcp_servers::refund_server_table(&pki.path("refunds.log"))?;
     let path = pki.path("tools.toml");
     std::fs::write(&path, manifest)?;
     Ok(path)

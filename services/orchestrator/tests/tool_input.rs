@@ -46,13 +46,7 @@ async fn world_of(
     nats: Option<testkit::nats::Nats>,
 ) -> anyhow::Result<World> {
     let dir = tempfile::tempdir()?;
-    let server = testkit::repo_root().join("tests/fixtures/mcp/refund_server.py");
-    let manifest = format!(
-        "[[mcp_servers]]\nname = \"shop\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ REFUND_LOG = \"{log}\" }}\nrequired = true\n",
-        python = testkit::mcp_servers::python()?.display(),
-        server = server.display(),
-        log = dir.path().join("refunds.log").display(),
-    );
+    let manifest = testkit::mcp_servers::refund_server_table(&dir.path().join("refunds.log"))?;
     let path = dir.path().join("tools.toml");
     std::fs::write(&path, manifest)?;
     let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config {

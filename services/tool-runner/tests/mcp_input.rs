@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use proto::toolrunner::v1 as pb;
 use serde_json::json;
-use testkit::mcp_servers::{python, time_server};
+use testkit::mcp_servers::{REFUND_STATE_KEY, python, refund_server, refund_server_table, time_server};
 use testkit::{Outcome, Runner, run_tool};
 use tool_runner::Config;
 
@@ -21,26 +21,9 @@ type TestResult = anyhow::Result<()>;
 /// `request_state` sealed with a key every runner's server process shares) and the time server,
 /// spoken to with the 2025-11-25 handshake (`protocol`).
 async fn runner(dir: &tempfile::TempDir) -> anyhow::Result<Runner> {
-    let server = testkit::repo_root().join("tests/fixtures/mcp/refund_server.py");
     let manifest = format!(
-        r#"
-[[mcp_servers]]
-name = "shop"
-command = "{python}"
-args = ["-u", "{server}"]
-env = {{ REFUND_LOG = "{log}", REQUEST_STATE_KEY = "{key}" }}
-required = true
-
-[[mcp_servers]]
-name = "time"
-command = "{time}"
-protocol = "2025-11-25"
-required = true
-"#,
-        python = python()?.display(),
-        server = server.display(),
-        log = dir.path().join("refunds.log").display(),
-        key = "k".repeat(40),
+        "{shop}\n[[mcp_servers]]\nname = \"time\"\ncommand = \"{time}\"\nprotocol = \"2025-11-25\"\nrequired = true\n",
+        shop = refund_server_table(&dir.path().join("refunds.log"))?,
         time = time_server()?.display(),
     );
     let path = dir.path().join("tools.toml");
@@ -177,7 +160,7 @@ async fn a_url_question_carries_its_page_and_bad_answers_are_refused() -> TestRe
 #[tokio::test]
 async fn a_stateless_http_server_takes_the_answer_on_another_process() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let server = testkit::repo_root().join("tests/fixtures/mcp/refund_server.py");
+    let server = refund_server();
     let mut processes = Vec::new();
     let mut ports = Vec::new();
     for _ in 0..2 {
@@ -186,7 +169,7 @@ async fn a_stateless_http_server_takes_the_answer_on_another_process() -> TestRe
             .arg("-u")
             .arg(&server)
             .args(["http", &port.to_string()])
-            .env("REQUEST_STATE_KEY", "k".repeat(40))
+            .env("REQUEST_STATE_KEY", REFUND_STATE_KEY)
             .env("REFUND_LOG", dir.path().join("refunds.log"))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 
 use serde_json::Value;
+pub use shared::tools::InputMode;
 
 /// The questions of a call, and the tool's state to send back with their answers.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -34,34 +35,6 @@ pub struct InputRequest {
     pub schema: Value,
     /// A URL question's page (empty for a form); never shown to the model.
     pub url: String,
-}
-
-/// How a question is answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum InputMode {
-    /// With content its schema takes.
-    Form,
-    /// By visiting its page.
-    Url,
-}
-
-impl InputMode {
-    /// Its name on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Form => "form",
-            Self::Url => "url",
-        }
-    }
-
-    /// The mode named `name` on the wire.
-    pub fn named(name: &str) -> Option<Self> {
-        match name {
-            "form" => Some(Self::Form),
-            "url" => Some(Self::Url),
-            _ => None,
-        }
-    }
 }
 
 /// What a person did with a question.

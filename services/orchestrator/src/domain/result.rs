@@ -37,13 +37,11 @@ impl RunStatus {
     /// The status of a run parked with `pending` calls: waiting for input when every one waits
     /// for answers, else for approval.
     pub fn parked_for(pending: &[super::approval::PendingApproval]) -> Self {
-        match pending
-            .iter()
-            .filter(|p| p.decision.is_none())
-            .all(|p| p.questions.is_some())
-        {
-            true if !pending.is_empty() => Self::AwaitingInput,
-            _ => Self::AwaitingApproval,
+        let undecided = pending.iter().filter(|p| p.decision.is_none());
+        if !pending.is_empty() && undecided.clone().all(|p| p.questions.is_some()) {
+            Self::AwaitingInput
+        } else {
+            Self::AwaitingApproval
         }
     }
 }

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use serde_json::Value;
+pub use shared::tools::InputMode;
 
 /// What a call gave back when it did not fail.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,25 +24,6 @@ pub struct InputRequired {
     pub request_state: String,
     /// The questions, by key.
     pub requests: Vec<InputRequest>,
-}
-
-/// How a question is answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InputMode {
-    /// With content matching a JSON Schema.
-    Form,
-    /// By visiting a URL (consent, payment), out of the model's sight.
-    Url,
-}
-
-impl InputMode {
-    /// Its name on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Form => "form",
-            Self::Url => "url",
-        }
-    }
 }
 
 /// One question.

@@ -18,23 +18,12 @@ fn run_of(value: &str) -> &str {
     value.split_once(' ').map_or(value, |(run_id, _)| run_id)
 }
 
-/// What a read of a slot found about the run it names.
-enum Holder {
-    Absent,
-    Held { value: String, revision: u64 },
-}
-
 impl ReplicaStore {
-    async fn read_slot(&self, key: &str) -> Result<Holder, StoreError> {
+    /// The value a slot holds and its revision (`None`: absent).
+    async fn read_slot(&self, key: &str) -> Result<Option<(String, u64)>, StoreError> {
         let key = key.to_owned();
         self.request("KV entry", &key.clone(), move |shared, _| {
-            Ok(match shared.slots.get(&key) {
-                Some((value, revision)) => Holder::Held {
-                    value: value.clone(),
-                    revision: *revision,
-                },
-                None => Holder::Absent,
-            })
+            Ok(shared.slots.get(&key).cloned())
         })
         .await
     }
@@ -94,12 +83,9 @@ impl ReplicaStore {
         let mut held = Vec::new();
         for key in keys {
             match self.read_slot(&key).await? {
-                Holder::Held { value: holding, .. } if holding == value => return Ok(Some(key)),
-                Holder::Held {
-                    value: holding,
-                    revision,
-                } => held.push((key, holding, revision)),
-                Holder::Absent => {
+                Some((holding, _)) if holding == value => return Ok(Some(key)),
+                Some((holding, revision)) => held.push((key, holding, revision)),
+                None => {
                     if self.write_slot(&key, value, None).await? {
                         return Ok(Some(key));
                     }

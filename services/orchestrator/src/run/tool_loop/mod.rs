@@ -261,9 +261,8 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
     {
         // Its end is not shown before its spend is booked: the replica that takes it over
         // resumes it from its last checkpoint and books what this one could not.
-        let why = "the run's spend did not reach its caller's usage book".to_owned();
-        persister.ownership().stop(crate::domain::Stop::Unsaved(why));
-        return moved(End::TakenOver, Some(persister), emitter, deps.log_settle_timeout, state).await;
+        let why = "the run's spend did not reach its caller's usage book";
+        return end_unsaved(why, persister, emitter, deps.log_settle_timeout, state).await;
     }
     emitter.queue(Event::RunFinished(Box::new(result.clone())));
     if let Some(persister) = persister.filter(|p| p.durable()) {
@@ -272,7 +271,8 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
         // the log refused (a replaced owner's) changes nothing anywhere.
         emitter.log_queued();
         if !emitter.settler(deps.log_settle_timeout).wait().await {
-            return end_unlogged(persister, emitter, deps.log_settle_timeout, state).await;
+            let why = "the run's end did not reach its event log";
+            return end_unsaved(why, persister, emitter, deps.log_settle_timeout, state).await;
         }
     }
     // The thread holds the run's messages before its caller hears of its end, so the next run on
@@ -313,18 +313,19 @@ async fn tally_run_end(deps: &LoopDeps, result: &RunResult, booked: &Usage) -> b
     }
 }
 
-/// A durable run whose end its event log did not keep (this replica was cut off from NATS, or
-/// paused, as it ended): its result is not stored from here, or the log would lack the end for
-/// good. The run stops here as if its checkpoint had not been saved; the replica that takes it
-/// over stores the end if it reached the log after all, or else resumes from the last checkpoint.
-async fn end_unlogged(
+/// A durable run whose end could not be kept as it must be (`why`: its event log did not keep
+/// it, this replica being cut off from NATS or paused as it ended; or its spend was not booked):
+/// its result is not stored from here, or the log would lack the end for good. The run stops
+/// here as if its checkpoint had not been saved; the replica that takes it over stores the end
+/// if it reached the log after all, or else resumes from the last checkpoint.
+async fn end_unsaved(
+    why: &str,
     persister: &Persister,
     emitter: &mut Emitter,
     settle_timeout: Duration,
     state: &SharedState,
 ) -> RunResult {
-    let why = "the run's end did not reach its event log".to_owned();
-    persister.ownership().stop(crate::domain::Stop::Unsaved(why));
+    persister.ownership().stop(crate::domain::Stop::Unsaved(why.to_owned()));
     moved(End::TakenOver, Some(persister), emitter, settle_timeout, state).await
 }
 

@@ -68,17 +68,15 @@ fn run_of(value: &str) -> &str {
 /// The most slot keys a take reads at once.
 const READ_AT_ONCE: usize = 8;
 
-/// `keys` in windows that start at `window` keys and double up to [`READ_AT_ONCE`].
-fn chunks_doubling<'a>(keys: &'a [String], window: &'a mut usize) -> impl Iterator<Item = &'a [String]> + 'a {
-    let mut from = 0;
+/// `keys` in windows of 1, 2, 4 … keys, up to [`READ_AT_ONCE`].
+fn chunks_doubling(keys: &[String]) -> impl Iterator<Item = &[String]> {
+    let (mut from, mut window) = (0, 1);
     std::iter::from_fn(move || {
-        if from >= keys.len() {
-            return None;
-        }
-        let to = (from + *window).min(keys.len());
-        let chunk = &keys[from..to];
-        from = to;
-        *window = (*window * 2).min(READ_AT_ONCE);
+        let chunk = keys
+            .get(from..(from + window).min(keys.len()))
+            .filter(|c| !c.is_empty())?;
+        from += chunk.len();
+        window = (window * 2).min(READ_AT_ONCE);
         Some(chunk)
     })
 }
@@ -115,8 +113,7 @@ impl NatsQuotas {
             _ => {}
         }
         let mut held = Vec::new();
-        let mut window = 1;
-        for keys in chunks_doubling(&keys, &mut window) {
+        for keys in chunks_doubling(&keys) {
             let read = futures::future::join_all(keys.iter().map(|key| holder(&self.slots, key))).await;
             for (key, found) in keys.iter().zip(read) {
                 match found? {
