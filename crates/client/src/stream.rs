@@ -62,6 +62,9 @@ pub enum Event {
     /// A normal tool call asks a person questions before it can finish; the run parks until
     /// they are answered (`AnswerToolInput`) or expire.
     ToolInputRequested(pb::ToolInputRequested),
+    /// A normal tool call still running says how it gets on (its MCP server runs it as a
+    /// task); never part of what the model sees.
+    ToolCallProgress(pb::ToolCallProgress),
     /// The run ended; always the last event.
     Finished(pb::RunResult),
 }
@@ -87,6 +90,7 @@ impl Event {
             E::ApprovalRequested(e) => Self::ApprovalRequested(e),
             E::MessageAdded(e) => Self::MessageAdded(e),
             E::ToolInputRequested(e) => Self::ToolInputRequested(e),
+            E::ToolCallProgress(e) => Self::ToolCallProgress(e),
             E::RunFinished(e) => Self::Finished(e.result.unwrap_or_default()),
         }
     }

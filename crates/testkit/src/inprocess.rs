@@ -169,6 +169,8 @@ pub enum Outcome {
     Err(pb::ToolErrorCode, String),
     /// The tool's questions for a person.
     Asked(pb::ToolInputRequired),
+    /// The task the server made of the call, still working.
+    Task(pb::ToolTask),
 }
 
 impl Outcome {
@@ -180,6 +182,7 @@ impl Outcome {
                 Self::Err(pb::ToolErrorCode::try_from(e.code)?, e.message)
             }
             Some(pb::run_tool_response::Outcome::InputRequired(asked)) => Self::Asked(asked),
+            Some(pb::run_tool_response::Outcome::Task(task)) => Self::Task(task),
             None => anyhow::bail!("response has no outcome"),
         })
     }
@@ -190,6 +193,15 @@ impl Outcome {
             Self::Ok(v) => v,
             Self::Err(code, message) => panic!("expected a result, got {code:?}: {message}"),
             Self::Asked(asked) => panic!("expected a result, got questions: {asked:?}"),
+            Self::Task(task) => panic!("expected a result, got a task: {task:?}"),
+        }
+    }
+
+    /// The task, or a test failure naming what came instead.
+    pub fn unwrap_task(self) -> pb::ToolTask {
+        match self {
+            Self::Task(task) => task,
+            other => panic!("expected a task, got {other:?}"),
         }
     }
 
@@ -199,6 +211,7 @@ impl Outcome {
             Self::Asked(asked) => asked,
             Self::Ok(v) => panic!("expected questions, got {v}"),
             Self::Err(code, message) => panic!("expected questions, got {code:?}: {message}"),
+            Self::Task(task) => panic!("expected questions, got a task: {task:?}"),
         }
     }
 
@@ -208,6 +221,7 @@ impl Outcome {
             Self::Err(code, message) => (code, message),
             Self::Ok(v) => panic!("expected an error, got {v}"),
             Self::Asked(asked) => panic!("expected an error, got questions: {asked:?}"),
+            Self::Task(task) => panic!("expected an error, got a task: {task:?}"),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Where `./scripts/mcp-servers` (run by `./scripts/test`) installs the official MCP reference
 //! servers the tests run against: `@modelcontextprotocol/server-everything` (npm) and
 //! `mcp-server-time` (PyPI, in a venv, with the Python SDK `mcp` the tests' own refund server
-//! is written with).
+//! is written with, and `fastmcp-tasks`, which the tests' own tasks server is written with).
 
 use std::path::{Path, PathBuf};
 
@@ -49,6 +49,23 @@ pub fn refund_server_table(log: &Path) -> anyhow::Result<String> {
         "[[mcp_servers]]\nname = \"shop\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ REFUND_LOG = \"{log}\", REQUEST_STATE_KEY = \"{REFUND_STATE_KEY}\" }}\nrequired = true\n",
         python = python()?.display(),
         server = refund_server().display(),
+        log = log.display(),
+    ))
+}
+
+/// The tests' own tasks server (`tests/fixtures/mcp/tasks_server.py`, FastMCP with
+/// `fastmcp-tasks`): `crunch` always runs as a task.
+pub fn tasks_server() -> PathBuf {
+    crate::repo_root().join("tests/fixtures/mcp/tasks_server.py")
+}
+
+/// A tools-manifest table that serves the tasks server as `batch` over stdio (required), the
+/// start, end and cancellation of each task's work logged to `log`.
+pub fn tasks_server_table(log: &Path) -> anyhow::Result<String> {
+    Ok(format!(
+        "[[mcp_servers]]\nname = \"batch\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ TASK_LOG = \"{log}\" }}\nrequired = true\n",
+        python = python()?.display(),
+        server = tasks_server().display(),
         log = log.display(),
     ))
 }

@@ -76,7 +76,7 @@ macro_rules! one_to_one {
     };
 }
 
-one_to_one!(RunStatus <=> RunStatus, unspecified: Unspecified, [Running, Completed, Failed, Canceled, AwaitingApproval, AwaitingInput]);
+one_to_one!(RunStatus <=> RunStatus, unspecified: Unspecified, [Running, Completed, Failed, Canceled, AwaitingApproval, AwaitingInput, AwaitingTask]);
 one_to_one!(ApprovalOutcome <=> ApprovalOutcome, unspecified: Unspecified, [Approved, Edited, Rejected, TimedOut, Answered]);
 one_to_one!(Delivery <=> SignalDelivery, unspecified: Unspecified, [Pending, Delivered, Undelivered]);
 one_to_one!(FailureReason <=> FailureReason, unspecified: Unspecified, [
@@ -438,6 +438,7 @@ impl From<&crate::domain::listing::RunSummary> for pb::RunSummary {
             Waiting::Approval => pb::WaitingFor::Approval,
             Waiting::Input => pb::WaitingFor::Input,
             Waiting::Thread => pb::WaitingFor::Thread,
+            Waiting::Task => pb::WaitingFor::Task,
         };
         Self {
             run_id: r.run_id.clone(),
@@ -558,6 +559,21 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             turn,
             expires_at_unix_ms,
         }),
+        Event::ToolCallProgress {
+            call_id,
+            name,
+            turn,
+            progress,
+            total,
+            message,
+        } => E::ToolCallProgress(pb::ToolCallProgress {
+            call_id,
+            name,
+            turn,
+            progress,
+            total,
+            message,
+        }),
         Event::MessageAdded { turn, content, name } => E::MessageAdded(pb::MessageAdded {
             turn,
             message: Some(pb::ChatMessage {
@@ -663,6 +679,14 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                 turn: e.turn,
                 expires_at_unix_ms: e.expires_at_unix_ms,
                 requests: e.requests.into_iter().filter_map(input_request_of).collect(),
+            },
+            E::ToolCallProgress(e) => Event::ToolCallProgress {
+                call_id: e.call_id,
+                name: e.name,
+                turn: e.turn,
+                progress: e.progress,
+                total: e.total,
+                message: e.message,
             },
             E::MessageAdded(e) => {
                 let message = e.message.unwrap_or_default();

@@ -115,20 +115,66 @@ pub async fn list(args: &ClientArgs) -> Result<(), Error> {
 }
 
 /// `call`: runs one tool and prints its result. `Ok(false)` when the tool answered with an error.
+/// A call the server runs as a task is followed (`RunToolRequest.task`) at the server's interval
+/// until it ends; past `--timeout` the task is canceled.
 pub async fn call(args: &ClientArgs, tool: &str, arguments: &str) -> Result<bool, Error> {
-    let request = pb::RunToolRequest {
+    let mut client = connect(args).await?;
+    let deadline = tokio::time::Instant::now() + args.timeout;
+    let mut request = pb::RunToolRequest {
         run_id: String::new(),
         call_id: "cli".into(),
         tool_name: tool.to_owned(),
         arguments_json: arguments.to_owned(),
         ..Default::default()
     };
-    let response = connect(args)
-        .await?
-        .run_tool(request)
-        .await
-        .map_err(|s| status_error(&s))?
-        .into_inner();
+    loop {
+        let response = client
+            .run_tool(request.clone())
+            .await
+            .map_err(|s| status_error(&s))?
+            .into_inner();
+        let Some(pb::run_tool_response::Outcome::Task(task)) = &response.outcome else {
+            return print_outcome(tool, response);
+        };
+        let said = if task.message.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", task.message)
+        };
+        eprintln!("{tool} runs as task {} ({}{said})", task.task_id, task.status);
+        let every = Duration::from_millis(if task.poll_interval_ms == 0 {
+            1000
+        } else {
+            task.poll_interval_ms
+        });
+        let wait = every.clamp(Duration::from_millis(200), Duration::from_secs(5));
+        let cancel = tokio::time::Instant::now() + wait >= deadline;
+        if cancel {
+            eprintln!(
+                "--timeout ({}) passed: canceling task {}",
+                humantime::format_duration(args.timeout),
+                task.task_id
+            );
+        } else {
+            tokio::time::sleep(wait).await;
+        }
+        request.task = Some(pb::ToolTaskRef {
+            task_id: task.task_id.clone(),
+            cancel,
+        });
+        if cancel {
+            let response = client
+                .run_tool(request)
+                .await
+                .map_err(|s| status_error(&s))?
+                .into_inner();
+            return print_outcome(tool, response).map(|_| false);
+        }
+    }
+}
+
+/// Prints a call's outcome; `Ok(false)` for anything but a result.
+fn print_outcome(tool: &str, response: pb::RunToolResponse) -> Result<bool, Error> {
     match response.outcome {
         Some(pb::run_tool_response::Outcome::ContentJson(json)) => {
             let pretty = serde_json::from_str::<serde_json::Value>(&json)
@@ -158,6 +204,10 @@ pub async fn call(args: &ClientArgs, tool: &str, arguments: &str) -> Result<bool
                 };
                 eprintln!("  {} ({}): {} {detail}", request.key, request.mode, request.message);
             }
+            Ok(false)
+        }
+        Some(pb::run_tool_response::Outcome::Task(task)) => {
+            eprintln!("{tool} still runs as task {} ({})", task.task_id, task.status);
             Ok(false)
         }
         None => Err(Error::Config(

@@ -19,6 +19,7 @@ use tonic::metadata::MetadataValue;
 
 use crate::telemetry::metric;
 use crate::tools::input::{InputAnswers, InputRequired, Output};
+use crate::tools::task::{TaskRef, TaskState};
 use crate::tools::{CallContext, ErrorCode, ToolError, ToolSpec};
 
 /// Response metadata of a refused replaced owner's call: the run's epoch, as its fence holds it.
@@ -97,6 +98,7 @@ struct ToolCall {
     principal: String,
     epoch: u64,
     input: Option<InputAnswers>,
+    task: Option<TaskRef>,
 }
 
 /// The answers a request carries, each parsed as JSON.
@@ -129,6 +131,16 @@ impl TryFrom<pb::RunToolRequest> for ToolCall {
             principal: r.principal,
             epoch: r.epoch,
             input: input_answers(r.input)?,
+            task: match r.task {
+                Some(task) if task.task_id.is_empty() => {
+                    return Err(Error::InvalidRequest("task.task_id is empty".into()));
+                }
+                Some(task) => Some(TaskRef {
+                    id: task.task_id,
+                    cancel: task.cancel,
+                }),
+                None => None,
+            },
         })
     }
 }
@@ -166,6 +178,19 @@ impl From<InputRequired> for pb::ToolInputRequired {
                     url: r.url,
                 })
                 .collect(),
+        }
+    }
+}
+
+impl From<TaskState> for pb::ToolTask {
+    fn from(task: TaskState) -> Self {
+        Self {
+            task_id: task.id,
+            status: task.status,
+            message: task.message,
+            ttl_ms: task.ttl_ms.unwrap_or(0),
+            poll_interval_ms: task.poll_interval_ms.unwrap_or(0),
+            pinned: task.pinned,
         }
     }
 }
@@ -251,6 +276,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
                 principal: call.principal.clone(),
                 epoch: call.epoch,
                 input: call.input.clone(),
+                task: call.task.clone(),
             };
             let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
             watch.finished = true;
@@ -292,6 +318,10 @@ impl ToolRunnerService {
                     pb::run_tool_response::Outcome::InputRequired(asked.into()),
                     "input_required".to_owned(),
                 )
+            }
+            Ok(Output::Task(task)) => {
+                tracing::info!(duration_ms, mcp.task.id = %task.id, status = %task.status, "the call runs as a task");
+                (pb::run_tool_response::Outcome::Task(task.into()), "task".to_owned())
             }
             Ok(Output::Done(value)) => {
                 let json = value.to_string();

@@ -174,6 +174,16 @@ impl Printer {
                     );
                 }
             }
+            E::ToolCallProgress(p) => {
+                self.in_reasoning = false;
+                self.turn_header(out, p.turn);
+                let amount = match (p.progress, p.total) {
+                    (done, total) if total > 0.0 => format!(" {done}/{total}"),
+                    (done, _) if done > 0.0 => format!(" {done}"),
+                    _ => String::new(),
+                };
+                self.line(out, &format!("  … {} [{}]{amount} {}", p.name, p.call_id, p.message));
+            }
             E::MessageAdded(m) => {
                 let text = m.message.as_ref().map_or("", |m| m.content.as_str());
                 self.line(

@@ -146,6 +146,8 @@ pub enum StatusArg {
     AwaitingApproval,
     /// Live, waiting for a person's answers to a tool's questions.
     AwaitingInput,
+    /// Live, parked while a tool's task runs on its MCP server.
+    AwaitingTask,
     /// Ended: the model answered.
     Completed,
     /// Ended: a limit or an error.
@@ -160,6 +162,7 @@ impl From<StatusArg> for proto::orchestrator::v1::RunStatus {
             StatusArg::Running => Self::Running,
             StatusArg::AwaitingApproval => Self::AwaitingApproval,
             StatusArg::AwaitingInput => Self::AwaitingInput,
+            StatusArg::AwaitingTask => Self::AwaitingTask,
             StatusArg::Completed => Self::Completed,
             StatusArg::Failed => Self::Failed,
             StatusArg::Canceled => Self::Canceled,

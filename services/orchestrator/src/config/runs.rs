@@ -46,6 +46,19 @@ pub struct RunSettings {
     /// would hold its run forever) (cap 100).
     #[arg(long, env = "ORCHESTRATOR_MAX_INPUT_ROUNDS", default_value_t = 10)]
     pub max_input_rounds: u32,
+    /// Shortest wait between two polls of a tool's task (a call its MCP server runs in the
+    /// background), whatever interval the server asks for (cap 60s).
+    #[arg(long, env = "ORCHESTRATOR_TASK_POLL_MIN", default_value = "500ms", value_parser = parse_duration)]
+    pub task_poll_min: Duration,
+    /// Longest wait between two polls of a tool's task, whatever interval the server asks for
+    /// (cap 1h).
+    #[arg(long, env = "ORCHESTRATOR_TASK_POLL_MAX", default_value = "30s", value_parser = parse_duration)]
+    pub task_poll_max: Duration,
+    /// How long a run follows its tools' tasks in place, holding its slot; past this it parks
+    /// like a run waiting for approval (no slot, its checkpoint kept) and is woken for each
+    /// poll on whichever replica takes it (0: parks at once) (cap 1h).
+    #[arg(long, env = "ORCHESTRATOR_TASK_PARK_AFTER", default_value = "30s", value_parser = parse_duration)]
+    pub task_park_after: Duration,
     /// Event batches (events the loop produces together) buffered per run stream before the run
     /// waits for a slow reader (cap 65536).
     #[arg(long, env = "ORCHESTRATOR_EVENT_BUFFER", default_value_t = 64)]
@@ -120,6 +133,9 @@ impl Bounded for RunSettings {
             bound("max_awaiting_runs", self.max_awaiting_runs, 1usize, 1_000_000usize),
             bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
             bound("max_input_rounds", self.max_input_rounds, 1u32, 100u32),
+            bound("task_poll_min", self.task_poll_min, ms(50), secs(60)),
+            bound("task_poll_max", self.task_poll_max, secs(1), secs(3600)),
+            bound("task_park_after", self.task_park_after, Duration::ZERO, secs(3600)),
             bound("event_send_timeout", self.event_send_timeout, ms(10), secs(600)),
             bound("max_caller_event_bytes", self.max_caller_event_bytes, KIB, 3 * MIB),
             bound("max_tool_result_bytes", self.max_tool_result_bytes, 256usize, 16 * MIB),

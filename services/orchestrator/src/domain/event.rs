@@ -115,6 +115,21 @@ pub enum Event {
         /// The questions.
         requests: Vec<super::input::InputRequest>,
     },
+    /// A call still running says how it gets on (a task's status, as its server says it).
+    ToolCallProgress {
+        /// Call id.
+        call_id: String,
+        /// Tool.
+        name: String,
+        /// Turn.
+        turn: u32,
+        /// How far it got, in the tool's units (0: not said).
+        progress: f64,
+        /// How far it has to go in all (0: not known).
+        total: f64,
+        /// What the tool says, for a person.
+        message: String,
+    },
     /// A user message sent to the live run (`SendMessage`) joined its conversation.
     MessageAdded {
         /// The turn whose model request first holds it.
@@ -157,6 +172,7 @@ impl NumberedEvent {
                 Event::RunStarted { .. } | Event::TurnFinished { .. } => 0,
                 Event::TurnRestarted { reason, .. } => reason.len(),
                 Event::MessageAdded { content, .. } => content.len(),
+                Event::ToolCallProgress { message, .. } => message.len(),
                 Event::ToolInputRequested { requests, .. } => requests
                     .iter()
                     .map(|r| r.message.len() + r.url.len() + r.schema.to_string().len())

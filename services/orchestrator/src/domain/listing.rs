@@ -24,6 +24,8 @@ pub enum Waiting {
     Approval,
     /// A person's (or the caller's) answer to a tool's question.
     Input,
+    /// A task one of its calls became (its tool's server runs the call in the background).
+    Task,
     /// Its thread, held by another run.
     Thread,
 }
@@ -74,6 +76,7 @@ impl From<&RunResult> for RunSummary {
             waiting_for: match run.status {
                 RunStatus::AwaitingApproval => Waiting::Approval,
                 RunStatus::AwaitingInput => Waiting::Input,
+                RunStatus::AwaitingTask => Waiting::Task,
                 _ => Waiting::Nothing,
             },
         }

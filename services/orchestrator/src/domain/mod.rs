@@ -9,6 +9,7 @@
 //! * [`event`]: the events of its stream;
 //! * [`approval`]: calls that wait for a person's decision, and the decisions;
 //! * [`input`]: questions a call asks a person before it can finish, and the answers;
+//! * [`task`]: a call its tool's server runs as a task, and how often it is polled;
 //! * [`cancel`]: how a run is asked to stop (at once, or after its turn);
 //! * [`steering`]: a user message sent to a live run, and why a run refuses one;
 //! * [`thread`]: conversations that continue across runs, their limits and busy policies;
@@ -32,6 +33,7 @@ pub mod result;
 pub mod share;
 pub mod spec;
 pub mod steering;
+pub mod task;
 pub mod thread;
 pub mod usage;
 

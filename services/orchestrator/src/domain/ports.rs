@@ -41,6 +41,11 @@ pub struct ToolInvocation {
     /// The answers to the questions this call asked in its last attempt (it is tried again
     /// with them).
     pub answers: Option<super::input::Answers>,
+    /// The task this call became (its server runs it in the background): this attempt goes on
+    /// with it instead of starting the tool again.
+    pub task: Option<super::task::ToolTask>,
+    /// With `task`: ask the server to cancel it first.
+    pub cancel_task: bool,
 }
 
 /// What a call gave back when it did not fail.
@@ -50,6 +55,8 @@ pub enum ToolOutput {
     Result(String),
     /// It asks a person these questions before it can finish.
     Asked(super::input::Questions),
+    /// Its server runs it as a task still working: the call's next attempts follow it.
+    Task(super::task::ToolTask),
 }
 
 /// Executes normal tool calls (on tool-runners, or scripted in tests). Dropping the future

@@ -21,17 +21,23 @@ pub enum RunStatus {
     AwaitingApproval,
     /// Parked until the questions of its pending calls are answered, and for nothing else.
     AwaitingInput,
+    /// Parked until the next poll of a task one of its calls became (its tool's server runs
+    /// the call in the background).
+    AwaitingTask,
 }
 
 impl RunStatus {
     /// Whether the run has not ended (it runs, or waits for a person).
     pub fn is_live(self) -> bool {
-        matches!(self, Self::Running | Self::AwaitingApproval | Self::AwaitingInput)
+        matches!(
+            self,
+            Self::Running | Self::AwaitingApproval | Self::AwaitingInput | Self::AwaitingTask
+        )
     }
 
-    /// Whether the run is parked, waiting for a person (it holds no slot).
+    /// Whether the run is parked, waiting for a person or a task (it holds no slot).
     pub fn is_parked(self) -> bool {
-        matches!(self, Self::AwaitingApproval | Self::AwaitingInput)
+        matches!(self, Self::AwaitingApproval | Self::AwaitingInput | Self::AwaitingTask)
     }
 
     /// The status of a run parked with `pending` calls: waiting for input when every one waits

@@ -123,6 +123,13 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
             approvals: ports.approvals,
             max_turn_restarts: config.llm.max_retries,
             max_input_rounds: config.runs.max_input_rounds,
+            tasks: crate::run::tool_loop::TaskSettings {
+                poll: crate::domain::task::PollBounds {
+                    min: config.runs.task_poll_min,
+                    max: config.runs.task_poll_max,
+                },
+                park_after: config.runs.task_park_after,
+            },
             threads: Some(Arc::clone(&threads)),
             usage: ports.usage,
             store_timeout: config.store.timeout,

@@ -45,6 +45,7 @@ mod transport;
 use crate::domain::ToolCallError;
 use crate::domain::input::Questions;
 use crate::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
+use crate::domain::task::ToolTask;
 use sender::{Attempt, Retries};
 #[cfg(test)]
 use sender::{moved_away, stop_superseded};
@@ -304,20 +305,24 @@ impl ToolExecutor for ToolRunners {
             };
             let tried: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
             sender::send(&call, retries, || {
-                let lease = pool.pick(&shared::sync::lock(&tried));
+                let pinned = call.task.as_ref().and_then(|t| t.runner.clone());
+                let lease = match &pinned {
+                    Some(uri) => pool.pick_only(uri),
+                    None => pool.pick(&shared::sync::lock(&tried)),
+                };
                 let request = run_tool_request(&call, &transport);
                 let (pool, tried, timeout) = (Arc::clone(&pool), Arc::clone(&tried), call.timeout);
                 async move {
                     let Some(lease) = lease else {
-                        let none = "no tool-runner endpoint is known (check --tool-runner)";
-                        return Attempt::Answered(Err(ToolCallError::new("UNAVAILABLE", none)));
+                        return Attempt::Answered(Err(no_runner(pinned.as_deref())));
                     };
                     let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
                         .max_decoding_message_size(settings.max_response_bytes);
                     let started = tokio::time::Instant::now();
                     let status = match client.run_tool(request).await {
                         Ok(response) => {
-                            return Attempt::Answered(outcome(response.into_inner(), settings.max_questions));
+                            let runner = &lease.member.uri;
+                            return Attempt::Answered(outcome(response.into_inner(), settings.max_questions, runner));
                         }
                         Err(status) => status,
                     };
@@ -342,6 +347,20 @@ impl ToolExecutor for ToolRunners {
             .await
         }
         .boxed()
+    }
+}
+
+/// Why no runner could take a call: none is known, or the one that holds its task is gone.
+fn no_runner(pinned: Option<&str>) -> ToolCallError {
+    match pinned {
+        Some(uri) => ToolCallError::new(
+            "FAILED",
+            format!(
+                "the tool-runner {uri} that holds this call's task is gone; a task of a stdio MCP server lives in \
+                 its runner's child process and does not survive that runner"
+            ),
+        ),
+        None => ToolCallError::new("UNAVAILABLE", "no tool-runner endpoint is known (check --tool-runner)"),
     }
 }
 
@@ -371,6 +390,10 @@ fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Requ
                 .iter()
                 .map(|(key, response)| (key.clone(), response.to_string()))
                 .collect(),
+        }),
+        task: call.task.as_ref().map(|task| pb::ToolTaskRef {
+            task_id: task.id.clone(),
+            cancel: call.cancel_task,
         }),
     });
     request.set_timeout(call.timeout);
@@ -414,9 +437,9 @@ fn call_error(status: &tonic::Status, runner: &str, elapsed: Duration, timeout: 
     )
 }
 
-/// A runner's answer: the tool's JSON content, its questions, or its error with the runner's
-/// code.
-fn outcome(response: pb::RunToolResponse, max_questions: usize) -> Result<ToolOutput, ToolCallError> {
+/// A runner's answer: the tool's JSON content, its questions, the task it became (held by
+/// `runner` when pinned there), or its error with the runner's code.
+fn outcome(response: pb::RunToolResponse, max_questions: usize, runner: &str) -> Result<ToolOutput, ToolCallError> {
     match response.outcome {
         Some(pb::run_tool_response::Outcome::ContentJson(json)) => Ok(ToolOutput::Result(json)),
         Some(pb::run_tool_response::Outcome::Error(e)) => {
@@ -430,6 +453,18 @@ fn outcome(response: pb::RunToolResponse, max_questions: usize) -> Result<ToolOu
         Some(pb::run_tool_response::Outcome::InputRequired(asked)) => {
             questions(asked, max_questions).map(ToolOutput::Asked)
         }
+        Some(pb::run_tool_response::Outcome::Task(task)) if task.task_id.is_empty() => Err(ToolCallError::new(
+            "FAILED",
+            "the tool-runner answered with a task that has no id",
+        )),
+        Some(pb::run_tool_response::Outcome::Task(task)) => Ok(ToolOutput::Task(ToolTask {
+            runner: task.pinned.then(|| runner.to_owned()),
+            id: task.task_id,
+            status: task.status,
+            message: task.message,
+            ttl_ms: (task.ttl_ms > 0).then_some(task.ttl_ms),
+            poll_interval_ms: (task.poll_interval_ms > 0).then_some(task.poll_interval_ms),
+        })),
         None => Err(ToolCallError::new(
             "FAILED",
             "the tool-runner answered with neither a result nor an error",
@@ -512,6 +547,8 @@ mod tests {
             owner,
             timeout: Duration::from_secs(5),
             answers: None,
+            task: None,
+            cancel_task: false,
         }
     }
 

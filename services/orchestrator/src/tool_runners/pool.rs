@@ -115,6 +115,17 @@ impl Pool {
         z ^ (z >> 31)
     }
 
+    /// The member at `uri`, for a call only it can take (a task held in its child process);
+    /// `None` when the pool no longer has it.
+    pub(super) fn pick_only(&self, uri: &str) -> Option<Lease> {
+        let members = self.read();
+        let member = members.get(uri)?;
+        member.in_flight.fetch_add(1, Ordering::AcqRel);
+        Some(Lease {
+            member: Arc::clone(member),
+        })
+    }
+
     /// Picks a member: not in `tried`, not cooling down (unless nothing else is left), the less
     /// loaded of two random candidates. `None` when the pool is empty.
     pub(super) fn pick(&self, tried: &[String]) -> Option<Lease> {

@@ -15,6 +15,8 @@ pub enum Output {
     Done(Value),
     /// It asks these questions first.
     InputRequired(InputRequired),
+    /// The server runs it as a task: the call goes on with it in its next attempts.
+    Task(crate::tools::task::TaskState),
 }
 
 /// The questions of a call, and the state to send back with their answers.

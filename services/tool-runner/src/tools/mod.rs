@@ -9,6 +9,7 @@
 //! * [`command`]: tools that run a program, declared in a TOML manifest ([`manifest`]);
 //! * [`mcp`]: the tools of MCP servers declared in the same manifest;
 //! * [`input`]: questions a call asks a person before it can finish (MCP's `input_required`);
+//! * [`task`]: calls an MCP server runs as tasks, and how a call's next attempt goes on with one;
 //! * `entry.rs`: a tool as the registry keeps it (spec, compiled schema, implementation);
 //!   `fields.rs`: the checks of a manifest table's fields; `limits.rs`: the resource limits of
 //!   command tools (set with `prlimit`).
@@ -21,6 +22,7 @@ pub mod input;
 pub mod limits;
 pub mod manifest;
 pub mod mcp;
+pub mod task;
 
 use std::fmt;
 use std::time::Duration;
@@ -50,6 +52,8 @@ pub struct CallContext {
     pub epoch: u64,
     /// The answers to the questions the call's last attempt asked (it is tried again with them).
     pub input: Option<input::InputAnswers>,
+    /// The task the call became in an earlier attempt: this attempt goes on with it.
+    pub task: Option<task::TaskRef>,
 }
 
 /// A tool the runner can execute.

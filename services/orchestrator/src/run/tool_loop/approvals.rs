@@ -45,9 +45,12 @@ impl super::Checkpoint {
         self
     }
 
-    /// Whether calls of the checkpoint's turn wait for decisions.
+    /// Whether calls of the checkpoint's turn wait for decisions or follow tasks (a run parked
+    /// with them goes on with what its wait holds).
     pub fn awaits_decisions(&self) -> bool {
-        self.calls.as_ref().is_some_and(TurnCalls::undecided)
+        self.calls
+            .as_ref()
+            .is_some_and(|calls| calls.undecided() || !calls.tasks.is_empty())
     }
 }
 
@@ -300,6 +303,7 @@ impl Driver<'_> {
                     rejected: true,
                     reported: false,
                     asked: None,
+                    task: None,
                 });
             }
         }
@@ -334,7 +338,11 @@ impl Driver<'_> {
         // everything sent.
         self.emitter.settler(self.deps.log_settle_timeout).wait().await;
         let checkpoint = self.checkpoint(Some(calls));
-        let parked_as = RunStatus::parked_for(&lock(self.state).pending_approvals);
+        let parked_as = if calls.undecided() {
+            RunStatus::parked_for(&lock(self.state).pending_approvals)
+        } else {
+            RunStatus::AwaitingTask
+        };
         let result = {
             let mut state = lock(self.state);
             state.status = parked_as;
@@ -410,14 +418,15 @@ impl Driver<'_> {
         }
     }
 
-    /// When a parked run wakes without decisions: its first expiry, or its deadline when sooner
-    /// (unless the deadline pauses while it waits).
+    /// When a parked run wakes without decisions: its first expiry or its next task poll, or
+    /// its deadline when sooner (unless the deadline pauses while it waits).
     fn wake_at(&self, calls: &TurnCalls) -> u64 {
         let expiry = calls
             .approvals
             .iter()
             .filter(|a| a.decision.is_none())
             .map(|a| a.expires_at_unix_ms)
+            .chain(calls.next_poll_at())
             .min()
             .unwrap_or(0);
         if self.spec.approval.pause_deadline {

@@ -1,6 +1,6 @@
-//! A call of a turn that waits for a person: for a decision before it runs, or for the answers
-//! to the questions it asked; as the turn's calls (and so its checkpoint) hold it. What the loop
-//! does with it is in `approvals.rs`.
+//! A call of a turn that waits: for a person's decision before it runs, for the answers to the
+//! questions it asked, or for the task its server made of it; as the turn's calls (and so its
+//! checkpoint) hold it. What the loop does with it is in `approvals.rs` and `tasks.rs`.
 
 use serde::{Deserialize, Serialize};
 
@@ -46,4 +46,16 @@ impl Approval {
             None => ApprovalDecision::timed_out(now_unix_ms),
         }
     }
+}
+
+/// A task one of the turn's calls became, followed until it ends.
+#[derive(Clone, Serialize, Deserialize)]
+pub(super) struct Following {
+    /// Position in the turn's calls.
+    pub(super) index: usize,
+    pub(super) task: crate::domain::task::ToolTask,
+    /// Unix ms the run first heard of the task (its ttl counts from then).
+    pub(super) seen_at_unix_ms: u64,
+    /// Unix ms of its next poll.
+    pub(super) poll_at_unix_ms: u64,
 }

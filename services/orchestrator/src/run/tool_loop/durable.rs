@@ -139,6 +139,48 @@ pub struct TurnCalls {
     /// turn began.
     #[serde(default)]
     pub(super) cut_short: Option<TurnStart>,
+    /// The tasks calls became (their servers run them in the background), followed until they
+    /// end.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) tasks: Vec<super::awaiting::Following>,
+}
+
+#[cfg(test)]
+impl TurnCalls {
+    /// A turn of `n` normal calls, all executed, none finished.
+    pub(super) fn for_tests(n: usize) -> Self {
+        let calls = (0..n)
+            .map(|i| super::ModelCall {
+                id: format!("call_{i}"),
+                name: "crunch".into(),
+                arguments: "{}".into(),
+                argument_bytes: 2,
+            })
+            .collect();
+        Self {
+            turn: super::Turn {
+                number: 1,
+                text: String::new(),
+                usage: Usage::default(),
+                reasoning: String::new(),
+            },
+            partition: Partition {
+                calls,
+                normal: (0..n).collect(),
+                exit: Vec::new(),
+                bad: Vec::new(),
+            },
+            spend: Spend {
+                executed: (0..n).collect(),
+                exhausted: false,
+                left: 0,
+            },
+            finished: Vec::new(),
+            approvals: Vec::new(),
+            cut_short: None,
+            tasks: Vec::new(),
+        }
+    }
 }
 
 /// How long the run's text and reasoning were when a turn began.
@@ -183,6 +225,8 @@ pub(super) struct CallRecorder {
     cancel: Cancel,
     /// The run's inbox: messages sent while the calls run go into the checkpoints that follow.
     inbox: Inbox,
+    /// How often tasks are polled: a task's next poll is in its checkpoint.
+    poll: crate::domain::task::PollBounds,
 }
 
 /// The log did not keep every event sent (it refused them for too long, or did not answer in
@@ -199,8 +243,13 @@ fn log_not_kept(persister: &Persister) {
 }
 
 impl CallRecorder {
-    /// Adds `outcome` to the checkpoint and saves it (the newest state is written last).
+    /// Adds `outcome` to the checkpoint and saves it (the newest state is written last): a
+    /// result, or the task the call became, before anything else happens with it. A call that
+    /// asked questions saves nothing here (see [`TurnCalls::record`]).
     pub(super) async fn finished(&self, outcome: &CallOutcome) {
+        if outcome.asked.is_some() {
+            return;
+        }
         if !self.settler.wait().await {
             return log_not_kept(&self.persister);
         }
@@ -208,7 +257,7 @@ impl CallRecorder {
             .save(|| {
                 let mut base = shared::sync::lock(&self.base);
                 if let Some(calls) = base.calls.as_mut() {
-                    calls.finished.push(outcome.clone());
+                    calls.record(outcome, self.poll, shared::sync::unix_ms());
                 }
                 base.cancel_after_turn = self.cancel.after_turn();
                 base.steering = self.inbox.kept();
@@ -311,6 +360,7 @@ impl Driver<'_> {
             settler: self.emitter.settler(self.deps.log_settle_timeout),
             cancel: self.cancel.clone(),
             inbox: self.inbox.clone(),
+            poll: self.deps.tasks.poll,
         }))
     }
 

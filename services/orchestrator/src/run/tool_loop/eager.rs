@@ -91,6 +91,7 @@ async fn joined(index: usize, mut task: Task) -> CallOutcome {
             rejected: false,
             reported: false,
             asked: None,
+            task: None,
         },
     }
 }
@@ -157,7 +158,7 @@ impl Driver<'_> {
             &call,
             self.call_timeout(),
             None,
-            None,
+            (None, None),
         )));
         tracing::debug!(call_id = %call.id, tool = %call.name, "tool call started while the model still writes");
         if let Some(started) = self.eager.started.last_mut() {
@@ -197,6 +198,7 @@ impl Driver<'_> {
             finished: Vec::new(),
             approvals: Vec::new(),
             cut_short: Some(self.eager.turn_start),
+            tasks: Vec::new(),
         };
         self.emitter.settler(self.deps.log_settle_timeout).wait().await;
         let checkpoint = self.checkpoint(Some(&calls));

@@ -18,8 +18,9 @@
 //! reasoning and usage as they arrive), `eager.rs` (tools started while the model still
 //! writes), `output.rs` (accounting of the run's output against its bounds), `durable.rs`
 //! (checkpoints at safe points, and resuming from one), `approvals.rs` (calls that wait for a
-//! person's decision, parking and going on) with `awaiting.rs` (such a call as the turn holds
-//! it), and `tests.rs` (the rules, without a network).
+//! person's decision, parking and going on), `tasks.rs` (calls their servers run as tasks,
+//! followed until they end) with `awaiting.rs` (such calls as the turn holds them), and
+//! `tests.rs` (the rules, without a network).
 
 mod approvals;
 mod awaiting;
@@ -28,6 +29,7 @@ mod durable;
 mod eager;
 mod output;
 mod rules;
+mod tasks;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -41,6 +43,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 pub use self::durable::{Checkpoint, Progress, Resumed};
+pub use self::tasks::TaskSettings;
 
 use self::completion::Completion;
 use self::durable::TurnCalls;
@@ -85,6 +88,8 @@ pub struct LoopDeps {
     pub max_turn_restarts: u32,
     /// Times one call may ask questions before it fails (`--max-input-rounds`).
     pub max_input_rounds: u32,
+    /// How the loop follows its tools' tasks.
+    pub tasks: TaskSettings,
     /// Where a run on a thread adds its messages as it ends (`None`: runs name no thread).
     pub threads: Option<Arc<crate::threads::Keeper>>,
     /// Where each principal's spend adds up (each turn's tokens, each run's calls and time).
@@ -183,7 +188,13 @@ fn drive_run(
                 handoff: &handoff,
                 persister: persister.as_ref(),
             };
+            if let Some(resumed) = &resumed {
+                driver.followed = tasks::Followed::of(resumed.checkpoint.calls.as_ref());
+            }
             let end = race(Box::pin(driver.drive(resumed.map(|r| *r))), &spec, ends).await;
+            if !matches!(end, End::HandedOver | End::TakenOver | End::Parked) {
+                driver.cancel_followed_tasks().await;
+            }
             if !matches!(end, End::Completed | End::HandedOver | End::TakenOver | End::Parked) {
                 driver.keep_interrupted_turn(true);
             }
@@ -523,6 +534,10 @@ struct CallOutcome {
     /// The call did not finish: it asks a person these questions (its `result` is empty).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     asked: Option<crate::domain::input::Questions>,
+    /// The call did not finish: its server runs it as this task, still working (its `result`
+    /// is empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    task: Option<crate::domain::task::ToolTask>,
 }
 
 /// The state of the loop across turns.
@@ -559,6 +574,8 @@ struct Driver<'a> {
     /// The tokens the caller's `tokens_per_hour` had left when a turn last added its tokens
     /// (`None`: no such budget, or no turn added yet).
     window_left: Option<u64>,
+    /// The tasks the current turn's calls became, to cancel if the run ends before them.
+    followed: tasks::Followed,
 }
 
 /// The tools a run offers the model: the definitions sent with every turn, and the names that
@@ -614,6 +631,7 @@ impl<'a> Driver<'a> {
             inbox,
             eager: eager::Eager::default(),
             window_left: None,
+            followed: tasks::Followed::default(),
             spec,
             deps,
             state,

@@ -78,6 +78,7 @@ impl Driver<'_> {
             finished: Vec::new(),
             approvals: Vec::new(),
             cut_short: None,
+            tasks: Vec::new(),
         };
         calls.approvals = self.calls_needing_approval(&calls);
         Ok(calls)
@@ -98,20 +99,27 @@ impl Driver<'_> {
         // The calls that finished before this replica resumed the turn are not run again, and
         // stay in the checkpoints taken as the others finish.
         self.run_unfinished(&mut calls).await;
-        // Each round a call asks again counts against its bound, so this ends.
-        while calls.undecided() {
+        // Each round a call asks again counts against its bound, and a task ends (or its run's
+        // deadline does), so this ends.
+        while calls.undecided() || !calls.tasks.is_empty() {
             self.report_while_waiting(&mut calls).await?;
-            self.await_decisions(&mut calls).await?;
-            self.apply_decisions(&mut calls).await?;
-            self.safe_point(Some(&calls)).await?;
+            if calls.undecided() {
+                self.await_decisions(&mut calls).await?;
+                self.apply_decisions(&mut calls).await?;
+                self.safe_point(Some(&calls)).await?;
+            } else {
+                self.await_tasks(&mut calls).await?;
+            }
             self.run_unfinished(&mut calls).await;
         }
         self.report_turn(calls)
     }
 
-    /// Runs the calls not finished yet; those that asked questions wait for the answers.
+    /// Runs the calls not finished yet (a call that became a task: its next poll); those that
+    /// asked questions wait for the answers, those still running as tasks are followed.
     async fn run_unfinished(&mut self, calls: &mut TurnCalls) {
         let ran = self.dispatch(calls).await;
+        let ran = self.take_tasks(calls, ran);
         let asked = self.take_questions(calls, ran);
         self.ask_for_input(calls, &asked).await;
     }
@@ -526,7 +534,10 @@ impl Driver<'_> {
                     &calls.partition.calls[i],
                     timeout,
                     approval.and_then(|a| a.decision.as_ref()),
-                    approval.and_then(super::awaiting::Approval::answers),
+                    (
+                        approval.and_then(super::awaiting::Approval::answers),
+                        calls.following(i).map(|f| f.task.clone()),
+                    ),
                 )),
             };
             let recorder = recorder.clone();
@@ -541,22 +552,14 @@ impl Driver<'_> {
         .await
     }
 
-    /// One call on a tool-runner, in its `execute_tool` span (which records the `approval` that
-    /// let it run, if it needed one), with the `answers` to the questions it asked last, if any.
-    pub(super) fn execute(
+    /// A call as the tool-runners take it, with the `answers` to the questions it asked last.
+    pub(super) fn invocation(
         &self,
-        index: usize,
         call: &ModelCall,
         timeout: Duration,
-        approval: Option<&crate::domain::approval::ApprovalDecision>,
         answers: Option<crate::domain::input::Answers>,
-    ) -> impl Future<Output = CallOutcome> + use<> {
-        let payloads = self.deps.trace_payloads;
-        let span = telemetry::execute_tool_span(&call.name, &call.id, &call.arguments, payloads);
-        if let Some(decision) = approval {
-            telemetry::record_approval(&span, decision);
-        }
-        let invocation = ToolInvocation {
+    ) -> ToolInvocation {
+        ToolInvocation {
             run_id: self.spec.run_id.clone(),
             call_id: call.id.clone(),
             name: call.name.clone(),
@@ -567,7 +570,35 @@ impl Driver<'_> {
             owner: self.ownership(),
             timeout,
             answers,
-        };
+            task: None,
+            cancel_task: false,
+        }
+    }
+
+    /// One call on a tool-runner, in its `execute_tool` span (which records the `approval` that
+    /// let it run, if it needed one), with the answers to the questions it asked last and the
+    /// task it became, if any (`prior`): a task is polled (and canceled, when the run is to end
+    /// after the turn) instead of the tool started again.
+    pub(super) fn execute(
+        &self,
+        index: usize,
+        call: &ModelCall,
+        timeout: Duration,
+        approval: Option<&crate::domain::approval::ApprovalDecision>,
+        prior: (
+            Option<crate::domain::input::Answers>,
+            Option<crate::domain::task::ToolTask>,
+        ),
+    ) -> impl Future<Output = CallOutcome> + use<> {
+        let payloads = self.deps.trace_payloads;
+        let span = telemetry::execute_tool_span(&call.name, &call.id, &call.arguments, payloads);
+        if let Some(decision) = approval {
+            telemetry::record_approval(&span, decision);
+        }
+        let (answers, task) = prior;
+        let mut invocation = self.invocation(call, timeout, answers);
+        invocation.cancel_task = task.is_some() && self.cancel.after_turn().is_some();
+        invocation.task = task;
         let tool = call.name.clone();
         let owner = self.ownership();
         let future = span.in_scope(|| self.deps.tools.execute(invocation));
@@ -592,12 +623,13 @@ impl Driver<'_> {
                 // owner's, or the lease ran out): its outcome is the new owner's to find.
                 return std::future::pending().await;
             }
-            let (result, asked) = match result {
-                Ok(ToolOutput::Result(json)) => (Ok(json), None),
-                Ok(ToolOutput::Asked(questions)) => (Ok(String::new()), Some(questions)),
-                Err(e) => (Err(e), None),
+            let (result, asked, task) = match result {
+                Ok(ToolOutput::Result(json)) => (Ok(json), None, None),
+                Ok(ToolOutput::Asked(questions)) => (Ok(String::new()), Some(questions), None),
+                Ok(ToolOutput::Task(task)) => (Ok(String::new()), None, Some(task)),
+                Err(e) => (Err(e), None, None),
             };
-            if asked.is_none() {
+            if asked.is_none() && task.is_none() {
                 telemetry::record_tool_call(&tool, &result, elapsed, payloads);
             }
             CallOutcome {
@@ -607,6 +639,7 @@ impl Driver<'_> {
                 rejected: false,
                 reported: false,
                 asked,
+                task,
             }
         }
         .instrument(span)
@@ -629,6 +662,7 @@ impl Driver<'_> {
             rejected: false,
             reported: false,
             asked: None,
+            task: None,
         }));
         outcomes.sort_by_key(|o| o.index);
         let mut fed_back = Vec::with_capacity(outcomes.len());

@@ -310,6 +310,13 @@ async fn play_with(
         approvals: outside.approvals,
         max_turn_restarts: 2,
         max_input_rounds: 10,
+        tasks: TaskSettings {
+            poll: crate::domain::task::PollBounds {
+                min: Duration::from_millis(50),
+                max: Duration::from_secs(1),
+            },
+            park_after: Duration::from_secs(30),
+        },
         threads: outside.threads,
         usage: outside.usage,
         store_timeout: Duration::from_secs(5),
@@ -429,6 +436,7 @@ async fn events_produced_together_reach_the_stream_as_one_batch() {
                     Event::ApprovalRequested { .. } => "approval_requested",
                     Event::MessageAdded { .. } => "message_added",
                     Event::ToolInputRequested { .. } => "input_requested",
+                    Event::ToolCallProgress { .. } => "call_progress",
                     Event::RunFinished(_) => "run_finished",
                 })
                 .collect()

@@ -40,7 +40,9 @@ impl Entry {
 
 impl Entry {
     fn decided(&self) -> bool {
-        self.calls.iter().all(|c| c.decision.is_some())
+        // A wait with no call for a person (a run that parked to follow a task) is decided by
+        // nobody: it goes on when woken.
+        !self.calls.is_empty() && self.calls.iter().all(|c| c.decision.is_some())
     }
 
     /// A parked run goes on once decided, woken or canceled.

@@ -371,6 +371,7 @@ impl RunJournal for KvStore {
                 && [
                     proto::orchestrator::v1::RunStatus::AwaitingApproval as i32,
                     proto::orchestrator::v1::RunStatus::AwaitingInput as i32,
+                    proto::orchestrator::v1::RunStatus::AwaitingTask as i32,
                 ]
                 .contains(&result.status)
             {

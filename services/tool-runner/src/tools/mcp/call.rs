@@ -42,14 +42,15 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use rmcp::RoleClient;
 use rmcp::model::{
-    CallToolRequestParams, CancelledNotificationParam, ClientRequest, ErrorCode as JsonRpcCode, Request, RequestId,
-    RequestMetaObject, ServerResult,
+    CallToolRequestParams, CancelTaskParams, CancelledNotificationParam, ClientRequest, ErrorCode as JsonRpcCode,
+    GetTaskParams, Request, RequestId, RequestMetaObject, ServerResult, UpdateTaskParams,
 };
 use rmcp::service::{Peer, PeerRequestOptions, ServiceError};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
-use crate::tools::input::{InputRequest, InputRequired, Output};
+use crate::tools::input::{InputAnswers, InputRequest, InputRequired, Output};
+use crate::tools::task::{TaskRef, TaskState};
 use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult};
 
 /// How much of an error's text reaches the model.
@@ -68,14 +69,17 @@ pub(crate) struct Link {
     peer: RwLock<Option<Peer<RoleClient>>>,
     /// Named in the error of a call whose answer the transport dropped.
     max_message_bytes: usize,
+    /// A stdio server: its tasks live in this runner's child process.
+    pinned: bool,
 }
 
 impl Link {
-    pub(super) fn new(server: String, max_message_bytes: usize) -> Self {
+    pub(super) fn new(server: String, max_message_bytes: usize, pinned: bool) -> Self {
         Self {
             server,
             peer: RwLock::new(None),
             max_message_bytes,
+            pinned,
         }
     }
 
@@ -111,30 +115,36 @@ impl Tool for McpTool {
             .map(|output| match output? {
                 Output::Done(value) => Ok(value),
                 Output::InputRequired(_) => Err(ToolError::failed("the MCP tool asked for input nobody can give here")),
+                Output::Task(_) => Err(ToolError::failed(
+                    "the MCP server ran the call as a task nobody follows here",
+                )),
             })
             .boxed()
     }
 
     fn run(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, Result<Output, ToolError>> {
         let (link, name) = (std::sync::Arc::clone(&self.link), self.name.clone());
-        let input = ctx.input.clone();
+        let (input, task) = (ctx.input.clone(), ctx.task.clone());
         let ids = [(META_CALL_ID, ctx.call_id.clone()), (META_RUN_ID, ctx.run_id.clone())];
         let epoch = ctx.epoch;
+        let method = if task.is_some() { "tasks/get" } else { "tools/call" };
         let span = tracing::info_span!(
             "mcp_call",
-            otel.name = %format!("tools/call {name}"),
+            otel.name = %format!("{method} {name}"),
             otel.kind = "client",
             rpc.system = "jsonrpc",
-            rpc.method = "tools/call",
+            rpc.method = method,
             mcp.server = %link.server,
             mcp.tool = %name,
         );
         async move {
-            let server = link.server.clone();
             let peer = link.peer().ok_or_else(|| {
                 ToolError::retryable(
                     ErrorCode::Unavailable,
-                    format!("MCP server {server} is not connected; the runner is reconnecting to it"),
+                    format!(
+                        "MCP server {} is not connected; the runner is reconnecting to it",
+                        link.server
+                    ),
                 )
             })?;
             let mut meta = RequestMetaObject::new();
@@ -147,37 +157,128 @@ impl Tool for McpTool {
             if epoch > 0 {
                 meta.0.insert(META_EPOCH.to_owned(), Value::from(epoch));
             }
-            let mut params = CallToolRequestParams::new(name).with_arguments(args);
-            if let Some(input) = input {
-                params = params.with_input_responses(input.responses);
-                params.request_state = Some(input.request_state).filter(|state| !state.is_empty());
-            }
-            let request = ClientRequest::CallToolRequest(Request::new(params));
-            let handle = peer
-                .send_cancellable_request(request, PeerRequestOptions::no_options().with_meta(meta))
-                .await
-                .map_err(|e| service_error(&server, e))?;
-            let mut cancel = CancelOnDrop(Some((handle.peer.clone(), handle.id.clone())));
-            let answer = handle.await_response().await;
-            cancel.0 = None;
-            match answer {
-                Ok(ServerResult::CallToolResult(result)) => {
-                    content_json(&serde_json::to_value(&result).unwrap_or_default()).map(Output::Done)
-                }
-                Ok(ServerResult::InputRequiredResult(asked)) => questions(&server, &serde_json::to_value(&asked).unwrap_or_default()),
-                Ok(_) => Err(ToolError::failed(format!(
-                    "MCP server {server} answered tools/call with something other than a tool result or questions (tasks are not supported)"
-                ))),
-                Err(ServiceError::TransportClosed) if !peer.is_transport_closed() => Err(ToolError::failed(format!(
-                    "MCP server {server}: the transport dropped this call's answer while the session stays open \
-                     (an answer over max_message_bytes = {} bytes, or a broken response stream)",
-                    link.max_message_bytes
-                ))),
-                Err(e) => Err(service_error(&server, e)),
+            match task {
+                Some(task) => go_on_with_task(&link, &peer, task, input, meta).await,
+                None => call_tool(&link, &peer, name, args, input, meta).await,
             }
         }
         .instrument(span)
         .boxed()
+    }
+}
+
+/// `tools/call`: the tool's result, its questions, or the task the server made of the call.
+async fn call_tool(
+    link: &Link,
+    peer: &Peer<RoleClient>,
+    name: String,
+    args: Args,
+    input: Option<InputAnswers>,
+    meta: RequestMetaObject,
+) -> Result<Output, ToolError> {
+    let server = &link.server;
+    let mut params = CallToolRequestParams::new(name).with_arguments(args);
+    if let Some(input) = input {
+        params = params.with_input_responses(input.responses);
+        params.request_state = Some(input.request_state).filter(|state| !state.is_empty());
+    }
+    let request = ClientRequest::CallToolRequest(Request::new(params));
+    let handle = peer
+        .send_cancellable_request(request, PeerRequestOptions::no_options().with_meta(meta))
+        .await
+        .map_err(|e| service_error(server, e))?;
+    let mut cancel = CancelOnDrop(Some((handle.peer.clone(), handle.id.clone())));
+    let answer = handle.await_response().await;
+    cancel.0 = None;
+    match answer {
+        Ok(ServerResult::CallToolResult(result)) => {
+            content_json(&serde_json::to_value(&result).unwrap_or_default()).map(Output::Done)
+        }
+        Ok(ServerResult::InputRequiredResult(asked)) => {
+            questions(server, &serde_json::to_value(&asked).unwrap_or_default())
+        }
+        Ok(ServerResult::CreateTaskResult(created)) => {
+            let task = TaskState::of_mcp(&serde_json::to_value(&created).unwrap_or_default(), link.pinned);
+            tracing::info!(mcp.task.id = %task.id, ttl_ms = ?task.ttl_ms, poll_interval_ms = ?task.poll_interval_ms, "the server runs the call as a task");
+            Ok(Output::Task(task))
+        }
+        Ok(_) => Err(ToolError::failed(format!(
+            "MCP server {server} answered tools/call with something other than a tool result, questions or a task"
+        ))),
+        Err(ServiceError::TransportClosed) if !peer.is_transport_closed() => Err(ToolError::failed(format!(
+            "MCP server {server}: the transport dropped this call's answer while the session stays open \
+             (an answer over max_message_bytes = {} bytes, or a broken response stream)",
+            link.max_message_bytes
+        ))),
+        Err(e) => Err(service_error(server, e)),
+    }
+}
+
+/// An attempt of a call that became a task: the answers to its questions go with
+/// `tasks/update` (or the task is canceled with `tasks/cancel`), then `tasks/get` says where it
+/// is. An error the server answers to the update or the cancel is logged, not fatal: the task's
+/// state (`tasks/get`) says what came of it.
+async fn go_on_with_task(
+    link: &Link,
+    peer: &Peer<RoleClient>,
+    task: TaskRef,
+    input: Option<InputAnswers>,
+    meta: RequestMetaObject,
+) -> Result<Output, ToolError> {
+    let server = &link.server;
+    let sent = if task.cancel {
+        let mut params = CancelTaskParams::new(task.id.clone());
+        params.meta = Some(meta.clone());
+        Some(("tasks/cancel", peer.cancel_task(params).await))
+    } else if let Some(input) = input {
+        let mut params = UpdateTaskParams::new(task.id.clone(), input.responses);
+        params.meta = Some(meta.clone());
+        Some(("tasks/update", peer.update_task(params).await))
+    } else {
+        None
+    };
+    match sent {
+        Some((method, Err(ServiceError::McpError(e)))) => {
+            tracing::warn!(mcp.task.id = %task.id, "MCP server {server} answered {method} with error {}: {}", e.code.0, e.message);
+        }
+        Some((_, Err(e))) => return Err(service_error(server, e)),
+        _ => {}
+    }
+    let mut params = GetTaskParams::new(task.id.clone());
+    params.meta = Some(meta);
+    match peer.get_task(params).await {
+        Ok(got) => task_output(server, &serde_json::to_value(&got).unwrap_or_default(), link.pinned),
+        Err(ServiceError::McpError(e)) => Err(ToolError::failed(format!(
+            "MCP server {server} no longer knows task {} (past its ttl, or the server lost it): error {}: {}",
+            task.id,
+            e.code.0,
+            shared::text::truncate(&e.message, ERROR_TEXT_BYTES)
+        ))),
+        Err(e) => Err(service_error(server, e)),
+    }
+}
+
+/// A task's state (`tasks/get`, as JSON) as the attempt's output: still working, questions,
+/// the tool's result, or the task's end as an error.
+fn task_output(server: &str, task: &Value, pinned: bool) -> Result<Output, ToolError> {
+    match task["status"].as_str().unwrap_or_default() {
+        "working" => Ok(Output::Task(TaskState::of_mcp(task, pinned))),
+        "input_required" => questions(server, task),
+        "completed" => content_json(&task["result"]).map(Output::Done),
+        "failed" => Err(ToolError::failed(format!(
+            "the MCP server's task failed: {}",
+            shared::text::truncate(
+                task["error"]["message"].as_str().unwrap_or("no message"),
+                ERROR_TEXT_BYTES
+            )
+        ))),
+        "cancelled" => Err(ToolError::new(
+            ErrorCode::Canceled,
+            format!("MCP server {server} canceled the task"),
+        )),
+        other => Err(ToolError::failed(format!(
+            "MCP server {server} says its task is {other:?}, a status this runner does not know"
+        ))),
     }
 }
 

@@ -16,7 +16,8 @@ use std::sync::Arc;
 use futures::StreamExt;
 use rmcp::model::{
     ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult, ElicitationAction, ElicitationCapability,
-    ErrorData, FormElicitationCapability, Implementation, ProtocolVersion, UrlElicitationCapability,
+    ErrorData, ExtensionCapabilities, FormElicitationCapability, Implementation, ProtocolVersion, TASKS_EXTENSION_ID,
+    UrlElicitationCapability,
 };
 use rmcp::service::{ClientLifecycleMode, ClientServiceExt as _, NotificationContext, RequestContext, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;
@@ -32,8 +33,8 @@ use crate::tools::command::GroupKiller;
 /// Longest stderr line of a stdio server that is logged whole.
 const STDERR_LINE_BYTES: usize = 4096;
 
-/// What the runner tells a server about itself: it offers elicitation (see the module docs),
-/// not sampling or roots.
+/// What the runner tells a server about itself: it offers elicitation (see the module docs) and
+/// the tasks extension, not sampling or roots.
 #[derive(Clone)]
 pub(super) struct Handler {
     /// Woken by `notifications/tools/list_changed`.
@@ -71,6 +72,11 @@ impl ClientHandler for Handler {
         elicitation.form = Some(FormElicitationCapability::new());
         elicitation.url = Some(UrlElicitationCapability::new());
         capabilities.elicitation = Some(elicitation);
+        // Tasks (2026-07-28 only): a call the server makes a task goes back to the
+        // orchestrator, which follows it durably (`tools/task.rs`).
+        let mut extensions = ExtensionCapabilities::new();
+        extensions.insert(TASKS_EXTENSION_ID.to_owned(), serde_json::Map::new());
+        capabilities.extensions = Some(extensions);
         let mut config = ClientConfig::new(
             capabilities,
             Implementation::new("tool-runner", env!("CARGO_PKG_VERSION")),

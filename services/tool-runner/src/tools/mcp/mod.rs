@@ -68,7 +68,11 @@ impl McpServers {
         let mut first_attempts = Vec::new();
         for config in configs {
             let server = Arc::new(McpServer {
-                link: Arc::new(Link::new(config.name.clone(), config.max_message_bytes)),
+                link: Arc::new(Link::new(
+                    config.name.clone(),
+                    config.max_message_bytes,
+                    matches!(config.transport, config::Transport::Stdio { .. }),
+                )),
                 config,
                 tools: RwLock::new(Arc::default()),
                 reserved: Arc::clone(&reserved),

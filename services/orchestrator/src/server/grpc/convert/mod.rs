@@ -177,7 +177,7 @@ mod tests {
                 FailureReason::ALL.len(),
                 ApprovalOutcome::ALL.len()
             ),
-            (6, 3, 14, 5),
+            (7, 3, 14, 5),
             "the lists are the enums"
         );
     }

@@ -1,0 +1,280 @@
+//! A tool whose MCP server runs its calls as tasks (the MCP tasks extension), through the real
+//! `orchestrator` binary, a tool-runner in this process serving the tests' own FastMCP server
+//! (`tests/fixtures/mcp/tasks_server.py`, `fastmcp-tasks`: `crunch` always becomes a task) and
+//! the stand-in model: the run streams `tool_call_progress` while it polls the task, and the
+//! task's result is the call's; past `--task-park-after` the run parks holding no slot
+//! (`RUN_STATUS_AWAITING_TASK`) and is woken for each poll; a run canceled while its task runs
+//! has the server cancel the task. On NATS, a replica SIGKILLed while its run follows a task
+//! leaves it to another, which polls the same task: the work runs once.
+
+use std::time::Duration;
+
+use mock_llm::{MockLlm, Scenario, Step, Turn};
+use proto::orchestrator::v1 as pb;
+use proto::orchestrator::v1::orchestrate_event::Event as E;
+use serde_json::json;
+use testkit::Service;
+use testkit::runs::read_until;
+use tokio::process::Command;
+use tonic::transport::Channel;
+
+type TestResult = anyhow::Result<()>;
+type Client = pb::orchestrator_client::OrchestratorClient<Channel>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
+
+/// Orchestrator binaries (several on one NATS store, or one in memory) on a tool-runner in this
+/// process that serves the tasks server.
+struct World {
+    replicas: Vec<Option<Service>>,
+    llm: MockLlm,
+    dir: tempfile::TempDir,
+    _nats: Option<testkit::nats::Nats>,
+}
+
+async fn world(
+    scenario: Scenario,
+    flags: &[&str],
+    replicas: usize,
+    nats: Option<testkit::nats::Nats>,
+) -> anyhow::Result<World> {
+    let dir = tempfile::tempdir()?;
+    let manifest = testkit::mcp_servers::tasks_server_table(&dir.path().join("tasks.log"))?;
+    let path = dir.path().join("tools.toml");
+    std::fs::write(&path, manifest)?;
+    let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config {
+        tools_manifest: Some(path),
+        ..tool_runner::Config::default()
+    })
+    .await?;
+    let llm = MockLlm::start(scenario).await?;
+    let mut started = Vec::new();
+    for _ in 0..replicas {
+        let mut command = Command::new(BIN);
+        command
+            .env("LLM_BASE_URL", llm.base_url())
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .args(["--tool-runner", &runner, "--task-poll-min", "100ms"])
+            .args(flags);
+        if let Some(nats) = &nats {
+            command
+                .env("ORCHESTRATOR_RUN_STORE", nats.url())
+                .args(["--run-store-lease", "2s"]);
+        }
+        started.push(Some(Service::orchestrator(command).await?));
+    }
+    Ok(World {
+        replicas: started,
+        llm,
+        dir,
+        _nats: nats,
+    })
+}
+
+impl World {
+    async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
+        let replica = self.replicas[i]
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
+        Ok(Client::connect(format!("http://{}", replica.grpc)).await?)
+    }
+
+    /// What the tasks server logged: `started D`, `done D`, `cancelled D`.
+    fn log(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.path().join("tasks.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    async fn log_shows(&self, line: &str) -> anyhow::Result<()> {
+        testkit::wait::until(
+            &format!("the tasks server to log {line:?}"),
+            Duration::from_secs(30),
+            || {
+                let found = self.log().iter().any(|l| l == line);
+                async move { found.then_some(()) }
+            },
+        )
+        .await
+    }
+
+    /// The tool message the model was fed, from its last request.
+    fn fed_back(&self) -> String {
+        self.llm
+            .requests()
+            .last()
+            .and_then(|r| r["messages"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter(|m| m["role"] == "tool")
+            .filter_map(|m| m["content"].as_str().map(str::to_owned))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// Turn 1 crunches `dataset` for `seconds`; turn 2 answers.
+fn crunch(dataset: &str, seconds: f64) -> Scenario {
+    Scenario::new(vec![
+        Turn::text("Crunching.").then(Step::call(
+            "batch__crunch",
+            json!({"dataset": dataset, "seconds": seconds}),
+        )),
+        Turn::text("Done."),
+    ])
+}
+
+fn request(run_id: &str) -> pb::OrchestrateRequest {
+    pb::OrchestrateRequest {
+        run_id: run_id.into(),
+        ..testkit::user("crunch the data")
+    }
+}
+
+fn finished(events: &[pb::OrchestrateEvent]) -> Option<pb::RunResult> {
+    events.iter().find_map(|e| match &e.event {
+        Some(E::RunFinished(f)) => f.result.clone(),
+        _ => None,
+    })
+}
+
+async fn wait_status(client: &Client, run_id: &str, status: pb::RunStatus) -> anyhow::Result<pb::RunResult> {
+    testkit::wait::until(
+        &format!("run {run_id} to read {status:?}"),
+        Duration::from_secs(40),
+        || {
+            let mut client = client.clone();
+            let run_id = run_id.to_owned();
+            async move {
+                let run = client.get_run(pb::GetRunRequest { run_id }).await.ok()?.into_inner();
+                (run.status == status as i32).then_some(run)
+            }
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_task_is_followed_to_its_result_which_the_model_is_fed() -> TestResult {
+    let world = world(crunch("q3", 1.5), &[], 1, None).await?;
+    let mut client = world.client_of(0).await?;
+    let mut stream = client.orchestrate(request("task-1")).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
+    let progress: Vec<&pb::ToolCallProgress> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Some(E::ToolCallProgress(p)) => Some(p),
+            _ => None,
+        })
+        .collect();
+    let first = progress
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no tool_call_progress: {events:?}"))?;
+    assert_eq!((first.name.as_str(), first.turn), ("batch__crunch", 1));
+    assert!(first.message.contains("working"), "{first:?}");
+    let call = &result.tool_calls[0];
+    assert!(call.ok, "{call:?}");
+    assert_eq!(call.call_id, first.call_id);
+    assert!(world.fed_back().contains("crunched q3"), "{}", world.fed_back());
+    assert!(
+        !world.fed_back().contains("working"),
+        "progress never reaches the model"
+    );
+    assert_eq!(world.log(), ["started q3", "done q3"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn past_task_park_after_the_run_parks_holding_no_slot_and_is_woken_to_poll() -> TestResult {
+    let world = world(
+        crunch("q4", 4.0),
+        &["--task-park-after", "0s", "--max-runs", "1"],
+        1,
+        None,
+    )
+    .await?;
+    let mut client = world.client_of(0).await?;
+    let mut stream = client.orchestrate(request("task-park")).await?.into_inner();
+    let parked = wait_status(&client, "task-park", pb::RunStatus::AwaitingTask).await?;
+    assert!(parked.pending_approvals.is_empty(), "{parked:?}");
+    let listed = client
+        .list_runs(pb::ListRunsRequest {
+            statuses: vec![pb::RunStatus::AwaitingTask.into()],
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    assert_eq!(listed.runs[0].waiting_for, pb::WaitingFor::Task as i32, "{listed:?}");
+    // Parked, it holds no slot: with --max-runs 1 a second run starts its own task before the
+    // first one's is done.
+    let mut second = request("task-park-2");
+    second.detached = true;
+    let mut second = client.orchestrate(second).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
+    assert!(world.fed_back().contains("crunched q4"), "{}", world.fed_back());
+    let events = read_until(&mut second, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
+    assert_eq!(world.log(), ["started q4", "started q4", "done q4", "done q4"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_run_canceled_while_its_task_runs_has_the_server_cancel_it() -> TestResult {
+    // Following in place, then parked: both cancels reach the server.
+    for (run_id, park_after, status) in [
+        ("cancel-live", "60s", pb::RunStatus::Running),
+        ("cancel-parked", "0s", pb::RunStatus::AwaitingTask),
+    ] {
+        let world = world(crunch(run_id, 60.0), &["--task-park-after", park_after], 1, None).await?;
+        let mut client = world.client_of(0).await?;
+        let mut run = request(run_id);
+        run.detached = true;
+        let mut stream = client.orchestrate(run).await?.into_inner();
+        read_until(&mut stream, |e| matches!(e, E::ToolCallProgress(_))).await?;
+        world.log_shows(&format!("started {run_id}")).await?;
+        wait_status(&client, run_id, status).await?;
+        let canceled = client
+            .cancel_run(pb::CancelRunRequest {
+                run_id: run_id.into(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        assert!(canceled.canceled, "{run_id}: {canceled:?}");
+        world.log_shows(&format!("cancelled {run_id}")).await?;
+        let ended = wait_status(&client, run_id, pb::RunStatus::Canceled).await?;
+        assert_eq!(
+            ended.tool_calls.len(),
+            0,
+            "{run_id}: the call never finished: {ended:?}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn on_nats_a_replica_killed_while_its_run_follows_a_task_leaves_the_same_task_to_another() -> TestResult {
+    let nats = testkit::nats::Nats::start().await?;
+    let mut world = world(crunch("q5", 6.0), &["--task-park-after", "60s"], 2, Some(nats)).await?;
+    let (mut a, b) = (world.client_of(0).await?, world.client_of(1).await?);
+    let mut run = request("nats-task");
+    run.detached = true;
+    let mut stream = a.orchestrate(run).await?.into_inner();
+    read_until(&mut stream, |e| matches!(e, E::ToolCallProgress(_))).await?;
+    world.log_shows("started q5").await?;
+    if let Some(replica) = world.replicas[0].take() {
+        replica.kill().await?;
+    }
+    let done = wait_status(&b, "nats-task", pb::RunStatus::Completed).await?;
+    assert!(done.tool_calls[0].ok, "{done:?}");
+    assert_eq!(world.log(), ["started q5", "done q5"], "the work ran once");
+    assert!(world.fed_back().contains("crunched q5"), "{}", world.fed_back());
+    Ok(())
+}
