@@ -83,6 +83,10 @@ struct Tools {
     peak: AtomicUsize,
     /// Call ids in the order their calls started.
     started: Mutex<Vec<String>>,
+    /// Polls of each call's task so far, by call id.
+    polls: Mutex<std::collections::HashMap<String, u64>>,
+    /// Call ids whose task was asked to cancel.
+    canceled_tasks: Mutex<Vec<String>>,
 }
 
 impl ToolExecutor for Arc<Tools> {
@@ -101,6 +105,9 @@ impl ToolExecutor for Arc<Tools> {
                     args["message"].as_str().unwrap_or("bad tool"),
                 ));
             }
+            if let Some(polls) = args["task_polls"].as_u64() {
+                return this.run_as_task(&call, polls, args["ttl_ms"].as_u64());
+            }
             if call.name == "ask" {
                 return Ok(match &call.answers {
                     None => ToolOutput::Asked(confirm_question()),
@@ -116,6 +123,36 @@ impl ToolExecutor for Arc<Tools> {
             Ok(ToolOutput::Result(call.arguments_json))
         }
         .boxed()
+    }
+}
+
+impl Tools {
+    /// A call its "server" runs as a task, done after `polls` polls (its result then names the
+    /// polls), canceled when asked; the task says which poll it is at.
+    fn run_as_task(&self, call: &ToolInvocation, polls: u64, ttl_ms: Option<u64>) -> Result<ToolOutput, ToolCallError> {
+        if call.cancel_task {
+            self.canceled_tasks.lock().unwrap().push(call.call_id.clone());
+            return Err(ToolCallError::new("CANCELED", "the server canceled the task"));
+        }
+        let done = {
+            let mut all = self.polls.lock().unwrap();
+            let done = all.entry(call.call_id.clone()).or_insert(0);
+            if call.task.is_some() {
+                *done += 1;
+            }
+            *done
+        };
+        if done >= polls {
+            return Ok(ToolOutput::Result(serde_json::json!({"polls": done}).to_string()));
+        }
+        Ok(ToolOutput::Task(crate::domain::task::ToolTask {
+            id: format!("task-{}", call.call_id),
+            status: "working".into(),
+            message: format!("poll {done}"),
+            ttl_ms,
+            poll_interval_ms: Some(10),
+            runner: None,
+        }))
     }
 }
 
@@ -2596,5 +2633,73 @@ fn confirm_question() -> crate::domain::input::Questions {
             schema: serde_json::json!({"type": "object", "properties": {"confirm": {"type": "boolean"}}}),
             url: String::new(),
         }],
+    }
+}
+
+/// A turn whose one call becomes a task `args` describe, then one the model would answer with.
+fn a_task_then_an_answer(args: &str) -> Vec<Vec<Result<LlmEvent, LlmError>>> {
+    vec![vec![text("Crunching."), call(0, "nap", args)], vec![text("Done.")]]
+}
+
+fn progress(events: &[NumberedEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolCallProgress { message, .. } => Some(message.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A call that became a task is polled until the task ends: each new word of its server is
+/// streamed, never fed to the model, and the task's result is the call's.
+#[tokio::test]
+async fn a_task_is_polled_until_it_ends_and_its_result_is_the_calls() {
+    let (result, events, script, tools) = play(a_task_then_an_answer(r#"{"task_polls": 3}"#), limits()).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    assert_eq!(
+        progress(&events),
+        [
+            "task task-id0 is working: poll 0",
+            "task task-id0 is working: poll 1",
+            "task task-id0 is working: poll 2"
+        ]
+    );
+    assert!(result.tool_calls[0].ok, "{result:?}");
+    assert_eq!(tools.polls.lock().unwrap()["id0"], 3);
+    let second = serde_json::to_string(&script.requests.lock().unwrap()[1].messages).unwrap();
+    assert!(second.contains(r#"{\"polls\":3}"#), "{second}");
+    assert!(!second.contains("poll 2"), "progress never reaches the model: {second}");
+}
+
+/// A task still working past its ttl fails its call, fed back like any failure; the run goes on.
+#[tokio::test]
+async fn a_task_past_its_ttl_fails_its_call() {
+    let (result, _, _, tools) = play(a_task_then_an_answer(r#"{"task_polls": 1000, "ttl_ms": 1}"#), limits()).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    let error = result.tool_calls[0].error.clone().unwrap();
+    assert_eq!(error.code, "FAILED");
+    assert!(error.message.contains("ttlMs"), "{error:?}");
+    assert_eq!(result.failed_turns, 1);
+    assert!(tools.canceled_tasks.lock().unwrap().is_empty());
+}
+
+/// A run canceled while it follows a task asks the server to cancel it: at once (the run ends
+/// there), or after the turn (the poll cancels it, and the turn ends with the task's outcome).
+#[tokio::test]
+async fn a_run_canceled_while_it_follows_a_task_cancels_the_task() {
+    for mode in [CancelMode::Immediate, CancelMode::AfterTurn] {
+        let outside = Outside {
+            cancel_after: Some(Duration::from_millis(300)),
+            cancel_mode: mode,
+            ..Outside::default()
+        };
+        let (result, _, _, tools) =
+            play_with(a_task_then_an_answer(r#"{"task_polls": 100000}"#), limits(), outside).await;
+        assert_eq!(result.status, RunStatus::Canceled, "{mode:?}: {result:?}");
+        assert_eq!(*tools.canceled_tasks.lock().unwrap(), ["id0"], "{mode:?}");
+        if mode == CancelMode::AfterTurn {
+            assert_eq!(result.tool_calls[0].error.as_ref().unwrap().code, "CANCELED");
+        }
     }
 }
