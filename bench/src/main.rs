@@ -23,6 +23,7 @@ mod relay;
 mod replicas;
 mod soak;
 mod stack;
+mod tasks;
 mod workload;
 
 use std::path::PathBuf;
@@ -103,6 +104,11 @@ struct Cli {
     /// approved; writes `approvals.md` / `approvals.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     approvals: Option<u64>,
+    /// Instead of the grid: this many runs (1–10000) each waiting on a task its MCP server runs
+    /// (the tests' FastMCP server, installed by ./scripts/mcp-servers), parked on 16 run slots:
+    /// RSS per parked run, then every run completed; writes `tasks.md` / `tasks.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    tasks: Option<u64>,
     /// Instead of the grid: this many `RunTool` calls (100–1000000) to a runner without and with
     /// the run fence (a NATS on loopback, `nats-server` on the PATH), beside one bare key-value
     /// read; writes `fence.md` / `fence.json`.
@@ -737,6 +743,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(runs) = cli.approvals {
         return approvals::run(&bin, usize::try_from(runs)?, &cli.out).await;
+    }
+    if let Some(runs) = cli.tasks {
+        return tasks::run(&bin, usize::try_from(runs)?, &cli.out).await;
     }
     if let Some(calls) = cli.fence {
         return fence::run(usize::try_from(calls)?, &cli.out).await;

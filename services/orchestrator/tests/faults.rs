@@ -822,6 +822,16 @@ impl tr::tool_runner_server::ToolRunner for BlackHole {
     ) -> Result<tonic::Response<tr::RunToolResponse>, tonic::Status> {
         std::future::pending().await
     }
+
+    type RunToolStreamStream = futures::stream::Pending<Result<tr::RunToolUpdate, tonic::Status>>;
+
+    /// Takes the call and never says another word.
+    async fn run_tool_stream(
+        &self,
+        _: tonic::Request<tr::RunToolStreamRequest>,
+    ) -> Result<tonic::Response<Self::RunToolStreamStream>, tonic::Status> {
+        Ok(tonic::Response::new(futures::stream::pending()))
+    }
 }
 
 #[tokio::test]

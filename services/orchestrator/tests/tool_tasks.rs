@@ -5,7 +5,9 @@
 //! task's result is the call's; past `--task-park-after` the run parks holding no slot
 //! (`RUN_STATUS_AWAITING_TASK`) and is woken for each poll; a run canceled while its task runs
 //! has the server cancel the task. On NATS, a replica SIGKILLed while its run follows a task
-//! leaves it to another, which polls the same task: the work runs once.
+//! leaves it to another, which polls the same task: the work runs once. A call that is not a
+//! task reports its progress too (server-everything's long-running operation, its
+//! `notifications/progress` streamed by the runner): `tool_call_progress` while it runs.
 
 use std::time::Duration;
 
@@ -40,6 +42,17 @@ async fn world(
 ) -> anyhow::Result<World> {
     let dir = tempfile::tempdir()?;
     let manifest = testkit::mcp_servers::tasks_server_table(&dir.path().join("tasks.log"))?;
+    world_serving(dir, manifest, scenario, (flags, replicas), nats).await
+}
+
+/// As [`world`], the runner serving the manifest `manifest` (written into `dir`).
+async fn world_serving(
+    dir: tempfile::TempDir,
+    manifest: String,
+    scenario: Scenario,
+    (flags, replicas): (&[&str], usize),
+    nats: Option<testkit::nats::Nats>,
+) -> anyhow::Result<World> {
     let path = dir.path().join("tools.toml");
     std::fs::write(&path, manifest)?;
     let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config {
@@ -276,5 +289,55 @@ async fn on_nats_a_replica_killed_while_its_run_follows_a_task_leaves_the_same_t
     assert!(done.tool_calls[0].ok, "{done:?}");
     assert_eq!(world.log(), ["started q5", "done q5"], "the work ran once");
     assert!(world.fed_back().contains("crunched q5"), "{}", world.fed_back());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_long_call_reports_its_progress_while_it_runs_and_the_model_never_sees_it() -> TestResult {
+    let manifest = format!(
+        "[[mcp_servers]]\nname = \"everything\"\ncommand = \"node\"\nargs = [\"{}\", \"stdio\"]\nrequired = true\n",
+        testkit::mcp_servers::everything_js()?.display()
+    );
+    let scenario = Scenario::new(vec![
+        Turn::text("Working.").then(Step::call(
+            "everything__trigger-long-running-operation",
+            json!({"duration": 2, "steps": 4}),
+        )),
+        Turn::text("Done."),
+    ]);
+    let world = world_serving(tempfile::tempdir()?, manifest, scenario, (&[], 1), None).await?;
+    let mut client = world.client_of(0).await?;
+    let mut stream = client.orchestrate(request("progress-1")).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
+    let reports: Vec<(u64, &pb::ToolCallProgress)> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Some(E::ToolCallProgress(p)) => Some((e.seq, p)),
+            _ => None,
+        })
+        .collect();
+    assert!(reports.len() >= 2, "progress while the call ran: {events:?}");
+    assert!(
+        reports
+            .iter()
+            .all(|(_, p)| p.total == 4.0 && p.call_id == result.tool_calls[0].call_id)
+    );
+    assert!(
+        reports.windows(2).all(|w| w[0].1.progress < w[1].1.progress),
+        "{reports:?}"
+    );
+    let finished_at = events
+        .iter()
+        .find(|e| matches!(e.event, Some(E::ToolCallFinished(_))))
+        .map(|e| e.seq)
+        .ok_or_else(|| anyhow::anyhow!("no tool_call_finished"))?;
+    assert!(
+        reports.iter().all(|(seq, _)| *seq < finished_at),
+        "progress comes before the result"
+    );
+    assert!(world.fed_back().contains("Steps: 4"), "{}", world.fed_back());
+    assert!(!world.fed_back().contains("progress"), "{}", world.fed_back());
     Ok(())
 }

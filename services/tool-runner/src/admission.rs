@@ -1,4 +1,6 @@
-//! Admission control for `RunTool`, as a [`Gate`] in front of the gRPC routes.
+//! Admission control for `RunTool` and `RunToolStream`, as a [`Gate`] in front of the gRPC
+//! routes. A streamed call's place is held until its last update, not its response head: the
+//! gate hands it to the call ([`StreamPermit`], in the request's extensions).
 //!
 //! * Concurrency limit: beyond `max` calls in flight a call is refused at once with
 //!   `RESOURCE_EXHAUSTED` (never queued), so the orchestrator can send it to another replica.
@@ -16,6 +18,8 @@ use tonic::codegen::http;
 
 /// The gRPC path of the limited method.
 pub const RUN_TOOL_PATH: &str = "/toolrunner.v1.ToolRunner/RunTool";
+/// The gRPC path of the streamed variant, limited alike.
+pub const RUN_TOOL_STREAM_PATH: &str = "/toolrunner.v1.ToolRunner/RunToolStream";
 
 /// Response metadata on a refusal: the tool did not start, so the caller may safely retry the
 /// call on another runner. Its value says why (`concurrency-limit`, `draining`).
@@ -42,6 +46,12 @@ struct State {
 
 /// Holds one admitted call's place; releasing it may wake the drain.
 pub struct Permit(Arc<State>);
+
+/// A streamed call's place, which the call keeps until its last update.
+#[derive(Clone)]
+pub struct StreamPermit {
+    _held: Arc<Permit>,
+}
 
 impl Drop for Permit {
     fn drop(&mut self) {
@@ -114,10 +124,12 @@ impl Gate for Admission {
     type Pass = Option<Permit>;
 
     fn admit<B>(&self, request: &mut http::Request<B>) -> Result<Option<Permit>, tonic::Status> {
-        if request.uri().path() != RUN_TOOL_PATH {
+        let path = request.uri().path();
+        if path != RUN_TOOL_PATH && path != RUN_TOOL_STREAM_PATH {
             return Ok(None);
         }
-        self.try_admit().map(Some).inspect_err(|status| {
+        let streamed = path == RUN_TOOL_STREAM_PATH;
+        let admitted = self.try_admit().inspect_err(|status| {
             let reason = if status.code() == tonic::Code::Unavailable {
                 "draining"
             } else {
@@ -125,7 +137,14 @@ impl Gate for Admission {
             };
             metrics::counter!(crate::telemetry::metric::REJECTED, "reason" => reason).increment(1);
             tracing::debug!(code = ?status.code(), "RunTool refused: {}", status.message());
-        })
+        })?;
+        if streamed {
+            request.extensions_mut().insert(StreamPermit {
+                _held: Arc::new(admitted),
+            });
+            return Ok(None);
+        }
+        Ok(Some(admitted))
     }
 }
 

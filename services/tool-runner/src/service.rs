@@ -19,13 +19,18 @@ use tonic::metadata::MetadataValue;
 
 use crate::telemetry::metric;
 use crate::tools::input::{InputAnswers, InputRequired, Output};
+use crate::tools::progress::{Progress, ProgressSink};
 use crate::tools::task::{TaskRef, TaskState};
 use crate::tools::{CallContext, ErrorCode, ToolError, ToolSpec};
 
 /// Response metadata of a refused replaced owner's call: the run's epoch, as its fence holds it.
 pub const CURRENT_EPOCH_HEADER: &str = "x-run-epoch-current";
 
-/// Serves `ListTools` and `RunTool` from a [`Registry`].
+/// Progress reports a streamed call buffers for its caller; past them, reports are dropped.
+const PROGRESS_BUFFER: usize = 16;
+
+/// Serves `ListTools`, `RunTool` and `RunToolStream` from a [`Registry`].
+#[derive(Clone)]
 pub struct ToolRunnerService {
     registry: Arc<Registry>,
     /// Record arguments and results on spans, truncated to this many bytes (`None`: off).
@@ -250,6 +255,61 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
     }
 
     async fn run_tool(&self, request: Request<pb::RunToolRequest>) -> Result<Response<pb::RunToolResponse>, Status> {
+        let (call, span) = self.admitted(request).await?;
+        let response = self.execute(call, None).instrument(span).await;
+        Ok(Response::new(response))
+    }
+
+    type RunToolStreamStream = futures::stream::BoxStream<'static, Result<pb::RunToolUpdate, Status>>;
+
+    async fn run_tool_stream(
+        &self,
+        request: Request<pb::RunToolStreamRequest>,
+    ) -> Result<Response<Self::RunToolStreamStream>, Status> {
+        use futures::StreamExt as _;
+        let permit = request.extensions().get::<crate::admission::StreamPermit>().cloned();
+        let (metadata, extensions, streamed) = request.into_parts();
+        let call = streamed
+            .call
+            .ok_or_else(|| Status::invalid_argument("call is required"))?;
+        let (call, span) = self.admitted(Request::from_parts(metadata, extensions, call)).await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(PROGRESS_BUFFER);
+        let reports = tx.clone();
+        let sink = ProgressSink::new(move |progress: Progress| {
+            // A caller that lags misses reports, never the outcome.
+            let _ = reports.try_send(Ok(pb::RunToolUpdate {
+                update: Some(pb::run_tool_update::Update::Progress(pb::ToolProgress {
+                    progress: progress.progress,
+                    total: progress.total.unwrap_or(0.0),
+                    message: progress.message,
+                })),
+            }));
+        });
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                tokio::select! {
+                    // The caller went away: dropping the call stops the tool.
+                    () = tx.closed() => {}
+                    response = this.execute(call, Some(sink)) => {
+                        let done = pb::RunToolUpdate {
+                            update: Some(pb::run_tool_update::Update::Done(response)),
+                        };
+                        let _ = tx.send(Ok(done)).await;
+                    }
+                }
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx).boxed()))
+    }
+}
+
+impl ToolRunnerService {
+    /// A request checked and let in: its call, and the call's span (continuing the caller's
+    /// trace). A call refused (arguments, permission, the run fence) is the RPC's error.
+    async fn admitted(&self, request: Request<pb::RunToolRequest>) -> Result<(ToolCall, tracing::Span), Status> {
         let trace_context = request.metadata().clone();
         let caller = shared::auth::caller(&request);
         let call = ToolCall::try_from(request.into_inner())?;
@@ -264,39 +324,41 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
         if let Some(max) = self.trace_payloads {
             span.record("gen_ai.tool.call.arguments", truncate(&call.arguments_json, max));
         }
-        async move {
-            self.admit(&call).await?;
-            let started = Instant::now();
-            let _in_flight = InFlight::new(metric::IN_FLIGHT);
-            let mut watch = CancelWatch { finished: false };
-            let ctx = CallContext {
-                run_id: call.run_id.clone(),
-                call_id: call.call_id.clone(),
-                metadata: call.metadata.clone(),
-                principal: call.principal.clone(),
-                epoch: call.epoch,
-                input: call.input.clone(),
-                task: call.task.clone(),
-            };
-            let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
-            watch.finished = true;
-            let elapsed = started.elapsed();
-            let (outcome, label) = self.record(result, elapsed);
-            // Unknown names share one label, so callers cannot grow the metrics without bound.
-            let tool = if self.registry.has(&call.tool_name) {
-                call.tool_name
-            } else {
-                "_unknown".to_owned()
-            };
-            metrics::counter!(metric::EXECUTIONS, "tool" => tool.clone(), "outcome" => label).increment(1);
-            metrics::histogram!(metric::EXECUTION_DURATION, "tool" => tool).record(elapsed.as_secs_f64());
-            Ok(Response::new(pb::RunToolResponse {
-                outcome: Some(outcome),
-                duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
-            }))
+        self.admit(&call).instrument(span.clone()).await?;
+        Ok((call, span))
+    }
+
+    /// Runs an admitted call (its progress reports to `progress`), recorded and measured.
+    async fn execute(&self, call: ToolCall, progress: Option<ProgressSink>) -> pb::RunToolResponse {
+        let started = Instant::now();
+        let _in_flight = InFlight::new(metric::IN_FLIGHT);
+        let mut watch = CancelWatch { finished: false };
+        let ctx = CallContext {
+            run_id: call.run_id.clone(),
+            call_id: call.call_id.clone(),
+            metadata: call.metadata.clone(),
+            principal: call.principal.clone(),
+            epoch: call.epoch,
+            input: call.input.clone(),
+            task: call.task.clone(),
+            progress,
+        };
+        let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
+        watch.finished = true;
+        let elapsed = started.elapsed();
+        let (outcome, label) = self.record(result, elapsed);
+        // Unknown names share one label, so callers cannot grow the metrics without bound.
+        let tool = if self.registry.has(&call.tool_name) {
+            call.tool_name
+        } else {
+            "_unknown".to_owned()
+        };
+        metrics::counter!(metric::EXECUTIONS, "tool" => tool.clone(), "outcome" => label).increment(1);
+        metrics::histogram!(metric::EXECUTION_DURATION, "tool" => tool).record(elapsed.as_secs_f64());
+        pb::RunToolResponse {
+            outcome: Some(outcome),
+            duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
         }
-        .instrument(span)
-        .await
     }
 }
 

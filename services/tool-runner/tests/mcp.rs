@@ -202,6 +202,52 @@ async fn a_call_carries_its_run_id_call_id_and_epoch_in_meta() -> TestResult {
     Ok(())
 }
 
+/// `RunToolStream`: the server's `notifications/progress` arrive as `progress` updates while
+/// the call runs, then its answer as `done`; `RunTool` of the same call gives the answer alone.
+#[tokio::test]
+async fn a_long_call_streams_its_progress_before_its_answer() -> TestResult {
+    use proto::toolrunner::v1::run_tool_update::Update;
+    let dir = tempfile::tempdir()?;
+    let runner = runner_with(&dir, &stdio_manifest(&dir, "", "Etc/GMT-6")?).await?;
+    let long = json!({"duration": 1, "steps": 4}).to_string();
+    let mut updates = runner
+        .client()
+        .await?
+        .run_tool_stream(proto::toolrunner::v1::RunToolStreamRequest {
+            call: Some(run_tool("everything__trigger-long-running-operation", &long)),
+        })
+        .await?
+        .into_inner();
+    let mut seen = Vec::new();
+    while let Some(update) = updates.message().await? {
+        seen.push(update.update.ok_or_else(|| anyhow::anyhow!("an empty update"))?);
+    }
+    let Some(Update::Done(done)) = seen.pop() else {
+        anyhow::bail!("the last update is not the answer: {seen:?}");
+    };
+    let answer = Outcome::of(done)?.unwrap_ok();
+    assert!(answer.to_string().contains("Steps: 4"), "{answer}");
+    let progress: Vec<(f64, f64)> = seen
+        .iter()
+        .map(|u| match u {
+            Update::Progress(p) => Ok((p.progress, p.total)),
+            Update::Done(_) => Err(anyhow::anyhow!("two answers: {seen:?}")),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    assert!(!progress.is_empty(), "no progress before the answer");
+    assert!(progress.iter().all(|&(_, total)| total == 4.0), "{progress:?}");
+    assert!(progress.windows(2).all(|w| w[0].0 < w[1].0), "{progress:?}");
+    assert_eq!(progress.last().map(|p| p.0), Some(4.0), "{progress:?}");
+    let unary = call(
+        &runner,
+        "everything__trigger-long-running-operation",
+        json!({"duration": 0.2, "steps": 2}),
+    )
+    .await?;
+    assert!(unary.unwrap_ok().to_string().contains("Steps: 2"));
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_call_past_its_timeout_or_given_up_by_its_caller_is_canceled_on_the_server() -> TestResult {
     let dir = tempfile::tempdir()?;

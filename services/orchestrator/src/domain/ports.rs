@@ -46,6 +46,36 @@ pub struct ToolInvocation {
     pub task: Option<super::task::ToolTask>,
     /// With `task`: ask the server to cancel it first.
     pub cancel_task: bool,
+    /// Where the call's progress reports go while it runs (`None`: nobody follows them).
+    pub progress: Option<ProgressFn>,
+}
+
+/// How a call still running gets on, as its tool says it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolProgress {
+    /// How far it got, in the tool's units.
+    pub progress: f64,
+    /// How far it has to go in all (0: not known).
+    pub total: f64,
+    /// What the tool says, for a person.
+    pub message: String,
+}
+
+/// Takes a call's progress reports (it must not block: reports come from the call's transport).
+#[derive(Clone)]
+pub struct ProgressFn(pub std::sync::Arc<dyn Fn(ToolProgress) + Send + Sync>);
+
+impl ProgressFn {
+    /// Hands `progress` over.
+    pub fn report(&self, progress: ToolProgress) {
+        (self.0)(progress);
+    }
+}
+
+impl std::fmt::Debug for ProgressFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressFn")
+    }
 }
 
 /// What a call gave back when it did not fail.

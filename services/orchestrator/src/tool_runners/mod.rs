@@ -44,7 +44,7 @@ pub mod sender;
 mod transport;
 use crate::domain::ToolCallError;
 use crate::domain::input::Questions;
-use crate::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
+use crate::domain::ports::{ProgressFn, ToolExecutor, ToolInvocation, ToolOutput, ToolProgress};
 use crate::domain::task::ToolTask;
 use sender::{Attempt, Retries};
 #[cfg(test)]
@@ -310,7 +310,9 @@ impl ToolExecutor for ToolRunners {
                     Some(uri) => pool.pick_only(uri),
                     None => pool.pick(&shared::sync::lock(&tried)),
                 };
-                let request = run_tool_request(&call, &transport);
+                // The streamed call, and the unary one for a runner that does not stream yet.
+                let requests = (run_tool_request(&call, &transport), run_tool_request(&call, &transport));
+                let progress = call.progress.clone();
                 let (pool, tried, timeout) = (Arc::clone(&pool), Arc::clone(&tried), call.timeout);
                 async move {
                     let Some(lease) = lease else {
@@ -319,10 +321,10 @@ impl ToolExecutor for ToolRunners {
                     let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
                         .max_decoding_message_size(settings.max_response_bytes);
                     let started = tokio::time::Instant::now();
-                    let status = match client.run_tool(request).await {
+                    let status = match run_streamed(&mut client, requests, progress.as_ref()).await {
                         Ok(response) => {
                             let runner = &lease.member.uri;
-                            return Attempt::Answered(outcome(response.into_inner(), settings.max_questions, runner));
+                            return Attempt::Answered(outcome(response, settings.max_questions, runner));
                         }
                         Err(status) => status,
                     };
@@ -347,6 +349,43 @@ impl ToolExecutor for ToolRunners {
             .await
         }
         .boxed()
+    }
+}
+
+/// One attempt: `RunToolStream`, its progress updates handed to `progress`, its last update the
+/// answer; a runner that does not stream (`UNIMPLEMENTED`: an older version) is asked with
+/// `RunTool` instead (the second of `requests`).
+async fn run_streamed(
+    client: &mut pb::tool_runner_client::ToolRunnerClient<tonic::transport::Channel>,
+    (streamed, unary): (tonic::Request<pb::RunToolRequest>, tonic::Request<pb::RunToolRequest>),
+    progress: Option<&ProgressFn>,
+) -> Result<pb::RunToolResponse, tonic::Status> {
+    let streamed = streamed.map(|call| pb::RunToolStreamRequest { call: Some(call) });
+    let mut updates = match client.run_tool_stream(streamed).await {
+        Ok(updates) => updates.into_inner(),
+        Err(status) if status.code() == tonic::Code::Unimplemented => {
+            return client.run_tool(unary).await.map(tonic::Response::into_inner);
+        }
+        Err(status) => return Err(status),
+    };
+    loop {
+        match updates.message().await?.and_then(|u| u.update) {
+            Some(pb::run_tool_update::Update::Done(done)) => return Ok(done),
+            Some(pb::run_tool_update::Update::Progress(p)) => {
+                if let Some(report) = progress {
+                    report.report(ToolProgress {
+                        progress: p.progress,
+                        total: p.total,
+                        message: p.message,
+                    });
+                }
+            }
+            None => {
+                return Err(tonic::Status::unknown(
+                    "the tool-runner ended the call's stream without its outcome",
+                ));
+            }
+        }
     }
 }
 
@@ -549,6 +588,7 @@ mod tests {
             answers: None,
             task: None,
             cancel_task: false,
+            progress: None,
         }
     }
 

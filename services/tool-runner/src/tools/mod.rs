@@ -10,6 +10,7 @@
 //! * [`mcp`]: the tools of MCP servers declared in the same manifest;
 //! * [`input`]: questions a call asks a person before it can finish (MCP's `input_required`);
 //! * [`task`]: calls an MCP server runs as tasks, and how a call's next attempt goes on with one;
+//! * [`progress`]: how a call still running says how it gets on;
 //! * `entry.rs`: a tool as the registry keeps it (spec, compiled schema, implementation);
 //!   `fields.rs`: the checks of a manifest table's fields; `limits.rs`: the resource limits of
 //!   command tools (set with `prlimit`).
@@ -22,6 +23,7 @@ pub mod input;
 pub mod limits;
 pub mod manifest;
 pub mod mcp;
+pub mod progress;
 pub mod task;
 
 use std::fmt;
@@ -54,6 +56,8 @@ pub struct CallContext {
     pub input: Option<input::InputAnswers>,
     /// The task the call became in an earlier attempt: this attempt goes on with it.
     pub task: Option<task::TaskRef>,
+    /// Where the call's progress reports go, when its caller reads them.
+    pub progress: Option<progress::ProgressSink>,
 }
 
 /// A tool the runner can execute.

@@ -19,11 +19,13 @@
 //! writes), `output.rs` (accounting of the run's output against its bounds), `durable.rs`
 //! (checkpoints at safe points, and resuming from one), `approvals.rs` (calls that wait for a
 //! person's decision, parking and going on), `tasks.rs` (calls their servers run as tasks,
-//! followed until they end) with `awaiting.rs` (such calls as the turn holds them), and
-//! `tests.rs` (the rules, without a network).
+//! followed until they end) with `awaiting.rs` (such calls as the turn holds them),
+//! `call_progress.rs` (what calls still running report, sent as they run), and `tests.rs` (the
+//! rules, without a network).
 
 mod approvals;
 mod awaiting;
+mod call_progress;
 mod completion;
 mod durable;
 mod eager;
@@ -576,6 +578,8 @@ struct Driver<'a> {
     window_left: Option<u64>,
     /// The tasks the current turn's calls became, to cancel if the run ends before them.
     followed: tasks::Followed,
+    /// The progress the turn's calls reported and the loop has not sent yet.
+    call_progress: call_progress::CallProgress,
 }
 
 /// The tools a run offers the model: the definitions sent with every turn, and the names that
@@ -632,6 +636,7 @@ impl<'a> Driver<'a> {
             eager: eager::Eager::default(),
             window_left: None,
             followed: tasks::Followed::default(),
+            call_progress: call_progress::CallProgress::default(),
             spec,
             deps,
             state,

@@ -525,7 +525,7 @@ impl Driver<'_> {
         let recorder = self.call_recorder(calls);
         let unfinished = calls.unfinished();
         let early: Vec<_> = unfinished.iter().map(|&i| self.eager.outcome(i)).collect();
-        join_all(unfinished.into_iter().zip(early).map(|(i, early)| {
+        let running = join_all(unfinished.into_iter().zip(early).map(|(i, early)| {
             let approval = calls.approvals.iter().find(|a| a.index == i);
             let call = match early {
                 Some(started) => futures::future::Either::Left(started),
@@ -548,8 +548,8 @@ impl Driver<'_> {
                 }
                 outcome
             }
-        }))
-        .await
+        }));
+        self.reporting_progress(running, calls).await
     }
 
     /// A call as the tool-runners take it, with the `answers` to the questions it asked last.
@@ -572,6 +572,7 @@ impl Driver<'_> {
             answers,
             task: None,
             cancel_task: false,
+            progress: None,
         }
     }
 
@@ -597,6 +598,7 @@ impl Driver<'_> {
         }
         let (answers, task) = prior;
         let mut invocation = self.invocation(call, timeout, answers);
+        invocation.progress = Some(self.call_progress.of_call(index));
         invocation.cancel_task = task.is_some() && self.cancel.after_turn().is_some();
         invocation.task = task;
         let tool = call.name.clone();

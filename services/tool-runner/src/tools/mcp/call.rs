@@ -41,6 +41,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use rmcp::RoleClient;
+use rmcp::handler::client::progress::{ProgressDispatcher, ProgressSubscriber};
 use rmcp::model::{
     CallToolRequestParams, CancelTaskParams, CancelledNotificationParam, ClientRequest, ErrorCode as JsonRpcCode,
     GetTaskParams, Request, RequestId, RequestMetaObject, ServerResult, UpdateTaskParams,
@@ -50,6 +51,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::tools::input::{InputAnswers, InputRequest, InputRequired, Output};
+use crate::tools::progress::{Progress, ProgressSink};
 use crate::tools::task::{TaskRef, TaskState};
 use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult};
 
@@ -71,6 +73,9 @@ pub(crate) struct Link {
     max_message_bytes: usize,
     /// A stdio server: its tasks live in this runner's child process.
     pinned: bool,
+    /// Hands the server's `notifications/progress` to the calls that wait (shared with each
+    /// session's handler).
+    pub(super) progress: ProgressDispatcher,
 }
 
 impl Link {
@@ -80,6 +85,7 @@ impl Link {
             peer: RwLock::new(None),
             max_message_bytes,
             pinned,
+            progress: ProgressDispatcher::new(),
         }
     }
 
@@ -124,7 +130,7 @@ impl Tool for McpTool {
 
     fn run(&self, args: Args, ctx: &CallContext) -> BoxFuture<'static, Result<Output, ToolError>> {
         let (link, name) = (std::sync::Arc::clone(&self.link), self.name.clone());
-        let (input, task) = (ctx.input.clone(), ctx.task.clone());
+        let (input, task, progress) = (ctx.input.clone(), ctx.task.clone(), ctx.progress.clone());
         let ids = [(META_CALL_ID, ctx.call_id.clone()), (META_RUN_ID, ctx.run_id.clone())];
         let epoch = ctx.epoch;
         let method = if task.is_some() { "tasks/get" } else { "tools/call" };
@@ -159,7 +165,7 @@ impl Tool for McpTool {
             }
             match task {
                 Some(task) => go_on_with_task(&link, &peer, task, input, meta).await,
-                None => call_tool(&link, &peer, name, args, input, meta).await,
+                None => call_tool(&link, &peer, (name, args), input, meta, progress).await,
             }
         }
         .instrument(span)
@@ -167,14 +173,15 @@ impl Tool for McpTool {
     }
 }
 
-/// `tools/call`: the tool's result, its questions, or the task the server made of the call.
+/// `tools/call`: the tool's result, its questions, or the task the server made of the call; the
+/// server's progress reports meanwhile go to `progress`.
 async fn call_tool(
     link: &Link,
     peer: &Peer<RoleClient>,
-    name: String,
-    args: Args,
+    (name, args): (String, Args),
     input: Option<InputAnswers>,
     meta: RequestMetaObject,
+    progress: Option<ProgressSink>,
 ) -> Result<Output, ToolError> {
     let server = &link.server;
     let mut params = CallToolRequestParams::new(name).with_arguments(args);
@@ -188,7 +195,13 @@ async fn call_tool(
         .await
         .map_err(|e| service_error(server, e))?;
     let mut cancel = CancelOnDrop(Some((handle.peer.clone(), handle.id.clone())));
-    let answer = handle.await_response().await;
+    let answer = match progress {
+        Some(sink) => {
+            let reports = link.progress.subscribe(handle.progress_token.clone()).await;
+            answer_reporting(handle.await_response(), reports, &sink).await
+        }
+        None => handle.await_response().await,
+    };
     cancel.0 = None;
     match answer {
         Ok(ServerResult::CallToolResult(result)) => {
@@ -211,6 +224,37 @@ async fn call_tool(
             link.max_message_bytes
         ))),
         Err(e) => Err(service_error(server, e)),
+    }
+}
+
+/// Waits for `answer`, handing each of the server's progress `reports` meanwhile to `sink`.
+async fn answer_reporting<T>(
+    answer: impl Future<Output = T>,
+    mut reports: ProgressSubscriber,
+    sink: &ProgressSink,
+) -> T {
+    use futures::{FutureExt as _, StreamExt as _};
+    let pass_on = |report: rmcp::model::ProgressNotificationParam| {
+        sink.report(Progress {
+            progress: report.progress,
+            total: report.total,
+            message: report.message.unwrap_or_default(),
+        });
+    };
+    tokio::pin!(answer);
+    loop {
+        tokio::select! {
+            // Reports first: the server sent them before its answer.
+            biased;
+            Some(report) = reports.next() => pass_on(report),
+            answer = &mut answer => {
+                // The session hands reports over before the answer that follows them.
+                while let Some(Some(report)) = reports.next().now_or_never() {
+                    pass_on(report);
+                }
+                return answer;
+            }
+        }
     }
 }
 

@@ -14,6 +14,8 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
+use rmcp::handler::client::progress::ProgressDispatcher;
+use rmcp::model::ProgressNotificationParam;
 use rmcp::model::{
     ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult, ElicitationAction, ElicitationCapability,
     ErrorData, ExtensionCapabilities, FormElicitationCapability, Implementation, ProtocolVersion, TASKS_EXTENSION_ID,
@@ -43,11 +45,13 @@ pub(super) struct Handler {
     pub server: String,
     /// The version the `initialize` handshake offers (`None`: the newest it can).
     pub handshake: Option<ProtocolVersion>,
+    /// Hands each `notifications/progress` to the call that waits for it (by its token).
+    pub progress: ProgressDispatcher,
 }
 
 impl Handler {
     /// The handler of a connection to the server `config` describes.
-    pub(super) fn new(config: &McpServerConfig) -> Self {
+    pub(super) fn new(config: &McpServerConfig, progress: ProgressDispatcher) -> Self {
         let handshake = match &config.protocol {
             Protocol::Only(version) => serde_json::from_value(serde_json::Value::String(version.clone())).ok(),
             Protocol::Auto => None,
@@ -56,6 +60,7 @@ impl Handler {
             list_changed: Arc::new(Notify::new()),
             server: config.name.clone(),
             handshake,
+            progress,
         }
     }
 }
@@ -64,6 +69,14 @@ impl ClientHandler for Handler {
     fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) -> impl Future<Output = ()> + Send + '_ {
         self.list_changed.notify_one();
         std::future::ready(())
+    }
+
+    fn on_progress(
+        &self,
+        params: ProgressNotificationParam,
+        _context: NotificationContext<RoleClient>,
+    ) -> impl Future<Output = ()> + Send + '_ {
+        self.progress.handle_notification(params)
     }
 
     fn get_info(&self) -> ClientConfig {

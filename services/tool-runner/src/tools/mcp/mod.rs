@@ -148,7 +148,7 @@ impl McpServer {
         let name = self.config.name.clone();
         let mut backoff = FIRST_BACKOFF;
         loop {
-            let handler = Handler::new(&self.config);
+            let handler = Handler::new(&self.config, self.link.progress.clone());
             let attempt = tokio::select! {
                 attempt = tokio::time::timeout(self.config.connect_timeout, self.open(handler.clone())) => attempt,
                 () = shutdown.cancelled() => return,
