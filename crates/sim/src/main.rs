@@ -51,7 +51,7 @@ struct Args {
 }
 
 /// The fixes `--ports --without` switches off.
-const PORTS_FIXES: [&str; 2] = ["receiver-fence", "fleet-slots"];
+const PORTS_FIXES: [&str; 3] = ["receiver-fence", "fleet-slots", "task-handles"];
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -102,6 +102,7 @@ fn over_ports(args: &Args) -> ExitCode {
         runs: args.runs,
         receiver_fence: !args.without.iter().any(|fix| fix == "receiver-fence"),
         fleet_slots: !args.without.iter().any(|fix| fix == "fleet-slots"),
+        task_handles: !args.without.iter().any(|fix| fix == "task-handles"),
         ..sim::ports::Settings::default()
     };
     let trace = args.trace && args.seed.is_some();

@@ -97,6 +97,31 @@ fn the_fleet_slots_hold_the_seeds_that_break_without_them() {
     assert_eq!(with.violations, Vec::<String>::new(), "seed {broken} with the slots");
 }
 
+/// A task a checkpoint holds is what keeps a takeover from starting its call again: with the
+/// store dropping the tasks from the checkpoints it keeps, some of the first seeds run such a
+/// call's work twice (`--ports --without task-handles`).
+#[test]
+fn the_task_handles_in_checkpoints_hold_the_seeds_that_break_without_them() {
+    let without = Settings {
+        task_handles: false,
+        ..Settings::default()
+    };
+    let broken = (0..200)
+        .find(|&seed| {
+            simulate(seed, &without)
+                .violations
+                .iter()
+                .any(|v| v.contains("held its outcome or its task"))
+        })
+        .expect("no seed of 200 started a followed task again without the task handles");
+    let with = simulate(broken, &Settings::default());
+    assert_eq!(
+        with.violations,
+        Vec::<String>::new(),
+        "seed {broken} with the task handles"
+    );
+}
+
 /// A seed replays its faults, and (the scheduler's choices being the same) its history.
 #[test]
 fn a_seed_over_the_ports_replays_the_same_history() {

@@ -13,6 +13,7 @@ use futures::{FutureExt, StreamExt};
 use orchestrator::domain::ToolCallError;
 use orchestrator::domain::chat::Message;
 use orchestrator::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
+use orchestrator::domain::task::ToolTask;
 use orchestrator::llm::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use orchestrator::tool_runners::sender::{self, Attempt, Retries};
 use tokio::time::Instant;
@@ -123,6 +124,8 @@ pub struct Runners {
     pub gates: Vec<Gate>,
     /// The runners refuse a replaced owner's call (off: to show what breaks without it).
     pub fence: bool,
+    /// The tasks the runners' server runs in the background, by task id: when each is done.
+    tasks: Mutex<std::collections::HashMap<String, Instant>>,
     rng: Mutex<fastrand::Rng>,
 }
 
@@ -133,6 +136,7 @@ impl Runners {
             store,
             fence,
             starts: Mutex::default(),
+            tasks: Mutex::default(),
             gates: (0..count).map(|_| Gate::default()).collect(),
             rng: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x7001)),
         })
@@ -193,7 +197,7 @@ impl ToolExecutor for Client {
 /// seconds); the runner reads the run's fence and refuses a replaced owner's call, or starts
 /// the tool and answers.
 async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Attempt {
-    let (runner, out, link, work) = {
+    let (runner, out, link, (work, as_task)) = {
         let mut rng = lock(&runners.rng);
         let runner = rng.usize(..runners.gates.len());
         let out = Duration::from_micros(rng.u64(100..20_000));
@@ -202,7 +206,13 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Att
             0 => Duration::from_millis(rng.u64(1000..8000)),
             _ => Duration::from_micros(rng.u64(100..5000)),
         };
-        (runner, out, link, Duration::from_millis(rng.u64(10..2000)))
+        // One call in three is run by its server as a task (answered with a handle at once).
+        (
+            runner,
+            out,
+            link,
+            (Duration::from_millis(rng.u64(10..2000)), rng.u8(..3) == 0),
+        )
     };
     // Checked, then on its way out of the process (a client's buffer, a connection being
     // made): a replica paused now writes it when it resumes.
@@ -211,7 +221,7 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Att
     let (answer, heard) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         tokio::time::sleep(link).await;
-        let _ = answer.send(run_on(&runners, runner, &call, work).await);
+        let _ = answer.send(run_on(&runners, runner, &call, (work, as_task)).await);
     });
     let answered = heard
         .await
@@ -220,8 +230,10 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Att
     answered
 }
 
-/// What runner `runner` does with `call` once it arrives.
-async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, work: Duration) -> Attempt {
+/// What runner `runner` does with `call` once it arrives: a poll of the task the call became
+/// starts nothing; a call starts its work, in the background as a task (`as_task`) or while the
+/// call waits.
+async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, (work, as_task): (Duration, bool)) -> Attempt {
     if runners.gates[runner].mode() != super::gate::Mode::Up {
         let error = ToolCallError::new("UNAVAILABLE", format!("runner {runner} cannot be reached"));
         return Attempt::Unrun {
@@ -238,6 +250,9 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, work: D
             runner: format!("runner-{runner}"),
         };
     }
+    if let Some(task) = &call.task {
+        return Attempt::Answered(poll(runners, call, task));
+    }
     lock(&runners.starts).push(Start {
         run_id: call.run_id.clone(),
         call_id: call.call_id.clone(),
@@ -245,8 +260,39 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, work: D
         fence,
         at: Instant::now(),
     });
+    if as_task {
+        let id = format!("{}/{}/{}", call.run_id, call.call_id, call.epoch);
+        lock(&runners.tasks).insert(id.clone(), Instant::now() + work);
+        return Attempt::Answered(Ok(ToolOutput::Task(task_handle(id))));
+    }
     tokio::time::sleep(work).await;
     Attempt::Answered(Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id))))
+}
+
+/// A task as the server describes it while it works.
+fn task_handle(id: String) -> ToolTask {
+    ToolTask {
+        id,
+        status: "working".into(),
+        message: String::new(),
+        ttl_ms: None,
+        poll_interval_ms: Some(200),
+        runner: None,
+    }
+}
+
+/// The task's state: still working, done (the call's result), or canceled when asked.
+fn poll(runners: &Runners, call: &ToolInvocation, task: &ToolTask) -> Result<ToolOutput, ToolCallError> {
+    let Some(done_at) = lock(&runners.tasks).get(&task.id).copied() else {
+        return Err(ToolCallError::new("FAILED", format!("no task {}", task.id)));
+    };
+    if call.cancel_task {
+        return Err(ToolCallError::new("CANCELED", "the server canceled the task"));
+    }
+    if Instant::now() < done_at {
+        return Ok(ToolOutput::Task(task_handle(task.id.clone())));
+    }
+    Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id)))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -3,8 +3,9 @@
 //! - **epoch order**: a run's tool calls start in non-decreasing epoch order as the runners
 //!   saw them (a replaced owner runs nothing after the new owner's first call);
 //! - **again only when unrecorded**: a call id runs at most once in each epoch, and in a later
-//!   epoch only when the checkpoint its run was taken over from did not hold its outcome (it was
-//!   in flight, or its turn had not ended, when the run moved);
+//!   epoch only when the checkpoint its run was taken over from held neither its outcome nor the
+//!   task its server made of it (it was in flight, or its turn had not ended, when the run
+//!   moved): a task's work starts once, however often the run moves while it is followed;
 //! - **the log**: a run's events are seqs 1..N without gap or duplicate, with one `run_finished`,
 //!   the last;
 //! - **the end, once and kept**: every run claimed ends, its record holds the end its log holds,
@@ -177,7 +178,7 @@ fn again_only_when_unrecorded(runners: &Runners, takeovers: &[super::store::Take
             .is_some_and(|t| t.checkpointed_calls.contains(&start.call_id));
         if recorded {
             broken.push(format!(
-                "again only when unrecorded: {} call {} ran in epoch {} though the checkpoint it was taken over from held its outcome",
+                "again only when unrecorded: {} call {} ran in epoch {} though the checkpoint it was taken over from held its outcome or its task",
                 start.run_id, start.call_id, start.epoch
             ));
         }

@@ -53,6 +53,9 @@ pub struct Settings {
     /// The store keeps the principal's run slots across the fleet (off: each replica counts
     /// only its own runs against `max_runs`, what breaks without them).
     pub fleet_slots: bool,
+    /// Checkpoints keep the tasks their calls became (off: the store drops them, what breaks
+    /// without them).
+    pub task_handles: bool,
 }
 
 impl Default for Settings {
@@ -66,6 +69,7 @@ impl Default for Settings {
             settle: Duration::from_secs(120),
             receiver_fence: true,
             fleet_slots: true,
+            task_handles: true,
         }
     }
 }
@@ -204,6 +208,11 @@ impl World {
         let name = format!("replica-{n}");
         let gate = Gate::default();
         let store = ReplicaStore::new(Arc::clone(&self.store), &name, gate.clone(), terms(), STORE_TIMEOUT);
+        let store = if self.settings.task_handles {
+            store
+        } else {
+            store.forgetting_tasks()
+        };
         let ports = Ports {
             store: Arc::new(store.clone()),
             index: Arc::new(store.clone()),

@@ -62,9 +62,31 @@ pub struct Takeover {
     pub checkpointed_calls: BTreeSet<String>,
 }
 
-/// The calls whose outcome `result` records.
-fn recorded(result: &RunResult) -> BTreeSet<String> {
-    result.tool_calls.iter().map(|c| c.call_id.clone()).collect()
+/// The calls a checkpoint holds so that they never start again: those whose outcome `result`
+/// records, and those whose task (their server runs them in the background) the `checkpoint`
+/// follows.
+fn recorded(result: &RunResult, checkpoint: Option<&[u8]>) -> BTreeSet<String> {
+    let mut calls: BTreeSet<String> = result.tool_calls.iter().map(|c| c.call_id.clone()).collect();
+    calls.extend(checkpoint.map(followed_tasks).unwrap_or_default());
+    calls
+}
+
+/// The calls whose task a checkpoint follows, read from its JSON (`calls.tasks[].index`, a
+/// position in `calls.partition.calls`).
+fn followed_tasks(checkpoint: &[u8]) -> Vec<String> {
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(checkpoint) else {
+        return Vec::new();
+    };
+    let calls = &json["calls"];
+    calls["tasks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|following| {
+            let index = usize::try_from(following["index"].as_u64()?).ok()?;
+            calls["partition"]["calls"][index]["id"].as_str().map(str::to_owned)
+        })
+        .collect()
 }
 
 impl Record {
@@ -208,6 +230,9 @@ pub struct ReplicaStore {
     sightings: Arc<Mutex<BTreeMap<String, (u64, Instant)>>>,
     /// Held by the request on the wire: the replica's requests apply in order.
     wire: Arc<tokio::sync::Mutex<()>>,
+    /// Checkpoints are kept without the tasks their calls became (off only to show what breaks
+    /// without them: a takeover starts such a call again).
+    forget_tasks: bool,
 }
 
 impl ReplicaStore {
@@ -222,7 +247,29 @@ impl ReplicaStore {
             owned: Arc::default(),
             sightings: Arc::default(),
             wire: Arc::default(),
+            forget_tasks: false,
         }
+    }
+
+    /// The same store, keeping checkpoints without the tasks their calls became.
+    #[must_use]
+    pub fn forgetting_tasks(mut self) -> Self {
+        self.forget_tasks = true;
+        self
+    }
+
+    /// `checkpoint` as this store keeps it.
+    fn kept(&self, checkpoint: Vec<u8>) -> Vec<u8> {
+        if !self.forget_tasks {
+            return checkpoint;
+        }
+        let Ok(mut json) = serde_json::from_slice::<serde_json::Value>(&checkpoint) else {
+            return checkpoint;
+        };
+        if let Some(calls) = json.get_mut("calls").and_then(serde_json::Value::as_object_mut) {
+            calls.remove("tasks");
+        }
+        serde_json::to_vec(&json).unwrap_or(checkpoint)
     }
 
     /// One request: it leaves through the gate, takes its latency, is applied at once by `apply`,
@@ -309,12 +356,12 @@ impl ReplicaStore {
         shared.records.insert(
             run_id.clone(),
             Record {
-                checkpointed_calls: recorded(&result),
+                checkpointed_calls: recorded(&result, checkpoint.as_deref()),
+                checkpoint: checkpoint.map(|c| self.kept(c)),
                 result,
                 owner: self.me.clone(),
                 epoch: 1,
                 renewed: Instant::now(),
-                checkpoint,
                 handed_over: false,
             },
         );
@@ -394,9 +441,9 @@ impl RunJournal for ReplicaStore {
         let run_id = result.run_id.clone();
         self.boxed("KV update", &run_id.clone(), move |shared, this| {
             let record = this.mine(shared, &run_id)?;
-            record.checkpointed_calls = recorded(&result);
+            record.checkpointed_calls = recorded(&result, Some(&checkpoint));
             record.result = result;
-            record.checkpoint = Some(checkpoint);
+            record.checkpoint = Some(this.kept(checkpoint));
             record.renewed = Instant::now();
             Ok(())
         })
