@@ -13,7 +13,7 @@ use proto::orchestrator::v1 as pb;
 use serde::Serialize;
 
 use crate::procstat;
-use crate::stack::Stack;
+use crate::stack::{Stack, start_runs};
 
 /// Run slots of the orchestrator measured: far fewer than the runs parked.
 const SLOTS: &str = "16";
@@ -105,7 +105,7 @@ async fn measure(bin: &Path, runs: usize, nats: Option<&testkit::nats::Nats>) ->
 
     eprint!("bench: approvals {store:<7} parking {runs} runs … ");
     let started = Instant::now();
-    start_all(&stack, "parked", runs).await?;
+    start_runs(&stack, ("parked", runs, CONCURRENCY), request).await?;
     wait_pending(&stack, runs).await?;
     let park_all = started.elapsed();
     let parked_rss = procstat::rss(stack.pid)?;
@@ -134,38 +134,11 @@ async fn measure(bin: &Path, runs: usize, nats: Option<&testkit::nats::Nats>) ->
 
 /// Starts, parks, approves and completes `n` runs.
 async fn cycle(stack: &Stack, prefix: &str, n: usize) -> anyhow::Result<()> {
-    start_all(stack, prefix, n).await?;
+    start_runs(stack, (prefix, n, CONCURRENCY), request).await?;
     wait_pending(stack, n).await?;
     decide_all(stack, n).await?;
     wait_completed(stack, prefix, n).await?;
     Ok(())
-}
-
-/// Starts runs `<prefix>-0` … (a run refused for want of a slot is tried again).
-async fn start_all(stack: &Stack, prefix: &str, n: usize) -> anyhow::Result<()> {
-    let results: Vec<anyhow::Result<()>> = futures::stream::iter(0..n)
-        .map(|i| {
-            let mut client = stack.client(i);
-            let run_id = format!("{prefix}-{i}");
-            async move {
-                loop {
-                    match client.orchestrate(request(run_id.clone())).await {
-                        Ok(stream) => {
-                            drop(stream);
-                            return Ok(());
-                        }
-                        Err(status) if status.code() == tonic::Code::ResourceExhausted => {
-                            tokio::time::sleep(Duration::from_millis(5)).await;
-                        }
-                        Err(status) => return Err(anyhow::anyhow!("{run_id}: {status}")),
-                    }
-                }
-            }
-        })
-        .buffer_unordered(CONCURRENCY)
-        .collect()
-        .await;
-    results.into_iter().collect()
 }
 
 /// Waits (at most 10 min) until `n` calls wait for approval (a listing holds at most 1,000:

@@ -272,3 +272,37 @@ pub(crate) fn raise_open_files() {
         let _ = setrlimit(Resource::RLIMIT_NOFILE, hard.min(1 << 20), hard);
     }
 }
+
+/// Starts runs `<prefix>-0` … `<prefix>-(n-1)` made by `request` from their ids, `concurrency`
+/// at a time, not reading their streams; a run refused for want of a slot is tried again.
+pub(crate) async fn start_runs(
+    stack: &Stack,
+    (prefix, n, concurrency): (&str, usize, usize),
+    request: impl Fn(String) -> pb::OrchestrateRequest,
+) -> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    let results: Vec<anyhow::Result<()>> = futures::stream::iter(0..n)
+        .map(|i| {
+            let mut client = stack.client(i);
+            let run_id = format!("{prefix}-{i}");
+            let made = request(run_id.clone());
+            async move {
+                loop {
+                    match client.orchestrate(made.clone()).await {
+                        Ok(stream) => {
+                            drop(stream);
+                            return Ok(());
+                        }
+                        Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        Err(status) => return Err(anyhow::anyhow!("{run_id}: {status}")),
+                    }
+                }
+            }
+        })
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    results.into_iter().collect()
+}

@@ -16,7 +16,7 @@ use proto::orchestrator::v1 as pb;
 use serde::Serialize;
 
 use crate::procstat;
-use crate::stack::{Launch, Stack, channel, spawn};
+use crate::stack::{Launch, Stack, channel, spawn, start_runs};
 
 /// Run slots of the orchestrator measured: far fewer than the runs parked.
 const SLOTS: &str = "16";
@@ -137,7 +137,7 @@ pub(crate) async fn run(bin: &Path, runs: usize, out: &Path) -> anyhow::Result<(
     let dir = tempfile::tempdir()?;
     let (_server, port) = tasks_server().await?;
     let stack = stack(bin, port, dir.path()).await?;
-    start_all(&stack, "warm", "warm", WARM_UP).await?;
+    start_runs(&stack, ("warm", WARM_UP, CONCURRENCY), |id| request(id, "warm")).await?;
     wait_status(
         &stack,
         "warm",
@@ -150,7 +150,7 @@ pub(crate) async fn run(bin: &Path, runs: usize, out: &Path) -> anyhow::Result<(
 
     eprint!("bench: tasks parking {runs} runs … ");
     let started = Instant::now();
-    start_all(&stack, "parked", "", runs).await?;
+    start_runs(&stack, ("parked", runs, CONCURRENCY), |id| request(id, "")).await?;
     let parked_when_measured = wait_parked(&stack, runs).await?;
     let park_all = started.elapsed();
     let parked_rss = procstat::rss(stack.pid)?;
@@ -174,34 +174,6 @@ pub(crate) async fn run(bin: &Path, runs: usize, out: &Path) -> anyhow::Result<(
     eprintln!("bench: wrote {}", out.join("tasks.md").display());
     anyhow::ensure!(completed == runs, "not every run completed: {measured:?}");
     Ok(())
-}
-
-/// Starts runs `<prefix>-0` … on the model `model` (a run refused for want of a slot is tried
-/// again).
-async fn start_all(stack: &Stack, prefix: &str, model: &str, n: usize) -> anyhow::Result<()> {
-    let results: Vec<anyhow::Result<()>> = futures::stream::iter(0..n)
-        .map(|i| {
-            let mut client = stack.client(i);
-            let run_id = format!("{prefix}-{i}");
-            async move {
-                loop {
-                    match client.orchestrate(request(run_id.clone(), model)).await {
-                        Ok(stream) => {
-                            drop(stream);
-                            return Ok(());
-                        }
-                        Err(status) if status.code() == tonic::Code::ResourceExhausted => {
-                            tokio::time::sleep(Duration::from_millis(5)).await;
-                        }
-                        Err(status) => return Err(anyhow::anyhow!("{run_id}: {status}")),
-                    }
-                }
-            }
-        })
-        .buffer_unordered(CONCURRENCY)
-        .collect()
-        .await;
-    results.into_iter().collect()
 }
 
 /// The statuses of runs `<prefix>-0` … `<prefix>-(n-1)`.

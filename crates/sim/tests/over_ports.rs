@@ -64,16 +64,7 @@ fn the_receiver_fence_holds_the_seeds_that_break_without_it() {
         receiver_fence: false,
         ..Settings::default()
     };
-    let broken = (0..400)
-        .find(|&seed| {
-            simulate(seed, &without)
-                .violations
-                .iter()
-                .any(|v| v.starts_with("epoch order"))
-        })
-        .expect("no seed of 400 broke the epoch order without the runners' fence");
-    let with = simulate(broken, &Settings::default());
-    assert_eq!(with.violations, Vec::<String>::new(), "seed {broken} with the fence");
+    holds_a_seed_that_breaks(&without, 400, "epoch order");
 }
 
 /// The principal's slots kept in the store are what holds its `max_runs` across the fleet:
@@ -85,16 +76,7 @@ fn the_fleet_slots_hold_the_seeds_that_break_without_them() {
         fleet_slots: false,
         ..Settings::default()
     };
-    let broken = (0..200)
-        .find(|&seed| {
-            simulate(seed, &without)
-                .violations
-                .iter()
-                .any(|v| v.starts_with("the share"))
-        })
-        .expect("no seed of 200 let the tenant past its max_runs without the fleet's slots");
-    let with = simulate(broken, &Settings::default());
-    assert_eq!(with.violations, Vec::<String>::new(), "seed {broken} with the slots");
+    holds_a_seed_that_breaks(&without, 200, "the share");
 }
 
 /// A task a checkpoint holds is what keeps a takeover from starting its call again: with the
@@ -106,20 +88,7 @@ fn the_task_handles_in_checkpoints_hold_the_seeds_that_break_without_them() {
         task_handles: false,
         ..Settings::default()
     };
-    let broken = (0..200)
-        .find(|&seed| {
-            simulate(seed, &without)
-                .violations
-                .iter()
-                .any(|v| v.contains("held its outcome or its task"))
-        })
-        .expect("no seed of 200 started a followed task again without the task handles");
-    let with = simulate(broken, &Settings::default());
-    assert_eq!(
-        with.violations,
-        Vec::<String>::new(),
-        "seed {broken} with the task handles"
-    );
+    holds_a_seed_that_breaks(&without, 200, "held its outcome or its task");
 }
 
 /// A seed replays its faults, and (the scheduler's choices being the same) its history.
@@ -129,4 +98,14 @@ fn a_seed_over_the_ports_replays_the_same_history() {
     let again = simulate(LOG_GAP_PAST_A_LOST_BATCH, &Settings::default());
     assert!(once.history.len() > 50, "{:?}", once.history);
     assert_eq!(once.history, again.history);
+}
+
+/// The first of `seeds` that breaks the invariant whose violations say `breaks` with the fix
+/// `without` switches off, checked to hold with every fix on.
+fn holds_a_seed_that_breaks(without: &Settings, seeds: u64, breaks: &str) {
+    let broken = (0..seeds)
+        .find(|&seed| simulate(seed, without).violations.iter().any(|v| v.contains(breaks)))
+        .unwrap_or_else(|| panic!("no seed of {seeds} broke {breaks:?} without the fix"));
+    let with = simulate(broken, &Settings::default());
+    assert_eq!(with.violations, Vec::<String>::new(), "seed {broken} with the fix");
 }

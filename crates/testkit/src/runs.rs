@@ -71,3 +71,102 @@ pub async fn read_until(
         }
     }
 }
+
+/// Waits (at most 40 s) until run `run_id` reads `status` on `client` (the generated client);
+/// the run as it read then.
+pub async fn wait_status(
+    client: &pb::orchestrator_client::OrchestratorClient<tonic::transport::Channel>,
+    run_id: &str,
+    status: pb::RunStatus,
+) -> anyhow::Result<pb::RunResult> {
+    crate::wait::until(
+        &format!("run {run_id} to read {status:?}"),
+        Duration::from_secs(40),
+        || {
+            let mut client = client.clone();
+            let run_id = run_id.to_owned();
+            async move {
+                let run = client.get_run(pb::GetRunRequest { run_id }).await.ok()?.into_inner();
+                (run.status == status as i32).then_some(run)
+            }
+        },
+    )
+    .await
+}
+
+/// Orchestrator binaries (several on one NATS store, or one in memory) on a tool-runner in this
+/// process serving a tools manifest, and the stand-in model: what the tests of tools that talk
+/// back (questions, tasks, progress) run on.
+pub struct Fleet {
+    /// The replicas (`None` once a test killed one).
+    pub replicas: Vec<Option<Service>>,
+    /// The stand-in model (its requests show what the model was fed).
+    pub llm: mock_llm::MockLlm,
+    /// Where the manifest and the servers' logs are.
+    pub dir: tempfile::TempDir,
+    _nats: Option<crate::nats::Nats>,
+}
+
+impl Fleet {
+    /// `replicas` of the orchestrator binary `bin` with `flags` (and a 2 s lease on `nats`, when
+    /// given), the runner serving `manifest` (written into `dir`), the model playing `scenario`.
+    pub async fn start(
+        (bin, dir, manifest): (&str, tempfile::TempDir, &str),
+        scenario: mock_llm::Scenario,
+        (flags, replicas): (&[&str], usize),
+        nats: Option<crate::nats::Nats>,
+    ) -> anyhow::Result<Self> {
+        let path = dir.path().join("tools.toml");
+        std::fs::write(&path, manifest)?;
+        let runner = crate::helpers::tool_runner_in_process_with(tool_runner::Config {
+            tools_manifest: Some(path),
+            ..tool_runner::Config::default()
+        })
+        .await?;
+        let llm = mock_llm::MockLlm::start(scenario).await?;
+        let (llm_url, nats_url) = (llm.base_url(), nats.as_ref().map(crate::nats::Nats::url));
+        let lease: &[&str] = if nats_url.is_some() {
+            &["--run-store-lease", "2s"]
+        } else {
+            &[]
+        };
+        let flags: Vec<&str> = lease.iter().chain(flags).copied().collect();
+        let mut started = Vec::with_capacity(replicas);
+        for _ in 0..replicas {
+            started.push(Some(
+                orchestrator(bin, (&llm_url, &runner), nats_url.as_deref(), &flags).await?,
+            ));
+        }
+        Ok(Self {
+            replicas: started,
+            llm,
+            dir,
+            _nats: nats,
+        })
+    }
+
+    /// A generated client of replica `i`.
+    pub async fn client_of(
+        &self,
+        i: usize,
+    ) -> anyhow::Result<pb::orchestrator_client::OrchestratorClient<tonic::transport::Channel>> {
+        let replica = self.replicas[i]
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
+        Ok(pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", replica.grpc)).await?)
+    }
+
+    /// The tool messages the model was fed in its last request, joined.
+    pub fn fed_back(&self) -> String {
+        self.llm
+            .requests()
+            .last()
+            .and_then(|r| r["messages"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter(|m| m["role"] == "tool")
+            .filter_map(|m| m["content"].as_str().map(str::to_owned))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}

@@ -11,28 +11,20 @@
 
 use std::time::Duration;
 
-use mock_llm::{MockLlm, Scenario, Step, Turn};
+use mock_llm::{Scenario, Step, Turn};
 use proto::orchestrator::v1 as pb;
 use proto::orchestrator::v1::orchestrate_event::Event as E;
 use serde_json::json;
-use testkit::Service;
-use testkit::runs::read_until;
+use testkit::runs::{read_until, wait_status};
 use tokio::process::Command;
-use tonic::transport::Channel;
 
 type TestResult = anyhow::Result<()>;
-type Client = pb::orchestrator_client::OrchestratorClient<Channel>;
 
 const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
 
 /// Orchestrator binaries (several on one NATS store, or one in memory) on a tool-runner in this
 /// process that serves the refund server.
-struct World {
-    replicas: Vec<Option<Service>>,
-    llm: MockLlm,
-    dir: tempfile::TempDir,
-    _nats: Option<testkit::nats::Nats>,
-}
+type World = testkit::runs::Fleet;
 
 async fn world(scenario: Scenario, flags: &[&str]) -> anyhow::Result<World> {
     world_of(scenario, flags, 1, None).await
@@ -47,56 +39,16 @@ async fn world_of(
 ) -> anyhow::Result<World> {
     let dir = tempfile::tempdir()?;
     let manifest = testkit::mcp_servers::refund_server_table(&dir.path().join("refunds.log"))?;
-    let path = dir.path().join("tools.toml");
-    std::fs::write(&path, manifest)?;
-    let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config {
-        tools_manifest: Some(path),
-        ..tool_runner::Config::default()
-    })
-    .await?;
-    let llm = MockLlm::start(scenario).await?;
-    let mut started = Vec::new();
-    for _ in 0..replicas {
-        let mut command = Command::new(BIN);
-        command
-            .env("LLM_BASE_URL", llm.base_url())
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .args(["--tool-runner", &runner])
-            .args(flags);
-        if let Some(nats) = &nats {
-            command
-                .env("ORCHESTRATOR_RUN_STORE", nats.url())
-                .args(["--run-store-lease", "2s"]);
-        }
-        started.push(Some(Service::orchestrator(command).await?));
-    }
-    Ok(World {
-        replicas: started,
-        llm,
-        dir,
-        _nats: nats,
-    })
+    World::start((BIN, dir, &manifest), scenario, (flags, replicas), nats).await
 }
 
-impl World {
-    async fn client(&self) -> anyhow::Result<Client> {
-        self.client_of(0).await
-    }
-
-    async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
-        let replica = self.replicas[i]
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
-        Ok(Client::connect(format!("http://{}", replica.grpc)).await?)
-    }
-
-    fn refunds(&self) -> Vec<String> {
-        std::fs::read_to_string(self.dir.path().join("refunds.log"))
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
+/// The refunds the server did.
+fn refunds(world: &World) -> Vec<String> {
+    std::fs::read_to_string(world.dir.path().join("refunds.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
 }
 
 /// Turn 1 calls `tool` with `args`; turn 2 answers.
@@ -149,22 +101,6 @@ fn answer(run_id: &str, call_id: &str, answers: Vec<(&str, pb::InputAction, &str
     }
 }
 
-/// The result the model was fed for the run's call (its tool message), from the model's second
-/// request.
-fn fed_back(world: &World) -> String {
-    world
-        .llm
-        .requests()
-        .last()
-        .and_then(|r| r["messages"].as_array().cloned())
-        .unwrap_or_default()
-        .iter()
-        .filter(|m| m["role"] == "tool")
-        .filter_map(|m| m["content"].as_str().map(str::to_owned))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
 #[tokio::test]
 async fn a_question_is_asked_the_run_parks_and_the_answer_finishes_the_call() -> TestResult {
     let world = world(
@@ -172,7 +108,7 @@ async fn a_question_is_asked_the_run_parks_and_the_answer_finishes_the_call() ->
         &[],
     )
     .await?;
-    let mut client = world.client().await?;
+    let mut client = world.client_of(0).await?;
     let mut stream = client.orchestrate(run("ask-1", 0)).await?.into_inner();
     let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
     let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
@@ -204,7 +140,7 @@ async fn a_question_is_asked_the_run_parks_and_the_answer_finishes_the_call() ->
         .await?
         .into_inner();
     assert_eq!(listed.approvals[0].call_id, question.call_id);
-    assert!(world.refunds().is_empty(), "nothing refunded before the answer");
+    assert!(refunds(&world).is_empty(), "nothing refunded before the answer");
 
     // Approving it is refused (it is answered), and so are answers its schema refuses.
     let refused = client
@@ -270,11 +206,11 @@ async fn a_question_is_asked_the_run_parks_and_the_answer_finishes_the_call() ->
         .as_ref()
         .ok_or_else(|| anyhow::anyhow!("no answer recorded"))?;
     assert_eq!(decision.outcome, pb::ApprovalOutcome::Answered as i32);
-    assert_eq!(world.refunds(), ["A-7 5.0"]);
+    assert_eq!(refunds(&world), ["A-7 5.0"]);
     assert!(
-        fed_back(&world).contains("refunded 5.0 for order A-7"),
+        world.fed_back().contains("refunded 5.0 for order A-7"),
         "{}",
-        fed_back(&world)
+        world.fed_back()
     );
     Ok(())
 }
@@ -286,7 +222,7 @@ async fn declined_and_expired_questions_reach_the_model_as_the_tools_answer() ->
         &[],
     )
     .await?;
-    let mut client = world.client().await?;
+    let mut client = world.client_of(0).await?;
     let mut stream = client.orchestrate(run("ask-2", 0)).await?.into_inner();
     let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
     let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
@@ -303,16 +239,16 @@ async fn declined_and_expired_questions_reach_the_model_as_the_tools_answer() ->
         Some(pb::RunStatus::Completed as i32)
     );
     assert!(
-        fed_back(&world).contains("the person answered decline"),
+        world.fed_back().contains("the person answered decline"),
         "{}",
-        fed_back(&world)
+        world.fed_back()
     );
-    assert!(world.refunds().is_empty());
+    assert!(refunds(&world).is_empty());
 
     // Nobody answers a run whose questions expire after 1.5 s: each is answered cancel. The
     // server's ceiling (--input-timeout-ceiling 2s here) is taken, a wait above it refused.
     let world = world_again(&world, "C-3").await?;
-    let mut client = world.client().await?;
+    let mut client = world.client_of(0).await?;
     let refused = client
         .orchestrate(run("ask-too-long", 2001))
         .await
@@ -324,11 +260,11 @@ async fn declined_and_expired_questions_reach_the_model_as_the_tools_answer() ->
     let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
     assert!(asked(&events).is_some(), "{events:?}");
     assert!(
-        fed_back(&world).contains("the person answered cancel"),
+        world.fed_back().contains("the person answered cancel"),
         "{}",
-        fed_back(&world)
+        world.fed_back()
     );
-    assert!(world.refunds().is_empty());
+    assert!(refunds(&world).is_empty());
     Ok(())
 }
 
@@ -345,7 +281,7 @@ async fn world_again(_: &World, order: &str) -> anyhow::Result<World> {
 #[tokio::test]
 async fn a_url_questions_page_goes_to_the_person_never_to_the_model() -> TestResult {
     let world = world(call_then_answer("shop__pay", json!({"order": "D-4"})), &[]).await?;
-    let mut client = world.client().await?;
+    let mut client = world.client_of(0).await?;
     let mut stream = client.orchestrate(run("ask-4", 0)).await?.into_inner();
     let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
     let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
@@ -367,28 +303,11 @@ async fn a_url_questions_page_goes_to_the_person_never_to_the_model() -> TestRes
         "the page reached the model: {requests}"
     );
     assert!(
-        fed_back(&world).contains("payment page for D-4: accept"),
+        world.fed_back().contains("payment page for D-4: accept"),
         "{}",
-        fed_back(&world)
+        world.fed_back()
     );
     Ok(())
-}
-
-/// Waits until run `run_id` reads `status` on `client`.
-async fn wait_status(client: &Client, run_id: &str, status: pb::RunStatus) -> anyhow::Result<pb::RunResult> {
-    testkit::wait::until(
-        &format!("run {run_id} to read {status:?}"),
-        Duration::from_secs(30),
-        || {
-            let mut client = client.clone();
-            let run_id = run_id.to_owned();
-            async move {
-                let run = client.get_run(pb::GetRunRequest { run_id }).await.ok()?.into_inner();
-                (run.status == status as i32).then_some(run)
-            }
-        },
-    )
-    .await
 }
 
 #[tokio::test]
@@ -416,7 +335,7 @@ async fn on_nats_a_question_asked_on_one_replica_is_answered_on_another_and_the_
     let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
     let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
     assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
-    assert_eq!(world.refunds(), ["E-5 2.0"]);
+    assert_eq!(refunds(&world), ["E-5 2.0"]);
     let stored = b
         .get_run(pb::GetRunRequest {
             run_id: "nats-ask-1".into(),
@@ -444,7 +363,7 @@ async fn on_nats_a_question_asked_on_one_replica_is_answered_on_another_and_the_
     .await?;
     let done = wait_status(&b, "nats-ask-2", pb::RunStatus::Completed).await?;
     assert!(done.tool_calls[0].ok, "{done:?}");
-    assert_eq!(world.refunds(), ["E-5 2.0", "E-5 2.0"], "each run's refund once");
+    assert_eq!(refunds(&world), ["E-5 2.0", "E-5 2.0"], "each run's refund once");
     Ok(())
 }
 
@@ -464,7 +383,7 @@ async fn the_command_line_lists_and_answers_questions() -> TestResult {
             .ok_or_else(|| anyhow::anyhow!("no replica"))?
             .grpc
     );
-    let mut client = world.client().await?;
+    let mut client = world.client_of(0).await?;
     let mut stream = client.orchestrate(run("cli-ask", 0)).await?.into_inner();
     let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
     let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
@@ -500,7 +419,7 @@ async fn the_command_line_lists_and_answers_questions() -> TestResult {
         finished(&events).map(|r| r.status),
         Some(pb::RunStatus::Completed as i32)
     );
-    assert_eq!(world.refunds(), ["F-6 3.0"]);
+    assert_eq!(refunds(&world), ["F-6 3.0"]);
     Ok(())
 }
 
@@ -514,7 +433,7 @@ async fn a_tool_asks_again_up_to_max_input_rounds() -> TestResult {
             &["--max-input-rounds", rounds],
         )
         .await?;
-        let mut client = world.client().await?;
+        let mut client = world.client_of(0).await?;
         let mut stream = client.orchestrate(run("rounds", 0)).await?.into_inner();
         for key in ["close", "sure"].into_iter().take(if finishes { 2 } else { 1 }) {
             let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;

@@ -11,28 +11,19 @@
 
 use std::time::Duration;
 
-use mock_llm::{MockLlm, Scenario, Step, Turn};
+use mock_llm::{Scenario, Step, Turn};
 use proto::orchestrator::v1 as pb;
 use proto::orchestrator::v1::orchestrate_event::Event as E;
 use serde_json::json;
-use testkit::Service;
-use testkit::runs::read_until;
-use tokio::process::Command;
-use tonic::transport::Channel;
+use testkit::runs::{read_until, wait_status};
 
 type TestResult = anyhow::Result<()>;
-type Client = pb::orchestrator_client::OrchestratorClient<Channel>;
 
 const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
 
 /// Orchestrator binaries (several on one NATS store, or one in memory) on a tool-runner in this
 /// process that serves the tasks server.
-struct World {
-    replicas: Vec<Option<Service>>,
-    llm: MockLlm,
-    dir: tempfile::TempDir,
-    _nats: Option<testkit::nats::Nats>,
-}
+type World = testkit::runs::Fleet;
 
 async fn world(
     scenario: Scenario,
@@ -45,7 +36,8 @@ async fn world(
     world_serving(dir, manifest, scenario, (flags, replicas), nats).await
 }
 
-/// As [`world`], the runner serving the manifest `manifest` (written into `dir`).
+/// As [`world`], the runner serving the manifest `manifest` (written into `dir`), its tasks
+/// polled at least every 100 ms.
 async fn world_serving(
     dir: tempfile::TempDir,
     manifest: String,
@@ -53,79 +45,30 @@ async fn world_serving(
     (flags, replicas): (&[&str], usize),
     nats: Option<testkit::nats::Nats>,
 ) -> anyhow::Result<World> {
-    let path = dir.path().join("tools.toml");
-    std::fs::write(&path, manifest)?;
-    let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config {
-        tools_manifest: Some(path),
-        ..tool_runner::Config::default()
-    })
-    .await?;
-    let llm = MockLlm::start(scenario).await?;
-    let mut started = Vec::new();
-    for _ in 0..replicas {
-        let mut command = Command::new(BIN);
-        command
-            .env("LLM_BASE_URL", llm.base_url())
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .args(["--tool-runner", &runner, "--task-poll-min", "100ms"])
-            .args(flags);
-        if let Some(nats) = &nats {
-            command
-                .env("ORCHESTRATOR_RUN_STORE", nats.url())
-                .args(["--run-store-lease", "2s"]);
-        }
-        started.push(Some(Service::orchestrator(command).await?));
-    }
-    Ok(World {
-        replicas: started,
-        llm,
-        dir,
-        _nats: nats,
-    })
+    let flags: Vec<&str> = ["--task-poll-min", "100ms"].iter().chain(flags).copied().collect();
+    World::start((BIN, dir, &manifest), scenario, (&flags, replicas), nats).await
 }
 
-impl World {
-    async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
-        let replica = self.replicas[i]
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
-        Ok(Client::connect(format!("http://{}", replica.grpc)).await?)
-    }
+/// What the tasks server logged: `started D`, `done D`, `cancelled D`.
+fn log(world: &World) -> Vec<String> {
+    std::fs::read_to_string(world.dir.path().join("tasks.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
 
-    /// What the tasks server logged: `started D`, `done D`, `cancelled D`.
-    fn log(&self) -> Vec<String> {
-        std::fs::read_to_string(self.dir.path().join("tasks.log"))
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
-
-    async fn log_shows(&self, line: &str) -> anyhow::Result<()> {
-        testkit::wait::until(
-            &format!("the tasks server to log {line:?}"),
-            Duration::from_secs(30),
-            || {
-                let found = self.log().iter().any(|l| l == line);
-                async move { found.then_some(()) }
-            },
-        )
-        .await
-    }
-
-    /// The tool message the model was fed, from its last request.
-    fn fed_back(&self) -> String {
-        self.llm
-            .requests()
-            .last()
-            .and_then(|r| r["messages"].as_array().cloned())
-            .unwrap_or_default()
-            .iter()
-            .filter(|m| m["role"] == "tool")
-            .filter_map(|m| m["content"].as_str().map(str::to_owned))
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
+/// Waits until the tasks server logged `line`.
+async fn log_shows(world: &World, line: &str) -> anyhow::Result<()> {
+    testkit::wait::until(
+        &format!("the tasks server to log {line:?}"),
+        Duration::from_secs(30),
+        || {
+            let found = log(world).iter().any(|l| l == line);
+            async move { found.then_some(()) }
+        },
+    )
+    .await
 }
 
 /// Turn 1 crunches `dataset` for `seconds`; turn 2 answers.
@@ -151,22 +94,6 @@ fn finished(events: &[pb::OrchestrateEvent]) -> Option<pb::RunResult> {
         Some(E::RunFinished(f)) => f.result.clone(),
         _ => None,
     })
-}
-
-async fn wait_status(client: &Client, run_id: &str, status: pb::RunStatus) -> anyhow::Result<pb::RunResult> {
-    testkit::wait::until(
-        &format!("run {run_id} to read {status:?}"),
-        Duration::from_secs(40),
-        || {
-            let mut client = client.clone();
-            let run_id = run_id.to_owned();
-            async move {
-                let run = client.get_run(pb::GetRunRequest { run_id }).await.ok()?.into_inner();
-                (run.status == status as i32).then_some(run)
-            }
-        },
-    )
-    .await
 }
 
 #[tokio::test]
@@ -197,7 +124,7 @@ async fn a_task_is_followed_to_its_result_which_the_model_is_fed() -> TestResult
         !world.fed_back().contains("working"),
         "progress never reaches the model"
     );
-    assert_eq!(world.log(), ["started q3", "done q3"]);
+    assert_eq!(log(&world), ["started q3", "done q3"]);
     Ok(())
 }
 
@@ -234,7 +161,7 @@ async fn past_task_park_after_the_run_parks_holding_no_slot_and_is_woken_to_poll
     let events = read_until(&mut second, |e| matches!(e, E::RunFinished(_))).await?;
     let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
     assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
-    assert_eq!(world.log(), ["started q4", "started q4", "done q4", "done q4"]);
+    assert_eq!(log(&world), ["started q4", "started q4", "done q4", "done q4"]);
     Ok(())
 }
 
@@ -251,7 +178,7 @@ async fn a_run_canceled_while_its_task_runs_has_the_server_cancel_it() -> TestRe
         run.detached = true;
         let mut stream = client.orchestrate(run).await?.into_inner();
         read_until(&mut stream, |e| matches!(e, E::ToolCallProgress(_))).await?;
-        world.log_shows(&format!("started {run_id}")).await?;
+        log_shows(&world, &format!("started {run_id}")).await?;
         wait_status(&client, run_id, status).await?;
         let canceled = client
             .cancel_run(pb::CancelRunRequest {
@@ -261,7 +188,7 @@ async fn a_run_canceled_while_its_task_runs_has_the_server_cancel_it() -> TestRe
             .await?
             .into_inner();
         assert!(canceled.canceled, "{run_id}: {canceled:?}");
-        world.log_shows(&format!("cancelled {run_id}")).await?;
+        log_shows(&world, &format!("cancelled {run_id}")).await?;
         let ended = wait_status(&client, run_id, pb::RunStatus::Canceled).await?;
         assert_eq!(
             ended.tool_calls.len(),
@@ -281,13 +208,13 @@ async fn on_nats_a_replica_killed_while_its_run_follows_a_task_leaves_the_same_t
     run.detached = true;
     let mut stream = a.orchestrate(run).await?.into_inner();
     read_until(&mut stream, |e| matches!(e, E::ToolCallProgress(_))).await?;
-    world.log_shows("started q5").await?;
+    log_shows(&world, "started q5").await?;
     if let Some(replica) = world.replicas[0].take() {
         replica.kill().await?;
     }
     let done = wait_status(&b, "nats-task", pb::RunStatus::Completed).await?;
     assert!(done.tool_calls[0].ok, "{done:?}");
-    assert_eq!(world.log(), ["started q5", "done q5"], "the work ran once");
+    assert_eq!(log(&world), ["started q5", "done q5"], "the work ran once");
     assert!(world.fed_back().contains("crunched q5"), "{}", world.fed_back());
     Ok(())
 }
