@@ -268,3 +268,40 @@ async fn a_long_call_reports_its_progress_while_it_runs_and_the_model_never_sees
     assert!(!world.fed_back().contains("progress"), "{}", world.fed_back());
     Ok(())
 }
+
+/// A task that asks a person inside it: the run parks waiting for the answer
+/// (`AWAITING_INPUT`), `AnswerToolInput` takes it, the answer goes to the task
+/// (`tasks/update`) and the task's result is the call's.
+#[tokio::test]
+async fn a_task_that_asks_a_person_parks_the_run_and_the_answer_goes_to_the_task() -> TestResult {
+    let scenario = Scenario::new(vec![
+        Turn::text("Asking.").then(Step::call("batch__approve_batch", json!({"batch": "b9"}))),
+        Turn::text("Done."),
+    ]);
+    let world = world(scenario, &[], 1, None).await?;
+    let mut client = world.client_of(0).await?;
+    let mut stream = client.orchestrate(request("task-asks")).await?.into_inner();
+    read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
+    let parked = wait_status(&client, "task-asks", pb::RunStatus::AwaitingInput).await?;
+    let pending = &parked.pending_approvals[0];
+    let question = &pending.input_requests[0];
+    assert!(question.message.contains("b9"), "{question:?}");
+    assert!(log(&world).is_empty(), "nothing processed before the answer");
+    client
+        .answer_tool_input(pb::AnswerToolInputRequest {
+            run_id: "task-asks".into(),
+            call_id: pending.call_id.clone(),
+            answers: vec![pb::ToolInputAnswer {
+                key: question.key.clone(),
+                action: pb::InputAction::Accept.into(),
+                content_json: r#"{"approve": true}"#.into(),
+            }],
+        })
+        .await?;
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
+    assert!(world.fed_back().contains("batch b9 processed"), "{}", world.fed_back());
+    assert_eq!(log(&world), ["processed b9"]);
+    Ok(())
+}

@@ -3,7 +3,8 @@
 //! `./scripts/mcp-servers`) over stdio. The runner offers the extension; a call the server makes a
 //! task comes back as `task` (its id, interval, and pinned: a stdio server's task lives in this
 //! runner); the call's next attempts carrying the task poll it to its result, or cancel it (the
-//! server stops the work); a task the server does not know fails the attempt with its own error.
+//! server stops the work); a task the server does not know fails the attempt with its own error;
+//! a task that asks a person inside it comes back as questions, and the answer goes to the task.
 
 use proto::toolrunner::v1 as pb;
 use serde_json::json;
@@ -114,5 +115,66 @@ async fn a_task_canceled_stops_on_its_server_and_an_unknown_one_fails() -> TestR
     let (code, message) = send(&runner, follow(&unknown, false)).await?.unwrap_err();
     assert_eq!(code, pb::ToolErrorCode::Failed, "{message}");
     assert!(message.contains("no longer knows task no-such-task"), "{message}");
+    Ok(())
+}
+
+/// The next attempt of an `approve_batch` call of `batch` that became `task`.
+fn follow_batch(task: &pb::ToolTask, args: &str) -> pb::RunToolRequest {
+    pb::RunToolRequest {
+        tool_name: "batch__approve_batch".into(),
+        arguments_json: args.to_owned(),
+        ..follow(task, false)
+    }
+}
+
+#[tokio::test]
+async fn a_task_that_asks_inside_it_comes_back_as_questions_and_takes_the_answer() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner = runner(&dir).await?;
+    let args = json!({"batch": "b7"}).to_string();
+    let task = send(&runner, run_tool("batch__approve_batch", &args))
+        .await?
+        .unwrap_task();
+    let asked = testkit::wait::until("the task to ask", std::time::Duration::from_secs(30), || async {
+        match send(&runner, follow_batch(&task, &args)).await {
+            Ok(Outcome::Asked(asked)) => Some(asked),
+            _ => None,
+        }
+    })
+    .await?;
+    let [question] = &asked.requests[..] else {
+        anyhow::bail!("one question expected: {asked:?}");
+    };
+    // The server keys a task's questions its own way (unique over the task's life).
+    assert_eq!(question.mode, "form", "{question:?}");
+    assert!(question.message.contains("b7"), "{question:?}");
+    assert!(log(&dir).is_empty(), "nothing processed before the answer");
+    let answer = pb::RunToolRequest {
+        input: Some(pb::ToolInputAnswers {
+            request_state: asked.request_state.clone(),
+            responses_json: [(
+                question.key.clone(),
+                json!({"action": "accept", "content": {"approve": true}}).to_string(),
+            )]
+            .into(),
+        }),
+        ..follow_batch(&task, &args)
+    };
+    let answered = send(&runner, answer).await?;
+    let done = match answered {
+        Outcome::Task(_) => {
+            testkit::wait::until("the task to end", std::time::Duration::from_secs(30), || async {
+                match send(&runner, follow_batch(&task, &args)).await {
+                    Ok(Outcome::Task(_)) | Err(_) => None,
+                    Ok(done) => Some(done),
+                }
+            })
+            .await?
+        }
+        other => other,
+    };
+    let done = done.unwrap_ok();
+    assert_eq!(done["result"], "batch b7 processed", "{done}");
+    assert_eq!(log(&dir), ["processed b7"]);
     Ok(())
 }

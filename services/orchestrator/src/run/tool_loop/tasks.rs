@@ -82,9 +82,15 @@ impl TurnCalls {
         self.tasks.iter().find(|f| f.index == index)
     }
 
-    /// When the turn's next task poll is due (`None`: it follows no task).
+    /// When the turn's next task poll is due (`None`: it follows no task it may poll now). A
+    /// task whose questions wait for a person is not polled: the answer goes on with it.
     pub(super) fn next_poll_at(&self) -> Option<u64> {
-        self.tasks.iter().map(|f| f.poll_at_unix_ms).min()
+        let waits = |index: usize| self.approvals.iter().any(|a| a.index == index && a.decision.is_none());
+        self.tasks
+            .iter()
+            .filter(|f| !waits(f.index))
+            .map(|f| f.poll_at_unix_ms)
+            .min()
     }
 
     /// Since when the turn has followed tasks.
