@@ -45,11 +45,21 @@ pub const REFUND_STATE_KEY: &str = "refund-server-state-key-of-the-tests-000000"
 /// A tools-manifest table that serves the refund server as `shop` over stdio (required), its
 /// refunds logged to `log`, its state sealed with [`REFUND_STATE_KEY`].
 pub fn refund_server_table(log: &Path) -> anyhow::Result<String> {
+    let env = format!(
+        "REFUND_LOG = \"{}\", REQUEST_STATE_KEY = \"{REFUND_STATE_KEY}\"",
+        log.display()
+    );
+    python_server_table("shop", &refund_server(), &env)
+}
+
+/// A tools-manifest table that serves the tests' Python server `script` as `name` over stdio
+/// (required, unbuffered, in the venv's Python), with the environment `env` (TOML inline-table
+/// entries).
+fn python_server_table(name: &str, script: &Path, env: &str) -> anyhow::Result<String> {
     Ok(format!(
-        "[[mcp_servers]]\nname = \"shop\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ REFUND_LOG = \"{log}\", REQUEST_STATE_KEY = \"{REFUND_STATE_KEY}\" }}\nrequired = true\n",
+        "[[mcp_servers]]\nname = \"{name}\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{script}\"]\nenv = {{ {env} }}\nrequired = true\n",
         python = python()?.display(),
-        server = refund_server().display(),
-        log = log.display(),
+        script = script.display(),
     ))
 }
 
@@ -62,10 +72,5 @@ pub fn tasks_server() -> PathBuf {
 /// A tools-manifest table that serves the tasks server as `batch` over stdio (required), the
 /// start, end and cancellation of each task's work logged to `log`.
 pub fn tasks_server_table(log: &Path) -> anyhow::Result<String> {
-    Ok(format!(
-        "[[mcp_servers]]\nname = \"batch\"\ncommand = \"{python}\"\nargs = [\"-u\", \"{server}\"]\nenv = {{ TASK_LOG = \"{log}\" }}\nrequired = true\n",
-        python = python()?.display(),
-        server = tasks_server().display(),
-        log = log.display(),
-    ))
+    python_server_table("batch", &tasks_server(), &format!("TASK_LOG = \"{}\"", log.display()))
 }

@@ -156,6 +156,15 @@ impl Fleet {
         Ok(pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", replica.grpc)).await?)
     }
 
+    /// The lines of `file` in the fleet's directory (a server's log; none before it wrote one).
+    pub fn lines_of(&self, file: &str) -> Vec<String> {
+        std::fs::read_to_string(self.dir.path().join(file))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
     /// The tool messages the model was fed in its last request, joined.
     pub fn fed_back(&self) -> String {
         self.llm

@@ -44,11 +44,7 @@ async fn world_of(
 
 /// The refunds the server did.
 fn refunds(world: &World) -> Vec<String> {
-    std::fs::read_to_string(world.dir.path().join("refunds.log"))
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_owned)
-        .collect()
+    world.lines_of("refunds.log")
 }
 
 /// Turn 1 calls `tool` with `args`; turn 2 answers.

@@ -51,11 +51,7 @@ async fn world_serving(
 
 /// What the tasks server logged: `started D`, `done D`, `cancelled D`.
 fn log(world: &World) -> Vec<String> {
-    std::fs::read_to_string(world.dir.path().join("tasks.log"))
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_owned)
-        .collect()
+    world.lines_of("tasks.log")
 }
 
 /// Waits until the tasks server logged `line`.

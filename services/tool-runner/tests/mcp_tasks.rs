@@ -48,10 +48,10 @@ async fn send(runner: &Runner, request: pb::RunToolRequest) -> anyhow::Result<Ou
     Outcome::of(runner.client().await?.run_tool(request).await?.into_inner())
 }
 
-/// Polls `task` until it is no longer working (within 30 s).
-async fn until_done(runner: &Runner, task: &pb::ToolTask) -> anyhow::Result<Outcome> {
+/// Polls a task with the attempts `poll` makes until it is no longer working (within 30 s).
+async fn until_done(runner: &Runner, poll: impl Fn() -> pb::RunToolRequest) -> anyhow::Result<Outcome> {
     testkit::wait::until("the task to end", std::time::Duration::from_secs(30), || async {
-        match send(runner, follow(task, false)).await {
+        match send(runner, poll()).await {
             Ok(Outcome::Task(_)) | Err(_) => None,
             Ok(done) => Some(done),
         }
@@ -73,7 +73,7 @@ async fn a_call_the_server_makes_a_task_is_polled_to_its_result() -> TestResult 
         ("working", 500, true)
     );
     assert!(task.ttl_ms > 0, "{task:?}");
-    let done = until_done(&runner, &task).await?.unwrap_ok();
+    let done = until_done(&runner, || follow(&task, false)).await?.unwrap_ok();
     assert_eq!(done["result"], "crunched q1");
     assert_eq!(log(&dir), ["started q1", "done q1"], "the work ran once");
     Ok(())
@@ -93,7 +93,7 @@ async fn a_task_canceled_stops_on_its_server_and_an_unknown_one_fails() -> TestR
     })
     .await?;
     let canceled = match send(&runner, follow(&task, true)).await? {
-        Outcome::Task(_) => until_done(&runner, &task).await?,
+        Outcome::Task(_) => until_done(&runner, || follow(&task, false)).await?,
         other => other,
     };
     let (code, message) = canceled.unwrap_err();
@@ -162,15 +162,7 @@ async fn a_task_that_asks_inside_it_comes_back_as_questions_and_takes_the_answer
     };
     let answered = send(&runner, answer).await?;
     let done = match answered {
-        Outcome::Task(_) => {
-            testkit::wait::until("the task to end", std::time::Duration::from_secs(30), || async {
-                match send(&runner, follow_batch(&task, &args)).await {
-                    Ok(Outcome::Task(_)) | Err(_) => None,
-                    Ok(done) => Some(done),
-                }
-            })
-            .await?
-        }
+        Outcome::Task(_) => until_done(&runner, || follow_batch(&task, &args)).await?,
         other => other,
     };
     let done = done.unwrap_ok();
