@@ -51,7 +51,13 @@ struct Args {
 }
 
 /// The fixes `--ports --without` switches off.
-const PORTS_FIXES: [&str; 3] = ["receiver-fence", "fleet-slots", "task-handles"];
+const PORTS_FIXES: [&str; 5] = [
+    "receiver-fence",
+    "fleet-slots",
+    "task-handles",
+    "wait-expiry",
+    "parked-claims",
+];
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -64,7 +70,10 @@ fn main() -> ExitCode {
     }
     if args.ports {
         if let Some(other) = args.without.iter().find(|fix| !PORTS_FIXES.contains(&fix.as_str())) {
-            eprintln!("sim: --ports switches off receiver-fence or fleet-slots, not {other}");
+            eprintln!(
+                "sim: --ports switches off one of {}, not {other}",
+                PORTS_FIXES.join(", ")
+            );
             return ExitCode::from(2);
         }
         return over_ports(&args);
@@ -103,6 +112,8 @@ fn over_ports(args: &Args) -> ExitCode {
         receiver_fence: !args.without.iter().any(|fix| fix == "receiver-fence"),
         fleet_slots: !args.without.iter().any(|fix| fix == "fleet-slots"),
         task_handles: !args.without.iter().any(|fix| fix == "task-handles"),
+        wait_expiry: !args.without.iter().any(|fix| fix == "wait-expiry"),
+        parked_claims: !args.without.iter().any(|fix| fix == "parked-claims"),
         ..sim::ports::Settings::default()
     };
     let trace = args.trace && args.seed.is_some();

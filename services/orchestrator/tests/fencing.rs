@@ -2,15 +2,17 @@
 //! `./scripts/test` installs it), at the store's level, where each write can be put in the order
 //! a paused or replaced replica would send it: a takeover raises the run's fence (what every
 //! tool-runner reads) before the new owner acts, and an approval wait is neither replaced nor
-//! deleted by an older owner, while a resumed run opening the same wait keeps its decisions.
+//! deleted by an older owner, while a resumed run opening the same wait keeps its decisions; a
+//! late decision and the wake of its run never both land; a parked run claimed is told so, and
+//! reads parked until its new owner goes on.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
 use orchestrator::domain::RunResult;
-use orchestrator::domain::approval::{Decision, DecisionKind, PendingApproval};
-use orchestrator::domain::ports::{ApprovalLot, Claim, Decider, ResultStore, RunJournal, Wait};
+use orchestrator::domain::approval::{Decider, Decision, DecisionKind, PendingApproval};
+use orchestrator::domain::ports::{ApprovalLot, Claim, ResultStore, RunJournal, Wait};
 use orchestrator::store::nats::{KvStore, NatsLot};
 use testkit::nats::Nats;
 
@@ -154,6 +156,127 @@ async fn an_approval_wait_is_fenced_by_the_epoch_that_opened_it() -> TestResult 
     assert_eq!(decided(&lot, "r").await?, None);
     lot.open(wait("r", &["call_4"], 3)).await.map_err(anyhow::Error::msg)?;
     assert!(decided(&lot, "r").await?.is_some(), "a closed wait is opened again");
+    Ok(())
+}
+
+/// A parked run that wakes past its calls' expiry decides them so in the lot first: a person's
+/// answer that lands after that is refused (it names the timeout), and one that landed before
+/// it is what the run goes on with. Each call is decided once, by whichever came first.
+#[tokio::test]
+async fn a_late_decision_and_the_wake_never_both_land() -> TestResult {
+    use orchestrator::domain::approval::{DecideError, TIMEOUT_PRINCIPAL};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let store = Arc::new(replica_store(&js, "late-runs", "a", Duration::from_secs(5)).await?);
+    let lot = NatsLot::open(&js, "late-runs", Duration::from_secs(60), store)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let person = Decider {
+        name: "ana".to_owned(),
+        approver: true,
+        approver_required: false,
+    };
+    let approve = |call: &str| Decision {
+        call_id: call.to_owned(),
+        kind: DecisionKind::Approve,
+    };
+    let mut late = wait("late", &["call_1", "call_2"], 1);
+    late.calls[0].0.expires_at_unix_ms = shared::sync::unix_ms();
+    lot.open(late).await.map_err(anyhow::Error::msg)?;
+
+    lot.decide("late", &person, &[approve("call_2")]).await?;
+    let woken = lot.wake("late", shared::sync::unix_ms()).await?.expect("the wait");
+    let by: Vec<Option<String>> = woken
+        .calls
+        .iter()
+        .map(|c| c.decision.as_ref().map(|d| d.principal.clone()))
+        .collect();
+    assert_eq!(
+        by,
+        [Some(TIMEOUT_PRINCIPAL.to_owned()), Some("ana".to_owned())],
+        "the expired call is decided by the timeout, the answered one by the person"
+    );
+    match lot.decide("late", &person, &[approve("call_1")]).await {
+        Err(DecideError::AlreadyDecided { principal, .. }) => assert_eq!(principal, TIMEOUT_PRINCIPAL),
+        other => panic!("a decision after the wake is refused as decided by the timeout: {other:?}"),
+    }
+    let again = lot.wake("late", shared::sync::unix_ms()).await?.expect("the wait");
+    assert_eq!(again.calls, woken.calls, "a second wake changes nothing");
+    Ok(())
+}
+
+/// A parked run, decided, is claimed by one replica's takeover, which is told it read parked (it
+/// gave its slot back and must take one again): its record keeps reading parked until its new
+/// owner writes it, and that owner's renewals keep it owned; a run claimed while it ran is not.
+#[tokio::test]
+async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> TestResult {
+    use orchestrator::domain::RunStatus;
+    use orchestrator::domain::ports::{ParkOutcome, Parked};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_millis(500);
+    let a = Arc::new(replica_store(&js, "parked-runs", "a", lease).await?);
+    let b = replica_store(&js, "parked-runs", "b", lease).await?;
+    let lot = NatsLot::open(&js, "parked-runs", Duration::from_secs(60), Arc::clone(&a))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let running = RunResult::running("parked.run");
+    assert!(matches!(
+        a.claim_resumable(running.clone(), deadline, b"start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    lot.open(wait("parked.run", &["call_1"], 1))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let parked = Parked {
+        checkpoint: b"parked".to_vec(),
+        result: RunResult {
+            status: RunStatus::AwaitingApproval,
+            ..running
+        },
+        wake_at_unix_ms: deadline,
+        parked_at_unix_ms: shared::sync::unix_ms(),
+        deadline_unix_ms: deadline,
+        log: None,
+    };
+    assert!(matches!(lot.park("parked.run", parked).await?, ParkOutcome::Parked));
+    assert!(b.orphans().await?.is_empty(), "undecided, it waits");
+    let person = Decider {
+        name: String::new(),
+        approver: true,
+        approver_required: false,
+    };
+    let approve = Decision {
+        call_id: "call_1".to_owned(),
+        kind: DecisionKind::Approve,
+    };
+    lot.decide("parked.run", &person, &[approve]).await?;
+    let claimed = b.take_over("parked.run").await?.expect("the decided run claimed");
+    assert!(claimed.parked, "the claim says it read parked");
+    assert_eq!(claimed.checkpoint, b"parked");
+    let read = b.get("parked.run").await?.expect("its record");
+    assert_eq!(
+        read.status,
+        RunStatus::AwaitingApproval,
+        "it reads parked until it goes on"
+    );
+    // Its new owner's renewal keeps it owned while it reads parked; its lease lapsing (the
+    // owner gone) makes it an orphan again.
+    b.put(read.clone()).await?;
+    testkit::wait::until("the parked run's lease to lapse", Duration::from_secs(20), || async {
+        a.orphans().await.ok().filter(|o| o.iter().any(|id| id == "parked.run"))
+    })
+    .await?;
+    let again = a.take_over("parked.run").await?.expect("claimed again");
+    assert!(again.parked, "still parked: it never went on");
+    a.put(RunResult::running("parked.run")).await?;
+    testkit::wait::until("the running run's lease to lapse", Duration::from_secs(20), || async {
+        b.orphans().await.ok().filter(|o| o.iter().any(|id| id == "parked.run"))
+    })
+    .await?;
+    let running = b.take_over("parked.run").await?.expect("claimed once more");
+    assert!(!running.parked, "a run claimed while it ran holds its slot");
     Ok(())
 }
 

@@ -2,7 +2,9 @@
 //! answers each run the same way whichever replica asks (the same conversation gives the same
 //! call ids, as a turn replayed after a takeover does); a tool-runner reads the run's fence
 //! from the store before it starts a tool, as the real one does, and the start it records is
-//! what the tools saw.
+//! what the tools saw. Now and then a tool asks a person first (an MCP `input_required`): it
+//! starts only once its call comes back with the answers, and records what they were; the
+//! [`Person`] answers from any replica.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,6 +14,7 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use orchestrator::domain::ToolCallError;
 use orchestrator::domain::chat::Message;
+use orchestrator::domain::input::{Answers, InputMode, InputRequest, Questions};
 use orchestrator::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
 use orchestrator::domain::task::ToolTask;
 use orchestrator::llm::{ChatModel, ChatRequest, LlmError, LlmEvent};
@@ -115,11 +118,28 @@ pub struct Start {
     pub at: Instant,
 }
 
+/// An attempt of a call that carried a person's answers, as a tool-runner received it.
+#[derive(Debug, Clone)]
+pub struct Answered {
+    /// The run.
+    pub run_id: String,
+    /// The call.
+    pub call_id: String,
+    /// The questions' state the answers came back with (it names one round of questions).
+    pub request_state: String,
+    /// The answer to the one question, as the tool reads it.
+    pub response: serde_json::Value,
+}
+
 /// The tool-runners, shared by the replicas: what they started.
 pub struct Runners {
     store: Store,
     /// Every tool start, in order.
     pub starts: Mutex<Vec<Start>>,
+    /// Every attempt that carried answers, in order.
+    pub answered: Mutex<Vec<Answered>>,
+    /// Rounds of questions asked so far (each gets its own state).
+    asked: Mutex<u64>,
     /// The runners' gates (one lost: a call to it is refused before it runs).
     pub gates: Vec<Gate>,
     /// The runners refuse a replaced owner's call (off: to show what breaks without it).
@@ -136,6 +156,8 @@ impl Runners {
             store,
             fence,
             starts: Mutex::default(),
+            answered: Mutex::default(),
+            asked: Mutex::default(),
             tasks: Mutex::default(),
             gates: (0..count).map(|_| Gate::default()).collect(),
             rng: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x7001)),
@@ -197,7 +219,7 @@ impl ToolExecutor for Client {
 /// seconds); the runner reads the run's fence and refuses a replaced owner's call, or starts
 /// the tool and answers.
 async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Attempt {
-    let (runner, out, link, (work, as_task)) = {
+    let (runner, out, link, (work, as_task, asks)) = {
         let mut rng = lock(&runners.rng);
         let runner = rng.usize(..runners.gates.len());
         let out = Duration::from_micros(rng.u64(100..20_000));
@@ -206,12 +228,18 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Att
             0 => Duration::from_millis(rng.u64(1000..8000)),
             _ => Duration::from_micros(rng.u64(100..5000)),
         };
-        // One call in three is run by its server as a task (answered with a handle at once).
+        // One call in three is run by its server as a task (answered with a handle at once);
+        // one of the others in five asks a person first.
+        let as_task = rng.u8(..3) == 0;
         (
             runner,
             out,
             link,
-            (Duration::from_millis(rng.u64(10..2000)), rng.u8(..3) == 0),
+            (
+                Duration::from_millis(rng.u64(10..2000)),
+                as_task,
+                !as_task && rng.u8(..5) == 0,
+            ),
         )
     };
     // Checked, then on its way out of the process (a client's buffer, a connection being
@@ -221,7 +249,7 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Att
     let (answer, heard) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         tokio::time::sleep(link).await;
-        let _ = answer.send(run_on(&runners, runner, &call, (work, as_task)).await);
+        let _ = answer.send(run_on(&runners, runner, &call, Work { work, as_task, asks }).await);
     });
     let answered = heard
         .await
@@ -230,10 +258,22 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Att
     answered
 }
 
+/// What a call's tool does, as drawn for one attempt.
+struct Work {
+    /// How long its work takes.
+    work: Duration,
+    /// Its server runs it as a task.
+    as_task: bool,
+    /// It asks a person first (when the attempt carries no answers).
+    asks: bool,
+}
+
 /// What runner `runner` does with `call` once it arrives: a poll of the task the call became
-/// starts nothing; a call starts its work, in the background as a task (`as_task`) or while the
-/// call waits.
-async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, (work, as_task): (Duration, bool)) -> Attempt {
+/// starts nothing; a call that asks a person starts nothing until it comes back with the
+/// answers, and then only when the person said go; a call starts its work, in the background
+/// as a task or while the call waits.
+async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: Work) -> Attempt {
+    let Work { work, as_task, asks } = drawn;
     if runners.gates[runner].mode() != super::gate::Mode::Up {
         let error = ToolCallError::new("UNAVAILABLE", format!("runner {runner} cannot be reached"));
         return Attempt::Unrun {
@@ -253,6 +293,14 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, (work, 
     if let Some(task) = &call.task {
         return Attempt::Answered(poll(runners, call, task));
     }
+    match &call.answers {
+        None if asks => return Attempt::Answered(Ok(ToolOutput::Asked(runners.questions(call)))),
+        Some(answers) if !runners.told_to_go(call, answers) => {
+            let not_done = format!("{{\"not done\": \"{}\"}}", call.call_id);
+            return Attempt::Answered(Ok(ToolOutput::Result(not_done)));
+        }
+        _ => {}
+    }
     lock(&runners.starts).push(Start {
         run_id: call.run_id.clone(),
         call_id: call.call_id.clone(),
@@ -267,6 +315,47 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, (work, 
     }
     tokio::time::sleep(work).await;
     Attempt::Answered(Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id))))
+}
+
+/// The one question a tool asks: go on or not (a form whose `go` is a boolean).
+pub const QUESTION: &str = "go";
+
+impl Runners {
+    /// A new round of questions for `call`: its state names the round.
+    fn questions(&self, call: &ToolInvocation) -> Questions {
+        let round = {
+            let mut asked = lock(&self.asked);
+            *asked += 1;
+            *asked
+        };
+        Questions {
+            request_state: format!("{}/{}/{round}", call.run_id, call.call_id),
+            requests: vec![InputRequest {
+                key: QUESTION.to_owned(),
+                mode: InputMode::Form,
+                message: "go on?".to_owned(),
+                schema: serde_json::json!({
+                    "type": "object",
+                    "properties": {"go": {"type": "boolean"}},
+                    "required": ["go"]
+                }),
+                url: String::new(),
+            }],
+        }
+    }
+
+    /// Records the answers `call` came back with; whether they say go.
+    fn told_to_go(&self, call: &ToolInvocation, answers: &Answers) -> bool {
+        let response = answers.responses.get(QUESTION).cloned().unwrap_or_default();
+        let go = response["action"] == "accept" && response["content"]["go"] == true;
+        lock(&self.answered).push(Answered {
+            run_id: call.run_id.clone(),
+            call_id: call.call_id.clone(),
+            request_state: answers.request_state.clone(),
+            response,
+        });
+        go
+    }
 }
 
 /// A task as the server describes it while it works.

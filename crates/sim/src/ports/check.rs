@@ -17,7 +17,14 @@
 //! - **the share**: no write ever leaves a principal with more runs live (their records) than
 //!   its `max_runs`, and once every run ended each slot left names a run that ended;
 //! - **the spend**: once every run ended, each principal's usage book holds at least the tokens
-//!   its runs' results count.
+//!   its runs' results count;
+//! - **one answer per question**: of the answers sent to one round of a tool's questions, from
+//!   any replica and however many at once, at most one is taken, and none the question's schema
+//!   refuses;
+//! - **the answer as given**: a call comes back to its tool with a round's answer only as the
+//!   person gave it (the one taken, or one whose taking went unheard), or `cancel` when none
+//!   was taken (the question expired), and the same whichever replica resumed it;
+//! - **no question left**: once every run ended, no call of theirs waits for a person.
 
 use std::collections::BTreeMap;
 
@@ -25,6 +32,7 @@ use orchestrator::domain::listing::RunSummary;
 use orchestrator::domain::{NumberedEvent, RunResult};
 
 use super::actors::Runners;
+use super::person::{Given, Person};
 use super::store::Store;
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -70,9 +78,11 @@ pub fn listing_whole(store: &Store, replica: &str, rows: &[RunSummary]) -> Vec<S
 }
 
 /// Every invariant broken, with its evidence.
-pub fn violations(store: &Store, runners: &Runners, runs: usize) -> Vec<String> {
+pub fn violations(store: &Store, runners: &Runners, person: &Person, runs: usize) -> Vec<String> {
     let mut broken = epoch_order(runners);
+    broken.extend(answers_as_given(runners, &lock(person)));
     let shared = lock(store);
+    broken.extend(questions_left(&shared));
     broken.extend(again_only_when_unrecorded(runners, &shared.takeovers));
     for run in 0..runs {
         let run_id = format!("run-{run}");
@@ -135,6 +145,72 @@ fn spend_counted(shared: &super::store::Shared) -> Vec<String> {
                 .sum();
             (booked < results)
                 .then(|| format!("the spend: {principal:?}'s book holds {booked} tokens, its runs' results {results}"))
+        })
+        .collect()
+}
+
+/// One answer per question, and the answer as given.
+fn answers_as_given(runners: &Runners, person: &super::person::Record) -> Vec<String> {
+    let mut broken: Vec<String> = person
+        .wrongly_taken
+        .iter()
+        .map(|w| format!("one answer per question: {w}"))
+        .collect();
+    let mut rounds: BTreeMap<&str, Vec<&Given>> = BTreeMap::new();
+    for given in &person.given {
+        rounds.entry(given.request_state.as_str()).or_default().push(given);
+    }
+    for (round, given) in &rounds {
+        let taken: Vec<&serde_json::Value> = given.iter().filter(|g| g.taken).map(|g| &g.response).collect();
+        if taken.len() > 1 {
+            broken.push(format!(
+                "one answer per question: round {round} took {} answers: {taken:?}",
+                taken.len()
+            ));
+        }
+    }
+    let mut seen: BTreeMap<&str, &serde_json::Value> = BTreeMap::new();
+    for answered in lock(&runners.answered).iter() {
+        let round = answered.request_state.as_str();
+        let given = rounds.get(round).map(Vec::as_slice).unwrap_or_default();
+        let as_given = match given.iter().find(|g| g.taken) {
+            Some(taken) => taken.response == answered.response,
+            None => answered.response["action"] == "cancel" || given.iter().any(|g| g.response == answered.response),
+        };
+        if !as_given {
+            broken.push(format!(
+                "the answer as given: {} call {} came back with {} for round {round}; the person sent {:?}",
+                answered.run_id,
+                answered.call_id,
+                answered.response,
+                given.iter().map(|g| (&g.response, g.taken)).collect::<Vec<_>>()
+            ));
+        }
+        if let Some(before) = seen.insert(round, &answered.response)
+            && *before != answered.response
+        {
+            broken.push(format!(
+                "the answer as given: round {round} came back with {before} and then with {}",
+                answered.response
+            ));
+        }
+    }
+    broken
+}
+
+/// Once every run ended, no call of theirs waits for a person.
+fn questions_left(shared: &super::store::Shared) -> Vec<String> {
+    shared
+        .waits
+        .iter()
+        .filter(|(run_id, _)| shared.records.get(*run_id).is_none_or(|r| !r.result.status.is_live()))
+        .flat_map(|(run_id, (wait, _))| {
+            wait.undecided().map(move |c| {
+                format!(
+                    "no question left: {run_id} ended and its call {} still waits",
+                    c.call_id
+                )
+            })
         })
         .collect()
 }
@@ -278,8 +354,8 @@ pub fn takeovers(store: &Store) -> u64 {
     lock(store).records.values().map(|r| r.epoch - 1).sum()
 }
 
-/// The history: every tool start (its time from `begun`), and each run's log and record, a
-/// line each.
+/// The history: every tool start (its time from `begun`), every call that came back with a
+/// person's answers, and each run's log and record, a line each.
 pub fn history(store: &Store, runners: &Runners, begun: tokio::time::Instant) -> Vec<String> {
     let mut lines: Vec<String> = lock(&runners.starts)
         .iter()
@@ -294,6 +370,12 @@ pub fn history(store: &Store, runners: &Runners, begun: tokio::time::Instant) ->
             )
         })
         .collect();
+    lines.extend(lock(&runners.answered).iter().map(|a| {
+        format!(
+            "answered {} {} round {}: {}",
+            a.run_id, a.call_id, a.request_state, a.response
+        )
+    }));
     let shared = lock(store);
     for (run_id, record) in &shared.records {
         let seqs: Vec<u64> = shared

@@ -1,8 +1,9 @@
 //! The simulation over the services' own code: several replicas, each the orchestrator's `Core`
 //! (admission, takeover, the loop, the persister, the registry) built over the domain ports
 //! (`orchestrator::server::harness`), on a store that answers as the NATS adapters do
-//! ([`store`]), with a model and tool-runners that read the run's fence ([`actors`]), each
-//! process behind the [`gate`] its faults set, in one
+//! ([`store`], its lot of parked runs too), with a model and tool-runners that read the run's
+//! fence ([`actors`]; now and then a tool asks a question, which the [`person`] answers from any
+//! replica), each process behind the [`gate`] its faults set, in one
 //! tokio runtime whose clock is virtual and whose every random draw comes from the seed. The
 //! fault plan, drawn from the seed too, pauses replicas (SIGSTOP), cuts them off from the store,
 //! kills them (SIGKILL, and starts a new replica in their place), slows the store down, leaves
@@ -17,6 +18,7 @@
 pub mod actors;
 pub mod check;
 pub mod gate;
+pub mod person;
 pub mod store;
 
 use std::sync::Arc;
@@ -56,6 +58,12 @@ pub struct Settings {
     /// Checkpoints keep the tasks their calls became (off: the store drops them, what breaks
     /// without them).
     pub task_handles: bool,
+    /// A parked run that wakes decides its expired calls in the lot first (off: it only reads
+    /// its wait, what breaks without it).
+    pub wait_expiry: bool,
+    /// A takeover tells that the run it claimed read parked, which takes a slot again (off: it
+    /// never does, what breaks without it).
+    pub parked_claims: bool,
 }
 
 impl Default for Settings {
@@ -66,10 +74,12 @@ impl Default for Settings {
             runs: 4,
             faults: 8,
             horizon: Duration::from_secs(30),
-            settle: Duration::from_secs(120),
+            settle: Duration::from_secs(240),
             receiver_fence: true,
             fleet_slots: true,
             task_handles: true,
+            wait_expiry: true,
+            parked_claims: true,
         }
     }
 }
@@ -85,6 +95,8 @@ pub struct Outcome {
     pub starts: usize,
     /// Runs taken over (epochs past 1).
     pub takeovers: u64,
+    /// Tool attempts that carried a person's answers.
+    pub answered: usize,
     /// The history in a line each: faults, tool starts, and each run's log and record.
     pub history: Vec<String>,
 }
@@ -137,6 +149,7 @@ pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
                 violations: vec![format!("no runtime: {e}")],
                 starts: 0,
                 takeovers: 0,
+                answered: 0,
                 history: Vec::new(),
             };
         }
@@ -170,6 +183,8 @@ struct World {
     begun: Instant,
     history: Vec<String>,
     observations: Arc<std::sync::Mutex<Vec<String>>>,
+    /// The person who answers the tools' questions.
+    person: person::Person,
 }
 
 /// A fault of the plan.
@@ -198,6 +213,7 @@ impl World {
             begun: Instant::now(),
             history: Vec::new(),
             observations: Arc::default(),
+            person: Arc::default(),
             settings,
         }
     }
@@ -208,10 +224,17 @@ impl World {
         let name = format!("replica-{n}");
         let gate = Gate::default();
         let store = ReplicaStore::new(Arc::clone(&self.store), &name, gate.clone(), terms(), STORE_TIMEOUT);
-        let store = if self.settings.task_handles {
-            store
-        } else {
-            store.forgetting_tasks()
+        let store = match self.settings.task_handles {
+            true => store,
+            false => store.forgetting_tasks(),
+        };
+        let store = match self.settings.wait_expiry {
+            true => store,
+            false => store.waking_without_expiry(),
+        };
+        let store = match self.settings.parked_claims {
+            true => store,
+            false => store.hiding_parked_claims(),
         };
         let ports = Ports {
             store: Arc::new(store.clone()),
@@ -223,7 +246,7 @@ impl World {
             usage: Arc::new(store.clone()),
             journal: Some(Arc::new(store.clone())),
             log: Arc::new(store.clone()),
-            approvals: Arc::new(orchestrator::store::memory::MemoryLot::new(16)),
+            approvals: Arc::new(store.clone()),
             threads: Arc::new(store.clone()),
             signals: Arc::new(orchestrator::signals::memory::MemoryTopic::new(16)),
             model: Arc::new(Model::new(gate.clone(), self.seed.wrapping_add(n as u64 * 7919))),
@@ -260,6 +283,7 @@ impl World {
             self.start_run(format!("run-{i}"), after);
         }
         let reader = self.spawn_reader();
+        let person = person::spawn(Arc::clone(&self.living), Arc::clone(&self.person), self.seed);
         for (at, fault) in self.plan() {
             tokio::time::sleep_until(begun + at).await;
             self.apply(fault).await;
@@ -268,7 +292,8 @@ impl World {
         self.heal();
         let ended = self.wait_for_ends().await;
         reader.abort();
-        let mut violations = check::violations(&self.store, &self.runners, self.settings.runs);
+        person.abort();
+        let mut violations = check::violations(&self.store, &self.runners, &self.person, self.settings.runs);
         if ended.is_ok() {
             violations.extend(self.listings().await);
         }
@@ -277,6 +302,7 @@ impl World {
             violations.push(unended);
         }
         let starts = lock(&self.runners.starts).len();
+        let answered = lock(&self.runners.answered).len();
         let mut history = std::mem::take(&mut self.history);
         history.extend(check::history(&self.store, &self.runners, self.begun));
         Outcome {
@@ -284,6 +310,7 @@ impl World {
             violations,
             starts,
             takeovers: check::takeovers(&self.store),
+            answered,
             history,
         }
     }
@@ -485,7 +512,7 @@ impl World {
 }
 
 /// The `n`-th replica alive (modulo their number).
-fn pick(living: &std::sync::Mutex<Vec<Arc<Replica>>>, n: usize) -> Option<Arc<Replica>> {
+pub(crate) fn pick(living: &std::sync::Mutex<Vec<Arc<Replica>>>, n: usize) -> Option<Arc<Replica>> {
     let living = lock(living);
     (!living.is_empty()).then(|| Arc::clone(&living[n % living.len()]))
 }
@@ -514,7 +541,7 @@ fn spec(run_id: &str) -> RunSpec {
         tool_timeout: Duration::from_secs(10),
         run_timeout: Duration::from_secs(3600),
         approval_timeout: Duration::from_secs(60),
-        input_timeout: Duration::from_secs(3600),
+        input_timeout: Duration::from_secs(8),
         max_total_tokens: u64::MAX,
     };
     RunSpec {
@@ -540,6 +567,7 @@ fn spec(run_id: &str) -> RunSpec {
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         principal: TENANT.to_owned(),
+        max_runs: None,
         stream_interval: Duration::ZERO,
         approval: Default::default(),
         affinity_key: String::new(),

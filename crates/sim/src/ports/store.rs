@@ -7,7 +7,8 @@
 //! the seed, passes its replica's gate before it is applied and again before its answer is
 //! heard: a replica paused or cut off in between has its write applied and never learns it.
 //! One replica's requests apply in the order it sent them (one connection, as a NATS client's).
-//! The principals' run slots ([`quotas`]) and their spend ([`usage`]) are keys of the store too.
+//! The principals' run slots ([`quotas`]), their spend ([`usage`]) and the runs waiting for a
+//! person or a task ([`lot`]) are keys of the store too.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -18,16 +19,17 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use orchestrator::domain::listing::{RunPage, RunQuery, RunSummary};
 use orchestrator::domain::ports::{
-    CancelAsk, Claim, EventFeed, EventLog, LogError, LogWriter, Logged, RemoteCancel, ResultStore, RunIndex,
+    CancelAsk, Claim, Claimed, EventFeed, EventLog, LogError, LogWriter, Logged, RemoteCancel, ResultStore, RunIndex,
     RunJournal, Settled, StoreError, ThreadStore,
 };
 use orchestrator::domain::thread::Thread;
-use orchestrator::domain::{CancelMode, LeaseTerms, NumberedEvent, Ownership, RunResult, Stop};
+use orchestrator::domain::{CancelMode, LeaseTerms, NumberedEvent, Ownership, RunResult, RunStatus, Stop};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::gate::Gate;
 
+pub mod lot;
 mod quotas;
 mod usage;
 
@@ -48,6 +50,11 @@ pub struct Record {
     handed_over: bool,
     /// The calls whose outcome its last checkpoint holds.
     checkpointed_calls: BTreeSet<String>,
+    /// Parked (waiting for a person or a task): no lease runs; taken over once `ready` or past
+    /// `wake_at_unix_ms`.
+    pub awaiting: bool,
+    ready: bool,
+    wake_at_unix_ms: u64,
 }
 
 /// A takeover: the run, the epoch it began, and the calls whose outcome the checkpoint it
@@ -135,11 +142,13 @@ pub struct Shared {
     pub slots: BTreeMap<String, (String, u64)>,
     /// Each principal's `max_runs`, for [`Shared::quota_breaches`].
     pub max_runs: BTreeMap<String, usize>,
-    /// Every moment a principal had more runs live (their records read live) than its
-    /// `max_runs`, as the writes that made it so left the store.
+    /// Every moment a principal had more runs running (their records read running: a parked run
+    /// holds no slot) than its `max_runs`, as the writes that made it so left the store.
     pub quota_breaches: Vec<String>,
     /// Each principal's spend by hour window.
     pub usage: BTreeMap<(String, u64), orchestrator::domain::usage::Tally>,
+    /// The runs' waits ([`lot`]), by run id, each with its revision.
+    pub waits: BTreeMap<String, (lot::StoredWait, u64)>,
 }
 
 /// The store, shared.
@@ -164,6 +173,7 @@ pub fn store(seed: u64) -> Store {
         max_runs: BTreeMap::new(),
         quota_breaches: Vec::new(),
         usage: BTreeMap::new(),
+        waits: BTreeMap::new(),
     }))
 }
 
@@ -183,13 +193,13 @@ pub fn lock(store: &Store) -> std::sync::MutexGuard<'_, Shared> {
 }
 
 impl Shared {
-    /// Notes a principal with more runs live than its `max_runs` after `operation`.
+    /// Notes a principal with more runs running than its `max_runs` after `operation`.
     fn check_quotas(&mut self, operation: &str) {
         for (principal, max) in &self.max_runs {
             let live: Vec<&str> = self
                 .records
                 .values()
-                .filter(|r| &r.result.principal == principal && r.result.status.is_live())
+                .filter(|r| &r.result.principal == principal && r.result.status == RunStatus::Running)
                 .map(|r| r.result.run_id.as_str())
                 .collect();
             let again = self
@@ -233,6 +243,12 @@ pub struct ReplicaStore {
     /// Checkpoints are kept without the tasks their calls became (off only to show what breaks
     /// without them: a takeover starts such a call again).
     forget_tasks: bool,
+    /// A parked run that wakes reads its wait, deciding no expired call in the store (only to
+    /// show what breaks: a person's late answer is taken and the call goes on canceled).
+    wake_reads_only: bool,
+    /// A takeover never tells that the run it claimed read parked (only to show what breaks: a
+    /// parked run goes on without a slot).
+    hide_parked: bool,
 }
 
 impl ReplicaStore {
@@ -248,6 +264,8 @@ impl ReplicaStore {
             sightings: Arc::default(),
             wire: Arc::default(),
             forget_tasks: false,
+            wake_reads_only: false,
+            hide_parked: false,
         }
     }
 
@@ -255,6 +273,20 @@ impl ReplicaStore {
     #[must_use]
     pub fn forgetting_tasks(mut self) -> Self {
         self.forget_tasks = true;
+        self
+    }
+
+    /// The same store, waking parked runs without deciding their expired calls in it.
+    #[must_use]
+    pub fn waking_without_expiry(mut self) -> Self {
+        self.wake_reads_only = true;
+        self
+    }
+
+    /// The same store, never telling a takeover that the run it claimed read parked.
+    #[must_use]
+    pub fn hiding_parked_claims(mut self) -> Self {
+        self.hide_parked = true;
         self
     }
 
@@ -363,17 +395,23 @@ impl ReplicaStore {
                 epoch: 1,
                 renewed: Instant::now(),
                 handed_over: false,
+                awaiting: false,
+                ready: false,
+                wake_at_unix_ms: 0,
             },
         );
         self.own(&run_id, 1);
         Claim::Claimed
     }
 
-    /// Whether `record` is an orphan now: live, resumable, and its owner gone or released it.
+    /// Whether `record` is an orphan now: live, resumable, and its owner gone or released it;
+    /// or parked, and ready to go on (decided, canceled, or its wake time passed).
     fn orphaned(&self, record: &Record) -> bool {
-        record.result.status.is_live()
-            && record.checkpoint.is_some()
-            && (record.handed_over || record.renewed.elapsed() > self.terms.length)
+        let gone = match record.awaiting {
+            true => record.ready || record.wake_at_unix_ms <= shared::sync::unix_ms(),
+            false => record.handed_over || record.renewed.elapsed() > self.terms.length,
+        };
+        record.result.status.is_live() && record.checkpoint.is_some() && gone
     }
 }
 
@@ -480,7 +518,7 @@ impl RunJournal for ReplicaStore {
         })
     }
 
-    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
+    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Claimed>, StoreError>> {
         let run_id = run_id.to_owned();
         self.boxed("KV update", &run_id.clone(), move |shared, this| {
             let Some(record) = shared.records.get(&run_id).filter(|r| this.orphaned(r)) else {
@@ -497,8 +535,14 @@ impl RunJournal for ReplicaStore {
             record.owner.clone_from(&this.me);
             record.renewed = Instant::now();
             record.handed_over = false;
+            let parked = record.result.status.is_parked() && !this.hide_parked;
+            record.awaiting = false;
+            record.ready = false;
             this.own(&run_id, epoch);
-            let taken = record.checkpoint.clone();
+            let taken = record
+                .checkpoint
+                .clone()
+                .map(|checkpoint| Claimed { checkpoint, parked });
             let checkpointed_calls = record.checkpointed_calls.clone();
             shared.takeovers.push(Takeover {
                 run_id,

@@ -2,7 +2,7 @@
 //! decision, the decisions, and the rules a decision must pass. A call that asks questions
 //! (`input.rs`) waits the same way: its answers are its decision.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 /// Which calls of a run wait for approval, and what happens while they wait.
@@ -59,6 +59,20 @@ pub struct PendingApproval {
     /// Set when the call asks questions (its answers decide it; an approval does not).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub questions: Option<super::input::Questions>,
+}
+
+/// Decides each of `calls` still undecided past its expiry at `now_unix_ms` as expired (a
+/// timeout, or `cancel` to its questions); whether any was.
+pub fn expire_calls(calls: &mut [PendingApproval], now_unix_ms: u64) -> bool {
+    let mut expired = false;
+    for call in calls
+        .iter_mut()
+        .filter(|c| c.decision.is_none() && c.expires_at_unix_ms <= now_unix_ms)
+    {
+        call.decision = Some(call.expired(now_unix_ms));
+        expired = true;
+    }
+    expired
 }
 
 impl PendingApproval {
@@ -317,6 +331,92 @@ pub fn check_decision(
             recorded.outcome = ApprovalOutcome::Answered;
             recorded.answers.clone_from(answers);
         }
+    }
+    Ok(recorded)
+}
+
+/// Who asks to decide, as the lot checks it.
+#[derive(Debug, Clone)]
+pub struct Decider {
+    /// The caller's principal (empty: no authentication, which decides everything).
+    pub name: String,
+    /// It holds the approver role: it decides every run's calls.
+    pub approver: bool,
+    /// The server lets only approvers decide (`--approvals-need-approver`), so an owner cannot
+    /// approve its own calls.
+    pub approver_required: bool,
+}
+
+impl Decider {
+    /// Whether it may see that a run of `owner` waits: another caller's run is as unknown to it
+    /// as a run that does not exist.
+    pub fn may_see(&self, owner: &str) -> bool {
+        self.name.is_empty() || self.approver || self.name == owner
+    }
+
+    /// Whether it may decide the calls of a run of `owner`.
+    pub fn may_decide(&self, owner: &str) -> bool {
+        self.approver || (!self.approver_required && self.may_see(owner))
+    }
+}
+
+/// Records `decisions` of `decider` in the `calls` of run `run_id` (owned by `owner`, its calls'
+/// schemas `schemas` by call id): all of them, or none when one is refused.
+pub fn record_decisions(
+    run_id: &str,
+    owner: &str,
+    calls: &mut [PendingApproval],
+    schemas: &BTreeMap<String, serde_json::Value>,
+    decider: &Decider,
+    decisions: &[Decision],
+) -> Result<(), DecideError> {
+    if !decider.may_see(owner) {
+        return Err(DecideError::NotFound(run_id.to_owned()));
+    }
+    if !decider.may_decide(owner) {
+        return Err(DecideError::NotAllowed {
+            caller: decider.name.clone(),
+            run_id: run_id.to_owned(),
+        });
+    }
+    for (index, decision) in decide_calls(run_id, calls, |id| schemas.get(id), decider, decisions)? {
+        calls[index].decision = Some(decision);
+    }
+    Ok(())
+}
+
+/// Checks `decisions` of `decider` against the run's `calls` (each named once, each waiting, an
+/// edit accepted by `schema_of` its call); the decisions to record, by call position. All or
+/// none: the first refused one is the error.
+fn decide_calls<'a>(
+    run_id: &str,
+    calls: &[PendingApproval],
+    schema_of: impl Fn(&str) -> Option<&'a serde_json::Value>,
+    decider: &Decider,
+    decisions: &[Decision],
+) -> Result<Vec<(usize, ApprovalDecision)>, DecideError> {
+    let now = shared::sync::unix_ms();
+    let mut recorded: Vec<(usize, ApprovalDecision)> = Vec::with_capacity(decisions.len());
+    for decision in decisions {
+        let index = calls
+            .iter()
+            .position(|c| c.call_id == decision.call_id)
+            .ok_or_else(|| DecideError::NotPending {
+                run_id: run_id.to_owned(),
+                call_id: decision.call_id.clone(),
+            })?;
+        if recorded.iter().any(|(i, _)| *i == index) {
+            return Err(DecideError::Invalid(format!(
+                "call {:?} is named twice in one request",
+                decision.call_id
+            )));
+        }
+        let any_object = serde_json::json!({"type": "object"});
+        let schema = schema_of(&decision.call_id).unwrap_or(&any_object);
+        recorded.push((
+            index,
+            check_decision(decision, &calls[index], schema, &decider.name, now)?,
+        ));
     }
     Ok(recorded)
 }

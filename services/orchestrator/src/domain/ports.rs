@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
-use super::approval::{DecideError, Decision, PendingApproval};
+use super::approval::{DecideError, Decider, Decision, PendingApproval};
 use super::event::NumberedEvent;
 use super::ownership::{LeaseTerms, Ownership};
 use super::result::{Delivery, RunResult, Signal, ToolCallError};
@@ -211,8 +211,9 @@ pub trait RunJournal: Send + Sync + 'static {
     /// Runs with a checkpoint whose owner is gone: lease lapsed, or handed over.
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>>;
     /// Claims an orphan for this replica (compare-and-set on the record, one winner) and returns
-    /// its checkpoint; `None` when it is no orphan any more (another replica won).
-    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>>;
+    /// its checkpoint; `None` when it is no orphan any more (another replica won). A parked run
+    /// claimed keeps reading parked until its new owner writes it.
+    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Claimed>, StoreError>>;
     /// Releases this replica's run marked as handed over (its last checkpoint stands), so another
     /// replica takes it at once.
     fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>>;
@@ -246,6 +247,17 @@ pub trait RunJournal: Send + Sync + 'static {
     fn steer_asks(&self) -> BoxFuture<'static, BoxStream<'static, SteerAsk>> {
         Box::pin(async { Box::pin(futures::stream::pending()) as BoxStream<'static, SteerAsk> })
     }
+}
+
+/// An orphan a takeover claimed ([`RunJournal::take_over`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claimed {
+    /// Its checkpoint (opaque here).
+    pub checkpoint: Vec<u8>,
+    /// It reads parked (waiting for a person or a task; ready to go on, or claimed since and
+    /// waiting for a slot): it holds no slot among its principal's `max_runs`, and must take
+    /// one again.
+    pub parked: bool,
 }
 
 /// What the replica running a run answered to a message sent on another replica.
@@ -566,31 +578,6 @@ pub struct Ready {
     pub waiting: Waiting,
 }
 
-/// Who asks to decide, as the lot checks it.
-#[derive(Debug, Clone)]
-pub struct Decider {
-    /// The caller's principal (empty: no authentication, which decides everything).
-    pub name: String,
-    /// It holds the approver role: it decides every run's calls.
-    pub approver: bool,
-    /// The server lets only approvers decide (`--approvals-need-approver`), so an owner cannot
-    /// approve its own calls.
-    pub approver_required: bool,
-}
-
-impl Decider {
-    /// Whether it may see that a run of `owner` waits: another caller's run is as unknown to it
-    /// as a run that does not exist.
-    pub fn may_see(&self, owner: &str) -> bool {
-        self.name.is_empty() || self.approver || self.name == owner
-    }
-
-    /// Whether it may decide the calls of a run of `owner`.
-    pub fn may_decide(&self, owner: &str) -> bool {
-        self.approver || (!self.approver_required && self.may_see(owner))
-    }
-}
-
 /// Runs waiting for decisions on their calls (docs/architecture.md, "Approvals"). A run opens its
 /// wait when it announces the calls; decisions may come from then on, while the turn's other
 /// calls still run; the run then parks (leaving its slot) unless every call was decided already.
@@ -622,6 +609,13 @@ pub trait ApprovalLot: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<(Vec<PendingApproval>, bool), StoreError>>;
     /// A run's wait, with the decisions so far (`None`: it waits for nothing).
     fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>>;
+    /// The wait of a parked run that goes on now (`now_unix_ms`): a shared lot first decides its
+    /// calls past their expiry so in the store (compare-and-set), so that a person's late
+    /// answer and the expiry never both land — each call is decided once, by whichever came
+    /// first. A lot of this process has applied expiries already ([`ApprovalLot::expire`]).
+    fn wake(&self, run_id: &str, _now_unix_ms: u64) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
+        self.waiting(run_id)
+    }
     /// A run parked in this process, as `GetRun` shows it (a shared lot leaves that to the store).
     fn parked(&self, run_id: &str) -> Option<RunResult>;
     /// Every run parked in this process, as `ListRuns` shows them (none for a shared lot: the

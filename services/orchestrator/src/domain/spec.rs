@@ -101,6 +101,10 @@ pub struct RunSpec {
     pub deadline: Deadline,
     /// The caller the run belongs to (empty without authentication).
     pub principal: String,
+    /// Its caller's `max_runs` when it was let in: a parked run that goes on (on any replica)
+    /// takes one of those slots again, since it gave its own back when it parked.
+    #[serde(default)]
+    pub max_runs: Option<usize>,
     /// How long the run gathers the model's text into one event (zero: each read's at once).
     #[serde(default)]
     pub stream_interval: std::time::Duration,

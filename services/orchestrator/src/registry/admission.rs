@@ -5,13 +5,14 @@
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
 
 use shared::auth::Principal;
 use shared::runtime::AbortOnDrop;
 
 use super::quota::HeldQuota;
 use super::{Live, LiveRuns, Runs, sees};
-use crate::domain::ports::{Claim, LogWriter, Logged, Ready, within};
+use crate::domain::ports::{Claim, Claimed, LogWriter, Logged, Ready, within};
 use crate::domain::{EventBatch, Ownership, RunResult, RunSpec, RunStatus};
 use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
 use crate::run::persist::Persister;
@@ -113,6 +114,9 @@ pub(crate) struct Admitted {
     _lease: Option<AbortOnDrop>,
     /// The run's slot among its principal's `max_runs` across the fleet.
     pub(super) quota: Option<super::quota::HeldQuota>,
+    /// Its caller, when the run must take a slot among its `max_runs` again before it goes on:
+    /// it was taken over after it parked (and so gave its slot back).
+    retake: Option<Principal>,
     /// The run started here (claimed, taken over or resumed): a run that did not gives its
     /// slot back whatever its state says.
     pub(super) started: bool,
@@ -225,6 +229,48 @@ impl Admitted {
         }
     }
 
+    /// Takes a slot of its caller's `max_runs` across the fleet again for a run taken over
+    /// after it parked; while the caller's runs hold them all it waits, its record still
+    /// reading parked, until `until` (its deadline: it then goes on to end). `false`: the run
+    /// is no longer this replica's (another took it over meanwhile), and must not go on here.
+    pub(crate) async fn retake_quota(&mut self, until: Instant) -> bool {
+        let (Some(caller), Some(quotas)) = (self.retake.take(), self.runs.quotas.clone()) else {
+            return true;
+        };
+        // It holds none: only a slot taken here is given back when it leaves (by its
+        // admission, never another owner's).
+        self.quota = None;
+        let owner = self.persister.ownership().clone();
+        loop {
+            // One it holds already (a take whose answer was lost) goes back first, so it never
+            // waits for itself; a replaced owner touches no slot.
+            if !owner.holds() {
+                return false;
+            }
+            let _ = within(
+                self.runs.store_timeout,
+                quotas.give_back(&caller.name, &self.run_id, None),
+            )
+            .await;
+            if !owner.holds() {
+                return false;
+            }
+            match self.take_quota(&caller).await {
+                Ok(()) => break,
+                Err(refusal) if Instant::now() < until => {
+                    tracing::debug!(run_id = %self.run_id, ?refusal, "the run waits for a slot of its caller to go on");
+                    tokio::time::sleep(super::quota::BLOCKED_FOR).await;
+                }
+                Err(refusal) => {
+                    tracing::warn!(run_id = %self.run_id, ?refusal, "no slot of its caller before the run's deadline: it goes on to end");
+                    break;
+                }
+            }
+        }
+        shared::sync::lock(&self.state).status = RunStatus::Running;
+        true
+    }
+
     /// Gives back the run's slot when the run leaves it: it ended here (its result stored), it
     /// parked, or it never started (its claim failed); not when it moved to another replica.
     pub(crate) fn leave_quota(&mut self) {
@@ -323,6 +369,7 @@ impl Runs {
             inbox,
             _lease: None,
             quota: None,
+            retake: None,
             started: false,
             log: None,
             persister,
@@ -355,7 +402,7 @@ impl Runs {
         };
         let cancel = Cancel::default();
         let inbox = Inbox::new(self.max_steering);
-        let ownership = Ownership::new(self.store.lease(), tokio::time::Instant::now());
+        let ownership = Ownership::new(self.store.lease(), Instant::now());
         live.insert(
             run_id.to_owned(),
             Live {
@@ -391,9 +438,12 @@ impl Runs {
             // out of its own record, and the admission that follows would fail and hand it over.
             return Ok(None);
         }
-        let sent = tokio::time::Instant::now();
-        let bytes = match within(self.store_timeout, journal.take_over(run_id)).await {
-            Ok(Some(bytes)) => bytes,
+        let sent = Instant::now();
+        let Claimed {
+            checkpoint: bytes,
+            parked,
+        } = match within(self.store_timeout, journal.take_over(run_id)).await {
+            Ok(Some(claimed)) => claimed,
             Ok(None) => return Ok(None),
             Err(e) => return Err(e.to_string()),
         };
@@ -408,6 +458,14 @@ impl Runs {
         admitted.persister.taken(sent, self.store.epoch(run_id));
         admitted.started = true;
         admitted.quota = super::quota::HeldQuota::of_run(self, &checkpoint.spec.principal);
+        // A run that parked goes on once it holds a slot again; till then it reads parked.
+        let parked_as = (parked && checkpoint.spec.max_runs.is_some()).then(|| {
+            admitted.retake = Some(Principal {
+                max_runs: checkpoint.spec.max_runs,
+                ..owner
+            });
+            checkpoint.parked_as()
+        });
         let logged = self.log.last(run_id).await.map_err(|e| e.to_string())?;
         if let Some(result) = logged.finished {
             let ended = EndedElsewhere::of(&checkpoint, &result);
@@ -416,7 +474,12 @@ impl Runs {
         }
         // A run parked for approvals goes on with its decisions (or to end, canceled).
         let (checkpoint, canceled) = match checkpoint.awaits_decisions() {
-            true => match self.approvals.waiting(run_id).await.map_err(|e| e.to_string())? {
+            true => match self
+                .approvals
+                .wake(run_id, shared::sync::unix_ms())
+                .await
+                .map_err(|e| e.to_string())?
+            {
                 Some(waiting) => {
                     let canceled = waiting.canceled.clone();
                     (checkpoint.decided(&waiting), canceled)
@@ -425,7 +488,9 @@ impl Runs {
             },
             false => (checkpoint, None),
         };
-        *shared::sync::lock(&admitted.state) = checkpoint.result.clone();
+        let mut state = checkpoint.result.clone();
+        state.status = parked_as.unwrap_or(state.status);
+        *shared::sync::lock(&admitted.state) = state;
         admitted._lease = admitted.persister.keep_lease();
         admitted.log = Some(self.log.owned_writer(run_id, &logged, admitted.persister.ownership()));
         if let Some(reason) = canceled {
@@ -455,7 +520,11 @@ impl Runs {
                     return Unparked::Dropped;
                 }
             };
-            let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
+            // Held to its caller's `max_runs` again (it gave its slot back when it parked).
+            let owner = Principal {
+                max_runs: checkpoint.spec.max_runs,
+                ..Principal::unrestricted(checkpoint.spec.principal.clone())
+            };
             match self.admitted_in(&mut live, &ready.run_id, &owner) {
                 Ok(admitted) => {
                     // Its output so far, from the moment it is live again.

@@ -118,7 +118,7 @@ impl RunJournal for CountingJournal {
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
         Box::pin(async { Ok(Vec::new()) })
     }
-    fn take_over(&self, _: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
+    fn take_over(&self, _: &str) -> BoxFuture<'static, Result<Option<crate::domain::ports::Claimed>, StoreError>> {
         self.claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Box::pin(async { Ok(None) })
     }

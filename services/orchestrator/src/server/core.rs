@@ -16,9 +16,10 @@ use tracing::Instrument;
 use super::streams::{self, RunEvents, StreamDeps, attach_error, no_run};
 use crate::Error;
 use crate::config::Config;
+use crate::domain::approval::Decider;
 use crate::domain::approval::{Decision, PendingApproval};
 use crate::domain::listing::{Cursor, ListRequest, RunPage, RunQuery, check_labels};
-use crate::domain::ports::{Decider, SignalTopic};
+use crate::domain::ports::SignalTopic;
 use crate::domain::steering::{Closed, Refused, UserMessage};
 use crate::domain::{CancelMode, EventBatch, RunResult, RunSpec, RunStatus};
 use crate::registry::{Admitted, CancelOutcome, Queuing, Refusal, Runs, SteerOutcome};
@@ -116,6 +117,7 @@ impl Core {
     ) -> Result<RunEvents, Error> {
         self.within_hourly_budget(&caller).await?;
         let (mut spec, took_thread) = self.take_thread(spec, &caller).await?;
+        spec.max_runs = caller.max_runs;
         let run_id = spec.run_id.clone();
         let admitted = self
             .runs
@@ -197,8 +199,19 @@ impl Core {
                 tracing::info!(parent: &span, run_id = %spec.run_id, turns_done = resumed.checkpoint.progress.turns_done, "the run goes on after its approvals");
             }
         }
-        let run = admitted.into_run(spec, emitter, None);
-        tokio::spawn(crate::run::tool_loop::resume(run, resumed, self.deps.clone()).instrument(span));
+        let deps = self.deps.clone();
+        tokio::spawn(
+            async move {
+                // A run that parked gave its slot among its caller's `max_runs` back.
+                if !admitted.retake_quota(spec.deadline.at).await {
+                    tracing::info!(run_id = %spec.run_id, "the run moved to another replica while it waited for a slot");
+                    return;
+                }
+                let run = admitted.into_run(spec, emitter, None);
+                crate::run::tool_loop::resume(run, resumed, deps).await;
+            }
+            .instrument(span),
+        );
     }
 
     /// `caller` follows run `run_id` from after `after_seq` (`AttachRun`).

@@ -10,6 +10,7 @@ use shared::runtime::AbortOnDrop;
 
 use super::Core;
 pub use super::build::Ports;
+use crate::domain::approval::{Decision, PendingApproval};
 use crate::domain::listing::{ListRequest, RunPage};
 use crate::domain::{RunResult, RunSpec};
 use crate::{Config, Error};
@@ -55,6 +56,18 @@ impl Replica {
     /// unauthenticated), and the next page's token.
     pub async fn list(&self, request: ListRequest) -> Result<(RunPage, Option<String>), Error> {
         self.core.list_runs(request, &Principal::default()).await
+    }
+
+    /// The calls waiting for a person, oldest first (as `ListPendingApprovals` answers an
+    /// unauthenticated caller: every run's), at most `limit`.
+    pub async fn pending(&self, limit: usize) -> Result<Vec<PendingApproval>, Error> {
+        Ok(self.core.pending(&Principal::default(), None, limit).await?.0)
+    }
+
+    /// Records `decisions` on the run's waiting calls (as `DecideToolCalls` and
+    /// `AnswerToolInput` do, for an unauthenticated caller); the calls still waiting.
+    pub async fn decide(&self, run_id: &str, decisions: &[Decision]) -> Result<Vec<PendingApproval>, Error> {
+        Ok(self.core.decide(run_id, decisions, &Principal::default()).await?.1)
     }
 
     /// Runs live on this replica now.

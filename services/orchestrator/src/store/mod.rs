@@ -4,7 +4,8 @@
 //! ([`ResultStore`], for `GetRun`), `log.rs` ([`EventLog`], for `AttachRun`), `approvals.rs`
 //! ([`ApprovalLot`]), and for NATS `journal.rs` (`RunJournal`: durable runs) with `checkpoints.rs`.
 //! A new backend is a new folder implementing the same ports; what both share is here
-//! (`decisions.rs`: the rules of a decision; the log follower; the `unavailable` error).
+//! (the log follower; the `unavailable` error; the rules of a decision are the domain's,
+//! `domain::approval::record_decisions`).
 //!
 //! A run writes its state at every turn boundary (live runs answer `RUN_STATUS_RUNNING` with
 //! their output so far) and its final result before its stream's `run_finished`, through its
@@ -22,7 +23,6 @@
 //! [`ResultStore`]: crate::domain::ports::ResultStore
 //! [`EventLog`]: crate::domain::ports::EventLog
 
-mod decisions;
 pub mod memory;
 pub mod nats;
 

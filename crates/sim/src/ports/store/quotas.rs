@@ -153,7 +153,7 @@ impl ReplicaStore {
     }
 }
 
-fn next_revision(shared: &mut Shared) -> u64 {
+pub(super) fn next_revision(shared: &mut Shared) -> u64 {
     let revision = shared.next_revision;
     shared.next_revision += 1;
     revision

@@ -52,9 +52,26 @@ impl super::Checkpoint {
             .as_ref()
             .is_some_and(|calls| calls.undecided() || !calls.tasks.is_empty())
     }
+
+    /// The status of the run parked with this checkpoint (before its decisions are taken in).
+    pub fn parked_as(&self) -> RunStatus {
+        self.calls.as_ref().map_or(RunStatus::AwaitingApproval, |calls| {
+            calls.parked_as(&self.result.pending_approvals)
+        })
+    }
 }
 
 impl TurnCalls {
+    /// The status of a run parked with these calls: waiting for a person (approval or input, as
+    /// `pending` says) while a call is undecided, else for its tasks.
+    fn parked_as(&self, pending: &[PendingApproval]) -> RunStatus {
+        if self.undecided() {
+            RunStatus::parked_for(pending)
+        } else {
+            RunStatus::AwaitingTask
+        }
+    }
+
     /// Whether calls still wait for a decision.
     pub(super) fn undecided(&self) -> bool {
         self.approvals.iter().any(|a| a.decision.is_none())
@@ -309,6 +326,9 @@ impl Driver<'_> {
         }
         if !calls.undecided() {
             lock(self.state).pending_approvals.clear();
+            // The wait goes only once a checkpoint holds its decisions: a replaced owner (whose
+            // save the store refuses) never deletes what the run's new owner resumes with.
+            self.safe_point(Some(calls)).await?;
             self.deps.approvals.close(&self.spec.run_id, self.epoch()).await;
         }
         Ok(())
@@ -335,14 +355,15 @@ impl Driver<'_> {
     pub(super) async fn await_decisions(&mut self, calls: &mut TurnCalls) -> Step<()> {
         self.emitter.flush().await;
         // A shared lot resumes the run on any replica from the run's log: it must hold
-        // everything sent.
-        self.emitter.settler(self.deps.log_settle_timeout).wait().await;
+        // everything sent, or the resumed run would number its events past a gap.
+        if !self.emitter.settler(self.deps.log_settle_timeout).wait().await
+            && let Some(persister) = self.durable()
+        {
+            super::durable::log_not_kept(persister);
+            return Err(End::TakenOver);
+        }
         let checkpoint = self.checkpoint(Some(calls));
-        let parked_as = if calls.undecided() {
-            RunStatus::parked_for(&lock(self.state).pending_approvals)
-        } else {
-            RunStatus::AwaitingTask
-        };
+        let parked_as = calls.parked_as(&lock(self.state).pending_approvals);
         let result = {
             let mut state = lock(self.state);
             state.status = parked_as;

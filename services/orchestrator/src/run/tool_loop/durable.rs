@@ -233,7 +233,7 @@ pub(super) struct CallRecorder {
 /// time): a checkpoint saved now would count them as sent, and the next owner would number on
 /// past a gap in the log. Nothing is saved; this replica stops acting for the run, which
 /// resumes elsewhere from its last checkpoint and sends again what the log lacks.
-fn log_not_kept(persister: &Persister) {
+pub(super) fn log_not_kept(persister: &Persister) {
     tracing::warn!(
         "the event log did not keep the events sent; the run stops here and resumes from its last checkpoint"
     );

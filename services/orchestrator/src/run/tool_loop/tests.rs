@@ -193,6 +193,7 @@ pub(crate) fn spec(limits: Limits) -> RunSpec {
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
         principal: String::new(),
+        max_runs: None,
         stream_interval: Duration::ZERO,
         approval: Default::default(),
         affinity_key: String::new(),
@@ -1479,7 +1480,7 @@ impl crate::domain::ports::RunJournal for Journal {
     fn take_over(
         &self,
         _run_id: &str,
-    ) -> BoxFuture<'static, Result<Option<Vec<u8>>, crate::domain::ports::StoreError>> {
+    ) -> BoxFuture<'static, Result<Option<crate::domain::ports::Claimed>, crate::domain::ports::StoreError>> {
         futures::future::ready(Ok(None)).boxed()
     }
     fn hand_over(&self, _run_id: &str) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {

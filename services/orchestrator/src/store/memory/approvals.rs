@@ -10,9 +10,8 @@ use futures::future::{BoxFuture, ready};
 use tokio::sync::Notify;
 
 use crate::domain::RunResult;
-use crate::domain::approval::{DecideError, Decision, PendingApproval};
-use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
-use crate::store::decisions::record_decisions;
+use crate::domain::approval::{DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions};
+use crate::domain::ports::{ApprovalLot, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 
 /// One run's wait.
 struct Entry {
@@ -267,11 +266,7 @@ impl ApprovalLot for MemoryLot {
             if parked.wake_at_unix_ms > now_unix_ms || entry.woke {
                 continue;
             }
-            for call in entry.calls.iter_mut().filter(|c| c.decision.is_none()) {
-                if call.expires_at_unix_ms <= now_unix_ms {
-                    call.decision = Some(call.expired(now_unix_ms));
-                }
-            }
+            expire_calls(&mut entry.calls, now_unix_ms);
             entry.woke = true;
             woken.push(run_id.clone());
         }

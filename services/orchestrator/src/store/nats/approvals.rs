@@ -22,9 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use super::results::{KvStore, decode_record, key};
 use crate::domain::RunResult;
-use crate::domain::approval::{DecideError, Decision, PendingApproval};
-use crate::domain::ports::{ApprovalLot, Decider, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
-use crate::store::decisions::record_decisions;
+use crate::domain::approval::{DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions};
+use crate::domain::ports::{ApprovalLot, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 use crate::store::unavailable;
 
 /// Compare-and-set attempts on one record before giving up (others kept changing it).
@@ -51,6 +50,11 @@ impl WaitRecord {
         // A wait with no call for a person (a run that parked to follow a task) is decided by
         // nobody: it goes on when woken.
         !self.calls.is_empty() && self.calls.iter().all(|c| c.decision.is_some())
+    }
+
+    /// Decides its undecided calls past their expiry as expired; whether any was.
+    fn expire(&mut self, now_unix_ms: u64) -> bool {
+        expire_calls(&mut self.calls, now_unix_ms)
     }
 
     fn waiting(&self) -> Waiting {
@@ -189,8 +193,8 @@ impl NatsLot {
                 return Ok(ParkOutcome::Decided(Vec::new(), Box::new(parked)));
             };
             if wait.decided() {
-                // Taken by this run now; a change since (a newer owner's wait) stays.
-                let _ = waits.delete_expect_revision(&key, Some(revision)).await;
+                // Taken by this run now; the wait stays until a checkpoint holds its decisions
+                // (this owner may have been replaced: the next one resumes with them).
                 return Ok(ParkOutcome::Decided(wait.calls, Box::new(parked)));
             }
             wait.parked_at_unix_ms = parked.parked_at_unix_ms;
@@ -382,6 +386,22 @@ impl ApprovalLot for NatsLot {
     fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
         let (waits, key) = (self.waits.clone(), key(run_id));
         async move { Ok(read(&waits, &key).await?.map(|(r, _)| r.waiting())) }.boxed()
+    }
+
+    fn wake(&self, run_id: &str, now_unix_ms: u64) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
+        let (waits, key) = (self.waits.clone(), key(run_id));
+        async move {
+            for _ in 0..CAS_ATTEMPTS {
+                let Some((mut wait, revision)) = read(&waits, &key).await? else {
+                    return Ok(None);
+                };
+                if !wait.expire(now_unix_ms) || replace(&waits, &key, &wait, revision).await? {
+                    return Ok(Some(wait.waiting()));
+                }
+            }
+            Err(unavailable("KV update", &key, "the wait kept changing"))
+        }
+        .boxed()
     }
 
     fn parked(&self, _run_id: &str) -> Option<RunResult> {

@@ -13,7 +13,7 @@ use tokio::io::AsyncReadExt;
 use super::results::{
     KvStore, Owned, checkpoint_name, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
 };
-use crate::domain::ports::{CancelAsk, Claim, RemoteCancel, RemoteSteer, RunJournal, SteerAsk, StoreError};
+use crate::domain::ports::{CancelAsk, Claim, Claimed, RemoteCancel, RemoteSteer, RunJournal, SteerAsk, StoreError};
 use crate::domain::steering::UserMessage;
 use crate::store::unavailable;
 
@@ -312,7 +312,7 @@ impl RunJournal for KvStore {
                                 let _ = checkpoints.remove(&name).await;
                             }
                         };
-                        let gone = !record.live() || (record.running() && !record.resumable(now) && lapsed);
+                        let gone = !record.live() || (record.held() && !record.resumable(now) && lapsed);
                         for epoch in &epochs {
                             // A checkpoint left by a run that ended, or whose replica is gone and
                             // that cannot be resumed any more; or one an owner replaced since.
@@ -335,7 +335,7 @@ impl RunJournal for KvStore {
         .boxed()
     }
 
-    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Vec<u8>>, StoreError>> {
+    fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Claimed>, StoreError>> {
         let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
         let (owned, owner, seen) = (
             std::sync::Arc::clone(&self.owned),
@@ -355,8 +355,19 @@ impl RunJournal for KvStore {
             // then every runner refuses the replaced owner's (a raise is never undone; should the
             // claim below lose, the winner holds the same epoch).
             super::fence::raise(&kv, &key, record.epoch.saturating_add(1)).await?;
+            // A parked run (or one taken over from the lot that was waiting for a slot) keeps
+            // reading parked, holding no slot, until its new owner, holding one again, writes it
+            // running.
+            let parked = record.result.as_ref().is_some_and(|r| {
+                [
+                    proto::orchestrator::v1::RunStatus::AwaitingApproval as i32,
+                    proto::orchestrator::v1::RunStatus::AwaitingInput as i32,
+                    proto::orchestrator::v1::RunStatus::AwaitingTask as i32,
+                ]
+                .contains(&r.status)
+            });
             // The record as read, now this replica's in the next epoch with a fresh lease.
-            let mut claimed = super::results::Record {
+            let claimed = super::results::Record {
                 owner,
                 lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease_ms),
                 handed_over: false,
@@ -366,17 +377,6 @@ impl RunJournal for KvStore {
                 epoch: record.epoch.saturating_add(1),
                 ..record
             };
-            // A parked run goes on: it runs again once claimed.
-            if let Some(result) = claimed.result.as_mut()
-                && [
-                    proto::orchestrator::v1::RunStatus::AwaitingApproval as i32,
-                    proto::orchestrator::v1::RunStatus::AwaitingInput as i32,
-                    proto::orchestrator::v1::RunStatus::AwaitingTask as i32,
-                ]
-                .contains(&result.status)
-            {
-                result.status = proto::orchestrator::v1::RunStatus::Running.into();
-            }
             let revision = match kv.update(&key, claimed.encode_to_vec().into(), read_revision).await {
                 Ok(revision) => revision,
                 Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => return Ok(None),
@@ -404,7 +404,10 @@ impl RunJournal for KvStore {
                 .read_to_end(&mut bytes)
                 .await
                 .map_err(|e| unavailable("checkpoint read", &name, e))?;
-            Ok(Some(bytes))
+            Ok(Some(Claimed {
+                checkpoint: bytes,
+                parked,
+            }))
         }
         .boxed()
     }

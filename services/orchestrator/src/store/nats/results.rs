@@ -92,7 +92,7 @@ impl Sightings {
     /// Whether the live run's `record` at `revision` under `key` has lapsed (see
     /// [`Sightings::lapsed`]); a record of no running run never does.
     pub(super) fn lapsed_run(&self, key: &str, record: &Record, revision: u64) -> bool {
-        record.running() && self.lapsed(key, revision)
+        record.held() && self.lapsed(key, revision)
     }
 
     /// Forgets what was seen of records not among `keys` (ended, or gone) and not seen in the
@@ -208,7 +208,7 @@ impl Record {
             .ok_or_else(|| corrupt("it holds no result".to_owned()))?;
         let mut result = RunResult::try_from(stored).map_err(|e| corrupt(e.to_string()))?;
         let now = shared::sync::unix_ms();
-        if result.status == RunStatus::Running && self.lease_expires_unix_ms < now && !self.resumable(now) {
+        if self.held() && self.lease_expires_unix_ms < now && !self.resumable(now) {
             result.status = RunStatus::Failed;
             result.failure_reason = Some(FailureReason::OrchestratorLost);
             result.failure_detail = if self.resumable_until_unix_ms == 0 {
@@ -231,11 +231,21 @@ impl Record {
         self.resumable_until_unix_ms > now_unix_ms
     }
 
-    /// Whether the record is of a live run (as written, lease aside).
-    pub(super) fn running(&self) -> bool {
-        self.result
-            .as_ref()
-            .is_some_and(|r| r.status == pb::RunStatus::Running as i32)
+    /// Whether a replica holds the run (as written, lease aside): it is live — running, or
+    /// waiting in place for a person, a task or a slot — and not parked in the lot (a parked
+    /// run has no owner until it is ready).
+    pub(super) fn held(&self) -> bool {
+        let live = [
+            pb::RunStatus::Running,
+            pb::RunStatus::AwaitingApproval,
+            pb::RunStatus::AwaitingInput,
+            pb::RunStatus::AwaitingTask,
+        ];
+        !self.awaiting
+            && self
+                .result
+                .as_ref()
+                .is_some_and(|r| live.iter().any(|s| r.status == *s as i32))
     }
 
     /// Whether the run's replica died before the run's first checkpoint, having shown nothing:
@@ -246,23 +256,23 @@ impl Record {
             .result
             .as_ref()
             .is_some_and(|r| r.text.is_empty() && r.turns == 0 && r.tool_calls.is_empty());
-        self.running()
+        self.held()
             && empty
             && !self.handed_over
             && self.resumable_until_unix_ms == 0
             && (lapsed || self.lease_expires_unix_ms == 0)
     }
 
-    /// Whether the run has not ended: it runs, or it is parked waiting for approvals.
+    /// Whether the run has not ended: a replica holds it, or it is parked in the lot.
     pub(super) fn live(&self) -> bool {
-        self.running() || self.awaiting
+        self.held() || self.awaiting
     }
 
     /// Whether the run's owner is gone (its record `lapsed`: seen unchanged for a lease here; or
     /// handed over) while it may be resumed, or it is parked and ready to go on (decided,
     /// canceled, or its wake time passed).
     pub(super) fn orphaned(&self, now_unix_ms: u64, lapsed: bool) -> bool {
-        let lost_owner = self.running() && self.resumable(now_unix_ms) && (self.handed_over || lapsed);
+        let lost_owner = self.held() && self.resumable(now_unix_ms) && (self.handed_over || lapsed);
         lost_owner || (self.awaiting && (self.ready || self.wake_at_unix_ms <= now_unix_ms))
     }
 }
@@ -418,7 +428,7 @@ impl KvStore {
     pub(super) fn write(&self, key: String, record: Record) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, owned, owner) = (self.kv.clone(), Arc::clone(&self.owned), self.owner.clone());
         let last = shared::sync::lock(&owned).get(&key).cloned();
-        let (running, names) = (record.running(), record.checkpoint_epoch);
+        let (running, names) = (record.held(), record.checkpoint_epoch);
         async move {
             let bytes = bytes::Bytes::from(record.encode_to_vec());
             let Some(last) = last else {
@@ -546,10 +556,7 @@ async fn update_owned(
     let current = holder(kv, key).await?;
     match current {
         Some((record, revision))
-            if record.owner == owner
-                && record.running()
-                && record.claim == last.claim
-                && record.epoch == last.epoch =>
+            if record.owner == owner && record.held() && record.claim == last.claim && record.epoch == last.epoch =>
         {
             kv.update(key, bytes, revision).await.map_err(|e| match e.kind() {
                 jetstream::kv::UpdateErrorKind::WrongLastRevision => fenced(key, "another replica"),

@@ -168,6 +168,7 @@ pub(crate) fn resolve(
             config.runs.deadline_headroom,
         ),
         principal: caller.name.clone(),
+        max_runs: None,
         stream_interval,
         approval,
         thread: request.thread.map(Box::new),
