@@ -813,7 +813,7 @@ fn malformed_requests() -> Vec<(pb::OrchestrateRequest, &'static str)> {
             run_id: "has space".into(),
             ..base.clone()
         },
-        "run_id must be",
+        "run_id \"has space\" holds a space: an id is 1-128 printable ASCII characters without spaces",
     ));
     cases
 }

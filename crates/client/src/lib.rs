@@ -217,16 +217,20 @@ impl Client {
     }
 
     async fn cancel(&self, run_id: &str, mode: pb::CancelMode) -> Result<bool, Error> {
+        Ok(self.cancel_with(run_id, mode).await?.canceled)
+    }
+
+    /// Cancels a live run `mode`'s way; the whole answer (the run's status after it, too).
+    pub async fn cancel_with(&self, run_id: &str, mode: pb::CancelMode) -> Result<pb::CancelRunResponse, Error> {
         let request = pb::CancelRunRequest {
             run_id: run_id.into(),
             mode: mode.into(),
         };
-        let answer = self
+        Ok(self
             .retried(request, |mut client, request| async move {
                 client.cancel_run(request).await
             })
-            .await?;
-        Ok(answer.canceled)
+            .await?)
     }
 
     /// Sends a user message to a live run: it joins the conversation at the run's next turn
@@ -253,12 +257,19 @@ impl Client {
             run_id: run_id.unwrap_or_default().into(),
             limit: 0,
         };
-        let answer = self
+        Ok(self.list_pending_approvals(request).await?.approvals)
+    }
+
+    /// `ListPendingApprovals` as asked, its whole answer (whether more calls wait than listed).
+    pub async fn list_pending_approvals(
+        &self,
+        request: pb::ListPendingApprovalsRequest,
+    ) -> Result<pb::ListPendingApprovalsResponse, Error> {
+        Ok(self
             .retried(request, |mut client, request| async move {
                 client.list_pending_approvals(request).await
             })
-            .await?;
-        Ok(answer.approvals)
+            .await?)
     }
 
     /// A page of the runs this caller may see that `request` asks for (its own; every
@@ -320,10 +331,18 @@ impl Client {
             run_id: run_id.into(),
             decisions,
         };
+        Ok(self.decide_tool_calls(request).await?.still_pending)
+    }
+
+    /// `DecideToolCalls` as asked, its whole answer (the run's status after it, too).
+    pub async fn decide_tool_calls(
+        &self,
+        request: pb::DecideToolCallsRequest,
+    ) -> Result<pb::DecideToolCallsResponse, Error> {
         // Not retried: a decision that reached the server before the connection broke would
         // be refused the second time as decided already.
         let answer = self.inner.clone().decide_tool_calls(self.request(request)).await?;
-        Ok(answer.into_inner().still_pending)
+        Ok(answer.into_inner())
     }
 
     /// Answers the questions of call `call_id` of run `run_id` (one answer per question; see
@@ -339,9 +358,17 @@ impl Client {
             call_id: call_id.into(),
             answers,
         };
+        Ok(self.answer_tool_input(request).await?.still_pending)
+    }
+
+    /// `AnswerToolInput` as asked, its whole answer (the run's status after it, too).
+    pub async fn answer_tool_input(
+        &self,
+        request: pb::AnswerToolInputRequest,
+    ) -> Result<pb::AnswerToolInputResponse, Error> {
         // Not retried, as a decision.
         let answer = self.inner.clone().answer_tool_input(self.request(request)).await?;
-        Ok(answer.into_inner().still_pending)
+        Ok(answer.into_inner())
     }
 
     /// Signals as runs publish them, from now on; `run_id` and `tool_names` filter (empty: all).

@@ -263,7 +263,7 @@ impl RunStream {
         (self.finished, self.ended) = (true, true);
         Some(Err(match status {
             Some(status) => status.into(),
-            None => Error::Protocol("the stream ended without run_finished".into()),
+            None => Error::Unfinished,
         }))
     }
 
@@ -285,7 +285,7 @@ impl RunStream {
                 result = Some(finished);
             }
         }
-        result.ok_or_else(|| Error::Protocol("the stream ended without run_finished".into()))
+        result.ok_or(Error::Unfinished)
     }
 
     /// Checks one raw event against the contract and types it.

@@ -26,10 +26,13 @@ pub enum StartupError {
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
     /// The gRPC or metrics address cannot be bound.
-    #[error("cannot listen on {address}: {source}")]
+    #[error("cannot listen on {address} ({flag}): {source}")]
     Listen {
         /// The address.
         address: SocketAddr,
+        /// The flag that sets it, and what to do (a second process of a kind on one host takes
+        /// its own ports).
+        flag: &'static str,
         /// Why.
         source: std::io::Error,
     },
@@ -53,13 +56,18 @@ where
         .await
         .map_err(|source| StartupError::Listen {
             address: listen,
+            flag: "the gRPC address: move it with --listen",
             source,
         })?;
     let metrics = match metrics_listen {
         Some(address) => Some(
             crate::metrics::start(address)
                 .await
-                .map_err(|source| StartupError::Listen { address, source })?,
+                .map_err(|source| StartupError::Listen {
+                    address,
+                    flag: "the /metrics address: move it with --metrics-listen, or turn it off with --metrics-listen off",
+                    source,
+                })?,
         ),
         None => None,
     };

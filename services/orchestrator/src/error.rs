@@ -15,7 +15,9 @@ pub enum Error {
     #[error("{0}")]
     InvalidArgument(String),
     /// A live run already has this id (here or on another replica).
-    #[error("run_id {0:?} is already running; use another id, or GetRun / CancelRun for this one")]
+    #[error(
+        "run_id {0:?} is already running; use another id, or follow this one (`orchestrator get` / `cancel`, GetRun / CancelRun)"
+    )]
     AlreadyRunning(String),
     /// No tool-runner answers, so the run would have no tools; retryable.
     #[error("no tool-runner answers ({0}); retry later")]
@@ -86,10 +88,12 @@ pub enum Error {
     #[error(transparent)]
     Topic(#[from] crate::signals::TopicError),
     /// The listen address cannot be bound.
-    #[error("cannot listen on {address}: {source}")]
+    #[error("cannot listen on {address} ({flag}): {source}")]
     Listen {
         /// The address.
         address: SocketAddr,
+        /// The flag that sets it, and what to do.
+        flag: &'static str,
         /// Why.
         source: std::io::Error,
     },
@@ -240,7 +244,7 @@ impl From<shared::shutdown::StartupError> for Error {
     fn from(error: shared::shutdown::StartupError) -> Self {
         match error {
             shared::shutdown::StartupError::Signals(_) => Error::Config(error.to_string()),
-            shared::shutdown::StartupError::Listen { address, source } => Error::Listen { address, source },
+            shared::shutdown::StartupError::Listen { address, flag, source } => Error::Listen { address, flag, source },
         }
     }
 }

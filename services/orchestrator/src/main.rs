@@ -22,16 +22,7 @@ async fn run() -> ExitCode {
     let cli = Cli::parse_args();
     let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
         Command::Serve(args) => serve(*args).await.map(|()| true),
-        Command::Call(args) => orchestrator::cli::call::call(&args.to_options())
-            .await
-            .map(|r| r.status == proto::orchestrator::v1::RunStatus::Completed as i32),
-        Command::Approvals(args) => args.run().await,
-        Command::Decide(args) => args.run().await,
-        Command::Answer(args) => args.run().await,
-        Command::Say(args) => args.run().await,
-        Command::Thread(args) => args.run().await,
-        Command::Runs(args) => args.run().await,
-        Command::Usage(args) => args.run().await,
+        Command::Client(command) => command.run().await,
     };
     shared::runtime::exit_code("orchestrator", result)
 }

@@ -448,14 +448,14 @@ async fn edits_are_checked_and_second_decisions_and_strangers_are_refused() -> T
     .await
     .map(|_| ())
     .unwrap_err();
-    // The run may have resumed already (nothing waits any more) or not yet (decided already).
+    // The run may not have resumed yet (the call names its decision) or have gone on already
+    // (it waits for no decision now): either way FAILED_PRECONDITION saying so, not NOT_FOUND.
+    assert_eq!(twice.code(), tonic::Code::FailedPrecondition, "{twice:?}");
     assert!(
-        matches!(twice.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound),
-        "{twice:?}"
+        twice.message().contains("edited by \"alice\" at 20") || twice.message().contains("waits for no decision now"),
+        "{}",
+        twice.message()
     );
-    if twice.code() == tonic::Code::FailedPrecondition {
-        assert!(twice.message().contains("edited by \"alice\""), "{}", twice.message());
-    }
     let outcome = finish(&mut client, events, stream).await?;
     assert_eq!(outcome.status(), pb::RunStatus::Completed);
     let record = sleep_record(&outcome.result)?;
@@ -1021,6 +1021,16 @@ async fn the_command_line_lists_and_decides() -> TestResult {
             && printed.contains(&format!("orchestrator decide --run-id cli-1 --approve {call_id}"))
             && printed.contains("■ COMPLETED"),
         "{printed}"
+    );
+    // A second decision, once the run went on and ended, names the first: who, and when.
+    let (code, _, stderr) = cli(&[&approve[..], &carol].concat()).await?;
+    assert_eq!(code, Some(1));
+    assert!(
+        stderr.contains(&format!(
+            "call \"{call_id}\" was decided already: approved by \"carol\" at 20"
+        )) && stderr.contains("waits for no decision now (COMPLETED)")
+            && stderr.contains("(FAILED_PRECONDITION)"),
+        "{stderr}"
     );
     Ok(())
 }

@@ -68,13 +68,17 @@ async fn bad_flags_exit_2_naming_the_problem() -> TestResult {
     Ok(())
 }
 
-/// `call --attach` replays the finished run from the start (printing what the run printed), or
-/// from a seq on.
+/// `call --attach` replays the finished run from the start (printing what the run printed, after
+/// a line saying where it starts), or from a seq on.
 async fn call_attach_replays_what_the_run_printed(endpoint: &str, printed: &str) -> TestResult {
     let (code, replayed, stderr) =
         run_to_end(&["call", "--endpoint", endpoint, "--attach", "process-run"], &[]).await?;
     assert_eq!(code, Some(0), "{replayed}\n{stderr}");
-    assert_eq!(replayed, printed, "the replay prints what the run printed");
+    assert_eq!(
+        replayed,
+        format!("▶ attached to run process-run: its events from the first\n{printed}"),
+        "the replay prints what the run printed"
+    );
     let (code, tail, stderr) = run_to_end(
         &[
             "call",
@@ -90,7 +94,9 @@ async fn call_attach_replays_what_the_run_printed(endpoint: &str, printed: &str)
     .await?;
     assert_eq!(code, Some(0), "{tail}\n{stderr}");
     assert!(
-        !tail.contains("▶ run started") && tail.contains("■ COMPLETED"),
+        tail.starts_with("▶ attached to run process-run: its events after seq 3\n")
+            && !tail.contains("▶ run started")
+            && tail.contains("■ COMPLETED"),
         "{tail}"
     );
     Ok(())
@@ -102,8 +108,8 @@ async fn a_refused_call_exits_1_and_bad_usage_exits_2(endpoint: &str) -> TestRes
     let (code, _, stderr) = run_to_end(&["call", "--endpoint", endpoint, "--attach", "no-such-run"], &[]).await?;
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
-        stderr.contains("AttachRun was refused")
-            && stderr.contains("no run \"no-such-run\"")
+        stderr.contains("attach to run \"no-such-run\": ")
+            && stderr.contains("(NOT_FOUND)")
             && !stderr.contains("invalid configuration"),
         "{stderr}"
     );

@@ -26,10 +26,12 @@ pub enum Error {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     /// The listen address cannot be bound.
-    #[error("cannot listen on {address}: {source}")]
+    #[error("cannot listen on {address} ({flag}): {source}")]
     Listen {
         /// The address.
         address: std::net::SocketAddr,
+        /// The flag that sets it, and what to do.
+        flag: &'static str,
         /// Why.
         source: std::io::Error,
     },
@@ -80,7 +82,7 @@ impl From<shared::shutdown::StartupError> for Error {
     fn from(error: shared::shutdown::StartupError) -> Self {
         match error {
             shared::shutdown::StartupError::Signals(_) => Error::Config(error.to_string()),
-            shared::shutdown::StartupError::Listen { address, source } => Error::Listen { address, source },
+            shared::shutdown::StartupError::Listen { address, flag, source } => Error::Listen { address, flag, source },
         }
     }
 }

@@ -5,9 +5,12 @@
 use std::io::Write;
 use std::time::Duration;
 
+use clap::Args;
+
 use orchestrator_client::{ClientBuilder, Event as E, Retry, RunRequest, RunStream};
 use proto::orchestrator::v1 as pb;
 
+use super::output::{refused, status_name};
 use crate::Error;
 
 /// What to ask for.
@@ -232,13 +235,6 @@ fn started_line(s: &pb::RunStarted) -> String {
     )
 }
 
-/// A run status as printed: `COMPLETED`, `FAILED` … (`?` for a number this build does not know).
-fn status_name(status: i32) -> &'static str {
-    pb::RunStatus::try_from(status)
-        .map_or("?", |s| s.as_str_name())
-        .trim_start_matches("RUN_STATUS_")
-}
-
 /// The run's last line: status, counts and, for a failed run, the reason.
 fn finished_line(r: &pb::RunResult) -> String {
     let status = status_name(r.status);
@@ -262,22 +258,89 @@ fn finished_line(r: &pb::RunResult) -> String {
 /// events to stdout, and returns the final result.
 pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
     let client = connect(&options.endpoint, options.token.as_deref(), options.timeout).await?;
-    let run = match &options.attach {
-        Some((run_id, after)) => client
-            .attach(run_id, *after)
-            .await
-            .map_err(|e| Error::Call(format!("AttachRun was refused: {e}")))?,
-        None => client
-            .orchestrate(run_request(options))
-            .await
-            .map_err(|e| Error::Call(format!("Orchestrate was refused: {e}")))?,
+    let Some((run_id, after)) = &options.attach else {
+        let run = start_telling(&client, options).await?;
+        return print_to_end(run)
+            .await?
+            .ok_or_else(|| Error::Call("the event stream ended without run_finished".into()));
     };
-    print_to_end(run).await
+    let run = client
+        .attach(run_id, *after)
+        .await
+        .map_err(|e| refused(&format!("attach to run {run_id:?}"), e))?;
+    match after {
+        0 => println!("▶ attached to run {run_id}: its events from the first"),
+        seq => println!("▶ attached to run {run_id}: its events after seq {seq}"),
+    }
+    if let Some(result) = print_to_end(run).await? {
+        return Ok(result);
+    }
+    // Nothing after `after`: the run had ended by then.
+    let result = client
+        .get_run(run_id)
+        .await
+        .map_err(|e| refused(&format!("run {run_id:?}"), e))?;
+    println!(
+        "run {run_id} has no events after seq {after}: it ended {}",
+        super::output::status_name(result.status)
+    );
+    Ok(result)
+}
+
+/// Starts the run; while it is not let in yet (its thread held by another run, or every run
+/// slot it may use taken), says so every few seconds when what it waits for changes.
+async fn start_telling(client: &orchestrator_client::Client, options: &CallOptions) -> Result<RunStream, Error> {
+    let started = client.orchestrate(run_request(options));
+    tokio::pin!(started);
+    let mut told = String::new();
+    let mut tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + Duration::from_secs(1),
+        Duration::from_secs(2),
+    );
+    loop {
+        tokio::select! {
+            run = &mut started => return run.map_err(|e| refused("start the run", e)),
+            _ = tick.tick() => {
+                let line = waiting_line(client, options).await;
+                if line != told {
+                    println!("{line}");
+                    told = line;
+                }
+            }
+        }
+    }
+}
+
+/// What a run not let in yet waits for, as a line.
+async fn waiting_line(client: &orchestrator_client::Client, options: &CallOptions) -> String {
+    let slot = "… the run waits to be let in: every run slot it may use is taken".to_owned();
+    if options.thread.is_empty() {
+        return slot;
+    }
+    let Ok(thread) = client.thread(&options.thread).await else {
+        return slot;
+    };
+    let place = thread.waiting_run_ids.iter().position(|id| *id == options.run_id);
+    match (thread.live_run_id.as_str(), place) {
+        ("", _) => slot,
+        (holder, Some(place)) => format!(
+            "… the run waits for thread {}: run {holder} holds it; it is {} of {} waiting",
+            options.thread,
+            place + 1,
+            thread.waiting_run_ids.len()
+        ),
+        (holder, None) => format!("… the run waits for thread {}: run {holder} holds it", options.thread),
+    }
 }
 
 /// A client of the orchestrator at `endpoint`, with `token` when given; each call within
 /// `timeout`.
-async fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<orchestrator_client::Client, Error> {
+pub(super) async fn connect(
+    endpoint: &str,
+    token: Option<&str>,
+    timeout: Duration,
+) -> Result<orchestrator_client::Client, Error> {
+    super::endpoint(endpoint).map_err(Error::Config)?;
     let mut builder = ClientBuilder::new(endpoint.to_owned())
         .connect_timeout(Duration::from_secs(5))
         .timeout(timeout)
@@ -285,98 +348,13 @@ async fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Resu
     if let Some(token) = token {
         builder = builder.token(token);
     }
-    builder
-        .connect()
-        .await
-        .map_err(|e| Error::Call(format!("cannot connect to {endpoint}: {e}")))
-}
-
-/// Lists the calls waiting for approval that the caller may decide (of `run_id` only, unless
-/// empty), a line each, and returns them.
-pub async fn approvals(endpoint: &str, token: Option<&str>, run_id: &str) -> Result<Vec<pb::PendingApproval>, Error> {
-    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
-    let pending = client
-        .pending_approvals(Some(run_id).filter(|r| !r.is_empty()))
-        .await
-        .map_err(|e| Error::Call(format!("ListPendingApprovals was refused: {e}")))?;
-    let now = shared::sync::unix_ms();
-    for call in &pending {
-        let left = Duration::from_millis(call.expires_at_unix_ms.saturating_sub(now) / 1000 * 1000);
-        let waits = if call.input_requests.is_empty() {
-            "approval"
-        } else {
-            "answers"
+    builder.connect().await.map_err(|e| {
+        let why = match &e {
+            orchestrator_client::Error::Connect(transport) => super::output::causes(transport),
+            other => other.to_string(),
         };
-        println!(
-            "{}  {}  {} {}  (turn {}, owner {:?}, waits for {waits}, expires in {})",
-            call.run_id,
-            call.call_id,
-            call.name,
-            call.arguments_json,
-            call.turn,
-            call.principal,
-            humantime::format_duration(left)
-        );
-        for question in &call.input_requests {
-            let detail = if question.mode == "url" {
-                &question.url
-            } else {
-                &question.schema_json
-            };
-            println!(
-                "    ? {} ({}): {} {detail}",
-                question.key, question.mode, question.message
-            );
-        }
-    }
-    if pending.is_empty() {
-        println!("no tool call waits for a person");
-    }
-    Ok(pending)
-}
-
-/// Sends `decisions` on `run_id`'s calls and prints the calls still waiting.
-pub async fn decide(
-    endpoint: &str,
-    token: Option<&str>,
-    run_id: &str,
-    decisions: Vec<pb::ToolCallDecision>,
-) -> Result<(), Error> {
-    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
-    let still = client
-        .decide(run_id, decisions)
-        .await
-        .map_err(|e| Error::Call(format!("DecideToolCalls was refused: {e}")))?;
-    match still.len() {
-        0 => println!("decided; run {run_id} goes on"),
-        n => println!("decided; {n} call(s) of run {run_id} still wait"),
-    }
-    Ok(())
-}
-
-/// Sends `answers` to the questions of `call_id` of `run_id` and prints what still waits.
-pub async fn answer(
-    endpoint: &str,
-    token: Option<&str>,
-    run_id: &str,
-    call_id: &str,
-    answers: Vec<pb::ToolInputAnswer>,
-) -> Result<(), Error> {
-    if answers.is_empty() {
-        return Err(Error::Config(
-            "answer each question of the call: --accept KEY[=JSON], --decline KEY or --cancel KEY".into(),
-        ));
-    }
-    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
-    let still = client
-        .answer(run_id, call_id, answers)
-        .await
-        .map_err(|e| Error::Call(format!("AnswerToolInput was refused: {e}")))?;
-    match still.len() {
-        0 => println!("answered; run {run_id} goes on"),
-        n => println!("answered; {n} call(s) of run {run_id} still wait"),
-    }
-    Ok(())
+        Error::Call(format!("cannot reach the orchestrator at {endpoint}: {why}"))
+    })
 }
 
 /// The run `options` ask for.
@@ -404,119 +382,19 @@ fn run_request(options: &CallOptions) -> RunRequest {
     request
 }
 
-/// Prints the runs `request` finds, a line each (every page with `all`, up to its rows), and
-/// the token of the next page when there is one.
-pub async fn runs(
-    endpoint: &str,
-    token: Option<&str>,
-    mut request: pb::ListRunsRequest,
-    all: Option<usize>,
-) -> Result<(), Error> {
-    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
-    let refused = |e: orchestrator_client::Error| Error::Call(format!("ListRuns was refused: {e}"));
-    let (mut printed, max) = (0usize, all.unwrap_or(usize::MAX));
-    let mut page = client.list_runs(request.clone()).await.map_err(refused)?;
-    println!(
-        "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<24}  LABELS",
-        "RUN", "STATUS", "PRINCIPAL", "THREAD", "TURNS", "TOKENS", "CREATED"
-    );
-    loop {
-        for run in page.runs.iter().take(max - printed) {
-            println!("{}", run_line(run));
-            printed += 1;
-        }
-        match (all.is_some() && printed < max, page.next_page_token.is_empty()) {
-            (_, true) => break,
-            (true, false) => {
-                request.page_token = page.next_page_token;
-                page = client.list_runs(request.clone()).await.map_err(refused)?;
-            }
-            (false, false) => {
-                println!("more: --page-token {}", page.next_page_token);
-                break;
-            }
-        }
-    }
-    if printed == 0 {
-        println!("no run matches");
-    }
-    Ok(())
-}
-
-/// Prints what `principal` (empty: the caller) spent over `span` (Unix ms), an hour a line, and
-/// the total.
-pub async fn usage(endpoint: &str, token: Option<&str>, principal: &str, span: (i64, i64)) -> Result<(), Error> {
-    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
-    let spent = client
-        .usage(principal, span.0, span.1)
-        .await
-        .map_err(|e| Error::Call(format!("GetUsage was refused: {e}")))?;
-    println!(
-        "{:<24}  {:>12}  {:>12}  {:>12}  {:>6}  {:>10}  {:>10}",
-        "HOUR", "PROMPT", "CACHED", "COMPLETION", "RUNS", "TOOL CALLS", "RUN TIME"
-    );
-    let line = |label: String, w: &pb::UsageWindow| {
-        println!(
-            "{:<24}  {:>12}  {:>12}  {:>12}  {:>6}  {:>10}  {:>10}",
-            label,
-            w.prompt_tokens,
-            w.cached_prompt_tokens,
-            w.completion_tokens,
-            w.runs,
-            w.tool_calls,
-            humantime::format_duration(Duration::from_secs(w.run_ms / 1000))
-        );
-    };
-    for window in &spent.windows {
-        line(utc(window.start_ms), window);
-    }
-    line(format!("total ({})", spent.principal), &spent.total.unwrap_or_default());
-    if let Some(budget) = spent.tokens_per_hour {
-        println!("tokens_per_hour: {budget}");
-    }
-    Ok(())
-}
-
-/// One row of `runs`.
-fn run_line(run: &pb::RunSummary) -> String {
-    let status = match pb::RunStatus::try_from(run.status) {
-        Ok(status) => status.as_str_name().trim_start_matches("RUN_STATUS_").to_owned(),
-        Err(_) => run.status.to_string(),
-    };
-    let usage = run.usage.unwrap_or_default();
-    let labels: Vec<String> = run.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    let mut labels = labels;
-    labels.sort();
-    format!(
-        "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<24}  {}",
-        run.run_id,
-        status,
-        if run.principal.is_empty() { "-" } else { &run.principal },
-        if run.thread_id.is_empty() { "-" } else { &run.thread_id },
-        run.turns,
-        usage.prompt_tokens + usage.completion_tokens,
-        utc(run.created_at_ms),
-        labels.join(",")
-    )
-}
-
-/// A Unix time in ms as RFC 3339 (UTC, ms).
-fn utc(ms: i64) -> String {
-    let at = std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0));
-    humantime::format_rfc3339_millis(at).to_string()
-}
-
-/// Prints the run's events as they come and returns its result.
-async fn print_to_end(mut run: RunStream) -> Result<pb::RunResult, Error> {
+/// Prints the run's events as they come and returns its result (`None`: the stream ended
+/// before `run_finished`, as an attach past the run's last event does).
+async fn print_to_end(mut run: RunStream) -> Result<Option<pb::RunResult>, Error> {
     let mut printer = Printer::default();
     let mut stdout = std::io::stdout();
     // Read to the end of the call (its trailers, which the client reads after run_finished).
     let mut result = None;
-    while let Some(event) = run
-        .next_event()
-        .await
-        .map_err(|e| Error::Call(format!("the event stream broke off: {e}")))?
-    {
+    loop {
+        let event = match run.next_event().await {
+            Ok(Some(event)) => event,
+            Ok(None) | Err(orchestrator_client::Error::Unfinished) => break,
+            Err(e) => return Err(refused("the run's event stream broke off", e)),
+        };
         if let Some(id) = run.run_id() {
             printer.run_id = id.to_owned();
         }
@@ -525,81 +403,137 @@ async fn print_to_end(mut run: RunStream) -> Result<pb::RunResult, Error> {
             result = Some(finished);
         }
     }
-    result.ok_or_else(|| Error::Call("the event stream ended without run_finished".into()))
+    Ok(result)
 }
 
-/// Sends `text` to the live run `run_id` and says how many messages wait for its next turn.
-pub async fn say(endpoint: &str, token: Option<&str>, run_id: &str, text: &str) -> Result<(), Error> {
-    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
-    let waiting = client
-        .send_message(run_id, text)
-        .await
-        .map_err(|e| Error::Call(format!("SendMessage was refused: {e}")))?;
-    println!("sent; {waiting} message(s) wait for the next turn of run {run_id}");
-    Ok(())
+/// Flags of `call`.
+#[derive(Debug, Clone, Args)]
+pub struct CallArgs {
+    /// The orchestrator's address, with its scheme (http:// or https://).
+    #[arg(long, env = "ORCHESTRATOR_ENDPOINT", default_value = "http://127.0.0.1:50051", value_parser = super::endpoint)]
+    pub endpoint: String,
+    /// The user message (required unless --attach).
+    #[arg(long, required_unless_present = "attach", conflicts_with = "attach")]
+    pub prompt: Option<String>,
+    /// Attach to this run (live or finished, on any replica) instead of starting one, and print
+    /// its events from --after on.
+    #[arg(long, value_name = "RUN_ID")]
+    pub attach: Option<String>,
+    /// With --attach: the last seq already seen (0: from the start).
+    #[arg(long, value_name = "SEQ")]
+    pub after: Option<u64>,
+    /// A system message for the run.
+    #[arg(long, default_value = "")]
+    pub system: String,
+    /// Model override.
+    #[arg(long, default_value = "")]
+    pub model: String,
+    /// Normal tool the model may use (repeatable; default all).
+    #[arg(long = "tool")]
+    pub tools: Vec<String>,
+    /// Exit tool for this run: NAME or NAME=DESCRIPTION (repeatable).
+    #[arg(long = "exit-tool")]
+    pub exit_tools: Vec<String>,
+    /// Run id (default: a new UUIDv7).
+    #[arg(long, value_parser = super::run_id)]
+    pub run_id: Option<String>,
+    /// Deadline of the call.
+    #[arg(long, default_value = "10m", value_parser = shared::config::parse_duration)]
+    pub timeout: Duration,
+    /// tool_choice: auto, none, required or a tool name (required and a name: first turn only).
+    #[arg(long, default_value = "")]
+    pub tool_choice: String,
+    /// Sampling temperature (default: the server's).
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Most tokens the model may generate per turn (default: the server's).
+    #[arg(long)]
+    pub max_tokens: Option<u32>,
+    /// Calls of this normal tool wait for a person's approval (repeatable; decide them with
+    /// `orchestrator decide`).
+    #[arg(long = "needs-approval", value_name = "TOOL")]
+    pub needs_approval: Vec<String>,
+    /// Bearer token sent with each call (when the orchestrator authenticates callers).
+    #[arg(long, env = "ORCHESTRATOR_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Continue this thread: the model sees its earlier runs, and this run joins it.
+    #[arg(long, value_name = "THREAD_ID", value_parser = super::thread_id)]
+    pub thread: Option<String>,
+    /// With --thread: what the run does when another run holds the thread (default: reject).
+    #[arg(long, value_enum)]
+    pub on_busy: Option<OnBusy>,
+    /// A label ListRuns finds the run by, KEY=VALUE (repeatable).
+    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = super::key_value)]
+    pub labels: Vec<(String, String)>,
 }
 
-/// Prints thread `thread_id` (its runs, then its messages, a line each), or deletes it.
-pub async fn thread(endpoint: &str, token: Option<&str>, thread_id: &str, delete: bool) -> Result<(), Error> {
-    let client = connect(endpoint, token, Duration::from_secs(30)).await?;
-    if delete {
-        client
-            .delete_thread(thread_id)
-            .await
-            .map_err(|e| Error::Call(format!("DeleteThread was refused: {e}")))?;
-        println!("thread {thread_id} deleted");
-        return Ok(());
-    }
-    let thread = client
-        .thread(thread_id)
-        .await
-        .map_err(|e| Error::Call(format!("GetThread was refused: {e}")))?;
-    println!("{}", thread_line(&thread));
-    for run in &thread.runs {
-        let status = status_name(run.status);
-        println!("  run {} · {status} · {} message(s)", run.run_id, run.messages);
-    }
-    for message in &thread.messages {
-        println!("{}", message_line(message));
-    }
-    Ok(())
+/// `--on-busy`: the thread's busy policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnBusy {
+    /// Refused (ABORTED, naming the run holding the thread).
+    Reject,
+    /// Wait until the runs before it have ended.
+    Enqueue,
+    /// The run holding the thread ends after its turn; this one starts from there.
+    Interrupt,
+    /// The run holding the thread is canceled and its messages dropped.
+    Rollback,
 }
 
-/// A thread's first line: its owner, size, the run holding it and those waiting.
-fn thread_line(t: &pb::Thread) -> String {
-    let mut line = format!(
-        "thread {} · {} run(s) · {} message(s) · {} bytes",
-        t.thread_id,
-        t.runs.len(),
-        t.messages.len(),
-        t.bytes
-    );
-    if !t.principal.is_empty() {
-        line.push_str(&format!(" · owner {}", t.principal));
+impl From<OnBusy> for pb::ThreadBusyPolicy {
+    fn from(policy: OnBusy) -> Self {
+        match policy {
+            OnBusy::Reject => Self::Reject,
+            OnBusy::Enqueue => Self::Enqueue,
+            OnBusy::Interrupt => Self::Interrupt,
+            OnBusy::Rollback => Self::Rollback,
+        }
     }
-    if t.dropped_turns > 0 {
-        line.push_str(&format!(" · {} older turn(s) dropped", t.dropped_turns));
-    }
-    if !t.live_run_id.is_empty() {
-        line.push_str(&format!(" · held by run {}", t.live_run_id));
-    }
-    if !t.waiting_run_ids.is_empty() {
-        line.push_str(&format!(" · waiting: {}", t.waiting_run_ids.join(", ")));
-    }
-    line
 }
 
-/// One message of a thread, on one line.
-fn message_line(m: &pb::ChatMessage) -> String {
-    let calls: Vec<String> = m
-        .tool_calls
-        .iter()
-        .map(|c| format!("⚙ {} {}", c.name, shared::text::excerpt(&c.arguments_json)))
-        .collect();
-    let text = shared::text::excerpt(m.content.trim());
-    match (m.role.as_str(), calls.is_empty()) {
-        ("assistant", false) => format!("  assistant: {text} {}", calls.join(" ")),
-        ("tool", _) => format!("  tool [{}]: {text}", m.tool_call_id),
-        (role, _) => format!("  {role}: {text}"),
+impl CallArgs {
+    /// The client options these flags describe; flags that make no sense together refused.
+    pub fn to_options(&self) -> Result<CallOptions, Error> {
+        if self.after.is_some() && self.attach.is_none() {
+            return Err(Error::Config(
+                "--after needs --attach RUN_ID: it is the last seq already seen of the run attached to".into(),
+            ));
+        }
+        if self.on_busy.is_some() && self.thread.is_none() {
+            return Err(Error::Config(
+                "--on-busy needs --thread THREAD_ID: it says what the run does when another run holds that thread"
+                    .into(),
+            ));
+        }
+        Ok(CallOptions {
+            endpoint: self.endpoint.clone(),
+            prompt: self.prompt.clone().unwrap_or_default(),
+            attach: self.attach.clone().map(|run_id| (run_id, self.after.unwrap_or(0))),
+            system: self.system.clone(),
+            model: self.model.clone(),
+            tools: self.tools.clone(),
+            exit_tools: self
+                .exit_tools
+                .iter()
+                .map(|s| match s.split_once('=') {
+                    Some((name, description)) => (name.trim().to_owned(), description.trim().to_owned()),
+                    None => (s.trim().to_owned(), String::new()),
+                })
+                .collect(),
+            // Named here, so that a run waiting for its thread finds its place among those waiting.
+            run_id: self.run_id.clone().unwrap_or_else(|| uuid::Uuid::now_v7().to_string()),
+            timeout: self.timeout,
+            needs_approval: self.needs_approval.clone(),
+            token: self.token.clone(),
+            thread: self.thread.clone().unwrap_or_default(),
+            on_busy: self.on_busy.unwrap_or(OnBusy::Reject).into(),
+            labels: self.labels.clone(),
+            params: pb::ModelParams {
+                tool_choice: self.tool_choice.clone(),
+                temperature: self.temperature,
+                max_tokens: self.max_tokens,
+                ..Default::default()
+            },
+        })
     }
 }

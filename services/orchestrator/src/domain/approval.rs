@@ -201,7 +201,12 @@ pub enum DecideError {
         run_id: String,
     },
     /// The call was decided already.
-    #[error("call {call_id:?} was decided already: {outcome} by {principal:?} at {decided_at_unix_ms} (Unix ms)", outcome = <&str>::from(.outcome))]
+    #[error(
+        "call {call_id:?} was decided already: {outcome} by {} at {}",
+        who(principal),
+        rfc3339(*.decided_at_unix_ms),
+        outcome = <&str>::from(.outcome)
+    )]
     AlreadyDecided {
         /// The call.
         call_id: String,
@@ -287,7 +292,7 @@ pub fn check_decision(
     match (&decision.kind, &call.questions) {
         (DecisionKind::Answer(_), None) => {
             return Err(DecideError::Invalid(format!(
-                "call {:?} ({}) waits for approval, not for answers: decide it with DecideToolCalls",
+                "call {:?} ({}) waits for approval, not for answers: decide it (DecideToolCalls, `orchestrator decide`)",
                 call.call_id, call.name
             )));
         }
@@ -421,10 +426,19 @@ fn decide_calls<'a>(
     Ok(recorded)
 }
 
-/// A Unix time in ms as RFC 3339 (UTC, ms).
+/// A Unix time in ms as a person reads it: RFC 3339 in UTC, to the second.
 fn rfc3339(unix_ms: u64) -> String {
     let at = std::time::UNIX_EPOCH + Duration::from_millis(unix_ms);
-    humantime::format_rfc3339_millis(at).to_string()
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
+/// Who decided, as a person reads it.
+fn who(principal: &str) -> String {
+    match principal {
+        "" => "a caller of a server without authentication".to_owned(),
+        TIMEOUT_PRINCIPAL => "the orchestrator (nobody decided before the call's wait expired)".to_owned(),
+        name => format!("{name:?}"),
+    }
 }
 
 /// The largest rejection message kept (it is fed back to the model).
@@ -505,7 +519,24 @@ mod tests {
         let mut decided = pending();
         decided.decision = Some(ApprovalDecision::timed_out(5));
         let again = check_decision(&decide(DecisionKind::Approve), &decided, &schema(), "bob", 7).unwrap_err();
-        assert!(again.to_string().contains("timed_out by \"orchestrator\""), "{again}");
+        let told = again.to_string();
+        assert!(
+            told.contains(
+                "timed_out by the orchestrator (nobody decided before the call's wait expired) at 1970-01-01T00:00:00Z"
+            ),
+            "{told}"
+        );
+        decided.decision = Some(ApprovalDecision {
+            principal: "ana".into(),
+            ..ApprovalDecision::timed_out(1_795_771_235_920)
+        });
+        let told = check_decision(&decide(DecisionKind::Approve), &decided, &schema(), "bob", 7)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            told.contains("by \"ana\" at 2026-11-27T"),
+            "a time a person reads: {told}"
+        );
     }
 
     #[test]
@@ -518,7 +549,7 @@ mod tests {
                 "{refused:?}"
             );
             let message = refused.to_string();
-            assert!(message.contains("expired at 1970-01-01T00:00:00.008Z"), "{message}");
+            assert!(message.contains("expired at 1970-01-01T00:00:00Z"), "{message}");
             assert!(message.contains("approval_timeout_ms"), "{message}");
         }
         assert!(check_decision(&decide(DecisionKind::Approve), &pending(), &schema(), "bob", 7).is_ok());

@@ -33,6 +33,24 @@ pub enum Message {
     },
 }
 
+/// How a status note starts (the orchestrator's note on the run's state as a turn begins, a user
+/// message after the newest), so the model — and a person reading a transcript — knows who wrote
+/// it.
+pub const STATUS_MARK: &str = "[orchestrator status]";
+
+/// Drops a status note that ends `messages` (a note for a turn that did not run: the run ended
+/// between turns), whole or as the last paragraph of the newest user message it joined.
+pub fn drop_trailing_note(messages: &mut Vec<Message>) {
+    let Some(Message::User { content, .. }) = messages.last_mut() else {
+        return;
+    };
+    if content.starts_with(STATUS_MARK) {
+        messages.pop();
+    } else if let Some(at) = content.rfind(&format!("\n\n{STATUS_MARK}")) {
+        content.truncate(at);
+    }
+}
+
 /// Puts a user message after the newest message of `conversation`, in a form every chat
 /// template takes: a message of its own, or, when the newest message already is a user message,
 /// a paragraph added to it (some templates refuse two user messages in a row; the name of a

@@ -4,6 +4,7 @@
 //!
 //! * [`chat`]: the conversation with the model (messages, tool calls, tool definitions, usage);
 //! * [`params`]: the model parameters of a run and their rules;
+//! * [`ids`]: the one rule of every id a caller names (runs, threads, affinity keys);
 //! * [`spec`]: what a run is asked to do ([`spec::RunSpec`], its limits, deadline and output bounds);
 //! * [`result`]: what it produced ([`result::RunResult`], tool-call records, signals);
 //! * [`event`]: the events of its stream;
@@ -24,6 +25,7 @@ pub mod approval;
 pub mod cancel;
 pub mod chat;
 pub mod event;
+pub mod ids;
 pub mod input;
 pub mod listing;
 pub mod ownership;

@@ -35,6 +35,11 @@ impl RunStatus {
         )
     }
 
+    /// Its name as the contract spells it, without the prefix: `COMPLETED`, `AWAITING_INPUT` …
+    pub fn name(self) -> String {
+        <&str>::from(self).to_uppercase()
+    }
+
     /// Whether the run is parked, waiting for a person or a task (it holds no slot).
     pub fn is_parked(self) -> bool {
         matches!(self, Self::AwaitingApproval | Self::AwaitingInput | Self::AwaitingTask)

@@ -229,9 +229,11 @@ impl Thread {
     }
 
     /// `run` ended: its messages join the thread (unless it was rolled back, or joined already:
-    /// the end of a run taken over may be written twice), it lets the thread go, and the limits
-    /// drop whole turns from the oldest.
-    pub fn end(&mut self, run: ThreadRun, limits: &ThreadLimits) {
+    /// the end of a run taken over may be written twice) without a status note for a turn it did
+    /// not run, it lets the thread go, and the limits drop whole turns from the oldest.
+    pub fn end(&mut self, mut run: ThreadRun, limits: &ThreadLimits) {
+        // A status note never outlives its turn: one for a turn that did not run goes.
+        super::chat::drop_trailing_note(&mut run.messages);
         let rolled_back = self.rolled_back.contains(&run.run_id);
         let joined = self.runs.iter().any(|r| r.run_id == run.run_id);
         self.leave(&run.run_id, run.ended_at_unix_ms);
@@ -464,6 +466,45 @@ mod tests {
         thread.end(run("b", "y"), &LIMITS);
         thread.end(run("b", "y"), &LIMITS);
         assert_eq!(thread.runs.len(), 1);
+    }
+
+    /// A run that ended between turns (interrupted, canceled after its turn) joins its thread
+    /// without the status note of the turn it did not run, whether the note stood alone or
+    /// joined a user message; a note of a turn that ran stays.
+    #[test]
+    fn a_status_note_never_outlives_its_turn() {
+        use crate::domain::chat::STATUS_MARK;
+        let note = |turn: u32| user(&format!("{STATUS_MARK} Turn {turn} of at most 4 begins."));
+        let mut thread = Thread::new("t", "alice", 0);
+        started(&mut thread, "a");
+        let mut a = run("a", "Find flights.");
+        a.messages = vec![
+            user("Find flights."),
+            assistant("", &["c1"]),
+            tool("c1"),
+            note(2),
+            assistant("Two.", &[]),
+            note(3),
+        ];
+        thread.end(a, &LIMITS);
+        let kept: Vec<&Message> = thread.messages().collect();
+        assert_eq!(kept.len(), 5, "{kept:?}");
+        assert!(matches!(kept[3], Message::User { content, .. } if content.starts_with(STATUS_MARK)));
+        assert!(
+            matches!(kept[4], Message::Assistant { .. }),
+            "ends with the answer: {kept:?}"
+        );
+
+        started(&mut thread, "b");
+        let mut b = run("b", "And Bergen?");
+        let joined = format!("Only direct ones.\n\n{STATUS_MARK} Turn 2 of at most 4 begins.");
+        b.messages = vec![user("And Bergen?"), assistant("", &["c2"]), tool("c2"), user(&joined)];
+        thread.end(b, &LIMITS);
+        let last = thread.messages().last().cloned();
+        assert!(
+            matches!(&last, Some(Message::User { content, .. }) if content == "Only direct ones."),
+            "{last:?}"
+        );
     }
 
     /// The limits on both sides: at the bound nothing is dropped; one over drops the oldest.

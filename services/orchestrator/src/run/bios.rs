@@ -9,6 +9,7 @@
 
 use std::fmt::Write;
 
+use crate::domain::chat::STATUS_MARK;
 use crate::llm::{Message, ToolDefinition};
 
 /// What the BIOS describes: fixed for the whole run.
@@ -38,9 +39,6 @@ pub struct Status {
     /// Failing turns still tolerated.
     pub failures_remaining: u32,
 }
-
-/// How a status note starts, so the model (and a person reading a transcript) knows who wrote it.
-pub const STATUS_MARK: &str = "[orchestrator status]";
 
 /// Renders the BIOS of a run.
 pub fn render(ctx: &BiosContext<'_>) -> String {

@@ -16,8 +16,6 @@ use tracing::Instrument;
 use super::streams::{self, RunEvents, StreamDeps, attach_error, no_run};
 use crate::Error;
 use crate::config::Config;
-use crate::domain::approval::Decider;
-use crate::domain::approval::{Decision, PendingApproval};
 use crate::domain::listing::{Cursor, ListRequest, RunPage, RunQuery, check_labels};
 use crate::domain::ports::SignalTopic;
 use crate::domain::steering::{Closed, Refused, UserMessage};
@@ -68,7 +66,9 @@ fn not_taking(run_id: &str, refused: Refused) -> String {
             format!("run {run_id:?} is in its last turn (max_turns): no turn is left to take a message")
         }
         Refused::AwaitingApproval => {
-            format!("run {run_id:?} waits for approvals; decide its calls (DecideToolCalls), then send the message")
+            format!(
+                "run {run_id:?} waits for approvals; decide its calls (DecideToolCalls, `orchestrator decide`), then send the message"
+            )
         }
         Refused::Full(max) => format!("run {run_id:?} was sent its limit of {max} messages"),
     }
@@ -76,9 +76,6 @@ fn not_taking(run_id: &str, refused: Refused) -> String {
 
 /// Rows of a `ListRuns` page that asks for no size.
 const DEFAULT_PAGE_SIZE: usize = 50;
-
-/// Most pending approvals listed at once.
-const MAX_LISTED_APPROVALS: usize = 1000;
 
 impl Core {
     /// `Err(Draining)` once the drain started: new runs and new followers go to other replicas.
@@ -293,57 +290,12 @@ impl Core {
             }),
             SteerOutcome::Refused(refused) => Err(Error::NotNow(not_taking(run_id, refused))),
             SteerOutcome::Finished(status) => Err(Error::NotNow(format!(
-                "run {run_id:?} has ended ({status:?}); start a new run to go on"
+                "run {run_id:?} has ended ({}); start a new run to go on",
+                status.name()
             ))),
             SteerOutcome::NotFound => Err(no_run(run_id)),
             SteerOutcome::Unanswered => Err(Error::RunElsewhere(run_id.to_owned())),
         }
-    }
-
-    /// Records `decisions` of `caller` on the run's calls waiting for approval: the run's status
-    /// after them and the calls still waiting.
-    pub(crate) async fn decide(
-        &self,
-        run_id: &str,
-        decisions: &[Decision],
-        caller: &Principal,
-    ) -> Result<(RunStatus, Vec<PendingApproval>), Error> {
-        let calls = self
-            .deps
-            .approvals
-            .decide(run_id, &self.decider(caller), decisions)
-            .await?;
-        for decision in decisions {
-            tracing::info!(run_id = %run_id, gen_ai.tool.call.id = %decision.call_id, principal = %caller.name, kind = ?decision.kind, "tool call decided");
-        }
-        let still_pending: Vec<PendingApproval> = calls.into_iter().filter(|c| c.decision.is_none()).collect();
-        // Read as the server: an approver may decide runs it may not read.
-        let status = match self.runs.get(run_id, &Principal::default()).await {
-            Ok(Some(run)) if !still_pending.is_empty() && run.status.is_parked() => {
-                RunStatus::parked_for(&still_pending)
-            }
-            _ => RunStatus::Running,
-        };
-        Ok((status, still_pending))
-    }
-
-    /// The calls waiting for a decision `caller` may take (of `run_id`, or of every run), at most
-    /// `limit` (0: the most listed at once); whether more wait.
-    pub(crate) async fn pending(
-        &self,
-        caller: &Principal,
-        run_id: Option<&str>,
-        limit: usize,
-    ) -> Result<(Vec<PendingApproval>, bool), Error> {
-        let limit = match limit {
-            0 => MAX_LISTED_APPROVALS,
-            n => n.min(MAX_LISTED_APPROVALS),
-        };
-        Ok(self
-            .deps
-            .approvals
-            .pending(&self.decider(caller), run_id, limit)
-            .await?)
     }
 
     /// A page of the runs `caller` may see that `request` asks for: its own, or any
@@ -396,14 +348,5 @@ impl Core {
             query.after = Some(cursor);
         }
         Ok(query)
-    }
-
-    /// The caller as the approval lot checks it.
-    fn decider(&self, caller: &Principal) -> Decider {
-        Decider {
-            name: caller.name.clone(),
-            approver: caller.has_role(shared::auth::APPROVER),
-            approver_required: self.config.runs.approvals_need_approver,
-        }
     }
 }

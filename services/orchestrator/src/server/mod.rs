@@ -1,6 +1,7 @@
 //! The server: [`serve`] wires the LLM client, the tool-runners, the signal topic, the store and
 //! the runs registry (`build.rs`) into the shared state every request and background task uses
-//! ([`Core`], `core.rs`: starting, resuming, reading, cancelling, steering and deciding runs;
+//! ([`Core`], `core.rs`: starting, resuming, reading, cancelling and steering runs;
+//! `decisions.rs`: a person's decisions and answers, and a refusal said with what the run does;
 //! `threads.rs`: a run taking its thread under its busy policy, reading and deleting threads;
 //! `usage.rs`: the caller's hourly token budget at admission, and `GetUsage`),
 //! serves gRPC (orchestrator, health, reflection) on the given listener, and drains when
@@ -31,6 +32,7 @@ use crate::{Config, Error};
 
 mod build;
 mod core;
+mod decisions;
 pub(crate) mod grpc;
 pub mod harness;
 mod remote_asks;

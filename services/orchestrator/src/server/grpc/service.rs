@@ -11,7 +11,9 @@ use proto::orchestrator::v1 as pb;
 use shared::auth::caller;
 use tonic::{Request, Response, Status};
 
-use super::convert::{CancelRequest, DecideRequest, RunRequest, SteerRequest, event_pb, parse_grpc_timeout, resolve};
+use super::convert::{
+    CancelRequest, DecideRequest, RunRequest, SteerRequest, event_pb, named_id, parse_grpc_timeout, resolve,
+};
 use crate::domain::listing::ListRequest;
 use crate::domain::ports::{SignalFilter, SignalItem};
 use crate::server::{Core, RunEvents};
@@ -84,13 +86,15 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         self.core.refuse_when_draining()?;
         let caller = caller(&request);
         let pb::AttachRunRequest { run_id, after_seq } = request.into_inner();
+        let run_id = named_id("run_id", run_id)?;
         let events = self.core.attach(&run_id, after_seq, &caller).await?;
         Ok(Response::new(events_pb(run_id, events)))
     }
 
     async fn get_run(&self, request: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
         let caller = caller(&request);
-        let run = self.core.get(&request.into_inner().run_id, &caller).await?;
+        let run_id = named_id("run_id", request.into_inner().run_id)?;
+        let run = self.core.get(&run_id, &caller).await?;
         Ok(Response::new(pb::RunResult::from(&run)))
     }
 
@@ -158,7 +162,8 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
 
     async fn get_thread(&self, request: Request<pb::GetThreadRequest>) -> Result<Response<pb::Thread>, Status> {
         let caller = caller(&request);
-        let thread = self.core.get_thread(&request.into_inner().thread_id, &caller).await?;
+        let thread_id = named_id("thread_id", request.into_inner().thread_id)?;
+        let thread = self.core.get_thread(&thread_id, &caller).await?;
         Ok(Response::new(pb::Thread::from(&thread)))
     }
 
@@ -167,10 +172,8 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         request: Request<pb::DeleteThreadRequest>,
     ) -> Result<Response<pb::DeleteThreadResponse>, Status> {
         let caller = caller(&request);
-        let deleted = self
-            .core
-            .delete_thread(&request.into_inner().thread_id, &caller)
-            .await?;
+        let thread_id = named_id("thread_id", request.into_inner().thread_id)?;
+        let deleted = self.core.delete_thread(&thread_id, &caller).await?;
         Ok(Response::new(pb::DeleteThreadResponse { deleted }))
     }
 

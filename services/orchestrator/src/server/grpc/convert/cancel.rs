@@ -27,7 +27,7 @@ impl TryFrom<pb::CancelRunRequest> for CancelRequest {
             }
         };
         Ok(Self {
-            run_id: request.run_id,
+            run_id: super::named_id("run_id", request.run_id)?,
             mode,
         })
     }

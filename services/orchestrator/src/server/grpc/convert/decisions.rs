@@ -21,8 +21,9 @@ impl TryFrom<pb::AnswerToolInputRequest> for DecideRequest {
     type Error = Error;
 
     fn try_from(r: pb::AnswerToolInputRequest) -> Result<Self, Error> {
-        if r.run_id.is_empty() || r.call_id.is_empty() {
-            return Err(invalid("run_id and call_id name the call whose questions are answered"));
+        super::named_id("run_id", r.run_id.clone())?;
+        if r.call_id.is_empty() {
+            return Err(invalid("call_id is empty: name the call whose questions are answered"));
         }
         if r.answers.is_empty() || r.answers.len() > crate::domain::input::MAX_QUESTIONS {
             return Err(invalid(format!(
@@ -63,9 +64,7 @@ impl TryFrom<pb::DecideToolCallsRequest> for DecideRequest {
     type Error = Error;
 
     fn try_from(r: pb::DecideToolCallsRequest) -> Result<Self, Error> {
-        if r.run_id.is_empty() {
-            return Err(invalid("run_id is empty"));
-        }
+        super::named_id("run_id", r.run_id.clone())?;
         if r.decisions.is_empty() {
             return Err(invalid("decisions is empty: name at least one call"));
         }

@@ -3,9 +3,9 @@
 use proto::orchestrator::v1 as pb;
 
 use super::invalid;
-use super::request::MAX_RUN_ID_LEN;
 use crate::Error;
 use crate::domain::RunStatus;
+use crate::domain::ids;
 use crate::domain::listing::ListRequest;
 
 impl TryFrom<pb::ListRunsRequest> for ListRequest {
@@ -63,11 +63,7 @@ fn id(field: &str, value: String) -> Result<Option<String>, Error> {
     if value.is_empty() {
         return Ok(None);
     }
-    if value.len() > MAX_RUN_ID_LEN || !value.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(invalid(format!(
-            "{field} must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty for any)"
-        )));
-    }
+    ids::check(field, &value).map_err(|e| invalid(format!("{e} (or empty for any)")))?;
     Ok(Some(value))
 }
 

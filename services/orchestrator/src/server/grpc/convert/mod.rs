@@ -28,6 +28,13 @@ fn invalid(message: impl Into<String>) -> Error {
     Error::InvalidArgument(message.into())
 }
 
+/// An id a request names (`what`: `run_id`, `thread_id` …), by the one rule of ids
+/// (`domain::ids`): a malformed one is `INVALID_ARGUMENT` saying the rule, never `NOT_FOUND`.
+pub(crate) fn named_id(what: &str, id: String) -> Result<String, Error> {
+    crate::domain::ids::check(what, &id).map_err(invalid)?;
+    Ok(id)
+}
+
 use crate::wire::millis;
 
 #[cfg(test)]

@@ -9,12 +9,10 @@ use super::invalid;
 use crate::Error;
 use crate::config::RequestBounds;
 use crate::domain::ParsePolicy;
+use crate::domain::ids;
 use crate::domain::params::parse_extra_body;
 use crate::domain::thread::{BusyPolicy, RunThread};
 use crate::llm::{Message, SamplingParams, ToolCall, ToolChoice, ToolDefinition};
-
-/// Longest caller-supplied run id.
-pub(crate) const MAX_RUN_ID_LEN: usize = 128;
 
 /// Limits as the caller asked (unset = server default).
 #[derive(Debug, Clone, Default)]
@@ -121,11 +119,7 @@ pub(super) fn caller_run_id(id: String) -> Result<Option<String>, Error> {
     if id.is_empty() {
         return Ok(None);
     }
-    if id.len() > MAX_RUN_ID_LEN || !id.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(invalid(format!(
-            "run_id must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty to get a generated one)"
-        )));
-    }
+    ids::check("run_id", &id).map_err(|e| invalid(format!("{e} (or empty to get a generated one)")))?;
     Ok(Some(id))
 }
 
@@ -148,11 +142,7 @@ fn thread(thread_id: String, on_busy: i32, window: Option<u32>) -> Result<Option
         }
         return Ok(None);
     }
-    if thread_id.len() > MAX_RUN_ID_LEN || !thread_id.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(invalid(format!(
-            "thread_id must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty for no thread)"
-        )));
-    }
+    ids::check("thread_id", &thread_id).map_err(|e| invalid(format!("{e} (or empty for no thread)")))?;
     Ok(Some(RunThread {
         thread_id,
         on_busy,
@@ -166,11 +156,7 @@ fn affinity_key(key: String) -> Result<Option<String>, Error> {
     if key.is_empty() {
         return Ok(None);
     }
-    if key.len() > MAX_RUN_ID_LEN || !key.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(invalid(format!(
-            "affinity_key must be 1-{MAX_RUN_ID_LEN} printable ASCII characters without spaces (or empty for the run id)"
-        )));
-    }
+    ids::check("affinity_key", &key).map_err(|e| invalid(format!("{e} (or empty for the run id)")))?;
     Ok(Some(key))
 }
 

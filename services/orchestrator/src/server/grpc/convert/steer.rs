@@ -17,9 +17,7 @@ impl TryFrom<pb::SendMessageRequest> for SteerRequest {
     type Error = Error;
 
     fn try_from(request: pb::SendMessageRequest) -> Result<Self, Error> {
-        if request.run_id.is_empty() {
-            return Err(invalid("run_id is required"));
-        }
+        let run_id = super::named_id("run_id", request.run_id)?;
         let Some(message) = request.message else {
             return Err(invalid(
                 "message is required: a ChatMessage with role \"user\" and content",
@@ -38,7 +36,7 @@ impl TryFrom<pb::SendMessageRequest> for SteerRequest {
             return Err(invalid("a user message carries no tool_call_id or tool_calls"));
         }
         Ok(Self {
-            run_id: request.run_id,
+            run_id,
             message: UserMessage {
                 content: message.content,
                 name: Some(message.name).filter(|n| !n.is_empty()),

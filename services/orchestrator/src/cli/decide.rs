@@ -1,0 +1,217 @@
+//! `approvals`, `decide` and `answer`: the calls that wait for a person, a person's decisions on
+//! calls that need approval, and their answers to a tool's questions.
+
+use std::time::Duration;
+
+use clap::Args;
+use proto::orchestrator::v1 as pb;
+
+use super::Connection;
+use super::output::{print_json, refused, status_name};
+use crate::Error;
+
+/// Flags of `approvals`.
+#[derive(Debug, Clone, Args)]
+pub struct ApprovalsArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// Only this run's calls.
+    #[arg(long, default_value = "")]
+    pub run_id: String,
+}
+
+impl ApprovalsArgs {
+    /// Lists the calls waiting, a line each (and a line per question).
+    pub async fn run(&self) -> Result<bool, Error> {
+        let client = self.connection.client().await?;
+        let request = pb::ListPendingApprovalsRequest {
+            run_id: self.run_id.clone(),
+            limit: 0,
+        };
+        let answer = client
+            .list_pending_approvals(request)
+            .await
+            .map_err(|e| refused("list the calls waiting for a person", e))?;
+        if self.connection.json {
+            return print_json(&answer, "orchestrator.v1.ListPendingApprovalsResponse").map(|()| true);
+        }
+        let now = shared::sync::unix_ms();
+        for call in &answer.approvals {
+            print_pending(call, now);
+        }
+        match (answer.approvals.is_empty(), answer.truncated) {
+            (true, _) => println!("no tool call waits for a person"),
+            (false, true) => println!("more calls wait than are listed"),
+            (false, false) => {}
+        }
+        Ok(true)
+    }
+}
+
+/// One call waiting, and its questions.
+fn print_pending(call: &pb::PendingApproval, now: u64) {
+    let left = Duration::from_millis(call.expires_at_unix_ms.saturating_sub(now) / 1000 * 1000);
+    let waits = match call.input_requests.is_empty() {
+        true => "approval",
+        false => "answers",
+    };
+    println!(
+        "{}  {}  {} {}  (turn {}, owner {:?}, waits for {waits}, expires in {})",
+        call.run_id,
+        call.call_id,
+        call.name,
+        call.arguments_json,
+        call.turn,
+        call.principal,
+        humantime::format_duration(left)
+    );
+    for question in &call.input_requests {
+        let detail = match question.mode.as_str() {
+            "url" => &question.url,
+            _ => &question.schema_json,
+        };
+        println!(
+            "    ? {} ({}): {} {detail}",
+            question.key, question.mode, question.message
+        );
+    }
+}
+
+/// What a run does after a decision or an answer, as a line.
+fn after_decision(run_id: &str, status: i32, still: &[pb::PendingApproval]) -> String {
+    match still.len() {
+        0 => format!("run {run_id} goes on ({})", status_name(status)),
+        n => format!("{n} call(s) of run {run_id} still wait ({})", status_name(status)),
+    }
+}
+
+/// Flags of `decide`.
+#[derive(Debug, Clone, Args)]
+pub struct DecideArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The run whose calls are decided.
+    #[arg(long, value_parser = super::run_id)]
+    pub run_id: String,
+    /// Approve this call as the model wrote it (repeatable).
+    #[arg(long = "approve", value_name = "CALL_ID")]
+    pub approve: Vec<String>,
+    /// Reject this call; the message (after `=`) is fed back to the model (repeatable).
+    #[arg(long = "reject", value_name = "CALL_ID[=MESSAGE]")]
+    pub reject: Vec<String>,
+    /// Approve this call with these arguments instead (a JSON object; repeatable).
+    #[arg(long = "edit", value_name = "CALL_ID=JSON")]
+    pub edit: Vec<String>,
+}
+
+impl DecideArgs {
+    /// Sends the decisions and says what the run does now.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let decisions = self.decisions().map_err(Error::Config)?;
+        let client = self.connection.client().await?;
+        let request = pb::DecideToolCallsRequest {
+            run_id: self.run_id.clone(),
+            decisions,
+        };
+        let answer = client
+            .decide_tool_calls(request)
+            .await
+            .map_err(|e| refused(&format!("decide on run {:?}", self.run_id), e))?;
+        if self.connection.json {
+            return print_json(&answer, "orchestrator.v1.DecideToolCallsResponse").map(|()| true);
+        }
+        let after = after_decision(&self.run_id, answer.status, &answer.still_pending);
+        println!("decided; {after}");
+        Ok(true)
+    }
+
+    /// The decisions these flags describe, in the order approve, reject, edit.
+    pub fn decisions(&self) -> Result<Vec<pb::ToolCallDecision>, String> {
+        use orchestrator_client::decision;
+        let mut decisions: Vec<_> = self.approve.iter().map(decision::approve).collect();
+        for reject in &self.reject {
+            let (call, message) = reject.split_once('=').unwrap_or((reject, ""));
+            decisions.push(decision::reject(call, message));
+        }
+        for edit in &self.edit {
+            let (call, arguments) = edit
+                .split_once('=')
+                .ok_or_else(|| format!("--edit {edit:?}: write CALL_ID={{...}}"))?;
+            decisions.push(decision::edit(call, arguments));
+        }
+        if decisions.is_empty() {
+            return Err("name at least one call with --approve, --reject or --edit".into());
+        }
+        Ok(decisions)
+    }
+}
+
+/// Flags of `answer`: one answer per question of the call.
+#[derive(Debug, Clone, Args)]
+pub struct AnswerArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The run.
+    #[arg(long, value_parser = super::run_id)]
+    pub run_id: String,
+    /// The call whose questions are answered.
+    #[arg(long)]
+    pub call_id: String,
+    /// Accept this question, with content (a JSON object its schema takes) after `=`; a URL
+    /// question takes none (repeatable).
+    #[arg(long = "accept", value_name = "KEY[=JSON]")]
+    pub accept: Vec<String>,
+    /// Decline this question (repeatable).
+    #[arg(long = "decline", value_name = "KEY")]
+    pub decline: Vec<String>,
+    /// Dismiss this question without a choice (repeatable).
+    #[arg(long = "cancel", value_name = "KEY")]
+    pub cancel: Vec<String>,
+}
+
+impl AnswerArgs {
+    /// Sends the answers and says what the run does now.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let answers = self.answers();
+        if answers.is_empty() {
+            return Err(Error::Config(
+                "answer each question of the call: --accept KEY[=JSON], --decline KEY or --cancel KEY".into(),
+            ));
+        }
+        let client = self.connection.client().await?;
+        let request = pb::AnswerToolInputRequest {
+            run_id: self.run_id.clone(),
+            call_id: self.call_id.clone(),
+            answers,
+        };
+        let answer = client
+            .answer_tool_input(request)
+            .await
+            .map_err(|e| refused(&format!("answer call {:?} of run {:?}", self.call_id, self.run_id), e))?;
+        if self.connection.json {
+            return print_json(&answer, "orchestrator.v1.AnswerToolInputResponse").map(|()| true);
+        }
+        let after = after_decision(&self.run_id, answer.status, &answer.still_pending);
+        println!("answered; {after}");
+        Ok(true)
+    }
+
+    /// The answers these flags describe, in the order accept, decline, cancel.
+    pub fn answers(&self) -> Vec<pb::ToolInputAnswer> {
+        use orchestrator_client::decision;
+        let mut answers: Vec<_> = self
+            .accept
+            .iter()
+            .map(|a| {
+                let (key, content) = a.split_once('=').unwrap_or((a, ""));
+                decision::accept(key, content)
+            })
+            .collect();
+        answers.extend(self.decline.iter().map(decision::decline));
+        answers.extend(self.cancel.iter().map(decision::cancel));
+        answers
+    }
+}

@@ -1,0 +1,103 @@
+//! What the client commands print besides the event stream: a message as JSON for scripts
+//! (`--json`: protobuf's canonical JSON mapping, read off the contract's descriptors, one line,
+//! default values included), a time a person reads, a status's name, and a refusal in the
+//! words of the domain (the server's message and its code, no gRPC boilerplate).
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use prost_reflect::{DescriptorPool, DynamicMessage, SerializeOptions};
+use proto::orchestrator::v1 as pb;
+
+use crate::Error;
+
+/// The contract's descriptors, decoded once.
+fn pool() -> Option<&'static DescriptorPool> {
+    static POOL: OnceLock<Option<DescriptorPool>> = OnceLock::new();
+    POOL.get_or_init(|| DescriptorPool::decode(proto::FILE_DESCRIPTOR_SET).ok())
+        .as_ref()
+}
+
+/// `message` (of the contract's type `name`, e.g. `orchestrator.v1.RunResult`) as one line of
+/// JSON, every field named, enums by name.
+pub fn json<M: prost::Message>(message: &M, name: &str) -> Result<String, Error> {
+    let unknown = || Error::Call(format!("{name} is not a message of the contract"));
+    let descriptor = pool().and_then(|p| p.get_message_by_name(name)).ok_or_else(unknown)?;
+    let dynamic = DynamicMessage::decode(descriptor, message.encode_to_vec().as_slice())
+        .map_err(|e| Error::Call(format!("{name} cannot be read back: {e}")))?;
+    let mut out = serde_json::Serializer::new(Vec::new());
+    let options = SerializeOptions::new().skip_default_fields(false);
+    dynamic
+        .serialize_with_options(&mut out, &options)
+        .map_err(|e| Error::Call(format!("{name} cannot be written as JSON: {e}")))?;
+    Ok(String::from_utf8_lossy(&out.into_inner()).into_owned())
+}
+
+/// Prints `message` as JSON (see [`json`]).
+pub fn print_json<M: prost::Message>(message: &M, name: &str) -> Result<(), Error> {
+    println!("{}", json(message, name)?);
+    Ok(())
+}
+
+/// A refusal of `what` (the command's action, e.g. "cancel run r-1") as a person reads it.
+pub fn refused(what: &str, error: orchestrator_client::Error) -> Error {
+    Error::Call(format!("{what}: {error}"))
+}
+
+/// What caused `error`, as one line: its sources' messages (a transport error says only
+/// "transport error" itself), or its own when it has none.
+pub fn causes(error: &dyn std::error::Error) -> String {
+    let mut causes = Vec::new();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if causes.last().is_none_or(|last: &String| !last.contains(&text)) {
+            causes.push(text);
+        }
+        source = cause.source();
+    }
+    match causes.is_empty() {
+        true => error.to_string(),
+        false => causes.join(": "),
+    }
+}
+
+/// A run status as printed: `COMPLETED`, `AWAITING_INPUT` … (`?` for one this build does not know).
+pub fn status_name(status: i32) -> &'static str {
+    pb::RunStatus::try_from(status)
+        .map_or("?", |s| s.as_str_name())
+        .trim_start_matches("RUN_STATUS_")
+}
+
+/// A Unix time in ms as a person reads it: RFC 3339 in UTC, to the second.
+pub fn utc(ms: i64) -> String {
+    let at = std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_is_one_line_of_canonical_json_with_every_field() {
+        let result = pb::RunResult {
+            run_id: "r-1".into(),
+            status: pb::RunStatus::Completed.into(),
+            text: "done".into(),
+            ..Default::default()
+        };
+        let line = json(&result, "orchestrator.v1.RunResult").expect("json");
+        assert!(!line.contains('\n'), "{line}");
+        let value: serde_json::Value = serde_json::from_str(&line).expect("valid JSON");
+        assert_eq!(value["runId"], "r-1");
+        assert_eq!(value["status"], "RUN_STATUS_COMPLETED");
+        assert_eq!(value["turns"], 0, "a default value is written too: {line}");
+    }
+
+    #[test]
+    fn an_unknown_message_name_is_an_error_not_a_panic() {
+        let result = pb::RunResult::default();
+        assert!(json(&result, "orchestrator.v1.Nothing").is_err());
+    }
+}

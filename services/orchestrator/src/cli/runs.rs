@@ -1,0 +1,298 @@
+//! `get`, `cancel` and `runs`: a run as `GetRun` answers it, a cancel (at once, or once its turn
+//! in progress has ended), and the runs `ListRuns` finds, a line each.
+
+use std::time::Duration;
+
+use clap::Args;
+use proto::orchestrator::v1 as pb;
+use shared::config::parse_duration;
+
+use super::Connection;
+use super::output::{print_json, refused, status_name, utc};
+use crate::Error;
+
+/// Flags of `get`.
+#[derive(Debug, Clone, Args)]
+pub struct GetArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The run.
+    #[arg(value_parser = super::run_id)]
+    pub run_id: String,
+}
+
+impl GetArgs {
+    /// Prints the run.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let client = self.connection.client().await?;
+        let run = client
+            .get_run(&self.run_id)
+            .await
+            .map_err(|e| refused(&format!("run {:?}", self.run_id), e))?;
+        if self.connection.json {
+            print_json(&run, "orchestrator.v1.RunResult")?;
+        } else {
+            print_run(&run);
+        }
+        Ok(true)
+    }
+}
+
+/// Flags of `cancel`.
+#[derive(Debug, Clone, Args)]
+pub struct CancelArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The live run.
+    #[arg(value_parser = super::run_id)]
+    pub run_id: String,
+    /// Let the turn in progress end first: its tool calls run and are recorded, no new model
+    /// request is made, and the run ends CANCELED with everything kept.
+    #[arg(long)]
+    pub after_turn: bool,
+}
+
+impl CancelArgs {
+    /// Cancels the run and says what became of it.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let mode = match self.after_turn {
+            true => pb::CancelMode::AfterTurn,
+            false => pb::CancelMode::Immediate,
+        };
+        let client = self.connection.client().await?;
+        let answer = client
+            .cancel_with(&self.run_id, mode)
+            .await
+            .map_err(|e| refused(&format!("cancel run {:?}", self.run_id), e))?;
+        if self.connection.json {
+            print_json(&answer, "orchestrator.v1.CancelRunResponse")?;
+            return Ok(true);
+        }
+        let status = status_name(answer.status);
+        match (answer.canceled, self.after_turn) {
+            (true, false) => println!("run {} canceled ({status}); its output so far is kept", self.run_id),
+            (true, true) => println!(
+                "run {} ends CANCELED once its turn in progress has ended ({status} now)",
+                self.run_id
+            ),
+            (false, _) => println!("run {} had already ended ({status}); nothing to cancel", self.run_id),
+        }
+        Ok(true)
+    }
+}
+
+/// Prints a run: its status line, its text so far, each tool call, its signals and what it
+/// waits for.
+fn print_run(run: &pb::RunResult) {
+    let usage = run.usage.unwrap_or_default();
+    let mut line = format!(
+        "run {} · {} · {} turn(s) · {} tool call(s) · {} signal(s) · {} prompt + {} completion tokens",
+        run.run_id,
+        status_name(run.status),
+        run.turns,
+        run.tool_calls.len(),
+        run.signals.len(),
+        usage.prompt_tokens,
+        usage.completion_tokens
+    );
+    if !run.thread_id.is_empty() {
+        line.push_str(&format!(" · thread {}", run.thread_id));
+    }
+    println!("{line}");
+    if run.failure_reason != 0 {
+        let reason = pb::FailureReason::try_from(run.failure_reason).map_or("?", |s| s.as_str_name());
+        println!("  {reason}: {}", run.failure_detail);
+    }
+    if !run.text.is_empty() {
+        println!("  text: {}", shared::text::excerpt(run.text.trim()));
+    }
+    for call in &run.tool_calls {
+        let outcome = match &call.error {
+            Some(e) if !call.ok => format!("✘ {}: {}", e.code, e.message),
+            _ => "✔".to_owned(),
+        };
+        println!(
+            "  ⚙ turn {} {} {} {} ms {outcome}  [{}]",
+            call.turn,
+            call.name,
+            shared::text::excerpt(&call.arguments_json),
+            call.duration_ms,
+            call.call_id
+        );
+    }
+    for signal in &run.signals {
+        println!("  ⚑ signal {} {}", signal.tool_name, signal.arguments_json);
+    }
+    for waiting in &run.pending_approvals {
+        let what = match waiting.input_requests.is_empty() {
+            true => "approval",
+            false => "answers",
+        };
+        println!(
+            "  ⏸ {} {}  [{}] waits for {what} until {}",
+            waiting.name,
+            shared::text::excerpt(&waiting.arguments_json),
+            waiting.call_id,
+            utc(i64::try_from(waiting.expires_at_unix_ms).unwrap_or(i64::MAX))
+        );
+    }
+}
+
+/// Flags of `runs`.
+#[derive(Debug, Clone, Args)]
+pub struct RunsArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// Runs in this status (repeatable: any of them).
+    #[arg(long = "status", value_enum)]
+    pub statuses: Vec<StatusArg>,
+    /// Runs carrying this label, KEY=VALUE (repeatable: all of them).
+    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = super::key_value)]
+    pub labels: Vec<(String, String)>,
+    /// Runs of this thread.
+    #[arg(long, default_value = "", value_parser = thread_id_or_none)]
+    pub thread: String,
+    /// Runs of this principal (another's needs the operator role).
+    #[arg(long, default_value = "")]
+    pub principal: String,
+    /// Runs admitted within this long before now (e.g. 1h, 7d).
+    #[arg(long, value_parser = parse_duration)]
+    pub since: Option<Duration>,
+    /// Rows per page (0: the server's default).
+    #[arg(long, default_value_t = 0)]
+    pub page_size: u32,
+    /// Continue a listing: the token the previous page printed.
+    #[arg(long, default_value = "")]
+    pub page_token: String,
+    /// Every page, not just the first (at most this many rows).
+    #[arg(long, value_name = "MAX_ROWS")]
+    pub all: Option<usize>,
+}
+
+/// A thread id by the rule every command and RPC checks (empty: none).
+fn thread_id_or_none(text: &str) -> Result<String, String> {
+    match text {
+        "" => Ok(String::new()),
+        id => super::thread_id(id),
+    }
+}
+
+/// `--status`: a run's status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StatusArg {
+    /// Live, running.
+    Running,
+    /// Live, waiting for a person's decision on its tool calls.
+    AwaitingApproval,
+    /// Live, waiting for a person's answers to a tool's questions.
+    AwaitingInput,
+    /// Live, parked while a tool's task runs on its MCP server.
+    AwaitingTask,
+    /// Ended: the model answered.
+    Completed,
+    /// Ended: a limit or an error.
+    Failed,
+    /// Ended: canceled.
+    Canceled,
+}
+
+impl From<StatusArg> for pb::RunStatus {
+    fn from(status: StatusArg) -> Self {
+        match status {
+            StatusArg::Running => Self::Running,
+            StatusArg::AwaitingApproval => Self::AwaitingApproval,
+            StatusArg::AwaitingInput => Self::AwaitingInput,
+            StatusArg::AwaitingTask => Self::AwaitingTask,
+            StatusArg::Completed => Self::Completed,
+            StatusArg::Failed => Self::Failed,
+            StatusArg::Canceled => Self::Canceled,
+        }
+    }
+}
+
+impl RunsArgs {
+    /// Lists the runs.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let client = self.connection.client().await?;
+        let (mut request, max) = (self.request(), self.all.unwrap_or(usize::MAX));
+        let listing = |e| refused("list the runs", e);
+        let mut page = client.list_runs(request.clone()).await.map_err(listing)?;
+        if self.connection.json {
+            // Every page asked for, as one answer.
+            while self.all.is_some() && !page.next_page_token.is_empty() && page.runs.len() < max {
+                request.page_token = std::mem::take(&mut page.next_page_token);
+                let next = client.list_runs(request.clone()).await.map_err(listing)?;
+                page.runs.extend(next.runs);
+                page.next_page_token = next.next_page_token;
+            }
+            page.runs.truncate(max);
+            return print_json(&page, "orchestrator.v1.ListRunsResponse").map(|()| true);
+        }
+        println!(
+            "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<20}  LABELS",
+            "RUN", "STATUS", "PRINCIPAL", "THREAD", "TURNS", "TOKENS", "CREATED"
+        );
+        let mut printed = 0usize;
+        loop {
+            for run in page.runs.iter().take(max - printed) {
+                println!("{}", run_line(run));
+                printed += 1;
+            }
+            match (self.all.is_some() && printed < max, page.next_page_token.is_empty()) {
+                (_, true) => break,
+                (true, false) => {
+                    request.page_token = page.next_page_token;
+                    page = client.list_runs(request.clone()).await.map_err(listing)?;
+                }
+                (false, false) => {
+                    println!("more: --page-token {}", page.next_page_token);
+                    break;
+                }
+            }
+        }
+        if printed == 0 {
+            println!("no run matches");
+        }
+        Ok(true)
+    }
+
+    /// The `ListRuns` request these flags describe.
+    fn request(&self) -> pb::ListRunsRequest {
+        let since = self.since.map(|ago| {
+            let now = shared::sync::unix_ms();
+            let ago = u64::try_from(ago.as_millis()).unwrap_or(u64::MAX);
+            i64::try_from(now.saturating_sub(ago).max(1)).unwrap_or(1)
+        });
+        pb::ListRunsRequest {
+            statuses: self.statuses.iter().map(|s| pb::RunStatus::from(*s).into()).collect(),
+            thread_id: self.thread.clone(),
+            principal: self.principal.clone(),
+            labels: self.labels.iter().cloned().collect(),
+            created_after_ms: since.unwrap_or(0),
+            created_before_ms: 0,
+            page_size: self.page_size,
+            page_token: self.page_token.clone(),
+        }
+    }
+}
+
+/// One row of `runs`.
+fn run_line(run: &pb::RunSummary) -> String {
+    let usage = run.usage.unwrap_or_default();
+    let mut labels: Vec<String> = run.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    labels.sort();
+    format!(
+        "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<20}  {}",
+        run.run_id,
+        status_name(run.status),
+        if run.principal.is_empty() { "-" } else { &run.principal },
+        if run.thread_id.is_empty() { "-" } else { &run.thread_id },
+        run.turns,
+        usage.prompt_tokens + usage.completion_tokens,
+        utc(run.created_at_ms),
+        labels.join(",")
+    )
+}

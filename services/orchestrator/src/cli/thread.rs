@@ -1,0 +1,194 @@
+//! `say`, `thread` and `usage`: a message for a live run, a thread (printed or deleted), and
+//! what a principal spent an hour at a time.
+
+use std::time::Duration;
+
+use clap::Args;
+use proto::orchestrator::v1 as pb;
+use shared::config::parse_duration;
+
+use super::Connection;
+use super::output::{print_json, refused, status_name, utc};
+use crate::Error;
+
+/// Flags of `say`.
+#[derive(Debug, Clone, Args)]
+pub struct SayArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The live run.
+    #[arg(value_parser = super::run_id)]
+    pub run_id: String,
+    /// The message.
+    pub text: String,
+}
+
+impl SayArgs {
+    /// Sends the message and says how many wait for the run's next turn.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let client = self.connection.client().await?;
+        let waiting = client
+            .send_message(&self.run_id, &self.text)
+            .await
+            .map_err(|e| refused(&format!("send run {:?} a message", self.run_id), e))?;
+        if self.connection.json {
+            return print_json(
+                &pb::SendMessageResponse { waiting },
+                "orchestrator.v1.SendMessageResponse",
+            )
+            .map(|()| true);
+        }
+        println!(
+            "sent; {waiting} message(s) wait for the next turn of run {}",
+            self.run_id
+        );
+        Ok(true)
+    }
+}
+
+/// Flags of `thread`.
+#[derive(Debug, Clone, Args)]
+pub struct ThreadArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The thread.
+    #[arg(value_parser = super::thread_id)]
+    pub thread_id: String,
+    /// Delete the thread instead (DeleteThread).
+    #[arg(long)]
+    pub delete: bool,
+}
+
+impl ThreadArgs {
+    /// Prints the thread (its runs, then its messages, a line each), or deletes it.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let client = self.connection.client().await?;
+        if self.delete {
+            let deleted = client
+                .delete_thread(&self.thread_id)
+                .await
+                .map_err(|e| refused(&format!("delete thread {:?}", self.thread_id), e))?;
+            if self.connection.json {
+                return print_json(
+                    &pb::DeleteThreadResponse { deleted },
+                    "orchestrator.v1.DeleteThreadResponse",
+                )
+                .map(|()| true);
+            }
+            println!("thread {} deleted", self.thread_id);
+            return Ok(true);
+        }
+        let thread = client
+            .thread(&self.thread_id)
+            .await
+            .map_err(|e| refused(&format!("thread {:?}", self.thread_id), e))?;
+        if self.connection.json {
+            return print_json(&thread, "orchestrator.v1.Thread").map(|()| true);
+        }
+        println!("{}", thread_line(&thread));
+        for run in &thread.runs {
+            let status = status_name(run.status);
+            println!("  run {} · {status} · {} message(s)", run.run_id, run.messages);
+        }
+        for message in &thread.messages {
+            println!("{}", message_line(message));
+        }
+        Ok(true)
+    }
+}
+
+/// A thread's first line: its owner, size, the run holding it and those waiting.
+pub(super) fn thread_line(t: &pb::Thread) -> String {
+    let mut line = format!(
+        "thread {} · {} run(s) · {} message(s) · {} bytes",
+        t.thread_id,
+        t.runs.len(),
+        t.messages.len(),
+        t.bytes
+    );
+    if !t.principal.is_empty() {
+        line.push_str(&format!(" · owner {}", t.principal));
+    }
+    if t.dropped_turns > 0 {
+        line.push_str(&format!(" · {} older turn(s) dropped", t.dropped_turns));
+    }
+    if !t.live_run_id.is_empty() {
+        line.push_str(&format!(" · held by run {}", t.live_run_id));
+    }
+    if !t.waiting_run_ids.is_empty() {
+        line.push_str(&format!(" · waiting: {}", t.waiting_run_ids.join(", ")));
+    }
+    line
+}
+
+/// One message of a thread, on one line.
+fn message_line(m: &pb::ChatMessage) -> String {
+    let calls: Vec<String> = m
+        .tool_calls
+        .iter()
+        .map(|c| format!("⚙ {} {}", c.name, shared::text::excerpt(&c.arguments_json)))
+        .collect();
+    let text = shared::text::excerpt(m.content.trim());
+    match (m.role.as_str(), calls.is_empty()) {
+        ("assistant", false) => format!("  assistant: {text} {}", calls.join(" ")),
+        ("tool", _) => format!("  tool [{}]: {text}", m.tool_call_id),
+        (role, _) => format!("  {role}: {text}"),
+    }
+}
+
+/// Flags of `usage`.
+#[derive(Debug, Clone, Args)]
+pub struct UsageArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// The principal (default: yours; another's needs the operator role).
+    #[arg(long, default_value = "")]
+    pub principal: String,
+    /// How far back (e.g. 24h, 3d; at most the server's --usage-max-range).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    pub since: Duration,
+}
+
+impl UsageArgs {
+    /// Prints the spend, an hour a line, and the total.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let now = shared::sync::unix_ms();
+        let from = now.saturating_sub(u64::try_from(self.since.as_millis()).unwrap_or(u64::MAX));
+        let span = (i64::try_from(from).unwrap_or(1), i64::try_from(now).unwrap_or(0));
+        let client = self.connection.client().await?;
+        let spent = client
+            .usage(&self.principal, span.0, span.1)
+            .await
+            .map_err(|e| refused("read the usage", e))?;
+        if self.connection.json {
+            return print_json(&spent, "orchestrator.v1.GetUsageResponse").map(|()| true);
+        }
+        println!(
+            "{:<20}  {:>12}  {:>12}  {:>12}  {:>6}  {:>10}  {:>10}",
+            "HOUR", "PROMPT", "CACHED", "COMPLETION", "RUNS", "TOOL CALLS", "RUN TIME"
+        );
+        let line = |label: String, w: &pb::UsageWindow| {
+            println!(
+                "{:<20}  {:>12}  {:>12}  {:>12}  {:>6}  {:>10}  {:>10}",
+                label,
+                w.prompt_tokens,
+                w.cached_prompt_tokens,
+                w.completion_tokens,
+                w.runs,
+                w.tool_calls,
+                humantime::format_duration(Duration::from_secs(w.run_ms / 1000))
+            );
+        };
+        for window in &spent.windows {
+            line(utc(window.start_ms), window);
+        }
+        line(format!("total ({})", spent.principal), &spent.total.unwrap_or_default());
+        if let Some(budget) = spent.tokens_per_hour {
+            println!("tokens_per_hour: {budget}");
+        }
+        Ok(true)
+    }
+}

@@ -1,0 +1,245 @@
+//! The command line a person uses, through the real `orchestrator` binary against a running one
+//! (in-memory store, a tool-runner in this process, the stand-in model): `get` and `cancel`
+//! (both modes) beside `call`, `--json` for scripts, an attach past a run's last event told how
+//! the run ended, and bad input refused before anything is sent — an endpoint without its
+//! scheme, an id that breaks the rule of ids, a typo of a command — in words that say what to do;
+//! a port a second process already holds named by its flag.
+
+use std::time::Duration;
+
+use mock_llm::{MockLlm, Scenario, Step, Turn};
+use orchestrator_client::RunRequest;
+use proto::orchestrator::v1 as pb;
+use serde_json::json;
+use testkit::Service;
+use tokio::process::Command;
+
+type TestResult = anyhow::Result<()>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
+
+/// An orchestrator on the stand-in model playing `scenario` and a tool-runner in this process.
+struct World {
+    orchestrator: Service,
+    _llm: MockLlm,
+}
+
+async fn world(scenario: Scenario) -> anyhow::Result<World> {
+    let llm = MockLlm::start(scenario).await?;
+    let runner = testkit::helpers::tool_runner_in_process().await?;
+    let orchestrator = testkit::runs::orchestrator(BIN, (&llm.base_url(), &runner), None, &[]).await?;
+    Ok(World {
+        orchestrator,
+        _llm: llm,
+    })
+}
+
+impl World {
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.orchestrator.grpc)
+    }
+}
+
+/// `orchestrator ARGS` run to its end: exit code, stdout, stderr.
+async fn cli(args: &[&str]) -> anyhow::Result<(Option<i32>, String, String)> {
+    let mut command = Command::new(BIN);
+    command.env("ORCHESTRATOR_METRICS_LISTEN", "off");
+    testkit::run_to_end(command, args, &[]).await
+}
+
+/// Turn 1 sleeps `ms` in a tool; turn 2 answers.
+fn sleep_then_answer(ms: u64) -> Scenario {
+    Scenario::new(vec![
+        Turn::text("Working.").then(Step::call("sleep", json!({ "ms": ms }))),
+        Turn::text("Done."),
+    ])
+}
+
+/// `get` shows a run as a line and as JSON; `cancel --after-turn` lets a live run's turn end
+/// and ends it CANCELED with its calls kept; `cancel` of an ended run says so; an attach past
+/// the last event says how the run ended.
+#[tokio::test]
+async fn get_and_cancel_from_a_shell() -> TestResult {
+    let w = world(sleep_then_answer(1500)).await?;
+    let endpoint = w.endpoint();
+    let at = ["--endpoint", endpoint.as_str()];
+    let client = testkit::runs::client(&w.orchestrator).await?;
+    let request = RunRequest::prompt("work").run_id("shell-1").tool("sleep");
+    let stream = client.orchestrate(request).await?;
+    testkit::runs::until_the_call_runs(&client, "shell-1").await?;
+
+    let (code, shown, stderr) = cli(&[&["get", "shell-1"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(shown.starts_with("run shell-1 · RUNNING"), "{shown}");
+    let (code, canceled, stderr) = cli(&[&["cancel", "shell-1", "--after-turn"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        canceled.contains("ends CANCELED once its turn in progress has ended"),
+        "{canceled}"
+    );
+    let result = tokio::time::timeout(Duration::from_secs(30), stream.result()).await??;
+    assert_eq!(result.status, pb::RunStatus::Canceled as i32);
+    assert_eq!(
+        result.tool_calls.len(),
+        1,
+        "the turn's call ran and is kept: {result:?}"
+    );
+
+    let (code, json, stderr) = cli(&[&["get", "shell-1", "--json"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let read: serde_json::Value = serde_json::from_str(json.trim())?;
+    assert_eq!(read["runId"], "shell-1");
+    assert_eq!(read["status"], "RUN_STATUS_CANCELED");
+    assert_eq!(read["toolCalls"][0]["name"], "sleep");
+    let (code, again, stderr) = cli(&[&["cancel", "shell-1"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(again.contains("had already ended (CANCELED)"), "{again}");
+    let (code, json, _) = cli(&[&["cancel", "shell-1", "--json"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(json.trim())?["canceled"],
+        false
+    );
+
+    let past = (result_seqs(&client, "shell-1").await? + 5).to_string();
+    let (code, attached, stderr) = cli(&[&["call", "--attach", "shell-1", "--after", &past][..], &at].concat()).await?;
+    assert_eq!(code, Some(1), "a canceled run did not complete: {attached}\n{stderr}");
+    assert!(
+        attached.contains(&format!(
+            "run shell-1 has no events after seq {past}: it ended CANCELED"
+        )),
+        "{attached}\n{stderr}"
+    );
+    let (code, _, stderr) = cli(&[&["get", "nobody"][..], &at].concat()).await?;
+    assert_eq!(code, Some(1));
+    assert!(
+        stderr.contains("run \"nobody\"")
+            && stderr.contains("(NOT_FOUND)")
+            && !stderr.contains("Some requested entity"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+/// The run's last seq, read through `AttachRun` from the start.
+async fn result_seqs(client: &orchestrator_client::Client, run_id: &str) -> anyhow::Result<u64> {
+    let mut run = client.attach(run_id, 0).await?;
+    while run.next_event().await?.is_some() {}
+    Ok(run.last_seq())
+}
+
+/// A run that waits for its thread says so while it waits: which run holds the thread, and its
+/// place among those waiting; then it runs.
+#[tokio::test]
+async fn a_run_waiting_for_its_thread_says_for_which_run() -> TestResult {
+    let w = world(sleep_then_answer(2500)).await?;
+    let endpoint = w.endpoint();
+    let client = testkit::runs::client(&w.orchestrator).await?;
+    let first = RunRequest::prompt("work").run_id("holder").tool("sleep").thread("trip");
+    let holder = client.orchestrate(first).await?;
+    testkit::runs::until_the_call_runs(&client, "holder").await?;
+    let (code, printed, stderr) = cli(&[
+        "call",
+        "--endpoint",
+        &endpoint,
+        "--prompt",
+        "and then?",
+        "--tool",
+        "sleep",
+        "--thread",
+        "trip",
+        "--on-busy",
+        "enqueue",
+        "--run-id",
+        "next",
+    ])
+    .await?;
+    assert_eq!(code, Some(0), "{printed}\n{stderr}");
+    assert!(
+        printed.contains("… the run waits for thread trip: run holder holds it; it is 1 of 1 waiting"),
+        "{printed}"
+    );
+    assert!(printed.contains("■ COMPLETED"), "{printed}");
+    tokio::time::timeout(Duration::from_secs(30), holder.result()).await??;
+    Ok(())
+}
+
+/// `runs --json` is one JSON answer of `ListRuns`.
+#[tokio::test]
+async fn runs_print_json_for_scripts() -> TestResult {
+    let w = world(Scenario::new(vec![Turn::text("Hi.")])).await?;
+    let endpoint = w.endpoint();
+    let client = testkit::runs::client(&w.orchestrator).await?;
+    client.run(RunRequest::prompt("hello").run_id("listed-1")).await?;
+    let (code, json, stderr) = cli(&["runs", "--json", "--endpoint", &endpoint]).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let page: serde_json::Value = serde_json::from_str(json.trim())?;
+    assert_eq!(page["runs"][0]["runId"], "listed-1", "{json}");
+    assert_eq!(page["runs"][0]["status"], "RUN_STATUS_COMPLETED");
+    Ok(())
+}
+
+/// Bad input is refused before anything is sent (exit 2), saying what to write instead; the
+/// server refuses a malformed id `INVALID_ARGUMENT` naming the rule, never `NOT_FOUND`.
+#[tokio::test]
+async fn bad_input_is_refused_saying_what_to_write() -> TestResult {
+    let (code, _, stderr) = cli(&["get", "r-1", "--endpoint", "127.0.0.1:50051"]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("has no scheme: write http://127.0.0.1:50051"),
+        "{stderr}"
+    );
+    for bad in ["ünï", "a b", ""] {
+        let (code, _, stderr) = cli(&["thread", bad]).await?;
+        assert_eq!(code, Some(2), "{bad:?}: {stderr}");
+        assert!(stderr.contains("printable ASCII characters without spaces"), "{stderr}");
+        let (code, _, stderr) = cli(&["call", "--prompt", "x", "--thread", bad, "--on-busy", "enqueue"]).await?;
+        assert_eq!(code, Some(2), "{bad:?}: {stderr}");
+    }
+    let (code, _, stderr) = cli(&["call", "--prompt", "x", "--after", "3"]).await?;
+    assert_eq!(code, Some(2), "--after needs --attach: {stderr}");
+    let (code, _, stderr) = cli(&["cancle", "r-1"]).await?;
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("did you mean 'cancel'?") && !stderr.contains("'call'"),
+        "{stderr}"
+    );
+
+    let w = world(Scenario::new(vec![Turn::text("Hi.")])).await?;
+    let mut raw = pb::orchestrator_client::OrchestratorClient::connect(w.endpoint()).await?;
+    let long = "x".repeat(300);
+    for bad in ["ünï", long.as_str(), ""] {
+        let refused = raw
+            .get_thread(pb::GetThreadRequest {
+                thread_id: bad.to_owned(),
+            })
+            .await
+            .expect_err("a malformed thread id");
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{bad:?}: {refused:?}");
+        assert!(refused.message().contains("printable ASCII"), "{refused:?}");
+        let refused = raw
+            .get_run(pb::GetRunRequest { run_id: bad.to_owned() })
+            .await
+            .expect_err("a malformed run id");
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{bad:?}: {refused:?}");
+    }
+    Ok(())
+}
+
+/// A second orchestrator on the same host with the first's metrics port is refused naming the
+/// flag that moves it.
+#[tokio::test]
+async fn a_metrics_port_clash_names_the_flag() -> TestResult {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = taken.local_addr()?.to_string();
+    let mut command = Command::new(BIN);
+    command.env("LLM_BASE_URL", "http://127.0.0.1:9/v1");
+    let args = ["--listen", "127.0.0.1:0", "--metrics-listen", &port];
+    let (code, _, stderr) = testkit::run_to_end(command, &args, &[]).await?;
+    assert_ne!(code, Some(0));
+    assert!(
+        stderr.contains(&format!("cannot listen on {port}")) && stderr.contains("--metrics-listen"),
+        "{stderr}"
+    );
+    Ok(())
+}
