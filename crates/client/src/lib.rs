@@ -50,7 +50,7 @@ pub use error::Error;
 pub use proto::orchestrator::v1;
 pub use request::RunRequest;
 pub use retry::Retry;
-pub use stream::{Event, RunStream, Transcript};
+pub use stream::{Event, Replay, RunStream, Transcript};
 
 /// Decisions on calls waiting for approval, for [`Client::decide`].
 pub mod decision {
@@ -126,12 +126,13 @@ impl Client {
     /// Starts a run and returns its event stream. A call refused before it started
     /// (`UNAVAILABLE`, `RESOURCE_EXHAUSTED`) is tried again under the [`Retry`] policy.
     pub async fn orchestrate(&self, request: RunRequest) -> Result<RunStream, Error> {
-        let stream = self
-            .retried(request.into_proto(), |mut client, request| async move {
+        let response = self
+            .retried_response(request.into_proto(), |mut client, request| async move {
                 client.orchestrate(request).await
             })
             .await?;
-        Ok(RunStream::new(stream, self.clone()))
+        let replay = Replay::of(response.metadata());
+        Ok(RunStream::new(response.into_inner(), self.clone()).replaying(replay))
     }
 
     /// Attaches to a live or finished run (`AttachRun`): its events after `after_seq` (0: from the
@@ -397,11 +398,23 @@ impl Client {
         F: Fn(pb::orchestrator_client::OrchestratorClient<Channel>, tonic::Request<Req>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
-        let answer = self
-            .retry
+        Ok(self.retried_response(message, call).await?.into_inner())
+    }
+
+    /// [`Self::retried`], the answer with its metadata.
+    async fn retried_response<Req, Resp, F, Fut>(
+        &self,
+        message: Req,
+        call: F,
+    ) -> Result<tonic::Response<Resp>, tonic::Status>
+    where
+        Req: Clone,
+        F: Fn(pb::orchestrator_client::OrchestratorClient<Channel>, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        self.retry
             .run(|| call(self.inner.clone(), self.request(message.clone())))
-            .await?;
-        Ok(answer.into_inner())
+            .await
     }
 
     /// `message` with the token and the deadline.

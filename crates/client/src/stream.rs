@@ -169,6 +169,30 @@ pub struct RunStream {
     reattached: u32,
     /// The text and reasoning yielded so far, restarted turns dropped.
     transcript: Transcript,
+    /// The call replays a run that had ended under its id.
+    replay: Option<Replay>,
+}
+
+/// How an `Orchestrate` call replays a run that had ended under its id (a retry of a call whose
+/// run finished), from the answer's [`proto::REPLAY_HEADER`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replay {
+    /// The run's events as logged, from seq 1.
+    Log,
+    /// The run's log no longer holds it whole: its result's reasoning and text as one delta
+    /// each, then `run_finished`.
+    Result,
+}
+
+impl Replay {
+    /// The replay an answer's `metadata` announces (`None`: the call started a run).
+    pub(crate) fn of(metadata: &tonic::metadata::MetadataMap) -> Option<Self> {
+        match metadata.get(proto::REPLAY_HEADER)?.to_str().ok()? {
+            "log" => Some(Self::Log),
+            "result" => Some(Self::Result),
+            _ => None,
+        }
+    }
 }
 
 impl std::fmt::Debug for RunStream {
@@ -195,7 +219,20 @@ impl RunStream {
             reattaches_without_progress: 0,
             reattached: 0,
             transcript: Transcript::default(),
+            replay: None,
         }
+    }
+
+    /// The same stream, replaying a run that had ended (`None`: a run it started).
+    pub(crate) fn replaying(mut self, replay: Option<Replay>) -> Self {
+        self.replay = replay;
+        self
+    }
+
+    /// Whether (and how) the call replays a run that had ended under its id instead of starting
+    /// one.
+    pub fn replay(&self) -> Option<Replay> {
+        self.replay
     }
 
     /// A stream attached to `run_id` after `after_seq` (it does not cancel the run when dropped).

@@ -6,6 +6,12 @@
 
 pub mod codec;
 
+/// The response header of an `Orchestrate` call that replays a run which had ended under its id
+/// (the call's retry): `log` (its events as logged, from seq 1) or `result` (its log no longer
+/// holds it whole: its result as one delta each, then `run_finished`). Absent on a run started by
+/// the call.
+pub const REPLAY_HEADER: &str = "orchestrator-replay";
+
 /// Encoded `FileDescriptorSet` of every contract, served by gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptor.bin"));
 

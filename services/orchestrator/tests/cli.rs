@@ -164,6 +164,69 @@ async fn a_run_waiting_for_its_thread_says_for_which_run() -> TestResult {
     Ok(())
 }
 
+/// `call` with the id of a run that had ended replays it, and says so: its events as logged
+/// (from its start), or — its log no longer holding it whole — its output as one piece, under no
+/// turn's header.
+#[tokio::test]
+async fn a_replay_says_it_is_one() -> TestResult {
+    for (text, replayed) in [
+        (
+            "Hi.".to_owned(),
+            "▶ run again-1 had ended: its events as logged, replayed",
+        ),
+        (
+            "word ".repeat(20_000),
+            "▶ run again-1 had ended and its log no longer holds it whole: its output, replayed as one piece",
+        ),
+    ] {
+        let llm = MockLlm::start(Scenario::new(vec![Turn::text(&text)])).await?;
+        let runner = testkit::helpers::tool_runner_in_process().await?;
+        let flags = ["--event-log-max-bytes", "65536"];
+        let orchestrator = testkit::runs::orchestrator(BIN, (&llm.base_url(), &runner), None, &flags).await?;
+        let endpoint = format!("http://{}", orchestrator.grpc);
+        let call = [
+            "call",
+            "--endpoint",
+            endpoint.as_str(),
+            "--prompt",
+            "hello",
+            "--run-id",
+            "again-1",
+        ];
+        let (code, first, stderr) = cli(&call).await?;
+        assert_eq!(code, Some(0), "{stderr}");
+        assert!(!first.contains("replayed"), "{first}");
+        let (code, again, stderr) = cli(&call).await?;
+        assert_eq!(code, Some(0), "{stderr}");
+        assert_eq!(again.lines().next(), Some(replayed), "{}", excerpt(&again));
+        assert!(!again.starts_with('\n'), "no blank line first");
+        let last = again.lines().last().unwrap_or_default();
+        assert!(last.starts_with("■ COMPLETED"), "{}", excerpt(&again));
+        if text.len() > 100 {
+            assert!(
+                !again.contains("── turn"),
+                "one piece, no turn header: {}",
+                excerpt(&again)
+            );
+        } else {
+            assert!(
+                again.contains("▶ run started") && again.contains("── turn 1"),
+                "{again}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The first and last lines of `printed`, for a failure's message.
+fn excerpt(printed: &str) -> String {
+    let lines: Vec<&str> = printed.lines().collect();
+    match lines.as_slice() {
+        [first, .., last] => format!("{first}\n…\n{last}"),
+        _ => printed.to_owned(),
+    }
+}
+
 /// `runs --json` is one JSON answer of `ListRuns`.
 #[tokio::test]
 async fn runs_print_json_for_scripts() -> TestResult {

@@ -57,6 +57,8 @@ struct Printer {
     turn: u32,
     /// The last delta printed was reasoning (text after it is marked as the answer).
     in_reasoning: bool,
+    /// The output comes as one piece, not turn by turn (no turn headers).
+    whole: bool,
 }
 
 impl Printer {
@@ -69,7 +71,7 @@ impl Printer {
     }
 
     fn turn_header(&mut self, out: &mut impl Write, turn: u32) {
-        if turn != self.turn {
+        if turn != self.turn && !self.whole {
             self.turn = turn;
             self.in_reasoning = false;
             self.line(out, &format!("── turn {turn}"));
@@ -260,7 +262,18 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
     let client = connect(&options.endpoint, options.token.as_deref(), options.timeout).await?;
     let Some((run_id, after)) = &options.attach else {
         let run = start_telling(&client, options).await?;
-        return print_to_end(run)
+        let whole = run.replay() == Some(orchestrator_client::Replay::Result);
+        match run.replay() {
+            Some(orchestrator_client::Replay::Log) => {
+                println!("▶ run {} had ended: its events as logged, replayed", options.run_id);
+            }
+            Some(orchestrator_client::Replay::Result) => println!(
+                "▶ run {} had ended and its log no longer holds it whole: its output, replayed as one piece",
+                options.run_id
+            ),
+            None => {}
+        }
+        return print_to_end(run, whole)
             .await?
             .ok_or_else(|| Error::Call("the event stream ended without run_finished".into()));
     };
@@ -272,7 +285,7 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
         0 => println!("▶ attached to run {run_id}: its events from the first"),
         seq => println!("▶ attached to run {run_id}: its events after seq {seq}"),
     }
-    if let Some(result) = print_to_end(run).await? {
+    if let Some(result) = print_to_end(run, false).await? {
         return Ok(result);
     }
     // Nothing after `after`: the run had ended by then.
@@ -383,9 +396,14 @@ fn run_request(options: &CallOptions) -> RunRequest {
 }
 
 /// Prints the run's events as they come and returns its result (`None`: the stream ended
-/// before `run_finished`, as an attach past the run's last event does).
-async fn print_to_end(mut run: RunStream) -> Result<Option<pb::RunResult>, Error> {
-    let mut printer = Printer::default();
+/// before `run_finished`, as an attach past the run's last event does). `whole`: the run's
+/// output comes as one piece (a replay of its result), under no turn's header.
+async fn print_to_end(mut run: RunStream, whole: bool) -> Result<Option<pb::RunResult>, Error> {
+    let mut printer = Printer {
+        whole,
+        at_line_start: true,
+        ..Printer::default()
+    };
     let mut stdout = std::io::stdout();
     // Read to the end of the call (its trailers, which the client reads after run_finished).
     let mut result = None;

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use super::streams::{self, RunEvents, StreamDeps, attach_error, no_run};
+use super::streams::{self, Replayed, RunEvents, StreamDeps, attach_error, no_run};
 use crate::Error;
 use crate::config::Config;
 use crate::domain::listing::{Cursor, ListRequest, RunPage, RunQuery, check_labels};
@@ -103,15 +103,15 @@ impl Core {
     }
 
     /// Admits and starts the run `spec` of `caller` (in the trace `trace_context` carries), or
-    /// replays the finished run with its id; its events for the caller. A run on a thread takes
-    /// the thread first (see `take_thread`), and lets it go if it is not let in.
+    /// replays the finished run with its id (saying how); its events for the caller. A run on a
+    /// thread takes the thread first (see `take_thread`), and lets it go if it is not let in.
     pub(crate) async fn orchestrate(
         self: &Arc<Self>,
         spec: RunSpec,
         detached: bool,
         trace_context: &tonic::metadata::MetadataMap,
         caller: Arc<Principal>,
-    ) -> Result<RunEvents, Error> {
+    ) -> Result<(RunEvents, Option<Replayed>), Error> {
         self.within_hourly_budget(&caller).await?;
         let (mut spec, took_thread) = self.take_thread(spec, &caller).await?;
         spec.max_runs = caller.max_runs;
@@ -127,9 +127,12 @@ impl Core {
             Ok(Queuing { admitted, waited }) => {
                 spec.queued_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
                 shared::sync::lock(&admitted.state).queued_ms = spec.queued_ms;
-                Ok(self.start(admitted, spec, detached, trace_context, caller))
+                Ok((self.start(admitted, spec, detached, trace_context, caller), None))
             }
-            Err(Refusal::Finished(result)) => Ok(self.replay(*result, &caller).await),
+            Err(Refusal::Finished(result)) => {
+                let (events, replayed) = self.replay(*result, &caller).await;
+                Ok((events, Some(replayed)))
+            }
             Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id)),
             Err(Refusal::Full(slots)) => Err(Error::Busy(slots)),
             Err(Refusal::CallerFull(limit)) => Err(Error::CallerBusy {
@@ -234,15 +237,18 @@ impl Core {
     /// A finished run's events, for a retry of its `Orchestrate`: its log from the first event,
     /// as its caller saw them; its result as one delta each only when the log no longer holds
     /// the run whole (the memory store's log past its bounds, or its age).
-    async fn replay(&self, result: RunResult, caller: &Principal) -> RunEvents {
+    async fn replay(&self, result: RunResult, caller: &Principal) -> (RunEvents, Replayed) {
         let Ok(mut feed) = self.runs.follow(&result.run_id, 0, caller).await else {
-            return streams::replay(result);
+            return (streams::replay(result), Replayed::Result);
         };
         match feed.next().await {
-            Some(Ok(first)) if first.seq == 1 => futures::stream::once(async move { Ok(first) })
-                .chain(feed.map(|item| item.map_err(Error::Log)))
-                .boxed(),
-            _ => streams::replay(result),
+            Some(Ok(first)) if first.seq == 1 => {
+                let events = futures::stream::once(async move { Ok(first) })
+                    .chain(feed.map(|item| item.map_err(Error::Log)))
+                    .boxed();
+                (events, Replayed::Log)
+            }
+            _ => (streams::replay(result), Replayed::Result),
         }
     }
 

@@ -39,7 +39,7 @@ impl Replica {
     /// Starts `spec` detached (as `Orchestrate` with `detached`), a run of `caller`.
     pub async fn start(&self, spec: RunSpec, caller: Principal) -> Result<(), Error> {
         let caller = Arc::new(caller);
-        let events = self
+        let (events, _) = self
             .core
             .orchestrate(spec, true, &tonic::metadata::MetadataMap::new(), caller)
             .await?;

@@ -115,6 +115,26 @@ pub(super) fn caller_stream(
     .boxed()
 }
 
+/// How an `Orchestrate` call replays a run that had ended under its id (its
+/// [`proto::REPLAY_HEADER`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Replayed {
+    /// Its events as logged, from seq 1.
+    Log,
+    /// Its log no longer holds it whole: its result as one delta each.
+    Result,
+}
+
+impl Replayed {
+    /// The header's value.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Log => "log",
+            Self::Result => "result",
+        }
+    }
+}
+
 /// Idempotent replay: the run with this id already finished. Its whole text (and reasoning) comes
 /// as one delta each, so the replayed stream keeps the stream invariants.
 pub(super) fn replay(result: RunResult) -> RunEvents {

@@ -78,8 +78,15 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             received_at,
         )?;
         let run_id = spec.run_id.clone();
-        let events = core.orchestrate(spec, detached, &trace_context, caller).await?;
-        Ok(Response::new(events_pb(run_id, events)))
+        let (events, replayed) = core.orchestrate(spec, detached, &trace_context, caller).await?;
+        let mut response = Response::new(events_pb(run_id, events));
+        if let Some(replayed) = replayed {
+            response.metadata_mut().insert(
+                proto::REPLAY_HEADER,
+                tonic::metadata::MetadataValue::from_static(replayed.as_str()),
+            );
+        }
+        Ok(response)
     }
 
     async fn attach_run(&self, request: Request<pb::AttachRunRequest>) -> Result<Response<EventStream>, Status> {
