@@ -61,6 +61,22 @@ pub struct PendingApproval {
     pub questions: Option<super::input::Questions>,
 }
 
+/// Whether a wait of `calls` is decided: every call is. A wait with no call for a person (a run
+/// that parked to follow a task) is decided by nobody: it goes on when woken.
+pub fn wait_decided(calls: &[PendingApproval]) -> bool {
+    !calls.is_empty() && calls.iter().all(|c| c.decision.is_some())
+}
+
+/// Whether two waits are of the same calls, so the one opened again keeps the other's
+/// decisions. A call that asks again (its next questions) is a new wait: its answers to the
+/// last ones are not kept.
+pub fn same_calls(a: &[PendingApproval], b: &[PendingApproval]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.call_id == y.call_id && x.questions == y.questions)
+}
+
 /// Decides each of `calls` still undecided past its expiry at `now_unix_ms` as expired (a
 /// timeout, or `cancel` to its questions); whether any was.
 pub fn expire_calls(calls: &mut [PendingApproval], now_unix_ms: u64) -> bool {

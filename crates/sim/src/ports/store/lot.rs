@@ -13,7 +13,9 @@ use std::collections::BTreeMap;
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
 use orchestrator::domain::RunResult;
-use orchestrator::domain::approval::{DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions};
+use orchestrator::domain::approval::{
+    DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions, same_calls, wait_decided,
+};
 use orchestrator::domain::ports::{ApprovalLot, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 
 use super::quotas::next_revision;
@@ -36,10 +38,8 @@ pub struct StoredWait {
 }
 
 impl StoredWait {
-    /// Every call decided (a wait with no call for a person, a run following a task, is decided
-    /// by nobody: it goes on when woken).
     fn decided(&self) -> bool {
-        !self.calls.is_empty() && self.calls.iter().all(|c| c.decision.is_some())
+        wait_decided(&self.calls)
     }
 
     /// The calls a person may still decide (none once canceled).
@@ -54,17 +54,6 @@ impl StoredWait {
             canceled: self.canceled.clone(),
             parked_at_unix_ms: self.parked_at_unix_ms,
         }
-    }
-
-    /// Whether two waits are of the same calls (the same questions: a call that asks again is a
-    /// new wait).
-    fn same_calls(&self, other: &Self) -> bool {
-        self.calls.len() == other.calls.len()
-            && self
-                .calls
-                .iter()
-                .zip(&other.calls)
-                .all(|(x, y)| x.call_id == y.call_id && x.questions == y.questions)
     }
 }
 
@@ -133,7 +122,7 @@ impl ReplicaStore {
                     ));
                 }
                 Some((stored, revision)) => {
-                    if stored.same_calls(&wait) {
+                    if same_calls(&stored.calls, &wait.calls) {
                         wait.calls = stored.calls;
                         wait.canceled = stored.canceled;
                     }

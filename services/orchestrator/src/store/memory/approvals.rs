@@ -10,7 +10,9 @@ use futures::future::{BoxFuture, ready};
 use tokio::sync::Notify;
 
 use crate::domain::RunResult;
-use crate::domain::approval::{DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions};
+use crate::domain::approval::{
+    DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions, wait_decided,
+};
 use crate::domain::ports::{ApprovalLot, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 
 /// One run's wait.
@@ -39,9 +41,7 @@ impl Entry {
 
 impl Entry {
     fn decided(&self) -> bool {
-        // A wait with no call for a person (a run that parked to follow a task) is decided by
-        // nobody: it goes on when woken.
-        !self.calls.is_empty() && self.calls.iter().all(|c| c.decision.is_some())
+        wait_decided(&self.calls)
     }
 
     /// A parked run goes on once decided, woken or canceled.

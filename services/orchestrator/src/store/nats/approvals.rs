@@ -22,7 +22,9 @@ use serde::{Deserialize, Serialize};
 
 use super::results::{KvStore, decode_record, key};
 use crate::domain::RunResult;
-use crate::domain::approval::{DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions};
+use crate::domain::approval::{
+    DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions, same_calls, wait_decided,
+};
 use crate::domain::ports::{ApprovalLot, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 use crate::store::unavailable;
 
@@ -47,9 +49,7 @@ struct WaitRecord {
 
 impl WaitRecord {
     fn decided(&self) -> bool {
-        // A wait with no call for a person (a run that parked to follow a task) is decided by
-        // nobody: it goes on when woken.
-        !self.calls.is_empty() && self.calls.iter().all(|c| c.decision.is_some())
+        wait_decided(&self.calls)
     }
 
     /// Decides its undecided calls past their expiry as expired; whether any was.
@@ -288,7 +288,7 @@ async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRe
                 ));
             }
             Some((stored, revision)) => {
-                if same_calls(&stored, &record) {
+                if same_calls(&stored.calls, &record.calls) {
                     record.calls = stored.calls.clone();
                     record.canceled = stored.canceled.clone();
                 }
@@ -300,17 +300,6 @@ async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRe
         }
     }
     Err(refused(&"the wait kept changing"))
-}
-
-/// Whether two waits are of the same calls.
-fn same_calls(a: &WaitRecord, b: &WaitRecord) -> bool {
-    // A call that asks again (its next questions) is a new wait: its answers to the last ones
-    // are not kept.
-    a.calls.len() == b.calls.len()
-        && a.calls
-            .iter()
-            .zip(&b.calls)
-            .all(|(x, y)| x.call_id == y.call_id && x.questions == y.questions)
 }
 
 /// Deletes the wait under `key` unless a newer owner than `epoch`'s opened it, by its revision.
