@@ -445,3 +445,171 @@ async fn a_full_run_with_parallel_calls_and_a_signal_through_the_litellm_proxy()
     );
     Ok(())
 }
+
+/// A chat template that refuses two user messages in a row, as Mistral's and Gemma's do: the
+/// Llama 3.2 template with that check in front.
+fn alternating_template(dir: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+    let llama = std::fs::read_to_string(installed(&format!("templates/{TEMPLATE_FILE}"))?)?;
+    let check = "{%- for message in messages -%}\
+        {%- if loop.index0 > 0 and message['role'] == 'user' and messages[loop.index0 - 1]['role'] == 'user' -%}\
+        {{- raise_exception('Conversation roles must alternate: two user messages in a row') -}}\
+        {%- endif -%}{%- endfor -%}";
+    let path = dir.join("alternating.jinja");
+    std::fs::write(&path, format!("{check}{llama}"))?;
+    Ok(path)
+}
+
+/// `run_id`'s request on `thread`: `prompt`, greedy, with `params` on top.
+fn on_thread(thread: &str, run_id: &str, prompt: &str, params: pb::ModelParams) -> pb::OrchestrateRequest {
+    let mut asked = greedy(prompt, params);
+    asked.run_id = run_id.into();
+    asked.thread_id = thread.into();
+    asked
+}
+
+/// A short plain answer (the tools offered, the server's tool grammar off).
+fn short_answer() -> pb::ModelParams {
+    pb::ModelParams {
+        tool_choice: "none".into(),
+        max_tokens: Some(8),
+        extra_body_json: PLAIN_TEXT_BODY.into(),
+        ..Default::default()
+    }
+}
+
+/// The roles of each message of a request body the relay saw.
+fn roles(body: &str) -> Vec<String> {
+    let body: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+    let messages = body["messages"].as_array().cloned().unwrap_or_default();
+    messages
+        .iter()
+        .map(|m| m["role"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
+/// A thread as a model server whose chat template refuses two user messages in a row sees it:
+/// a run interrupted by the next run while its call runs leaves no status note for the turn it
+/// never ran, and a run canceled mid-generation leaves its prompt, which the next run's prompt
+/// joins as one user message. Every run after them completes on the real server.
+#[tokio::test]
+async fn a_thread_interrupted_mid_run_stays_acceptable_to_a_template_that_wants_turns_to_alternate() -> TestResult {
+    let _serial = one_at_a_time().await;
+    let dir = tempfile::tempdir()?;
+    let template = alternating_template(dir.path())?;
+    let llama = ModelServer::llama(&[
+        "--parallel",
+        "1",
+        "--ctx-size",
+        "4096",
+        "--jinja",
+        "--chat-template-file",
+        &template.to_string_lossy(),
+    ])
+    .await?;
+    let relay = Relay::start(&llama.origin).await?;
+    let stack = stack_on(relay.base_url(), "smollm2", |_| {}).await?;
+    let thread = "alternating";
+
+    // The first run's turn calls `sleep`; while it sleeps the second run interrupts it.
+    let mut napping = on_thread(
+        thread,
+        "napping",
+        "Rest a while.",
+        pb::ModelParams {
+            // The server's tool grammar off, so the call is the text the grammar below makes.
+            tool_choice: "none".into(),
+            max_tokens: Some(64),
+            extra_body_json: SLEEP_CALL_BODY.into(),
+            ..Default::default()
+        },
+    );
+    if let Some(tools) = napping.tools.as_mut() {
+        tools.normal = vec!["sleep".into()];
+    }
+    let mut client = stack.client().await?;
+    let mut first = client.orchestrate(napping).await?.into_inner();
+    let until_the_call = async {
+        let mut seen = Vec::new();
+        while let Some(event) = first.message().await? {
+            if matches!(event.event, Some(E::ToolCallStarted(_))) {
+                return anyhow::Ok(());
+            }
+            seen.push(event);
+        }
+        anyhow::bail!("the first run ended before its call: {seen:?}\n{}", llama.logs())
+    };
+    tokio::time::timeout(Duration::from_secs(60), until_the_call).await??;
+    let mut interrupting = on_thread(thread, "interrupting", "Actually, never mind.", short_answer());
+    interrupting.on_busy = pb::ThreadBusyPolicy::Interrupt.into();
+    let second = stack.run(interrupting).await?;
+    assert_eq!(second.status(), S::Completed, "{:?}\n{}", second.result, llama.logs());
+
+    // The third run is canceled while it writes; the fourth follows it.
+    let mut writing = on_thread(
+        thread,
+        "writing",
+        "Write a long story.",
+        pb::ModelParams {
+            tool_choice: "none".into(),
+            max_tokens: Some(2000),
+            extra_body_json: plain_text(serde_json::json!({"ignore_eos": true})),
+            ..Default::default()
+        },
+    );
+    writing.on_busy = pb::ThreadBusyPolicy::Enqueue.into();
+    let mut third = client.orchestrate(writing).await?.into_inner();
+    let until_text = async {
+        while let Some(event) = third.message().await? {
+            if matches!(event.event, Some(E::TextDelta(_))) {
+                return anyhow::Ok(());
+            }
+        }
+        anyhow::bail!("the third run ended before it wrote")
+    };
+    tokio::time::timeout(Duration::from_secs(60), until_text).await??;
+    client
+        .cancel_run(pb::CancelRunRequest {
+            run_id: "writing".into(),
+            ..Default::default()
+        })
+        .await?;
+    let mut last = on_thread(thread, "last", "Say hello.", short_answer());
+    last.on_busy = pb::ThreadBusyPolicy::Enqueue.into();
+    let fourth = stack.run(last).await?;
+    assert_eq!(fourth.status(), S::Completed, "{:?}\n{}", fourth.result, llama.logs());
+
+    // No request had two user messages in a row, nor a status note for a turn that did not run.
+    for body in relay.requests() {
+        let roles = roles(&body);
+        let paired = roles.windows(2).any(|w| w[0] == "user" && w[1] == "user");
+        assert!(!paired, "{roles:?}");
+    }
+    let kept = stack
+        .client()
+        .await?
+        .get_thread(pb::GetThreadRequest {
+            thread_id: thread.into(),
+        })
+        .await?
+        .into_inner();
+    let notes = kept
+        .messages
+        .iter()
+        .filter(|m| m.content.starts_with("[orchestrator status]"));
+    assert_eq!(notes.count(), 0, "{:?}", kept.messages);
+    let runs: Vec<_> = kept.runs.iter().map(|r| (r.run_id.as_str(), r.status())).collect();
+    assert_eq!(
+        runs,
+        [
+            ("napping", S::Canceled),
+            ("interrupting", S::Completed),
+            ("writing", S::Canceled),
+            ("last", S::Completed)
+        ]
+    );
+    Ok(())
+}
+
+/// `extra_body` whose grammar makes a turn call `sleep` for three seconds in its text, which the
+/// fallback parser runs: the same on every CPU.
+const SLEEP_CALL_BODY: &str = r#"{"grammar": "root ::= \"<tool_call>{\\\"name\\\": \\\"sleep\\\", \\\"arguments\\\": {\\\"ms\\\": 3000}}</tool_call>\""}"#;

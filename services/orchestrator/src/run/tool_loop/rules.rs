@@ -173,8 +173,8 @@ impl Driver<'_> {
             messages.push(Message::System(spec.system.clone()));
         }
         messages.extend(history.iter().cloned());
-        // A thread whose last run ended between turns ends with that run's status note: the
-        // request's first user message joins it (templates refuse two user messages in a row).
+        // A thread whose last run ended before its model answered ends with that run's prompt:
+        // the request's first user message joins it (templates refuse two user messages in a row).
         let mut asked = spec.messages.iter().cloned();
         if let (Some(Message::User { .. }), Some(Message::User { content, name })) =
             (messages.last(), spec.messages.first())
