@@ -94,6 +94,25 @@ impl Event {
             E::RunFinished(e) => Self::Finished(e.result.unwrap_or_default()),
         }
     }
+
+    /// The proto event this one was typed from (for printing it as the contract names it).
+    pub fn into_proto(self) -> E {
+        match self {
+            Self::Started(e) => E::RunStarted(e),
+            Self::Text { text, turn } => E::TextDelta(pb::TextDelta { text, turn }),
+            Self::Reasoning { text, turn } => E::ReasoningDelta(pb::ReasoningDelta { text, turn }),
+            Self::ToolCallStarted(e) => E::ToolCallStarted(e),
+            Self::ToolCallFinished(e) => E::ToolCallFinished(e),
+            Self::Signal(e) => E::Signal(e),
+            Self::TurnFinished(e) => E::TurnFinished(e),
+            Self::TurnRestarted(e) => E::TurnRestarted(e),
+            Self::ApprovalRequested(e) => E::ApprovalRequested(e),
+            Self::MessageAdded(e) => E::MessageAdded(e),
+            Self::ToolInputRequested(e) => E::ToolInputRequested(e),
+            Self::ToolCallProgress(e) => E::ToolCallProgress(e),
+            Self::Finished(result) => E::RunFinished(pb::RunFinished { result: Some(result) }),
+        }
+    }
 }
 
 /// The text and reasoning of a run as its events tell them, with the `turn_restarted` rule
@@ -402,5 +421,46 @@ impl Drop for RunStream {
         runtime.spawn(async move {
             let _ = client.cancel_run(&run_id).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_turns_back_into_the_proto_event_it_was_typed_from() {
+        let events = [
+            E::RunStarted(pb::RunStarted {
+                model: "m".into(),
+                ..Default::default()
+            }),
+            E::TextDelta(pb::TextDelta {
+                text: "hi".into(),
+                turn: 2,
+            }),
+            E::ReasoningDelta(pb::ReasoningDelta {
+                text: "hm".into(),
+                turn: 1,
+            }),
+            E::ToolCallStarted(pb::ToolCallStarted::default()),
+            E::ToolCallFinished(pb::ToolCallFinished::default()),
+            E::Signal(pb::Signal::default()),
+            E::TurnFinished(pb::TurnFinished::default()),
+            E::TurnRestarted(pb::TurnRestarted::default()),
+            E::ApprovalRequested(pb::ApprovalRequested::default()),
+            E::MessageAdded(pb::MessageAdded::default()),
+            E::ToolInputRequested(pb::ToolInputRequested::default()),
+            E::ToolCallProgress(pb::ToolCallProgress::default()),
+            E::RunFinished(pb::RunFinished {
+                result: Some(pb::RunResult {
+                    text: "done".into(),
+                    ..Default::default()
+                }),
+            }),
+        ];
+        for event in events {
+            assert_eq!(Event::from_proto(event.clone()).into_proto(), event);
+        }
     }
 }

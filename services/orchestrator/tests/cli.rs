@@ -242,6 +242,42 @@ async fn runs_print_json_for_scripts() -> TestResult {
     Ok(())
 }
 
+/// `call --json` prints the run's events as JSON Lines, one `OrchestrateEvent` per line with seqs
+/// 1, 2, … and `run_finished` last; a replay's line goes to stderr, leaving stdout all JSON.
+#[tokio::test]
+async fn call_prints_its_events_as_json_lines() -> TestResult {
+    let w = world(sleep_then_answer(10)).await?;
+    let endpoint = w.endpoint();
+    let call = [
+        "call",
+        "--json",
+        "--endpoint",
+        endpoint.as_str(),
+        "--prompt",
+        "hello",
+        "--run-id",
+        "lines-1",
+    ];
+    for replay in [false, true] {
+        let (code, lines, stderr) = cli(&call).await?;
+        assert_eq!(code, Some(0), "{stderr}");
+        let events = lines
+            .lines()
+            .map(serde_json::from_str::<serde_json::Value>)
+            .collect::<Result<Vec<_>, _>>()?;
+        let seqs: Vec<u64> = events.iter().filter_map(|e| e["seq"].as_str()?.parse().ok()).collect();
+        assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>(), "{lines}");
+        assert!(events.iter().all(|e| e["runId"] == "lines-1"), "{lines}");
+        assert!(events[0]["runStarted"]["model"].is_string(), "{lines}");
+        let started = events.iter().find_map(|e| e.get("toolCallStarted"));
+        assert_eq!(started.map(|c| &c["name"]), Some(&json!("sleep")), "{lines}");
+        let last = events.last().map(|e| &e["runFinished"]["result"]);
+        assert_eq!(last.map(|r| &r["status"]), Some(&json!("RUN_STATUS_COMPLETED")), "{lines}");
+        assert_eq!(stderr.contains("replayed"), replay, "{stderr}");
+    }
+    Ok(())
+}
+
 /// Bad input is refused before anything is sent (exit 2), saying what to write instead; the
 /// server refuses a malformed id `INVALID_ARGUMENT` naming the rule, never `NOT_FOUND`.
 #[tokio::test]

@@ -46,6 +46,19 @@ pub struct CallOptions {
     pub on_busy: pb::ThreadBusyPolicy,
     /// What `ListRuns` finds the run by.
     pub labels: Vec<(String, String)>,
+    /// Events as JSON Lines on stdout for scripts; what is said besides them goes to stderr.
+    pub json: bool,
+}
+
+impl CallOptions {
+    /// Says `line` beside the events: on stdout among the printed events, on stderr when stdout
+    /// carries JSON Lines.
+    fn say(&self, line: &str) {
+        match self.json {
+            true => eprintln!("{line}"),
+            false => println!("{line}"),
+        }
+    }
 }
 
 /// Prints events as they arrive.
@@ -265,15 +278,18 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
         let whole = run.replay() == Some(orchestrator_client::Replay::Result);
         match run.replay() {
             Some(orchestrator_client::Replay::Log) => {
-                println!("▶ run {} had ended: its events as logged, replayed", options.run_id);
+                options.say(&format!(
+                    "▶ run {} had ended: its events as logged, replayed",
+                    options.run_id
+                ));
             }
-            Some(orchestrator_client::Replay::Result) => println!(
+            Some(orchestrator_client::Replay::Result) => options.say(&format!(
                 "▶ run {} had ended and its log no longer holds it whole: its output, replayed as one piece",
                 options.run_id
-            ),
+            )),
             None => {}
         }
-        return print_to_end(run, whole)
+        return print_to_end(run, whole, options.json)
             .await?
             .ok_or_else(|| Error::Call("the event stream ended without run_finished".into()));
     };
@@ -282,10 +298,10 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
         .await
         .map_err(|e| refused(&format!("attach to run {run_id:?}"), e))?;
     match after {
-        0 => println!("▶ attached to run {run_id}: its events from the first"),
-        seq => println!("▶ attached to run {run_id}: its events after seq {seq}"),
+        0 => options.say(&format!("▶ attached to run {run_id}: its events from the first")),
+        seq => options.say(&format!("▶ attached to run {run_id}: its events after seq {seq}")),
     }
-    if let Some(result) = print_to_end(run, false).await? {
+    if let Some(result) = print_to_end(run, false, options.json).await? {
         return Ok(result);
     }
     // Nothing after `after`: the run had ended by then.
@@ -293,10 +309,10 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
         .get_run(run_id)
         .await
         .map_err(|e| refused(&format!("run {run_id:?}"), e))?;
-    println!(
+    options.say(&format!(
         "run {run_id} has no events after seq {after}: it ended {}",
         super::output::status_name(result.status)
-    );
+    ));
     Ok(result)
 }
 
@@ -316,7 +332,7 @@ async fn start_telling(client: &orchestrator_client::Client, options: &CallOptio
             _ = tick.tick() => {
                 let line = waiting_line(client, options).await;
                 if line != told {
-                    println!("{line}");
+                    options.say(&line);
                     told = line;
                 }
             }
@@ -395,10 +411,11 @@ fn run_request(options: &CallOptions) -> RunRequest {
     request
 }
 
-/// Prints the run's events as they come and returns its result (`None`: the stream ended
-/// before `run_finished`, as an attach past the run's last event does). `whole`: the run's
-/// output comes as one piece (a replay of its result), under no turn's header.
-async fn print_to_end(mut run: RunStream, whole: bool) -> Result<Option<pb::RunResult>, Error> {
+/// Prints the run's events as they come (readably, or as JSON Lines with `json`) and returns its
+/// result (`None`: the stream ended before `run_finished`, as an attach past the run's last event
+/// does). `whole`: the run's output comes as one piece (a replay of its result), under no turn's
+/// header.
+async fn print_to_end(mut run: RunStream, whole: bool, json: bool) -> Result<Option<pb::RunResult>, Error> {
     let mut printer = Printer {
         whole,
         at_line_start: true,
@@ -416,12 +433,25 @@ async fn print_to_end(mut run: RunStream, whole: bool) -> Result<Option<pb::RunR
         if let Some(id) = run.run_id() {
             printer.run_id = id.to_owned();
         }
-        printer.print(&mut stdout, &event);
-        if let E::Finished(finished) = event {
-            result = Some(finished);
+        if let E::Finished(finished) = &event {
+            result = Some(finished.clone());
+        }
+        match json {
+            true => print_json_line(&run, event)?,
+            false => printer.print(&mut stdout, &event),
         }
     }
     Ok(result)
+}
+
+/// Prints `event` of `run` as one line of JSON: the `OrchestrateEvent` the contract sent.
+fn print_json_line(run: &RunStream, event: E) -> Result<(), Error> {
+    let event = pb::OrchestrateEvent {
+        run_id: run.run_id().unwrap_or_default().to_owned(),
+        seq: run.last_seq(),
+        event: Some(event.into_proto()),
+    };
+    super::output::print_json(&event, "orchestrator.v1.OrchestrateEvent")
 }
 
 /// Flags of `call`.
@@ -483,6 +513,10 @@ pub struct CallArgs {
     /// A label ListRuns finds the run by, KEY=VALUE (repeatable).
     #[arg(long = "label", value_name = "KEY=VALUE", value_parser = super::key_value)]
     pub labels: Vec<(String, String)>,
+    /// Print each event as one line of JSON (JSON Lines of orchestrator.v1.OrchestrateEvent,
+    /// protobuf's JSON mapping) for scripts; lines said besides the events go to stderr.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `--on-busy`: the thread's busy policies.
@@ -546,6 +580,7 @@ impl CallArgs {
             thread: self.thread.clone().unwrap_or_default(),
             on_busy: self.on_busy.unwrap_or(OnBusy::Reject).into(),
             labels: self.labels.clone(),
+            json: self.json,
             params: pb::ModelParams {
                 tool_choice: self.tool_choice.clone(),
                 temperature: self.temperature,

@@ -1,8 +1,8 @@
 //! Command line: `serve` (the default) with flags that all have environment equivalents, and
 //! the client commands, one per thing a person does with runs ([`ClientCommand`]): `call`
 //! (start a run, or attach to one: [`call`]), `get`, `cancel` and `runs` ([`runs`]), `approvals`,
-//! `decide` and `answer` ([`decide`]), `say`, `thread` and `usage` ([`thread`]); each but `call`
-//! prints one line of JSON with `--json` ([`output`]). The one-command demo is its own binary
+//! `decide` and `answer` ([`decide`]), `say`, `thread` and `usage` ([`thread`]); each prints JSON
+//! with `--json` ([`output`]): one line of the answer, or for `call` one line per event. The one-command demo is its own binary
 //! (`cargo run -p demo`), so this one carries no stand-in model.
 
 use std::time::Duration;
