@@ -25,7 +25,8 @@ and exits. --label K=V labels the run (repeatable); --list-runs prints the calle
 every page, one JSON line each, newest first), filtered by --status (RUNNING, AWAITING_APPROVAL,
 COMPLETED, FAILED, CANCELED; repeatable), --label and --thread. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
 UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a row
-without a new event, so the printed stream has no gap and no duplicate. --target takes any gRPC
+without a new event, so the printed stream has no gap and no duplicate. A --run-id whose run had
+ended replays it (said on stderr, from the answer's `orchestrator-replay` header). --target takes any gRPC
 name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with --authority
 (gRPC would send the list itself as :authority, which HTTP/2 servers refuse). Exit status: 0
 completed, 1 failed, 2 canceled, 3 the call itself failed (the gRPC status is printed), 130
@@ -295,6 +296,8 @@ class Follower:
                 for event in self.call:
                     if event.seq <= self.last_seq:
                         continue  # sent again by the replica this stream re-attached to
+                    if self.run_id is None:
+                        tell_replay(self.call.initial_metadata(), event.run_id)
                     self.run_id, self.last_seq, failures = event.run_id, event.seq, 0
                     yield event
                     if event.WhichOneof("event") == "run_finished":
@@ -314,6 +317,22 @@ class Follower:
             time.sleep(min(0.1 * 2 ** (failures - 1), 2.0))
             self.reattached += 1
             self.open()
+
+
+# The header an Orchestrate answer carries when it replays a run that had ended under its run id
+# (a retry of a call whose run finished) instead of starting one: "log" or "result".
+REPLAY_HEADER = "orchestrator-replay"
+REPLAYS = {
+    "log": "its events as logged, replayed",
+    "result": "its log no longer holds it whole: its output, replayed as one piece",
+}
+
+
+def tell_replay(initial_metadata, run_id):
+    """Says on stderr when the call replays a run that had ended rather than starting one."""
+    replay = dict(initial_metadata or ()).get(REPLAY_HEADER)
+    if replay is not None:
+        print(f"run {run_id} had ended: {REPLAYS.get(replay, replay)}", file=sys.stderr, flush=True)
 
 
 def decide(stub, metadata, event, kind):

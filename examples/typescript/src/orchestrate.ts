@@ -28,7 +28,8 @@
  * (ListRuns, every page, one JSON line each, newest first), filtered by --status (RUNNING,
  * AWAITING_APPROVAL, COMPLETED, FAILED, CANCELED; repeatable), --label and --thread. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
  * UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a
- * row without a new event, so the printed stream has no gap and no duplicate. --target takes any
+ * row without a new event, so the printed stream has no gap and no duplicate. A --run-id whose run
+ * had ended replays it (said on stderr, from the answer's `orchestrator-replay` header). --target takes any
  * gRPC name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with
  * --authority (gRPC would send the list itself as :authority, which HTTP/2 servers refuse). Exit
  * status: 0 completed, 1 failed, 2 canceled, 3 the call itself failed (the gRPC status is
@@ -420,6 +421,20 @@ async function getThread(opts: Options): Promise<number> {
  * Streams the run (Orchestrate, or AttachRun with --attach), re-attaching from the last seq seen
  * whenever the stream ends UNAVAILABLE or breaks off; resolves to the exit status.
  */
+/** The header an Orchestrate answer carries when it replays a run that had ended under its run id
+ * (a retry of a call whose run finished) instead of starting one: "log" or "result". */
+const REPLAY_HEADER = "orchestrator-replay";
+const REPLAYS: Record<string, string> = {
+  log: "its events as logged, replayed",
+  result: "its log no longer holds it whole: its output, replayed as one piece",
+};
+
+/** Says on stderr when the call replays a run that had ended rather than starting one. */
+function tellReplay(headers: grpc.Metadata, runId: string) {
+  const [replay] = headers.get(REPLAY_HEADER);
+  if (replay !== undefined) process.stderr.write(`run ${runId} had ended: ${REPLAYS[String(replay)] ?? replay}\n`);
+}
+
 async function run(opts: Options): Promise<number> {
   const client = loadClient(opts);
   const metadata = new grpc.Metadata();
@@ -438,10 +453,12 @@ async function run(opts: Options): Promise<number> {
   let canceling: Promise<void> = Promise.resolve();
   let saying: Promise<void> = Promise.resolve();
   let call: grpc.ClientReadableStream<OrchestrateEvent> | null = null;
-  const open = () =>
-    runId === null
-      ? client.Orchestrate(request(opts), metadata, { deadline })
-      : client.AttachRun({ run_id: runId, after_seq: String(lastSeq) }, metadata, { deadline });
+  const open = (): grpc.ClientReadableStream<OrchestrateEvent> => {
+    if (runId !== null) return client.AttachRun({ run_id: runId, after_seq: String(lastSeq) }, metadata, { deadline });
+    const started = client.Orchestrate(request(opts), metadata, { deadline });
+    started.on("metadata", (headers: grpc.Metadata) => tellReplay(headers, opts["run-id"]));
+    return started;
+  };
   const cancelLater = (id: string) => {
     timer = setTimeout(() => {
       canceling = new Promise((done) => {

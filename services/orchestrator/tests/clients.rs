@@ -396,7 +396,9 @@ fn positions(kinds: &[&str], kind: &str) -> Vec<usize> {
         .collect()
 }
 
-/// Both clients over mTLS (a client certificate of the server's CA) with a token.
+/// Both clients over mTLS (a client certificate of the server's CA) with a token: the demo (and
+/// the same run id again, a replay they say is one), cancels of both modes, steering, a thread, a
+/// large text, and refusals.
 #[tokio::test]
 async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtls_with_a_token() -> TestResult {
     let deployment = Deployment::start_with(true).await?;
@@ -409,9 +411,19 @@ async fn the_python_and_typescript_clients_run_cancel_and_report_errors_over_mtl
         ),
         ("typescript", typescript_example),
     ] {
-        let mut command = make()?;
-        command.args(deployment.client_args(TOKEN)).args(demo);
-        check_demo(client, &run(command).await?)?;
+        // The same run id again replays the run, and the client says so.
+        let run_id = format!("demo-{client}");
+        for replayed in [false, true] {
+            let mut command = make()?;
+            command
+                .args(deployment.client_args(TOKEN))
+                .args(demo)
+                .args(["--run-id", &run_id]);
+            let output = run(command).await?;
+            check_demo(client, &output)?;
+            let told = stderr(&output).contains(&format!("run {run_id} had ended: its events as logged, replayed"));
+            assert_eq!(told, replayed, "{client}: {}", stderr(&output));
+        }
 
         let mut command = make()?;
         command.args(deployment.client_args(TOKEN)).args(slow);
