@@ -272,7 +272,11 @@ async fn call_prints_its_events_as_json_lines() -> TestResult {
         let started = events.iter().find_map(|e| e.get("toolCallStarted"));
         assert_eq!(started.map(|c| &c["name"]), Some(&json!("sleep")), "{lines}");
         let last = events.last().map(|e| &e["runFinished"]["result"]);
-        assert_eq!(last.map(|r| &r["status"]), Some(&json!("RUN_STATUS_COMPLETED")), "{lines}");
+        assert_eq!(
+            last.map(|r| &r["status"]),
+            Some(&json!("RUN_STATUS_COMPLETED")),
+            "{lines}"
+        );
         assert_eq!(stderr.contains("replayed"), replay, "{stderr}");
     }
     Ok(())

@@ -39,6 +39,65 @@ pub fn print_json<M: prost::Message>(message: &M, name: &str) -> Result<(), Erro
     Ok(())
 }
 
+/// Rows printed as columns sized to what they hold, two spaces apart, no space at a line's end.
+pub struct Table {
+    header: Vec<&'static str>,
+    /// Columns of numbers, aligned right.
+    right: Vec<bool>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// A table with these columns; a name starting with `>` is a right-aligned column (the `>`
+    /// is not printed).
+    pub fn new(columns: &[&'static str]) -> Self {
+        Self {
+            header: columns.iter().map(|c| c.trim_start_matches('>')).collect(),
+            right: columns.iter().map(|c| c.starts_with('>')).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Adds a row: a cell per column.
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    /// The table as lines of text.
+    pub fn lines(&self) -> Vec<String> {
+        let header: Vec<String> = self.header.iter().map(|h| (*h).to_owned()).collect();
+        let all: Vec<&Vec<String>> = std::iter::once(&header).chain(&self.rows).collect();
+        let widths: Vec<usize> = (0..self.header.len())
+            .map(|i| {
+                all.iter()
+                    .filter_map(|r| r.get(i))
+                    .map(|c| c.chars().count())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        all.iter()
+            .map(|row| {
+                let cells = row.iter().zip(&widths).zip(&self.right);
+                let line: Vec<String> = cells
+                    .map(|((cell, &width), &right)| match right {
+                        true => format!("{cell:>width$}"),
+                        false => format!("{cell:<width$}"),
+                    })
+                    .collect();
+                line.join("  ").trim_end().to_owned()
+            })
+            .collect()
+    }
+
+    /// Prints the table.
+    pub fn print(&self) {
+        for line in self.lines() {
+            println!("{line}");
+        }
+    }
+}
+
 /// A refusal of `what` (the command's action, e.g. "cancel run r-1") as a person reads it.
 pub fn refused(what: &str, error: orchestrator_client::Error) -> Error {
     Error::Call(format!("{what}: {error}"))
@@ -93,6 +152,17 @@ mod tests {
         assert_eq!(value["runId"], "r-1");
         assert_eq!(value["status"], "RUN_STATUS_COMPLETED");
         assert_eq!(value["turns"], 0, "a default value is written too: {line}");
+    }
+
+    #[test]
+    fn a_table_sizes_its_columns_to_what_they_hold() {
+        let mut table = Table::new(&["RUN", ">TOKENS", "LABELS"]);
+        table.row(vec!["first".into(), "1687".into(), String::new()]);
+        table.row(vec!["q-5".into(), "12".into(), "batch=8".into()]);
+        assert_eq!(
+            table.lines(),
+            ["RUN    TOKENS  LABELS", "first    1687", "q-5        12  batch=8"]
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@ use proto::orchestrator::v1 as pb;
 use shared::config::parse_duration;
 
 use super::Connection;
-use super::output::{print_json, refused, status_name, utc};
+use super::output::{Table, print_json, refused, status_name, utc};
 use crate::Error;
 
 /// Flags of `get`.
@@ -106,7 +106,11 @@ fn print_run(run: &pb::RunResult) {
         println!("  {reason}: {}", run.failure_detail);
     }
     if !run.text.is_empty() {
-        println!("  text: {}", shared::text::excerpt(run.text.trim()));
+        // The text indented under its label, line by line.
+        println!(
+            "  text: {}",
+            shared::text::excerpt(run.text.trim()).replace('\n', "\n        ")
+        );
     }
     for call in &run.tool_calls {
         let outcome = match &call.error {
@@ -231,27 +235,36 @@ impl RunsArgs {
             page.runs.truncate(max);
             return print_json(&page, "orchestrator.v1.ListRunsResponse").map(|()| true);
         }
-        println!(
-            "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<20}  LABELS",
-            "RUN", "STATUS", "PRINCIPAL", "THREAD", "TURNS", "TOKENS", "CREATED"
-        );
+        let mut table = Table::new(&[
+            "RUN",
+            "STATUS",
+            "PRINCIPAL",
+            "THREAD",
+            ">TURNS",
+            ">TOKENS",
+            "CREATED",
+            "LABELS",
+        ]);
         let mut printed = 0usize;
-        loop {
+        let more = loop {
             for run in page.runs.iter().take(max - printed) {
-                println!("{}", run_line(run));
+                table.row(run_row(run));
                 printed += 1;
             }
             match (self.all.is_some() && printed < max, page.next_page_token.is_empty()) {
-                (_, true) => break,
+                (_, true) => break None,
                 (true, false) => {
                     request.page_token = page.next_page_token;
                     page = client.list_runs(request.clone()).await.map_err(listing)?;
                 }
-                (false, false) => {
-                    println!("more: --page-token {}", page.next_page_token);
-                    break;
-                }
+                (false, false) => break Some(page.next_page_token),
             }
+        };
+        if printed > 0 {
+            table.print();
+        }
+        if let Some(token) = more {
+            println!("more: --page-token {token}");
         }
         if printed == 0 {
             println!("no run matches");
@@ -280,19 +293,25 @@ impl RunsArgs {
 }
 
 /// One row of `runs`.
-fn run_line(run: &pb::RunSummary) -> String {
+fn run_row(run: &pb::RunSummary) -> Vec<String> {
     let usage = run.usage.unwrap_or_default();
     let mut labels: Vec<String> = run.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
     labels.sort();
-    format!(
-        "{:<36}  {:<17}  {:<12}  {:<12}  {:>5}  {:>9}  {:<20}  {}",
-        run.run_id,
-        status_name(run.status),
-        if run.principal.is_empty() { "-" } else { &run.principal },
-        if run.thread_id.is_empty() { "-" } else { &run.thread_id },
-        run.turns,
-        usage.prompt_tokens + usage.completion_tokens,
+    let or_dash = |text: &str| {
+        if text.is_empty() {
+            "-".to_owned()
+        } else {
+            text.to_owned()
+        }
+    };
+    vec![
+        run.run_id.clone(),
+        status_name(run.status).to_owned(),
+        or_dash(&run.principal),
+        or_dash(&run.thread_id),
+        run.turns.to_string(),
+        (usage.prompt_tokens + usage.completion_tokens).to_string(),
         utc(run.created_at_ms),
-        labels.join(",")
-    )
+        labels.join(","),
+    ]
 }

@@ -8,7 +8,7 @@ use proto::orchestrator::v1 as pb;
 use shared::config::parse_duration;
 
 use super::Connection;
-use super::output::{print_json, refused, status_name, utc};
+use super::output::{Table, print_json, refused, status_name, utc};
 use crate::Error;
 
 /// Flags of `say`.
@@ -166,26 +166,34 @@ impl UsageArgs {
         if self.connection.json {
             return print_json(&spent, "orchestrator.v1.GetUsageResponse").map(|()| true);
         }
-        println!(
-            "{:<20}  {:>12}  {:>12}  {:>12}  {:>6}  {:>10}  {:>10}",
-            "HOUR", "PROMPT", "CACHED", "COMPLETION", "RUNS", "TOOL CALLS", "RUN TIME"
-        );
-        let line = |label: String, w: &pb::UsageWindow| {
-            println!(
-                "{:<20}  {:>12}  {:>12}  {:>12}  {:>6}  {:>10}  {:>10}",
+        let mut table = Table::new(&[
+            "HOUR",
+            ">PROMPT",
+            ">CACHED",
+            ">COMPLETION",
+            ">RUNS",
+            ">TOOL CALLS",
+            ">RUN TIME",
+        ]);
+        let row = |label: String, w: &pb::UsageWindow| {
+            vec![
                 label,
-                w.prompt_tokens,
-                w.cached_prompt_tokens,
-                w.completion_tokens,
-                w.runs,
-                w.tool_calls,
-                humantime::format_duration(Duration::from_secs(w.run_ms / 1000))
-            );
+                w.prompt_tokens.to_string(),
+                w.cached_prompt_tokens.to_string(),
+                w.completion_tokens.to_string(),
+                w.runs.to_string(),
+                w.tool_calls.to_string(),
+                humantime::format_duration(Duration::from_secs(w.run_ms / 1000)).to_string(),
+            ]
         };
         for window in &spent.windows {
-            line(utc(window.start_ms), window);
+            table.row(row(utc(window.start_ms), window));
         }
-        line(format!("total ({})", spent.principal), &spent.total.unwrap_or_default());
+        table.row(row(
+            format!("total ({})", spent.principal),
+            &spent.total.unwrap_or_default(),
+        ));
+        table.print();
         if let Some(budget) = spent.tokens_per_hour {
             println!("tokens_per_hour: {budget}");
         }

@@ -68,10 +68,10 @@ impl Runs {
                 match self.admit(run_id, caller, spec).await {
                     Err(Refusal::Full(_) | Refusal::CallerFull(_)) => {}
                     other => {
-                        return other.map(|admitted| Queuing {
-                            admitted,
-                            waited: began.elapsed(),
-                        });
+                        // Time in the queue: none for a run let in at once, however long the
+                        // admission itself took.
+                        let waited = place.map_or(Duration::ZERO, |_| began.elapsed());
+                        return other.map(|admitted| Queuing { admitted, waited });
                     }
                 }
             }

@@ -586,3 +586,51 @@ async fn an_end_in_the_backlog_reads_unended_until_the_store_keeps_it() {
     let read = runs.get("r", &anon()).await.unwrap().unwrap();
     assert_eq!((read.status, read.text.as_str()), (RunStatus::Running, "all done"));
 }
+
+/// The memory store, each claim answered after 50 ms (a store far away, or a loaded machine).
+struct SlowClaims(MemoryStore);
+
+impl ResultStore for SlowClaims {
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
+        self.0.put(result)
+    }
+    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<crate::domain::ports::Claim, StoreError>> {
+        let claim = self.0.claim(result);
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            claim.await
+        })
+    }
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+        self.0.get(run_id)
+    }
+    fn lease(&self) -> Option<crate::domain::LeaseTerms> {
+        None
+    }
+}
+
+/// A run let in at once says it waited for nothing, however long its admission took; one that
+/// waited in its principal's queue says how long.
+#[tokio::test(start_paused = true)]
+async fn only_time_in_the_queue_counts_as_waiting() {
+    let runs = runs(1, 10, Duration::from_secs(60));
+    let runs = Arc::new(Runs {
+        store: Arc::new(SlowClaims(MemoryStore::new(10, Duration::from_secs(60)))),
+        ..Arc::into_inner(runs).unwrap()
+    });
+    let until = tokio::time::Instant::now() + Duration::from_secs(60);
+    let first = runs.admit_queued("first", &anon(), None, until).await.unwrap();
+    assert_eq!(first.waited, Duration::ZERO);
+    let second = tokio::spawn({
+        let runs = Arc::clone(&runs);
+        async move {
+            runs.admit_queued("second", &anon(), None, until)
+                .await
+                .map(|q| q.waited)
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    drop(first);
+    let waited = second.await.unwrap().unwrap();
+    assert!(waited >= Duration::from_secs(2), "{waited:?}");
+}
