@@ -105,7 +105,16 @@ async fn a_bad_manifest_stops_startup_naming_file_tool_and_problem() -> TestResu
         "[[tool]]\nname = \"slow\"\ndescription = \"d\"\nargv = [\"sleep\", \"1\"]\ntimeout = \"3h\"\n",
     )?;
     let path = manifest.display().to_string();
-    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--tools-manifest", &path], &[]).await?;
+    // No metrics port: another test of this file may hold the default one.
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "off",
+        "--tools-manifest",
+        &path,
+    ];
+    let (code, _, stderr) = run_to_end(&args, &[]).await?;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains(&path)
