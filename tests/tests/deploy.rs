@@ -371,6 +371,37 @@ fn the_mtls_overlay_wires_cert_manager_certificates_into_both_services() -> Test
     Ok(())
 }
 
+/// The console overlay: each replica serves the console on :8080 behind the Service's port
+/// "console", signs people in with the tokens file (which the gRPC port checks too), and signs
+/// sessions with one secret of every replica; only pods labelled for it reach the port.
+#[test]
+fn the_console_overlay_serves_the_console_behind_the_service() -> TestResult {
+    let rendered = render(&repo_root().join("deploy/k8s/overlays/console"))?;
+    validate(&rendered)?;
+    let orchestrator = document(&rendered, "Deployment", "orchestrator")?;
+    for needle in [
+        "name: ORCHESTRATOR_CONSOLE_LISTEN",
+        "value: 0.0.0.0:8080",
+        "name: ORCHESTRATOR_CONSOLE_SESSION_KEY_FILE",
+        "name: ORCHESTRATOR_AUTH_TOKENS",
+        "containerPort: 8080",
+    ] {
+        assert!(orchestrator.contains(needle), "orchestrator: {needle} missing");
+    }
+    let service = document(&rendered, "Service", "orchestrator")?;
+    assert!(
+        service.contains("name: console") && service.contains("port: 8080"),
+        "{service}"
+    );
+    assert!(service.contains("port: 50051"), "the gRPC port stays: {service}");
+    let policy = document(&rendered, "NetworkPolicy", "orchestrator-console")?;
+    assert!(
+        policy.contains("orchestrator.io/console: \"true\"") && policy.contains("port: 8080"),
+        "{policy}"
+    );
+    Ok(())
+}
+
 #[test]
 fn compose_publishes_on_loopback_only() -> TestResult {
     let compose = std::fs::read_to_string(repo_root().join("deploy/compose.yaml"))?;

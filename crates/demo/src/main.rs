@@ -6,7 +6,8 @@
 //!
 //! Against a real server (`LLM_BASE_URL`), the orchestrator's `LLM_*` environment variables and its
 //! run limits (`ORCHESTRATOR_MAX_TURNS` …) apply as they do to the orchestrator itself,
-//! `DEMO_PROMPT` replaces the prompt and `DEMO_TOOLS` the tools offered.
+//! `DEMO_PROMPT` replaces the prompt and `DEMO_TOOLS` the tools offered. `DEMO_CONSOLE=ADDRESS`
+//! serves the orchestrator's console there too and keeps serving after the run, until Ctrl-C.
 //!
 //! A binary of its own, so the orchestrator's binary and image link neither the stand-in model
 //! nor the tool-runner.
@@ -45,6 +46,8 @@ struct DemoOptions {
     tools: Vec<String>,
     /// Whether the `submit_report` exit tool is offered (named in `DEMO_TOOLS`).
     submit_report: bool,
+    /// Where the console is served (`DEMO_CONSOLE`; unset: no console).
+    console: Option<std::net::SocketAddr>,
 }
 
 impl DemoOptions {
@@ -61,6 +64,12 @@ impl DemoOptions {
             prompt: set("DEMO_PROMPT").unwrap_or_else(|| PROMPT.to_owned()),
             tools,
             submit_report,
+            console: set("DEMO_CONSOLE")
+                .map(|a| {
+                    a.parse()
+                        .map_err(|e| Error::Config(format!("DEMO_CONSOLE {a:?}: {e} (write e.g. 127.0.0.1:8080)")))
+                })
+                .transpose()?,
         })
     }
 }
@@ -140,6 +149,7 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
         ..Config::default()
     };
     config.tool_runners.endpoints = vec![runner_url];
+    config.console.console_listen = options.console;
     config.validate()?;
     let (listener, endpoint) = bind().await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -167,6 +177,13 @@ async fn run(options: DemoOptions) -> Result<bool, Error> {
     })
     .await;
 
+    if let (Some(console), Ok(result)) = (options.console, &outcome) {
+        println!(
+            "\ndemo: the console is at http://{console}/#/runs/{} (no sign-in: the demo does not authenticate); Ctrl-C stops",
+            result.run_id
+        );
+        let _ = tokio::signal::ctrl_c().await;
+    }
     let _ = stop.send(());
     let _ = runner_stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(10), orchestrator).await;

@@ -403,6 +403,25 @@ impl Authenticator {
             .ok_or_else(|| AuthError::Unauthenticated("the bearer token is not valid for this server".into()))
     }
 
+    /// The principal of the token whose SHA-256 is `sha256` (a session that signed in with that
+    /// token, checked again on each request: a token taken out of the file ends its sessions).
+    pub fn by_token_sha256(&self, sha256: &str) -> Result<Arc<Principal>, AuthError> {
+        self.table().by_hash.get(sha256).cloned().ok_or_else(|| {
+            AuthError::Unauthenticated("the token signed in with is no longer valid for this server".into())
+        })
+    }
+
+    /// The principal a verified client certificate's `subject` names, when certificates sign in
+    /// (`--auth-principal-from-cert`).
+    pub fn by_subject(&self, subject: &str) -> Result<Arc<Principal>, AuthError> {
+        match self.from_cert {
+            true => self.by_certificate(subject),
+            false => Err(AuthError::Unauthenticated(
+                "this server does not take client certificates as credentials".into(),
+            )),
+        }
+    }
+
     fn by_certificate(&self, subject: &str) -> Result<Arc<Principal>, AuthError> {
         if self.tokens.is_none() {
             return Ok(Arc::new(Principal::unrestricted(subject)));

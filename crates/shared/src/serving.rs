@@ -131,6 +131,17 @@ impl Security {
         self.auth.is_some()
     }
 
+    /// The authenticator (`None`: every caller is the anonymous principal), for a second face of
+    /// the server that checks the same credentials (the orchestrator's console).
+    pub fn authenticator(&self) -> Option<Arc<Authenticator>> {
+        self.auth.clone()
+    }
+
+    /// Whether connections are served over TLS.
+    pub fn tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
     /// The connections of `listener`, over TLS when it is on.
     pub fn incoming(&self, listener: TcpListener) -> Incoming {
         crate::tls::incoming(listener, self.tls.clone(), self.handshakes)

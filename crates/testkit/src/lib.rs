@@ -252,6 +252,16 @@ impl Service {
     }
 }
 
+impl Service {
+    /// The address its log line `message` gave (e.g. "console serving"), if it logged one.
+    pub fn address_logged(&self, message: &str) -> Option<String> {
+        self.logs().iter().find_map(|line| {
+            let entry: serde_json::Value = serde_json::from_str(line).ok()?;
+            (entry["message"] == message).then(|| entry["address"].as_str().map(str::to_owned))?
+        })
+    }
+}
+
 /// Keeps every log line (so the process never blocks on a full pipe) and reports the gRPC and
 /// metrics addresses once both are logged.
 async fn read_logs(

@@ -17,7 +17,8 @@
 //!   `thread`);
 //!   `telemetry`: span and
 //!   metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
-//!   keeps); `nats`: JetStream streams both NATS adapters set up.
+//!   keeps); [`json`]: the contract's JSON mapping (the CLI's `--json`, the console's pages);
+//!   `nats`: JetStream streams both NATS adapters set up.
 
 #![forbid(unsafe_code)]
 
@@ -25,6 +26,7 @@ pub mod cli;
 pub mod config;
 pub mod domain;
 mod error;
+pub mod json;
 pub mod llm;
 pub(crate) mod nats;
 pub(crate) mod registry;

@@ -50,7 +50,11 @@ fn greedy(prompt: &str, params: pb::ModelParams) -> pb::OrchestrateRequest {
 
 /// llama-server with one slot and the Llama 3.2 chat template (its tool calls and tool messages).
 async fn llama_with_tool_template() -> anyhow::Result<ModelServer> {
-    let template = installed(&format!("templates/{TEMPLATE_FILE}"))?;
+    llama_with_template(&installed(&format!("templates/{TEMPLATE_FILE}"))?).await
+}
+
+/// llama-server with one slot and the chat template in `template`.
+async fn llama_with_template(template: &std::path::Path) -> anyhow::Result<ModelServer> {
     let template = template.to_string_lossy();
     ModelServer::llama(&[
         "--parallel",
@@ -496,16 +500,7 @@ async fn a_thread_interrupted_mid_run_stays_acceptable_to_a_template_that_wants_
     let _serial = one_at_a_time().await;
     let dir = tempfile::tempdir()?;
     let template = alternating_template(dir.path())?;
-    let llama = ModelServer::llama(&[
-        "--parallel",
-        "1",
-        "--ctx-size",
-        "4096",
-        "--jinja",
-        "--chat-template-file",
-        &template.to_string_lossy(),
-    ])
-    .await?;
+    let llama = llama_with_template(&template).await?;
     let relay = Relay::start(&llama.origin).await?;
     let stack = stack_on(relay.base_url(), "smollm2", |_| {}).await?;
     let thread = "alternating";

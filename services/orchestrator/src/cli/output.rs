@@ -3,34 +3,16 @@
 //! default values included), a time a person reads, a status's name, and a refusal in the
 //! words of the domain (the server's message and its code, no gRPC boilerplate).
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use prost_reflect::{DescriptorPool, DynamicMessage, SerializeOptions};
 use proto::orchestrator::v1 as pb;
 
 use crate::Error;
 
-/// The contract's descriptors, decoded once.
-fn pool() -> Option<&'static DescriptorPool> {
-    static POOL: OnceLock<Option<DescriptorPool>> = OnceLock::new();
-    POOL.get_or_init(|| DescriptorPool::decode(proto::FILE_DESCRIPTOR_SET).ok())
-        .as_ref()
-}
-
 /// `message` (of the contract's type `name`, e.g. `orchestrator.v1.RunResult`) as one line of
-/// JSON, every field named, enums by name.
+/// JSON, every field named, enums by name (see [`crate::json`]).
 pub fn json<M: prost::Message>(message: &M, name: &str) -> Result<String, Error> {
-    let unknown = || Error::Call(format!("{name} is not a message of the contract"));
-    let descriptor = pool().and_then(|p| p.get_message_by_name(name)).ok_or_else(unknown)?;
-    let dynamic = DynamicMessage::decode(descriptor, message.encode_to_vec().as_slice())
-        .map_err(|e| Error::Call(format!("{name} cannot be read back: {e}")))?;
-    let mut out = serde_json::Serializer::new(Vec::new());
-    let options = SerializeOptions::new().skip_default_fields(false);
-    dynamic
-        .serialize_with_options(&mut out, &options)
-        .map_err(|e| Error::Call(format!("{name} cannot be written as JSON: {e}")))?;
-    Ok(String::from_utf8_lossy(&out.into_inner()).into_owned())
+    crate::json::to_json(message, name).map_err(Error::Call)
 }
 
 /// Prints `message` as JSON (see [`json`]).
@@ -139,22 +121,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_message_is_one_line_of_canonical_json_with_every_field() {
-        let result = pb::RunResult {
-            run_id: "r-1".into(),
-            status: pb::RunStatus::Completed.into(),
-            text: "done".into(),
-            ..Default::default()
-        };
-        let line = json(&result, "orchestrator.v1.RunResult").expect("json");
-        assert!(!line.contains('\n'), "{line}");
-        let value: serde_json::Value = serde_json::from_str(&line).expect("valid JSON");
-        assert_eq!(value["runId"], "r-1");
-        assert_eq!(value["status"], "RUN_STATUS_COMPLETED");
-        assert_eq!(value["turns"], 0, "a default value is written too: {line}");
-    }
-
-    #[test]
     fn a_table_sizes_its_columns_to_what_they_hold() {
         let mut table = Table::new(&["RUN", ">TOKENS", "LABELS"]);
         table.row(vec!["first".into(), "1687".into(), String::new()]);
@@ -163,11 +129,5 @@ mod tests {
             table.lines(),
             ["RUN    TOKENS  LABELS", "first    1687", "q-5        12  batch=8"]
         );
-    }
-
-    #[test]
-    fn an_unknown_message_name_is_an_error_not_a_panic() {
-        let result = pb::RunResult::default();
-        assert!(json(&result, "orchestrator.v1.Nothing").is_err());
     }
 }

@@ -11,8 +11,9 @@
 //! limits and their ceilings), `output.rs` (output bounds), `loop_detector.rs`, `requests.rs`
 //! (what one request may carry), `store.rs` (the store's backend, leases, event logs),
 //! `signals.rs` (the signal topic), `nats.rs` (NATS credentials and replicas), `telemetry.rs`,
-//! `conversations.rs` (messages sent to live runs).
+//! `conversations.rs` (messages sent to live runs), `console.rs` (the console's port and sessions).
 
+mod console;
 mod conversations;
 mod limits;
 mod llm;
@@ -27,6 +28,7 @@ mod store;
 mod telemetry;
 mod tool_runners;
 
+pub use console::ConsoleSettings;
 pub use conversations::ConversationSettings;
 pub use limits::LimitSettings;
 pub use llm::{Header, LlmSettings, LlmTarget, Reader};
@@ -103,6 +105,9 @@ pub struct Config {
     #[allow(missing_docs)]
     #[command(flatten)]
     pub security: SecuritySettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub console: ConsoleSettings,
 }
 
 shared::security_settings!("ORCHESTRATOR");
@@ -121,6 +126,7 @@ impl Bounded for Config {
             self.nats.bounds(),
             self.telemetry.bounds(),
             self.security.bounds(),
+            self.console.bounds(),
         ];
         sections.into_iter().flatten().collect()
     }

@@ -9,7 +9,8 @@
 //! whose approvals were decided), `remote_asks.rs` (cancels and messages asked on other
 //! replicas); `streams.rs`: the event streams of a run's caller and of callers that attach;
 //! `grpc/`: the gRPC adapter, which only turns requests into calls of `Core` and answers into
-//! proto; `harness.rs`: a replica over given ports, with no network (the simulation's).
+//! proto; `console/`: the pages for people, served on `--console-listen`, which call the gRPC
+//! adapter in process; `harness.rs`: a replica over given ports, with no network (the simulation's).
 //!
 //! Drain: the service's health turns NOT_SERVING (the overall status "" stays SERVING, for
 //! liveness), new runs get `UNAVAILABLE`, runs in flight get the grace
@@ -31,6 +32,7 @@ use crate::tool_runners::{Resolve, SystemResolver, ToolRunners};
 use crate::{Config, Error};
 
 mod build;
+mod console;
 mod core;
 mod decisions;
 pub(crate) mod grpc;
@@ -88,6 +90,7 @@ pub async fn serve_with_resolver(
     );
     let llm = model.shown().join(",");
     let core = build::core(&config, model, runners).await?;
+    let _console = console::start(&config.console, &security, Arc::clone(&core)).await?;
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;

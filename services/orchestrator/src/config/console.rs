@@ -1,0 +1,45 @@
+//! The console: the pages people use to watch runs and decide, served on a port of their own.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use shared::config::{Bound, Bounded, bound, parse_duration};
+
+use super::{DAY, KIB, MIB, secs};
+
+/// The console (off unless `--console-listen` is set).
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+#[command(next_help_heading = "Console")]
+pub struct ConsoleSettings {
+    /// Serve the console (pages for watching runs, deciding tool calls and answering tools'
+    /// questions) on this address, with the TLS and tokens of the gRPC port (unset: off).
+    #[arg(long, env = "ORCHESTRATOR_CONSOLE_LISTEN")]
+    pub console_listen: Option<SocketAddr>,
+    /// How long a console sign-in lasts (cap 7d).
+    #[arg(long, env = "ORCHESTRATOR_CONSOLE_SESSION_TTL", default_value = "8h", value_parser = parse_duration)]
+    pub console_session_ttl: Duration,
+    /// File holding the secret (at least 32 bytes) that signs console sessions: give every
+    /// replica the same one, so a session signed in on one is good on all (unset: a secret of
+    /// this process, its sessions good here only).
+    #[arg(long, env = "ORCHESTRATOR_CONSOLE_SESSION_KEY_FILE", value_name = "FILE")]
+    pub console_session_key_file: Option<PathBuf>,
+    /// Live run pages the console follows at once; more are refused until one closes (cap
+    /// 10000).
+    #[arg(long, env = "ORCHESTRATOR_CONSOLE_MAX_STREAMS", default_value_t = 256)]
+    pub console_max_streams: usize,
+    /// Largest request body the console takes, in bytes (a decision, an answer; cap 4 MiB).
+    #[arg(long, env = "ORCHESTRATOR_CONSOLE_MAX_BODY_BYTES", default_value_t = 256 * KIB)]
+    pub console_max_body_bytes: usize,
+}
+
+impl Bounded for ConsoleSettings {
+    fn bounds(&self) -> Vec<Bound> {
+        vec![
+            bound("console_session_ttl", self.console_session_ttl, secs(60), DAY * 7),
+            bound("console_max_streams", self.console_max_streams, 1usize, 10_000usize),
+            bound("console_max_body_bytes", self.console_max_body_bytes, KIB, 4 * MIB),
+        ]
+    }
+}

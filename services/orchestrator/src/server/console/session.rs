@@ -1,0 +1,321 @@
+//! Who is signed in to the console: a person signs in with a token of the tokens file (or a
+//! verified client certificate, or nothing on a server without authentication) and gets a
+//! session cookie. The cookie carries the session itself, signed (HMAC-SHA256) with a secret
+//! every replica may share (`--console-session-key-file`), so any replica behind the Service
+//! takes it: who signed in and how (the token's SHA-256, never the token), when it expires, and
+//! the CSRF token its forms must send back. Each request checks the credentials again, so a token
+//! taken out of the tokens file ends its sessions at once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use aws_lc_rs::hmac;
+use axum::http::HeaderMap;
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
+use serde::{Deserialize, Serialize};
+use shared::auth::{AuthError, Authenticator, Principal};
+use shared::tls::PeerInfo;
+
+use crate::Error;
+use crate::config::ConsoleSettings;
+
+/// The shortest session secret taken from a file.
+const MIN_KEY_BYTES: usize = 32;
+/// The longest cookie header read.
+const MAX_COOKIE_BYTES: usize = 8 * 1024;
+
+/// What a session cookie says, signed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Claims {
+    /// The principal's name.
+    sub: String,
+    /// How it signed in: the SHA-256 of its token, or the subject of its certificate (neither:
+    /// a server without authentication).
+    tok: Option<String>,
+    cert: Option<String>,
+    /// Expiry, Unix seconds.
+    exp: u64,
+    /// The CSRF token its state-changing requests carry in `x-csrf-token`.
+    csrf: String,
+}
+
+/// A signed-in person: who, and the CSRF token of the session.
+#[derive(Debug, Clone)]
+pub(super) struct Session {
+    pub principal: Arc<Principal>,
+    pub csrf: String,
+    pub expires_at: u64,
+}
+
+/// Signs sessions in and checks them.
+pub(super) struct Sessions {
+    key: hmac::Key,
+    ttl: Duration,
+    auth: Option<Arc<Authenticator>>,
+    /// The console is served over TLS: the cookie is `Secure` and `__Host-` prefixed.
+    tls: bool,
+}
+
+impl Sessions {
+    /// Sessions lasting `--console-session-ttl`, signed with the file's secret or one of this
+    /// process.
+    pub(super) fn new(settings: &ConsoleSettings, auth: Option<Arc<Authenticator>>, tls: bool) -> Result<Self, Error> {
+        let secret = match &settings.console_session_key_file {
+            Some(path) => read_secret(path)?,
+            None => {
+                let mut secret = vec![0u8; MIN_KEY_BYTES];
+                aws_lc_rs::rand::fill(&mut secret)
+                    .map_err(|_| Error::Config("no randomness for the console's session secret".into()))?;
+                secret
+            }
+        };
+        Ok(Self {
+            key: hmac::Key::new(hmac::HMAC_SHA256, &secret),
+            ttl: settings.console_session_ttl,
+            auth,
+            tls,
+        })
+    }
+
+    /// Whether signing in needs credentials.
+    pub(super) fn authenticates(&self) -> bool {
+        self.auth.is_some()
+    }
+
+    /// Signs in with `token` (or the connection's client certificate, or as the anonymous
+    /// caller of a server without authentication): the session and its `Set-Cookie` value.
+    pub(super) fn sign_in(&self, token: Option<&str>, peer: Option<&PeerInfo>) -> Result<(Session, String), AuthError> {
+        let (principal, tok, cert) = self.credentials(token, peer)?;
+        let mut nonce = [0u8; 16];
+        aws_lc_rs::rand::fill(&mut nonce).map_err(|_| AuthError::Unauthenticated("no randomness".into()))?;
+        let expires_at = shared::sync::unix_ms() / 1000 + self.ttl.as_secs();
+        let claims = Claims {
+            sub: principal.name.clone(),
+            tok,
+            cert,
+            exp: expires_at,
+            csrf: B64.encode(nonce),
+        };
+        let cookie = self.cookie(&self.seal(&claims), self.ttl.as_secs());
+        let session = Session {
+            principal,
+            csrf: claims.csrf,
+            expires_at,
+        };
+        Ok((session, cookie))
+    }
+
+    /// Who signs in with these credentials, and how.
+    #[allow(clippy::type_complexity)]
+    fn credentials(
+        &self,
+        token: Option<&str>,
+        peer: Option<&PeerInfo>,
+    ) -> Result<(Arc<Principal>, Option<String>, Option<String>), AuthError> {
+        let Some(auth) = &self.auth else {
+            return Ok((Arc::new(Principal::default()), None, None));
+        };
+        if let Some(token) = token.map(str::trim).filter(|t| !t.is_empty()) {
+            let sha = shared::auth::token_sha256(token);
+            let principal = auth
+                .by_token_sha256(&sha)
+                .map_err(|_| AuthError::Unauthenticated("the token is not valid for this server".into()))?;
+            return Ok((principal, Some(sha), None));
+        }
+        match peer.and_then(|p| p.client_subject.clone()) {
+            Some(subject) => Ok((auth.by_subject(&subject)?, None, Some(subject))),
+            None => Err(AuthError::Unauthenticated("sign in with a token".into())),
+        }
+    }
+
+    /// The session a request's cookie carries, its credentials still good.
+    pub(super) fn session(&self, headers: &HeaderMap) -> Result<Session, AuthError> {
+        let sealed = self
+            .cookie_value(headers)
+            .ok_or_else(|| AuthError::Unauthenticated("not signed in".into()))?;
+        let claims = self
+            .open(&sealed)
+            .ok_or_else(|| AuthError::Unauthenticated("the session is not valid here: sign in again".into()))?;
+        if claims.exp <= shared::sync::unix_ms() / 1000 {
+            return Err(AuthError::Unauthenticated(
+                "the session has expired: sign in again".into(),
+            ));
+        }
+        let principal = match (&self.auth, &claims.tok, &claims.cert) {
+            (None, ..) => Arc::new(Principal::default()),
+            (Some(auth), Some(sha), _) => auth.by_token_sha256(sha)?,
+            (Some(auth), None, Some(subject)) => auth.by_subject(subject)?,
+            (Some(_), None, None) => return Err(AuthError::Unauthenticated("sign in with a token".into())),
+        };
+        if principal.name != claims.sub {
+            return Err(AuthError::Unauthenticated(
+                "the session's credentials changed hands: sign in again".into(),
+            ));
+        }
+        Ok(Session {
+            principal,
+            csrf: claims.csrf,
+            expires_at: claims.exp,
+        })
+    }
+
+    /// The `Set-Cookie` value that ends a session in the browser.
+    pub(super) fn sign_out_cookie(&self) -> String {
+        self.cookie("", 0)
+    }
+
+    fn cookie_name(&self) -> &'static str {
+        match self.tls {
+            true => "__Host-orchestrator-console",
+            false => "orchestrator-console",
+        }
+    }
+
+    fn cookie(&self, value: &str, max_age: u64) -> String {
+        let secure = if self.tls { "; Secure" } else { "" };
+        format!(
+            "{}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}",
+            self.cookie_name()
+        )
+    }
+
+    /// The value of this console's cookie among a request's cookies.
+    fn cookie_value(&self, headers: &HeaderMap) -> Option<String> {
+        let name = self.cookie_name();
+        headers
+            .get_all(axum::http::header::COOKIE)
+            .iter()
+            .filter(|v| v.len() <= MAX_COOKIE_BYTES)
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(';'))
+            .filter_map(|pair| pair.trim().split_once('='))
+            .find(|(n, _)| *n == name)
+            .map(|(_, value)| value.to_owned())
+    }
+
+    /// `claims` as `payload.signature`.
+    fn seal(&self, claims: &Claims) -> String {
+        let payload = B64.encode(serde_json::to_vec(claims).unwrap_or_default());
+        let tag = hmac::sign(&self.key, payload.as_bytes());
+        format!("{payload}.{}", B64.encode(tag.as_ref()))
+    }
+
+    /// The claims of a sealed value whose signature holds.
+    fn open(&self, sealed: &str) -> Option<Claims> {
+        let (payload, tag) = sealed.split_once('.')?;
+        let tag = B64.decode(tag).ok()?;
+        hmac::verify(&self.key, payload.as_bytes(), &tag).ok()?;
+        serde_json::from_slice(&B64.decode(payload).ok()?).ok()
+    }
+}
+
+/// The session secret in `path`: its bytes, surrounding whitespace left out.
+fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, Error> {
+    let flag = shared::config::flag::<ConsoleSettings>("console_session_key_file");
+    let bytes = std::fs::read(path).map_err(|e| Error::Config(format!("{flag} {}: {e}", path.display())))?;
+    let secret = bytes.trim_ascii().to_vec();
+    if secret.len() < MIN_KEY_BYTES {
+        return Err(Error::Config(format!(
+            "{flag} {} holds {} bytes: a session secret needs at least {MIN_KEY_BYTES} (e.g. `head -c 48 /dev/urandom | base64`)",
+            path.display(),
+            secret.len()
+        )));
+    }
+    Ok(secret)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(ttl: Duration) -> ConsoleSettings {
+        ConsoleSettings {
+            console_session_ttl: ttl,
+            ..crate::Config::default().console
+        }
+    }
+
+    fn tokens(dir: &std::path::Path) -> Arc<Authenticator> {
+        let path = dir.join("tokens.toml");
+        let text = format!(
+            "[[token]]\nprincipal = \"ann\"\nsha256 = \"{}\"\n",
+            shared::auth::token_sha256("ann-token")
+        );
+        std::fs::write(&path, text).unwrap();
+        Authenticator::new(Some(&path), false).unwrap().unwrap()
+    }
+
+    fn with_cookie(set_cookie: &str) -> HeaderMap {
+        let pair = set_cookie.split(';').next().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(axum::http::header::COOKIE, format!("other=1; {pair}").parse().unwrap());
+        headers
+    }
+
+    #[test]
+    fn a_token_signs_in_and_the_cookie_brings_the_same_person_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let sessions = Sessions::new(&settings(Duration::from_secs(3600)), Some(tokens(dir.path())), false).unwrap();
+        assert!(sessions.sign_in(Some("wrong"), None).is_err());
+        assert!(sessions.sign_in(None, None).is_err());
+        let (session, cookie) = sessions.sign_in(Some("ann-token"), None).unwrap();
+        assert_eq!(session.principal.name, "ann");
+        assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict") && !cookie.contains("Secure"));
+        assert!(!cookie.contains("ann-token"), "the token never goes into the cookie");
+        let back = sessions.session(&with_cookie(&cookie)).unwrap();
+        assert_eq!((back.principal.name.as_str(), back.csrf), ("ann", session.csrf));
+    }
+
+    #[test]
+    fn a_cookie_changed_or_signed_elsewhere_or_expired_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = tokens(dir.path());
+        let here = Sessions::new(&settings(Duration::from_secs(3600)), Some(Arc::clone(&auth)), true).unwrap();
+        let (_, cookie) = here.sign_in(Some("ann-token"), None).unwrap();
+        assert!(cookie.starts_with("__Host-") && cookie.contains("; Secure"));
+        let tampered = cookie.replacen('.', "x.", 1);
+        assert!(here.session(&with_cookie(&tampered)).is_err());
+        let elsewhere = Sessions::new(&settings(Duration::from_secs(3600)), Some(auth), true).unwrap();
+        assert!(elsewhere.session(&with_cookie(&cookie)).is_err(), "another secret");
+        let expired = Claims {
+            sub: "ann".into(),
+            tok: Some(shared::auth::token_sha256("ann-token")),
+            cert: None,
+            exp: 1,
+            csrf: "c".into(),
+        };
+        let sealed = here.cookie(&here.seal(&expired), 60);
+        let refused = here.session(&with_cookie(&sealed)).unwrap_err();
+        assert!(refused.to_string().contains("expired"), "{refused}");
+    }
+
+    #[test]
+    fn a_token_taken_out_of_the_file_ends_its_sessions() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = tokens(dir.path());
+        let sessions = Sessions::new(&settings(Duration::from_secs(3600)), Some(Arc::clone(&auth)), false).unwrap();
+        let (_, cookie) = sessions.sign_in(Some("ann-token"), None).unwrap();
+        std::fs::write(dir.path().join("tokens.toml"), "").unwrap();
+        auth.reload_if_changed().unwrap();
+        assert!(sessions.session(&with_cookie(&cookie)).is_err());
+    }
+
+    #[test]
+    fn a_shared_secret_lets_every_replica_take_the_session_and_a_short_one_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, "short").unwrap();
+        let mut shared_key = settings(Duration::from_secs(60));
+        shared_key.console_session_key_file = Some(key.clone());
+        let refused = Sessions::new(&shared_key, None, false).err().map(|e| e.to_string());
+        assert!(refused.is_some_and(|e| e.contains("at least 32")));
+        std::fs::write(&key, "a-secret-of-more-than-thirty-two-bytes\n").unwrap();
+        let (one, two) = (
+            Sessions::new(&shared_key, None, false).unwrap(),
+            Sessions::new(&shared_key, None, false).unwrap(),
+        );
+        let (_, cookie) = one.sign_in(None, None).unwrap();
+        assert_eq!(two.session(&with_cookie(&cookie)).unwrap().principal.name, "");
+    }
+}

@@ -1,0 +1,441 @@
+//! The console in a real browser: Debian's headless Chromium driven through its ChromeDriver
+//! (WebDriver, with fantoccini), against two orchestrator replicas on NATS with the console on,
+//! a tool-runner serving the refund MCP server, and the stand-in model. Controls are found as a
+//! person finds them: by their label, their role and their name (never by a CSS class).
+//!
+//! A person signs in; sees a live run's text grow; approves a call waiting for approval and the
+//! run completes; answers a tool's question, first with a value its schema refuses (the refusal
+//! shown), then a good one; keeps following a run whose replica is SIGKILLed while it runs; does
+//! not see another principal's run, whose page says "not found"; and a POST without the CSRF
+//! token is refused. `UPDATE_SCREENSHOTS=1` writes each page's screenshot into docs/console/.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use fantoccini::{Client as Browser, Locator};
+use mock_llm::{MockLlm, Scenario, Scenarios, Step, Turn};
+use orchestrator_client::{Client, ClientBuilder, RunRequest, RunStream};
+use proto::orchestrator::v1 as pb;
+use serde_json::json;
+use testkit::Service;
+use testkit::nats::Nats;
+use tokio::process::{Child, Command};
+
+type TestResult = anyhow::Result<()>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_orchestrator");
+/// How long a page may take to show what a step waits for.
+const PAGE_LIMIT: Duration = Duration::from_secs(30);
+const ALICE: &str = "alice-token";
+const BOB: &str = "bob-token";
+
+/// The stand-in model's scenarios, by the model a run asks for.
+fn scenarios() -> Scenarios {
+    let mut counting = Turn::default();
+    for word in ["One", "two", "three", "four", "five", "six", "seven", "eight"] {
+        counting = counting
+            .then(Step::Text {
+                text: format!("{word}, "),
+                chunk_chars: None,
+            })
+            .then(Step::Delay { ms: 500 });
+    }
+    let named = [
+        (
+            "counting",
+            Scenario::new(vec![counting.then(Step::Text {
+                text: "done.".into(),
+                chunk_chars: None,
+            })]),
+        ),
+        (
+            "approve",
+            Scenario::new(vec![
+                Turn::text("Sleeping a little.\n").then(Step::call("sleep", json!({"ms": 10}))),
+                Turn::text("Slept."),
+            ]),
+        ),
+        (
+            "ask",
+            Scenario::new(vec![
+                Turn::text("Booking the return.\n").then(Step::call("shop__return_items", json!({"order": "R-7"}))),
+                Turn::text("Booked."),
+            ]),
+        ),
+        (
+            "nap",
+            Scenario::new(vec![
+                Turn::text("Resting.\n").then(Step::call("sleep", json!({"ms": 4000}))),
+                Turn::text("Rested."),
+            ]),
+        ),
+    ];
+    Scenarios {
+        default: Scenario::new(vec![Turn::text("Hello.")]),
+        named: named.into_iter().map(|(n, s)| (n.to_owned(), s)).collect(),
+    }
+}
+
+/// Two replicas on NATS with the console on, sharing a session secret, and what they run on.
+struct World {
+    replicas: Vec<Option<Service>>,
+    consoles: Vec<String>,
+    _llm: MockLlm,
+    _nats: Nats,
+    _dir: tempfile::TempDir,
+}
+
+impl World {
+    async fn start() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let tokens = dir.path().join("tokens.toml");
+        std::fs::write(
+            &tokens,
+            testkit::pki::tokens_toml(&[("alice", ALICE, ""), ("bob", BOB, "")]),
+        )?;
+        let key = dir.path().join("session.key");
+        std::fs::write(&key, "a-console-session-secret-of-the-tests-0123456789")?;
+        let manifest = dir.path().join("tools.toml");
+        std::fs::write(
+            &manifest,
+            testkit::mcp_servers::refund_server_table(&dir.path().join("refunds.log"))?,
+        )?;
+        let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config {
+            tools_manifest: Some(manifest),
+            ..tool_runner::Config::default()
+        })
+        .await?;
+        let llm = MockLlm::start(scenarios()).await?;
+        let nats = Nats::start().await?;
+        let mut replicas = Vec::new();
+        let mut consoles = Vec::new();
+        for _ in 0..2 {
+            let mut command = testkit::on_nats(
+                testkit::orchestrator_command(BIN, &llm.base_url(), &runner),
+                &nats.url(),
+            );
+            command.args(["--run-store-lease", "2s", "--auth-tokens"]).arg(&tokens);
+            command
+                .args(["--console-listen", "127.0.0.1:0", "--console-session-key-file"])
+                .arg(&key);
+            let replica = Service::orchestrator(command).await?;
+            let console = replica
+                .address_logged("console serving")
+                .ok_or_else(|| anyhow::anyhow!("the replica did not log its console's address"))?;
+            consoles.push(format!("http://{console}"));
+            replicas.push(Some(replica));
+        }
+        Ok(Self {
+            replicas,
+            consoles,
+            _llm: llm,
+            _nats: nats,
+            _dir: dir,
+        })
+    }
+
+    /// A client of replica `i` with `token`.
+    async fn client(&self, i: usize, token: &str) -> anyhow::Result<Client> {
+        let replica = self.replicas[i]
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
+        Ok(ClientBuilder::new(format!("http://{}", replica.grpc))
+            .token(token)
+            .connect()
+            .await?)
+    }
+}
+
+/// Starts `request` on `client`, detached (the run goes on whatever its caller does); its stream.
+async fn start(client: &Client, request: RunRequest) -> anyhow::Result<RunStream> {
+    Ok(client.orchestrate(request.detached(true)).await?)
+}
+
+/// Waits until `run_id`, read by `client`, has `status`.
+async fn until_status(client: &Client, run_id: &str, status: pb::RunStatus) -> TestResult {
+    testkit::wait::until(&format!("run {run_id} {status:?}"), Duration::from_secs(60), || async {
+        let run = client.get_run(run_id).await.ok()?;
+        (run.status() == status).then_some(())
+    })
+    .await
+}
+
+/// Debian's ChromeDriver on a free port, and a headless Chromium session through it.
+struct Chrome {
+    driver: Child,
+    browser: Browser,
+    _profile: tempfile::TempDir,
+}
+
+impl Chrome {
+    async fn start() -> anyhow::Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let driver = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("chromedriver (Debian's chromium-driver; ./scripts/test installs it): {e}"))?;
+        let profile = tempfile::tempdir()?;
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert(
+            "goog:chromeOptions".into(),
+            json!({
+                "binary": "/usr/bin/chromium",
+                "args": [
+                    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    "--window-size=1280,900", format!("--user-data-dir={}", profile.path().display()),
+                ],
+            }),
+        );
+        let url = format!("http://127.0.0.1:{port}");
+        let browser = testkit::wait::until("ChromeDriver to take a session", Duration::from_secs(30), || async {
+            // ChromeDriver on loopback speaks plain HTTP.
+            let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+            let mut builder = fantoccini::ClientBuilder::new(connector);
+            builder.capabilities(capabilities.clone()).connect(&url).await.ok()
+        })
+        .await?;
+        Ok(Self {
+            driver,
+            browser,
+            _profile: profile,
+        })
+    }
+
+    async fn stop(mut self) -> TestResult {
+        self.browser.close().await?;
+        self.driver.kill().await?;
+        Ok(())
+    }
+}
+
+/// XPath of a string (no quote inside the tests' names).
+fn quoted(text: &str) -> String {
+    format!("'{text}'")
+}
+
+/// The control labelled `label` (a `<label for>` or one wrapping it, or an `aria-label`).
+fn labelled(label: &str) -> String {
+    let l = quoted(label);
+    format!(
+        "//*[@id=//label[normalize-space(text())={l}]/@for] | //label[normalize-space(text())={l}]//*[self::input or self::select or self::textarea] | //*[self::input or self::select or self::textarea][@aria-label={l}]"
+    )
+}
+
+/// The button named `name`.
+fn button(name: &str) -> String {
+    format!("//button[normalize-space(.)={}]", quoted(name))
+}
+
+/// The region, group or form named `name` (its `aria-label`).
+fn named(name: &str) -> String {
+    format!("//*[@aria-label={}]", quoted(name))
+}
+
+/// Waits until the page has an element at `xpath`; it.
+async fn find(browser: &Browser, xpath: &str) -> anyhow::Result<fantoccini::elements::Element> {
+    testkit::wait::until(&format!("the page to show {xpath}"), PAGE_LIMIT, || async {
+        browser.find(Locator::XPath(xpath)).await.ok()
+    })
+    .await
+}
+
+/// Waits until the page's text holds `text`.
+async fn shows(browser: &Browser, text: &str) -> TestResult {
+    testkit::wait::until(&format!("the page to say {text:?}"), PAGE_LIMIT, || async {
+        let body = browser.find(Locator::XPath("//body")).await.ok()?.text().await.ok()?;
+        body.contains(text).then_some(())
+    })
+    .await
+}
+
+/// Writes the page's screenshot to docs/console/NAME.png under `UPDATE_SCREENSHOTS=1`.
+async fn screenshot(browser: &Browser, name: &str) -> TestResult {
+    let png = browser.screenshot().await?;
+    anyhow::ensure!(png.starts_with(b"\x89PNG"), "a screenshot is a PNG");
+    if std::env::var_os("UPDATE_SCREENSHOTS").is_some() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/console");
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join(format!("{name}.png")), png)?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult {
+    let mut world = World::start().await?;
+    let chrome = Chrome::start().await?;
+    let browser = &chrome.browser;
+    let (alice_a, alice_b, bob_a) = (
+        world.client(0, ALICE).await?,
+        world.client(1, ALICE).await?,
+        world.client(0, BOB).await?,
+    );
+    let console = world.consoles[1].clone();
+
+    // Sign in, on replica b's console.
+    browser.goto(&console).await?;
+    let token = find(browser, &labelled("Token")).await?;
+    screenshot(browser, "sign-in").await?;
+    token.send_keys("not-a-token").await?;
+    find(browser, &button("Sign in")).await?.click().await?;
+    shows(browser, "not valid").await?;
+    let token = find(browser, &labelled("Token")).await?;
+    token.clear().await?;
+    token.send_keys(ALICE).await?;
+    find(browser, &button("Sign in")).await?.click().await?;
+    shows(browser, "Signed in as alice").await?;
+
+    // A live run's text grows in its page.
+    let _counting = start(
+        &alice_a,
+        RunRequest::prompt("Count.")
+            .run_id("counting-1")
+            .model("counting")
+            .thread("support-42"),
+    )
+    .await?;
+    browser.goto(&format!("{console}/#/runs/counting-1")).await?;
+    let text_of_turn = || async {
+        let turn = browser.find(Locator::XPath(&named("Turn 1"))).await.ok()?;
+        turn.text().await.ok()
+    };
+    let first = testkit::wait::until("turn 1's text", PAGE_LIMIT, || async {
+        text_of_turn().await.filter(|t| t.contains("One,"))
+    })
+    .await?;
+    testkit::wait::until("turn 1's text to grow", PAGE_LIMIT, || async {
+        text_of_turn().await.filter(|t| t.len() > first.len() + 4)
+    })
+    .await?;
+    screenshot(browser, "run").await?;
+    shows(browser, "COMPLETED").await?;
+
+    // The runs page lists it; the thread page shows its messages.
+    browser.goto(&format!("{console}/#/runs")).await?;
+    find(
+        browser,
+        "//table[@aria-label='Runs']//a[normalize-space(.)='counting-1']",
+    )
+    .await?;
+    screenshot(browser, "runs").await?;
+    browser.goto(&format!("{console}/#/threads/support-42")).await?;
+    shows(browser, "One, two").await?;
+    screenshot(browser, "thread").await?;
+
+    // A call waiting for approval shows up, is approved in the page, and the run completes.
+    let _approve = start(
+        &alice_a,
+        RunRequest::prompt("Sleep.")
+            .run_id("approve-1")
+            .model("approve")
+            .tool("sleep")
+            .needs_approval("sleep"),
+    )
+    .await?;
+    browser.goto(&format!("{console}/#/waiting")).await?;
+    let waiting = find(browser, &named("sleep in run approve-1")).await?;
+    screenshot(browser, "waiting").await?;
+    waiting
+        .find(Locator::XPath(&format!(".{}", button("Approve"))))
+        .await?
+        .click()
+        .await?;
+    until_status(&alice_b, "approve-1", pb::RunStatus::Completed).await?;
+
+    // A tool's question: a value its schema refuses is refused in the page, a good one taken.
+    let _ask = start(
+        &alice_a,
+        RunRequest::prompt("Return it.")
+            .run_id("ask-1")
+            .model("ask")
+            .tool("shop__return_items"),
+    )
+    .await?;
+    browser.goto(&format!("{console}/#/runs/ask-1")).await?;
+    let quantity = find(browser, &labelled("Quantity")).await?;
+    quantity.send_keys("9").await?;
+    find(browser, &button("Answer")).await?.click().await?;
+    shows(browser, "maximum").await?;
+    until_status(&alice_b, "ask-1", pb::RunStatus::AwaitingInput).await?;
+    let quantity = find(browser, &labelled("Quantity")).await?;
+    quantity.clear().await?;
+    quantity.send_keys("2").await?;
+    find(browser, &button("Answer")).await?.click().await?;
+    until_status(&alice_b, "ask-1", pb::RunStatus::Completed).await?;
+    shows(browser, "2 item(s) of order R-7 booked").await?;
+
+    // The run page keeps following a run whose replica is SIGKILLed while its call runs.
+    let _nap = start(
+        &alice_a,
+        RunRequest::prompt("Rest.").run_id("nap-1").model("nap").tool("sleep"),
+    )
+    .await?;
+    browser.goto(&format!("{console}/#/runs/nap-1")).await?;
+    find(browser, &named("Tool call sleep call_1_0")).await?;
+    if let Some(a) = world.replicas[0].take() {
+        a.kill().await?;
+    }
+    shows(browser, "Rested.").await?;
+    shows(browser, "COMPLETED").await?;
+
+    // Another principal's run: not listed, and its page says "not found".
+    let bob_b = world.client(1, BOB).await?;
+    drop(bob_a);
+    bob_b.run(RunRequest::prompt("Hi.").run_id("bob-1")).await?;
+    browser.goto(&format!("{console}/#/runs")).await?;
+    find(
+        browser,
+        "//table[@aria-label='Runs']//a[normalize-space(.)='counting-1']",
+    )
+    .await?;
+    let listed = browser
+        .find_all(Locator::XPath("//a[normalize-space(.)='bob-1']"))
+        .await?;
+    assert!(listed.is_empty(), "another principal's run is not listed");
+    browser.goto(&format!("{console}/#/runs/bob-1")).await?;
+    find(browser, "//h1[normalize-space(.)='Not found']").await?;
+
+    // Usage, then a POST without the CSRF token, refused.
+    browser.goto(&format!("{console}/#/usage")).await?;
+    find(
+        browser,
+        "//table[@aria-label='Usage']//th[starts-with(normalize-space(.), 'total')]",
+    )
+    .await?;
+    screenshot(browser, "usage").await?;
+    let status = browser
+        .execute(
+            "return fetch('/api/rpc/ListRuns', {method: 'POST', headers: {'content-type': 'application/json'}, body: '{}'}).then(r => r.status)",
+            vec![],
+        )
+        .await?;
+    assert_eq!(status, json!(403), "a POST without the CSRF token");
+
+    // The session cookie is out of the page's reach, every answer carries the policy, and the
+    // token was never logged.
+    assert_eq!(browser.execute("return document.cookie", vec![]).await?, json!(""));
+    let policy = browser
+        .execute(
+            "return fetch('/').then(r => r.headers.get('content-security-policy'))",
+            vec![],
+        )
+        .await?;
+    let policy = policy.as_str().unwrap_or_default();
+    assert!(
+        policy.contains("script-src 'self'") && !policy.contains("unsafe-inline"),
+        "{policy}"
+    );
+    let replica = world.replicas[1]
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("replica b is gone"))?;
+    assert!(replica.logged("console sign-in", Duration::from_secs(5)).await);
+    assert!(
+        !replica.logs().iter().any(|l| l.contains(ALICE)),
+        "the token is never logged"
+    );
+    chrome.stop().await
+}
