@@ -58,7 +58,7 @@ pub(crate) fn status_text(status: &tonic::Status) -> String {
 }
 
 /// The canonical name of a gRPC code (`NOT_FOUND`, `FAILED_PRECONDITION` …).
-pub(crate) fn code_name(code: tonic::Code) -> &'static str {
+pub fn code_name(code: tonic::Code) -> &'static str {
     use tonic::Code as C;
     match code {
         C::Ok => "OK",

@@ -46,7 +46,7 @@ use proto::orchestrator::v1 as pb;
 use tonic::transport::Channel;
 
 pub use builder::{ClientBuilder, DEFAULT_MAX_MESSAGE_BYTES};
-pub use error::Error;
+pub use error::{Error, code_name};
 pub use proto::orchestrator::v1;
 pub use request::RunRequest;
 pub use retry::Retry;

@@ -250,9 +250,7 @@ impl Service {
         self.child.kill().await?;
         Ok(())
     }
-}
 
-impl Service {
     /// The address its log line `message` gave (e.g. "console serving"), if it logged one.
     pub fn address_logged(&self, message: &str) -> Option<String> {
         self.logs().iter().find_map(|line| {

@@ -393,7 +393,6 @@ function runView(runId) {
     // from the Last-Event-ID it saw, on whichever replica answers.
     source = new EventSource(`/api/runs/${encodeURIComponent(runId)}/events?after=0`);
     source.addEventListener("run", (message) => apply(JSON.parse(message.data)));
-    source.addEventListener("broke", () => state.setAttribute("data-broke", "1"));
     source.addEventListener("error", () => {
       if (!stopped && source.readyState === EventSource.CLOSED) setTimeout(() => !stopped && check(), 2000);
     });
@@ -402,9 +401,8 @@ function runView(runId) {
   // The run first (a refusal says "not found" in the page), then its events.
   const check = async () => {
     try {
-      const run = await rpc("GetRun", { runId });
+      await rpc("GetRun", { runId });
       if (!source || source.readyState === EventSource.CLOSED) follow();
-      if (["COMPLETED", "FAILED", "CANCELED"].includes(statusName(run.status)) && !turns.size) state.textContent = "";
     } catch (x) {
       if (x.status === 404) {
         stopped = true;

@@ -252,6 +252,16 @@ async fn shows(browser: &Browser, text: &str) -> TestResult {
     .await
 }
 
+/// Opens the console's page `page` (`#/runs` …).
+async fn visit(browser: &Browser, console: &str, page: &str) -> TestResult {
+    Ok(browser.goto(&format!("{console}/{page}")).await?)
+}
+
+/// The link to run `run_id` in the runs table.
+fn listed(run_id: &str) -> String {
+    format!("//table[@aria-label='Runs']//a[normalize-space(.)={}]", quoted(run_id))
+}
+
 /// Writes the page's screenshot to docs/console/NAME.png under `UPDATE_SCREENSHOTS=1`.
 async fn screenshot(browser: &Browser, name: &str) -> TestResult {
     let png = browser.screenshot().await?;
@@ -298,7 +308,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
             .thread("support-42"),
     )
     .await?;
-    browser.goto(&format!("{console}/#/runs/counting-1")).await?;
+    visit(browser, &console, "#/runs/counting-1").await?;
     let text_of_turn = || async {
         let turn = browser.find(Locator::XPath(&named("Turn 1"))).await.ok()?;
         turn.text().await.ok()
@@ -315,14 +325,10 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     shows(browser, "COMPLETED").await?;
 
     // The runs page lists it; the thread page shows its messages.
-    browser.goto(&format!("{console}/#/runs")).await?;
-    find(
-        browser,
-        "//table[@aria-label='Runs']//a[normalize-space(.)='counting-1']",
-    )
-    .await?;
+    visit(browser, &console, "#/runs").await?;
+    find(browser, &listed("counting-1")).await?;
     screenshot(browser, "runs").await?;
-    browser.goto(&format!("{console}/#/threads/support-42")).await?;
+    visit(browser, &console, "#/threads/support-42").await?;
     shows(browser, "One, two").await?;
     screenshot(browser, "thread").await?;
 
@@ -336,7 +342,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
             .needs_approval("sleep"),
     )
     .await?;
-    browser.goto(&format!("{console}/#/waiting")).await?;
+    visit(browser, &console, "#/waiting").await?;
     let waiting = find(browser, &named("sleep in run approve-1")).await?;
     screenshot(browser, "waiting").await?;
     waiting
@@ -355,7 +361,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
             .tool("shop__return_items"),
     )
     .await?;
-    browser.goto(&format!("{console}/#/runs/ask-1")).await?;
+    visit(browser, &console, "#/runs/ask-1").await?;
     let quantity = find(browser, &labelled("Quantity")).await?;
     quantity.send_keys("9").await?;
     find(browser, &button("Answer")).await?.click().await?;
@@ -374,7 +380,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
         RunRequest::prompt("Rest.").run_id("nap-1").model("nap").tool("sleep"),
     )
     .await?;
-    browser.goto(&format!("{console}/#/runs/nap-1")).await?;
+    visit(browser, &console, "#/runs/nap-1").await?;
     find(browser, &named("Tool call sleep call_1_0")).await?;
     if let Some(a) = world.replicas[0].take() {
         a.kill().await?;
@@ -386,21 +392,17 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     let bob_b = world.client(1, BOB).await?;
     drop(bob_a);
     bob_b.run(RunRequest::prompt("Hi.").run_id("bob-1")).await?;
-    browser.goto(&format!("{console}/#/runs")).await?;
-    find(
-        browser,
-        "//table[@aria-label='Runs']//a[normalize-space(.)='counting-1']",
-    )
-    .await?;
+    visit(browser, &console, "#/runs").await?;
+    find(browser, &listed("counting-1")).await?;
     let listed = browser
         .find_all(Locator::XPath("//a[normalize-space(.)='bob-1']"))
         .await?;
     assert!(listed.is_empty(), "another principal's run is not listed");
-    browser.goto(&format!("{console}/#/runs/bob-1")).await?;
+    visit(browser, &console, "#/runs/bob-1").await?;
     find(browser, "//h1[normalize-space(.)='Not found']").await?;
 
     // Usage, then a POST without the CSRF token, refused.
-    browser.goto(&format!("{console}/#/usage")).await?;
+    visit(browser, &console, "#/usage").await?;
     find(
         browser,
         "//table[@aria-label='Usage']//th[starts-with(normalize-space(.), 'total')]",

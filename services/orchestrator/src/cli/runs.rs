@@ -260,14 +260,12 @@ impl RunsArgs {
                 (false, false) => break Some(page.next_page_token),
             }
         };
-        if printed > 0 {
-            table.print();
+        match printed {
+            0 => println!("no run matches"),
+            _ => table.print(),
         }
         if let Some(token) = more {
             println!("more: --page-token {token}");
-        }
-        if printed == 0 {
-            println!("no run matches");
         }
         Ok(true)
     }

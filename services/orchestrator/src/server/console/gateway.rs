@@ -58,20 +58,7 @@ impl From<Status> for Refused {
             C::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        let code = match status.code() {
-            C::InvalidArgument => "INVALID_ARGUMENT",
-            C::OutOfRange => "OUT_OF_RANGE",
-            C::Unauthenticated => "UNAUTHENTICATED",
-            C::PermissionDenied => "PERMISSION_DENIED",
-            C::NotFound => "NOT_FOUND",
-            C::AlreadyExists => "ALREADY_EXISTS",
-            C::Aborted => "ABORTED",
-            C::FailedPrecondition => "FAILED_PRECONDITION",
-            C::ResourceExhausted => "RESOURCE_EXHAUSTED",
-            C::Unavailable => "UNAVAILABLE",
-            C::DeadlineExceeded => "DEADLINE_EXCEEDED",
-            _ => "INTERNAL",
-        };
+        let code = orchestrator_client::code_name(status.code());
         Self::new(http, code, status.message())
     }
 }

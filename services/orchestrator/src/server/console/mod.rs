@@ -194,11 +194,7 @@ async fn sign_in(
     match console.sessions.sign_in(token.as_deref(), Some(&peer)) {
         Ok((session, cookie)) => {
             tracing::info!(principal = %session.principal.name, remote = ?peer.remote_addr, "console sign-in");
-            let mut answer = json(session_json(&session, console.sessions.authenticates()));
-            if let Ok(cookie) = HeaderValue::from_str(&cookie) {
-                answer.headers_mut().insert(header::SET_COOKIE, cookie);
-            }
-            answer
+            with_cookie(json(session_json(&session, console.sessions.authenticates())), &cookie)
         }
         Err(e) => {
             tracing::info!(remote = ?peer.remote_addr, "console sign-in refused: {e}");
@@ -216,8 +212,12 @@ async fn sign_out(State(console): State<Console>, headers: HeaderMap) -> Respons
     if let Err(refused) = signed_in_to_change(&console, &headers) {
         return refusal(&refused);
     }
-    let mut answer = json("{}".into());
-    if let Ok(cookie) = HeaderValue::from_str(&console.sessions.sign_out_cookie()) {
+    with_cookie(json("{}".into()), &console.sessions.sign_out_cookie())
+}
+
+/// `answer` setting the session cookie to `cookie` (a `Set-Cookie` value).
+fn with_cookie(mut answer: Response, cookie: &str) -> Response {
+    if let Ok(cookie) = HeaderValue::from_str(cookie) {
         answer.headers_mut().insert(header::SET_COOKIE, cookie);
     }
     answer

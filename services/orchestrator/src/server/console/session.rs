@@ -106,26 +106,42 @@ impl Sessions {
         Ok((session, cookie))
     }
 
-    /// Who signs in with these credentials, and how.
+    /// How `token` (or the connection's client certificate) signs in: the token's SHA-256 or
+    /// the certificate's subject (neither on a server without authentication), and who that is.
     #[allow(clippy::type_complexity)]
     fn credentials(
         &self,
         token: Option<&str>,
         peer: Option<&PeerInfo>,
     ) -> Result<(Arc<Principal>, Option<String>, Option<String>), AuthError> {
-        let Some(auth) = &self.auth else {
+        if self.auth.is_none() {
             return Ok((Arc::new(Principal::default()), None, None));
-        };
-        if let Some(token) = token.map(str::trim).filter(|t| !t.is_empty()) {
-            let sha = shared::auth::token_sha256(token);
-            let principal = auth
-                .by_token_sha256(&sha)
-                .map_err(|_| AuthError::Unauthenticated("the token is not valid for this server".into()))?;
-            return Ok((principal, Some(sha), None));
         }
-        match peer.and_then(|p| p.client_subject.clone()) {
-            Some(subject) => Ok((auth.by_subject(&subject)?, None, Some(subject))),
-            None => Err(AuthError::Unauthenticated("sign in with a token".into())),
+        let tok = token
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(shared::auth::token_sha256);
+        let cert = match tok {
+            Some(_) => None,
+            None => peer.and_then(|p| p.client_subject.clone()),
+        };
+        let principal = self.principal(tok.as_deref(), cert.as_deref()).map_err(|e| match tok {
+            Some(_) => AuthError::Unauthenticated("the token is not valid for this server".into()),
+            None => e,
+        })?;
+        Ok((principal, tok, cert))
+    }
+
+    /// Who signed in with the token whose SHA-256 is `tok`, or the certificate naming `cert`: the
+    /// one rule of a sign-in and of every request after it.
+    fn principal(&self, tok: Option<&str>, cert: Option<&str>) -> Result<Arc<Principal>, AuthError> {
+        let Some(auth) = &self.auth else {
+            return Ok(Arc::new(Principal::default()));
+        };
+        match (tok, cert) {
+            (Some(sha), _) => auth.by_token_sha256(sha),
+            (None, Some(subject)) => auth.by_subject(subject),
+            (None, None) => Err(AuthError::Unauthenticated("sign in with a token".into())),
         }
     }
 
@@ -142,12 +158,7 @@ impl Sessions {
                 "the session has expired: sign in again".into(),
             ));
         }
-        let principal = match (&self.auth, &claims.tok, &claims.cert) {
-            (None, ..) => Arc::new(Principal::default()),
-            (Some(auth), Some(sha), _) => auth.by_token_sha256(sha)?,
-            (Some(auth), None, Some(subject)) => auth.by_subject(subject)?,
-            (Some(_), None, None) => return Err(AuthError::Unauthenticated("sign in with a token".into())),
-        };
+        let principal = self.principal(claims.tok.as_deref(), claims.cert.as_deref())?;
         if principal.name != claims.sub {
             return Err(AuthError::Unauthenticated(
                 "the session's credentials changed hands: sign in again".into(),
