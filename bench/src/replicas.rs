@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use crate::stack::{self, Launch, Process};
 
 /// Flags of every replica: a short lease, so a killed replica's runs move within seconds.
-pub(crate) const FLAGS: &[&str] = &["--run-store-lease", "2s", "--handoff-grace", "5s"];
+pub(crate) const FLAGS: &[&str] = &["--run-store-lease", "2s", "--hand-over-grace", "5s"];
 
 /// How long a drained replica may take to exit.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);

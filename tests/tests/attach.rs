@@ -107,7 +107,8 @@ async fn callers_attached_to_a_live_run_follow_it_to_its_end() -> TestResult {
         stream.map(|e| e.map_err(anyhow::Error::from)).collect::<Vec<_>>().await
     };
     let original = tokio::spawn(collect(original));
-    // Attach while the run streams (its first turn takes about 200 ms).
+    // Attach while the run streams (its first turn takes about 200 ms). Stays: how far the run
+    // has got when the attaches come does not change what they must see (every event once).
     tokio::time::sleep(Duration::from_millis(50)).await;
     let (mut a, mut b) = (client.clone(), client.clone());
     let (from_start, from_three) = tokio::join!(attach(&mut a, "attach-live", 0), attach(&mut b, "attach-live", 3));
@@ -202,21 +203,17 @@ async fn a_finished_run_frees_its_slot_while_its_caller_reads_nothing() -> TestR
     });
     let unread = idle.orchestrate(req).await?.into_inner();
     let mut client = stack.client().await?;
-    let ended = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            let run = client
-                .get_run(pb::GetRunRequest {
-                    run_id: "never-read".into(),
-                })
-                .await?
-                .into_inner();
-            if run.status != S::Running as i32 {
-                return anyhow::Ok(run);
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    let ended = testkit::wait::until("the unread run to end", Duration::from_secs(20), || {
+        let mut client = client.clone();
+        async move {
+            let request = pb::GetRunRequest {
+                run_id: "never-read".into(),
+            };
+            let run = client.get_run(request).await.ok()?.into_inner();
+            (run.status != S::Running as i32).then_some(run)
         }
     })
-    .await??;
+    .await?;
     assert_eq!(ended.failure_reason, pb::FailureReason::DeadlineExceeded as i32);
     // The first run's last events are still waiting for its caller; the slot is free already.
     let mut quick = request("go", &[]);

@@ -463,6 +463,7 @@ async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> 
             Ok(()) => break,
             Err(e) if tokio::time::Instant::now() < deadline => {
                 assert!(!e.to_string().contains(password), "{e}");
+                // Stays: the pause between two attempts of a bounded retry (each attempt is checked).
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
             Err(e) => anyhow::bail!("the orchestrator never connected: {e}"),
@@ -732,6 +733,7 @@ async fn the_ha_nats_config_forms_a_cluster_that_keeps_three_copies() -> TestRes
                 break;
             }
             Err(_) if tokio::time::Instant::now() < deadline => {
+                // Stays: the pause between two attempts of a bounded retry.
                 tokio::time::sleep(std::time::Duration::from_millis(300)).await;
             }
             Err(e) => anyhow::bail!("the HA NATS cluster never took a stream of three replicas: {e}"),

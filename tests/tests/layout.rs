@@ -1,4 +1,6 @@
-//! The workspace's layout, checked: no crate has a file-level import cycle.
+//! The workspace's layout, checked: no crate has a file-level import cycle, and every fixed
+//! sleep in an integration test says why it stays (a test waits for a condition with a deadline,
+//! `testkit::wait::until`, unless time itself is what it tests).
 
 use std::path::Path;
 
@@ -21,6 +23,82 @@ fn no_crate_has_a_file_level_import_cycle() -> anyhow::Result<()> {
     }
     assert!(found.is_empty(), "file-level import cycles:\n{}", found.join("\n"));
     Ok(())
+}
+
+/// Where the integration tests are: each package's `tests/` folder.
+const TEST_HOMES: &[&str] = &[
+    "services/orchestrator/tests",
+    "services/tool-runner/tests",
+    "tests/tests",
+    "bench/tests",
+    "crates/client/tests",
+    "crates/demo/tests",
+    "crates/mock-llm/tests",
+    "crates/sim/tests",
+    "crates/testkit/tests",
+];
+
+/// How far above a sleep its reason may be, in lines.
+const REASON_WITHIN: usize = 4;
+
+#[test]
+fn every_fixed_sleep_in_an_integration_test_says_why_it_stays() -> anyhow::Result<()> {
+    let root = testkit::repo_root();
+    let mut unexplained = Vec::new();
+    let mut sleeps = 0;
+    for home in TEST_HOMES {
+        for entry in std::fs::read_dir(root.join(home))? {
+            let path = entry?.path();
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path)?;
+            let (found, missing) = unexplained_sleeps(&text);
+            sleeps += found;
+            unexplained.extend(missing.into_iter().map(|line| format!("{}:{line}", path.display())));
+        }
+    }
+    assert!(sleeps > 0, "no sleep found at all: is the pattern stale?");
+    assert!(
+        unexplained.is_empty(),
+        "fixed sleeps without a `Stays:` reason within {REASON_WITHIN} lines above (wait for the \
+         condition instead, testkit::wait::until):\n{}",
+        unexplained.join("\n")
+    );
+    Ok(())
+}
+
+#[test]
+fn a_sleep_without_its_reason_is_found() {
+    let text = "fn a() {\n    // Stays: time is the subject.\n    tokio::time::sleep(d).await;\n    a();\n    b();\n    c();\n    let sleep = || Step::call(\"sleep\", x);\n    std::thread::sleep(d);\n    // std::thread::sleep(d);\n    let s = \"tokio::time::sleep(d)\";\n}\n";
+    assert_eq!(unexplained_sleeps(text), (2, vec![8]));
+}
+
+/// How many `time::sleep(` / `thread::sleep(` calls `text` has (in code, not in a comment or
+/// after a quote), and the lines (from 1) of those with no comment saying `Stays` just above.
+fn unexplained_sleeps(text: &str) -> (usize, Vec<usize>) {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = 0;
+    let mut missing = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let code = line.split("//").next().unwrap_or_default();
+        let called = ["time::sleep(", "thread::sleep("]
+            .iter()
+            .filter_map(|call| code.find(call))
+            .any(|at| !code[..at].contains('"'));
+        if !called {
+            continue;
+        }
+        found += 1;
+        let above = &lines[i.saturating_sub(REASON_WITHIN)..i];
+        if !above
+            .iter()
+            .any(|l| l.trim_start().starts_with("//") && l.contains("Stays"))
+        {
+            missing.push(i + 1);
+        }
+    }
+    (found, missing)
 }
 
 /// The workspace's crates as the root `Cargo.toml` lists them (`members = [...]`), so a new crate

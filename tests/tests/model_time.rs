@@ -180,7 +180,8 @@ async fn a_failing_endpoint_is_failed_over_ejected_and_let_back_in() -> TestResu
     // at once, and eject it, so it is not asked again while ejected.
     one_by_one("first").await?;
     assert_eq!(runs_served(&failing).len(), 2, "{:?}", runs_served(&failing));
-    // Let back in, it serves the runs that prefer it.
+    // Let back in, it serves the runs that prefer it. Stays: the ejection lasts a time (its
+    // setting), which is what is under test.
     tokio::time::sleep(std::time::Duration::from_millis(4500)).await;
     one_by_one("second").await?;
     let served_later = runs_served(&failing).iter().filter(|r| r.starts_with("second")).count();

@@ -3,7 +3,7 @@
 //! worth per event, the first delta of each turn at once, with the stream invariants intact (the
 //! stack checks them on every run); and the interval a request asks for on both sides of the
 //! server's ceiling; with the LLM's socket read by the run itself (`--llm-reader run`) and by the
-//! shared client (`pooled`). How many events exactly is the unit tests' (`run/tool_loop/tests.rs`, on a
+//! shared client (`pooled`). How many events exactly is the unit tests' (`run/tool_loop/tests/`, on a
 //! paused clock); here the margins are wide, as the machine may be slow.
 
 use std::time::Duration;

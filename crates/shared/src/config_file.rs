@@ -4,6 +4,10 @@
 //! command-line arguments before clap parses, so every value goes through its flag's own parser,
 //! bounds and error message. Precedence: a flag, then its environment variable, then the file,
 //! then the default. Unknown keys are errors (a misspelt setting is never ignored).
+//!
+//! A renamed flag keeps its old name for one release ([`Renamed`], the flag's hidden clap
+//! `alias`): on the command line, as a key of the file and as its old environment variable, each
+//! use said in a warning ([`with_renamed_flags`]).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -11,9 +15,71 @@ use std::path::{Path, PathBuf};
 /// The largest settings file read.
 pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
 
+/// A flag renamed: its old name and environment variable still work, with a warning, until the
+/// next release drops them.
+#[derive(Debug, Clone, Copy)]
+pub struct Renamed {
+    /// The old long name, without `--` (also the flag's hidden clap `alias`).
+    pub old: &'static str,
+    /// The new long name.
+    pub new: &'static str,
+    /// The old environment variable.
+    pub old_env: &'static str,
+    /// The new environment variable.
+    pub new_env: &'static str,
+}
+
+/// `argv` with the old names of `renamed` flags given for `serve` turned into the new ones: a
+/// flag on the command line (or added from the settings file), or an old environment variable
+/// when neither the new one nor the flag is set (its value becomes the flag, below any flag
+/// given). One warning per old name used, for the caller to print.
+pub fn with_renamed_flags(
+    command: &clap::Command,
+    argv: Vec<OsString>,
+    renamed: &[Renamed],
+) -> (Vec<OsString>, Vec<String>) {
+    let Some(start) = serve_position(command, &argv) else {
+        return (argv, Vec::new());
+    };
+    let mut argv = argv;
+    let mut warnings = Vec::new();
+    for rename in renamed {
+        let (old, new) = (format!("--{}", rename.old), format!("--{}", rename.new));
+        let mut used = false;
+        for arg in &mut argv[start..] {
+            let Some(text) = arg.to_str() else { continue };
+            if text == old || text.starts_with(&format!("{old}=")) {
+                *arg = format!("{new}{}", &text[old.len()..]).into();
+                used = true;
+            }
+        }
+        if used {
+            warnings.push(format!("{old} is renamed {new}; the old name goes in the next release"));
+        }
+        let given = argv[start..].iter().any(|a| {
+            a.to_str()
+                .is_some_and(|a| a == new || a.starts_with(&format!("{new}=")))
+        });
+        if let Some(value) = std::env::var_os(rename.old_env).filter(|_| std::env::var_os(rename.new_env).is_none()) {
+            warnings.push(format!(
+                "{} is renamed {}; the old name goes in the next release",
+                rename.old_env, rename.new_env
+            ));
+            if !given {
+                let mut flag = OsString::from(format!("{new}="));
+                flag.push(value);
+                argv.push(flag);
+            }
+        }
+    }
+    (argv, warnings)
+}
+
 /// How one flag takes its values.
 struct Flag {
     long: String,
+    /// Its other names (a renamed flag's old one), which a key of the file may use too.
+    aliases: Vec<String>,
     env: Option<OsString>,
     /// A switch (`--flag`, no value).
     switch: bool,
@@ -46,22 +112,24 @@ pub fn with_settings_file(
         let long = key.replace('_', "-");
         let flag = flags
             .iter()
-            .find(|f| f.long == long && f.long != "config")
+            .find(|f| (f.long == long || f.aliases.contains(&long)) && f.long != "config")
             .ok_or_else(|| {
                 format!(
                     "{}: unknown setting {key:?}; the keys are the long flags of `serve` (see --help)",
                     path.display()
                 )
             })?;
-        let on_command_line = argv[insert_at..].iter().any(|a| {
-            a.to_str()
-                .is_some_and(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")))
+        let on_command_line = std::iter::once(&flag.long).chain(&flag.aliases).any(|name| {
+            argv[insert_at..].iter().any(|a| {
+                a.to_str()
+                    .is_some_and(|a| a == format!("--{name}") || a.starts_with(&format!("--{name}=")))
+            })
         });
         let in_environment = flag.env.as_ref().is_some_and(|env| std::env::var_os(env).is_some());
         if on_command_line || in_environment {
             continue;
         }
-        added.extend(arguments(flag, value).map_err(|e| format!("{}: {key}: {e}", path.display()))?);
+        added.extend(arguments(flag, &long, value).map_err(|e| format!("{}: {key}: {e}", path.display()))?);
     }
     let mut argv = argv;
     argv.splice(insert_at..insert_at, added);
@@ -99,6 +167,12 @@ fn flag(arg: &clap::Arg) -> Option<Flag> {
     let repeatable = matches!(arg.get_action(), clap::ArgAction::Append);
     Some(Flag {
         long,
+        aliases: arg
+            .get_all_aliases()
+            .unwrap_or_default()
+            .into_iter()
+            .map(str::to_owned)
+            .collect(),
         env: arg.get_env().map(OsString::from),
         switch,
         repeatable,
@@ -116,9 +190,8 @@ fn read(path: &Path) -> Result<toml::Table, String> {
         .map_err(|e| format!("--config {shown}: not a TOML table of settings: {e}"))
 }
 
-/// The arguments one setting stands for.
-fn arguments(flag: &Flag, value: &toml::Value) -> Result<Vec<OsString>, String> {
-    let long = &flag.long;
+/// The arguments one setting stands for, under the name the file gave it (`long`).
+fn arguments(flag: &Flag, long: &str, value: &toml::Value) -> Result<Vec<OsString>, String> {
     match value {
         toml::Value::Boolean(on) if flag.switch => Ok(if *on {
             vec![format!("--{long}").into()]
@@ -165,7 +238,16 @@ mod tests {
         verbose: bool,
         #[arg(long, default_value = "a")]
         name: String,
+        #[arg(long, alias = "old-grace", env = "SHARED_CONFIG_TEST_NEW_GRACE", default_value = "1")]
+        new_grace: u32,
     }
+
+    const RENAMED: &[Renamed] = &[Renamed {
+        old: "old-grace",
+        new: "new-grace",
+        old_env: "SHARED_CONFIG_TEST_OLD_GRACE",
+        new_env: "SHARED_CONFIG_TEST_NEW_GRACE",
+    }];
 
     #[derive(Debug, Subcommand)]
     enum Sub {
@@ -192,13 +274,51 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> Result<Serve, String> {
+        parse_warned(args).map(|(serve, _)| serve)
+    }
+
+    fn parse_warned(args: &[&str]) -> Result<(Serve, Vec<String>), String> {
         let argv = args.iter().map(OsString::from).collect();
         let argv = with_settings_file(&Cli::command(), argv, "SHARED_CONFIG_TEST_UNSET")?;
+        let (argv, warnings) = with_renamed_flags(&Cli::command(), argv, RENAMED);
         let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
-        Ok(match cli.command {
+        let serve = match cli.command {
             Some(Sub::Serve(serve)) => serve,
             _ => cli.serve,
-        })
+        };
+        Ok((serve, warnings))
+    }
+
+    #[test]
+    fn a_renamed_flag_keeps_its_old_name_with_a_warning() {
+        let (serve, warnings) = parse_warned(&["svc", "--old-grace", "7"]).unwrap();
+        assert_eq!(serve.new_grace, 7);
+        assert_eq!(
+            warnings,
+            ["--old-grace is renamed --new-grace; the old name goes in the next release"]
+        );
+        let (serve, warnings) = parse_warned(&["svc", "serve", "--old-grace=8"]).unwrap();
+        assert_eq!((serve.new_grace, warnings.len()), (8, 1));
+        // The new name says nothing; a key of the file under the old name is taken and said.
+        let (serve, warnings) = parse_warned(&["svc", "--new-grace", "9"]).unwrap();
+        assert_eq!((serve.new_grace, warnings.len()), (9, 0));
+        let f = file("old-grace = 5\n");
+        let (serve, warnings) = parse_warned(&["svc", "--config", f.path().to_str().unwrap()]).unwrap();
+        assert_eq!((serve.new_grace, warnings.len()), (5, 1));
+        // A flag under either name wins over the file.
+        let (serve, _) = parse_warned(&["svc", "--config", f.path().to_str().unwrap(), "--old-grace", "4"]).unwrap();
+        assert_eq!(serve.new_grace, 4);
+    }
+
+    #[test]
+    fn another_subcommand_keeps_its_arguments() {
+        let (argv, warnings) = with_renamed_flags(
+            &Cli::command(),
+            ["svc", "call", "--prompt", "--old-grace"].map(OsString::from).to_vec(),
+            RENAMED,
+        );
+        assert_eq!(argv[3], "--old-grace");
+        assert!(warnings.is_empty());
     }
 
     #[test]

@@ -10,6 +10,7 @@ const PROBE: &str = "TESTKIT_WATCHDOG_PROBE";
 fn a_binary_past_its_limit_is_ended_with_a_message() -> anyhow::Result<()> {
     if std::env::var_os(PROBE).is_some() {
         testkit::arm_watchdog();
+        // Stays: the probe must outlive the watchdog's limit, which is what is under test.
         std::thread::sleep(Duration::from_secs(60));
         return Ok(());
     }

@@ -5,18 +5,17 @@
 //!   ports the loop and the server talk through;
 //! * [`run`] (module): the tool loop — nothing there knows about gRPC or HTTP;
 //! * `registry`: the live runs of this replica — slots, admission, attach, cancel, steering;
-//! * [`threads`]: conversations across runs, changed by their rules on the thread store;
-//! * [`server`]: [`serve`], the shared state every request and background task uses (`Core`),
-//!   the background tasks (takeover, unparking, remote cancels and messages) and the gRPC adapter
-//!   (`server::grpc`);
+//! * [`threads`]: threads across runs: the keeper (changes by their rules on the thread store)
+//!   and the busy policies;
+//! * [`server`]: [`serve`] and a folder per role: the application core (`Core`, the operations
+//!   every face calls), the background tasks (takeover, unparking, remote cancels and messages),
+//!   the gRPC face (`server::grpc`) and the console's pages;
 //! * the adapters of the ports: [`llm`] (the model fleet), [`tool_runners`] (the tool-runners'
 //!   gRPC client), [`signals`] (the signal topic), [`store`] (results, event logs, approvals,
 //!   threads, the journal of durable runs; a folder per backend);
 //! * [`config`]: the settings, in sections; `error`: the crate's error and its gRPC codes;
-//!   [`cli`]: the command line and its client commands (`call`, `approvals`, `decide`, `say`,
-//!   `thread`);
-//!   `telemetry`: span and
-//!   metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
+//!   [`cli`]: the command line and its client commands (`call`, `get`, `cancel`, `runs`,
+//!   `approvals`, `decide`, `answer`, `say`, `thread`, `usage`); `telemetry`: span and metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
 //!   keeps); [`json`]: the contract's JSON mapping (the CLI's `--json`, the console's pages);
 //!   `nats`: JetStream streams both NATS adapters set up.
 

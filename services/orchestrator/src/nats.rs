@@ -1,4 +1,4 @@
-//! What the NATS adapters (the signal topic, the result store, the event log, the approval lot)
+//! What the NATS adapters (the signal topic, the result store, the event log, the approval store)
 //! share: their JetStream streams as this deployment sets them. A stream is created when missing
 //! with `--nats-replicas` copies, and one that exists with another count (created before the
 //! setting changed, or by hand) is brought to it, so that scaling a NATS cluster up to three nodes

@@ -117,7 +117,7 @@ pub(super) fn error_pb(e: &ToolCallError) -> pb::ToolCallError {
     }
 }
 
-pub(crate) fn usage_pb(u: crate::llm::Usage) -> pb::Usage {
+pub(crate) fn usage_pb(u: crate::domain::chat::Usage) -> pb::Usage {
     pb::Usage {
         prompt_tokens: u.prompt_tokens,
         completion_tokens: u.completion_tokens,
@@ -125,8 +125,8 @@ pub(crate) fn usage_pb(u: crate::llm::Usage) -> pb::Usage {
     }
 }
 
-fn usage_of(u: pb::Usage) -> crate::llm::Usage {
-    crate::llm::Usage {
+fn usage_of(u: pb::Usage) -> crate::domain::chat::Usage {
+    crate::domain::chat::Usage {
         prompt_tokens: u.prompt_tokens,
         completion_tokens: u.completion_tokens,
         cached_prompt_tokens: u.cached_prompt_tokens,

@@ -139,26 +139,23 @@ async fn wait_status(
     run_id: &str,
     status: pb::RunStatus,
 ) -> anyhow::Result<pb::RunResult> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        // A run started by another process may not be there yet.
-        let result = match client
-            .get_run(as_(token, pb::GetRunRequest { run_id: run_id.into() }))
-            .await
-        {
-            Ok(result) => Some(result.into_inner()),
-            Err(status) if status.code() == tonic::Code::NotFound => None,
-            Err(status) => return Err(status.into()),
-        };
-        if let Some(result) = result.as_ref().filter(|r| r.status == status as i32) {
-            return Ok(result.clone());
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "run {run_id} never read {status:?}: {result:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // A run started by another process may not be there yet.
+    testkit::wait::until(
+        &format!("run {run_id} to read {status:?}"),
+        Duration::from_secs(20),
+        || {
+            let mut client = client.clone();
+            async move {
+                let result = client
+                    .get_run(as_(token, pb::GetRunRequest { run_id: run_id.into() }))
+                    .await
+                    .ok()?
+                    .into_inner();
+                (result.status == status as i32).then_some(result)
+            }
+        },
+    )
+    .await
 }
 
 fn decision(call_id: &str, kind: pb::DecisionKind, message: &str, arguments: &str) -> pb::ToolCallDecision {
@@ -643,6 +640,7 @@ async fn a_late_decision_is_refused(client: &mut Client, run_id: &str) -> TestRe
         anyhow::bail!("no approval_requested");
     };
     let expires_in = asked.expires_at_unix_ms.saturating_sub(shared::sync::unix_ms());
+    // Stays: the expiry is a time, and the decision must come after it.
     tokio::time::sleep(Duration::from_millis(expires_in + 400)).await;
     let Err(late) = decide(
         client,
@@ -770,6 +768,7 @@ async fn the_deadline_runs_while_waiting_unless_paused() -> TestResult {
         pb::RunStatus::AwaitingApproval,
     )
     .await?;
+    // Stays: the run's deadline (800 ms) must pass, and what is asserted is that nothing happens.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let still = get(&mut client, "alice-token", "deadline-2").await?;
     assert_eq!(

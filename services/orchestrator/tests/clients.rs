@@ -576,6 +576,7 @@ async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -
             if !stdout.trim().is_empty() || tokio::time::Instant::now() > deadline {
                 break stdout;
             }
+            // Stays: the pause between two runs of a client program polling (a process per look).
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
         let listed: Value = serde_json::from_str(listed.lines().next().unwrap_or("null"))?;
@@ -749,6 +750,7 @@ async fn replay_until_expected(recipe: &str, line: &str) -> TestResult {
             return Ok(());
         }
         assert!(tokio::time::Instant::now() < deadline, "{recipe} printed:\n{printed}");
+        // Stays: the pause between two runs of a recipe polling (a process per look).
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

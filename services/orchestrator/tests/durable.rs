@@ -105,8 +105,8 @@ struct Fleet {
     replicas: Vec<Option<Service>>,
     /// The gRPC addresses of the replicas serving now, as callers would find them.
     serving: Arc<Mutex<Vec<String>>>,
-    /// `--handoff-grace` of the replicas started from now on.
-    handoff_grace: &'static str,
+    /// `--hand-over-grace` of the replicas started from now on.
+    hand_over_grace: &'static str,
     /// `--run-store-lease` of the replicas started from now on.
     lease: &'static str,
     /// More flags of the replicas started from now on.
@@ -147,7 +147,7 @@ impl Fleet {
             runner_url,
             replicas: Vec::new(),
             serving: Arc::default(),
-            handoff_grace: "5s",
+            hand_over_grace: "5s",
             lease: "2s",
             flags: Vec::new(),
             log_books: Vec::new(),
@@ -189,7 +189,12 @@ impl Fleet {
         // A takeover's calls wait the fence grace: short here, with the runners' fence reads
         // bounded as short (FENCE_READ), as the rule between the two settings wants.
         command
-            .args(["--run-store-lease", self.lease, "--handoff-grace", self.handoff_grace])
+            .args([
+                "--run-store-lease",
+                self.lease,
+                "--hand-over-grace",
+                self.hand_over_grace,
+            ])
             .args(["--run-fence-grace", "500ms"])
             .args(&self.flags);
         let replica = Service::orchestrator(command).await?;
@@ -273,6 +278,7 @@ impl Fleet {
                 Ok(counts) => return Ok(counts),
                 Err(e) if tokio::time::Instant::now() < deadline => {
                     eprintln!("reading the signal stream: {e:#}; asking again");
+                    // Stays: the pause between two asks of a bounded retry, not a wait.
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 Err(e) => return Err(e.context("reading the signal stream")),
@@ -483,6 +489,7 @@ impl Follower {
                     }
                 }
             }
+            // Stays: the pause before re-attaching (the run is moving), not a wait.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         anyhow::bail!("run {run_id} did not finish; {} events seen", events.len())
@@ -859,18 +866,12 @@ async fn all_completed(fleet: &Fleet, followers: Vec<Following>, text: &str, max
         signals.values().all(|&n| n == 1),
         "every signal is published once: {signals:?}"
     );
-    let gauges = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match fleet.in_flight().await {
-                Ok((runs, calls)) if runs == 0.0 && calls == 0.0 => return Ok(()),
-                Ok(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-                Err(e) => return Err(e),
-            }
-        }
+    let gauges = testkit::wait::until("the in-flight gauges at 0", Duration::from_secs(10), || async {
+        matches!(fleet.in_flight().await, Ok((runs, calls)) if runs == 0.0 && calls == 0.0).then_some(())
     })
     .await;
     match gauges {
-        Ok(result) => result,
+        Ok(()) => Ok(()),
         Err(_) => anyhow::bail!("in-flight gauges not back to 0: {:?}", fleet.in_flight().await?),
     }
 }
@@ -886,7 +887,7 @@ async fn a_rolling_deploy_of_every_replica_moves_100_runs_and_loses_nothing() ->
     let words = "w0 w1 w2 ";
     let turns = 8;
     let mut fleet = Fleet::start(0, scenario(turns, words), 1500).await?;
-    fleet.handoff_grace = "10s";
+    fleet.hand_over_grace = "10s";
     // Drains move runs at their safe points, without waiting for a lease; a lease of 2 s can
     // lapse on a loaded CI machine (renewed every third of it), and another replica then takes
     // over a run whose call is still running, which is the lost-replica case this test is not
@@ -902,8 +903,15 @@ async fn a_rolling_deploy_of_every_replica_moves_100_runs_and_loses_nothing() ->
     }
     let followers = follow_all(&fleet, &runs);
     let mut moved = 0;
+    let mut events_before = vec![0; followers.len()];
     for replica in 0..3 {
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Each run goes on (an event it had not when the last replica went) before the next goes.
+        for ((run_id, seen, _), before) in followers.iter().zip(&mut events_before) {
+            let at_least = *before;
+            *before = until(&mut seen.clone(), &format!("{run_id} to go on"), |e| e.len() > at_least)
+                .await?
+                .len();
+        }
         let done = followers.iter().filter(|(_, seen, _)| finished(&seen.borrow())).count();
         if let Some((run_id, seen, _)) = followers.iter().find(|(_, seen, _)| finished(&seen.borrow())) {
             anyhow::bail!(
@@ -936,9 +944,15 @@ async fn hand_over_across_a_nats_restart(outage: Duration) -> TestResult {
         start_detached(&a, run_id).await?;
     }
     let followers = follow_all(&fleet, &runs);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for (run_id, seen, _) in &followers {
+        until(&mut seen.clone(), &format!("{run_id}'s first call"), |e| {
+            !in_flight(e).is_empty()
+        })
+        .await?;
+    }
     let draining = fleet.begin_drain(0)?;
     fleet.nats.single()?.stop().await?;
+    // Stays: the outage's length is the fault under test.
     tokio::time::sleep(outage).await;
     fleet.nats.single()?.restart().await?;
     drained(draining).await?;
@@ -1004,11 +1018,13 @@ async fn runs_through_a_fault_of_their_replica(fault: Fault, prefix: &str) -> Te
     match fault {
         Fault::CutOff(outage) => {
             proxy.cut();
+            // Stays, as the pause below: the fault's length is what is under test.
             tokio::time::sleep(outage).await;
             proxy.heal();
         }
         Fault::Paused(pause) => {
             replica.signal(nix::sys::signal::Signal::SIGSTOP)?;
+            // Stays: the pause's length is the fault under test.
             tokio::time::sleep(pause).await;
             replica.signal(nix::sys::signal::Signal::SIGCONT)?;
         }

@@ -160,23 +160,16 @@ async fn assert_fault(
 
 /// In-flight gauges back to 0 (within a few seconds: the slot is freed after the final send).
 async fn settled(service: &Service) -> TestResult {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let metrics = scrape(&service.metrics).await?;
-        let runs = metrics.get("orchestrator_runs_in_flight{}").copied().unwrap_or(-1.0);
-        let calls = metrics
-            .get("orchestrator_tool_calls_in_flight{}")
-            .copied()
-            .unwrap_or(-1.0);
-        if (runs, calls) == (0.0, 0.0) {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "gauges not back to 0: runs {runs}, calls {calls}"
+    testkit::wait::until("the in-flight gauges back to 0", Duration::from_secs(5), || async {
+        let metrics = scrape(&service.metrics).await.ok()?;
+        let gauge = |name: &str| metrics.get(name).copied().unwrap_or(-1.0);
+        let gauges = (
+            gauge("orchestrator_runs_in_flight{}"),
+            gauge("orchestrator_tool_calls_in_flight{}"),
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        (gauges == (0.0, 0.0)).then_some(())
+    })
+    .await
 }
 
 /// The stand-in model with a `fine` scenario and `name` → `scenario`.
@@ -402,6 +395,8 @@ async fn serve_raw(mut socket: TcpStream, fault: Option<Raw>) -> std::io::Result
             socket
                 .write_all(format!("{head}{:x}\r\n{piece}\r\n", piece.len()).as_bytes())
                 .await?;
+            // Stays: the stand-in server's own pacing (the piece reaches the client before the
+            // reset), not a wait for a condition.
             tokio::time::sleep(Duration::from_millis(100)).await;
             socket.set_zero_linger()?;
         }
@@ -729,14 +724,14 @@ async fn a_caller_that_stops_reading_is_given_up_within_the_send_timeout() -> Te
         })
         .await?
         .into_inner();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let stored = loop {
-        let r = get_run(&mut client, "not-reading").await?;
-        if r.status() != Status::Running || tokio::time::Instant::now() > deadline {
-            break r;
+    let stored = testkit::wait::until("the run to end", Duration::from_secs(60), || {
+        let mut client = client.clone();
+        async move {
+            let r = get_run(&mut client, "not-reading").await.ok()?;
+            (r.status() != Status::Running).then_some(r)
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await?;
     assert_eq!(stored.status(), Status::Canceled, "{}", stored.failure_detail);
     assert!(
         stored.failure_detail.contains("stopped reading"),
@@ -1024,6 +1019,8 @@ async fn nats_down_mid_call_stops_the_run_and_it_completes_from_its_checkpoint_o
             .await,
         "the run stopped when its checkpoint could not be saved"
     );
+    // Stays: NATS stays down a while longer after the run stopped acting (the outage is the
+    // fault under test); the run must then resume from its checkpoint.
     tokio::time::sleep(Duration::from_secs(1)).await;
     nats.restart().await?;
 
@@ -1066,15 +1063,16 @@ async fn a_full_signal_stream_marks_signals_undelivered_and_the_run_keeps_them()
     // run_finished does not wait for the broker: the signal is PENDING there, and the stored
     // result says how its delivery ended.
     assert_eq!(seen.result.signals.len(), 1, "{:?}", seen.result.signals);
-    let mut here = client(&service).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let stored = loop {
-        let stored = get_run(&mut here, seen.result.run_id.clone()).await?;
-        if stored.signals[0].delivery() != pb::SignalDelivery::Pending || tokio::time::Instant::now() > deadline {
-            break stored;
+    let here = client(&service).await?;
+    let run_id = seen.result.run_id.clone();
+    let stored = testkit::wait::until("the signal's delivery to end", Duration::from_secs(20), || {
+        let (mut here, run_id) = (here.clone(), run_id.clone());
+        async move {
+            let stored = get_run(&mut here, run_id).await.ok()?;
+            (stored.signals.first()?.delivery() != pb::SignalDelivery::Pending).then_some(stored)
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await?;
     let signal = &stored.signals[0];
     assert_eq!(signal.delivery(), pb::SignalDelivery::Undelivered);
     assert!(

@@ -12,8 +12,8 @@ use std::time::Duration;
 use async_nats::jetstream;
 use orchestrator::domain::RunResult;
 use orchestrator::domain::approval::{Decider, Decision, DecisionKind, PendingApproval};
-use orchestrator::domain::ports::{ApprovalLot, Claim, ResultStore, RunJournal, Wait};
-use orchestrator::store::nats::{KvStore, NatsLot};
+use orchestrator::domain::ports::{ApprovalStore, Claim, ResultStore, RunJournal, Wait};
+use orchestrator::store::nats::{KvStore, NatsApprovals};
 use testkit::nats::Nats;
 
 type TestResult = anyhow::Result<()>;
@@ -91,8 +91,8 @@ fn wait(run_id: &str, calls: &[&str], epoch: u64) -> Wait {
 }
 
 /// The decided calls of the run's wait, and whether one is open.
-async fn decided(lot: &NatsLot, run_id: &str) -> anyhow::Result<Option<Vec<String>>> {
-    Ok(lot.waiting(run_id).await?.map(|w| {
+async fn decided(approvals: &NatsApprovals, run_id: &str) -> anyhow::Result<Option<Vec<String>>> {
+    Ok(approvals.waiting(run_id).await?.map(|w| {
         w.calls
             .into_iter()
             .filter(|c| c.decision.is_some())
@@ -109,7 +109,7 @@ async fn an_approval_wait_is_fenced_by_the_epoch_that_opened_it() -> TestResult 
     let nats = Nats::start().await?;
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
     let store = Arc::new(replica_store(&js, "waits-runs", "a", Duration::from_secs(5)).await?);
-    let lot = NatsLot::open(&js, "waits-runs", Duration::from_secs(60), store)
+    let approvals = NatsApprovals::open(&js, "waits-runs", Duration::from_secs(60), store)
         .await
         .map_err(anyhow::Error::msg)?;
     let person = Decider {
@@ -117,49 +117,60 @@ async fn an_approval_wait_is_fenced_by_the_epoch_that_opened_it() -> TestResult 
         approver: true,
         approver_required: false,
     };
-    lot.open(wait("r", &["call_1", "call_2"], 2))
+    approvals
+        .open(wait("r", &["call_1", "call_2"], 2))
         .await
         .map_err(anyhow::Error::msg)?;
     let approve = Decision {
         call_id: "call_1".to_owned(),
         kind: DecisionKind::Approve,
     };
-    lot.decide("r", &person, &[approve]).await?;
+    approvals.decide("r", &person, &[approve]).await?;
 
-    let refused = lot
+    let refused = approvals
         .open(wait("r", &["call_9"], 1))
         .await
         .expect_err("a replaced owner's wait");
     assert!(refused.contains("epoch 2") && refused.contains("epoch 1"), "{refused}");
-    lot.close("r", 1).await;
+    approvals.close("r", 1).await;
     assert_eq!(
-        decided(&lot, "r").await?,
+        decided(&approvals, "r").await?,
         Some(vec!["call_1".to_owned()]),
         "the wait stands, decided"
     );
 
-    lot.open(wait("r", &["call_1", "call_2"], 2))
+    approvals
+        .open(wait("r", &["call_1", "call_2"], 2))
         .await
         .map_err(anyhow::Error::msg)?;
     assert_eq!(
-        decided(&lot, "r").await?,
+        decided(&approvals, "r").await?,
         Some(vec!["call_1".to_owned()]),
         "opened again, its decision kept"
     );
-    lot.open(wait("r", &["call_3"], 3)).await.map_err(anyhow::Error::msg)?;
+    approvals
+        .open(wait("r", &["call_3"], 3))
+        .await
+        .map_err(anyhow::Error::msg)?;
     assert_eq!(
-        decided(&lot, "r").await?,
+        decided(&approvals, "r").await?,
         Some(Vec::new()),
         "a newer owner's next turn replaces it"
     );
-    lot.close("r", 3).await;
-    assert_eq!(decided(&lot, "r").await?, None);
-    lot.open(wait("r", &["call_4"], 3)).await.map_err(anyhow::Error::msg)?;
-    assert!(decided(&lot, "r").await?.is_some(), "a closed wait is opened again");
+    approvals.close("r", 3).await;
+    assert_eq!(decided(&approvals, "r").await?, None);
+    approvals
+        .open(wait("r", &["call_4"], 3))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert!(
+        decided(&approvals, "r").await?.is_some(),
+        "a closed wait is opened again"
+    );
     Ok(())
 }
 
-/// A parked run that wakes past its calls' expiry decides them so in the lot first: a person's
+/// A parked run that wakes past its calls' expiry decides them so in the approval store first: a person's
 /// answer that lands after that is refused (it names the timeout), and one that landed before
 /// it is what the run goes on with. Each call is decided once, by whichever came first.
 #[tokio::test]
@@ -168,7 +179,7 @@ async fn a_late_decision_and_the_wake_never_both_land() -> TestResult {
     let nats = Nats::start().await?;
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
     let store = Arc::new(replica_store(&js, "late-runs", "a", Duration::from_secs(5)).await?);
-    let lot = NatsLot::open(&js, "late-runs", Duration::from_secs(60), store)
+    let approvals = NatsApprovals::open(&js, "late-runs", Duration::from_secs(60), store)
         .await
         .map_err(anyhow::Error::msg)?;
     let person = Decider {
@@ -182,10 +193,13 @@ async fn a_late_decision_and_the_wake_never_both_land() -> TestResult {
     };
     let mut late = wait("late", &["call_1", "call_2"], 1);
     late.calls[0].0.expires_at_unix_ms = shared::sync::unix_ms();
-    lot.open(late).await.map_err(anyhow::Error::msg)?;
+    approvals.open(late).await.map_err(anyhow::Error::msg)?;
 
-    lot.decide("late", &person, &[approve("call_2")]).await?;
-    let woken = lot.wake("late", shared::sync::unix_ms()).await?.expect("the wait");
+    approvals.decide("late", &person, &[approve("call_2")]).await?;
+    let woken = approvals
+        .wake("late", shared::sync::unix_ms())
+        .await?
+        .expect("the wait");
     let by: Vec<Option<String>> = woken
         .calls
         .iter()
@@ -196,11 +210,14 @@ async fn a_late_decision_and_the_wake_never_both_land() -> TestResult {
         [Some(TIMEOUT_PRINCIPAL.to_owned()), Some("ana".to_owned())],
         "the expired call is decided by the timeout, the answered one by the person"
     );
-    match lot.decide("late", &person, &[approve("call_1")]).await {
+    match approvals.decide("late", &person, &[approve("call_1")]).await {
         Err(DecideError::AlreadyDecided { principal, .. }) => assert_eq!(principal, TIMEOUT_PRINCIPAL),
         other => panic!("a decision after the wake is refused as decided by the timeout: {other:?}"),
     }
-    let again = lot.wake("late", shared::sync::unix_ms()).await?.expect("the wait");
+    let again = approvals
+        .wake("late", shared::sync::unix_ms())
+        .await?
+        .expect("the wait");
     assert_eq!(again.calls, woken.calls, "a second wake changes nothing");
     Ok(())
 }
@@ -217,7 +234,7 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
     let lease = Duration::from_millis(500);
     let a = Arc::new(replica_store(&js, "parked-runs", "a", lease).await?);
     let b = replica_store(&js, "parked-runs", "b", lease).await?;
-    let lot = NatsLot::open(&js, "parked-runs", Duration::from_secs(60), Arc::clone(&a))
+    let approvals = NatsApprovals::open(&js, "parked-runs", Duration::from_secs(60), Arc::clone(&a))
         .await
         .map_err(anyhow::Error::msg)?;
     let deadline = shared::sync::unix_ms() + 60_000;
@@ -226,7 +243,8 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
         a.claim_resumable(running.clone(), deadline, b"start".to_vec()).await,
         Ok(Claim::Claimed)
     ));
-    lot.open(wait("parked.run", &["call_1"], 1))
+    approvals
+        .open(wait("parked.run", &["call_1"], 1))
         .await
         .map_err(anyhow::Error::msg)?;
     let parked = Parked {
@@ -240,7 +258,10 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
         deadline_unix_ms: deadline,
         log: None,
     };
-    assert!(matches!(lot.park("parked.run", parked).await?, ParkOutcome::Parked));
+    assert!(matches!(
+        approvals.park("parked.run", parked).await?,
+        ParkOutcome::Parked
+    ));
     assert!(b.orphans().await?.is_empty(), "undecided, it waits");
     let person = Decider {
         name: String::new(),
@@ -251,7 +272,7 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
         call_id: "call_1".to_owned(),
         kind: DecisionKind::Approve,
     };
-    lot.decide("parked.run", &person, &[approve]).await?;
+    approvals.decide("parked.run", &person, &[approve]).await?;
     let claimed = b.take_over("parked.run").await?.expect("the decided run claimed");
     assert!(claimed.parked, "the claim says it read parked");
     assert_eq!(claimed.checkpoint, b"parked");

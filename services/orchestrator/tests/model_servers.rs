@@ -201,16 +201,11 @@ async fn canceling_mid_generation_frees_the_servers_slot() -> TestResult {
 
     // Closing the stream tells llama-server to stop: its one slot is free again, well before
     // max_tokens would have freed it.
-    let freed = async {
-        loop {
-            let slots = llama.get_json("/slots").await?;
-            if slots[0]["is_processing"] == false {
-                return anyhow::Ok(slots);
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    let slots = tokio::time::timeout(Duration::from_secs(10), freed).await??;
+    let slots = testkit::wait::until("llama-server's slot to be free", Duration::from_secs(10), || async {
+        let slots = llama.get_json("/slots").await.ok()?;
+        (slots[0]["is_processing"] == false).then_some(slots)
+    })
+    .await?;
     let decoded = slots[0]["next_token"][0]["n_decoded"].as_u64().unwrap_or(0);
     assert!(decoded < 1500, "stopped at {decoded} tokens: {slots}");
     Ok(())

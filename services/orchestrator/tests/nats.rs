@@ -321,6 +321,9 @@ async fn a_signal_published_while_the_broker_is_down_is_retried_then_delivered_o
             let _ = tx.send(d);
         }),
     );
+    // Stays a fixed time (no condition stands for it): the broker stays down across some of the
+    // patient topic's retries, which nothing outside the topic observes. Whatever the timing, what
+    // is asserted holds: delivered once after the restart.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     nats.restart().await?;
     assert_eq!(
@@ -332,16 +335,17 @@ async fn a_signal_published_while_the_broker_is_down_is_retried_then_delivered_o
     Ok(())
 }
 
-/// Run `run_id` as `url` reads it once it is no longer RUNNING (or after 30 s, as it reads then).
+/// Run `run_id` as `url` reads it once it is no longer RUNNING (within 30 s).
 async fn ended(url: &str, run_id: &str) -> anyhow::Result<pb::RunResult> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let run = get_run(url, run_id).await?;
-        if run.status() != pb::RunStatus::Running || tokio::time::Instant::now() > deadline {
-            return Ok(run);
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    testkit::wait::until(
+        &format!("{run_id} to end on {url}"),
+        Duration::from_secs(30),
+        || async {
+            let run = get_run(url, run_id).await.ok()?;
+            (run.status() != pb::RunStatus::Running).then_some(run)
+        },
+    )
+    .await
 }
 
 /// An orchestrator process using NATS for signals and results, with a tool-runner and the
@@ -392,16 +396,11 @@ async fn replicas_share_results_and_signals_and_results_survive_a_restart() -> T
     );
 
     // B answers GetRun for the run A finished; the signal's delivery gets confirmed.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let on_b = loop {
-        let r = get_run(&b_url, "shared-run").await?;
-        if r.signals.first().map(|s| s.delivery()) == Some(pb::SignalDelivery::Delivered)
-            || tokio::time::Instant::now() > deadline
-        {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let on_b = testkit::wait::until("B to read the signal delivered", Duration::from_secs(10), || async {
+        let r = get_run(&b_url, "shared-run").await.ok()?;
+        (r.signals.first().map(|s| s.delivery()) == Some(pb::SignalDelivery::Delivered)).then_some(r)
+    })
+    .await?;
     assert_eq!(on_b.status(), pb::RunStatus::Completed);
     assert_eq!((on_b.text.as_str(), on_b.tool_calls.len()), (finished.text.as_str(), 3));
     assert_eq!(on_b.signals[0].delivery(), pb::SignalDelivery::Delivered);
@@ -467,15 +466,11 @@ async fn a_signal_the_broker_never_takes_is_marked_undelivered_in_the_result() -
         pb::RunStatus::Completed,
         "publishing never blocks the run"
     );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let r = get_run(&url, "lonely-run").await?;
-        match r.signals.first().map(|s| s.delivery()) {
-            Some(pb::SignalDelivery::Undelivered) => break,
-            other => anyhow::ensure!(tokio::time::Instant::now() < deadline, "still {other:?}"),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    testkit::wait::until("the signal to read undelivered", Duration::from_secs(15), || async {
+        let r = get_run(&url, "lonely-run").await.ok()?;
+        (r.signals.first().map(|s| s.delivery()) == Some(pb::SignalDelivery::Undelivered)).then_some(())
+    })
+    .await?;
     let metrics = testkit::scrape(&orchestrator.metrics).await?;
     assert_eq!(metrics.get("orchestrator_signals_failed_total{}").copied(), Some(1.0));
     orchestrator.stop().await
@@ -512,8 +507,11 @@ async fn a_record_whose_lease_expired_reads_as_lost_and_an_id_is_claimed_once() 
         short.get("leased").await.map_err(anyhow::Error::msg)?,
         Some(live.clone())
     );
-    tokio::time::sleep(Duration::from_millis(1300)).await;
-    let lost = short.get("leased").await.map_err(anyhow::Error::msg)?.unwrap();
+    let lost = testkit::wait::until("the lease to lapse", Duration::from_secs(10), || async {
+        let run = short.get("leased").await.ok()??;
+        (run.status != RunStatus::Running).then_some(run)
+    })
+    .await?;
     assert_eq!(
         (lost.status, lost.failure_reason, lost.text.as_str()),
         (
@@ -539,6 +537,18 @@ async fn replica_store(js: &jetstream::Context, bucket: &str, owner: &str, lease
         .map_err(anyhow::Error::msg)
 }
 
+/// Waits (within 10 s) until `store` lists exactly `expected` as orphans: it sees records
+/// unchanged for a lease on its own clock, so the first look sees none lapsed.
+async fn orphans_once_lapsed(store: &KvStore, expected: &[&str]) -> TestResult {
+    use orchestrator::domain::ports::RunJournal;
+    testkit::wait::until(&format!("orphans {expected:?}"), Duration::from_secs(10), || async {
+        let mut orphans = store.orphans().await.ok()?;
+        orphans.sort();
+        (orphans == expected).then_some(())
+    })
+    .await
+}
+
 /// A run whose replica died before its first checkpoint (claimed, lease lapsed, nothing shown)
 /// cannot be resumed: another replica may claim its id again, so the caller's retry starts it.
 /// One with output, or still leased, stays taken.
@@ -562,8 +572,11 @@ async fn an_id_whose_run_died_before_its_first_checkpoint_can_be_claimed_again()
         matches!(b.claim(empty.clone()).await, Ok(Claim::Taken(_))),
         "still leased"
     );
-    tokio::time::sleep(Duration::from_millis(1300)).await;
-    assert!(matches!(b.claim(empty.clone()).await, Ok(Claim::Claimed)));
+    // b claims it once it has seen the record unchanged for a lease (its own clock).
+    testkit::wait::until("b's claim once the lease lapsed", Duration::from_secs(10), || async {
+        matches!(b.claim(empty.clone()).await, Ok(Claim::Claimed)).then_some(())
+    })
+    .await?;
     assert!(
         matches!(a.claim(empty.clone()).await, Ok(Claim::Taken(r)) if r.status == RunStatus::Running),
         "claimed once"
@@ -657,12 +670,12 @@ async fn a_run_id_runs_once_across_replicas_and_a_killed_replicas_run_is_taken_o
         (Err(e), Ok((stream, _))) if code(&e) == Some(tonic::Code::AlreadyExists) => (stream, b, a, a_url),
         (a, b) => anyhow::bail!("exactly one replica must run it: {:?} / {:?}", a.err(), b.err()),
     };
-    // Wait until the tool call runs, then crash.
-    let running = tokio::time::Instant::now() + Duration::from_secs(10);
-    while get_run(&survivor_url, "contested").await?.text.is_empty() && tokio::time::Instant::now() < running {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Once the tool call runs (its start is sent only after the turn's checkpoint is saved), crash.
+    let mut stream = stream;
+    testkit::runs::read_until(&mut stream, |e| {
+        matches!(e, pb::orchestrate_event::Event::ToolCallStarted(_))
+    })
+    .await?;
     owner.kill().await?;
     drop(stream);
     let finished = ended(&survivor_url, "contested").await?;
@@ -748,6 +761,9 @@ async fn log_suite(log: Arc<dyn EventLog>) -> TestResult {
         let log = Arc::clone(&log);
         tokio::spawn(async move { follow_all(log.as_ref(), "logged", 1).await })
     };
+    // Stays a fixed time, and cannot make the test fail: it gives the follower a head start so
+    // that it usually reads the next events live; one that starts later reads them from the log,
+    // and both ways must give the same events.
     tokio::time::sleep(Duration::from_millis(100)).await;
     writer.append(&[text_event(3, "c")]);
     writer.append(&[finished_event(4)]);
@@ -891,6 +907,8 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
     writer.append(&[text_event(2, "first ")]);
     assert!(kept_through(2).await.is_ok(), "the turn's first text was kept at once");
     writer.append(&[text_event(3, "second ")]);
+    // Stays a fixed time: what is asserted is that something does not happen (text after the
+    // turn's first is not kept at once), which no condition can wait for.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         kept.borrow().kept_through,
@@ -903,13 +921,24 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
     // 10 KiB messages against a 25 KiB bound: the oldest go.
     let small = NatsLog::open(client, "BOUND_EVENTS", options(25 * 1024)).await?;
     let mut writer = small.writer("trimmed", 0);
+    let kept = writer
+        .settled()
+        .ok_or_else(|| anyhow::anyhow!("the NATS log reports what it kept"))?;
+    // Each event is kept before the next is written, so each is a message of its own.
+    let kept_through = |n: u64| {
+        let mut kept = kept.clone();
+        async move {
+            let kept = tokio::time::timeout(Duration::from_secs(10), kept.wait_for(|s| s.kept_through >= n)).await;
+            kept.map(|k| k.map(|_| ()))
+        }
+    };
     let chunk = "x".repeat(10 * 1024);
     for seq in 1..=5 {
         writer.append(&[text_event(seq, &chunk)]);
-        tokio::time::sleep(Duration::from_millis(120)).await;
+        kept_through(seq).await??;
     }
     writer.append(&[finished_event(6)]);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    kept_through(6).await??;
     let from_start = follow_all(&small, "trimmed", 0).await;
     let trimmed = from_start.as_ref().err().and_then(|e| e.downcast_ref::<LogError>());
     assert!(matches!(trimmed, Some(LogError::Trimmed { .. })), "{from_start:?}");
@@ -953,16 +982,11 @@ async fn a_hole_in_the_nats_log_breaks_it_and_followers_are_told_of_the_loss() -
         }
     );
     writer.append(&[finished_event(5)]);
-    let last = tokio::time::timeout(within, async {
-        loop {
-            let last = log.last("holed").await?;
-            if last.seq == 5 {
-                return anyhow::Ok(last);
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    let last = testkit::wait::until("the log's end at seq 5", within, || async {
+        let last = log.last("holed").await.ok()?;
+        (last.seq == 5).then_some(last)
     })
-    .await??;
+    .await?;
     assert_eq!(
         last.finished.map(|r| r.text),
         Some("abc".to_owned()),
@@ -1021,6 +1045,7 @@ fn keep_the_newest_checkpoint(
                 Ok(None) if kept.is_some() => break,
                 Ok(None) | Err(_) => {}
             }
+            // Stays: the pace of a sampler (it keeps the newest copy it reads), not a wait.
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         kept
@@ -1482,11 +1507,10 @@ async fn a_run_whose_replica_dies_in_its_first_turn_is_taken_over_from_its_start
     } = Replicas::start(thinking, &["--run-store-lease", "1s"]).await?;
     let b_url = format!("http://{}", b.grpc);
     start_detached(&format!("http://{}", a.grpc), "first-turn").await?;
-    let asked = tokio::time::Instant::now() + Duration::from_secs(10);
-    while mock.requests().is_empty() {
-        anyhow::ensure!(tokio::time::Instant::now() < asked, "the model was never asked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    testkit::wait::until_sync("the model to be asked", Duration::from_secs(10), || {
+        (!mock.requests().is_empty()).then_some(())
+    })
+    .await?;
     a.kill().await?;
 
     let client = orchestrator_client::ClientBuilder::new(b_url.clone()).connect().await?;
@@ -1556,10 +1580,7 @@ async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> Test
     // a's replica dies; c sees its records unchanged for a lease (its own clock), then they
     // have lapsed.
     assert!(c.orphans().await?.is_empty(), "nothing has lapsed as c first sees it");
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let mut orphans = c.orphans().await?;
-    orphans.sort();
-    assert_eq!(orphans, ["kept", "raced"]);
+    orphans_once_lapsed(&c, &["kept", "raced"]).await?;
     assert_eq!(
         c.take_over("kept").await?.map(|c| c.checkpoint),
         Some(b"a's start".to_vec())
@@ -1619,11 +1640,8 @@ async fn a_losing_duplicate_admission_never_overwrites_the_winners_checkpoint() 
         (Claim::Taken(_), Claim::Claimed) => b.save(run, deadline, b"the winner's first save".to_vec()).await?,
         (x, y) => anyhow::bail!("exactly one admission wins: {x:?} / {y:?}"),
     }
-    // Whatever the loser had in flight has landed by now.
-    tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(c.orphans().await?.is_empty(), "nothing has lapsed as c first sees it");
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(c.orphans().await?, ["dup"]);
+    orphans_once_lapsed(&c, &["dup"]).await?;
     assert_eq!(
         c.take_over("dup").await?.map(|c| c.checkpoint),
         Some(b"the winner's first save".to_vec()),
@@ -1715,8 +1733,7 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
     ));
     // a dies; b takes the run over once it has seen its record unchanged for a lease.
     assert!(b.orphans().await?.is_empty());
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert_eq!(b.orphans().await?, ["twice"]);
+    orphans_once_lapsed(&b, &["twice"]).await?;
     assert_eq!(
         b.take_over("twice").await?.map(|c| c.checkpoint),
         Some(b"a's start".to_vec())
@@ -1725,8 +1742,7 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
     b.save(run.clone(), deadline, b"b's turn".to_vec()).await?;
     b.put(run.clone()).await?;
     assert!(c.orphans().await?.is_empty());
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert_eq!(c.orphans().await?, ["twice"]);
+    orphans_once_lapsed(&c, &["twice"]).await?;
     assert_eq!(
         c.take_over("twice").await?.map(|c| c.checkpoint),
         Some(b"b's turn".to_vec())
@@ -1751,8 +1767,10 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
     checkpoints.delete("run.gone").await?;
     let d = replica_store(&js, "twice-runs", "d", lease).await?;
     assert!(!d.orphans().await?.contains(&"gone".to_owned()));
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert!(d.orphans().await?.contains(&"gone".to_owned()));
+    testkit::wait::until("d to see \"gone\" lapsed", Duration::from_secs(10), || async {
+        d.orphans().await.ok()?.contains(&"gone".to_owned()).then_some(())
+    })
+    .await?;
     assert_eq!(
         d.take_over("gone").await?.map(|c| c.checkpoint),
         Some(b"a later turn".to_vec())
@@ -1807,18 +1825,23 @@ async fn the_look_for_orphans_ends_while_runs_keep_saving() -> TestResult {
         assert!(matches!(claimed, Claim::Claimed));
     }
     // Every run saves as fast as the server takes it, all at once.
+    let saves = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let saving: Vec<_> = runs
         .into_iter()
         .map(|run| {
-            let a = Arc::clone(&a);
+            let (a, saves) = (Arc::clone(&a), Arc::clone(&saves));
             tokio::spawn(async move {
                 loop {
                     let _ = a.save(run.clone(), deadline, vec![7; 2048]).await;
+                    saves.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    testkit::wait::until_sync("every run to have saved a few times", Duration::from_secs(20), || {
+        (saves.load(std::sync::atomic::Ordering::Relaxed) >= 64).then_some(())
+    })
+    .await?;
     for _ in 0..5 {
         let looked = tokio::time::timeout(Duration::from_secs(3), b.orphans()).await;
         assert!(matches!(looked, Ok(Ok(_))), "{looked:?}");

@@ -102,6 +102,33 @@ async fn call_attach_replays_what_the_run_printed(endpoint: &str, printed: &str)
     Ok(())
 }
 
+/// A renamed flag keeps its old name for a release: on the command line and as its old
+/// environment variable it still sets the setting (here past its cap, so the binary stops at once
+/// naming the new flag), with a warning naming both names.
+#[tokio::test]
+async fn a_renamed_flag_works_under_its_old_name_with_a_warning() -> TestResult {
+    let warning = "warning: --handoff-grace is renamed --hand-over-grace";
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--handoff-grace", "11m"], &[]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains(warning), "{stderr}");
+    assert!(
+        stderr.contains("--hand-over-grace = 11m is above its cap of 10m"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0"], &[("ORCHESTRATOR_HANDOFF_GRACE", "11m")]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("warning: ORCHESTRATOR_HANDOFF_GRACE is renamed ORCHESTRATOR_HAND_OVER_GRACE"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--hand-over-grace = 11m is above its cap"), "{stderr}");
+    // Under its new name, nothing is said.
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--hand-over-grace", "11m"], &[]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(!stderr.contains("warning:"), "{stderr}");
+    Ok(())
+}
+
 /// A refused call is the orchestrator's answer, not a usage error: exit 1, and not worded as a
 /// configuration error; conflicting flags are a usage error, exit 2.
 async fn a_refused_call_exits_1_and_bad_usage_exits_2(endpoint: &str) -> TestResult {

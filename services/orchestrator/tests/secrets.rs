@@ -324,7 +324,14 @@ async fn llm_gateways_that_echo_redirect_or_vanish(otlp: &str, outputs: &mut Out
     );
 
     gateway.task.abort();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The gateway's port refuses connections once its task is gone.
+    testkit::wait::until("the gateway's port to refuse", Duration::from_secs(10), || async {
+        TcpStream::connect(gateway.address.as_str())
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await?;
     let unreachable = failed_run(&endpoint, run("echo"), outputs).await?;
     assert!(
         unreachable.contains("cannot reach the LLM server at http://***@127.0.0.1"),

@@ -412,8 +412,11 @@ async fn tls_files_are_reloaded_without_dropping_connections() -> TestResult {
 
     // Files that cannot be used (a key that does not fit) keep the last good certificate.
     std::fs::copy(pki.path("server.key"), pki.path("live.key"))?;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    assert!(runner.logs().iter().any(|l| l.contains("keeping the previous ones")));
+    assert!(
+        runner
+            .logged("keeping the previous ones", Duration::from_secs(10))
+            .await
+    );
     assert!(list_tools(tls_channel(&pki, &runner.grpc, "other-ca", "orchestrator").await?).await? > 0);
     runner.stop().await?;
     Ok(())
@@ -554,7 +557,8 @@ async fn slow_handshakes_are_bounded_in_number_and_time() -> TestResult {
     for _ in 0..2 {
         silent.push(tokio::net::TcpStream::connect(address).await?);
     }
-    // Let the runner take both before the third arrives.
+    // Let the runner take both before the third arrives. Stays: the runner shows nothing of a
+    // handshake it waits for; a third connection taken first fails the test loudly.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut third = tokio::net::TcpStream::connect(address).await?;
     assert!(

@@ -28,6 +28,19 @@ async fn start_with(extra: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Serv
     Service::spawn(command, "127.0.0.1", "tool-runner serving").await
 }
 
+/// Waits until the runner has `n` executions in flight (its gauge, on its metrics port).
+async fn until_in_flight(process: &Service, n: f64) -> TestResult {
+    testkit::wait::until(
+        &format!("{n} executions in flight"),
+        Duration::from_secs(10),
+        || async {
+            let metrics = testkit::scrape(&process.metrics).await.ok()?;
+            (metrics.get("tool_runner_executions_in_flight{}").copied() == Some(n)).then_some(())
+        },
+    )
+    .await
+}
+
 async fn client(
     service: &Service,
 ) -> anyhow::Result<pb::tool_runner_client::ToolRunnerClient<tonic::transport::Channel>> {
@@ -45,16 +58,19 @@ fn request(tool: &str, args: &str) -> pb::RunToolRequest {
 #[tokio::test]
 async fn sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero() -> TestResult {
     let mut process = start(&["--shutdown-grace", "10s"]).await?;
-    let mut client = client(&process).await?;
+    let client = client(&process).await?;
     let in_flight = tokio::spawn({
         let mut client = client.clone();
         async move { client.run_tool(request("sleep", r#"{"ms": 1500}"#)).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_in_flight(&process, 1.0).await?;
     process.signal(nix::sys::signal::Signal::SIGTERM)?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
-    let refused = client.run_tool(request("echo", "{}")).await.unwrap_err();
+    // Once the drain has begun, a new call is refused (an echo before that is harmless).
+    let refused = testkit::wait::until("a new call refused", Duration::from_secs(5), || {
+        let mut client = client.clone();
+        async move { client.run_tool(request("echo", "{}")).await.err() }
+    })
+    .await?;
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     let finished = in_flight.await??.into_inner();
     assert!(
@@ -81,7 +97,7 @@ async fn sigint_with_a_call_past_the_grace_period_still_exits_zero() -> TestResu
     let mut process = start(&["--shutdown-grace", "200ms"]).await?;
     let mut client = client(&process).await?;
     let _stuck = tokio::spawn(async move { client.run_tool(request("sleep", r#"{"ms": 30000}"#)).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_in_flight(&process, 1.0).await?;
     process.signal(nix::sys::signal::Signal::SIGINT)?;
     assert_eq!(process.wait_exit().await?, Some(0));
     assert!(

@@ -1,7 +1,7 @@
 //! The simulation over the services' own code: several replicas, each the orchestrator's `Core`
 //! (admission, takeover, the loop, the persister, the registry) built over the domain ports
 //! (`orchestrator::server::harness`), on a store that answers as the NATS adapters do
-//! ([`store`], its lot of parked runs too), with a model and tool-runners that read the run's
+//! ([`store`], its parked runs too), with a model and tool-runners that read the run's
 //! fence ([`actors`]; now and then a tool asks a question, which the [`person`] answers from any
 //! replica), each process behind the [`gate`] its faults set, in one
 //! tokio runtime whose clock is virtual and whose every random draw comes from the seed. The
@@ -58,7 +58,7 @@ pub struct Settings {
     /// Checkpoints keep the tasks their calls became (off: the store drops them, what breaks
     /// without them).
     pub task_handles: bool,
-    /// A parked run that wakes decides its expired calls in the lot first (off: it only reads
+    /// A parked run that wakes decides its expired calls in the approval store first (off: it only reads
     /// its wait, what breaks without it).
     pub wait_expiry: bool,
     /// A takeover tells that the run it claimed read parked, which takes a slot again (off: it

@@ -3,7 +3,7 @@
 //! go, or decline; sometimes first with content the question's schema refuses, sometimes twice
 //! at once from two replicas (two people racing), sometimes just as the question expires (a
 //! race with the run waking), and sometimes never (the question expires and its call is
-//! answered `cancel`). What the lot took is kept for the invariants.
+//! answered `cancel`). What the approval store took is kept for the invariants.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

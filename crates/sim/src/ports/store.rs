@@ -8,7 +8,7 @@
 //! heard: a replica paused or cut off in between has its write applied and never learns it.
 //! One replica's requests apply in the order it sent them (one connection, as a NATS client's).
 //! The principals' run slots ([`quotas`]), their spend ([`usage`]) and the runs waiting for a
-//! person or a task ([`lot`]) are keys of the store too.
+//! person or a task ([`approvals`]) are keys of the store too.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use super::gate::Gate;
 
-pub mod lot;
+pub mod approvals;
 mod quotas;
 mod usage;
 
@@ -147,8 +147,8 @@ pub struct Shared {
     pub quota_breaches: Vec<String>,
     /// Each principal's spend by hour window.
     pub usage: BTreeMap<(String, u64), orchestrator::domain::usage::Tally>,
-    /// The runs' waits ([`lot`]), by run id, each with its revision.
-    pub waits: BTreeMap<String, (lot::StoredWait, u64)>,
+    /// The runs' waits ([`approvals`]), by run id, each with its revision.
+    pub waits: BTreeMap<String, (approvals::StoredWait, u64)>,
 }
 
 /// The store, shared.
@@ -561,7 +561,7 @@ impl RunJournal for ReplicaStore {
         })
     }
 
-    fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>> {
+    fn hand_overs(&self) -> BoxFuture<'static, BoxStream<'static, ()>> {
         async { futures::stream::pending().boxed() }.boxed()
     }
 

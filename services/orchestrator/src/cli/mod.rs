@@ -31,9 +31,9 @@ pub struct Cli {
 
 impl Cli {
     /// Parses the command line, the environment and the `--config` file (see
-    /// [`shared::config_file`]; a bad file is exit code 2). A refused value is echoed by the error
-    /// message, so the userinfo of any URL in it is removed first (`nats://user:password@…`);
-    /// `--help` and `--version` print as usual.
+    /// [`shared::config_file`]; a bad file is exit code 2); a renamed flag's old name is said in a
+    /// warning. A refused value is echoed by the error message, so the userinfo of any URL in it
+    /// is removed first (`nats://user:password@…`); `--help` and `--version` print as usual.
     pub fn parse_args() -> Self {
         let argv = shared::config_file::with_settings_file(
             &Self::command(),
@@ -44,6 +44,10 @@ impl Cli {
             eprintln!("error: {}", shared::secrets::without_userinfo(&e));
             std::process::exit(2)
         });
+        let (argv, renamed) = shared::config_file::with_renamed_flags(&Self::command(), argv, crate::config::RENAMED);
+        for warning in renamed {
+            eprintln!("warning: {warning}");
+        }
         Self::try_parse_from(argv).unwrap_or_else(|error| {
             if !error.use_stderr() {
                 error.exit()

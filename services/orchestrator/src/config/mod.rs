@@ -11,10 +11,9 @@
 //! limits and their ceilings), `output.rs` (output bounds), `loop_detector.rs`, `requests.rs`
 //! (what one request may carry), `store.rs` (the store's backend, leases, event logs),
 //! `signals.rs` (the signal topic), `nats.rs` (NATS credentials and replicas), `telemetry.rs`,
-//! `conversations.rs` (messages sent to live runs), `console.rs` (the console's port and sessions).
+//! `threads.rs` (messages sent to live runs), `console.rs` (the console's port and sessions).
 
 mod console;
-mod conversations;
 mod limits;
 mod llm;
 mod loop_detector;
@@ -26,10 +25,10 @@ mod server;
 mod signals;
 mod store;
 mod telemetry;
+mod threads;
 mod tool_runners;
 
 pub use console::ConsoleSettings;
-pub use conversations::ConversationSettings;
 pub use limits::LimitSettings;
 pub use llm::{Header, LlmSettings, LlmTarget, Reader};
 pub use loop_detector::LoopDetectorSettings;
@@ -37,10 +36,11 @@ pub use nats::{Backend, NatsSettings};
 pub use output::OutputSettings;
 pub use requests::RequestBounds;
 pub use runs::RunSettings;
-pub use server::ServerSettings;
+pub use server::{RENAMED, ServerSettings};
 pub use signals::{SignalSettings, StreamDiscard};
 pub use store::StoreSettings;
 pub use telemetry::TelemetrySettings;
+pub use threads::ThreadSettings;
 pub use tool_runners::{Target, ToolRunnerSettings};
 
 use std::path::PathBuf;
@@ -89,7 +89,7 @@ pub struct Config {
     pub runs: RunSettings,
     #[allow(missing_docs)]
     #[command(flatten)]
-    pub conversations: ConversationSettings,
+    pub threads: ThreadSettings,
     #[allow(missing_docs)]
     #[command(flatten)]
     pub signals: SignalSettings,
@@ -120,7 +120,7 @@ impl Bounded for Config {
             self.tool_runners.bounds(),
             self.limits.bounds(),
             self.runs.bounds(),
-            self.conversations.bounds(),
+            self.threads.bounds(),
             self.signals.bounds(),
             self.store.bounds(),
             self.nats.bounds(),

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use clap::Args;
 use shared::config::{Bound, Bounded, bound, parse_duration};
+use shared::config_file::Renamed;
 
 use super::{KIB, MIB, secs};
 
@@ -28,8 +29,8 @@ pub struct ServerSettings {
     /// point (a turn's calls assembled, or its end) before it is handed over from its last
     /// checkpoint anyway; another replica resumes it at once (cap 10m, and within
     /// --shutdown-grace).
-    #[arg(long, env = "ORCHESTRATOR_HANDOFF_GRACE", default_value = "10s", value_parser = parse_duration)]
-    pub handoff_grace: Duration,
+    #[arg(long, alias = "handoff-grace", env = "ORCHESTRATOR_HAND_OVER_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub hand_over_grace: Duration,
 }
 
 impl Bounded for ServerSettings {
@@ -37,7 +38,15 @@ impl Bounded for ServerSettings {
         vec![
             bound("max_request_bytes", self.max_request_bytes, KIB, 64 * MIB),
             bound("shutdown_grace", self.shutdown_grace, Duration::ZERO, secs(3600)),
-            bound("handoff_grace", self.handoff_grace, Duration::ZERO, secs(600)),
+            bound("hand_over_grace", self.hand_over_grace, Duration::ZERO, secs(600)),
         ]
     }
 }
+
+/// Flags renamed: the old names work, with a warning, until the next release.
+pub const RENAMED: &[Renamed] = &[Renamed {
+    old: "handoff-grace",
+    new: "hand-over-grace",
+    old_env: "ORCHESTRATOR_HANDOFF_GRACE",
+    new_env: "ORCHESTRATOR_HAND_OVER_GRACE",
+}];

@@ -356,7 +356,7 @@ pub fn check_decision(
     Ok(recorded)
 }
 
-/// Who asks to decide, as the lot checks it.
+/// Who asks to decide, as the approval store checks it.
 #[derive(Debug, Clone)]
 pub struct Decider {
     /// The caller's principal (empty: no authentication, which decides everything).

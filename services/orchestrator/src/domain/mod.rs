@@ -17,6 +17,7 @@
 //! * [`listing`]: finding runs (`ListRuns`): queries, rows, pages and their cursors, labels;
 //! * [`usage`]: what each principal spends, per hour window, and its budget;
 //! * [`share`]: fair shares of the run slots among the principals whose runs wait;
+//! * [`visibility`]: who sees a run or a thread;
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
@@ -38,6 +39,7 @@ pub mod steering;
 pub mod task;
 pub mod thread;
 pub mod usage;
+pub mod visibility;
 
 pub use cancel::CancelMode;
 pub use event::{Event, EventBatch, NumberedEvent};

@@ -219,7 +219,7 @@ pub trait RunJournal: Send + Sync + 'static {
     fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>>;
     /// Tells of runs handed over by any replica, as they are (the takeover looks at once instead
     /// of at its next round); an item per hand-over, best effort.
-    fn handovers(&self) -> BoxFuture<'static, BoxStream<'static, ()>>;
+    fn hand_overs(&self) -> BoxFuture<'static, BoxStream<'static, ()>>;
     /// Asks the replica running `run_id` to cancel it `mode`'s way with `reason`, and returns
     /// its answer; `None` when no replica answered (none runs it now: it is moving between
     /// replicas).
@@ -244,8 +244,8 @@ pub trait RunJournal: Send + Sync + 'static {
     }
     /// The messages other replicas were sent for runs, as they come; only the replica running
     /// the run answers one (none, for a journal whose replicas cannot ask each other).
-    fn steer_asks(&self) -> BoxFuture<'static, BoxStream<'static, SteerAsk>> {
-        Box::pin(async { Box::pin(futures::stream::pending()) as BoxStream<'static, SteerAsk> })
+    fn steering_asks(&self) -> BoxFuture<'static, BoxStream<'static, SteeringAsk>> {
+        Box::pin(async { Box::pin(futures::stream::pending()) as BoxStream<'static, SteeringAsk> })
     }
 }
 
@@ -272,7 +272,7 @@ pub enum RemoteSteer {
 }
 
 /// A message for a run, sent on another replica.
-pub struct SteerAsk {
+pub struct SteeringAsk {
     /// The run.
     pub run_id: String,
     /// The message.
@@ -514,7 +514,7 @@ pub struct Wait {
     pub principal: String,
     /// The calls that wait, each with its tool's argument schema (an edit must pass it).
     pub calls: Vec<(PendingApproval, serde_json::Value)>,
-    /// The epoch of the claim that opens it (0: a run of this replica only): a shared lot keeps
+    /// The epoch of the claim that opens it (0: a run of this replica only): a shared approval store keeps
     /// a newer owner's wait from an older owner's writes.
     pub epoch: u64,
 }
@@ -581,10 +581,10 @@ pub struct Ready {
 /// Runs waiting for decisions on their calls (docs/architecture.md, "Approvals"). A run opens its
 /// wait when it announces the calls; decisions may come from then on, while the turn's other
 /// calls still run; the run then parks (leaving its slot) unless every call was decided already.
-/// A lot of this process hands a parked run out ([`ApprovalLot::take_ready`]) once decided,
-/// expired, past its deadline or canceled; a shared lot (NATS) marks it so in the run store,
+/// An approval store of this process hands a parked run out ([`ApprovalStore::take_ready`]) once decided,
+/// expired, past its deadline or canceled; a shared approval store (NATS) marks it so in the run store,
 /// where any replica takes it over.
-pub trait ApprovalLot: Send + Sync + 'static {
+pub trait ApprovalStore: Send + Sync + 'static {
     /// Opens the wait of a run's turn (keeping the decisions of its calls already made, when a
     /// resumed run opens the same wait again); `Err` with the reason when no more runs may wait,
     /// or a newer owner's wait stands.
@@ -609,16 +609,16 @@ pub trait ApprovalLot: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<(Vec<PendingApproval>, bool), StoreError>>;
     /// A run's wait, with the decisions so far (`None`: it waits for nothing).
     fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>>;
-    /// The wait of a parked run that goes on now (`now_unix_ms`): a shared lot first decides its
+    /// The wait of a parked run that goes on now (`now_unix_ms`): a shared approval store first decides its
     /// calls past their expiry so in the store (compare-and-set), so that a person's late
     /// answer and the expiry never both land — each call is decided once, by whichever came
-    /// first. A lot of this process has applied expiries already ([`ApprovalLot::expire`]).
+    /// first. An approval store of this process has applied expiries already ([`ApprovalStore::expire`]).
     fn wake(&self, run_id: &str, _now_unix_ms: u64) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
         self.waiting(run_id)
     }
-    /// A run parked in this process, as `GetRun` shows it (a shared lot leaves that to the store).
+    /// A run parked in this process, as `GetRun` shows it (a shared approval store leaves that to the store).
     fn parked(&self, run_id: &str) -> Option<RunResult>;
-    /// Every run parked in this process, as `ListRuns` shows them (none for a shared lot: the
+    /// Every run parked in this process, as `ListRuns` shows them (none for a shared approval store: the
     /// store lists its parked runs).
     fn parked_runs(&self) -> Vec<RunResult> {
         Vec::new()
@@ -628,9 +628,9 @@ pub trait ApprovalLot: Send + Sync + 'static {
     /// Forgets a run's wait (its calls were decided and taken, or it ended), unless a newer
     /// owner than `epoch`'s opened it.
     fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()>;
-    /// Applies timeouts and deadlines as of `now_unix_ms` (a lot of this process).
+    /// Applies timeouts and deadlines as of `now_unix_ms` (an approval store of this process).
     fn expire(&self, now_unix_ms: u64);
-    /// The oldest parked run of this process ready to resume, taken out of the lot.
+    /// The oldest parked run of this process ready to resume, taken out of the approval store.
     fn take_ready(&self) -> Option<Ready>;
     /// Gives back a ready run that found no slot (it is handed out again later).
     fn put_back(&self, ready: Ready);

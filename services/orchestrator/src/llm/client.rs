@@ -24,7 +24,9 @@ use paced_http1::{Endpoint, Idle, SendError};
 use shared::secrets::{Redactor, shown_url, url_secrets};
 use shared::text::excerpt;
 
-use super::{ChatRequest, LlmError, LlmEvent, Message, ReadPace, ToolChoice};
+use super::{ChatRequest, LlmError, LlmEvent, ReadPace};
+use crate::domain::chat::{Message, ToolDefinition};
+use crate::domain::params::ToolChoice;
 
 /// Sent with every request.
 const USER_AGENT: &str = concat!("orchestrator/", env!("CARGO_PKG_VERSION"));
@@ -580,7 +582,7 @@ struct WireTool<'a> {
 }
 
 impl<'a> WireTool<'a> {
-    fn new(tool: &'a super::ToolDefinition) -> Self {
+    fn new(tool: &'a ToolDefinition) -> Self {
         Self {
             r#type: "function",
             function: WireFunction {
@@ -769,7 +771,7 @@ mod tests {
                 },
                 Message::Assistant {
                     content: String::new(),
-                    tool_calls: vec![super::super::ToolCall {
+                    tool_calls: vec![crate::domain::chat::ToolCall {
                         id: "c1".into(),
                         name: "t".into(),
                         arguments: "{}".into(),
@@ -781,12 +783,12 @@ mod tests {
                     content: "{\"ok\":1}".into(),
                 },
             ],
-            tools: std::sync::Arc::from([super::super::ToolDefinition {
+            tools: std::sync::Arc::from([crate::domain::chat::ToolDefinition {
                 name: "t".into(),
                 description: "d".into(),
                 parameters: json!({"type": "object"}).into(),
             }]),
-            params: super::super::SamplingParams {
+            params: crate::domain::params::SamplingParams {
                 temperature: Some(0.5),
                 ..Default::default()
             },
@@ -809,12 +811,12 @@ mod tests {
 
     #[test]
     fn every_parameter_reaches_the_body_exactly_and_extra_fields_merge_flat() {
-        let tool = super::super::ToolDefinition {
+        let tool = crate::domain::chat::ToolDefinition {
             name: "calculate".into(),
             description: "d".into(),
             parameters: json!({"type": "object"}).into(),
         };
-        let params = super::super::SamplingParams {
+        let params = crate::domain::params::SamplingParams {
             temperature: Some(0.0),
             top_p: Some(0.5),
             max_tokens: Some(64),
@@ -830,7 +832,7 @@ mod tests {
                 .cloned()
                 .unwrap(),
         };
-        let request = |tools: Vec<super::super::ToolDefinition>, params| ChatRequest {
+        let request = |tools: Vec<crate::domain::chat::ToolDefinition>, params| ChatRequest {
             model: "m".into(),
             messages: vec![Message::System("s".into())],
             tools: tools.into(),
@@ -859,11 +861,11 @@ mod tests {
             (ToolChoice::None, "none"),
             (ToolChoice::Required, "required"),
         ] {
-            let params = super::super::SamplingParams {
+            let params = crate::domain::params::SamplingParams {
                 tool_choice: Some(choice),
                 ..Default::default()
             };
-            let tool = super::super::ToolDefinition {
+            let tool = crate::domain::chat::ToolDefinition {
                 name: "t".into(),
                 description: "d".into(),
                 parameters: json!({"type": "object"}).into(),
@@ -893,7 +895,7 @@ mod tests {
                 },
                 Message::Assistant {
                     content: "let me look".into(),
-                    tool_calls: vec![super::super::ToolCall {
+                    tool_calls: vec![crate::domain::chat::ToolCall {
                         id: "c1".into(),
                         name: "t".into(),
                         arguments: "{\"q\":1}".into(),
@@ -902,7 +904,7 @@ mod tests {
                 },
             ],
             tools: std::sync::Arc::from([]),
-            params: super::super::SamplingParams {
+            params: crate::domain::params::SamplingParams {
                 temperature: Some(0.7),
                 top_p: Some(0.9),
                 max_tokens: Some(64),

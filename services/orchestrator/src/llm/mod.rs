@@ -18,8 +18,8 @@ pub mod sse;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
-pub use crate::domain::chat::{Message, ToolCall, ToolDefinition, Usage};
-pub use crate::domain::params::{SamplingParams, ToolChoice};
+use crate::domain::chat::{Message, ToolDefinition, Usage};
+use crate::domain::params::SamplingParams;
 pub use client::HttpLlm;
 pub use fleet::Fleet;
 pub use paced_http1::ReadPace;

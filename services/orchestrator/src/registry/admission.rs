@@ -14,7 +14,7 @@ use super::quota::HeldQuota;
 use super::{Live, LiveRuns, Runs, sees};
 use crate::domain::ports::{Claim, Claimed, LogWriter, Logged, Ready, within};
 use crate::domain::{EventBatch, Ownership, RunResult, RunSpec, RunStatus};
-use crate::run::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
+use crate::run::live::{AdmittedRun, Cancel, Emitter, HandOver, SharedState};
 use crate::run::persist::Persister;
 use crate::run::steering::Inbox;
 use crate::run::tool_loop::{Checkpoint, Resumed};
@@ -88,7 +88,7 @@ pub(crate) enum Refusal {
 struct Registered {
     state: SharedState,
     cancel: Cancel,
-    handoff: Handoff,
+    hand_over: HandOver,
     inbox: Inbox,
     permit: OwnedSemaphorePermit,
     ownership: Ownership,
@@ -103,7 +103,7 @@ pub(crate) struct Admitted {
     /// Cancels the run.
     pub cancel: Cancel,
     /// Asks the run to move to another replica (drain).
-    pub handoff: Handoff,
+    pub hand_over: HandOver,
     /// Messages sent to the run.
     pub inbox: Inbox,
     /// Writes the run's state to the store.
@@ -200,7 +200,7 @@ impl Admitted {
             cancel: self.cancel.clone(),
             caller,
             persister: Some(self.persister.clone()),
-            handoff: self.handoff.clone(),
+            hand_over: self.hand_over.clone(),
             inbox: self.inbox.clone(),
             slot: Some(Box::new(self)),
         }
@@ -347,7 +347,7 @@ impl Runs {
         let Registered {
             state,
             cancel,
-            handoff,
+            hand_over,
             inbox,
             permit,
             ownership,
@@ -365,7 +365,7 @@ impl Runs {
             run_id: run_id.to_owned(),
             state,
             cancel,
-            handoff,
+            hand_over,
             inbox,
             _lease: None,
             quota: None,
@@ -396,7 +396,7 @@ impl Runs {
         running.created_at_ms = shared::sync::unix_ms();
         running.updated_at_ms = running.created_at_ms;
         let state: SharedState = Arc::new(Mutex::new(running));
-        let handoff = Handoff {
+        let hand_over = HandOver {
             at_safe_point: self.drain.at_safe_point.child_token(),
             now: self.drain.now.child_token(),
         };
@@ -408,7 +408,7 @@ impl Runs {
             Live {
                 state: Arc::clone(&state),
                 cancel: cancel.clone(),
-                handoff: handoff.clone(),
+                hand_over: hand_over.clone(),
                 principal: caller.name.clone(),
                 inbox: inbox.clone(),
                 gone: tokio_util::sync::CancellationToken::new(),
@@ -418,7 +418,7 @@ impl Runs {
         Ok(Registered {
             state,
             cancel,
-            handoff,
+            hand_over,
             inbox,
             permit,
             ownership,
@@ -503,10 +503,10 @@ impl Runs {
         )))))
     }
 
-    /// Takes the oldest parked run that is ready to go on off the approval lot and gives it a
+    /// Takes the oldest parked run that is ready to go on off the approval store and gives it a
     /// slot, with its decisions in its checkpoint. Both happen under the registry's lock, so a
-    /// reader ([`Runs::get`]) finds the run in the lot or among the live ones, never in neither.
-    /// With no slot free (or the run still leaving its old one) the run stays in the lot.
+    /// reader ([`Runs::get`]) finds the run in the approval store or among the live ones, never in neither.
+    /// With no slot free (or the run still leaving its old one) the run stays in the approval store.
     pub(crate) async fn resume_parked(self: &Arc<Self>) -> Unparked {
         let (mut admitted, checkpoint, ready) = {
             let mut live = self.lock();
@@ -556,7 +556,7 @@ impl Runs {
 
 /// What [`Runs::resume_parked`] did.
 pub(crate) enum Unparked {
-    /// No parked run is ready, or none found a slot (it waits in the lot).
+    /// No parked run is ready, or none found a slot (it waits in the approval store).
     Nothing,
     /// A ready run's checkpoint could not be read: it is dropped (an error is logged).
     Dropped,

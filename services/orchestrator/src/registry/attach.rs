@@ -40,7 +40,7 @@ impl Runs {
     }
 
     /// [`Runs::attach`] without asking whether `caller` may see the run: for the caller that
-    /// started it, whose run parked and goes on from its log (between the approval lot and its
+    /// started it, whose run parked and goes on from its log (between the approval store and its
     /// next slot a run is in neither place for a moment, but its log is there throughout).
     pub(crate) async fn follow(
         self: &Arc<Self>,

@@ -7,7 +7,7 @@ use super::{Runs, sees};
 use crate::domain::ports::{RemoteCancel, StoreError, within};
 use crate::domain::{CancelMode, RunStatus};
 
-/// How often a cancel looks for a run that is moving between its slot and the approval lot.
+/// How often a cancel looks for a run that is moving between its slot and the approval store.
 const MOVING_LOOKS: usize = 50;
 
 /// Outcome of a cancel request.
@@ -37,7 +37,7 @@ impl Runs {
         reason: &str,
         mode: CancelMode,
     ) -> Result<CancelOutcome, StoreError> {
-        // A run moving between its slot and the approval lot (parking, or resuming) can be
+        // A run moving between its slot and the approval store (parking, or resuming) can be
         // missed in both by one look: it is looked for again while it is in sight here.
         for _ in 0..MOVING_LOOKS {
             let outcome = self.cancel_once(run_id, caller, reason, mode).await?;
@@ -49,7 +49,7 @@ impl Runs {
         Ok(CancelOutcome::NotFound)
     }
 
-    /// Whether `run_id` is live here or parked in this replica's lot.
+    /// Whether `run_id` is live here or parked in this replica's approval store.
     fn in_sight(&self, run_id: &str) -> bool {
         let live = self.lock();
         live.contains_key(run_id) || self.approvals.parked(run_id).is_some()
@@ -102,7 +102,7 @@ impl Runs {
         if !state.status.is_live() {
             return Some(CancelOutcome::AlreadyFinished(state.status));
         }
-        let leaving = live.handoff.at_safe_point.is_cancelled() || live.handoff.now.is_cancelled();
+        let leaving = live.hand_over.at_safe_point.is_cancelled() || live.hand_over.now.is_cancelled();
         if state.status.is_parked() || leaving {
             return None;
         }

@@ -11,7 +11,7 @@
 //! * [`listing`]: `ListRuns`, the runs live here given to the store's index;
 //! * [`queue`]: runs waiting for a slot, woken by the share rules;
 //! * [`quota`]: a run's slot among its principal's `max_runs` across the fleet;
-//! * [`steer`]: `SendMessage`, here or on the replica that runs it.
+//! * [`steering`]: `SendMessage`, here or on the replica that runs it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -22,9 +22,10 @@ use tokio::sync::{Notify, Semaphore};
 use shared::auth::Principal;
 
 use crate::domain::RunResult;
-use crate::domain::ports::{ApprovalLot, EventLog, Quotas, ResultStore, RunIndex, RunJournal, StoreError, within};
+use crate::domain::ports::{ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, StoreError, within};
+pub(crate) use crate::domain::visibility::sees;
 use crate::run::backlog::Backlog;
-use crate::run::live::{Cancel, Handoff, SharedState};
+use crate::run::live::{Cancel, HandOver, SharedState};
 use crate::run::steering::Inbox;
 
 mod admission;
@@ -33,7 +34,7 @@ mod cancel;
 mod listing;
 mod queue;
 mod quota;
-mod steer;
+mod steering;
 #[cfg(test)]
 mod tests;
 
@@ -41,7 +42,7 @@ pub(crate) use admission::{Admitted, EndedElsewhere, Refusal, TakenOver, Unparke
 pub(crate) use attach::AttachError;
 pub(crate) use cancel::CancelOutcome;
 pub(crate) use queue::Queuing;
-pub(crate) use steer::SteerOutcome;
+pub(crate) use steering::SteeringOutcome;
 
 /// How often the backlog of unstored results is written again while the store is unavailable.
 const BACKLOG_RETRY: Duration = Duration::from_secs(1);
@@ -49,7 +50,7 @@ const BACKLOG_RETRY: Duration = Duration::from_secs(1);
 struct Live {
     state: SharedState,
     cancel: Cancel,
-    handoff: Handoff,
+    hand_over: HandOver,
     principal: String,
     /// Messages sent to the run (`SendMessage`), waiting for its next turn boundary.
     inbox: Inbox,
@@ -94,7 +95,7 @@ pub(crate) struct Runs {
     attach_slots: Arc<Semaphore>,
     attach_permits: usize,
     /// Runs waiting for approvals.
-    approvals: Arc<dyn ApprovalLot>,
+    approvals: Arc<dyn ApprovalStore>,
     /// Where runs are found (`ListRuns`).
     index: Arc<dyn RunIndex>,
     /// Runs waiting for a slot, by principal.
@@ -106,15 +107,9 @@ pub(crate) struct Runs {
     max_queued: usize,
     /// Messages a run may be sent over its life (`--max-steering-messages`).
     max_steering: u32,
-    /// The drain's request that runs move: each run's [`Handoff`] is its child, so a run let in
+    /// The drain's request that runs move: each run's [`HandOver`] is its child, so a run let in
     /// (or taken over) while the replica drains is asked too.
-    drain: Handoff,
-}
-
-/// Whether `caller` may see a run (or a thread) of `owner`: its own, or every one when the server
-/// does not authenticate (the anonymous caller).
-pub(crate) fn sees(caller: &Principal, owner: &str) -> bool {
-    caller.name.is_empty() || caller.name == owner
+    drain: HandOver,
 }
 
 /// Where the registry keeps what outlives a run's task: results, event logs, checkpoints (a
@@ -123,7 +118,7 @@ pub(crate) struct Keeping {
     pub(crate) store: Arc<dyn ResultStore>,
     pub(crate) log: Arc<dyn EventLog>,
     pub(crate) journal: Option<Arc<dyn RunJournal>>,
-    pub(crate) approvals: Arc<dyn ApprovalLot>,
+    pub(crate) approvals: Arc<dyn ApprovalStore>,
     pub(crate) index: Arc<dyn RunIndex>,
     pub(crate) quotas: Option<Arc<dyn Quotas>>,
 }
@@ -168,7 +163,7 @@ impl Runs {
             quotas,
             max_queued,
             max_steering,
-            drain: Handoff::default(),
+            drain: HandOver::default(),
         })
     }
 
@@ -215,7 +210,7 @@ impl Runs {
     /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
     /// store cannot be read.
     pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
-        // Under the registry's lock: a parked run resuming leaves the lot under it too.
+        // Under the registry's lock: a parked run resuming leaves the approval store under it too.
         let here = {
             let live = self.lock();
             live.get(run_id)
@@ -229,7 +224,7 @@ impl Runs {
         let Some(mut found) = found.filter(|r| sees(caller, &r.principal)) else {
             return Ok(None);
         };
-        // Decisions reach the approval lot first: the run takes them when it parks or resumes.
+        // Decisions reach the approval store first: the run takes them when it parks or resumes.
         if !found.pending_approvals.is_empty()
             && let Ok(Some(waiting)) = self.approvals.waiting(run_id).await
         {

@@ -88,7 +88,7 @@ fn keeping(keep: usize, keep_for: Duration) -> Keeping {
         quotas: None,
         log: Arc::new(crate::store::memory::MemoryLog::new(bounds)),
         journal: None,
-        approvals: Arc::new(crate::store::memory::MemoryLot::new(100)),
+        approvals: Arc::new(crate::store::memory::MemoryApprovals::new(100)),
     }
 }
 
@@ -125,7 +125,7 @@ impl RunJournal for CountingJournal {
     fn hand_over(&self, _: &str) -> BoxFuture<'static, Result<(), StoreError>> {
         Box::pin(async { Ok(()) })
     }
-    fn handovers(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, ()>> {
+    fn hand_overs(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, ()>> {
         Box::pin(async { futures::StreamExt::boxed(futures::stream::pending()) })
     }
     fn cancel_elsewhere(
@@ -276,15 +276,15 @@ async fn live_state_and_cancel() {
 async fn a_run_let_in_while_the_replica_drains_is_asked_to_hand_over_too() {
     let runs = runs(10, 10, Duration::from_secs(60));
     let before = runs.admit("before", &anon(), None).await.unwrap();
-    assert!(!before.handoff.at_safe_point.is_cancelled());
+    assert!(!before.hand_over.at_safe_point.is_cancelled());
     assert_eq!(runs.hand_over_all(false), 1);
     let after = runs.admit("after", &anon(), None).await.unwrap();
     for run in [&before, &after] {
-        assert!(run.handoff.at_safe_point.is_cancelled() && !run.handoff.now.is_cancelled());
+        assert!(run.hand_over.at_safe_point.is_cancelled() && !run.hand_over.now.is_cancelled());
     }
     runs.hand_over_all(true);
     let last = runs.admit("last", &anon(), None).await.unwrap();
-    assert!(before.handoff.now.is_cancelled() && last.handoff.now.is_cancelled());
+    assert!(before.hand_over.now.is_cancelled() && last.hand_over.now.is_cancelled());
 }
 
 fn said(text: &str) -> crate::domain::steering::UserMessage {
@@ -303,24 +303,24 @@ async fn a_message_reaches_a_run_for_its_owner_only() {
     let admitted = runs.admit("r", &alice, None).await.unwrap();
     assert_eq!(
         runs.send_message("r", &bob, said("hi")).await,
-        Ok(SteerOutcome::NotFound)
+        Ok(SteeringOutcome::NotFound)
     );
     assert_eq!(
         runs.send_message("r", &alice, said("hi")).await,
-        Ok(SteerOutcome::Accepted(1))
+        Ok(SteeringOutcome::Accepted(1))
     );
     assert_eq!(admitted.inbox.kept().waiting, [said("hi")]);
     shared::sync::lock(&admitted.state).status = RunStatus::AwaitingApproval;
     assert_eq!(
         runs.send_message("r", &alice, said("wait")).await,
-        Ok(SteerOutcome::Refused(
+        Ok(SteeringOutcome::Refused(
             crate::domain::steering::Refused::AwaitingApproval
         ))
     );
     shared::sync::lock(&admitted.state).status = RunStatus::Completed;
     assert_eq!(
         runs.send_message("r", &alice, said("late")).await,
-        Ok(SteerOutcome::Finished(RunStatus::Completed))
+        Ok(SteeringOutcome::Finished(RunStatus::Completed))
     );
 }
 
@@ -448,8 +448,8 @@ async fn loss_is_read_from_the_store_and_the_log_never_from_silence() {
     }
 }
 
-/// A parked run that resumes is, for a reader (GetRun), in the lot or live, never in neither:
-/// it leaves the lot under the registry's lock (in CI a reader once found it nowhere, and the
+/// A parked run that resumes is, for a reader (GetRun), in the approval store or live, never in neither:
+/// it leaves the approval store under the registry's lock (in CI a reader once found it nowhere, and the
 /// caller was told the run did not exist).
 #[tokio::test]
 async fn a_parked_run_resuming_is_never_out_of_sight() {
@@ -459,15 +459,15 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
     let read = Mutex::new(read);
     // Once a ready run is handed out, a reader looks for it before the registry goes on (or
     // until a deadline, when the reader waits for the registry's lock).
-    let lot = Arc::new(crate::store::memory::approvals::HookedLot {
+    let approvals = Arc::new(crate::store::memory::approvals::HookedApprovals {
         after_take: Some(Box::new(move || {
             let _ = taken.send(());
             let _ = shared::sync::lock(&read).recv_timeout(Duration::from_millis(300));
         })),
-        ..crate::store::memory::approvals::HookedLot::new()
+        ..crate::store::memory::approvals::HookedApprovals::new()
     });
     let keeping = Keeping {
-        approvals: Arc::clone(&lot) as Arc<dyn ApprovalLot>,
+        approvals: Arc::clone(&approvals) as Arc<dyn ApprovalStore>,
         ..keeping(10, Duration::from_secs(60))
     };
     let runs = Runs::new((8, 2, 4, 8), keeping, Duration::from_secs(1), 100);
@@ -498,7 +498,7 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
         )],
         epoch: 0,
     };
-    lot.open(wait).await.unwrap();
+    approvals.open(wait).await.unwrap();
     let parked = Parked {
         checkpoint,
         result: state,
@@ -508,10 +508,13 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
         log: None,
     };
     assert!(matches!(
-        lot.park("p", parked).await.unwrap(),
+        approvals.park("p", parked).await.unwrap(),
         crate::domain::ports::ParkOutcome::Parked
     ));
-    assert!(lot.cancel("p", "test").await.unwrap(), "a canceled parked run is ready");
+    assert!(
+        approvals.cancel("p", "test").await.unwrap(),
+        "a canceled parked run is ready"
+    );
 
     let reader = {
         let runs = Arc::clone(&runs);

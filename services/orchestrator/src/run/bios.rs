@@ -10,7 +10,7 @@
 use std::fmt::Write;
 
 use crate::domain::chat::STATUS_MARK;
-use crate::llm::{Message, ToolDefinition};
+use crate::domain::chat::{Message, ToolDefinition};
 
 /// What the BIOS describes: fixed for the whole run.
 #[derive(Debug)]

@@ -436,15 +436,15 @@ pub struct AdmittedRun {
     /// frees it for the next run.
     pub slot: Option<Box<dyn Send>>,
     /// Set by a draining replica: a durable run hands over to another replica.
-    pub handoff: Handoff,
+    pub hand_over: HandOver,
     /// Messages sent to the run (`SendMessage`), taken at its turn boundaries.
     pub inbox: super::steering::Inbox,
 }
 
 /// A draining replica's request that a durable run move to another replica: at its next safe
-/// point, or at once (from its last checkpoint) once the handoff grace is over.
+/// point, or at once (from its last checkpoint) once the hand_over grace is over.
 #[derive(Clone, Debug, Default)]
-pub struct Handoff {
+pub struct HandOver {
     /// Hand over at the next safe point.
     pub at_safe_point: CancellationToken,
     /// Hand over now.

@@ -11,7 +11,8 @@
 //! * [`fallback`]: tool calls written in the text (`<tool_call>` blocks, standalone JSON);
 //! * [`hold_back`]: what of a turn's text may be shown now, so streamed text equals final text;
 //! * [`loop_detector`]: the repeated-line detector;
-//! * [`bios`]: the system message the orchestrator writes before every turn.
+//! * [`bios`]: the system message the orchestrator writes at the top of a run's conversation, fixed
+//!   for the run.
 
 pub mod backlog;
 pub mod bios;

@@ -34,7 +34,7 @@ pub struct Persister {
     /// (`Ownership::end`): a later write (a signal confirmed late) rewrites the run's own final
     /// record, which no other replica takes over, so it needs no lease.
     ownership: Ownership,
-    /// Set once the run parked for approvals: its record is the lot's now, and nothing of it is
+    /// Set once the run parked for approvals: its record is the approval store's now, and nothing of it is
     /// written from here (a lease renewal would make it running again).
     released: CancellationToken,
     /// The run's id was claimed with its start checkpoint: its first safe point has nothing new
@@ -206,7 +206,7 @@ impl Persister {
         ok
     }
 
-    /// Parks the run (`park`, the approval lot's) with no write of this persister in between;
+    /// Parks the run (`park`, the approval store's) with no write of this persister in between;
     /// once parked, nothing of the run is written from here any more.
     pub async fn parking(
         &self,

@@ -1,5 +1,5 @@
 //! Building the server's shared state from the configuration: the signal topic, the store's
-//! backend (results, journal, event log, approval lot, threads), one NATS connection per URL, the
+//! backend (results, journal, event log, approval store, threads), one NATS connection per URL, the
 //! registry.
 
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::Core;
 use crate::config::{Backend, NatsSettings};
 use crate::domain::ports::{
-    ApprovalLot, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore, UsageBook,
+    ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore, UsageBook,
 };
 use crate::llm::Fleet;
 use crate::registry::Runs;
@@ -17,8 +17,10 @@ use crate::run::tool_loop::LoopDeps;
 use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
-use crate::store::memory::{MemoryLog, MemoryLot, MemoryStore, MemoryThreads, MemoryUsage};
-use crate::store::nats::{KvStore, NatsIndex, NatsLog, NatsLogOptions, NatsLot, NatsQuotas, NatsThreads, NatsUsage};
+use crate::store::memory::{MemoryApprovals, MemoryLog, MemoryStore, MemoryThreads, MemoryUsage};
+use crate::store::nats::{
+    KvStore, NatsApprovals, NatsIndex, NatsLog, NatsLogOptions, NatsQuotas, NatsThreads, NatsUsage,
+};
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
@@ -71,7 +73,7 @@ pub struct Ports {
     /// The runs' events.
     pub log: Arc<dyn EventLog>,
     /// Calls waiting for a person.
-    pub approvals: Arc<dyn ApprovalLot>,
+    pub approvals: Arc<dyn ApprovalStore>,
     /// Conversations across runs.
     pub threads: Arc<dyn ThreadStore>,
     /// Where exit calls go.
@@ -87,7 +89,7 @@ pub struct Ports {
 pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunners>) -> Arc<Core> {
     let threads = Arc::new(Keeper::new(
         ports.threads,
-        config.conversations.thread_limits(),
+        config.threads.thread_limits(),
         config.store.timeout,
     ));
     let keeping = crate::registry::Keeping {
@@ -102,7 +104,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
         (
             config.runs.max_runs,
             config.runs.max_attached,
-            config.conversations.max_steering_messages,
+            config.threads.max_steering_messages,
             config.runs.max_queued_runs,
         ),
         keeping,
@@ -147,22 +149,14 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
 /// Where threads are kept: in memory (bounded by `--max-threads`, this replica only) or a NATS
 /// key-value bucket shared by the replicas, beside the runs.
 async fn open_threads(config: &Config, connections: &mut NatsConnections) -> Result<Arc<dyn ThreadStore>, Error> {
-    let conversations = &config.conversations;
+    let threads = &config.threads;
     Ok(match &config.store.backend {
-        Backend::Memory => Arc::new(MemoryThreads::new(
-            conversations.max_threads,
-            conversations.thread_max_age,
-        )),
+        Backend::Memory => Arc::new(MemoryThreads::new(threads.max_threads, threads.thread_max_age)),
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
             let js = async_nats::jetstream::new(client);
-            let threads = NatsThreads::open(
-                &js,
-                &config.store.bucket,
-                conversations.thread_max_age,
-                config.nats.replicas,
-            )
-            .await?;
+            let threads =
+                NatsThreads::open(&js, &config.store.bucket, threads.thread_max_age, config.nats.replicas).await?;
             Arc::new(threads)
         }
     })
@@ -185,12 +179,12 @@ async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -
     })
 }
 
-/// What the store's backend opens: results, the journal (a shared store), the approval lot and
+/// What the store's backend opens: results, the journal (a shared store), the approval store and
 /// the run index.
 struct Stored {
     store: Arc<dyn ResultStore>,
     journal: Option<Arc<dyn RunJournal>>,
-    approvals: Arc<dyn ApprovalLot>,
+    approvals: Arc<dyn ApprovalStore>,
     index: Arc<dyn RunIndex>,
     quotas: Option<Arc<dyn Quotas>>,
     usage: Arc<dyn UsageBook>,
@@ -210,7 +204,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
             Stored {
                 store: Arc::clone(&store) as Arc<dyn ResultStore>,
                 journal: None,
-                approvals: Arc::new(MemoryLot::new(config.runs.max_awaiting_runs)),
+                approvals: Arc::new(MemoryApprovals::new(config.runs.max_awaiting_runs)),
                 index: store,
                 quotas: None,
                 usage: Arc::new(MemoryUsage::new(config.store.usage_keep_for)),
@@ -233,7 +227,8 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
             .with_fence_grace(config.store.fence_grace);
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value; runs are durable");
             let store = Arc::new(store);
-            let lot = NatsLot::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;
+            let approvals =
+                NatsApprovals::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;
             let index = NatsIndex::new(
                 Arc::clone(&store),
                 config.store.list_scan_max,
@@ -243,7 +238,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
             Stored {
                 store: Arc::clone(&store) as Arc<dyn ResultStore>,
                 journal: Some(store as Arc<dyn RunJournal>),
-                approvals: Arc::new(lot),
+                approvals: Arc::new(approvals),
                 index: Arc::new(index),
                 quotas: Some(Arc::new(Arc::new(quotas))),
                 usage: Arc::new(

@@ -29,7 +29,7 @@ impl Replica {
             .runs
             .durable()
             .is_some()
-            .then(|| AbortOnDrop(tokio::spawn(super::takeover::watch(Arc::clone(&core)))));
+            .then(|| AbortOnDrop(tokio::spawn(super::background::takeover::watch(Arc::clone(&core)))));
         Self {
             core,
             _takeover: takeover,

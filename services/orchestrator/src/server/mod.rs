@@ -1,16 +1,17 @@
 //! The server: [`serve`] wires the LLM client, the tool-runners, the signal topic, the store and
-//! the runs registry (`build.rs`) into the shared state every request and background task uses
-//! ([`Core`], `core.rs`: starting, resuming, reading, cancelling and steering runs;
-//! `decisions.rs`: a person's decisions and answers, and a refusal said with what the run does;
-//! `threads.rs`: a run taking its thread under its busy policy, reading and deleting threads;
-//! `usage.rs`: the caller's hourly token budget at admission, and `GetUsage`),
+//! the runs registry (`build.rs`) into the shared state every request and background task uses,
 //! serves gRPC (orchestrator, health, reflection) on the given listener, and drains when
-//! `shutdown` resolves. The background tasks: `takeover.rs` (orphaned runs), `unpark.rs` (runs
-//! whose approvals were decided), `remote_asks.rs` (cancels and messages asked on other
-//! replicas); `streams.rs`: the event streams of a run's caller and of callers that attach;
-//! `grpc/`: the gRPC adapter, which only turns requests into calls of `Core` and answers into
-//! proto; `console/`: the pages for people, served on `--console-listen`, which call the gRPC
-//! adapter in process; `harness.rs`: a replica over given ports, with no network (the simulation's).
+//! `shutdown` resolves. A folder per role:
+//!
+//! * `core/`: the application core, [`Core`] and its operations in the domain's words (starting,
+//!   resuming, reading, cancelling and steering runs; a person's decisions; threads; usage; the
+//!   event streams of callers);
+//! * `background/`: the tasks beside the requests (takeover, unparking, other replicas' asks);
+//! * `grpc/`: the gRPC face, which only turns requests into calls of `Core` and answers into proto;
+//! * `console/`: the pages for people, served on `--console-listen`, which call the gRPC face in
+//!   process;
+//! * `build.rs`: the wiring; `harness.rs`: a replica over given ports, with no network (the
+//!   simulation's).
 //!
 //! Drain: the service's health turns NOT_SERVING (the overall status "" stays SERVING, for
 //! liveness), new runs get `UNAVAILABLE`, runs in flight get the grace
@@ -31,21 +32,15 @@ use crate::llm::Fleet;
 use crate::tool_runners::{Resolve, SystemResolver, ToolRunners};
 use crate::{Config, Error};
 
+mod background;
 mod build;
 mod console;
 mod core;
-mod decisions;
 pub(crate) mod grpc;
 pub mod harness;
-mod remote_asks;
-mod streams;
-mod takeover;
-mod threads;
-mod unpark;
-mod usage;
 
+pub(crate) use self::core::streams::RunEvents;
 pub(crate) use self::core::{Core, Resumption};
-pub(crate) use self::streams::RunEvents;
 use grpc::OrchestratorService;
 
 /// The gRPC service name reported by health checks.
@@ -109,12 +104,12 @@ pub async fn serve_with_resolver(
     let _takeover = core
         .runs
         .durable()
-        .map(|_| AbortOnDrop(tokio::spawn(takeover::watch(Arc::clone(&core)))));
+        .map(|_| AbortOnDrop(tokio::spawn(background::takeover::watch(Arc::clone(&core)))));
     let _cancels = core
         .runs
         .durable()
-        .map(|_| AbortOnDrop(tokio::spawn(remote_asks::answer(Arc::clone(&core)))));
-    let _approvals = AbortOnDrop(tokio::spawn(unpark::watch(Arc::clone(&core))));
+        .map(|_| AbortOnDrop(tokio::spawn(background::remote_asks::answer(Arc::clone(&core)))));
+    let _approvals = AbortOnDrop(tokio::spawn(background::unpark::watch(Arc::clone(&core))));
     let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
@@ -148,9 +143,9 @@ async fn drain(
     settings: &crate::config::ServerSettings,
     shutdown: impl Future<Output = ()>,
 ) {
-    let (grace, handoff_grace) = (
+    let (grace, hand_over_grace) = (
         settings.shutdown_grace,
-        settings.handoff_grace.min(settings.shutdown_grace),
+        settings.hand_over_grace.min(settings.shutdown_grace),
     );
     shutdown.await;
     tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
@@ -160,7 +155,7 @@ async fn drain(
     // Keep a margin at the end of the grace period for canceled runs to store their result.
     let margin = (grace / 10).min(Duration::from_secs(1));
     if core.runs.durable().is_some() {
-        hand_over(&core, handoff_grace, margin).await;
+        hand_over(&core, hand_over_grace, margin).await;
     } else if tokio::time::timeout(grace - margin, core.runs.wait_idle())
         .await
         .is_err()
@@ -179,21 +174,21 @@ async fn drain(
 }
 
 /// Durable runs move instead of being canceled: each hands over at its next safe point within
-/// `handoff_grace`, and the rest from their last checkpoint after it.
-async fn hand_over(core: &Core, handoff_grace: Duration, margin: Duration) {
+/// `hand_over_grace`, and the rest from their last checkpoint after it.
+async fn hand_over(core: &Core, hand_over_grace: Duration, margin: Duration) {
     let asked = core.runs.hand_over_all(false);
     tracing::info!(
         runs = asked,
         "handing the runs over to other replicas at their next safe point"
     );
-    if tokio::time::timeout(handoff_grace, core.runs.wait_idle())
+    if tokio::time::timeout(hand_over_grace, core.runs.wait_idle())
         .await
         .is_err()
     {
         let forced = core.runs.hand_over_all(true);
         tracing::warn!(
             forced,
-            "handoff grace over; handing the remaining runs over from their last checkpoint"
+            "hand_over grace over; handing the remaining runs over from their last checkpoint"
         );
         let _ = tokio::time::timeout(margin.max(Duration::from_secs(1)), core.runs.wait_idle()).await;
     }

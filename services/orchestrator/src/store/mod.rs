@@ -2,7 +2,7 @@
 //! default, bounded by count and age) and [`nats`] (NATS JetStream, which several orchestrator
 //! replicas share and which survives restarts). Each backend has a file per port: `results.rs`
 //! ([`ResultStore`], for `GetRun`), `log.rs` ([`EventLog`], for `AttachRun`), `approvals.rs`
-//! ([`ApprovalLot`]), and for NATS `journal.rs` (`RunJournal`: durable runs) with `checkpoints.rs`.
+//! ([`ApprovalStore`]), and for NATS `journal.rs` (`RunJournal`: durable runs) with `checkpoints.rs`.
 //! A new backend is a new folder implementing the same ports; what both share is here
 //! (the log follower; the `unavailable` error; the rules of a decision are the domain's,
 //! `domain::approval::record_decisions`).
@@ -15,11 +15,11 @@
 //! with the in-memory store ([`memory::MemoryLog`]), in a JetStream stream with the NATS store
 //! ([`nats::NatsLog`]), bounded per run and kept as long as results are.
 //!
-//! Runs waiting for approvals are parked in an [`ApprovalLot`]: in this process with the
-//! in-memory store ([`memory::MemoryLot`]), in NATS with the NATS store
-//! ([`nats::NatsLot`], decided and resumed on any replica).
+//! Runs waiting for approvals are parked in an [`ApprovalStore`]: in this process with the
+//! in-memory store ([`memory::MemoryApprovals`]), in NATS with the NATS store
+//! ([`nats::NatsApprovals`], decided and resumed on any replica).
 //!
-//! [`ApprovalLot`]: crate::domain::ports::ApprovalLot
+//! [`ApprovalStore`]: crate::domain::ports::ApprovalStore
 //! [`ResultStore`]: crate::domain::ports::ResultStore
 //! [`EventLog`]: crate::domain::ports::EventLog
 

@@ -1,119 +1,14 @@
-//! Threads as the server and the loop change them: every change is read, applied by the
-//! thread's rules ([`Thread`]) and written back compare-and-set on the [`ThreadStore`] (tried
-//! again when another replica wrote in between), each store operation within the store timeout.
-//! [`Keeper::end_run`] is the loop's: a run's messages join its thread as it ends.
+//! Threads, every rule of a conversation that goes on across runs outside the domain's own
+//! (`domain::thread`: who holds a thread, its queue, its limits, what the model sees):
+//!
+//! * [`keeper`]: the thread keeper: each change read, applied and written compare-and-set, a
+//!   run's messages joining its thread as it ends, `GetThread` and `DeleteThread`;
+//! * [`busy`]: the busy policies: a run taking its thread before it is let in, waiting for it,
+//!   interrupting or rolling back the run that holds it.
 
-use std::sync::Arc;
-use std::time::Duration;
+pub(crate) mod busy;
+pub mod keeper;
 
-use crate::domain::RunSpec;
-use crate::domain::RunStatus;
-use crate::domain::chat::Message;
-use crate::domain::ports::{StoreError, ThreadStore, within};
-use crate::domain::thread::{RunThread, Thread, ThreadLimits, ThreadRun};
-
-/// Compare-and-set attempts before a change gives up (others kept writing the thread).
-const CAS_ATTEMPTS: usize = 32;
-
-/// What a change does to the thread it read.
-pub(crate) enum Change<T> {
-    /// Writes the thread, and answers `T`.
-    Write(Thread, T),
-    /// Deletes it.
-    Delete(T),
-    /// Leaves it as it is.
-    Keep(T),
-}
-
-/// The threads of this deployment, with their limits.
-pub struct Keeper {
-    store: Arc<dyn ThreadStore>,
-    limits: ThreadLimits,
-    timeout: Duration,
-}
-
-impl Keeper {
-    /// Threads kept in `store` within `limits`, each store operation given `timeout`.
-    pub fn new(store: Arc<dyn ThreadStore>, limits: ThreadLimits, timeout: Duration) -> Self {
-        Self { store, limits, timeout }
-    }
-
-    /// The limits.
-    pub fn limits(&self) -> &ThreadLimits {
-        &self.limits
-    }
-
-    /// The thread as kept.
-    pub(crate) async fn read(&self, thread_id: &str) -> Result<Option<Thread>, StoreError> {
-        Ok(within(self.timeout, self.store.read(thread_id)).await?.map(|(t, _)| t))
-    }
-
-    /// Applies `change` to the thread (`None`: not kept) until its write lands.
-    pub(crate) async fn update<T>(
-        &self,
-        thread_id: &str,
-        mut change: impl FnMut(Option<Thread>) -> Change<T>,
-    ) -> Result<T, StoreError> {
-        for _ in 0..CAS_ATTEMPTS {
-            let read = within(self.timeout, self.store.read(thread_id)).await?;
-            let revision = read.as_ref().map_or(0, |(_, r)| *r);
-            let written = match change(read.map(|(t, _)| t)) {
-                Change::Keep(answer) => return Ok(answer),
-                Change::Write(thread, answer) => {
-                    (within(self.timeout, self.store.write(thread, revision)).await?).then_some(answer)
-                }
-                Change::Delete(answer) if revision == 0 => Some(answer),
-                Change::Delete(answer) => {
-                    (within(self.timeout, self.store.delete(thread_id, revision)).await?).then_some(answer)
-                }
-            };
-            if let Some(answer) = written {
-                return Ok(answer);
-            }
-        }
-        Err(StoreError::Unavailable {
-            operation: "thread update",
-            key: thread_id.to_owned(),
-            reason: "the thread kept changing under this write".to_owned(),
-        })
-    }
-
-    /// The run of `spec` ended with `status`: its request messages and its `conversation` join
-    /// its thread (see [`Thread::end`]), and it lets the thread go. A store that refuses is
-    /// tried again for a while; the thread then stays held by the run, and the next run on it
-    /// finds the run ended and takes the thread (without its messages; logged here).
-    pub async fn end_run(&self, spec: &RunSpec, thread: &RunThread, conversation: Vec<Message>, status: RunStatus) {
-        let mut messages = spec.messages.clone();
-        messages.extend(conversation);
-        let run = ThreadRun {
-            run_id: spec.run_id.clone(),
-            status,
-            messages,
-            ended_at_unix_ms: shared::sync::unix_ms(),
-        };
-        let limits = self.limits;
-        let principal = spec.principal.clone();
-        let mut delay = Duration::from_millis(50);
-        for attempt in 1..=4 {
-            let ended = self
-                .update(&thread.thread_id, |kept| {
-                    let mut kept =
-                        kept.unwrap_or_else(|| Thread::new(&thread.thread_id, &principal, run.ended_at_unix_ms));
-                    kept.end(run.clone(), &limits);
-                    Change::Write(kept, ())
-                })
-                .await;
-            match ended {
-                Ok(()) => return,
-                Err(e) if attempt == 4 => {
-                    tracing::error!(thread_id = %thread.thread_id, "the run's messages could not be added to its thread: {e}");
-                }
-                Err(e) => {
-                    tracing::warn!(thread_id = %thread.thread_id, attempt, "adding the run's messages to its thread failed: {e}; trying again");
-                    tokio::time::sleep(delay).await;
-                    delay *= 2;
-                }
-            }
-        }
-    }
-}
+pub(crate) use busy::Holders;
+pub(crate) use keeper::Change;
+pub use keeper::Keeper;

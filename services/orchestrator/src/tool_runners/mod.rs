@@ -35,7 +35,7 @@ use transport::{SharedTransport, Transport};
 
 use crate::Error;
 use crate::config::{Target, ToolRunnerSettings};
-use crate::llm::ToolDefinition;
+use crate::domain::chat::ToolDefinition;
 use pool::Pool;
 
 mod membership;

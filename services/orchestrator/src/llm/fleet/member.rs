@@ -102,7 +102,7 @@ impl Member {
     }
 
     /// Adds a completion's prompt tokens, and those of them the server had cached.
-    pub(super) fn count_prompt(&self, usage: crate::llm::Usage) {
+    pub(super) fn count_prompt(&self, usage: crate::domain::chat::Usage) {
         let endpoint = self.name.clone();
         metrics::counter!(metric::LLM_PROMPT_TOKENS, "endpoint" => endpoint.clone()).increment(usage.prompt_tokens);
         metrics::counter!(metric::LLM_CACHED_PROMPT_TOKENS, "endpoint" => endpoint)

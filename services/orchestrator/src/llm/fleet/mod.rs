@@ -455,7 +455,7 @@ mod tests {
     fn request(affinity: &str) -> ChatRequest {
         ChatRequest {
             model: "m".into(),
-            messages: vec![crate::llm::Message::User {
+            messages: vec![crate::domain::chat::Message::User {
                 content: "hi".into(),
                 name: None,
             }],

@@ -1,7 +1,7 @@
 //! Approvals in the loop (docs/architecture.md, "Approvals"): the calls of a turn whose tool
 //! needs a person's decision are announced with `approval_requested` instead of
 //! `tool_call_started`; the turn's other calls run at once; then the run parks (its checkpoint,
-//! state and log writer go to the approval lot, and it leaves its slot) unless every call was
+//! state and log writer go to the approval store, and it leaves its slot) unless every call was
 //! decided meanwhile. Once decided, the run resumes (here or after a park) with the decisions
 //! applied: an approved call is announced and runs (with edited arguments, if so decided), a
 //! rejected or expired one fails with its decision as the error, which is fed back to the model
@@ -14,8 +14,8 @@
 
 use shared::sync::lock;
 
-use super::awaiting::Approval;
 use super::durable::TurnCalls;
+use super::waiting::Approval;
 use super::{CallOutcome, Driver, End, Step};
 use crate::domain::ToolCallError;
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, OnTimeout, PendingApproval};
@@ -87,7 +87,7 @@ impl TurnCalls {
         }
     }
 
-    /// Calls still undecided when the lot knew no wait of the run (it was lost): they are
+    /// Calls still undecided when the approval store knew no wait of the run (it was lost): they are
     /// rejected (questions are answered `cancel`), so the turn can end.
     fn reject_undecided(&mut self, why: &str) {
         let now = shared::sync::unix_ms();
@@ -132,7 +132,7 @@ impl Driver<'_> {
     }
 
     /// Announces the calls that wait (`approval_requested`, and the run's pending approvals) and
-    /// opens their wait in the lot. A lot that takes no more runs rejects them at once
+    /// opens their wait in the approval store. An approval store that takes no more runs rejects them at once
     /// (`APPROVAL_UNAVAILABLE`, fed back to the model).
     pub(super) async fn ask_for_approval(&mut self, calls: &mut TurnCalls) {
         if calls.approvals.is_empty() {
@@ -218,8 +218,8 @@ impl Driver<'_> {
         self.open_wait(calls).await;
     }
 
-    /// Opens (or opens again) the turn's wait in the lot with every call that waits or waited,
-    /// their decisions so far, and the run's pending approvals: those still undecided. A lot
+    /// Opens (or opens again) the turn's wait in the approval store with every call that waits or waited,
+    /// their decisions so far, and the run's pending approvals: those still undecided. An approval store
     /// that takes no more runs decides them at once (rejected; questions answered `cancel`).
     async fn open_wait(&mut self, calls: &mut TurnCalls) {
         let now = shared::sync::unix_ms();
@@ -354,7 +354,7 @@ impl Driver<'_> {
     /// it on this replica.
     pub(super) async fn await_decisions(&mut self, calls: &mut TurnCalls) -> Step<()> {
         self.emitter.flush().await;
-        // A shared lot resumes the run on any replica from the run's log: it must hold
+        // A shared approval store resumes the run on any replica from the run's log: it must hold
         // everything sent, or the resumed run would number its events past a gap.
         if !self.emitter.settler(self.deps.log_settle_timeout).wait().await
             && let Some(persister) = self.durable()

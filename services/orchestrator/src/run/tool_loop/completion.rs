@@ -13,8 +13,9 @@ use shared::sync::lock;
 use tokio::time::Instant;
 
 use super::*;
+use crate::domain::chat::Usage;
 use crate::domain::{Event, FailureReason};
-use crate::llm::{ChatRequest, LlmError, LlmEvent, ReadPace, Usage};
+use crate::llm::{ChatRequest, LlmError, LlmEvent, ReadPace};
 use crate::run::loop_detector::LoopDetector;
 use crate::run::turn::{TurnCollector, TurnOutput};
 use crate::telemetry::metric;

@@ -15,9 +15,9 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use super::{CallOutcome, Driver, End, Partition, Spend, Step, Turn};
+use crate::domain::chat::Message;
 use crate::domain::chat::Usage;
 use crate::domain::{Event, NumberedEvent, RunResult, RunSpec};
-use crate::llm::Message;
 use crate::run::live::{Cancel, Settler};
 use crate::run::persist::{Persister, Snapshot};
 use crate::run::steering::{Inbox, Kept};
@@ -133,7 +133,7 @@ pub struct TurnCalls {
     pub(super) finished: Vec<CallOutcome>,
     /// The calls that wait for a person's decision, and their decisions.
     #[serde(default)]
-    pub(super) approvals: Vec<super::awaiting::Approval>,
+    pub(super) approvals: Vec<super::waiting::Approval>,
     /// Saved while the model still wrote, before a call started early left: the turn's calls
     /// are those started so far, and the run's text and reasoning were these long when the
     /// turn began.
@@ -142,7 +142,7 @@ pub struct TurnCalls {
     /// The tasks calls became (their servers run them in the background), followed until they
     /// end.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(super) tasks: Vec<super::awaiting::Following>,
+    pub(super) tasks: Vec<super::waiting::Following>,
 }
 
 #[cfg(test)]
@@ -335,7 +335,7 @@ impl Driver<'_> {
             return Err(End::TakenOver);
         }
         self.emitter.flush().await;
-        if self.handoff.is_cancelled() {
+        if self.hand_over.is_cancelled() {
             return Err(End::HandedOver);
         }
         Ok(())

@@ -179,7 +179,7 @@ impl Driver<'_> {
             turn: Turn {
                 number: turn.number,
                 text: turn.text.clone(),
-                usage: crate::llm::Usage::default(),
+                usage: crate::domain::chat::Usage::default(),
                 reasoning: turn.reasoning.clone(),
             },
             partition: Partition {

@@ -19,12 +19,11 @@
 //! writes), `output.rs` (accounting of the run's output against its bounds), `durable.rs`
 //! (checkpoints at safe points, and resuming from one), `approvals.rs` (calls that wait for a
 //! person's decision, parking and going on), `tasks.rs` (calls their servers run as tasks,
-//! followed until they end) with `awaiting.rs` (such calls as the turn holds them),
+//! followed until they end) with `waiting.rs` (such calls as the turn holds them),
 //! `call_progress.rs` (what calls still running report, sent as they run), and `tests.rs` (the
 //! rules, without a network).
 
 mod approvals;
-mod awaiting;
 mod call_progress;
 mod completion;
 mod durable;
@@ -34,6 +33,7 @@ mod rules;
 mod tasks;
 #[cfg(test)]
 pub(crate) mod tests;
+mod waiting;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -50,15 +50,16 @@ pub use self::tasks::TaskSettings;
 use self::completion::Completion;
 use self::durable::TurnCalls;
 use self::rules::IdAllocator;
-use super::live::{AdmittedRun, Cancel, Emitter, Handoff, SharedState};
+use super::live::{AdmittedRun, Cancel, Emitter, HandOver, SharedState};
 use super::loop_detector::LoopDetector;
 use super::steering::{Closed, Inbox};
+use crate::domain::chat::{Message, ToolDefinition, Usage};
 use crate::domain::ports::{SignalTopic, ToolExecutor};
 use crate::domain::{
     Event, EventBatch, FailureReason, HARD_MAX_TURNS, LoopDetection, OutputBounds, RunResult, RunSpec, RunStatus,
     ToolCallError,
 };
-use crate::llm::{ChatModel, Message, ToolDefinition, Usage};
+use crate::llm::ChatModel;
 use crate::run::persist::Persister;
 use crate::telemetry::{self, InFlight, metric};
 
@@ -85,7 +86,7 @@ pub struct LoopDeps {
     /// Longest wait at a safe point for the event log to hold the events sent (durable runs).
     pub log_settle_timeout: Duration,
     /// Where runs wait for decisions on their calls.
-    pub approvals: Arc<dyn crate::domain::ports::ApprovalLot>,
+    pub approvals: Arc<dyn crate::domain::ports::ApprovalStore>,
     /// Times a turn starts again on another model endpoint after one cut its stream.
     pub max_turn_restarts: u32,
     /// Times one call may ask questions before it fails (`--max-input-rounds`).
@@ -109,7 +110,7 @@ enum End {
     HandedOver,
     /// Another replica took the run over: this one stops without writing anything of it.
     TakenOver,
-    /// The run waits for approvals, parked in the approval lot: it resumes once decided.
+    /// The run waits for approvals, parked in the approval store: it resumes once decided.
     Parked,
 }
 
@@ -155,7 +156,7 @@ fn drive_run(
         caller,
         persister,
         slot,
-        handoff,
+        hand_over,
         inbox,
     } = run;
     async move {
@@ -181,13 +182,13 @@ fn drive_run(
                 &state,
                 &mut emitter,
                 persister.clone(),
-                handoff.clone(),
+                hand_over.clone(),
                 (cancel.clone(), inbox),
             );
             let ends = Ends {
                 cancel: &cancel,
                 caller: caller.as_ref(),
-                handoff: &handoff,
+                hand_over: &hand_over,
                 persister: persister.as_ref(),
             };
             if let Some(resumed) = &resumed {
@@ -387,7 +388,7 @@ async fn moved(
 struct Ends<'a> {
     cancel: &'a Cancel,
     caller: Option<&'a mpsc::Sender<EventBatch>>,
-    handoff: &'a Handoff,
+    hand_over: &'a HandOver,
     persister: Option<&'a Persister>,
 }
 
@@ -417,7 +418,7 @@ async fn race(drive: impl Future<Output = End>, spec: &RunSpec, ends: Ends<'_>) 
     tokio::select! {
         biased;
         () = taken_over => End::TakenOver,
-        () = ends.handoff.now.cancelled(), if durable => End::HandedOver,
+        () = ends.hand_over.now.cancelled(), if durable => End::HandedOver,
         () = tokio::time::sleep_until(spec.deadline.at) => deadline_end(spec),
         reason = ends.cancel.cancelled() => End::Canceled(reason),
         () = caller_gone => {
@@ -566,7 +567,7 @@ struct Driver<'a> {
     /// Writes the run's state to the result store (checkpoints, late signal deliveries).
     persister: Option<Persister>,
     /// Set when a draining replica asks the run to hand over at its next safe point.
-    handoff: tokio_util::sync::CancellationToken,
+    hand_over: tokio_util::sync::CancellationToken,
     /// The run's cancel: read at each turn's end for a cancel that let the turn finish.
     cancel: Cancel,
     /// Messages sent to the run, taken at each turn's end.
@@ -614,7 +615,7 @@ impl<'a> Driver<'a> {
         state: &'a SharedState,
         emitter: &'a mut Emitter,
         persister: Option<Persister>,
-        handoff: Handoff,
+        hand_over: HandOver,
         (cancel, inbox): (Cancel, Inbox),
     ) -> Self {
         Self {
@@ -630,7 +631,7 @@ impl<'a> Driver<'a> {
             progress: Progress::default(),
             run_span: tracing::Span::current(),
             persister,
-            handoff: handoff.at_safe_point,
+            hand_over: hand_over.at_safe_point,
             cancel,
             inbox,
             eager: eager::Eager::default(),

@@ -11,10 +11,11 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::*;
+use crate::domain::chat::{Message, ToolCall, Usage};
 use crate::domain::ports::{OnDelivery, ToolInvocation, ToolOutput, within};
 use crate::domain::usage::{Tally, WINDOW_MS, window_of};
 use crate::domain::{Delivery, Event, FailureReason, ParsePolicy, RunStatus, Signal, ToolCallError, ToolCallRecord};
-use crate::llm::{ChatRequest, Message, ToolCall, Usage};
+use crate::llm::ChatRequest;
 use crate::run::bios::{BiosContext, Status, append_note, render, status_note};
 use crate::run::fallback::Resolution;
 use crate::run::turn::TurnOutput;
@@ -535,7 +536,7 @@ impl Driver<'_> {
                     timeout,
                     approval.and_then(|a| a.decision.as_ref()),
                     (
-                        approval.and_then(super::awaiting::Approval::answers),
+                        approval.and_then(super::waiting::Approval::answers),
                         calls.following(i).map(|f| f.task.clone()),
                     ),
                 )),
@@ -654,7 +655,7 @@ impl Driver<'_> {
         &mut self,
         partition: &Partition,
         mut outcomes: Vec<CallOutcome>,
-        approvals: &[super::awaiting::Approval],
+        approvals: &[super::waiting::Approval],
         turn: u32,
     ) -> Vec<(ToolCall, Message)> {
         outcomes.extend(partition.bad.iter().map(|(index, error)| CallOutcome {
@@ -710,7 +711,7 @@ impl Driver<'_> {
         &mut self,
         partition: &Partition,
         outcome: &mut CallOutcome,
-        approvals: &[super::awaiting::Approval],
+        approvals: &[super::waiting::Approval],
         turn: u32,
     ) {
         if outcome.reported {

@@ -5,7 +5,7 @@
 //! attempt of the call carrying the handle, at the server's interval held within
 //! `--task-poll-min` and `--task-poll-max`; what the server says of the task is streamed when it
 //! changes (`tool_call_progress`, never fed to the model). Past `--task-park-after` the run parks
-//! like a run waiting for approval (no slot, status `AWAITING_TASK`) and the lot wakes it for its
+//! like a run waiting for approval (no slot, status `AWAITING_TASK`) and the approval store wakes it for its
 //! next poll on whichever replica takes it. A task past its `ttlMs` fails its call; a task that
 //! asks questions waits for a person like any call that asks, and the answers go to the task.
 //! A run that ends before its tasks (canceled either way, its deadline, a limit) asks their
@@ -16,8 +16,8 @@ use std::time::Duration;
 use futures::future::join_all;
 use shared::sync::unix_ms;
 
-use super::awaiting::Following;
 use super::durable::TurnCalls;
+use super::waiting::Following;
 use super::{CallOutcome, Driver, ModelCall, Step};
 use crate::domain::ToolCallError;
 use crate::domain::event::Event;
@@ -190,8 +190,8 @@ impl Driver<'_> {
         Ok(())
     }
 
-    /// Opens the run's wait in the lot with no call for a person: it parks until its next poll.
-    /// Whether the lot took it (one that takes no more runs leaves the run following in place).
+    /// Opens the run's wait in the approval store with no call for a person: it parks until its next poll.
+    /// Whether the approval store took it (one that takes no more runs leaves the run following in place).
     async fn open_task_wait(&mut self) -> bool {
         let wait = Wait {
             run_id: self.spec.run_id.clone(),

@@ -12,7 +12,7 @@ use shared::auth::caller;
 use tonic::{Request, Response, Status};
 
 use super::convert::{
-    CancelRequest, DecideRequest, RunRequest, SteerRequest, event_pb, named_id, parse_grpc_timeout, resolve,
+    CancelRequest, DecideRequest, RunRequest, SteeringRequest, event_pb, named_id, parse_grpc_timeout, resolve,
 };
 use crate::domain::listing::ListRequest;
 use crate::domain::ports::{SignalFilter, SignalItem};
@@ -161,8 +161,8 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         request: Request<pb::SendMessageRequest>,
     ) -> Result<Response<pb::SendMessageResponse>, Status> {
         let caller = caller(&request);
-        let SteerRequest { run_id, message } = SteerRequest::try_from(request.into_inner())?
-            .within(self.core.config.conversations.max_steering_message_bytes)?;
+        let SteeringRequest { run_id, message } = SteeringRequest::try_from(request.into_inner())?
+            .within(self.core.config.threads.max_steering_message_bytes)?;
         let waiting = self.core.send_message(&run_id, &caller, message).await?;
         Ok(Response::new(pb::SendMessageResponse { waiting }))
     }

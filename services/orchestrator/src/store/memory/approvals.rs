@@ -13,7 +13,7 @@ use crate::domain::RunResult;
 use crate::domain::approval::{
     DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions, wait_decided,
 };
-use crate::domain::ports::{ApprovalLot, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
+use crate::domain::ports::{ApprovalStore, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 
 /// One run's wait.
 struct Entry {
@@ -71,14 +71,14 @@ impl Inner {
 }
 
 /// See the module docs.
-pub struct MemoryLot {
+pub struct MemoryApprovals {
     inner: Mutex<Inner>,
     max_waiting: usize,
     changed: std::sync::Arc<Notify>,
 }
 
-impl MemoryLot {
-    /// An empty lot for at most `max_waiting` waiting runs.
+impl MemoryApprovals {
+    /// An empty approval store for at most `max_waiting` waiting runs.
     pub fn new(max_waiting: usize) -> Self {
         Self {
             inner: Mutex::default(),
@@ -92,7 +92,7 @@ impl MemoryLot {
     }
 }
 
-impl MemoryLot {
+impl MemoryApprovals {
     fn open_now(&self, wait: Wait) -> Result<(), String> {
         let mut inner = self.lock();
         if !inner.runs.contains_key(&wait.run_id) && inner.runs.len() >= self.max_waiting {
@@ -192,7 +192,7 @@ impl MemoryLot {
     }
 }
 
-impl ApprovalLot for MemoryLot {
+impl ApprovalStore for MemoryApprovals {
     fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
         ready(self.open_now(wait)).boxed()
     }
@@ -314,11 +314,11 @@ impl ApprovalLot for MemoryLot {
     }
 }
 
-/// The memory lot with faults a test puts in: a park the store refuses, and a hook run right
+/// The memory approval store with faults a test puts in: a park the store refuses, and a hook run right
 /// after a ready run was handed out.
 #[cfg(test)]
-pub(crate) struct HookedLot {
-    pub(crate) inner: MemoryLot,
+pub(crate) struct HookedApprovals {
+    pub(crate) inner: MemoryApprovals,
     /// Every park is refused (a store that does not take the parked record).
     pub(crate) refuse_park: bool,
     /// Runs after `take_ready` handed a run out, before the caller has it.
@@ -326,11 +326,11 @@ pub(crate) struct HookedLot {
 }
 
 #[cfg(test)]
-impl HookedLot {
-    /// A lot of at most 16 waiting runs, without faults.
+impl HookedApprovals {
+    /// An approval store of at most 16 waiting runs, without faults.
     pub(crate) fn new() -> Self {
         Self {
-            inner: MemoryLot::new(16),
+            inner: MemoryApprovals::new(16),
             refuse_park: false,
             after_take: None,
         }
@@ -338,7 +338,7 @@ impl HookedLot {
 }
 
 #[cfg(test)]
-impl ApprovalLot for HookedLot {
+impl ApprovalStore for HookedApprovals {
     fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
         self.inner.open(wait)
     }

@@ -3,7 +3,7 @@
 //!
 //! * [`results`]: the [`ResultStore`](crate::domain::ports::ResultStore) ([`MemoryStore`]);
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) ([`MemoryLog`]);
-//! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) ([`MemoryLot`]);
+//! * [`approvals`]: the [`ApprovalStore`](crate::domain::ports::ApprovalStore) ([`MemoryApprovals`]);
 //! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) ([`MemoryThreads`]);
 //! * [`usage`]: the [`UsageBook`](crate::domain::ports::UsageBook) ([`MemoryUsage`]).
 
@@ -13,7 +13,7 @@ pub mod results;
 pub mod threads;
 pub mod usage;
 
-pub use approvals::MemoryLot;
+pub use approvals::MemoryApprovals;
 pub use log::MemoryLog;
 pub use results::MemoryStore;
 pub use threads::MemoryThreads;

@@ -25,7 +25,7 @@ use crate::domain::RunResult;
 use crate::domain::approval::{
     DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions, same_calls, wait_decided,
 };
-use crate::domain::ports::{ApprovalLot, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
+use crate::domain::ports::{ApprovalStore, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 use crate::store::unavailable;
 
 /// Compare-and-set attempts on one record before giving up (others kept changing it).
@@ -67,12 +67,12 @@ impl WaitRecord {
 }
 
 /// See the module docs.
-pub struct NatsLot {
+pub struct NatsApprovals {
     waits: jetstream::kv::Store,
     store: Arc<KvStore>,
 }
 
-impl NatsLot {
+impl NatsApprovals {
     /// Binds (or creates) the bucket of waits beside the results bucket `bucket`.
     pub async fn open(
         js: &jetstream::Context,
@@ -133,7 +133,7 @@ async fn mark_ready(store: &KvStore, key: &str) -> Result<(), StoreError> {
             Ok(_) => {
                 let _ = store
                     .client
-                    .publish(store.handover_subject.clone(), key.as_bytes().to_vec().into())
+                    .publish(store.hand_over_subject.clone(), key.as_bytes().to_vec().into())
                     .await;
                 return Ok(());
             }
@@ -177,7 +177,7 @@ async fn decide_stored(
     )))
 }
 
-impl NatsLot {
+impl NatsApprovals {
     /// Parks a run: its checkpoint, then its record marked `awaiting` (released by its owner).
     async fn park_stored(
         waits: jetstream::kv::Store,
@@ -322,7 +322,7 @@ async fn close_stored(waits: &jetstream::kv::Store, key: &str, epoch: u64) {
     }
 }
 
-impl ApprovalLot for NatsLot {
+impl ApprovalStore for NatsApprovals {
     fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
         let waits = self.waits.clone();
         let (key, principal, epoch) = (key(&wait.run_id), wait.principal.clone(), wait.epoch);

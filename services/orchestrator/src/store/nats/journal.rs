@@ -13,7 +13,7 @@ use tokio::io::AsyncReadExt;
 use super::results::{
     KvStore, Owned, checkpoint_name, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
 };
-use crate::domain::ports::{CancelAsk, Claim, Claimed, RemoteCancel, RemoteSteer, RunJournal, SteerAsk, StoreError};
+use crate::domain::ports::{CancelAsk, Claim, Claimed, RemoteCancel, RemoteSteer, RunJournal, SteeringAsk, StoreError};
 use crate::domain::steering::UserMessage;
 use crate::store::unavailable;
 
@@ -36,7 +36,7 @@ struct CancelMessage {
 
 /// A message sent to the replica running a run (core NATS request, `<bucket>.messages`).
 #[derive(serde::Serialize, serde::Deserialize)]
-struct SteerMessage {
+struct SteeringMessage {
     run_id: String,
     message: UserMessage,
 }
@@ -355,7 +355,7 @@ impl RunJournal for KvStore {
             // then every runner refuses the replaced owner's (a raise is never undone; should the
             // claim below lose, the winner holds the same epoch).
             super::fence::raise(&kv, &key, record.epoch.saturating_add(1)).await?;
-            // A parked run (or one taken over from the lot that was waiting for a slot) keeps
+            // A parked run (or one taken over from the approval store that was waiting for a slot) keeps
             // reading parked, holding no slot, until its new owner, holding one again, writes it
             // running.
             let parked = record.result.as_ref().is_some_and(|r| {
@@ -412,8 +412,8 @@ impl RunJournal for KvStore {
         .boxed()
     }
 
-    fn handovers(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, ()>> {
-        let (client, subject) = (self.client.clone(), self.handover_subject.clone());
+    fn hand_overs(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, ()>> {
+        let (client, subject) = (self.client.clone(), self.hand_over_subject.clone());
         async move {
             match client.subscribe(subject).await {
                 Ok(subscriber) => subscriber.map(|_| ()).boxed(),
@@ -463,19 +463,20 @@ impl RunJournal for KvStore {
         run_id: &str,
         message: UserMessage,
     ) -> BoxFuture<'static, Result<Option<RemoteSteer>, StoreError>> {
-        let message = SteerMessage {
+        let message = SteeringMessage {
             run_id: run_id.to_owned(),
             message,
         };
-        ask(self.client.clone(), self.steer_subject.clone(), key(run_id), message).boxed()
+        ask(self.client.clone(), self.steering_subject.clone(), key(run_id), message).boxed()
     }
 
-    fn steer_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, SteerAsk>> {
-        let asked = asks::<SteerMessage, RemoteSteer>(self.client.clone(), self.steer_subject.clone(), "messages");
+    fn steering_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, SteeringAsk>> {
+        let asked =
+            asks::<SteeringMessage, RemoteSteer>(self.client.clone(), self.steering_subject.clone(), "messages");
         async move {
             asked
                 .await
-                .map(|(SteerMessage { run_id, message }, answer)| SteerAsk {
+                .map(|(SteeringMessage { run_id, message }, answer)| SteeringAsk {
                     run_id,
                     message,
                     answer,
@@ -487,7 +488,7 @@ impl RunJournal for KvStore {
 
     fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, key) = (self.kv.clone(), key(run_id));
-        let (client, subject) = (self.client.clone(), self.handover_subject.clone());
+        let (client, subject) = (self.client.clone(), self.hand_over_subject.clone());
         let last = self.owned().remove(&key);
         async move {
             let Some(last) = last else {

@@ -12,8 +12,8 @@
 //! * [`index`]: the [`RunIndex`](crate::domain::ports::RunIndex) — a JetStream stream with an
 //!   entry per claimed run, walked newest first by principal and thread ([`NatsIndex`]);
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) — a JetStream stream ([`NatsLog`]);
-//! * [`approvals`]: the [`ApprovalLot`](crate::domain::ports::ApprovalLot) — a key-value bucket
-//!   ([`NatsLot`]), decided and resumed on any replica;
+//! * [`approvals`]: the [`ApprovalStore`](crate::domain::ports::ApprovalStore) — a key-value bucket
+//!   ([`NatsApprovals`]), decided and resumed on any replica;
 //! * [`quotas`]: the [`Quotas`](crate::domain::ports::Quotas) — each principal's run slots
 //!   across the fleet, a key-value bucket ([`NatsQuotas`]);
 //! * [`usage`]: the [`UsageBook`](crate::domain::ports::UsageBook) — each principal's spend per
@@ -33,7 +33,7 @@ pub mod results;
 pub mod threads;
 pub mod usage;
 
-pub use approvals::NatsLot;
+pub use approvals::NatsApprovals;
 pub use index::NatsIndex;
 pub use log::{NatsLog, NatsLogOptions};
 pub use quotas::NatsQuotas;

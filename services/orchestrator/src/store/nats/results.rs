@@ -36,7 +36,7 @@ pub struct KvStore {
     /// This replica, written into the records of its runs.
     pub(super) owner: String,
     pub(super) lease: Duration,
-    /// Copies JetStream keeps of the store's buckets (the approval lot's beside it too).
+    /// Copies JetStream keeps of the store's buckets (the approval store's beside it too).
     pub(super) replicas: usize,
     /// How much of the lease an owner leaves unused (it stops acting that long before anyone
     /// may take the run over).
@@ -52,14 +52,14 @@ pub struct KvStore {
     /// Checkpoints of live runs, by key (an object store: a checkpoint may be larger than one
     /// message).
     pub(super) checkpoints: super::checkpoints::Checkpoints,
-    /// Where hand-overs are announced (core NATS, `<bucket>.handovers`).
+    /// Where hand-overs are announced (core NATS, `<bucket>.hand_overs`).
     pub(super) client: async_nats::Client,
-    pub(super) handover_subject: String,
+    pub(super) hand_over_subject: String,
     /// Where cancels are asked of the replica running a run (core NATS, `<bucket>.cancels`).
     pub(super) cancel_subject: String,
     /// Where `SendMessage` asks the replica running a run (a subject of its own, so a replica
     /// that predates steering never reads a message as a cancel).
-    pub(super) steer_subject: String,
+    pub(super) steering_subject: String,
     /// Where each claim enters its run first (`ListRuns`).
     pub(super) index: super::index::entry::IndexWriter,
     pub(super) index_stream: jetstream::stream::Stream,
@@ -232,7 +232,7 @@ impl Record {
     }
 
     /// Whether a replica holds the run (as written, lease aside): it is live — running, or
-    /// waiting in place for a person, a task or a slot — and not parked in the lot (a parked
+    /// waiting in place for a person, a task or a slot — and not parked in the approval store (a parked
     /// run has no owner until it is ready).
     pub(super) fn held(&self) -> bool {
         let live = [
@@ -263,7 +263,7 @@ impl Record {
             && (lapsed || self.lease_expires_unix_ms == 0)
     }
 
-    /// Whether the run has not ended: a replica holds it, or it is parked in the lot.
+    /// Whether the run has not ended: a replica holds it, or it is parked in the approval store.
     pub(super) fn live(&self) -> bool {
         self.held() || self.awaiting
     }
@@ -315,9 +315,9 @@ impl KvStore {
             owned: Arc::default(),
             checkpoints,
             client: js.client(),
-            handover_subject: format!("orchestrator.{bucket}.handovers"),
+            hand_over_subject: format!("orchestrator.{bucket}.hand_overs"),
             cancel_subject: format!("orchestrator.{bucket}.cancels"),
-            steer_subject: format!("orchestrator.{bucket}.messages"),
+            steering_subject: format!("orchestrator.{bucket}.messages"),
         })
     }
 

@@ -2,25 +2,25 @@
 //! that need nothing else, in [`request`]) and then a [`RunSpec`] ([`resolve`], checks against
 //! the tool catalog and the server's limits, in [`policy`]); every failure is an
 //! `INVALID_ARGUMENT` naming the field and what to do. Domain results and events become proto
-//! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`decisions`], and
+//! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`approvals`], and
 //! `CancelRun` requests a run id and a mode in [`cancel`], `SendMessage` requests a run id and a
-//! user message in [`steer`], `ListRuns` requests checked filters in [`listing`].
+//! user message in [`steering`], `ListRuns` requests checked filters in [`listing`].
 //!
 //! [`RunSpec`]: crate::domain::RunSpec
 
+mod approvals;
 mod cancel;
-mod decisions;
 mod listing;
 mod policy;
 mod request;
-mod steer;
+mod steering;
 
 pub(crate) use crate::wire::{event_pb, parse_grpc_timeout};
+pub(crate) use approvals::DecideRequest;
 pub(crate) use cancel::CancelRequest;
-pub(crate) use decisions::DecideRequest;
 pub(crate) use policy::resolve;
 pub(crate) use request::RunRequest;
-pub(crate) use steer::SteerRequest;
+pub(crate) use steering::SteeringRequest;
 
 use crate::Error;
 
@@ -50,8 +50,8 @@ mod tests {
     use crate::wire::*;
 
     use crate::domain::approval::ApprovalOutcome;
+    use crate::domain::chat::ToolDefinition;
     use crate::domain::{Delivery, FailureReason, Limits, RunResult, RunStatus, Signal};
-    use crate::llm::ToolDefinition;
     use crate::tool_runners::RemoteTool;
 
     fn catalog(names: &[&str]) -> BTreeMap<String, RemoteTool> {

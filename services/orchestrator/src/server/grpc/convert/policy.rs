@@ -11,8 +11,9 @@ use super::{invalid, millis};
 use crate::Error;
 use crate::config::Config;
 use crate::domain::approval::ApprovalRules;
+use crate::domain::chat::ToolDefinition;
+use crate::domain::params::{SamplingParams, ToolChoice};
 use crate::domain::{Deadline, Limits, RunSpec};
-use crate::llm::{SamplingParams, ToolChoice, ToolDefinition};
 use crate::tool_runners::RemoteTool;
 
 pub(super) fn run_params(

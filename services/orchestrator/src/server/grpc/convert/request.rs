@@ -9,10 +9,11 @@ use super::invalid;
 use crate::Error;
 use crate::config::RequestBounds;
 use crate::domain::ParsePolicy;
+use crate::domain::chat::{Message, ToolCall, ToolDefinition};
 use crate::domain::ids;
 use crate::domain::params::parse_extra_body;
+use crate::domain::params::{SamplingParams, ToolChoice};
 use crate::domain::thread::{BusyPolicy, RunThread};
-use crate::llm::{Message, SamplingParams, ToolCall, ToolChoice, ToolDefinition};
 
 /// Limits as the caller asked (unset = server default).
 #[derive(Debug, Clone, Default)]

@@ -10,7 +10,7 @@ use crate::domain::steering::{Refused, UserMessage};
 
 /// Outcome of a message sent to a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SteerOutcome {
+pub(crate) enum SteeringOutcome {
     /// The run took it: this many messages wait for its next turn boundary.
     Accepted(u32),
     /// The live run refused it.
@@ -23,7 +23,7 @@ pub(crate) enum SteerOutcome {
     Unanswered,
 }
 
-impl From<RemoteSteer> for SteerOutcome {
+impl From<RemoteSteer> for SteeringOutcome {
     fn from(answer: RemoteSteer) -> Self {
         match answer {
             RemoteSteer::Accepted(waiting) => Self::Accepted(waiting),
@@ -42,7 +42,7 @@ impl Runs {
         run_id: &str,
         caller: &Principal,
         message: UserMessage,
-    ) -> Result<SteerOutcome, StoreError> {
+    ) -> Result<SteeringOutcome, StoreError> {
         if let Some(outcome) = self.steer_here(run_id, caller, &message) {
             return Ok(outcome);
         }
@@ -51,51 +51,56 @@ impl Runs {
             .parked(run_id)
             .is_some_and(|p| sees(caller, &p.principal))
         {
-            return Ok(SteerOutcome::Refused(Refused::AwaitingApproval));
+            return Ok(SteeringOutcome::Refused(Refused::AwaitingApproval));
         }
         Ok(match self.stored(run_id).await? {
-            Some(result) if !sees(caller, &result.principal) => SteerOutcome::NotFound,
-            Some(result) if result.status.is_parked() => SteerOutcome::Refused(Refused::AwaitingApproval),
-            Some(result) if !result.status.is_live() => SteerOutcome::Finished(result.status),
+            Some(result) if !sees(caller, &result.principal) => SteeringOutcome::NotFound,
+            Some(result) if result.status.is_parked() => SteeringOutcome::Refused(Refused::AwaitingApproval),
+            Some(result) if !result.status.is_live() => SteeringOutcome::Finished(result.status),
             Some(_) => self.steer_elsewhere(run_id, message).await,
-            None => SteerOutcome::NotFound,
+            None => SteeringOutcome::NotFound,
         })
     }
 
     /// Puts `message` in the inbox of `run_id` when it is live on this replica and `caller` may
     /// see it; `None` when it is not here (or is leaving: being handed over, so its next replica
     /// answers).
-    pub(crate) fn steer_here(&self, run_id: &str, caller: &Principal, message: &UserMessage) -> Option<SteerOutcome> {
+    pub(crate) fn steer_here(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+        message: &UserMessage,
+    ) -> Option<SteeringOutcome> {
         let live = self.lock();
         let live = live.get(run_id).filter(|l| sees(caller, &l.principal))?;
         // Under the state lock, as a cancel: an ended run takes nothing.
         let state = shared::sync::lock(&live.state);
         if !state.status.is_live() {
-            return Some(SteerOutcome::Finished(state.status));
+            return Some(SteeringOutcome::Finished(state.status));
         }
         if state.status.is_parked() {
-            return Some(SteerOutcome::Refused(Refused::AwaitingApproval));
+            return Some(SteeringOutcome::Refused(Refused::AwaitingApproval));
         }
-        if live.handoff.at_safe_point.is_cancelled() || live.handoff.now.is_cancelled() {
+        if live.hand_over.at_safe_point.is_cancelled() || live.hand_over.now.is_cancelled() {
             return None;
         }
         Some(match live.inbox.send(message.clone()) {
-            Ok(waiting) => SteerOutcome::Accepted(waiting),
-            Err(refused) => SteerOutcome::Refused(refused),
+            Ok(waiting) => SteeringOutcome::Accepted(waiting),
+            Err(refused) => SteeringOutcome::Refused(refused),
         })
     }
 
     /// Sends `message` to the replica running `run_id` (shared store).
-    async fn steer_elsewhere(&self, run_id: &str, message: UserMessage) -> SteerOutcome {
+    async fn steer_elsewhere(&self, run_id: &str, message: UserMessage) -> SteeringOutcome {
         let Some(journal) = &self.journal else {
-            return SteerOutcome::NotFound;
+            return SteeringOutcome::NotFound;
         };
         match within(self.store_timeout, journal.steer_elsewhere(run_id, message)).await {
             Ok(Some(answer)) => answer.into(),
-            Ok(None) => SteerOutcome::Unanswered,
+            Ok(None) => SteeringOutcome::Unanswered,
             Err(e) => {
                 tracing::warn!(run_id = %run_id, "sending a message to the run's replica failed: {e}");
-                SteerOutcome::Unanswered
+                SteeringOutcome::Unanswered
             }
         }
     }

@@ -9,21 +9,21 @@ use std::sync::atomic::Ordering;
 
 use futures::StreamExt;
 
-use super::{Core, Resumption};
 use crate::registry::TakenOver;
+use crate::server::{Core, Resumption};
 
 /// Looks for orphans until the replica drains.
 pub(crate) async fn watch(core: Arc<Core>) {
     let every = core.config.store.lease / 3;
-    let mut handovers = match core.runs.durable() {
-        Some(journal) => journal.handovers().await,
+    let mut hand_overs = match core.runs.durable() {
+        Some(journal) => journal.hand_overs().await,
         None => return,
     };
     loop {
         tokio::select! {
             () = core.stopping.cancelled() => return,
             () = tokio::time::sleep(every) => {}
-            Some(()) = handovers.next() => {}
+            Some(()) = hand_overs.next() => {}
         }
         if core.draining.load(Ordering::Acquire) {
             return;

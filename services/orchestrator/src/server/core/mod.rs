@@ -2,7 +2,16 @@
 //! ([`Core::orchestrate`]), go on with one here ([`Core::resume`], the one path for runs taken
 //! over and runs whose approvals were decided), follow one (`attach`), read, cancel, and decide
 //! its calls waiting for approval. Everything here speaks the domain's types and [`Error`];
-//! the proto is the gRPC adapter's business.
+//! the proto is the gRPC adapter's business. Beside it, a file per concern: `approvals.rs` (a
+//! person's decisions and answers, a refusal said with what the run does now), `threads.rs` (the
+//! thread operations, by the rules in `threads/`), `usage.rs` (the hourly token budget at
+//! admission, and `GetUsage`), `streams.rs` (the event streams of a run's caller and of callers
+//! that attach).
+
+mod approvals;
+pub(crate) mod streams;
+mod threads;
+mod usage;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,14 +22,14 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use super::streams::{self, Replayed, RunEvents, StreamDeps, attach_error, no_run};
+use self::streams::{Replayed, RunEvents, StreamDeps, attach_error, no_run};
 use crate::Error;
 use crate::config::Config;
 use crate::domain::listing::{Cursor, ListRequest, RunPage, RunQuery, check_labels};
 use crate::domain::ports::SignalTopic;
 use crate::domain::steering::{Closed, Refused, UserMessage};
 use crate::domain::{CancelMode, EventBatch, RunResult, RunSpec, RunStatus};
-use crate::registry::{Admitted, CancelOutcome, Queuing, Refusal, Runs, SteerOutcome};
+use crate::registry::{Admitted, CancelOutcome, Queuing, Refusal, Runs, SteeringOutcome};
 use crate::run::live::{EmitSettings, Emitter, gated};
 use crate::run::tool_loop::{LoopDeps, Resumed};
 use crate::telemetry::metric;
@@ -286,21 +295,21 @@ impl Core {
         message: UserMessage,
     ) -> Result<u32, Error> {
         match self.runs.send_message(run_id, caller, message).await? {
-            SteerOutcome::Accepted(waiting) => {
+            SteeringOutcome::Accepted(waiting) => {
                 tracing::info!(run_id = %run_id, principal = %caller.name, waiting, "a message for the run's next turn");
                 Ok(waiting)
             }
-            SteerOutcome::Refused(Refused::Full(max)) => Err(Error::InboxFull {
+            SteeringOutcome::Refused(Refused::Full(max)) => Err(Error::InboxFull {
                 run_id: run_id.to_owned(),
                 max,
             }),
-            SteerOutcome::Refused(refused) => Err(Error::NotNow(not_taking(run_id, refused))),
-            SteerOutcome::Finished(status) => Err(Error::NotNow(format!(
+            SteeringOutcome::Refused(refused) => Err(Error::NotNow(not_taking(run_id, refused))),
+            SteeringOutcome::Finished(status) => Err(Error::NotNow(format!(
                 "run {run_id:?} has ended ({}); start a new run to go on",
                 status.name()
             ))),
-            SteerOutcome::NotFound => Err(no_run(run_id)),
-            SteerOutcome::Unanswered => Err(Error::RunElsewhere(run_id.to_owned())),
+            SteeringOutcome::NotFound => Err(no_run(run_id)),
+            SteeringOutcome::Unanswered => Err(Error::RunElsewhere(run_id.to_owned())),
         }
     }
 

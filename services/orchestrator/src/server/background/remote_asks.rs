@@ -9,14 +9,14 @@ use std::sync::Arc;
 use futures::StreamExt;
 use shared::auth::Principal;
 
-use super::Core;
-use crate::domain::ports::{CancelAsk, RemoteCancel, RemoteSteer, SteerAsk};
-use crate::registry::{CancelOutcome, SteerOutcome};
+use crate::domain::ports::{CancelAsk, RemoteCancel, RemoteSteer, SteeringAsk};
+use crate::registry::{CancelOutcome, SteeringOutcome};
+use crate::server::Core;
 
 /// Answers the cancels and messages asked of this replica until the server stops.
 pub(crate) async fn answer(core: Arc<Core>) {
     let Some(journal) = core.runs.durable() else { return };
-    let (cancels, messages) = (journal.cancel_asks(), journal.steer_asks());
+    let (cancels, messages) = (journal.cancel_asks(), journal.steering_asks());
     let (mut cancels, mut messages) = tokio::join!(cancels, messages);
     loop {
         tokio::select! {
@@ -44,12 +44,12 @@ fn answer_cancel(core: &Core, ask: CancelAsk) {
 }
 
 /// As [`answer_cancel`], for a message sent to the run.
-fn answer_message(core: &Core, ask: SteerAsk) {
+fn answer_message(core: &Core, ask: SteeringAsk) {
     let answer = match core.runs.steer_here(&ask.run_id, &Principal::default(), &ask.message) {
-        Some(SteerOutcome::Accepted(waiting)) => RemoteSteer::Accepted(waiting),
-        Some(SteerOutcome::Refused(refused)) => RemoteSteer::Refused(refused),
-        Some(SteerOutcome::Finished(status)) => RemoteSteer::Finished(status),
-        Some(SteerOutcome::NotFound | SteerOutcome::Unanswered) | None => return,
+        Some(SteeringOutcome::Accepted(waiting)) => RemoteSteer::Accepted(waiting),
+        Some(SteeringOutcome::Refused(refused)) => RemoteSteer::Refused(refused),
+        Some(SteeringOutcome::Finished(status)) => RemoteSteer::Finished(status),
+        Some(SteeringOutcome::NotFound | SteeringOutcome::Unanswered) | None => return,
     };
     tracing::info!(run_id = %ask.run_id, ?answer, "a message sent on another replica");
     tokio::spawn((ask.answer)(answer));

@@ -8,12 +8,12 @@ use crate::domain::steering::UserMessage;
 
 /// A `SendMessage` request, checked.
 #[derive(Debug)]
-pub(crate) struct SteerRequest {
+pub(crate) struct SteeringRequest {
     pub run_id: String,
     pub message: UserMessage,
 }
 
-impl TryFrom<pb::SendMessageRequest> for SteerRequest {
+impl TryFrom<pb::SendMessageRequest> for SteeringRequest {
     type Error = Error;
 
     fn try_from(request: pb::SendMessageRequest) -> Result<Self, Error> {
@@ -45,7 +45,7 @@ impl TryFrom<pb::SendMessageRequest> for SteerRequest {
     }
 }
 
-impl SteerRequest {
+impl SteeringRequest {
     /// The request, when its text is at most `max_bytes` long (`--max-steering-message-bytes`).
     pub(crate) fn within(self, max_bytes: usize) -> Result<Self, Error> {
         let bytes = self.message.content.len();
@@ -74,7 +74,7 @@ mod tests {
     }
 
     fn refusal(request: pb::SendMessageRequest) -> String {
-        SteerRequest::try_from(request)
+        SteeringRequest::try_from(request)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default()
@@ -82,8 +82,8 @@ mod tests {
 
     #[test]
     fn a_user_message_with_text_is_taken_and_anything_else_refused_naming_the_field() {
-        assert!(SteerRequest::try_from(request("user", "also check B")).is_ok());
-        assert!(SteerRequest::try_from(request("", "role unset means user")).is_ok());
+        assert!(SteeringRequest::try_from(request("user", "also check B")).is_ok());
+        assert!(SteeringRequest::try_from(request("", "role unset means user")).is_ok());
         assert!(refusal(request("assistant", "x")).contains("message.role"));
         assert!(refusal(request("user", "  ")).contains("message.content"));
         assert!(
@@ -104,9 +104,9 @@ mod tests {
 
     #[test]
     fn the_text_is_bounded_on_both_sides_of_the_limit() {
-        let at = SteerRequest::try_from(request("user", &"x".repeat(8))).unwrap();
+        let at = SteeringRequest::try_from(request("user", &"x".repeat(8))).unwrap();
         assert!(at.within(8).is_ok());
-        let over = SteerRequest::try_from(request("user", &"x".repeat(9))).unwrap();
+        let over = SteeringRequest::try_from(request("user", &"x".repeat(9))).unwrap();
         let refused = over.within(8).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(refused.contains("--max-steering-message-bytes"), "{refused}");
     }

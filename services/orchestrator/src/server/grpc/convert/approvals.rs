@@ -1,8 +1,8 @@
 //! `DecideToolCalls` requests as domain decisions: each names a call and one kind of decision,
 //! with what that kind needs (a rejection's message is bounded; an edit's arguments are checked
-//! against the tool's schema later, by the approval lot). `AnswerToolInput` requests as the
+//! against the tool's schema later, by the approval store). `AnswerToolInput` requests as the
 //! decision of one call: its answers (their content is checked against the questions' schemas
-//! by the lot too).
+//! by the approval store too).
 
 use proto::orchestrator::v1 as pb;
 

@@ -1,13 +1,13 @@
 //! Unparking: runs waiting for approvals, from the server's side: parked runs go on once their calls are
 //! decided, a timeout or their deadline passed, or they were canceled, each on a free run slot
 //! (docs/architecture.md, "Approvals"). The oldest ready run goes first; with no slot free it
-//! waits in the lot, holding nothing but its checkpoint.
+//! waits in the approval store, holding nothing but its checkpoint.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Core, Resumption};
 use crate::registry::Unparked;
+use crate::server::{Core, Resumption};
 
 /// How often timeouts and deadlines of parked runs are looked at (and ready runs that found no
 /// slot tried again).
@@ -15,15 +15,15 @@ const TICK: Duration = Duration::from_millis(250);
 
 /// Resumes ready runs until the server stops.
 pub(crate) async fn watch(core: Arc<Core>) {
-    let lot = Arc::clone(&core.deps.approvals);
+    let approvals = Arc::clone(&core.deps.approvals);
     loop {
         tokio::select! {
             () = core.stopping.cancelled() => return,
-            () = lot.changed() => {}
+            () = approvals.changed() => {}
             () = core.runs.slot_freed() => {}
             () = tokio::time::sleep(TICK) => {}
         }
-        lot.expire(shared::sync::unix_ms());
+        approvals.expire(shared::sync::unix_ms());
         resume_ready(&core).await;
     }
 }

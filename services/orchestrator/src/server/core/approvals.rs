@@ -1,5 +1,5 @@
 //! The decisions a person takes as `Core` answers for them (`DecideToolCalls`,
-//! `AnswerToolInput`, `ListPendingApprovals`): recorded in the approval lot by its rules
+//! `AnswerToolInput`, `ListPendingApprovals`): recorded in the approval store by its rules
 //! (`domain::approval`), and a refusal said with what the run is doing now — who decided a call
 //! decided already and when, and whether the run still waits.
 
@@ -64,7 +64,7 @@ impl Core {
             .await?)
     }
 
-    /// The caller as the approval lot checks it.
+    /// The caller as the approval store checks it.
     pub(super) fn decider(&self, caller: &Principal) -> Decider {
         Decider {
             name: caller.name.clone(),

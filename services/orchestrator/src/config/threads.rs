@@ -1,4 +1,4 @@
-//! Conversations: threads that continue across runs, and messages sent to live runs (steering).
+//! Threads that continue across runs, and messages sent to live runs (steering).
 
 use std::time::Duration;
 
@@ -10,8 +10,8 @@ use crate::domain::thread::ThreadLimits;
 
 /// Threads (`OrchestrateRequest.thread_id`) and messages sent to live runs (`SendMessage`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Args)]
-#[command(next_help_heading = "Conversations")]
-pub struct ConversationSettings {
+#[command(next_help_heading = "Threads and steering")]
+pub struct ThreadSettings {
     /// Messages one run may be sent with SendMessage over its life; more get RESOURCE_EXHAUSTED
     /// (0: runs take none; cap 1000).
     #[arg(long, env = "ORCHESTRATOR_MAX_STEERING_MESSAGES", default_value_t = 16)]
@@ -40,7 +40,7 @@ pub struct ConversationSettings {
     pub max_threads: usize,
 }
 
-impl ConversationSettings {
+impl ThreadSettings {
     /// A thread's bounds.
     pub fn thread_limits(&self) -> ThreadLimits {
         ThreadLimits {
@@ -51,7 +51,7 @@ impl ConversationSettings {
     }
 }
 
-impl Bounded for ConversationSettings {
+impl Bounded for ThreadSettings {
     fn bounds(&self) -> Vec<Bound> {
         vec![
             bound("max_steering_messages", self.max_steering_messages, 0u32, 1000u32),

@@ -16,7 +16,7 @@ use orchestrator::domain::RunResult;
 use orchestrator::domain::approval::{
     DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions, same_calls, wait_decided,
 };
-use orchestrator::domain::ports::{ApprovalLot, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
+use orchestrator::domain::ports::{ApprovalStore, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
 
 use super::quotas::next_revision;
 use super::{ReplicaStore, Shared, recorded};
@@ -298,7 +298,7 @@ fn listed(shared: &Shared, decider: &Decider, run_id: Option<&str>) -> Vec<Pendi
     calls
 }
 
-impl ApprovalLot for ReplicaStore {
+impl ApprovalStore for ReplicaStore {
     fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
         let (this, run_id, principal, epoch) = (self.clone(), wait.run_id.clone(), wait.principal.clone(), wait.epoch);
         let (calls, schemas) = wait.into_calls();
