@@ -895,17 +895,10 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
     let kept = writer
         .settled()
         .ok_or_else(|| anyhow::anyhow!("the NATS log reports what it kept"))?;
-    let kept_through = |n: u64| {
-        let mut kept = kept.clone();
-        async move {
-            let kept = tokio::time::timeout(Duration::from_secs(5), kept.wait_for(|s| s.kept_through >= n)).await;
-            kept.map(|k| k.map(|_| ()))
-        }
-    };
     writer.append(&[call_started_event(1)]);
-    kept_through(1).await??;
+    kept_through(&kept, 1).await?;
     writer.append(&[text_event(2, "first ")]);
-    assert!(kept_through(2).await.is_ok(), "the turn's first text was kept at once");
+    assert!(kept_through(&kept, 2).await.is_ok(), "the turn's first text was kept at once");
     writer.append(&[text_event(3, "second ")]);
     // Stays a fixed time: what is asserted is that something does not happen (text after the
     // turn's first is not kept at once), which no condition can wait for.
@@ -916,7 +909,7 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
         "the text after it waits for the flush interval"
     );
     writer.append(&[finished_event(4)]);
-    kept_through(4).await??;
+    kept_through(&kept, 4).await?;
 
     // 10 KiB messages against a 25 KiB bound: the oldest go.
     let small = NatsLog::open(client, "BOUND_EVENTS", options(25 * 1024)).await?;
@@ -925,25 +918,25 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
         .settled()
         .ok_or_else(|| anyhow::anyhow!("the NATS log reports what it kept"))?;
     // Each event is kept before the next is written, so each is a message of its own.
-    let kept_through = |n: u64| {
-        let mut kept = kept.clone();
-        async move {
-            let kept = tokio::time::timeout(Duration::from_secs(10), kept.wait_for(|s| s.kept_through >= n)).await;
-            kept.map(|k| k.map(|_| ()))
-        }
-    };
     let chunk = "x".repeat(10 * 1024);
     for seq in 1..=5 {
         writer.append(&[text_event(seq, &chunk)]);
-        kept_through(seq).await??;
+        kept_through(&kept, seq).await?;
     }
     writer.append(&[finished_event(6)]);
-    kept_through(6).await??;
+    kept_through(&kept, 6).await?;
     let from_start = follow_all(&small, "trimmed", 0).await;
     let trimmed = from_start.as_ref().err().and_then(|e| e.downcast_ref::<LogError>());
     assert!(matches!(trimmed, Some(LogError::Trimmed { .. })), "{from_start:?}");
     let rest: Vec<u64> = follow_all(&small, "trimmed", 4).await?.iter().map(|e| e.seq).collect();
     assert_eq!(rest, [5, 6]);
+    Ok(())
+}
+
+/// Waits (within 10 s) until the log has kept the events through `n`.
+async fn kept_through(kept: &tokio::sync::watch::Receiver<orchestrator::domain::ports::Settled>, n: u64) -> TestResult {
+    let mut kept = kept.clone();
+    tokio::time::timeout(Duration::from_secs(10), kept.wait_for(|s| s.kept_through >= n)).await??;
     Ok(())
 }
 
