@@ -442,12 +442,23 @@ impl Completion {
 fn next_tick(interval: std::time::Duration) -> Instant {
     static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     let epoch = *EPOCH.get_or_init(Instant::now);
+    tick_after(epoch, Instant::now(), interval)
+}
+
+/// The first tick after `now` of ticks every `interval` through `epoch`, within one interval of
+/// `now` whichever side of it `epoch` is (a runtime whose clock is behind the one that set the
+/// epoch, as a test's paused clock can be, must not wait until the epoch).
+fn tick_after(epoch: Instant, now: Instant, interval: std::time::Duration) -> Instant {
     let step = interval.as_nanos().max(1);
-    let ticks = Instant::now().saturating_duration_since(epoch).as_nanos() / step + 1;
-    let since_epoch = u64::try_from(ticks.saturating_mul(step)).unwrap_or(u64::MAX);
-    epoch
-        .checked_add(std::time::Duration::from_nanos(since_epoch))
-        .unwrap_or_else(|| Instant::now() + interval)
+    let nanos = |n: u128| std::time::Duration::from_nanos(u64::try_from(n).unwrap_or(u64::MAX));
+    if now >= epoch {
+        let ticks = now.duration_since(epoch).as_nanos() / step + 1;
+        return epoch.checked_add(nanos(ticks * step)).unwrap_or(now + interval);
+    }
+    // The latest tick at or before the epoch that is still after now.
+    let ahead = epoch.duration_since(now).as_nanos();
+    let back = (ahead - 1) / step * step;
+    epoch.checked_sub(nanos(back)).unwrap_or(now + interval)
 }
 
 /// Whether an event carries generated output (for time to first token).
@@ -469,4 +480,26 @@ pub(super) fn llm_failure(e: LlmError) -> End {
         FailureReason::LlmError
     };
     End::Failed(reason, e.to_string())
+}
+
+#[cfg(test)]
+mod tick_tests {
+    use super::*;
+
+    #[test]
+    fn the_next_tick_is_within_one_interval_on_either_side_of_the_epoch() {
+        let interval = std::time::Duration::from_millis(5);
+        let epoch = Instant::now() + std::time::Duration::from_secs(3600);
+        for now in [
+            epoch - std::time::Duration::from_millis(12),
+            epoch - std::time::Duration::from_millis(10),
+            epoch,
+            epoch + std::time::Duration::from_millis(7),
+        ] {
+            let tick = tick_after(epoch, now, interval);
+            assert!(tick > now && tick - now <= interval, "{:?} after now", tick - now);
+            let phase = if tick >= epoch { tick - epoch } else { epoch - tick };
+            assert_eq!(phase.as_nanos() % interval.as_nanos(), 0, "on the epoch's ticks");
+        }
+    }
 }
