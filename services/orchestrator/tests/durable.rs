@@ -883,9 +883,12 @@ async fn all_completed(fleet: &Fleet, followers: Vec<Following>, text: &str, max
 #[tokio::test]
 async fn a_rolling_deploy_of_every_replica_moves_100_runs_and_loses_nothing() -> TestResult {
     // Few tokens and long tool calls: 100 runs of debug builds on two cores stay in flight
-    // through the whole deploy without saturating the machine.
+    // through the whole deploy without saturating the machine. Each drain waits for its runs'
+    // calls in flight and each new replica for its start, several seconds on a loaded machine:
+    // 14 turns of a 1.5 s call (and the last: 15, within the default 16) keep every run going
+    // past the third drain (8 turns did not, in one of ten runs with a core burnt).
     let words = "w0 w1 w2 ";
-    let turns = 8;
+    let turns = 14;
     let mut fleet = Fleet::start(0, scenario(turns, words), 1500).await?;
     fleet.hand_over_grace = "10s";
     // Drains move runs at their safe points, without waiting for a lease; a lease of 2 s can
