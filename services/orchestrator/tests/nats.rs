@@ -898,7 +898,10 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
     writer.append(&[call_started_event(1)]);
     kept_through(&kept, 1).await?;
     writer.append(&[text_event(2, "first ")]);
-    assert!(kept_through(&kept, 2).await.is_ok(), "the turn's first text was kept at once");
+    assert!(
+        kept_through(&kept, 2).await.is_ok(),
+        "the turn's first text was kept at once"
+    );
     writer.append(&[text_event(3, "second ")]);
     // Stays a fixed time: what is asserted is that something does not happen (text after the
     // turn's first is not kept at once), which no condition can wait for.
