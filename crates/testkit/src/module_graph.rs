@@ -6,8 +6,8 @@
 //! `crate::a::b::Item`, `super::sibling::Item`, `self::child::Item`, groups (`crate::{a, b::{c,
 //! d}}`) included, and paths that start with a child module's name (`child::Item`). A file using
 //! an item of a module it is inside (`super::Item`, `crate::Error`) does not count: a child using
-//! its parent's items is how Rust modules are built. Comments, `#[cfg(test)]` items and
-//! `tests.rs` files do not count.
+//! its parent's items is how Rust modules are built. Comments, `#[cfg(test)]` items, `tests.rs`
+//! files and the files of a `tests/` folder do not count.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -48,7 +48,8 @@ pub fn modules(src: &Path) -> anyhow::Result<BTreeMap<ModulePath, PathBuf>> {
         let Some(stem) = relative.strip_suffix(".rs") else {
             continue;
         };
-        if relative.ends_with("tests.rs") || relative.starts_with("bin/") {
+        let in_a_tests_folder = relative.split('/').rev().skip(1).any(|folder| folder == "tests");
+        if relative.ends_with("tests.rs") || in_a_tests_folder || relative.starts_with("bin/") {
             continue;
         }
         let mut module: ModulePath = stem.split('/').map(str::to_owned).collect();
@@ -425,10 +426,13 @@ mod tests {
                     "use super::Other;\n#[cfg(test)]\nmod t { use crate::a::tests::X; fn f() {} }\nfn g() {}",
                 ),
                 ("a/tests.rs", "use super::b::Thing; use crate::a::Other;"),
+                ("c/tests/mod.rs", "mod rules; use crate::a::Other;"),
+                ("c/tests/rules.rs", "use crate::a::Other;"),
             ],
         );
         let graph = file_graph(dir.path()).unwrap();
         assert_eq!(graph["a/mod.rs"], BTreeSet::from(["a/b.rs".to_owned()]));
+        assert!(!graph.keys().any(|file| file.contains("tests")), "{graph:?}");
         assert!(cycles(&graph).is_empty(), "{graph:?}");
     }
 
