@@ -53,6 +53,7 @@ impl crate::domain::ports::LogWriter for SlowLog {
     fn append(&mut self, events: &[NumberedEvent]) {
         let (settled, last) = (self.settled.clone(), events.last().map_or(0, |e| e.seq));
         tokio::spawn(async move {
+            // Stays: the scripted world's time (a slow log), on the tests' paused clock: not a wait.
             tokio::time::sleep(Duration::from_millis(30)).await;
             settled.send_modify(|s| s.kept_through = s.kept_through.max(last));
         });
@@ -100,6 +101,7 @@ impl crate::domain::ports::RunJournal for Journal {
         if let Some(log) = &self.log {
             self.kept_at_save.lock().unwrap().push(log.borrow().kept_through);
         }
+        // Stays: the scripted world's time (a slow save), on the tests' paused clock: not a wait.
         match self.slow_save {
             Some((slow, took)) if slow == index => tokio::time::sleep(took).map(Ok).boxed(),
             _ => futures::future::ready(Ok(())).boxed(),

@@ -4,6 +4,10 @@
 //! restarts), `output` (the output bounds), `steering` (messages to a live run, threads),
 //! `durable` (checkpoints, hand-over, resuming), `eager` (eager dispatch), `tasks` (calls run as
 //! tasks).
+//!
+//! Every test runs on tokio's paused clock (but one that needs the clock to stand still, which
+//! sleeps nowhere): the sleeps of the scripted model, tools, log and callers are the scenario's
+//! time, which the clock jumps over, never a wait for a condition.
 
 mod completion;
 mod durable;
@@ -76,6 +80,7 @@ impl ChatModel for Script {
                 let (tx, rx) = mpsc::unbounded_channel();
                 tokio::spawn(async move {
                     for event in turn {
+                        // Stays: the scripted world's time (the model's pace), on the tests' paused clock: not a wait.
                         tokio::time::sleep(pace).await;
                         if tx.send(event).is_err() {
                             return;
@@ -116,6 +121,7 @@ impl ToolExecutor for Arc<Tools> {
             let now = this.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
             this.peak.fetch_max(now, Ordering::SeqCst);
             let args: serde_json::Value = serde_json::from_str(&call.arguments_json).unwrap_or_default();
+            // Stays: the scripted world's time (a tool's duration), on the tests' paused clock: not a wait.
             tokio::time::sleep(Duration::from_millis(args["ms"].as_u64().unwrap_or(0))).await;
             this.in_flight.fetch_sub(1, Ordering::SeqCst);
             if call.name == "bad" {
@@ -403,6 +409,7 @@ async fn play_with(
     for (after, text) in outside.messages {
         let inbox = outside.inbox.clone();
         tokio::spawn(async move {
+            // Stays: the scripted world's time (when the message is sent), on the tests' paused clock: not a wait.
             tokio::time::sleep(after).await;
             let _ = inbox.send(user(text));
         });
@@ -419,12 +426,14 @@ async fn play_with(
     if let Some(after) = outside.cancel_after {
         let (cancel, mode) = (cancel.clone(), outside.cancel_mode);
         tokio::spawn(async move {
+            // Stays: the scripted world's time (when the cancel comes), on the tests' paused clock: not a wait.
             tokio::time::sleep(after).await;
             cancel.cancel_with(mode, "canceled by the test");
         });
     }
     if let Some(after) = outside.cancel_at_once_after {
         tokio::spawn(async move {
+            // Stays: the scripted world's time (when the cancel comes), on the tests' paused clock: not a wait.
             tokio::time::sleep(after).await;
             cancel.cancel("canceled at once by the test");
         });
@@ -433,6 +442,7 @@ async fn play_with(
         let mut batches = Vec::new();
         if let Some(every) = outside.read_every {
             loop {
+                // Stays: the scripted world's time (a slow reader's pace), on the tests' paused clock: not a wait.
                 tokio::time::sleep(every).await;
                 match rx.recv().await {
                     Some(batch) => batches.push(batch),

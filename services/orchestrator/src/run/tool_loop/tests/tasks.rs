@@ -33,7 +33,7 @@ fn progress(events: &[NumberedEvent]) -> Vec<String> {
 
 /// A call that became a task is polled until the task ends: each new word of its server is
 /// streamed, never fed to the model, and the task's result is the call's.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_task_is_polled_until_it_ends_and_its_result_is_the_calls() {
     let (result, events, script, tools) = play(a_task_then_an_answer(r#"{"task_polls": 3}"#), limits()).await;
     assert_eq!(result.status, RunStatus::Completed, "{result:?}");
@@ -53,7 +53,7 @@ async fn a_task_is_polled_until_it_ends_and_its_result_is_the_calls() {
 }
 
 /// A task still working past its ttl fails its call, fed back like any failure; the run goes on.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_task_past_its_ttl_fails_its_call() {
     let (result, _, _, tools) = play(a_task_then_an_answer(r#"{"task_polls": 1000, "ttl_ms": 1}"#), limits()).await;
     assert_eq!(result.status, RunStatus::Completed, "{result:?}");
@@ -66,7 +66,7 @@ async fn a_task_past_its_ttl_fails_its_call() {
 
 /// A run canceled while it follows a task asks the server to cancel it: at once (the run ends
 /// there), or after the turn (the poll cancels it, and the turn ends with the task's outcome).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_run_canceled_while_it_follows_a_task_cancels_the_task() {
     for mode in [CancelMode::Immediate, CancelMode::AfterTurn] {
         let outside = Outside {
