@@ -118,10 +118,14 @@ struct TokensFile {
 }
 
 /// An authenticated caller and what it may do.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {
     /// Its name; empty for the anonymous caller of a server without authentication.
     pub name: String,
+    /// The caller of a server that authenticates nobody, or the service acting for itself: it
+    /// sees and may do everything. Only [`Principal::anonymous`] makes one, so no credential can
+    /// name its way into it.
+    pub anonymous: Anonymous,
     /// The tools it may use (`*` globs); `None`: every tool.
     pub tools: Option<Vec<String>>,
     /// Its runs in flight at once; `None`: only the server's limit.
@@ -138,13 +142,39 @@ pub struct Principal {
     pub roles: Vec<String>,
 }
 
+/// Whether a principal is [`Principal::anonymous`]: a value no name or credential produces (its
+/// field is private: only this module sets it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Anonymous(bool);
+
 impl Principal {
     /// A caller known only by name, with no restriction of its own.
     pub fn unrestricted(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
-            ..Self::default()
+            anonymous: Anonymous(false),
+            tools: None,
+            max_runs: None,
+            max_queued: None,
+            weight: None,
+            tokens_per_hour: None,
+            limits: LimitCeilings::default(),
+            roles: Vec::new(),
         }
+    }
+
+    /// The caller of a server without authentication (or the service acting for itself): no
+    /// name, and it sees and may do everything.
+    pub fn anonymous() -> Self {
+        Self {
+            anonymous: Anonymous(true),
+            ..Self::unrestricted("")
+        }
+    }
+
+    /// Whether it is [`Principal::anonymous`]: no authentication, not a name.
+    pub fn is_anonymous(&self) -> bool {
+        self.anonymous.0
     }
 
     /// Whether it holds `role`.
@@ -206,11 +236,17 @@ pub struct TokensError {
     pub reason: String,
 }
 
+/// Whether `name` may name a principal: 1 to [`MAX_PRINCIPAL_LEN`] printable characters, not
+/// all of them blank (an empty name is no one, never everyone).
+pub fn is_principal_name(name: &str) -> bool {
+    !name.trim().is_empty() && name.len() <= MAX_PRINCIPAL_LEN && !name.chars().any(char::is_control)
+}
+
 fn check_entry(entry: &Entry) -> Result<(), String> {
     let name = &entry.principal;
-    if name.is_empty() || name.len() > MAX_PRINCIPAL_LEN || name.chars().any(|c| c.is_control()) {
+    if !is_principal_name(name) {
         return Err(format!(
-            "principal {name:?} must be 1 to {MAX_PRINCIPAL_LEN} printable characters"
+            "principal {name:?} must be 1 to {MAX_PRINCIPAL_LEN} printable characters, not all blank"
         ));
     }
     if let Some(hash) = &entry.sha256
@@ -251,6 +287,7 @@ impl Table {
             check_entry(&entry).map_err(error)?;
             let principal = Arc::new(Principal {
                 name: entry.principal.clone(),
+                anonymous: Anonymous(false),
                 tools: entry.tools,
                 max_runs: entry.max_runs,
                 max_queued: entry.max_queued,
@@ -423,6 +460,12 @@ impl Authenticator {
     }
 
     fn by_certificate(&self, subject: &str) -> Result<Arc<Principal>, AuthError> {
+        if !is_principal_name(subject) {
+            return Err(AuthError::Unauthenticated(format!(
+                "the client certificate's subject {:?} names no principal: give it a common name of 1 to {MAX_PRINCIPAL_LEN} printable characters, or use a bearer token",
+                crate::text::excerpt(subject)
+            )));
+        }
         if self.tokens.is_none() {
             return Ok(Arc::new(Principal::unrestricted(subject)));
         }
@@ -458,8 +501,8 @@ impl Gate for AuthGate {
 
     fn admit<B>(&self, request: &mut http::Request<B>) -> Result<(), tonic::Status> {
         let principal = match &self.auth {
-            None => Ok(Arc::new(Principal::default())),
-            Some(_) if request.uri().path().starts_with(HEALTH_PREFIX) => Ok(Arc::new(Principal::default())),
+            None => Ok(Arc::new(Principal::anonymous())),
+            Some(_) if request.uri().path().starts_with(HEALTH_PREFIX) => Ok(Arc::new(Principal::anonymous())),
             Some(auth) => auth.authenticate(request.headers(), request.extensions().get::<PeerInfo>()),
         };
         match principal {
@@ -487,7 +530,7 @@ pub fn caller<T>(request: &tonic::Request<T>) -> Arc<Principal> {
         .extensions()
         .get::<Arc<Principal>>()
         .cloned()
-        .unwrap_or_default()
+        .unwrap_or_else(|| Arc::new(Principal::anonymous()))
 }
 
 #[cfg(test)]
@@ -567,6 +610,22 @@ mod tests {
             let e = auth.err().unwrap().to_string();
             assert!(e.contains(expected), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn an_empty_or_blank_certificate_subject_is_no_one() {
+        let auth = Authenticator::new(None, true).unwrap().unwrap();
+        for subject in ["", "   ", "\t"] {
+            let refused = auth.by_subject(subject).unwrap_err();
+            assert!(
+                matches!(&refused, AuthError::Unauthenticated(m) if m.contains("names no principal")),
+                "{subject:?}: {refused:?}"
+            );
+        }
+        let carol = auth.by_subject("carol").unwrap();
+        assert_eq!(carol.name, "carol");
+        assert!(!carol.is_anonymous() && Principal::anonymous().is_anonymous());
+        assert!(!Principal::unrestricted("").is_anonymous(), "no name makes the anonymous caller");
     }
 
     #[test]

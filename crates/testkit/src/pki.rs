@@ -71,12 +71,25 @@ impl Pki {
     /// A certificate for `name` (its common name; valid for 127.0.0.1 and localhost too) signed
     /// by the CA `ca`: `{name}.pem`, `{name}.key`.
     pub async fn leaf(&self, ca: &str, name: &str) -> TestResult {
+        self.signed(ca, name, &format!("/CN={name}"), "DNS:localhost,IP:127.0.0.1").await
+    }
+
+    /// A client certificate for `name` with an empty subject, naming itself only by a SPIFFE ID
+    /// in its subject alternative names (as SPIFFE issuers make them), signed by `ca`.
+    pub async fn leaf_without_subject(&self, ca: &str, name: &str) -> TestResult {
+        self.signed(ca, name, "/", &format!("critical,URI:spiffe://test.local/ns/default/sa/{name}"))
+            .await
+    }
+
+    async fn signed(&self, ca: &str, name: &str, subject: &str, alt_names: &str) -> TestResult {
         let (csr, ext) = (format!("{name}.csr"), format!("{name}.ext"));
         std::fs::write(
             self.path(&ext),
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n",
+            format!(
+                "subjectAltName={alt_names}\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n"
+            ),
         )?;
-        let (key, subject) = (format!("{name}.key"), format!("/CN={name}"));
+        let key = format!("{name}.key");
         self.openssl(&[
             "req",
             "-newkey",
@@ -89,7 +102,7 @@ impl Pki {
             "-out",
             &csr,
             "-subj",
-            &subject,
+            subject,
         ])
         .await?;
         let (ca_pem, ca_key, pem) = (format!("{ca}.pem"), format!("{ca}.key"), format!("{name}.pem"));

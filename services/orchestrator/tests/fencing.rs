@@ -114,6 +114,7 @@ async fn an_approval_wait_is_fenced_by_the_epoch_that_opened_it() -> TestResult 
         .map_err(anyhow::Error::msg)?;
     let person = Decider {
         name: String::new(),
+        anonymous: true,
         approver: true,
         approver_required: false,
     };
@@ -184,6 +185,7 @@ async fn a_late_decision_and_the_wake_never_both_land() -> TestResult {
         .map_err(anyhow::Error::msg)?;
     let person = Decider {
         name: "ana".to_owned(),
+        anonymous: false,
         approver: true,
         approver_required: false,
     };
@@ -265,6 +267,7 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
     assert!(b.orphans().await?.is_empty(), "undecided, it waits");
     let person = Decider {
         name: String::new(),
+        anonymous: true,
         approver: true,
         approver_required: false,
     };

@@ -715,6 +715,62 @@ async fn certificate_principals_dns_runners_and_per_principal_runs() -> TestResu
     Ok(())
 }
 
+/// A certificate with an empty subject (SAN-only, as SPIFFE issuers make them) names no one: on
+/// a server taking principals from certificates without a tokens file it is UNAUTHENTICATED, for
+/// reading, listing and canceling another principal's run alike, while a certificate with a
+/// common name is that principal and sees only its own runs.
+#[tokio::test]
+async fn a_certificate_without_a_subject_is_no_one_not_everyone() -> TestResult {
+    use proto::orchestrator::v1 as pb;
+    let pki = Pki::new()?;
+    pki.ca("ca").await?;
+    for leaf in ["server", "carol", "dave"] {
+        pki.leaf("ca", leaf).await?;
+    }
+    pki.leaf_without_subject("ca", "nobody").await?;
+    let llm = MockLlm::start(Scenario::new(vec![Turn::text("Done.")])).await?;
+    let runner = testkit::helpers::tool_runner_in_process().await?;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    command
+        .env("LLM_BASE_URL", llm.base_url())
+        .args(["--tool-runner", &runner])
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args(["--tls-cert", &pki.arg("server.pem"), "--tls-key", &pki.arg("server.key")])
+        .args(["--tls-client-ca", &pki.arg("ca.pem"), "--auth-principal-from-cert"]);
+    let orchestrator = Service::orchestrator(command).await?;
+    let client = |identity: &'static str| {
+        let (pki, address) = (&pki, orchestrator.grpc.clone());
+        async move {
+            let channel = tls_channel(pki, &address, "ca", identity).await?;
+            anyhow::Ok(pb::orchestrator_client::OrchestratorClient::new(channel))
+        }
+    };
+    let mut carol = client("carol").await?;
+    let finished = run_to_result(&mut carol, testkit::user("hello")).await?;
+    assert_eq!(finished.principal, "carol", "{finished:?}");
+    let run_id = finished.run_id.clone();
+
+    let mut nobody = client("nobody").await?;
+    let read = nobody.get_run(pb::GetRunRequest { run_id: run_id.clone() }).await;
+    let refused = read.err().ok_or_else(|| anyhow::anyhow!("a certificate without a subject read carol's run"))?;
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    assert!(refused.message().contains("names no principal"), "{refused:?}");
+    let listed = nobody.list_runs(pb::ListRunsRequest::default()).await.err().map(|s| s.code());
+    assert_eq!(listed, Some(tonic::Code::Unauthenticated));
+    let cancel = pb::CancelRunRequest {
+        run_id: run_id.clone(),
+        ..Default::default()
+    };
+    assert_eq!(nobody.cancel_run(cancel).await.err().map(|s| s.code()), Some(tonic::Code::Unauthenticated));
+
+    // Another named principal does not see carol's run either.
+    let mut dave = client("dave").await?;
+    let other = dave.get_run(pb::GetRunRequest { run_id }).await.err().map(|s| s.code());
+    assert_eq!(other, Some(tonic::Code::NotFound));
+    orchestrator.stop().await?;
+    Ok(())
+}
+
 /// A `ListServices` reflection request.
 fn list_request() -> tonic_reflection::pb::v1::ServerReflectionRequest {
     tonic_reflection::pb::v1::ServerReflectionRequest {

@@ -187,8 +187,9 @@ pub struct Decision {
     pub kind: DecisionKind,
 }
 
-/// The kinds of decision.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The kinds of decision. What a person typed (a reason, edited arguments, answers) never shows
+/// in its `Debug` form, so no log line carries it.
+#[derive(Clone, PartialEq, Eq)]
 pub enum DecisionKind {
     /// Run as written.
     Approve,
@@ -198,6 +199,29 @@ pub enum DecisionKind {
     Edit(String),
     /// The answers to the call's questions (`AnswerToolInput`).
     Answer(Vec<super::input::InputAnswer>),
+}
+
+impl DecisionKind {
+    /// Its name, for logs and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Approve => "approve",
+            Self::Reject(_) => "reject",
+            Self::Edit(_) => "edit",
+            Self::Answer(_) => "answer",
+        }
+    }
+}
+
+impl std::fmt::Debug for DecisionKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Approve => f.write_str("Approve"),
+            Self::Reject(reason) => write!(f, "Reject(<{} bytes>)", reason.len()),
+            Self::Edit(arguments) => write!(f, "Edit(<{} bytes>)", arguments.len()),
+            Self::Answer(answers) => write!(f, "Answer(<{} answers>)", answers.len()),
+        }
+    }
 }
 
 /// Why a decision is refused.
@@ -359,8 +383,10 @@ pub fn check_decision(
 /// Who asks to decide, as the approval store checks it.
 #[derive(Debug, Clone)]
 pub struct Decider {
-    /// The caller's principal (empty: no authentication, which decides everything).
+    /// The caller's principal.
     pub name: String,
+    /// The caller of a server without authentication: it sees every run, as it sees everything.
+    pub anonymous: bool,
     /// It holds the approver role: it decides every run's calls.
     pub approver: bool,
     /// The server lets only approvers decide (`--approvals-need-approver`), so an owner cannot
@@ -372,7 +398,7 @@ impl Decider {
     /// Whether it may see that a run of `owner` waits: another caller's run is as unknown to it
     /// as a run that does not exist.
     pub fn may_see(&self, owner: &str) -> bool {
-        self.name.is_empty() || self.approver || self.name == owner
+        self.anonymous || self.approver || self.name == owner
     }
 
     /// Whether it may decide the calls of a run of `owner`.

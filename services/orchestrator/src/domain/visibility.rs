@@ -6,7 +6,7 @@ use shared::auth::Principal;
 
 /// Whether `caller` may see what `owner` owns.
 pub fn sees(caller: &Principal, owner: &str) -> bool {
-    caller.name.is_empty() || caller.name == owner
+    caller.is_anonymous() || caller.name == owner
 }
 
 #[cfg(test)]
@@ -21,6 +21,7 @@ mod tests {
     fn a_caller_sees_its_own_and_the_anonymous_caller_sees_everything() {
         assert!(sees(&principal("alice"), "alice"));
         assert!(!sees(&principal("alice"), "bob"));
-        assert!(sees(&principal(""), "bob"));
+        assert!(sees(&Principal::anonymous(), "bob"));
+        assert!(!sees(&principal(""), "bob"), "an empty name is no one, not everyone");
     }
 }

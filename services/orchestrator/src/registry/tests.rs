@@ -9,7 +9,7 @@ use super::*;
 use crate::domain::{CancelMode, RunResult, RunStatus};
 
 fn anon() -> Principal {
-    Principal::default()
+    Principal::anonymous()
 }
 
 fn named(name: &str, max_runs: Option<usize>) -> Principal {

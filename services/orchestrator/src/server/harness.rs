@@ -49,25 +49,25 @@ impl Replica {
 
     /// The run as `GetRun` answers it.
     pub async fn get(&self, run_id: &str) -> Result<RunResult, Error> {
-        self.core.get(run_id, &Principal::default()).await
+        self.core.get(run_id, &Principal::anonymous()).await
     }
 
     /// A page of the runs `request` asks for, as `ListRuns` answers it (every run: the caller is
     /// unauthenticated), and the next page's token.
     pub async fn list(&self, request: ListRequest) -> Result<(RunPage, Option<String>), Error> {
-        self.core.list_runs(request, &Principal::default()).await
+        self.core.list_runs(request, &Principal::anonymous()).await
     }
 
     /// The calls waiting for a person, oldest first (as `ListPendingApprovals` answers an
     /// unauthenticated caller: every run's), at most `limit`.
     pub async fn pending(&self, limit: usize) -> Result<Vec<PendingApproval>, Error> {
-        Ok(self.core.pending(&Principal::default(), None, limit).await?.0)
+        Ok(self.core.pending(&Principal::anonymous(), None, limit).await?.0)
     }
 
     /// Records `decisions` on the run's waiting calls (as `DecideToolCalls` and
     /// `AnswerToolInput` do, for an unauthenticated caller); the calls still waiting.
     pub async fn decide(&self, run_id: &str, decisions: &[Decision]) -> Result<Vec<PendingApproval>, Error> {
-        Ok(self.core.decide(run_id, decisions, &Principal::default()).await?.1)
+        Ok(self.core.decide(run_id, decisions, &Principal::anonymous()).await?.1)
     }
 
     /// Runs live on this replica now.

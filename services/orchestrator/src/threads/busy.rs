@@ -205,7 +205,7 @@ async fn act_on_holder(
 /// Whether the run holding the thread (`since` then, Unix ms) has ended (its result says so) or
 /// never started (unknown long after it took the thread).
 async fn holder_is_gone(holders: &dyn Holders, live: &str, since: u64) -> bool {
-    match holders.status(live, &Principal::default()).await {
+    match holders.status(live, &Principal::anonymous()).await {
         Ok(Some(status)) => !status.is_live(),
         Ok(None) => {
             let limit = u64::try_from(NEVER_STARTED.as_millis()).unwrap_or(u64::MAX);

@@ -32,7 +32,7 @@ pub(crate) async fn answer(core: Arc<Core>) {
 fn answer_cancel(core: &Core, ask: CancelAsk) {
     let answer = match core
         .runs
-        .cancel_here(&ask.run_id, &Principal::default(), &ask.reason, ask.mode)
+        .cancel_here(&ask.run_id, &Principal::anonymous(), &ask.reason, ask.mode)
     {
         Some(CancelOutcome::Canceled) => RemoteCancel::Canceled,
         Some(CancelOutcome::EndsAfterTurn) => RemoteCancel::EndsAfterTurn,
@@ -45,7 +45,7 @@ fn answer_cancel(core: &Core, ask: CancelAsk) {
 
 /// As [`answer_cancel`], for a message sent to the run.
 fn answer_message(core: &Core, ask: SteeringAsk) {
-    let answer = match core.runs.steer_here(&ask.run_id, &Principal::default(), &ask.message) {
+    let answer = match core.runs.steer_here(&ask.run_id, &Principal::anonymous(), &ask.message) {
         Some(SteeringOutcome::Accepted(waiting)) => RemoteSteer::Accepted(waiting),
         Some(SteeringOutcome::Refused(refused)) => RemoteSteer::Refused(refused),
         Some(SteeringOutcome::Finished(status)) => RemoteSteer::Finished(status),

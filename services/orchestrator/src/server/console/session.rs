@@ -115,7 +115,7 @@ impl Sessions {
         peer: Option<&PeerInfo>,
     ) -> Result<(Arc<Principal>, Option<String>, Option<String>), AuthError> {
         if self.auth.is_none() {
-            return Ok((Arc::new(Principal::default()), None, None));
+            return Ok((Arc::new(Principal::anonymous()), None, None));
         }
         let tok = token
             .map(str::trim)
@@ -136,7 +136,7 @@ impl Sessions {
     /// one rule of a sign-in and of every request after it.
     fn principal(&self, tok: Option<&str>, cert: Option<&str>) -> Result<Arc<Principal>, AuthError> {
         let Some(auth) = &self.auth else {
-            return Ok(Arc::new(Principal::default()));
+            return Ok(Arc::new(Principal::anonymous()));
         };
         match (tok, cert) {
             (Some(sha), _) => auth.by_token_sha256(sha),

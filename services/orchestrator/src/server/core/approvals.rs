@@ -32,11 +32,11 @@ impl Core {
             Err(refused) => return Err(self.decision_refused(run_id, decisions, caller, refused).await),
         };
         for decision in decisions {
-            tracing::info!(run_id = %run_id, gen_ai.tool.call.id = %decision.call_id, principal = %caller.name, kind = ?decision.kind, "tool call decided");
+            tracing::info!(run_id = %run_id, gen_ai.tool.call.id = %decision.call_id, principal = %caller.name, kind = decision.kind.name(), "tool call decided");
         }
         let still_pending: Vec<PendingApproval> = calls.into_iter().filter(|c| c.decision.is_none()).collect();
         // Read as the server: an approver may decide runs it may not read.
-        let status = match self.runs.get(run_id, &Principal::default()).await {
+        let status = match self.runs.get(run_id, &Principal::anonymous()).await {
             Ok(Some(run)) if !still_pending.is_empty() && run.status.is_parked() => {
                 RunStatus::parked_for(&still_pending)
             }
@@ -68,6 +68,7 @@ impl Core {
     pub(super) fn decider(&self, caller: &Principal) -> Decider {
         Decider {
             name: caller.name.clone(),
+            anonymous: caller.is_anonymous(),
             approver: caller.has_role(shared::auth::APPROVER),
             approver_required: self.config.runs.approvals_need_approver,
         }
@@ -85,7 +86,7 @@ impl Core {
         refused: DecideError,
     ) -> Error {
         let decider = self.decider(caller);
-        let run = match self.runs.get(run_id, &Principal::default()).await {
+        let run = match self.runs.get(run_id, &Principal::anonymous()).await {
             Ok(Some(run)) if decider.may_see(&run.principal) => Some(run),
             _ => None,
         };

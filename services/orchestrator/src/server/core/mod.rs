@@ -329,7 +329,7 @@ impl Core {
 
     /// The query `request` asks, within what `caller` may see and this server's bounds.
     fn run_query(&self, request: ListRequest, caller: &Principal) -> Result<RunQuery, Error> {
-        let everyone = caller.name.is_empty() || caller.has_role(shared::auth::OPERATOR);
+        let everyone = caller.is_anonymous() || caller.has_role(shared::auth::OPERATOR);
         let principal = match request.principal {
             Some(other) if !everyone && other != caller.name => {
                 return Err(Error::PermissionDenied(format!(

@@ -20,7 +20,7 @@ impl Holders for Runs {
 
     fn stop<'a>(&'a self, run_id: &'a str, reason: &'a str, mode: CancelMode) -> BoxFuture<'a, Result<String, Error>> {
         async move {
-            let outcome = self.cancel(run_id, &Principal::default(), reason, mode).await?;
+            let outcome = self.cancel(run_id, &Principal::anonymous(), reason, mode).await?;
             Ok(format!("{outcome:?}"))
         }
         .boxed()

@@ -59,7 +59,7 @@ impl Core {
         (from_ms, to_ms): (u64, u64),
     ) -> Result<Spent, Error> {
         let principal = principal.unwrap_or_else(|| caller.name.clone());
-        let operator = caller.name.is_empty() || caller.has_role(shared::auth::OPERATOR);
+        let operator = caller.is_anonymous() || caller.has_role(shared::auth::OPERATOR);
         if principal != caller.name && !operator {
             return Err(Error::PermissionDenied(format!(
                 "the usage of {principal:?} needs the \"{}\" role in the tokens file; leave principal empty for your own",
