@@ -298,7 +298,7 @@ fn play(shared: &Arc<Shared>, body: &[u8], api: Api) -> Response {
     let scenario = shared.scenarios.named.get(&model).unwrap_or(&shared.scenarios.default);
     let answered = api.answered(&request);
     let fallback = Turn::text("(mock-llm: the scenario has no more turns.)");
-    let turn = scenario.turn(answered).unwrap_or(&fallback).clone();
+    let turn = within_max_tokens(scenario.turn(answered).unwrap_or(&fallback).clone(), &request);
     if let Some(refusal) = scripted_failure(shared, &model, answered, &turn) {
         return refusal;
     }
@@ -321,6 +321,15 @@ fn play(shared: &Arc<Shared>, body: &[u8], api: Api) -> Response {
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| error_response(StatusCode::INTERNAL_SERVER_ERROR, "cannot build the response"))
+}
+
+/// `turn` as a server plays it for a request with `max_tokens`: no more completion tokens than
+/// that in its scripted usage, as a real server stops there.
+fn within_max_tokens(mut turn: Turn, request: &Value) -> Turn {
+    if let (Some([prompt, completion]), Some(max)) = (turn.usage, request["max_tokens"].as_u64()) {
+        turn.usage = Some([prompt, completion.min(max)]);
+    }
+    turn
 }
 
 /// The first user message's text: the key a conversation's served time is tallied under.

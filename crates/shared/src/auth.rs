@@ -625,7 +625,10 @@ mod tests {
         let carol = auth.by_subject("carol").unwrap();
         assert_eq!(carol.name, "carol");
         assert!(!carol.is_anonymous() && Principal::anonymous().is_anonymous());
-        assert!(!Principal::unrestricted("").is_anonymous(), "no name makes the anonymous caller");
+        assert!(
+            !Principal::unrestricted("").is_anonymous(),
+            "no name makes the anonymous caller"
+        );
     }
 
     #[test]

@@ -71,14 +71,20 @@ impl Pki {
     /// A certificate for `name` (its common name; valid for 127.0.0.1 and localhost too) signed
     /// by the CA `ca`: `{name}.pem`, `{name}.key`.
     pub async fn leaf(&self, ca: &str, name: &str) -> TestResult {
-        self.signed(ca, name, &format!("/CN={name}"), "DNS:localhost,IP:127.0.0.1").await
+        self.signed(ca, name, &format!("/CN={name}"), "DNS:localhost,IP:127.0.0.1")
+            .await
     }
 
     /// A client certificate for `name` with an empty subject, naming itself only by a SPIFFE ID
     /// in its subject alternative names (as SPIFFE issuers make them), signed by `ca`.
     pub async fn leaf_without_subject(&self, ca: &str, name: &str) -> TestResult {
-        self.signed(ca, name, "/", &format!("critical,URI:spiffe://test.local/ns/default/sa/{name}"))
-            .await
+        self.signed(
+            ca,
+            name,
+            "/",
+            &format!("critical,URI:spiffe://test.local/ns/default/sa/{name}"),
+        )
+        .await
     }
 
     async fn signed(&self, ca: &str, name: &str, subject: &str, alt_names: &str) -> TestResult {

@@ -735,7 +735,12 @@ async fn a_certificate_without_a_subject_is_no_one_not_everyone() -> TestResult 
         .env("LLM_BASE_URL", llm.base_url())
         .args(["--tool-runner", &runner])
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .args(["--tls-cert", &pki.arg("server.pem"), "--tls-key", &pki.arg("server.key")])
+        .args([
+            "--tls-cert",
+            &pki.arg("server.pem"),
+            "--tls-key",
+            &pki.arg("server.key"),
+        ])
         .args(["--tls-client-ca", &pki.arg("ca.pem"), "--auth-principal-from-cert"]);
     let orchestrator = Service::orchestrator(command).await?;
     let client = |identity: &'static str| {
@@ -752,16 +757,25 @@ async fn a_certificate_without_a_subject_is_no_one_not_everyone() -> TestResult 
 
     let mut nobody = client("nobody").await?;
     let read = nobody.get_run(pb::GetRunRequest { run_id: run_id.clone() }).await;
-    let refused = read.err().ok_or_else(|| anyhow::anyhow!("a certificate without a subject read carol's run"))?;
+    let refused = read
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("a certificate without a subject read carol's run"))?;
     assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
     assert!(refused.message().contains("names no principal"), "{refused:?}");
-    let listed = nobody.list_runs(pb::ListRunsRequest::default()).await.err().map(|s| s.code());
+    let listed = nobody
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .err()
+        .map(|s| s.code());
     assert_eq!(listed, Some(tonic::Code::Unauthenticated));
     let cancel = pb::CancelRunRequest {
         run_id: run_id.clone(),
         ..Default::default()
     };
-    assert_eq!(nobody.cancel_run(cancel).await.err().map(|s| s.code()), Some(tonic::Code::Unauthenticated));
+    assert_eq!(
+        nobody.cancel_run(cancel).await.err().map(|s| s.code()),
+        Some(tonic::Code::Unauthenticated)
+    );
 
     // Another named principal does not see carol's run either.
     let mut dave = client("dave").await?;

@@ -36,7 +36,7 @@ fn scenario() -> Scenario {
 struct World {
     replicas: Vec<Service>,
     _nats: Option<testkit::nats::Nats>,
-    _llm: MockLlm,
+    llm: MockLlm,
     _dir: tempfile::TempDir,
 }
 
@@ -80,7 +80,7 @@ async fn world_with(
     Ok(World {
         replicas: started,
         _nats: nats,
-        _llm: llm,
+        llm,
         _dir: dir,
     })
 }
@@ -769,7 +769,8 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
     .await?;
     let (mut first, mut second) = (w.client(0).await?, w.client(1).await?);
 
-    // A run's own budget: the turn that crosses it is its last, its output kept.
+    // A run's own budget: its second turn's prompt (at least the first turn's 50 tokens) would
+    // pass the 10 left, so it is never asked; the first turn's output is kept.
     let mut capped = testkit::user("go");
     capped.limits = Some(pb::RunLimits {
         max_total_tokens: Some(60),
@@ -786,8 +787,8 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
         (
             pb::RunStatus::Failed as i32,
             pb::FailureReason::TokenBudget as i32,
-            2,
-            2
+            1,
+            1
         ),
         "{result:?}"
     );
@@ -804,11 +805,29 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
     let refused = first.orchestrate(as_("alice-token", capped)).await.err();
     assert_eq!(refused.map(|s| s.code()), Some(tonic::Code::InvalidArgument));
 
-    // The caller's hour: 80 tokens; its run crosses them on its second turn, on replica 0 …
-    let result = run_to_end(&mut first, "thrifty-token", testkit::user("go")).await?;
+    // Whatever it sends, what a request may spend is the orchestrator's: extra_body may not set
+    // max_tokens, n or best_of; a max_tokens far past its budget is lowered to what is left.
+    for field in ["max_tokens", "max_completion_tokens", "n", "best_of"] {
+        let mut greedy = testkit::user("go");
+        greedy.params = Some(pb::ModelParams {
+            extra_body_json: format!("{{\"{field}\": 100000}}"),
+            ..Default::default()
+        });
+        let refused = first.orchestrate(as_("thrifty-token", greedy)).await.err();
+        assert_eq!(refused.map(|s| s.code()), Some(tonic::Code::InvalidArgument), "{field}");
+    }
+    let mut greedy = testkit::user("go");
+    greedy.params = Some(pb::ModelParams {
+        max_tokens: Some(100_000),
+        ..Default::default()
+    });
+
+    // The caller's hour: 80 tokens. Its first run spends 50 in its first turn, on replica 0;
+    // its second turn's prompt (at least those 50) would pass the 30 left: never asked.
+    let result = run_to_end(&mut first, "thrifty-token", greedy.clone()).await?;
     assert_eq!(
-        (result.status, result.failure_reason),
-        (pb::RunStatus::Failed as i32, pb::FailureReason::TokenBudget as i32),
+        (result.status, result.failure_reason, result.turns),
+        (pb::RunStatus::Failed as i32, pb::FailureReason::TokenBudget as i32, 1),
         "{result:?}"
     );
     assert!(
@@ -816,7 +835,27 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
         "{}",
         result.failure_detail
     );
-    // … and its next run, on replica 1, is refused with the time the budget resets.
+    // Its next run, on replica 1, may ask for the 30 left and no more: it overshoots the hour by
+    // at most that turn's max_tokens, and ends.
+    let result = run_to_end(&mut second, "thrifty-token", greedy).await?;
+    assert_eq!(
+        (result.status, result.failure_reason, result.turns),
+        (pb::RunStatus::Failed as i32, pb::FailureReason::TokenBudget as i32, 1),
+        "{result:?}"
+    );
+    let requests = w.llm.requests();
+    let asked: Vec<Option<u64>> = requests
+        .iter()
+        .rev()
+        .take(2)
+        .map(|r| r["max_tokens"].as_u64())
+        .collect();
+    assert_eq!(
+        asked,
+        [Some(30), Some(80)],
+        "the last two turns' max_tokens, newest first"
+    );
+    // … and the one after it is refused, with the time the budget resets.
     let refused = second
         .orchestrate(as_("thrifty-token", testkit::user("again")))
         .await
@@ -838,7 +877,7 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
             total.runs,
             total.tool_calls
         ),
-        (60, 40, 1, 2),
+        (60, 40, 2, 2),
         "{spent:?}"
     );
     assert_eq!(spent.tokens_per_hour, Some(80));
@@ -873,11 +912,11 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
     // Prompt, cached (what the stand-in model's prefix cache served), completion, runs, calls.
     assert_eq!(
         [numbers[0], numbers[2], numbers[3], numbers[4]],
-        ["60", "40", "1", "2"],
+        ["60", "40", "2", "2"],
         "{stdout}"
     );
     assert!(stdout.contains("tokens_per_hour: 80"), "{stdout}");
-    // The replica the run ended on counts its tokens by principal.
+    // Each replica counts the tokens of the runs it ran by principal: replica 0 ran the first.
     let metrics = testkit::helpers::scrape(&w.replicas[0].metrics).await?;
     let prompt = metrics
         .iter()
@@ -887,7 +926,7 @@ async fn token_budgets_end_runs_and_a_callers_hour_is_held_across_replicas() -> 
                 && k.contains("kind=\"prompt\"")
         })
         .map(|(_, v)| *v);
-    assert_eq!(prompt, Some(60.0), "{metrics:?}");
+    assert_eq!(prompt, Some(30.0), "{metrics:?}");
     let too_long = pb::GetUsageRequest {
         from_ms: 1,
         ..Default::default()

@@ -49,8 +49,8 @@ pub enum InputAction {
     Cancel,
 }
 
-/// The answer to one question.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// The answer to one question (its `Debug` form leaves out what the person typed).
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct InputAnswer {
     /// The question's key.
     pub key: String,
@@ -60,13 +60,31 @@ pub struct InputAnswer {
     pub content: Option<Value>,
 }
 
-/// The answers a call's next attempt carries to its tool.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+impl std::fmt::Debug for InputAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InputAnswer")
+            .field("key", &self.key)
+            .field("action", &self.action)
+            .field("content", &self.content.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// The answers a call's next attempt carries to its tool (its `Debug` form leaves them out).
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct Answers {
     /// The questions' state, as it came.
     pub request_state: String,
     /// Each answer as the tool reads it (an MCP elicitation result), by key.
     pub responses: BTreeMap<String, Value>,
+}
+
+impl std::fmt::Debug for Answers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Answers")
+            .field("keys", &self.responses.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
 }
 
 impl InputAnswer {

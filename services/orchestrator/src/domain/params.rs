@@ -13,6 +13,19 @@ pub const UNASKED_MAX_TOKENS_BOUND: u64 = 16_384;
 /// Fields of the request body the orchestrator writes itself: `extra_body` may not set them.
 pub const RESERVED_FIELDS: [&str; 5] = ["model", "messages", "tools", "stream", "stream_options"];
 
+/// Fields that set or multiply what one model request may spend: the orchestrator writes
+/// `max_tokens` within the run's and its caller's budgets, and asks for one choice of one
+/// sequence. `extra_body` may not set them (servers take the last of a field sent twice, or
+/// generate `n` and `best_of` choices each up to `max_tokens`).
+pub const SPEND_FIELDS: [&str; 6] = [
+    "max_tokens",
+    "max_completion_tokens",
+    "max_new_tokens",
+    "n",
+    "best_of",
+    "use_beam_search",
+];
+
 /// Longest `reasoning_effort` accepted (servers use `minimal` … `high`).
 const MAX_REASONING_EFFORT_LEN: usize = 32;
 
@@ -125,6 +138,15 @@ impl SamplingParams {
         self
     }
 
+    /// These parameters with `max_tokens` set, at most `left` (a `max_tokens` asked for is
+    /// lowered to it, none asked becomes it): for a turn whose tokens are held in a budget, which
+    /// must not spend more than it held. At least 1.
+    pub fn bounded_to(mut self, left: u64) -> Self {
+        let left32 = u32::try_from(left).unwrap_or(u32::MAX).max(1);
+        self.max_tokens = Some(self.max_tokens.map_or(left32, |asked| asked.min(left32)));
+        self
+    }
+
     /// These parameters, with each one left unset taken from `defaults`; `extra_body` keys
     /// merge, these winning (a default extra key that a typed parameter here sets is dropped,
     /// and a typed default gives way to this `extra_body` setting the same field).
@@ -170,6 +192,11 @@ impl SamplingParams {
             if RESERVED_FIELDS.contains(&key.as_str()) {
                 return Err(format!(
                     "extra_body_json may not set {key:?}: the orchestrator writes model, messages, tools and stream"
+                ));
+            }
+            if SPEND_FIELDS.contains(&key.as_str()) {
+                return Err(format!(
+                    "extra_body_json may not set {key:?}: what a request may spend is the orchestrator's (set params.max_tokens; it is lowered to the budgets left)"
                 ));
             }
             if self.sets(key) {
@@ -374,6 +401,10 @@ mod tests {
             .is_ok()
         );
         assert!(params(json!({"temperature": 0.1}), None).check().is_ok());
+        for spend in SPEND_FIELDS {
+            let error = params(json!({spend: 100_000}), None).check().unwrap_err();
+            assert!(error.contains("orchestrator's"), "{spend}: {error}");
+        }
         for reserved in RESERVED_FIELDS {
             let error = params(json!({reserved: 1}), None).check().unwrap_err();
             assert!(error.contains(reserved), "{error}");

@@ -28,6 +28,16 @@ pub struct Tally {
     pub runs: u64,
     /// Their time, admission to end (ms).
     pub run_ms: u64,
+    /// Tokens held for turns under way (each its prompt and its `max_tokens`) and not yet given
+    /// back by the turn booking what it spent: a budget counts them, so runs asking at once
+    /// cannot together spend past it. In a change, negative gives a hold back; a total never
+    /// goes below 0 ([`Tally::add`] clamps, so a change is made by setting this field).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub held_tokens: i64,
+}
+
+fn is_zero(n: &i64) -> bool {
+    *n == 0
 }
 
 impl Tally {
@@ -49,6 +59,21 @@ impl Tally {
         self.tool_calls = self.tool_calls.saturating_add(other.tool_calls);
         self.runs = self.runs.saturating_add(other.runs);
         self.run_ms = self.run_ms.saturating_add(other.run_ms);
+        self.held_tokens = self.held_tokens.saturating_add(other.held_tokens).max(0);
+    }
+
+    /// A change holding `tokens` (negative: giving them back).
+    pub fn hold(tokens: i64) -> Self {
+        Self {
+            held_tokens: tokens,
+            ..Self::default()
+        }
+    }
+
+    /// Tokens a budget counts as gone: those spent and those held.
+    pub fn counted(&self) -> u64 {
+        self.tokens()
+            .saturating_add(u64::try_from(self.held_tokens).unwrap_or(0))
     }
 
     /// Tokens a budget counts: prompt and completion.
@@ -66,15 +91,34 @@ pub struct HourlyBudget {
 }
 
 impl HourlyBudget {
-    /// Tokens left in a window that has spent `spent`.
+    /// Tokens left in a window that has spent (or holds) `spent`.
     pub fn left(&self, spent: &Tally) -> u64 {
-        self.tokens_per_hour.saturating_sub(spent.tokens())
+        self.tokens_per_hour.saturating_sub(spent.counted())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn holds_count_against_a_budget_and_give_back_no_more_than_they_hold() {
+        let budget = HourlyBudget { tokens_per_hour: 100 };
+        let mut hour = Tally::of_tokens(&crate::domain::chat::Usage {
+            prompt_tokens: 30,
+            completion_tokens: 10,
+            cached_prompt_tokens: 0,
+        });
+        hour.add(&Tally::hold(50));
+        assert_eq!((hour.tokens(), hour.counted(), budget.left(&hour)), (40, 90, 10));
+        hour.add(&Tally::hold(-80));
+        assert_eq!((hour.held_tokens, budget.left(&hour)), (0, 60));
+        let text = serde_json::to_string(&Tally::default()).unwrap();
+        assert!(
+            !text.contains("held"),
+            "a window without holds is written as before: {text}"
+        );
+    }
 
     #[test]
     fn windows_are_hours_and_spend_adds_up() {

@@ -12,6 +12,7 @@ use futures::{FutureExt, StreamExt};
 use shared::sync::lock;
 use tokio::time::Instant;
 
+use super::spend::Allowance;
 use super::*;
 use crate::domain::chat::Usage;
 use crate::domain::{Event, FailureReason};
@@ -38,15 +39,24 @@ pub(super) struct TurnMark {
 }
 
 impl Driver<'_> {
-    /// The turn's completion. A stream that a model endpoint of several cut after it sent
+    /// The turn's completion, asking for at most `allowance` tokens. A stream that a model endpoint of several cut after it sent
     /// events starts again on another endpoint (at most `max_turn_restarts` times a turn),
     /// announced by `turn_restarted`: what the cut attempt showed is taken back from the
     /// result, as a caller drops it from its transcript.
-    pub(super) async fn complete_turn(&mut self, number: u32, turn: &mut Turn) -> Step<TurnOutput> {
+    pub(super) async fn complete_turn(
+        &mut self,
+        number: u32,
+        turn: &mut Turn,
+        allowance: Allowance,
+    ) -> Step<TurnOutput> {
         let (mut restarts, mut avoid) = (0, None);
         loop {
             let mark = self.mark_turn();
             let mut request = self.chat_request(number);
+            request.params = match allowance {
+                Allowance::Within(left) => request.params.within_tokens(left),
+                Allowance::Held(held) => request.params.bounded_to(held),
+            };
             request.avoid = avoid.take();
             let may_restart = restarts < self.deps.max_turn_restarts && !self.eager.any();
             match self.stream_completion(request, turn, may_restart).await? {

@@ -75,6 +75,10 @@ pub struct Progress {
     /// never).
     #[serde(default)]
     pub booked: Usage,
+    /// The tokens the model counted for the last turn's prompt and completion: the next
+    /// prompt holds them all, so they are what it is counted as before the model counts it.
+    #[serde(default)]
+    pub last_turn_tokens: u64,
 }
 
 impl Default for Progress {
@@ -86,6 +90,7 @@ impl Default for Progress {
             failed_turns: 0,
             recorded_bytes: 0,
             booked: Usage::default(),
+            last_turn_tokens: 0,
         }
     }
 }

@@ -30,6 +30,7 @@ mod durable;
 mod eager;
 mod output;
 mod rules;
+mod spend;
 mod tasks;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -201,7 +202,8 @@ fn drive_run(
             if !matches!(end, End::Completed | End::HandedOver | End::TakenOver | End::Parked) {
                 driver.keep_interrupted_turn(true);
             }
-            (end, std::mem::take(&mut driver.conversation), driver.progress.booked)
+            let booked = (driver.progress.booked, driver.held.take());
+            (end, std::mem::take(&mut driver.conversation), booked)
         };
         // The run's end is a future of its own, made once the loop is done: its state (the
         // result, the thread's messages) is not part of every held run's future.
@@ -227,8 +229,9 @@ struct Ending<'a> {
     end: End,
     /// The run's turns, which join its thread.
     conversation: Vec<Message>,
-    /// The run's tokens its caller's usage book holds already.
-    booked: Usage,
+    /// The run's tokens its caller's usage book holds already, and the tokens held for a turn
+    /// the run did not book (given back as it ends).
+    booked: (Usage, Option<spend::Hold>),
     spec: &'a RunSpec,
     deps: &'a LoopDeps,
     state: &'a SharedState,
@@ -307,16 +310,20 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
 }
 
 /// Adds the run's end to its caller's spend this hour: the run, its calls, its time and the
-/// tokens not `booked` turn by turn; whether the book took it.
-async fn tally_run_end(deps: &LoopDeps, result: &RunResult, booked: &Usage) -> bool {
+/// tokens not `booked` turn by turn, giving back the tokens `held` for a turn it did not book;
+/// whether the book took it.
+async fn tally_run_end(deps: &LoopDeps, result: &RunResult, (booked, held): &(Usage, Option<spend::Hold>)) -> bool {
     let now = shared::sync::unix_ms();
-    let tally = crate::domain::usage::Tally {
+    let window = crate::domain::usage::window_of(now);
+    let mut tally = crate::domain::usage::Tally {
         tool_calls: u64::try_from(result.tool_calls.len()).unwrap_or(u64::MAX),
         runs: 1,
         run_ms: now.saturating_sub(result.created_at_ms),
         ..crate::domain::usage::Tally::of_tokens(&result.usage.since(booked))
     };
-    let window = crate::domain::usage::window_of(now);
+    if let Some(held) = held {
+        tally.held_tokens = -spend::give_back(deps, &result.principal, *held, window).await;
+    }
     let add = deps.usage.add(&result.principal, window, tally);
     match crate::domain::ports::within(deps.store_timeout, add).await {
         Ok(_) => true,
@@ -574,9 +581,9 @@ struct Driver<'a> {
     inbox: Inbox,
     /// The current turn's calls started while the model still wrote.
     eager: eager::Eager,
-    /// The tokens the caller's `tokens_per_hour` had left when a turn last added its tokens
-    /// (`None`: no such budget, or no turn added yet).
-    window_left: Option<u64>,
+    /// The tokens held in the caller's hour for the turn under way, until it books what it
+    /// spent.
+    held: Option<spend::Hold>,
     /// The tasks the current turn's calls became, to cancel if the run ends before them.
     followed: tasks::Followed,
     /// The progress the turn's calls reported and the loop has not sent yet.
@@ -635,7 +642,7 @@ impl<'a> Driver<'a> {
             cancel,
             inbox,
             eager: eager::Eager::default(),
-            window_left: None,
+            held: None,
             followed: tasks::Followed::default(),
             call_progress: call_progress::CallProgress::default(),
             spec,

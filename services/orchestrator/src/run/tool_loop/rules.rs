@@ -12,8 +12,7 @@ use tracing::Instrument;
 
 use super::*;
 use crate::domain::chat::{Message, ToolCall, Usage};
-use crate::domain::ports::{OnDelivery, ToolInvocation, ToolOutput, within};
-use crate::domain::usage::{Tally, WINDOW_MS, window_of};
+use crate::domain::ports::{OnDelivery, ToolInvocation, ToolOutput};
 use crate::domain::{Delivery, Event, FailureReason, ParsePolicy, RunStatus, Signal, ToolCallError, ToolCallRecord};
 use crate::llm::ChatRequest;
 use crate::run::bios::{BiosContext, Status, append_note, render, status_note};
@@ -45,6 +44,7 @@ impl Driver<'_> {
     /// published, the parse policy and the budget applied. `Err` when the run ends with them
     /// (the model called no normal tool: the run is complete, unless messages sent to it wait).
     async fn calls_of_turn(&mut self, number: u32) -> Step<TurnCalls> {
+        let allowance = self.allow_turn(number).await?;
         lock(self.state).turns = number;
         let mut turn = Turn {
             number,
@@ -53,7 +53,7 @@ impl Driver<'_> {
             reasoning: String::new(),
         };
         let budget_before = self.budget_left();
-        let output = self.complete_turn(number, &mut turn).await?;
+        let output = self.complete_turn(number, &mut turn, allowance).await?;
         let calls = self.take_calls(output, &mut turn).await?;
         self.within_output_for_calls(&calls)?;
         let partition = self.partition(calls);
@@ -189,7 +189,7 @@ impl Driver<'_> {
             model: spec.model.clone(),
             messages,
             tools: self.offer.tools.clone(),
-            params: spec.params.for_turn(turn).within_tokens(self.tokens_left()),
+            params: spec.params.for_turn(turn),
             pace: crate::llm::ReadPace::default(),
             affinity: match spec.affinity_key.as_str() {
                 "" => spec.run_id.clone(),
@@ -408,72 +408,6 @@ impl Driver<'_> {
             executed,
             left: self.budget_left(),
         }
-    }
-
-    /// The tokens the run may still spend: its `max_total_tokens` less its usage so far, and no
-    /// more than its caller's `tokens_per_hour` had left at the last turn's end.
-    pub(super) fn tokens_left(&self) -> u64 {
-        let run = self.spec.limits.tokens_left(&lock(self.state).usage);
-        self.window_left.map_or(run, |window| window.min(run))
-    }
-
-    /// Adds the run's tokens not booked yet (the turn's, and any an earlier add failed to
-    /// book) to the caller's spend this hour; `TOKEN_BUDGET` once that went over the caller's
-    /// `tokens_per_hour`. A store that does not take the add leaves the run going (logged): the
-    /// next add books them.
-    pub(super) async fn account_turn(&mut self) -> Step<()> {
-        let now = lock(self.state).usage;
-        let unbooked = now.since(&self.progress.booked);
-        let window = window_of(shared::sync::unix_ms());
-        let add = self
-            .deps
-            .usage
-            .add(&self.spec.principal, window, Tally::of_tokens(&unbooked));
-        let total = match within(self.deps.store_timeout, add).await {
-            Ok(total) => total,
-            Err(e) => {
-                tracing::warn!(principal = %self.spec.principal, "the turn's tokens were not added to the caller's usage yet: {e}");
-                return Ok(());
-            }
-        };
-        self.progress.booked = now;
-        let Some(budget) = self.spec.hourly_budget else {
-            return Ok(());
-        };
-        self.window_left = Some(budget.left(&total));
-        if budget.left(&total) > 0 {
-            return Ok(());
-        }
-        let resets = std::time::UNIX_EPOCH + std::time::Duration::from_millis(window + WINDOW_MS);
-        Err(End::Failed(
-            FailureReason::TokenBudget,
-            format!(
-                "the caller {:?} spent {} tokens this hour, over its tokens_per_hour of {}; the budget resets at {}",
-                self.spec.principal,
-                total.tokens(),
-                budget.tokens_per_hour,
-                humantime::format_rfc3339_seconds(resets)
-            ),
-        ))
-    }
-
-    /// `TOKEN_BUDGET` once the run's tokens went over its `max_total_tokens`: the turn that
-    /// crossed it was its last (its output and tool results are kept).
-    pub(super) fn within_token_budget(&self) -> Step<()> {
-        if self.tokens_left() > 0 {
-            return Ok(());
-        }
-        let used = lock(self.state).usage;
-        Err(End::Failed(
-            FailureReason::TokenBudget,
-            format!(
-                "the run spent {} tokens ({} prompt, {} completion), over its limits.max_total_tokens of {}",
-                used.prompt_tokens + used.completion_tokens,
-                used.prompt_tokens,
-                used.completion_tokens,
-                self.spec.limits.max_total_tokens
-            ),
-        ))
     }
 
     pub(super) fn budget_left(&self) -> u32 {
@@ -800,6 +734,7 @@ impl Driver<'_> {
 
     /// Queues the turn's end (sent with the next model request, or with the run's end).
     pub(super) fn finish_turn(&mut self, turn: &Turn, budget_left: u32) {
+        self.progress.last_turn_tokens = turn.usage.prompt_tokens.saturating_add(turn.usage.completion_tokens);
         self.emitter.queue(Event::TurnFinished {
             turn: turn.number,
             usage: turn.usage,

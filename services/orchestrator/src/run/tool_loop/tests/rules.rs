@@ -342,10 +342,12 @@ fn asked_max_tokens(script: &Script) -> Vec<Option<u32>> {
         .collect()
 }
 
-/// A run's token budget: each request asks for at most what is left, and the turn that goes
-/// over it is the last, its tool results kept, the run FAILED `TOKEN_BUDGET`.
+/// A run's token budget counts each turn's prompt (at least the last turn's prompt and
+/// completion, which it holds) against what is left: a request asks for at most what remains
+/// after it, and a turn whose prompt leaves nothing is never asked; the run ends FAILED
+/// `TOKEN_BUDGET` with its output and tool results kept.
 #[tokio::test(start_paused = true)]
-async fn the_turn_that_spends_the_token_budget_is_the_last() {
+async fn a_turn_is_asked_only_for_what_the_budget_leaves_after_its_prompt() {
     let turn = || vec![text("working"), call(0, "nap", r#"{"ms": 1}"#), usage(30, 20)];
     let budget = Limits {
         max_total_tokens: 120,
@@ -354,16 +356,45 @@ async fn the_turn_that_spends_the_token_budget_is_the_last() {
     let (result, _, script, _) = play(vec![turn(), turn(), turn(), turn()], budget).await;
     assert_eq!(
         (result.status, result.failure_reason, result.turns),
-        (RunStatus::Failed, Some(FailureReason::TokenBudget), 3)
+        (RunStatus::Failed, Some(FailureReason::TokenBudget), 2)
     );
-    assert_eq!(result.tool_calls.len(), 3, "the last turn's call ran and is kept");
+    assert_eq!(result.tool_calls.len(), 2, "the calls that ran are kept");
     assert!(
-        result.failure_detail.contains("150 tokens") && result.failure_detail.contains("120"),
+        result.failure_detail.contains("spent 100 tokens")
+            && result.failure_detail.contains("120")
+            && result.failure_detail.contains("at least 50 tokens"),
         "{}",
         result.failure_detail
     );
+    // Turn 2's prompt counts as turn 1's 50: 70 left, 20 for its answer; turn 3 is never asked.
     let asked = asked_max_tokens(&script);
-    assert_eq!(asked, [Some(120), Some(70), Some(20)]);
+    assert_eq!(asked, [Some(120), Some(20)]);
+}
+
+/// A turn that goes over the budget (its model answered more than the prompt count foresaw) is
+/// the last.
+#[tokio::test(start_paused = true)]
+async fn the_turn_that_spends_the_token_budget_is_the_last() {
+    let turns = vec![
+        vec![text("working"), call(0, "nap", r#"{"ms": 1}"#), usage(30, 20)],
+        vec![text("working"), call(0, "nap", r#"{"ms": 1}"#), usage(90, 20)],
+        vec![text("done"), usage(10, 5)],
+    ];
+    let budget = Limits {
+        max_total_tokens: 120,
+        ..many_turns()
+    };
+    let (result, _, script, _) = play(turns, budget).await;
+    assert_eq!(
+        (result.status, result.failure_reason, result.turns),
+        (RunStatus::Failed, Some(FailureReason::TokenBudget), 2)
+    );
+    assert!(
+        result.failure_detail.contains("160 tokens"),
+        "{}",
+        result.failure_detail
+    );
+    assert_eq!(asked_max_tokens(&script), [Some(120), Some(20)]);
 }
 
 /// A budget that is never reached changes nothing: a large one sets no `max_tokens`.
