@@ -384,10 +384,16 @@ fn the_console_overlay_serves_the_console_behind_the_service() -> TestResult {
         "value: 0.0.0.0:8080",
         "name: ORCHESTRATOR_CONSOLE_SESSION_KEY_FILE",
         "name: ORCHESTRATOR_AUTH_TOKENS",
+        "name: ORCHESTRATOR_CONSOLE_PUBLIC_URL",
         "containerPort: 8080",
     ] {
         assert!(orchestrator.contains(needle), "orchestrator: {needle} missing");
     }
+    // It ships no credential: the session secret and the tokens are the operator's to create.
+    assert!(
+        !rendered.contains("session.key:") && !rendered.contains("tokens.toml:"),
+        "the console overlay renders a Secret"
+    );
     let service = document(&rendered, "Service", "orchestrator")?;
     assert!(
         service.contains("name: console") && service.contains("port: 8080"),

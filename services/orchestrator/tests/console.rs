@@ -441,3 +441,79 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     );
     chrome.stop().await
 }
+
+/// One HTTP/1.1 exchange with the console at `address`: its status and its head.
+async fn exchange(address: &str, request: String) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    stream.write_all(request.as_bytes()).await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await??;
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let head = answer.split("\r\n\r\n").next().unwrap_or_default().to_owned();
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    Ok((status, head))
+}
+
+/// A request to `path` with `method`, sent to the name `host`, from `origin` (if any), with a
+/// JSON `body`.
+fn request(method: &str, path: &str, host: &str, origin: Option<&str>, body: &str) -> String {
+    let origin = origin.map(|o| format!("Origin: {o}\r\n")).unwrap_or_default();
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{origin}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// The console answers only to its own names (a page whose domain is rebound to the console's
+/// address is refused, its POSTs too), takes changes only from its own origin, serves no one on a
+/// network address without authentication unless told to (and then says so loudly), and behind
+/// `--console-public-url https://…` its cookie is `Secure`, `__Host-` and answers carry HSTS.
+#[tokio::test]
+async fn the_console_answers_only_its_own_names_and_origins() -> TestResult {
+    let llm = MockLlm::start(Scenario::new(vec![Turn::text("Done.")])).await?;
+    let runner = testkit::helpers::tool_runner_in_process().await?;
+    let start = |flags: &[&str]| {
+        let mut command = testkit::orchestrator_command(BIN, &llm.base_url(), &runner);
+        command.args(flags);
+        Service::orchestrator(command)
+    };
+
+    // Without authentication, on loopback, behind a public HTTPS name.
+    let public = "https://console.example.com";
+    let open = start(&["--console-listen", "127.0.0.1:0", "--console-public-url", public]).await?;
+    let address = open
+        .address_logged("console serving")
+        .ok_or_else(|| anyhow::anyhow!("no console address logged"))?;
+    let sign_in = |host: &str, origin: Option<&str>| request("POST", "/api/session", host, origin, "{}");
+    let (status, _) = exchange(&address, request("GET", "/api/session", "attacker.example:80", None, "")).await?;
+    assert_eq!(status, 421, "a rebound name reads nothing");
+    let (status, _) = exchange(&address, sign_in("attacker.example:80", Some("http://attacker.example:80"))).await?;
+    assert_eq!(status, 421, "a rebound name signs no one in");
+    for origin in [None, Some("http://attacker.example")] {
+        let (status, _) = exchange(&address, sign_in(&address, origin)).await?;
+        assert_eq!(status, 403, "a POST from {origin:?}");
+    }
+    let (status, head) = exchange(&address, sign_in(&address, Some(&format!("http://{address}")))).await?;
+    assert_eq!(status, 200, "{head}");
+    let (status, head) = exchange(&address, sign_in("console.example.com", Some(public))).await?;
+    assert_eq!(status, 200, "{head}");
+    let head = head.to_ascii_lowercase();
+    assert!(head.contains("set-cookie: __host-orchestrator-console=") && head.contains("; secure"), "{head}");
+    assert!(head.contains("strict-transport-security: max-age="), "{head}");
+    open.stop().await?;
+
+    // On a network address without authentication: refused at start, unless told to.
+    let mut refused = testkit::orchestrator_command(BIN, &llm.base_url(), &runner);
+    refused
+        .args(["--listen", "127.0.0.1:0", "--console-listen", "0.0.0.0:0"])
+        .env("ORCHESTRATOR_METRICS_LISTEN", "off");
+    let output = tokio::time::timeout(Duration::from_secs(30), refused.output()).await??;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--console-allow-unauthenticated"), "{stderr}");
+    let told = start(&["--console-listen", "0.0.0.0:0", "--console-allow-unauthenticated"]).await?;
+    assert!(told.logged("THE CONSOLE IS OPEN", Duration::from_secs(10)).await);
+    told.stop().await?;
+    Ok(())
+}

@@ -17,6 +17,16 @@ pub struct ConsoleSettings {
     /// questions) on this address, with the TLS and tokens of the gRPC port (unset: off).
     #[arg(long, env = "ORCHESTRATOR_CONSOLE_LISTEN")]
     pub console_listen: Option<SocketAddr>,
+    /// The URL people open the console at when it is not its listen address (behind an Ingress:
+    /// `https://console.example.com`): requests naming that host are taken, and with `https://`
+    /// the session cookie is `Secure` and answers carry HSTS (unset: addresses and localhost
+    /// only).
+    #[arg(long, env = "ORCHESTRATOR_CONSOLE_PUBLIC_URL", value_name = "URL")]
+    pub console_public_url: Option<String>,
+    /// Serve the console without authentication on an address other than loopback: anyone who
+    /// reaches it reads every run and decides every call (off: such a console does not start).
+    #[arg(long, env = "ORCHESTRATOR_CONSOLE_ALLOW_UNAUTHENTICATED")]
+    pub console_allow_unauthenticated: bool,
     /// How long a console sign-in lasts (cap 7d).
     #[arg(long, env = "ORCHESTRATOR_CONSOLE_SESSION_TTL", default_value = "8h", value_parser = parse_duration)]
     pub console_session_ttl: Duration,

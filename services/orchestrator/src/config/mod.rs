@@ -174,7 +174,24 @@ impl Config {
         self.llm.defaults().map_err(Error::Config)?;
         self.check_nats_names()?;
         self.check_approvers()?;
+        self.check_console()?;
         self.check_exit_tools()
+    }
+
+    /// A console without authentication serves loopback only, unless told otherwise.
+    fn check_console(&self) -> Result<(), Error> {
+        let console = &self.console;
+        let open = self.security.auth_tokens.is_none() && !self.security.auth_principal_from_cert;
+        match console.console_listen {
+            Some(address) if open && !address.ip().is_loopback() && !console.console_allow_unauthenticated => {
+                Err(Error::Config(format!(
+                    "{} {address}: without authentication (--auth-tokens or --auth-principal-from-cert) anyone who reaches the console reads every run and decides every call; serve it on loopback, turn authentication on, or say {} to serve it so",
+                    flag::<ConsoleSettings>("console_listen"),
+                    flag::<ConsoleSettings>("console_allow_unauthenticated")
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Approvers come from the tokens file: a server that lets only approvers decide needs one.

@@ -54,6 +54,17 @@ pub(super) async fn with_security_headers(mut answer: Response) -> Response {
     answer
 }
 
+/// Adds HSTS to `answer` when the console is reached over HTTPS (`secure`).
+pub(super) async fn with_hsts(mut answer: Response, secure: bool) -> Response {
+    if secure {
+        answer.headers_mut().insert(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static("max-age=31536000"),
+        );
+    }
+    answer
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,10 +34,12 @@ use crate::server::grpc::OrchestratorService;
 mod assets;
 mod gateway;
 mod listener;
+mod origin;
 mod session;
 
 use gateway::{Item, Refused};
 use listener::{Connections, Peer};
+use origin::Origins;
 use session::{Session, Sessions};
 
 /// How often an idle event stream says it is alive (proxies close silent connections).
@@ -50,6 +52,8 @@ struct Console {
     sessions: Arc<Sessions>,
     /// Live run pages followed at once (`--console-max-streams`).
     streams: Arc<Semaphore>,
+    /// The names requests may be sent to.
+    origins: Arc<Origins>,
 }
 
 /// Serves the console on `--console-listen` until the handle is dropped; `None` when it is off.
@@ -68,11 +72,19 @@ pub(crate) async fn start(
     let local = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("{flag}: the listener has no address: {e}")))?;
+    let origins = Origins::new(settings.console_public_url.as_deref(), security.tls())?;
     let console = Console {
         service: Arc::new(OrchestratorService::new(core)),
-        sessions: Arc::new(Sessions::new(settings, security.authenticator(), security.tls())?),
+        sessions: Arc::new(Sessions::new(settings, security.authenticator(), origins.secure())?),
         streams: Arc::new(Semaphore::new(settings.console_max_streams)),
+        origins: Arc::new(origins),
     };
+    if security.authenticator().is_none() && !local.ip().is_loopback() {
+        tracing::warn!(
+            address = %local,
+            "THE CONSOLE IS OPEN: it serves without authentication on an address other than loopback; anyone who reaches it reads every run and decides every call (--console-allow-unauthenticated)"
+        );
+    }
     let app = router(console, settings.console_max_body_bytes);
     let connections = Connections {
         incoming: security.incoming(listener),
@@ -87,8 +99,10 @@ pub(crate) async fn start(
     }))))
 }
 
-/// The console's routes, each answer with the security headers.
+/// The console's routes, each answer with the security headers, each request sent to one of the
+/// console's names.
 fn router(console: Console, max_body: usize) -> Router {
+    let secure = console.origins.secure();
     Router::new()
         .route("/", get(assets::page))
         .route("/assets/{name}", get(assets::asset))
@@ -98,8 +112,22 @@ fn router(console: Console, max_body: usize) -> Router {
         .route("/api/runs/{run_id}/events", get(events))
         .fallback(|| async { refusal(&Refused::new(StatusCode::NOT_FOUND, "NOT_FOUND", "no such page")) })
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(console.clone(), own_names_only))
         .layer(axum::middleware::map_response(assets::with_security_headers))
+        .layer(axum::middleware::map_response(move |answer| assets::with_hsts(answer, secure)))
         .with_state(console)
+}
+
+/// Answers only requests sent to the console's own names (`origin.rs`).
+async fn own_names_only(
+    State(console): State<Console>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match console.origins.admit(request.method(), request.headers()) {
+        Ok(()) => next.run(request).await,
+        Err(refused) => refusal(&refused),
+    }
 }
 
 /// A refusal as the page reads it.

@@ -53,14 +53,15 @@ pub(super) struct Sessions {
     key: hmac::Key,
     ttl: Duration,
     auth: Option<Arc<Authenticator>>,
-    /// The console is served over TLS: the cookie is `Secure` and `__Host-` prefixed.
-    tls: bool,
+    /// The console is reached over HTTPS (its own TLS, or `--console-public-url https://…`): the
+    /// cookie is `Secure` and `__Host-` prefixed.
+    secure: bool,
 }
 
 impl Sessions {
     /// Sessions lasting `--console-session-ttl`, signed with the file's secret or one of this
     /// process.
-    pub(super) fn new(settings: &ConsoleSettings, auth: Option<Arc<Authenticator>>, tls: bool) -> Result<Self, Error> {
+    pub(super) fn new(settings: &ConsoleSettings, auth: Option<Arc<Authenticator>>, secure: bool) -> Result<Self, Error> {
         let secret = match &settings.console_session_key_file {
             Some(path) => read_secret(path)?,
             None => {
@@ -74,7 +75,7 @@ impl Sessions {
             key: hmac::Key::new(hmac::HMAC_SHA256, &secret),
             ttl: settings.console_session_ttl,
             auth,
-            tls,
+            secure,
         })
     }
 
@@ -177,14 +178,14 @@ impl Sessions {
     }
 
     fn cookie_name(&self) -> &'static str {
-        match self.tls {
+        match self.secure {
             true => "__Host-orchestrator-console",
             false => "orchestrator-console",
         }
     }
 
     fn cookie(&self, value: &str, max_age: u64) -> String {
-        let secure = if self.tls { "; Secure" } else { "" };
+        let secure = if self.secure { "; Secure" } else { "" };
         format!(
             "{}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}",
             self.cookie_name()
