@@ -486,9 +486,17 @@ async fn the_console_answers_only_its_own_names_and_origins() -> TestResult {
         .address_logged("console serving")
         .ok_or_else(|| anyhow::anyhow!("no console address logged"))?;
     let sign_in = |host: &str, origin: Option<&str>| request("POST", "/api/session", host, origin, "{}");
-    let (status, _) = exchange(&address, request("GET", "/api/session", "attacker.example:80", None, "")).await?;
+    let (status, _) = exchange(
+        &address,
+        request("GET", "/api/session", "attacker.example:80", None, ""),
+    )
+    .await?;
     assert_eq!(status, 421, "a rebound name reads nothing");
-    let (status, _) = exchange(&address, sign_in("attacker.example:80", Some("http://attacker.example:80"))).await?;
+    let (status, _) = exchange(
+        &address,
+        sign_in("attacker.example:80", Some("http://attacker.example:80")),
+    )
+    .await?;
     assert_eq!(status, 421, "a rebound name signs no one in");
     for origin in [None, Some("http://attacker.example")] {
         let (status, _) = exchange(&address, sign_in(&address, origin)).await?;
@@ -499,7 +507,10 @@ async fn the_console_answers_only_its_own_names_and_origins() -> TestResult {
     let (status, head) = exchange(&address, sign_in("console.example.com", Some(public))).await?;
     assert_eq!(status, 200, "{head}");
     let head = head.to_ascii_lowercase();
-    assert!(head.contains("set-cookie: __host-orchestrator-console=") && head.contains("; secure"), "{head}");
+    assert!(
+        head.contains("set-cookie: __host-orchestrator-console=") && head.contains("; secure"),
+        "{head}"
+    );
     assert!(head.contains("strict-transport-security: max-age="), "{head}");
     open.stop().await?;
 

@@ -454,3 +454,112 @@ async fn a_tool_asks_again_up_to_max_input_rounds() -> TestResult {
     }
     Ok(())
 }
+
+/// What a person types never reaches a log line: an answer's form content, a rejection's reason
+/// and edited arguments, each a planted secret, through the real orchestrator and tool-runner
+/// binaries (the runner serving the refund server), are searched for in every line both logged.
+#[tokio::test]
+async fn answers_reasons_and_edits_never_reach_a_log_line() -> TestResult {
+    const ANSWER: &str = "PLANTED-answer-31c7";
+    const REASON: &str = "PLANTED-reason-8d02";
+    const EDIT: &str = "PLANTED-edit-5f4a";
+    let dir = tempfile::tempdir()?;
+    let manifest = dir.path().join("tools.toml");
+    std::fs::write(
+        &manifest,
+        testkit::mcp_servers::refund_server_table(&dir.path().join("refunds.log"))?,
+    )?;
+    let mut runner_command = Command::new(testkit::tool_runner_bin!()?);
+    runner_command
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .arg("--tools-manifest")
+        .arg(&manifest);
+    let runner = testkit::Service::spawn(runner_command, "127.0.0.1", "tool-runner serving").await?;
+    let llm =
+        mock_llm::MockLlm::start(call_then_answer("shop__refund", json!({"order": "A-7", "amount": 5.0}))).await?;
+    let command = testkit::orchestrator_command(BIN, &llm.base_url(), &format!("http://{}", runner.grpc));
+    let orchestrator = testkit::Service::orchestrator(command).await?;
+    let mut client =
+        pb::orchestrator_client::OrchestratorClient::connect(format!("http://{}", orchestrator.grpc)).await?;
+
+    // An answer whose form carries the secret.
+    let mut stream = client.orchestrate(run("secret-answer", 0)).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::ToolInputRequested(_))).await?;
+    let question = asked(&events).ok_or_else(|| anyhow::anyhow!("no question"))?;
+    let content = json!({"confirm": true, "note": ANSWER}).to_string();
+    let accept = pb::InputAction::Accept;
+    client
+        .answer_tool_input(answer(
+            "secret-answer",
+            &question.call_id,
+            vec![("confirm", accept, &content)],
+        ))
+        .await?;
+    read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+
+    // A rejection whose reason is the secret, and an edit whose arguments carry one.
+    for (run_id, decision) in [
+        (
+            "secret-reason",
+            pb::ToolCallDecision {
+                kind: pb::DecisionKind::Reject.into(),
+                message: REASON.into(),
+                ..Default::default()
+            },
+        ),
+        (
+            "secret-edit",
+            pb::ToolCallDecision {
+                kind: pb::DecisionKind::ApproveEdited.into(),
+                arguments_json: json!({"order": "A-7", "amount": 5.0, "memo": EDIT}).to_string(),
+                ..Default::default()
+            },
+        ),
+    ] {
+        let mut request = run(run_id, 0);
+        request.tools = Some(pb::ToolSelection {
+            approval: Some(pb::ApprovalPolicy {
+                tools: vec!["shop__refund".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let mut stream = client.orchestrate(request).await?.into_inner();
+        let events = read_until(&mut stream, |e| matches!(e, E::ApprovalRequested(_))).await?;
+        let call_id = events
+            .iter()
+            .find_map(|e| match &e.event {
+                Some(E::ApprovalRequested(a)) => Some(a.call_id.clone()),
+                _ => None,
+            })
+            .ok_or_else(|| anyhow::anyhow!("no approval asked"))?;
+        let decided = client
+            .decide_tool_calls(pb::DecideToolCallsRequest {
+                run_id: run_id.into(),
+                decisions: vec![pb::ToolCallDecision { call_id, ..decision }],
+            })
+            .await;
+        // An edit the tool's schema refuses is refused with the checker's words: still typed.
+        if let Err(refused) = decided {
+            assert!(!refused.message().contains(EDIT), "{refused:?}");
+            continue;
+        }
+        read_until(&mut stream, |e| {
+            matches!(e, E::RunFinished(_) | E::ToolInputRequested(_))
+        })
+        .await?;
+    }
+
+    let logs = [("orchestrator", orchestrator.logs()), ("tool-runner", runner.logs())];
+    for (service, lines) in &logs {
+        assert!(!lines.is_empty(), "{service} logged nothing");
+        for line in lines {
+            for secret in [ANSWER, REASON, EDIT] {
+                assert!(!line.contains(secret), "{service} logged {secret}: {line}");
+            }
+        }
+    }
+    orchestrator.stop().await?;
+    runner.stop().await?;
+    Ok(())
+}

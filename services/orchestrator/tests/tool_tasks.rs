@@ -195,6 +195,53 @@ async fn a_run_canceled_while_its_task_runs_has_the_server_cancel_it() -> TestRe
     Ok(())
 }
 
+/// Following a task is bounded: a run whose deadline pauses while a person decides is held to it
+/// while it only follows a task (parked or not: it ends `DEADLINE_EXCEEDED` and the server is
+/// asked to cancel the task), and past `--task-max-follow` a task still working fails its call,
+/// is canceled, and the run goes on to its answer.
+#[tokio::test]
+async fn a_task_wait_is_bounded_by_the_deadline_and_the_follow_ceiling() -> TestResult {
+    let world = world(crunch("deadline-task", 60.0), &["--task-park-after", "0s"], 1, None).await?;
+    let mut client = world.client_of(0).await?;
+    let mut run = request("deadline-task");
+    run.limits = Some(pb::RunLimits {
+        run_timeout_ms: Some(2000),
+        ..Default::default()
+    });
+    run.tools = Some(pb::ToolSelection {
+        approval: Some(pb::ApprovalPolicy {
+            pause_deadline: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let mut stream = client.orchestrate(run).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(
+        result.failure_reason,
+        pb::FailureReason::DeadlineExceeded as i32,
+        "{result:?}"
+    );
+    log_shows(&world, "cancelled deadline-task").await?;
+
+    let world = world_serving_ceiling().await?;
+    let mut client = world.client_of(0).await?;
+    let mut stream = client.orchestrate(request("ceiling-task")).await?.into_inner();
+    let events = read_until(&mut stream, |e| matches!(e, E::RunFinished(_))).await?;
+    let result = finished(&events).ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(result.status, pb::RunStatus::Completed as i32, "{result:?}");
+    let error = result.tool_calls[0].error.clone().unwrap_or_default();
+    assert!(error.message.contains("--task-max-follow"), "{result:?}");
+    log_shows(&world, "cancelled ceiling-task").await?;
+    Ok(())
+}
+
+/// A runner serving the tasks server to an orchestrator that follows a task for 1 s at most.
+async fn world_serving_ceiling() -> anyhow::Result<World> {
+    world(crunch("ceiling-task", 60.0), &["--task-max-follow", "1s"], 1, None).await
+}
+
 #[tokio::test]
 async fn on_nats_a_replica_killed_while_its_run_follows_a_task_leaves_the_same_task_to_another() -> TestResult {
     let nats = testkit::nats::Nats::start().await?;

@@ -59,6 +59,11 @@ pub struct RunSettings {
     /// poll on whichever replica takes it (0: parks at once) (cap 1h).
     #[arg(long, env = "ORCHESTRATOR_TASK_PARK_AFTER", default_value = "30s", value_parser = parse_duration)]
     pub task_park_after: Duration,
+    /// Longest a run follows one tool's task: past it the call fails and the task is canceled,
+    /// whatever the server says of it (a task `working` forever would hold the run past every
+    /// deadline otherwise; the run's own deadline bounds it too) (cap 7d).
+    #[arg(long, env = "ORCHESTRATOR_TASK_MAX_FOLLOW", default_value = "24h", value_parser = parse_duration)]
+    pub task_max_follow: Duration,
     /// Event batches (events the loop produces together) buffered per run stream before the run
     /// waits for a slow reader (cap 65536).
     #[arg(long, env = "ORCHESTRATOR_EVENT_BUFFER", default_value_t = 64)]
@@ -136,6 +141,7 @@ impl Bounded for RunSettings {
             bound("task_poll_min", self.task_poll_min, ms(50), secs(60)),
             bound("task_poll_max", self.task_poll_max, secs(1), secs(3600)),
             bound("task_park_after", self.task_park_after, Duration::ZERO, secs(3600)),
+            bound("task_max_follow", self.task_max_follow, secs(1), secs(7 * 24 * 3600)),
             bound("event_send_timeout", self.event_send_timeout, ms(10), secs(600)),
             bound("max_caller_event_bytes", self.max_caller_event_bytes, KIB, 3 * MIB),
             bound("max_tool_result_bytes", self.max_tool_result_bytes, 256usize, 16 * MIB),

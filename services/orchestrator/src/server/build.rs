@@ -131,6 +131,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
                     max: config.runs.task_poll_max,
                 },
                 park_after: config.runs.task_park_after,
+                max_follow: config.runs.task_max_follow,
             },
             threads: Some(Arc::clone(&threads)),
             usage: ports.usage,

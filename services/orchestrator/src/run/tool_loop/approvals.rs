@@ -26,9 +26,11 @@ use crate::telemetry::metric;
 impl super::Checkpoint {
     /// The checkpoint of a parked run that is ready to go on: its calls' decisions taken in (a
     /// call nobody decided before it expired is rejected as timed out) and, when its deadline
-    /// pauses while it waits, the deadline moved by the wait.
+    /// pauses while a person decides and it waited for one, the deadline moved by the wait (a
+    /// run parked only for its tools' tasks is held to its deadline).
     pub fn decided(mut self, waiting: &Waiting) -> Self {
         let now = shared::sync::unix_ms();
+        let for_a_person = self.calls.as_ref().is_some_and(TurnCalls::undecided);
         if let Some(calls) = self.calls.as_mut() {
             calls.take_decisions(&waiting.calls);
             for approval in calls.approvals.iter_mut().filter(|a| a.decision.is_none()) {
@@ -37,7 +39,7 @@ impl super::Checkpoint {
                 }
             }
         }
-        if self.spec.approval.pause_deadline && waiting.parked_at_unix_ms > 0 {
+        if self.spec.approval.pause_deadline && for_a_person && waiting.parked_at_unix_ms > 0 {
             let waited = now.saturating_sub(waiting.parked_at_unix_ms);
             self.spec.deadline.at += std::time::Duration::from_millis(waited);
         }
@@ -440,7 +442,7 @@ impl Driver<'_> {
     }
 
     /// When a parked run wakes without decisions: its first expiry or its next task poll, or
-    /// its deadline when sooner (unless the deadline pauses while it waits).
+    /// its deadline when sooner (unless the deadline pauses while a person decides).
     fn wake_at(&self, calls: &TurnCalls) -> u64 {
         let expiry = calls
             .approvals
@@ -450,7 +452,7 @@ impl Driver<'_> {
             .chain(calls.next_poll_at())
             .min()
             .unwrap_or(0);
-        if self.spec.approval.pause_deadline {
+        if self.spec.approval.pause_deadline && calls.undecided() {
             expiry
         } else {
             expiry.min(self.spec.deadline.unix_ms())

@@ -586,6 +586,8 @@ struct Driver<'a> {
     held: Option<spend::Hold>,
     /// The tasks the current turn's calls became, to cancel if the run ends before them.
     followed: tasks::Followed,
+    /// Tasks the run gave up (`--task-max-follow`), to cancel.
+    given_up: Vec<(ModelCall, crate::domain::task::ToolTask)>,
     /// The progress the turn's calls reported and the loop has not sent yet.
     call_progress: call_progress::CallProgress,
 }
@@ -644,6 +646,7 @@ impl<'a> Driver<'a> {
             eager: eager::Eager::default(),
             held: None,
             followed: tasks::Followed::default(),
+            given_up: Vec::new(),
             call_progress: call_progress::CallProgress::default(),
             spec,
             deps,

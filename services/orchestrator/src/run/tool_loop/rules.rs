@@ -121,6 +121,7 @@ impl Driver<'_> {
     async fn run_unfinished(&mut self, calls: &mut TurnCalls) {
         let ran = self.dispatch(calls).await;
         let ran = self.take_tasks(calls, ran);
+        self.cancel_given_up_tasks().await;
         let asked = self.take_questions(calls, ran);
         self.ask_for_input(calls, &asked).await;
     }

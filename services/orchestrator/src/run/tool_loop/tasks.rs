@@ -34,6 +34,8 @@ pub struct TaskSettings {
     pub poll: PollBounds,
     /// How long a run follows its tasks in place before it parks.
     pub park_after: Duration,
+    /// How long a run follows one task at most, whatever its server says.
+    pub max_follow: Duration,
 }
 
 impl TurnCalls {
@@ -135,14 +137,11 @@ impl Driver<'_> {
                 continue;
             };
             let seen = calls.following(index).map_or(now, |f| f.seen_at_unix_ms);
-            if task.outlived_ttl(seen, now) {
+            if let Some(why) = self.given_up(&task, seen, now) {
                 calls.tasks.retain(|f| f.index != index);
-                let ttl = Duration::from_millis(task.ttl_ms.unwrap_or_default());
-                let why = format!(
-                    "the tool's task {} still ran past the {} its server keeps it (ttlMs); it is given up",
-                    task.id,
-                    humantime::format_duration(ttl)
-                );
+                if let Some(call) = calls.partition.calls.get(index) {
+                    self.given_up.push((call.clone(), task));
+                }
                 outcome.result = Err(ToolCallError::new("FAILED", why));
                 rest.push(outcome);
                 continue;
@@ -153,6 +152,27 @@ impl Driver<'_> {
         }
         self.followed = Followed::of(Some(calls));
         rest
+    }
+
+    /// Why the run gives `task` up, followed since `seen`: it outlived the ttl its server keeps
+    /// it, or the run followed it for `--task-max-follow`.
+    fn given_up(&self, task: &ToolTask, seen: u64, now: u64) -> Option<String> {
+        if task.outlived_ttl(seen, now) {
+            let ttl = Duration::from_millis(task.ttl_ms.unwrap_or_default());
+            return Some(format!(
+                "the tool's task {} still ran past the {} its server keeps it (ttlMs); it is given up",
+                task.id,
+                humantime::format_duration(ttl)
+            ));
+        }
+        let followed = Duration::from_millis(now.saturating_sub(seen));
+        (followed > self.deps.tasks.max_follow).then(|| {
+            format!(
+                "the tool's task {} still ran after the run followed it for {} (--task-max-follow); it is given up and canceled",
+                task.id,
+                humantime::format_duration(self.deps.tasks.max_follow)
+            )
+        })
     }
 
     /// `tool_call_progress` with what the server says of the task the call at `index` became.
@@ -212,7 +232,19 @@ impl Driver<'_> {
     /// within [`CANCEL_LIMIT`]: the run ended before them.
     pub(super) async fn cancel_followed_tasks(&mut self) {
         let followed = std::mem::take(&mut self.followed.0);
-        let sends = followed.into_iter().map(|(call, task)| {
+        self.cancel_tasks(followed, "the run ended before its tool's task; the task was canceled")
+            .await;
+    }
+
+    /// Asks the servers of the tasks the run gave up (`--task-max-follow`) to cancel them.
+    pub(super) async fn cancel_given_up_tasks(&mut self) {
+        let given_up = std::mem::take(&mut self.given_up);
+        self.cancel_tasks(given_up, "the run gave its tool's task up; the task was canceled")
+            .await;
+    }
+
+    async fn cancel_tasks(&mut self, tasks: Vec<(ModelCall, ToolTask)>, done: &'static str) {
+        let sends = tasks.into_iter().map(|(call, task)| {
             let mut invocation = self.invocation(&call, CANCEL_LIMIT, None);
             let task_id = task.id.clone();
             invocation.task = Some(task);
@@ -220,7 +252,7 @@ impl Driver<'_> {
             let send = self.deps.tools.execute(invocation);
             async move {
                 match tokio::time::timeout(CANCEL_LIMIT, send).await {
-                    Ok(answer) => tracing::info!(gen_ai.tool.call.id = %call.id, mcp.task.id = %task_id, ok = answer.is_ok(), "the run ended before its tool's task; the task was canceled"),
+                    Ok(answer) => tracing::info!(gen_ai.tool.call.id = %call.id, mcp.task.id = %task_id, ok = answer.is_ok(), "{done}"),
                     Err(_) => tracing::warn!(gen_ai.tool.call.id = %call.id, mcp.task.id = %task_id, "canceling the task of the run's tool did not finish in time"),
                 }
             }

@@ -114,7 +114,9 @@ fn router(console: Console, max_body: usize) -> Router {
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn_with_state(console.clone(), own_names_only))
         .layer(axum::middleware::map_response(assets::with_security_headers))
-        .layer(axum::middleware::map_response(move |answer| assets::with_hsts(answer, secure)))
+        .layer(axum::middleware::map_response(move |answer| {
+            assets::with_hsts(answer, secure)
+        }))
         .with_state(console)
 }
 

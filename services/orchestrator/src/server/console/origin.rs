@@ -58,7 +58,10 @@ impl Origins {
         if method == Method::GET || method == Method::HEAD {
             return Ok(());
         }
-        let origin = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        let origin = headers
+            .get(header::ORIGIN)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
         match origin.eq_ignore_ascii_case(&self.expected_origin(&host)) {
             true => Ok(()),
             false => Err(Refused::new(
@@ -107,8 +110,11 @@ fn public_origin(url: &str) -> Result<(String, String), Error> {
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err(bad("must be an http:// or https:// URL"));
     }
-    if parsed.path() != "/" || parsed.query().is_some() || parsed.fragment().is_some() || !parsed.username().is_empty() {
-        return Err(bad("must be a scheme and a host (and port), the console being served at its root"));
+    if parsed.path() != "/" || parsed.query().is_some() || parsed.fragment().is_some() || !parsed.username().is_empty()
+    {
+        return Err(bad(
+            "must be a scheme and a host (and port), the console being served at its root",
+        ));
     }
     let host = parsed.host_str().ok_or_else(|| bad("names no host"))?;
     let authority = match parsed.port() {
@@ -136,10 +142,20 @@ mod tests {
     #[test]
     fn a_rebound_name_is_refused_and_addresses_and_localhost_are_taken() {
         let origins = Origins::new(None, false).unwrap();
-        for host in ["127.0.0.1:8080", "localhost:8080", "[::1]:8080", "10.1.2.3:8080", "LOCALHOST"] {
+        for host in [
+            "127.0.0.1:8080",
+            "localhost:8080",
+            "[::1]:8080",
+            "10.1.2.3:8080",
+            "LOCALHOST",
+        ] {
             assert!(origins.admit(&Method::GET, &headers(host, None)).is_ok(), "{host}");
         }
-        for host in ["attacker.example:8080", "localhost.attacker.example:8080", "127.0.0.1.nip.io"] {
+        for host in [
+            "attacker.example:8080",
+            "localhost.attacker.example:8080",
+            "127.0.0.1.nip.io",
+        ] {
             let refused = origins.admit(&Method::GET, &headers(host, None)).unwrap_err();
             assert_eq!(refused.status, StatusCode::MISDIRECTED_REQUEST, "{host}");
         }
@@ -151,7 +167,12 @@ mod tests {
         let origins = Origins::new(None, false).unwrap();
         let post = |origin| origins.admit(&Method::POST, &headers("127.0.0.1:8080", origin));
         assert!(post(Some("http://127.0.0.1:8080")).is_ok());
-        for origin in [None, Some("http://attacker.example"), Some("https://127.0.0.1:8080"), Some("null")] {
+        for origin in [
+            None,
+            Some("http://attacker.example"),
+            Some("https://127.0.0.1:8080"),
+            Some("null"),
+        ] {
             let refused = post(origin).unwrap_err();
             assert_eq!(refused.status, StatusCode::FORBIDDEN, "{origin:?}");
         }
@@ -164,9 +185,22 @@ mod tests {
         let post = |host, origin| origins.admit(&Method::POST, &headers(host, Some(origin)));
         assert!(post("console.example.com", "https://console.example.com").is_ok());
         assert!(post("console.example.com", "http://console.example.com").is_err());
-        assert!(post("localhost:8080", "http://localhost:8080").is_ok(), "a port-forward");
-        assert!(!Origins::new(Some("http://console.internal:8080"), false).unwrap().secure());
-        for bad in ["ftp://x", "https://x/console", "https://x/?a=1", "not a url", "https://u:p@x"] {
+        assert!(
+            post("localhost:8080", "http://localhost:8080").is_ok(),
+            "a port-forward"
+        );
+        assert!(
+            !Origins::new(Some("http://console.internal:8080"), false)
+                .unwrap()
+                .secure()
+        );
+        for bad in [
+            "ftp://x",
+            "https://x/console",
+            "https://x/?a=1",
+            "not a url",
+            "https://u:p@x",
+        ] {
             assert!(Origins::new(Some(bad), false).is_err(), "{bad}");
         }
     }

@@ -61,7 +61,11 @@ pub(super) struct Sessions {
 impl Sessions {
     /// Sessions lasting `--console-session-ttl`, signed with the file's secret or one of this
     /// process.
-    pub(super) fn new(settings: &ConsoleSettings, auth: Option<Arc<Authenticator>>, secure: bool) -> Result<Self, Error> {
+    pub(super) fn new(
+        settings: &ConsoleSettings,
+        auth: Option<Arc<Authenticator>>,
+        secure: bool,
+    ) -> Result<Self, Error> {
         let secret = match &settings.console_session_key_file {
             Some(path) => read_secret(path)?,
             None => {

@@ -379,6 +379,7 @@ async fn play_with(
                 max: Duration::from_secs(1),
             },
             park_after: Duration::from_secs(30),
+            max_follow: Duration::from_secs(24 * 3600),
         },
         threads: outside.threads,
         usage: outside.usage,
