@@ -81,6 +81,46 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
+/// `text` without terminal control: escape sequences (CSI, OSC and the other strings, and
+/// two-character ones, by ESC or their C1 forms) and every other control character but newline
+/// and tab, so text from outside (a model, a tool, a server's message) printed to a terminal
+/// cannot move its cursor, rewrite what was printed, retitle it or plant a link.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    let kept = |c: char| !c.is_control() || c == '\n' || c == '\t';
+    if text.chars().all(kept) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        let opener = match c {
+            '\u{1b}' => chars.next(),
+            '\u{9b}' => Some('['),
+            '\u{9d}' => Some(']'),
+            '\u{90}' | '\u{98}' | '\u{9e}' | '\u{9f}' => Some('P'),
+            c if kept(c) => {
+                out.push(c);
+                continue;
+            }
+            _ => continue,
+        };
+        match opener {
+            // A control sequence: parameters and intermediates up to its final character.
+            Some('[') => while chars.next().is_some_and(|c| !('@'..='~').contains(&c)) {},
+            // A string: up to BEL, ST (ESC \\) or its C1 form.
+            Some(']' | 'P' | 'X' | '^' | '_') => {
+                while let Some(c) = chars.next() {
+                    if c == '\u{7}' || c == '\u{9c}' || (c == '\u{1b}' && chars.next_if_eq(&'\\').is_some()) {
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +145,27 @@ mod tests {
     fn owned_cuts_say_whether_they_cut() {
         assert_eq!(truncate_owned("héllo".into(), 2), ("h".into(), true));
         assert_eq!(truncate_owned("hi".into(), 2), ("hi".into(), false));
+    }
+
+    #[test]
+    fn printable_text_keeps_words_and_drops_terminal_control() {
+        assert!(matches!(
+            printable("plain ✔ text\n\tindented"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        for (text, shown) in [
+            ("\u{1b}[31mred\u{1b}[0m", "red"),
+            ("a\u{1b}[2J\u{1b}[Hb", "ab"),
+            ("title\u{1b}]0;pwned\u{7}!", "title!"),
+            ("\u{1b}]8;;https://evil.example\u{1b}\\link\u{1b}]8;;\u{1b}\\", "link"),
+            ("over\rwrite", "overwrite"),
+            ("c1\u{9b}31mcsi", "c1csi"),
+            ("bell\u{7} and \u{8}back", "bell and back"),
+            ("cut at the end \u{1b}[", "cut at the end "),
+            ("\u{1b}c reset", " reset"),
+        ] {
+            assert_eq!(printable(text), shown, "{text:?}");
+        }
     }
 
     #[test]

@@ -242,6 +242,38 @@ async fn runs_print_json_for_scripts() -> TestResult {
     Ok(())
 }
 
+/// Text the command line did not write reaches the terminal without control sequences: a
+/// model's answer that would retitle the terminal, clear it and plant a hidden link is printed as
+/// its words, by `call` and by `get`; `--json` keeps the text as it is (escaped by JSON).
+#[tokio::test]
+async fn model_text_reaches_the_terminal_without_control_sequences() -> TestResult {
+    let hostile =
+        "\u{1b}]0;pwned\u{7}Refund \u{1b}[2J\u{1b}[Hdone\u{1b}]8;;https://evil.example\u{1b}\\ here\u{1b}]8;;\u{1b}\\.";
+    let w = world(Scenario::new(vec![Turn::text(hostile)])).await?;
+    let endpoint = w.endpoint();
+    let (code, called, stderr) = cli(&[
+        "call",
+        "--endpoint",
+        &endpoint,
+        "--run-id",
+        "hostile-1",
+        "--prompt",
+        "refund it",
+    ])
+    .await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, got, stderr) = cli(&["get", "--endpoint", &endpoint, "hostile-1"]).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    for printed in [&called, &got] {
+        assert!(!printed.contains('\u{1b}') && !printed.contains('\u{7}'), "{printed:?}");
+        assert!(printed.contains("Refund done here."), "{printed:?}");
+    }
+    let (_, json, _) = cli(&["get", "--json", "--endpoint", &endpoint, "hostile-1"]).await?;
+    let run: serde_json::Value = serde_json::from_str(json.trim())?;
+    assert_eq!(run["text"], hostile, "{json}");
+    Ok(())
+}
+
 /// `call --json` prints the run's events as JSON Lines, one `OrchestrateEvent` per line with seqs
 /// 1, 2, … and `run_finished` last; a replay's line goes to stderr, leaving stdout all JSON.
 #[tokio::test]

@@ -54,6 +54,7 @@ impl CallOptions {
     /// Says `line` beside the events: on stdout among the printed events, on stderr when stdout
     /// carries JSON Lines.
     fn say(&self, line: &str) {
+        let line = shared::text::printable(line);
         match self.json {
             true => eprintln!("{line}"),
             false => println!("{line}"),
@@ -79,7 +80,7 @@ impl Printer {
         if !self.at_line_start {
             let _ = writeln!(out);
         }
-        let _ = writeln!(out, "{text}");
+        let _ = writeln!(out, "{}", shared::text::printable(text));
         self.at_line_start = true;
     }
 
@@ -92,7 +93,7 @@ impl Printer {
     }
 
     fn write(&mut self, out: &mut impl Write, text: &str) {
-        let _ = write!(out, "{text}");
+        let _ = write!(out, "{}", shared::text::printable(text));
         self.at_line_start = text.ends_with('\n');
     }
 

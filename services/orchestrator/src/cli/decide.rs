@@ -41,8 +41,8 @@ impl ApprovalsArgs {
             print_pending(call, now);
         }
         match (answer.approvals.is_empty(), answer.truncated) {
-            (true, _) => println!("no tool call waits for a person"),
-            (false, true) => println!("more calls wait than are listed"),
+            (true, _) => say!("no tool call waits for a person"),
+            (false, true) => say!("more calls wait than are listed"),
             (false, false) => {}
         }
         Ok(true)
@@ -56,7 +56,7 @@ fn print_pending(call: &pb::PendingApproval, now: u64) {
         true => "approval",
         false => "answers",
     };
-    println!(
+    say!(
         "{}  {}  {} {}  (turn {}, owner {:?}, waits for {waits}, expires in {})",
         call.run_id,
         call.call_id,
@@ -71,9 +71,11 @@ fn print_pending(call: &pb::PendingApproval, now: u64) {
             "url" => &question.url,
             _ => &question.schema_json,
         };
-        println!(
+        say!(
             "    ? {} ({}): {} {detail}",
-            question.key, question.mode, question.message
+            question.key,
+            question.mode,
+            question.message
         );
     }
 }
@@ -123,7 +125,7 @@ impl DecideArgs {
             return print_json(&answer, "orchestrator.v1.DecideToolCallsResponse").map(|()| true);
         }
         let after = after_decision(&self.run_id, answer.status, &answer.still_pending);
-        println!("decided; {after}");
+        say!("decided; {after}");
         Ok(true)
     }
 
@@ -195,7 +197,7 @@ impl AnswerArgs {
             return print_json(&answer, "orchestrator.v1.AnswerToolInputResponse").map(|()| true);
         }
         let after = after_decision(&self.run_id, answer.status, &answer.still_pending);
-        println!("answered; {after}");
+        say!("answered; {after}");
         Ok(true)
     }
 

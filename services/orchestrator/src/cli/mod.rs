@@ -11,6 +11,14 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 
 use crate::Config;
 
+/// `println!` for lines that carry text the CLI did not write (a model's, a tool's, a server's):
+/// printed without terminal control sequences ([`shared::text::printable`]).
+macro_rules! say {
+    ($($arg:tt)*) => {
+        println!("{}", shared::text::printable(&format!($($arg)*)))
+    };
+}
+
 pub mod call;
 pub mod decide;
 pub mod output;
@@ -41,7 +49,10 @@ impl Cli {
             "ORCHESTRATOR_CONFIG",
         )
         .unwrap_or_else(|e| {
-            eprintln!("error: {}", shared::secrets::without_userinfo(&e));
+            eprintln!(
+                "error: {}",
+                shared::text::printable(&shared::secrets::without_userinfo(&e))
+            );
             std::process::exit(2)
         });
         let (argv, renamed) = shared::config_file::with_renamed_flags(&Self::command(), argv, crate::config::RENAMED);
@@ -56,7 +67,10 @@ impl Cli {
                 Some(word) => not_a_command(&word),
                 None => error.render().to_string(),
             };
-            eprint!("{}", shared::secrets::without_userinfo(&message));
+            eprint!(
+                "{}",
+                shared::text::printable(&shared::secrets::without_userinfo(&message))
+            );
             std::process::exit(error.exit_code())
         })
     }

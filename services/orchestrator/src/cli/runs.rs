@@ -72,12 +72,12 @@ impl CancelArgs {
         }
         let status = status_name(answer.status);
         match (answer.canceled, self.after_turn) {
-            (true, false) => println!("run {} canceled ({status}); its output so far is kept", self.run_id),
-            (true, true) => println!(
+            (true, false) => say!("run {} canceled ({status}); its output so far is kept", self.run_id),
+            (true, true) => say!(
                 "run {} ends CANCELED once its turn in progress has ended ({status} now)",
                 self.run_id
             ),
-            (false, _) => println!("run {} had already ended ({status}); nothing to cancel", self.run_id),
+            (false, _) => say!("run {} had already ended ({status}); nothing to cancel", self.run_id),
         }
         Ok(true)
     }
@@ -100,14 +100,14 @@ fn print_run(run: &pb::RunResult) {
     if !run.thread_id.is_empty() {
         line.push_str(&format!(" · thread {}", run.thread_id));
     }
-    println!("{line}");
+    say!("{line}");
     if run.failure_reason != 0 {
         let reason = pb::FailureReason::try_from(run.failure_reason).map_or("?", |s| s.as_str_name());
-        println!("  {reason}: {}", run.failure_detail);
+        say!("  {reason}: {}", run.failure_detail);
     }
     if !run.text.is_empty() {
         // The text indented under its label, line by line.
-        println!(
+        say!(
             "  text: {}",
             shared::text::excerpt(run.text.trim()).replace('\n', "\n        ")
         );
@@ -117,7 +117,7 @@ fn print_run(run: &pb::RunResult) {
             Some(e) if !call.ok => format!("✘ {}: {}", e.code, e.message),
             _ => "✔".to_owned(),
         };
-        println!(
+        say!(
             "  ⚙ turn {} {} {} {} ms {outcome}  [{}]",
             call.turn,
             call.name,
@@ -127,14 +127,14 @@ fn print_run(run: &pb::RunResult) {
         );
     }
     for signal in &run.signals {
-        println!("  ⚑ signal {} {}", signal.tool_name, signal.arguments_json);
+        say!("  ⚑ signal {} {}", signal.tool_name, signal.arguments_json);
     }
     for waiting in &run.pending_approvals {
         let what = match waiting.input_requests.is_empty() {
             true => "approval",
             false => "answers",
         };
-        println!(
+        say!(
             "  ⏸ {} {}  [{}] waits for {what} until {}",
             waiting.name,
             shared::text::excerpt(&waiting.arguments_json),
@@ -261,11 +261,11 @@ impl RunsArgs {
             }
         };
         match printed {
-            0 => println!("no run matches"),
+            0 => say!("no run matches"),
             _ => table.print(),
         }
         if let Some(token) = more {
-            println!("more: --page-token {token}");
+            say!("more: --page-token {token}");
         }
         Ok(true)
     }

@@ -39,7 +39,7 @@ impl SayArgs {
             )
             .map(|()| true);
         }
-        println!(
+        say!(
             "sent; {waiting} message(s) wait for the next turn of run {}",
             self.run_id
         );
@@ -77,7 +77,7 @@ impl ThreadArgs {
                 )
                 .map(|()| true);
             }
-            println!("thread {} deleted", self.thread_id);
+            say!("thread {} deleted", self.thread_id);
             return Ok(true);
         }
         let thread = client
@@ -87,13 +87,13 @@ impl ThreadArgs {
         if self.connection.json {
             return print_json(&thread, "orchestrator.v1.Thread").map(|()| true);
         }
-        println!("{}", thread_line(&thread));
+        say!("{}", thread_line(&thread));
         for run in &thread.runs {
             let status = status_name(run.status);
-            println!("  run {} · {status} · {} message(s)", run.run_id, run.messages);
+            say!("  run {} · {status} · {} message(s)", run.run_id, run.messages);
         }
         for message in &thread.messages {
-            println!("{}", message_line(message));
+            say!("{}", message_line(message));
         }
         Ok(true)
     }
@@ -195,7 +195,7 @@ impl UsageArgs {
         ));
         table.print();
         if let Some(budget) = spent.tokens_per_hour {
-            println!("tokens_per_hour: {budget}");
+            say!("tokens_per_hour: {budget}");
         }
         Ok(true)
     }

@@ -37,6 +37,38 @@ pub struct InputRequest {
     pub url: String,
 }
 
+impl InputRequest {
+    /// Checks a URL question's page before a person is shown it: `https://`, or `http://` to
+    /// this machine (a local tool's page); never `file:`, `javascript:` or a custom scheme, which
+    /// would open something other than a web page on the person's machine.
+    pub fn check_url(&self) -> Result<(), String> {
+        if self.mode != InputMode::Url {
+            return Ok(());
+        }
+        let refused = |why: &str| {
+            Err(format!(
+                "the tool asked a person to open {:?}, {why}: a question's page must be https:// (or http:// on loopback)",
+                shared::text::excerpt(&self.url)
+            ))
+        };
+        let Ok(url) = reqwest::Url::parse(&self.url) else {
+            return refused("which is no URL");
+        };
+        let Some(host) = url.host_str() else {
+            return refused("which names no host");
+        };
+        let address = host.trim_start_matches('[').trim_end_matches(']');
+        let loopback = host.eq_ignore_ascii_case("localhost")
+            || address.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+        match url.scheme() {
+            "https" => Ok(()),
+            "http" if loopback => Ok(()),
+            "http" => refused("a plaintext page off this machine"),
+            _ => refused("whose scheme is not a web page's"),
+        }
+    }
+}
+
 /// What a person did with a question.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr, serde::Serialize, serde::Deserialize)]
 #[strum(serialize_all = "snake_case")]

@@ -532,6 +532,7 @@ fn questions(asked: pb::ToolInputRequired, max: usize) -> Result<Questions, Tool
                     format!("the tool asked a question in mode {mode:?}, which this orchestrator does not know"),
                 )
             })?;
+        request.check_url().map_err(|why| ToolCallError::new("FAILED", why))?;
         requests.push(request);
     }
     Ok(Questions {
@@ -553,7 +554,11 @@ mod tests {
             mode: mode.into(),
             message: "ok?".into(),
             schema_json: r#"{"type": "object"}"#.into(),
-            url: String::new(),
+            url: if mode == "url" {
+                "https://pay.example/1".into()
+            } else {
+                String::new()
+            },
         };
         let asked = pb::ToolInputRequired {
             request_state: "s".into(),
@@ -571,6 +576,41 @@ mod tests {
             requests: vec![question("a", "voice")],
         };
         assert!(questions(odd, 2).unwrap_err().message.contains("\"voice\""));
+    }
+
+    /// A URL question's page is https://, or http:// on loopback; any other is refused before a
+    /// person sees it, failing the call.
+    #[test]
+    fn a_url_questions_page_is_a_web_page() {
+        let asking = |url: &str| pb::ToolInputRequired {
+            request_state: String::new(),
+            requests: vec![pb::ToolInputRequest {
+                key: "pay".into(),
+                mode: "url".into(),
+                message: "Pay here".into(),
+                schema_json: String::new(),
+                url: url.into(),
+            }],
+        };
+        for good in [
+            "https://pay.example/1",
+            "http://127.0.0.1:8000/pay",
+            "http://localhost/pay",
+            "http://[::1]/x",
+        ] {
+            assert!(questions(asking(good), 2).is_ok(), "{good}");
+        }
+        for bad in [
+            "file:///etc/passwd",
+            "javascript:alert(1)",
+            "ms-settings:display",
+            "http://pay.example/1",
+            "not a url",
+            "",
+        ] {
+            let refused = questions(asking(bad), 2).unwrap_err();
+            assert!(refused.message.contains("must be https://"), "{bad}: {refused:?}");
+        }
     }
 
     /// Call `call_3` of run `run-7` to `refund`, in epoch 1, sent by `owner`.
