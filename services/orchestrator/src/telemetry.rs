@@ -96,6 +96,8 @@ pub(crate) mod metric {
     pub(crate) const APPROVAL_DECISIONS: &str = "orchestrator_approval_decisions_total";
     /// Gauge: runs parked waiting for approvals (they hold no run slot).
     pub(crate) const RUNS_AWAITING_APPROVAL: &str = "orchestrator_runs_awaiting_approval";
+    /// Counter: console sign-ins by `outcome` (ok, refused, limited).
+    pub(crate) const CONSOLE_SIGN_INS: &str = "orchestrator_console_sign_ins_total";
 }
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
@@ -232,6 +234,10 @@ fn describe_durability() {
     describe_gauge!(
         metric::RUNS_AWAITING_APPROVAL,
         "Runs parked waiting for approvals (they hold no run slot)."
+    );
+    describe_counter!(
+        metric::CONSOLE_SIGN_INS,
+        "Console sign-ins by outcome (ok, refused: bad credentials, limited: too many from one address)."
     );
     metrics::describe_histogram!(
         metric::CHECKPOINT_BYTES,

@@ -528,3 +528,218 @@ async fn the_console_answers_only_its_own_names_and_origins() -> TestResult {
     told.stop().await?;
     Ok(())
 }
+
+/// The session cookie (`name=value`) and CSRF token a sign-in answer carries.
+fn session_of(head: &str, body: &str) -> anyhow::Result<(String, String)> {
+    let cookie = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .starts_with("set-cookie:")
+                .then(|| l[11..].trim().to_owned())
+        })
+        .and_then(|c| c.split(';').next().map(str::to_owned))
+        .ok_or_else(|| anyhow::anyhow!("no cookie: {head}"))?;
+    let csrf = serde_json::from_str::<serde_json::Value>(body)?["csrf"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    Ok((cookie, csrf))
+}
+
+/// One HTTP/1.1 exchange whose whole answer is read: status, head, body.
+async fn whole_exchange(address: &str, request: String) -> anyhow::Result<(u16, String, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    stream.write_all(request.as_bytes()).await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await??;
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    Ok((status, head.to_owned(), body.to_owned()))
+}
+
+/// The status of the answer to `request`, read from its head alone (a page's stream is left at
+/// once: it gives its slot back).
+async fn head_status(address: &str, request: &str) -> anyhow::Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    stream.write_all(request.as_bytes()).await?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await??;
+        anyhow::ensure!(n > 0, "closed before the head");
+        head.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    Ok(head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0))
+}
+
+/// A request carrying `cookie` (and `csrf` and an empty JSON body on a POST), from the console's
+/// own origin.
+fn as_session(method: &str, path: &str, address: &str, (cookie, csrf): (&str, &str)) -> String {
+    let body = match method {
+        "POST" => "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+        _ => "\r\n",
+    };
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nOrigin: http://{address}\r\nCookie: {cookie}\r\nx-csrf-token: {csrf}\r\nConnection: close\r\n{body}"
+    )
+}
+
+/// Opens a live run page: once its head arrived, its status; then, read until the stream ends
+/// (or `limit` passes), what it sent.
+async fn open_page(
+    address: String,
+    request: String,
+    limit: Duration,
+) -> anyhow::Result<(u16, tokio::task::JoinHandle<anyhow::Result<String>>)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(&address).await?;
+    stream.write_all(request.as_bytes()).await?;
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf)).await??;
+        anyhow::ensure!(n > 0, "closed before the head");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&answer).into_owned();
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let rest = tokio::spawn(async move {
+        tokio::time::timeout(limit, stream.read_to_end(&mut answer)).await??;
+        Ok(String::from_utf8_lossy(&answer).into_owned())
+    });
+    Ok((status, rest))
+}
+
+/// Sessions end where people expect: signing out on one replica ends the session on the other,
+/// and a live run page open there closes within one keep-alive (`broke`, UNAUTHENTICATED); so
+/// does one whose token is taken out of the tokens file. One session follows at most
+/// `--console-max-streams-per-session` pages; one address signs in at most
+/// `--console-sign-ins-per-minute` times a minute; a client that sends its request head slowly is
+/// cut off after `--console-header-timeout`.
+#[tokio::test]
+async fn sign_out_and_token_removal_end_sessions_and_their_live_pages_on_every_replica() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(
+        &tokens,
+        testkit::pki::tokens_toml(&[("alice", ALICE, ""), ("bob", BOB, "")]),
+    )?;
+    let key = dir.path().join("session.key");
+    std::fs::write(&key, "a-console-session-secret-of-the-tests-0123456789")?;
+    let slow = Scenario::new(vec![Turn::text("Thinking.").then(Step::Delay { ms: 60_000 })]);
+    let llm = MockLlm::start(slow).await?;
+    let runner = testkit::helpers::tool_runner_in_process().await?;
+    let nats = Nats::start().await?;
+    let mut replicas = Vec::new();
+    let mut consoles = Vec::new();
+    for _ in 0..2 {
+        let mut command = testkit::on_nats(
+            testkit::orchestrator_command(BIN, &llm.base_url(), &runner),
+            &nats.url(),
+        );
+        command
+            .args(["--auth-tokens"])
+            .arg(&tokens)
+            .args(["--tls-reload-interval", "1s", "--console-listen", "127.0.0.1:0"])
+            .args(["--console-session-key-file"])
+            .arg(&key)
+            .args(["--console-keep-alive", "1s", "--console-max-streams-per-session", "1"])
+            .args(["--console-sign-ins-per-minute", "4", "--console-header-timeout", "1s"]);
+        let replica = Service::orchestrator(command).await?;
+        consoles.push(
+            replica
+                .address_logged("console serving")
+                .ok_or_else(|| anyhow::anyhow!("no console"))?,
+        );
+        replicas.push(replica);
+    }
+    let (a, b) = (consoles[0].clone(), consoles[1].clone());
+    let sign_in = |address: &str, token: &str| {
+        let body = format!("{{\"token\": \"{token}\"}}");
+        format!(
+            "POST /api/session HTTP/1.1\r\nHost: {address}\r\nOrigin: http://{address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let client = ClientBuilder::new(format!("http://{}", replicas[0].grpc))
+        .token(ALICE)
+        .connect()
+        .await?;
+    let _run = start(&client, RunRequest::prompt("think").run_id("live-1")).await?;
+    until_status(&client, "live-1", pb::RunStatus::Running).await?;
+
+    // Signed in on a, following the run on b; a second page of the same session is refused.
+    let (status, head, body) = whole_exchange(&a, sign_in(&a, ALICE)).await?;
+    assert_eq!(status, 200, "{head}");
+    let (cookie, csrf) = session_of(&head, &body)?;
+    let page = as_session("GET", "/api/runs/live-1/events", &b, (&cookie, &csrf));
+    let (status, open) = open_page(b.clone(), page.clone(), Duration::from_secs(20)).await?;
+    assert_eq!(status, 200, "the page");
+    assert_eq!(head_status(&b, &page).await?, 429, "a second page of the session");
+
+    // Signing out on a ends the session on b, and closes its page there within a keep-alive.
+    let (status, head, _) = whole_exchange(&a, as_session("POST", "/api/session/end", &a, (&cookie, &csrf))).await?;
+    assert_eq!(status, 200, "{head}");
+    let sent = open.await??;
+    assert!(
+        sent.contains("event: broke") && sent.contains("UNAUTHENTICATED"),
+        "{sent}"
+    );
+    let (status, _, body) = whole_exchange(&b, as_session("GET", "/api/session", &b, (&cookie, &csrf))).await?;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("signed out"), "{body}");
+
+    // A token taken out of the tokens file closes its session's open page too.
+    let (_, head, body) = whole_exchange(&b, sign_in(&b, ALICE)).await?;
+    let (cookie, csrf) = session_of(&head, &body)?;
+    let page = as_session("GET", "/api/runs/live-1/events", &b, (&cookie, &csrf));
+    let (status, open) = open_page(b.clone(), page.clone(), Duration::from_secs(20)).await?;
+    assert_eq!(status, 200, "the page");
+    assert_eq!(head_status(&b, &page).await?, 429, "a second page of the session");
+    std::fs::write(&tokens, testkit::pki::tokens_toml(&[("bob", BOB, "")]))?;
+    let sent = open.await??;
+    assert!(
+        sent.contains("event: broke") && sent.contains("UNAUTHENTICATED"),
+        "{sent}"
+    );
+
+    // Four sign-ins a minute from one address, right or wrong: then 429 until the minute ends
+    // (b took one already, this minute or the last: three or four more).
+    testkit::wait::until("a minute not about to end", Duration::from_secs(30), || async {
+        (shared::sync::unix_ms() % 60_000 < 40_000).then_some(())
+    })
+    .await?;
+    let mut statuses = Vec::new();
+    for token in [BOB, ALICE, BOB, BOB, BOB] {
+        statuses.push(whole_exchange(&b, sign_in(&b, token)).await?.0);
+    }
+    let taken = statuses.iter().take_while(|s| **s != 429).count();
+    assert!(
+        (3..=4).contains(&taken) && statuses[taken..].iter().all(|s| *s == 429),
+        "{statuses:?}"
+    );
+    assert_eq!(statuses[1], 401, "alice's token is gone: {statuses:?}");
+
+    // A request head sent slowly is cut off after the header timeout.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut slow = tokio::net::TcpStream::connect(&a).await?;
+        slow.write_all(format!("GET / HTTP/1.1\r\nHost: {a}\r\n").as_bytes())
+            .await?;
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(10), slow.read_to_end(&mut rest)).await;
+        assert!(
+            closed.is_ok(),
+            "a slow head held its connection past the header timeout"
+        );
+    }
+    for replica in replicas {
+        replica.stop().await?;
+    }
+    Ok(())
+}

@@ -28,7 +28,7 @@ mod telemetry;
 mod threads;
 mod tool_runners;
 
-pub use console::ConsoleSettings;
+pub use console::{ConsoleSettings, MAX_SESSION_TTL};
 pub use limits::LimitSettings;
 pub use llm::{Header, LlmSettings, LlmTarget, Reader};
 pub use loop_detector::LoopDetectorSettings;

@@ -184,6 +184,16 @@ pub trait UsageBook: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<Vec<(u64, super::usage::Tally)>, StoreError>>;
 }
 
+/// Console sessions people ended (signed out), kept until they would have expired anyway, so
+/// that every replica refuses them: in this process (the memory store, one replica) or in a NATS
+/// bucket the replicas share.
+pub trait SignOuts: Send + Sync + 'static {
+    /// Ends session `id`, which would otherwise be good until `until_unix_s`.
+    fn end(&self, id: &str, until_unix_s: u64) -> BoxFuture<'static, Result<(), StoreError>>;
+    /// Whether session `id` was ended.
+    fn ended(&self, id: &str) -> BoxFuture<'static, Result<bool, StoreError>>;
+}
+
 /// Durable runs (the NATS store): a live run's checkpoints, and the takeover of runs whose
 /// replica stopped. Checkpoints are opaque bytes here (the loop writes and reads them). The owner
 /// of a run is fenced: once another replica took the run over, the old owner's writes of it are

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::Core;
 use crate::config::{Backend, NatsSettings};
 use crate::domain::ports::{
-    ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore, UsageBook,
+    ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignOuts, SignalTopic, ThreadStore, UsageBook,
 };
 use crate::llm::Fleet;
 use crate::registry::Runs;
@@ -17,9 +17,9 @@ use crate::run::tool_loop::LoopDeps;
 use crate::signals::memory::MemoryTopic;
 use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
-use crate::store::memory::{MemoryApprovals, MemoryLog, MemoryStore, MemoryThreads, MemoryUsage};
+use crate::store::memory::{MemoryApprovals, MemoryLog, MemorySignOuts, MemoryStore, MemoryThreads, MemoryUsage};
 use crate::store::nats::{
-    KvStore, NatsApprovals, NatsIndex, NatsLog, NatsLogOptions, NatsQuotas, NatsThreads, NatsUsage,
+    KvStore, NatsApprovals, NatsIndex, NatsLog, NatsLogOptions, NatsQuotas, NatsSignOuts, NatsThreads, NatsUsage,
 };
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
@@ -252,6 +252,20 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                     .await?,
                 ),
             }
+        }
+    })
+}
+
+/// Where the console's ended sessions are kept: in this process with the memory store, in a NATS
+/// bucket every replica reads with the NATS store (a connection of its own: the console is on).
+pub(super) async fn sign_outs(config: &Config) -> Result<Arc<dyn SignOuts>, Error> {
+    Ok(match &config.store.backend {
+        Backend::Memory => Arc::new(MemorySignOuts::default()),
+        Backend::Nats(url) => {
+            let client = NatsConnections::default().get(url, &config.nats).await?;
+            let js = async_nats::jetstream::new(client);
+            let bucket = &config.store.bucket;
+            Arc::new(NatsSignOuts::open(&js, bucket, crate::config::MAX_SESSION_TTL, config.nats.replicas).await?)
         }
     })
 }

@@ -19,7 +19,8 @@
 //! writes), `output.rs` (accounting of the run's output against its bounds), `durable.rs`
 //! (checkpoints at safe points, and resuming from one), `approvals.rs` (calls that wait for a
 //! person's decision, parking and going on), `tasks.rs` (calls their servers run as tasks,
-//! followed until they end) with `waiting.rs` (such calls as the turn holds them),
+//! followed until they end) with `waiting.rs` (such calls as the turn holds them), `spend.rs`
+//! (the token budgets: a turn's prompt counted and its tokens held before it is asked),
 //! `call_progress.rs` (what calls still running report, sent as they run), and `tests.rs` (the
 //! rules, without a network).
 

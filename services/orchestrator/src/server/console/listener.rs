@@ -1,12 +1,18 @@
 //! The console's connections: the gRPC port's own accept loop (TLS, its handshake bounds) on the
-//! console's address, handed to axum with who is on the other end (a client certificate signs a
-//! person in where the server takes certificates as credentials).
+//! console's address, each served with who is on the other end (a client certificate signs a
+//! person in where the server takes certificates as credentials) and a bound on how long a
+//! request's head may take to arrive (a client sending it byte by byte holds nothing for long).
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
-use axum::extract::connect_info::Connected;
-use axum::serve::IncomingStream;
+use axum::Router;
+use axum::extract::ConnectInfo;
+use axum::serve::Listener as _;
 use futures::StreamExt;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::service::TowerToHyperService;
 use shared::tls::{Conn, Incoming, PeerInfo};
 use tonic::transport::server::Connected as _;
 
@@ -43,8 +49,25 @@ impl axum::serve::Listener for Connections {
 #[derive(Debug, Clone)]
 pub(super) struct Peer(pub PeerInfo);
 
-impl Connected<IncomingStream<'_, Connections>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, Connections>) -> Self {
-        Self(stream.io().connect_info())
+/// Serves `app` on every connection `connections` accepts, a request's head read within
+/// `header_timeout` (`--console-header-timeout`), until dropped.
+pub(super) async fn serve(mut connections: Connections, app: Router, header_timeout: Duration) {
+    loop {
+        let (conn, _) = connections.accept().await;
+        let peer = Peer(conn.connect_info());
+        let service = TowerToHyperService::new(app.clone().layer(axum::Extension(ConnectInfo(peer))));
+        tokio::spawn(async move {
+            let mut builder = Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            if let Err(e) = builder
+                .serve_connection_with_upgrades(TokioIo::new(conn), service)
+                .await
+            {
+                tracing::debug!("console connection ended: {e}");
+            }
+        });
     }
 }

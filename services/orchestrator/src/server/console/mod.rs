@@ -3,7 +3,8 @@
 //! port's TLS and tokens. Its pages and script are inside the binary (`assets.rs`). A person
 //! signs in and gets a session cookie (`session.rs`); every call of a page goes through the gRPC
 //! service in process as that person's principal (`gateway.rs`), so the console has no rules of
-//! its own; `listener.rs` accepts its connections.
+//! its own; `listener.rs` accepts its connections, `origin.rs` takes only requests sent to the
+//! console's own names and origin, `limits.rs` bounds what one address or session may hold.
 //!
 //! Every state-changing request is a `POST` with a JSON body and the session's CSRF token in
 //! `x-csrf-token`; every answer carries a Content-Security-Policy that allows no inline script,
@@ -24,43 +25,49 @@ use futures::StreamExt;
 use shared::runtime::AbortOnDrop;
 use shared::serving::Security;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 
 use crate::Error;
 use crate::config::ConsoleSettings;
+use crate::domain::ports::SignOuts;
 use crate::server::Core;
 use crate::server::grpc::OrchestratorService;
 
 mod assets;
 mod gateway;
+mod limits;
 mod listener;
 mod origin;
 mod session;
 
 use gateway::{Item, Refused};
+use limits::{NoSlot, SignIns, Streams};
 use listener::{Connections, Peer};
 use origin::Origins;
 use session::{Session, Sessions};
-
-/// How often an idle event stream says it is alive (proxies close silent connections).
-const KEEP_ALIVE: Duration = Duration::from_secs(15);
 
 /// What every handler shares.
 #[derive(Clone)]
 struct Console {
     service: Arc<OrchestratorService>,
     sessions: Arc<Sessions>,
-    /// Live run pages followed at once (`--console-max-streams`).
-    streams: Arc<Semaphore>,
+    /// Live run pages followed at once, in all and per session.
+    streams: Arc<Streams>,
+    /// Sign-ins per address.
+    sign_ins: Arc<SignIns>,
     /// The names requests may be sent to.
     origins: Arc<Origins>,
+    /// How often a quiet live page hears from the console, its session checked again
+    /// (`--console-keep-alive`; proxies close silent connections too).
+    keep_alive: Duration,
 }
 
-/// Serves the console on `--console-listen` until the handle is dropped; `None` when it is off.
+/// Serves the console on `--console-listen` until the handle is dropped, its sessions ended in
+/// `sign_outs`; `None` when it is off.
 pub(crate) async fn start(
     settings: &ConsoleSettings,
     security: &Security,
     core: Arc<Core>,
+    sign_outs: Arc<dyn SignOuts>,
 ) -> Result<Option<AbortOnDrop>, Error> {
     let Some(address) = settings.console_listen else {
         return Ok(None);
@@ -73,11 +80,22 @@ pub(crate) async fn start(
         .local_addr()
         .map_err(|e| Error::Config(format!("{flag}: the listener has no address: {e}")))?;
     let origins = Origins::new(settings.console_public_url.as_deref(), security.tls())?;
+    let store = (sign_outs, core.config.store.timeout);
     let console = Console {
+        sessions: Arc::new(Sessions::new(
+            settings,
+            security.authenticator(),
+            origins.secure(),
+            store,
+        )?),
         service: Arc::new(OrchestratorService::new(core)),
-        sessions: Arc::new(Sessions::new(settings, security.authenticator(), origins.secure())?),
-        streams: Arc::new(Semaphore::new(settings.console_max_streams)),
+        streams: Arc::new(Streams::new(
+            settings.console_max_streams,
+            settings.console_max_streams_per_session,
+        )),
+        sign_ins: Arc::new(SignIns::new(settings.console_sign_ins_per_minute)),
         origins: Arc::new(origins),
+        keep_alive: settings.console_keep_alive,
     };
     if security.authenticator().is_none() && !local.ip().is_loopback() {
         tracing::warn!(
@@ -91,12 +109,11 @@ pub(crate) async fn start(
         local,
     };
     tracing::info!(address = %local, tls = security.tls(), "console serving");
-    Ok(Some(AbortOnDrop(tokio::spawn(async move {
-        let app = app.into_make_service_with_connect_info::<Peer>();
-        if let Err(e) = axum::serve(connections, app).await {
-            tracing::error!("the console stopped: {e}");
-        }
-    }))))
+    Ok(Some(AbortOnDrop(tokio::spawn(listener::serve(
+        connections,
+        app,
+        settings.console_header_timeout,
+    )))))
 }
 
 /// The console's routes, each answer with the security headers, each request sent to one of the
@@ -148,18 +165,19 @@ fn json(body: String) -> Response {
 }
 
 /// The session a request carries, or the refusal to answer.
-fn signed_in(console: &Console, headers: &HeaderMap) -> Result<Session, Refused> {
+async fn signed_in(console: &Console, headers: &HeaderMap) -> Result<Session, Refused> {
     console
         .sessions
         .session(headers)
+        .await
         .map_err(|e| Refused::new(StatusCode::UNAUTHORIZED, "UNAUTHENTICATED", e.to_string()))
 }
 
 /// The session of a state-changing request: JSON, and the session's CSRF token in
 /// `x-csrf-token` (a form of another site can send neither).
-fn signed_in_to_change(console: &Console, headers: &HeaderMap) -> Result<Session, Refused> {
+async fn signed_in_to_change(console: &Console, headers: &HeaderMap) -> Result<Session, Refused> {
     json_body(headers)?;
-    let session = signed_in(console, headers)?;
+    let session = signed_in(console, headers).await?;
     let sent = headers
         .get("x-csrf-token")
         .map(HeaderValue::as_bytes)
@@ -201,7 +219,7 @@ fn session_json(session: &Session, authenticates: bool) -> String {
 
 /// `GET /api/session`: who is signed in.
 async fn who(State(console): State<Console>, headers: HeaderMap) -> Response {
-    match signed_in(&console, &headers) {
+    match signed_in(&console, &headers).await {
         Ok(session) => json(session_json(&session, console.sessions.authenticates())),
         Err(refused) => refusal(&refused),
     }
@@ -218,16 +236,26 @@ async fn sign_in(
     if let Err(refused) = json_body(&headers) {
         return refusal(&refused);
     }
+    let address = peer.remote_addr.map(|a| a.ip());
+    if address.is_some_and(|a| !console.sign_ins.admit(a)) {
+        metrics::counter!(crate::telemetry::metric::CONSOLE_SIGN_INS, "outcome" => "limited").increment(1);
+        let busy = "too many sign-ins from this address: wait a minute (--console-sign-ins-per-minute)";
+        return refusal(&Refused::new(StatusCode::TOO_MANY_REQUESTS, "RESOURCE_EXHAUSTED", busy));
+    }
     let token = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v.get("token").and_then(|t| t.as_str()).map(str::to_owned));
     match console.sessions.sign_in(token.as_deref(), Some(&peer)) {
         Ok((session, cookie)) => {
+            metrics::counter!(crate::telemetry::metric::CONSOLE_SIGN_INS, "outcome" => "ok").increment(1);
             tracing::info!(principal = %session.principal.name, remote = ?peer.remote_addr, "console sign-in");
             with_cookie(json(session_json(&session, console.sessions.authenticates())), &cookie)
         }
         Err(e) => {
-            tracing::info!(remote = ?peer.remote_addr, "console sign-in refused: {e}");
+            // Counted, and logged at debug only: failures are cheap to send, and a flood of them
+            // must not flood the log.
+            metrics::counter!(crate::telemetry::metric::CONSOLE_SIGN_INS, "outcome" => "refused").increment(1);
+            tracing::debug!(remote = ?peer.remote_addr, "console sign-in refused: {e}");
             refusal(&Refused::new(
                 StatusCode::UNAUTHORIZED,
                 "UNAUTHENTICATED",
@@ -237,12 +265,21 @@ async fn sign_in(
     }
 }
 
-/// `POST /api/session/end`: signs out (the cookie is dropped).
+/// `POST /api/session/end`: signs out, on every replica (the session is ended in the store of
+/// sign-outs, and the cookie dropped).
 async fn sign_out(State(console): State<Console>, headers: HeaderMap) -> Response {
-    if let Err(refused) = signed_in_to_change(&console, &headers) {
-        return refusal(&refused);
+    let session = match signed_in_to_change(&console, &headers).await {
+        Ok(session) => session,
+        Err(refused) => return refusal(&refused),
+    };
+    match console.sessions.sign_out(&session).await {
+        Ok(cookie) => with_cookie(json("{}".into()), &cookie),
+        Err(e) => refusal(&Refused::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "UNAVAILABLE",
+            e.to_string(),
+        )),
     }
-    with_cookie(json("{}".into()), &console.sessions.sign_out_cookie())
 }
 
 /// `answer` setting the session cookie to `cookie` (a `Set-Cookie` value).
@@ -255,7 +292,7 @@ fn with_cookie(mut answer: Response, cookie: &str) -> Response {
 
 /// `POST /api/rpc/{method}`: one call of the gRPC service as the signed-in person.
 async fn rpc(State(console): State<Console>, Path(method): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
-    let session = match signed_in_to_change(&console, &headers) {
+    let session = match signed_in_to_change(&console, &headers).await {
         Ok(session) => session,
         Err(refused) => return refusal(&refused),
     };
@@ -274,29 +311,66 @@ async fn events(
     headers: HeaderMap,
     uri: axum::http::Uri,
 ) -> Response {
-    let session = match signed_in(&console, &headers) {
+    let session = match signed_in(&console, &headers).await {
         Ok(session) => session,
         Err(refused) => return refusal(&refused),
     };
-    let Ok(permit) = Arc::clone(&console.streams).try_acquire_owned() else {
-        let busy = "the console follows as many run pages as it may (--console-max-streams): close one";
-        return refusal(&Refused::new(StatusCode::TOO_MANY_REQUESTS, "RESOURCE_EXHAUSTED", busy));
+    let slot = match console.streams.take(&session.id) {
+        Ok(slot) => slot,
+        Err(no_slot) => {
+            let busy = match no_slot {
+                NoSlot::Replica => "the console follows as many run pages as it may (--console-max-streams): close one",
+                NoSlot::Session => {
+                    "this session follows as many run pages as one may (--console-max-streams-per-session): close one"
+                }
+            };
+            return refusal(&Refused::new(StatusCode::TOO_MANY_REQUESTS, "RESOURCE_EXHAUSTED", busy));
+        }
     };
     let after = after_seq(&headers, &uri);
+    let keep_alive = console.keep_alive;
     let items = match gateway::events(&console.service, run_id, after, session.principal).await {
         Ok(items) => items,
         Err(refused) => return refusal(&refused),
     };
-    let stream = items.map(move |item| {
-        let _held = &permit;
+    let stream = while_signed_in(items.boxed(), console, headers).map(move |item| {
+        let _held = &slot;
         Ok::<_, Infallible>(match item {
             Item::Event(seq, json) => Event::default().id(seq.to_string()).event("run").data(json),
             Item::Broke(refused) => Event::default().event("broke").data(refused.body()),
         })
     });
     Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
+        .keep_alive(KeepAlive::new().interval(keep_alive))
         .into_response()
+}
+
+/// `items` while the session of `headers` holds: it is checked again every keep-alive, and a
+/// session that ended, expired or lost its credentials ends the stream with a `broke`
+/// (UNAUTHENTICATED) within one.
+fn while_signed_in(
+    items: futures::stream::BoxStream<'static, Item>,
+    console: Console,
+    headers: HeaderMap,
+) -> impl futures::Stream<Item = Item> + Send {
+    let every = console.keep_alive;
+    let checks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    futures::stream::unfold(Some((items, checks)), move |state| {
+        let (console, headers) = (console.clone(), headers.clone());
+        async move {
+            let (mut items, mut checks) = state?;
+            loop {
+                tokio::select! {
+                    item = items.next() => return item.map(|item| (item, Some((items, checks)))),
+                    _ = checks.tick() => {
+                        if let Err(refused) = signed_in(&console, &headers).await {
+                            return Some((Item::Broke(refused), None));
+                        }
+                    }
+                }
+            }
+        }
+    })
 }
 
 /// The last seq the page has: `Last-Event-ID` (a reconnect), else `?after=`, else 0.

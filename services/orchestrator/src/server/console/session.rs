@@ -3,8 +3,11 @@
 //! session cookie. The cookie carries the session itself, signed (HMAC-SHA256) with a secret
 //! every replica may share (`--console-session-key-file`), so any replica behind the Service
 //! takes it: who signed in and how (the token's SHA-256, never the token), when it expires, and
-//! the CSRF token its forms must send back. Each request checks the credentials again, so a token
-//! taken out of the tokens file ends its sessions at once.
+//! the CSRF token its forms must send back, its id and when it was issued. Each request checks the
+//! credentials again, so a token taken out of the tokens file ends its sessions at once; a
+//! session lasts `--console-session-ttl` from its issue as the setting is now (lowering it
+//! shortens sessions signed in before); signing out ends the session on every replica (its id
+//! goes to the [`SignOuts`] store the replicas share).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +22,7 @@ use shared::tls::PeerInfo;
 
 use crate::Error;
 use crate::config::ConsoleSettings;
+use crate::domain::ports::{SignOuts, within};
 
 /// The shortest session secret taken from a file.
 const MIN_KEY_BYTES: usize = 32;
@@ -34,15 +38,28 @@ struct Claims {
     /// a server without authentication).
     tok: Option<String>,
     cert: Option<String>,
-    /// Expiry, Unix seconds.
+    /// The session's id: what signing out ends.
+    sid: String,
+    /// Issued at, Unix seconds: the session ends `--console-session-ttl` after it, as the
+    /// setting is when the session is used.
+    iat: u64,
+    /// Expiry, Unix seconds (as the setting was at sign-in).
     exp: u64,
     /// The CSRF token its state-changing requests carry in `x-csrf-token`.
     csrf: String,
 }
 
+impl Claims {
+    /// When the session ends under `ttl`: at its expiry, or sooner when `ttl` was lowered since.
+    fn ends_at(&self, ttl: Duration) -> u64 {
+        self.exp.min(self.iat.saturating_add(ttl.as_secs()))
+    }
+}
+
 /// A signed-in person: who, and the CSRF token of the session.
 #[derive(Debug, Clone)]
 pub(super) struct Session {
+    pub id: String,
     pub principal: Arc<Principal>,
     pub csrf: String,
     pub expires_at: u64,
@@ -56,6 +73,10 @@ pub(super) struct Sessions {
     /// The console is reached over HTTPS (its own TLS, or `--console-public-url https://…`): the
     /// cookie is `Secure` and `__Host-` prefixed.
     secure: bool,
+    /// The sessions people ended.
+    sign_outs: Arc<dyn SignOuts>,
+    /// How long reading or writing `sign_outs` may take.
+    store_timeout: Duration,
 }
 
 impl Sessions {
@@ -65,6 +86,7 @@ impl Sessions {
         settings: &ConsoleSettings,
         auth: Option<Arc<Authenticator>>,
         secure: bool,
+        (sign_outs, store_timeout): (Arc<dyn SignOuts>, Duration),
     ) -> Result<Self, Error> {
         let secret = match &settings.console_session_key_file {
             Some(path) => read_secret(path)?,
@@ -80,6 +102,8 @@ impl Sessions {
             ttl: settings.console_session_ttl,
             auth,
             secure,
+            sign_outs,
+            store_timeout,
         })
     }
 
@@ -92,21 +116,22 @@ impl Sessions {
     /// caller of a server without authentication): the session and its `Set-Cookie` value.
     pub(super) fn sign_in(&self, token: Option<&str>, peer: Option<&PeerInfo>) -> Result<(Session, String), AuthError> {
         let (principal, tok, cert) = self.credentials(token, peer)?;
-        let mut nonce = [0u8; 16];
-        aws_lc_rs::rand::fill(&mut nonce).map_err(|_| AuthError::Unauthenticated("no randomness".into()))?;
-        let expires_at = shared::sync::unix_ms() / 1000 + self.ttl.as_secs();
+        let now = shared::sync::unix_ms() / 1000;
         let claims = Claims {
             sub: principal.name.clone(),
             tok,
             cert,
-            exp: expires_at,
-            csrf: B64.encode(nonce),
+            sid: random_token()?,
+            iat: now,
+            exp: now + self.ttl.as_secs(),
+            csrf: random_token()?,
         };
         let cookie = self.cookie(&self.seal(&claims), self.ttl.as_secs());
         let session = Session {
+            id: claims.sid,
             principal,
             csrf: claims.csrf,
-            expires_at,
+            expires_at: claims.exp,
         };
         Ok((session, cookie))
     }
@@ -150,15 +175,18 @@ impl Sessions {
         }
     }
 
-    /// The session a request's cookie carries, its credentials still good.
-    pub(super) fn session(&self, headers: &HeaderMap) -> Result<Session, AuthError> {
+    /// The session a request's cookie carries: not expired, not signed out, its credentials
+    /// still good. A store of sign-outs that cannot be read refuses it (the console fails
+    /// closed).
+    pub(super) async fn session(&self, headers: &HeaderMap) -> Result<Session, AuthError> {
         let sealed = self
             .cookie_value(headers)
             .ok_or_else(|| AuthError::Unauthenticated("not signed in".into()))?;
         let claims = self
             .open(&sealed)
             .ok_or_else(|| AuthError::Unauthenticated("the session is not valid here: sign in again".into()))?;
-        if claims.exp <= shared::sync::unix_ms() / 1000 {
+        let ends_at = claims.ends_at(self.ttl);
+        if ends_at <= shared::sync::unix_ms() / 1000 {
             return Err(AuthError::Unauthenticated(
                 "the session has expired: sign in again".into(),
             ));
@@ -169,16 +197,30 @@ impl Sessions {
                 "the session's credentials changed hands: sign in again".into(),
             ));
         }
+        match within(self.store_timeout, self.sign_outs.ended(&claims.sid)).await {
+            Ok(false) => {}
+            Ok(true) => return Err(AuthError::Unauthenticated("signed out: sign in again".into())),
+            Err(e) => {
+                tracing::warn!("console sessions cannot be checked against sign-outs: {e}");
+                return Err(AuthError::Unauthenticated(
+                    "the session cannot be checked now: try again shortly".into(),
+                ));
+            }
+        }
         Ok(Session {
+            id: claims.sid,
             principal,
             csrf: claims.csrf,
-            expires_at: claims.exp,
+            expires_at: ends_at,
         })
     }
 
-    /// The `Set-Cookie` value that ends a session in the browser.
-    pub(super) fn sign_out_cookie(&self) -> String {
-        self.cookie("", 0)
+    /// Ends `session` on every replica; the `Set-Cookie` value that ends it in the browser.
+    pub(super) async fn sign_out(&self, session: &Session) -> Result<String, AuthError> {
+        within(self.store_timeout, self.sign_outs.end(&session.id, session.expires_at))
+            .await
+            .map_err(|e| AuthError::Unauthenticated(format!("signing out failed, try again: {e}")))?;
+        Ok(self.cookie("", 0))
     }
 
     fn cookie_name(&self) -> &'static str {
@@ -226,6 +268,13 @@ impl Sessions {
     }
 }
 
+/// 16 random bytes, URL-safe base64.
+fn random_token() -> Result<String, AuthError> {
+    let mut bytes = [0u8; 16];
+    aws_lc_rs::rand::fill(&mut bytes).map_err(|_| AuthError::Unauthenticated("no randomness".into()))?;
+    Ok(B64.encode(bytes))
+}
+
 /// The session secret in `path`: its bytes, surrounding whitespace left out.
 fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, Error> {
     let flag = shared::config::flag::<ConsoleSettings>("console_session_key_file");
@@ -244,12 +293,21 @@ fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::memory::MemorySignOuts;
 
     fn settings(ttl: Duration) -> ConsoleSettings {
         ConsoleSettings {
             console_session_ttl: ttl,
             ..crate::Config::default().console
         }
+    }
+
+    fn store() -> (Arc<dyn SignOuts>, Duration) {
+        (Arc::new(MemorySignOuts::default()), Duration::from_secs(5))
+    }
+
+    fn sessions(ttl: Duration, auth: Option<Arc<Authenticator>>, secure: bool) -> Sessions {
+        Sessions::new(&settings(ttl), auth, secure, store()).unwrap()
     }
 
     fn tokens(dir: &std::path::Path) -> Arc<Authenticator> {
@@ -269,69 +327,118 @@ mod tests {
         headers
     }
 
-    #[test]
-    fn a_token_signs_in_and_the_cookie_brings_the_same_person_back() {
+    #[tokio::test]
+    async fn a_token_signs_in_and_the_cookie_brings_the_same_person_back() {
         let dir = tempfile::tempdir().unwrap();
-        let sessions = Sessions::new(&settings(Duration::from_secs(3600)), Some(tokens(dir.path())), false).unwrap();
+        let sessions = sessions(Duration::from_secs(3600), Some(tokens(dir.path())), false);
         assert!(sessions.sign_in(Some("wrong"), None).is_err());
         assert!(sessions.sign_in(None, None).is_err());
         let (session, cookie) = sessions.sign_in(Some("ann-token"), None).unwrap();
         assert_eq!(session.principal.name, "ann");
         assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict") && !cookie.contains("Secure"));
         assert!(!cookie.contains("ann-token"), "the token never goes into the cookie");
-        let back = sessions.session(&with_cookie(&cookie)).unwrap();
-        assert_eq!((back.principal.name.as_str(), back.csrf), ("ann", session.csrf));
+        let back = sessions.session(&with_cookie(&cookie)).await.unwrap();
+        assert_eq!(
+            (back.principal.name.as_str(), back.csrf, back.id),
+            ("ann", session.csrf, session.id)
+        );
     }
 
-    #[test]
-    fn a_cookie_changed_or_signed_elsewhere_or_expired_is_refused() {
+    #[tokio::test]
+    async fn a_cookie_changed_or_signed_elsewhere_or_expired_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let auth = tokens(dir.path());
-        let here = Sessions::new(&settings(Duration::from_secs(3600)), Some(Arc::clone(&auth)), true).unwrap();
+        let here = sessions(Duration::from_secs(3600), Some(Arc::clone(&auth)), true);
         let (_, cookie) = here.sign_in(Some("ann-token"), None).unwrap();
         assert!(cookie.starts_with("__Host-") && cookie.contains("; Secure"));
         let tampered = cookie.replacen('.', "x.", 1);
-        assert!(here.session(&with_cookie(&tampered)).is_err());
-        let elsewhere = Sessions::new(&settings(Duration::from_secs(3600)), Some(auth), true).unwrap();
-        assert!(elsewhere.session(&with_cookie(&cookie)).is_err(), "another secret");
-        let expired = Claims {
+        assert!(here.session(&with_cookie(&tampered)).await.is_err());
+        let elsewhere = sessions(Duration::from_secs(3600), Some(auth), true);
+        assert!(
+            elsewhere.session(&with_cookie(&cookie)).await.is_err(),
+            "another secret"
+        );
+        let now = shared::sync::unix_ms() / 1000;
+        let claims = |iat: u64, exp: u64| Claims {
             sub: "ann".into(),
             tok: Some(shared::auth::token_sha256("ann-token")),
             cert: None,
-            exp: 1,
+            sid: "s1".into(),
+            iat,
+            exp,
             csrf: "c".into(),
         };
-        let sealed = here.cookie(&here.seal(&expired), 60);
-        let refused = here.session(&with_cookie(&sealed)).unwrap_err();
+        let sealed = here.cookie(&here.seal(&claims(0, 1)), 60);
+        let refused = here.session(&with_cookie(&sealed)).await.unwrap_err();
         assert!(refused.to_string().contains("expired"), "{refused}");
+        // Issued two hours ago for a day: a TTL lowered to one hour ends it; two hours and more do not.
+        let sealed = here.cookie(&here.seal(&claims(now - 7200, now + 86_400)), 60);
+        assert!(here.session(&with_cookie(&sealed)).await.is_err(), "a lowered TTL");
+        let longer = sessions(Duration::from_secs(7300), Some(tokens(dir.path())), true);
+        let sealed = longer.cookie(&longer.seal(&claims(now - 7200, now + 86_400)), 60);
+        assert!(
+            longer.session(&with_cookie(&sealed)).await.is_ok(),
+            "within the TTL as it is now"
+        );
     }
 
-    #[test]
-    fn a_token_taken_out_of_the_file_ends_its_sessions() {
+    #[tokio::test]
+    async fn signing_out_ends_the_session_everywhere_the_store_is_shared() {
         let dir = tempfile::tempdir().unwrap();
         let auth = tokens(dir.path());
-        let sessions = Sessions::new(&settings(Duration::from_secs(3600)), Some(Arc::clone(&auth)), false).unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, "a-secret-of-more-than-thirty-two-bytes\n").unwrap();
+        let mut shared_key = settings(Duration::from_secs(3600));
+        shared_key.console_session_key_file = Some(key);
+        let sign_outs = store();
+        let one = Sessions::new(&shared_key, Some(Arc::clone(&auth)), false, sign_outs.clone()).unwrap();
+        let two = Sessions::new(&shared_key, Some(auth), false, sign_outs).unwrap();
+        let (_, cookie) = one.sign_in(Some("ann-token"), None).unwrap();
+        let (_, other) = one.sign_in(Some("ann-token"), None).unwrap();
+        let session = two.session(&with_cookie(&cookie)).await.unwrap();
+        two.sign_out(&session).await.unwrap();
+        let refused = one.session(&with_cookie(&cookie)).await.unwrap_err();
+        assert!(refused.to_string().contains("signed out"), "{refused}");
+        assert!(
+            one.session(&with_cookie(&other)).await.is_ok(),
+            "another session goes on"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_token_taken_out_of_the_file_ends_its_sessions() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = tokens(dir.path());
+        let sessions = sessions(Duration::from_secs(3600), Some(Arc::clone(&auth)), false);
         let (_, cookie) = sessions.sign_in(Some("ann-token"), None).unwrap();
         std::fs::write(dir.path().join("tokens.toml"), "").unwrap();
         auth.reload_if_changed().unwrap();
-        assert!(sessions.session(&with_cookie(&cookie)).is_err());
+        assert!(sessions.session(&with_cookie(&cookie)).await.is_err());
     }
 
-    #[test]
-    fn a_shared_secret_lets_every_replica_take_the_session_and_a_short_one_is_refused() {
+    #[tokio::test]
+    async fn a_shared_secret_lets_every_replica_take_the_session_and_a_short_one_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let key = dir.path().join("key");
         std::fs::write(&key, "short").unwrap();
         let mut shared_key = settings(Duration::from_secs(60));
         shared_key.console_session_key_file = Some(key.clone());
-        let refused = Sessions::new(&shared_key, None, false).err().map(|e| e.to_string());
+        let refused = Sessions::new(&shared_key, None, false, store())
+            .err()
+            .map(|e| e.to_string());
         assert!(refused.is_some_and(|e| e.contains("at least 32")));
         std::fs::write(&key, "a-secret-of-more-than-thirty-two-bytes\n").unwrap();
         let (one, two) = (
-            Sessions::new(&shared_key, None, false).unwrap(),
-            Sessions::new(&shared_key, None, false).unwrap(),
+            Sessions::new(&shared_key, None, false, store()).unwrap(),
+            Sessions::new(&shared_key, None, false, store()).unwrap(),
         );
         let (_, cookie) = one.sign_in(None, None).unwrap();
-        assert_eq!(two.session(&with_cookie(&cookie)).unwrap().principal.name, "");
+        assert!(
+            two.session(&with_cookie(&cookie))
+                .await
+                .unwrap()
+                .principal
+                .is_anonymous()
+        );
     }
 }

@@ -5,16 +5,19 @@
 //! * [`log`]: the [`EventLog`](crate::domain::ports::EventLog) ([`MemoryLog`]);
 //! * [`approvals`]: the [`ApprovalStore`](crate::domain::ports::ApprovalStore) ([`MemoryApprovals`]);
 //! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) ([`MemoryThreads`]);
-//! * [`usage`]: the [`UsageBook`](crate::domain::ports::UsageBook) ([`MemoryUsage`]).
+//! * [`usage`]: the [`UsageBook`](crate::domain::ports::UsageBook) ([`MemoryUsage`]);
+//! * [`sign_outs`]: the [`SignOuts`](crate::domain::ports::SignOuts) ([`MemorySignOuts`]).
 
 pub mod approvals;
 pub mod log;
 pub mod results;
+pub mod sign_outs;
 pub mod threads;
 pub mod usage;
 
 pub use approvals::MemoryApprovals;
 pub use log::MemoryLog;
 pub use results::MemoryStore;
+pub use sign_outs::MemorySignOuts;
 pub use threads::MemoryThreads;
 pub use usage::MemoryUsage;

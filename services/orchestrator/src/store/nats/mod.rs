@@ -19,7 +19,9 @@
 //! * [`usage`]: the [`UsageBook`](crate::domain::ports::UsageBook) — each principal's spend per
 //!   hour, a key-value bucket ([`NatsUsage`]);
 //! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) — a key-value bucket
-//!   ([`NatsThreads`]), one record per thread, compare-and-set.
+//!   ([`NatsThreads`]), one record per thread, compare-and-set;
+//! * [`sign_outs`]: the [`SignOuts`](crate::domain::ports::SignOuts) — console sessions people
+//!   ended, a key-value bucket ([`NatsSignOuts`]).
 
 pub mod approvals;
 pub(crate) mod checkpoints;
@@ -30,6 +32,7 @@ mod kv;
 pub mod log;
 pub mod quotas;
 pub mod results;
+pub mod sign_outs;
 pub mod threads;
 pub mod usage;
 
@@ -38,5 +41,6 @@ pub use index::NatsIndex;
 pub use log::{NatsLog, NatsLogOptions};
 pub use quotas::NatsQuotas;
 pub use results::KvStore;
+pub use sign_outs::NatsSignOuts;
 pub use threads::NatsThreads;
 pub use usage::NatsUsage;

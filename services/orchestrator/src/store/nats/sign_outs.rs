@@ -1,0 +1,66 @@
+//! Console sessions people ended, shared by the replicas ([`SignOuts`]): a key per session id in
+//! the key-value bucket `<bucket>-sign-outs`, whose entries expire after the longest session
+//! (`--console-session-ttl`'s cap), so the bucket holds only sessions that could still be used.
+
+use async_nats::jetstream::{self, kv};
+use futures::FutureExt as _;
+use futures::future::BoxFuture;
+
+use super::results::KvStore;
+use crate::domain::ports::{SignOuts, StoreError};
+use crate::store::unavailable;
+
+/// See the module docs.
+#[derive(Clone)]
+pub struct NatsSignOuts {
+    ended: kv::Store,
+}
+
+impl NatsSignOuts {
+    /// Binds (or creates) the bucket beside the results bucket `bucket`, keeping each ended
+    /// session `keep_for`.
+    pub async fn open(
+        js: &jetstream::Context,
+        bucket: &str,
+        keep_for: std::time::Duration,
+        replicas: usize,
+    ) -> Result<Self, StoreError> {
+        let name = format!("{bucket}-sign-outs");
+        let description = "console sessions people signed out of";
+        let ended = KvStore::open_bucket(js, &name, keep_for, description, replicas).await?;
+        Ok(Self { ended })
+    }
+}
+
+/// A session id as a key: ids are URL-safe base64, which keys take as they are; anything else
+/// is refused (no session has such an id).
+fn key(id: &str) -> Option<String> {
+    let valid =
+        !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    valid.then(|| format!("s.{id}"))
+}
+
+impl SignOuts for NatsSignOuts {
+    fn end(&self, id: &str, until_unix_s: u64) -> BoxFuture<'static, Result<(), StoreError>> {
+        let (ended, key) = (self.ended.clone(), key(id));
+        async move {
+            let Some(key) = key else { return Ok(()) };
+            ended
+                .put(&key, until_unix_s.to_string().into())
+                .await
+                .map(|_| ())
+                .map_err(|e| unavailable("KV put", &key, e))
+        }
+        .boxed()
+    }
+
+    fn ended(&self, id: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
+        let (ended, key) = (self.ended.clone(), key(id));
+        async move {
+            let Some(key) = key else { return Ok(false) };
+            let entry = ended.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))?;
+            Ok(entry.is_some_and(|e| e.operation == kv::Operation::Put))
+        }
+        .boxed()
+    }
+}
