@@ -1001,3 +1001,49 @@ async fn a_flood_of_200_across_three_replicas_does_not_keep_a_quiet_caller_waiti
     );
     Ok(())
 }
+
+/// Listings filter before they bound, and operators open what they list: with
+/// `--list-read-max 10` and a dozen of bob's runs live in the fleet, alice's one live run is
+/// still in her listing of live runs (the fleet's live runs are kept to hers before at most ten
+/// are read); olga, an operator, lists bob's runs and opens one (GetRun), but cancels none.
+#[tokio::test]
+async fn listings_filter_before_they_bound_and_operators_open_what_they_list() -> TestResult {
+    let w = world_with(2, &["--list-read-max", "10"], scenario(), &[]).await?;
+    let mut client = w.client(0).await?;
+    for i in 0..12 {
+        start(&mut client, "bob-token", run(&format!("a-bob-{i:02}"), &[], "", true)).await?;
+    }
+    start(&mut client, "alice-token", run("z-alice", &[], "", true)).await?;
+    let waiting = pb::ListRunsRequest {
+        statuses: vec![pb::RunStatus::AwaitingApproval as i32],
+        ..Default::default()
+    };
+    let mut other = w.client(1).await?;
+    let mine = other.list_runs(as_("alice-token", waiting.clone())).await?.into_inner();
+    let ids: Vec<&str> = mine.runs.iter().map(|r| r.run_id.as_str()).collect();
+    assert_eq!(ids, ["z-alice"], "alice's live runs");
+
+    let listed = other.list_runs(as_("olga-token", waiting)).await?.into_inner();
+    assert!(listed.runs.iter().any(|r| r.run_id.starts_with("a-bob-")), "{listed:?}");
+    let opened = other
+        .get_run(as_(
+            "olga-token",
+            pb::GetRunRequest {
+                run_id: "a-bob-00".into(),
+            },
+        ))
+        .await?
+        .into_inner();
+    assert_eq!(opened.principal, "bob");
+    let cancel = pb::CancelRunRequest {
+        run_id: "a-bob-00".into(),
+        ..Default::default()
+    };
+    let refused = other
+        .cancel_run(as_("olga-token", cancel))
+        .await
+        .err()
+        .map(|s| s.code());
+    assert_eq!(refused, Some(tonic::Code::NotFound), "an operator reads, never acts");
+    Ok(())
+}

@@ -1,12 +1,20 @@
 //! Who sees a run or a thread: the principal it belongs to, or every caller when authentication
 //! is off (the anonymous principal). Another principal's run or thread is as unknown to a caller
-//! as one that does not exist. Approvers see more when they decide: `approval::Decider`.
+//! as one that does not exist. Operators read every run and thread they can list (`GetRun`,
+//! `AttachRun`, `GetThread`) but act on none of another's. Approvers see more when they decide:
+//! `approval::Decider`.
 
 use shared::auth::Principal;
 
-/// Whether `caller` may see what `owner` owns.
+/// Whether `caller` may see and act on what `owner` owns.
 pub fn sees(caller: &Principal, owner: &str) -> bool {
     caller.is_anonymous() || caller.name == owner
+}
+
+/// Whether `caller` may read what `owner` owns: as [`sees`], or with the operator role, which
+/// lists every principal's runs and so opens them.
+pub fn reads(caller: &Principal, owner: &str) -> bool {
+    sees(caller, owner) || caller.has_role(shared::auth::OPERATOR)
 }
 
 #[cfg(test)]
@@ -22,6 +30,15 @@ mod tests {
         assert!(sees(&principal("alice"), "alice"));
         assert!(!sees(&principal("alice"), "bob"));
         assert!(sees(&Principal::anonymous(), "bob"));
+        let operator = Principal {
+            roles: vec![shared::auth::OPERATOR.to_owned()],
+            ..principal("olga")
+        };
+        assert!(
+            reads(&operator, "bob") && !sees(&operator, "bob"),
+            "operators read, never act"
+        );
+        assert!(!reads(&principal("alice"), "bob"));
         assert!(!sees(&principal(""), "bob"), "an empty name is no one, not everyone");
     }
 }

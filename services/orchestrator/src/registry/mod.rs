@@ -207,8 +207,8 @@ impl Runs {
         self.lock().len()
     }
 
-    /// A live run's state so far, or a stored result, when `caller` may see it; `Err` when the
-    /// store cannot be read.
+    /// A live run's state so far, or a stored result, when `caller` may read it (its owner, or an
+    /// operator); `Err` when the store cannot be read.
     pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
         // Under the registry's lock: a parked run resuming leaves the approval store under it too.
         let here = {
@@ -221,7 +221,7 @@ impl Runs {
             Some(result) => Some(result),
             None => self.stored(run_id).await?,
         };
-        let Some(mut found) = found.filter(|r| sees(caller, &r.principal)) else {
+        let Some(mut found) = found.filter(|r| crate::domain::visibility::reads(caller, &r.principal)) else {
             return Ok(None);
         };
         // Decisions reach the approval store first: the run takes them when it parks or resumes.

@@ -155,11 +155,11 @@ impl Keeper {
         }
     }
 
-    /// The thread, when `caller` may see it (`GetThread`).
+    /// The thread, when `caller` may read it (`GetThread`: its owner, or an operator).
     pub(crate) async fn get(&self, thread_id: &str, caller: &Principal) -> Result<Thread, Error> {
         self.read(thread_id)
             .await?
-            .filter(|t| sees(caller, &t.principal))
+            .filter(|t| crate::domain::visibility::reads(caller, &t.principal))
             .ok_or_else(|| Error::NotFound(format!("thread {thread_id:?} not found")))
     }
 

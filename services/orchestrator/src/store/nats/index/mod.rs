@@ -103,9 +103,11 @@ struct Walk {
 }
 
 impl Walk {
-    /// A page of live runs only: the fleet's live runs are those with a checkpoint.
+    /// A page of live runs only: the fleet's live runs are those with a checkpoint. A listing
+    /// of one principal's keeps theirs only before it bounds what it reads (its own live runs
+    /// are never crowded out by other principals').
     async fn live(mut self) -> Result<RunPage, StoreError> {
-        let mut keys: Vec<String> = self
+        let mut live: Vec<String> = self
             .store
             .checkpoints
             .names()
@@ -113,9 +115,15 @@ impl Walk {
             .iter()
             .map(|name| checkpoint_of(name).0.to_owned())
             .collect();
-        keys.sort();
-        keys.dedup();
-        keys.truncate(self.read_max);
+        live.sort();
+        live.dedup();
+        let keys = match self.query.principal.is_some() {
+            true => self.principals_among(&live).await?,
+            false => {
+                live.truncate(self.read_max);
+                live
+            }
+        };
         let store = Arc::clone(&self.store);
         let mut rows: Vec<RunSummary> = futures::stream::iter(keys)
             .map(|key| {
@@ -129,6 +137,37 @@ impl Walk {
             .await;
         rows.extend(self.here.into_values());
         Ok(self.query.page_of(rows))
+    }
+
+    /// The record keys among `live` (sorted) of runs the query's principal started, found by
+    /// walking its index entries newest first (at most `--list-scan-max` of the index), at most
+    /// `--list-read-max`.
+    async fn principals_among(&self, live: &[String]) -> Result<Vec<String>, StoreError> {
+        let state = self
+            .stream
+            .clone()
+            .info()
+            .await
+            .map_err(|e| self.failed(e))?
+            .state
+            .clone();
+        let first = state.first_sequence.max(1);
+        let (mut below, mut walked) = (state.last_sequence.saturating_add(1), 0u64);
+        let mut keys = Vec::new();
+        while below > first && walked < self.scan_max && keys.len() < self.read_max {
+            let from = below
+                .saturating_sub(MIN_WINDOW.max(4 * self.read_max as u64).min(self.scan_max - walked))
+                .max(first);
+            walked += below - from;
+            for (_, entry) in self.entries(from, below).await?.into_iter().rev() {
+                let key = super::results::key(&entry.run_id);
+                if keys.len() < self.read_max && live.binary_search(&key).is_ok() {
+                    keys.push(key);
+                }
+            }
+            below = from;
+        }
+        Ok(keys)
     }
 
     /// A page walked down the index from the cursor (or its end).
