@@ -17,6 +17,7 @@ mod micro;
 mod otlp;
 mod paced;
 mod peers;
+mod pending;
 mod procstat;
 mod real_server;
 mod relay;
@@ -124,6 +125,11 @@ struct Cli {
     /// CPU per run; writes `admission.md` / `admission.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(10..=100_000))]
     admission: Option<u64>,
+    /// Instead of the grid: this many waits of other principals (10–100000) parked in a NATS
+    /// (`nats-server` on the PATH) beside one of alice's, then the store messages and time of
+    /// her `ListPendingApprovals` beside an approver's; writes `pending_approvals.md` / `.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    pending_approvals: Option<u64>,
 }
 
 /// Whether the real-server row runs.
@@ -755,6 +761,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(runs) = cli.list_runs {
         return listing::run(&bin, usize::try_from(runs)?, &cli.out).await;
+    }
+    if let Some(waits) = cli.pending_approvals {
+        return pending::run(usize::try_from(waits)?, &cli.out).await;
     }
     let workloads = selected_workloads(&cli)?;
     let real_server_skipped = real_server_skip_reason(&cli)?;

@@ -369,3 +369,44 @@ async fn a_replaced_owner_publishes_no_signal() -> TestResult {
     assert!(stale.is_err(), "the replaced owner's signal was reported: {stale:?}");
     Ok(())
 }
+
+/// A principal's pending approvals are found by the markers of its waits: its listing holds its
+/// own waits only, however many other principals' wait (an approver's holds them all), and a
+/// closed wait leaves both.
+#[tokio::test]
+async fn a_principals_pending_approvals_are_read_from_its_own_waits() -> TestResult {
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let store = Arc::new(replica_store(&js, "marked-runs", "a", Duration::from_secs(5)).await?);
+    let approvals = NatsApprovals::open(&js, "marked-runs", Duration::from_secs(60), store)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    for (run_id, principal) in [("a1", "alice"), ("b1", "bob"), ("b2", "bob"), ("c1", "carol.x")] {
+        let mut opened = wait(run_id, &["call_1"], 1);
+        opened.principal = principal.to_owned();
+        approvals.open(opened).await.map_err(anyhow::Error::msg)?;
+    }
+    let as_ = |name: &str, approver: bool| Decider {
+        name: name.to_owned(),
+        anonymous: false,
+        approver,
+        approver_required: false,
+    };
+    let listed = |decider: Decider| {
+        let approvals = &approvals;
+        async move {
+            let (calls, _) = approvals.pending(&decider, None, 100).await?;
+            let mut runs: Vec<String> = calls.into_iter().map(|c| c.run_id).collect();
+            runs.sort();
+            anyhow::Ok(runs)
+        }
+    };
+    assert_eq!(listed(as_("alice", false)).await?, ["a1"]);
+    assert_eq!(listed(as_("bob", false)).await?, ["b1", "b2"]);
+    assert_eq!(listed(as_("carol.x", false)).await?, ["c1"], "a principal with a dot");
+    assert_eq!(listed(as_("ann", true)).await?, ["a1", "b1", "b2", "c1"], "an approver");
+    approvals.close("b1", 1).await;
+    assert_eq!(listed(as_("bob", false)).await?, ["b2"]);
+    assert_eq!(listed(as_("ann", true)).await?, ["a1", "b2", "c1"]);
+    Ok(())
+}

@@ -9,6 +9,11 @@
 //! replica that saw it so marks the record `ready` and announces it like a hand-over, and the
 //! takeover of every replica claims it (one winner) and resumes it with the decisions; a record
 //! whose wake time passed (a call's expiry, or the run's deadline) is claimed the same way.
+//!
+//! Beside each wait, an empty *marker* key `by.<principal>.<run key>` says whose it is, written
+//! before the wait and deleted after it: a principal's listing reads only the waits its markers
+//! name, however many other principals' runs wait (an approver's, or a server's without
+//! authentication, reads them all).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -20,6 +25,7 @@ use futures::{FutureExt, StreamExt};
 use prost::Message;
 use serde::{Deserialize, Serialize};
 
+use super::kv::token;
 use super::results::{KvStore, decode_record, key};
 use crate::domain::RunResult;
 use crate::domain::approval::{
@@ -30,6 +36,8 @@ use crate::store::unavailable;
 
 /// Compare-and-set attempts on one record before giving up (others kept changing it).
 const CAS_ATTEMPTS: usize = 16;
+/// The prefix of the marker keys.
+const MARKERS: &str = "by.";
 /// Waits read at once while listing.
 const LIST_CONCURRENCY: usize = 16;
 
@@ -224,7 +232,9 @@ impl NatsApprovals {
         Ok(ParkOutcome::Parked)
     }
 
-    /// The waits `decider` may decide (of `run_id` only, when given), oldest request first.
+    /// The waits `decider` may decide (of `run_id` only, when given), oldest request first: an
+    /// approver's (or the anonymous caller's) of every run, another's of its own runs only, found
+    /// by their markers.
     async fn listed(
         waits: jetstream::kv::Store,
         decider: Decider,
@@ -233,16 +243,8 @@ impl NatsApprovals {
     ) -> Result<(Vec<PendingApproval>, bool), StoreError> {
         let keys: Vec<String> = match run_id {
             Some(run_id) => vec![key(&run_id)],
-            None => {
-                // A key written while the listing reads (a run opening or parking its wait)
-                // comes again: each is read once, so no call is listed twice.
-                let mut keys = waits.keys().await.map_err(|e| unavailable("KV keys", "", e))?;
-                let mut all = std::collections::BTreeSet::new();
-                while let Some(key) = keys.next().await {
-                    all.insert(key.map_err(|e| unavailable("KV keys", "", e))?);
-                }
-                all.into_iter().collect()
-            }
+            None if decider.anonymous || decider.approver => every_wait(&waits).await?,
+            None => waits_of(&waits, &decider.name).await?,
         };
         let records: Vec<WaitRecord> = futures::stream::iter(keys)
             .map(|key| {
@@ -265,11 +267,77 @@ impl NatsApprovals {
     }
 }
 
+/// The keys of every wait (no marker).
+async fn every_wait(waits: &jetstream::kv::Store) -> Result<Vec<String>, StoreError> {
+    // A key written while the listing reads (a run opening or parking its wait) comes again:
+    // each is read once, so no call is listed twice.
+    let mut keys = waits.keys().await.map_err(|e| unavailable("KV keys", "", e))?;
+    let mut all = std::collections::BTreeSet::new();
+    while let Some(key) = keys.next().await {
+        let key = key.map_err(|e| unavailable("KV keys", "", e))?;
+        if !key.starts_with(MARKERS) {
+            all.insert(key);
+        }
+    }
+    Ok(all.into_iter().collect())
+}
+
+/// The key of the marker of `principal`'s wait under `key`.
+fn marker(principal: &str, key: &str) -> String {
+    format!("{MARKERS}{}.{key}", token(principal))
+}
+
+/// The keys of `principal`'s waits, by their markers: the last entry of each marker key under
+/// `by.<principal>.`, read as headers only, deleted ones left out.
+async fn waits_of(waits: &jetstream::kv::Store, principal: &str) -> Result<Vec<String>, StoreError> {
+    let under = format!("{}{}", waits.prefix, marker(principal, ""));
+    let failed = |e: &dyn std::fmt::Display| unavailable("KV markers", &under, e.to_string());
+    let consumer = waits
+        .stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            filter_subject: format!("{under}>"),
+            deliver_policy: jetstream::consumer::DeliverPolicy::LastPerSubject,
+            headers_only: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| failed(&e))?;
+    let mut keys = std::collections::BTreeSet::new();
+    if consumer.cached_info().num_pending == 0 {
+        return Ok(Vec::new());
+    }
+    let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
+    while let Some(message) = messages.next().await {
+        let message = message.map_err(|e| failed(&e))?;
+        let pending = message.info().map_err(|e| failed(&e))?.pending;
+        let deleted = message
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("KV-Operation"))
+            .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
+        if let Some(key) = message.subject.as_str().strip_prefix(&under)
+            && !deleted
+        {
+            keys.insert(key.to_owned());
+        }
+        if pending == 0 {
+            break;
+        }
+    }
+    Ok(keys.into_iter().collect())
+}
+
 /// Opens `record` under `key`, by compare-and-set: over no wait, over an older owner's, or over
 /// the same calls' wait (a resumed run opening it again), whose decisions it keeps. A newer
 /// owner's wait stands: the opener was replaced.
 async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRecord) -> Result<(), String> {
     let refused = |e: &dyn std::fmt::Display| format!("the approvals bucket did not take the wait: {e}");
+    // The marker first: a wait is never without its marker (a marker without its wait is
+    // passed over, and expires with the bucket).
+    waits
+        .put(marker(&record.principal, key), bytes::Bytes::new())
+        .await
+        .map_err(|e| refused(&e))?;
     for _ in 0..CAS_ATTEMPTS {
         let current = read(waits, key).await.map_err(|e| refused(&e))?;
         let written = match current {
@@ -312,7 +380,12 @@ async fn close_stored(waits: &jetstream::kv::Store, key: &str, epoch: u64) {
             return;
         }
         match waits.delete_expect_revision(key, Some(revision)).await {
-            Ok(()) => return,
+            Ok(()) => {
+                if let Err(e) = waits.delete(marker(&stored.principal, key)).await {
+                    tracing::debug!(%key, "the wait's marker stays until it expires: {e}");
+                }
+                return;
+            }
             Err(e) if e.kind() == jetstream::kv::DeleteErrorKind::WrongLastRevision => {}
             Err(e) => {
                 tracing::warn!(%key, "closing the approval wait failed (it expires with the bucket): {e}");
