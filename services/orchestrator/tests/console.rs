@@ -63,6 +63,10 @@ fn scenarios() -> Scenarios {
             ]),
         ),
         (
+            "lasting",
+            Scenario::new(vec![Turn::text("Thinking.").then(Step::Delay { ms: 60_000 })]),
+        ),
+        (
             "nap",
             Scenario::new(vec![
                 Turn::text("Resting.\n").then(Step::call("sleep", json!({"ms": 4000}))),
@@ -82,11 +86,16 @@ struct World {
     consoles: Vec<String>,
     _llm: MockLlm,
     _nats: Nats,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl World {
     async fn start() -> anyhow::Result<Self> {
+        Self::start_with(&[]).await
+    }
+
+    /// [`World::start`], the replicas given `flags` too.
+    async fn start_with(flags: &[&str]) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let tokens = dir.path().join("tokens.toml");
         std::fs::write(
@@ -117,12 +126,13 @@ impl World {
             command.args(["--run-store-lease", "2s", "--auth-tokens"]).arg(&tokens);
             command
                 .args(["--console-listen", "127.0.0.1:0", "--console-session-key-file"])
-                .arg(&key);
+                .arg(&key)
+                .args(flags);
             let replica = Service::orchestrator(command).await?;
             let console = replica
                 .address_logged("console serving")
                 .ok_or_else(|| anyhow::anyhow!("the replica did not log its console's address"))?;
-            consoles.push(format!("http://{console}"));
+            consoles.push(console);
             replicas.push(Some(replica));
         }
         Ok(Self {
@@ -130,7 +140,7 @@ impl World {
             consoles,
             _llm: llm,
             _nats: nats,
-            _dir: dir,
+            dir,
         })
     }
 
@@ -284,7 +294,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
         world.client(1, ALICE).await?,
         world.client(0, BOB).await?,
     );
-    let console = world.consoles[1].clone();
+    let console = format!("http://{}", world.consoles[1]);
 
     // Sign in, on replica b's console.
     browser.goto(&console).await?;
@@ -623,41 +633,21 @@ async fn open_page(
 /// cut off after `--console-header-timeout`.
 #[tokio::test]
 async fn sign_out_and_token_removal_end_sessions_and_their_live_pages_on_every_replica() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let tokens = dir.path().join("tokens.toml");
-    std::fs::write(
-        &tokens,
-        testkit::pki::tokens_toml(&[("alice", ALICE, ""), ("bob", BOB, "")]),
-    )?;
-    let key = dir.path().join("session.key");
-    std::fs::write(&key, "a-console-session-secret-of-the-tests-0123456789")?;
-    let slow = Scenario::new(vec![Turn::text("Thinking.").then(Step::Delay { ms: 60_000 })]);
-    let llm = MockLlm::start(slow).await?;
-    let runner = testkit::helpers::tool_runner_in_process().await?;
-    let nats = Nats::start().await?;
-    let mut replicas = Vec::new();
-    let mut consoles = Vec::new();
-    for _ in 0..2 {
-        let mut command = testkit::on_nats(
-            testkit::orchestrator_command(BIN, &llm.base_url(), &runner),
-            &nats.url(),
-        );
-        command
-            .args(["--auth-tokens"])
-            .arg(&tokens)
-            .args(["--tls-reload-interval", "1s", "--console-listen", "127.0.0.1:0"])
-            .args(["--console-session-key-file"])
-            .arg(&key)
-            .args(["--console-keep-alive", "1s", "--console-max-streams-per-session", "1"])
-            .args(["--console-sign-ins-per-minute", "4", "--console-header-timeout", "1s"]);
-        let replica = Service::orchestrator(command).await?;
-        consoles.push(
-            replica
-                .address_logged("console serving")
-                .ok_or_else(|| anyhow::anyhow!("no console"))?,
-        );
-        replicas.push(replica);
-    }
+    let world = World::start_with(&[
+        "--tls-reload-interval",
+        "1s",
+        "--console-keep-alive",
+        "1s",
+        "--console-max-streams-per-session",
+        "1",
+        "--console-sign-ins-per-minute",
+        "4",
+        "--console-header-timeout",
+        "1s",
+    ])
+    .await?;
+    let tokens = world.dir.path().join("tokens.toml");
+    let consoles = &world.consoles;
     let (a, b) = (consoles[0].clone(), consoles[1].clone());
     let sign_in = |address: &str, token: &str| {
         let body = format!("{{\"token\": \"{token}\"}}");
@@ -666,11 +656,8 @@ async fn sign_out_and_token_removal_end_sessions_and_their_live_pages_on_every_r
             body.len()
         )
     };
-    let client = ClientBuilder::new(format!("http://{}", replicas[0].grpc))
-        .token(ALICE)
-        .connect()
-        .await?;
-    let _run = start(&client, RunRequest::prompt("think").run_id("live-1")).await?;
+    let client = world.client(0, ALICE).await?;
+    let _run = start(&client, RunRequest::prompt("think").model("lasting").run_id("live-1")).await?;
     until_status(&client, "live-1", pb::RunStatus::Running).await?;
 
     // Signed in on a, following the run on b; a second page of the same session is refused.
@@ -737,9 +724,6 @@ async fn sign_out_and_token_removal_end_sessions_and_their_live_pages_on_every_r
             closed.is_ok(),
             "a slow head held its connection past the header timeout"
         );
-    }
-    for replica in replicas {
-        replica.stop().await?;
     }
     Ok(())
 }
