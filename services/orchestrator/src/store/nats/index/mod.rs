@@ -143,16 +143,8 @@ impl Walk {
     /// walking its index entries newest first (at most `--list-scan-max` of the index), at most
     /// `--list-read-max`.
     async fn principals_among(&self, live: &[String]) -> Result<Vec<String>, StoreError> {
-        let state = self
-            .stream
-            .clone()
-            .info()
-            .await
-            .map_err(|e| self.failed(e))?
-            .state
-            .clone();
-        let first = state.first_sequence.max(1);
-        let (mut below, mut walked) = (state.last_sequence.saturating_add(1), 0u64);
+        let (first, end) = self.span().await?;
+        let (mut below, mut walked) = (end, 0u64);
         let mut keys = Vec::new();
         while below > first && walked < self.scan_max && keys.len() < self.read_max {
             let from = below
@@ -170,20 +162,19 @@ impl Walk {
         Ok(keys)
     }
 
+    /// The index's first position and the one after its last.
+    async fn span(&self) -> Result<(u64, u64), StoreError> {
+        let mut stream = self.stream.clone();
+        let state = &stream.info().await.map_err(|e| self.failed(e))?.state;
+        Ok((state.first_sequence.max(1), state.last_sequence.saturating_add(1)))
+    }
+
     /// A page walked down the index from the cursor (or its end).
     async fn down(self) -> Result<RunPage, StoreError> {
-        let state = self
-            .stream
-            .clone()
-            .info()
-            .await
-            .map_err(|e| self.failed(e))?
-            .state
-            .clone();
-        let first = state.first_sequence.max(1);
+        let (first, end) = self.span().await?;
         let mut below = match &self.query.after {
             Some(Cursor::Position(position)) => *position,
-            _ => state.last_sequence.saturating_add(1),
+            _ => end,
         };
         let (mut rows, mut walked, mut read) = (Vec::new(), 0u64, 0usize);
         let mut window = MIN_WINDOW.max(2 * self.query.page_size as u64);
