@@ -137,9 +137,9 @@ impl Driver<'_> {
                 continue;
             };
             let seen = calls.following(index).map_or(now, |f| f.seen_at_unix_ms);
-            if let Some(why) = self.given_up(&task, seen, now) {
+            if let Some((why, cancel)) = self.given_up(&task, seen, now) {
                 calls.tasks.retain(|f| f.index != index);
-                if let Some(call) = calls.partition.calls.get(index) {
+                if let Some(call) = calls.partition.calls.get(index).filter(|_| cancel) {
                     self.given_up.push((call.clone(), task));
                 }
                 outcome.result = Err(ToolCallError::new("FAILED", why));
@@ -154,24 +154,27 @@ impl Driver<'_> {
         rest
     }
 
-    /// Why the run gives `task` up, followed since `seen`: it outlived the ttl its server keeps
-    /// it, or the run followed it for `--task-max-follow`.
-    fn given_up(&self, task: &ToolTask, seen: u64, now: u64) -> Option<String> {
+    /// Why the run gives `task` up, followed since `seen`, and whether its server is asked to
+    /// cancel it: it outlived the ttl its server keeps it (the server dropped it already), or the
+    /// run followed it for `--task-max-follow` (canceled).
+    fn given_up(&self, task: &ToolTask, seen: u64, now: u64) -> Option<(String, bool)> {
         if task.outlived_ttl(seen, now) {
             let ttl = Duration::from_millis(task.ttl_ms.unwrap_or_default());
-            return Some(format!(
+            let why = format!(
                 "the tool's task {} still ran past the {} its server keeps it (ttlMs); it is given up",
                 task.id,
                 humantime::format_duration(ttl)
-            ));
+            );
+            return Some((why, false));
         }
         let followed = Duration::from_millis(now.saturating_sub(seen));
         (followed > self.deps.tasks.max_follow).then(|| {
-            format!(
+            let why = format!(
                 "the tool's task {} still ran after the run followed it for {} (--task-max-follow); it is given up and canceled",
                 task.id,
                 humantime::format_duration(self.deps.tasks.max_follow)
-            )
+            );
+            (why, true)
         })
     }
 
