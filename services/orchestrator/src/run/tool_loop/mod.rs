@@ -302,12 +302,25 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
     if let Some(persister) = persister {
         // The result is stored before the stream ends, so GetRun (on any replica) finds it.
         persister.write_final().await;
+        close_older_waits(spec, deps, persister).await;
     }
     // The slot counts running work: it is free before the last event is delivered, which a
     // caller that reads nothing holds up to the event send timeout.
     drop(slot);
     emitter.flush().await;
     result
+}
+
+/// Once a durable run's end is stored by this owner (a fenced write: no newer owner can hold the
+/// run), closes any wait under its id: one a replaced owner opened for a question in a turn the
+/// checkpoint this owner resumed from did not keep (the call ran again here and did not ask)
+/// would otherwise leave a person asked about a run that is over. Before the end is stored it
+/// is not safe: a replaced owner ending the run in its own memory would close the wait the new
+/// owner resumed with.
+async fn close_older_waits(spec: &RunSpec, deps: &LoopDeps, persister: &Persister) {
+    if persister.durable() && persister.ownership().ended() {
+        deps.approvals.close(&spec.run_id, persister.ownership().epoch()).await;
+    }
 }
 
 /// Adds the run's end to its caller's spend this hour: the run, its calls, its time and the

@@ -636,3 +636,51 @@ async fn a_safe_point_after_the_log_lost_events_saves_nothing_and_stops_here() {
 }
 
 // Coalesced streaming.
+
+/// A question a replaced owner asked in a turn its checkpoint did not keep leaves a wait in the
+/// approval store; the owner that resumes the run calls again, the tool answers without asking
+/// this time, and the run ends: its end closes that wait too, so no person is left asked about a
+/// run that is over (the simulation's seed 731213).
+#[tokio::test(start_paused = true)]
+async fn a_question_a_replaced_owner_asked_is_closed_when_the_run_ends() {
+    use crate::domain::ports::ApprovalStore as _;
+    let (_, _, checkpoints) = whole_durable_run().await;
+    let one_done = first(checkpoints, "after one call", |c| {
+        c.calls.as_ref().is_some_and(|calls| calls.finished.len() == 1)
+    });
+    let approvals = Arc::new(crate::store::memory::MemoryApprovals::new(16));
+    let question = crate::domain::approval::PendingApproval {
+        run_id: "r".into(),
+        call_id: "id1".into(),
+        name: "nap".into(),
+        arguments_json: r#"{"ms": 50}"#.into(),
+        turn: 1,
+        requested_at_unix_ms: 0,
+        expires_at_unix_ms: u64::MAX,
+        principal: String::new(),
+        decision: None,
+        questions: Some(confirm_question()),
+    };
+    let stale = crate::domain::ports::Wait {
+        run_id: "r".into(),
+        principal: String::new(),
+        calls: vec![(question, serde_json::json!({"type": "object"}))],
+        epoch: 0,
+    };
+    approvals.open(stale).await.unwrap();
+    let seq = one_done.seq;
+    let outside = Outside {
+        journal: Some(Arc::default()),
+        resumed: Some(Resumed {
+            checkpoint: one_done,
+            logged: seq,
+        }),
+        approvals: Arc::clone(&approvals) as Arc<dyn crate::domain::ports::ApprovalStore>,
+        ..Outside::default()
+    };
+    let turn2 = two_naps_then_an_answer().split_off(1);
+    let (result, _, _, _) = play_with(turn2, limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    let left = approvals.waiting("r").await.unwrap();
+    assert!(left.is_none(), "a wait outlived its run: {left:?}");
+}
