@@ -96,6 +96,9 @@ fn runs_served(mock: &mock_llm::MockLlm) -> Vec<String> {
         .collect()
 }
 
+/// Runs of the spread test.
+const RUNS: usize = 30;
+
 #[tokio::test]
 async fn a_runs_turns_stay_on_one_endpoint_and_runs_spread_over_the_fleet() -> TestResult {
     let scenario = Scenario {
@@ -107,15 +110,16 @@ async fn a_runs_turns_stay_on_one_endpoint_and_runs_spread_over_the_fleet() -> T
         config.llm.base_urls.push(second.base_url());
     })
     .await?;
-    // Twelve runs at once: eight alone, and two conversations of two runs that share an
-    // affinity key.
-    let runs = (0..12).map(|n| {
+    // Thirty runs at once: twenty-six alone, and two conversations of two runs that share an
+    // affinity key. Runs go where their (random) keys hash: with 28 keys, all of them on one of
+    // two endpoints is a chance of 2 in 2^28, not the 2 in 2^10 of twelve runs.
+    let runs = (0..RUNS).map(|n| {
         let mut asked = request(&format!("run {n}: {}", "Background. ".repeat(800)), &[]);
         asked.limits = Some(pb::RunLimits {
             max_turns: Some(8),
             ..Default::default()
         });
-        if n >= 8 {
+        if n >= RUNS - 4 {
             asked.affinity_key = format!("conversation-{}", n % 2);
         }
         stack.run(asked)
@@ -137,14 +141,14 @@ async fn a_runs_turns_stay_on_one_endpoint_and_runs_spread_over_the_fleet() -> T
     let run_of = |text: &String| text.split(':').next().unwrap_or_default().to_owned();
     let on_a: std::collections::BTreeSet<String> = a.iter().map(run_of).collect();
     let on_b: std::collections::BTreeSet<String> = b.iter().map(run_of).collect();
-    assert_eq!(a.len() + b.len(), 12 * 6);
+    assert_eq!(a.len() + b.len(), RUNS * 6);
     assert!(
         on_a.is_disjoint(&on_b),
         "a run's turns on both endpoints: {on_a:?} {on_b:?}"
     );
     assert!(!on_a.is_empty() && !on_b.is_empty(), "{on_a:?} {on_b:?}");
     // Runs with the same affinity key went to the same endpoint.
-    for pair in [["run 8", "run 10"], ["run 9", "run 11"]] {
+    for pair in [["run 26", "run 28"], ["run 27", "run 29"]] {
         assert_eq!(on_a.contains(pair[0]), on_a.contains(pair[1]), "{pair:?}: {on_a:?}");
     }
     Ok(())
