@@ -452,19 +452,6 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     chrome.stop().await
 }
 
-/// One HTTP/1.1 exchange with the console at `address`: its status and its head.
-async fn exchange(address: &str, request: String) -> anyhow::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(address).await?;
-    stream.write_all(request.as_bytes()).await?;
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await??;
-    let answer = String::from_utf8_lossy(&answer).into_owned();
-    let head = answer.split("\r\n\r\n").next().unwrap_or_default().to_owned();
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    Ok((status, head))
-}
-
 /// A request to `path` with `method`, sent to the name `host`, from `origin` (if any), with a
 /// JSON `body`.
 fn request(method: &str, path: &str, host: &str, origin: Option<&str>, body: &str) -> String {
@@ -496,25 +483,25 @@ async fn the_console_answers_only_its_own_names_and_origins() -> TestResult {
         .address_logged("console serving")
         .ok_or_else(|| anyhow::anyhow!("no console address logged"))?;
     let sign_in = |host: &str, origin: Option<&str>| request("POST", "/api/session", host, origin, "{}");
-    let (status, _) = exchange(
+    let (status, _, _) = exchange(
         &address,
         request("GET", "/api/session", "attacker.example:80", None, ""),
     )
     .await?;
     assert_eq!(status, 421, "a rebound name reads nothing");
-    let (status, _) = exchange(
+    let (status, _, _) = exchange(
         &address,
         sign_in("attacker.example:80", Some("http://attacker.example:80")),
     )
     .await?;
     assert_eq!(status, 421, "a rebound name signs no one in");
     for origin in [None, Some("http://attacker.example")] {
-        let (status, _) = exchange(&address, sign_in(&address, origin)).await?;
+        let (status, _, _) = exchange(&address, sign_in(&address, origin)).await?;
         assert_eq!(status, 403, "a POST from {origin:?}");
     }
-    let (status, head) = exchange(&address, sign_in(&address, Some(&format!("http://{address}")))).await?;
+    let (status, head, _) = exchange(&address, sign_in(&address, Some(&format!("http://{address}")))).await?;
     assert_eq!(status, 200, "{head}");
-    let (status, head) = exchange(&address, sign_in("console.example.com", Some(public))).await?;
+    let (status, head, _) = exchange(&address, sign_in("console.example.com", Some(public))).await?;
     assert_eq!(status, 200, "{head}");
     let head = head.to_ascii_lowercase();
     assert!(
@@ -557,8 +544,9 @@ fn session_of(head: &str, body: &str) -> anyhow::Result<(String, String)> {
     Ok((cookie, csrf))
 }
 
-/// One HTTP/1.1 exchange whose whole answer is read: status, head, body.
-async fn whole_exchange(address: &str, request: String) -> anyhow::Result<(u16, String, String)> {
+/// One HTTP/1.1 exchange with the console at `address`, its whole answer read: status, head,
+/// body.
+async fn exchange(address: &str, request: String) -> anyhow::Result<(u16, String, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(address).await?;
     stream.write_all(request.as_bytes()).await?;
@@ -566,25 +554,35 @@ async fn whole_exchange(address: &str, request: String) -> anyhow::Result<(u16, 
     tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await??;
     let answer = String::from_utf8_lossy(&answer).into_owned();
     let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    Ok((status, head.to_owned(), body.to_owned()))
+    Ok((status_of(head), head.to_owned(), body.to_owned()))
+}
+
+/// The status an answer's head (or its start) carries (0: none).
+fn status_of(head: &str) -> u16 {
+    head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+/// Sends `request` to `address` and reads until the answer's head arrived: the connection, and
+/// what it read (the head, maybe more).
+async fn until_the_head(address: &str, request: &str) -> anyhow::Result<(tokio::net::TcpStream, Vec<u8>)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    stream.write_all(request.as_bytes()).await?;
+    let mut read = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !read.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf)).await??;
+        anyhow::ensure!(n > 0, "closed before the head");
+        read.extend_from_slice(&buf[..n]);
+    }
+    Ok((stream, read))
 }
 
 /// The status of the answer to `request`, read from its head alone (a page's stream is left at
 /// once: it gives its slot back).
 async fn head_status(address: &str, request: &str) -> anyhow::Result<u16> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(address).await?;
-    stream.write_all(request.as_bytes()).await?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await??;
-        anyhow::ensure!(n > 0, "closed before the head");
-        head.extend_from_slice(&buf[..n]);
-    }
-    let head = String::from_utf8_lossy(&head);
-    Ok(head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0))
+    let (_, head) = until_the_head(address, request).await?;
+    Ok(status_of(&String::from_utf8_lossy(&head)))
 }
 
 /// A request carrying `cookie` (and `csrf` and an empty JSON body on a POST), from the console's
@@ -606,18 +604,9 @@ async fn open_page(
     request: String,
     limit: Duration,
 ) -> anyhow::Result<(u16, tokio::task::JoinHandle<anyhow::Result<String>>)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(&address).await?;
-    stream.write_all(request.as_bytes()).await?;
-    let mut answer = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf)).await??;
-        anyhow::ensure!(n > 0, "closed before the head");
-        answer.extend_from_slice(&buf[..n]);
-    }
-    let head = String::from_utf8_lossy(&answer).into_owned();
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    use tokio::io::AsyncReadExt;
+    let (mut stream, mut answer) = until_the_head(&address, &request).await?;
+    let status = status_of(&String::from_utf8_lossy(&answer));
     let rest = tokio::spawn(async move {
         tokio::time::timeout(limit, stream.read_to_end(&mut answer)).await??;
         Ok(String::from_utf8_lossy(&answer).into_owned())
@@ -661,7 +650,7 @@ async fn sign_out_and_token_removal_end_sessions_and_their_live_pages_on_every_r
     until_status(&client, "live-1", pb::RunStatus::Running).await?;
 
     // Signed in on a, following the run on b; a second page of the same session is refused.
-    let (status, head, body) = whole_exchange(&a, sign_in(&a, ALICE)).await?;
+    let (status, head, body) = exchange(&a, sign_in(&a, ALICE)).await?;
     assert_eq!(status, 200, "{head}");
     let (cookie, csrf) = session_of(&head, &body)?;
     let page = as_session("GET", "/api/runs/live-1/events", &b, (&cookie, &csrf));
@@ -670,19 +659,19 @@ async fn sign_out_and_token_removal_end_sessions_and_their_live_pages_on_every_r
     assert_eq!(head_status(&b, &page).await?, 429, "a second page of the session");
 
     // Signing out on a ends the session on b, and closes its page there within a keep-alive.
-    let (status, head, _) = whole_exchange(&a, as_session("POST", "/api/session/end", &a, (&cookie, &csrf))).await?;
+    let (status, head, _) = exchange(&a, as_session("POST", "/api/session/end", &a, (&cookie, &csrf))).await?;
     assert_eq!(status, 200, "{head}");
     let sent = open.await??;
     assert!(
         sent.contains("event: broke") && sent.contains("UNAUTHENTICATED"),
         "{sent}"
     );
-    let (status, _, body) = whole_exchange(&b, as_session("GET", "/api/session", &b, (&cookie, &csrf))).await?;
+    let (status, _, body) = exchange(&b, as_session("GET", "/api/session", &b, (&cookie, &csrf))).await?;
     assert_eq!(status, 401, "{body}");
     assert!(body.contains("signed out"), "{body}");
 
     // A token taken out of the tokens file closes its session's open page too.
-    let (_, head, body) = whole_exchange(&b, sign_in(&b, ALICE)).await?;
+    let (_, head, body) = exchange(&b, sign_in(&b, ALICE)).await?;
     let (cookie, csrf) = session_of(&head, &body)?;
     let page = as_session("GET", "/api/runs/live-1/events", &b, (&cookie, &csrf));
     let (status, open) = open_page(b.clone(), page.clone(), Duration::from_secs(20)).await?;
@@ -703,7 +692,7 @@ async fn sign_out_and_token_removal_end_sessions_and_their_live_pages_on_every_r
     .await?;
     let mut statuses = Vec::new();
     for token in [BOB, ALICE, BOB, BOB, BOB] {
-        statuses.push(whole_exchange(&b, sign_in(&b, token)).await?.0);
+        statuses.push(exchange(&b, sign_in(&b, token)).await?.0);
     }
     let taken = statuses.iter().take_while(|s| **s != 429).count();
     assert!(

@@ -248,6 +248,7 @@ impl World {
             log: Arc::new(store.clone()),
             approvals: Arc::new(store.clone()),
             threads: Arc::new(store.clone()),
+            sign_outs: Arc::new(orchestrator::store::memory::MemorySignOuts::default()),
             signals: Arc::new(orchestrator::signals::memory::MemoryTopic::new(16)),
             model: Arc::new(Model::new(gate.clone(), self.seed.wrapping_add(n as u64 * 7919))),
             tools: Arc::new(Client {

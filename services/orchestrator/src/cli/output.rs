@@ -75,7 +75,7 @@ impl Table {
     /// Prints the table.
     pub fn print(&self) {
         for line in self.lines() {
-            println!("{}", shared::text::printable(&line));
+            say!("{line}");
         }
     }
 }

@@ -38,6 +38,7 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         index,
         quotas,
         usage,
+        sign_outs,
     } = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
     let threads = open_threads(config, &mut connections).await?;
@@ -50,6 +51,7 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         log,
         approvals,
         threads,
+        sign_outs,
         signals,
         model,
         tools: Arc::new(runners.clone()),
@@ -76,6 +78,8 @@ pub struct Ports {
     pub approvals: Arc<dyn ApprovalStore>,
     /// Conversations across runs.
     pub threads: Arc<dyn ThreadStore>,
+    /// Console sessions people ended.
+    pub sign_outs: Arc<dyn SignOuts>,
     /// Where exit calls go.
     pub signals: Arc<dyn SignalTopic>,
     /// The model.
@@ -143,6 +147,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
         signals: ports.signals,
         draining: AtomicBool::new(false),
         stopping: tokio_util::sync::CancellationToken::new(),
+        sign_outs: ports.sign_outs,
         config: config.clone(),
     })
 }
@@ -189,6 +194,7 @@ struct Stored {
     index: Arc<dyn RunIndex>,
     quotas: Option<Arc<dyn Quotas>>,
     usage: Arc<dyn UsageBook>,
+    sign_outs: Arc<dyn SignOuts>,
 }
 
 /// The result store: in memory (bounded, this replica only) or a NATS key-value bucket shared
@@ -209,6 +215,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                 index: store,
                 quotas: None,
                 usage: Arc::new(MemoryUsage::new(config.store.usage_keep_for)),
+                sign_outs: Arc::new(MemorySignOuts::default()),
             }
         }
         Backend::Nats(url) => {
@@ -251,23 +258,22 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
                     )
                     .await?,
                 ),
+                sign_outs: open_sign_outs(config, &js).await?,
             }
         }
     })
 }
 
-/// Where the console's ended sessions are kept: in this process with the memory store, in a NATS
-/// bucket every replica reads with the NATS store (a connection of its own: the console is on).
-pub(super) async fn sign_outs(config: &Config) -> Result<Arc<dyn SignOuts>, Error> {
-    Ok(match &config.store.backend {
-        Backend::Memory => Arc::new(MemorySignOuts::default()),
-        Backend::Nats(url) => {
-            let client = NatsConnections::default().get(url, &config.nats).await?;
-            let js = async_nats::jetstream::new(client);
-            let bucket = &config.store.bucket;
-            Arc::new(NatsSignOuts::open(&js, bucket, crate::config::MAX_SESSION_TTL, config.nats.replicas).await?)
-        }
-    })
+/// Where the console's ended sessions are kept with the NATS store: a bucket every replica reads
+/// when the console is on (none is made for a replica without it).
+async fn open_sign_outs(config: &Config, js: &async_nats::jetstream::Context) -> Result<Arc<dyn SignOuts>, Error> {
+    if config.console.console_listen.is_none() {
+        return Ok(Arc::new(MemorySignOuts::default()));
+    }
+    let (bucket, keep_for) = (&config.store.bucket, crate::config::MAX_SESSION_TTL);
+    Ok(Arc::new(
+        NatsSignOuts::open(js, bucket, keep_for, config.nats.replicas).await?,
+    ))
 }
 
 /// The runs' event logs (`AttachRun`), beside the results: in memory with the memory store, in a

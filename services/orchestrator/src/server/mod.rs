@@ -85,18 +85,7 @@ pub async fn serve_with_resolver(
     );
     let llm = model.shown().join(",");
     let core = build::core(&config, model, runners).await?;
-    let _console = match config.console.console_listen {
-        Some(_) => {
-            console::start(
-                &config.console,
-                &security,
-                Arc::clone(&core),
-                build::sign_outs(&config).await?,
-            )
-            .await?
-        }
-        None => None,
-    };
+    let _console = console::start(&config.console, &security, Arc::clone(&core)).await?;
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;

@@ -336,7 +336,7 @@ async fn tally_run_end(deps: &LoopDeps, result: &RunResult, (booked, held): &(Us
         ..crate::domain::usage::Tally::of_tokens(&result.usage.since(booked))
     };
     if let Some(held) = held {
-        tally.held_tokens = -spend::give_back(deps, &result.principal, *held, window).await;
+        tally.held_tokens += spend::give_back(deps, &result.principal, *held, window).await;
     }
     let add = deps.usage.add(&result.principal, window, tally);
     match crate::domain::ports::within(deps.store_timeout, add).await {
@@ -600,8 +600,6 @@ struct Driver<'a> {
     held: Option<spend::Hold>,
     /// The tasks the current turn's calls became, to cancel if the run ends before them.
     followed: tasks::Followed,
-    /// Tasks the run gave up (`--task-max-follow`), to cancel.
-    given_up: Vec<(ModelCall, crate::domain::task::ToolTask)>,
     /// The progress the turn's calls reported and the loop has not sent yet.
     call_progress: call_progress::CallProgress,
 }
@@ -660,7 +658,6 @@ impl<'a> Driver<'a> {
             eager: eager::Eager::default(),
             held: None,
             followed: tasks::Followed::default(),
-            given_up: Vec::new(),
             call_progress: call_progress::CallProgress::default(),
             spec,
             deps,

@@ -120,8 +120,8 @@ impl Driver<'_> {
     /// asked questions wait for the answers, those still running as tasks are followed.
     async fn run_unfinished(&mut self, calls: &mut TurnCalls) {
         let ran = self.dispatch(calls).await;
-        let ran = self.take_tasks(calls, ran);
-        self.cancel_given_up_tasks().await;
+        let (ran, given_up) = self.take_tasks(calls, ran);
+        self.cancel_given_up_tasks(given_up).await;
         let asked = self.take_questions(calls, ran);
         self.ask_for_input(calls, &asked).await;
     }

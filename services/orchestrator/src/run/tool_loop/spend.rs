@@ -59,7 +59,7 @@ impl Driver<'_> {
         let mut change = Tally::hold(i64::try_from(tokens).unwrap_or(i64::MAX));
         let earlier = self.held.take();
         if let Some(earlier) = earlier {
-            change.held_tokens -= give_back(self.deps, &self.spec.principal, earlier, window).await;
+            change.held_tokens += give_back(self.deps, &self.spec.principal, earlier, window).await;
         }
         let add = self.deps.usage.add(&self.spec.principal, window, change);
         let total = match within(self.deps.store_timeout, add).await {
@@ -89,7 +89,7 @@ impl Driver<'_> {
         let mut change = Tally::of_tokens(&now.since(&self.progress.booked));
         let held = self.held.take();
         if let Some(held) = held {
-            change.held_tokens = -give_back(self.deps, &self.spec.principal, held, window).await;
+            change.held_tokens += give_back(self.deps, &self.spec.principal, held, window).await;
         }
         let add = self.deps.usage.add(&self.spec.principal, window, change);
         let total = match within(self.deps.store_timeout, add).await {
@@ -159,16 +159,20 @@ impl Driver<'_> {
     }
 }
 
-/// Gives `held` back: the tokens for `window`'s next add to give back when they were held in
-/// that hour; else 0, given back by an add of their own to their hour (logged when that fails:
-/// the hold then stays counted until its hour ends).
+/// Gives `held` back: the change to `window`'s next add's `held_tokens` (minus the tokens, when
+/// they were held in that hour); else 0, given back by an add of their own to their hour (logged
+/// when that fails: the hold then stays counted until its hour ends).
 pub(super) async fn give_back(deps: &LoopDeps, principal: &str, held: Hold, window: u64) -> i64 {
-    let tokens = i64::try_from(held.tokens).unwrap_or(i64::MAX);
+    let back = -i64::try_from(held.tokens).unwrap_or(i64::MAX);
     if held.window == window {
-        return tokens;
+        return back;
     }
-    let back = Tally::hold(-tokens);
-    if let Err(e) = within(deps.store_timeout, deps.usage.add(principal, held.window, back)).await {
+    if let Err(e) = within(
+        deps.store_timeout,
+        deps.usage.add(principal, held.window, Tally::hold(back)),
+    )
+    .await
+    {
         tracing::warn!(%principal, "the tokens held in the last hour were not given back: {e}");
     }
     0

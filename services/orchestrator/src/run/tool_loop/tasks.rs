@@ -24,6 +24,9 @@ use crate::domain::event::Event;
 use crate::domain::ports::Wait;
 use crate::domain::task::{PollBounds, ToolTask};
 
+/// The calls whose tasks the run gave up (`--task-max-follow`), to cancel at their servers.
+pub(super) type GivenUp = Vec<(ModelCall, ToolTask)>;
+
 /// How long asking a server to cancel a task may take once the run has ended.
 const CANCEL_LIMIT: Duration = Duration::from_secs(5);
 
@@ -123,10 +126,12 @@ impl Followed {
 impl Driver<'_> {
     /// Sorts what the calls that `ran` gave back as to tasks: a call its server runs as a task
     /// is followed (announced when it is new or the server says something new of it), or fails
-    /// once past its ttl; a followed call that finished is followed no more. Returns the others.
-    pub(super) fn take_tasks(&mut self, calls: &mut TurnCalls, ran: Vec<CallOutcome>) -> Vec<CallOutcome> {
+    /// once past its ttl or `--task-max-follow`; a followed call that finished is followed no
+    /// more. Returns the others, and the tasks given up that their servers are to cancel.
+    pub(super) fn take_tasks(&mut self, calls: &mut TurnCalls, ran: Vec<CallOutcome>) -> (Vec<CallOutcome>, GivenUp) {
         let now = unix_ms();
         let mut rest = Vec::with_capacity(ran.len());
+        let mut given_up = Vec::new();
         for mut outcome in ran {
             let index = outcome.index;
             let Some(task) = outcome.task.take() else {
@@ -140,7 +145,7 @@ impl Driver<'_> {
             if let Some((why, cancel)) = self.given_up(&task, seen, now) {
                 calls.tasks.retain(|f| f.index != index);
                 if let Some(call) = calls.partition.calls.get(index).filter(|_| cancel) {
-                    self.given_up.push((call.clone(), task));
+                    given_up.push((call.clone(), task));
                 }
                 outcome.result = Err(ToolCallError::new("FAILED", why));
                 rest.push(outcome);
@@ -151,7 +156,7 @@ impl Driver<'_> {
             }
         }
         self.followed = Followed::of(Some(calls));
-        rest
+        (rest, given_up)
     }
 
     /// Why the run gives `task` up, followed since `seen`, and whether its server is asked to
@@ -240,13 +245,12 @@ impl Driver<'_> {
     }
 
     /// Asks the servers of the tasks the run gave up (`--task-max-follow`) to cancel them.
-    pub(super) async fn cancel_given_up_tasks(&mut self) {
-        let given_up = std::mem::take(&mut self.given_up);
+    pub(super) async fn cancel_given_up_tasks(&mut self, given_up: GivenUp) {
         self.cancel_tasks(given_up, "the run gave its tool's task up; the task was canceled")
             .await;
     }
 
-    async fn cancel_tasks(&mut self, tasks: Vec<(ModelCall, ToolTask)>, done: &'static str) {
+    async fn cancel_tasks(&mut self, tasks: GivenUp, done: &'static str) {
         let sends = tasks.into_iter().map(|(call, task)| {
             let mut invocation = self.invocation(&call, CANCEL_LIMIT, None);
             let task_id = task.id.clone();

@@ -28,7 +28,6 @@ use tokio::net::TcpListener;
 
 use crate::Error;
 use crate::config::ConsoleSettings;
-use crate::domain::ports::SignOuts;
 use crate::server::Core;
 use crate::server::grpc::OrchestratorService;
 
@@ -61,13 +60,11 @@ struct Console {
     keep_alive: Duration,
 }
 
-/// Serves the console on `--console-listen` until the handle is dropped, its sessions ended in
-/// `sign_outs`; `None` when it is off.
+/// Serves the console on `--console-listen` until the handle is dropped; `None` when it is off.
 pub(crate) async fn start(
     settings: &ConsoleSettings,
     security: &Security,
     core: Arc<Core>,
-    sign_outs: Arc<dyn SignOuts>,
 ) -> Result<Option<AbortOnDrop>, Error> {
     let Some(address) = settings.console_listen else {
         return Ok(None);
@@ -80,7 +77,7 @@ pub(crate) async fn start(
         .local_addr()
         .map_err(|e| Error::Config(format!("{flag}: the listener has no address: {e}")))?;
     let origins = Origins::new(settings.console_public_url.as_deref(), security.tls())?;
-    let store = (sign_outs, core.config.store.timeout);
+    let store = (Arc::clone(&core.sign_outs), core.config.store.timeout);
     let console = Console {
         sessions: Arc::new(Sessions::new(
             settings,
@@ -355,17 +352,14 @@ fn while_signed_in(
 ) -> impl futures::Stream<Item = Item> + Send {
     let every = console.keep_alive;
     let checks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    futures::stream::unfold(Some((items, checks)), move |state| {
-        let (console, headers) = (console.clone(), headers.clone());
-        async move {
-            let (mut items, mut checks) = state?;
-            loop {
-                tokio::select! {
-                    item = items.next() => return item.map(|item| (item, Some((items, checks)))),
-                    _ = checks.tick() => {
-                        if let Err(refused) = signed_in(&console, &headers).await {
-                            return Some((Item::Broke(refused), None));
-                        }
+    futures::stream::unfold(Some((items, checks, console, headers)), |state| async move {
+        let (mut items, mut checks, console, headers) = state?;
+        loop {
+            tokio::select! {
+                item = items.next() => return item.map(|item| (item, Some((items, checks, console, headers)))),
+                _ = checks.tick() => {
+                    if let Err(refused) = signed_in(&console, &headers).await {
+                        return Some((Item::Broke(refused), None));
                     }
                 }
             }

@@ -54,6 +54,8 @@ pub(crate) struct Core {
     pub draining: AtomicBool,
     /// Cancelled when the drain starts: open SubscribeSignals streams end, so the server can stop.
     pub stopping: tokio_util::sync::CancellationToken,
+    /// Console sessions people ended (the console's, when it is on).
+    pub sign_outs: Arc<dyn crate::domain::ports::SignOuts>,
 }
 
 /// Why a run goes on here without a caller of its own.

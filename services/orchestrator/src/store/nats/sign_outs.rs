@@ -6,6 +6,7 @@ use async_nats::jetstream::{self, kv};
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
 
+use super::kv::token;
 use super::results::KvStore;
 use crate::domain::ports::{SignOuts, StoreError};
 use crate::store::unavailable;
@@ -32,19 +33,15 @@ impl NatsSignOuts {
     }
 }
 
-/// A session id as a key: ids are URL-safe base64, which keys take as they are; anything else
-/// is refused (no session has such an id).
-fn key(id: &str) -> Option<String> {
-    let valid =
-        !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    valid.then(|| format!("s.{id}"))
+/// The key of session `id`.
+fn key(id: &str) -> String {
+    format!("s.{}", token(id))
 }
 
 impl SignOuts for NatsSignOuts {
     fn end(&self, id: &str, until_unix_s: u64) -> BoxFuture<'static, Result<(), StoreError>> {
         let (ended, key) = (self.ended.clone(), key(id));
         async move {
-            let Some(key) = key else { return Ok(()) };
             ended
                 .put(&key, until_unix_s.to_string().into())
                 .await
@@ -57,7 +54,6 @@ impl SignOuts for NatsSignOuts {
     fn ended(&self, id: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
         let (ended, key) = (self.ended.clone(), key(id));
         async move {
-            let Some(key) = key else { return Ok(false) };
             let entry = ended.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))?;
             Ok(entry.is_some_and(|e| e.operation == kv::Operation::Put))
         }
