@@ -5,8 +5,13 @@
 //! run's record, so the run's first call in the new epoch is sent only after the fence holds it.
 //! A tool-runner reads the fence before a durable call's tool starts and refuses a call whose
 //! epoch is older ([`stale`]): a replaced owner's call, however late it arrives and whichever
-//! runner it reaches, runs nothing. No fence under the key reads as epoch 0: the run was never
-//! taken over, so every epoch it has passes.
+//! runner it reaches, runs nothing.
+//!
+//! The fence key is written at takeovers and expires with the bucket's age limit, so it is never
+//! read alone: the run's record (under `run.<id>`, renewed as long as the run lives) carries the
+//! epoch of its current claim too ([`RecordEpoch`]), and the run's epoch is the higher of the two.
+//! A durable call of a run neither holds is refused; so is a call that carries no epoch for a run
+//! the record shows is durable.
 //!
 //! The keys of the run store are made here too, one escaper for all of them, so both services
 //! name a run the same way.
@@ -29,6 +34,63 @@ pub fn escaped_key(prefix: &str, id: &str) -> String {
 /// The key of `run_id`'s fence in the run store's bucket.
 pub fn key(run_id: &str) -> String {
     escaped_key("epoch.", run_id)
+}
+
+/// The key of `run_id`'s record in the run store's bucket.
+pub fn record_key(run_id: &str) -> String {
+    escaped_key("run.", run_id)
+}
+
+/// The one field of a run's record a tool-runner reads: the epoch of the run's current claim.
+/// The orchestrator's record keeps it under this tag (its tests hold the two together); every
+/// other field is skipped unread.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RecordEpoch {
+    /// The claim's epoch (1 at admission, one more at each takeover).
+    #[prost(uint64, tag = "10")]
+    pub epoch: u64,
+}
+
+/// The key under which the orchestrators keep their fence grace (milliseconds, decimal): how
+/// long a new owner waits after raising a run's fence before its first call. A runner's fence
+/// read must end before it, or a read answered before a raise could let a replaced owner's call
+/// start after the new owner's; each runner checks its read timeout against it ([`check_grace`]).
+pub const GRACE_KEY: &str = "fence.grace_ms";
+
+/// The orchestrators' fence grace unless set (`--run-fence-grace`): what a runner checks its
+/// read timeout against when the bucket holds no grace (the key aged out, or no orchestrator of
+/// this version has started).
+pub const DEFAULT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A runner's fence read timeout unless set (`--run-store-timeout`): within [`DEFAULT_GRACE`].
+pub const DEFAULT_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether a runner's fence read timeout `read_timeout` ends within the orchestrators' fence
+/// `grace`: a clear error naming both settings when it does not.
+pub fn check_grace(read_timeout: std::time::Duration, grace: std::time::Duration) -> Result<(), String> {
+    if read_timeout < grace {
+        return Ok(());
+    }
+    Err(format!(
+        "the tool-runner's --run-store-timeout ({}) must be shorter than the orchestrators' --run-fence-grace ({}): a fence read answered before a takeover could let a replaced owner's call start after the new owner's first call; durable calls are refused until one of them is changed",
+        humantime::format_duration(read_timeout),
+        humantime::format_duration(grace)
+    ))
+}
+
+impl RecordEpoch {
+    /// The bytes of a record holding only the epoch (a run's record as a runner reads it; tests
+    /// write it to stand for an orchestrator's claim).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        prost::Message::encode_to_vec(self)
+    }
+}
+
+/// The epoch a run's record holds.
+pub fn record_epoch(record: &[u8]) -> Result<u64, String> {
+    <RecordEpoch as prost::Message>::decode(record)
+        .map(|r| r.epoch)
+        .map_err(|e| format!("the run's record cannot be read: {e}"))
 }
 
 /// The fence's value for `epoch`: its decimal digits (readable with `nats kv get`).
@@ -59,6 +121,31 @@ mod tests {
         assert_eq!(key("0193-abc_DEF"), "epoch.0193-abc_DEF");
         assert_eq!(escaped_key("run.", "a.b:c"), "run.a=2eb=3ac");
         assert_ne!(key("a.b"), key("a_b"));
+    }
+
+    /// A read timeout as long as the grace, or longer, is refused, naming both settings.
+    #[test]
+    fn a_runner_read_must_end_within_the_grace() {
+        use std::time::Duration;
+        assert!(check_grace(Duration::from_secs(1), Duration::from_secs(2)).is_ok());
+        assert!(
+            check_grace(DEFAULT_READ_TIMEOUT, DEFAULT_GRACE).is_ok(),
+            "the defaults fit"
+        );
+        for timeout in [2, 3] {
+            let refused = check_grace(Duration::from_secs(timeout), Duration::from_secs(2)).unwrap_err();
+            assert!(
+                refused.contains("--run-store-timeout") && refused.contains("--run-fence-grace"),
+                "{refused}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_records_epoch_is_read_from_its_tag() {
+        let bytes = prost::Message::encode_to_vec(&RecordEpoch { epoch: 9 });
+        assert_eq!(record_epoch(&bytes), Ok(9));
+        assert!(record_epoch(b"\xff\xff").is_err());
     }
 
     #[test]

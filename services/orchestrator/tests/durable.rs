@@ -49,8 +49,9 @@ fn scenario(turns: usize, words: &str) -> mock_llm::Scenario {
     }
 }
 
-/// How long the runners' fence reads may take (the replicas' `--run-fence-grace` is as long).
-const FENCE_READ: Duration = Duration::from_millis(500);
+/// How long the runners' fence reads may take (the replicas' `--run-fence-grace`, 500ms, is
+/// longer, as each runner checks).
+const FENCE_READ: Duration = Duration::from_millis(400);
 
 /// A tool-runner in this process serving `manifest`'s tools, refusing a replaced owner's calls
 /// by the fences it reads from the run store at `nats`; its URL.
@@ -187,7 +188,7 @@ impl Fleet {
             nats,
         );
         // A takeover's calls wait the fence grace: short here, with the runners' fence reads
-        // bounded as short (FENCE_READ), as the rule between the two settings wants.
+        // bounded shorter (FENCE_READ), as the rule between the two settings wants.
         command
             .args([
                 "--run-store-lease",

@@ -179,8 +179,10 @@ pub struct FenceSettings {
     )]
     pub bucket: String,
     /// Longest wait for a run's fence (cap 60s); past it the call is refused UNAVAILABLE, unrun,
-    /// and the orchestrator sends it to another runner.
-    #[arg(long = "run-store-timeout", env = "TOOL_RUNNER_RUN_STORE_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    /// and the orchestrator sends it to another runner. Must be shorter than the orchestrators'
+    /// --run-fence-grace (2s by default): checked when the store is first read, and durable calls
+    /// are refused, naming both, while it is not.
+    #[arg(long = "run-store-timeout", env = "TOOL_RUNNER_RUN_STORE_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub timeout: Duration,
     /// NATS credentials file (.creds) for the run store.
     #[arg(long = "nats-credentials", env = "TOOL_RUNNER_NATS_CREDENTIALS", value_name = "FILE")]
@@ -291,6 +293,12 @@ mod tests {
     #[test]
     fn the_defaults_are_valid() {
         assert!(Config::default().validate().is_ok());
+    }
+
+    /// The fence read ends within the orchestrators' default grace as the runner ships.
+    #[test]
+    fn the_default_fence_read_is_the_shared_one() {
+        assert_eq!(Config::default().fence.timeout, shared::fence::DEFAULT_READ_TIMEOUT);
     }
 
     /// Every row of the table, through the real flags, on both sides of both edges.

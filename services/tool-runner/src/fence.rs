@@ -4,10 +4,18 @@
 //! send; this one runs where the tool starts, against the store every runner reads, so a
 //! replaced owner's call is refused whichever runner it reaches and however late.
 //!
+//! Every read goes to the stream's leader (never a direct read a lagging follower may answer):
+//! the run's epoch is the higher of its fence key and the epoch its record carries (the fence key
+//! is written at takeovers only and expires with the bucket's age; the record lives as long as the
+//! run). A durable call of a run neither holds is refused, and so is a call that carries no epoch
+//! for a run whose record shows it durable; while the store cannot be read such a call runs (a
+//! durable run's owner never sends epoch 0).
+//!
 //! The store is read only. Its bucket is bound on first use (the orchestrators create it), so a
 //! runner may start before them or before NATS is up; until the store answers, durable calls are
-//! refused `UNAVAILABLE` unrun, which the orchestrator retries on another runner. A call of no
-//! durable run (epoch 0) is never checked.
+//! refused `UNAVAILABLE` unrun, which the orchestrator retries on another runner. Binding, the
+//! runner checks its read timeout against the orchestrators' fence grace kept in the bucket: a
+//! timeout that does not end within the grace refuses every durable call, naming both settings.
 
 use std::time::Duration;
 
@@ -31,6 +39,25 @@ pub enum Refusal {
         epoch: u64,
         current: u64,
     },
+    /// The call carries no epoch, yet the store shows its run durable: its sender lost track of
+    /// its claim, so it is not run.
+    #[error(
+        "call {call_id} of run {run_id} carries no epoch, yet the run is durable (in epoch {current}): a durable run's calls are fenced, so it is not run"
+    )]
+    #[allow(missing_docs, reason = "named by the message")]
+    NoEpoch {
+        run_id: String,
+        call_id: String,
+        current: u64,
+    },
+    /// The store holds neither a fence nor a record of the run: whether the call is stale is
+    /// unknown (its record expired, or the run was never claimed in this store), so it does not
+    /// run.
+    #[error(
+        "the run store holds no run {run_id} (its record expired, or it was claimed in another store); durable call {call_id} was not run"
+    )]
+    #[allow(missing_docs, reason = "named by the message")]
+    Unknown { run_id: String, call_id: String },
     /// The fence could not be read: whether the call is stale is unknown, so it does not run.
     #[error("the run fence of {run_id} could not be read ({why}); the call was not run")]
     #[allow(missing_docs, reason = "named by the message")]
@@ -42,7 +69,21 @@ pub struct RunFence {
     client: async_nats::Client,
     bucket: String,
     timeout: Duration,
-    kv: OnceCell<jetstream::kv::Store>,
+    stream: OnceCell<Result<jetstream::stream::Stream, String>>,
+}
+
+/// What the run store holds of a run: its fence and its record's epoch, each if there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Standing {
+    fence: Option<u64>,
+    record: Option<u64>,
+}
+
+impl Standing {
+    /// The run's epoch: the higher of the two (`None`: the store holds neither).
+    fn epoch(self) -> Option<u64> {
+        self.fence.max(self.record)
+    }
 }
 
 impl RunFence {
@@ -71,24 +112,40 @@ impl RunFence {
             client,
             bucket: settings.bucket.clone(),
             timeout: settings.timeout,
-            kv: OnceCell::new(),
+            stream: OnceCell::new(),
         }))
     }
 
-    /// Refuses call `call_id` of `run_id` sent in `epoch` when the run's fence stands higher, or
-    /// cannot be read in time; a call of no durable run (epoch 0) passes unread.
+    /// Refuses call `call_id` of `run_id` sent in `epoch` when the run stands in a higher epoch,
+    /// when the store holds no run of that id, or when the store cannot be read in time; a call
+    /// with no epoch is refused only when the store shows its run durable.
     pub async fn admit(&self, run_id: &str, call_id: &str, epoch: u64) -> Result<(), Refusal> {
-        if epoch == 0 {
-            return Ok(());
-        }
         let unreadable = |why: String| Refusal::Unreadable {
             run_id: run_id.to_owned(),
             why,
         };
-        let current = tokio::time::timeout(self.timeout, self.current(run_id))
+        let read = tokio::time::timeout(self.timeout, self.standing(run_id))
             .await
-            .map_err(|_| unreadable(format!("no answer within {}", humantime::format_duration(self.timeout))))?
-            .map_err(unreadable)?;
+            .map_err(|_| unreadable(format!("no answer within {}", humantime::format_duration(self.timeout))))
+            .and_then(|read| read.map_err(unreadable));
+        if epoch == 0 {
+            return match read {
+                Ok(Standing {
+                    record: Some(current), ..
+                }) if current > 0 => Err(Refusal::NoEpoch {
+                    run_id: run_id.to_owned(),
+                    call_id: call_id.to_owned(),
+                    current,
+                }),
+                _ => Ok(()),
+            };
+        }
+        let Some(current) = read?.epoch() else {
+            return Err(Refusal::Unknown {
+                run_id: run_id.to_owned(),
+                call_id: call_id.to_owned(),
+            });
+        };
         if shared::fence::stale(epoch, current) {
             return Err(Refusal::Stale {
                 run_id: run_id.to_owned(),
@@ -100,23 +157,67 @@ impl RunFence {
         Ok(())
     }
 
-    /// The run's epoch as its fence holds it (0: never taken over).
-    async fn current(&self, run_id: &str) -> Result<u64, String> {
-        let kv = self
-            .kv
-            .get_or_try_init(|| async {
-                jetstream::new(self.client.clone())
-                    .get_key_value(&self.bucket)
-                    .await
-                    .map_err(|e| format!("binding the bucket {}: {e}", self.bucket))
-            })
-            .await?;
-        let key = shared::fence::key(run_id);
-        match kv.entry(&key).await.map_err(|e| format!("reading {key}: {e}"))? {
-            Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
-                shared::fence::decode(&entry.value)
+    /// The run's fence and record as the stream's leader holds them now.
+    async fn standing(&self, run_id: &str) -> Result<Standing, String> {
+        let stream = self.stream().await?;
+        let (fence_key, record_key) = (shared::fence::key(run_id), shared::fence::record_key(run_id));
+        let (fence, record) = tokio::join!(self.last(stream, &fence_key), self.last(stream, &record_key));
+        Ok(Standing {
+            fence: fence?.map(|v| shared::fence::decode(&v)).transpose()?,
+            record: record?.map(|v| shared::fence::record_epoch(&v)).transpose()?,
+        })
+    }
+
+    /// The bucket's stream, bound once (with the grace checked): a failure to reach it is tried
+    /// again at the next call, a grace the timeout does not fit in is kept (a bucket with no grace is held to the default one).
+    async fn stream(&self) -> Result<&jetstream::stream::Stream, String> {
+        if let Some(bound) = self.stream.get() {
+            return bound.as_ref().map_err(Clone::clone);
+        }
+        let js = jetstream::new(self.client.clone());
+        let stream = js
+            .get_stream(format!("KV_{}", self.bucket))
+            .await
+            .map_err(|e| format!("binding the bucket {}: {e}", self.bucket))?;
+        let grace = match self.last(&stream, shared::fence::GRACE_KEY).await? {
+            Some(grace) => grace_of(&grace)?,
+            None => shared::fence::DEFAULT_GRACE,
+        };
+        let checked = shared::fence::check_grace(self.timeout, grace);
+        if let Err(e) = &checked {
+            tracing::error!("{e}");
+        }
+        let bound = self.stream.get_or_init(|| async { checked.map(|()| stream) }).await;
+        bound.as_ref().map_err(Clone::clone)
+    }
+
+    /// The value under `key`, read from the leader (`None`: no value, or deleted).
+    async fn last(&self, stream: &jetstream::stream::Stream, key: &str) -> Result<Option<bytes::Bytes>, String> {
+        let subject = format!("$KV.{}.{key}", self.bucket);
+        match stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(message) => {
+                let deleted = message
+                    .headers
+                    .get("KV-Operation")
+                    .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
+                Ok((!deleted).then_some(message.payload))
             }
-            _ => Ok(0),
+            Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(format!("reading {key}: {e}")),
         }
     }
+}
+
+/// The fence grace the orchestrators keep under [`shared::fence::GRACE_KEY`].
+fn grace_of(value: &[u8]) -> Result<Duration, String> {
+    std::str::from_utf8(value)
+        .ok()
+        .and_then(|ms| ms.trim().parse().ok())
+        .map(Duration::from_millis)
+        .ok_or_else(|| {
+            format!(
+                "the orchestrators' fence grace reads {:?}, not milliseconds",
+                String::from_utf8_lossy(value)
+            )
+        })
 }

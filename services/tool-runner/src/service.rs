@@ -66,7 +66,7 @@ impl ToolRunnerService {
         let span = tracing::Span::current();
         span.record("otel.status_code", "ERROR");
         let mut status = match &refusal {
-            Refusal::Stale { current, .. } => {
+            Refusal::Stale { current, .. } | Refusal::NoEpoch { current, .. } => {
                 span.record("error.type", "stale_epoch");
                 tracing::warn!("{refusal}");
                 let mut status = Status::failed_precondition(refusal.to_string());
@@ -74,6 +74,11 @@ impl ToolRunnerService {
                     .metadata_mut()
                     .insert(CURRENT_EPOCH_HEADER, MetadataValue::from(*current));
                 status
+            }
+            Refusal::Unknown { .. } => {
+                span.record("error.type", "unknown_run");
+                tracing::warn!("{refusal}");
+                Status::failed_precondition(refusal.to_string())
             }
             Refusal::Unreadable { .. } => {
                 span.record("error.type", "run_store");
@@ -83,6 +88,8 @@ impl ToolRunnerService {
         };
         let reason = match refusal {
             Refusal::Stale { .. } => "stale-epoch",
+            Refusal::NoEpoch { .. } => "no-epoch",
+            Refusal::Unknown { .. } => "unknown-run",
             Refusal::Unreadable { .. } => "run-store",
         };
         status

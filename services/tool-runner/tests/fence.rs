@@ -56,6 +56,14 @@ async fn bucket(nats: &Nats) -> anyhow::Result<async_nats::jetstream::kv::Store>
     testkit::nats::run_bucket(&js, BUCKET).await
 }
 
+/// Writes a record of `run` claimed in `epoch`, as an orchestrator's claim does (a runner reads
+/// only the epoch of it).
+async fn claim(kv: &async_nats::jetstream::kv::Store, run: &str, epoch: u64) -> TestResult {
+    let record = shared::fence::RecordEpoch { epoch }.to_bytes();
+    kv.put(shared::fence::record_key(run), record.into()).await?;
+    Ok(())
+}
+
 /// `record` for `call` of `run` sent in `epoch`: what the runner answered.
 async fn call(runner: &Runner, run: &str, call: &str, epoch: u64) -> anyhow::Result<Result<(), tonic::Status>> {
     let request = pb::RunToolRequest {
@@ -93,6 +101,8 @@ async fn a_call_older_than_its_runs_fence_is_refused_by_every_runner_before_its_
     let log = dir.path().join("calls.log");
     let [a, b] = runners(&nats, &manifest(dir.path(), &log)?).await?;
     let kv = bucket(&nats).await?;
+    claim(&kv, "run.1", 1).await?;
+    claim(&kv, "never-moved", 1).await?;
     kv.put(shared::fence::key("run.1"), shared::fence::encode(2).into())
         .await?;
 
@@ -111,7 +121,7 @@ async fn a_call_older_than_its_runs_fence_is_refused_by_every_runner_before_its_
     call(&a, "never-moved", "call_1", 1)
         .await?
         .map_err(anyhow::Error::msg)?;
-    call(&b, "run.1", "local", 0).await?.map_err(anyhow::Error::msg)?;
+    call(&b, "local-run", "local", 0).await?.map_err(anyhow::Error::msg)?;
 
     // Another takeover: runner b refuses the epoch it ran a moment ago, learnt from the store.
     kv.put(shared::fence::key("run.1"), shared::fence::encode(4).into())
@@ -126,7 +136,7 @@ async fn a_call_older_than_its_runs_fence_is_refused_by_every_runner_before_its_
             "run.1/call_1 2",
             "run.1/call_2 3",
             "never-moved/call_1 1",
-            "run.1/local 0"
+            "local-run/local 0"
         ],
         "only the calls of the run's current owner (or of no durable run) ran"
     );
@@ -142,7 +152,7 @@ async fn a_durable_call_is_refused_unrun_while_the_run_store_cannot_be_read() ->
     let dir = tempfile::tempdir()?;
     let log = dir.path().join("calls.log");
     let [a, _b] = runners(&nats, &manifest(dir.path(), &log)?).await?;
-    bucket(&nats).await?;
+    claim(&bucket(&nats).await?, "run.2", 1).await?;
     call(&a, "run.2", "before", 1).await?.map_err(anyhow::Error::msg)?;
 
     nats.stop().await?;
@@ -164,5 +174,82 @@ async fn a_durable_call_is_refused_unrun_while_the_run_store_cannot_be_read() ->
     let ran = ran(&log);
     assert!(!ran.iter().any(|l| l.contains("during")), "{ran:?}");
     assert_eq!(&ran[..2], ["run.2/before 1", "run.2/local 0"]);
+    Ok(())
+}
+
+/// The fence key is never read alone: with it gone (aged out) the run's record still holds the
+/// epoch of its current claim, and a call older than that is refused; a durable call of a run the
+/// store holds nothing of is refused, unrun; a call with no epoch of a run the store shows durable
+/// is refused as its owner's. All before the tool runs.
+#[tokio::test]
+async fn a_missing_fence_is_never_read_as_no_fence() -> TestResult {
+    let nats = Nats::start().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.log");
+    let [a, _b] = runners(&nats, &manifest(dir.path(), &log)?).await?;
+    let kv = bucket(&nats).await?;
+    claim(&kv, "moved", 3).await?;
+
+    let refused = call(&a, "moved", "old", 2)
+        .await?
+        .expect_err("epoch 2 of a run claimed in 3");
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(header(&refused, "x-run-epoch-current").as_deref(), Some("3"));
+    let unknown = call(&a, "nowhere", "c", 1)
+        .await?
+        .expect_err("a run the store does not hold");
+    assert_eq!(unknown.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(
+        header(&unknown, "x-tool-runner-refused").as_deref(),
+        Some("unknown-run")
+    );
+    assert!(
+        unknown.message().contains("holds no run nowhere"),
+        "{}",
+        unknown.message()
+    );
+    let unfenced = call(&a, "moved", "no-epoch", 0)
+        .await?
+        .expect_err("no epoch, durable run");
+    assert_eq!(header(&unfenced, "x-run-epoch-current").as_deref(), Some("3"));
+    assert!(
+        unfenced.message().contains("carries no epoch"),
+        "{}",
+        unfenced.message()
+    );
+
+    call(&a, "moved", "current", 3).await?.map_err(anyhow::Error::msg)?;
+    call(&a, "nowhere", "local", 0).await?.map_err(anyhow::Error::msg)?;
+    assert_eq!(ran(&log), ["moved/current 3", "nowhere/local 0"]);
+    Ok(())
+}
+
+/// A runner whose fence read could outlast the orchestrators' grace refuses every durable call,
+/// naming both settings; one whose read fits runs them.
+#[tokio::test]
+async fn a_fence_read_longer_than_the_grace_refuses_durable_calls_naming_both() -> TestResult {
+    let nats = Nats::start().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.log");
+    let kv = bucket(&nats).await?;
+    claim(&kv, "run.3", 1).await?;
+    kv.put(shared::fence::GRACE_KEY, "400".into()).await?;
+    let [slow, _] = runners(&nats, &manifest(dir.path(), &log)?).await?;
+    let refused = call(&slow, "run.3", "c", 1)
+        .await?
+        .expect_err("500ms reads, 400ms grace");
+    assert_eq!(refused.code(), tonic::Code::Unavailable);
+    assert!(
+        refused.message().contains("--run-store-timeout (500ms)")
+            && refused.message().contains("--run-fence-grace (400ms)"),
+        "{}",
+        refused.message()
+    );
+    call(&slow, "run.3", "local", 0).await?.map_err(anyhow::Error::msg)?;
+
+    kv.put(shared::fence::GRACE_KEY, "2000".into()).await?;
+    let [fits, _] = runners(&nats, &manifest(dir.path(), &log)?).await?;
+    call(&fits, "run.3", "c", 1).await?.map_err(anyhow::Error::msg)?;
+    assert_eq!(ran(&log), ["run.3/local 0", "run.3/c 1"]);
     Ok(())
 }

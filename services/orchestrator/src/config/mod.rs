@@ -295,6 +295,12 @@ mod tests {
         others.iter().map(|o| (*o).to_owned()).collect()
     }
 
+    /// The grace a runner is held to when the store keeps none is the one the flag defaults to.
+    #[test]
+    fn the_default_fence_grace_is_the_shared_one() {
+        assert_eq!(Config::default().store.fence_grace, shared::fence::DEFAULT_GRACE);
+    }
+
     #[test]
     fn the_defaults_are_valid() {
         assert!(Config::default().validate().is_ok());

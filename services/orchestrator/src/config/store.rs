@@ -43,8 +43,9 @@ pub struct StoreSettings {
     pub lease_margin: Option<Duration>,
     /// With the NATS store: how long a replica that took a run over waits, once its claim
     /// raised the run's fence, before its first tool call. A tool-runner's fence read answered
-    /// just before the raise may start its tool until the runner's --run-store-timeout is over;
-    /// keep this at least that (0..=1m).
+    /// just before the raise may start its tool until the runner's --run-store-timeout is over,
+    /// so this must be longer (0..=1m): kept in the store at start, and each runner checks its
+    /// timeout against it, refusing durable calls (naming both settings) when it does not fit.
     #[arg(long = "run-fence-grace", env = "ORCHESTRATOR_RUN_FENCE_GRACE", default_value = "2s", value_parser = parse_duration)]
     pub fence_grace: Duration,
     /// How long the NATS result store keeps a result (cap 365d).

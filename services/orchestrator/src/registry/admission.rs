@@ -492,7 +492,13 @@ impl Runs {
         state.status = parked_as.unwrap_or(state.status);
         *shared::sync::lock(&admitted.state) = state;
         admitted._lease = admitted.persister.keep_lease();
-        admitted.log = Some(self.log.owned_writer(run_id, &logged, admitted.persister.ownership()));
+        // The log kept everything the checkpoint sent; should it end earlier (its oldest
+        // messages aged out while the run waited) the run's next event follows on all the same.
+        let from = Logged {
+            seq: logged.seq.max(checkpoint.sent_through()),
+            ..logged.clone()
+        };
+        admitted.log = Some(self.log.owned_writer(run_id, &from, admitted.persister.ownership()));
         if let Some(reason) = canceled {
             admitted.cancel.cancel(&reason);
         }

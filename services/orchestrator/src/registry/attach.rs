@@ -59,7 +59,7 @@ impl Runs {
             .ok_or(AttachError::NotFound)?;
         metrics::counter!(crate::telemetry::metric::ATTACHES).increment(1);
         let feed = match self.store.lease() {
-            Some(terms) => self.watched(feed, run_id, after_seq, caller, terms.renew_every()),
+            Some(terms) => self.watched(feed, run_id, after_seq, caller, terms),
             None => feed,
         };
         // The caller's permit is held as long as its feed.
@@ -69,15 +69,16 @@ impl Runs {
         })))
     }
 
-    /// `feed`, ended with [`LogError::Lost`] when, quiet for a period of `every`, the store and
-    /// the log say the run's end will never come ([`Runs::lost_end`]).
+    /// `feed`, ended with [`LogError::Lost`] when, quiet for a renewal period of the lease, the
+    /// store and the log say the run's end will never come ([`Runs::lost_end`]). Its
+    /// `run_finished` is handed out once the store holds the end too ([`Runs::stored_end`]).
     fn watched(
         self: &Arc<Self>,
         feed: EventFeed,
         run_id: &str,
         after_seq: u64,
         caller: &Principal,
-        every: Duration,
+        terms: crate::domain::LeaseTerms,
     ) -> EventFeed {
         use futures::StreamExt;
         struct Watch {
@@ -96,13 +97,22 @@ impl Runs {
         };
         futures::stream::unfold(watch, move |mut w| async move {
             loop {
-                match tokio::time::timeout(every, w.feed.next()).await {
+                match tokio::time::timeout(terms.renew_every(), w.feed.next()).await {
                     Ok(Some(item)) => {
                         if let Ok(event) = &item {
-                            w.last_seq = event.seq;
-                            if event.is_last() {
-                                w.runs.stored_end(&w.run_id, &w.caller, every).await;
+                            if event.is_last() && !w.runs.stored_end(&w.run_id, &w.caller, terms.length * 2).await {
+                                let unkept = LogError::Unavailable {
+                                    run_id: w.run_id.clone(),
+                                    reason: format!(
+                                        "the run's log holds its end, the store does not yet; attach again after seq {}",
+                                        w.last_seq
+                                    ),
+                                };
+                                let mut ended = w;
+                                ended.feed = futures::stream::empty().boxed();
+                                return Some((Err(unkept), ended));
                             }
+                            w.last_seq = event.seq;
                         }
                         return Some((item, w));
                     }
@@ -153,14 +163,19 @@ impl Runs {
         })
     }
 
-    /// Waits (at most `limit`) until the store says the run ended: a durable run's log holds its
-    /// end a moment before its record does, and a follower handed `run_finished` reads the
-    /// result with `GetRun` next.
-    async fn stored_end(&self, run_id: &str, caller: &Principal, limit: Duration) {
+    /// Waits (at most `limit`) until the store says the run ended; whether it did. A durable
+    /// run's log holds its end a moment before its record does (and should its owner die in
+    /// between, the replica that takes the run over stores the end it finds in the log, within
+    /// two leases): a follower is handed `run_finished` only once both hold it, so the result
+    /// `GetRun` reads next is the end it was shown.
+    async fn stored_end(&self, run_id: &str, caller: &Principal, limit: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
-        while tokio::time::Instant::now() < deadline {
-            if !matches!(self.get(run_id, caller).await, Ok(Some(r)) if r.status.is_live()) {
-                return;
+        loop {
+            if matches!(self.get(run_id, caller).await, Ok(Some(r)) if !r.status.is_live()) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

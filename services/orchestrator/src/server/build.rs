@@ -233,6 +233,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
             .await?
             .with_lease_margin(config.store.lease_margin())
             .with_fence_grace(config.store.fence_grace);
+            store.announce_fence_grace().await?;
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value; runs are durable");
             let store = Arc::new(store);
             let approvals =

@@ -74,9 +74,16 @@ where
     }
 }
 
-/// Why the call must not be sent (again): this replica no longer acts for its run.
+/// Why the call must not be sent (again): this replica no longer acts for its run, or the call
+/// of a durable run carries no epoch (runners would refuse it: its owner lost track of its claim,
+/// and stops).
 pub(super) fn moved_away(call: &ToolInvocation) -> Option<ToolCallError> {
     let owner = call.owner.as_ref()?;
+    if call.epoch == 0 {
+        let why = format!("call {} of a durable run carries no epoch", call.call_id);
+        owner.stop(crate::domain::Stop::Fenced(why.clone()));
+        return Some(ToolCallError::new("UNAVAILABLE", format!("not sent: {why}")));
+    }
     (!owner.holds()).then(|| {
         let why = owner
             .why()

@@ -96,6 +96,13 @@ impl Default for Progress {
 }
 
 impl Checkpoint {
+    /// The last seq the run sent before this checkpoint (the log held it then): the event before
+    /// the outbox's first, or the last numbered when nothing is queued. A log that ends before it
+    /// lost its oldest events to age or trimming, not to a hole.
+    pub fn sent_through(&self) -> u64 {
+        self.outbox.first().map_or(self.seq, |e| e.seq.saturating_sub(1))
+    }
+
     /// The checkpoint of a run about to start, as its first safe point takes it: its spec and
     /// first state `result`, with `run_started` (seq 1) still to send. A durable run's id is
     /// claimed with it, so the run is resumable from its first moment.

@@ -14,7 +14,10 @@
 //! is bounded by `--event-log-max-bytes`: past it the subject is purged down to its newest
 //! messages. A batch the channel or JetStream did not take is a hole: it is counted and logged,
 //! the writer's [`Settled`] says the log is broken from there on (a durable run's caller is sent
-//! nothing past it), and a follower that reaches it is told so (`DATA_LOSS`).
+//! nothing past it), and **nothing is published after it**: the owner stops acting for the run,
+//! which resumes (here or on another replica) from its last checkpoint, numbering on from where
+//! the log ends, so the log stays gap-free. A follower that meets a gap anyway (a log trimmed, or
+//! written by a version that published past a hole) is told so (`DATA_LOSS`).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -149,6 +152,11 @@ struct Writer {
 
 impl LogWriter for Writer {
     fn append(&mut self, events: &[NumberedEvent]) {
+        if self.settled.borrow().broken {
+            // Nothing lands after a hole (see the module docs).
+            metrics::counter!(metric::EVENT_LOG_DROPPED).increment(1);
+            return;
+        }
         if let Err(e) = self.tx.try_send(events.to_vec()) {
             metrics::counter!(metric::EVENT_LOG_DROPPED).increment(1);
             let first = events.first().map_or(0, |e| e.seq);
@@ -313,7 +321,16 @@ impl Publisher {
             }
             self.text_turn = self.text_turn.max(text_turn(&events));
             for (first, payload, last) in self.messages(events) {
-                let kept = self.publish(first, payload).await;
+                let (broken, kept_through) = {
+                    let settled = self.settled.borrow();
+                    (settled.broken, settled.kept_through)
+                };
+                if broken {
+                    metrics::counter!(metric::EVENT_LOG_DROPPED).increment(1);
+                    continue;
+                }
+                // A batch the writer's buffer dropped before this one is a hole already.
+                let kept = first <= kept_through + 1 && self.publish(first, payload).await;
                 self.settle(first, last, kept);
             }
             next_publish = Instant::now() + self.log.options.flush_interval;
@@ -352,8 +369,11 @@ impl Publisher {
 
     /// Moves the settled mark on past a message of the events `first..=last`: kept and right
     /// after what was kept before, the log holds them; otherwise (refused, or after a batch the
-    /// writer's buffer dropped) the log is broken from there on.
+    /// writer's buffer dropped) the log is broken from there on: nothing more is published, and
+    /// the owner stops acting for the run, which resumes from its last checkpoint where the log
+    /// ends.
     fn settle(&self, first: u64, last: u64, kept: bool) {
+        let mut hole = None;
         self.settled.send_modify(|settled| {
             if settled.broken {
                 return;
@@ -362,9 +382,15 @@ impl Publisher {
                 settled.kept_through = settled.kept_through.max(last);
             } else {
                 settled.broken = true;
-                tracing::warn!(run_id = %self.run_id, after_seq = settled.kept_through, "the run's event log has a hole: followers are told of the loss there");
+                hole = Some(settled.kept_through);
             }
         });
+        if let Some(after_seq) = hole {
+            tracing::warn!(run_id = %self.run_id, after_seq, "the run's event log lost events: nothing more is published, and the run resumes from its last checkpoint");
+            self.owner.stop(Stop::Unsaved(format!(
+                "the event log did not keep the events after seq {after_seq}"
+            )));
+        }
     }
 
     /// Publishes one message, trying again (with backoff) until JetStream acknowledges it or

@@ -27,8 +27,8 @@ use crate::domain::ports::{Claim, ResultStore, StoreError};
 use crate::domain::{FailureReason, RunResult, RunStatus};
 use crate::store::unavailable;
 
-/// The fence grace unless set: the tool-runner's default `--run-store-timeout`.
-const DEFAULT_FENCE_GRACE: Duration = Duration::from_secs(2);
+/// The fence grace unless set (the default tool-runners check their read timeout against).
+const DEFAULT_FENCE_GRACE: Duration = shared::fence::DEFAULT_GRACE;
 
 /// See the module docs.
 pub struct KvStore {
@@ -336,6 +336,17 @@ impl KvStore {
         self
     }
 
+    /// Keeps this replica's fence grace in the bucket, where each tool-runner reading the run
+    /// fence checks its read timeout against it.
+    pub async fn announce_fence_grace(&self) -> Result<(), StoreError> {
+        let ms = u64::try_from(self.fence_grace.as_millis()).unwrap_or(u64::MAX);
+        self.kv
+            .put(shared::fence::GRACE_KEY, ms.to_string().into())
+            .await
+            .map(|_| ())
+            .map_err(|e| unavailable("KV put", shared::fence::GRACE_KEY, e))
+    }
+
     /// Binds the bucket `bucket` (its stream created when missing, its replicas brought to
     /// `replicas`).
     pub(super) async fn open_bucket(
@@ -629,6 +640,21 @@ impl ResultStore for KvStore {
 
 #[cfg(test)]
 mod tests {
+    /// A tool-runner reads a run's epoch from its record without knowing the rest of it.
+    #[test]
+    fn a_runner_reads_the_epoch_the_record_holds_under_its_key() {
+        use prost::Message as _;
+        let record = super::Record {
+            result: Some(super::pb::RunResult::default()),
+            owner: "a".into(),
+            epoch: 7,
+            checkpoint_epoch: 6,
+            ..Default::default()
+        };
+        assert_eq!(shared::fence::record_epoch(&record.encode_to_vec()), Ok(7));
+        assert_eq!(super::key("a.b:c"), shared::fence::record_key("a.b:c"));
+    }
+
     #[test]
     fn keys_are_valid_and_distinct() {
         assert_eq!(super::key("0193-abc_DEF"), "run.0193-abc_DEF");
