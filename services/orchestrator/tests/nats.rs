@@ -1706,7 +1706,8 @@ async fn streams_and_buckets_are_created_and_brought_to_their_replicas() -> Test
 /// A replica that took a run over saves its first checkpoint in its own epoch (the previous
 /// owner's object is then deleted) and renews its lease; if it dies then, the next replica takes
 /// the run over from that checkpoint. (The renewal once wrote the record naming the deleted
-/// object again, and the run could never be taken over.)
+/// object again, and the run could never be taken over.) A record naming an object that is gone
+/// reads lost, never resumed from an object it does not name.
 #[tokio::test]
 async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> TestResult {
     use orchestrator::domain::ports::{Claim, RunJournal};
@@ -1741,8 +1742,8 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
         Some(b"b's turn".to_vec())
     );
 
-    // A record that names a checkpoint gone (as that renewal left it) resumes from the newest
-    // one left of the run's admission.
+    // A record that names a checkpoint gone is never resumed from another object of the run's
+    // (one its record does not name may be a replaced owner's): the run is lost.
     let gone = RunResult::running("gone");
     assert!(matches!(
         a.claim_resumable(gone.clone(), deadline, b"a's start".to_vec()).await,
@@ -1764,9 +1765,14 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
         d.orphans().await.ok()?.contains(&"gone".to_owned()).then_some(())
     })
     .await?;
+    assert_eq!(d.take_over("gone").await?.map(|c| c.checkpoint), None);
+    let lost = d.get("gone").await?.ok_or_else(|| anyhow::anyhow!("no record"))?;
     assert_eq!(
-        d.take_over("gone").await?.map(|c| c.checkpoint),
-        Some(b"a later turn".to_vec())
+        (lost.status, lost.failure_reason),
+        (
+            RunStatus::Failed,
+            Some(orchestrator::domain::FailureReason::OrchestratorLost)
+        )
     );
     Ok(())
 }
@@ -1955,5 +1961,48 @@ async fn a_follower_goes_on_when_the_node_of_its_consumer_is_lost() -> TestResul
         .await
         .map_err(|_| anyhow::anyhow!("the follower stalled with its consumer's node\n{}", cluster.logs()))??;
     assert_eq!(seqs, [2, 3]);
+    Ok(())
+}
+
+/// A replaced owner's checkpoint is never what a takeover reads: c takes a's run over and dies
+/// before it saves; a, replaced but unaware, saves once more (its record write is refused, but
+/// its object put is not conditional); d takes the run over from c and resumes from a's last
+/// checkpoint that its record named, not from the replaced owner's late one.
+#[tokio::test]
+async fn a_replaced_owners_late_checkpoint_is_never_what_a_takeover_reads() -> TestResult {
+    use orchestrator::domain::ports::{Claim, RunJournal, StoreError};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_millis(500);
+    let (a, c, d) = (
+        replica_store(&js, "late-runs", "a", lease).await?,
+        replica_store(&js, "late-runs", "c", lease).await?,
+        replica_store(&js, "late-runs", "d", lease).await?,
+    );
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let run = RunResult::running("late");
+    assert!(matches!(
+        a.claim_resumable(run.clone(), deadline, b"a's start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    a.save(run.clone(), deadline, b"a's first".to_vec()).await?;
+    a.save(run.clone(), deadline, b"a's second".to_vec()).await?;
+
+    assert!(c.orphans().await?.is_empty());
+    orphans_once_lapsed(&c, &["late"]).await?;
+    let taken = c.take_over("late").await?.map(|t| t.checkpoint);
+    assert_eq!(taken, Some(b"a's second".to_vec()));
+
+    let late = a.save(run, deadline, b"a's late".to_vec()).await;
+    assert!(matches!(late, Err(StoreError::Fenced { .. })), "{late:?}");
+
+    assert!(d.orphans().await?.is_empty());
+    orphans_once_lapsed(&d, &["late"]).await?;
+    let taken = d.take_over("late").await?.map(|t| t.checkpoint);
+    assert_eq!(
+        taken,
+        Some(b"a's second".to_vec()),
+        "the object the record names, not the replaced owner's"
+    );
     Ok(())
 }

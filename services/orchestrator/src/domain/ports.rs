@@ -356,6 +356,14 @@ pub enum StoreError {
         /// Its owner now.
         owner: String,
     },
+    /// A value could not be encoded: nothing was written (never empty bytes in its place).
+    #[error("{what} could not be encoded, so nothing was written: {reason}")]
+    Unencodable {
+        /// What was to be written.
+        what: &'static str,
+        /// The encoder's error.
+        reason: String,
+    },
 }
 
 /// One store operation, given at most `timeout`: every caller of the store bounds its waits so.

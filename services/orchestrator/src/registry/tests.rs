@@ -477,6 +477,7 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
     state.status = RunStatus::AwaitingApproval;
     let checkpoint = crate::run::tool_loop::Checkpoint::at_start(&spec, state.clone())
         .snapshot()
+        .expect("a checkpoint of this process's own making encodes")
         .bytes;
     let wait = Wait {
         run_id: "p".into(),

@@ -40,6 +40,9 @@ pub struct Persister {
     /// The run's id was claimed with its start checkpoint: its first safe point has nothing new
     /// to save.
     claimed_resumable: Arc<AtomicBool>,
+    /// A park is under way: no write leaves meanwhile (a renewal landing after the park's
+    /// record would make the run running again), and none waits for it either.
+    parking: Arc<AtomicBool>,
 }
 
 /// A checkpoint as the loop hands it over: the run's state, its deadline and the serialized
@@ -85,6 +88,7 @@ impl Persister {
             journal: None,
             released: CancellationToken::new(),
             claimed_resumable: Arc::default(),
+            parking: Arc::default(),
         }
     }
 
@@ -118,9 +122,10 @@ impl Persister {
         self
     }
 
-    /// Whether a write may leave now: the run is this replica's (or ended here), and not parked.
+    /// Whether a write may leave now: the run is this replica's (or ended here), and not parked
+    /// or parking.
     fn may_write(&self) -> bool {
-        !self.released.is_cancelled() && self.ownership.may_log()
+        !self.released.is_cancelled() && !self.parking.load(Ordering::Acquire) && self.ownership.may_log()
     }
 
     /// Writes the current state now; whether the store took it.
@@ -178,10 +183,10 @@ impl Persister {
 
     /// Saves a checkpoint (made by `make` once the write's turn came, so the newest one is
     /// written last) and renews the lease with it; whether the store took it. A checkpoint the
-    /// store did not take stops the run here: what it would reveal next is not saved, so the run
-    /// resumes (elsewhere, or here through a fresh claim) from the last good one. Without a
-    /// journal nothing is written.
-    pub async fn save(&self, make: impl FnOnce() -> Snapshot) -> bool {
+    /// store did not take (or that could not be encoded) stops the run here: what it would reveal
+    /// next is not saved, so the run resumes (elsewhere, or here through a fresh claim) from the
+    /// last good one. Without a journal nothing is written.
+    pub async fn save(&self, make: impl FnOnce() -> Result<Snapshot, StoreError>) -> bool {
         let Some(journal) = &self.journal else {
             return false;
         };
@@ -193,7 +198,14 @@ impl Persister {
             mut result,
             deadline_unix_ms,
             bytes,
-        } = make().counted();
+        } = match make() {
+            Ok(snapshot) => snapshot.counted(),
+            Err(e) => {
+                tracing::error!("{e}; the run stops here and resumes from its last checkpoint");
+                self.ownership.stop(Stop::Unsaved(e.to_string()));
+                return false;
+            }
+        };
         result.updated_at_ms = shared::sync::unix_ms();
         let run_id = result.run_id.clone();
         let sent = tokio::time::Instant::now();
@@ -206,17 +218,23 @@ impl Persister {
         ok
     }
 
-    /// Parks the run (`park`, the approval store's) with no write of this persister in between;
-    /// once parked, nothing of the run is written from here any more.
+    /// Parks the run (`park`, the approval store's) with no write of this persister in between:
+    /// a write under way finishes first, and those asked for while the park's requests are out
+    /// are not sent (they do not wait on them either: the lock is not held across the park).
+    /// Once parked, nothing of the run is written from here any more.
     pub async fn parking(
         &self,
         park: impl Future<Output = Result<ParkOutcome, StoreError>>,
     ) -> Result<ParkOutcome, StoreError> {
-        let _serialized = self.lock.lock().await;
+        {
+            let _serialized = self.lock.lock().await;
+            self.parking.store(true, Ordering::Release);
+        }
         let parked = park.await;
         if matches!(parked, Ok(ParkOutcome::Parked)) {
             self.released.cancel();
         }
+        self.parking.store(false, Ordering::Release);
         parked
     }
 
@@ -300,7 +318,10 @@ impl Persister {
     /// resume the run from its first moment ([`RunJournal::claim_resumable`]); without a journal
     /// as [`Persister::claim`]. A store that cannot be reached does not stop the run at once: it
     /// goes on unclaimed, resumable from its first saved checkpoint.
-    pub async fn claim_resumable(&self, start: impl FnOnce() -> Snapshot) -> Result<Claim, StoreError> {
+    pub async fn claim_resumable(
+        &self,
+        start: impl FnOnce() -> Result<Snapshot, StoreError>,
+    ) -> Result<Claim, StoreError> {
         let Some(journal) = &self.journal else {
             return self.claim().await;
         };
@@ -308,7 +329,7 @@ impl Persister {
             result,
             deadline_unix_ms,
             bytes,
-        } = start().counted();
+        } = start()?.counted();
         let run_id = result.run_id.clone();
         let sent = tokio::time::Instant::now();
         let claim = within(self.timeout, journal.claim_resumable(result, deadline_unix_ms, bytes)).await;
@@ -434,5 +455,35 @@ mod tests {
             Some(RunStatus::Failed),
             "write_final stores the end, and no renewal writes after it"
         );
+    }
+
+    /// A park's requests hold no lock: a write asked for meanwhile neither waits for them nor
+    /// leaves (it would make the parked run running again); once the park failed, writes go again.
+    #[tokio::test(start_paused = true)]
+    async fn a_write_during_a_park_neither_waits_nor_leaves() {
+        let store = Arc::new(Recording::default());
+        let state: SharedState = Arc::new(Mutex::new(RunResult::running("r")));
+        let timeout = Duration::from_secs(1);
+        let backlog = Backlog::new(Arc::clone(&store) as Arc<dyn ResultStore>, 4, timeout, timeout);
+        let persister = Persister::new(Arc::clone(&store) as Arc<dyn ResultStore>, state, timeout, backlog);
+        let (answer, answered) = tokio::sync::oneshot::channel::<Result<ParkOutcome, StoreError>>();
+        let parking = tokio::spawn({
+            let persister = persister.clone();
+            async move {
+                let park = async move {
+                    answered
+                        .await
+                        .unwrap_or_else(|_| Err(StoreError::Timeout(Duration::ZERO)))
+                };
+                persister.parking(park).await
+            }
+        });
+        tokio::task::yield_now().await;
+        let written = tokio::time::timeout(Duration::from_millis(10), persister.write()).await;
+        assert_eq!(written.ok(), Some(false), "not sent, and not held up by the park");
+        assert!(shared::sync::lock(&store.puts).is_empty());
+        let _ = answer.send(Err(StoreError::Timeout(timeout)));
+        assert!(parking.await.is_ok_and(|parked| parked.is_err()));
+        assert!(persister.write().await, "the park failed: the run writes again");
     }
 }

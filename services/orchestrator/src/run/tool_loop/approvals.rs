@@ -373,18 +373,23 @@ impl Driver<'_> {
             state.status = RunStatus::Running;
             result
         };
-        let parked = Parked {
-            checkpoint: serde_json::to_vec(&checkpoint).unwrap_or_default(),
-            result,
-            wake_at_unix_ms: self.wake_at(calls),
-            parked_at_unix_ms: shared::sync::unix_ms(),
-            deadline_unix_ms: self.spec.deadline.unix_ms(),
-            log: self.emitter.take_log(),
-        };
-        let park = self.deps.approvals.park(&self.spec.run_id, parked);
-        let parked = match &self.persister {
-            Some(persister) => persister.parking(park).await,
-            None => park.await,
+        let parked = match crate::store::json("the run's checkpoint", &checkpoint) {
+            Ok(checkpoint) => {
+                let parked = Parked {
+                    checkpoint,
+                    result,
+                    wake_at_unix_ms: self.wake_at(calls),
+                    parked_at_unix_ms: shared::sync::unix_ms(),
+                    deadline_unix_ms: self.spec.deadline.unix_ms(),
+                    log: self.emitter.take_log(),
+                };
+                let park = self.deps.approvals.park(&self.spec.run_id, parked);
+                match &self.persister {
+                    Some(persister) => persister.parking(park).await,
+                    None => park.await,
+                }
+            }
+            Err(e) => Err(e),
         };
         match parked {
             Ok(ParkOutcome::Parked) => {

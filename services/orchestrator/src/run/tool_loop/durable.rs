@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::{CallOutcome, Driver, End, Partition, Spend, Step, Turn};
 use crate::domain::chat::Message;
 use crate::domain::chat::Usage;
+use crate::domain::ports::StoreError;
 use crate::domain::{Event, NumberedEvent, RunResult, RunSpec};
 use crate::run::live::{Cancel, Settler};
 use crate::run::persist::{Persister, Snapshot};
@@ -125,13 +126,13 @@ impl Checkpoint {
         }
     }
 
-    /// The checkpoint as the persister writes it.
-    pub fn snapshot(&self) -> Snapshot {
-        Snapshot {
+    /// The checkpoint as the persister writes it; one that cannot be encoded is not written.
+    pub fn snapshot(&self) -> Result<Snapshot, StoreError> {
+        Ok(Snapshot {
             result: self.result.clone(),
             deadline_unix_ms: self.spec.deadline.unix_ms(),
-            bytes: serde_json::to_vec(self).unwrap_or_default(),
-        }
+            bytes: crate::store::json("the run's checkpoint", self)?,
+        })
     }
 }
 

@@ -117,7 +117,7 @@ async fn replace(
     record: &WaitRecord,
     revision: u64,
 ) -> Result<bool, StoreError> {
-    let bytes = serde_json::to_vec(record).unwrap_or_default();
+    let bytes = crate::store::json("a run's wait", record)?;
     super::kv::write_at(waits, key, bytes.into(), Some(revision)).await
 }
 
@@ -214,11 +214,14 @@ impl NatsApprovals {
         if !stamped {
             return Err(unavailable("KV update", &key, "the wait kept changing"));
         }
-        store.put_checkpoint(key.clone(), parked.checkpoint).await?;
+        let (target, put) = store.put_checkpoint(&key, parked.checkpoint);
+        put.await?;
         let mut record = store.record(
             proto::orchestrator::v1::RunResult::from(&parked.result),
             parked.deadline_unix_ms.max(parked.wake_at_unix_ms),
         );
+        record.checkpoint_epoch = target.epoch;
+        record.checkpoint_slot = target.slot;
         record.awaiting = true;
         record.wake_at_unix_ms = parked.wake_at_unix_ms;
         record.lease_expires_unix_ms = shared::sync::unix_ms();
@@ -342,7 +345,7 @@ async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRe
         let current = read(waits, key).await.map_err(|e| refused(&e))?;
         let written = match current {
             None => {
-                let bytes = serde_json::to_vec(&record).unwrap_or_default();
+                let bytes = crate::store::json("a run's wait", &record).map_err(|e| refused(&e))?;
                 match waits.create(key, bytes.into()).await {
                     Ok(_) => true,
                     Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => false,

@@ -11,7 +11,7 @@ use prost::Message;
 use tokio::io::AsyncReadExt;
 
 use super::results::{
-    KvStore, Owned, checkpoint_name, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
+    CheckpointName, KvStore, Owned, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
 };
 use crate::domain::ports::{CancelAsk, Claim, Claimed, RemoteCancel, RemoteSteer, RunJournal, SteeringAsk, StoreError};
 use crate::domain::steering::UserMessage;
@@ -52,7 +52,7 @@ async fn ask<Q: serde::Serialize, A: serde::de::DeserializeOwned>(
     key: String,
     question: Q,
 ) -> Result<Option<A>, StoreError> {
-    let payload = serde_json::to_vec(&question).unwrap_or_default();
+    let payload = crate::store::json("a question to the run's replica", &question)?;
     let reply = match client.request(subject.clone(), payload.into()).await {
         Ok(reply) => reply,
         Err(e)
@@ -99,8 +99,11 @@ where
                 let question: Q = serde_json::from_slice(&message.payload).ok()?;
                 let answer: Answerer<A> = Box::new(move |answer: A| {
                     async move {
-                        let bytes = serde_json::to_vec(&answer).unwrap_or_default();
-                        if let Err(e) = client.publish(reply, bytes.into()).await {
+                        let sent = match crate::store::json("an answer", &answer) {
+                            Ok(bytes) => client.publish(reply, bytes.into()).await.map_err(|e| e.to_string()),
+                            Err(e) => Err(e.to_string()),
+                        };
+                        if let Err(e) = sent {
                             tracing::warn!("answering one of the {what} failed: {e}");
                         }
                     }
@@ -120,31 +123,23 @@ impl KvStore {
         format!("{}/{}/{n}", self.owner, shared::sync::unix_ms())
     }
 
-    /// Puts the checkpoint of this replica's run under `key` in the object of its epoch, named by
-    /// the run's admission; once stored, the run's record names that object.
+    /// Puts the checkpoint of this replica's run under `key` into the object of its epoch that
+    /// its record does not name (see [`super::results::Record::checkpoint_slot`]), described by
+    /// the run's admission: the object it goes to (which the record written next names), and
+    /// the put.
     pub(super) fn put_checkpoint(
         &self,
-        key: String,
+        key: &str,
         checkpoint: Vec<u8>,
-    ) -> impl Future<Output = Result<(), StoreError>> + use<> {
-        let (epoch, claim) = self
-            .owned()
-            .get(&key)
-            .map_or((1, String::new()), |o| (o.epoch, o.claim.clone()));
-        let put = put_named(
-            self.checkpoints.clone(),
-            checkpoint_name(&key, epoch),
-            claim,
-            checkpoint,
+    ) -> (CheckpointName, impl Future<Output = Result<(), StoreError>> + use<>) {
+        let (target, claim) = self.owned().get(key).map_or_else(
+            || (CheckpointName { epoch: 1, slot: 0 }, String::new()),
+            |o| (o.next_checkpoint(), o.claim.clone()),
         );
-        let owned = std::sync::Arc::clone(&self.owned);
-        async move {
-            put.await?;
-            if let Some(o) = shared::sync::lock(&owned).get_mut(&key) {
-                o.checkpoint_epoch = o.checkpoint_epoch.max(epoch);
-            }
-            Ok(())
-        }
+        (
+            target,
+            put_named(self.checkpoints.clone(), target.name(key), claim, checkpoint),
+        )
     }
 }
 
@@ -167,33 +162,20 @@ async fn put_named(
         .map_err(|e| unavailable("checkpoint put", &name, e))
 }
 
-/// The checkpoint a run taken over resumes from: the object its record names or, should that be
-/// gone, the newest one of an epoch up to the run's (an owner that was replaced after putting
-/// its object may have left the record naming an older one). Its name with it.
-async fn newest_checkpoint(
+/// The checkpoint a run taken over resumes from: exactly the object its record names (never
+/// another: an object the record does not name may be a replaced owner's), with its name; `None`
+/// when it is gone.
+async fn named_checkpoint(
     checkpoints: &super::checkpoints::Checkpoints,
     key: &str,
     record: &super::results::Record,
-) -> Result<(String, jetstream::object_store::Object), StoreError> {
-    let named = record.checkpoint_epoch;
-    let others = (1..=record.epoch.max(named)).rev().filter(|&e| e != named);
-    let mut missing = None;
-    for epoch in std::iter::once(named).chain(others) {
-        let name = checkpoint_name(key, epoch);
-        match checkpoints.get(&name).await {
-            Ok(object) => {
-                if epoch != named {
-                    tracing::warn!(run_id = %run_id_of(key), named, epoch, "the checkpoint the run's record names is gone; it resumes from the newest one left");
-                }
-                return Ok((name, object));
-            }
-            Err(e) if e.kind() == jetstream::object_store::GetErrorKind::NotFound => {
-                missing.get_or_insert_with(|| unavailable("checkpoint get", &name, e));
-            }
-            Err(e) => return Err(unavailable("checkpoint get", &name, e)),
-        }
+) -> Result<Option<(String, jetstream::object_store::Object)>, StoreError> {
+    let name = CheckpointName::of(record).name(key);
+    match checkpoints.get(&name).await {
+        Ok(object) => Ok(Some((name, object))),
+        Err(e) if e.kind() == jetstream::object_store::GetErrorKind::NotFound => Ok(None),
+        Err(e) => Err(unavailable("checkpoint get", &name, e)),
     }
-    Err(missing.unwrap_or_else(|| unavailable("checkpoint get", key, "no epoch")))
 }
 
 impl RunJournal for KvStore {
@@ -204,27 +186,33 @@ impl RunJournal for KvStore {
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<(), StoreError>> {
         let key = key(&result.run_id);
-        let (epoch, before) = match self.owned().get_mut(&key) {
+        let before = match self.owned().get_mut(&key) {
             Some(owned) => {
                 owned.resumable_until_unix_ms = deadline_unix_ms;
-                (owned.epoch, owned.checkpoint_epoch)
+                owned.checkpoint_epoch
             }
-            None => (1, 1),
+            None => 1,
         };
-        let mut record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
-        record.checkpoint_epoch = epoch;
-        let put = self.put_checkpoint(key.clone(), checkpoint);
+        let (target, put) = self.put_checkpoint(&key, checkpoint);
+        let record = super::results::Record {
+            checkpoint_epoch: target.epoch,
+            checkpoint_slot: target.slot,
+            ..self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms)
+        };
         let write = self.write(key.clone(), record);
         let checkpoints = self.checkpoints.clone();
         async move {
-            // The checkpoint first, in this epoch's object: a record that says the run can be
-            // resumed always has one, and a replaced owner (whose record write is then refused)
-            // never overwrites the object the new owner resumes from.
+            // The checkpoint first, into the object the record does not name; then the record
+            // names it, by compare-and-set: a record that says the run can be resumed always
+            // has one, and a replaced owner (whose record write is then refused) never
+            // overwrites the object the new owner resumes from.
             put.await?;
             write.await?;
-            if before < epoch {
-                // The previous owner's object is not read any more.
-                let _ = checkpoints.remove(&checkpoint_name(&key, before)).await;
+            if before < target.epoch {
+                // The previous epoch's objects are not read any more.
+                for name in CheckpointName::both(&key, before) {
+                    let _ = checkpoints.remove(&name).await;
+                }
             }
             Ok(())
         }
@@ -262,7 +250,7 @@ impl RunJournal for KvStore {
             // epoch, which its safe points write: a duplicate admission of the id that loses the
             // race for the record may have its put land late, and it then overwrites only a start
             // object the winner no longer reads once it saved.
-            let name = checkpoint_name(&key, START);
+            let name = CheckpointName { epoch: START, slot: 0 }.name(&key);
             put_named(checkpoints, name, record.claim.clone(), checkpoint).await?;
             record.checkpoint_epoch = START;
             create_record(kv, owned, seen, key, record).await
@@ -280,8 +268,8 @@ impl RunJournal for KvStore {
             };
             epochs.sort_unstable();
             epochs.dedup();
-            for epoch in epochs {
-                checkpoints.remove(&checkpoint_name(&key, epoch)).await?;
+            for name in epochs.into_iter().flat_map(|epoch| CheckpointName::both(&key, epoch)) {
+                checkpoints.remove(&name).await?;
             }
             Ok(())
         }
@@ -291,10 +279,10 @@ impl RunJournal for KvStore {
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
         let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
         async move {
-            let mut objects: std::collections::HashMap<String, Vec<u64>> = std::collections::HashMap::new();
+            let mut objects: std::collections::HashMap<String, Vec<(u64, String)>> = std::collections::HashMap::new();
             for name in checkpoints.names().await? {
                 let (key, epoch) = checkpoint_of(&name);
-                objects.entry(key.to_owned()).or_default().push(epoch);
+                objects.entry(key.to_owned()).or_default().push((epoch, name.clone()));
             }
             seen.keep(&objects.keys().cloned().collect());
             // The records are read a few at a time: one round trip each, one after the other,
@@ -306,20 +294,20 @@ impl RunJournal for KvStore {
                     async move {
                         let (record, revision) = holder(&kv, &key).await.ok()??;
                         let lapsed = seen.lapsed_run(&key, &record, revision);
-                        let delete = |epoch| {
-                            let (checkpoints, name) = (checkpoints.clone(), checkpoint_name(&key, epoch));
+                        let delete = |name: &String| {
+                            let (checkpoints, name) = (checkpoints.clone(), name.clone());
                             async move {
                                 let _ = checkpoints.remove(&name).await;
                             }
                         };
                         let gone = !record.live() || (record.held() && !record.resumable(now) && lapsed);
-                        for epoch in &epochs {
+                        for (epoch, name) in &epochs {
                             // A checkpoint left by a run that ended, or whose replica is gone and
                             // that cannot be resumed any more; or one an owner replaced since.
                             // Not one whose replica lives: its first checkpoint is put before the
                             // record says it exists.
                             if gone || *epoch < record.checkpoint_epoch {
-                                delete(*epoch).await;
+                                delete(name).await;
                             }
                         }
                         let result = record.result.as_ref()?;
@@ -383,11 +371,13 @@ impl RunJournal for KvStore {
                 Err(e) => return Err(unavailable("KV update", &key, e)),
             };
             shared::sync::lock(&owned).insert(key.clone(), Owned::of(revision, &claimed));
-            let (name, mut object) = newest_checkpoint(&checkpoints, &key, &claimed).await?;
-            if object.info().description.as_deref().unwrap_or_default() != claimed.claim {
-                // The checkpoint under the key is another admission's (a duplicate that lost the
-                // race for the id): this run cannot be resumed, and reads as lost at once.
-                tracing::warn!(run_id = %run_id_of(&key), "the run's checkpoint belongs to another admission of its id; the run is lost");
+            let named = named_checkpoint(&checkpoints, &key, &claimed).await?;
+            let admission = named.as_ref().map(|(_, o)| o.info().description.clone().unwrap_or_default());
+            let Some((name, mut object)) = named.filter(|_| admission.as_deref() == Some(claimed.claim.as_str())) else {
+                // The checkpoint its record names is gone, or is another admission's (a duplicate
+                // that lost the race for the id): this run cannot be resumed, and reads as lost
+                // at once.
+                tracing::warn!(run_id = %run_id_of(&key), found = admission.is_some(), "the run's record names no checkpoint of its admission; the run is lost");
                 shared::sync::lock(&owned).remove(&key);
                 let lost = super::results::Record {
                     resumable_until_unix_ms: 0,
@@ -398,7 +388,7 @@ impl RunJournal for KvStore {
                     .await
                     .map_err(|e| unavailable("KV update", &key, e))?;
                 return Ok(None);
-            }
+            };
             let mut bytes = Vec::new();
             object
                 .read_to_end(&mut bytes)

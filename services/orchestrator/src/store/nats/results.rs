@@ -146,6 +146,12 @@ pub(super) struct Record {
     /// of its own epoch, which the new owner never reads.
     #[prost(uint64, tag = "11")]
     pub checkpoint_epoch: u64,
+    /// Which of its epoch's two objects holds the last checkpoint (0 or 1). An owner puts each
+    /// checkpoint into the *other* one and then names it here by compare-and-set, so the object
+    /// a record names is never written again while it names it: a replaced owner (whose
+    /// compare-and-set is refused) never overwrites what a takeover reads.
+    #[prost(uint32, tag = "12")]
+    pub checkpoint_slot: u32,
 }
 
 /// What this replica knows of a run it owns.
@@ -161,6 +167,8 @@ pub(super) struct Owned {
     pub epoch: u64,
     /// See [`Record::checkpoint_epoch`].
     pub checkpoint_epoch: u64,
+    /// See [`Record::checkpoint_slot`].
+    pub checkpoint_slot: u32,
 }
 
 impl Owned {
@@ -172,22 +180,71 @@ impl Owned {
             claim: record.claim.clone(),
             epoch: record.epoch,
             checkpoint_epoch: record.checkpoint_epoch,
+            checkpoint_slot: record.checkpoint_slot,
+        }
+    }
+
+    /// The object the run's next checkpoint goes to: the one of its epoch that its record does
+    /// not name (the first of the epoch's two when the record names an older epoch's).
+    pub(super) fn next_checkpoint(&self) -> CheckpointName {
+        let slot = match self.checkpoint_epoch == self.epoch {
+            true => 1 - self.checkpoint_slot.min(1),
+            false => 0,
+        };
+        CheckpointName {
+            epoch: self.epoch,
+            slot,
+        }
+    }
+
+    /// The object the run's record names.
+    pub(super) fn named_checkpoint(&self) -> CheckpointName {
+        CheckpointName {
+            epoch: self.checkpoint_epoch,
+            slot: self.checkpoint_slot,
         }
     }
 }
 
-/// The name of the checkpoint object of the run under `key` written in `epoch`.
-pub(super) fn checkpoint_name(key: &str, epoch: u64) -> String {
-    match epoch {
-        0 => key.to_owned(),
-        epoch => format!("{key}#{epoch}"),
+/// Which checkpoint object of a run: its epoch's, and which of the two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct CheckpointName {
+    pub epoch: u64,
+    pub slot: u32,
+}
+
+impl CheckpointName {
+    /// The object a record names.
+    pub(super) fn of(record: &Record) -> Self {
+        Self {
+            epoch: record.checkpoint_epoch,
+            slot: record.checkpoint_slot,
+        }
+    }
+
+    /// The object's name for the run under `key`.
+    pub(super) fn name(self, key: &str) -> String {
+        match (self.epoch, self.slot) {
+            (0, _) => key.to_owned(),
+            (epoch, 0) => format!("{key}#{epoch}"),
+            (epoch, _) => format!("{key}#{epoch}~1"),
+        }
+    }
+
+    /// Both objects of `epoch` for the run under `key` (one for the start epoch).
+    pub(super) fn both(key: &str, epoch: u64) -> Vec<String> {
+        let first = Self { epoch, slot: 0 }.name(key);
+        match epoch {
+            0 => vec![first],
+            _ => vec![first, Self { epoch, slot: 1 }.name(key)],
+        }
     }
 }
 
 /// The key and epoch of a checkpoint object's name.
 pub(super) fn checkpoint_of(name: &str) -> (&str, u64) {
     match name.rsplit_once('#') {
-        Some((key, epoch)) => match epoch.parse() {
+        Some((key, epoch)) => match epoch.strip_suffix("~1").unwrap_or(epoch).parse() {
             Ok(epoch) => (key, epoch),
             Err(_) => (name, 0),
         },
@@ -384,9 +441,12 @@ impl KvStore {
     pub(super) fn record(&self, result: pb::RunResult, resumable_until_unix_ms: u64) -> Record {
         let lease = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
         let key = key(&result.run_id);
-        let (claim, epoch, checkpoint_epoch) = self.owned().get(&key).map_or((String::new(), 1, 1), |o| {
-            (o.claim.clone(), o.epoch, o.checkpoint_epoch)
-        });
+        let (claim, epoch, named) = self
+            .owned()
+            .get(&key)
+            .map_or((String::new(), 1, CheckpointName { epoch: 1, slot: 0 }), |o| {
+                (o.claim.clone(), o.epoch, o.named_checkpoint())
+            });
         Record {
             result: Some(result),
             owner: self.owner.clone(),
@@ -398,7 +458,8 @@ impl KvStore {
             wake_at_unix_ms: 0,
             claim,
             epoch,
-            checkpoint_epoch,
+            checkpoint_epoch: named.epoch,
+            checkpoint_slot: named.slot,
         }
     }
 
@@ -439,7 +500,7 @@ impl KvStore {
     pub(super) fn write(&self, key: String, record: Record) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, owned, owner) = (self.kv.clone(), Arc::clone(&self.owned), self.owner.clone());
         let last = shared::sync::lock(&owned).get(&key).cloned();
-        let (running, names) = (record.held(), record.checkpoint_epoch);
+        let (running, names) = (record.held(), CheckpointName::of(&record));
         async move {
             let bytes = bytes::Bytes::from(record.encode_to_vec());
             let Some(last) = last else {
@@ -451,13 +512,16 @@ impl KvStore {
                 owned.remove(&key);
                 return Ok(());
             }
-            // What changed meanwhile stays (a checkpoint put in a later epoch while this write
-            // was on its way): only the revision is this write's, and the object the record
-            // names now. Put back as it was read, the entry would name an object that may be
-            // deleted by now, and the next renewal would write that name into the record.
+            // The revision is this write's, and the object the record names now (unless a later
+            // epoch's was named meanwhile). Put back as it was read, the entry would name an
+            // object that may be deleted by now, and the next renewal would write that name into
+            // the record.
             let entry = owned.entry(key).or_insert(last);
             entry.revision = revision;
-            entry.checkpoint_epoch = entry.checkpoint_epoch.max(names);
+            if names.epoch >= entry.checkpoint_epoch {
+                entry.checkpoint_epoch = names.epoch;
+                entry.checkpoint_slot = names.slot;
+            }
             Ok(())
         }
         .boxed()
@@ -484,6 +548,7 @@ pub(super) async fn create_record(
 ) -> Result<Claim, StoreError> {
     record.epoch = record.epoch.max(1);
     record.checkpoint_epoch = named_checkpoint(&record);
+    record.checkpoint_slot = 0;
     match kv.create(&key, record.encode_to_vec().into()).await {
         Ok(revision) => {
             shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
