@@ -252,6 +252,20 @@ impl Fleet {
         drained(self.begin_drain(i)?).await
     }
 
+    /// The series of metric `name` of every replica serving now, summed.
+    async fn summed(&self, name: &str) -> anyhow::Result<f64> {
+        let mut total = 0.0;
+        for replica in self.replicas.iter().flatten() {
+            let metrics = testkit::scrape(&replica.metrics).await?;
+            total += metrics
+                .iter()
+                .filter(|(series, _)| *series == name || series.starts_with(&format!("{name}{{")))
+                .map(|(_, v)| v)
+                .sum::<f64>();
+        }
+        Ok(total)
+    }
+
     /// The in-flight gauges of every replica serving now, summed: (runs, tool calls).
     async fn in_flight(&self) -> anyhow::Result<(f64, f64)> {
         let (mut runs, mut calls) = (0.0, 0.0);
@@ -1159,6 +1173,97 @@ const STREAMS: [&str; 5] = [
     "ORCHESTRATOR_EVENTS",
     "SIGNALS",
 ];
+
+/// The streams a replica renews and saves runs in: their leaders must live while the event
+/// log's is lost.
+const BUCKETS: [&str; 3] = [
+    "KV_orchestrator-runs",
+    "OBJ_orchestrator-runs-checkpoints",
+    "KV_orchestrator-runs-approvals",
+];
+
+/// Moves the leader of every stream in `others` off the node leading `stream` (a leader
+/// stepdown hands it to another peer), so that node can be lost with only `stream` leaderless;
+/// the node's name.
+async fn lead_alone(
+    cluster: &testkit::nats::NatsCluster,
+    client: &async_nats::Client,
+    stream: &str,
+    others: &[&str],
+) -> anyhow::Result<String> {
+    let alone = cluster.stream_leader(stream).await?;
+    for other in others {
+        for attempt in 0.. {
+            if cluster.stream_leader(other).await? != alone {
+                break;
+            }
+            anyhow::ensure!(attempt < 20, "{other} keeps its leader on {alone}");
+            let subject = format!("$JS.API.STREAM.LEADER.STEPDOWN.{other}");
+            // Answered once the leader stepped down; the election that follows is waited for.
+            let _ = client.request(subject, bytes::Bytes::new()).await;
+            testkit::wait::until(
+                &format!("{other} to elect a leader"),
+                Duration::from_secs(30),
+                || async { cluster.stream_leader(other).await.ok() },
+            )
+            .await?;
+        }
+    }
+    anyhow::ensure!(
+        cluster.stream_leader(stream).await? == alone,
+        "{stream} moved while the others did"
+    );
+    Ok(alone)
+}
+
+/// The fault the port-level model of the store hid: the node leading the event-log stream is
+/// lost (SIGKILL, and it stays down) while the run store's buckets keep their leaders. The stream
+/// has no leader for longer than the publisher's retry window (the lease: 2 s; an election takes
+/// at least 4 s), so batches are lost. Nothing is published after such a hole: the owner stops,
+/// the run is taken over from its checkpoint and numbers on where the log ends. Every caller,
+/// re-attaching, reads a gap-free log ending in `run_finished`, and its stream equals `GetRun`.
+#[tokio::test]
+async fn losing_the_event_logs_leader_leaves_every_runs_log_gap_free() -> TestResult {
+    let (words, turns) = ("w0 w1 w2 ", 16);
+    let cluster = testkit::nats::NatsCluster::start(3).await?;
+    let mut fleet = Fleet::start_on(Broker::Cluster(cluster), 0, scenario(turns, words), 150).await?;
+    fleet.flags = ["--nats-replicas", "3", "--max-turns", "20"].map(String::from).to_vec();
+    fleet.add().await?;
+    fleet.add().await?;
+    let client = fleet.nats.connect().await?;
+    let Broker::Cluster(cluster) = &fleet.nats else {
+        anyhow::bail!("not a cluster");
+    };
+    let alone = lead_alone(cluster, &client, "ORCHESTRATOR_EVENTS", &BUCKETS).await?;
+    let urls = fleet.urls();
+    let runs: Vec<String> = (0..12).map(|i| format!("log-lost-{i}")).collect();
+    for (i, run_id) in runs.iter().enumerate() {
+        start_detached(&urls[i % urls.len()], run_id).await?;
+    }
+    let followers = follow_all(&fleet, &runs);
+    for (run_id, seen, _) in &followers {
+        let mut seen = seen.clone();
+        until(&mut seen, &format!("{run_id}'s second turn"), |e| {
+            e.iter()
+                .any(|e| matches!(&e.event, Some(pb::orchestrate_event::Event::TextDelta(t)) if t.turn >= 2))
+        })
+        .await?;
+    }
+    let Broker::Cluster(cluster) = &mut fleet.nats else {
+        anyhow::bail!("not a cluster");
+    };
+    let node = cluster
+        .index_of(&alone)
+        .ok_or_else(|| anyhow::anyhow!("no node {alone}"))?;
+    cluster.kill(node).await?;
+    let text = format!("{}done", words.repeat(turns));
+    all_completed(&fleet, followers, &text, 2).await?;
+    anyhow::ensure!(
+        fleet.summed("orchestrator_event_log_dropped_total").await? > 0.0,
+        "no batch was lost: the fault did not happen"
+    );
+    fleet.one_owner_at_a_time()
+}
 
 /// A three-node JetStream cluster (every write synced before it is acknowledged), two replicas
 /// given every node as a seed and `--nats-replicas 3`, and 24 twenty-turn runs. Mid-run the node
