@@ -35,15 +35,15 @@ struct Args {
     #[arg(long)]
     trace: bool,
     /// Switches a fix off (repeatable): receiver-fence, fence-grace, end-after-log, recheck-retries
-    /// (with --ports: receiver-fence, fleet-slots).
+    /// (with --ports: receiver-fence, fleet-slots, task-handles, wait-expiry, parked-claims).
     #[arg(long = "without")]
     without: Vec<String>,
-    /// Faults drawn per seed.
-    #[arg(long, default_value_t = Settings::default().faults)]
-    faults: usize,
-    /// Runs per seed.
-    #[arg(long, default_value_t = Settings::default().runs)]
-    runs: usize,
+    /// Faults drawn per seed (the protocol model: 6; with --ports: 8, as CI draws them).
+    #[arg(long)]
+    faults: Option<usize>,
+    /// Runs per seed (the protocol model: 6; with --ports: 4, as CI runs them).
+    #[arg(long)]
+    runs: Option<usize>,
     /// Simulates the services' own code (the orchestrator's `Core` over the domain ports)
     /// instead of the protocol model.
     #[arg(long)]
@@ -89,12 +89,13 @@ fn main() -> ExitCode {
         }
     }
     let settings = Settings {
-        faults: args.faults,
-        runs: args.runs,
+        faults: args.faults.unwrap_or(Settings::default().faults),
+        runs: args.runs.unwrap_or(Settings::default().runs),
         ..Settings::default()
     };
     let trace = args.trace && args.seed.is_some();
-    let report = run_seeds(&args, "", |seed| {
+    let replay = replay_flags(&args, "", settings.runs, settings.faults);
+    let report = run_seeds(&args, &replay, |seed| {
         let outcome = sim::simulate(seed, &settings, rules, trace);
         let mut seen = Seen::new(outcome.violations, outcome.starts, None);
         seen.trace = outcome.trace.unwrap_or_default();
@@ -106,9 +107,10 @@ fn main() -> ExitCode {
 
 /// The seeds of `args` over the services' own code.
 fn over_ports(args: &Args) -> ExitCode {
+    let defaults = sim::ports::Settings::default();
     let settings = sim::ports::Settings {
-        faults: args.faults,
-        runs: args.runs,
+        faults: args.faults.unwrap_or(defaults.faults),
+        runs: args.runs.unwrap_or(defaults.runs),
         receiver_fence: !args.without.iter().any(|fix| fix == "receiver-fence"),
         fleet_slots: !args.without.iter().any(|fix| fix == "fleet-slots"),
         task_handles: !args.without.iter().any(|fix| fix == "task-handles"),
@@ -117,7 +119,8 @@ fn over_ports(args: &Args) -> ExitCode {
         ..sim::ports::Settings::default()
     };
     let trace = args.trace && args.seed.is_some();
-    let report = run_seeds(args, "--ports ", |seed| {
+    let replay = replay_flags(args, "--ports ", settings.runs, settings.faults);
+    let report = run_seeds(args, &replay, |seed| {
         let outcome = sim::ports::simulate(seed, &settings);
         let mut seen = Seen::new(outcome.violations, outcome.starts, Some(outcome.takeovers));
         if trace {
@@ -178,6 +181,16 @@ impl std::fmt::Display for Report {
 
 /// Runs the seeds `args` names through `simulate`, printing each failing seed (and a seed's
 /// history when asked for) and progress every 500 seeds.
+/// The flags that replay a seed of this invocation exactly: the mode, its runs and faults, and
+/// every fix switched off.
+fn replay_flags(args: &Args, mode: &str, runs: usize, faults: usize) -> String {
+    let mut flags = format!("{mode}--runs {runs} --faults {faults} ");
+    for fix in &args.without {
+        flags.push_str(&format!("--without {fix} "));
+    }
+    flags
+}
+
 fn run_seeds(args: &Args, replay: &str, simulate: impl Fn(u64) -> Seen) -> Report {
     let seeds = match args.seed {
         Some(seed) => seed..seed + 1,
@@ -201,7 +214,7 @@ fn run_seeds(args: &Args, replay: &str, simulate: impl Fn(u64) -> Seen) -> Repor
             println!("{line}");
         }
         if !seen.violations.is_empty() {
-            println!("seed {seed} FAILED (replay: {replay}--seed {seed}):");
+            println!("seed {seed} FAILED (replay: cargo run --release -p sim -- {replay}--seed {seed} --trace):");
             for violation in seen.violations.iter().take(5) {
                 println!("  {violation}");
             }

@@ -31,13 +31,16 @@ pub const TURNS: usize = 8;
 pub struct Model {
     gate: Gate,
     rng: Mutex<fastrand::Rng>,
+    /// The tokens served so far, over every replica's model.
+    served: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Model {
-    /// The model for the replica behind `gate`.
-    pub fn new(gate: Gate, seed: u64) -> Self {
+    /// The model for the replica behind `gate`, counting what it serves into `served`.
+    pub fn new(gate: Gate, seed: u64, served: Arc<std::sync::atomic::AtomicU64>) -> Self {
         Self {
             gate,
+            served,
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
         }
     }
@@ -74,7 +77,7 @@ impl ChatModel for Model {
     ) -> BoxFuture<'static, Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError>> {
         let turn = turn_of(&request);
         let think = Duration::from_millis(lock(&self.rng).u64(20..1500));
-        let gate = self.gate.clone();
+        let (gate, served) = (self.gate.clone(), Arc::clone(&self.served));
         async move {
             tokio::time::sleep(think).await;
             gate.running().await;
@@ -92,6 +95,10 @@ impl ChatModel for Model {
                 completion_tokens: 7,
                 cached_prompt_tokens: 0,
             };
+            served.fetch_add(
+                usage.prompt_tokens + usage.completion_tokens,
+                std::sync::atomic::Ordering::Relaxed,
+            );
             events.extend([
                 Ok(LlmEvent::Finish(finish.to_owned())),
                 Ok(LlmEvent::Usage(usage)),
@@ -114,6 +121,8 @@ pub struct Start {
     pub epoch: u64,
     /// The run's fence when the runner read it.
     pub fence: u64,
+    /// The run's fence at the instant the tool started (it may have been raised since the read).
+    pub fence_at_start: u64,
     /// When the tool started.
     pub at: Instant,
 }
@@ -306,6 +315,7 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
         call_id: call.call_id.clone(),
         epoch: call.epoch,
         fence,
+        fence_at_start: runners.fence(&call.run_id),
         at: Instant::now(),
     });
     if as_task {

@@ -1,7 +1,9 @@
 //! The invariants a history of the simulation over the services' code must keep:
 //!
 //! - **epoch order**: a run's tool calls start in non-decreasing epoch order as the runners
-//!   saw them (a replaced owner runs nothing after the new owner's first call);
+//!   saw them (a replaced owner runs nothing after the new owner's first call), every one of
+//!   them with an epoch (every run here is durable), and none below its run's fence at the
+//!   instant it started (not only below later starts' epochs);
 //! - **again only when unrecorded**: a call id runs at most once in each epoch, and in a later
 //!   epoch only when the checkpoint its run was taken over from held neither its outcome nor the
 //!   task its server made of it (it was in flight, or its turn had not ended, when the run
@@ -10,14 +12,17 @@
 //!   the last;
 //! - **the end, once and kept**: every run claimed ends, its record holds the end its log holds,
 //!   and no reader was shown an end before both held it;
-//! - **the thread**: once every run ended, the thread holds each of its runs that ended exactly
-//!   once, and no run holds it or waits for it;
+//! - **the thread**: once every run ended, the thread (which must exist once a run of it was
+//!   claimed) holds each of its runs that ended exactly once, and no run holds it or waits for
+//!   it;
 //! - **the listing**: once every run ended, `ListRuns` on every replica, page after page, shows
 //!   each run claimed exactly once, newest first, with the status its record holds.
 //! - **the share**: no write ever leaves a principal with more runs live (their records) than
 //!   its `max_runs`, and once every run ended each slot left names a run that ended;
 //! - **the spend**: once every run ended, each principal's usage book holds at least the tokens
-//!   its runs' results count;
+//!   its runs' results count, and all books together no more than the model served, plus the
+//!   adds whose answer was lost (a turn booked twice, by a replaced owner and by the replica
+//!   that took its run over, is a breach);
 //! - **one answer per question**: of the answers sent to one round of a tool's questions, from
 //!   any replica and however many at once, at most one is taken, and none the question's schema
 //!   refuses;
@@ -78,8 +83,9 @@ pub fn listing_whole(store: &Store, replica: &str, rows: &[RunSummary]) -> Vec<S
 }
 
 /// Every invariant broken, with its evidence.
-pub fn violations(store: &Store, runners: &Runners, person: &Person, runs: usize) -> Vec<String> {
+pub fn violations(store: &Store, runners: &Runners, person: &Person, runs: usize, served: u64) -> Vec<String> {
     let mut broken = epoch_order(runners);
+    broken.extend(fenced_at_start(runners));
     broken.extend(answers_as_given(runners, &lock(person)));
     let shared = lock(store);
     broken.extend(questions_left(&shared));
@@ -101,7 +107,45 @@ pub fn violations(store: &Store, runners: &Runners, person: &Person, runs: usize
     broken.extend(shared.quota_breaches.iter().map(|b| format!("the share: {b}")));
     broken.extend(slots_free(&shared));
     broken.extend(spend_counted(&shared));
+    broken.extend(spend_served(&shared, served));
     broken
+}
+
+/// Every start carried an epoch, and none started below its run's fence at that instant.
+fn fenced_at_start(runners: &Runners) -> Vec<String> {
+    lock(&runners.starts)
+        .iter()
+        .filter_map(|start| {
+            if start.epoch == 0 {
+                return Some(format!(
+                    "epoch order: {} call {} of a durable run started with no epoch",
+                    start.run_id, start.call_id
+                ));
+            }
+            (start.epoch < start.fence_at_start).then(|| {
+                format!(
+                    "epoch order: {} call {} of epoch {} started when its run's fence stood at {} (read {})",
+                    start.run_id, start.call_id, start.epoch, start.fence_at_start, start.fence
+                )
+            })
+        })
+        .collect()
+}
+
+/// All books together hold no more tokens than the model served, and those of adds whose
+/// answer was lost (booked again by the next add: counted twice rather than never).
+fn spend_served(shared: &super::store::Shared, served: u64) -> Option<String> {
+    let booked: u64 = shared
+        .usage
+        .values()
+        .map(|tally| tally.prompt_tokens + tally.completion_tokens)
+        .sum();
+    let unheard = shared.usage_unheard;
+    (booked > served + unheard).then(|| {
+        format!(
+            "the spend: the books hold {booked} tokens, the model served {served} (and {unheard} were added unheard)"
+        )
+    })
 }
 
 /// Once every run ended, each slot left names a run whose record reads ended (the next take
@@ -333,6 +377,16 @@ pub fn held_threads(store: &Store) -> Vec<String> {
 fn thread_whole(shared: &super::store::Shared, runs: usize) -> Vec<String> {
     let mut broken = Vec::new();
     let Some((thread, _)) = shared.threads.get(super::THREAD) else {
+        let claimed: Vec<String> = (1..runs)
+            .step_by(2)
+            .map(|run| format!("run-{run}"))
+            .filter(|run_id| shared.records.contains_key(run_id))
+            .collect();
+        if !claimed.is_empty() {
+            broken.push(format!(
+                "the thread: it is missing, and its runs {claimed:?} were claimed"
+            ));
+        }
         return broken;
     };
     let on_thread: Vec<&str> = thread.runs.iter().map(|r| r.run_id.as_str()).collect();

@@ -185,6 +185,8 @@ struct World {
     observations: Arc<std::sync::Mutex<Vec<String>>>,
     /// The person who answers the tools' questions.
     person: person::Person,
+    /// The tokens the model served, over every replica (the spend's upper bound).
+    served: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A fault of the plan.
@@ -214,6 +216,7 @@ impl World {
             history: Vec::new(),
             observations: Arc::default(),
             person: Arc::default(),
+            served: Arc::default(),
             settings,
         }
     }
@@ -250,7 +253,11 @@ impl World {
             threads: Arc::new(store.clone()),
             sign_outs: Arc::new(orchestrator::store::memory::MemorySignOuts::default()),
             signals: Arc::new(orchestrator::signals::memory::MemoryTopic::new(16)),
-            model: Arc::new(Model::new(gate.clone(), self.seed.wrapping_add(n as u64 * 7919))),
+            model: Arc::new(Model::new(
+                gate.clone(),
+                self.seed.wrapping_add(n as u64 * 7919),
+                Arc::clone(&self.served),
+            )),
             tools: Arc::new(Client {
                 gate: gate.clone(),
                 runners: Arc::clone(&self.runners),
@@ -294,7 +301,8 @@ impl World {
         let ended = self.wait_for_ends().await;
         reader.abort();
         person.abort();
-        let mut violations = check::violations(&self.store, &self.runners, &self.person, self.settings.runs);
+        let served = self.served.load(std::sync::atomic::Ordering::Relaxed);
+        let mut violations = check::violations(&self.store, &self.runners, &self.person, self.settings.runs, served);
         if ended.is_ok() {
             violations.extend(self.listings().await);
         }

@@ -147,6 +147,10 @@ pub struct Shared {
     pub quota_breaches: Vec<String>,
     /// Each principal's spend by hour window.
     pub usage: BTreeMap<(String, u64), orchestrator::domain::usage::Tally>,
+    /// Tokens of adds the book applied whose answer never reached the replica: it books them
+    /// again with its next add (counted twice rather than never), so the spend's upper bound
+    /// allows them once more.
+    pub usage_unheard: u64,
     /// The runs' waits ([`approvals`]), by run id, each with its revision.
     pub waits: BTreeMap<String, (approvals::StoredWait, u64)>,
 }
@@ -173,6 +177,7 @@ pub fn store(seed: u64) -> Store {
         max_runs: BTreeMap::new(),
         quota_breaches: Vec::new(),
         usage: BTreeMap::new(),
+        usage_unheard: 0,
         waits: BTreeMap::new(),
     }))
 }

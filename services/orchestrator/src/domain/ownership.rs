@@ -222,6 +222,7 @@ impl Ownership {
                 return self.lost().await;
             };
             tokio::select! {
+                biased;
                 () = self.lost() => return,
                 () = tokio::time::sleep_until(until) => {
                     if !self.holds() {

@@ -361,6 +361,7 @@ impl Persister {
         Some(shared::runtime::AbortOnDrop(tokio::spawn(async move {
             loop {
                 tokio::select! {
+                    biased;
                     () = this.ownership.expire() => return,
                     () = tokio::time::sleep(every) => {
                         let _ = this.renew().await;

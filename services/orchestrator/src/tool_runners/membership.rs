@@ -82,6 +82,7 @@ impl Membership {
             }
             loop {
                 tokio::select! {
+                    biased;
                     _ = resolve.tick(), if !self.dns.is_empty() => {
                         self.resolve().await;
                         self.update(false);

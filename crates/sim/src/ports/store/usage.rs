@@ -13,12 +13,26 @@ impl UsageBook for ReplicaStore {
     fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
         let (this, principal) = (self.clone(), principal.to_owned());
         async move {
-            this.request("KV usage add", &principal.clone(), move |shared, _| {
-                let total = shared.usage.entry((principal, window)).or_default();
-                total.add(&spend);
-                Ok(*total)
-            })
-            .await
+            // Counted unheard unless its answer is heard: the replica's wait for it may also be
+            // given up (dropped) after the book applied it.
+            let unheard = Unheard {
+                store: this.store.clone(),
+                tokens: spend.tokens(),
+                applied: std::sync::Arc::default(),
+                heard: false,
+            };
+            let applied = std::sync::Arc::clone(&unheard.applied);
+            let mut unheard = unheard;
+            let added = this
+                .request("KV usage add", &principal.clone(), move |shared, _| {
+                    applied.store(true, std::sync::atomic::Ordering::Relaxed);
+                    let total = shared.usage.entry((principal, window)).or_default();
+                    total.add(&spend);
+                    Ok(*total)
+                })
+                .await;
+            unheard.heard = added.is_ok();
+            added
         }
         .boxed()
     }
@@ -37,5 +51,22 @@ impl UsageBook for ReplicaStore {
             .await
         }
         .boxed()
+    }
+}
+
+/// An add on its way: once dropped, applied by the book and not heard by the replica, its tokens
+/// are counted as booked unheard.
+struct Unheard {
+    store: super::Store,
+    tokens: u64,
+    applied: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    heard: bool,
+}
+
+impl Drop for Unheard {
+    fn drop(&mut self) {
+        if !self.heard && self.applied.load(std::sync::atomic::Ordering::Relaxed) {
+            super::lock(&self.store).usage_unheard += self.tokens;
+        }
     }
 }

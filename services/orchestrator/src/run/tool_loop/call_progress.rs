@@ -44,6 +44,7 @@ impl Driver<'_> {
         let every = self.spec.stream_interval.max(EVERY);
         loop {
             tokio::select! {
+                biased;
                 outcomes = &mut calls_running => {
                     // Reports of calls that have finished say nothing any more.
                     self.call_progress.take();

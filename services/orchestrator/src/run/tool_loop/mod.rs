@@ -598,6 +598,9 @@ struct Driver<'a> {
     /// The tokens held in the caller's hour for the turn under way, until it books what it
     /// spent.
     held: Option<spend::Hold>,
+    /// The caller's hour as the turn's booking left it, judged against its budget once the
+    /// turn's calls have run.
+    hour_booked: Option<(u64, crate::domain::usage::Tally)>,
     /// The tasks the current turn's calls became, to cancel if the run ends before them.
     followed: tasks::Followed,
     /// The progress the turn's calls reported and the loop has not sent yet.
@@ -657,6 +660,7 @@ impl<'a> Driver<'a> {
             inbox,
             eager: eager::Eager::default(),
             held: None,
+            hour_booked: None,
             followed: tasks::Followed::default(),
             call_progress: call_progress::CallProgress::default(),
             spec,
@@ -692,7 +696,7 @@ impl<'a> Driver<'a> {
             let started = Instant::now();
             let step = self.turn(number).instrument(span).await;
             metrics::histogram!(metric::TURN_DURATION).record(started.elapsed().as_secs_f64());
-            let within = self.account_turn().await;
+            let within = self.within_hour();
             if let Err(end) = step.and(within).and_then(|()| self.within_token_budget()) {
                 return end;
             }

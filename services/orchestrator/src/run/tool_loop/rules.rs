@@ -25,8 +25,11 @@ use super::durable::TurnCalls;
 impl Driver<'_> {
     /// One turn: every rule in order; `Err` when the run ends with it.
     pub(super) async fn turn(&mut self, number: u32) -> Step<()> {
-        let calls = self.model_half(number).await?;
-        self.tools_half(calls, true).await
+        let calls = self.model_half(number).await;
+        // Booked before the turn's first checkpoint (safe point (a)) holds what was booked: a
+        // run that parks, or is taken over, after it never books the turn again.
+        self.account_turn().await;
+        self.tools_half(calls?, true).await
     }
 
     /// The rules up to the turn's calls ([`Driver::calls_of_turn`]); a turn that ends the run

@@ -80,10 +80,10 @@ impl Driver<'_> {
     }
 
     /// Adds the run's tokens not booked yet (the turn's, and any an earlier add failed to
-    /// book) to the caller's spend this hour, giving back what the turn held; `TOKEN_BUDGET`
-    /// once that went over the caller's `tokens_per_hour`. A store that does not take the add
-    /// leaves the run going (logged): the next add books them.
-    pub(super) async fn account_turn(&mut self) -> Step<()> {
+    /// book) to the caller's spend this hour, giving back what the turn held; the hour as it
+    /// then stands is judged once the turn's calls ran ([`Driver::within_hour`]). A store that
+    /// does not take the add leaves the run going (logged): the next add books them.
+    pub(super) async fn account_turn(&mut self) {
         let now = lock(self.state).usage;
         let window = window_of(shared::sync::unix_ms());
         let mut change = Tally::of_tokens(&now.since(&self.progress.booked));
@@ -97,12 +97,20 @@ impl Driver<'_> {
             Err(e) => {
                 tracing::warn!(principal = %self.spec.principal, "the turn's tokens were not added to the caller's usage yet: {e}");
                 self.held = held.filter(|h| h.window == window);
-                return Ok(());
+                return;
             }
         };
         self.progress.booked = now;
-        match self.spec.hourly_budget {
-            Some(budget) if budget.left(&total) == 0 => Err(self.hour_spent(budget, window, total.counted())),
+        self.hour_booked = Some((window, total));
+    }
+
+    /// `TOKEN_BUDGET` once the turn's booking went over the caller's `tokens_per_hour` (the
+    /// turn that crossed it was the run's last: its output and tool results are kept).
+    pub(super) fn within_hour(&mut self) -> Step<()> {
+        match (self.hour_booked.take(), self.spec.hourly_budget) {
+            (Some((window, total)), Some(budget)) if budget.left(&total) == 0 => {
+                Err(self.hour_spent(budget, window, total.counted()))
+            }
             _ => Ok(()),
         }
     }

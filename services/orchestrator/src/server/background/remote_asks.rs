@@ -20,6 +20,7 @@ pub(crate) async fn answer(core: Arc<Core>) {
     let (mut cancels, mut messages) = tokio::join!(cancels, messages);
     loop {
         tokio::select! {
+            biased;
             Some(ask) = cancels.next() => answer_cancel(&core, ask),
             Some(ask) = messages.next() => answer_message(&core, ask),
             else => return,

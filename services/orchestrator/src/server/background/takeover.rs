@@ -21,6 +21,7 @@ pub(crate) async fn watch(core: Arc<Core>) {
     };
     loop {
         tokio::select! {
+            biased;
             () = core.stopping.cancelled() => return,
             () = tokio::time::sleep(every) => {}
             Some(()) = hand_overs.next() => {}

@@ -18,6 +18,7 @@ pub(crate) async fn watch(core: Arc<Core>) {
     let approvals = Arc::clone(&core.deps.approvals);
     loop {
         tokio::select! {
+            biased;
             () = core.stopping.cancelled() => return,
             () = approvals.changed() => {}
             () = core.runs.slot_freed() => {}

@@ -355,13 +355,15 @@ fn while_signed_in(
     futures::stream::unfold(Some((items, checks, console, headers)), |state| async move {
         let (mut items, mut checks, console, headers) = state?;
         loop {
+            // The check first: a page whose run streams without a pause is still checked.
             tokio::select! {
-                item = items.next() => return item.map(|item| (item, Some((items, checks, console, headers)))),
+                biased;
                 _ = checks.tick() => {
                     if let Err(refused) = signed_in(&console, &headers).await {
                         return Some((Item::Broke(refused), None));
                     }
                 }
+                item = items.next() => return item.map(|item| (item, Some((items, checks, console, headers)))),
             }
         }
     })

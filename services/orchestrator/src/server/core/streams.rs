@@ -181,6 +181,7 @@ pub(super) fn attached(deps: &StreamDeps, run_id: String, after_seq: u64, feed: 
         let run_id = run_id.clone();
         async move {
             tokio::select! {
+                biased;
                 () = moved => {}
                 () = async {
                     stopping.cancelled().await;

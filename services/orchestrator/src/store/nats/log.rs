@@ -311,12 +311,15 @@ impl Publisher {
         let mut next_publish = Instant::now();
         while let Some(mut events) = rx.recv().await {
             while !self.urgent(&events) {
+                // The flush interval first: batches arriving without a pause never hold a
+                // publish back past it.
                 tokio::select! {
+                    biased;
+                    () = tokio::time::sleep_until(next_publish) => break,
                     more = rx.recv() => match more {
                         Some(more) => events.extend(more),
                         None => break,
                     },
-                    () = tokio::time::sleep_until(next_publish) => break,
                 }
             }
             self.text_turn = self.text_turn.max(text_turn(&events));
