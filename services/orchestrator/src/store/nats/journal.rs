@@ -300,7 +300,7 @@ impl RunJournal for KvStore {
                                 let _ = checkpoints.remove(&name).await;
                             }
                         };
-                        let gone = !record.live() || (record.held() && !record.resumable(now) && lapsed);
+                        let gone = !record.live() || record.marked_lost();
                         for (epoch, name) in &epochs {
                             // A checkpoint left by a run that ended, or whose replica is gone and
                             // that cannot be resumed any more; or one an owner replaced since.

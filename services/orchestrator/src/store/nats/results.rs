@@ -9,9 +9,12 @@
 //! wrote last, so once another replica took the run over (see the journal, `journal.rs`) the old
 //! owner's writes are refused ([`StoreError::Fenced`]) and it stops the run.
 //!
-//! A RUNNING record whose lease has expired belongs to a replica that crashed or lost the store.
-//! With a checkpoint it reads RUNNING until its deadline (another replica resumes it); without
-//! one, or past the deadline, it reads FAILED `ORCHESTRATOR_LOST` with the output last written.
+//! A RUNNING record whose owner stopped renewing it belongs to a replica that crashed or lost the
+//! store: it reads as written (RUNNING, with the output last written) until another replica,
+//! having seen it unchanged for a whole lease on its own clock, takes it over and ends it or
+//! resumes it. No reader makes an end up by comparing the owner's clock with its own: the only
+//! end a record shows is one written (FAILED `ORCHESTRATOR_LOST` is written by the replica that
+//! finds a run it cannot resume).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -253,7 +256,8 @@ pub(super) fn checkpoint_of(name: &str) -> (&str, u64) {
 }
 
 impl Record {
-    /// The result as it reads now: a RUNNING run whose lease expired is lost.
+    /// The result as written: a run marked lost (see [`Record::marked_lost`]) reads FAILED
+    /// `ORCHESTRATOR_LOST` with its output so far; every other record as it stands.
     pub(super) fn read(self, key: &str) -> Result<RunResult, StoreError> {
         let corrupt = |reason: String| StoreError::Corrupt {
             key: key.to_owned(),
@@ -264,28 +268,27 @@ impl Record {
             .clone()
             .ok_or_else(|| corrupt("it holds no result".to_owned()))?;
         let mut result = RunResult::try_from(stored).map_err(|e| corrupt(e.to_string()))?;
-        let now = shared::sync::unix_ms();
-        if self.held() && self.lease_expires_unix_ms < now && !self.resumable(now) {
+        if self.marked_lost() {
             result.status = RunStatus::Failed;
             result.failure_reason = Some(FailureReason::OrchestratorLost);
-            result.failure_detail = if self.resumable_until_unix_ms == 0 {
-                format!(
-                    "the orchestrator replica {} running this run stopped renewing its lease; the output is its last checkpoint",
-                    self.owner
-                )
-            } else {
-                format!(
-                    "the orchestrator replica {} running this run stopped, and no replica took the run over before its deadline; the output is its last checkpoint",
-                    self.owner
-                )
-            };
+            result.failure_detail = format!(
+                "the orchestrator replica {} running this run stopped, and the run could not be resumed; the output is its last checkpoint",
+                self.owner
+            );
         }
         Ok(result)
     }
 
-    /// Whether another replica may still resume the run from its checkpoint.
-    pub(super) fn resumable(&self, now_unix_ms: u64) -> bool {
-        self.resumable_until_unix_ms > now_unix_ms
+    /// Whether a replica wrote the run lost: live as written, with neither a lease nor a
+    /// checkpoint to resume (a takeover that found no checkpoint of the run's admission).
+    pub(super) fn marked_lost(&self) -> bool {
+        self.held() && self.lease_expires_unix_ms == 0 && self.resumable_until_unix_ms == 0
+    }
+
+    /// Whether the run has a checkpoint another replica may resume it from (past its deadline
+    /// too: the replica that resumes it ends it there).
+    pub(super) fn resumable(&self) -> bool {
+        self.resumable_until_unix_ms > 0
     }
 
     /// Whether a replica holds the run (as written, lease aside): it is live — running, or
@@ -329,7 +332,7 @@ impl Record {
     /// handed over) while it may be resumed, or it is parked and ready to go on (decided,
     /// canceled, or its wake time passed).
     pub(super) fn orphaned(&self, now_unix_ms: u64, lapsed: bool) -> bool {
-        let lost_owner = self.held() && self.resumable(now_unix_ms) && (self.handed_over || lapsed);
+        let lost_owner = self.held() && self.resumable() && (self.handed_over || lapsed);
         lost_owner || (self.awaiting && (self.ready || self.wake_at_unix_ms <= now_unix_ms))
     }
 }
