@@ -21,15 +21,18 @@
 //!   its `max_runs`, and once every run ended each slot left names a run that ended;
 //! - **the spend**: once every run ended, each principal's usage book holds at least the tokens
 //!   its runs' results count, and all books together no more than the model served, plus the
-//!   adds whose answer was lost (a turn booked twice, by a replaced owner and by the replica
-//!   that took its run over, is a breach);
+//!   adds whose success was never heard (a turn booked twice, by a replaced owner and by the
+//!   replica that took its run over, is a breach);
 //! - **one answer per question**: of the answers sent to one round of a tool's questions, from
 //!   any replica and however many at once, at most one is taken, and none the question's schema
 //!   refuses;
 //! - **the answer as given**: a call comes back to its tool with a round's answer only as the
 //!   person gave it (the one taken, or one whose taking went unheard), or `cancel` when none
 //!   was taken (the question expired), and the same whichever replica resumed it;
-//! - **no question left**: once every run ended, no call of theirs waits for a person.
+//! - **no question left**: once every run ended, no call of theirs waits for a person;
+//! - **the stream**: a caller following each run with `AttachRun` from replica to replica
+//!   (attaching again after its last seq whenever its stream broke off) was sent the run's log
+//!   exactly, gap-free and in order, ending in `run_finished` with the end the record holds.
 
 use std::collections::BTreeMap;
 
@@ -77,6 +80,55 @@ pub fn listing_whole(store: &Store, replica: &str, rows: &[RunSummary]) -> Vec<S
                 "the listing on {replica} shows {} before the newer {}",
                 pair[0].run_id, pair[1].run_id
             ));
+        }
+    }
+    broken
+}
+
+/// What one caller following a run was sent.
+pub struct Followed {
+    /// The run.
+    pub run_id: String,
+    /// Its events, in the order sent.
+    pub events: Vec<NumberedEvent>,
+}
+
+/// The stream's invariant, once every run ended: each follower was sent its run's log exactly,
+/// ending in the end its record holds.
+pub fn streams_whole(store: &Store, followed: &[Followed]) -> Vec<String> {
+    let shared = lock(store);
+    let mut broken = Vec::new();
+    for follower in followed {
+        let log: Vec<&NumberedEvent> = shared
+            .logs
+            .get(&follower.run_id)
+            .map(|log| log.iter().flat_map(|m| m.events.iter()).collect())
+            .unwrap_or_default();
+        let sent: Vec<u64> = follower.events.iter().map(|e| e.seq).collect();
+        let logged: Vec<u64> = log.iter().map(|e| e.seq).collect();
+        if sent != logged {
+            broken.push(format!(
+                "the stream: {}'s follower was sent seqs {sent:?}, its log holds {logged:?}",
+                follower.run_id
+            ));
+            continue;
+        }
+        if follower.events.iter().zip(&log).any(|(sent, logged)| sent != *logged) {
+            broken.push(format!(
+                "the stream: {}'s follower was sent events its log does not hold",
+                follower.run_id
+            ));
+        }
+        let end = follower.events.last().and_then(NumberedEvent::finished);
+        let stored = shared.records.get(&follower.run_id).map(|r| &r.result);
+        match (end, stored) {
+            (Some(end), Some(stored)) if end.status == stored.status && end.text == stored.text => {}
+            (end, stored) => broken.push(format!(
+                "the stream: {}'s follower ended with {:?}, its record holds {:?}",
+                follower.run_id,
+                end.map(|e| e.status),
+                stored.map(|s| s.status)
+            )),
         }
     }
     broken
@@ -133,17 +185,18 @@ fn fenced_at_start(runners: &Runners) -> Vec<String> {
 }
 
 /// All books together hold no more tokens than the model served, and those of adds whose
-/// answer was lost (booked again by the next add: counted twice rather than never).
+/// success the replica never heard (booked again by its next add, which a takeover before the
+/// next checkpoint may book once more: counted twice rather than never).
 fn spend_served(shared: &super::store::Shared, served: u64) -> Option<String> {
     let booked: u64 = shared
         .usage
         .values()
         .map(|tally| tally.prompt_tokens + tally.completion_tokens)
         .sum();
-    let unheard = shared.usage_unheard;
-    (booked > served + unheard).then(|| {
+    let unconfirmed = shared.usage_unconfirmed;
+    (booked > served + unconfirmed).then(|| {
         format!(
-            "the spend: the books hold {booked} tokens, the model served {served} (and {unheard} were added unheard)"
+            "the spend: the books hold {booked} tokens, the model served {served} (and {unconfirmed} were in adds never confirmed)"
         )
     })
 }

@@ -291,6 +291,7 @@ impl World {
             self.start_run(format!("run-{i}"), after);
         }
         let reader = self.spawn_reader();
+        let followers = self.spawn_followers();
         let person = person::spawn(Arc::clone(&self.living), Arc::clone(&self.person), self.seed);
         for (at, fault) in self.plan() {
             tokio::time::sleep_until(begun + at).await;
@@ -301,10 +302,12 @@ impl World {
         let ended = self.wait_for_ends().await;
         reader.abort();
         person.abort();
+        let followed = self.followed(followers).await;
         let served = self.served.load(std::sync::atomic::Ordering::Relaxed);
         let mut violations = check::violations(&self.store, &self.runners, &self.person, self.settings.runs, served);
         if ended.is_ok() {
             violations.extend(self.listings().await);
+            violations.extend(check::streams_whole(&self.store, &followed));
         }
         violations.extend(lock(&self.observations).drain(..));
         if let Err(unended) = ended {
@@ -468,6 +471,66 @@ impl World {
                 }
             }
         })
+    }
+
+    /// A caller per run following it with `AttachRun` from whichever replica is alive, attaching
+    /// again after its last seq whenever its stream breaks off (a replica paused, killed, or
+    /// handing the run over), until `run_finished`: what each was sent, in order.
+    fn spawn_followers(&mut self) -> Vec<tokio::task::JoinHandle<check::Followed>> {
+        (0..self.settings.runs)
+            .map(|run| {
+                let living = Arc::clone(&self.living);
+                let mut rng = fastrand::Rng::with_seed(self.seed ^ (0xf011 + run as u64));
+                let run_id = format!("run-{run}");
+                tokio::spawn(async move {
+                    let mut followed = check::Followed {
+                        run_id: run_id.clone(),
+                        events: Vec::new(),
+                    };
+                    loop {
+                        tokio::time::sleep(Duration::from_millis(rng.u64(20..400))).await;
+                        let Some(replica) = pick(&living, rng.usize(..64)) else {
+                            continue;
+                        };
+                        let after = followed.events.last().map_or(0, |e| e.seq);
+                        let Ok(Ok(mut stream)) =
+                            tokio::time::timeout(Duration::from_secs(2), replica.attach(&run_id, after)).await
+                        else {
+                            continue;
+                        };
+                        // A stream quiet for long (its replica paused) is left for another.
+                        while let Ok(Some(Ok(event))) =
+                            tokio::time::timeout(Duration::from_secs(20), futures::StreamExt::next(&mut stream)).await
+                        {
+                            let last = event.is_last();
+                            followed.events.push(event);
+                            if last {
+                                return followed;
+                            }
+                        }
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// What the followers were sent; one that did not get `run_finished` in time is stopped
+    /// with what it had.
+    async fn followed(&self, followers: Vec<tokio::task::JoinHandle<check::Followed>>) -> Vec<check::Followed> {
+        let mut all = Vec::new();
+        for (run, mut follower) in followers.into_iter().enumerate() {
+            match tokio::time::timeout(Duration::from_secs(60), &mut follower).await {
+                Ok(Ok(followed)) => all.push(followed),
+                _ => {
+                    follower.abort();
+                    all.push(check::Followed {
+                        run_id: format!("run-{run}"),
+                        events: Vec::new(),
+                    });
+                }
+            }
+        }
+        all
     }
 
     /// The listing's invariant on every replica alive: its pages of `ListRuns`, a few rows at a

@@ -147,10 +147,11 @@ pub struct Shared {
     pub quota_breaches: Vec<String>,
     /// Each principal's spend by hour window.
     pub usage: BTreeMap<(String, u64), orchestrator::domain::usage::Tally>,
-    /// Tokens of adds the book applied whose answer never reached the replica: it books them
-    /// again with its next add (counted twice rather than never), so the spend's upper bound
-    /// allows them once more.
-    pub usage_unheard: u64,
+    /// Tokens of adds whose success the replica never heard (applied with the answer lost, or
+    /// not applied): it books them again with its next add, which a takeover before the next
+    /// checkpoint may book once more (counted twice rather than never), so the spend's upper
+    /// bound allows them once more.
+    pub usage_unconfirmed: u64,
     /// The runs' waits ([`approvals`]), by run id, each with its revision.
     pub waits: BTreeMap<String, (approvals::StoredWait, u64)>,
 }
@@ -177,7 +178,7 @@ pub fn store(seed: u64) -> Store {
         max_runs: BTreeMap::new(),
         quota_breaches: Vec::new(),
         usage: BTreeMap::new(),
-        usage_unheard: 0,
+        usage_unconfirmed: 0,
         waits: BTreeMap::new(),
     }))
 }

@@ -70,6 +70,16 @@ impl Replica {
         Ok(self.core.decide(run_id, decisions, &Principal::anonymous()).await?.1)
     }
 
+    /// Follows run `run_id` after `after_seq` (as `AttachRun` answers an unauthenticated
+    /// caller): its events, then an error when the stream breaks off (the caller attaches again).
+    pub async fn attach(
+        &self,
+        run_id: &str,
+        after_seq: u64,
+    ) -> Result<futures::stream::BoxStream<'static, Result<crate::domain::NumberedEvent, Error>>, Error> {
+        self.core.attach(run_id, after_seq, &Principal::anonymous()).await
+    }
+
     /// Runs live on this replica now.
     pub fn live(&self) -> usize {
         self.core.runs.live()

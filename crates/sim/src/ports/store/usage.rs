@@ -13,25 +13,21 @@ impl UsageBook for ReplicaStore {
     fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
         let (this, principal) = (self.clone(), principal.to_owned());
         async move {
-            // Counted unheard unless its answer is heard: the replica's wait for it may also be
-            // given up (dropped) after the book applied it.
-            let unheard = Unheard {
+            // Counted unconfirmed unless its success is heard: the replica's wait for it may also
+            // be given up (dropped), before or after the book applied it.
+            let mut unconfirmed = Unconfirmed {
                 store: this.store.clone(),
                 tokens: spend.tokens(),
-                applied: std::sync::Arc::default(),
                 heard: false,
             };
-            let applied = std::sync::Arc::clone(&unheard.applied);
-            let mut unheard = unheard;
             let added = this
                 .request("KV usage add", &principal.clone(), move |shared, _| {
-                    applied.store(true, std::sync::atomic::Ordering::Relaxed);
                     let total = shared.usage.entry((principal, window)).or_default();
                     total.add(&spend);
                     Ok(*total)
                 })
                 .await;
-            unheard.heard = added.is_ok();
+            unconfirmed.heard = added.is_ok();
             added
         }
         .boxed()
@@ -54,19 +50,17 @@ impl UsageBook for ReplicaStore {
     }
 }
 
-/// An add on its way: once dropped, applied by the book and not heard by the replica, its tokens
-/// are counted as booked unheard.
-struct Unheard {
+/// An add on its way: dropped without its success heard, its tokens count as unconfirmed.
+struct Unconfirmed {
     store: super::Store,
     tokens: u64,
-    applied: std::sync::Arc<std::sync::atomic::AtomicBool>,
     heard: bool,
 }
 
-impl Drop for Unheard {
+impl Drop for Unconfirmed {
     fn drop(&mut self) {
-        if !self.heard && self.applied.load(std::sync::atomic::Ordering::Relaxed) {
-            super::lock(&self.store).usage_unheard += self.tokens;
+        if !self.heard {
+            super::lock(&self.store).usage_unconfirmed += self.tokens;
         }
     }
 }

@@ -82,8 +82,14 @@ impl Driver<'_> {
     /// Adds the run's tokens not booked yet (the turn's, and any an earlier add failed to
     /// book) to the caller's spend this hour, giving back what the turn held; the hour as it
     /// then stands is judged once the turn's calls ran ([`Driver::within_hour`]). A store that
-    /// does not take the add leaves the run going (logged): the next add books them.
+    /// does not take the add leaves the run going (logged): the next add books them. Only
+    /// while this replica acts for the run.
     pub(super) async fn account_turn(&mut self) {
+        // A replaced owner books nothing: the replica that took the run over books what its
+        // checkpoint did not hold.
+        if !self.acting() {
+            return;
+        }
         let now = lock(self.state).usage;
         let window = window_of(shared::sync::unix_ms());
         let mut change = Tally::of_tokens(&now.since(&self.progress.booked));
