@@ -366,6 +366,15 @@ pub enum StoreError {
     },
 }
 
+/// `value` as JSON, for a write: an encoding failure is an error, never empty bytes written in
+/// its place.
+pub fn json<T: serde::Serialize + ?Sized>(what: &'static str, value: &T) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(value).map_err(|e| StoreError::Unencodable {
+        what,
+        reason: e.to_string(),
+    })
+}
+
 /// One store operation, given at most `timeout`: every caller of the store bounds its waits so.
 pub async fn within<T>(
     timeout: Duration,
@@ -667,4 +676,20 @@ pub trait ThreadStore: Send + Sync + 'static {
     fn write(&self, thread: super::thread::Thread, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>>;
     /// Deletes the thread at `revision`; `Ok(false)` when another write came first.
     fn delete(&self, thread_id: &str, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>>;
+}
+
+#[cfg(test)]
+mod json_tests {
+    /// A value JSON cannot hold (a map keyed by something other than text) is an error naming
+    /// what was to be written, never empty bytes to write in its place.
+    #[test]
+    fn a_value_that_cannot_be_encoded_is_an_error_not_empty_bytes() {
+        let unencodable: std::collections::HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
+        let refused = super::json("a usage window", &unencodable).expect_err("tuple keys");
+        assert!(
+            refused.to_string().contains("a usage window could not be encoded"),
+            "{refused}"
+        );
+        assert_eq!(super::json("a thread", &[1, 2]).ok(), Some(b"[1,2]".to_vec()));
+    }
 }

@@ -47,18 +47,6 @@ pub(crate) fn unavailable(
     }
 }
 
-/// `value` as JSON, for a write: an encoding failure is an error, never empty bytes written in
-/// its place.
-pub(crate) fn json<T: serde::Serialize + ?Sized>(
-    what: &'static str,
-    value: &T,
-) -> Result<Vec<u8>, crate::domain::ports::StoreError> {
-    serde_json::to_vec(value).map_err(|e| crate::domain::ports::StoreError::Unencodable {
-        what,
-        reason: e.to_string(),
-    })
-}
-
 /// Reads one run's log an event at a time, for one caller (the followers of both logs).
 trait Follower: Send + Sized + 'static {
     /// The next event, an error that ends the feed, or `None` after `run_finished`.
@@ -86,20 +74,4 @@ pub struct LogBounds {
     pub keep: usize,
     /// How long a finished run's log is kept (like its result).
     pub keep_for: Duration,
-}
-
-#[cfg(test)]
-mod tests {
-    /// A value JSON cannot hold (a map keyed by something other than text) is an error naming
-    /// what was to be written, never empty bytes to write in its place.
-    #[test]
-    fn a_value_that_cannot_be_encoded_is_an_error_not_empty_bytes() {
-        let unencodable: std::collections::HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
-        let refused = super::json("a usage window", &unencodable).expect_err("tuple keys");
-        assert!(
-            refused.to_string().contains("a usage window could not be encoded"),
-            "{refused}"
-        );
-        assert_eq!(super::json("a thread", &[1, 2]).ok(), Some(b"[1,2]".to_vec()));
-    }
 }

@@ -373,7 +373,7 @@ impl Driver<'_> {
             state.status = RunStatus::Running;
             result
         };
-        let parked = match crate::store::json("the run's checkpoint", &checkpoint) {
+        let parked = match crate::domain::ports::json("the run's checkpoint", &checkpoint) {
             Ok(checkpoint) => {
                 let parked = Parked {
                     checkpoint,

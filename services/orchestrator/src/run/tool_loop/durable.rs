@@ -131,7 +131,7 @@ impl Checkpoint {
         Ok(Snapshot {
             result: self.result.clone(),
             deadline_unix_ms: self.spec.deadline.unix_ms(),
-            bytes: crate::store::json("the run's checkpoint", self)?,
+            bytes: crate::domain::ports::json("the run's checkpoint", self)?,
         })
     }
 }

@@ -117,7 +117,7 @@ async fn replace(
     record: &WaitRecord,
     revision: u64,
 ) -> Result<bool, StoreError> {
-    let bytes = crate::store::json("a run's wait", record)?;
+    let bytes = crate::domain::ports::json("a run's wait", record)?;
     super::kv::write_at(waits, key, bytes.into(), Some(revision)).await
 }
 
@@ -345,7 +345,7 @@ async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRe
         let current = read(waits, key).await.map_err(|e| refused(&e))?;
         let written = match current {
             None => {
-                let bytes = crate::store::json("a run's wait", &record).map_err(|e| refused(&e))?;
+                let bytes = crate::domain::ports::json("a run's wait", &record).map_err(|e| refused(&e))?;
                 match waits.create(key, bytes.into()).await {
                     Ok(_) => true,
                     Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => false,

@@ -52,7 +52,7 @@ async fn ask<Q: serde::Serialize, A: serde::de::DeserializeOwned>(
     key: String,
     question: Q,
 ) -> Result<Option<A>, StoreError> {
-    let payload = crate::store::json("a question to the run's replica", &question)?;
+    let payload = crate::domain::ports::json("a question to the run's replica", &question)?;
     let reply = match client.request(subject.clone(), payload.into()).await {
         Ok(reply) => reply,
         Err(e)
@@ -99,7 +99,7 @@ where
                 let question: Q = serde_json::from_slice(&message.payload).ok()?;
                 let answer: Answerer<A> = Box::new(move |answer: A| {
                     async move {
-                        let sent = match crate::store::json("an answer", &answer) {
+                        let sent = match crate::domain::ports::json("an answer", &answer) {
                             Ok(bytes) => client.publish(reply, bytes.into()).await.map_err(|e| e.to_string()),
                             Err(e) => Err(e.to_string()),
                         };

@@ -59,7 +59,7 @@ impl ThreadStore for NatsThreads {
     fn write(&self, thread: Thread, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>> {
         let (kv, key) = (self.kv.clone(), key(&thread.thread_id));
         async move {
-            let bytes = crate::store::json("a thread", &thread)?;
+            let bytes = crate::domain::ports::json("a thread", &thread)?;
             if revision == 0 {
                 return match kv.create(&key, bytes.into()).await {
                     Ok(_) => Ok(true),

@@ -92,7 +92,7 @@ impl UsageBook for NatsUsage {
                     None => (Tally::default(), None),
                 };
                 total.add(&spend);
-                let value = bytes::Bytes::from(crate::store::json("a usage window", &total)?);
+                let value = bytes::Bytes::from(crate::domain::ports::json("a usage window", &total)?);
                 if write_at(&windows, &key, value, revision).await? {
                     return Ok(total);
                 }
