@@ -448,6 +448,40 @@ async fn loss_is_read_from_the_store_and_the_log_never_from_silence() {
     }
 }
 
+/// A follower is handed `run_finished` only once the store holds the end too: while the store
+/// says the run goes on (its owner logged the end and died before storing it), the end is held
+/// back, and after two leases the follower is told to attach again after its last seq
+/// (`UNAVAILABLE`), never shown an end the store does not hold; once the store holds it, it is
+/// handed out.
+#[tokio::test(start_paused = true)]
+async fn an_end_is_handed_to_a_follower_only_once_the_store_holds_it() {
+    use futures::StreamExt;
+    let finished = crate::domain::NumberedEvent {
+        seq: 3,
+        event: crate::domain::Event::RunFinished(Box::new(RunResult::running("r"))),
+    };
+    let (unstored, mut writer) = runs_of_a_quiet_run(RunStatus::Running);
+    writer.append(std::slice::from_ref(&finished));
+    let mut feed = unstored.follow("r", 2, &anon()).await.unwrap();
+    let held = tokio::time::timeout(Duration::from_secs(60), feed.next())
+        .await
+        .unwrap();
+    match held {
+        Some(Err(crate::domain::ports::LogError::Unavailable { reason, .. })) => {
+            assert!(reason.contains("attach again after seq 2"), "{reason}");
+        }
+        other => panic!("an end the store does not hold was handed out: {other:?}"),
+    }
+
+    let (stored, mut writer) = runs_of_a_quiet_run(RunStatus::Completed);
+    writer.append(std::slice::from_ref(&finished));
+    let mut feed = stored.follow("r", 2, &anon()).await.unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(60), feed.next())
+        .await
+        .unwrap();
+    assert!(matches!(&end, Some(Ok(e)) if e.seq == 3 && e.is_last()), "{end:?}");
+}
+
 /// A parked run that resumes is, for a reader (GetRun), in the approval store or live, never in neither:
 /// it leaves the approval store under the registry's lock (in CI a reader once found it nowhere, and the
 /// caller was told the run did not exist).
