@@ -32,7 +32,8 @@
 //! - **no question left**: once every run ended, no call of theirs waits for a person;
 //! - **the stream**: a caller following each run with `AttachRun` from replica to replica
 //!   (attaching again after its last seq whenever its stream broke off) was sent the run's log
-//!   exactly, gap-free and in order, ending in `run_finished` with the end the record holds.
+//!   exactly, gap-free and in order, ending in `run_finished` with the end the record holds;
+//! - **the replay**: a retry of `Orchestrate` with an ended run's id replays its log exactly.
 
 use std::collections::BTreeMap;
 

@@ -308,6 +308,7 @@ impl World {
         if ended.is_ok() {
             violations.extend(self.listings().await);
             violations.extend(check::streams_whole(&self.store, &followed));
+            violations.extend(self.replays().await);
         }
         violations.extend(lock(&self.observations).drain(..));
         if let Err(unended) = ended {
@@ -511,6 +512,27 @@ impl World {
                     }
                 })
             })
+            .collect()
+    }
+
+    /// Each run off the thread started again once all ended (a caller's retry of `Orchestrate`
+    /// with the same id) on a replica alive: what it replays, checked against the log.
+    async fn replays(&self) -> Vec<String> {
+        let mut replays = Vec::new();
+        for run in (0..self.settings.runs).step_by(2) {
+            let run_id = format!("run-{run}");
+            let Some(replica) = pick(&self.living, run) else {
+                continue;
+            };
+            match tokio::time::timeout(Duration::from_secs(30), replica.retry(spec(&run_id), tenant())).await {
+                Ok(Ok(events)) => replays.push(check::Followed { run_id, events }),
+                Ok(Err(e)) => return vec![format!("the replay: retrying {run_id} failed: {e}")],
+                Err(_) => return vec![format!("the replay: retrying {run_id} did not end")],
+            }
+        }
+        check::streams_whole(&self.store, &replays)
+            .into_iter()
+            .map(|broken| broken.replacen("the stream:", "the replay:", 1))
             .collect()
     }
 

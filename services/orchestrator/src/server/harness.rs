@@ -47,6 +47,17 @@ impl Replica {
         Ok(())
     }
 
+    /// `spec` started again by `caller` (a retry of `Orchestrate` with the same id), its stream
+    /// read to its end: a finished run's replay.
+    pub async fn retry(&self, spec: RunSpec, caller: Principal) -> Result<Vec<crate::domain::NumberedEvent>, Error> {
+        use futures::StreamExt as _;
+        let (events, _) = self
+            .core
+            .orchestrate(spec, false, &tonic::metadata::MetadataMap::new(), Arc::new(caller))
+            .await?;
+        events.collect::<Vec<_>>().await.into_iter().collect()
+    }
+
     /// The run as `GetRun` answers it.
     pub async fn get(&self, run_id: &str) -> Result<RunResult, Error> {
         self.core.get(run_id, &Principal::anonymous()).await
