@@ -124,7 +124,8 @@ impl RunFence {
             run_id: run_id.to_owned(),
             why,
         };
-        let read = tokio::time::timeout(self.timeout, self.standing(run_id))
+        // A call with no epoch needs only the record (is its run durable?): one read, not two.
+        let read = tokio::time::timeout(self.timeout, self.standing(run_id, epoch > 0))
             .await
             .map_err(|_| unreadable(format!("no answer within {}", humantime::format_duration(self.timeout))))
             .and_then(|read| read.map_err(unreadable));
@@ -157,11 +158,17 @@ impl RunFence {
         Ok(())
     }
 
-    /// The run's fence and record as the stream's leader holds them now.
-    async fn standing(&self, run_id: &str) -> Result<Standing, String> {
+    /// The run's record (and its fence, `with_fence`) as the stream's leader holds them now.
+    async fn standing(&self, run_id: &str, with_fence: bool) -> Result<Standing, String> {
         let stream = self.stream().await?;
         let (fence_key, record_key) = (shared::fence::key(run_id), shared::fence::record_key(run_id));
-        let (fence, record) = tokio::join!(self.last(stream, &fence_key), self.last(stream, &record_key));
+        let fence = async {
+            match with_fence {
+                true => self.last(stream, &fence_key).await,
+                false => Ok(None),
+            }
+        };
+        let (fence, record) = tokio::join!(fence, self.last(stream, &record_key));
         Ok(Standing {
             fence: fence?.map(|v| shared::fence::decode(&v)).transpose()?,
             record: record?.map(|v| shared::fence::record_epoch(&v)).transpose()?,

@@ -133,7 +133,7 @@ impl KvStore {
         checkpoint: Vec<u8>,
     ) -> (CheckpointName, impl Future<Output = Result<(), StoreError>> + use<>) {
         let (target, claim) = self.owned().get(key).map_or_else(
-            || (CheckpointName { epoch: 1, slot: 0 }, String::new()),
+            || (CheckpointName::FIRST, String::new()),
             |o| (o.next_checkpoint(), o.claim.clone()),
         );
         (
@@ -194,11 +194,7 @@ impl RunJournal for KvStore {
             None => 1,
         };
         let (target, put) = self.put_checkpoint(&key, checkpoint);
-        let record = super::results::Record {
-            checkpoint_epoch: target.epoch,
-            checkpoint_slot: target.slot,
-            ..self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms)
-        };
+        let record = target.named_by(self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms));
         let write = self.write(key.clone(), record);
         let checkpoints = self.checkpoints.clone();
         async move {

@@ -217,6 +217,18 @@ pub(super) struct CheckpointName {
 }
 
 impl CheckpointName {
+    /// The object a record names before a run's first save: its epoch's first.
+    pub(super) const FIRST: Self = Self { epoch: 1, slot: 0 };
+
+    /// `record`, naming this object.
+    pub(super) fn named_by(self, record: Record) -> Record {
+        Record {
+            checkpoint_epoch: self.epoch,
+            checkpoint_slot: self.slot,
+            ..record
+        }
+    }
+
     /// The object a record names.
     pub(super) fn of(record: &Record) -> Self {
         Self {
@@ -447,10 +459,10 @@ impl KvStore {
         let (claim, epoch, named) = self
             .owned()
             .get(&key)
-            .map_or((String::new(), 1, CheckpointName { epoch: 1, slot: 0 }), |o| {
+            .map_or((String::new(), 1, CheckpointName::FIRST), |o| {
                 (o.claim.clone(), o.epoch, o.named_checkpoint())
             });
-        Record {
+        named.named_by(Record {
             result: Some(result),
             owner: self.owner.clone(),
             lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease),
@@ -461,9 +473,8 @@ impl KvStore {
             wake_at_unix_ms: 0,
             claim,
             epoch,
-            checkpoint_epoch: named.epoch,
-            checkpoint_slot: named.slot,
-        }
+            ..Record::default()
+        })
     }
 
     /// Creates the record of a new run under `key` unless the id is taken, atomically; takes
