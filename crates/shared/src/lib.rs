@@ -10,6 +10,7 @@ pub mod config_file;
 pub mod dns;
 pub mod fence;
 pub mod grpc;
+pub mod jetstream;
 pub mod metrics;
 pub mod nats;
 pub mod runtime;

@@ -12,9 +12,12 @@
 //! (`orchestrator::domain::thread`), and a lease held against `orchestrator::domain::Ownership`
 //! by a test. Each fix can be switched off ([`plan::Rules`]) to show the history that breaks
 //! without it. [`ports`] runs the services' own code (the orchestrator's `Core` over the domain
-//! ports) under the same kinds of faults, checked against its own invariants.
+//! ports) under the same kinds of faults, checked against its own invariants. [`jetstream`] is a
+//! simulated JetStream beneath the real NATS adapters (the seam `shared::jetstream`), held to a
+//! real server's answers by [`jetstream::conformance`].
 
 pub mod check;
+pub mod jetstream;
 pub mod lease;
 pub mod plan;
 pub mod ports;

@@ -16,8 +16,9 @@
 //! * [`config`]: the settings, in sections; `error`: the crate's error and its gRPC codes;
 //!   [`cli`]: the command line and its client commands (`call`, `get`, `cancel`, `runs`,
 //!   `approvals`, `decide`, `answer`, `say`, `thread`, `usage`); `telemetry`: span and metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
-//!   keeps); [`json`]: the contract's JSON mapping (the CLI's `--json`, the console's pages);
-//!   `nats`: JetStream streams both NATS adapters set up.
+//!   keeps); [`json`]: the contract's JSON mapping (the CLI's `--json`, the console's pages).
+//!   The NATS adapters reach JetStream only through the seam `shared::jetstream`, which the
+//!   simulation replaces.
 
 #![forbid(unsafe_code)]
 
@@ -27,7 +28,6 @@ pub mod domain;
 mod error;
 pub mod json;
 pub mod llm;
-pub(crate) mod nats;
 pub(crate) mod registry;
 pub mod run;
 pub mod server;

@@ -318,7 +318,8 @@ async fn a_replaced_owner_publishes_no_signal() -> TestResult {
         stream: "STALE_SIGNALS".to_owned(),
         ..orchestrator::Config::default().signals
     };
-    let topic = NatsTopic::open(client, TopicOptions::from(&settings))
+    let js = jetstream::new(client);
+    let topic = NatsTopic::open(&js, TopicOptions::from(&settings))
         .await
         .map_err(anyhow::Error::msg)?;
     let signal = |call: &str| Signal {
@@ -355,7 +356,6 @@ async fn a_replaced_owner_publishes_no_signal() -> TestResult {
         tokio::time::timeout(Duration::from_secs(30), rx).await??,
         Delivery::Delivered
     );
-    let js = topic.jetstream();
     assert_eq!(js.get_stream("STALE_SIGNALS").await?.info().await?.state.messages, 1);
     let last = js
         .get_stream("STALE_SIGNALS")

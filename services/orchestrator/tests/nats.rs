@@ -189,7 +189,7 @@ async fn both_signal_topics_pass_the_topic_suite() -> TestResult {
     let nats = Nats::start().await?;
     let client = async_nats::connect(nats.url()).await?;
     topic_suite(Arc::new(
-        NatsTopic::open(client, topic_settings("suite", 3, 50))
+        NatsTopic::open(&jetstream::new(client), topic_settings("suite", 3, 50))
             .await
             .map_err(anyhow::Error::msg)?,
     ))
@@ -222,7 +222,7 @@ async fn signals_land_on_their_subject_with_headers_stay_in_the_stream_and_dedup
     let client = async_nats::connect(nats.url()).await?;
     let mut live = client.subscribe("signals.>").await?;
     client.flush().await?;
-    let topic = NatsTopic::open(client.clone(), topic_settings("signals", 3, 50))
+    let topic = NatsTopic::open(&jetstream::new(client.clone()), topic_settings("signals", 3, 50))
         .await
         .map_err(anyhow::Error::msg)?;
     let mut subscribed = topic.subscribe(SignalFilter::default()).await;
@@ -263,7 +263,7 @@ async fn signals_land_on_their_subject_with_headers_stay_in_the_stream_and_dedup
     );
 
     // A consumer created after the fact reads the signal from the stream, once.
-    let mut stream = topic.jetstream().get_stream("SIGNALS_STREAM").await?;
+    let mut stream = jetstream::new(client.clone()).get_stream("SIGNALS_STREAM").await?;
     assert_eq!(stream.info().await?.state.messages, 2, "the retry was de-duplicated");
     let consumer = stream
         .create_consumer(jetstream::consumer::pull::Config {
@@ -298,10 +298,10 @@ async fn signals_land_on_their_subject_with_headers_stay_in_the_stream_and_dedup
 async fn a_signal_published_while_the_broker_is_down_is_retried_then_delivered_or_marked_undelivered() -> TestResult {
     let mut nats = Nats::start().await?;
     let client = async_nats::connect(nats.url()).await?;
-    let patient = NatsTopic::open(client.clone(), topic_settings("patient", 12, 200))
+    let patient = NatsTopic::open(&jetstream::new(client.clone()), topic_settings("patient", 12, 200))
         .await
         .map_err(anyhow::Error::msg)?;
-    let hasty = NatsTopic::open(client.clone(), topic_settings("hasty", 1, 50))
+    let hasty = NatsTopic::open(&jetstream::new(client.clone()), topic_settings("hasty", 1, 50))
         .await
         .map_err(anyhow::Error::msg)?;
     nats.stop().await?;
@@ -783,7 +783,12 @@ async fn both_event_logs_pass_the_log_suite() -> TestResult {
         replicas: 1,
     };
     log_suite(Arc::new(
-        NatsLog::open(async_nats::connect(nats.url()).await?, "SUITE_EVENTS", options).await?,
+        NatsLog::open(
+            &jetstream::new(async_nats::connect(nats.url()).await?),
+            "SUITE_EVENTS",
+            options,
+        )
+        .await?,
     ))
     .await
 }
@@ -804,7 +809,12 @@ async fn the_nats_log_refuses_a_replaced_owner_and_stops_it() -> TestResult {
         retry_for: Duration::from_millis(200),
         replicas: 1,
     };
-    let log = NatsLog::open(async_nats::connect(nats.url()).await?, "FENCED_EVENTS", options).await?;
+    let log = NatsLog::open(
+        &jetstream::new(async_nats::connect(nats.url()).await?),
+        "FENCED_EVENTS",
+        options,
+    )
+    .await?;
     let settled = |writer: &dyn orchestrator::domain::ports::LogWriter, seq: u64| {
         let mut settled = writer.settled().expect("a NATS writer settles in the background");
         async move {
@@ -861,7 +871,7 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
         retry_for: Duration::from_secs(2),
         replicas: 1,
     };
-    let log = NatsLog::open(client.clone(), "BOUND_EVENTS", options(1 << 20)).await?;
+    let log = NatsLog::open(&jetstream::new(client.clone()), "BOUND_EVENTS", options(1 << 20)).await?;
     let mut writer = log.writer("gathered", 0);
     for seq in 1..=100 {
         writer.append(&[text_event(seq, "token ")]);
@@ -878,7 +888,7 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
     // The first text of a turn goes at once, whatever the flush interval (the caller of a
     // durable run waits for it); the text after it waits for the interval.
     let slow = NatsLog::open(
-        async_nats::connect(nats.url()).await?,
+        &jetstream::new(async_nats::connect(nats.url()).await?),
         "BOUND_EVENTS",
         NatsLogOptions {
             flush_interval: Duration::from_secs(30),
@@ -910,7 +920,7 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
     kept_through(&kept, 4).await?;
 
     // 10 KiB messages against a 25 KiB bound: the oldest go.
-    let small = NatsLog::open(client, "BOUND_EVENTS", options(25 * 1024)).await?;
+    let small = NatsLog::open(&jetstream::new(client), "BOUND_EVENTS", options(25 * 1024)).await?;
     let mut writer = small.writer("trimmed", 0);
     let kept = writer
         .settled()
@@ -955,7 +965,7 @@ async fn a_hole_in_the_nats_log_breaks_it_and_nothing_lands_after_it() -> TestRe
         retry_for: Duration::from_millis(300),
         replicas: 1,
     };
-    let log = NatsLog::open(client.clone(), "HOLED_EVENTS", options).await?;
+    let log = NatsLog::open(&jetstream::new(client.clone()), "HOLED_EVENTS", options).await?;
     let mut writer = log.writer("holed", 0);
     let mut settled = writer
         .settled()
@@ -1668,12 +1678,12 @@ async fn streams_and_buckets_are_created_and_brought_to_their_replicas() -> Test
         KvStore::open(&js, "grow-runs", lease, "a".into(), lease, replicas)
             .await
             .map_err(anyhow::Error::msg)?;
-        NatsLog::open(client.clone(), "GROW_EVENTS", log_options(replicas)).await?;
+        NatsLog::open(&jetstream::new(client.clone()), "GROW_EVENTS", log_options(replicas)).await?;
         let topic = TopicOptions {
             replicas,
             ..topic_settings("grow", 3, 50)
         };
-        NatsTopic::open(client.clone(), topic).await?;
+        NatsTopic::open(&jetstream::new(client.clone()), topic).await?;
         for name in streams {
             assert_eq!(replicas_of(name).await?, replicas, "{name}");
         }
@@ -1888,7 +1898,12 @@ async fn a_follower_goes_on_when_the_node_of_its_consumer_is_lost() -> TestResul
         retry_for: Duration::from_secs(10),
         replicas: 3,
     };
-    let log = NatsLog::open(async_nats::connect(cluster.seeds()).await?, "LOSS_EVENTS", options).await?;
+    let log = NatsLog::open(
+        &jetstream::new(async_nats::connect(cluster.seeds()).await?),
+        "LOSS_EVENTS",
+        options,
+    )
+    .await?;
     let mut writer = log.writer("followed", 0);
     writer.append(&[text_event(1, "a")]);
     let mut feed = log
@@ -1916,7 +1931,12 @@ async fn a_follower_goes_on_when_the_node_of_its_consumer_is_lost() -> TestResul
 
     // The rest of the run is written once the stream leads again.
     cluster.stream_leader("LOSS_EVENTS").await?;
-    let log = NatsLog::open(async_nats::connect(cluster.seeds()).await?, "LOSS_EVENTS", options).await?;
+    let log = NatsLog::open(
+        &jetstream::new(async_nats::connect(cluster.seeds()).await?),
+        "LOSS_EVENTS",
+        options,
+    )
+    .await?;
     let mut writer = log.writer("followed", 1);
     writer.append(&[text_event(2, "b"), finished_event(3)]);
     let mut settled = writer

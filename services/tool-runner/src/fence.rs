@@ -19,7 +19,9 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream;
+use std::sync::Arc;
+
+use shared::jetstream::{Bucket, Consistency, JetStream, Operation};
 use tokio::sync::OnceCell;
 
 use crate::Error;
@@ -66,10 +68,11 @@ pub enum Refusal {
 
 /// The fence reader of a runner given `--run-store` (see the module docs).
 pub struct RunFence {
-    client: async_nats::Client,
+    js: Arc<dyn JetStream>,
     bucket: String,
     timeout: Duration,
-    stream: OnceCell<Result<jetstream::stream::Stream, String>>,
+    /// The bound bucket, or why it cannot be used (bound on first use).
+    bound: OnceCell<Result<Arc<dyn Bucket>, String>>,
 }
 
 /// What the run store holds of a run: its fence and its record's epoch, each if there.
@@ -108,12 +111,21 @@ impl RunFence {
             .await
             .map_err(|e| Error::Config(format!("--run-store {url}: {e}")))?;
         tracing::info!(run_store = %url, bucket = %settings.bucket, "durable calls are checked against the run fence");
-        Ok(Some(Self {
-            client,
-            bucket: settings.bucket.clone(),
-            timeout: settings.timeout,
-            stream: OnceCell::new(),
-        }))
+        Ok(Some(Self::over(
+            shared::jetstream::nats::context(client, None).handle(),
+            &settings.bucket,
+            settings.timeout,
+        )))
+    }
+
+    /// The fence of the runs in bucket `bucket` of `js`, each read within `timeout`.
+    pub fn over(js: Arc<dyn JetStream>, bucket: &str, timeout: Duration) -> Self {
+        Self {
+            js,
+            bucket: bucket.to_owned(),
+            timeout,
+            bound: OnceCell::new(),
+        }
     }
 
     /// Refuses call `call_id` of `run_id` sent in `epoch` when the run stands in a higher epoch,
@@ -160,33 +172,32 @@ impl RunFence {
 
     /// The run's record (and its fence, `with_fence`) as the stream's leader holds them now.
     async fn standing(&self, run_id: &str, with_fence: bool) -> Result<Standing, String> {
-        let stream = self.stream().await?;
+        let bucket = self.bucket().await?;
         let (fence_key, record_key) = (shared::fence::key(run_id), shared::fence::record_key(run_id));
         let fence = async {
             match with_fence {
-                true => self.last(stream, &fence_key).await,
+                true => last(bucket, &fence_key).await,
                 false => Ok(None),
             }
         };
-        let (fence, record) = tokio::join!(fence, self.last(stream, &record_key));
+        let (fence, record) = tokio::join!(fence, last(bucket, &record_key));
         Ok(Standing {
             fence: fence?.map(|v| shared::fence::decode(&v)).transpose()?,
             record: record?.map(|v| shared::fence::record_epoch(&v)).transpose()?,
         })
     }
 
-    /// The bucket's stream, bound once (with the grace checked): a failure to reach it is tried
-    /// again at the next call, a grace the timeout does not fit in is kept (a bucket with no grace is held to the default one).
-    async fn stream(&self) -> Result<&jetstream::stream::Stream, String> {
-        if let Some(bound) = self.stream.get() {
-            return bound.as_ref().map_err(Clone::clone);
+    /// The bucket, bound on first use with its grace checked against the read timeout.
+    async fn bucket(&self) -> Result<&dyn Bucket, String> {
+        if let Some(bound) = self.bound.get() {
+            return bound.as_ref().map(|b| b.as_ref()).map_err(Clone::clone);
         }
-        let js = jetstream::new(self.client.clone());
-        let stream = js
-            .get_stream(format!("KV_{}", self.bucket))
+        let bucket = self
+            .js
+            .bind_bucket(&self.bucket)
             .await
             .map_err(|e| format!("binding the bucket {}: {e}", self.bucket))?;
-        let grace = match self.last(&stream, shared::fence::GRACE_KEY).await? {
+        let grace = match last(bucket.as_ref(), shared::fence::GRACE_KEY).await? {
             Some(grace) => grace_of(&grace)?,
             None => shared::fence::DEFAULT_GRACE,
         };
@@ -194,28 +205,19 @@ impl RunFence {
         if let Err(e) = &checked {
             tracing::error!("{e}");
         }
-        let bound = self.stream.get_or_init(|| async { checked.map(|()| stream) }).await;
-        bound.as_ref().map_err(Clone::clone)
-    }
-
-    /// The value under `key`, read from the leader (`None`: no value, or deleted).
-    async fn last(&self, stream: &jetstream::stream::Stream, key: &str) -> Result<Option<bytes::Bytes>, String> {
-        let subject = format!("$KV.{}.{key}", self.bucket);
-        match stream.get_last_raw_message_by_subject(&subject).await {
-            Ok(message) => {
-                let deleted = message
-                    .headers
-                    .get("KV-Operation")
-                    .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
-                Ok((!deleted).then_some(message.payload))
-            }
-            Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
-            Err(e) => Err(format!("reading {key}: {e}")),
-        }
+        let bound = self.bound.get_or_init(|| async { checked.map(|()| bucket) }).await;
+        bound.as_ref().map(|b| b.as_ref()).map_err(Clone::clone)
     }
 }
 
-/// The fence grace the orchestrators keep under [`shared::fence::GRACE_KEY`].
+/// The value under `key`, read from the bucket's leader (a delete marker reads as none).
+async fn last(bucket: &dyn Bucket, key: &str) -> Result<Option<bytes::Bytes>, String> {
+    match bucket.entry(key, Consistency::Leader).await {
+        Ok(entry) => Ok(entry.filter(|e| e.operation == Operation::Put).map(|e| e.value)),
+        Err(e) => Err(format!("reading {key}: {e}")),
+    }
+}
+
 fn grace_of(value: &[u8]) -> Result<Duration, String> {
     std::str::from_utf8(value)
         .ok()

@@ -91,9 +91,9 @@ impl From<&SignalSettings> for crate::signals::nats::TopicOptions {
             stream: s.stream.clone(),
             stream_max_age: s.stream_max_age,
             stream_max_bytes: s.stream_max_bytes,
-            stream_discard: match s.stream_discard {
-                StreamDiscard::New => async_nats::jetstream::stream::DiscardPolicy::New,
-                StreamDiscard::Old => async_nats::jetstream::stream::DiscardPolicy::Old,
+            discard_old: match s.stream_discard {
+                StreamDiscard::New => false,
+                StreamDiscard::Old => true,
             },
             publish_retries: s.publish_retries,
             publish_backoff: s.publish_backoff,

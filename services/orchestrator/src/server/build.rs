@@ -24,6 +24,8 @@ use crate::store::nats::{
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
 use crate::{Config, Error};
+use shared::jetstream::JetStream;
+use shared::jetstream::nats::context;
 use shared::secrets::NatsUrl;
 
 /// What every run shares: the model client, the tool-runners, the signal topic and the runs
@@ -159,8 +161,7 @@ async fn open_threads(config: &Config, connections: &mut NatsConnections) -> Res
     Ok(match &config.store.backend {
         Backend::Memory => Arc::new(MemoryThreads::new(threads.max_threads, threads.thread_max_age)),
         Backend::Nats(url) => {
-            let client = connections.get(url, &config.nats).await?;
-            let js = async_nats::jetstream::new(client);
+            let js = context(connections.get(url, &config.nats).await?, None);
             let threads =
                 NatsThreads::open(&js, &config.store.bucket, threads.thread_max_age, config.nats.replicas).await?;
             Arc::new(threads)
@@ -178,7 +179,8 @@ async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -
                 replicas: config.nats.replicas,
                 ..(&config.signals).into()
             };
-            let topic = NatsTopic::open(client, options).await?;
+            let js = context(client, Some(options.ack_timeout));
+            let topic = NatsTopic::open(&js, options).await?;
             tracing::info!(nats = %url, prefix = %config.signals.subject_prefix, stream = %config.signals.stream, "signal topic on NATS JetStream");
             Arc::new(topic)
         }
@@ -219,8 +221,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
             }
         }
         Backend::Nats(url) => {
-            let client = connections.get(url, &config.nats).await?;
-            let js = async_nats::jetstream::new(client);
+            let js = context(connections.get(url, &config.nats).await?, None);
             let owner = replica_name();
             let store = KvStore::open(
                 &js,
@@ -267,7 +268,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
 
 /// Where the console's ended sessions are kept with the NATS store: a bucket every replica reads
 /// when the console is on (none is made for a replica without it).
-async fn open_sign_outs(config: &Config, js: &async_nats::jetstream::Context) -> Result<Arc<dyn SignOuts>, Error> {
+async fn open_sign_outs(config: &Config, js: &dyn JetStream) -> Result<Arc<dyn SignOuts>, Error> {
     if config.console.console_listen.is_none() {
         return Ok(Arc::new(MemorySignOuts::default()));
     }
@@ -298,7 +299,8 @@ async fn open_event_log(config: &Config, connections: &mut NatsConnections) -> R
                 retry_for: store.lease,
                 replicas: config.nats.replicas,
             };
-            let log = NatsLog::open(client, &store.event_log_stream, options).await?;
+            let js = context(client, Some(store.timeout));
+            let log = NatsLog::open(&js, &store.event_log_stream, options).await?;
             tracing::info!(nats = %url, stream = %store.event_log_stream, "run event logs in NATS JetStream");
             Arc::new(log)
         }

@@ -11,13 +11,14 @@
 //! still acts for the run (or the run ended there): a replaced owner's retries stop. `subscribe`
 //! reads the stream (an ordered consumer), so it sees the signals of every replica, each once.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
+use shared::jetstream::{Deliver, JetStream, Publish, Read, Stream, StreamConfig};
 
 use super::TopicError;
 use crate::domain::ports::{OnDelivery, SignalFilter, SignalItem, SignalTopic};
@@ -83,8 +84,8 @@ pub struct TopicOptions {
     pub stream_max_age: Duration,
     /// Most bytes the stream keeps; -1 for no limit.
     pub stream_max_bytes: i64,
-    /// What a full stream gives up.
-    pub stream_discard: jetstream::stream::DiscardPolicy,
+    /// A full stream drops its oldest signals (else it refuses new ones).
+    pub discard_old: bool,
     /// Publish attempts after the first, before a signal is marked undelivered.
     pub publish_retries: u32,
     /// First delay between publish attempts, doubled each time.
@@ -97,73 +98,43 @@ pub struct TopicOptions {
 
 /// See the module docs.
 pub struct NatsTopic {
-    js: jetstream::Context,
+    stream: Arc<dyn Stream>,
     settings: TopicOptions,
 }
 
 impl NatsTopic {
-    /// Binds (or creates) the stream for the prefix.
-    pub async fn open(client: async_nats::Client, settings: TopicOptions) -> Result<Self, TopicError> {
-        let js = jetstream::context::ContextBuilder::new()
-            .timeout(settings.ack_timeout)
-            .build(client.clone());
-        let config = jetstream::stream::Config {
+    /// Binds (or creates) the stream for the prefix (`js` waits `settings.ack_timeout` for each
+    /// answer).
+    pub async fn open(js: &dyn JetStream, settings: TopicOptions) -> Result<Self, TopicError> {
+        let config = StreamConfig {
             name: settings.stream.clone(),
+            description: "orchestrator signals (exit tool calls)".to_owned(),
             subjects: vec![format!("{}.>", settings.subject_prefix)],
             max_age: settings.stream_max_age,
-            max_bytes: settings.stream_max_bytes,
-            discard: settings.stream_discard,
+            max_bytes: u64::try_from(settings.stream_max_bytes).unwrap_or(0),
+            discard_old: settings.discard_old,
             duplicate_window: Duration::from_secs(120),
-            storage: jetstream::stream::StorageType::File,
-            num_replicas: settings.replicas,
-            ..Default::default()
+            replicas: settings.replicas,
         };
-        crate::nats::ensure_stream(&js, config)
-            .await
-            .map_err(|reason| TopicError::Stream {
-                stream: settings.stream.clone(),
-                reason,
-            })?;
-        Ok(Self { js, settings })
+        let stream = js.stream(config).await.map_err(|e| TopicError::Stream {
+            stream: settings.stream.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self { stream, settings })
     }
-
-    /// The JetStream context (for tests and tools).
-    pub fn jetstream(&self) -> &jetstream::Context {
-        &self.js
-    }
-}
-
-/// The signals stored in `stream` under `<prefix>.>` from now on, each once, in order.
-async fn ordered_messages(
-    js: &jetstream::Context,
-    stream: &str,
-    prefix: &str,
-) -> Result<jetstream::consumer::pull::Ordered, String> {
-    let stream = js.get_stream(stream).await.map_err(|e| e.to_string())?;
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            filter_subject: format!("{prefix}.>"),
-            deliver_policy: jetstream::consumer::DeliverPolicy::New,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-    consumer.messages().await.map_err(|e| e.to_string())
 }
 
 impl SignalTopic for NatsTopic {
     fn publish(&self, signal: &Signal, owner: Option<Ownership>, on_delivery: OnDelivery) {
         let subject = format!("{}.{}", self.settings.subject_prefix, signal.tool_name);
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(
-            async_nats::header::NATS_MESSAGE_ID,
-            format!("{}.{}", signal.run_id, signal.call_id).as_str(),
-        );
-        headers.insert("Orchestrator-Run-Id", signal.run_id.as_str());
-        headers.insert("Orchestrator-Call-Id", signal.call_id.as_str());
+        let mut headers = vec![
+            ("Orchestrator-Run-Id".to_owned(), signal.run_id.clone()),
+            ("Orchestrator-Call-Id".to_owned(), signal.call_id.clone()),
+        ];
         if let Some(traceparent) = shared::telemetry::current_traceparent() {
-            headers.insert("traceparent", traceparent.as_str());
+            headers.push(("traceparent".to_owned(), traceparent));
         }
+        let id = format!("{}.{}", signal.run_id, signal.call_id);
         let payload: bytes::Bytes = match serde_json::to_vec(&SignalJson::from(signal)) {
             Ok(json) => json.into(),
             Err(e) => {
@@ -172,7 +143,7 @@ impl SignalTopic for NatsTopic {
                 return;
             }
         };
-        let (js, settings) = (self.js.clone(), self.settings.clone());
+        let (stream, settings) = (Arc::clone(&self.stream), self.settings.clone());
         let (run_id, call_id) = (signal.run_id.clone(), signal.call_id.clone());
         tokio::spawn(async move {
             for attempt in 0..=settings.publish_retries {
@@ -183,19 +154,20 @@ impl SignalTopic for NatsTopic {
                     tracing::info!(run_id = %run_id, call_id = %call_id, attempt, "signal not published: this replica no longer acts for the run");
                     return;
                 }
-                let error = match js
-                    .publish_with_headers(subject.clone(), headers.clone(), payload.clone())
-                    .await
-                {
-                    Ok(ack) => match tokio::time::timeout(settings.ack_timeout, ack).await {
-                        Ok(Ok(_)) => {
-                            on_delivery(Delivery::Delivered);
-                            return;
-                        }
-                        Ok(Err(e)) => e.to_string(),
-                        Err(_) => "no acknowledgement in time".to_owned(),
-                    },
-                    Err(e) => e.to_string(),
+                let message = Publish {
+                    subject: subject.clone(),
+                    payload: payload.clone(),
+                    id: Some(id.clone()),
+                    after: None,
+                    headers: headers.clone(),
+                };
+                let error = match tokio::time::timeout(settings.ack_timeout, stream.publish(message)).await {
+                    Ok(Ok(_)) => {
+                        on_delivery(Delivery::Delivered);
+                        return;
+                    }
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "no acknowledgement in time".to_owned(),
                 };
                 tracing::warn!(run_id = %run_id, call_id = %call_id, attempt, "publishing a signal to {subject} failed: {error}");
             }
@@ -209,16 +181,22 @@ impl SignalTopic for NatsTopic {
     /// subject: a publish retried after its acknowledgement was lost reaches the subject twice,
     /// but the stream keeps it once (its `Nats-Msg-Id`), so each signal is seen once.
     fn subscribe(&self, filter: SignalFilter) -> BoxFuture<'static, BoxStream<'static, SignalItem>> {
-        let (js, stream, prefix) = (
-            self.js.clone(),
+        let (stream, name, prefix) = (
+            Arc::clone(&self.stream),
             self.settings.stream.clone(),
             self.settings.subject_prefix.clone(),
         );
         async move {
-            let messages = match ordered_messages(&js, &stream, &prefix).await {
-                Ok(messages) => messages,
+            let read = Read {
+                filter: format!("{prefix}.>"),
+                deliver: Deliver::New,
+                headers_only: false,
+                expires: None,
+            };
+            let messages = match stream.read(read).await {
+                Ok(reading) => reading.messages,
                 Err(e) => {
-                    tracing::warn!("cannot subscribe to the signals of stream {stream}: {e}");
+                    tracing::warn!("cannot subscribe to the signals of stream {name}: {e}");
                     return futures::stream::empty().boxed();
                 }
             };

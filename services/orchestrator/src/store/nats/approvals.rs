@@ -19,11 +19,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use prost::Message;
 use serde::{Deserialize, Serialize};
+use shared::jetstream::{Bucket, Consistency, Error, JetStream, Operation};
 
 use super::kv::token;
 use super::results::{KvStore, decode_record, key};
@@ -76,14 +76,14 @@ impl WaitRecord {
 
 /// See the module docs.
 pub struct NatsApprovals {
-    waits: jetstream::kv::Store,
+    waits: Arc<dyn Bucket>,
     store: Arc<KvStore>,
 }
 
 impl NatsApprovals {
     /// Binds (or creates) the bucket of waits beside the results bucket `bucket`.
     pub async fn open(
-        js: &jetstream::Context,
+        js: &dyn JetStream,
         bucket: &str,
         ttl: Duration,
         store: Arc<KvStore>,
@@ -96,11 +96,12 @@ impl NatsApprovals {
 }
 
 /// A wait and its revision.
-async fn read(waits: &jetstream::kv::Store, key: &str) -> Result<Option<(WaitRecord, u64)>, StoreError> {
-    let Some(entry) = waits.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? else {
+async fn read(waits: &dyn Bucket, key: &str) -> Result<Option<(WaitRecord, u64)>, StoreError> {
+    let entry = waits.entry(key, Consistency::Direct).await;
+    let Some(entry) = entry.map_err(|e| unavailable("KV entry", key, e))? else {
         return Ok(None);
     };
-    if entry.operation != jetstream::kv::Operation::Put {
+    if entry.operation != Operation::Put {
         return Ok(None);
     }
     let record = serde_json::from_slice(&entry.value).map_err(|e| StoreError::Corrupt {
@@ -111,12 +112,7 @@ async fn read(waits: &jetstream::kv::Store, key: &str) -> Result<Option<(WaitRec
 }
 
 /// Writes `record` over `revision`; `Ok(false)` when another write came first.
-async fn replace(
-    waits: &jetstream::kv::Store,
-    key: &str,
-    record: &WaitRecord,
-    revision: u64,
-) -> Result<bool, StoreError> {
+async fn replace(waits: &dyn Bucket, key: &str, record: &WaitRecord, revision: u64) -> Result<bool, StoreError> {
     let bytes = crate::domain::ports::json("a run's wait", record)?;
     super::kv::write_at(waits, key, bytes.into(), Some(revision)).await
 }
@@ -125,7 +121,8 @@ async fn replace(
 /// or is ready already) and announces it, so a replica takes it over at once.
 async fn mark_ready(store: &KvStore, key: &str) -> Result<(), StoreError> {
     for _ in 0..CAS_ATTEMPTS {
-        let Some(entry) = store.kv.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? else {
+        let entry = store.kv.entry(key, Consistency::Direct).await;
+        let Some(entry) = entry.map_err(|e| unavailable("KV entry", key, e))? else {
             return Ok(());
         };
         let mut record = decode_record(key, &entry.value)?;
@@ -140,12 +137,12 @@ async fn mark_ready(store: &KvStore, key: &str) -> Result<(), StoreError> {
         {
             Ok(_) => {
                 let _ = store
-                    .client
+                    .js
                     .publish(store.hand_over_subject.clone(), key.as_bytes().to_vec().into())
                     .await;
                 return Ok(());
             }
-            Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => {}
+            Err(Error::WrongRevision) => {}
             Err(e) => return Err(unavailable("KV update", key, e)),
         }
     }
@@ -155,7 +152,7 @@ async fn mark_ready(store: &KvStore, key: &str) -> Result<(), StoreError> {
 /// The decisions of a `decide` call, applied to the stored wait (compare-and-set, tried again
 /// while other writes come first).
 async fn decide_stored(
-    waits: &jetstream::kv::Store,
+    waits: &dyn Bucket,
     run_id: &str,
     decider: &Decider,
     decisions: &[Decision],
@@ -188,7 +185,7 @@ async fn decide_stored(
 impl NatsApprovals {
     /// Parks a run: its checkpoint, then its record marked `awaiting` (released by its owner).
     async fn park_stored(
-        waits: jetstream::kv::Store,
+        waits: Arc<dyn Bucket>,
         store: Arc<KvStore>,
         run_id: String,
         parked: Parked,
@@ -197,7 +194,7 @@ impl NatsApprovals {
         // The time it parked goes into its wait; every call decided already: it goes on here.
         let mut stamped = false;
         for _ in 0..CAS_ATTEMPTS {
-            let Some((mut wait, revision)) = read(&waits, &key).await? else {
+            let Some((mut wait, revision)) = read(&*waits, &key).await? else {
                 return Ok(ParkOutcome::Decided(Vec::new(), Box::new(parked)));
             };
             if wait.decided() {
@@ -206,7 +203,7 @@ impl NatsApprovals {
                 return Ok(ParkOutcome::Decided(wait.calls, Box::new(parked)));
             }
             wait.parked_at_unix_ms = parked.parked_at_unix_ms;
-            if replace(&waits, &key, &wait, revision).await? {
+            if replace(&*waits, &key, &wait, revision).await? {
                 stamped = true;
                 break;
             }
@@ -225,7 +222,7 @@ impl NatsApprovals {
         record.lease_expires_unix_ms = shared::sync::unix_ms();
         store.write(key.clone(), record).await?;
         // Decided (or canceled) while it parked: it is ready at once.
-        if let Some((wait, _)) = read(&waits, &key).await?
+        if let Some((wait, _)) = read(&*waits, &key).await?
             && (wait.decided() || wait.canceled.is_some())
         {
             mark_ready(&store, &key).await?;
@@ -237,20 +234,20 @@ impl NatsApprovals {
     /// approver's (or the anonymous caller's) of every run, another's of its own runs only, found
     /// by their markers.
     async fn listed(
-        waits: jetstream::kv::Store,
+        waits: Arc<dyn Bucket>,
         decider: Decider,
         run_id: Option<String>,
         limit: usize,
     ) -> Result<(Vec<PendingApproval>, bool), StoreError> {
         let keys: Vec<String> = match run_id {
             Some(run_id) => vec![key(&run_id)],
-            None if decider.anonymous || decider.approver => every_wait(&waits).await?,
-            None => waits_of(&waits, &decider.name).await?,
+            None if decider.anonymous || decider.approver => every_wait(&*waits).await?,
+            None => waits_of(&*waits, &decider.name).await?,
         };
         let records: Vec<WaitRecord> = futures::stream::iter(keys)
             .map(|key| {
                 let waits = waits.clone();
-                async move { read(&waits, &key).await.ok().flatten().map(|(r, _)| r) }
+                async move { read(&*waits, &key).await.ok().flatten().map(|(r, _)| r) }
             })
             .buffer_unordered(LIST_CONCURRENCY)
             .filter_map(std::future::ready)
@@ -269,18 +266,10 @@ impl NatsApprovals {
 }
 
 /// The keys of every wait (no marker).
-async fn every_wait(waits: &jetstream::kv::Store) -> Result<Vec<String>, StoreError> {
-    // A key written while the listing reads (a run opening or parking its wait) comes again:
-    // each is read once, so no call is listed twice.
-    let mut keys = waits.keys().await.map_err(|e| unavailable("KV keys", "", e))?;
-    let mut all = std::collections::BTreeSet::new();
-    while let Some(key) = keys.next().await {
-        let key = key.map_err(|e| unavailable("KV keys", "", e))?;
-        if !key.starts_with(MARKERS) {
-            all.insert(key);
-        }
-    }
-    Ok(all.into_iter().collect())
+async fn every_wait(waits: &dyn Bucket) -> Result<Vec<String>, StoreError> {
+    // Each key is listed once, so no call is listed twice.
+    let keys = waits.keys(">").await.map_err(|e| unavailable("KV keys", "", e))?;
+    Ok(keys.into_iter().filter(|key| !key.starts_with(MARKERS)).collect())
 }
 
 /// The key of the marker of `principal`'s wait under `key`.
@@ -290,53 +279,27 @@ fn marker(principal: &str, key: &str) -> String {
 
 /// The keys of `principal`'s waits, by their markers: the last entry of each marker key under
 /// `by.<principal>.`, read as headers only, deleted ones left out.
-async fn waits_of(waits: &jetstream::kv::Store, principal: &str) -> Result<Vec<String>, StoreError> {
-    let under = format!("{}{}", waits.prefix, marker(principal, ""));
-    let failed = |e: &dyn std::fmt::Display| unavailable("KV markers", &under, e.to_string());
-    let consumer = waits
-        .stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            filter_subject: format!("{under}>"),
-            deliver_policy: jetstream::consumer::DeliverPolicy::LastPerSubject,
-            headers_only: true,
-            ..Default::default()
-        })
+async fn waits_of(waits: &dyn Bucket, principal: &str) -> Result<Vec<String>, StoreError> {
+    let under = marker(principal, "");
+    let keys = waits
+        .keys(&format!("{under}>"))
         .await
-        .map_err(|e| failed(&e))?;
-    let mut keys = std::collections::BTreeSet::new();
-    if consumer.cached_info().num_pending == 0 {
-        return Ok(Vec::new());
-    }
-    let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
-    while let Some(message) = messages.next().await {
-        let message = message.map_err(|e| failed(&e))?;
-        let pending = message.info().map_err(|e| failed(&e))?.pending;
-        let deleted = message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("KV-Operation"))
-            .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
-        if let Some(key) = message.subject.as_str().strip_prefix(&under)
-            && !deleted
-        {
-            keys.insert(key.to_owned());
-        }
-        if pending == 0 {
-            break;
-        }
-    }
-    Ok(keys.into_iter().collect())
+        .map_err(|e| unavailable("KV markers", &under, e))?;
+    Ok(keys
+        .into_iter()
+        .filter_map(|key| key.strip_prefix(&under).map(str::to_owned))
+        .collect())
 }
 
 /// Opens `record` under `key`, by compare-and-set: over no wait, over an older owner's, or over
 /// the same calls' wait (a resumed run opening it again), whose decisions it keeps. A newer
 /// owner's wait stands: the opener was replaced.
-async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRecord) -> Result<(), String> {
+async fn open_stored(waits: &dyn Bucket, key: &str, mut record: WaitRecord) -> Result<(), String> {
     let refused = |e: &dyn std::fmt::Display| format!("the approvals bucket did not take the wait: {e}");
     // The marker first: a wait is never without its marker (a marker without its wait is
     // passed over, and expires with the bucket).
     waits
-        .put(marker(&record.principal, key), bytes::Bytes::new())
+        .put(&marker(&record.principal, key), bytes::Bytes::new())
         .await
         .map_err(|e| refused(&e))?;
     for _ in 0..CAS_ATTEMPTS {
@@ -346,7 +309,7 @@ async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRe
                 let bytes = crate::domain::ports::json("a run's wait", &record).map_err(|e| refused(&e))?;
                 match waits.create(key, bytes.into()).await {
                     Ok(_) => true,
-                    Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => false,
+                    Err(Error::Exists) => false,
                     Err(e) => return Err(refused(&e)),
                 }
             }
@@ -372,7 +335,7 @@ async fn open_stored(waits: &jetstream::kv::Store, key: &str, mut record: WaitRe
 }
 
 /// Deletes the wait under `key` unless a newer owner than `epoch`'s opened it, by its revision.
-async fn close_stored(waits: &jetstream::kv::Store, key: &str, epoch: u64) {
+async fn close_stored(waits: &dyn Bucket, key: &str, epoch: u64) {
     for _ in 0..CAS_ATTEMPTS {
         let Ok(Some((stored, revision))) = read(waits, key).await else {
             return;
@@ -380,14 +343,14 @@ async fn close_stored(waits: &jetstream::kv::Store, key: &str, epoch: u64) {
         if stored.epoch > epoch {
             return;
         }
-        match waits.delete_expect_revision(key, Some(revision)).await {
+        match waits.delete(key, Some(revision)).await {
             Ok(()) => {
-                if let Err(e) = waits.delete(marker(&stored.principal, key)).await {
+                if let Err(e) = waits.delete(&marker(&stored.principal, key), None).await {
                     tracing::debug!(%key, "the wait's marker stays until it expires: {e}");
                 }
                 return;
             }
-            Err(e) if e.kind() == jetstream::kv::DeleteErrorKind::WrongLastRevision => {}
+            Err(Error::WrongRevision) => {}
             Err(e) => {
                 tracing::warn!(%key, "closing the approval wait failed (it expires with the bucket): {e}");
                 return;
@@ -409,7 +372,7 @@ impl ApprovalStore for NatsApprovals {
             parked_at_unix_ms: 0,
             epoch,
         };
-        async move { open_stored(&waits, &key, record).await }.boxed()
+        async move { open_stored(&*waits, &key, record).await }.boxed()
     }
 
     fn park(&self, run_id: &str, parked: Parked) -> BoxFuture<'static, Result<ParkOutcome, StoreError>> {
@@ -425,7 +388,7 @@ impl ApprovalStore for NatsApprovals {
         let (waits, store) = (self.waits.clone(), Arc::clone(&self.store));
         let (run_id, decider, decisions) = (run_id.to_owned(), decider.clone(), decisions.to_vec());
         async move {
-            let record = decide_stored(&waits, &run_id, &decider, &decisions).await?;
+            let record = decide_stored(&*waits, &run_id, &decider, &decisions).await?;
             if record.decided() {
                 // A parked run goes on; a live one takes the decisions when it parks.
                 mark_ready(&store, &key(&run_id))
@@ -448,17 +411,17 @@ impl ApprovalStore for NatsApprovals {
 
     fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
         let (waits, key) = (self.waits.clone(), key(run_id));
-        async move { Ok(read(&waits, &key).await?.map(|(r, _)| r.waiting())) }.boxed()
+        async move { Ok(read(&*waits, &key).await?.map(|(r, _)| r.waiting())) }.boxed()
     }
 
     fn wake(&self, run_id: &str, now_unix_ms: u64) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
         let (waits, key) = (self.waits.clone(), key(run_id));
         async move {
             for _ in 0..CAS_ATTEMPTS {
-                let Some((mut wait, revision)) = read(&waits, &key).await? else {
+                let Some((mut wait, revision)) = read(&*waits, &key).await? else {
                     return Ok(None);
                 };
-                if !wait.expire(now_unix_ms) || replace(&waits, &key, &wait, revision).await? {
+                if !wait.expire(now_unix_ms) || replace(&*waits, &key, &wait, revision).await? {
                     return Ok(Some(wait.waiting()));
                 }
             }
@@ -481,11 +444,11 @@ impl ApprovalStore for NatsApprovals {
         );
         async move {
             for _ in 0..CAS_ATTEMPTS {
-                let Some((mut wait, revision)) = read(&waits, &key).await? else {
+                let Some((mut wait, revision)) = read(&*waits, &key).await? else {
                     return Ok(false);
                 };
                 wait.canceled = Some(reason.clone());
-                if replace(&waits, &key, &wait, revision).await? {
+                if replace(&*waits, &key, &wait, revision).await? {
                     mark_ready(&store, &key).await?;
                     return Ok(true);
                 }
@@ -497,7 +460,7 @@ impl ApprovalStore for NatsApprovals {
 
     fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
         let (waits, key) = (self.waits.clone(), key(run_id));
-        async move { close_stored(&waits, &key, epoch).await }.boxed()
+        async move { close_stored(&*waits, &key, epoch).await }.boxed()
     }
 
     fn expire(&self, _now_unix_ms: u64) {

@@ -4,7 +4,7 @@
 //! before the new owner's first one. Raising never lowers it, and is safe to repeat: a raise
 //! whose answer was lost (it may have landed) is just done again.
 
-use async_nats::jetstream;
+use shared::jetstream::{Bucket, Consistency, Error};
 
 use crate::domain::ports::StoreError;
 use crate::store::unavailable;
@@ -19,11 +19,12 @@ pub(super) fn fence_key(record_key: &str) -> String {
 }
 
 /// Raises the fence of the run under `record_key` to `epoch` unless it stands there or higher.
-pub(super) async fn raise(kv: &jetstream::kv::Store, record_key: &str, epoch: u64) -> Result<(), StoreError> {
+pub(super) async fn raise(kv: &dyn Bucket, record_key: &str, epoch: u64) -> Result<(), StoreError> {
     let key = fence_key(record_key);
     for _ in 0..ATTEMPTS {
-        let raised = match kv.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))? {
-            Some(entry) => {
+        let entry = kv.entry(&key, Consistency::Leader).await;
+        let raised = match entry.map_err(|e| unavailable("KV entry", &key, e))? {
+            Some(entry) if entry.operation == shared::jetstream::Operation::Put => {
                 let current = shared::fence::decode(&entry.value).unwrap_or_else(|why| {
                     tracing::warn!(%key, "{why}; raising it over that");
                     0
@@ -33,14 +34,12 @@ pub(super) async fn raise(kv: &jetstream::kv::Store, record_key: &str, epoch: u6
                 }
                 kv.update(&key, shared::fence::encode(epoch).into(), entry.revision)
                     .await
-                    .map_err(|e| {
-                        (e.kind() != jetstream::kv::UpdateErrorKind::WrongLastRevision).then_some(e.to_string())
-                    })
+                    .map_err(|e| (e != Error::WrongRevision).then_some(e.to_string()))
             }
-            None => kv
+            _ => kv
                 .create(&key, shared::fence::encode(epoch).into())
                 .await
-                .map_err(|e| (e.kind() != jetstream::kv::CreateErrorKind::AlreadyExists).then_some(e.to_string())),
+                .map_err(|e| (e != Error::Exists).then_some(e.to_string())),
         };
         match raised {
             Ok(_) => return Ok(()),

@@ -4,11 +4,12 @@
 //! whose record says its owner is gone (lease lapsed, or handed over at a drain) is an orphan,
 //! claimed by the first replica whose compare-and-set on the record's revision succeeds.
 
-use async_nats::jetstream;
+use std::sync::Arc;
+
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use prost::Message;
-use tokio::io::AsyncReadExt;
+use shared::jetstream::{Error, JetStream, Object, Objects};
 
 use super::results::{
     CheckpointName, KvStore, Owned, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
@@ -47,25 +48,18 @@ type Answerer<A> = Box<dyn FnOnce(A) -> BoxFuture<'static, ()> + Send>;
 /// Asks `question` of whichever replica answers on `subject` (the one running the run `key`
 /// names): its answer, or `None` when none answered in time.
 async fn ask<Q: serde::Serialize, A: serde::de::DeserializeOwned>(
-    client: async_nats::Client,
+    js: Arc<dyn JetStream>,
     subject: String,
     key: String,
     question: Q,
 ) -> Result<Option<A>, StoreError> {
     let payload = crate::domain::ports::json("a question to the run's replica", &question)?;
-    let reply = match client.request(subject.clone(), payload.into()).await {
-        Ok(reply) => reply,
-        Err(e)
-            if matches!(
-                e.kind(),
-                async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
-            ) =>
-        {
-            return Ok(None);
-        }
+    let reply = match js.request(subject.clone(), payload.into()).await {
+        Ok(Some(reply)) => reply,
+        Ok(None) => return Ok(None),
         Err(e) => return Err(unavailable("request", &format!("{subject} {key}"), e)),
     };
-    serde_json::from_slice(&reply.payload)
+    serde_json::from_slice(&reply)
         .map(Some)
         .map_err(|e| StoreError::Corrupt {
             key,
@@ -76,7 +70,7 @@ async fn ask<Q: serde::Serialize, A: serde::de::DeserializeOwned>(
 /// The questions asked on `subject` (`what` names them in logs), each with what answers it; a
 /// question this build cannot read is left to the replicas that can.
 async fn asks<Q, A>(
-    client: async_nats::Client,
+    js: Arc<dyn JetStream>,
     subject: String,
     what: &'static str,
 ) -> futures::stream::BoxStream<'static, (Q, Answerer<A>)>
@@ -84,7 +78,7 @@ where
     Q: serde::de::DeserializeOwned + Send + 'static,
     A: serde::Serialize + Send + 'static,
 {
-    let subscriber = match client.subscribe(subject).await {
+    let subscriber = match js.subscribe(subject).await {
         Ok(subscriber) => subscriber,
         Err(e) => {
             tracing::warn!("subscribing to {what} failed (they reach only the runs of the replica asked): {e}");
@@ -93,14 +87,14 @@ where
     };
     subscriber
         .filter_map(move |message| {
-            let client = client.clone();
+            let js = Arc::clone(&js);
             async move {
                 let reply = message.reply?;
                 let question: Q = serde_json::from_slice(&message.payload).ok()?;
                 let answer: Answerer<A> = Box::new(move |answer: A| {
                     async move {
                         let sent = match crate::domain::ports::json("an answer", &answer) {
-                            Ok(bytes) => client.publish(reply, bytes.into()).await.map_err(|e| e.to_string()),
+                            Ok(bytes) => js.publish(reply, bytes.into()).await.map_err(|e| e.to_string()),
                             Err(e) => Err(e.to_string()),
                         };
                         if let Err(e) = sent {
@@ -145,37 +139,38 @@ impl KvStore {
 
 /// Puts `checkpoint` under the object `name`, its description naming the admission `claim`.
 async fn put_named(
-    checkpoints: super::checkpoints::Checkpoints,
+    checkpoints: Arc<dyn Objects>,
     name: String,
     claim: String,
     checkpoint: Vec<u8>,
 ) -> Result<(), StoreError> {
-    let meta = jetstream::object_store::ObjectMetadata {
-        name: name.clone(),
-        description: (!claim.is_empty()).then_some(claim),
-        ..Default::default()
-    };
     checkpoints
-        .put(meta, &mut checkpoint.as_slice())
+        .put(&name, (!claim.is_empty()).then_some(claim), checkpoint)
         .await
-        .map(|_| ())
         .map_err(|e| unavailable("checkpoint put", &name, e))
+}
+
+/// Removes the checkpoint object `name`.
+async fn remove(checkpoints: &dyn Objects, name: &str) -> Result<(), StoreError> {
+    checkpoints
+        .remove(name)
+        .await
+        .map_err(|e| unavailable("checkpoint delete", name, e))
 }
 
 /// The checkpoint a run taken over resumes from: exactly the object its record names (never
 /// another: an object the record does not name may be a replaced owner's), with its name; `None`
 /// when it is gone.
 async fn named_checkpoint(
-    checkpoints: &super::checkpoints::Checkpoints,
+    checkpoints: &dyn Objects,
     key: &str,
     record: &super::results::Record,
-) -> Result<Option<(String, jetstream::object_store::Object)>, StoreError> {
+) -> Result<Option<Object>, StoreError> {
     let name = CheckpointName::of(record).name(key);
-    match checkpoints.get(&name).await {
-        Ok(object) => Ok(Some((name, object))),
-        Err(e) if e.kind() == jetstream::object_store::GetErrorKind::NotFound => Ok(None),
-        Err(e) => Err(unavailable("checkpoint get", &name, e)),
-    }
+    checkpoints
+        .get(&name)
+        .await
+        .map_err(|e| unavailable("checkpoint get", &name, e))
 }
 
 impl RunJournal for KvStore {
@@ -207,7 +202,7 @@ impl RunJournal for KvStore {
             if before < target.epoch {
                 // The previous epoch's objects are not read any more.
                 for name in CheckpointName::both(&key, before) {
-                    let _ = checkpoints.remove(&name).await;
+                    let _ = remove(checkpoints.as_ref(), &name).await;
                 }
             }
             Ok(())
@@ -230,7 +225,7 @@ impl RunJournal for KvStore {
         async move {
             // An id taken already is answered without putting anything under its key: the run
             // holding it (live, or parked for hours) keeps its checkpoint.
-            if let Some((taken, revision)) = holder(&kv, &key).await? {
+            if let Some((taken, revision)) = holder(kv.as_ref(), &key).await? {
                 if !taken.never_started(seen.lapsed(&key, revision)) {
                     return Ok(Claim::Taken(Box::new(taken.read(&key)?)));
                 }
@@ -258,14 +253,14 @@ impl RunJournal for KvStore {
         let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
         self.owned().remove(&key);
         async move {
-            let mut epochs = match holder(&kv, &key).await? {
+            let mut epochs = match holder(kv.as_ref(), &key).await? {
                 Some((record, _)) => vec![0, record.checkpoint_epoch, record.epoch],
                 None => vec![0],
             };
             epochs.sort_unstable();
             epochs.dedup();
             for name in epochs.into_iter().flat_map(|epoch| CheckpointName::both(&key, epoch)) {
-                checkpoints.remove(&name).await?;
+                remove(checkpoints.as_ref(), &name).await?;
             }
             Ok(())
         }
@@ -276,7 +271,8 @@ impl RunJournal for KvStore {
         let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
         async move {
             let mut objects: std::collections::HashMap<String, Vec<(u64, String)>> = std::collections::HashMap::new();
-            for name in checkpoints.names().await? {
+            let names = checkpoints.names().await;
+            for name in names.map_err(|e| unavailable("checkpoint list", "", e))? {
                 let (key, epoch) = checkpoint_of(&name);
                 objects.entry(key.to_owned()).or_default().push((epoch, name.clone()));
             }
@@ -288,12 +284,12 @@ impl RunJournal for KvStore {
                 .map(|(key, epochs)| {
                     let (kv, checkpoints, seen) = (kv.clone(), checkpoints.clone(), seen.clone());
                     async move {
-                        let (record, revision) = holder(&kv, &key).await.ok()??;
+                        let (record, revision) = holder(kv.as_ref(), &key).await.ok()??;
                         let lapsed = seen.lapsed_run(&key, &record, revision);
                         let delete = |name: &String| {
                             let (checkpoints, name) = (checkpoints.clone(), name.clone());
                             async move {
-                                let _ = checkpoints.remove(&name).await;
+                                let _ = remove(checkpoints.as_ref(), &name).await;
                             }
                         };
                         let gone = !record.live() || record.marked_lost();
@@ -328,7 +324,7 @@ impl RunJournal for KvStore {
         );
         let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
         async move {
-            let Some((record, read_revision)) = holder(&kv, &key).await? else {
+            let Some((record, read_revision)) = holder(kv.as_ref(), &key).await? else {
                 return Ok(None);
             };
             let lapsed = seen.lapsed_run(&key, &record, read_revision);
@@ -338,7 +334,7 @@ impl RunJournal for KvStore {
             // The fence first: once the record is this replica's its calls may go out, and by
             // then every runner refuses the replaced owner's (a raise is never undone; should the
             // claim below lose, the winner holds the same epoch).
-            super::fence::raise(&kv, &key, record.epoch.saturating_add(1)).await?;
+            super::fence::raise(kv.as_ref(), &key, record.epoch.saturating_add(1)).await?;
             // A parked run (or one taken over from the approval store that was waiting for a slot) keeps
             // reading parked, holding no slot, until its new owner, holding one again, writes it
             // running.
@@ -363,13 +359,13 @@ impl RunJournal for KvStore {
             };
             let revision = match kv.update(&key, claimed.encode_to_vec().into(), read_revision).await {
                 Ok(revision) => revision,
-                Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => return Ok(None),
+                Err(Error::WrongRevision) => return Ok(None),
                 Err(e) => return Err(unavailable("KV update", &key, e)),
             };
             shared::sync::lock(&owned).insert(key.clone(), Owned::of(revision, &claimed));
-            let named = named_checkpoint(&checkpoints, &key, &claimed).await?;
-            let admission = named.as_ref().map(|(_, o)| o.info().description.clone().unwrap_or_default());
-            let Some((name, mut object)) = named.filter(|_| admission.as_deref() == Some(claimed.claim.as_str())) else {
+            let named = named_checkpoint(checkpoints.as_ref(), &key, &claimed).await?;
+            let admission = named.as_ref().map(|o| o.description.clone().unwrap_or_default());
+            let Some(object) = named.filter(|_| admission.as_deref() == Some(claimed.claim.as_str())) else {
                 // The checkpoint its record names is gone, or is another admission's (a duplicate
                 // that lost the race for the id): this run cannot be resumed, and reads as lost
                 // at once.
@@ -385,13 +381,8 @@ impl RunJournal for KvStore {
                     .map_err(|e| unavailable("KV update", &key, e))?;
                 return Ok(None);
             };
-            let mut bytes = Vec::new();
-            object
-                .read_to_end(&mut bytes)
-                .await
-                .map_err(|e| unavailable("checkpoint read", &name, e))?;
             Ok(Some(Claimed {
-                checkpoint: bytes,
+                checkpoint: object.bytes,
                 parked,
             }))
         }
@@ -399,9 +390,9 @@ impl RunJournal for KvStore {
     }
 
     fn hand_overs(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, ()>> {
-        let (client, subject) = (self.client.clone(), self.hand_over_subject.clone());
+        let (js, subject) = (Arc::clone(&self.js), self.hand_over_subject.clone());
         async move {
-            match client.subscribe(subject).await {
+            match js.subscribe(subject).await {
                 Ok(subscriber) => subscriber.map(|_| ()).boxed(),
                 Err(e) => {
                     tracing::warn!(
@@ -425,11 +416,11 @@ impl RunJournal for KvStore {
             reason: reason.to_owned(),
             mode,
         };
-        ask(self.client.clone(), self.cancel_subject.clone(), key(run_id), message).boxed()
+        ask(Arc::clone(&self.js), self.cancel_subject.clone(), key(run_id), message).boxed()
     }
 
     fn cancel_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, CancelAsk>> {
-        let asked = asks::<CancelMessage, RemoteCancel>(self.client.clone(), self.cancel_subject.clone(), "cancels");
+        let asked = asks::<CancelMessage, RemoteCancel>(Arc::clone(&self.js), self.cancel_subject.clone(), "cancels");
         async move {
             asked
                 .await
@@ -453,12 +444,18 @@ impl RunJournal for KvStore {
             run_id: run_id.to_owned(),
             message,
         };
-        ask(self.client.clone(), self.steering_subject.clone(), key(run_id), message).boxed()
+        ask(
+            Arc::clone(&self.js),
+            self.steering_subject.clone(),
+            key(run_id),
+            message,
+        )
+        .boxed()
     }
 
     fn steering_asks(&self) -> BoxFuture<'static, futures::stream::BoxStream<'static, SteeringAsk>> {
         let asked =
-            asks::<SteeringMessage, RemoteSteer>(self.client.clone(), self.steering_subject.clone(), "messages");
+            asks::<SteeringMessage, RemoteSteer>(Arc::clone(&self.js), self.steering_subject.clone(), "messages");
         async move {
             asked
                 .await
@@ -474,7 +471,7 @@ impl RunJournal for KvStore {
 
     fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, key) = (self.kv.clone(), key(run_id));
-        let (client, subject) = (self.client.clone(), self.hand_over_subject.clone());
+        let (js, subject) = (Arc::clone(&self.js), self.hand_over_subject.clone());
         let last = self.owned().remove(&key);
         async move {
             let Some(last) = last else {
@@ -489,7 +486,7 @@ impl RunJournal for KvStore {
             kv.update(&key, record.encode_to_vec().into(), last.revision)
                 .await
                 .map_err(|e| unavailable("KV update", &key, e))?;
-            let _ = client.publish(subject, key.into_bytes().into()).await;
+            let _ = js.publish(subject, key.into_bytes().into()).await;
             Ok(())
         }
         .boxed()

@@ -1,8 +1,8 @@
 //! What the key-value adapters share: a subject token for any text (a principal, a thread), and
 //! a write conditional on what the writer read (created when absent, or over the revision read).
 
-use async_nats::jetstream::kv;
 use base64::Engine as _;
+use shared::jetstream::{Bucket, Error};
 
 use crate::domain::ports::StoreError;
 use crate::store::unavailable;
@@ -18,7 +18,7 @@ pub(crate) fn token(value: &str) -> String {
 /// Writes `value` under `key` if it is still as read: created when `revision` is `None`, else
 /// over `revision`; `Ok(false)` when another write came first.
 pub(crate) async fn write_at(
-    store: &kv::Store,
+    store: &dyn Bucket,
     key: &str,
     value: bytes::Bytes,
     revision: Option<u64>,
@@ -26,12 +26,12 @@ pub(crate) async fn write_at(
     match revision {
         None => match store.create(key, value).await {
             Ok(_) => Ok(true),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+            Err(Error::Exists) => Ok(false),
             Err(e) => Err(unavailable("KV create", key, e)),
         },
         Some(revision) => match store.update(key, value, revision).await {
             Ok(_) => Ok(true),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(false),
+            Err(Error::WrongRevision) => Ok(false),
             Err(e) => Err(unavailable("KV update", key, e)),
         },
     }

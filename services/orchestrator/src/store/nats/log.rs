@@ -22,11 +22,13 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use async_nats::jetstream;
+use std::sync::Arc;
+
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use prost::Message;
 use proto::orchestrator::v1 as pb;
+use shared::jetstream::{Consistency, Deliver, Error, JetStream, Publish, Read, Stream, StreamConfig};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
@@ -71,8 +73,7 @@ pub struct NatsLogOptions {
 /// See the module docs.
 #[derive(Clone)]
 pub struct NatsLog {
-    js: jetstream::Context,
-    stream: jetstream::stream::Stream,
+    stream: Arc<dyn Stream>,
     name: String,
     options: NatsLogOptions,
     /// Largest message the server takes.
@@ -80,29 +81,24 @@ pub struct NatsLog {
 }
 
 impl NatsLog {
-    /// Binds (or creates) the stream `name`.
-    pub async fn open(client: async_nats::Client, name: &str, options: NatsLogOptions) -> Result<Self, StoreError> {
-        let unavailable = |e: String| crate::store::unavailable("creating the event log stream", name, e);
-        let max_message_bytes = client.server_info().max_payload;
-        let js = jetstream::context::ContextBuilder::new()
-            .timeout(options.timeout)
-            .build(client);
-        let config = jetstream::stream::Config {
+    /// Binds (or creates) the stream `name` (`js` waits `options.timeout` for each answer).
+    pub async fn open(js: &dyn JetStream, name: &str, options: NatsLogOptions) -> Result<Self, StoreError> {
+        let max_message_bytes = js.max_payload();
+        let config = StreamConfig {
             name: name.to_owned(),
-            description: Some("orchestrator run events (AttachRun)".to_owned()),
+            description: "orchestrator run events (AttachRun)".to_owned(),
             subjects: vec![format!("{name}.run.>")],
             max_age: options.bounds.keep_for,
-            max_bytes: i64::try_from(options.bounds.total_bytes).unwrap_or(i64::MAX),
-            discard: jetstream::stream::DiscardPolicy::Old,
+            max_bytes: u64::try_from(options.bounds.total_bytes).unwrap_or(u64::MAX),
+            discard_old: true,
             duplicate_window: Duration::from_secs(120),
-            storage: jetstream::stream::StorageType::File,
-            allow_direct: true,
-            num_replicas: options.replicas,
-            ..Default::default()
+            replicas: options.replicas,
         };
-        let stream = crate::nats::ensure_stream(&js, config).await.map_err(unavailable)?;
+        let stream = js
+            .stream(config)
+            .await
+            .map_err(|e| crate::store::unavailable("creating the event log stream", name, e))?;
         Ok(Self {
-            js,
             stream,
             name: name.to_owned(),
             options,
@@ -179,21 +175,19 @@ impl EventLog for NatsLog {
     }
 
     fn last(&self, run_id: &str) -> BoxFuture<'static, Result<Logged, LogError>> {
-        let (stream, subject, run_id) = (self.stream.clone(), self.subject(run_id), run_id.to_owned());
+        let (stream, subject, run_id) = (Arc::clone(&self.stream), self.subject(run_id), run_id.to_owned());
         let timeout = self.options.timeout;
         async move {
             let unavailable = |reason: String| LogError::Unavailable {
                 run_id: run_id.clone(),
                 reason,
             };
-            let read = tokio::time::timeout(timeout, stream.get_last_raw_message_by_subject(&subject))
+            let read = tokio::time::timeout(timeout, stream.last(&subject, Consistency::Leader))
                 .await
                 .map_err(|_| unavailable("no answer in time".to_owned()))?;
             let message = match read {
-                Ok(message) => message,
-                Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
-                    return Ok(Logged::default());
-                }
+                Ok(Some(message)) => message,
+                Ok(None) => return Ok(Logged::default()),
                 Err(e) => return Err(unavailable(e.to_string())),
             };
             let batch = LogBatch::decode(message.payload.as_ref())
@@ -216,25 +210,22 @@ impl EventLog for NatsLog {
     }
 
     fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>> {
-        let (stream, subject, run_id) = (self.stream.clone(), self.subject(run_id), run_id.to_owned());
+        let (stream, subject, run_id) = (Arc::clone(&self.stream), self.subject(run_id), run_id.to_owned());
         let max_expires = follow_expiry(self.options.timeout);
         async move {
             let unavailable = |e: String| LogError::Unavailable {
                 run_id: run_id.clone(),
                 reason: e,
             };
-            let consumer = stream
-                .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                    filter_subject: subject,
-                    deliver_policy: jetstream::consumer::DeliverPolicy::All,
-                    max_expires,
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| unavailable(e.to_string()))?;
-            let messages = consumer.messages().await.map_err(|e| unavailable(e.to_string()))?;
+            let read = Read {
+                filter: subject,
+                deliver: Deliver::All,
+                headers_only: false,
+                expires: Some(max_expires),
+            };
+            let reading = stream.read(read).await.map_err(|e| unavailable(e.to_string()))?;
             let follower = Follower {
-                messages,
+                messages: reading.messages,
                 run_id: run_id.clone(),
                 after_seq,
                 cursor: after_seq,
@@ -438,24 +429,17 @@ impl Publisher {
     /// acknowledgement is out of turn, never a success: the log held the message already, so
     /// this owner no longer knows where the log ends.
     async fn try_publish(&mut self, first_seq: u64, payload: bytes::Bytes) -> Result<(), Refused> {
-        let mut headers = async_nats::HeaderMap::new();
         let id = format!("{}/{}/{first_seq}", self.run_id, self.owner.epoch());
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
-        if let Some(position) = self.position {
-            headers.insert(
-                async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
-                position.to_string().as_str(),
-            );
-        }
-        let ack = self
-            .log
-            .js
-            .publish_with_headers(self.subject.clone(), headers, payload)
-            .await
-            .map_err(|e| Refused::Unavailable(e.to_string()))?;
-        let ack = match tokio::time::timeout(self.log.options.timeout, ack).await {
+        let message = Publish {
+            subject: self.subject.clone(),
+            payload,
+            id: Some(id.clone()),
+            after: self.position,
+            headers: Vec::new(),
+        };
+        let ack = match tokio::time::timeout(self.log.options.timeout, self.log.stream.publish(message)).await {
             Ok(Ok(ack)) => ack,
-            Ok(Err(e)) if e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence => {
+            Ok(Err(Error::WrongSequence)) => {
                 return Err(Refused::OutOfTurn(format!(
                     "another owner appended after stream sequence {}",
                     self.position.unwrap_or_default()
@@ -488,16 +472,18 @@ impl Publisher {
             self.kept_bytes -= self.kept.pop_front().unwrap_or(0);
         }
         let keep = u64::try_from(self.kept.len()).unwrap_or(u64::MAX);
-        let purge = self.log.stream.purge().filter(self.subject.clone()).keep(keep);
-        if let Err(e) = tokio::time::timeout(self.log.options.timeout, purge.into_future()).await {
-            tracing::warn!(run_id = %self.run_id, "trimming the run's event log timed out: {e}");
+        let purge = self.log.stream.purge(&self.subject, keep);
+        match tokio::time::timeout(self.log.options.timeout, purge).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(run_id = %self.run_id, "trimming the run's event log failed: {e}"),
+            Err(_) => tracing::warn!(run_id = %self.run_id, "trimming the run's event log timed out"),
         }
     }
 }
 
 /// One follower of a run's subject.
 struct Follower {
-    messages: jetstream::consumer::pull::Ordered,
+    messages: futures::stream::BoxStream<'static, Result<shared::jetstream::Message, Error>>,
     run_id: String,
     /// Where the follower asked to start.
     after_seq: u64,

@@ -15,9 +15,9 @@
 
 use std::sync::Arc;
 
-use async_nats::jetstream::{self, kv};
+use futures::FutureExt as _;
 use futures::future::BoxFuture;
-use futures::{FutureExt as _, StreamExt as _};
+use shared::jetstream::{Bucket, Consistency, JetStream, Operation};
 
 use super::kv::{token, write_at};
 use super::results::{KvStore, key as run_key};
@@ -27,14 +27,14 @@ use crate::store::unavailable;
 
 /// See the module docs.
 pub struct NatsQuotas {
-    slots: kv::Store,
+    slots: std::sync::Arc<dyn Bucket>,
     store: Arc<KvStore>,
 }
 
 impl NatsQuotas {
     /// Binds (or creates) the slots bucket beside the results bucket `bucket`.
     pub async fn open(
-        js: &jetstream::Context,
+        js: &dyn JetStream,
         bucket: &str,
         ttl: std::time::Duration,
         store: Arc<KvStore>,
@@ -47,11 +47,12 @@ impl NatsQuotas {
 }
 
 /// The run a slot names, and the slot's revision.
-async fn holder(slots: &kv::Store, key: &str) -> Result<Option<(String, u64)>, StoreError> {
-    let Some(entry) = slots.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? else {
+async fn holder(slots: &dyn Bucket, key: &str) -> Result<Option<(String, u64)>, StoreError> {
+    let entry = slots.entry(key, Consistency::Direct).await;
+    let Some(entry) = entry.map_err(|e| unavailable("KV entry", key, e))? else {
         return Ok(None);
     };
-    if entry.operation != kv::Operation::Put {
+    if entry.operation != Operation::Put {
         return Ok(None);
     }
     Ok(Some((
@@ -94,7 +95,7 @@ impl NatsQuotas {
     /// Takes `key` for `run_id`: created when absent, or written over `revision`; whether this
     /// write won.
     async fn claim(&self, key: &str, holder: &str, over: Option<u64>) -> Result<bool, StoreError> {
-        write_at(&self.slots, key, bytes::Bytes::from(holder.to_owned()), over).await
+        write_at(&*self.slots, key, bytes::Bytes::from(holder.to_owned()), over).await
     }
 
     /// The slot `holder_value` holds now, or one it takes; `None` when live runs hold them all.
@@ -114,7 +115,7 @@ impl NatsQuotas {
         }
         let mut held = Vec::new();
         for keys in chunks_doubling(&keys) {
-            let read = futures::future::join_all(keys.iter().map(|key| holder(&self.slots, key))).await;
+            let read = futures::future::join_all(keys.iter().map(|key| holder(&*self.slots, key))).await;
             for (key, found) in keys.iter().zip(read) {
                 match found? {
                     Some((holding, _)) if holding == holder_value => return Ok(Some(key.clone())),
@@ -140,14 +141,14 @@ impl NatsQuotas {
 
     /// Deletes `key` when it still holds `holder_value` (over the revision that showed it).
     async fn give_back_slot(&self, key: &str, ours: impl Fn(&str) -> bool) -> Result<bool, StoreError> {
-        let Some((holding, revision)) = holder(&self.slots, key).await? else {
+        let Some((holding, revision)) = holder(&*self.slots, key).await? else {
             return Ok(false);
         };
         if !ours(&holding) {
             return Ok(false);
         }
         self.slots
-            .delete_expect_revision(key, Some(revision))
+            .delete(key, Some(revision))
             .await
             .map(|()| true)
             .map_err(|e| unavailable("KV slot delete", key, e))
@@ -164,14 +165,13 @@ impl NatsQuotas {
                 .map(drop);
         }
         let prefix = format!("{}.", token(principal));
-        let mut keys = self
+        let keys = self
             .slots
-            .keys()
+            .keys(&format!("{prefix}>"))
             .await
             .map_err(|e| unavailable("KV keys", &prefix, e))?;
-        while let Some(key) = keys.next().await {
-            let key = key.map_err(|e| unavailable("KV keys", &prefix, e))?;
-            if key.starts_with(&prefix) && self.give_back_slot(&key, |holding| run_of(holding) == run_id).await? {
+        for key in keys {
+            if self.give_back_slot(&key, |holding| run_of(holding) == run_id).await? {
                 return Ok(());
             }
         }

@@ -20,11 +20,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use prost::Message;
 use proto::orchestrator::v1 as pb;
+use shared::jetstream::{Bucket, BucketConfig, Consistency, Error, JetStream, Objects, Operation, Stream};
 
 use crate::domain::ports::{Claim, ResultStore, StoreError};
 use crate::domain::{FailureReason, RunResult, RunStatus};
@@ -35,7 +35,7 @@ const DEFAULT_FENCE_GRACE: Duration = shared::fence::DEFAULT_GRACE;
 
 /// See the module docs.
 pub struct KvStore {
-    pub(super) kv: jetstream::kv::Store,
+    pub(super) kv: Arc<dyn Bucket>,
     /// This replica, written into the records of its runs.
     pub(super) owner: String,
     pub(super) lease: Duration,
@@ -54,9 +54,9 @@ pub struct KvStore {
     pub(super) owned: Arc<Mutex<HashMap<String, Owned>>>,
     /// Checkpoints of live runs, by key (an object store: a checkpoint may be larger than one
     /// message).
-    pub(super) checkpoints: super::checkpoints::Checkpoints,
+    pub(super) checkpoints: Arc<dyn Objects>,
     /// Where hand-overs are announced (core NATS, `<bucket>.hand_overs`).
-    pub(super) client: async_nats::Client,
+    pub(super) js: Arc<dyn JetStream>,
     pub(super) hand_over_subject: String,
     /// Where cancels are asked of the replica running a run (core NATS, `<bucket>.cancels`).
     pub(super) cancel_subject: String,
@@ -65,7 +65,7 @@ pub struct KvStore {
     pub(super) steering_subject: String,
     /// Where each claim enters its run first (`ListRuns`).
     pub(super) index: super::index::entry::IndexWriter,
-    pub(super) index_stream: jetstream::stream::Stream,
+    pub(super) index_stream: Arc<dyn Stream>,
 }
 
 /// Records of other replicas' live runs as this replica saw them: the revision, and when it was
@@ -361,14 +361,14 @@ impl KvStore {
     /// layout directly (`KV_<bucket>`, subjects `$KV.<bucket>.>`, one value per key), which works
     /// with every JetStream server from 2.9 on and stays a bucket for `nats kv` tools.
     pub async fn open(
-        js: &jetstream::Context,
+        js: &dyn JetStream,
         bucket: &str,
         ttl: Duration,
         owner: String,
         lease: Duration,
         replicas: usize,
     ) -> Result<Self, StoreError> {
-        let checkpoints = super::checkpoints::Checkpoints::open(js, bucket, ttl, replicas).await?;
+        let checkpoints = super::checkpoints::open(js, bucket, ttl, replicas).await?;
         let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
         let (index, index_stream) = super::index::entry::IndexWriter::open(js, bucket, ttl, replicas).await?;
         Ok(Self {
@@ -386,7 +386,7 @@ impl KvStore {
             },
             owned: Arc::default(),
             checkpoints,
-            client: js.client(),
+            js: js.handle(),
             hand_over_subject: format!("orchestrator.{bucket}.hand_overs"),
             cancel_subject: format!("orchestrator.{bucket}.cancels"),
             steering_subject: format!("orchestrator.{bucket}.messages"),
@@ -422,34 +422,21 @@ impl KvStore {
     /// Binds the bucket `bucket` (its stream created when missing, its replicas brought to
     /// `replicas`).
     pub(super) async fn open_bucket(
-        js: &jetstream::Context,
+        js: &dyn JetStream,
         bucket: &str,
         ttl: Duration,
         description: &str,
         replicas: usize,
-    ) -> Result<jetstream::kv::Store, StoreError> {
-        crate::nats::ensure_stream(
-            js,
-            jetstream::stream::Config {
-                name: format!("KV_{bucket}"),
-                description: Some(description.to_owned()),
-                subjects: vec![format!("$KV.{bucket}.>")],
-                max_messages_per_subject: 1,
-                max_age: ttl,
-                storage: jetstream::stream::StorageType::File,
-                discard: jetstream::stream::DiscardPolicy::New,
-                allow_rollup: true,
-                deny_delete: true,
-                allow_direct: true,
-                num_replicas: replicas,
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| unavailable("creating the key-value bucket", bucket, e))?;
-        js.get_key_value(bucket)
+    ) -> Result<Arc<dyn Bucket>, StoreError> {
+        let config = BucketConfig {
+            name: bucket.to_owned(),
+            description: description.to_owned(),
+            max_age: ttl,
+            replicas,
+        };
+        js.bucket(config)
             .await
-            .map_err(|e| unavailable("binding the key-value bucket", bucket, e))
+            .map_err(|e| unavailable("creating the key-value bucket", bucket, e))
     }
 
     /// The record of `result` as this replica writes it now.
@@ -518,9 +505,9 @@ impl KvStore {
         async move {
             let bytes = bytes::Bytes::from(record.encode_to_vec());
             let Some(last) = last else {
-                return rewrite_own_final(&kv, &key, bytes, &owner, running).await;
+                return rewrite_own_final(kv.as_ref(), &key, bytes, &owner, running).await;
             };
-            let revision = update_owned(&kv, &key, bytes, &last, &owner).await?;
+            let revision = update_owned(kv.as_ref(), &key, bytes, &last, &owner).await?;
             let mut owned = shared::sync::lock(&owned);
             if !running {
                 owned.remove(&key);
@@ -554,7 +541,7 @@ fn named_checkpoint(record: &Record) -> u64 {
 /// See [`KvStore::create`]; `record.epoch` is the claim's (1 when not given), one more than the
 /// taken record's when it takes over a run that never started.
 pub(super) async fn create_record(
-    kv: jetstream::kv::Store,
+    kv: Arc<dyn Bucket>,
     owned: Arc<Mutex<HashMap<String, Owned>>>,
     seen: Sightings,
     key: String,
@@ -568,8 +555,8 @@ pub(super) async fn create_record(
             shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
             Ok(Claim::Claimed)
         }
-        Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => {
-            let Some((taken, revision)) = holder(&kv, &key).await? else {
+        Err(Error::Exists) => {
+            let Some((taken, revision)) = holder(kv.as_ref(), &key).await? else {
                 return Err(unavailable("KV create", &key, "taken, then gone"));
             };
             if taken.never_started(seen.lapsed(&key, revision)) {
@@ -577,7 +564,7 @@ pub(super) async fn create_record(
                 // resumed: the id is free again (one winner), in a later epoch.
                 record.epoch = record.epoch.max(taken.epoch.saturating_add(1));
                 record.checkpoint_epoch = named_checkpoint(&record);
-                super::fence::raise(&kv, &key, record.epoch).await?;
+                super::fence::raise(kv.as_ref(), &key, record.epoch).await?;
                 if let Ok(revision) = kv.update(&key, record.encode_to_vec().into(), revision).await {
                     shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
                     return Ok(Claim::Claimed);
@@ -595,7 +582,7 @@ pub(super) async fn create_record(
 /// final (not `live`) record over a final record of this replica's, by compare-and-set. Anything
 /// else is another replica's run, or would turn an end back into a live run, and is fenced.
 async fn rewrite_own_final(
-    kv: &jetstream::kv::Store,
+    kv: &dyn Bucket,
     key: &str,
     bytes: bytes::Bytes,
     owner: &str,
@@ -604,7 +591,7 @@ async fn rewrite_own_final(
     let Some((current, revision)) = holder(kv, key).await? else {
         return match kv.create(key, bytes).await {
             Ok(_) => Ok(()),
-            Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => Err(fenced(key, "another replica")),
+            Err(Error::Exists) => Err(fenced(key, "another replica")),
             Err(e) => Err(unavailable("KV create", key, e)),
         };
     };
@@ -615,7 +602,7 @@ async fn rewrite_own_final(
     }
     match kv.update(key, bytes, revision).await {
         Ok(_) => Ok(()),
-        Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => Err(fenced(key, "another replica")),
+        Err(Error::WrongRevision) => Err(fenced(key, "another replica")),
         Err(e) => Err(unavailable("KV update", key, e)),
     }
 }
@@ -632,7 +619,7 @@ fn fenced(key: &str, owner: &str) -> StoreError {
 /// here, yet landed: same owner, same admission, same epoch, still running) is taken as the last
 /// one; moved on by anyone else, the write is fenced.
 async fn update_owned(
-    kv: &jetstream::kv::Store,
+    kv: &dyn Bucket,
     key: &str,
     bytes: bytes::Bytes,
     last: &Owned,
@@ -640,7 +627,7 @@ async fn update_owned(
 ) -> Result<u64, StoreError> {
     match kv.update(key, bytes.clone(), last.revision).await {
         Ok(revision) => return Ok(revision),
-        Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => {}
+        Err(Error::WrongRevision) => {}
         Err(e) => return Err(unavailable("KV update", key, e)),
     }
     let current = holder(kv, key).await?;
@@ -648,9 +635,9 @@ async fn update_owned(
         Some((record, revision))
             if record.owner == owner && record.held() && record.claim == last.claim && record.epoch == last.epoch =>
         {
-            kv.update(key, bytes, revision).await.map_err(|e| match e.kind() {
-                jetstream::kv::UpdateErrorKind::WrongLastRevision => fenced(key, "another replica"),
-                _ => unavailable("KV update", key, e),
+            kv.update(key, bytes, revision).await.map_err(|e| match e {
+                Error::WrongRevision => fenced(key, "another replica"),
+                e => unavailable("KV update", key, e),
             })
         }
         Some((record, _)) => Err(fenced(key, &record.owner)),
@@ -663,10 +650,13 @@ pub(super) fn run_id_of(key: &str) -> String {
 }
 
 /// The record under `key` and its revision, if there is one.
-pub(super) async fn holder(kv: &jetstream::kv::Store, key: &str) -> Result<Option<(Record, u64)>, StoreError> {
-    match kv.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? {
-        Some(entry) => Ok(Some((decode_record(key, &entry.value)?, entry.revision))),
-        None => Ok(None),
+pub(super) async fn holder(kv: &dyn Bucket, key: &str) -> Result<Option<(Record, u64)>, StoreError> {
+    let entry = kv.entry(key, Consistency::Direct).await;
+    match entry.map_err(|e| unavailable("KV entry", key, e))? {
+        Some(entry) if entry.operation == Operation::Put => {
+            Ok(Some((decode_record(key, &entry.value)?, entry.revision)))
+        }
+        _ => Ok(None),
     }
 }
 

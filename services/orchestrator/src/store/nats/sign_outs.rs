@@ -2,9 +2,9 @@
 //! the key-value bucket `<bucket>-sign-outs`, whose entries expire after the longest session
 //! (`--console-session-ttl`'s cap), so the bucket holds only sessions that could still be used.
 
-use async_nats::jetstream::{self, kv};
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
+use shared::jetstream::{Bucket, Consistency, JetStream, Operation};
 
 use super::kv::token;
 use super::results::KvStore;
@@ -14,14 +14,14 @@ use crate::store::unavailable;
 /// See the module docs.
 #[derive(Clone)]
 pub struct NatsSignOuts {
-    ended: kv::Store,
+    ended: std::sync::Arc<dyn Bucket>,
 }
 
 impl NatsSignOuts {
     /// Binds (or creates) the bucket beside the results bucket `bucket`, keeping each ended
     /// session `keep_for`.
     pub async fn open(
-        js: &jetstream::Context,
+        js: &dyn JetStream,
         bucket: &str,
         keep_for: std::time::Duration,
         replicas: usize,
@@ -54,8 +54,9 @@ impl SignOuts for NatsSignOuts {
     fn ended(&self, id: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
         let (ended, key) = (self.ended.clone(), key(id));
         async move {
-            let entry = ended.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))?;
-            Ok(entry.is_some_and(|e| e.operation == kv::Operation::Put))
+            let entry = ended.entry(&key, Consistency::Direct).await;
+            let entry = entry.map_err(|e| unavailable("KV entry", &key, e))?;
+            Ok(entry.is_some_and(|e| e.operation == Operation::Put))
         }
         .boxed()
     }

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream;
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use shared::jetstream::{Bucket, Consistency, Error, JetStream, Operation};
 
 use super::results::KvStore;
 use crate::domain::ports::{StoreError, ThreadStore};
@@ -15,13 +15,13 @@ use crate::store::unavailable;
 
 /// See the module docs.
 pub struct NatsThreads {
-    kv: jetstream::kv::Store,
+    kv: std::sync::Arc<dyn Bucket>,
 }
 
 impl NatsThreads {
     /// Binds (or creates) the bucket of threads beside the results bucket `bucket`.
     pub async fn open(
-        js: &jetstream::Context,
+        js: &dyn JetStream,
         bucket: &str,
         max_age: Duration,
         replicas: usize,
@@ -41,10 +41,11 @@ impl ThreadStore for NatsThreads {
     fn read(&self, thread_id: &str) -> BoxFuture<'static, Result<Option<(Thread, u64)>, StoreError>> {
         let (kv, key) = (self.kv.clone(), key(thread_id));
         async move {
-            let Some(entry) = kv.entry(&key).await.map_err(|e| unavailable("KV entry", &key, e))? else {
+            let entry = kv.entry(&key, Consistency::Direct).await;
+            let Some(entry) = entry.map_err(|e| unavailable("KV entry", &key, e))? else {
                 return Ok(None);
             };
-            if entry.operation != jetstream::kv::Operation::Put {
+            if entry.operation != Operation::Put {
                 return Ok(None);
             }
             let thread = serde_json::from_slice(&entry.value).map_err(|e| StoreError::Corrupt {
@@ -63,13 +64,13 @@ impl ThreadStore for NatsThreads {
             if revision == 0 {
                 return match kv.create(&key, bytes.into()).await {
                     Ok(_) => Ok(true),
-                    Err(e) if e.kind() == jetstream::kv::CreateErrorKind::AlreadyExists => Ok(false),
+                    Err(Error::Exists) => Ok(false),
                     Err(e) => Err(unavailable("KV create", &key, e)),
                 };
             }
             match kv.update(&key, bytes.into(), revision).await {
                 Ok(_) => Ok(true),
-                Err(e) if e.kind() == jetstream::kv::UpdateErrorKind::WrongLastRevision => Ok(false),
+                Err(Error::WrongRevision) => Ok(false),
                 Err(e) => Err(unavailable("KV update", &key, e)),
             }
         }
@@ -79,9 +80,9 @@ impl ThreadStore for NatsThreads {
     fn delete(&self, thread_id: &str, revision: u64) -> BoxFuture<'static, Result<bool, StoreError>> {
         let (kv, key) = (self.kv.clone(), key(thread_id));
         async move {
-            match kv.delete_expect_revision(&key, Some(revision)).await {
+            match kv.delete(&key, Some(revision)).await {
                 Ok(()) => Ok(true),
-                Err(e) if e.kind() == jetstream::kv::DeleteErrorKind::WrongLastRevision => Ok(false),
+                Err(Error::WrongRevision) => Ok(false),
                 Err(e) => Err(unavailable("KV delete", &key, e)),
             }
         }

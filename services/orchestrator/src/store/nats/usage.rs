@@ -6,9 +6,9 @@
 //! it): this replica's adds to one key take turns ([`Stripes`]), so they never fight each other,
 //! only other replicas' adds.
 
-use async_nats::jetstream::{self, kv};
 use futures::future::BoxFuture;
 use futures::{FutureExt as _, StreamExt as _};
+use shared::jetstream::{Bucket, Consistency, JetStream, Operation};
 
 use super::kv::{token, write_at};
 use super::results::KvStore;
@@ -27,7 +27,7 @@ const STRIPES: usize = 64;
 /// See the module docs.
 #[derive(Clone)]
 pub struct NatsUsage {
-    windows: kv::Store,
+    windows: std::sync::Arc<dyn Bucket>,
     stripes: std::sync::Arc<Stripes>,
 }
 
@@ -45,7 +45,7 @@ impl NatsUsage {
     /// Binds (or creates) the usage bucket beside the results bucket `bucket`, keeping windows
     /// `keep_for`.
     pub async fn open(
-        js: &jetstream::Context,
+        js: &dyn JetStream,
         bucket: &str,
         keep_for: std::time::Duration,
         replicas: usize,
@@ -63,11 +63,12 @@ fn key(principal: &str, window: u64) -> String {
 }
 
 /// The window under `key` and its revision (`None`: nothing spent yet).
-async fn read(windows: &kv::Store, key: &str) -> Result<Option<(Tally, u64)>, StoreError> {
-    let Some(entry) = windows.entry(key).await.map_err(|e| unavailable("KV entry", key, e))? else {
+async fn read(windows: &dyn Bucket, key: &str) -> Result<Option<(Tally, u64)>, StoreError> {
+    let entry = windows.entry(key, Consistency::Direct).await;
+    let Some(entry) = entry.map_err(|e| unavailable("KV entry", key, e))? else {
         return Ok(None);
     };
-    if entry.operation != kv::Operation::Put {
+    if entry.operation != Operation::Put {
         return Ok(None);
     }
     let spend = serde_json::from_slice(&entry.value).map_err(|e| StoreError::Corrupt {
@@ -87,13 +88,13 @@ impl UsageBook for NatsUsage {
         async move {
             let _turn = stripes.of(&key).lock().await;
             for _ in 0..CAS_ATTEMPTS {
-                let (mut total, revision) = match read(&windows, &key).await? {
+                let (mut total, revision) = match read(&*windows, &key).await? {
                     Some((total, revision)) => (total, Some(revision)),
                     None => (Tally::default(), None),
                 };
                 total.add(&spend);
                 let value = bytes::Bytes::from(crate::domain::ports::json("a usage window", &total)?);
-                if write_at(&windows, &key, value, revision).await? {
+                if write_at(&*windows, &key, value, revision).await? {
                     return Ok(total);
                 }
             }
@@ -113,7 +114,7 @@ impl UsageBook for NatsUsage {
             let read_one = |start: u64| {
                 let (windows, key) = (windows.clone(), key(&principal, start));
                 async move {
-                    read(&windows, &key)
+                    read(&*windows, &key)
                         .await
                         .map(|found| found.map(|(spend, _)| (start, spend)))
                 }

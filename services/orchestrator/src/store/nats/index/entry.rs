@@ -3,10 +3,12 @@
 
 use std::collections::BTreeMap;
 
-use async_nats::jetstream;
+use std::sync::Arc;
+
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
 use prost::Message as _;
+use shared::jetstream::{JetStream, Publish, Stream, StreamConfig};
 
 use crate::domain::RunResult;
 use crate::domain::ports::StoreError;
@@ -31,7 +33,9 @@ pub(crate) struct Entry {
 /// Writes index entries (the claim's side of the index).
 #[derive(Clone)]
 pub(crate) struct IndexWriter {
-    js: jetstream::Context,
+    stream: Arc<dyn Stream>,
+    /// `INDEX_<bucket>`
+    name: String,
     /// `orchestrator.<bucket>.index.`
     prefix: String,
 }
@@ -39,29 +43,38 @@ pub(crate) struct IndexWriter {
 impl IndexWriter {
     /// Creates the index stream beside the results bucket `bucket` when missing.
     pub(crate) async fn open(
-        js: &jetstream::Context,
+        js: &dyn JetStream,
         bucket: &str,
         ttl: std::time::Duration,
         replicas: usize,
-    ) -> Result<(Self, jetstream::stream::Stream), StoreError> {
+    ) -> Result<(Self, Arc<dyn Stream>), StoreError> {
         let prefix = format!("orchestrator.{bucket}.index.");
-        let stream = crate::nats::ensure_stream(
-            js,
-            jetstream::stream::Config {
-                name: format!("INDEX_{bucket}"),
-                description: Some("orchestrator run index (ListRuns)".to_owned()),
-                subjects: vec![format!("{prefix}>")],
-                max_age: ttl,
-                storage: jetstream::stream::StorageType::File,
-                discard: jetstream::stream::DiscardPolicy::Old,
-                num_replicas: replicas,
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| unavailable("creating the run index stream", bucket, e))?;
-        let writer = Self { js: js.clone(), prefix };
+        let name = format!("INDEX_{bucket}");
+        let config = StreamConfig {
+            name: name.clone(),
+            description: "orchestrator run index (ListRuns)".to_owned(),
+            subjects: vec![format!("{prefix}>")],
+            max_age: ttl,
+            max_bytes: 0,
+            discard_old: true,
+            duplicate_window: std::time::Duration::from_secs(120),
+            replicas,
+        };
+        let stream = js
+            .stream(config)
+            .await
+            .map_err(|e| unavailable("creating the run index stream", bucket, e))?;
+        let writer = Self {
+            stream: Arc::clone(&stream),
+            name,
+            prefix,
+        };
         Ok((writer, stream))
+    }
+
+    /// The index stream's name (for errors).
+    pub(super) fn stream_name(&self) -> String {
+        self.name.clone()
     }
 
     /// The subject of the runs of `principal` on `thread` (`None`: any).
@@ -80,14 +93,18 @@ impl IndexWriter {
             labels: result.labels.clone(),
             created_at_ms: result.created_at_ms,
         };
-        let js = self.js.clone();
+        let stream = Arc::clone(&self.stream);
         async move {
-            let failed = |e: String| unavailable("run index publish", &subject, e);
-            let ack = js
-                .publish(subject.clone(), entry.encode_to_vec().into())
+            let message = Publish {
+                subject: subject.clone(),
+                payload: entry.encode_to_vec().into(),
+                ..Publish::default()
+            };
+            stream
+                .publish(message)
                 .await
-                .map_err(|e| failed(e.to_string()))?;
-            ack.await.map(|_| ()).map_err(|e| failed(e.to_string()))
+                .map(|_| ())
+                .map_err(|e| unavailable("run index publish", &subject, e))
         }
         .boxed()
     }

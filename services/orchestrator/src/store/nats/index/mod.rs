@@ -29,10 +29,10 @@ use entry::Entry;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use async_nats::jetstream::{self, consumer};
 use futures::future::BoxFuture;
 use futures::{FutureExt as _, StreamExt as _};
 use prost::Message as _;
+use shared::jetstream::{Deliver, Read, Stream};
 
 use super::results::{KvStore, checkpoint_of};
 use crate::domain::listing::{Cursor, RunPage, RunQuery, RunSummary};
@@ -50,7 +50,7 @@ const MIN_WINDOW: u64 = 64;
 /// See the module docs.
 pub struct NatsIndex {
     store: Arc<KvStore>,
-    stream: jetstream::stream::Stream,
+    stream: Arc<dyn Stream>,
     /// Stream positions walked per call, at most.
     scan_max: u64,
     /// Records read per call, at most.
@@ -61,7 +61,7 @@ impl NatsIndex {
     /// The index of `store`'s runs, each call walking at most `scan_max` positions and reading
     /// at most `read_max` records.
     pub fn new(store: Arc<KvStore>, scan_max: u64, read_max: usize) -> Self {
-        let stream = store.index_stream.clone();
+        let stream = Arc::clone(&store.index_stream);
         Self {
             store,
             stream,
@@ -75,7 +75,7 @@ impl RunIndex for NatsIndex {
     fn list(&self, query: RunQuery, here: Vec<RunSummary>) -> BoxFuture<'static, Result<RunPage, StoreError>> {
         let walk = Walk {
             store: Arc::clone(&self.store),
-            stream: self.stream.clone(),
+            stream: Arc::clone(&self.stream),
             scan_max: self.scan_max,
             read_max: self.read_max,
             here: here.into_iter().map(|r| (r.run_id.clone(), r)).collect(),
@@ -94,7 +94,7 @@ impl RunIndex for NatsIndex {
 /// One listing call.
 struct Walk {
     store: Arc<KvStore>,
-    stream: jetstream::stream::Stream,
+    stream: Arc<dyn Stream>,
     scan_max: u64,
     read_max: usize,
     /// The runs live on this replica, fresher than their records.
@@ -111,7 +111,8 @@ impl Walk {
             .store
             .checkpoints
             .names()
-            .await?
+            .await
+            .map_err(|e| unavailable("checkpoint list", "", e))?
             .iter()
             .map(|name| checkpoint_of(name).0.to_owned())
             .collect();
@@ -164,8 +165,7 @@ impl Walk {
 
     /// The index's first position and the one after its last.
     async fn span(&self) -> Result<(u64, u64), StoreError> {
-        let mut stream = self.stream.clone();
-        let state = &stream.info().await.map_err(|e| self.failed(e))?.state;
+        let state = self.stream.state().await.map_err(|e| self.failed(e))?;
         Ok((state.first_sequence.max(1), state.last_sequence.saturating_add(1)))
     }
 
@@ -248,24 +248,20 @@ impl Walk {
             .store
             .index
             .subject(self.query.principal.as_deref(), self.query.thread_id.as_deref());
-        let consumer = self
-            .stream
-            .create_consumer(consumer::pull::OrderedConfig {
-                filter_subject: filter,
-                deliver_policy: consumer::DeliverPolicy::ByStartSequence { start_sequence: from },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| self.failed(e))?;
+        let read = Read {
+            filter,
+            deliver: Deliver::From(from),
+            headers_only: false,
+            expires: None,
+        };
+        let mut reading = self.stream.read(read).await.map_err(|e| self.failed(e))?;
         let mut entries = Vec::new();
-        if consumer.cached_info().num_pending == 0 {
+        if reading.pending == 0 {
             return Ok(entries);
         }
-        let mut messages = consumer.messages().await.map_err(|e| self.failed(e))?;
-        while let Some(message) = messages.next().await {
+        while let Some(message) = reading.messages.next().await {
             let message = message.map_err(|e| self.failed(e))?;
-            let info = message.info().map_err(|e| self.failed(e))?;
-            let (position, pending) = (info.stream_sequence, info.pending);
+            let (position, pending) = (message.sequence, message.pending);
             if position >= below {
                 break;
             }
@@ -281,6 +277,6 @@ impl Walk {
     }
 
     fn failed(&self, e: impl ToString) -> StoreError {
-        unavailable("run index read", &self.stream.cached_info().config.name, e)
+        unavailable("run index read", &self.store.index.stream_name(), e)
     }
 }

@@ -1,0 +1,847 @@
+//! A simulated JetStream beneath the real NATS adapters: the seam `shared::jetstream` served by
+//! one in-process cluster on the runtime's clock (the simulation's virtual one), with NATS's
+//! semantics ([`stream`]: stream and subject sequences, the duplicate window, expected last
+//! subject sequences, ages, bytes and per-subject limits; key-value buckets as streams of
+//! `$KV.<bucket>.<key>` subjects with revisions, create/update/delete at a revision and delete
+//! markers; object stores; core NATS publish, subscribe and request) and the faults a cluster
+//! produces, drawn by the seed:
+//!
+//! * a stream without a leader (its node lost, no new leader yet) while the others answer: its
+//!   requests time out unapplied, its consumers stall; direct reads are still served by followers;
+//! * a follower that lags: direct reads (a key-value entry) served from what it had when it
+//!   began to lag, while the leader takes writes;
+//! * a request applied whose answer is lost (the caller times out not knowing);
+//! * a slow cluster (every request takes seconds);
+//! * a process paused, cut off or killed, through its [`Gate`]: a paused process sends and hears
+//!   nothing while time runs, one cut off has its requests time out, a dead one never hears again.
+//!
+//! Each process holds a [`Connection`]; one connection's requests apply in the order it sent them
+//! (a NATS client's one socket).
+
+pub mod conformance;
+pub mod stream;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{FutureExt as _, StreamExt as _};
+use shared::jetstream::{
+    Ack, Bucket, BucketConfig, Consistency, Deliver, Entry, Error, Inbound, JetStream, Message, Object, Objects,
+    ObjectsConfig, Operation, Publish, Read, Reading, Reply, State, Stream, StreamConfig,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+
+use crate::ports::gate::Gate;
+use stream::{Limits, StreamState, matches};
+
+/// Messages a core subscription holds for a slow reader before it drops them (as a NATS server
+/// drops a slow consumer's).
+const SUBSCRIPTION_BUFFER: usize = 1024;
+
+/// The largest payload the simulated server takes (a NATS server's default).
+pub const MAX_PAYLOAD: usize = 1024 * 1024;
+
+/// One stream with its follower's view.
+#[derive(Debug)]
+struct Node {
+    leader: StreamState,
+    /// While a follower lags: what it had when it began to (direct reads see this).
+    lagging: Option<(StreamState, Instant)>,
+    /// Until then, the stream has no leader.
+    leaderless_until: Option<Instant>,
+}
+
+impl Node {
+    fn leaderless(&self) -> bool {
+        self.leaderless_until.is_some_and(|until| Instant::now() < until)
+    }
+
+    /// What a direct read sees.
+    fn direct(&mut self) -> &StreamState {
+        if self.lagging.as_ref().is_some_and(|(_, until)| Instant::now() >= *until) {
+            self.lagging = None;
+        }
+        match &self.lagging {
+            Some((view, _)) => view,
+            None => &self.leader,
+        }
+    }
+}
+
+/// An object as stored.
+#[derive(Debug, Clone)]
+struct StoredObject {
+    description: Option<String>,
+    bytes: Vec<u8>,
+    at: Instant,
+}
+
+/// A core NATS subscription.
+struct Subscription {
+    pattern: String,
+    tx: mpsc::Sender<Inbound>,
+    gate: Gate,
+}
+
+/// The cluster's state.
+struct Inner {
+    streams: BTreeMap<String, Node>,
+    objects: BTreeMap<String, (Duration, BTreeMap<String, StoredObject>)>,
+    subscriptions: Vec<Subscription>,
+    inboxes: HashMap<String, oneshot::Sender<Bytes>>,
+    next_inbox: u64,
+    rng: fastrand::Rng,
+    slow_until: Option<Instant>,
+    lose_answers_until: Option<Instant>,
+    /// Counts stored messages: readers wait on it.
+    published: watch::Sender<u64>,
+}
+
+impl Inner {
+    /// A request's latency: a few milliseconds, or up to seconds while the cluster is slow.
+    fn latency(&mut self) -> Duration {
+        let slow = self.slow_until.is_some_and(|until| Instant::now() < until);
+        match slow {
+            true => Duration::from_millis(self.rng.u64(200..3000)),
+            false => Duration::from_micros(self.rng.u64(200..8000)),
+        }
+    }
+
+    /// Whether this answer is lost (while answers are being lost, one in three).
+    fn answer_lost(&mut self) -> bool {
+        self.lose_answers_until.is_some_and(|until| Instant::now() < until) && self.rng.u8(0..3) == 0
+    }
+
+    fn node(&mut self, name: &str) -> Result<&mut Node, Error> {
+        let node = self
+            .streams
+            .get_mut(name)
+            .ok_or_else(|| Error::Failed(format!("stream not found: {name}")))?;
+        node.leader.expire();
+        Ok(node)
+    }
+
+    fn notify(&self) {
+        self.published.send_modify(|n| *n += 1);
+    }
+}
+
+/// A simulated JetStream cluster, shared by the processes of one seed.
+#[derive(Clone)]
+pub struct Cluster(Arc<Mutex<Inner>>);
+
+impl Cluster {
+    /// An empty cluster whose draws come from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(Arc::new(Mutex::new(Inner {
+            streams: BTreeMap::new(),
+            objects: BTreeMap::new(),
+            subscriptions: Vec::new(),
+            inboxes: HashMap::new(),
+            next_inbox: 0,
+            rng: fastrand::Rng::with_seed(seed ^ 0x6a75_7374),
+            slow_until: None,
+            lose_answers_until: None,
+            published: watch::Sender::new(0),
+        })))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A process's connection: its requests pass `gate` and wait `timeout` for their answers.
+    pub fn connect(&self, gate: Gate, timeout: Duration) -> Connection {
+        Connection {
+            cluster: self.clone(),
+            gate,
+            timeout,
+            wire: Arc::default(),
+        }
+    }
+
+    /// Every request is slow until `until`.
+    pub fn slow_down(&self, until: Instant) {
+        self.lock().slow_until = Some(until);
+    }
+
+    /// The stream `name` has no leader until `until`.
+    pub fn lose_leader(&self, name: &str, until: Instant) {
+        if let Some(node) = self.lock().streams.get_mut(name) {
+            node.leaderless_until = Some(until);
+        }
+    }
+
+    /// A follower of stream `name` serves direct reads from what it has now until `until`.
+    pub fn lag(&self, name: &str, until: Instant) {
+        if let Some(node) = self.lock().streams.get_mut(name) {
+            node.lagging = Some((node.leader.clone(), until));
+        }
+    }
+
+    /// Until `until`, one answer in three is lost after its request was applied.
+    pub fn lose_answers(&self, until: Instant) {
+        self.lock().lose_answers_until = Some(until);
+    }
+
+    /// Every stream's name.
+    pub fn streams(&self) -> Vec<String> {
+        self.lock().streams.keys().cloned().collect()
+    }
+
+    /// The messages stream `name` keeps under `filter`, as the leader has them (for checks).
+    pub fn messages(&self, name: &str, filter: &str) -> Vec<Message> {
+        let mut inner = self.lock();
+        let Ok(node) = inner.node(name) else {
+            return Vec::new();
+        };
+        node.leader
+            .from(filter, 0)
+            .map(|(seq, m)| stream::message(seq, m, false, 0))
+            .collect()
+    }
+
+    /// The last write of `key` in bucket `bucket`, as the leader has it (for checks).
+    pub fn entry(&self, bucket: &str, key: &str) -> Option<Entry> {
+        let mut inner = self.lock();
+        let node = inner.node(&format!("KV_{bucket}")).ok()?;
+        node.leader.last(&format!("$KV.{bucket}.{key}")).map(entry_of)
+    }
+
+    /// The live keys of bucket `bucket` under `filter`, as the leader has them (for checks).
+    pub fn keys(&self, bucket: &str, filter: &str) -> Vec<String> {
+        let mut inner = self.lock();
+        let Ok(node) = inner.node(&format!("KV_{bucket}")) else {
+            return Vec::new();
+        };
+        live_keys(&node.leader, bucket, filter)
+    }
+}
+
+/// The key-value entry a stored message is.
+fn entry_of(message: Message) -> Entry {
+    Entry {
+        operation: Operation::from_header(message.header("KV-Operation")),
+        revision: message.sequence,
+        value: message.payload,
+    }
+}
+
+/// The live keys of `bucket` matching `filter` in `state`.
+fn live_keys(state: &StreamState, bucket: &str, filter: &str) -> Vec<String> {
+    let prefix = format!("$KV.{bucket}.");
+    let filter = format!("{prefix}{filter}");
+    let mut keys: Vec<String> = state
+        .last_per_subject(&filter)
+        .into_iter()
+        .filter_map(|seq| state.at(seq))
+        .filter(|m| {
+            let op = m
+                .headers
+                .iter()
+                .find(|(n, _)| n == "KV-Operation")
+                .map(|(_, v)| v.as_str());
+            Operation::from_header(op) == Operation::Put
+        })
+        .filter_map(|m| m.subject.strip_prefix(&prefix).map(str::to_owned))
+        .collect();
+    keys.sort();
+    keys
+}
+
+/// Who a request goes to.
+#[derive(Clone, Copy)]
+enum To<'a> {
+    /// A stream's leader (a leaderless stream never answers).
+    Leader(&'a str),
+    /// Any replica of a stream (a direct read).
+    Any,
+}
+
+/// One process's connection to the cluster.
+#[derive(Clone)]
+pub struct Connection {
+    cluster: Cluster,
+    gate: Gate,
+    timeout: Duration,
+    /// Held by the request on the wire: the connection's requests apply in order.
+    wire: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Connection {
+    /// One request: it leaves through the gate, takes its latency, is applied by `apply` (unless
+    /// its stream has no leader), and its answer is heard through the gate, unless it is lost.
+    /// Whatever is not answered times out after the connection's timeout.
+    async fn request<T>(&self, to: To<'_>, apply: impl FnOnce(&mut Inner) -> Result<T, Error>) -> Result<T, Error> {
+        let started = Instant::now();
+        let timed_out = || async move {
+            tokio::time::sleep_until(started + self.timeout).await;
+            Err(Error::TimedOut)
+        };
+        let wire = self.wire.lock().await;
+        if !self.gate.pass().await {
+            drop(wire);
+            return timed_out().await;
+        }
+        let latency = self.cluster.lock().latency();
+        tokio::time::sleep(latency).await;
+        let (answer, lost) = {
+            let mut inner = self.cluster.lock();
+            let leaderless = match to {
+                To::Leader(name) => inner.streams.get(name).is_some_and(Node::leaderless),
+                To::Any => false,
+            };
+            if leaderless {
+                (None, true)
+            } else {
+                let answer = apply(&mut inner);
+                (Some(answer), inner.answer_lost())
+            }
+        };
+        drop(wire);
+        if lost || !self.gate.pass().await || Instant::now() >= started + self.timeout {
+            return timed_out().await;
+        }
+        answer.unwrap_or(Err(Error::TimedOut))
+    }
+
+    fn reply<T: Send + 'static>(
+        &self,
+        to: Option<String>,
+        apply: impl FnOnce(&mut Inner) -> Result<T, Error> + Send + 'static,
+    ) -> Reply<T> {
+        let this = self.clone();
+        async move {
+            match &to {
+                Some(name) => this.request(To::Leader(name), apply).await,
+                None => this.request(To::Any, apply).await,
+            }
+        }
+        .boxed()
+    }
+
+    /// Makes stream `name` with `limits` when missing.
+    fn ensure(&self, name: String, limits: Limits) -> BoxFuture<'static, Result<(), Error>> {
+        self.reply(None, move |inner| {
+            inner.streams.entry(name).or_insert_with(|| Node {
+                leader: StreamState::new(limits),
+                lagging: None,
+                leaderless_until: None,
+            });
+            Ok(())
+        })
+    }
+}
+
+impl JetStream for Connection {
+    fn handle(&self) -> Arc<dyn JetStream> {
+        Arc::new(self.clone())
+    }
+
+    fn bucket(&self, config: BucketConfig) -> Reply<Arc<dyn Bucket>> {
+        let this = self.clone();
+        async move {
+            let limits = Limits {
+                subjects: vec![format!("$KV.{}.>", config.name)],
+                max_age: config.max_age,
+                max_bytes: 0,
+                discard_old: false,
+                per_subject: 1,
+                duplicate_window: Duration::from_secs(120).min(config.max_age),
+            };
+            this.ensure(format!("KV_{}", config.name), limits).await?;
+            Ok(Arc::new(SimBucket {
+                connection: this,
+                name: config.name,
+            }) as Arc<dyn Bucket>)
+        }
+        .boxed()
+    }
+
+    fn bind_bucket(&self, name: &str) -> Reply<Arc<dyn Bucket>> {
+        let (this, name) = (self.clone(), name.to_owned());
+        async move {
+            let stream = format!("KV_{name}");
+            this.reply(None, move |inner| inner.node(&stream).map(drop)).await?;
+            Ok(Arc::new(SimBucket { connection: this, name }) as Arc<dyn Bucket>)
+        }
+        .boxed()
+    }
+
+    fn stream(&self, config: StreamConfig) -> Reply<Arc<dyn Stream>> {
+        let this = self.clone();
+        async move {
+            let limits = Limits {
+                subjects: config.subjects,
+                max_age: config.max_age,
+                max_bytes: config.max_bytes,
+                discard_old: config.discard_old,
+                per_subject: 0,
+                duplicate_window: match config.max_age.is_zero() {
+                    true => config.duplicate_window,
+                    false => config.duplicate_window.min(config.max_age),
+                },
+            };
+            this.ensure(config.name.clone(), limits).await?;
+            Ok(Arc::new(SimStream {
+                connection: this,
+                name: config.name,
+            }) as Arc<dyn Stream>)
+        }
+        .boxed()
+    }
+
+    fn objects(&self, config: ObjectsConfig) -> Reply<Arc<dyn Objects>> {
+        let this = self.clone();
+        async move {
+            let (name, max_age) = (config.name.clone(), config.max_age);
+            this.reply(None, move |inner| {
+                inner.objects.entry(name).or_insert_with(|| (max_age, BTreeMap::new()));
+                Ok(())
+            })
+            .await?;
+            Ok(Arc::new(SimObjects {
+                connection: this,
+                name: config.name,
+            }) as Arc<dyn Objects>)
+        }
+        .boxed()
+    }
+
+    fn max_payload(&self) -> usize {
+        MAX_PAYLOAD
+    }
+
+    fn publish(&self, subject: String, payload: Bytes) -> Reply<()> {
+        self.reply(None, move |inner| {
+            deliver(inner, &subject, payload, None);
+            Ok(())
+        })
+    }
+
+    fn request(&self, subject: String, payload: Bytes) -> Reply<Option<Bytes>> {
+        let this = self.clone();
+        async move {
+            let (tx, rx) = oneshot::channel();
+            let asked = this
+                .request(To::Any, move |inner| {
+                    inner.next_inbox += 1;
+                    let inbox = format!("_INBOX.{}", inner.next_inbox);
+                    inner.inboxes.insert(inbox.clone(), tx);
+                    Ok(deliver(inner, &subject, payload, Some(inbox)))
+                })
+                .await?;
+            if asked == 0 {
+                return Ok(None);
+            }
+            match tokio::time::timeout(this.timeout, rx).await {
+                Ok(Ok(answer)) if this.gate.pass().await => Ok(Some(answer)),
+                _ => Ok(None),
+            }
+        }
+        .boxed()
+    }
+
+    fn subscribe(&self, subject: String) -> Reply<BoxStream<'static, Inbound>> {
+        let gate = self.gate.clone();
+        let this = self.clone();
+        async move {
+            let (tx, rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
+            this.request(To::Any, move |inner| {
+                inner.subscriptions.push(Subscription {
+                    pattern: subject,
+                    tx,
+                    gate,
+                });
+                Ok(())
+            })
+            .await?;
+            let gate = this.gate.clone();
+            Ok(tokio_stream_of(rx)
+                .then(move |inbound| {
+                    let gate = gate.clone();
+                    async move {
+                        gate.running().await;
+                        inbound
+                    }
+                })
+                .boxed())
+        }
+        .boxed()
+    }
+}
+
+/// The messages of `rx` as a stream.
+fn tokio_stream_of<T: Send + 'static>(rx: mpsc::Receiver<T>) -> BoxStream<'static, T> {
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) }).boxed()
+}
+
+/// Delivers a core message to the inbox or the live subscriptions `subject` reaches; how many.
+fn deliver(inner: &mut Inner, subject: &str, payload: Bytes, reply: Option<String>) -> usize {
+    if let Some(inbox) = inner.inboxes.remove(subject) {
+        return usize::from(inbox.send(payload).is_ok());
+    }
+    inner.subscriptions.retain(|s| !s.tx.is_closed());
+    let mut reached = 0;
+    for subscription in &inner.subscriptions {
+        let alive = !matches!(
+            subscription.gate.mode(),
+            crate::ports::gate::Mode::Dead | crate::ports::gate::Mode::CutOff
+        );
+        if alive && matches(&subscription.pattern, subject) {
+            let inbound = Inbound {
+                payload: payload.clone(),
+                reply: reply.clone(),
+            };
+            reached += usize::from(subscription.tx.try_send(inbound).is_ok());
+        }
+    }
+    reached
+}
+
+/// A simulated key-value bucket.
+struct SimBucket {
+    connection: Connection,
+    name: String,
+}
+
+impl SimBucket {
+    fn stream(&self) -> String {
+        format!("KV_{}", self.name)
+    }
+
+    fn subject(&self, key: &str) -> String {
+        format!("$KV.{}.{key}", self.name)
+    }
+
+    /// Writes `value` (or a marker, `operation`) under `key`, expecting its last write at `after`.
+    fn write(&self, key: &str, value: Bytes, operation: Operation, after: Option<u64>) -> Reply<u64> {
+        let (stream, subject) = (self.stream(), self.subject(key));
+        let message = Publish {
+            subject,
+            payload: value,
+            id: None,
+            after,
+            headers: operation
+                .header()
+                .map(|op| vec![("KV-Operation".to_owned(), op.to_owned())])
+                .unwrap_or_default(),
+        };
+        self.connection.reply(Some(stream.clone()), move |inner| {
+            let ack = inner.node(&stream)?.leader.publish(message).map_err(|e| match e {
+                Error::WrongSequence => Error::WrongRevision,
+                e => e,
+            })?;
+            inner.notify();
+            Ok(ack.sequence)
+        })
+    }
+}
+
+impl Bucket for SimBucket {
+    fn entry(&self, key: &str, consistency: Consistency) -> Reply<Option<Entry>> {
+        let (stream, subject) = (self.stream(), self.subject(key));
+        let to = match consistency {
+            Consistency::Leader => Some(stream.clone()),
+            Consistency::Direct => None,
+        };
+        self.connection.reply(to, move |inner| {
+            let node = inner.node(&stream)?;
+            let state = match consistency {
+                Consistency::Leader => &node.leader,
+                Consistency::Direct => node.direct(),
+            };
+            Ok(state.last(&subject).map(entry_of))
+        })
+    }
+
+    fn create(&self, key: &str, value: Bytes) -> Reply<u64> {
+        // As the client does: a create expecting no write, and over a delete marker one
+        // expecting the marker.
+        let (this, key) = (
+            SimBucket {
+                connection: self.connection.clone(),
+                name: self.name.clone(),
+            },
+            key.to_owned(),
+        );
+        async move {
+            match this.write(&key, value.clone(), Operation::Put, Some(0)).await {
+                Err(Error::WrongRevision) => {}
+                other => return other,
+            }
+            match this.entry(&key, Consistency::Leader).await? {
+                Some(entry) if entry.operation != Operation::Put => this
+                    .write(&key, value, Operation::Put, Some(entry.revision))
+                    .await
+                    .map_err(|e| match e {
+                        Error::WrongRevision => Error::Exists,
+                        e => e,
+                    }),
+                _ => Err(Error::Exists),
+            }
+        }
+        .boxed()
+    }
+
+    fn update(&self, key: &str, value: Bytes, revision: u64) -> Reply<u64> {
+        self.write(key, value, Operation::Put, Some(revision))
+    }
+
+    fn put(&self, key: &str, value: Bytes) -> Reply<u64> {
+        self.write(key, value, Operation::Put, None)
+    }
+
+    fn delete(&self, key: &str, revision: Option<u64>) -> Reply<()> {
+        let write = self.write(key, Bytes::new(), Operation::Delete, revision);
+        async move { write.await.map(drop) }.boxed()
+    }
+
+    fn keys(&self, filter: &str) -> Reply<Vec<String>> {
+        let (stream, bucket, filter) = (self.stream(), self.name.clone(), filter.to_owned());
+        self.connection.reply(Some(stream.clone()), move |inner| {
+            Ok(live_keys(&inner.node(&stream)?.leader, &bucket, &filter))
+        })
+    }
+}
+
+/// A simulated stream.
+struct SimStream {
+    connection: Connection,
+    name: String,
+}
+
+impl Stream for SimStream {
+    fn publish(&self, message: Publish) -> Reply<Ack> {
+        let name = self.name.clone();
+        self.connection.reply(Some(name.clone()), move |inner| {
+            if message.payload.len() > MAX_PAYLOAD {
+                return Err(Error::Failed("maximum payload exceeded".to_owned()));
+            }
+            let ack = inner.node(&name)?.leader.publish(message)?;
+            inner.notify();
+            Ok(ack)
+        })
+    }
+
+    fn last(&self, subject: &str, consistency: Consistency) -> Reply<Option<Message>> {
+        let (name, subject) = (self.name.clone(), subject.to_owned());
+        let to = match consistency {
+            Consistency::Leader => Some(name.clone()),
+            Consistency::Direct => None,
+        };
+        self.connection.reply(to, move |inner| {
+            let node = inner.node(&name)?;
+            let state = match consistency {
+                Consistency::Leader => &node.leader,
+                Consistency::Direct => node.direct(),
+            };
+            Ok(state.last(&subject))
+        })
+    }
+
+    fn read(&self, read: Read) -> Reply<Reading> {
+        let (connection, name) = (self.connection.clone(), self.name.clone());
+        async move {
+            let filter = read.filter.clone();
+            let (start, pending) = connection
+                .request(To::Leader(&name), |inner| {
+                    let state = &inner.node(&name)?.leader;
+                    let start = match read.deliver {
+                        Deliver::All => Start::From(0),
+                        Deliver::From(seq) => Start::From(seq),
+                        Deliver::New => Start::From(state.last_sequence() + 1),
+                        Deliver::LastPerSubject => {
+                            Start::Last(state.last_per_subject(&filter), state.last_sequence() + 1)
+                        }
+                    };
+                    let pending = start.pending(state, &filter);
+                    Ok((start, pending))
+                })
+                .await?;
+            let reader = Reader {
+                connection,
+                name,
+                filter,
+                headers_only: read.headers_only,
+                start,
+            };
+            Ok(Reading {
+                pending,
+                messages: reader.into_stream(),
+            })
+        }
+        .boxed()
+    }
+
+    fn purge(&self, subject: &str, keep: u64) -> Reply<()> {
+        let (name, subject) = (self.name.clone(), subject.to_owned());
+        self.connection.reply(Some(name.clone()), move |inner| {
+            inner.node(&name)?.leader.purge(&subject, keep);
+            Ok(())
+        })
+    }
+
+    fn state(&self) -> Reply<State> {
+        let name = self.name.clone();
+        self.connection
+            .reply(Some(name.clone()), move |inner| Ok(inner.node(&name)?.leader.state()))
+    }
+}
+
+/// Where an ordered read stands.
+#[derive(Debug, Clone)]
+enum Start {
+    /// The next message from this sequence on.
+    From(u64),
+    /// The last message of each subject (these sequences), then the messages from the sequence.
+    Last(Vec<u64>, u64),
+}
+
+impl Start {
+    /// Messages still to deliver from here.
+    fn pending(&self, state: &StreamState, filter: &str) -> u64 {
+        match self {
+            Self::From(seq) => state.from(filter, *seq).count() as u64,
+            Self::Last(seqs, then) => seqs.len() as u64 + state.from(filter, *then).count() as u64,
+        }
+    }
+}
+
+/// An ordered consumer: its messages in stream order, then the ones published later.
+struct Reader {
+    connection: Connection,
+    name: String,
+    filter: String,
+    headers_only: bool,
+    start: Start,
+}
+
+impl Reader {
+    /// The next message, once there is one the reader may take.
+    fn next(&mut self) -> Option<Result<Message, Error>> {
+        let mut inner = self.connection.cluster.lock();
+        let node = match inner.node(&self.name) {
+            Ok(node) => node,
+            Err(e) => return Some(Err(e)),
+        };
+        if node.leaderless() {
+            return None;
+        }
+        let state = &node.leader;
+        loop {
+            let (seq, rest) = match &mut self.start {
+                Start::Last(seqs, then) => match seqs.first().copied() {
+                    Some(seq) => {
+                        seqs.remove(0);
+                        (seq, Start::Last(std::mem::take(seqs), *then))
+                    }
+                    None => {
+                        self.start = Start::From(*then);
+                        continue;
+                    }
+                },
+                Start::From(from) => {
+                    let seq = state.from(&self.filter, *from).map(|(seq, _)| seq).next()?;
+                    (seq, Start::From(seq + 1))
+                }
+            };
+            self.start = rest;
+            // A message purged since the read began is skipped.
+            let Some(stored) = state.at(seq) else {
+                continue;
+            };
+            let pending = self.start.pending(state, &self.filter);
+            return Some(Ok(stream::message(seq, stored, self.headers_only, pending)));
+        }
+    }
+
+    fn into_stream(self) -> BoxStream<'static, Result<Message, Error>> {
+        futures::stream::unfold(self, |mut reader| async move {
+            let mut published = reader.connection.cluster.lock().published.subscribe();
+            loop {
+                // A paused or cut-off process hears nothing until it is back.
+                while !reader.connection.gate.pass().await {
+                    tokio::time::sleep(reader.connection.timeout).await;
+                }
+                if let Some(message) = reader.next() {
+                    return Some((message, reader));
+                }
+                let wait = tokio::time::timeout(reader.connection.timeout, published.changed());
+                if let Ok(Err(_)) = wait.await {
+                    return None;
+                }
+            }
+        })
+        .boxed()
+    }
+}
+
+/// A simulated object store.
+struct SimObjects {
+    connection: Connection,
+    name: String,
+}
+
+impl SimObjects {
+    /// The store's objects, past their age dropped.
+    fn objects<'a>(inner: &'a mut Inner, name: &str) -> Result<&'a mut BTreeMap<String, StoredObject>, Error> {
+        let (max_age, objects) = inner
+            .objects
+            .get_mut(name)
+            .ok_or_else(|| Error::Failed(format!("object store not found: {name}")))?;
+        if !max_age.is_zero() {
+            let now = Instant::now();
+            objects.retain(|_, o| now.duration_since(o.at) < *max_age);
+        }
+        Ok(objects)
+    }
+}
+
+impl Objects for SimObjects {
+    fn put(&self, name: &str, description: Option<String>, bytes: Vec<u8>) -> Reply<()> {
+        let (store, name) = (self.name.clone(), name.to_owned());
+        self.connection.reply(Some(format!("OBJ_{store}")), move |inner| {
+            let object = StoredObject {
+                description,
+                bytes,
+                at: Instant::now(),
+            };
+            Self::objects(inner, &store)?.insert(name, object);
+            Ok(())
+        })
+    }
+
+    fn get(&self, name: &str) -> Reply<Option<Object>> {
+        let (store, name) = (self.name.clone(), name.to_owned());
+        self.connection.reply(Some(format!("OBJ_{store}")), move |inner| {
+            Ok(Self::objects(inner, &store)?.get(&name).map(|o| Object {
+                description: o.description.clone(),
+                bytes: o.bytes.clone(),
+            }))
+        })
+    }
+
+    fn remove(&self, name: &str) -> Reply<()> {
+        let (store, name) = (self.name.clone(), name.to_owned());
+        self.connection.reply(Some(format!("OBJ_{store}")), move |inner| {
+            Self::objects(inner, &store)?.remove(&name);
+            Ok(())
+        })
+    }
+
+    fn names(&self) -> Reply<Vec<String>> {
+        let store = self.name.clone();
+        self.connection.reply(Some(format!("OBJ_{store}")), move |inner| {
+            Ok(Self::objects(inner, &store)?.keys().cloned().collect())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
