@@ -6,6 +6,7 @@
 //! cargo run --release -p sim -- --seeds 500 --without receiver-fence   # what breaks without it
 //! cargo run --release -p sim -- --ports --seeds 200   # the services' own code over the ports
 //! cargo run --release -p sim -- --ports --seed 7 --trace
+//! cargo run --release -p sim -- --ports --jetstream --seeds 50   # the real NATS adapters
 //! ```
 //!
 //! A failing seed prints itself with what it broke; it replays the same history with `--seed`.
@@ -48,6 +49,10 @@ struct Args {
     /// instead of the protocol model.
     #[arg(long)]
     ports: bool,
+    /// With --ports: the replicas run the real NATS adapters over the simulated JetStream, and
+    /// the runners the tool-runner's fence reader (else the port-level model of the store).
+    #[arg(long, requires = "ports")]
+    jetstream: bool,
 }
 
 /// The fixes `--ports --without` switches off.
@@ -116,10 +121,15 @@ fn over_ports(args: &Args) -> ExitCode {
         task_handles: !args.without.iter().any(|fix| fix == "task-handles"),
         wait_expiry: !args.without.iter().any(|fix| fix == "wait-expiry"),
         parked_claims: !args.without.iter().any(|fix| fix == "parked-claims"),
+        jetstream: args.jetstream,
         ..sim::ports::Settings::default()
     };
     let trace = args.trace && args.seed.is_some();
-    let replay = replay_flags(args, "--ports ", settings.runs, settings.faults);
+    let mode = match args.jetstream {
+        true => "--ports --jetstream ",
+        false => "--ports ",
+    };
+    let replay = replay_flags(args, mode, settings.runs, settings.faults);
     let report = run_seeds(args, &replay, |seed| {
         let outcome = sim::ports::simulate(seed, &settings);
         let mut seen = Seen::new(outcome.violations, outcome.starts, Some(outcome.takeovers));

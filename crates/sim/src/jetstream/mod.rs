@@ -100,6 +100,50 @@ struct Inner {
     lose_answers_until: Option<Instant>,
     /// Counts stored messages: readers wait on it.
     published: watch::Sender<u64>,
+    /// Watches the writes (the simulation's checks).
+    observer: Option<Box<dyn Observer>>,
+    /// The write the request being applied stored: its stream, the message, and the subject's
+    /// message before it.
+    last_write: Option<(String, Message, Option<Message>)>,
+}
+
+/// Watches the cluster's writes as they land (the simulation's checks learn what only the order
+/// of writes tells: takeovers, a principal's share after each write, spend booked unheard).
+pub trait Observer: Send {
+    /// Stream `stream` stored `message`; `before` was its subject's last message.
+    fn stored(&mut self, stream: &str, message: &Message, before: Option<&Message>, peek: &Peek<'_>);
+    /// The writer of `message` never heard that it was stored (its answer was lost, or came
+    /// after its timeout, or its process was cut off meanwhile).
+    fn unheard(&mut self, stream: &str, message: &Message, before: Option<&Message>);
+}
+
+/// A look at the cluster's state from inside a write (for an [`Observer`]).
+pub struct Peek<'a>(&'a Inner);
+
+impl Peek<'_> {
+    /// The value of `key` in bucket `bucket` (a delete marker reads as none).
+    pub fn entry(&self, bucket: &str, key: &str) -> Option<Entry> {
+        let node = self.0.streams.get(&format!("KV_{bucket}"))?;
+        node.leader
+            .last(&format!("$KV.{bucket}.{key}"))
+            .map(entry_of)
+            .filter(|e| e.operation == Operation::Put)
+    }
+
+    /// The live keys of bucket `bucket` under `filter`.
+    pub fn keys(&self, bucket: &str, filter: &str) -> Vec<String> {
+        self.0
+            .streams
+            .get(&format!("KV_{bucket}"))
+            .map(|node| live_keys(&node.leader, bucket, filter))
+            .unwrap_or_default()
+    }
+
+    /// The bytes of object `name` in store `store`.
+    pub fn object(&self, store: &str, name: &str) -> Option<&[u8]> {
+        let (_, objects) = self.0.objects.get(store)?;
+        objects.get(name).map(|o| o.bytes.as_slice())
+    }
 }
 
 impl Inner {
@@ -129,6 +173,27 @@ impl Inner {
     fn notify(&self) {
         self.published.send_modify(|n| *n += 1);
     }
+
+    /// Publishes `message` in stream `name` and tells the observer what was stored.
+    fn store(&mut self, name: &str, message: Publish) -> Result<Ack, Error> {
+        let subject = message.subject.clone();
+        let node = self.node(name)?;
+        let before = node.leader.last(&subject);
+        let ack = node.leader.publish(message)?;
+        if ack.duplicate {
+            return Ok(ack);
+        }
+        let stored = node.leader.last(&subject);
+        self.notify();
+        if let Some(stored) = stored {
+            if let Some(mut observer) = self.observer.take() {
+                observer.stored(name, &stored, before.as_ref(), &Peek(self));
+                self.observer = Some(observer);
+            }
+            self.last_write = Some((name.to_owned(), stored, before));
+        }
+        Ok(ack)
+    }
 }
 
 /// A simulated JetStream cluster, shared by the processes of one seed.
@@ -148,7 +213,14 @@ impl Cluster {
             slow_until: None,
             lose_answers_until: None,
             published: watch::Sender::new(0),
+            observer: None,
+            last_write: None,
         })))
+    }
+
+    /// Has `observer` watch every write from now on.
+    pub fn observe(&self, observer: Box<dyn Observer>) {
+        self.lock().observer = Some(observer);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -290,21 +362,29 @@ impl Connection {
         }
         let latency = self.cluster.lock().latency();
         tokio::time::sleep(latency).await;
-        let (answer, lost) = {
+        let (answer, lost, written) = {
             let mut inner = self.cluster.lock();
             let leaderless = match to {
                 To::Leader(name) => inner.streams.get(name).is_some_and(Node::leaderless),
                 To::Any => false,
             };
             if leaderless {
-                (None, true)
+                (None, true, None)
             } else {
+                inner.last_write = None;
                 let answer = apply(&mut inner);
-                (Some(answer), inner.answer_lost())
+                (Some(answer), inner.answer_lost(), inner.last_write.take())
             }
         };
         drop(wire);
         if lost || !self.gate.pass().await || Instant::now() >= started + self.timeout {
+            if let Some((stream, message, before)) = written {
+                let mut inner = self.cluster.lock();
+                if let Some(mut observer) = inner.observer.take() {
+                    observer.unheard(&stream, &message, before.as_ref());
+                    inner.observer = Some(observer);
+                }
+            }
             return timed_out().await;
         }
         answer.unwrap_or(Err(Error::TimedOut))
@@ -533,11 +613,10 @@ impl SimBucket {
                 .unwrap_or_default(),
         };
         self.connection.reply(Some(stream.clone()), move |inner| {
-            let ack = inner.node(&stream)?.leader.publish(message).map_err(|e| match e {
+            let ack = inner.store(&stream, message).map_err(|e| match e {
                 Error::WrongSequence => Error::WrongRevision,
                 e => e,
             })?;
-            inner.notify();
             Ok(ack.sequence)
         })
     }
@@ -623,9 +702,7 @@ impl Stream for SimStream {
             if message.payload.len() > MAX_PAYLOAD {
                 return Err(Error::Failed("maximum payload exceeded".to_owned()));
             }
-            let ack = inner.node(&name)?.leader.publish(message)?;
-            inner.notify();
-            Ok(ack)
+            inner.store(&name, message)
         })
     }
 

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 
 use super::gate::Gate;
 use super::store::Store;
+use super::view::Watched;
 
 /// The turns every run plays: two calls a turn (one in every third), then the answer.
 pub const TURNS: usize = 8;
@@ -119,7 +120,7 @@ pub struct Start {
     pub call_id: String,
     /// The epoch the call carried.
     pub epoch: u64,
-    /// The run's fence when the runner read it.
+    /// The run's fence as the store held it when the runner's read of it began.
     pub fence: u64,
     /// The run's fence at the instant the tool started (it may have been raised since the read).
     pub fence_at_start: u64,
@@ -140,9 +141,28 @@ pub struct Answered {
     pub response: serde_json::Value,
 }
 
+/// How long a runner's fence read waits (within the orchestrators' fence grace).
+const FENCE_READ: Duration = Duration::from_millis(400);
+
+/// Where the runners read the fences from.
+pub enum FenceSource {
+    /// The port-level model's fences.
+    Model(Store),
+    /// The run store in the simulated JetStream, through the tool-runner's own reader.
+    JetStream(Arc<Watched>),
+}
+
+/// Where the runners read the fences from, as held.
+enum Fences {
+    Model(Store),
+    JetStream(Arc<Watched>),
+}
+
 /// The tool-runners, shared by the replicas: what they started.
 pub struct Runners {
-    store: Store,
+    store: Fences,
+    /// Each runner's fence reader, over the simulated JetStream (none with the model).
+    readers: Vec<tool_runner::fence::RunFence>,
     /// Every tool start, in order.
     pub starts: Mutex<Vec<Start>>,
     /// Every attempt that carried answers, in order.
@@ -159,16 +179,35 @@ pub struct Runners {
 }
 
 impl Runners {
-    /// `count` runners reading fences from `store`.
-    pub fn new(store: Store, count: usize, seed: u64, fence: bool) -> Arc<Self> {
+    /// `count` runners reading fences from `source`.
+    pub fn new(source: FenceSource, count: usize, seed: u64, fence: bool) -> Arc<Self> {
+        let gates: Vec<Gate> = (0..count).map(|_| Gate::default()).collect();
+        let (store, readers) = match source {
+            FenceSource::Model(store) => (Fences::Model(store), Vec::new()),
+            FenceSource::JetStream(watched) => {
+                let readers = gates
+                    .iter()
+                    .map(|gate| {
+                        let connection = watched.cluster().connect(gate.clone(), FENCE_READ);
+                        tool_runner::fence::RunFence::over(
+                            shared::jetstream::JetStream::handle(&connection),
+                            &watched.names().runs,
+                            FENCE_READ,
+                        )
+                    })
+                    .collect();
+                (Fences::JetStream(watched), readers)
+            }
+        };
         Arc::new(Self {
             store,
+            readers,
             fence,
             starts: Mutex::default(),
             answered: Mutex::default(),
             asked: Mutex::default(),
             tasks: Mutex::default(),
-            gates: (0..count).map(|_| Gate::default()).collect(),
+            gates,
             rng: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x7001)),
         })
     }
@@ -180,15 +219,45 @@ impl Runners {
         }
     }
 
-    /// The run's fence as a runner reads it (0: none).
+    /// The run's fence as the store holds it now (0: none).
     fn fence(&self, run_id: &str) -> u64 {
-        self.store
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .fences
-            .get(run_id)
-            .copied()
-            .unwrap_or(0)
+        match &self.store {
+            Fences::Model(store) => super::store::lock(store).fences.get(run_id).copied().unwrap_or(0),
+            Fences::JetStream(watched) => watched.fence(run_id),
+        }
+    }
+
+    /// Whether runner `runner` refuses `call` as its run's fence says: the model's fence read
+    /// from memory a moment before the tool starts, or the tool-runner's own fence reader
+    /// (`tool_runner::fence`) over the simulated JetStream.
+    async fn refusal(&self, runner: usize, call: &ToolInvocation) -> Option<Attempt> {
+        if !self.fence {
+            return None;
+        }
+        let Some(reader) = self.readers.get(runner) else {
+            let fence = self.fence(&call.run_id);
+            tokio::time::sleep(Duration::from_micros(200)).await;
+            return (call.epoch != 0 && shared::fence::stale(call.epoch, fence)).then(|| Attempt::Superseded {
+                current: fence,
+                runner: format!("runner-{runner}"),
+            });
+        };
+        use tool_runner::fence::Refusal;
+        match reader.admit(&call.run_id, &call.call_id, call.epoch).await {
+            Ok(()) => None,
+            Err(Refusal::Stale { current, .. } | Refusal::NoEpoch { current, .. }) => Some(Attempt::Superseded {
+                current,
+                runner: format!("runner-{runner}"),
+            }),
+            Err(refusal @ Refusal::Unknown { .. }) => Some(Attempt::Answered(Err(ToolCallError::new(
+                "FAILED_PRECONDITION",
+                refusal.to_string(),
+            )))),
+            Err(refusal @ Refusal::Unreadable { .. }) => Some(Attempt::Unrun {
+                reason: "run-store",
+                error: ToolCallError::new("UNAVAILABLE", refusal.to_string()),
+            }),
+        }
     }
 }
 
@@ -292,12 +361,8 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
     }
     // The fence is read, and its answer takes a moment to come back.
     let fence = runners.fence(&call.run_id);
-    tokio::time::sleep(Duration::from_micros(200)).await;
-    if runners.fence && call.epoch != 0 && shared::fence::stale(call.epoch, fence) {
-        return Attempt::Superseded {
-            current: fence,
-            runner: format!("runner-{runner}"),
-        };
+    if let Some(refused) = runners.refusal(runner, call).await {
+        return refused;
     }
     if let Some(task) = &call.task {
         return Attempt::Answered(poll(runners, call, task));

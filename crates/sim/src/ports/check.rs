@@ -2,8 +2,8 @@
 //!
 //! - **epoch order**: a run's tool calls start in non-decreasing epoch order as the runners
 //!   saw them (a replaced owner runs nothing after the new owner's first call), every one of
-//!   them with an epoch (every run here is durable), and none below its run's fence at the
-//!   instant it started (not only below later starts' epochs);
+//!   them with an epoch (every run here is durable), and none below its run's fence as it stood
+//!   when the runner's read of it began (not only below later starts' epochs);
 //! - **again only when unrecorded**: a call id runs at most once in each epoch, and in a later
 //!   epoch only when the checkpoint its run was taken over from held neither its outcome nor the
 //!   task its server made of it (it was in flight, or its turn had not ended, when the run
@@ -42,15 +42,14 @@ use orchestrator::domain::{NumberedEvent, RunResult};
 
 use super::actors::Runners;
 use super::person::{Given, Person};
-use super::store::Store;
+use super::view::View;
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The listing's invariant, for the rows one replica's `ListRuns` pages showed in order.
-pub fn listing_whole(store: &Store, replica: &str, rows: &[RunSummary]) -> Vec<String> {
-    let shared = lock(store);
+pub fn listing_whole(shared: &View, replica: &str, rows: &[RunSummary]) -> Vec<String> {
     let mut broken = Vec::new();
     let mut seen = BTreeMap::new();
     for row in rows {
@@ -96,15 +95,10 @@ pub struct Followed {
 
 /// The stream's invariant, once every run ended: each follower was sent its run's log exactly,
 /// ending in the end its record holds.
-pub fn streams_whole(store: &Store, followed: &[Followed]) -> Vec<String> {
-    let shared = lock(store);
+pub fn streams_whole(shared: &View, followed: &[Followed]) -> Vec<String> {
     let mut broken = Vec::new();
     for follower in followed {
-        let log: Vec<&NumberedEvent> = shared
-            .logs
-            .get(&follower.run_id)
-            .map(|log| log.iter().flat_map(|m| m.events.iter()).collect())
-            .unwrap_or_default();
+        let log = shared.events(&follower.run_id);
         let sent: Vec<u64> = follower.events.iter().map(|e| e.seq).collect();
         let logged: Vec<u64> = log.iter().map(|e| e.seq).collect();
         if sent != logged {
@@ -136,35 +130,32 @@ pub fn streams_whole(store: &Store, followed: &[Followed]) -> Vec<String> {
 }
 
 /// Every invariant broken, with its evidence.
-pub fn violations(store: &Store, runners: &Runners, person: &Person, runs: usize, served: u64) -> Vec<String> {
+pub fn violations(shared: &View, runners: &Runners, person: &Person, runs: usize, served: u64) -> Vec<String> {
     let mut broken = epoch_order(runners);
     broken.extend(fenced_at_start(runners));
     broken.extend(answers_as_given(runners, &lock(person)));
-    let shared = lock(store);
-    broken.extend(questions_left(&shared));
+    broken.extend(questions_left(shared));
     broken.extend(again_only_when_unrecorded(runners, &shared.takeovers));
     for run in 0..runs {
         let run_id = format!("run-{run}");
         let Some(record) = shared.records.get(&run_id) else {
             continue;
         };
-        let events: Vec<&NumberedEvent> = shared
-            .logs
-            .get(&run_id)
-            .map(|log| log.iter().flat_map(|m| m.events.iter()).collect())
-            .unwrap_or_default();
+        let events = shared.events(&run_id);
         broken.extend(log_whole(&run_id, &events));
         broken.extend(end_kept(&run_id, &record.result, &events));
     }
-    broken.extend(thread_whole(&shared, runs));
+    broken.extend(thread_whole(shared, runs));
     broken.extend(shared.quota_breaches.iter().map(|b| format!("the share: {b}")));
-    broken.extend(slots_free(&shared));
-    broken.extend(spend_counted(&shared));
-    broken.extend(spend_served(&shared, served));
+    broken.extend(slots_free(shared));
+    broken.extend(spend_counted(shared));
+    broken.extend(spend_served(shared, served));
     broken
 }
 
-/// Every start carried an epoch, and none started below its run's fence at that instant.
+/// Every start carried an epoch, and none started below its run's fence as it stood when the
+/// runner's fence read began (a raise that lands during the read, or between the read and the
+/// start, is what the new owner's fence grace waits out).
 fn fenced_at_start(runners: &Runners) -> Vec<String> {
     lock(&runners.starts)
         .iter()
@@ -175,10 +166,10 @@ fn fenced_at_start(runners: &Runners) -> Vec<String> {
                     start.run_id, start.call_id
                 ));
             }
-            (start.epoch < start.fence_at_start).then(|| {
+            (start.epoch < start.fence).then(|| {
                 format!(
-                    "epoch order: {} call {} of epoch {} started when its run's fence stood at {} (read {})",
-                    start.run_id, start.call_id, start.epoch, start.fence_at_start, start.fence
+                    "epoch order: {} call {} of epoch {} started though its run's fence stood at {} when the runner read it ({} at the start)",
+                    start.run_id, start.call_id, start.epoch, start.fence, start.fence_at_start
                 )
             })
         })
@@ -188,7 +179,7 @@ fn fenced_at_start(runners: &Runners) -> Vec<String> {
 /// All books together hold no more tokens than the model served, and those of adds whose
 /// success the replica never heard (booked again by its next add, which a takeover before the
 /// next checkpoint may book once more: counted twice rather than never).
-fn spend_served(shared: &super::store::Shared, served: u64) -> Option<String> {
+fn spend_served(shared: &View, served: u64) -> Option<String> {
     let booked: u64 = shared
         .usage
         .values()
@@ -204,11 +195,11 @@ fn spend_served(shared: &super::store::Shared, served: u64) -> Option<String> {
 
 /// Once every run ended, each slot left names a run whose record reads ended (the next take
 /// finds it free): none is held by a run that never was, or still is.
-fn slots_free(shared: &super::store::Shared) -> Vec<String> {
+fn slots_free(shared: &View) -> Vec<String> {
     shared
         .slots
         .iter()
-        .filter_map(|(key, (value, _))| {
+        .filter_map(|(key, value)| {
             let run_id = value.split_once(' ').map_or(value.as_str(), |(run_id, _)| run_id);
             match shared.records.get(run_id) {
                 Some(record) if !record.result.status.is_live() => None,
@@ -226,7 +217,7 @@ fn slots_free(shared: &super::store::Shared) -> Vec<String> {
 
 /// Each principal's book holds at least the tokens its runs' results count (a turn done twice,
 /// before and after a takeover, is counted twice; a turn done is never missing).
-fn spend_counted(shared: &super::store::Shared) -> Vec<String> {
+fn spend_counted(shared: &View) -> Vec<String> {
     let mut spent: BTreeMap<&str, u64> = BTreeMap::new();
     for record in shared.records.values() {
         let usage = &record.result.usage;
@@ -297,18 +288,15 @@ fn answers_as_given(runners: &Runners, person: &super::person::Record) -> Vec<St
 }
 
 /// Once every run ended, no call of theirs waits for a person.
-fn questions_left(shared: &super::store::Shared) -> Vec<String> {
+fn questions_left(shared: &View) -> Vec<String> {
     shared
         .waits
         .iter()
         .filter(|(run_id, _)| shared.records.get(*run_id).is_none_or(|r| !r.result.status.is_live()))
-        .flat_map(|(run_id, (wait, _))| {
-            wait.undecided().map(move |c| {
-                format!(
-                    "no question left: {run_id} ended and its call {} still waits",
-                    c.call_id
-                )
-            })
+        .flat_map(|(run_id, undecided)| {
+            undecided
+                .iter()
+                .map(move |call_id| format!("no question left: {run_id} ended and its call {call_id} still waits"))
         })
         .collect()
 }
@@ -392,13 +380,9 @@ fn end_kept(run_id: &str, record: &RunResult, events: &[&NumberedEvent]) -> Opti
 }
 
 /// Why a reader shown `seen` (ended) saw an end not kept yet: the log or the store lacked it.
-pub fn end_not_kept(store: &Store, seen: &RunResult) -> Option<String> {
-    let shared = lock(store);
+pub fn end_not_kept(shared: &View, seen: &RunResult) -> Option<String> {
     let stored = shared.records.get(&seen.run_id).map(|r| r.result.status);
-    let logged = shared
-        .logs
-        .get(&seen.run_id)
-        .is_some_and(|log| log.iter().flat_map(|m| m.events.iter()).any(|e| e.finished().is_some()));
+    let logged = shared.events(&seen.run_id).iter().any(|e| e.finished().is_some());
     let kept = logged && stored.is_some_and(|s| !s.is_live());
     (!kept).then(|| {
         format!(
@@ -409,8 +393,7 @@ pub fn end_not_kept(store: &Store, seen: &RunResult) -> Option<String> {
 }
 
 /// The runs claimed that have not ended in the store.
-pub fn unended(store: &Store, runs: usize) -> Vec<String> {
-    let shared = lock(store);
+pub fn unended(shared: &View, runs: usize) -> Vec<String> {
     (0..runs)
         .map(|run| format!("run-{run}"))
         .filter(|run_id| shared.records.get(run_id).is_none_or(|r| r.result.status.is_live()))
@@ -418,8 +401,8 @@ pub fn unended(store: &Store, runs: usize) -> Vec<String> {
 }
 
 /// The threads still held, or with runs waiting, as "thread by run".
-pub fn held_threads(store: &Store) -> Vec<String> {
-    lock(store)
+pub fn held_threads(shared: &View) -> Vec<String> {
+    shared
         .threads
         .values()
         .filter(|(t, _)| t.live.is_some() || !t.queue.is_empty())
@@ -428,7 +411,7 @@ pub fn held_threads(store: &Store) -> Vec<String> {
 }
 
 /// The thread's invariants once every run ended.
-fn thread_whole(shared: &super::store::Shared, runs: usize) -> Vec<String> {
+fn thread_whole(shared: &View, runs: usize) -> Vec<String> {
     let mut broken = Vec::new();
     let Some((thread, _)) = shared.threads.get(super::THREAD) else {
         let claimed: Vec<String> = (1..runs)
@@ -458,13 +441,13 @@ fn thread_whole(shared: &super::store::Shared, runs: usize) -> Vec<String> {
 }
 
 /// Takeovers: the epochs past the first, over every run.
-pub fn takeovers(store: &Store) -> u64 {
-    lock(store).records.values().map(|r| r.epoch - 1).sum()
+pub fn takeovers(shared: &View) -> u64 {
+    shared.records.values().map(|r| r.epoch.saturating_sub(1)).sum()
 }
 
 /// The history: every tool start (its time from `begun`), every call that came back with a
 /// person's answers, and each run's log and record, a line each.
-pub fn history(store: &Store, runners: &Runners, begun: tokio::time::Instant) -> Vec<String> {
+pub fn history(shared: &View, runners: &Runners, begun: tokio::time::Instant) -> Vec<String> {
     let mut lines: Vec<String> = lock(&runners.starts)
         .iter()
         .map(|s| {
@@ -484,16 +467,10 @@ pub fn history(store: &Store, runners: &Runners, begun: tokio::time::Instant) ->
             a.run_id, a.call_id, a.request_state, a.response
         )
     }));
-    let shared = lock(store);
     for (run_id, record) in &shared.records {
-        let seqs: Vec<u64> = shared
-            .logs
-            .get(run_id)
-            .map(|log| log.iter().flat_map(|m| m.events.iter().map(|e| e.seq)).collect())
-            .unwrap_or_default();
-        let (checkpoint, handed_over) = record.resumable();
+        let seqs: Vec<u64> = shared.events(run_id).iter().map(|e| e.seq).collect();
         lines.push(format!(
-            "{run_id}: {:?} by {} in epoch {}, {} turns, log {} events, checkpoint {checkpoint}, handed over {handed_over}",
+            "{run_id}: {:?} by {} in epoch {}, {} turns, log {} events",
             record.result.status,
             record.owner,
             record.epoch,

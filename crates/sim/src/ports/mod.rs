@@ -16,10 +16,12 @@
 //! and a release build of one seed may differ.
 
 pub mod actors;
+pub mod adapters;
 pub mod check;
 pub mod gate;
 pub mod person;
 pub mod store;
+pub mod view;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,9 +33,11 @@ use orchestrator::domain::{LeaseTerms, RunSpec};
 use orchestrator::server::harness::{Ports, Replica};
 use tokio::time::Instant;
 
-use actors::{Client, Model, Runners};
+use actors::{Client, FenceSource, Model, Runners};
 use gate::{Gate, Mode};
-use store::{ReplicaStore, Store};
+use orchestrator::store::nats::inspect::Names;
+use store::ReplicaStore;
+use view::{Backing, Watched};
 
 /// What a seed simulates.
 #[derive(Debug, Clone)]
@@ -64,6 +68,10 @@ pub struct Settings {
     /// A takeover tells that the run it claimed read parked, which takes a slot again (off: it
     /// never does, what breaks without it).
     pub parked_claims: bool,
+    /// The replicas run the real NATS adapters over the simulated JetStream, and the runners
+    /// the tool-runner's own fence reader (off: the port-level model of the store). The
+    /// model's switches (`task_handles`, `wait_expiry`, `parked_claims`) do not apply to it.
+    pub jetstream: bool,
 }
 
 impl Default for Settings {
@@ -80,6 +88,7 @@ impl Default for Settings {
             task_handles: true,
             wait_expiry: true,
             parked_claims: true,
+            jetstream: false,
         }
     }
 }
@@ -100,6 +109,9 @@ pub struct Outcome {
     /// The history in a line each: faults, tool starts, and each run's log and record.
     pub history: Vec<String>,
 }
+
+/// Attempts a caller makes to start a run before it gives up (far past the faults' healing).
+const STARTS: usize = 200;
 
 /// The lease every replica holds its runs with (short, so that faults move runs).
 const LEASE: Duration = Duration::from_secs(3);
@@ -175,7 +187,7 @@ struct World {
     seed: u64,
     settings: Settings,
     rng: fastrand::Rng,
-    store: Store,
+    backing: Backing,
     runners: Arc<Runners>,
     processes: Vec<Process>,
     /// The replicas alive, for callers and readers.
@@ -183,6 +195,8 @@ struct World {
     begun: Instant,
     history: Vec<String>,
     observations: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Lines for the history from the callers (a start refused, and why).
+    notes: Arc<std::sync::Mutex<Vec<String>>>,
     /// The person who answers the tools' questions.
     person: person::Person,
     /// The tokens the model served, over every replica (the spend's upper bound).
@@ -198,23 +212,44 @@ enum Fault {
     SlowStore(Duration),
     LogDown(Duration),
     LoseRunner(usize, Duration),
+    /// A follower of the runs bucket lags (direct reads see old records).
+    Lag(Duration),
+    /// One answer in three is lost after its request was applied.
+    LoseAnswers(Duration),
 }
 
 impl World {
     fn new(seed: u64, settings: Settings) -> Self {
-        let store = store::store(seed);
-        store::lock(&store).max_runs.insert(TENANT.to_owned(), TENANT_MAX_RUNS);
-        let runners = Runners::new(Arc::clone(&store), settings.runners, seed, settings.receiver_fence);
+        let (backing, source) = match settings.jetstream {
+            false => {
+                let store = store::store(seed);
+                store::lock(&store).max_runs.insert(TENANT.to_owned(), TENANT_MAX_RUNS);
+                (Backing::Model(Arc::clone(&store)), FenceSource::Model(store))
+            }
+            true => {
+                let config = config();
+                let names = Names::of(&config.store.bucket, &config.store.event_log_stream);
+                let runs = (0..settings.runs).map(|run| format!("run-{run}")).collect();
+                let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
+                let watched = Watched::new(crate::jetstream::Cluster::new(seed), names, runs, max_runs);
+                (
+                    Backing::JetStream(Arc::clone(&watched)),
+                    FenceSource::JetStream(watched),
+                )
+            }
+        };
+        let runners = Runners::new(source, settings.runners, seed, settings.receiver_fence);
         Self {
             seed,
             rng: fastrand::Rng::with_seed(seed),
-            store,
+            backing,
             runners,
             processes: Vec::new(),
             living: Arc::default(),
             begun: Instant::now(),
             history: Vec::new(),
             observations: Arc::default(),
+            notes: Arc::default(),
             person: Arc::default(),
             served: Arc::default(),
             settings,
@@ -222,35 +257,26 @@ impl World {
     }
 
     /// Starts replica process number `n` (a new name each time).
-    fn spawn_replica(&mut self) -> usize {
+    async fn spawn_replica(&mut self) -> usize {
         let n = self.processes.len();
         let name = format!("replica-{n}");
         let gate = Gate::default();
-        let store = ReplicaStore::new(Arc::clone(&self.store), &name, gate.clone(), terms(), STORE_TIMEOUT);
-        let store = match self.settings.task_handles {
-            true => store,
-            false => store.forgetting_tasks(),
-        };
-        let store = match self.settings.wait_expiry {
-            true => store,
-            false => store.waking_without_expiry(),
-        };
-        let store = match self.settings.parked_claims {
-            true => store,
-            false => store.hiding_parked_claims(),
+        let stores = match &self.backing {
+            Backing::Model(store) => self.model_stores(store, &name, &gate),
+            Backing::JetStream(watched) => {
+                let connection = watched.cluster().connect(gate.clone(), STORE_TIMEOUT);
+                adapters::open(&connection, &name, &config(), terms()).await
+            }
         };
         let ports = Ports {
-            store: Arc::new(store.clone()),
-            index: Arc::new(store.clone()),
-            quotas: self
-                .settings
-                .fleet_slots
-                .then(|| Arc::new(store.clone()) as Arc<dyn orchestrator::domain::ports::Quotas>),
-            usage: Arc::new(store.clone()),
-            journal: Some(Arc::new(store.clone())),
-            log: Arc::new(store.clone()),
-            approvals: Arc::new(store.clone()),
-            threads: Arc::new(store.clone()),
+            store: stores.store,
+            index: stores.index,
+            quotas: stores.quotas.filter(|_| self.settings.fleet_slots),
+            usage: stores.usage,
+            journal: Some(stores.journal),
+            log: stores.log,
+            approvals: stores.approvals,
+            threads: stores.threads,
             sign_outs: Arc::new(orchestrator::store::memory::MemorySignOuts::default()),
             signals: Arc::new(orchestrator::signals::memory::MemoryTopic::new(16)),
             model: Arc::new(Model::new(
@@ -273,6 +299,33 @@ impl World {
         n
     }
 
+    /// The model's ports for replica `name`, its requests passing `gate`.
+    fn model_stores(&self, store: &store::Store, name: &str, gate: &Gate) -> adapters::Stores {
+        let store = ReplicaStore::new(Arc::clone(store), name, gate.clone(), terms(), STORE_TIMEOUT);
+        let store = match self.settings.task_handles {
+            true => store,
+            false => store.forgetting_tasks(),
+        };
+        let store = match self.settings.wait_expiry {
+            true => store,
+            false => store.waking_without_expiry(),
+        };
+        let store = match self.settings.parked_claims {
+            true => store,
+            false => store.hiding_parked_claims(),
+        };
+        adapters::Stores {
+            store: Arc::new(store.clone()),
+            index: Arc::new(store.clone()),
+            quotas: Some(Arc::new(store.clone())),
+            usage: Arc::new(store.clone()),
+            journal: Arc::new(store.clone()),
+            log: Arc::new(store.clone()),
+            approvals: Arc::new(store.clone()),
+            threads: Arc::new(store),
+        }
+    }
+
     /// The processes alive now.
     fn alive(&self) -> Vec<usize> {
         (0..self.processes.len())
@@ -282,7 +335,7 @@ impl World {
 
     async fn run(mut self) -> Outcome {
         for _ in 0..self.settings.replicas {
-            self.spawn_replica();
+            self.spawn_replica().await;
         }
         self.begun = Instant::now();
         let begun = self.begun;
@@ -298,16 +351,17 @@ impl World {
             self.apply(fault).await;
         }
         tokio::time::sleep_until(begun + self.settings.horizon).await;
-        self.heal();
+        self.heal().await;
         let ended = self.wait_for_ends().await;
         reader.abort();
         person.abort();
         let followed = self.followed(followers).await;
         let served = self.served.load(std::sync::atomic::Ordering::Relaxed);
-        let mut violations = check::violations(&self.store, &self.runners, &self.person, self.settings.runs, served);
+        let view = self.backing.view();
+        let mut violations = check::violations(&view, &self.runners, &self.person, self.settings.runs, served);
         if ended.is_ok() {
             violations.extend(self.listings().await);
-            violations.extend(check::streams_whole(&self.store, &followed));
+            violations.extend(check::streams_whole(&self.backing.view(), &followed));
             violations.extend(self.replays().await);
         }
         violations.extend(lock(&self.observations).drain(..));
@@ -317,12 +371,14 @@ impl World {
         let starts = lock(&self.runners.starts).len();
         let answered = lock(&self.runners.answered).len();
         let mut history = std::mem::take(&mut self.history);
-        history.extend(check::history(&self.store, &self.runners, self.begun));
+        history.extend(lock(&self.notes).drain(..));
+        let view = self.backing.view();
+        history.extend(check::history(&view, &self.runners, self.begun));
         Outcome {
             seed: self.seed,
             violations,
             starts,
-            takeovers: check::takeovers(&self.store),
+            takeovers: check::takeovers(&view),
             answered,
             history,
         }
@@ -336,13 +392,17 @@ impl World {
                 let at = Duration::from_millis(self.rng.u64(100..horizon.max(101)));
                 let lasting = Duration::from_millis(self.rng.u64(200..8000));
                 let who = self.rng.usize(..self.settings.replicas.max(1));
-                let fault = match self.rng.u8(..6) {
+                // The model draws from the first six only (its seeds replay as they did).
+                let kinds = if self.settings.jetstream { 8 } else { 6 };
+                let fault = match self.rng.u8(..kinds) {
                     0 => Fault::Pause(who, lasting),
                     1 => Fault::CutOff(who, lasting),
                     2 => Fault::Kill(who, lasting),
                     3 => Fault::SlowStore(lasting),
                     4 => Fault::LogDown(lasting),
-                    _ => Fault::LoseRunner(self.rng.usize(..self.settings.runners.max(1)), lasting),
+                    5 => Fault::LoseRunner(self.rng.usize(..self.settings.runners.max(1)), lasting),
+                    6 => Fault::Lag(lasting),
+                    _ => Fault::LoseAnswers(lasting),
                 };
                 (at, fault)
             })
@@ -380,15 +440,28 @@ impl World {
                 }
                 self.history.push(format!("{line} on {}", self.processes[i].name));
                 tokio::time::sleep(after).await;
-                let new = self.spawn_replica();
+                let new = self.spawn_replica().await;
                 self.history.push(format!("  {} starts", self.processes[new].name));
             }
             Fault::SlowStore(lasting) => {
-                store::slow_down(&self.store, Instant::now() + lasting);
+                self.slow_store(Instant::now() + lasting);
                 self.history.push(line);
             }
             Fault::LogDown(lasting) => {
-                store::take_log_down(&self.store, Instant::now() + lasting);
+                self.take_log_down(Instant::now() + lasting);
+                self.history.push(line);
+            }
+            Fault::Lag(lasting) => {
+                if let Backing::JetStream(watched) = &self.backing {
+                    let runs = format!("KV_{}", watched.names().runs);
+                    watched.cluster().lag(&runs, Instant::now() + lasting);
+                }
+                self.history.push(line);
+            }
+            Fault::LoseAnswers(lasting) => {
+                if let Backing::JetStream(watched) = &self.backing {
+                    watched.cluster().lose_answers(Instant::now() + lasting);
+                }
                 self.history.push(line);
             }
             Fault::LoseRunner(r, lasting) => {
@@ -410,37 +483,65 @@ impl World {
 
     /// Every fault heals: paused and cut-off replicas run again, as many replicas live as at the
     /// start, every runner answers, the store is quick.
-    fn heal(&mut self) {
+    async fn heal(&mut self) {
         for process in &self.processes {
             if process.replica.is_some() {
                 process.gate.set(Mode::Up);
             }
         }
         while self.alive().len() < self.settings.replicas {
-            self.spawn_replica();
+            self.spawn_replica().await;
         }
         for r in 0..self.runners.gates.len() {
             self.runners.revive(r);
         }
-        store::slow_down(&self.store, Instant::now());
-        store::take_log_down(&self.store, Instant::now());
+        let now = Instant::now();
+        self.slow_store(now);
+        self.take_log_down(now);
+        if let Backing::JetStream(watched) = &self.backing {
+            watched.cluster().lose_answers(now);
+            watched.cluster().lag(&format!("KV_{}", watched.names().runs), now);
+        }
+    }
+
+    /// Every store request is slow until `until`.
+    fn slow_store(&self, until: Instant) {
+        match &self.backing {
+            Backing::Model(store) => store::slow_down(store, until),
+            Backing::JetStream(watched) => watched.cluster().slow_down(until),
+        }
+    }
+
+    /// The event stream has no leader until `until` (the buckets answer).
+    fn take_log_down(&self, until: Instant) {
+        match &self.backing {
+            Backing::Model(store) => store::take_log_down(store, until),
+            Backing::JetStream(watched) => watched.cluster().lose_leader(&watched.names().events, until),
+        }
     }
 
     /// Starts run `run_id` as a caller would: on some replica, trying another one while none
-    /// admits it (a replica that is paused or cut off does not answer in time).
+    /// admits it (a replica that is paused or cut off, or a store losing answers, refuses it).
     fn start_run(&mut self, run_id: String, after: Duration) {
         let first = self.rng.usize(..self.processes.len());
-        let living = Arc::clone(&self.living);
+        let (living, notes, begun) = (Arc::clone(&self.living), Arc::clone(&self.notes), self.begun);
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
-            for attempt in 0..10 {
+            // As a caller does: again on another replica until one admits it (faults heal).
+            for attempt in 0..STARTS {
                 let Some(replica) = pick(&living, first + attempt) else {
                     return;
                 };
-                match tokio::time::timeout(Duration::from_secs(120), replica.start(spec(&run_id), tenant())).await {
+                let why = match tokio::time::timeout(Duration::from_secs(120), replica.start(spec(&run_id), tenant()))
+                    .await
+                {
                     Ok(Ok(())) | Ok(Err(orchestrator::Error::AlreadyRunning(_))) => return,
-                    _ => tokio::time::sleep(Duration::from_millis(500)).await,
-                }
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "no answer in 120s".to_owned(),
+                };
+                let at = begun.elapsed().as_secs_f64();
+                lock(&notes).push(format!("{at:>8.3}s {run_id} not started (attempt {attempt}): {why}"));
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
         });
     }
@@ -449,11 +550,7 @@ impl World {
     /// log and the store already.
     fn spawn_reader(&mut self) -> tokio::task::JoinHandle<()> {
         let living = Arc::clone(&self.living);
-        let (store, observations, runs) = (
-            Arc::clone(&self.store),
-            Arc::clone(&self.observations),
-            self.settings.runs,
-        );
+        let (backing, observations, runs) = (self.backing.clone(), Arc::clone(&self.observations), self.settings.runs);
         let mut rng = fastrand::Rng::with_seed(self.seed ^ 0x4ead);
         tokio::spawn(async move {
             loop {
@@ -466,7 +563,7 @@ impl World {
                     continue;
                 };
                 if !seen.status.is_live()
-                    && let Some(broken) = check::end_not_kept(&store, &seen)
+                    && let Some(broken) = check::end_not_kept(&backing.view(), &seen)
                 {
                     lock(&observations).push(broken);
                 }
@@ -530,7 +627,7 @@ impl World {
                 Err(_) => return vec![format!("the replay: retrying {run_id} did not end")],
             }
         }
-        check::streams_whole(&self.store, &replays)
+        check::streams_whole(&self.backing.view(), &replays)
             .into_iter()
             .map(|broken| broken.replacen("the stream:", "the replay:", 1))
             .collect()
@@ -580,7 +677,11 @@ impl World {
                     }
                 }
             }
-            broken.extend(check::listing_whole(&self.store, &format!("replica {n}"), &rows));
+            broken.extend(check::listing_whole(
+                &self.backing.view(),
+                &format!("replica {n}"),
+                &rows,
+            ));
         }
         broken
     }
@@ -589,8 +690,9 @@ impl World {
     async fn wait_for_ends(&self) -> Result<(), String> {
         let deadline = Instant::now() + self.settings.settle;
         loop {
-            let mut unended = check::unended(&self.store, self.settings.runs);
-            unended.extend(check::held_threads(&self.store));
+            let view = self.backing.view();
+            let mut unended = check::unended(&view, self.settings.runs);
+            unended.extend(check::held_threads(&view));
             if unended.is_empty() {
                 return Ok(());
             }

@@ -80,7 +80,7 @@ fn recorded(result: &RunResult, checkpoint: Option<&[u8]>) -> BTreeSet<String> {
 
 /// The calls whose task a checkpoint follows, read from its JSON (`calls.tasks[].index`, a
 /// position in `calls.partition.calls`).
-fn followed_tasks(checkpoint: &[u8]) -> Vec<String> {
+pub(crate) fn followed_tasks(checkpoint: &[u8]) -> Vec<String> {
     let Ok(json) = serde_json::from_slice::<serde_json::Value>(checkpoint) else {
         return Vec::new();
     };

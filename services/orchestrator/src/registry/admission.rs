@@ -154,7 +154,14 @@ impl Admitted {
             }
             _ => self.persister.claim().await,
         };
-        match claim.map_err(Refusal::Unclaimed)? {
+        let claim = match claim {
+            Ok(claim) => claim,
+            Err(e) => {
+                self.keep_quota_when_unanswered(&e);
+                return Err(Refusal::Unclaimed(e));
+            }
+        };
+        match claim {
             Claim::Claimed => {
                 self.started = true;
                 self._lease = self.persister.keep_lease();
@@ -170,6 +177,19 @@ impl Admitted {
             Claim::Taken(result) if !sees(caller, &result.principal) => Err(Refusal::Foreign),
             Claim::Taken(result) if result.status.is_live() => Err(Refusal::Duplicate),
             Claim::Taken(result) => Err(Refusal::Finished(result)),
+        }
+    }
+
+    /// A claim the store never answered may have landed: the run's record is then taken over
+    /// once its lease lapses, and resumed holding the slot its admission took. So that slot is
+    /// not given back: it is free once its run reads ended, or once a lease passed with no
+    /// record naming it (see the quotas). Giving it back would let the resumed run live beside
+    /// `max_runs` others.
+    fn keep_quota_when_unanswered(&mut self, error: &crate::domain::ports::StoreError) {
+        use crate::domain::ports::StoreError;
+        let unanswered = matches!(error, StoreError::Unavailable { .. } | StoreError::Timeout(_));
+        if unanswered && self.quota.take().is_some() {
+            tracing::info!(run_id = %self.run_id, "the claim went unanswered: its slot stays until its run reads ended or a lease passes with no record of it");
         }
     }
 

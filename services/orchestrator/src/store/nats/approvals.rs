@@ -55,6 +55,18 @@ struct WaitRecord {
     epoch: u64,
 }
 
+/// The calls of the stored wait `bytes` a person may still decide (none once it was canceled).
+pub(super) fn undecided(bytes: &[u8]) -> Result<Vec<String>, String> {
+    let wait: WaitRecord = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let open = wait.canceled.is_none();
+    Ok(wait
+        .calls
+        .into_iter()
+        .filter(|c| open && c.decision.is_none())
+        .map(|c| c.call_id)
+        .collect())
+}
+
 impl WaitRecord {
     fn decided(&self) -> bool {
         wait_decided(&self.calls)

@@ -522,7 +522,7 @@ impl crate::store::Follower for Follower {
             let read = match self.messages.next().await {
                 None => Err("the stream ended".to_owned()),
                 Some(Err(e)) => Err(e.to_string()),
-                Some(Ok(message)) => self.decode(&message.payload),
+                Some(Ok(message)) => decode_batch(&message.payload),
             };
             match read {
                 Ok(events) => self.ready.extend(events),
@@ -561,13 +561,14 @@ impl Follower {
             reason: format!("the next event kept is seq {}", event.seq),
         })
     }
+}
 
-    fn decode(&self, payload: &[u8]) -> Result<Vec<NumberedEvent>, String> {
-        let batch = LogBatch::decode(payload).map_err(|e| format!("a log message is not a batch of events: {e}"))?;
-        batch
-            .events
-            .into_iter()
-            .map(|e| NumberedEvent::try_from(e).map_err(|e| format!("a logged event cannot be read: {e}")))
-            .collect()
-    }
+/// The events of one log message.
+pub(super) fn decode_batch(payload: &[u8]) -> Result<Vec<NumberedEvent>, String> {
+    let batch = LogBatch::decode(payload).map_err(|e| format!("a log message is not a batch of events: {e}"))?;
+    batch
+        .events
+        .into_iter()
+        .map(|e| NumberedEvent::try_from(e).map_err(|e| format!("a logged event cannot be read: {e}")))
+        .collect()
 }

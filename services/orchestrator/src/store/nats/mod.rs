@@ -20,6 +20,7 @@
 //!   hour, a key-value bucket ([`NatsUsage`]);
 //! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) — a key-value bucket
 //!   ([`NatsThreads`]), one record per thread, compare-and-set;
+//! * [`inspect`]: what the store keeps, read from outside the adapters (the simulation's checks);
 //! * [`sign_outs`]: the [`SignOuts`](crate::domain::ports::SignOuts) — console sessions people
 //!   ended, a key-value bucket ([`NatsSignOuts`]).
 
@@ -27,6 +28,7 @@ pub mod approvals;
 pub(crate) mod checkpoints;
 mod fence;
 pub mod index;
+pub mod inspect;
 pub mod journal;
 mod kv;
 pub mod log;

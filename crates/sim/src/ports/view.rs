@@ -1,0 +1,358 @@
+//! What the store holds, as the checks read it, from either store beneath the replicas: the
+//! port-level model ([`super::store`]) or the real NATS adapters over the simulated JetStream
+//! ([`crate::jetstream`]), read in the adapters' own format (`orchestrator::store::nats::inspect`)
+//! and watched write by write (the takeovers, the principals' share, the spend whose booking went
+//! unheard).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use orchestrator::domain::thread::Thread;
+use orchestrator::domain::usage::Tally;
+use orchestrator::domain::{NumberedEvent, RunResult, RunStatus};
+use orchestrator::store::nats::inspect::{self, Names};
+use shared::jetstream::{Message, Operation};
+
+use super::store::{Store, Takeover};
+use crate::jetstream::{Cluster, Observer, Peek};
+
+/// A run's record as the checks read it.
+#[derive(Debug, Clone)]
+pub struct RunView {
+    /// Its result.
+    pub result: RunResult,
+    /// The replica that owns (or owned) it.
+    pub owner: String,
+    /// Its epoch.
+    pub epoch: u64,
+}
+
+/// What the store holds.
+#[derive(Debug, Clone, Default)]
+pub struct View {
+    /// Runs' records, by run id.
+    pub records: BTreeMap<String, RunView>,
+    /// Runs' logs, by run id: each message's events.
+    pub logs: BTreeMap<String, Vec<Vec<NumberedEvent>>>,
+    /// Every takeover, in order.
+    pub takeovers: Vec<Takeover>,
+    /// Threads, by id, with their revision.
+    pub threads: BTreeMap<String, (Thread, u64)>,
+    /// Run slots: the value naming the run that holds each.
+    pub slots: BTreeMap<String, String>,
+    /// Spend by principal and window.
+    pub usage: BTreeMap<(String, u64), Tally>,
+    /// Tokens of adds whose success went unheard (they may be booked twice).
+    pub usage_unconfirmed: u64,
+    /// Calls still waiting for a person, by run id.
+    pub waits: BTreeMap<String, Vec<String>>,
+    /// Moments a principal had more runs running than its `max_runs`.
+    pub quota_breaches: Vec<String>,
+}
+
+impl View {
+    /// The events of `run_id`'s log, in order.
+    pub fn events(&self, run_id: &str) -> Vec<&NumberedEvent> {
+        self.logs
+            .get(run_id)
+            .map(|log| log.iter().flatten().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The store beneath the replicas.
+#[derive(Clone)]
+pub enum Backing {
+    /// The port-level model.
+    Model(Store),
+    /// The real adapters over the simulated JetStream.
+    JetStream(Arc<Watched>),
+}
+
+impl Backing {
+    /// What the store holds now.
+    pub fn view(&self) -> View {
+        match self {
+            Self::Model(store) => model_view(store),
+            Self::JetStream(watched) => watched.view(),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn model_view(store: &Store) -> View {
+    let shared = super::store::lock(store);
+    View {
+        records: shared
+            .records
+            .iter()
+            .map(|(id, r)| {
+                let view = RunView {
+                    result: r.result.clone(),
+                    owner: r.owner.clone(),
+                    epoch: r.epoch,
+                };
+                (id.clone(), view)
+            })
+            .collect(),
+        logs: shared
+            .logs
+            .iter()
+            .map(|(id, log)| (id.clone(), log.iter().map(|m| m.events.clone()).collect()))
+            .collect(),
+        takeovers: shared.takeovers.clone(),
+        threads: shared.threads.clone(),
+        slots: shared.slots.iter().map(|(k, (v, _))| (k.clone(), v.clone())).collect(),
+        usage: shared.usage.clone(),
+        usage_unconfirmed: shared.usage_unconfirmed,
+        waits: shared
+            .waits
+            .iter()
+            .map(|(id, (wait, _))| (id.clone(), wait.undecided().map(|c| c.call_id.clone()).collect()))
+            .collect(),
+        quota_breaches: shared.quota_breaches.clone(),
+    }
+}
+
+/// What is learned only by watching the writes as they land.
+#[derive(Debug, Default)]
+struct Seen {
+    takeovers: Vec<Takeover>,
+    quota_breaches: Vec<String>,
+    usage_unconfirmed: u64,
+}
+
+/// The simulated JetStream with the real adapters' writes watched.
+pub struct Watched {
+    cluster: Cluster,
+    names: Names,
+    /// The runs' ids (`run-0..`).
+    runs: Vec<String>,
+    /// Each principal's `max_runs`.
+    max_runs: BTreeMap<String, usize>,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Watched {
+    /// `cluster` as the adapters named `names` write it, for runs `runs`; its writes watched.
+    pub fn new(cluster: Cluster, names: Names, runs: Vec<String>, max_runs: BTreeMap<String, usize>) -> Arc<Self> {
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let watcher = Watcher {
+            names: names.clone(),
+            runs: runs.clone(),
+            max_runs: max_runs.clone(),
+            seen: Arc::clone(&seen),
+        };
+        cluster.observe(Box::new(watcher));
+        Arc::new(Self {
+            cluster,
+            names,
+            runs,
+            max_runs,
+            seen,
+        })
+    }
+
+    /// The cluster.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    /// The names of the store's buckets and streams.
+    pub fn names(&self) -> &Names {
+        &self.names
+    }
+
+    /// The fence of `run_id` as the leader holds it now: the higher of its fence key and its
+    /// record's epoch.
+    pub fn fence(&self, run_id: &str) -> u64 {
+        let value = |key: &str| {
+            self.cluster
+                .entry(&self.names.runs, key)
+                .filter(|e| e.operation == Operation::Put)
+                .map(|e| e.value)
+        };
+        let fence = value(&shared::fence::key(run_id)).and_then(|v| shared::fence::decode(&v).ok());
+        let record = value(&shared::fence::record_key(run_id)).and_then(|v| shared::fence::record_epoch(&v).ok());
+        fence.max(record).unwrap_or(0)
+    }
+
+    fn view(&self) -> View {
+        let names = &self.names;
+        let mut view = View::default();
+        for run_id in &self.runs {
+            let key = inspect::run_key(run_id);
+            if let Some(entry) = self
+                .cluster
+                .entry(&names.runs, &key)
+                .filter(|e| e.operation == Operation::Put)
+                && let Ok(run) = inspect::run(&key, &entry.value)
+            {
+                let run = RunView {
+                    result: run.result,
+                    owner: run.owner,
+                    epoch: run.epoch,
+                };
+                view.records.insert(run_id.clone(), run);
+            }
+            let log: Vec<Vec<NumberedEvent>> = self
+                .cluster
+                .messages(&names.events, &inspect::log_subject(&names.events, run_id))
+                .iter()
+                .filter_map(|m| inspect::log_events(&m.payload).ok())
+                .collect();
+            if !log.is_empty() {
+                view.logs.insert(run_id.clone(), log);
+            }
+            if let Some(entry) = self
+                .cluster
+                .entry(&names.approvals, &key)
+                .filter(|e| e.operation == Operation::Put)
+            {
+                let undecided = inspect::undecided(&entry.value).unwrap_or_default();
+                view.waits.insert(run_id.clone(), undecided);
+            }
+        }
+        let thread_key = inspect::thread_key(super::THREAD);
+        if let Some(entry) = self
+            .cluster
+            .entry(&names.threads, &thread_key)
+            .filter(|e| e.operation == Operation::Put)
+            && let Ok(thread) = inspect::thread(&entry.value)
+        {
+            view.threads.insert(super::THREAD.to_owned(), (thread, entry.revision));
+        }
+        for key in self.cluster.keys(&names.slots, ">") {
+            if let Some(entry) = self.cluster.entry(&names.slots, &key) {
+                view.slots
+                    .insert(key, String::from_utf8_lossy(&entry.value).into_owned());
+            }
+        }
+        for key in self.cluster.keys(&names.usage, ">") {
+            let window = key.rsplit_once('.').and_then(|(_, w)| w.parse().ok()).unwrap_or(0);
+            if let Some(entry) = self.cluster.entry(&names.usage, &key)
+                && let Ok(tally) = inspect::tally(&entry.value)
+            {
+                let principal = self.principal_of(&key);
+                view.usage.insert((principal, window), tally);
+            }
+        }
+        let seen = lock(&self.seen);
+        view.takeovers = seen.takeovers.clone();
+        view.quota_breaches = seen.quota_breaches.clone();
+        view.usage_unconfirmed = seen.usage_unconfirmed;
+        view
+    }
+
+    /// The principal a usage key names (by the tokens of the principals known).
+    fn principal_of(&self, key: &str) -> String {
+        self.max_runs
+            .keys()
+            .find(|p| key.starts_with(&format!("{}.", orchestrator::store::nats::inspect::token(p))))
+            .cloned()
+            .unwrap_or_else(|| key.to_owned())
+    }
+}
+
+/// Watches the writes as they land.
+struct Watcher {
+    names: Names,
+    runs: Vec<String>,
+    max_runs: BTreeMap<String, usize>,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Watcher {
+    fn kv(&self, bucket: &str) -> String {
+        format!("KV_{bucket}")
+    }
+
+    /// A record written: a takeover (the epoch moved on), and the principals' share after it.
+    fn record_written(&self, message: &Message, before: Option<&Message>, peek: &Peek<'_>) {
+        let Some(key) = message.subject.strip_prefix(&format!("$KV.{}.", self.names.runs)) else {
+            return;
+        };
+        if !key.starts_with("run.") {
+            return;
+        }
+        let Ok(now) = inspect::run(key, &message.payload) else {
+            return;
+        };
+        let was = before.and_then(|b| inspect::run(key, &b.payload).ok());
+        if let Some(was) = was
+            && now.epoch > was.epoch
+        {
+            let checkpoint = peek.object(&self.names.checkpoints, &now.checkpoint);
+            let mut calls: BTreeSet<String> = now.result.tool_calls.iter().map(|c| c.call_id.clone()).collect();
+            calls.extend(checkpoint.map(super::store::followed_tasks).unwrap_or_default());
+            lock(&self.seen).takeovers.push(Takeover {
+                run_id: now.result.run_id.clone(),
+                epoch: now.epoch,
+                checkpointed_calls: calls,
+            });
+        }
+        self.check_share(peek);
+    }
+
+    /// Notes a principal with more runs running than its `max_runs`.
+    fn check_share(&self, peek: &Peek<'_>) {
+        for (principal, max) in &self.max_runs {
+            let live: Vec<String> = self
+                .runs
+                .iter()
+                .filter_map(|run_id| {
+                    let key = inspect::run_key(run_id);
+                    let entry = peek.entry(&self.names.runs, &key)?;
+                    let run = inspect::run(&key, &entry.value).ok()?;
+                    (&run.result.principal == principal && run.result.status == RunStatus::Running)
+                        .then(|| run_id.clone())
+                })
+                .collect();
+            let mut seen = lock(&self.seen);
+            let again = seen
+                .quota_breaches
+                .last()
+                .is_some_and(|last| last.ends_with(&format!("{live:?}")));
+            if live.len() > *max && !again {
+                let slots: Vec<String> = peek
+                    .keys(&self.names.slots, ">")
+                    .into_iter()
+                    .filter_map(|key| {
+                        let holder = peek.entry(&self.names.slots, &key)?;
+                        Some(format!("{key}={}", String::from_utf8_lossy(&holder.value)))
+                    })
+                    .collect();
+                let breach = format!(
+                    "{principal} has {} runs live after a write, its max_runs {max}: {live:?} (slots {slots:?})",
+                    live.len()
+                );
+                seen.quota_breaches.push(breach);
+            }
+        }
+    }
+}
+
+/// The tokens a spend window holds.
+fn tokens(message: Option<&Message>) -> u64 {
+    message
+        .and_then(|m| inspect::tally(&m.payload).ok())
+        .map_or(0, |t| t.prompt_tokens + t.completion_tokens)
+}
+
+impl Observer for Watcher {
+    fn stored(&mut self, stream: &str, message: &Message, before: Option<&Message>, peek: &Peek<'_>) {
+        if stream == self.kv(&self.names.runs) {
+            self.record_written(message, before, peek);
+        }
+    }
+
+    fn unheard(&mut self, stream: &str, message: &Message, before: Option<&Message>) {
+        if stream == self.kv(&self.names.usage) {
+            let added = tokens(Some(message)).saturating_sub(tokens(before));
+            lock(&self.seen).usage_unconfirmed += added;
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! What the NATS store keeps, read from outside the adapters: the names of its buckets and
+//! streams, and decoders of each value. The simulation's checks read the simulated JetStream
+//! through these (its history is judged by what the store holds, in the store's own format), and
+//! so may an operator's tool.
+
+use crate::domain::ports::StoreError;
+use crate::domain::thread::Thread;
+use crate::domain::usage::Tally;
+use crate::domain::{NumberedEvent, RunResult};
+
+/// Where a deployment's NATS store keeps what, for results bucket `bucket` and event stream
+/// `events`.
+#[derive(Debug, Clone)]
+pub struct Names {
+    /// Runs' records (and their fences).
+    pub runs: String,
+    /// Checkpoint objects.
+    pub checkpoints: String,
+    /// Runs waiting for a person or a task.
+    pub approvals: String,
+    /// Principals' run slots.
+    pub slots: String,
+    /// Principals' spend per hour.
+    pub usage: String,
+    /// Threads.
+    pub threads: String,
+    /// The event log stream.
+    pub events: String,
+    /// The run index stream.
+    pub index: String,
+}
+
+impl Names {
+    /// The names beside results bucket `bucket`, with event stream `events`.
+    pub fn of(bucket: &str, events: &str) -> Self {
+        Self {
+            runs: bucket.to_owned(),
+            checkpoints: format!("{bucket}-checkpoints"),
+            approvals: format!("{bucket}-approvals"),
+            slots: format!("{bucket}-slots"),
+            usage: format!("{bucket}-usage"),
+            threads: format!("{bucket}-threads"),
+            events: events.to_owned(),
+            index: format!("INDEX_{bucket}"),
+        }
+    }
+}
+
+/// A run's record as stored.
+#[derive(Debug, Clone)]
+pub struct StoredRun {
+    /// The result as a reader reads it.
+    pub result: RunResult,
+    /// The replica that owns (or owned) it.
+    pub owner: String,
+    /// The claim's epoch.
+    pub epoch: u64,
+    /// Parked for a person or a task.
+    pub awaiting: bool,
+    /// The checkpoint object the record names.
+    pub checkpoint: String,
+}
+
+/// The subject (and key) token of `value` (a principal) in the slot and usage keys.
+pub fn token(value: &str) -> String {
+    super::kv::token(value)
+}
+
+/// The key of run `run_id`'s record in the runs bucket.
+pub fn run_key(run_id: &str) -> String {
+    super::results::key(run_id)
+}
+
+/// The key of thread `thread_id` in the threads bucket.
+pub fn thread_key(thread_id: &str) -> String {
+    super::results::escaped_key("thread.", thread_id)
+}
+
+/// The subject of run `run_id`'s events in event stream `events`.
+pub fn log_subject(events: &str, run_id: &str) -> String {
+    format!("{events}.{}", run_key(run_id))
+}
+
+/// The record under `key` (its value `bytes`).
+pub fn run(key: &str, bytes: &[u8]) -> Result<StoredRun, StoreError> {
+    let record = super::results::decode_record(key, bytes)?;
+    let checkpoint = super::results::CheckpointName::of(&record).name(key);
+    Ok(StoredRun {
+        owner: record.owner.clone(),
+        epoch: record.epoch,
+        awaiting: record.awaiting,
+        checkpoint,
+        result: record.read(key)?,
+    })
+}
+
+/// The events of one event log message.
+pub fn log_events(payload: &[u8]) -> Result<Vec<NumberedEvent>, String> {
+    super::log::decode_batch(payload)
+}
+
+/// The calls of a stored wait a person may still decide (none once it was canceled).
+pub fn undecided(bytes: &[u8]) -> Result<Vec<String>, String> {
+    super::approvals::undecided(bytes)
+}
+
+/// A stored thread.
+pub fn thread(bytes: &[u8]) -> Result<Thread, String> {
+    serde_json::from_slice(bytes).map_err(|e| e.to_string())
+}
+
+/// A stored spend window.
+pub fn tally(bytes: &[u8]) -> Result<Tally, String> {
+    serde_json::from_slice(bytes).map_err(|e| e.to_string())
+}
