@@ -10,6 +10,8 @@ use sim::ports::{Settings, simulate};
 
 const SEEDS: u64 = 20_000;
 const BUDGET: Duration = Duration::from_secs(45);
+/// The seeds over the real adapters get this long.
+const JETSTREAM_BUDGET: Duration = Duration::from_secs(40);
 
 /// The event stream lost events while the buckets answered (its leader lost): a safe point
 /// saved a checkpoint that counted them as sent, and the next owner numbered on past the gap
@@ -22,6 +24,18 @@ const LOG_GAP_PAST_A_LOST_BATCH: u64 = 996;
 /// (`--ports --seed 731213`). A durable run's stored end now closes any wait under its id
 /// (`tool_loop::close_older_waits`).
 const QUESTION_LEFT_AFTER_A_TAKEOVER: u64 = 731_213;
+
+/// Over the real adapters: a claim whose answer was lost (it landed) gave its slot back, and the
+/// run, taken over once its lease lapsed, ran beside `max_runs` others ("the share"; 15 of the
+/// first 1,000 seeds before the fix, `--ports --jetstream --seed 100` among them). An unanswered
+/// claim now keeps its slot (`registry::admission`, `keep_quota_when_unanswered`).
+const UNANSWERED_CLAIM_GAVE_ITS_SLOT_BACK: u64 = 100;
+
+/// Over the real adapters: a take of a slot read the record of the run holding it from a lagging
+/// follower, found none, and took the slot of a run whose claim had landed ("the share"; 8 of the
+/// first 1,000 seeds before the fix, `--ports --jetstream --seed 281` among them). The record is
+/// now read from the bucket's leader (`store::nats::quotas`, `free`).
+const A_LAGGING_FOLLOWER_FREED_A_LIVE_RUNS_SLOT: u64 = 281;
 
 /// The first seed of this run: `SIM_BASE_SEED=<n>`, or `SIM_BASE_SEED=fresh` for one drawn from
 /// the clock (seeds no earlier run tried); 0 unless set. CI stays at 0 while the two rare bugs
@@ -42,8 +56,12 @@ fn base_seed() -> u64 {
 
 /// The command that replays `seed` of `settings` exactly: the same runs, faults and switches.
 fn replay(seed: u64, settings: &Settings) -> String {
+    let mode = match settings.jetstream {
+        true => "--ports --jetstream",
+        false => "--ports",
+    };
     let mut command = format!(
-        "cargo run -p sim -- --ports --runs {} --faults {} --seed {seed} --trace",
+        "cargo run -p sim -- {mode} --runs {} --faults {} --seed {seed} --trace",
         settings.runs, settings.faults
     );
     for (on, fix) in [
@@ -62,30 +80,7 @@ fn replay(seed: u64, settings: &Settings) -> String {
 
 #[test]
 fn every_invariant_holds_over_the_services_code() {
-    let settings = Settings::default();
-    let base = base_seed();
-    eprintln!("seeds from {base} (SIM_BASE_SEED={base} runs them again)");
-    let started = Instant::now();
-    let (mut run, mut takeovers, mut answered) = (0, 0, 0usize);
-    for seed in base..base + SEEDS {
-        if started.elapsed() > BUDGET {
-            break;
-        }
-        let outcome = simulate(seed, &settings);
-        assert!(
-            outcome.violations.is_empty(),
-            "seed {seed} (replay: {}):\n{}",
-            replay(seed, &settings),
-            outcome.violations.join("\n")
-        );
-        run += 1;
-        takeovers += outcome.takeovers;
-        answered += outcome.answered;
-    }
-    eprintln!(
-        "{run} seeds over the ports, {takeovers} takeovers, {answered} calls gone on with a person's answers, every invariant held ({:.1?})",
-        started.elapsed()
-    );
+    let (run, takeovers, answered) = sweep(&Settings::default(), BUDGET, "over the ports");
     assert!(run >= 200, "only {run} seeds in {BUDGET:?}");
     assert!(
         takeovers > run,
@@ -95,6 +90,83 @@ fn every_invariant_holds_over_the_services_code() {
         answered as u64 > run,
         "the tools asked and were answered: {answered} in {run} seeds"
     );
+}
+
+/// Runs `settings` from the base seed for `budget`, each seed's invariants held (a failure
+/// names the command that replays it): the seeds run, the takeovers and the calls gone on with
+/// a person's answers.
+fn sweep(settings: &Settings, budget: Duration, what: &str) -> (u64, u64, usize) {
+    let base = base_seed();
+    eprintln!("seeds from {base} {what} (SIM_BASE_SEED={base} runs them again)");
+    let started = Instant::now();
+    let (mut run, mut takeovers, mut answered) = (0, 0, 0usize);
+    for seed in base..base + SEEDS {
+        if started.elapsed() > budget {
+            break;
+        }
+        let outcome = simulate(seed, settings);
+        assert!(
+            outcome.violations.is_empty(),
+            "seed {seed} (replay: {}):\n{}",
+            replay(seed, settings),
+            outcome.violations.join("\n")
+        );
+        run += 1;
+        takeovers += outcome.takeovers;
+        answered += outcome.answered;
+    }
+    eprintln!(
+        "{run} seeds {what}, {takeovers} takeovers, {answered} calls gone on with a person's answers, every invariant held ({:.1?})",
+        started.elapsed()
+    );
+    (run, takeovers, answered)
+}
+
+/// The same invariants with the real NATS adapters (`orchestrator::store::nats`) over the
+/// simulated JetStream (`sim::jetstream`), the runners reading the fence with the tool-runner's
+/// own reader, and two more faults: a lagging follower of the runs bucket and answers lost after
+/// their write landed.
+#[test]
+fn every_invariant_holds_over_the_real_adapters() {
+    let settings = Settings {
+        jetstream: true,
+        ..Settings::default()
+    };
+    let (run, takeovers, _) = sweep(&settings, JETSTREAM_BUDGET, "over the real adapters");
+    assert!(run >= 60, "only {run} seeds in {JETSTREAM_BUDGET:?}");
+    assert!(
+        takeovers > run,
+        "the faults moved runs: {takeovers} takeovers in {run} seeds"
+    );
+}
+
+/// The seeds the real adapters broke before their fixes hold.
+#[test]
+fn the_seeds_that_broke_the_real_adapters_hold() {
+    let settings = Settings {
+        jetstream: true,
+        ..Settings::default()
+    };
+    for seed in [
+        UNANSWERED_CLAIM_GAVE_ITS_SLOT_BACK,
+        A_LAGGING_FOLLOWER_FREED_A_LIVE_RUNS_SLOT,
+    ] {
+        let outcome = simulate(seed, &settings);
+        assert_eq!(outcome.violations, Vec::<String>::new(), "seed {seed}");
+    }
+}
+
+/// Over the real adapters the receiver's fence is the tool-runner's own reader (from the run
+/// bucket's leader, through the seam): without it, some of the first seeds start a replaced
+/// owner's call after the new owner's; with it, the first such seed holds.
+#[test]
+fn the_real_runner_fence_holds_the_seeds_that_break_without_it() {
+    let without = Settings {
+        jetstream: true,
+        receiver_fence: false,
+        ..Settings::default()
+    };
+    holds_a_seed_that_breaks(&without, 0..400, "epoch order");
 }
 
 /// The seed that broke the log before the loop's fix (`durable.rs`, `log_not_kept`) holds. (The

@@ -309,15 +309,20 @@ impl Bucket for NatsBucket {
 /// The last message of `subject`, read from the stream's leader.
 async fn leader_last(stream: &stream::Stream, subject: &str) -> Result<Option<Message>, Error> {
     match stream.get_last_raw_message_by_subject(subject).await {
-        Ok(message) => Ok(Some(Message {
-            subject: message.subject.to_string(),
-            sequence: message.sequence,
-            headers: headers(&message.headers),
-            payload: message.payload,
-            pending: 0,
-        })),
+        Ok(message) => Ok(Some(stored(message))),
         Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
         Err(e) => Err(Error::failed(e)),
+    }
+}
+
+/// A message read by its stream sequence, as the seam gives it.
+fn stored(message: jetstream::message::StreamMessage) -> Message {
+    Message {
+        subject: message.subject.to_string(),
+        sequence: message.sequence,
+        headers: headers(&message.headers),
+        payload: message.payload,
+        pending: 0,
     }
 }
 
@@ -431,13 +436,7 @@ impl Stream for NatsStream {
             match consistency {
                 Consistency::Leader => leader_last(&stream, &subject).await,
                 Consistency::Direct => match stream.direct_get_last_for_subject(&subject).await {
-                    Ok(message) => Ok(Some(Message {
-                        subject: message.subject.to_string(),
-                        sequence: message.sequence,
-                        headers: headers(&message.headers),
-                        payload: message.payload,
-                        pending: 0,
-                    })),
+                    Ok(message) => Ok(Some(stored(message))),
                     Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => Ok(None),
                     Err(e) => Err(Error::failed(e)),
                 },

@@ -326,6 +326,25 @@ fn live_keys(state: &StreamState, bucket: &str, filter: &str) -> Vec<String> {
     keys
 }
 
+/// A write whose answer its writer has not heard yet: dropped armed, it tells the observer.
+struct Unheard<'a> {
+    cluster: &'a Cluster,
+    written: Option<(String, Message, Option<Message>)>,
+}
+
+impl Drop for Unheard<'_> {
+    fn drop(&mut self) {
+        let Some((stream, message, before)) = self.written.take() else {
+            return;
+        };
+        let mut inner = self.cluster.lock();
+        if let Some(mut observer) = inner.observer.take() {
+            observer.unheard(&stream, &message, before.as_ref());
+            inner.observer = Some(observer);
+        }
+    }
+}
+
 /// Who a request goes to.
 #[derive(Clone, Copy)]
 enum To<'a> {
@@ -377,16 +396,17 @@ impl Connection {
             }
         };
         drop(wire);
+        // Until its answer is handed over, the write is unheard: also when the caller gives up
+        // on the request (drops it) while the answer is on its way.
+        let mut unheard = Unheard {
+            cluster: &self.cluster,
+            written,
+        };
         if lost || !self.gate.pass().await || Instant::now() >= started + self.timeout {
-            if let Some((stream, message, before)) = written {
-                let mut inner = self.cluster.lock();
-                if let Some(mut observer) = inner.observer.take() {
-                    observer.unheard(&stream, &message, before.as_ref());
-                    inner.observer = Some(observer);
-                }
-            }
+            drop(unheard);
             return timed_out().await;
         }
+        unheard.written = None;
         answer.unwrap_or(Err(Error::TimedOut))
     }
 

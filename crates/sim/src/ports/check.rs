@@ -74,11 +74,24 @@ pub fn listing_whole(shared: &View, replica: &str, rows: &[RunSummary]) -> Vec<S
     for run_id in shared.records.keys().filter(|id| !seen.contains_key(id.as_str())) {
         broken.push(format!("the listing on {replica} misses {run_id}"));
     }
+    // Newest first: in the index's order where there is one (the order the fleet admitted the
+    // runs, which two admissions at once may take apart from their admission times), else by
+    // admission time.
+    let place = |run_id: &str| {
+        shared
+            .index_order
+            .as_ref()
+            .and_then(|order| order.iter().position(|id| id == run_id))
+    };
     for pair in rows.windows(2) {
-        if (pair[0].created_at_ms, &pair[0].run_id) < (pair[1].created_at_ms, &pair[1].run_id) {
+        let older = match (place(&pair[0].run_id), place(&pair[1].run_id)) {
+            (Some(first), Some(second)) => first < second,
+            _ => (pair[0].created_at_ms, &pair[0].run_id) < (pair[1].created_at_ms, &pair[1].run_id),
+        };
+        if older {
             broken.push(format!(
-                "the listing on {replica} shows {} before the newer {}",
-                pair[0].run_id, pair[1].run_id
+                "the listing on {replica} shows {} before the newer {} (created at {} and {})",
+                pair[0].run_id, pair[1].run_id, pair[0].created_at_ms, pair[1].created_at_ms
             ));
         }
     }
@@ -467,6 +480,7 @@ pub fn history(shared: &View, runners: &Runners, begun: tokio::time::Instant) ->
             a.run_id, a.call_id, a.request_state, a.response
         )
     }));
+    lines.extend(shared.spend.iter().cloned());
     for (run_id, record) in &shared.records {
         let seqs: Vec<u64> = shared.events(run_id).iter().map(|e| e.seq).collect();
         lines.push(format!(

@@ -265,7 +265,9 @@ impl World {
             Backing::Model(store) => self.model_stores(store, &name, &gate),
             Backing::JetStream(watched) => {
                 let connection = watched.cluster().connect(gate.clone(), STORE_TIMEOUT);
-                adapters::open(&connection, &name, &config(), terms()).await
+                let mut stores = adapters::open(&connection, &name, &config(), terms()).await;
+                stores.usage = watched.counting(stores.usage);
+                stores
             }
         };
         let ports = Ports {

@@ -7,6 +7,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
+use futures::FutureExt as _;
+use futures::future::BoxFuture;
+use orchestrator::domain::ports::{StoreError, UsageBook};
 use orchestrator::domain::thread::Thread;
 use orchestrator::domain::usage::Tally;
 use orchestrator::domain::{NumberedEvent, RunResult, RunStatus};
@@ -48,6 +51,11 @@ pub struct View {
     pub waits: BTreeMap<String, Vec<String>>,
     /// Moments a principal had more runs running than its `max_runs`.
     pub quota_breaches: Vec<String>,
+    /// The runs in the order the run index holds them, oldest first (none for the model, whose
+    /// listing orders by admission time): `ListRuns` walks it down.
+    pub index_order: Option<Vec<String>>,
+    /// Lines for the history: each spend added, heard or not.
+    pub spend: Vec<String>,
 }
 
 impl View {
@@ -114,12 +122,16 @@ fn model_view(store: &Store) -> View {
             .map(|(id, (wait, _))| (id.clone(), wait.undecided().map(|c| c.call_id.clone()).collect()))
             .collect(),
         quota_breaches: shared.quota_breaches.clone(),
+        index_order: None,
+        spend: Vec::new(),
     }
 }
 
 /// What is learned only by watching the writes as they land.
 #[derive(Debug, Default)]
 struct Seen {
+    /// Each spend added, as a history line.
+    spend: Vec<String>,
     takeovers: Vec<Takeover>,
     quota_breaches: Vec<String>,
     usage_unconfirmed: u64,
@@ -240,11 +252,35 @@ impl Watched {
                 view.usage.insert((principal, window), tally);
             }
         }
+        view.index_order = Some(self.index_order(&view.records));
         let seen = lock(&self.seen);
         view.takeovers = seen.takeovers.clone();
+        view.spend = seen.spend.clone();
         view.quota_breaches = seen.quota_breaches.clone();
         view.usage_unconfirmed = seen.usage_unconfirmed;
         view
+    }
+
+    /// The runs whose index entry agrees with their record, in the index's order.
+    fn index_order(&self, records: &BTreeMap<String, RunView>) -> Vec<String> {
+        self.cluster
+            .messages(&self.names.index, ">")
+            .iter()
+            .filter_map(|m| inspect::index_entry(&m.payload).ok())
+            .filter(|(run_id, created)| records.get(run_id).is_some_and(|r| r.result.created_at_ms == *created))
+            .map(|(run_id, _)| run_id)
+            .collect()
+    }
+
+    /// `book` with the tokens of every add whose success its replica never heard counted (the
+    /// add failed, landed or not, or its caller gave up on it): the replica books them again with
+    /// its next add, which a takeover before the next checkpoint may book once more (counted
+    /// twice rather than never), so the spend's upper bound allows them once more.
+    pub fn counting(self: &Arc<Self>, book: Arc<dyn UsageBook>) -> Arc<dyn UsageBook> {
+        Arc::new(CountedBook {
+            book,
+            seen: Arc::clone(&self.seen),
+        })
     }
 
     /// The principal a usage key names (by the tokens of the principals known).
@@ -347,12 +383,68 @@ impl Observer for Watcher {
         if stream == self.kv(&self.names.runs) {
             self.record_written(message, before, peek);
         }
+        if stream == self.kv(&self.names.usage) {
+            let added = tokens(Some(message)).saturating_sub(tokens(Some(message)).min(tokens(before)));
+            let at = tokio::time::Instant::now();
+            lock(&self.seen)
+                .spend
+                .push(format!("{at:?} spend +{added} tokens at seq {}", message.sequence));
+        }
     }
 
-    fn unheard(&mut self, stream: &str, message: &Message, before: Option<&Message>) {
+    fn unheard(&mut self, stream: &str, message: &Message, _before: Option<&Message>) {
         if stream == self.kv(&self.names.usage) {
-            let added = tokens(Some(message)).saturating_sub(tokens(before));
-            lock(&self.seen).usage_unconfirmed += added;
+            lock(&self.seen)
+                .spend
+                .push(format!("  (unheard: seq {})", message.sequence));
         }
+    }
+}
+
+/// A usage book whose adds that went unheard are counted (see [`Watched::counting`]).
+struct CountedBook {
+    book: Arc<dyn UsageBook>,
+    seen: Arc<Mutex<Seen>>,
+}
+
+/// Counts an add's tokens as unconfirmed unless its success was heard.
+struct Unconfirmed {
+    tokens: u64,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Unconfirmed {
+    fn heard(&mut self) {
+        self.tokens = 0;
+    }
+}
+
+impl Drop for Unconfirmed {
+    fn drop(&mut self) {
+        if self.tokens > 0 {
+            lock(&self.seen).usage_unconfirmed += self.tokens;
+        }
+    }
+}
+
+impl UsageBook for CountedBook {
+    fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
+        let mut pending = Unconfirmed {
+            tokens: spend.prompt_tokens + spend.completion_tokens,
+            seen: Arc::clone(&self.seen),
+        };
+        let add = self.book.add(principal, window, spend);
+        async move {
+            let total = add.await;
+            if total.is_ok() {
+                pending.heard();
+            }
+            total
+        }
+        .boxed()
+    }
+
+    fn read(&self, principal: &str, from: u64, to: u64) -> BoxFuture<'static, Result<Vec<(u64, Tally)>, StoreError>> {
+        self.book.read(principal, from, to)
     }
 }

@@ -113,3 +113,11 @@ pub fn thread(bytes: &[u8]) -> Result<Thread, String> {
 pub fn tally(bytes: &[u8]) -> Result<Tally, String> {
     serde_json::from_slice(bytes).map_err(|e| e.to_string())
 }
+
+/// The run an index entry names and its admission time (the listing shows an entry only when
+/// the run's record holds the same time).
+pub fn index_entry(payload: &[u8]) -> Result<(String, u64), String> {
+    use prost::Message as _;
+    let entry = super::index::entry::Entry::decode(payload).map_err(|e| e.to_string())?;
+    Ok((entry.run_id, entry.created_at_ms))
+}

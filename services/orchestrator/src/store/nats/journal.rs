@@ -270,7 +270,7 @@ impl RunJournal for KvStore {
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
         let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
         async move {
-            let mut objects: std::collections::HashMap<String, Vec<(u64, String)>> = std::collections::HashMap::new();
+            let mut objects: std::collections::BTreeMap<String, Vec<(u64, String)>> = std::collections::BTreeMap::new();
             let names = checkpoints.names().await;
             for name in names.map_err(|e| unavailable("checkpoint list", "", e))? {
                 let (key, epoch) = checkpoint_of(&name);

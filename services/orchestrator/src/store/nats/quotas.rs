@@ -84,9 +84,11 @@ fn chunks_doubling(keys: &[String]) -> impl Iterator<Item = &[String]> {
 
 impl NatsQuotas {
     /// Whether the run a slot names at `revision` holds it no more: it ended, or it has no
-    /// record and this replica has seen the slot unchanged for a lease.
+    /// record and this replica has seen the slot unchanged for a lease. The record is read from
+    /// the bucket's leader: the compare-and-set that takes the slot guards the slot, not the
+    /// record, and a lagging follower may not have a claim that landed.
     async fn free(&self, key: &str, run_id: &str, revision: u64) -> Result<bool, StoreError> {
-        match self.store.read_key(&run_key(run_id)).await? {
+        match self.store.read_key_from(&run_key(run_id), Consistency::Leader).await? {
             Some(run) => Ok(!run.status.is_live()),
             None => Ok(self.store.seen.lapsed(&format!("slot:{key}"), revision)),
         }

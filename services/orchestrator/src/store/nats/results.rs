@@ -477,14 +477,26 @@ impl KvStore {
         create_record(self.kv.clone(), Arc::clone(&self.owned), self.seen.clone(), key, record)
     }
 
-    /// The run stored under `key`, as it reads now.
+    /// The run stored under `key`, as any replica of the bucket reads it now (a follower may
+    /// not have the newest write yet).
     pub(super) fn read_key(&self, key: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+        self.read_key_from(key, Consistency::Direct)
+    }
+
+    /// The run stored under `key`, read as `consistency` says: from the leader for a decision
+    /// no compare-and-set on the record guards (a slot taken from a run read ended).
+    pub(super) fn read_key_from(
+        &self,
+        key: &str,
+        consistency: Consistency,
+    ) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
         let (kv, key) = (self.kv.clone(), key.to_owned());
         async move {
-            let Some(bytes) = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))? else {
-                return Ok(None);
-            };
-            decode(&key, &bytes).map(Some)
+            let entry = kv.entry(&key, consistency).await;
+            match entry.map_err(|e| unavailable("KV entry", &key, e))? {
+                Some(entry) if entry.operation == Operation::Put => decode(&key, &entry.value).map(Some),
+                _ => Ok(None),
+            }
         }
         .boxed()
     }
