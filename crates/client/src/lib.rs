@@ -354,10 +354,12 @@ impl Client {
         call_id: &str,
         answers: Vec<pb::ToolInputAnswer>,
     ) -> Result<Vec<pb::PendingApproval>, Error> {
+        // Whichever round the call asks now (`answer_tool_input` names one).
         let request = pb::AnswerToolInputRequest {
             run_id: run_id.into(),
             call_id: call_id.into(),
             answers,
+            round: String::new(),
         };
         Ok(self.answer_tool_input(request).await?.still_pending)
     }

@@ -36,7 +36,8 @@ struct Args {
     #[arg(long)]
     trace: bool,
     /// Switches a fix off (repeatable): receiver-fence, fence-grace, end-after-log, recheck-retries
-    /// (with --ports: receiver-fence, fleet-slots, task-handles, wait-expiry, parked-claims).
+    /// (with --ports: receiver-fence, fleet-slots, task-handles, wait-expiry, parked-claims,
+    /// answer-rounds).
     #[arg(long = "without")]
     without: Vec<String>,
     /// Faults drawn per seed (the protocol model: 6; with --ports: 8, as CI draws them).
@@ -56,12 +57,13 @@ struct Args {
 }
 
 /// The fixes `--ports --without` switches off.
-const PORTS_FIXES: [&str; 5] = [
+const PORTS_FIXES: [&str; 6] = [
     "receiver-fence",
     "fleet-slots",
     "task-handles",
     "wait-expiry",
     "parked-claims",
+    "answer-rounds",
 ];
 
 fn main() -> ExitCode {
@@ -121,6 +123,7 @@ fn over_ports(args: &Args) -> ExitCode {
         task_handles: !args.without.iter().any(|fix| fix == "task-handles"),
         wait_expiry: !args.without.iter().any(|fix| fix == "wait-expiry"),
         parked_claims: !args.without.iter().any(|fix| fix == "parked-claims"),
+        answer_rounds: !args.without.iter().any(|fix| fix == "answer-rounds"),
         jetstream: args.jetstream,
         ..sim::ports::Settings::default()
     };

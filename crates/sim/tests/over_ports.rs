@@ -25,6 +25,14 @@ const LOG_GAP_PAST_A_LOST_BATCH: u64 = 996;
 /// (`tool_loop::close_older_waits`).
 const QUESTION_LEFT_AFTER_A_TAKEOVER: u64 = 731_213;
 
+/// A person's answer to one round of a tool's questions was taken for the round the call asked
+/// next: the run moved, its new owner tried the call again and it asked anew, and the person's
+/// decide (naming only the call) landed on the new round ("the answer as given",
+/// `--ports --seed 5896`, found by a fresh base seed). Answers now name their round
+/// (`Questions::round`, `AnswerToolInputRequest.round`), and one for a round the call no longer
+/// asks is refused.
+const ANSWER_TAKEN_FOR_THE_NEXT_ROUND: u64 = 5896;
+
 /// Over the real adapters: a claim whose answer was lost (it landed) gave its slot back, and the
 /// run, taken over once its lease lapsed, ran beside `max_runs` others ("the share"; 15 of the
 /// first 1,000 seeds before the fix, `--ports --jetstream --seed 100` among them). An unanswered
@@ -70,6 +78,7 @@ fn replay(seed: u64, settings: &Settings) -> String {
         (settings.task_handles, "task-handles"),
         (settings.wait_expiry, "wait-expiry"),
         (settings.parked_claims, "parked-claims"),
+        (settings.answer_rounds, "answer-rounds"),
     ] {
         if !on {
             command.push_str(&format!(" --without {fix}"));
@@ -192,6 +201,21 @@ fn a_turn_is_booked_once_however_its_run_parks() {
         let outcome = simulate(seed, &settings);
         assert_eq!(outcome.violations, Vec::<String>::new(), "seed {seed}");
     }
+}
+
+/// The seed that took a person's answer for the next round of questions holds; with answers
+/// naming only their call (`--without answer-rounds`) it breaks.
+#[test]
+fn the_seed_that_took_an_answer_for_the_next_round_holds() {
+    let without = Settings {
+        answer_rounds: false,
+        ..Settings::default()
+    };
+    holds_a_seed_that_breaks(
+        &without,
+        ANSWER_TAKEN_FOR_THE_NEXT_ROUND..ANSWER_TAKEN_FOR_THE_NEXT_ROUND + 1,
+        "the answer as given",
+    );
 }
 
 /// The seed that left a replaced owner's question open after its run ended holds.
@@ -336,6 +360,7 @@ fn holds_a_seed_that_breaks(without: &Settings, seeds: std::ops::Range<u64>, bre
         task_handles: true,
         wait_expiry: true,
         parked_claims: true,
+        answer_rounds: true,
         ..without.clone()
     };
     assert_eq!(

@@ -358,7 +358,7 @@ function runView(runId) {
       turnBox(e.turn).box.append(box);
     }
     if (kind === "approvalRequested") call.waiting.replaceChildren(decisionBox(runId, { callId: e.callId, name: e.name, argumentsJson: e.argumentsJson }));
-    if (kind === "toolInputRequested") call.waiting.replaceChildren(questionsBox(runId, { callId: e.callId, name: e.name, inputRequests: e.requests }));
+    if (kind === "toolInputRequested") call.waiting.replaceChildren(questionsBox(runId, { callId: e.callId, name: e.name, inputRequests: e.requests, inputRound: e.round }));
     if (kind === "toolCallStarted") call.waiting.replaceChildren();
   };
 
@@ -473,7 +473,7 @@ function questionsBox(runId, pending) {
   const send = async (action) => {
     const given = [...answers.entries()].map(([key, answer]) => (action === "INPUT_ACTION_ACCEPT" ? answer() : { key, action, contentJson: "" }));
     try {
-      await rpc("AnswerToolInput", { runId, callId: pending.callId, answers: given });
+      await rpc("AnswerToolInput", { runId, callId: pending.callId, answers: given, round: pending.inputRound ?? "" });
       out.className = "";
       out.textContent = action === "INPUT_ACTION_ACCEPT" ? "Answered." : "Declined.";
     } catch (x) {

@@ -216,7 +216,7 @@ fn decide_status(error: &crate::domain::approval::DecideError, message: String) 
     match error {
         D::NotFound(_) => tonic::Status::not_found(message),
         D::NotAllowed { .. } => tonic::Status::permission_denied(message),
-        D::AlreadyDecided { .. } | D::NotPending { .. } | D::Expired { .. } => {
+        D::AlreadyDecided { .. } | D::NotPending { .. } | D::Expired { .. } | D::OtherRound { .. } => {
             tonic::Status::failed_precondition(message)
         }
         D::Invalid(_) => tonic::Status::invalid_argument(message),

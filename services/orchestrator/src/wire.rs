@@ -299,12 +299,13 @@ impl From<&PendingApproval> for pb::PendingApproval {
             expires_at_unix_ms: p.expires_at_unix_ms,
             principal: p.principal.clone(),
             decision: p.decision.as_ref().map(pb::ApprovalDecision::from),
-            // The questions' state is the tool's, opaque: it is not shown.
+            // The questions' state is the tool's, opaque: it is not shown, only its round.
             input_requests: p
                 .questions
                 .iter()
                 .flat_map(|q| q.requests.iter().map(pb::ToolInputRequest::from))
                 .collect(),
+            input_round: p.questions.as_ref().map(Questions::round).unwrap_or_default(),
         }
     }
 }
@@ -552,12 +553,14 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             turn,
             expires_at_unix_ms,
             requests,
+            round,
         } => E::ToolInputRequested(pb::ToolInputRequested {
             call_id,
             requests: requests.iter().map(pb::ToolInputRequest::from).collect(),
             name,
             turn,
             expires_at_unix_ms,
+            round,
         }),
         Event::ToolCallProgress {
             call_id,
@@ -679,6 +682,7 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                 turn: e.turn,
                 expires_at_unix_ms: e.expires_at_unix_ms,
                 requests: e.requests.into_iter().filter_map(input_request_of).collect(),
+                round: e.round,
             },
             E::ToolCallProgress(e) => Event::ToolCallProgress {
                 call_id: e.call_id,

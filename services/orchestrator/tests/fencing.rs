@@ -125,6 +125,7 @@ async fn an_approval_wait_is_fenced_by_the_epoch_that_opened_it() -> TestResult 
     let approve = Decision {
         call_id: "call_1".to_owned(),
         kind: DecisionKind::Approve,
+        round: None,
     };
     approvals.decide("r", &person, &[approve]).await?;
 
@@ -192,6 +193,7 @@ async fn a_late_decision_and_the_wake_never_both_land() -> TestResult {
     let approve = |call: &str| Decision {
         call_id: call.to_owned(),
         kind: DecisionKind::Approve,
+        round: None,
     };
     let mut late = wait("late", &["call_1", "call_2"], 1);
     late.calls[0].0.expires_at_unix_ms = shared::sync::unix_ms();
@@ -274,6 +276,7 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
     let approve = Decision {
         call_id: "call_1".to_owned(),
         kind: DecisionKind::Approve,
+        round: None,
     };
     approvals.decide("parked.run", &person, &[approve]).await?;
     let claimed = b.take_over("parked.run").await?.expect("the decided run claimed");

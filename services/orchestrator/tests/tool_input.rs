@@ -94,6 +94,7 @@ fn answer(run_id: &str, call_id: &str, answers: Vec<(&str, pb::InputAction, &str
                 content_json: content.into(),
             })
             .collect(),
+        round: String::new(),
     }
 }
 
@@ -138,6 +139,32 @@ async fn a_question_is_asked_the_run_parks_and_the_answer_finishes_the_call() ->
     assert_eq!(listed.approvals[0].call_id, question.call_id);
     assert!(refunds(&world).is_empty(), "nothing refunded before the answer");
 
+    // The questions are a round, named the same in the stream, the run and the listing; answers
+    // to another round are refused, not taken for this one.
+    assert_eq!(question.round.len(), 16, "{question:?}");
+    assert_eq!(listed.approvals[0].input_round, question.round);
+    assert_eq!(waiting.pending_approvals[0].input_round, question.round);
+    let other_round = pb::AnswerToolInputRequest {
+        round: "0123456789abcdef".into(),
+        ..answer(
+            "ask-1",
+            &question.call_id,
+            vec![("confirm", pb::InputAction::Accept, r#"{"confirm": true}"#)],
+        )
+    };
+    let refused = client
+        .answer_tool_input(other_round)
+        .await
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("an answer to another round was taken"))?;
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    assert!(
+        refused
+            .message()
+            .contains(&format!("asks round {} now", question.round)),
+        "{refused:?}"
+    );
+
     // Approving it is refused (it is answered), and so are answers its schema refuses.
     let refused = client
         .decide_tool_calls(pb::DecideToolCallsRequest {
@@ -169,13 +196,17 @@ async fn a_question_is_asked_the_run_parks_and_the_answer_finishes_the_call() ->
         assert!(refused.message().contains(says), "{content}: {refused:?}");
     }
 
-    // Accepted: the call runs again with the answer, the refund happens once, the run ends.
+    // Accepted (naming its round): the call runs again with the answer, the refund happens
+    // once, the run ends.
     let taken = client
-        .answer_tool_input(answer(
-            "ask-1",
-            &question.call_id,
-            vec![("confirm", accept, r#"{"confirm": true}"#)],
-        ))
+        .answer_tool_input(pb::AnswerToolInputRequest {
+            round: question.round.clone(),
+            ..answer(
+                "ask-1",
+                &question.call_id,
+                vec![("confirm", accept, r#"{"confirm": true}"#)],
+            )
+        })
         .await?
         .into_inner();
     assert!(taken.still_pending.is_empty(), "{taken:?}");

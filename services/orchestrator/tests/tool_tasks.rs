@@ -332,6 +332,7 @@ async fn a_task_that_asks_a_person_parks_the_run_and_the_answer_goes_to_the_task
     assert!(log(&world).is_empty(), "nothing processed before the answer");
     client
         .answer_tool_input(pb::AnswerToolInputRequest {
+            round: String::new(),
             run_id: "task-asks".into(),
             call_id: pending.call_id.clone(),
             answers: vec![pb::ToolInputAnswer {

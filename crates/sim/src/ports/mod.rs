@@ -68,6 +68,10 @@ pub struct Settings {
     /// A takeover tells that the run it claimed read parked, which takes a slot again (off: it
     /// never does, what breaks without it).
     pub parked_claims: bool,
+    /// A person's answer names the round of questions it answers (off: only the call, so an
+    /// answer to questions asked before a takeover may be taken for the round asked after it,
+    /// what breaks without it).
+    pub answer_rounds: bool,
     /// The replicas run the real NATS adapters over the simulated JetStream, and the runners
     /// the tool-runner's own fence reader (off: the port-level model of the store). The
     /// model's switches (`task_handles`, `wait_expiry`, `parked_claims`) do not apply to it.
@@ -88,6 +92,7 @@ impl Default for Settings {
             task_handles: true,
             wait_expiry: true,
             parked_claims: true,
+            answer_rounds: true,
             jetstream: false,
         }
     }
@@ -347,7 +352,8 @@ impl World {
         }
         let reader = self.spawn_reader();
         let followers = self.spawn_followers();
-        let person = person::spawn(Arc::clone(&self.living), Arc::clone(&self.person), self.seed);
+        let rounds = self.settings.answer_rounds;
+        let person = person::spawn(Arc::clone(&self.living), Arc::clone(&self.person), self.seed, rounds);
         for (at, fault) in self.plan() {
             tokio::time::sleep_until(begun + at).await;
             self.apply(fault).await;

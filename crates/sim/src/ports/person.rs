@@ -57,7 +57,14 @@ enum Fate {
 }
 
 /// Starts the person: every few hundred ms they look at what waits on a replica of `living`.
-pub fn spawn(living: Arc<Mutex<Vec<Arc<Replica>>>>, person: Person, seed: u64) -> tokio::task::JoinHandle<()> {
+/// With `rounds`, each answer names the round of questions it answers (off: only the call, what
+/// breaks without it).
+pub fn spawn(
+    living: Arc<Mutex<Vec<Arc<Replica>>>>,
+    person: Person,
+    seed: u64,
+    rounds: bool,
+) -> tokio::task::JoinHandle<()> {
     let mut rng = fastrand::Rng::with_seed(seed ^ 0x9e45);
     tokio::spawn(async move {
         let mut seen = BTreeSet::new();
@@ -97,6 +104,7 @@ pub fn spawn(living: Arc<Mutex<Vec<Arc<Replica>>>>, person: Person, seed: u64) -
                         call: call.clone(),
                         fate,
                         nonce: format!("p{answers}"),
+                        rounds,
                     };
                     tokio::spawn(answer.give(Arc::clone(&living), Arc::clone(&person), after, at));
                 }
@@ -111,6 +119,8 @@ struct Answer {
     fate: Fate,
     /// Tells this answer from a racing one.
     nonce: String,
+    /// It names the round it answers.
+    rounds: bool,
 }
 
 impl Answer {
@@ -120,9 +130,17 @@ impl Answer {
             action,
             content,
         };
+        // The answer names the round the person read: a call asked again since (its run moved)
+        // refuses it rather than take it for the new round.
         let decision = Decision {
             call_id: self.call.call_id.clone(),
             kind: DecisionKind::Answer(vec![answer.clone()]),
+            round: self
+                .call
+                .questions
+                .as_ref()
+                .filter(|_| self.rounds)
+                .map(orchestrator::domain::input::Questions::round),
         };
         (decision, answer)
     }

@@ -53,8 +53,8 @@ impl ApprovalsArgs {
 fn print_pending(call: &pb::PendingApproval, now: u64) {
     let left = Duration::from_millis(call.expires_at_unix_ms.saturating_sub(now) / 1000 * 1000);
     let waits = match call.input_requests.is_empty() {
-        true => "approval",
-        false => "answers",
+        true => "approval".to_owned(),
+        false => format!("answers to round {}", call.input_round),
     };
     say!(
         "{}  {}  {} {}  (turn {}, owner {:?}, waits for {waits}, expires in {})",
@@ -172,6 +172,11 @@ pub struct AnswerArgs {
     /// Dismiss this question without a choice (repeatable).
     #[arg(long = "cancel", value_name = "KEY")]
     pub cancel: Vec<String>,
+    /// The round of questions answered, as `approvals` prints it: answers to a round the call
+    /// no longer asks (its run moved and asked again) are refused, not taken for the new one.
+    /// Without it: whichever round the call asks now.
+    #[arg(long)]
+    pub round: Option<String>,
 }
 
 impl AnswerArgs {
@@ -188,6 +193,7 @@ impl AnswerArgs {
             run_id: self.run_id.clone(),
             call_id: self.call_id.clone(),
             answers,
+            round: self.round.clone().unwrap_or_default(),
         };
         let answer = client
             .answer_tool_input(request)

@@ -185,6 +185,9 @@ pub struct Decision {
     pub call_id: String,
     /// What is decided.
     pub kind: DecisionKind,
+    /// For answers: the round of questions they answer ([`super::input::Questions::round`]);
+    /// none: whichever round the call asks now.
+    pub round: Option<String>,
 }
 
 /// The kinds of decision. What a person typed (a reason, edited arguments, answers) never shows
@@ -280,6 +283,19 @@ pub enum DecideError {
         /// The call.
         call_id: String,
     },
+    /// The answers are for a round of questions the call no longer asks: it asked again since
+    /// (its run moved to another replica, which tried the call again).
+    #[error(
+        "the answers to call {call_id:?} are for round {answered} of its questions, and it asks round {asked} now: read its questions again and answer those"
+    )]
+    OtherRound {
+        /// The call.
+        call_id: String,
+        /// The round answered.
+        answered: String,
+        /// The round asked now.
+        asked: String,
+    },
     /// An edit's arguments are not what the tool accepts, or a decision is malformed.
     #[error("{0}")]
     Invalid(String),
@@ -367,6 +383,13 @@ pub fn check_decision(
         }
         DecisionKind::Answer(answers) => {
             let questions = call.questions.as_ref().map_or_else(Default::default, Clone::clone);
+            if let Some(answered) = decision.round.as_ref().filter(|r| **r != questions.round()) {
+                return Err(DecideError::OtherRound {
+                    call_id: call.call_id.clone(),
+                    answered: answered.clone(),
+                    asked: questions.round(),
+                });
+            }
             questions.check(answers).map_err(|e| {
                 DecideError::Invalid(format!(
                     "the answers to call {:?} ({}) are refused: {e}; its questions still wait",
@@ -513,6 +536,56 @@ mod tests {
         Decision {
             call_id: "c1".into(),
             kind,
+            round: None,
+        }
+    }
+
+    /// A call asked again (its run moved and tried it again) asks a new round: an answer naming
+    /// the round before is refused, not taken for the new one; one naming the round asked now,
+    /// or none, is taken.
+    #[test]
+    fn an_answer_to_a_round_the_call_no_longer_asks_is_refused() {
+        use crate::domain::input::{InputAction, InputAnswer, InputMode, InputRequest, Questions};
+        let round = |state: &str| Questions {
+            request_state: state.into(),
+            requests: vec![InputRequest {
+                key: "go".into(),
+                mode: InputMode::Form,
+                message: "Go on?".into(),
+                schema: serde_json::json!({"type": "object", "properties": {"go": {"type": "boolean"}}}),
+                url: String::new(),
+            }],
+        };
+        let (first, second) = (round("asked-1"), round("asked-2"));
+        assert_ne!(first.round(), second.round(), "each ask is a round of its own");
+        assert_eq!(
+            first.round(),
+            round("asked-1").round(),
+            "a round is named the same on every replica"
+        );
+        assert_eq!(first.round().len(), 16);
+        let asking = PendingApproval {
+            questions: Some(second.clone()),
+            ..pending()
+        };
+        let answer = |round: Option<String>| Decision {
+            call_id: "c1".into(),
+            kind: DecisionKind::Answer(vec![InputAnswer {
+                key: "go".into(),
+                action: InputAction::Accept,
+                content: Some(serde_json::json!({"go": true})),
+            }]),
+            round,
+        };
+        let late = check_decision(&answer(Some(first.round())), &asking, &schema(), "bob", 7).unwrap_err();
+        assert!(
+            matches!(&late, DecideError::OtherRound { answered, asked, .. } if *answered == first.round() && *asked == second.round()),
+            "{late}"
+        );
+        assert!(late.to_string().contains("read its questions again"), "{late}");
+        for taken in [Some(second.round()), None] {
+            let recorded = check_decision(&answer(taken), &asking, &schema(), "bob", 7).unwrap();
+            assert_eq!(recorded.outcome, ApprovalOutcome::Answered);
         }
     }
 

@@ -114,6 +114,8 @@ pub enum Event {
         expires_at_unix_ms: u64,
         /// The questions.
         requests: Vec<super::input::InputRequest>,
+        /// Their round ([`super::input::Questions::round`]), which answers name.
+        round: String,
     },
     /// A call still running says how it gets on (a task's status, as its server says it).
     ToolCallProgress {

@@ -132,6 +132,23 @@ impl InputAnswer {
 }
 
 impl Questions {
+    /// The round these questions are (16 hex digits of a digest of the tool's state and the
+    /// questions): a call that asks again, after its run moved to another replica, asks a new
+    /// round, and answers name the round they answer, so an answer to an earlier round is
+    /// never taken for the one asked now.
+    pub fn round(&self) -> String {
+        use sha2::{Digest as _, Sha256};
+        let mut digest = Sha256::new();
+        digest.update(self.request_state.as_bytes());
+        for request in &self.requests {
+            digest.update([0]);
+            digest.update(request.key.as_bytes());
+            digest.update([0]);
+            digest.update(request.message.as_bytes());
+        }
+        digest.finalize()[..8].iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// Every question answered `cancel` (nobody answered before they expired).
     pub fn canceled(&self) -> Vec<InputAnswer> {
         self.requests

@@ -214,6 +214,7 @@ impl Driver<'_> {
                 turn: calls.turn.number,
                 expires_at_unix_ms: approval.expires_at_unix_ms,
                 requests: questions.requests.clone(),
+                round: questions.round(),
             });
         }
         metrics::counter!(metric::INPUT_REQUESTED).increment(asked.len() as u64);

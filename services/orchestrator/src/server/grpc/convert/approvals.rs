@@ -17,6 +17,9 @@ pub(crate) const MAX_DECISIONS: usize = 1024;
 /// Most bytes of one answer's content.
 pub(crate) const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
+/// Most bytes of a round's name (the server's are 16).
+const MAX_ROUND_BYTES: usize = 64;
+
 impl TryFrom<pb::AnswerToolInputRequest> for DecideRequest {
     type Error = Error;
 
@@ -42,11 +45,18 @@ impl TryFrom<pb::AnswerToolInputRequest> for DecideRequest {
             }
             answers.push(InputAnswer::try_from(answer).map_err(|e| invalid(format!("answers[{i}]: {e}")))?);
         }
+        if r.round.len() > MAX_ROUND_BYTES {
+            return Err(invalid(format!(
+                "round is {} bytes; a round (ToolInputRequested.round) is at most {MAX_ROUND_BYTES}",
+                r.round.len()
+            )));
+        }
         Ok(Self {
             run_id: r.run_id,
             decisions: vec![Decision {
                 call_id: r.call_id,
                 kind: DecisionKind::Answer(answers),
+                round: (!r.round.is_empty()).then_some(r.round),
             }],
         })
     }
@@ -116,6 +126,7 @@ fn decision(i: usize, d: pb::ToolCallDecision) -> Result<Decision, Error> {
     Ok(Decision {
         call_id: d.call_id,
         kind,
+        round: None,
     })
 }
 
