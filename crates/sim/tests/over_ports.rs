@@ -1,7 +1,7 @@
 //! The simulation over the services' own code as CI runs it: the orchestrator's `Core` on the
 //! domain ports, several replicas and runners on one virtual clock, under a fault plan drawn
-//! from each seed (about 45 s on two cores, from the base seed printed: 0, or `SIM_BASE_SEED`,
-//! `fresh` for one drawn from the clock); the seeds that broke the services' code before its fixes; each
+//! from each seed (about 45 s on two cores, from the base seed printed: one drawn from the clock,
+//! or `SIM_BASE_SEED`); the seeds that broke the services' code before its fixes; each
 //! `--without` switch shown breaking a seed; and a seed's history replayed in two processes.
 
 use std::time::{Duration, Instant};
@@ -45,20 +45,19 @@ const UNANSWERED_CLAIM_GAVE_ITS_SLOT_BACK: u64 = 100;
 /// now read from the bucket's leader (`store::nats::quotas`, `free`).
 const A_LAGGING_FOLLOWER_FREED_A_LIVE_RUNS_SLOT: u64 = 281;
 
-/// The first seed of this run: `SIM_BASE_SEED=<n>`, or `SIM_BASE_SEED=fresh` for one drawn from
-/// the clock (seeds no earlier run tried); 0 unless set. CI stays at 0 while the two rare bugs
-/// the fresh seeds found are open (docs/testing.md): drawn afresh, about one CI run in two would
-/// meet one of them.
+/// The first seed of this run: `SIM_BASE_SEED=<n>`, or else one drawn from the clock, so each
+/// run tries seeds no earlier run tried (the seeds that broke a fix stay as tests of their own,
+/// and a failure prints the base that replays it).
 fn base_seed() -> u64 {
+    let fresh = || {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        (now.as_secs() % 1_000_000) * 1_000
+    };
     match std::env::var("SIM_BASE_SEED").ok().as_deref() {
-        Some("fresh") => {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default();
-            (now.as_secs() % 1_000_000) * 1_000
-        }
-        Some(seed) => seed.parse().unwrap_or(0),
-        None => 0,
+        Some("fresh") | None => fresh(),
+        Some(seed) => seed.parse().unwrap_or_else(|_| fresh()),
     }
 }
 
