@@ -54,6 +54,10 @@ struct Args {
     /// the runners the tool-runner's fence reader (else the port-level model of the store).
     #[arg(long, requires = "ports")]
     jetstream: bool,
+    /// With --ports: cancels a caller asks for per seed (of random runs, on random replicas, at
+    /// once or after the turn).
+    #[arg(long, requires = "ports", default_value_t = 0)]
+    cancels: usize,
 }
 
 /// The fixes `--ports --without` switches off.
@@ -124,6 +128,7 @@ fn over_ports(args: &Args) -> ExitCode {
         wait_expiry: !args.without.iter().any(|fix| fix == "wait-expiry"),
         parked_claims: !args.without.iter().any(|fix| fix == "parked-claims"),
         answer_rounds: !args.without.iter().any(|fix| fix == "answer-rounds"),
+        cancels: args.cancels,
         jetstream: args.jetstream,
         ..sim::ports::Settings::default()
     };
@@ -198,6 +203,9 @@ impl std::fmt::Display for Report {
 /// every fix switched off.
 fn replay_flags(args: &Args, mode: &str, runs: usize, faults: usize) -> String {
     let mut flags = format!("{mode}--runs {runs} --faults {faults} ");
+    if args.cancels > 0 {
+        flags.push_str(&format!("--cancels {} ", args.cancels));
+    }
     for fix in &args.without {
         flags.push_str(&format!("--without {fix} "));
     }

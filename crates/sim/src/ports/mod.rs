@@ -68,6 +68,10 @@ pub struct Settings {
     /// A takeover tells that the run it claimed read parked, which takes a slot again (off: it
     /// never does, what breaks without it).
     pub parked_claims: bool,
+    /// Cancels a caller asks for, each of a random run, on a random replica, at once or after
+    /// the run's turn, within the fault horizon (0: none, as the sweeps run; the replicas then
+    /// also answer each other's cancel asks).
+    pub cancels: usize,
     /// A person's answer names the round of questions it answers (off: only the call, so an
     /// answer to questions asked before a takeover may be taken for the round asked after it,
     /// what breaks without it).
@@ -93,6 +97,7 @@ impl Default for Settings {
             wait_expiry: true,
             parked_claims: true,
             answer_rounds: true,
+            cancels: 0,
             jetstream: false,
         }
     }
@@ -296,7 +301,11 @@ impl World {
                 runners: Arc::clone(&self.runners),
             }),
         };
-        let replica = Arc::new(Replica::new(&config(), ports));
+        let replica = Replica::new(&config(), ports);
+        let replica = Arc::new(match self.settings.cancels {
+            0 => replica,
+            _ => replica.answering_asks(),
+        });
         lock(&self.living).push(Arc::clone(&replica));
         self.processes.push(Process {
             name,
@@ -351,6 +360,7 @@ impl World {
             self.start_run(format!("run-{i}"), after);
         }
         let reader = self.spawn_reader();
+        self.spawn_cancels();
         let followers = self.spawn_followers();
         let rounds = self.settings.answer_rounds;
         let person = person::spawn(Arc::clone(&self.living), Arc::clone(&self.person), self.seed, rounds);
@@ -552,6 +562,27 @@ impl World {
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         });
+    }
+
+    /// Asks for the settings' cancels, each of a random run on a random replica alive, at a
+    /// random moment of the horizon, at once or after its turn; each outcome goes to the history.
+    fn spawn_cancels(&mut self) {
+        for _ in 0..self.settings.cancels {
+            let at = Duration::from_millis(self.rng.u64(..self.settings.horizon.as_millis() as u64));
+            let run_id = format!("run-{}", self.rng.usize(..self.settings.runs.max(1)));
+            let (replica_at, after_turn) = (self.rng.usize(..64), self.rng.bool());
+            let (living, notes, begun) = (Arc::clone(&self.living), Arc::clone(&self.notes), self.begun);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(begun + at).await;
+                let Some(replica) = pick(&living, replica_at) else {
+                    return;
+                };
+                let outcome = tokio::time::timeout(Duration::from_secs(10), replica.cancel(&run_id, after_turn)).await;
+                let at = begun.elapsed().as_secs_f64();
+                let mode = if after_turn { "after its turn" } else { "at once" };
+                lock(&notes).push(format!("{at:>8.3}s cancel {run_id} {mode}: {outcome:?}"));
+            });
+        }
     }
 
     /// Reads runs on random replicas all along (`GetRun`): an end it is shown must be in the

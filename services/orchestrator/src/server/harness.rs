@@ -15,10 +15,12 @@ use crate::domain::listing::{ListRequest, RunPage};
 use crate::domain::{RunResult, RunSpec};
 use crate::{Config, Error};
 
-/// One replica: its `Core` and its takeover watcher (durable runs).
+/// One replica: its `Core`, its takeover watcher (durable runs) and, when asked for, what answers
+/// other replicas' asks.
 pub struct Replica {
     core: Arc<Core>,
     _takeover: Option<AbortOnDrop>,
+    _asks: Option<AbortOnDrop>,
 }
 
 impl Replica {
@@ -33,7 +35,27 @@ impl Replica {
         Self {
             core,
             _takeover: takeover,
+            _asks: None,
         }
+    }
+
+    /// The same replica answering the cancels and messages other replicas ask of it for the
+    /// runs live here (as the server does with a journal).
+    #[must_use]
+    pub fn answering_asks(mut self) -> Self {
+        let core = Arc::clone(&self.core);
+        self._asks = Some(AbortOnDrop(tokio::spawn(super::background::remote_asks::answer(core))));
+        self
+    }
+
+    /// Cancels run `run_id` (as `CancelRun` for an unauthenticated caller): at once, or after
+    /// its turn; whether this call canceled it, and its status.
+    pub async fn cancel(&self, run_id: &str, after_turn: bool) -> Result<(bool, crate::domain::RunStatus), Error> {
+        let mode = match after_turn {
+            true => crate::domain::CancelMode::AfterTurn,
+            false => crate::domain::CancelMode::Immediate,
+        };
+        self.core.cancel(run_id, &Principal::anonymous(), mode).await
     }
 
     /// Starts `spec` detached (as `Orchestrate` with `detached`), a run of `caller`.

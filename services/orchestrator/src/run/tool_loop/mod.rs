@@ -195,6 +195,10 @@ fn drive_run(
             };
             if let Some(resumed) = &resumed {
                 driver.followed = tasks::Followed::of(resumed.checkpoint.calls.as_ref());
+                // What the caller's book holds already is the checkpoint's from the start: a
+                // cancel that ends the resumed run before its turn goes on (before `drive`
+                // restores the rest) books only what the checkpoint did not.
+                driver.progress.booked = resumed.checkpoint.progress.booked;
             }
             let end = race(Box::pin(driver.drive(resumed.map(|r| *r))), &spec, ends).await;
             if !matches!(end, End::HandedOver | End::TakenOver | End::Parked) {
