@@ -460,8 +460,17 @@ impl From<&crate::domain::listing::RunSummary> for pb::RunSummary {
 
 /// A numbered domain event as a proto event of `run_id`.
 pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateEvent {
+    pb::OrchestrateEvent {
+        run_id: run_id.to_owned(),
+        seq,
+        event: Some(event_kind_pb(event)),
+    }
+}
+
+/// A domain event as the proto event's payload.
+fn event_kind_pb(event: Event) -> pb::orchestrate_event::Event {
     use pb::orchestrate_event::Event as E;
-    let event = match event {
+    match event {
         Event::RunStarted {
             model,
             normal_tools,
@@ -474,19 +483,8 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
             model,
             normal_tools,
             exit_tools,
-            thread_id: thread.as_ref().map(|t| t.thread_id.clone()).unwrap_or_default(),
-            thread_turns: thread.as_ref().map_or(0, |t| t.turns),
-            thread_turns_left_out: thread.as_ref().map_or(0, |t| t.turns_left_out),
-            limits: Some(pb::EffectiveLimits {
-                max_turns: limits.max_turns,
-                tool_call_budget: limits.tool_call_budget,
-                max_tool_failures: limits.max_tool_failures,
-                tool_timeout_ms: millis(limits.tool_timeout),
-                run_timeout_ms: millis(limits.run_timeout),
-                approval_timeout_ms: millis(limits.approval_timeout),
-                max_total_tokens: limits.max_total_tokens,
-                input_timeout_ms: millis(limits.input_timeout),
-            }),
+            limits: Some(limits_pb(&limits)),
+            ..thread_start_pb(thread.as_ref())
         }),
         Event::TextDelta { text, turn } => E::TextDelta(pb::TextDelta { text, turn }),
         Event::ReasoningDelta { text, turn } => E::ReasoningDelta(pb::ReasoningDelta { text, turn }),
@@ -579,21 +577,45 @@ pub(crate) fn event_pb(run_id: &str, seq: u64, event: Event) -> pb::OrchestrateE
         }),
         Event::MessageAdded { turn, content, name } => E::MessageAdded(pb::MessageAdded {
             turn,
-            message: Some(pb::ChatMessage {
-                role: "user".to_owned(),
-                content,
-                name: name.unwrap_or_default(),
-                ..Default::default()
-            }),
+            message: Some(user_message_pb(content, name)),
         }),
         Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
             result: Some(pb::RunResult::from(&*result)),
         }),
-    };
-    pb::OrchestrateEvent {
-        run_id: run_id.to_owned(),
-        seq,
-        event: Some(event),
+    }
+}
+
+/// The thread a run continues (none: empty), as `RunStarted` shows it.
+fn thread_start_pb(thread: Option<&crate::domain::thread::ThreadStart>) -> pb::RunStarted {
+    pb::RunStarted {
+        thread_id: thread.map(|t| t.thread_id.clone()).unwrap_or_default(),
+        thread_turns: thread.map_or(0, |t| t.turns),
+        thread_turns_left_out: thread.map_or(0, |t| t.turns_left_out),
+        ..Default::default()
+    }
+}
+
+/// The limits a run started with, as `RunStarted` shows them.
+fn limits_pb(limits: &Limits) -> pb::EffectiveLimits {
+    pb::EffectiveLimits {
+        max_turns: limits.max_turns,
+        tool_call_budget: limits.tool_call_budget,
+        max_tool_failures: limits.max_tool_failures,
+        tool_timeout_ms: millis(limits.tool_timeout),
+        run_timeout_ms: millis(limits.run_timeout),
+        approval_timeout_ms: millis(limits.approval_timeout),
+        max_total_tokens: limits.max_total_tokens,
+        input_timeout_ms: millis(limits.input_timeout),
+    }
+}
+
+/// A user message sent to a live run (`SendMessage`), as `MessageAdded` shows it.
+fn user_message_pb(content: String, name: Option<String>) -> pb::ChatMessage {
+    pb::ChatMessage {
+        role: "user".to_owned(),
+        content,
+        name: name.unwrap_or_default(),
+        ..Default::default()
     }
 }
 
