@@ -183,7 +183,7 @@ fn the_real_runner_fence_holds_the_seeds_that_break_without_it() {
 /// A run resumed and canceled before its turn went on (a cancel asked while it was parked, say)
 /// booked every token of its result again at its end: the end books what its driver's progress
 /// had not, and the driver had not restored the checkpoint's yet (`--ports --cancels 3 --faults
-/// 0`: 35 of 100 seeds; over the real adapters 19). It now starts from the checkpoint's booking.
+/// 0`: 35 of 100 seeds; over the real adapters 19). A resumed run now takes its state from its checkpoint before anything can end it.
 /// Without a fault, both stores: every seed holds.
 #[test]
 fn a_canceled_run_books_its_spend_once() {

@@ -102,9 +102,6 @@ struct Inner {
     published: watch::Sender<u64>,
     /// Watches the writes (the simulation's checks).
     observer: Option<Box<dyn Observer>>,
-    /// The write the request being applied stored: its stream, the message, and the subject's
-    /// message before it.
-    last_write: Option<(String, Message, Option<Message>)>,
 }
 
 /// Watches the cluster's writes as they land (the simulation's checks learn what only the order
@@ -112,9 +109,6 @@ struct Inner {
 pub trait Observer: Send {
     /// Stream `stream` stored `message`; `before` was its subject's last message.
     fn stored(&mut self, stream: &str, message: &Message, before: Option<&Message>, peek: &Peek<'_>);
-    /// The writer of `message` never heard that it was stored (its answer was lost, or came
-    /// after its timeout, or its process was cut off meanwhile).
-    fn unheard(&mut self, stream: &str, message: &Message, before: Option<&Message>);
 }
 
 /// A look at the cluster's state from inside a write (for an [`Observer`]).
@@ -185,12 +179,9 @@ impl Inner {
         }
         let stored = node.leader.last(&subject);
         self.notify();
-        if let Some(stored) = stored {
-            if let Some(mut observer) = self.observer.take() {
-                observer.stored(name, &stored, before.as_ref(), &Peek(self));
-                self.observer = Some(observer);
-            }
-            self.last_write = Some((name.to_owned(), stored, before));
+        if let (Some(stored), Some(mut observer)) = (stored, self.observer.take()) {
+            observer.stored(name, &stored, before.as_ref(), &Peek(self));
+            self.observer = Some(observer);
         }
         Ok(ack)
     }
@@ -214,7 +205,6 @@ impl Cluster {
             lose_answers_until: None,
             published: watch::Sender::new(0),
             observer: None,
-            last_write: None,
         })))
     }
 
@@ -259,11 +249,6 @@ impl Cluster {
     /// Until `until`, one answer in three is lost after its request was applied.
     pub fn lose_answers(&self, until: Instant) {
         self.lock().lose_answers_until = Some(until);
-    }
-
-    /// Every stream's name.
-    pub fn streams(&self) -> Vec<String> {
-        self.lock().streams.keys().cloned().collect()
     }
 
     /// The messages stream `name` keeps under `filter`, as the leader has them (for checks).
@@ -326,25 +311,6 @@ fn live_keys(state: &StreamState, bucket: &str, filter: &str) -> Vec<String> {
     keys
 }
 
-/// A write whose answer its writer has not heard yet: dropped armed, it tells the observer.
-struct Unheard<'a> {
-    cluster: &'a Cluster,
-    written: Option<(String, Message, Option<Message>)>,
-}
-
-impl Drop for Unheard<'_> {
-    fn drop(&mut self) {
-        let Some((stream, message, before)) = self.written.take() else {
-            return;
-        };
-        let mut inner = self.cluster.lock();
-        if let Some(mut observer) = inner.observer.take() {
-            observer.unheard(&stream, &message, before.as_ref());
-            inner.observer = Some(observer);
-        }
-    }
-}
-
 /// Who a request goes to.
 #[derive(Clone, Copy)]
 enum To<'a> {
@@ -381,32 +347,23 @@ impl Connection {
         }
         let latency = self.cluster.lock().latency();
         tokio::time::sleep(latency).await;
-        let (answer, lost, written) = {
+        let (answer, lost) = {
             let mut inner = self.cluster.lock();
             let leaderless = match to {
                 To::Leader(name) => inner.streams.get(name).is_some_and(Node::leaderless),
                 To::Any => false,
             };
             if leaderless {
-                (None, true, None)
+                (None, true)
             } else {
-                inner.last_write = None;
                 let answer = apply(&mut inner);
-                (Some(answer), inner.answer_lost(), inner.last_write.take())
+                (Some(answer), inner.answer_lost())
             }
         };
         drop(wire);
-        // Until its answer is handed over, the write is unheard: also when the caller gives up
-        // on the request (drops it) while the answer is on its way.
-        let mut unheard = Unheard {
-            cluster: &self.cluster,
-            written,
-        };
         if lost || !self.gate.pass().await || Instant::now() >= started + self.timeout {
-            drop(unheard);
             return timed_out().await;
         }
-        unheard.written = None;
         answer.unwrap_or(Err(Error::TimedOut))
     }
 
@@ -605,6 +562,7 @@ fn deliver(inner: &mut Inner, subject: &str, payload: Bytes, reply: Option<Strin
 }
 
 /// A simulated key-value bucket.
+#[derive(Clone)]
 struct SimBucket {
     connection: Connection,
     name: String,
@@ -662,13 +620,7 @@ impl Bucket for SimBucket {
     fn create(&self, key: &str, value: Bytes) -> Reply<u64> {
         // As the client does: a create expecting no write, and over a delete marker one
         // expecting the marker.
-        let (this, key) = (
-            SimBucket {
-                connection: self.connection.clone(),
-                name: self.name.clone(),
-            },
-            key.to_owned(),
-        );
+        let (this, key) = (self.clone(), key.to_owned());
         async move {
             match this.write(&key, value.clone(), Operation::Put, Some(0)).await {
                 Err(Error::WrongRevision) => {}
@@ -903,7 +855,7 @@ impl SimObjects {
 impl Objects for SimObjects {
     fn put(&self, name: &str, description: Option<String>, bytes: Vec<u8>) -> Reply<()> {
         let (store, name) = (self.name.clone(), name.to_owned());
-        self.connection.reply(Some(format!("OBJ_{store}")), move |inner| {
+        self.connection.reply(None, move |inner| {
             let object = StoredObject {
                 description,
                 bytes,
@@ -916,7 +868,7 @@ impl Objects for SimObjects {
 
     fn get(&self, name: &str) -> Reply<Option<Object>> {
         let (store, name) = (self.name.clone(), name.to_owned());
-        self.connection.reply(Some(format!("OBJ_{store}")), move |inner| {
+        self.connection.reply(None, move |inner| {
             Ok(Self::objects(inner, &store)?.get(&name).map(|o| Object {
                 description: o.description.clone(),
                 bytes: o.bytes.clone(),
@@ -926,7 +878,7 @@ impl Objects for SimObjects {
 
     fn remove(&self, name: &str) -> Reply<()> {
         let (store, name) = (self.name.clone(), name.to_owned());
-        self.connection.reply(Some(format!("OBJ_{store}")), move |inner| {
+        self.connection.reply(None, move |inner| {
             Self::objects(inner, &store)?.remove(&name);
             Ok(())
         })
@@ -934,7 +886,7 @@ impl Objects for SimObjects {
 
     fn names(&self) -> Reply<Vec<String>> {
         let store = self.name.clone();
-        self.connection.reply(Some(format!("OBJ_{store}")), move |inner| {
+        self.connection.reply(None, move |inner| {
             Ok(Self::objects(inner, &store)?.keys().cloned().collect())
         })
     }

@@ -384,19 +384,10 @@ impl Observer for Watcher {
             self.record_written(message, before, peek);
         }
         if stream == self.kv(&self.names.usage) {
-            let added = tokens(Some(message)).saturating_sub(tokens(Some(message)).min(tokens(before)));
-            let at = tokio::time::Instant::now();
+            let added = tokens(Some(message)).saturating_sub(tokens(before));
             lock(&self.seen)
                 .spend
-                .push(format!("{at:?} spend +{added} tokens at seq {}", message.sequence));
-        }
-    }
-
-    fn unheard(&mut self, stream: &str, message: &Message, _before: Option<&Message>) {
-        if stream == self.kv(&self.names.usage) {
-            lock(&self.seen)
-                .spend
-                .push(format!("  (unheard: seq {})", message.sequence));
+                .push(format!("spend +{added} tokens at seq {}", message.sequence));
         }
     }
 }

@@ -383,12 +383,15 @@ pub fn check_decision(
         }
         DecisionKind::Answer(answers) => {
             let questions = call.questions.as_ref().map_or_else(Default::default, Clone::clone);
-            if let Some(answered) = decision.round.as_ref().filter(|r| **r != questions.round()) {
-                return Err(DecideError::OtherRound {
-                    call_id: call.call_id.clone(),
-                    answered: answered.clone(),
-                    asked: questions.round(),
-                });
+            if let Some(answered) = &decision.round {
+                let asked = questions.round();
+                if *answered != asked {
+                    return Err(DecideError::OtherRound {
+                        call_id: call.call_id.clone(),
+                        answered: answered.clone(),
+                        asked,
+                    });
+                }
             }
             questions.check(answers).map_err(|e| {
                 DecideError::Invalid(format!(

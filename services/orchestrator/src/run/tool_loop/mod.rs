@@ -195,12 +195,12 @@ fn drive_run(
             };
             if let Some(resumed) = &resumed {
                 driver.followed = tasks::Followed::of(resumed.checkpoint.calls.as_ref());
-                // What the caller's book holds already is the checkpoint's from the start: a
-                // cancel that ends the resumed run before its turn goes on (before `drive`
-                // restores the rest) books only what the checkpoint did not.
-                driver.progress.booked = resumed.checkpoint.progress.booked;
             }
-            let end = race(Box::pin(driver.drive(resumed.map(|r| *r))), &spec, ends).await;
+            // A resumed run takes its state from its checkpoint before anything can end it: a
+            // cancel that ends it before its turn goes on ends it with what the checkpoint held
+            // (its output, its conversation, the spend its caller's book holds already).
+            let resumed = resumed.map(|r| driver.restore(*r));
+            let end = race(Box::pin(driver.drive(resumed)), &spec, ends).await;
             if !matches!(end, End::HandedOver | End::TakenOver | End::Parked) {
                 driver.cancel_followed_tasks().await;
             }
@@ -675,13 +675,11 @@ impl<'a> Driver<'a> {
     }
 
     /// Turns until one ends the run; `max_turns` (never above the hard guard) bounds them. A
-    /// resumed run first takes its state from its checkpoint and finishes the turn it was in.
-    async fn drive(&mut self, resumed: Option<Resumed>) -> End {
+    /// resumed run (`Some`: its state restored from its checkpoint, with the calls of the turn
+    /// it was in) first finishes that turn.
+    async fn drive(&mut self, resumed: Option<Option<TurnCalls>>) -> End {
         let first = match resumed {
-            Some(resumed) => {
-                let calls = self.restore(resumed);
-                self.resume_turn(calls).await.and_then(|()| self.stop_after_the_turn())
-            }
+            Some(calls) => self.resume_turn(calls).await.and_then(|()| self.stop_after_the_turn()),
             // A durable run is resumable from its start: a replica stopping in its first turn
             // loses nothing but that turn's attempt.
             None => match (self.take_messages(0), self.durable()) {
