@@ -115,11 +115,17 @@ fn sweep(settings: &Settings, budget: Duration, what: &str) -> (u64, u64, usize)
         if started.elapsed() > budget {
             break;
         }
-        let outcome = simulate(seed, settings);
+        // Every other seed cancels runs too (three cancels at random moments, at once or after
+        // their turn, on random replicas).
+        let settings = Settings {
+            cancels: if seed % 2 == 1 { 3 } else { settings.cancels },
+            ..settings.clone()
+        };
+        let outcome = simulate(seed, &settings);
         assert!(
             outcome.violations.is_empty(),
             "seed {seed} (replay: {}):\n{}",
-            replay(seed, settings),
+            replay(seed, &settings),
             outcome.violations.join("\n")
         );
         run += 1;
@@ -198,6 +204,45 @@ fn a_canceled_run_books_its_spend_once() {
             let outcome = simulate(seed, &settings);
             assert_eq!(outcome.violations, Vec::<String>::new(), "{}", replay(seed, &settings));
         }
+    }
+}
+
+/// A cancel answered `CANCELED` did not end the run ("a cancel kept"; with three cancels a seed,
+/// 7 % of seeds): a live run canceled here whose end its log did not take moved on and completed
+/// elsewhere from its checkpoint (`--ports --cancels 3 --seed 114`); a cancel that reached a
+/// parked run's wait after a replica took the run from it was closed with the wait (seed 5); a
+/// canceled run closed its wait before its end was logged, and the run's next owner resumed it
+/// without the cancel (seed 959); a cancel cut a run's park short, storing its end while its log
+/// lacked it (seed 105; over the real adapters, `--ports --jetstream --cancels 3 --seed 1022`).
+/// A durable run is now answered `CANCELED` once its end is kept, a closed wait gives back its
+/// cancel, and a cancel waits for a park to land (`registry/cancel.rs`).
+#[test]
+fn a_cancel_answered_is_kept() {
+    for (seed, jetstream) in [(114, false), (5, false), (959, false), (105, false), (1022, true)] {
+        let settings = Settings {
+            cancels: 3,
+            jetstream,
+            ..Settings::default()
+        };
+        let outcome = simulate(seed, &settings);
+        assert_eq!(outcome.violations, Vec::<String>::new(), "{}", replay(seed, &settings));
+    }
+}
+
+/// The books held more tokens than the model served: an add whose answer was lost had landed,
+/// the next add booked its tokens again, and the replica that took the run over from the
+/// checkpoint before both booked them once more (`--ports --seed 52760`; with cancels,
+/// `--ports --cancels 3 --seed 5677`, three times over). Adds now name their run and how far
+/// it was booked (`domain::usage::Window`), and the bound is what the model served.
+#[test]
+fn an_add_made_again_books_its_run_once() {
+    for (seed, cancels) in [(52_760, 0), (5677, 3)] {
+        let settings = Settings {
+            cancels,
+            ..Settings::default()
+        };
+        let outcome = simulate(seed, &settings);
+        assert_eq!(outcome.violations, Vec::<String>::new(), "{}", replay(seed, &settings));
     }
 }
 
@@ -306,8 +351,8 @@ fn a_parked_run_takes_a_slot_again_before_it_goes_on() {
 
 /// A parked run that wakes decides its expired calls in the approval store before it reads its
 /// wait: a wake that only reads it may go on with `cancel` for a question a person answered
-/// meanwhile (`--ports --runs 6 --faults 6 --without wait-expiry`: seeds 176 and 340 of the
-/// first 400).
+/// meanwhile (`--ports --runs 6 --faults 6 --without wait-expiry`: seeds 57, 69 and 978 of
+/// the first 1,500).
 #[test]
 fn a_waking_run_decides_its_expired_calls_first() {
     let without = Settings {
@@ -316,7 +361,7 @@ fn a_waking_run_decides_its_expired_calls_first() {
         wait_expiry: false,
         ..Settings::default()
     };
-    holds_a_seed_that_breaks(&without, 170..400, "the answer as given");
+    holds_a_seed_that_breaks(&without, 50..200, "the answer as given");
 }
 
 /// A seed replays its faults, and (the scheduler's choices being the same) its history.

@@ -2051,3 +2051,54 @@ async fn a_run_past_its_deadline_is_taken_over_to_be_ended() -> TestResult {
     );
     Ok(())
 }
+
+/// The usage book on NATS books a run once however often an add of it is made again: the same
+/// add twice (its answer lost, say), and a takeover's add from an older checkpoint, add only
+/// what the window had not had of the run; another run's add is its own, and the end counts the
+/// run once.
+#[tokio::test]
+async fn an_add_made_again_books_its_run_once_in_the_nats_usage_book() -> TestResult {
+    use orchestrator::domain::chat::Usage;
+    use orchestrator::domain::ports::UsageBook;
+    use orchestrator::domain::usage::{Add, RunMark, Tally};
+    use orchestrator::store::nats::NatsUsage;
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let book = NatsUsage::open(&js, "spend", Duration::from_secs(3600), 1)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let add = |run_id: &str, through: u64, change: u64, ended: bool| Add {
+        change: Tally {
+            prompt_tokens: change,
+            runs: u64::from(ended),
+            ..Tally::default()
+        },
+        run: Some(RunMark {
+            run_id: run_id.to_owned(),
+            through: Usage {
+                prompt_tokens: through,
+                ..Usage::default()
+            },
+            ended,
+        }),
+    };
+    let window = 3_600_000;
+    for (what, made, total) in [
+        ("turn 1", add("r", 100, 100, false), 100),
+        ("turn 1 again", add("r", 100, 100, false), 100),
+        ("turns 1 and 2 from an older checkpoint", add("r", 150, 150, false), 150),
+        ("another run", add("s", 40, 40, false), 190),
+        ("the end", add("r", 150, 0, true), 190),
+        ("the end again", add("r", 150, 0, true), 190),
+    ] {
+        let after = book.add("team", window, made).await.map_err(anyhow::Error::msg)?;
+        assert_eq!(after.prompt_tokens, total, "{what}");
+        assert_eq!(after.runs, 1.min(u64::from(what.starts_with("the end"))), "{what}");
+    }
+    let read = book.read("team", window, window).await.map_err(anyhow::Error::msg)?;
+    assert_eq!(
+        read.iter().map(|(_, t)| (t.prompt_tokens, t.runs)).collect::<Vec<_>>(),
+        [(190, 1)]
+    );
+    Ok(())
+}

@@ -20,9 +20,8 @@
 //! - **the share**: no write ever leaves a principal with more runs live (their records) than
 //!   its `max_runs`, and once every run ended each slot left names a run that ended;
 //! - **the spend**: once every run ended, each principal's usage book holds at least the tokens
-//!   its runs' results count, and all books together no more than the model served, plus the
-//!   adds whose success was never heard (a turn booked twice, by a replaced owner and by the
-//!   replica that took its run over, is a breach);
+//!   its runs' results count, and all books together no more than the model served (an add
+//!   made again adds only what its window had not had of its run);
 //! - **one answer per question**: of the answers sent to one round of a tool's questions, from
 //!   any replica and however many at once, at most one is taken, and none the question's schema
 //!   refuses;
@@ -33,7 +32,9 @@
 //! - **the stream**: a caller following each run with `AttachRun` from replica to replica
 //!   (attaching again after its last seq whenever its stream broke off) was sent the run's log
 //!   exactly, gap-free and in order, ending in `run_finished` with the end the record holds;
-//! - **the replay**: a retry of `Orchestrate` with an ended run's id replays its log exactly.
+//! - **the replay**: a retry of `Orchestrate` with an ended run's id replays its log exactly;
+//! - **a cancel kept**: a run a cancel was answered `CANCELED` for (at once, or parked) ends
+//!   canceled, however often it moves after.
 
 use std::collections::BTreeMap;
 
@@ -166,6 +167,22 @@ pub fn violations(shared: &View, runners: &Runners, person: &Person, runs: usize
     broken
 }
 
+/// The runs told canceled whose record holds another end.
+pub fn cancels_kept(shared: &View, canceled: &[String]) -> Vec<String> {
+    canceled
+        .iter()
+        .filter_map(|run_id| {
+            let record = &shared.records.get(run_id)?.result;
+            (record.status != orchestrator::domain::RunStatus::Canceled).then(|| {
+                format!(
+                    "a cancel kept: {run_id} was answered canceled, and its record ends {:?}",
+                    record.status
+                )
+            })
+        })
+        .collect()
+}
+
 /// Every start carried an epoch, and none started below its run's fence as it stood when the
 /// runner's fence read began (a raise that lands during the read, or between the read and the
 /// start, is what the new owner's fence grace waits out).
@@ -189,21 +206,16 @@ fn fenced_at_start(runners: &Runners) -> Vec<String> {
         .collect()
 }
 
-/// All books together hold no more tokens than the model served, and those of adds whose
-/// success the replica never heard (booked again by its next add, which a takeover before the
-/// next checkpoint may book once more: counted twice rather than never).
+/// All books together hold no more tokens than the model served: an add made again (its answer
+/// lost, or a takeover booking what its checkpoint did not hold) adds only what its window had
+/// not had of its run.
 fn spend_served(shared: &View, served: u64) -> Option<String> {
     let booked: u64 = shared
         .usage
         .values()
         .map(|tally| tally.prompt_tokens + tally.completion_tokens)
         .sum();
-    let unconfirmed = shared.usage_unconfirmed;
-    (booked > served + unconfirmed).then(|| {
-        format!(
-            "the spend: the books hold {booked} tokens, the model served {served} (and {unconfirmed} were in adds never confirmed)"
-        )
-    })
+    (booked > served).then(|| format!("the spend: the books hold {booked} tokens, the model served {served}"))
 }
 
 /// Once every run ended, each slot left names a run whose record reads ended (the next take
@@ -228,8 +240,8 @@ fn slots_free(shared: &View) -> Vec<String> {
         .collect()
 }
 
-/// Each principal's book holds at least the tokens its runs' results count (a turn done twice,
-/// before and after a takeover, is counted twice; a turn done is never missing).
+/// Each principal's book holds at least the tokens its runs' results count (a turn done is never
+/// missing).
 fn spend_counted(shared: &View) -> Vec<String> {
     let mut spent: BTreeMap<&str, u64> = BTreeMap::new();
     for record in shared.records.values() {

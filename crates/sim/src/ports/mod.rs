@@ -207,6 +207,8 @@ struct World {
     observations: Arc<std::sync::Mutex<Vec<String>>>,
     /// Lines for the history from the callers (a start refused, and why).
     notes: Arc<std::sync::Mutex<Vec<String>>>,
+    /// The runs a cancel was answered `CANCELED` for: each must end canceled.
+    canceled: Arc<std::sync::Mutex<Vec<String>>>,
     /// The person who answers the tools' questions.
     person: person::Person,
     /// The tokens the model served, over every replica (the spend's upper bound).
@@ -260,6 +262,7 @@ impl World {
             history: Vec::new(),
             observations: Arc::default(),
             notes: Arc::default(),
+            canceled: Arc::default(),
             person: Arc::default(),
             served: Arc::default(),
             settings,
@@ -275,9 +278,7 @@ impl World {
             Backing::Model(store) => self.model_stores(store, &name, &gate),
             Backing::JetStream(watched) => {
                 let connection = watched.cluster().connect(gate.clone(), STORE_TIMEOUT);
-                let mut stores = adapters::open(&connection, &name, &config(), terms()).await;
-                stores.usage = watched.counting(stores.usage);
-                stores
+                adapters::open(&connection, &name, &config(), terms()).await
             }
         };
         let ports = Ports {
@@ -383,6 +384,7 @@ impl World {
             violations.extend(self.replays().await);
         }
         violations.extend(lock(&self.observations).drain(..));
+        violations.extend(check::cancels_kept(&view, &lock(&self.canceled)));
         if let Err(unended) = ended {
             violations.push(unended);
         }
@@ -572,12 +574,16 @@ impl World {
             let run_id = format!("run-{}", self.rng.usize(..self.settings.runs.max(1)));
             let (replica_at, after_turn) = (self.rng.usize(..64), self.rng.bool());
             let (living, notes, begun) = (Arc::clone(&self.living), Arc::clone(&self.notes), self.begun);
+            let canceled = Arc::clone(&self.canceled);
             tokio::spawn(async move {
                 tokio::time::sleep_until(begun + at).await;
                 let Some(replica) = pick(&living, replica_at) else {
                     return;
                 };
                 let outcome = tokio::time::timeout(Duration::from_secs(10), replica.cancel(&run_id, after_turn)).await;
+                if matches!(outcome, Ok(Ok((true, orchestrator::domain::RunStatus::Canceled)))) {
+                    lock(&canceled).push(run_id.clone());
+                }
                 let at = begun.elapsed().as_secs_f64();
                 let mode = if after_turn { "after its turn" } else { "at once" };
                 lock(&notes).push(format!("{at:>8.3}s cancel {run_id} {mode}: {outcome:?}"));
@@ -704,14 +710,14 @@ impl World {
             };
             let mut rows = Vec::new();
             for _ in 0..=self.settings.runs {
-                match tokio::time::timeout(Duration::from_secs(10), replica.list(request.clone())).await {
-                    Ok(Ok((page, next))) => {
+                match list_page(replica, &request).await {
+                    Ok((page, next)) => {
                         rows.extend(page.runs);
                         let Some(next) = next else { break };
                         request.page_token = Some(next);
                     }
-                    other => {
-                        broken.push(format!("ListRuns on replica {n} failed: {other:?}"));
+                    Err(failed) => {
+                        broken.push(format!("ListRuns on replica {n} failed: {failed}"));
                         break;
                     }
                 }
@@ -750,6 +756,23 @@ impl World {
 pub(crate) fn pick(living: &std::sync::Mutex<Vec<Arc<Replica>>>, n: usize) -> Option<Arc<Replica>> {
     let living = lock(living);
     (!living.is_empty()).then(|| Arc::clone(&living[n % living.len()]))
+}
+
+/// One page of `ListRuns` on `replica`, tried again (up to three times) when the store did not
+/// answer in time: a request drawn slow before the faults healed may still hold the replica's
+/// link, and a caller tries a timed-out listing again.
+async fn list_page(
+    replica: &Replica,
+    request: &ListRequest,
+) -> Result<(orchestrator::domain::listing::RunPage, Option<String>), String> {
+    let mut failed = String::new();
+    for _ in 0..3 {
+        match tokio::time::timeout(Duration::from_secs(10), replica.list(request.clone())).await {
+            Ok(Ok(page)) => return Ok(page),
+            other => failed = format!("{other:?}"),
+        }
+    }
+    Err(failed)
 }
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

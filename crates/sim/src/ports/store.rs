@@ -145,13 +145,8 @@ pub struct Shared {
     /// Every moment a principal had more runs running (their records read running: a parked run
     /// holds no slot) than its `max_runs`, as the writes that made it so left the store.
     pub quota_breaches: Vec<String>,
-    /// Each principal's spend by hour window.
-    pub usage: BTreeMap<(String, u64), orchestrator::domain::usage::Tally>,
-    /// Tokens of adds whose success the replica never heard (applied with the answer lost, or
-    /// not applied): it books them again with its next add, which a takeover before the next
-    /// checkpoint may book once more (counted twice rather than never), so the spend's upper
-    /// bound allows them once more.
-    pub usage_unconfirmed: u64,
+    /// Each principal's spend by hour window (and how far each run booked into it).
+    pub usage: BTreeMap<(String, u64), orchestrator::domain::usage::Window>,
     /// The runs' waits ([`approvals`]), by run id, each with its revision.
     pub waits: BTreeMap<String, (approvals::StoredWait, u64)>,
 }
@@ -178,7 +173,6 @@ pub fn store(seed: u64) -> Store {
         max_runs: BTreeMap::new(),
         quota_breaches: Vec::new(),
         usage: BTreeMap::new(),
-        usage_unconfirmed: 0,
         waits: BTreeMap::new(),
     }))
 }

@@ -7,9 +7,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-use futures::FutureExt as _;
-use futures::future::BoxFuture;
-use orchestrator::domain::ports::{StoreError, UsageBook};
 use orchestrator::domain::thread::Thread;
 use orchestrator::domain::usage::Tally;
 use orchestrator::domain::{NumberedEvent, RunResult, RunStatus};
@@ -45,8 +42,6 @@ pub struct View {
     pub slots: BTreeMap<String, String>,
     /// Spend by principal and window.
     pub usage: BTreeMap<(String, u64), Tally>,
-    /// Tokens of adds whose success went unheard (they may be booked twice).
-    pub usage_unconfirmed: u64,
     /// Calls still waiting for a person, by run id.
     pub waits: BTreeMap<String, Vec<String>>,
     /// Moments a principal had more runs running than its `max_runs`.
@@ -114,8 +109,11 @@ fn model_view(store: &Store) -> View {
         takeovers: shared.takeovers.clone(),
         threads: shared.threads.clone(),
         slots: shared.slots.iter().map(|(k, (v, _))| (k.clone(), v.clone())).collect(),
-        usage: shared.usage.clone(),
-        usage_unconfirmed: shared.usage_unconfirmed,
+        usage: shared
+            .usage
+            .iter()
+            .map(|(key, kept)| (key.clone(), kept.total))
+            .collect(),
         waits: shared
             .waits
             .iter()
@@ -134,7 +132,6 @@ struct Seen {
     spend: Vec<String>,
     takeovers: Vec<Takeover>,
     quota_breaches: Vec<String>,
-    usage_unconfirmed: u64,
 }
 
 /// The simulated JetStream with the real adapters' writes watched.
@@ -257,7 +254,6 @@ impl Watched {
         view.takeovers = seen.takeovers.clone();
         view.spend = seen.spend.clone();
         view.quota_breaches = seen.quota_breaches.clone();
-        view.usage_unconfirmed = seen.usage_unconfirmed;
         view
     }
 
@@ -270,17 +266,6 @@ impl Watched {
             .filter(|(run_id, created)| records.get(run_id).is_some_and(|r| r.result.created_at_ms == *created))
             .map(|(run_id, _)| run_id)
             .collect()
-    }
-
-    /// `book` with the tokens of every add whose success its replica never heard counted (the
-    /// add failed, landed or not, or its caller gave up on it): the replica books them again with
-    /// its next add, which a takeover before the next checkpoint may book once more (counted
-    /// twice rather than never), so the spend's upper bound allows them once more.
-    pub fn counting(self: &Arc<Self>, book: Arc<dyn UsageBook>) -> Arc<dyn UsageBook> {
-        Arc::new(CountedBook {
-            book,
-            seen: Arc::clone(&self.seen),
-        })
     }
 
     /// The principal a usage key names (by the tokens of the principals known).
@@ -389,53 +374,5 @@ impl Observer for Watcher {
                 .spend
                 .push(format!("spend +{added} tokens at seq {}", message.sequence));
         }
-    }
-}
-
-/// A usage book whose adds that went unheard are counted (see [`Watched::counting`]).
-struct CountedBook {
-    book: Arc<dyn UsageBook>,
-    seen: Arc<Mutex<Seen>>,
-}
-
-/// Counts an add's tokens as unconfirmed unless its success was heard.
-struct Unconfirmed {
-    tokens: u64,
-    seen: Arc<Mutex<Seen>>,
-}
-
-impl Unconfirmed {
-    fn heard(&mut self) {
-        self.tokens = 0;
-    }
-}
-
-impl Drop for Unconfirmed {
-    fn drop(&mut self) {
-        if self.tokens > 0 {
-            lock(&self.seen).usage_unconfirmed += self.tokens;
-        }
-    }
-}
-
-impl UsageBook for CountedBook {
-    fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
-        let mut pending = Unconfirmed {
-            tokens: spend.prompt_tokens + spend.completion_tokens,
-            seen: Arc::clone(&self.seen),
-        };
-        let add = self.book.add(principal, window, spend);
-        async move {
-            let total = add.await;
-            if total.is_ok() {
-                pending.heard();
-            }
-            total
-        }
-        .boxed()
-    }
-
-    fn read(&self, principal: &str, from: u64, to: u64) -> BoxFuture<'static, Result<Vec<(u64, Tally)>, StoreError>> {
-        self.book.read(principal, from, to)
     }
 }

@@ -104,6 +104,10 @@ struct Inner {
     /// The run's final result is stored: no replica takes the run over any more, so what is
     /// left of its event log may still go out once the lease ran out.
     ended: std::sync::atomic::AtomicBool,
+    /// The run is leaving its slot for the approval store (parking, or parked): a cancel then
+    /// waits for the park instead of cutting it short, which would leave the run's record and
+    /// its log apart.
+    parking: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Ownership {
@@ -129,6 +133,7 @@ impl Ownership {
                 epoch: AtomicU64::new(0),
                 calls_from: Mutex::new(None),
                 ended: std::sync::atomic::AtomicBool::new(false),
+                parking: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -178,6 +183,17 @@ impl Ownership {
     /// Whether the run's final result is stored (see [`Ownership::end`]).
     pub fn ended(&self) -> bool {
         self.inner.ended.load(Ordering::Acquire)
+    }
+
+    /// The run starts leaving its slot for the approval store (`true`), or stays after all
+    /// (`false`: the park did not take).
+    pub fn set_parking(&self, parking: bool) {
+        self.inner.parking.store(parking, Ordering::Release);
+    }
+
+    /// Whether the run is parking, or parked (see [`Ownership::set_parking`]).
+    pub fn parking(&self) -> bool {
+        self.inner.parking.load(Ordering::Acquire)
     }
 
     /// Whether the run's events (and writes) may still leave from here: while this replica

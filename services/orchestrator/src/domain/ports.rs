@@ -167,12 +167,14 @@ pub struct TakenSlot {
 /// in the store). Adding is atomic: concurrent runs of a principal on several replicas never
 /// lose each other's spend.
 pub trait UsageBook: Send + Sync + 'static {
-    /// Adds `spend` to `principal`'s window starting `window`; the window's total after it.
+    /// Applies `add` to `principal`'s window starting `window` ([`super::usage::Window::apply`]:
+    /// what the window already had of the add's run is not added again); the window's total
+    /// after it.
     fn add(
         &self,
         principal: &str,
         window: u64,
-        spend: super::usage::Tally,
+        add: super::usage::Add,
     ) -> BoxFuture<'static, Result<super::usage::Tally, StoreError>>;
     /// `principal`'s windows from `from` to `to` (window starts, both included) that spent
     /// anything, oldest first.
@@ -652,9 +654,14 @@ pub trait ApprovalStore: Send + Sync + 'static {
     }
     /// Cancels a parked run (it goes on only to end); whether one was parked.
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>>;
-    /// Forgets a run's wait (its calls were decided and taken, or it ended), unless a newer
+    /// Forgets a run's wait (it ended, or its calls were decided and taken), unless a newer
     /// owner than `epoch`'s opened it.
     fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()>;
+    /// As [`ApprovalStore::close`], once the run took its wait's decisions — unless a cancel
+    /// reached the wait after the run was taken from it: then the wait stays, so that whichever
+    /// replica takes the run over next reads the cancel too, and the cancel is returned (the
+    /// run ends canceled).
+    fn close_decided(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, Option<String>>;
     /// Applies timeouts and deadlines as of `now_unix_ms` (an approval store of this process).
     fn expire(&self, now_unix_ms: u64);
     /// The oldest parked run of this process ready to resume, taken out of the approval store.

@@ -1,9 +1,11 @@
 //! What each principal spends, added up in the store per hour ([`Tally`] per window): tokens
 //! (prompt, of them cached, completion), tool calls, runs ended and their time. A run adds each
 //! turn's tokens as the turn ends and its calls, itself and its time as it ends, so a
-//! principal's `tokens_per_hour` (tokens file) is held across the fleet. A turn run twice (a run
-//! taken over redoes the turn its old owner did not checkpoint) is counted twice: its tokens were
-//! spent twice.
+//! principal's `tokens_per_hour` (tokens file) is held across the fleet. An add names the run it
+//! books and the run's tokens through it ([`RunMark`]), and a window keeps the runs that booked
+//! into it last ([`Window`]): an add made again (its answer lost, or a takeover booking what its
+//! checkpoint did not hold) adds only what the window has not had of that run, so a run's spend
+//! is what its result counts, not what its owners together booked.
 
 /// The length of a usage window: an hour.
 pub const WINDOW_MS: u64 = 3_600_000;
@@ -82,6 +84,129 @@ impl Tally {
     }
 }
 
+/// The runs a window remembers: an add of a run it forgot books at least once (never less).
+pub const RECENT_RUNS: usize = 32;
+
+/// The run an add books, as far as it then stood.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunMark {
+    /// The run: the window remembers how far it booked each.
+    pub run_id: String,
+    /// The run's tokens through this add, over its whole life (its state's count).
+    pub through: super::chat::Usage,
+    /// The add is the run's end (its calls, itself and its time, booked once).
+    pub ended: bool,
+}
+
+/// One add to a window: a change, and the run whose booking it moves on (none for a hold).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Add {
+    /// What the add adds, before what the window already had of its run is taken off.
+    pub change: Tally,
+    /// The run it books, if it books one (a hold, or its giving back, books none).
+    pub run: Option<RunMark>,
+}
+
+impl From<Tally> for Add {
+    fn from(change: Tally) -> Self {
+        Self { change, run: None }
+    }
+}
+
+/// A window as the book keeps it: its total, and how far each run that booked into it last
+/// (at most [`RECENT_RUNS`], oldest first) was booked.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Window {
+    /// What the window spent: its value before adds named their run, so it still reads.
+    #[serde(flatten)]
+    pub total: Tally,
+    /// How far the runs that booked into it last were booked.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub booked: Vec<Booked>,
+}
+
+/// How far one run was booked into a window.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Booked {
+    /// The run.
+    pub run_id: String,
+    /// The furthest an add booked it through.
+    pub through: super::chat::Usage,
+    /// Its end was booked.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ended: bool,
+}
+
+impl Window {
+    /// Applies `add`: its change, less what the window already had of its run (tokens past the
+    /// furthest this window booked the run through; its end once); the total after it.
+    pub fn apply(&mut self, add: &Add) -> Tally {
+        let mut change = add.change;
+        if let Some(run) = &add.run {
+            let booked = self.take_booked(run, &change);
+            change.prompt_tokens = past(
+                run.through.prompt_tokens,
+                change.prompt_tokens,
+                booked.through.prompt_tokens,
+            );
+            change.completion_tokens = past(
+                run.through.completion_tokens,
+                change.completion_tokens,
+                booked.through.completion_tokens,
+            );
+            change.cached_prompt_tokens = past(
+                run.through.cached_prompt_tokens,
+                change.cached_prompt_tokens,
+                booked.through.cached_prompt_tokens,
+            );
+            if booked.ended {
+                (change.tool_calls, change.runs, change.run_ms) = (0, 0, 0);
+            }
+            self.keep_booked(run, booked);
+        }
+        self.total.add(&change);
+        self.total
+    }
+
+    /// The run's entry, out of the list (one not kept: booked up to where this add starts).
+    fn take_booked(&mut self, run: &RunMark, change: &Tally) -> Booked {
+        match self.booked.iter().position(|b| b.run_id == run.run_id) {
+            Some(at) => self.booked.remove(at),
+            None => Booked {
+                run_id: run.run_id.clone(),
+                through: run.through.since(&super::chat::Usage {
+                    prompt_tokens: change.prompt_tokens,
+                    completion_tokens: change.completion_tokens,
+                    cached_prompt_tokens: change.cached_prompt_tokens,
+                }),
+                ended: false,
+            },
+        }
+    }
+
+    /// Puts the run's entry back, newest, moved on to `run`, forgetting the oldest past
+    /// [`RECENT_RUNS`].
+    fn keep_booked(&mut self, run: &RunMark, mut booked: Booked) {
+        let furthest = |a: u64, b: u64| a.max(b);
+        booked.through = super::chat::Usage {
+            prompt_tokens: furthest(booked.through.prompt_tokens, run.through.prompt_tokens),
+            completion_tokens: furthest(booked.through.completion_tokens, run.through.completion_tokens),
+            cached_prompt_tokens: furthest(booked.through.cached_prompt_tokens, run.through.cached_prompt_tokens),
+        };
+        booked.ended |= run.ended;
+        self.booked.push(booked);
+        if self.booked.len() > RECENT_RUNS {
+            self.booked.remove(0);
+        }
+    }
+}
+
+/// Of an add of `change` tokens bringing a run to `through`, those past `booked` (where the
+/// window had the run already).
+fn past(through: u64, change: u64, booked: u64) -> u64 {
+    through.saturating_sub(booked.max(through.saturating_sub(change)))
+}
+
 /// A principal's budget of tokens per window, as a run carries it (the tokens file is not read
 /// again on the replica that takes the run over).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -100,6 +225,69 @@ impl HourlyBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn turn(run_id: &str, through: u64, change: u64) -> Add {
+        Add {
+            change: Tally {
+                prompt_tokens: change,
+                ..Tally::default()
+            },
+            run: Some(RunMark {
+                run_id: run_id.to_owned(),
+                through: crate::domain::chat::Usage {
+                    prompt_tokens: through,
+                    ..crate::domain::chat::Usage::default()
+                },
+                ended: false,
+            }),
+        }
+    }
+
+    #[test]
+    fn an_add_made_again_books_only_what_the_window_has_not_had_of_its_run() {
+        let mut window = Window::default();
+        // Turn 1 (100) booked, its answer lost; the next add books turns 1 and 2 (100 + 50).
+        window.apply(&turn("r", 100, 100));
+        assert_eq!(window.apply(&turn("r", 150, 150)).prompt_tokens, 150);
+        // A takeover from the checkpoint before turn 1 books both again, then turn 3 (30).
+        assert_eq!(window.apply(&turn("r", 150, 150)).prompt_tokens, 150);
+        assert_eq!(window.apply(&turn("r", 180, 30)).prompt_tokens, 180);
+        // Another run's adds are its own.
+        assert_eq!(window.apply(&turn("s", 40, 40)).prompt_tokens, 220);
+        // The end is booked once, however often it is added.
+        let end = Add {
+            change: Tally {
+                runs: 1,
+                tool_calls: 3,
+                ..Tally::default()
+            },
+            run: Some(RunMark {
+                ended: true,
+                ..turn("r", 180, 0).run.unwrap_or_else(|| unreachable!())
+            }),
+        };
+        window.apply(&end);
+        let total = window.apply(&end);
+        assert_eq!((total.runs, total.tool_calls, total.prompt_tokens), (1, 3, 220));
+    }
+
+    #[test]
+    fn a_window_forgets_its_oldest_runs_and_then_books_them_at_least_once() {
+        let mut window = Window::default();
+        for n in 0..=RECENT_RUNS {
+            window.apply(&turn(&format!("r{n}"), 10, 10));
+        }
+        assert_eq!(window.booked.len(), RECENT_RUNS);
+        assert!(window.booked.iter().all(|b| b.run_id != "r0"));
+        let before = window.total.prompt_tokens;
+        assert_eq!(window.apply(&turn("r0", 10, 10)).prompt_tokens, before + 10);
+        // An old window's value (a bare total) still reads.
+        let old: Window = serde_json::from_str(
+            r#"{"prompt_tokens":5,"cached_prompt_tokens":0,"completion_tokens":1,"tool_calls":0,"runs":0,"run_ms":0}"#,
+        )
+        .unwrap_or_default();
+        assert_eq!(old.total.prompt_tokens, 5);
+    }
 
     #[test]
     fn holds_count_against_a_budget_and_give_back_no_more_than_they_hold() {

@@ -492,22 +492,7 @@ impl Runs {
             admitted.store_ended(result).await;
             return Ok(Some(TakenOver::Ended(Box::new(ended))));
         }
-        // A run parked for approvals goes on with its decisions (or to end, canceled).
-        let (checkpoint, canceled) = match checkpoint.awaits_decisions() {
-            true => match self
-                .approvals
-                .wake(run_id, shared::sync::unix_ms())
-                .await
-                .map_err(|e| e.to_string())?
-            {
-                Some(waiting) => {
-                    let canceled = waiting.canceled.clone();
-                    (checkpoint.decided(&waiting), canceled)
-                }
-                None => (checkpoint, None),
-            },
-            false => (checkpoint, None),
-        };
+        let (checkpoint, canceled) = self.taken_from_wait(run_id, checkpoint).await?;
         let mut state = checkpoint.result.clone();
         state.status = parked_as.unwrap_or(state.status);
         *shared::sync::lock(&admitted.state) = state;
@@ -527,6 +512,28 @@ impl Runs {
             admitted,
             Resumed { checkpoint, logged },
         )))))
+    }
+
+    /// A run taken over with its wait: one parked for approvals goes on with its decisions (or
+    /// to end, canceled); one that had taken its decisions still reads a cancel its wait kept
+    /// (one that reached the wait after an earlier owner took the run from it).
+    async fn taken_from_wait(
+        &self,
+        run_id: &str,
+        checkpoint: Checkpoint,
+    ) -> Result<(Checkpoint, Option<String>), String> {
+        if !checkpoint.awaits_decisions() {
+            let waiting = self.approvals.waiting(run_id).await.map_err(|e| e.to_string())?;
+            return Ok((checkpoint, waiting.and_then(|w| w.canceled)));
+        }
+        let woken = self.approvals.wake(run_id, shared::sync::unix_ms());
+        Ok(match woken.await.map_err(|e| e.to_string())? {
+            Some(waiting) => {
+                let canceled = waiting.canceled.clone();
+                (checkpoint.decided(&waiting), canceled)
+            }
+            None => (checkpoint, None),
+        })
     }
 
     /// Takes the oldest parked run that is ready to go on off the approval store and gives it a

@@ -10,6 +10,9 @@ use crate::domain::{CancelMode, RunStatus};
 /// How often a cancel looks for a run that is moving between its slot and the approval store.
 const MOVING_LOOKS: usize = 50;
 
+/// How often a cancel looks whether a run parking here has parked.
+const PARKING_LOOK: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// Outcome of a cancel request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CancelOutcome {
@@ -25,6 +28,13 @@ pub(crate) enum CancelOutcome {
     Unanswered,
 }
 
+/// What tells whether a run canceled here kept its end: the registry's token for its leaving,
+/// and its ownership (ended: its end is kept).
+struct Left {
+    gone: tokio_util::sync::CancellationToken,
+    ownership: crate::domain::Ownership,
+}
+
 impl Runs {
     /// Cancels a run of `caller` `mode`'s way: live here, parked waiting for approvals (at once
     /// in either mode: no turn of it can end without a person), or (shared store) live on another
@@ -37,6 +47,7 @@ impl Runs {
         reason: &str,
         mode: CancelMode,
     ) -> Result<CancelOutcome, StoreError> {
+        self.until_parked(run_id).await;
         // A run moving between its slot and the approval store (parking, or resuming) can be
         // missed in both by one look: it is looked for again while it is in sight here.
         for _ in 0..MOVING_LOOKS {
@@ -47,6 +58,21 @@ impl Runs {
             tokio::task::yield_now().await;
         }
         Ok(CancelOutcome::NotFound)
+    }
+
+    /// Waits (at most twice the store's timeout, which bounds each of the park's requests) while
+    /// `run_id` is parking here: cut short, the park would leave the run's record and its log
+    /// apart; parked, the run is canceled in the approval store.
+    async fn until_parked(&self, run_id: &str) {
+        let until = tokio::time::Instant::now() + 2 * self.store_timeout;
+        while self.parking_here(run_id) && tokio::time::Instant::now() < until {
+            tokio::time::sleep(PARKING_LOOK).await;
+        }
+    }
+
+    /// Whether `run_id` is live here and leaving its slot for the approval store.
+    fn parking_here(&self, run_id: &str) -> bool {
+        self.lock().get(run_id).is_some_and(|live| live.ownership.parking())
     }
 
     /// Whether `run_id` is live here or parked in this replica's approval store.
@@ -63,7 +89,7 @@ impl Runs {
         reason: &str,
         mode: CancelMode,
     ) -> Result<CancelOutcome, StoreError> {
-        if let Some(outcome) = self.cancel_here(run_id, caller, reason, mode) {
+        if let Some(outcome) = self.cancel_here(run_id, caller, reason, mode).await {
             return Ok(outcome);
         }
         let parked = match self.approvals.parked(run_id) {
@@ -86,31 +112,68 @@ impl Runs {
 
     /// Cancels `run_id` `mode`'s way when it is live on this replica and `caller` may see it;
     /// `None` when it is not here (or is leaving: parking, or being handed over, so its next
-    /// replica answers).
-    pub(crate) fn cancel_here(
+    /// replica answers; or its end could not be kept here, so it goes on elsewhere). A durable
+    /// run canceled at once is answered `Canceled` only once its end is kept: told so before,
+    /// its caller could see it go on elsewhere from its checkpoint (and run its tools).
+    pub(crate) async fn cancel_here(
         &self,
         run_id: &str,
         caller: &Principal,
         reason: &str,
         mode: CancelMode,
     ) -> Option<CancelOutcome> {
+        let (outcome, left) = self.cancel_live(run_id, caller, reason, mode)?;
+        match (outcome, &self.journal) {
+            (CancelOutcome::Canceled, Some(_)) => self.end_kept(left).await,
+            _ => Some(outcome),
+        }
+    }
+
+    /// The cancel itself, under the registry's lock: the outcome, and what tells when the run
+    /// left this replica and whether its end was kept.
+    fn cancel_live(
+        &self,
+        run_id: &str,
+        caller: &Principal,
+        reason: &str,
+        mode: CancelMode,
+    ) -> Option<(CancelOutcome, Left)> {
         let live = self.lock();
         let live = live.get(run_id).filter(|l| sees(caller, &l.principal))?;
+        let left = Left {
+            gone: live.gone.clone(),
+            ownership: live.ownership.clone(),
+        };
         // Under the state lock: the loop settles the end under it too, and a cancel that came
         // first wins there, so the answer is never `canceled` for a run that completed.
         let state = shared::sync::lock(&live.state);
         if !state.status.is_live() {
-            return Some(CancelOutcome::AlreadyFinished(state.status));
+            return Some((CancelOutcome::AlreadyFinished(state.status), left));
         }
-        let leaving = live.hand_over.at_safe_point.is_cancelled() || live.hand_over.now.is_cancelled();
+        let leaving = live.hand_over.at_safe_point.is_cancelled()
+            || live.hand_over.now.is_cancelled()
+            || live.ownership.parking();
         if state.status.is_parked() || leaving {
             return None;
         }
         live.cancel.cancel_with(mode, reason);
-        Some(match mode {
+        let outcome = match mode {
             CancelMode::Immediate => CancelOutcome::Canceled,
             CancelMode::AfterTurn => CancelOutcome::EndsAfterTurn,
-        })
+        };
+        Some((outcome, left))
+    }
+
+    /// Waits (bounded by the writes a run's end takes) for a canceled run to leave this
+    /// replica: `Canceled` once its end is kept here, `None` when it moved on unended (it is
+    /// looked for again, and canceled where it resumes), `Unanswered` when its end takes longer.
+    async fn end_kept(&self, left: Left) -> Option<CancelOutcome> {
+        // Its spend, its log, its thread and its result: one store write each at most.
+        let ending = 4 * self.store_timeout;
+        if tokio::time::timeout(ending, left.gone.cancelled()).await.is_err() {
+            return Some(CancelOutcome::Unanswered);
+        }
+        left.ownership.ended().then_some(CancelOutcome::Canceled)
     }
 
     /// Asks the replica running `run_id` (shared store) to cancel it.

@@ -40,9 +40,6 @@ pub struct Persister {
     /// The run's id was claimed with its start checkpoint: its first safe point has nothing new
     /// to save.
     claimed_resumable: Arc<AtomicBool>,
-    /// A park is under way: no write leaves meanwhile (a renewal landing after the park's
-    /// record would make the run running again), and none waits for it either.
-    parking: Arc<AtomicBool>,
 }
 
 /// A checkpoint as the loop hands it over: the run's state, its deadline and the serialized
@@ -88,7 +85,6 @@ impl Persister {
             journal: None,
             released: CancellationToken::new(),
             claimed_resumable: Arc::default(),
-            parking: Arc::default(),
         }
     }
 
@@ -125,7 +121,7 @@ impl Persister {
     /// Whether a write may leave now: the run is this replica's (or ended here), and not parked
     /// or parking.
     fn may_write(&self) -> bool {
-        !self.released.is_cancelled() && !self.parking.load(Ordering::Acquire) && self.ownership.may_log()
+        !self.released.is_cancelled() && !self.ownership.parking() && self.ownership.may_log()
     }
 
     /// Writes the current state now; whether the store took it.
@@ -220,21 +216,24 @@ impl Persister {
 
     /// Parks the run (`park`, the approval store's) with no write of this persister in between:
     /// a write under way finishes first, and those asked for while the park's requests are out
-    /// are not sent (they do not wait on them either: the lock is not held across the park).
-    /// Once parked, nothing of the run is written from here any more.
+    /// are not sent (they do not wait on them either: the lock is not held across the park; a
+    /// renewal landing after the park's record would make the run running again). Once parked,
+    /// nothing of the run is written from here any more, and the ownership stays marked as
+    /// parking (a cancel finds the run in the approval store).
     pub async fn parking(
         &self,
         park: impl Future<Output = Result<ParkOutcome, StoreError>>,
     ) -> Result<ParkOutcome, StoreError> {
         {
             let _serialized = self.lock.lock().await;
-            self.parking.store(true, Ordering::Release);
+            self.ownership.set_parking(true);
         }
         let parked = park.await;
         if matches!(parked, Ok(ParkOutcome::Parked)) {
             self.released.cancel();
+        } else {
+            self.ownership.set_parking(false);
         }
-        self.parking.store(false, Ordering::Release);
         parked
     }
 

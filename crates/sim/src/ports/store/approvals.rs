@@ -260,19 +260,23 @@ impl ReplicaStore {
         Err(unchanged(&run_id))
     }
 
-    async fn close_stored(self, run_id: String, epoch: u64) {
+    async fn close_stored(self, run_id: String, epoch: u64, keep_canceled: bool) -> Option<String> {
         for _ in 0..CAS_ATTEMPTS {
             let Ok(Some((stored, revision))) = self.read_wait(&run_id).await else {
-                return;
+                return None;
             };
             if stored.epoch > epoch {
-                return;
+                return None;
+            }
+            if keep_canceled && stored.canceled.is_some() {
+                return stored.canceled;
             }
             match self.delete_wait(&run_id, revision).await {
                 Ok(false) => {}
-                Ok(true) | Err(_) => return,
+                Ok(true) | Err(_) => return None,
             }
         }
+        None
     }
 }
 
@@ -363,7 +367,14 @@ impl ApprovalStore for ReplicaStore {
     }
 
     fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
-        self.clone().close_stored(run_id.to_owned(), epoch).boxed()
+        self.clone()
+            .close_stored(run_id.to_owned(), epoch, false)
+            .map(drop)
+            .boxed()
+    }
+
+    fn close_decided(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, Option<String>> {
+        self.clone().close_stored(run_id.to_owned(), epoch, true).boxed()
     }
 
     fn expire(&self, _now_unix_ms: u64) {

@@ -332,7 +332,12 @@ impl Driver<'_> {
             // The wait goes only once a checkpoint holds its decisions: a replaced owner (whose
             // save the store refuses) never deletes what the run's new owner resumes with.
             self.safe_point(Some(calls)).await?;
-            self.deps.approvals.close(&self.spec.run_id, self.epoch()).await;
+            if let Some(reason) = self.deps.approvals.close_decided(&self.spec.run_id, self.epoch()).await {
+                // A cancel that reached the wait after this owner took the run from it: the
+                // caller was told the run is canceled, so it ends here, before its calls run.
+                tracing::info!("the run's wait was canceled after the run was taken from it");
+                return Err(End::Canceled(reason));
+            }
         }
         Ok(())
     }

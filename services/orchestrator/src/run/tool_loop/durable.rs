@@ -72,8 +72,8 @@ pub struct Progress {
     pub recorded_bytes: usize,
     /// The run's tokens its caller's usage book holds: each add books the tokens past these,
     /// so a turn's add that failed is made good by the next, and a replica that takes the run
-    /// over books what the checkpoint's owner may not have (a turn counted twice rather than
-    /// never).
+    /// over books what the checkpoint's owner may not have (the book adds only what it had not
+    /// had of the run: never twice, never missing).
     #[serde(default)]
     pub booked: Usage,
     /// The tokens the model counted for the last turn's prompt and completion: the next

@@ -269,17 +269,20 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
         End::HandedOver | End::TakenOver => {
             return moved(end, persister, emitter, deps.log_settle_timeout, state).await;
         }
-        // A wait opened in this turn ends with the run.
-        _ if !lock(state).pending_approvals.is_empty() => {
-            let epoch = persister.filter(|p| p.durable()).map_or(0, |p| p.ownership().epoch());
-            deps.approvals.close(&spec.run_id, epoch).await;
-        }
         _ => {}
+    }
+    // A wait opened in this turn ends with the run: at once for a run of this replica alone, and
+    // for a durable one once its log holds its end (closed before, an end the log then refused
+    // would leave the next owner resuming a run whose wait, and the cancel it held, are gone).
+    let wait_open = !lock(state).pending_approvals.is_empty();
+    let durable = persister.filter(|p| p.durable());
+    if wait_open && durable.is_none() {
+        deps.approvals.close(&spec.run_id, 0).await;
     }
     let result = settle(state, end, cancel);
     telemetry::record_run_end(&result, started.elapsed());
     if !tally_run_end(deps, &result, &booked).await
-        && let Some(persister) = persister.filter(|p| p.durable())
+        && let Some(persister) = durable
     {
         // Its end is not shown before its spend is booked: the replica that takes it over
         // resumes it from its last checkpoint and books what this one could not.
@@ -287,7 +290,7 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
         return end_unsaved(why, persister, emitter, deps.log_settle_timeout, state).await;
     }
     emitter.queue(Event::RunFinished(Box::new(result.clone())));
-    if let Some(persister) = persister.filter(|p| p.durable()) {
+    if let Some(persister) = durable {
         // A durable run's log holds its end before anything else shows it: a replica that takes
         // the run over in between finds the end there and stores it, so the log is whole; an end
         // the log refused (a replaced owner's) changes nothing anywhere.
@@ -295,6 +298,9 @@ async fn conclude(ending: Ending<'_>) -> RunResult {
         if !emitter.settler(deps.log_settle_timeout).wait().await {
             let why = "the run's end did not reach its event log";
             return end_unsaved(why, persister, emitter, deps.log_settle_timeout, state).await;
+        }
+        if wait_open {
+            deps.approvals.close(&spec.run_id, persister.ownership().epoch()).await;
         }
     }
     // The thread holds the run's messages before its caller hears of its end, so the next run on
@@ -342,7 +348,19 @@ async fn tally_run_end(deps: &LoopDeps, result: &RunResult, (booked, held): &(Us
     if let Some(held) = held {
         tally.held_tokens += spend::give_back(deps, &result.principal, *held, window).await;
     }
-    let add = deps.usage.add(&result.principal, window, tally);
+    let mark = crate::domain::usage::RunMark {
+        run_id: result.run_id.clone(),
+        through: result.usage,
+        ended: true,
+    };
+    let add = deps.usage.add(
+        &result.principal,
+        window,
+        crate::domain::usage::Add {
+            change: tally,
+            run: Some(mark),
+        },
+    );
     match crate::domain::ports::within(deps.store_timeout, add).await {
         Ok(_) => true,
         Err(e) => {

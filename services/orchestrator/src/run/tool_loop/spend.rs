@@ -13,7 +13,7 @@ use super::{Driver, End, LoopDeps, Step};
 use crate::domain::FailureReason;
 use crate::domain::params::UNASKED_MAX_TOKENS_BOUND;
 use crate::domain::ports::within;
-use crate::domain::usage::{HourlyBudget, Tally, WINDOW_MS, window_of};
+use crate::domain::usage::{Add, HourlyBudget, RunMark, Tally, WINDOW_MS, window_of};
 
 /// Tokens held in a caller's hour for a turn under way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +61,7 @@ impl Driver<'_> {
         if let Some(earlier) = earlier {
             change.held_tokens += give_back(self.deps, &self.spec.principal, earlier, window).await;
         }
-        let add = self.deps.usage.add(&self.spec.principal, window, change);
+        let add = self.deps.usage.add(&self.spec.principal, window, change.into());
         let total = match within(self.deps.store_timeout, add).await {
             Ok(total) => total,
             Err(e) => {
@@ -97,7 +97,19 @@ impl Driver<'_> {
         if let Some(held) = held {
             change.held_tokens += give_back(self.deps, &self.spec.principal, held, window).await;
         }
-        let add = self.deps.usage.add(&self.spec.principal, window, change);
+        let mark = RunMark {
+            run_id: self.spec.run_id.clone(),
+            through: now,
+            ended: false,
+        };
+        let add = self.deps.usage.add(
+            &self.spec.principal,
+            window,
+            Add {
+                change,
+                run: Some(mark),
+            },
+        );
         let total = match within(self.deps.store_timeout, add).await {
             Ok(total) => total,
             Err(e) => {
@@ -183,7 +195,7 @@ pub(super) async fn give_back(deps: &LoopDeps, principal: &str, held: Hold, wind
     }
     if let Err(e) = within(
         deps.store_timeout,
-        deps.usage.add(principal, held.window, Tally::hold(back)),
+        deps.usage.add(principal, held.window, Tally::hold(back).into()),
     )
     .await
     {

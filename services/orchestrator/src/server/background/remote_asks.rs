@@ -30,18 +30,22 @@ pub(crate) async fn answer(core: Arc<Core>) {
 
 /// The asking replica checked the caller against the run's owner; this one acts as the server
 /// does.
-fn answer_cancel(core: &Core, ask: CancelAsk) {
-    let answer = match core
-        .runs
-        .cancel_here(&ask.run_id, &Principal::anonymous(), &ask.reason, ask.mode)
-    {
-        Some(CancelOutcome::Canceled) => RemoteCancel::Canceled,
-        Some(CancelOutcome::EndsAfterTurn) => RemoteCancel::EndsAfterTurn,
-        Some(CancelOutcome::AlreadyFinished(status)) => RemoteCancel::Finished(status),
-        Some(CancelOutcome::NotFound | CancelOutcome::Unanswered) | None => return,
-    };
-    tracing::info!(run_id = %ask.run_id, ?answer, "a cancel asked on another replica");
-    tokio::spawn((ask.answer)(answer));
+fn answer_cancel(core: &Arc<Core>, ask: CancelAsk) {
+    let core = Arc::clone(core);
+    tokio::spawn(async move {
+        let answer = match core
+            .runs
+            .cancel_here(&ask.run_id, &Principal::anonymous(), &ask.reason, ask.mode)
+            .await
+        {
+            Some(CancelOutcome::Canceled) => RemoteCancel::Canceled,
+            Some(CancelOutcome::EndsAfterTurn) => RemoteCancel::EndsAfterTurn,
+            Some(CancelOutcome::AlreadyFinished(status)) => RemoteCancel::Finished(status),
+            Some(CancelOutcome::NotFound | CancelOutcome::Unanswered) | None => return,
+        };
+        tracing::info!(run_id = %ask.run_id, ?answer, "a cancel asked on another replica");
+        (ask.answer)(answer).await;
+    });
 }
 
 /// As [`answer_cancel`], for a message sent to the run.

@@ -258,6 +258,12 @@ impl ApprovalStore for MemoryApprovals {
         ready(()).boxed()
     }
 
+    fn close_decided(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, Option<String>> {
+        // A run of this process is taken from its wait under the registry's lock, and a cancel
+        // after that finds it live: no cancel reaches a wait its run was taken from.
+        self.close(run_id, epoch).map(|()| None).boxed()
+    }
+
     fn expire(&self, now_unix_ms: u64) {
         let mut inner = self.lock();
         let mut woken = Vec::new();
@@ -383,6 +389,9 @@ impl ApprovalStore for HookedApprovals {
     }
     fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
         self.inner.close(run_id, epoch)
+    }
+    fn close_decided(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, Option<String>> {
+        self.inner.close_decided(run_id, epoch)
     }
     fn expire(&self, now_unix_ms: u64) {
         self.inner.expire(now_unix_ms);

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use futures::future::BoxFuture;
 
 use crate::domain::ports::{StoreError, UsageBook};
-use crate::domain::usage::{Tally, WINDOW_MS};
+use crate::domain::usage::{Add, Tally, WINDOW_MS};
 
 /// Windows kept at most, all principals together.
 const MAX_WINDOWS: usize = 100_000;
@@ -30,10 +30,12 @@ impl MemoryUsage {
 }
 
 impl UsageBook for MemoryUsage {
-    fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
+    fn add(&self, principal: &str, window: u64, add: Add) -> BoxFuture<'static, Result<Tally, StoreError>> {
+        // An add here is never made twice (no answer is lost in a process, and no other replica
+        // takes a run over): the window keeps its total only.
         let mut windows = shared::sync::lock(&self.windows);
         let total = windows.entry((window, principal.to_owned())).or_default();
-        total.add(&spend);
+        total.add(&add.change);
         let total = *total;
         let oldest = window.saturating_sub(self.keep.saturating_mul(WINDOW_MS));
         while windows

@@ -347,28 +347,35 @@ async fn open_stored(waits: &dyn Bucket, key: &str, mut record: WaitRecord) -> R
 }
 
 /// Deletes the wait under `key` unless a newer owner than `epoch`'s opened it, by its revision.
-async fn close_stored(waits: &dyn Bucket, key: &str, epoch: u64) {
+/// Deletes the wait at `key` unless a newer owner than `epoch`'s opened it, or (`keep_canceled`)
+/// it holds a cancel, which is returned (the delete is at the revision read, so a cancel either
+/// landed before the read, and is seen, or finds no wait).
+async fn close_stored(waits: &dyn Bucket, key: &str, epoch: u64, keep_canceled: bool) -> Option<String> {
     for _ in 0..CAS_ATTEMPTS {
         let Ok(Some((stored, revision))) = read(waits, key).await else {
-            return;
+            return None;
         };
         if stored.epoch > epoch {
-            return;
+            return None;
+        }
+        if keep_canceled && stored.canceled.is_some() {
+            return stored.canceled;
         }
         match waits.delete(key, Some(revision)).await {
             Ok(()) => {
                 if let Err(e) = waits.delete(&marker(&stored.principal, key), None).await {
                     tracing::debug!(%key, "the wait's marker stays until it expires: {e}");
                 }
-                return;
+                return None;
             }
             Err(Error::WrongRevision) => {}
             Err(e) => {
                 tracing::warn!(%key, "closing the approval wait failed (it expires with the bucket): {e}");
-                return;
+                return None;
             }
         }
     }
+    None
 }
 
 impl ApprovalStore for NatsApprovals {
@@ -472,7 +479,15 @@ impl ApprovalStore for NatsApprovals {
 
     fn close(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, ()> {
         let (waits, key) = (self.waits.clone(), key(run_id));
-        async move { close_stored(&*waits, &key, epoch).await }.boxed()
+        async move {
+            close_stored(&*waits, &key, epoch, false).await;
+        }
+        .boxed()
+    }
+
+    fn close_decided(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, Option<String>> {
+        let (waits, key) = (self.waits.clone(), key(run_id));
+        async move { close_stored(&*waits, &key, epoch, true).await }.boxed()
     }
 
     fn expire(&self, _now_unix_ms: u64) {

@@ -13,7 +13,7 @@ use shared::jetstream::{Bucket, Consistency, JetStream, Operation};
 use super::kv::{token, write_at};
 use super::results::KvStore;
 use crate::domain::ports::{StoreError, UsageBook};
-use crate::domain::usage::{Tally, WINDOW_MS};
+use crate::domain::usage::{Add, Tally, WINDOW_MS, Window};
 use crate::store::unavailable;
 
 /// Attempts of one add against other replicas' adds.
@@ -63,7 +63,7 @@ fn key(principal: &str, window: u64) -> String {
 }
 
 /// The window under `key` and its revision (`None`: nothing spent yet).
-async fn read(windows: &dyn Bucket, key: &str) -> Result<Option<(Tally, u64)>, StoreError> {
+async fn read(windows: &dyn Bucket, key: &str) -> Result<Option<(Window, u64)>, StoreError> {
     let entry = windows.entry(key, Consistency::Direct).await;
     let Some(entry) = entry.map_err(|e| unavailable("KV entry", key, e))? else {
         return Ok(None);
@@ -79,7 +79,7 @@ async fn read(windows: &dyn Bucket, key: &str) -> Result<Option<(Tally, u64)>, S
 }
 
 impl UsageBook for NatsUsage {
-    fn add(&self, principal: &str, window: u64, spend: Tally) -> BoxFuture<'static, Result<Tally, StoreError>> {
+    fn add(&self, principal: &str, window: u64, add: Add) -> BoxFuture<'static, Result<Tally, StoreError>> {
         let (windows, key, stripes) = (
             self.windows.clone(),
             key(principal, window),
@@ -88,12 +88,12 @@ impl UsageBook for NatsUsage {
         async move {
             let _turn = stripes.of(&key).lock().await;
             for _ in 0..CAS_ATTEMPTS {
-                let (mut total, revision) = match read(&*windows, &key).await? {
-                    Some((total, revision)) => (total, Some(revision)),
-                    None => (Tally::default(), None),
+                let (mut kept, revision) = match read(&*windows, &key).await? {
+                    Some((kept, revision)) => (kept, Some(revision)),
+                    None => (Window::default(), None),
                 };
-                total.add(&spend);
-                let value = bytes::Bytes::from(crate::domain::ports::json("a usage window", &total)?);
+                let total = kept.apply(&add);
+                let value = bytes::Bytes::from(crate::domain::ports::json("a usage window", &kept)?);
                 if write_at(&*windows, &key, value, revision).await? {
                     return Ok(total);
                 }
@@ -116,7 +116,7 @@ impl UsageBook for NatsUsage {
                 async move {
                     read(&*windows, &key)
                         .await
-                        .map(|found| found.map(|(spend, _)| (start, spend)))
+                        .map(|found| found.map(|(kept, _)| (start, kept.total)))
                 }
             };
             let found: Vec<Result<Option<(u64, Tally)>, StoreError>> = futures::stream::iter(starts)

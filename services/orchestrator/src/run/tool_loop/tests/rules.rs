@@ -447,7 +447,7 @@ impl crate::domain::ports::UsageBook for RefusingBook {
         &self,
         principal: &str,
         window: u64,
-        spend: crate::domain::usage::Tally,
+        spend: crate::domain::usage::Add,
     ) -> futures::future::BoxFuture<'static, Result<crate::domain::usage::Tally, crate::domain::ports::StoreError>>
     {
         let number = {
