@@ -197,8 +197,6 @@ impl std::fmt::Display for Report {
     }
 }
 
-/// Runs the seeds `args` names through `simulate`, printing each failing seed (and a seed's
-/// history when asked for) and progress every 500 seeds.
 /// The flags that replay a seed of this invocation exactly: the mode, its runs and faults, and
 /// every fix switched off.
 fn replay_flags(args: &Args, mode: &str, runs: usize, faults: usize) -> String {
@@ -212,6 +210,8 @@ fn replay_flags(args: &Args, mode: &str, runs: usize, faults: usize) -> String {
     flags
 }
 
+/// Runs the seeds `args` names through `simulate`, printing each failing seed (and a seed's
+/// history when asked for) and progress every 500 seeds.
 fn run_seeds(args: &Args, replay: &str, simulate: impl Fn(u64) -> Seen) -> Report {
     let seeds = match args.seed {
         Some(seed) => seed..seed + 1,

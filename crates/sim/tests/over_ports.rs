@@ -168,8 +168,7 @@ fn the_seeds_that_broke_the_real_adapters_hold() {
         UNANSWERED_CLAIM_GAVE_ITS_SLOT_BACK,
         A_LAGGING_FOLLOWER_FREED_A_LIVE_RUNS_SLOT,
     ] {
-        let outcome = simulate(seed, &settings);
-        assert_eq!(outcome.violations, Vec::<String>::new(), "seed {seed}");
+        holds(seed, &settings);
     }
 }
 
@@ -201,8 +200,7 @@ fn a_canceled_run_books_its_spend_once() {
             ..Settings::default()
         };
         for seed in 0..20 {
-            let outcome = simulate(seed, &settings);
-            assert_eq!(outcome.violations, Vec::<String>::new(), "{}", replay(seed, &settings));
+            holds(seed, &settings);
         }
     }
 }
@@ -224,8 +222,7 @@ fn a_cancel_answered_is_kept() {
             jetstream,
             ..Settings::default()
         };
-        let outcome = simulate(seed, &settings);
-        assert_eq!(outcome.violations, Vec::<String>::new(), "{}", replay(seed, &settings));
+        holds(seed, &settings);
     }
 }
 
@@ -241,8 +238,7 @@ fn an_add_made_again_books_its_run_once() {
             cancels,
             ..Settings::default()
         };
-        let outcome = simulate(seed, &settings);
-        assert_eq!(outcome.violations, Vec::<String>::new(), "{}", replay(seed, &settings));
+        holds(seed, &settings);
     }
 }
 
@@ -251,8 +247,7 @@ fn an_add_made_again_books_its_run_once() {
 /// its seeds were rare, 2 in 20,000, and moved with the simulation's draws.)
 #[test]
 fn the_seed_that_broke_the_services_code_holds() {
-    let outcome = simulate(LOG_GAP_PAST_A_LOST_BATCH, &Settings::default());
-    assert_eq!(outcome.violations, Vec::<String>::new());
+    holds(LOG_GAP_PAST_A_LOST_BATCH, &Settings::default());
 }
 
 /// A turn's tokens are booked before the turn's first checkpoint holds what was booked: they were
@@ -266,8 +261,7 @@ fn a_turn_is_booked_once_however_its_run_parks() {
         ..Settings::default()
     };
     for seed in 0..12 {
-        let outcome = simulate(seed, &settings);
-        assert_eq!(outcome.violations, Vec::<String>::new(), "seed {seed}");
+        holds(seed, &settings);
     }
 }
 
@@ -294,8 +288,7 @@ fn the_seed_that_left_a_question_open_holds() {
         faults: 6,
         ..Settings::default()
     };
-    let outcome = simulate(QUESTION_LEFT_AFTER_A_TAKEOVER, &settings);
-    assert_eq!(outcome.violations, Vec::<String>::new());
+    holds(QUESTION_LEFT_AFTER_A_TAKEOVER, &settings);
 }
 
 /// The runners' fence is what keeps a replaced owner's call from running after the new owner's:
@@ -431,9 +424,11 @@ fn holds_a_seed_that_breaks(without: &Settings, seeds: std::ops::Range<u64>, bre
         answer_rounds: true,
         ..without.clone()
     };
-    assert_eq!(
-        simulate(broken, &with).violations,
-        Vec::<String>::new(),
-        "seed {broken} with the fix"
-    );
+    holds(broken, &with);
+}
+
+/// `seed` of `settings` keeps every invariant (a failure names the command that replays it).
+fn holds(seed: u64, settings: &Settings) {
+    let outcome = simulate(seed, settings);
+    assert_eq!(outcome.violations, Vec::<String>::new(), "{}", replay(seed, settings));
 }

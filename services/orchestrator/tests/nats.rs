@@ -2060,27 +2060,23 @@ async fn a_run_past_its_deadline_is_taken_over_to_be_ended() -> TestResult {
 async fn an_add_made_again_books_its_run_once_in_the_nats_usage_book() -> TestResult {
     use orchestrator::domain::chat::Usage;
     use orchestrator::domain::ports::UsageBook;
-    use orchestrator::domain::usage::{Add, RunMark, Tally};
+    use orchestrator::domain::usage::{Add, Tally};
     use orchestrator::store::nats::NatsUsage;
     let nats = Nats::start().await?;
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
     let book = NatsUsage::open(&js, "spend", Duration::from_secs(3600), 1)
         .await
         .map_err(anyhow::Error::msg)?;
-    let add = |run_id: &str, through: u64, change: u64, ended: bool| Add {
-        change: Tally {
-            prompt_tokens: change,
+    let add = |run_id: &str, through: u64, change: u64, ended: bool| {
+        let tokens = |prompt_tokens| Usage {
+            prompt_tokens,
+            ..Usage::default()
+        };
+        let change = Tally {
             runs: u64::from(ended),
-            ..Tally::default()
-        },
-        run: Some(RunMark {
-            run_id: run_id.to_owned(),
-            through: Usage {
-                prompt_tokens: through,
-                ..Usage::default()
-            },
-            ended,
-        }),
+            ..Tally::of_tokens(&tokens(change))
+        };
+        Add::of_run(change, run_id, tokens(through), ended)
     };
     let window = 3_600_000;
     for (what, made, total) in [

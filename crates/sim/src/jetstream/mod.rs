@@ -263,11 +263,15 @@ impl Cluster {
             .collect()
     }
 
-    /// The last write of `key` in bucket `bucket`, as the leader has it (for checks).
+    /// The value of `key` in bucket `bucket`, as the leader has it (for checks; a delete marker
+    /// reads as none).
     pub fn entry(&self, bucket: &str, key: &str) -> Option<Entry> {
         let mut inner = self.lock();
         let node = inner.node(&format!("KV_{bucket}")).ok()?;
-        node.leader.last(&format!("$KV.{bucket}.{key}")).map(entry_of)
+        node.leader
+            .last(&format!("$KV.{bucket}.{key}"))
+            .map(entry_of)
+            .filter(|e| e.operation == Operation::Put)
     }
 
     /// The live keys of bucket `bucket` under `filter`, as the leader has them (for checks).

@@ -22,8 +22,7 @@ use orchestrator::tool_runners::sender::{self, Attempt, Retries};
 use tokio::time::Instant;
 
 use super::gate::Gate;
-use super::store::Store;
-use super::view::Watched;
+use super::view::Backing;
 
 /// The turns every run plays: two calls a turn (one in every third), then the answer.
 pub const TURNS: usize = 8;
@@ -144,23 +143,11 @@ pub struct Answered {
 /// How long a runner's fence read waits (within the orchestrators' fence grace).
 const FENCE_READ: Duration = Duration::from_millis(400);
 
-/// Where the runners read the fences from.
-pub enum FenceSource {
-    /// The port-level model's fences.
-    Model(Store),
-    /// The run store in the simulated JetStream, through the tool-runner's own reader.
-    JetStream(Arc<Watched>),
-}
-
-/// Where the runners read the fences from, as held.
-enum Fences {
-    Model(Store),
-    JetStream(Arc<Watched>),
-}
-
 /// The tool-runners, shared by the replicas: what they started.
 pub struct Runners {
-    store: Fences,
+    /// Where the fences are: the model's, or the run store in the simulated JetStream (read
+    /// through the tool-runner's own reader).
+    store: Backing,
     /// Each runner's fence reader, over the simulated JetStream (none with the model).
     readers: Vec<tool_runner::fence::RunFence>,
     /// Every tool start, in order.
@@ -179,25 +166,22 @@ pub struct Runners {
 }
 
 impl Runners {
-    /// `count` runners reading fences from `source`.
-    pub fn new(source: FenceSource, count: usize, seed: u64, fence: bool) -> Arc<Self> {
+    /// `count` runners reading fences from `store`.
+    pub fn new(store: Backing, count: usize, seed: u64, fence: bool) -> Arc<Self> {
         let gates: Vec<Gate> = (0..count).map(|_| Gate::default()).collect();
-        let (store, readers) = match source {
-            FenceSource::Model(store) => (Fences::Model(store), Vec::new()),
-            FenceSource::JetStream(watched) => {
-                let readers = gates
-                    .iter()
-                    .map(|gate| {
-                        let connection = watched.cluster().connect(gate.clone(), FENCE_READ);
-                        tool_runner::fence::RunFence::over(
-                            shared::jetstream::JetStream::handle(&connection),
-                            &watched.names().runs,
-                            FENCE_READ,
-                        )
-                    })
-                    .collect();
-                (Fences::JetStream(watched), readers)
-            }
+        let readers = match &store {
+            Backing::Model(_) => Vec::new(),
+            Backing::JetStream(watched) => gates
+                .iter()
+                .map(|gate| {
+                    let connection = watched.cluster().connect(gate.clone(), FENCE_READ);
+                    tool_runner::fence::RunFence::over(
+                        shared::jetstream::JetStream::handle(&connection),
+                        &watched.names().runs,
+                        FENCE_READ,
+                    )
+                })
+                .collect(),
         };
         Arc::new(Self {
             store,
@@ -222,20 +206,19 @@ impl Runners {
     /// The run's fence as the store holds it now (0: none).
     fn fence(&self, run_id: &str) -> u64 {
         match &self.store {
-            Fences::Model(store) => super::store::lock(store).fences.get(run_id).copied().unwrap_or(0),
-            Fences::JetStream(watched) => watched.fence(run_id),
+            Backing::Model(store) => super::store::lock(store).fences.get(run_id).copied().unwrap_or(0),
+            Backing::JetStream(watched) => watched.fence(run_id),
         }
     }
 
-    /// Whether runner `runner` refuses `call` as its run's fence says: the model's fence read
-    /// from memory a moment before the tool starts, or the tool-runner's own fence reader
-    /// (`tool_runner::fence`) over the simulated JetStream.
-    async fn refusal(&self, runner: usize, call: &ToolInvocation) -> Option<Attempt> {
+    /// Whether runner `runner` refuses `call` as its run's fence says: the model's fence
+    /// (`fence`, read from memory as the runner's read began) a moment before the tool starts,
+    /// or the tool-runner's own fence reader (`tool_runner::fence`) over the simulated JetStream.
+    async fn refusal(&self, runner: usize, call: &ToolInvocation, fence: u64) -> Option<Attempt> {
         if !self.fence {
             return None;
         }
         let Some(reader) = self.readers.get(runner) else {
-            let fence = self.fence(&call.run_id);
             tokio::time::sleep(Duration::from_micros(200)).await;
             return (call.epoch != 0 && shared::fence::stale(call.epoch, fence)).then(|| Attempt::Superseded {
                 current: fence,
@@ -361,7 +344,7 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
     }
     // The fence is read, and its answer takes a moment to come back.
     let fence = runners.fence(&call.run_id);
-    if let Some(refused) = runners.refusal(runner, call).await {
+    if let Some(refused) = runners.refusal(runner, call, fence).await {
         return refused;
     }
     if let Some(task) = &call.task {

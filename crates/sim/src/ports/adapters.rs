@@ -5,14 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use orchestrator::domain::LeaseTerms;
 use orchestrator::domain::ports::{
     ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, ThreadStore, UsageBook,
 };
-use orchestrator::store::LogBounds;
-use orchestrator::store::nats::{
-    KvStore, NatsApprovals, NatsIndex, NatsLog, NatsLogOptions, NatsQuotas, NatsThreads, NatsUsage,
-};
+use orchestrator::server::harness::{nats_log_options, open_nats_runs};
+use orchestrator::store::nats::{NatsLog, NatsThreads};
 use shared::jetstream::JetStream;
 
 use crate::jetstream::Connection;
@@ -40,11 +37,12 @@ pub struct Stores {
 /// Pause between two attempts to open the store (a slow cluster times the first out).
 const RETRY: Duration = Duration::from_millis(500);
 
-/// The real adapters over `connection`, for replica `owner`, as `config` sets them; tried again
-/// until the cluster answers (every fault heals).
-pub async fn open(connection: &Connection, owner: &str, config: &orchestrator::Config, terms: LeaseTerms) -> Stores {
+/// The real adapters over `connection`, for replica `owner`, as `config` sets them and as the
+/// orchestrator's start opens them ([`open_nats_runs`]); tried again until the cluster answers
+/// (every fault heals).
+pub async fn open(connection: &Connection, owner: &str, config: &orchestrator::Config) -> Stores {
     loop {
-        match try_open(connection, owner, config, terms).await {
+        match try_open(connection, owner, config).await {
             Ok(stores) => return stores,
             Err(e) => {
                 tracing::debug!(%owner, "opening the store failed, trying again: {e}");
@@ -58,41 +56,18 @@ async fn try_open(
     js: &dyn JetStream,
     owner: &str,
     config: &orchestrator::Config,
-    terms: LeaseTerms,
 ) -> Result<Stores, orchestrator::domain::ports::StoreError> {
-    let store = &config.store;
-    let kv = KvStore::open(js, &store.bucket, store.ttl, owner.to_owned(), terms.length, 1)
-        .await?
-        .with_lease_margin(terms.margin)
-        .with_fence_grace(terms.fence_grace);
-    kv.announce_fence_grace().await?;
-    let kv = Arc::new(kv);
-    let approvals = NatsApprovals::open(js, &store.bucket, store.ttl, Arc::clone(&kv)).await?;
-    let quotas = NatsQuotas::open(js, &store.bucket, store.ttl, Arc::clone(&kv)).await?;
-    let usage = NatsUsage::open(js, &store.bucket, store.usage_keep_for, 1).await?;
-    let threads = NatsThreads::open(js, &store.bucket, config.threads.thread_max_age, 1).await?;
-    let options = NatsLogOptions {
-        bounds: LogBounds {
-            per_run_bytes: store.event_log_max_bytes,
-            total_bytes: store.event_log_total_bytes,
-            keep: store.keep_results,
-            keep_for: store.ttl,
-        },
-        flush_interval: store.event_log_flush_interval,
-        timeout: store.timeout,
-        retry_for: terms.length,
-        replicas: 1,
-    };
-    let log = NatsLog::open(js, &store.event_log_stream, options).await?;
-    let index = NatsIndex::new(Arc::clone(&kv), store.list_scan_max, store.list_read_max);
+    let runs = open_nats_runs(js, owner.to_owned(), config).await?;
+    let threads = NatsThreads::open(js, &config.store.bucket, config.threads.thread_max_age, 1).await?;
+    let log = NatsLog::open(js, &config.store.event_log_stream, nats_log_options(config)).await?;
     Ok(Stores {
-        store: Arc::clone(&kv) as Arc<dyn ResultStore>,
-        index: Arc::new(index),
-        quotas: Some(Arc::new(Arc::new(quotas))),
-        usage: Arc::new(usage),
-        journal: kv,
+        store: Arc::clone(&runs.store) as Arc<dyn ResultStore>,
+        index: Arc::new(runs.index),
+        quotas: Some(Arc::new(Arc::new(runs.quotas))),
+        usage: Arc::new(runs.usage),
+        journal: runs.store,
         log: Arc::new(log),
-        approvals: Arc::new(approvals),
+        approvals: Arc::new(runs.approvals),
         threads: Arc::new(threads),
     })
 }

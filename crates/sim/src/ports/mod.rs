@@ -33,7 +33,7 @@ use orchestrator::domain::{LeaseTerms, RunSpec};
 use orchestrator::server::harness::{Ports, Replica};
 use tokio::time::Instant;
 
-use actors::{Client, FenceSource, Model, Runners};
+use actors::{Client, Model, Runners};
 use gate::{Gate, Mode};
 use orchestrator::store::nats::inspect::Names;
 use store::ReplicaStore;
@@ -232,25 +232,26 @@ enum Fault {
 
 impl World {
     fn new(seed: u64, settings: Settings) -> Self {
-        let (backing, source) = match settings.jetstream {
+        let backing = match settings.jetstream {
             false => {
                 let store = store::store(seed);
                 store::lock(&store).max_runs.insert(TENANT.to_owned(), TENANT_MAX_RUNS);
-                (Backing::Model(Arc::clone(&store)), FenceSource::Model(store))
+                Backing::Model(store)
             }
             true => {
                 let config = config();
                 let names = Names::of(&config.store.bucket, &config.store.event_log_stream);
                 let runs = (0..settings.runs).map(|run| format!("run-{run}")).collect();
                 let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
-                let watched = Watched::new(crate::jetstream::Cluster::new(seed), names, runs, max_runs);
-                (
-                    Backing::JetStream(Arc::clone(&watched)),
-                    FenceSource::JetStream(watched),
-                )
+                Backing::JetStream(Watched::new(
+                    crate::jetstream::Cluster::new(seed),
+                    names,
+                    runs,
+                    max_runs,
+                ))
             }
         };
-        let runners = Runners::new(source, settings.runners, seed, settings.receiver_fence);
+        let runners = Runners::new(backing.clone(), settings.runners, seed, settings.receiver_fence);
         Self {
             seed,
             rng: fastrand::Rng::with_seed(seed),
@@ -278,7 +279,7 @@ impl World {
             Backing::Model(store) => self.model_stores(store, &name, &gate),
             Backing::JetStream(watched) => {
                 let connection = watched.cluster().connect(gate.clone(), STORE_TIMEOUT);
-                adapters::open(&connection, &name, &config(), terms()).await
+                adapters::open(&connection, &name, &config()).await
             }
         };
         let ports = Ports {
@@ -380,7 +381,7 @@ impl World {
         let mut violations = check::violations(&view, &self.runners, &self.person, self.settings.runs, served);
         if ended.is_ok() {
             violations.extend(self.listings().await);
-            violations.extend(check::streams_whole(&self.backing.view(), &followed));
+            violations.extend(check::streams_whole(&view, &followed));
             violations.extend(self.replays().await);
         }
         violations.extend(lock(&self.observations).drain(..));
@@ -392,7 +393,6 @@ impl World {
         let answered = lock(&self.runners.answered).len();
         let mut history = std::mem::take(&mut self.history);
         history.extend(lock(&self.notes).drain(..));
-        let view = self.backing.view();
         history.extend(check::history(&view, &self.runners, self.begun));
         Outcome {
             seed: self.seed,

@@ -11,7 +11,7 @@ use orchestrator::domain::thread::Thread;
 use orchestrator::domain::usage::Tally;
 use orchestrator::domain::{NumberedEvent, RunResult, RunStatus};
 use orchestrator::store::nats::inspect::{self, Names};
-use shared::jetstream::{Message, Operation};
+use shared::jetstream::Message;
 
 use super::store::{Store, Takeover};
 use crate::jetstream::{Cluster, Observer, Peek};
@@ -178,12 +178,7 @@ impl Watched {
     /// The fence of `run_id` as the leader holds it now: the higher of its fence key and its
     /// record's epoch.
     pub fn fence(&self, run_id: &str) -> u64 {
-        let value = |key: &str| {
-            self.cluster
-                .entry(&self.names.runs, key)
-                .filter(|e| e.operation == Operation::Put)
-                .map(|e| e.value)
-        };
+        let value = |key: &str| self.cluster.entry(&self.names.runs, key).map(|e| e.value);
         let fence = value(&shared::fence::key(run_id)).and_then(|v| shared::fence::decode(&v).ok());
         let record = value(&shared::fence::record_key(run_id)).and_then(|v| shared::fence::record_epoch(&v).ok());
         fence.max(record).unwrap_or(0)
@@ -194,10 +189,7 @@ impl Watched {
         let mut view = View::default();
         for run_id in &self.runs {
             let key = inspect::run_key(run_id);
-            if let Some(entry) = self
-                .cluster
-                .entry(&names.runs, &key)
-                .filter(|e| e.operation == Operation::Put)
+            if let Some(entry) = self.cluster.entry(&names.runs, &key)
                 && let Ok(run) = inspect::run(&key, &entry.value)
             {
                 let run = RunView {
@@ -216,20 +208,13 @@ impl Watched {
             if !log.is_empty() {
                 view.logs.insert(run_id.clone(), log);
             }
-            if let Some(entry) = self
-                .cluster
-                .entry(&names.approvals, &key)
-                .filter(|e| e.operation == Operation::Put)
-            {
+            if let Some(entry) = self.cluster.entry(&names.approvals, &key) {
                 let undecided = inspect::undecided(&entry.value).unwrap_or_default();
                 view.waits.insert(run_id.clone(), undecided);
             }
         }
         let thread_key = inspect::thread_key(super::THREAD);
-        if let Some(entry) = self
-            .cluster
-            .entry(&names.threads, &thread_key)
-            .filter(|e| e.operation == Operation::Put)
+        if let Some(entry) = self.cluster.entry(&names.threads, &thread_key)
             && let Ok(thread) = inspect::thread(&entry.value)
         {
             view.threads.insert(super::THREAD.to_owned(), (thread, entry.revision));

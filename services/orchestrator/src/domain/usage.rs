@@ -107,6 +107,18 @@ pub struct Add {
     pub run: Option<RunMark>,
 }
 
+impl Add {
+    /// `change`, booking run `run_id` through `through` (`ended`: the run's end).
+    pub fn of_run(change: Tally, run_id: &str, through: super::chat::Usage, ended: bool) -> Self {
+        let run = RunMark {
+            run_id: run_id.to_owned(),
+            through,
+            ended,
+        };
+        Self { change, run: Some(run) }
+    }
+}
+
 impl From<Tally> for Add {
     fn from(change: Tally) -> Self {
         Self { change, run: None }
@@ -143,7 +155,7 @@ impl Window {
     pub fn apply(&mut self, add: &Add) -> Tally {
         let mut change = add.change;
         if let Some(run) = &add.run {
-            let booked = self.take_booked(run, &change);
+            let booked = self.take_booked(run);
             change.prompt_tokens = past(
                 run.through.prompt_tokens,
                 change.prompt_tokens,
@@ -168,18 +180,13 @@ impl Window {
         self.total
     }
 
-    /// The run's entry, out of the list (one not kept: booked up to where this add starts).
-    fn take_booked(&mut self, run: &RunMark, change: &Tally) -> Booked {
+    /// The run's entry, out of the list (one not kept: nothing booked, so the add counts whole).
+    fn take_booked(&mut self, run: &RunMark) -> Booked {
         match self.booked.iter().position(|b| b.run_id == run.run_id) {
             Some(at) => self.booked.remove(at),
             None => Booked {
                 run_id: run.run_id.clone(),
-                through: run.through.since(&super::chat::Usage {
-                    prompt_tokens: change.prompt_tokens,
-                    completion_tokens: change.completion_tokens,
-                    cached_prompt_tokens: change.cached_prompt_tokens,
-                }),
-                ended: false,
+                ..Booked::default()
             },
         }
     }
@@ -187,11 +194,11 @@ impl Window {
     /// Puts the run's entry back, newest, moved on to `run`, forgetting the oldest past
     /// [`RECENT_RUNS`].
     fn keep_booked(&mut self, run: &RunMark, mut booked: Booked) {
-        let furthest = |a: u64, b: u64| a.max(b);
+        let (was, now) = (booked.through, run.through);
         booked.through = super::chat::Usage {
-            prompt_tokens: furthest(booked.through.prompt_tokens, run.through.prompt_tokens),
-            completion_tokens: furthest(booked.through.completion_tokens, run.through.completion_tokens),
-            cached_prompt_tokens: furthest(booked.through.cached_prompt_tokens, run.through.cached_prompt_tokens),
+            prompt_tokens: was.prompt_tokens.max(now.prompt_tokens),
+            completion_tokens: was.completion_tokens.max(now.completion_tokens),
+            cached_prompt_tokens: was.cached_prompt_tokens.max(now.cached_prompt_tokens),
         };
         booked.ended |= run.ended;
         self.booked.push(booked);
@@ -226,21 +233,15 @@ impl HourlyBudget {
 mod tests {
     use super::*;
 
-    fn turn(run_id: &str, through: u64, change: u64) -> Add {
-        Add {
-            change: Tally {
-                prompt_tokens: change,
-                ..Tally::default()
-            },
-            run: Some(RunMark {
-                run_id: run_id.to_owned(),
-                through: crate::domain::chat::Usage {
-                    prompt_tokens: through,
-                    ..crate::domain::chat::Usage::default()
-                },
-                ended: false,
-            }),
+    fn prompt(tokens: u64) -> crate::domain::chat::Usage {
+        crate::domain::chat::Usage {
+            prompt_tokens: tokens,
+            ..crate::domain::chat::Usage::default()
         }
+    }
+
+    fn turn(run_id: &str, through: u64, change: u64) -> Add {
+        Add::of_run(Tally::of_tokens(&prompt(change)), run_id, prompt(through), false)
     }
 
     #[test]
@@ -255,17 +256,12 @@ mod tests {
         // Another run's adds are its own.
         assert_eq!(window.apply(&turn("s", 40, 40)).prompt_tokens, 220);
         // The end is booked once, however often it is added.
-        let end = Add {
-            change: Tally {
-                runs: 1,
-                tool_calls: 3,
-                ..Tally::default()
-            },
-            run: Some(RunMark {
-                ended: true,
-                ..turn("r", 180, 0).run.unwrap_or_else(|| unreachable!())
-            }),
+        let ended = Tally {
+            runs: 1,
+            tool_calls: 3,
+            ..Tally::default()
         };
+        let end = Add::of_run(ended, "r", prompt(180), true);
         window.apply(&end);
         let total = window.apply(&end);
         assert_eq!((total.runs, total.tool_calls, total.prompt_tokens), (1, 3, 220));

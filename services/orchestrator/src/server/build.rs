@@ -223,47 +223,81 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
         Backend::Nats(url) => {
             let js = context(connections.get(url, &config.nats).await?, None);
             let owner = replica_name();
-            let store = KvStore::open(
-                &js,
-                &config.store.bucket,
-                config.store.ttl,
-                owner.clone(),
-                config.store.lease,
-                config.nats.replicas,
-            )
-            .await?
-            .with_lease_margin(config.store.lease_margin())
-            .with_fence_grace(config.store.fence_grace);
-            store.announce_fence_grace().await?;
+            let runs = open_nats_runs(&js, owner.clone(), config).await?;
             tracing::info!(nats = %url, bucket = %config.store.bucket, replica = %owner, "run results in NATS key-value; runs are durable");
-            let store = Arc::new(store);
-            let approvals =
-                NatsApprovals::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;
-            let index = NatsIndex::new(
-                Arc::clone(&store),
-                config.store.list_scan_max,
-                config.store.list_read_max,
-            );
-            let quotas = NatsQuotas::open(&js, &config.store.bucket, config.store.ttl, Arc::clone(&store)).await?;
             Stored {
-                store: Arc::clone(&store) as Arc<dyn ResultStore>,
-                journal: Some(store as Arc<dyn RunJournal>),
-                approvals: Arc::new(approvals),
-                index: Arc::new(index),
-                quotas: Some(Arc::new(Arc::new(quotas))),
-                usage: Arc::new(
-                    NatsUsage::open(
-                        &js,
-                        &config.store.bucket,
-                        config.store.usage_keep_for,
-                        config.nats.replicas,
-                    )
-                    .await?,
-                ),
+                store: Arc::clone(&runs.store) as Arc<dyn ResultStore>,
+                journal: Some(runs.store as Arc<dyn RunJournal>),
+                approvals: Arc::new(runs.approvals),
+                index: Arc::new(runs.index),
+                quotas: Some(Arc::new(Arc::new(runs.quotas))),
+                usage: Arc::new(runs.usage),
                 sign_outs: open_sign_outs(config, &js).await?,
             }
         }
     })
+}
+
+/// What a replica keeps of its runs in NATS: the runs' records and checkpoints (with this
+/// replica's lease on those it owns), their waits, the index `ListRuns` reads, the fleet's run
+/// slots and the principals' spend.
+pub struct NatsRuns {
+    /// Records, checkpoints and fences.
+    pub store: Arc<KvStore>,
+    /// Runs waiting for a person or a task.
+    pub approvals: NatsApprovals,
+    /// `ListRuns`.
+    pub index: NatsIndex,
+    /// The fleet's run slots.
+    pub quotas: NatsQuotas,
+    /// Spend per hour.
+    pub usage: NatsUsage,
+}
+
+/// Opens [`NatsRuns`] over `js` for replica `owner` as `config` sets them (its lease, margin and
+/// fence grace, the buckets' replicas): every replica opens them so, the simulation's too.
+pub async fn open_nats_runs(
+    js: &dyn JetStream,
+    owner: String,
+    config: &Config,
+) -> Result<NatsRuns, crate::domain::ports::StoreError> {
+    let (store, replicas) = (&config.store, config.nats.replicas);
+    let kv = KvStore::open(js, &store.bucket, store.ttl, owner, store.lease, replicas)
+        .await?
+        .with_lease_margin(store.lease_margin())
+        .with_fence_grace(store.fence_grace);
+    kv.announce_fence_grace().await?;
+    let kv = Arc::new(kv);
+    Ok(NatsRuns {
+        approvals: NatsApprovals::open(js, &store.bucket, store.ttl, Arc::clone(&kv)).await?,
+        index: NatsIndex::new(Arc::clone(&kv), store.list_scan_max, store.list_read_max),
+        quotas: NatsQuotas::open(js, &store.bucket, store.ttl, Arc::clone(&kv)).await?,
+        usage: NatsUsage::open(js, &store.bucket, store.usage_keep_for, replicas).await?,
+        store: kv,
+    })
+}
+
+/// The event log's options on NATS, as `config` sets them.
+pub fn nats_log_options(config: &Config) -> NatsLogOptions {
+    let store = &config.store;
+    NatsLogOptions {
+        bounds: log_bounds(config, store.ttl),
+        flush_interval: store.event_log_flush_interval,
+        timeout: store.timeout,
+        retry_for: store.lease,
+        replicas: config.nats.replicas,
+    }
+}
+
+/// The event log's bounds, its events kept `keep_for`.
+fn log_bounds(config: &Config, keep_for: Duration) -> LogBounds {
+    let store = &config.store;
+    LogBounds {
+        per_run_bytes: store.event_log_max_bytes,
+        total_bytes: store.event_log_total_bytes,
+        keep: store.keep_results,
+        keep_for,
+    }
 }
 
 /// Where the console's ended sessions are kept with the NATS store: a bucket every replica reads
@@ -282,25 +316,12 @@ async fn open_sign_outs(config: &Config, js: &dyn JetStream) -> Result<Arc<dyn S
 /// JetStream stream with the NATS store.
 async fn open_event_log(config: &Config, connections: &mut NatsConnections) -> Result<Arc<dyn EventLog>, Error> {
     let store = &config.store;
-    let bounds = |keep_for| LogBounds {
-        per_run_bytes: store.event_log_max_bytes,
-        total_bytes: store.event_log_total_bytes,
-        keep: store.keep_results,
-        keep_for,
-    };
     Ok(match &store.backend {
-        Backend::Memory => Arc::new(MemoryLog::new(bounds(store.keep_results_for))),
+        Backend::Memory => Arc::new(MemoryLog::new(log_bounds(config, store.keep_results_for))),
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
-            let options = NatsLogOptions {
-                bounds: bounds(store.ttl),
-                flush_interval: store.event_log_flush_interval,
-                timeout: store.timeout,
-                retry_for: store.lease,
-                replicas: config.nats.replicas,
-            };
             let js = context(client, Some(store.timeout));
-            let log = NatsLog::open(&js, &store.event_log_stream, options).await?;
+            let log = NatsLog::open(&js, &store.event_log_stream, nats_log_options(config)).await?;
             tracing::info!(nats = %url, stream = %store.event_log_stream, "run event logs in NATS JetStream");
             Arc::new(log)
         }

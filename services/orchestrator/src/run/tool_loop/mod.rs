@@ -348,19 +348,8 @@ async fn tally_run_end(deps: &LoopDeps, result: &RunResult, (booked, held): &(Us
     if let Some(held) = held {
         tally.held_tokens += spend::give_back(deps, &result.principal, *held, window).await;
     }
-    let mark = crate::domain::usage::RunMark {
-        run_id: result.run_id.clone(),
-        through: result.usage,
-        ended: true,
-    };
-    let add = deps.usage.add(
-        &result.principal,
-        window,
-        crate::domain::usage::Add {
-            change: tally,
-            run: Some(mark),
-        },
-    );
+    let add = crate::domain::usage::Add::of_run(tally, &result.run_id, result.usage, true);
+    let add = deps.usage.add(&result.principal, window, add);
     match crate::domain::ports::within(deps.store_timeout, add).await {
         Ok(_) => true,
         Err(e) => {

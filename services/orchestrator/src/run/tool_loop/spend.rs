@@ -13,7 +13,7 @@ use super::{Driver, End, LoopDeps, Step};
 use crate::domain::FailureReason;
 use crate::domain::params::UNASKED_MAX_TOKENS_BOUND;
 use crate::domain::ports::within;
-use crate::domain::usage::{Add, HourlyBudget, RunMark, Tally, WINDOW_MS, window_of};
+use crate::domain::usage::{Add, HourlyBudget, Tally, WINDOW_MS, window_of};
 
 /// Tokens held in a caller's hour for a turn under way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,19 +97,8 @@ impl Driver<'_> {
         if let Some(held) = held {
             change.held_tokens += give_back(self.deps, &self.spec.principal, held, window).await;
         }
-        let mark = RunMark {
-            run_id: self.spec.run_id.clone(),
-            through: now,
-            ended: false,
-        };
-        let add = self.deps.usage.add(
-            &self.spec.principal,
-            window,
-            Add {
-                change,
-                run: Some(mark),
-            },
-        );
+        let add = Add::of_run(change, &self.spec.run_id, now, false);
+        let add = self.deps.usage.add(&self.spec.principal, window, add);
         let total = match within(self.deps.store_timeout, add).await {
             Ok(total) => total,
             Err(e) => {

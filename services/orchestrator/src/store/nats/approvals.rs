@@ -346,7 +346,6 @@ async fn open_stored(waits: &dyn Bucket, key: &str, mut record: WaitRecord) -> R
     Err(refused(&"the wait kept changing"))
 }
 
-/// Deletes the wait under `key` unless a newer owner than `epoch`'s opened it, by its revision.
 /// Deletes the wait at `key` unless a newer owner than `epoch`'s opened it, or (`keep_canceled`)
 /// it holds a cancel, which is returned (the delete is at the revision read, so a cancel either
 /// landed before the read, and is seen, or finds no wait).

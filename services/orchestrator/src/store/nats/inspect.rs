@@ -5,7 +5,7 @@
 
 use crate::domain::ports::StoreError;
 use crate::domain::thread::Thread;
-use crate::domain::usage::Tally;
+use crate::domain::usage::{Tally, Window};
 use crate::domain::{NumberedEvent, RunResult};
 
 /// Where a deployment's NATS store keeps what, for results bucket `bucket` and event stream
@@ -109,9 +109,10 @@ pub fn thread(bytes: &[u8]) -> Result<Thread, String> {
     serde_json::from_slice(bytes).map_err(|e| e.to_string())
 }
 
-/// A stored spend window.
+/// A stored spend window's total.
 pub fn tally(bytes: &[u8]) -> Result<Tally, String> {
-    serde_json::from_slice(bytes).map_err(|e| e.to_string())
+    let window: Window = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    Ok(window.total)
 }
 
 /// The run an index entry names and its admission time (the listing shows an entry only when
