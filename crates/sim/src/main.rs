@@ -4,9 +4,8 @@
 //! cargo run --release -p sim -- --seeds 5000            # seeds 0..5000, every fix on
 //! cargo run --release -p sim -- --seed 41 --trace       # one seed, its whole history
 //! cargo run --release -p sim -- --seeds 500 --without receiver-fence   # what breaks without it
-//! cargo run --release -p sim -- --ports --seeds 200   # the services' own code over the ports
+//! cargo run --release -p sim -- --ports --seeds 200   # the services' own code, real adapters
 //! cargo run --release -p sim -- --ports --seed 7 --trace
-//! cargo run --release -p sim -- --ports --jetstream --seeds 50   # the real NATS adapters
 //! ```
 //!
 //! A failing seed prints itself with what it broke; it replays the same history with `--seed`.
@@ -36,7 +35,7 @@ struct Args {
     #[arg(long)]
     trace: bool,
     /// Switches a fix off (repeatable): receiver-fence, fence-grace, end-after-log, recheck-retries
-    /// (with --ports: receiver-fence, fleet-slots, task-handles, wait-expiry, parked-claims,
+    /// (with --ports: receiver-fence, fleet-slots, task-handles, parked-claims,
     /// answer-rounds).
     #[arg(long = "without")]
     without: Vec<String>,
@@ -46,29 +45,16 @@ struct Args {
     /// Runs per seed (the protocol model: 6; with --ports: 4, as CI runs them).
     #[arg(long)]
     runs: Option<usize>,
-    /// Simulates the services' own code (the orchestrator's `Core` over the domain ports)
-    /// instead of the protocol model.
+    /// Simulates the services' own code (the orchestrator's `Core` on the real NATS adapters
+    /// over the simulated JetStream, the runners with the tool-runner's fence reader) instead
+    /// of the protocol model.
     #[arg(long)]
     ports: bool,
-    /// With --ports: the replicas run the real NATS adapters over the simulated JetStream, and
-    /// the runners the tool-runner's fence reader (else the port-level model of the store).
-    #[arg(long, requires = "ports")]
-    jetstream: bool,
     /// With --ports: cancels a caller asks for per seed (of random runs, on random replicas, at
     /// once or after the turn).
     #[arg(long, requires = "ports", default_value_t = 0)]
     cancels: usize,
 }
-
-/// The fixes `--ports --without` switches off.
-const PORTS_FIXES: [&str; 6] = [
-    "receiver-fence",
-    "fleet-slots",
-    "task-handles",
-    "wait-expiry",
-    "parked-claims",
-    "answer-rounds",
-];
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -80,14 +66,13 @@ fn main() -> ExitCode {
             .init();
     }
     if args.ports {
-        if let Some(other) = args.without.iter().find(|fix| !PORTS_FIXES.contains(&fix.as_str())) {
-            eprintln!(
-                "sim: --ports switches off one of {}, not {other}",
-                PORTS_FIXES.join(", ")
-            );
-            return ExitCode::from(2);
-        }
-        return over_ports(&args);
+        return match ports_settings(&args) {
+            Ok(settings) => over_ports(&args, &settings),
+            Err(e) => {
+                eprintln!("sim: {e}");
+                ExitCode::from(2)
+            }
+        };
     }
     let mut rules = Rules::current();
     for fix in &args.without {
@@ -105,8 +90,8 @@ fn main() -> ExitCode {
         ..Settings::default()
     };
     let trace = args.trace && args.seed.is_some();
-    let replay = replay_flags(&args, "", settings.runs, settings.faults);
-    let report = run_seeds(&args, &replay, |seed| {
+    let replay = |seed| model_replay(&args, settings.runs, settings.faults, seed);
+    let report = run_seeds(&args, replay, |seed| {
         let outcome = sim::simulate(seed, &settings, rules, trace);
         let mut seen = Seen::new(outcome.violations, outcome.starts, None);
         seen.trace = outcome.trace.unwrap_or_default();
@@ -116,36 +101,35 @@ fn main() -> ExitCode {
     exit_code(&report)
 }
 
-/// The seeds of `args` over the services' own code.
-fn over_ports(args: &Args) -> ExitCode {
+/// The settings `args` asks of the simulation over the services' own code.
+fn ports_settings(args: &Args) -> Result<sim::ports::Settings, String> {
     let defaults = sim::ports::Settings::default();
     let settings = sim::ports::Settings {
         faults: args.faults.unwrap_or(defaults.faults),
         runs: args.runs.unwrap_or(defaults.runs),
-        receiver_fence: !args.without.iter().any(|fix| fix == "receiver-fence"),
-        fleet_slots: !args.without.iter().any(|fix| fix == "fleet-slots"),
-        task_handles: !args.without.iter().any(|fix| fix == "task-handles"),
-        wait_expiry: !args.without.iter().any(|fix| fix == "wait-expiry"),
-        parked_claims: !args.without.iter().any(|fix| fix == "parked-claims"),
-        answer_rounds: !args.without.iter().any(|fix| fix == "answer-rounds"),
         cancels: args.cancels,
-        jetstream: args.jetstream,
-        ..sim::ports::Settings::default()
+        ..defaults
     };
+    args.without
+        .iter()
+        .try_fold(settings, |settings, fix| settings.without(fix))
+}
+
+/// The seeds of `args` over the services' own code.
+fn over_ports(args: &Args, settings: &sim::ports::Settings) -> ExitCode {
     let trace = args.trace && args.seed.is_some();
-    let mode = match args.jetstream {
-        true => "--ports --jetstream ",
-        false => "--ports ",
-    };
-    let replay = replay_flags(args, mode, settings.runs, settings.faults);
-    let report = run_seeds(args, &replay, |seed| {
-        let outcome = sim::ports::simulate(seed, &settings);
-        let mut seen = Seen::new(outcome.violations, outcome.starts, Some(outcome.takeovers));
-        if trace {
-            seen.trace = outcome.history;
-        }
-        seen
-    });
+    let report = run_seeds(
+        args,
+        |seed| settings.replay(seed),
+        |seed| {
+            let outcome = sim::ports::simulate(seed, settings);
+            let mut seen = Seen::new(outcome.violations, outcome.starts, Some(outcome.takeovers));
+            if trace {
+                seen.trace = outcome.history;
+            }
+            seen
+        },
+    );
     println!("over the ports: {report}");
     exit_code(&report)
 }
@@ -197,22 +181,20 @@ impl std::fmt::Display for Report {
     }
 }
 
-/// The flags that replay a seed of this invocation exactly: the mode, its runs and faults, and
-/// every fix switched off.
-fn replay_flags(args: &Args, mode: &str, runs: usize, faults: usize) -> String {
-    let mut flags = format!("{mode}--runs {runs} --faults {faults} ");
-    if args.cancels > 0 {
-        flags.push_str(&format!("--cancels {} ", args.cancels));
-    }
+/// The command that replays `seed` of the protocol model as `args` ran it: its runs and faults,
+/// and every fix switched off.
+fn model_replay(args: &Args, runs: usize, faults: usize, seed: u64) -> String {
+    let mut command = format!("cargo run --release -p sim -- --runs {runs} --faults {faults} ");
     for fix in &args.without {
-        flags.push_str(&format!("--without {fix} "));
+        command.push_str(&format!("--without {fix} "));
     }
-    flags
+    command.push_str(&format!("--seed {seed} --trace"));
+    command
 }
 
 /// Runs the seeds `args` names through `simulate`, printing each failing seed (and a seed's
 /// history when asked for) and progress every 500 seeds.
-fn run_seeds(args: &Args, replay: &str, simulate: impl Fn(u64) -> Seen) -> Report {
+fn run_seeds(args: &Args, replay: impl Fn(u64) -> String, simulate: impl Fn(u64) -> Seen) -> Report {
     let seeds = match args.seed {
         Some(seed) => seed..seed + 1,
         None => args.from..args.from.saturating_add(args.seeds),
@@ -235,7 +217,7 @@ fn run_seeds(args: &Args, replay: &str, simulate: impl Fn(u64) -> Seen) -> Repor
             println!("{line}");
         }
         if !seen.violations.is_empty() {
-            println!("seed {seed} FAILED (replay: cargo run --release -p sim -- {replay}--seed {seed} --trace):");
+            println!("seed {seed} FAILED (replay: {}):", replay(seed));
             for violation in seen.violations.iter().take(5) {
                 println!("  {violation}");
             }

@@ -22,7 +22,7 @@ use orchestrator::tool_runners::sender::{self, Attempt, Retries};
 use tokio::time::Instant;
 
 use super::gate::Gate;
-use super::view::Backing;
+use super::view::Watched;
 
 /// The turns every run plays: two calls a turn (one in every third), then the answer.
 pub const TURNS: usize = 8;
@@ -145,10 +145,10 @@ const FENCE_READ: Duration = Duration::from_millis(400);
 
 /// The tool-runners, shared by the replicas: what they started.
 pub struct Runners {
-    /// Where the fences are: the model's, or the run store in the simulated JetStream (read
-    /// through the tool-runner's own reader).
-    store: Backing,
-    /// Each runner's fence reader, over the simulated JetStream (none with the model).
+    /// Where the fences are: the run store in the simulated JetStream (read through the
+    /// tool-runner's own reader).
+    store: Arc<Watched>,
+    /// Each runner's fence reader, over the simulated JetStream.
     readers: Vec<tool_runner::fence::RunFence>,
     /// Every tool start, in order.
     pub starts: Mutex<Vec<Start>>,
@@ -167,22 +167,19 @@ pub struct Runners {
 
 impl Runners {
     /// `count` runners reading fences from `store`.
-    pub fn new(store: Backing, count: usize, seed: u64, fence: bool) -> Arc<Self> {
+    pub fn new(store: Arc<Watched>, count: usize, seed: u64, fence: bool) -> Arc<Self> {
         let gates: Vec<Gate> = (0..count).map(|_| Gate::default()).collect();
-        let readers = match &store {
-            Backing::Model(_) => Vec::new(),
-            Backing::JetStream(watched) => gates
-                .iter()
-                .map(|gate| {
-                    let connection = watched.cluster().connect(gate.clone(), FENCE_READ);
-                    tool_runner::fence::RunFence::over(
-                        shared::jetstream::JetStream::handle(&connection),
-                        &watched.names().runs,
-                        FENCE_READ,
-                    )
-                })
-                .collect(),
-        };
+        let readers = gates
+            .iter()
+            .map(|gate| {
+                let connection = store.cluster().connect(gate.clone(), FENCE_READ);
+                tool_runner::fence::RunFence::over(
+                    shared::jetstream::JetStream::handle(&connection),
+                    &store.names().runs,
+                    FENCE_READ,
+                )
+            })
+            .collect();
         Arc::new(Self {
             store,
             readers,
@@ -203,28 +200,18 @@ impl Runners {
         }
     }
 
-    /// The run's fence as the store holds it now (0: none).
+    /// The run's fence as the store's leader holds it now (0: none).
     fn fence(&self, run_id: &str) -> u64 {
-        match &self.store {
-            Backing::Model(store) => super::store::lock(store).fences.get(run_id).copied().unwrap_or(0),
-            Backing::JetStream(watched) => watched.fence(run_id),
-        }
+        self.store.fence(run_id)
     }
 
-    /// Whether runner `runner` refuses `call` as its run's fence says: the model's fence
-    /// (`fence`, read from memory as the runner's read began) a moment before the tool starts,
-    /// or the tool-runner's own fence reader (`tool_runner::fence`) over the simulated JetStream.
-    async fn refusal(&self, runner: usize, call: &ToolInvocation, fence: u64) -> Option<Attempt> {
+    /// Whether runner `runner` refuses `call` as its run's fence says, read by the tool-runner's
+    /// own fence reader (`tool_runner::fence`) over the simulated JetStream.
+    async fn refusal(&self, runner: usize, call: &ToolInvocation) -> Option<Attempt> {
         if !self.fence {
             return None;
         }
-        let Some(reader) = self.readers.get(runner) else {
-            tokio::time::sleep(Duration::from_micros(200)).await;
-            return (call.epoch != 0 && shared::fence::stale(call.epoch, fence)).then(|| Attempt::Superseded {
-                current: fence,
-                runner: format!("runner-{runner}"),
-            });
-        };
+        let reader = self.readers.get(runner)?;
         use tool_runner::fence::Refusal;
         match reader.admit(&call.run_id, &call.call_id, call.epoch).await {
             Ok(()) => None,
@@ -342,9 +329,9 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
             error,
         };
     }
-    // The fence is read, and its answer takes a moment to come back.
+    // The fence as the leader held it when the call arrived, and the runner's own read of it.
     let fence = runners.fence(&call.run_id);
-    if let Some(refused) = runners.refusal(runner, call, fence).await {
+    if let Some(refused) = runners.refusal(runner, call).await {
         return refused;
     }
     if let Some(task) = &call.task {

@@ -1,6 +1,6 @@
-//! The store ports of one replica: the port-level model's, or the real NATS adapters
-//! (`orchestrator::store::nats`) opened over the replica's connection to the simulated
-//! JetStream, as the orchestrator's own start opens them.
+//! The store ports of one replica: the real NATS adapters (`orchestrator::store::nats`) opened
+//! over the replica's connection to the simulated JetStream, as the orchestrator's own start
+//! opens them.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -75,15 +75,9 @@ pub fn listing_whole(shared: &View, replica: &str, rows: &[RunSummary]) -> Vec<S
     for run_id in shared.records.keys().filter(|id| !seen.contains_key(id.as_str())) {
         broken.push(format!("the listing on {replica} misses {run_id}"));
     }
-    // Newest first: in the index's order where there is one (the order the fleet admitted the
-    // runs, which two admissions at once may take apart from their admission times), else by
-    // admission time.
-    let place = |run_id: &str| {
-        shared
-            .index_order
-            .as_ref()
-            .and_then(|order| order.iter().position(|id| id == run_id))
-    };
+    // Newest first: in the index's order (the order the fleet admitted the runs, which two
+    // admissions at once may take apart from their admission times), else by admission time.
+    let place = |run_id: &str| shared.index_order.iter().position(|id| id == run_id);
     for pair in rows.windows(2) {
         let older = match (place(&pair[0].run_id), place(&pair[1].run_id)) {
             (Some(first), Some(second)) => first < second,
@@ -347,7 +341,7 @@ fn epoch_order(runners: &Runners) -> Vec<String> {
     broken
 }
 
-fn again_only_when_unrecorded(runners: &Runners, takeovers: &[super::store::Takeover]) -> Vec<String> {
+fn again_only_when_unrecorded(runners: &Runners, takeovers: &[super::view::Takeover]) -> Vec<String> {
     let mut broken = Vec::new();
     let mut runs: BTreeMap<(&str, &str), Vec<u64>> = BTreeMap::new();
     for start in lock(&runners.starts).iter() {

@@ -1,14 +1,18 @@
 //! The simulation over the services' own code: several replicas, each the orchestrator's `Core`
 //! (admission, takeover, the loop, the persister, the registry) built over the domain ports
-//! (`orchestrator::server::harness`), on a store that answers as the NATS adapters do
-//! ([`store`], its parked runs too), with a model and tool-runners that read the run's
-//! fence ([`actors`]; now and then a tool asks a question, which the [`person`] answers from any
-//! replica), each process behind the [`gate`] its faults set, in one
+//! (`orchestrator::server::harness`), on the real NATS adapters (`orchestrator::store::nats`)
+//! over the simulated JetStream ([`crate::jetstream`], [`adapters`]), with a model and
+//! tool-runners that read the run's fence with the tool-runner's own reader ([`actors`]; now and
+//! then a tool asks a question, which the [`person`] answers from any replica), each process
+//! behind the [`gate`] its faults set, in one
 //! tokio runtime whose clock is virtual and whose every random draw comes from the seed. The
 //! fault plan, drawn from the seed too, pauses replicas (SIGSTOP), cuts them off from the store,
-//! kills them (SIGKILL, and starts a new replica in their place), slows the store down, leaves
-//! the event stream without a leader for a while (the buckets answering) and loses tool-runners; at the end every fault heals and the runs must end. The history is checked
-//! against the invariants of [`check`].
+//! kills them (SIGKILL) or drains them (SIGTERM: their runs handed over), starting a new replica
+//! in their place, slows the store down, leaves
+//! the event stream without a leader for a while (the buckets answering), lets a follower of the
+//! runs bucket lag, loses answers to requests that were applied and loses tool-runners; at the
+//! end every fault heals and the runs must end. The history is checked against the invariants
+//! of [`check`]; the [`without`] switches turn fixes off to show what breaks.
 //!
 //! The protocol model (`crate::world`) draws its interleavings one event at a time; here the
 //! tokio scheduler does, on one thread and virtual time, so a seed replays its faults and its
@@ -20,8 +24,8 @@ pub mod adapters;
 pub mod check;
 pub mod gate;
 pub mod person;
-pub mod store;
 pub mod view;
+pub mod without;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,8 +40,7 @@ use tokio::time::Instant;
 use actors::{Client, Model, Runners};
 use gate::{Gate, Mode};
 use orchestrator::store::nats::inspect::Names;
-use store::ReplicaStore;
-use view::{Backing, Watched};
+use view::Watched;
 
 /// What a seed simulates.
 #[derive(Debug, Clone)]
@@ -62,9 +65,6 @@ pub struct Settings {
     /// Checkpoints keep the tasks their calls became (off: the store drops them, what breaks
     /// without them).
     pub task_handles: bool,
-    /// A parked run that wakes decides its expired calls in the approval store first (off: it only reads
-    /// its wait, what breaks without it).
-    pub wait_expiry: bool,
     /// A takeover tells that the run it claimed read parked, which takes a slot again (off: it
     /// never does, what breaks without it).
     pub parked_claims: bool,
@@ -76,10 +76,6 @@ pub struct Settings {
     /// answer to questions asked before a takeover may be taken for the round asked after it,
     /// what breaks without it).
     pub answer_rounds: bool,
-    /// The replicas run the real NATS adapters over the simulated JetStream, and the runners
-    /// the tool-runner's own fence reader (off: the port-level model of the store). The
-    /// model's switches (`task_handles`, `wait_expiry`, `parked_claims`) do not apply to it.
-    pub jetstream: bool,
 }
 
 impl Default for Settings {
@@ -94,12 +90,70 @@ impl Default for Settings {
             receiver_fence: true,
             fleet_slots: true,
             task_handles: true,
-            wait_expiry: true,
             parked_claims: true,
             answer_rounds: true,
             cancels: 0,
-            jetstream: false,
         }
+    }
+}
+
+/// The fixes a `--without` switch turns off, by the name the command line gives them.
+pub const FIXES: [&str; 5] = [
+    "receiver-fence",
+    "fleet-slots",
+    "task-handles",
+    "parked-claims",
+    "answer-rounds",
+];
+
+impl Settings {
+    /// The same settings with the fix named `fix` (one of [`FIXES`]) switched off.
+    pub fn without(mut self, fix: &str) -> Result<Self, String> {
+        let switch = match fix {
+            "receiver-fence" => &mut self.receiver_fence,
+            "fleet-slots" => &mut self.fleet_slots,
+            "task-handles" => &mut self.task_handles,
+            "parked-claims" => &mut self.parked_claims,
+            "answer-rounds" => &mut self.answer_rounds,
+            other => return Err(format!("--ports switches off one of {}, not {other}", FIXES.join(", "))),
+        };
+        *switch = false;
+        Ok(self)
+    }
+
+    /// The fixes switched off, by name.
+    fn switched_off(&self) -> Vec<&'static str> {
+        let on = [
+            self.receiver_fence,
+            self.fleet_slots,
+            self.task_handles,
+            self.parked_claims,
+            self.answer_rounds,
+        ];
+        FIXES
+            .iter()
+            .zip(on)
+            .filter(|(_, on)| !on)
+            .map(|(fix, _)| *fix)
+            .collect()
+    }
+
+    /// The command that replays `seed` of these settings exactly: this build's profile, the
+    /// same runs, faults, cancels and switches, and its whole history.
+    pub fn replay(&self, seed: u64) -> String {
+        let profile = if cfg!(debug_assertions) { "" } else { " --release" };
+        let mut command = format!(
+            "cargo run{profile} -p sim -- --ports --runs {} --faults {}",
+            self.runs, self.faults
+        );
+        if self.cancels > 0 {
+            command.push_str(&format!(" --cancels {}", self.cancels));
+        }
+        for fix in self.switched_off() {
+            command.push_str(&format!(" --without {fix}"));
+        }
+        command.push_str(&format!(" --seed {seed} --trace"));
+        command
     }
 }
 
@@ -127,6 +181,9 @@ const STARTS: usize = 200;
 const LEASE: Duration = Duration::from_secs(3);
 /// How long a store request may take.
 const STORE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a draining replica gives its runs to hand over at a safe point (then it hands the
+/// rest over from their last checkpoint).
+const HAND_OVER_GRACE: Duration = Duration::from_secs(5);
 
 fn terms() -> LeaseTerms {
     LeaseTerms {
@@ -197,7 +254,7 @@ struct World {
     seed: u64,
     settings: Settings,
     rng: fastrand::Rng,
-    backing: Backing,
+    store: Arc<Watched>,
     runners: Arc<Runners>,
     processes: Vec<Process>,
     /// The replicas alive, for callers and readers.
@@ -221,6 +278,9 @@ enum Fault {
     Pause(usize, Duration),
     CutOff(usize, Duration),
     Kill(usize, Duration),
+    /// SIGTERM: the replica drains (hands its runs over within the grace), exits, and a new
+    /// one starts in its place after a while.
+    Drain(usize, Duration),
     SlowStore(Duration),
     LogDown(Duration),
     LoseRunner(usize, Duration),
@@ -232,30 +292,16 @@ enum Fault {
 
 impl World {
     fn new(seed: u64, settings: Settings) -> Self {
-        let backing = match settings.jetstream {
-            false => {
-                let store = store::store(seed);
-                store::lock(&store).max_runs.insert(TENANT.to_owned(), TENANT_MAX_RUNS);
-                Backing::Model(store)
-            }
-            true => {
-                let config = config();
-                let names = Names::of(&config.store.bucket, &config.store.event_log_stream);
-                let runs = (0..settings.runs).map(|run| format!("run-{run}")).collect();
-                let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
-                Backing::JetStream(Watched::new(
-                    crate::jetstream::Cluster::new(seed),
-                    names,
-                    runs,
-                    max_runs,
-                ))
-            }
-        };
-        let runners = Runners::new(backing.clone(), settings.runners, seed, settings.receiver_fence);
+        let config = config();
+        let names = Names::of(&config.store.bucket, &config.store.event_log_stream);
+        let runs = (0..settings.runs).map(|run| format!("run-{run}")).collect();
+        let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
+        let store = Watched::new(crate::jetstream::Cluster::new(seed), names, runs, max_runs);
+        let runners = Runners::new(Arc::clone(&store), settings.runners, seed, settings.receiver_fence);
         Self {
             seed,
             rng: fastrand::Rng::with_seed(seed),
-            backing,
+            store,
             runners,
             processes: Vec::new(),
             living: Arc::default(),
@@ -275,21 +321,21 @@ impl World {
         let n = self.processes.len();
         let name = format!("replica-{n}");
         let gate = Gate::default();
-        let stores = match &self.backing {
-            Backing::Model(store) => self.model_stores(store, &name, &gate),
-            Backing::JetStream(watched) => {
-                let connection = watched.cluster().connect(gate.clone(), STORE_TIMEOUT);
-                adapters::open(&connection, &name, &config()).await
-            }
-        };
+        let connection = self.store.cluster().connect(gate.clone(), STORE_TIMEOUT);
+        let stores = adapters::open(&connection, &name, &config()).await;
+        let settings = &self.settings;
         let ports = Ports {
             store: stores.store,
             index: stores.index,
             quotas: stores.quotas.filter(|_| self.settings.fleet_slots),
             usage: stores.usage,
-            journal: Some(stores.journal),
+            journal: Some(without::Journal::over(
+                stores.journal,
+                settings.task_handles,
+                settings.parked_claims,
+            )),
             log: stores.log,
-            approvals: stores.approvals,
+            approvals: without::Approvals::over(stores.approvals, settings.task_handles),
             threads: stores.threads,
             sign_outs: Arc::new(orchestrator::store::memory::MemorySignOuts::default()),
             signals: Arc::new(orchestrator::signals::memory::MemoryTopic::new(16)),
@@ -315,33 +361,6 @@ impl World {
             replica: Some(replica),
         });
         n
-    }
-
-    /// The model's ports for replica `name`, its requests passing `gate`.
-    fn model_stores(&self, store: &store::Store, name: &str, gate: &Gate) -> adapters::Stores {
-        let store = ReplicaStore::new(Arc::clone(store), name, gate.clone(), terms(), STORE_TIMEOUT);
-        let store = match self.settings.task_handles {
-            true => store,
-            false => store.forgetting_tasks(),
-        };
-        let store = match self.settings.wait_expiry {
-            true => store,
-            false => store.waking_without_expiry(),
-        };
-        let store = match self.settings.parked_claims {
-            true => store,
-            false => store.hiding_parked_claims(),
-        };
-        adapters::Stores {
-            store: Arc::new(store.clone()),
-            index: Arc::new(store.clone()),
-            quotas: Some(Arc::new(store.clone())),
-            usage: Arc::new(store.clone()),
-            journal: Arc::new(store.clone()),
-            log: Arc::new(store.clone()),
-            approvals: Arc::new(store.clone()),
-            threads: Arc::new(store),
-        }
     }
 
     /// The processes alive now.
@@ -377,7 +396,7 @@ impl World {
         person.abort();
         let followed = self.followed(followers).await;
         let served = self.served.load(std::sync::atomic::Ordering::Relaxed);
-        let view = self.backing.view();
+        let view = self.store.view();
         let mut violations = check::violations(&view, &self.runners, &self.person, self.settings.runs, served);
         if ended.is_ok() {
             violations.extend(self.listings().await);
@@ -412,9 +431,7 @@ impl World {
                 let at = Duration::from_millis(self.rng.u64(100..horizon.max(101)));
                 let lasting = Duration::from_millis(self.rng.u64(200..8000));
                 let who = self.rng.usize(..self.settings.replicas.max(1));
-                // The model draws from the first six only (its seeds replay as they did).
-                let kinds = if self.settings.jetstream { 8 } else { 6 };
-                let fault = match self.rng.u8(..kinds) {
+                let fault = match self.rng.u8(..9) {
                     0 => Fault::Pause(who, lasting),
                     1 => Fault::CutOff(who, lasting),
                     2 => Fault::Kill(who, lasting),
@@ -422,6 +439,7 @@ impl World {
                     4 => Fault::LogDown(lasting),
                     5 => Fault::LoseRunner(self.rng.usize(..self.settings.runners.max(1)), lasting),
                     6 => Fault::Lag(lasting),
+                    7 => Fault::Drain(who, lasting),
                     _ => Fault::LoseAnswers(lasting),
                 };
                 (at, fault)
@@ -452,13 +470,19 @@ impl World {
                 });
                 self.history.push(format!("{line} on {}", self.processes[i].name));
             }
-            Fault::Kill(n, after) => {
+            Fault::Kill(n, after) | Fault::Drain(n, after) => {
                 let Some(i) = pick(n) else { return };
+                self.history.push(format!("{line} on {}", self.processes[i].name));
+                if let (Fault::Drain(..), Some(replica)) = (fault, &self.processes[i].replica) {
+                    replica.drain(HAND_OVER_GRACE).await;
+                    let at = self.begun.elapsed().as_secs_f64();
+                    self.history
+                        .push(format!("{at:>8.3}s   {} drained, exits", self.processes[i].name));
+                }
                 self.processes[i].gate.set(Mode::Dead);
                 if let Some(dead) = self.processes[i].replica.take() {
                     lock(&self.living).retain(|r| !Arc::ptr_eq(r, &dead));
                 }
-                self.history.push(format!("{line} on {}", self.processes[i].name));
                 tokio::time::sleep(after).await;
                 let new = self.spawn_replica().await;
                 self.history.push(format!("  {} starts", self.processes[new].name));
@@ -472,16 +496,11 @@ impl World {
                 self.history.push(line);
             }
             Fault::Lag(lasting) => {
-                if let Backing::JetStream(watched) = &self.backing {
-                    let runs = format!("KV_{}", watched.names().runs);
-                    watched.cluster().lag(&runs, Instant::now() + lasting);
-                }
+                self.lag_runs(Instant::now() + lasting);
                 self.history.push(line);
             }
             Fault::LoseAnswers(lasting) => {
-                if let Backing::JetStream(watched) = &self.backing {
-                    watched.cluster().lose_answers(Instant::now() + lasting);
-                }
+                self.store.cluster().lose_answers(Instant::now() + lasting);
                 self.history.push(line);
             }
             Fault::LoseRunner(r, lasting) => {
@@ -518,26 +537,25 @@ impl World {
         let now = Instant::now();
         self.slow_store(now);
         self.take_log_down(now);
-        if let Backing::JetStream(watched) = &self.backing {
-            watched.cluster().lose_answers(now);
-            watched.cluster().lag(&format!("KV_{}", watched.names().runs), now);
-        }
+        self.store.cluster().lose_answers(now);
+        self.lag_runs(now);
+    }
+
+    /// A follower of the runs bucket lags until `until` (direct reads answer from it).
+    fn lag_runs(&self, until: Instant) {
+        let runs = format!("KV_{}", self.store.names().runs);
+        self.store.cluster().lag(&runs, until);
     }
 
     /// Every store request is slow until `until`.
     fn slow_store(&self, until: Instant) {
-        match &self.backing {
-            Backing::Model(store) => store::slow_down(store, until),
-            Backing::JetStream(watched) => watched.cluster().slow_down(until),
-        }
+        self.store.cluster().slow_down(until);
     }
 
     /// The event stream has no leader until `until` (the buckets answer).
     fn take_log_down(&self, until: Instant) {
-        match &self.backing {
-            Backing::Model(store) => store::take_log_down(store, until),
-            Backing::JetStream(watched) => watched.cluster().lose_leader(&watched.names().events, until),
-        }
+        let events = &self.store.names().events;
+        self.store.cluster().lose_leader(events, until);
     }
 
     /// Starts run `run_id` as a caller would: on some replica, trying another one while none
@@ -595,7 +613,11 @@ impl World {
     /// log and the store already.
     fn spawn_reader(&mut self) -> tokio::task::JoinHandle<()> {
         let living = Arc::clone(&self.living);
-        let (backing, observations, runs) = (self.backing.clone(), Arc::clone(&self.observations), self.settings.runs);
+        let (store, observations, runs) = (
+            Arc::clone(&self.store),
+            Arc::clone(&self.observations),
+            self.settings.runs,
+        );
         let mut rng = fastrand::Rng::with_seed(self.seed ^ 0x4ead);
         tokio::spawn(async move {
             loop {
@@ -608,7 +630,7 @@ impl World {
                     continue;
                 };
                 if !seen.status.is_live()
-                    && let Some(broken) = check::end_not_kept(&backing.view(), &seen)
+                    && let Some(broken) = check::end_not_kept(&store.view(), &seen)
                 {
                     lock(&observations).push(broken);
                 }
@@ -672,7 +694,7 @@ impl World {
                 Err(_) => return vec![format!("the replay: retrying {run_id} did not end")],
             }
         }
-        check::streams_whole(&self.backing.view(), &replays)
+        check::streams_whole(&self.store.view(), &replays)
             .into_iter()
             .map(|broken| broken.replacen("the stream:", "the replay:", 1))
             .collect()
@@ -722,11 +744,7 @@ impl World {
                     }
                 }
             }
-            broken.extend(check::listing_whole(
-                &self.backing.view(),
-                &format!("replica {n}"),
-                &rows,
-            ));
+            broken.extend(check::listing_whole(&self.store.view(), &format!("replica {n}"), &rows));
         }
         broken
     }
@@ -735,7 +753,7 @@ impl World {
     async fn wait_for_ends(&self) -> Result<(), String> {
         let deadline = Instant::now() + self.settings.settle;
         loop {
-            let view = self.backing.view();
+            let view = self.store.view();
             let mut unended = check::unended(&view, self.settings.runs);
             unended.extend(check::held_threads(&view));
             if unended.is_empty() {

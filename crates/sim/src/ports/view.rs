@@ -1,8 +1,7 @@
-//! What the store holds, as the checks read it, from either store beneath the replicas: the
-//! port-level model ([`super::store`]) or the real NATS adapters over the simulated JetStream
-//! ([`crate::jetstream`]), read in the adapters' own format (`orchestrator::store::nats::inspect`)
-//! and watched write by write (the takeovers, the principals' share, the spend whose booking went
-//! unheard).
+//! What the store holds, as the checks read it: what the real NATS adapters wrote to the
+//! simulated JetStream ([`crate::jetstream`]), read in the adapters' own format
+//! (`orchestrator::store::nats::inspect`) and watched write by write (the takeovers, the
+//! principals' share, each spend added).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -13,7 +12,6 @@ use orchestrator::domain::{NumberedEvent, RunResult, RunStatus};
 use orchestrator::store::nats::inspect::{self, Names};
 use shared::jetstream::Message;
 
-use super::store::{Store, Takeover};
 use crate::jetstream::{Cluster, Observer, Peek};
 
 /// A run's record as the checks read it.
@@ -46,9 +44,8 @@ pub struct View {
     pub waits: BTreeMap<String, Vec<String>>,
     /// Moments a principal had more runs running than its `max_runs`.
     pub quota_breaches: Vec<String>,
-    /// The runs in the order the run index holds them, oldest first (none for the model, whose
-    /// listing orders by admission time): `ListRuns` walks it down.
-    pub index_order: Option<Vec<String>>,
+    /// The runs in the order the run index holds them, oldest first: `ListRuns` walks it down.
+    pub index_order: Vec<String>,
     /// Lines for the history: each spend added, heard or not.
     pub spend: Vec<String>,
 }
@@ -63,66 +60,37 @@ impl View {
     }
 }
 
-/// The store beneath the replicas.
-#[derive(Clone)]
-pub enum Backing {
-    /// The port-level model.
-    Model(Store),
-    /// The real adapters over the simulated JetStream.
-    JetStream(Arc<Watched>),
-}
-
-impl Backing {
-    /// What the store holds now.
-    pub fn view(&self) -> View {
-        match self {
-            Self::Model(store) => model_view(store),
-            Self::JetStream(watched) => watched.view(),
-        }
-    }
-}
-
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn model_view(store: &Store) -> View {
-    let shared = super::store::lock(store);
-    View {
-        records: shared
-            .records
-            .iter()
-            .map(|(id, r)| {
-                let view = RunView {
-                    result: r.result.clone(),
-                    owner: r.owner.clone(),
-                    epoch: r.epoch,
-                };
-                (id.clone(), view)
-            })
-            .collect(),
-        logs: shared
-            .logs
-            .iter()
-            .map(|(id, log)| (id.clone(), log.iter().map(|m| m.events.clone()).collect()))
-            .collect(),
-        takeovers: shared.takeovers.clone(),
-        threads: shared.threads.clone(),
-        slots: shared.slots.iter().map(|(k, (v, _))| (k.clone(), v.clone())).collect(),
-        usage: shared
-            .usage
-            .iter()
-            .map(|(key, kept)| (key.clone(), kept.total))
-            .collect(),
-        waits: shared
-            .waits
-            .iter()
-            .map(|(id, (wait, _))| (id.clone(), wait.undecided().map(|c| c.call_id.clone()).collect()))
-            .collect(),
-        quota_breaches: shared.quota_breaches.clone(),
-        index_order: None,
-        spend: Vec::new(),
-    }
+/// A takeover: the run, the epoch it began, and the calls whose outcome the checkpoint it
+/// resumed from held (none of them may run again).
+#[derive(Debug, Clone)]
+pub struct Takeover {
+    /// The run.
+    pub run_id: String,
+    /// The new owner's epoch.
+    pub epoch: u64,
+    /// The calls the checkpoint held the outcome of.
+    pub checkpointed_calls: BTreeSet<String>,
+}
+
+/// The calls whose task a checkpoint follows, read from its JSON (`calls.tasks[].index`, a
+/// position in `calls.partition.calls`), or would follow had the store not forgotten them
+/// (`--without task-handles`).
+fn followed_tasks(checkpoint: &[u8]) -> Vec<String> {
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(checkpoint) else {
+        return Vec::new();
+    };
+    let calls = &json["calls"];
+    let kept = calls["tasks"].as_array().into_iter().flatten();
+    kept.chain(calls[super::without::FORGOTTEN_TASKS].as_array().into_iter().flatten())
+        .filter_map(|following| {
+            let index = usize::try_from(following["index"].as_u64()?).ok()?;
+            calls["partition"]["calls"][index]["id"].as_str().map(str::to_owned)
+        })
+        .collect()
 }
 
 /// What is learned only by watching the writes as they land.
@@ -184,7 +152,8 @@ impl Watched {
         fence.max(record).unwrap_or(0)
     }
 
-    fn view(&self) -> View {
+    /// What the store holds now.
+    pub fn view(&self) -> View {
         let names = &self.names;
         let mut view = View::default();
         for run_id in &self.runs {
@@ -234,7 +203,7 @@ impl Watched {
                 view.usage.insert((principal, window), tally);
             }
         }
-        view.index_order = Some(self.index_order(&view.records));
+        view.index_order = self.index_order(&view.records);
         let seen = lock(&self.seen);
         view.takeovers = seen.takeovers.clone();
         view.spend = seen.spend.clone();
@@ -293,7 +262,7 @@ impl Watcher {
         {
             let checkpoint = peek.object(&self.names.checkpoints, &now.checkpoint);
             let mut calls: BTreeSet<String> = now.result.tool_calls.iter().map(|c| c.call_id.clone()).collect();
-            calls.extend(checkpoint.map(super::store::followed_tasks).unwrap_or_default());
+            calls.extend(checkpoint.map(followed_tasks).unwrap_or_default());
             lock(&self.seen).takeovers.push(Takeover {
                 run_id: now.result.run_id.clone(),
                 epoch: now.epoch,

@@ -113,6 +113,14 @@ impl Replica {
         self.core.attach(run_id, after_seq, &Principal::anonymous()).await
     }
 
+    /// Drains as a SIGTERM does with a journal: refuses new runs and hands each of its runs
+    /// over to other replicas at its next safe point within `grace`, the rest from their last
+    /// checkpoint after it.
+    pub async fn drain(&self, grace: std::time::Duration) {
+        super::stop_taking_runs(&self.core);
+        super::hand_over(&self.core, grace, super::drain_margin(grace)).await;
+    }
+
     /// Runs live on this replica now.
     pub fn live(&self) -> usize {
         self.core.runs.live()

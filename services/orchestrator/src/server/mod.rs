@@ -150,10 +150,8 @@ async fn drain(
     shutdown.await;
     tracing::info!(live_runs = core.runs.live(), grace = %humantime::format_duration(grace), "draining");
     health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
-    core.draining.store(true, Ordering::Release);
-    core.stopping.cancel();
-    // Keep a margin at the end of the grace period for canceled runs to store their result.
-    let margin = (grace / 10).min(Duration::from_secs(1));
+    stop_taking_runs(&core);
+    let margin = drain_margin(grace);
     if core.runs.durable().is_some() {
         hand_over(&core, hand_over_grace, margin).await;
     } else if tokio::time::timeout(grace - margin, core.runs.wait_idle())
@@ -171,6 +169,17 @@ async fn drain(
             "drained, but the result store never took these finished results; GetRun will not find them"
         ),
     }
+}
+
+/// A draining replica refuses new runs and stops its background work (takeovers, refreshes).
+fn stop_taking_runs(core: &Core) {
+    core.draining.store(true, Ordering::Release);
+    core.stopping.cancel();
+}
+
+/// The margin kept at the end of a drain's `grace` for canceled runs to store their result.
+fn drain_margin(grace: Duration) -> Duration {
+    (grace / 10).min(Duration::from_secs(1))
 }
 
 /// Durable runs move instead of being canceled: each hands over at its next safe point within

@@ -109,7 +109,18 @@ impl NatsApprovals {
 
 /// A wait and its revision.
 async fn read(waits: &dyn Bucket, key: &str) -> Result<Option<(WaitRecord, u64)>, StoreError> {
-    let entry = waits.entry(key, Consistency::Direct).await;
+    read_from(waits, key, Consistency::Leader).await
+}
+
+/// A wait and its revision, as `consistency` reads it: from the leader ([`read`]) wherever what
+/// is read decides something (a takeover reading a cancel the wait keeps, a park reading a
+/// decision made meanwhile, a compare-and-set), direct only for a listing.
+async fn read_from(
+    waits: &dyn Bucket,
+    key: &str,
+    consistency: Consistency,
+) -> Result<Option<(WaitRecord, u64)>, StoreError> {
+    let entry = waits.entry(key, consistency).await;
     let Some(entry) = entry.map_err(|e| unavailable("KV entry", key, e))? else {
         return Ok(None);
     };
@@ -259,7 +270,10 @@ impl NatsApprovals {
         let records: Vec<WaitRecord> = futures::stream::iter(keys)
             .map(|key| {
                 let waits = waits.clone();
-                async move { read(&*waits, &key).await.ok().flatten().map(|(r, _)| r) }
+                async move {
+                    let read = read_from(&*waits, &key, Consistency::Direct).await;
+                    read.ok().flatten().map(|(r, _)| r)
+                }
             })
             .buffer_unordered(LIST_CONCURRENCY)
             .filter_map(std::future::ready)

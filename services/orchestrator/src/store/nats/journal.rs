@@ -9,10 +9,10 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use prost::Message;
-use shared::jetstream::{Error, JetStream, Object, Objects};
+use shared::jetstream::{Consistency, Error, JetStream, Object, Objects};
 
 use super::results::{
-    CheckpointName, KvStore, Owned, checkpoint_of, create_record, decode_record, holder, key, run_id_of,
+    CheckpointName, KvStore, Owned, checkpoint_of, create_record, decode_record, holder, holder_from, key, run_id_of,
 };
 use crate::domain::ports::{CancelAsk, Claim, Claimed, RemoteCancel, RemoteSteer, RunJournal, SteeringAsk, StoreError};
 use crate::domain::steering::UserMessage;
@@ -224,8 +224,10 @@ impl RunJournal for KvStore {
         let enter = self.index.enter(&result);
         async move {
             // An id taken already is answered without putting anything under its key: the run
-            // holding it (live, or parked for hours) keeps its checkpoint.
-            if let Some((taken, revision)) = holder(kv.as_ref(), &key).await? {
+            // holding it (live, or parked for hours) keeps its checkpoint. Read from the leader:
+            // a follower that lacks a claim whose answer was lost would let this admission's
+            // start object replace the claimed run's, which then could never be resumed.
+            if let Some((taken, revision)) = holder_from(kv.as_ref(), &key, Consistency::Leader).await? {
                 if !taken.never_started(seen.lapsed(&key, revision)) {
                     return Ok(Claim::Taken(Box::new(taken.read(&key)?)));
                 }
@@ -477,10 +479,16 @@ impl RunJournal for KvStore {
             let Some(last) = last else {
                 return Ok(());
             };
-            let Some(bytes) = kv.get(&key).await.map_err(|e| unavailable("KV get", &key, e))? else {
+            // From the leader: the update below is compared against the revision this replica
+            // wrote last, so a follower's older record (naming an older checkpoint) would be
+            // written back over the newest one, and the next owner would find that checkpoint gone.
+            let entry = kv.entry(&key, Consistency::Leader).await;
+            let entry = entry.map_err(|e| unavailable("KV get", &key, e))?;
+            let Some(entry) = entry.filter(|e| e.revision == last.revision) else {
+                // Gone, or written since by another replica: it is not this replica's to hand over.
                 return Ok(());
             };
-            let mut record = decode_record(&key, &bytes)?;
+            let mut record = decode_record(&key, &entry.value)?;
             record.handed_over = true;
             record.lease_expires_unix_ms = shared::sync::unix_ms();
             kv.update(&key, record.encode_to_vec().into(), last.revision)

@@ -568,7 +568,7 @@ pub(super) async fn create_record(
             Ok(Claim::Claimed)
         }
         Err(Error::Exists) => {
-            let Some((taken, revision)) = holder(kv.as_ref(), &key).await? else {
+            let Some((taken, revision)) = holder_from(kv.as_ref(), &key, Consistency::Leader).await? else {
                 return Err(unavailable("KV create", &key, "taken, then gone"));
             };
             if taken.never_started(seen.lapsed(&key, revision)) {
@@ -663,7 +663,18 @@ pub(super) fn run_id_of(key: &str) -> String {
 
 /// The record under `key` and its revision, if there is one.
 pub(super) async fn holder(kv: &dyn Bucket, key: &str) -> Result<Option<(Record, u64)>, StoreError> {
-    let entry = kv.entry(key, Consistency::Direct).await;
+    holder_from(kv, key, Consistency::Direct).await
+}
+
+/// As [`holder`], read as `consistency` says: from the leader where what is read decides a
+/// write that no compare-and-set on its revision guards (a lagging follower may lack a claim
+/// that landed).
+pub(super) async fn holder_from(
+    kv: &dyn Bucket,
+    key: &str,
+    consistency: Consistency,
+) -> Result<Option<(Record, u64)>, StoreError> {
+    let entry = kv.entry(key, consistency).await;
     match entry.map_err(|e| unavailable("KV entry", key, e))? {
         Some(entry) if entry.operation == Operation::Put => {
             Ok(Some((decode_record(key, &entry.value)?, entry.revision)))

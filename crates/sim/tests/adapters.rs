@@ -1,0 +1,99 @@
+//! The real NATS adapters over the simulated cluster, one fault at a time: what a sweep found,
+//! pinned as a sequence of the adapters' own calls (a lagging follower of the runs bucket
+//! serving the direct reads).
+
+use std::time::Duration;
+
+use orchestrator::domain::RunResult;
+use orchestrator::domain::ports::{Claim, RunJournal};
+use sim::jetstream::Cluster;
+use sim::ports::adapters::{Stores, open};
+use sim::ports::gate::Gate;
+use tokio::time::Instant;
+
+type TestResult = anyhow::Result<()>;
+
+fn config() -> orchestrator::Config {
+    let mut config = orchestrator::Config::default();
+    config.store.lease = Duration::from_millis(500);
+    config.store.lease_margin = Some(Duration::from_millis(100));
+    config.store.timeout = Duration::from_secs(1);
+    config
+}
+
+async fn replica(cluster: &Cluster, owner: &str) -> Stores {
+    let connection = cluster.connect(Gate::default(), config().store.timeout);
+    open(&connection, owner, &config()).await
+}
+
+/// The runs bucket's follower serves the direct reads from what it holds now, for two seconds.
+fn lag_runs(cluster: &Cluster) {
+    let runs = format!("KV_{}", config().store.bucket);
+    cluster.lag(&runs, Instant::now() + Duration::from_secs(2));
+}
+
+/// The checkpoint `journal` takes `run_id` over from, once it reads orphaned (its owner's lease
+/// lapsed, or it was handed over) and a takeover wins (one losing to a follower's older record
+/// is tried again, as the takeover's rounds do); an error when none won within 10 s.
+async fn taken_over(journal: &dyn RunJournal, run_id: &str) -> anyhow::Result<Vec<u8>> {
+    testkit::wait::until("a takeover", Duration::from_secs(10), || async {
+        let orphaned = journal.orphans().await.ok()?.iter().any(|id| id == run_id);
+        let claimed = match orphaned {
+            true => journal.take_over(run_id).await.ok()??,
+            false => return None,
+        };
+        Some(claimed.checkpoint)
+    })
+    .await
+}
+
+/// An admission of an id retried while a follower lacks the first claim (its answer lost) is
+/// answered "taken" and leaves the claimed run's start checkpoint as it was: the run is resumed
+/// from it. Read from the follower, the id looked free, the retry's start checkpoint replaced
+/// the claimed run's, and the takeover wrote the run lost, its log holding no end.
+#[tokio::test]
+async fn a_retried_admission_never_replaces_a_claimed_runs_start_checkpoint() -> TestResult {
+    let cluster = Cluster::new(1);
+    let (a, b, c) = (
+        replica(&cluster, "a").await,
+        replica(&cluster, "b").await,
+        replica(&cluster, "c").await,
+    );
+    lag_runs(&cluster);
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let run = RunResult::running("run-1");
+    let first = a
+        .journal
+        .claim_resumable(run.clone(), deadline, b"a's start".to_vec())
+        .await;
+    assert!(matches!(first, Ok(Claim::Claimed)), "{first:?}");
+    let again = b.journal.claim_resumable(run, deadline, b"b's start".to_vec()).await;
+    assert!(matches!(again, Ok(Claim::Taken(_))), "{again:?}");
+    // a's replica dies: its run is resumed from a's start.
+    drop(a);
+    assert_eq!(taken_over(&*c.journal, "run-1").await?, b"a's start".to_vec());
+    Ok(())
+}
+
+/// A run handed over at a drain is resumed from its owner's last checkpoint: the hand-over reads
+/// the record it marks from the leader. Read from a follower that lacked the last save, the
+/// record written back named an older checkpoint, and the next owner lost the run's progress
+/// (or, once that object was gone, the run).
+#[tokio::test]
+async fn a_hand_over_never_writes_back_a_followers_older_record() -> TestResult {
+    let cluster = Cluster::new(2);
+    let (a, c) = (replica(&cluster, "a").await, replica(&cluster, "c").await);
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let run = RunResult::running("run-1");
+    let claimed = a
+        .journal
+        .claim_resumable(run.clone(), deadline, b"start".to_vec())
+        .await;
+    assert!(matches!(claimed, Ok(Claim::Claimed)), "{claimed:?}");
+    lag_runs(&cluster);
+    a.journal.save(run.clone(), deadline, b"turn 1".to_vec()).await?;
+    a.journal.save(run, deadline, b"turn 2".to_vec()).await?;
+    a.journal.hand_over("run-1").await?;
+    assert_eq!(taken_over(&*c.journal, "run-1").await?, b"turn 2".to_vec());
+    Ok(())
+}
