@@ -54,6 +54,10 @@ struct Args {
     /// once or after the turn).
     #[arg(long, requires = "ports", default_value_t = 0)]
     cancels: usize,
+    /// With --ports: messages a caller sends to runs per seed (`SendMessage`, to random runs on
+    /// random replicas; default as CI sends them).
+    #[arg(long, requires = "ports")]
+    messages: Option<usize>,
 }
 
 fn main() -> ExitCode {
@@ -108,6 +112,7 @@ fn ports_settings(args: &Args) -> Result<sim::ports::Settings, String> {
         faults: args.faults.unwrap_or(defaults.faults),
         runs: args.runs.unwrap_or(defaults.runs),
         cancels: args.cancels,
+        messages: args.messages.unwrap_or(defaults.messages),
         ..defaults
     };
     args.without

@@ -60,14 +60,24 @@ fn turn_of(request: &ChatRequest) -> usize {
         .count()
 }
 
-/// A tool call's piece of the stream.
-fn call(index: u32, id: String) -> Result<LlmEvent, LlmError> {
+/// The exit tool the model calls once a run, in [`REPORT_TURN`] (a signal, never run).
+pub const REPORT: &str = "report";
+/// The turn (0-based) whose calls include the exit call `r<turn>`.
+pub const REPORT_TURN: usize = 3;
+
+/// A call of tool `name`'s piece of the stream.
+fn call_of(name: &str, index: u32, id: String) -> Result<LlmEvent, LlmError> {
     Ok(LlmEvent::ToolCallFragment {
         index: Some(index),
         id: Some(id),
-        name: Some("work".to_owned()),
+        name: Some(name.to_owned()),
         arguments: Some("{}".to_owned()),
     })
+}
+
+/// A `work` call's piece of the stream.
+fn call(index: u32, id: String) -> Result<LlmEvent, LlmError> {
+    call_of("work", index, id)
 }
 
 impl ChatModel for Model {
@@ -82,10 +92,14 @@ impl ChatModel for Model {
             tokio::time::sleep(think).await;
             gate.running().await;
             let mut events = vec![Ok(LlmEvent::TextDelta(format!("turn {}. ", turn + 1)))];
+            // A turn taken for a message sent to the run after it answered ends it as well.
             match turn {
-                t if t + 1 == TURNS => events.push(Ok(LlmEvent::TextDelta("done.".to_owned()))),
+                t if t + 1 >= TURNS => events.push(Ok(LlmEvent::TextDelta("done.".to_owned()))),
                 t if t % 3 == 2 => events.push(call(0, format!("t{turn}a"))),
                 _ => events.extend([call(0, format!("t{turn}a")), call(1, format!("t{turn}b"))]),
+            }
+            if turn == REPORT_TURN {
+                events.push(call_of(REPORT, 2, format!("r{turn}")));
             }
             let finish = if turn + 1 < TURNS { "tool_calls" } else { "stop" };
             // Each turn spends tokens (the usage invariant counts them): a prompt that grows

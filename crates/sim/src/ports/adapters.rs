@@ -1,14 +1,15 @@
-//! The store ports of one replica: the real NATS adapters (`orchestrator::store::nats`) opened
-//! over the replica's connection to the simulated JetStream, as the orchestrator's own start
-//! opens them.
+//! The store ports of one replica: the real NATS adapters (`orchestrator::store::nats`) and
+//! signal topic (`orchestrator::signals::nats`) opened over the replica's connection to the
+//! simulated JetStream, as the orchestrator's own start opens them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use orchestrator::domain::ports::{
-    ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, ThreadStore, UsageBook,
+    ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore, UsageBook,
 };
 use orchestrator::server::harness::{nats_log_options, open_nats_runs};
+use orchestrator::signals::nats::{NatsTopic, TopicOptions};
 use orchestrator::store::nats::{NatsLog, NatsThreads};
 use shared::jetstream::JetStream;
 
@@ -32,6 +33,8 @@ pub struct Stores {
     pub approvals: Arc<dyn ApprovalStore>,
     /// Threads.
     pub threads: Arc<dyn ThreadStore>,
+    /// Signals.
+    pub signals: Arc<dyn SignalTopic>,
 }
 
 /// Pause between two attempts to open the store (a slow cluster times the first out).
@@ -52,14 +55,17 @@ pub async fn open(connection: &Connection, owner: &str, config: &orchestrator::C
     }
 }
 
-async fn try_open(
-    js: &dyn JetStream,
-    owner: &str,
-    config: &orchestrator::Config,
-) -> Result<Stores, orchestrator::domain::ports::StoreError> {
-    let runs = open_nats_runs(js, owner.to_owned(), config).await?;
-    let threads = NatsThreads::open(js, &config.store.bucket, config.threads.thread_max_age, 1).await?;
-    let log = NatsLog::open(js, &config.store.event_log_stream, nats_log_options(config)).await?;
+async fn try_open(js: &dyn JetStream, owner: &str, config: &orchestrator::Config) -> Result<Stores, String> {
+    let runs = open_nats_runs(js, owner.to_owned(), config)
+        .await
+        .map_err(|e| e.to_string())?;
+    let threads = NatsThreads::open(js, &config.store.bucket, config.threads.thread_max_age, 1);
+    let threads = threads.await.map_err(|e| e.to_string())?;
+    let log = NatsLog::open(js, &config.store.event_log_stream, nats_log_options(config));
+    let log = log.await.map_err(|e| e.to_string())?;
+    let signals = NatsTopic::open(js, signal_options(config))
+        .await
+        .map_err(|e| e.to_string())?;
     Ok(Stores {
         store: Arc::clone(&runs.store) as Arc<dyn ResultStore>,
         index: Arc::new(runs.index),
@@ -69,5 +75,14 @@ async fn try_open(
         log: Arc::new(log),
         approvals: Arc::new(runs.approvals),
         threads: Arc::new(threads),
+        signals: Arc::new(signals),
     })
+}
+
+/// The signal topic's options as `config` sets them (as the orchestrator's start does).
+pub fn signal_options(config: &orchestrator::Config) -> TopicOptions {
+    TopicOptions {
+        replicas: config.nats.replicas,
+        ..(&config.signals).into()
+    }
 }

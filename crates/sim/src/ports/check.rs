@@ -34,7 +34,14 @@
 //!   exactly, gap-free and in order, ending in `run_finished` with the end the record holds;
 //! - **the replay**: a retry of `Orchestrate` with an ended run's id replays its log exactly;
 //! - **a cancel kept**: a run a cancel was answered `CANCELED` for (at once, or parked) ends
-//!   canceled, however often it moves after.
+//!   canceled, however often it moves after;
+//! - **a message once**: a message sent to a run (`SendMessage`) joins its conversation
+//!   (`message_added` in its log) at most once, and only one that was sent to it; without a
+//!   fault, each one the run took joins a run that completed (one it took after its last
+//!   checkpoint may be lost with its replica);
+//! - **a signal once**: the signal stream holds each exit call at most once (its message id keeps
+//!   a publish retried, or made again by the run's next owner, out), and each run's stored end
+//!   carries each of its signals at most once, one the topic confirmed being in the stream.
 
 use std::collections::BTreeMap;
 
@@ -158,6 +165,81 @@ pub fn violations(shared: &View, runners: &Runners, person: &Person, runs: usize
     broken.extend(slots_free(shared));
     broken.extend(spend_counted(shared));
     broken.extend(spend_served(shared, served));
+    broken.extend(signals_once(shared));
+    broken
+}
+
+/// A message sent to a run.
+pub struct Sent {
+    /// The run.
+    pub run_id: String,
+    /// Its text (unique over the seed).
+    pub content: String,
+    /// The run took it (`SendMessage` answered how many wait).
+    pub taken: bool,
+}
+
+/// The messages' invariant (see the module docs); `fault_free`: no fault could lose one.
+pub fn messages_once(shared: &View, sent: &[Sent], fault_free: bool) -> Vec<String> {
+    let mut broken = Vec::new();
+    for run_id in shared.records.keys() {
+        let mut joined: BTreeMap<&str, usize> = BTreeMap::new();
+        for event in shared.events(run_id) {
+            if let orchestrator::domain::Event::MessageAdded { content, .. } = &event.event {
+                *joined.entry(content.as_str()).or_default() += 1;
+            }
+        }
+        for (content, times) in &joined {
+            if !sent.iter().any(|s| &s.run_id == run_id && s.content == *content) {
+                broken.push(format!("a message once: {run_id} took {content:?}, never sent to it"));
+            }
+            if *times > 1 {
+                broken.push(format!("a message once: {run_id} took {content:?} {times} times"));
+            }
+        }
+        let completed = shared.records[run_id].result.status == orchestrator::domain::RunStatus::Completed;
+        for lost in sent.iter().filter(|s| &s.run_id == run_id && s.taken) {
+            if fault_free && completed && !joined.contains_key(lost.content.as_str()) {
+                broken.push(format!(
+                    "a message once: {run_id} took {:?} and completed without it",
+                    lost.content
+                ));
+            }
+        }
+    }
+    broken
+}
+
+/// The signals' invariant (see the module docs).
+fn signals_once(shared: &View) -> Vec<String> {
+    let mut broken = Vec::new();
+    let mut streamed = BTreeMap::new();
+    for (run_id, call_id) in &shared.signals {
+        *streamed.entry((run_id.as_str(), call_id.as_str())).or_insert(0) += 1;
+    }
+    for ((run_id, call_id), times) in &streamed {
+        if *times > 1 {
+            broken.push(format!(
+                "a signal once: the stream holds {run_id}'s {call_id} {times} times"
+            ));
+        }
+    }
+    for (run_id, record) in &shared.records {
+        let mut carried = BTreeMap::new();
+        for signal in &record.result.signals {
+            *carried.entry(signal.call_id.as_str()).or_insert(0) += 1;
+            let confirmed = signal.delivery == orchestrator::domain::Delivery::Delivered;
+            if confirmed && !streamed.contains_key(&(run_id.as_str(), signal.call_id.as_str())) {
+                broken.push(format!(
+                    "a signal once: {run_id}'s {} reads delivered, and the stream lacks it",
+                    signal.call_id
+                ));
+            }
+        }
+        for (call_id, times) in carried.into_iter().filter(|(_, times)| *times > 1) {
+            broken.push(format!("a signal once: {run_id}'s end carries {call_id} {times} times"));
+        }
+    }
     broken
 }
 
@@ -489,13 +571,15 @@ pub fn history(shared: &View, runners: &Runners, begun: tokio::time::Instant) ->
     lines.extend(shared.spend.iter().cloned());
     for (run_id, record) in &shared.records {
         let seqs: Vec<u64> = shared.events(run_id).iter().map(|e| e.seq).collect();
+        let streamed = shared.signals.iter().filter(|(run, _)| run == run_id).count();
         lines.push(format!(
-            "{run_id}: {:?} by {} in epoch {}, {} turns, log {} events",
+            "{run_id}: {:?} by {} in epoch {}, {} turns, log {} events, {} signals ({streamed} in the stream)",
             record.result.status,
             record.owner,
             record.epoch,
             record.result.turns,
-            seqs.len()
+            seqs.len(),
+            record.result.signals.len(),
         ));
     }
     for (thread, revision) in shared.threads.values() {

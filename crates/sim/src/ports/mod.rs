@@ -9,8 +9,8 @@
 //! fault plan, drawn from the seed too, pauses replicas (SIGSTOP), cuts them off from the store,
 //! kills them (SIGKILL) or drains them (SIGTERM: their runs handed over), starting a new replica
 //! in their place, slows the store down, leaves
-//! the event stream without a leader for a while (the buckets answering), lets a follower of the
-//! runs bucket lag, loses answers to requests that were applied and loses tool-runners; at the
+//! the event stream without a leader for a while (the buckets answering), lets a follower of a
+//! key-value bucket lag, loses answers to requests that were applied and loses tool-runners; at the
 //! end every fault heals and the runs must end. The history is checked against the invariants
 //! of [`check`]; the [`without`] switches turn fixes off to show what breaks.
 //!
@@ -69,9 +69,11 @@ pub struct Settings {
     /// never does, what breaks without it).
     pub parked_claims: bool,
     /// Cancels a caller asks for, each of a random run, on a random replica, at once or after
-    /// the run's turn, within the fault horizon (0: none, as the sweeps run; the replicas then
-    /// also answer each other's cancel asks).
+    /// the run's turn, within the fault horizon (the sweeps ask for 3 in every other seed).
     pub cancels: usize,
+    /// Messages a caller sends to runs (`SendMessage`), each to a random run on a random replica
+    /// at a random moment of the fault horizon.
+    pub messages: usize,
     /// A person's answer names the round of questions it answers (off: only the call, so an
     /// answer to questions asked before a takeover may be taken for the round asked after it,
     /// what breaks without it).
@@ -93,6 +95,7 @@ impl Default for Settings {
             parked_claims: true,
             answer_rounds: true,
             cancels: 0,
+            messages: 3,
         }
     }
 }
@@ -149,6 +152,9 @@ impl Settings {
         if self.cancels > 0 {
             command.push_str(&format!(" --cancels {}", self.cancels));
         }
+        if self.messages != Self::default().messages {
+            command.push_str(&format!(" --messages {}", self.messages));
+        }
         for fix in self.switched_off() {
             command.push_str(&format!(" --without {fix}"));
         }
@@ -170,6 +176,10 @@ pub struct Outcome {
     pub takeovers: u64,
     /// Tool attempts that carried a person's answers.
     pub answered: usize,
+    /// Messages sent to runs that a run took.
+    pub messages_taken: usize,
+    /// Signals the signal stream holds.
+    pub signals: usize,
     /// The history in a line each: faults, tool starts, and each run's log and record.
     pub history: Vec<String>,
 }
@@ -229,6 +239,8 @@ pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
                 starts: 0,
                 takeovers: 0,
                 answered: 0,
+                messages_taken: 0,
+                signals: 0,
                 history: Vec::new(),
             };
         }
@@ -266,6 +278,8 @@ struct World {
     notes: Arc<std::sync::Mutex<Vec<String>>>,
     /// The runs a cancel was answered `CANCELED` for: each must end canceled.
     canceled: Arc<std::sync::Mutex<Vec<String>>>,
+    /// The messages sent to runs: the run, the text, and whether the run took it.
+    sent: Arc<std::sync::Mutex<Vec<check::Sent>>>,
     /// The person who answers the tools' questions.
     person: person::Person,
     /// The tokens the model served, over every replica (the spend's upper bound).
@@ -284,8 +298,9 @@ enum Fault {
     SlowStore(Duration),
     LogDown(Duration),
     LoseRunner(usize, Duration),
-    /// A follower of the runs bucket lags (direct reads see old records).
-    Lag(Duration),
+    /// A follower of a key-value bucket lags (direct reads see old entries): the runs', the
+    /// approvals', the slots', the spend's or the threads' (by [`World::buckets`]' order).
+    Lag(usize, Duration),
     /// One answer in three is lost after its request was applied.
     LoseAnswers(Duration),
 }
@@ -296,7 +311,8 @@ impl World {
         let names = Names::of(&config.store.bucket, &config.store.event_log_stream);
         let runs = (0..settings.runs).map(|run| format!("run-{run}")).collect();
         let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
-        let store = Watched::new(crate::jetstream::Cluster::new(seed), names, runs, max_runs);
+        let signals = adapters::signal_options(&config).stream;
+        let store = Watched::new(crate::jetstream::Cluster::new(seed), names, signals, runs, max_runs);
         let runners = Runners::new(Arc::clone(&store), settings.runners, seed, settings.receiver_fence);
         Self {
             seed,
@@ -310,6 +326,7 @@ impl World {
             observations: Arc::default(),
             notes: Arc::default(),
             canceled: Arc::default(),
+            sent: Arc::default(),
             person: Arc::default(),
             served: Arc::default(),
             settings,
@@ -338,7 +355,7 @@ impl World {
             approvals: without::Approvals::over(stores.approvals, settings.task_handles),
             threads: stores.threads,
             sign_outs: Arc::new(orchestrator::store::memory::MemorySignOuts::default()),
-            signals: Arc::new(orchestrator::signals::memory::MemoryTopic::new(16)),
+            signals: stores.signals,
             model: Arc::new(Model::new(
                 gate.clone(),
                 self.seed.wrapping_add(n as u64 * 7919),
@@ -350,10 +367,9 @@ impl World {
             }),
         };
         let replica = Replica::new(&config(), ports);
-        let replica = Arc::new(match self.settings.cancels {
-            0 => replica,
-            _ => replica.answering_asks(),
-        });
+        // As the server does with a journal: it answers the cancels and messages other
+        // replicas ask of it for the runs live here.
+        let replica = Arc::new(replica.answering_asks());
         lock(&self.living).push(Arc::clone(&replica));
         self.processes.push(Process {
             name,
@@ -382,6 +398,7 @@ impl World {
         }
         let reader = self.spawn_reader();
         self.spawn_cancels();
+        self.spawn_messages();
         let followers = self.spawn_followers();
         let rounds = self.settings.answer_rounds;
         let person = person::spawn(Arc::clone(&self.living), Arc::clone(&self.person), self.seed, rounds);
@@ -405,11 +422,14 @@ impl World {
         }
         violations.extend(lock(&self.observations).drain(..));
         violations.extend(check::cancels_kept(&view, &lock(&self.canceled)));
+        let fault_free = self.settings.faults == 0;
+        violations.extend(check::messages_once(&view, &lock(&self.sent), fault_free));
         if let Err(unended) = ended {
             violations.push(unended);
         }
         let starts = lock(&self.runners.starts).len();
         let answered = lock(&self.runners.answered).len();
+        let messages_taken = lock(&self.sent).iter().filter(|s| s.taken).count();
         let mut history = std::mem::take(&mut self.history);
         history.extend(lock(&self.notes).drain(..));
         history.extend(check::history(&view, &self.runners, self.begun));
@@ -419,6 +439,8 @@ impl World {
             starts,
             takeovers: check::takeovers(&view),
             answered,
+            messages_taken,
+            signals: view.signals.len(),
             history,
         }
     }
@@ -438,7 +460,7 @@ impl World {
                     3 => Fault::SlowStore(lasting),
                     4 => Fault::LogDown(lasting),
                     5 => Fault::LoseRunner(self.rng.usize(..self.settings.runners.max(1)), lasting),
-                    6 => Fault::Lag(lasting),
+                    6 => Fault::Lag(self.rng.usize(..5), lasting),
                     7 => Fault::Drain(who, lasting),
                     _ => Fault::LoseAnswers(lasting),
                 };
@@ -495,9 +517,10 @@ impl World {
                 self.take_log_down(Instant::now() + lasting);
                 self.history.push(line);
             }
-            Fault::Lag(lasting) => {
-                self.lag_runs(Instant::now() + lasting);
-                self.history.push(line);
+            Fault::Lag(bucket, lasting) => {
+                let bucket = &self.buckets()[bucket % 5];
+                self.store.cluster().lag(bucket, Instant::now() + lasting);
+                self.history.push(format!("{line} of {bucket}"));
             }
             Fault::LoseAnswers(lasting) => {
                 self.store.cluster().lose_answers(Instant::now() + lasting);
@@ -538,13 +561,23 @@ impl World {
         self.slow_store(now);
         self.take_log_down(now);
         self.store.cluster().lose_answers(now);
-        self.lag_runs(now);
+        for bucket in self.buckets() {
+            self.store.cluster().lag(&bucket, now);
+        }
     }
 
-    /// A follower of the runs bucket lags until `until` (direct reads answer from it).
-    fn lag_runs(&self, until: Instant) {
-        let runs = format!("KV_{}", self.store.names().runs);
-        self.store.cluster().lag(&runs, until);
+    /// The streams of the key-value buckets a follower of may lag: the runs', the approvals',
+    /// the slots', the spend's and the threads'.
+    fn buckets(&self) -> [String; 5] {
+        let names = self.store.names();
+        [
+            &names.runs,
+            &names.approvals,
+            &names.slots,
+            &names.usage,
+            &names.threads,
+        ]
+        .map(|b| format!("KV_{b}"))
     }
 
     /// Every store request is slow until `until`.
@@ -605,6 +638,38 @@ impl World {
                 let at = begun.elapsed().as_secs_f64();
                 let mode = if after_turn { "after its turn" } else { "at once" };
                 lock(&notes).push(format!("{at:>8.3}s cancel {run_id} {mode}: {outcome:?}"));
+            });
+        }
+    }
+
+    /// Sends the settings' messages, each to a random run on a random replica alive at a random
+    /// moment of the horizon; each outcome goes to the history.
+    fn spawn_messages(&mut self) {
+        for n in 0..self.settings.messages {
+            let at = Duration::from_millis(self.rng.u64(..self.settings.horizon.as_millis() as u64));
+            let run_id = format!("run-{}", self.rng.usize(..self.settings.runs.max(1)));
+            let replica_at = self.rng.usize(..64);
+            let (living, notes, begun, sent) = (
+                Arc::clone(&self.living),
+                Arc::clone(&self.notes),
+                self.begun,
+                Arc::clone(&self.sent),
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep_until(begun + at).await;
+                let Some(replica) = pick(&living, replica_at) else {
+                    return;
+                };
+                let content = format!("message-{n}");
+                let outcome = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    replica.send_message(&run_id, &content, &tenant()),
+                )
+                .await;
+                let taken = matches!(outcome, Ok(Ok(_)));
+                let at = begun.elapsed().as_secs_f64();
+                lock(&notes).push(format!("{at:>8.3}s {content} to {run_id}: {outcome:?}"));
+                lock(&sent).push(check::Sent { run_id, content, taken });
             });
         }
     }
@@ -834,7 +899,11 @@ fn spec(run_id: &str) -> RunSpec {
             description: "works".to_owned(),
             parameters: serde_json::json!({"type": "object"}).into(),
         }],
-        exit_tools: Vec::new(),
+        exit_tools: vec![ToolDefinition {
+            name: actors::REPORT.to_owned(),
+            description: "reports".to_owned(),
+            parameters: serde_json::json!({"type": "object"}).into(),
+        }],
         limits,
         metadata: Default::default(),
         labels: [("kind".to_owned(), "sim".to_owned())].into(),

@@ -48,6 +48,8 @@ pub struct View {
     pub index_order: Vec<String>,
     /// Lines for the history: each spend added, heard or not.
     pub spend: Vec<String>,
+    /// The signal stream's messages: the run and exit call each names, in stream order.
+    pub signals: Vec<(String, String)>,
 }
 
 impl View {
@@ -106,6 +108,8 @@ struct Seen {
 pub struct Watched {
     cluster: Cluster,
     names: Names,
+    /// The signal stream.
+    signals: String,
     /// The runs' ids (`run-0..`).
     runs: Vec<String>,
     /// Each principal's `max_runs`.
@@ -115,7 +119,13 @@ pub struct Watched {
 
 impl Watched {
     /// `cluster` as the adapters named `names` write it, for runs `runs`; its writes watched.
-    pub fn new(cluster: Cluster, names: Names, runs: Vec<String>, max_runs: BTreeMap<String, usize>) -> Arc<Self> {
+    pub fn new(
+        cluster: Cluster,
+        names: Names,
+        signals: String,
+        runs: Vec<String>,
+        max_runs: BTreeMap<String, usize>,
+    ) -> Arc<Self> {
         let seen = Arc::new(Mutex::new(Seen::default()));
         let watcher = Watcher {
             names: names.clone(),
@@ -127,6 +137,7 @@ impl Watched {
         Arc::new(Self {
             cluster,
             names,
+            signals,
             runs,
             max_runs,
             seen,
@@ -204,6 +215,15 @@ impl Watched {
             }
         }
         view.index_order = self.index_order(&view.records);
+        view.signals = self
+            .cluster
+            .messages(&self.signals, ">")
+            .iter()
+            .map(|m| {
+                let header = |name| m.header(name).unwrap_or_default().to_owned();
+                (header("Orchestrator-Run-Id"), header("Orchestrator-Call-Id"))
+            })
+            .collect();
         let seen = lock(&self.seen);
         view.takeovers = seen.takeovers.clone();
         view.spend = seen.spend.clone();

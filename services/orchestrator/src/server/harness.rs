@@ -103,6 +103,16 @@ impl Replica {
         Ok(self.core.decide(run_id, decisions, &Principal::anonymous()).await?.1)
     }
 
+    /// Sends `content` to live run `run_id` for its next turn boundary (as `SendMessage` for
+    /// `caller`, here or on the replica that runs it): how many messages wait.
+    pub async fn send_message(&self, run_id: &str, content: &str, caller: &Principal) -> Result<u32, Error> {
+        let message = crate::domain::steering::UserMessage {
+            content: content.to_owned(),
+            name: None,
+        };
+        self.core.send_message(run_id, caller, message).await
+    }
+
     /// Follows run `run_id` after `after_seq` (as `AttachRun` answers an unauthenticated
     /// caller): its events, then an error when the stream breaks off (the caller attaches again).
     pub async fn attach(

@@ -136,9 +136,9 @@ impl Driver<'_> {
     /// Announces the calls that wait (`approval_requested`, and the run's pending approvals) and
     /// opens their wait in the approval store. An approval store that takes no more runs rejects them at once
     /// (`APPROVAL_UNAVAILABLE`, fed back to the model).
-    pub(super) async fn ask_for_approval(&mut self, calls: &mut TurnCalls) {
+    pub(super) async fn ask_for_approval(&mut self, calls: &mut TurnCalls) -> Step<()> {
         if calls.approvals.is_empty() {
-            return;
+            return Ok(());
         }
         for approval in &calls.approvals {
             let call = &calls.partition.calls[approval.index];
@@ -152,7 +152,7 @@ impl Driver<'_> {
             });
         }
         metrics::counter!(metric::APPROVALS_REQUESTED).increment(calls.approvals.len() as u64);
-        self.open_wait(calls).await;
+        self.open_wait(calls).await
     }
 
     /// Sorts what the calls that `ran` gave back: an outcome is finished; a call that asked
@@ -199,9 +199,9 @@ impl Driver<'_> {
 
     /// Announces the questions of the calls at `asked` (`tool_input_requested`) and opens the
     /// turn's wait with them.
-    pub(super) async fn ask_for_input(&mut self, calls: &mut TurnCalls, asked: &[usize]) {
+    pub(super) async fn ask_for_input(&mut self, calls: &mut TurnCalls, asked: &[usize]) -> Step<()> {
         if asked.is_empty() {
-            return;
+            return Ok(());
         }
         for approval in calls.approvals.iter().filter(|a| asked.contains(&a.index)) {
             let (call, Some(questions)) = (&calls.partition.calls[approval.index], &approval.questions) else {
@@ -218,13 +218,16 @@ impl Driver<'_> {
             });
         }
         metrics::counter!(metric::INPUT_REQUESTED).increment(asked.len() as u64);
-        self.open_wait(calls).await;
+        self.open_wait(calls).await
     }
 
     /// Opens (or opens again) the turn's wait in the approval store with every call that waits or waited,
     /// their decisions so far, and the run's pending approvals: those still undecided. An approval store
-    /// that takes no more runs decides them at once (rejected; questions answered `cancel`).
-    async fn open_wait(&mut self, calls: &mut TurnCalls) {
+    /// of this process that takes no more runs decides them at once (rejected; questions answered
+    /// `cancel`). A shared one that did not take the wait may hold it all the same (its answer
+    /// was lost), where a person may answer it: the run stops here, and whichever replica takes
+    /// it over opens the same wait again, keeping the decisions made meanwhile.
+    async fn open_wait(&mut self, calls: &mut TurnCalls) -> Step<()> {
         let now = shared::sync::unix_ms();
         let mut waiting = Vec::with_capacity(calls.approvals.len());
         for approval in &calls.approvals {
@@ -254,10 +257,19 @@ impl Driver<'_> {
             calls: waiting,
             epoch: self.epoch(),
         };
-        if let Err(reason) = self.deps.approvals.open(wait).await {
-            tracing::warn!("{reason}; the calls that wait for a person are decided at once");
-            calls.reject_undecided(&format!("no person could be asked ({reason})"));
+        let Err(reason) = self.deps.approvals.open(wait).await else {
+            return Ok(());
+        };
+        if let Some(owner) = self.ownership() {
+            tracing::warn!("{reason}; the run stops here and resumes from its last checkpoint");
+            owner.stop(crate::domain::Stop::Unsaved(format!(
+                "opening its wait failed: {reason}"
+            )));
+            return Err(End::TakenOver);
         }
+        tracing::warn!("{reason}; the calls that wait for a person are decided at once");
+        calls.reject_undecided(&format!("no person could be asked ({reason})"));
+        Ok(())
     }
 
     fn schema_of(&self, tool: &str) -> serde_json::Value {

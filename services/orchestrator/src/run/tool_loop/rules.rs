@@ -96,13 +96,13 @@ impl Driver<'_> {
     pub(super) async fn tools_half(&mut self, mut calls: TurnCalls, announce: bool) -> Step<()> {
         if announce {
             self.announce_calls(&calls);
-            self.ask_for_approval(&mut calls).await;
+            self.ask_for_approval(&mut calls).await?;
         }
         self.apply_decisions(&mut calls).await?;
         self.safe_point(Some(&calls)).await?;
         // The calls that finished before this replica resumed the turn are not run again, and
         // stay in the checkpoints taken as the others finish.
-        self.run_unfinished(&mut calls).await;
+        self.run_unfinished(&mut calls).await?;
         // Each round a call asks again counts against its bound, and a task ends (or its run's
         // deadline does), so this ends.
         while calls.undecided() || !calls.tasks.is_empty() {
@@ -114,19 +114,19 @@ impl Driver<'_> {
             } else {
                 self.await_tasks(&mut calls).await?;
             }
-            self.run_unfinished(&mut calls).await;
+            self.run_unfinished(&mut calls).await?;
         }
         self.report_turn(calls)
     }
 
     /// Runs the calls not finished yet (a call that became a task: its next poll); those that
     /// asked questions wait for the answers, those still running as tasks are followed.
-    async fn run_unfinished(&mut self, calls: &mut TurnCalls) {
+    async fn run_unfinished(&mut self, calls: &mut TurnCalls) -> Step<()> {
         let ran = self.dispatch(calls).await;
         let (ran, given_up) = self.take_tasks(calls, ran);
         self.cancel_given_up_tasks(given_up).await;
         let asked = self.take_questions(calls, ran);
-        self.ask_for_input(calls, &asked).await;
+        self.ask_for_input(calls, &asked).await
     }
 
     /// The turn's outcomes reported, failures counted (a call a person rejected is no failure),

@@ -327,6 +327,8 @@ pub(crate) struct HookedApprovals {
     pub(crate) inner: MemoryApprovals,
     /// Every park is refused (a store that does not take the parked record).
     pub(crate) refuse_park: bool,
+    /// Every wait opened is kept, and its answer lost (the opener hears no answer in time).
+    pub(crate) lose_open_answers: bool,
     /// Runs after `take_ready` handed a run out, before the caller has it.
     pub(crate) after_take: Option<Box<dyn Fn() + Send + Sync>>,
 }
@@ -338,6 +340,7 @@ impl HookedApprovals {
         Self {
             inner: MemoryApprovals::new(16),
             refuse_park: false,
+            lose_open_answers: false,
             after_take: None,
         }
     }
@@ -346,7 +349,13 @@ impl HookedApprovals {
 #[cfg(test)]
 impl ApprovalStore for HookedApprovals {
     fn open(&self, wait: Wait) -> BoxFuture<'static, Result<(), String>> {
-        self.inner.open(wait)
+        let opened = self.inner.open(wait);
+        match self.lose_open_answers {
+            false => opened,
+            true => opened
+                .map(|_| Err("the approvals bucket did not take the wait: no answer in time".to_owned()))
+                .boxed(),
+        }
     }
     fn park(&self, run_id: &str, parked: Parked) -> BoxFuture<'static, Result<ParkOutcome, StoreError>> {
         if !self.refuse_park {

@@ -296,6 +296,42 @@ async fn a_durable_run_the_store_will_not_park_stops_here_for_another_replica() 
     );
 }
 
+/// A durable run whose wait the shared approval store kept without its answer reaching the run
+/// does not decide the calls at once: a person may answer the wait the store holds, and the
+/// run would go on rejecting a call a person approved. It stops here, and the replica that takes
+/// it over opens the same wait again, keeping the decisions made meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_durable_run_whose_wait_went_unanswered_stops_rather_than_decide_its_calls() {
+    let journal = Arc::new(Journal::default());
+    let approvals = Arc::new(crate::store::memory::approvals::HookedApprovals {
+        lose_open_answers: true,
+        ..crate::store::memory::approvals::HookedApprovals::new()
+    });
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        approval: crate::domain::approval::ApprovalRules {
+            tools: ["nap".to_owned()].into(),
+            timeout: Duration::from_secs(60),
+            ..Default::default()
+        },
+        approvals: Arc::clone(&approvals) as Arc<dyn crate::domain::ports::ApprovalStore>,
+        ..Outside::default()
+    };
+    let (result, batches, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
+    assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
+    let events: Vec<&NumberedEvent> = batches.iter().flatten().collect();
+    assert!(!events.iter().any(|e| e.finished().is_some()), "no run_finished");
+    assert_eq!(script.requests.lock().unwrap().len(), 1, "no turn after the first");
+    let waiting = crate::domain::ports::ApprovalStore::waiting(&*approvals, &result.run_id).await;
+    let waiting = waiting.unwrap().expect("the wait the store kept");
+    assert!(
+        waiting.calls.iter().all(|call| call.decision.is_none()),
+        "the kept wait is left for a person to answer: {:?}",
+        waiting.calls
+    );
+}
+
 /// The run stopped here (it moves) before its turn's calls: it did not end, no call ran, and the
 /// calls were never announced from here.
 fn stopped_before_its_calls(result: &RunResult, events: &[EventBatch], tools: &Tools) {
