@@ -1,6 +1,6 @@
 //! The real NATS adapters over the simulated cluster, one fault at a time: what a sweep found,
-//! pinned as a sequence of the adapters' own calls (a lagging follower of the runs bucket
-//! serving the direct reads).
+//! pinned as a sequence of the adapters' own calls (a lagging follower of a bucket serving the
+//! direct reads).
 
 use std::time::Duration;
 
@@ -95,5 +95,40 @@ async fn a_hand_over_never_writes_back_a_followers_older_record() -> TestResult 
     a.journal.save(run, deadline, b"turn 2".to_vec()).await?;
     a.journal.hand_over("run-1").await?;
     assert_eq!(taken_over(&*c.journal, "run-1").await?, b"turn 2".to_vec());
+    Ok(())
+}
+
+/// A thread is read from the leader: it is read to be written by compare-and-set on the revision
+/// read. Read from a follower that lacked the last write, every attempt to add a run's messages
+/// failed on the revision and the run ended off its thread.
+#[tokio::test]
+async fn a_thread_read_while_a_follower_lags_is_the_newest() -> TestResult {
+    use orchestrator::domain::thread::Thread;
+    let cluster = Cluster::new(3);
+    let a = replica(&cluster, "a").await;
+    let thread = Thread::new("thread-0", "team", 1);
+    anyhow::ensure!(a.threads.write(thread.clone(), 0).await?, "created");
+    let threads = format!("KV_{}-threads", config().store.bucket);
+    cluster.lag(&threads, Instant::now() + Duration::from_secs(2));
+    let (read, revision) = a
+        .threads
+        .read("thread-0")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no thread"))?;
+    let updated = Thread {
+        dropped_turns: 1,
+        ..read
+    };
+    anyhow::ensure!(a.threads.write(updated, revision).await?, "updated");
+    let (newest, revision) = a
+        .threads
+        .read("thread-0")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no thread"))?;
+    assert_eq!(newest.dropped_turns, 1, "the newest write is read");
+    assert!(
+        a.threads.write(newest, revision).await?,
+        "a write at the revision read lands"
+    );
     Ok(())
 }

@@ -41,7 +41,9 @@ impl ThreadStore for NatsThreads {
     fn read(&self, thread_id: &str) -> BoxFuture<'static, Result<Option<(Thread, u64)>, StoreError>> {
         let (kv, key) = (self.kv.clone(), key(thread_id));
         async move {
-            let entry = kv.entry(&key, Consistency::Direct).await;
+            // From the leader: a thread is read to be written by compare-and-set on the revision
+            // read, and a lagging follower's older revision would fail every attempt.
+            let entry = kv.entry(&key, Consistency::Leader).await;
             let Some(entry) = entry.map_err(|e| unavailable("KV entry", &key, e))? else {
                 return Ok(None);
             };
