@@ -264,19 +264,11 @@ async fn a_checkpoint_the_store_refuses_stops_the_run_before_anything_it_holds_l
 #[tokio::test(start_paused = true)]
 async fn a_durable_run_the_store_will_not_park_stops_here_for_another_replica() {
     let journal = Arc::new(Journal::default());
-    let outside = Outside {
-        journal: Some(Arc::clone(&journal)),
-        approval: crate::domain::approval::ApprovalRules {
-            tools: ["nap".to_owned()].into(),
-            timeout: Duration::from_secs(60),
-            ..Default::default()
-        },
-        approvals: Arc::new(crate::store::memory::approvals::HookedApprovals {
-            refuse_park: true,
-            ..crate::store::memory::approvals::HookedApprovals::new()
-        }),
-        ..Outside::default()
-    };
+    let approvals = Arc::new(crate::store::memory::approvals::HookedApprovals {
+        refuse_park: true,
+        ..crate::store::memory::approvals::HookedApprovals::new()
+    });
+    let outside = naps_wait_for_approval(&journal, approvals);
     let (result, batches, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
     assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
     assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
@@ -307,16 +299,7 @@ async fn a_durable_run_whose_wait_went_unanswered_stops_rather_than_decide_its_c
         lose_open_answers: true,
         ..crate::store::memory::approvals::HookedApprovals::new()
     });
-    let outside = Outside {
-        journal: Some(Arc::clone(&journal)),
-        approval: crate::domain::approval::ApprovalRules {
-            tools: ["nap".to_owned()].into(),
-            timeout: Duration::from_secs(60),
-            ..Default::default()
-        },
-        approvals: Arc::clone(&approvals) as Arc<dyn crate::domain::ports::ApprovalStore>,
-        ..Outside::default()
-    };
+    let outside = naps_wait_for_approval(&journal, Arc::clone(&approvals));
     let (result, batches, script, tools) = play_with(two_naps_then_an_answer(), limits(), outside).await;
     assert_eq!(result.status, RunStatus::Running, "stopped here, not ended: {result:?}");
     assert!(tools.started.lock().unwrap().is_empty(), "no call ran");
@@ -330,6 +313,24 @@ async fn a_durable_run_whose_wait_went_unanswered_stops_rather_than_decide_its_c
         "the kept wait is left for a person to answer: {:?}",
         waiting.calls
     );
+}
+
+/// A durable run's surroundings where every `nap` call waits for a person's approval (a minute)
+/// in `approvals`.
+fn naps_wait_for_approval(
+    journal: &Arc<Journal>,
+    approvals: Arc<crate::store::memory::approvals::HookedApprovals>,
+) -> Outside {
+    Outside {
+        journal: Some(Arc::clone(journal)),
+        approval: crate::domain::approval::ApprovalRules {
+            tools: ["nap".to_owned()].into(),
+            timeout: Duration::from_secs(60),
+            ..Default::default()
+        },
+        approvals,
+        ..Outside::default()
+    }
 }
 
 /// The run stopped here (it moves) before its turn's calls: it did not end, no call ran, and the
