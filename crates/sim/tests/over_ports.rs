@@ -76,9 +76,9 @@ fn replay(seed: u64, settings: &Settings) -> String {
 
 /// Every invariant holds over the real NATS adapters (`orchestrator::store::nats`) on the
 /// simulated JetStream (`sim::jetstream`), the runners reading the fence with the tool-runner's
-/// own reader, under every fault: a replica paused, cut off or killed, the store slow, the event
-/// stream without a leader, a lagging follower of a key-value bucket, answers lost after their
-/// write landed, a runner lost.
+/// own reader, under every fault: a replica paused, cut off, killed or drained, the store slow,
+/// the event stream or the checkpoint store without a leader, a lagging follower of a key-value
+/// bucket, answers lost after their write landed, a runner lost.
 #[test]
 fn every_invariant_holds_over_the_services_code() {
     let Swept {

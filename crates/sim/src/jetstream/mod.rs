@@ -92,6 +92,8 @@ struct Subscription {
 struct Inner {
     streams: BTreeMap<String, Node>,
     objects: BTreeMap<String, (Duration, BTreeMap<String, StoredObject>)>,
+    /// Object stores without a leader, until when (their requests time out unapplied).
+    objects_leaderless: BTreeMap<String, Instant>,
     subscriptions: Vec<Subscription>,
     inboxes: HashMap<String, oneshot::Sender<Bytes>>,
     next_inbox: u64,
@@ -197,6 +199,7 @@ impl Cluster {
         Self(Arc::new(Mutex::new(Inner {
             streams: BTreeMap::new(),
             objects: BTreeMap::new(),
+            objects_leaderless: BTreeMap::new(),
             subscriptions: Vec::new(),
             inboxes: HashMap::new(),
             next_inbox: 0,
@@ -232,10 +235,13 @@ impl Cluster {
         self.lock().slow_until = Some(until);
     }
 
-    /// The stream `name` has no leader until `until`.
+    /// The stream (or object store) `name` has no leader until `until`.
     pub fn lose_leader(&self, name: &str, until: Instant) {
-        if let Some(node) = self.lock().streams.get_mut(name) {
+        let mut inner = self.lock();
+        if let Some(node) = inner.streams.get_mut(name) {
             node.leaderless_until = Some(until);
+        } else if inner.objects.contains_key(name) {
+            inner.objects_leaderless.insert(name.to_owned(), until);
         }
     }
 
@@ -354,7 +360,13 @@ impl Connection {
         let (answer, lost) = {
             let mut inner = self.cluster.lock();
             let leaderless = match to {
-                To::Leader(name) => inner.streams.get(name).is_some_and(Node::leaderless),
+                To::Leader(name) => {
+                    let objects = inner
+                        .objects_leaderless
+                        .get(name)
+                        .is_some_and(|until| Instant::now() < *until);
+                    objects || inner.streams.get(name).is_some_and(Node::leaderless)
+                }
                 To::Any => false,
             };
             if leaderless {
@@ -859,7 +871,7 @@ impl SimObjects {
 impl Objects for SimObjects {
     fn put(&self, name: &str, description: Option<String>, bytes: Vec<u8>) -> Reply<()> {
         let (store, name) = (self.name.clone(), name.to_owned());
-        self.connection.reply(None, move |inner| {
+        self.connection.reply(Some(store.clone()), move |inner| {
             let object = StoredObject {
                 description,
                 bytes,
@@ -872,7 +884,7 @@ impl Objects for SimObjects {
 
     fn get(&self, name: &str) -> Reply<Option<Object>> {
         let (store, name) = (self.name.clone(), name.to_owned());
-        self.connection.reply(None, move |inner| {
+        self.connection.reply(Some(store.clone()), move |inner| {
             Ok(Self::objects(inner, &store)?.get(&name).map(|o| Object {
                 description: o.description.clone(),
                 bytes: o.bytes.clone(),
@@ -882,7 +894,7 @@ impl Objects for SimObjects {
 
     fn remove(&self, name: &str) -> Reply<()> {
         let (store, name) = (self.name.clone(), name.to_owned());
-        self.connection.reply(None, move |inner| {
+        self.connection.reply(Some(store.clone()), move |inner| {
             Self::objects(inner, &store)?.remove(&name);
             Ok(())
         })
@@ -890,7 +902,7 @@ impl Objects for SimObjects {
 
     fn names(&self) -> Reply<Vec<String>> {
         let store = self.name.clone();
-        self.connection.reply(None, move |inner| {
+        self.connection.reply(Some(store.clone()), move |inner| {
             Ok(Self::objects(inner, &store)?.keys().cloned().collect())
         })
     }

@@ -9,8 +9,8 @@
 //! fault plan, drawn from the seed too, pauses replicas (SIGSTOP), cuts them off from the store,
 //! kills them (SIGKILL) or drains them (SIGTERM: their runs handed over), starting a new replica
 //! in their place, slows the store down, leaves
-//! the event stream without a leader for a while (the buckets answering), lets a follower of a
-//! key-value bucket lag, loses answers to requests that were applied and loses tool-runners; at the
+//! the event stream or the checkpoint store without a leader for a while (the buckets
+//! answering), lets a follower of a key-value bucket lag, loses answers to requests that were applied and loses tool-runners; at the
 //! end every fault heals and the runs must end. The history is checked against the invariants
 //! of [`check`]; the [`without`] switches turn fixes off to show what breaks.
 //!
@@ -303,6 +303,8 @@ enum Fault {
     Lag(usize, Duration),
     /// One answer in three is lost after its request was applied.
     LoseAnswers(Duration),
+    /// The checkpoint object store has no leader for a while (the buckets answer).
+    CheckpointsDown(Duration),
 }
 
 impl World {
@@ -453,7 +455,7 @@ impl World {
                 let at = Duration::from_millis(self.rng.u64(100..horizon.max(101)));
                 let lasting = Duration::from_millis(self.rng.u64(200..8000));
                 let who = self.rng.usize(..self.settings.replicas.max(1));
-                let fault = match self.rng.u8(..9) {
+                let fault = match self.rng.u8(..10) {
                     0 => Fault::Pause(who, lasting),
                     1 => Fault::CutOff(who, lasting),
                     2 => Fault::Kill(who, lasting),
@@ -462,6 +464,7 @@ impl World {
                     5 => Fault::LoseRunner(self.rng.usize(..self.settings.runners.max(1)), lasting),
                     6 => Fault::Lag(self.rng.usize(..5), lasting),
                     7 => Fault::Drain(who, lasting),
+                    8 => Fault::CheckpointsDown(lasting),
                     _ => Fault::LoseAnswers(lasting),
                 };
                 (at, fault)
@@ -522,6 +525,11 @@ impl World {
                 self.store.cluster().lag(bucket, Instant::now() + lasting);
                 self.history.push(format!("{line} of {bucket}"));
             }
+            Fault::CheckpointsDown(lasting) => {
+                let checkpoints = &self.store.names().checkpoints;
+                self.store.cluster().lose_leader(checkpoints, Instant::now() + lasting);
+                self.history.push(line);
+            }
             Fault::LoseAnswers(lasting) => {
                 self.store.cluster().lose_answers(Instant::now() + lasting);
                 self.history.push(line);
@@ -561,6 +569,7 @@ impl World {
         self.slow_store(now);
         self.take_log_down(now);
         self.store.cluster().lose_answers(now);
+        self.store.cluster().lose_leader(&self.store.names().checkpoints, now);
         for bucket in self.buckets() {
             self.store.cluster().lag(&bucket, now);
         }
