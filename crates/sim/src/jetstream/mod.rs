@@ -227,6 +227,7 @@ impl Cluster {
             gate,
             timeout,
             wire: Arc::default(),
+            object_filter: None,
         }
     }
 
@@ -338,9 +339,19 @@ pub struct Connection {
     timeout: Duration,
     /// Held by the request on the wire: the connection's requests apply in order.
     wire: Arc<tokio::sync::Mutex<()>>,
+    /// What an object put through this connection is stored as (a faulty store, to show what
+    /// breaks: see `ports::without`); as put when none.
+    object_filter: Option<fn(Vec<u8>) -> Vec<u8>>,
 }
 
 impl Connection {
+    /// The same connection, storing each object put through it as `filter` makes it.
+    #[must_use]
+    pub fn filtering_objects(mut self, filter: fn(Vec<u8>) -> Vec<u8>) -> Self {
+        self.object_filter = Some(filter);
+        self
+    }
+
     /// One request: it leaves through the gate, takes its latency, is applied by `apply` (unless
     /// its stream has no leader), and its answer is heard through the gate, unless it is lost.
     /// Whatever is not answered times out after the connection's timeout.
@@ -871,6 +882,10 @@ impl SimObjects {
 impl Objects for SimObjects {
     fn put(&self, name: &str, description: Option<String>, bytes: Vec<u8>) -> Reply<()> {
         let (store, name) = (self.name.clone(), name.to_owned());
+        let bytes = match self.connection.object_filter {
+            Some(filter) => filter(bytes),
+            None => bytes,
+        };
         self.connection.reply(Some(store.clone()), move |inner| {
             let object = StoredObject {
                 description,

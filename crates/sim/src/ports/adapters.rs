@@ -8,8 +8,8 @@ use std::time::Duration;
 use orchestrator::domain::ports::{
     ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignalTopic, ThreadStore, UsageBook,
 };
-use orchestrator::server::harness::{nats_log_options, open_nats_runs};
-use orchestrator::signals::nats::{NatsTopic, TopicOptions};
+use orchestrator::server::harness::{nats_log_options, nats_signal_options, open_nats_runs};
+use orchestrator::signals::nats::NatsTopic;
 use orchestrator::store::nats::{NatsLog, NatsThreads};
 use shared::jetstream::JetStream;
 
@@ -63,7 +63,7 @@ async fn try_open(js: &dyn JetStream, owner: &str, config: &orchestrator::Config
     let threads = threads.await.map_err(|e| e.to_string())?;
     let log = NatsLog::open(js, &config.store.event_log_stream, nats_log_options(config));
     let log = log.await.map_err(|e| e.to_string())?;
-    let signals = NatsTopic::open(js, signal_options(config))
+    let signals = NatsTopic::open(js, nats_signal_options(config))
         .await
         .map_err(|e| e.to_string())?;
     Ok(Stores {
@@ -77,12 +77,4 @@ async fn try_open(js: &dyn JetStream, owner: &str, config: &orchestrator::Config
         threads: Arc::new(threads),
         signals: Arc::new(signals),
     })
-}
-
-/// The signal topic's options as `config` sets them (as the orchestrator's start does).
-pub fn signal_options(config: &orchestrator::Config) -> TopicOptions {
-    TopicOptions {
-        replicas: config.nats.replicas,
-        ..(&config.signals).into()
-    }
 }

@@ -313,7 +313,7 @@ impl World {
         let names = Names::of(&config.store.bucket, &config.store.event_log_stream);
         let runs = (0..settings.runs).map(|run| format!("run-{run}")).collect();
         let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
-        let signals = adapters::signal_options(&config).stream;
+        let signals = orchestrator::server::harness::nats_signal_options(&config).stream;
         let store = Watched::new(crate::jetstream::Cluster::new(seed), names, signals, runs, max_runs);
         let runners = Runners::new(Arc::clone(&store), settings.runners, seed, settings.receiver_fence);
         Self {
@@ -341,20 +341,19 @@ impl World {
         let name = format!("replica-{n}");
         let gate = Gate::default();
         let connection = self.store.cluster().connect(gate.clone(), STORE_TIMEOUT);
+        let connection = match self.settings.task_handles {
+            true => connection,
+            false => connection.filtering_objects(without::without_tasks),
+        };
         let stores = adapters::open(&connection, &name, &config()).await;
-        let settings = &self.settings;
         let ports = Ports {
             store: stores.store,
             index: stores.index,
             quotas: stores.quotas.filter(|_| self.settings.fleet_slots),
             usage: stores.usage,
-            journal: Some(without::Journal::over(
-                stores.journal,
-                settings.task_handles,
-                settings.parked_claims,
-            )),
+            journal: Some(without::Journal::over(stores.journal, self.settings.parked_claims)),
             log: stores.log,
-            approvals: without::Approvals::over(stores.approvals, settings.task_handles),
+            approvals: stores.approvals,
             threads: stores.threads,
             sign_outs: Arc::new(orchestrator::store::memory::MemorySignOuts::default()),
             signals: stores.signals,

@@ -175,10 +175,7 @@ async fn open_signal_topic(config: &Config, connections: &mut NatsConnections) -
         Backend::Memory => Arc::new(MemoryTopic::new(config.signals.buffer)),
         Backend::Nats(url) => {
             let client = connections.get(url, &config.nats).await?;
-            let options = TopicOptions {
-                replicas: config.nats.replicas,
-                ..(&config.signals).into()
-            };
+            let options = nats_signal_options(config);
             let js = context(client, Some(options.ack_timeout));
             let topic = NatsTopic::open(&js, options).await?;
             tracing::info!(nats = %url, prefix = %config.signals.subject_prefix, stream = %config.signals.stream, "signal topic on NATS JetStream");
@@ -275,6 +272,14 @@ pub async fn open_nats_runs(
         usage: NatsUsage::open(js, &store.bucket, store.usage_keep_for, replicas).await?,
         store: kv,
     })
+}
+
+/// The signal topic's options on NATS, as `config` sets them.
+pub fn nats_signal_options(config: &Config) -> TopicOptions {
+    TopicOptions {
+        replicas: config.nats.replicas,
+        ..(&config.signals).into()
+    }
 }
 
 /// The event log's options on NATS, as `config` sets them.

@@ -9,7 +9,7 @@ use shared::auth::Principal;
 use shared::runtime::AbortOnDrop;
 
 use super::Core;
-pub use super::build::{NatsRuns, Ports, nats_log_options, open_nats_runs};
+pub use super::build::{NatsRuns, Ports, nats_log_options, nats_signal_options, open_nats_runs};
 use crate::domain::approval::{Decision, PendingApproval};
 use crate::domain::listing::{ListRequest, RunPage};
 use crate::domain::{RunResult, RunSpec};
