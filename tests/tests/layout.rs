@@ -314,3 +314,46 @@ fn the_tree_reader_finds_files_by_their_folders() {
     assert!(!in_tree(tree, "store/live.rs"));
     assert!(!in_tree(tree, "error.rs"));
 }
+
+/// The spawns in `text` made with Tokio's own `spawn` rather than `shared::tasks::spawn`, by line
+/// (comments and strings aside).
+fn raw_spawns(text: &str) -> Vec<usize> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, line)| {
+            let code = line.split("//").next().unwrap_or_default();
+            let code = code.split('"').step_by(2).collect::<String>();
+            code.contains("tokio::spawn(") || code.contains("task::spawn(") || code.contains("runtime.spawn(")
+        })
+        .map(|(n, _)| n + 1)
+        .collect()
+}
+
+/// Every task the orchestrator spawns belongs to the process that spawned it: the simulation
+/// stops (SIGSTOP) and kills (SIGKILL) a replica's tasks through `shared::tasks`, so a task
+/// spawned around it would go on running in a stopped or killed replica.
+#[test]
+fn every_task_the_orchestrator_spawns_is_its_replicas() -> anyhow::Result<()> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/orchestrator/src");
+    let mut raw = Vec::new();
+    for relative in testkit::module_graph::source_files(&src)? {
+        let is_test = relative.ends_with("tests.rs") || relative.contains("/tests/");
+        if is_test {
+            continue;
+        }
+        let text = std::fs::read_to_string(src.join(&relative))?;
+        raw.extend(raw_spawns(&text).into_iter().map(|line| format!("{relative}:{line}")));
+    }
+    assert!(
+        raw.is_empty(),
+        "tasks spawned with tokio's own spawn (use shared::tasks::spawn):\n{}",
+        raw.join("\n")
+    );
+    Ok(())
+}
+
+#[test]
+fn a_raw_spawn_is_found() {
+    let text = "let a = shared::tasks::spawn(x);\nlet b = tokio::spawn(y);\n// tokio::spawn(z)\nlet c = \"tokio::spawn(\";\nhandle.runtime.spawn(w);\n";
+    assert_eq!(raw_spawns(text), vec![2, 5]);
+}

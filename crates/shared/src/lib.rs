@@ -18,6 +18,7 @@ pub mod secrets;
 pub mod serving;
 pub mod shutdown;
 pub mod sync;
+pub mod tasks;
 pub mod telemetry;
 pub mod text;
 pub mod tls;

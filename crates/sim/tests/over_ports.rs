@@ -75,8 +75,9 @@ fn replay(seed: u64, settings: &Settings) -> String {
 }
 
 /// Every invariant holds over the real NATS adapters (`orchestrator::store::nats`) on the
-/// simulated JetStream (`sim::jetstream`), the runners reading the fence with the tool-runner's
-/// own reader, under every fault: a replica paused, cut off, killed or drained, the store slow,
+/// simulated JetStream (`sim::jetstream`), the runners admitting calls and reading the fence with
+/// the tool-runner's own code, under every fault: a replica paused (its tasks stopped), cut off,
+/// killed (its tasks dropped) or drained, the store slow,
 /// the event stream or the checkpoint store without a leader, a lagging follower of a key-value
 /// bucket, answers lost after their write landed, a runner lost.
 #[test]
@@ -87,6 +88,7 @@ fn every_invariant_holds_over_the_services_code() {
         answered,
         messages_taken,
         signals,
+        refused,
     } = sweep(&Settings::default(), BUDGET, "over the real adapters");
     assert!(run >= 100, "only {run} seeds in {BUDGET:?}");
     assert!(
@@ -105,6 +107,10 @@ fn every_invariant_holds_over_the_services_code() {
         signals as u64 > run,
         "the runs' exit calls reached the signal stream: {signals} in {run} seeds"
     );
+    assert!(
+        refused as u64 > run / 4,
+        "busy runners refused calls (tool_runner::admission): {refused} in {run} seeds"
+    );
 }
 
 /// What a sweep saw over its seeds.
@@ -115,6 +121,7 @@ struct Swept {
     answered: usize,
     messages_taken: usize,
     signals: usize,
+    refused: usize,
 }
 
 /// Runs `settings` from the base seed for `budget`, each seed's invariants held (a failure
@@ -147,14 +154,16 @@ fn sweep(settings: &Settings, budget: Duration, what: &str) -> Swept {
         swept.answered += outcome.answered;
         swept.messages_taken += outcome.messages_taken;
         swept.signals += outcome.signals;
+        swept.refused += outcome.refused;
     }
     eprintln!(
-        "{} seeds {what}, {} takeovers, {} calls gone on with a person's answers, {} messages taken, {} signals, every invariant held ({:.1?})",
+        "{} seeds {what}, {} takeovers, {} calls gone on with a person's answers, {} messages taken, {} signals, {} calls refused by a busy runner, every invariant held ({:.1?})",
         swept.run,
         swept.takeovers,
         swept.answered,
         swept.messages_taken,
         swept.signals,
+        swept.refused,
         started.elapsed()
     );
     swept

@@ -323,10 +323,10 @@ fn live_keys(state: &StreamState, bucket: &str, filter: &str) -> Vec<String> {
 }
 
 /// Who a request goes to.
-#[derive(Clone, Copy)]
-enum To<'a> {
+#[derive(Clone)]
+enum To {
     /// A stream's leader (a leaderless stream never answers).
-    Leader(&'a str),
+    Leader(String),
     /// Any replica of a stream (a direct read).
     Any,
 }
@@ -354,23 +354,30 @@ impl Connection {
 
     /// One request: it leaves through the gate, takes its latency, is applied by `apply` (unless
     /// its stream has no leader), and its answer is heard through the gate, unless it is lost.
-    /// Whatever is not answered times out after the connection's timeout.
-    async fn request<T>(&self, to: To<'_>, apply: impl FnOnce(&mut Inner) -> Result<T, Error>) -> Result<T, Error> {
+    /// Whatever is not answered times out after the connection's timeout. Once it left, the
+    /// request is the network's (a task of no process): it arrives and is applied whatever its
+    /// sender does meanwhile (stopped, or killed, as a kernel sends what it was given).
+    async fn request<T: Send + 'static>(
+        &self,
+        to: To,
+        apply: impl FnOnce(&mut Inner) -> Result<T, Error> + Send + 'static,
+    ) -> Result<T, Error> {
         let started = Instant::now();
         let timed_out = || async move {
             tokio::time::sleep_until(started + self.timeout).await;
             Err(Error::TimedOut)
         };
-        let wire = self.wire.lock().await;
+        let wire = Arc::clone(&self.wire).lock_owned().await;
         if !self.gate.pass().await {
             drop(wire);
             return timed_out().await;
         }
-        let latency = self.cluster.lock().latency();
-        tokio::time::sleep(latency).await;
-        let (answer, lost) = {
-            let mut inner = self.cluster.lock();
-            let leaderless = match to {
+        let cluster = self.cluster.clone();
+        let carried = tokio::spawn(async move {
+            let latency = cluster.lock().latency();
+            tokio::time::sleep(latency).await;
+            let mut inner = cluster.lock();
+            let leaderless = match &to {
                 To::Leader(name) => {
                     let objects = inner
                         .objects_leaderless
@@ -380,14 +387,18 @@ impl Connection {
                 }
                 To::Any => false,
             };
-            if leaderless {
-                (None, true)
-            } else {
-                let answer = apply(&mut inner);
-                (Some(answer), inner.answer_lost())
-            }
-        };
-        drop(wire);
+            let answered = match leaderless {
+                true => (None, true),
+                false => {
+                    let answer = apply(&mut inner);
+                    (Some(answer), inner.answer_lost())
+                }
+            };
+            drop(inner);
+            drop(wire);
+            answered
+        });
+        let (answer, lost) = carried.await.unwrap_or((None, true));
         if lost || !self.gate.pass().await || Instant::now() >= started + self.timeout {
             return timed_out().await;
         }
@@ -402,7 +413,7 @@ impl Connection {
         let this = self.clone();
         async move {
             match &to {
-                Some(name) => this.request(To::Leader(name), apply).await,
+                Some(name) => this.request(To::Leader(name.clone()), apply).await,
                 None => this.request(To::Any, apply).await,
             }
         }
@@ -726,18 +737,21 @@ impl Stream for SimStream {
         async move {
             let filter = read.filter.clone();
             let (start, pending) = connection
-                .request(To::Leader(&name), |inner| {
-                    let state = &inner.node(&name)?.leader;
-                    let start = match read.deliver {
-                        Deliver::All => Start::From(0),
-                        Deliver::From(seq) => Start::From(seq),
-                        Deliver::New => Start::From(state.last_sequence() + 1),
-                        Deliver::LastPerSubject => {
-                            Start::Last(state.last_per_subject(&filter), state.last_sequence() + 1)
-                        }
-                    };
-                    let pending = start.pending(state, &filter);
-                    Ok((start, pending))
+                .request(To::Leader(name.clone()), {
+                    let (name, filter) = (name.clone(), filter.clone());
+                    move |inner| {
+                        let state = &inner.node(&name)?.leader;
+                        let start = match read.deliver {
+                            Deliver::All => Start::From(0),
+                            Deliver::From(seq) => Start::From(seq),
+                            Deliver::New => Start::From(state.last_sequence() + 1),
+                            Deliver::LastPerSubject => {
+                                Start::Last(state.last_per_subject(&filter), state.last_sequence() + 1)
+                            }
+                        };
+                        let pending = start.pending(state, &filter);
+                        Ok((start, pending))
+                    }
                 })
                 .await?;
             let reader = Reader {

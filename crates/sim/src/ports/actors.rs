@@ -154,6 +154,10 @@ pub struct Answered {
     pub response: serde_json::Value,
 }
 
+/// Calls a runner takes at once (`--max-concurrent-calls`): low, so that a busy runner refuses
+/// some calls and the sender tries them elsewhere.
+const RUNNER_SLOTS: usize = 2;
+
 /// How long a runner's fence read waits (within the orchestrators' fence grace).
 const FENCE_READ: Duration = Duration::from_millis(400);
 
@@ -172,6 +176,11 @@ pub struct Runners {
     asked: Mutex<u64>,
     /// The runners' gates (one lost: a call to it is refused before it runs).
     pub gates: Vec<Gate>,
+    /// Each runner's admission (`tool_runner::admission`): at most [`RUNNER_SLOTS`] calls in
+    /// flight, the next refused before it runs with the refusal header the service sends.
+    admissions: Vec<tool_runner::admission::Admission>,
+    /// Calls a busy runner's admission refused.
+    pub refused: std::sync::atomic::AtomicUsize,
     /// The runners refuse a replaced owner's call (off: to show what breaks without it).
     pub fence: bool,
     /// The tasks the runners' server runs in the background, by task id: when each is done.
@@ -202,6 +211,11 @@ impl Runners {
             answered: Mutex::default(),
             asked: Mutex::default(),
             tasks: Mutex::default(),
+            admissions: gates
+                .iter()
+                .map(|_| tool_runner::admission::Admission::new(RUNNER_SLOTS))
+                .collect(),
+            refused: std::sync::atomic::AtomicUsize::new(0),
             gates,
             rng: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x7001)),
         })
@@ -343,6 +357,11 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
             error,
         };
     }
+    // Held while the call runs: a streamed call's place is in its request's extensions.
+    let mut request = tonic::codegen::http::Request::new(());
+    if let Some(refused) = runners.admit(runner, &mut request) {
+        return refused;
+    }
     // The fence as the leader held it when the call arrived, and the runner's own read of it.
     let fence = runners.fence(&call.run_id);
     if let Some(refused) = runners.refusal(runner, call).await {
@@ -380,6 +399,22 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
 pub const QUESTION: &str = "go";
 
 impl Runners {
+    /// Runner `runner`'s admission of a call, by the service's own gate in front of
+    /// `RunToolStream`; a refusal as the orchestrator's client reads the status it gets.
+    fn admit(&self, runner: usize, request: &mut tonic::codegen::http::Request<()>) -> Option<Attempt> {
+        use shared::grpc::Gate as _;
+        let admission = self.admissions.get(runner)?;
+        *request.uri_mut() = tonic::codegen::http::Uri::from_static(tool_runner::admission::RUN_TOOL_STREAM_PATH);
+        admission.admit(request).err().map(|status| {
+            self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let error = ToolCallError::new(status.code().description(), status.message());
+            match orchestrator::tool_runners::refused_before_run(&status) {
+                Some(reason) => Attempt::Unrun { reason, error },
+                None => Attempt::Answered(Err(error)),
+            }
+        })
+    }
+
     /// A new round of questions for `call`: its state names the round.
     fn questions(&self, call: &ToolInvocation) -> Questions {
         let round = {

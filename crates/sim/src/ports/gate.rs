@@ -2,9 +2,13 @@
 //! sends and hears nothing until it resumes, while time runs), cut off from the store (its store
 //! requests fail after their timeout; the model and the runners still answer), or dead
 //! (SIGKILL: it never sends or hears anything again).
+//!
+//! A replica's gate also holds its [`Process`]: while it is paused none of its tasks is polled
+//! (its timers fire together when it resumes), and once it is dead its tasks are dropped.
 
 use std::sync::Arc;
 
+use shared::tasks::{Process, ProcessState};
 use tokio::sync::watch;
 
 /// One process's state, as the fault plan sets it.
@@ -22,11 +26,11 @@ pub enum Mode {
 
 /// Where a process's requests pass (or wait) according to its [`Mode`].
 #[derive(Clone)]
-pub struct Gate(Arc<watch::Sender<Mode>>);
+pub struct Gate(Arc<watch::Sender<Mode>>, Process);
 
 impl Default for Gate {
     fn default() -> Self {
-        Self(Arc::new(watch::Sender::new(Mode::Up)))
+        Self(Arc::new(watch::Sender::new(Mode::Up)), Process::default())
     }
 }
 
@@ -40,6 +44,16 @@ impl Gate {
             }
             change
         });
+        self.1.set(match self.mode() {
+            Mode::Up | Mode::CutOff => ProcessState::Running,
+            Mode::Paused => ProcessState::Stopped,
+            Mode::Dead => ProcessState::Killed,
+        });
+    }
+
+    /// The process whose tasks stop and die with this gate.
+    pub fn process(&self) -> Process {
+        self.1.clone()
     }
 
     /// The mode now.

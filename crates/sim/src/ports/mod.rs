@@ -2,9 +2,10 @@
 //! (admission, takeover, the loop, the persister, the registry) built over the domain ports
 //! (`orchestrator::server::harness`), on the real NATS adapters (`orchestrator::store::nats`)
 //! over the simulated JetStream ([`crate::jetstream`], [`adapters`]), with a model and
-//! tool-runners that read the run's fence with the tool-runner's own reader ([`actors`]; now and
-//! then a tool asks a question, which the [`person`] answers from any replica), each process
-//! behind the [`gate`] its faults set, in one
+//! tool-runners that admit calls through the tool-runner's own admission (a busy runner refuses
+//! one) and read the run's fence with its own reader ([`actors`]; now and then a tool asks a
+//! question, which the [`person`] answers from any replica), each process behind the [`gate`]
+//! its faults set (a replica's tasks are its simulated process's: `shared::tasks`), in one
 //! tokio runtime whose clock is virtual and whose every random draw comes from the seed. The
 //! fault plan, drawn from the seed too, pauses replicas (SIGSTOP), cuts them off from the store,
 //! kills them (SIGKILL) or drains them (SIGTERM: their runs handed over), starting a new replica
@@ -26,6 +27,9 @@ pub mod gate;
 pub mod person;
 pub mod view;
 pub mod without;
+
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -180,6 +184,8 @@ pub struct Outcome {
     pub messages_taken: usize,
     /// Signals the signal stream holds.
     pub signals: usize,
+    /// Calls a busy runner's admission refused (each tried again, elsewhere or later).
+    pub refused: usize,
     /// The history in a line each: faults, tool starts, and each run's log and record.
     pub history: Vec<String>,
 }
@@ -225,34 +231,36 @@ fn virtual_unix_ms() -> Option<u64> {
 
 /// Runs one seed.
 pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
+    let outcome = on_virtual_clock(|| World::new(seed, settings.clone()).run());
+    outcome.unwrap_or_else(|e| Outcome {
+        seed,
+        violations: vec![format!("no runtime: {e}")],
+        starts: 0,
+        takeovers: 0,
+        answered: 0,
+        messages_taken: 0,
+        signals: 0,
+        refused: 0,
+        history: Vec::new(),
+    })
+}
+
+/// Runs `work` on a runtime of its own whose clock is virtual (it moves on to the next timer
+/// whenever every task waits), the services' Unix clock reading it from a fixed start.
+fn on_virtual_clock<F: std::future::Future>(work: impl FnOnce() -> F) -> std::io::Result<F::Output> {
     shared::sync::set_clock(virtual_unix_ms);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
-        .build();
-    let runtime = match runtime {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            return Outcome {
-                seed,
-                violations: vec![format!("no runtime: {e}")],
-                starts: 0,
-                takeovers: 0,
-                answered: 0,
-                messages_taken: 0,
-                signals: 0,
-                history: Vec::new(),
-            };
-        }
-    };
-    let outcome = runtime.block_on(async {
+        .build()?;
+    let output = runtime.block_on(async {
         // A fixed Unix time: the history does not depend on the day it runs.
         ANCHOR.with(|anchor| anchor.set(Some((1_800_000_000_000, Instant::now()))));
-        World::new(seed, settings.clone()).run().await
+        work().await
     });
     ANCHOR.with(|anchor| anchor.set(None));
     runtime.shutdown_background();
-    outcome
+    Ok(output)
 }
 
 /// A replica process: its gate and, while it lives, its `Core`.
@@ -345,7 +353,8 @@ impl World {
             true => connection,
             false => connection.filtering_objects(without::without_tasks),
         };
-        let stores = adapters::open(&connection, &name, &config()).await;
+        // The adapters' tasks (the log's publisher) are the replica process's, as all it spawns.
+        let stores = shared::tasks::owning_async(gate.process(), adapters::open(&connection, &name, &config())).await;
         let ports = Ports {
             store: stores.store,
             index: stores.index,
@@ -367,7 +376,7 @@ impl World {
                 runners: Arc::clone(&self.runners),
             }),
         };
-        let replica = Replica::new(&config(), ports);
+        let replica = Replica::in_process(&config(), ports, gate.process());
         // As the server does with a journal: it answers the cancels and messages other
         // replicas ask of it for the runs live here.
         let replica = Arc::new(replica.answering_asks());
@@ -442,6 +451,7 @@ impl World {
             answered,
             messages_taken,
             signals: view.signals.len(),
+            refused: self.runners.refused.load(std::sync::atomic::Ordering::Relaxed),
             history,
         }
     }

@@ -313,7 +313,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn expiry_fires_once_renewals_stop() {
         let owner = Ownership::new(terms(), Instant::now());
-        let watch = tokio::spawn({
+        let watch = shared::tasks::spawn({
             let owner = owner.clone();
             async move { owner.expire().await }
         });

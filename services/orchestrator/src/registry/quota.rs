@@ -47,12 +47,12 @@ impl HeldQuota {
 
     /// Gives the slot of `run_id` back, in the background (a run's end does not wait for it).
     pub(super) fn give_back(self, run_id: &str) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        if tokio::runtime::Handle::try_current().is_err() {
             return;
-        };
+        }
         let give_back = self.quotas.give_back(&self.principal, run_id, self.taken);
         let (run_id, timeout) = (run_id.to_owned(), self.timeout);
-        runtime.spawn(async move {
+        shared::tasks::spawn(async move {
             if let Err(e) = within(timeout, give_back).await {
                 // The slot is free anyway once its run reads ended; the next take finds it so.
                 tracing::warn!(run_id = %run_id, "giving the run's slot back failed: {e}");

@@ -57,7 +57,7 @@ impl Backlog {
         }
         self.set_gauge();
         if !self.flushing.swap(true, Ordering::AcqRel) {
-            tokio::spawn(Arc::clone(self).flush());
+            shared::tasks::spawn(Arc::clone(self).flush());
         }
     }
 

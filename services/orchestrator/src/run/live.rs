@@ -398,7 +398,7 @@ pub fn gated(
     send_timeout: Duration,
 ) -> mpsc::Sender<EventBatch> {
     let (tx, mut rx) = mpsc::channel::<EventBatch>(caller.max_capacity());
-    tokio::spawn(async move {
+    shared::tasks::spawn(async move {
         while let Some(mut batch) = rx.recv().await {
             let last = batch.last().map_or(0, |e| e.seq);
             let Ok(now) = settled.wait_for(|s| s.resolved(last)).await.map(|s| *s) else {

@@ -357,7 +357,7 @@ impl Persister {
     pub fn keep_lease(&self) -> Option<shared::runtime::AbortOnDrop> {
         let every = self.store.lease()?.renew_every();
         let this = self.clone();
-        Some(shared::runtime::AbortOnDrop(tokio::spawn(async move {
+        Some(shared::runtime::AbortOnDrop(shared::tasks::spawn(async move {
             loop {
                 tokio::select! {
                     biased;
@@ -379,7 +379,7 @@ impl Persister {
             return;
         }
         let this = self.clone();
-        tokio::spawn(async move { this.write_final().await });
+        shared::tasks::spawn(async move { this.write_final().await });
     }
 }
 
@@ -467,7 +467,7 @@ mod tests {
         let backlog = Backlog::new(Arc::clone(&store) as Arc<dyn ResultStore>, 4, timeout, timeout);
         let persister = Persister::new(Arc::clone(&store) as Arc<dyn ResultStore>, state, timeout, backlog);
         let (answer, answered) = tokio::sync::oneshot::channel::<Result<ParkOutcome, StoreError>>();
-        let parking = tokio::spawn({
+        let parking = shared::tasks::spawn({
             let persister = persister.clone();
             async move {
                 let park = async move {

@@ -104,12 +104,12 @@ pub async fn serve_with_resolver(
     let _takeover = core
         .runs
         .durable()
-        .map(|_| AbortOnDrop(tokio::spawn(background::takeover::watch(Arc::clone(&core)))));
+        .map(|_| AbortOnDrop(shared::tasks::spawn(background::takeover::watch(Arc::clone(&core)))));
     let _cancels = core
         .runs
         .durable()
-        .map(|_| AbortOnDrop(tokio::spawn(background::remote_asks::answer(Arc::clone(&core)))));
-    let _approvals = AbortOnDrop(tokio::spawn(background::unpark::watch(Arc::clone(&core))));
+        .map(|_| AbortOnDrop(shared::tasks::spawn(background::remote_asks::answer(Arc::clone(&core)))));
+    let _approvals = AbortOnDrop(shared::tasks::spawn(background::unpark::watch(Arc::clone(&core))));
     let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))

@@ -145,7 +145,7 @@ impl SignalTopic for NatsTopic {
         };
         let (stream, settings) = (Arc::clone(&self.stream), self.settings.clone());
         let (run_id, call_id) = (signal.run_id.clone(), signal.call_id.clone());
-        tokio::spawn(async move {
+        shared::tasks::spawn(async move {
             for attempt in 0..=settings.publish_retries {
                 if attempt > 0 {
                     tokio::time::sleep(settings.publish_backoff.saturating_mul(1 << (attempt - 1).min(16))).await;

@@ -57,7 +57,7 @@ impl Drop for Waiting {
             return;
         }
         let (threads, thread_id, run_id) = (Arc::clone(&self.threads), self.thread_id.clone(), self.run_id.clone());
-        tokio::spawn(async move { threads.leave(&thread_id, &run_id).await });
+        shared::tasks::spawn(async move { threads.leave(&thread_id, &run_id).await });
     }
 }
 

@@ -73,7 +73,7 @@ impl Membership {
         if self.dns.is_empty() && digest.is_none() {
             return None;
         }
-        Some(AbortOnDrop(tokio::spawn(async move {
+        Some(AbortOnDrop(shared::tasks::spawn(async move {
             let mut resolve = tokio::time::interval(settings.resolve_interval);
             let mut reload = tokio::time::interval(reload_interval);
             for ticker in [&mut resolve, &mut reload] {

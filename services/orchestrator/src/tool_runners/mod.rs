@@ -248,7 +248,7 @@ impl ToolRunners {
     /// Refreshes the catalog every `interval` until the returned task is aborted.
     pub fn spawn_refresher(&self, interval: Duration, timeout: Duration) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
-        tokio::spawn(async move {
+        shared::tasks::spawn(async move {
             let mut ticker = tokio::time::interval(interval);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             ticker.tick().await;
@@ -267,8 +267,9 @@ fn ascii_header(value: &str) -> Option<tonic::metadata::MetadataValue<tonic::met
     value.parse().ok()
 }
 
-/// Whether the call certainly did not run: the runner refused it, or it never reached one.
-fn refused_before_run(status: &tonic::Status) -> Option<&'static str> {
+/// Whether the call certainly did not run, and why (as the retries metric counts it): the
+/// runner refused it (its admission, draining, or its run store unread), or it never reached one.
+pub fn refused_before_run(status: &tonic::Status) -> Option<&'static str> {
     if let Some(why) = status.metadata().get(REFUSED_HEADER) {
         return Some(match why.to_str().unwrap_or_default() {
             "run-store" => "run_store",

@@ -67,7 +67,7 @@ impl Membership {
         if self.dns.is_empty() {
             return None;
         }
-        Some(AbortOnDrop(tokio::spawn(async move {
+        Some(AbortOnDrop(shared::tasks::spawn(async move {
             let mut ticks = tokio::time::interval(self.settings.endpoint_resolve_interval);
             ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
             ticks.tick().await;

@@ -433,10 +433,10 @@ mod tests {
         let url = format!("http://{}/v1", listener.local_addr().unwrap());
         let seen = Arc::new(Mutex::new(Vec::new()));
         let kept = Arc::clone(&seen);
-        tokio::spawn(async move {
+        shared::tasks::spawn(async move {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let kept = Arc::clone(&kept);
-                tokio::spawn(async move {
+                shared::tasks::spawn(async move {
                     let (mut buf, mut request) = (vec![0u8; 65536], Vec::new());
                     while !String::from_utf8_lossy(&request).contains("\"stream\":true") {
                         match socket.read(&mut buf).await {

@@ -153,7 +153,7 @@ impl Driver<'_> {
         if self.durable().is_some() {
             self.save_started_calls(turn).await;
         }
-        let task = Task(tokio::spawn(self.execute(
+        let task = Task(shared::tasks::spawn(self.execute(
             index,
             &call,
             self.call_timeout(),

@@ -32,7 +32,7 @@ pub(crate) async fn answer(core: Arc<Core>) {
 /// does.
 fn answer_cancel(core: &Arc<Core>, ask: CancelAsk) {
     let core = Arc::clone(core);
-    tokio::spawn(async move {
+    shared::tasks::spawn(async move {
         let answer = match core
             .runs
             .cancel_here(&ask.run_id, &Principal::anonymous(), &ask.reason, ask.mode)
@@ -57,5 +57,5 @@ fn answer_message(core: &Core, ask: SteeringAsk) {
         Some(SteeringOutcome::NotFound | SteeringOutcome::Unanswered) | None => return,
     };
     tracing::info!(run_id = %ask.run_id, ?answer, "a message sent on another replica");
-    tokio::spawn((ask.answer)(answer));
+    shared::tasks::spawn((ask.answer)(answer));
 }

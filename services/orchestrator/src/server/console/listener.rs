@@ -56,7 +56,7 @@ pub(super) async fn serve(mut connections: Connections, app: Router, header_time
         let (conn, _) = connections.accept().await;
         let peer = Peer(conn.connect_info());
         let service = TowerToHyperService::new(app.clone().layer(axum::Extension(ConnectInfo(peer))));
-        tokio::spawn(async move {
+        shared::tasks::spawn(async move {
             let mut builder = Builder::new(TokioExecutor::new());
             builder
                 .http1()

@@ -106,7 +106,7 @@ pub(crate) async fn start(
         local,
     };
     tracing::info!(address = %local, tls = security.tls(), "console serving");
-    Ok(Some(AbortOnDrop(tokio::spawn(listener::serve(
+    Ok(Some(AbortOnDrop(shared::tasks::spawn(listener::serve(
         connections,
         app,
         settings.console_header_timeout,

@@ -188,7 +188,7 @@ impl Core {
         let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &spec.principal);
         shared::telemetry::continue_trace(&span, trace_context);
         let run = admitted.into_run(spec, emitter, caller_gone);
-        tokio::spawn(crate::run::tool_loop::run(run, self.deps.clone()).instrument(span));
+        shared::tasks::spawn(crate::run::tool_loop::run(run, self.deps.clone()).instrument(span));
         // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
         let events = ReceiverStream::new(rx).flat_map(futures::stream::iter);
         streams::caller_stream(self.stream_deps(), run_id, caller, state, events)
@@ -211,7 +211,7 @@ impl Core {
             }
         }
         let deps = self.deps.clone();
-        tokio::spawn(
+        shared::tasks::spawn(
             async move {
                 // A run that parked gave its slot among its caller's `max_runs` back.
                 if !admitted.retake_quota(spec.deadline.at).await {

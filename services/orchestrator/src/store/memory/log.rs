@@ -347,7 +347,7 @@ mod tests {
         let mut writer = log.writer("r", 0);
         writer.append(&[text(1, 3), text(2, 3)]);
         let feed = log.follow("r", 1).await.unwrap().unwrap();
-        let collected = tokio::spawn(seqs(feed));
+        let collected = shared::tasks::spawn(seqs(feed));
         tokio::time::sleep(Duration::from_millis(20)).await;
         writer.append(&[text(3, 3)]);
         writer.append(&[finished(4)]);

@@ -127,7 +127,7 @@ impl NatsLog {
             owner,
             position,
         };
-        tokio::spawn(publisher.run(rx));
+        shared::tasks::spawn(publisher.run(rx));
         Box::new(Writer {
             tx,
             run_id: run_id.to_owned(),
