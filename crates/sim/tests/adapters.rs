@@ -132,3 +132,32 @@ async fn a_thread_read_while_a_follower_lags_is_the_newest() -> TestResult {
     );
     Ok(())
 }
+
+/// A turn's tokens booked again after the hour turned (the takeover's catch-up from a checkpoint
+/// that did not hold the first booking, or an add whose answer was lost) are booked once: the new
+/// hour takes the run as booked as far as the hour before it booked it. Without the earlier
+/// hour's reading, the turn was booked twice (the simulation's seeds 392, 454, 490 and 906 once
+/// seeds started anywhere in an hour).
+#[tokio::test]
+async fn a_turn_booked_again_after_the_hour_turned_is_booked_once() -> TestResult {
+    use orchestrator::domain::chat::Usage;
+    use orchestrator::domain::usage::{Add, Tally, WINDOW_MS};
+    let cluster = Cluster::new(4);
+    let (a, b) = (replica(&cluster, "a").await, replica(&cluster, "b").await);
+    let tokens = |prompt_tokens| Usage {
+        prompt_tokens,
+        ..Usage::default()
+    };
+    let hour = 500_000 * WINDOW_MS;
+    let first = Add::of_run(Tally::of_tokens(&tokens(100)), "run-0", tokens(100), false);
+    let second = Add::of_run(Tally::of_tokens(&tokens(30)), "run-0", tokens(130), false);
+    a.usage.add("team", hour, first).await?;
+    a.usage.add("team", hour, second.clone()).await?;
+    // The next owner's checkpoint held 100 booked: it books the turn again, in the next hour.
+    let again = b.usage.add("team", hour + WINDOW_MS, second).await?;
+    assert_eq!(again.prompt_tokens, 0, "the turn is booked once");
+    let next = Add::of_run(Tally::of_tokens(&tokens(40)), "run-0", tokens(170), false);
+    let after = b.usage.add("team", hour + WINDOW_MS, next).await?;
+    assert_eq!(after.prompt_tokens, 40, "the run's next turn is booked whole");
+    Ok(())
+}

@@ -302,15 +302,17 @@ fn the_task_handles_in_checkpoints_hold_the_seeds_that_break_without_them() {
 
 /// A person's answer names the round of questions it answers: with answers naming only their
 /// call (`--without answer-rounds`), an answer to questions asked before a takeover is taken for
-/// the round the call asked after it (seed 186 of the first 500 over the real adapters; the model's
-/// seed 5896 found it first), and with rounds named that seed holds.
+/// the round the call asked after it (seed 571, 1 of the first 4,000 since replicas' tasks stop
+/// with their process: rare, so any change to the simulation's histories needs a new search,
+/// `sim --ports --without answer-rounds --seeds 4000`; the model's seed 5896 found it first), and
+/// with rounds named that seed holds.
 #[test]
 fn the_seed_that_took_an_answer_for_the_next_round_holds() {
     let without = Settings {
         answer_rounds: false,
         ..Settings::default()
     };
-    holds_a_seed_that_breaks(&without, 186..187, "the answer as given");
+    holds_a_seed_that_breaks(&without, 571..572, "the answer as given");
 }
 
 /// A parked run holds no slot among its principal's `max_runs`: the takeover that claims it

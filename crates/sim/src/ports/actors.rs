@@ -31,18 +31,35 @@ pub const TURNS: usize = 8;
 pub struct Model {
     gate: Gate,
     rng: Mutex<fastrand::Rng>,
-    /// The tokens served so far, over every replica's model.
-    served: Arc<std::sync::atomic::AtomicU64>,
+    /// What every replica's model served so far.
+    served: Arc<Served>,
 }
 
 impl Model {
     /// The model for the replica behind `gate`, counting what it serves into `served`.
-    pub fn new(gate: Gate, seed: u64, served: Arc<std::sync::atomic::AtomicU64>) -> Self {
+    pub fn new(gate: Gate, seed: u64, served: Arc<Served>) -> Self {
         Self {
             gate,
             served,
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
         }
+    }
+}
+
+/// The tokens the models served: each turn of a run counted once, however often it was served
+/// (a turn served again after its run moved is the same turn, with the same usage: the book
+/// must hold it once).
+#[derive(Default)]
+pub struct Served(Mutex<std::collections::BTreeMap<(String, usize), u64>>);
+
+impl Served {
+    fn serve(&self, run_id: &str, turn: usize, tokens: u64) {
+        lock(&self.0).insert((run_id.to_owned(), turn), tokens);
+    }
+
+    /// The tokens of every turn served, each once.
+    pub fn tokens(&self) -> u64 {
+        lock(&self.0).values().sum()
     }
 }
 
@@ -86,6 +103,8 @@ impl ChatModel for Model {
         request: ChatRequest,
     ) -> BoxFuture<'static, Result<BoxStream<'static, Result<LlmEvent, LlmError>>, LlmError>> {
         let turn = turn_of(&request);
+        // The request's affinity is its run's id (the runs set no affinity key).
+        let request_run = request.affinity.clone();
         let think = Duration::from_millis(lock(&self.rng).u64(20..1500));
         let (gate, served) = (self.gate.clone(), Arc::clone(&self.served));
         async move {
@@ -109,10 +128,7 @@ impl ChatModel for Model {
                 completion_tokens: 7,
                 cached_prompt_tokens: 0,
             };
-            served.fetch_add(
-                usage.prompt_tokens + usage.completion_tokens,
-                std::sync::atomic::Ordering::Relaxed,
-            );
+            served.serve(&request_run, turn, usage.prompt_tokens + usage.completion_tokens);
             events.extend([
                 Ok(LlmEvent::Finish(finish.to_owned())),
                 Ok(LlmEvent::Usage(usage)),

@@ -20,8 +20,9 @@
 //! - **the share**: no write ever leaves a principal with more runs live (their records) than
 //!   its `max_runs`, and once every run ended each slot left names a run that ended;
 //! - **the spend**: once every run ended, each principal's usage book holds at least the tokens
-//!   its runs' results count, and all books together no more than the model served (an add
-//!   made again adds only what its window had not had of its run);
+//!   its runs' results count, and all books together no more than the model served, each turn
+//!   of a run counted once however often it was served (an add made again adds only what its
+//!   window had not had of its run);
 //! - **one answer per question**: of the answers sent to one round of a tool's questions, from
 //!   any replica and however many at once, at most one is taken, and none the question's schema
 //!   refuses;
@@ -282,9 +283,10 @@ fn fenced_at_start(runners: &Runners) -> Vec<String> {
         .collect()
 }
 
-/// All books together hold no more tokens than the model served: an add made again (its answer
-/// lost, or a takeover booking what its checkpoint did not hold) adds only what its window had
-/// not had of its run.
+/// All books together hold no more tokens than the model served, each turn of a run counted
+/// once however often it was served: an add made again (its answer lost, or a takeover booking
+/// what its checkpoint did not hold, or a turn served again after its run moved) adds only what
+/// its window had not had of its run.
 fn spend_served(shared: &View, served: u64) -> Option<String> {
     let booked: u64 = shared
         .usage

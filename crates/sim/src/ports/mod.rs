@@ -231,7 +231,10 @@ fn virtual_unix_ms() -> Option<u64> {
 
 /// Runs one seed.
 pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
-    let outcome = on_virtual_clock(|| World::new(seed, settings.clone()).run());
+    // The seed starts somewhere in an hour: one seed in ten or so sees the hour turn (the
+    // spend's windows).
+    let start = START_OF_AN_HOUR + fastrand::Rng::with_seed(seed ^ 0x40c1).u64(..3_600_000);
+    let outcome = on_virtual_clock(start, || World::new(seed, settings.clone()).run());
     outcome.unwrap_or_else(|e| Outcome {
         seed,
         violations: vec![format!("no runtime: {e}")],
@@ -245,17 +248,19 @@ pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
     })
 }
 
+/// A Unix time (ms) at the start of an hour: the histories do not depend on the day they run.
+const START_OF_AN_HOUR: u64 = 1_800_000_000_000;
+
 /// Runs `work` on a runtime of its own whose clock is virtual (it moves on to the next timer
-/// whenever every task waits), the services' Unix clock reading it from a fixed start.
-fn on_virtual_clock<F: std::future::Future>(work: impl FnOnce() -> F) -> std::io::Result<F::Output> {
+/// whenever every task waits), the services' Unix clock reading it from `start_ms`.
+fn on_virtual_clock<F: std::future::Future>(start_ms: u64, work: impl FnOnce() -> F) -> std::io::Result<F::Output> {
     shared::sync::set_clock(virtual_unix_ms);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()?;
     let output = runtime.block_on(async {
-        // A fixed Unix time: the history does not depend on the day it runs.
-        ANCHOR.with(|anchor| anchor.set(Some((1_800_000_000_000, Instant::now()))));
+        ANCHOR.with(|anchor| anchor.set(Some((start_ms, Instant::now()))));
         work().await
     });
     ANCHOR.with(|anchor| anchor.set(None));
@@ -291,7 +296,7 @@ struct World {
     /// The person who answers the tools' questions.
     person: person::Person,
     /// The tokens the model served, over every replica (the spend's upper bound).
-    served: Arc<std::sync::atomic::AtomicU64>,
+    served: Arc<actors::Served>,
 }
 
 /// A fault of the plan.
@@ -422,7 +427,7 @@ impl World {
         reader.abort();
         person.abort();
         let followed = self.followed(followers).await;
-        let served = self.served.load(std::sync::atomic::Ordering::Relaxed);
+        let served = self.served.tokens();
         let view = self.store.view();
         let mut violations = check::violations(&view, &self.runners, &self.person, self.settings.runs, served);
         if ended.is_ok() {

@@ -29,7 +29,7 @@ async fn two_replicas_and_a_run() -> anyhow::Result<(World, Arc<Replica>)> {
 /// the run lost at once.
 #[test]
 fn a_stopped_replica_notices_nothing_until_it_continues() -> anyhow::Result<()> {
-    on_virtual_clock(|| async {
+    on_virtual_clock(START_OF_AN_HOUR, || async {
         let (world, replica) = two_replicas_and_a_run().await?;
         let gate = world.processes[0].gate.clone();
         gate.set(Mode::Paused);
@@ -48,7 +48,7 @@ fn a_stopped_replica_notices_nothing_until_it_continues() -> anyhow::Result<()> 
 /// and ends it.
 #[test]
 fn a_killed_replica_runs_nothing_again() -> anyhow::Result<()> {
-    on_virtual_clock(|| async {
+    on_virtual_clock(START_OF_AN_HOUR, || async {
         let (world, replica) = two_replicas_and_a_run().await?;
         world.processes[0].gate.set(Mode::Dead);
         testkit::wait::until("the killed replica's run task is dropped", LEASE / 3, || async {

@@ -330,6 +330,22 @@ impl Watcher {
     }
 }
 
+/// How far a spend window booked each of its runs.
+fn booked_runs(message: &Message) -> String {
+    let window: Result<orchestrator::domain::usage::Window, _> = serde_json::from_slice(&message.payload);
+    window.map_or_else(
+        |e| e.to_string(),
+        |w| {
+            let runs: Vec<String> = w
+                .booked
+                .iter()
+                .map(|b| format!("{} {}", b.run_id, b.through.prompt_tokens + b.through.completion_tokens))
+                .collect();
+            runs.join(", ")
+        },
+    )
+}
+
 /// The tokens a spend window holds.
 fn tokens(message: Option<&Message>) -> u64 {
     message
@@ -344,9 +360,11 @@ impl Observer for Watcher {
         }
         if stream == self.kv(&self.names.usage) {
             let added = tokens(Some(message)).saturating_sub(tokens(before));
-            lock(&self.seen)
-                .spend
-                .push(format!("spend +{added} tokens at seq {}", message.sequence));
+            let runs = booked_runs(message);
+            lock(&self.seen).spend.push(format!(
+                "spend +{added} tokens at seq {} into {} (booked: {runs})",
+                message.sequence, message.subject
+            ));
         }
     }
 }

@@ -150,6 +150,28 @@ pub struct Booked {
 }
 
 impl Window {
+    /// Whether the window keeps how far run `run_id` was booked.
+    pub fn knows(&self, run_id: &str) -> bool {
+        self.booked.iter().any(|b| b.run_id == run_id)
+    }
+
+    /// Applies `add` as [`Window::apply`] does, a run this window does not know yet taken as
+    /// booked as far as the window before it (`earlier`) booked it: an add made again after the
+    /// hour turned (its answer lost, or a takeover's catch-up from an older checkpoint) adds
+    /// only what neither window had, and a run's end counts once across both.
+    pub fn apply_after(&mut self, earlier: Option<&Window>, add: &Add) -> Tally {
+        if let Some(run) = &add.run
+            && !self.knows(&run.run_id)
+            && let Some(before) = earlier.and_then(|e| e.booked.iter().find(|b| b.run_id == run.run_id))
+        {
+            self.booked.push(before.clone());
+            if self.booked.len() > RECENT_RUNS {
+                self.booked.remove(0);
+            }
+        }
+        self.apply(add)
+    }
+
     /// Applies `add`: its change, less what the window already had of its run (tokens past the
     /// furthest this window booked the run through; its end once); the total after it.
     pub fn apply(&mut self, add: &Add) -> Tally {
@@ -232,6 +254,25 @@ impl HourlyBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_add_made_again_after_the_hour_turned_books_only_what_neither_window_had() {
+        let mut earlier = Window::default();
+        earlier.apply(&Add::of_run(Tally::of_tokens(&prompt(100)), "r", prompt(100), false));
+        earlier.apply(&Add::of_run(Tally::of_tokens(&prompt(50)), "r", prompt(150), false));
+        // A takeover from the checkpoint that held 100 books the turn again, in the next hour.
+        let again = Add::of_run(Tally::of_tokens(&prompt(50)), "r", prompt(150), false);
+        let mut next = Window::default();
+        assert_eq!(next.apply_after(Some(&earlier), &again).prompt_tokens, 0);
+        // Its next turn books whole, and a run the earlier window never had books whole too.
+        let turn = Add::of_run(Tally::of_tokens(&prompt(60)), "r", prompt(210), false);
+        assert_eq!(next.apply_after(Some(&earlier), &turn).prompt_tokens, 60);
+        let other = Add::of_run(Tally::of_tokens(&prompt(30)), "s", prompt(30), false);
+        assert_eq!(next.apply_after(Some(&earlier), &other).prompt_tokens, 90);
+        // Without the earlier window (what the book did before), the turn was booked twice.
+        let mut blind = Window::default();
+        assert_eq!(blind.apply(&again).prompt_tokens, 50);
+    }
 
     fn prompt(tokens: u64) -> crate::domain::chat::Usage {
         crate::domain::chat::Usage {

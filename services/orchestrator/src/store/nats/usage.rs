@@ -58,7 +58,7 @@ impl NatsUsage {
     }
 }
 
-fn key(principal: &str, window: u64) -> String {
+fn key_of(principal: &str, window: u64) -> String {
     format!("{}.{window}", token(principal))
 }
 
@@ -80,19 +80,28 @@ async fn read(windows: &dyn Bucket, key: &str) -> Result<Option<(Window, u64)>, 
 
 impl UsageBook for NatsUsage {
     fn add(&self, principal: &str, window: u64, add: Add) -> BoxFuture<'static, Result<Tally, StoreError>> {
-        let (windows, key, stripes) = (
+        let (windows, key, stripes, principal) = (
             self.windows.clone(),
-            key(principal, window),
+            key_of(principal, window),
             std::sync::Arc::clone(&self.stripes),
+            principal.to_owned(),
         );
         async move {
             let _turn = stripes.of(&key).lock().await;
+            // How far the hour before booked the add's run, read once, when this hour does not
+            // know the run yet (an add made again after the hour turned books it once).
+            let mut earlier: Option<Option<Window>> = None;
             for _ in 0..CAS_ATTEMPTS {
                 let (mut kept, revision) = match read(&*windows, &key).await? {
                     Some((kept, revision)) => (kept, Some(revision)),
                     None => (Window::default(), None),
                 };
-                let total = kept.apply(&add);
+                let unknown = add.run.as_ref().is_some_and(|run| !kept.knows(&run.run_id));
+                if unknown && earlier.is_none() && window >= WINDOW_MS {
+                    let before = key_of(&principal, window - WINDOW_MS);
+                    earlier = Some(read(&*windows, &before).await?.map(|(window, _)| window));
+                }
+                let total = kept.apply_after(earlier.as_ref().and_then(Option::as_ref), &add);
                 let value = bytes::Bytes::from(crate::domain::ports::json("a usage window", &kept)?);
                 if write_at(&*windows, &key, value, revision).await? {
                     return Ok(total);
@@ -112,7 +121,7 @@ impl UsageBook for NatsUsage {
         async move {
             let starts: Vec<u64> = (from / WINDOW_MS..=to / WINDOW_MS).map(|n| n * WINDOW_MS).collect();
             let read_one = |start: u64| {
-                let (windows, key) = (windows.clone(), key(&principal, start));
+                let (windows, key) = (windows.clone(), key_of(&principal, start));
                 async move {
                     read(&*windows, &key)
                         .await
