@@ -233,6 +233,23 @@ fn a_cancel_answered_is_kept() {
     }
 }
 
+/// A run answered that it ends after its turn went on when it moved before the turn ended
+/// ("a cancel kept": the model asked for later turns; with three cancels a seed, 6 % of seeds once
+/// the invariant existed): its next owner resumed it from its checkpoint without the ask (seeds
+/// 16, 40 and 43). A durable run is now answered so once its record keeps the ask
+/// (`RunResult::ends_after_turn`), and the replica that takes it over ends it at the turn it
+/// resumes in; each seed breaks with that takeover step reverted.
+#[test]
+fn a_cancel_after_the_turn_is_kept_when_the_run_moves() {
+    let settings = Settings {
+        cancels: 3,
+        ..Settings::default()
+    };
+    for seed in [16, 40, 43] {
+        holds(seed, &settings);
+    }
+}
+
 /// The books held more tokens than the model served: an add whose answer was lost had landed,
 /// the next add booked its tokens again, and the replica that took the run over from the
 /// checkpoint before both booked them once more (seed 52760; with cancels, seed 5677, three

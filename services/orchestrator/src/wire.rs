@@ -382,6 +382,8 @@ impl TryFrom<pb::RunResult> for RunResult {
             created_at_ms: u64::try_from(r.created_at_ms).unwrap_or(0),
             updated_at_ms: u64::try_from(r.updated_at_ms).unwrap_or(0),
             queued_ms: r.queued_ms,
+            // Not on the wire: the run's record keeps it beside the result.
+            ends_after_turn: None,
         })
     }
 }

@@ -49,17 +49,30 @@ impl Model {
 /// The tokens the models served: each turn of a run counted once, however often it was served
 /// (a turn served again after its run moved is the same turn, with the same usage: the book
 /// must hold it once).
+/// It also keeps every request the models were asked, in order: the run, its turn, and when.
 #[derive(Default)]
-pub struct Served(Mutex<std::collections::BTreeMap<(String, usize), u64>>);
+pub struct Served {
+    turns: Mutex<std::collections::BTreeMap<(String, usize), u64>>,
+    asked: Mutex<Vec<(String, usize, Instant)>>,
+}
 
 impl Served {
+    fn ask(&self, run_id: &str, turn: usize) {
+        lock(&self.asked).push((run_id.to_owned(), turn, Instant::now()));
+    }
+
     fn serve(&self, run_id: &str, turn: usize, tokens: u64) {
-        lock(&self.0).insert((run_id.to_owned(), turn), tokens);
+        lock(&self.turns).insert((run_id.to_owned(), turn), tokens);
     }
 
     /// The tokens of every turn served, each once.
     pub fn tokens(&self) -> u64 {
-        lock(&self.0).values().sum()
+        lock(&self.turns).values().sum()
+    }
+
+    /// Every request the models were asked: the run, its turn, and when.
+    pub fn asked(&self) -> Vec<(String, usize, Instant)> {
+        lock(&self.asked).clone()
     }
 }
 
@@ -105,6 +118,7 @@ impl ChatModel for Model {
         let turn = turn_of(&request);
         // The request's affinity is its run's id (the runs set no affinity key).
         let request_run = request.affinity.clone();
+        self.served.ask(&request_run, turn);
         let think = Duration::from_millis(lock(&self.rng).u64(20..1500));
         let (gate, served) = (self.gate.clone(), Arc::clone(&self.served));
         async move {

@@ -35,7 +35,8 @@
 //!   exactly, gap-free and in order, ending in `run_finished` with the end the record holds;
 //! - **the replay**: a retry of `Orchestrate` with an ended run's id replays its log exactly;
 //! - **a cancel kept**: a run a cancel was answered `CANCELED` for (at once, or parked) ends
-//!   canceled, however often it moves after;
+//!   canceled, however often it moves after; one answered that it ends after its turn asks the
+//!   model for no turn past the last it had asked for when the answer came;
 //! - **a message once**: a message sent to a run (`SendMessage`) joins its conversation
 //!   (`message_added` in its log) at most once, and only one that was sent to it; without a
 //!   fault, each one the run took joins a run that completed (one it took after its last
@@ -256,6 +257,33 @@ pub fn cancels_kept(shared: &View, canceled: &[String]) -> Vec<String> {
                     record.status
                 )
             })
+        })
+        .collect()
+}
+
+/// A run answered that it ends after its turn asks the model for no later turn: of the
+/// `answered` cancels (the run, and when the answer came), the model's requests after the answer
+/// name no turn past the last it was asked before it (a run that moves meanwhile resumes from an
+/// earlier turn, and must not go on past the turn the cancel let end).
+pub fn after_turn_kept(
+    answered: &[(String, tokio::time::Instant)],
+    asked: &[(String, usize, tokio::time::Instant)],
+) -> Vec<String> {
+    answered
+        .iter()
+        .filter_map(|(run_id, at)| {
+            let of_run = asked.iter().filter(|(run, _, _)| run == run_id);
+            let last = of_run.clone().filter(|(_, _, when)| when <= at).map(|(_, turn, _)| *turn).max();
+            let later = of_run.filter(|(_, _, when)| when > at).map(|(_, turn, _)| *turn).max();
+            match (last, later) {
+                (Some(last), Some(later)) if later > last => Some(format!(
+                    "a cancel kept: {run_id} was answered it ends after its turn (turn {last} asked), and the model was asked turn {later} after",
+                )),
+                (None, Some(later)) => Some(format!(
+                    "a cancel kept: {run_id} was answered it ends after its turn before any turn was asked, and the model was asked turn {later} after",
+                )),
+                _ => None,
+            }
         })
         .collect()
 }

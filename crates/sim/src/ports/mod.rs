@@ -291,6 +291,8 @@ struct World {
     notes: Arc<std::sync::Mutex<Vec<String>>>,
     /// The runs a cancel was answered `CANCELED` for: each must end canceled.
     canceled: Arc<std::sync::Mutex<Vec<String>>>,
+    /// The runs a cancel was answered would end after their turn, and when.
+    after_turn: Arc<std::sync::Mutex<Vec<(String, Instant)>>>,
     /// The messages sent to runs: the run, the text, and whether the run took it.
     sent: Arc<std::sync::Mutex<Vec<check::Sent>>>,
     /// The person who answers the tools' questions.
@@ -341,6 +343,7 @@ impl World {
             observations: Arc::default(),
             notes: Arc::default(),
             canceled: Arc::default(),
+            after_turn: Arc::default(),
             sent: Arc::default(),
             person: Arc::default(),
             served: Arc::default(),
@@ -437,6 +440,7 @@ impl World {
         }
         violations.extend(lock(&self.observations).drain(..));
         violations.extend(check::cancels_kept(&view, &lock(&self.canceled)));
+        violations.extend(check::after_turn_kept(&lock(&self.after_turn), &self.served.asked()));
         let fault_free = self.settings.faults == 0;
         violations.extend(check::messages_once(&view, &lock(&self.sent), fault_free));
         if let Err(unended) = ended {
@@ -648,15 +652,17 @@ impl World {
             let run_id = format!("run-{}", self.rng.usize(..self.settings.runs.max(1)));
             let (replica_at, after_turn) = (self.rng.usize(..64), self.rng.bool());
             let (living, notes, begun) = (Arc::clone(&self.living), Arc::clone(&self.notes), self.begun);
-            let canceled = Arc::clone(&self.canceled);
+            let (canceled, ends_after) = (Arc::clone(&self.canceled), Arc::clone(&self.after_turn));
             tokio::spawn(async move {
                 tokio::time::sleep_until(begun + at).await;
                 let Some(replica) = pick(&living, replica_at) else {
                     return;
                 };
                 let outcome = tokio::time::timeout(Duration::from_secs(10), replica.cancel(&run_id, after_turn)).await;
-                if matches!(outcome, Ok(Ok((true, orchestrator::domain::RunStatus::Canceled)))) {
-                    lock(&canceled).push(run_id.clone());
+                match outcome {
+                    Ok(Ok((true, orchestrator::domain::RunStatus::Canceled))) => lock(&canceled).push(run_id.clone()),
+                    Ok(Ok((true, _))) if after_turn => lock(&ends_after).push((run_id.clone(), Instant::now())),
+                    _ => {}
                 }
                 let at = begun.elapsed().as_secs_f64();
                 let mode = if after_turn { "after its turn" } else { "at once" };

@@ -270,6 +270,9 @@ pub struct Claimed {
     /// waiting for a slot): it holds no slot among its principal's `max_runs`, and must take
     /// one again.
     pub parked: bool,
+    /// Why a caller asked it to end after its turn under way, kept in its record: it ends
+    /// there here too.
+    pub ends_after_turn: Option<String>,
 }
 
 /// What the replica running a run answered to a message sent on another replica.

@@ -234,6 +234,11 @@ pub struct RunResult {
     /// How long it waited for a run slot before it started.
     #[serde(default)]
     pub queued_ms: u64,
+    /// Why a caller asked the run to end once its turn under way ends (`CANCEL_MODE_AFTER_TURN`),
+    /// kept in its record before the caller is answered: a replica that takes the run over
+    /// ends it there too, rather than let it go on from its checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ends_after_turn: Option<String>,
 }
 
 impl RunResult {
@@ -271,6 +276,7 @@ impl RunResult {
             created_at_ms: 0,
             updated_at_ms: 0,
             queued_ms: 0,
+            ends_after_turn: None,
         }
     }
 }

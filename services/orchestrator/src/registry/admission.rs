@@ -91,7 +91,7 @@ struct Registered {
     hand_over: HandOver,
     inbox: Inbox,
     permit: OwnedSemaphorePermit,
-    ownership: Ownership,
+    persister: Persister,
 }
 
 /// A started run's place in the registry; dropping it frees the slot and the live entry.
@@ -370,16 +370,8 @@ impl Runs {
             hand_over,
             inbox,
             permit,
-            ownership,
+            persister,
         } = self.register(live, run_id, caller)?;
-        let persister = Persister::new(
-            Arc::clone(&self.store),
-            Arc::clone(&state),
-            self.store_timeout,
-            Arc::clone(&self.backlog),
-        )
-        .with_journal(self.journal.clone())
-        .with_ownership(ownership);
         Ok(Admitted {
             runs: Arc::clone(self),
             run_id: run_id.to_owned(),
@@ -423,6 +415,14 @@ impl Runs {
         let cancel = Cancel::default();
         let inbox = Inbox::new(self.max_steering);
         let ownership = Ownership::new(self.store.lease(), Instant::now());
+        let persister = Persister::new(
+            Arc::clone(&self.store),
+            Arc::clone(&state),
+            self.store_timeout,
+            Arc::clone(&self.backlog),
+        )
+        .with_journal(self.journal.clone())
+        .with_ownership(ownership.clone());
         live.insert(
             run_id.to_owned(),
             Live {
@@ -432,7 +432,8 @@ impl Runs {
                 principal: caller.name.clone(),
                 inbox: inbox.clone(),
                 gone: tokio_util::sync::CancellationToken::new(),
-                ownership: ownership.clone(),
+                ownership,
+                persister: persister.clone(),
             },
         );
         Ok(Registered {
@@ -441,7 +442,7 @@ impl Runs {
             hand_over,
             inbox,
             permit,
-            ownership,
+            persister,
         })
     }
 
@@ -462,6 +463,7 @@ impl Runs {
         let Claimed {
             checkpoint: bytes,
             parked,
+            ends_after_turn,
         } = match within(self.store_timeout, journal.take_over(run_id)).await {
             Ok(Some(claimed)) => claimed,
             Ok(None) => return Ok(None),
@@ -495,6 +497,14 @@ impl Runs {
         let (checkpoint, canceled) = self.taken_from_wait(run_id, checkpoint).await?;
         let mut state = checkpoint.result.clone();
         state.status = parked_as.unwrap_or(state.status);
+        // A cancel after the turn its caller was told of (kept in the record) ends the run
+        // here too, once the turn it resumes in ends; the record keeps saying so.
+        if let Some(reason) = &ends_after_turn {
+            admitted
+                .cancel
+                .cancel_with(crate::domain::CancelMode::AfterTurn, reason);
+        }
+        state.ends_after_turn = ends_after_turn;
         *shared::sync::lock(&admitted.state) = state;
         admitted._lease = admitted.persister.keep_lease();
         // The log kept everything the checkpoint sent; should it end earlier (its oldest

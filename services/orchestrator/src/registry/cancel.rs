@@ -33,6 +33,21 @@ pub(crate) enum CancelOutcome {
 struct Left {
     gone: tokio_util::sync::CancellationToken,
     ownership: crate::domain::Ownership,
+    persister: crate::run::persist::Persister,
+}
+
+/// A durable run asked to end after its turn is answered so once its record keeps the ask:
+/// told so before, its caller could see it go on from its checkpoint on the replica that takes
+/// it over. The run's lease keeper writes the record at once; `Unanswered` when no record with
+/// the ask landed within two store timeouts (the run's id not claimed yet, its slot not taken
+/// again after a park, or the store not answering). The run still ends after its turn if it
+/// stays here, and the caller asks again.
+async fn after_turn_kept(left: &Left, store_timeout: std::time::Duration) -> CancelOutcome {
+    if left.ownership.ended() || left.persister.after_turn_kept(2 * store_timeout).await {
+        CancelOutcome::EndsAfterTurn
+    } else {
+        CancelOutcome::Unanswered
+    }
 }
 
 impl Runs {
@@ -125,6 +140,7 @@ impl Runs {
         let (outcome, left) = self.cancel_live(run_id, caller, reason, mode)?;
         match (outcome, &self.journal) {
             (CancelOutcome::Canceled, Some(_)) => self.end_kept(left).await,
+            (CancelOutcome::EndsAfterTurn, Some(_)) => Some(after_turn_kept(&left, self.store_timeout).await),
             _ => Some(outcome),
         }
     }
@@ -143,10 +159,11 @@ impl Runs {
         let left = Left {
             gone: live.gone.clone(),
             ownership: live.ownership.clone(),
+            persister: live.persister.clone(),
         };
         // Under the state lock: the loop settles the end under it too, and a cancel that came
         // first wins there, so the answer is never `canceled` for a run that completed.
-        let state = shared::sync::lock(&live.state);
+        let mut state = shared::sync::lock(&live.state);
         if !state.status.is_live() {
             return Some((CancelOutcome::AlreadyFinished(state.status), left));
         }
@@ -159,7 +176,10 @@ impl Runs {
         live.cancel.cancel_with(mode, reason);
         let outcome = match mode {
             CancelMode::Immediate => CancelOutcome::Canceled,
-            CancelMode::AfterTurn => CancelOutcome::EndsAfterTurn,
+            CancelMode::AfterTurn => {
+                state.ends_after_turn.get_or_insert_with(|| reason.to_owned());
+                CancelOutcome::EndsAfterTurn
+            }
         };
         Some((outcome, left))
     }

@@ -58,6 +58,8 @@ struct Live {
     gone: tokio_util::sync::CancellationToken,
     /// This replica's ownership of the run: its end is shown once it is stored.
     ownership: crate::domain::Ownership,
+    /// What writes its record: a cancel after its turn is kept there before it is answered.
+    persister: crate::run::persist::Persister,
 }
 
 impl Live {

@@ -40,6 +40,10 @@ pub struct Persister {
     /// The run's id was claimed with its start checkpoint: its first safe point has nothing new
     /// to save.
     claimed_resumable: Arc<AtomicBool>,
+    /// Asks the lease keeper to renew now (a cancel after the turn waits for its record).
+    renew_now: Arc<tokio::sync::Notify>,
+    /// A record the store took held the run's ask to end after its turn.
+    after_turn_kept: Arc<AtomicBool>,
 }
 
 /// A checkpoint as the loop hands it over: the run's state, its deadline and the serialized
@@ -71,6 +75,9 @@ impl Snapshot {
     }
 }
 
+/// How often a cancel after the turn looks whether the run's record keeps it.
+const AFTER_TURN_LOOK: Duration = Duration::from_millis(5);
+
 impl Persister {
     /// A persister of `state` into `store`; one write waits at most `timeout`; a final result
     /// the store does not take waits in `backlog`.
@@ -85,6 +92,8 @@ impl Persister {
             journal: None,
             released: CancellationToken::new(),
             claimed_resumable: Arc::default(),
+            renew_now: Arc::default(),
+            after_turn_kept: Arc::default(),
         }
     }
 
@@ -129,6 +138,21 @@ impl Persister {
         self.write_state(false).await
     }
 
+    /// Whether the store took, within `wait`, a record holding the run's ask to end after its
+    /// turn: the lease keeper is asked to renew at once. A run whose lease is not kept here (not
+    /// claimed yet, or waiting to take its slot again after a park) renews nothing: `false`.
+    pub async fn after_turn_kept(&self, wait: Duration) -> bool {
+        self.renew_now.notify_one();
+        let until = tokio::time::Instant::now() + wait;
+        while !self.after_turn_kept.load(Ordering::Acquire) {
+            if tokio::time::Instant::now() >= until || self.ownership.stopped() {
+                return false;
+            }
+            tokio::time::sleep(AFTER_TURN_LOOK).await;
+        }
+        true
+    }
+
     /// Renews the lease with the run's state, as a live run's: a state that reads ended already
     /// (the run is logging its end) is written as still running. Only
     /// [`Persister::write_final`] stores an end, once the log keeps it; otherwise the record
@@ -152,9 +176,14 @@ impl Persister {
             snapshot.updated_at_ms = shared::sync::unix_ms();
         }
         let run_id = snapshot.run_id.clone();
+        let marked = snapshot.ends_after_turn.is_some();
         let sent = tokio::time::Instant::now();
         let written = within(self.timeout, self.store.put(snapshot)).await;
-        self.outcome(&run_id, "storing the run's state", sent, written)
+        let kept = self.outcome(&run_id, "storing the run's state", sent, written);
+        if kept && marked {
+            self.after_turn_kept.store(true, Ordering::Release);
+        }
+        kept
     }
 
     /// Whether a write sent at `sent` went through (the lease runs from then); a fenced one
@@ -363,6 +392,9 @@ impl Persister {
                     biased;
                     () = this.ownership.expire() => return,
                     () = tokio::time::sleep(every) => {
+                        let _ = this.renew().await;
+                    }
+                    () = this.renew_now.notified() => {
                         let _ = this.renew().await;
                     }
                 }

@@ -236,10 +236,8 @@ impl NatsApprovals {
         }
         let (target, put) = store.put_checkpoint(&key, parked.checkpoint);
         put.await?;
-        let mut record = target.named_by(store.record(
-            proto::orchestrator::v1::RunResult::from(&parked.result),
-            parked.deadline_unix_ms.max(parked.wake_at_unix_ms),
-        ));
+        let mut record =
+            target.named_by(store.record(&parked.result, parked.deadline_unix_ms.max(parked.wake_at_unix_ms)));
         record.awaiting = true;
         record.wake_at_unix_ms = parked.wake_at_unix_ms;
         record.lease_expires_unix_ms = shared::sync::unix_ms();

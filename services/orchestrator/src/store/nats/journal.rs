@@ -189,7 +189,7 @@ impl RunJournal for KvStore {
             None => 1,
         };
         let (target, put) = self.put_checkpoint(&key, checkpoint);
-        let record = target.named_by(self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms));
+        let record = target.named_by(self.record(&result, deadline_unix_ms));
         let write = self.write(key.clone(), record);
         let checkpoints = self.checkpoints.clone();
         async move {
@@ -217,7 +217,7 @@ impl RunJournal for KvStore {
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<Claim, StoreError>> {
         let key = key(&result.run_id);
-        let mut record = self.record(proto::orchestrator::v1::RunResult::from(&result), deadline_unix_ms);
+        let mut record = self.record(&result, deadline_unix_ms);
         record.claim = self.new_claim();
         let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
         let owned = std::sync::Arc::clone(&self.owned);
@@ -386,6 +386,7 @@ impl RunJournal for KvStore {
             Ok(Some(Claimed {
                 checkpoint: object.bytes,
                 parked,
+                ends_after_turn: Some(claimed.ends_after_turn).filter(|why| !why.is_empty()),
             }))
         }
         .boxed()

@@ -155,6 +155,10 @@ pub(super) struct Record {
     /// compare-and-set is refused) never overwrites what a takeover reads.
     #[prost(uint32, tag = "12")]
     pub checkpoint_slot: u32,
+    /// Why a caller asked the run to end after its turn under way (empty: none): a replica
+    /// that takes the run over ends it there too (`RunResult::ends_after_turn`).
+    #[prost(string, tag = "13")]
+    pub ends_after_turn: String,
 }
 
 /// What this replica knows of a run it owns.
@@ -440,7 +444,9 @@ impl KvStore {
     }
 
     /// The record of `result` as this replica writes it now.
-    pub(super) fn record(&self, result: pb::RunResult, resumable_until_unix_ms: u64) -> Record {
+    pub(super) fn record(&self, result: &RunResult, resumable_until_unix_ms: u64) -> Record {
+        let ends_after_turn = result.ends_after_turn.clone().unwrap_or_default();
+        let result = pb::RunResult::from(result);
         let lease = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
         let key = key(&result.run_id);
         let (claim, epoch, named) = self
@@ -460,6 +466,7 @@ impl KvStore {
             wake_at_unix_ms: 0,
             claim,
             epoch,
+            ends_after_turn,
             ..Record::default()
         })
     }
@@ -699,12 +706,12 @@ impl ResultStore for KvStore {
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
         let key = key(&result.run_id);
         let resumable_until = self.owned().get(&key).map_or(0, |o| o.resumable_until_unix_ms);
-        let record = self.record(pb::RunResult::from(&result), resumable_until);
+        let record = self.record(&result, resumable_until);
         self.write(key, record)
     }
 
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
-        let record = self.record(pb::RunResult::from(&result), 0);
+        let record = self.record(&result, 0);
         let (enter, create) = (self.index.enter(&result), self.create(key(&result.run_id), record));
         async move {
             enter.await?;
