@@ -659,6 +659,48 @@ async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -
     Ok(())
 }
 
+/// Two replicas. A caller asks a run to end after its turn while the model streams the run's
+/// second turn, and the run's replica is SIGKILLed before the turn ends: the replica that takes
+/// the run over ends it `CANCELED` in the turn it resumes in, the model never asked for the turns
+/// the scenario still had. (Here a checkpoint saved after the ask carries it too; the record
+/// carries it when no checkpoint does — the simulation's seeds of
+/// `a_cancel_after_the_turn_is_kept_when_the_run_moves`.)
+#[tokio::test]
+async fn a_cancel_after_the_turn_outlives_its_replica_killed_mid_turn() -> TestResult {
+    let words: String = (0..60).map(|i| format!("w{i} ")).collect();
+    let mut fleet = Fleet::start(2, scenario(4, &words), 200).await?;
+    let first = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    start_detached(&first, "after-turn-1").await?;
+    let (seen_tx, mut seen) = tokio::sync::watch::channel(Vec::new());
+    let urls: Vec<String> = fleet.urls()[1..].to_vec();
+    let follower = tokio::spawn(Follower::follow(
+        "after-turn-1".into(),
+        move || urls.clone(),
+        Vec::new(),
+        seen_tx,
+    ));
+    until(&mut seen, "turn 2 streaming", |e| streaming_turn(e, 2)).await?;
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(first).await?;
+    let answer = client
+        .cancel_run(pb::CancelRunRequest {
+            run_id: "after-turn-1".into(),
+            mode: pb::CancelMode::AfterTurn as i32,
+        })
+        .await?
+        .into_inner();
+    anyhow::ensure!(answer.canceled, "the run was told to end after its turn: {answer:?}");
+    fleet.kill(0).await?;
+    let (result, _) = follower.await??.outcome()?;
+    assert_eq!(result.status(), pb::RunStatus::Canceled, "{}", result.failure_detail);
+    assert!(
+        result.turns <= 2,
+        "the run went on for {} turns after it was asked to end",
+        result.turns
+    );
+    assert_eq!(fleet.owner("after-turn-1", 0), 1, "the other replica took the run over");
+    Ok(())
+}
+
 /// Three replicas. A turn's first call starts while the model still writes the turn's second
 /// (eager dispatch: its checkpoint is saved first); the replica running the run is SIGKILLed
 /// while the model writes. The run is taken over from that checkpoint and the turn goes on with
