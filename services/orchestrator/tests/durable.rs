@@ -595,16 +595,7 @@ fn in_flight(events: &[pb::OrchestrateEvent]) -> Vec<String> {
 async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -> TestResult {
     let words: String = (0..40).map(|i| format!("w{i} ")).collect();
     let mut fleet = Fleet::start(3, scenario(4, &words), 3000).await?;
-    let first = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
-    start_detached(&first, "durable-1").await?;
-    let (seen_tx, mut seen) = tokio::sync::watch::channel(Vec::new());
-    let urls: Vec<String> = fleet.urls()[1..].to_vec();
-    let follower = tokio::spawn(Follower::follow(
-        "durable-1".into(),
-        move || urls.clone(),
-        Vec::new(),
-        seen_tx,
-    ));
+    let (_, mut seen, follower) = fleet.start_followed_elsewhere("durable-1").await?;
 
     until(&mut seen, "turn 2 streaming", |e| streaming_turn(e, 2)).await?;
     fleet.kill(0).await?;
@@ -669,17 +660,9 @@ async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -
 async fn a_cancel_after_the_turn_outlives_its_replica_killed_mid_turn() -> TestResult {
     let words: String = (0..60).map(|i| format!("w{i} ")).collect();
     let mut fleet = Fleet::start(2, scenario(4, &words), 200).await?;
-    let first = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
-    start_detached(&first, "after-turn-1").await?;
-    let (seen_tx, mut seen) = tokio::sync::watch::channel(Vec::new());
-    let urls: Vec<String> = fleet.urls()[1..].to_vec();
-    let follower = tokio::spawn(Follower::follow(
-        "after-turn-1".into(),
-        move || urls.clone(),
-        Vec::new(),
-        seen_tx,
-    ));
+    let (_, mut seen, follower) = fleet.start_followed_elsewhere("after-turn-1").await?;
     until(&mut seen, "turn 2 streaming", |e| streaming_turn(e, 2)).await?;
+    let first = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
     let mut client = pb::orchestrator_client::OrchestratorClient::connect(first).await?;
     let answer = client
         .cancel_run(pb::CancelRunRequest {
@@ -725,16 +708,7 @@ async fn a_call_started_early_survives_its_replica_killed_while_the_model_writes
         ])
     };
     let mut fleet = Fleet::start(3, scenario, 300).await?;
-    let first = fleet.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
-    start_detached(&first, "early-1").await?;
-    let (seen_tx, mut seen) = tokio::sync::watch::channel(Vec::new());
-    let urls: Vec<String> = fleet.urls()[1..].to_vec();
-    let follower = tokio::spawn(Follower::follow(
-        "early-1".into(),
-        move || urls.clone(),
-        Vec::new(),
-        seen_tx,
-    ));
+    let (_, mut seen, follower) = fleet.start_followed_elsewhere("early-1").await?;
     let started = until(&mut seen, "the first call started while the model writes", |events| {
         events
             .iter()
@@ -858,6 +832,24 @@ type Following = (
     tokio::sync::watch::Receiver<Vec<pb::OrchestrateEvent>>,
     tokio::task::JoinHandle<anyhow::Result<Follower>>,
 );
+
+impl Fleet {
+    /// Starts `run_id` detached on replica 0 and follows it from its start on the other replicas
+    /// serving now (replica 0 is the one a test takes down).
+    async fn start_followed_elsewhere(&self, run_id: &str) -> anyhow::Result<Following> {
+        let first = self.url(0).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+        start_detached(&first, run_id).await?;
+        let (seen_tx, seen) = tokio::sync::watch::channel(Vec::new());
+        let urls: Vec<String> = self.urls()[1..].to_vec();
+        let follower = tokio::spawn(Follower::follow(
+            run_id.into(),
+            move || urls.clone(),
+            Vec::new(),
+            seen_tx,
+        ));
+        Ok((run_id.to_owned(), seen, follower))
+    }
+}
 
 /// Follows each of `runs` from its start across the replicas serving (a task per caller).
 fn follow_all(fleet: &Fleet, runs: &[String]) -> Vec<Following> {

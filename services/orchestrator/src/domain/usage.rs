@@ -164,10 +164,8 @@ impl Window {
             && !self.knows(&run.run_id)
             && let Some(before) = earlier.and_then(|e| e.booked.iter().find(|b| b.run_id == run.run_id))
         {
+            // `apply` takes the entry out and keeps it again within `RECENT_RUNS`.
             self.booked.push(before.clone());
-            if self.booked.len() > RECENT_RUNS {
-                self.booked.remove(0);
-            }
         }
         self.apply(add)
     }

@@ -422,7 +422,7 @@ impl Runs {
             Arc::clone(&self.backlog),
         )
         .with_journal(self.journal.clone())
-        .with_ownership(ownership.clone());
+        .with_ownership(ownership);
         live.insert(
             run_id.to_owned(),
             Live {
@@ -432,7 +432,6 @@ impl Runs {
                 principal: caller.name.clone(),
                 inbox: inbox.clone(),
                 gone: tokio_util::sync::CancellationToken::new(),
-                ownership,
                 persister: persister.clone(),
             },
         );
@@ -494,17 +493,12 @@ impl Runs {
             admitted.store_ended(result).await;
             return Ok(Some(TakenOver::Ended(Box::new(ended))));
         }
-        let (checkpoint, canceled) = self.taken_from_wait(run_id, checkpoint).await?;
+        let (mut checkpoint, canceled) = self.taken_from_wait(run_id, checkpoint).await?;
+        if let Some(reason) = ends_after_turn {
+            checkpoint.end_after_turn(reason);
+        }
         let mut state = checkpoint.result.clone();
         state.status = parked_as.unwrap_or(state.status);
-        // A cancel after the turn its caller was told of (kept in the record) ends the run
-        // here too, once the turn it resumes in ends; the record keeps saying so.
-        if let Some(reason) = &ends_after_turn {
-            admitted
-                .cancel
-                .cancel_with(crate::domain::CancelMode::AfterTurn, reason);
-        }
-        state.ends_after_turn = ends_after_turn;
         *shared::sync::lock(&admitted.state) = state;
         admitted._lease = admitted.persister.keep_lease();
         // The log kept everything the checkpoint sent; should it end earlier (its oldest

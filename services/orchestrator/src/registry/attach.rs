@@ -200,7 +200,7 @@ impl Runs {
         let live = self
             .lock()
             .get(run_id)
-            .map(|run| (run.gone.clone(), Arc::clone(&run.state), run.ownership.clone()));
+            .map(|run| (run.gone.clone(), Arc::clone(&run.state), run.ownership().clone()));
         async move {
             let Some((gone, state, ownership)) = live else {
                 if !elsewhere {

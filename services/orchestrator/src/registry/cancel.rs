@@ -32,7 +32,7 @@ pub(crate) enum CancelOutcome {
 /// and its ownership (ended: its end is kept).
 struct Left {
     gone: tokio_util::sync::CancellationToken,
-    ownership: crate::domain::Ownership,
+    /// Its record's writer, holding this replica's ownership (ended: its end is kept).
     persister: crate::run::persist::Persister,
 }
 
@@ -43,7 +43,7 @@ struct Left {
 /// again after a park, or the store not answering). The run still ends after its turn if it
 /// stays here, and the caller asks again.
 async fn after_turn_kept(left: &Left, store_timeout: std::time::Duration) -> CancelOutcome {
-    if left.ownership.ended() || left.persister.after_turn_kept(2 * store_timeout).await {
+    if left.persister.ownership().ended() || left.persister.after_turn_kept(2 * store_timeout).await {
         CancelOutcome::EndsAfterTurn
     } else {
         CancelOutcome::Unanswered
@@ -87,7 +87,7 @@ impl Runs {
 
     /// Whether `run_id` is live here and leaving its slot for the approval store.
     fn parking_here(&self, run_id: &str) -> bool {
-        self.lock().get(run_id).is_some_and(|live| live.ownership.parking())
+        self.lock().get(run_id).is_some_and(|live| live.ownership().parking())
     }
 
     /// Whether `run_id` is live here or parked in this replica's approval store.
@@ -158,7 +158,6 @@ impl Runs {
         let live = live.get(run_id).filter(|l| sees(caller, &l.principal))?;
         let left = Left {
             gone: live.gone.clone(),
-            ownership: live.ownership.clone(),
             persister: live.persister.clone(),
         };
         // Under the state lock: the loop settles the end under it too, and a cancel that came
@@ -169,7 +168,7 @@ impl Runs {
         }
         let leaving = live.hand_over.at_safe_point.is_cancelled()
             || live.hand_over.now.is_cancelled()
-            || live.ownership.parking();
+            || live.ownership().parking();
         if state.status.is_parked() || leaving {
             return None;
         }
@@ -193,7 +192,7 @@ impl Runs {
         if tokio::time::timeout(ending, left.gone.cancelled()).await.is_err() {
             return Some(CancelOutcome::Unanswered);
         }
-        left.ownership.ended().then_some(CancelOutcome::Canceled)
+        left.persister.ownership().ended().then_some(CancelOutcome::Canceled)
     }
 
     /// Asks the replica running `run_id` (shared store) to cancel it.

@@ -12,7 +12,7 @@ impl Live {
     /// The run's row as readers outside it see it (see [`Live::shown`]), as of now.
     fn summary(&self) -> RunSummary {
         let mut row = RunSummary::from(&*shared::sync::lock(&self.state));
-        if !self.ownership.ended() && !row.status.is_live() {
+        if !self.ownership().ended() && !row.status.is_live() {
             row.status = RunStatus::Running;
             row.failure_reason = None;
         }

@@ -56,18 +56,22 @@ struct Live {
     inbox: Inbox,
     /// Cancelled once the run leaves this replica (ended, or moved to another one).
     gone: tokio_util::sync::CancellationToken,
-    /// This replica's ownership of the run: its end is shown once it is stored.
-    ownership: crate::domain::Ownership,
-    /// What writes its record: a cancel after its turn is kept there before it is answered.
+    /// What writes its record (a cancel after its turn is kept there before it is answered),
+    /// holding this replica's ownership of the run: its end is shown once it is stored.
     persister: crate::run::persist::Persister,
 }
 
 impl Live {
+    /// This replica's ownership of the run.
+    fn ownership(&self) -> &crate::domain::Ownership {
+        self.persister.ownership()
+    }
+
     /// The run as readers outside it see it: an end is shown only once it is kept (logged, and
     /// the result stored); until then the run reads running, with its output so far.
     fn shown(&self) -> RunResult {
         let result = shared::sync::lock(&self.state).clone();
-        if self.ownership.ended() {
+        if self.ownership().ended() {
             result
         } else {
             result.unended()

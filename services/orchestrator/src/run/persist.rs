@@ -43,7 +43,7 @@ pub struct Persister {
     /// Asks the lease keeper to renew now (a cancel after the turn waits for its record).
     renew_now: Arc<tokio::sync::Notify>,
     /// A record the store took held the run's ask to end after its turn.
-    after_turn_kept: Arc<AtomicBool>,
+    after_turn_kept: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 /// A checkpoint as the loop hands it over: the run's state, its deadline and the serialized
@@ -75,9 +75,6 @@ impl Snapshot {
     }
 }
 
-/// How often a cancel after the turn looks whether the run's record keeps it.
-const AFTER_TURN_LOOK: Duration = Duration::from_millis(5);
-
 impl Persister {
     /// A persister of `state` into `store`; one write waits at most `timeout`; a final result
     /// the store does not take waits in `backlog`.
@@ -93,7 +90,7 @@ impl Persister {
             released: CancellationToken::new(),
             claimed_resumable: Arc::default(),
             renew_now: Arc::default(),
-            after_turn_kept: Arc::default(),
+            after_turn_kept: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
     }
 
@@ -142,15 +139,15 @@ impl Persister {
     /// turn: the lease keeper is asked to renew at once. A run whose lease is not kept here (not
     /// claimed yet, or waiting to take its slot again after a park) renews nothing: `false`.
     pub async fn after_turn_kept(&self, wait: Duration) -> bool {
+        let mut kept = self.after_turn_kept.subscribe();
         self.renew_now.notify_one();
-        let until = tokio::time::Instant::now() + wait;
-        while !self.after_turn_kept.load(Ordering::Acquire) {
-            if tokio::time::Instant::now() >= until || self.ownership.stopped() {
-                return false;
+        let kept_or_lost = async {
+            tokio::select! {
+                kept = kept.wait_for(|kept| *kept) => kept.is_ok(),
+                () = self.ownership.lost() => false,
             }
-            tokio::time::sleep(AFTER_TURN_LOOK).await;
-        }
-        true
+        };
+        tokio::time::timeout(wait, kept_or_lost).await.unwrap_or(false)
     }
 
     /// Renews the lease with the run's state, as a live run's: a state that reads ended already
@@ -181,7 +178,7 @@ impl Persister {
         let written = within(self.timeout, self.store.put(snapshot)).await;
         let kept = self.outcome(&run_id, "storing the run's state", sent, written);
         if kept && marked {
-            self.after_turn_kept.store(true, Ordering::Release);
+            self.after_turn_kept.send_replace(true);
         }
         kept
     }

@@ -97,6 +97,14 @@ impl Default for Progress {
 }
 
 impl Checkpoint {
+    /// The run was asked to end once its turn under way ends after this checkpoint was saved (a
+    /// cancel its record kept): resumed from it, the run ends there, and its record keeps
+    /// saying so.
+    pub fn end_after_turn(&mut self, reason: String) {
+        self.result.ends_after_turn.get_or_insert_with(|| reason.clone());
+        self.cancel_after_turn.get_or_insert(reason);
+    }
+
     /// The last seq the run sent before this checkpoint (the log held it then): the event before
     /// the outbox's first, or the last numbered when nothing is queued. A log that ends before it
     /// lost its oldest events to age or trimming, not to a hole.
