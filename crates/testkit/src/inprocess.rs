@@ -171,6 +171,8 @@ pub enum Outcome {
     Asked(pb::ToolInputRequired),
     /// The task the server made of the call, still working.
     Task(pb::ToolTask),
+    /// The call is in doubt: it started on a runner that went away before its outcome was kept.
+    InDoubt(pb::ToolInDoubt),
 }
 
 impl Outcome {
@@ -183,6 +185,7 @@ impl Outcome {
             }
             Some(pb::run_tool_response::Outcome::InputRequired(asked)) => Self::Asked(asked),
             Some(pb::run_tool_response::Outcome::Task(task)) => Self::Task(task),
+            Some(pb::run_tool_response::Outcome::InDoubt(doubt)) => Self::InDoubt(doubt),
             None => anyhow::bail!("response has no outcome"),
         })
     }
@@ -194,6 +197,7 @@ impl Outcome {
             Self::Err(code, message) => panic!("expected a result, got {code:?}: {message}"),
             Self::Asked(asked) => panic!("expected a result, got questions: {asked:?}"),
             Self::Task(task) => panic!("expected a result, got a task: {task:?}"),
+            Self::InDoubt(doubt) => panic!("expected a result, got a call in doubt: {doubt:?}"),
         }
     }
 
@@ -211,7 +215,7 @@ impl Outcome {
             Self::Asked(asked) => asked,
             Self::Ok(v) => panic!("expected questions, got {v}"),
             Self::Err(code, message) => panic!("expected questions, got {code:?}: {message}"),
-            Self::Task(task) => panic!("expected questions, got a task: {task:?}"),
+            other => panic!("expected questions, got {other:?}"),
         }
     }
 
@@ -221,7 +225,7 @@ impl Outcome {
             Self::Err(code, message) => (code, message),
             Self::Ok(v) => panic!("expected an error, got {v}"),
             Self::Asked(asked) => panic!("expected an error, got questions: {asked:?}"),
-            Self::Task(task) => panic!("expected an error, got a task: {task:?}"),
+            other => panic!("expected an error, got {other:?}"),
         }
     }
 }

@@ -410,6 +410,7 @@ impl From<&RunResult> for pb::RunResult {
                     duration_ms: c.duration_ms,
                     turn: c.turn,
                     approval: c.approval.as_ref().map(pb::ApprovalDecision::from),
+                    in_doubt: c.error.as_ref().is_some_and(ToolCallError::in_doubt),
                 })
                 .collect(),
             failed_turns: r.failed_turns,
@@ -515,6 +516,7 @@ fn event_kind_pb(event: Event) -> pb::orchestrate_event::Event {
             name,
             ok: error.is_none(),
             content_json: content_json.unwrap_or_default(),
+            in_doubt: error.as_ref().is_some_and(ToolCallError::in_doubt),
             error: error.as_ref().map(error_pb),
             duration_ms,
             content_truncated,

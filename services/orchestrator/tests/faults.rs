@@ -807,8 +807,12 @@ impl tr::tool_runner_server::ToolRunner for BlackHole {
             source: "builtin".into(),
             needs_approval: false,
             mcp_protocol: String::new(),
+            idempotent: true,
         };
-        Ok(tonic::Response::new(tr::ListToolsResponse { tools: vec![lookup] }))
+        Ok(tonic::Response::new(tr::ListToolsResponse {
+            tools: vec![lookup],
+            records_calls: false,
+        }))
     }
 
     async fn run_tool(

@@ -47,9 +47,9 @@ struct State {
 /// Holds one admitted call's place; releasing it may wake the drain.
 pub struct Permit(Arc<State>);
 
-/// A streamed call's place, which the call keeps until its last update.
+/// A call's place, which the call keeps until it is done.
 #[derive(Clone)]
-pub struct StreamPermit {
+pub struct CallPermit {
     _held: Arc<Permit>,
 }
 
@@ -128,7 +128,6 @@ impl Gate for Admission {
         if path != RUN_TOOL_PATH && path != RUN_TOOL_STREAM_PATH {
             return Ok(None);
         }
-        let streamed = path == RUN_TOOL_STREAM_PATH;
         let admitted = self.try_admit().inspect_err(|status| {
             let reason = if status.code() == tonic::Code::Unavailable {
                 "draining"
@@ -138,13 +137,10 @@ impl Gate for Admission {
             metrics::counter!(crate::telemetry::metric::REJECTED, "reason" => reason).increment(1);
             tracing::debug!(code = ?status.code(), "RunTool refused: {}", status.message());
         })?;
-        if streamed {
-            request.extensions_mut().insert(StreamPermit {
-                _held: Arc::new(admitted),
-            });
-            return Ok(None);
-        }
-        Ok(Some(admitted))
+        request.extensions_mut().insert(CallPermit {
+            _held: Arc::new(admitted),
+        });
+        Ok(None)
     }
 }
 

@@ -194,6 +194,10 @@ fn print_outcome(tool: &str, response: pb::RunToolResponse) -> Result<bool, Erro
             );
             Ok(false)
         }
+        Some(pb::run_tool_response::Outcome::InDoubt(doubt)) => {
+            eprintln!("{tool} is in doubt: {}", doubt.message);
+            Ok(false)
+        }
         Some(pb::run_tool_response::Outcome::InputRequired(asked)) => {
             eprintln!("{tool} asks for input before it can finish (an orchestrated run waits for a person's answers):");
             for request in &asked.requests {

@@ -184,6 +184,16 @@ pub struct FenceSettings {
     /// are refused, naming both, while it is not.
     #[arg(long = "run-store-timeout", env = "TOOL_RUNNER_RUN_STORE_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// How long this runner's liveness in the run store may go unrenewed (renewed every third of
+    /// it; 3s–5m) before other runners count a durable call it started and never answered as in
+    /// doubt. A runner that has not renewed it within two thirds of it starts no durable call.
+    #[arg(long = "runner-lease", env = "TOOL_RUNNER_RUNNER_LEASE", default_value = "15s", value_parser = parse_duration)]
+    pub runner_lease: Duration,
+    /// Largest outcome kept in a durable call's record (cap 900 KiB, under NATS's default
+    /// payload limit); a larger one is answered to its caller, and an error naming this bound is
+    /// kept in its place, so the call sent again is answered with that error, not run again.
+    #[arg(long = "call-record-max-bytes", env = "TOOL_RUNNER_CALL_RECORD_MAX_BYTES", default_value_t = 256 * KIB)]
+    pub record_max_bytes: usize,
     /// NATS credentials file (.creds) for the run store.
     #[arg(long = "nats-credentials", env = "TOOL_RUNNER_NATS_CREDENTIALS", value_name = "FILE")]
     pub credentials: Option<PathBuf>,
@@ -197,7 +207,11 @@ pub struct FenceSettings {
 
 impl Bounded for FenceSettings {
     fn bounds(&self) -> Vec<Bound> {
-        vec![bound("timeout", self.timeout, Duration::from_millis(1), secs(60))]
+        vec![
+            bound("timeout", self.timeout, Duration::from_millis(1), secs(60)),
+            bound("runner_lease", self.runner_lease, secs(3), secs(300)),
+            bound("record_max_bytes", self.record_max_bytes, KIB, 900 * KIB),
+        ]
     }
 }
 

@@ -188,7 +188,7 @@ impl RunFence {
     }
 
     /// The bucket, bound on first use with its grace checked against the read timeout.
-    async fn bucket(&self) -> Result<&dyn Bucket, String> {
+    pub(crate) async fn bucket(&self) -> Result<&dyn Bucket, String> {
         if let Some(bound) = self.bound.get() {
             return bound.as_ref().map(|b| b.as_ref()).map_err(Clone::clone);
         }

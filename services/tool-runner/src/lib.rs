@@ -5,6 +5,7 @@
 //! * [`service`]: the gRPC adapter (`ListTools`, `RunTool`);
 //! * [`admission`]: the concurrency limit and drain refusals, as a tower layer;
 //! * [`fence`]: the refusal of a replaced orchestrator replica's call, read from the run store;
+//! * [`record`]: a durable call's record in the run store, so that a call sent again runs once;
 //! * [`server`]: [`serve`]`(listener, config, shutdown)`, which tests call with a port-0 listener;
 //! * [`cli`]: flags (with environment equivalents) and the `list` / `call` client commands;
 //! * `config`: the settings and their bounds; `error`: the crate's error and its gRPC codes;
@@ -17,6 +18,7 @@ pub mod cli;
 pub mod config;
 mod error;
 pub mod fence;
+pub mod record;
 pub mod registry;
 pub mod server;
 pub mod service;

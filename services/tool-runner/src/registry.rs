@@ -94,6 +94,11 @@ impl Registry {
         own.chain(self.mcp.iter().flat_map(McpServers::specs)).collect()
     }
 
+    /// The spec of the tool of this name, if it exists (enabled).
+    pub fn spec(&self, name: &str) -> Option<ToolSpec> {
+        self.find(name).map(|e| e.spec.clone())
+    }
+
     fn find(&self, name: &str) -> Option<Arc<Entry>> {
         self.tools
             .get(name)

@@ -14,6 +14,7 @@ use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
 use crate::admission::Admission;
+use crate::record::CallRecords;
 use crate::registry::Registry;
 use crate::service::ToolRunnerService;
 use crate::tools::mcp::McpServers;
@@ -129,9 +130,24 @@ pub async fn serve(
         .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let reflection_v1alpha = shared::grpc::reflection_service_v1alpha(SERVICE_NAME)
         .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
-    let fence = crate::fence::RunFence::connect(&config.fence).await?;
+    let fence = crate::fence::RunFence::connect(&config.fence).await?.map(Arc::new);
+    let records = fence.clone().map(|fence| {
+        let id = incarnation();
+        tracing::info!(incarnation = %id, "durable calls are recorded in the run store: a call sent again runs once");
+        Arc::new(CallRecords::new(
+            fence,
+            &id,
+            config.fence.runner_lease,
+            config.fence.record_max_bytes,
+        ))
+    });
+    let _liveness = records
+        .clone()
+        .map(|records| shared::runtime::AbortOnDrop(tokio::spawn(records.keep_alive())));
     let runner = ToolRunnerServer::new(
-        ToolRunnerService::new(Arc::clone(&registry), config.telemetry.trace_payloads()).with_fence(fence),
+        ToolRunnerService::new(Arc::clone(&registry), config.telemetry.trace_payloads())
+            .with_fence(fence)
+            .with_records(records.clone()),
     )
     .max_decoding_message_size(config.arg_limits.max_bytes.saturating_mul(2).saturating_add(64 * 1024));
 
@@ -167,6 +183,20 @@ pub async fn serve(
             tracing::warn!(abandoned, "grace period over; stopping with calls still in flight");
         }
     }
+    if let Some(records) = records {
+        drop(_liveness);
+        records.leave().await;
+    }
     tracing::info!("tool-runner stopped");
     Ok(())
+}
+
+/// This process's incarnation: the pod's name (its host name) when it has one, and a random part
+/// (a restarted pod is another incarnation).
+fn incarnation() -> String {
+    let random = uuid::Uuid::now_v7().simple().to_string();
+    match std::env::var("HOSTNAME") {
+        Ok(host) if !host.trim().is_empty() => format!("{}-{}", host.trim(), &random[20..]),
+        _ => random,
+    }
 }

@@ -2,6 +2,12 @@
 //! store refuse a call sent in an older epoch than the run's fence before its tool runs, each
 //! reading the fence from the store (neither has seen the newer epoch's calls), say which epochs
 //! met, and refuse a durable call `UNAVAILABLE`, unrun, while the store cannot be read.
+//!
+//! And a durable call runs once: sent again (a retry, or a new owner in a newer epoch, to either
+//! runner) it is answered from its record; started by a runner that went away it is in doubt (a
+//! tool not declared idempotent does not run again; an idempotent one does); running on a runner
+//! that is alive it is waited for; an outcome over the bound is answered once and kept as an
+//! error naming the bound.
 
 use std::time::Duration;
 
@@ -14,18 +20,32 @@ type TestResult = anyhow::Result<()>;
 /// The orchestrators' run-store bucket, as they create it.
 const BUCKET: &str = "orchestrator-runs";
 
-/// A command tool `record` that appends `<run id>/<call id> <epoch>` to `log`: what ran.
+/// Command tools that append `<run id>/<call id> <epoch>` to `log` (what ran) and answer the
+/// epoch they ran in: `record` (not idempotent), `record_again` (declared idempotent) and `big`
+/// (answers 2 KiB more).
 fn manifest(dir: &std::path::Path, log: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
     let path = dir.join("tools.toml");
-    let script = format!(
-        "echo \"$TOOL_RUN_ID/$TOOL_CALL_ID $TOOL_RUN_EPOCH\" >> {}; printf '{{}}'",
-        log.display()
-    );
+    let script = |extra: &str| {
+        format!(
+            "echo \"$TOOL_RUN_ID/$TOOL_CALL_ID $TOOL_RUN_EPOCH\" >> {}; printf '{{\"epoch\": %s{extra}}}' $TOOL_RUN_EPOCH",
+            log.display()
+        )
+    };
+    let tool = |name: &str, extra: &str, idempotent: bool| {
+        format!(
+            "[[tool]]\nname = {name:?}\ndescription = \"records its call\"\nidempotent = {idempotent}\nargv = [\"sh\", \"-c\", {:?}]\n",
+            script(extra)
+        )
+    };
+    let padding = format!(", \"padding\": \"{}\"", "x".repeat(2048));
     std::fs::write(
         &path,
-        format!(
-            "[[tool]]\nname = \"record\"\ndescription = \"records its call\"\nargv = [\"sh\", \"-c\", {script:?}]\n"
-        ),
+        [
+            tool("record", "", false),
+            tool("record_again", "", true),
+            tool("big", &padding, false),
+        ]
+        .concat(),
     )?;
     Ok(path)
 }
@@ -64,17 +84,31 @@ async fn claim(kv: &async_nats::jetstream::kv::Store, run: &str, epoch: u64) -> 
     Ok(())
 }
 
-/// `record` for `call` of `run` sent in `epoch`: what the runner answered.
+/// `record` for `call` of `run` sent in `epoch`: whether the runner took it.
 async fn call(runner: &Runner, run: &str, call: &str, epoch: u64) -> anyhow::Result<Result<(), tonic::Status>> {
+    Ok(answer(runner, "record", run, call, epoch).await?.map(|_| ()))
+}
+
+/// Tool `tool` for `call` of `run` sent in `epoch`: what the runner answered.
+async fn answer(
+    runner: &Runner,
+    tool: &str,
+    run: &str,
+    call: &str,
+    epoch: u64,
+) -> anyhow::Result<Result<testkit::Outcome, tonic::Status>> {
     let request = pb::RunToolRequest {
         run_id: run.to_owned(),
         call_id: call.to_owned(),
-        tool_name: "record".to_owned(),
+        tool_name: tool.to_owned(),
         arguments_json: "{}".to_owned(),
         epoch,
         ..Default::default()
     };
-    Ok(runner.client().await?.run_tool(request).await.map(|_| ()))
+    match runner.client().await?.run_tool(request).await {
+        Ok(response) => Ok(Ok(testkit::Outcome::of(response.into_inner())?)),
+        Err(status) => Ok(Err(status)),
+    }
 }
 
 /// The lines the tool wrote: the calls that ran.
@@ -251,5 +285,210 @@ async fn a_fence_read_longer_than_the_grace_refuses_durable_calls_naming_both() 
     let [fits, _] = runners(&nats, &manifest(dir.path(), &log)?).await?;
     call(&fits, "run.3", "c", 1).await?.map_err(anyhow::Error::msg)?;
     assert_eq!(ran(&log), ["run.3/local 0", "run.3/c 1"]);
+    Ok(())
+}
+
+/// A JetStream handle on `nats`'s run store, as a runner's own record keeper reaches it.
+async fn store(nats: &Nats) -> anyhow::Result<std::sync::Arc<dyn shared::jetstream::JetStream>> {
+    let client = async_nats::connect(nats.url()).await?;
+    Ok(shared::jetstream::JetStream::handle(&shared::jetstream::nats::context(
+        client, None,
+    )))
+}
+
+/// Another runner's record keeper (incarnation `id`, its lease 3 s): it starts calls the test
+/// then finishes, or leaves unanswered.
+async fn ghost(nats: &Nats, id: &str) -> anyhow::Result<std::sync::Arc<tool_runner::record::CallRecords>> {
+    let fence = tool_runner::fence::RunFence::over(store(nats).await?, BUCKET, Duration::from_millis(500));
+    let records = tool_runner::record::CallRecords::new(std::sync::Arc::new(fence), id, Duration::from_secs(3), 4096);
+    records.renew().await;
+    Ok(std::sync::Arc::new(records))
+}
+
+/// `call` of `run` in epoch 1, started by `records` (as its runner does before the tool runs).
+async fn start(
+    records: &tool_runner::record::CallRecords,
+    run: &str,
+    call: &str,
+) -> anyhow::Result<tool_runner::record::Started> {
+    let begun = records
+        .begin(&tool_runner::record::Call {
+            run_id: run,
+            call_id: call,
+            round: None,
+            epoch: 1,
+            idempotent: false,
+            rerun_in_doubt: false,
+            wait: Duration::from_secs(1),
+        })
+        .await;
+    match begun {
+        tool_runner::record::Begun::Run(started) => Ok(started),
+        other => anyhow::bail!("{call} was not started: {other:?}"),
+    }
+}
+
+/// Two runners with a 3 s runner lease and a 1 KiB bound on kept outcomes.
+async fn recording_runners(nats: &Nats, manifest: &std::path::Path) -> anyhow::Result<[Runner; 2]> {
+    let config = || {
+        let mut config = testkit::stack::runner_config(Some(manifest.to_owned()));
+        config.fence.run_store = Some(nats.url());
+        config.fence.timeout = Duration::from_millis(500);
+        config.fence.runner_lease = Duration::from_secs(3);
+        config.fence.record_max_bytes = 1024;
+        config
+    };
+    Ok([Runner::start(config()).await?, Runner::start(config()).await?])
+}
+
+/// The epoch a `record` tool's answer says it ran in.
+fn ran_in(outcome: testkit::Outcome) -> serde_json::Value {
+    outcome.unwrap_ok()["epoch"].clone()
+}
+
+/// A durable call sent again (a retry to the same runner, then a new owner's call in a newer
+/// epoch to the other) is answered from its record: the answer of the run in epoch 1, the tool
+/// run once. A call of no durable run is not recorded: it runs each time.
+#[tokio::test]
+async fn a_durable_call_sent_again_is_answered_from_its_record_and_runs_once() -> TestResult {
+    let nats = Nats::start().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.log");
+    let [a, b] = recording_runners(&nats, &manifest(dir.path(), &log)?).await?;
+    let kv = bucket(&nats).await?;
+    claim(&kv, "once", 1).await?;
+
+    let first = answer(&a, "record", "once", "c1", 1)
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(ran_in(first), 1);
+    let retried = answer(&a, "record", "once", "c1", 1)
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(ran_in(retried), 1, "answered from the record");
+    claim(&kv, "once", 2).await?;
+    let moved = answer(&b, "record", "once", "c1", 2)
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(ran_in(moved), 1, "the new owner is answered with what ran in epoch 1");
+    for _ in 0..2 {
+        answer(&b, "record", "local", "c1", 0)
+            .await?
+            .map_err(anyhow::Error::msg)?;
+    }
+    assert_eq!(ran(&log), ["once/c1 1", "local/c1 0", "local/c1 0"]);
+    Ok(())
+}
+
+/// A call started by a runner that went away (it deleted its liveness leaving, or stopped
+/// renewing it for a whole lease) is in doubt: a tool not declared idempotent does not run again
+/// (asked again, still in doubt) unless a person chose to rerun it; an idempotent one runs again.
+/// A call running on a runner that is alive is waited for, and answered with its outcome.
+#[tokio::test]
+async fn a_call_whose_runner_went_away_is_in_doubt_and_one_still_running_is_waited_for() -> TestResult {
+    let nats = Nats::start().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.log");
+    let [a, _b] = recording_runners(&nats, &manifest(dir.path(), &log)?).await?;
+    claim(&bucket(&nats).await?, "doubt", 1).await?;
+
+    let left = ghost(&nats, "left").await?;
+    start(&left, "doubt", "c1").await?;
+    start(&left, "doubt", "c2").await?;
+    left.leave().await;
+    for _ in 0..2 {
+        match answer(&a, "record", "doubt", "c1", 1)
+            .await?
+            .map_err(anyhow::Error::msg)?
+        {
+            testkit::Outcome::InDoubt(doubt) => {
+                assert_eq!(doubt.runner, "left");
+                assert!(
+                    doubt.message.contains("may or may not have taken effect"),
+                    "{}",
+                    doubt.message
+                );
+            }
+            other => anyhow::bail!("expected c1 in doubt, got {other:?}"),
+        }
+    }
+    let idempotent = answer(&a, "record_again", "doubt", "c2", 1)
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(ran_in(idempotent), 1, "an idempotent tool runs again");
+    let mut rerun = pb::RunToolRequest {
+        run_id: "doubt".into(),
+        call_id: "c1".into(),
+        tool_name: "record".into(),
+        arguments_json: "{}".into(),
+        epoch: 1,
+        rerun_in_doubt: true,
+        ..Default::default()
+    };
+    let response = a.client().await?.run_tool(rerun.clone()).await?.into_inner();
+    assert_eq!(
+        ran_in(testkit::Outcome::of(response)?),
+        1,
+        "a person chose to run it again"
+    );
+
+    // A runner paused (or cut off) past its lease: its call is in doubt once a lease passed.
+    let paused = ghost(&nats, "paused").await?;
+    start(&paused, "doubt", "c3").await?;
+    rerun.call_id = "c3".into();
+    rerun.rerun_in_doubt = false;
+    let response = a.client().await?.run_tool(rerun.clone()).await?.into_inner();
+    assert!(matches!(testkit::Outcome::of(response)?, testkit::Outcome::InDoubt(_)));
+
+    // A runner that is alive: the call is waited for and answered with its outcome.
+    let alive = ghost(&nats, "alive").await?;
+    let _renewing = shared::runtime::AbortOnDrop(tokio::spawn(std::sync::Arc::clone(&alive).keep_alive()));
+    let running = start(&alive, "doubt", "c4").await?;
+    rerun.call_id = "c4".into();
+    let mut client = a.client().await?;
+    let waiting = tokio::spawn(async move { client.run_tool(rerun).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the call is waited for while its runner is alive"
+    );
+    let outcome = pb::RunToolResponse {
+        outcome: Some(pb::run_tool_response::Outcome::ContentJson("{\"epoch\": 7}".into())),
+        duration_ms: 3,
+    };
+    let kept = prost::Message::encode_to_vec(&outcome).into();
+    alive.finish(running, kept, |_, _| bytes::Bytes::new()).await?;
+    let response = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await???
+        .into_inner();
+    assert_eq!(
+        ran_in(testkit::Outcome::of(response)?),
+        7,
+        "answered with the other runner's outcome"
+    );
+    assert_eq!(
+        ran(&log),
+        ["doubt/c2 1", "doubt/c1 1"],
+        "c1 ran only when a person chose to"
+    );
+    Ok(())
+}
+
+/// An outcome larger than --call-record-max-bytes is answered in full to its caller, and an
+/// error naming the bound is kept: the call sent again gets that error and does not run again.
+#[tokio::test]
+async fn an_outcome_over_the_bound_is_answered_once_and_kept_as_an_error_naming_it() -> TestResult {
+    let nats = Nats::start().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.log");
+    let [a, b] = recording_runners(&nats, &manifest(dir.path(), &log)?).await?;
+    claim(&bucket(&nats).await?, "large", 1).await?;
+    let first = answer(&a, "big", "large", "c1", 1).await?.map_err(anyhow::Error::msg)?;
+    assert_eq!(first.unwrap_ok()["padding"].as_str().map(str::len), Some(2048));
+    let again = answer(&b, "big", "large", "c1", 1).await?.map_err(anyhow::Error::msg)?;
+    let (code, message) = again.unwrap_err();
+    assert_eq!(code, pb::ToolErrorCode::Failed);
+    assert!(message.contains("--call-record-max-bytes (1024)"), "{message}");
+    assert_eq!(ran(&log), ["large/c1 1"]);
     Ok(())
 }

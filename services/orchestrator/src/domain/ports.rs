@@ -46,6 +46,9 @@ pub struct ToolInvocation {
     pub task: Option<super::task::ToolTask>,
     /// With `task`: ask the server to cancel it first.
     pub cancel_task: bool,
+    /// A person chose to run the call again although it is in doubt (an earlier attempt started
+    /// on a runner that went away before its outcome was kept).
+    pub rerun_in_doubt: bool,
     /// Where the call's progress reports go while it runs (`None`: nobody follows them).
     pub progress: Option<ProgressFn>,
 }

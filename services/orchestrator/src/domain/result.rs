@@ -102,6 +102,15 @@ pub struct ToolCallError {
 }
 
 impl ToolCallError {
+    /// The code of a call in doubt: it started on a tool-runner that went away before its
+    /// outcome was kept, so it may or may not have taken effect, and it was not run again.
+    pub const IN_DOUBT: &'static str = "IN_DOUBT";
+
+    /// Whether the call is in doubt (see [`Self::IN_DOUBT`]).
+    pub fn in_doubt(&self) -> bool {
+        self.code == Self::IN_DOUBT
+    }
+
     /// An error with `code` and `message`.
     pub fn new(code: &str, message: impl Into<String>) -> Self {
         Self {

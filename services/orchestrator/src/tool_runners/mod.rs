@@ -12,7 +12,9 @@
 //! runner refused before running it (it says so with `x-tool-runner-refused`: over its
 //! concurrency limit, draining, or unable to read the run's fence), or that never reached a
 //! runner (connect error), is retried on another endpoint with backoff, a bounded number of
-//! times; a call whose tool may have started is never retried. Every attempt is sent only while
+//! times; a call whose tool may have started is retried only when it is durable and the runners
+//! record durable calls (`ListTools` says so): the runner answers it from the call's record, or
+//! in doubt, and never runs it twice. Every attempt is sent only while
 //! this replica holds the run, and a runner's refusal of a replaced owner's call
 //! (`FAILED_PRECONDITION` with `x-run-epoch-current`) stops this replica acting for the run.
 //! Dropping a call resets its HTTP/2 stream, which cancels the tool on the runner.
@@ -66,6 +68,8 @@ pub struct RemoteTool {
     pub timeout: Duration,
     /// The runner requires a person's approval of each call.
     pub needs_approval: bool,
+    /// Running a call again has no further effect (a durable call in doubt runs again).
+    pub idempotent: bool,
 }
 
 /// The tools the runners offer, and whether they answered the last fetch.
@@ -107,6 +111,9 @@ pub struct ToolRunners {
     call: CallSettings,
     _membership: Option<Arc<AbortOnDrop>>,
     transport: SharedTransport,
+    /// The runner that answered the last catalog fetch records durable calls: a durable call
+    /// whose answer was lost may be sent again.
+    records_calls: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ToolRunners {
@@ -137,6 +144,7 @@ impl ToolRunners {
             },
             _membership: membership.follow(settings.clone(), reload_interval).map(Arc::new),
             transport,
+            records_calls: Arc::default(),
         })
     }
 
@@ -220,8 +228,11 @@ impl ToolRunners {
                 Err(_) => last_error = format!("ListTools on {} timed out", lease.member.uri),
             }
         };
+        let response = response.into_inner();
+        self.records_calls
+            .store(response.records_calls, std::sync::atomic::Ordering::Relaxed);
         let mut catalog = BTreeMap::new();
-        for spec in response.into_inner().tools {
+        for spec in response.tools {
             let parameters = serde_json::from_str(&spec.parameters_json_schema)
                 .unwrap_or_else(|_| serde_json::json!({"type": "object"}));
             catalog.insert(
@@ -234,6 +245,7 @@ impl ToolRunners {
                     },
                     timeout: Duration::from_millis(u64::from(spec.timeout_ms)),
                     needs_approval: spec.needs_approval,
+                    idempotent: spec.idempotent,
                 },
             );
         }
@@ -299,6 +311,7 @@ impl ToolExecutor for ToolRunners {
         let pool = Arc::clone(&self.pool);
         let settings = self.call;
         let transport = self.transport.current();
+        let records = call.epoch > 0 && self.records_calls.load(std::sync::atomic::Ordering::Relaxed);
         async move {
             let retries = Retries {
                 retries: settings.retries,
@@ -335,6 +348,9 @@ impl ToolExecutor for ToolRunners {
                     }
                     let error = call_error(&status, &runner, started.elapsed(), timeout);
                     let Some(reason) = refused_before_run(&status) else {
+                        if records && lost_answer(&status) {
+                            return Attempt::Lost { error };
+                        }
                         return Attempt::Answered(Err(error));
                     };
                     let cooldown = if reason == "concurrency_limit" {
@@ -382,9 +398,7 @@ async fn run_streamed(
                 }
             }
             None => {
-                return Err(tonic::Status::unknown(
-                    "the tool-runner ended the call's stream without its outcome",
-                ));
+                return Err(tonic::Status::unknown(STREAM_ENDED));
             }
         }
     }
@@ -403,6 +417,15 @@ fn no_runner(pinned: Option<&str>) -> ToolCallError {
         None => ToolCallError::new("UNAVAILABLE", "no tool-runner endpoint is known (check --tool-runner)"),
     }
 }
+
+/// Whether `status` says the answer was lost on the way (the connection broke mid-call, or the
+/// call's stream ended without its outcome), not that the runner answered with it.
+fn lost_answer(status: &tonic::Status) -> bool {
+    std::error::Error::source(status).is_some() || status.message() == STREAM_ENDED
+}
+
+/// What a call whose stream ended without its outcome fails with.
+const STREAM_ENDED: &str = "the tool-runner ended the call's stream without its outcome";
 
 /// The run's current epoch, when `status` is a runner's refusal of a replaced owner's call.
 fn superseded(status: &tonic::Status) -> Option<u64> {
@@ -435,6 +458,7 @@ fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Requ
             task_id: task.id.clone(),
             cancel: call.cancel_task,
         }),
+        rerun_in_doubt: call.rerun_in_doubt,
     });
     request.set_timeout(call.timeout);
     transport.authorize(&mut request);
@@ -492,6 +516,9 @@ fn outcome(response: pb::RunToolResponse, max_questions: usize, runner: &str) ->
         }
         Some(pb::run_tool_response::Outcome::InputRequired(asked)) => {
             questions(asked, max_questions).map(ToolOutput::Asked)
+        }
+        Some(pb::run_tool_response::Outcome::InDoubt(doubt)) => {
+            Err(ToolCallError::new(ToolCallError::IN_DOUBT, doubt.message))
         }
         Some(pb::run_tool_response::Outcome::Task(task)) if task.task_id.is_empty() => Err(ToolCallError::new(
             "FAILED",
@@ -629,6 +656,7 @@ mod tests {
             answers: None,
             task: None,
             cancel_task: false,
+            rerun_in_doubt: false,
             progress: None,
         }
     }

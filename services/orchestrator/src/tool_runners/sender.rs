@@ -2,7 +2,9 @@
 //! waits out its owner's fence grace, is sent only while this replica holds its run (checked
 //! before every attempt, retries included), stops this replica acting for the run when a runner
 //! says the run is in a newer epoch, and is tried again (with backoff, a bounded number of
-//! times) only when it certainly did not run. The gRPC client (`super::ToolRunners`) and the
+//! times) only when it certainly did not run, or when its answer was lost on the way from
+//! runners that record durable calls (a call sent again is answered from its record, or in
+//! doubt: it does not run twice). The gRPC client (`super::ToolRunners`) and the
 //! simulation's runners both send through [`send`].
 
 use std::future::Future;
@@ -22,6 +24,12 @@ pub enum Attempt {
         current: u64,
         /// The runner.
         runner: String,
+    },
+    /// The call of a durable run went to a runner that records it, and the answer was lost (the
+    /// runner went away mid-call): sent again, it is answered from its record, or in doubt.
+    Lost {
+        /// The error the call ends with when it is not tried again.
+        error: ToolCallError,
     },
     /// The call certainly did not run: a runner refused it before it ran, or none was reached.
     Unrun {
@@ -58,13 +66,23 @@ where
         match attempt().await {
             Attempt::Answered(outcome) => return outcome,
             Attempt::Superseded { current, runner } => return Err(stop_superseded(call, current, &runner)),
-            Attempt::Unrun { error, .. } if tried >= retries.retries => return Err(error),
+            Attempt::Unrun { error, .. } | Attempt::Lost { error } if tried >= retries.retries => return Err(error),
             Attempt::Unrun { reason, error } => {
                 metrics::counter!(crate::telemetry::metric::TOOL_CALL_RETRIES, "reason" => reason).increment(1);
                 tracing::debug!(
                     attempt = tried,
                     reason,
                     "retrying a tool call no runner ran: {}",
+                    error.message
+                );
+                tokio::time::sleep(retries.backoff.saturating_mul(1 << tried.min(16))).await;
+                tried += 1;
+            }
+            Attempt::Lost { error } => {
+                metrics::counter!(crate::telemetry::metric::TOOL_CALL_RETRIES, "reason" => "lost_answer").increment(1);
+                tracing::info!(
+                    attempt = tried,
+                    "sending a durable call again, its answer lost: it is answered from its record: {}",
                     error.message
                 );
                 tokio::time::sleep(retries.backoff.saturating_mul(1 << tried.min(16))).await;

@@ -110,6 +110,8 @@ struct RawTool {
     stderr_to_model: Option<bool>,
     #[serde(default)]
     needs_approval: bool,
+    #[serde(default)]
+    idempotent: bool,
 }
 
 pub use shared::tools::{check_schema, valid_tool_name};
@@ -277,6 +279,7 @@ fn build_tool(
         source: "command",
         needs_approval: raw.needs_approval,
         mcp_protocol: String::new(),
+        idempotent: raw.idempotent,
     };
     let tool = CommandTool::new(CommandConfig {
         prlimit: prlimit.to_owned(),
@@ -386,6 +389,15 @@ mod tests {
             let err = load_str(text).err().unwrap_or_else(|| panic!("accepted: {text}"));
             assert!(err.contains(expected), "{err:?} should contain {expected:?}");
         }
+    }
+
+    /// A command tool runs again when its call is in doubt only when the manifest says so.
+    #[test]
+    fn a_tool_is_idempotent_only_when_declared() {
+        assert!(load_str(&format!("{OK}idempotent = true")).unwrap()[0].0.idempotent);
+        assert!(!load_str(OK).unwrap()[0].0.idempotent, "not idempotent unless declared");
+        let bad = load_str(&format!("{OK}idempotent = \"yes\"")).err().unwrap();
+        assert!(bad.contains("idempotent"), "{bad}");
     }
 
     #[test]

@@ -93,6 +93,9 @@ pub struct ToolSpec {
     pub needs_approval: bool,
     /// The MCP protocol its server speaks (empty for other tools).
     pub mcp_protocol: String,
+    /// Running a call again has no further effect: a durable call found in doubt runs again
+    /// instead of being answered in doubt.
+    pub idempotent: bool,
 }
 
 /// Kinds of tool-level failure; mirrors `toolrunner.v1.ToolErrorCode`.

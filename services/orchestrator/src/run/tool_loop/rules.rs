@@ -511,6 +511,7 @@ impl Driver<'_> {
             answers,
             task: None,
             cancel_task: false,
+            rerun_in_doubt: false,
             progress: None,
         }
     }

@@ -60,5 +60,7 @@ fn spec(name: &str, description: &str, parameters: serde_json::Value, timeout: D
         source: "builtin",
         needs_approval: false,
         mcp_protocol: String::new(),
+        // Every built-in reads (or computes, or waits): running it again changes nothing.
+        idempotent: true,
     }
 }

@@ -318,10 +318,19 @@ impl McpServer {
             source: "mcp",
             needs_approval: self.config.needs_approval(&tool.name),
             mcp_protocol: protocol.to_owned(),
+            idempotent: declared_idempotent(tool),
         };
         let call = McpTool::new(Arc::clone(&self.link), tool.name.to_string());
         Entry::new(spec, Arc::new(call))
     }
+}
+
+/// Whether the server declares the tool safe to run again: it only reads (`readOnlyHint`), or
+/// a repeat has no further effect (`idempotentHint`). Hints absent read as not (MCP's defaults).
+fn declared_idempotent(tool: &rmcp::model::Tool) -> bool {
+    tool.annotations
+        .as_ref()
+        .is_some_and(|a| a.read_only_hint == Some(true) || a.idempotent_hint == Some(true))
 }
 
 /// The protocol version negotiated with the server `peer` speaks for.
@@ -355,5 +364,28 @@ mod tests {
         assert_eq!(offered_name("time__", "get_current_time"), "time__get_current_time");
         assert_eq!(offered_name("", "files.read/v2"), "files_read_v2");
         assert!(shared::tools::valid_tool_name(&offered_name("x__", "a.b c")));
+    }
+
+    /// A server's tool runs again in doubt when it only reads or says a repeat changes nothing;
+    /// hints absent, or a destructive tool, read as not idempotent.
+    #[test]
+    fn a_tool_is_idempotent_by_its_servers_hints() {
+        use rmcp::model::{Tool, ToolAnnotations};
+        let tool = |annotations: Option<ToolAnnotations>| {
+            let mut tool = Tool::new("t", "", Arc::new(serde_json::Map::new()));
+            tool.annotations = annotations;
+            tool
+        };
+        let hints = |read_only: Option<bool>, idempotent: Option<bool>| {
+            let mut a = ToolAnnotations::default();
+            a.read_only_hint = read_only;
+            a.idempotent_hint = idempotent;
+            Some(a)
+        };
+        assert!(declared_idempotent(&tool(hints(Some(true), None))));
+        assert!(declared_idempotent(&tool(hints(Some(false), Some(true)))));
+        assert!(!declared_idempotent(&tool(hints(Some(false), Some(false)))));
+        assert!(!declared_idempotent(&tool(hints(None, None))));
+        assert!(!declared_idempotent(&tool(None)));
     }
 }

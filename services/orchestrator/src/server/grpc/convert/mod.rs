@@ -69,6 +69,7 @@ mod tests {
                         definition,
                         timeout: Duration::from_secs(1),
                         needs_approval: false,
+                        idempotent: false,
                     },
                 )
             })

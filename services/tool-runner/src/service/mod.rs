@@ -1,5 +1,8 @@
 //! The gRPC adapter: `toolrunner.v1.ToolRunner` requests become registry calls, registry answers
-//! become responses. No tool logic lives here.
+//! become responses. No tool logic lives here. `recorded.rs`: a durable call's record (what it
+//! says to do with a call, and the run of a recorded call).
+
+mod recorded;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,8 +13,9 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::Error;
-use crate::admission::REFUSED_HEADER;
+use crate::admission::{CallPermit, REFUSED_HEADER};
 use crate::fence::{Refusal, RunFence};
+use crate::record::CallRecords;
 use crate::registry::Registry;
 use shared::metrics::InFlight;
 use shared::telemetry::truncate;
@@ -37,6 +41,8 @@ pub struct ToolRunnerService {
     trace_payloads: Option<usize>,
     /// Refuses a replaced orchestrator replica's calls (`None`: calls are not checked).
     fence: Option<Arc<RunFence>>,
+    /// Keeps durable calls' outcomes, so that a call sent again runs once (`None`: not kept).
+    records: Option<Arc<CallRecords>>,
 }
 
 impl ToolRunnerService {
@@ -46,23 +52,35 @@ impl ToolRunnerService {
             registry,
             trace_payloads,
             fence: None,
+            records: None,
         }
     }
 
     /// The service, checking every durable call against `fence` before its tool runs.
     #[must_use]
-    pub fn with_fence(mut self, fence: Option<RunFence>) -> Self {
-        self.fence = fence.map(Arc::new);
+    pub fn with_fence(mut self, fence: Option<Arc<RunFence>>) -> Self {
+        self.fence = fence;
+        self
+    }
+
+    /// The service, keeping durable calls' outcomes in `records`.
+    #[must_use]
+    pub fn with_records(mut self, records: Option<Arc<CallRecords>>) -> Self {
+        self.records = records;
         self
     }
 
     /// Refuses the call when the run fence says it comes from a replaced owner, or cannot say.
     async fn admit(&self, call: &ToolCall) -> Result<(), Status> {
         let Some(fence) = &self.fence else { return Ok(()) };
-        let refusal = match fence.admit(&call.run_id, &call.call_id, call.epoch).await {
-            Ok(()) => return Ok(()),
-            Err(refusal) => refusal,
-        };
+        match fence.admit(&call.run_id, &call.call_id, call.epoch).await {
+            Ok(()) => Ok(()),
+            Err(refusal) => Err(self.refuse(refusal)),
+        }
+    }
+
+    /// A call refused before it ran, as its status: logged, counted, and recorded on the span.
+    fn refuse(&self, refusal: Refusal) -> Status {
         let span = tracing::Span::current();
         span.record("otel.status_code", "ERROR");
         let mut status = match &refusal {
@@ -96,7 +114,7 @@ impl ToolRunnerService {
             .metadata_mut()
             .insert(REFUSED_HEADER, MetadataValue::from_static(reason));
         metrics::counter!(metric::REJECTED, "reason" => reason.replace('-', "_")).increment(1);
-        Err(status)
+        status
     }
 }
 
@@ -111,6 +129,7 @@ struct ToolCall {
     epoch: u64,
     input: Option<InputAnswers>,
     task: Option<TaskRef>,
+    rerun_in_doubt: bool,
 }
 
 /// The answers a request carries, each parsed as JSON.
@@ -153,6 +172,7 @@ impl TryFrom<pb::RunToolRequest> for ToolCall {
                 }),
                 None => None,
             },
+            rerun_in_doubt: r.rerun_in_doubt,
         })
     }
 }
@@ -167,6 +187,7 @@ impl From<&ToolSpec> for pb::ToolSpec {
             source: spec.source.to_owned(),
             needs_approval: spec.needs_approval,
             mcp_protocol: spec.mcp_protocol.clone(),
+            idempotent: spec.idempotent,
         }
     }
 }
@@ -258,12 +279,17 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
             .filter(|spec| caller.may_use(&spec.name))
             .map(pb::ToolSpec::from)
             .collect();
-        Ok(Response::new(pb::ListToolsResponse { tools }))
+        Ok(Response::new(pb::ListToolsResponse {
+            tools,
+            records_calls: self.records.is_some(),
+        }))
     }
 
     async fn run_tool(&self, request: Request<pb::RunToolRequest>) -> Result<Response<pb::RunToolResponse>, Status> {
+        let permit = request.extensions().get::<CallPermit>().cloned();
         let (call, span) = self.admitted(request).await?;
-        let response = self.execute(call, None).instrument(span).await;
+        let plan = self.plan(&call).instrument(span.clone()).await?;
+        let response = self.run(call, None, plan, permit).instrument(span).await;
         Ok(Response::new(response))
     }
 
@@ -274,12 +300,13 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
         request: Request<pb::RunToolStreamRequest>,
     ) -> Result<Response<Self::RunToolStreamStream>, Status> {
         use futures::StreamExt as _;
-        let permit = request.extensions().get::<crate::admission::StreamPermit>().cloned();
+        let permit = request.extensions().get::<CallPermit>().cloned();
         let (metadata, extensions, streamed) = request.into_parts();
         let call = streamed
             .call
             .ok_or_else(|| Status::invalid_argument("call is required"))?;
         let (call, span) = self.admitted(Request::from_parts(metadata, extensions, call)).await?;
+        let plan = self.plan(&call).instrument(span.clone()).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(PROGRESS_BUFFER);
         let reports = tx.clone();
         let sink = ProgressSink::new(move |progress: Progress| {
@@ -295,17 +322,19 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
         let this = self.clone();
         tokio::spawn(
             async move {
-                let _permit = permit;
+                let held = permit.clone();
                 tokio::select! {
-                    // The caller went away: dropping the call stops the tool.
+                    // The caller went away: dropping the call stops the tool (a recorded call
+                    // goes on to its end, holding its place).
                     () = tx.closed() => {}
-                    response = this.execute(call, Some(sink)) => {
+                    response = this.run(call, Some(sink), plan, permit) => {
                         let done = pb::RunToolUpdate {
                             update: Some(pb::run_tool_update::Update::Done(response)),
                         };
                         let _ = tx.send(Ok(done)).await;
                     }
                 }
+                drop(held);
             }
             .instrument(span),
         );

@@ -1,0 +1,431 @@
+//! A durable call runs once: the runner records it in the run store where it runs, so a call
+//! sent again with the same run id and call id (by a new owner after its run moved, or by the same
+//! one after a lost answer) is answered from the record instead of running the tool again.
+//!
+//! The record of a call lives under `call.<run>.<call>` (a call answered with questions, tried
+//! again with the answers, has a record per round: the round's state is hashed into the key). It
+//! is created (compare-and-set: only when absent) before the tool starts, naming the runner's
+//! *incarnation* and the call's epoch, and updated at that revision with the outcome before the
+//! runner answers. A runner finding a record:
+//! * with an outcome answers it, and the tool does not run;
+//! * of a newer epoch refuses the call as a replaced owner's;
+//! * started by a runner that is alive waits for its outcome (bounded by the tool's timeout);
+//! * started by a runner that is gone (its incarnation's lease lapsed, or it deleted it leaving)
+//!   finds the call *in doubt*: it may or may not have taken effect. A tool declared idempotent
+//!   runs again (this runner takes the record over at its revision); any other is answered in
+//!   doubt, the record marked so, and does not run again unless the caller says a person chose to
+//!   ([`Call::rerun_in_doubt`]).
+//!
+//! Each runner process holds one incarnation record, `runner.<id>`, renewed every third of
+//! `--runner-lease`; another runner counts it gone once it has seen no renewal for a whole lease on
+//! its own clock (never by comparing two clocks), or finds it deleted. A runner that has not
+//! renewed it within two thirds of the lease starts no durable call (it could be counted gone).
+//! Records expire with the run store bucket's age, as runs' own records do.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use shared::jetstream::{Bucket, Consistency, Entry, Error as StoreError, Operation};
+use tokio::time::Instant;
+
+use crate::fence::RunFence;
+
+/// What one runner writes of one call.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Record {
+    /// The epoch the call was started in.
+    #[prost(uint64, tag = "1")]
+    epoch: u64,
+    /// The incarnation of the runner that started it.
+    #[prost(string, tag = "2")]
+    runner: String,
+    /// Which start this is (a create whose answer was lost is known by it).
+    #[prost(uint64, tag = "3")]
+    attempt: u64,
+    /// The outcome, encoded by the service, once the tool finished.
+    #[prost(bytes = "bytes", optional, tag = "4")]
+    outcome: Option<Bytes>,
+    /// The call's runner went away before its outcome was kept, and the tool is not run again.
+    #[prost(bool, tag = "5")]
+    in_doubt: bool,
+}
+
+/// The call a runner is about to run, as its record is keyed and judged.
+#[derive(Debug, Clone)]
+pub struct Call<'a> {
+    /// The run.
+    pub run_id: &'a str,
+    /// The model's call id.
+    pub call_id: &'a str,
+    /// The round of questions the call's answers belong to (`None`: its first attempt).
+    pub round: Option<&'a str>,
+    /// The epoch it was sent in.
+    pub epoch: u64,
+    /// The tool may run again when the call is in doubt.
+    pub idempotent: bool,
+    /// A person chose to run the call again although it is in doubt.
+    pub rerun_in_doubt: bool,
+    /// Longest wait for the outcome of the call running on another runner.
+    pub wait: Duration,
+}
+
+/// What the record says of a call about to run.
+#[derive(Debug)]
+pub enum Begun {
+    /// The call is this runner's to run: [`CallRecords::finish`] keeps its outcome.
+    Run(Started),
+    /// The call finished before: its outcome, as the service encoded it.
+    Done(Bytes),
+    /// The call started on `runner`, which went away before its outcome was kept.
+    InDoubt {
+        /// The incarnation that started it.
+        runner: String,
+    },
+    /// A newer epoch started the call: this one comes from a replaced owner.
+    Stale {
+        /// The epoch the record holds.
+        current: u64,
+    },
+    /// The call still runs on `runner` after the wait.
+    Running {
+        /// The incarnation running it.
+        runner: String,
+    },
+    /// The record cannot be read or written: the call did not run.
+    Unavailable(String),
+}
+
+/// A call this runner started, as its record holds it.
+#[derive(Debug)]
+pub struct Started {
+    key: String,
+    revision: u64,
+    record: Record,
+}
+
+/// Why an outcome was not kept.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotKept {
+    /// The outcome is larger than the bound; an error naming it is kept in its place.
+    #[error(
+        "the outcome ({size} bytes) is larger than --call-record-max-bytes ({max}); an error naming the bound is kept in its place"
+    )]
+    #[allow(missing_docs, reason = "named by the message")]
+    TooLarge { size: usize, max: usize },
+    /// Another runner took the record over (the call was found in doubt while it ran).
+    #[error("the record was taken over while the call ran (it was found in doubt)")]
+    TakenOver,
+    /// The store did not take the write.
+    #[error("the run store did not take it: {0}")]
+    Store(String),
+}
+
+/// This runner's records of the calls it runs (see the module docs).
+pub struct CallRecords {
+    fence: Arc<RunFence>,
+    incarnation: Incarnation,
+    max_bytes: usize,
+    attempts: AtomicU64,
+}
+
+/// This runner process's liveness record.
+struct Incarnation {
+    id: String,
+    key: String,
+    lease: Duration,
+    /// When the store last confirmed a renewal (`None`: never yet).
+    renewed: std::sync::Mutex<Option<Instant>>,
+}
+
+impl CallRecords {
+    /// Records over the bucket `fence` reads, for the runner incarnation `id` holding its liveness
+    /// for `lease`; outcomes larger than `max_bytes` are not kept (an error naming it is).
+    pub fn new(fence: Arc<RunFence>, id: &str, lease: Duration, max_bytes: usize) -> Self {
+        Self {
+            fence,
+            incarnation: Incarnation {
+                id: id.to_owned(),
+                key: shared::fence::escaped_key("runner.", id),
+                lease,
+                renewed: std::sync::Mutex::new(None),
+            },
+            max_bytes,
+            attempts: AtomicU64::new(0),
+        }
+    }
+
+    /// How long a runner's liveness may go unrenewed before its unanswered calls are in doubt.
+    pub fn lease(&self) -> Duration {
+        self.incarnation.lease
+    }
+
+    /// This runner's incarnation id.
+    pub fn incarnation(&self) -> &str {
+        &self.incarnation.id
+    }
+
+    /// Renews this runner's liveness every third of its lease, until dropped.
+    pub async fn keep_alive(self: Arc<Self>) {
+        loop {
+            self.renew().await;
+            tokio::time::sleep(self.incarnation.lease / 3).await;
+        }
+    }
+
+    /// One renewal of this runner's liveness, timed on its own clock from before the write.
+    pub async fn renew(&self) {
+        let sent = Instant::now();
+        let written = async {
+            let bucket = self.fence.bucket().await?;
+            let stamp = Bytes::from(shared::sync::unix_ms().to_string());
+            bucket
+                .put(&self.incarnation.key, stamp)
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(self.incarnation.lease / 3, written).await {
+            Ok(Ok(_)) => *shared::sync::lock(&self.incarnation.renewed) = Some(sent),
+            Ok(Err(e)) => tracing::warn!("renewing the runner's liveness: {e}"),
+            Err(_) => tracing::warn!("renewing the runner's liveness: no answer in time"),
+        }
+    }
+
+    /// Deletes this runner's liveness (it leaves): calls it started and never answered are in
+    /// doubt at once.
+    pub async fn leave(&self) {
+        if let Ok(bucket) = self.fence.bucket().await {
+            let _ = tokio::time::timeout(self.incarnation.lease / 3, bucket.delete(&self.incarnation.key, None)).await;
+        }
+    }
+
+    /// Whether this runner's liveness was renewed recently enough that no other runner can count
+    /// it gone before a call it starts now is recorded.
+    fn alive(&self) -> bool {
+        let renewed = *shared::sync::lock(&self.incarnation.renewed);
+        renewed.is_some_and(|at| at.elapsed() < self.incarnation.lease * 2 / 3)
+    }
+
+    /// What the record says of `call`, creating it when absent (see the module docs).
+    pub async fn begin(&self, call: &Call<'_>) -> Begun {
+        if !self.alive() {
+            // Not renewed yet (the bucket came after this runner), or not lately: try now.
+            self.renew().await;
+        }
+        if !self.alive() {
+            return Begun::Unavailable(format!(
+                "this runner has not renewed its liveness within two thirds of --runner-lease ({}); it starts no durable call",
+                humantime::format_duration(self.incarnation.lease)
+            ));
+        }
+        let bucket = match self.fence.bucket().await {
+            Ok(bucket) => bucket,
+            Err(why) => return Begun::Unavailable(why),
+        };
+        let key = key(call);
+        let record = Record {
+            epoch: call.epoch,
+            runner: self.incarnation.id.clone(),
+            attempt: self.attempts.fetch_add(1, Ordering::Relaxed) + 1,
+            outcome: None,
+            in_doubt: false,
+        };
+        match bucket.create(&key, encode(&record)).await {
+            Ok(revision) => return Begun::Run(Started { key, revision, record }),
+            Err(StoreError::Exists) => {}
+            // The create may have landed: the record tells.
+            Err(e) => tracing::debug!(%key, "creating the call's record: {e}"),
+        }
+        let deadline = Instant::now() + call.wait;
+        Judge {
+            bucket,
+            call,
+            key,
+            mine: record,
+            lease: self.incarnation.lease,
+            watched: None,
+        }
+        .until(deadline)
+        .await
+    }
+
+    /// Keeps `outcome` (the service's encoding of the call's answer) in the call's record; an
+    /// outcome larger than the bound is kept as `too_large(size, max)` instead.
+    pub async fn finish(
+        &self,
+        started: Started,
+        outcome: Bytes,
+        too_large: impl FnOnce(usize, usize) -> Bytes,
+    ) -> Result<(), NotKept> {
+        let (size, max) = (outcome.len(), self.max_bytes);
+        let (kept, refused) = match size > max {
+            true => (too_large(size, max), Some(NotKept::TooLarge { size, max })),
+            false => (outcome, None),
+        };
+        let Started { key, revision, record } = started;
+        let done = Record {
+            outcome: Some(kept),
+            ..record
+        };
+        let bucket = self.fence.bucket().await.map_err(NotKept::Store)?;
+        match bucket.update(&key, encode(&done), revision).await {
+            Ok(_) => refused.map_or(Ok(()), Err),
+            Err(StoreError::WrongRevision) => Err(NotKept::TakenOver),
+            Err(e) => Err(NotKept::Store(e.to_string())),
+        }
+    }
+}
+
+/// What one read of a call's record says.
+enum Verdict {
+    /// This.
+    Said(Begun),
+    /// The call is this runner's to run again: take the record over at this revision.
+    Take(u64),
+    /// Its runner still runs it (or cannot be judged now): read again.
+    Wait,
+}
+
+/// Reads a call's record until it says what to do (see [`CallRecords::begin`]).
+struct Judge<'a> {
+    bucket: &'a dyn Bucket,
+    call: &'a Call<'a>,
+    key: String,
+    /// The record this runner would start.
+    mine: Record,
+    /// How long another runner's liveness may go unrenewed (the lease runners share).
+    lease: Duration,
+    /// The starting runner's liveness as first seen: its revision, and when this runner saw it
+    /// change last.
+    watched: Option<(String, u64, Instant)>,
+}
+
+impl Judge<'_> {
+    /// Reads the record (and its runner's liveness) until it says what to do or `deadline`.
+    async fn until(mut self, deadline: Instant) -> Begun {
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let entry = match self.bucket.entry(&self.key, Consistency::Leader).await {
+                Ok(entry) => entry,
+                Err(e) => return Begun::Unavailable(format!("reading the call's record: {e}")),
+            };
+            let Some((revision, record)) = live(entry) else {
+                // Gone between the create and the read (aged out): start it afresh.
+                return self.take(None).await;
+            };
+            if record.runner == self.mine.runner && record.attempt == self.mine.attempt {
+                return Begun::Run(Started {
+                    key: self.key,
+                    revision,
+                    record,
+                });
+            }
+            match self.judge(revision, record).await {
+                Verdict::Said(next) => return next,
+                Verdict::Take(revision) => return self.take(Some(revision)).await,
+                Verdict::Wait => {}
+            }
+            if Instant::now() >= deadline {
+                return Begun::Running {
+                    runner: self.watched.map(|w| w.0).unwrap_or_default(),
+                };
+            }
+            tokio::time::sleep(pause.min(deadline.saturating_duration_since(Instant::now()))).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// What the record at `revision` says.
+    async fn judge(&mut self, revision: u64, record: Record) -> Verdict {
+        if record.epoch > self.call.epoch {
+            return Verdict::Said(Begun::Stale { current: record.epoch });
+        }
+        if let Some(outcome) = record.outcome {
+            return Verdict::Said(Begun::Done(outcome));
+        }
+        if !record.in_doubt && self.gone(&record.runner).await != Some(true) {
+            return Verdict::Wait;
+        }
+        if self.call.idempotent || self.call.rerun_in_doubt {
+            return Verdict::Take(revision);
+        }
+        if !record.in_doubt {
+            // Marked, so that the runner (if it was only paused) cannot keep an outcome the
+            // model was told may not exist, and later attempts need not wait again.
+            let marked = Record {
+                in_doubt: true,
+                ..record.clone()
+            };
+            if let Err(e) = self.bucket.update(&self.key, encode(&marked), revision).await {
+                tracing::debug!(key = %self.key, "marking the call in doubt: {e}");
+                return Verdict::Wait;
+            }
+        }
+        Verdict::Said(Begun::InDoubt { runner: record.runner })
+    }
+
+    /// Whether `runner`'s liveness is gone: deleted, or seen unrenewed for a whole lease
+    /// (`None`: it cannot be read now).
+    async fn gone(&mut self, runner: &str) -> Option<bool> {
+        let key = shared::fence::escaped_key("runner.", runner);
+        let entry = self.bucket.entry(&key, Consistency::Leader).await.ok()?;
+        let Some(Entry { revision, .. }) = entry.filter(|e| e.operation == Operation::Put) else {
+            return Some(true);
+        };
+        let now = Instant::now();
+        match &mut self.watched {
+            Some((who, seen, since)) if who == runner && *seen == revision => Some(since.elapsed() >= self.lease),
+            watched => {
+                *watched = Some((runner.to_owned(), revision, now));
+                Some(false)
+            }
+        }
+    }
+
+    /// Starts the call here: creates the record (`revision` `None`) or takes it over at `revision`.
+    async fn take(self, revision: Option<u64>) -> Begun {
+        let written = match revision {
+            Some(revision) => self.bucket.update(&self.key, encode(&self.mine), revision).await,
+            None => self.bucket.create(&self.key, encode(&self.mine)).await,
+        };
+        match written {
+            Ok(revision) => Begun::Run(Started {
+                key: self.key,
+                revision,
+                record: self.mine,
+            }),
+            Err(e) => Begun::Unavailable(format!("starting the call's record: {e}")),
+        }
+    }
+}
+
+/// The record's value.
+fn encode(record: &Record) -> Bytes {
+    prost::Message::encode_to_vec(record).into()
+}
+
+/// The record an entry holds, with its revision (`None`: deleted, or unreadable).
+fn live(entry: Option<Entry>) -> Option<(u64, Record)> {
+    let entry = entry.filter(|e| e.operation == Operation::Put)?;
+    let record = <Record as prost::Message>::decode(entry.value).ok()?;
+    Some((entry.revision, record))
+}
+
+/// The key of a call's record: the run, the call, and the round of questions its answers belong
+/// to (hashed: a round's state is opaque and may be long).
+fn key(call: &Call<'_>) -> String {
+    let mut key = shared::fence::escaped_key("call.", call.run_id);
+    key.push_str(&shared::fence::escaped_key(".", call.call_id));
+    if let Some(round) = call.round {
+        key.push_str(&format!(".{:016x}", fnv1a(round.as_bytes())));
+    }
+    key
+}
+
+/// FNV-1a, 64 bits: the same on every runner and version, unlike the standard library's hasher.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
+        (hash ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
