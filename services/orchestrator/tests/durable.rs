@@ -6,7 +6,8 @@
 //! proxy that holds their traffic, or paused (SIGSTOP) past their lease: every run still ends
 //! COMPLETED, its stream (followed across replicas from the last seq seen) is gap-free and equal
 //! to GetRun once `turn_restarted` is applied, its signal is in the signal stream once, no tool
-//! call that finished is run again, no call is sent by a replaced owner (the epochs the tool sees
+//! call runs twice (the runner records it; a call sent again is answered from its record), no
+//! call is sent by a replaced owner (the epochs the tool sees
 //! never go down), and the in-flight gauges are back at 0.
 
 use std::collections::HashMap;
@@ -590,7 +591,8 @@ fn in_flight(events: &[pb::OrchestrateEvent]) -> Vec<String> {
 /// is taken over (turn 2 restarts, announced by `turn_restarted`). Then the replica running it now
 /// is SIGKILLed while turn 3's tool call runs; the run is taken over again and the call in flight
 /// is sent again with the same call id. The run ends COMPLETED with one signal; the caller's
-/// stream is gap-free and tells GetRun's text; only the calls in flight at a kill ran twice.
+/// stream is gap-free and tells GetRun's text; every call ran once (the one in flight at the kill
+/// runs to its end on its runner, and the new owner's call is answered from its record).
 #[tokio::test]
 async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -> TestResult {
     let words: String = (0..40).map(|i| format!("w{i} ")).collect();
@@ -637,13 +639,8 @@ async fn a_run_survives_its_replica_killed_mid_stream_and_then_mid_tool_call() -
     assert_eq!(ids.len(), 4, "{ids:?}");
     for id in &ids {
         let runs = calls.get(&format!("durable-1/{id}")).copied().unwrap_or(0);
-        let allowed = if in_flight_at_kill.iter().any(|f| f == id) {
-            2
-        } else {
-            1
-        };
-        assert!(
-            (1..=allowed).contains(&runs),
+        assert_eq!(
+            runs, 1,
             "call {id} ran {runs} time(s) (in flight at the kill: {in_flight_at_kill:?})"
         );
     }
@@ -870,9 +867,10 @@ fn finished(events: &[pb::OrchestrateEvent]) -> bool {
 
 /// What every fault test ends with: every run COMPLETED with its text, its caller's stream
 /// gap-free (checked as it is read) and telling the same text as GetRun, its signal in the
-/// stream once, each of its calls run at most `max_runs_of_a_call` times, and the in-flight
-/// gauges of the replicas serving back at 0.
-async fn all_completed(fleet: &Fleet, followers: Vec<Following>, text: &str, max_runs_of_a_call: usize) -> TestResult {
+/// stream once, each of its calls run once (the runners record durable calls: one sent again
+/// after its run moved is answered from its record), and the in-flight gauges of the replicas
+/// serving back at 0.
+async fn all_completed(fleet: &Fleet, followers: Vec<Following>, text: &str) -> TestResult {
     let count = followers.len();
     let survivor = fleet
         .urls()
@@ -898,8 +896,9 @@ async fn all_completed(fleet: &Fleet, followers: Vec<Following>, text: &str, max
         assert_eq!(settled(get_run(&survivor, &run_id).await?), settled(result.clone()));
         for call in &result.tool_calls {
             let ran = calls.get(&format!("{run_id}/{}", call.call_id)).copied().unwrap_or(0);
-            assert!(
-                (1..=max_runs_of_a_call).contains(&ran),
+            assert_eq!(
+                ran,
+                1,
                 "{run_id}: call {} ran {ran} time(s)\n{}",
                 call.call_id,
                 fleet.story_of(&run_id)
@@ -943,7 +942,7 @@ async fn a_rolling_deploy_of_every_replica_moves_100_runs_and_loses_nothing() ->
     // Drains move runs at their safe points, without waiting for a lease; a lease of 2 s can
     // lapse on a loaded CI machine (renewed every third of it), and another replica then takes
     // over a run whose call is still running, which is the lost-replica case this test is not
-    // about (a call then runs twice; the kill tests allow that).
+    // about (the call is then answered from its runner's record).
     fleet.lease = "6s";
     for _ in 0..3 {
         fleet.add().await?;
@@ -981,7 +980,7 @@ async fn a_rolling_deploy_of_every_replica_moves_100_runs_and_loses_nothing() ->
     }
     assert!(moved >= runs.len(), "each run moved at least once ({moved} moves)");
     let text = format!("{}done", words.repeat(turns));
-    all_completed(&fleet, followers, &text, 1).await
+    all_completed(&fleet, followers, &text).await
 }
 
 /// NATS restarted while a drained replica hands its 20 runs over (most are in a tool call when
@@ -1010,7 +1009,7 @@ async fn hand_over_across_a_nats_restart(outage: Duration) -> TestResult {
     drained(draining).await?;
     fleet.add().await?;
     let text = format!("{}done", words.repeat(turns));
-    all_completed(&fleet, followers, &text, 2).await
+    all_completed(&fleet, followers, &text).await
 }
 
 /// A short outage: the client holds the replica's writes until NATS is back, within the store
@@ -1022,8 +1021,7 @@ async fn runs_handed_over_across_a_short_nats_restart_complete_elsewhere() -> Te
 
 /// An outage longer than the store timeout (5 s): the replica's hand-over writes fail and it
 /// exits anyway; another replica takes each run over from its last checkpoint once the lease
-/// lapses. Every run still ends COMPLETED with a gap-free stream; a call may run again only
-/// when it was in flight.
+/// lapses. Every run still ends COMPLETED with a gap-free stream, and every call ran once.
 #[tokio::test]
 async fn runs_handed_over_across_a_long_nats_restart_are_taken_over_from_their_checkpoints() -> TestResult {
     hand_over_across_a_nats_restart(Duration::from_secs(6)).await
@@ -1040,8 +1038,9 @@ enum Fault {
 /// Three replicas (lease 2 s); replica 0 reaches NATS through a proxy that can cut it off. Twelve
 /// runs start on replica 0, are followed across the replicas, and replica 0 goes through `fault`
 /// while they run. Replica 0 stops acting for them on its own, before the others take them over:
-/// every run completes, every caller's stream is gap-free and equal to GetRun, a call runs at
-/// most twice (the one in flight at the move), every signal once, and no call of a run is sent by
+/// every run completes, every caller's stream is gap-free and equal to GetRun, every call runs
+/// once (the one in flight at the move is answered from its record), every signal once, and no
+/// call of a run is sent by
 /// a replica after another replica ran one (the epochs of each run's calls never go down).
 async fn runs_through_a_fault_of_their_replica(fault: Fault, prefix: &str) -> TestResult {
     let (words, turns) = ("w0 w1 w2 w3 ", 4);
@@ -1082,7 +1081,7 @@ async fn runs_through_a_fault_of_their_replica(fault: Fault, prefix: &str) -> Te
         }
     }
     let text = format!("{}done", words.repeat(turns));
-    let result = all_completed(&fleet, followers, &text, 2).await;
+    let result = all_completed(&fleet, followers, &text).await;
     let stopped = replica
         .logs()
         .iter()
@@ -1149,7 +1148,7 @@ async fn a_call_starts(followers: &[Following]) -> TestResult {
         .map_err(|_| anyhow::anyhow!("no caller saw a tool call start"))
 }
 
-/// Three waves of four runs on replica 0, which sends its calls to runner A through a proxy
+/// Four waves of eight runs on replica 0, which sends its calls to runner A through a proxy
 /// while the other two replicas send theirs to runner B. Each wave, the moment a caller sees one
 /// of the runs' tool calls start, the link to runner A is cut (what replica 0 sends is held, as a
 /// slow network or a lazily connected channel holds a request after its lease check), and once
@@ -1172,8 +1171,8 @@ async fn a_paused_replicas_held_calls_reach_another_runner_late_and_run_nothing(
     fleet.add_with(&nats, &runner_b).await?;
     let first = fleet.url(paused).ok_or_else(|| anyhow::anyhow!("no replica"))?;
     let mut everyone = Vec::new();
-    for wave in 0..3 {
-        let runs: Vec<String> = (0..4).map(|i| format!("wave{wave}-{i}")).collect();
+    for wave in 0..4 {
+        let runs: Vec<String> = (0..8).map(|i| format!("wave{wave}-{i}")).collect();
         for run_id in &runs {
             start_detached(&first, run_id).await?;
         }
@@ -1192,10 +1191,10 @@ async fn a_paused_replicas_held_calls_reach_another_runner_late_and_run_nothing(
         everyone.extend(followers);
     }
     let text = format!("{}done", words.repeat(turns));
-    all_completed(&fleet, everyone, &text, 2).await?;
+    all_completed(&fleet, everyone, &text).await?;
     fleet.one_owner_at_a_time()?;
     let moved = fleet.stale_calls_are_refused().await?;
-    assert!(moved >= 3, "runs of every wave were taken over ({moved} were)");
+    assert!(moved >= 4, "runs of every wave were taken over ({moved} were)");
     Ok(())
 }
 
@@ -1291,7 +1290,7 @@ async fn losing_the_event_logs_leader_leaves_every_runs_log_gap_free() -> TestRe
         .ok_or_else(|| anyhow::anyhow!("no node {alone}"))?;
     cluster.kill(node).await?;
     let text = format!("{}done", words.repeat(turns));
-    all_completed(&fleet, followers, &text, 2).await?;
+    all_completed(&fleet, followers, &text).await?;
     anyhow::ensure!(
         fleet.summed("orchestrator_event_log_dropped_total").await? > 0.0,
         "no batch was lost: the fault did not happen"
@@ -1304,7 +1303,7 @@ async fn losing_the_event_logs_leader_leaves_every_runs_log_gap_free() -> TestRe
 /// leading the run store's stream is killed (SIGKILL): JetStream elects another leader, the
 /// replicas follow the cluster to the nodes left, the runs whose owner could not renew its lease
 /// meanwhile stop and are resumed from their checkpoints, and every run completes with the
-/// guarantees of the other fault tests (a call runs at most twice: the one in flight).
+/// guarantees of the other fault tests (every call ran once).
 #[tokio::test]
 async fn a_nats_node_killed_mid_run_loses_no_run_with_three_replicas_of_every_stream() -> TestResult {
     let (words, turns) = ("w0 w1 w2 ", 20);
@@ -1342,6 +1341,107 @@ async fn a_nats_node_killed_mid_run_loses_no_run_with_three_replicas_of_every_st
         .ok_or_else(|| anyhow::anyhow!("no node {leader}"))?;
     cluster.kill(node).await?;
     let text = format!("{}done", words.repeat(turns));
-    all_completed(&fleet, followers, &text, 2).await?;
+    all_completed(&fleet, followers, &text).await?;
     fleet.one_owner_at_a_time()
+}
+
+/// A tool-runner process serving `manifest` on `listen`, reading and recording in the run store
+/// at `nats` with a runner lease of 3 s.
+async fn runner_process(manifest: &std::path::Path, nats: &str, listen: &str) -> anyhow::Result<Service> {
+    let mut command = tokio::process::Command::new(testkit::tool_runner_bin!()?);
+    command
+        .arg("--tools-manifest")
+        .arg(manifest)
+        .args([
+            "--run-store",
+            nats,
+            "--run-store-timeout",
+            "400ms",
+            "--runner-lease",
+            "3s",
+        ])
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
+    Service::spawn_on(command, listen, "127.0.0.1", "tool-runner serving").await
+}
+
+/// A tool-runner SIGKILLed while a run's two calls run on it (the run's replica stays): the
+/// replica's calls lose their answers and are sent again, to the runner Kubernetes starts in its
+/// place. The refund (not declared idempotent) is in doubt: it does not run again, the model is
+/// told it may or may not have taken effect (IN_DOUBT), and GetRun shows it so; the lookup
+/// (declared idempotent) runs again and succeeds. The run completes.
+#[tokio::test]
+async fn a_call_whose_runner_is_killed_mid_call_is_in_doubt_unless_its_tool_is_idempotent() -> TestResult {
+    use mock_llm::{Step, Turn};
+    let nats = Nats::start().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.log");
+    let tool = |name: &str, idempotent: bool| {
+        let script = format!(
+            "echo \"$TOOL_RUN_ID/{name} $TOOL_RUN_EPOCH\" >> {}; sleep 4; printf '{{\"done\":true}}'",
+            log.display()
+        );
+        format!(
+            "[[tool]]\nname = {name:?}\ndescription = \"d\"\nidempotent = {idempotent}\ntimeout = \"1m\"\nargv = [\"sh\", \"-c\", {script:?}]\n"
+        )
+    };
+    let manifest = dir.path().join("tools.toml");
+    std::fs::write(&manifest, [tool("refund", false), tool("lookup", true)].concat())?;
+    let scenario = mock_llm::Scenario::new(vec![
+        Turn::text("paying back")
+            .then(Step::call("refund", serde_json::json!({})))
+            .then(Step::call("lookup", serde_json::json!({}))),
+        Turn::text("done"),
+    ]);
+    let mock = mock_llm::MockLlm::start(scenario).await?;
+    let runner = runner_process(&manifest, &nats.url(), "127.0.0.1:0").await?;
+    let listen = runner.grpc.clone();
+    let mut command = testkit::on_nats(
+        testkit::orchestrator_command(
+            env!("CARGO_BIN_EXE_orchestrator"),
+            &mock.base_url(),
+            &format!("http://{listen}"),
+        ),
+        &nats.url(),
+    );
+    command.args(["--tool-call-retries", "8", "--tool-call-retry-backoff", "100ms"]);
+    let replica = Service::orchestrator(command).await?;
+    let url = format!("http://{}", replica.grpc);
+    start_detached(&url, "doubt-1").await?;
+    let ran = || std::fs::read_to_string(&log).unwrap_or_default();
+    testkit::wait::until_sync("both calls to start on the runner", Duration::from_secs(30), || {
+        (ran().lines().count() == 2).then_some(())
+    })
+    .await?;
+    runner.kill().await?;
+    let _replacement = runner_process(&manifest, &nats.url(), &listen).await?;
+
+    let result = testkit::wait::until("the run to end", Duration::from_secs(60), || async {
+        get_run(&url, "doubt-1")
+            .await
+            .ok()
+            .filter(|r| r.status() != pb::RunStatus::Running)
+    })
+    .await?;
+    assert_eq!(result.status(), pb::RunStatus::Completed, "{}", result.failure_detail);
+    let call = |name: &str| result.tool_calls.iter().find(|c| c.name == name).cloned();
+    let refund = call("refund").ok_or_else(|| anyhow::anyhow!("no refund in {result:?}"))?;
+    assert!(refund.in_doubt && !refund.ok, "{refund:?}");
+    let error = refund.error.unwrap_or_default();
+    assert_eq!(error.code, "IN_DOUBT");
+    assert!(
+        error.message.contains("may or may not have taken effect"),
+        "{}",
+        error.message
+    );
+    let lookup = call("lookup").ok_or_else(|| anyhow::anyhow!("no lookup in {result:?}"))?;
+    assert!(lookup.ok && !lookup.in_doubt, "{lookup:?}");
+    let text = ran();
+    let mut lines: Vec<&str> = text.lines().map(|l| l.split(' ').next().unwrap_or_default()).collect();
+    lines.sort_unstable();
+    assert_eq!(
+        lines,
+        ["doubt-1/lookup", "doubt-1/lookup", "doubt-1/refund"],
+        "the refund ran once, the idempotent lookup again"
+    );
+    Ok(())
 }

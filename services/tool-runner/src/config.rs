@@ -184,6 +184,12 @@ pub struct FenceSettings {
     /// are refused, naming both, while it is not.
     #[arg(long = "run-store-timeout", env = "TOOL_RUNNER_RUN_STORE_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// Record each durable call in the run store where it runs (started, then its outcome), so
+    /// that a call sent again (after its run moved, or its answer was lost) is answered from the
+    /// record instead of running twice: one write before the tool starts and one after.
+    /// `false`: a call in flight when its run moves may run again.
+    #[arg(long = "call-records", env = "TOOL_RUNNER_CALL_RECORDS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub records: bool,
     /// How long this runner's liveness in the run store may go unrenewed (renewed every third of
     /// it; 3s–5m) before other runners count a durable call it started and never answered as in
     /// doubt. A runner that has not renewed it within two thirds of it starts no durable call.

@@ -7,9 +7,11 @@
 //! is created (compare-and-set: only when absent) before the tool starts, naming the runner's
 //! *incarnation* and the call's epoch, and updated at that revision with the outcome before the
 //! runner answers. A runner finding a record:
-//! * with an outcome answers it, and the tool does not run;
+//! * with an outcome answers it, and the tool does not run (a call that asked questions before
+//!   doing anything keeps no record: sent again, it asks again);
 //! * of a newer epoch refuses the call as a replaced owner's;
-//! * started by a runner that is alive waits for its outcome (bounded by the tool's timeout);
+//! * started by a runner that is alive waits for its outcome (bounded by the tool's timeout and a
+//!   lease: past that the tool has ended, and an outcome still missing was lost);
 //! * started by a runner that is gone (its incarnation's lease lapsed, or it deleted it leaving)
 //!   finds the call *in doubt*: it may or may not have taken effect. A tool declared idempotent
 //!   runs again (this runner takes the record over at its revision); any other is answered in
@@ -87,11 +89,6 @@ pub enum Begun {
     Stale {
         /// The epoch the record holds.
         current: u64,
-    },
-    /// The call still runs on `runner` after the wait.
-    Running {
-        /// The incarnation running it.
-        runner: String,
     },
     /// The record cannot be read or written: the call did not run.
     Unavailable(String),
@@ -264,17 +261,51 @@ impl CallRecords {
             false => (outcome, None),
         };
         let Started { key, revision, record } = started;
-        let done = Record {
+        let done = encode(&Record {
             outcome: Some(kept),
-            ..record
-        };
+            ..record.clone()
+        });
         let bucket = self.fence.bucket().await.map_err(NotKept::Store)?;
-        match bucket.update(&key, encode(&done), revision).await {
-            Ok(_) => refused.map_or(Ok(()), Err),
-            Err(StoreError::WrongRevision) => Err(NotKept::TakenOver),
-            Err(e) => Err(NotKept::Store(e.to_string())),
+        // A store electing a leader takes seconds; a lease of tries covers it.
+        let give_up = Instant::now() + self.incarnation.lease;
+        let mut pause = Duration::from_millis(100);
+        let mut failed = None;
+        while failed.is_none() || Instant::now() < give_up {
+            match bucket.update(&key, done.clone(), revision).await {
+                Ok(_) => return refused.map_or(Ok(()), Err),
+                Err(StoreError::WrongRevision) if failed.is_some() && kept_by(bucket, &key, &record).await => {
+                    return refused.map_or(Ok(()), Err);
+                }
+                Err(StoreError::WrongRevision) => return Err(NotKept::TakenOver),
+                Err(e) => failed = Some(e.to_string()),
+            }
+            tracing::debug!(%key, "keeping the call's outcome: {}", failed.as_deref().unwrap_or_default());
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+        }
+        Err(NotKept::Store(failed.unwrap_or_default()))
+    }
+}
+
+impl CallRecords {
+    /// Deletes the record of a call that asked questions before it did anything (an MCP
+    /// `input_required`: the request was not processed): sent again without the answers it asks
+    /// again, a new round, as it would have had it never been recorded.
+    pub async fn release(&self, started: Started) {
+        let Ok(bucket) = self.fence.bucket().await else { return };
+        if let Err(e) = bucket.delete(&started.key, Some(started.revision)).await {
+            tracing::debug!(key = %started.key, "releasing the call's record: {e}");
         }
     }
+}
+
+/// Whether the record under `key` holds `record`'s start with an outcome: an earlier write whose
+/// answer was lost landed.
+async fn kept_by(bucket: &dyn Bucket, key: &str, record: &Record) -> bool {
+    let entry = bucket.entry(key, Consistency::Leader).await.ok().flatten();
+    live(entry).is_some_and(|(_, kept)| {
+        kept.runner == record.runner && kept.attempt == record.attempt && kept.outcome.is_some()
+    })
 }
 
 /// What one read of a call's record says.
@@ -321,30 +352,31 @@ impl Judge<'_> {
                     record,
                 });
             }
-            match self.judge(revision, record).await {
+            // Past the wait, the tool has ended (it runs no longer than its timeout): an outcome
+            // still missing was lost with its runner's write.
+            let waited_out = Instant::now() >= deadline;
+            match self.judge(revision, record, waited_out).await {
                 Verdict::Said(next) => return next,
                 Verdict::Take(revision) => return self.take(Some(revision)).await,
+                Verdict::Wait if waited_out => {
+                    return Begun::Unavailable("the call's record could not be marked in doubt".to_owned());
+                }
                 Verdict::Wait => {}
-            }
-            if Instant::now() >= deadline {
-                return Begun::Running {
-                    runner: self.watched.map(|w| w.0).unwrap_or_default(),
-                };
             }
             tokio::time::sleep(pause.min(deadline.saturating_duration_since(Instant::now()))).await;
             pause = (pause * 2).min(Duration::from_secs(1));
         }
     }
 
-    /// What the record at `revision` says.
-    async fn judge(&mut self, revision: u64, record: Record) -> Verdict {
+    /// What the record at `revision` says (`waited_out`: its runner is taken as gone).
+    async fn judge(&mut self, revision: u64, record: Record, waited_out: bool) -> Verdict {
         if record.epoch > self.call.epoch {
             return Verdict::Said(Begun::Stale { current: record.epoch });
         }
         if let Some(outcome) = record.outcome {
             return Verdict::Said(Begun::Done(outcome));
         }
-        if !record.in_doubt && self.gone(&record.runner).await != Some(true) {
+        if !record.in_doubt && !waited_out && self.gone(&record.runner).await != Some(true) {
             return Verdict::Wait;
         }
         if self.call.idempotent || self.call.rerun_in_doubt {

@@ -131,7 +131,7 @@ pub async fn serve(
     let reflection_v1alpha = shared::grpc::reflection_service_v1alpha(SERVICE_NAME)
         .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let fence = crate::fence::RunFence::connect(&config.fence).await?.map(Arc::new);
-    let records = fence.clone().map(|fence| {
+    let records = fence.clone().filter(|_| config.fence.records).map(|fence| {
         let id = incarnation();
         tracing::info!(incarnation = %id, "durable calls are recorded in the run store: a call sent again runs once");
         Arc::new(CallRecords::new(

@@ -191,13 +191,22 @@ const RUNNER_SLOTS: usize = 2;
 /// How long a runner's fence read waits (within the orchestrators' fence grace).
 const FENCE_READ: Duration = Duration::from_millis(400);
 
+/// How long a runner's liveness may go unrenewed before the calls it started are in doubt.
+const RUNNER_LEASE: Duration = Duration::from_secs(3);
+
+/// The longest a tool's work takes here (drawn per attempt), bounding a wait for its outcome.
+const LONGEST_WORK: Duration = Duration::from_secs(2);
+
 /// The tool-runners, shared by the replicas: what they started.
 pub struct Runners {
     /// Where the fences are: the run store in the simulated JetStream (read through the
     /// tool-runner's own reader).
     store: Arc<Watched>,
     /// Each runner's fence reader, over the simulated JetStream.
-    readers: Vec<tool_runner::fence::RunFence>,
+    readers: Vec<Arc<tool_runner::fence::RunFence>>,
+    /// Each runner's records of the durable calls it runs (none: the runners keep no record,
+    /// what breaks without them).
+    records: Vec<Arc<tool_runner::record::CallRecords>>,
     /// Every tool start, in order.
     pub starts: Mutex<Vec<Start>>,
     /// Every attempt that carried answers, in order.
@@ -211,6 +220,8 @@ pub struct Runners {
     admissions: Vec<tool_runner::admission::Admission>,
     /// Calls a busy runner's admission refused.
     pub refused: std::sync::atomic::AtomicUsize,
+    /// Calls a runner answered in doubt: the run, the call.
+    pub in_doubt: Mutex<Vec<(String, String)>>,
     /// The runners refuse a replaced owner's call (off: to show what breaks without it).
     pub fence: bool,
     /// The tasks the runners' server runs in the background, by task id: when each is done.
@@ -219,23 +230,42 @@ pub struct Runners {
 }
 
 impl Runners {
-    /// `count` runners reading fences from `store`.
-    pub fn new(store: Arc<Watched>, count: usize, seed: u64, fence: bool) -> Arc<Self> {
+    /// `count` runners reading fences from `store`, and recording the calls they run there
+    /// unless `records` is off (each renews its liveness in the background).
+    pub fn new(store: Arc<Watched>, count: usize, seed: u64, fence: bool, records: bool) -> Arc<Self> {
         let gates: Vec<Gate> = (0..count).map(|_| Gate::default()).collect();
-        let readers = gates
+        let readers: Vec<_> = gates
             .iter()
             .map(|gate| {
                 let connection = store.cluster().connect(gate.clone(), FENCE_READ);
-                tool_runner::fence::RunFence::over(
+                Arc::new(tool_runner::fence::RunFence::over(
                     shared::jetstream::JetStream::handle(&connection),
                     &store.names().runs,
                     FENCE_READ,
-                )
+                ))
             })
             .collect();
+        let records: Vec<_> = match records {
+            true => readers
+                .iter()
+                .enumerate()
+                .map(|(r, reader)| {
+                    let records = Arc::new(tool_runner::record::CallRecords::new(
+                        Arc::clone(reader),
+                        &format!("runner-{r}"),
+                        RUNNER_LEASE,
+                        64 * 1024,
+                    ));
+                    tokio::spawn(Arc::clone(&records).keep_alive());
+                    records
+                })
+                .collect(),
+            false => Vec::new(),
+        };
         Arc::new(Self {
             store,
             readers,
+            records,
             fence,
             starts: Mutex::default(),
             answered: Mutex::default(),
@@ -246,6 +276,7 @@ impl Runners {
                 .map(|_| tool_runner::admission::Admission::new(RUNNER_SLOTS))
                 .collect(),
             refused: std::sync::atomic::AtomicUsize::new(0),
+            in_doubt: Mutex::default(),
             gates,
             rng: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x7001)),
         })
@@ -261,6 +292,53 @@ impl Runners {
     /// The run's fence as the store's leader holds it now (0: none).
     fn fence(&self, run_id: &str) -> u64 {
         self.store.fence(run_id)
+    }
+
+    /// What runner `runner`'s record of `call` says: run it (and keep its outcome, when the
+    /// runners record calls), or the answer it gives instead, as the service maps it.
+    async fn begin(
+        &self,
+        runner: usize,
+        call: &ToolInvocation,
+    ) -> Result<Option<tool_runner::record::Started>, Attempt> {
+        use tool_runner::record::{Begun, Call};
+        let Some(records) = self.records.get(runner) else {
+            return Ok(None);
+        };
+        let begun = records
+            .begin(&Call {
+                run_id: &call.run_id,
+                call_id: &call.call_id,
+                round: call.answers.as_ref().map(|a| a.request_state.as_str()),
+                epoch: call.epoch,
+                idempotent: false,
+                rerun_in_doubt: call.rerun_in_doubt,
+                wait: LONGEST_WORK + RUNNER_LEASE,
+            })
+            .await;
+        match begun {
+            Begun::Run(started) => Ok(Some(started)),
+            Begun::Done(kept) => {
+                let kept = serde_json::from_slice::<Kept>(&kept)
+                    .map_err(|e| ToolCallError::new("FAILED", format!("the call's record cannot be read: {e}")));
+                Err(Attempt::Answered(kept.and_then(Result::from)))
+            }
+            Begun::InDoubt { runner } => {
+                lock(&self.in_doubt).push((call.run_id.clone(), call.call_id.clone()));
+                Err(Attempt::Answered(Err(ToolCallError::new(
+                    ToolCallError::IN_DOUBT,
+                    format!("started on {runner}, which went away before its outcome was kept"),
+                ))))
+            }
+            Begun::Stale { current } => Err(Attempt::Superseded {
+                current,
+                runner: format!("runner-{runner}"),
+            }),
+            Begun::Unavailable(why) => Err(Attempt::Unrun {
+                reason: "run_store",
+                error: ToolCallError::new("UNAVAILABLE", why),
+            }),
+        }
     }
 
     /// Whether runner `runner` refuses `call` as its run's fence says, read by the tool-runner's
@@ -374,12 +452,11 @@ struct Work {
     asks: bool,
 }
 
-/// What runner `runner` does with `call` once it arrives: a poll of the task the call became
-/// starts nothing; a call that asks a person starts nothing until it comes back with the
-/// answers, and then only when the person said go; a call starts its work, in the background
-/// as a task or while the call waits.
+/// What runner `runner` does with `call` once it arrives, as the service does: its admission, the
+/// run's fence, then (a poll of the task the call became starts nothing) the call's record, which
+/// answers a call that ran before, or one in doubt, instead of the tool; the tool's outcome is
+/// kept in the record before the answer.
 async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: Work) -> Attempt {
-    let Work { work, as_task, asks } = drawn;
     if runners.gates[runner].mode() != super::gate::Mode::Up {
         let error = ToolCallError::new("UNAVAILABLE", format!("runner {runner} cannot be reached"));
         return Attempt::Unrun {
@@ -400,11 +477,37 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
     if let Some(task) = &call.task {
         return Attempt::Answered(poll(runners, call, task));
     }
+    let started = match runners.begin(runner, call).await {
+        Ok(started) => started,
+        Err(answered) => return answered,
+    };
+    let outcome = work_on(runners, call, drawn, fence).await;
+    if let (Some(started), Some(records)) = (started, runners.records.get(runner)) {
+        if let Ok(ToolOutput::Asked(_)) = &outcome {
+            records.release(started).await;
+            return Attempt::Answered(outcome);
+        }
+        let kept = serde_json::to_vec(&Kept::from(&outcome)).unwrap_or_default();
+        // Not kept (the store did not take it): a call sent again waits, then finds it in doubt.
+        let _ = records.finish(started, kept.into(), |_, _| bytes::Bytes::new()).await;
+    }
+    Attempt::Answered(outcome)
+}
+
+/// What the tool does with a call the runner let in: a call that asks a person starts nothing
+/// until it comes back with the answers, and then only when the person said go; a call starts
+/// its work, in the background as a task or while the call waits.
+async fn work_on(
+    runners: &Runners,
+    call: &ToolInvocation,
+    drawn: Work,
+    fence: u64,
+) -> Result<ToolOutput, ToolCallError> {
+    let Work { work, as_task, asks } = drawn;
     match &call.answers {
-        None if asks => return Attempt::Answered(Ok(ToolOutput::Asked(runners.questions(call)))),
+        None if asks => return Ok(ToolOutput::Asked(runners.questions(call))),
         Some(answers) if !runners.told_to_go(call, answers) => {
-            let not_done = format!("{{\"not done\": \"{}\"}}", call.call_id);
-            return Attempt::Answered(Ok(ToolOutput::Result(not_done)));
+            return Ok(ToolOutput::Result(format!("{{\"not done\": \"{}\"}}", call.call_id)));
         }
         _ => {}
     }
@@ -419,10 +522,41 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
     if as_task {
         let id = format!("{}/{}/{}", call.run_id, call.call_id, call.epoch);
         lock(&runners.tasks).insert(id.clone(), Instant::now() + work);
-        return Attempt::Answered(Ok(ToolOutput::Task(task_handle(id))));
+        return Ok(ToolOutput::Task(task_handle(id)));
     }
     tokio::time::sleep(work).await;
-    Attempt::Answered(Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id))))
+    Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id)))
+}
+
+/// A call's outcome as a runner's record keeps it (the service keeps the encoded response).
+#[derive(serde::Serialize, serde::Deserialize)]
+enum Kept {
+    Result(String),
+    Asked(Questions),
+    Task(ToolTask),
+    Error(ToolCallError),
+}
+
+impl From<&Result<ToolOutput, ToolCallError>> for Kept {
+    fn from(outcome: &Result<ToolOutput, ToolCallError>) -> Self {
+        match outcome {
+            Ok(ToolOutput::Result(json)) => Self::Result(json.clone()),
+            Ok(ToolOutput::Asked(questions)) => Self::Asked(questions.clone()),
+            Ok(ToolOutput::Task(task)) => Self::Task(task.clone()),
+            Err(error) => Self::Error(error.clone()),
+        }
+    }
+}
+
+impl From<Kept> for Result<ToolOutput, ToolCallError> {
+    fn from(kept: Kept) -> Self {
+        match kept {
+            Kept::Result(json) => Ok(ToolOutput::Result(json)),
+            Kept::Asked(questions) => Ok(ToolOutput::Asked(questions)),
+            Kept::Task(task) => Ok(ToolOutput::Task(task)),
+            Kept::Error(error) => Err(error),
+        }
+    }
 }
 
 /// The one question a tool asks: go on or not (a form whose `go` is a boolean).

@@ -8,6 +8,10 @@
 //!   epoch only when the checkpoint its run was taken over from held neither its outcome nor the
 //!   task its server made of it (it was in flight, or its turn had not ended, when the run
 //!   moved): a task's work starts once, however often the run moves while it is followed;
+//! - **once per call**: a call id's tool starts at most once, however often the call is sent
+//!   (by a new owner after its run moved, or again after a lost answer): a runner answers a call
+//!   that started before from its record, or in doubt when the runner that started it went away
+//!   before keeping its outcome (the tool here is not idempotent, so nothing runs again);
 //! - **the log**: a run's events are seqs 1..N without gap or duplicate, with one `run_finished`,
 //!   the last;
 //! - **the end, once and kept**: every run claimed ends, its record holds the end its log holds,
@@ -153,6 +157,7 @@ pub fn violations(shared: &View, runners: &Runners, person: &Person, runs: usize
     broken.extend(answers_as_given(runners, &lock(person)));
     broken.extend(questions_left(shared));
     broken.extend(again_only_when_unrecorded(runners, &shared.takeovers));
+    broken.extend(once_per_call(runners));
     for run in 0..runs {
         let run_id = format!("run-{run}");
         let Some(record) = shared.records.get(&run_id) else {
@@ -451,6 +456,27 @@ fn epoch_order(runners: &Runners) -> Vec<String> {
         }
     }
     broken
+}
+
+fn once_per_call(runners: &Runners) -> Vec<String> {
+    let mut epochs: BTreeMap<(&str, &str), Vec<u64>> = BTreeMap::new();
+    let starts = lock(&runners.starts);
+    for start in starts.iter() {
+        epochs
+            .entry((&start.run_id, &start.call_id))
+            .or_default()
+            .push(start.epoch);
+    }
+    epochs
+        .into_iter()
+        .filter(|(_, started)| started.len() > 1)
+        .map(|((run_id, call_id), started)| {
+            format!(
+                "once per call: {run_id} call {call_id} started {} times, in epochs {started:?}",
+                started.len()
+            )
+        })
+        .collect()
 }
 
 fn again_only_when_unrecorded(runners: &Runners, takeovers: &[super::view::Takeover]) -> Vec<String> {

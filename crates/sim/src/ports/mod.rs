@@ -82,6 +82,9 @@ pub struct Settings {
     /// answer to questions asked before a takeover may be taken for the round asked after it,
     /// what breaks without it).
     pub answer_rounds: bool,
+    /// The runners record each durable call where it runs, and answer a call sent again from
+    /// the record (off: a call in flight when its run moved runs again, what breaks without it).
+    pub outcome_records: bool,
 }
 
 impl Default for Settings {
@@ -98,6 +101,7 @@ impl Default for Settings {
             task_handles: true,
             parked_claims: true,
             answer_rounds: true,
+            outcome_records: true,
             cancels: 0,
             messages: 3,
         }
@@ -105,12 +109,13 @@ impl Default for Settings {
 }
 
 /// The fixes a `--without` switch turns off, by the name the command line gives them.
-pub const FIXES: [&str; 5] = [
+pub const FIXES: [&str; 6] = [
     "receiver-fence",
     "fleet-slots",
     "task-handles",
     "parked-claims",
     "answer-rounds",
+    "outcome-records",
 ];
 
 impl Settings {
@@ -122,6 +127,7 @@ impl Settings {
             "task-handles" => &mut self.task_handles,
             "parked-claims" => &mut self.parked_claims,
             "answer-rounds" => &mut self.answer_rounds,
+            "outcome-records" => &mut self.outcome_records,
             other => return Err(format!("--ports switches off one of {}, not {other}", FIXES.join(", "))),
         };
         *switch = false;
@@ -136,6 +142,7 @@ impl Settings {
             self.task_handles,
             self.parked_claims,
             self.answer_rounds,
+            self.outcome_records,
         ];
         FIXES
             .iter()
@@ -330,7 +337,13 @@ impl World {
         let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
         let signals = orchestrator::server::harness::nats_signal_options(&config).stream;
         let store = Watched::new(crate::jetstream::Cluster::new(seed), names, signals, runs, max_runs);
-        let runners = Runners::new(Arc::clone(&store), settings.runners, seed, settings.receiver_fence);
+        let runners = Runners::new(
+            Arc::clone(&store),
+            settings.runners,
+            seed,
+            settings.receiver_fence,
+            settings.outcome_records,
+        );
         Self {
             seed,
             rng: fastrand::Rng::with_seed(seed),

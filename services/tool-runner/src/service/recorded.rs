@@ -59,7 +59,6 @@ impl ToolRunnerService {
                 epoch: call.epoch,
                 current,
             })),
-            Begun::Running { runner } => Ok(Plan::Answer(still_running(&runner))),
             Begun::Unavailable(why) => Err(self.refuse(Refusal::Unreadable {
                 run_id: call.run_id.clone(),
                 why,
@@ -95,8 +94,12 @@ impl ToolRunnerService {
     }
 }
 
-/// Keeps `response` in the call's record; what was not kept is logged (the caller still gets it).
+/// Keeps `response` in the call's record (questions asked before the tool did anything are not
+/// an outcome: the record goes); what was not kept is logged (the caller still gets it).
 async fn keep(records: &CallRecords, started: Started, response: &pb::RunToolResponse) {
+    if let Some(pb::run_tool_response::Outcome::InputRequired(_)) = &response.outcome {
+        return records.release(started).await;
+    }
     let outcome = prost::Message::encode_to_vec(response).into();
     let too_large = |size: usize, max: usize| {
         let error = failed(&format!(
@@ -128,17 +131,6 @@ fn in_doubt(runner: &str) -> pb::RunToolResponse {
     response(pb::run_tool_response::Outcome::InDoubt(pb::ToolInDoubt {
         runner: runner.to_owned(),
         message,
-    }))
-}
-
-/// The answer of a call still running on another runner after the longest wait for it.
-fn still_running(runner: &str) -> pb::RunToolResponse {
-    response(pb::run_tool_response::Outcome::Error(pb::ToolError {
-        code: pb::ToolErrorCode::Unavailable.into(),
-        message: format!(
-            "this call is still running on tool-runner {runner} after its timeout; it was not started again"
-        ),
-        retryable: true,
     }))
 }
 
