@@ -116,6 +116,7 @@ fn wait(run_id: &str, principal: &str) -> Wait {
         principal: principal.to_owned(),
         decision: None,
         questions: None,
+        in_doubt: false,
     };
     Wait {
         run_id: run_id.to_owned(),

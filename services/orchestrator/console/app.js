@@ -357,7 +357,7 @@ function runView(runId) {
       calls.set(e.callId, call);
       turnBox(e.turn).box.append(box);
     }
-    if (kind === "approvalRequested") call.waiting.replaceChildren(decisionBox(runId, { callId: e.callId, name: e.name, argumentsJson: e.argumentsJson }));
+    if (kind === "approvalRequested") call.waiting.replaceChildren(decisionBox(runId, { callId: e.callId, name: e.name, argumentsJson: e.argumentsJson, inDoubt: e.inDoubt }));
     if (kind === "toolInputRequested") call.waiting.replaceChildren(questionsBox(runId, { callId: e.callId, name: e.name, inputRequests: e.requests, inputRound: e.round }));
     if (kind === "toolCallStarted") call.waiting.replaceChildren();
   };
@@ -419,14 +419,16 @@ function runView(runId) {
 
 // ── what waits for a person ───────────────────────────────────────────────
 
-/** Approve / reject a call waiting for approval. */
+/** Approve / reject a call waiting for approval; for a call in doubt (it ran, and its
+ * tool-runner went away before its outcome was kept), run it again or leave it in doubt. */
 function decisionBox(runId, pending) {
   const reason = h("input", { name: "reason" });
   const out = h("p", { role: "status" });
   const decide = async (kind) => {
     try {
       await rpc("DecideToolCalls", { runId, decisions: [{ callId: pending.callId, kind, message: reason.value }] });
-      out.textContent = kind === "DECISION_KIND_APPROVE" ? "Approved." : "Rejected.";
+      const done = pending.inDoubt ? ["Running it again.", "Left in doubt."] : ["Approved.", "Rejected."];
+      out.textContent = kind === "DECISION_KIND_APPROVE" ? done[0] : done[1];
     } catch (x) {
       out.textContent = x.message;
       out.className = "error";
@@ -435,11 +437,13 @@ function decisionBox(runId, pending) {
   return h(
     "div",
     { class: "waiting", role: "group", "aria-label": `Approval of ${pending.name} ${pending.callId}` },
-    h("p", {}, `${pending.name} waits for approval`),
+    pending.inDoubt
+      ? h("p", { class: "error" }, `${pending.name} ran and is in doubt: its tool-runner went away before its outcome was kept, so it may or may not have taken effect. Run it again only if it did not.`)
+      : h("p", {}, `${pending.name} waits for approval`),
     h("div", { class: "controls" },
-      h("button", { type: "button", onclick: () => decide("DECISION_KIND_APPROVE") }, "Approve"),
-      field("Reason (for a rejection)", reason),
-      h("button", { type: "button", onclick: () => decide("DECISION_KIND_REJECT") }, "Reject"),
+      h("button", { type: "button", onclick: () => decide("DECISION_KIND_APPROVE") }, pending.inDoubt ? "Run again" : "Approve"),
+      field(pending.inDoubt ? "Reason (for leaving it)" : "Reason (for a rejection)", reason),
+      h("button", { type: "button", onclick: () => decide("DECISION_KIND_REJECT") }, pending.inDoubt ? "Leave in doubt" : "Reject"),
     ),
     out,
   );
@@ -523,13 +527,13 @@ function waitingView() {
     const answer = await rpc("ListPendingApprovals", { runId: "", limit: 100 });
     const seen = new Set();
     for (const p of answer.approvals) {
-      const key = `${p.runId}/${p.callId}`;
+      const key = `${p.runId}/${p.callId}${p.inDoubt ? "/in-doubt" : ""}`;
       seen.add(key);
       if (drawn.has(key)) continue;
       const asks = p.inputRequests?.length;
       const box = h(
         "article",
-        { "aria-label": `${p.name} in run ${p.runId}` },
+        { "aria-label": `${p.name} in run ${p.runId}${p.inDoubt ? ", in doubt" : ""}` },
         h("h2", {}, `${p.name} · run `, h("a", { href: `#/runs/${encodeURIComponent(p.runId)}` }, p.runId)),
         h("p", { class: "muted" }, `turn ${p.turn} · ${p.principal ? `owner ${p.principal} · ` : ""}expires ${time(p.expiresAtUnixMs)}`),
         h("pre", {}, pretty(p.argumentsJson)),

@@ -306,6 +306,7 @@ impl From<&PendingApproval> for pb::PendingApproval {
                 .flat_map(|q| q.requests.iter().map(pb::ToolInputRequest::from))
                 .collect(),
             input_round: p.questions.as_ref().map(Questions::round).unwrap_or_default(),
+            in_doubt: p.in_doubt,
         }
     }
 }
@@ -329,6 +330,7 @@ impl TryFrom<pb::PendingApproval> for PendingApproval {
             requested_at_unix_ms: p.requested_at_unix_ms,
             expires_at_unix_ms: p.expires_at_unix_ms,
             principal: p.principal,
+            in_doubt: p.in_doubt,
         })
     }
 }
@@ -541,6 +543,7 @@ fn event_kind_pb(event: Event) -> pb::orchestrate_event::Event {
             turn,
             expires_at_unix_ms,
             arguments_truncated,
+            in_doubt,
         } => E::ApprovalRequested(pb::ApprovalRequested {
             call_id,
             name,
@@ -548,6 +551,7 @@ fn event_kind_pb(event: Event) -> pb::orchestrate_event::Event {
             turn,
             expires_at_unix_ms,
             arguments_truncated,
+            in_doubt,
         }),
         Event::ToolInputRequested {
             call_id,
@@ -701,6 +705,7 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                 turn: e.turn,
                 expires_at_unix_ms: e.expires_at_unix_ms,
                 arguments_truncated: e.arguments_truncated,
+                in_doubt: e.in_doubt,
             },
             E::ToolInputRequested(e) => Event::ToolInputRequested {
                 call_id: e.call_id,

@@ -4,7 +4,8 @@
 //! person finds them: by their label, their role and their name (never by a CSS class).
 //!
 //! A person signs in; sees a live run's text grow; approves a call waiting for approval and the
-//! run completes; answers a tool's question, first with a value its schema refuses (the refusal
+//! run completes; decides again on an approved call found in doubt (the page says it may or may
+//! not have taken effect) and runs it again; answers a tool's question, first with a value its schema refuses (the refusal
 //! shown), then a good one; keeps following a run whose replica is SIGKILLed while it runs; does
 //! not see another principal's run, whose page says "not found"; and a POST without the CSRF
 //! token is refused. `UPDATE_SCREENSHOTS=1` writes each page's screenshot into docs/console/.
@@ -67,6 +68,13 @@ fn scenarios() -> Scenarios {
             Scenario::new(vec![Turn::text("Thinking.").then(Step::Delay { ms: 60_000 })]),
         ),
         (
+            "charge",
+            Scenario::new(vec![
+                Turn::text("Charging.\n").then(Step::call("charge", json!({}))),
+                Turn::text("Charged."),
+            ]),
+        ),
+        (
             "nap",
             Scenario::new(vec![
                 Turn::text("Resting.\n").then(Step::call("sleep", json!({"ms": 4000}))),
@@ -85,7 +93,7 @@ struct World {
     replicas: Vec<Option<Service>>,
     consoles: Vec<String>,
     _llm: MockLlm,
-    _nats: Nats,
+    nats: Nats,
     dir: tempfile::TempDir,
 }
 
@@ -105,17 +113,21 @@ impl World {
         let key = dir.path().join("session.key");
         std::fs::write(&key, "a-console-session-secret-of-the-tests-0123456789")?;
         let manifest = dir.path().join("tools.toml");
+        // `charge`: a command tool with side effects, not declared idempotent.
+        let charge =
+            "[[tool]]\nname = \"charge\"\ndescription = \"charges\"\nargv = [\"sh\", \"-c\", \"printf '{}'\"]\n";
         std::fs::write(
             &manifest,
-            testkit::mcp_servers::refund_server_table(&dir.path().join("refunds.log"))?,
+            testkit::mcp_servers::refund_server_table(&dir.path().join("refunds.log"))? + charge,
         )?;
-        let runner = testkit::helpers::tool_runner_in_process_with(tool_runner::Config {
+        let nats = Nats::start().await?;
+        let mut runner = tool_runner::Config {
             tools_manifest: Some(manifest),
             ..tool_runner::Config::default()
-        })
-        .await?;
+        };
+        runner.fence.run_store = Some(nats.url());
+        let runner = testkit::helpers::tool_runner_in_process_with(runner).await?;
         let llm = MockLlm::start(scenarios()).await?;
-        let nats = Nats::start().await?;
         let mut replicas = Vec::new();
         let mut consoles = Vec::new();
         for _ in 0..2 {
@@ -139,9 +151,36 @@ impl World {
             replicas,
             consoles,
             _llm: llm,
-            _nats: nats,
+            nats,
             dir,
         })
+    }
+
+    /// Makes call `call_id` of `run_id` (epoch 1) one a runner started and then went away from,
+    /// its outcome never kept: what the runner finds when the call reaches it.
+    async fn left_in_doubt(&self, run_id: &str, call_id: &str) -> TestResult {
+        use tool_runner::record::{Begun, Call, CallRecords};
+        let client = async_nats::connect(self.nats.url()).await?;
+        let js = shared::jetstream::JetStream::handle(&shared::jetstream::nats::context(client, None));
+        let fence = tool_runner::fence::RunFence::over(js, "orchestrator-runs", Duration::from_secs(1));
+        let gone = CallRecords::new(std::sync::Arc::new(fence), "gone-runner", Duration::from_secs(3), 1024);
+        gone.renew().await;
+        let call = Call {
+            run_id,
+            call_id,
+            round: None,
+            epoch: 1,
+            idempotent: false,
+            rerun_in_doubt: false,
+            wait: Duration::from_secs(1),
+        };
+        let begun = gone.begin(&call).await;
+        anyhow::ensure!(
+            matches!(begun, Begun::Run(_)),
+            "the call's record was not started: {begun:?}"
+        );
+        gone.leave().await;
+        Ok(())
     }
 
     /// A client of replica `i` with `token`.
@@ -361,6 +400,44 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
         .click()
         .await?;
     until_status(&alice_b, "approve-1", pb::RunStatus::Completed).await?;
+
+    // An approved call found in doubt (a runner started it and went away) comes back to a person:
+    // the page says it may or may not have taken effect, and running it again completes the run.
+    let _charge = start(
+        &alice_a,
+        RunRequest::prompt("Charge.")
+            .run_id("charge-1")
+            .model("charge")
+            .tool("charge")
+            .needs_approval("charge"),
+    )
+    .await?;
+    until_status(&alice_b, "charge-1", pb::RunStatus::AwaitingApproval).await?;
+    let pending = alice_b.get_run("charge-1").await?.pending_approvals;
+    let call_id = pending.first().map(|p| p.call_id.clone()).unwrap_or_default();
+    world.left_in_doubt("charge-1", &call_id).await?;
+    visit(browser, &console, "#/waiting").await?;
+    find(browser, &named("charge in run charge-1"))
+        .await?
+        .find(Locator::XPath(&format!(".{}", button("Approve"))))
+        .await?
+        .click()
+        .await?;
+    let doubt = find(browser, &named("charge in run charge-1, in doubt")).await?;
+    shows(browser, "may or may not have taken effect").await?;
+    screenshot(browser, "in-doubt").await?;
+    doubt
+        .find(Locator::XPath(&format!(".{}", button("Run again"))))
+        .await?
+        .click()
+        .await?;
+    until_status(&alice_b, "charge-1", pb::RunStatus::Completed).await?;
+    let charged = alice_b.get_run("charge-1").await?;
+    anyhow::ensure!(
+        charged.tool_calls.iter().all(|c| c.ok && !c.in_doubt),
+        "the call ran again: {:?}",
+        charged.tool_calls
+    );
 
     // A tool's question: a value its schema refuses is refused in the page, a good one taken.
     let _ask = start(

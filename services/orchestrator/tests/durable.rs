@@ -1364,6 +1364,121 @@ async fn runner_process(manifest: &std::path::Path, nats: &str, listen: &str) ->
     Service::spawn_on(command, listen, "127.0.0.1", "tool-runner serving").await
 }
 
+/// One replica on NATS and one tool-runner process whose command tools each log
+/// `<run>/<tool>` when they start and take 4 s: the setting of a runner killed mid-call.
+struct MidCall {
+    nats: Nats,
+    _mock: mock_llm::MockLlm,
+    manifest: std::path::PathBuf,
+    log: std::path::PathBuf,
+    runner: Option<Service>,
+    /// The replica's gRPC URL.
+    url: String,
+    _replica: Service,
+    _replacement: Option<Service>,
+    _dir: tempfile::TempDir,
+}
+
+impl MidCall {
+    /// `tools` (name, declared idempotent, needs a person's approval) served to a replica whose
+    /// model plays `scenario`.
+    async fn start(tools: &[(&str, bool, bool)], scenario: mock_llm::Scenario) -> anyhow::Result<Self> {
+        let nats = Nats::start().await?;
+        let dir = tempfile::tempdir()?;
+        let log = dir.path().join("calls.log");
+        let tool = |(name, idempotent, approval): &(&str, bool, bool)| {
+            let script = format!(
+                "echo \"$TOOL_RUN_ID/{name} $TOOL_RUN_EPOCH\" >> {}; sleep 4; printf '{{\"done\":true}}'",
+                log.display()
+            );
+            format!(
+                "[[tool]]\nname = {name:?}\ndescription = \"d\"\nidempotent = {idempotent}\nneeds_approval = {approval}\ntimeout = \"1m\"\nargv = [\"sh\", \"-c\", {script:?}]\n"
+            )
+        };
+        let manifest = dir.path().join("tools.toml");
+        std::fs::write(&manifest, tools.iter().map(tool).collect::<String>())?;
+        let mock = mock_llm::MockLlm::start(scenario).await?;
+        let runner = runner_process(&manifest, &nats.url(), "127.0.0.1:0").await?;
+        let orchestrator = env!("CARGO_BIN_EXE_orchestrator");
+        let runners = format!("http://{}", runner.grpc);
+        let mut command = testkit::on_nats(
+            testkit::orchestrator_command(orchestrator, &mock.base_url(), &runners),
+            &nats.url(),
+        );
+        command.args(["--tool-call-retries", "8", "--tool-call-retry-backoff", "100ms"]);
+        let replica = Service::orchestrator(command).await?;
+        Ok(Self {
+            url: format!("http://{}", replica.grpc),
+            nats,
+            _mock: mock,
+            manifest,
+            log,
+            runner: Some(runner),
+            _replica: replica,
+            _replacement: None,
+            _dir: dir,
+        })
+    }
+
+    /// `<run>/<tool>` of every call the tools started, sorted.
+    fn ran(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let mut ran: Vec<String> = text
+            .lines()
+            .map(|l| l.split(' ').next().unwrap_or_default().to_owned())
+            .collect();
+        ran.sort_unstable();
+        ran
+    }
+
+    /// Waits until `calls` calls started, SIGKILLs the runner, and starts another on its port (as
+    /// Kubernetes starts a pod in a lost one's place behind the same Service).
+    async fn kill_the_runner_once(&mut self, calls: usize) -> TestResult {
+        testkit::wait::until_sync("the calls to start on the runner", Duration::from_secs(30), || {
+            (self.ran().len() == calls).then_some(())
+        })
+        .await?;
+        let runner = self.runner.take().ok_or_else(|| anyhow::anyhow!("killed already"))?;
+        let listen = runner.grpc.clone();
+        runner.kill().await?;
+        self._replacement = Some(runner_process(&self.manifest, &self.nats.url(), &listen).await?);
+        Ok(())
+    }
+
+    /// Waits until the run's status is `status`.
+    async fn until_status(&self, run_id: &str, done: impl Fn(pb::RunStatus) -> bool) -> anyhow::Result<pb::RunResult> {
+        testkit::wait::until("the run's status", Duration::from_secs(60), || async {
+            get_run(&self.url, run_id).await.ok().filter(|r| done(r.status()))
+        })
+        .await
+    }
+
+    async fn client(&self) -> anyhow::Result<pb::orchestrator_client::OrchestratorClient<tonic::transport::Channel>> {
+        Ok(pb::orchestrator_client::OrchestratorClient::connect(self.url.clone()).await?)
+    }
+
+    /// Approves call `call_id` of `run_id`.
+    async fn approve(&self, run_id: &str, call_id: &str) -> TestResult {
+        let decision = pb::ToolCallDecision {
+            call_id: call_id.into(),
+            kind: pb::DecisionKind::Approve.into(),
+            ..Default::default()
+        };
+        let request = pb::DecideToolCallsRequest {
+            run_id: run_id.into(),
+            decisions: vec![decision],
+        };
+        self.client().await?.decide_tool_calls(request).await?;
+        Ok(())
+    }
+}
+
+/// The record of `name`'s call in `result`.
+fn record_of(result: &pb::RunResult, name: &str) -> anyhow::Result<pb::ToolCallRecord> {
+    (result.tool_calls.iter().find(|c| c.name == name).cloned())
+        .ok_or_else(|| anyhow::anyhow!("no {name} call in {result:?}"))
+}
+
 /// A tool-runner SIGKILLed while a run's two calls run on it (the run's replica stays): the
 /// replica's calls lose their answers and are sent again, to the runner Kubernetes starts in its
 /// place. The refund (not declared idempotent) is in doubt: it does not run again, the model is
@@ -1372,59 +1487,19 @@ async fn runner_process(manifest: &std::path::Path, nats: &str, listen: &str) ->
 #[tokio::test]
 async fn a_call_whose_runner_is_killed_mid_call_is_in_doubt_unless_its_tool_is_idempotent() -> TestResult {
     use mock_llm::{Step, Turn};
-    let nats = Nats::start().await?;
-    let dir = tempfile::tempdir()?;
-    let log = dir.path().join("calls.log");
-    let tool = |name: &str, idempotent: bool| {
-        let script = format!(
-            "echo \"$TOOL_RUN_ID/{name} $TOOL_RUN_EPOCH\" >> {}; sleep 4; printf '{{\"done\":true}}'",
-            log.display()
-        );
-        format!(
-            "[[tool]]\nname = {name:?}\ndescription = \"d\"\nidempotent = {idempotent}\ntimeout = \"1m\"\nargv = [\"sh\", \"-c\", {script:?}]\n"
-        )
-    };
-    let manifest = dir.path().join("tools.toml");
-    std::fs::write(&manifest, [tool("refund", false), tool("lookup", true)].concat())?;
     let scenario = mock_llm::Scenario::new(vec![
         Turn::text("paying back")
             .then(Step::call("refund", serde_json::json!({})))
             .then(Step::call("lookup", serde_json::json!({}))),
         Turn::text("done"),
     ]);
-    let mock = mock_llm::MockLlm::start(scenario).await?;
-    let runner = runner_process(&manifest, &nats.url(), "127.0.0.1:0").await?;
-    let listen = runner.grpc.clone();
-    let mut command = testkit::on_nats(
-        testkit::orchestrator_command(
-            env!("CARGO_BIN_EXE_orchestrator"),
-            &mock.base_url(),
-            &format!("http://{listen}"),
-        ),
-        &nats.url(),
-    );
-    command.args(["--tool-call-retries", "8", "--tool-call-retry-backoff", "100ms"]);
-    let replica = Service::orchestrator(command).await?;
-    let url = format!("http://{}", replica.grpc);
-    start_detached(&url, "doubt-1").await?;
-    let ran = || std::fs::read_to_string(&log).unwrap_or_default();
-    testkit::wait::until_sync("both calls to start on the runner", Duration::from_secs(30), || {
-        (ran().lines().count() == 2).then_some(())
-    })
-    .await?;
-    runner.kill().await?;
-    let _replacement = runner_process(&manifest, &nats.url(), &listen).await?;
+    let mut fleet = MidCall::start(&[("refund", false, false), ("lookup", true, false)], scenario).await?;
+    start_detached(&fleet.url, "doubt-1").await?;
+    fleet.kill_the_runner_once(2).await?;
 
-    let result = testkit::wait::until("the run to end", Duration::from_secs(60), || async {
-        get_run(&url, "doubt-1")
-            .await
-            .ok()
-            .filter(|r| r.status() != pb::RunStatus::Running)
-    })
-    .await?;
+    let result = fleet.until_status("doubt-1", |s| s != pb::RunStatus::Running).await?;
     assert_eq!(result.status(), pb::RunStatus::Completed, "{}", result.failure_detail);
-    let call = |name: &str| result.tool_calls.iter().find(|c| c.name == name).cloned();
-    let refund = call("refund").ok_or_else(|| anyhow::anyhow!("no refund in {result:?}"))?;
+    let refund = record_of(&result, "refund")?;
     assert!(refund.in_doubt && !refund.ok, "{refund:?}");
     let error = refund.error.unwrap_or_default();
     assert_eq!(error.code, "IN_DOUBT");
@@ -1433,15 +1508,69 @@ async fn a_call_whose_runner_is_killed_mid_call_is_in_doubt_unless_its_tool_is_i
         "{}",
         error.message
     );
-    let lookup = call("lookup").ok_or_else(|| anyhow::anyhow!("no lookup in {result:?}"))?;
+    let lookup = record_of(&result, "lookup")?;
     assert!(lookup.ok && !lookup.in_doubt, "{lookup:?}");
-    let text = ran();
-    let mut lines: Vec<&str> = text.lines().map(|l| l.split(' ').next().unwrap_or_default()).collect();
-    lines.sort_unstable();
     assert_eq!(
-        lines,
+        fleet.ran(),
         ["doubt-1/lookup", "doubt-1/lookup", "doubt-1/refund"],
         "the refund ran once, the idempotent lookup again"
+    );
+    Ok(())
+}
+
+/// A refund a person approved, whose runner is SIGKILLed while it runs: in doubt, it goes back to
+/// a person (`approval_requested` and `ListPendingApprovals` say it is in doubt) instead of to
+/// the model; approved again, it runs again (the runner is told a person chose to) and the run
+/// completes with it done.
+#[tokio::test]
+async fn an_approved_call_in_doubt_goes_back_to_a_person_who_may_run_it_again() -> TestResult {
+    use mock_llm::{Step, Turn};
+    let scenario = mock_llm::Scenario::new(vec![
+        Turn::text("paying back").then(Step::call("refund", serde_json::json!({}))),
+        Turn::text("done"),
+    ]);
+    let mut fleet = MidCall::start(&[("refund", false, true)], scenario).await?;
+    start_detached(&fleet.url, "doubt-2").await?;
+    let waiting = fleet
+        .until_status("doubt-2", |s| s == pb::RunStatus::AwaitingApproval)
+        .await?;
+    let call_id = waiting
+        .pending_approvals
+        .first()
+        .map(|p| p.call_id.clone())
+        .ok_or_else(|| anyhow::anyhow!("nothing pending in {waiting:?}"))?;
+    fleet.approve("doubt-2", &call_id).await?;
+    fleet.kill_the_runner_once(1).await?;
+
+    let pending = testkit::wait::until(
+        "the call back with a person, in doubt",
+        Duration::from_secs(60),
+        || async {
+            let request = pb::ListPendingApprovalsRequest {
+                run_id: "doubt-2".into(),
+                limit: 0,
+            };
+            let listed = fleet.client().await.ok()?.list_pending_approvals(request).await.ok()?;
+            listed.into_inner().approvals.into_iter().find(|p| p.in_doubt)
+        },
+    )
+    .await?;
+    assert_eq!(pending.call_id, call_id);
+    assert_eq!(fleet.ran(), ["doubt-2/refund"], "not run again before a person said so");
+    fleet.approve("doubt-2", &call_id).await?;
+
+    let result = fleet
+        .until_status("doubt-2", |s| {
+            !matches!(s, pb::RunStatus::Running | pb::RunStatus::AwaitingApproval)
+        })
+        .await?;
+    assert_eq!(result.status(), pb::RunStatus::Completed, "{}", result.failure_detail);
+    let refund = record_of(&result, "refund")?;
+    assert!(refund.ok && !refund.in_doubt, "{refund:?}");
+    assert_eq!(
+        fleet.ran(),
+        ["doubt-2/refund", "doubt-2/refund"],
+        "run again as a person chose"
     );
     Ok(())
 }

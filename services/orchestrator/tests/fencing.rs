@@ -78,6 +78,7 @@ fn wait(run_id: &str, calls: &[&str], epoch: u64) -> Wait {
         principal: String::new(),
         decision: None,
         questions: None,
+        in_doubt: false,
     };
     Wait {
         run_id: run_id.to_owned(),

@@ -447,6 +447,7 @@ async fn a_call_whose_runner_went_away_is_in_doubt_and_one_still_running_is_wait
     rerun.call_id = "c4".into();
     let mut client = a.client().await?;
     let waiting = tokio::spawn(async move { client.run_tool(rerun).await });
+    // Stays: what is checked is that no answer came meanwhile, which no condition can wait for.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         !waiting.is_finished(),

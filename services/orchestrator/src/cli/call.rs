@@ -163,8 +163,17 @@ impl Printer {
                 self.line(
                     out,
                     &format!(
-                        "  ⏸ {} {}  [{}] waits for approval (orchestrator decide --run-id {} --approve {} | --reject {})",
-                        a.name, a.arguments_json, a.call_id, self.run_id, a.call_id, a.call_id
+                        "  ⏸ {} {}  [{}] {} (orchestrator decide --run-id {} --approve {} | --reject {})",
+                        a.name,
+                        a.arguments_json,
+                        a.call_id,
+                        match a.in_doubt {
+                            true => "ran and is IN DOUBT (its tool-runner went away before its outcome was kept): run it again?",
+                            false => "waits for approval",
+                        },
+                        self.run_id,
+                        a.call_id,
+                        a.call_id
                     ),
                 );
             }

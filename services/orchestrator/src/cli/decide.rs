@@ -52,9 +52,10 @@ impl ApprovalsArgs {
 /// One call waiting, and its questions.
 fn print_pending(call: &pb::PendingApproval, now: u64) {
     let left = Duration::from_millis(call.expires_at_unix_ms.saturating_sub(now) / 1000 * 1000);
-    let waits = match call.input_requests.is_empty() {
-        true => "approval".to_owned(),
-        false => format!("answers to round {}", call.input_round),
+    let waits = match (call.input_requests.is_empty(), call.in_doubt) {
+        (true, false) => "approval".to_owned(),
+        (true, true) => "a decision to run it again: it ran and is IN DOUBT (its tool-runner went away before its outcome was kept; it may or may not have taken effect)".to_owned(),
+        (false, _) => format!("answers to round {}", call.input_round),
     };
     say!(
         "{}  {}  {} {}  (turn {}, owner {:?}, waits for {waits}, expires in {})",

@@ -59,6 +59,10 @@ pub struct PendingApproval {
     /// Set when the call asks questions (its answers decide it; an approval does not).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub questions: Option<super::input::Questions>,
+    /// The call was approved, ran, and is in doubt (its runner went away before its outcome was
+    /// kept): approving it runs it again although it may have taken effect.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_doubt: bool,
 }
 
 /// Whether a wait of `calls` is decided: every call is. A wait with no call for a person (a run
@@ -528,6 +532,7 @@ mod tests {
             principal: "alice".into(),
             decision: None,
             questions: None,
+            in_doubt: false,
         }
     }
 

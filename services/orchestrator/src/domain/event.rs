@@ -101,6 +101,8 @@ pub enum Event {
         expires_at_unix_ms: u64,
         /// The arguments were cut to fit one event.
         arguments_truncated: bool,
+        /// The call ran once and is in doubt: a person decides whether it runs again.
+        in_doubt: bool,
     },
     /// A call asks a person questions before it can finish; the run waits for the answers.
     ToolInputRequested {

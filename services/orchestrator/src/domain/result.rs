@@ -128,6 +128,18 @@ impl ToolCallError {
         Self::new(code, decision.message.clone())
     }
 
+    /// A person's refusal to run again a call that is in doubt: it stays in doubt.
+    #[must_use]
+    pub fn left_in_doubt(self) -> Self {
+        Self::new(
+            Self::IN_DOUBT,
+            format!(
+                "this call may or may not have taken effect: its tool-runner went away before its outcome was kept, and a person chose not to run it again ({}: {})",
+                self.code, self.message
+            ),
+        )
+    }
+
     /// The tool message the model sees: `{"error": {"code", "message"}}`.
     pub fn to_tool_message(&self) -> String {
         serde_json::json!({"error": {"code": self.code, "message": self.message}}).to_string()

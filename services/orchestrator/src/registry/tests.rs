@@ -528,6 +528,7 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
                 principal: String::new(),
                 decision: None,
                 questions: None,
+                in_doubt: false,
             },
             serde_json::json!({"type": "object"}),
         )],

@@ -220,6 +220,7 @@ impl Emitter {
                 turn,
                 expires_at_unix_ms,
                 arguments_truncated,
+                in_doubt,
             } => {
                 let (arguments_json, cut) = shared::text::truncate_owned(arguments_json, self.settings.max_event_bytes);
                 self.number(Event::ApprovalRequested {
@@ -229,6 +230,7 @@ impl Emitter {
                     turn,
                     expires_at_unix_ms,
                     arguments_truncated: arguments_truncated || cut,
+                    in_doubt,
                 });
             }
             Event::ToolCallFinished {

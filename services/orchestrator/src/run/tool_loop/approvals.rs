@@ -11,6 +11,11 @@
 //! ran: `tool_input_requested` announces the questions, the run parks (status `AWAITING_INPUT`
 //! when nothing else waits), and once answered (or expired: `cancel` to each) the call runs again
 //! with the answers; it may ask again, up to `--max-input-rounds` times.
+//!
+//! A call that ran on a person's approval and came back *in doubt* (its tool-runner went away
+//! before its outcome was kept, and the tool is not declared idempotent) goes back to a person
+//! once, `approval_requested` saying so: approved, it is sent again saying a person chose to run
+//! it again; rejected, it stays in doubt and the model is told so.
 
 use shared::sync::lock;
 
@@ -129,6 +134,7 @@ impl Driver<'_> {
                 applied: false,
                 questions: None,
                 rounds: 0,
+                in_doubt: false,
             })
             .collect()
     }
@@ -149,9 +155,59 @@ impl Driver<'_> {
                 turn: calls.turn.number,
                 expires_at_unix_ms: approval.expires_at_unix_ms,
                 arguments_truncated: false,
+                in_doubt: false,
             });
         }
         metrics::counter!(metric::APPROVALS_REQUESTED).increment(calls.approvals.len() as u64);
+        self.open_wait(calls).await
+    }
+
+    /// The calls that ran on a person's approval and came back in doubt (not asked about
+    /// before) go back to a person: taken out of the finished calls, announced with
+    /// `approval_requested` saying they are in doubt, and the turn's wait opened with them.
+    pub(super) async fn ask_again_in_doubt(&mut self, calls: &mut TurnCalls) -> Step<()> {
+        let expires_at = self.spec.approval.expires_at(shared::sync::unix_ms());
+        let mut doubted = Vec::new();
+        for outcome in std::mem::take(&mut calls.finished) {
+            let index = outcome.index;
+            let asked_before = calls.approvals.iter().any(|a| a.index == index && a.in_doubt);
+            let for_a_person = outcome.result.as_ref().err().is_some_and(ToolCallError::in_doubt)
+                && !outcome.reported
+                && !asked_before
+                && self.spec.approval.needs(&calls.partition.calls[index].name);
+            if !for_a_person {
+                calls.finished.push(outcome);
+                continue;
+            }
+            calls.approvals.retain(|a| a.index != index);
+            calls.approvals.push(Approval {
+                index,
+                expires_at_unix_ms: expires_at,
+                decision: None,
+                applied: false,
+                questions: None,
+                rounds: 0,
+                in_doubt: true,
+            });
+            doubted.push(index);
+        }
+        if doubted.is_empty() {
+            return Ok(());
+        }
+        for &index in &doubted {
+            let call = &calls.partition.calls[index];
+            tracing::warn!(gen_ai.tool.call.id = %call.id, gen_ai.tool.name = %call.name, "the approved call is in doubt; a person decides whether it runs again");
+            self.emitter.queue(Event::ApprovalRequested {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments_json: call.arguments.clone(),
+                turn: calls.turn.number,
+                expires_at_unix_ms: expires_at,
+                arguments_truncated: false,
+                in_doubt: true,
+            });
+        }
+        metrics::counter!(metric::APPROVALS_REQUESTED).increment(doubted.len() as u64);
         self.open_wait(calls).await
     }
 
@@ -191,6 +247,7 @@ impl Driver<'_> {
                 applied: false,
                 questions: Some(questions),
                 rounds: rounds + 1,
+                in_doubt: false,
             });
             asked.push(index);
         }
@@ -243,6 +300,7 @@ impl Driver<'_> {
                 principal: self.spec.principal.clone(),
                 decision: approval.decision.clone(),
                 questions: approval.questions.clone(),
+                in_doubt: approval.in_doubt,
             };
             waiting.push((pending, self.schema_of(&call.name)));
         }
@@ -328,9 +386,13 @@ impl Driver<'_> {
                     arguments_truncated: false,
                 });
             } else {
+                let refused = ToolCallError::refused(&decision);
                 calls.finished.push(CallOutcome {
                     index: approval.index,
-                    result: Err(crate::domain::ToolCallError::refused(&decision)),
+                    result: Err(match approval.in_doubt {
+                        true => refused.left_in_doubt(),
+                        false => refused,
+                    }),
                     elapsed: std::time::Duration::ZERO,
                     rejected: true,
                     reported: false,

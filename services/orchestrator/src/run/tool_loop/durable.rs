@@ -268,7 +268,10 @@ impl CallRecorder {
     /// result, or the task the call became, before anything else happens with it. A call that
     /// asked questions saves nothing here (see [`TurnCalls::record`]).
     pub(super) async fn finished(&self, outcome: &CallOutcome) {
-        if outcome.asked.is_some() {
+        // A call that asks, or is in doubt (it may go back to a person), is kept by the safe
+        // point that follows its wait.
+        let in_doubt = (outcome.result.as_ref().err()).is_some_and(crate::domain::ToolCallError::in_doubt);
+        if outcome.asked.is_some() || in_doubt {
             return;
         }
         if !self.settler.wait().await {

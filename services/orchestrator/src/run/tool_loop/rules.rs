@@ -126,7 +126,8 @@ impl Driver<'_> {
         let (ran, given_up) = self.take_tasks(calls, ran);
         self.cancel_given_up_tasks(given_up).await;
         let asked = self.take_questions(calls, ran);
-        self.ask_for_input(calls, &asked).await
+        self.ask_for_input(calls, &asked).await?;
+        self.ask_again_in_doubt(calls).await
     }
 
     /// The turn's outcomes reported, failures counted (a call a person rejected is no failure),
@@ -472,7 +473,7 @@ impl Driver<'_> {
                     i,
                     &calls.partition.calls[i],
                     timeout,
-                    approval.and_then(|a| a.decision.as_ref()),
+                    approval,
                     (
                         approval.and_then(super::waiting::Approval::answers),
                         calls.following(i).map(|f| f.task.clone()),
@@ -517,15 +518,16 @@ impl Driver<'_> {
     }
 
     /// One call on a tool-runner, in its `execute_tool` span (which records the `approval` that
-    /// let it run, if it needed one), with the answers to the questions it asked last and the
-    /// task it became, if any (`prior`): a task is polled (and canceled, when the run is to end
-    /// after the turn) instead of the tool started again.
+    /// let it run, if it needed one: a call in doubt it lets run is sent saying a person chose to
+    /// run it again), with the answers to the questions it asked last and the task it became, if
+    /// any (`prior`): a task is polled (and canceled, when the run is to end after the turn)
+    /// instead of the tool started again.
     pub(super) fn execute(
         &self,
         index: usize,
         call: &ModelCall,
         timeout: Duration,
-        approval: Option<&crate::domain::approval::ApprovalDecision>,
+        approval: Option<&super::waiting::Approval>,
         prior: (
             Option<crate::domain::input::Answers>,
             Option<crate::domain::task::ToolTask>,
@@ -533,11 +535,12 @@ impl Driver<'_> {
     ) -> impl Future<Output = CallOutcome> + use<> {
         let payloads = self.deps.trace_payloads;
         let span = telemetry::execute_tool_span(&call.name, &call.id, &call.arguments, payloads);
-        if let Some(decision) = approval {
+        if let Some(decision) = approval.and_then(|a| a.decision.as_ref()) {
             telemetry::record_approval(&span, decision);
         }
         let (answers, task) = prior;
         let mut invocation = self.invocation(call, timeout, answers);
+        invocation.rerun_in_doubt = approval.is_some_and(|a| a.in_doubt && a.cleared());
         invocation.progress = Some(self.call_progress.of_call(index));
         invocation.cancel_task = task.is_some() && self.cancel.after_turn().is_some();
         invocation.task = task;

@@ -24,6 +24,10 @@ pub(super) struct Approval {
     /// Times the call asked (bounded by `--max-input-rounds`).
     #[serde(default)]
     pub(super) rounds: u32,
+    /// The call was approved, ran, and came back in doubt: this decision is whether it runs
+    /// again (once approved, it is sent saying a person chose to rerun it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) in_doubt: bool,
 }
 
 impl Approval {
