@@ -1457,6 +1457,20 @@ impl MidCall {
         Ok(pb::orchestrator_client::OrchestratorClient::connect(self.url.clone()).await?)
     }
 
+    /// The run's whole event stream, as a caller attaching from its start reads it.
+    async fn events(&self, run_id: &str) -> anyhow::Result<Vec<pb::OrchestrateEvent>> {
+        let request = pb::AttachRunRequest {
+            run_id: run_id.into(),
+            after_seq: 0,
+        };
+        let mut stream = self.client().await?.attach_run(request).await?.into_inner();
+        let mut events = Vec::new();
+        while let Some(event) = tokio::time::timeout(Duration::from_secs(20), stream.message()).await?? {
+            events.push(event);
+        }
+        Ok(events)
+    }
+
     /// Approves call `call_id` of `run_id`.
     async fn approve(&self, run_id: &str, call_id: &str) -> TestResult {
         let decision = pb::ToolCallDecision {
@@ -1510,6 +1524,19 @@ async fn a_call_whose_runner_is_killed_mid_call_is_in_doubt_unless_its_tool_is_i
     );
     let lookup = record_of(&result, "lookup")?;
     assert!(lookup.ok && !lookup.in_doubt, "{lookup:?}");
+    let finished: Vec<(String, bool)> = fleet
+        .events("doubt-1")
+        .await?
+        .into_iter()
+        .filter_map(|e| match e.event {
+            Some(pb::orchestrate_event::Event::ToolCallFinished(f)) => Some((f.name, f.in_doubt)),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        finished.contains(&("refund".to_owned(), true)) && finished.contains(&("lookup".to_owned(), false)),
+        "the stream shows the refund in doubt: {finished:?}"
+    );
     assert_eq!(
         fleet.ran(),
         ["doubt-1/lookup", "doubt-1/lookup", "doubt-1/refund"],
