@@ -84,6 +84,12 @@ impl TurnCalls {
         self.approvals.iter().any(|a| a.decision.is_none())
     }
 
+    /// `approval`'s call waits (again) for a person: in place of what it waited for before.
+    fn wait_again(&mut self, approval: Approval) {
+        self.approvals.retain(|a| a.index != approval.index);
+        self.approvals.push(approval);
+    }
+
     /// Takes the decisions of `calls` (by call id) for the calls that wait.
     pub(super) fn take_decisions(&mut self, calls: &[PendingApproval]) {
         for approval in self.approvals.iter_mut().filter(|a| a.decision.is_none()) {
@@ -127,15 +133,7 @@ impl Driver<'_> {
             .executed
             .iter()
             .filter(|&&i| self.spec.approval.needs(&calls.partition.calls[i].name))
-            .map(|&index| Approval {
-                index,
-                expires_at_unix_ms: expires_at,
-                decision: None,
-                applied: false,
-                questions: None,
-                rounds: 0,
-                in_doubt: false,
-            })
+            .map(|&index| Approval::new(index, expires_at))
             .collect()
     }
 
@@ -179,15 +177,9 @@ impl Driver<'_> {
                 calls.finished.push(outcome);
                 continue;
             }
-            calls.approvals.retain(|a| a.index != index);
-            calls.approvals.push(Approval {
-                index,
-                expires_at_unix_ms: expires_at,
-                decision: None,
-                applied: false,
-                questions: None,
-                rounds: 0,
+            calls.wait_again(Approval {
                 in_doubt: true,
+                ..Approval::new(index, expires_at)
             });
             doubted.push(index);
         }
@@ -239,15 +231,10 @@ impl Driver<'_> {
                 calls.finished.push(outcome);
                 continue;
             }
-            calls.approvals.retain(|a| a.index != index);
-            calls.approvals.push(Approval {
-                index,
-                expires_at_unix_ms: expires_at,
-                decision: None,
-                applied: false,
+            calls.wait_again(Approval {
                 questions: Some(questions),
                 rounds: rounds + 1,
-                in_doubt: false,
+                ..Approval::new(index, expires_at)
             });
             asked.push(index);
         }

@@ -31,6 +31,19 @@ pub(super) struct Approval {
 }
 
 impl Approval {
+    /// Call `index` waiting for a person's approval until `expires_at_unix_ms`, undecided.
+    pub(super) fn new(index: usize, expires_at_unix_ms: u64) -> Self {
+        Self {
+            index,
+            expires_at_unix_ms,
+            decision: None,
+            applied: false,
+            questions: None,
+            rounds: 0,
+            in_doubt: false,
+        }
+    }
+
     /// Whether the call may run now: approved, and announced as such.
     pub(super) fn cleared(&self) -> bool {
         self.applied && self.decision.as_ref().is_some_and(ApprovalDecision::runs)
