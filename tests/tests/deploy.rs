@@ -495,7 +495,8 @@ async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> 
 const RUNNER_PASSWORD: &str = "f3nce0123456789abcdef012";
 
 /// The shipped config's `tool-runner` user: a runner given it in `--run-store` reads a run's
-/// fence and refuses an older epoch's call; the user writes nothing.
+/// fence and refuses an older epoch's call, and records the durable call it runs; the user writes
+/// no fence.
 async fn the_runners_user_reads_run_fences_only(port: u16, orchestrator_password: &str) -> TestResult {
     let connect = |user: &'static str, password: String| async move {
         async_nats::ConnectOptions::with_user_and_password(user.to_owned(), password)
@@ -522,6 +523,8 @@ async fn the_runners_user_reads_run_fences_only(port: u16, orchestrator_password
     };
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
     runner.client().await?.run_tool(call(2)).await?;
+    let recorded = runs.entry("call.moved.c").await?;
+    assert!(recorded.is_some(), "the runner recorded the durable call it ran");
     let as_runner = async_nats::jetstream::new(connect("tool-runner", RUNNER_PASSWORD.to_owned()).await?);
     let read_only = as_runner.get_key_value("orchestrator-runs").await?;
     let written = tokio::time::timeout(

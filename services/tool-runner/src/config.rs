@@ -161,14 +161,15 @@ impl Bounded for ArgLimits {
     }
 }
 
-/// The run fence: where a durable call's epoch is checked before its tool runs.
+/// The run fence and the call records: where a durable call's epoch is checked before its tool
+/// runs, and where it is recorded so that it runs once.
 #[derive(Debug, Clone, Args)]
-#[command(next_help_heading = "Run fence")]
+#[command(next_help_heading = "Run fence and call records")]
 pub struct FenceSettings {
-    /// The orchestrators' run store, read only (`nats://host:4222`, `tls://…`, or a comma-separated
-    /// seed list; `user:password@` or `token@` are held apart from the address): a durable call
-    /// whose epoch is older than its run's is refused FAILED_PRECONDITION before its tool runs.
-    /// Unset: calls are not checked.
+    /// The orchestrators' run store (`nats://host:4222`, `tls://…`, or a comma-separated seed
+    /// list; `user:password@` or `token@` are held apart from the address): a durable call whose
+    /// epoch is older than its run's is refused FAILED_PRECONDITION before its tool runs, and each
+    /// durable call is recorded there (--call-records). Unset: calls are not checked.
     #[arg(long = "run-store", env = "TOOL_RUNNER_RUN_STORE", value_name = "URL")]
     pub run_store: Option<String>,
     /// The orchestrators' --run-store-bucket.

@@ -11,8 +11,9 @@
 //! for a run whose record shows it durable; while the store cannot be read such a call runs (a
 //! durable run's owner never sends epoch 0).
 //!
-//! The store is read only. Its bucket is bound on first use (the orchestrators create it), so a
-//! runner may start before them or before NATS is up; until the store answers, durable calls are
+//! The fence only reads the store (the call records, `crate::record`, write their own keys). Its
+//! bucket is bound on first use (the orchestrators create it), so a runner may start before them
+//! or before NATS is up; until the store answers, durable calls are
 //! refused `UNAVAILABLE` unrun, which the orchestrator retries on another runner. Binding, the
 //! runner checks its read timeout against the orchestrators' fence grace kept in the bucket: a
 //! timeout that does not end within the grace refuses every durable call, naming both settings.
