@@ -129,6 +129,7 @@ fn over_ports(args: &Args, settings: &sim::ports::Settings) -> ExitCode {
         |seed| {
             let outcome = sim::ports::simulate(seed, settings);
             let mut seen = Seen::new(outcome.violations, outcome.starts, Some(outcome.takeovers));
+            seen.died = (outcome.died, outcome.in_doubt);
             if trace {
                 seen.trace = outcome.history;
             }
@@ -147,6 +148,8 @@ struct Seen {
     takeovers: Option<u64>,
     /// Its history, when asked for.
     trace: Vec<String>,
+    /// Calls that died with their runner, and calls found in doubt.
+    died: (usize, usize),
 }
 
 impl Seen {
@@ -156,6 +159,7 @@ impl Seen {
             starts,
             takeovers,
             trace: Vec::new(),
+            died: (0, 0),
         }
     }
 }
@@ -166,6 +170,8 @@ struct Report {
     failed: Vec<u64>,
     starts: usize,
     takeovers: Option<u64>,
+    /// Calls that died with their runner, and calls found in doubt.
+    died: (usize, usize),
     took: std::time::Duration,
 }
 
@@ -181,6 +187,13 @@ impl std::fmt::Display for Report {
         )?;
         if let Some(takeovers) = self.takeovers {
             write!(f, ", {takeovers} takeovers")?;
+        }
+        if self.died != (0, 0) {
+            write!(
+                f,
+                ", {} calls died with their runner, {} found in doubt",
+                self.died.0, self.died.1
+            )?;
         }
         write!(f, ", {:.1?})", self.took)
     }
@@ -210,11 +223,13 @@ fn run_seeds(args: &Args, replay: impl Fn(u64) -> String, simulate: impl Fn(u64)
         failed: Vec::new(),
         starts: 0,
         takeovers: None,
+        died: (0, 0),
         took: std::time::Duration::ZERO,
     };
     for (n, seed) in seeds.enumerate() {
         let seen = simulate(seed);
         report.starts += seen.starts;
+        report.died = (report.died.0 + seen.died.0, report.died.1 + seen.died.1);
         if let Some(takeovers) = seen.takeovers {
             report.takeovers = Some(report.takeovers.unwrap_or(0) + takeovers);
         }

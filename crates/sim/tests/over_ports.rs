@@ -89,6 +89,8 @@ fn every_invariant_holds_over_the_services_code() {
         messages_taken,
         signals,
         refused,
+        died,
+        in_doubt,
     } = sweep(&Settings::default(), BUDGET, "over the real adapters");
     assert!(run >= 100, "only {run} seeds in {BUDGET:?}");
     assert!(
@@ -111,6 +113,10 @@ fn every_invariant_holds_over_the_services_code() {
         refused as u64 > run / 4,
         "busy runners refused calls (tool_runner::admission): {refused} in {run} seeds"
     );
+    assert!(
+        died > 0 && in_doubt > 0,
+        "runners died mid-call ({died}) and the calls sent again were found in doubt ({in_doubt}) in {run} seeds"
+    );
 }
 
 /// What a sweep saw over its seeds.
@@ -122,6 +128,8 @@ struct Swept {
     messages_taken: usize,
     signals: usize,
     refused: usize,
+    died: usize,
+    in_doubt: usize,
 }
 
 /// Runs `settings` from the base seed for `budget`, each seed's invariants held (a failure
@@ -155,15 +163,19 @@ fn sweep(settings: &Settings, budget: Duration, what: &str) -> Swept {
         swept.messages_taken += outcome.messages_taken;
         swept.signals += outcome.signals;
         swept.refused += outcome.refused;
+        swept.died += outcome.died;
+        swept.in_doubt += outcome.in_doubt;
     }
     eprintln!(
-        "{} seeds {what}, {} takeovers, {} calls gone on with a person's answers, {} messages taken, {} signals, {} calls refused by a busy runner, every invariant held ({:.1?})",
+        "{} seeds {what}, {} takeovers, {} calls gone on with a person's answers, {} messages taken, {} signals, {} calls refused by a busy runner, {} calls died with their runner, {} found in doubt, every invariant held ({:.1?})",
         swept.run,
         swept.takeovers,
         swept.answered,
         swept.messages_taken,
         swept.signals,
         swept.refused,
+        swept.died,
+        swept.in_doubt,
         started.elapsed()
     );
     swept

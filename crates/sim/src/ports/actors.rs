@@ -2,7 +2,10 @@
 //! answers each run the same way whichever replica asks (the same conversation gives the same
 //! call ids, as a turn replayed after a takeover does); a tool-runner reads the run's fence
 //! from the store before it starts a tool, as the real one does, and the start it records is
-//! what the tools saw. Now and then a tool asks a person first (an MCP `input_required`): it
+//! what the tools saw, and it records each call (`tool_runner::record`) so that a call sent again
+//! runs once. A lost runner dies (its calls' answers lost, their outcomes never kept, its liveness
+//! no longer renewed) and comes back as a new process: a call it ran is sent again and found in
+//! doubt. Now and then a tool asks a person first (an MCP `input_required`): it
 //! starts only once its call comes back with the answers, and records what they were; the
 //! [`Person`] answers from any replica.
 
@@ -204,9 +207,12 @@ pub struct Runners {
     store: Arc<Watched>,
     /// Each runner's fence reader, over the simulated JetStream.
     readers: Vec<Arc<tool_runner::fence::RunFence>>,
-    /// Each runner's records of the durable calls it runs (none: the runners keep no record,
-    /// what breaks without them).
-    records: Vec<Arc<tool_runner::record::CallRecords>>,
+    /// Each runner's process now: its records of the durable calls it runs (none: the runners
+    /// keep no record, what breaks without them), replaced when a lost runner's pod is.
+    records: Vec<Mutex<Incarnation>>,
+    /// Each runner's lives so far: one more each time it is lost (a call it ran across a loss
+    /// died with it).
+    lives: Vec<std::sync::atomic::AtomicU64>,
     /// Every tool start, in order.
     pub starts: Mutex<Vec<Start>>,
     /// Every attempt that carried answers, in order.
@@ -222,6 +228,8 @@ pub struct Runners {
     pub refused: std::sync::atomic::AtomicUsize,
     /// Calls a runner answered in doubt: the run, the call.
     pub in_doubt: Mutex<Vec<(String, String)>>,
+    /// Calls whose runner died while they ran: the run, the call.
+    pub died: Mutex<Vec<(String, String)>>,
     /// The runners refuse a replaced owner's call (off: to show what breaks without it).
     pub fence: bool,
     /// The tasks the runners' server runs in the background, by task id: when each is done.
@@ -249,16 +257,7 @@ impl Runners {
             true => readers
                 .iter()
                 .enumerate()
-                .map(|(r, reader)| {
-                    let records = Arc::new(tool_runner::record::CallRecords::new(
-                        Arc::clone(reader),
-                        &format!("runner-{r}"),
-                        RUNNER_LEASE,
-                        64 * 1024,
-                    ));
-                    tokio::spawn(Arc::clone(&records).keep_alive());
-                    records
-                })
+                .map(|(r, reader)| Mutex::new(Incarnation::start(reader, r, 0)))
                 .collect(),
             false => Vec::new(),
         };
@@ -266,6 +265,7 @@ impl Runners {
             store,
             readers,
             records,
+            lives: (0..count).map(|_| std::sync::atomic::AtomicU64::new(0)).collect(),
             fence,
             starts: Mutex::default(),
             answered: Mutex::default(),
@@ -277,6 +277,7 @@ impl Runners {
                 .collect(),
             refused: std::sync::atomic::AtomicUsize::new(0),
             in_doubt: Mutex::default(),
+            died: Mutex::default(),
             gates,
             rng: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x7001)),
         })
@@ -284,9 +285,41 @@ impl Runners {
 
     /// Runner `r` answers again (a new pod in the lost one's place).
     pub fn revive(&self, r: usize) {
+        if let (Some(incarnation), Some(reader)) = (self.records.get(r), self.readers.get(r)) {
+            let mut incarnation = lock(incarnation);
+            if incarnation.life != self.life(r) {
+                *incarnation = Incarnation::start(reader, r, self.life(r));
+            }
+        }
         if let Some(gate) = self.gates.get(r) {
             gate.set(super::gate::Mode::Up);
         }
+    }
+
+    /// Runner `r`'s pod is lost (SIGKILL): it answers nothing, renews nothing, and the calls it
+    /// runs die with it (their answers lost, their outcomes never kept).
+    pub fn lose(&self, r: usize) {
+        if let Some(gate) = self.gates.get(r) {
+            gate.set(super::gate::Mode::Paused);
+        }
+        if let Some(lives) = self.lives.get(r) {
+            lives.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if let Some(incarnation) = self.records.get(r) {
+            lock(incarnation).renewing = None;
+        }
+    }
+
+    /// Runner `r`'s lives so far.
+    fn life(&self, r: usize) -> u64 {
+        self.lives
+            .get(r)
+            .map_or(0, |l| l.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Runner `r`'s records now (none when the runners keep none).
+    fn records_of(&self, r: usize) -> Option<Arc<tool_runner::record::CallRecords>> {
+        self.records.get(r).map(|i| Arc::clone(&lock(i).records))
     }
 
     /// The run's fence as the store's leader holds it now (0: none).
@@ -302,7 +335,7 @@ impl Runners {
         call: &ToolInvocation,
     ) -> Result<Option<tool_runner::record::Started>, Attempt> {
         use tool_runner::record::{Begun, Call};
-        let Some(records) = self.records.get(runner) else {
+        let Some(records) = self.records_of(runner) else {
             return Ok(None);
         };
         let begun = records
@@ -477,12 +510,16 @@ async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: 
     if let Some(task) = &call.task {
         return Attempt::Answered(poll(runners, call, task));
     }
+    let (life, records) = (runners.life(runner), runners.records_of(runner));
     let started = match runners.begin(runner, call).await {
         Ok(started) => started,
         Err(answered) => return answered,
     };
     let outcome = work_on(runners, call, drawn, fence).await;
-    if let (Some(started), Some(records)) = (started, runners.records.get(runner)) {
+    if runners.life(runner) != life {
+        return runners.died_with(runner, call);
+    }
+    if let (Some(started), Some(records)) = (started, records) {
         if let Ok(ToolOutput::Asked(_)) = &outcome {
             records.release(started).await;
             return Attempt::Answered(outcome);
@@ -526,6 +563,49 @@ async fn work_on(
     }
     tokio::time::sleep(work).await;
     Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id)))
+}
+
+/// A runner process's records of the calls it runs, and its liveness renewed in the background
+/// until it is lost.
+pub struct Incarnation {
+    records: Arc<tool_runner::record::CallRecords>,
+    renewing: Option<shared::runtime::AbortOnDrop>,
+    /// Which life of its runner it is.
+    life: u64,
+}
+
+impl Incarnation {
+    /// Runner `r`'s process in its life `life`, reading and writing through `reader`'s store.
+    fn start(reader: &Arc<tool_runner::fence::RunFence>, r: usize, life: u64) -> Self {
+        let records = Arc::new(tool_runner::record::CallRecords::new(
+            Arc::clone(reader),
+            &format!("runner-{r}.{life}"),
+            RUNNER_LEASE,
+            64 * 1024,
+        ));
+        let renewing = shared::runtime::AbortOnDrop(tokio::spawn(Arc::clone(&records).keep_alive()));
+        Self {
+            records,
+            renewing: Some(renewing),
+            life,
+        }
+    }
+}
+
+impl Runners {
+    /// What the sender hears of a call whose runner died while it ran: nothing (the connection
+    /// broke). Runners that record calls say so in their catalog, so the sender sends it again.
+    fn died_with(&self, runner: usize, call: &ToolInvocation) -> Attempt {
+        lock(&self.died).push((call.run_id.clone(), call.call_id.clone()));
+        let error = ToolCallError::new(
+            "UNAVAILABLE",
+            format!("runner {runner} went away while call {} ran", call.call_id),
+        );
+        match self.records.is_empty() {
+            true => Attempt::Answered(Err(error)),
+            false => Attempt::Lost { error },
+        }
+    }
 }
 
 /// A call's outcome as a runner's record keeps it (the service keeps the encoded response).

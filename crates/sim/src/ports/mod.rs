@@ -193,6 +193,11 @@ pub struct Outcome {
     pub signals: usize,
     /// Calls a busy runner's admission refused (each tried again, elsewhere or later).
     pub refused: usize,
+    /// Calls whose runner died while they ran (their answers lost).
+    pub died: usize,
+    /// Calls a runner answered in doubt (started by a runner that died before keeping their
+    /// outcome; never run again here, the tool not being idempotent).
+    pub in_doubt: usize,
     /// The history in a line each: faults, tool starts, and each run's log and record.
     pub history: Vec<String>,
 }
@@ -251,6 +256,8 @@ pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
         messages_taken: 0,
         signals: 0,
         refused: 0,
+        died: 0,
+        in_doubt: 0,
         history: Vec::new(),
     })
 }
@@ -474,6 +481,8 @@ impl World {
             messages_taken,
             signals: view.signals.len(),
             refused: self.runners.refused.load(std::sync::atomic::Ordering::Relaxed),
+            died: lock(&self.runners.died).len(),
+            in_doubt: lock(&self.runners.in_doubt).len(),
             history,
         }
     }
@@ -566,7 +575,7 @@ impl World {
                 self.history.push(line);
             }
             Fault::LoseRunner(r, lasting) => {
-                self.runners.gates[r].set(Mode::Paused);
+                self.runners.lose(r);
                 self.history.push(line);
                 // A lost runner's pod is replaced: a new one answers after a while.
                 self.runners_replace(r, lasting);
