@@ -235,16 +235,48 @@ impl CallRecords {
             Err(e) => tracing::debug!(%key, "creating the call's record: {e}"),
         }
         let deadline = Instant::now() + call.wait;
-        Judge {
+        let begun = Judge {
             bucket,
             call,
-            key,
-            mine: record,
+            key: key.clone(),
+            mine: record.clone(),
             lease: self.incarnation.lease,
             watched: None,
         }
         .until(deadline)
-        .await
+        .await;
+        if let Begun::Unavailable(_) = &begun {
+            // A write of this start may have landed though its answer was lost: the call did not
+            // run, so a record of this start must not stay behind (it would read as running).
+            self.forget_in_background(key, record);
+        }
+        begun
+    }
+
+    /// Deletes the record under `key` if it is still `start` (this runner's, with no outcome),
+    /// trying for a lease while the store does not answer.
+    fn forget_in_background(&self, key: String, start: Record) {
+        let (fence, lease) = (Arc::clone(&self.fence), self.incarnation.lease);
+        tokio::spawn(async move {
+            let give_up = Instant::now() + lease;
+            let mut pause = Duration::from_millis(100);
+            while Instant::now() < give_up {
+                if let Ok(bucket) = fence.bucket().await
+                    && let Ok(entry) = bucket.entry(&key, Consistency::Leader).await
+                {
+                    let Some((revision, record)) = live(entry) else { return };
+                    let mine = record.runner == start.runner && record.attempt == start.attempt;
+                    if mine && record.outcome.is_none() && bucket.delete(&key, Some(revision)).await.is_err() {
+                        tokio::time::sleep(pause).await;
+                        continue;
+                    }
+                    return;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            tracing::warn!(%key, "a call's record of a start that did not run could not be removed; the call sent again waits for it, then finds it in doubt");
+        });
     }
 
     /// Keeps `outcome` (the service's encoding of the call's answer) in the call's record; an

@@ -289,7 +289,8 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
         let permit = request.extensions().get::<CallPermit>().cloned();
         let (call, span) = self.admitted(request).await?;
         let plan = self.plan(&call).instrument(span.clone()).await?;
-        let response = self.run(call, None, plan, permit).instrument(span).await;
+        let running = span.in_scope(|| self.run(call, None, plan, permit));
+        let response = running.instrument(span).await;
         Ok(Response::new(response))
     }
 
@@ -319,15 +320,15 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
                 })),
             }));
         });
-        let this = self.clone();
+        let held = permit.clone();
+        let running = span.in_scope(|| self.run(call, Some(sink), plan, permit));
         tokio::spawn(
             async move {
-                let held = permit.clone();
                 tokio::select! {
                     // The caller went away: dropping the call stops the tool (a recorded call
                     // goes on to its end, holding its place).
                     () = tx.closed() => {}
-                    response = this.run(call, Some(sink), plan, permit) => {
+                    response = running => {
                         let done = pb::RunToolUpdate {
                             update: Some(pb::run_tool_update::Update::Done(response)),
                         };

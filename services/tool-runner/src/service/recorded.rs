@@ -5,6 +5,9 @@
 
 use std::sync::Arc;
 
+use futures::FutureExt;
+use futures::future::BoxFuture;
+
 use proto::toolrunner::v1 as pb;
 use tonic::Status;
 use tracing::Instrument;
@@ -66,20 +69,24 @@ impl ToolRunnerService {
         }
     }
 
-    /// Runs `call` as `plan` says; a recorded call runs in a task of its own, so that it goes on
-    /// if its caller leaves, holding its place (`permit`: the drain waits for it) until its
-    /// outcome is kept.
-    pub(super) async fn run(
+    /// Runs `call` as `plan` says; a recorded call runs in a task of its own, spawned when this
+    /// is called (not when awaited: a caller that leaves at once does not leave a record of a
+    /// start that never ran), so that it goes on if its caller leaves, holding its place
+    /// (`permit`: the drain waits for it) until its outcome is kept.
+    pub(super) fn run(
         &self,
         call: ToolCall,
         progress: Option<ProgressSink>,
         plan: Plan,
         permit: Option<CallPermit>,
-    ) -> pb::RunToolResponse {
+    ) -> BoxFuture<'static, pb::RunToolResponse> {
         let (started, records) = match (plan, &self.records) {
-            (Plan::Answer(response), _) => return response,
+            (Plan::Answer(response), _) => return futures::future::ready(response).boxed(),
             (Plan::Run(Some(started)), Some(records)) => (started, Arc::clone(records)),
-            (Plan::Run(_), _) => return self.execute(call, progress).await,
+            (Plan::Run(_), _) => {
+                let this = self.clone();
+                return async move { this.execute(call, progress).await }.boxed();
+            }
         };
         let this = self.clone();
         let recorded = async move {
@@ -89,8 +96,11 @@ impl ToolRunnerService {
             response
         };
         let task = tokio::spawn(recorded.instrument(tracing::Span::current()));
-        task.await
-            .unwrap_or_else(|e| failed(&format!("the call's task ended without an outcome: {e}")))
+        async move {
+            task.await
+                .unwrap_or_else(|e| failed(&format!("the call's task ended without an outcome: {e}")))
+        }
+        .boxed()
     }
 }
 
