@@ -85,7 +85,11 @@ impl ToolRunnerService {
             (Plan::Run(Some(started)), Some(records)) => (started, Arc::clone(records)),
             (Plan::Run(_), _) => {
                 let this = self.clone();
-                return async move { this.execute(call, progress).await }.boxed();
+                return async move {
+                    let _permit = permit;
+                    this.execute(call, progress).await
+                }
+                .boxed();
             }
         };
         let this = self.clone();
