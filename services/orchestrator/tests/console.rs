@@ -293,6 +293,16 @@ async fn find(browser: &Browser, xpath: &str) -> anyhow::Result<fantoccini::elem
 }
 
 /// Waits until the page's text holds `text`.
+/// Clicks the button `name` within `element`.
+async fn press(element: &fantoccini::elements::Element, name: &str) -> TestResult {
+    element
+        .find(Locator::XPath(&format!(".{}", button(name))))
+        .await?
+        .click()
+        .await?;
+    Ok(())
+}
+
 async fn shows(browser: &Browser, text: &str) -> TestResult {
     testkit::wait::until(&format!("the page to say {text:?}"), PAGE_LIMIT, || async {
         let body = browser.find(Locator::XPath("//body")).await.ok()?.text().await.ok()?;
@@ -394,11 +404,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     visit(browser, &console, "#/waiting").await?;
     let waiting = find(browser, &named("sleep in run approve-1")).await?;
     screenshot(browser, "waiting").await?;
-    waiting
-        .find(Locator::XPath(&format!(".{}", button("Approve"))))
-        .await?
-        .click()
-        .await?;
+    press(&waiting, "Approve").await?;
     until_status(&alice_b, "approve-1", pb::RunStatus::Completed).await?;
 
     // An approved call found in doubt (a runner started it and went away) comes back to a person:
@@ -417,20 +423,11 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     let call_id = pending.first().map(|p| p.call_id.clone()).unwrap_or_default();
     world.left_in_doubt("charge-1", &call_id).await?;
     visit(browser, &console, "#/waiting").await?;
-    find(browser, &named("charge in run charge-1"))
-        .await?
-        .find(Locator::XPath(&format!(".{}", button("Approve"))))
-        .await?
-        .click()
-        .await?;
+    press(&find(browser, &named("charge in run charge-1")).await?, "Approve").await?;
     let doubt = find(browser, &named("charge in run charge-1, in doubt")).await?;
     shows(browser, "may or may not have taken effect").await?;
     screenshot(browser, "in-doubt").await?;
-    doubt
-        .find(Locator::XPath(&format!(".{}", button("Run again"))))
-        .await?
-        .click()
-        .await?;
+    press(&doubt, "Run again").await?;
     until_status(&alice_b, "charge-1", pb::RunStatus::Completed).await?;
     let charged = alice_b.get_run("charge-1").await?;
     anyhow::ensure!(

@@ -259,7 +259,7 @@ impl CallRecords {
         let (fence, lease) = (Arc::clone(&self.fence), self.incarnation.lease);
         tokio::spawn(async move {
             let give_up = Instant::now() + lease;
-            let mut pause = Duration::from_millis(100);
+            let mut backoff = Backoff::from(Duration::from_millis(100));
             while Instant::now() < give_up {
                 if let Ok(bucket) = fence.bucket().await
                     && let Ok(entry) = bucket.entry(&key, Consistency::Leader).await
@@ -267,13 +267,12 @@ impl CallRecords {
                     let Some((revision, record)) = live(entry) else { return };
                     let mine = record.runner == start.runner && record.attempt == start.attempt;
                     if mine && record.outcome.is_none() && bucket.delete(&key, Some(revision)).await.is_err() {
-                        tokio::time::sleep(pause).await;
+                        tokio::time::sleep(backoff.current()).await;
                         continue;
                     }
                     return;
                 }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(1));
+                tokio::time::sleep(backoff.next()).await;
             }
             tracing::warn!(%key, "a call's record of a start that did not run could not be removed; the call sent again waits for it, then finds it in doubt");
         });
@@ -300,7 +299,7 @@ impl CallRecords {
         let bucket = self.fence.bucket().await.map_err(NotKept::Store)?;
         // A store electing a leader takes seconds; a lease of tries covers it.
         let give_up = Instant::now() + self.incarnation.lease;
-        let mut pause = Duration::from_millis(100);
+        let mut backoff = Backoff::from(Duration::from_millis(100));
         let mut failed = None;
         while failed.is_none() || Instant::now() < give_up {
             match bucket.update(&key, done.clone(), revision).await {
@@ -312,14 +311,11 @@ impl CallRecords {
                 Err(e) => failed = Some(e.to_string()),
             }
             tracing::debug!(%key, "keeping the call's outcome: {}", failed.as_deref().unwrap_or_default());
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(1));
+            tokio::time::sleep(backoff.next()).await;
         }
         Err(NotKept::Store(failed.unwrap_or_default()))
     }
-}
 
-impl CallRecords {
     /// Deletes the record of a call that asked questions before it did anything (an MCP
     /// `input_required`: the request was not processed): sent again without the answers it asks
     /// again, a new round, as it would have had it never been recorded.
@@ -367,7 +363,7 @@ struct Judge<'a> {
 impl Judge<'_> {
     /// Reads the record (and its runner's liveness) until it says what to do or `deadline`.
     async fn until(mut self, deadline: Instant) -> Begun {
-        let mut pause = Duration::from_millis(50);
+        let mut backoff = Backoff::from(Duration::from_millis(50));
         loop {
             let entry = match self.bucket.entry(&self.key, Consistency::Leader).await {
                 Ok(entry) => entry,
@@ -395,8 +391,8 @@ impl Judge<'_> {
                 }
                 Verdict::Wait => {}
             }
-            tokio::time::sleep(pause.min(deadline.saturating_duration_since(Instant::now()))).await;
-            pause = (pause * 2).min(Duration::from_secs(1));
+            let pause = backoff.next().min(deadline.saturating_duration_since(Instant::now()));
+            tokio::time::sleep(pause).await;
         }
     }
 
@@ -464,6 +460,29 @@ impl Judge<'_> {
     }
 }
 
+/// Pauses between tries against the store: doubling from the first, at most a second.
+struct Backoff(Duration);
+
+impl From<Duration> for Backoff {
+    fn from(first: Duration) -> Self {
+        Self(first)
+    }
+}
+
+impl Backoff {
+    /// The pause before the next try, without moving on.
+    fn current(&self) -> Duration {
+        self.0
+    }
+
+    /// The pause before the next try; the one after it is doubled.
+    fn next(&mut self) -> Duration {
+        let pause = self.0;
+        self.0 = (pause * 2).min(Duration::from_secs(1));
+        pause
+    }
+}
+
 /// The record's value.
 fn encode(record: &Record) -> Bytes {
     prost::Message::encode_to_vec(record).into()
@@ -482,14 +501,7 @@ fn key(call: &Call<'_>) -> String {
     let mut key = shared::fence::escaped_key("call.", call.run_id);
     key.push_str(&shared::fence::escaped_key(".", call.call_id));
     if let Some(round) = call.round {
-        key.push_str(&format!(".{:016x}", fnv1a(round.as_bytes())));
+        key.push_str(&format!(".{:016x}", shared::text::fnv1a(round.as_bytes())));
     }
     key
-}
-
-/// FNV-1a, 64 bits: the same on every runner and version, unlike the standard library's hasher.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
-        (hash ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }

@@ -68,8 +68,6 @@ pub struct RemoteTool {
     pub timeout: Duration,
     /// The runner requires a person's approval of each call.
     pub needs_approval: bool,
-    /// Running a call again has no further effect (a durable call in doubt runs again).
-    pub idempotent: bool,
 }
 
 /// The tools the runners offer, and whether they answered the last fetch.
@@ -245,7 +243,6 @@ impl ToolRunners {
                     },
                     timeout: Duration::from_millis(u64::from(spec.timeout_ms)),
                     needs_approval: spec.needs_approval,
-                    idempotent: spec.idempotent,
                 },
             );
         }

@@ -69,7 +69,6 @@ mod tests {
                         definition,
                         timeout: Duration::from_secs(1),
                         needs_approval: false,
-                        idempotent: false,
                     },
                 )
             })
