@@ -1,0 +1,327 @@
+//! A replica's *incarnation*: one lease record per process start (`replica.<name>` in the run
+//! store's bucket), renewed every third of the lease by one keeper for every run the process
+//! holds. A run's record names the incarnation that holds it, so a quiet run writes nothing to
+//! stay held: other replicas judge the incarnation, not the run, and judge it as they judged a
+//! run's record before — seen unchanged for a whole lease on their own clock, it has lapsed.
+//!
+//! The keeper renews by compare-and-set on the revision it wrote last. When a renewal does not
+//! land before the lease (less its margin) runs out, or another replica removed the record, the
+//! process stops acting for every run of that incarnation at once ([`Liveness::reincarnate`])
+//! and goes on under a new one: the old incarnation's runs are orphans for every replica, this
+//! one included. At a clean stop the record is marked over, so its leftovers move at once.
+//!
+//! Runs a replica holds in the store but no longer runs (a claim whose answer was lost, a run
+//! stopped by a checkpoint the store did not take) would otherwise stay held for as long as the
+//! process lives: they are *abandoned*, and the keeper hands each over (its record marked
+//! handed over, as at a drain) so that any replica resumes it.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prost::Message;
+use shared::jetstream::{Bucket, Consistency, Error};
+
+use super::results::{escaped_key, holder_from};
+use crate::domain::Liveness;
+use crate::domain::ports::StoreError;
+use crate::store::unavailable;
+
+/// Where incarnation records are kept in the bucket.
+pub(super) const PREFIX: &str = "replica.";
+
+/// An incarnation's record.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(super) struct IncarnationRecord {
+    /// The replica (its name, as runs' records give their owner).
+    #[prost(string, tag = "1")]
+    pub replica: String,
+    /// Renewals so far: each one a new revision, which is what other replicas watch.
+    #[prost(uint64, tag = "2")]
+    pub renewals: u64,
+    /// The process stopped holding runs under it (a clean stop, or a lapse it noticed): its runs
+    /// are free to take at once.
+    #[prost(bool, tag = "3")]
+    pub over: bool,
+    /// The incarnation's name, as runs' records name it.
+    #[prost(string, tag = "4")]
+    pub name: String,
+}
+
+/// The incarnation the process is in now.
+struct Current {
+    generation: u64,
+    name: String,
+    /// The revision of its record this process wrote last (`None`: not created yet).
+    revision: Option<u64>,
+}
+
+/// See the module docs.
+pub(super) struct Incarnation {
+    replica: String,
+    /// What every incarnation name of this process starts with (the replica and its start).
+    stem: String,
+    liveness: Liveness,
+    current: Mutex<Current>,
+    /// Keys of runs to hand over (see the module docs).
+    abandoned: Mutex<HashSet<String>>,
+}
+
+impl Incarnation {
+    /// The process's first incarnation as replica `replica` (not stored yet: see
+    /// [`Incarnation::begin`]).
+    pub(super) fn new(replica: &str) -> Self {
+        let stem = format!("{replica}~{:x}", shared::sync::unix_ms());
+        Self {
+            replica: replica.to_owned(),
+            current: Mutex::new(Current {
+                generation: 1,
+                name: stem.clone(),
+                revision: None,
+            }),
+            stem,
+            liveness: Liveness::new(tokio::time::Instant::now()),
+            abandoned: Mutex::default(),
+        }
+    }
+
+    /// The lease every run held here reads.
+    pub(super) fn liveness(&self) -> Liveness {
+        self.liveness.clone()
+    }
+
+    /// The current incarnation's name and generation.
+    pub(super) fn name(&self) -> (String, u64) {
+        let current = shared::sync::lock(&self.current);
+        (current.name.clone(), current.generation)
+    }
+
+    /// Whether `name` is one of this process's incarnations (any generation).
+    pub(super) fn is_mine(&self, name: &str) -> bool {
+        name.strip_prefix(self.stem.as_str())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    }
+
+    /// Remembers that the run under `key` may be held here while nothing runs it.
+    pub(super) fn abandon(&self, key: &str) {
+        shared::sync::lock(&self.abandoned).insert(key.to_owned());
+    }
+
+    /// Creates the current incarnation's record (before any run is claimed under it).
+    pub(super) async fn begin(&self, kv: &dyn Bucket) -> Result<(), StoreError> {
+        let (name, generation) = self.name();
+        let sent = tokio::time::Instant::now();
+        let record = IncarnationRecord {
+            replica: self.replica.clone(),
+            renewals: 0,
+            over: false,
+            name: name.clone(),
+        };
+        let key = key_of(&name);
+        let revision = kv
+            .create(&key, record.encode_to_vec().into())
+            .await
+            .map_err(|e| unavailable("KV create", &key, e))?;
+        let mut current = shared::sync::lock(&self.current);
+        if current.generation == generation {
+            current.revision = Some(revision);
+            self.liveness.confirmed(generation, sent);
+        }
+        Ok(())
+    }
+
+    /// One renewal of the current incarnation (its creation, when that has not landed yet); a
+    /// lease run out, or a record another replica removed, starts the next incarnation.
+    pub(super) async fn renew(&self, kv: &dyn Bucket, acting: Duration) {
+        let (name, generation, revision) = {
+            let current = shared::sync::lock(&self.current);
+            (current.name.clone(), current.generation, current.revision)
+        };
+        if tokio::time::Instant::now() >= self.liveness.acts_until(generation, acting) {
+            return self.reincarnate(kv, &name, generation).await;
+        }
+        let Some(revision) = revision else {
+            if let Err(e) = self.begin(kv).await {
+                tracing::warn!(incarnation = %name, "storing the replica's incarnation failed: {e}");
+            }
+            return;
+        };
+        let sent = tokio::time::Instant::now();
+        let record = IncarnationRecord {
+            replica: self.replica.clone(),
+            renewals: revision,
+            over: false,
+            name: name.clone(),
+        };
+        match kv.update(&key_of(&name), record.encode_to_vec().into(), revision).await {
+            Ok(revision) => {
+                let mut current = shared::sync::lock(&self.current);
+                if current.generation == generation {
+                    current.revision = Some(revision);
+                    self.liveness.confirmed(generation, sent);
+                }
+            }
+            Err(Error::WrongRevision) => {
+                tracing::warn!(incarnation = %name, "the replica's incarnation was ended by another replica; its runs are theirs now");
+                self.reincarnate(kv, &name, generation).await;
+            }
+            Err(e) => tracing::warn!(incarnation = %name, "renewing the replica's incarnation failed: {e}"),
+        }
+    }
+
+    /// Ends incarnation `name` (of `generation`): every run under it stops here, its record is
+    /// marked over when the store takes it, and the process goes on under the next one.
+    async fn reincarnate(&self, kv: &dyn Bucket, name: &str, generation: u64) {
+        {
+            let mut current = shared::sync::lock(&self.current);
+            if current.generation != generation {
+                return;
+            }
+            let next = self.liveness.reincarnate(tokio::time::Instant::now());
+            *current = Current {
+                generation: next,
+                name: format!("{}.{next}", self.stem),
+                revision: None,
+            };
+        }
+        tracing::warn!(incarnation = %name, "the replica's incarnation lapsed: it stops acting for every run it held, which any replica now takes over");
+        let _ = self.mark_over(kv, name).await;
+        if let Err(e) = self.begin(kv).await {
+            tracing::warn!("storing the replica's next incarnation failed (tried again at the next renewal): {e}");
+        }
+    }
+
+    /// Marks incarnation `name`'s record over (its runs move at once).
+    async fn mark_over(&self, kv: &dyn Bucket, name: &str) -> Result<(), StoreError> {
+        let key = key_of(name);
+        let record = IncarnationRecord {
+            replica: self.replica.clone(),
+            renewals: 0,
+            over: true,
+            name: name.to_owned(),
+        };
+        kv.put(&key, record.encode_to_vec().into())
+            .await
+            .map(|_| ())
+            .map_err(|e| unavailable("KV put", &key, e))
+    }
+
+    /// Marks the current incarnation over at a clean stop.
+    pub(super) async fn retire(&self, kv: &dyn Bucket) {
+        let (name, _) = self.name();
+        if let Err(e) = self.mark_over(kv, &name).await {
+            tracing::warn!(incarnation = %name, "marking the replica's incarnation over failed (it lapses instead): {e}");
+        }
+    }
+
+    /// Hands over every abandoned run whose record still names one of this process's
+    /// incarnations (and that no run here holds, as `held` says); those the store did not
+    /// answer for are tried again next time.
+    pub(super) async fn hand_over_abandoned(&self, kv: &dyn Bucket, held: impl Fn(&str) -> bool) -> Vec<String> {
+        let keys: Vec<String> = shared::sync::lock(&self.abandoned).drain().collect();
+        let mut handed = Vec::new();
+        for key in keys {
+            if held(&key) {
+                continue;
+            }
+            match self.hand_over_one(kv, &key).await {
+                Ok(true) => handed.push(key),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(key = %key, "handing over a run no longer run here failed (tried again): {e}");
+                    self.abandon(&key);
+                }
+            }
+        }
+        handed
+    }
+
+    /// Marks the run under `key` handed over if its record names one of this process's
+    /// incarnations and is still held; whether it did.
+    async fn hand_over_one(&self, kv: &dyn Bucket, key: &str) -> Result<bool, StoreError> {
+        let Some((mut record, revision)) = holder_from(kv, key, Consistency::Leader).await? else {
+            return Ok(false);
+        };
+        if !record.held() || record.handed_over || !self.is_mine(&record.incarnation) {
+            return Ok(false);
+        }
+        record.handed_over = true;
+        record.lease_expires_unix_ms = shared::sync::unix_ms();
+        super::owners::enter(kv, &super::owners::wake_key(record.lease_expires_unix_ms, key)).await?;
+        match kv.update(key, record.encode_to_vec().into(), revision).await {
+            Ok(_) => Ok(true),
+            Err(Error::WrongRevision) => Ok(false),
+            Err(e) => Err(unavailable("KV update", key, e)),
+        }
+    }
+}
+
+/// A claim (or hand-over) of the run under `key` on its way: should it not finish (an error, an
+/// answer lost, the future dropped at a timeout) the run may be held in the store under this
+/// incarnation while nothing runs it here, so it is abandoned to the keeper.
+pub(super) struct Claiming {
+    key: String,
+    owned: std::sync::Arc<Mutex<std::collections::HashMap<String, super::results::Owned>>>,
+    incarnation: std::sync::Arc<Incarnation>,
+    finished: bool,
+}
+
+impl Claiming {
+    /// A claim of the run under `key`, by the replica owning `owned` under `incarnation`.
+    pub(super) fn of(
+        key: &str,
+        owned: &std::sync::Arc<Mutex<std::collections::HashMap<String, super::results::Owned>>>,
+        incarnation: &std::sync::Arc<Incarnation>,
+    ) -> Self {
+        Self {
+            key: key.to_owned(),
+            owned: std::sync::Arc::clone(owned),
+            incarnation: std::sync::Arc::clone(incarnation),
+            finished: false,
+        }
+    }
+
+    /// The claim finished: the run runs here, or is not this replica's.
+    pub(super) fn finished(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for Claiming {
+    fn drop(&mut self) {
+        if !self.finished {
+            shared::sync::lock(&self.owned).remove(&self.key);
+            self.incarnation.abandon(&self.key);
+        }
+    }
+}
+
+/// The key of incarnation `name`'s record.
+pub(super) fn key_of(name: &str) -> String {
+    escaped_key(PREFIX, name)
+}
+
+/// An incarnation's record as stored under `key`.
+pub(super) fn decode(key: &str, bytes: &[u8]) -> Result<IncarnationRecord, StoreError> {
+    IncarnationRecord::decode(bytes).map_err(|e| StoreError::Corrupt {
+        key: key.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Incarnation;
+
+    #[test]
+    fn a_process_knows_its_incarnations_and_only_those() {
+        let incarnation = Incarnation::new("orch-0");
+        let (name, generation) = incarnation.name();
+        assert_eq!(generation, 1);
+        assert!(incarnation.is_mine(&name));
+        assert!(incarnation.is_mine(&format!("{name}.2")));
+        assert!(!incarnation.is_mine(&format!("{name}0")));
+        assert!(!incarnation.is_mine("orch-0"));
+        assert!(!incarnation.is_mine(""));
+    }
+}
