@@ -18,7 +18,7 @@ use shared::jetstream::{Consistency, Operation};
 
 use super::incarnation::{self, PREFIX};
 use super::owners::{self, MINUTE_MS};
-use super::results::{Record, Sightings, holder};
+use super::results::{Record, Sightings, holder_from};
 use crate::domain::ports::StoreError;
 use crate::llm::fleet::rendezvous;
 use crate::store::unavailable;
@@ -146,7 +146,7 @@ impl Look {
                 async move {
                     let key = owners::record_key_of(&entry)?;
                     let epoch = owners::entry_epoch(&kv.get(&entry).await.ok()??);
-                    match holder(kv.as_ref(), &key).await.ok()? {
+                    match holder_from(kv.as_ref(), &key, Consistency::Leader).await.ok()? {
                         Some((record, _)) if record.incarnation == name => {
                             if record.held() {
                                 return record.resumable().then(|| run_id(&record)).flatten();
@@ -198,53 +198,46 @@ impl Look {
     }
 
     /// The run of wake entry `entry` if it is due now; an entry whose run is not parked any
-    /// more is removed, one whose run wakes later is moved to its minute.
+    /// more is removed, one whose run wakes later is moved to its minute. An entry is removed
+    /// only at the revision read (one written again since stays).
     async fn wake_entry(&self, entry: String, now: u64) -> Option<String> {
         let key = owners::record_key_of(&entry)?;
-        let (record, _) = match holder(self.kv.as_ref(), &key).await {
-            Ok(Some(found)) => found,
-            // No record (yet, or not on the copy read): removed only once it stood so long.
-            Ok(None) => {
-                if self.stale(&entry).await {
-                    owners::leave(self.kv.as_ref(), &entry).await;
-                }
-                return None;
-            }
-            Err(_) => return None,
-        };
-        let handed_over = record.held() && record.handed_over && record.resumable();
-        if !handed_over && !record.awaiting {
-            // Not parked (any more, or not yet: the entry goes first): removed once it has stood
-            // so for long enough that no park or hand-over can still be on its way.
-            if self.stale(&entry).await {
-                owners::leave(self.kv.as_ref(), &entry).await;
+        // From the leader, as every read that may remove an entry: a lagging copy's older
+        // record (or older entry) would have it removed while its run needs it.
+        let written = self.kv.entry(&entry, Consistency::Leader).await.ok()??.revision;
+        let record = holder_from(self.kv.as_ref(), &key, Consistency::Leader).await.ok()?;
+        let Some((record, _)) = record.filter(|(r, _)| r.awaiting || (r.held() && r.handed_over)) else {
+            // Not parked or handed over (any more, or not yet: the entry goes first): removed
+            // once it has stood so for long enough that none can still be on its way.
+            if self.stale(&entry, written) {
+                owners::leave_at(self.kv.as_ref(), &entry, written).await;
             }
             return None;
-        }
-        if handed_over || record.ready || record.wake_at_unix_ms <= now {
+        };
+        let handed_over = record.held() && record.handed_over && record.resumable();
+        if handed_over || (record.awaiting && (record.ready || record.wake_at_unix_ms <= now)) {
             // Due: it stays listed (moved to this minute) until a replica takes it.
-            self.move_entry(&entry, owners::wake_key(now, &key)).await;
+            self.move_entry(&entry, written, owners::wake_key(now, &key)).await;
             return run_id(&record);
         }
-        self.move_entry(&entry, owners::wake_key(record.wake_at_unix_ms, &key))
-            .await;
+        if record.awaiting {
+            self.move_entry(&entry, written, owners::wake_key(record.wake_at_unix_ms, &key))
+                .await;
+        }
         None
     }
 
-    /// Whether index entry `entry` has stood unchanged, as this replica saw it, for
+    /// Whether index entry `entry`, at `revision`, has stood so, as this replica saw it, for
     /// [`FORGET_AFTER_LEASES`] leases.
-    async fn stale(&self, entry: &str) -> bool {
-        let Ok(Some(read)) = self.kv.entry(entry, Consistency::Direct).await else {
-            return false;
-        };
-        self.seen.lapsed(entry, read.revision);
-        self.seen.unchanged_for(entry, read.revision) >= self.seen.lease * FORGET_AFTER_LEASES
+    fn stale(&self, entry: &str, revision: u64) -> bool {
+        self.seen.lapsed(entry, revision);
+        self.seen.unchanged_for(entry, revision) >= self.seen.lease * FORGET_AFTER_LEASES
     }
 
-    /// Moves wake entry `entry` to `to` (nothing when it is there already).
-    async fn move_entry(&self, entry: &str, to: String) {
+    /// Moves wake entry `entry` (at `revision`) to `to` (nothing when it is there already).
+    async fn move_entry(&self, entry: &str, revision: u64, to: String) {
         if to != entry && owners::enter(self.kv.as_ref(), &to).await.is_ok() {
-            owners::leave(self.kv.as_ref(), entry).await;
+            owners::leave_at(self.kv.as_ref(), entry, revision).await;
         }
     }
 

@@ -96,6 +96,12 @@ impl Incarnation {
         (current.name.clone(), current.generation)
     }
 
+    /// Whether the current incarnation's record is in the store (runs claimed under one that is
+    /// not could not be found by the other replicas).
+    pub(super) fn stored(&self) -> bool {
+        shared::sync::lock(&self.current).revision.is_some()
+    }
+
     /// Whether `name` is one of this process's incarnations (any generation).
     pub(super) fn is_mine(&self, name: &str) -> bool {
         name.strip_prefix(self.stem.as_str())
@@ -118,16 +124,37 @@ impl Incarnation {
             name: name.clone(),
         };
         let key = key_of(&name);
-        let revision = kv
-            .create(&key, record.encode_to_vec().into())
-            .await
-            .map_err(|e| unavailable("KV create", &key, e))?;
+        let (revision, confirmed) = match kv.create(&key, record.encode_to_vec().into()).await {
+            Ok(revision) => (revision, true),
+            // An earlier create landed with its answer lost: its revision is taken as the last
+            // one (the lease runs from the next renewal, whose send is known).
+            Err(Error::Exists) => (self.landed(kv, &key, &name).await?, false),
+            Err(e) => return Err(unavailable("KV create", &key, e)),
+        };
         let mut current = shared::sync::lock(&self.current);
         if current.generation == generation {
             current.revision = Some(revision);
-            self.liveness.confirmed(generation, sent);
+            if confirmed {
+                self.liveness.confirmed(generation, sent);
+            }
         }
         Ok(())
+    }
+
+    /// The revision of incarnation `name`'s record under `key`, created by this process (not
+    /// over); refused otherwise.
+    async fn landed(&self, kv: &dyn Bucket, key: &str, name: &str) -> Result<u64, StoreError> {
+        let entry = kv.entry(key, Consistency::Leader).await;
+        match entry.map_err(|e| unavailable("KV entry", key, e))? {
+            Some(entry) => {
+                let record = decode(key, &entry.value)?;
+                match record.name == name && !record.over {
+                    true => Ok(entry.revision),
+                    false => Err(unavailable("KV create", key, "the incarnation is over")),
+                }
+            }
+            None => Err(unavailable("KV create", key, "created, then gone")),
+        }
     }
 
     /// One renewal of the current incarnation (its creation, when that has not landed yet); a

@@ -84,6 +84,15 @@ pub(super) async fn leave(kv: &dyn Bucket, entry: &str) {
     }
 }
 
+/// Removes the index entry `entry` if it still stands at `revision` (one written again since
+/// stays; a failure leaves it to whoever reads it next).
+pub(super) async fn leave_at(kv: &dyn Bucket, entry: &str, revision: u64) {
+    tracing::trace!(entry, revision, "leave");
+    if let Err(e) = kv.delete(entry, Some(revision)).await {
+        tracing::debug!(entry = %entry, "removing an index entry failed (it is removed when next read): {e}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

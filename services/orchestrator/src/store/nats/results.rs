@@ -553,10 +553,18 @@ impl KvStore {
         create_record(self.kv.clone(), Arc::clone(&self.owned), self.seen.clone(), key, record)
     }
 
-    /// Whether this replica's incarnation still holds runs (a claim of `run_id` under one whose
-    /// lease ran out is refused: the run could not act, and its next one claims it).
+    /// Whether this replica's incarnation holds runs: a claim of `run_id` under one whose lease
+    /// ran out is refused (the run could not act, and its next one claims it), and so is one
+    /// under an incarnation whose record is not stored yet (no other replica could find it).
     pub(super) fn holding(&self, run_id: &str) -> Result<(), StoreError> {
         let (name, generation) = self.incarnation.name();
+        if !self.incarnation.stored() {
+            return Err(unavailable(
+                "claim",
+                &key(run_id),
+                format!("this replica's incarnation {name} is not stored yet"),
+            ));
+        }
         let until = self
             .incarnation
             .liveness()
