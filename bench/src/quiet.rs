@@ -15,7 +15,7 @@ use proto::orchestrator::v1 as pb;
 use serde::Serialize;
 
 use crate::procstat;
-use crate::stack::{Launch, Stack, channel, spawn, start_runs};
+use crate::stack::{Launch, Stack, spawn, start_runs};
 
 /// Store requests a quiet run may cost per second (issue goal; it was 0.40 with a lease per run).
 pub(crate) const GOAL_REQUESTS: f64 = 0.01;
@@ -74,7 +74,7 @@ async fn stack(bin: &Path, url: &str, runs: usize, call: Duration) -> anyhow::Re
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let runner = format!("http://{}", listener.local_addr()?);
     let mut config = tool_runner::Config::default();
-    config.server.max_concurrency = 100_000;
+    config.server.max_concurrency = 10_000;
     config.builtins.sleep_max = Duration::from_secs(3600);
     tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
     let slots = (runs + 16).to_string();
@@ -83,7 +83,8 @@ async fn stack(bin: &Path, url: &str, runs: usize, call: Duration) -> anyhow::Re
         model_url: mock.base_url(),
         runner: runner.clone(),
         otlp: None,
-        rust_log: "warn".into(),
+        // Where /metrics serves is told at info; the runs themselves log at warn.
+        rust_log: "warn,shared::metrics=info".into(),
         extra: [
             "--run-store",
             url,
@@ -101,16 +102,7 @@ async fn stack(bin: &Path, url: &str, runs: usize, call: Duration) -> anyhow::Re
         env: Vec::new(),
     };
     let process = spawn(&launch, "127.0.0.1:0").await?;
-    let channels = vec![channel(std::slice::from_ref(&process.address))?];
-    Ok(Stack {
-        mock,
-        runner,
-        child: process.child,
-        pid: process.pid,
-        address: process.address,
-        channels,
-        metrics: process.metrics,
-    })
+    Stack::of(mock, runner, process)
 }
 
 /// The value of gauge `name` at the orchestrator's `/metrics`.

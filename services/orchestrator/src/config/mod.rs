@@ -313,24 +313,35 @@ mod tests {
     /// With NATS, results must be kept at least as long as the longest run may last.
     #[test]
     fn the_nats_store_keeps_entries_at_least_as_long_as_the_longest_run() {
-        let parse = |extra: &[&str]| {
-            let mut args = vec!["orchestrator", "--run-store", "nats://127.0.0.1:4222"];
-            args.extend_from_slice(extra);
-            Config::try_parse_from(args)
-                .map_err(|e| e.to_string())
-                .and_then(|c| c.validate().map_err(|e| e.to_string()))
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Flags {
+            #[command(flatten)]
+            config: Config,
+        }
+        let validate = |args: &[&str]| {
+            let mut argv = vec!["orchestrator"];
+            argv.extend_from_slice(args);
+            let flags = Flags::try_parse_from(argv).map_err(|e| e.to_string())?;
+            flags.config.validate().map_err(|e| e.to_string())
         };
-        assert!(parse(&["--run-store-ttl", "1h", "--run-timeout-ceiling", "1h"]).is_ok());
-        let refused = parse(&["--run-store-ttl", "59m", "--run-timeout-ceiling", "1h"]).unwrap_err();
+        let nats = |ttl: &'static str| {
+            [
+                "--run-store",
+                "nats://127.0.0.1:4222",
+                "--run-store-ttl",
+                ttl,
+                "--run-timeout-ceiling",
+                "1h",
+            ]
+        };
+        assert!(validate(&nats("1h")).is_ok());
+        let refused = validate(&nats("59m")).unwrap_err();
         assert!(
             refused.contains("--run-store-ttl") && refused.contains("--run-timeout-ceiling"),
             "{refused}"
         );
-        let memory = Config::try_parse_from(["orchestrator", "--run-store-ttl", "1m"]).map_err(|e| e.to_string());
-        assert!(
-            memory.and_then(|c| c.validate().map_err(|e| e.to_string())).is_ok(),
-            "no NATS, no check"
-        );
+        assert!(validate(&["--run-store-ttl", "1m"]).is_ok(), "no NATS, no check");
     }
 
     /// The grace a runner is held to when the store keeps none is the one the flag defaults to.

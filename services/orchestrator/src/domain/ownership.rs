@@ -491,4 +491,38 @@ mod tests {
         tokio::time::advance(Duration::from_secs(3600)).await;
         assert!(local.holds());
     }
+
+    /// Runs held by an incarnation act as long as its renewals land (their own writes count for
+    /// nothing), and all of them stop at once when the incarnation is over; one claimed under
+    /// the next generation acts on, and one whose record names an older one never acts again.
+    #[tokio::test(start_paused = true)]
+    async fn every_run_of_an_incarnation_stops_with_it_and_none_of_an_older_one_acts() {
+        let liveness = super::Liveness::new(Instant::now());
+        let held = |generation| {
+            let owner = Ownership::held_by(terms(), Some(liveness.clone()), Instant::now());
+            owner.set_generation(generation);
+            owner
+        };
+        let (a, b) = (held(1), held(1));
+        tokio::time::advance(Duration::from_millis(1900)).await;
+        liveness.confirmed(1, Instant::now());
+        a.confirmed(Instant::now());
+        tokio::time::advance(Duration::from_millis(1900)).await;
+        assert!(a.holds() && b.holds(), "the incarnation's renewal holds both");
+        let expired = shared::tasks::spawn({
+            let b = b.clone();
+            async move { b.expire().await }
+        });
+        let next = liveness.reincarnate(Instant::now());
+        assert_eq!(next, 2);
+        let _ = expired.await;
+        assert_eq!(b.why().map(Stop::label), Some("expired"));
+        assert!(!a.holds(), "a run of the generation over never acts again");
+        let c = held(next);
+        assert!(c.holds());
+        liveness.confirmed(1, Instant::now() + Duration::from_secs(60));
+        assert!(!held(1).holds(), "a renewal of an older generation moves nothing");
+        tokio::time::advance(Duration::from_millis(2100)).await;
+        assert!(!c.holds(), "unrenewed, the new generation lapses too");
+    }
 }

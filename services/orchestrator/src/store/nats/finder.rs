@@ -11,7 +11,6 @@
 //! always found by, at a replica's first look and for as long as any such record is held.
 
 use std::collections::HashSet;
-use std::sync::Mutex;
 
 use futures::StreamExt;
 use shared::jetstream::{Consistency, Operation};
@@ -30,27 +29,11 @@ const READ_AT_ONCE: usize = 16;
 /// its sent just before it lapsed lands well within them).
 const FORGET_AFTER_LEASES: u32 = 3;
 
-/// What one replica remembers between its looks.
-#[derive(Default)]
-pub(super) struct Finder {
-    state: Mutex<Looked>,
-}
-
-#[derive(Default)]
-struct Looked {
-    /// The wake minute the next look lists from (`None`: every entry, at the first look).
-    wake_from: Option<u64>,
-    /// Orphans another live incarnation ranks first, left to it for one look.
-    deferred: HashSet<String>,
-    /// Records from before incarnations were held at the last scan (scanned again next look).
-    legacy_done: bool,
-}
-
 /// One look's view of the store.
 pub(super) struct Look {
     pub(super) kv: std::sync::Arc<dyn shared::jetstream::Bucket>,
     pub(super) seen: Sightings,
-    pub(super) finder: std::sync::Arc<Finder>,
+    pub(super) finder: std::sync::Arc<owners::Finder>,
 }
 
 /// The incarnations a look found: the live ones' names, and the lapsed or over ones'.
@@ -147,10 +130,8 @@ impl Look {
                     let key = owners::record_key_of(&entry)?;
                     let epoch = owners::entry_epoch(&kv.get(&entry).await.ok()??);
                     match holder_from(kv.as_ref(), &key, Consistency::Leader).await.ok()? {
-                        Some((record, _)) if record.incarnation == name => {
-                            if record.held() {
-                                return record.resumable().then(|| run_id(&record)).flatten();
-                            }
+                        Some((record, _)) if record.incarnation == name && record.held() => {
+                            return record.resumable().then(|| run_id(&record)).flatten();
                         }
                         // Its claim in that epoch may still land.
                         Some((record, _)) if record.epoch < epoch && !settled => return None,

@@ -22,10 +22,10 @@ use std::time::Duration;
 use prost::Message;
 use shared::jetstream::{Bucket, Consistency, Error};
 
-use super::results::{escaped_key, holder_from};
 use crate::domain::Liveness;
 use crate::domain::ports::StoreError;
 use crate::store::unavailable;
+use shared::fence::escaped_key;
 
 /// Where incarnation records are kept in the bucket.
 pub(super) const PREFIX: &str = "replica.";
@@ -111,6 +111,11 @@ impl Incarnation {
     /// Remembers that the run under `key` may be held here while nothing runs it.
     pub(super) fn abandon(&self, key: &str) {
         shared::sync::lock(&self.abandoned).insert(key.to_owned());
+    }
+
+    /// The runs abandoned since the last call (see [`Incarnation::abandon`]).
+    pub(super) fn take_abandoned(&self) -> Vec<String> {
+        shared::sync::lock(&self.abandoned).drain().collect()
     }
 
     /// Creates the current incarnation's record (before any run is claimed under it).
@@ -238,87 +243,6 @@ impl Incarnation {
         let (name, _) = self.name();
         if let Err(e) = self.mark_over(kv, &name).await {
             tracing::warn!(incarnation = %name, "marking the replica's incarnation over failed (it lapses instead): {e}");
-        }
-    }
-
-    /// Hands over every abandoned run whose record still names one of this process's
-    /// incarnations (and that no run here holds, as `held` says); those the store did not
-    /// answer for are tried again next time.
-    pub(super) async fn hand_over_abandoned(&self, kv: &dyn Bucket, held: impl Fn(&str) -> bool) -> Vec<String> {
-        let keys: Vec<String> = shared::sync::lock(&self.abandoned).drain().collect();
-        let mut handed = Vec::new();
-        for key in keys {
-            if held(&key) {
-                continue;
-            }
-            match self.hand_over_one(kv, &key).await {
-                Ok(true) => handed.push(key),
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(key = %key, "handing over a run no longer run here failed (tried again): {e}");
-                    self.abandon(&key);
-                }
-            }
-        }
-        handed
-    }
-
-    /// Marks the run under `key` handed over if its record names one of this process's
-    /// incarnations and is still held; whether it did.
-    async fn hand_over_one(&self, kv: &dyn Bucket, key: &str) -> Result<bool, StoreError> {
-        let Some((mut record, revision)) = holder_from(kv, key, Consistency::Leader).await? else {
-            return Ok(false);
-        };
-        if !record.held() || record.handed_over || !self.is_mine(&record.incarnation) {
-            return Ok(false);
-        }
-        record.handed_over = true;
-        record.lease_expires_unix_ms = shared::sync::unix_ms();
-        super::owners::enter(kv, &super::owners::wake_key(record.lease_expires_unix_ms, key)).await?;
-        match kv.update(key, record.encode_to_vec().into(), revision).await {
-            Ok(_) => Ok(true),
-            Err(Error::WrongRevision) => Ok(false),
-            Err(e) => Err(unavailable("KV update", key, e)),
-        }
-    }
-}
-
-/// A claim (or hand-over) of the run under `key` on its way: should it not finish (an error, an
-/// answer lost, the future dropped at a timeout) the run may be held in the store under this
-/// incarnation while nothing runs it here, so it is abandoned to the keeper.
-pub(super) struct Claiming {
-    key: String,
-    owned: std::sync::Arc<Mutex<std::collections::HashMap<String, super::results::Owned>>>,
-    incarnation: std::sync::Arc<Incarnation>,
-    finished: bool,
-}
-
-impl Claiming {
-    /// A claim of the run under `key`, by the replica owning `owned` under `incarnation`.
-    pub(super) fn of(
-        key: &str,
-        owned: &std::sync::Arc<Mutex<std::collections::HashMap<String, super::results::Owned>>>,
-        incarnation: &std::sync::Arc<Incarnation>,
-    ) -> Self {
-        Self {
-            key: key.to_owned(),
-            owned: std::sync::Arc::clone(owned),
-            incarnation: std::sync::Arc::clone(incarnation),
-            finished: false,
-        }
-    }
-
-    /// The claim finished: the run runs here, or is not this replica's.
-    pub(super) fn finished(mut self) {
-        self.finished = true;
-    }
-}
-
-impl Drop for Claiming {
-    fn drop(&mut self) {
-        if !self.finished {
-            shared::sync::lock(&self.owned).remove(&self.key);
-            self.incarnation.abandon(&self.key);
         }
     }
 }

@@ -251,7 +251,7 @@ impl RunJournal for KvStore {
         let record = target.named_by(self.record(&result, deadline_unix_ms));
         let write = self.write(key.clone(), record);
         let checkpoints = self.checkpoints.clone();
-        let claiming = super::incarnation::Claiming::of(&key, &self.owned, &self.incarnation);
+        let claiming = super::results::Claiming::of(&key, &self.owned, &self.incarnation);
         async move {
             // The checkpoint first, into the object the record does not name; then the record
             // names it, by compare-and-set: a record that says the run can be resumed always
@@ -357,7 +357,7 @@ impl RunJournal for KvStore {
             self.seen.clone(),
         );
         let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
-        let claiming = super::incarnation::Claiming::of(&key, &self.owned, &self.incarnation);
+        let claiming = super::results::Claiming::of(&key, &self.owned, &self.incarnation);
         let taking = async move {
             let Some((record, read_revision)) = holder(kv.as_ref(), &key).await? else {
                 return Ok(None);
@@ -541,7 +541,7 @@ impl RunJournal for KvStore {
                 tokio::time::sleep(every).await;
                 incarnation.renew(kv.as_ref(), acting).await;
                 let held = |key: &str| shared::sync::lock(&owned).contains_key(key);
-                for key in incarnation.hand_over_abandoned(kv.as_ref(), held).await {
+                for key in hand_over_abandoned(kv.as_ref(), &incarnation, held).await {
                     let _ = js.publish(subject.clone(), key.into_bytes().into()).await;
                 }
             }
@@ -558,7 +558,7 @@ impl RunJournal for KvStore {
         let (kv, key) = (self.kv.clone(), key(run_id));
         let (js, subject) = (Arc::clone(&self.js), self.hand_over_subject.clone());
         let last = self.owned().remove(&key);
-        let claiming = super::incarnation::Claiming::of(&key, &self.owned, &self.incarnation);
+        let claiming = super::results::Claiming::of(&key, &self.owned, &self.incarnation);
         async move {
             let Some(last) = last else {
                 claiming.finished();
@@ -599,4 +599,52 @@ async fn hand_over_owned(kv: &dyn shared::jetstream::Bucket, key: &str, last: &O
         .map_err(|e| unavailable("KV update", key, e))?;
     super::owners::leave(kv, &super::owners::owner_key(&last.incarnation, key)).await;
     Ok(())
+}
+
+/// Hands over every run abandoned under `incarnation` whose record still names one of its
+/// process's incarnations (and that no run here holds, as `held` says): the keys handed over;
+/// those the store did not answer for are tried again next time.
+async fn hand_over_abandoned(
+    kv: &dyn shared::jetstream::Bucket,
+    incarnation: &super::incarnation::Incarnation,
+    held: impl Fn(&str) -> bool,
+) -> Vec<String> {
+    let mut handed = Vec::new();
+    for key in incarnation.take_abandoned() {
+        if held(&key) {
+            continue;
+        }
+        match hand_over_abandoned_one(kv, incarnation, &key).await {
+            Ok(true) => handed.push(key),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(key = %key, "handing over a run no longer run here failed (tried again): {e}");
+                incarnation.abandon(&key);
+            }
+        }
+    }
+    handed
+}
+
+/// Marks the run under `key` handed over if its record names one of `incarnation`'s process's
+/// incarnations and is still held; whether it did.
+async fn hand_over_abandoned_one(
+    kv: &dyn shared::jetstream::Bucket,
+    incarnation: &super::incarnation::Incarnation,
+    key: &str,
+) -> Result<bool, StoreError> {
+    let Some((mut record, revision)) = holder_from(kv, key, Consistency::Leader).await? else {
+        return Ok(false);
+    };
+    if !record.held() || record.handed_over || !incarnation.is_mine(&record.incarnation) {
+        return Ok(false);
+    }
+    record.handed_over = true;
+    record.lease_expires_unix_ms = shared::sync::unix_ms();
+    super::owners::enter(kv, &super::owners::wake_key(record.lease_expires_unix_ms, key)).await?;
+    match kv.update(key, record.encode_to_vec().into(), revision).await {
+        Ok(_) => Ok(true),
+        Err(Error::WrongRevision) => Ok(false),
+        Err(e) => Err(unavailable("KV update", key, e)),
+    }
 }

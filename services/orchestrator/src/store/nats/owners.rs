@@ -9,11 +9,30 @@
 //! claim lost) is removed by whoever reads it and finds the record names another incarnation in
 //! that epoch or a later one — never while the claim may still land (its record is older).
 
+use std::collections::HashSet;
+use std::sync::Mutex;
+
 use shared::jetstream::Bucket;
 
-use super::results::escaped_key;
 use crate::domain::ports::StoreError;
 use crate::store::unavailable;
+use shared::fence::escaped_key;
+
+/// What one replica remembers between its looks.
+#[derive(Default)]
+pub(super) struct Finder {
+    pub(super) state: Mutex<Looked>,
+}
+
+#[derive(Default)]
+pub(super) struct Looked {
+    /// The wake minute the next look lists from (`None`: every entry, at the first look).
+    pub(super) wake_from: Option<u64>,
+    /// Orphans another live incarnation ranks first, left to it for one look.
+    pub(super) deferred: HashSet<String>,
+    /// Records from before incarnations were held at the last scan (scanned again next look).
+    pub(super) legacy_done: bool,
+}
 
 /// A minute of wake times, in ms.
 pub(super) const MINUTE_MS: u64 = 60_000;

@@ -43,7 +43,7 @@ pub struct KvStore {
     /// The incarnation holding this replica's runs now.
     pub(super) incarnation: Arc<super::incarnation::Incarnation>,
     /// What this replica's looks for orphans remember between them.
-    pub(super) finder: Arc<super::finder::Finder>,
+    pub(super) finder: Arc<super::owners::Finder>,
     pub(super) lease: Duration,
     /// Copies JetStream keeps of the store's buckets (the approval store's beside it too).
     pub(super) replicas: usize,
@@ -653,6 +653,46 @@ fn named_checkpoint(record: &Record) -> u64 {
     }
 }
 
+/// A claim (or hand-over) of the run under `key` on its way: should it not finish (an error, an
+/// answer lost, the future dropped at a timeout) the run may be held in the store under this
+/// incarnation while nothing runs it here, so it is abandoned to the keeper.
+pub(super) struct Claiming {
+    key: String,
+    owned: Arc<Mutex<HashMap<String, Owned>>>,
+    incarnation: Arc<super::incarnation::Incarnation>,
+    finished: bool,
+}
+
+impl Claiming {
+    /// A claim of the run under `key`, by the replica owning `owned` under `incarnation`.
+    pub(super) fn of(
+        key: &str,
+        owned: &Arc<Mutex<HashMap<String, Owned>>>,
+        incarnation: &Arc<super::incarnation::Incarnation>,
+    ) -> Self {
+        Self {
+            key: key.to_owned(),
+            owned: Arc::clone(owned),
+            incarnation: Arc::clone(incarnation),
+            finished: false,
+        }
+    }
+
+    /// The claim finished: the run runs here, or is not this replica's.
+    pub(super) fn finished(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for Claiming {
+    fn drop(&mut self) {
+        if !self.finished {
+            shared::sync::lock(&self.owned).remove(&self.key);
+            self.incarnation.abandon(&self.key);
+        }
+    }
+}
+
 /// See [`KvStore::create`]; `record.epoch` is the claim's (1 when not given), one more than the
 /// taken record's when it takes over a run that never started.
 pub(super) async fn create_record(
@@ -662,7 +702,7 @@ pub(super) async fn create_record(
     key: String,
     record: Record,
 ) -> Result<Claim, StoreError> {
-    let claiming = super::incarnation::Claiming::of(&key, &owned, &seen.incarnation);
+    let claiming = Claiming::of(&key, &owned, &seen.incarnation);
     let claim = create_claimed(kv, owned, seen, key, record).await;
     // Unanswered (or dropped at a timeout), the claim may have landed: the run is not started
     // here, and a record that did land is handed over by the keeper (then it is resumed from its
