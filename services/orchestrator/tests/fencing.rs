@@ -64,7 +64,11 @@ async fn each_takeover_raises_the_runs_fence_to_its_epoch_before_it_acts() -> Te
         let _alive = keep(taker);
         assert!(taker.orphans().await?.is_empty());
         testkit::wait::until("the run's record to lapse", Duration::from_secs(20), || async {
-            taker.orphans().await.ok().filter(|orphans| !orphans.is_empty())
+            tokio::time::timeout(Duration::from_secs(5), taker.orphans())
+                .await
+                .ok()?
+                .ok()
+                .filter(|orphans| !orphans.is_empty())
         })
         .await?;
         assert!(taker.take_over("fenced.run").await?.is_some());
@@ -304,7 +308,11 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
     b.put(read.clone()).await?;
     drop(b_alive);
     testkit::wait::until("the parked run's lease to lapse", Duration::from_secs(20), || async {
-        a.orphans().await.ok().filter(|o| o.iter().any(|id| id == "parked.run"))
+        tokio::time::timeout(Duration::from_secs(5), a.orphans())
+            .await
+            .ok()?
+            .ok()
+            .filter(|o| o.iter().any(|id| id == "parked.run"))
     })
     .await?;
     let again = a.take_over("parked.run").await?.expect("claimed again");
@@ -315,7 +323,11 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
     let b = replica_store(&js, "parked-runs", "b", lease).await?;
     let _b_alive = keep(&b);
     testkit::wait::until("the running run's lease to lapse", Duration::from_secs(20), || async {
-        b.orphans().await.ok().filter(|o| o.iter().any(|id| id == "parked.run"))
+        tokio::time::timeout(Duration::from_secs(5), b.orphans())
+            .await
+            .ok()?
+            .ok()
+            .filter(|o| o.iter().any(|id| id == "parked.run"))
     })
     .await?;
     let running = b.take_over("parked.run").await?.expect("claimed once more");

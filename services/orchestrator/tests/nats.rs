@@ -544,7 +544,11 @@ async fn replica_store(js: &jetstream::Context, bucket: &str, owner: &str, lease
 async fn orphans_once_lapsed(store: &KvStore, expected: &[&str]) -> TestResult {
     use orchestrator::domain::ports::RunJournal;
     testkit::wait::until(&format!("orphans {expected:?}"), Duration::from_secs(10), || async {
-        let mut orphans = store.orphans().await.ok()?;
+        // Each look bounded: one stuck is given up and looked again.
+        let mut orphans = tokio::time::timeout(Duration::from_secs(5), store.orphans())
+            .await
+            .ok()?
+            .ok()?;
         orphans.sort();
         (orphans == expected).then_some(())
     })
