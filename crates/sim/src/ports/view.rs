@@ -21,8 +21,6 @@ pub struct RunView {
     pub result: RunResult,
     /// The replica that owns (or owned) it.
     pub owner: String,
-    /// The incarnation of that replica holding it.
-    pub incarnation: String,
     /// Its epoch.
     pub epoch: u64,
 }
@@ -177,7 +175,6 @@ impl Watched {
                 let run = RunView {
                     result: run.result,
                     owner: run.owner,
-                    incarnation: run.incarnation,
                     epoch: run.epoch,
                 };
                 view.records.insert(run_id.clone(), run);

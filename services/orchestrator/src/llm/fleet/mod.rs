@@ -23,7 +23,7 @@
 
 mod member;
 mod membership;
-pub(crate) mod rendezvous;
+mod rendezvous;
 
 use std::collections::HashMap;
 use std::pin::Pin;
