@@ -11,7 +11,8 @@
 //!   doing anything keeps no record: sent again, it asks again);
 //! * of a newer epoch refuses the call as a replaced owner's;
 //! * started by a runner that is alive waits for its outcome (bounded by the tool's timeout and a
-//!   lease: past that the tool has ended, and an outcome still missing was lost);
+//!   lease: past that the tool has ended, and an outcome still missing was lost); one started by
+//!   this very process whose start's answer was lost (the tool never ran) is run now;
 //! * started by a runner that is gone (its incarnation's lease lapsed, or it deleted it leaving)
 //!   finds the call *in doubt*: it may or may not have taken effect. A tool declared idempotent
 //!   runs again (this runner takes the record over at its revision); any other is answered in
@@ -125,7 +126,15 @@ pub struct CallRecords {
     incarnation: Incarnation,
     max_bytes: usize,
     attempts: AtomicU64,
+    /// Attempts of this process whose start may have landed (its answer lost) while the tool was
+    /// never run: a record of one is this runner's to run when the call comes again, not a call
+    /// in flight to wait for, nor one in doubt.
+    never_ran: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
 }
+
+/// How many starts that never ran one process remembers while their records could not be removed
+/// (a long store outage): past it, such a call sent again waits and is found in doubt, as before.
+const MAX_NEVER_RAN: usize = 4096;
 
 /// This runner process's liveness record.
 struct Incarnation {
@@ -150,6 +159,7 @@ impl CallRecords {
             },
             max_bytes,
             attempts: AtomicU64::new(0),
+            never_ran: Arc::default(),
         }
     }
 
@@ -242,12 +252,19 @@ impl CallRecords {
             mine: record.clone(),
             lease: self.incarnation.lease,
             watched: None,
+            never_ran: &self.never_ran,
         }
         .until(deadline)
         .await;
         if let Begun::Unavailable(_) = &begun {
             // A write of this start may have landed though its answer was lost: the call did not
-            // run, so a record of this start must not stay behind (it would read as running).
+            // run, so a record of this start must not stay behind (it would read as running), and
+            // until it is gone it is known here as one that never ran.
+            let mut never_ran = shared::sync::lock(&self.never_ran);
+            if never_ran.len() < MAX_NEVER_RAN {
+                never_ran.insert(record.attempt);
+            }
+            drop(never_ran);
             self.forget_in_background(key, record);
         }
         begun
@@ -257,6 +274,7 @@ impl CallRecords {
     /// trying for a lease while the store does not answer.
     fn forget_in_background(&self, key: String, start: Record) {
         let (fence, lease) = (Arc::clone(&self.fence), self.incarnation.lease);
+        let never_ran = Arc::clone(&self.never_ran);
         tokio::spawn(async move {
             let give_up = Instant::now() + lease;
             let mut backoff = Backoff::from(Duration::from_millis(100));
@@ -264,17 +282,22 @@ impl CallRecords {
                 if let Ok(bucket) = fence.bucket().await
                     && let Ok(entry) = bucket.entry(&key, Consistency::Leader).await
                 {
-                    let Some((revision, record)) = live(entry) else { return };
+                    let forgotten = || shared::sync::lock(&never_ran).remove(&start.attempt);
+                    let Some((revision, record)) = live(entry) else {
+                        forgotten();
+                        return;
+                    };
                     let mine = record.runner == start.runner && record.attempt == start.attempt;
                     if mine && record.outcome.is_none() && bucket.delete(&key, Some(revision)).await.is_err() {
                         tokio::time::sleep(backoff.current()).await;
                         continue;
                     }
+                    forgotten();
                     return;
                 }
                 tokio::time::sleep(backoff.next()).await;
             }
-            tracing::warn!(%key, "a call's record of a start that did not run could not be removed; the call sent again waits for it, then finds it in doubt");
+            tracing::warn!(%key, "a call's record of a start that did not run could not be removed; this runner runs the call sent again, another waits for it, then finds it in doubt");
         });
     }
 
@@ -358,6 +381,8 @@ struct Judge<'a> {
     /// The starting runner's liveness as first seen: its revision, and when this runner saw it
     /// change last.
     watched: Option<(String, u64, Instant)>,
+    /// See [`CallRecords::never_ran`].
+    never_ran: &'a std::sync::Mutex<std::collections::HashSet<u64>>,
 }
 
 impl Judge<'_> {
@@ -403,6 +428,12 @@ impl Judge<'_> {
         }
         if let Some(outcome) = record.outcome {
             return Verdict::Said(Begun::Done(outcome));
+        }
+        let own = record.runner == self.mine.runner && !record.in_doubt;
+        if own && shared::sync::lock(self.never_ran).remove(&record.attempt) {
+            // This process's own start whose answer was lost: the tool never ran, so it runs now
+            // (once: taking the record over replaces that attempt).
+            return Verdict::Take(revision);
         }
         if !record.in_doubt && !waited_out && self.gone(&record.runner).await != Some(true) {
             return Verdict::Wait;

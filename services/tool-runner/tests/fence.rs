@@ -489,3 +489,179 @@ async fn an_outcome_over_the_bound_is_answered_once_and_kept_as_an_error_naming_
     assert_eq!(ran(&log), ["large/c1 1"]);
     Ok(())
 }
+
+/// A connection to the run store through which, while `lost` is set, a create lands but its
+/// answer is lost and every read fails; while `deletes_refused` is set, no delete lands (a store
+/// that answers nothing for a while, seen from one runner).
+struct Unanswering {
+    inner: std::sync::Arc<dyn shared::jetstream::JetStream>,
+    lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    deletes_refused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The bucket of an [`Unanswering`] connection.
+struct UnansweringBucket {
+    inner: std::sync::Arc<dyn shared::jetstream::Bucket>,
+    lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    deletes_refused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn no_answer<T: Send + 'static>() -> shared::jetstream::Reply<T> {
+    Box::pin(async { Err(shared::jetstream::Error::failed("no answer in time")) })
+}
+
+impl Unanswering {
+    fn wrap(
+        &self,
+        inner: std::sync::Arc<dyn shared::jetstream::Bucket>,
+    ) -> std::sync::Arc<dyn shared::jetstream::Bucket> {
+        std::sync::Arc::new(UnansweringBucket {
+            inner,
+            lost: std::sync::Arc::clone(&self.lost),
+            deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
+        })
+    }
+}
+
+impl shared::jetstream::JetStream for Unanswering {
+    fn handle(&self) -> std::sync::Arc<dyn shared::jetstream::JetStream> {
+        std::sync::Arc::new(Self {
+            inner: self.inner.handle(),
+            lost: std::sync::Arc::clone(&self.lost),
+            deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
+        })
+    }
+    fn bucket(
+        &self,
+        config: shared::jetstream::BucketConfig,
+    ) -> shared::jetstream::Reply<std::sync::Arc<dyn shared::jetstream::Bucket>> {
+        let (bucket, this) = (self.inner.bucket(config), self.handle_parts());
+        Box::pin(async move { Ok(this.wrap(bucket.await?)) })
+    }
+    fn bind_bucket(&self, name: &str) -> shared::jetstream::Reply<std::sync::Arc<dyn shared::jetstream::Bucket>> {
+        let (bucket, this) = (self.inner.bind_bucket(name), self.handle_parts());
+        Box::pin(async move { Ok(this.wrap(bucket.await?)) })
+    }
+    fn stream(
+        &self,
+        config: shared::jetstream::StreamConfig,
+    ) -> shared::jetstream::Reply<std::sync::Arc<dyn shared::jetstream::Stream>> {
+        self.inner.stream(config)
+    }
+    fn objects(
+        &self,
+        config: shared::jetstream::ObjectsConfig,
+    ) -> shared::jetstream::Reply<std::sync::Arc<dyn shared::jetstream::Objects>> {
+        self.inner.objects(config)
+    }
+    fn max_payload(&self) -> usize {
+        self.inner.max_payload()
+    }
+    fn publish(&self, subject: String, payload: bytes::Bytes) -> shared::jetstream::Reply<()> {
+        self.inner.publish(subject, payload)
+    }
+    fn request(&self, subject: String, payload: bytes::Bytes) -> shared::jetstream::Reply<Option<bytes::Bytes>> {
+        self.inner.request(subject, payload)
+    }
+    fn subscribe(
+        &self,
+        subject: String,
+    ) -> shared::jetstream::Reply<futures::stream::BoxStream<'static, shared::jetstream::Inbound>> {
+        self.inner.subscribe(subject)
+    }
+}
+
+impl Unanswering {
+    fn handle_parts(&self) -> Self {
+        Self {
+            inner: self.inner.handle(),
+            lost: std::sync::Arc::clone(&self.lost),
+            deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
+        }
+    }
+}
+
+impl shared::jetstream::Bucket for UnansweringBucket {
+    fn entry(
+        &self,
+        key: &str,
+        consistency: shared::jetstream::Consistency,
+    ) -> shared::jetstream::Reply<Option<shared::jetstream::Entry>> {
+        if self.lost.load(std::sync::atomic::Ordering::SeqCst) {
+            return no_answer();
+        }
+        self.inner.entry(key, consistency)
+    }
+    fn create(&self, key: &str, value: bytes::Bytes) -> shared::jetstream::Reply<u64> {
+        let (created, lost) = (
+            self.inner.create(key, value),
+            self.lost.load(std::sync::atomic::Ordering::SeqCst),
+        );
+        Box::pin(async move {
+            let revision = created.await?;
+            match lost {
+                true => Err(shared::jetstream::Error::failed("no answer in time")),
+                false => Ok(revision),
+            }
+        })
+    }
+    fn update(&self, key: &str, value: bytes::Bytes, revision: u64) -> shared::jetstream::Reply<u64> {
+        self.inner.update(key, value, revision)
+    }
+    fn put(&self, key: &str, value: bytes::Bytes) -> shared::jetstream::Reply<u64> {
+        self.inner.put(key, value)
+    }
+    fn delete(&self, key: &str, revision: Option<u64>) -> shared::jetstream::Reply<()> {
+        if self.deletes_refused.load(std::sync::atomic::Ordering::SeqCst) {
+            return no_answer();
+        }
+        self.inner.delete(key, revision)
+    }
+    fn keys(&self, filter: &str) -> shared::jetstream::Reply<Vec<String>> {
+        self.inner.keys(filter)
+    }
+}
+
+/// A runner whose start of a call landed while the store's answers were lost (the tool did not
+/// run, and the record of that start could not be removed) runs the call when it is sent again:
+/// the record is its own start that never ran, not a call in flight, nor one in doubt. (It once
+/// waited for it, then answered the call in doubt: a call that never ran was never run.)
+#[tokio::test]
+async fn a_start_whose_answer_was_lost_is_run_when_the_call_comes_again() -> TestResult {
+    let nats = Nats::start().await?;
+    claim(&bucket(&nats).await?, "lost", 1).await?;
+    let (lost, deletes_refused) = (
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
+    );
+    let js: std::sync::Arc<dyn shared::jetstream::JetStream> = std::sync::Arc::new(Unanswering {
+        inner: store(&nats).await?,
+        lost: std::sync::Arc::clone(&lost),
+        deletes_refused,
+    });
+    let fence = tool_runner::fence::RunFence::over(js, BUCKET, Duration::from_millis(500));
+    let records =
+        tool_runner::record::CallRecords::new(std::sync::Arc::new(fence), "here", Duration::from_secs(3), 4096);
+    records.renew().await;
+    let call = tool_runner::record::Call {
+        run_id: "lost",
+        call_id: "c1",
+        round: None,
+        epoch: 1,
+        idempotent: false,
+        rerun_in_doubt: false,
+        wait: Duration::from_secs(1),
+    };
+    lost.store(true, std::sync::atomic::Ordering::SeqCst);
+    let first = records.begin(&call).await;
+    assert!(matches!(first, tool_runner::record::Begun::Unavailable(_)), "{first:?}");
+    lost.store(false, std::sync::atomic::Ordering::SeqCst);
+    let kv = bucket(&nats).await?;
+    assert!(kv.get("call.lost.c1").await?.is_some(), "the start landed, and stayed");
+    let again = records.begin(&call).await;
+    assert!(
+        matches!(again, tool_runner::record::Begun::Run(_)),
+        "run now, not waited for nor in doubt: {again:?}"
+    );
+    Ok(())
+}
