@@ -19,6 +19,7 @@ mod paced;
 mod peers;
 mod pending;
 mod procstat;
+mod quiet;
 mod real_server;
 mod relay;
 mod replicas;
@@ -130,6 +131,24 @@ struct Cli {
     /// her `ListPendingApprovals` beside an approver's; writes `pending_approvals.md` / `.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(10..=100_000))]
     pending_approvals: Option<u64>,
+    /// Instead of the grid: for each of these counts of durable runs (1–100000 each), every run
+    /// waiting on a long tool call on one replica and one nats-server (on the PATH): the store's
+    /// messages, the orchestrator's CPU and RSS per quiet run per second over `--idle-window`;
+    /// fails above 0.01 store requests per quiet run per second. Writes `idle_cost.md` / `.json`.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    idle_cost: Vec<u64>,
+    /// The quiet window `--idle-cost` measures (1s–10m).
+    #[arg(long, default_value = "20s", value_parser = idle_window)]
+    idle_window: Duration,
+}
+
+/// A quiet window of 1s to 10m.
+fn idle_window(s: &str) -> Result<Duration, String> {
+    let window = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    match (Duration::from_secs(1)..=Duration::from_secs(600)).contains(&window) {
+        true => Ok(window),
+        false => Err(format!("{s}: between 1s and 10m")),
+    }
 }
 
 /// Whether the real-server row runs.
@@ -761,6 +780,14 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(runs) = cli.list_runs {
         return listing::run(&bin, usize::try_from(runs)?, &cli.out).await;
+    }
+    if !cli.idle_cost.is_empty() {
+        let counts = cli
+            .idle_cost
+            .iter()
+            .map(|&n| usize::try_from(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        return quiet::run(&bin, &counts, cli.idle_window, &cli.out).await;
     }
     if let Some(waits) = cli.pending_approvals {
         return pending::run(usize::try_from(waits)?, &cli.out).await;

@@ -197,6 +197,21 @@ pub(crate) async fn model_and_runner(
 }
 
 impl Stack {
+    /// The stack of `process` (an orchestrator already serving) on `mock` and `runner`, with one
+    /// channel to it.
+    pub(crate) fn of(mock: MockLlm, runner: String, process: Process) -> anyhow::Result<Self> {
+        let channels = vec![channel(std::slice::from_ref(&process.address))?];
+        Ok(Self {
+            mock,
+            runner,
+            child: process.child,
+            pid: process.pid,
+            address: process.address,
+            channels,
+            metrics: process.metrics,
+        })
+    }
+
     /// Starts everything; `scenarios` are the model's scripts (chosen by model name); `extra`
     /// flags override the benchmark's settings (given as environment variables for that reason),
     /// and `env` is the orchestrator's own environment (its runtime's shape).

@@ -16,7 +16,7 @@ use proto::orchestrator::v1 as pb;
 use serde::Serialize;
 
 use crate::procstat;
-use crate::stack::{Launch, Stack, channel, spawn, start_runs};
+use crate::stack::{Launch, Stack, spawn, start_runs};
 
 /// Run slots of the orchestrator measured: far fewer than the runs parked.
 const SLOTS: &str = "16";
@@ -120,16 +120,7 @@ async fn stack(bin: &Path, port: u16, dir: &Path) -> anyhow::Result<Stack> {
         env: Vec::new(),
     };
     let process = spawn(&launch, "127.0.0.1:0").await?;
-    let channels = vec![channel(std::slice::from_ref(&process.address))?];
-    Ok(Stack {
-        mock,
-        runner,
-        child: process.child,
-        pid: process.pid,
-        address: process.address,
-        channels,
-        metrics: None,
-    })
+    Stack::of(mock, runner, process)
 }
 
 /// Measures; writes the report.

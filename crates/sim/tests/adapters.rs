@@ -26,6 +26,12 @@ async fn replica(cluster: &Cluster, owner: &str) -> Stores {
     open(&connection, owner, &config()).await
 }
 
+/// Keeps `stores`' incarnation alive as a serving replica's keeper does, until dropped (a replica
+/// without one lapses after a lease and claims nothing more).
+fn alive(stores: &Stores) -> shared::runtime::AbortOnDrop {
+    shared::runtime::AbortOnDrop(tokio::spawn(stores.journal.keep_alive()))
+}
+
 /// The runs bucket's follower serves the direct reads from what it holds now, for two seconds.
 fn lag_runs(cluster: &Cluster) {
     let runs = format!("KV_{}", config().store.bucket);
@@ -59,6 +65,7 @@ async fn a_retried_admission_never_replaces_a_claimed_runs_start_checkpoint() ->
         replica(&cluster, "b").await,
         replica(&cluster, "c").await,
     );
+    let _alive = (alive(&b), alive(&c));
     lag_runs(&cluster);
     let deadline = shared::sync::unix_ms() + 60_000;
     let run = RunResult::running("run-1");
@@ -83,6 +90,7 @@ async fn a_retried_admission_never_replaces_a_claimed_runs_start_checkpoint() ->
 async fn a_hand_over_never_writes_back_a_followers_older_record() -> TestResult {
     let cluster = Cluster::new(2);
     let (a, c) = (replica(&cluster, "a").await, replica(&cluster, "c").await);
+    let _alive = (alive(&a), alive(&c));
     let deadline = shared::sync::unix_ms() + 60_000;
     let run = RunResult::running("run-1");
     let claimed = a

@@ -14,6 +14,8 @@ pub struct Nats {
     dir: PathBuf,
     /// `--user` and `--pass` the server requires, if any.
     user: Option<(String, String)>,
+    /// The HTTP monitoring port (`-m`), when asked for ([`Nats::start_monitored`]).
+    monitor: Option<u16>,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -28,18 +30,23 @@ fn nats_server_bin() -> anyhow::Result<PathBuf> {
 impl Nats {
     /// A server without authentication, JetStream on, in a fresh store directory.
     pub async fn start() -> anyhow::Result<Self> {
-        Self::start_with(None).await
+        Self::start_with(None, false).await
+    }
+
+    /// A server as [`Nats::start`], serving its monitoring endpoints too ([`Nats::varz`]).
+    pub async fn start_monitored() -> anyhow::Result<Self> {
+        Self::start_with(None, true).await
     }
 
     /// A server that requires this user and password (in [`Nats::url`]).
     pub async fn start_authenticated(user: &str, password: &str) -> anyhow::Result<Self> {
-        Self::start_with(Some((user.to_owned(), password.to_owned()))).await
+        Self::start_with(Some((user.to_owned(), password.to_owned())), false).await
     }
 
     /// The port is one the system had free a moment before; another process may take it in
     /// between (many tests start servers at once), so a server that could not listen on it is
     /// started again on another, a few times.
-    async fn start_with(user: Option<(String, String)>) -> anyhow::Result<Self> {
+    async fn start_with(user: Option<(String, String)>, monitored: bool) -> anyhow::Result<Self> {
         const ATTEMPTS: usize = 3;
         crate::arm_watchdog();
         let tmp = tempfile::tempdir()?;
@@ -48,10 +55,14 @@ impl Nats {
             port: 0,
             dir: tmp.path().to_owned(),
             user,
+            monitor: None,
             _tmp: Some(tmp),
         };
         for attempt in 1..=ATTEMPTS {
             nats.port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            if monitored {
+                nats.monitor = Some(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port());
+            }
             match nats.restart().await {
                 Ok(()) => return Ok(nats),
                 Err(e) if attempt < ATTEMPTS && nats.exited() => {
@@ -83,6 +94,17 @@ impl Nats {
         }
     }
 
+    /// The server's `/varz` (its counters: `in_msgs`, `out_msgs`, `cpu`…), when it was started
+    /// monitored.
+    pub async fn varz(&self) -> anyhow::Result<serde_json::Value> {
+        let port = self
+            .monitor
+            .ok_or_else(|| anyhow::anyhow!("this nats-server was not started monitored"))?;
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+        let varz = client.get(format!("http://127.0.0.1:{port}/varz")).send().await?;
+        Ok(serde_json::from_slice(&varz.error_for_status()?.bytes().await?)?)
+    }
+
     /// (Re)starts the server on the same port and store.
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         let child = Command::new(nats_server_bin()?)
@@ -93,6 +115,7 @@ impl Nats {
                     .iter()
                     .flat_map(|(user, password)| ["--user", user, "--pass", password]),
             )
+            .args(self.monitor.iter().flat_map(|port| ["-m".to_owned(), port.to_string()]))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(self.dir.join("nats-server.log"))?)
             .kill_on_drop(true)

@@ -18,6 +18,13 @@ use testkit::nats::Nats;
 
 type TestResult = anyhow::Result<()>;
 
+/// Keeps `store`'s incarnation alive, as a serving replica's keeper does, until dropped (a store
+/// without one is a replica that died: its runs lapse after a lease, and it claims nothing more).
+fn keep(store: &KvStore) -> shared::runtime::AbortOnDrop {
+    use orchestrator::domain::ports::RunJournal;
+    shared::runtime::AbortOnDrop(tokio::spawn(store.keep_alive()))
+}
+
 async fn replica_store(js: &jetstream::Context, bucket: &str, owner: &str, lease: Duration) -> anyhow::Result<KvStore> {
     KvStore::open(js, bucket, Duration::from_secs(60), owner.into(), lease, 1)
         .await
@@ -53,9 +60,15 @@ async fn each_takeover_raises_the_runs_fence_to_its_epoch_before_it_acts() -> Te
     ));
     assert_eq!(fence(&js, "fence-runs", "fenced.run").await?, 0);
     for (taker, epoch) in [(&b, 2), (&c, 3)] {
+        // Alive while it takes the run over; it dies at the end of its turn.
+        let _alive = keep(taker);
         assert!(taker.orphans().await?.is_empty());
         testkit::wait::until("the run's record to lapse", Duration::from_secs(20), || async {
-            taker.orphans().await.ok().filter(|orphans| !orphans.is_empty())
+            tokio::time::timeout(Duration::from_secs(5), taker.orphans())
+                .await
+                .ok()?
+                .ok()
+                .filter(|orphans| !orphans.is_empty())
         })
         .await?;
         assert!(taker.take_over("fenced.run").await?.is_some());
@@ -239,6 +252,7 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
     let lease = Duration::from_millis(500);
     let a = Arc::new(replica_store(&js, "parked-runs", "a", lease).await?);
     let b = replica_store(&js, "parked-runs", "b", lease).await?;
+    let (a_alive, b_alive) = (keep(&a), keep(&b));
     let approvals = NatsApprovals::open(&js, "parked-runs", Duration::from_secs(60), Arc::clone(&a))
         .await
         .map_err(anyhow::Error::msg)?;
@@ -289,18 +303,31 @@ async fn a_parked_run_claimed_reads_parked_until_its_new_owner_goes_on() -> Test
         RunStatus::AwaitingApproval,
         "it reads parked until it goes on"
     );
-    // Its new owner's renewal keeps it owned while it reads parked; its lease lapsing (the
-    // owner gone) makes it an orphan again.
+    // Its new owner's incarnation keeps it owned while it reads parked; that lapsing (the owner
+    // gone) makes it an orphan again.
     b.put(read.clone()).await?;
+    drop(b_alive);
     testkit::wait::until("the parked run's lease to lapse", Duration::from_secs(20), || async {
-        a.orphans().await.ok().filter(|o| o.iter().any(|id| id == "parked.run"))
+        tokio::time::timeout(Duration::from_secs(5), a.orphans())
+            .await
+            .ok()?
+            .ok()
+            .filter(|o| o.iter().any(|id| id == "parked.run"))
     })
     .await?;
     let again = a.take_over("parked.run").await?.expect("claimed again");
     assert!(again.parked, "still parked: it never went on");
     a.put(RunResult::running("parked.run")).await?;
+    drop(a_alive);
+    // b, started again (a new incarnation), takes it once more.
+    let b = replica_store(&js, "parked-runs", "b", lease).await?;
+    let _b_alive = keep(&b);
     testkit::wait::until("the running run's lease to lapse", Duration::from_secs(20), || async {
-        b.orphans().await.ok().filter(|o| o.iter().any(|id| id == "parked.run"))
+        tokio::time::timeout(Duration::from_secs(5), b.orphans())
+            .await
+            .ok()?
+            .ok()
+            .filter(|o| o.iter().any(|id| id == "parked.run"))
     })
     .await?;
     let running = b.take_over("parked.run").await?.expect("claimed once more");

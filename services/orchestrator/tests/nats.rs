@@ -526,6 +526,13 @@ async fn a_record_whose_lease_ran_out_reads_as_written_and_an_id_is_claimed_once
     Ok(())
 }
 
+/// Keeps `store`'s incarnation alive, as a serving replica's keeper does, until dropped (a store
+/// without one is a replica that died: its runs lapse after a lease, and it claims nothing more).
+fn keep(store: &KvStore) -> shared::runtime::AbortOnDrop {
+    use orchestrator::domain::ports::RunJournal;
+    shared::runtime::AbortOnDrop(tokio::spawn(store.keep_alive()))
+}
+
 async fn replica_store(js: &jetstream::Context, bucket: &str, owner: &str, lease: Duration) -> anyhow::Result<KvStore> {
     KvStore::open(js, bucket, Duration::from_secs(60), owner.into(), lease, 1)
         .await
@@ -537,7 +544,11 @@ async fn replica_store(js: &jetstream::Context, bucket: &str, owner: &str, lease
 async fn orphans_once_lapsed(store: &KvStore, expected: &[&str]) -> TestResult {
     use orchestrator::domain::ports::RunJournal;
     testkit::wait::until(&format!("orphans {expected:?}"), Duration::from_secs(10), || async {
-        let mut orphans = store.orphans().await.ok()?;
+        // Each look bounded: one stuck is given up and looked again.
+        let mut orphans = tokio::time::timeout(Duration::from_secs(5), store.orphans())
+            .await
+            .ok()?
+            .ok()?;
         orphans.sort();
         (orphans == expected).then_some(())
     })
@@ -557,6 +568,7 @@ async fn an_id_whose_run_died_before_its_first_checkpoint_can_be_claimed_again()
         replica_store(&js, "restart-runs", "a", lease).await?,
         replica_store(&js, "restart-runs", "b", lease).await?,
     );
+    let _b_alive = keep(&b);
     let empty = RunResult::running("unstarted");
     let mut shown = RunResult::running("shown");
     shown.text = "some output".into();
@@ -572,6 +584,8 @@ async fn an_id_whose_run_died_before_its_first_checkpoint_can_be_claimed_again()
         matches!(b.claim(empty.clone()).await, Ok(Claim::Claimed)).then_some(())
     })
     .await?;
+    // a, started again (a new incarnation), finds it taken.
+    let a = replica_store(&js, "restart-runs", "a", lease).await?;
     assert!(
         matches!(a.claim(empty.clone()).await, Ok(Claim::Taken(r)) if r.status == RunStatus::Running),
         "claimed once"
@@ -1096,6 +1110,8 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
     );
     let key = "run.ended-late";
     let mut revisions = kv.watch(key).await?;
+    // The entry that names the run under its replica's incarnation (gone with the run's end).
+    let mut owner_entries = kv.watch("owner.>").await?;
     let threads = js.get_key_value("orchestrator-runs-threads").await?;
     let mut thread_revisions = threads.watch("thread.late-thread").await?;
     // Keep the newest checkpoint while the run goes on.
@@ -1135,6 +1151,11 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
     // Back to the moment before the record said the run ended (its lease long lapsed).
     let (checkpoint, meta) = checkpoint;
     checkpoints.put(meta, &mut checkpoint.as_slice()).await?;
+    let owner_entry = tokio::time::timeout(Duration::from_secs(5), owner_entries.next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the run was never entered under its replica"))??
+        .key;
+    kv.put(&owner_entry, bytes::Bytes::new()).await?;
     kv.put(key, running).await?;
     threads.put("thread.late-thread", held).await?;
     let b = orchestrator_process(&nats, &mock.base_url(), &runner, &lease).await?;
@@ -1549,6 +1570,7 @@ async fn a_checkpoint_of_a_losing_duplicate_admission_is_never_resumed() -> Test
         replica_store(&js, "race-runs", "b", lease).await?,
         replica_store(&js, "race-runs", "c", lease).await?,
     );
+    let _c_alive = keep(&c);
     let checkpoints = js.get_object_store("race-runs-checkpoints").await?;
     let deadline = shared::sync::unix_ms() + 60_000;
 
@@ -1618,6 +1640,7 @@ async fn a_losing_duplicate_admission_never_overwrites_the_winners_checkpoint() 
         replica_store(&js, "dup-runs", "b", lease).await?,
         replica_store(&js, "dup-runs", "c", lease).await?,
     );
+    let _c_alive = keep(&c);
     let deadline = shared::sync::unix_ms() + 60_000;
     let run = RunResult::running("dup");
     let large = vec![b'b'; 8 << 20];
@@ -1708,6 +1731,93 @@ async fn streams_and_buckets_are_created_and_brought_to_their_replicas() -> Test
     Ok(())
 }
 
+/// `record` (a run's record, protobuf) without field `tag`, as a build that never knew the field
+/// writes it.
+fn without_field(record: &[u8], tag: u64) -> anyhow::Result<Vec<u8>> {
+    fn varint(bytes: &[u8], at: &mut usize) -> anyhow::Result<u64> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = *bytes
+                .get(*at)
+                .ok_or_else(|| anyhow::anyhow!("a varint runs past the end"))?;
+            *at += 1;
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Ok(value);
+            }
+        }
+        anyhow::bail!("a varint longer than 64 bits")
+    }
+    let (mut kept, mut at) = (Vec::with_capacity(record.len()), 0);
+    while at < record.len() {
+        let start = at;
+        let key = varint(record, &mut at)?;
+        match key & 7 {
+            0 => {
+                varint(record, &mut at)?;
+            }
+            1 => at += 8,
+            2 => {
+                let len = usize::try_from(varint(record, &mut at)?)?;
+                at += len;
+            }
+            5 => at += 4,
+            other => anyhow::bail!("wire type {other} is not in a run's record"),
+        }
+        anyhow::ensure!(at <= record.len(), "a field runs past the end");
+        if key >> 3 != tag {
+            kept.extend_from_slice(&record[start..at]);
+        }
+    }
+    Ok(kept)
+}
+
+/// A replica from before incarnations renewed each run's record itself and named no incarnation
+/// in it (nor entered it in the owner index): when it dies, a replica of this build still takes
+/// the run over, found by the checkpoint scan of its first look and judged by the record's own
+/// revision.
+#[tokio::test]
+async fn a_run_of_a_replica_from_before_incarnations_is_taken_over() -> TestResult {
+    use orchestrator::domain::ports::{Claim, RunJournal};
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_millis(500);
+    let old = replica_store(&js, "legacy-runs", "old", lease).await?;
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let run = RunResult::running("legacy");
+    assert!(matches!(
+        old.claim_resumable(run, deadline, b"old start".to_vec()).await,
+        Ok(Claim::Claimed)
+    ));
+    // Written back as the old build wrote it: no incarnation (field 14), no owner entry.
+    let kv = js.get_key_value("legacy-runs").await?;
+    let written = kv
+        .get("run.legacy")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no record"))?;
+    let legacy = without_field(&written, 14)?;
+    assert!(legacy.len() < written.len(), "the record named an incarnation");
+    kv.put("run.legacy", legacy.into()).await?;
+    let mut entries = kv.keys().await?;
+    while let Some(key) = entries.next().await {
+        let key = key?;
+        if key.starts_with("owner.") {
+            kv.delete(&key).await?;
+        }
+    }
+    drop(old);
+    // A new replica: the record lapses on its own revision, seen unchanged for a lease.
+    let new = replica_store(&js, "legacy-runs", "new", lease).await?;
+    let _new_alive = keep(&new);
+    orphans_once_lapsed(&new, &["legacy"]).await?;
+    assert_eq!(
+        new.take_over("legacy").await?.map(|c| c.checkpoint),
+        Some(b"old start".to_vec())
+    );
+    assert_eq!(new.epoch("legacy"), 2);
+    Ok(())
+}
+
 /// A replica that took a run over saves its first checkpoint in its own epoch (the previous
 /// owner's object is then deleted) and renews its lease; if it dies then, the next replica takes
 /// the run over from that checkpoint. (The renewal once wrote the record naming the deleted
@@ -1724,6 +1834,7 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
         replica_store(&js, "twice-runs", "b", lease).await?,
         replica_store(&js, "twice-runs", "c", lease).await?,
     );
+    let (b_alive, _c_alive) = (keep(&b), keep(&c));
     let deadline = shared::sync::unix_ms() + 60_000;
     let run = RunResult::running("twice");
     assert!(matches!(
@@ -1737,9 +1848,10 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
         b.take_over("twice").await?.map(|c| c.checkpoint),
         Some(b"a's start".to_vec())
     );
-    // b saves its checkpoint, then renews its lease, then dies.
+    // b saves its checkpoint, then writes its state, then dies.
     b.save(run.clone(), deadline, b"b's turn".to_vec()).await?;
     b.put(run.clone()).await?;
+    drop(b_alive);
     assert!(c.orphans().await?.is_empty());
     orphans_once_lapsed(&c, &["twice"]).await?;
     assert_eq!(
@@ -1748,12 +1860,20 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
     );
 
     // A record that names a checkpoint gone is never resumed from another object of the run's
-    // (one its record does not name may be a replaced owner's): the run is lost.
+    // (one its record does not name may be a replaced owner's): the run is lost. (a's
+    // incarnation lapsed: it claims nothing more, so a replica started since, e, claims it.)
     let gone = RunResult::running("gone");
+    assert!(
+        a.claim_resumable(gone.clone(), deadline, b"a's start".to_vec())
+            .await
+            .is_err()
+    );
+    let e = replica_store(&js, "twice-runs", "e", lease).await?;
     assert!(matches!(
-        a.claim_resumable(gone.clone(), deadline, b"a's start".to_vec()).await,
+        e.claim_resumable(gone.clone(), deadline, b"e's start".to_vec()).await,
         Ok(Claim::Claimed)
     ));
+    drop(e);
     let checkpoints = js.get_object_store("twice-runs-checkpoints").await?;
     // Its start checkpoint is in the start object (epoch 0).
     let admission = checkpoints.info("run.gone").await?.description;
@@ -1765,6 +1885,7 @@ async fn a_run_taken_over_twice_resumes_from_the_second_owners_checkpoint() -> T
     checkpoints.put(newer, &mut b"a later turn".as_slice()).await?;
     checkpoints.delete("run.gone").await?;
     let d = replica_store(&js, "twice-runs", "d", lease).await?;
+    let _d_alive = keep(&d);
     assert!(!d.orphans().await?.contains(&"gone".to_owned()));
     testkit::wait::until("d to see \"gone\" lapsed", Duration::from_secs(10), || async {
         d.orphans().await.ok()?.contains(&"gone".to_owned()).then_some(())
@@ -1994,6 +2115,7 @@ async fn a_replaced_owners_late_checkpoint_is_never_what_a_takeover_reads() -> T
         replica_store(&js, "late-runs", "c", lease).await?,
         replica_store(&js, "late-runs", "d", lease).await?,
     );
+    let (c_alive, _d_alive) = (keep(&c), keep(&d));
     let deadline = shared::sync::unix_ms() + 60_000;
     let run = RunResult::running("late");
     assert!(matches!(
@@ -2010,6 +2132,7 @@ async fn a_replaced_owners_late_checkpoint_is_never_what_a_takeover_reads() -> T
 
     let late = a.save(run, deadline, b"a's late".to_vec()).await;
     assert!(matches!(late, Err(StoreError::Fenced { .. })), "{late:?}");
+    drop(c_alive);
 
     assert!(d.orphans().await?.is_empty());
     orphans_once_lapsed(&d, &["late"]).await?;
@@ -2035,6 +2158,7 @@ async fn a_run_past_its_deadline_is_taken_over_to_be_ended() -> TestResult {
         replica_store(&js, "late-deadline-runs", "a", lease).await?,
         replica_store(&js, "late-deadline-runs", "c", lease).await?,
     );
+    let _c_alive = keep(&c);
     let deadline = shared::sync::unix_ms() + 300;
     let run = RunResult::running("overdue");
     assert!(matches!(

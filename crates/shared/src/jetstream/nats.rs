@@ -370,14 +370,20 @@ async fn open_read(stream: &stream::Stream, read: Read) -> Result<Reading, Error
     Ok(Reading { pending, messages })
 }
 
-/// The messages `read` finds when it starts: read until none is pending.
+/// How long a read through waits for its next message before it ends with what it has: a
+/// message counted as pending when the read began may be gone before it is delivered (a key of a
+/// bucket written again replaces its last value), and then none says that nothing is pending.
+const READ_THROUGH_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The messages `read` finds when it starts: read until none is pending (or none comes for
+/// [`READ_THROUGH_IDLE`]).
 async fn read_through(stream: &stream::Stream, read: Read) -> Result<Vec<Message>, Error> {
     let mut reading = open_read(stream, read).await?;
     let mut found = Vec::new();
     if reading.pending == 0 {
         return Ok(found);
     }
-    while let Some(message) = reading.messages.next().await {
+    while let Ok(Some(message)) = tokio::time::timeout(READ_THROUGH_IDLE, reading.messages.next()).await {
         let message = message?;
         let pending = message.pending;
         found.push(message);

@@ -629,9 +629,10 @@ pub fn history(shared: &View, runners: &Runners, begun: tokio::time::Instant) ->
         let seqs: Vec<u64> = shared.events(run_id).iter().map(|e| e.seq).collect();
         let streamed = shared.signals.iter().filter(|(run, _)| run == run_id).count();
         lines.push(format!(
-            "{run_id}: {:?} by {} in epoch {}, {} turns, log {} events, {} signals ({streamed} in the stream)",
+            "{run_id}: {:?} by {} ({}) in epoch {}, {} turns, log {} events, {} signals ({streamed} in the stream)",
             record.result.status,
             record.owner,
+            record.incarnation,
             record.epoch,
             record.result.turns,
             seqs.len(),

@@ -209,6 +209,9 @@ const STARTS: usize = 200;
 const LEASE: Duration = Duration::from_secs(3);
 /// How long a store request may take.
 const STORE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Reads of the listings at the end, two store timeouts apart, before one that disagrees with
+/// the store counts (see `World::settled_listings`).
+const LISTING_READS: usize = 3;
 /// How long a draining replica gives its runs to hand over at a safe point (then it hands the
 /// rest over from their last checkpoint).
 const HAND_OVER_GRACE: Duration = Duration::from_secs(5);
@@ -454,7 +457,7 @@ impl World {
         let view = self.store.view();
         let mut violations = check::violations(&view, &self.runners, &self.person, self.settings.runs, served);
         if ended.is_ok() {
-            violations.extend(self.listings().await);
+            violations.extend(self.settled_listings().await);
             violations.extend(check::streams_whole(&view, &followed));
             violations.extend(self.replays().await);
         }
@@ -833,6 +836,22 @@ impl World {
             }
         }
         all
+    }
+
+    /// The listing's invariant once it has settled: a run's end can land in the store before
+    /// its owner hears that it did (the answer's way back), and until then the owner lists it
+    /// as running; so a listing that disagrees is read again, up to [`LISTING_READS`] times a
+    /// store timeout apart.
+    async fn settled_listings(&self) -> Vec<String> {
+        let mut broken = self.listings().await;
+        for _ in 1..LISTING_READS {
+            if broken.is_empty() {
+                break;
+            }
+            tokio::time::sleep(STORE_TIMEOUT * 2).await;
+            broken = self.listings().await;
+        }
+        broken
     }
 
     /// The listing's invariant on every replica alive: its pages of `ListRuns`, a few rows at a

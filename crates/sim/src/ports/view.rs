@@ -21,6 +21,8 @@ pub struct RunView {
     pub result: RunResult,
     /// The replica that owns (or owned) it.
     pub owner: String,
+    /// The incarnation of that replica holding it.
+    pub incarnation: String,
     /// Its epoch.
     pub epoch: u64,
 }
@@ -175,6 +177,7 @@ impl Watched {
                 let run = RunView {
                     result: run.result,
                     owner: run.owner,
+                    incarnation: run.incarnation,
                     epoch: run.epoch,
                 };
                 view.records.insert(run_id.clone(), run);

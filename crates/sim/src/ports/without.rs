@@ -93,6 +93,14 @@ impl RunJournal for Journal {
         self.inner.hand_overs()
     }
 
+    fn keep_alive(&self) -> BoxFuture<'static, ()> {
+        self.inner.keep_alive()
+    }
+
+    fn retire(&self) -> BoxFuture<'static, ()> {
+        self.inner.retire()
+    }
+
     fn cancel_elsewhere(
         &self,
         run_id: &str,

@@ -173,6 +173,7 @@ impl Config {
         self.llm.affinity_header().map_err(Error::Config)?;
         self.llm.defaults().map_err(Error::Config)?;
         self.check_nats_names()?;
+        self.check_run_store_ttl()?;
         self.check_approvers()?;
         self.check_console()?;
         self.check_exit_tools()
@@ -192,6 +193,20 @@ impl Config {
             }
             _ => Ok(()),
         }
+    }
+
+    /// With the NATS store a live run's entries (its record, the index entry that finds it when
+    /// its replica is gone) are written once and must outlive the longest run.
+    fn check_run_store_ttl(&self) -> Result<(), Error> {
+        let (ttl, ceiling) = (self.store.ttl, self.limits.run_timeout_ceiling);
+        if matches!(self.store.backend, Backend::Nats(_)) && ttl < ceiling {
+            return Err(Error::Config(format!(
+                "{} {ttl:?} is shorter than {} {ceiling:?}: a quiet run's entries in the store would expire while it lives",
+                flag::<StoreSettings>("ttl"),
+                flag::<LimitSettings>("run_timeout_ceiling")
+            )));
+        }
+        Ok(())
     }
 
     /// Approvers come from the tokens file: a server that lets only approvers decide needs one.
@@ -293,6 +308,40 @@ mod tests {
             _ => &[],
         };
         others.iter().map(|o| (*o).to_owned()).collect()
+    }
+
+    /// With NATS, results must be kept at least as long as the longest run may last.
+    #[test]
+    fn the_nats_store_keeps_entries_at_least_as_long_as_the_longest_run() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Flags {
+            #[command(flatten)]
+            config: Config,
+        }
+        let validate = |args: &[&str]| {
+            let mut argv = vec!["orchestrator"];
+            argv.extend_from_slice(args);
+            let flags = Flags::try_parse_from(argv).map_err(|e| e.to_string())?;
+            flags.config.validate().map_err(|e| e.to_string())
+        };
+        let nats = |ttl: &'static str| {
+            [
+                "--run-store",
+                "nats://127.0.0.1:4222",
+                "--run-store-ttl",
+                ttl,
+                "--run-timeout-ceiling",
+                "1h",
+            ]
+        };
+        assert!(validate(&nats("1h")).is_ok());
+        let refused = validate(&nats("59m")).unwrap_err();
+        assert!(
+            refused.contains("--run-store-ttl") && refused.contains("--run-timeout-ceiling"),
+            "{refused}"
+        );
+        assert!(validate(&["--run-store-ttl", "1m"]).is_ok(), "no NATS, no check");
     }
 
     /// The grace a runner is held to when the store keeps none is the one the flag defaults to.

@@ -28,10 +28,11 @@ pub struct StoreSettings {
         default_value = "orchestrator-runs"
     )]
     pub bucket: String,
-    /// Lease of a live run in the NATS result store: its replica renews it every third of this;
-    /// a run whose replica stops renewing (crashed, partitioned) is taken over by another replica
-    /// from its last checkpoint once it expires, or reads FAILED ORCHESTRATOR_LOST when none
-    /// resumes it before its deadline (1s..=10m).
+    /// Lease of a replica's live runs in the NATS result store: the replica renews one record
+    /// (its incarnation) every third of this for all its runs, so a quiet run costs the store
+    /// nothing; the runs of a replica that stops renewing (crashed, partitioned) are taken over by
+    /// the other replicas from their last checkpoints once it expires, or read FAILED
+    /// ORCHESTRATOR_LOST when none resumes them before their deadline (1s..=10m).
     #[arg(long = "run-store-lease", env = "ORCHESTRATOR_RUN_STORE_LEASE", default_value = "15s", value_parser = parse_duration)]
     pub lease: Duration,
     /// With the NATS store: how much of its lease a replica leaves unused. It measures the lease
@@ -48,7 +49,8 @@ pub struct StoreSettings {
     /// timeout against it, refusing durable calls (naming both settings) when it does not fit.
     #[arg(long = "run-fence-grace", env = "ORCHESTRATOR_RUN_FENCE_GRACE", default_value = "2s", value_parser = parse_duration)]
     pub fence_grace: Duration,
-    /// How long the NATS result store keeps a result (cap 365d).
+    /// How long the NATS result store keeps a result (cap 365d; with NATS at least
+    /// --run-timeout-ceiling: a live run's entries are written once).
     #[arg(long = "run-store-ttl", env = "ORCHESTRATOR_RUN_STORE_TTL", default_value = "24h", value_parser = parse_duration)]
     pub ttl: Duration,
     /// How long one read or write of the result store may take (cap 1m).

@@ -13,6 +13,13 @@
 //! Once stopped (expired, fenced by a refused write, a checkpoint the store did not take, or
 //! handed over) the ownership stays stopped: the run acts again only through a fresh claim, which
 //! makes a new ownership.
+//!
+//! With a store whose replicas hold their runs under an *incarnation* (one lease record per
+//! process start, renewed by one keeper for all its runs), the lease is the incarnation's: every
+//! run's ownership reads the same [`Liveness`], so a quiet run writes nothing to stay held, and
+//! the moment the incarnation's lease runs out every run under it stops at once. The process then
+//! goes on under a new incarnation (a new generation); a run claimed under an older one never
+//! acts again, however the clock moves.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -45,6 +52,84 @@ impl LeaseTerms {
     /// How long a confirmed write lets the owner act.
     fn acting(&self) -> Duration {
         self.length.saturating_sub(self.margin)
+    }
+}
+
+/// The lease of this process's incarnation (see the module docs), shared by the ownership of
+/// every run claimed under it. Cloned handles share one liveness.
+#[derive(Clone, Debug)]
+pub struct Liveness {
+    inner: Arc<Mutex<Incarnated>>,
+}
+
+/// The incarnation the process is in now.
+#[derive(Debug)]
+struct Incarnated {
+    /// 1 for the process's first incarnation, one more at each one after a lapse.
+    generation: u64,
+    /// When the renewal the store confirmed last was sent (or the incarnation began).
+    confirmed: Instant,
+    /// Cancelled once this generation is over: every run under it stops.
+    over: CancellationToken,
+}
+
+impl Liveness {
+    /// The first incarnation, its lease running from `since`.
+    pub fn new(since: Instant) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Incarnated {
+                generation: 1,
+                confirmed: since,
+                over: CancellationToken::new(),
+            })),
+        }
+    }
+
+    /// The generation the process is in now.
+    pub fn generation(&self) -> u64 {
+        shared::sync::lock(&self.inner).generation
+    }
+
+    /// The store confirmed a renewal of `generation` sent at `sent`: its lease runs from then
+    /// (never backwards; nothing once the generation is over).
+    pub fn confirmed(&self, generation: u64, sent: Instant) {
+        let mut now = shared::sync::lock(&self.inner);
+        if now.generation == generation {
+            now.confirmed = now.confirmed.max(sent);
+        }
+    }
+
+    /// Until when a run of `generation` may act, given `acting` of each lease: at once when the
+    /// generation is over.
+    pub fn acts_until(&self, generation: u64, acting: Duration) -> Instant {
+        let now = shared::sync::lock(&self.inner);
+        match now.generation == generation {
+            true => now.confirmed + acting,
+            false => Instant::now(),
+        }
+    }
+
+    /// Ends the current generation (every run under it stops) and begins the next, its lease
+    /// running from `since`; the new generation.
+    pub fn reincarnate(&self, since: Instant) -> u64 {
+        let mut now = shared::sync::lock(&self.inner);
+        now.over.cancel();
+        now.generation += 1;
+        now.confirmed = since;
+        now.over = CancellationToken::new();
+        now.generation
+    }
+
+    /// Resolves once `generation` is over.
+    pub async fn over(&self, generation: u64) {
+        let over = {
+            let now = shared::sync::lock(&self.inner);
+            match now.generation == generation {
+                true => now.over.clone(),
+                false => return,
+            }
+        };
+        over.cancelled().await;
     }
 }
 
@@ -93,6 +178,10 @@ pub struct Ownership {
 struct Inner {
     /// `None`: a store no other replica reads; the run is never taken from this replica.
     terms: Option<LeaseTerms>,
+    /// The incarnation whose lease holds the run (`None`: the run's own writes renew it).
+    liveness: Option<Liveness>,
+    /// The generation of the incarnation the run's record names (set with its claim).
+    generation: AtomicU64,
     /// When the write the store confirmed last was sent (or the claim, before any answer).
     confirmed: Mutex<Instant>,
     stop: CancellationToken,
@@ -124,9 +213,18 @@ impl Ownership {
     /// An ownership whose lease runs from `since` (the instant its claim was sent); `None` terms:
     /// a store of this replica only.
     pub fn new(terms: Option<LeaseTerms>, since: Instant) -> Self {
+        Self::held_by(terms, None, since)
+    }
+
+    /// An ownership held by `liveness` (an incarnation's lease) when there is one, by its own
+    /// writes from `since` otherwise.
+    pub fn held_by(terms: Option<LeaseTerms>, liveness: Option<Liveness>, since: Instant) -> Self {
+        let generation = liveness.as_ref().map_or(0, Liveness::generation);
         Self {
             inner: Arc::new(Inner {
                 terms,
+                liveness,
+                generation: AtomicU64::new(generation),
                 confirmed: Mutex::new(since),
                 stop: CancellationToken::new(),
                 why: OnceLock::new(),
@@ -154,9 +252,18 @@ impl Ownership {
         *confirmed = (*confirmed).max(sent);
     }
 
+    /// The run's record names the incarnation of `generation` (its claim's).
+    pub fn set_generation(&self, generation: u64) {
+        self.inner.generation.store(generation, Ordering::Release);
+    }
+
     /// Until when the owner may act, on this process's clock (`None`: always).
     pub fn acts_until(&self) -> Option<Instant> {
         let terms = self.inner.terms?;
+        if let Some(liveness) = &self.inner.liveness {
+            let generation = self.inner.generation.load(Ordering::Acquire);
+            return Some(liveness.acts_until(generation, terms.acting()));
+        }
         Some(*shared::sync::lock(&self.inner.confirmed) + terms.acting())
     }
 
@@ -233,6 +340,17 @@ impl Ownership {
     /// whatever reason. The timer is looked at again after each wake, so a process paused past
     /// its lease stops as soon as it runs.
     pub async fn expire(&self) {
+        if let Some(liveness) = self.inner.liveness.as_ref().filter(|_| self.inner.terms.is_some()) {
+            // The keeper ends the generation when its lease ran out; nothing wakes meanwhile.
+            let generation = self.inner.generation.load(Ordering::Acquire);
+            tokio::select! {
+                biased;
+                () = self.lost() => return,
+                () = liveness.over(generation) => {}
+            }
+            self.stop(Stop::Expired);
+            return;
+        }
         loop {
             let Some(until) = self.acts_until() else {
                 return self.lost().await;
@@ -372,5 +490,39 @@ mod tests {
         let local = Ownership::local();
         tokio::time::advance(Duration::from_secs(3600)).await;
         assert!(local.holds());
+    }
+
+    /// Runs held by an incarnation act as long as its renewals land (their own writes count for
+    /// nothing), and all of them stop at once when the incarnation is over; one claimed under
+    /// the next generation acts on, and one whose record names an older one never acts again.
+    #[tokio::test(start_paused = true)]
+    async fn every_run_of_an_incarnation_stops_with_it_and_none_of_an_older_one_acts() {
+        let liveness = super::Liveness::new(Instant::now());
+        let held = |generation| {
+            let owner = Ownership::held_by(terms(), Some(liveness.clone()), Instant::now());
+            owner.set_generation(generation);
+            owner
+        };
+        let (a, b) = (held(1), held(1));
+        tokio::time::advance(Duration::from_millis(1900)).await;
+        liveness.confirmed(1, Instant::now());
+        a.confirmed(Instant::now());
+        tokio::time::advance(Duration::from_millis(1900)).await;
+        assert!(a.holds() && b.holds(), "the incarnation's renewal holds both");
+        let expired = shared::tasks::spawn({
+            let b = b.clone();
+            async move { b.expire().await }
+        });
+        let next = liveness.reincarnate(Instant::now());
+        assert_eq!(next, 2);
+        let _ = expired.await;
+        assert_eq!(b.why().map(Stop::label), Some("expired"));
+        assert!(!a.holds(), "a run of the generation over never acts again");
+        let c = held(next);
+        assert!(c.holds());
+        liveness.confirmed(1, Instant::now() + Duration::from_secs(60));
+        assert!(!held(1).holds(), "a renewal of an older generation moves nothing");
+        tokio::time::advance(Duration::from_millis(2100)).await;
+        assert!(!c.holds(), "unrenewed, the new generation lapses too");
     }
 }

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
@@ -115,6 +116,18 @@ pub trait ResultStore: Send + Sync + 'static {
     fn lease(&self) -> Option<LeaseTerms>;
     /// The epoch of this replica's claim of `run_id` (0: not claimed here, or a local store).
     fn epoch(&self, _run_id: &str) -> u64 {
+        0
+    }
+    /// The lease of this process's incarnation, when the store holds runs under one (their
+    /// records are then not rewritten to stay held: see [`Liveness`]).
+    ///
+    /// [`Liveness`]: super::ownership::Liveness
+    fn liveness(&self) -> Option<super::ownership::Liveness> {
+        None
+    }
+    /// The generation of the incarnation the record of `run_id` names, as this replica wrote it
+    /// (0: not claimed here).
+    fn generation(&self, _run_id: &str) -> u64 {
         0
     }
 }
@@ -235,6 +248,16 @@ pub trait RunJournal: Send + Sync + 'static {
     /// Tells of runs handed over by any replica, as they are (the takeover looks at once instead
     /// of at its next round); an item per hand-over, best effort.
     fn hand_overs(&self) -> BoxFuture<'static, BoxStream<'static, ()>>;
+    /// Keeps this replica's incarnation (the lease every run held here reads) alive until the
+    /// future is dropped: renewed every third of the lease, and the runs held in the store but
+    /// not run here any more handed over. A store without incarnations never resolves it.
+    fn keep_alive(&self) -> BoxFuture<'static, ()> {
+        futures::future::pending().boxed()
+    }
+    /// Marks this replica's incarnation over at a clean stop: what it still holds moves at once.
+    fn retire(&self) -> BoxFuture<'static, ()> {
+        futures::future::ready(()).boxed()
+    }
     /// Asks the replica running `run_id` to cancel it `mode`'s way with `reason`, and returns
     /// its answer; `None` when no replica answered (none runs it now: it is moving between
     /// replicas).

@@ -414,7 +414,7 @@ impl Runs {
         };
         let cancel = Cancel::default();
         let inbox = Inbox::new(self.max_steering);
-        let ownership = Ownership::new(self.store.lease(), Instant::now());
+        let ownership = Ownership::held_by(self.store.lease(), self.store.liveness(), Instant::now());
         let persister = Persister::new(
             Arc::clone(&self.store),
             Arc::clone(&state),
@@ -468,6 +468,36 @@ impl Runs {
             Ok(None) => return Ok(None),
             Err(e) => return Err(e.to_string()),
         };
+        let claimed = Claimed {
+            checkpoint: bytes,
+            parked,
+            ends_after_turn,
+        };
+        let resumed = self.resume_claimed(run_id, sent, claimed).await;
+        if resumed.is_err() {
+            // The run is this replica's in the store, yet does not run here: it goes back for
+            // any replica (one whose lease is kept by its incarnation is never found otherwise).
+            let _ = within(self.store_timeout, journal.hand_over(run_id)).await;
+        }
+        resumed
+    }
+
+    /// Resumes the run `run_id` this replica claimed (the claim sent at `sent`): see
+    /// [`Runs::take_over`].
+    async fn resume_claimed(
+        self: &Arc<Self>,
+        run_id: &str,
+        sent: Instant,
+        claimed: Claimed,
+    ) -> Result<Option<TakenOver>, String> {
+        let Some(journal) = self.journal.clone() else {
+            return Ok(None);
+        };
+        let Claimed {
+            checkpoint: bytes,
+            parked,
+            ends_after_turn,
+        } = claimed;
         let checkpoint: Checkpoint = serde_json::from_slice(&bytes)
             .map_err(|e| format!("the checkpoint of run {run_id} cannot be read: {e}"))?;
         let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
@@ -476,7 +506,9 @@ impl Runs {
             let _ = within(self.store_timeout, journal.hand_over(run_id)).await;
             return Ok(None);
         };
-        admitted.persister.taken(sent, self.store.epoch(run_id));
+        admitted
+            .persister
+            .taken(sent, self.store.epoch(run_id), self.store.generation(run_id));
         admitted.started = true;
         admitted.quota = super::quota::HeldQuota::of_run(self, &checkpoint.spec.principal);
         // A run that parked goes on once it holds a slot again; till then it reads parked.

@@ -80,7 +80,7 @@ impl Persister {
     /// the store does not take waits in `backlog`.
     pub fn new(store: Arc<dyn ResultStore>, state: SharedState, timeout: Duration, backlog: Arc<Backlog>) -> Self {
         Self {
-            ownership: Ownership::new(store.lease(), tokio::time::Instant::now()),
+            ownership: Ownership::held_by(store.lease(), store.liveness(), tokio::time::Instant::now()),
             store,
             state,
             lock: Arc::default(),
@@ -279,6 +279,22 @@ impl Persister {
         self.ownership.stop(Stop::HandedOver);
     }
 
+    /// Gives the run back in the store once this replica stopped acting for it while its
+    /// incarnation lives (a checkpoint or its events not kept, a refusal by the event log) and its
+    /// record may still name this replica: marked handed over, so any replica resumes it from its
+    /// last good checkpoint (held by a live incarnation, its record would never lapse). A record
+    /// another replica wrote since is left alone.
+    pub async fn give_back(&self) {
+        let Some(journal) = &self.journal else { return };
+        if matches!(self.ownership.why(), None | Some(Stop::HandedOver | Stop::Expired)) {
+            return;
+        }
+        let run_id = self.snapshot().run_id;
+        if let Err(e) = within(self.timeout, journal.hand_over(&run_id)).await {
+            tracing::warn!(run_id = %run_id, "giving the run back failed (the keeper tries again): {e}");
+        }
+    }
+
     /// Forgets the run's checkpoint once its final result is stored.
     async fn forget(&self) {
         let Some(journal) = &self.journal else { return };
@@ -331,6 +347,7 @@ impl Persister {
         match claim {
             Ok(Claim::Claimed) => {
                 self.ownership.begin(sent);
+                self.ownership.set_generation(self.store.generation(run_id));
                 self.ownership.set_epoch(self.store.epoch(run_id));
                 Ok(Claim::Claimed)
             }
@@ -364,9 +381,11 @@ impl Persister {
         claim
     }
 
-    /// A run taken over here: the claim (sent at `sent`) gave it `epoch`.
-    pub fn taken(&self, sent: tokio::time::Instant, epoch: u64) {
+    /// A run taken over here: the claim (sent at `sent`) gave it `epoch`, its record naming the
+    /// incarnation of `generation`.
+    pub fn taken(&self, sent: tokio::time::Instant, epoch: u64, generation: u64) {
         self.ownership.begin(sent);
+        self.ownership.set_generation(generation);
         self.ownership.set_epoch(epoch);
     }
 
@@ -377,18 +396,27 @@ impl Persister {
 
     /// Renews the run's lease in a shared store until the returned guard is dropped: the state is
     /// written every [`LeaseTerms::renew_every`]; a lease that runs out unrenewed stops the
-    /// ownership (the run ends here, see [`Persister::taken_over`]).
+    /// ownership (the run ends here, see [`Persister::taken_over`]). A run held by its
+    /// replica's incarnation ([`ResultStore::liveness`]) writes only when asked to (a quiet run
+    /// costs the store nothing), and stops when the incarnation's lease runs out.
     ///
     /// [`LeaseTerms::renew_every`]: crate::domain::LeaseTerms::renew_every
     pub fn keep_lease(&self) -> Option<shared::runtime::AbortOnDrop> {
-        let every = self.store.lease()?.renew_every();
+        let terms = self.store.lease()?;
+        let every = self.store.liveness().is_none().then(|| terms.renew_every());
         let this = self.clone();
         Some(shared::runtime::AbortOnDrop(shared::tasks::spawn(async move {
             loop {
+                let renewal = async {
+                    match every {
+                        Some(every) => tokio::time::sleep(every).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     biased;
                     () = this.ownership.expire() => return,
-                    () = tokio::time::sleep(every) => {
+                    () = renewal => {
                         let _ = this.renew().await;
                     }
                     () = this.renew_now.notified() => {

@@ -23,7 +23,7 @@
 
 mod member;
 mod membership;
-mod rendezvous;
+pub(crate) mod rendezvous;
 
 use std::collections::HashMap;
 use std::pin::Pin;

@@ -5,7 +5,7 @@
 //! version ranks alike.
 
 /// The weight of `endpoint` for `key`.
-pub(super) fn weight(key: &str, endpoint: &str) -> u64 {
+pub(crate) fn weight(key: &str, endpoint: &str) -> u64 {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut hash = OFFSET;

@@ -2,6 +2,8 @@
 //! the tool-runner): each call keeps only its latest report, and while the turn's calls run the
 //! loop sends what came in as `tool_call_progress` once per interval (the run's stream interval,
 //! at least [`EVERY`]): at most one event per call per interval, never part of the conversation.
+//! A turn whose calls report nothing wakes for nothing: the loop waits for a report, then for the
+//! rest of the interval (a quiet run costs no CPU while its calls run).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -17,19 +19,31 @@ const EVERY: Duration = Duration::from_millis(200);
 
 /// The latest report of each call of the turn not sent yet, by its position in the turn.
 #[derive(Clone, Default)]
-pub(super) struct CallProgress(Arc<Mutex<BTreeMap<usize, ToolProgress>>>);
+pub(super) struct CallProgress {
+    latest: Arc<Mutex<BTreeMap<usize, ToolProgress>>>,
+    /// Wakes the loop when a report comes in.
+    reported: Arc<tokio::sync::Notify>,
+}
 
 impl CallProgress {
     /// Where the reports of the call at `index` go.
     pub(super) fn of_call(&self, index: usize) -> ProgressFn {
-        let latest = Arc::clone(&self.0);
+        let (latest, reported) = (Arc::clone(&self.latest), Arc::clone(&self.reported));
         ProgressFn(Arc::new(move |report| {
             shared::sync::lock(&latest).insert(index, report);
+            reported.notify_one();
         }))
     }
 
     fn take(&self) -> BTreeMap<usize, ToolProgress> {
-        std::mem::take(&mut *shared::sync::lock(&self.0))
+        std::mem::take(&mut *shared::sync::lock(&self.latest))
+    }
+
+    /// Resolves once a report came in, and `every` has passed since the last batch was sent
+    /// (`last`): a call that reports nothing never wakes the loop.
+    async fn next_batch(&self, last: tokio::time::Instant, every: Duration) {
+        self.reported.notified().await;
+        tokio::time::sleep_until(last + every).await;
     }
 }
 
@@ -42,7 +56,9 @@ impl Driver<'_> {
     ) -> T {
         tokio::pin!(calls_running);
         let every = self.spec.stream_interval.max(EVERY);
+        let mut last = tokio::time::Instant::now();
         loop {
+            let progress = self.call_progress.clone();
             tokio::select! {
                 biased;
                 outcomes = &mut calls_running => {
@@ -50,7 +66,8 @@ impl Driver<'_> {
                     self.call_progress.take();
                     return outcomes;
                 }
-                () = tokio::time::sleep(every) => {
+                () = progress.next_batch(last, every) => {
+                    last = tokio::time::Instant::now();
                     if self.queue_progress(calls) {
                         self.emitter.flush().await;
                     }

@@ -390,7 +390,7 @@ fn run_started(spec: &RunSpec) -> Event {
 /// A run that moved to another replica: a handed-over one logs what it queued (the next owner
 /// continues from the log's true end) and is released in the store (its last checkpoint
 /// stands); one this replica stopped acting for (taken over, its lease run out, a checkpoint not
-/// saved) is left alone and sends nothing more. The caller's stream ends without
+/// saved) sends nothing more, and one whose checkpoint was not saved is given back in the store. The caller's stream ends without
 /// `run_finished`, which tells it to re-attach.
 async fn moved(
     end: End,
@@ -408,7 +408,10 @@ async fn moved(
             persister.hand_over().await;
             "handed_over"
         }
-        (_, Some(persister)) => persister.ownership().why().map_or("fenced", crate::domain::Stop::label),
+        (_, Some(persister)) => {
+            persister.give_back().await;
+            persister.ownership().why().map_or("fenced", crate::domain::Stop::label)
+        }
         (_, None) => "fenced",
     };
     metrics::counter!(metric::RUNS_MOVED, "how" => how).increment(1);

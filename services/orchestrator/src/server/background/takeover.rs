@@ -1,6 +1,7 @@
-//! Takeover (durable runs, NATS store): every replica looks for runs whose replica is gone
-//! (their lease lapsed) or that a draining replica handed over, every third of the lease and at
-//! once when a hand-over is announced, and
+//! Takeover (durable runs, NATS store): every replica keeps its incarnation alive (the one lease
+//! all its runs read), and looks for runs whose replica is gone (its incarnation lapsed) or that
+//! a draining replica handed over, every third of the lease and at once when a hand-over is
+//! announced, and
 //! resumes those it wins the claim of, within its free slots. A resumed run has no caller of its
 //! own: callers follow it with `AttachRun`.
 
@@ -12,8 +13,24 @@ use futures::StreamExt;
 use crate::registry::TakenOver;
 use crate::server::{Core, Resumption};
 
-/// Looks for orphans until the replica drains.
+/// Keeps this replica's incarnation alive until the replica stops (then marks it over), and
+/// looks for orphans until it drains.
 pub(crate) async fn watch(core: Arc<Core>) {
+    let Some(journal) = core.runs.durable() else { return };
+    let keeping = async {
+        tokio::select! {
+            biased;
+            () = core.stopping.cancelled() => {}
+            () = journal.keep_alive() => {}
+        }
+        journal.retire().await;
+    };
+    futures::join!(keeping, look(Arc::clone(&core)));
+}
+
+/// Looks for orphans every third of the lease, and at once when a hand-over is announced,
+/// until the replica drains.
+async fn look(core: Arc<Core>) {
     let every = core.config.store.lease / 3;
     let mut hand_overs = match core.runs.durable() {
         Some(journal) => journal.hand_overs().await,

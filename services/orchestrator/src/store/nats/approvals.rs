@@ -6,7 +6,8 @@
 //! canceled. Every change is a compare-and-set on the record's revision, so two decisions of one
 //! call never both land. A parked run is its checkpoint (in the checkpoint object store) and its
 //! run record marked `awaiting`, with no owner; once its calls are decided (or it is canceled) the
-//! replica that saw it so marks the record `ready` and announces it like a hand-over, and the
+//! replica that saw it so marks the record `ready` (entered in the wake index under that minute,
+//! as every parked run is under the minute it wakes) and announces it like a hand-over, and the
 //! takeover of every replica claims it (one winner) and resumes it with the decisions; a record
 //! whose wake time passed (a call's expiry, or the run's deadline) is claimed the same way.
 //!
@@ -153,6 +154,8 @@ async fn mark_ready(store: &KvStore, key: &str) -> Result<(), StoreError> {
             return Ok(());
         }
         record.ready = true;
+        // Entered under this minute first: the next look for orphans finds it.
+        super::owners::enter(&*store.kv, &super::owners::wake_key(shared::sync::unix_ms(), key)).await?;
         match store
             .kv
             .update(key, record.encode_to_vec().into(), entry.revision)
@@ -241,6 +244,9 @@ impl NatsApprovals {
         record.awaiting = true;
         record.wake_at_unix_ms = parked.wake_at_unix_ms;
         record.lease_expires_unix_ms = shared::sync::unix_ms();
+        // Entered under the minute it wakes first (never one passed: looks list from now on).
+        let wakes = parked.wake_at_unix_ms.max(record.lease_expires_unix_ms);
+        super::owners::enter(&*store.kv, &super::owners::wake_key(wakes, &key)).await?;
         store.write(key.clone(), record).await?;
         // Decided (or canceled) while it parked: it is ready at once.
         if let Some((wait, _)) = read(&*waits, &key).await?

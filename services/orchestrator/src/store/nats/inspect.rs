@@ -53,6 +53,8 @@ pub struct StoredRun {
     pub result: RunResult,
     /// The replica that owns (or owned) it.
     pub owner: String,
+    /// The incarnation of that replica holding it (empty: a record from before incarnations).
+    pub incarnation: String,
     /// The claim's epoch.
     pub epoch: u64,
     /// Parked for a person or a task.
@@ -87,6 +89,7 @@ pub fn run(key: &str, bytes: &[u8]) -> Result<StoredRun, StoreError> {
     let checkpoint = super::results::CheckpointName::of(&record).name(key);
     Ok(StoredRun {
         owner: record.owner.clone(),
+        incarnation: record.incarnation.clone(),
         epoch: record.epoch,
         awaiting: record.awaiting,
         checkpoint,

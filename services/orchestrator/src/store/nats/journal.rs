@@ -1,8 +1,10 @@
 //! Durable runs on NATS ([`RunJournal`] of the [`KvStore`]): each live run's checkpoint is an
 //! object of a JetStream object store (`<bucket>-checkpoints`, named by the run's key), next to
-//! its record in the results bucket. The object store lists the runs that can be resumed; a run
-//! whose record says its owner is gone (lease lapsed, or handed over at a drain) is an orphan,
-//! claimed by the first replica whose compare-and-set on the record's revision succeeds.
+//! its record in the results bucket. A run whose record says its owner is gone (its incarnation
+//! lapsed or is over, or the run was handed over at a drain) is an orphan, found through the
+//! owner and wake indexes (`finder.rs`) and claimed by the first replica whose compare-and-set on
+//! the record's revision succeeds. Records from before incarnations are found by listing the
+//! checkpoint objects ([`KvStore::legacy_orphans`]).
 
 use std::sync::Arc;
 
@@ -110,6 +112,63 @@ where
 }
 
 impl KvStore {
+    /// The orphans among records from before incarnations (they name none), found by listing
+    /// every checkpoint object (checkpoints left behind are deleted on the way), and whether any
+    /// such record is still held (then the next look scans again).
+    pub(super) fn legacy_orphans(&self) -> BoxFuture<'static, Result<(Vec<String>, bool), StoreError>> {
+        let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
+        async move {
+            let mut objects: std::collections::BTreeMap<String, Vec<(u64, String)>> = std::collections::BTreeMap::new();
+            let names = checkpoints.names().await;
+            for name in names.map_err(|e| unavailable("checkpoint list", "", e))? {
+                let (key, epoch) = checkpoint_of(&name);
+                objects.entry(key.to_owned()).or_default().push((epoch, name.clone()));
+            }
+            seen.keep(&objects.keys().cloned().collect());
+            // The records are read a few at a time: one round trip each, one after the other,
+            // would outlast the store timeout with hundreds of runs live under load.
+            let now = shared::sync::unix_ms();
+            let held_legacy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let orphans = futures::stream::iter(objects)
+                .map(|(key, epochs)| {
+                    let (kv, checkpoints, seen) = (kv.clone(), checkpoints.clone(), seen.clone());
+                    let held_legacy = Arc::clone(&held_legacy);
+                    async move {
+                        let (record, revision) = holder(kv.as_ref(), &key).await.ok()??;
+                        let legacy = record.incarnation.is_empty();
+                        if legacy && record.held() {
+                            held_legacy.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        let lapsed = seen.lapsed_run(&key, &record, revision);
+                        let delete = |name: &String| {
+                            let (checkpoints, name) = (checkpoints.clone(), name.clone());
+                            async move {
+                                let _ = remove(checkpoints.as_ref(), &name).await;
+                            }
+                        };
+                        let gone = !record.live() || record.marked_lost();
+                        for (epoch, name) in &epochs {
+                            // A checkpoint left by a run that ended, or whose replica is gone and
+                            // that cannot be resumed any more; or one an owner replaced since.
+                            // Not one whose replica lives: its first checkpoint is put before the
+                            // record says it exists.
+                            if gone || *epoch < record.checkpoint_epoch {
+                                delete(name).await;
+                            }
+                        }
+                        let result = record.result.as_ref()?;
+                        (legacy && !gone && record.orphaned(now, lapsed)).then(|| result.run_id.clone())
+                    }
+                })
+                .buffer_unordered(LIST_CONCURRENCY)
+                .filter_map(std::future::ready)
+                .collect()
+                .await;
+            Ok((orphans, held_legacy.load(std::sync::atomic::Ordering::Relaxed)))
+        }
+        .boxed()
+    }
+
     /// A name for a new admission of a run on this replica, unique across replicas.
     fn new_claim(&self) -> String {
         static ADMISSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -192,13 +251,18 @@ impl RunJournal for KvStore {
         let record = target.named_by(self.record(&result, deadline_unix_ms));
         let write = self.write(key.clone(), record);
         let checkpoints = self.checkpoints.clone();
+        let claiming = super::results::Claiming::of(&key, &self.owned, &self.incarnation);
         async move {
             // The checkpoint first, into the object the record does not name; then the record
             // names it, by compare-and-set: a record that says the run can be resumed always
             // has one, and a replaced owner (whose record write is then refused) never
             // overwrites the object the new owner resumes from.
+            // Should it not finish (refused, unanswered, dropped at a timeout) the run stops
+            // here while its record may still name this incarnation: the keeper then hands it
+            // over, to be resumed from its last good checkpoint.
             put.await?;
             write.await?;
+            claiming.finished();
             if before < target.epoch {
                 // The previous epoch's objects are not read any more.
                 for name in CheckpointName::both(&key, before) {
@@ -216,6 +280,9 @@ impl RunJournal for KvStore {
         deadline_unix_ms: u64,
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<Claim, StoreError>> {
+        if let Err(e) = self.holding(&result.run_id) {
+            return futures::future::ready(Err(e)).boxed();
+        }
         let key = key(&result.run_id);
         let mut record = self.record(&result, deadline_unix_ms);
         record.claim = self.new_claim();
@@ -228,7 +295,7 @@ impl RunJournal for KvStore {
             // a follower that lacks a claim whose answer was lost would let this admission's
             // start object replace the claimed run's, which then could never be resumed.
             if let Some((taken, revision)) = holder_from(kv.as_ref(), &key, Consistency::Leader).await? {
-                if !taken.never_started(seen.lapsed(&key, revision)) {
+                if !taken.never_started(seen.owner_lapsed(kv.as_ref(), &key, &taken, revision).await?) {
                     return Ok(Claim::Taken(Box::new(taken.read(&key)?)));
                 }
                 record.epoch = taken.epoch.saturating_add(1);
@@ -270,54 +337,19 @@ impl RunJournal for KvStore {
     }
 
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>> {
-        let (kv, checkpoints, seen) = (self.kv.clone(), self.checkpoints.clone(), self.seen.clone());
-        async move {
-            let mut objects: std::collections::BTreeMap<String, Vec<(u64, String)>> = std::collections::BTreeMap::new();
-            let names = checkpoints.names().await;
-            for name in names.map_err(|e| unavailable("checkpoint list", "", e))? {
-                let (key, epoch) = checkpoint_of(&name);
-                objects.entry(key.to_owned()).or_default().push((epoch, name.clone()));
-            }
-            seen.keep(&objects.keys().cloned().collect());
-            // The records are read a few at a time: one round trip each, one after the other,
-            // would outlast the store timeout with hundreds of runs live under load.
-            let now = shared::sync::unix_ms();
-            let orphans = futures::stream::iter(objects)
-                .map(|(key, epochs)| {
-                    let (kv, checkpoints, seen) = (kv.clone(), checkpoints.clone(), seen.clone());
-                    async move {
-                        let (record, revision) = holder(kv.as_ref(), &key).await.ok()??;
-                        let lapsed = seen.lapsed_run(&key, &record, revision);
-                        let delete = |name: &String| {
-                            let (checkpoints, name) = (checkpoints.clone(), name.clone());
-                            async move {
-                                let _ = remove(checkpoints.as_ref(), &name).await;
-                            }
-                        };
-                        let gone = !record.live() || record.marked_lost();
-                        for (epoch, name) in &epochs {
-                            // A checkpoint left by a run that ended, or whose replica is gone and
-                            // that cannot be resumed any more; or one an owner replaced since.
-                            // Not one whose replica lives: its first checkpoint is put before the
-                            // record says it exists.
-                            if gone || *epoch < record.checkpoint_epoch {
-                                delete(name).await;
-                            }
-                        }
-                        let result = record.result.as_ref()?;
-                        (!gone && record.orphaned(now, lapsed)).then(|| result.run_id.clone())
-                    }
-                })
-                .buffer_unordered(LIST_CONCURRENCY)
-                .filter_map(std::future::ready)
-                .collect()
-                .await;
-            Ok(orphans)
-        }
-        .boxed()
+        let look = super::finder::Look {
+            kv: self.kv.clone(),
+            seen: self.seen.clone(),
+            finder: Arc::clone(&self.finder),
+        };
+        let legacy = self.legacy_orphans();
+        async move { look.find_orphans(legacy).await }.boxed()
     }
 
     fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Claimed>, StoreError>> {
+        if let Err(e) = self.holding(run_id) {
+            return futures::future::ready(Err(e)).boxed();
+        }
         let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
         let (owned, owner, seen) = (
             std::sync::Arc::clone(&self.owned),
@@ -325,14 +357,18 @@ impl RunJournal for KvStore {
             self.seen.clone(),
         );
         let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
-        async move {
+        let claiming = super::results::Claiming::of(&key, &self.owned, &self.incarnation);
+        let taking = async move {
             let Some((record, read_revision)) = holder(kv.as_ref(), &key).await? else {
                 return Ok(None);
             };
-            let lapsed = seen.lapsed_run(&key, &record, read_revision);
+            let lapsed = seen.owner_lapsed(kv.as_ref(), &key, &record, read_revision).await?;
             if !record.orphaned(shared::sync::unix_ms(), lapsed) {
                 return Ok(None);
             }
+            // Entered under this replica's incarnation before its record names it.
+            let (incarnation, _) = seen.incarnation.name();
+            super::owners::enter_owner(kv.as_ref(), &incarnation, &key, record.epoch.saturating_add(1)).await?;
             // The fence first: once the record is this replica's its calls may go out, and by
             // then every runner refuses the replaced owner's (a raise is never undone; should the
             // claim below lose, the winner holds the same epoch).
@@ -348,9 +384,17 @@ impl RunJournal for KvStore {
                 ]
                 .contains(&r.status)
             });
+            // What pointed the run out is not needed any more (left behind, it is removed when read).
+            let (previous, wake) = (
+                super::owners::owner_key(&record.incarnation, &key),
+                super::owners::wake_key(record.wake_at_unix_ms, &key),
+            );
+            let was_held = record.held() && !record.incarnation.is_empty() && record.incarnation != incarnation;
+            let was_parked = record.awaiting;
             // The record as read, now this replica's in the next epoch with a fresh lease.
             let claimed = super::results::Record {
                 owner,
+                incarnation,
                 lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease_ms),
                 handed_over: false,
                 awaiting: false,
@@ -365,6 +409,12 @@ impl RunJournal for KvStore {
                 Err(e) => return Err(unavailable("KV update", &key, e)),
             };
             shared::sync::lock(&owned).insert(key.clone(), Owned::of(revision, &claimed));
+            if was_held {
+                super::owners::leave(kv.as_ref(), &previous).await;
+            }
+            if was_parked {
+                super::owners::leave(kv.as_ref(), &wake).await;
+            }
             let named = named_checkpoint(checkpoints.as_ref(), &key, &claimed).await?;
             let admission = named.as_ref().map(|o| o.description.clone().unwrap_or_default());
             let Some(object) = named.filter(|_| admission.as_deref() == Some(claimed.claim.as_str())) else {
@@ -388,6 +438,16 @@ impl RunJournal for KvStore {
                 parked,
                 ends_after_turn: Some(claimed.ends_after_turn).filter(|why| !why.is_empty()),
             }))
+        };
+        async move {
+            // Should the claim not finish (its answer lost, the checkpoint not read, dropped at a
+            // timeout) the run does not start here, and the keeper hands it over if its record
+            // names this incarnation.
+            let taken = taking.await;
+            if taken.is_ok() {
+                claiming.finished();
+            }
+            taken
         }
         .boxed()
     }
@@ -472,32 +532,119 @@ impl RunJournal for KvStore {
         .boxed()
     }
 
+    fn keep_alive(&self) -> BoxFuture<'static, ()> {
+        let (kv, incarnation, owned) = (self.kv.clone(), Arc::clone(&self.incarnation), Arc::clone(&self.owned));
+        let (js, subject) = (Arc::clone(&self.js), self.hand_over_subject.clone());
+        let (every, acting) = (self.lease / 3, self.lease.saturating_sub(self.margin));
+        async move {
+            loop {
+                tokio::time::sleep(every).await;
+                incarnation.renew(kv.as_ref(), acting).await;
+                let held = |key: &str| shared::sync::lock(&owned).contains_key(key);
+                for key in hand_over_abandoned(kv.as_ref(), &incarnation, held).await {
+                    let _ = js.publish(subject.clone(), key.into_bytes().into()).await;
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn retire(&self) -> BoxFuture<'static, ()> {
+        let (kv, incarnation) = (self.kv.clone(), Arc::clone(&self.incarnation));
+        async move { incarnation.retire(kv.as_ref()).await }.boxed()
+    }
+
     fn hand_over(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, key) = (self.kv.clone(), key(run_id));
         let (js, subject) = (Arc::clone(&self.js), self.hand_over_subject.clone());
         let last = self.owned().remove(&key);
+        let claiming = super::results::Claiming::of(&key, &self.owned, &self.incarnation);
         async move {
             let Some(last) = last else {
+                claiming.finished();
                 return Ok(());
             };
-            // From the leader: the update below is compared against the revision this replica
-            // wrote last, so a follower's older record (naming an older checkpoint) would be
-            // written back over the newest one, and the next owner would find that checkpoint gone.
-            let entry = kv.entry(&key, Consistency::Leader).await;
-            let entry = entry.map_err(|e| unavailable("KV get", &key, e))?;
-            let Some(entry) = entry.filter(|e| e.revision == last.revision) else {
-                // Gone, or written since by another replica: it is not this replica's to hand over.
-                return Ok(());
-            };
-            let mut record = decode_record(&key, &entry.value)?;
-            record.handed_over = true;
-            record.lease_expires_unix_ms = shared::sync::unix_ms();
-            kv.update(&key, record.encode_to_vec().into(), last.revision)
-                .await
-                .map_err(|e| unavailable("KV update", &key, e))?;
+            // Should it not finish, its record may still name this incarnation: the keeper
+            // hands it over.
+            hand_over_owned(kv.as_ref(), &key, &last).await?;
+            claiming.finished();
             let _ = js.publish(subject, key.into_bytes().into()).await;
             Ok(())
         }
         .boxed()
+    }
+}
+
+/// Marks the run under `key`, which this replica wrote `last`, handed over: entered in the wake
+/// index under this minute first (the next look finds it), then its record by compare-and-set.
+async fn hand_over_owned(kv: &dyn shared::jetstream::Bucket, key: &str, last: &Owned) -> Result<(), StoreError> {
+    // From the leader: the update below is compared against the revision this replica
+    // wrote last, so a follower's older record (naming an older checkpoint) would be
+    // written back over the newest one, and the next owner would find that checkpoint gone.
+    let entry = kv.entry(key, Consistency::Leader).await;
+    let entry = entry.map_err(|e| unavailable("KV get", key, e))?;
+    let Some(entry) = entry else { return Ok(()) };
+    let mut record = decode_record(key, &entry.value)?;
+    // Written since by this replica's own write whose answer was lost (same incarnation, claim
+    // and epoch) it is still this replica's; written by another, or gone, it is not.
+    let own = record.incarnation == last.incarnation && record.claim == last.claim && record.epoch == last.epoch;
+    if entry.revision != last.revision && !(own && record.held()) {
+        return Ok(());
+    }
+    record.handed_over = true;
+    record.lease_expires_unix_ms = shared::sync::unix_ms();
+    super::owners::enter(kv, &super::owners::wake_key(record.lease_expires_unix_ms, key)).await?;
+    kv.update(key, record.encode_to_vec().into(), entry.revision)
+        .await
+        .map_err(|e| unavailable("KV update", key, e))?;
+    super::owners::leave(kv, &super::owners::owner_key(&last.incarnation, key)).await;
+    Ok(())
+}
+
+/// Hands over every run abandoned under `incarnation` whose record still names one of its
+/// process's incarnations (and that no run here holds, as `held` says): the keys handed over;
+/// those the store did not answer for are tried again next time.
+async fn hand_over_abandoned(
+    kv: &dyn shared::jetstream::Bucket,
+    incarnation: &super::incarnation::Incarnation,
+    held: impl Fn(&str) -> bool,
+) -> Vec<String> {
+    let mut handed = Vec::new();
+    for key in incarnation.take_abandoned() {
+        if held(&key) {
+            continue;
+        }
+        match hand_over_abandoned_one(kv, incarnation, &key).await {
+            Ok(true) => handed.push(key),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(key = %key, "handing over a run no longer run here failed (tried again): {e}");
+                incarnation.abandon(&key);
+            }
+        }
+    }
+    handed
+}
+
+/// Marks the run under `key` handed over if its record names one of `incarnation`'s process's
+/// incarnations and is still held; whether it did.
+async fn hand_over_abandoned_one(
+    kv: &dyn shared::jetstream::Bucket,
+    incarnation: &super::incarnation::Incarnation,
+    key: &str,
+) -> Result<bool, StoreError> {
+    let Some((mut record, revision)) = holder_from(kv, key, Consistency::Leader).await? else {
+        return Ok(false);
+    };
+    if !record.held() || record.handed_over || !incarnation.is_mine(&record.incarnation) {
+        return Ok(false);
+    }
+    record.handed_over = true;
+    record.lease_expires_unix_ms = shared::sync::unix_ms();
+    super::owners::enter(kv, &super::owners::wake_key(record.lease_expires_unix_ms, key)).await?;
+    match kv.update(key, record.encode_to_vec().into(), revision).await {
+        Ok(_) => Ok(true),
+        Err(Error::WrongRevision) => Ok(false),
+        Err(e) => Err(unavailable("KV update", key, e)),
     }
 }

@@ -7,6 +7,10 @@
 //!   claims, checkpoints, takeover, hand-over, cancels asked of other replicas;
 //! * [`checkpoints`]: the checkpoint objects the journal names (an object-store bucket);
 //! * `kv`: what the key-value adapters share (subject tokens, conditional writes);
+//! * `incarnation`: this process's incarnation — the one lease record that holds all its runs —
+//!   and the keeper that renews it;
+//! * `owners`: the indexes that find orphans (runs by incarnation, parked runs by wake minute),
+//!   read by `finder`, one look for orphans;
 //! * `fence`: a run's fence (the newest epoch it was claimed in, which the tool-runners read),
 //!   raised by a takeover before it acts;
 //! * [`index`]: the [`RunIndex`](crate::domain::ports::RunIndex) — a JetStream stream with an
@@ -27,11 +31,14 @@
 pub mod approvals;
 pub(crate) mod checkpoints;
 mod fence;
+mod finder;
+mod incarnation;
 pub mod index;
 pub mod inspect;
 pub mod journal;
 mod kv;
 pub mod log;
+mod owners;
 pub mod quotas;
 pub mod results;
 pub mod sign_outs;

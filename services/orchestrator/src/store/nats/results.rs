@@ -3,8 +3,10 @@
 //! that owns the run and, while it runs, the end of its lease, under a `run.<run_id>`-derived key
 //! (run ids are escaped into a valid key); entries expire after the bucket's TTL.
 //!
-//! A live run's owner renews its lease by writing the run's state every third of the lease. A run
-//! is claimed with the bucket's create-if-absent, so of two replicas starting the same id at once
+//! A live run is held by its replica's *incarnation* (`incarnation.rs`), which its record names:
+//! the incarnation's one lease record is renewed for all its runs, and a quiet run writes nothing.
+//! (A record from before incarnations names none: its owner renews it by writing the run's state
+//! every third of the lease, and it is judged by its own revision.) A run is claimed with the bucket's create-if-absent, so of two replicas starting the same id at once
 //! exactly one runs it; every later write of its owner is a compare-and-set on the revision it
 //! wrote last, so once another replica took the run over (see the journal, `journal.rs`) the old
 //! owner's writes are refused ([`StoreError::Fenced`]) and it stops the run.
@@ -38,6 +40,10 @@ pub struct KvStore {
     pub(super) kv: Arc<dyn Bucket>,
     /// This replica, written into the records of its runs.
     pub(super) owner: String,
+    /// The incarnation holding this replica's runs now.
+    pub(super) incarnation: Arc<super::incarnation::Incarnation>,
+    /// What this replica's looks for orphans remember between them.
+    pub(super) finder: Arc<super::owners::Finder>,
     pub(super) lease: Duration,
     /// Copies JetStream keeps of the store's buckets (the approval store's beside it too).
     pub(super) replicas: usize,
@@ -74,10 +80,20 @@ pub struct KvStore {
 #[derive(Clone)]
 pub(super) struct Sightings {
     seen: Arc<Mutex<HashMap<String, (u64, tokio::time::Instant)>>>,
-    lease: Duration,
+    pub(super) lease: Duration,
+    /// This process's incarnations: the current one never lapses as seen from here.
+    pub(super) incarnation: Arc<super::incarnation::Incarnation>,
 }
 
 impl Sightings {
+    /// How long this replica has seen the record under `key` at `revision` (and no later one).
+    pub(super) fn unchanged_for(&self, key: &str, revision: u64) -> Duration {
+        match shared::sync::lock(&self.seen).get(key) {
+            Some((seen, since)) if *seen == revision => since.elapsed(),
+            _ => Duration::ZERO,
+        }
+    }
+
     /// Whether the record under `key` at `revision` has lapsed: this replica has seen that
     /// revision, and no later one, for a whole lease. A revision not seen before starts the count.
     pub(super) fn lapsed(&self, key: &str, revision: u64) -> bool {
@@ -98,13 +114,52 @@ impl Sightings {
         record.held() && self.lapsed(key, revision)
     }
 
+    /// Whether the owner of the live run `record` (at `revision` under `key`) is gone: the
+    /// incarnation it names is over, or was seen unchanged (or missing) for a whole lease here;
+    /// a record naming no incarnation is judged by its own revision ([`Sightings::lapsed_run`]).
+    pub(super) async fn owner_lapsed(
+        &self,
+        kv: &dyn Bucket,
+        key: &str,
+        record: &Record,
+        revision: u64,
+    ) -> Result<bool, StoreError> {
+        if record.incarnation.is_empty() {
+            return Ok(self.lapsed_run(key, record, revision));
+        }
+        if !record.held() || record.incarnation == self.incarnation.name().0 {
+            return Ok(false);
+        }
+        self.incarnation_lapsed(kv, &record.incarnation).await
+    }
+
+    /// Whether incarnation `name` is over, or was seen unchanged (or missing) for a whole lease.
+    pub(super) async fn incarnation_lapsed(&self, kv: &dyn Bucket, name: &str) -> Result<bool, StoreError> {
+        let key = super::incarnation::key_of(name);
+        // From the leader: a lagging copy would show an old revision standing still.
+        let entry = kv.entry(&key, Consistency::Leader).await;
+        match entry.map_err(|e| unavailable("KV entry", &key, e))? {
+            Some(entry) if entry.operation == Operation::Put => {
+                let record = super::incarnation::decode(&key, &entry.value)?;
+                Ok(record.over || self.lapsed(&key, entry.revision))
+            }
+            _ => Ok(self.lapsed(&key, 0)),
+        }
+    }
+
     /// Forgets what was seen of records not among `keys` (ended, or gone) and not seen in the
     /// last two leases (an id asked for again at admission).
     pub(super) fn keep(&self, keys: &std::collections::HashSet<String>) {
         let now = tokio::time::Instant::now();
         let recent = self.lease * 2;
-        shared::sync::lock(&self.seen)
-            .retain(|key, (_, since)| keys.contains(key) || now.duration_since(*since) < recent);
+        shared::sync::lock(&self.seen).retain(|key, (_, since)| {
+            !key.starts_with("run.") || keys.contains(key) || now.duration_since(*since) < recent
+        });
+    }
+
+    /// Forgets what was seen of the records under `prefix` not among `keys` (gone).
+    pub(super) fn keep_prefixed(&self, prefix: &str, keys: &std::collections::HashSet<String>) {
+        shared::sync::lock(&self.seen).retain(|key, _| !key.starts_with(prefix) || keys.contains(key));
     }
 }
 
@@ -159,6 +214,10 @@ pub(super) struct Record {
     /// that takes the run over ends it there too (`RunResult::ends_after_turn`).
     #[prost(string, tag = "13")]
     pub ends_after_turn: String,
+    /// The incarnation holding the run (empty: a record from before incarnations, whose owner
+    /// renews the record itself).
+    #[prost(string, tag = "14")]
+    pub incarnation: String,
 }
 
 /// What this replica knows of a run it owns.
@@ -176,6 +235,8 @@ pub(super) struct Owned {
     pub checkpoint_epoch: u64,
     /// See [`Record::checkpoint_slot`].
     pub checkpoint_slot: u32,
+    /// See [`Record::incarnation`].
+    pub incarnation: String,
 }
 
 impl Owned {
@@ -188,6 +249,7 @@ impl Owned {
             epoch: record.epoch,
             checkpoint_epoch: record.checkpoint_epoch,
             checkpoint_slot: record.checkpoint_slot,
+            incarnation: record.incarnation.clone(),
         }
     }
 
@@ -375,6 +437,11 @@ impl KvStore {
         let checkpoints = super::checkpoints::open(js, bucket, ttl, replicas).await?;
         let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
         let (index, index_stream) = super::index::entry::IndexWriter::open(js, bucket, ttl, replicas).await?;
+        let incarnation = Arc::new(super::incarnation::Incarnation::new(&owner));
+        if let Err(e) = incarnation.begin(kv.as_ref()).await {
+            // Its runs act only within a lease of now until it lands (the keeper tries again).
+            tracing::warn!("storing the replica's incarnation failed (tried again at its first renewal): {e}");
+        }
         Ok(Self {
             index,
             index_stream,
@@ -387,7 +454,10 @@ impl KvStore {
             seen: Sightings {
                 seen: Arc::default(),
                 lease,
+                incarnation: Arc::clone(&incarnation),
             },
+            incarnation,
+            finder: Arc::default(),
             owned: Arc::default(),
             checkpoints,
             js: js.handle(),
@@ -449,12 +519,10 @@ impl KvStore {
         let result = pb::RunResult::from(result);
         let lease = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
         let key = key(&result.run_id);
-        let (claim, epoch, named) = self
-            .owned()
-            .get(&key)
-            .map_or((String::new(), 1, CheckpointName::FIRST), |o| {
-                (o.claim.clone(), o.epoch, o.named_checkpoint())
-            });
+        let (claim, epoch, named, incarnation) = self.owned().get(&key).map_or_else(
+            || (String::new(), 1, CheckpointName::FIRST, self.incarnation.name().0),
+            |o| (o.claim.clone(), o.epoch, o.named_checkpoint(), o.incarnation.clone()),
+        );
         named.named_by(Record {
             result: Some(result),
             owner: self.owner.clone(),
@@ -467,6 +535,7 @@ impl KvStore {
             claim,
             epoch,
             ends_after_turn,
+            incarnation,
             ..Record::default()
         })
     }
@@ -482,6 +551,32 @@ impl KvStore {
         record: Record,
     ) -> impl Future<Output = Result<Claim, StoreError>> + use<> {
         create_record(self.kv.clone(), Arc::clone(&self.owned), self.seen.clone(), key, record)
+    }
+
+    /// Whether this replica's incarnation holds runs: a claim of `run_id` under one whose lease
+    /// ran out is refused (the run could not act, and its next one claims it), and so is one
+    /// under an incarnation whose record is not stored yet (no other replica could find it).
+    pub(super) fn holding(&self, run_id: &str) -> Result<(), StoreError> {
+        let (name, generation) = self.incarnation.name();
+        if !self.incarnation.stored() {
+            return Err(unavailable(
+                "claim",
+                &key(run_id),
+                format!("this replica's incarnation {name} is not stored yet"),
+            ));
+        }
+        let until = self
+            .incarnation
+            .liveness()
+            .acts_until(generation, self.lease.saturating_sub(self.margin));
+        match tokio::time::Instant::now() < until {
+            true => Ok(()),
+            false => Err(unavailable(
+                "claim",
+                &key(run_id),
+                format!("this replica's incarnation {name} lapsed; it claims under its next one"),
+            )),
+        }
     }
 
     /// The run stored under `key`, as any replica of the bucket reads it now (a follower may
@@ -527,11 +622,12 @@ impl KvStore {
                 return rewrite_own_final(kv.as_ref(), &key, bytes, &owner, running).await;
             };
             let revision = update_owned(kv.as_ref(), &key, bytes, &last, &owner).await?;
-            let mut owned = shared::sync::lock(&owned);
             if !running {
-                owned.remove(&key);
+                shared::sync::lock(&owned).remove(&key);
+                super::owners::leave(kv.as_ref(), &super::owners::owner_key(&last.incarnation, &key)).await;
                 return Ok(());
             }
+            let mut owned = shared::sync::lock(&owned);
             // The revision is this write's, and the object the record names now (unless a later
             // epoch's was named meanwhile). Put back as it was read, the entry would name an
             // object that may be deleted by now, and the next renewal would write that name into
@@ -557,9 +653,68 @@ fn named_checkpoint(record: &Record) -> u64 {
     }
 }
 
+/// A claim (or hand-over) of the run under `key` on its way: should it not finish (an error, an
+/// answer lost, the future dropped at a timeout) the run may be held in the store under this
+/// incarnation while nothing runs it here, so it is abandoned to the keeper.
+pub(super) struct Claiming {
+    key: String,
+    owned: Arc<Mutex<HashMap<String, Owned>>>,
+    incarnation: Arc<super::incarnation::Incarnation>,
+    finished: bool,
+}
+
+impl Claiming {
+    /// A claim of the run under `key`, by the replica owning `owned` under `incarnation`.
+    pub(super) fn of(
+        key: &str,
+        owned: &Arc<Mutex<HashMap<String, Owned>>>,
+        incarnation: &Arc<super::incarnation::Incarnation>,
+    ) -> Self {
+        Self {
+            key: key.to_owned(),
+            owned: Arc::clone(owned),
+            incarnation: Arc::clone(incarnation),
+            finished: false,
+        }
+    }
+
+    /// The claim finished: the run runs here, or is not this replica's.
+    pub(super) fn finished(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for Claiming {
+    fn drop(&mut self) {
+        if !self.finished {
+            shared::sync::lock(&self.owned).remove(&self.key);
+            self.incarnation.abandon(&self.key);
+        }
+    }
+}
+
 /// See [`KvStore::create`]; `record.epoch` is the claim's (1 when not given), one more than the
 /// taken record's when it takes over a run that never started.
 pub(super) async fn create_record(
+    kv: Arc<dyn Bucket>,
+    owned: Arc<Mutex<HashMap<String, Owned>>>,
+    seen: Sightings,
+    key: String,
+    record: Record,
+) -> Result<Claim, StoreError> {
+    let claiming = Claiming::of(&key, &owned, &seen.incarnation);
+    let claim = create_claimed(kv, owned, seen, key, record).await;
+    // Unanswered (or dropped at a timeout), the claim may have landed: the run is not started
+    // here, and a record that did land is handed over by the keeper (then it is resumed from its
+    // start checkpoint, or reads lost).
+    if claim.is_ok() {
+        claiming.finished();
+    }
+    claim
+}
+
+/// See [`create_record`].
+async fn create_claimed(
     kv: Arc<dyn Bucket>,
     owned: Arc<Mutex<HashMap<String, Owned>>>,
     seen: Sightings,
@@ -569,6 +724,8 @@ pub(super) async fn create_record(
     record.epoch = record.epoch.max(1);
     record.checkpoint_epoch = named_checkpoint(&record);
     record.checkpoint_slot = 0;
+    // Entered under its incarnation first: a held run is always found when that one lapses.
+    super::owners::enter_owner(kv.as_ref(), &record.incarnation, &key, record.epoch).await?;
     match kv.create(&key, record.encode_to_vec().into()).await {
         Ok(revision) => {
             shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
@@ -578,11 +735,12 @@ pub(super) async fn create_record(
             let Some((taken, revision)) = holder_from(kv.as_ref(), &key, Consistency::Leader).await? else {
                 return Err(unavailable("KV create", &key, "taken, then gone"));
             };
-            if taken.never_started(seen.lapsed(&key, revision)) {
+            if taken.never_started(seen.owner_lapsed(kv.as_ref(), &key, &taken, revision).await?) {
                 // Its replica died before the run showed anything, and nothing of it can be
                 // resumed: the id is free again (one winner), in a later epoch.
                 record.epoch = record.epoch.max(taken.epoch.saturating_add(1));
                 record.checkpoint_epoch = named_checkpoint(&record);
+                super::owners::enter_owner(kv.as_ref(), &record.incarnation, &key, record.epoch).await?;
                 super::fence::raise(kv.as_ref(), &key, record.epoch).await?;
                 if let Ok(revision) = kv.update(&key, record.encode_to_vec().into(), revision).await {
                     shared::sync::lock(&owned).insert(key, Owned::of(revision, &record));
@@ -591,8 +749,6 @@ pub(super) async fn create_record(
             }
             Ok(Claim::Taken(Box::new(taken.read(&key)?)))
         }
-        // Unanswered, the claim may have landed: the run is not started here, and a record that
-        // did land lapses unrenewed (then it is resumed from its start checkpoint, or reads lost).
         Err(e) => Err(unavailable("KV create", &key, e)),
     }
 }
@@ -711,6 +867,9 @@ impl ResultStore for KvStore {
     }
 
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
+        if let Err(e) = self.holding(&result.run_id) {
+            return futures::future::ready(Err(e)).boxed();
+        }
         let record = self.record(&result, 0);
         let (enter, create) = (self.index.enter(&result), self.create(key(&result.run_id), record));
         async move {
@@ -730,6 +889,17 @@ impl ResultStore for KvStore {
 
     fn epoch(&self, run_id: &str) -> u64 {
         self.owned().get(&key(run_id)).map_or(0, |o| o.epoch)
+    }
+
+    fn liveness(&self) -> Option<crate::domain::Liveness> {
+        Some(self.incarnation.liveness())
+    }
+
+    fn generation(&self, run_id: &str) -> u64 {
+        let named = self.owned().get(&key(run_id)).map(|o| o.incarnation.clone());
+        let (current, generation) = self.incarnation.name();
+        // A record naming an incarnation that is over holds nothing here any more.
+        named.filter(|named| *named == current).map_or(0, |_| generation)
     }
 
     fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
