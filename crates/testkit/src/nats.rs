@@ -192,8 +192,29 @@ struct Node {
 
 impl NatsCluster {
     /// `size` nodes forming one cluster, JetStream up on all of them (a meta leader elected).
+    /// Its ports are free when picked but may be taken before a node binds them (tests run in
+    /// parallel): a node that exits while the cluster comes up starts it again on new ports.
     pub async fn start(size: usize) -> anyhow::Result<Self> {
         crate::arm_watchdog();
+        let mut attempt = 1;
+        loop {
+            let mut cluster = Self::configure(size)?;
+            for i in 0..size {
+                cluster.spawn(i)?;
+            }
+            match cluster.exited_while_coming_up().await? {
+                None => return Ok(cluster),
+                Some(node) if attempt < 5 => {
+                    eprintln!("NATS node {node} exited while the cluster came up (a port taken?): starting it again");
+                    attempt += 1;
+                }
+                Some(node) => anyhow::bail!("NATS node {node} exited while the cluster came up:\n{}", cluster.logs()),
+            }
+        }
+    }
+
+    /// The cluster's configuration on fresh ports, no node started.
+    fn configure(size: usize) -> anyhow::Result<Self> {
         let tmp = tempfile::tempdir()?;
         let free = || -> anyhow::Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
         let ports: Vec<(u16, u16)> = (0..size)
@@ -225,12 +246,41 @@ impl NatsCluster {
                 child: None,
             });
         }
-        let mut cluster = Self { nodes, _tmp: tmp };
-        for i in 0..size {
-            cluster.spawn(i)?;
+        Ok(Self { nodes, _tmp: tmp })
+    }
+
+    /// Waits until JetStream answers through the cluster, as [`NatsCluster::wait_for_jetstream`]
+    /// does; the name of a node that exited meanwhile (`None`: the cluster is up).
+    async fn exited_while_coming_up(&mut self) -> anyhow::Result<Option<String>> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            for node in &mut self.nodes {
+                if let Some(child) = node.child.as_mut()
+                    && child.try_wait()?.is_some()
+                {
+                    return Ok(Some(node.name.clone()));
+                }
+            }
+            let last_error = match self.jetstream_answers().await {
+                Ok(()) => return Ok(None),
+                Err(e) => e,
+            };
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the NATS cluster's JetStream did not come up: {last_error}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        cluster.wait_for_jetstream().await?;
-        Ok(cluster)
+    }
+
+    /// Whether JetStream answers through the cluster now; why not.
+    async fn jetstream_answers(&self) -> Result<(), String> {
+        let client = async_nats::connect(self.seeds()).await.map_err(|e| e.to_string())?;
+        match async_nats::jetstream::new(client).query_account().await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
@@ -274,12 +324,9 @@ impl NatsCluster {
     pub async fn wait_for_jetstream(&self) -> anyhow::Result<()> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
-            let last_error = match async_nats::connect(self.seeds()).await {
-                Ok(client) => match async_nats::jetstream::new(client).query_account().await {
-                    Ok(_) => return Ok(()),
-                    Err(e) => e.to_string(),
-                },
-                Err(e) => e.to_string(),
+            let last_error = match self.jetstream_answers().await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
             };
             anyhow::ensure!(
                 tokio::time::Instant::now() < deadline,

@@ -162,6 +162,20 @@ impl Incarnation {
         }
     }
 
+    /// Brings the incarnation up to hold runs now, for a claim that finds it cannot: a lapsed
+    /// one ends and the next begins, one not stored yet is stored. The keeper does the same at
+    /// its next tick; a process resumed from a pause is asked for runs before that.
+    pub(super) async fn come_up(&self, kv: &dyn Bucket, acting: Duration) -> Result<(), StoreError> {
+        let (name, generation) = self.name();
+        if tokio::time::Instant::now() >= self.liveness.acts_until(generation, acting) {
+            self.reincarnate(kv, &name, generation).await;
+        }
+        match self.stored() {
+            true => Ok(()),
+            false => self.begin(kv).await,
+        }
+    }
+
     /// One renewal of the current incarnation (its creation, when that has not landed yet); a
     /// lease run out, or a record another replica removed, starts the next incarnation.
     pub(super) async fn renew(&self, kv: &dyn Bucket, acting: Duration) {

@@ -280,9 +280,7 @@ impl RunJournal for KvStore {
         deadline_unix_ms: u64,
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<Claim, StoreError>> {
-        if let Err(e) = self.holding(&result.run_id) {
-            return futures::future::ready(Err(e)).boxed();
-        }
+        let hold = self.hold(&result.run_id);
         let key = key(&result.run_id);
         let mut record = self.record(&result, deadline_unix_ms);
         record.claim = self.new_claim();
@@ -290,6 +288,7 @@ impl RunJournal for KvStore {
         let owned = std::sync::Arc::clone(&self.owned);
         let enter = self.index.enter(&result);
         async move {
+            record.incarnation = hold.await?;
             // An id taken already is answered without putting anything under its key: the run
             // holding it (live, or parked for hours) keeps its checkpoint. Read from the leader:
             // a follower that lacks a claim whose answer was lost would let this admission's
@@ -347,9 +346,7 @@ impl RunJournal for KvStore {
     }
 
     fn take_over(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Claimed>, StoreError>> {
-        if let Err(e) = self.holding(run_id) {
-            return futures::future::ready(Err(e)).boxed();
-        }
+        let hold = self.hold(run_id);
         let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
         let (owned, owner, seen) = (
             std::sync::Arc::clone(&self.owned),
@@ -367,7 +364,7 @@ impl RunJournal for KvStore {
                 return Ok(None);
             }
             // Entered under this replica's incarnation before its record names it.
-            let (incarnation, _) = seen.incarnation.name();
+            let incarnation = hold.await?;
             super::owners::enter_owner(kv.as_ref(), &incarnation, &key, record.epoch.saturating_add(1)).await?;
             // The fence first: once the record is this replica's its calls may go out, and by
             // then every runner refuses the replaced owner's (a raise is never undone; should the

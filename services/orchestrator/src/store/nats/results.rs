@@ -415,6 +415,14 @@ impl Record {
     }
 }
 
+/// The name of `incarnation` if it may hold runs now: stored, and within its lease less the
+/// margin (`acting`).
+fn holds(incarnation: &super::incarnation::Incarnation, acting: Duration) -> Option<String> {
+    let (name, generation) = incarnation.name();
+    let acts = tokio::time::Instant::now() < incarnation.liveness().acts_until(generation, acting);
+    (incarnation.stored() && acts).then_some(name)
+}
+
 /// A valid KV key for `run_id`.
 pub(super) fn key(run_id: &str) -> String {
     escaped_key("run.", run_id)
@@ -540,42 +548,27 @@ impl KvStore {
         })
     }
 
-    /// Creates the record of a new run under `key` unless the id is taken, atomically; takes
-    /// over the record of a run whose replica died before it showed anything
-    /// ([`Record::never_started`]). This replica owns the run once it is [`Claim::Claimed`]. A
-    /// claim the store does not answer is remembered, so a later write adopts the record if it
-    /// landed (or creates it).
-    pub(super) fn create(
-        &self,
-        key: String,
-        record: Record,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + use<> {
-        create_record(self.kv.clone(), Arc::clone(&self.owned), self.seen.clone(), key, record)
-    }
-
-    /// Whether this replica's incarnation holds runs: a claim of `run_id` under one whose lease
-    /// ran out is refused (the run could not act, and its next one claims it), and so is one
-    /// under an incarnation whose record is not stored yet (no other replica could find it).
-    pub(super) fn holding(&self, run_id: &str) -> Result<(), StoreError> {
-        let (name, generation) = self.incarnation.name();
-        if !self.incarnation.stored() {
-            return Err(unavailable(
-                "claim",
-                &key(run_id),
-                format!("this replica's incarnation {name} is not stored yet"),
-            ));
-        }
-        let until = self
-            .incarnation
-            .liveness()
-            .acts_until(generation, self.lease.saturating_sub(self.margin));
-        match tokio::time::Instant::now() < until {
-            true => Ok(()),
-            false => Err(unavailable(
-                "claim",
-                &key(run_id),
-                format!("this replica's incarnation {name} lapsed; it claims under its next one"),
-            )),
+    /// Holds `run_id` under this replica's incarnation: the incarnation's name, once it may hold
+    /// runs. One whose lease ran out (a process resumed from a pause) or whose record is not
+    /// stored yet is first brought up ([`super::incarnation::Incarnation::come_up`]); refused
+    /// when that fails (a run claimed under it could not act, or no other replica could find
+    /// it).
+    pub(super) fn hold(&self, run_id: &str) -> impl Future<Output = Result<String, StoreError>> + use<> {
+        let (incarnation, kv, key) = (Arc::clone(&self.incarnation), self.kv.clone(), key(run_id));
+        let acting = self.lease.saturating_sub(self.margin);
+        async move {
+            if let Some(name) = holds(&incarnation, acting) {
+                return Ok(name);
+            }
+            incarnation.come_up(kv.as_ref(), acting).await?;
+            holds(&incarnation, acting).ok_or_else(|| {
+                let (name, _) = incarnation.name();
+                unavailable(
+                    "claim",
+                    &key,
+                    format!("this replica's incarnation {name} cannot hold runs yet"),
+                )
+            })
         }
     }
 
@@ -693,7 +686,10 @@ impl Drop for Claiming {
     }
 }
 
-/// See [`KvStore::create`]; `record.epoch` is the claim's (1 when not given), one more than the
+/// Creates the record of a new run under `key` unless the id is taken, atomically; takes over
+/// the record of a run whose replica died before it showed anything ([`Record::never_started`]).
+/// This replica owns the run once it is [`Claim::Claimed`]. A claim the store does not answer is
+/// remembered, so a later write adopts the record if it landed (or creates it). `record.epoch` is the claim's (1 when not given), one more than the
 /// taken record's when it takes over a run that never started.
 pub(super) async fn create_record(
     kv: Arc<dyn Bucket>,
@@ -857,7 +853,6 @@ fn decode(key: &str, bytes: &[u8]) -> Result<RunResult, StoreError> {
     decode_record(key, bytes)?.read(key)
 }
 
-/// The store's refusal of `operation` on `key`.
 impl ResultStore for KvStore {
     fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
         let key = key(&result.run_id);
@@ -867,14 +862,19 @@ impl ResultStore for KvStore {
     }
 
     fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
-        if let Err(e) = self.holding(&result.run_id) {
-            return futures::future::ready(Err(e)).boxed();
-        }
-        let record = self.record(&result, 0);
-        let (enter, create) = (self.index.enter(&result), self.create(key(&result.run_id), record));
+        let hold = self.hold(&result.run_id);
+        let mut record = self.record(&result, 0);
+        let enter = self.index.enter(&result);
+        let (kv, owned, seen, key) = (
+            self.kv.clone(),
+            Arc::clone(&self.owned),
+            self.seen.clone(),
+            key(&result.run_id),
+        );
         async move {
+            record.incarnation = hold.await?;
             enter.await?;
-            create.await
+            create_record(kv, owned, seen, key, record).await
         }
         .boxed()
     }
