@@ -25,6 +25,7 @@ mod relay;
 mod replicas;
 mod soak;
 mod stack;
+mod takeover;
 mod tasks;
 mod workload;
 
@@ -138,12 +139,21 @@ struct Cli {
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=100_000))]
     idle_cost: Vec<u64>,
     /// The quiet window `--idle-cost` measures (1s–10m).
-    #[arg(long, default_value = "20s", value_parser = idle_window)]
+    #[arg(long, default_value = "20s", value_parser = one_second_to_ten_minutes)]
     idle_window: Duration,
+    /// Instead of the grid: this many durable runs (10–100000) waiting on a long tool call on
+    /// one replica of two sharing one nats-server (on the PATH); that replica SIGKILLed, the
+    /// time until the other runs every one again and the store requests per run taken over.
+    /// Writes `takeover.md` / `.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    takeover_quiet: Option<u64>,
+    /// The run-store lease of `--takeover-quiet`'s replicas (1s–10m; the orchestrator's default).
+    #[arg(long, default_value = "15s", value_parser = one_second_to_ten_minutes)]
+    takeover_lease: Duration,
 }
 
-/// A quiet window of 1s to 10m.
-fn idle_window(s: &str) -> Result<Duration, String> {
+/// A duration of 1s to 10m (a window or a lease of the bench).
+fn one_second_to_ten_minutes(s: &str) -> Result<Duration, String> {
     let window = humantime::parse_duration(s).map_err(|e| e.to_string())?;
     match (Duration::from_secs(1)..=Duration::from_secs(600)).contains(&window) {
         true => Ok(window),
@@ -788,6 +798,9 @@ async fn main() -> anyhow::Result<()> {
             .map(|&n| usize::try_from(n))
             .collect::<Result<Vec<_>, _>>()?;
         return quiet::run(&bin, &counts, cli.idle_window, &cli.out).await;
+    }
+    if let Some(runs) = cli.takeover_quiet {
+        return takeover::run(&bin, usize::try_from(runs)?, cli.takeover_lease, &cli.out).await;
     }
     if let Some(waits) = cli.pending_approvals {
         return pending::run(usize::try_from(waits)?, &cli.out).await;

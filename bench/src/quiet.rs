@@ -43,14 +43,14 @@ pub(crate) struct Quiet {
 }
 
 /// Every run calls the runner's `sleep` for `ms`, then answers.
-fn scenario(ms: u64) -> Scenario {
+pub(crate) fn scenario(ms: u64) -> Scenario {
     Scenario::new(vec![
         Turn::text("Waiting.").then(Step::call("sleep", serde_json::json!({ "ms": ms }))),
         Turn::text("Done."),
     ])
 }
 
-fn request(run_id: String) -> pb::OrchestrateRequest {
+pub(crate) fn request(run_id: String) -> pb::OrchestrateRequest {
     pb::OrchestrateRequest {
         run_id,
         detached: true,
@@ -68,8 +68,8 @@ fn request(run_id: String) -> pb::OrchestrateRequest {
 }
 
 /// The model, a runner in this process whose `sleep` may last an hour, and an orchestrator on
-/// the NATS store `url` with room for `runs`.
-async fn stack(bin: &Path, url: &str, runs: usize, call: Duration) -> anyhow::Result<Stack> {
+/// the NATS store `url` with room for `runs`; `extra` flags added.
+pub(crate) async fn stack(bin: &Path, url: &str, runs: usize, call: Duration, extra: &[&str]) -> anyhow::Result<Stack> {
     let mock = MockLlm::start_timed(Scenarios::from(scenario(u64::try_from(call.as_millis())?))).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let runner = format!("http://{}", listener.local_addr()?);
@@ -77,36 +77,47 @@ async fn stack(bin: &Path, url: &str, runs: usize, call: Duration) -> anyhow::Re
     config.server.max_concurrency = 10_000;
     config.builtins.sleep_max = Duration::from_secs(3600);
     tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
-    let slots = (runs + 16).to_string();
-    let launch = Launch {
-        bin: bin.to_owned(),
-        model_url: mock.base_url(),
-        runner: runner.clone(),
-        otlp: None,
-        // Where /metrics serves is told at info; the runs themselves log at warn.
-        rust_log: "warn,shared::metrics=info".into(),
-        extra: [
-            "--run-store",
-            url,
-            "--max-runs",
-            &slots,
-            "--tool-timeout-ceiling",
-            "1h",
-            "--tool-timeout",
-            "1h",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ]
-        .map(str::to_owned)
-        .to_vec(),
-        env: Vec::new(),
-    };
-    let process = spawn(&launch, "127.0.0.1:0").await?;
+    let process = spawn(
+        &launch(bin, (&mock.base_url(), &runner), url, runs, extra),
+        "127.0.0.1:0",
+    )
+    .await?;
     Stack::of(mock, runner, process)
 }
 
+/// An orchestrator on the model and runner `(model_url, runner)` and the NATS store `url`, with
+/// room for `runs` held an hour each, its `/metrics` served; `extra` flags added.
+pub(crate) fn launch(bin: &Path, (model_url, runner): (&str, &str), url: &str, runs: usize, extra: &[&str]) -> Launch {
+    let slots = (runs + 16).to_string();
+    let mut flags: Vec<String> = [
+        "--run-store",
+        url,
+        "--max-runs",
+        &slots,
+        "--tool-timeout-ceiling",
+        "1h",
+        "--tool-timeout",
+        "1h",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    flags.extend(extra.iter().map(|f| (*f).to_owned()));
+    Launch {
+        bin: bin.to_owned(),
+        model_url: model_url.to_owned(),
+        runner: runner.to_owned(),
+        otlp: None,
+        // Where /metrics serves is told at info; the runs themselves log at warn.
+        rust_log: "warn,shared::metrics=info".into(),
+        extra: flags,
+        env: Vec::new(),
+    }
+}
+
 /// The value of gauge `name` at the orchestrator's `/metrics`.
-async fn gauge(metrics: &str, name: &str) -> anyhow::Result<f64> {
+pub(crate) async fn gauge(metrics: &str, name: &str) -> anyhow::Result<f64> {
     let text = reqwest::get(format!("http://{metrics}/metrics")).await?.text().await?;
     Ok(text
         .lines()
@@ -116,14 +127,14 @@ async fn gauge(metrics: &str, name: &str) -> anyhow::Result<f64> {
 }
 
 /// nats-server's message counters (in, out).
-async fn counters(nats: &testkit::nats::Nats) -> anyhow::Result<(f64, f64)> {
+pub(crate) async fn counters(nats: &testkit::nats::Nats) -> anyhow::Result<(f64, f64)> {
     let varz = nats.varz().await?;
     let read = |field: &str| varz.get(field).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
     Ok((read("in_msgs"), read("out_msgs")))
 }
 
 /// Messages in and out per second over `window`.
-async fn rates(nats: &testkit::nats::Nats, window: Duration) -> anyhow::Result<(f64, f64)> {
+pub(crate) async fn rates(nats: &testkit::nats::Nats, window: Duration) -> anyhow::Result<(f64, f64)> {
     let before = counters(nats).await?;
     // Stays: the window is what is measured.
     tokio::time::sleep(window).await;
@@ -137,7 +148,7 @@ async fn measure(bin: &Path, runs: usize, window: Duration) -> anyhow::Result<Qu
     let nats = testkit::nats::Nats::start_monitored().await?;
     // The calls outlast starting them all and the window, with room.
     let call = window * 3 + Duration::from_secs(60 + runs as u64 / 20);
-    let stack = stack(bin, &nats.url(), runs, call).await?;
+    let stack = stack(bin, &nats.url(), runs, call, &[]).await?;
     let metrics = stack
         .metrics
         .clone()

@@ -219,12 +219,24 @@ impl StreamState {
         self.last_sequence
     }
 
-    /// The messages matching `filter` from sequence `from` on.
-    pub fn from(&self, filter: &str, from: u64) -> impl Iterator<Item = (u64, &Stored)> {
-        self.messages
-            .range(from..)
-            .filter(move |(_, m)| matches(filter, &m.subject))
-            .map(|(seq, m)| (*seq, m))
+    /// The messages matching `filter` from sequence `from` on: a subject's own from its
+    /// sequences (a run's log in a stream of every run's), a wildcard's by walking the stream.
+    pub fn from<'a>(&'a self, filter: &'a str, from: u64) -> Box<dyn Iterator<Item = (u64, &'a Stored)> + 'a> {
+        if filter.split('.').any(|token| token == "*" || token == ">") {
+            return Box::new(
+                self.messages
+                    .range(from..)
+                    .filter(move |(_, m)| matches(filter, &m.subject))
+                    .map(|(seq, m)| (*seq, m)),
+            );
+        }
+        let seqs = self.by_subject.get(filter).map_or(&[][..], Vec::as_slice);
+        let first = seqs.partition_point(|seq| *seq < from);
+        Box::new(
+            seqs[first..]
+                .iter()
+                .filter_map(|seq| self.messages.get(seq).map(|m| (*seq, m))),
+        )
     }
 
     /// The sequences of the last message of each subject matching `filter`, in stream order.

@@ -749,7 +749,7 @@ impl World {
                     continue;
                 };
                 if !seen.status.is_live()
-                    && let Some(broken) = check::end_not_kept(&store.view(), &seen)
+                    && let Some(broken) = check::end_not_kept(&store.run_view(&run_id), &seen)
                 {
                     lock(&observations).push(broken);
                 }

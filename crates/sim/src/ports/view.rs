@@ -165,36 +165,50 @@ impl Watched {
         fence.max(record).unwrap_or(0)
     }
 
+    /// The store as [`Watched::view`] reads it, of run `run_id` alone: its record, log and
+    /// waits (what a check of one run's end reads, without reading every run's).
+    pub fn run_view(&self, run_id: &str) -> View {
+        let mut view = View::default();
+        self.add_run(&mut view, run_id);
+        view
+    }
+
+    /// Run `run_id`'s record, log and waits into `view`.
+    fn add_run(&self, view: &mut View, run_id: &str) {
+        let names = &self.names;
+        let key = inspect::run_key(run_id);
+        if let Some(entry) = self.cluster.entry(&names.runs, &key)
+            && let Ok(run) = inspect::run(&key, &entry.value)
+        {
+            let run = RunView {
+                result: run.result,
+                owner: run.owner,
+                incarnation: run.incarnation,
+                epoch: run.epoch,
+            };
+            view.records.insert(run_id.to_owned(), run);
+        }
+        let log: Vec<Vec<NumberedEvent>> = self
+            .cluster
+            .messages(&names.events, &inspect::log_subject(&names.events, run_id))
+            .iter()
+            .filter_map(|m| inspect::log_events(&m.payload).ok())
+            .collect();
+        if !log.is_empty() {
+            view.logs.insert(run_id.to_owned(), log);
+        }
+        if let Some(entry) = self.cluster.entry(&names.approvals, &key) {
+            let undecided = inspect::undecided(&entry.value).unwrap_or_default();
+            view.waits.insert(run_id.to_owned(), undecided);
+        }
+    }
+
     /// What the store holds now.
     pub fn view(&self) -> View {
         let names = &self.names;
         let mut view = View::default();
         for run_id in &self.runs {
-            let key = inspect::run_key(run_id);
-            if let Some(entry) = self.cluster.entry(&names.runs, &key)
-                && let Ok(run) = inspect::run(&key, &entry.value)
-            {
-                let run = RunView {
-                    result: run.result,
-                    owner: run.owner,
-                    incarnation: run.incarnation,
-                    epoch: run.epoch,
-                };
-                view.records.insert(run_id.clone(), run);
-            }
-            let log: Vec<Vec<NumberedEvent>> = self
-                .cluster
-                .messages(&names.events, &inspect::log_subject(&names.events, run_id))
-                .iter()
-                .filter_map(|m| inspect::log_events(&m.payload).ok())
-                .collect();
-            if !log.is_empty() {
-                view.logs.insert(run_id.clone(), log);
-            }
-            if let Some(entry) = self.cluster.entry(&names.approvals, &key) {
-                let undecided = inspect::undecided(&entry.value).unwrap_or_default();
-                view.waits.insert(run_id.clone(), undecided);
-            }
+            self.add_run(&mut view, run_id);
         }
         let thread_key = inspect::thread_key(super::THREAD);
         if let Some(entry) = self.cluster.entry(&names.threads, &thread_key)

@@ -17,6 +17,8 @@
 //! * [`listing`]: finding runs (`ListRuns`): queries, rows, pages and their cursors, labels;
 //! * [`usage`]: what each principal spends, per hour window, and its budget;
 //! * [`share`]: fair shares of the run slots among the principals whose runs wait;
+//! * [`rendezvous`]: which of several endpoints (or replicas) a key goes to first, stable as
+//!   they come and go;
 //! * [`visibility`]: who sees a run or a thread;
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
@@ -32,6 +34,7 @@ pub mod listing;
 pub mod ownership;
 pub mod params;
 pub mod ports;
+pub mod rendezvous;
 pub mod result;
 pub mod share;
 pub mod spec;

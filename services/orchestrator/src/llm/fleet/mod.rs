@@ -23,7 +23,6 @@
 
 mod member;
 mod membership;
-pub(crate) mod rendezvous;
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -36,6 +35,8 @@ use futures::{FutureExt, Stream, StreamExt};
 use shared::runtime::AbortOnDrop;
 use shared::sync::lock;
 use tokio::time::Instant;
+
+use crate::domain::rendezvous;
 
 use self::member::{HealthRules, InFlight, Member};
 use super::client::{Attempt, request_body_with};

@@ -19,7 +19,7 @@ use super::incarnation::{self, PREFIX};
 use super::owners::{self, MINUTE_MS};
 use super::results::{Record, Sightings, holder_from};
 use crate::domain::ports::StoreError;
-use crate::llm::fleet::rendezvous;
+use crate::domain::rendezvous;
 use crate::store::unavailable;
 use futures::future::BoxFuture;
 

@@ -69,16 +69,14 @@ fn run_of(value: &str) -> &str {
 /// The most slot keys a take reads at once.
 const READ_AT_ONCE: usize = 8;
 
-/// `keys` in windows of 1, 2, 4 … keys, up to [`READ_AT_ONCE`].
-fn chunks_doubling(keys: &[String]) -> impl Iterator<Item = &[String]> {
-    let (mut from, mut window) = (0, 1);
+/// `keys` in windows of 1, 2, 4 … keys, up to [`READ_AT_ONCE`], each made only when it is
+/// reached (a principal may have thousands of slots; a take most often reads one).
+fn windows_doubling(mut keys: impl Iterator<Item = String>) -> impl Iterator<Item = Vec<String>> {
+    let mut window = 1;
     std::iter::from_fn(move || {
-        let chunk = keys
-            .get(from..(from + window).min(keys.len()))
-            .filter(|c| !c.is_empty())?;
-        from += chunk.len();
+        let chunk: Vec<String> = keys.by_ref().take(window).collect();
         window = (window * 2).min(READ_AT_ONCE);
-        Some(chunk)
+        (!chunk.is_empty()).then_some(chunk)
     })
 }
 
@@ -107,16 +105,14 @@ impl NatsQuotas {
     /// that finds the first key free costs that one write.
     async fn take_one(&self, principal: &str, max: usize, holder_value: &str) -> Result<Option<String>, StoreError> {
         let prefix = token(principal);
-        let keys: Vec<String> = slot_order(run_of(holder_value), max)
-            .map(|n| format!("{prefix}.{n}"))
-            .collect();
+        let keys = || slot_order(run_of(holder_value), max).map(|n| format!("{prefix}.{n}"));
         // The first key is most often free: a create alone takes it.
-        match keys.first() {
-            Some(first) if self.claim(first, holder_value, None).await? => return Ok(Some(first.clone())),
+        match keys().next() {
+            Some(first) if self.claim(&first, holder_value, None).await? => return Ok(Some(first)),
             _ => {}
         }
         let mut held = Vec::new();
-        for keys in chunks_doubling(&keys) {
+        for keys in windows_doubling(keys()) {
             let read = futures::future::join_all(keys.iter().map(|key| holder(&*self.slots, key))).await;
             for (key, found) in keys.iter().zip(read) {
                 match found? {

@@ -1,11 +1,11 @@
-//! Rendezvous (highest random weight) hashing: each key ranks every endpoint by a hash of the
-//! two, so a key keeps its first endpoint while the fleet changes around it, and when an
+//! Rendezvous (highest random weight) hashing: each key ranks every endpoint (a model server, or a
+//! replica taking orphaned runs) by a hash of the two, so a key keeps its first endpoint while the fleet changes around it, and when an
 //! endpoint leaves only the keys it ranked first move, each to its own next one (load stays
 //! spread). The hash is fixed (FNV-1a, then a SplitMix64 finish), so every replica of every
 //! version ranks alike.
 
 /// The weight of `endpoint` for `key`.
-pub(crate) fn weight(key: &str, endpoint: &str) -> u64 {
+pub fn weight(key: &str, endpoint: &str) -> u64 {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut hash = OFFSET;
@@ -24,7 +24,7 @@ fn split_mix(mut z: u64) -> u64 {
 }
 
 /// The positions of `endpoints` in `key`'s order: highest weight first (ties by name).
-pub(super) fn order<'a>(key: &str, endpoints: impl Iterator<Item = &'a str>) -> Vec<usize> {
+pub fn order<'a>(key: &str, endpoints: impl Iterator<Item = &'a str>) -> Vec<usize> {
     let mut ranked: Vec<(u64, &str, usize)> = endpoints
         .enumerate()
         .map(|(i, endpoint)| (weight(key, endpoint), endpoint, i))
