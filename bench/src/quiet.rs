@@ -38,6 +38,9 @@ pub(crate) struct Quiet {
     pub cpu_us_per_run_s: f64,
     /// Orchestrator RSS growth per quiet run (KiB).
     pub rss_kib_per_run: f64,
+    /// Orchestrator RSS with the runs quiet (KiB): the slope between two counts is a quiet
+    /// run's own memory, without what the burst of starts grew once.
+    pub rss_kib: f64,
     /// Runs started until every call was in flight (s).
     pub start_all_s: f64,
 }
@@ -183,6 +186,7 @@ async fn measure(bin: &Path, runs: usize, window: Duration) -> anyhow::Result<Qu
         out_per_run_s: out_rate / n,
         cpu_us_per_run_s: cpu.as_secs_f64() * 1e6 / window.as_secs_f64() / n,
         rss_kib_per_run: rss.saturating_sub(base_rss) as f64 / 1024.0 / n,
+        rss_kib: rss as f64 / 1024.0,
         start_all_s: start_all.as_secs_f64(),
     };
     eprintln!(
@@ -232,8 +236,21 @@ fn markdown(measured: &[Quiet]) -> String {
             q.start_all_s
         ));
     }
+    if let Some(slope) = rss_slope(measured) {
+        s.push_str(&format!(
+            "\nRSS slope from {} to {} quiet runs: {slope:.1} KiB per run.\n",
+            measured[0].runs,
+            measured[measured.len() - 1].runs
+        ));
+    }
     s.push_str(&format!(
         "\nGoal: at most {GOAL_REQUESTS} requests per quiet run per second.\n"
     ));
     s
+}
+
+/// The RSS each quiet run adds between the fewest and the most runs measured (KiB per run).
+fn rss_slope(measured: &[Quiet]) -> Option<f64> {
+    let (first, last) = (measured.first()?, measured.last()?);
+    (last.runs > first.runs).then(|| (last.rss_kib - first.rss_kib) / (last.runs - first.runs) as f64)
 }

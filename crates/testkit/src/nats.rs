@@ -261,26 +261,31 @@ impl NatsCluster {
                     return Ok(Some(node.name.clone()));
                 }
             }
-            let last_error = match self.jetstream_answers().await {
-                Ok(()) => return Ok(None),
-                Err(e) => e,
-            };
-            anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
-                "the NATS cluster's JetStream did not come up: {last_error}\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            if self.answers_by(deadline).await? {
+                return Ok(None);
+            }
         }
     }
 
-    /// Whether JetStream answers through the cluster now; why not.
-    async fn jetstream_answers(&self) -> Result<(), String> {
-        let client = async_nats::connect(self.seeds()).await.map_err(|e| e.to_string())?;
-        match async_nats::jetstream::new(client).query_account().await {
-            Ok(_) => Ok(()),
+    /// Whether JetStream answers through the cluster now (`false`: asked again after a pause);
+    /// an error once `deadline` passed without it.
+    async fn answers_by(&self, deadline: tokio::time::Instant) -> anyhow::Result<bool> {
+        let answer = match async_nats::connect(self.seeds()).await {
+            Ok(client) => async_nats::jetstream::new(client)
+                .query_account()
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
-        }
+        };
+        let Err(last_error) = answer else { return Ok(true) };
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the NATS cluster's JetStream did not come up: {last_error}\n{}",
+            self.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        Ok(false)
     }
 
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
@@ -323,18 +328,8 @@ impl NatsCluster {
     /// Waits until JetStream answers through the cluster (its meta leader elected).
     pub async fn wait_for_jetstream(&self) -> anyhow::Result<()> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let last_error = match self.jetstream_answers().await {
-                Ok(()) => return Ok(()),
-                Err(e) => e,
-            };
-            anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
-                "the NATS cluster's JetStream did not come up: {last_error}\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        while !self.answers_by(deadline).await? {}
+        Ok(())
     }
 
     /// The name of the node leading `stream` (its Raft group's leader), asked again for a while
