@@ -1175,13 +1175,17 @@ async fn a_run_whose_log_holds_its_end_is_stored_as_ended_not_resumed() -> TestR
         "its checkpoint is gone"
     );
     the_replay_from_its_log_is_whole(&b_url, "ended-late", "one two").await?;
-    let thread: orchestrator::domain::thread::Thread = serde_json::from_slice(
-        &threads
-            .get("thread.late-thread")
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("the thread is gone"))?,
-    )?;
-    assert_eq!(thread.live, None, "the ended run let its thread go");
+    // The thread is let go once the end is stored (the record first, then the thread).
+    let thread: orchestrator::domain::thread::Thread = testkit::wait::until(
+        "the ended run to let its thread go",
+        Duration::from_secs(10),
+        || async {
+            let bytes = threads.get("thread.late-thread").await.ok()??;
+            let thread: orchestrator::domain::thread::Thread = serde_json::from_slice(&bytes).ok()?;
+            thread.live.is_none().then_some(thread)
+        },
+    )
+    .await?;
     let runs: Vec<&str> = thread.runs.iter().map(|r| r.run_id.as_str()).collect();
     assert_eq!(runs, ["ended-late"]);
     let last = thread.runs[0].messages.last().cloned();
