@@ -129,6 +129,16 @@ pub(crate) async fn gauge(metrics: &str, name: &str) -> anyhow::Result<f64> {
         .sum())
 }
 
+/// Every one of `runs` calls in flight on the orchestrator serving `/metrics` at `metrics`,
+/// waited for (as `what`) until `limit`.
+pub(crate) async fn all_in_flight(metrics: &str, runs: usize, limit: Duration, what: &str) -> anyhow::Result<()> {
+    testkit::wait::until(what, limit, || async {
+        let in_flight = gauge(metrics, "orchestrator_tool_calls_in_flight").await.ok()?;
+        (in_flight >= runs as f64).then_some(())
+    })
+    .await
+}
+
 /// nats-server's message counters (in, out).
 pub(crate) async fn counters(nats: &testkit::nats::Nats) -> anyhow::Result<(f64, f64)> {
     let varz = nats.varz().await?;
@@ -162,14 +172,7 @@ async fn measure(bin: &Path, runs: usize, window: Duration) -> anyhow::Result<Qu
     eprint!("bench: idle-cost {runs} quiet runs … ");
     let started = Instant::now();
     start_runs(&stack, ("quiet", runs, CONCURRENCY), request).await?;
-    testkit::wait::until("every run's call in flight", call / 2, || {
-        let metrics = metrics.clone();
-        async move {
-            let in_flight = gauge(&metrics, "orchestrator_tool_calls_in_flight").await.ok()?;
-            (in_flight >= runs as f64).then_some(())
-        }
-    })
-    .await?;
+    all_in_flight(&metrics, runs, call / 2, "every run's call in flight").await?;
     let start_all = started.elapsed();
     let cpu_before = procstat::cpu_time(stack.pid)?;
     let (in_rate, out_rate) = rates(&nats, window).await?;

@@ -1,9 +1,8 @@
 //! What taking over a dead replica's quiet runs costs (`bench --takeover-quiet 5000`): replica
 //! *a* holds N durable runs, each waiting on a tool call that outlasts the bench, and replica *b*
 //! runs beside it with nothing to do, both on one monitored `nats-server -js`. *a* is SIGKILLed;
-//! the bench reports the time until *b* runs every one of them again (their calls in flight
-//! there), that time less the lease *a*'s incarnation needed to lapse, and the store requests per
-//! run taken over (nats-server's `/varz`, less what the fleet cost per second before the kill).
+//! the bench reports the time until *b* runs the first of them again (their calls in flight
+//! there) and every one of them, and the store requests per run taken over (nats-server's `/varz`, less what the fleet cost per second before the kill).
 //! Writes `takeover.md` / `.json`.
 
 use std::path::Path;
@@ -11,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::quiet::{counters, gauge, launch, rates, request, stack};
+use crate::quiet::{all_in_flight, counters, gauge, launch, rates, request, stack};
 use crate::stack::{spawn, start_runs};
 
 /// Requests in flight at once while starting runs.
@@ -35,16 +34,6 @@ pub(crate) struct Takeover {
     pub requests_per_run: f64,
     /// Messages into nats-server per second before the kill (both replicas, the runs quiet).
     pub before_in_per_s: f64,
-}
-
-/// Every run's call in flight on the orchestrator serving `/metrics` at `metrics`, waited for
-/// until `limit`.
-async fn all_in_flight(metrics: &str, runs: usize, limit: Duration, what: &str) -> anyhow::Result<()> {
-    testkit::wait::until(what, limit, || async {
-        let in_flight = gauge(metrics, "orchestrator_tool_calls_in_flight").await.ok()?;
-        (in_flight >= runs as f64).then_some(())
-    })
-    .await
 }
 
 /// Since `from`: until the first of `runs` calls was in flight at `metrics`, and until all were,

@@ -7,14 +7,7 @@ mod common;
 
 #[test]
 fn quiet_durable_runs_cost_the_store_next_to_nothing() -> anyhow::Result<()> {
-    let out = tempfile::tempdir()?;
-    let output = common::run_bench(&["--idle-cost", "200", "--idle-window", "10s"], out.path())?;
-    anyhow::ensure!(
-        output.status.success(),
-        "bench failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("idle_cost.json"))?)?;
+    let report = common::report(&["--idle-cost", "200", "--idle-window", "10s"], "idle_cost.json")?;
     let row = report
         .as_array()
         .and_then(|rows| rows.first())

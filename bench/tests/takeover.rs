@@ -6,14 +6,7 @@ mod common;
 
 #[test]
 fn a_killed_replicas_quiet_runs_all_run_again_on_the_other() -> anyhow::Result<()> {
-    let out = tempfile::tempdir()?;
-    let output = common::run_bench(&["--takeover-quiet", "40", "--takeover-lease", "3s"], out.path())?;
-    anyhow::ensure!(
-        output.status.success(),
-        "bench failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("takeover.json"))?)?;
+    let report = common::report(&["--takeover-quiet", "40", "--takeover-lease", "3s"], "takeover.json")?;
     assert_eq!(report["runs"].as_u64(), Some(40), "{report}");
     let (first, all) = (
         report["first_running_s"].as_f64().unwrap_or(f64::MAX),

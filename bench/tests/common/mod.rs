@@ -9,6 +9,19 @@ pub(crate) fn run_bench(args: &[&str], out: &Path) -> anyhow::Result<Output> {
     Ok(bench_command(args, out)?.output()?)
 }
 
+/// Runs `bench` with `args`, failing with its stderr unless it succeeded; its JSON report `file`.
+#[allow(dead_code)] // Each test binary compiles this module; not every one reads a report.
+pub(crate) fn report(args: &[&str], file: &str) -> anyhow::Result<serde_json::Value> {
+    let out = tempfile::tempdir()?;
+    let output = run_bench(args, out.path())?;
+    anyhow::ensure!(
+        output.status.success(),
+        "bench failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(serde_json::from_str(&std::fs::read_to_string(out.path().join(file))?)?)
+}
+
 /// The command [`run_bench`] runs, to add to before running it.
 pub(crate) fn bench_command(args: &[&str], out: &Path) -> anyhow::Result<Command> {
     let bench = env!("CARGO_BIN_EXE_bench");

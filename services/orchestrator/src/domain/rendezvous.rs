@@ -1,7 +1,7 @@
 //! Rendezvous (highest random weight) hashing: each key ranks every endpoint (a model server, or a
-//! replica taking orphaned runs) by a hash of the two, so a key keeps its first endpoint while the fleet changes around it, and when an
-//! endpoint leaves only the keys it ranked first move, each to its own next one (load stays
-//! spread). The hash is fixed (FNV-1a, then a SplitMix64 finish), so every replica of every
+//! replica taking orphaned runs) by a hash of the two, so a key keeps its first endpoint while the
+//! fleet changes around it, and when an endpoint leaves only the keys it ranked first move, each
+//! to its own next one (load stays spread). The hash is fixed (FNV-1a, then a SplitMix64 finish), so every replica of every
 //! version ranks alike.
 
 /// The weight of `endpoint` for `key`.
