@@ -23,6 +23,7 @@ mod quiet;
 mod real_server;
 mod relay;
 mod replicas;
+mod shards;
 mod soak;
 mod stack;
 mod takeover;
@@ -80,6 +81,10 @@ struct Cli {
     /// results in its key-value bucket and every run's events in its JetStream event log).
     #[arg(long, value_parser = ["memory", "nats"], default_value = "memory")]
     soak_store: String,
+    /// With `--soak-store nats`: the run store spread over this many shards
+    /// (`--run-store-shards`, 1–64).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    soak_shards: u64,
     /// Soak runs at once (1–10000).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     soak_concurrency: u64,
@@ -150,6 +155,15 @@ struct Cli {
     /// The run-store lease of `--takeover-quiet`'s replicas (1s–10m; the orchestrator's default).
     #[arg(long, default_value = "15s", value_parser = one_second_to_ten_minutes)]
     takeover_lease: Duration,
+    /// Instead of the grid: the same durable workload with the run store in each of these
+    /// numbers of shards (1–64, e.g. `1,4`), each on fresh JetStream clusters of three and six
+    /// nodes (nats-server on the PATH): turns per second and every node's CPU per turn. Writes
+    /// `shards.md` / `.json`.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=64))]
+    shards: Vec<u64>,
+    /// Runs of each `--shards` count (8 turns each; 10–100000).
+    #[arg(long, default_value_t = 400, value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    shard_runs: u64,
 }
 
 /// A duration of 1s to 10m (a window or a lease of the bench).
@@ -207,7 +221,11 @@ async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()>
         "nats" => Some(testkit::nats::Nats::start().await?),
         _ => None,
     };
-    let flags: Vec<String> = soak::FLAGS.iter().map(|f| (*f).to_owned()).collect();
+    let mut flags: Vec<String> = soak::FLAGS.iter().map(|f| (*f).to_owned()).collect();
+    if cli.soak_shards > 1 {
+        anyhow::ensure!(nats.is_some(), "--soak-shards needs --soak-store nats");
+        flags.extend(["--run-store-shards".to_owned(), cli.soak_shards.to_string()]);
+    }
     let settings = soak::Soak {
         runs,
         store: cli.soak_store.clone(),
@@ -252,7 +270,8 @@ async fn soak(cli: &Cli, bin: &std::path::Path, runs: u64) -> anyhow::Result<()>
             let channels = concurrency.div_ceil(50);
             let fleet = replicas::Replicas::start(bin, soak::scenarios(runs), 3, channels, &flags, nats).await?;
             eprintln!(
-                "bench: soak of {runs} runs, {concurrency} at once, on 3 replicas (NATS store), one killed, drained, cut off from NATS or paused every {}",
+                "bench: soak of {runs} runs, {concurrency} at once, on 3 replicas (NATS store, {} shard(s)), one killed, drained, cut off from NATS or paused every {}",
+                cli.soak_shards,
                 humantime::format_duration(every)
             );
             let passed = settings.run(soak::Target::Fleet(&fleet, every), &cli.out).await;
@@ -798,6 +817,14 @@ async fn main() -> anyhow::Result<()> {
             .map(|&n| usize::try_from(n))
             .collect::<Result<Vec<_>, _>>()?;
         return quiet::run(&bin, &counts, cli.idle_window, &cli.out).await;
+    }
+    if !cli.shards.is_empty() {
+        let counts = cli
+            .shards
+            .iter()
+            .map(|&n| usize::try_from(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        return shards::run(&bin, &counts, usize::try_from(cli.shard_runs)?, &cli.out).await;
     }
     if let Some(runs) = cli.takeover_quiet {
         return takeover::run(&bin, usize::try_from(runs)?, cli.takeover_lease, &cli.out).await;

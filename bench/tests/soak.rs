@@ -41,7 +41,8 @@ fn a_thousand_runs_on_the_nats_store_replay_whole_from_their_event_logs() -> any
     Ok(())
 }
 
-/// Replica faults: the soak on three replicas sharing the NATS store, one of them killed, drained,
+/// Replica faults: the soak on three replicas sharing the NATS store (spread over four shards),
+/// one of them killed, drained,
 /// cut off from NATS or paused (past its lease) every second while the runs go on. Every caller
 /// follows its run across replicas and must see one gap-free stream telling the stored text; every
 /// run ends as its fault says, wherever its replica was killed (a run is resumable from its claim
@@ -59,6 +60,8 @@ fn runs_followed_across_replicas_killed_drained_cut_off_and_paused_end_as_their_
         "32",
         "--soak-replica-faults",
         "1s",
+        "--soak-shards",
+        "4",
     ])?;
     for fault in [
         "replicas_killed",

@@ -58,6 +58,9 @@ struct Args {
     /// random replicas; default as CI sends them).
     #[arg(long, requires = "ports")]
     messages: Option<usize>,
+    /// With --ports: the run store spread over this many shards (1–64).
+    #[arg(long, requires = "ports", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    shards: u64,
 }
 
 fn main() -> ExitCode {
@@ -113,6 +116,7 @@ fn ports_settings(args: &Args) -> Result<sim::ports::Settings, String> {
         runs: args.runs.unwrap_or(defaults.runs),
         cancels: args.cancels,
         messages: args.messages.unwrap_or(defaults.messages),
+        shards: usize::try_from(args.shards).map_err(|e| e.to_string())?,
         ..defaults
     };
     args.without

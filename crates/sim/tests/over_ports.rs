@@ -119,6 +119,27 @@ fn every_invariant_holds_over_the_services_code() {
     );
 }
 
+/// The same over a run store spread over four shards (`--run-store-shards 4`): each run's
+/// record, fence, orphan-index entries, checkpoints and events in its shard's bucket and streams,
+/// the incarnations in the first, the runners reading each run's fence and call records in its
+/// shard. The faults reach every shard (the event streams and checkpoint stores lose their
+/// leaders together; a lagging follower may be any shard's).
+#[test]
+fn every_invariant_holds_over_a_store_in_four_shards() {
+    let settings = Settings {
+        shards: 4,
+        ..Settings::default()
+    };
+    let swept = sweep(&settings, BUDGET / 2, "over a store in four shards");
+    assert!(swept.run >= 40, "only {} seeds in {:?}", swept.run, BUDGET / 2);
+    assert!(
+        swept.takeovers > swept.run,
+        "the faults moved runs: {} takeovers in {} seeds",
+        swept.takeovers,
+        swept.run
+    );
+}
+
 /// What a sweep saw over its seeds.
 #[derive(Default)]
 struct Swept {

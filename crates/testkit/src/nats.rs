@@ -320,6 +320,14 @@ impl NatsCluster {
             .collect()
     }
 
+    /// Each node's name and process id (none for a node killed and not restarted).
+    pub fn nodes(&self) -> Vec<(String, Option<u32>)> {
+        self.nodes
+            .iter()
+            .map(|n| (n.name.clone(), n.child.as_ref().and_then(Child::id)))
+            .collect()
+    }
+
     /// The node named `name` (`n1`, `n2` …), by its index.
     pub fn index_of(&self, name: &str) -> Option<usize> {
         self.nodes.iter().position(|n| n.name == name)

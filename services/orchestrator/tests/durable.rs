@@ -1306,20 +1306,49 @@ async fn losing_the_event_logs_leader_leaves_every_runs_log_gap_free() -> TestRe
 /// guarantees of the other fault tests (every call ran once).
 #[tokio::test]
 async fn a_nats_node_killed_mid_run_loses_no_run_with_three_replicas_of_every_stream() -> TestResult {
+    node_lost_mid_run(1).await
+}
+
+/// The same with the run store spread over four shards (`--run-store-shards 4`): each shard's
+/// bucket, checkpoints and event log has three replicas, the tool-runners read each run's fence
+/// in its shard, and the node leading the first shard (the incarnations' too) is the one killed.
+#[tokio::test]
+async fn a_nats_node_killed_mid_run_loses_no_run_of_a_store_in_four_shards() -> TestResult {
+    node_lost_mid_run(4).await
+}
+
+/// 24 twenty-turn runs over a store of `shards` shards on a three-node cluster, the node leading
+/// the first shard's bucket killed mid-run: every run completes, every call ran once.
+async fn node_lost_mid_run(shards: usize) -> TestResult {
+    // One at a time: two three-node clusters and four replicas at once overload a 2-core machine.
+    static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _alone = ONE_CLUSTER.lock().await;
     let (words, turns) = ("w0 w1 w2 ", 20);
     let cluster = testkit::nats::NatsCluster::start(3).await?;
     let mut fleet = Fleet::start_on(Broker::Cluster(cluster), 0, scenario(turns, words), 150).await?;
     fleet.lease = "3s";
-    fleet.flags = ["--nats-replicas", "3", "--max-turns", "24"].map(String::from).to_vec();
+    fleet.flags = [
+        "--nats-replicas",
+        "3",
+        "--max-turns",
+        "24",
+        "--run-store-shards",
+        &shards.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
     fleet.add().await?;
     fleet.add().await?;
     let js = async_nats::jetstream::new(fleet.nats.connect().await?);
     for name in STREAMS {
-        let info = js.get_stream(name).await?.info().await?.clone();
-        assert_eq!(info.config.num_replicas, 3, "{name}");
+        for shard in 0..shards {
+            let name = sharded(name, shard);
+            let info = js.get_stream(&name).await?.info().await?.clone();
+            assert_eq!(info.config.num_replicas, 3, "{name}");
+        }
     }
     let urls = fleet.urls();
-    let runs: Vec<String> = (0..24).map(|i| format!("node-lost-{i}")).collect();
+    let runs: Vec<String> = (0..24).map(|i| format!("node-lost-{shards}-{i}")).collect();
     for (i, run_id) in runs.iter().enumerate() {
         start_detached(&urls[i % urls.len()], run_id).await?;
     }
@@ -1343,6 +1372,22 @@ async fn a_nats_node_killed_mid_run_loses_no_run_with_three_replicas_of_every_st
     let text = format!("{}done", words.repeat(turns));
     all_completed(&fleet, followers, &text).await?;
     fleet.one_owner_at_a_time()
+}
+
+/// The name of shard `shard` of the stream `name` (the bucket, object store or event log whose
+/// stream it is): the first keeps the name, the others are `<name>-shard-<i>`, and an object
+/// store's stream ends with its `-checkpoints`.
+fn sharded(name: &str, shard: usize) -> String {
+    let sharded = |base: &str| shared::jetstream::shards::name(base, shard);
+    match name {
+        "OBJ_orchestrator-runs-checkpoints" => format!("OBJ_{}-checkpoints", sharded("orchestrator-runs")),
+        "KV_orchestrator-runs" | "ORCHESTRATOR_EVENTS" => match name.strip_prefix("KV_") {
+            Some(bucket) => format!("KV_{}", sharded(bucket)),
+            None => sharded(name),
+        },
+        // Not sharded: one of each whatever the count.
+        other => other.to_owned(),
+    }
 }
 
 /// A tool-runner process serving `manifest` on `listen`, reading and recording in the run store

@@ -795,6 +795,7 @@ async fn both_event_logs_pass_the_log_suite() -> TestResult {
         timeout: Duration::from_secs(5),
         retry_for: Duration::from_secs(2),
         replicas: 1,
+        shards: 1,
     };
     log_suite(Arc::new(
         NatsLog::open(
@@ -822,6 +823,7 @@ async fn the_nats_log_refuses_a_replaced_owner_and_stops_it() -> TestResult {
         timeout: Duration::from_secs(5),
         retry_for: Duration::from_millis(200),
         replicas: 1,
+        shards: 1,
     };
     let log = NatsLog::open(
         &jetstream::new(async_nats::connect(nats.url()).await?),
@@ -884,6 +886,7 @@ async fn the_nats_log_gathers_batches_and_keeps_a_run_within_its_bound() -> Test
         timeout: Duration::from_secs(5),
         retry_for: Duration::from_secs(2),
         replicas: 1,
+        shards: 1,
     };
     let log = NatsLog::open(&jetstream::new(client.clone()), "BOUND_EVENTS", options(1 << 20)).await?;
     let mut writer = log.writer("gathered", 0);
@@ -978,6 +981,7 @@ async fn a_hole_in_the_nats_log_breaks_it_and_nothing_lands_after_it() -> TestRe
         timeout: Duration::from_secs(1),
         retry_for: Duration::from_millis(300),
         replicas: 1,
+        shards: 1,
     };
     let log = NatsLog::open(&jetstream::new(client.clone()), "HOLED_EVENTS", options).await?;
     let mut writer = log.writer("holed", 0);
@@ -1689,6 +1693,7 @@ async fn streams_and_buckets_are_created_and_brought_to_their_replicas() -> Test
         timeout: Duration::from_secs(10),
         retry_for: Duration::from_secs(2),
         replicas,
+        shards: 1,
     };
     let replicas_of = |name: &'static str| {
         let js = js.clone();
@@ -2025,6 +2030,7 @@ async fn a_follower_goes_on_when_the_node_of_its_consumer_is_lost() -> TestResul
         timeout: Duration::from_secs(2),
         retry_for: Duration::from_secs(10),
         replicas: 3,
+        shards: 1,
     };
     let log = NatsLog::open(
         &jetstream::new(async_nats::connect(cluster.seeds()).await?),
@@ -2227,5 +2233,85 @@ async fn an_add_made_again_books_its_run_once_in_the_nats_usage_book() -> TestRe
         read.iter().map(|(_, t)| (t.prompt_tokens, t.runs)).collect::<Vec<_>>(),
         [(190, 1)]
     );
+    Ok(())
+}
+
+/// A store spread over four shards: its runs' records, fences and checkpoints go to every
+/// shard's bucket by their ids, a dead replica's runs are found across all shards and taken over
+/// from their checkpoints, and the shard count is fixed at the store's making — a replica opened
+/// with another is refused naming both, and a store made before counts were recorded that holds
+/// runs is refused more than one.
+#[tokio::test]
+async fn a_store_in_four_shards_spreads_its_runs_finds_orphans_in_all_and_keeps_its_count() -> TestResult {
+    use orchestrator::domain::ports::{Claim, RunJournal};
+    use orchestrator::store::nats::Shape;
+    use shared::jetstream::shards;
+    let nats = Nats::start().await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let lease = Duration::from_millis(500);
+    let shape = |bucket, shards| Shape {
+        bucket,
+        ttl: Duration::from_secs(60),
+        replicas: 1,
+        shards,
+    };
+    let open = |owner: &str, shards| KvStore::open_sharded(&js, shape("sharded-runs", shards), owner.into(), lease);
+    let (a, b) = (
+        open("a", 4).await.map_err(anyhow::Error::msg)?,
+        open("b", 4).await.map_err(anyhow::Error::msg)?,
+    );
+    let _b_alive = keep(&b);
+    let deadline = shared::sync::unix_ms() + 60_000;
+    let runs: Vec<String> = (0..16).map(|i| format!("sharded-{i}")).collect();
+    for run in &runs {
+        let claimed = a.claim_resumable(RunResult::running(run), deadline, run.as_bytes().to_vec());
+        assert!(matches!(claimed.await, Ok(Claim::Claimed)), "{run}");
+    }
+    for shard in 0..4 {
+        let kv = js.get_key_value(shards::name("sharded-runs", shard)).await?;
+        let records: Vec<String> = kv.keys().await?.filter_map(|k| async { k.ok() }).collect().await;
+        let held = records.iter().filter(|k| k.starts_with("run.")).count();
+        let expected = runs.iter().filter(|r| shards::of_run(r, 4) == shard).count();
+        assert_eq!(held, expected, "shard {shard}: {records:?}");
+        assert!(held > 0, "16 runs leave no shard empty");
+        let objects = js
+            .get_object_store(format!("{}-checkpoints", shards::name("sharded-runs", shard)))
+            .await?;
+        assert_eq!(
+            objects.list().await?.count().await,
+            expected,
+            "shard {shard}'s checkpoints"
+        );
+    }
+
+    // a dies (its keeper never ran): b finds its runs in every shard once its incarnation lapsed.
+    let expected: Vec<&str> = {
+        let mut sorted: Vec<&str> = runs.iter().map(String::as_str).collect();
+        sorted.sort_unstable();
+        sorted
+    };
+    orphans_once_lapsed(&b, &expected).await?;
+    for run in &runs {
+        let taken = b.take_over(run).await.map_err(anyhow::Error::msg)?;
+        assert_eq!(taken.map(|c| c.checkpoint), Some(run.as_bytes().to_vec()), "{run}");
+    }
+
+    let refused = open("c", 2).await.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        refused.contains("made with 4 shards") && refused.contains("started with 2"),
+        "{refused}"
+    );
+    // A store of one shard (as every store was before the count) holding runs.
+    let one = KvStore::open(&js, "one-runs", Duration::from_secs(60), "d".into(), lease, 1)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert!(matches!(one.claim(RunResult::running("old")).await, Ok(Claim::Claimed)));
+    let reopen = |shards| KvStore::open_sharded(&js, shape("one-runs", shards), "e".into(), lease);
+    let refused = reopen(4).await.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(refused.contains("made with 1 shard and"), "{refused}");
+    js.get_key_value("one-runs").await?.purge(shards::COUNT_KEY).await?;
+    let refused = reopen(4).await.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(refused.contains("holds runs but no shard count"), "{refused}");
+    reopen(1).await.map_err(anyhow::Error::msg)?;
     Ok(())
 }

@@ -17,12 +17,14 @@
 //! refused `UNAVAILABLE` unrun, which the orchestrator retries on another runner. Binding, the
 //! runner checks its read timeout against the orchestrators' fence grace kept in the bucket: a
 //! timeout that does not end within the grace refuses every durable call, naming both settings.
+//! A store spread over shards (`--run-store-shards` of the orchestrators) records how many in its
+//! first bucket: the runner binds them all and reads each run's keys in its run's shard.
 
 use std::time::Duration;
 
 use std::sync::Arc;
 
-use shared::jetstream::{Bucket, Consistency, JetStream, Operation};
+use shared::jetstream::{Bucket, Consistency, JetStream, Operation, shards};
 use tokio::sync::OnceCell;
 
 use crate::Error;
@@ -193,11 +195,7 @@ impl RunFence {
         if let Some(bound) = self.bound.get() {
             return bound.as_ref().map(|b| b.as_ref()).map_err(Clone::clone);
         }
-        let bucket = self
-            .js
-            .bind_bucket(&self.bucket)
-            .await
-            .map_err(|e| format!("binding the bucket {}: {e}", self.bucket))?;
+        let bucket = self.bind_shards().await?;
         let grace = match last(bucket.as_ref(), shared::fence::GRACE_KEY).await? {
             Some(grace) => grace_of(&grace)?,
             None => shared::fence::DEFAULT_GRACE,
@@ -208,6 +206,26 @@ impl RunFence {
         }
         let bound = self.bound.get_or_init(|| async { checked.map(|()| bucket) }).await;
         bound.as_ref().map(|b| b.as_ref()).map_err(Clone::clone)
+    }
+
+    /// The bucket over all its shards: as many as the orchestrators recorded in the first.
+    async fn bind_shards(&self) -> Result<Arc<dyn Bucket>, String> {
+        let bind = |name: String| async move {
+            self.js
+                .bind_bucket(&name)
+                .await
+                .map_err(|e| format!("binding the bucket {name}: {e}"))
+        };
+        let home = bind(self.bucket.clone()).await?;
+        let count = shards::recorded(home.as_ref())
+            .await
+            .map_err(|e| format!("reading the shard count of {}: {e}", self.bucket))?
+            .unwrap_or(1);
+        let mut buckets = vec![home];
+        for shard in 1..count {
+            buckets.push(bind(shards::name(&self.bucket, shard)).await?);
+        }
+        Ok(shards::ShardedBucket::over(buckets))
     }
 }
 

@@ -19,6 +19,7 @@
 //! * a request whose answer is lost may have been applied: an error never says it was not.
 
 pub mod nats;
+pub mod shards;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -85,6 +85,8 @@ pub struct Settings {
     /// The runners record each durable call where it runs, and answer a call sent again from
     /// the record (off: a call in flight when its run moved runs again, what breaks without it).
     pub outcome_records: bool,
+    /// Shards the run store is spread over (`--run-store-shards`).
+    pub shards: usize,
 }
 
 impl Default for Settings {
@@ -104,6 +106,7 @@ impl Default for Settings {
             outcome_records: true,
             cancels: 0,
             messages: 3,
+            shards: 1,
         }
     }
 }
@@ -162,6 +165,9 @@ impl Settings {
         );
         if self.cancels > 0 {
             command.push_str(&format!(" --cancels {}", self.cancels));
+        }
+        if self.shards > 1 {
+            command.push_str(&format!(" --shards {}", self.shards));
         }
         if self.messages != Self::default().messages {
             command.push_str(&format!(" --messages {}", self.messages));
@@ -224,8 +230,9 @@ fn terms() -> LeaseTerms {
     }
 }
 
-fn config() -> orchestrator::Config {
+fn config(shards: usize) -> orchestrator::Config {
     let mut config = orchestrator::Config::default();
+    config.store.shards = shards;
     config.store.lease = LEASE;
     config.store.lease_margin = Some(terms().margin);
     config.store.fence_grace = terms().fence_grace;
@@ -341,8 +348,8 @@ enum Fault {
 
 impl World {
     fn new(seed: u64, settings: Settings) -> Self {
-        let config = config();
-        let names = Names::of(&config.store.bucket, &config.store.event_log_stream);
+        let config = config(settings.shards);
+        let names = Names::of(&config.store.bucket, &config.store.event_log_stream).sharded(config.store.shards);
         let runs = (0..settings.runs).map(|run| format!("run-{run}")).collect();
         let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
         let signals = orchestrator::server::harness::nats_signal_options(&config).stream;
@@ -385,7 +392,11 @@ impl World {
             false => connection.filtering_objects(without::without_tasks),
         };
         // The adapters' tasks (the log's publisher) are the replica process's, as all it spawns.
-        let stores = shared::tasks::owning_async(gate.process(), adapters::open(&connection, &name, &config())).await;
+        let stores = shared::tasks::owning_async(
+            gate.process(),
+            adapters::open(&connection, &name, &config(self.settings.shards)),
+        )
+        .await;
         let ports = Ports {
             store: stores.store,
             index: stores.index,
@@ -407,7 +418,7 @@ impl World {
                 runners: Arc::clone(&self.runners),
             }),
         };
-        let replica = Replica::in_process(&config(), ports, gate.process());
+        let replica = Replica::in_process(&config(self.settings.shards), ports, gate.process());
         // As the server does with a journal: it answers the cancels and messages other
         // replicas ask of it for the runs live here.
         let replica = Arc::new(replica.answering_asks());
@@ -564,13 +575,15 @@ impl World {
                 self.history.push(line);
             }
             Fault::Lag(bucket, lasting) => {
-                let bucket = &self.buckets()[bucket % 5];
+                let buckets = self.buckets();
+                let bucket = &buckets[bucket % buckets.len()];
                 self.store.cluster().lag(bucket, Instant::now() + lasting);
                 self.history.push(format!("{line} of {bucket}"));
             }
             Fault::CheckpointsDown(lasting) => {
-                let checkpoints = &self.store.names().checkpoints;
-                self.store.cluster().lose_leader(checkpoints, Instant::now() + lasting);
+                for checkpoints in self.store.names().every_checkpoints() {
+                    self.store.cluster().lose_leader(&checkpoints, Instant::now() + lasting);
+                }
                 self.history.push(line);
             }
             Fault::LoseAnswers(lasting) => {
@@ -612,16 +625,19 @@ impl World {
         self.slow_store(now);
         self.take_log_down(now);
         self.store.cluster().lose_answers(now);
-        self.store.cluster().lose_leader(&self.store.names().checkpoints, now);
+        for checkpoints in self.store.names().every_checkpoints() {
+            self.store.cluster().lose_leader(&checkpoints, now);
+        }
         for bucket in self.buckets() {
             self.store.cluster().lag(&bucket, now);
         }
     }
 
     /// The streams of the key-value buckets a follower of may lag: the runs', the approvals',
-    /// the slots', the spend's and the threads'.
-    fn buckets(&self) -> [String; 5] {
+    /// the slots', the spend's and the threads', then the runs' other shards.
+    fn buckets(&self) -> Vec<String> {
         let names = self.store.names();
+        let runs = names.every_runs();
         [
             &names.runs,
             &names.approvals,
@@ -629,7 +645,10 @@ impl World {
             &names.usage,
             &names.threads,
         ]
+        .into_iter()
+        .chain(runs.iter().skip(1))
         .map(|b| format!("KV_{b}"))
+        .collect()
     }
 
     /// Every store request is slow until `until`.
@@ -639,8 +658,9 @@ impl World {
 
     /// The event stream has no leader until `until` (the buckets answer).
     fn take_log_down(&self, until: Instant) {
-        let events = &self.store.names().events;
-        self.store.cluster().lose_leader(events, until);
+        for events in self.store.names().every_events() {
+            self.store.cluster().lose_leader(&events, until);
+        }
     }
 
     /// Starts run `run_id` as a caller would: on some replica, trying another one while none

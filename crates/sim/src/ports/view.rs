@@ -159,7 +159,8 @@ impl Watched {
     /// The fence of `run_id` as the leader holds it now: the higher of its fence key and its
     /// record's epoch.
     pub fn fence(&self, run_id: &str) -> u64 {
-        let value = |key: &str| self.cluster.entry(&self.names.runs, key).map(|e| e.value);
+        let bucket = self.names.runs_of(run_id);
+        let value = |key: &str| self.cluster.entry(&bucket, key).map(|e| e.value);
         let fence = value(&shared::fence::key(run_id)).and_then(|v| shared::fence::decode(&v).ok());
         let record = value(&shared::fence::record_key(run_id)).and_then(|v| shared::fence::record_epoch(&v).ok());
         fence.max(record).unwrap_or(0)
@@ -177,7 +178,7 @@ impl Watched {
     fn add_run(&self, view: &mut View, run_id: &str) {
         let names = &self.names;
         let key = inspect::run_key(run_id);
-        if let Some(entry) = self.cluster.entry(&names.runs, &key)
+        if let Some(entry) = self.cluster.entry(&names.runs_of(run_id), &key)
             && let Ok(run) = inspect::run(&key, &entry.value)
         {
             let run = RunView {
@@ -190,7 +191,10 @@ impl Watched {
         }
         let log: Vec<Vec<NumberedEvent>> = self
             .cluster
-            .messages(&names.events, &inspect::log_subject(&names.events, run_id))
+            .messages(
+                &names.events_of(run_id),
+                &inspect::log_subject(&names.events_of(run_id), run_id),
+            )
             .iter()
             .filter_map(|m| inspect::log_events(&m.payload).ok())
             .collect();
@@ -284,9 +288,16 @@ impl Watcher {
 
     /// A record written: a takeover (the epoch moved on), and the principals' share after it.
     fn record_written(&self, message: &Message, before: Option<&Message>, peek: &Peek<'_>) {
-        let Some(key) = message.subject.strip_prefix(&format!("$KV.{}.", self.names.runs)) else {
+        let mut keys = (self.names.every_runs().into_iter()).filter_map(|bucket| {
+            message
+                .subject
+                .strip_prefix(&format!("$KV.{bucket}."))
+                .map(str::to_owned)
+        });
+        let Some(key) = keys.next() else {
             return;
         };
+        let key = key.as_str();
         if !key.starts_with("run.") {
             return;
         }
@@ -297,7 +308,7 @@ impl Watcher {
         if let Some(was) = was
             && now.epoch > was.epoch
         {
-            let checkpoint = peek.object(&self.names.checkpoints, &now.checkpoint);
+            let checkpoint = peek.object(&self.names.checkpoints_of(&now.result.run_id), &now.checkpoint);
             let mut calls: BTreeSet<String> = now.result.tool_calls.iter().map(|c| c.call_id.clone()).collect();
             calls.extend(checkpoint.map(followed_tasks).unwrap_or_default());
             lock(&self.seen).takeovers.push(Takeover {
@@ -317,7 +328,7 @@ impl Watcher {
                 .iter()
                 .filter_map(|run_id| {
                     let key = inspect::run_key(run_id);
-                    let entry = peek.entry(&self.names.runs, &key)?;
+                    let entry = peek.entry(&self.names.runs_of(run_id), &key)?;
                     let run = inspect::run(&key, &entry.value).ok()?;
                     (&run.result.principal == principal && run.result.status == RunStatus::Running)
                         .then(|| run_id.clone())
@@ -372,7 +383,7 @@ fn tokens(message: Option<&Message>) -> u64 {
 
 impl Observer for Watcher {
     fn stored(&mut self, stream: &str, message: &Message, before: Option<&Message>, peek: &Peek<'_>) {
-        if stream == self.kv(&self.names.runs) {
+        if self.names.every_runs().iter().any(|bucket| stream == self.kv(bucket)) {
             self.record_written(message, before, peek);
         }
         if stream == self.kv(&self.names.usage) {

@@ -28,6 +28,17 @@ pub struct StoreSettings {
         default_value = "orchestrator-runs"
     )]
     pub bucket: String,
+    /// With the NATS store: how many shards the run store is spread over (1..=64). Each run's
+    /// record, checkpoint, fence, orphan-index entries and events go to the shard a stable hash
+    /// of its id picks (`<bucket>-shard-<i>`, `<event-log-stream>-shard-<i>` beside the first), so
+    /// on a cluster each shard's leader may sit on another node. Fixed when the store is made and
+    /// recorded in it: a replica started with another number refuses to start, naming both.
+    #[arg(
+        long = "run-store-shards",
+        env = "ORCHESTRATOR_RUN_STORE_SHARDS",
+        default_value_t = 1
+    )]
+    pub shards: usize,
     /// Lease of a replica's live runs in the NATS result store: the replica renews one record
     /// (its incarnation) every third of this for all its runs, so a quiet run costs the store
     /// nothing; the runs of a replica that stops renewing (crashed, partitioned) are taken over by
@@ -114,6 +125,7 @@ impl Bounded for StoreSettings {
         vec![
             bound("keep_results", self.keep_results, 0usize, 1_000_000usize),
             bound("keep_results_for", self.keep_results_for, Duration::ZERO, DAY * 7),
+            bound("shards", self.shards, 1usize, shared::jetstream::shards::MAX_SHARDS),
             bound("ttl", self.ttl, secs(1), DAY * 365),
             bound("lease", self.lease, secs(1), secs(600)),
             bound("lease_margin", self.lease_margin(), ms(100), self.lease / 2),

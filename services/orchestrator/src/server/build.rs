@@ -19,7 +19,7 @@ use crate::signals::nats::{NatsTopic, TopicOptions};
 use crate::store::LogBounds;
 use crate::store::memory::{MemoryApprovals, MemoryLog, MemorySignOuts, MemoryStore, MemoryThreads, MemoryUsage};
 use crate::store::nats::{
-    KvStore, NatsApprovals, NatsIndex, NatsLog, NatsLogOptions, NatsQuotas, NatsSignOuts, NatsThreads, NatsUsage,
+    KvStore, NatsApprovals, NatsIndex, NatsLog, NatsLogOptions, NatsQuotas, NatsSignOuts, NatsThreads, NatsUsage, Shape,
 };
 use crate::threads::Keeper;
 use crate::tool_runners::ToolRunners;
@@ -259,7 +259,13 @@ pub async fn open_nats_runs(
     config: &Config,
 ) -> Result<NatsRuns, crate::domain::ports::StoreError> {
     let (store, replicas) = (&config.store, config.nats.replicas);
-    let kv = KvStore::open(js, &store.bucket, store.ttl, owner, store.lease, replicas)
+    let shape = Shape {
+        bucket: &store.bucket,
+        ttl: store.ttl,
+        replicas,
+        shards: store.shards,
+    };
+    let kv = KvStore::open_sharded(js, shape, owner, store.lease)
         .await?
         .with_lease_margin(store.lease_margin())
         .with_fence_grace(store.fence_grace);
@@ -291,6 +297,7 @@ pub fn nats_log_options(config: &Config) -> NatsLogOptions {
         timeout: store.timeout,
         retry_for: store.lease,
         replicas: config.nats.replicas,
+        shards: store.shards,
     }
 }
 

@@ -7,6 +7,7 @@ use crate::domain::ports::StoreError;
 use crate::domain::thread::Thread;
 use crate::domain::usage::{Tally, Window};
 use crate::domain::{NumberedEvent, RunResult};
+use shared::jetstream::shards;
 
 /// Where a deployment's NATS store keeps what, for results bucket `bucket` and event stream
 /// `events`.
@@ -28,6 +29,9 @@ pub struct Names {
     pub events: String,
     /// The run index stream.
     pub index: String,
+    /// Shards of the runs' buckets, checkpoints and event log (`runs`, `checkpoints` and
+    /// `events` name the first).
+    pub shards: usize,
 }
 
 impl Names {
@@ -42,7 +46,49 @@ impl Names {
             threads: format!("{bucket}-threads"),
             events: events.to_owned(),
             index: format!("INDEX_{bucket}"),
+            shards: 1,
         }
+    }
+
+    /// The same names over `shards` shards.
+    #[must_use]
+    pub fn sharded(self, shards: usize) -> Self {
+        Self { shards, ..self }
+    }
+
+    /// The shard of `run_id`.
+    fn shard(&self, run_id: &str) -> usize {
+        shards::of_key(&run_key(run_id), self.shards)
+    }
+
+    /// The bucket holding `run_id`'s record and fence.
+    pub fn runs_of(&self, run_id: &str) -> String {
+        shards::name(&self.runs, self.shard(run_id))
+    }
+
+    /// The object store holding `run_id`'s checkpoints.
+    pub fn checkpoints_of(&self, run_id: &str) -> String {
+        format!("{}-checkpoints", self.runs_of(run_id))
+    }
+
+    /// The stream holding `run_id`'s events.
+    pub fn events_of(&self, run_id: &str) -> String {
+        shards::name(&self.events, self.shard(run_id))
+    }
+
+    /// Every shard's bucket of runs.
+    pub fn every_runs(&self) -> Vec<String> {
+        (0..self.shards).map(|s| shards::name(&self.runs, s)).collect()
+    }
+
+    /// Every shard's checkpoint store.
+    pub fn every_checkpoints(&self) -> Vec<String> {
+        self.every_runs().iter().map(|b| format!("{b}-checkpoints")).collect()
+    }
+
+    /// Every shard's event stream.
+    pub fn every_events(&self) -> Vec<String> {
+        (0..self.shards).map(|s| shards::name(&self.events, s)).collect()
     }
 }
 

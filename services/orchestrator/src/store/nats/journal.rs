@@ -26,6 +26,8 @@ const START: u64 = 0;
 
 /// Records read at once while looking for orphans.
 const LIST_CONCURRENCY: usize = 16;
+/// Renewals of the incarnation between two writes of the store's shard count (a sharded store).
+const KEEP_SHARD_COUNT_EVERY: u64 = 12;
 
 /// A cancel asked of the replica running a run (core NATS request, `<bucket>.cancels`).
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -533,10 +535,17 @@ impl RunJournal for KvStore {
         let (kv, incarnation, owned) = (self.kv.clone(), Arc::clone(&self.incarnation), Arc::clone(&self.owned));
         let (js, subject) = (Arc::clone(&self.js), self.hand_over_subject.clone());
         let (every, acting) = (self.lease / 3, self.lease.saturating_sub(self.margin));
+        let shards = self.shards;
         async move {
-            loop {
+            for renewal in 1_u64.. {
                 tokio::time::sleep(every).await;
                 incarnation.renew(kv.as_ref(), acting).await;
+                if shards > 1 && renewal % KEEP_SHARD_COUNT_EVERY == 0 {
+                    // Written again now and then, so it never ages out while the store has runs.
+                    if let Err(e) = shared::jetstream::shards::keep(kv.as_ref(), shards).await {
+                        tracing::warn!("writing the run store's shard count again failed: {e}");
+                    }
+                }
                 let held = |key: &str| shared::sync::lock(&owned).contains_key(key);
                 for key in hand_over_abandoned(kv.as_ref(), &incarnation, held).await {
                     let _ = js.publish(subject.clone(), key.into_bytes().into()).await;

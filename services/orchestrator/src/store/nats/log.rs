@@ -68,39 +68,49 @@ pub struct NatsLogOptions {
     pub retry_for: Duration,
     /// Copies JetStream keeps of the stream (`--nats-replicas`).
     pub replicas: usize,
+    /// Streams the log is spread over by run (`--run-store-shards`; see
+    /// [`shared::jetstream::shards`]).
+    pub shards: usize,
 }
 
 /// See the module docs.
 #[derive(Clone)]
 pub struct NatsLog {
-    stream: Arc<dyn Stream>,
-    name: String,
+    /// One stream per shard, the first named as configured.
+    streams: Arc<[(String, Arc<dyn Stream>)]>,
     options: NatsLogOptions,
     /// Largest message the server takes.
     max_message_bytes: usize,
 }
 
 impl NatsLog {
-    /// Binds (or creates) the stream `name` (`js` waits `options.timeout` for each answer).
+    /// Binds (or creates) the stream `name`, one per shard (`js` waits `options.timeout` for
+    /// each answer); the shards share `--event-log-total-bytes`.
     pub async fn open(js: &dyn JetStream, name: &str, options: NatsLogOptions) -> Result<Self, StoreError> {
         let max_message_bytes = js.max_payload();
-        let config = StreamConfig {
-            name: name.to_owned(),
-            description: "orchestrator run events (AttachRun)".to_owned(),
-            subjects: vec![format!("{name}.run.>")],
-            max_age: options.bounds.keep_for,
-            max_bytes: u64::try_from(options.bounds.total_bytes).unwrap_or(u64::MAX),
-            discard_old: true,
-            duplicate_window: Duration::from_secs(120),
-            replicas: options.replicas,
-        };
-        let stream = js
-            .stream(config)
-            .await
-            .map_err(|e| crate::store::unavailable("creating the event log stream", name, e))?;
+        let shards = options.shards.max(1);
+        let total_bytes = u64::try_from(options.bounds.total_bytes / shards).unwrap_or(u64::MAX);
+        let mut streams = Vec::with_capacity(shards);
+        for shard in 0..shards {
+            let name = shared::jetstream::shards::name(name, shard);
+            let config = StreamConfig {
+                name: name.clone(),
+                description: "orchestrator run events (AttachRun)".to_owned(),
+                subjects: vec![format!("{name}.run.>")],
+                max_age: options.bounds.keep_for,
+                max_bytes: total_bytes,
+                discard_old: true,
+                duplicate_window: Duration::from_secs(120),
+                replicas: options.replicas,
+            };
+            let stream = js
+                .stream(config)
+                .await
+                .map_err(|e| crate::store::unavailable("creating the event log stream", &name, e))?;
+            streams.push((name, stream));
+        }
         Ok(Self {
-            stream,
-            name: name.to_owned(),
+            streams: streams.into(),
             options,
             max_message_bytes: max_message_bytes.saturating_sub(HEADER_ROOM).max(HEADER_ROOM),
         })
@@ -118,6 +128,7 @@ impl NatsLog {
         let (settled_tx, settled) = watch::channel(start);
         let publisher = Publisher {
             log: self.clone(),
+            stream: Arc::clone(self.stream(run_id)),
             subject: self.subject(run_id),
             run_id: run_id.to_owned(),
             kept: VecDeque::new(),
@@ -135,8 +146,18 @@ impl NatsLog {
         })
     }
 
+    /// The shard of `run_id`'s events: its stream's name, and the stream.
+    fn shard(&self, run_id: &str) -> &(String, Arc<dyn Stream>) {
+        let shard = shared::jetstream::shards::of_key(&super::results::key(run_id), self.streams.len());
+        &self.streams[shard]
+    }
+
+    fn stream(&self, run_id: &str) -> &Arc<dyn Stream> {
+        &self.shard(run_id).1
+    }
+
     fn subject(&self, run_id: &str) -> String {
-        format!("{}.{}", self.name, super::results::key(run_id))
+        format!("{}.{}", self.shard(run_id).0, super::results::key(run_id))
     }
 }
 
@@ -175,7 +196,7 @@ impl EventLog for NatsLog {
     }
 
     fn last(&self, run_id: &str) -> BoxFuture<'static, Result<Logged, LogError>> {
-        let (stream, subject, run_id) = (Arc::clone(&self.stream), self.subject(run_id), run_id.to_owned());
+        let (stream, subject, run_id) = (Arc::clone(self.stream(run_id)), self.subject(run_id), run_id.to_owned());
         let timeout = self.options.timeout;
         async move {
             let unavailable = |reason: String| LogError::Unavailable {
@@ -210,7 +231,7 @@ impl EventLog for NatsLog {
     }
 
     fn follow(&self, run_id: &str, after_seq: u64) -> BoxFuture<'static, Result<Option<EventFeed>, LogError>> {
-        let (stream, subject, run_id) = (Arc::clone(&self.stream), self.subject(run_id), run_id.to_owned());
+        let (stream, subject, run_id) = (Arc::clone(self.stream(run_id)), self.subject(run_id), run_id.to_owned());
         let max_expires = follow_expiry(self.options.timeout);
         async move {
             let unavailable = |e: String| LogError::Unavailable {
@@ -266,6 +287,8 @@ fn text_turn(events: &[NumberedEvent]) -> u32 {
 
 struct Publisher {
     log: NatsLog,
+    /// The stream of the run's shard.
+    stream: Arc<dyn Stream>,
     subject: String,
     run_id: String,
     /// Sizes of the messages of this run the stream keeps, oldest first.
@@ -437,7 +460,7 @@ impl Publisher {
             after: self.position,
             headers: Vec::new(),
         };
-        let ack = match tokio::time::timeout(self.log.options.timeout, self.log.stream.publish(message)).await {
+        let ack = match tokio::time::timeout(self.log.options.timeout, self.stream.publish(message)).await {
             Ok(Ok(ack)) => ack,
             Ok(Err(Error::WrongSequence)) => {
                 return Err(Refused::OutOfTurn(format!(
@@ -472,7 +495,7 @@ impl Publisher {
             self.kept_bytes -= self.kept.pop_front().unwrap_or(0);
         }
         let keep = u64::try_from(self.kept.len()).unwrap_or(u64::MAX);
-        let purge = self.log.stream.purge(&self.subject, keep);
+        let purge = self.stream.purge(&self.subject, keep);
         match tokio::time::timeout(self.log.options.timeout, purge).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(run_id = %self.run_id, "trimming the run's event log failed: {e}"),

@@ -49,7 +49,7 @@ pub use approvals::NatsApprovals;
 pub use index::NatsIndex;
 pub use log::{NatsLog, NatsLogOptions};
 pub use quotas::NatsQuotas;
-pub use results::KvStore;
+pub use results::{KvStore, Shape};
 pub use sign_outs::NatsSignOuts;
 pub use threads::NatsThreads;
 pub use usage::NatsUsage;

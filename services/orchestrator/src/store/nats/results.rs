@@ -37,7 +37,10 @@ const DEFAULT_FENCE_GRACE: Duration = shared::fence::DEFAULT_GRACE;
 
 /// See the module docs.
 pub struct KvStore {
+    /// The run store's bucket, over its shards.
     pub(super) kv: Arc<dyn Bucket>,
+    /// How many shards the store is spread over (fixed when it was made).
+    pub(super) shards: usize,
     /// This replica, written into the records of its runs.
     pub(super) owner: String,
     /// The incarnation holding this replica's runs now.
@@ -423,6 +426,45 @@ fn holds(incarnation: &super::incarnation::Incarnation, acting: Duration) -> Opt
     (incarnation.stored() && acts).then_some(name)
 }
 
+/// Where the run store is and how it is made: its bucket (the first shard's name), how long it
+/// keeps a value, the copies of each shard and how many shards there are.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape<'a> {
+    /// The bucket (`--run-store-bucket`), its shards named after it.
+    pub bucket: &'a str,
+    /// How long a value is kept after its last write (`--run-store-ttl`).
+    pub ttl: Duration,
+    /// Copies of each shard (`--nats-replicas`).
+    pub replicas: usize,
+    /// Shards (`--run-store-shards`).
+    pub shards: usize,
+}
+
+/// Opens the store's buckets and checkpoint object stores, one of each per shard, and checks the
+/// shard count against the one the store was made with (recorded at its making).
+async fn open_shards(js: &dyn JetStream, shape: Shape<'_>) -> Result<(Arc<dyn Bucket>, Arc<dyn Objects>), StoreError> {
+    use shared::jetstream::shards::{self, ShardedBucket, ShardedObjects};
+    let Shape {
+        bucket,
+        ttl,
+        replicas,
+        shards: count,
+    } = shape;
+    let home = KvStore::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
+    shards::agree(home.as_ref(), count)
+        .await
+        .map_err(|reason| unavailable("checking the shard count of", bucket, reason))?;
+    let (mut buckets, mut objects) = (vec![home], Vec::with_capacity(count));
+    for shard in 0..count {
+        let name = shards::name(bucket, shard);
+        if shard > 0 {
+            buckets.push(KvStore::open_bucket(js, &name, ttl, "orchestrator run results (a shard)", replicas).await?);
+        }
+        objects.push(super::checkpoints::open(js, &name, ttl, replicas).await?);
+    }
+    Ok((ShardedBucket::over(buckets), ShardedObjects::over(objects)))
+}
+
 /// A valid KV key for `run_id`.
 pub(super) fn key(run_id: &str) -> String {
     escaped_key("run.", run_id)
@@ -442,8 +484,35 @@ impl KvStore {
         lease: Duration,
         replicas: usize,
     ) -> Result<Self, StoreError> {
-        let checkpoints = super::checkpoints::open(js, bucket, ttl, replicas).await?;
-        let kv = Self::open_bucket(js, bucket, ttl, "orchestrator run results", replicas).await?;
+        Self::open_sharded(
+            js,
+            Shape {
+                bucket,
+                ttl,
+                replicas,
+                shards: 1,
+            },
+            owner,
+            lease,
+        )
+        .await
+    }
+
+    /// [`KvStore::open`] over a store of `shape.shards` shards (see [`shared::jetstream::shards`]):
+    /// refused, naming both counts, when the store was made with another.
+    pub async fn open_sharded(
+        js: &dyn JetStream,
+        shape: Shape<'_>,
+        owner: String,
+        lease: Duration,
+    ) -> Result<Self, StoreError> {
+        let Shape {
+            bucket,
+            ttl,
+            replicas,
+            shards,
+        } = shape;
+        let (kv, checkpoints) = open_shards(js, shape).await?;
         let (index, index_stream) = super::index::entry::IndexWriter::open(js, bucket, ttl, replicas).await?;
         let incarnation = Arc::new(super::incarnation::Incarnation::new(&owner));
         if let Err(e) = incarnation.begin(kv.as_ref()).await {
@@ -454,6 +523,7 @@ impl KvStore {
             index,
             index_stream,
             kv,
+            shards,
             replicas,
             owner,
             lease,
@@ -499,6 +569,11 @@ impl KvStore {
             .await
             .map(|_| ())
             .map_err(|e| unavailable("KV put", shared::fence::GRACE_KEY, e))
+    }
+
+    /// The store's shard count.
+    pub fn shards(&self) -> usize {
+        self.shards
     }
 
     /// Binds the bucket `bucket` (its stream created when missing, its replicas brought to
