@@ -195,12 +195,13 @@ fn markdown(costs: &[ShardCost]) -> String {
         ));
     }
     s.push_str(
-        "\nA stream's leader orders and answers its writes; its followers store copies. With one shard every run's \
-         record, checkpoint and events go to the leaders of three streams, so the node leading them carries most of \
-         each turn and its cores are the fleet's ceiling. With N shards the leaders spread over the nodes (JetStream \
-         places them), so the busiest node's share falls toward its share of the leaders, and the ceiling rises with \
-         the nodes. The per-core ceiling is the busiest node's CPU per turn inverted: multiply by the cores a node \
-         has for what it would carry alone.\n",
+        "\nEvery turn writes the run's record, checkpoint and events: with one shard all of them go through one \
+         bucket, one object store and one stream, whose nodes carry every turn of the fleet; with N shards each \
+         shard's streams carry the turns of 1/N of the runs. A shard's streams cost what one shard's do per turn \
+         (the nats-server CPU per turn above, summed over the nodes), so the ceiling per core of the busiest node \
+         (one second over its CPU per turn) is what one shard's nodes sustain, and N shards placed on different \
+         nodes sustain up to N times it. Where JetStream places them is its own choice: read the streams led per \
+         node. With three copies on three nodes every node stores every write whatever N is.\n",
     );
     s
 }

@@ -63,7 +63,10 @@ pub fn of_key(key: &str, shards: usize) -> usize {
 /// recorded has one; it is refused more only if it holds runs.
 pub async fn agree(home: &dyn Bucket, shards: usize) -> Result<(), String> {
     for _ in 0..3 {
-        let entry = home.entry(COUNT_KEY, Consistency::Leader).await.map_err(|e| e.to_string())?;
+        let entry = home
+            .entry(COUNT_KEY, Consistency::Leader)
+            .await
+            .map_err(|e| e.to_string())?;
         if let Some(entry) = entry.filter(|e| e.operation == Operation::Put) {
             return check(&entry.value, shards);
         }
