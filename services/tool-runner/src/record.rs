@@ -238,8 +238,20 @@ impl CallRecords {
             outcome: None,
             in_doubt: false,
         };
+        // Until it is known whose the record is, this start may land with nothing to run it:
+        // should this future end there (its caller left), or the record not be read, the start
+        // is forgotten (see [`Unrun`]).
+        let unrun = Unrun {
+            fence: Arc::clone(&self.fence),
+            lease: self.incarnation.lease,
+            never_ran: Arc::clone(&self.never_ran),
+            start: Some((key.clone(), record.clone())),
+        };
         match bucket.create(&key, encode(&record)).await {
-            Ok(revision) => return Begun::Run(Started { key, revision, record }),
+            Ok(revision) => {
+                unrun.disarm();
+                return Begun::Run(Started { key, revision, record });
+            }
             Err(StoreError::Exists) => {}
             // The create may have landed: the record tells.
             Err(e) => tracing::debug!(%key, "creating the call's record: {e}"),
@@ -256,49 +268,11 @@ impl CallRecords {
         }
         .until(deadline)
         .await;
-        if let Begun::Unavailable(_) = &begun {
-            // A write of this start may have landed though its answer was lost: the call did not
-            // run, so a record of this start must not stay behind (it would read as running), and
-            // until it is gone it is known here as one that never ran.
-            let mut never_ran = shared::sync::lock(&self.never_ran);
-            if never_ran.len() < MAX_NEVER_RAN {
-                never_ran.insert(record.attempt);
-            }
-            drop(never_ran);
-            self.forget_in_background(key, record);
+        if !matches!(begun, Begun::Unavailable(_)) {
+            // The record was read: this start is the one to run, or it never landed.
+            unrun.disarm();
         }
         begun
-    }
-
-    /// Deletes the record under `key` if it is still `start` (this runner's, with no outcome),
-    /// trying for a lease while the store does not answer.
-    fn forget_in_background(&self, key: String, start: Record) {
-        let (fence, lease) = (Arc::clone(&self.fence), self.incarnation.lease);
-        let never_ran = Arc::clone(&self.never_ran);
-        tokio::spawn(async move {
-            let give_up = Instant::now() + lease;
-            let mut backoff = Backoff::from(Duration::from_millis(100));
-            while Instant::now() < give_up {
-                if let Ok(bucket) = fence.bucket().await
-                    && let Ok(entry) = bucket.entry(&key, Consistency::Leader).await
-                {
-                    let forgotten = || shared::sync::lock(&never_ran).remove(&start.attempt);
-                    let Some((revision, record)) = live(entry) else {
-                        forgotten();
-                        return;
-                    };
-                    let mine = record.runner == start.runner && record.attempt == start.attempt;
-                    if mine && record.outcome.is_none() && bucket.delete(&key, Some(revision)).await.is_err() {
-                        tokio::time::sleep(backoff.current()).await;
-                        continue;
-                    }
-                    forgotten();
-                    return;
-                }
-                tokio::time::sleep(backoff.next()).await;
-            }
-            tracing::warn!(%key, "a call's record of a start that did not run could not be removed; this runner runs the call sent again, another waits for it, then finds it in doubt");
-        });
     }
 
     /// Keeps `outcome` (the service's encoding of the call's answer) in the call's record; an
@@ -367,6 +341,77 @@ enum Verdict {
     Take(u64),
     /// Its runner still runs it (or cannot be judged now): read again.
     Wait,
+}
+
+/// A start whose record may have landed with nothing to run it (its creator's future ended
+/// before the record was read, or the read failed): when dropped armed, the attempt is known to
+/// this process as one that never ran, so that the call sent again runs here rather than wait
+/// for it or find it in doubt, and its record is deleted in the background while it is still
+/// that start (tried for a lease).
+struct Unrun {
+    fence: Arc<RunFence>,
+    lease: Duration,
+    never_ran: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
+    /// The record's key and the start it may hold (`None`: disarmed).
+    start: Option<(String, Record)>,
+}
+
+impl Unrun {
+    /// The start is accounted for: nothing to forget.
+    fn disarm(mut self) {
+        self.start = None;
+    }
+}
+
+impl Drop for Unrun {
+    fn drop(&mut self) {
+        let Some((key, start)) = self.start.take() else {
+            return;
+        };
+        let mut never_ran = shared::sync::lock(&self.never_ran);
+        if never_ran.len() < MAX_NEVER_RAN {
+            never_ran.insert(start.attempt);
+        }
+        drop(never_ran);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (fence, lease, never_ran) = (Arc::clone(&self.fence), self.lease, Arc::clone(&self.never_ran));
+            runtime.spawn(forget(fence, lease, never_ran, key, start));
+        }
+    }
+}
+
+/// Deletes the record under `key` if it is still `start` (this runner's, with no outcome),
+/// trying for a lease while the store does not answer; `start` is then no longer one that
+/// never ran (its record is gone, or holds another start or an outcome).
+async fn forget(
+    fence: Arc<RunFence>,
+    lease: Duration,
+    never_ran: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
+    key: String,
+    start: Record,
+) {
+    let give_up = Instant::now() + lease;
+    let mut backoff = Backoff::from(Duration::from_millis(100));
+    while Instant::now() < give_up {
+        if let Ok(bucket) = fence.bucket().await
+            && let Ok(entry) = bucket.entry(&key, Consistency::Leader).await
+        {
+            let forgotten = || shared::sync::lock(&never_ran).remove(&start.attempt);
+            let Some((revision, record)) = live(entry) else {
+                forgotten();
+                return;
+            };
+            let mine = record.runner == start.runner && record.attempt == start.attempt;
+            if mine && record.outcome.is_none() && bucket.delete(&key, Some(revision)).await.is_err() {
+                tokio::time::sleep(backoff.current()).await;
+                continue;
+            }
+            forgotten();
+            return;
+        }
+        tokio::time::sleep(backoff.next()).await;
+    }
+    tracing::warn!(%key, "a call's record of a start that did not run could not be removed; this runner runs the call sent again, another waits for it, then finds it in doubt");
 }
 
 /// Reads a call's record until it says what to do (see [`CallRecords::begin`]).

@@ -497,6 +497,8 @@ struct Unanswering {
     inner: std::sync::Arc<dyn shared::jetstream::JetStream>,
     lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
     deletes_refused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// A create lands, and its answer never comes.
+    hangs: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The bucket of an [`Unanswering`] connection.
@@ -504,6 +506,7 @@ struct UnansweringBucket {
     inner: std::sync::Arc<dyn shared::jetstream::Bucket>,
     lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
     deletes_refused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hangs: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn no_answer<T: Send + 'static>() -> shared::jetstream::Reply<T> {
@@ -519,6 +522,7 @@ impl Unanswering {
             inner,
             lost: std::sync::Arc::clone(&self.lost),
             deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
+            hangs: std::sync::Arc::clone(&self.hangs),
         })
     }
 }
@@ -529,6 +533,7 @@ impl shared::jetstream::JetStream for Unanswering {
             inner: self.inner.handle(),
             lost: std::sync::Arc::clone(&self.lost),
             deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
+            hangs: std::sync::Arc::clone(&self.hangs),
         })
     }
     fn bucket(
@@ -577,6 +582,7 @@ impl Unanswering {
             inner: self.inner.handle(),
             lost: std::sync::Arc::clone(&self.lost),
             deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
+            hangs: std::sync::Arc::clone(&self.hangs),
         }
     }
 }
@@ -593,12 +599,16 @@ impl shared::jetstream::Bucket for UnansweringBucket {
         self.inner.entry(key, consistency)
     }
     fn create(&self, key: &str, value: bytes::Bytes) -> shared::jetstream::Reply<u64> {
-        let (created, lost) = (
+        let (created, lost, hangs) = (
             self.inner.create(key, value),
             self.lost.load(std::sync::atomic::Ordering::SeqCst),
+            self.hangs.load(std::sync::atomic::Ordering::SeqCst),
         );
         Box::pin(async move {
             let revision = created.await?;
+            if hangs {
+                return std::future::pending().await;
+            }
             match lost {
                 true => Err(shared::jetstream::Error::failed("no answer in time")),
                 false => Ok(revision),
@@ -638,6 +648,7 @@ async fn a_start_whose_answer_was_lost_is_run_when_the_call_comes_again() -> Tes
         inner: store(&nats).await?,
         lost: std::sync::Arc::clone(&lost),
         deletes_refused,
+        hangs: std::sync::Arc::default(),
     });
     let fence = tool_runner::fence::RunFence::over(js, BUCKET, Duration::from_millis(500));
     let records =
@@ -658,6 +669,46 @@ async fn a_start_whose_answer_was_lost_is_run_when_the_call_comes_again() -> Tes
     lost.store(false, std::sync::atomic::Ordering::SeqCst);
     let kv = bucket(&nats).await?;
     assert!(kv.get("call.lost.c1").await?.is_some(), "the start landed, and stayed");
+    let again = records.begin(&call).await;
+    assert!(
+        matches!(again, tool_runner::record::Begun::Run(_)),
+        "run now, not waited for nor in doubt: {again:?}"
+    );
+    Ok(())
+}
+
+/// A runner whose caller left while the start of its call was being written (the write landed,
+/// its answer had not come) runs the call when it is sent again: the start never ran. (It once
+/// waited for it as a call in flight, then answered it in doubt, and the call never ran at all:
+/// seen when a run's replica lost its lease mid-call during a NATS leader election.)
+#[tokio::test]
+async fn a_start_whose_caller_left_before_it_was_written_is_run_when_the_call_comes_again() -> TestResult {
+    let nats = Nats::start().await?;
+    claim(&bucket(&nats).await?, "left", 1).await?;
+    let hangs = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let js: std::sync::Arc<dyn shared::jetstream::JetStream> = std::sync::Arc::new(Unanswering {
+        inner: store(&nats).await?,
+        lost: std::sync::Arc::default(),
+        deletes_refused: std::sync::Arc::default(),
+        hangs: std::sync::Arc::clone(&hangs),
+    });
+    let fence = tool_runner::fence::RunFence::over(js, BUCKET, Duration::from_millis(500));
+    let records =
+        tool_runner::record::CallRecords::new(std::sync::Arc::new(fence), "here", Duration::from_secs(3), 4096);
+    records.renew().await;
+    let call = tool_runner::record::Call {
+        run_id: "left",
+        call_id: "c1",
+        round: None,
+        epoch: 1,
+        idempotent: false,
+        rerun_in_doubt: false,
+        wait: Duration::from_secs(1),
+    };
+    hangs.store(true, std::sync::atomic::Ordering::SeqCst);
+    let left = tokio::time::timeout(Duration::from_millis(300), records.begin(&call)).await;
+    assert!(left.is_err(), "the caller left before the start was answered");
+    hangs.store(false, std::sync::atomic::Ordering::SeqCst);
     let again = records.begin(&call).await;
     assert!(
         matches!(again, tool_runner::record::Begun::Run(_)),
