@@ -375,10 +375,12 @@ async fn run_streamed(
     progress: Option<&ProgressFn>,
 ) -> Result<pb::RunToolResponse, tonic::Status> {
     let streamed = streamed.map(|call| pb::RunToolStreamRequest { call: Some(call) });
-    let mut updates = match client.run_tool_stream(streamed).await {
+    // Boxed: the call's opening (the request's encoding, the channel's response future) is the
+    // larger state, and a call spends its time reading updates, which then hold only theirs.
+    let mut updates = match Box::pin(client.run_tool_stream(streamed)).await {
         Ok(updates) => updates.into_inner(),
         Err(status) if status.code() == tonic::Code::Unimplemented => {
-            return client.run_tool(unary).await.map(tonic::Response::into_inner);
+            return Box::pin(client.run_tool(unary)).await.map(tonic::Response::into_inner);
         }
         Err(status) => return Err(status),
     };

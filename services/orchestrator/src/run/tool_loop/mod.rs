@@ -689,7 +689,10 @@ impl<'a> Driver<'a> {
     /// it was in) first finishes that turn.
     async fn drive(&mut self, resumed: Option<Option<TurnCalls>>) -> End {
         let first = match resumed {
-            Some(calls) => self.resume_turn(calls).await.and_then(|()| self.stop_after_the_turn()),
+            // Boxed: only a resumed run holds it, and every run would carry its size.
+            Some(calls) => Box::pin(self.resume_turn(calls))
+                .await
+                .and_then(|()| self.stop_after_the_turn()),
             // A durable run is resumable from its start: a replica stopping in its first turn
             // loses nothing but that turn's attempt.
             None => match (self.take_messages(0), self.durable()) {

@@ -25,7 +25,9 @@ use super::durable::TurnCalls;
 impl Driver<'_> {
     /// One turn: every rule in order; `Err` when the run ends with it.
     pub(super) async fn turn(&mut self, number: u32) -> Step<()> {
-        let calls = self.model_half(number).await;
+        // Boxed: the model's half (its stream, the parser) is the larger state by far, and a
+        // run spends its quiet time in the tools' half, which then holds only its own.
+        let calls = Box::pin(self.model_half(number)).await;
         // Booked before the turn's first checkpoint (safe point (a)) holds what was booked: a
         // run that parks, or is taken over, after it never books the turn again.
         self.account_turn().await;
