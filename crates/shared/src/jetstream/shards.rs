@@ -58,32 +58,61 @@ pub fn of_key(key: &str, shards: usize) -> usize {
     run_of(key).map_or(0, |run| of_run(run, shards))
 }
 
+/// Reads of the count tried while the store does not answer (a bucket just made or brought to
+/// more replicas elects its leader first), a second apart.
+const AGREE_ATTEMPTS: u32 = 10;
+
+/// Why the count could not be agreed on.
+enum Disagreed {
+    /// The store holds another count (or runs without one): final.
+    Refused(String),
+    /// The store did not answer: tried again.
+    Unavailable(String),
+}
+
 /// Records `shards` as the store's shard count in its first shard `home`, or checks it against
 /// the one recorded: an error naming both when they differ. A store made before shards were
-/// recorded has one; it is refused more only if it holds runs.
+/// recorded has one; it is refused more only if it holds runs. A store that does not answer is
+/// asked again for a while ([`AGREE_ATTEMPTS`]).
 pub async fn agree(home: &dyn Bucket, shards: usize) -> Result<(), String> {
-    for _ in 0..3 {
-        let entry = home
-            .entry(COUNT_KEY, Consistency::Leader)
-            .await
-            .map_err(|e| e.to_string())?;
-        if let Some(entry) = entry.filter(|e| e.operation == Operation::Put) {
-            return check(&entry.value, shards);
+    let mut last = String::new();
+    for attempt in 0..AGREE_ATTEMPTS {
+        if attempt > 0 {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
-        if shards > 1 && !home.keys("run.>").await.map_err(|e| e.to_string())?.is_empty() {
-            return Err(format!(
+        match try_agree(home, shards).await {
+            Ok(()) => return Ok(()),
+            Err(Disagreed::Refused(why)) => return Err(why),
+            Err(Disagreed::Unavailable(why)) => last = why,
+        }
+    }
+    Err(last)
+}
+
+/// One attempt of [`agree`].
+async fn try_agree(home: &dyn Bucket, shards: usize) -> Result<(), Disagreed> {
+    let unavailable = |e: Error| Disagreed::Unavailable(e.to_string());
+    for _ in 0..3 {
+        let entry = home.entry(COUNT_KEY, Consistency::Leader).await.map_err(unavailable)?;
+        if let Some(entry) = entry.filter(|e| e.operation == Operation::Put) {
+            return check(&entry.value, shards).map_err(Disagreed::Refused);
+        }
+        if shards > 1 && !home.keys("run.>").await.map_err(unavailable)?.is_empty() {
+            return Err(Disagreed::Refused(format!(
                 "the run store holds runs but no shard count: it was made with 1 shard, and this \
                  process was started with {shards} (--run-store-shards): start it with 1"
-            ));
+            )));
         }
         match home.create(COUNT_KEY, Bytes::from(shards.to_string())).await {
             Ok(_) => return Ok(()),
             // Another process recorded it first: read it again.
             Err(Error::Exists | Error::WrongRevision) => {}
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(unavailable(e)),
         }
     }
-    Err("the run store's shard count kept changing while it was read".to_owned())
+    Err(Disagreed::Unavailable(
+        "the run store's shard count kept changing while it was read".to_owned(),
+    ))
 }
 
 /// Writes the store's shard count again, so it never ages out of a bucket whose keys expire.
@@ -94,10 +123,11 @@ pub async fn keep(home: &dyn Bucket, shards: usize) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// The shard count recorded in `home`, if any (a reader that must not record one: a tool-runner).
+/// The shard count recorded in `home`, if any (a reader that must not record one: a tool-runner),
+/// read from the leader (as the fence is: a reader's permissions may allow no direct read).
 pub async fn recorded(home: &dyn Bucket) -> Result<Option<usize>, String> {
     let entry = home
-        .entry(COUNT_KEY, Consistency::Direct)
+        .entry(COUNT_KEY, Consistency::Leader)
         .await
         .map_err(|e| e.to_string())?;
     entry
