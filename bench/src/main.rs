@@ -363,19 +363,7 @@ struct Target {
 
 fn grid(quick: bool) -> Vec<Workload> {
     let q = |full: usize, quick_value: usize| if quick { quick_value } else { full };
-    let base = Workload {
-        name: String::new(),
-        concurrency: 1,
-        runs: 1,
-        tool_turns: 0,
-        calls_per_turn: 0,
-        tool: Tool::Echo,
-        exit_calls: 0,
-        text_words: 20,
-        ttft_ms: 0,
-        token_delay_ms: 0,
-        paced: false,
-    };
+    let base = Workload::base();
     vec![
         Workload {
             name: "text_only".into(),

@@ -13,7 +13,7 @@ use std::time::Instant;
 use serde::Serialize;
 use shared::jetstream::shards;
 
-use crate::workload::{Tool, Workload};
+use crate::workload::Workload;
 use crate::{fresh_stack, measure, procstat};
 
 /// The clusters measured: nodes, and copies of each stream. Three copies on three nodes is the
@@ -57,12 +57,7 @@ fn workload(runs: usize) -> Workload {
         runs,
         tool_turns: 7,
         calls_per_turn: 1,
-        tool: Tool::Echo,
-        exit_calls: 0,
-        text_words: 20,
-        ttft_ms: 0,
-        token_delay_ms: 0,
-        paced: false,
+        ..Workload::base()
     }
 }
 

@@ -53,6 +53,24 @@ pub(crate) struct Workload {
 }
 
 impl Workload {
+    /// One run at a time of one text-only turn of 20 words, the model answering at once: what
+    /// the grid's workloads change from.
+    pub(crate) fn base() -> Self {
+        Self {
+            name: String::new(),
+            concurrency: 1,
+            runs: 1,
+            tool_turns: 0,
+            calls_per_turn: 0,
+            tool: Tool::Echo,
+            exit_calls: 0,
+            text_words: 20,
+            ttft_ms: 0,
+            token_delay_ms: 0,
+            paced: false,
+        }
+    }
+
     /// Turns per run (tool turns plus the final one).
     pub(crate) fn turns(&self) -> u32 {
         self.tool_turns + 1

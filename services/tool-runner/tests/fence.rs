@@ -490,62 +490,50 @@ async fn an_outcome_over_the_bound_is_answered_once_and_kept_as_an_error_naming_
     Ok(())
 }
 
-/// A connection to the run store through which, while `lost` is set, a create lands but its
-/// answer is lost and every read fails; while `deletes_refused` is set, no delete lands (a store
-/// that answers nothing for a while, seen from one runner).
+/// A connection to the run store with [`Faults`] (a store that answers nothing for a while,
+/// seen from one runner).
 struct Unanswering {
     inner: std::sync::Arc<dyn shared::jetstream::JetStream>,
+    faults: Faults,
+}
+
+/// What an [`Unanswering`] store does, switched on and off by a test: while `lost` is set, a
+/// create lands but its answer is lost and every read fails; while `deletes_refused` is set, no
+/// delete lands; while `hangs` is set, a create lands and its answer never comes.
+#[derive(Clone, Default)]
+struct Faults {
     lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
     deletes_refused: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// A create lands, and its answer never comes.
     hangs: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The bucket of an [`Unanswering`] connection.
 struct UnansweringBucket {
     inner: std::sync::Arc<dyn shared::jetstream::Bucket>,
-    lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    deletes_refused: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    hangs: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    faults: Faults,
 }
 
 fn no_answer<T: Send + 'static>() -> shared::jetstream::Reply<T> {
     Box::pin(async { Err(shared::jetstream::Error::failed("no answer in time")) })
 }
 
-impl Unanswering {
-    fn wrap(
-        &self,
-        inner: std::sync::Arc<dyn shared::jetstream::Bucket>,
-    ) -> std::sync::Arc<dyn shared::jetstream::Bucket> {
-        std::sync::Arc::new(UnansweringBucket {
-            inner,
-            lost: std::sync::Arc::clone(&self.lost),
-            deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
-            hangs: std::sync::Arc::clone(&self.hangs),
-        })
-    }
-}
-
 impl shared::jetstream::JetStream for Unanswering {
     fn handle(&self) -> std::sync::Arc<dyn shared::jetstream::JetStream> {
         std::sync::Arc::new(Self {
             inner: self.inner.handle(),
-            lost: std::sync::Arc::clone(&self.lost),
-            deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
-            hangs: std::sync::Arc::clone(&self.hangs),
+            faults: self.faults.clone(),
         })
     }
     fn bucket(
         &self,
         config: shared::jetstream::BucketConfig,
     ) -> shared::jetstream::Reply<std::sync::Arc<dyn shared::jetstream::Bucket>> {
-        let (bucket, this) = (self.inner.bucket(config), self.handle_parts());
-        Box::pin(async move { Ok(this.wrap(bucket.await?)) })
+        let (bucket, faults) = (self.inner.bucket(config), self.faults.clone());
+        Box::pin(async move { Ok(faults.wrap(bucket.await?)) })
     }
     fn bind_bucket(&self, name: &str) -> shared::jetstream::Reply<std::sync::Arc<dyn shared::jetstream::Bucket>> {
-        let (bucket, this) = (self.inner.bind_bucket(name), self.handle_parts());
-        Box::pin(async move { Ok(this.wrap(bucket.await?)) })
+        let (bucket, faults) = (self.inner.bind_bucket(name), self.faults.clone());
+        Box::pin(async move { Ok(faults.wrap(bucket.await?)) })
     }
     fn stream(
         &self,
@@ -576,14 +564,16 @@ impl shared::jetstream::JetStream for Unanswering {
     }
 }
 
-impl Unanswering {
-    fn handle_parts(&self) -> Self {
-        Self {
-            inner: self.inner.handle(),
-            lost: std::sync::Arc::clone(&self.lost),
-            deletes_refused: std::sync::Arc::clone(&self.deletes_refused),
-            hangs: std::sync::Arc::clone(&self.hangs),
-        }
+impl Faults {
+    fn wrap(
+        self,
+        inner: std::sync::Arc<dyn shared::jetstream::Bucket>,
+    ) -> std::sync::Arc<dyn shared::jetstream::Bucket> {
+        std::sync::Arc::new(UnansweringBucket { inner, faults: self })
+    }
+
+    fn on(flag: &std::sync::atomic::AtomicBool) -> bool {
+        flag.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -593,7 +583,7 @@ impl shared::jetstream::Bucket for UnansweringBucket {
         key: &str,
         consistency: shared::jetstream::Consistency,
     ) -> shared::jetstream::Reply<Option<shared::jetstream::Entry>> {
-        if self.lost.load(std::sync::atomic::Ordering::SeqCst) {
+        if Faults::on(&self.faults.lost) {
             return no_answer();
         }
         self.inner.entry(key, consistency)
@@ -601,8 +591,8 @@ impl shared::jetstream::Bucket for UnansweringBucket {
     fn create(&self, key: &str, value: bytes::Bytes) -> shared::jetstream::Reply<u64> {
         let (created, lost, hangs) = (
             self.inner.create(key, value),
-            self.lost.load(std::sync::atomic::Ordering::SeqCst),
-            self.hangs.load(std::sync::atomic::Ordering::SeqCst),
+            Faults::on(&self.faults.lost),
+            Faults::on(&self.faults.hangs),
         );
         Box::pin(async move {
             let revision = created.await?;
@@ -622,7 +612,7 @@ impl shared::jetstream::Bucket for UnansweringBucket {
         self.inner.put(key, value)
     }
     fn delete(&self, key: &str, revision: Option<u64>) -> shared::jetstream::Reply<()> {
-        if self.deletes_refused.load(std::sync::atomic::Ordering::SeqCst) {
+        if Faults::on(&self.faults.deletes_refused) {
             return no_answer();
         }
         self.inner.delete(key, revision)
@@ -639,42 +629,16 @@ impl shared::jetstream::Bucket for UnansweringBucket {
 #[tokio::test]
 async fn a_start_whose_answer_was_lost_is_run_when_the_call_comes_again() -> TestResult {
     let nats = Nats::start().await?;
-    claim(&bucket(&nats).await?, "lost", 1).await?;
-    let (lost, deletes_refused) = (
-        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
-        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
-    );
-    let js: std::sync::Arc<dyn shared::jetstream::JetStream> = std::sync::Arc::new(Unanswering {
-        inner: store(&nats).await?,
-        lost: std::sync::Arc::clone(&lost),
-        deletes_refused,
-        hangs: std::sync::Arc::default(),
-    });
-    let fence = tool_runner::fence::RunFence::over(js, BUCKET, Duration::from_millis(500));
-    let records =
-        tool_runner::record::CallRecords::new(std::sync::Arc::new(fence), "here", Duration::from_secs(3), 4096);
-    records.renew().await;
-    let call = tool_runner::record::Call {
-        run_id: "lost",
-        call_id: "c1",
-        round: None,
-        epoch: 1,
-        idempotent: false,
-        rerun_in_doubt: false,
-        wait: Duration::from_secs(1),
-    };
-    lost.store(true, std::sync::atomic::Ordering::SeqCst);
+    let faults = Faults::default();
+    faults.deletes_refused.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (records, call) = unanswered_call(&nats, "lost", &faults).await?;
+    faults.lost.store(true, std::sync::atomic::Ordering::SeqCst);
     let first = records.begin(&call).await;
     assert!(matches!(first, tool_runner::record::Begun::Unavailable(_)), "{first:?}");
-    lost.store(false, std::sync::atomic::Ordering::SeqCst);
+    faults.lost.store(false, std::sync::atomic::Ordering::SeqCst);
     let kv = bucket(&nats).await?;
     assert!(kv.get("call.lost.c1").await?.is_some(), "the start landed, and stayed");
-    let again = records.begin(&call).await;
-    assert!(
-        matches!(again, tool_runner::record::Begun::Run(_)),
-        "run now, not waited for nor in doubt: {again:?}"
-    );
-    Ok(())
+    run_when_it_comes_again(&records, &call).await
 }
 
 /// A runner whose caller left while the start of its call was being written (the write landed,
@@ -684,20 +648,33 @@ async fn a_start_whose_answer_was_lost_is_run_when_the_call_comes_again() -> Tes
 #[tokio::test]
 async fn a_start_whose_caller_left_before_it_was_written_is_run_when_the_call_comes_again() -> TestResult {
     let nats = Nats::start().await?;
-    claim(&bucket(&nats).await?, "left", 1).await?;
-    let hangs = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let faults = Faults::default();
+    let (records, call) = unanswered_call(&nats, "left", &faults).await?;
+    faults.hangs.store(true, std::sync::atomic::Ordering::SeqCst);
+    let left = tokio::time::timeout(Duration::from_millis(300), records.begin(&call)).await;
+    assert!(left.is_err(), "the caller left before the start was answered");
+    faults.hangs.store(false, std::sync::atomic::Ordering::SeqCst);
+    run_when_it_comes_again(&records, &call).await
+}
+
+/// Call records of run `run_id` (claimed in epoch 1) over a store with `faults`, renewed, and
+/// its durable call `c1` (not idempotent).
+async fn unanswered_call(
+    nats: &Nats,
+    run_id: &'static str,
+    faults: &Faults,
+) -> anyhow::Result<(tool_runner::record::CallRecords, tool_runner::record::Call<'static>)> {
+    claim(&bucket(nats).await?, run_id, 1).await?;
     let js: std::sync::Arc<dyn shared::jetstream::JetStream> = std::sync::Arc::new(Unanswering {
-        inner: store(&nats).await?,
-        lost: std::sync::Arc::default(),
-        deletes_refused: std::sync::Arc::default(),
-        hangs: std::sync::Arc::clone(&hangs),
+        inner: store(nats).await?,
+        faults: faults.clone(),
     });
     let fence = tool_runner::fence::RunFence::over(js, BUCKET, Duration::from_millis(500));
     let records =
         tool_runner::record::CallRecords::new(std::sync::Arc::new(fence), "here", Duration::from_secs(3), 4096);
     records.renew().await;
     let call = tool_runner::record::Call {
-        run_id: "left",
+        run_id,
         call_id: "c1",
         round: None,
         epoch: 1,
@@ -705,11 +682,15 @@ async fn a_start_whose_caller_left_before_it_was_written_is_run_when_the_call_co
         rerun_in_doubt: false,
         wait: Duration::from_secs(1),
     };
-    hangs.store(true, std::sync::atomic::Ordering::SeqCst);
-    let left = tokio::time::timeout(Duration::from_millis(300), records.begin(&call)).await;
-    assert!(left.is_err(), "the caller left before the start was answered");
-    hangs.store(false, std::sync::atomic::Ordering::SeqCst);
-    let again = records.begin(&call).await;
+    Ok((records, call))
+}
+
+/// `call`, sent again, is run at once by `records`: not waited for, nor in doubt.
+async fn run_when_it_comes_again(
+    records: &tool_runner::record::CallRecords,
+    call: &tool_runner::record::Call<'_>,
+) -> TestResult {
+    let again = records.begin(call).await;
     assert!(
         matches!(again, tool_runner::record::Begun::Run(_)),
         "run now, not waited for nor in doubt: {again:?}"

@@ -212,15 +212,19 @@ impl Bucket for ShardedBucket {
         if run_of(filter).is_some() {
             return self.of(filter).keys(filter);
         }
-        let listings: Vec<_> = self.shards.iter().map(|shard| shard.keys(filter)).collect();
-        Box::pin(async move {
-            let mut keys = Vec::new();
-            for listing in futures::future::join_all(listings).await {
-                keys.extend(listing?);
-            }
-            Ok(keys)
-        })
+        gathered(self.shards.iter().map(|shard| shard.keys(filter)).collect())
     }
+}
+
+/// Every shard's listing, asked at once, as one (an error if any shard's is).
+fn gathered(listings: Vec<Reply<Vec<String>>>) -> Reply<Vec<String>> {
+    Box::pin(async move {
+        let mut all = Vec::new();
+        for listing in futures::future::join_all(listings).await {
+            all.extend(listing?);
+        }
+        Ok(all)
+    })
 }
 
 /// An object store spread over shards by the run each object belongs to.
@@ -256,14 +260,7 @@ impl Objects for ShardedObjects {
     }
 
     fn names(&self) -> Reply<Vec<String>> {
-        let listings: Vec<_> = self.shards.iter().map(|shard| shard.names()).collect();
-        Box::pin(async move {
-            let mut names = Vec::new();
-            for listing in futures::future::join_all(listings).await {
-                names.extend(listing?);
-            }
-            Ok(names)
-        })
+        gathered(self.shards.iter().map(|shard| shard.names()).collect())
     }
 }
 
