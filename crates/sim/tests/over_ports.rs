@@ -53,13 +53,6 @@ const A_LAGGING_FOLLOWER_FREED_A_LIVE_RUNS_SLOT: u64 = 281;
 /// (`store/nats/journal.rs`; pinned by `tests/adapters.rs` too).
 const A_HAND_OVER_WROTE_BACK_A_FOLLOWERS_RECORD: u64 = 140;
 
-/// A renewal of a replica's incarnation sent in time came back after its lease ran out (the
-/// store slow): a run under it had found the lease run out and stopped, the late renewal kept
-/// the incarnation going, and the run stayed held by a live incarnation with nothing running it,
-/// never taken over ("runs never ended"; found searching 7,000 seeds for another). A renewal
-/// back after the lease ran out now ends the incarnation (`Liveness::confirmed_in_time`).
-const A_LATE_RENEWAL_KEPT_A_STOPPED_RUN_HELD: u64 = 5516;
-
 /// The first seed of this run: `SIM_BASE_SEED=<n>`, or else one drawn from the clock, so each
 /// run tries seeds no earlier run tried (the seeds that broke a fix stay as tests of their own,
 /// and a failure prints the base that replays it).
@@ -218,7 +211,6 @@ fn the_seeds_that_broke_the_services_code_hold() {
         LOG_GAP_PAST_A_LOST_BATCH,
         ANSWER_TAKEN_FOR_THE_NEXT_ROUND,
         A_HAND_OVER_WROTE_BACK_A_FOLLOWERS_RECORD,
-        A_LATE_RENEWAL_KEPT_A_STOPPED_RUN_HELD,
     ] {
         holds(seed, &Settings::default());
     }

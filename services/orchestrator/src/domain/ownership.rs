@@ -99,28 +99,6 @@ impl Liveness {
         }
     }
 
-    /// [`Liveness::confirmed`] for a renewal that may come back late: taken only while
-    /// `generation` still acts (within `acting` of its last confirmed renewal, as
-    /// [`Liveness::acts_now`] reads it). `false` when its lease ran out first: a run under it may
-    /// have stopped acting then, and a lease extended now would hold that run with nothing
-    /// running it, so the generation must end instead.
-    pub fn confirmed_in_time(&self, generation: u64, sent: Instant, acting: Duration) -> bool {
-        let mut now = shared::sync::lock(&self.inner);
-        if now.generation != generation || Instant::now() >= now.confirmed + acting {
-            return false;
-        }
-        now.confirmed = now.confirmed.max(sent);
-        true
-    }
-
-    /// Whether a run of `generation` may act now, given `acting` of each lease: read under the
-    /// same lock as [`Liveness::confirmed_in_time`], so a run that finds the lease run out and
-    /// a renewal that comes back after it agree.
-    pub fn acts_now(&self, generation: u64, acting: Duration) -> bool {
-        let now = shared::sync::lock(&self.inner);
-        now.generation == generation && Instant::now() < now.confirmed + acting
-    }
-
     /// Until when a run of `generation` may act, given `acting` of each lease: at once when the
     /// generation is over.
     pub fn acts_until(&self, generation: u64, acting: Duration) -> Instant {
@@ -295,14 +273,6 @@ impl Ownership {
         if self.stopped() {
             return false;
         }
-        if let (Some(terms), Some(liveness)) = (self.inner.terms, &self.inner.liveness) {
-            let generation = self.inner.generation.load(Ordering::Acquire);
-            if liveness.acts_now(generation, terms.acting()) {
-                return true;
-            }
-            self.stop(Stop::Expired);
-            return false;
-        }
         match self.acts_until() {
             Some(until) if Instant::now() >= until => {
                 self.stop(Stop::Expired);
@@ -454,28 +424,6 @@ mod tests {
         assert_eq!(owner.why(), Some(&Stop::Expired));
         owner.confirmed(Instant::now());
         assert!(!owner.holds(), "stopped stays stopped");
-    }
-
-    /// A renewal of an incarnation that comes back after its lease ran out is not taken: a run
-    /// under it that found the lease run out has stopped, and the generation must end rather
-    /// than hold that run with nothing running it. One back in time is taken.
-    #[tokio::test(start_paused = true)]
-    async fn a_renewal_back_after_the_lease_ran_out_is_not_taken() {
-        let acting = Duration::from_secs(2);
-        let start = Instant::now();
-        let liveness = super::Liveness::new(start);
-        tokio::time::advance(Duration::from_millis(1500)).await;
-        assert!(liveness.confirmed_in_time(1, start + Duration::from_secs(1), acting));
-        assert!(liveness.acts_now(1, acting), "2.5 s in, the lease runs from 1 s");
-        tokio::time::advance(Duration::from_millis(1500)).await;
-        assert!(!liveness.acts_now(1, acting), "3 s: 1 + 2");
-        let late = liveness.confirmed_in_time(1, start + Duration::from_millis(2500), acting);
-        assert!(!late, "sent in time, back too late");
-        assert!(!liveness.acts_now(1, acting), "the lease stays run out");
-        assert!(
-            !liveness.confirmed_in_time(7, Instant::now(), acting),
-            "another generation"
-        );
     }
 
     /// The expiry resolves when the lease runs out without a renewal, even when the process

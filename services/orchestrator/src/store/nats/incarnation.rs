@@ -5,8 +5,7 @@
 //! run's record before — seen unchanged for a whole lease on their own clock, it has lapsed.
 //!
 //! The keeper renews by compare-and-set on the revision it wrote last. When a renewal does not
-//! land before the lease (less its margin) runs out (one that lands after it is not taken: a run
-//! may have stopped acting meanwhile), or another replica removed the record, the
+//! land before the lease (less its margin) runs out, or another replica removed the record, the
 //! process stops acting for every run of that incarnation at once ([`Liveness::reincarnate`])
 //! and goes on under a new one: the old incarnation's runs are orphans for every replica, this
 //! one included. At a clean stop the record is marked over, so its leftovers move at once.
@@ -202,18 +201,10 @@ impl Incarnation {
         };
         match kv.update(&key_of(&name), record.encode_to_vec().into(), revision).await {
             Ok(revision) => {
-                let in_time = {
-                    let mut current = shared::sync::lock(&self.current);
-                    if current.generation != generation {
-                        return;
-                    }
+                let mut current = shared::sync::lock(&self.current);
+                if current.generation == generation {
                     current.revision = Some(revision);
-                    self.liveness.confirmed_in_time(generation, sent, acting)
-                };
-                if !in_time {
-                    // The lease ran out while the renewal was on its way: runs under it may have
-                    // stopped meanwhile, and they must not stay held by a live incarnation.
-                    self.reincarnate(kv, &name, generation).await;
+                    self.liveness.confirmed(generation, sent);
                 }
             }
             Err(Error::WrongRevision) => {
