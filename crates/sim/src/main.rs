@@ -6,6 +6,7 @@
 //! cargo run --release -p sim -- --seeds 500 --without receiver-fence   # what breaks without it
 //! cargo run --release -p sim -- --ports --seeds 200   # the services' own code, real adapters
 //! cargo run --release -p sim -- --ports --seed 7 --trace
+//! cargo run --release -p sim -- --ports --quiet --runs 2000 --seeds 3   # a crash among quiet runs
 //! ```
 //!
 //! A failing seed prints itself with what it broke; it replays the same history with `--seed`.
@@ -36,7 +37,7 @@ struct Args {
     trace: bool,
     /// Switches a fix off (repeatable): receiver-fence, fence-grace, end-after-log, recheck-retries
     /// (with --ports: receiver-fence, fleet-slots, task-handles, parked-claims,
-    /// answer-rounds).
+    /// answer-rounds, outcome-records, self-expiry).
     #[arg(long = "without")]
     without: Vec<String>,
     /// Faults drawn per seed (the protocol model: 6; with --ports: 8, as CI draws them).
@@ -61,6 +62,10 @@ struct Args {
     /// With --ports: the run store spread over this many shards (1–64).
     #[arg(long, requires = "ports", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     shards: u64,
+    /// With --ports: quiet runs (each waits on one long call, then ends) and one replica killed
+    /// while they wait; with --runs in the thousands, what a crash costs at scale.
+    #[arg(long, requires = "ports")]
+    quiet: bool,
 }
 
 fn main() -> ExitCode {
@@ -117,6 +122,7 @@ fn ports_settings(args: &Args) -> Result<sim::ports::Settings, String> {
         cancels: args.cancels,
         messages: args.messages.unwrap_or(defaults.messages),
         shards: usize::try_from(args.shards).map_err(|e| e.to_string())?,
+        quiet: args.quiet,
         ..defaults
     };
     args.without

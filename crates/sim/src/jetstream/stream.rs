@@ -58,6 +58,8 @@ pub struct StreamState {
     by_subject: HashMap<String, Vec<u64>>,
     /// Message ids and the sequence each was stored at, with when.
     ids: HashMap<String, (u64, Instant)>,
+    /// The same ids in the order stored, so those past the window go without a walk of all.
+    ids_by_age: std::collections::VecDeque<(Instant, String)>,
     last_sequence: u64,
     bytes: u64,
 }
@@ -70,6 +72,7 @@ impl StreamState {
             messages: BTreeMap::new(),
             by_subject: HashMap::new(),
             ids: HashMap::new(),
+            ids_by_age: std::collections::VecDeque::new(),
             last_sequence: 0,
             bytes: 0,
         }
@@ -95,7 +98,15 @@ impl StreamState {
             }
         }
         let window = self.limits.duplicate_window;
-        self.ids.retain(|_, (_, at)| now.duration_since(*at) < window);
+        while let Some((at, _)) = self.ids_by_age.front()
+            && now.duration_since(*at) >= window
+        {
+            if let Some((at, id)) = self.ids_by_age.pop_front()
+                && self.ids.get(&id).is_some_and(|(_, stored)| *stored == at)
+            {
+                self.ids.remove(&id);
+            }
+        }
     }
 
     fn remove(&mut self, seq: u64) {
@@ -148,6 +159,7 @@ impl StreamState {
         self.last_sequence += 1;
         let sequence = self.last_sequence;
         if let Some(id) = message.id {
+            self.ids_by_age.push_back((stored.at, id.clone()));
             self.ids.insert(id, (sequence, stored.at));
         }
         self.bytes += stored.bytes();

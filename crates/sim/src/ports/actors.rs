@@ -30,20 +30,26 @@ use super::view::Watched;
 /// The turns every run plays: two calls a turn (one in every third), then the answer.
 pub const TURNS: usize = 8;
 
+/// How long a quiet run's one call works (its run waits, writing nothing, meanwhile).
+pub const QUIET_WORK: Duration = Duration::from_secs(40);
+
 /// The model, as one replica reaches it (a paused replica hears nothing).
 pub struct Model {
     gate: Gate,
     rng: Mutex<fastrand::Rng>,
     /// What every replica's model served so far.
     served: Arc<Served>,
+    /// Every run plays two turns: one call, then the answer.
+    quiet: bool,
 }
 
 impl Model {
     /// The model for the replica behind `gate`, counting what it serves into `served`.
-    pub fn new(gate: Gate, seed: u64, served: Arc<Served>) -> Self {
+    pub fn new(gate: Gate, seed: u64, served: Arc<Served>, quiet: bool) -> Self {
         Self {
             gate,
             served,
+            quiet,
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
         }
     }
@@ -124,20 +130,23 @@ impl ChatModel for Model {
         self.served.ask(&request_run, turn);
         let think = Duration::from_millis(lock(&self.rng).u64(20..1500));
         let (gate, served) = (self.gate.clone(), Arc::clone(&self.served));
+        let turns = if self.quiet { 2 } else { TURNS };
+        let report = !self.quiet && turn == REPORT_TURN;
         async move {
             tokio::time::sleep(think).await;
             gate.running().await;
             let mut events = vec![Ok(LlmEvent::TextDelta(format!("turn {}. ", turn + 1)))];
             // A turn taken for a message sent to the run after it answered ends it as well.
             match turn {
-                t if t + 1 >= TURNS => events.push(Ok(LlmEvent::TextDelta("done.".to_owned()))),
+                t if t + 1 >= turns => events.push(Ok(LlmEvent::TextDelta("done.".to_owned()))),
+                _ if turns < TURNS => events.push(call(0, format!("t{turn}a"))),
                 t if t % 3 == 2 => events.push(call(0, format!("t{turn}a"))),
                 _ => events.extend([call(0, format!("t{turn}a")), call(1, format!("t{turn}b"))]),
             }
-            if turn == REPORT_TURN {
+            if report {
                 events.push(call_of(REPORT, 2, format!("r{turn}")));
             }
-            let finish = if turn + 1 < TURNS { "tool_calls" } else { "stop" };
+            let finish = if turn + 1 < turns { "tool_calls" } else { "stop" };
             // Each turn spends tokens (the usage invariant counts them): a prompt that grows
             // with the turns, and a completion.
             let usage = orchestrator::domain::chat::Usage {
@@ -171,6 +180,22 @@ pub struct Start {
     /// The run's fence at the instant the tool started (it may have been raised since the read).
     pub fence_at_start: u64,
     /// When the tool started.
+    pub at: Instant,
+}
+
+/// A call as its replica sent it, at the moment the sender's rules let it go (it may reach a
+/// runner much later, or never).
+#[derive(Debug, Clone)]
+pub struct SentCall {
+    /// The replica that sent it.
+    pub replica: String,
+    /// The run.
+    pub run_id: String,
+    /// The call.
+    pub call_id: String,
+    /// The epoch the call carried.
+    pub epoch: u64,
+    /// When it was sent.
     pub at: Instant,
 }
 
@@ -215,6 +240,8 @@ pub struct Runners {
     lives: Vec<std::sync::atomic::AtomicU64>,
     /// Every tool start, in order.
     pub starts: Mutex<Vec<Start>>,
+    /// Every attempt a replica sent, in order.
+    pub sent: Mutex<Vec<SentCall>>,
     /// Every attempt that carried answers, in order.
     pub answered: Mutex<Vec<Answered>>,
     /// Rounds of questions asked so far (each gets its own state).
@@ -232,20 +259,35 @@ pub struct Runners {
     pub died: Mutex<Vec<(String, String)>>,
     /// The runners refuse a replaced owner's call (off: to show what breaks without it).
     pub fence: bool,
+    /// Every call works [`QUIET_WORK`], while it waits (no task, no question).
+    quiet: bool,
     /// The tasks the runners' server runs in the background, by task id: when each is done.
     tasks: Mutex<std::collections::HashMap<String, Instant>>,
     rng: Mutex<fastrand::Rng>,
 }
 
 impl Runners {
-    /// `count` runners reading fences from `store`, and recording the calls they run there
-    /// unless `records` is off (each renews its liveness in the background).
-    pub fn new(store: Arc<Watched>, count: usize, seed: u64, fence: bool, records: bool) -> Arc<Self> {
+    /// `count` runners reading fences from `store` (and refusing a replaced owner's call unless
+    /// `fence` is off), and recording the calls they run there unless `records` is off (each
+    /// renews its liveness in the background); with `quiet` runs, each takes that many calls at
+    /// once and works [`QUIET_WORK`] on every one.
+    pub fn new(
+        store: Arc<Watched>,
+        count: usize,
+        seed: u64,
+        (fence, records): (bool, bool),
+        quiet: Option<usize>,
+    ) -> Arc<Self> {
         let gates: Vec<Gate> = (0..count).map(|_| Gate::default()).collect();
         let readers: Vec<_> = gates
             .iter()
             .map(|gate| {
                 let connection = store.cluster().connect(gate.clone(), FENCE_READ);
+                // Thousands of quiet runs' calls: pipelined, as the replicas' are then.
+                let connection = match quiet {
+                    Some(_) => connection.pipelined(),
+                    None => connection,
+                };
                 Arc::new(tool_runner::fence::RunFence::over(
                     shared::jetstream::JetStream::handle(&connection),
                     &store.names().runs,
@@ -267,13 +309,15 @@ impl Runners {
             records,
             lives: (0..count).map(|_| std::sync::atomic::AtomicU64::new(0)).collect(),
             fence,
+            quiet: quiet.is_some(),
             starts: Mutex::default(),
+            sent: Mutex::default(),
             answered: Mutex::default(),
             asked: Mutex::default(),
             tasks: Mutex::default(),
             admissions: gates
                 .iter()
-                .map(|_| tool_runner::admission::Admission::new(RUNNER_SLOTS))
+                .map(|_| tool_runner::admission::Admission::new(quiet.unwrap_or(RUNNER_SLOTS)))
                 .collect(),
             refused: std::sync::atomic::AtomicUsize::new(0),
             in_doubt: Mutex::default(),
@@ -346,7 +390,7 @@ impl Runners {
                 epoch: call.epoch,
                 idempotent: false,
                 rerun_in_doubt: call.rerun_in_doubt,
-                wait: LONGEST_WORK + RUNNER_LEASE,
+                wait: if self.quiet { QUIET_WORK } else { LONGEST_WORK } + RUNNER_LEASE,
             })
             .await;
         match begun {
@@ -405,6 +449,8 @@ impl Runners {
 /// refusal stopping the owner, retries of calls no runner ran), and a paused replica may be
 /// paused between that check and the send.
 pub struct Client {
+    /// The replica's name.
+    pub replica: String,
     /// The replica's gate.
     pub gate: Gate,
     /// The runners.
@@ -419,10 +465,10 @@ const RETRIES: Retries = Retries {
 
 impl ToolExecutor for Client {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<ToolOutput, ToolCallError>> {
-        let (gate, runners) = (self.gate.clone(), Arc::clone(&self.runners));
+        let (gate, runners, replica) = (self.gate.clone(), Arc::clone(&self.runners), self.replica.clone());
         async move {
             sender::send(&call, RETRIES, || {
-                attempt(gate.clone(), Arc::clone(&runners), call.clone())
+                attempt(gate.clone(), Arc::clone(&runners), call.clone(), replica.clone())
             })
             .await
         }
@@ -435,7 +481,14 @@ impl ToolExecutor for Client {
 /// process's kernel still sends what it was given, and a congested link may hold it for
 /// seconds); the runner reads the run's fence and refuses a replaced owner's call, or starts
 /// the tool and answers.
-async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Attempt {
+async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation, replica: String) -> Attempt {
+    lock(&runners.sent).push(SentCall {
+        replica,
+        run_id: call.run_id.clone(),
+        call_id: call.call_id.clone(),
+        epoch: call.epoch,
+        at: Instant::now(),
+    });
     let (runner, out, link, (work, as_task, asks)) = {
         let mut rng = lock(&runners.rng);
         let runner = rng.usize(..runners.gates.len());
@@ -458,6 +511,10 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation) -> Att
                 !as_task && rng.u8(..5) == 0,
             ),
         )
+    };
+    let (work, as_task, asks) = match runners.quiet {
+        true => (QUIET_WORK, false, false),
+        false => (work, as_task, asks),
     };
     // Checked, then on its way out of the process (a client's buffer, a connection being
     // made): a replica paused now writes it when it resumes.

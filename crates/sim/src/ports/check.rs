@@ -12,6 +12,9 @@
 //!   (by a new owner after its run moved, or again after a lost answer): a runner answers a call
 //!   that started before from its record, or in doubt when the runner that started it went away
 //!   before keeping its outcome (the tool here is not idempotent, so nothing runs again);
+//! - **one owner acting**: no tool call leaves a replica under a run's epoch once a claim of a
+//!   later epoch was taken (the owner stops on its own clock before anyone may claim the run:
+//!   its incarnation's lease less the margin ran out first; the fences only catch what leaks);
 //! - **the log**: a run's events are seqs 1..N without gap or duplicate, with one `run_finished`,
 //!   the last;
 //! - **the end, once and kept**: every run claimed ends, its record holds the end its log holds,
@@ -151,13 +154,22 @@ pub fn streams_whole(shared: &View, followed: &[Followed]) -> Vec<String> {
 }
 
 /// Every invariant broken, with its evidence.
-pub fn violations(shared: &View, runners: &Runners, person: &Person, runs: usize, served: u64) -> Vec<String> {
+/// Every invariant over what the store, the runners and the person saw, for `runs` runs (the
+/// odd ones on the thread, unless they are `quiet`) the model served `served` tokens to.
+pub fn violations(
+    shared: &View,
+    runners: &Runners,
+    person: &Person,
+    (runs, quiet): (usize, bool),
+    served: u64,
+) -> Vec<String> {
     let mut broken = epoch_order(runners);
     broken.extend(fenced_at_start(runners));
     broken.extend(answers_as_given(runners, &lock(person)));
     broken.extend(questions_left(shared));
     broken.extend(again_only_when_unrecorded(runners, &shared.takeovers));
     broken.extend(once_per_call(runners));
+    broken.extend(one_owner_acting(runners, &shared.takeovers));
     for run in 0..runs {
         let run_id = format!("run-{run}");
         let Some(record) = shared.records.get(&run_id) else {
@@ -167,13 +179,37 @@ pub fn violations(shared: &View, runners: &Runners, person: &Person, runs: usize
         broken.extend(log_whole(&run_id, &events));
         broken.extend(end_kept(&run_id, &record.result, &events));
     }
-    broken.extend(thread_whole(shared, runs));
+    if !quiet {
+        broken.extend(thread_whole(shared, runs));
+    }
     broken.extend(shared.quota_breaches.iter().map(|b| format!("the share: {b}")));
     broken.extend(slots_free(shared));
     broken.extend(spend_counted(shared));
     broken.extend(spend_served(shared, served));
     broken.extend(signals_once(shared));
     broken
+}
+
+/// The invariant of one owner acting (see the module docs): no call leaves a replica under an
+/// epoch after a claim of a later one was taken.
+fn one_owner_acting(runners: &Runners, takeovers: &[super::view::Takeover]) -> Vec<String> {
+    let sent = lock(&runners.sent);
+    sent.iter()
+        .filter_map(|call| {
+            let claim = takeovers
+                .iter()
+                .find(|t| t.run_id == call.run_id && t.epoch > call.epoch && t.at < call.at)?;
+            Some(format!(
+                "one owner acting: call {} of {} left {} under epoch {} {:?} after epoch {} was claimed",
+                call.call_id,
+                call.run_id,
+                call.replica,
+                call.epoch,
+                call.at.duration_since(claim.at),
+                claim.epoch
+            ))
+        })
+        .collect()
 }
 
 /// A message sent to a run.

@@ -87,6 +87,14 @@ pub struct Settings {
     pub outcome_records: bool,
     /// Shards the run store is spread over (`--run-store-shards`).
     pub shards: usize,
+    /// A replica stops acting for every run of its incarnation once that incarnation's lease
+    /// ran out (off: its runs never find out, what breaks without it).
+    pub self_expiry: bool,
+    /// Every run waits on one long tool call ([`actors::QUIET_WORK`]: quiet, nothing of it
+    /// written while it waits), then ends; the one fault kills a replica while they wait (its
+    /// runs move to the others); no thread, no cap on a caller's runs, and the followers, the
+    /// replays and the listings' pages take a sample: thousands of runs in seconds.
+    pub quiet: bool,
 }
 
 impl Default for Settings {
@@ -107,18 +115,21 @@ impl Default for Settings {
             cancels: 0,
             messages: 3,
             shards: 1,
+            self_expiry: true,
+            quiet: false,
         }
     }
 }
 
 /// The fixes a `--without` switch turns off, by the name the command line gives them.
-pub const FIXES: [&str; 6] = [
+pub const FIXES: [&str; 7] = [
     "receiver-fence",
     "fleet-slots",
     "task-handles",
     "parked-claims",
     "answer-rounds",
     "outcome-records",
+    "self-expiry",
 ];
 
 impl Settings {
@@ -131,6 +142,7 @@ impl Settings {
             "parked-claims" => &mut self.parked_claims,
             "answer-rounds" => &mut self.answer_rounds,
             "outcome-records" => &mut self.outcome_records,
+            "self-expiry" => &mut self.self_expiry,
             other => return Err(format!("--ports switches off one of {}, not {other}", FIXES.join(", "))),
         };
         *switch = false;
@@ -146,6 +158,7 @@ impl Settings {
             self.parked_claims,
             self.answer_rounds,
             self.outcome_records,
+            self.self_expiry,
         ];
         FIXES
             .iter()
@@ -168,6 +181,9 @@ impl Settings {
         }
         if self.shards > 1 {
             command.push_str(&format!(" --shards {}", self.shards));
+        }
+        if self.quiet {
+            command.push_str(" --quiet");
         }
         if self.messages != Self::default().messages {
             command.push_str(&format!(" --messages {}", self.messages));
@@ -230,9 +246,11 @@ fn terms() -> LeaseTerms {
     }
 }
 
-fn config(shards: usize) -> orchestrator::Config {
+fn config(settings: &Settings) -> orchestrator::Config {
     let mut config = orchestrator::Config::default();
-    config.store.shards = shards;
+    config.store.shards = settings.shards;
+    // Room on every replica for every run (quiet runs by the thousand).
+    config.runs.max_runs = config.runs.max_runs.max(settings.runs);
     config.store.lease = LEASE;
     config.store.lease_margin = Some(terms().margin);
     config.store.fence_grace = terms().fence_grace;
@@ -348,18 +366,18 @@ enum Fault {
 
 impl World {
     fn new(seed: u64, settings: Settings) -> Self {
-        let config = config(settings.shards);
+        let config = config(&settings);
         let names = Names::of(&config.store.bucket, &config.store.event_log_stream).sharded(config.store.shards);
         let runs = (0..settings.runs).map(|run| format!("run-{run}")).collect();
-        let max_runs = [(TENANT.to_owned(), TENANT_MAX_RUNS)].into();
+        let max_runs = principals(settings.quiet);
         let signals = orchestrator::server::harness::nats_signal_options(&config).stream;
         let store = Watched::new(crate::jetstream::Cluster::new(seed), names, signals, runs, max_runs);
         let runners = Runners::new(
             Arc::clone(&store),
             settings.runners,
             seed,
-            settings.receiver_fence,
-            settings.outcome_records,
+            (settings.receiver_fence, settings.outcome_records),
+            settings.quiet.then_some(settings.runs),
         );
         Self {
             seed,
@@ -387,6 +405,10 @@ impl World {
         let name = format!("replica-{n}");
         let gate = Gate::default();
         let connection = self.store.cluster().connect(gate.clone(), STORE_TIMEOUT);
+        let connection = match self.settings.quiet {
+            true => connection.pipelined(),
+            false => connection,
+        };
         let connection = match self.settings.task_handles {
             true => connection,
             false => connection.filtering_objects(without::without_tasks),
@@ -394,11 +416,11 @@ impl World {
         // The adapters' tasks (the log's publisher) are the replica process's, as all it spawns.
         let stores = shared::tasks::owning_async(
             gate.process(),
-            adapters::open(&connection, &name, &config(self.settings.shards)),
+            adapters::open(&connection, &name, &config(&self.settings)),
         )
         .await;
         let ports = Ports {
-            store: stores.store,
+            store: without::Store::over(stores.store, self.settings.self_expiry),
             index: stores.index,
             quotas: stores.quotas.filter(|_| self.settings.fleet_slots),
             usage: stores.usage,
@@ -412,13 +434,15 @@ impl World {
                 gate.clone(),
                 self.seed.wrapping_add(n as u64 * 7919),
                 Arc::clone(&self.served),
+                self.settings.quiet,
             )),
             tools: Arc::new(Client {
+                replica: name.clone(),
                 gate: gate.clone(),
                 runners: Arc::clone(&self.runners),
             }),
         };
-        let replica = Replica::in_process(&config(self.settings.shards), ports, gate.process());
+        let replica = Replica::in_process(&config(&self.settings), ports, gate.process());
         // As the server does with a journal: it answers the cancels and messages other
         // replicas ask of it for the runs live here.
         let replica = Arc::new(replica.answering_asks());
@@ -466,7 +490,13 @@ impl World {
         let followed = self.followed(followers).await;
         let served = self.served.tokens();
         let view = self.store.view();
-        let mut violations = check::violations(&view, &self.runners, &self.person, self.settings.runs, served);
+        let mut violations = check::violations(
+            &view,
+            &self.runners,
+            &self.person,
+            (self.settings.runs, self.settings.quiet),
+            served,
+        );
         if ended.is_ok() {
             violations.extend(self.settled_listings().await);
             violations.extend(check::streams_whole(&view, &followed));
@@ -501,8 +531,12 @@ impl World {
         }
     }
 
-    /// The faults, each at a moment within the horizon, in time order.
+    /// The faults, each at a moment within the horizon, in time order (quiet runs: one kill,
+    /// once every run waits).
     fn plan(&mut self) -> Vec<(Duration, Fault)> {
+        if self.settings.quiet {
+            return vec![(self.settings.horizon * 2 / 3, Fault::Kill(0, Duration::from_secs(2)))];
+        }
         let horizon = self.settings.horizon.as_millis() as u64;
         let mut plan: Vec<(Duration, Fault)> = (0..self.settings.faults)
             .map(|_| {
@@ -667,6 +701,7 @@ impl World {
     /// admits it (a replica that is paused or cut off, or a store losing answers, refuses it).
     fn start_run(&mut self, run_id: String, after: Duration) {
         let first = self.rng.usize(..self.processes.len());
+        let quiet = self.settings.quiet;
         let (living, notes, begun) = (Arc::clone(&self.living), Arc::clone(&self.notes), self.begun);
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
@@ -675,8 +710,11 @@ impl World {
                 let Some(replica) = pick(&living, first + attempt) else {
                     return;
                 };
-                let why = match tokio::time::timeout(Duration::from_secs(120), replica.start(spec(&run_id), tenant()))
-                    .await
+                let why = match tokio::time::timeout(
+                    Duration::from_secs(120),
+                    replica.start(spec(&run_id, quiet), caller(&run_id, quiet)),
+                )
+                .await
                 {
                     Ok(Ok(())) | Ok(Err(orchestrator::Error::AlreadyRunning(_))) => return,
                     Ok(Err(e)) => e.to_string(),
@@ -723,6 +761,7 @@ impl World {
             let at = Duration::from_millis(self.rng.u64(..self.settings.horizon.as_millis() as u64));
             let run_id = format!("run-{}", self.rng.usize(..self.settings.runs.max(1)));
             let replica_at = self.rng.usize(..64);
+            let quiet = self.settings.quiet;
             let (living, notes, begun, sent) = (
                 Arc::clone(&self.living),
                 Arc::clone(&self.notes),
@@ -737,7 +776,7 @@ impl World {
                 let content = format!("message-{n}");
                 let outcome = tokio::time::timeout(
                     Duration::from_secs(10),
-                    replica.send_message(&run_id, &content, &tenant()),
+                    replica.send_message(&run_id, &content, &caller(&run_id, quiet)),
                 )
                 .await;
                 let taken = matches!(outcome, Ok(Ok(_)));
@@ -780,13 +819,14 @@ impl World {
     /// A caller per run following it with `AttachRun` from whichever replica is alive, attaching
     /// again after its last seq whenever its stream breaks off (a replica paused, killed, or
     /// handing the run over), until `run_finished`: what each was sent, in order.
-    fn spawn_followers(&mut self) -> Vec<tokio::task::JoinHandle<check::Followed>> {
-        (0..self.settings.runs)
+    fn spawn_followers(&mut self) -> Vec<(String, tokio::task::JoinHandle<check::Followed>)> {
+        self.sample()
             .map(|run| {
                 let living = Arc::clone(&self.living);
                 let mut rng = fastrand::Rng::with_seed(self.seed ^ (0xf011 + run as u64));
                 let run_id = format!("run-{run}");
-                tokio::spawn(async move {
+                let id = run_id.clone();
+                let task = tokio::spawn(async move {
                     let mut followed = check::Followed {
                         run_id: run_id.clone(),
                         events: Vec::new(),
@@ -813,7 +853,8 @@ impl World {
                             }
                         }
                     }
-                })
+                });
+                (id, task)
             })
             .collect()
     }
@@ -822,12 +863,17 @@ impl World {
     /// with the same id) on a replica alive: what it replays, checked against the log.
     async fn replays(&self) -> Vec<String> {
         let mut replays = Vec::new();
-        for run in (0..self.settings.runs).step_by(2) {
+        for run in self.sample().step_by(2) {
             let run_id = format!("run-{run}");
             let Some(replica) = pick(&self.living, run) else {
                 continue;
             };
-            match tokio::time::timeout(Duration::from_secs(30), replica.retry(spec(&run_id), tenant())).await {
+            match tokio::time::timeout(
+                Duration::from_secs(30),
+                replica.retry(spec(&run_id, self.settings.quiet), caller(&run_id, self.settings.quiet)),
+            )
+            .await
+            {
                 Ok(Ok(events)) => replays.push(check::Followed { run_id, events }),
                 Ok(Err(e)) => return vec![format!("the replay: retrying {run_id} failed: {e}")],
                 Err(_) => return vec![format!("the replay: retrying {run_id} did not end")],
@@ -841,15 +887,18 @@ impl World {
 
     /// What the followers were sent; one that did not get `run_finished` in time is stopped
     /// with what it had.
-    async fn followed(&self, followers: Vec<tokio::task::JoinHandle<check::Followed>>) -> Vec<check::Followed> {
+    async fn followed(
+        &self,
+        followers: Vec<(String, tokio::task::JoinHandle<check::Followed>)>,
+    ) -> Vec<check::Followed> {
         let mut all = Vec::new();
-        for (run, mut follower) in followers.into_iter().enumerate() {
+        for (run_id, mut follower) in followers {
             match tokio::time::timeout(Duration::from_secs(60), &mut follower).await {
                 Ok(Ok(followed)) => all.push(followed),
                 _ => {
                     follower.abort();
                     all.push(check::Followed {
-                        run_id: format!("run-{run}"),
+                        run_id,
                         events: Vec::new(),
                     });
                 }
@@ -878,11 +927,12 @@ impl World {
     /// time (runs carry the label `kind=sim`, which the listing asks for).
     async fn listings(&self) -> Vec<String> {
         let living: Vec<Arc<Replica>> = lock(&self.living).clone();
+        let view = self.store.view();
         let mut broken = Vec::new();
         for (n, replica) in living.iter().enumerate() {
             let mut request = ListRequest {
                 labels: [("kind".to_owned(), "sim".to_owned())].into(),
-                page_size: 3,
+                page_size: if self.settings.quiet { 50 } else { 3 },
                 ..ListRequest::default()
             };
             let mut rows = Vec::new();
@@ -899,16 +949,27 @@ impl World {
                     }
                 }
             }
-            broken.extend(check::listing_whole(&self.store.view(), &format!("replica {n}"), &rows));
+            broken.extend(check::listing_whole(&view, &format!("replica {n}"), &rows));
         }
         broken
+    }
+
+    /// The runs whose callers follow them and whose retries are replayed: every run, or one in
+    /// [`SAMPLED`]'s share of quiet runs.
+    fn sample(&self) -> std::iter::StepBy<std::ops::Range<usize>> {
+        let runs = self.settings.runs;
+        let step = match self.settings.quiet {
+            true => (runs / SAMPLED).max(1),
+            false => 1,
+        };
+        (0..runs).step_by(step)
     }
 
     /// Waits (at most the settle time) until every run claimed has its end in the store.
     async fn wait_for_ends(&self) -> Result<(), String> {
         let deadline = Instant::now() + self.settings.settle;
         loop {
-            let view = self.store.view();
+            let view = self.store.ends();
             let mut unended = check::unended(&view, self.settings.runs);
             unended.extend(check::held_threads(&view));
             if unended.is_empty() {
@@ -952,10 +1013,13 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The spec of every run: three turns of `work` calls.
-fn spec(run_id: &str) -> RunSpec {
+/// Quiet runs followed and replayed (about as many).
+const SAMPLED: usize = 32;
+
+/// The spec of every run: turns of `work` calls (quiet: one).
+fn spec(run_id: &str, quiet: bool) -> RunSpec {
     // Every other run continues the one thread, queueing while another run holds it.
-    let on_thread = run_id.ends_with(['1', '3', '5', '7', '9']);
+    let on_thread = !quiet && run_id.ends_with(['1', '3', '5', '7', '9']);
     let thread = on_thread.then(|| {
         Box::new(orchestrator::domain::thread::RunThread {
             thread_id: THREAD.to_owned(),
@@ -969,7 +1033,7 @@ fn spec(run_id: &str) -> RunSpec {
         max_turns: 12,
         tool_call_budget: 40,
         max_tool_failures: 4,
-        tool_timeout: Duration::from_secs(10),
+        tool_timeout: Duration::from_secs(if quiet { 120 } else { 10 }),
         run_timeout: Duration::from_secs(3600),
         approval_timeout: Duration::from_secs(60),
         input_timeout: Duration::from_secs(8),
@@ -1001,7 +1065,7 @@ fn spec(run_id: &str) -> RunSpec {
         queued_ms: 0,
         parse_policy: ParsePolicy::Fail,
         deadline: Deadline::new(Instant::now(), limits.run_timeout, None, Duration::ZERO),
-        principal: TENANT.to_owned(),
+        principal: principal_of(run_id, quiet),
         max_runs: None,
         stream_interval: Duration::ZERO,
         approval: Default::default(),
@@ -1015,12 +1079,36 @@ fn spec(run_id: &str) -> RunSpec {
 pub const TENANT: &str = "team";
 /// Its runs live at once across the fleet.
 pub const TENANT_MAX_RUNS: usize = 2;
+/// The principals quiet runs belong to, a run each in turn (about 20 runs each of 2,000: one
+/// principal's spend window remembers the last 32 runs that booked into it, and its one key
+/// takes every add of its runs).
+const QUIET_TENANTS: usize = 100;
 
-/// The caller of every run: [`TENANT`], held to [`TENANT_MAX_RUNS`].
-fn tenant() -> shared::auth::Principal {
+/// The principal run `run_id` belongs to: [`TENANT`], or for quiet runs one of
+/// [`QUIET_TENANTS`].
+fn principal_of(run_id: &str, quiet: bool) -> String {
+    let n: usize = run_id.trim_start_matches("run-").parse().unwrap_or(0);
+    match quiet {
+        true => format!("{TENANT}-{}", n % QUIET_TENANTS),
+        false => TENANT.to_owned(),
+    }
+}
+
+/// The principals runs belong to, with the runs each may have live at once.
+fn principals(quiet: bool) -> std::collections::BTreeMap<String, usize> {
+    match quiet {
+        true => (0..QUIET_TENANTS)
+            .map(|n| (format!("{TENANT}-{n}"), usize::MAX))
+            .collect(),
+        false => [(TENANT.to_owned(), TENANT_MAX_RUNS)].into(),
+    }
+}
+
+/// The caller of run `run_id`: its principal, held to [`TENANT_MAX_RUNS`] (quiet runs: to none).
+fn caller(run_id: &str, quiet: bool) -> shared::auth::Principal {
     shared::auth::Principal {
-        max_runs: Some(TENANT_MAX_RUNS),
-        ..shared::auth::Principal::unrestricted(TENANT)
+        max_runs: (!quiet).then_some(TENANT_MAX_RUNS),
+        ..shared::auth::Principal::unrestricted(principal_of(run_id, quiet))
     }
 }
 

@@ -18,7 +18,7 @@ async fn two_replicas_and_a_run() -> anyhow::Result<(World, Arc<Replica>)> {
         .replica
         .clone()
         .ok_or_else(|| anyhow::anyhow!("no replica"))?;
-    replica.start(spec("run-0"), tenant()).await?;
+    replica.start(spec("run-0", false), caller("run-0", false)).await?;
     anyhow::ensure!(replica.live() == 1, "the run is not live on its replica");
     Ok((world, replica))
 }

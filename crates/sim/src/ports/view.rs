@@ -78,6 +78,8 @@ pub struct Takeover {
     pub epoch: u64,
     /// The calls the checkpoint held the outcome of.
     pub checkpointed_calls: BTreeSet<String>,
+    /// When the store took the claim.
+    pub at: tokio::time::Instant,
 }
 
 /// The calls whose task a checkpoint follows, read from its JSON (`calls.tasks[].index`, a
@@ -131,8 +133,12 @@ impl Watched {
         let seen = Arc::new(Mutex::new(Seen::default()));
         let watcher = Watcher {
             names: names.clone(),
-            runs: runs.clone(),
+            runs: runs
+                .iter()
+                .map(|run_id| (inspect::run_key(run_id), run_id.clone()))
+                .collect(),
             max_runs: max_runs.clone(),
+            running: BTreeMap::new(),
             seen: Arc::clone(&seen),
         };
         cluster.observe(Box::new(watcher));
@@ -178,15 +184,7 @@ impl Watched {
     fn add_run(&self, view: &mut View, run_id: &str) {
         let names = &self.names;
         let key = inspect::run_key(run_id);
-        if let Some(entry) = self.cluster.entry(&names.runs_of(run_id), &key)
-            && let Ok(run) = inspect::run(&key, &entry.value)
-        {
-            let run = RunView {
-                result: run.result,
-                owner: run.owner,
-                incarnation: run.incarnation,
-                epoch: run.epoch,
-            };
+        if let Some(run) = self.record(run_id) {
             view.records.insert(run_id.to_owned(), run);
         }
         let log: Vec<Vec<NumberedEvent>> = self
@@ -207,6 +205,42 @@ impl Watched {
         }
     }
 
+    /// What the store holds of the runs' ends: their records and the thread (what the wait for
+    /// every run's end reads, again and again, without every run's log).
+    pub fn ends(&self) -> View {
+        let mut view = View::default();
+        for run_id in &self.runs {
+            if let Some(run) = self.record(run_id) {
+                view.records.insert(run_id.clone(), run);
+            }
+        }
+        self.add_thread(&mut view);
+        view
+    }
+
+    /// Run `run_id`'s record, as the leader holds it.
+    fn record(&self, run_id: &str) -> Option<RunView> {
+        let key = inspect::run_key(run_id);
+        let entry = self.cluster.entry(&self.names.runs_of(run_id), &key)?;
+        let run = inspect::run(&key, &entry.value).ok()?;
+        Some(RunView {
+            result: run.result,
+            owner: run.owner,
+            incarnation: run.incarnation,
+            epoch: run.epoch,
+        })
+    }
+
+    /// The thread, into `view`.
+    fn add_thread(&self, view: &mut View) {
+        let thread_key = inspect::thread_key(super::THREAD);
+        if let Some(entry) = self.cluster.entry(&self.names.threads, &thread_key)
+            && let Ok(thread) = inspect::thread(&entry.value)
+        {
+            view.threads.insert(super::THREAD.to_owned(), (thread, entry.revision));
+        }
+    }
+
     /// What the store holds now.
     pub fn view(&self) -> View {
         let names = &self.names;
@@ -214,12 +248,7 @@ impl Watched {
         for run_id in &self.runs {
             self.add_run(&mut view, run_id);
         }
-        let thread_key = inspect::thread_key(super::THREAD);
-        if let Some(entry) = self.cluster.entry(&names.threads, &thread_key)
-            && let Ok(thread) = inspect::thread(&entry.value)
-        {
-            view.threads.insert(super::THREAD.to_owned(), (thread, entry.revision));
-        }
+        self.add_thread(&mut view);
         for key in self.cluster.keys(&names.slots, ">") {
             if let Some(entry) = self.cluster.entry(&names.slots, &key) {
                 view.slots
@@ -276,8 +305,12 @@ impl Watched {
 /// Watches the writes as they land.
 struct Watcher {
     names: Names,
-    runs: Vec<String>,
+    /// The runs, by their record's key.
+    runs: std::collections::HashMap<String, String>,
     max_runs: BTreeMap<String, usize>,
+    /// The runs each principal has running as their records now stand (kept write by write:
+    /// thousands of quiet runs would make a count over every record per write quadratic).
+    running: BTreeMap<String, BTreeSet<String>>,
     seen: Arc<Mutex<Seen>>,
 }
 
@@ -287,7 +320,7 @@ impl Watcher {
     }
 
     /// A record written: a takeover (the epoch moved on), and the principals' share after it.
-    fn record_written(&self, message: &Message, before: Option<&Message>, peek: &Peek<'_>) {
+    fn record_written(&mut self, message: &Message, before: Option<&Message>, peek: &Peek<'_>) {
         let mut keys = (self.names.every_runs().into_iter()).filter_map(|bucket| {
             message
                 .subject
@@ -302,6 +335,12 @@ impl Watcher {
             return;
         }
         let Ok(now) = inspect::run(key, &message.payload) else {
+            // Gone (or not a record): running no more.
+            if let Some(run_id) = self.runs.get(key) {
+                self.running.values_mut().for_each(|runs| {
+                    runs.remove(run_id);
+                });
+            }
             return;
         };
         let was = before.and_then(|b| inspect::run(key, &b.payload).ok());
@@ -315,25 +354,21 @@ impl Watcher {
                 run_id: now.result.run_id.clone(),
                 epoch: now.epoch,
                 checkpointed_calls: calls,
+                at: tokio::time::Instant::now(),
             });
         }
-        self.check_share(peek);
+        let runs = self.running.entry(now.result.principal.clone()).or_default();
+        match now.result.status == RunStatus::Running {
+            true => runs.insert(now.result.run_id.clone()),
+            false => runs.remove(&now.result.run_id),
+        };
+        self.check_share(peek, &now.result.principal);
     }
 
-    /// Notes a principal with more runs running than its `max_runs`.
-    fn check_share(&self, peek: &Peek<'_>) {
-        for (principal, max) in &self.max_runs {
-            let live: Vec<String> = self
-                .runs
-                .iter()
-                .filter_map(|run_id| {
-                    let key = inspect::run_key(run_id);
-                    let entry = peek.entry(&self.names.runs_of(run_id), &key)?;
-                    let run = inspect::run(&key, &entry.value).ok()?;
-                    (&run.result.principal == principal && run.result.status == RunStatus::Running)
-                        .then(|| run_id.clone())
-                })
-                .collect();
+    /// Notes when `principal` has more runs running than its `max_runs`.
+    fn check_share(&self, peek: &Peek<'_>, principal: &str) {
+        if let Some(max) = self.max_runs.get(principal) {
+            let live: Vec<&String> = self.running.get(principal).into_iter().flatten().collect();
             let mut seen = lock(&self.seen);
             let again = seen
                 .quota_breaches

@@ -1,17 +1,18 @@
 //! The fixes of the store's behaviour a `--without` switch turns off, the adapters staying as they
 //! ship: a checkpoint store that keeps checkpoints without the tasks their calls became
 //! ([`without_tasks`], the filter of a replica's connection), and a journal that never tells a
-//! takeover that the run it claimed read parked ([`Journal`]). Each shows what the simulation
-//! catches when the fix is gone.
+//! takeover that the run it claimed read parked ([`Journal`]), and a result store whose runs never
+//! find their incarnation's lease run out ([`Store`]). Each shows what the simulation catches when
+//! the fix is gone.
 
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use orchestrator::domain::ports::{
-    CancelAsk, Claim, Claimed, RemoteCancel, RemoteSteer, RunJournal, SteeringAsk, StoreError,
+    CancelAsk, Claim, Claimed, RemoteCancel, RemoteSteer, ResultStore, RunJournal, SteeringAsk, StoreError,
 };
-use orchestrator::domain::{CancelMode, RunResult, steering::UserMessage};
+use orchestrator::domain::{CancelMode, LeaseTerms, Liveness, RunResult, steering::UserMessage};
 
 /// Where a checkpoint written without its tasks keeps them for the checks alone: the loop reads
 /// no such field, so a takeover resumes as if the calls had become no tasks, while the checks
@@ -124,5 +125,52 @@ impl RunJournal for Journal {
 
     fn steering_asks(&self) -> BoxFuture<'static, BoxStream<'static, SteeringAsk>> {
         self.inner.steering_asks()
+    }
+}
+
+/// A result store whose runs read their incarnation's lease through a handle that never lapses
+/// (`Liveness::never_lapsing`): a replica paused or cut off past its lease goes on acting for
+/// the runs it held when it comes back, until a fence stops it.
+pub struct Store {
+    inner: Arc<dyn ResultStore>,
+}
+
+impl Store {
+    /// `inner`, its runs' ownership never lapsing unless `self_expiry` is on.
+    pub fn over(inner: Arc<dyn ResultStore>, self_expiry: bool) -> Arc<dyn ResultStore> {
+        match self_expiry {
+            true => inner,
+            false => Arc::new(Self { inner }),
+        }
+    }
+}
+
+impl ResultStore for Store {
+    fn put(&self, result: RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
+        self.inner.put(result)
+    }
+
+    fn claim(&self, result: RunResult) -> BoxFuture<'static, Result<Claim, StoreError>> {
+        self.inner.claim(result)
+    }
+
+    fn get(&self, run_id: &str) -> BoxFuture<'static, Result<Option<RunResult>, StoreError>> {
+        self.inner.get(run_id)
+    }
+
+    fn lease(&self) -> Option<LeaseTerms> {
+        self.inner.lease()
+    }
+
+    fn epoch(&self, run_id: &str) -> u64 {
+        self.inner.epoch(run_id)
+    }
+
+    fn liveness(&self) -> Option<Liveness> {
+        self.inner.liveness().map(|liveness| liveness.never_lapsing())
+    }
+
+    fn generation(&self, run_id: &str) -> u64 {
+        self.inner.generation(run_id)
     }
 }

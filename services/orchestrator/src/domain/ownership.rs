@@ -60,6 +60,9 @@ impl LeaseTerms {
 #[derive(Clone, Debug)]
 pub struct Liveness {
     inner: Arc<Mutex<Incarnated>>,
+    /// Whether a lapse stops the runs reading this handle: always, but in the handle
+    /// [`Liveness::never_lapsing`] gives.
+    lapses: bool,
 }
 
 /// The incarnation the process is in now.
@@ -82,6 +85,17 @@ impl Liveness {
                 confirmed: since,
                 over: CancellationToken::new(),
             })),
+            lapses: true,
+        }
+    }
+
+    /// A handle to the same incarnation whose runs never find its lease run out nor its
+    /// generation over: what a replica without self-expiry would do. No service builds one; the
+    /// simulation's `--without self-expiry` does, to show what breaks.
+    pub fn never_lapsing(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            lapses: false,
         }
     }
 
@@ -99,10 +113,35 @@ impl Liveness {
         }
     }
 
+    /// [`Liveness::confirmed`] for a renewal that may come back late: taken only while
+    /// `generation` still acts (within `acting` of its last confirmed renewal, as
+    /// [`Liveness::acts_now`] reads it). `false` when its lease ran out first: a run under it may
+    /// have stopped acting then, and a lease extended now would hold that run with nothing
+    /// running it, so the generation must end instead.
+    pub fn confirmed_in_time(&self, generation: u64, sent: Instant, acting: Duration) -> bool {
+        let mut now = shared::sync::lock(&self.inner);
+        if now.generation != generation || Instant::now() >= now.confirmed + acting {
+            return false;
+        }
+        now.confirmed = now.confirmed.max(sent);
+        true
+    }
+
+    /// Whether a run of `generation` may act now, given `acting` of each lease: read under the
+    /// same lock as [`Liveness::confirmed_in_time`], so a run that finds the lease run out and
+    /// a renewal that comes back after it agree.
+    pub fn acts_now(&self, generation: u64, acting: Duration) -> bool {
+        let now = shared::sync::lock(&self.inner);
+        !self.lapses || (now.generation == generation && Instant::now() < now.confirmed + acting)
+    }
+
     /// Until when a run of `generation` may act, given `acting` of each lease: at once when the
     /// generation is over.
     pub fn acts_until(&self, generation: u64, acting: Duration) -> Instant {
         let now = shared::sync::lock(&self.inner);
+        if !self.lapses {
+            return Instant::now() + NEVER;
+        }
         match now.generation == generation {
             true => now.confirmed + acting,
             false => Instant::now(),
@@ -122,6 +161,9 @@ impl Liveness {
 
     /// Resolves once `generation` is over.
     pub async fn over(&self, generation: u64) {
+        if !self.lapses {
+            return std::future::pending().await;
+        }
         let over = {
             let now = shared::sync::lock(&self.inner);
             match now.generation == generation {
@@ -132,6 +174,9 @@ impl Liveness {
         over.cancelled().await;
     }
 }
+
+/// How far off a lease that never lapses ends: later than any run lasts.
+const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Why an owner stopped acting for a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -271,6 +316,14 @@ impl Ownership {
     /// margin. A lease found run out stops the ownership here.
     pub fn holds(&self) -> bool {
         if self.stopped() {
+            return false;
+        }
+        if let (Some(terms), Some(liveness)) = (self.inner.terms, &self.inner.liveness) {
+            let generation = self.inner.generation.load(Ordering::Acquire);
+            if liveness.acts_now(generation, terms.acting()) {
+                return true;
+            }
+            self.stop(Stop::Expired);
             return false;
         }
         match self.acts_until() {
@@ -424,6 +477,28 @@ mod tests {
         assert_eq!(owner.why(), Some(&Stop::Expired));
         owner.confirmed(Instant::now());
         assert!(!owner.holds(), "stopped stays stopped");
+    }
+
+    /// A renewal of an incarnation that comes back after its lease ran out is not taken: a run
+    /// under it that found the lease run out has stopped, and the generation must end rather
+    /// than hold that run with nothing running it. One back in time is taken.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_back_after_the_lease_ran_out_is_not_taken() {
+        let acting = Duration::from_secs(2);
+        let start = Instant::now();
+        let liveness = super::Liveness::new(start);
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert!(liveness.confirmed_in_time(1, start + Duration::from_secs(1), acting));
+        assert!(liveness.acts_now(1, acting), "2.5 s in, the lease runs from 1 s");
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert!(!liveness.acts_now(1, acting), "3 s: 1 + 2");
+        let late = liveness.confirmed_in_time(1, start + Duration::from_millis(2500), acting);
+        assert!(!late, "sent in time, back too late");
+        assert!(!liveness.acts_now(1, acting), "the lease stays run out");
+        assert!(
+            !liveness.confirmed_in_time(7, Instant::now(), acting),
+            "another generation"
+        );
     }
 
     /// The expiry resolves when the lease runs out without a renewal, even when the process

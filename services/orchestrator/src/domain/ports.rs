@@ -254,7 +254,9 @@ pub trait RunJournal: Send + Sync + 'static {
     fn keep_alive(&self) -> BoxFuture<'static, ()> {
         futures::future::pending().boxed()
     }
-    /// Marks this replica's incarnation over at a clean stop: what it still holds moves at once.
+    /// Ends this replica's incarnation at a clean stop, once its runs were handed over: what
+    /// still runs under it stops here, then its record is marked over, so what it still holds
+    /// moves at once.
     fn retire(&self) -> BoxFuture<'static, ()> {
         futures::future::ready(()).boxed()
     }

@@ -268,15 +268,17 @@ impl Persister {
     pub async fn hand_over(&self) {
         let Some(journal) = &self.journal else { return };
         let _serialized = self.lock.lock().await;
-        if self.ownership.holds() {
+        let held = self.ownership.holds();
+        // Stopped before the record says handed over: another replica may claim the run the
+        // moment it does, and nothing of this one's (a tool call sent again, a write) may
+        // leave after that.
+        self.ownership.stop(Stop::HandedOver);
+        if held {
             let run_id = self.snapshot().run_id;
             let sent = tokio::time::Instant::now();
             let handed = within(self.timeout, journal.hand_over(&run_id)).await;
             self.outcome(&run_id, "handing the run over", sent, handed);
         }
-        // The run is another replica's now: no write of it leaves here any more (a lease
-        // renewal would take the record back).
-        self.ownership.stop(Stop::HandedOver);
     }
 
     /// Gives the run back in the store once this replica stopped acting for it while its

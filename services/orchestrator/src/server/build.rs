@@ -149,6 +149,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
         signals: ports.signals,
         draining: AtomicBool::new(false),
         stopping: tokio_util::sync::CancellationToken::new(),
+        drained: tokio_util::sync::CancellationToken::new(),
         sign_outs: ports.sign_outs,
         config: config.clone(),
     })

@@ -201,4 +201,19 @@ async fn hand_over(core: &Core, hand_over_grace: Duration, margin: Duration) {
         );
         let _ = tokio::time::timeout(margin.max(Duration::from_secs(1)), core.runs.wait_idle()).await;
     }
+    retire(core).await;
+}
+
+/// Ends this replica's incarnation once its runs were handed over: the keeper stops renewing,
+/// every run still under it stops here, and its record is marked over, so what is left moves
+/// at once. Until then the incarnation held the runs on their way to their safe points: marked
+/// over earlier, another replica could claim a run while it still acted here.
+async fn retire(core: &Core) {
+    core.drained.cancel();
+    if let Some(journal) = core.runs.durable() {
+        let retired = tokio::time::timeout(core.config.store.timeout, journal.retire()).await;
+        if retired.is_err() {
+            tracing::warn!("marking the replica's incarnation over timed out: it lapses instead");
+        }
+    }
 }

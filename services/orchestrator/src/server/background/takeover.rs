@@ -13,17 +13,16 @@ use futures::StreamExt;
 use crate::registry::TakenOver;
 use crate::server::{Core, Resumption};
 
-/// Keeps this replica's incarnation alive until the replica stops (then marks it over), and
-/// looks for orphans until it drains.
+/// Keeps this replica's incarnation alive until its drain handed its runs over (the drain then
+/// retires it), and looks for orphans until it drains.
 pub(crate) async fn watch(core: Arc<Core>) {
     let Some(journal) = core.runs.durable() else { return };
     let keeping = async {
         tokio::select! {
             biased;
-            () = core.stopping.cancelled() => {}
+            () = core.drained.cancelled() => {}
             () = journal.keep_alive() => {}
         }
-        journal.retire().await;
     };
     futures::join!(keeping, look(Arc::clone(&core)));
 }

@@ -54,6 +54,10 @@ pub(crate) struct Core {
     pub draining: AtomicBool,
     /// Cancelled when the drain starts: open SubscribeSignals streams end, so the server can stop.
     pub stopping: tokio_util::sync::CancellationToken,
+    /// Cancelled once the drain handed every durable run over: the incarnation's keeper stops
+    /// renewing (it kept the runs held while they went to their safe points), and the drain
+    /// retires it.
+    pub drained: tokio_util::sync::CancellationToken,
     /// Console sessions people ended (the console's, when it is on).
     pub sign_outs: Arc<dyn crate::domain::ports::SignOuts>,
 }

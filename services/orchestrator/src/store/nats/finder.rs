@@ -8,7 +8,9 @@
 //! runs of a replica that died spread over the survivors and none waits on one that is full.
 //!
 //! Records from before incarnations name none: they are found by the checkpoint scan they were
-//! always found by, at a replica's first look and for as long as any such record is held.
+//! always found by, started at a replica's first look and again for as long as any such record
+//! is held. It reads every run, so it runs beside the looks, never within one: a look's budget
+//! is one store timeout, which a scan of many runs outlasts.
 
 use std::collections::HashSet;
 
@@ -25,6 +27,10 @@ use futures::future::BoxFuture;
 
 /// Records read at once while looking.
 const READ_AT_ONCE: usize = 16;
+/// Runs of one gone incarnation read in one look, this replica's share first: a look fits in
+/// one store timeout however many runs the incarnation held (the next look reads on, the runs
+/// claimed meanwhile gone from its index).
+const READ_PER_LOOK: usize = 512;
 /// Leases a gone incarnation with no run left is kept before its record is removed (a claim of
 /// its sent just before it lapsed lands well within them).
 const FORGET_AFTER_LEASES: u32 = 3;
@@ -52,19 +58,49 @@ impl Look {
         let incarnations = self.incarnations().await?;
         let mut found: Vec<String> = Vec::new();
         for (name, revision) in &incarnations.gone {
-            found.extend(self.runs_of_gone(name, *revision).await?);
+            found.extend(self.runs_of_gone(name, *revision, &incarnations.live).await?);
         }
         found.extend(self.wakes_due().await?);
-        let scan_legacy = !shared::sync::lock(&self.finder.state).legacy_done;
-        if scan_legacy {
-            let (orphans, legacy_held) = legacy.await?;
-            found.extend(orphans);
-            shared::sync::lock(&self.finder.state).legacy_done = !legacy_held;
-        }
+        found.extend(self.legacy_found(legacy));
         found.sort_unstable();
         found.dedup();
         tracing::debug!(live = ?incarnations.live, gone = ?incarnations.gone, ?found, "looked for orphans");
         Ok(self.fair_share(found, &incarnations.live))
+    }
+
+    /// What the scan for records from before incarnations found since the last look; it is
+    /// started (with `legacy`) when due, in the background, and never waited for.
+    fn legacy_found(&self, legacy: BoxFuture<'static, Result<(Vec<String>, bool), StoreError>>) -> Vec<String> {
+        use owners::LegacyScan;
+        let mut state = shared::sync::lock(&self.finder.state);
+        match std::mem::take(&mut state.legacy) {
+            LegacyScan::Due => {
+                state.legacy = LegacyScan::Running;
+                let finder = std::sync::Arc::clone(&self.finder);
+                shared::tasks::spawn(async move {
+                    let scanned = legacy.await;
+                    let mut state = shared::sync::lock(&finder.state);
+                    state.legacy = match scanned {
+                        Ok((orphans, held)) => LegacyScan::Found(orphans, held),
+                        Err(e) => {
+                            tracing::warn!(
+                                "scanning for runs from before incarnations failed (again at the next look): {e}"
+                            );
+                            LegacyScan::Due
+                        }
+                    };
+                });
+                Vec::new()
+            }
+            LegacyScan::Found(orphans, held) => {
+                state.legacy = if held { LegacyScan::Due } else { LegacyScan::Done };
+                orphans
+            }
+            other => {
+                state.legacy = other;
+                Vec::new()
+            }
+        }
     }
 
     /// Every incarnation record: live, or lapsed (seen unchanged for a lease) or over.
@@ -105,12 +141,19 @@ impl Look {
     }
 
     /// The runs of the gone incarnation `name` (its record at `revision`) that may be taken
-    /// over; entries whose run is not its any more are removed, and the incarnation's record
-    /// too once it holds none.
-    async fn runs_of_gone(&self, name: &str, revision: u64) -> Result<Vec<String>, StoreError> {
+    /// over, at most [`READ_PER_LOOK`] of them, those the `live` incarnations leave to this
+    /// replica first; entries whose run is not its any more are removed, and the incarnation's
+    /// record too once it holds none.
+    async fn runs_of_gone(&self, name: &str, revision: u64, live: &[String]) -> Result<Vec<String>, StoreError> {
         let filter = owners::owner_filter(name);
         let entries = self.kv.keys(&filter).await;
-        let entries = entries.map_err(|e| unavailable("KV keys", &filter, e))?;
+        let mut entries = entries.map_err(|e| unavailable("KV keys", &filter, e))?;
+        let (mine, _) = self.seen.incarnation.name();
+        entries.sort_by_cached_key(|entry| {
+            let key = owners::record_key_of(entry).unwrap_or_default();
+            first_of(&key, live, &mine) != mine
+        });
+        entries.truncate(READ_PER_LOOK);
         tracing::debug!(incarnation = name, ?entries, "runs of a gone incarnation");
         // Gone long enough that no claim of its can still be on its way.
         let key = incarnation::key_of(name);
@@ -230,13 +273,7 @@ impl Look {
         let deferred = std::mem::take(&mut state.deferred);
         let mut mine_now = Vec::with_capacity(found.len());
         for run_id in found {
-            let first = live
-                .iter()
-                .max_by(|a, b| {
-                    let (wa, wb) = (rendezvous::weight(&run_id, a), rendezvous::weight(&run_id, b));
-                    wa.cmp(&wb).then_with(|| b.cmp(a))
-                })
-                .map_or(mine.as_str(), String::as_str);
+            let first = first_of(&super::results::key(&run_id), live, &mine);
             if first == mine || deferred.contains(&run_id) {
                 mine_now.push(run_id);
             } else {
@@ -245,6 +282,17 @@ impl Look {
         }
         mine_now
     }
+}
+
+/// The live incarnation that ranks first for the run whose record is under `key` (rendezvous
+/// hashing; `mine` when none is known).
+fn first_of<'a>(key: &str, live: &'a [String], mine: &'a str) -> &'a str {
+    live.iter()
+        .max_by(|a, b| {
+            let (wa, wb) = (rendezvous::weight(key, a), rendezvous::weight(key, b));
+            wa.cmp(&wb).then_with(|| b.cmp(a))
+        })
+        .map_or(mine, String::as_str)
 }
 
 /// The id of the run `record` holds (its key holds it escaped).

@@ -5,7 +5,8 @@
 //! run's record before — seen unchanged for a whole lease on their own clock, it has lapsed.
 //!
 //! The keeper renews by compare-and-set on the revision it wrote last. When a renewal does not
-//! land before the lease (less its margin) runs out, or another replica removed the record, the
+//! land before the lease (less its margin) runs out (one that lands after it is not taken: a run
+//! may have stopped acting meanwhile), or another replica removed the record, the
 //! process stops acting for every run of that incarnation at once ([`Liveness::reincarnate`])
 //! and goes on under a new one: the old incarnation's runs are orphans for every replica, this
 //! one included. At a clean stop the record is marked over, so its leftovers move at once.
@@ -201,10 +202,18 @@ impl Incarnation {
         };
         match kv.update(&key_of(&name), record.encode_to_vec().into(), revision).await {
             Ok(revision) => {
-                let mut current = shared::sync::lock(&self.current);
-                if current.generation == generation {
+                let in_time = {
+                    let mut current = shared::sync::lock(&self.current);
+                    if current.generation != generation {
+                        return;
+                    }
                     current.revision = Some(revision);
-                    self.liveness.confirmed(generation, sent);
+                    self.liveness.confirmed_in_time(generation, sent, acting)
+                };
+                if !in_time {
+                    // The lease ran out while the renewal was on its way: runs under it may have
+                    // stopped meanwhile, and they must not stay held by a live incarnation.
+                    self.reincarnate(kv, &name, generation).await;
                 }
             }
             Err(Error::WrongRevision) => {
@@ -252,9 +261,19 @@ impl Incarnation {
             .map_err(|e| unavailable("KV put", &key, e))
     }
 
-    /// Marks the current incarnation over at a clean stop.
+    /// Ends the current incarnation at a clean stop: every run under it stops here, then its
+    /// record is marked over (what it held moves at once).
     pub(super) async fn retire(&self, kv: &dyn Bucket) {
-        let (name, _) = self.name();
+        let name = {
+            let mut current = shared::sync::lock(&self.current);
+            // Every run under it stops before its record says over (a renewal in flight finds
+            // the generation ended and leaves it so).
+            let next = self.liveness.reincarnate(tokio::time::Instant::now());
+            let name = std::mem::replace(&mut current.name, format!("{}.{next}", self.stem));
+            current.generation = next;
+            current.revision = None;
+            name
+        };
         if let Err(e) = self.mark_over(kv, &name).await {
             tracing::warn!(incarnation = %name, "marking the replica's incarnation over failed (it lapses instead): {e}");
         }

@@ -30,8 +30,24 @@ pub(super) struct Looked {
     pub(super) wake_from: Option<u64>,
     /// Orphans another live incarnation ranks first, left to it for one look.
     pub(super) deferred: HashSet<String>,
-    /// Records from before incarnations were held at the last scan (scanned again next look).
-    pub(super) legacy_done: bool,
+    /// Where the scan for records from before incarnations is.
+    pub(super) legacy: LegacyScan,
+}
+
+/// The scan for records from before incarnations: it reads every run, so it runs beside the
+/// looks (a look's budget is one store timeout, and the scan's cost grows with the runs).
+#[derive(Default)]
+pub(super) enum LegacyScan {
+    /// To start at the next look.
+    #[default]
+    Due,
+    /// Under way.
+    Running,
+    /// Finished: the orphans it found (for the next look), and whether such records were still
+    /// held (scanned again then).
+    Found(Vec<String>, bool),
+    /// No record from before incarnations is held: never again.
+    Done,
 }
 
 /// A minute of wake times, in ms.
