@@ -276,6 +276,27 @@ fn a_replica_killed_among_two_thousand_quiet_runs_loses_none_and_its_runs_spread
     );
 }
 
+/// A tool-runner that binds the run store before its first orchestrator recorded the shard count
+/// (runners and replicas start together) bound it as one shard for good, so the fence of every
+/// run in another shard read as no run and each of their calls was refused unrun: three runs in
+/// four never ran their call (seeds 0 and 2 of 200 quiet runs over four shards). A run not found
+/// in a store bound without a count now binds it again.
+#[test]
+fn a_runner_bound_before_the_shard_count_was_recorded_finds_every_run() {
+    let quiet = Settings {
+        runs: 200,
+        quiet: true,
+        messages: 0,
+        shards: 4,
+        ..Settings::default()
+    };
+    for seed in 0..4 {
+        let outcome = simulate(seed, &quiet);
+        assert_eq!(outcome.violations, Vec::<String>::new(), "{}", replay(seed, &quiet));
+        assert_eq!(outcome.starts, 200, "every run's call ran: {}", replay(seed, &quiet));
+    }
+}
+
 /// A replica stops acting for every run of its incarnation once the incarnation's lease ran out
 /// (self-expiry): the runs' fences only catch what leaks, and the invariant of one owner acting
 /// is broken by any call that leaves after another replica's claim. Without it

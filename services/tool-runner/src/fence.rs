@@ -18,14 +18,15 @@
 //! runner checks its read timeout against the orchestrators' fence grace kept in the bucket: a
 //! timeout that does not end within the grace refuses every durable call, naming both settings.
 //! A store spread over shards (`--run-store-shards` of the orchestrators) records how many in its
-//! first bucket: the runner binds them all and reads each run's keys in its run's shard.
+//! first bucket: the runner binds them all and reads each run's keys in its run's shard. A store
+//! that records no count (one shard, or one whose first orchestrator has not written it yet when
+//! the runner binds) is bound as one shard, and bound again when a run is not found in it.
 
 use std::time::Duration;
 
 use std::sync::Arc;
 
 use shared::jetstream::{Bucket, Consistency, JetStream, Operation, shards};
-use tokio::sync::OnceCell;
 
 use crate::Error;
 use crate::config::FenceSettings;
@@ -75,7 +76,16 @@ pub struct RunFence {
     bucket: String,
     timeout: Duration,
     /// The bound bucket, or why it cannot be used (bound on first use).
-    bound: OnceCell<Result<Arc<dyn Bucket>, String>>,
+    bound: tokio::sync::RwLock<Option<Result<Bound, String>>>,
+}
+
+/// The bucket as bound.
+#[derive(Clone)]
+struct Bound {
+    bucket: Arc<dyn Bucket>,
+    /// The store recorded its shard count when bound (with none, a run not found may live in a
+    /// shard the count written since names).
+    counted: bool,
 }
 
 /// What the run store holds of a run: its fence and its record's epoch, each if there.
@@ -127,7 +137,7 @@ impl RunFence {
             js,
             bucket: bucket.to_owned(),
             timeout,
-            bound: OnceCell::new(),
+            bound: tokio::sync::RwLock::new(None),
         }
     }
 
@@ -156,6 +166,16 @@ impl RunFence {
                 _ => Ok(()),
             };
         }
+        let read = match read {
+            Ok(standing) if standing.epoch().is_none() && self.rebound().await => {
+                // Bound before the store recorded its shards: read again in the run's shard.
+                tokio::time::timeout(self.timeout, self.standing(run_id, true))
+                    .await
+                    .map_err(|_| unreadable(format!("no answer within {}", humantime::format_duration(self.timeout))))
+                    .and_then(|read| read.map_err(unreadable))
+            }
+            other => other,
+        };
         let Some(current) = read?.epoch() else {
             return Err(Refusal::Unknown {
                 run_id: run_id.to_owned(),
@@ -179,11 +199,11 @@ impl RunFence {
         let (fence_key, record_key) = (shared::fence::key(run_id), shared::fence::record_key(run_id));
         let fence = async {
             match with_fence {
-                true => last(bucket, &fence_key).await,
+                true => last(bucket.as_ref(), &fence_key).await,
                 false => Ok(None),
             }
         };
-        let (fence, record) = tokio::join!(fence, last(bucket, &record_key));
+        let (fence, record) = tokio::join!(fence, last(bucket.as_ref(), &record_key));
         Ok(Standing {
             fence: fence?.map(|v| shared::fence::decode(&v)).transpose()?,
             record: record?.map(|v| shared::fence::record_epoch(&v)).transpose()?,
@@ -191,12 +211,45 @@ impl RunFence {
     }
 
     /// The bucket, bound on first use with its grace checked against the read timeout.
-    pub(crate) async fn bucket(&self) -> Result<&dyn Bucket, String> {
-        if let Some(bound) = self.bound.get() {
-            return bound.as_ref().map(|b| b.as_ref()).map_err(Clone::clone);
+    pub(crate) async fn bucket(&self) -> Result<Arc<dyn Bucket>, String> {
+        if let Some(bound) = self.bound.read().await.as_ref() {
+            return bound.as_ref().map(|b| Arc::clone(&b.bucket)).map_err(Clone::clone);
         }
-        let bucket = self.bind_shards().await?;
-        let grace = match last(bucket.as_ref(), shared::fence::GRACE_KEY).await? {
+        let mut slot = self.bound.write().await;
+        if slot.is_none() {
+            // A store that cannot be bound yet is tried again at the next call; a grace the read
+            // timeout does not fit is kept.
+            *slot = Some(self.bind().await?);
+        }
+        match slot.as_ref() {
+            Some(bound) => bound.as_ref().map(|b| Arc::clone(&b.bucket)).map_err(Clone::clone),
+            None => Err("the run store is not bound".to_owned()),
+        }
+    }
+
+    /// Binds the bucket again when it was bound before the store recorded a shard count and one
+    /// is recorded now; whether it did.
+    async fn rebound(&self) -> bool {
+        let mut slot = self.bound.write().await;
+        let uncounted = matches!(slot.as_ref(), Some(Ok(bound)) if !bound.counted);
+        if !uncounted {
+            return false;
+        }
+        match self.bind().await {
+            Ok(Ok(bound)) if bound.counted => {
+                tracing::info!(bucket = %self.bucket, "the run store recorded its shards since it was bound: bound again");
+                *slot = Some(Ok(bound));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The bucket over its shards (`Err`: it cannot be bound now), its grace checked against the
+    /// read timeout (the inner `Err`: it does not fit).
+    async fn bind(&self) -> Result<Result<Bound, String>, String> {
+        let bound = self.bind_shards().await?;
+        let grace = match last(bound.bucket.as_ref(), shared::fence::GRACE_KEY).await? {
             Some(grace) => grace_of(&grace)?,
             None => shared::fence::DEFAULT_GRACE,
         };
@@ -204,12 +257,11 @@ impl RunFence {
         if let Err(e) = &checked {
             tracing::error!("{e}");
         }
-        let bound = self.bound.get_or_init(|| async { checked.map(|()| bucket) }).await;
-        bound.as_ref().map(|b| b.as_ref()).map_err(Clone::clone)
+        Ok(checked.map(|()| bound))
     }
 
     /// The bucket over all its shards: as many as the orchestrators recorded in the first.
-    async fn bind_shards(&self) -> Result<Arc<dyn Bucket>, String> {
+    async fn bind_shards(&self) -> Result<Bound, String> {
         let bind = |name: String| async move {
             self.js
                 .bind_bucket(&name)
@@ -217,15 +269,17 @@ impl RunFence {
                 .map_err(|e| format!("binding the bucket {name}: {e}"))
         };
         let home = bind(self.bucket.clone()).await?;
-        let count = shards::recorded(home.as_ref())
+        let recorded = shards::recorded(home.as_ref())
             .await
-            .map_err(|e| format!("reading the shard count of {}: {e}", self.bucket))?
-            .unwrap_or(1);
+            .map_err(|e| format!("reading the shard count of {}: {e}", self.bucket))?;
         let mut buckets = vec![home];
-        for shard in 1..count {
+        for shard in 1..recorded.unwrap_or(1) {
             buckets.push(bind(shards::name(&self.bucket, shard)).await?);
         }
-        Ok(shards::ShardedBucket::over(buckets))
+        Ok(Bound {
+            bucket: shards::ShardedBucket::over(buckets),
+            counted: recorded.is_some(),
+        })
     }
 }
 

@@ -258,7 +258,7 @@ impl CallRecords {
         }
         let deadline = Instant::now() + call.wait;
         let begun = Judge {
-            bucket,
+            bucket: bucket.as_ref(),
             call,
             key: key.clone(),
             mine: record.clone(),
@@ -301,7 +301,7 @@ impl CallRecords {
         while failed.is_none() || Instant::now() < give_up {
             match bucket.update(&key, done.clone(), revision).await {
                 Ok(_) => return refused.map_or(Ok(()), Err),
-                Err(StoreError::WrongRevision) if failed.is_some() && kept_by(bucket, &key, &record).await => {
+                Err(StoreError::WrongRevision) if failed.is_some() && kept_by(bucket.as_ref(), &key, &record).await => {
                     return refused.map_or(Ok(()), Err);
                 }
                 Err(StoreError::WrongRevision) => return Err(NotKept::TakenOver),
