@@ -80,7 +80,6 @@ pub struct RunFence {
 }
 
 /// The bucket as bound.
-#[derive(Clone)]
 struct Bound {
     bucket: Arc<dyn Bucket>,
     /// The store recorded its shard count when bound (with none, a run not found may live in a
@@ -145,15 +144,8 @@ impl RunFence {
     /// when the store holds no run of that id, or when the store cannot be read in time; a call
     /// with no epoch is refused only when the store shows its run durable.
     pub async fn admit(&self, run_id: &str, call_id: &str, epoch: u64) -> Result<(), Refusal> {
-        let unreadable = |why: String| Refusal::Unreadable {
-            run_id: run_id.to_owned(),
-            why,
-        };
         // A call with no epoch needs only the record (is its run durable?): one read, not two.
-        let read = tokio::time::timeout(self.timeout, self.standing(run_id, epoch > 0))
-            .await
-            .map_err(|_| unreadable(format!("no answer within {}", humantime::format_duration(self.timeout))))
-            .and_then(|read| read.map_err(unreadable));
+        let read = self.read_in_time(run_id, epoch > 0).await;
         if epoch == 0 {
             return match read {
                 Ok(Standing {
@@ -167,13 +159,8 @@ impl RunFence {
             };
         }
         let read = match read {
-            Ok(standing) if standing.epoch().is_none() && self.rebound().await => {
-                // Bound before the store recorded its shards: read again in the run's shard.
-                tokio::time::timeout(self.timeout, self.standing(run_id, true))
-                    .await
-                    .map_err(|_| unreadable(format!("no answer within {}", humantime::format_duration(self.timeout))))
-                    .and_then(|read| read.map_err(unreadable))
-            }
+            // Bound before the store recorded its shards: read again in the run's shard.
+            Ok(standing) if standing.epoch().is_none() && self.rebound().await => self.read_in_time(run_id, true).await,
             other => other,
         };
         let Some(current) = read?.epoch() else {
@@ -191,6 +178,19 @@ impl RunFence {
             });
         }
         Ok(())
+    }
+
+    /// [`RunFence::standing`] within the read timeout; a read that fails or takes longer is
+    /// unreadable.
+    async fn read_in_time(&self, run_id: &str, with_fence: bool) -> Result<Standing, Refusal> {
+        let unreadable = |why: String| Refusal::Unreadable {
+            run_id: run_id.to_owned(),
+            why,
+        };
+        tokio::time::timeout(self.timeout, self.standing(run_id, with_fence))
+            .await
+            .map_err(|_| unreadable(format!("no answer within {}", humantime::format_duration(self.timeout))))
+            .and_then(|read| read.map_err(unreadable))
     }
 
     /// The run's record (and its fence, `with_fence`) as the stream's leader holds them now.
@@ -216,15 +216,15 @@ impl RunFence {
             return bound.as_ref().map(|b| Arc::clone(&b.bucket)).map_err(Clone::clone);
         }
         let mut slot = self.bound.write().await;
-        if slot.is_none() {
-            // A store that cannot be bound yet is tried again at the next call; a grace the read
-            // timeout does not fit is kept.
-            *slot = Some(self.bind().await?);
-        }
-        match slot.as_ref() {
-            Some(bound) => bound.as_ref().map(|b| Arc::clone(&b.bucket)).map_err(Clone::clone),
-            None => Err("the run store is not bound".to_owned()),
-        }
+        // A store that cannot be bound yet is tried again at the next call; a grace the read
+        // timeout does not fit is kept.
+        let bound = match slot.take() {
+            Some(bound) => bound,
+            None => self.bind().await?,
+        };
+        let bucket = bound.as_ref().map(|b| Arc::clone(&b.bucket)).map_err(Clone::clone);
+        *slot = Some(bound);
+        bucket
     }
 
     /// Binds the bucket again when it was bound before the store recorded a shard count and one
