@@ -169,3 +169,62 @@ async fn a_turn_booked_again_after_the_hour_turned_is_booked_once() -> TestResul
     assert_eq!(after.prompt_tokens, 40, "the run's next turn is booked whole");
     Ok(())
 }
+
+/// A listing of a store in four shards, each call walking at most 100 index positions and
+/// reading at most 40 records, pages through 300 runs newest first with each run once, whatever
+/// calls the bounds cut short; the cursor holds a position per shard.
+#[tokio::test]
+async fn a_bounded_listing_over_four_shards_pages_through_every_run_once_newest_first() -> TestResult {
+    use orchestrator::domain::listing::{Cursor, RunQuery};
+    let cluster = Cluster::new(1);
+    let mut config = config();
+    (
+        config.store.shards,
+        config.store.list_scan_max,
+        config.store.list_read_max,
+    ) = (4, 100, 40);
+    let connection = cluster.connect(Gate::default(), config.store.timeout);
+    let stores = open(&connection, "a", &config).await;
+    let _alive = alive(&stores);
+    let runs: Vec<String> = (0..300).map(|i| format!("listed-{i}")).collect();
+    for (i, run_id) in (1_000u64..).zip(&runs) {
+        let mut run = RunResult::running(run_id);
+        run.created_at_ms = i;
+        run.principal = "alice".into();
+        assert!(matches!(stores.store.claim(run).await, Ok(Claim::Claimed)), "{run_id}");
+    }
+    let (mut listed, mut calls, mut query) = (
+        Vec::new(),
+        0,
+        RunQuery {
+            page_size: 25,
+            ..RunQuery::default()
+        },
+    );
+    loop {
+        calls += 1;
+        assert!(
+            calls <= 100,
+            "300 runs listed in 100 calls at most: {} so far",
+            listed.len()
+        );
+        let page = stores.index.list(query.clone(), Vec::new()).await?;
+        assert!(page.runs.len() <= 40, "a call reads 40 records at most");
+        listed.extend(page.runs.into_iter().map(|r| r.run_id));
+        match page.next {
+            Some(Cursor::Positions(positions)) => {
+                assert_eq!(positions.len(), 4, "a position per shard");
+                query.after = Some(Cursor::Positions(positions));
+            }
+            Some(other) => anyhow::bail!("a cursor of the index is positions: {other:?}"),
+            None => break,
+        }
+    }
+    let newest_first: Vec<String> = runs.iter().rev().cloned().collect();
+    assert_eq!(listed, newest_first);
+    assert!(
+        calls >= 300 / 40,
+        "the bounds cut calls short ({calls} calls for 5 pages)"
+    );
+    Ok(())
+}

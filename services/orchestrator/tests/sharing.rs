@@ -359,7 +359,19 @@ async fn a_caller_finds_its_runs_by_every_filter_and_no_one_elses() -> TestResul
 
 #[tokio::test]
 async fn any_replica_lists_the_fleets_runs_and_pages_without_gaps_while_runs_come_and_go() -> TestResult {
-    let w = world(3, &[]).await?;
+    fleet_listing(1).await
+}
+
+/// The same over a store in four shards: the index is read from every shard's stream and merged
+/// newest first, and a page's cursor holds a position per shard.
+#[tokio::test]
+async fn a_store_in_four_shards_lists_newest_first_and_pages_without_gaps_while_runs_come_and_go() -> TestResult {
+    fleet_listing(4).await
+}
+
+/// Three replicas over a store of `shards` shards list the fleet's runs.
+async fn fleet_listing(shards: usize) -> TestResult {
+    let w = world(3, &["--run-store-shards", &shards.to_string()]).await?;
     let mut clients = Vec::new();
     for replica in 0..3 {
         clients.push(w.client(replica).await?);
@@ -388,7 +400,8 @@ async fn any_replica_lists_the_fleets_runs_and_pages_without_gaps_while_runs_com
             ..Default::default()
         };
         let rows = all_pages(client, "alice-token", request, async || {}).await?;
-        assert_eq!(sorted(ids(&rows)), sorted(alices.clone()));
+        // Newest first: each run was admitted after the one before it ended.
+        assert_eq!(ids(&rows), alices.iter().rev().cloned().collect::<Vec<_>>());
         // The live run parked on replica 0, found from every replica.
         let waiting = all_pages(
             client,
@@ -412,6 +425,7 @@ async fn any_replica_lists_the_fleets_runs_and_pages_without_gaps_while_runs_com
     };
     let rows = all_pages(&mut clients[1], "olga-token", of_bob, async || {}).await?;
     assert_eq!(sorted(ids(&rows)), ["b0", "b1"]);
+    index_spread(&w, shards, 12).await?;
 
     // Paging on replica 1 while runs start on the others and the parked one is decided and ends:
     // every run there at the start is listed once, none twice.
@@ -458,6 +472,24 @@ async fn any_replica_lists_the_fleets_runs_and_pages_without_gaps_while_runs_com
         assert!(unique.contains(id), "{id} missing from {listed:?}");
     }
     assert!(started >= 4, "the listing took {started} pages");
+    Ok(())
+}
+
+/// Each of the `shards` index streams holds the entries of its runs, `runs` in all.
+async fn index_spread(w: &World, shards: usize, runs: u64) -> TestResult {
+    let nats = w
+        ._nats
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("a fleet runs on NATS"))?;
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await?);
+    let mut held = Vec::new();
+    for shard in 0..shards {
+        let bucket = shared::jetstream::shards::name("orchestrator-runs", shard);
+        let mut stream = js.get_stream(format!("INDEX_{bucket}")).await?;
+        held.push(stream.info().await?.state.messages);
+    }
+    assert_eq!(held.iter().sum::<u64>(), runs, "entries per shard: {held:?}");
+    assert!(held.iter().all(|n| *n > 0), "a shard holds no entry: {held:?}");
     Ok(())
 }
 

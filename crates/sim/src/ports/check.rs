@@ -52,7 +52,7 @@
 //!   a publish retried, or made again by the run's next owner, out), and each run's stored end
 //!   carries each of its signals at most once, one the topic confirmed being in the stream.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use orchestrator::domain::listing::RunSummary;
 use orchestrator::domain::{NumberedEvent, RunResult};
@@ -91,22 +91,46 @@ pub fn listing_whole(shared: &View, replica: &str, rows: &[RunSummary]) -> Vec<S
     for run_id in shared.records.keys().filter(|id| !seen.contains_key(id.as_str())) {
         broken.push(format!("the listing on {replica} misses {run_id}"));
     }
-    // Newest first: in the index's order (the order the fleet admitted the runs, which two
-    // admissions at once may take apart from their admission times), else by admission time.
-    let place = |run_id: &str| shared.index_order.iter().position(|id| id == run_id);
-    for pair in rows.windows(2) {
-        let older = match (place(&pair[0].run_id), place(&pair[1].run_id)) {
-            (Some(first), Some(second)) => first < second,
-            _ => (pair[0].created_at_ms, &pair[0].run_id) < (pair[1].created_at_ms, &pair[1].run_id),
-        };
-        if older {
-            broken.push(format!(
-                "the listing on {replica} shows {} before the newer {} (created at {} and {})",
-                pair[0].run_id, pair[1].run_id, pair[0].created_at_ms, pair[1].created_at_ms
-            ));
+    broken.extend(newest_first(shared, replica, rows));
+    broken
+}
+
+/// Newest first: each shard's runs in the index's order there (the order the fleet admitted them,
+/// which two admissions at once may take apart from their admission times), and a run not in the
+/// index after its neighbour by admission time. Runs of two shards are ordered by the walk's merge
+/// of their admission times, which each shard's order may overrule, so not checked against each
+/// other.
+fn newest_first(shared: &View, replica: &str, rows: &[RunSummary]) -> Vec<String> {
+    let place = |row: &RunSummary| shared.index_order.get(&row.run_id).copied();
+    let by_admission = |newer: &RunSummary, older: &RunSummary| {
+        (newer.created_at_ms, &newer.run_id) > (older.created_at_ms, &older.run_id)
+    };
+    let mut pairs: Vec<(&RunSummary, &RunSummary, bool)> = Vec::new();
+    let mut last_in_shard: HashMap<usize, (&RunSummary, usize)> = HashMap::new();
+    for (n, row) in rows.iter().enumerate() {
+        if let Some(before) = n
+            .checked_sub(1)
+            .map(|b| &rows[b])
+            .filter(|b| place(b).is_none() || place(row).is_none())
+        {
+            pairs.push((before, row, by_admission(before, row)));
+        }
+        if let Some((shard, at)) = place(row)
+            && let Some((before, was_at)) = last_in_shard.insert(shard, (row, at))
+        {
+            pairs.push((before, row, was_at > at));
         }
     }
-    broken
+    pairs
+        .into_iter()
+        .filter(|(_, _, in_order)| !in_order)
+        .map(|(first, second, _)| {
+            format!(
+                "the listing on {replica} shows {} before the newer {} (created at {} and {})",
+                first.run_id, second.run_id, first.created_at_ms, second.created_at_ms
+            )
+        })
+        .collect()
 }
 
 /// What one caller following a run was sent.

@@ -3,7 +3,7 @@
 //! (`orchestrator::store::nats::inspect`) and watched write by write (the takeovers, the
 //! principals' share, each spend added).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use orchestrator::domain::thread::Thread;
@@ -46,8 +46,9 @@ pub struct View {
     pub waits: BTreeMap<String, Vec<String>>,
     /// Moments a principal had more runs running than its `max_runs`.
     pub quota_breaches: Vec<String>,
-    /// The runs in the order the run index holds them, oldest first: `ListRuns` walks it down.
-    pub index_order: Vec<String>,
+    /// Where each run is in the run index: its shard, and its place in the shard's order (oldest
+    /// first). `ListRuns` walks each shard down.
+    pub index_order: HashMap<String, (usize, usize)>,
     /// Lines for the history: each spend added, heard or not.
     pub spend: Vec<String>,
     /// The signal stream's messages: the run and exit call each names, in stream order.
@@ -281,15 +282,26 @@ impl Watched {
         view
     }
 
-    /// The runs whose index entry agrees with their record, in the index's order.
-    fn index_order(&self, records: &BTreeMap<String, RunView>) -> Vec<String> {
-        self.cluster
-            .messages(&self.names.index, ">")
-            .iter()
-            .filter_map(|m| inspect::index_entry(&m.payload).ok())
-            .filter(|(run_id, created)| records.get(run_id).is_some_and(|r| r.result.created_at_ms == *created))
-            .map(|(run_id, _)| run_id)
-            .collect()
+    /// The runs whose index entry agrees with their record: each one's shard and place there.
+    fn index_order(&self, records: &BTreeMap<String, RunView>) -> HashMap<String, (usize, usize)> {
+        let mut order = HashMap::new();
+        for (shard, stream) in self.names.every_index().iter().enumerate() {
+            let agreeing = self
+                .cluster
+                .messages(stream, ">")
+                .iter()
+                .filter_map(|m| inspect::index_entry(&m.payload).ok())
+                .filter(|(run_id, created)| records.get(run_id).is_some_and(|r| r.result.created_at_ms == *created))
+                .map(|(run_id, _)| run_id)
+                .collect::<Vec<_>>();
+            order.extend(
+                agreeing
+                    .into_iter()
+                    .enumerate()
+                    .map(|(place, run_id)| (run_id, (shard, place))),
+            );
+        }
+        order
     }
 
     /// The principal a usage key names (by the tokens of the principals known).

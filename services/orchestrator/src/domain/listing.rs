@@ -201,7 +201,7 @@ pub struct RunPage {
 }
 
 /// Where a page ended, as the backend that listed it continues: after a row in admission order,
-/// or below a position in a store's index.
+/// or below a position in each shard of a store's index.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cursor {
     /// After the run admitted at `created_at_ms` with `run_id` (newest first).
@@ -211,9 +211,12 @@ pub enum Cursor {
         /// Its id (orders runs admitted in the same millisecond).
         run_id: String,
     },
-    /// Below this position of the store's index.
-    Position(u64),
+    /// Below these positions of the store's index, one per shard in shard order.
+    Positions(Vec<u64>),
 }
+
+/// Positions a page token may hold: one per shard of a store, whose shards are at most this many.
+const MAX_CURSOR_POSITIONS: usize = 64;
 
 /// Why a page token is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -232,7 +235,10 @@ impl Cursor {
         let fingerprint = query.fingerprint();
         let text = match self {
             Self::Created { created_at_ms, run_id } => format!("1|{fingerprint:x}|c|{created_at_ms}|{run_id}"),
-            Self::Position(position) => format!("1|{fingerprint:x}|p|{position}"),
+            Self::Positions(positions) => {
+                let positions: Vec<String> = positions.iter().map(u64::to_string).collect();
+                format!("1|{fingerprint:x}|p|{}", positions.join(","))
+            }
         };
         URL_SAFE_NO_PAD.encode(text)
     }
@@ -258,7 +264,14 @@ impl Cursor {
                     run_id: run_id.to_owned(),
                 })
             }
-            "p" => Ok(Self::Position(number(parts.next())?)),
+            "p" => {
+                let positions = parts.next().ok_or(CursorError::Malformed)?.split(',');
+                let positions = positions.map(|p| number(Some(p))).collect::<Result<Vec<_>, _>>()?;
+                match positions.len() {
+                    1..=MAX_CURSOR_POSITIONS => Ok(Self::Positions(positions)),
+                    _ => Err(CursorError::Malformed),
+                }
+            }
             _ => Err(CursorError::Malformed),
         }
     }
@@ -361,6 +374,21 @@ mod tests {
     }
 
     #[test]
+    fn a_cursor_of_positions_round_trips_and_a_bad_one_is_refused() {
+        let query = RunQuery::default();
+        for positions in [vec![7], vec![12, 0, 40, 3]] {
+            let cursor = Cursor::Positions(positions);
+            assert_eq!(Cursor::parse(&cursor.token(&query), &query), Ok(cursor));
+        }
+        let fingerprint = query.fingerprint();
+        let many = vec!["1"; MAX_CURSOR_POSITIONS + 1].join(",");
+        for text in ["p|", "p|1,,2", "p|1,x", &format!("p|{many}")] {
+            let token = URL_SAFE_NO_PAD.encode(format!("1|{fingerprint:x}|{text}"));
+            assert_eq!(Cursor::parse(&token, &query), Err(CursorError::Malformed), "{text}");
+        }
+    }
+
+    #[test]
     fn filters_match_every_field_they_name() {
         let mut labeled = row("a", 5, RunStatus::AwaitingApproval);
         labeled.labels.insert("team".into(), "refunds".into());
@@ -410,8 +438,8 @@ mod tests {
     #[test]
     fn a_token_continues_only_its_own_query() {
         let query = RunQuery::default();
-        let token = Cursor::Position(42).token(&query);
-        assert_eq!(Cursor::parse(&token, &query), Ok(Cursor::Position(42)));
+        let token = Cursor::Positions(vec![42]).token(&query);
+        assert_eq!(Cursor::parse(&token, &query), Ok(Cursor::Positions(vec![42])));
         let other = RunQuery {
             principal: Some("bob".into()),
             ..RunQuery::default()

@@ -27,7 +27,7 @@ pub struct Names {
     pub threads: String,
     /// The event log stream.
     pub events: String,
-    /// The run index stream.
+    /// The run index stream (its first shard).
     pub index: String,
     /// Shards of the runs' buckets, checkpoints and event log (`runs`, `checkpoints` and
     /// `events` name the first).
@@ -89,6 +89,11 @@ impl Names {
     /// Every shard's event stream.
     pub fn every_events(&self) -> Vec<String> {
         (0..self.shards).map(|s| shards::name(&self.events, s)).collect()
+    }
+
+    /// Every shard's run index stream.
+    pub fn every_index(&self) -> Vec<String> {
+        self.every_runs().iter().map(|b| format!("INDEX_{b}")).collect()
     }
 }
 

@@ -26,7 +26,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use prost::Message;
 use proto::orchestrator::v1 as pb;
-use shared::jetstream::{Bucket, BucketConfig, Consistency, Error, JetStream, Objects, Operation, Stream};
+use shared::jetstream::{Bucket, BucketConfig, Consistency, Error, JetStream, Objects, Operation};
 
 use crate::domain::ports::{Claim, ResultStore, StoreError};
 use crate::domain::{FailureReason, RunResult, RunStatus};
@@ -74,7 +74,6 @@ pub struct KvStore {
     pub(super) steering_subject: String,
     /// Where each claim enters its run first (`ListRuns`).
     pub(super) index: super::index::entry::IndexWriter,
-    pub(super) index_stream: Arc<dyn Stream>,
 }
 
 /// Records of other replicas' live runs as this replica saw them: the revision, and when it was
@@ -513,7 +512,7 @@ impl KvStore {
             shards,
         } = shape;
         let (kv, checkpoints) = open_shards(js, shape).await?;
-        let (index, index_stream) = super::index::entry::IndexWriter::open(js, bucket, ttl, replicas).await?;
+        let index = super::index::entry::IndexWriter::open(js, bucket, ttl, replicas, shards).await?;
         let incarnation = Arc::new(super::incarnation::Incarnation::new(&owner));
         if let Err(e) = incarnation.begin(kv.as_ref()).await {
             // Its runs act only within a lease of now until it lands (the keeper tries again).
@@ -521,7 +520,6 @@ impl KvStore {
         }
         Ok(Self {
             index,
-            index_stream,
             kv,
             shards,
             replicas,

@@ -1,5 +1,6 @@
 //! What the run index keeps of a run ([`Entry`]: what never changes of it) and its writing, once,
-//! before the run's claim ([`IndexWriter`]), on a subject naming the run's principal and thread.
+//! before the run's claim ([`IndexWriter`]), to the index's shard of the run (the store's shard
+//! of its id) on a subject naming the run's principal and thread.
 
 use std::collections::BTreeMap;
 
@@ -30,62 +31,73 @@ pub(crate) struct Entry {
     pub created_at_ms: u64,
 }
 
-/// Writes index entries (the claim's side of the index).
-#[derive(Clone)]
-pub(crate) struct IndexWriter {
-    stream: Arc<dyn Stream>,
-    /// `INDEX_<bucket>`
-    name: String,
-    /// `orchestrator.<bucket>.index.`
+/// One shard of the index: its stream and the prefix of its subjects.
+pub(crate) struct Shard {
+    pub(crate) stream: Arc<dyn Stream>,
+    /// `INDEX_<bucket shard>`
+    pub(crate) name: String,
+    /// `orchestrator.<bucket shard>.index.`
     prefix: String,
 }
 
+impl Shard {
+    /// The subject of the runs of `principal` on `thread` (`None`: any) in this shard.
+    pub(crate) fn subject(&self, principal: Option<&str>, thread: Option<&str>) -> String {
+        let part = |value: Option<&str>| value.map_or_else(|| "*".to_owned(), token);
+        format!("{}{}.{}", self.prefix, part(principal), part(thread))
+    }
+}
+
+/// Writes index entries (the claim's side of the index), each to its run's shard.
+#[derive(Clone)]
+pub(crate) struct IndexWriter {
+    shards: Arc<[Shard]>,
+}
+
 impl IndexWriter {
-    /// Creates the index stream beside the results bucket `bucket` when missing.
+    /// Creates the index's streams beside the results bucket `bucket` when missing, one per
+    /// shard of the store (the first `INDEX_<bucket>`, the others after the bucket's shards).
     pub(crate) async fn open(
         js: &dyn JetStream,
         bucket: &str,
         ttl: std::time::Duration,
         replicas: usize,
-    ) -> Result<(Self, Arc<dyn Stream>), StoreError> {
-        let prefix = format!("orchestrator.{bucket}.index.");
-        let name = format!("INDEX_{bucket}");
-        let config = StreamConfig {
-            name: name.clone(),
-            description: "orchestrator run index (ListRuns)".to_owned(),
-            subjects: vec![format!("{prefix}>")],
-            max_age: ttl,
-            max_bytes: 0,
-            discard_old: true,
-            duplicate_window: std::time::Duration::from_secs(120),
-            replicas,
-        };
-        let stream = js
-            .stream(config)
-            .await
-            .map_err(|e| unavailable("creating the run index stream", bucket, e))?;
-        let writer = Self {
-            stream: Arc::clone(&stream),
-            name,
-            prefix,
-        };
-        Ok((writer, stream))
+        shards: usize,
+    ) -> Result<Self, StoreError> {
+        let mut opened = Vec::with_capacity(shards.max(1));
+        for shard in 0..shards.max(1) {
+            let bucket = shared::jetstream::shards::name(bucket, shard);
+            let prefix = format!("orchestrator.{bucket}.index.");
+            let name = format!("INDEX_{bucket}");
+            let config = StreamConfig {
+                name: name.clone(),
+                description: "orchestrator run index (ListRuns)".to_owned(),
+                subjects: vec![format!("{prefix}>")],
+                max_age: ttl,
+                max_bytes: 0,
+                discard_old: true,
+                duplicate_window: std::time::Duration::from_secs(120),
+                replicas,
+            };
+            let stream = js
+                .stream(config)
+                .await
+                .map_err(|e| unavailable("creating the run index stream", &name, e))?;
+            opened.push(Shard { stream, name, prefix });
+        }
+        Ok(Self { shards: opened.into() })
     }
 
-    /// The index stream's name (for errors).
-    pub(super) fn stream_name(&self) -> String {
-        self.name.clone()
-    }
-
-    /// The subject of the runs of `principal` on `thread` (`None`: any).
-    pub(super) fn subject(&self, principal: Option<&str>, thread: Option<&str>) -> String {
-        let part = |value: Option<&str>| value.map_or_else(|| "*".to_owned(), token);
-        format!("{}{}.{}", self.prefix, part(principal), part(thread))
+    /// The index's shards, in shard order.
+    pub(super) fn shards(&self) -> &[Shard] {
+        &self.shards
     }
 
     /// Enters the run `result` describes (before its claim: a claimed run is always found).
     pub(crate) fn enter(&self, result: &RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
-        let subject = self.subject(Some(&result.principal), Some(&result.thread_id));
+        let run = shared::fence::escaped_key("", &result.run_id);
+        let shard = &self.shards[shared::jetstream::shards::of_run(&run, self.shards.len())];
+        let subject = shard.subject(Some(&result.principal), Some(&result.thread_id));
         let entry = Entry {
             run_id: result.run_id.clone(),
             principal: result.principal.clone(),
@@ -93,7 +105,7 @@ impl IndexWriter {
             labels: result.labels.clone(),
             created_at_ms: result.created_at_ms,
         };
-        let stream = Arc::clone(&self.stream);
+        let stream = Arc::clone(&shard.stream);
         async move {
             let message = Publish {
                 subject: subject.clone(),

@@ -1,12 +1,14 @@
-//! The run index (`ListRuns` on the NATS store): a JetStream stream `INDEX_<bucket>` with one
-//! message per claimed run, on the subject `orchestrator.<bucket>.index.<principal>.<thread>`
-//! (each an encoded token), holding what never changes of the run: its id, owner, thread, labels
-//! and admission time. Entries are written once, before the run's claim, in the order runs are
+//! The run index (`ListRuns` on the NATS store): a JetStream stream per shard of the store
+//! (`INDEX_<bucket>`, then `INDEX_<bucket>-shard-<i>`) with one message per claimed run, in its
+//! run's shard, on the subject `orchestrator.<bucket shard>.index.<principal>.<thread>` (each an
+//! encoded token), holding what never changes of the run: its id, owner, thread, labels and
+//! admission time. Entries are written once, before the run's claim, in the order runs are
 //! admitted, and expire with the results (`--run-store-ttl`).
 //!
-//! A page is read newest first by walking the stream down from its end (or from the cursor, a
-//! stream position) in windows that double, each read by a consumer filtered on the principal
-//! and thread the query names, so the server skips other callers' runs; a run's status, turns and
+//! A page is read newest first by walking every shard's stream down from its end (or from the
+//! cursor: a stream position per shard) in windows that double, each read by a consumer filtered
+//! on the principal and thread the query names, so the server skips other callers' runs; of the
+//! shards' next entries the walk takes the one admitted last ([`lanes`]). A run's status, turns and
 //! usage come from its record, read for the entries that pass the query's times and labels. A
 //! query for live runs only (running, waiting for approval) lists the fleet's live runs from
 //! their checkpoints instead: they are few, however many runs are stored.
@@ -20,19 +22,19 @@
 //! continues below where it stopped (it may hold fewer rows than asked, even none).
 //!
 //! * `mod.rs`: reading a page ([`NatsIndex`]);
+//! * [`lanes`]: the walk down every shard at once;
 //! * [`entry`]: what the index keeps of a run, and its writing at a claim ([`entry::IndexWriter`]).
 
 pub(crate) mod entry;
+mod lanes;
 
-use entry::Entry;
+use lanes::{Lanes, Next, Taken};
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::{FutureExt as _, StreamExt as _};
-use prost::Message as _;
-use shared::jetstream::{Deliver, Read, Stream};
 
 use super::results::{KvStore, checkpoint_of};
 use crate::domain::listing::{Cursor, RunPage, RunQuery, RunSummary};
@@ -44,13 +46,12 @@ const READ_CONCURRENCY: usize = 16;
 /// Records read before the page is looked at again: a full page reads at most this many more
 /// than it shows.
 const READ_BATCH: usize = 32;
-/// The first window walked: a page's worth and some.
+/// The first window walked in each shard: a page's worth and some.
 const MIN_WINDOW: u64 = 64;
 
 /// See the module docs.
 pub struct NatsIndex {
     store: Arc<KvStore>,
-    stream: Arc<dyn Stream>,
     /// Stream positions walked per call, at most.
     scan_max: u64,
     /// Records read per call, at most.
@@ -61,10 +62,8 @@ impl NatsIndex {
     /// The index of `store`'s runs, each call walking at most `scan_max` positions and reading
     /// at most `read_max` records.
     pub fn new(store: Arc<KvStore>, scan_max: u64, read_max: usize) -> Self {
-        let stream = Arc::clone(&store.index_stream);
         Self {
             store,
-            stream,
             scan_max: scan_max.max(1),
             read_max: read_max.max(1),
         }
@@ -75,7 +74,6 @@ impl RunIndex for NatsIndex {
     fn list(&self, query: RunQuery, here: Vec<RunSummary>) -> BoxFuture<'static, Result<RunPage, StoreError>> {
         let walk = Walk {
             store: Arc::clone(&self.store),
-            stream: Arc::clone(&self.stream),
             scan_max: self.scan_max,
             read_max: self.read_max,
             here: here.into_iter().map(|r| (r.run_id.clone(), r)).collect(),
@@ -94,7 +92,6 @@ impl RunIndex for NatsIndex {
 /// One listing call.
 struct Walk {
     store: Arc<KvStore>,
-    stream: Arc<dyn Stream>,
     scan_max: u64,
     read_max: usize,
     /// The runs live on this replica, fresher than their records.
@@ -144,93 +141,79 @@ impl Walk {
     /// walking its index entries newest first (at most `--list-scan-max` of the index), at most
     /// `--list-read-max`.
     async fn principals_among(&self, live: &[String]) -> Result<Vec<String>, StoreError> {
-        let (first, end) = self.span().await?;
-        let (mut below, mut walked) = (end, 0u64);
+        let window = MIN_WINDOW.max(4 * self.read_max as u64);
+        let mut lanes = Lanes::open(self.store.index.shards(), &self.query, None, window, self.scan_max).await?;
         let mut keys = Vec::new();
-        while below > first && walked < self.scan_max && keys.len() < self.read_max {
-            let from = below
-                .saturating_sub(MIN_WINDOW.max(4 * self.read_max as u64).min(self.scan_max - walked))
-                .max(first);
-            walked += below - from;
-            for (_, entry) in self.entries(from, below).await?.into_iter().rev() {
-                let key = super::results::key(&entry.run_id);
-                if keys.len() < self.read_max && live.binary_search(&key).is_ok() {
-                    keys.push(key);
-                }
+        while keys.len() < self.read_max {
+            let Next::Entry((_, _, entry)) = lanes.next(&self.query).await? else {
+                break;
+            };
+            let key = super::results::key(&entry.run_id);
+            if live.binary_search(&key).is_ok() {
+                keys.push(key);
             }
-            below = from;
         }
         Ok(keys)
     }
 
-    /// The index's first position and the one after its last.
-    async fn span(&self) -> Result<(u64, u64), StoreError> {
-        let state = self.stream.state().await.map_err(|e| self.failed(e))?;
-        Ok((state.first_sequence.max(1), state.last_sequence.saturating_add(1)))
-    }
-
-    /// A page walked down the index from the cursor (or its end).
+    /// A page walked down the index from the cursor (or its end), newest first.
     async fn down(self) -> Result<RunPage, StoreError> {
-        let (first, end) = self.span().await?;
-        let mut below = match &self.query.after {
-            Some(Cursor::Position(position)) => *position,
-            _ => end,
+        let below = match &self.query.after {
+            Some(Cursor::Positions(positions)) => Some(positions.as_slice()),
+            _ => None,
         };
-        let (mut rows, mut walked, mut read) = (Vec::new(), 0u64, 0usize);
-        let mut window = MIN_WINDOW.max(2 * self.query.page_size as u64);
-        while below > first && walked < self.scan_max {
-            let from = below.saturating_sub(window.min(self.scan_max - walked)).max(first);
-            walked += below - from;
-            let admitted: Vec<(u64, Entry)> = self
-                .entries(from, below)
-                .await?
-                .into_iter()
-                .rev()
-                .filter(|(_, e)| self.query.admits(e.created_at_ms, &e.labels))
-                .collect();
-            // Records are read a batch at a time, the batch's reads at once, in the walk's order.
-            for batch in admitted.chunks(READ_BATCH) {
-                let Some(room) = self.read_max.checked_sub(read).filter(|room| *room > 0) else {
-                    return Ok(self.page(rows, Some(batch[0].0 + 1)));
+        let window = MIN_WINDOW.max(2 * self.query.page_size as u64);
+        let shards = self.store.index.shards();
+        let mut lanes = Lanes::open(shards, &self.query, below, window, self.scan_max).await?;
+        let (mut rows, mut read) = (Vec::new(), 0usize);
+        loop {
+            let room = self.read_max.saturating_sub(read).min(READ_BATCH);
+            let (batch, stopped) = self.batch(&mut lanes, room).await?;
+            read += batch.len();
+            // The batch's records are read at once, and looked at in the walk's order.
+            let reads: Vec<_> = batch.iter().map(|(_, _, entry)| self.row(entry)).collect();
+            let found = futures::stream::iter(reads)
+                .buffered(READ_CONCURRENCY)
+                .collect::<Vec<_>>()
+                .await;
+            for (n, row) in found.into_iter().enumerate() {
+                let Some(row) = row?.filter(|r| self.query.matches(r)) else {
+                    continue;
                 };
-                let batch = &batch[..batch.len().min(room)];
-                read += batch.len();
-                let reads: Vec<_> = batch.iter().map(|(_, entry)| self.row(entry)).collect();
-                let found = futures::stream::iter(reads)
-                    .buffered(READ_CONCURRENCY)
-                    .collect::<Vec<_>>()
-                    .await;
-                for ((position, _), row) in batch.iter().zip(found) {
-                    let Some(row) = row?.filter(|r| self.query.matches(r)) else {
-                        continue;
-                    };
-                    rows.push(row);
-                    if rows.len() == self.query.page_size {
-                        let more = *position > first;
-                        return Ok(self.page(rows, more.then_some(*position)));
-                    }
-                }
-                if let Some((position, _)) = batch.last().filter(|_| read == self.read_max) {
-                    return Ok(self.page(rows, Some(*position)));
+                rows.push(row);
+                if rows.len() == self.query.page_size {
+                    return Ok(self.page(rows, lanes.cursor(&batch[n + 1..])));
                 }
             }
-            below = from;
-            window = window.saturating_mul(2);
+            if stopped || batch.is_empty() || read >= self.read_max {
+                return Ok(self.page(rows, lanes.cursor(&[])));
+            }
         }
-        let more = below > first;
-        Ok(self.page(rows, more.then_some(below)))
     }
 
-    fn page(&self, runs: Vec<RunSummary>, below: Option<u64>) -> RunPage {
+    /// Up to `room` entries taken in the walk's order, and whether the walk stopped while taking
+    /// them (every shard walked to its start, or out of positions to walk).
+    async fn batch(&self, lanes: &mut Lanes, room: usize) -> Result<(Vec<Taken>, bool), StoreError> {
+        let mut batch = Vec::with_capacity(room);
+        while batch.len() < room {
+            match lanes.next(&self.query).await? {
+                Next::Entry(taken) => batch.push(taken),
+                Next::Done | Next::OutOfScan => return Ok((batch, true)),
+            }
+        }
+        Ok((batch, false))
+    }
+
+    fn page(&self, runs: Vec<RunSummary>, below: Option<Vec<u64>>) -> RunPage {
         RunPage {
             runs,
-            next: below.map(Cursor::Position),
+            next: below.map(Cursor::Positions),
         }
     }
 
     /// The row of `entry`'s run, when its record agrees with the entry (see the module docs);
     /// this replica's view of it when it runs here.
-    fn row(&self, entry: &Entry) -> BoxFuture<'static, Result<Option<RunSummary>, StoreError>> {
+    fn row(&self, entry: &entry::Entry) -> BoxFuture<'static, Result<Option<RunSummary>, StoreError>> {
         let agrees = {
             let (principal, created_at_ms) = (entry.principal.clone(), entry.created_at_ms);
             move |r: &RunSummary| r.principal == principal && r.created_at_ms == created_at_ms
@@ -240,43 +223,5 @@ impl Walk {
         }
         let read = self.store.read_key(&super::results::key(&entry.run_id));
         async move { Ok(read.await?.map(|r| RunSummary::from(&r)).filter(agrees)) }.boxed()
-    }
-
-    /// The entries at positions `from..below` under the query's subject, in stream order.
-    async fn entries(&self, from: u64, below: u64) -> Result<Vec<(u64, Entry)>, StoreError> {
-        let filter = self
-            .store
-            .index
-            .subject(self.query.principal.as_deref(), self.query.thread_id.as_deref());
-        let read = Read {
-            filter,
-            deliver: Deliver::From(from),
-            headers_only: false,
-            expires: None,
-        };
-        let mut reading = self.stream.read(read).await.map_err(|e| self.failed(e))?;
-        let mut entries = Vec::new();
-        if reading.pending == 0 {
-            return Ok(entries);
-        }
-        while let Some(message) = reading.messages.next().await {
-            let message = message.map_err(|e| self.failed(e))?;
-            let (position, pending) = (message.sequence, message.pending);
-            if position >= below {
-                break;
-            }
-            // An entry that is not one (written by hand) is skipped, not fatal.
-            if let Ok(entry) = Entry::decode(message.payload.as_ref()) {
-                entries.push((position, entry));
-            }
-            if pending == 0 {
-                break;
-            }
-        }
-        Ok(entries)
-    }
-
-    fn failed(&self, e: impl ToString) -> StoreError {
-        unavailable("run index read", &self.store.index.stream_name(), e)
     }
 }
