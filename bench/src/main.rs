@@ -13,6 +13,7 @@ mod durability;
 mod fence;
 mod fleet;
 mod listing;
+mod long_run;
 mod micro;
 mod otlp;
 mod paced;
@@ -152,6 +153,15 @@ struct Cli {
     /// Writes `takeover.md` / `.json`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(10..=100_000))]
     takeover_quiet: Option<u64>,
+    /// Instead of the grid: one run of this many turns (13–128), each reading a page of
+    /// `--long-run-page` bytes, on the memory store and on NATS (nats-server on the PATH): the
+    /// orchestrator's CPU and the store's bytes per turn, early against late. Writes
+    /// `long_run.md` / `.json`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(13..=128))]
+    long_run: Option<u64>,
+    /// The page `--long-run` reads each turn, in bytes (1–1048576).
+    #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    long_run_page: u64,
     /// The run-store lease of `--takeover-quiet`'s replicas (1s–10m; the orchestrator's default).
     #[arg(long, default_value = "15s", value_parser = one_second_to_ten_minutes)]
     takeover_lease: Duration,
@@ -794,6 +804,15 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(runs) = cli.admission {
         return admission::run(&bin, usize::try_from(runs)?, &cli.out).await;
+    }
+    if let Some(turns) = cli.long_run {
+        return long_run::run(
+            &bin,
+            usize::try_from(turns)?,
+            usize::try_from(cli.long_run_page)?,
+            &cli.out,
+        )
+        .await;
     }
     if let Some(runs) = cli.list_runs {
         return listing::run(&bin, usize::try_from(runs)?, &cli.out).await;

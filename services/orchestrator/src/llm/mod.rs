@@ -1,9 +1,10 @@
 //! The LLM client: any OpenAI-compatible `/v1/chat/completions` server, streamed.
 //!
 //! * [`fleet`]: the model endpoints, which one each run's turns go to, failover and health;
-//! * [`client`]: the HTTP side of one endpoint (request body, API key, extra headers, what is
-//!   worth a retry, idle timeout); a plain-http endpoint's connections are read by the run's own
-//!   task (the `paced-http1` crate, whose [`ReadPace`] a run sets);
+//! * [`client`]: the HTTP side of one endpoint (API key, extra headers, what is worth a retry,
+//!   idle timeout); a plain-http endpoint's connections are read by the run's own task (the
+//!   `paced-http1` crate, whose [`ReadPace`] a run sets);
+//! * [`body`]: the request's JSON body, each turn's written from what is new in it;
 //! * [`sse`]: bytes → SSE events → semantic [`LlmEvent`]s, tolerant of the differences between
 //!   real servers (see `tests/fixtures/llm-streams/`);
 //! * [`assembler`]: tool-call fragments → whole tool calls;
@@ -11,6 +12,7 @@
 //! The run loop only sees the [`ChatModel`] trait, so it is tested without a network.
 
 pub mod assembler;
+pub mod body;
 pub mod client;
 pub mod fleet;
 pub mod sse;
@@ -43,6 +45,9 @@ pub struct ChatRequest {
     pub affinity: String,
     /// An endpoint to try only when no other will do: it just cut this turn's stream.
     pub avoid: Option<String>,
+    /// The run's requests' serialized beginning, shared by its turns (a fresh one: the body is
+    /// written whole).
+    pub prefix: body::WirePrefix,
 }
 
 /// What the stream says, independent of any server's quirks.

@@ -465,6 +465,7 @@ mod tests {
             pace: ReadPace::default(),
             affinity: affinity.into(),
             avoid: None,
+            prefix: Default::default(),
         }
     }
 

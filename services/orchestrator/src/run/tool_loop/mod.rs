@@ -619,6 +619,8 @@ struct Driver<'a> {
     followed: tasks::Followed,
     /// The progress the turn's calls reported and the loop has not sent yet.
     call_progress: call_progress::CallProgress,
+    /// The run's requests serialized up to their newest message: each turn's request adds to it.
+    prefix: crate::llm::body::WirePrefix,
 }
 
 /// The tools a run offers the model: the definitions sent with every turn, and the names that
@@ -677,6 +679,7 @@ impl<'a> Driver<'a> {
             hour_booked: None,
             followed: tasks::Followed::default(),
             call_progress: call_progress::CallProgress::default(),
+            prefix: crate::llm::body::WirePrefix::default(),
             spec,
             deps,
             state,

@@ -203,6 +203,7 @@ impl Driver<'_> {
                 key => key.to_owned(),
             },
             avoid: None,
+            prefix: self.prefix.clone(),
         }
     }
 
