@@ -68,6 +68,14 @@ impl RunJournal for Journal {
         self.inner.claim_resumable(result, deadline, checkpoint)
     }
 
+    fn keep_segment(&self, run_id: &str, segment: Vec<u8>) -> BoxFuture<'static, Result<Option<u64>, StoreError>> {
+        self.inner.keep_segment(run_id, segment)
+    }
+
+    fn segments(&self, run_id: &str, positions: Vec<u64>) -> BoxFuture<'static, Result<Vec<Vec<u8>>, StoreError>> {
+        self.inner.segments(run_id, positions)
+    }
+
     fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
         self.inner.forget(run_id)
     }

@@ -234,7 +234,26 @@ pub trait RunJournal: Send + Sync + 'static {
         deadline_unix_ms: u64,
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<Claim, StoreError>>;
-    /// Forgets the run's checkpoint (it ended, or moved for good).
+    /// Keeps `segment` (a run of the transcript's messages, JSON, never changed once kept) for
+    /// the run's checkpoints to name instead of holding it: what a checkpoint writes is then what
+    /// changed since the last one, not the whole transcript again. Its position; `None` from a
+    /// journal that keeps no segments (its checkpoints hold the whole transcript).
+    fn keep_segment(&self, run_id: &str, segment: Vec<u8>) -> BoxFuture<'static, Result<Option<u64>, StoreError>> {
+        let _ = (run_id, segment);
+        futures::future::ready(Ok(None)).boxed()
+    }
+    /// The run's segments kept at `positions`, in that order (an error when one is missing).
+    fn segments(&self, run_id: &str, positions: Vec<u64>) -> BoxFuture<'static, Result<Vec<Vec<u8>>, StoreError>> {
+        let missing = match positions.first() {
+            Some(position) => Err(StoreError::Corrupt {
+                key: format!("segment {position} of run {run_id}"),
+                reason: "this journal keeps no segments".to_owned(),
+            }),
+            None => Ok(Vec::new()),
+        };
+        futures::future::ready(missing).boxed()
+    }
+    /// Forgets the run's checkpoint and segments (it ended, or moved for good).
     fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>>;
     /// Runs with a checkpoint whose owner is gone: lease lapsed, or handed over.
     fn orphans(&self) -> BoxFuture<'static, Result<Vec<String>, StoreError>>;

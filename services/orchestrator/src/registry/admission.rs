@@ -17,7 +17,7 @@ use crate::domain::{EventBatch, Ownership, RunResult, RunSpec, RunStatus};
 use crate::run::live::{AdmittedRun, Cancel, Emitter, HandOver, SharedState};
 use crate::run::persist::Persister;
 use crate::run::steering::Inbox;
-use crate::run::tool_loop::{Checkpoint, Resumed};
+use crate::run::tool_loop::{Checkpoint, Resumed, Segmented};
 
 type EventSender = tokio::sync::mpsc::Sender<EventBatch>;
 
@@ -498,7 +498,7 @@ impl Runs {
             parked,
             ends_after_turn,
         } = claimed;
-        let checkpoint: Checkpoint = serde_json::from_slice(&bytes)
+        let mut checkpoint: Checkpoint = serde_json::from_slice(&bytes)
             .map_err(|e| format!("the checkpoint of run {run_id} cannot be read: {e}"))?;
         let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
         let Ok(mut admitted) = self.admitted(run_id, &owner) else {
@@ -525,6 +525,13 @@ impl Runs {
             admitted.store_ended(result).await;
             return Ok(Some(TakenOver::Ended(Box::new(ended))));
         }
+        // Read only for a run that goes on here: an ended run's segments are gone with its end.
+        let positions = checkpoint.segments.iter().map(|s| s.position).collect();
+        let kept = within(self.store_timeout, journal.segments(run_id, positions))
+            .await
+            .map_err(|e| format!("the transcript of run {run_id} cannot be read: {e}"))?;
+        let segmented = Segmented::resolve(&mut checkpoint, kept)
+            .map_err(|e| format!("the transcript of run {run_id} cannot be read: {e}"))?;
         let (mut checkpoint, canceled) = self.taken_from_wait(run_id, checkpoint).await?;
         if let Some(reason) = ends_after_turn {
             checkpoint.end_after_turn(reason);
@@ -544,10 +551,12 @@ impl Runs {
             admitted.cancel.cancel(&reason);
         }
         let logged = logged.seq;
-        Ok(Some(TakenOver::Resumed(Box::new((
-            admitted,
-            Resumed { checkpoint, logged },
-        )))))
+        let resumed = Resumed {
+            checkpoint,
+            logged,
+            segmented,
+        };
+        Ok(Some(TakenOver::Resumed(Box::new((admitted, resumed)))))
     }
 
     /// A run taken over with its wait: one parked for approvals goes on with its decisions (or
@@ -619,7 +628,13 @@ impl Runs {
         if let Some(reason) = waiting.canceled {
             admitted.cancel.cancel(&reason);
         }
-        Unparked::Resumed(Box::new((admitted, Resumed { checkpoint, logged })))
+        // The wait holds the whole checkpoint: the run keeps its conversation anew.
+        let resumed = Resumed {
+            checkpoint,
+            logged,
+            segmented: Segmented::default(),
+        };
+        Unparked::Resumed(Box::new((admitted, resumed)))
     }
 }
 

@@ -240,6 +240,24 @@ impl Persister {
         ok
     }
 
+    /// Keeps `segment` of the run's transcript in the journal for its checkpoints to name: its
+    /// position, `None` when the journal keeps no segments, or did not take this one in time
+    /// (the checkpoints then hold those messages themselves).
+    pub async fn keep_segment(&self, segment: Vec<u8>) -> Option<u64> {
+        let journal = self.journal.as_ref()?;
+        if !self.may_write() {
+            return None;
+        }
+        let run_id = shared::sync::lock(&self.state).run_id.clone();
+        match within(self.timeout, journal.keep_segment(&run_id, segment)).await {
+            Ok(position) => position,
+            Err(e) => {
+                tracing::warn!(run_id = %run_id, "keeping a transcript segment failed (the checkpoint holds it): {e}");
+                None
+            }
+        }
+    }
+
     /// Parks the run (`park`, the approval store's) with no write of this persister in between:
     /// a write under way finishes first, and those asked for while the park's requests are out
     /// are not sent (they do not wait on them either: the lock is not held across the park; a

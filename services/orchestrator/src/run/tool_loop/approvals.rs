@@ -431,7 +431,8 @@ impl Driver<'_> {
             super::durable::log_not_kept(persister);
             return Err(End::TakenOver);
         }
-        let checkpoint = self.checkpoint(Some(calls));
+        // Whole: a parked run is resumed from the checkpoint its wait holds, without segments.
+        let checkpoint = self.whole_checkpoint(Some(calls));
         let parked_as = calls.parked_as(&lock(self.state).pending_approvals);
         let result = {
             let mut state = lock(self.state);

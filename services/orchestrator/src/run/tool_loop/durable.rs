@@ -30,7 +30,15 @@ pub struct Checkpoint {
     pub spec: RunSpec,
     /// Its output so far.
     pub result: RunResult,
-    /// Assistant and tool messages of the turns so far.
+    /// The first messages of the turns so far, kept in the journal (in order): a checkpoint names
+    /// them instead of holding them again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub segments: Vec<SegmentRef>,
+    /// Assistant and tool messages of the turns so far (after those of `segments`). Stored under
+    /// a key of its own: a replica of an earlier version, which knows no segments, cannot read
+    /// the checkpoint and hands the run back, rather than resume it with the messages after the
+    /// segments only. It reads checkpoints of earlier versions (`conversation`) whole.
+    #[serde(rename = "conversation_after_segments", alias = "conversation")]
     pub conversation: Vec<Message>,
     /// How far the run got (kept flat in the stored checkpoint).
     #[serde(flatten)]
@@ -52,6 +60,54 @@ pub struct Checkpoint {
     /// The messages sent to the run and not taken by a turn yet, and how many it was sent.
     #[serde(default, skip_serializing_if = "Kept::is_empty")]
     pub steering: Kept,
+}
+
+/// A segment of a run's transcript kept in the journal: where, and how many messages it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentRef {
+    /// Where the journal keeps it.
+    pub position: u64,
+    /// Its messages (checked when it is read back).
+    pub messages: u32,
+}
+
+/// What of a run's conversation is kept in the journal: its first `messages` messages, as
+/// `segments`. Those never change (only a last user message does, which is never kept), so
+/// each safe point keeps what is new since the last and its checkpoint names the rest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Segmented {
+    /// The segments, in the conversation's order.
+    pub segments: Vec<SegmentRef>,
+    /// The conversation's messages they hold.
+    pub messages: usize,
+}
+
+impl Segmented {
+    /// The conversation of the checkpoint `c` whole, its segments' messages (`kept`, read from
+    /// the journal in `c.segments`' order) first; and what of it is kept.
+    pub fn resolve(c: &mut Checkpoint, kept: Vec<Vec<u8>>) -> Result<Self, String> {
+        let mut whole = Vec::new();
+        for (segment, bytes) in c.segments.iter().zip(kept) {
+            let messages: Vec<Message> = serde_json::from_slice(&bytes)
+                .map_err(|e| format!("segment {} cannot be read: {e}", segment.position))?;
+            if messages.len() != segment.messages as usize {
+                return Err(format!(
+                    "segment {} holds {} messages, its checkpoint says {}",
+                    segment.position,
+                    messages.len(),
+                    segment.messages
+                ));
+            }
+            whole.extend(messages);
+        }
+        let segmented = Self {
+            messages: whole.len(),
+            segments: std::mem::take(&mut c.segments),
+        };
+        whole.append(&mut c.conversation);
+        c.conversation = whole;
+        Ok(segmented)
+    }
 }
 
 /// How far a run got, counted against its limits: what the loop's rules count as they go and a
@@ -119,6 +175,7 @@ impl Checkpoint {
         Self {
             spec: spec.clone(),
             result,
+            segments: Vec::new(),
             conversation: Vec::new(),
             progress: Progress::default(),
             call_ids: Vec::new(),
@@ -228,10 +285,12 @@ impl TurnCalls {
 
 /// A run resumed here: its checkpoint and the last seq its event log keeps.
 pub struct Resumed {
-    /// The checkpoint.
+    /// The checkpoint, its conversation whole.
     pub checkpoint: Checkpoint,
     /// The last seq in the run's event log.
     pub logged: u64,
+    /// What of its conversation the journal keeps (its checkpoints go on naming it).
+    pub segmented: Segmented,
 }
 
 /// Saves the checkpoint of a turn's calls as each call finishes (safe point (b)).
@@ -312,12 +371,25 @@ impl Driver<'_> {
         self.durable().is_none_or(|p| p.ownership().holds())
     }
 
-    /// The run's checkpoint as of now, with `calls` the current turn's calls (if among them).
+    /// The run's checkpoint as of now, with `calls` the current turn's calls (if among them),
+    /// its conversation whole.
+    pub(super) fn whole_checkpoint(&self, calls: Option<&TurnCalls>) -> Checkpoint {
+        Checkpoint {
+            segments: Vec::new(),
+            conversation: self.conversation.clone(),
+            ..self.checkpoint(calls)
+        }
+    }
+
+    /// The run's checkpoint as the journal keeps it: naming the segments of the conversation
+    /// kept, holding the messages after them.
     pub(super) fn checkpoint(&self, calls: Option<&TurnCalls>) -> Checkpoint {
+        let kept = self.segmented.messages.min(self.conversation.len());
         Checkpoint {
             spec: self.spec.clone(),
             result: shared::sync::lock(self.state).clone(),
-            conversation: self.conversation.clone(),
+            segments: self.segmented.segments.clone(),
+            conversation: self.conversation[kept..].to_vec(),
             progress: self.progress,
             call_ids: self.ids.used.iter().cloned().collect(),
             generated_ids: self.ids.generated,
@@ -341,9 +413,31 @@ impl Driver<'_> {
             log_not_kept(&persister);
             return Err(End::TakenOver);
         }
+        self.keep_transcript(&persister).await;
         let checkpoint = self.checkpoint(calls);
         let saved = persister.save(|| checkpoint.snapshot()).await;
         self.send_at_safe_point(saved).await
+    }
+
+    /// Keeps the messages of the conversation that no longer change and are not kept yet, as
+    /// one segment, so the checkpoints that follow name them: all but a last user message (a
+    /// note or a steered message may still join it). Nothing when the journal keeps no
+    /// segments or did not take this one: the checkpoint then holds them.
+    async fn keep_transcript(&mut self, persister: &Persister) {
+        let settled = match self.conversation.last() {
+            Some(Message::User { .. }) => self.conversation.len() - 1,
+            _ => self.conversation.len(),
+        };
+        let new = &self.conversation[self.segmented.messages.min(settled)..settled];
+        let Ok(messages) = u32::try_from(new.len()) else { return };
+        if messages == 0 {
+            return;
+        }
+        let Ok(segment) = serde_json::to_vec(new) else { return };
+        if let Some(position) = persister.keep_segment(segment).await {
+            self.segmented.segments.push(SegmentRef { position, messages });
+            self.segmented.messages = settled;
+        }
     }
 
     /// Sends what is queued at a safe point whose checkpoint the store took (`saved`) while this
@@ -392,9 +486,14 @@ impl Driver<'_> {
     /// holds the outbox events the log lacks), then queues `turn_restarted` when the log holds
     /// events of a turn that was still streaming. Returns the turn's calls to finish, if any.
     pub(super) fn restore(&mut self, resumed: Resumed) -> Option<TurnCalls> {
-        let Resumed { checkpoint: c, logged } = resumed;
+        let Resumed {
+            checkpoint: c,
+            logged,
+            segmented,
+        } = resumed;
         *shared::sync::lock(self.state) = c.result;
         self.conversation = c.conversation;
+        self.segmented = segmented;
         self.progress = c.progress;
         if let Some(reason) = &c.cancel_after_turn {
             self.cancel.cancel_with(crate::domain::CancelMode::AfterTurn, reason);

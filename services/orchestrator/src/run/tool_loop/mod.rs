@@ -46,7 +46,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-pub use self::durable::{Checkpoint, Progress, Resumed};
+pub use self::durable::{Checkpoint, Progress, Resumed, SegmentRef, Segmented};
 pub use self::tasks::TaskSettings;
 
 use self::completion::Completion;
@@ -589,6 +589,8 @@ struct Driver<'a> {
     max_turns: u32,
     /// Assistant and tool messages of the turns so far (exit calls excluded).
     conversation: Vec<Message>,
+    /// What of `conversation` the journal keeps (a durable run's checkpoints name it).
+    segmented: durable::Segmented,
     /// The loop detector's rule over the text and over the reasoning.
     loops: Loops,
     /// The completion streaming now, kept here so a run that ends mid-turn keeps its held text
@@ -662,6 +664,7 @@ impl<'a> Driver<'a> {
             offer: Offer::of(spec),
             max_turns: spec.limits.max_turns.min(HARD_MAX_TURNS),
             conversation: Vec::new(),
+            segmented: durable::Segmented::default(),
             loops: Loops {
                 text: LoopDetector::new(deps.detector),
                 reasoning: LoopDetector::new(deps.detector),

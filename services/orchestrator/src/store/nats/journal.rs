@@ -319,10 +319,20 @@ impl RunJournal for KvStore {
         .boxed()
     }
 
+    fn keep_segment(&self, run_id: &str, segment: Vec<u8>) -> BoxFuture<'static, Result<Option<u64>, StoreError>> {
+        self.segments.keep(&key(run_id), segment)
+    }
+
+    fn segments(&self, run_id: &str, positions: Vec<u64>) -> BoxFuture<'static, Result<Vec<Vec<u8>>, StoreError>> {
+        self.segments.read(&key(run_id), positions)
+    }
+
     fn forget(&self, run_id: &str) -> BoxFuture<'static, Result<(), StoreError>> {
         let (kv, checkpoints, key) = (self.kv.clone(), self.checkpoints.clone(), key(run_id));
         self.owned().remove(&key);
+        let segments = self.segments.forget(&key);
         async move {
+            segments.await?;
             let mut epochs = match holder(kv.as_ref(), &key).await? {
                 Some((record, _)) => vec![0, record.checkpoint_epoch, record.epoch],
                 None => vec![0],

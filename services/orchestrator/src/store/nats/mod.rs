@@ -6,6 +6,8 @@
 //! * [`journal`]: the [`RunJournal`](crate::domain::ports::RunJournal) on the same [`KvStore`] —
 //!   claims, checkpoints, takeover, hand-over, cancels asked of other replicas;
 //! * [`checkpoints`]: the checkpoint objects the journal names (an object-store bucket);
+//! * `segments`: the transcript segments checkpoints name instead of holding (a stream per
+//!   shard, a subject per run);
 //! * `kv`: what the key-value adapters share (subject tokens, conditional writes);
 //! * `incarnation`: this process's incarnation — the one lease record that holds all its runs —
 //!   and the keeper that renews it;
@@ -41,6 +43,7 @@ pub mod log;
 mod owners;
 pub mod quotas;
 pub mod results;
+mod segments;
 pub mod sign_outs;
 pub mod threads;
 pub mod usage;

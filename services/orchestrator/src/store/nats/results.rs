@@ -74,6 +74,8 @@ pub struct KvStore {
     pub(super) steering_subject: String,
     /// Where each claim enters its run first (`ListRuns`).
     pub(super) index: super::index::entry::IndexWriter,
+    /// Where the transcript segments its checkpoints name are kept.
+    pub(super) segments: super::segments::Segments,
 }
 
 /// Records of other replicas' live runs as this replica saw them: the revision, and when it was
@@ -513,6 +515,7 @@ impl KvStore {
         } = shape;
         let (kv, checkpoints) = open_shards(js, shape).await?;
         let index = super::index::entry::IndexWriter::open(js, bucket, ttl, replicas, shards).await?;
+        let segments = super::segments::Segments::open(js, bucket, ttl, replicas, shards).await?;
         let incarnation = Arc::new(super::incarnation::Incarnation::new(&owner));
         if let Err(e) = incarnation.begin(kv.as_ref()).await {
             // Its runs act only within a lease of now until it lands (the keeper tries again).
@@ -520,6 +523,7 @@ impl KvStore {
         }
         Ok(Self {
             index,
+            segments,
             kv,
             shards,
             replicas,

@@ -18,6 +18,8 @@ pub(super) struct Journal {
     lease: Option<crate::domain::LeaseTerms>,
     /// The save of this index (0: the first) takes this long before the store takes it.
     slow_save: Option<(usize, Duration)>,
+    /// Transcript segments kept (at their index + 1), when the journal keeps them.
+    segments: Option<Mutex<Vec<Vec<u8>>>>,
 }
 
 /// The memory store with the lease terms of a store other replicas read.
@@ -64,6 +66,35 @@ impl crate::domain::ports::LogWriter for SlowLog {
 }
 
 impl Journal {
+    /// A journal that keeps transcript segments.
+    fn keeping_segments() -> Self {
+        Self {
+            segments: Some(Mutex::default()),
+            ..Self::default()
+        }
+    }
+
+    /// The checkpoints saved, each with its conversation whole (its segments read back).
+    fn whole_checkpoints(&self) -> Vec<(Checkpoint, Segmented)> {
+        let kept = self
+            .segments
+            .as_ref()
+            .map(|s| s.lock().unwrap().clone())
+            .unwrap_or_default();
+        self.checkpoints()
+            .into_iter()
+            .map(|mut c| {
+                let read = c
+                    .segments
+                    .iter()
+                    .map(|s| kept[s.position as usize - 1].clone())
+                    .collect();
+                let segmented = Segmented::resolve(&mut c, read).unwrap();
+                (c, segmented)
+            })
+            .collect()
+    }
+
     pub(super) fn checkpoints(&self) -> Vec<Checkpoint> {
         let saved = self.saved.lock().unwrap();
         saved
@@ -115,6 +146,18 @@ impl crate::domain::ports::RunJournal for Journal {
     ) -> BoxFuture<'static, Result<crate::domain::ports::Claim, crate::domain::ports::StoreError>> {
         let saved = self.save(result, deadline_unix_ms, checkpoint);
         async move { saved.await.map(|()| crate::domain::ports::Claim::Claimed) }.boxed()
+    }
+    fn keep_segment(
+        &self,
+        _run_id: &str,
+        segment: Vec<u8>,
+    ) -> BoxFuture<'static, Result<Option<u64>, crate::domain::ports::StoreError>> {
+        let position = self.segments.as_ref().map(|kept| {
+            let mut kept = kept.lock().unwrap();
+            kept.push(segment);
+            kept.len() as u64
+        });
+        futures::future::ready(Ok(position)).boxed()
     }
     fn forget(&self, _run_id: &str) -> BoxFuture<'static, Result<(), crate::domain::ports::StoreError>> {
         futures::future::ready(Ok(())).boxed()
@@ -196,7 +239,11 @@ pub(super) async fn resume_at(
 ) -> (RunResult, Vec<NumberedEvent>, Arc<Script>, Arc<Tools>) {
     let outside = Outside {
         journal: Some(Arc::default()),
-        resumed: Some(Resumed { checkpoint, logged }),
+        resumed: Some(Resumed {
+            checkpoint,
+            logged,
+            segmented: Default::default(),
+        }),
         ..Outside::default()
     };
     let turn2 = two_naps_then_an_answer().split_off(1);
@@ -397,6 +444,73 @@ async fn a_durable_run_is_checkpointed_at_each_safe_point() {
     assert!(checkpoints.iter().all(|c| c.seq < events.len() as u64));
 }
 
+/// With a journal that keeps transcript segments, each safe point keeps what the conversation
+/// added since the last one as a segment, and the checkpoint names the segments instead of
+/// holding their messages; read back whole, every checkpoint is the one a journal without
+/// segments saves.
+#[tokio::test(start_paused = true)]
+async fn checkpoints_name_the_kept_transcript_and_hold_only_what_is_new() {
+    let three_turns = || {
+        let mut turns = two_naps_then_an_answer();
+        turns.insert(1, vec![text("again "), call(0, "nap", r#"{"ms": 10}"#)]);
+        turns
+    };
+    let (plain, keeping) = (Arc::new(Journal::default()), Arc::new(Journal::keeping_segments()));
+    for journal in [&plain, &keeping] {
+        let outside = Outside {
+            journal: Some(Arc::clone(journal)),
+            ..Outside::default()
+        };
+        let (result, ..) = play_with(three_turns(), limits(), outside).await;
+        assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    }
+    let (whole, saved, unsplit) = (keeping.whole_checkpoints(), keeping.checkpoints(), plain.checkpoints());
+    assert_eq!(whole.len(), unsplit.len());
+    let json = |c: &Checkpoint| serde_json::to_value(&c.conversation).unwrap();
+    for (((read, segmented), saved), unsplit) in whole.iter().zip(&saved).zip(&unsplit) {
+        assert_eq!(
+            json(read),
+            json(unsplit),
+            "read back whole, a checkpoint is the unsplit one"
+        );
+        assert_eq!(segmented.messages + saved.conversation.len(), read.conversation.len());
+        // Only a last user message (a note a steered message may still join) is held.
+        assert!(saved.conversation.len() <= 1, "{:?}", saved.conversation);
+    }
+    let last = saved.last().unwrap();
+    assert!(
+        last.segments.len() >= 2,
+        "a segment per turn ended: {:?}",
+        last.segments
+    );
+}
+
+/// A checkpoint of an earlier version (its conversation under `conversation`, no segments) reads
+/// whole; one of this version has no `conversation` key, so an earlier version refuses it instead
+/// of resuming the run with the messages after its segments only.
+#[tokio::test(start_paused = true)]
+async fn a_checkpoint_of_an_earlier_version_reads_and_one_of_this_version_is_refused_by_it() {
+    let journal = Arc::new(Journal::keeping_segments());
+    let outside = Outside {
+        journal: Some(Arc::clone(&journal)),
+        ..Outside::default()
+    };
+    play_with(two_naps_then_an_answer(), limits(), outside).await;
+    let (whole, _) = journal.whole_checkpoints().pop().unwrap();
+    let mut earlier = serde_json::to_value(&whole).unwrap();
+    let object = earlier.as_object_mut().unwrap();
+    let messages = object.remove("conversation_after_segments").unwrap();
+    object.insert("conversation".into(), messages.clone());
+    let read: Checkpoint = serde_json::from_value(earlier).unwrap();
+    assert_eq!(serde_json::to_value(&read.conversation).unwrap(), messages);
+    let last = journal.saved.lock().unwrap().last().cloned().unwrap();
+    let saved: serde_json::Value = serde_json::from_slice(&last).unwrap();
+    assert!(
+        saved.get("conversation").is_none() && saved.get("segments").is_some(),
+        "{saved}"
+    );
+}
+
 /// A durable run's id is claimed with `Checkpoint::at_start`, and its first safe point then saves
 /// nothing: the two must be the same checkpoint (a run resumed from the claim's goes on exactly
 /// as from the first safe point's).
@@ -439,6 +553,7 @@ async fn a_resumed_turn_keeps_its_finished_calls_in_the_checkpoints_that_follow(
         resumed: Some(Resumed {
             checkpoint: one_done,
             logged: seq,
+            segmented: Default::default(),
         }),
         ..Outside::default()
     };
@@ -712,6 +827,7 @@ async fn a_question_a_replaced_owner_asked_is_closed_when_the_run_ends() {
         resumed: Some(Resumed {
             checkpoint: one_done,
             logged: seq,
+            segmented: Default::default(),
         }),
         approvals: Arc::clone(&approvals) as Arc<dyn crate::domain::ports::ApprovalStore>,
         ..Outside::default()

@@ -1,0 +1,162 @@
+//! Transcript segments of durable runs: a JetStream stream per shard of the store
+//! (`SEGMENTS_<bucket>`, then `SEGMENTS_<bucket>-shard-<i>`), a run's segments on its own
+//! subject `orchestrator.<bucket shard>.segments.<run key>` in its shard. A segment is a run of
+//! the transcript's messages that never changes once kept; checkpoints name segments by their
+//! stream positions instead of holding those messages, so a checkpoint writes what changed since
+//! the last one.
+//!
+//! A segment is only ever read at the positions a checkpoint names: one written by an owner that
+//! was replaced (fenced) is never named by the record's checkpoint, and is read past. A run's
+//! segments are purged once its end is stored ([`Segments::forget`]) and expire with the results
+//! (`--run-store-ttl`) otherwise.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::{FutureExt as _, StreamExt as _};
+use shared::jetstream::{Deliver, JetStream, Publish, Read, Stream, StreamConfig};
+
+use crate::domain::ports::StoreError;
+use crate::store::unavailable;
+
+/// Bytes a segment leaves of the server's largest message for the headers.
+const HEADER_ROOM: usize = 4096;
+
+/// One shard's stream.
+struct Shard {
+    stream: Arc<dyn Stream>,
+    name: String,
+    /// `orchestrator.<bucket shard>.segments.`
+    prefix: String,
+}
+
+/// See the module docs.
+#[derive(Clone)]
+pub(crate) struct Segments {
+    shards: Arc<[Shard]>,
+    /// Largest segment kept; a longer one is not kept (its checkpoint holds the messages).
+    max_bytes: usize,
+}
+
+impl Segments {
+    /// Binds (or creates) the segment streams beside the results bucket `bucket`, one per shard.
+    pub(crate) async fn open(
+        js: &dyn JetStream,
+        bucket: &str,
+        ttl: Duration,
+        replicas: usize,
+        shards: usize,
+    ) -> Result<Self, StoreError> {
+        let mut opened = Vec::with_capacity(shards.max(1));
+        for shard in 0..shards.max(1) {
+            let bucket = shared::jetstream::shards::name(bucket, shard);
+            let (name, prefix) = (format!("SEGMENTS_{bucket}"), format!("orchestrator.{bucket}.segments."));
+            let config = StreamConfig {
+                name: name.clone(),
+                description: "orchestrator transcript segments of durable runs".to_owned(),
+                subjects: vec![format!("{prefix}>")],
+                max_age: ttl,
+                max_bytes: 0,
+                discard_old: true,
+                duplicate_window: Duration::from_secs(120),
+                replicas,
+            };
+            let stream = js
+                .stream(config)
+                .await
+                .map_err(|e| unavailable("creating the transcript segment stream", &name, e))?;
+            opened.push(Shard { stream, name, prefix });
+        }
+        Ok(Self {
+            shards: opened.into(),
+            max_bytes: js.max_payload().saturating_sub(HEADER_ROOM),
+        })
+    }
+
+    /// The shard of the run under `key`, and its subject there.
+    fn of(&self, key: &str) -> (&Shard, String) {
+        let shard = &self.shards[shared::jetstream::shards::of_key(key, self.shards.len())];
+        let subject = format!("{}{key}", shard.prefix);
+        (shard, subject)
+    }
+
+    /// Keeps `segment` of the run under `key`: its position, `None` when it is longer than a
+    /// message may be.
+    pub(crate) fn keep(&self, key: &str, segment: Vec<u8>) -> BoxFuture<'static, Result<Option<u64>, StoreError>> {
+        if segment.len() > self.max_bytes {
+            return futures::future::ready(Ok(None)).boxed();
+        }
+        let (shard, subject) = self.of(key);
+        let stream = Arc::clone(&shard.stream);
+        async move {
+            let message = Publish {
+                subject: subject.clone(),
+                payload: segment.into(),
+                ..Publish::default()
+            };
+            let ack = stream
+                .publish(message)
+                .await
+                .map_err(|e| unavailable("segment publish", &subject, e))?;
+            Ok(Some(ack.sequence))
+        }
+        .boxed()
+    }
+
+    /// The segments of the run under `key` at `positions`, in that order: one read from the
+    /// first, taking those named (an error when one is missing).
+    pub(crate) fn read(&self, key: &str, positions: Vec<u64>) -> BoxFuture<'static, Result<Vec<Vec<u8>>, StoreError>> {
+        let (shard, subject) = self.of(key);
+        let (stream, name) = (Arc::clone(&shard.stream), shard.name.clone());
+        async move {
+            let Some(first) = positions.iter().min().copied() else {
+                return Ok(Vec::new());
+            };
+            let failed = |e: &dyn std::fmt::Display| unavailable("segment read", &name, e.to_string());
+            let read = Read {
+                filter: subject.clone(),
+                deliver: Deliver::From(first),
+                headers_only: false,
+                expires: None,
+            };
+            let mut reading = stream.read(read).await.map_err(|e| failed(&e))?;
+            let mut found: HashMap<u64, Vec<u8>> = HashMap::with_capacity(positions.len());
+            let mut pending = reading.pending;
+            while pending > 0 && found.len() < positions.len() {
+                let Some(message) = reading.messages.next().await else {
+                    break;
+                };
+                let message = message.map_err(|e| failed(&e))?;
+                pending = message.pending;
+                if positions.contains(&message.sequence) {
+                    found.insert(message.sequence, message.payload.to_vec());
+                }
+            }
+            positions
+                .iter()
+                .map(|position| {
+                    found.remove(position).ok_or_else(|| StoreError::Corrupt {
+                        key: subject.clone(),
+                        reason: format!("the segment at {position} is gone"),
+                    })
+                })
+                .collect()
+        }
+        .boxed()
+    }
+
+    /// Purges the segments of the run under `key` (its end is stored: nothing reads them again).
+    pub(crate) fn forget(&self, key: &str) -> BoxFuture<'static, Result<(), StoreError>> {
+        let (shard, subject) = self.of(key);
+        let stream = Arc::clone(&shard.stream);
+        async move {
+            stream
+                .purge(&subject, 0)
+                .await
+                .map_err(|e| unavailable("segment purge", &subject, e))
+        }
+        .boxed()
+    }
+}
