@@ -39,7 +39,8 @@ use tokio::time::Instant;
 use crate::domain::rendezvous;
 
 use self::member::{HealthRules, InFlight, Member};
-use super::client::{Attempt, request_body_with};
+use super::body::request_body_with;
+use super::client::Attempt;
 use super::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use crate::config::LlmSettings;
 use crate::telemetry::metric;

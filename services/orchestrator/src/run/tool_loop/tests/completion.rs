@@ -202,7 +202,7 @@ fn prompt_end(body: &[u8]) -> usize {
 /// Each request's body starts with the one before it, byte for byte, up to the end of its
 /// messages.
 fn assert_each_request_extends_the_last(requests: &[ChatRequest]) {
-    let bodies: Vec<Vec<u8>> = requests.iter().map(crate::llm::client::request_body).collect();
+    let bodies: Vec<Vec<u8>> = requests.iter().map(crate::llm::body::request_body).collect();
     for (n, pair) in bodies.windows(2).enumerate() {
         let kept = &pair[0][..prompt_end(&pair[0])];
         assert!(
@@ -292,8 +292,8 @@ async fn a_resumed_or_restarted_turn_sends_what_the_run_would_have_sent_here() {
         let sent = script.requests.lock().unwrap().clone();
         assert_eq!(sent.len(), 1, "{how}");
         assert_eq!(
-            crate::llm::client::request_body(&sent[0]),
-            crate::llm::client::request_body(&whole[1]),
+            crate::llm::body::request_body(&sent[0]),
+            crate::llm::body::request_body(&whole[1]),
             "turn 2 {how} is the same request"
         );
     }
