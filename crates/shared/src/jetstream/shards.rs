@@ -41,6 +41,40 @@ pub fn of_run(run: &str, shards: usize) -> usize {
     usize::try_from(hash % shards.max(1) as u64).unwrap_or(0)
 }
 
+/// One shard of a stream kept per shard beside a sharded bucket.
+pub struct ShardStream {
+    /// `<kind>_<bucket shard>`.
+    pub name: String,
+    /// `orchestrator.<bucket shard>.<part>.`: a run's subject is this and its key.
+    pub prefix: String,
+    /// The stream.
+    pub stream: Arc<dyn super::Stream>,
+}
+
+/// Binds (or creates) a stream per shard beside the bucket `bucket`: `<kind>_<bucket shard>`,
+/// taking the subjects `orchestrator.<bucket shard>.<part>.>`, each made as `config` says (its
+/// name and subjects aside). The name of a stream that could not be made, with why.
+pub async fn streams(
+    js: &dyn super::JetStream,
+    (bucket, shards): (&str, usize),
+    (kind, part): (&str, &str),
+    config: &super::StreamConfig,
+) -> Result<Vec<ShardStream>, (String, Error)> {
+    let mut opened = Vec::with_capacity(shards.max(1));
+    for shard in 0..shards.max(1) {
+        let bucket = name(bucket, shard);
+        let (name, prefix) = (format!("{kind}_{bucket}"), format!("orchestrator.{bucket}.{part}."));
+        let config = super::StreamConfig {
+            name: name.clone(),
+            subjects: vec![format!("{prefix}>")],
+            ..config.clone()
+        };
+        let stream = js.stream(config).await.map_err(|e| (name.clone(), e))?;
+        opened.push(ShardStream { name, prefix, stream });
+    }
+    Ok(opened)
+}
+
 /// The escaped run id a key or object name holds (see the module docs), if it is a run's.
 pub fn run_of(key: &str) -> Option<&str> {
     let mut tokens = key.split('.');

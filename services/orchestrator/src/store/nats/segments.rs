@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::{FutureExt as _, StreamExt as _};
-use shared::jetstream::{Deliver, JetStream, Publish, Read, Stream, StreamConfig};
+use shared::jetstream::shards::{self, ShardStream};
+use shared::jetstream::{Deliver, JetStream, Publish, Read, StreamConfig};
 
 use crate::domain::ports::StoreError;
 use crate::store::unavailable;
@@ -24,18 +25,10 @@ use crate::store::unavailable;
 /// Bytes a segment leaves of the server's largest message for the headers.
 const HEADER_ROOM: usize = 4096;
 
-/// One shard's stream.
-struct Shard {
-    stream: Arc<dyn Stream>,
-    name: String,
-    /// `orchestrator.<bucket shard>.segments.`
-    prefix: String,
-}
-
 /// See the module docs.
 #[derive(Clone)]
 pub(crate) struct Segments {
-    shards: Arc<[Shard]>,
+    shards: Arc<[ShardStream]>,
     /// Largest segment kept; a longer one is not kept (its checkpoint holds the messages).
     max_bytes: usize,
 }
@@ -49,26 +42,19 @@ impl Segments {
         replicas: usize,
         shards: usize,
     ) -> Result<Self, StoreError> {
-        let mut opened = Vec::with_capacity(shards.max(1));
-        for shard in 0..shards.max(1) {
-            let bucket = shared::jetstream::shards::name(bucket, shard);
-            let (name, prefix) = (format!("SEGMENTS_{bucket}"), format!("orchestrator.{bucket}.segments."));
-            let config = StreamConfig {
-                name: name.clone(),
-                description: "orchestrator transcript segments of durable runs".to_owned(),
-                subjects: vec![format!("{prefix}>")],
-                max_age: ttl,
-                max_bytes: 0,
-                discard_old: true,
-                duplicate_window: Duration::from_secs(120),
-                replicas,
-            };
-            let stream = js
-                .stream(config)
-                .await
-                .map_err(|e| unavailable("creating the transcript segment stream", &name, e))?;
-            opened.push(Shard { stream, name, prefix });
-        }
+        let config = StreamConfig {
+            name: String::new(),
+            description: "orchestrator transcript segments of durable runs".to_owned(),
+            subjects: Vec::new(),
+            max_age: ttl,
+            max_bytes: 0,
+            discard_old: true,
+            duplicate_window: Duration::from_secs(120),
+            replicas,
+        };
+        let opened = shards::streams(js, (bucket, shards), ("SEGMENTS", "segments"), &config)
+            .await
+            .map_err(|(name, e)| unavailable("creating the transcript segment stream", &name, e))?;
         Ok(Self {
             shards: opened.into(),
             max_bytes: js.max_payload().saturating_sub(HEADER_ROOM),
@@ -76,8 +62,8 @@ impl Segments {
     }
 
     /// The shard of the run under `key`, and its subject there.
-    fn of(&self, key: &str) -> (&Shard, String) {
-        let shard = &self.shards[shared::jetstream::shards::of_key(key, self.shards.len())];
+    fn of(&self, key: &str) -> (&ShardStream, String) {
+        let shard = &self.shards[shards::of_key(key, self.shards.len())];
         let subject = format!("{}{key}", shard.prefix);
         (shard, subject)
     }

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
 use prost::Message as _;
-use shared::jetstream::{JetStream, Publish, Stream, StreamConfig};
+use shared::jetstream::shards::ShardStream;
+use shared::jetstream::{JetStream, Publish, StreamConfig};
 
 use crate::domain::RunResult;
 use crate::domain::ports::StoreError;
@@ -31,27 +32,16 @@ pub(crate) struct Entry {
     pub created_at_ms: u64,
 }
 
-/// One shard of the index: its stream and the prefix of its subjects.
-pub(crate) struct Shard {
-    pub(crate) stream: Arc<dyn Stream>,
-    /// `INDEX_<bucket shard>`
-    pub(crate) name: String,
-    /// `orchestrator.<bucket shard>.index.`
-    prefix: String,
-}
-
-impl Shard {
-    /// The subject of the runs of `principal` on `thread` (`None`: any) in this shard.
-    pub(crate) fn subject(&self, principal: Option<&str>, thread: Option<&str>) -> String {
-        let part = |value: Option<&str>| value.map_or_else(|| "*".to_owned(), token);
-        format!("{}{}.{}", self.prefix, part(principal), part(thread))
-    }
+/// The subject of the runs of `principal` on `thread` (`None`: any) in the index's `shard`.
+pub(crate) fn subject(shard: &ShardStream, principal: Option<&str>, thread: Option<&str>) -> String {
+    let part = |value: Option<&str>| value.map_or_else(|| "*".to_owned(), token);
+    format!("{}{}.{}", shard.prefix, part(principal), part(thread))
 }
 
 /// Writes index entries (the claim's side of the index), each to its run's shard.
 #[derive(Clone)]
 pub(crate) struct IndexWriter {
-    shards: Arc<[Shard]>,
+    shards: Arc<[ShardStream]>,
 }
 
 impl IndexWriter {
@@ -64,32 +54,24 @@ impl IndexWriter {
         replicas: usize,
         shards: usize,
     ) -> Result<Self, StoreError> {
-        let mut opened = Vec::with_capacity(shards.max(1));
-        for shard in 0..shards.max(1) {
-            let bucket = shared::jetstream::shards::name(bucket, shard);
-            let prefix = format!("orchestrator.{bucket}.index.");
-            let name = format!("INDEX_{bucket}");
-            let config = StreamConfig {
-                name: name.clone(),
-                description: "orchestrator run index (ListRuns)".to_owned(),
-                subjects: vec![format!("{prefix}>")],
-                max_age: ttl,
-                max_bytes: 0,
-                discard_old: true,
-                duplicate_window: std::time::Duration::from_secs(120),
-                replicas,
-            };
-            let stream = js
-                .stream(config)
-                .await
-                .map_err(|e| unavailable("creating the run index stream", &name, e))?;
-            opened.push(Shard { stream, name, prefix });
-        }
+        let config = StreamConfig {
+            name: String::new(),
+            description: "orchestrator run index (ListRuns)".to_owned(),
+            subjects: Vec::new(),
+            max_age: ttl,
+            max_bytes: 0,
+            discard_old: true,
+            duplicate_window: std::time::Duration::from_secs(120),
+            replicas,
+        };
+        let opened = shared::jetstream::shards::streams(js, (bucket, shards), ("INDEX", "index"), &config)
+            .await
+            .map_err(|(name, e)| unavailable("creating the run index stream", &name, e))?;
         Ok(Self { shards: opened.into() })
     }
 
     /// The index's shards, in shard order.
-    pub(super) fn shards(&self) -> &[Shard] {
+    pub(super) fn shards(&self) -> &[ShardStream] {
         &self.shards
     }
 
@@ -97,7 +79,7 @@ impl IndexWriter {
     pub(crate) fn enter(&self, result: &RunResult) -> BoxFuture<'static, Result<(), StoreError>> {
         let run = shared::fence::escaped_key("", &result.run_id);
         let shard = &self.shards[shared::jetstream::shards::of_run(&run, self.shards.len())];
-        let subject = shard.subject(Some(&result.principal), Some(&result.thread_id));
+        let subject = subject(shard, Some(&result.principal), Some(&result.thread_id));
         let entry = Entry {
             run_id: result.run_id.clone(),
             principal: result.principal.clone(),

@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use futures::StreamExt as _;
 use prost::Message as _;
+use shared::jetstream::shards::ShardStream;
 use shared::jetstream::{Deliver, Read, Stream};
 
-use super::entry::{Entry, Shard};
+use super::entry::{Entry, subject};
 use crate::domain::listing::RunQuery;
 use crate::domain::ports::StoreError;
 use crate::store::unavailable;
@@ -58,7 +59,7 @@ impl Lanes {
     /// cursor's; `None`: from the shard's end; a shard it does not name has nothing below), its
     /// first read `window` positions long, all of them reading at most `scan_max` positions.
     pub(super) async fn open(
-        shards: &[Shard],
+        shards: &[ShardStream],
         query: &RunQuery,
         below: Option<&[u64]>,
         window: u64,
@@ -71,7 +72,7 @@ impl Lanes {
             Ok::<_, StoreError>(Lane {
                 stream: Arc::clone(&shard.stream),
                 name: shard.name.clone(),
-                filter: shard.subject(query.principal.as_deref(), query.thread_id.as_deref()),
+                filter: subject(shard, query.principal.as_deref(), query.thread_id.as_deref()),
                 first: state.first_sequence.max(1),
                 frontier,
                 fetched: VecDeque::new(),
