@@ -31,7 +31,7 @@ mod takeover;
 mod tasks;
 mod workload;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -784,70 +784,75 @@ async fn main() -> anyhow::Result<()> {
         "{} is missing: cargo build --release -p orchestrator (or pass --orchestrator-bin)",
         bin.display()
     );
+    if one_measurement(&cli, &bin).await? || one_store_measurement(&cli, &bin).await? {
+        return Ok(());
+    }
+    run_grid(&cli, &bin).await
+}
+
+/// Runs the measurement a flag asks for instead of the grid (soak, relay, fleet, parking, fence,
+/// admission); whether one did.
+async fn one_measurement(cli: &Cli, bin: &Path) -> anyhow::Result<bool> {
+    let out = &cli.out;
     if let Some(runs) = cli.soak {
-        return soak(&cli, &bin, runs).await;
+        soak(cli, bin, runs).await?;
+    } else if cli.paced || cli.peers {
+        paced::run(bin, cli.quick, cli.peers, out).await?;
+    } else if cli.fleet {
+        fleet::run(bin, cli.quick, out).await?;
+    } else if let Some(runs) = cli.approvals {
+        approvals::run(bin, usize::try_from(runs)?, out).await?;
+    } else if let Some(runs) = cli.tasks {
+        tasks::run(bin, usize::try_from(runs)?, out).await?;
+    } else if let Some(calls) = cli.fence {
+        fence::run(usize::try_from(calls)?, out).await?;
+    } else if let Some(runs) = cli.admission {
+        admission::run(bin, usize::try_from(runs)?, out).await?;
+    } else {
+        return Ok(false);
     }
-    if cli.paced || cli.peers {
-        return paced::run(&bin, cli.quick, cli.peers, &cli.out).await;
-    }
-    if cli.fleet {
-        return fleet::run(&bin, cli.quick, &cli.out).await;
-    }
-    if let Some(runs) = cli.approvals {
-        return approvals::run(&bin, usize::try_from(runs)?, &cli.out).await;
-    }
-    if let Some(runs) = cli.tasks {
-        return tasks::run(&bin, usize::try_from(runs)?, &cli.out).await;
-    }
-    if let Some(calls) = cli.fence {
-        return fence::run(usize::try_from(calls)?, &cli.out).await;
-    }
-    if let Some(runs) = cli.admission {
-        return admission::run(&bin, usize::try_from(runs)?, &cli.out).await;
-    }
+    Ok(true)
+}
+
+/// Runs the durable-store measurement a flag asks for instead of the grid (a long run, listing,
+/// quiet runs, shards, takeover, pending approvals); whether one did.
+async fn one_store_measurement(cli: &Cli, bin: &Path) -> anyhow::Result<bool> {
+    let out = &cli.out;
+    let counts = |values: &[u64]| {
+        values
+            .iter()
+            .map(|&n| usize::try_from(n))
+            .collect::<Result<Vec<_>, _>>()
+    };
     if let Some(turns) = cli.long_run {
-        return long_run::run(
-            &bin,
-            usize::try_from(turns)?,
-            usize::try_from(cli.long_run_page)?,
-            &cli.out,
-        )
-        .await;
+        long_run::run(bin, usize::try_from(turns)?, usize::try_from(cli.long_run_page)?, out).await?;
+    } else if let Some(runs) = cli.list_runs {
+        listing::run(bin, usize::try_from(runs)?, out).await?;
+    } else if !cli.idle_cost.is_empty() {
+        quiet::run(bin, &counts(&cli.idle_cost)?, cli.idle_window, out).await?;
+    } else if !cli.shards.is_empty() {
+        shards::run(bin, &counts(&cli.shards)?, usize::try_from(cli.shard_runs)?, out).await?;
+    } else if let Some(runs) = cli.takeover_quiet {
+        takeover::run(bin, usize::try_from(runs)?, cli.takeover_lease, out).await?;
+    } else if let Some(waits) = cli.pending_approvals {
+        pending::run(usize::try_from(waits)?, out).await?;
+    } else {
+        return Ok(false);
     }
-    if let Some(runs) = cli.list_runs {
-        return listing::run(&bin, usize::try_from(runs)?, &cli.out).await;
-    }
-    if !cli.idle_cost.is_empty() {
-        let counts = cli
-            .idle_cost
-            .iter()
-            .map(|&n| usize::try_from(n))
-            .collect::<Result<Vec<_>, _>>()?;
-        return quiet::run(&bin, &counts, cli.idle_window, &cli.out).await;
-    }
-    if !cli.shards.is_empty() {
-        let counts = cli
-            .shards
-            .iter()
-            .map(|&n| usize::try_from(n))
-            .collect::<Result<Vec<_>, _>>()?;
-        return shards::run(&bin, &counts, usize::try_from(cli.shard_runs)?, &cli.out).await;
-    }
-    if let Some(runs) = cli.takeover_quiet {
-        return takeover::run(&bin, usize::try_from(runs)?, cli.takeover_lease, &cli.out).await;
-    }
-    if let Some(waits) = cli.pending_approvals {
-        return pending::run(usize::try_from(waits)?, &cli.out).await;
-    }
-    let workloads = selected_workloads(&cli)?;
-    let real_server_skipped = real_server_skip_reason(&cli)?;
+    Ok(true)
+}
+
+/// The grid of workloads on one orchestrator, then tracing, durability and the real server.
+async fn run_grid(cli: &Cli, bin: &Path) -> anyhow::Result<()> {
+    let workloads = selected_workloads(cli)?;
+    let real_server_skipped = real_server_skip_reason(cli)?;
     let scenarios = Scenarios {
         default: mock_llm::Scenario::demo(),
         named: workloads.iter().map(|w| (w.name.clone(), w.scenario())).collect(),
     };
     let max_concurrency = workloads.iter().map(|w| w.concurrency).max().unwrap_or(1);
     // Logs at warn: the grid measures orchestration, not logging.
-    let stack = stack::Stack::start(&bin, scenarios, max_concurrency.div_ceil(50), None, "warn", &[], &[]).await?;
+    let stack = stack::Stack::start(bin, scenarios, max_concurrency.div_ceil(50), None, "warn", &[], &[]).await?;
     eprintln!(
         "bench: orchestrator pid {} ({}), {} workloads",
         stack.pid,
@@ -873,19 +878,19 @@ async fn main() -> anyhow::Result<()> {
     let tracing_costs = if cli.no_tracing {
         Vec::new()
     } else {
-        tracing_costs(&bin, &workloads, max_concurrency).await?
+        tracing_costs(bin, &workloads, max_concurrency).await?
     };
 
     let durability_costs = if cli.no_durability {
         Ok(Vec::new())
     } else {
-        durability::costs(&bin, &workloads, max_concurrency.div_ceil(50)).await?
+        durability::costs(bin, &workloads, max_concurrency.div_ceil(50)).await?
     };
 
     // Last, so the model server competes with nothing else for the machine.
     let real_server = match real_server_skipped {
         Some(reason) => RealServerOutcome::NotRun(reason),
-        None => RealServerOutcome::Measured(measure_real_server(&bin, cli.quick).await?),
+        None => RealServerOutcome::Measured(measure_real_server(bin, cli.quick).await?),
     };
 
     let measured = GridRun {
@@ -897,7 +902,7 @@ async fn main() -> anyhow::Result<()> {
         durability_costs,
         real_server,
     };
-    write_report(&cli, measured)
+    write_report(cli, measured)
 }
 
 /// The grid, or the rows `--only` names (an unknown name is an error listing the known ones).

@@ -133,6 +133,9 @@ impl Message {
     }
 }
 
+/// Room a message leaves below the server's largest payload, for its headers.
+pub const HEADER_ROOM: usize = 4096;
+
 /// A message to publish.
 #[derive(Debug, Clone, Default)]
 pub struct Publish {

@@ -52,13 +52,14 @@ pub struct ShardStream {
 }
 
 /// Binds (or creates) a stream per shard beside the bucket `bucket`: `<kind>_<bucket shard>`,
-/// taking the subjects `orchestrator.<bucket shard>.<part>.>`, each made as `config` says (its
-/// name and subjects aside). The name of a stream that could not be made, with why.
+/// taking the subjects `orchestrator.<bucket shard>.<part>.>`, described as `description`, each
+/// message kept for `max_age` in `replicas` copies. The name of a stream that could not be made,
+/// with why.
 pub async fn streams(
     js: &dyn super::JetStream,
     (bucket, shards): (&str, usize),
-    (kind, part): (&str, &str),
-    config: &super::StreamConfig,
+    (kind, part, description): (&str, &str, &str),
+    (max_age, replicas): (std::time::Duration, usize),
 ) -> Result<Vec<ShardStream>, (String, Error)> {
     let mut opened = Vec::with_capacity(shards.max(1));
     for shard in 0..shards.max(1) {
@@ -66,8 +67,13 @@ pub async fn streams(
         let (name, prefix) = (format!("{kind}_{bucket}"), format!("orchestrator.{bucket}.{part}."));
         let config = super::StreamConfig {
             name: name.clone(),
+            description: description.to_owned(),
             subjects: vec![format!("{prefix}>")],
-            ..config.clone()
+            max_age,
+            max_bytes: 0,
+            discard_old: true,
+            duplicate_window: std::time::Duration::from_secs(120),
+            replicas,
         };
         let stream = js.stream(config).await.map_err(|e| (name.clone(), e))?;
         opened.push(ShardStream { name, prefix, stream });

@@ -27,8 +27,6 @@ pub struct Names {
     pub threads: String,
     /// The event log stream.
     pub events: String,
-    /// The run index stream (its first shard).
-    pub index: String,
     /// Shards of the runs' buckets, checkpoints and event log (`runs`, `checkpoints` and
     /// `events` name the first).
     pub shards: usize,
@@ -45,7 +43,6 @@ impl Names {
             usage: format!("{bucket}-usage"),
             threads: format!("{bucket}-threads"),
             events: events.to_owned(),
-            index: format!("INDEX_{bucket}"),
             shards: 1,
         }
     }

@@ -28,7 +28,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use prost::Message;
 use proto::orchestrator::v1 as pb;
-use shared::jetstream::{Consistency, Deliver, Error, JetStream, Publish, Read, Stream, StreamConfig};
+use shared::jetstream::{Consistency, Deliver, Error, HEADER_ROOM, JetStream, Publish, Read, Stream, StreamConfig};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
@@ -44,8 +44,6 @@ const WRITER_BUFFER: usize = 4096;
 const PUBLISH_ATTEMPTS: u32 = 3;
 /// Longest pause between two attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
-/// Room left in a message below the server's largest payload, for headers.
-const HEADER_ROOM: usize = 4096;
 
 /// One message of the log: consecutive events of one run.
 #[derive(Clone, PartialEq, prost::Message)]

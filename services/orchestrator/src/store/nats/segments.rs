@@ -17,13 +17,10 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::{FutureExt as _, StreamExt as _};
 use shared::jetstream::shards::{self, ShardStream};
-use shared::jetstream::{Deliver, JetStream, Publish, Read, StreamConfig};
+use shared::jetstream::{Deliver, HEADER_ROOM, JetStream, Publish, Read};
 
 use crate::domain::ports::StoreError;
 use crate::store::unavailable;
-
-/// Bytes a segment leaves of the server's largest message for the headers.
-const HEADER_ROOM: usize = 4096;
 
 /// See the module docs.
 #[derive(Clone)]
@@ -42,17 +39,12 @@ impl Segments {
         replicas: usize,
         shards: usize,
     ) -> Result<Self, StoreError> {
-        let config = StreamConfig {
-            name: String::new(),
-            description: "orchestrator transcript segments of durable runs".to_owned(),
-            subjects: Vec::new(),
-            max_age: ttl,
-            max_bytes: 0,
-            discard_old: true,
-            duplicate_window: Duration::from_secs(120),
-            replicas,
-        };
-        let opened = shards::streams(js, (bucket, shards), ("SEGMENTS", "segments"), &config)
+        let what = (
+            "SEGMENTS",
+            "segments",
+            "orchestrator transcript segments of durable runs",
+        );
+        let opened = shards::streams(js, (bucket, shards), what, (ttl, replicas))
             .await
             .map_err(|(name, e)| unavailable("creating the transcript segment stream", &name, e))?;
         Ok(Self {

@@ -10,7 +10,7 @@ use futures::FutureExt as _;
 use futures::future::BoxFuture;
 use prost::Message as _;
 use shared::jetstream::shards::ShardStream;
-use shared::jetstream::{JetStream, Publish, StreamConfig};
+use shared::jetstream::{JetStream, Publish};
 
 use crate::domain::RunResult;
 use crate::domain::ports::StoreError;
@@ -54,17 +54,8 @@ impl IndexWriter {
         replicas: usize,
         shards: usize,
     ) -> Result<Self, StoreError> {
-        let config = StreamConfig {
-            name: String::new(),
-            description: "orchestrator run index (ListRuns)".to_owned(),
-            subjects: Vec::new(),
-            max_age: ttl,
-            max_bytes: 0,
-            discard_old: true,
-            duplicate_window: std::time::Duration::from_secs(120),
-            replicas,
-        };
-        let opened = shared::jetstream::shards::streams(js, (bucket, shards), ("INDEX", "index"), &config)
+        let what = ("INDEX", "index", "orchestrator run index (ListRuns)");
+        let opened = shared::jetstream::shards::streams(js, (bucket, shards), what, (ttl, replicas))
             .await
             .map_err(|(name, e)| unavailable("creating the run index stream", &name, e))?;
         Ok(Self { shards: opened.into() })
