@@ -389,6 +389,24 @@ impl Runs {
         })
     }
 
+    /// [`Self::admitted_in`] for a run that goes on from `result` (taken over, or woken after
+    /// it parked): from the moment it is live here, readers find it with its output so far and
+    /// its admission time, never as a new run (a listing would skip it: its index entry would
+    /// not agree with it).
+    fn admitted_from(
+        self: &Arc<Self>,
+        live: &mut LiveRuns,
+        run_id: &str,
+        owner: &Principal,
+        result: &RunResult,
+    ) -> Result<Admitted, Refusal> {
+        let admitted = self.admitted_in(live, run_id, owner)?;
+        let mut state = result.clone();
+        state.status = RunStatus::Running;
+        *shared::sync::lock(&admitted.state) = state;
+        Ok(admitted)
+    }
+
     /// Takes a slot and enters the run among the live ones, unless its id is live already or
     /// the caller has its `max_runs` in flight.
     fn register(&self, live: &mut LiveRuns, run_id: &str, caller: &Principal) -> Result<Registered, Refusal> {
@@ -501,7 +519,7 @@ impl Runs {
         let mut checkpoint: Checkpoint = serde_json::from_slice(&bytes)
             .map_err(|e| format!("the checkpoint of run {run_id} cannot be read: {e}"))?;
         let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
-        let Ok(mut admitted) = self.admitted(run_id, &owner) else {
+        let Ok(mut admitted) = self.admitted_from(&mut self.lock(), run_id, &owner, &checkpoint.result) else {
             // The slot went to a new run meanwhile: the run goes back for another replica.
             let _ = within(self.store_timeout, journal.hand_over(run_id)).await;
             return Ok(None);
@@ -603,14 +621,8 @@ impl Runs {
                 max_runs: checkpoint.spec.max_runs,
                 ..Principal::unrestricted(checkpoint.spec.principal.clone())
             };
-            match self.admitted_in(&mut live, &ready.run_id, &owner) {
-                Ok(admitted) => {
-                    // Its output so far, from the moment it is live again.
-                    let mut state = checkpoint.result.clone();
-                    state.status = RunStatus::Running;
-                    *shared::sync::lock(&admitted.state) = state;
-                    (admitted, checkpoint, ready)
-                }
+            match self.admitted_from(&mut live, &ready.run_id, &owner, &checkpoint.result) {
+                Ok(admitted) => (admitted, checkpoint, ready),
                 Err(_) => {
                     self.approvals.put_back(ready);
                     return Unparked::Nothing;

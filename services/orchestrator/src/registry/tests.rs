@@ -94,10 +94,15 @@ fn keeping(keep: usize, keep_for: Duration) -> Keeping {
 
 use futures::future::BoxFuture;
 
-/// A journal that only counts the claims it is asked for (and grants none).
+/// A journal that counts the claims it is asked for, and grants none unless it holds an
+/// orphan's checkpoint.
 #[derive(Default)]
 struct CountingJournal {
     claims: std::sync::atomic::AtomicUsize,
+    /// The checkpoint every take-over claims.
+    orphan: Option<Vec<u8>>,
+    /// Opened to let a take-over read the orphan's transcript: until then it waits half way.
+    transcript: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl RunJournal for CountingJournal {
@@ -120,7 +125,21 @@ impl RunJournal for CountingJournal {
     }
     fn take_over(&self, _: &str) -> BoxFuture<'static, Result<Option<crate::domain::ports::Claimed>, StoreError>> {
         self.claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Box::pin(async { Ok(None) })
+        let claimed = self.orphan.clone().map(|checkpoint| crate::domain::ports::Claimed {
+            checkpoint,
+            parked: false,
+            ends_after_turn: None,
+        });
+        Box::pin(async { Ok(claimed) })
+    }
+    fn segments(&self, _: &str, _: Vec<u64>) -> BoxFuture<'static, Result<Vec<Vec<u8>>, StoreError>> {
+        let transcript = self.transcript.clone();
+        Box::pin(async move {
+            if let Some(transcript) = transcript {
+                transcript.notified().await;
+            }
+            Ok(Vec::new())
+        })
     }
     fn hand_over(&self, _: &str) -> BoxFuture<'static, Result<(), StoreError>> {
         Box::pin(async { Ok(()) })
@@ -160,6 +179,54 @@ async fn a_replica_does_not_claim_a_run_live_on_it() {
         1,
         "a run live elsewhere is claimed"
     );
+}
+
+/// A run taken over reads as it was admitted from the moment it is live here, while its
+/// resumption still reads the store: a listing shows a run only when its index entry agrees
+/// with it (same admission time), so a fresh admission time would hide the run.
+#[tokio::test]
+async fn a_run_taken_over_keeps_its_admission_time_while_it_resumes() {
+    let mut spec = crate::run::tool_loop::tests::spec(crate::run::tool_loop::tests::limits());
+    spec.run_id = "t".into();
+    let mut admitted_as = RunResult::running("t");
+    admitted_as.created_at_ms = 1_000;
+    let checkpoint = crate::run::tool_loop::Checkpoint::at_start(&spec, admitted_as)
+        .snapshot()
+        .expect("a checkpoint of this process's own making encodes")
+        .bytes;
+    let transcript = Arc::new(tokio::sync::Notify::new());
+    let journal = Arc::new(CountingJournal {
+        orphan: Some(checkpoint),
+        transcript: Some(Arc::clone(&transcript)),
+        ..CountingJournal::default()
+    });
+    let runs = Arc::new(Runs {
+        journal: Some(journal as Arc<dyn RunJournal>),
+        ..Arc::into_inner(runs(4, 10, Duration::from_secs(60))).unwrap()
+    });
+    let taking = tokio::spawn({
+        let runs = Arc::clone(&runs);
+        async move { runs.take_over("t").await.map(|taken| taken.is_some()) }
+    });
+    let live = async {
+        while !runs.lock().contains_key("t") {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), live).await.unwrap();
+    let query = crate::domain::listing::RunQuery {
+        page_size: 10,
+        ..crate::domain::listing::RunQuery::default()
+    };
+    let page = runs.list(query).await.unwrap();
+    let created: Vec<(String, u64)> = page.runs.iter().map(|r| (r.run_id.clone(), r.created_at_ms)).collect();
+    assert_eq!(
+        created,
+        [("t".to_owned(), 1_000)],
+        "the run as a listing finds it mid-resumption"
+    );
+    transcript.notify_one();
+    assert!(taking.await.unwrap().unwrap(), "the run is taken over");
 }
 
 async fn finish(runs: &Arc<Runs>, id: &str) {
