@@ -1,6 +1,6 @@
 //! What a turn of a long run costs (`bench --long-run 50`): one run on one orchestrator replica,
-//! every turn reading the same page of `--long-run-page` bytes with the runner's `read_file`, so
-//! its transcript grows by a page a turn (50 turns of 16 KiB: about 200k tokens). At each
+//! every turn reading a page of its own of `--long-run-page` bytes with the runner's `read_file`,
+//! so its transcript grows by a page a turn (50 turns of 16 KiB: about 200k tokens). At each
 //! `turn_finished` the orchestrator's CPU (its threads' scheduled time) and, on the NATS store,
 //! the bytes nats-server took in (`/varz` `in_bytes`) are read: a turn's cost is the difference
 //! from the turn before.
@@ -59,16 +59,34 @@ pub(crate) struct LongRun {
     pub durable_cpu_ratio: Option<f64>,
 }
 
-/// The model's script: `turns - 1` turns each reading the page, then an answer.
+/// The model's script: `turns - 1` turns each reading a page of its own, then an answer.
 fn scenario(turns: usize) -> Scenario {
     let mut script: Vec<Turn> = (1..turns)
         .map(|n| {
-            Turn::text(&format!("Reading the page again, turn {n}."))
-                .then(Step::call("read_file", serde_json::json!({ "path": "page.txt" })))
+            Turn::text(&format!("Reading the next page, turn {n}."))
+                .then(Step::call("read_file", serde_json::json!({ "path": page_name(n) })))
         })
         .collect();
     script.push(Turn::text("Done."));
     Scenario::new(script)
+}
+
+fn page_name(turn: usize) -> String {
+    format!("page-{turn}.txt")
+}
+
+/// The page turn `turn` reads: `bytes` of words in an order of its own, so no two pages (and no
+/// two stretches of one) are alike, as the results of a real run's calls are not.
+fn page(turn: usize, bytes: usize) -> String {
+    const WORDS: [&str; 8] = ["quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"];
+    let mut rng = fastrand::Rng::with_seed(turn as u64);
+    let mut page = String::with_capacity(bytes + 8);
+    while page.len() < bytes {
+        page.push_str(WORDS[rng.usize(..WORDS.len())]);
+        page.push(' ');
+    }
+    page.truncate(bytes);
+    page
 }
 
 fn request(run_id: String, turns: usize) -> anyhow::Result<pb::OrchestrateRequest> {
@@ -188,8 +206,9 @@ fn median(mut values: Vec<f64>) -> f64 {
 pub(crate) async fn run(bin: &Path, turns: usize, page_bytes: usize, out: &Path) -> anyhow::Result<()> {
     anyhow::ensure!(turns > 2 * WINDOW, "--long-run needs more than {} turns", 2 * WINDOW);
     let sandbox = tempfile::tempdir()?;
-    let page: String = "The quick brown fox jumps over the lazy dog. ".repeat(page_bytes / 45 + 1);
-    std::fs::write(sandbox.path().join("page.txt"), &page[..page_bytes])?;
+    for n in 1..turns {
+        std::fs::write(sandbox.path().join(page_name(n)), page(n, page_bytes))?;
+    }
 
     eprint!("bench: long-run {turns} turns of a {page_bytes}-byte page, memory store … ");
     let memory = stack(bin, sandbox.path(), turns, &[]).await?;
@@ -248,7 +267,7 @@ pub(crate) async fn run(bin: &Path, turns: usize, page_bytes: usize, out: &Path)
 fn markdown(r: &LongRun, reason: &str) -> String {
     let mut s = format!(
         "# A long run, turn by turn\n\n`cargo run --release -p bench -- --long-run {} --long-run-page {}`: one run, every \
-         turn reading the same {}-byte page, so the transcript grows by {} bytes a turn. Early is turns 2–{}, late the \
+         turn reading a {}-byte page of its own, so the transcript grows by {} bytes a turn. Early is turns 2–{}, late the \
          last {WINDOW}.\n\n| store | CPU/turn early (µs) | CPU/turn late (µs) | late/early | store KiB/turn early | store KiB/turn late | late/early | late/added |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|\n",
         r.turns,

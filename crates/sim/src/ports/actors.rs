@@ -619,7 +619,17 @@ async fn work_on(
         return Ok(ToolOutput::Task(task_handle(id)));
     }
     tokio::time::sleep(work).await;
-    Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id)))
+    Ok(ToolOutput::Result(done(&call.call_id)))
+}
+
+/// A call's result: long enough that a checkpoint keeps it apart as chunks (two of them and
+/// some), its text its own (the call's id, then 1,500 words drawn from it).
+fn done(call_id: &str) -> String {
+    const WORDS: [&str; 6] = ["alpha", "beta", "gamma", "delta", "kappa", "sigma"];
+    let seed = call_id.bytes().fold(0_u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let page: Vec<&str> = std::iter::repeat_with(|| WORDS[rng.usize(..WORDS.len())]).take(1500).collect();
+    serde_json::json!({"done": call_id, "page": page.join(" ")}).to_string()
 }
 
 /// A runner process's records of the calls it runs, and its liveness renewed in the background
@@ -776,7 +786,7 @@ fn poll(runners: &Runners, call: &ToolInvocation, task: &ToolTask) -> Result<Too
     if Instant::now() < done_at {
         return Ok(ToolOutput::Task(task_handle(task.id.clone())));
     }
-    Ok(ToolOutput::Result(format!("{{\"done\": \"{}\"}}", call.call_id)))
+    Ok(ToolOutput::Result(done(&call.call_id)))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

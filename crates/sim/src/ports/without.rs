@@ -68,6 +68,10 @@ impl RunJournal for Journal {
         self.inner.claim_resumable(result, deadline, checkpoint)
     }
 
+    fn keeps_segments(&self) -> bool {
+        self.inner.keeps_segments()
+    }
+
     fn keep_segment(&self, run_id: &str, segment: Vec<u8>) -> BoxFuture<'static, Result<Option<u64>, StoreError>> {
         self.inner.keep_segment(run_id, segment)
     }

@@ -234,6 +234,10 @@ pub trait RunJournal: Send + Sync + 'static {
         deadline_unix_ms: u64,
         checkpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<Claim, StoreError>>;
+    /// Whether [`Self::keep_segment`] keeps segments (a journal that does not is never asked).
+    fn keeps_segments(&self) -> bool {
+        false
+    }
     /// Keeps `segment` (a run of the transcript's messages, JSON, never changed once kept) for
     /// the run's checkpoints to name instead of holding it: what a checkpoint writes is then what
     /// changed since the last one, not the whole transcript again. Its position; `None` from a

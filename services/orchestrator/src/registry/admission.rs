@@ -12,8 +12,9 @@ use shared::runtime::AbortOnDrop;
 
 use super::quota::HeldQuota;
 use super::{Live, LiveRuns, Runs, sees};
-use crate::domain::ports::{Claim, Claimed, LogWriter, Logged, Ready, within};
+use crate::domain::ports::{Claim, Claimed, LogWriter, Logged, Ready, RunJournal, within};
 use crate::domain::{EventBatch, Ownership, RunResult, RunSpec, RunStatus};
+use crate::run::chunks;
 use crate::run::live::{AdmittedRun, Cancel, Emitter, HandOver, SharedState};
 use crate::run::persist::Persister;
 use crate::run::steering::Inbox;
@@ -516,8 +517,7 @@ impl Runs {
             parked,
             ends_after_turn,
         } = claimed;
-        let mut checkpoint: Checkpoint = serde_json::from_slice(&bytes)
-            .map_err(|e| format!("the checkpoint of run {run_id} cannot be read: {e}"))?;
+        let (mut checkpoint, mut chunks) = self.unfolded(&journal, run_id, &bytes).await?;
         let owner = Principal::unrestricted(checkpoint.spec.principal.clone());
         let Ok(mut admitted) = self.admitted_from(&mut self.lock(), run_id, &owner, &checkpoint.result) else {
             // The slot went to a new run meanwhile: the run goes back for another replica.
@@ -539,17 +539,16 @@ impl Runs {
         });
         let logged = self.log.last(run_id).await.map_err(|e| e.to_string())?;
         if let Some(result) = logged.finished {
+            // Its thread takes its conversation: the transcript is kept until the end is stored.
+            if let Err(e) = self.transcript(&journal, run_id, &mut checkpoint, &mut chunks).await {
+                tracing::warn!(run_id, "{e}; its thread takes the turns its checkpoint holds");
+            }
             let ended = EndedElsewhere::of(&checkpoint, &result);
             admitted.store_ended(result).await;
             return Ok(Some(TakenOver::Ended(Box::new(ended))));
         }
-        // Read only for a run that goes on here: an ended run's segments are gone with its end.
-        let positions = checkpoint.segments.iter().map(|s| s.position).collect();
-        let kept = within(self.store_timeout, journal.segments(run_id, positions))
-            .await
-            .map_err(|e| format!("the transcript of run {run_id} cannot be read: {e}"))?;
-        let segmented = Segmented::resolve(&mut checkpoint, kept)
-            .map_err(|e| format!("the transcript of run {run_id} cannot be read: {e}"))?;
+        let segmented = self.transcript(&journal, run_id, &mut checkpoint, &mut chunks).await?;
+        admitted.persister.knows_chunks(chunks);
         let (mut checkpoint, canceled) = self.taken_from_wait(run_id, checkpoint).await?;
         if let Some(reason) = ends_after_turn {
             checkpoint.end_after_turn(reason);
@@ -575,6 +574,54 @@ impl Runs {
             segmented,
         };
         Ok(Some(TakenOver::Resumed(Box::new((admitted, resumed)))))
+    }
+
+    /// The checkpoint `bytes` of the run `run_id`, the chunks it names read from `journal` and
+    /// put in place; the chunks read.
+    async fn unfolded(
+        &self,
+        journal: &Arc<dyn RunJournal>,
+        run_id: &str,
+        bytes: &[u8],
+    ) -> Result<(Checkpoint, chunks::Kept), String> {
+        let unreadable = |e: String| format!("the checkpoint of run {run_id} cannot be read: {e}");
+        let mut chunks = chunks::Kept::default();
+        let value = serde_json::from_slice(bytes).map_err(|e| unreadable(e.to_string()))?;
+        let read = |positions| self.read_kept(journal, run_id, positions);
+        let value = chunks::unfold(value, &mut chunks, read).await.map_err(unreadable)?;
+        let checkpoint = serde_json::from_value(value).map_err(|e| unreadable(e.to_string()))?;
+        Ok((checkpoint, chunks))
+    }
+
+    /// The conversation of `checkpoint` whole: the segments of the transcript it names read from
+    /// `journal` (their chunks in place, noted in `chunks`) and put first; what they hold.
+    async fn transcript(
+        &self,
+        journal: &Arc<dyn RunJournal>,
+        run_id: &str,
+        checkpoint: &mut Checkpoint,
+        chunks: &mut chunks::Kept,
+    ) -> Result<Segmented, String> {
+        let unreadable = |e: String| format!("the transcript of run {run_id} cannot be read: {e}");
+        let read = |positions| self.read_kept(journal, run_id, positions);
+        let positions = checkpoint.segments.iter().map(|s| s.position).collect();
+        let mut segments = Vec::new();
+        for bytes in read(positions).await.map_err(unreadable)? {
+            let value = serde_json::from_slice(&bytes).map_err(|e| unreadable(format!("a segment: {e}")))?;
+            segments.push(chunks::unfold(value, chunks, read).await.map_err(unreadable)?);
+        }
+        Segmented::resolve(checkpoint, segments).map_err(unreadable)
+    }
+
+    /// What `journal` keeps of the run `run_id` (segments and chunks) at `positions`, in order.
+    fn read_kept(
+        &self,
+        journal: &Arc<dyn RunJournal>,
+        run_id: &str,
+        positions: Vec<u64>,
+    ) -> impl Future<Output = Result<Vec<Vec<u8>>, String>> + use<> {
+        let read = within(self.store_timeout, journal.segments(run_id, positions));
+        async move { read.await.map_err(|e| e.to_string()) }
     }
 
     /// A run taken over with its wait: one parked for approvals goes on with its decisions (or

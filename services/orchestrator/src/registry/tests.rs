@@ -101,8 +101,6 @@ struct CountingJournal {
     claims: std::sync::atomic::AtomicUsize,
     /// The checkpoint every take-over claims.
     orphan: Option<Vec<u8>>,
-    /// Opened to let a take-over read the orphan's transcript: until then it waits half way.
-    transcript: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl RunJournal for CountingJournal {
@@ -132,15 +130,7 @@ impl RunJournal for CountingJournal {
         });
         Box::pin(async { Ok(claimed) })
     }
-    fn segments(&self, _: &str, _: Vec<u64>) -> BoxFuture<'static, Result<Vec<Vec<u8>>, StoreError>> {
-        let transcript = self.transcript.clone();
-        Box::pin(async move {
-            if let Some(transcript) = transcript {
-                transcript.notified().await;
-            }
-            Ok(Vec::new())
-        })
-    }
+
     fn hand_over(&self, _: &str) -> BoxFuture<'static, Result<(), StoreError>> {
         Box::pin(async { Ok(()) })
     }
@@ -192,17 +182,25 @@ async fn a_run_taken_over_keeps_its_admission_time_while_it_resumes() {
     admitted_as.created_at_ms = 1_000;
     let checkpoint = crate::run::tool_loop::Checkpoint::at_start(&spec, admitted_as)
         .snapshot()
-        .expect("a checkpoint of this process's own making encodes")
-        .bytes;
-    let transcript = Arc::new(tokio::sync::Notify::new());
+        .and_then(|s| crate::domain::ports::json("a checkpoint", &s.checkpoint))
+        .expect("a checkpoint of this process's own making encodes");
     let journal = Arc::new(CountingJournal {
         orphan: Some(checkpoint),
-        transcript: Some(Arc::clone(&transcript)),
         ..CountingJournal::default()
     });
+    // The take-over looks at the run's wait after the run is live here: it answers when told.
+    let wait_read = Arc::new(tokio::sync::Notify::new());
+    let approvals = crate::store::memory::approvals::HookedApprovals {
+        slow_waiting: Some(Arc::clone(&wait_read)),
+        ..crate::store::memory::approvals::HookedApprovals::new()
+    };
+    let keeping = Keeping {
+        approvals: Arc::new(approvals),
+        ..keeping(10, Duration::from_secs(60))
+    };
     let runs = Arc::new(Runs {
         journal: Some(journal as Arc<dyn RunJournal>),
-        ..Arc::into_inner(runs(4, 10, Duration::from_secs(60))).unwrap()
+        ..Arc::into_inner(Runs::new((4, 2, 4, 8), keeping, Duration::from_secs(1), 100)).unwrap()
     });
     let taking = tokio::spawn({
         let runs = Arc::clone(&runs);
@@ -225,7 +223,7 @@ async fn a_run_taken_over_keeps_its_admission_time_while_it_resumes() {
         [("t".to_owned(), 1_000)],
         "the run as a listing finds it mid-resumption"
     );
-    transcript.notify_one();
+    wait_read.notify_one();
     assert!(taking.await.unwrap().unwrap(), "the run is taken over");
 }
 
@@ -578,8 +576,8 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
     state.status = RunStatus::AwaitingApproval;
     let checkpoint = crate::run::tool_loop::Checkpoint::at_start(&spec, state.clone())
         .snapshot()
-        .expect("a checkpoint of this process's own making encodes")
-        .bytes;
+        .and_then(|s| crate::domain::ports::json("a checkpoint", &s.checkpoint))
+        .expect("a checkpoint of this process's own making encodes");
     let wait = Wait {
         run_id: "p".into(),
         principal: String::new(),

@@ -5,6 +5,7 @@
 //! * [`tool_loop`]: the loop, one method per rule;
 //! * [`live`]: a live run's shared state, cancel handle and event emitter;
 //! * [`steering`]: user messages sent to a live run, waiting for its next turn boundary;
+//! * [`chunks`]: the long strings and arrays of checkpoints and segments, kept once in the journal;
 //! * [`persist`]: the run's writes to the store (claim, lease, checkpoints, final result), with
 //!   [`backlog`]: final results the store did not take yet, written again until it does;
 //! * [`turn`]: one streamed completion → visible text + tool calls;
@@ -16,6 +17,7 @@
 
 pub mod backlog;
 pub mod bios;
+pub mod chunks;
 pub mod fallback;
 pub mod hold_back;
 pub mod live;

@@ -44,6 +44,9 @@ pub struct Persister {
     renew_now: Arc<tokio::sync::Notify>,
     /// A record the store took held the run's ask to end after its turn.
     after_turn_kept: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The chunks of the run's checkpoints and segments the journal keeps, so each is written
+    /// once (see [`super::chunks`]).
+    chunks: Arc<std::sync::Mutex<super::chunks::Kept>>,
 }
 
 /// A checkpoint as the loop hands it over: the run's state, its deadline and the serialized
@@ -53,8 +56,8 @@ pub struct Snapshot {
     pub result: RunResult,
     /// Until when the run may be resumed (its deadline, Unix ms).
     pub deadline_unix_ms: u64,
-    /// The checkpoint itself.
-    pub bytes: Vec<u8>,
+    /// The checkpoint itself, as JSON (folded into chunks, then encoded, when written).
+    pub checkpoint: serde_json::Value,
 }
 
 /// A claim the store could not answer: the run goes on unclaimed (a store that is down does not
@@ -68,10 +71,11 @@ fn unclaimed(run_id: &str, error: StoreError) -> Result<Claim, StoreError> {
 
 impl Snapshot {
     /// The snapshot, counted in the checkpoint metrics as it is about to be written.
-    fn counted(self) -> Self {
+    /// Counts a checkpoint of `bytes` written.
+    fn counted(bytes: Vec<u8>) -> Vec<u8> {
         metrics::counter!(crate::telemetry::metric::CHECKPOINTS).increment(1);
-        metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(self.bytes.len() as f64);
-        self
+        metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(bytes.len() as f64);
+        bytes
     }
 }
 
@@ -91,7 +95,14 @@ impl Persister {
             claimed_resumable: Arc::default(),
             renew_now: Arc::default(),
             after_turn_kept: Arc::new(tokio::sync::watch::Sender::new(false)),
+            chunks: Arc::default(),
         }
+    }
+
+    /// Notes the chunks of the run the journal keeps already (read when the run was taken
+    /// over), so they are not written again.
+    pub fn knows_chunks(&self, kept: super::chunks::Kept) {
+        *shared::sync::lock(&self.chunks) = kept;
     }
 
     /// The persister, writing checkpoints another replica can resume the run from to `journal`.
@@ -219,9 +230,9 @@ impl Persister {
         let Snapshot {
             mut result,
             deadline_unix_ms,
-            bytes,
+            checkpoint,
         } = match make() {
-            Ok(snapshot) => snapshot.counted(),
+            Ok(snapshot) => snapshot,
             Err(e) => {
                 tracing::error!("{e}; the run stops here and resumes from its last checkpoint");
                 self.ownership.stop(Stop::Unsaved(e.to_string()));
@@ -230,6 +241,7 @@ impl Persister {
         };
         result.updated_at_ms = shared::sync::unix_ms();
         let run_id = result.run_id.clone();
+        let bytes = Snapshot::counted(self.folded(checkpoint).await);
         let sent = tokio::time::Instant::now();
         let saved = within(self.timeout, journal.save(result, deadline_unix_ms, bytes)).await;
         let failure = saved.as_ref().err().map(ToString::to_string);
@@ -243,7 +255,25 @@ impl Persister {
     /// Keeps `segment` of the run's transcript in the journal for its checkpoints to name: its
     /// position, `None` when the journal keeps no segments, or did not take this one in time
     /// (the checkpoints then hold those messages themselves).
-    pub async fn keep_segment(&self, segment: Vec<u8>) -> Option<u64> {
+    pub async fn keep_segment(&self, segment: serde_json::Value) -> Option<u64> {
+        let segment = self.folded(segment).await;
+        self.keep_chunk(segment).await
+    }
+
+    /// `value` (a checkpoint or a segment) encoded, its long strings and arrays kept apart as
+    /// chunks and named (see [`super::chunks`]) when the journal keeps segments.
+    async fn folded(&self, value: serde_json::Value) -> Vec<u8> {
+        let value = match self.journal.as_ref().is_some_and(|j| j.keeps_segments()) {
+            true => super::chunks::fold(value, &self.chunks, |chunk| self.keep_chunk(chunk)).await,
+            false => value,
+        };
+        // A JSON value always encodes.
+        serde_json::to_vec(&value).unwrap_or_default()
+    }
+
+    /// Keeps `bytes` in the journal beside the transcript's segments: its position, `None` when
+    /// the journal keeps none or did not take it in time.
+    async fn keep_chunk(&self, segment: Vec<u8>) -> Option<u64> {
         let journal = self.journal.as_ref()?;
         if !self.may_write() {
             return None;
@@ -390,8 +420,9 @@ impl Persister {
         let Snapshot {
             result,
             deadline_unix_ms,
-            bytes,
-        } = start()?.counted();
+            checkpoint,
+        } = start()?;
+        let bytes = Snapshot::counted(crate::domain::ports::json("the run's start checkpoint", &checkpoint)?);
         let run_id = result.run_id.clone();
         let sent = tokio::time::Instant::now();
         let claim = within(self.timeout, journal.claim_resumable(result, deadline_unix_ms, bytes)).await;

@@ -84,11 +84,11 @@ pub struct Segmented {
 
 impl Segmented {
     /// The conversation of the checkpoint `c` whole, its segments' messages (`kept`, read from
-    /// the journal in `c.segments`' order) first; and what of it is kept.
-    pub fn resolve(c: &mut Checkpoint, kept: Vec<Vec<u8>>) -> Result<Self, String> {
+    /// the journal in `c.segments`' order, their chunks in place) first; and what of it is kept.
+    pub fn resolve(c: &mut Checkpoint, kept: Vec<serde_json::Value>) -> Result<Self, String> {
         let mut whole = Vec::new();
-        for (segment, bytes) in c.segments.iter().zip(kept) {
-            let messages: Vec<Message> = serde_json::from_slice(&bytes)
+        for (segment, value) in c.segments.iter().zip(kept) {
+            let messages: Vec<Message> = serde_json::from_value(value)
                 .map_err(|e| format!("segment {} cannot be read: {e}", segment.position))?;
             if messages.len() != segment.messages as usize {
                 return Err(format!(
@@ -196,7 +196,10 @@ impl Checkpoint {
         Ok(Snapshot {
             result: self.result.clone(),
             deadline_unix_ms: self.spec.deadline.unix_ms(),
-            bytes: crate::domain::ports::json("the run's checkpoint", self)?,
+            checkpoint: serde_json::to_value(self).map_err(|e| StoreError::Unencodable {
+                what: "the run's checkpoint",
+                reason: e.to_string(),
+            })?,
         })
     }
 }
@@ -433,7 +436,7 @@ impl Driver<'_> {
         if messages == 0 {
             return;
         }
-        let Ok(segment) = serde_json::to_vec(new) else { return };
+        let Ok(segment) = serde_json::to_value(new) else { return };
         if let Some(position) = persister.keep_segment(segment).await {
             self.segmented.segments.push(SegmentRef { position, messages });
             self.segmented.messages = settled;

@@ -331,6 +331,8 @@ pub(crate) struct HookedApprovals {
     pub(crate) lose_open_answers: bool,
     /// Runs after `take_ready` handed a run out, before the caller has it.
     pub(crate) after_take: Option<Box<dyn Fn() + Send + Sync>>,
+    /// A look at a run's wait answers once this is notified (a store slow to answer).
+    pub(crate) slow_waiting: Option<std::sync::Arc<tokio::sync::Notify>>,
 }
 
 #[cfg(test)]
@@ -342,6 +344,7 @@ impl HookedApprovals {
             refuse_park: false,
             lose_open_answers: false,
             after_take: None,
+            slow_waiting: None,
         }
     }
 }
@@ -385,7 +388,14 @@ impl ApprovalStore for HookedApprovals {
         self.inner.pending(decider, run_id, limit)
     }
     fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
-        self.inner.waiting(run_id)
+        let (waiting, slow) = (self.inner.waiting(run_id), self.slow_waiting.clone());
+        async move {
+            if let Some(slow) = slow {
+                slow.notified().await;
+            }
+            waiting.await
+        }
+        .boxed()
     }
     fn parked(&self, run_id: &str) -> Option<RunResult> {
         self.inner.parked(run_id)

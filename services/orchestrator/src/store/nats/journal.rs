@@ -319,6 +319,10 @@ impl RunJournal for KvStore {
         .boxed()
     }
 
+    fn keeps_segments(&self) -> bool {
+        true
+    }
+
     fn keep_segment(&self, run_id: &str, segment: Vec<u8>) -> BoxFuture<'static, Result<Option<u64>, StoreError>> {
         self.segments.keep(&key(run_id), segment)
     }

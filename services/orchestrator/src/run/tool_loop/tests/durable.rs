@@ -74,27 +74,38 @@ impl Journal {
         }
     }
 
-    /// The checkpoints saved, each with its conversation whole (its segments read back).
-    fn whole_checkpoints(&self) -> Vec<(Checkpoint, Segmented)> {
+    /// The checkpoints saved, each whole (its chunks and segments read back), with what of its
+    /// conversation its segments held.
+    async fn whole_checkpoints(&self) -> Vec<(Checkpoint, Segmented)> {
         let kept = self
             .segments
             .as_ref()
             .map(|s| s.lock().unwrap().clone())
             .unwrap_or_default();
-        self.checkpoints()
-            .into_iter()
-            .map(|mut c| {
-                let read = c
-                    .segments
-                    .iter()
-                    .map(|s| kept[s.position as usize - 1].clone())
-                    .collect();
-                let segmented = Segmented::resolve(&mut c, read).unwrap();
-                (c, segmented)
-            })
-            .collect()
+        let read = |positions: Vec<u64>| {
+            let read = positions.iter().map(|p| kept[*p as usize - 1].clone()).collect();
+            futures::future::ready(Ok::<_, String>(read))
+        };
+        let mut chunks = crate::run::chunks::Kept::default();
+        let mut whole = Vec::new();
+        let saved = self.saved.lock().unwrap().clone();
+        for bytes in saved {
+            let value = serde_json::from_slice(&bytes).unwrap();
+            let value = crate::run::chunks::unfold(value, &mut chunks, read).await.unwrap();
+            let mut c: Checkpoint = serde_json::from_value(value).unwrap();
+            let mut segments = Vec::new();
+            for bytes in read(c.segments.iter().map(|s| s.position).collect()).await.unwrap() {
+                let value = serde_json::from_slice(&bytes).unwrap();
+                segments.push(crate::run::chunks::unfold(value, &mut chunks, read).await.unwrap());
+            }
+            let segmented = Segmented::resolve(&mut c, segments).unwrap();
+            whole.push((c, segmented));
+        }
+        whole
     }
 
+    /// The checkpoints saved, as saved (a journal that keeps segments keeps their chunks apart:
+    /// see [`Self::whole_checkpoints`]).
     pub(super) fn checkpoints(&self) -> Vec<Checkpoint> {
         let saved = self.saved.lock().unwrap();
         saved
@@ -146,6 +157,9 @@ impl crate::domain::ports::RunJournal for Journal {
     ) -> BoxFuture<'static, Result<crate::domain::ports::Claim, crate::domain::ports::StoreError>> {
         let saved = self.save(result, deadline_unix_ms, checkpoint);
         async move { saved.await.map(|()| crate::domain::ports::Claim::Claimed) }.boxed()
+    }
+    fn keeps_segments(&self) -> bool {
+        self.segments.is_some()
     }
     fn keep_segment(
         &self,
@@ -464,7 +478,11 @@ async fn checkpoints_name_the_kept_transcript_and_hold_only_what_is_new() {
         let (result, ..) = play_with(three_turns(), limits(), outside).await;
         assert_eq!(result.status, RunStatus::Completed, "{result:?}");
     }
-    let (whole, saved, unsplit) = (keeping.whole_checkpoints(), keeping.checkpoints(), plain.checkpoints());
+    let (whole, saved, unsplit) = (
+        keeping.whole_checkpoints().await,
+        keeping.checkpoints(),
+        plain.checkpoints(),
+    );
     assert_eq!(whole.len(), unsplit.len());
     let json = |c: &Checkpoint| serde_json::to_value(&c.conversation).unwrap();
     for (((read, segmented), saved), unsplit) in whole.iter().zip(&saved).zip(&unsplit) {
@@ -485,6 +503,64 @@ async fn checkpoints_name_the_kept_transcript_and_hold_only_what_is_new() {
     );
 }
 
+/// A tool result kept apart as chunks: written to the journal once, though the call's outcome
+/// (safe point (b)), its `tool_call_finished` in the outbox and its tool message (safe point
+/// (c), cut to what the model is fed) all hold it (and its arguments, here the same text); no
+/// checkpoint or segment holds a
+/// chunk's worth of it; read back whole, every checkpoint is the one a journal without segments
+/// saves.
+#[tokio::test(start_paused = true)]
+async fn a_long_tool_result_is_kept_once_and_checkpoints_read_back_whole() {
+    // A result of 3 chunks and some, its letters in an order that does not repeat.
+    let pad = crate::run::chunks::tests::letters(3 * crate::run::chunks::STRING_CHUNK + 100, 7);
+    let arguments = serde_json::json!({"ms": 10, "pad": pad}).to_string();
+    let turns = || vec![vec![text("reading "), call(0, "nap", &arguments)], vec![text("done")]];
+    let (plain, keeping) = (Arc::new(Journal::default()), Arc::new(Journal::keeping_segments()));
+    for journal in [&plain, &keeping] {
+        let outside = Outside {
+            journal: Some(Arc::clone(journal)),
+            ..Outside::default()
+        };
+        let (result, ..) = play_with(turns(), limits(), outside).await;
+        assert_eq!(result.status, RunStatus::Completed, "{result:?}");
+    }
+    let whole = keeping.whole_checkpoints().await;
+    let unsplit = plain.checkpoints();
+    assert_eq!(whole.len(), unsplit.len());
+    let json = |c: &Checkpoint| {
+        let mut v = serde_json::to_value(c).unwrap();
+        v["spec"]["deadline"] = serde_json::Value::Null;
+        v
+    };
+    for ((read, _), unsplit) in whole.iter().zip(&unsplit) {
+        assert_eq!(
+            json(read),
+            json(unsplit),
+            "read back whole, a checkpoint is the unsplit one"
+        );
+    }
+    let piece = |at: usize| pad[at..at + 64].to_owned();
+    let kept = keeping.segments.as_ref().unwrap().lock().unwrap().clone();
+    // Past the tool message's first KiB (the model is fed the result cut to 1 KiB here).
+    for at in [
+        1500,
+        crate::run::chunks::STRING_CHUNK,
+        2 * crate::run::chunks::STRING_CHUNK,
+    ] {
+        let holding = kept
+            .iter()
+            .filter(|k| String::from_utf8_lossy(k).contains(&piece(at)))
+            .count();
+        assert_eq!(holding, 1, "the chunk at {at} is kept once");
+    }
+    for saved in keeping.saved.lock().unwrap().iter() {
+        assert!(
+            !String::from_utf8_lossy(saved).contains(&piece(1500)),
+            "a checkpoint names the chunks"
+        );
+    }
+}
+
 /// A checkpoint of an earlier version (its conversation under `conversation`, no segments) reads
 /// whole; one of this version has no `conversation` key, so an earlier version refuses it instead
 /// of resuming the run with the messages after its segments only.
@@ -496,7 +572,7 @@ async fn a_checkpoint_of_an_earlier_version_reads_and_one_of_this_version_is_ref
         ..Outside::default()
     };
     play_with(two_naps_then_an_answer(), limits(), outside).await;
-    let (whole, _) = journal.whole_checkpoints().pop().unwrap();
+    let (whole, _) = journal.whole_checkpoints().await.pop().unwrap();
     let mut earlier = serde_json::to_value(&whole).unwrap();
     let object = earlier.as_object_mut().unwrap();
     let messages = object.remove("conversation_after_segments").unwrap();
