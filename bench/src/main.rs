@@ -12,6 +12,7 @@ mod approvals;
 mod durability;
 mod fence;
 mod fleet;
+mod floor;
 mod listing;
 mod long_run;
 mod micro;

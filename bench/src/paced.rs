@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use crate::procstat;
 use crate::relay::{MODEL, Paced, text_chunks};
-use crate::stack::Stack;
+use crate::stack::{Stack, Target};
 use crate::workload::quantile;
 
 /// One stream interval, measured.
@@ -141,6 +141,13 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bo
         .await?;
         others.push((variant.label, stack));
     }
+    let floor = match crate::floor::Floor::start(&shipped.mock.base_url(), channels).await {
+        Ok(floor) => Some(floor),
+        Err(e) => {
+            variants_not_run.push(format!("{FLOOR_LABEL}: {e:#}"));
+            None
+        }
+    };
     let grpcio = match testkit::python::python() {
         Ok(python) => Some(Caller::Grpcio(python)),
         Err(e) => {
@@ -150,18 +157,27 @@ pub(crate) async fn measure(bin: &std::path::Path, paced: &Paced, with_peers: bo
     };
     let (mut rows, mut variant_rows) = (Vec::new(), Vec::new());
     for &interval_ms in &paced.intervals_ms {
-        rows.extend(rows_of(&shipped, &Caller::Tonic, paced, "default", &[interval_ms]).await?);
+        rows.extend(rows_of(&shipped.target(), &Caller::Tonic, paced, "default", &[interval_ms]).await?);
+        if interval_ms == 0
+            && let Some(floor) = &floor
+        {
+            variant_rows.extend(rows_of(&floor.target(), &Caller::Tonic, paced, FLOOR_LABEL, &[0]).await?);
+        }
         if [0, 20].contains(&interval_ms) {
             if let Some(grpcio) = &grpcio {
-                variant_rows.extend(rows_of(&shipped, grpcio, paced, GRPCIO_LABEL, &[interval_ms]).await?);
+                let target = shipped.target();
+                variant_rows.extend(rows_of(&target, grpcio, paced, GRPCIO_LABEL, &[interval_ms]).await?);
             }
             for (label, stack) in &others {
-                variant_rows.extend(rows_of(stack, &Caller::Tonic, paced, label, &[interval_ms]).await?);
+                variant_rows.extend(rows_of(&stack.target(), &Caller::Tonic, paced, label, &[interval_ms]).await?);
             }
         }
     }
     for (_, stack) in others {
         stack.stop().await;
+    }
+    if let Some(floor) = floor {
+        floor.stop().await;
     }
     let (peers, agent_runs) = match with_peers {
         true => (
@@ -194,10 +210,13 @@ enum Caller {
 
 const GRPCIO_LABEL: &str = "shipped, Python grpcio callers";
 
+/// The floor's label: a bare relay of the same stream (`bench/src/bin/relay_floor.rs`).
+pub(crate) const FLOOR_LABEL: &str = "floor: a bare relay (relay_floor)";
+
 /// The rows of one orchestrator (`setup`) called by `caller` at `intervals`: a round of warm-up,
 /// then `rounds` rounds measured per interval.
 async fn rows_of(
-    stack: &Stack,
+    stack: &Target<'_>,
     caller: &Caller,
     paced: &Paced,
     setup: &str,
@@ -247,7 +266,7 @@ fn ms(d: Duration) -> f64 {
 
 impl Caller {
     /// `concurrency` runs at once, each read to its end.
-    async fn round(&self, stack: &Stack, paced: &Paced, interval_ms: u32) -> anyhow::Result<Vec<Seen>> {
+    async fn round(&self, stack: &Target<'_>, paced: &Paced, interval_ms: u32) -> anyhow::Result<Vec<Seen>> {
         match self {
             Self::Tonic => Ok(round(stack, paced, interval_ms).await),
             Self::Grpcio(python) => grpcio_round(python, stack, paced, interval_ms).await,
@@ -259,14 +278,14 @@ impl Caller {
 /// orchestrator is idle then); a run it could not finish counts as failed.
 async fn grpcio_round(
     python: &std::path::Path,
-    stack: &Stack,
+    stack: &Target<'_>,
     paced: &Paced,
     interval_ms: u32,
 ) -> anyhow::Result<Vec<Seen>> {
     let script = testkit::repo_root().join("bench/peers/grpcio_caller.py");
     let output = tokio::process::Command::new(python)
         .arg(script)
-        .args(["--target", &stack.address, "--model", MODEL])
+        .args(["--target", stack.address, "--model", MODEL])
         .args(["--runs", &paced.concurrency.to_string()])
         .args(["--interval-ms", &interval_ms.to_string()])
         .kill_on_drop(true)
@@ -292,7 +311,7 @@ async fn grpcio_round(
 }
 
 /// `concurrency` runs at once, each read to its end.
-async fn round(stack: &Stack, paced: &Paced, interval_ms: u32) -> Vec<Seen> {
+async fn round(stack: &Target<'_>, paced: &Paced, interval_ms: u32) -> Vec<Seen> {
     let runs = (0..paced.concurrency).map(|n| {
         let mut client = stack.client(n);
         let request = paced.request(interval_ms, n);
@@ -491,9 +510,16 @@ fn targets_markdown(report: &Report) -> String {
         "",
     );
     line("CPU per 2-turn run ÷ openai-agents ≤ 1/30", run_ratio, 1.0 / 30.0, "");
+    line("CPU per token at 0 ms ÷ the floor's ≤ 1.5", over_floor(report), 1.5, "");
     line("TTFT p99 at 0 ms − the model's own ≤ 1 ms", ttft_excess, 1.0, " ms");
     md.push_str("| RSS per held run ≤ 32 KiB | the main bench's (`latest.md`, 10,000 runs held) | see there |\n");
     md
+}
+
+/// The shipped orchestrator's CPU per token at 0 ms over the bare relay's.
+fn over_floor(report: &Report) -> Option<f64> {
+    let floor = report.variants.iter().find(|r| r.setup == FLOOR_LABEL)?;
+    Some(shipped(report, 0)?.cpu_us_per_token / floor.cpu_us_per_token)
 }
 
 /// The peers' rows, each with the orchestrator's CPU per token as a ratio to the peer's (at each

@@ -29,6 +29,21 @@ pub(crate) struct Stack {
     pub metrics: Option<String>,
 }
 
+/// A process serving `Orchestrate` as a measurement calls it: its pid (for its CPU), its address
+/// (for callers in other languages) and the benchmark's channels to it.
+pub(crate) struct Target<'a> {
+    pub pid: u32,
+    pub address: &'a str,
+    pub channels: &'a [Channel],
+}
+
+impl Target<'_> {
+    /// A client on the `i`th channel (streams are spread over them).
+    pub(crate) fn client(&self, i: usize) -> pb::orchestrator_client::OrchestratorClient<Channel> {
+        pb::orchestrator_client::OrchestratorClient::new(self.channels[i % self.channels.len()].clone())
+    }
+}
+
 /// How an orchestrator process of the benchmark is started (kept to start replicas alike).
 #[derive(Clone)]
 pub(crate) struct Launch {
@@ -262,7 +277,16 @@ impl Stack {
 
     /// A client on the `i`-th channel (round robin).
     pub(crate) fn client(&self, i: usize) -> pb::orchestrator_client::OrchestratorClient<Channel> {
-        pb::orchestrator_client::OrchestratorClient::new(self.channels[i % self.channels.len()].clone())
+        self.target().client(i)
+    }
+
+    /// The orchestrator as a measurement calls it.
+    pub(crate) fn target(&self) -> Target<'_> {
+        Target {
+            pid: self.pid,
+            address: &self.address,
+            channels: &self.channels,
+        }
     }
 
     /// Stops the orchestrator gracefully (it flushes its spans), killing it after 10 s.

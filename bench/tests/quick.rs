@@ -169,8 +169,8 @@ fn the_real_server_row_says_why_it_did_not_run_and_require_refuses_to_go_without
 /// model serves agentic-api `/v1/responses`) and the LiteLLM proxy (installed by
 /// `./scripts/test`); the orchestrator's variants (the pooled LLM reader, one worker, the NATS
 /// store, and another build named by `BENCH_PACED_AGAINST`), the shipped one called from Python
-/// through grpcio (the test virtualenv's), and a two-turn agent run beside the
-/// Agents SDK's, in the same report. Gathering is checked on what it must do whatever the
+/// through grpcio (the test virtualenv's), the floor (a bare relay of the same stream), and a
+/// two-turn agent run beside the Agents SDK's, in the same report. Gathering is checked on what it must do whatever the
 /// machine: at a 20 ms interval a run's caller gets fewer text events than the 50 tokens it
 /// relays (without it, one per token).
 #[test]
@@ -223,13 +223,39 @@ fn the_paced_relay_reports_cost_per_token_at_each_stream_interval_beside_its_pee
             "{measured:?}"
         );
     }
+    // The floor: a bare relay of the same stream (one SSE read, one gRPC message written), at
+    // 0 ms, every run completed; the targets hold the orchestrator's ratio to it.
+    let floor: Vec<&serde_json::Value> = variants
+        .iter()
+        .filter(|v| {
+            v["setup"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("floor: a bare relay"))
+        })
+        .collect();
+    assert_eq!(floor.len(), 1, "the floor at 0 ms: {variants:?}");
+    assert!(
+        floor[0]["interval_ms"] == 0 && floor[0]["runs_failed"] == 0,
+        "{floor:?}"
+    );
+    assert!(
+        floor[0]["cpu_us_per_token"].as_f64().is_some_and(|c| c > 0.0),
+        "{floor:?}"
+    );
     // A two-turn agent run, the orchestrator (and its tool-runner) beside the Agents SDK.
     let runs = &report["agent_runs"];
     for who in ["orchestrator_cpu_us_per_run", "agents_sdk_cpu_us_per_run"] {
         assert!(runs[who].as_f64().is_some_and(|c| c > 0.0), "{who}: {runs}");
     }
     let markdown = std::fs::read_to_string(out.path().join("paced.md"))?;
-    for section in ["| 20 ms |", "## Peers", "## Variants", "## An agent run", "## Targets"] {
+    for section in [
+        "| 20 ms |",
+        "## Peers",
+        "## Variants",
+        "## An agent run",
+        "## Targets",
+        "÷ the floor's",
+    ] {
         assert!(markdown.contains(section), "{section} missing: {markdown}");
     }
     Ok(())
