@@ -626,9 +626,13 @@ async fn work_on(
 /// some), its text its own (the call's id, then 1,500 words drawn from it).
 fn done(call_id: &str) -> String {
     const WORDS: [&str; 6] = ["alpha", "beta", "gamma", "delta", "kappa", "sigma"];
-    let seed = call_id.bytes().fold(0_u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+    let seed = call_id
+        .bytes()
+        .fold(0_u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
     let mut rng = fastrand::Rng::with_seed(seed);
-    let page: Vec<&str> = std::iter::repeat_with(|| WORDS[rng.usize(..WORDS.len())]).take(1500).collect();
+    let page: Vec<&str> = std::iter::repeat_with(|| WORDS[rng.usize(..WORDS.len())])
+        .take(1500)
+        .collect();
     serde_json::json!({"done": call_id, "page": page.join(" ")}).to_string()
 }
 
