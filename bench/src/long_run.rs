@@ -37,6 +37,17 @@ pub(crate) struct Turns {
     pub store_early_kib: Option<f64>,
     /// Store bytes per turn (KiB), the last six turns (NATS only).
     pub store_late_kib: Option<f64>,
+    /// nats-server's CPU per turn (µs), turns 2–7 (NATS only).
+    pub nats_cpu_early_us: Option<f64>,
+    /// nats-server's CPU per turn (µs), the last six turns (NATS only).
+    pub nats_cpu_late_us: Option<f64>,
+}
+
+/// What is read at each turn's end: the orchestrator's CPU (µs) and, on NATS, nats-server's bytes
+/// in and its CPU (µs), so far.
+struct Sample {
+    cpu: f64,
+    nats: Option<(f64, f64)>,
 }
 
 /// The report.
@@ -132,14 +143,14 @@ async fn stack(bin: &Path, sandbox: &Path, turns: usize, flags: &[&str]) -> anyh
     Stack::of(mock, runner, process)
 }
 
-/// One run of `turns` turns on `stack`: at each turn's end, the orchestrator's CPU so far and,
-/// with `nats`, nats-server's bytes in so far.
+/// One run of `turns` turns on `stack`: at each turn's end, a [`Sample`] (nats-server's part with
+/// `nats`).
 async fn one_run(
     stack: &Stack,
     run_id: &str,
     turns: usize,
     nats: Option<&testkit::nats::Nats>,
-) -> anyhow::Result<Vec<(f64, Option<f64>)>> {
+) -> anyhow::Result<Vec<Sample>> {
     let mut client = stack.client(0);
     let mut events = client
         .orchestrate(request(run_id.to_owned(), turns)?)
@@ -163,17 +174,23 @@ async fn one_run(
     Ok(samples)
 }
 
-/// The orchestrator's CPU (µs) and nats-server's bytes in, now.
-async fn sample(pid: u32, nats: Option<&testkit::nats::Nats>) -> anyhow::Result<(f64, Option<f64>)> {
+/// The [`Sample`] of now (the orchestrator's pid `pid`).
+async fn sample(pid: u32, nats: Option<&testkit::nats::Nats>) -> anyhow::Result<Sample> {
     let cpu = procstat::scheduled_time(pid)?.as_secs_f64() * 1e6;
-    let bytes = match nats {
+    let nats = match nats {
         Some(nats) => {
             let varz = nats.varz().await?;
-            varz.get("in_bytes").and_then(serde_json::Value::as_f64)
+            let bytes = varz.get("in_bytes").and_then(serde_json::Value::as_f64);
+            let server = nats.pid().ok_or_else(|| anyhow::anyhow!("nats-server has no pid"))?;
+            let server_cpu = procstat::scheduled_time(server)?.as_secs_f64() * 1e6;
+            Some((
+                bytes.ok_or_else(|| anyhow::anyhow!("/varz has no in_bytes"))?,
+                server_cpu,
+            ))
         }
         None => None,
     };
-    Ok((cpu, bytes))
+    Ok(Sample { cpu, nats })
 }
 
 /// The mean per-turn difference of `values` (one per turn end, the start first) over turns
@@ -184,15 +201,18 @@ fn per_turn(values: &[f64], from: usize) -> f64 {
 }
 
 /// Early and late figures of one run's samples.
-fn turns_of(samples: &[(f64, Option<f64>)]) -> Turns {
+fn turns_of(samples: &[Sample]) -> Turns {
     let late = samples.len().saturating_sub(WINDOW).max(2);
-    let cpu: Vec<f64> = samples.iter().map(|s| s.0).collect();
-    let bytes: Option<Vec<f64>> = samples.iter().map(|s| s.1).collect();
+    let cpu: Vec<f64> = samples.iter().map(|s| s.cpu).collect();
+    let bytes: Option<Vec<f64>> = samples.iter().map(|s| s.nats.map(|n| n.0)).collect();
+    let server: Option<Vec<f64>> = samples.iter().map(|s| s.nats.map(|n| n.1)).collect();
     Turns {
         cpu_early_us: per_turn(&cpu, 2),
         cpu_late_us: per_turn(&cpu, late),
         store_early_kib: bytes.as_ref().map(|b| per_turn(b, 2) / 1024.0),
         store_late_kib: bytes.as_ref().map(|b| per_turn(b, late) / 1024.0),
+        nats_cpu_early_us: server.as_ref().map(|c| per_turn(c, 2)),
+        nats_cpu_late_us: server.as_ref().map(|c| per_turn(c, late)),
     }
 }
 
@@ -222,6 +242,8 @@ pub(crate) async fn run(bin: &Path, turns: usize, page_bytes: usize, out: &Path)
         cpu_late_us: median(runs.iter().map(|t| t.cpu_late_us).collect()),
         store_early_kib: None,
         store_late_kib: None,
+        nats_cpu_early_us: None,
+        nats_cpu_late_us: None,
     };
     eprintln!("{:.0} → {:.0} µs/turn", memory.cpu_early_us, memory.cpu_late_us);
 
@@ -242,7 +264,8 @@ pub(crate) async fn run(bin: &Path, turns: usize, page_bytes: usize, out: &Path)
         Err(e) => (None, format!("NATS not measured: {e}")),
     };
     // The page, the model's words and its call, as the transcript holds them.
-    let added = page_bytes + "Reading the page again, turn 10.".len() + r#"{"path":"page.txt"}"#.len();
+    let call = serde_json::json!({ "path": page_name(10) }).to_string();
+    let added = page_bytes + "Reading the next page, turn 10.".len() + call.len();
     let added_kib = added as f64 / 1024.0;
     let report = LongRun {
         turns,
@@ -268,8 +291,8 @@ fn markdown(r: &LongRun, reason: &str) -> String {
     let mut s = format!(
         "# A long run, turn by turn\n\n`cargo run --release -p bench -- --long-run {} --long-run-page {}`: one run, every \
          turn reading a {}-byte page of its own, so the transcript grows by {} bytes a turn. Early is turns 2–{}, late the \
-         last {WINDOW}.\n\n| store | CPU/turn early (µs) | CPU/turn late (µs) | late/early | store KiB/turn early | store KiB/turn late | late/early | late/added |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+         last {WINDOW}. CPU is the orchestrator's; on NATS, nats-server's beside it.\n\n| store | CPU/turn early (µs) | CPU/turn late (µs) | late/early | store KiB/turn early | store KiB/turn late | late/early | late/added | nats-server CPU/turn early / late (µs) |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         r.turns,
         r.page_bytes,
         r.page_bytes,
@@ -277,19 +300,21 @@ fn markdown(r: &LongRun, reason: &str) -> String {
         WINDOW + 1
     );
     s.push_str(&format!(
-        "| memory (median of {MEMORY_RUNS}) | {:.0} | {:.0} | {:.2} | – | – | – | – |\n",
+        "| memory (median of {MEMORY_RUNS}) | {:.0} | {:.0} | {:.2} | – | – | – | – | – |\n",
         r.memory.cpu_early_us, r.memory.cpu_late_us, r.memory_cpu_ratio
     ));
     match &r.nats {
         Some(n) => s.push_str(&format!(
-            "| NATS | {:.0} | {:.0} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} |\n",
+            "| NATS | {:.0} | {:.0} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} | {:.0} / {:.0} |\n",
             n.cpu_early_us,
             n.cpu_late_us,
             n.cpu_late_us / n.cpu_early_us.max(1.0),
             n.store_early_kib.unwrap_or(0.0),
             n.store_late_kib.unwrap_or(0.0),
             r.store_ratio.unwrap_or(0.0),
-            r.store_amplification.unwrap_or(0.0)
+            r.store_amplification.unwrap_or(0.0),
+            n.nats_cpu_early_us.unwrap_or(0.0),
+            n.nats_cpu_late_us.unwrap_or(0.0)
         )),
         None => s.push_str(&format!("\n{reason}\n")),
     }

@@ -16,6 +16,8 @@ fn a_long_runs_turns_are_measured_early_and_late_on_both_stores() -> anyhow::Res
         "/memory/cpu_late_us",
         "/nats/cpu_early_us",
         "/nats/cpu_late_us",
+        "/nats/nats_cpu_early_us",
+        "/nats/nats_cpu_late_us",
     ] {
         let value = report.pointer(figure).and_then(serde_json::Value::as_f64);
         assert!(value.is_some_and(|v| v > 0.0), "{figure}: {report}");
