@@ -789,6 +789,50 @@ async fn the_deadline_runs_while_waiting_unless_paused() -> TestResult {
     Ok(())
 }
 
+/// A detached run is bounded by its own timeout, never by the gRPC deadline of the call that
+/// started it: one started with a one-second deadline and left waiting for a person still waits
+/// once that deadline passed, and goes on to complete when the person approves.
+#[tokio::test]
+async fn a_detached_run_outlives_the_deadline_of_the_call_that_started_it() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let mut client = w.client().await?;
+    let request = pb::OrchestrateRequest {
+        detached: true,
+        ..approval_run("outlives-1")
+    };
+    let mut starting = as_("alice-token", request);
+    starting.set_timeout(Duration::from_secs(1));
+    let started = tokio::time::Instant::now();
+    let stream = client.orchestrate(starting).await?.into_inner();
+    let parked = wait_status(
+        &mut client,
+        "alice-token",
+        "outlives-1",
+        pb::RunStatus::AwaitingApproval,
+    )
+    .await?;
+    // Stays: the starting call's deadline must pass, and what is asserted is that nothing happens.
+    tokio::time::sleep_until(started + Duration::from_millis(1500)).await;
+    let still = get(&mut client, "alice-token", "outlives-1").await?;
+    assert_eq!(
+        still.status,
+        pb::RunStatus::AwaitingApproval as i32,
+        "the starting call's deadline does not end a detached run: {still:?}"
+    );
+    drop(stream);
+    let call_id = parked.pending_approvals[0].call_id.clone();
+    decide(
+        &mut client,
+        "carol-token",
+        "outlives-1",
+        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await?;
+    let done = wait_status(&mut client, "alice-token", "outlives-1", pb::RunStatus::Completed).await?;
+    assert!(done.text.contains("Refunding"), "{done:?}");
+    Ok(())
+}
+
 /// Starts 200 runs that each park for approval, four at a time on the four slots (waiting for
 /// each group to park before the next: they hold no slot once parked), and waits until all wait.
 async fn park_200_runs_four_at_a_time(

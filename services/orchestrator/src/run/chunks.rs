@@ -9,7 +9,9 @@
 //! it had: the run's text, its calls' records, a tool result that is both a call's outcome, its
 //! `tool_call_finished` and its tool message are each kept once. A chunk is known by the SHA-256
 //! of its bytes; what names it holds its journal position. Folded, a chunked string or array is
-//! an object with a key no checkpoint has (a checkpoint holding one anyway is stored unfolded).
+//! an object with a key no checkpoint has. A checkpoint holding one anyway (only a caller's own
+//! schema could) is stored unfolded, and is misread when its run is taken over: only that
+//! caller's run is affected, and the key is not escaped.
 //!
 //! Folding is bottom-up: an array chunk holding a chunked string names that string's chunks, so
 //! it is written once they are kept (one round of writes per level).

@@ -58,13 +58,15 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let received_at = tokio::time::Instant::now();
         let caller = caller(&request);
         let trace_context = request.metadata().clone();
-        let caller_deadline = request
+        let grpc_timeout = request
             .metadata()
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout);
         let run_request = RunRequest::try_from(request.into_inner())?;
         let detached = run_request.detached;
+        // A detached run is bounded by its own timeout only: the call that started it may end.
+        let caller_deadline = grpc_timeout.filter(|_| !detached);
         let catalog = match &core.runners {
             Some(runners) => runners.answering_catalog(CATALOG_WAIT).await?,
             None => Arc::default(),
