@@ -73,13 +73,20 @@ pub(crate) struct LongRun {
 /// The model's script: `turns - 1` turns each reading a page of its own, then an answer.
 fn scenario(turns: usize) -> Scenario {
     let mut script: Vec<Turn> = (1..turns)
-        .map(|n| {
-            Turn::text(&format!("Reading the next page, turn {n}."))
-                .then(Step::call("read_file", serde_json::json!({ "path": page_name(n) })))
-        })
+        .map(|n| Turn::text(&said(n)).then(Step::call("read_file", read_page(n))))
         .collect();
     script.push(Turn::text("Done."));
     Scenario::new(script)
+}
+
+/// What the model says in turn `turn`.
+fn said(turn: usize) -> String {
+    format!("Reading the next page, turn {turn}.")
+}
+
+/// The arguments of turn `turn`'s call.
+fn read_page(turn: usize) -> serde_json::Value {
+    serde_json::json!({ "path": page_name(turn) })
 }
 
 fn page_name(turn: usize) -> String {
@@ -264,8 +271,7 @@ pub(crate) async fn run(bin: &Path, turns: usize, page_bytes: usize, out: &Path)
         Err(e) => (None, format!("NATS not measured: {e}")),
     };
     // The page, the model's words and its call, as the transcript holds them.
-    let call = serde_json::json!({ "path": page_name(10) }).to_string();
-    let added = page_bytes + "Reading the next page, turn 10.".len() + call.len();
+    let added = page_bytes + said(10).len() + read_page(10).to_string().len();
     let added_kib = added as f64 / 1024.0;
     let report = LongRun {
         turns,

@@ -584,17 +584,16 @@ impl Runs {
         run_id: &str,
         bytes: &[u8],
     ) -> Result<(Checkpoint, chunks::Kept), String> {
-        let unreadable = |e: String| format!("the checkpoint of run {run_id} cannot be read: {e}");
         let mut chunks = chunks::Kept::default();
-        let value = serde_json::from_slice(bytes).map_err(|e| unreadable(e.to_string()))?;
         let read = |positions| self.read_kept(journal, run_id, positions);
-        let value = chunks::unfold(value, &mut chunks, read).await.map_err(unreadable)?;
-        let checkpoint = serde_json::from_value(value).map_err(|e| unreadable(e.to_string()))?;
+        let checkpoint = Checkpoint::unfolded(bytes, &mut chunks, read)
+            .await
+            .map_err(|e| format!("the checkpoint of run {run_id} cannot be read: {e}"))?;
         Ok((checkpoint, chunks))
     }
 
-    /// The conversation of `checkpoint` whole: the segments of the transcript it names read from
-    /// `journal` (their chunks in place, noted in `chunks`) and put first; what they hold.
+    /// The conversation of `checkpoint` whole, its transcript's segments read from `journal`;
+    /// what they hold.
     async fn transcript(
         &self,
         journal: &Arc<dyn RunJournal>,
@@ -602,15 +601,11 @@ impl Runs {
         checkpoint: &mut Checkpoint,
         chunks: &mut chunks::Kept,
     ) -> Result<Segmented, String> {
-        let unreadable = |e: String| format!("the transcript of run {run_id} cannot be read: {e}");
         let read = |positions| self.read_kept(journal, run_id, positions);
-        let positions = checkpoint.segments.iter().map(|s| s.position).collect();
-        let mut segments = Vec::new();
-        for bytes in read(positions).await.map_err(unreadable)? {
-            let value = serde_json::from_slice(&bytes).map_err(|e| unreadable(format!("a segment: {e}")))?;
-            segments.push(chunks::unfold(value, chunks, read).await.map_err(unreadable)?);
-        }
-        Segmented::resolve(checkpoint, segments).map_err(unreadable)
+        checkpoint
+            .read_transcript(chunks, read)
+            .await
+            .map_err(|e| format!("the transcript of run {run_id} cannot be read: {e}"))
     }
 
     /// What `journal` keeps of the run `run_id` (segments and chunks) at `positions`, in order.

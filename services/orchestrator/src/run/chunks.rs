@@ -52,16 +52,6 @@ impl Kept {
         self.at.insert(digest(bytes), position);
     }
 
-    /// How many chunks are known.
-    pub fn len(&self) -> usize {
-        self.at.len()
-    }
-
-    /// Whether no chunk is known.
-    pub fn is_empty(&self) -> bool {
-        self.at.is_empty()
-    }
-
     /// `value` with every chunk known folded to its position, the rest in place (a part folded
     /// in an earlier round stays as it is); the chunks that are not known yet and could be kept
     /// now (all they name is known) go to `missing`.

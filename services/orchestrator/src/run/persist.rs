@@ -70,8 +70,7 @@ fn unclaimed(run_id: &str, error: StoreError) -> Result<Claim, StoreError> {
 }
 
 impl Snapshot {
-    /// The snapshot, counted in the checkpoint metrics as it is about to be written.
-    /// Counts a checkpoint of `bytes` written.
+    /// `bytes`, a checkpoint about to be written, counted in the checkpoint metrics.
     fn counted(bytes: Vec<u8>) -> Vec<u8> {
         metrics::counter!(crate::telemetry::metric::CHECKPOINTS).increment(1);
         metrics::histogram!(crate::telemetry::metric::CHECKPOINT_BYTES).record(bytes.len() as f64);

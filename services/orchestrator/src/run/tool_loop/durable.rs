@@ -10,6 +10,7 @@
 //! turn still streaming: a replica that resumes after (c) and finds such events in the log
 //! restarts that turn and says so (`turn_restarted`).
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,7 @@ use crate::domain::chat::Message;
 use crate::domain::chat::Usage;
 use crate::domain::ports::StoreError;
 use crate::domain::{Event, NumberedEvent, RunResult, RunSpec};
+use crate::run::chunks;
 use crate::run::live::{Cancel, Settler};
 use crate::run::persist::{Persister, Snapshot};
 use crate::run::steering::{Inbox, Kept};
@@ -82,10 +84,41 @@ pub struct Segmented {
     pub messages: usize,
 }
 
+impl Checkpoint {
+    /// The checkpoint stored as `bytes`: the chunks it names read with `read` (their bytes, at
+    /// the positions asked, in order) and put in place, those read noted in `chunks`. An error
+    /// says what could not be read.
+    pub async fn unfolded<F, Fut>(bytes: &[u8], chunks: &mut chunks::Kept, read: F) -> Result<Self, String>
+    where
+        F: Fn(Vec<u64>) -> Fut,
+        Fut: Future<Output = Result<Vec<Vec<u8>>, String>>,
+    {
+        let value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        let value = chunks::unfold(value, chunks, read).await?;
+        serde_json::from_value(value).map_err(|e| e.to_string())
+    }
+
+    /// Its conversation whole: the transcript segments it names read with `read` (their chunks
+    /// in place, noted in `chunks`) and put first; what they hold.
+    pub async fn read_transcript<F, Fut>(&mut self, chunks: &mut chunks::Kept, read: F) -> Result<Segmented, String>
+    where
+        F: Fn(Vec<u64>) -> Fut,
+        Fut: Future<Output = Result<Vec<Vec<u8>>, String>>,
+    {
+        let positions = self.segments.iter().map(|s| s.position).collect();
+        let mut segments = Vec::new();
+        for bytes in read(positions).await? {
+            let value = serde_json::from_slice(&bytes).map_err(|e| format!("a segment: {e}"))?;
+            segments.push(chunks::unfold(value, chunks, &read).await?);
+        }
+        Segmented::resolve(self, segments)
+    }
+}
+
 impl Segmented {
     /// The conversation of the checkpoint `c` whole, its segments' messages (`kept`, read from
     /// the journal in `c.segments`' order, their chunks in place) first; and what of it is kept.
-    pub fn resolve(c: &mut Checkpoint, kept: Vec<serde_json::Value>) -> Result<Self, String> {
+    fn resolve(c: &mut Checkpoint, kept: Vec<serde_json::Value>) -> Result<Self, String> {
         let mut whole = Vec::new();
         for (segment, value) in c.segments.iter().zip(kept) {
             let messages: Vec<Message> = serde_json::from_value(value)

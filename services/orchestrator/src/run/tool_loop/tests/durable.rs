@@ -90,15 +90,8 @@ impl Journal {
         let mut whole = Vec::new();
         let saved = self.saved.lock().unwrap().clone();
         for bytes in saved {
-            let value = serde_json::from_slice(&bytes).unwrap();
-            let value = crate::run::chunks::unfold(value, &mut chunks, read).await.unwrap();
-            let mut c: Checkpoint = serde_json::from_value(value).unwrap();
-            let mut segments = Vec::new();
-            for bytes in read(c.segments.iter().map(|s| s.position).collect()).await.unwrap() {
-                let value = serde_json::from_slice(&bytes).unwrap();
-                segments.push(crate::run::chunks::unfold(value, &mut chunks, read).await.unwrap());
-            }
-            let segmented = Segmented::resolve(&mut c, segments).unwrap();
+            let mut c = Checkpoint::unfolded(&bytes, &mut chunks, read).await.unwrap();
+            let segmented = c.read_transcript(&mut chunks, read).await.unwrap();
             whole.push((c, segmented));
         }
         whole
