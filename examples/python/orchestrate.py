@@ -3,6 +3,7 @@
 
     python orchestrate.py --target 127.0.0.1:50051 --prompt "check the tools" \
         --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
+    python orchestrate.py --target 127.0.0.1:50051 --prompt "check the tools" --detach
     python orchestrate.py --target 127.0.0.1:50051 --attach RUN_ID [--after SEQ]
     python orchestrate.py --target 127.0.0.1:50051 --list-approvals [--run-id RUN_ID]
     python orchestrate.py --target 127.0.0.1:50051 --list-runs [--status RUNNING] [--label K=V]
@@ -12,7 +13,9 @@ TLS: --ca (the server's CA; without it the channel is plaintext), --cert/--key f
 sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the run
 ends CANCELED with its output so far; with --cancel-mode after-turn once its turn in progress has
 ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is not
---detached. --say TEXT sends a user message to the run --say-after S seconds after it starts
+--detached. --detach starts the run in the background instead (StartRun): it prints the run's id
+(with --json, the answer) once the run is let in and exits 0; the run goes on bounded by its own
+timeout, and --attach follows it. --say TEXT sends a user message to the run --say-after S seconds after it starts
 (SendMessage: it joins the conversation at the run's next turn boundary). --thread ID continues
 a thread (the model sees its earlier runs), --on-busy reject|enqueue|interrupt|rollback says what
 the run does when another run holds it, and --get-thread ID prints one as JSON. --attach follows a live or finished run from any replica (AttachRun) instead of
@@ -69,6 +72,7 @@ def parse_args(argv):
     p.add_argument("--tool", action="append", default=[], help="allow only these normal tools (repeatable)")
     p.add_argument("--exit-tool", action="append", default=[], help="offer this exit tool (repeatable)")
     p.add_argument("--detached", action="store_true", help="the run goes on if this client goes away")
+    p.add_argument("--detach", action="store_true", help="start the run in the background (StartRun): print its id and exit")
     p.add_argument("--needs-approval", action="append", default=[], metavar="TOOL", help="calls of this tool wait for a decision")
     p.add_argument("--decide", choices=["approve", "reject"], help="decide each call that waits, as it is asked for")
     p.add_argument("--answer", choices=["accept", "decline", "cancel"], help="answer each tool's questions as they are asked")
@@ -89,7 +93,10 @@ def parse_args(argv):
     p.add_argument("--say-after", type=float, default=1.0, help="with --say: after this many seconds")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole call, seconds")
     p.add_argument("--json", action="store_true", help="print each event as one JSON line")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.detach and args.prompt is None:
+        p.error("--detach starts a run: it needs --prompt")
+    return args
 
 
 def read(path):
@@ -363,6 +370,24 @@ def answer(stub, metadata, event, action, content):
     print(f"AnswerToolInput({asked.call_id}): {action}; {len(reply.still_pending)} still waiting", file=sys.stderr, flush=True)
 
 
+def start_detached(args, metadata):
+    """Starts the run in the background (StartRun) and prints its id (with --json, the answer) once
+    it is let in; 0 when it goes on, the status's code when its run id named a run that had ended."""
+    with open_channel(args) as channel:
+        stub = pb_grpc.OrchestratorStub(channel)
+        started = stub.StartRun(build_request(args), metadata=metadata, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(started, preserving_proto_field_name=True)), flush=True)
+    else:
+        print(started.run_id, flush=True)
+    if started.status != pb.RUN_STATUS_RUNNING:
+        status = pb.RunStatus.Name(started.status)
+        print(f"run {started.run_id} had ended {status}: nothing was started", file=sys.stderr)
+        return EXIT.get(started.status, 1)
+    print(f"run {started.run_id} goes on in the background; follow it with --attach {started.run_id}", file=sys.stderr)
+    return 0
+
+
 def list_approvals(args, metadata):
     """Prints the calls waiting that this caller may decide, one JSON line each."""
     with open_channel(args) as channel:
@@ -410,6 +435,8 @@ def run(args):
         return get_thread(args, metadata)
     if args.list_runs:
         return list_runs(args, metadata)
+    if args.detach:
+        return start_detached(args, metadata)
     with open_channel(args) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         follower = Follower(stub, metadata, args)

@@ -57,6 +57,9 @@ impl pb::orchestrator_server::Orchestrator for Floor {
     async fn attach_run(&self, _: Request<pb::AttachRunRequest>) -> Result<Response<Events>, Status> {
         unimplemented()
     }
+    async fn start_run(&self, _: Request<pb::OrchestrateRequest>) -> Result<Response<pb::StartRunResponse>, Status> {
+        unimplemented()
+    }
     async fn get_run(&self, _: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
         unimplemented()
     }

@@ -11,6 +11,8 @@
 //! * A stream follows its run across replicas: drained (`UNAVAILABLE`) or broken off, it
 //!   re-attaches (`AttachRun`) from the last seq it saw, so the caller sees one stream without
 //!   gaps or duplicates. [`Client::attach`] joins a run from any seq, e.g. after a restart.
+//! * [`Client::start`] starts a run in the background and returns its id at once; the run is
+//!   bounded by its own timeout, and anyone allowed follows it with [`Client::attach`].
 //!
 //! ```no_run
 //! use orchestrator_client::{ClientBuilder, Event, RunRequest};
@@ -133,6 +135,21 @@ impl Client {
             .await?;
         let replay = Replay::of(response.metadata());
         Ok(RunStream::new(response.into_inner(), self.clone()).replaying(replay))
+    }
+
+    /// Starts a run in the background (`StartRun`) and returns as soon as it is let in, with
+    /// its id (`run_id`), `RUN_STATUS_RUNNING` and how long it waited for a run slot. The run is
+    /// detached and bounded by its own run timeout, never by this call's deadline; follow it with
+    /// [`attach`](Self::attach), [`get_run`](Self::get_run) or [`cancel_run`](Self::cancel_run).
+    /// A run id whose run had ended starts nothing: the answer carries that run's final status.
+    /// Refusals before the run started (`UNAVAILABLE`, `RESOURCE_EXHAUSTED`) are tried again
+    /// under the [`Retry`] policy.
+    pub async fn start(&self, request: RunRequest) -> Result<pb::StartRunResponse, Error> {
+        Ok(self
+            .retried(request.into_proto(), |mut client, request| async move {
+                client.start_run(request).await
+            })
+            .await?)
     }
 
     /// Attaches to a live or finished run (`AttachRun`): its events after `after_seq` (0: from the

@@ -86,6 +86,35 @@ async fn a_run_streams_typed_events_and_collects_its_result() -> TestResult {
     Ok(())
 }
 
+/// `start` returns the id of a run it started in the background while the run goes on (a slow
+/// one, here); `attach` follows it from its first event to its result, and dropping that stream
+/// leaves the run alone.
+#[tokio::test]
+async fn a_run_started_in_the_background_is_followed_by_its_id() -> TestResult {
+    let stack = Stack::start(scenarios(300), runner_config(None), |_| {}).await?;
+    let client = ClientBuilder::new(format!("http://{}", stack.addr)).connect().await?;
+    let started = client.start(demo().model("slow")).await?;
+    assert_eq!(started.status(), pb::RunStatus::Running, "{started:?}");
+    let live = client.get_run(&started.run_id).await?;
+    assert_eq!(live.status(), pb::RunStatus::Running, "{live:?}");
+    drop(client.attach(&started.run_id, 0).await?);
+    let result = client.attach(&started.run_id, 0).await?.result().await?;
+    assert_eq!(
+        (result.status(), result.text.as_str()),
+        (pb::RunStatus::Completed, "Napping.\nRested."),
+        "{result:?}"
+    );
+    let again = client
+        .start(demo().model("slow").run_id(started.run_id.clone()))
+        .await?;
+    assert_eq!(
+        again.status(),
+        pb::RunStatus::Completed,
+        "an ended run is not started again"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_call_refused_for_want_of_a_run_slot_is_retried_with_backoff() -> TestResult {
     let stack = Stack::start(scenarios(1500), runner_config(None), |config| {
@@ -324,6 +353,13 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn start_run(
+        &self,
+        _: tonic::Request<pb::OrchestrateRequest>,
+    ) -> Result<tonic::Response<pb::StartRunResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn orchestrate(
         &self,
         _: tonic::Request<pb::OrchestrateRequest>,
@@ -539,6 +575,13 @@ impl pb::orchestrator_server::Orchestrator for Mover {
     ) -> Result<tonic::Response<Self::OrchestrateStream>, tonic::Status> {
         let draining = tonic::Status::unavailable("draining; attach to run \"moving-1\" again after seq 3");
         Ok(tonic::Response::new(Self::stream(&[1, 2, 3], Some(draining))))
+    }
+
+    async fn start_run(
+        &self,
+        _: tonic::Request<pb::OrchestrateRequest>,
+    ) -> Result<tonic::Response<pb::StartRunResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
     async fn attach_run(

@@ -4,6 +4,7 @@
  *   npm ci && npm run build
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --prompt "check the tools" \
  *     --exit-tool submit_report [--tool calculate ...] [--ca ca.pem] [--token T] [--json]
+ *   node dist/orchestrate.js --target 127.0.0.1:50051 --prompt "check the tools" --detach
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --attach RUN_ID [--after SEQ]
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --list-approvals [--run-id RUN_ID]
  *   node dist/orchestrate.js --target 127.0.0.1:50051 --list-runs [--status RUNNING] [--label K=V]
@@ -14,7 +15,9 @@
  * sent as `authorization: Bearer <token>`. --cancel-after S calls CancelRun after S seconds (the
  * run ends CANCELED with its output so far; with --cancel-mode after-turn once its turn in
  * progress has ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is
- * not --detached. --say TEXT sends a user message to the run --say-after S seconds after it starts
+ * not --detached. --detach starts the run in the background instead (StartRun): it prints the run's
+ * id (with --json, the answer) once the run is let in and exits 0; the run goes on bounded by its
+ * own timeout, and --attach follows it. --say TEXT sends a user message to the run --say-after S seconds after it starts
  * (SendMessage: it joins the conversation at the run's next turn boundary). --thread ID continues
  * a thread (the model sees its earlier runs), --on-busy reject|enqueue|interrupt|rollback says
  * what the run does when another run holds it, and --get-thread ID prints one as JSON. --attach
@@ -108,6 +111,7 @@ function options() {
       tool: { type: "string", multiple: true, default: [] },
       "exit-tool": { type: "string", multiple: true, default: [] },
       detached: { type: "boolean", default: false },
+      detach: { type: "boolean", default: false },
       "needs-approval": { type: "string", multiple: true, default: [] },
       decide: { type: "string" },
       answer: { type: "string" },
@@ -137,6 +141,7 @@ function options() {
   if (modes.filter((v) => v).length !== 1) {
     throw new Error("one of --prompt, --attach, --list-approvals, --get-thread or --list-runs is required");
   }
+  if (values.detach && values.prompt === undefined) throw new Error("--detach starts a run: it needs --prompt");
   for (const label of values.label) {
     if (label.indexOf("=") < 1) throw new Error(`--label ${JSON.stringify(label)} is not K=V`);
   }
@@ -354,6 +359,37 @@ async function answer(client: any, metadata: grpc.Metadata, e: OrchestrateEvent,
   process.stderr.write(`AnswerToolInput(${asked.call_id}): ${action}; ${reply.still_pending.length} still waiting\n`);
 }
 
+/**
+ * Starts the run in the background (StartRun): prints its id (with --json, the answer) once it
+ * is let in; 0 when it goes on, the status's code when its run id named a run that had ended.
+ */
+async function startDetached(opts: Options): Promise<number> {
+  const client = loadClient(opts);
+  const metadata = new grpc.Metadata();
+  if (opts.token) metadata.set("authorization", `Bearer ${opts.token}`);
+  const deadline = new Date(Date.now() + Number(opts.timeout) * 1000);
+  try {
+    const started = await new Promise<{ run_id: string; status: string }>((done, fail) =>
+      client.StartRun(request(opts), metadata, { deadline }, (err: grpc.ServiceError | null, answer: any) =>
+        err ? fail(err) : done(answer),
+      ),
+    );
+    process.stdout.write(opts.json ? `${JSON.stringify(started)}\n` : `${started.run_id}\n`);
+    if (started.status !== "RUN_STATUS_RUNNING") {
+      process.stderr.write(`run ${started.run_id} had ended ${started.status}: nothing was started\n`);
+      return EXIT[started.status] ?? 1;
+    }
+    process.stderr.write(`run ${started.run_id} goes on in the background; follow it with --attach ${started.run_id}\n`);
+    return 0;
+  } catch (err) {
+    const e = err as grpc.ServiceError;
+    process.stderr.write(`error: ${grpc.status[e.code]}: ${e.details}\n`);
+    return 3;
+  } finally {
+    client.close();
+  }
+}
+
 /** Prints the calls waiting that this caller may decide, one JSON line each. */
 async function listApprovals(opts: Options): Promise<number> {
   const client = loadClient(opts);
@@ -555,6 +591,7 @@ async function main() {
   }
   if (opts["list-approvals"]) return listApprovals(opts);
   if (opts["list-runs"]) return listRuns(opts);
+  if (opts.detach) return startDetached(opts);
   return opts["get-thread"] !== undefined ? getThread(opts) : run(opts);
 }
 

@@ -833,6 +833,78 @@ async fn a_detached_run_outlives_the_deadline_of_the_call_that_started_it() -> T
     Ok(())
 }
 
+/// `StartRun` returns the run's id as soon as the run is let in, and the run is detached whatever
+/// the request says: started by a call with a one-second deadline, it waits for a person past
+/// that deadline and completes once approved. Its id is refused while it is live
+/// (`ALREADY_EXISTS`); once it ended, starting it again starts nothing and answers its final
+/// status, for its owner only (another principal is told `NOT_FOUND`). An empty run id gets one
+/// made by the server.
+#[tokio::test]
+async fn a_run_started_in_the_background_returns_its_id_at_once_and_outlives_the_call() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let mut client = w.client().await?;
+    let mut starting = as_("alice-token", approval_run("background-1"));
+    starting.set_timeout(Duration::from_secs(1));
+    let began = tokio::time::Instant::now();
+    let started = client.start_run(starting).await?.into_inner();
+    assert_eq!(
+        (started.run_id.as_str(), started.status),
+        ("background-1", pb::RunStatus::Running as i32),
+        "{started:?}"
+    );
+    let parked = wait_status(
+        &mut client,
+        "alice-token",
+        "background-1",
+        pb::RunStatus::AwaitingApproval,
+    )
+    .await?;
+    let again = client
+        .start_run(as_("alice-token", approval_run("background-1")))
+        .await
+        .err()
+        .map(|status| status.code());
+    assert_eq!(again, Some(tonic::Code::AlreadyExists), "a live run's id is refused");
+    // Stays: the starting call's deadline must pass, and what is asserted is that nothing happens.
+    tokio::time::sleep_until(began + Duration::from_millis(1500)).await;
+    let still = get(&mut client, "alice-token", "background-1").await?;
+    assert_eq!(
+        still.status,
+        pb::RunStatus::AwaitingApproval as i32,
+        "the starting call's deadline does not end a run started in the background: {still:?}"
+    );
+    let call_id = parked.pending_approvals[0].call_id.clone();
+    decide(
+        &mut client,
+        "carol-token",
+        "background-1",
+        vec![decision(&call_id, pb::DecisionKind::Approve, "", "")],
+    )
+    .await?;
+    wait_status(&mut client, "alice-token", "background-1", pb::RunStatus::Completed).await?;
+    let ended = client
+        .start_run(as_("alice-token", approval_run("background-1")))
+        .await?
+        .into_inner();
+    assert_eq!(ended.status, pb::RunStatus::Completed as i32, "{ended:?}");
+    let foreign = client
+        .start_run(as_("bob-token", approval_run("background-1")))
+        .await
+        .err()
+        .map(|status| status.code());
+    assert_eq!(foreign, Some(tonic::Code::NotFound), "another principal's run");
+    let unnamed = client
+        .start_run(as_("alice-token", approval_run("")))
+        .await?
+        .into_inner();
+    assert!(
+        unnamed.run_id.len() == 36 && unnamed.run_id != "background-1",
+        "a UUIDv7 made by the server: {unnamed:?}"
+    );
+    get(&mut client, "alice-token", &unnamed.run_id).await?;
+    Ok(())
+}
+
 /// Starts 200 runs that each park for approval, four at a time on the four slots (waiting for
 /// each group to park before the next: they hold no slot once parked), and waits until all wait.
 async fn park_200_runs_four_at_a_time(
@@ -1075,6 +1147,58 @@ async fn the_command_line_lists_and_decides() -> TestResult {
             && stderr.contains("(FAILED_PRECONDITION)"),
         "{stderr}"
     );
+    Ok(())
+}
+
+/// From a shell: `orchestrator call --detach` prints the id of the run it started in the
+/// background, alone on stdout, and exits 0 at once, though the run waits for a person; `--json`
+/// prints the answer as JSON; the run is followed with `call --attach` once approved.
+#[tokio::test]
+async fn the_command_line_starts_a_run_in_the_background_and_prints_its_id() -> TestResult {
+    let w = world(refund_then_answer(), &[]).await?;
+    let endpoint = w.endpoint();
+    let alice = ["--endpoint", &endpoint, "--token", "alice-token"];
+    let start = [
+        "call",
+        "--detach",
+        "--prompt",
+        "refund order 7",
+        "--needs-approval",
+        "sleep",
+    ];
+    let (code, printed, stderr) = cli(&[&start[..], &alice, &["--timeout", "5s"]].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let run_id = printed.trim().to_owned();
+    assert_eq!(
+        (run_id.len(), printed.lines().count()),
+        (36, 1),
+        "the id alone: {printed}"
+    );
+    assert!(
+        stderr.contains(&format!("orchestrator call --attach {run_id}")),
+        "{stderr}"
+    );
+    let mut client = w.client().await?;
+    let parked = wait_status(&mut client, "alice-token", &run_id, pb::RunStatus::AwaitingApproval).await?;
+
+    let json = ["--json", "--run-id", "cli-detached-2"];
+    let (code, printed, stderr) = cli(&[&start[..], &alice, &json].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let answer: serde_json::Value = serde_json::from_str(printed.trim())?;
+    assert_eq!(
+        (answer["runId"].as_str(), answer["status"].as_str()),
+        (Some("cli-detached-2"), Some("RUN_STATUS_RUNNING")),
+        "{printed}"
+    );
+
+    let call_id = parked.pending_approvals[0].call_id.clone();
+    let approve = ["decide", "--run-id", &run_id, "--approve", &call_id];
+    let carol = ["--endpoint", &endpoint, "--token", "carol-token"];
+    let (code, _, stderr) = cli(&[&approve[..], &carol].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, printed, stderr) = cli(&[&["call", "--attach", &run_id][..], &alice].concat()).await?;
+    assert_eq!(code, Some(0), "{printed}\n{stderr}");
+    assert!(printed.contains("■ COMPLETED"), "{printed}");
     Ok(())
 }
 

@@ -556,29 +556,41 @@ async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -
             .map(|(_, body)| body["error"]["code"].clone());
         assert_eq!(sleep_error, Some(json!("REJECTED")), "{client}");
 
-        // A detached run left waiting is listed for its owner.
+        // A run started in the background (--detach) prints its id and exits at once; left
+        // waiting, it is listed for its owner, and followed to its end with --attach.
         let run_id = format!("waits-{client}");
         let mut command = make()?;
         command
             .args(deployment.client_args(TOKEN))
             .args(demo)
-            .args(["--detached", "--run-id", &run_id]);
-        let mut waiting = command.kill_on_drop(true).spawn()?;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        let listed = loop {
-            let mut command = make()?;
-            command
-                .args(deployment.client_args(TOKEN))
-                .args(["--list-approvals", "--run-id", &run_id]);
-            let output = run(command).await?;
-            assert_eq!(output.status.code(), Some(0), "{client}: {}", stderr(&output));
-            let stdout = String::from_utf8(output.stdout)?;
-            if !stdout.trim().is_empty() || tokio::time::Instant::now() > deadline {
-                break stdout;
-            }
-            // Stays: the pause between two runs of a client program polling (a process per look).
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+            .args(["--detach", "--run-id", &run_id]);
+        let started = run(command).await?;
+        assert_eq!(started.status.code(), Some(0), "{client}: {}", stderr(&started));
+        // The clients print the answer as JSON with --json (as these tests pass it).
+        let started: Value = serde_json::from_slice(&started.stdout)?;
+        assert_eq!(
+            (started["run_id"].as_str(), started["status"].as_str()),
+            (Some(run_id.as_str()), Some("RUN_STATUS_RUNNING")),
+            "{client}"
+        );
+        let listed = testkit::wait::until(
+            &format!("{client}: run {run_id} to be listed waiting"),
+            Duration::from_secs(30),
+            || {
+                let command = make().map(|mut command| {
+                    command
+                        .args(deployment.client_args(TOKEN))
+                        .args(["--list-approvals", "--run-id", &run_id]);
+                    command
+                });
+                async move {
+                    let output = run(command.ok()?).await.ok()?;
+                    let stdout = String::from_utf8(output.stdout).ok()?;
+                    (output.status.code() == Some(0) && !stdout.trim().is_empty()).then_some(stdout)
+                }
+            },
+        )
+        .await?;
         let listed: Value = serde_json::from_str(listed.lines().next().unwrap_or("null"))?;
         assert_eq!(
             (listed["run_id"].as_str(), listed["name"].as_str()),
@@ -586,7 +598,11 @@ async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -
             "{client}"
         );
         assert_eq!(listed["principal"], "example", "{client}");
-        waiting.kill().await?;
+        let mut command = make()?;
+        command
+            .args(deployment.client_args(TOKEN))
+            .args(["--attach", &run_id, "--decide", "approve"]);
+        check_demo(client, &run(command).await?)?;
     }
     Ok(())
 }

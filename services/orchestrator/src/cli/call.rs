@@ -48,6 +48,8 @@ pub struct CallOptions {
     pub labels: Vec<(String, String)>,
     /// Events as JSON Lines on stdout for scripts; what is said besides them goes to stderr.
     pub json: bool,
+    /// The run's own timeout (`None`: the server's).
+    pub run_timeout: Option<Duration>,
 }
 
 impl CallOptions {
@@ -326,6 +328,35 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
     Ok(result)
 }
 
+/// Starts the run in the background (`StartRun`) and prints its id alone on stdout (with
+/// `json`, the answer as one line of JSON); says on stderr how to follow it. Whether a run is
+/// going on: a run id whose run had ended starts nothing, and that run's status decides.
+pub async fn start_detached(options: &CallOptions) -> Result<bool, Error> {
+    let client = connect(&options.endpoint, options.token.as_deref(), options.timeout).await?;
+    let started = client
+        .start(run_request(options))
+        .await
+        .map_err(|e| refused("start the run", e))?;
+    let status = pb::RunStatus::try_from(started.status).unwrap_or_default();
+    match options.json {
+        true => super::output::print_json(&started, "orchestrator.v1.StartRunResponse")?,
+        false => println!("{}", started.run_id),
+    }
+    let run_id = &started.run_id;
+    if status != pb::RunStatus::Running {
+        eprintln!(
+            "run {run_id} had ended {}: nothing was started (follow it: orchestrator call --attach {run_id})",
+            status_name(started.status)
+        );
+        return Ok(status == pb::RunStatus::Completed);
+    }
+    eprintln!(
+        "▶ run {run_id} goes on in the background; follow it with `orchestrator call --attach {run_id}`, \
+         see it with `orchestrator get {run_id}`"
+    );
+    Ok(true)
+}
+
 /// Starts the run; while it is not let in yet (its thread held by another run, or every run
 /// slot it may use taken), says so every few seconds when what it waits for changes.
 async fn start_telling(client: &orchestrator_client::Client, options: &CallOptions) -> Result<RunStream, Error> {
@@ -418,6 +449,9 @@ fn run_request(options: &CallOptions) -> RunRequest {
     for (key, value) in &options.labels {
         request = request.label(key.clone(), value.clone());
     }
+    if let Some(timeout) = options.run_timeout {
+        request = request.run_timeout(timeout);
+    }
     request
 }
 
@@ -495,9 +529,17 @@ pub struct CallArgs {
     /// Run id (default: a new UUIDv7).
     #[arg(long, value_parser = super::run_id)]
     pub run_id: Option<String>,
-    /// Deadline of the call.
+    /// Deadline of the call. It bounds the run too, unless --detach (which bounds only the wait
+    /// for the run to be let in).
     #[arg(long, default_value = "10m", value_parser = shared::config::parse_duration)]
     pub timeout: Duration,
+    /// Start the run in the background (StartRun): print its id once it is let in and return;
+    /// the run goes on bounded by its own timeout (--run-timeout, or the server's).
+    #[arg(long, conflicts_with = "attach")]
+    pub detach: bool,
+    /// The run's own timeout (default: the server's run timeout).
+    #[arg(long, value_parser = shared::config::parse_duration)]
+    pub run_timeout: Option<Duration>,
     /// tool_choice: auto, none, required or a tool name (required and a name: first turn only).
     #[arg(long, default_value = "")]
     pub tool_choice: String,
@@ -591,6 +633,7 @@ impl CallArgs {
             on_busy: self.on_busy.unwrap_or(OnBusy::Reject).into(),
             labels: self.labels.clone(),
             json: self.json,
+            run_timeout: self.run_timeout,
             params: pb::ModelParams {
                 tool_choice: self.tool_choice.clone(),
                 temperature: self.temperature,

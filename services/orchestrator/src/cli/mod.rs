@@ -135,7 +135,8 @@ pub enum Command {
 /// The commands that call a running orchestrator.
 #[derive(Debug, Subcommand)]
 pub enum ClientCommand {
-    /// Start a run on a running orchestrator and print its events, or attach to one (--attach).
+    /// Start a run on a running orchestrator and print its events, start one in the background
+    /// (--detach: its id), or attach to one (--attach).
     Call(Box<call::CallArgs>),
     /// Show a run, live or ended (GetRun): its status, output so far, calls and what it waits for.
     #[command(visible_alias = "show")]
@@ -165,6 +166,7 @@ impl ClientCommand {
     /// (a run that did not complete).
     pub async fn run(self) -> Result<bool, crate::Error> {
         match self {
+            Self::Call(args) if args.detach => call::start_detached(&args.to_options()?).await,
             Self::Call(args) => {
                 let result = call::call(&args.to_options()?).await?;
                 Ok(result.status == proto::orchestrator::v1::RunStatus::Completed as i32)

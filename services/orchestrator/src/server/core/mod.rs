@@ -89,6 +89,13 @@ fn not_taking(run_id: &str, refused: Refused) -> String {
     }
 }
 
+/// What admission made of a run: let in (its spec as admitted), or the run that had ended under
+/// its id.
+enum Admission {
+    Let(Box<(Admitted, RunSpec)>),
+    Ended(Box<RunResult>),
+}
+
 /// Rows of a `ListRuns` page that asks for no size.
 const DEFAULT_PAGE_SIZE: usize = 50;
 
@@ -118,8 +125,7 @@ impl Core {
     }
 
     /// Admits and starts the run `spec` of `caller` (in the trace `trace_context` carries), or
-    /// replays the finished run with its id (saying how); its events for the caller. A run on a
-    /// thread takes the thread first (see `take_thread`), and lets it go if it is not let in.
+    /// replays the finished run with its id (saying how); its events for the caller.
     pub(crate) async fn orchestrate(
         self: &Arc<Self>,
         spec: RunSpec,
@@ -127,13 +133,53 @@ impl Core {
         trace_context: &tonic::metadata::MetadataMap,
         caller: Arc<Principal>,
     ) -> Result<(RunEvents, Option<Replayed>), Error> {
-        self.within_hourly_budget(&caller).await?;
-        let (mut spec, took_thread) = self.take_thread(spec, &caller).await?;
+        match self.admit(spec, &caller).await? {
+            Admission::Let(let_in) => {
+                let (admitted, spec) = *let_in;
+                Ok((self.start(admitted, spec, detached, trace_context, caller), None))
+            }
+            Admission::Ended(result) => {
+                let (events, replayed) = self.replay(*result, &caller).await;
+                Ok((events, Some(replayed)))
+            }
+        }
+    }
+
+    /// Admits the run `spec` of `caller` and starts it in the background, detached, with no
+    /// caller following it (`StartRun`): its status then (`Running`, or the final status of the
+    /// run that had ended under its id, which is not started again) and how long it waited for
+    /// a slot.
+    pub(crate) async fn start_in_background(
+        self: &Arc<Self>,
+        spec: RunSpec,
+        trace_context: &tonic::metadata::MetadataMap,
+        caller: Arc<Principal>,
+    ) -> Result<(RunStatus, u64), Error> {
+        match self.admit(spec, &caller).await? {
+            Admission::Let(let_in) => {
+                let (mut admitted, spec) = *let_in;
+                let queued_ms = spec.queued_ms;
+                let emitter = Emitter::new(None, Arc::clone(&admitted.state), self.emit_settings(), None)
+                    .with_log(admitted.log.take());
+                self.spawn_run(admitted, spec, emitter, None, trace_context);
+                Ok((RunStatus::Running, queued_ms))
+            }
+            Admission::Ended(result) => Ok((result.status, 0)),
+        }
+    }
+
+    /// Lets the run `spec` of `caller` in: within the caller's hourly budget, holding its thread
+    /// (see `take_thread`, let go again when the run is not let in), then a run slot, waiting in
+    /// the queue for one when they are all taken. A run id whose run has ended is answered with
+    /// that run's result.
+    async fn admit(&self, spec: RunSpec, caller: &Arc<Principal>) -> Result<Admission, Error> {
+        self.within_hourly_budget(caller).await?;
+        let (mut spec, took_thread) = self.take_thread(spec, caller).await?;
         spec.max_runs = caller.max_runs;
         let run_id = spec.run_id.clone();
         let admitted = self
             .runs
-            .admit_queued(&run_id, &caller, Some(&spec), spec.deadline.at)
+            .admit_queued(&run_id, caller, Some(&spec), spec.deadline.at)
             .await;
         if admitted.is_err() && took_thread {
             self.leave_thread(&spec).await;
@@ -142,12 +188,9 @@ impl Core {
             Ok(Queuing { admitted, waited }) => {
                 spec.queued_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
                 shared::sync::lock(&admitted.state).queued_ms = spec.queued_ms;
-                Ok((self.start(admitted, spec, detached, trace_context, caller), None))
+                Ok(Admission::Let(Box::new((admitted, spec))))
             }
-            Err(Refusal::Finished(result)) => {
-                let (events, replayed) = self.replay(*result, &caller).await;
-                Ok((events, Some(replayed)))
-            }
+            Err(Refusal::Finished(result)) => Ok(Admission::Ended(result)),
             Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id)),
             Err(Refusal::Full(slots)) => Err(Error::Busy(slots)),
             Err(Refusal::CallerFull(limit)) => Err(Error::CallerBusy {
@@ -189,13 +232,25 @@ impl Core {
         };
         let state = Arc::clone(&admitted.state);
         let emitter = Emitter::new(Some(tx), Arc::clone(&state), settings, on_stall).with_log(log);
-        let span = crate::telemetry::invoke_agent_span(&spec.model, &run_id, &spec.principal);
-        shared::telemetry::continue_trace(&span, trace_context);
-        let run = admitted.into_run(spec, emitter, caller_gone);
-        shared::tasks::spawn(crate::run::tool_loop::run(run, self.deps.clone()).instrument(span));
+        self.spawn_run(admitted, spec, emitter, caller_gone, trace_context);
         // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
         let events = ReceiverStream::new(rx).flat_map(futures::stream::iter);
         streams::caller_stream(self.stream_deps(), run_id, caller, state, events)
+    }
+
+    /// Runs the admitted run `spec` as its own task, in the trace `trace_context` carries.
+    fn spawn_run(
+        &self,
+        admitted: Admitted,
+        spec: RunSpec,
+        emitter: Emitter,
+        caller_gone: Option<mpsc::Sender<EventBatch>>,
+        trace_context: &tonic::metadata::MetadataMap,
+    ) {
+        let span = crate::telemetry::invoke_agent_span(&spec.model, &spec.run_id, &spec.principal);
+        shared::telemetry::continue_trace(&span, trace_context);
+        let run = admitted.into_run(spec, emitter, caller_gone);
+        shared::tasks::spawn(crate::run::tool_loop::run(run, self.deps.clone()).instrument(span));
     }
 
     /// Goes on with a run taken over or unparked here, as its own task with no caller of its own

@@ -36,6 +36,32 @@ impl OrchestratorService {
     }
 }
 
+impl OrchestratorService {
+    /// The run `run_request` of `caller` asks for, resolved against the tool catalog (waited for
+    /// while it is still empty) and the server's settings; `caller_deadline` shortens its
+    /// deadline.
+    async fn spec(
+        &self,
+        run_request: RunRequest,
+        caller: &shared::auth::Principal,
+        caller_deadline: Option<Duration>,
+        received_at: tokio::time::Instant,
+    ) -> Result<crate::domain::RunSpec, Status> {
+        let catalog = match &self.core.runners {
+            Some(runners) => runners.answering_catalog(CATALOG_WAIT).await?,
+            None => Arc::default(),
+        };
+        Ok(resolve(
+            run_request,
+            &catalog,
+            &self.core.config,
+            caller,
+            caller_deadline,
+            received_at,
+        )?)
+    }
+}
+
 /// A run's events as proto events.
 fn events_pb(run_id: String, events: RunEvents) -> EventStream {
     events
@@ -67,18 +93,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let detached = run_request.detached;
         // A detached run is bounded by its own timeout only: the call that started it may end.
         let caller_deadline = grpc_timeout.filter(|_| !detached);
-        let catalog = match &core.runners {
-            Some(runners) => runners.answering_catalog(CATALOG_WAIT).await?,
-            None => Arc::default(),
-        };
-        let spec = resolve(
-            run_request,
-            &catalog,
-            &core.config,
-            &caller,
-            caller_deadline,
-            received_at,
-        )?;
+        let spec = self.spec(run_request, &caller, caller_deadline, received_at).await?;
         let run_id = spec.run_id.clone();
         let (events, replayed) = core.orchestrate(spec, detached, &trace_context, caller).await?;
         let mut response = Response::new(events_pb(run_id, events));
@@ -89,6 +104,27 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             );
         }
         Ok(response)
+    }
+
+    async fn start_run(
+        &self,
+        request: Request<pb::OrchestrateRequest>,
+    ) -> Result<Response<pb::StartRunResponse>, Status> {
+        self.core.refuse_when_draining()?;
+        let received_at = tokio::time::Instant::now();
+        let caller = caller(&request);
+        let trace_context = request.metadata().clone();
+        let mut run_request = RunRequest::try_from(request.into_inner())?;
+        // A run started in the background is detached: no call follows it, none bounds it.
+        run_request.detached = true;
+        let spec = self.spec(run_request, &caller, None, received_at).await?;
+        let run_id = spec.run_id.clone();
+        let (status, queued_ms) = self.core.start_in_background(spec, &trace_context, caller).await?;
+        Ok(Response::new(pb::StartRunResponse {
+            run_id,
+            status: pb::RunStatus::from(status).into(),
+            queued_ms,
+        }))
     }
 
     async fn attach_run(&self, request: Request<pb::AttachRunRequest>) -> Result<Response<EventStream>, Status> {
