@@ -60,6 +60,9 @@ impl pb::orchestrator_server::Orchestrator for Floor {
     async fn start_run(&self, _: Request<pb::OrchestrateRequest>) -> Result<Response<pb::StartRunResponse>, Status> {
         unimplemented()
     }
+    async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        unimplemented()
+    }
     async fn get_run(&self, _: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
         unimplemented()
     }

@@ -152,6 +152,16 @@ impl Client {
             .await?)
     }
 
+    /// The named agents this caller may use (`ListAgents`), by name.
+    pub async fn list_agents(&self) -> Result<Vec<pb::Agent>, Error> {
+        let answer = self
+            .retried(pb::ListAgentsRequest {}, |mut client, request| async move {
+                client.list_agents(request).await
+            })
+            .await?;
+        Ok(answer.agents)
+    }
+
     /// Attaches to a live or finished run (`AttachRun`): its events after `after_seq` (0: from the
     /// start), then the live ones up to `run_finished`, from any replica. The stream re-attaches
     /// by itself as [`orchestrate`](Self::orchestrate)'s does; dropping it does not cancel the

@@ -143,6 +143,13 @@ impl RunRequest {
         self
     }
 
+    /// Runs as the named agent `name` (`ListAgents`): its definition fills what the request
+    /// leaves out, and the request may set only what the agent lets it override.
+    pub fn agent(mut self, name: impl Into<String>) -> Self {
+        self.request.agent = name.into();
+        self
+    }
+
     /// The run goes on if the caller goes away (a dropped [`RunStream`](crate::RunStream) still
     /// cancels it).
     pub fn detached(mut self, detached: bool) -> Self {

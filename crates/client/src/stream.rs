@@ -66,7 +66,7 @@ pub enum Event {
     /// task); never part of what the model sees.
     ToolCallProgress(pb::ToolCallProgress),
     /// The run ended; always the last event.
-    Finished(pb::RunResult),
+    Finished(Box<pb::RunResult>),
 }
 
 impl Event {
@@ -91,7 +91,7 @@ impl Event {
             E::MessageAdded(e) => Self::MessageAdded(e),
             E::ToolInputRequested(e) => Self::ToolInputRequested(e),
             E::ToolCallProgress(e) => Self::ToolCallProgress(e),
-            E::RunFinished(e) => Self::Finished(e.result.unwrap_or_default()),
+            E::RunFinished(e) => Self::Finished(Box::new(e.result.unwrap_or_default())),
         }
     }
 
@@ -110,7 +110,7 @@ impl Event {
             Self::MessageAdded(e) => E::MessageAdded(e),
             Self::ToolInputRequested(e) => E::ToolInputRequested(e),
             Self::ToolCallProgress(e) => E::ToolCallProgress(e),
-            Self::Finished(result) => E::RunFinished(pb::RunFinished { result: Some(result) }),
+            Self::Finished(result) => E::RunFinished(pb::RunFinished { result: Some(*result) }),
         }
     }
 }
@@ -338,7 +338,7 @@ impl RunStream {
         let mut result = None;
         while let Some(event) = self.next_event().await? {
             if let Event::Finished(finished) = event {
-                result = Some(finished);
+                result = Some(*finished);
             }
         }
         result.ok_or(Error::Unfinished)

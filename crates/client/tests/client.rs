@@ -72,7 +72,7 @@ async fn a_run_streams_typed_events_and_collects_its_result() -> TestResult {
     };
     assert_eq!(result.status(), pb::RunStatus::Completed);
     assert_eq!(result.text, text);
-    assert_eq!(client.get_run("typed-1").await?, *result);
+    assert_eq!(client.get_run("typed-1").await?, **result);
 
     // The helper: a run straight to its result; canceling a finished run is a no-op.
     let result = client.run(demo()).await?;
@@ -360,6 +360,13 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn list_agents(
+        &self,
+        _: tonic::Request<pb::ListAgentsRequest>,
+    ) -> Result<tonic::Response<pb::ListAgentsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn orchestrate(
         &self,
         _: tonic::Request<pb::OrchestrateRequest>,
@@ -581,6 +588,13 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         &self,
         _: tonic::Request<pb::OrchestrateRequest>,
     ) -> Result<tonic::Response<pb::StartRunResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn list_agents(
+        &self,
+        _: tonic::Request<pb::ListAgentsRequest>,
+    ) -> Result<tonic::Response<pb::ListAgentsResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 

@@ -274,7 +274,7 @@ macro_rules! security_settings {
             /// PEM CA bundle: callers must present a certificate it signed (mTLS; needs --tls-cert).
             #[arg(long, env = concat!($prefix, "_TLS_CLIENT_CA"))]
             pub tls_client_ca: Option<std::path::PathBuf>,
-            /// How often the TLS files, --auth-tokens and the orchestrator's --tool-runner-* files are checked for changes (cap 1h).
+            /// How often the TLS files, --auth-tokens and the orchestrator's --agents and --tool-runner-* files are checked for changes (cap 1h).
             #[arg(long, env = concat!($prefix, "_TLS_RELOAD_INTERVAL"), default_value = "10s", value_parser = $crate::config::parse_duration)]
             pub tls_reload_interval: std::time::Duration,
             /// Longest TLS handshake before the connection is closed (cap 60s).

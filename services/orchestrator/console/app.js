@@ -169,12 +169,13 @@ function runsView(params) {
   const thread = h("input", { name: "thread", value: params.get("thread") ?? "" });
   const label = h("input", { name: "label", placeholder: "key=value", value: params.get("label") ?? "" });
   const principal = h("input", { name: "principal", value: params.get("principal") ?? "" });
+  const agent = h("input", { name: "agent", value: params.get("agent") ?? "" });
   status.value = params.get("status") ?? "";
   const rows = h("tbody");
   const more = h("p");
   let pageToken = "";
   const request = () => {
-    const asked = { threadId: thread.value.trim(), principal: principal.value.trim(), pageSize: 50, pageToken };
+    const asked = { threadId: thread.value.trim(), principal: principal.value.trim(), agent: agent.value.trim(), pageSize: 50, pageToken };
     if (status.value) asked.statuses = [`RUN_STATUS_${status.value}`];
     const [key, ...value] = label.value.split("=");
     if (key.trim()) asked.labels = { [key.trim()]: value.join("=") };
@@ -191,6 +192,7 @@ function runsView(params) {
           h("td", { class: `status ${statusName(run.status)}` }, statusName(run.status)),
           h("td", {}, run.principal || "-"),
           h("td", {}, run.threadId ? h("a", { href: `#/threads/${encodeURIComponent(run.threadId)}` }, run.threadId) : "-"),
+          h("td", {}, run.agent ? h("span", { title: `version ${run.agentVersion}` }, run.agent) : "-"),
           h("td", { class: "number" }, run.turns),
           h("td", { class: "number" }, Number(run.usage?.promptTokens ?? 0) + Number(run.usage?.completionTokens ?? 0)),
           h("td", {}, time(run.createdAtMs)),
@@ -198,7 +200,7 @@ function runsView(params) {
         ),
       ),
     );
-    if (!page.runs.length) rows.replaceChildren(h("tr", {}, h("td", { colspan: 8, class: "muted" }, "No run matches.")));
+    if (!page.runs.length) rows.replaceChildren(h("tr", {}, h("td", { colspan: 9, class: "muted" }, "No run matches.")));
     more.replaceChildren(
       page.nextPageToken
         ? h("button", { type: "button", onclick: () => { pageToken = page.nextPageToken; draw(); } }, "Next page")
@@ -212,10 +214,11 @@ function runsView(params) {
     field("Status", status),
     field("Thread", thread),
     field("Label", label),
+    field("Agent", agent),
     isOperator() ? field("Principal", principal) : "",
     h("button", { type: "submit" }, "Apply"),
   );
-  const head = ["Run", "Status", "Principal", "Thread", "Turns", "Tokens", "Created", "Labels"].map((c) =>
+  const head = ["Run", "Status", "Principal", "Thread", "Agent", "Turns", "Tokens", "Created", "Labels"].map((c) =>
     h("th", { scope: "col", class: c === "Turns" || c === "Tokens" ? "number" : "" }, c),
   );
   main.replaceChildren(
@@ -401,7 +404,10 @@ function runView(runId) {
   // The run first (a refusal says "not found" in the page), then its events.
   const check = async () => {
     try {
-      await rpc("GetRun", { runId });
+      const run = await rpc("GetRun", { runId });
+      if (run.agent && !heading.nextElementSibling?.classList.contains("agent")) {
+        heading.after(h("p", { class: "agent" }, `Agent ${run.agent} · version ${run.agentVersion}`));
+      }
       if (!source || source.readyState === EventSource.CLOSED) follow();
     } catch (x) {
       if (x.status === 404) {

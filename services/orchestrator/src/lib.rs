@@ -5,6 +5,7 @@
 //!   ports the loop and the server talk through;
 //! * [`run`] (module): the tool loop — nothing there knows about gRPC or HTTP;
 //! * `registry`: the live runs of this replica — slots, admission, attach, cancel, steering;
+//! * `agents`: the named agents of the agents file (`--agents`), reloaded when it changes;
 //! * [`threads`]: threads across runs: the keeper (changes by their rules on the thread store)
 //!   and the busy policies;
 //! * [`server`]: [`serve`] and a folder per role: the application core (`Core`, the operations
@@ -15,13 +16,14 @@
 //!   threads, the journal of durable runs; a folder per backend);
 //! * [`config`]: the settings, in sections; `error`: the crate's error and its gRPC codes;
 //!   [`cli`]: the command line and its client commands (`call`, `get`, `cancel`, `runs`,
-//!   `approvals`, `decide`, `answer`, `say`, `thread`, `usage`); `telemetry`: span and metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
+//!   `approvals`, `decide`, `answer`, `say`, `thread`, `usage`, `agents`); `telemetry`: span and metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
 //!   keeps); [`json`]: the contract's JSON mapping (the CLI's `--json`, the console's pages).
 //!   The NATS adapters reach JetStream only through the seam `shared::jetstream`, which the
 //!   simulation replaces.
 
 #![forbid(unsafe_code)]
 
+pub(crate) mod agents;
 pub mod cli;
 pub mod config;
 pub mod domain;

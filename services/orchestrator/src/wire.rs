@@ -386,6 +386,7 @@ impl TryFrom<pb::RunResult> for RunResult {
             queued_ms: r.queued_ms,
             // Not on the wire: the run's record keeps it beside the result.
             ends_after_turn: None,
+            agent: agent_from_wire(r.agent, r.agent_version),
         })
     }
 }
@@ -427,8 +428,15 @@ impl From<&RunResult> for pb::RunResult {
             created_at_ms: unix_ms_pb(r.created_at_ms),
             updated_at_ms: unix_ms_pb(r.updated_at_ms),
             queued_ms: r.queued_ms,
+            agent: r.agent.as_ref().map(|a| a.name.clone()).unwrap_or_default(),
+            agent_version: r.agent.as_ref().map(|a| a.version.clone()).unwrap_or_default(),
         }
     }
+}
+
+/// A run's agent as the proto carries it: its name, empty for none.
+fn agent_from_wire(name: String, version: String) -> Option<crate::domain::agent::AgentRef> {
+    (!name.is_empty()).then_some(crate::domain::agent::AgentRef { name, version })
 }
 
 /// A time in Unix ms as the proto carries it (int64).
@@ -459,6 +467,8 @@ impl From<&crate::domain::listing::RunSummary> for pb::RunSummary {
             usage: Some(usage_pb(r.usage)),
             tool_calls: r.tool_calls,
             waiting_for: waiting_for.into(),
+            agent: r.agent.as_ref().map(|a| a.name.clone()).unwrap_or_default(),
+            agent_version: r.agent.as_ref().map(|a| a.version.clone()).unwrap_or_default(),
         }
     }
 }

@@ -1202,6 +1202,149 @@ async fn the_command_line_starts_a_run_in_the_background_and_prints_its_id() -> 
     Ok(())
 }
 
+/// Named agents (`--agents`): "refunds" is alice's only, sends its own system message and model,
+/// and makes its `sleep` calls wait for approval; a request naming it sets only what it allows.
+const AGENTS: &str = r#"
+[[agent]]
+name = "refunds"
+description = "Refunds orders once a person approves"
+model = "refund-model"
+system = "You handle refunds for the shop."
+tools = ["sleep", "echo"]
+needs_approval = ["sleep"]
+principals = ["alice"]
+overridable = ["params"]
+[agent.limits]
+max_turns = 4
+
+[[agent]]
+name = "helper"
+"#;
+
+/// A request naming an agent takes its definition (its model and system message reach the
+/// model server; its approval rules park the run) and may set only what it allows; `ListAgents`
+/// lists the agents open to each caller, and another's is `NOT_FOUND`; the run records the
+/// agent and its version (`GetRun`, `ListRuns` filtered by agent, `orchestrator get`,
+/// `orchestrator runs --agent`, `orchestrator agents`); a changed file is read again, with a new
+/// version for new runs while a run keeps the version it ran as.
+#[tokio::test]
+async fn a_named_agent_fills_a_request_and_its_runs_record_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let agents = dir.path().join("agents.toml");
+    std::fs::write(&agents, AGENTS)?;
+    let agents_flag = agents.display().to_string();
+    let w = world(
+        refund_then_answer(),
+        &["--agents", &agents_flag, "--tls-reload-interval", "1s"],
+    )
+    .await?;
+    let mut client = w.client().await?;
+    let lister = client.clone();
+    let listed = |token: &'static str| {
+        let mut client = lister.clone();
+        async move {
+            let answer = client
+                .list_agents(as_(token, pb::ListAgentsRequest {}))
+                .await?
+                .into_inner();
+            anyhow::Ok(answer.agents)
+        }
+    };
+    let alices = listed("alice-token").await?;
+    let names: Vec<&str> = alices.iter().map(|a| a.name.as_str()).collect();
+    assert_eq!(names, ["helper", "refunds"]);
+    let bobs: Vec<String> = listed("bob-token").await?.into_iter().map(|a| a.name).collect();
+    assert_eq!(bobs, ["helper"], "refunds is alice's only");
+    let version = alices[1].version.clone();
+
+    let naming = |run_id: &str| pb::OrchestrateRequest {
+        agent: "refunds".into(),
+        run_id: run_id.into(),
+        ..testkit::user("refund order 7")
+    };
+    let code = |answer: Result<tonic::Response<pb::StartRunResponse>, tonic::Status>| {
+        answer.err().map(|s| (s.code(), s.message().to_owned()))
+    };
+    let foreign = code(client.start_run(as_("bob-token", naming("agent-bob"))).await);
+    assert_eq!(foreign.map(|f| f.0), Some(tonic::Code::NotFound));
+    let overriding = pb::OrchestrateRequest {
+        model: "other".into(),
+        ..naming("agent-model")
+    };
+    let refused =
+        code(client.start_run(as_("alice-token", overriding)).await).unwrap_or((tonic::Code::Ok, String::new()));
+    assert_eq!(refused.0, tonic::Code::InvalidArgument);
+    assert!(refused.1.contains("does not let a request set model"), "{}", refused.1);
+
+    client.start_run(as_("alice-token", naming("agent-1"))).await?;
+    let parked = wait_status(&mut client, "alice-token", "agent-1", pb::RunStatus::AwaitingApproval).await?;
+    assert_eq!(
+        (parked.agent.as_str(), parked.agent_version.as_str()),
+        ("refunds", version.as_str())
+    );
+    let sent = w.llm.requests();
+    let first = sent.first().cloned().unwrap_or_default();
+    assert_eq!(first["model"], "refund-model", "the agent's model");
+    assert!(
+        first["messages"]
+            .to_string()
+            .contains("You handle refunds for the shop."),
+        "the agent's system message: {first}"
+    );
+
+    let by_agent = |agent: &str| pb::ListRunsRequest {
+        agent: agent.into(),
+        ..Default::default()
+    };
+    let found = client
+        .list_runs(as_("alice-token", by_agent("refunds")))
+        .await?
+        .into_inner();
+    let ids: Vec<&str> = found.runs.iter().map(|r| r.run_id.as_str()).collect();
+    assert_eq!(ids, ["agent-1"]);
+    assert_eq!(found.runs[0].agent_version, version);
+    let none = client
+        .list_runs(as_("alice-token", by_agent("helper")))
+        .await?
+        .into_inner();
+    assert!(none.runs.is_empty(), "{none:?}");
+
+    let endpoint = w.endpoint();
+    let alice = ["--endpoint", &endpoint, "--token", "alice-token"];
+    let (code_, printed, stderr) = cli(&[&["get", "agent-1"][..], &alice].concat()).await?;
+    assert_eq!(code_, Some(0), "{stderr}");
+    assert!(
+        printed.contains(&format!("agent refunds (version {version})")),
+        "{printed}"
+    );
+    let (code_, printed, stderr) = cli(&[&["runs", "--agent", "refunds"][..], &alice].concat()).await?;
+    assert_eq!(code_, Some(0), "{stderr}");
+    assert!(printed.contains("agent-1") && printed.contains("AGENT"), "{printed}");
+    let (code_, printed, stderr) = cli(&[&["agents"][..], &alice].concat()).await?;
+    assert_eq!(code_, Some(0), "{stderr}");
+    assert!(
+        printed.contains("refunds") && printed.contains(&version) && printed.contains("refund-model"),
+        "{printed}"
+    );
+
+    std::fs::write(&agents, AGENTS.replace("max_turns = 4", "max_turns = 5"))?;
+    let changed = testkit::wait::until("the changed agents file to be read", Duration::from_secs(20), || {
+        let (listed, version) = (listed("alice-token"), version.clone());
+        async move {
+            let agents = listed.await.ok()?;
+            agents.into_iter().find(|a| a.name == "refunds" && a.version != version)
+        }
+    })
+    .await?;
+    assert_ne!(changed.version, version);
+    let still = get(&mut client, "alice-token", "agent-1").await?;
+    assert_eq!(
+        still.agent_version, version,
+        "a run keeps the version it was admitted with"
+    );
+    Ok(())
+}
+
 /// Replicas sharing a real `nats-server -js` (the NATS store): each with the tokens file, on one
 /// tool-runner and the stand-in model, with a lease of 2 s.
 struct Fleet {

@@ -98,11 +98,7 @@ struct World {
 }
 
 impl World {
-    async fn start() -> anyhow::Result<Self> {
-        Self::start_with(&[]).await
-    }
-
-    /// [`World::start`], the replicas given `flags` too.
+    /// The world, the replicas given `flags` too.
     async fn start_with(flags: &[&str]) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let tokens = dir.path().join("tokens.toml");
@@ -335,7 +331,14 @@ async fn screenshot(browser: &Browser, name: &str) -> TestResult {
 
 #[tokio::test]
 async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult {
-    let mut world = World::start().await?;
+    let agents = tempfile::tempdir()?;
+    let agents_file = agents.path().join("agents.toml");
+    std::fs::write(
+        &agents_file,
+        "[[agent]]\nname = \"counter\"\noverridable = [\"model\"]\n",
+    )?;
+    let agents_flag = agents_file.display().to_string();
+    let mut world = World::start_with(&["--agents", &agents_flag]).await?;
     let chrome = Chrome::start().await?;
     let browser = &chrome.browser;
     let (alice_a, alice_b, bob_a) = (
@@ -364,6 +367,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
         RunRequest::prompt("Count.")
             .run_id("counting-1")
             .model("counting")
+            .agent("counter")
             .thread("support-42"),
     )
     .await?;
@@ -382,10 +386,13 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     .await?;
     screenshot(browser, "run").await?;
     shows(browser, "COMPLETED").await?;
+    shows(browser, "Agent counter · version").await?;
 
     // The runs page lists it; the thread page shows its messages.
     visit(browser, &console, "#/runs").await?;
-    find(browser, &listed("counting-1")).await?;
+    let row = find(browser, &format!("{}/ancestor::tr", listed("counting-1"))).await?;
+    let row = row.text().await?;
+    assert!(row.contains("counter"), "the runs page shows the run's agent: {row}");
     screenshot(browser, "runs").await?;
     visit(browser, &console, "#/threads/support-42").await?;
     shows(browser, "One, two").await?;

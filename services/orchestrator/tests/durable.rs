@@ -528,7 +528,7 @@ impl Follower {
             }
         }
         Ok((
-            result.ok_or_else(|| anyhow::anyhow!("no run_finished"))?,
+            *result.ok_or_else(|| anyhow::anyhow!("no run_finished"))?,
             transcript.text().to_owned(),
         ))
     }

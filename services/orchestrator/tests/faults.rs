@@ -1042,7 +1042,7 @@ async fn nats_down_mid_call_stops_the_run_and_it_completes_from_its_checkpoint_o
     );
     assert!(stream.reattached() >= 1, "the caller re-attached");
     let other = orchestrator_on_nats(&nats.url(), &mock.base_url(), &runner, &[]).await?;
-    assert_eq!(get_run(&mut client(&other).await?, "while-down").await?, finished);
+    assert_eq!(get_run(&mut client(&other).await?, "while-down").await?, *finished);
     other.stop().await?;
     assert_eq!(mock.requests().len(), 2, "the model was asked once per turn");
     service.stop().await

@@ -1072,6 +1072,7 @@ fn spec(run_id: &str, quiet: bool) -> RunSpec {
         affinity_key: String::new(),
         eager_dispatch: false,
         thread,
+        agent: None,
     }
 }
 

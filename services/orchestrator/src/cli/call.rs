@@ -50,6 +50,8 @@ pub struct CallOptions {
     pub json: bool,
     /// The run's own timeout (`None`: the server's).
     pub run_timeout: Option<Duration>,
+    /// The named agent the run takes its definition from (empty: none).
+    pub agent: String,
 }
 
 impl CallOptions {
@@ -452,6 +454,9 @@ fn run_request(options: &CallOptions) -> RunRequest {
     if let Some(timeout) = options.run_timeout {
         request = request.run_timeout(timeout);
     }
+    if !options.agent.is_empty() {
+        request = request.agent(options.agent.clone());
+    }
     request
 }
 
@@ -478,7 +483,7 @@ async fn print_to_end(mut run: RunStream, whole: bool, json: bool) -> Result<Opt
             printer.run_id = id.to_owned();
         }
         if let E::Finished(finished) = &event {
-            result = Some(finished.clone());
+            result = Some(finished.as_ref().clone());
         }
         match json {
             true => print_json_line(&run, event)?,
@@ -540,6 +545,10 @@ pub struct CallArgs {
     /// The run's own timeout (default: the server's run timeout).
     #[arg(long, value_parser = shared::config::parse_duration)]
     pub run_timeout: Option<Duration>,
+    /// Run as this named agent (`orchestrator agents` lists them): its model, system message,
+    /// tools and limits; the other flags set only what the agent lets a request override.
+    #[arg(long, value_name = "NAME")]
+    pub agent: Option<String>,
     /// tool_choice: auto, none, required or a tool name (required and a name: first turn only).
     #[arg(long, default_value = "")]
     pub tool_choice: String,
@@ -634,6 +643,7 @@ impl CallArgs {
             labels: self.labels.clone(),
             json: self.json,
             run_timeout: self.run_timeout,
+            agent: self.agent.clone().unwrap_or_default(),
             params: pb::ModelParams {
                 tool_choice: self.tool_choice.clone(),
                 temperature: self.temperature,

@@ -159,6 +159,8 @@ pub enum ClientCommand {
     Thread(thread::ThreadArgs),
     /// What a principal spent an hour at a time (GetUsage): yours, or anyone's as an operator.
     Usage(thread::UsageArgs),
+    /// The named agents you may run as (ListAgents): `call --agent NAME` names one.
+    Agents(thread::AgentsArgs),
 }
 
 impl ClientCommand {
@@ -180,6 +182,7 @@ impl ClientCommand {
             Self::Say(args) => args.run().await,
             Self::Thread(args) => args.run().await,
             Self::Usage(args) => args.run().await,
+            Self::Agents(args) => args.run().await,
         }
     }
 }

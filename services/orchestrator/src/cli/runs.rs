@@ -100,6 +100,9 @@ fn print_run(run: &pb::RunResult) {
     if !run.thread_id.is_empty() {
         line.push_str(&format!(" · thread {}", run.thread_id));
     }
+    if !run.agent.is_empty() {
+        line.push_str(&format!(" · agent {} (version {})", run.agent, run.agent_version));
+    }
     say!("{line}");
     if run.failure_reason != 0 {
         let reason = pb::FailureReason::try_from(run.failure_reason).map_or("?", |s| s.as_str_name());
@@ -162,6 +165,9 @@ pub struct RunsArgs {
     /// Runs of this principal (another's needs the operator role).
     #[arg(long, default_value = "")]
     pub principal: String,
+    /// Runs of this named agent (`orchestrator agents` lists them).
+    #[arg(long, default_value = "")]
+    pub agent: String,
     /// Runs admitted within this long before now (e.g. 1h, 7d).
     #[arg(long, value_parser = parse_duration)]
     pub since: Option<Duration>,
@@ -240,6 +246,7 @@ impl RunsArgs {
             "STATUS",
             "PRINCIPAL",
             "THREAD",
+            "AGENT",
             ">TURNS",
             ">TOKENS",
             "CREATED",
@@ -284,6 +291,7 @@ impl RunsArgs {
             labels: self.labels.iter().cloned().collect(),
             created_after_ms: since.unwrap_or(0),
             created_before_ms: 0,
+            agent: self.agent.clone(),
             page_size: self.page_size,
             page_token: self.page_token.clone(),
         }
@@ -307,6 +315,7 @@ fn run_row(run: &pb::RunSummary) -> Vec<String> {
         status_name(run.status).to_owned(),
         or_dash(&run.principal),
         or_dash(&run.thread_id),
+        or_dash(&run.agent),
         run.turns.to_string(),
         (usage.prompt_tokens + usage.completion_tokens).to_string(),
         utc(run.created_at_ms),

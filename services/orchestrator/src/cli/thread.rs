@@ -1,5 +1,5 @@
-//! `say`, `thread` and `usage`: a message for a live run, a thread (printed or deleted), and
-//! what a principal spent an hour at a time.
+//! `say`, `thread`, `usage` and `agents`: a message for a live run, a thread (printed or
+//! deleted), what a principal spent an hour at a time, and the named agents one may use.
 
 use std::time::Duration;
 
@@ -196,6 +196,59 @@ impl UsageArgs {
         table.print();
         if let Some(budget) = spent.tokens_per_hour {
             say!("tokens_per_hour: {budget}");
+        }
+        Ok(true)
+    }
+}
+
+/// Flags of `agents`.
+#[derive(Debug, Clone, Args)]
+pub struct AgentsArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+impl AgentsArgs {
+    /// Prints the agents the caller may use, a line each: name, version, model, tools and what
+    /// a request may override.
+    pub async fn run(&self) -> Result<bool, Error> {
+        let client = self.connection.client().await?;
+        let agents = client.list_agents().await.map_err(|e| refused("list the agents", e))?;
+        if self.connection.json {
+            let answer = pb::ListAgentsResponse { agents };
+            return print_json(&answer, "orchestrator.v1.ListAgentsResponse").map(|()| true);
+        }
+        let list = |names: &[String], none: &str| match names.is_empty() {
+            true => none.to_owned(),
+            false => names.join(","),
+        };
+        let mut table = Table::new(&[
+            "AGENT",
+            "VERSION",
+            "MODEL",
+            "TOOLS",
+            "APPROVAL",
+            "OVERRIDABLE",
+            "DESCRIPTION",
+        ]);
+        for agent in &agents {
+            table.row(vec![
+                agent.name.clone(),
+                agent.version.clone(),
+                match agent.model.as_str() {
+                    "" => "(server's)".to_owned(),
+                    model => model.to_owned(),
+                },
+                list(&agent.tools, "(all)"),
+                list(&agent.needs_approval, "-"),
+                list(&agent.overridable, "-"),
+                shared::text::printable(&agent.description).into_owned(),
+            ]);
+        }
+        table.print();
+        if agents.is_empty() {
+            say!("no agents you may use (the server's --agents file names them)");
         }
         Ok(true)
     }

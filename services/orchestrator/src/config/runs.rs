@@ -101,6 +101,12 @@ pub struct RunSettings {
     /// may add tools, never remove one.
     #[arg(long = "approval-tool", env = "ORCHESTRATOR_APPROVAL_TOOLS", value_delimiter = ',')]
     pub approval_tools: Vec<String>,
+    /// TOML file of named agents that requests name (`agent`): each `[[agent]]` a model, system
+    /// message, tools, exit tools, approval rules, parameters, limits and busy policy, who may
+    /// use it and what a request may override. Read again when it changes (every
+    /// --tls-reload-interval); a file that does not read keeps the agents (docs/agents.md).
+    #[arg(long = "agents", env = "ORCHESTRATOR_AGENTS", value_name = "FILE")]
+    pub agents: Option<PathBuf>,
     /// Only principals with the approver role (`roles = ["approver"]` in the tokens file) decide
     /// tool calls, so a run's owner cannot approve its own calls (four eyes). Needs
     /// --auth-tokens.

@@ -57,6 +57,8 @@ pub struct RunSummary {
     pub tool_calls: u32,
     /// What it waits for.
     pub waiting_for: Waiting,
+    /// Its named agent.
+    pub agent: Option<super::agent::AgentRef>,
 }
 
 impl From<&RunResult> for RunSummary {
@@ -79,6 +81,7 @@ impl From<&RunResult> for RunSummary {
                 RunStatus::AwaitingTask => Waiting::Task,
                 _ => Waiting::Nothing,
             },
+            agent: run.agent.clone(),
         }
     }
 }
@@ -98,6 +101,8 @@ pub struct ListRequest {
     pub created_after_ms: Option<u64>,
     /// Runs admitted before this (Unix ms).
     pub created_before_ms: Option<u64>,
+    /// Only this named agent's runs.
+    pub agent: Option<String>,
     /// Rows asked for (0: the default).
     pub page_size: usize,
     /// The previous page's token.
@@ -120,6 +125,8 @@ pub struct RunQuery {
     pub created_after_ms: Option<u64>,
     /// Runs admitted before this (Unix ms).
     pub created_before_ms: Option<u64>,
+    /// Only this named agent's runs.
+    pub agent: Option<String>,
     /// The most rows of the page.
     pub page_size: usize,
     /// Where the previous page ended.
@@ -138,6 +145,10 @@ impl RunQuery {
         (self.statuses.is_empty() || self.statuses.contains(&run.status))
             && self.principal.as_ref().is_none_or(|p| *p == run.principal)
             && self.thread_id.as_ref().is_none_or(|t| *t == run.thread_id)
+            && self
+                .agent
+                .as_ref()
+                .is_none_or(|a| run.agent.as_ref().is_some_and(|run| run.name == *a))
             && self.admits(run.created_at_ms, &run.labels)
     }
 
@@ -158,6 +169,10 @@ impl RunQuery {
             "{statuses:?}|{:?}|{:?}|{:?}|{:?}",
             self.thread_id, self.principal, self.created_after_ms, self.created_before_ms
         );
+        // Added after the others, so that the tokens of a listing without it stay as they were.
+        if let Some(agent) = &self.agent {
+            text.push_str(&format!("|agent={agent}"));
+        }
         for (k, v) in &self.labels {
             text.push_str(&format!("|{k}={v}"));
         }
@@ -393,6 +408,10 @@ mod tests {
         let mut labeled = row("a", 5, RunStatus::AwaitingApproval);
         labeled.labels.insert("team".into(), "refunds".into());
         labeled.thread_id = "t".into();
+        labeled.agent = Some(crate::domain::agent::AgentRef {
+            name: "refunds".into(),
+            version: "0123456789abcdef".into(),
+        });
         let query = RunQuery {
             statuses: vec![RunStatus::AwaitingApproval],
             thread_id: Some("t".into()),
@@ -400,6 +419,7 @@ mod tests {
             labels: [("team".to_owned(), "refunds".to_owned())].into(),
             created_after_ms: Some(5),
             created_before_ms: Some(6),
+            agent: Some("refunds".into()),
             page_size: 10,
             after: None,
         };
@@ -428,6 +448,10 @@ mod tests {
             },
             RunQuery {
                 labels: [("team".to_owned(), "sales".to_owned())].into(),
+                ..query.clone()
+            },
+            RunQuery {
+                agent: Some("sales".into()),
                 ..query.clone()
             },
         ] {

@@ -8,6 +8,7 @@
 //! * [`spec`]: what a run is asked to do ([`spec::RunSpec`], its limits, deadline and output bounds);
 //! * [`result`]: what it produced ([`result::RunResult`], tool-call records, signals);
 //! * [`event`]: the events of its stream;
+//! * [`agent`]: the named agent a run took its definition from, and what a request may override;
 //! * [`approval`]: calls that wait for a person's decision, and the decisions;
 //! * [`input`]: questions a call asks a person before it can finish, and the answers;
 //! * [`task`]: a call its tool's server runs as a task, and how often it is polled;
@@ -24,6 +25,7 @@
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
 
+pub mod agent;
 pub mod approval;
 pub mod cancel;
 pub mod chat;

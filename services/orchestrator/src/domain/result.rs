@@ -260,6 +260,9 @@ pub struct RunResult {
     /// ends it there too, rather than let it go on from its checkpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ends_after_turn: Option<String>,
+    /// The named agent the run took its definition from: a listing finds runs by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<super::agent::AgentRef>,
 }
 
 impl RunResult {
@@ -298,6 +301,7 @@ impl RunResult {
             updated_at_ms: 0,
             queued_ms: 0,
             ends_after_turn: None,
+            agent: None,
         }
     }
 }

@@ -121,6 +121,9 @@ pub struct RunSpec {
     /// none, and a held run's future holds its spec).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thread: Option<Box<super::thread::RunThread>>,
+    /// The named agent whose definition the run took (recorded with its result).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<super::agent::AgentRef>,
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before

@@ -198,6 +198,7 @@ impl Admitted {
     fn describe(&self, spec: &RunSpec) {
         let mut state = shared::sync::lock(&self.state);
         state.labels.clone_from(&spec.labels);
+        state.agent.clone_from(&spec.agent);
         if let Some(thread) = &spec.thread {
             state.thread_id.clone_from(&thread.thread_id);
         }

@@ -7,6 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use super::Core;
+use crate::agents::Agents;
 use crate::config::{Backend, NatsSettings};
 use crate::domain::ports::{
     ApprovalStore, EventLog, Quotas, ResultStore, RunIndex, RunJournal, SignOuts, SignalTopic, ThreadStore, UsageBook,
@@ -31,6 +32,7 @@ use shared::secrets::NatsUrl;
 /// What every run shares: the model client, the tool-runners, the signal topic and the runs
 /// registry with its result store.
 pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
+    let agents = Agents::load(config.runs.agents.as_deref()).map_err(Error::Config)?;
     let mut connections = NatsConnections::default();
     let signals = open_signal_topic(config, &mut connections).await?;
     let Stored {
@@ -58,7 +60,7 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         model,
         tools: Arc::new(runners.clone()),
     };
-    Ok(assemble(config, ports, Some(runners)))
+    Ok(assemble(config, ports, Some(runners), agents))
 }
 
 /// The ports a replica's runs go through: where results, checkpoints, events, approvals and
@@ -91,8 +93,8 @@ pub struct Ports {
 }
 
 /// The server's shared state over `ports`; `runners` gives the tool catalog (`None`: the runs
-/// are given their tools, as in a simulation).
-pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunners>) -> Arc<Core> {
+/// are given their tools, as in a simulation), `agents` the named agents requests may name.
+pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunners>, agents: Agents) -> Arc<Core> {
     let threads = Arc::new(Keeper::new(
         ports.threads,
         config.threads.thread_limits(),
@@ -151,6 +153,7 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
         stopping: tokio_util::sync::CancellationToken::new(),
         drained: tokio_util::sync::CancellationToken::new(),
         sign_outs: ports.sign_outs,
+        agents: Arc::new(agents),
         config: config.clone(),
     })
 }

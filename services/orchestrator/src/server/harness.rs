@@ -29,7 +29,7 @@ pub struct Replica {
 impl Replica {
     /// A replica of `config` over `ports`, looking for orphaned runs when `ports` has a journal.
     pub fn new(config: &Config, ports: Ports) -> Self {
-        let core = super::build::assemble(config, ports, None);
+        let core = super::build::assemble(config, ports, None, crate::agents::Agents::none());
         let takeover = core
             .runs
             .durable()

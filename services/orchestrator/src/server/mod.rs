@@ -110,6 +110,7 @@ pub async fn serve_with_resolver(
         .durable()
         .map(|_| AbortOnDrop(shared::tasks::spawn(background::remote_asks::answer(Arc::clone(&core)))));
     let _approvals = AbortOnDrop(shared::tasks::spawn(background::unpark::watch(Arc::clone(&core))));
+    let _agents = core.agents.watch(config.security.tls_reload_interval);
     let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))

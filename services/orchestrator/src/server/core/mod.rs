@@ -60,6 +60,8 @@ pub(crate) struct Core {
     pub drained: tokio_util::sync::CancellationToken,
     /// Console sessions people ended (the console's, when it is on).
     pub sign_outs: Arc<dyn crate::domain::ports::SignOuts>,
+    /// The named agents requests may name (`--agents`).
+    pub agents: Arc<crate::agents::Agents>,
 }
 
 /// Why a run goes on here without a caller of its own.
@@ -413,6 +415,7 @@ impl Core {
             labels: request.labels,
             created_after_ms: request.created_after_ms,
             created_before_ms: request.created_before_ms,
+            agent: request.agent,
             page_size: match request.page_size {
                 0 => DEFAULT_PAGE_SIZE.min(page_max),
                 asked => asked.min(page_max),

@@ -12,7 +12,8 @@ use shared::auth::caller;
 use tonic::{Request, Response, Status};
 
 use super::convert::{
-    CancelRequest, DecideRequest, RunRequest, SteeringRequest, event_pb, named_id, parse_grpc_timeout, resolve,
+    CancelRequest, DecideRequest, RunRequest, SteeringRequest, agent_pb, event_pb, named_id, parse_grpc_timeout,
+    resolve, with_agent,
 };
 use crate::domain::listing::ListRequest;
 use crate::domain::ports::{SignalFilter, SignalItem};
@@ -37,28 +38,38 @@ impl OrchestratorService {
 }
 
 impl OrchestratorService {
-    /// The run `run_request` of `caller` asks for, resolved against the tool catalog (waited for
-    /// while it is still empty) and the server's settings; `caller_deadline` shortens its
-    /// deadline.
+    /// The run `request` of `caller` asks for, with its agent's definition filled in (see
+    /// `with_agent`), checked, and resolved against the tool catalog (waited for while it is
+    /// still empty) and the server's settings; and whether it is detached (`detach` makes it
+    /// so). The caller's gRPC deadline (`grpc_timeout`) shortens a run that is not detached.
     async fn spec(
         &self,
-        run_request: RunRequest,
+        request: pb::OrchestrateRequest,
         caller: &shared::auth::Principal,
-        caller_deadline: Option<Duration>,
+        grpc_timeout: Option<Duration>,
+        detach: bool,
         received_at: tokio::time::Instant,
-    ) -> Result<crate::domain::RunSpec, Status> {
+    ) -> Result<(crate::domain::RunSpec, bool), Status> {
+        let (request, agent) = with_agent(request, &self.core.agents, caller)?;
+        let mut run_request = RunRequest::try_from(request)?;
+        run_request.detached |= detach;
+        let detached = run_request.detached;
+        // A detached run is bounded by its own timeout only: the call that started it may end.
+        let caller_deadline = grpc_timeout.filter(|_| !detached);
         let catalog = match &self.core.runners {
             Some(runners) => runners.answering_catalog(CATALOG_WAIT).await?,
             None => Arc::default(),
         };
-        Ok(resolve(
+        let mut spec = resolve(
             run_request,
             &catalog,
             &self.core.config,
             caller,
             caller_deadline,
             received_at,
-        )?)
+        )?;
+        spec.agent = agent;
+        Ok((spec, detached))
     }
 }
 
@@ -89,11 +100,9 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout);
-        let run_request = RunRequest::try_from(request.into_inner())?;
-        let detached = run_request.detached;
-        // A detached run is bounded by its own timeout only: the call that started it may end.
-        let caller_deadline = grpc_timeout.filter(|_| !detached);
-        let spec = self.spec(run_request, &caller, caller_deadline, received_at).await?;
+        let (spec, detached) = self
+            .spec(request.into_inner(), &caller, grpc_timeout, false, received_at)
+            .await?;
         let run_id = spec.run_id.clone();
         let (events, replayed) = core.orchestrate(spec, detached, &trace_context, caller).await?;
         let mut response = Response::new(events_pb(run_id, events));
@@ -114,10 +123,10 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let received_at = tokio::time::Instant::now();
         let caller = caller(&request);
         let trace_context = request.metadata().clone();
-        let mut run_request = RunRequest::try_from(request.into_inner())?;
         // A run started in the background is detached: no call follows it, none bounds it.
-        run_request.detached = true;
-        let spec = self.spec(run_request, &caller, None, received_at).await?;
+        let (spec, _) = self
+            .spec(request.into_inner(), &caller, None, true, received_at)
+            .await?;
         let run_id = spec.run_id.clone();
         let (status, queued_ms) = self.core.start_in_background(spec, &trace_context, caller).await?;
         Ok(Response::new(pb::StartRunResponse {
@@ -260,6 +269,17 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         Ok(Response::new(pb::ListPendingApprovalsResponse {
             approvals: approvals.iter().map(pb::PendingApproval::from).collect(),
             truncated,
+        }))
+    }
+
+    async fn list_agents(
+        &self,
+        request: Request<pb::ListAgentsRequest>,
+    ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        let caller = caller(&request);
+        let agents = self.core.agents.open_to(&caller);
+        Ok(Response::new(pb::ListAgentsResponse {
+            agents: agents.iter().map(|agent| agent_pb(agent)).collect(),
         }))
     }
 

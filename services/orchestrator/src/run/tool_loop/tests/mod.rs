@@ -224,6 +224,7 @@ pub(crate) fn spec(limits: Limits) -> RunSpec {
         affinity_key: String::new(),
         eager_dispatch: false,
         thread: None,
+        agent: None,
     }
 }
 

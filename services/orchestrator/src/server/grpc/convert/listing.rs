@@ -41,6 +41,7 @@ impl TryFrom<pb::ListRunsRequest> for ListRequest {
             labels: r.labels.into_iter().collect(),
             created_after_ms: after,
             created_before_ms: before,
+            agent: id("agent", r.agent)?,
             page_size: usize::try_from(r.page_size).unwrap_or(usize::MAX),
             page_token: Some(r.page_token).filter(|t| !t.is_empty()),
         })

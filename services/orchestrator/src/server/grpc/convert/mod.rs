@@ -4,10 +4,12 @@
 //! `INVALID_ARGUMENT` naming the field and what to do. Domain results and events become proto
 //! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`approvals`], and
 //! `CancelRun` requests a run id and a mode in [`cancel`], `SendMessage` requests a run id and a
-//! user message in [`steering`], `ListRuns` requests checked filters in [`listing`].
+//! user message in [`steering`], `ListRuns` requests checked filters in [`listing`]. A request
+//! naming an agent takes the agent's definition first ([`agent`]).
 //!
 //! [`RunSpec`]: crate::domain::RunSpec
 
+mod agent;
 mod approvals;
 mod cancel;
 mod listing;
@@ -16,6 +18,7 @@ mod request;
 mod steering;
 
 pub(crate) use crate::wire::{event_pb, parse_grpc_timeout};
+pub(crate) use agent::{agent_pb, with_agent};
 pub(crate) use approvals::DecideRequest;
 pub(crate) use cancel::CancelRequest;
 pub(crate) use policy::resolve;

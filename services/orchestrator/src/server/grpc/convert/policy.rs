@@ -173,6 +173,8 @@ pub(crate) fn resolve(
         stream_interval,
         approval,
         thread: request.thread.map(Box::new),
+        // The gRPC handler records the agent the request named (see `with_agent`).
+        agent: None,
     })
 }
 
