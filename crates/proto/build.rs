@@ -8,6 +8,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         proto_root.join("orchestrator/v1/orchestrator.proto"),
         proto_root.join("toolrunner/v1/tool_runner.proto"),
+        // A2A 1.0's contract, vendored: the orchestrator serves it (`--a2a-listen`).
+        proto_root.join("lf/a2a/v1/a2a.proto"),
     ];
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
 

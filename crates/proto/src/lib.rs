@@ -1,4 +1,4 @@
-//! The gRPC contracts of the orchestrator and the tool-runner, generated from `proto/` by
+//! The gRPC contracts of the orchestrator and the tool-runner (and A2A 1.0's, vendored), generated from `proto/` by
 //! `tonic-prost-build` (see `build.rs`): messages, clients, servers, and the file descriptor set
 //! that reflection serves. A service that calls `Orchestrate` depends on this crate alone.
 
@@ -28,5 +28,17 @@ pub mod toolrunner {
     /// Version 1 of the contract.
     pub mod v1 {
         tonic::include_proto!("toolrunner.v1");
+    }
+}
+
+/// `lf.a2a.v1`: A2A 1.0, the agent-to-agent protocol the orchestrator serves on `--a2a-listen`
+/// (its contract vendored as published, in `proto/lf/a2a/v1`).
+pub mod lf {
+    /// The A2A project's package.
+    pub mod a2a {
+        /// Version 1 of A2A.
+        pub mod v1 {
+            tonic::include_proto!("lf.a2a.v1");
+        }
     }
 }

@@ -147,6 +147,13 @@ impl Security {
         crate::tls::incoming(listener, self.tls.clone(), self.handshakes)
     }
 
+    /// [`Self::incoming`] for HTTP beside gRPC's port (the console, A2A): TLS offers HTTP/1.1
+    /// too.
+    pub fn incoming_http(&self, listener: TcpListener) -> Incoming {
+        let tls = self.tls.clone().map(|tls| (tls, crate::tls::Protocols::Http));
+        crate::tls::incoming_speaking(listener, tls, self.handshakes)
+    }
+
     /// The authentication layer for the server (admits everyone when auth is off).
     pub fn auth_layer(&self, refused_metric: &'static str) -> GateLayer<AuthGate> {
         GateLayer(AuthGate::new(self.auth.clone(), refused_metric))

@@ -178,20 +178,46 @@ impl ServerTlsFiles {
     }
 }
 
+/// What a listener speaks over TLS, as its ALPN offers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocols {
+    /// HTTP/2 only, as gRPC needs (a client that offers only HTTP/1.1 is refused in the handshake).
+    Grpc,
+    /// HTTP/2 or HTTP/1.1: pages and JSON over HTTP (the console, A2A).
+    Http,
+}
+
+/// The configurations of the server's TLS files: gRPC's and HTTP's (see [`Protocols`]).
+struct Configs {
+    grpc: Arc<ServerConfig>,
+    http: Arc<ServerConfig>,
+}
+
+impl Configs {
+    fn of(grpc: ServerConfig) -> Self {
+        let mut http = grpc.clone();
+        http.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Self {
+            grpc: Arc::new(grpc),
+            http: Arc::new(http),
+        }
+    }
+}
+
 /// The server's TLS configuration, swapped when its files change.
 pub struct ReloadingTls {
     files: ServerTlsFiles,
-    current: RwLock<(Arc<ServerConfig>, Sources)>,
+    current: RwLock<(Configs, Sources)>,
 }
 
 impl ReloadingTls {
     /// Loads the files now; an unusable file is an error naming its flag.
     pub fn load(files: ServerTlsFiles) -> Result<Arc<Self>, TlsError> {
         let sources = files.read()?;
-        let config = Arc::new(files.build(&sources)?);
+        let configs = Configs::of(files.build(&sources)?);
         Ok(Arc::new(Self {
             files,
-            current: RwLock::new((config, sources)),
+            current: RwLock::new((configs, sources)),
         }))
     }
 
@@ -200,9 +226,12 @@ impl ReloadingTls {
         self.files.client_ca.is_some()
     }
 
-    fn acceptor(&self) -> TlsAcceptor {
+    fn acceptor(&self, protocols: Protocols) -> TlsAcceptor {
         let current = crate::sync::read(&self.current);
-        TlsAcceptor::from(Arc::clone(&current.0))
+        TlsAcceptor::from(Arc::clone(match protocols {
+            Protocols::Grpc => &current.0.grpc,
+            Protocols::Http => &current.0.http,
+        }))
     }
 
     /// Reads the files again and swaps the configuration in when they changed (`Ok(true)`); on
@@ -212,8 +241,8 @@ impl ReloadingTls {
         if sources == crate::sync::read(&self.current).1 {
             return Ok(false);
         }
-        let config = Arc::new(self.files.build(&sources)?);
-        *crate::sync::write(&self.current) = (config, sources);
+        let configs = Configs::of(self.files.build(&sources)?);
+        *crate::sync::write(&self.current) = (configs, sources);
         Ok(true)
     }
 
@@ -337,6 +366,15 @@ impl futures::Stream for Incoming {
 /// `handshakes.timeout`, at most `handshakes.max_pending` at once; a failed one is logged and
 /// the connection closed).
 pub fn incoming(listener: TcpListener, tls: Option<Arc<ReloadingTls>>, handshakes: Handshakes) -> Incoming {
+    incoming_speaking(listener, tls.map(|tls| (tls, Protocols::Grpc)), handshakes)
+}
+
+/// [`incoming`], TLS offering `protocols` (ALPN).
+pub fn incoming_speaking(
+    listener: TcpListener,
+    tls: Option<(Arc<ReloadingTls>, Protocols)>,
+    handshakes: Handshakes,
+) -> Incoming {
     let (tx, accepted) = mpsc::channel(ACCEPTED_QUEUE);
     let task = tokio::spawn(accept_loop(listener, tls, handshakes, tx));
     Incoming {
@@ -347,7 +385,7 @@ pub fn incoming(listener: TcpListener, tls: Option<Arc<ReloadingTls>>, handshake
 
 async fn accept_loop(
     listener: TcpListener,
-    tls: Option<Arc<ReloadingTls>>,
+    tls: Option<(Arc<ReloadingTls>, Protocols)>,
     handshakes: Handshakes,
     tx: mpsc::Sender<Conn>,
 ) {
@@ -367,7 +405,7 @@ async fn accept_loop(
             remote_addr: Some(remote),
             client_subject: None,
         };
-        let Some(tls) = &tls else {
+        let Some((tls, protocols)) = &tls else {
             if tx.send(Conn::Plain(stream, peer)).await.is_err() {
                 return;
             }
@@ -377,7 +415,7 @@ async fn accept_loop(
             tracing::warn!(%remote, max_pending = handshakes.max_pending, "TLS handshakes pending at the bound (--tls-max-pending-handshakes); connection closed");
             continue;
         };
-        let (acceptor, tx) = (tls.acceptor(), tx.clone());
+        let (acceptor, tx) = (tls.acceptor(*protocols), tx.clone());
         tokio::spawn(async move {
             if let Some(conn) = handshake(acceptor, stream, peer, handshakes.timeout).await {
                 let _ = tx.send(conn).await;

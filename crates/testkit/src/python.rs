@@ -1,5 +1,5 @@
 //! The example clients in other languages (Python through grpcio, TypeScript through grpc-js) and
-//! the Python of the test virtualenv they run on.
+//! the Python of the test virtualenv they run on; the A2A project's Python client.
 
 use std::path::PathBuf;
 
@@ -31,5 +31,19 @@ pub fn typescript_example() -> anyhow::Result<tokio::process::Command> {
     );
     let mut command = tokio::process::Command::new("node");
     command.arg(script);
+    Ok(command)
+}
+
+/// `python services/orchestrator/tests/python/a2a_caller.py` on the A2A virtualenv (the A2A
+/// project's `a2a-sdk`, installed by `./scripts/test`).
+pub fn a2a_caller() -> anyhow::Result<tokio::process::Command> {
+    let python = crate::repo_root().join("target/tools/a2a/bin/python");
+    anyhow::ensure!(
+        python.exists(),
+        "{} is missing: ./scripts/test installs it (python3 -m venv, pip install a2a-sdk)",
+        python.display()
+    );
+    let mut command = tokio::process::Command::new(python);
+    command.arg(crate::repo_root().join("services/orchestrator/tests/python/a2a_caller.py"));
     Ok(command)
 }

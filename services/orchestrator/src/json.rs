@@ -33,6 +33,25 @@ pub fn to_json<M: prost::Message>(message: &M, name: &str) -> Result<String, Str
     Ok(String::from_utf8_lossy(&out.into_inner()).into_owned())
 }
 
+/// `message` (of the contract's type `name`) as JSON without the fields that hold their default
+/// (what A2A's peers send and expect).
+pub fn to_sparse_json<M: prost::Message>(message: &M, name: &str) -> Result<serde_json::Value, String> {
+    let dynamic = DynamicMessage::decode(descriptor(name)?, message.encode_to_vec().as_slice())
+        .map_err(|e| format!("{name} cannot be read back: {e}"))?;
+    dynamic
+        .serialize_with_options(serde_json::value::Serializer, &SerializeOptions::new())
+        .map_err(|e| format!("{name} cannot be written as JSON: {e}"))
+}
+
+/// The message of type `name` that the JSON `value` writes, fields this contract does not know
+/// left out (a peer of a later minor version may send more).
+pub fn from_json_lenient<M: prost::Message + Default>(value: serde_json::Value, name: &str) -> Result<M, String> {
+    let options = prost_reflect::DeserializeOptions::new().deny_unknown_fields(false);
+    let dynamic = DynamicMessage::deserialize_with_options(descriptor(name)?, value, &options)
+        .map_err(|e| format!("{name}: {e}"))?;
+    M::decode(dynamic.encode_to_vec().as_slice()).map_err(|e| format!("{name}: {e}"))
+}
+
 /// The message of the contract's type `name` that the JSON `text` writes (unknown fields
 /// refused, as the mapping asks).
 pub fn from_json<M: prost::Message + Default>(text: &[u8], name: &str) -> Result<M, String> {

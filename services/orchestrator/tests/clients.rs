@@ -60,8 +60,9 @@ impl Deployment {
         std::fs::write(
             &tokens,
             format!(
-                "[[token]]\nprincipal = \"example\"\nsha256 = \"{}\"\n",
-                shared::auth::token_sha256(TOKEN)
+                "[[token]]\nprincipal = \"example\"\nsha256 = \"{}\"\n\n[[token]]\nprincipal = \"other\"\nsha256 = \"{}\"\n",
+                shared::auth::token_sha256(TOKEN),
+                shared::auth::token_sha256("other-token")
             ),
         )?;
         let slow = Scenario::new(vec![
@@ -94,7 +95,19 @@ impl Deployment {
             .collect(),
         })
         .await?;
+        // Named agents for the A2A callers: the demo with its exit tool, and a slow run.
+        let agents = pki.path("agents.toml");
+        std::fs::write(
+            &agents,
+            "[[agent]]\nname = \"reporter\"\ndescription = \"Checks the tools and files a report\"\n\
+             exit_tools = [{ name = \"submit_report\", description = \"File the report\" }]\n\n\
+             [[agent]]\nname = \"napper\"\nmodel = \"slow\"\n",
+        )?;
         let mut tls = [
+            "--a2a-listen",
+            "127.0.0.1:0",
+            "--agents",
+            &agents.display().to_string(),
             "--tls-cert",
             &pki.arg("server.pem"),
             "--tls-key",
@@ -996,5 +1009,143 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
         ]);
         attach_after_3_prints_the_rest(client, command, &output).await?;
     }
+    Ok(())
+}
+
+/// The A2A project's own Python client (`a2a-sdk`, PyPI) calling the orchestrator's A2A endpoint
+/// over TLS with a bearer token: it reads a named agent's card and streams a task (the demo: its
+/// text as artifact appends, its tool calls as status messages, `COMPLETED`), sends one and waits
+/// for its end, lists its tasks (another principal sees none of them, and gets
+/// `TaskNotFoundError` for one), and cancels a slow one; a token not in the file gets 401.
+#[tokio::test]
+async fn the_a2a_projects_python_client_streams_waits_lists_and_cancels_tasks() -> TestResult {
+    let deployment = Deployment::start().await?;
+    let a2a = deployment
+        .orchestrator
+        .address_logged("a2a serving")
+        .ok_or_else(|| anyhow::anyhow!("the orchestrator did not log its A2A address"))?;
+    let ca = deployment.pki.arg("ca.pem");
+    let caller = |agent: &str, token: &str, args: &[&str]| -> anyhow::Result<Command> {
+        let mut command = testkit::python::a2a_caller()?;
+        command
+            .args([
+                "--url",
+                &format!("https://{a2a}/agents/{agent}"),
+                "--ca",
+                &ca,
+                "--token",
+                token,
+            ])
+            .args(args);
+        Ok(command)
+    };
+    let lines = |output: &Output| -> anyhow::Result<Vec<Value>> {
+        let text = String::from_utf8(output.stdout.clone())?;
+        Ok(text.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
+    };
+    let state = |task: &Value| task["status"]["state"].as_str().unwrap_or_default().to_owned();
+
+    let streamed = run(caller(
+        "reporter",
+        TOKEN,
+        &["--text", "check the tools", "--mode", "stream"],
+    )?)
+    .await?;
+    assert_eq!(
+        streamed.status.code(),
+        Some(0),
+        "{}{}",
+        stderr(&streamed),
+        String::from_utf8_lossy(&streamed.stdout)
+    );
+    let seen = lines(&streamed)?;
+    let events: Vec<&Value> = seen.iter().filter_map(|l| l.get("event")).collect();
+    assert_eq!(state(&events[0]["task"]), "TASK_STATE_WORKING", "{events:?}");
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["artifactUpdate"]["artifact"]["parts"][0]["text"].as_str())
+        .collect();
+    let calls = events
+        .iter()
+        .filter(|e| {
+            e["statusUpdate"]["status"]["message"]["parts"][0]["text"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("calling "))
+        })
+        .count();
+    assert_eq!(calls, 3, "each tool call is a status message: {events:?}");
+    let last = events.last().map(|e| state(&e["statusUpdate"])).unwrap_or_default();
+    assert_eq!(last, "TASK_STATE_COMPLETED", "{events:?}");
+    let task = seen.last().map(|l| l["task"].clone()).unwrap_or_default();
+    assert_eq!(state(&task), "TASK_STATE_COMPLETED");
+    assert_eq!(
+        task["artifacts"][0]["parts"][0]["text"].as_str(),
+        Some(text.as_str()),
+        "the task's text is what streamed"
+    );
+    let streamed_id = task["id"].as_str().unwrap_or_default().to_owned();
+
+    let waited = run(caller(
+        "reporter",
+        TOKEN,
+        &["--text", "check the tools", "--mode", "block"],
+    )?)
+    .await?;
+    assert_eq!(
+        waited.status.code(),
+        Some(0),
+        "{}{}",
+        stderr(&waited),
+        String::from_utf8_lossy(&waited.stdout)
+    );
+    let seen = lines(&waited)?;
+    assert_eq!(state(&seen[0]["event"]["task"]), "TASK_STATE_COMPLETED", "{seen:?}");
+    let waited_id = seen[0]["event"]["task"]["id"].as_str().unwrap_or_default().to_owned();
+
+    let listed = run(caller("reporter", TOKEN, &["--list"])?).await?;
+    let listed = lines(&listed)?;
+    let ids: Vec<&str> = listed[0]["listed"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    assert!(
+        ids.contains(&streamed_id.as_str()) && ids.contains(&waited_id.as_str()),
+        "{ids:?}"
+    );
+    let others = run(caller("reporter", "other-token", &["--list"])?).await?;
+    assert_eq!(
+        lines(&others)?[0]["listed"],
+        json!([]),
+        "another principal lists none of them"
+    );
+    let foreign = run(caller("reporter", "other-token", &["--get", &streamed_id])?).await?;
+    assert_eq!(foreign.status.code(), Some(3));
+    let refused = lines(&foreign)?[0]["error"].as_str().unwrap_or_default().to_owned();
+    assert!(refused.starts_with("TaskNotFoundError"), "{refused}");
+
+    let canceled = run(caller(
+        "napper",
+        TOKEN,
+        &["--text", "nap", "--mode", "stream", "--cancel"],
+    )?)
+    .await?;
+    assert_eq!(
+        canceled.status.code(),
+        Some(0),
+        "{}{}",
+        stderr(&canceled),
+        String::from_utf8_lossy(&canceled.stdout)
+    );
+    let seen = lines(&canceled)?;
+    let after = seen.iter().find_map(|l| l.get("canceled")).cloned().unwrap_or_default();
+    assert_eq!(state(&after), "TASK_STATE_CANCELED", "{seen:?}");
+
+    let stranger = run(caller("reporter", "not-a-token", &["--list"])?).await?;
+    assert_eq!(stranger.status.code(), Some(3));
+    assert!(
+        String::from_utf8_lossy(&stranger.stdout).contains("401"),
+        "{}",
+        String::from_utf8_lossy(&stranger.stdout)
+    );
     Ok(())
 }

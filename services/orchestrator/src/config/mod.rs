@@ -11,8 +11,9 @@
 //! limits and their ceilings), `output.rs` (output bounds), `loop_detector.rs`, `requests.rs`
 //! (what one request may carry), `store.rs` (the store's backend, leases, event logs),
 //! `signals.rs` (the signal topic), `nats.rs` (NATS credentials and replicas), `telemetry.rs`,
-//! `threads.rs` (messages sent to live runs), `console.rs` (the console's port and sessions).
+//! `threads.rs` (messages sent to live runs), `console.rs` (the console's port and sessions), `a2a.rs` (the A2A port).
 
+mod a2a;
 mod console;
 mod limits;
 mod llm;
@@ -28,6 +29,7 @@ mod telemetry;
 mod threads;
 mod tool_runners;
 
+pub use a2a::A2aSettings;
 pub use console::{ConsoleSettings, MAX_SESSION_TTL};
 pub use limits::LimitSettings;
 pub use llm::{Header, LlmSettings, LlmTarget, Reader};
@@ -108,6 +110,9 @@ pub struct Config {
     #[allow(missing_docs)]
     #[command(flatten)]
     pub console: ConsoleSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub a2a: A2aSettings,
 }
 
 shared::security_settings!("ORCHESTRATOR");
@@ -123,6 +128,7 @@ impl Bounded for Config {
             self.threads.bounds(),
             self.signals.bounds(),
             self.store.bounds(),
+            self.a2a.bounds(),
             self.nats.bounds(),
             self.telemetry.bounds(),
             self.security.bounds(),

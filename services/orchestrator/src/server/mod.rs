@@ -10,6 +10,8 @@
 //! * `grpc/`: the gRPC face, which only turns requests into calls of `Core` and answers into proto;
 //! * `console/`: the pages for people, served on `--console-listen`, which call the gRPC face in
 //!   process;
+//! * `a2a/`: A2A 1.0 for other agents, served on `--a2a-listen` (JSON-RPC, agent cards), which
+//!   calls the gRPC face in process too;
 //! * `build.rs`: the wiring; `harness.rs`: a replica over given ports, with no network (the
 //!   simulation's).
 //!
@@ -32,6 +34,7 @@ use crate::llm::Fleet;
 use crate::tool_runners::{Resolve, SystemResolver, ToolRunners};
 use crate::{Config, Error};
 
+mod a2a;
 mod background;
 mod build;
 mod console;
@@ -86,6 +89,7 @@ pub async fn serve_with_resolver(
     let llm = model.shown().join(",");
     let core = build::core(&config, model, runners).await?;
     let _console = console::start(&config.console, &security, Arc::clone(&core)).await?;
+    let _a2a = a2a::start(&config.a2a, &security, Arc::clone(&core)).await?;
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;

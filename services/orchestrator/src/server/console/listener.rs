@@ -17,7 +17,7 @@ use shared::tls::{Conn, Incoming, PeerInfo};
 use tonic::transport::server::Connected as _;
 
 /// The accepted connections of the console's listener.
-pub(super) struct Connections {
+pub(in crate::server) struct Connections {
     pub incoming: Incoming,
     pub local: SocketAddr,
 }
@@ -45,13 +45,28 @@ impl axum::serve::Listener for Connections {
     }
 }
 
+/// A listener on `address`, the port `flag` names (an error naming it when it cannot be had),
+/// and the address it has.
+pub(in crate::server) async fn bind(
+    flag: &str,
+    address: SocketAddr,
+) -> Result<(tokio::net::TcpListener, SocketAddr), crate::Error> {
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(|e| crate::Error::Config(format!("cannot listen on {flag} {address}: {e}")))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| crate::Error::Config(format!("{flag}: the listener has no address: {e}")))?;
+    Ok((listener, local))
+}
+
 /// Who is on the other end of a console connection, for the handlers.
 #[derive(Debug, Clone)]
-pub(super) struct Peer(pub PeerInfo);
+pub(in crate::server) struct Peer(pub PeerInfo);
 
 /// Serves `app` on every connection `connections` accepts, a request's head read within
 /// `header_timeout` (`--console-header-timeout`), until dropped.
-pub(super) async fn serve(mut connections: Connections, app: Router, header_timeout: Duration) {
+pub(in crate::server) async fn serve(mut connections: Connections, app: Router, header_timeout: Duration) {
     loop {
         let (conn, _) = connections.accept().await;
         let peer = Peer(conn.connect_info());

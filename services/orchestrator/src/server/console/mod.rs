@@ -24,7 +24,6 @@ use axum::routing::{get, post};
 use futures::StreamExt;
 use shared::runtime::AbortOnDrop;
 use shared::serving::Security;
-use tokio::net::TcpListener;
 
 use crate::Error;
 use crate::config::ConsoleSettings;
@@ -34,7 +33,7 @@ use crate::server::grpc::OrchestratorService;
 mod assets;
 mod gateway;
 mod limits;
-mod listener;
+pub(in crate::server) mod listener;
 mod origin;
 mod session;
 
@@ -70,12 +69,7 @@ pub(crate) async fn start(
         return Ok(None);
     };
     let flag = shared::config::flag::<ConsoleSettings>("console_listen");
-    let listener = TcpListener::bind(address)
-        .await
-        .map_err(|e| Error::Config(format!("cannot listen on {flag} {address}: {e}")))?;
-    let local = listener
-        .local_addr()
-        .map_err(|e| Error::Config(format!("{flag}: the listener has no address: {e}")))?;
+    let (listener, local) = listener::bind(&flag, address).await?;
     let origins = Origins::new(settings.console_public_url.as_deref(), security.tls())?;
     let store = (Arc::clone(&core.sign_outs), core.config.store.timeout);
     let console = Console {
@@ -102,7 +96,7 @@ pub(crate) async fn start(
     }
     let app = router(console, settings.console_max_body_bytes);
     let connections = Connections {
-        incoming: security.incoming(listener),
+        incoming: security.incoming_http(listener),
         local,
     };
     tracing::info!(address = %local, tls = security.tls(), "console serving");

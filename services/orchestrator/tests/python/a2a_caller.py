@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Calls an A2A agent with the A2A project's own Python client (a2a-sdk, PyPI) and prints what it
+saw as JSON lines, for the orchestrator's tests (tests/a2a.rs):
+
+    python a2a_caller.py --url https://127.0.0.1:PORT[/agents/NAME] --ca ca.pem --token T \
+        --text "..." --mode stream|block|immediate [--context ID] [--cancel] [--get ID] [--list]
+
+The client reads the agent card at the URL's /.well-known/agent-card.json and calls the
+JSON-RPC interface it names. Each streamed event is printed as {"event": StreamResponse}; then
+{"task": Task} (GetTask of the task it started); {"canceled": Task} with --cancel; {"listed":
+[ids]} with --list. A refusal prints {"error": "<class>: <message>"} and exits 3.
+"""
+
+import argparse
+import asyncio
+import json
+import ssl
+import sys
+import uuid
+
+import httpx
+from a2a.client import ClientConfig, create_client
+from a2a.types.a2a_pb2 import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    ListTasksRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageRequest,
+)
+from google.protobuf import json_format
+
+
+def say(**line):
+    print(json.dumps(line), flush=True)
+
+
+def as_dict(message):
+    return json_format.MessageToDict(message)
+
+
+async def call(args):
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    verify = ssl.create_default_context(cafile=args.ca) if args.ca else True
+    async with httpx.AsyncClient(headers=headers, timeout=60, verify=verify) as http:
+        config = ClientConfig(httpx_client=http, streaming=args.mode == "stream", polling=args.mode == "immediate")
+        client = await create_client(args.url, client_config=config)
+        if args.get:
+            say(task=as_dict(await client.get_task(GetTaskRequest(id=args.get))))
+            return 0
+        if args.list:
+            listed = await client.list_tasks(ListTasksRequest())
+            say(listed=[task.id for task in listed.tasks])
+            return 0
+        message = Message(
+            message_id=str(uuid.uuid4()),
+            role=Role.ROLE_USER,
+            parts=[Part(text=args.text)],
+            context_id=args.context or "",
+        )
+        task_id = None
+        async for event in client.send_message(SendMessageRequest(message=message)):
+            say(event=as_dict(event))
+            if event.HasField("task"):
+                task_id = event.task.id
+            elif event.HasField("status_update"):
+                task_id = event.status_update.task_id
+            if args.cancel and task_id:
+                break
+        if args.cancel:
+            say(canceled=as_dict(await client.cancel_task(CancelTaskRequest(id=task_id))))
+        say(task=as_dict(await client.get_task(GetTaskRequest(id=task_id))))
+        return 0
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True)
+    p.add_argument("--token", default="")
+    p.add_argument("--ca", default="", help="PEM CA of the server's certificate (TLS)")
+    p.add_argument("--text", default="hello")
+    p.add_argument("--mode", choices=["stream", "block", "immediate"], default="stream")
+    p.add_argument("--context", default="")
+    p.add_argument("--cancel", action="store_true")
+    p.add_argument("--get", default="")
+    p.add_argument("--list", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        return asyncio.run(call(args))
+    except Exception as e:  # the client's refusals, as the test reads them
+        say(error=f"{type(e).__name__}: {e}")
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
