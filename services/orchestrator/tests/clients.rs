@@ -101,7 +101,9 @@ impl Deployment {
             &agents,
             "[[agent]]\nname = \"reporter\"\ndescription = \"Checks the tools and files a report\"\n\
              exit_tools = [{ name = \"submit_report\", description = \"File the report\" }]\n\n\
-             [[agent]]\nname = \"napper\"\nmodel = \"slow\"\n",
+             [[agent]]\nname = \"napper\"\nmodel = \"slow\"\n\n\
+             [[agent]]\nname = \"reviewed\"\nneeds_approval = [\"sleep\"]\n\
+             exit_tools = [{ name = \"submit_report\", description = \"File the report\" }]\n",
         )?;
         let mut tls = [
             "--a2a-listen",
@@ -1139,6 +1141,45 @@ async fn the_a2a_projects_python_client_streams_waits_lists_and_cancels_tasks() 
     let seen = lines(&canceled)?;
     let after = seen.iter().find_map(|l| l.get("canceled")).cloned().unwrap_or_default();
     assert_eq!(state(&after), "TASK_STATE_CANCELED", "{seen:?}");
+
+    // A call waiting for a person: the task reads INPUT_REQUIRED, naming the call; the caller's
+    // reply "approve" on the task decides it, and the task goes on to complete.
+    for mode in ["stream", "block"] {
+        let args = ["--text", "check the tools", "--mode", mode, "--reply", "approve"];
+        let approved = run(caller("reviewed", TOKEN, &args)?).await?;
+        let out = String::from_utf8_lossy(&approved.stdout).into_owned();
+        assert_eq!(approved.status.code(), Some(0), "{mode}: {}{out}", stderr(&approved));
+        let seen = lines(&approved)?;
+        let replied = seen
+            .iter()
+            .position(|l| l.get("replied").is_some())
+            .unwrap_or(seen.len());
+        let state_of = |line: &Value| {
+            let event = &line["event"];
+            [&event["statusUpdate"], &event["task"]]
+                .into_iter()
+                .map(state)
+                .find(|s| !s.is_empty())
+        };
+        let before: Vec<String> = seen[..replied].iter().filter_map(state_of).collect();
+        assert_eq!(
+            before.last().map(String::as_str),
+            Some("TASK_STATE_INPUT_REQUIRED"),
+            "{mode}: {out}"
+        );
+        assert!(
+            out.contains("sleep") && out.contains("waits for a person"),
+            "{mode}: {out}"
+        );
+        let after: Vec<String> = seen[replied..].iter().filter_map(state_of).collect();
+        assert_eq!(
+            after.last().map(String::as_str),
+            Some("TASK_STATE_COMPLETED"),
+            "{mode}: {out}"
+        );
+        let task = seen.last().map(|l| l["task"].clone()).unwrap_or_default();
+        assert_eq!(state(&task), "TASK_STATE_COMPLETED", "{mode}: {out}");
+    }
 
     let stranger = run(caller("reporter", "not-a-token", &["--list"])?).await?;
     assert_eq!(stranger.status.code(), Some(3));

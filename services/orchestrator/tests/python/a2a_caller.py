@@ -3,12 +3,15 @@
 saw as JSON lines, for the orchestrator's tests (tests/a2a.rs):
 
     python a2a_caller.py --url https://127.0.0.1:PORT[/agents/NAME] --ca ca.pem --token T \
-        --text "..." --mode stream|block|immediate [--context ID] [--cancel] [--get ID] [--list]
+        --text "..." --mode stream|block|immediate [--context ID] [--cancel] [--get ID] [--list] \
+        [--reply TEXT]
 
 The client reads the agent card at the URL's /.well-known/agent-card.json and calls the
 JSON-RPC interface it names. Each streamed event is printed as {"event": StreamResponse}; then
 {"task": Task} (GetTask of the task it started); {"canceled": Task} with --cancel; {"listed":
-[ids]} with --list. A refusal prints {"error": "<class>: <message>"} and exits 3.
+[ids]} with --list. With --reply, once the task waits for its caller (INPUT_REQUIRED) the reply
+is sent on the task (a follow-up message: "approve", "reject REASON") after a {"replied": TEXT}
+line, and what follows is printed the same way. A refusal prints {"error": "<class>: <message>"} and exits 3.
 """
 
 import argparse
@@ -59,15 +62,26 @@ async def call(args):
             parts=[Part(text=args.text)],
             context_id=args.context or "",
         )
-        task_id = None
+        task_id, context_id = None, None
         async for event in client.send_message(SendMessageRequest(message=message)):
             say(event=as_dict(event))
             if event.HasField("task"):
-                task_id = event.task.id
+                task_id, context_id = event.task.id, event.task.context_id
             elif event.HasField("status_update"):
-                task_id = event.status_update.task_id
+                task_id, context_id = event.status_update.task_id, event.status_update.context_id
             if args.cancel and task_id:
                 break
+        if args.reply:
+            say(replied=args.reply)
+            reply = Message(
+                message_id=str(uuid.uuid4()),
+                role=Role.ROLE_USER,
+                parts=[Part(text=args.reply)],
+                task_id=task_id,
+                context_id=context_id,
+            )
+            async for event in client.send_message(SendMessageRequest(message=reply)):
+                say(event=as_dict(event))
         if args.cancel:
             say(canceled=as_dict(await client.cancel_task(CancelTaskRequest(id=task_id))))
         say(task=as_dict(await client.get_task(GetTaskRequest(id=task_id))))
@@ -85,6 +99,7 @@ def main(argv):
     p.add_argument("--cancel", action="store_true")
     p.add_argument("--get", default="")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--reply", default="")
     args = p.parse_args(argv)
     try:
         return asyncio.run(call(args))

@@ -85,6 +85,9 @@ fn out<M: prost::Message>(message: &M, name: &str) -> Result<Value, RpcError> {
 /// How long `CancelTask` waits for the run it canceled to read ended before it answers.
 const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// What the caller replied to (see `tasks::asked`).
+type Answered = std::collections::HashSet<String>;
+
 type Events = Pin<Box<dyn Stream<Item = Result<pb::OrchestrateEvent, Status>> + Send>>;
 
 /// One call's caller and endpoint.
@@ -126,9 +129,9 @@ impl Call<'_> {
 
     /// Follows task `task_id`'s run until it ends or waits for its caller (the stream ends
     /// there too).
-    async fn until_it_stops(&self, task_id: &str) -> Result<(), RpcError> {
+    async fn until_it_stops(&self, task_id: &str, answered: Answered) -> Result<(), RpcError> {
         let mut events = self.attach(task_id).await?;
-        let mut streamer = tasks::Streamer::new(task_id, "");
+        let mut streamer = tasks::Streamer::new(task_id, "").after(answered);
         while let Some(event) = events.next().await {
             if streamer.items(&event?).1 {
                 break;
@@ -137,11 +140,54 @@ impl Call<'_> {
         Ok(())
     }
 
-    /// Starts the task `message` begins (a run in the background), or adds `message` to the live
-    /// task it names; the task's id.
-    async fn begin(&self, message: &a2a::Message) -> Result<String, RpcError> {
+    /// Starts the task `message` begins (a run in the background), or takes `message` as a
+    /// reply to the task it names (see [`Self::reply`]); the task's id, and what the caller
+    /// replied to.
+    async fn begin(&self, message: &a2a::Message) -> Result<(String, Answered), RpcError> {
         let service = &self.server.service;
         if !message.task_id.is_empty() {
+            let answered = self.reply(message).await?;
+            return Ok((message.task_id.clone(), answered));
+        }
+        let request = tasks::run_request(message, self.agent)?;
+        let started = self.unary(request, |r| service.start_run(r)).await?;
+        Ok((started.run_id, Answered::new()))
+    }
+
+    /// A message on a live task: for one waiting for its caller, the decisions or answers it
+    /// says (`DecideToolCalls`, `AnswerToolInput`); for another, a message that joins its run
+    /// at its next turn (`SendMessage`). A task that has ended takes none.
+    async fn reply(&self, message: &a2a::Message) -> Result<Answered, RpcError> {
+        let service = &self.server.service;
+        let run = self.get_run(&message.task_id).await?;
+        match tasks::run_state(&run) {
+            a2a::TaskState::InputRequired => {
+                let answered = tasks::asked(&run);
+                match tasks::reply(&run, message)? {
+                    tasks::Reply::Decide(decisions) => {
+                        let decide = pb::DecideToolCallsRequest {
+                            run_id: run.run_id.clone(),
+                            decisions,
+                        };
+                        self.unary(decide, |r| service.decide_tool_calls(r)).await?;
+                    }
+                    tasks::Reply::Answer(requests) => {
+                        for answer in requests {
+                            self.unary(answer, |r| service.answer_tool_input(r)).await?;
+                        }
+                    }
+                }
+                return Ok(answered);
+            }
+            a2a::TaskState::Working => {}
+            _ => {
+                return Err(RpcError::unsupported(format!(
+                    "task {:?} has ended: send a message without its taskId (in its context) to go on",
+                    run.run_id
+                )));
+            }
+        }
+        {
             let content = tasks::user_text(message)?;
             let steer = pb::SendMessageRequest {
                 run_id: message.task_id.clone(),
@@ -152,11 +198,8 @@ impl Call<'_> {
                 }),
             };
             self.unary(steer, |r| service.send_message(r)).await?;
-            return Ok(message.task_id.clone());
         }
-        let request = tasks::run_request(message, self.agent)?;
-        let started = self.unary(request, |r| service.start_run(r)).await?;
-        Ok(started.run_id)
+        Ok(Answered::new())
     }
 
     /// `SendMessage`: the task, once its run ended or waits for its caller (at once with
@@ -166,10 +209,10 @@ impl Call<'_> {
         let message = asked
             .message
             .ok_or_else(|| RpcError::invalid_params("params.message is required"))?;
-        let task_id = self.begin(&message).await?;
+        let (task_id, answered) = self.begin(&message).await?;
         let at_once = asked.configuration.is_some_and(|c| c.return_immediately);
         if !at_once {
-            self.until_it_stops(&task_id).await?;
+            self.until_it_stops(&task_id, answered).await?;
         }
         let run = self.get_run(&task_id).await?;
         let answer = a2a::SendMessageResponse {
@@ -229,7 +272,7 @@ impl Call<'_> {
         }
         // The task as canceled: once its run has ended (at once, or at the end of the call it
         // was making), within the wait a cancel takes.
-        let _ = tokio::time::timeout(CANCEL_WAIT, self.until_it_stops(&asked.id)).await;
+        let _ = tokio::time::timeout(CANCEL_WAIT, self.until_it_stops(&asked.id, Answered::new())).await;
         let run = self.get_run(&asked.id).await?;
         out(&tasks::task(&run, true), "Task")
     }
@@ -244,7 +287,7 @@ impl Call<'_> {
             self.begin(&message).await
         };
         match begun.await {
-            Ok(task_id) => self.stream(id, &task_id).await,
+            Ok((task_id, answered)) => self.stream(id, &task_id, answered).await,
             Err(error) => json_answer(error_body(id, error)),
         }
     }
@@ -256,11 +299,12 @@ impl Call<'_> {
             Ok(asked) => asked,
             Err(error) => return json_answer(error_body(id, error)),
         };
-        self.stream(id, &asked.id).await
+        self.stream(id, &asked.id, Answered::new()).await
     }
 
-    /// Task `task_id` as it is (without its text, which the stream brings), then its stream.
-    async fn stream(&self, id: Value, task_id: &str) -> Response {
+    /// Task `task_id` as it is (without its text, which the stream brings), then its stream
+    /// (past the asks the caller `answered`).
+    async fn stream(&self, id: Value, task_id: &str, answered: Answered) -> Response {
         let opened = async {
             let run = self.get_run(task_id).await?;
             if !run_is_live(&run) {
@@ -278,7 +322,7 @@ impl Call<'_> {
         let first = a2a::StreamResponse {
             payload: Some(a2a::stream_response::Payload::Task(tasks::task(&run, false))),
         };
-        let streamer = tasks::Streamer::new(task_id, &tasks::context(&run));
+        let streamer = tasks::Streamer::new(task_id, &tasks::context(&run)).after(answered);
         Sse::new(sse(id, first, events, streamer))
             .keep_alive(KeepAlive::default())
             .into_response()
@@ -286,7 +330,8 @@ impl Call<'_> {
 }
 
 fn run_is_live(run: &pb::RunResult) -> bool {
-    !tasks::stops_stream(tasks::state(run.status)) || tasks::state(run.status) == a2a::TaskState::InputRequired
+    let state = tasks::run_state(run);
+    !tasks::stops_stream(state) || state == a2a::TaskState::InputRequired
 }
 
 /// The runs statuses a task state stands for.

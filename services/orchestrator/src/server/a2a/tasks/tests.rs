@@ -97,3 +97,92 @@ fn a_runs_events_stream_as_artifact_appends_then_its_end() {
         Some(a2a::TaskState::Completed as i32)
     );
 }
+
+fn waiting_run(questions: bool) -> pb::RunResult {
+    let input_requests = match questions {
+        true => vec![pb::ToolInputRequest {
+            key: "reason".into(),
+            mode: "form".into(),
+            message: "Why?".into(),
+            ..Default::default()
+        }],
+        false => Vec::new(),
+    };
+    pb::RunResult {
+        run_id: "r-1".into(),
+        status: pb::RunStatus::AwaitingApproval.into(),
+        pending_approvals: vec![pb::PendingApproval {
+            call_id: "c-1".into(),
+            name: "refund".into(),
+            arguments_json: "{}".into(),
+            input_requests,
+            input_round: "1".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn data(json: serde_json::Value) -> a2a::Part {
+    let value = crate::json::from_json_lenient::<prost_types::Value>(json, "google.protobuf.Value").unwrap();
+    part(a2a::part::Content::Data(value))
+}
+
+#[test]
+fn a_reply_approves_or_rejects_the_waiting_calls_in_words_or_data() {
+    let run = waiting_run(false);
+    let decided = |message: a2a::Message| match reply(&run, &message) {
+        Ok(Reply::Decide(d)) => d
+            .into_iter()
+            .map(|d| (d.call_id, d.kind, d.message))
+            .collect::<Vec<_>>(),
+        other => panic!("{other:?}"),
+    };
+    let approve = pb::DecisionKind::Approve as i32;
+    let reject = pb::DecisionKind::Reject as i32;
+    assert_eq!(
+        decided(user(vec![part(a2a::part::Content::Text("Approve.".into()))])),
+        [("c-1".into(), approve, String::new())]
+    );
+    assert_eq!(
+        decided(user(vec![part(a2a::part::Content::Text("reject too large".into()))])),
+        [("c-1".into(), reject, "too large".into())]
+    );
+    let json = serde_json::json!({"decision": "reject", "callId": "c-1", "message": "no"});
+    assert_eq!(decided(user(vec![data(json)])), [("c-1".into(), reject, "no".into())]);
+    let unclear = reply(&run, &user(vec![part(a2a::part::Content::Text("maybe".into()))]))
+        .err()
+        .unwrap();
+    assert_eq!(unclear.code, -32602);
+    assert!(
+        unclear.message.contains("refund({})") && unclear.message.contains("\"approve\""),
+        "{}",
+        unclear.message
+    );
+}
+
+#[test]
+fn a_reply_answers_a_tools_questions_by_key_or_declines_them() {
+    let run = waiting_run(true);
+    let Ok(Reply::Answer(requests)) = reply(
+        &run,
+        &user(vec![data(serde_json::json!({"answers": {"reason": "damaged"}}))]),
+    ) else {
+        panic!("answers");
+    };
+    assert_eq!((requests[0].call_id.as_str(), requests[0].round.as_str()), ("c-1", "1"));
+    assert_eq!(requests[0].answers[0].content_json, "\"damaged\"");
+    let missing = reply(&run, &user(vec![data(serde_json::json!({"answers": {}}))]))
+        .err()
+        .unwrap();
+    assert!(
+        missing.message.contains("no answer for question \"reason\""),
+        "{}",
+        missing.message
+    );
+    let Ok(Reply::Answer(declined)) = reply(&run, &user(vec![part(a2a::part::Content::Text("decline".into()))])) else {
+        panic!("declined");
+    };
+    assert_eq!(declined[0].answers[0].action, pb::InputAction::Decline as i32);
+    assert_eq!(asked(&run), ["c-1/1".to_owned()].into());
+}
