@@ -1,5 +1,5 @@
 //! The example clients in other languages (Python through grpcio, TypeScript through grpc-js) and
-//! the Python of the test virtualenv they run on; the A2A project's Python client.
+//! the Python of the test virtualenv they run on; the A2A project's Python and JavaScript clients.
 
 use std::path::PathBuf;
 
@@ -45,5 +45,19 @@ pub fn a2a_caller() -> anyhow::Result<tokio::process::Command> {
     );
     let mut command = tokio::process::Command::new(python);
     command.arg(crate::repo_root().join("services/orchestrator/tests/python/a2a_caller.py"));
+    Ok(command)
+}
+
+/// `node services/orchestrator/tests/js/a2a_caller.mjs` (the A2A project's `@a2a-js/sdk`,
+/// installed there by `./scripts/test`).
+pub fn a2a_js_caller() -> anyhow::Result<tokio::process::Command> {
+    let dir = crate::repo_root().join("services/orchestrator/tests/js");
+    anyhow::ensure!(
+        dir.join("node_modules/@a2a-js/sdk").exists(),
+        "{} has no node_modules/@a2a-js/sdk: ./scripts/test installs it (npm ci there)",
+        dir.display()
+    );
+    let mut command = tokio::process::Command::new("node");
+    command.arg(dir.join("a2a_caller.mjs"));
     Ok(command)
 }

@@ -1014,13 +1014,15 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
     Ok(())
 }
 
-/// The A2A project's own Python client (`a2a-sdk`, PyPI) calling the orchestrator's A2A endpoint
-/// over TLS with a bearer token: it reads a named agent's card and streams a task (the demo: its
-/// text as artifact appends, its tool calls as status messages, `COMPLETED`), sends one and waits
-/// for its end, lists its tasks (another principal sees none of them, and gets
-/// `TaskNotFoundError` for one), and cancels a slow one; a token not in the file gets 401.
+/// The A2A project's own clients calling the orchestrator's A2A endpoint over TLS with a bearer
+/// token. Python (`a2a-sdk`, PyPI): it reads a named agent's card and streams a task (the demo:
+/// its text as artifact appends, its tool calls as status messages, `COMPLETED`), sends one and
+/// waits for its end, lists its tasks (another principal sees none of them, and gets
+/// `TaskNotFoundError` for one), cancels a slow one, and replies "approve" to a task waiting for
+/// a person, streamed and waited for; a token not in the file gets 401. JavaScript
+/// (`@a2a-js/sdk`, npm): the same task with its approval, streamed.
 #[tokio::test]
-async fn the_a2a_projects_python_client_streams_waits_lists_and_cancels_tasks() -> TestResult {
+async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_cancel() -> TestResult {
     let deployment = Deployment::start().await?;
     let a2a = deployment
         .orchestrator
@@ -1180,6 +1182,28 @@ async fn the_a2a_projects_python_client_streams_waits_lists_and_cancels_tasks() 
         let task = seen.last().map(|l| l["task"].clone()).unwrap_or_default();
         assert_eq!(state(&task), "TASK_STATE_COMPLETED", "{mode}: {out}");
     }
+
+    // The A2A project's JavaScript client (@a2a-js/sdk) streams the same task with its approval
+    // (states by number: 6 INPUT_REQUIRED, 3 COMPLETED).
+    let mut js = testkit::python::a2a_js_caller()?;
+    js.env("NODE_EXTRA_CA_CERTS", &ca).args([
+        &format!("https://{a2a}/agents/reviewed/"),
+        TOKEN,
+        "check the tools",
+        "approve",
+    ]);
+    let streamed = run(js).await?;
+    let out = String::from_utf8_lossy(&streamed.stdout).into_owned();
+    assert_eq!(streamed.status.code(), Some(0), "{}{out}", stderr(&streamed));
+    let seen = lines(&streamed)?;
+    let replied = seen
+        .iter()
+        .position(|l| l.get("replied").is_some())
+        .unwrap_or(seen.len());
+    let last_state = |lines: &[Value]| lines.iter().filter_map(|l| l["event"]["state"].as_i64()).next_back();
+    assert_eq!(last_state(&seen[..replied]), Some(6), "{out}");
+    assert_eq!(last_state(&seen[replied..]), Some(3), "{out}");
+    assert_eq!(seen.last().map(|l| l["task"]["state"].clone()), Some(json!(3)), "{out}");
 
     let stranger = run(caller("reporter", "not-a-token", &["--list"])?).await?;
     assert_eq!(stranger.status.code(), Some(3));
