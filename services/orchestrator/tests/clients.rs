@@ -1020,7 +1020,8 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
 /// waits for its end, lists its tasks (another principal sees none of them, and gets
 /// `TaskNotFoundError` for one), cancels a slow one, and replies "approve" to a task waiting for
 /// a person, streamed and waited for; a token not in the file gets 401. JavaScript
-/// (`@a2a-js/sdk`, npm): the same task with its approval, streamed.
+/// (`@a2a-js/sdk`, npm): the same task with its approval, streamed. The gRPC binding, through the
+/// Python client: the same, and another principal's `NOT_FOUND`.
 #[tokio::test]
 async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_cancel() -> TestResult {
     let deployment = Deployment::start().await?;
@@ -1182,6 +1183,38 @@ async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_ca
         let task = seen.last().map(|l| l["task"].clone()).unwrap_or_default();
         assert_eq!(state(&task), "TASK_STATE_COMPLETED", "{mode}: {out}");
     }
+
+    // The gRPC binding, on the gRPC port (the card names it, with the agent as its tenant): the
+    // same task and reply; another principal is told NOT_FOUND for it.
+    let args = [
+        "--text",
+        "check the tools",
+        "--mode",
+        "stream",
+        "--reply",
+        "approve",
+        "--binding",
+        "grpc",
+    ];
+    let over_grpc = run(caller("reviewed", TOKEN, &args)?).await?;
+    let out = String::from_utf8_lossy(&over_grpc.stdout).into_owned();
+    assert_eq!(over_grpc.status.code(), Some(0), "grpc: {}{out}", stderr(&over_grpc));
+    let seen = lines(&over_grpc)?;
+    let task = seen.last().map(|l| l["task"].clone()).unwrap_or_default();
+    assert_eq!(state(&task), "TASK_STATE_COMPLETED", "grpc: {out}");
+    assert!(out.contains("TASK_STATE_INPUT_REQUIRED"), "grpc: {out}");
+    let task_id = task["id"].as_str().unwrap_or_default();
+    let foreign = run(caller(
+        "reviewed",
+        "other-token",
+        &["--get", task_id, "--binding", "grpc"],
+    )?)
+    .await?;
+    let refused = String::from_utf8_lossy(&foreign.stdout).into_owned();
+    assert!(
+        foreign.status.code() == Some(3) && refused.contains("NOT_FOUND"),
+        "{refused}"
+    );
 
     // The A2A project's JavaScript client (@a2a-js/sdk) streams the same task with its approval
     // (states by number: 6 INPUT_REQUIRED, 3 COMPLETED).

@@ -89,10 +89,13 @@ pub async fn serve_with_resolver(
     let llm = model.shown().join(",");
     let core = build::core(&config, model, runners).await?;
     let _console = console::start(&config.console, &security, Arc::clone(&core)).await?;
-    let _a2a = a2a::start(&config.a2a, &security, Arc::clone(&core)).await?;
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
+    let (_a2a, a2a_grpc) = a2a::start(&config.a2a, &security, Arc::clone(&core), address)
+        .await?
+        .map(|served| (served.http, served.grpc))
+        .unzip();
     tracing::info!(%address, %llm, model = %config.llm.model, max_runs = config.runs.max_runs, "orchestrator serving");
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -123,6 +126,7 @@ pub async fn serve_with_resolver(
         .add_service(reflection)
         .add_service(reflection_v1alpha)
         .add_service(service)
+        .add_optional_service(a2a_grpc)
         .serve_with_incoming_shutdown(security.incoming(listener), drain)
         .await?;
     drop(refresher);

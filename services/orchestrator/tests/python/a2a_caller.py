@@ -4,14 +4,15 @@ saw as JSON lines, for the orchestrator's tests (tests/a2a.rs):
 
     python a2a_caller.py --url https://127.0.0.1:PORT[/agents/NAME] --ca ca.pem --token T \
         --text "..." --mode stream|block|immediate [--context ID] [--cancel] [--get ID] [--list] \
-        [--reply TEXT]
+        [--reply TEXT] [--binding jsonrpc|grpc]
 
 The client reads the agent card at the URL's /.well-known/agent-card.json and calls the
 JSON-RPC interface it names. Each streamed event is printed as {"event": StreamResponse}; then
 {"task": Task} (GetTask of the task it started); {"canceled": Task} with --cancel; {"listed":
 [ids]} with --list. With --reply, once the task waits for its caller (INPUT_REQUIRED) the reply
 is sent on the task (a follow-up message: "approve", "reject REASON") after a {"replied": TEXT}
-line, and what follows is printed the same way. A refusal prints {"error": "<class>: <message>"} and exits 3.
+line, and what follows is printed the same way. --binding grpc calls the gRPC interface the card
+names instead (its TLS with --ca, the token as call credentials). A refusal prints {"error": "<class>: <message>"} and exits 3.
 """
 
 import argparse
@@ -35,6 +36,16 @@ from a2a.types.a2a_pb2 import (
 from google.protobuf import json_format
 
 
+def grpc_channel(url, args):
+    """A channel to `url` over TLS with the CA of --ca, the token sent with each call."""
+    import grpc  # the a2a-sdk[grpc] extra
+
+    with open(args.ca, "rb") as f:
+        tls = grpc.ssl_channel_credentials(root_certificates=f.read())
+    credentials = grpc.composite_channel_credentials(tls, grpc.access_token_call_credentials(args.token))
+    return grpc.aio.secure_channel(url, credentials)
+
+
 def say(**line):
     print(json.dumps(line), flush=True)
 
@@ -48,6 +59,9 @@ async def call(args):
     verify = ssl.create_default_context(cafile=args.ca) if args.ca else True
     async with httpx.AsyncClient(headers=headers, timeout=60, verify=verify) as http:
         config = ClientConfig(httpx_client=http, streaming=args.mode == "stream", polling=args.mode == "immediate")
+        if args.binding == "grpc":
+            config.supported_protocol_bindings = ["GRPC"]
+            config.grpc_channel_factory = lambda url: grpc_channel(url, args)
         client = await create_client(args.url, client_config=config)
         if args.get:
             say(task=as_dict(await client.get_task(GetTaskRequest(id=args.get))))
@@ -100,6 +114,7 @@ def main(argv):
     p.add_argument("--get", default="")
     p.add_argument("--list", action="store_true")
     p.add_argument("--reply", default="")
+    p.add_argument("--binding", choices=["jsonrpc", "grpc"], default="jsonrpc")
     args = p.parse_args(argv)
     try:
         return asyncio.run(call(args))

@@ -73,15 +73,25 @@ fn card(
     path: String,
     skill: a2a::AgentSkill,
 ) -> a2a::AgentCard {
+    let tenant = path.strip_prefix("/agents/").unwrap_or_default();
     let mut card = a2a::AgentCard {
         name: name.into(),
         description: description.into(),
-        supported_interfaces: vec![a2a::AgentInterface {
-            url: format!("{}{path}", server.base_url),
-            protocol_binding: "JSONRPC".into(),
-            protocol_version: PROTOCOL_VERSION.into(),
-            ..Default::default()
-        }],
+        supported_interfaces: vec![
+            a2a::AgentInterface {
+                url: format!("{}{path}", server.base_url),
+                protocol_binding: "JSONRPC".into(),
+                protocol_version: PROTOCOL_VERSION.into(),
+                ..Default::default()
+            },
+            // The gRPC binding names a named agent by its tenant.
+            a2a::AgentInterface {
+                url: server.grpc_url.clone(),
+                protocol_binding: "GRPC".into(),
+                protocol_version: PROTOCOL_VERSION.into(),
+                tenant: tenant.to_owned(),
+            },
+        ],
         version: version.into(),
         capabilities: Some(a2a::AgentCapabilities {
             streaming: Some(true),

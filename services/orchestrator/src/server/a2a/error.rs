@@ -52,3 +52,17 @@ impl From<Status> for RpcError {
 pub(super) fn error_body(id: Value, error: RpcError) -> String {
     json!({ "jsonrpc": "2.0", "id": id, "error": { "code": error.code, "message": error.message } }).to_string()
 }
+
+impl From<RpcError> for Status {
+    /// A2A's gRPC codes for its errors (the binding's table).
+    fn from(error: RpcError) -> Self {
+        let code = match error.code {
+            -32001 => Code::NotFound,
+            -32602 | -32005 | -32700 | -32600 => Code::InvalidArgument,
+            -32002 | -32003 | -32004 | -32007 | -32008 | -32009 => Code::FailedPrecondition,
+            -32601 => Code::Unimplemented,
+            _ => Code::Internal,
+        };
+        Status::new(code, error.message)
+    }
+}

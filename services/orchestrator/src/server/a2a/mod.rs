@@ -4,10 +4,13 @@
 //! thread (`tasks.rs`); refusals carry A2A's codes (`error.rs`). Every call goes through the gRPC service in process as the caller's
 //! principal, as the console's do, so A2A has no rules of its own: the same credentials (a
 //! bearer token; a client certificate where those sign in), the same scopes (another principal's
-//! task is not found), the same limits. The listener is the console's (TLS, head timeout).
+//! task is not found), the same limits. The listener is the console's (TLS, head timeout). The
+//! gRPC binding (`grpc.rs`) is served on the gRPC port; both call `calls.rs`.
 
+mod calls;
 mod card;
 mod error;
+mod grpc;
 mod jsonrpc;
 mod tasks;
 
@@ -19,6 +22,7 @@ use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use proto::lf::a2a::v1::a2a_service_server::A2aServiceServer;
 use shared::auth::{Authenticator, Principal};
 use shared::runtime::AbortOnDrop;
 use shared::serving::Security;
@@ -37,14 +41,24 @@ struct A2a {
     auth: Option<Arc<Authenticator>>,
     /// Where callers reach this port (the cards name it).
     base_url: String,
+    /// Where callers reach the gRPC binding, on the gRPC port.
+    grpc_url: String,
 }
 
-/// Serves A2A on `--a2a-listen` (nothing when unset) until the handle is dropped.
+/// A2A being served: its HTTP port (until dropped), and its gRPC service for the gRPC port.
+pub(crate) struct Served {
+    pub http: AbortOnDrop,
+    pub grpc: A2aServiceServer<grpc::A2aGrpc>,
+}
+
+/// Serves A2A's JSON-RPC binding on `--a2a-listen` (nothing when unset) until dropped, and
+/// gives its gRPC binding, for the gRPC port at `grpc_address`.
 pub(crate) async fn start(
     settings: &A2aSettings,
     security: &Security,
     core: Arc<Core>,
-) -> Result<Option<AbortOnDrop>, Error> {
+    grpc_address: std::net::SocketAddr,
+) -> Result<Option<Served>, Error> {
     let Some(address) = settings.a2a_listen else {
         return Ok(None);
     };
@@ -63,18 +77,20 @@ pub(crate) async fn start(
         core,
         auth: security.authenticator(),
         base_url,
+        grpc_url: settings
+            .a2a_grpc_url
+            .clone()
+            .unwrap_or_else(|| grpc_address.to_string()),
     };
+    let grpc = A2aServiceServer::new(grpc::A2aGrpc::new(a2a.clone()));
     let app = router(a2a, settings.a2a_max_body_bytes);
     let connections = Connections {
         incoming: security.incoming_http(bound),
         local,
     };
     tracing::info!(address = %local, tls = security.tls(), "a2a serving");
-    Ok(Some(AbortOnDrop(shared::tasks::spawn(listener::serve(
-        connections,
-        app,
-        header_timeout,
-    )))))
+    let http = AbortOnDrop(shared::tasks::spawn(listener::serve(connections, app, header_timeout)));
+    Ok(Some(Served { http, grpc }))
 }
 
 /// The routes: the server's card and endpoint, and each named agent's.
