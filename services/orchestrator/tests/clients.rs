@@ -1184,6 +1184,24 @@ async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_ca
         assert_eq!(state(&task), "TASK_STATE_COMPLETED", "{mode}: {out}");
     }
 
+    // A task started to return at once is followed with SubscribeToTask from its run's first
+    // event: its text, its calls, then INPUT_REQUIRED where it waits; an ended task has no
+    // stream.
+    let args = ["--text", "check the tools", "--mode", "immediate", "--subscribe"];
+    let followed = run(caller("reviewed", TOKEN, &args)?).await?;
+    let out = String::from_utf8_lossy(&followed.stdout).into_owned();
+    assert_eq!(followed.status.code(), Some(0), "subscribe: {}{out}", stderr(&followed));
+    let subscribed: Vec<Value> = lines(&followed)?
+        .into_iter()
+        .filter_map(|l| l.get("subscribed").cloned())
+        .collect();
+    assert!(subscribed.first().is_some_and(|e| e.get("task").is_some()), "{out}");
+    assert!(subscribed.iter().any(|e| e.get("artifactUpdate").is_some()), "{out}");
+    let last = subscribed.last().map(|e| state(&e["statusUpdate"])).unwrap_or_default();
+    assert_eq!(last, "TASK_STATE_INPUT_REQUIRED", "{out}");
+    let ended = run(caller("reporter", TOKEN, &["--get", &waited_id])?).await?;
+    assert_eq!(state(&lines(&ended)?[0]["task"]), "TASK_STATE_COMPLETED");
+
     // The gRPC binding, on the gRPC port (the card names it, with the agent as its tenant): the
     // same task and reply; another principal is told NOT_FOUND for it.
     let args = [

@@ -4,7 +4,7 @@ saw as JSON lines, for the orchestrator's tests (tests/a2a.rs):
 
     python a2a_caller.py --url https://127.0.0.1:PORT[/agents/NAME] --ca ca.pem --token T \
         --text "..." --mode stream|block|immediate [--context ID] [--cancel] [--get ID] [--list] \
-        [--reply TEXT] [--binding jsonrpc|grpc]
+        [--reply TEXT] [--binding jsonrpc|grpc] [--subscribe]
 
 The client reads the agent card at the URL's /.well-known/agent-card.json and calls the
 JSON-RPC interface it names. Each streamed event is printed as {"event": StreamResponse}; then
@@ -12,7 +12,8 @@ JSON-RPC interface it names. Each streamed event is printed as {"event": StreamR
 [ids]} with --list. With --reply, once the task waits for its caller (INPUT_REQUIRED) the reply
 is sent on the task (a follow-up message: "approve", "reject REASON") after a {"replied": TEXT}
 line, and what follows is printed the same way. --binding grpc calls the gRPC interface the card
-names instead (its TLS with --ca, the token as call credentials). A refusal prints {"error": "<class>: <message>"} and exits 3.
+names instead (its TLS with --ca, the token as call credentials). --subscribe follows the task
+it started again (SubscribeToTask), printing {"subscribed": StreamResponse} lines. A refusal prints {"error": "<class>: <message>"} and exits 3.
 """
 
 import argparse
@@ -32,6 +33,7 @@ from a2a.types.a2a_pb2 import (
     Part,
     Role,
     SendMessageRequest,
+    SubscribeToTaskRequest,
 )
 from google.protobuf import json_format
 
@@ -85,6 +87,11 @@ async def call(args):
                 task_id, context_id = event.status_update.task_id, event.status_update.context_id
             if args.cancel and task_id:
                 break
+        if args.subscribe:
+            # A client that streams (resubscribing needs one), whatever --mode started the task.
+            follower = await create_client(args.url, client_config=ClientConfig(httpx_client=http, streaming=True))
+            async for event in follower.subscribe(SubscribeToTaskRequest(id=task_id)):
+                say(subscribed=as_dict(event))
         if args.reply:
             say(replied=args.reply)
             reply = Message(
@@ -114,6 +121,7 @@ def main(argv):
     p.add_argument("--get", default="")
     p.add_argument("--list", action="store_true")
     p.add_argument("--reply", default="")
+    p.add_argument("--subscribe", action="store_true")
     p.add_argument("--binding", choices=["jsonrpc", "grpc"], default="jsonrpc")
     args = p.parse_args(argv)
     try:
