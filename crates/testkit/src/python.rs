@@ -37,14 +37,29 @@ pub fn typescript_example() -> anyhow::Result<tokio::process::Command> {
 /// `python services/orchestrator/tests/python/a2a_caller.py` on the A2A virtualenv (the A2A
 /// project's `a2a-sdk`, installed by `./scripts/test`).
 pub fn a2a_caller() -> anyhow::Result<tokio::process::Command> {
+    a2a_python("a2a_caller.py")
+}
+
+/// `python services/orchestrator/tests/python/adk_caller.py` on the A2A virtualenv (Google ADK,
+/// an agent framework that calls remote A2A agents, installed by `./scripts/test`).
+pub fn adk_caller() -> anyhow::Result<tokio::process::Command> {
+    a2a_python("adk_caller.py")
+}
+
+/// `python services/orchestrator/tests/python/SCRIPT` on the A2A virtualenv.
+fn a2a_python(script: &str) -> anyhow::Result<tokio::process::Command> {
     let python = crate::repo_root().join("target/tools/a2a/bin/python");
     anyhow::ensure!(
         python.exists(),
-        "{} is missing: ./scripts/test installs it (python3 -m venv, pip install a2a-sdk)",
+        "{} is missing: ./scripts/test installs it (python3 -m venv, pip install a2a-sdk google-adk)",
         python.display()
     );
     let mut command = tokio::process::Command::new(python);
-    command.arg(crate::repo_root().join("services/orchestrator/tests/python/a2a_caller.py"));
+    command.arg(
+        crate::repo_root()
+            .join("services/orchestrator/tests/python")
+            .join(script),
+    );
     Ok(command)
 }
 

@@ -1234,6 +1234,43 @@ async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_ca
         "{refused}"
     );
 
+    // An agent framework that calls remote A2A agents (Google ADK's RemoteA2aAgent, run by its
+    // Runner) drives one task over two turns of a session: it waits for approval after the
+    // first; the second, "approve", lets it complete.
+    let card = format!("https://{a2a}/agents/reviewed/.well-known/agent-card.json");
+    let mut adk = testkit::python::adk_caller()?;
+    adk.args([
+        "--card",
+        &card,
+        "--ca",
+        &ca,
+        "--token",
+        TOKEN,
+        "check the tools",
+        "approve",
+    ]);
+    let driven = run(adk).await?;
+    let out = String::from_utf8_lossy(&driven.stdout).into_owned();
+    assert_eq!(driven.status.code(), Some(0), "adk: {}{out}", stderr(&driven));
+    let seen = lines(&driven)?;
+    let said = |turn: i64| -> String {
+        seen.iter()
+            .filter(|l| l["turn"] == turn)
+            .filter_map(|l| l["text"].as_str())
+            .collect::<Vec<_>>()
+            .join("|")
+    };
+    assert!(
+        said(1).contains("calling calculate") && !said(1).contains("calling sleep"),
+        "adk: {out}"
+    );
+    assert!(said(2).contains("calling sleep"), "the approved call ran: {out}");
+    let tasks: std::collections::BTreeSet<&str> = seen.iter().filter_map(|l| l["task"].as_str()).collect();
+    assert_eq!(tasks.len(), 1, "one task over both turns: {out}");
+    let task_id = tasks.iter().next().copied().unwrap_or_default();
+    let got = run(caller("reviewed", TOKEN, &["--get", task_id])?).await?;
+    assert_eq!(state(&lines(&got)?[0]["task"]), "TASK_STATE_COMPLETED", "adk: {out}");
+
     // The A2A project's JavaScript client (@a2a-js/sdk) streams the same task with its approval
     // (states by number: 6 INPUT_REQUIRED, 3 COMPLETED).
     let mut js = testkit::python::a2a_js_caller()?;
@@ -1256,6 +1293,12 @@ async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_ca
     assert_eq!(last_state(&seen[replied..]), Some(3), "{out}");
     assert_eq!(seen.last().map(|l| l["task"]["state"].clone()), Some(json!(3)), "{out}");
 
+    let stranger = run(caller("reporter", "not-a-token", &["--list", "--binding", "grpc"])?).await?;
+    let refused = String::from_utf8_lossy(&stranger.stdout).into_owned();
+    assert!(
+        stranger.status.code() == Some(3) && refused.contains("UNAUTHENTICATED"),
+        "grpc: {refused}"
+    );
     let stranger = run(caller("reporter", "not-a-token", &["--list"])?).await?;
     assert_eq!(stranger.status.code(), Some(3));
     assert!(

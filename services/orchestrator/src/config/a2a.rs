@@ -22,10 +22,6 @@ pub struct A2aSettings {
     /// `https://agents.example.com`); the agent cards name it (unset: the listen address).
     #[arg(long, env = "ORCHESTRATOR_A2A_PUBLIC_URL", value_name = "URL")]
     pub a2a_public_url: Option<String>,
-    /// Where callers reach A2A's gRPC binding, served on the gRPC port (`HOST:PORT`, as the
-    /// agent cards name it; unset: the gRPC port's address).
-    #[arg(long, env = "ORCHESTRATOR_A2A_GRPC_URL", value_name = "HOST:PORT")]
-    pub a2a_grpc_url: Option<String>,
     /// Largest A2A request body, in bytes (cap 64 MiB).
     #[arg(long, env = "ORCHESTRATOR_A2A_MAX_BODY_BYTES", default_value_t = 4 * MIB)]
     pub a2a_max_body_bytes: usize,

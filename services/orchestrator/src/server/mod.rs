@@ -92,10 +92,7 @@ pub async fn serve_with_resolver(
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
-    let (_a2a, a2a_grpc) = a2a::start(&config.a2a, &security, Arc::clone(&core), address)
-        .await?
-        .map(|served| (served.http, served.grpc))
-        .unzip();
+    let _a2a = a2a::start(&config.a2a, &security, Arc::clone(&core)).await?;
     tracing::info!(%address, %llm, model = %config.llm.model, max_runs = config.runs.max_runs, "orchestrator serving");
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -126,7 +123,6 @@ pub async fn serve_with_resolver(
         .add_service(reflection)
         .add_service(reflection_v1alpha)
         .add_service(service)
-        .add_optional_service(a2a_grpc)
         .serve_with_incoming_shutdown(security.incoming(listener), drain)
         .await?;
     drop(refresher);

@@ -39,13 +39,15 @@ from google.protobuf import json_format
 
 
 def grpc_channel(url, args):
-    """A channel to `url` over TLS with the CA of --ca, the token sent with each call."""
+    """A channel to `url` (the card's `https://HOST:PORT`) over TLS with the CA of --ca, the token
+    sent with each call."""
     import grpc  # the a2a-sdk[grpc] extra
 
+    target = url.split("://", 1)[-1]
     with open(args.ca, "rb") as f:
         tls = grpc.ssl_channel_credentials(root_certificates=f.read())
     credentials = grpc.composite_channel_credentials(tls, grpc.access_token_call_credentials(args.token))
-    return grpc.aio.secure_channel(url, credentials)
+    return grpc.aio.secure_channel(target, credentials)
 
 
 def say(**line):

@@ -84,9 +84,9 @@ fn card(
                 protocol_version: PROTOCOL_VERSION.into(),
                 ..Default::default()
             },
-            // The gRPC binding names a named agent by its tenant.
+            // The gRPC binding, on the same port, names a named agent by its tenant.
             a2a::AgentInterface {
-                url: server.grpc_url.clone(),
+                url: server.base_url.clone(),
                 protocol_binding: "GRPC".into(),
                 protocol_version: PROTOCOL_VERSION.into(),
                 tenant: tenant.to_owned(),

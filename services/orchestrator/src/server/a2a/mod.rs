@@ -5,7 +5,8 @@
 //! principal, as the console's do, so A2A has no rules of its own: the same credentials (a
 //! bearer token; a client certificate where those sign in), the same scopes (another principal's
 //! task is not found), the same limits. The listener is the console's (TLS, head timeout). The
-//! gRPC binding (`grpc.rs`) is served on the gRPC port; both call `calls.rs`.
+//! gRPC binding (`grpc.rs`) is served on the same port, at the cards' origin (agent frameworks
+//! refuse a card whose interfaces are elsewhere); both call `calls.rs`.
 
 mod calls;
 mod card;
@@ -41,24 +42,15 @@ struct A2a {
     auth: Option<Arc<Authenticator>>,
     /// Where callers reach this port (the cards name it).
     base_url: String,
-    /// Where callers reach the gRPC binding, on the gRPC port.
-    grpc_url: String,
 }
 
-/// A2A being served: its HTTP port (until dropped), and its gRPC service for the gRPC port.
-pub(crate) struct Served {
-    pub http: AbortOnDrop,
-    pub grpc: A2aServiceServer<grpc::A2aGrpc>,
-}
-
-/// Serves A2A's JSON-RPC binding on `--a2a-listen` (nothing when unset) until dropped, and
-/// gives its gRPC binding, for the gRPC port at `grpc_address`.
+/// Serves A2A (both bindings) on `--a2a-listen` (nothing when unset) until the handle is
+/// dropped.
 pub(crate) async fn start(
     settings: &A2aSettings,
     security: &Security,
     core: Arc<Core>,
-    grpc_address: std::net::SocketAddr,
-) -> Result<Option<Served>, Error> {
+) -> Result<Option<AbortOnDrop>, Error> {
     let Some(address) = settings.a2a_listen else {
         return Ok(None);
     };
@@ -77,24 +69,29 @@ pub(crate) async fn start(
         core,
         auth: security.authenticator(),
         base_url,
-        grpc_url: settings
-            .a2a_grpc_url
-            .clone()
-            .unwrap_or_else(|| grpc_address.to_string()),
     };
-    let grpc = A2aServiceServer::new(grpc::A2aGrpc::new(a2a.clone()));
     let app = router(a2a, settings.a2a_max_body_bytes);
     let connections = Connections {
         incoming: security.incoming_http(bound),
         local,
     };
     tracing::info!(address = %local, tls = security.tls(), "a2a serving");
-    let http = AbortOnDrop(shared::tasks::spawn(listener::serve(connections, app, header_timeout)));
-    Ok(Some(Served { http, grpc }))
+    Ok(Some(AbortOnDrop(shared::tasks::spawn(listener::serve(
+        connections,
+        app,
+        header_timeout,
+    )))))
 }
 
-/// The routes: the server's card and endpoint, and each named agent's.
+/// The routes: the server's card and endpoint, each named agent's, and the gRPC binding (its
+/// caller authenticated here, as the gRPC port's layer would).
 fn router(a2a: A2a, max_body: usize) -> Router {
+    let grpc = Router::new()
+        .route_service(
+            "/lf.a2a.v1.A2AService/{method}",
+            A2aServiceServer::new(grpc::A2aGrpc::new(a2a.clone())),
+        )
+        .route_layer(axum::middleware::from_fn_with_state(a2a.clone(), grpc_caller));
     Router::new()
         .route("/.well-known/agent-card.json", get(server_card))
         .route("/", axum::routing::post(server_rpc))
@@ -102,6 +99,24 @@ fn router(a2a: A2a, max_body: usize) -> Router {
         .route("/agents/{name}", axum::routing::post(agent_rpc))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(a2a)
+        .merge(grpc)
+}
+
+/// A gRPC call's caller, put where the handlers read it (`shared::auth::caller`), or its
+/// refusal (`UNAUTHENTICATED`): no call reaches the binding without one.
+async fn grpc_caller(
+    State(a2a): State<A2a>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    mut request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match principal(&a2a, request.headers(), &peer) {
+        Ok(principal) => {
+            request.extensions_mut().insert(principal);
+            next.run(request).await
+        }
+        Err(why) => tonic::Status::unauthenticated(why).into_http::<axum::body::Body>(),
+    }
 }
 
 /// Who is calling: the anonymous caller of a server without authentication, else the principal
