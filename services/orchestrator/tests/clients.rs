@@ -1021,7 +1021,8 @@ async fn the_python_and_typescript_clients_reattach_when_their_connection_dies()
 /// `TaskNotFoundError` for one), cancels a slow one, and replies "approve" to a task waiting for
 /// a person, streamed and waited for; a token not in the file gets 401. JavaScript
 /// (`@a2a-js/sdk`, npm): the same task with its approval, streamed. The gRPC binding, through the
-/// Python client: the same, and another principal's `NOT_FOUND`.
+/// Python client: the same, and another principal's `TaskNotFoundError` (`NOT_FOUND` with A2A's
+/// reason).
 #[tokio::test]
 async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_cancel() -> TestResult {
     let deployment = Deployment::start().await?;
@@ -1203,7 +1204,8 @@ async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_ca
     assert_eq!(state(&lines(&ended)?[0]["task"]), "TASK_STATE_COMPLETED");
 
     // The gRPC binding, on the gRPC port (the card names it, with the agent as its tenant): the
-    // same task and reply; another principal is told NOT_FOUND for it.
+    // same task and reply; another principal is told the task is not found (NOT_FOUND with
+    // A2A's reason, which the client reads as its TaskNotFoundError).
     let args = [
         "--text",
         "check the tools",
@@ -1230,7 +1232,7 @@ async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_ca
     .await?;
     let refused = String::from_utf8_lossy(&foreign.stdout).into_owned();
     assert!(
-        foreign.status.code() == Some(3) && refused.contains("NOT_FOUND"),
+        foreign.status.code() == Some(3) && refused.contains("TaskNotFoundError"),
         "{refused}"
     );
 
