@@ -2131,31 +2131,45 @@ async fn a_replaced_owners_late_checkpoint_is_never_what_a_takeover_reads() -> T
     let (c_alive, _d_alive) = (keep(&c), keep(&d));
     let deadline = shared::sync::unix_ms() + 60_000;
     let run = RunResult::running("late");
-    assert!(matches!(
-        a.claim_resumable(run.clone(), deadline, b"a's start".to_vec()).await,
-        Ok(Claim::Claimed)
-    ));
-    a.save(run.clone(), deadline, b"a's first".to_vec()).await?;
-    a.save(run.clone(), deadline, b"a's second".to_vec()).await?;
+    let claimed = within(
+        "a's claim",
+        a.claim_resumable(run.clone(), deadline, b"a's start".to_vec()),
+    )
+    .await?;
+    assert!(matches!(claimed, Ok(Claim::Claimed)));
+    within("a's first save", a.save(run.clone(), deadline, b"a's first".to_vec())).await??;
+    within("a's second save", a.save(run.clone(), deadline, b"a's second".to_vec())).await??;
 
-    assert!(c.orphans().await?.is_empty());
+    assert!(within("c's first look", c.orphans()).await??.is_empty());
     orphans_once_lapsed(&c, &["late"]).await?;
-    let taken = c.take_over("late").await?.map(|t| t.checkpoint);
+    let taken = within("c's takeover", c.take_over("late"))
+        .await??
+        .map(|t| t.checkpoint);
     assert_eq!(taken, Some(b"a's second".to_vec()));
 
-    let late = a.save(run, deadline, b"a's late".to_vec()).await;
+    let late = within("a's late save", a.save(run, deadline, b"a's late".to_vec())).await?;
     assert!(matches!(late, Err(StoreError::Fenced { .. })), "{late:?}");
     drop(c_alive);
 
-    assert!(d.orphans().await?.is_empty());
+    assert!(within("d's first look", d.orphans()).await??.is_empty());
     orphans_once_lapsed(&d, &["late"]).await?;
-    let taken = d.take_over("late").await?.map(|t| t.checkpoint);
+    let taken = within("d's takeover", d.take_over("late"))
+        .await??
+        .map(|t| t.checkpoint);
     assert_eq!(
         taken,
         Some(b"a's second".to_vec()),
         "the object the record names, not the replaced owner's"
     );
     Ok(())
+}
+
+/// `step`'s answer within 20 s, else an error naming `what` (a store call that never answers
+/// fails the test at once, saying where, rather than at the harness's watchdog).
+async fn within<T>(what: &str, step: impl std::future::Future<Output = T>) -> anyhow::Result<T> {
+    tokio::time::timeout(Duration::from_secs(20), step)
+        .await
+        .map_err(|_| anyhow::anyhow!("{what} did not answer within 20 s"))
 }
 
 /// A run whose owner died and whose deadline passed meanwhile is still taken over (the replica
