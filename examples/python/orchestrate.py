@@ -15,7 +15,9 @@ ends CANCELED with its output so far; with --cancel-mode after-turn once its tur
 ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is not
 --detached. --detach starts the run in the background instead (StartRun): it prints the run's id
 (with --json, the answer) once the run is let in and exits 0; the run goes on bounded by its own
-timeout, and --attach follows it. --say TEXT sends a user message to the run --say-after S seconds after it starts
+timeout, and --attach follows it. --agent NAME runs as a named agent of the server's agents file
+(its model, system message, tools, exit tools, approvals and limits; the other flags set only
+what the agent lets a request override). --say TEXT sends a user message to the run --say-after S seconds after it starts
 (SendMessage: it joins the conversation at the run's next turn boundary). --thread ID continues
 a thread (the model sees its earlier runs), --on-busy reject|enqueue|interrupt|rollback says what
 the run does when another run holds it, and --get-thread ID prints one as JSON. --attach follows a live or finished run from any replica (AttachRun) instead of
@@ -73,6 +75,7 @@ def parse_args(argv):
     p.add_argument("--exit-tool", action="append", default=[], help="offer this exit tool (repeatable)")
     p.add_argument("--detached", action="store_true", help="the run goes on if this client goes away")
     p.add_argument("--detach", action="store_true", help="start the run in the background (StartRun): print its id and exit")
+    p.add_argument("--agent", default="", help="run as this named agent (ListAgents): its prompt, tools and limits")
     p.add_argument("--needs-approval", action="append", default=[], metavar="TOOL", help="calls of this tool wait for a decision")
     p.add_argument("--decide", choices=["approve", "reject"], help="decide each call that waits, as it is asked for")
     p.add_argument("--answer", choices=["accept", "decline", "cancel"], help="answer each tool's questions as they are asked")
@@ -143,6 +146,7 @@ def build_request(args):
         system=args.system,
         model=args.model,
         detached=args.detached,
+        agent=args.agent,
         messages=[pb.ChatMessage(role="user", content=args.prompt)],
         thread_id=args.thread,
         on_busy=pb.ThreadBusyPolicy.Value(f"THREAD_BUSY_POLICY_{args.on_busy.upper()}"),

@@ -17,7 +17,9 @@
  * progress has ended, the turn's tool calls run and recorded); Ctrl-C drops the call, which cancels a run that is
  * not --detached. --detach starts the run in the background instead (StartRun): it prints the run's
  * id (with --json, the answer) once the run is let in and exits 0; the run goes on bounded by its
- * own timeout, and --attach follows it. --say TEXT sends a user message to the run --say-after S seconds after it starts
+ * own timeout, and --attach follows it. --agent NAME runs as a named agent of the server's agents
+ * file (its model, system message, tools, exit tools, approvals and limits; the other flags set
+ * only what the agent lets a request override). --say TEXT sends a user message to the run --say-after S seconds after it starts
  * (SendMessage: it joins the conversation at the run's next turn boundary). --thread ID continues
  * a thread (the model sees its earlier runs), --on-busy reject|enqueue|interrupt|rollback says
  * what the run does when another run holds it, and --get-thread ID prints one as JSON. --attach
@@ -112,6 +114,7 @@ function options() {
       "exit-tool": { type: "string", multiple: true, default: [] },
       detached: { type: "boolean", default: false },
       detach: { type: "boolean", default: false },
+      agent: { type: "string", default: "" },
       "needs-approval": { type: "string", multiple: true, default: [] },
       decide: { type: "string" },
       answer: { type: "string" },
@@ -195,6 +198,7 @@ function request(opts: Options) {
     system: opts.system,
     model: opts.model,
     detached: opts.detached,
+    agent: opts.agent,
     messages: [{ role: "user", content: opts.prompt }],
     thread_id: opts.thread,
     on_busy: `THREAD_BUSY_POLICY_${String(opts["on-busy"]).toUpperCase()}`,

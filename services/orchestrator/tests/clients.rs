@@ -571,6 +571,19 @@ async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -
             .map(|(_, body)| body["error"]["code"].clone());
         assert_eq!(sleep_error, Some(json!("REJECTED")), "{client}");
 
+        // A named agent (--agent) brings the exit tool and the approval rule the flags above
+        // spelled: the same run.
+        let mut command = make()?;
+        command.args(deployment.client_args(TOKEN)).args([
+            "--prompt",
+            "check the tools",
+            "--agent",
+            "reviewed",
+            "--decide",
+            "approve",
+        ]);
+        check_demo(&format!("{client} --agent"), &run(command).await?)?;
+
         // A run started in the background (--detach) prints its id and exits at once; left
         // waiting, it is listed for its owner, and followed to its end with --attach.
         let run_id = format!("waits-{client}");

@@ -639,7 +639,8 @@ impl CallArgs {
             needs_approval: self.needs_approval.clone(),
             token: self.token.clone(),
             thread: self.thread.clone().unwrap_or_default(),
-            on_busy: self.on_busy.unwrap_or(OnBusy::Reject).into(),
+            // Unset: the server's default (reject), or the named agent's policy.
+            on_busy: self.on_busy.map_or(pb::ThreadBusyPolicy::Unspecified, Into::into),
             labels: self.labels.clone(),
             json: self.json,
             run_timeout: self.run_timeout,

@@ -60,7 +60,14 @@ fn refuse_what_the_agent_keeps(request: &pb::OrchestrateRequest, definition: &De
             .as_ref()
             .is_some_and(|p| *p != pb::ModelParams::default()),
         Override::Limits => request.limits.as_ref().is_some_and(|l| *l != pb::RunLimits::default()),
-        Override::OnBusy => request.on_busy != pb::ThreadBusyPolicy::Unspecified as i32,
+        // A busy policy matters for a run on a thread only, and one the same as the agent's
+        // (clients send "reject" by default) takes nothing from it.
+        Override::OnBusy => {
+            let agents = definition.on_busy.map_or(pb::ThreadBusyPolicy::Reject, busy_pb) as i32;
+            !request.thread_id.is_empty()
+                && request.on_busy != pb::ThreadBusyPolicy::Unspecified as i32
+                && request.on_busy != agents
+        }
     };
     match Override::ALL
         .into_iter()

@@ -138,6 +138,7 @@ fn a_request_overrides_only_what_the_agent_allows() {
             "on_busy",
             pb::OrchestrateRequest {
                 on_busy: pb::ThreadBusyPolicy::Rollback.into(),
+                thread_id: "t-1".into(),
                 ..naming("refunds")
             },
         ),
@@ -150,6 +151,18 @@ fn a_request_overrides_only_what_the_agent_allows() {
             refused.contains(&format!("agent \"refunds\" does not let a request set {what}")),
             "{what}: {refused}"
         );
+    }
+    // A busy policy without a thread, or the agent's own, sets nothing.
+    for (on_busy, thread) in [
+        (pb::ThreadBusyPolicy::Rollback, ""),
+        (pb::ThreadBusyPolicy::Enqueue, "t-1"),
+    ] {
+        let same = pb::OrchestrateRequest {
+            on_busy: on_busy.into(),
+            thread_id: thread.into(),
+            ..naming("refunds")
+        };
+        assert!(with_agent(same, &agents, &anyone).is_ok(), "{on_busy:?} {thread:?}");
     }
     let (request, _) = with_agent(
         pb::OrchestrateRequest {
