@@ -1364,6 +1364,12 @@ async fn fleet(scenario: Scenario, replicas: usize) -> anyhow::Result<Fleet> {
             ("carol", "carol-token", "roles = [\"approver\"]"),
         ]),
     )?;
+    // For A2A: an agent whose sleep calls wait for approval.
+    let agents = dir.path().join("agents.toml");
+    std::fs::write(
+        &agents,
+        "[[agent]]\nname = \"reviewed\"\nneeds_approval = [\"sleep\"]\n",
+    )?;
     let nats = testkit::nats::Nats::start().await?;
     let llm = MockLlm::start(scenario).await?;
     let mut runner = tool_runner::Config::default();
@@ -1378,7 +1384,8 @@ async fn fleet(scenario: Scenario, replicas: usize) -> anyhow::Result<Fleet> {
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .args(["--tool-runner", &runner])
             .args(["--auth-tokens", &tokens.display().to_string()])
-            .args(["--run-store-lease", "2s"]);
+            .args(["--run-store-lease", "2s"])
+            .args(["--agents", &agents.display().to_string(), "--a2a-listen", "127.0.0.1:0"]);
         started.push(Some(Service::orchestrator(command).await?));
     }
     Ok(Fleet {
@@ -1390,12 +1397,82 @@ async fn fleet(scenario: Scenario, replicas: usize) -> anyhow::Result<Fleet> {
 }
 
 impl Fleet {
+    /// Replica `i`'s A2A address.
+    fn a2a(&self, i: usize) -> anyhow::Result<String> {
+        self.replicas[i]
+            .as_ref()
+            .and_then(|replica| replica.address_logged("a2a serving"))
+            .ok_or_else(|| anyhow::anyhow!("replica {i} logged no A2A address"))
+    }
+
     async fn client(&self, i: usize) -> anyhow::Result<Client> {
         let replica = self.replicas[i]
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("replica {i} is gone"))?;
         Ok(Client::connect(format!("http://{}", replica.grpc)).await?)
     }
+}
+
+/// A2A over replicas sharing the NATS store: a task started on one replica's endpoint (to return
+/// at once) is followed with `SubscribeToTask` on the other's, from its run's first event to
+/// where it waits for approval; the caller's reply "approve" there lets it complete, and the
+/// first replica reads it `COMPLETED`.
+#[tokio::test]
+async fn an_a2a_task_is_followed_and_answered_on_another_replica() -> TestResult {
+    let f = fleet(refund_then_answer(), 2).await?;
+    let caller = |i: usize, args: &[&str]| -> anyhow::Result<Command> {
+        let mut command = testkit::python::a2a_caller()?;
+        command
+            .args([
+                "--url",
+                &format!("http://{}/agents/reviewed", f.a2a(i)?),
+                "--token",
+                "alice-token",
+            ])
+            .args(args);
+        Ok(command)
+    };
+    let lines = |output: &std::process::Output| -> anyhow::Result<Vec<serde_json::Value>> {
+        let text = String::from_utf8(output.stdout.clone())?;
+        Ok(text.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
+    };
+    let run = |mut command: Command| async move {
+        command.kill_on_drop(true);
+        anyhow::Ok(tokio::time::timeout(Duration::from_secs(60), command.output()).await??)
+    };
+    let started = run(caller(0, &["--text", "refund order 7", "--mode", "immediate"])?).await?;
+    let seen = lines(&started)?;
+    let task_id = seen[0]["event"]["task"]["id"].as_str().unwrap_or_default().to_owned();
+    assert!(!task_id.is_empty(), "{seen:?}");
+
+    let followed = run(caller(1, &["--follow", &task_id, "--reply", "approve"])?).await?;
+    let out = String::from_utf8_lossy(&followed.stdout).into_owned();
+    assert_eq!(
+        followed.status.code(),
+        Some(0),
+        "{}{out}",
+        String::from_utf8_lossy(&followed.stderr)
+    );
+    let seen = lines(&followed)?;
+    let subscribed: Vec<&serde_json::Value> = seen.iter().filter_map(|l| l.get("subscribed")).collect();
+    let texts: String = subscribed
+        .iter()
+        .filter_map(|e| e["artifactUpdate"]["artifact"]["parts"][0]["text"].as_str())
+        .collect();
+    assert!(
+        texts.starts_with("Refunding and noting it."),
+        "from the run's first event: {out}"
+    );
+    let last = subscribed
+        .last()
+        .and_then(|e| e["statusUpdate"]["status"]["state"].as_str());
+    assert_eq!(last, Some("TASK_STATE_INPUT_REQUIRED"), "{out}");
+    let ended = seen.last().and_then(|l| l["task"]["status"]["state"].as_str());
+    assert_eq!(ended, Some("TASK_STATE_COMPLETED"), "{out}");
+    let mut client = f.client(0).await?;
+    let done = get(&mut client, "alice-token", &task_id).await?;
+    assert_eq!(done.status, pb::RunStatus::Completed as i32, "{done:?}");
+    Ok(())
 }
 
 /// With the NATS store a parked run belongs to no replica: it is listed and decided on another

@@ -4,7 +4,7 @@ saw as JSON lines, for the orchestrator's tests (tests/a2a.rs):
 
     python a2a_caller.py --url https://127.0.0.1:PORT[/agents/NAME] --ca ca.pem --token T \
         --text "..." --mode stream|block|immediate [--context ID] [--cancel] [--get ID] [--list] \
-        [--reply TEXT] [--binding jsonrpc|grpc] [--subscribe]
+        [--reply TEXT] [--binding jsonrpc|grpc] [--subscribe] [--follow TASK_ID]
 
 The client reads the agent card at the URL's /.well-known/agent-card.json and calls the
 JSON-RPC interface it names. Each streamed event is printed as {"event": StreamResponse}; then
@@ -13,7 +13,8 @@ JSON-RPC interface it names. Each streamed event is printed as {"event": StreamR
 is sent on the task (a follow-up message: "approve", "reject REASON") after a {"replied": TEXT}
 line, and what follows is printed the same way. --binding grpc calls the gRPC interface the card
 names instead (its TLS with --ca, the token as call credentials). --subscribe follows the task
-it started again (SubscribeToTask), printing {"subscribed": StreamResponse} lines. A refusal prints {"error": "<class>: <message>"} and exits 3.
+it started again (SubscribeToTask), printing {"subscribed": StreamResponse} lines; --follow
+TASK_ID does so for a task started elsewhere (then --reply answers it). A refusal prints {"error": "<class>: <message>"} and exits 3.
 """
 
 import argparse
@@ -50,6 +51,20 @@ def grpc_channel(url, args):
     return grpc.aio.secure_channel(target, credentials)
 
 
+async def reply_to(client, task_id, context_id, text):
+    """Sends `text` on the task (a reply), printing {"replied": text} and what follows."""
+    say(replied=text)
+    reply = Message(
+        message_id=str(uuid.uuid4()),
+        role=Role.ROLE_USER,
+        parts=[Part(text=text)],
+        task_id=task_id,
+        context_id=context_id,
+    )
+    async for event in client.send_message(SendMessageRequest(message=reply)):
+        say(event=as_dict(event))
+
+
 def say(**line):
     print(json.dumps(line), flush=True)
 
@@ -69,6 +84,17 @@ async def call(args):
         client = await create_client(args.url, client_config=config)
         if args.get:
             say(task=as_dict(await client.get_task(GetTaskRequest(id=args.get))))
+            return 0
+        if args.follow:
+            task_id, context_id = args.follow, ""
+            follower = await create_client(args.url, client_config=ClientConfig(httpx_client=http, streaming=True))
+            async for event in follower.subscribe(SubscribeToTaskRequest(id=task_id)):
+                say(subscribed=as_dict(event))
+                if event.HasField("task"):
+                    context_id = event.task.context_id
+            if args.reply:
+                await reply_to(client, task_id, context_id, args.reply)
+            say(task=as_dict(await client.get_task(GetTaskRequest(id=task_id))))
             return 0
         if args.list:
             listed = await client.list_tasks(ListTasksRequest())
@@ -95,16 +121,7 @@ async def call(args):
             async for event in follower.subscribe(SubscribeToTaskRequest(id=task_id)):
                 say(subscribed=as_dict(event))
         if args.reply:
-            say(replied=args.reply)
-            reply = Message(
-                message_id=str(uuid.uuid4()),
-                role=Role.ROLE_USER,
-                parts=[Part(text=args.reply)],
-                task_id=task_id,
-                context_id=context_id,
-            )
-            async for event in client.send_message(SendMessageRequest(message=reply)):
-                say(event=as_dict(event))
+            await reply_to(client, task_id, context_id, args.reply)
         if args.cancel:
             say(canceled=as_dict(await client.cancel_task(CancelTaskRequest(id=task_id))))
         say(task=as_dict(await client.get_task(GetTaskRequest(id=task_id))))
@@ -124,6 +141,7 @@ def main(argv):
     p.add_argument("--list", action="store_true")
     p.add_argument("--reply", default="")
     p.add_argument("--subscribe", action="store_true")
+    p.add_argument("--follow", default="")
     p.add_argument("--binding", choices=["jsonrpc", "grpc"], default="jsonrpc")
     args = p.parse_args(argv)
     try:
