@@ -136,24 +136,7 @@ impl Printer {
                 self.line(out, &format!("  {} {} ms {}", c.name, c.duration_ms, outcome));
             }
             E::Signal(s) => self.line(out, &format!("  ⚑ signal {} {}", s.tool_name, s.arguments_json)),
-            E::TurnFinished(t) => {
-                let usage = t.usage.unwrap_or_default();
-                let cached = match usage.cached_prompt_tokens {
-                    0 => String::new(),
-                    n => format!(" ({n} cached)"),
-                };
-                self.line(
-                    out,
-                    &format!(
-                        "── turn {} finished · {} prompt{cached} + {} completion tokens · budget left {} · failed turns {}",
-                        t.turn,
-                        usage.prompt_tokens,
-                        usage.completion_tokens,
-                        t.tool_call_budget_remaining,
-                        t.failed_turns
-                    ),
-                );
-            }
+            E::TurnFinished(t) => self.line(out, &turn_finished_line(t)),
             E::TurnRestarted(t) => self.line(
                 out,
                 &format!(
@@ -164,48 +147,10 @@ impl Printer {
             E::ApprovalRequested(a) => {
                 self.in_reasoning = false;
                 self.turn_header(out, a.turn);
-                self.line(
-                    out,
-                    &format!(
-                        "  ⏸ {} {}  [{}] {} (orchestrator decide --run-id {} --approve {} | --reject {})",
-                        a.name,
-                        a.arguments_json,
-                        a.call_id,
-                        match a.in_doubt {
-                            true => "ran and is IN DOUBT (its tool-runner went away before its outcome was kept): run it again?",
-                            false => "waits for approval",
-                        },
-                        self.run_id,
-                        a.call_id,
-                        a.call_id
-                    ),
-                );
+                let line = approval_line(a, &self.run_id);
+                self.line(out, &line);
             }
-            E::ToolInputRequested(asked) => {
-                self.in_reasoning = false;
-                self.turn_header(out, asked.turn);
-                self.line(
-                    out,
-                    &format!(
-                        "  ? {} [{}] asks before it can finish (orchestrator answer --run-id {} --call-id {}):",
-                        asked.name, asked.call_id, self.run_id, asked.call_id
-                    ),
-                );
-                for question in &asked.requests {
-                    let detail = if question.mode == "url" {
-                        &question.url
-                    } else {
-                        &question.schema_json
-                    };
-                    self.line(
-                        out,
-                        &format!(
-                            "      {} ({}): {} {detail}",
-                            question.key, question.mode, question.message
-                        ),
-                    );
-                }
-            }
+            E::ToolInputRequested(asked) => self.questions(out, asked),
             E::ToolCallProgress(p) => {
                 self.in_reasoning = false;
                 self.turn_header(out, p.turn);
@@ -227,6 +172,62 @@ impl Printer {
         }
         let _ = out.flush();
     }
+
+    /// A call's questions, with the command that answers them.
+    fn questions(&mut self, out: &mut impl Write, asked: &pb::ToolInputRequested) {
+        self.in_reasoning = false;
+        self.turn_header(out, asked.turn);
+        self.line(
+            out,
+            &format!(
+                "  ? {} [{}] asks before it can finish (orchestrator answer --run-id {} --call-id {}):",
+                asked.name, asked.call_id, self.run_id, asked.call_id
+            ),
+        );
+        for question in &asked.requests {
+            let detail = if question.mode == "url" {
+                &question.url
+            } else {
+                &question.schema_json
+            };
+            self.line(
+                out,
+                &format!(
+                    "      {} ({}): {} {detail}",
+                    question.key, question.mode, question.message
+                ),
+            );
+        }
+    }
+}
+
+/// A turn's last line: its tokens, the budget left and the failed turns.
+fn turn_finished_line(t: &pb::TurnFinished) -> String {
+    let usage = t.usage.unwrap_or_default();
+    let cached = match usage.cached_prompt_tokens {
+        0 => String::new(),
+        n => format!(" ({n} cached)"),
+    };
+    format!(
+        "── turn {} finished · {} prompt{cached} + {} completion tokens · budget left {} · failed turns {}",
+        t.turn, usage.prompt_tokens, usage.completion_tokens, t.tool_call_budget_remaining, t.failed_turns
+    )
+}
+
+/// A call waiting for a person, with the command that decides it.
+fn approval_line(a: &pb::ApprovalRequested, run_id: &str) -> String {
+    format!(
+        "  ⏸ {} {}  [{}] {} (orchestrator decide --run-id {run_id} --approve {} | --reject {})",
+        a.name,
+        a.arguments_json,
+        a.call_id,
+        match a.in_doubt {
+            true => "ran and is IN DOUBT (its tool-runner went away before its outcome was kept): run it again?",
+            false => "waits for approval",
+        },
+        a.call_id,
+        a.call_id
+    )
 }
 
 /// The run's first line: model, tools and budget.
