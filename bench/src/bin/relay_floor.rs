@@ -63,6 +63,27 @@ impl pb::orchestrator_server::Orchestrator for Floor {
     async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Result<Response<pb::ListAgentsResponse>, Status> {
         unimplemented()
     }
+    async fn create_webhook(&self, _: Request<pb::CreateWebhookRequest>) -> Result<Response<pb::Webhook>, Status> {
+        unimplemented()
+    }
+    async fn list_webhooks(
+        &self,
+        _: Request<pb::ListWebhooksRequest>,
+    ) -> Result<Response<pb::ListWebhooksResponse>, Status> {
+        unimplemented()
+    }
+    async fn delete_webhook(
+        &self,
+        _: Request<pb::DeleteWebhookRequest>,
+    ) -> Result<Response<pb::DeleteWebhookResponse>, Status> {
+        unimplemented()
+    }
+    async fn list_webhook_deliveries(
+        &self,
+        _: Request<pb::ListWebhookDeliveriesRequest>,
+    ) -> Result<Response<pb::ListWebhookDeliveriesResponse>, Status> {
+        unimplemented()
+    }
     async fn get_run(&self, _: Request<pb::GetRunRequest>) -> Result<Response<pb::RunResult>, Status> {
         unimplemented()
     }

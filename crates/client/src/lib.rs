@@ -162,6 +162,50 @@ impl Client {
         Ok(answer.agents)
     }
 
+    /// Registers a webhook (`CreateWebhook`): the answer holds its secret, shown this once.
+    pub async fn create_webhook(&self, request: pb::CreateWebhookRequest) -> Result<pb::Webhook, Error> {
+        Ok(self
+            .retried(request, |mut client, request| async move {
+                client.create_webhook(request).await
+            })
+            .await?)
+    }
+
+    /// This caller's webhooks (`ListWebhooks`), without their secrets.
+    pub async fn list_webhooks(&self) -> Result<Vec<pb::Webhook>, Error> {
+        let answer = self
+            .retried(pb::ListWebhooksRequest {}, |mut client, request| async move {
+                client.list_webhooks(request).await
+            })
+            .await?;
+        Ok(answer.webhooks)
+    }
+
+    /// Deletes one of this caller's webhooks (`DeleteWebhook`).
+    pub async fn delete_webhook(&self, webhook_id: &str) -> Result<(), Error> {
+        let request = pb::DeleteWebhookRequest {
+            webhook_id: webhook_id.to_owned(),
+        };
+        self.retried(request, |mut client, request| async move {
+            client.delete_webhook(request).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// This caller's webhook deliveries, newest first (`ListWebhookDeliveries`).
+    pub async fn list_webhook_deliveries(
+        &self,
+        request: pb::ListWebhookDeliveriesRequest,
+    ) -> Result<Vec<pb::WebhookDelivery>, Error> {
+        let answer = self
+            .retried(request, |mut client, request| async move {
+                client.list_webhook_deliveries(request).await
+            })
+            .await?;
+        Ok(answer.deliveries)
+    }
+
     /// Attaches to a live or finished run (`AttachRun`): its events after `after_seq` (0: from the
     /// start), then the live ones up to `run_finished`, from any replica. The stream re-attaches
     /// by itself as [`orchestrate`](Self::orchestrate)'s does; dropping it does not cancel the

@@ -367,6 +367,34 @@ impl pb::orchestrator_server::Orchestrator for LateTrailers {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 
+    async fn create_webhook(
+        &self,
+        _: tonic::Request<pb::CreateWebhookRequest>,
+    ) -> Result<tonic::Response<pb::Webhook>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn list_webhooks(
+        &self,
+        _: tonic::Request<pb::ListWebhooksRequest>,
+    ) -> Result<tonic::Response<pb::ListWebhooksResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn delete_webhook(
+        &self,
+        _: tonic::Request<pb::DeleteWebhookRequest>,
+    ) -> Result<tonic::Response<pb::DeleteWebhookResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn list_webhook_deliveries(
+        &self,
+        _: tonic::Request<pb::ListWebhookDeliveriesRequest>,
+    ) -> Result<tonic::Response<pb::ListWebhookDeliveriesResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
     async fn orchestrate(
         &self,
         _: tonic::Request<pb::OrchestrateRequest>,
@@ -595,6 +623,34 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         &self,
         _: tonic::Request<pb::ListAgentsRequest>,
     ) -> Result<tonic::Response<pb::ListAgentsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn create_webhook(
+        &self,
+        _: tonic::Request<pb::CreateWebhookRequest>,
+    ) -> Result<tonic::Response<pb::Webhook>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn list_webhooks(
+        &self,
+        _: tonic::Request<pb::ListWebhooksRequest>,
+    ) -> Result<tonic::Response<pb::ListWebhooksResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn delete_webhook(
+        &self,
+        _: tonic::Request<pb::DeleteWebhookRequest>,
+    ) -> Result<tonic::Response<pb::DeleteWebhookResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this stand-in"))
+    }
+
+    async fn list_webhook_deliveries(
+        &self,
+        _: tonic::Request<pb::ListWebhookDeliveriesRequest>,
+    ) -> Result<tonic::Response<pb::ListWebhookDeliveriesResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("not in this stand-in"))
     }
 

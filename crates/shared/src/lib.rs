@@ -8,6 +8,7 @@ pub mod auth;
 pub mod config;
 pub mod config_file;
 pub mod dns;
+pub mod egress;
 pub mod fence;
 pub mod grpc;
 pub mod jetstream;

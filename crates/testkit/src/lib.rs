@@ -12,6 +12,7 @@
 //! * [`fronts`]: a TLS front and a forward HTTP proxy, for the hosted path to a model server;
 //! * [`helpers`]: `/metrics` scraping, one run to its end; [`proto_docs`]: the contract's
 //!   documentation checks;
+//! * [`receiver`]: a webhook receiver that records what it is POSTed;
 //! * [`wait`]: waiting for a condition with a deadline (no fixed sleeps in tests);
 //! * [`runs`]: the orchestrator process, a client of it, a run's call running and its end;
 //! * [`arm_watchdog`]: a hung test fails its binary after ten minutes instead of holding the suite.
@@ -30,6 +31,7 @@ pub mod pki;
 pub mod proto_docs;
 pub mod proxy;
 pub mod python;
+pub mod receiver;
 pub mod runs;
 pub mod wait;
 

@@ -603,6 +603,52 @@ function usageView() {
   return () => {};
 }
 
+// ── webhooks ───────────────────────────────────────────────────────────────
+
+function webhooksView(webhookId) {
+  const list = h("tbody");
+  const deliveries = h("tbody");
+  const shown = h("p", { class: "muted" });
+  const stateName = (s) => String(s ?? "").replace("WEBHOOK_DELIVERY_STATE_", "").toLowerCase();
+  const draw = async () => {
+    const hooks = await rpc("ListWebhooks", {});
+    list.replaceChildren(...hooks.webhooks.map((w) =>
+      h("tr", {},
+        h("td", {}, h("a", { href: `#/webhooks/${encodeURIComponent(w.id)}`, "aria-current": w.id === webhookId ? "page" : "false" }, w.id)),
+        h("td", { class: "text" }, w.url),
+        h("td", {}, (w.events ?? []).join(", ") || "all"),
+        h("td", {}, w.runId ? `run ${w.runId}` : w.threadId ? `thread ${w.threadId}` : "all runs"),
+        h("td", {}, time(w.createdAtUnixMs)))));
+    if (!hooks.webhooks.length) list.replaceChildren(h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No webhooks (orchestrator webhooks add URL registers one).")));
+    const d = await rpc("ListWebhookDeliveries", { webhookId: webhookId ?? "", limit: 100 });
+    shown.textContent = webhookId ? `Deliveries of ${webhookId}, newest first.` : "Deliveries of every webhook, newest first.";
+    deliveries.replaceChildren(...d.deliveries.map((x) =>
+      h("tr", { class: stateName(x.state) },
+        h("td", {}, x.id),
+        h("td", {}, x.event),
+        h("td", {}, h("a", { href: `#/runs/${encodeURIComponent(x.runId)}` }, x.runId)),
+        h("td", {}, stateName(x.state)),
+        h("td", { class: "number" }, x.attempts ?? 0),
+        h("td", { class: "text" }, x.lastError || (x.lastStatus ? String(x.lastStatus) : "–")),
+        h("td", {}, time(x.lastAttemptUnixMs)))));
+    if (!d.deliveries.length) deliveries.replaceChildren(h("tr", {}, h("td", { colspan: 7, class: "muted" }, "No deliveries.")));
+  };
+  main.replaceChildren(
+    h("h1", {}, "Webhooks"),
+    h("table", { "aria-label": "Webhooks" },
+      h("thead", {}, h("tr", {}, ["Webhook", "URL", "Events", "Runs", "Created"].map((c) => h("th", { scope: "col" }, c)))),
+      list),
+    h("h2", {}, "Deliveries"),
+    shown,
+    h("table", { "aria-label": "Deliveries" },
+      h("thead", {}, h("tr", {}, ["Delivery", "Event", "Run", "State", "Attempts", "Last answer", "Last attempt"].map((c, i) => h("th", { scope: "col", class: i === 4 ? "number" : "" }, c)))),
+      deliveries),
+  );
+  draw().catch((x) => say(x.message));
+  const timer = setInterval(() => draw().catch(() => {}), 3000);
+  return () => clearInterval(timer);
+}
+
 // ── routing ────────────────────────────────────────────────────────────────
 
 async function route() {
@@ -616,6 +662,7 @@ async function route() {
     waiting: waitingView,
     threads: () => threadView(parts[1] ?? ""),
     usage: usageView,
+    webhooks: () => webhooksView(parts[1]),
   };
   const view = views[parts[0]] ?? views.runs;
   const stop = await view();

@@ -166,6 +166,14 @@ pub enum Error {
     /// The caller's deadline passed while its run waited for the thread.
     #[error("the run waited for thread {0:?} until its deadline; it did not start")]
     ThreadWait(String),
+    /// The caller has as many webhooks as it may.
+    #[error("principal {principal:?} has {max} webhooks, as many as it may (--max-webhooks); delete one first")]
+    TooManyWebhooks {
+        /// The caller.
+        principal: String,
+        /// Its bound.
+        max: usize,
+    },
     /// A decision on calls waiting for approval was refused.
     #[error(transparent)]
     Decide(#[from] crate::domain::approval::DecideError),
@@ -183,7 +191,7 @@ impl From<Error> for tonic::Status {
             }
             Error::NotNow(_) => Self::failed_precondition(message),
             Error::ThreadBusy { .. } => Self::aborted(message),
-            Error::ThreadQueueFull { .. } => Self::resource_exhausted(message),
+            Error::ThreadQueueFull { .. } | Error::TooManyWebhooks { .. } => Self::resource_exhausted(message),
             Error::ThreadWait(_) | Error::SlotWait(_) => Self::deadline_exceeded(message),
             Error::QueueFull { .. } | Error::HourSpent { .. } => Self::resource_exhausted(message),
             Error::PermissionDenied(_) => Self::permission_denied(message),

@@ -6,6 +6,7 @@
 //! * [`run`] (module): the tool loop — nothing there knows about gRPC or HTTP;
 //! * `registry`: the live runs of this replica — slots, admission, attach, cancel, steering;
 //! * `agents`: the named agents of the agents file (`--agents`), reloaded when it changes;
+//! * [`webhooks`]: where callers are told of their runs, and the durable outbox that tells them;
 //! * [`threads`]: threads across runs: the keeper (changes by their rules on the thread store)
 //!   and the busy policies;
 //! * [`server`]: [`serve`] and a folder per role: the application core (`Core`, the operations
@@ -38,6 +39,7 @@ pub mod store;
 pub(crate) mod telemetry;
 pub mod threads;
 pub mod tool_runners;
+pub mod webhooks;
 pub(crate) mod wire;
 
 /// The log filter when `RUST_LOG` is not set. The spans (`invoke_agent`, `chat`, `execute_tool`)

@@ -98,6 +98,9 @@ pub(crate) mod metric {
     pub(crate) const RUNS_AWAITING_APPROVAL: &str = "orchestrator_runs_awaiting_approval";
     /// Counter: console sign-ins by `outcome` (ok, refused, limited).
     pub(crate) const CONSOLE_SIGN_INS: &str = "orchestrator_console_sign_ins_total";
+    /// Counter: webhook delivery attempts and drops by `outcome` (delivered, pending: failed and
+    /// to be retried, failed: given up, dropped, canceled).
+    pub(crate) const WEBHOOK_DELIVERIES: &str = "orchestrator_webhook_deliveries_total";
 }
 
 /// Registers every metric with its help text (and zero values), so `/metrics` lists them all.
@@ -238,6 +241,10 @@ fn describe_durability() {
     describe_counter!(
         metric::CONSOLE_SIGN_INS,
         "Console sign-ins by outcome (ok, refused: bad credentials, limited: too many from one address)."
+    );
+    describe_counter!(
+        metric::WEBHOOK_DELIVERIES,
+        "Webhook delivery attempts by outcome (delivered; pending: failed, tried again later; failed: given up; canceled: the webhook was deleted), and deliveries dropped (dropped: the webhook had as many waiting as it may)."
     );
     metrics::describe_histogram!(
         metric::CHECKPOINT_BYTES,

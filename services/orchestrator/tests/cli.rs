@@ -378,3 +378,120 @@ async fn a_metrics_port_clash_names_the_flag() -> TestResult {
     );
     Ok(())
 }
+
+/// The Python function docs/webhooks.md gives a receiver, as it is written there.
+fn documented_verifier() -> anyhow::Result<String> {
+    let docs = include_str!("../../../docs/webhooks.md");
+    let start = docs
+        .find("```python\n")
+        .ok_or_else(|| anyhow::anyhow!("no python block in docs/webhooks.md"))?;
+    let block = &docs[start + "```python\n".len()..];
+    let end = block
+        .find("```")
+        .ok_or_else(|| anyhow::anyhow!("the python block never ends"))?;
+    let code = &block[..end];
+    anyhow::ensure!(
+        code.lines().count() <= 10,
+        "the verifier is {} lines, not 10",
+        code.lines().count()
+    );
+    Ok(code.to_owned())
+}
+
+/// `webhooks add` registers a webhook (refusing the cloud metadata address and a port not
+/// allowed, naming the flags), a run's end is POSTed to it, the documented Python verifier
+/// accepts the delivery and refuses it changed or replayed an hour late, and `webhooks
+/// deliveries`, `list` and `delete` show and remove it.
+#[tokio::test]
+async fn webhooks_are_registered_delivered_signed_and_listed_from_a_shell() -> TestResult {
+    let receiver = testkit::receiver::Receiver::start().await?;
+    let port = receiver.addr.port().to_string();
+    let llm = MockLlm::start(Scenario::demo()).await?;
+    let runner = testkit::helpers::tool_runner_in_process().await?;
+    let allow = ["--webhook-allow-cidr", "127.0.0.0/8", "--webhook-allow-port", &port];
+    let orchestrator = testkit::runs::orchestrator(BIN, (&llm.base_url(), &runner), None, &allow).await?;
+    let endpoint = format!("http://{}", orchestrator.grpc);
+    let at = ["--endpoint", endpoint.as_str()];
+    let metadata = format!("http://169.254.169.254:{port}/latest/meta-data/");
+    for (url, flag) in [
+        (metadata.as_str(), "--webhook-allow-cidr"),
+        ("http://127.0.0.1:1/hook", "--webhook-allow-port"),
+    ] {
+        let (code, _, stderr) = cli(&[&["webhooks", "add", url][..], &at].concat()).await?;
+        assert_ne!(code, Some(0), "{url} was registered");
+        assert!(stderr.contains(flag), "{url}: {stderr}");
+    }
+    let url = receiver.url();
+    let add = [
+        &["webhooks", "add", url.as_str(), "--event", "run.finished", "--json"][..],
+        &at,
+    ]
+    .concat();
+    let (code, stdout, stderr) = cli(&add).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let hook: serde_json::Value = serde_json::from_str(stdout.trim())?;
+    let (id, secret) = (
+        hook["id"].as_str().unwrap_or_default(),
+        hook["secret"].as_str().unwrap_or_default(),
+    );
+    assert!(id.starts_with("wh_") && secret.starts_with("whsec_"), "{hook}");
+
+    let call = [
+        "call",
+        "--prompt",
+        "go",
+        "--run-id",
+        "hooked",
+        "--exit-tool",
+        "submit_report",
+    ];
+    let (code, _, stderr) = cli(&[&call[..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let got = testkit::wait::until_sync("the run's end delivered", Duration::from_secs(30), || {
+        receiver.received().into_iter().next()
+    })
+    .await?;
+    assert_eq!(got.json()["type"], "run.finished");
+    assert_eq!(receiver.received().len(), 1, "run.started was not asked for");
+
+    let case = json!({
+        "secret": secret,
+        "headers": {"webhook-id": got.id, "webhook-timestamp": got.timestamp, "webhook-signature": got.signature},
+        "body": got.body,
+    });
+    let driver = r#"
+import json, sys
+case = json.load(sys.stdin)
+headers, body = case["headers"], case["body"].encode()
+late = {**headers, "webhook-timestamp": str(int(headers["webhook-timestamp"]) - 3600)}
+print(verify(case["secret"], headers, body), verify(case["secret"], headers, body.replace(b"COMPLETED", b"FAILED")),
+      verify(case["secret"], late, body))
+"#;
+    let script = format!("{}{driver}", documented_verifier()?);
+    let mut python = Command::new("python3");
+    python.args(["-c", &script]).stdin(std::process::Stdio::piped());
+    python.stdout(std::process::Stdio::piped());
+    let mut child = python.spawn()?;
+    if let Some(mut stdin) = child.stdin.take() {
+        use tokio::io::AsyncWriteExt;
+        stdin.write_all(case.to_string().as_bytes()).await?;
+    }
+    let output = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output()).await??;
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "True False False");
+
+    let (code, stdout, stderr) = cli(&[&["webhooks", "deliveries", "--webhook", id][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let row = stdout.lines().find(|l| l.contains(&got.id)).unwrap_or_default();
+    assert!(
+        row.contains("run.finished") && row.contains("delivered") && row.contains("204"),
+        "{stdout}"
+    );
+    let (_, stdout, _) = cli(&[&["webhooks", "list"][..], &at].concat()).await?;
+    assert!(stdout.contains(id) && !stdout.contains(secret), "{stdout}");
+    let (code, _, stderr) = cli(&[&["webhooks", "delete", id][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, _, stderr) = cli(&[&["webhooks", "delete", id][..], &at].concat()).await?;
+    assert_ne!(code, Some(0));
+    assert!(stderr.contains("no webhook"), "{stderr}");
+    Ok(())
+}

@@ -338,7 +338,17 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
         "[[agent]]\nname = \"counter\"\noverridable = [\"model\"]\n",
     )?;
     let agents_flag = agents_file.display().to_string();
-    let mut world = World::start_with(&["--agents", &agents_flag]).await?;
+    let receiver = testkit::receiver::Receiver::start().await?;
+    let port = receiver.addr.port().to_string();
+    let flags = [
+        "--agents",
+        &agents_flag,
+        "--webhook-allow-cidr",
+        "127.0.0.0/8",
+        "--webhook-allow-port",
+        &port,
+    ];
+    let mut world = World::start_with(&flags).await?;
     let chrome = Chrome::start().await?;
     let browser = &chrome.browser;
     let (alice_a, alice_b, bob_a) = (
@@ -347,6 +357,13 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
         world.client(0, BOB).await?,
     );
     let console = format!("http://{}", world.consoles[1]);
+    let hook = alice_a
+        .create_webhook(pb::CreateWebhookRequest {
+            url: receiver.url(),
+            events: vec!["run.finished".into()],
+            ..Default::default()
+        })
+        .await?;
 
     // Sign in, on replica b's console.
     browser.goto(&console).await?;
@@ -491,6 +508,24 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     assert!(listed.is_empty(), "another principal's run is not listed");
     visit(browser, &console, "#/runs/bob-1").await?;
     find(browser, "//h1[normalize-space(.)='Not found']").await?;
+
+    // The webhook's deliveries: each of alice's finished runs, delivered.
+    testkit::wait::until_sync("a delivery", Duration::from_secs(30), || {
+        receiver.received().into_iter().next()
+    })
+    .await?;
+    visit(browser, &console, "#/webhooks").await?;
+    find(
+        browser,
+        &format!("//table[@aria-label='Webhooks']//a[normalize-space(.)='{}']", hook.id),
+    )
+    .await?;
+    find(
+        browser,
+        "//table[@aria-label='Deliveries']//tr[td[normalize-space(.)='run.finished'] and td[normalize-space(.)='delivered'] and td[normalize-space(.)='204']]",
+    )
+    .await?;
+    screenshot(browser, "webhooks").await?;
 
     // Usage, then a POST without the CSRF token, refused.
     visit(browser, &console, "#/usage").await?;

@@ -2329,3 +2329,124 @@ async fn a_store_in_four_shards_spreads_its_runs_finds_orphans_in_all_and_keeps_
     reopen(1).await.map_err(anyhow::Error::msg)?;
     Ok(())
 }
+
+/// Webhook deliveries outlive the replica that wrote them: replica A runs two runs while the
+/// receiver answers 503, so every delivery waits in the outbox with a failed attempt; A is then
+/// killed (SIGKILL) and replica B, started after, delivers each one. The receiver gets every
+/// delivery (deduplicated by webhook-id), each signed with the webhook's secret over its id,
+/// timestamp and body, and B's `ListWebhookDeliveries` records the attempts.
+#[tokio::test]
+async fn webhooks_left_undelivered_by_a_killed_replica_are_delivered_by_another() -> TestResult {
+    let nats = Nats::start().await?;
+    let mock = mock_llm::MockLlm::start(mock_llm::Scenario::demo()).await?;
+    let runner = testkit::tool_runner_in_process().await?;
+    let receiver = testkit::receiver::Receiver::start().await?;
+    receiver.answer(503);
+    let port = receiver.addr.port().to_string();
+    let flags = [
+        "--webhook-allow-cidr",
+        "127.0.0.0/8",
+        "--webhook-allow-port",
+        &port,
+        "--webhook-max-backoff",
+        "1s",
+        "--webhook-sweep-interval",
+        "200ms",
+    ];
+    let a = orchestrator_process(&nats, &mock.base_url(), &runner, &flags).await?;
+    let a_url = format!("http://{}", a.grpc);
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(a_url.clone()).await?;
+    let hook = client
+        .create_webhook(pb::CreateWebhookRequest {
+            url: receiver.url(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    for run_id in ["hooked-1", "hooked-2"] {
+        let request = pb::OrchestrateRequest {
+            run_id: run_id.into(),
+            ..testkit::user("go")
+        };
+        assert_eq!(orchestrate(&a_url, request).await?.status(), pb::RunStatus::Completed);
+    }
+    // Each run's start and end were tried once and refused.
+    let refused = testkit::wait::until_sync("four deliveries tried on A", Duration::from_secs(30), || {
+        let distinct = receiver.distinct();
+        (distinct.len() == 4).then_some(distinct)
+    })
+    .await?;
+    a.kill().await?;
+    receiver.answer(204);
+    let b = orchestrator_process(&nats, &mock.base_url(), &runner, &flags).await?;
+    let b_url = format!("http://{}", b.grpc);
+    let mut client = pb::orchestrator_client::OrchestratorClient::connect(b_url).await?;
+    let delivered = testkit::wait::until("B to deliver the four", Duration::from_secs(60), || {
+        let (mut client, webhook_id) = (client.clone(), hook.id.clone());
+        async move {
+            let request = pb::ListWebhookDeliveriesRequest {
+                webhook_id,
+                ..Default::default()
+            };
+            let deliveries = client
+                .list_webhook_deliveries(request)
+                .await
+                .ok()?
+                .into_inner()
+                .deliveries;
+            let done = deliveries
+                .iter()
+                .filter(|d| d.state() == pb::WebhookDeliveryState::Delivered)
+                .count();
+            (done == 4).then_some(deliveries)
+        }
+    })
+    .await?;
+    // (A may have died between an attempt and its record: B's count may then start again.)
+    assert!(
+        delivered.iter().all(|d| d.attempts >= 1 && d.last_status == 204),
+        "{delivered:?}"
+    );
+    let received = receiver.received();
+    for delivery in &delivered {
+        let tries = received.iter().filter(|r| r.id == delivery.id).count();
+        assert!(
+            tries >= 2,
+            "{} was POSTed {tries} times, not refused on A then taken on B",
+            delivery.id
+        );
+    }
+    let events: std::collections::BTreeSet<(String, String)> =
+        delivered.iter().map(|d| (d.run_id.clone(), d.event.clone())).collect();
+    assert_eq!(events.len(), 4, "a start and an end of each run: {events:?}");
+    let got = receiver.distinct();
+    assert_eq!(got.len(), 4);
+    for first_try in &refused {
+        let Some(again) = got.iter().find(|r| r.id == first_try.id) else {
+            anyhow::bail!("{} was never delivered again", first_try.id)
+        };
+        // The same delivery: the same body, signed with the webhook's secret.
+        assert_eq!(again.body, first_try.body);
+        let timestamp: u64 = again.timestamp.parse()?;
+        let expected = orchestrator::domain::webhook::signature(&hook.secret, &again.id, timestamp, &again.body)?;
+        assert_eq!(again.signature, expected);
+        // A forged body does not carry that signature.
+        let forged = again.body.replace("hooked", "forged");
+        assert_ne!(
+            orchestrator::domain::webhook::signature(&hook.secret, &again.id, timestamp, &forged)?,
+            expected
+        );
+    }
+    let finished = got
+        .iter()
+        .find(|r| r.json()["type"] == "run.finished")
+        .map(|r| r.json());
+    assert_eq!(
+        finished.as_ref().map(|f| f["data"]["status"].clone()),
+        Some("COMPLETED".into())
+    );
+    let _ = client
+        .delete_webhook(pb::DeleteWebhookRequest { webhook_id: hook.id })
+        .await?;
+    b.stop().await
+}

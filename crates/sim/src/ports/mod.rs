@@ -429,6 +429,7 @@ impl World {
             approvals: stores.approvals,
             threads: stores.threads,
             sign_outs: Arc::new(orchestrator::store::memory::MemorySignOuts::default()),
+            webhooks: orchestrator::webhooks::Buckets::in_memory(&config(&self.settings).webhooks),
             signals: stores.signals,
             model: Arc::new(Model::new(
                 gate.clone(),

@@ -1,8 +1,9 @@
 //! Command line: `serve` (the default) with flags that all have environment equivalents, and
 //! the client commands, one per thing a person does with runs ([`ClientCommand`]): `call`
 //! (start a run, or attach to one: [`call`]), `get`, `cancel` and `runs` ([`runs`]), `approvals`,
-//! `decide` and `answer` ([`decide`]), `say`, `thread` and `usage` ([`thread`]); each prints JSON
-//! with `--json` ([`output`]): one line of the answer, or for `call` one line per event. The one-command demo is its own binary
+//! `decide` and `answer` ([`decide`]), `say`, `thread`, `usage` and `agents` ([`thread`]),
+//! `webhooks` ([`webhooks`]); each prints JSON with `--json` ([`output`]): one line of the
+//! answer, or for `call` one line per event. The one-command demo is its own binary
 //! (`cargo run -p demo`), so this one carries no stand-in model.
 
 use std::time::Duration;
@@ -24,6 +25,7 @@ pub mod decide;
 pub mod output;
 pub mod runs;
 pub mod thread;
+pub mod webhooks;
 
 /// The orchestrator: runs LLM tool loops for other services over gRPC.
 #[derive(Debug, Parser)]
@@ -161,6 +163,8 @@ pub enum ClientCommand {
     Usage(thread::UsageArgs),
     /// The named agents you may run as (ListAgents): `call --agent NAME` names one.
     Agents(thread::AgentsArgs),
+    /// Your webhooks: `add URL`, `list`, `delete ID`, and `deliveries` with their attempts.
+    Webhooks(webhooks::WebhooksArgs),
 }
 
 impl ClientCommand {
@@ -183,6 +187,7 @@ impl ClientCommand {
             Self::Thread(args) => args.run().await,
             Self::Usage(args) => args.run().await,
             Self::Agents(args) => args.run().await,
+            Self::Webhooks(args) => args.run().await,
         }
     }
 }
@@ -191,13 +196,13 @@ impl ClientCommand {
 #[derive(Debug, Clone, Args)]
 pub struct Connection {
     /// The orchestrator's address, with its scheme (http:// or https://).
-    #[arg(long, env = "ORCHESTRATOR_ENDPOINT", default_value = "http://127.0.0.1:50051", value_parser = endpoint)]
+    #[arg(long, global = true, env = "ORCHESTRATOR_ENDPOINT", default_value = "http://127.0.0.1:50051", value_parser = endpoint)]
     pub endpoint: String,
     /// Bearer token sent with each call (when the orchestrator authenticates callers).
-    #[arg(long, env = "ORCHESTRATOR_TOKEN", hide_env_values = true)]
+    #[arg(long, global = true, env = "ORCHESTRATOR_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// Print the answer as one line of JSON (protobuf's JSON mapping, every field) for scripts.
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub json: bool,
 }
 

@@ -11,7 +11,8 @@
 //! limits and their ceilings), `output.rs` (output bounds), `loop_detector.rs`, `requests.rs`
 //! (what one request may carry), `store.rs` (the store's backend, leases, event logs),
 //! `signals.rs` (the signal topic), `nats.rs` (NATS credentials and replicas), `telemetry.rs`,
-//! `threads.rs` (messages sent to live runs), `console.rs` (the console's port and sessions), `a2a.rs` (the A2A port).
+//! `threads.rs` (messages sent to live runs), `console.rs` (the console's port and sessions),
+//! `a2a.rs` (the A2A port), `webhooks.rs` (where and how webhooks are delivered).
 
 mod a2a;
 mod console;
@@ -28,6 +29,7 @@ mod store;
 mod telemetry;
 mod threads;
 mod tool_runners;
+mod webhooks;
 
 pub use a2a::A2aSettings;
 pub use console::{ConsoleSettings, MAX_SESSION_TTL};
@@ -44,6 +46,7 @@ pub use store::StoreSettings;
 pub use telemetry::TelemetrySettings;
 pub use threads::ThreadSettings;
 pub use tool_runners::{Target, ToolRunnerSettings};
+pub use webhooks::WebhookSettings;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -113,6 +116,9 @@ pub struct Config {
     #[allow(missing_docs)]
     #[command(flatten)]
     pub a2a: A2aSettings,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub webhooks: WebhookSettings,
 }
 
 shared::security_settings!("ORCHESTRATOR");
@@ -129,6 +135,7 @@ impl Bounded for Config {
             self.signals.bounds(),
             self.store.bounds(),
             self.a2a.bounds(),
+            self.webhooks.bounds(),
             self.nats.bounds(),
             self.telemetry.bounds(),
             self.security.bounds(),

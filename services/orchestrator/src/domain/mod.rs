@@ -21,6 +21,8 @@
 //! * [`rendezvous`]: which of several endpoints (or replicas) a key goes to first, stable as
 //!   they come and go;
 //! * [`visibility`]: who sees a run or a thread;
+//! * [`webhook`]: where callers are told of their runs, and the rules of a delivery (payload,
+//!   signature, backoff);
 //! * [`ownership`]: a replica's lease on a durable run, measured on its own clock, and its stop;
 //! * [`ports`]: the traits the loop needs ([`ports::ToolExecutor`], [`ports::ResultStore`],
 //!   [`ports::SignalTopic`]) with their typed errors.
@@ -45,6 +47,7 @@ pub mod task;
 pub mod thread;
 pub mod usage;
 pub mod visibility;
+pub mod webhook;
 
 pub use cancel::CancelMode;
 pub use event::{Event, EventBatch, NumberedEvent};

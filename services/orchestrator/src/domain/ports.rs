@@ -212,6 +212,14 @@ pub trait SignOuts: Send + Sync + 'static {
     fn ended(&self, id: &str) -> BoxFuture<'static, Result<bool, StoreError>>;
 }
 
+/// Where a run's emitter tells of what happened to the run (its start, a call waiting for a
+/// person, its end) before its caller sees it: the webhooks.
+pub trait Notices: Send + Sync + 'static {
+    /// Takes note of what `batch` holds for the run whose state is `run`; done once the
+    /// deliveries are written (or given up on, said in the log).
+    fn notice(&self, run: &std::sync::Mutex<RunResult>, batch: &[NumberedEvent]) -> BoxFuture<'static, ()>;
+}
+
 /// Durable runs (the NATS store): a live run's checkpoints, and the takeover of runs whose
 /// replica stopped. Checkpoints are opaque bytes here (the loop writes and reads them). The owner
 /// of a run is fenced: once another replica took the run over, the old owner's writes of it are

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::ports::{LogWriter, Settled};
+use crate::domain::ports::{LogWriter, Notices, Settled};
 use crate::domain::{CancelMode, Event, EventBatch, NumberedEvent, RunSpec, ToolCallError};
 use crate::run::persist::Persister;
 
@@ -104,6 +104,8 @@ pub struct Emitter {
     /// The last seq appended to the log (a flush interrupted while it waits sends its batch
     /// again, but logs it once).
     logged_through: u64,
+    /// Told of each batch before the caller is: the run's webhooks.
+    notices: Option<Arc<dyn Notices>>,
 }
 
 impl Emitter {
@@ -129,7 +131,14 @@ impl Emitter {
             on_stall,
             log: None,
             logged_through: 0,
+            notices: None,
         }
+    }
+
+    /// The emitter, telling `notices` of every batch before the caller.
+    pub(crate) fn with_notices(mut self, notices: Arc<dyn Notices>) -> Self {
+        self.notices = Some(notices);
+        self
     }
 
     /// The emitter, appending every event to `log` too.
@@ -301,6 +310,9 @@ impl Emitter {
             return;
         }
         self.log_queued();
+        if let Some(notices) = &self.notices {
+            notices.notice(&self.state, &self.queued).await;
+        }
         let Some(tx) = self.tx.clone() else {
             self.queued.clear();
             return;

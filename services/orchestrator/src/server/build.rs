@@ -46,6 +46,7 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
     } = open_store(config, &mut connections).await?;
     let log = open_event_log(config, &mut connections).await?;
     let threads = open_threads(config, &mut connections).await?;
+    let webhooks = open_webhooks(config, &mut connections).await?;
     let ports = Ports {
         store,
         index,
@@ -56,6 +57,7 @@ pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunner
         approvals,
         threads,
         sign_outs,
+        webhooks,
         signals,
         model,
         tools: Arc::new(runners.clone()),
@@ -84,6 +86,8 @@ pub struct Ports {
     pub threads: Arc<dyn ThreadStore>,
     /// Console sessions people ended.
     pub sign_outs: Arc<dyn SignOuts>,
+    /// Where webhooks and their deliveries are kept.
+    pub webhooks: crate::webhooks::Buckets,
     /// Where exit calls go.
     pub signals: Arc<dyn SignalTopic>,
     /// The model.
@@ -153,6 +157,11 @@ pub(super) fn assemble(config: &Config, ports: Ports, runners: Option<ToolRunner
         stopping: tokio_util::sync::CancellationToken::new(),
         drained: tokio_util::sync::CancellationToken::new(),
         sign_outs: ports.sign_outs,
+        webhooks: Arc::new(crate::webhooks::Webhooks::new(
+            ports.webhooks,
+            config.webhooks.clone(),
+            config.store.timeout,
+        )),
         agents: Arc::new(agents),
         config: config.clone(),
     })
@@ -169,6 +178,20 @@ async fn open_threads(config: &Config, connections: &mut NatsConnections) -> Res
             let threads =
                 NatsThreads::open(&js, &config.store.bucket, threads.thread_max_age, config.nats.replicas).await?;
             Arc::new(threads)
+        }
+    })
+}
+
+/// Where webhooks are kept: in this process with the memory store, in two NATS key-value
+/// buckets beside the runs with the NATS store (deliveries then outlive the replica).
+async fn open_webhooks(config: &Config, connections: &mut NatsConnections) -> Result<crate::webhooks::Buckets, Error> {
+    Ok(match &config.store.backend {
+        Backend::Memory => crate::webhooks::Buckets::in_memory(&config.webhooks),
+        Backend::Nats(url) => {
+            let js = context(connections.get(url, &config.nats).await?, None);
+            let (bucket, keep, replicas) = (&config.store.bucket, config.webhooks.webhook_keep, config.nats.replicas);
+            let (registrations, outbox) = crate::store::nats::webhooks::open(&js, bucket, keep, replicas).await?;
+            crate::webhooks::Buckets { registrations, outbox }
         }
     })
 }

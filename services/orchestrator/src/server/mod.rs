@@ -115,6 +115,9 @@ pub async fn serve_with_resolver(
         .map(|_| AbortOnDrop(shared::tasks::spawn(background::remote_asks::answer(Arc::clone(&core)))));
     let _approvals = AbortOnDrop(shared::tasks::spawn(background::unpark::watch(Arc::clone(&core))));
     let _agents = core.agents.watch(config.security.tls_reload_interval);
+    let _webhooks = AbortOnDrop(shared::tasks::spawn(
+        Arc::clone(&core.webhooks).sweep(core.stopping.clone()),
+    ));
     let drain = drain(Arc::clone(&core), health, &config.server, shutdown);
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))

@@ -65,7 +65,7 @@ impl From<Status> for Refused {
 
 /// The methods a page may call, by name; the others (starting runs, deleting threads, the
 /// signal topic) are for services.
-pub(super) const METHODS: [&str; 9] = [
+pub(super) const METHODS: [&str; 11] = [
     "GetRun",
     "ListRuns",
     "CancelRun",
@@ -75,6 +75,8 @@ pub(super) const METHODS: [&str; 9] = [
     "AnswerToolInput",
     "GetThread",
     "GetUsage",
+    "ListWebhooks",
+    "ListWebhookDeliveries",
 ];
 
 /// Calls `method` with the JSON request `body` as `principal`; the answer as JSON.
@@ -113,6 +115,19 @@ pub(super) async fn call(
         }
         "GetThread" => unary(body, "GetThreadRequest", "Thread", p, |r| s.get_thread(r)).await,
         "GetUsage" => unary(body, "GetUsageRequest", "GetUsageResponse", p, |r| s.get_usage(r)).await,
+        "ListWebhooks" => {
+            unary(body, "ListWebhooksRequest", "ListWebhooksResponse", p, |r| {
+                s.list_webhooks(r)
+            })
+            .await
+        }
+        "ListWebhookDeliveries" => {
+            let answer = "ListWebhookDeliveriesResponse";
+            unary(body, "ListWebhookDeliveriesRequest", answer, p, |r| {
+                s.list_webhook_deliveries(r)
+            })
+            .await
+        }
         other => Err(Refused::new(
             StatusCode::NOT_FOUND,
             "NOT_FOUND",

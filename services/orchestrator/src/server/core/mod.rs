@@ -62,6 +62,8 @@ pub(crate) struct Core {
     pub sign_outs: Arc<dyn crate::domain::ports::SignOuts>,
     /// The named agents requests may name (`--agents`).
     pub agents: Arc<crate::agents::Agents>,
+    /// Where callers are told of their runs.
+    pub webhooks: Arc<crate::webhooks::Webhooks>,
 }
 
 /// Why a run goes on here without a caller of its own.
@@ -118,6 +120,11 @@ impl Core {
         }
     }
 
+    /// Who a run's emitter tells of the run's happenings: the webhooks.
+    fn notices(&self) -> Arc<dyn crate::domain::ports::Notices> {
+        Arc::new(Arc::clone(&self.webhooks))
+    }
+
     /// How a run's emitter sends to its caller.
     fn emit_settings(&self) -> EmitSettings {
         EmitSettings {
@@ -162,7 +169,8 @@ impl Core {
                 let (mut admitted, spec) = *let_in;
                 let queued_ms = spec.queued_ms;
                 let emitter = Emitter::new(None, Arc::clone(&admitted.state), self.emit_settings(), None)
-                    .with_log(admitted.log.take());
+                    .with_log(admitted.log.take())
+                    .with_notices(self.notices());
                 self.spawn_run(admitted, spec, emitter, None, trace_context);
                 Ok((RunStatus::Running, queued_ms))
             }
@@ -233,7 +241,9 @@ impl Core {
             _ => caller_tx,
         };
         let state = Arc::clone(&admitted.state);
-        let emitter = Emitter::new(Some(tx), Arc::clone(&state), settings, on_stall).with_log(log);
+        let emitter = Emitter::new(Some(tx), Arc::clone(&state), settings, on_stall)
+            .with_log(log)
+            .with_notices(self.notices());
         self.spawn_run(admitted, spec, emitter, caller_gone, trace_context);
         // A batch's events are all ready at once, so tonic encodes them into one HTTP/2 frame.
         let events = ReceiverStream::new(rx).flat_map(futures::stream::iter);
@@ -259,8 +269,9 @@ impl Core {
     /// (callers follow it with `AttachRun`).
     pub(crate) fn resume(&self, mut admitted: Admitted, resumed: Resumed, why: Resumption) {
         let spec = resumed.checkpoint.spec.clone();
-        let emitter =
-            Emitter::new(None, Arc::clone(&admitted.state), self.emit_settings(), None).with_log(admitted.log.take());
+        let emitter = Emitter::new(None, Arc::clone(&admitted.state), self.emit_settings(), None)
+            .with_log(admitted.log.take())
+            .with_notices(self.notices());
         let span = crate::telemetry::invoke_agent_span(&spec.model, &spec.run_id, &spec.principal);
         match why {
             Resumption::TakenOver => {

@@ -12,8 +12,8 @@ use shared::auth::caller;
 use tonic::{Request, Response, Status};
 
 use super::convert::{
-    CancelRequest, DecideRequest, RunRequest, SteeringRequest, agent_pb, event_pb, named_id, parse_grpc_timeout,
-    resolve, with_agent,
+    CancelRequest, DecideRequest, RunRequest, SteeringRequest, agent_pb, delivery_pb, event_pb, named_id,
+    parse_grpc_timeout, resolve, webhook_pb, with_agent,
 };
 use crate::domain::listing::ListRequest;
 use crate::domain::ports::{SignalFilter, SignalItem};
@@ -280,6 +280,62 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let agents = self.core.agents.open_to(&caller);
         Ok(Response::new(pb::ListAgentsResponse {
             agents: agents.iter().map(|agent| agent_pb(agent)).collect(),
+        }))
+    }
+
+    async fn create_webhook(
+        &self,
+        request: Request<pb::CreateWebhookRequest>,
+    ) -> Result<Response<pb::Webhook>, Status> {
+        let caller = caller(&request);
+        let registration = crate::webhooks::Registration::try_from(request.into_inner())?;
+        let hook = self.core.webhooks.register(&caller.name, registration).await?;
+        Ok(Response::new(webhook_pb(hook, true)))
+    }
+
+    async fn list_webhooks(
+        &self,
+        request: Request<pb::ListWebhooksRequest>,
+    ) -> Result<Response<pb::ListWebhooksResponse>, Status> {
+        let caller = caller(&request);
+        let hooks = self.core.webhooks.list(&caller.name).await?;
+        Ok(Response::new(pb::ListWebhooksResponse {
+            webhooks: hooks.into_iter().map(|hook| webhook_pb(hook, false)).collect(),
+        }))
+    }
+
+    async fn delete_webhook(
+        &self,
+        request: Request<pb::DeleteWebhookRequest>,
+    ) -> Result<Response<pb::DeleteWebhookResponse>, Status> {
+        let caller = caller(&request);
+        self.core
+            .webhooks
+            .remove(&caller.name, &request.into_inner().webhook_id)
+            .await?;
+        Ok(Response::new(pb::DeleteWebhookResponse {}))
+    }
+
+    async fn list_webhook_deliveries(
+        &self,
+        request: Request<pb::ListWebhookDeliveriesRequest>,
+    ) -> Result<Response<pb::ListWebhookDeliveriesResponse>, Status> {
+        let caller = caller(&request);
+        let request = request.into_inner();
+        let limit = match usize::try_from(request.limit).unwrap_or(usize::MAX) {
+            0 => 50,
+            n if n > crate::webhooks::MAX_LISTED => {
+                let max = crate::webhooks::MAX_LISTED;
+                return Err(Status::invalid_argument(format!(
+                    "limit {n} is more than {max}; page by webhook or run"
+                )));
+            }
+            n => n,
+        };
+        let narrowing = crate::webhooks::Narrowing::try_from(request)?;
+        let deliveries = self.core.webhooks.deliveries(&caller.name, &narrowing, limit).await?;
+        Ok(Response::new(pb::ListWebhookDeliveriesResponse {
+            deliveries: deliveries.into_iter().map(delivery_pb).collect(),
         }))
     }
 

@@ -6,9 +6,12 @@
 //! * [`approvals`]: the [`ApprovalStore`](crate::domain::ports::ApprovalStore) ([`MemoryApprovals`]);
 //! * [`threads`]: the [`ThreadStore`](crate::domain::ports::ThreadStore) ([`MemoryThreads`]);
 //! * [`usage`]: the [`UsageBook`](crate::domain::ports::UsageBook) ([`MemoryUsage`]);
-//! * [`sign_outs`]: the [`SignOuts`](crate::domain::ports::SignOuts) ([`MemorySignOuts`]).
+//! * [`sign_outs`]: the [`SignOuts`](crate::domain::ports::SignOuts) ([`MemorySignOuts`]);
+//! * [`bucket`]: a key-value bucket with the JetStream seam's semantics ([`MemoryBucket`]), where
+//!   the webhooks keep their registrations and deliveries without NATS.
 
 pub mod approvals;
+pub mod bucket;
 pub mod log;
 pub mod results;
 pub mod sign_outs;
@@ -16,6 +19,7 @@ pub mod threads;
 pub mod usage;
 
 pub use approvals::MemoryApprovals;
+pub use bucket::MemoryBucket;
 pub use log::MemoryLog;
 pub use results::MemoryStore;
 pub use sign_outs::MemorySignOuts;

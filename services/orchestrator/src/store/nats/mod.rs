@@ -28,7 +28,8 @@
 //!   ([`NatsThreads`]), one record per thread, compare-and-set;
 //! * [`inspect`]: what the store keeps, read from outside the adapters (the simulation's checks);
 //! * [`sign_outs`]: the [`SignOuts`](crate::domain::ports::SignOuts) — console sessions people
-//!   ended, a key-value bucket ([`NatsSignOuts`]).
+//!   ended, a key-value bucket ([`NatsSignOuts`]);
+//! * [`webhooks`]: the webhooks' registrations and outbox, two key-value buckets.
 
 pub mod approvals;
 pub(crate) mod checkpoints;
@@ -38,7 +39,7 @@ mod incarnation;
 pub mod index;
 pub mod inspect;
 pub mod journal;
-mod kv;
+pub(crate) mod kv;
 pub mod log;
 mod owners;
 pub mod quotas;
@@ -47,6 +48,7 @@ mod segments;
 pub mod sign_outs;
 pub mod threads;
 pub mod usage;
+pub mod webhooks;
 
 pub use approvals::NatsApprovals;
 pub use index::NatsIndex;

@@ -1,6 +1,6 @@
 //! `http_get`: fetches a URL whose host is on the runner's allowlist (`--http-allow-host`).
 //! Off when the allowlist is empty. Every hop (redirects included, at most five) must name an
-//! allowlisted host and pass the address policy of [`super::egress`]; the body is capped, and
+//! allowlisted host and pass the address policy of [`shared::egress`]; the body is capped, and
 //! only `http`/`https` URLs are accepted.
 
 use std::sync::Arc;
@@ -9,9 +9,9 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde_json::json;
 
-use super::egress::{CheckedResolver, EgressPolicy, Refused, system_lookup};
 use super::{Builtin, BuiltinConfig, spec};
 use crate::tools::{Args, CallContext, ErrorCode, Tool, ToolError, ToolResult, str_arg};
+use shared::egress::{CheckedResolver, EgressPolicy, Flags, Refused, system_lookup};
 
 /// Most redirects followed for one request.
 const MAX_REDIRECTS: usize = 5;
@@ -140,7 +140,11 @@ pub(super) fn builtin(config: &BuiltinConfig) -> Result<Builtin, crate::Error> {
     let allowlist = Allowlist(Arc::new(
         config.http_allow_hosts.iter().map(|h| h.to_ascii_lowercase()).collect(),
     ));
-    let egress = EgressPolicy::new(config.http_allow_cidrs.clone(), config.http_allow_ports.clone());
+    let flags = Flags {
+        cidr: "--http-allow-cidr",
+        port: "--http-allow-port",
+    };
+    let egress = EgressPolicy::new(config.http_allow_cidrs.clone(), config.http_allow_ports.clone(), flags);
     let (policy_list, policy_egress) = (allowlist.clone(), egress.clone());
     let policy = reqwest::redirect::Policy::custom(move |attempt| {
         if attempt.previous().len() >= MAX_REDIRECTS {

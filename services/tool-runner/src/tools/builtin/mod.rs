@@ -1,12 +1,11 @@
 //! Built-in tools, compiled into the runner: `echo`, `sleep`, `time_now`, `calculate`, and the
 //! opt-in ones `read_file` / `list_dir` (need a sandbox root) and `http_get` (needs an allowlist).
-//! A file each (`clock.rs` holds `time_now`, `fs.rs` the two file tools); `egress.rs` decides
-//! where `http_get` may connect.
+//! A file each (`clock.rs` holds `time_now`, `fs.rs` the two file tools); `shared::egress`
+//! decides where `http_get` may connect.
 
 mod calculate;
 mod clock;
 mod echo;
-mod egress;
 mod fs;
 mod http_get;
 mod sleep;

@@ -5,7 +5,8 @@
 //! messages in `crate::wire`; `DecideToolCalls` requests become decisions in [`approvals`], and
 //! `CancelRun` requests a run id and a mode in [`cancel`], `SendMessage` requests a run id and a
 //! user message in [`steering`], `ListRuns` requests checked filters in [`listing`]. A request
-//! naming an agent takes the agent's definition first ([`agent`]).
+//! naming an agent takes the agent's definition first ([`agent`]). Webhooks and their
+//! deliveries are mapped in [`webhook`].
 //!
 //! [`RunSpec`]: crate::domain::RunSpec
 
@@ -16,6 +17,7 @@ mod listing;
 mod policy;
 mod request;
 mod steering;
+mod webhook;
 
 pub(crate) use crate::wire::{event_pb, parse_grpc_timeout};
 pub(crate) use agent::{agent_pb, with_agent};
@@ -24,6 +26,7 @@ pub(crate) use cancel::CancelRequest;
 pub(crate) use policy::resolve;
 pub(crate) use request::RunRequest;
 pub(crate) use steering::SteeringRequest;
+pub(crate) use webhook::{delivery_pb, webhook_pb};
 
 use crate::Error;
 

@@ -1,10 +1,12 @@
-//! Where `http_get` may connect, by address: a host name is resolved once, every address it
+//! Where a service's outgoing HTTP may connect, by address (the tool-runner's `http_get`, the
+//! orchestrator's webhooks): a host name is resolved once, every address it
 //! resolves to is checked, and the connection goes to the checked addresses only (the resolver
 //! below is the HTTP client's, so there is no second lookup a rebinding DNS server could answer
 //! differently). Loopback, link-local (169.254.0.0/16 with the cloud metadata address,
 //! fe80::/10), private, CGNAT, multicast, broadcast and unspecified addresses are refused unless
-//! `--http-allow-cidr` admits them; IPv4-mapped IPv6 addresses are judged as the IPv4 address
-//! they carry. Only the ports of `--http-allow-port` are reached (80 and 443 by default).
+//! an allowed CIDR (`--http-allow-cidr`, `--webhook-allow-cidr`) admits them; IPv4-mapped IPv6
+//! addresses are judged as the IPv4 address they carry. Only the allowed ports are reached (80
+//! and 443 by default).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
@@ -16,13 +18,24 @@ use ipnet::IpNet;
 /// A refusal of the address policy, found in the HTTP client's error chain.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub(super) struct Refused(pub String);
+pub struct Refused(pub String);
 
 /// See the module docs.
 #[derive(Debug, Clone)]
-pub(super) struct EgressPolicy {
+pub struct EgressPolicy {
     allowed_cidrs: Arc<Vec<IpNet>>,
     ports: Arc<Vec<u16>>,
+    /// The flags that widen the policy, named in refusals so the reader knows what to change.
+    flags: Flags,
+}
+
+/// The flags a service widens its policy with (`--http-allow-cidr`, `--http-allow-port`).
+#[derive(Debug, Clone, Copy)]
+pub struct Flags {
+    /// The flag admitting address ranges.
+    pub cidr: &'static str,
+    /// The flag admitting ports.
+    pub port: &'static str,
 }
 
 /// The kind of address refused by default, if `ip` is one.
@@ -63,16 +76,18 @@ fn special_v6(ip: Ipv6Addr) -> Option<&'static str> {
 }
 
 impl EgressPolicy {
-    /// A policy admitting `allowed_cidrs` besides public addresses, on `ports`.
-    pub(super) fn new(allowed_cidrs: Vec<IpNet>, ports: Vec<u16>) -> Self {
+    /// A policy admitting `allowed_cidrs` besides public addresses, on `ports`, widened by
+    /// `flags`.
+    pub fn new(allowed_cidrs: Vec<IpNet>, ports: Vec<u16>, flags: Flags) -> Self {
         Self {
             allowed_cidrs: Arc::new(allowed_cidrs),
             ports: Arc::new(ports),
+            flags,
         }
     }
 
     /// Why `ip` may not be reached, if it may not.
-    pub(super) fn refusal(&self, ip: IpAddr) -> Option<String> {
+    pub fn refusal(&self, ip: IpAddr) -> Option<String> {
         let kind = special_range(ip)?;
         let mapped = match ip {
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4),
@@ -82,17 +97,18 @@ impl EgressPolicy {
             .allowed_cidrs
             .iter()
             .any(|net| net.contains(&ip) || mapped.is_some_and(|m| net.contains(&m)));
-        (!admitted).then(|| format!("{ip} is a {kind} address, which --http-allow-cidr does not admit"))
+        (!admitted).then(|| format!("{ip} is a {kind} address, which {} does not admit", self.flags.cidr))
     }
 
     /// Checks a URL's port, and its host when it is an address.
-    pub(super) fn check_url(&self, url: &reqwest::Url) -> Result<(), Refused> {
+    pub fn check_url(&self, url: &reqwest::Url) -> Result<(), Refused> {
         let port = url.port_or_known_default().unwrap_or(0);
         if !self.ports.contains(&port) {
             let ports: Vec<String> = self.ports.iter().map(u16::to_string).collect();
             return Err(Refused(format!(
-                "port {port} is not allowed (allowed: {}; see --http-allow-port)",
-                ports.join(", ")
+                "port {port} is not allowed (allowed: {}; see {})",
+                ports.join(", "),
+                self.flags.port
             )));
         }
         let literal = url
@@ -106,7 +122,7 @@ impl EgressPolicy {
 
     /// The addresses `host` resolved to that may be reached; an error naming the refused ones
     /// when none may.
-    pub(super) fn admit(&self, host: &str, resolved: Vec<SocketAddr>) -> Result<Vec<SocketAddr>, Refused> {
+    pub fn admit(&self, host: &str, resolved: Vec<SocketAddr>) -> Result<Vec<SocketAddr>, Refused> {
         let (mut admitted, mut reasons) = (Vec::new(), Vec::new());
         for address in resolved {
             match self.refusal(address.ip()) {
@@ -126,17 +142,19 @@ impl EgressPolicy {
 }
 
 /// Looks names up (the system resolver; a scripted one in tests).
-pub(super) type Lookup = Arc<dyn Fn(String) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> + Send + Sync>;
+pub type Lookup = Arc<dyn Fn(String) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> + Send + Sync>;
 
 /// The system resolver.
-pub(super) fn system_lookup() -> Lookup {
+pub fn system_lookup() -> Lookup {
     Arc::new(|host: String| async move { Ok(tokio::net::lookup_host((host.as_str(), 0)).await?.collect()) }.boxed())
 }
 
 /// The HTTP client's resolver: resolves once and hands the client the admitted addresses only.
-pub(super) struct CheckedResolver {
-    pub(super) policy: EgressPolicy,
-    pub(super) lookup: Lookup,
+pub struct CheckedResolver {
+    /// What it admits.
+    pub policy: EgressPolicy,
+    /// How it looks names up.
+    pub lookup: Lookup,
 }
 
 impl reqwest::dns::Resolve for CheckedResolver {
@@ -156,7 +174,11 @@ mod tests {
     use super::*;
 
     fn policy(cidrs: &[&str]) -> EgressPolicy {
-        EgressPolicy::new(cidrs.iter().map(|c| c.parse().unwrap()).collect(), vec![80, 443])
+        let flags = Flags {
+            cidr: "--http-allow-cidr",
+            port: "--http-allow-port",
+        };
+        EgressPolicy::new(cidrs.iter().map(|c| c.parse().unwrap()).collect(), vec![80, 443], flags)
     }
 
     #[test]
