@@ -20,6 +20,8 @@ pub struct Received {
     pub signature: String,
     /// The body.
     pub body: String,
+    /// Every header, by its lowercase name.
+    pub headers: std::collections::BTreeMap<String, String>,
 }
 
 impl Received {
@@ -57,6 +59,10 @@ async fn take(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Strin
         timestamp: header(&headers, "webhook-timestamp"),
         signature: header(&headers, "webhook-signature"),
         body,
+        headers: headers
+            .iter()
+            .map(|(name, value)| (name.as_str().to_owned(), value.to_str().unwrap_or_default().to_owned()))
+            .collect(),
     };
     shared.got.lock().unwrap_or_else(|e| e.into_inner()).push(received);
     StatusCode::from_u16(shared.status.load(Ordering::SeqCst)).unwrap_or(StatusCode::NO_CONTENT)

@@ -44,6 +44,8 @@ struct Deployment {
     orchestrator: Service,
     runner: Service,
     _model: MockLlm,
+    /// Where the A2A push notifications go.
+    receiver: testkit::receiver::Receiver,
 }
 
 impl Deployment {
@@ -105,7 +107,13 @@ impl Deployment {
              [[agent]]\nname = \"reviewed\"\nneeds_approval = [\"sleep\"]\n\
              exit_tools = [{ name = \"submit_report\", description = \"File the report\" }]\n",
         )?;
+        let receiver = testkit::receiver::Receiver::start().await?;
+        let port = receiver.addr.port().to_string();
         let mut tls = [
+            "--webhook-allow-cidr",
+            "127.0.0.0/8",
+            "--webhook-allow-port",
+            &port,
             "--a2a-listen",
             "127.0.0.1:0",
             "--agents",
@@ -134,6 +142,7 @@ impl Deployment {
             orchestrator,
             runner,
             _model: model,
+            receiver,
         })
     }
 
@@ -1215,6 +1224,47 @@ async fn the_a2a_projects_python_and_javascript_clients_stream_reply_list_and_ca
     assert_eq!(last, "TASK_STATE_INPUT_REQUIRED", "{out}");
     let ended = run(caller("reporter", TOKEN, &["--get", &waited_id])?).await?;
     assert_eq!(state(&lines(&ended)?[0]["task"]), "TASK_STATE_COMPLETED");
+
+    // Push notifications: a task asked with a push config (its token), a second config with
+    // credentials created, listed, read back and deleted through the client; once approved the
+    // task's end is POSTed to the config's URL as a status update carrying its token.
+    let url = deployment.receiver.url();
+    let args = [
+        "--text",
+        "check the tools",
+        "--mode",
+        "immediate",
+        "--push",
+        &url,
+        "--push-token",
+        "t-1",
+        "--subscribe",
+        "--reply",
+        "approve",
+    ];
+    let pushed = run(caller("reviewed", TOKEN, &args)?).await?;
+    let out = String::from_utf8_lossy(&pushed.stdout).into_owned();
+    assert_eq!(pushed.status.code(), Some(0), "push: {}{out}", stderr(&pushed));
+    let seen = lines(&pushed)?;
+    let field = |name: &str| seen.iter().find_map(|l| l.get(name)).cloned().unwrap_or_default();
+    let second = field("pushed")["id"].as_str().unwrap_or_default().to_owned();
+    let pushes = field("pushes");
+    assert_eq!(pushes.as_array().map(Vec::len), Some(2), "{out}");
+    assert_eq!(field("push")["id"].as_str(), Some(second.as_str()), "{out}");
+    assert_eq!(field("pushes_after").as_array().map(Vec::len), Some(1), "{out}");
+    let task_id = seen.last().map(|l| l["task"]["id"].clone()).unwrap_or_default();
+    let ended = testkit::wait::until_sync("the task's end pushed", Duration::from_secs(30), || {
+        deployment.receiver.received().into_iter().find(|r| {
+            let update = &r.json()["statusUpdate"];
+            update["taskId"] == task_id && update["status"]["state"] == "TASK_STATE_COMPLETED"
+        })
+    })
+    .await?;
+    assert_eq!(
+        ended.headers.get("x-a2a-notification-token").map(String::as_str),
+        Some("t-1")
+    );
+    assert!(!ended.signature.is_empty(), "pushes are signed as webhooks are");
 
     // The gRPC binding, on the gRPC port (the card names it, with the agent as its tenant): the
     // same task and reply; another principal is told the task is not found (NOT_FOUND with

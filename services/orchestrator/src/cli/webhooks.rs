@@ -38,6 +38,10 @@ pub enum Action {
         /// Your own signing secret (whsec_ and base64); one is made when not given.
         #[arg(long, env = "ORCHESTRATOR_WEBHOOK_SECRET", hide_env_values = true)]
         secret: Option<String>,
+        /// A header sent with every delivery, NAME=VALUE (repeatable; e.g. the receiver's own
+        /// token).
+        #[arg(long = "header", value_name = "NAME=VALUE", value_parser = super::key_value)]
+        headers: Vec<(String, String)>,
     },
     /// List your webhooks (ListWebhooks).
     List,
@@ -72,6 +76,7 @@ impl WebhooksArgs {
                 run_id,
                 thread_id,
                 secret,
+                headers,
             } => {
                 let request = pb::CreateWebhookRequest {
                     url,
@@ -79,6 +84,8 @@ impl WebhooksArgs {
                     run_id: run_id.unwrap_or_default(),
                     thread_id: thread_id.unwrap_or_default(),
                     secret: secret.unwrap_or_default(),
+                    headers: headers.into_iter().collect(),
+                    ..Default::default()
                 };
                 let hook = client
                     .create_webhook(request)

@@ -50,6 +50,16 @@ pub enum Scope {
     Principal,
 }
 
+/// The shape of a webhook's body.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Format {
+    /// Standard Webhooks: `{"type", "timestamp", "data"}`.
+    #[default]
+    Standard,
+    /// An A2A push notification: a `StreamResponse` holding the task's status update.
+    A2a,
+}
+
 /// A registration: where to deliver which happenings of whose runs.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Webhook {
@@ -67,6 +77,40 @@ pub struct Webhook {
     pub secret: String,
     /// Unix ms.
     pub created_unix_ms: u64,
+    /// The body's shape.
+    #[serde(default)]
+    pub format: Format,
+    /// Headers sent with every delivery (a receiver's token: what an A2A push config carries).
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+/// Most headers a webhook may add.
+pub const MAX_HEADERS: usize = 8;
+
+/// Why `headers` may not be a webhook's own, if they may not.
+pub fn headers_refusal(headers: &BTreeMap<String, String>) -> Option<String> {
+    if headers.len() > MAX_HEADERS {
+        return Some(format!("headers: at most {MAX_HEADERS}"));
+    }
+    headers.iter().find_map(|(name, value)| {
+        let lower = name.to_ascii_lowercase();
+        let refusal = match () {
+            () if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') => {
+                "a name is letters, digits and '-'"
+            }
+            () if lower.starts_with("webhook-")
+                || ["content-type", "content-length", "host"].contains(&lower.as_str()) =>
+            {
+                "the server sets this one"
+            }
+            () if value.len() > 1024 || !value.chars().all(|c| c == ' ' || c.is_ascii_graphic()) => {
+                "a value is at most 1 KiB of printable ASCII"
+            }
+            () => return None,
+        };
+        Some(format!("headers: {name:?}: {refusal}"))
+    })
 }
 
 /// Something that happened to a run, which webhooks may be told of.
@@ -133,6 +177,38 @@ pub fn payload(happening: &Happening, at_unix_ms: u64) -> String {
         "type": happening.topic.name(),
         "timestamp": rfc3339(at_unix_ms),
         "data": data,
+    });
+    body.to_string()
+}
+
+/// The body of `happening` for a webhook of `format`.
+pub fn body(format: Format, happening: &Happening, at_unix_ms: u64) -> String {
+    match format {
+        Format::Standard => payload(happening, at_unix_ms),
+        Format::A2a => a2a_payload(happening, at_unix_ms),
+    }
+}
+
+/// An A2A push notification: the `StreamResponse` JSON (`statusUpdate`) of the run's task (a
+/// task is a run, its context the run's thread, or the run when it has none), the happening's
+/// type and data in its metadata.
+pub fn a2a_payload(happening: &Happening, at_unix_ms: u64) -> String {
+    let state = match (happening.topic, happening.detail.get("status").and_then(|s| s.as_str())) {
+        (Topic::Started, _) => "TASK_STATE_WORKING",
+        (Topic::Awaiting, _) => "TASK_STATE_INPUT_REQUIRED",
+        (Topic::Finished, Some("COMPLETED")) => "TASK_STATE_COMPLETED",
+        (Topic::Finished, Some("CANCELED")) => "TASK_STATE_CANCELED",
+        (Topic::Finished, _) => "TASK_STATE_FAILED",
+    };
+    let mut metadata = happening.detail.clone();
+    metadata.insert("type".into(), happening.topic.name().into());
+    let body = serde_json::json!({
+        "statusUpdate": {
+            "taskId": happening.run_id,
+            "contextId": happening.thread_id.as_deref().unwrap_or(&happening.run_id),
+            "status": {"state": state, "timestamp": rfc3339(at_unix_ms)},
+            "metadata": metadata,
+        }
     });
     body.to_string()
 }
@@ -319,6 +395,8 @@ mod tests {
             topics,
             secret: new_secret([7; 32]),
             created_unix_ms: 0,
+            format: Format::Standard,
+            headers: BTreeMap::new(),
         }
     }
 
@@ -406,5 +484,43 @@ mod tests {
         assert_eq!(body["data"]["call_id"], "c1");
         assert_eq!(Topic::named("run.finished"), Some(Topic::Finished));
         assert_eq!(Topic::named("run.exploded"), None);
+        let finished = Happening {
+            detail: serde_json::from_str(r#"{"status": "CANCELED"}"#).unwrap(),
+            ..happening(Topic::Finished)
+        };
+        let a2a: serde_json::Value = serde_json::from_str(&super::body(Format::A2a, &finished, 0)).unwrap();
+        let update = &a2a["statusUpdate"];
+        assert_eq!(
+            (update["taskId"].as_str(), update["contextId"].as_str()),
+            (Some("r1"), Some("t1"))
+        );
+        assert_eq!(update["status"]["state"], "TASK_STATE_CANCELED");
+        assert_eq!(update["metadata"]["type"], "run.finished");
+    }
+
+    #[test]
+    fn a_webhooks_own_headers_are_bounded_and_never_the_servers() {
+        let headers = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect()
+        };
+        assert_eq!(
+            headers_refusal(&headers(&[
+                ("X-A2A-Notification-Token", "t"),
+                ("Authorization", "Bearer x")
+            ])),
+            None
+        );
+        for bad in [
+            ("Webhook-Signature", "v1,x"),
+            ("Content-Type", "text/plain"),
+            ("a b", "x"),
+            ("X", "line\nbreak"),
+        ] {
+            assert!(headers_refusal(&headers(&[bad])).is_some(), "{bad:?}");
+        }
+        let long = "x".repeat(1025);
+        assert!(headers_refusal(&headers(&[("X", long.as_str())])).is_some());
+        let many: Vec<(String, String)> = (0..9).map(|i| (format!("X-{i}"), "v".to_owned())).collect();
+        assert!(headers_refusal(&many.into_iter().collect()).is_some());
     }
 }

@@ -32,7 +32,7 @@ use self::send::{Post, Sender};
 use crate::Error;
 use crate::config::WebhookSettings;
 use crate::domain::ports::Notices;
-use crate::domain::webhook::{self, DeliveryState, Happening, Scope, Topic, Webhook, WebhookDelivery};
+use crate::domain::webhook::{self, DeliveryState, Format, Happening, Scope, Topic, Webhook, WebhookDelivery};
 use crate::domain::{NumberedEvent, RunResult};
 use crate::store::nats::kv::token;
 use crate::store::unavailable;
@@ -68,6 +68,9 @@ pub(crate) struct Registration {
     pub topics: Vec<Topic>,
     /// The caller's own secret (`whsec_…`); one is made when `None`.
     pub secret: Option<String>,
+    pub format: Format,
+    /// Headers sent with every delivery.
+    pub headers: std::collections::BTreeMap<String, String>,
 }
 
 /// See the module docs.
@@ -147,6 +150,14 @@ impl Webhooks {
         if let Some(why) = self.sender.refusal(&registration.url) {
             return Err(Error::PermissionDenied(format!("webhook URL refused: {why}")));
         }
+        if let Some(why) = webhook::headers_refusal(&registration.headers) {
+            return Err(Error::InvalidArgument(why));
+        }
+        if registration.format == Format::A2a && !matches!(registration.scope, Scope::Run(_)) {
+            return Err(Error::InvalidArgument(
+                "an A2A webhook is told of one task: name its run_id".into(),
+            ));
+        }
         let secret = match registration.secret {
             Some(secret) => {
                 webhook::check_secret(&secret).map_err(|e| Error::InvalidArgument(e.to_string()))?;
@@ -177,6 +188,8 @@ impl Webhooks {
             topics,
             secret,
             created_unix_ms: shared::sync::unix_ms(),
+            format: registration.format,
+            headers: registration.headers,
         };
         let key = registration_key(principal, &hook.id);
         let value = serde_json::to_vec(&hook).unwrap_or_default().into();
@@ -296,7 +309,7 @@ impl Webhooks {
             principal: hook.principal.clone(),
             topic: happening.topic,
             run_id: happening.run_id.clone(),
-            body: webhook::payload(happening, now),
+            body: webhook::body(hook.format, happening, now),
             state: DeliveryState::Pending,
             attempts: 0,
             last_status: None,
@@ -357,6 +370,7 @@ impl Webhooks {
                         id: &delivery.id,
                         timestamp_s: now / 1000,
                         body: &delivery.body,
+                        headers: &hook.headers,
                     })
                     .await;
                 let (max_attempts, max_backoff) =

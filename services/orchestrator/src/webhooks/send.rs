@@ -32,6 +32,8 @@ pub(crate) struct Post<'a> {
     pub id: &'a str,
     pub timestamp_s: u64,
     pub body: &'a str,
+    /// The webhook's own headers.
+    pub headers: &'a std::collections::BTreeMap<String, String>,
 }
 
 impl Sender {
@@ -98,8 +100,11 @@ impl Sender {
             Ok(client) => client,
             Err(why) => return Attempt::NoAnswer(why),
         };
-        let sent = client
-            .post(post.url)
+        let mut request = client.post(post.url);
+        for (name, value) in post.headers {
+            request = request.header(name.as_str(), value.as_str());
+        }
+        let sent = request
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header("webhook-id", post.id)
             .header("webhook-timestamp", post.timestamp_s.to_string())

@@ -36,6 +36,8 @@ fn registration(url: &str) -> Registration {
         scope: Scope::Principal,
         topics: vec![],
         secret: None,
+        format: Format::Standard,
+        headers: BTreeMap::new(),
     }
 }
 

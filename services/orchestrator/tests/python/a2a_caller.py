@@ -4,7 +4,8 @@ saw as JSON lines, for the orchestrator's tests (tests/a2a.rs):
 
     python a2a_caller.py --url https://127.0.0.1:PORT[/agents/NAME] --ca ca.pem --token T \
         --text "..." --mode stream|block|immediate [--context ID] [--cancel] [--get ID] [--list] \
-        [--reply TEXT] [--binding jsonrpc|grpc] [--subscribe] [--follow TASK_ID]
+        [--reply TEXT] [--binding jsonrpc|grpc] [--subscribe] [--follow TASK_ID] \
+        [--push URL --push-token TOKEN]
 
 The client reads the agent card at the URL's /.well-known/agent-card.json and calls the
 JSON-RPC interface it names. Each streamed event is printed as {"event": StreamResponse}; then
@@ -14,7 +15,11 @@ is sent on the task (a follow-up message: "approve", "reject REASON") after a {"
 line, and what follows is printed the same way. --binding grpc calls the gRPC interface the card
 names instead (its TLS with --ca, the token as call credentials). --subscribe follows the task
 it started again (SubscribeToTask), printing {"subscribed": StreamResponse} lines; --follow
-TASK_ID does so for a task started elsewhere (then --reply answers it). A refusal prints {"error": "<class>: <message>"} and exits 3.
+TASK_ID does so for a task started elsewhere (then --reply answers it). --push URL asks for push
+notifications to URL with the task's message (token --push-token), then creates a second config
+with credentials ({"pushed": config}), lists both ({"pushes": [ids]}), reads the second back
+({"push": config}), deletes it and lists again ({"pushes_after": [ids]}). A refusal prints
+{"error": "<class>: <message>"} and exits 3.
 """
 
 import argparse
@@ -27,7 +32,11 @@ import uuid
 import httpx
 from a2a.client import ClientConfig, create_client
 from a2a.types.a2a_pb2 import (
+    AuthenticationInfo,
     CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetTaskPushNotificationConfigRequest,
+    ListTaskPushNotificationConfigsRequest,
     GetTaskRequest,
     ListTasksRequest,
     Message,
@@ -35,6 +44,7 @@ from a2a.types.a2a_pb2 import (
     Role,
     SendMessageRequest,
     SubscribeToTaskRequest,
+    TaskPushNotificationConfig,
 )
 from google.protobuf import json_format
 
@@ -65,6 +75,25 @@ async def reply_to(client, task_id, context_id, text):
         say(event=as_dict(event))
 
 
+async def push_configs(client, task_id, args):
+    """A second config of the task, with credentials; listed, read back, deleted."""
+    second = TaskPushNotificationConfig(
+        task_id=task_id,
+        url=args.push,
+        token=args.push_token + "-second",
+        authentication=AuthenticationInfo(scheme="Bearer", credentials="receivers-own-secret"),
+    )
+    pushed = await client.create_task_push_notification_config(second)
+    say(pushed=as_dict(pushed))
+    listed = await client.list_task_push_notification_configs(ListTaskPushNotificationConfigsRequest(task_id=task_id))
+    say(pushes=[c.id for c in listed.configs])
+    got = await client.get_task_push_notification_config(GetTaskPushNotificationConfigRequest(task_id=task_id, id=pushed.id))
+    say(push=as_dict(got))
+    await client.delete_task_push_notification_config(DeleteTaskPushNotificationConfigRequest(task_id=task_id, id=pushed.id))
+    listed = await client.list_task_push_notification_configs(ListTaskPushNotificationConfigsRequest(task_id=task_id))
+    say(pushes_after=[c.id for c in listed.configs])
+
+
 def say(**line):
     print(json.dumps(line), flush=True)
 
@@ -78,6 +107,8 @@ async def call(args):
     verify = ssl.create_default_context(cafile=args.ca) if args.ca else True
     async with httpx.AsyncClient(headers=headers, timeout=60, verify=verify) as http:
         config = ClientConfig(httpx_client=http, streaming=args.mode == "stream", polling=args.mode == "immediate")
+        if args.push:
+            config.push_notification_config = TaskPushNotificationConfig(url=args.push, token=args.push_token)
         if args.binding == "grpc":
             config.supported_protocol_bindings = ["GRPC"]
             config.grpc_channel_factory = lambda url: grpc_channel(url, args)
@@ -115,6 +146,8 @@ async def call(args):
                 task_id, context_id = event.status_update.task_id, event.status_update.context_id
             if args.cancel and task_id:
                 break
+        if args.push:
+            await push_configs(client, task_id, args)
         if args.subscribe:
             # A client that streams (resubscribing needs one), whatever --mode started the task.
             follower = await create_client(args.url, client_config=ClientConfig(httpx_client=http, streaming=True))
@@ -143,6 +176,8 @@ def main(argv):
     p.add_argument("--subscribe", action="store_true")
     p.add_argument("--follow", default="")
     p.add_argument("--binding", choices=["jsonrpc", "grpc"], default="jsonrpc")
+    p.add_argument("--push", default="", help="URL for the task's push notifications")
+    p.add_argument("--push-token", default="")
     args = p.parse_args(argv)
     try:
         return asyncio.run(call(args))

@@ -45,14 +45,18 @@ impl Call<'_> {
         request
     }
 
-    async fn unary<Q, A, Fut>(&self, message: Q, handler: impl FnOnce(Request<Q>) -> Fut) -> Result<A, RpcError>
+    pub(super) async fn unary<Q, A, Fut>(
+        &self,
+        message: Q,
+        handler: impl FnOnce(Request<Q>) -> Fut,
+    ) -> Result<A, RpcError>
     where
         Fut: Future<Output = Result<tonic::Response<A>, Status>>,
     {
         Ok(handler(self.request(message)).await?.into_inner())
     }
 
-    async fn get_run(&self, run_id: &str) -> Result<pb::RunResult, RpcError> {
+    pub(super) async fn get_run(&self, run_id: &str) -> Result<pb::RunResult, RpcError> {
         let service = &self.server.service;
         self.unary(pb::GetRunRequest { run_id: run_id.into() }, |r| service.get_run(r))
             .await
@@ -152,6 +156,8 @@ impl Call<'_> {
             .message
             .ok_or_else(|| RpcError::invalid_params("params.message is required"))?;
         let (task_id, answered) = self.begin(&message).await?;
+        self.push_asked(&message, asked.configuration.as_ref(), &task_id)
+            .await?;
         let at_once = asked.configuration.is_some_and(|c| c.return_immediately);
         if !at_once {
             self.until_it_stops(&task_id, answered).await?;
@@ -220,7 +226,27 @@ impl Call<'_> {
             .message
             .ok_or_else(|| RpcError::invalid_params("params.message is required"))?;
         let (task_id, answered) = self.begin(&message).await?;
+        self.push_asked(&message, asked.configuration.as_ref(), &task_id)
+            .await?;
         self.stream(&task_id, answered).await
+    }
+
+    /// Registers the push-notification config a message that started task `task_id` carries.
+    async fn push_asked(
+        &self,
+        message: &a2a::Message,
+        configuration: Option<&a2a::SendMessageConfiguration>,
+        task_id: &str,
+    ) -> Result<(), RpcError> {
+        let asked = configuration.and_then(|c| c.task_push_notification_config.clone());
+        if let (Some(config), true) = (asked, message.task_id.is_empty()) {
+            self.create_push(a2a::TaskPushNotificationConfig {
+                task_id: task_id.to_owned(),
+                ..config
+            })
+            .await?;
+        }
+        Ok(())
     }
 
     /// `SubscribeToTask`: a live task's stream, from its run's first event (so nothing is

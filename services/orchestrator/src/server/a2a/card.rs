@@ -95,7 +95,7 @@ fn card(
         version: version.into(),
         capabilities: Some(a2a::AgentCapabilities {
             streaming: Some(true),
-            push_notifications: Some(false),
+            push_notifications: Some(true),
             extended_agent_card: Some(false),
             ..Default::default()
         }),

@@ -41,7 +41,7 @@ impl From<Status> for RpcError {
     fn from(status: Status) -> Self {
         let code = match status.code() {
             Code::NotFound => -32001,
-            Code::InvalidArgument | Code::OutOfRange => -32602,
+            Code::InvalidArgument | Code::OutOfRange | Code::PermissionDenied => -32602,
             Code::FailedPrecondition | Code::Aborted | Code::AlreadyExists => -32004,
             _ => -32603,
         };

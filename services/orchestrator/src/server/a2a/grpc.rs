@@ -94,23 +94,26 @@ impl A2aService for A2aGrpc {
 
     async fn create_task_push_notification_config(
         &self,
-        _: Request<a2a::TaskPushNotificationConfig>,
+        request: Request<a2a::TaskPushNotificationConfig>,
     ) -> Result<Response<a2a::TaskPushNotificationConfig>, Status> {
-        not_served("CreateTaskPushNotificationConfig")
+        let call = self.call(&request, &request.get_ref().tenant);
+        Ok(Response::new(call.create_push(request.into_inner()).await?))
     }
 
     async fn get_task_push_notification_config(
         &self,
-        _: Request<a2a::GetTaskPushNotificationConfigRequest>,
+        request: Request<a2a::GetTaskPushNotificationConfigRequest>,
     ) -> Result<Response<a2a::TaskPushNotificationConfig>, Status> {
-        not_served("GetTaskPushNotificationConfig")
+        let call = self.call(&request, &request.get_ref().tenant);
+        Ok(Response::new(call.get_push(request.into_inner()).await?))
     }
 
     async fn list_task_push_notification_configs(
         &self,
-        _: Request<a2a::ListTaskPushNotificationConfigsRequest>,
+        request: Request<a2a::ListTaskPushNotificationConfigsRequest>,
     ) -> Result<Response<a2a::ListTaskPushNotificationConfigsResponse>, Status> {
-        not_served("ListTaskPushNotificationConfigs")
+        let call = self.call(&request, &request.get_ref().tenant);
+        Ok(Response::new(call.list_pushes(request.into_inner()).await?))
     }
 
     async fn get_extended_agent_card(
@@ -122,8 +125,10 @@ impl A2aService for A2aGrpc {
 
     async fn delete_task_push_notification_config(
         &self,
-        _: Request<a2a::DeleteTaskPushNotificationConfigRequest>,
+        request: Request<a2a::DeleteTaskPushNotificationConfigRequest>,
     ) -> Result<Response<()>, Status> {
-        not_served("DeleteTaskPushNotificationConfig")
+        let call = self.call(&request, &request.get_ref().tenant);
+        call.delete_push(request.into_inner()).await?;
+        Ok(Response::new(()))
     }
 }

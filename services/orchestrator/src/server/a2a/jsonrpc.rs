@@ -83,6 +83,37 @@ pub(super) async fn answer(server: &A2a, agent: Option<String>, principal: Arc<P
             })
             .await
         }
+        "CreateTaskPushNotificationConfig" => {
+            unary(id, "TaskPushNotificationConfig", async {
+                call.create_push(self::params(params, "TaskPushNotificationConfig")?)
+                    .await
+            })
+            .await
+        }
+        "GetTaskPushNotificationConfig" => {
+            unary(id, "TaskPushNotificationConfig", async {
+                call.get_push(self::params(params, "GetTaskPushNotificationConfigRequest")?)
+                    .await
+            })
+            .await
+        }
+        "ListTaskPushNotificationConfigs" => {
+            unary(id, "ListTaskPushNotificationConfigsResponse", async {
+                call.list_pushes(self::params(params, "ListTaskPushNotificationConfigsRequest")?)
+                    .await
+            })
+            .await
+        }
+        "DeleteTaskPushNotificationConfig" => {
+            let deleted = async {
+                call.delete_push(self::params(params, "DeleteTaskPushNotificationConfigRequest")?)
+                    .await
+            };
+            json_answer(match deleted.await {
+                Ok(()) => result_body(id, json!({})),
+                Err(error) => error_body(id, error),
+            })
+        }
         other => json_answer(error_body(id, refused(other))),
     }
 }
@@ -91,10 +122,6 @@ pub(super) async fn answer(server: &A2a, agent: Option<String>, principal: Arc<P
 pub(super) fn refused(method: &str) -> RpcError {
     match method {
         "GetExtendedAgentCard" => RpcError::new(-32007, "this agent has no extended card"),
-        "CreateTaskPushNotificationConfig"
-        | "GetTaskPushNotificationConfig"
-        | "ListTaskPushNotificationConfigs"
-        | "DeleteTaskPushNotificationConfig" => RpcError::new(-32003, "push notifications are not served here"),
         other => RpcError::new(-32601, format!("no method {other:?}")),
     }
 }

@@ -1,7 +1,8 @@
 //! A2A 1.0 on `--a2a-listen`: other agents and agent frameworks reach runs through the
 //! agent-to-agent protocol's JSON-RPC binding (`jsonrpc.rs`; streams as server-sent events), an
 //! agent card for the server and one per named agent (`card.rs`). A task is a run, a context a
-//! thread (`tasks.rs`); refusals carry A2A's codes (`error.rs`). Every call goes through the gRPC service in process as the caller's
+//! thread (`tasks.rs`), a push-notification config a webhook of the task (`push.rs`); refusals
+//! carry A2A's codes (`error.rs`). Every call goes through the gRPC service in process as the caller's
 //! principal, as the console's do, so A2A has no rules of its own: the same credentials (a
 //! bearer token; a client certificate where those sign in), the same scopes (another principal's
 //! task is not found), the same limits. The listener is the console's (TLS, head timeout). The
@@ -13,6 +14,7 @@ mod card;
 mod error;
 mod grpc;
 mod jsonrpc;
+mod push;
 mod tasks;
 
 use std::sync::Arc;

@@ -6,7 +6,7 @@ use proto::orchestrator::v1 as pb;
 
 use super::{invalid, named_id};
 use crate::Error;
-use crate::domain::webhook::{DeliveryState, Scope, Topic, Webhook, WebhookDelivery};
+use crate::domain::webhook::{DeliveryState, Format, Scope, Topic, Webhook, WebhookDelivery};
 use crate::webhooks::{Narrowing, Registration};
 
 impl TryFrom<pb::CreateWebhookRequest> for Registration {
@@ -33,11 +33,18 @@ impl TryFrom<pb::CreateWebhookRequest> for Registration {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let format = match pb::WebhookFormat::try_from(request.format) {
+            Ok(pb::WebhookFormat::Unspecified | pb::WebhookFormat::Standard) => Format::Standard,
+            Ok(pb::WebhookFormat::A2a) => Format::A2a,
+            Err(_) => return Err(invalid(format!("format {} is not a webhook format", request.format))),
+        };
         Ok(Self {
             url: request.url,
             scope,
             topics,
             secret: Some(request.secret).filter(|s| !s.is_empty()),
+            format,
+            headers: request.headers.into_iter().collect(),
         })
     }
 }
@@ -77,6 +84,12 @@ pub(crate) fn webhook_pb(hook: Webhook, with_secret: bool) -> pb::Webhook {
         thread_id,
         secret: if with_secret { hook.secret } else { String::new() },
         created_at_unix_ms: hook.created_unix_ms,
+        format: match hook.format {
+            Format::Standard => pb::WebhookFormat::Standard,
+            Format::A2a => pb::WebhookFormat::A2a,
+        }
+        .into(),
+        header_names: hook.headers.into_keys().collect(),
     }
 }
 
