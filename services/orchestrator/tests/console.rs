@@ -360,7 +360,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     let hook = alice_a
         .create_webhook(pb::CreateWebhookRequest {
             url: receiver.url(),
-            events: vec!["run.finished".into()],
+            events: vec!["run.finished".into(), "run.awaiting".into()],
             ..Default::default()
         })
         .await?;
@@ -509,11 +509,19 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     visit(browser, &console, "#/runs/bob-1").await?;
     find(browser, "//h1[normalize-space(.)='Not found']").await?;
 
-    // The webhook's deliveries: each of alice's finished runs, delivered.
+    // The webhook's deliveries: each of alice's finished runs, and her call that waited for a
+    // person, delivered.
     testkit::wait::until_sync("a delivery", Duration::from_secs(30), || {
         receiver.received().into_iter().next()
     })
     .await?;
+    let awaiting = receiver
+        .received()
+        .into_iter()
+        .find(|r| r.json()["type"] == "run.awaiting");
+    let awaiting = awaiting.map(|r| r.json()["data"].clone()).unwrap_or_default();
+    assert_eq!(awaiting["waits_for"], "approval", "{awaiting}");
+    assert_eq!(awaiting["status"], "AWAITING_APPROVAL", "{awaiting}");
     visit(browser, &console, "#/webhooks").await?;
     find(
         browser,
