@@ -1,6 +1,7 @@
 //! `orchestrator` binary: parse flags, set up telemetry, serve until SIGTERM/SIGINT, drain, flush
-//! spans, exit. Exit codes: 0 stopped cleanly / the run completed; 1 runtime failure or a run that
-//! did not complete; 2 invalid flags or configuration.
+//! spans, exit. Exit codes of `serve`: 0 stopped cleanly, 1 a failure at run time, 2 invalid
+//! flags or configuration; of the client commands, how the command and its run ended
+//! (`cli::Outcome`: 0 completed, 1 failed, 2 canceled, 3 the call failed).
 
 use std::process::ExitCode;
 
@@ -20,11 +21,10 @@ fn main() -> ExitCode {
 
 async fn run() -> ExitCode {
     let cli = Cli::parse_args();
-    let result = match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
-        Command::Serve(args) => serve(*args).await.map(|()| true),
-        Command::Client(command) => command.run().await,
-    };
-    shared::runtime::exit_code("orchestrator", result)
+    match cli.command.unwrap_or_else(|| Command::Serve(Box::new(cli.serve))) {
+        Command::Serve(args) => shared::runtime::exit_code("orchestrator", serve(*args).await.map(|()| true)),
+        Command::Client(command) => orchestrator::cli::exit_code(command.run().await),
+    }
 }
 
 async fn serve(config: Config) -> Result<(), Error> {

@@ -1139,7 +1139,7 @@ async fn the_command_line_lists_and_decides() -> TestResult {
     );
     // A second decision, once the run went on and ended, names the first: who, and when.
     let (code, _, stderr) = cli(&[&approve[..], &carol].concat()).await?;
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(3), "a refused decision exits 3");
     assert!(
         stderr.contains(&format!(
             "call \"{call_id}\" was decided already: approved by \"carol\" at 20"

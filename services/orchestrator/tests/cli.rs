@@ -86,7 +86,7 @@ async fn get_and_cancel_from_a_shell() -> TestResult {
     );
 
     let (code, json, stderr) = cli(&[&["get", "shell-1", "--json"][..], &at].concat()).await?;
-    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(code, Some(2), "get exits as the run ended, CANCELED: {stderr}");
     let read: serde_json::Value = serde_json::from_str(json.trim())?;
     assert_eq!(read["runId"], "shell-1");
     assert_eq!(read["status"], "RUN_STATUS_CANCELED");
@@ -103,7 +103,7 @@ async fn get_and_cancel_from_a_shell() -> TestResult {
 
     let past = (result_seqs(&client, "shell-1").await? + 5).to_string();
     let (code, attached, stderr) = cli(&[&["call", "--attach", "shell-1", "--after", &past][..], &at].concat()).await?;
-    assert_eq!(code, Some(1), "a canceled run did not complete: {attached}\n{stderr}");
+    assert_eq!(code, Some(2), "a canceled run exits 2: {attached}\n{stderr}");
     assert!(
         attached.contains(&format!(
             "run shell-1 has no events after seq {past}: it ended CANCELED"
@@ -111,7 +111,7 @@ async fn get_and_cancel_from_a_shell() -> TestResult {
         "{attached}\n{stderr}"
     );
     let (code, _, stderr) = cli(&[&["get", "nobody"][..], &at].concat()).await?;
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(3), "a refused call exits 3");
     assert!(
         stderr.contains("run \"nobody\"")
             && stderr.contains("(NOT_FOUND)")
@@ -493,5 +493,76 @@ print(verify(case["secret"], headers, body), verify(case["secret"], headers, bod
     let (code, _, stderr) = cli(&[&["webhooks", "delete", id][..], &at].concat()).await?;
     assert_ne!(code, Some(0));
     assert!(stderr.contains("no webhook"), "{stderr}");
+    Ok(())
+}
+
+/// `orchestrator ARGS` whose reader has gone away before it prints (`| head` closed early): its
+/// exit code and stderr.
+async fn into_a_closed_pipe(args: &[&str]) -> anyhow::Result<(Option<i32>, String)> {
+    let mut command = Command::new(BIN);
+    command
+        .env("ORCHESTRATOR_METRICS_LISTEN", "off")
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = command.spawn()?;
+    drop(child.stdout.take());
+    let output = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??;
+    Ok((
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    ))
+}
+
+/// Every command that prints, piped into a reader that went away, ends quietly with 141 (as a
+/// process killed by SIGPIPE) and never panics, with and without --json; a listing paged with a
+/// relative --since names its time in the next page's hint, so the hint runs as printed.
+#[tokio::test]
+async fn output_into_a_closed_pipe_ends_quietly_and_a_since_listing_pages() -> TestResult {
+    let w = world(Scenario::new(vec![
+        Turn::text("One."),
+        Turn::text("Two."),
+        Turn::text("Three."),
+    ]))
+    .await?;
+    let endpoint = w.endpoint();
+    let at = ["--endpoint", endpoint.as_str()];
+    for run_id in ["piped-1", "piped-2", "piped-3"] {
+        let call = ["call", "--prompt", "hi", "--run-id", run_id, "--thread", "piped"];
+        let (code, _, stderr) = cli(&[&call[..], &at].concat()).await?;
+        assert_eq!(code, Some(0), "{stderr}");
+    }
+    let commands: [&[&str]; 8] = [
+        &["runs"],
+        &["runs", "--json"],
+        &["get", "piped-1"],
+        &["get", "piped-1", "--json"],
+        &["thread", "piped"],
+        &["usage"],
+        &["call", "--attach", "piped-1"],
+        &["call", "--attach", "piped-1", "--json"],
+    ];
+    for args in commands {
+        let (code, stderr) = into_a_closed_pipe(&[args, &at[..]].concat()).await?;
+        assert_eq!(code, Some(141), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+
+    let (code, first, stderr) = cli(&[&["runs", "--since", "1h", "--page-size", "1"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let hint = first
+        .lines()
+        .find_map(|l| l.strip_prefix("more: "))
+        .ok_or_else(|| anyhow::anyhow!("no next page: {first}"))?;
+    assert!(hint.starts_with("--since 20"), "{hint}");
+    let next: Vec<&str> = hint.split_whitespace().collect();
+    let (code, second, stderr) = cli(&[&["runs", "--page-size", "1"][..], &next, &at].concat()).await?;
+    assert_eq!(code, Some(0), "{hint}: {stderr}");
+    let row = |page: &str| page.lines().nth(1).map(str::to_owned).unwrap_or_default();
+    assert!(
+        row(&second).starts_with("piped-") && row(&second) != row(&first),
+        "{first}\n{second}"
+    );
     Ok(())
 }

@@ -129,11 +129,11 @@ async fn a_renamed_flag_works_under_its_old_name_with_a_warning() -> TestResult 
     Ok(())
 }
 
-/// A refused call is the orchestrator's answer, not a usage error: exit 1, and not worded as a
+/// A refused call is the orchestrator's answer, not a usage error: exit 3, and not worded as a
 /// configuration error; conflicting flags are a usage error, exit 2.
-async fn a_refused_call_exits_1_and_bad_usage_exits_2(endpoint: &str) -> TestResult {
+async fn a_refused_call_exits_3_and_bad_usage_exits_2(endpoint: &str) -> TestResult {
     let (code, _, stderr) = run_to_end(&["call", "--endpoint", endpoint, "--attach", "no-such-run"], &[]).await?;
-    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(code, Some(3), "{stderr}");
     assert!(
         stderr.contains("attach to run \"no-such-run\": ")
             && stderr.contains("(NOT_FOUND)")
@@ -216,7 +216,7 @@ async fn serve_call_and_drain_on_sigterm() -> TestResult {
         "{stdout}"
     );
     call_attach_replays_what_the_run_printed(&endpoint, &stdout).await?;
-    a_refused_call_exits_1_and_bad_usage_exits_2(&endpoint).await?;
+    a_refused_call_exits_3_and_bad_usage_exits_2(&endpoint).await?;
     sigterm_drains_and_the_key_is_never_logged(&mut orchestrator).await?;
     Ok(())
 }

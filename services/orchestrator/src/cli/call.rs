@@ -61,7 +61,7 @@ impl CallOptions {
         let line = shared::text::printable(line);
         match self.json {
             true => eprintln!("{line}"),
-            false => println!("{line}"),
+            false => super::output::line(&line),
         }
     }
 }
@@ -334,7 +334,7 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
 /// Starts the run in the background (`StartRun`) and prints its id alone on stdout (with
 /// `json`, the answer as one line of JSON); says on stderr how to follow it. Whether a run is
 /// going on: a run id whose run had ended starts nothing, and that run's status decides.
-pub async fn start_detached(options: &CallOptions) -> Result<bool, Error> {
+pub async fn start_detached(options: &CallOptions) -> Result<super::Outcome, Error> {
     let client = connect(&options.endpoint, options.token.as_deref(), options.timeout).await?;
     let started = client
         .start(run_request(options))
@@ -343,7 +343,7 @@ pub async fn start_detached(options: &CallOptions) -> Result<bool, Error> {
     let status = pb::RunStatus::try_from(started.status).unwrap_or_default();
     match options.json {
         true => super::output::print_json(&started, "orchestrator.v1.StartRunResponse")?,
-        false => println!("{}", started.run_id),
+        false => super::output::line(&started.run_id),
     }
     let run_id = &started.run_id;
     if status != pb::RunStatus::Running {
@@ -351,13 +351,13 @@ pub async fn start_detached(options: &CallOptions) -> Result<bool, Error> {
             "run {run_id} had ended {}: nothing was started (follow it: orchestrator call --attach {run_id})",
             status_name(started.status)
         );
-        return Ok(status == pb::RunStatus::Completed);
+        return Ok(super::Outcome::of_run(started.status));
     }
     eprintln!(
         "▶ run {run_id} goes on in the background; follow it with `orchestrator call --attach {run_id}`, \
          see it with `orchestrator get {run_id}`"
     );
-    Ok(true)
+    Ok(super::Outcome::Success)
 }
 
 /// Starts the run; while it is not let in yet (its thread held by another run, or every run
@@ -471,7 +471,7 @@ async fn print_to_end(mut run: RunStream, whole: bool, json: bool) -> Result<Opt
         at_line_start: true,
         ..Printer::default()
     };
-    let mut stdout = std::io::stdout();
+    let mut stdout = super::output::Stdout;
     // Read to the end of the call (its trailers, which the client reads after run_finished).
     let mut result = None;
     loop {

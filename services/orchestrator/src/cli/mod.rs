@@ -16,7 +16,7 @@ use crate::Config;
 /// printed without terminal control sequences ([`shared::text::printable`]).
 macro_rules! say {
     ($($arg:tt)*) => {
-        println!("{}", shared::text::printable(&format!($($arg)*)))
+        $crate::cli::output::line(&shared::text::printable(&format!($($arg)*)))
     };
 }
 
@@ -167,27 +167,68 @@ pub enum ClientCommand {
     Webhooks(webhooks::WebhooksArgs),
 }
 
+/// How a client command ended, which its exit code says — the same in the Python and
+/// TypeScript clients: 0 it succeeded (a run completed, or is still live where a command only
+/// reads it), 1 the run failed (or the command did not succeed), 2 the run was canceled (2 is
+/// also a command line that is not one), 3 the call itself failed (refused by the server, or the
+/// server not reached), 141 its reader went away (`| head`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// 0.
+    Success,
+    /// 1.
+    Failed,
+    /// 2.
+    Canceled,
+}
+
+impl Outcome {
+    /// The outcome of a command that followed or read a run with status `status`.
+    pub fn of_run(status: i32) -> Self {
+        use proto::orchestrator::v1::RunStatus as S;
+        match S::try_from(status).unwrap_or_default() {
+            S::Failed => Self::Failed,
+            S::Canceled => Self::Canceled,
+            _ => Self::Success,
+        }
+    }
+
+    fn of(succeeded: bool) -> Self {
+        if succeeded { Self::Success } else { Self::Failed }
+    }
+}
+
+/// The exit code of a client command that ended with `result`, its failure printed on stderr.
+pub fn exit_code(result: Result<Outcome, crate::Error>) -> std::process::ExitCode {
+    use shared::runtime::Failure as _;
+    std::process::ExitCode::from(match result {
+        Ok(Outcome::Success) => 0,
+        Ok(Outcome::Failed) => 1,
+        Ok(Outcome::Canceled) => 2,
+        Err(e) => {
+            eprintln!("orchestrator: {e}");
+            if e.is_usage() { 2 } else { 3 }
+        }
+    })
+}
+
 impl ClientCommand {
-    /// Runs the command; `Ok(false)` when it did what was asked but the outcome is not a success
-    /// (a run that did not complete).
-    pub async fn run(self) -> Result<bool, crate::Error> {
+    /// Runs the command: how it ended (see [`Outcome`]).
+    pub async fn run(self) -> Result<Outcome, crate::Error> {
         match self {
             Self::Call(args) if args.detach => call::start_detached(&args.to_options()?).await,
-            Self::Call(args) => {
-                let result = call::call(&args.to_options()?).await?;
-                Ok(result.status == proto::orchestrator::v1::RunStatus::Completed as i32)
-            }
+            Self::Call(args) => Ok(Outcome::of_run(call::call(&args.to_options()?).await?.status)),
             Self::Get(args) => args.run().await,
-            Self::Cancel(args) => args.run().await,
-            Self::Runs(args) => args.run().await,
-            Self::Approvals(args) => args.run().await,
-            Self::Decide(args) => args.run().await,
-            Self::Answer(args) => args.run().await,
-            Self::Say(args) => args.run().await,
-            Self::Thread(args) => args.run().await,
-            Self::Usage(args) => args.run().await,
-            Self::Agents(args) => args.run().await,
-            Self::Webhooks(args) => args.run().await,
+            Self::Cancel(args) => args.run().await.map(Outcome::of),
+            Self::Runs(args) => args.run().await.map(Outcome::of),
+            Self::Approvals(args) => args.run().await.map(Outcome::of),
+            Self::Decide(args) => args.run().await.map(Outcome::of),
+            Self::Answer(args) => args.run().await.map(Outcome::of),
+            Self::Say(args) => args.run().await.map(Outcome::of),
+            Self::Thread(args) => args.run().await.map(Outcome::of),
+            Self::Usage(args) => args.run().await.map(Outcome::of),
+            Self::Agents(args) => args.run().await.map(Outcome::of),
+            Self::Webhooks(args) => args.run().await.map(Outcome::of),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! What the client commands print besides the event stream: a message as JSON for scripts
 //! (`--json`: protobuf's canonical JSON mapping, read off the contract's descriptors, one line,
 //! default values included), a time a person reads, a status's name, and a refusal in the
-//! words of the domain (the server's message and its code, no gRPC boilerplate).
+//! words of the domain (the server's message and its code, no gRPC boilerplate). Everything goes
+//! to standard output through [`Stdout`], which ends the command when its reader went away.
 
 use std::time::Duration;
 
@@ -17,8 +18,40 @@ pub fn json<M: prost::Message>(message: &M, name: &str) -> Result<String, Error>
 
 /// Prints `message` as JSON (see [`json`]).
 pub fn print_json<M: prost::Message>(message: &M, name: &str) -> Result<(), Error> {
-    println!("{}", json(message, name)?);
+    line(&json(message, name)?);
     Ok(())
+}
+
+/// The exit code of a command whose reader went away, as a process killed by `SIGPIPE` has.
+pub const CLOSED_PIPE: i32 = 141;
+
+/// Standard output for the client commands: a reader that went away (a closed pipe: `| head`)
+/// ends the command at once, quietly, with [`CLOSED_PIPE`], as a Unix tool does; never a panic.
+pub struct Stdout;
+
+impl std::io::Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        ended_if_closed(std::io::stdout().write(buf))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        ended_if_closed(std::io::stdout().flush())
+    }
+}
+
+fn ended_if_closed<T>(result: std::io::Result<T>) -> std::io::Result<T> {
+    if let Err(e) = &result
+        && e.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        std::process::exit(CLOSED_PIPE)
+    }
+    result
+}
+
+/// Prints `text` and a newline on [`Stdout`] (another failure to print is not the command's).
+pub fn line(text: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(Stdout, "{text}");
 }
 
 /// Rows printed as columns sized to what they hold, two spaces apart, no space at a line's end.

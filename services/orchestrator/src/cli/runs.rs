@@ -23,8 +23,8 @@ pub struct GetArgs {
 }
 
 impl GetArgs {
-    /// Prints the run.
-    pub async fn run(&self) -> Result<bool, Error> {
+    /// Prints the run; how it ended (see [`super::Outcome`]).
+    pub async fn run(&self) -> Result<super::Outcome, Error> {
         let client = self.connection.client().await?;
         let run = client
             .get_run(&self.run_id)
@@ -35,7 +35,7 @@ impl GetArgs {
         } else {
             print_run(&run);
         }
-        Ok(true)
+        Ok(super::Outcome::of_run(run.status))
     }
 }
 
@@ -168,9 +168,10 @@ pub struct RunsArgs {
     /// Runs of this named agent (`orchestrator agents` lists them).
     #[arg(long, default_value = "")]
     pub agent: String,
-    /// Runs admitted within this long before now (e.g. 1h, 7d).
-    #[arg(long, value_parser = parse_duration)]
-    pub since: Option<Duration>,
+    /// Runs admitted within this long before now (e.g. 1h, 7d), or since this time (RFC 3339,
+    /// e.g. 2026-12-01T05:00:00Z: what the next page's hint names, so a page token still fits).
+    #[arg(long, value_parser = since_arg)]
+    pub since: Option<Since>,
     /// Rows per page (0: the server's default).
     #[arg(long, default_value_t = 0)]
     pub page_size: u32,
@@ -180,6 +181,27 @@ pub struct RunsArgs {
     /// Every page, not just the first (at most this many rows).
     #[arg(long, value_name = "MAX_ROWS")]
     pub all: Option<usize>,
+}
+
+/// `--since`: a span before now, or a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Since {
+    /// This long before the command runs.
+    Ago(Duration),
+    /// This Unix time in ms.
+    At(u64),
+}
+
+fn since_arg(text: &str) -> Result<Since, String> {
+    if let Ok(ago) = parse_duration(text) {
+        return Ok(Since::Ago(ago));
+    }
+    let at = humantime::parse_rfc3339_weak(text)
+        .map_err(|_| format!("{text:?} is neither a span (1h, 7d) nor a time (RFC 3339, e.g. 2026-12-01T05:00:00Z)"))?;
+    let ms = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|_| format!("{text:?} is before 1970"))?;
+    Ok(Since::At(u64::try_from(ms.as_millis()).unwrap_or(u64::MAX)))
 }
 
 /// A thread id by the rule every command and RPC checks (empty: none).
@@ -272,17 +294,30 @@ impl RunsArgs {
             _ => table.print(),
         }
         if let Some(token) = more {
-            say!("more: --page-token {token}");
+            // The token belongs to this listing's filters: a relative --since names its time.
+            let since = match request.created_after_ms {
+                0 => String::new(),
+                ms => {
+                    let at = std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+                    format!("--since {} ", humantime::format_rfc3339_millis(at))
+                }
+            };
+            say!("more: {since}--page-token {token}");
         }
         Ok(true)
     }
 
     /// The `ListRuns` request these flags describe.
     fn request(&self) -> pb::ListRunsRequest {
-        let since = self.since.map(|ago| {
-            let now = shared::sync::unix_ms();
-            let ago = u64::try_from(ago.as_millis()).unwrap_or(u64::MAX);
-            i64::try_from(now.saturating_sub(ago).max(1)).unwrap_or(1)
+        let since = self.since.map(|since| {
+            let at = match since {
+                Since::Ago(ago) => {
+                    let ago = u64::try_from(ago.as_millis()).unwrap_or(u64::MAX);
+                    shared::sync::unix_ms().saturating_sub(ago)
+                }
+                Since::At(ms) => ms,
+            };
+            i64::try_from(at.max(1)).unwrap_or(1)
         });
         pb::ListRunsRequest {
             statuses: self.statuses.iter().map(|s| pb::RunStatus::from(*s).into()).collect(),
