@@ -15,6 +15,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    // Encoded in key order, so one run's result encodes the same bytes every time (a client
+    // comparing what two attaches printed sees the same lines).
+    config.btree_map([".orchestrator.v1.RunResult.request_digests"]);
 
     tonic_prost_build::configure()
         .codec_path("crate::codec::LeanCodec")

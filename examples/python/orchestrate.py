@@ -183,6 +183,15 @@ def describe(event):
         return f"tool call {e.call_id}: {e.name} asks before it can finish: {questions}"
     if kind == "message_added":
         return f"a message joins turn {e.turn}: {e.message.content}"
+    if kind == "call_decided":
+        d = e.decision
+        outcome = pb.ApprovalOutcome.Name(d.outcome).removeprefix("APPROVAL_OUTCOME_").lower()
+        reason = f": {d.message}" if d.message else ""
+        return f"tool call {e.call_id}: {e.name} {outcome} by {d.principal or 'the anonymous caller'} after {e.waited_ms} ms{reason}"
+    if kind == "tool_call_progress":
+        return f"tool call {e.call_id}: {e.name} {e.message} ({e.progress}/{e.total})"
+    if kind != "run_finished":
+        return f"{kind} (an event this client does not know yet)"
     r = e.result
     reason = f" ({pb.FailureReason.Name(r.failure_reason)}: {r.failure_detail})" if r.failure_reason else ""
     return f"run finished {pb.RunStatus.Name(r.status)}{reason} after {r.turns} turns"

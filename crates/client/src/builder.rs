@@ -148,7 +148,7 @@ impl ClientBuilder {
         match (&self.ca_pem, https) {
             (None, false) if self.identity_pem.is_none() => Ok(endpoint),
             (None, _) => Err(Error::Config(
-                "TLS needs the server's CA: call tls_ca_pem (with an https:// endpoint)".into(),
+                "an https:// endpoint needs the CA that signed the server's certificate (tls_ca_pem)".into(),
             )),
             (Some(_), false) => Err(Error::Config(format!(
                 "TLS needs an https:// endpoint, not {:?}",

@@ -65,6 +65,9 @@ pub enum Event {
     /// A normal tool call still running says how it gets on (its MCP server runs it as a
     /// task); never part of what the model sees.
     ToolCallProgress(pb::ToolCallProgress),
+    /// A call that waited for a person was decided (or its wait expired): who, when, after how
+    /// long, and what.
+    CallDecided(pb::CallDecided),
     /// The run ended; always the last event.
     Finished(Box<pb::RunResult>),
 }
@@ -91,6 +94,7 @@ impl Event {
             E::MessageAdded(e) => Self::MessageAdded(e),
             E::ToolInputRequested(e) => Self::ToolInputRequested(e),
             E::ToolCallProgress(e) => Self::ToolCallProgress(e),
+            E::CallDecided(e) => Self::CallDecided(e),
             E::RunFinished(e) => Self::Finished(Box::new(e.result.unwrap_or_default())),
         }
     }
@@ -110,6 +114,7 @@ impl Event {
             Self::MessageAdded(e) => E::MessageAdded(e),
             Self::ToolInputRequested(e) => E::ToolInputRequested(e),
             Self::ToolCallProgress(e) => E::ToolCallProgress(e),
+            Self::CallDecided(e) => E::CallDecided(e),
             Self::Finished(result) => E::RunFinished(pb::RunFinished { result: Some(*result) }),
         }
     }

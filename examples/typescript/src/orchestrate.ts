@@ -94,6 +94,12 @@ interface OrchestrateEvent {
     requests: { key: string; mode: string; message: string; schema_json: string; url: string }[];
   };
   message_added?: { turn: number; message: { content: string } };
+  call_decided?: {
+    call_id: string;
+    name: string;
+    waited_ms: string;
+    decision: { outcome: string; principal: string; message: string };
+  };
   run_finished?: { result: RunResult };
 }
 
@@ -247,6 +253,12 @@ function describe(e: OrchestrateEvent): string {
     case "message_added": {
       const m = e.message_added!;
       return `a message joins turn ${m.turn}: ${m.message.content}`;
+    }
+    case "call_decided": {
+      const c = e.call_decided!;
+      const outcome = c.decision.outcome.replace("APPROVAL_OUTCOME_", "").toLowerCase();
+      const reason = c.decision.message ? `: ${c.decision.message}` : "";
+      return `tool call ${c.call_id}: ${c.name} ${outcome} by ${c.decision.principal || "the anonymous caller"} after ${c.waited_ms} ms${reason}`;
     }
     case "run_finished": {
       const r = e.run_finished!.result;

@@ -319,6 +319,9 @@ function runView(runId) {
       case "toolCallFinished":
         callFinished(e);
         break;
+      case "callDecided":
+        callDecided(e);
+        break;
       case "toolCallProgress":
         calls.get(e.callId)?.progress.replaceChildren(`${e.message || "working"}${e.total ? ` (${e.progress}/${e.total})` : ""}`);
         break;
@@ -363,6 +366,26 @@ function runView(runId) {
     if (kind === "approvalRequested") call.waiting.replaceChildren(decisionBox(runId, { callId: e.callId, name: e.name, argumentsJson: e.argumentsJson, inDoubt: e.inDoubt }));
     if (kind === "toolInputRequested") call.waiting.replaceChildren(questionsBox(runId, { callId: e.callId, name: e.name, inputRequests: e.requests, inputRound: e.round }));
     if (kind === "toolCallStarted") call.waiting.replaceChildren();
+  };
+
+  // Who decided a call, when, after how long, and what: kept in the call's box.
+  const callDecided = (e) => {
+    const call = calls.get(e.callId) ?? (callBox({ ...e, argumentsJson: "{}" }, "toolCallStarted"), calls.get(e.callId));
+    const d = e.decision ?? {};
+    const who = d.principal || "the anonymous caller";
+    const after = `after ${Math.round(Number(e.waitedMs ?? 0) / 1000)} s`;
+    const what = {
+      APPROVAL_OUTCOME_APPROVED: `Approved by ${who} ${after}`,
+      APPROVAL_OUTCOME_EDITED: `Approved with edited arguments by ${who} ${after}`,
+      APPROVAL_OUTCOME_REJECTED: `Rejected by ${who} ${after}: ${d.message ?? ""}`,
+      APPROVAL_OUTCOME_TIMED_OUT: `Not decided in time (${after}): ${d.message ?? ""}`,
+      APPROVAL_OUTCOME_ANSWERED: `Answered by ${who} ${after}`,
+    }[d.outcome] ?? `Decided by ${who} ${after}`;
+    call.waiting.replaceChildren();
+    call.box.insertBefore(
+      h("p", { class: "decision" }, `${what} · ${time(d.decidedAtUnixMs)}`, d.editedArgumentsJson ? h("pre", {}, pretty(d.editedArgumentsJson)) : ""),
+      call.progress,
+    );
   };
 
   const callFinished = (e) => {

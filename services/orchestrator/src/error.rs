@@ -166,6 +166,17 @@ pub enum Error {
     /// The caller's deadline passed while its run waited for the thread.
     #[error("the run waited for thread {0:?} until its deadline; it did not start")]
     ThreadWait(String),
+    /// A run id was named again with another request than its run's.
+    #[error(
+        "run id {run_id:?} names a run started with another request (its {} differ): a retry repeats the request; choose a new run id for a new one",
+        parts.join(", ")
+    )]
+    RunIdReused {
+        /// The run.
+        run_id: String,
+        /// The parts of the request that differ.
+        parts: Vec<String>,
+    },
     /// The caller has as many webhooks as it may.
     #[error("principal {principal:?} has {max} webhooks, as many as it may (--max-webhooks); delete one first")]
     TooManyWebhooks {
@@ -184,7 +195,7 @@ impl From<Error> for tonic::Status {
         use crate::domain::ports::LogError;
         let message = error.to_string();
         match error {
-            Error::InvalidArgument(_) => Self::invalid_argument(message),
+            Error::InvalidArgument(_) | Error::RunIdReused { .. } => Self::invalid_argument(message),
             Error::AlreadyRunning(_) => Self::already_exists(message),
             Error::Busy(_) | Error::CallerBusy { .. } | Error::AttachBusy(_) | Error::InboxFull { .. } => {
                 Self::resource_exhausted(message)

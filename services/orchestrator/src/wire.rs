@@ -387,6 +387,7 @@ impl TryFrom<pb::RunResult> for RunResult {
             // Not on the wire: the run's record keeps it beside the result.
             ends_after_turn: None,
             agent: agent_from_wire(r.agent, r.agent_version),
+            request_digests: r.request_digests.into_iter().collect(),
         })
     }
 }
@@ -430,6 +431,7 @@ impl From<&RunResult> for pb::RunResult {
             queued_ms: r.queued_ms,
             agent: r.agent.as_ref().map(|a| a.name.clone()).unwrap_or_default(),
             agent_version: r.agent.as_ref().map(|a| a.version.clone()).unwrap_or_default(),
+            request_digests: r.request_digests.clone().into_iter().collect(),
         }
     }
 }
@@ -593,6 +595,19 @@ fn event_kind_pb(event: Event) -> pb::orchestrate_event::Event {
             total,
             message,
         }),
+        Event::CallDecided {
+            call_id,
+            name,
+            turn,
+            decision,
+            waited_ms,
+        } => E::CallDecided(pb::CallDecided {
+            call_id,
+            name,
+            turn,
+            decision: Some(pb::ApprovalDecision::from(&decision)),
+            waited_ms,
+        }),
         Event::MessageAdded { turn, content, name } => E::MessageAdded(pb::MessageAdded {
             turn,
             message: Some(user_message_pb(content, name)),
@@ -694,6 +709,13 @@ impl TryFrom<pb::OrchestrateEvent> for NumberedEvent {
                 duration_ms: e.duration_ms,
             },
             E::Signal(signal) => Event::Signal(Signal::try_from(signal)?),
+            E::CallDecided(e) => Event::CallDecided {
+                call_id: e.call_id,
+                name: e.name,
+                turn: e.turn,
+                decision: ApprovalDecision::try_from(e.decision.unwrap_or_default())?,
+                waited_ms: e.waited_ms,
+            },
             E::TurnFinished(e) => {
                 let usage = e.usage.unwrap_or_default();
                 Event::TurnFinished {

@@ -1134,9 +1134,13 @@ async fn the_command_line_lists_and_decides() -> TestResult {
     assert!(
         printed.contains(&format!("⏸ sleep {{\"ms\":5}}  [{call_id}] waits for approval"))
             && printed.contains(&format!("orchestrator decide --run-id cli-1 --approve {call_id}"))
+            && printed.contains("✔ approved by carol after")
             && printed.contains("■ COMPLETED"),
-        "{printed}"
+        "the decision is an event of the run, who and after how long: {printed}"
     );
+    let (code, shown, stderr) = cli(&[&["get", "cli-1"][..], &carol].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(shown.contains("✔ approved by carol"), "get shows who decided: {shown}");
     // A second decision, once the run went on and ended, names the first: who, and when.
     let (code, _, stderr) = cli(&[&approve[..], &carol].concat()).await?;
     assert_eq!(code, Some(3), "a refused decision exits 3");

@@ -210,7 +210,7 @@ async fn a_replay_says_it_is_one() -> TestResult {
             );
         } else {
             assert!(
-                again.contains("▶ run started") && again.contains("── turn 1"),
+                again.contains("▶ run again-1 started") && again.contains("── turn 1"),
                 "{again}"
             );
         }
@@ -564,5 +564,173 @@ async fn output_into_a_closed_pipe_ends_quietly_and_a_since_listing_pages() -> T
         row(&second).starts_with("piped-") && row(&second) != row(&first),
         "{first}\n{second}"
     );
+    Ok(())
+}
+
+/// An endpoint that is not the orchestrator's gRPC port, and a call without the token a server
+/// asks for, are said with what to do (the flag), and exit 3.
+#[tokio::test]
+async fn a_wrong_endpoint_and_a_missing_token_say_what_to_do() -> TestResult {
+    let not_grpc = testkit::receiver::Receiver::start().await?;
+    let wrong = format!("http://{}", not_grpc.addr);
+    let (code, _, stderr) = cli(&["get", "r-1", "--endpoint", &wrong]).await?;
+    assert_eq!(code, Some(3), "{stderr}");
+    assert!(
+        stderr.contains("does not answer gRPC") && stderr.contains("--endpoint"),
+        "{stderr}"
+    );
+
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(&tokens, testkit::pki::tokens_toml(&[("alice", "alice-token", "")]))?;
+    let llm = MockLlm::start(Scenario::new(vec![Turn::text("Hi.")])).await?;
+    let runner = testkit::helpers::tool_runner_in_process().await?;
+    let flags = ["--auth-tokens", tokens.to_str().unwrap_or_default()];
+    let orchestrator = testkit::runs::orchestrator(BIN, (&llm.base_url(), &runner), None, &flags).await?;
+    let endpoint = format!("http://{}", orchestrator.grpc);
+    let (code, _, stderr) = cli(&["runs", "--endpoint", &endpoint]).await?;
+    assert_eq!(code, Some(3), "{stderr}");
+    assert!(
+        stderr.contains("UNAUTHENTICATED") && stderr.contains("--token") && stderr.contains("ORCHESTRATOR_TOKEN"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = cli(&["runs", "--endpoint", &endpoint, "--token", "alice-token"]).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    Ok(())
+}
+
+/// The command line reaches an orchestrator that serves TLS with --ca (and, where it asks for
+/// client certificates, --cert and --key); an https:// endpoint without --ca is refused naming
+/// the flag, before anything is sent.
+#[tokio::test]
+async fn the_command_line_speaks_tls_and_mtls() -> TestResult {
+    let pki = testkit::pki::Pki::new()?;
+    pki.ca("ca").await?;
+    pki.leaf("ca", "server").await?;
+    pki.leaf("ca", "client").await?;
+    let llm = MockLlm::start(Scenario::new(vec![Turn::text("Hi.")])).await?;
+    let runner = testkit::helpers::tool_runner_in_process().await?;
+    let (cert, key, ca) = (pki.arg("server.pem"), pki.arg("server.key"), pki.arg("ca.pem"));
+    let flags = ["--tls-cert", &cert, "--tls-key", &key, "--tls-client-ca", &ca];
+    let orchestrator = testkit::runs::orchestrator(BIN, (&llm.base_url(), &runner), None, &flags).await?;
+    let endpoint = format!("https://{}", orchestrator.grpc);
+    let (code, _, stderr) = cli(&["runs", "--endpoint", &endpoint]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--ca FILE") && stderr.contains("ORCHESTRATOR_CA"),
+        "{stderr}"
+    );
+    let (client_cert, client_key) = (pki.arg("client.pem"), pki.arg("client.key"));
+    let mtls = [
+        "--ca",
+        ca.as_str(),
+        "--cert",
+        client_cert.as_str(),
+        "--key",
+        client_key.as_str(),
+    ];
+    let call = ["call", "--prompt", "hi", "--endpoint", endpoint.as_str()];
+    let (code, printed, stderr) = cli(&[&call[..], &mtls].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(printed.contains("■ COMPLETED"), "{printed}");
+    let (code, listed, stderr) = cli(&[&["runs", "--endpoint", endpoint.as_str()][..], &mtls].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(listed.contains("COMPLETED"), "{listed}");
+    // Without its certificate the server refuses the handshake: exit 3, not a panic.
+    let (code, _, stderr) = cli(&["runs", "--endpoint", &endpoint, "--ca", &ca]).await?;
+    assert_eq!(code, Some(3), "{stderr}");
+    Ok(())
+}
+
+/// A run id named again with another request is refused naming the parts that differ (the same
+/// request is a retry, answered with the run's end); a call waiting for approval never says it
+/// waits longer than its run lasts: its expiry is the earlier of --approval-timeout and the
+/// run's deadline.
+#[tokio::test]
+async fn a_reused_run_id_is_refused_and_an_approval_expires_with_its_run() -> TestResult {
+    let w = world(sleep_then_answer(10)).await?;
+    let endpoint = w.endpoint();
+    let at = ["--endpoint", endpoint.as_str()];
+    let first = ["call", "--prompt", "first", "--run-id", "reused-1", "--tool", "sleep"];
+    let (code, _, stderr) = cli(&[&first[..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, again, stderr) = cli(&[&first[..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "the same request is a retry: {stderr}");
+    assert!(again.contains("replayed"), "{again}");
+    let other = [
+        "call",
+        "--prompt",
+        "another",
+        "--run-id",
+        "reused-1",
+        "--tool",
+        "sleep",
+        "--system",
+        "Be brief.",
+    ];
+    let (code, _, stderr) = cli(&[&other[..], &at].concat()).await?;
+    assert_eq!(code, Some(3), "{stderr}");
+    assert!(
+        stderr.contains("names a run started with another request (its messages, system differ)")
+            && stderr.contains("INVALID_ARGUMENT"),
+        "{stderr}"
+    );
+
+    let parked = [
+        "call",
+        "--prompt",
+        "wait",
+        "--run-id",
+        "parked-1",
+        "--tool",
+        "sleep",
+        "--needs-approval",
+        "sleep",
+        "--detach",
+        "--run-timeout",
+        "40s",
+        "--approval-timeout",
+        "1h",
+    ];
+    let (code, _, stderr) = cli(&[&parked[..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let listed = testkit::wait::until("the call to wait", Duration::from_secs(30), || async {
+        let (_, out, _) = cli(&[&["approvals", "--run-id", "parked-1", "--json"][..], &at].concat())
+            .await
+            .ok()?;
+        let listed: serde_json::Value = serde_json::from_str(out.trim()).ok()?;
+        listed["approvals"].as_array().filter(|a| !a.is_empty()).cloned()
+    })
+    .await?;
+    let expires: u64 = listed[0]["expiresAtUnixMs"].as_str().unwrap_or_default().parse()?;
+    let left = expires.saturating_sub(shared::sync::unix_ms());
+    assert!(
+        left <= 40_000,
+        "the wait ends with the run, in {left} ms, not in an hour"
+    );
+    let (code, _, stderr) = cli(&[&["cancel", "parked-1"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+
+    // With --pause-deadline the run's deadline waits too: the approval timeout alone bounds it.
+    let paused = [&parked[..], &["--pause-deadline"]].concat();
+    let paused: Vec<&str> = paused
+        .iter()
+        .map(|a| if *a == "parked-1" { "parked-2" } else { a })
+        .collect();
+    let (code, _, stderr) = cli(&[&paused[..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    let listed = testkit::wait::until("the paused call to wait", Duration::from_secs(30), || async {
+        let (_, out, _) = cli(&[&["approvals", "--run-id", "parked-2", "--json"][..], &at].concat())
+            .await
+            .ok()?;
+        let listed: serde_json::Value = serde_json::from_str(out.trim()).ok()?;
+        listed["approvals"].as_array().filter(|a| !a.is_empty()).cloned()
+    })
+    .await?;
+    let expires: u64 = listed[0]["expiresAtUnixMs"].as_str().unwrap_or_default().parse()?;
+    let left = expires.saturating_sub(shared::sync::unix_ms());
+    assert!(left > 3_000_000, "the paused run's call waits its hour: {left} ms");
+    let (code, _, stderr) = cli(&[&["cancel", "parked-2"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
     Ok(())
 }

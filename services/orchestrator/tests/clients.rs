@@ -21,10 +21,11 @@ type TestResult = anyhow::Result<()>;
 const TOKEN: &str = "client-example-token";
 
 /// The kinds of `OrchestrateEvent`'s oneof, as the clients print them.
-const KINDS: [&str; 11] = [
+const KINDS: [&str; 12] = [
     "run_started",
     "message_added",
     "approval_requested",
+    "call_decided",
     "tool_input_requested",
     "text_delta",
     "reasoning_delta",
@@ -565,6 +566,20 @@ async fn the_python_and_typescript_clients_ask_for_list_and_decide_approvals() -
             .collect();
         assert_eq!(asked.len(), 1, "{client}: {asked:?}");
         assert_eq!(asked[0]["name"], "sleep", "{client}");
+        let decided: Vec<Value> = events(&approved)?
+            .into_iter()
+            .filter(|(k, _)| k == "call_decided")
+            .map(|(_, body)| body)
+            .collect();
+        assert_eq!(
+            decided.len(),
+            1,
+            "{client}: the decision is an event of the run: {decided:?}"
+        );
+        assert_eq!(
+            decided[0]["decision"]["outcome"], "APPROVAL_OUTCOME_APPROVED",
+            "{client}"
+        );
 
         let mut command = make()?;
         command
@@ -951,14 +966,13 @@ fn the_printed_events_are_one_stream_without_gaps_ending_completed(client: &str,
 async fn attach_after_3_prints_the_rest(client: &str, command: Command, output: &Output) -> TestResult {
     let attached = run(command).await?;
     assert_eq!(attached.status.code(), Some(0), "{client}: {}", stderr(&attached));
-    let tail = String::from_utf8(attached.stdout.clone())?;
-    let whole = String::from_utf8(output.stdout.clone())?;
-    let expected_tail: Vec<&str> = whole.lines().skip(3).collect();
-    assert_eq!(
-        tail.lines().collect::<Vec<_>>(),
-        expected_tail,
-        "{client}: attach --after 3"
-    );
+    // Compared as JSON: a client prints a map's entries in an order of its own.
+    let lines = |bytes: &[u8]| -> anyhow::Result<Vec<Value>> {
+        let text = String::from_utf8(bytes.to_vec())?;
+        Ok(text.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
+    };
+    let expected_tail: Vec<Value> = lines(&output.stdout)?.into_iter().skip(3).collect();
+    assert_eq!(lines(&attached.stdout)?, expected_tail, "{client}: attach --after 3");
     Ok(())
 }
 

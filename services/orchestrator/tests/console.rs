@@ -430,6 +430,9 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     screenshot(browser, "waiting").await?;
     press(&waiting, "Approve").await?;
     until_status(&alice_b, "approve-1", pb::RunStatus::Completed).await?;
+    // The decision is an event of the run: its page says who approved, and after how long.
+    visit(browser, &console, "#/runs/approve-1").await?;
+    shows(browser, "Approved by alice after").await?;
 
     // An approved call found in doubt (a runner started it and went away) comes back to a person:
     // the page says it may or may not have taken effect, and running it again completes the run.

@@ -95,7 +95,7 @@ async fn call_attach_replays_what_the_run_printed(endpoint: &str, printed: &str)
     assert_eq!(code, Some(0), "{tail}\n{stderr}");
     assert!(
         tail.starts_with("▶ attached to run process-run: its events after seq 3\n")
-            && !tail.contains("▶ run started")
+            && !tail.contains("▶ run process-run started")
             && tail.contains("■ COMPLETED"),
         "{tail}"
     );

@@ -1037,10 +1037,12 @@ async fn a_flood_of_200_across_three_replicas_does_not_keep_a_quiet_caller_waiti
 /// Listings filter before they bound, and operators open what they list: with
 /// `--list-read-max 10` and a dozen of bob's runs live in the fleet, alice's one live run is
 /// still in her listing of live runs (the fleet's live runs are kept to hers before at most ten
-/// are read); olga, an operator, lists bob's runs and opens one (GetRun), but cancels none.
+/// are read); olga, an operator, lists bob's runs and opens one (GetRun), but cancels none; ada,
+/// an approver, opens the run whose waiting call she is asked to decide.
 #[tokio::test]
 async fn listings_filter_before_they_bound_and_operators_open_what_they_list() -> TestResult {
-    let w = world_with(2, &["--list-read-max", "10"], scenario(), &[]).await?;
+    let ada = [("ada", "ada-token", "roles = [\"approver\"]")];
+    let w = world_with(2, &["--list-read-max", "10"], scenario(), &ada).await?;
     let mut client = w.client(0).await?;
     for i in 0..12 {
         start(&mut client, "bob-token", run(&format!("a-bob-{i:02}"), &[], "", true)).await?;
@@ -1077,5 +1079,20 @@ async fn listings_filter_before_they_bound_and_operators_open_what_they_list() -
         .err()
         .map(|s| s.code());
     assert_eq!(refused, Some(tonic::Code::NotFound), "an operator reads, never acts");
+    let asked = pb::ListPendingApprovalsRequest {
+        run_id: "a-bob-01".into(),
+        limit: 0,
+    };
+    let waiting = other
+        .list_pending_approvals(as_("ada-token", asked))
+        .await?
+        .into_inner();
+    let run_id = waiting.approvals.first().map(|a| a.run_id.clone()).unwrap_or_default();
+    assert_eq!(run_id, "a-bob-01", "{waiting:?}");
+    let opened = other
+        .get_run(as_("ada-token", pb::GetRunRequest { run_id }))
+        .await?
+        .into_inner();
+    assert_eq!(opened.status(), pb::RunStatus::AwaitingApproval);
     Ok(())
 }

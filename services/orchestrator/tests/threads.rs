@@ -382,12 +382,26 @@ async fn reject(pair: Pair) -> TestResult {
         .and_then(|e| e.code());
     assert_eq!(deleted, Some(tonic::Code::FailedPrecondition), "a held thread stays");
     // The holder's own id again is a live duplicate, as without a thread.
-    let again = RunRequest::prompt("First.").run_id("first").thread("busy-reject");
+    let first_again = || {
+        RunRequest::prompt("First.")
+            .run_id("first")
+            .thread("busy-reject")
+            .model("nap")
+            .tool("sleep")
+    };
+    let again = first_again();
     let duplicate = pair.on_b.orchestrate(again).await.err().and_then(|e| e.code());
     assert_eq!(duplicate, Some(tonic::Code::AlreadyExists));
     assert_eq!(first.result().await?.status(), pb::RunStatus::Completed);
     assert_eq!(run_ids(&pair.on_b.thread("busy-reject").await?), ["first"]);
-    // A finished run's id replays it, whoever holds the thread.
+    // A finished run's id replays it, whoever holds the thread (the same request: a retry).
+    let other = RunRequest::prompt("First.").run_id("first").thread("busy-reject");
+    let refused = pair.on_b.orchestrate(other).await.err().and_then(|e| e.code());
+    assert_eq!(
+        refused,
+        Some(tonic::Code::InvalidArgument),
+        "another request under its id"
+    );
     let holder = pair
         .on_a
         .orchestrate(
@@ -398,8 +412,7 @@ async fn reject(pair: Pair) -> TestResult {
                 .tool("sleep"),
         )
         .await?;
-    let replay = RunRequest::prompt("First.").run_id("first").thread("busy-reject");
-    let replayed = pair.on_b.orchestrate(replay).await?.result().await?;
+    let replayed = pair.on_b.orchestrate(first_again()).await?.result().await?;
     assert_eq!(replayed.status(), pb::RunStatus::Completed);
     assert_eq!(holder.result().await?.status(), pb::RunStatus::Completed);
     pair.stop().await

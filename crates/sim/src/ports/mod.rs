@@ -1074,6 +1074,7 @@ fn spec(run_id: &str, quiet: bool) -> RunSpec {
         eager_dispatch: false,
         thread,
         agent: None,
+        request_digests: Default::default(),
     }
 }
 

@@ -40,6 +40,8 @@ pub struct CallOptions {
     pub needs_approval: Vec<String>,
     /// Bearer token.
     pub token: Option<String>,
+    /// TLS to an `https://` endpoint.
+    pub tls: super::TlsArgs,
     /// The thread the run continues (empty: none).
     pub thread: String,
     /// What the run does when another run holds the thread.
@@ -50,6 +52,10 @@ pub struct CallOptions {
     pub json: bool,
     /// The run's own timeout (`None`: the server's).
     pub run_timeout: Option<Duration>,
+    /// How long a call may wait for a person's decision (`None`: the server's).
+    pub approval_timeout: Option<Duration>,
+    /// The run's deadline pauses while a call waits for a person.
+    pub pause_deadline: bool,
     /// The named agent the run takes its definition from (empty: none).
     pub agent: String,
 }
@@ -105,7 +111,8 @@ impl Printer {
         match event {
             E::Started(s) => {
                 self.at_line_start = true;
-                self.line(out, &started_line(s));
+                let line = started_line(&self.run_id, s);
+                self.line(out, &line);
             }
             E::Reasoning { text, turn } => {
                 self.turn_header(out, *turn);
@@ -151,6 +158,11 @@ impl Printer {
                 self.line(out, &line);
             }
             E::ToolInputRequested(asked) => self.questions(out, asked),
+            E::CallDecided(d) => {
+                let decision = d.decision.clone().unwrap_or_default();
+                let line = super::output::decision_line(&d.name, &d.call_id, &decision, Some(d.waited_ms));
+                self.line(out, &format!("  {line}"));
+            }
             E::ToolCallProgress(p) => {
                 self.in_reasoning = false;
                 self.turn_header(out, p.turn);
@@ -214,24 +226,27 @@ fn turn_finished_line(t: &pb::TurnFinished) -> String {
     )
 }
 
-/// A call waiting for a person, with the command that decides it.
+/// A call waiting for a person, until when, with the command that decides it.
 fn approval_line(a: &pb::ApprovalRequested, run_id: &str) -> String {
+    let left = Duration::from_millis(a.expires_at_unix_ms.saturating_sub(shared::sync::unix_ms()) / 1000 * 1000);
     format!(
-        "  ⏸ {} {}  [{}] {} (orchestrator decide --run-id {run_id} --approve {} | --reject {})",
+        "  ⏸ {} {}  [{}] {} for {} (orchestrator decide --run-id {run_id} --approve {} | --reject {})",
         a.name,
         a.arguments_json,
         a.call_id,
         match a.in_doubt {
-            true => "ran and is IN DOUBT (its tool-runner went away before its outcome was kept): run it again?",
+            true =>
+                "ran and is IN DOUBT (its tool-runner went away before its outcome was kept): run it again? It waits",
             false => "waits for approval",
         },
+        humantime::format_duration(left),
         a.call_id,
         a.call_id
     )
 }
 
-/// The run's first line: model, tools and budget.
-fn started_line(s: &pb::RunStarted) -> String {
+/// The run's first line: its id, model, tools and budget.
+fn started_line(run_id: &str, s: &pb::RunStarted) -> String {
     let list = |names: &[String]| {
         if names.is_empty() {
             "none".to_owned()
@@ -256,7 +271,7 @@ fn started_line(s: &pb::RunStarted) -> String {
         ),
     };
     format!(
-        "▶ run started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns{thread}{queued}",
+        "▶ run {run_id} started · model {} · tools: {} · exit tools: {} · budget {} calls, {} turns{thread}{queued}",
         s.model,
         list(&s.normal_tools),
         list(&s.exit_tools),
@@ -287,7 +302,13 @@ fn finished_line(r: &pb::RunResult) -> String {
 /// Starts a run on the orchestrator at `options.endpoint` (or attaches to one), prints its
 /// events to stdout, and returns the final result.
 pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
-    let client = connect(&options.endpoint, options.token.as_deref(), options.timeout).await?;
+    let client = connect(
+        &options.endpoint,
+        options.token.as_deref(),
+        &options.tls,
+        options.timeout,
+    )
+    .await?;
     let Some((run_id, after)) = &options.attach else {
         let run = start_telling(&client, options).await?;
         let whole = run.replay() == Some(orchestrator_client::Replay::Result);
@@ -335,7 +356,13 @@ pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
 /// `json`, the answer as one line of JSON); says on stderr how to follow it. Whether a run is
 /// going on: a run id whose run had ended starts nothing, and that run's status decides.
 pub async fn start_detached(options: &CallOptions) -> Result<super::Outcome, Error> {
-    let client = connect(&options.endpoint, options.token.as_deref(), options.timeout).await?;
+    let client = connect(
+        &options.endpoint,
+        options.token.as_deref(),
+        &options.tls,
+        options.timeout,
+    )
+    .await?;
     let started = client
         .start(run_request(options))
         .await
@@ -411,13 +438,15 @@ async fn waiting_line(client: &orchestrator_client::Client, options: &CallOption
 pub(super) async fn connect(
     endpoint: &str,
     token: Option<&str>,
+    tls: &super::TlsArgs,
     timeout: Duration,
 ) -> Result<orchestrator_client::Client, Error> {
     super::endpoint(endpoint).map_err(Error::Config)?;
-    let mut builder = ClientBuilder::new(endpoint.to_owned())
+    let builder = ClientBuilder::new(endpoint.to_owned())
         .connect_timeout(Duration::from_secs(5))
         .timeout(timeout)
         .retry(Retry::none());
+    let mut builder = tls.apply(endpoint, builder)?;
     if let Some(token) = token {
         builder = builder.token(token);
     }
@@ -454,6 +483,12 @@ fn run_request(options: &CallOptions) -> RunRequest {
     }
     if let Some(timeout) = options.run_timeout {
         request = request.run_timeout(timeout);
+    }
+    if let Some(timeout) = options.approval_timeout {
+        request = request.approval_timeout(timeout, false);
+    }
+    if options.pause_deadline {
+        request = request.pause_deadline_while_waiting();
     }
     if !options.agent.is_empty() {
         request = request.agent(options.agent.clone());
@@ -546,6 +581,15 @@ pub struct CallArgs {
     /// The run's own timeout (default: the server's run timeout).
     #[arg(long, value_parser = shared::config::parse_duration)]
     pub run_timeout: Option<Duration>,
+    /// How long a call may wait for a person's decision before it is rejected (default: the
+    /// server's). A wait never outlasts the run: it ends at the run's deadline (--timeout, or
+    /// --run-timeout with --detach) when that comes first, and the approval says when.
+    #[arg(long, value_parser = shared::config::parse_duration)]
+    pub approval_timeout: Option<Duration>,
+    /// The run's deadline pauses while a call waits for a person: the wait is bounded by
+    /// --approval-timeout alone (use with --detach: an attached call still ends at --timeout).
+    #[arg(long)]
+    pub pause_deadline: bool,
     /// Run as this named agent (`orchestrator agents` lists them): its model, system message,
     /// tools and limits; the other flags set only what the agent lets a request override.
     #[arg(long, value_name = "NAME")]
@@ -566,6 +610,9 @@ pub struct CallArgs {
     /// Bearer token sent with each call (when the orchestrator authenticates callers).
     #[arg(long, env = "ORCHESTRATOR_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub tls: super::TlsArgs,
     /// Continue this thread: the model sees its earlier runs, and this run joins it.
     #[arg(long, value_name = "THREAD_ID", value_parser = super::thread_id)]
     pub thread: Option<String>,
@@ -639,12 +686,15 @@ impl CallArgs {
             timeout: self.timeout,
             needs_approval: self.needs_approval.clone(),
             token: self.token.clone(),
+            tls: self.tls.clone(),
             thread: self.thread.clone().unwrap_or_default(),
             // Unset: the server's default (reject), or the named agent's policy.
             on_busy: self.on_busy.map_or(pb::ThreadBusyPolicy::Unspecified, Into::into),
             labels: self.labels.clone(),
             json: self.json,
             run_timeout: self.run_timeout,
+            approval_timeout: self.approval_timeout,
+            pause_deadline: self.pause_deadline,
             agent: self.agent.clone().unwrap_or_default(),
             params: pb::ModelParams {
                 tool_choice: self.tool_choice.clone(),

@@ -165,6 +165,29 @@ pub enum ClientCommand {
     Agents(thread::AgentsArgs),
     /// Your webhooks: `add URL`, `list`, `delete ID`, and `deliveries` with their attempts.
     Webhooks(webhooks::WebhooksArgs),
+    /// Follow the signals (exit calls) runs send, as they come (SubscribeSignals).
+    Signals(thread::SignalsArgs),
+    /// Print a shell completion script: `orchestrator completions bash > /etc/bash_completion.d/orchestrator`.
+    Completions(CompletionsArgs),
+}
+
+/// Flags of `completions`.
+#[derive(Debug, Clone, Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+impl CompletionsArgs {
+    /// Prints the completion script of `shell` for every command and flag.
+    pub fn run(&self) -> Outcome {
+        let mut command = <Cli as clap::CommandFactory>::command();
+        let mut script = Vec::new();
+        clap_complete::generate(self.shell, &mut command, "orchestrator", &mut script);
+        output::line(String::from_utf8_lossy(&script).trim_end());
+        Outcome::Success
+    }
 }
 
 /// How a client command ended, which its exit code says — the same in the Python and
@@ -229,6 +252,8 @@ impl ClientCommand {
             Self::Usage(args) => args.run().await.map(Outcome::of),
             Self::Agents(args) => args.run().await.map(Outcome::of),
             Self::Webhooks(args) => args.run().await.map(Outcome::of),
+            Self::Signals(args) => args.run().await.map(Outcome::of),
+            Self::Completions(args) => Ok(args.run()),
         }
     }
 }
@@ -245,12 +270,66 @@ pub struct Connection {
     /// Print the answer as one line of JSON (protobuf's JSON mapping, every field) for scripts.
     #[arg(long, global = true)]
     pub json: bool,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 impl Connection {
     /// A client of the orchestrator, each call within 30 s.
     pub async fn client(&self) -> Result<orchestrator_client::Client, crate::Error> {
-        call::connect(&self.endpoint, self.token.as_deref(), Duration::from_secs(30)).await
+        let timeout = Duration::from_secs(30);
+        call::connect(&self.endpoint, self.token.as_deref(), &self.tls, timeout).await
+    }
+}
+
+/// The TLS a client command speaks to an orchestrator that serves it (an `https://` endpoint).
+#[derive(Debug, Clone, Default, Args)]
+pub struct TlsArgs {
+    /// The CA that signed the orchestrator's certificate, PEM (an https:// endpoint needs it).
+    #[arg(long = "ca", global = true, env = "ORCHESTRATOR_CA", value_name = "FILE")]
+    pub ca: Option<std::path::PathBuf>,
+    /// This client's certificate, PEM, for an orchestrator that asks for one (mTLS; with --key).
+    #[arg(long = "cert", global = true, env = "ORCHESTRATOR_CLIENT_CERT", value_name = "FILE")]
+    pub cert: Option<std::path::PathBuf>,
+    /// This client's private key, PEM (with --cert).
+    #[arg(long = "key", global = true, env = "ORCHESTRATOR_CLIENT_KEY", value_name = "FILE")]
+    pub key: Option<std::path::PathBuf>,
+}
+
+impl TlsArgs {
+    /// `builder` speaking TLS to `endpoint` as these flags say; an `https://` endpoint without
+    /// `--ca`, or TLS flags for an `http://` one, is refused saying which flag to change.
+    pub fn apply(
+        &self,
+        endpoint: &str,
+        builder: orchestrator_client::ClientBuilder,
+    ) -> Result<orchestrator_client::ClientBuilder, crate::Error> {
+        let read = |flag: &str, path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| crate::Error::Config(format!("{flag} {}: {e}", path.display())))
+        };
+        let https = endpoint.starts_with("https://");
+        let identity = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => Some((read("--cert", cert)?, read("--key", key)?)),
+            (None, None) => None,
+            _ => return Err(crate::Error::Config("--cert and --key go together (mTLS)".into())),
+        };
+        match (&self.ca, https) {
+            (None, false) if identity.is_none() => Ok(builder),
+            (None, true) => Err(crate::Error::Config(format!(
+                "{endpoint} serves TLS: pass --ca FILE, the CA that signed its certificate (or set ORCHESTRATOR_CA)"
+            ))),
+            (_, false) => Err(crate::Error::Config(format!(
+                "--ca, --cert and --key are for an https:// endpoint, not {endpoint}"
+            ))),
+            (Some(ca), true) => {
+                let builder = builder.tls_ca_pem(read("--ca", ca)?);
+                Ok(match identity {
+                    Some((cert, key)) => builder.tls_identity_pem(cert, key),
+                    None => builder,
+                })
+            }
+        }
     }
 }
 

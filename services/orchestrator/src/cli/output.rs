@@ -113,9 +113,38 @@ impl Table {
     }
 }
 
-/// A refusal of `what` (the command's action, e.g. "cancel run r-1") as a person reads it.
+/// A refusal of `what` (the command's action, e.g. "cancel run r-1") as a person reads it, with
+/// what to do when the refusal is the command line's to fix.
 pub fn refused(what: &str, error: orchestrator_client::Error) -> Error {
-    Error::Call(format!("{what}: {error}"))
+    let hint = hint(&error).map(|h| format!("\n  {h}")).unwrap_or_default();
+    Error::Call(format!("{what}: {error}{hint}"))
+}
+
+/// What a person does about `error`, when the command line can fix it.
+fn hint(error: &orchestrator_client::Error) -> Option<&'static str> {
+    use tonic::Code;
+    let text = error.to_string();
+    match error.code() {
+        Some(Code::Unauthenticated) => {
+            Some("the orchestrator authenticates callers: pass --token TOKEN (or set ORCHESTRATOR_TOKEN)")
+        }
+        Some(Code::PermissionDenied) => Some("your token's principal may not do this: ask for a token that may"),
+        Some(Code::Unknown | Code::Internal | Code::Unimplemented)
+            if text.contains("h2 protocol error")
+                || text.contains("grpc-status header missing")
+                || text.contains("status: 404") =>
+        {
+            Some(
+                "the endpoint does not answer gRPC: is --endpoint the orchestrator's gRPC port (50051 by \
+                 default), not its console, A2A or metrics port?",
+            )
+        }
+        _ if text.contains("h2 protocol error") || text.contains("frame with invalid size") => Some(
+            "the endpoint does not answer gRPC over HTTP/2: is --endpoint the orchestrator's gRPC port, \
+             and https:// only when it serves TLS?",
+        ),
+        _ => None,
+    }
 }
 
 /// What caused `error`, as one line: its sources' messages (a transport error says only
@@ -134,6 +163,34 @@ pub fn causes(error: &dyn std::error::Error) -> String {
         true => error.to_string(),
         false => causes.join(": "),
     }
+}
+
+/// A decision on call `call_id` of tool `name`, as a line: what, by whom, after how long (when
+/// `waited_ms` is known), and the reason or the edited arguments.
+pub fn decision_line(name: &str, call_id: &str, d: &pb::ApprovalDecision, waited_ms: Option<u64>) -> String {
+    use pb::ApprovalOutcome as O;
+    let who = match d.principal.as_str() {
+        "" => "the anonymous caller",
+        who => who,
+    };
+    let after = waited_ms
+        .map(|ms| {
+            format!(
+                " after {}",
+                humantime::format_duration(Duration::from_millis(ms / 1000 * 1000))
+            )
+        })
+        .unwrap_or_default();
+    let at = utc(i64::try_from(d.decided_at_unix_ms).unwrap_or(0));
+    let what = match O::try_from(d.outcome).unwrap_or_default() {
+        O::Approved => format!("✔ approved by {who}{after}"),
+        O::Edited => format!("✎ approved by {who}{after} with arguments {}", d.edited_arguments_json),
+        O::Rejected => format!("✘ rejected by {who}{after}: {}", d.message),
+        O::TimedOut => format!("⌛ not decided{after}: {}", d.message),
+        O::Answered => format!("✔ answered by {who}{after}"),
+        O::Unspecified => format!("decided by {who}{after}"),
+    };
+    format!("{what}  [{name} {call_id}, {at}]")
 }
 
 /// A run status as printed: `COMPLETED`, `AWAITING_INPUT` … (`?` for one this build does not know).

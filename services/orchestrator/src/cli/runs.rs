@@ -128,6 +128,12 @@ fn print_run(run: &pb::RunResult) {
             call.duration_ms,
             call.call_id
         );
+        if let Some(decision) = &call.approval {
+            say!(
+                "      {}",
+                super::output::decision_line(&call.name, &call.call_id, decision, None)
+            );
+        }
     }
     for signal in &run.signals {
         say!("  ⚑ signal {} {}", signal.tool_name, signal.arguments_json);

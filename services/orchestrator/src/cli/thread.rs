@@ -1,5 +1,6 @@
-//! `say`, `thread`, `usage` and `agents`: a message for a live run, a thread (printed or
-//! deleted), what a principal spent an hour at a time, and the named agents one may use.
+//! `say`, `thread`, `usage`, `agents` and `signals`: a message for a live run, a thread (printed
+//! or deleted), what a principal spent an hour at a time, the named agents one may use, and the
+//! signals runs send as they come.
 
 use std::time::Duration;
 
@@ -249,6 +250,72 @@ impl AgentsArgs {
         table.print();
         if agents.is_empty() {
             say!("no agents you may use (the server's --agents file names them)");
+        }
+        Ok(true)
+    }
+}
+
+/// Flags of `signals`.
+#[derive(Debug, Clone, Args)]
+pub struct SignalsArgs {
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub connection: Connection,
+    /// Only this run's signals.
+    #[arg(long, default_value = "", value_parser = run_id_or_none)]
+    pub run_id: String,
+    /// Only signals of this exit tool (repeatable).
+    #[arg(long = "tool", value_name = "EXIT_TOOL")]
+    pub tools: Vec<String>,
+    /// Stop after this many signals (default: follow until interrupted).
+    #[arg(long)]
+    pub count: Option<u64>,
+}
+
+fn run_id_or_none(text: &str) -> Result<String, String> {
+    match text {
+        "" => Ok(String::new()),
+        id => super::run_id(id),
+    }
+}
+
+impl SignalsArgs {
+    /// Prints each signal as it comes (SubscribeSignals), a line each (with --json, the
+    /// `SignalEvent`), until --count signals or the server ends the stream.
+    pub async fn run(&self) -> Result<bool, Error> {
+        use futures::StreamExt;
+        let client = self.connection.client().await?;
+        let tools: Vec<&str> = self.tools.iter().map(String::as_str).collect();
+        let mut stream = client
+            .subscribe_signals(&self.run_id, &tools)
+            .await
+            .map_err(|e| refused("subscribe to the signals", e))?;
+        let mut seen = 0u64;
+        while self.count.is_none_or(|count| seen < count) {
+            let Some(item) = stream.next().await else { break };
+            let event = item.map_err(|e| refused("the signal stream broke off", e))?;
+            if self.connection.json {
+                print_json(&event, "orchestrator.v1.SignalEvent")?;
+            }
+            match event.event {
+                Some(pb::signal_event::Event::Signal(signal)) => {
+                    seen += 1;
+                    if !self.connection.json {
+                        say!(
+                            "{}  {}  {}  {} {}",
+                            utc(i64::try_from(signal.emitted_at_unix_ms).unwrap_or(0)),
+                            signal.run_id,
+                            signal.call_id,
+                            signal.tool_name,
+                            signal.arguments_json
+                        );
+                    }
+                }
+                Some(pb::signal_event::Event::Missed(missed)) if !self.connection.json => {
+                    say!("… {missed} signal(s) missed: this reader fell behind");
+                }
+                _ => {}
+            }
         }
         Ok(true)
     }

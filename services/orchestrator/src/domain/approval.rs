@@ -309,9 +309,23 @@ pub enum DecideError {
 }
 
 impl ApprovalRules {
-    /// How long the rules let a call wait, from `now_unix_ms`.
-    pub fn expires_at(&self, now_unix_ms: u64) -> u64 {
-        now_unix_ms.saturating_add(u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX))
+    /// When a call asked for approval at `now_unix_ms` stops waiting: after the rules' timeout,
+    /// or at the run's deadline (`deadline_unix_ms`) when that comes first — what a person is
+    /// told, so no wait is shown longer than the run will last.
+    pub fn expires_at(&self, now_unix_ms: u64, deadline_unix_ms: u64) -> u64 {
+        self.wait_ends(now_unix_ms, self.timeout, deadline_unix_ms)
+    }
+
+    /// When a wait for a person begun at `now_unix_ms` ends: after `timeout`, or at the run's
+    /// deadline when that comes first — unless the deadline pauses while a person decides.
+    pub fn wait_ends(&self, now_unix_ms: u64, timeout: std::time::Duration, deadline_unix_ms: u64) -> u64 {
+        let timeout = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let ends = now_unix_ms.saturating_add(timeout);
+        if self.pause_deadline {
+            ends
+        } else {
+            ends.min(deadline_unix_ms)
+        }
     }
 }
 
@@ -519,6 +533,29 @@ pub const MAX_REJECTION_BYTES: usize = 4096;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wait_ends_with_the_run_unless_its_deadline_pauses() {
+        let rules = ApprovalRules {
+            timeout: Duration::from_secs(3600),
+            ..ApprovalRules::default()
+        };
+        assert_eq!(
+            rules.expires_at(1_000, 41_000),
+            41_000,
+            "the run's deadline comes first"
+        );
+        assert_eq!(rules.expires_at(1_000, u64::MAX), 3_601_000, "the timeout comes first");
+        let paused = ApprovalRules {
+            pause_deadline: true,
+            ..rules
+        };
+        assert_eq!(
+            paused.expires_at(1_000, 41_000),
+            3_601_000,
+            "a paused deadline does not bound the wait"
+        );
+    }
 
     fn pending() -> PendingApproval {
         PendingApproval {

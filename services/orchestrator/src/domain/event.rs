@@ -134,6 +134,19 @@ pub enum Event {
         /// What the tool says, for a person.
         message: String,
     },
+    /// A call that waited for a person was decided (or its wait expired), as the run acts on it.
+    CallDecided {
+        /// Call id.
+        call_id: String,
+        /// Tool.
+        name: String,
+        /// Turn.
+        turn: u32,
+        /// What was decided, by whom and when.
+        decision: super::approval::ApprovalDecision,
+        /// How long the call waited for it.
+        waited_ms: u64,
+    },
     /// A user message sent to the live run (`SendMessage`) joined its conversation.
     MessageAdded {
         /// The turn whose model request first holds it.
@@ -177,6 +190,11 @@ impl NumberedEvent {
                 Event::TurnRestarted { reason, .. } => reason.len(),
                 Event::MessageAdded { content, .. } => content.len(),
                 Event::ToolCallProgress { message, .. } => message.len(),
+                Event::CallDecided { decision, .. } => {
+                    decision.message.len()
+                        + decision.original_arguments_json.len()
+                        + decision.edited_arguments_json.len()
+                }
                 Event::ToolInputRequested { requests, .. } => requests
                     .iter()
                     .map(|r| r.message.len() + r.url.len() + r.schema.to_string().len())

@@ -263,6 +263,9 @@ pub struct RunResult {
     /// The named agent the run took its definition from: a listing finds runs by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<super::agent::AgentRef>,
+    /// The digests of the request it was started with (`RunSpec::request_digests`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub request_digests: BTreeMap<String, String>,
 }
 
 impl RunResult {
@@ -302,6 +305,7 @@ impl RunResult {
             queued_ms: 0,
             ends_after_turn: None,
             agent: None,
+            request_digests: BTreeMap::new(),
         }
     }
 }

@@ -124,6 +124,57 @@ pub struct RunSpec {
     /// The named agent whose definition the run took (recorded with its result).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<super::agent::AgentRef>,
+    /// [`RunSpec::request_digests`] of the request as it was asked, before its thread was read
+    /// (recorded with its result, so a request naming its id again is told apart from a retry).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub request_digests: BTreeMap<String, String>,
+}
+
+impl RunSpec {
+    /// A digest of each part of the request a retry under the run's id must repeat: what the
+    /// model is asked and with what (not the deadline, which each call sets anew).
+    pub fn request_digests(&self) -> BTreeMap<String, String> {
+        let thread = self.thread.as_ref().map(|t| t.thread_id.as_str());
+        let agent = self.agent.as_ref().map(|a| a.name.as_str());
+        // The run timeout is the sooner of the asked one and the caller's deadline, which each
+        // call (a retry too) sets anew.
+        let limits = Limits {
+            run_timeout: Duration::ZERO,
+            ..self.limits
+        };
+        let parts: [(&str, serde_json::Result<Vec<u8>>); 11] = [
+            ("messages", serde_json::to_vec(&self.messages)),
+            ("system", serde_json::to_vec(&self.system)),
+            ("model", serde_json::to_vec(&self.model)),
+            ("params", serde_json::to_vec(&self.params)),
+            ("tools", serde_json::to_vec(&self.normal_tools)),
+            ("exit_tools", serde_json::to_vec(&self.exit_tools)),
+            ("limits", serde_json::to_vec(&limits)),
+            ("labels", serde_json::to_vec(&self.labels)),
+            ("approval", serde_json::to_vec(&self.approval)),
+            ("thread", serde_json::to_vec(&thread)),
+            ("agent", serde_json::to_vec(&agent)),
+        ];
+        parts
+            .into_iter()
+            .map(|(name, bytes)| {
+                use sha2::Digest as _;
+                let digest = sha2::Sha256::digest(bytes.unwrap_or_default());
+                let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+                (name.to_owned(), hex)
+            })
+            .collect()
+    }
+}
+
+/// The parts whose digests differ between a request (`asked`) and the one a run was started
+/// with (`kept`; a run recorded before digests were kept differs in none).
+pub fn differing_parts(asked: &BTreeMap<String, String>, kept: &BTreeMap<String, String>) -> Vec<String> {
+    asked
+        .iter()
+        .filter(|(part, digest)| kept.get(*part).is_some_and(|k| k != *digest))
+        .map(|(part, _)| part.clone())
+        .collect()
 }
 
 /// When a run must end: its own timeout from when the request arrived, or sooner, shortly before

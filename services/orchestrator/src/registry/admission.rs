@@ -199,6 +199,7 @@ impl Admitted {
         let mut state = shared::sync::lock(&self.state);
         state.labels.clone_from(&spec.labels);
         state.agent.clone_from(&spec.agent);
+        state.request_digests.clone_from(&spec.request_digests);
         if let Some(thread) = &spec.thread {
             state.thread_id.clone_from(&thread.thread_id);
         }

@@ -267,6 +267,25 @@ impl Emitter {
                     duration_ms,
                 });
             }
+            Event::CallDecided {
+                call_id,
+                name,
+                turn,
+                mut decision,
+                waited_ms,
+            } => {
+                let cut = |text: String| shared::text::truncate_owned(text, self.settings.max_event_bytes).0;
+                decision.message = cut(std::mem::take(&mut decision.message));
+                decision.original_arguments_json = cut(std::mem::take(&mut decision.original_arguments_json));
+                decision.edited_arguments_json = cut(std::mem::take(&mut decision.edited_arguments_json));
+                self.number(Event::CallDecided {
+                    call_id,
+                    name,
+                    turn,
+                    decision,
+                    waited_ms,
+                });
+            }
             Event::MessageAdded { turn, content, name } => self.number(Event::MessageAdded {
                 turn,
                 content: shared::text::truncate_owned(content, self.settings.max_event_bytes).0,

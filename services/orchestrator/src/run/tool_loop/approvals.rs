@@ -127,7 +127,7 @@ impl TurnCalls {
 impl Driver<'_> {
     /// The turn's executed calls whose tool needs approval.
     pub(super) fn calls_needing_approval(&self, calls: &TurnCalls) -> Vec<Approval> {
-        let expires_at = self.spec.approval.expires_at(shared::sync::unix_ms());
+        let expires_at = (self.spec.approval).expires_at(shared::sync::unix_ms(), self.spec.deadline.unix_ms());
         calls
             .spend
             .executed
@@ -164,7 +164,7 @@ impl Driver<'_> {
     /// before) go back to a person: taken out of the finished calls, announced with
     /// `approval_requested` saying they are in doubt, and the turn's wait opened with them.
     pub(super) async fn ask_again_in_doubt(&mut self, calls: &mut TurnCalls) -> Step<()> {
-        let expires_at = self.spec.approval.expires_at(shared::sync::unix_ms());
+        let expires_at = (self.spec.approval).expires_at(shared::sync::unix_ms(), self.spec.deadline.unix_ms());
         let mut doubted = Vec::new();
         for outcome in std::mem::take(&mut calls.finished) {
             let index = outcome.index;
@@ -207,8 +207,8 @@ impl Driver<'_> {
     /// questions waits for the answers (its next round), unless it asked `--max-input-rounds` times
     /// already (it then fails). The positions of the calls that asked.
     pub(super) fn take_questions(&mut self, calls: &mut TurnCalls, ran: Vec<CallOutcome>) -> Vec<usize> {
-        let wait = u64::try_from(self.spec.limits.input_timeout.as_millis()).unwrap_or(u64::MAX);
-        let expires_at = shared::sync::unix_ms().saturating_add(wait);
+        let (timeout, deadline) = (self.spec.limits.input_timeout, self.spec.deadline.unix_ms());
+        let expires_at = self.spec.approval.wait_ends(shared::sync::unix_ms(), timeout, deadline);
         let mut asked = Vec::new();
         for mut outcome in ran {
             let Some(questions) = outcome.asked.take() else {
@@ -347,6 +347,17 @@ impl Driver<'_> {
                 orchestrator.approval.principal = %decision.principal,
                 "approval decided"
             );
+            let waited_ms = match approval.asked_at_unix_ms {
+                0 => 0,
+                asked => decision.decided_at_unix_ms.saturating_sub(asked),
+            };
+            self.emitter.queue(Event::CallDecided {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                turn: number,
+                decision: decision.clone(),
+                waited_ms,
+            });
             if decision.outcome == ApprovalOutcome::TimedOut && self.spec.approval.on_timeout == OnTimeout::FailRun {
                 return Err(End::failed(
                     FailureReason::ApprovalTimeout,

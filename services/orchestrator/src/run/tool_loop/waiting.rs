@@ -14,6 +14,9 @@ pub(super) struct Approval {
     pub(super) index: usize,
     /// Unix ms: the wait ends then.
     pub(super) expires_at_unix_ms: u64,
+    /// Unix ms: the call began to wait then (0: a checkpoint from before this was kept).
+    #[serde(default)]
+    pub(super) asked_at_unix_ms: u64,
     /// Set once decided.
     pub(super) decision: Option<ApprovalDecision>,
     /// The decision was acted on: the call announced (approved) or failed (not).
@@ -36,6 +39,7 @@ impl Approval {
         Self {
             index,
             expires_at_unix_ms,
+            asked_at_unix_ms: shared::sync::unix_ms(),
             decision: None,
             applied: false,
             questions: None,

@@ -182,8 +182,9 @@ impl Core {
     /// (see `take_thread`, let go again when the run is not let in), then a run slot, waiting in
     /// the queue for one when they are all taken. A run id whose run has ended is answered with
     /// that run's result.
-    async fn admit(&self, spec: RunSpec, caller: &Arc<Principal>) -> Result<Admission, Error> {
+    async fn admit(&self, mut spec: RunSpec, caller: &Arc<Principal>) -> Result<Admission, Error> {
         self.within_hourly_budget(caller).await?;
+        spec.request_digests = spec.request_digests();
         let (mut spec, took_thread) = self.take_thread(spec, caller).await?;
         spec.max_runs = caller.max_runs;
         let run_id = spec.run_id.clone();
@@ -200,7 +201,13 @@ impl Core {
                 shared::sync::lock(&admitted.state).queued_ms = spec.queued_ms;
                 Ok(Admission::Let(Box::new((admitted, spec))))
             }
-            Err(Refusal::Finished(result)) => Ok(Admission::Ended(result)),
+            Err(Refusal::Finished(result)) => {
+                let differ = crate::domain::spec::differing_parts(&spec.request_digests, &result.request_digests);
+                match differ.is_empty() {
+                    true => Ok(Admission::Ended(result)),
+                    false => Err(Error::RunIdReused { run_id, parts: differ }),
+                }
+            }
             Err(Refusal::Duplicate) => Err(Error::AlreadyRunning(run_id)),
             Err(Refusal::Full(slots)) => Err(Error::Busy(slots)),
             Err(Refusal::CallerFull(limit)) => Err(Error::CallerBusy {

@@ -225,6 +225,7 @@ pub(crate) fn spec(limits: Limits) -> RunSpec {
         eager_dispatch: false,
         thread: None,
         agent: None,
+        request_digests: Default::default(),
     }
 }
 

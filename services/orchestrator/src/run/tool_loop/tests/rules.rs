@@ -30,6 +30,7 @@ async fn events_produced_together_reach_the_stream_as_one_batch() {
                     Event::MessageAdded { .. } => "message_added",
                     Event::ToolInputRequested { .. } => "input_requested",
                     Event::ToolCallProgress { .. } => "call_progress",
+                    Event::CallDecided { .. } => "call_decided",
                     Event::RunFinished(_) => "run_finished",
                 })
                 .collect()

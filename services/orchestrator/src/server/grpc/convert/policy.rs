@@ -175,6 +175,8 @@ pub(crate) fn resolve(
         thread: request.thread.map(Box::new),
         // The gRPC handler records the agent the request named (see `with_agent`).
         agent: None,
+        // `Core::admit` records them, as the request is when it comes in.
+        request_digests: std::collections::BTreeMap::new(),
     })
 }
 
