@@ -44,6 +44,11 @@ function say(text) {
 
 const statusName = (s) => String(s || "").replace(/^RUN_STATUS_/, "");
 const time = (ms) => (Number(ms) ? new Date(Number(ms)).toISOString().replace(/\.\d+Z$/, "Z") : "-");
+// A moment as a person reads it: their local time, the UTC time on hover and for machines.
+const when = (ms) =>
+  Number(ms)
+    ? h("time", { datetime: new Date(Number(ms)).toISOString(), title: time(ms) }, new Date(Number(ms)).toLocaleString())
+    : "-";
 function pretty(json) {
   try {
     return JSON.stringify(JSON.parse(json), null, 2);
@@ -164,6 +169,12 @@ document.querySelector(".sign-out").addEventListener("click", async () => {
 const STATUSES = ["RUNNING", "AWAITING_APPROVAL", "AWAITING_INPUT", "COMPLETED", "FAILED", "CANCELED"];
 const isOperator = () => session?.roles?.includes("operator") || !session?.authenticates;
 
+// Why a run failed, beside its status (nothing for another).
+const reasonOf = (run) =>
+  run.failureReason && run.failureReason !== "FAILURE_REASON_UNSPECIFIED"
+    ? h("span", { class: "reason" }, ` · ${run.failureReason.replace("FAILURE_REASON_", "")}`)
+    : "";
+
 function runsView(params) {
   const status = h("select", { name: "status" }, h("option", { value: "" }, "any"), STATUSES.map((s) => h("option", { value: s }, s)));
   const thread = h("input", { name: "thread", value: params.get("thread") ?? "" });
@@ -181,25 +192,32 @@ function runsView(params) {
     if (key.trim()) asked.labels = { [key.trim()]: value.join("=") };
     return asked;
   };
+  let drawn = "";
   const draw = async () => {
     const page = await rpc("ListRuns", request());
+    // Redrawn only when the page changed, keeping the keyboard focus where it was.
+    const seen = JSON.stringify(page);
+    if (seen === drawn) return;
+    drawn = seen;
+    const focused = rows.contains(document.activeElement) ? document.activeElement.getAttribute("href") : null;
     rows.replaceChildren(
       ...page.runs.map((run) =>
         h(
           "tr",
           {},
           h("td", {}, h("a", { href: `#/runs/${encodeURIComponent(run.runId)}` }, run.runId)),
-          h("td", { class: `status ${statusName(run.status)}` }, statusName(run.status)),
+          h("td", { class: `status ${statusName(run.status)}` }, statusName(run.status), reasonOf(run)),
           h("td", {}, run.principal || "-"),
           h("td", {}, run.threadId ? h("a", { href: `#/threads/${encodeURIComponent(run.threadId)}` }, run.threadId) : "-"),
           h("td", {}, run.agent ? h("span", { title: `version ${run.agentVersion}` }, run.agent) : "-"),
           h("td", { class: "number" }, run.turns),
           h("td", { class: "number" }, Number(run.usage?.promptTokens ?? 0) + Number(run.usage?.completionTokens ?? 0)),
-          h("td", {}, time(run.createdAtMs)),
-          h("td", {}, Object.entries(run.labels ?? {}).map(([k, v]) => `${k}=${v}`).join(", ")),
+          h("td", {}, when(run.createdAtMs)),
+          h("td", { class: "labels" }, Object.entries(run.labels ?? {}).map(([k, v]) => `${k}=${v}`).join(", ")),
         ),
       ),
     );
+    if (focused) rows.querySelector(`a[href="${CSS.escape(focused)}"]`)?.focus();
     if (!page.runs.length) rows.replaceChildren(h("tr", {}, h("td", { colspan: 9, class: "muted" }, "No run matches.")));
     more.replaceChildren(
       page.nextPageToken
@@ -208,9 +226,17 @@ function runsView(params) {
       pageToken ? h("button", { type: "button", onclick: () => { pageToken = ""; draw(); } }, "First page") : "",
     );
   };
+  // The filters live in the page's address, so a filtered listing can be shared and reloaded.
+  const remember = () => {
+    const query = new URLSearchParams();
+    for (const [name, input] of [["status", status], ["thread", thread], ["label", label], ["principal", principal], ["agent", agent]]) {
+      if (input.value.trim()) query.set(name, input.value.trim());
+    }
+    history.replaceState(null, "", `#/runs${query.size ? `?${query}` : ""}`);
+  };
   const filters = h(
     "form",
-    { class: "filters", onsubmit: (e) => { e.preventDefault(); pageToken = ""; draw().catch((x) => say(x.message)); } },
+    { class: "filters", onsubmit: (e) => { e.preventDefault(); pageToken = ""; remember(); draw().catch((x) => say(x.message)); } },
     field("Status", status),
     field("Thread", thread),
     field("Label", label),
@@ -237,7 +263,20 @@ function runView(runId) {
   const state = h("p", { class: "state", "aria-live": "polite" });
   const log = h("div", { class: "log" });
   const final = h("section", { "aria-label": "Result" });
-  main.replaceChildren(heading, state, log, final);
+  // What the run does now, kept at the top, and whether the page scrolls along with it.
+  const live = h("p", { class: "live", role: "status" }, "Live");
+  const following = h("input", { type: "checkbox", name: "follow", checked: true });
+  const toggle = h("label", { class: "check" }, following, "Follow the run");
+  main.replaceChildren(heading, live, toggle, state, log, final);
+  const running = new Map();
+  let turnNow = 0;
+  const tell = () => {
+    const now = Date.now();
+    const inFlight = [...running.values()].map((c) => `${c.name} (${Math.round((now - c.since) / 1000)} s)`);
+    live.textContent = `Live · turn ${turnNow || "–"}${inFlight.length ? ` · running: ${inFlight.join(", ")}` : ""}`;
+    for (const [id, c] of running) calls.get(id)?.progress.replaceChildren(`running · ${Math.round((now - c.since) / 1000)} s`);
+  };
+  const ticking = setInterval(() => running.size && tell(), 1000);
   let source = null;
   let stopped = false;
   const turns = new Map();
@@ -260,7 +299,7 @@ function runView(runId) {
     return h(
       "div",
       { class: "controls" },
-      h("button", { type: "button", onclick: () => cancel("CANCEL_MODE_IMMEDIATE") }, "Cancel now"),
+      h("button", { type: "button", onclick: () => confirm(`Cancel run ${runId} now? Its call in progress is abandoned.`) && cancel("CANCEL_MODE_IMMEDIATE") }, "Cancel now"),
       h("button", { type: "button", onclick: () => cancel("CANCEL_MODE_AFTER_TURN") }, "Cancel after this turn"),
       h(
         "form",
@@ -296,6 +335,8 @@ function runView(runId) {
   const apply = (event) => {
     const kind = Object.keys(event).find((k) => !["runId", "seq"].includes(k));
     const e = event[kind];
+    track(kind, e);
+    if (following.checked && kind !== "runFinished") queueMicrotask(() => window.scrollTo(0, document.body.scrollHeight));
     switch (kind) {
       case "runStarted":
         state.textContent = `Model ${e.model} · tools: ${e.normalTools.join(", ") || "none"}${e.threadId ? ` · thread ${e.threadId}` : ""}`;
@@ -383,7 +424,7 @@ function runView(runId) {
     }[d.outcome] ?? `Decided by ${who} ${after}`;
     call.waiting.replaceChildren();
     call.box.insertBefore(
-      h("p", { class: "decision" }, `${what} · ${time(d.decidedAtUnixMs)}`, d.editedArgumentsJson ? h("pre", {}, pretty(d.editedArgumentsJson)) : ""),
+      h("p", { class: "decision" }, `${what} · `, when(d.decidedAtUnixMs), d.editedArgumentsJson ? h("pre", {}, pretty(d.editedArgumentsJson)) : ""),
       call.progress,
     );
   };
@@ -400,8 +441,24 @@ function runView(runId) {
     );
   };
 
+  // The live line: the turn under way and the calls in flight, with how long they have run.
+  const track = (kind, e) => {
+    if (e?.turn) turnNow = e.turn;
+    if (kind === "toolCallStarted") running.set(e.callId, { name: e.name, since: Date.now() });
+    if (kind === "toolCallFinished" || kind === "callDecided") running.delete(e.callId);
+    if (kind === "approvalRequested" || kind === "toolInputRequested") {
+      running.delete(e.callId);
+      live.textContent = `Waiting for a person: ${e.name} [${e.callId}]`;
+      return;
+    }
+    if (kind !== "runFinished") tell();
+  };
+
   const finished = (result) => {
     stopped = true;
+    clearInterval(ticking);
+    running.clear();
+    live.textContent = `Ended ${statusName(result.status)}`;
     source?.close();
     liveControls.remove();
     const status = statusName(result.status);
@@ -424,7 +481,9 @@ function runView(runId) {
     });
   };
 
-  // The run first (a refusal says "not found" in the page), then its events.
+  // The run first (a refusal says "not found" in the page, once a run just started has had a
+  // few seconds to be found), then its events.
+  let looked = 0;
   const check = async () => {
     try {
       const run = await rpc("GetRun", { runId });
@@ -433,7 +492,9 @@ function runView(runId) {
       }
       if (!source || source.readyState === EventSource.CLOSED) follow();
     } catch (x) {
-      if (x.status === 404) {
+      if (x.status === 404 && ++looked < 5 && !stopped) {
+        setTimeout(check, 1000);
+      } else if (x.status === 404) {
         stopped = true;
         main.replaceChildren(h("h1", {}, "Not found"), h("p", { role: "alert" }, `No run ${runId} that you may see: ${x.message}`));
       } else say(x.message);
@@ -442,6 +503,7 @@ function runView(runId) {
   check();
   return () => {
     stopped = true;
+    clearInterval(ticking);
     source?.close();
   };
 }
@@ -452,12 +514,18 @@ function runView(runId) {
  * tool-runner went away before its outcome was kept), run it again or leave it in doubt. */
 function decisionBox(runId, pending) {
   const reason = h("input", { name: "reason" });
+  const edited = h("textarea", { name: "arguments", rows: 3, cols: 50 }, pretty(pending.argumentsJson ?? "{}"));
   const out = h("p", { role: "status" });
   const decide = async (kind) => {
     try {
-      await rpc("DecideToolCalls", { runId, decisions: [{ callId: pending.callId, kind, message: reason.value }] });
+      const decision = { callId: pending.callId, kind, message: reason.value };
+      if (kind === "DECISION_KIND_APPROVE_EDITED") decision.argumentsJson = edited.value;
+      await rpc("DecideToolCalls", { runId, decisions: [decision] });
       const done = pending.inDoubt ? ["Running it again.", "Left in doubt."] : ["Approved.", "Rejected."];
-      out.textContent = kind === "DECISION_KIND_APPROVE" ? done[0] : done[1];
+      out.textContent = kind === "DECISION_KIND_REJECT" ? done[1] : kind === "DECISION_KIND_APPROVE_EDITED" ? "Approved with your arguments." : done[0];
+      // The keyboard goes on from the answer, not from a button that is gone.
+      out.tabIndex = -1;
+      out.focus();
     } catch (x) {
       out.textContent = x.message;
       out.className = "error";
@@ -474,6 +542,12 @@ function decisionBox(runId, pending) {
       field(pending.inDoubt ? "Reason (for leaving it)" : "Reason (for a rejection)", reason),
       h("button", { type: "button", onclick: () => decide("DECISION_KIND_REJECT") }, pending.inDoubt ? "Leave in doubt" : "Reject"),
     ),
+    pending.inDoubt
+      ? ""
+      : h("details", {}, h("summary", {}, "Approve with edited arguments"),
+          h("div", { class: "controls" },
+            field("Arguments (a JSON object)", edited),
+            h("button", { type: "button", onclick: () => decide("DECISION_KIND_APPROVE_EDITED") }, "Approve with these arguments"))),
     out,
   );
 }
@@ -560,14 +634,26 @@ function waitingView() {
       seen.add(key);
       if (drawn.has(key)) continue;
       const asks = p.inputRequests?.length;
+      const context = h("div", { class: "context" });
       const box = h(
         "article",
         { "aria-label": `${p.name} in run ${p.runId}${p.inDoubt ? ", in doubt" : ""}` },
         h("h2", {}, `${p.name} · run `, h("a", { href: `#/runs/${encodeURIComponent(p.runId)}` }, p.runId)),
-        h("p", { class: "muted" }, `turn ${p.turn} · ${p.principal ? `owner ${p.principal} · ` : ""}expires ${time(p.expiresAtUnixMs)}`),
+        h("p", { class: "muted" }, `turn ${p.turn} · ${p.principal ? `owner ${p.principal} · ` : ""}expires `, when(p.expiresAtUnixMs)),
+        context,
         h("pre", {}, pretty(p.argumentsJson)),
         asks ? questionsBox(p.runId, p) : decisionBox(p.runId, p),
       );
+      // What the run is about, to decide on: its labels and what the model said before the call.
+      rpc("GetRun", { runId: p.runId })
+        .then((run) => {
+          const labels = Object.entries(run.labels ?? {}).map(([k, v]) => `${k}=${v}`).join(", ");
+          context.replaceChildren(
+            labels ? h("p", {}, `Labels: ${labels}`) : "",
+            run.text ? h("blockquote", { class: "text", "aria-label": "What the model said before the call" }, run.text) : "",
+          );
+        })
+        .catch(() => {});
       drawn.set(key, box);
       list.append(box);
     }
@@ -641,7 +727,7 @@ function webhooksView(webhookId) {
         h("td", { class: "text" }, w.url),
         h("td", {}, (w.events ?? []).join(", ") || "all"),
         h("td", {}, w.runId ? `run ${w.runId}` : w.threadId ? `thread ${w.threadId}` : "all runs"),
-        h("td", {}, time(w.createdAtUnixMs)))));
+        h("td", {}, when(w.createdAtUnixMs)))));
     if (!hooks.webhooks.length) list.replaceChildren(h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No webhooks (orchestrator webhooks add URL registers one).")));
     const d = await rpc("ListWebhookDeliveries", { webhookId: webhookId ?? "", limit: 100 });
     shown.textContent = webhookId ? `Deliveries of ${webhookId}, newest first.` : "Deliveries of every webhook, newest first.";
@@ -653,7 +739,7 @@ function webhooksView(webhookId) {
         h("td", {}, stateName(x.state)),
         h("td", { class: "number" }, x.attempts ?? 0),
         h("td", { class: "text" }, x.lastError || (x.lastStatus ? String(x.lastStatus) : "–")),
-        h("td", {}, time(x.lastAttemptUnixMs)))));
+        h("td", {}, when(x.lastAttemptUnixMs)))));
     if (!d.deliveries.length) deliveries.replaceChildren(h("tr", {}, h("td", { colspan: 7, class: "muted" }, "No deliveries.")));
   };
   main.replaceChildren(

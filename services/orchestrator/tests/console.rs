@@ -214,6 +214,11 @@ struct Chrome {
 
 impl Chrome {
     async fn start() -> anyhow::Result<Self> {
+        Self::start_with(&[]).await
+    }
+
+    /// A session whose Chromium takes `extra` arguments besides the usual ones.
+    async fn start_with(extra: &[&str]) -> anyhow::Result<Self> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let driver = Command::new("chromedriver")
             .arg(format!("--port={port}"))
@@ -224,16 +229,25 @@ impl Chrome {
             .map_err(|e| anyhow::anyhow!("chromedriver (Debian's chromium-driver; ./scripts/test installs it): {e}"))?;
         let profile = tempfile::tempdir()?;
         let mut capabilities = serde_json::Map::new();
+        let mut args: Vec<String> = [
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--window-size=1280,900",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|a| (*a).to_owned())
+        .collect();
+        args.push(format!("--user-data-dir={}", profile.path().display()));
         capabilities.insert(
             "goog:chromeOptions".into(),
-            json!({
-                "binary": "/usr/bin/chromium",
-                "args": [
-                    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    "--window-size=1280,900", format!("--user-data-dir={}", profile.path().display()),
-                ],
-            }),
+            json!({ "binary": "/usr/bin/chromium", "args": args }),
         );
         let url = format!("http://127.0.0.1:{port}");
         let browser = testkit::wait::until("ChromeDriver to take a session", Duration::from_secs(30), || async {
@@ -282,10 +296,16 @@ fn named(name: &str) -> String {
 
 /// Waits until the page has an element at `xpath`; it.
 async fn find(browser: &Browser, xpath: &str) -> anyhow::Result<fantoccini::elements::Element> {
-    testkit::wait::until(&format!("the page to show {xpath}"), PAGE_LIMIT, || async {
+    let found = testkit::wait::until(&format!("the page to show {xpath}"), PAGE_LIMIT, || async {
         browser.find(Locator::XPath(xpath)).await.ok()
     })
-    .await
+    .await;
+    if found.is_err() {
+        // What the page showed instead, to tell why.
+        let body = browser.find(Locator::XPath("//body")).await?.text().await?;
+        return found.map_err(|e| anyhow::anyhow!("{e}; the page said:\n{body}"));
+    }
+    found
 }
 
 /// Waits until the page's text holds `text`.
@@ -315,6 +335,33 @@ async fn visit(browser: &Browser, console: &str, page: &str) -> TestResult {
 /// The link to run `run_id` in the runs table.
 fn listed(run_id: &str) -> String {
     format!("//table[@aria-label='Runs']//a[normalize-space(.)={}]", quoted(run_id))
+}
+
+/// The accessibility rules (WCAG 2 A and AA, contrast included) that axe-core — npm, installed by
+/// `./scripts/test` — finds broken on the page `browser` shows now, each with where.
+async fn accessibility_violations(browser: &Browser) -> anyhow::Result<Vec<String>> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/js/node_modules/axe-core/axe.min.js");
+    let axe = std::fs::read_to_string(path).map_err(|e| {
+        anyhow::anyhow!("{path} (./scripts/test installs it: npm ci in services/orchestrator/tests/js): {e}")
+    })?;
+    browser.execute(&format!("{axe}\nreturn true;"), vec![]).await?;
+    let found = browser
+        .execute_async(
+            "const done = arguments[arguments.length - 1];
+             axe.run(document, { runOnly: ['wcag2a', 'wcag2aa'] })
+               .then((r) => done(r.violations.map((v) => `${v.id}: ${v.nodes.map((n) => `${n.target.join(' ')} (${n.any.concat(n.all).map((c) => c.message).join('; ')})`).join(', ')}`)))
+               .catch((e) => done([`axe failed: ${e}`]));",
+            vec![],
+        )
+        .await?;
+    Ok(serde_json::from_value(found)?)
+}
+
+/// Asserts the page `browser` shows now passes the accessibility check.
+async fn accessible(browser: &Browser, page: &str) -> TestResult {
+    let violations = accessibility_violations(browser).await?;
+    anyhow::ensure!(violations.is_empty(), "{page}: {violations:#?}");
+    Ok(())
 }
 
 /// Writes the page's screenshot to docs/console/NAME.png under `UPDATE_SCREENSHOTS=1`.
@@ -369,6 +416,15 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     browser.goto(&console).await?;
     let token = find(browser, &labelled("Token")).await?;
     screenshot(browser, "sign-in").await?;
+    accessible(browser, "sign-in").await?;
+    // The check finds what it looks for: an image without a text alternative fails it.
+    let add = "const i = document.createElement('img'); i.src = 'data:,'; i.id = 'no-alt'; document.body.append(i); return true;";
+    browser.execute(add, vec![]).await?;
+    let found = accessibility_violations(browser).await?;
+    assert!(found.iter().any(|v| v.starts_with("image-alt")), "{found:?}");
+    browser
+        .execute("document.getElementById('no-alt').remove(); return true;", vec![])
+        .await?;
     token.send_keys("not-a-token").await?;
     find(browser, &button("Sign in")).await?.click().await?;
     shows(browser, "not valid").await?;
@@ -402,6 +458,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     })
     .await?;
     screenshot(browser, "run").await?;
+    accessible(browser, "run").await?;
     shows(browser, "COMPLETED").await?;
     shows(browser, "Agent counter · version").await?;
 
@@ -411,9 +468,11 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     let row = row.text().await?;
     assert!(row.contains("counter"), "the runs page shows the run's agent: {row}");
     screenshot(browser, "runs").await?;
+    accessible(browser, "runs").await?;
     visit(browser, &console, "#/threads/support-42").await?;
     shows(browser, "One, two").await?;
     screenshot(browser, "thread").await?;
+    accessible(browser, "thread").await?;
 
     // A call waiting for approval shows up, is approved in the page, and the run completes.
     let _approve = start(
@@ -428,6 +487,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     visit(browser, &console, "#/waiting").await?;
     let waiting = find(browser, &named("sleep in run approve-1")).await?;
     screenshot(browser, "waiting").await?;
+    accessible(browser, "waiting").await?;
     press(&waiting, "Approve").await?;
     until_status(&alice_b, "approve-1", pb::RunStatus::Completed).await?;
     // The decision is an event of the run: its page says who approved, and after how long.
@@ -537,6 +597,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     )
     .await?;
     screenshot(browser, "webhooks").await?;
+    accessible(browser, "webhooks").await?;
 
     // Usage, then a POST without the CSRF token, refused.
     visit(browser, &console, "#/usage").await?;
@@ -546,6 +607,7 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     )
     .await?;
     screenshot(browser, "usage").await?;
+    accessible(browser, "usage").await?;
     let status = browser
         .execute(
             "return fetch('/api/rpc/ListRuns', {method: 'POST', headers: {'content-type': 'application/json'}, body: '{}'}).then(r => r.status)",
@@ -576,7 +638,27 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
         !replica.logs().iter().any(|l| l.contains(ALICE)),
         "the token is never logged"
     );
-    chrome.stop().await
+    chrome.stop().await?;
+
+    // Dark mode passes the same check (contrast included), in a browser that prefers it.
+    let dark = Chrome::start_with(&["--force-dark-mode", "--blink-settings=preferredColorScheme=0"]).await?;
+    let browser = &dark.browser;
+    browser.goto(&console).await?;
+    let prefers = "return matchMedia('(prefers-color-scheme: dark)').matches";
+    assert_eq!(
+        browser.execute(prefers, vec![]).await?,
+        json!(true),
+        "the browser prefers dark"
+    );
+    find(browser, &labelled("Token")).await?.send_keys(ALICE).await?;
+    find(browser, &button("Sign in")).await?.click().await?;
+    shows(browser, "Signed in as alice").await?;
+    for page in ["#/runs", "#/runs/approve-1", "#/waiting", "#/webhooks", "#/usage"] {
+        visit(browser, &console, page).await?;
+        find(browser, "//h1").await?;
+        accessible(browser, &format!("{page} in dark mode")).await?;
+    }
+    dark.stop().await
 }
 
 /// A request to `path` with `method`, sent to the name `host`, from `origin` (if any), with a
