@@ -548,6 +548,38 @@ fn event_kind_pb(event: Event) -> pb::orchestrate_event::Event {
             failed_turns,
         }),
         Event::TurnRestarted { turn, attempt, reason } => E::TurnRestarted(pb::TurnRestarted { turn, attempt, reason }),
+        waiting @ (Event::ApprovalRequested { .. } | Event::ToolInputRequested { .. } | Event::CallDecided { .. }) => {
+            person_event_pb(waiting)
+        }
+        Event::ToolCallProgress {
+            call_id,
+            name,
+            turn,
+            progress,
+            total,
+            message,
+        } => E::ToolCallProgress(pb::ToolCallProgress {
+            call_id,
+            name,
+            turn,
+            progress,
+            total,
+            message,
+        }),
+        Event::MessageAdded { turn, content, name } => E::MessageAdded(pb::MessageAdded {
+            turn,
+            message: Some(user_message_pb(content, name)),
+        }),
+        Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
+            result: Some(pb::RunResult::from(&*result)),
+        }),
+    }
+}
+
+/// The events of a call waiting for a person, and of its decision, as proto payloads.
+fn person_event_pb(event: Event) -> pb::orchestrate_event::Event {
+    use pb::orchestrate_event::Event as E;
+    match event {
         Event::ApprovalRequested {
             call_id,
             name,
@@ -580,21 +612,6 @@ fn event_kind_pb(event: Event) -> pb::orchestrate_event::Event {
             expires_at_unix_ms,
             round,
         }),
-        Event::ToolCallProgress {
-            call_id,
-            name,
-            turn,
-            progress,
-            total,
-            message,
-        } => E::ToolCallProgress(pb::ToolCallProgress {
-            call_id,
-            name,
-            turn,
-            progress,
-            total,
-            message,
-        }),
         Event::CallDecided {
             call_id,
             name,
@@ -608,13 +625,7 @@ fn event_kind_pb(event: Event) -> pb::orchestrate_event::Event {
             decision: Some(pb::ApprovalDecision::from(&decision)),
             waited_ms,
         }),
-        Event::MessageAdded { turn, content, name } => E::MessageAdded(pb::MessageAdded {
-            turn,
-            message: Some(user_message_pb(content, name)),
-        }),
-        Event::RunFinished(result) => E::RunFinished(pb::RunFinished {
-            result: Some(pb::RunResult::from(&*result)),
-        }),
+        other => event_kind_pb(other),
     }
 }
 
