@@ -694,16 +694,7 @@ async fn a_reused_run_id_is_refused_and_an_approval_expires_with_its_run() -> Te
     ];
     let (code, _, stderr) = cli(&[&parked[..], &at].concat()).await?;
     assert_eq!(code, Some(0), "{stderr}");
-    let listed = testkit::wait::until("the call to wait", Duration::from_secs(30), || async {
-        let (_, out, _) = cli(&[&["approvals", "--run-id", "parked-1", "--json"][..], &at].concat())
-            .await
-            .ok()?;
-        let listed: serde_json::Value = serde_json::from_str(out.trim()).ok()?;
-        listed["approvals"].as_array().filter(|a| !a.is_empty()).cloned()
-    })
-    .await?;
-    let expires: u64 = listed[0]["expiresAtUnixMs"].as_str().unwrap_or_default().parse()?;
-    let left = expires.saturating_sub(shared::sync::unix_ms());
+    let left = expiry_left(&at, "parked-1").await?;
     assert!(
         left <= 40_000,
         "the wait ends with the run, in {left} ms, not in an hour"
@@ -719,8 +710,19 @@ async fn a_reused_run_id_is_refused_and_an_approval_expires_with_its_run() -> Te
         .collect();
     let (code, _, stderr) = cli(&[&paused[..], &at].concat()).await?;
     assert_eq!(code, Some(0), "{stderr}");
-    let listed = testkit::wait::until("the paused call to wait", Duration::from_secs(30), || async {
-        let (_, out, _) = cli(&[&["approvals", "--run-id", "parked-2", "--json"][..], &at].concat())
+    let left = expiry_left(&at, "parked-2").await?;
+    assert!(left > 3_000_000, "the paused run's call waits its hour: {left} ms");
+    let (code, _, stderr) = cli(&[&["cancel", "parked-2"][..], &at].concat()).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    Ok(())
+}
+
+/// Once run `run_id` has a call waiting for approval (`approvals --json`), how long until its wait
+/// expires, in ms.
+async fn expiry_left(at: &[&str], run_id: &str) -> anyhow::Result<u64> {
+    let what = format!("a call of {run_id} to wait");
+    let listed = testkit::wait::until(&what, Duration::from_secs(30), || async {
+        let (_, out, _) = cli(&[&["approvals", "--run-id", run_id, "--json"][..], at].concat())
             .await
             .ok()?;
         let listed: serde_json::Value = serde_json::from_str(out.trim()).ok()?;
@@ -728,9 +730,5 @@ async fn a_reused_run_id_is_refused_and_an_approval_expires_with_its_run() -> Te
     })
     .await?;
     let expires: u64 = listed[0]["expiresAtUnixMs"].as_str().unwrap_or_default().parse()?;
-    let left = expires.saturating_sub(shared::sync::unix_ms());
-    assert!(left > 3_000_000, "the paused run's call waits its hour: {left} ms");
-    let (code, _, stderr) = cli(&[&["cancel", "parked-2"][..], &at].concat()).await?;
-    assert_eq!(code, Some(0), "{stderr}");
-    Ok(())
+    Ok(expires.saturating_sub(shared::sync::unix_ms()))
 }

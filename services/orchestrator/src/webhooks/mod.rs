@@ -170,8 +170,7 @@ impl Webhooks {
                 webhook::new_secret(random)
             }
         };
-        let registered = self.list(principal).await?;
-        if registered.len() >= self.settings.max_webhooks {
+        if self.registered(principal).await?.len() >= self.settings.max_webhooks {
             return Err(Error::TooManyWebhooks {
                 principal: principal.to_owned(),
                 max: self.settings.max_webhooks,
@@ -204,17 +203,21 @@ impl Webhooks {
         Ok(hook)
     }
 
+    /// The keys of `principal`'s webhooks: what counting them needs, without reading each.
+    async fn registered(&self, principal: &str) -> Result<Vec<String>, Error> {
+        let filter = format!("w.{}.*", token(principal));
+        self.within("KV keys", async {
+            self.registrations
+                .keys(&filter)
+                .await
+                .map_err(|e| unavailable("KV keys", &filter, e))
+        })
+        .await
+    }
+
     /// `principal`'s webhooks, oldest first.
     pub(crate) async fn list(&self, principal: &str) -> Result<Vec<Webhook>, Error> {
-        let filter = format!("w.{}.*", token(principal));
-        let keys = self
-            .within("KV keys", async {
-                self.registrations
-                    .keys(&filter)
-                    .await
-                    .map_err(|e| unavailable("KV keys", &filter, e))
-            })
-            .await?;
+        let keys = self.registered(principal).await?;
         let mut hooks = Vec::with_capacity(keys.len());
         for key in keys {
             if let Some(hook) = self.read(&key).await? {
