@@ -1,5 +1,6 @@
 //! Small helpers of the process-level tests: a binary built beside another, scraping
-//! `/metrics`, a one-message request, one run to its end, a tool-runner in this process.
+//! `/metrics`, a one-message request, one run to its end, a tool-runner in this process, a
+//! command left running whose lines are read as they come.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -117,4 +118,54 @@ pub async fn tool_runner_in_process_with(config: tool_runner::Config) -> anyhow:
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(tool_runner::serve(listener, config, std::future::pending()));
     Ok(url)
+}
+
+/// A command left running (a `--watch`) whose stdout is read a line at a time; killed when
+/// dropped.
+pub struct Printing {
+    _child: tokio::process::Child,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    /// Every line read so far, for a failed wait to show.
+    pub seen: Vec<String>,
+}
+
+impl Printing {
+    /// Starts `command` with its stdout read here.
+    pub fn spawn(mut command: tokio::process::Command) -> anyhow::Result<Self> {
+        use tokio::io::AsyncBufReadExt;
+        let mut child = command
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        Ok(Self {
+            _child: child,
+            lines: tokio::io::BufReader::new(stdout).lines(),
+            seen: Vec::new(),
+        })
+    }
+
+    /// The first line from now on that `matches`, read within `limit`.
+    pub async fn line_where(
+        &mut self,
+        what: &str,
+        limit: std::time::Duration,
+        matches: impl Fn(&str) -> bool,
+    ) -> anyhow::Result<String> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let next = tokio::time::timeout_at(deadline, self.lines.next_line()).await;
+            let line = match next {
+                Ok(Ok(Some(line))) => line,
+                Ok(Ok(None)) => anyhow::bail!("the command ended before {what}: {:?}", self.seen),
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => anyhow::bail!("no line of {what} within {limit:?}: {:?}", self.seen),
+            };
+            self.seen.push(line.clone());
+            if matches(&line) {
+                return Ok(line);
+            }
+        }
+    }
 }

@@ -1,7 +1,9 @@
 //! A TCP proxy whose traffic can be cut and healed: the process behind it stays alive and keeps
 //! serving its own callers, but cannot reach what is on the other side (a network partition).
 //! While cut, nothing passes either way and new connections wait; what was sent meanwhile is held
-//! and delivered once healed, as a partition shorter than TCP's timeouts does.
+//! and delivered once healed, as a partition shorter than TCP's timeouts does. Its upstream can
+//! change, as a Kubernetes Service's endpoints do when a pod goes: new connections go to the new
+//! one, open ones stay where they are.
 
 use std::net::SocketAddr;
 
@@ -13,6 +15,7 @@ use tokio::sync::watch;
 pub struct CutProxy {
     addr: SocketAddr,
     cut: watch::Sender<bool>,
+    upstream: watch::Sender<SocketAddr>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -28,12 +31,24 @@ impl CutProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (cut, open) = watch::channel(false);
+        let (upstream, target) = watch::channel(upstream);
         let accept = tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
+                let upstream = *target.borrow();
                 tokio::spawn(forward(inbound, upstream, open.clone()));
             }
         });
-        Ok(Self { addr, cut, accept })
+        Ok(Self {
+            addr,
+            cut,
+            upstream,
+            accept,
+        })
+    }
+
+    /// Sends the connections opened from now on to `upstream`.
+    pub fn redirect(&self, upstream: SocketAddr) {
+        self.upstream.send_replace(upstream);
     }
 
     /// Where callers connect.

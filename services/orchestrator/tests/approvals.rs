@@ -1082,8 +1082,9 @@ async fn cli(args: &[&str]) -> anyhow::Result<(Option<i32>, String, String)> {
 }
 
 /// From a shell: `orchestrator call --needs-approval` prints the call waiting with the command
-/// that decides it, `orchestrator approvals` lists it, `orchestrator decide --approve` lets the run
-/// go on, and `call` prints the rest of the run.
+/// that decides it, `orchestrator approvals` lists it (and `--watch` sees it come and go),
+/// `orchestrator decide RUN_ID --approve` lets the run go on, and `call` prints the rest of the
+/// run.
 #[tokio::test]
 async fn the_command_line_lists_and_decides() -> TestResult {
     let w = world(refund_then_answer(), &[]).await?;
@@ -1115,14 +1116,26 @@ async fn the_command_line_lists_and_decides() -> TestResult {
         listed.contains("cli-1") && listed.contains(&call_id) && listed.contains("sleep"),
         "{listed}"
     );
-    let approve = ["decide", "--run-id", "cli-1", "--approve", &call_id];
+    let mut watch = Command::new(BIN);
+    watch
+        .env("ORCHESTRATOR_METRICS_LISTEN", "off")
+        .args(["approvals", "cli-1", "--watch", "--watch-every", "100ms"])
+        .args(carol);
+    let mut watching = testkit::helpers::Printing::spawn(watch)?;
+    let limit = Duration::from_secs(20);
+    watching
+        .line_where("the call waiting", limit, |l| l.contains(&call_id))
+        .await?;
+    let approve = ["decide", "cli-1", "--approve", &call_id];
     let bob = ["--endpoint", &endpoint, "--token", "bob-token"];
     let (code, _, stderr) = cli(&[&approve[..], &bob].concat()).await?;
     assert_ne!(code, Some(0));
-    assert!(stderr.contains("no run \"cli-1\" waits for approval"), "{stderr}");
+    assert!(stderr.contains("no run \"cli-1\" waits for a person"), "{stderr}");
     let (code, decided, stderr) = cli(&[&approve[..], &carol].concat()).await?;
     assert_eq!(code, Some(0), "{stderr}");
     assert!(decided.contains("goes on"), "{decided}");
+    let gone = format!("cli-1  {call_id}  sleep no longer waits");
+    watching.line_where("the call decided", limit, |l| l == gone).await?;
 
     let output = tokio::time::timeout(Duration::from_secs(30), call.wait_with_output()).await??;
     let printed = String::from_utf8_lossy(&output.stdout);
@@ -1133,7 +1146,7 @@ async fn the_command_line_lists_and_decides() -> TestResult {
     );
     assert!(
         printed.contains(&format!("⏸ sleep {{\"ms\":5}}  [{call_id}] waits for approval"))
-            && printed.contains(&format!("orchestrator decide --run-id cli-1 --approve {call_id}"))
+            && printed.contains(&format!("orchestrator decide cli-1 --approve {call_id}"))
             && printed.contains("✔ approved by carol after")
             && printed.contains("■ COMPLETED"),
         "the decision is an event of the run, who and after how long: {printed}"

@@ -242,6 +242,59 @@ async fn runs_print_json_for_scripts() -> TestResult {
     Ok(())
 }
 
+/// `runs --watch` prints the listing, then each run that is new or changed until interrupted,
+/// as rows or (with `--json`) as `RunSummary` lines; a pace outside its bounds is refused naming
+/// the flag.
+#[tokio::test]
+async fn runs_are_watched_as_they_change() -> TestResult {
+    let w = world(sleep_then_answer(300)).await?;
+    let endpoint = w.endpoint();
+    for pace in ["50ms", "2m"] {
+        let (code, _, told) = cli(&["runs", "--watch", "--watch-every", pace, "--endpoint", &endpoint]).await?;
+        assert_eq!(code, Some(2), "{told}");
+        assert!(told.contains("--watch-every"), "{told}");
+    }
+    let watch = |json: bool| -> anyhow::Result<testkit::helpers::Printing> {
+        let mut command = Command::new(BIN);
+        command.env("ORCHESTRATOR_METRICS_LISTEN", "off").args([
+            "runs",
+            "-w",
+            "--watch-every",
+            "100ms",
+            "--endpoint",
+            &endpoint,
+        ]);
+        if json {
+            command.arg("--json");
+        }
+        testkit::helpers::Printing::spawn(command)
+    };
+    let (mut rows, mut lines) = (watch(false)?, watch(true)?);
+    let limit = Duration::from_secs(20);
+    rows.line_where("the empty listing", limit, |l| l.contains("no run matches"))
+        .await?;
+    lines.line_where("the listing", limit, |l| l.starts_with('{')).await?;
+    let (code, _, told) = cli(&[
+        "call",
+        "--prompt",
+        "hi",
+        "--run-id",
+        "watched-1",
+        "--endpoint",
+        &endpoint,
+    ])
+    .await?;
+    assert_eq!(code, Some(0), "{told}");
+    let completed = |l: &str| l.starts_with("watched-1 ") && l.contains("COMPLETED");
+    rows.line_where("the run's row, completed", limit, completed).await?;
+    let summary = |l: &str| {
+        let summary: serde_json::Value = serde_json::from_str(l).unwrap_or_default();
+        summary["runId"] == "watched-1" && summary["status"] == "RUN_STATUS_COMPLETED"
+    };
+    lines.line_where("the run's summary, completed", limit, summary).await?;
+    Ok(())
+}
+
 /// Text the command line did not write reaches the terminal without control sequences: a
 /// model's answer that would retitle the terminal, clear it and plant a hidden link is printed as
 /// its words, by `call` and by `get`; `--json` keeps the text as it is (escaped by JSON).
@@ -722,9 +775,7 @@ async fn a_reused_run_id_is_refused_and_an_approval_expires_with_its_run() -> Te
 async fn expiry_left(at: &[&str], run_id: &str) -> anyhow::Result<u64> {
     let what = format!("a call of {run_id} to wait");
     let listed = testkit::wait::until(&what, Duration::from_secs(30), || async {
-        let (_, out, _) = cli(&[&["approvals", "--run-id", run_id, "--json"][..], at].concat())
-            .await
-            .ok()?;
+        let (_, out, _) = cli(&[&["approvals", run_id, "--json"][..], at].concat()).await.ok()?;
         let listed: serde_json::Value = serde_json::from_str(out.trim()).ok()?;
         listed["approvals"].as_array().filter(|a| !a.is_empty()).cloned()
     })

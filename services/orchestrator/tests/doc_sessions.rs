@@ -86,7 +86,7 @@ fn sessions() -> Vec<Session> {
                     "waits for approval",
                 ),
                 Run("orchestrator approvals"),
-                Run("orchestrator decide --run-id refund-7 --approve call_1_2"),
+                Run("orchestrator decide refund-7 --approve call_1_2"),
                 Resume,
             ],
         },

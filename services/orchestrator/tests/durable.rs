@@ -823,6 +823,59 @@ async fn a_drained_replica_hands_its_runs_over_and_they_complete_elsewhere() -> 
     Ok(())
 }
 
+/// `orchestrator call` follows its run when the replica it reached drains: behind an address
+/// whose endpoints change as a Kubernetes Service's do, the command re-attaches by itself,
+/// says so once, prints the rest of the run without a gap or a repeat, and exits 0 when the run
+/// completes elsewhere.
+#[tokio::test]
+async fn the_command_line_follows_its_run_to_another_replica_at_a_drain() -> TestResult {
+    let words: String = (0..20).map(|i| format!("w{i} ")).collect();
+    let mut fleet = Fleet::start(2, scenario(3, &words), 300).await?;
+    let address = |i: usize| -> anyhow::Result<std::net::SocketAddr> {
+        let replica = fleet.replicas[i].as_ref().ok_or_else(|| anyhow::anyhow!("gone"))?;
+        Ok(replica.grpc.parse()?)
+    };
+    let service = testkit::proxy::CutProxy::start(address(0)?).await?;
+    let endpoint = format!("http://{}", service.addr());
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_orchestrator"));
+    command.env("ORCHESTRATOR_METRICS_LISTEN", "off");
+    let args = [
+        "call",
+        "--endpoint",
+        &endpoint,
+        "--prompt",
+        "go",
+        "--run-id",
+        "cli-drained",
+    ];
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let caller = tokio::spawn(async move {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        testkit::run_to_end(command, &args, &[]).await
+    });
+    let first_call = || fleet.calls().keys().any(|id| id.contains("cli-drained")).then_some(());
+    testkit::wait::until_sync("the run's first call", Duration::from_secs(20), first_call).await?;
+    service.redirect(address(1)?);
+    drained(fleet.begin_drain(0)?).await?;
+    let (code, printed, told) = caller.await??;
+    let moved: Vec<&str> = printed.lines().filter(|l| l.starts_with('↪')).collect();
+    assert_eq!(moved.len(), 1, "{printed}\n{told}");
+    assert!(
+        moved[0].contains("run cli-drained moved to another replica"),
+        "{printed}"
+    );
+    assert!(printed.contains("■ COMPLETED"), "{printed}\n{told}");
+    assert_eq!(code, Some(0), "{printed}\n{told}");
+    assert_eq!(printed.matches("done").count(), 1, "the end printed once: {printed}");
+    let b = fleet.url(1).ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    let result = get_run(&b, "cli-drained").await?;
+    assert_eq!(result.status(), pb::RunStatus::Completed);
+    for (id, runs) in fleet.calls() {
+        assert_eq!(runs, 1, "call {id} ran {runs} times");
+    }
+    Ok(())
+}
+
 /// A run's id, the events its caller saw so far, and the caller's task.
 type Following = (
     String,

@@ -394,8 +394,9 @@ async fn on_nats_a_question_asked_on_one_replica_is_answered_on_another_and_the_
     Ok(())
 }
 
-/// From a shell: `orchestrator approvals` lists the questions, `orchestrator answer` answers
-/// them, and the run goes on.
+/// From a shell: `orchestrator approvals` lists the questions, `orchestrator answer RUN_ID`
+/// answers them, and the run goes on; an answer for a run that waits for nothing (`--run-id`
+/// spells the run too) is refused saying no run waits for a person.
 #[tokio::test]
 async fn the_command_line_lists_and_answers_questions() -> TestResult {
     let world = world(
@@ -426,7 +427,7 @@ async fn the_command_line_lists_and_answers_questions() -> TestResult {
         "{printed}"
     );
     let answered = Command::new(BIN)
-        .args(["answer", "--endpoint", &endpoint, "--run-id", "cli-ask"])
+        .args(["answer", "cli-ask", "--endpoint", &endpoint])
         .args([
             "--call-id",
             &question.call_id,
@@ -447,6 +448,16 @@ async fn the_command_line_lists_and_answers_questions() -> TestResult {
         Some(pb::RunStatus::Completed as i32)
     );
     assert_eq!(refunds(&world), ["F-6 3.0"]);
+    let again = Command::new(BIN)
+        .args(["answer", "--run-id", "cli-other", "--endpoint", &endpoint])
+        .args(["--call-id", &question.call_id, "--decline", "confirm"])
+        .output()
+        .await?;
+    let told = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        !again.status.success() && told.contains("no run \"cli-other\" waits for a person"),
+        "an answer to a run that waits for nothing says so, not that it waits for approval: {told}"
+    );
     Ok(())
 }
 

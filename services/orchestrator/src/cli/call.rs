@@ -192,7 +192,7 @@ impl Printer {
         self.line(
             out,
             &format!(
-                "  ? {} [{}] asks before it can finish (orchestrator answer --run-id {} --call-id {}):",
+                "  ? {} [{}] asks before it can finish (orchestrator answer {} --call-id {}):",
                 asked.name, asked.call_id, self.run_id, asked.call_id
             ),
         );
@@ -230,7 +230,7 @@ fn turn_finished_line(t: &pb::TurnFinished) -> String {
 fn approval_line(a: &pb::ApprovalRequested, run_id: &str) -> String {
     let left = Duration::from_millis(a.expires_at_unix_ms.saturating_sub(shared::sync::unix_ms()) / 1000 * 1000);
     format!(
-        "  ⏸ {} {}  [{}] {} for {} (orchestrator decide --run-id {run_id} --approve {} | --reject {})",
+        "  ⏸ {} {}  [{}] {} for {} (orchestrator decide {run_id} --approve {} | --reject {})",
         a.name,
         a.arguments_json,
         a.call_id,
@@ -300,13 +300,17 @@ fn finished_line(r: &pb::RunResult) -> String {
 }
 
 /// Starts a run on the orchestrator at `options.endpoint` (or attaches to one), prints its
-/// events to stdout, and returns the final result.
+/// events to stdout, and returns the final result. A run that moves to another replica (its
+/// own drained, or the connection broke) is followed there: the client re-attaches after the
+/// last seq printed, under its default [`Retry`] (only refusals of calls that did not start a
+/// run are tried again), and a line says so.
 pub async fn call(options: &CallOptions) -> Result<pb::RunResult, Error> {
     let client = connect(
         &options.endpoint,
         options.token.as_deref(),
         &options.tls,
         options.timeout,
+        Retry::default(),
     )
     .await?;
     let Some((run_id, after)) = &options.attach else {
@@ -361,6 +365,7 @@ pub async fn start_detached(options: &CallOptions) -> Result<super::Outcome, Err
         options.token.as_deref(),
         &options.tls,
         options.timeout,
+        Retry::default(),
     )
     .await?;
     let started = client
@@ -440,12 +445,13 @@ pub(super) async fn connect(
     token: Option<&str>,
     tls: &super::TlsArgs,
     timeout: Duration,
+    retry: Retry,
 ) -> Result<orchestrator_client::Client, Error> {
     super::endpoint(endpoint).map_err(Error::Config)?;
     let builder = ClientBuilder::new(endpoint.to_owned())
         .connect_timeout(Duration::from_secs(5))
         .timeout(timeout)
-        .retry(Retry::none());
+        .retry(retry);
     let mut builder = tls.apply(endpoint, builder)?;
     if let Some(token) = token {
         builder = builder.token(token);
@@ -509,6 +515,7 @@ async fn print_to_end(mut run: RunStream, whole: bool, json: bool) -> Result<Opt
     let mut stdout = super::output::Stdout;
     // Read to the end of the call (its trailers, which the client reads after run_finished).
     let mut result = None;
+    let mut followed = 0;
     loop {
         let event = match run.next_event().await {
             Ok(Some(event)) => event,
@@ -517,6 +524,14 @@ async fn print_to_end(mut run: RunStream, whole: bool, json: bool) -> Result<Opt
         };
         if let Some(id) = run.run_id() {
             printer.run_id = id.to_owned();
+        }
+        if run.reattached() > followed {
+            followed = run.reattached();
+            let line = followed_line(&printer.run_id, run.last_seq().saturating_sub(1));
+            match json {
+                true => eprintln!("{line}"),
+                false => printer.line(&mut stdout, &line),
+            }
         }
         if let E::Finished(finished) = &event {
             result = Some(finished.as_ref().clone());
@@ -527,6 +542,12 @@ async fn print_to_end(mut run: RunStream, whole: bool, json: bool) -> Result<Opt
         }
     }
     Ok(result)
+}
+
+/// Said where the events go on after the client re-attached to the run (`after`: the last seq
+/// printed before).
+fn followed_line(run_id: &str, after: u64) -> String {
+    format!("↪ run {run_id} moved to another replica (or the connection broke): following it there after seq {after}")
 }
 
 /// Prints `event` of `run` as one line of JSON: the `OrchestrateEvent` the contract sent.

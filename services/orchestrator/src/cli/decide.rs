@@ -17,35 +17,82 @@ pub struct ApprovalsArgs {
     #[command(flatten)]
     pub connection: Connection,
     /// Only this run's calls.
-    #[arg(long, default_value = "")]
-    pub run_id: String,
+    #[arg(value_name = "RUN_ID", value_parser = super::run_id, conflicts_with = "run_id")]
+    pub run: Option<String>,
+    /// The same as a flag.
+    #[arg(long, value_name = "RUN_ID", value_parser = super::run_id)]
+    pub run_id: Option<String>,
+    /// With --watch, a call that comes to wait is a line as listed, and one decided, answered
+    /// or expired a line "… no longer waits" (with --json: a `PendingApproval` line, and
+    /// `{"noLongerWaits": {"runId": …, "callId": …}}`).
+    #[command(flatten)]
+    pub watch: super::watch::WatchArgs,
 }
 
 impl ApprovalsArgs {
     /// Lists the calls waiting, a line each (and a line per question).
     pub async fn run(&self) -> Result<bool, Error> {
         let client = self.connection.client().await?;
+        let run_id = self.run.as_ref().or(self.run_id.as_ref());
         let request = pb::ListPendingApprovalsRequest {
-            run_id: self.run_id.clone(),
+            run_id: run_id.cloned().unwrap_or_default(),
             limit: 0,
         };
         let answer = client
-            .list_pending_approvals(request)
+            .list_pending_approvals(request.clone())
             .await
             .map_err(|e| refused("list the calls waiting for a person", e))?;
         if self.connection.json {
-            return print_json(&answer, "orchestrator.v1.ListPendingApprovalsResponse").map(|()| true);
+            print_json(&answer, "orchestrator.v1.ListPendingApprovalsResponse")?;
+        } else {
+            let now = shared::sync::unix_ms();
+            for call in &answer.approvals {
+                print_pending(call, now);
+            }
+            match (answer.approvals.is_empty(), answer.truncated) {
+                (true, _) => say!("no tool call waits for a person"),
+                (false, true) => say!("more calls wait than are listed"),
+                (false, false) => {}
+            }
         }
-        let now = shared::sync::unix_ms();
-        for call in &answer.approvals {
-            print_pending(call, now);
-        }
-        match (answer.approvals.is_empty(), answer.truncated) {
-            (true, _) => say!("no tool call waits for a person"),
-            (false, true) => say!("more calls wait than are listed"),
-            (false, false) => {}
+        if self.watch.watch {
+            self.follow(&client, request, answer.approvals).await?;
         }
         Ok(true)
+    }
+
+    /// `--watch`: lists again at its pace and prints each call that comes to wait (or asks a
+    /// new round) and each that no longer waits.
+    async fn follow(
+        &self,
+        client: &orchestrator_client::Client,
+        request: pb::ListPendingApprovalsRequest,
+        first: Vec<pb::PendingApproval>,
+    ) -> Result<(), Error> {
+        let json = self.connection.json;
+        let list = || async {
+            let answer = client.list_pending_approvals(request.clone()).await;
+            Ok(answer
+                .map_err(|e| refused("list the calls waiting for a person", e))?
+                .approvals)
+        };
+        let key = |call: &pb::PendingApproval| (call.run_id.clone(), call.call_id.clone());
+        let show = |change: super::watch::Change<'_, pb::PendingApproval>| match change {
+            super::watch::Change::New(call) if json => {
+                if let Ok(line) = super::output::json(call, "orchestrator.v1.PendingApproval") {
+                    super::output::line(&line);
+                }
+            }
+            super::watch::Change::New(call) => print_pending(call, shared::sync::unix_ms()),
+            super::watch::Change::Gone(call) if json => {
+                let gone = serde_json::json!({"noLongerWaits": {"runId": call.run_id, "callId": call.call_id}});
+                super::output::line(&gone.to_string());
+            }
+            super::watch::Change::Gone(call) => {
+                say!("{}  {}  {} no longer waits", call.run_id, call.call_id, call.name);
+            }
+        };
+        super::watch::changes(self.watch.watch_every, first, key, list, show).await
     }
 }
 
@@ -89,15 +136,34 @@ fn after_decision(run_id: &str, status: i32, still: &[pb::PendingApproval]) -> S
     }
 }
 
+/// The run a command acts on: given alone (`decide RUN_ID`, as `get RUN_ID`) or as
+/// `--run-id RUN_ID` (as `call` names it).
+#[derive(Debug, Clone, Args)]
+pub struct RunArg {
+    /// The run.
+    #[arg(value_name = "RUN_ID", value_parser = super::run_id, required_unless_present = "run_id", conflicts_with = "run_id")]
+    run: Option<String>,
+    /// The same as a flag.
+    #[arg(long, value_name = "RUN_ID", value_parser = super::run_id)]
+    run_id: Option<String>,
+}
+
+impl RunArg {
+    /// The run's id, however it was given.
+    pub fn id(&self) -> &str {
+        self.run.as_deref().or(self.run_id.as_deref()).unwrap_or_default()
+    }
+}
+
 /// Flags of `decide`.
 #[derive(Debug, Clone, Args)]
 pub struct DecideArgs {
     #[allow(missing_docs)]
     #[command(flatten)]
     pub connection: Connection,
-    /// The run whose calls are decided.
-    #[arg(long, value_parser = super::run_id)]
-    pub run_id: String,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub run: RunArg,
     /// Approve this call as the model wrote it (repeatable).
     #[arg(long = "approve", value_name = "CALL_ID")]
     pub approve: Vec<String>,
@@ -114,18 +180,19 @@ impl DecideArgs {
     pub async fn run(&self) -> Result<bool, Error> {
         let decisions = self.decisions().map_err(Error::Config)?;
         let client = self.connection.client().await?;
+        let run_id = self.run.id();
         let request = pb::DecideToolCallsRequest {
-            run_id: self.run_id.clone(),
+            run_id: run_id.to_owned(),
             decisions,
         };
         let answer = client
             .decide_tool_calls(request)
             .await
-            .map_err(|e| refused(&format!("decide on run {:?}", self.run_id), e))?;
+            .map_err(|e| refused(&format!("decide on run {run_id:?}"), e))?;
         if self.connection.json {
             return print_json(&answer, "orchestrator.v1.DecideToolCallsResponse").map(|()| true);
         }
-        let after = after_decision(&self.run_id, answer.status, &answer.still_pending);
+        let after = after_decision(run_id, answer.status, &answer.still_pending);
         say!("decided; {after}");
         Ok(true)
     }
@@ -157,9 +224,9 @@ pub struct AnswerArgs {
     #[allow(missing_docs)]
     #[command(flatten)]
     pub connection: Connection,
-    /// The run.
-    #[arg(long, value_parser = super::run_id)]
-    pub run_id: String,
+    #[allow(missing_docs)]
+    #[command(flatten)]
+    pub run: RunArg,
     /// The call whose questions are answered.
     #[arg(long)]
     pub call_id: String,
@@ -190,8 +257,9 @@ impl AnswerArgs {
             ));
         }
         let client = self.connection.client().await?;
+        let run_id = self.run.id();
         let request = pb::AnswerToolInputRequest {
-            run_id: self.run_id.clone(),
+            run_id: run_id.to_owned(),
             call_id: self.call_id.clone(),
             answers,
             round: self.round.clone().unwrap_or_default(),
@@ -199,11 +267,11 @@ impl AnswerArgs {
         let answer = client
             .answer_tool_input(request)
             .await
-            .map_err(|e| refused(&format!("answer call {:?} of run {:?}", self.call_id, self.run_id), e))?;
+            .map_err(|e| refused(&format!("answer call {:?} of run {run_id:?}", self.call_id), e))?;
         if self.connection.json {
             return print_json(&answer, "orchestrator.v1.AnswerToolInputResponse").map(|()| true);
         }
-        let after = after_decision(&self.run_id, answer.status, &answer.still_pending);
+        let after = after_decision(run_id, answer.status, &answer.still_pending);
         say!("answered; {after}");
         Ok(true)
     }

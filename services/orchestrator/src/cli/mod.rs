@@ -3,7 +3,8 @@
 //! (start a run, or attach to one: [`call`]), `get`, `cancel` and `runs` ([`runs`]), `approvals`,
 //! `decide` and `answer` ([`decide`]), `say`, `thread`, `usage` and `agents` ([`thread`]),
 //! `webhooks` ([`webhooks`]); each prints JSON with `--json` ([`output`]): one line of the
-//! answer, or for `call` one line per event. The one-command demo is its own binary
+//! answer, or for `call` one line per event; `runs` and `approvals` follow changes with
+//! `--watch` ([`watch`]). The one-command demo is its own binary
 //! (`cargo run -p demo`), so this one carries no stand-in model.
 
 use std::time::Duration;
@@ -25,6 +26,7 @@ pub mod decide;
 pub mod output;
 pub mod runs;
 pub mod thread;
+pub mod watch;
 pub mod webhooks;
 
 /// The orchestrator: runs LLM tool loops for other services over gRPC.
@@ -279,7 +281,10 @@ impl Connection {
     /// A client of the orchestrator, each call within 30 s.
     pub async fn client(&self) -> Result<orchestrator_client::Client, crate::Error> {
         let timeout = Duration::from_secs(30);
-        call::connect(&self.endpoint, self.token.as_deref(), &self.tls, timeout).await
+        // One attempt: a refusal of a call that writes (a webhook, a decision) is said, not
+        // repeated.
+        let once = orchestrator_client::Retry::none();
+        call::connect(&self.endpoint, self.token.as_deref(), &self.tls, timeout, once).await
     }
 }
 

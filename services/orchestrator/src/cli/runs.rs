@@ -185,8 +185,11 @@ pub struct RunsArgs {
     #[arg(long, default_value = "")]
     pub page_token: String,
     /// Every page, not just the first (at most this many rows).
-    #[arg(long, value_name = "MAX_ROWS")]
+    #[arg(long, value_name = "MAX_ROWS", conflicts_with = "watch")]
     pub all: Option<usize>,
+    /// With --watch, each new or changed run is a row (with --json, a `RunSummary` line).
+    #[command(flatten)]
+    pub watch: super::watch::WatchArgs,
 }
 
 /// `--since`: a span before now, or a time.
@@ -258,6 +261,7 @@ impl RunsArgs {
         let (mut request, max) = (self.request(), self.all.unwrap_or(usize::MAX));
         let listing = |e| refused("list the runs", e);
         let mut page = client.list_runs(request.clone()).await.map_err(listing)?;
+        let watched = (request.clone(), page.runs.clone());
         if self.connection.json {
             // Every page asked for, as one answer.
             while self.all.is_some() && !page.next_page_token.is_empty() && page.runs.len() < max {
@@ -267,7 +271,8 @@ impl RunsArgs {
                 page.next_page_token = next.next_page_token;
             }
             page.runs.truncate(max);
-            return print_json(&page, "orchestrator.v1.ListRunsResponse").map(|()| true);
+            print_json(&page, "orchestrator.v1.ListRunsResponse")?;
+            return self.follow(&client, watched).await;
         }
         let mut table = Table::new(&[
             "RUN",
@@ -310,6 +315,35 @@ impl RunsArgs {
             };
             say!("more: {since}--page-token {token}");
         }
+        self.follow(&client, watched).await
+    }
+
+    /// With `--watch`: lists the first page again at its pace and prints each run new or
+    /// changed since (a run that leaves the page is no news).
+    async fn follow(
+        &self,
+        client: &orchestrator_client::Client,
+        (request, first): (pb::ListRunsRequest, Vec<pb::RunSummary>),
+    ) -> Result<bool, Error> {
+        if !self.watch.watch {
+            return Ok(true);
+        }
+        let json = self.connection.json;
+        let list = || async {
+            let page = client.list_runs(request.clone()).await;
+            Ok(page.map_err(|e| refused("list the runs", e))?.runs)
+        };
+        let key = |run: &pb::RunSummary| run.run_id.clone();
+        let show = |change: super::watch::Change<'_, pb::RunSummary>| match change {
+            super::watch::Change::New(run) if json => {
+                if let Ok(line) = super::output::json(run, "orchestrator.v1.RunSummary") {
+                    super::output::line(&line);
+                }
+            }
+            super::watch::Change::New(run) => say!("{}", run_row(run).join("  ")),
+            super::watch::Change::Gone(_) => {}
+        };
+        super::watch::changes(self.watch.watch_every, first, key, list, show).await?;
         Ok(true)
     }
 

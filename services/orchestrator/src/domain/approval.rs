@@ -235,7 +235,7 @@ impl std::fmt::Debug for DecisionKind {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecideError {
     /// No run the caller may see waits under this id.
-    #[error("no run {0:?} waits for approval (unknown, finished, or it waits for nothing)")]
+    #[error("no run {0:?} waits for a person (unknown, finished, or it waits for nothing)")]
     NotFound(String),
     /// The run's owner asks, on a server where only approvers decide.
     #[error(
