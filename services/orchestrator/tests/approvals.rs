@@ -1494,7 +1494,8 @@ async fn an_a2a_task_is_followed_and_answered_on_another_replica() -> TestResult
 
 /// With the NATS store a parked run belongs to no replica: it is listed and decided on another
 /// replica than the one that ran its turn, goes on there (or on any replica), and the caller's
-/// stream on the first replica goes on to `run_finished`, gap-free and equal to `GetRun`.
+/// stream on the first replica goes on to `run_finished`, gap-free and equal to `GetRun`; the
+/// approved call's duration is the call's own.
 #[tokio::test]
 async fn a_decision_on_another_replica_lets_the_run_go_on() -> TestResult {
     let f = fleet(refund_then_answer(), 2).await?;
@@ -1538,6 +1539,9 @@ async fn a_decision_on_another_replica_lets_the_run_go_on() -> TestResult {
     let record = sleep_record(&outcome.result)?;
     assert!(record.ok);
     assert_eq!(record.approval.as_ref().map(|d| d.principal.as_str()), Some("carol"));
+    // A 5 ms call, resumed by a later claim: its duration is its own, not the fence grace
+    // (2 s) its new owner waits before sending it.
+    assert!(record.duration_ms < 1500, "{} ms", record.duration_ms);
     assert_eq!(get(&mut b, "alice-token", "nats-1").await?, outcome.result);
     Ok(())
 }

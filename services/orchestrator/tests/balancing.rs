@@ -364,3 +364,41 @@ async fn model_endpoints_follow_the_dns_answer() -> TestResult {
     assert_eq!(served(&a), on_a);
     Ok(())
 }
+
+/// Two tool-runners behind one orchestrator that serve different tools make its catalog follow
+/// whichever answers a refresh: the orchestrator says so in a warning naming what only each
+/// one lists, and the flag that lists the runners.
+#[tokio::test]
+async fn runners_serving_different_tools_are_warned_of() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let manifest = dir.path().join("tools.toml");
+    std::fs::write(
+        &manifest,
+        "[[tool]]\nname = \"refund\"\ndescription = \"refunds\"\nargv = [\"true\"]\n",
+    )?;
+    let plain = Service::spawn(runner(&[])?, "127.0.0.2", "tool-runner serving").await?;
+    let manifest = manifest.display().to_string();
+    let more = runner(&["--tools-manifest", &manifest])?;
+    let more = Service::spawn(more, "127.0.0.3", "tool-runner serving").await?;
+    let mock = mock_llm::MockLlm::start(Scenario::new(vec![Turn::text("Hi.")])).await?;
+    let runners = format!("http://{},http://{}", plain.grpc, more.grpc);
+    let mut command = testkit::orchestrator_command(env!("CARGO_BIN_EXE_orchestrator"), &mock.base_url(), &runners);
+    command.args(["--tool-refresh-interval", "1s"]);
+    let orchestrator = Service::orchestrator(command).await?;
+    let warned = orchestrator
+        .logged("tool-runners serve different tools", Duration::from_secs(30))
+        .await;
+    let logs = orchestrator.logs().join("\n");
+    assert!(warned, "{logs}");
+    let line = logs
+        .lines()
+        .find(|l| l.contains("tool-runners serve different tools"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("lists refund") && line.contains("--tool-runner"),
+        "{line}"
+    );
+    orchestrator.stop().await?;
+    plain.stop().await?;
+    more.stop().await
+}

@@ -367,8 +367,9 @@ async fn call_prints_its_events_as_json_lines() -> TestResult {
     Ok(())
 }
 
-/// Bad input is refused before anything is sent (exit 2), saying what to write instead; the
-/// server refuses a malformed id `INVALID_ARGUMENT` naming the rule, never `NOT_FOUND`.
+/// Bad input is refused before anything is sent (exit 2), saying what to write instead; what
+/// only the server can refuse names the flag beside the contract's field; the server refuses a
+/// malformed id `INVALID_ARGUMENT` naming the rule, never `NOT_FOUND`.
 #[tokio::test]
 async fn bad_input_is_refused_saying_what_to_write() -> TestResult {
     let (code, _, stderr) = cli(&["get", "r-1", "--endpoint", "127.0.0.1:50051"]).await?;
@@ -394,6 +395,22 @@ async fn bad_input_is_refused_saying_what_to_write() -> TestResult {
     );
 
     let w = world(Scenario::new(vec![Turn::text("Hi.")])).await?;
+    let endpoint = w.endpoint();
+    let unknown = [
+        "call",
+        "--prompt",
+        "x",
+        "--needs-approval",
+        "no_such_tool",
+        "--endpoint",
+        &endpoint,
+    ];
+    let (code, _, stderr) = cli(&unknown).await?;
+    assert_eq!(code, Some(3), "{stderr}");
+    assert!(
+        stderr.contains("tools.approval.tools (--needs-approval) names \"no_such_tool\""),
+        "a server's refusal names the flag beside the field: {stderr}"
+    );
     let mut raw = pb::orchestrator_client::OrchestratorClient::connect(w.endpoint()).await?;
     let long = "x".repeat(300);
     for bad in ["ünï", long.as_str(), ""] {

@@ -117,7 +117,52 @@ impl Table {
 /// what to do when the refusal is the command line's to fix.
 pub fn refused(what: &str, error: orchestrator_client::Error) -> Error {
     let hint = hint(&error).map(|h| format!("\n  {h}")).unwrap_or_default();
-    Error::Call(format!("{what}: {error}{hint}"))
+    Error::Call(format!("{what}: {}{hint}", with_flags(&error.to_string())))
+}
+
+/// The fields of the contract a client command fills from one of its flags, longest first: a
+/// server's refusal names the field (it speaks to every client), a person typed the flag.
+const FLAGS_OF_FIELDS: &[(&str, &str)] = &[
+    ("limits.approval_timeout_ms", "--approval-timeout"),
+    ("limits.run_timeout_ms", "--run-timeout"),
+    ("tools.approval.tools", "--needs-approval"),
+    ("params.tool_choice", "--tool-choice"),
+    ("params.temperature", "--temperature"),
+    ("params.max_tokens", "--max-tokens"),
+    ("tools.normal", "--tool"),
+    ("tools.exit", "--exit-tool"),
+    ("thread_id", "--thread"),
+    ("on_busy", "--on-busy"),
+    ("run_id", "--run-id"),
+];
+
+/// `message` with each field of [`FLAGS_OF_FIELDS`] it names (as a whole word; its first
+/// mention) followed by its flag: `tools.approval.tools (--needs-approval) names "x", …`.
+pub fn with_flags(message: &str) -> String {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut marks: Vec<(usize, &str)> = FLAGS_OF_FIELDS
+        .iter()
+        .filter_map(|(field, flag)| {
+            let (at, _) = message.match_indices(field).find(|(at, _)| {
+                let before = message[..*at].chars().next_back();
+                let after = message[at + field.len()..].chars().next();
+                before.is_none_or(|c| !word(c) && c != '.') && after.is_none_or(|c| !word(c))
+            })?;
+            let end = message[at..]
+                .find(|c: char| c.is_whitespace() || c == ':' || c == ',')
+                .map_or(message.len(), |n| at + n);
+            Some((end, *flag))
+        })
+        .collect();
+    marks.sort_unstable();
+    let (mut marked, mut from) = (String::with_capacity(message.len() + 32), 0);
+    for (end, flag) in marks {
+        marked.push_str(&message[from..end]);
+        marked.push_str(&format!(" ({flag})"));
+        from = end;
+    }
+    marked.push_str(&message[from..]);
+    marked
 }
 
 /// What a person does about `error`, when the command line can fix it.
@@ -219,5 +264,25 @@ mod tests {
             table.lines(),
             ["RUN    TOKENS  LABELS", "first    1687", "q-5        12  batch=8"]
         );
+    }
+
+    #[test]
+    fn a_refusal_naming_a_field_names_its_flag_too() {
+        assert_eq!(
+            with_flags("tools.approval.tools names \"x\", which is not a normal tool of this run"),
+            "tools.approval.tools (--needs-approval) names \"x\", which is not a normal tool of this run"
+        );
+        assert_eq!(
+            with_flags("tools.exit[0].name \"a b\" must be 1-64 letters"),
+            "tools.exit[0].name (--exit-tool) \"a b\" must be 1-64 letters"
+        );
+        assert_eq!(
+            with_flags("name at most one of run_id and thread_id"),
+            "name at most one of run_id (--run-id) and thread_id (--thread)"
+        );
+        // Not a field: part of another word, or of another path.
+        for text in ["my_run_id is wrong", "a.tools.normal b", "the model stopped"] {
+            assert_eq!(with_flags(text), text);
+        }
     }
 }

@@ -22,7 +22,8 @@
 //! Files: this one (the catalog, a call's gRPC attempts), `sender.rs` (the rules every attempt
 //! follows: lease checks, stale refusals, retries of calls that did not run), `pool.rs` (the
 //! endpoint pool: two random choices, cooldowns), `membership.rs` (DNS re-resolution, reload of
-//! the TLS and token files), `transport.rs` (one endpoint's channel: TLS, token).
+//! the TLS and token files), `transport.rs` (one endpoint's channel: TLS, token), `listings.rs`
+//! (what each runner listed last: a warning when runners serve different tools).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -40,6 +41,7 @@ use crate::config::{Target, ToolRunnerSettings};
 use crate::domain::chat::ToolDefinition;
 use pool::Pool;
 
+mod listings;
 mod membership;
 mod pool;
 pub mod sender;
@@ -112,6 +114,7 @@ pub struct ToolRunners {
     /// The runner that answered the last catalog fetch records durable calls: a durable call
     /// whose answer was lost may be sent again.
     records_calls: Arc<std::sync::atomic::AtomicBool>,
+    listings: Arc<listings::Listings>,
 }
 
 impl ToolRunners {
@@ -143,6 +146,7 @@ impl ToolRunners {
             _membership: membership.follow(settings.clone(), reload_interval).map(Arc::new),
             transport,
             records_calls: Arc::default(),
+            listings: Arc::default(),
         })
     }
 
@@ -158,8 +162,14 @@ impl ToolRunners {
         let mut catalog = shared::sync::write(&self.catalog);
         catalog.generation += 1;
         match fetched {
-            Ok(tools) => {
+            Ok((uri, tools)) => {
                 let count = tools.len();
+                let names = tools.keys().cloned().collect();
+                let disagreement = self.listings.record(&uri, names, &self.pool.uris());
+                let changed = !catalog.tools.keys().eq(tools.keys());
+                if let Some(warning) = disagreement.filter(|_| changed) {
+                    tracing::warn!(runner = %uri, "{warning}");
+                }
                 catalog.tools = Arc::new(tools);
                 catalog.unanswered = None;
                 Ok(count)
@@ -204,14 +214,24 @@ impl ToolRunners {
         shared::sync::read(&self.catalog)
     }
 
-    /// `ListTools` on one endpoint after another until one answers.
-    async fn fetch(&self, timeout: Duration) -> Result<BTreeMap<String, RemoteTool>, String> {
-        let mut tried = Vec::new();
+    /// `ListTools` on one endpoint after another until one answers (another than the last
+    /// answer's first, when there is one: see [`listings`]); which one, and its tools.
+    async fn fetch(&self, timeout: Duration) -> Result<(String, BTreeMap<String, RemoteTool>), String> {
+        let mut avoided = self.listings.last_answerer().filter(|_| self.pool.uris().len() > 1);
+        let mut tried: Vec<String> = avoided.iter().cloned().collect();
         let mut last_error = format!("no tool-runner endpoint (targets: {})", self.targets.join(", "));
         let response = loop {
             let Some(lease) = self.pool.pick(&tried).filter(|l| !tried.contains(&l.member.uri)) else {
-                return Err(last_error);
+                // The last answer's runner is asked last, not never.
+                match avoided.take() {
+                    Some(last) => {
+                        tried.retain(|uri| *uri != last);
+                        continue;
+                    }
+                    None => return Err(last_error),
+                }
             };
+            let uri = lease.member.uri.clone();
             tried.push(lease.member.uri.clone());
             let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
                 .max_decoding_message_size(self.call.max_response_bytes);
@@ -219,14 +239,14 @@ impl ToolRunners {
             request.set_timeout(timeout);
             self.transport.current().authorize(&mut request);
             match tokio::time::timeout(timeout, client.list_tools(request)).await {
-                Ok(Ok(response)) => break response,
+                Ok(Ok(response)) => break (uri, response),
                 Ok(Err(status)) => {
                     last_error = format!("ListTools on {} failed: {}", lease.member.uri, status.message())
                 }
                 Err(_) => last_error = format!("ListTools on {} timed out", lease.member.uri),
             }
         };
-        let response = response.into_inner();
+        let (uri, response) = (response.0, response.1.into_inner());
         self.records_calls
             .store(response.records_calls, std::sync::atomic::Ordering::Relaxed);
         let mut catalog = BTreeMap::new();
@@ -246,7 +266,7 @@ impl ToolRunners {
                 },
             );
         }
-        Ok(catalog)
+        Ok((uri, catalog))
     }
 
     /// The tools known now, by name.

@@ -782,11 +782,14 @@ impl<'a> Driver<'a> {
     }
 
     /// Safe point (c): the turn ended; the messages sent to the run meanwhile join the
-    /// conversation. A durable run saves its checkpoint, which also shows its output so far to
+    /// conversation (unless the run is canceled once the turn ends). A durable run saves its checkpoint, which also shows its output so far to
     /// GetRun on every replica (a local store's registry shows live runs).
     async fn end_turn(&mut self, number: u32) -> Step<()> {
         (self.progress.turns_done, self.progress.attempt) = (number, 1);
-        self.take_messages(number);
+        // A run canceled once this turn ends has no next turn for a message to join.
+        if self.cancel.after_turn().is_none() {
+            self.take_messages(number);
+        }
         match self.durable() {
             Some(_) => self.safe_point(None).await,
             None => Ok(()),

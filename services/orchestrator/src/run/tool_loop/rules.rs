@@ -557,6 +557,11 @@ impl Driver<'_> {
                 // ends here at once (its ownership stopped).
                 return std::future::pending().await;
             }
+            // A takeover's calls wait out the fence grace first: neither the call's duration
+            // nor its timeout counts that wait.
+            if let Some(owner) = &owner {
+                owner.calls_allowed().await;
+            }
             let _in_flight = InFlight::new(metric::TOOL_CALLS_IN_FLIGHT);
             let started = Instant::now();
             let result = tokio::time::timeout(timeout, future).await.unwrap_or_else(|_| {

@@ -67,6 +67,23 @@ async fn a_message_sent_while_a_call_runs_joins_the_next_request_after_its_resul
     );
 }
 
+/// A run canceled once its turn ends has no next turn: a message sent during that turn joins
+/// nothing and is not announced as joining one.
+#[tokio::test(start_paused = true)]
+async fn a_message_sent_to_a_run_canceled_after_its_turn_joins_no_turn() {
+    let outside = Outside {
+        messages: vec![(Duration::from_secs(1), "Also check the weather in Oslo.")],
+        cancel_after: Some(Duration::from_secs(2)),
+        cancel_mode: CancelMode::AfterTurn,
+        ..Outside::default()
+    };
+    let (result, batches, script, _) = play_with(a_nap_then_an_answer(3000), limits(), outside).await;
+    assert_eq!(result.status, RunStatus::Canceled, "{result:?}");
+    let events: Vec<NumberedEvent> = batches.into_iter().flatten().collect();
+    assert_eq!(messages_added(&events), [], "no turn 2 for it to join");
+    assert_eq!(script.requests.lock().unwrap().len(), 1);
+}
+
 /// A message that comes while the model answers without calling a tool gives the run one more
 /// turn, which holds the answer and then the message.
 #[tokio::test(start_paused = true)]
