@@ -117,6 +117,7 @@ fn wait(run_id: &str, principal: &str) -> Wait {
         decision: None,
         questions: None,
         in_doubt: false,
+        context: Default::default(),
     };
     Wait {
         run_id: run_id.to_owned(),

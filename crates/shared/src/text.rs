@@ -41,6 +41,19 @@ pub fn excerpt(text: &str) -> String {
     }
 }
 
+/// The last [`EXCERPT_CHARS`] characters of `text`, with `…` before them when there was more:
+/// the end of what a model said, nearest to what it did next.
+pub fn ending(text: &str) -> String {
+    let count = text.chars().count();
+    match count.checked_sub(EXCERPT_CHARS).filter(|skip| *skip > 0) {
+        Some(skip) => {
+            let cut = text.char_indices().nth(skip).map_or(0, |(at, _)| at);
+            format!("…{}", &text[cut..])
+        }
+        None => text.to_owned(),
+    }
+}
+
 /// `None` when `text` fits in `max` bytes; else its first `max` bytes followed by a line saying
 /// how much of the `what` was left out, so a reader (a model, a person) knows it is incomplete.
 pub fn cut_with_note(text: &str, max: usize, what: &str) -> Option<String> {
@@ -166,6 +179,15 @@ mod tests {
         ] {
             assert_eq!(printable(text), shown, "{text:?}");
         }
+    }
+
+    #[test]
+    fn endings_keep_short_text_and_mark_where_long_text_was_cut() {
+        assert_eq!(ending("short"), "short");
+        let long = format!("{}é{}", "a".repeat(EXCERPT_CHARS), "b".repeat(9));
+        let end = ending(&long);
+        assert!(end.starts_with('…') && end.ends_with("ébbbbbbbbb"), "{end}");
+        assert_eq!(end.chars().count(), EXCERPT_CHARS + 1);
     }
 
     #[test]

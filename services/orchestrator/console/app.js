@@ -214,11 +214,12 @@ function runsView(params) {
           h("td", { class: "number" }, Number(run.usage?.promptTokens ?? 0) + Number(run.usage?.completionTokens ?? 0)),
           h("td", {}, when(run.createdAtMs)),
           h("td", { class: "labels" }, Object.entries(run.labels ?? {}).map(([k, v]) => `${k}=${v}`).join(", ")),
+          h("td", { class: "asked", title: run.prompt ?? "" }, run.prompt ?? ""),
         ),
       ),
     );
     if (focused) rows.querySelector(`a[href="${CSS.escape(focused)}"]`)?.focus();
-    if (!page.runs.length) rows.replaceChildren(h("tr", {}, h("td", { colspan: 9, class: "muted" }, "No run matches.")));
+    if (!page.runs.length) rows.replaceChildren(h("tr", {}, h("td", { colspan: 10, class: "muted" }, "No run matches.")));
     more.replaceChildren(
       page.nextPageToken
         ? h("button", { type: "button", onclick: () => { pageToken = page.nextPageToken; draw(); } }, "Next page")
@@ -244,7 +245,7 @@ function runsView(params) {
     isOperator() ? field("Principal", principal) : "",
     h("button", { type: "submit" }, "Apply"),
   );
-  const head = ["Run", "Status", "Principal", "Thread", "Agent", "Turns", "Tokens", "Created", "Labels"].map((c) =>
+  const head = ["Run", "Status", "Principal", "Thread", "Agent", "Turns", "Tokens", "Created", "Labels", "Asked"].map((c) =>
     h("th", { scope: "col", class: c === "Turns" || c === "Tokens" ? "number" : "" }, c),
   );
   main.replaceChildren(
@@ -490,6 +491,9 @@ function runView(runId) {
       if (run.agent && !heading.nextElementSibling?.classList.contains("agent")) {
         heading.after(h("p", { class: "agent" }, `Agent ${run.agent} · version ${run.agentVersion}`));
       }
+      if (run.prompt && !main.querySelector("blockquote.asked")) {
+        heading.after(h("blockquote", { class: "asked text", "aria-label": "What the run was asked" }, run.prompt));
+      }
       if (!source || source.readyState === EventSource.CLOSED) follow();
     } catch (x) {
       if (x.status === 404 && ++looked < 5 && !stopped) {
@@ -634,7 +638,16 @@ function waitingView() {
       seen.add(key);
       if (drawn.has(key)) continue;
       const asks = p.inputRequests?.length;
-      const context = h("div", { class: "context" });
+      // What the run is about, to decide on: what it was asked, its labels, and what the model
+      // said before the call (kept with the call: no read of the run).
+      const labels = Object.entries(p.labels ?? {}).map(([k, v]) => `${k}=${v}`).join(", ");
+      const context = h(
+        "div",
+        { class: "context" },
+        p.prompt ? h("p", {}, h("strong", {}, "Asked: "), h("span", { class: "text" }, p.prompt)) : "",
+        labels ? h("p", {}, `Labels: ${labels}`) : "",
+        p.saidBefore ? h("blockquote", { class: "text", "aria-label": "What the model said before the call" }, p.saidBefore) : "",
+      );
       const box = h(
         "article",
         { "aria-label": `${p.name} in run ${p.runId}${p.inDoubt ? ", in doubt" : ""}` },
@@ -644,16 +657,6 @@ function waitingView() {
         h("pre", {}, pretty(p.argumentsJson)),
         asks ? questionsBox(p.runId, p) : decisionBox(p.runId, p),
       );
-      // What the run is about, to decide on: its labels and what the model said before the call.
-      rpc("GetRun", { runId: p.runId })
-        .then((run) => {
-          const labels = Object.entries(run.labels ?? {}).map(([k, v]) => `${k}=${v}`).join(", ");
-          context.replaceChildren(
-            labels ? h("p", {}, `Labels: ${labels}`) : "",
-            run.text ? h("blockquote", { class: "text", "aria-label": "What the model said before the call" }, run.text) : "",
-          );
-        })
-        .catch(() => {});
       drawn.set(key, box);
       list.append(box);
     }

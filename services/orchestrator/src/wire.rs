@@ -307,6 +307,9 @@ impl From<&PendingApproval> for pb::PendingApproval {
                 .collect(),
             input_round: p.questions.as_ref().map(Questions::round).unwrap_or_default(),
             in_doubt: p.in_doubt,
+            prompt: p.context.prompt.clone(),
+            labels: p.context.labels.clone().into_iter().collect(),
+            said_before: p.context.said_before.clone(),
         }
     }
 }
@@ -331,6 +334,11 @@ impl TryFrom<pb::PendingApproval> for PendingApproval {
             expires_at_unix_ms: p.expires_at_unix_ms,
             principal: p.principal,
             in_doubt: p.in_doubt,
+            context: crate::domain::approval::CallContext {
+                prompt: p.prompt,
+                labels: p.labels.into_iter().collect(),
+                said_before: p.said_before,
+            },
         })
     }
 }
@@ -388,6 +396,7 @@ impl TryFrom<pb::RunResult> for RunResult {
             ends_after_turn: None,
             agent: agent_from_wire(r.agent, r.agent_version),
             request_digests: r.request_digests.into_iter().collect(),
+            prompt: r.prompt,
         })
     }
 }
@@ -432,6 +441,7 @@ impl From<&RunResult> for pb::RunResult {
             agent: r.agent.as_ref().map(|a| a.name.clone()).unwrap_or_default(),
             agent_version: r.agent.as_ref().map(|a| a.version.clone()).unwrap_or_default(),
             request_digests: r.request_digests.clone().into_iter().collect(),
+            prompt: r.prompt.clone(),
         }
     }
 }
@@ -471,6 +481,7 @@ impl From<&crate::domain::listing::RunSummary> for pb::RunSummary {
             waiting_for: waiting_for.into(),
             agent: r.agent.as_ref().map(|a| a.name.clone()).unwrap_or_default(),
             agent_version: r.agent.as_ref().map(|a| a.version.clone()).unwrap_or_default(),
+            prompt: r.prompt.clone(),
         }
     }
 }

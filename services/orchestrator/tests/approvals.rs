@@ -1082,9 +1082,10 @@ async fn cli(args: &[&str]) -> anyhow::Result<(Option<i32>, String, String)> {
 }
 
 /// From a shell: `orchestrator call --needs-approval` prints the call waiting with the command
-/// that decides it, `orchestrator approvals` lists it (and `--watch` sees it come and go),
-/// `orchestrator decide RUN_ID --approve` lets the run go on, and `call` prints the rest of the
-/// run.
+/// that decides it, `orchestrator approvals` lists it with what the run was asked, its labels and
+/// what the model said before the call (and `--watch` sees it come and go), `get` shows what it
+/// was asked, `orchestrator decide RUN_ID --approve` lets the run go on, and `call` prints the
+/// rest of the run.
 #[tokio::test]
 async fn the_command_line_lists_and_decides() -> TestResult {
     let w = world(refund_then_answer(), &[]).await?;
@@ -1100,6 +1101,7 @@ async fn the_command_line_lists_and_decides() -> TestResult {
         "cli-1",
     ])
     .args(["--needs-approval", "sleep", "--token", "alice-token"])
+    .args(["--label", "ticket=T-7", "--label", "queue=refunds"])
     .env("ORCHESTRATOR_METRICS_LISTEN", "off")
     .stdout(std::process::Stdio::piped())
     .stderr(std::process::Stdio::piped())
@@ -1116,6 +1118,16 @@ async fn the_command_line_lists_and_decides() -> TestResult {
         listed.contains("cli-1") && listed.contains(&call_id) && listed.contains("sleep"),
         "{listed}"
     );
+    // What a person decides on: what the run was asked, its labels, what the model said.
+    for told in [
+        "    asked: refund order 7",
+        "    labels: queue=refunds, ticket=T-7",
+        "    the model said: Refunding and noting it.",
+    ] {
+        assert!(listed.lines().any(|l| l == told), "{told:?} in:\n{listed}");
+    }
+    let (_, shown, _) = cli(&[&["get", "cli-1"][..], &carol].concat()).await?;
+    assert!(shown.lines().any(|l| l == "  asked: refund order 7"), "{shown}");
     let mut watch = Command::new(BIN);
     watch
         .env("ORCHESTRATOR_METRICS_LISTEN", "off")

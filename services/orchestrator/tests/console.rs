@@ -489,6 +489,9 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
     let row = find(browser, &format!("{}/ancestor::tr", listed("counting-1"))).await?;
     let row = row.text().await?;
     assert!(row.contains("counter"), "the runs page shows the run's agent: {row}");
+    let asked = find(browser, &format!("{}/ancestor::tr/td[last()]", listed("counting-1"))).await?;
+    let asked = asked.attr("title").await?.unwrap_or_default();
+    assert_eq!(asked, "Count.", "the runs page shows what a run was asked");
     screenshot(browser, "runs").await?;
     visit(browser, &console, "#/threads/support-42").await?;
     shows(browser, "One, two").await?;
@@ -501,11 +504,17 @@ async fn a_person_watches_approves_and_answers_in_a_real_browser() -> TestResult
             .run_id("approve-1")
             .model("approve")
             .tool("sleep")
-            .needs_approval("sleep"),
+            .needs_approval("sleep")
+            .label("ticket", "T-1"),
     )
     .await?;
     visit(browser, &console, "#/waiting").await?;
     let waiting = find(browser, &named("sleep in run approve-1")).await?;
+    // What a person decides on: what the run was asked, its labels, what the model said.
+    let card = waiting.text().await?;
+    for told in ["Asked: Sleep.", "Labels: ticket=T-1", "Sleeping a little."] {
+        assert!(card.contains(told), "the waiting card shows {told:?}: {card}");
+    }
     screenshot(browser, "waiting").await?;
     accessible(browser, "waiting").await?;
     press(&waiting, "Approve").await?;

@@ -92,6 +92,7 @@ fn wait(run_id: &str, calls: &[&str], epoch: u64) -> Wait {
         decision: None,
         questions: None,
         in_doubt: false,
+        context: Default::default(),
     };
     Wait {
         run_id: run_id.to_owned(),

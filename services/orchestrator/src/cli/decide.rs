@@ -114,6 +114,7 @@ fn print_pending(call: &pb::PendingApproval, now: u64) {
         call.principal,
         humantime::format_duration(left)
     );
+    print_context(call);
     for question in &call.input_requests {
         let detail = match question.mode.as_str() {
             "url" => &question.url,
@@ -125,6 +126,22 @@ fn print_pending(call: &pb::PendingApproval, now: u64) {
             question.mode,
             question.message
         );
+    }
+}
+
+/// What a person deciding `call` reads of its run: what it was asked, its labels, what the
+/// model said before the call.
+fn print_context(call: &pb::PendingApproval) {
+    if !call.prompt.is_empty() {
+        say!("    asked: {}", super::runs::one_line(&call.prompt));
+    }
+    if !call.labels.is_empty() {
+        let mut labels: Vec<String> = call.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        say!("    labels: {}", labels.join(", "));
+    }
+    if !call.said_before.is_empty() {
+        say!("    the model said: {}", super::runs::one_line(&call.said_before));
     }
 }
 

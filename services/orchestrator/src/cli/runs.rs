@@ -108,6 +108,9 @@ fn print_run(run: &pb::RunResult) {
         let reason = pb::FailureReason::try_from(run.failure_reason).map_or("?", |s| s.as_str_name());
         say!("  {reason}: {}", run.failure_detail);
     }
+    if !run.prompt.is_empty() {
+        say!("  asked: {}", one_line(&run.prompt));
+    }
     if !run.text.is_empty() {
         // The text indented under its label, line by line.
         say!(
@@ -284,6 +287,7 @@ impl RunsArgs {
             ">TOKENS",
             "CREATED",
             "LABELS",
+            "ASKED",
         ]);
         let mut printed = 0usize;
         let more = loop {
@@ -395,5 +399,23 @@ fn run_row(run: &pb::RunSummary) -> Vec<String> {
         (usage.prompt_tokens + usage.completion_tokens).to_string(),
         utc(run.created_at_ms),
         labels.join(","),
+        brief(&run.prompt),
     ]
+}
+
+/// How many characters of a run's prompt a row of `runs` shows.
+const BRIEF_CHARS: usize = 48;
+
+/// `text` on one line (its line breaks as spaces).
+pub(super) fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The first [`BRIEF_CHARS`] characters of `text` on one line, `…` when cut.
+fn brief(text: &str) -> String {
+    let line = one_line(text);
+    match line.char_indices().nth(BRIEF_CHARS) {
+        Some((cut, _)) => format!("{}…", &line[..cut]),
+        None => line,
+    }
 }

@@ -59,10 +59,25 @@ pub struct PendingApproval {
     /// Set when the call asks questions (its answers decide it; an approval does not).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub questions: Option<super::input::Questions>,
+    /// What a person deciding the call reads of its run besides the call.
+    #[serde(default)]
+    pub context: CallContext,
     /// The call was approved, ran, and is in doubt (its runner went away before its outcome was
     /// kept): approving it runs it again although it may have taken effect.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub in_doubt: bool,
+}
+
+/// What a person deciding a call needs of its run to decide well, kept with the call so every
+/// listing of it shows it without reading the run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CallContext {
+    /// What the run was asked (`RunSpec::prompt`).
+    pub prompt: String,
+    /// The run's labels.
+    pub labels: BTreeMap<String, String>,
+    /// The end of what the model said in the call's turn before its calls.
+    pub said_before: String,
 }
 
 /// Whether a wait of `calls` is decided: every call is. A wait with no call for a person (a run
@@ -570,6 +585,7 @@ mod tests {
             decision: None,
             questions: None,
             in_doubt: false,
+            context: Default::default(),
         }
     }
 

@@ -59,6 +59,8 @@ pub struct RunSummary {
     pub waiting_for: Waiting,
     /// Its named agent.
     pub agent: Option<super::agent::AgentRef>,
+    /// What it was asked (`RunResult::prompt`).
+    pub prompt: String,
 }
 
 impl From<&RunResult> for RunSummary {
@@ -82,6 +84,7 @@ impl From<&RunResult> for RunSummary {
                 _ => Waiting::Nothing,
             },
             agent: run.agent.clone(),
+            prompt: run.prompt.clone(),
         }
     }
 }

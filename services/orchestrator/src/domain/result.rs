@@ -266,6 +266,10 @@ pub struct RunResult {
     /// The digests of the request it was started with (`RunSpec::request_digests`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub request_digests: BTreeMap<String, String>,
+    /// What the run was asked (`RunSpec::prompt`): a listing and a person deciding its calls
+    /// tell runs apart by it, not by ids alike.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub prompt: String,
 }
 
 impl RunResult {
@@ -306,6 +310,7 @@ impl RunResult {
             ends_after_turn: None,
             agent: None,
             request_digests: BTreeMap::new(),
+            prompt: String::new(),
         }
     }
 }

@@ -131,6 +131,16 @@ pub struct RunSpec {
 }
 
 impl RunSpec {
+    /// What the run was asked, in brief: its request's last user message (the one it was
+    /// started for), cut to an excerpt.
+    pub fn prompt(&self) -> String {
+        let asked = self.messages.iter().rev().find_map(|m| match m {
+            Message::User { content, .. } => Some(content.as_str()),
+            _ => None,
+        });
+        shared::text::excerpt(asked.unwrap_or_default())
+    }
+
     /// A digest of each part of the request a retry under the run's id must repeat: what the
     /// model is asked and with what (not the deadline, which each call sets anew).
     pub fn request_digests(&self) -> BTreeMap<String, String> {

@@ -200,6 +200,7 @@ impl Admitted {
         state.labels.clone_from(&spec.labels);
         state.agent.clone_from(&spec.agent);
         state.request_digests.clone_from(&spec.request_digests);
+        state.prompt = spec.prompt();
         if let Some(thread) = &spec.thread {
             state.thread_id.clone_from(&thread.thread_id);
         }

@@ -594,6 +594,7 @@ async fn a_parked_run_resuming_is_never_out_of_sight() {
                 decision: None,
                 questions: None,
                 in_doubt: false,
+                context: Default::default(),
             },
             serde_json::json!({"type": "object"}),
         )],

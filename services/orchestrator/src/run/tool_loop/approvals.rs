@@ -273,6 +273,11 @@ impl Driver<'_> {
     /// it over opens the same wait again, keeping the decisions made meanwhile.
     async fn open_wait(&mut self, calls: &mut TurnCalls) -> Step<()> {
         let now = shared::sync::unix_ms();
+        let context = crate::domain::approval::CallContext {
+            prompt: self.spec.prompt(),
+            labels: self.spec.labels.clone(),
+            said_before: shared::text::ending(&calls.turn.text),
+        };
         let mut waiting = Vec::with_capacity(calls.approvals.len());
         for approval in &calls.approvals {
             let call = &calls.partition.calls[approval.index];
@@ -288,6 +293,7 @@ impl Driver<'_> {
                 decision: approval.decision.clone(),
                 questions: approval.questions.clone(),
                 in_doubt: approval.in_doubt,
+                context: context.clone(),
             };
             waiting.push((pending, self.schema_of(&call.name)));
         }

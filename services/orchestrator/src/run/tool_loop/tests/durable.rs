@@ -882,6 +882,7 @@ async fn a_question_a_replaced_owner_asked_is_closed_when_the_run_ends() {
         decision: None,
         questions: Some(confirm_question()),
         in_doubt: false,
+        context: Default::default(),
     };
     let stale = crate::domain::ports::Wait {
         run_id: "r".into(),
