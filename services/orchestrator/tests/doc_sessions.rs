@@ -109,7 +109,7 @@ fn sessions() -> Vec<Session> {
             name: "thread",
             world: WorldKind::Conversation,
             steps: vec![
-                Shown("mock-llm --scenarios crates/mock-llm/scenarios/conversation.json &"),
+                Shown("pkill -x mock-llm; mock-llm --scenarios crates/mock-llm/scenarios/conversation.json &"),
                 Run(r#"orchestrator call --thread trip --prompt "Find flights to Oslo." --tool sleep"#),
                 Run(r#"orchestrator call --thread trip --prompt "And a hotel there?" --tool sleep"#),
                 Run("orchestrator thread trip"),
