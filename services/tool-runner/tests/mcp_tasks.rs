@@ -170,3 +170,47 @@ async fn a_task_that_asks_inside_it_comes_back_as_questions_and_takes_the_answer
     assert_eq!(log(&dir), ["processed b7"]);
     Ok(())
 }
+
+/// `tool-runner call` follows a call its server makes a task to its result, and past its
+/// `--timeout` cancels the task (on the server too), saying so; as docs/tool-runner.md shows.
+#[tokio::test]
+async fn the_command_line_follows_a_task_and_cancels_it_past_its_timeout() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let runner = runner(&dir).await?;
+    let endpoint = format!("http://{}", runner.addr);
+    let call = |args: &[&str]| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_tool-runner"));
+        command.env("TOOL_RUNNER_METRICS_LISTEN", "off");
+        let args: Vec<String> = ["call", "--endpoint", &endpoint]
+            .iter()
+            .chain(args)
+            .map(|a| (*a).to_owned())
+            .collect();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            testkit::run_to_end(command, &args, &[]).await
+        }
+    };
+    let (code, printed, told) = call(&["batch__crunch", r#"{"dataset":"q3","seconds":1}"#]).await?;
+    assert_eq!(code, Some(0), "{told}");
+    assert!(
+        told.contains("batch__crunch runs as task") && told.contains("(working"),
+        "{told}"
+    );
+    assert!(printed.contains("crunched q3"), "{printed}");
+    let slow = ["--timeout", "2s", "batch__crunch", r#"{"dataset":"q4","seconds":60}"#];
+    let (code, _, told) = call(&slow).await?;
+    assert_ne!(code, Some(0), "{told}");
+    assert!(told.contains("--timeout (2s) passed: canceling task"), "{told}");
+    assert!(told.contains("CANCELED"), "{told}");
+    testkit::wait::until(
+        "the server to stop the work",
+        std::time::Duration::from_secs(20),
+        || {
+            let cancelled = log(&dir).contains(&"cancelled q4".to_owned());
+            async move { cancelled.then_some(()) }
+        },
+    )
+    .await?;
+    Ok(())
+}
