@@ -107,9 +107,19 @@ async fn callers_attached_to_a_live_run_follow_it_to_its_end() -> TestResult {
         stream.map(|e| e.map_err(anyhow::Error::from)).collect::<Vec<_>>().await
     };
     let original = tokio::spawn(collect(original));
-    // Attach while the run streams (its first turn takes about 200 ms). Stays: how far the run
-    // has got when the attaches come does not change what they must see (every event once).
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Attach while the run streams (its first turn takes about 200 ms), once it has begun; how
+    // far it has got when the attaches come does not change what they must see (every event once).
+    let begun = || {
+        let mut probe = client.clone();
+        async move {
+            let request = pb::GetRunRequest {
+                run_id: "attach-live".into(),
+            };
+            let run = probe.get_run(request).await.ok()?.into_inner();
+            (run.turns >= 1).then_some(())
+        }
+    };
+    testkit::wait::until("the run's first turn", Duration::from_secs(10), begun).await?;
     let (mut a, mut b) = (client.clone(), client.clone());
     let (from_start, from_three) = tokio::join!(attach(&mut a, "attach-live", 0), attach(&mut b, "attach-live", 3));
     let original: Vec<_> = original.await?.into_iter().collect::<anyhow::Result<_>>()?;

@@ -463,18 +463,21 @@ async fn the_shipped_nats_config_admits_the_orchestrator_with_its_password() -> 
             anyhow::Ok(orchestrator::serve(listener, config, async {}).await)
         }
     };
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(15);
-    loop {
-        match serve_once(format!("nats://orchestrator:{password}@127.0.0.1:{port}")).await? {
-            Ok(()) => break,
-            Err(e) if tokio::time::Instant::now() < deadline => {
+    let (limit, pace) = (
+        std::time::Duration::from_secs(15),
+        std::time::Duration::from_millis(100),
+    );
+    testkit::wait::until_paced("the orchestrator to connect", limit, pace, || async {
+        let served = serve_once(format!("nats://orchestrator:{password}@127.0.0.1:{port}")).await;
+        match served.ok()? {
+            Ok(()) => Some(()),
+            Err(e) => {
                 assert!(!e.to_string().contains(password), "{e}");
-                // Stays: the pause between two attempts of a bounded retry (each attempt is checked).
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                None
             }
-            Err(e) => anyhow::bail!("the orchestrator never connected: {e}"),
         }
-    }
+    })
+    .await?;
     let wrong = "0123456789abcdef01234567";
     let refused = serve_once(format!("nats://orchestrator:{wrong}@127.0.0.1:{port}"))
         .await?
@@ -717,37 +720,31 @@ async fn the_ha_nats_config_forms_a_cluster_that_keeps_three_copies() -> TestRes
         );
     }
     let seeds: Vec<String> = nodes.iter().map(|(c, _, _)| format!("nats://127.0.0.1:{c}")).collect();
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let attempt = async {
-            let client = async_nats::ConnectOptions::with_user_and_password("orchestrator".into(), password.into())
-                .connect(seeds.clone())
-                .await?;
-            let js = async_nats::jetstream::new(client);
-            let mut stream = js
-                .get_or_create_stream(async_nats::jetstream::stream::Config {
-                    name: "HA_CHECK".into(),
-                    subjects: vec!["ha.>".into()],
-                    num_replicas: 3,
-                    ..Default::default()
-                })
-                .await?;
-            js.publish("ha.check", "kept".into()).await?.await?;
-            let info = stream.info().await?;
-            anyhow::Ok((info.config.num_replicas, info.cluster.clone().map(|c| c.replicas.len())))
-        };
-        match attempt.await {
-            Ok((replicas, followers)) => {
-                assert_eq!((replicas, followers), (3, Some(2)), "a leader and two followers");
-                break;
-            }
-            Err(_) if tokio::time::Instant::now() < deadline => {
-                // Stays: the pause between two attempts of a bounded retry.
-                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-            }
-            Err(e) => anyhow::bail!("the HA NATS cluster never took a stream of three replicas: {e}"),
-        }
-    }
+    let attempt = || async {
+        let client = async_nats::ConnectOptions::with_user_and_password("orchestrator".into(), password.into())
+            .connect(seeds.clone())
+            .await?;
+        let js = async_nats::jetstream::new(client);
+        let mut stream = js
+            .get_or_create_stream(async_nats::jetstream::stream::Config {
+                name: "HA_CHECK".into(),
+                subjects: vec!["ha.>".into()],
+                num_replicas: 3,
+                ..Default::default()
+            })
+            .await?;
+        js.publish("ha.check", "kept".into()).await?.await?;
+        let info = stream.info().await?;
+        anyhow::Ok((info.config.num_replicas, info.cluster.clone().map(|c| c.replicas.len())))
+    };
+    let (limit, pace) = (
+        std::time::Duration::from_secs(30),
+        std::time::Duration::from_millis(300),
+    );
+    let what = "the HA NATS cluster to take a stream of three replicas";
+    let (replicas, followers) =
+        testkit::wait::until_paced(what, limit, pace, || async { attempt().await.ok() }).await?;
+    assert_eq!((replicas, followers), (3, Some(2)), "a leader and two followers");
     for mut server in servers {
         server.kill().await?;
     }

@@ -41,17 +41,31 @@ const TEST_HOMES: &[&str] = &[
 /// How far above a sleep its reason may be, in lines.
 const REASON_WITHIN: usize = 4;
 
+/// The most fixed sleeps the integration tests may have, their test subfolders included: each
+/// one left is time as the subject (an outage, a pace), not a wait for a condition.
+const MAX_SLEEPS: usize = 20;
+
+/// The `.rs` files under `dir`, its subfolders included (not `node_modules`).
+fn rust_files(dir: &Path) -> anyhow::Result<Vec<std::path::PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() && !path.ends_with("node_modules") {
+            files.extend(rust_files(&path)?);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+    Ok(files)
+}
+
 #[test]
 fn every_fixed_sleep_in_an_integration_test_says_why_it_stays() -> anyhow::Result<()> {
     let root = testkit::repo_root();
     let mut unexplained = Vec::new();
     let mut sleeps = 0;
     for home in TEST_HOMES {
-        for entry in std::fs::read_dir(root.join(home))? {
-            let path = entry?.path();
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
+        for path in rust_files(&root.join(home))? {
             let text = std::fs::read_to_string(&path)?;
             let (found, missing) = unexplained_sleeps(&text);
             sleeps += found;
@@ -59,6 +73,11 @@ fn every_fixed_sleep_in_an_integration_test_says_why_it_stays() -> anyhow::Resul
         }
     }
     assert!(sleeps > 0, "no sleep found at all: is the pattern stale?");
+    assert!(
+        sleeps <= MAX_SLEEPS,
+        "{sleeps} fixed sleeps in the integration tests, at most {MAX_SLEEPS}: wait for a \
+         condition (testkit::wait::until, until_paced) instead"
+    );
     assert!(
         unexplained.is_empty(),
         "fixed sleeps without a `Stays:` reason within {REASON_WITHIN} lines above (wait for the \

@@ -13,6 +13,17 @@ const POLL: Duration = Duration::from_millis(50);
 pub async fn until<T, F: Future<Output = Option<T>>>(
     what: &str,
     limit: Duration,
+    probe: impl FnMut() -> F,
+) -> anyhow::Result<T> {
+    until_paced(what, limit, POLL, probe).await
+}
+
+/// [`until`], looking every `pace`: for a probe that costs (a process per look, a cluster asked
+/// again while it elects its leaders).
+pub async fn until_paced<T, F: Future<Output = Option<T>>>(
+    what: &str,
+    limit: Duration,
+    pace: Duration,
     mut probe: impl FnMut() -> F,
 ) -> anyhow::Result<T> {
     let deadline = Instant::now() + limit;
@@ -21,7 +32,7 @@ pub async fn until<T, F: Future<Output = Option<T>>>(
             return Ok(value);
         }
         anyhow::ensure!(Instant::now() < deadline, "gave up waiting for {what} after {limit:?}");
-        tokio::time::sleep(POLL).await;
+        tokio::time::sleep(pace).await;
     }
 }
 

@@ -800,27 +800,23 @@ fn recipe_command(line: &str) -> anyhow::Result<Command> {
 /// background asks for its approval a moment after its call is established). A recipe documented
 /// to be refused prints the status on stderr and exits non-zero.
 async fn replay_until_expected(recipe: &str, line: &str) -> TestResult {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let output = run(recipe_command(line)?).await?;
+    let printed = std::sync::Mutex::new(String::new());
+    let pace = Duration::from_millis(100);
+    let looked = testkit::wait::until_paced(recipe, Duration::from_secs(10), pace, || async {
+        let output = run(recipe_command(line).ok()?).await.ok()?;
         let refused = recipe.contains("/SendMessage");
-        let printed = match refused {
+        let said = match refused {
             true => stderr(&output),
             false => String::from_utf8_lossy(&output.stdout).into_owned(),
         };
-        assert_eq!(
-            output.status.success(),
-            !refused,
-            "{recipe}\n{printed}{}",
-            stderr(&output)
-        );
-        if printed.contains(expected_output(recipe)) {
-            return Ok(());
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{recipe} printed:\n{printed}");
-        // Stays: the pause between two runs of a recipe polling (a process per look).
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        assert_eq!(output.status.success(), !refused, "{recipe}\n{said}{}", stderr(&output));
+        let expected = said.contains(expected_output(recipe));
+        *printed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = said;
+        expected.then_some(())
+    })
+    .await;
+    let printed = printed.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+    looked.map_err(|e| anyhow::anyhow!("{e}; {recipe} printed:\n{printed}"))
 }
 
 /// A streaming recipe running in the background; killed when dropped.

@@ -288,18 +288,14 @@ impl Fleet {
     /// How many times the signal stream holds each run's signal (asked again for a while: a
     /// cluster that lost a node answers once it elected new leaders).
     async fn signals_per_run(&self) -> anyhow::Result<HashMap<String, usize>> {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            match self.count_signals().await {
-                Ok(counts) => return Ok(counts),
-                Err(e) if tokio::time::Instant::now() < deadline => {
-                    eprintln!("reading the signal stream: {e:#}; asking again");
-                    // Stays: the pause between two asks of a bounded retry, not a wait.
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                Err(e) => return Err(e.context("reading the signal stream")),
-            }
-        }
+        let (limit, pace) = (Duration::from_secs(60), Duration::from_millis(500));
+        testkit::wait::until_paced("the signal stream to answer", limit, pace, || async {
+            self.count_signals()
+                .await
+                .inspect_err(|e| eprintln!("reading the signal stream: {e:#}; asking again"))
+                .ok()
+        })
+        .await
     }
 
     async fn count_signals(&self) -> anyhow::Result<HashMap<String, usize>> {

@@ -100,25 +100,35 @@ pub fn same_calls(a: &[PendingApproval], b: &[PendingApproval]) -> bool {
 /// timeout, or `cancel` to its questions); whether any was.
 pub fn expire_calls(calls: &mut [PendingApproval], now_unix_ms: u64) -> bool {
     let mut expired = false;
-    for call in calls
-        .iter_mut()
-        .filter(|c| c.decision.is_none() && c.expires_at_unix_ms <= now_unix_ms)
-    {
-        call.decision = Some(call.expired(now_unix_ms));
-        expired = true;
+    for call in calls.iter_mut() {
+        expired |= expire(
+            &mut call.decision,
+            call.expires_at_unix_ms,
+            call.questions.as_ref(),
+            now_unix_ms,
+        );
     }
     expired
 }
 
-impl PendingApproval {
-    /// What the call gets when its wait expires undecided: a timeout (it does not run), or for
-    /// questions, `cancel` to each (it is tried again with them).
-    pub fn expired(&self, now_unix_ms: u64) -> ApprovalDecision {
-        match &self.questions {
-            Some(questions) => ApprovalDecision::unanswered(questions, now_unix_ms),
-            None => ApprovalDecision::timed_out(now_unix_ms),
-        }
+/// The expiry rule of one waiting call, wherever it is kept (a store's `PendingApproval`, a
+/// turn's checkpoint): undecided at `now_unix_ms`, past `expires_at_unix_ms`, it is decided as
+/// expired — a timeout (it does not run), or for `questions`, `cancel` to each (it is tried
+/// again with them). Whether it was.
+pub fn expire(
+    decision: &mut Option<ApprovalDecision>,
+    expires_at_unix_ms: u64,
+    questions: Option<&super::input::Questions>,
+    now_unix_ms: u64,
+) -> bool {
+    if decision.is_some() || expires_at_unix_ms > now_unix_ms {
+        return false;
     }
+    *decision = Some(match questions {
+        Some(questions) => ApprovalDecision::unanswered(questions, now_unix_ms),
+        None => ApprovalDecision::timed_out(now_unix_ms),
+    });
+    true
 }
 
 /// What was decided about a call, by whom and when (kept in the call's record).

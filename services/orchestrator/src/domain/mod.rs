@@ -51,6 +51,6 @@ pub mod webhook;
 
 pub use cancel::CancelMode;
 pub use event::{Event, EventBatch, NumberedEvent};
-pub use ownership::{LeaseTerms, Liveness, Ownership, Stop};
+pub use ownership::{Holding, LeaseTerms, Liveness, Ownership, Stop};
 pub use result::{Delivery, FailureReason, RunResult, RunStatus, Signal, ToolCallError, ToolCallRecord};
 pub use spec::{Deadline, HARD_MAX_TURNS, Limits, LoopDetection, OutputBounds, ParsePolicy, RunSpec};

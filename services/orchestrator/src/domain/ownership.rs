@@ -444,6 +444,33 @@ impl Ownership {
     }
 }
 
+/// What a durable run's record says of who acts for it, as the orphan rule reads it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Holding {
+    /// A replica holds the run (live, not parked).
+    pub held: bool,
+    /// A checkpoint lets another replica go on with it.
+    pub resumable: bool,
+    /// Its replica drained and let it go.
+    pub handed_over: bool,
+    /// It is parked in the approval store.
+    pub awaiting: bool,
+    /// Parked, and decided or canceled: it goes on now.
+    pub ready: bool,
+    /// Parked: when it goes on undecided (an expiry, a task's poll, its deadline).
+    pub wake_at_unix_ms: u64,
+}
+
+impl Holding {
+    /// Whether any replica may take the run over at `now_unix_ms`: its owner is gone (its
+    /// record `lapsed`, seen unchanged for a lease; or handed over) while it may be resumed, or
+    /// it is parked and due (ready, or its wake time passed).
+    pub fn orphaned(&self, now_unix_ms: u64, lapsed: bool) -> bool {
+        let lost_owner = self.held && self.resumable && (self.handed_over || lapsed);
+        lost_owner || (self.awaiting && (self.ready || self.wake_at_unix_ms <= now_unix_ms))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

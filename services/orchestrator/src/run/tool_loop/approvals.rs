@@ -38,11 +38,9 @@ impl super::Checkpoint {
         let for_a_person = self.calls.as_ref().is_some_and(TurnCalls::undecided);
         if let Some(calls) = self.calls.as_mut() {
             calls.take_decisions(&waiting.calls);
-            for approval in calls.approvals.iter_mut().filter(|a| a.decision.is_none()) {
-                if approval.expires_at_unix_ms <= now {
-                    approval.decision = Some(approval.expired(now));
-                }
-            }
+            calls.approvals.iter_mut().for_each(|a| {
+                a.expire(now);
+            });
         }
         if self.spec.approval.pause_deadline && for_a_person && waiting.parked_at_unix_ms > 0 {
             let waited = now.saturating_sub(waiting.parked_at_unix_ms);
@@ -519,11 +517,9 @@ impl Driver<'_> {
                 calls.take_decisions(&waiting.calls);
             }
             let now = shared::sync::unix_ms();
-            for approval in calls.approvals.iter_mut().filter(|a| a.decision.is_none()) {
-                if approval.expires_at_unix_ms <= now {
-                    approval.decision = Some(approval.expired(now));
-                }
-            }
+            calls.approvals.iter_mut().for_each(|a| {
+                a.expire(now);
+            });
             if !calls.undecided() {
                 return;
             }

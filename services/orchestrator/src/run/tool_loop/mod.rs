@@ -21,7 +21,7 @@
 //! person's decision, parking and going on), `tasks.rs` (calls their servers run as tasks,
 //! followed until they end) with `waiting.rs` (such calls as the turn holds them), `spend.rs`
 //! (the token budgets: a turn's prompt counted and its tokens held before it is asked),
-//! `call_progress.rs` (what calls still running report, sent as they run), and `tests.rs` (the
+//! `call_progress.rs` (what calls still running report, sent as they run), and `tests/` (the
 //! rules, without a network).
 
 mod approvals;

@@ -60,12 +60,11 @@ impl Approval {
         Some(questions.answered(&decision.answers))
     }
 
-    /// What the call gets when its wait expires undecided (see `PendingApproval::expired`).
-    pub(super) fn expired(&self, now_unix_ms: u64) -> ApprovalDecision {
-        match &self.questions {
-            Some(questions) => ApprovalDecision::unanswered(questions, now_unix_ms),
-            None => ApprovalDecision::timed_out(now_unix_ms),
-        }
+    /// Decides the call as expired when its wait is over undecided at `now_unix_ms` (the
+    /// domain's rule, [`crate::domain::approval::expire`]).
+    pub(super) fn expire(&mut self, now_unix_ms: u64) -> bool {
+        let questions = self.questions.as_ref();
+        crate::domain::approval::expire(&mut self.decision, self.expires_at_unix_ms, questions, now_unix_ms)
     }
 }
 

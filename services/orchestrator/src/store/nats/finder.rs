@@ -238,9 +238,10 @@ impl Look {
             }
             return None;
         };
-        let handed_over = record.held() && record.handed_over && record.resumable();
-        if handed_over || (record.awaiting && (record.ready || record.wake_at_unix_ms <= now)) {
-            // Due: it stays listed (moved to this minute) until a replica takes it.
+        // Due: handed over, or parked and ready or past its wake time (a lapse is the owner
+        // index's to find, not a wake entry's).
+        if record.orphaned(now, false) {
+            // It stays listed (moved to this minute) until a replica takes it.
             self.move_entry(&entry, written, owners::wake_key(now, &key)).await;
             return run_id(&record);
         }

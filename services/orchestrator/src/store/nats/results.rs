@@ -410,12 +410,17 @@ impl Record {
         self.held() || self.awaiting
     }
 
-    /// Whether the run's owner is gone (its record `lapsed`: seen unchanged for a lease here; or
-    /// handed over) while it may be resumed, or it is parked and ready to go on (decided,
-    /// canceled, or its wake time passed).
+    /// The domain's orphan rule ([`crate::domain::Holding::orphaned`]) on this record.
     pub(super) fn orphaned(&self, now_unix_ms: u64, lapsed: bool) -> bool {
-        let lost_owner = self.held() && self.resumable() && (self.handed_over || lapsed);
-        lost_owner || (self.awaiting && (self.ready || self.wake_at_unix_ms <= now_unix_ms))
+        let holding = crate::domain::Holding {
+            held: self.held(),
+            resumable: self.resumable(),
+            handed_over: self.handed_over,
+            awaiting: self.awaiting,
+            ready: self.ready,
+            wake_at_unix_ms: self.wake_at_unix_ms,
+        };
+        holding.orphaned(now_unix_ms, lapsed)
     }
 }
 
