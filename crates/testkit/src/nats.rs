@@ -404,7 +404,7 @@ pub async fn run_bucket(
     bucket: &str,
 ) -> anyhow::Result<async_nats::jetstream::kv::Store> {
     use async_nats::jetstream::stream;
-    js.get_or_create_stream(stream::Config {
+    let config = stream::Config {
         name: format!("KV_{bucket}"),
         subjects: vec![format!("$KV.{bucket}.>")],
         max_messages_per_subject: 1,
@@ -413,6 +413,12 @@ pub async fn run_bucket(
         deny_delete: true,
         allow_direct: true,
         ..Default::default()
+    };
+    // Asked again while a server just started (or a loaded machine) times the request out:
+    // creating the same stream again is idempotent.
+    let (limit, pace) = (Duration::from_secs(20), Duration::from_millis(200));
+    crate::wait::until_paced("the run bucket's stream", limit, pace, || async {
+        js.get_or_create_stream(config.clone()).await.ok()
     })
     .await?;
     Ok(js.get_key_value(bucket).await?)
