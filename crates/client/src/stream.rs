@@ -290,14 +290,16 @@ impl RunStream {
     }
 
     /// Whether a call that ended with `status` before `run_finished` is worth following on
-    /// another replica: it was drained (`UNAVAILABLE`) or broke off (`UNKNOWN` or `INTERNAL`, what
-    /// a dead connection reads as in gRPC libraries), and the stream knows its run and has
-    /// attempts left. `AttachRun` only reads, so trying it is always safe.
+    /// another replica: it was drained (`UNAVAILABLE`) or broke off (`UNKNOWN`, `INTERNAL` or
+    /// `CANCELLED`, what a dead connection or a stream reset by the server reads as in gRPC
+    /// libraries; the orchestrator never ends a stream with `CANCELLED` itself, a canceled run
+    /// ends with `run_finished`), and the stream knows its run and has attempts left. `AttachRun`
+    /// only reads, so trying it is always safe.
     fn may_reattach(&self, status: Option<&tonic::Status>) -> bool {
         let code = status.map_or(tonic::Code::Unavailable, tonic::Status::code);
         matches!(
             code,
-            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled
         ) && self.run_id.is_some()
             && self.reattaches_without_progress + 1 < self.client.retry.attempts
     }

@@ -659,18 +659,18 @@ impl pb::orchestrator_server::Orchestrator for Mover {
         request: tonic::Request<pb::AttachRunRequest>,
     ) -> Result<tonic::Response<Self::AttachRunStream>, tonic::Status> {
         let after = request.into_inner().after_seq;
-        let first = {
+        let nth = {
             let mut attaches = self.attaches.lock().map_err(|_| tonic::Status::internal("poisoned"))?;
             attaches.push(after);
-            attaches.len() == 1
+            attaches.len()
         };
-        Ok(tonic::Response::new(if first {
-            Self::stream(
+        Ok(tonic::Response::new(match nth {
+            1 => Self::stream(
                 &[4],
                 Some(tonic::Status::unknown("h2 protocol error: connection reset")),
-            )
-        } else {
-            Self::stream(&[4, 5], None)
+            ),
+            2 => Self::stream(&[], Some(tonic::Status::cancelled("operation was canceled"))),
+            _ => Self::stream(&[4, 5], None),
         }))
     }
 
@@ -752,8 +752,9 @@ impl pb::orchestrator_server::Orchestrator for Mover {
     }
 }
 
-/// A stream that ends UNAVAILABLE (drained) or breaks off (UNKNOWN) before run_finished is
-/// followed by AttachRun from the last seq the caller saw; the caller sees 1..=5 once each. With
+/// A stream that ends UNAVAILABLE (drained) or breaks off (UNKNOWN, or CANCELLED as a stream the
+/// server reset reads) before run_finished is followed by AttachRun from the last seq the caller
+/// saw; the caller sees 1..=5 once each. With
 /// re-attaching off (one attempt of the retry policy spent on nothing) the same break is an error.
 #[tokio::test]
 async fn a_stream_that_breaks_off_reattaches_from_its_last_seq_without_gaps_or_duplicates() -> TestResult {
@@ -772,8 +773,11 @@ async fn a_stream_that_breaks_off_reattaches_from_its_last_seq_without_gaps_or_d
     }
     assert_eq!(seqs, [1, 2, 3, 4, 5]);
     assert_eq!(text, "a b c");
-    assert_eq!(stream.reattached(), 2);
-    assert_eq!(*mover.attaches.lock().map_err(|_| anyhow::anyhow!("poisoned"))?, [3, 4]);
+    assert_eq!(stream.reattached(), 3);
+    assert_eq!(
+        *mover.attaches.lock().map_err(|_| anyhow::anyhow!("poisoned"))?,
+        [3, 4, 4]
+    );
 
     // Attached by hand from seq 3: the same rest of the run.
     let attached = client.attach("moving-1", 3).await?;

@@ -31,8 +31,8 @@
  * visited); --list-approvals prints the calls waiting that this caller may decide or answer (one
  * JSON line each) and exits. --label K=V labels the run (repeatable); --list-runs prints the caller's runs
  * (ListRuns, every page, one JSON line each, newest first), filtered by --status (RUNNING,
- * AWAITING_APPROVAL, COMPLETED, FAILED, CANCELED; repeatable), --label and --thread. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL or
- * UNKNOWN) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a
+ * AWAITING_APPROVAL, COMPLETED, FAILED, CANCELED; repeatable), --label and --thread. A stream that ends UNAVAILABLE (the replica drains) or breaks off (INTERNAL,
+ * UNKNOWN or CANCELLED) before run_finished is attached again from the last seq printed, up to --reattach-attempts times in a
  * row without a new event, so the printed stream has no gap and no duplicate. A --run-id whose run
  * had ended replays it (said on stderr, from the answer's `orchestrator-replay` header). --target takes any
  * gRPC name, e.g. `dns:///orchestrator:50051`, or `ipv4:10.0.0.1:50051,10.0.0.2:50051` with
@@ -333,9 +333,15 @@ class Printer {
 
 /**
  * Codes that end a stream the run outlives: a draining replica (UNAVAILABLE), or a connection that
- * broke (gRPC libraries read a dead connection as INTERNAL or UNKNOWN).
+ * broke (gRPC libraries read a dead connection as INTERNAL or UNKNOWN, a stream the server reset as
+ * CANCELLED; the orchestrator never ends a stream CANCELLED itself).
  */
-const REATTACH = new Set([grpc.status.UNAVAILABLE, grpc.status.UNKNOWN, grpc.status.INTERNAL]);
+const REATTACH = new Set([
+  grpc.status.UNAVAILABLE,
+  grpc.status.UNKNOWN,
+  grpc.status.INTERNAL,
+  grpc.status.CANCELLED,
+]);
 
 const sleep = (ms: number) => new Promise((done) => setTimeout(done, ms));
 
