@@ -303,7 +303,8 @@ fn the_architecture_rpc_table_lists_the_protos_rpcs() -> anyhow::Result<()> {
 #[test]
 fn the_architecture_ports_table_lists_the_ports() -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let ports = std::fs::read_to_string(root.join("services/orchestrator/src/domain/ports.rs"))?;
+    let domain = root.join("services/orchestrator/src/domain");
+    let ports = std::fs::read_to_string(domain.join("ports.rs"))? + &std::fs::read_to_string(domain.join("model.rs"))?;
     let traits: std::collections::BTreeSet<String> = ports
         .lines()
         .filter_map(|l| l.strip_prefix("pub trait "))
@@ -332,6 +333,55 @@ fn the_tree_reader_finds_files_by_their_folders() {
     );
     assert!(!in_tree(tree, "store/live.rs"));
     assert!(!in_tree(tree, "error.rs"));
+}
+
+/// The lines of `text` outside its tests that name one of `adapters` (`crate::llm`, …).
+fn adapter_imports(text: &str, adapters: &[&str]) -> Vec<usize> {
+    let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+    code.lines()
+        .enumerate()
+        .filter(|(_, line)| {
+            let line = line.split("//").next().unwrap_or_default();
+            adapters.iter().any(|adapter| line.contains(adapter))
+        })
+        .map(|(n, _)| n + 1)
+        .collect()
+}
+
+/// The loop (`run/`) sees the outside through the domain's ports alone: it names no adapter
+/// (the model's HTTP, the stores, the signal topics, the runners' client, the server) and no
+/// network library, so it is unit-tested without a network and an adapter changes alone.
+#[test]
+fn the_loop_imports_the_domain_and_no_adapter() -> anyhow::Result<()> {
+    let adapters = [
+        "crate::llm",
+        "crate::store",
+        "crate::signals",
+        "crate::tool_runners",
+        "crate::server",
+        "crate::wire",
+        "tonic::",
+        "reqwest::",
+        "async_nats::",
+    ];
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/orchestrator/src");
+    let mut found = Vec::new();
+    for relative in testkit::module_graph::source_files(&src.join("run"))? {
+        if relative.ends_with("tests.rs") || relative.contains("tests/") {
+            continue;
+        }
+        let text = std::fs::read_to_string(src.join("run").join(&relative))?;
+        let lines = adapter_imports(&text, &adapters);
+        found.extend(lines.into_iter().map(|line| format!("run/{relative}:{line}")));
+    }
+    assert!(found.is_empty(), "the loop names an adapter:\n{}", found.join("\n"));
+    Ok(())
+}
+
+#[test]
+fn an_adapter_import_is_found_outside_tests_only() {
+    let text = "use crate::domain::model::ChatModel;\nuse crate::llm::body;\n// crate::store\n#[cfg(test)]\nmod tests { use crate::store::memory; }\n";
+    assert_eq!(adapter_imports(text, &["crate::llm", "crate::store"]), vec![2]);
 }
 
 /// The spawns in `text` made with Tokio's own `spawn` rather than `shared::tasks::spawn`, by line

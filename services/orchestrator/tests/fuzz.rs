@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use orchestrator::domain::model::{LlmError, LlmEvent};
 use orchestrator::llm::sse::{DecodeLimits, decode};
-use orchestrator::llm::{LlmError, LlmEvent};
 use orchestrator::run::turn::TurnCollector;
 use proptest::prelude::*;
 use proto::orchestrator::v1 as pb;
@@ -120,7 +120,7 @@ proptest! {
 
 /// A call the collector let through: arguments within 64 bytes (or the `{}` put in for none),
 /// a name within the longest valid one and a byte.
-fn within_bounds(call: &orchestrator::llm::assembler::AssembledCall) -> bool {
+fn within_bounds(call: &orchestrator::domain::assembly::AssembledCall) -> bool {
     (call.arguments.len() <= 64 || call.arguments == "\u{7b}}") && call.name.len() <= 65
 }
 

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use futures::StreamExt;
 use libtest_mimic::{Arguments, Failed, Trial};
-use orchestrator::llm::LlmError;
+use orchestrator::domain::model::LlmError;
 use orchestrator::llm::sse::{DecodeLimits, decode};
 use orchestrator::run::fallback::Resolution;
 use orchestrator::run::turn::TurnCollector;

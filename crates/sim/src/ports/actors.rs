@@ -18,9 +18,9 @@ use futures::{FutureExt, StreamExt};
 use orchestrator::domain::ToolCallError;
 use orchestrator::domain::chat::Message;
 use orchestrator::domain::input::{Answers, InputMode, InputRequest, Questions};
+use orchestrator::domain::model::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use orchestrator::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
 use orchestrator::domain::task::ToolTask;
-use orchestrator::llm::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use orchestrator::tool_runners::sender::{self, Attempt, Retries};
 use tokio::time::Instant;
 

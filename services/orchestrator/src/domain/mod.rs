@@ -3,6 +3,10 @@
 //! configuration) depends on it.
 //!
 //! * [`chat`]: the conversation with the model (messages, tool calls, tool definitions, usage);
+//! * [`model`]: the model port ([`model::ChatModel`]): a turn's request, the events its stream
+//!   says, and why it failed;
+//! * [`assembly`]: those events' tool-call fragments → whole tool calls, whatever the server's
+//!   quirks;
 //! * [`params`]: the model parameters of a run and their rules;
 //! * [`ids`]: the one rule of every id a caller names (runs, threads, affinity keys);
 //! * [`spec`]: what a run is asked to do ([`spec::RunSpec`], its limits, deadline and output bounds);
@@ -29,12 +33,14 @@
 
 pub mod agent;
 pub mod approval;
+pub mod assembly;
 pub mod cancel;
 pub mod chat;
 pub mod event;
 pub mod ids;
 pub mod input;
 pub mod listing;
+pub mod model;
 pub mod ownership;
 pub mod params;
 pub mod ports;

@@ -1,29 +1,23 @@
 //! The JSON body of a streamed chat completion request (OpenAI's wire form), written from the
 //! borrowed conversation with no intermediate `serde_json::Value` tree, and from what is new: a
 //! run's transcript is append-only, so the body of its turn N starts with the body of turn N−1 up
-//! to that request's last message, kept serialized in the run's [`WirePrefix`] — a turn costs
+//! to that request's last message, kept serialized in the run's [`RequestPrefix`](crate::domain::model::RequestPrefix) — a turn costs
 //! the new messages and one copy, not the whole transcript written again.
 //!
 //! Only the last message of a request may still change (a note or a steered message joins the
 //! newest user message as a paragraph), so a prefix keeps every message but the last.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::Value;
 
-use super::ChatRequest;
 use crate::domain::chat::{Message, ToolDefinition};
+use crate::domain::model::ChatRequest;
 use crate::domain::params::ToolChoice;
 
-/// The serialized beginning of a run's requests, shared by its turns: empty until the first body
-/// is written, then `{"model":…,"tools":[…],"messages":[` and every message of the last request
-/// but its last. Cheap to clone (one per run); its equality is always true (a cache, not
-/// content).
-#[derive(Clone, Default)]
-pub struct WirePrefix(Arc<Mutex<Option<Prefix>>>);
-
-/// What a [`WirePrefix`] holds.
+/// What a run's [`RequestPrefix`](crate::domain::model::RequestPrefix) holds for this adapter: empty until the first body is written,
+/// then `{"model":…,"tools":[…],"messages":[` and every message of the last request but its last.
 struct Prefix {
     /// The model it was written for.
     model: String,
@@ -38,19 +32,6 @@ struct Prefix {
     last_at: usize,
 }
 
-impl std::fmt::Debug for WirePrefix {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let messages = shared::sync::lock(&self.0).as_ref().map_or(0, |p| p.messages);
-        write!(f, "WirePrefix({messages} messages)")
-    }
-}
-
-impl PartialEq for WirePrefix {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
 /// The body of `request` (see the module docs).
 pub fn request_body(request: &ChatRequest) -> Vec<u8> {
     request_body_with(request, None)
@@ -58,10 +39,16 @@ pub fn request_body(request: &ChatRequest) -> Vec<u8> {
 
 /// [`request_body`], carrying the request's affinity key in the body field `affinity_field`
 /// when one is set (e.g. OpenAI's `prompt_cache_key`). Written from the request's
-/// [`WirePrefix`] when it holds a beginning of this request, which it then holds up to this
+/// [`RequestPrefix`](crate::domain::model::RequestPrefix) when it holds a beginning of this request, which it then holds up to this
 /// request's last message but one.
 pub fn request_body_with(request: &ChatRequest, affinity_field: Option<&str>) -> Vec<u8> {
-    let mut held = shared::sync::lock(&request.prefix.0);
+    request
+        .prefix
+        .with(|held: &mut Option<Prefix>| body_from(held, request, affinity_field))
+}
+
+/// [`request_body_with`] from the prefix `held`, which is left holding this request's beginning.
+fn body_from(held: &mut Option<Prefix>, request: &ChatRequest, affinity_field: Option<&str>) -> Vec<u8> {
     let stable = request.messages.len().saturating_sub(1);
     let mut prefix = match held.take() {
         Some(prefix) if prefix.continues(request) => prefix,
@@ -390,10 +377,11 @@ struct WireCallFunction<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::model::RequestPrefix;
     use serde_json::json;
 
     /// The request of a run's turn: its messages so far, sharing the run's tools and prefix.
-    fn turn(messages: &[Message], tools: &Arc<[ToolDefinition]>, prefix: &WirePrefix) -> ChatRequest {
+    fn turn(messages: &[Message], tools: &Arc<[ToolDefinition]>, prefix: &RequestPrefix) -> ChatRequest {
         ChatRequest {
             model: "m".into(),
             messages: messages.to_vec(),
@@ -406,8 +394,8 @@ mod tests {
         }
     }
 
-    fn held(prefix: &WirePrefix) -> usize {
-        shared::sync::lock(&prefix.0).as_ref().map_or(0, |p| p.messages)
+    fn held(prefix: &RequestPrefix) -> usize {
+        prefix.with(|held: &mut Option<Prefix>| held.as_ref().map_or(0, |p| p.messages))
     }
 
     #[test]
@@ -417,7 +405,7 @@ mod tests {
             description: "reads \"a\" file".into(),
             parameters: json!({"type": "object"}).into(),
         }]);
-        let prefix = WirePrefix::default();
+        let prefix = RequestPrefix::default();
         let mut messages = vec![
             Message::System("bios".into()),
             Message::User {
@@ -472,7 +460,7 @@ mod tests {
             ("m", &[user("x"), user("y"), user("z"), user("w")], &tools),
         ];
         for (model, messages, tools_of) in others {
-            let prefix = WirePrefix::default();
+            let prefix = RequestPrefix::default();
             let _ = request_body(&turn(&long, &tools, &prefix));
             assert_eq!(held(&prefix), 2);
             let mut request = turn(messages, tools_of, &prefix);
@@ -518,7 +506,7 @@ mod tests {
                 temperature: Some(0.5),
                 ..Default::default()
             },
-            pace: super::super::ReadPace::default(),
+            pace: crate::domain::model::ReadPace::default(),
             affinity: String::new(),
             avoid: None,
             prefix: Default::default(),
@@ -564,7 +552,7 @@ mod tests {
             messages: vec![Message::System("s".into())],
             tools: tools.into(),
             params,
-            pace: super::super::ReadPace::default(),
+            pace: crate::domain::model::ReadPace::default(),
             affinity: String::new(),
             avoid: None,
             prefix: Default::default(),
@@ -640,7 +628,7 @@ mod tests {
                 seed: Some(-3),
                 ..Default::default()
             },
-            pace: super::super::ReadPace::default(),
+            pace: crate::domain::model::ReadPace::default(),
             affinity: String::new(),
             avoid: None,
             prefix: Default::default(),

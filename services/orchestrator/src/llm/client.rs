@@ -23,7 +23,7 @@ use paced_http1::{Endpoint, Idle, SendError};
 use shared::secrets::{Redactor, shown_url, url_secrets};
 use shared::text::excerpt;
 
-use super::{LlmError, LlmEvent, ReadPace};
+use crate::domain::model::{LlmError, LlmEvent, ReadPace};
 
 /// Sent with every request.
 const USER_AGENT: &str = concat!("orchestrator/", env!("CARGO_PKG_VERSION"));

@@ -21,7 +21,8 @@ use eventsource_stream::{EventStreamError, Eventsource};
 use futures::stream::{BoxStream, Stream, StreamExt};
 use serde::Deserialize;
 
-use super::{LlmError, LlmEvent, Usage};
+use crate::domain::chat::Usage;
+use crate::domain::model::{LlmError, LlmEvent};
 
 /// Limits applied while decoding a stream.
 #[derive(Debug, Clone, Copy)]

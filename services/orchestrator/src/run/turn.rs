@@ -1,9 +1,9 @@
 //! One turn: consumes a completion's [`LlmEvent`]s, passes visible text through the
 //! [`TextGate`], assembles structured tool calls, and at the end says what the turn produced.
 
+use crate::domain::assembly::{AssembledCall, Assembler};
 use crate::domain::chat::Usage;
-use crate::llm::LlmEvent;
-use crate::llm::assembler::{AssembledCall, Assembler};
+use crate::domain::model::LlmEvent;
 
 use super::fallback::Resolution;
 use super::hold_back::TextGate;

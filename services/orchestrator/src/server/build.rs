@@ -91,7 +91,7 @@ pub struct Ports {
     /// Where exit calls go.
     pub signals: Arc<dyn SignalTopic>,
     /// The model.
-    pub model: Arc<dyn crate::llm::ChatModel>,
+    pub model: Arc<dyn crate::domain::model::ChatModel>,
     /// Where normal calls run.
     pub tools: Arc<dyn crate::domain::ports::ToolExecutor>,
 }

@@ -41,8 +41,8 @@ use crate::domain::rendezvous;
 use self::member::{HealthRules, InFlight, Member};
 use super::body::request_body_with;
 use super::client::Attempt;
-use super::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use crate::config::LlmSettings;
+use crate::domain::model::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use crate::telemetry::metric;
 use shared::dns::Resolve;
 
@@ -202,7 +202,7 @@ impl Inner {
         self: &Arc<Self>,
         member: &Arc<Member>,
         post: &Post,
-        pace: &crate::llm::ReadPace,
+        pace: &crate::domain::model::ReadPace,
     ) -> Result<BoxStream<'static, Result<LlmEvent, LlmError>>, Tried> {
         let in_flight = member.enter();
         let failed = |outcome, failure, retry_after| Tried::Failed {
@@ -424,7 +424,7 @@ impl Stream for Watched {
 mod tests {
     use super::*;
     use crate::config::Reader;
-    use crate::llm::ReadPace;
+    use crate::domain::model::ReadPace;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A server that answers one short completion per connection and keeps what it was sent.

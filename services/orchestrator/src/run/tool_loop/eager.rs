@@ -23,7 +23,7 @@ use super::durable::{TurnCalls, TurnStart};
 use super::rules::{is_json_object, started_event};
 use super::{CallOutcome, Driver, ModelCall, Partition, Spend, Turn};
 use crate::domain::ToolCallError;
-use crate::llm::assembler::AssembledCall;
+use crate::domain::assembly::AssembledCall;
 
 /// The calls of the current turn started early.
 #[derive(Default)]

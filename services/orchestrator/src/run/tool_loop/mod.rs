@@ -56,12 +56,12 @@ use super::live::{AdmittedRun, Cancel, Emitter, HandOver, SharedState};
 use super::loop_detector::LoopDetector;
 use super::steering::{Closed, Inbox};
 use crate::domain::chat::{Message, ToolDefinition, Usage};
+use crate::domain::model::ChatModel;
 use crate::domain::ports::{SignalTopic, ToolExecutor};
 use crate::domain::{
     Event, EventBatch, FailureReason, HARD_MAX_TURNS, LoopDetection, OutputBounds, RunResult, RunSpec, RunStatus,
     ToolCallError,
 };
-use crate::llm::ChatModel;
 use crate::run::persist::Persister;
 use crate::telemetry::{self, InFlight, metric};
 
@@ -622,7 +622,7 @@ struct Driver<'a> {
     /// The progress the turn's calls reported and the loop has not sent yet.
     call_progress: call_progress::CallProgress,
     /// The run's requests serialized up to their newest message: each turn's request adds to it.
-    prefix: crate::llm::body::WirePrefix,
+    prefix: crate::domain::model::RequestPrefix,
 }
 
 /// The tools a run offers the model: the definitions sent with every turn, and the names that
@@ -682,7 +682,7 @@ impl<'a> Driver<'a> {
             hour_booked: None,
             followed: tasks::Followed::default(),
             call_progress: call_progress::CallProgress::default(),
-            prefix: crate::llm::body::WirePrefix::default(),
+            prefix: crate::domain::model::RequestPrefix::default(),
             spec,
             deps,
             state,

@@ -12,9 +12,9 @@ use tracing::Instrument;
 
 use super::*;
 use crate::domain::chat::{Message, ToolCall, Usage};
+use crate::domain::model::ChatRequest;
 use crate::domain::ports::{OnDelivery, ToolInvocation, ToolOutput};
 use crate::domain::{Delivery, Event, FailureReason, ParsePolicy, RunStatus, Signal, ToolCallError, ToolCallRecord};
-use crate::llm::ChatRequest;
 use crate::run::bios::{BiosContext, Status, append_note, render, status_note};
 use crate::run::fallback::Resolution;
 use crate::run::turn::TurnOutput;
@@ -197,7 +197,7 @@ impl Driver<'_> {
             messages,
             tools: self.offer.tools.clone(),
             params: spec.params.for_turn(turn),
-            pace: crate::llm::ReadPace::default(),
+            pace: crate::domain::model::ReadPace::default(),
             affinity: match spec.affinity_key.as_str() {
                 "" => spec.run_id.clone(),
                 key => key.to_owned(),

@@ -38,12 +38,12 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 
 use crate::domain::chat::{Message, ToolDefinition, Usage};
+use crate::domain::model::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use crate::domain::ports::{ToolExecutor, ToolInvocation, ToolOutput};
 use crate::domain::{
     CancelMode, Deadline, Event, EventBatch, FailureReason, Limits, LoopDetection, NumberedEvent, OutputBounds,
     ParsePolicy, RunResult, RunSpec, RunStatus, ToolCallError,
 };
-use crate::llm::{ChatModel, ChatRequest, LlmError, LlmEvent};
 use crate::run::live::{AdmittedRun, Emitter, SharedState};
 use crate::run::live::{Cancel, EmitSettings};
 use crate::run::steering::{Closed, Inbox, Refused, UserMessage};
