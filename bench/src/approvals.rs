@@ -91,7 +91,7 @@ pub(crate) async fn run(bin: &Path, runs: usize, out: &Path) -> anyhow::Result<(
 async fn measure(bin: &Path, runs: usize, nats: Option<&testkit::nats::Nats>) -> anyhow::Result<ParkedRuns> {
     let store = if nats.is_some() { "nats" } else { "memory" };
     let url = nats.map(testkit::nats::Nats::url);
-    let mut extra = vec!["--max-runs", SLOTS, "--max-awaiting-runs", "1000000"];
+    let mut extra = vec!["--max-runs", SLOTS, "--max-parked-runs", "1000000"];
     if let Some(url) = &url {
         extra.extend(["--run-store", url.as_str()]);
     }
@@ -169,7 +169,7 @@ async fn wait_pending(stack: &Stack, n: usize) -> anyhow::Result<()> {
 /// The most pending approvals one listing gives.
 const PAGE: usize = 1000;
 
-/// Approves every waiting call, a page at a time.
+/// Approves every pending approval, a page at a time.
 async fn decide_all(stack: &Stack, n: usize) -> anyhow::Result<()> {
     let mut decided = 0;
     while decided < n {

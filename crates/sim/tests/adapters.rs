@@ -8,7 +8,7 @@ use orchestrator::domain::RunResult;
 use orchestrator::domain::ports::{Claim, RunJournal};
 use sim::jetstream::Cluster;
 use sim::ports::adapters::{Stores, open};
-use sim::ports::gate::Gate;
+use sim::ports::condition::Condition;
 use tokio::time::Instant;
 
 type TestResult = anyhow::Result<()>;
@@ -22,7 +22,7 @@ fn config() -> orchestrator::Config {
 }
 
 async fn replica(cluster: &Cluster, owner: &str) -> Stores {
-    let connection = cluster.connect(Gate::default(), config().store.timeout);
+    let connection = cluster.connect(Condition::default(), config().store.timeout);
     open(&connection, owner, &config()).await
 }
 
@@ -183,7 +183,7 @@ async fn a_bounded_listing_over_four_shards_pages_through_every_run_once_newest_
         config.store.list_scan_max,
         config.store.list_read_max,
     ) = (4, 100, 40);
-    let connection = cluster.connect(Gate::default(), config.store.timeout);
+    let connection = cluster.connect(Condition::default(), config.store.timeout);
     let stores = open(&connection, "a", &config).await;
     let _alive = alive(&stores);
     let runs: Vec<String> = (0..300).map(|i| format!("listed-{i}")).collect();

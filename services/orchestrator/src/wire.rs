@@ -458,13 +458,13 @@ fn unix_ms_pb(ms: u64) -> i64 {
 
 impl From<&crate::domain::listing::RunSummary> for pb::RunSummary {
     fn from(r: &crate::domain::listing::RunSummary) -> Self {
-        use crate::domain::listing::Waiting;
+        use crate::domain::listing::WaitingFor;
         let waiting_for = match r.waiting_for {
-            Waiting::Nothing => pb::WaitingFor::Unspecified,
-            Waiting::Approval => pb::WaitingFor::Approval,
-            Waiting::Input => pb::WaitingFor::Input,
-            Waiting::Thread => pb::WaitingFor::Thread,
-            Waiting::Task => pb::WaitingFor::Task,
+            WaitingFor::Nothing => pb::WaitingFor::Unspecified,
+            WaitingFor::Approval => pb::WaitingFor::Approval,
+            WaitingFor::Input => pb::WaitingFor::Input,
+            WaitingFor::Thread => pb::WaitingFor::Thread,
+            WaitingFor::Task => pb::WaitingFor::Task,
         };
         Self {
             run_id: r.run_id.clone(),
@@ -831,6 +831,18 @@ pub(crate) fn message_pb(message: &crate::domain::chat::Message) -> pb::ChatMess
             tool_call_id: tool_call_id.clone(),
             ..Default::default()
         },
+    }
+}
+
+impl From<crate::domain::thread::BusyPolicy> for pb::ThreadBusyPolicy {
+    fn from(policy: crate::domain::thread::BusyPolicy) -> Self {
+        use crate::domain::thread::BusyPolicy;
+        match policy {
+            BusyPolicy::Reject => Self::Reject,
+            BusyPolicy::Enqueue => Self::Enqueue,
+            BusyPolicy::Interrupt => Self::Interrupt,
+            BusyPolicy::Rollback => Self::Rollback,
+        }
     }
 }
 

@@ -941,7 +941,7 @@ async fn park_200_runs_four_at_a_time(
     Ok(streams)
 }
 
-/// With `--max-awaiting-runs` runs waiting, one more has its call rejected at once (naming the
+/// With `--max-parked-runs` runs waiting, one more has its call rejected at once (naming the
 /// flag), and it completes.
 async fn one_more_waiting_run_than_allowed_has_its_call_rejected_at_once(client: &mut Client) -> TestResult {
     let stream = client
@@ -955,7 +955,7 @@ async fn one_more_waiting_run_than_allowed_has_its_call_rejected_at_once(client:
         record
             .error
             .as_ref()
-            .is_some_and(|e| e.message.contains("--max-awaiting-runs")),
+            .is_some_and(|e| e.message.contains("--max-parked-runs")),
         "{record:?}"
     );
 
@@ -963,11 +963,11 @@ async fn one_more_waiting_run_than_allowed_has_its_call_rejected_at_once(client:
 }
 
 /// Parked runs hold no slot: with `--max-runs 4`, 200 runs wait at once and new runs still
-/// start; `--max-awaiting-runs` bounds them (one more has its call rejected at once); CancelRun
+/// start; `--max-parked-runs` bounds them (one more has its call rejected at once); CancelRun
 /// ends a waiting run; once approved, every run completes within the 4 slots.
 #[tokio::test]
 async fn parked_runs_hold_no_slot_and_are_bounded() -> TestResult {
-    let w = world(refund_then_answer(), &["--max-runs", "4", "--max-awaiting-runs", "200"]).await?;
+    let w = world(refund_then_answer(), &["--max-runs", "4", "--max-parked-runs", "200"]).await?;
     let mut client = w.client().await?;
     let streams = park_200_runs_four_at_a_time(&mut client).await?;
     one_more_waiting_run_than_allowed_has_its_call_rejected_at_once(&mut client).await?;

@@ -107,7 +107,7 @@ fn wait(run_id: &str, calls: &[&str], epoch: u64) -> Wait {
 
 /// The decided calls of the run's wait, and whether one is open.
 async fn decided(approvals: &NatsApprovals, run_id: &str) -> anyhow::Result<Option<Vec<String>>> {
-    Ok(approvals.waiting(run_id).await?.map(|w| {
+    Ok(approvals.parked_calls(run_id).await?.map(|w| {
         w.calls
             .into_iter()
             .filter(|c| c.decision.is_some())

@@ -126,6 +126,19 @@ async fn a_renamed_flag_works_under_its_old_name_with_a_warning() -> TestResult 
     let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0", "--hand-over-grace", "11m"], &[]).await?;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(!stderr.contains("warning:"), "{stderr}");
+    // A parked run is parked: --max-awaiting-runs became --max-parked-runs.
+    let old = ["--listen", "127.0.0.1:0", "--max-awaiting-runs=0"];
+    let (code, _, stderr) = run_to_end(&old, &[]).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("warning: --max-awaiting-runs is renamed --max-parked-runs"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--max-parked-runs = 0 is below"), "{stderr}");
+    let env = [("ORCHESTRATOR_MAX_AWAITING_RUNS", "0")];
+    let (code, _, stderr) = run_to_end(&["--listen", "127.0.0.1:0"], &env).await?;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("ORCHESTRATOR_MAX_AWAITING_RUNS is renamed"), "{stderr}");
     Ok(())
 }
 

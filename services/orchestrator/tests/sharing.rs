@@ -1038,7 +1038,7 @@ async fn a_flood_of_200_across_three_replicas_does_not_keep_a_quiet_caller_waiti
 /// `--list-read-max 10` and a dozen of bob's runs live in the fleet, alice's one live run is
 /// still in her listing of live runs (the fleet's live runs are kept to hers before at most ten
 /// are read); olga, an operator, lists bob's runs and opens one (GetRun), but cancels none; ada,
-/// an approver, opens the run whose waiting call she is asked to decide.
+/// an approver, opens the run whose pending approval she is asked to decide.
 #[tokio::test]
 async fn listings_filter_before_they_bound_and_operators_open_what_they_list() -> TestResult {
     let ada = [("ada", "ada-token", "roles = [\"approver\"]")];

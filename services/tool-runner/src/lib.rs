@@ -1,7 +1,7 @@
 //! The tool-runner: a stateless gRPC service that lists and runs tools for the orchestrator.
 //!
 //! * [`tools`]: the tool sources — [`tools::builtin`] and manifest-declared [`tools::command`] tools;
-//! * [`registry`]: lookup, argument limits, JSON Schema validation and timeouts for every call;
+//! * [`catalog`]: lookup, argument limits, JSON Schema validation and timeouts for every call;
 //! * [`service`]: the gRPC adapter (`ListTools`, `RunTool`);
 //! * [`admission`]: the concurrency limit and drain refusals, as a tower layer;
 //! * [`fence`]: the refusal of a replaced orchestrator replica's call, read from the run store;
@@ -14,12 +14,12 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod catalog;
 pub mod cli;
 pub mod config;
 mod error;
 pub mod fence;
 pub mod record;
-pub mod registry;
 pub mod server;
 pub mod service;
 pub mod telemetry;

@@ -1,4 +1,4 @@
-//! Serving: [`serve`] builds the registry, serves gRPC (tool runner, health, reflection) on the
+//! Serving: [`serve`] builds the catalog, serves gRPC (tool runner, health, reflection) on the
 //! given listener, and drains when `shutdown` resolves.
 //!
 //! Drain sequence: the service's health turns NOT_SERVING (readiness fails, so Kubernetes stops
@@ -14,8 +14,8 @@ use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
 use crate::admission::Admission;
+use crate::catalog::Catalog;
 use crate::record::CallRecords;
-use crate::registry::Registry;
 use crate::service::ToolRunnerService;
 use crate::tools::mcp::McpServers;
 use crate::tools::{Tool, builtin, manifest};
@@ -24,9 +24,9 @@ use crate::{Config, Error};
 /// The gRPC service name reported by health checks.
 pub const SERVICE_NAME: &str = "toolrunner.v1.ToolRunner";
 
-/// Builds the registry from the configuration: built-ins plus the manifest's command tools, and
+/// Builds the catalog from the configuration: built-ins plus the manifest's command tools, and
 /// starts the supervisors of its MCP servers (their tools join as they are listed).
-pub fn build_registry(config: &Config) -> Result<Registry, Error> {
+pub fn build_catalog(config: &Config) -> Result<Catalog, Error> {
     let builtins = builtin::all(&config.builtins)?;
     let manifest = match &config.tools_manifest {
         Some(path) => manifest::load(path)?,
@@ -37,12 +37,12 @@ pub fn build_registry(config: &Config) -> Result<Registry, Error> {
         .into_iter()
         .map(|(spec, tool)| (spec, Arc::new(tool) as Arc<dyn Tool>))
         .collect();
-    let registry = Registry::new(builtins, commands, config.arg_limits)?;
+    let catalog = Catalog::new(builtins, commands, config.arg_limits)?;
     if manifest.mcp_servers.is_empty() {
-        return Ok(registry);
+        return Ok(catalog);
     }
-    let own = registry.own_names();
-    Ok(registry.with_mcp(McpServers::start(manifest.mcp_servers, own)))
+    let own = catalog.own_names();
+    Ok(catalog.with_mcp(McpServers::start(manifest.mcp_servers, own)))
 }
 
 /// Keeps the service's health in step with its `required` MCP servers: NOT_SERVING while one is
@@ -52,11 +52,11 @@ pub fn build_registry(config: &Config) -> Result<Registry, Error> {
     reason = "as an async fn, spawning it inside `serve` cannot prove the future Send (E0283)"
 )]
 fn follow_mcp_health(
-    registry: Arc<Registry>,
+    catalog: Arc<Catalog>,
     health: tonic_health::server::HealthReporter,
 ) -> impl Future<Output = ()> + Send + 'static {
     async move {
-        let Some(mcp) = registry.mcp() else { return };
+        let Some(mcp) = catalog.mcp() else { return };
         let mut changed = mcp.watch();
         let mut was_down = Vec::new();
         loop {
@@ -109,11 +109,11 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
     config.validate()?;
-    let registry = Arc::new(build_registry(&config)?);
-    if let Some(mcp) = registry.mcp() {
+    let catalog = Arc::new(build_catalog(&config)?);
+    if let Some(mcp) = catalog.mcp() {
         mcp.first_attempts().await;
     }
-    let tool_names: Vec<String> = registry.specs().into_iter().map(|s| s.name).collect();
+    let tool_names: Vec<String> = catalog.specs().into_iter().map(|s| s.name).collect();
     let address = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("listener has no address: {e}")))?;
@@ -125,7 +125,7 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     let _health = security.serve_health(health_service.clone());
     health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
-    let mcp_health = tokio::spawn(follow_mcp_health(Arc::clone(&registry), health.clone()));
+    let mcp_health = tokio::spawn(follow_mcp_health(Arc::clone(&catalog), health.clone()));
     let reflection = shared::grpc::reflection_service(SERVICE_NAME)
         .map_err(|e| Error::Config(format!("reflection descriptors: {e}")))?;
     let reflection_v1alpha = shared::grpc::reflection_service_v1alpha(SERVICE_NAME)
@@ -145,7 +145,7 @@ pub async fn serve(
         .clone()
         .map(|records| shared::runtime::AbortOnDrop(tokio::spawn(records.keep_alive())));
     let runner = ToolRunnerServer::new(
-        ToolRunnerService::new(Arc::clone(&registry), config.telemetry.trace_payloads())
+        ToolRunnerService::new(Arc::clone(&catalog), config.telemetry.trace_payloads())
             .with_fence(fence)
             .with_records(records.clone()),
     )

@@ -752,7 +752,7 @@ async fn startup_refuses_invalid_configuration_and_manifests() -> TestResult {
         tools_manifest: Some(manifest),
         ..Config::default()
     };
-    let err = tool_runner::server::build_registry(&config)
+    let err = tool_runner::server::build_catalog(&config)
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();

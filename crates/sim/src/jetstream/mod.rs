@@ -12,7 +12,7 @@
 //!   began to lag, while the leader takes writes;
 //! * a request applied whose answer is lost (the caller times out not knowing);
 //! * a slow cluster (every request takes seconds);
-//! * a process paused, cut off or killed, through its [`Gate`]: a paused process sends and hears
+//! * a process paused, cut off or killed, through its [`Condition`]: a paused process sends and hears
 //!   nothing while time runs, one cut off has its requests time out, a dead one never hears again.
 //!
 //! Each process holds a [`Connection`]; one connection's requests apply in the order it sent them
@@ -36,7 +36,7 @@ use shared::jetstream::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use crate::ports::gate::Gate;
+use crate::ports::condition::Condition;
 use stream::{Limits, StreamState, matches};
 
 /// Messages a core subscription holds for a slow reader before it drops them (as a NATS server
@@ -85,7 +85,7 @@ struct StoredObject {
 struct Subscription {
     pattern: String,
     tx: mpsc::Sender<Inbound>,
-    gate: Gate,
+    condition: Condition,
 }
 
 /// The cluster's state.
@@ -220,11 +220,11 @@ impl Cluster {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A process's connection: its requests pass `gate` and wait `timeout` for their answers.
-    pub fn connect(&self, gate: Gate, timeout: Duration) -> Connection {
+    /// A process's connection: its requests go as `condition` lets them and wait `timeout` for their answers.
+    pub fn connect(&self, condition: Condition, timeout: Duration) -> Connection {
         Connection {
             cluster: self.clone(),
-            gate,
+            condition,
             timeout,
             wire: Arc::default(),
             pipeline: None,
@@ -336,7 +336,7 @@ enum To {
 #[derive(Clone)]
 pub struct Connection {
     cluster: Cluster,
-    gate: Gate,
+    condition: Condition,
     timeout: Duration,
     /// Held by the request on the wire: the connection's requests apply in order.
     wire: Arc<tokio::sync::Mutex<()>>,
@@ -366,8 +366,8 @@ impl Connection {
         self
     }
 
-    /// One request: it leaves through the gate, takes its latency, is applied by `apply` (unless
-    /// its stream has no leader), and its answer is heard through the gate, unless it is lost.
+    /// One request: it leaves as the process's condition lets it, takes its latency, is applied by `apply` (unless
+    /// its stream has no leader), and its answer is heard as the condition lets it, unless it is lost.
     /// Whatever is not answered times out after the connection's timeout. Once it left, the
     /// request is the network's (a task of no process): it arrives and is applied whatever its
     /// sender does meanwhile (stopped, or killed, as a kernel sends what it was given).
@@ -382,7 +382,7 @@ impl Connection {
             Err(Error::TimedOut)
         };
         let wire = Arc::clone(&self.wire).lock_owned().await;
-        if !self.gate.pass().await {
+        if !self.condition.pass().await {
             drop(wire);
             return timed_out().await;
         }
@@ -430,7 +430,7 @@ impl Connection {
             answered
         });
         let (answer, lost) = carried.await.unwrap_or((None, true));
-        if lost || !self.gate.pass().await || Instant::now() >= started + self.timeout {
+        if lost || !self.condition.pass().await || Instant::now() >= started + self.timeout {
             return timed_out().await;
         }
         answer.unwrap_or(Err(Error::TimedOut))
@@ -566,7 +566,7 @@ impl JetStream for Connection {
                 return Ok(None);
             }
             match tokio::time::timeout(this.timeout, rx).await {
-                Ok(Ok(answer)) if this.gate.pass().await => Ok(Some(answer)),
+                Ok(Ok(answer)) if this.condition.pass().await => Ok(Some(answer)),
                 _ => Ok(None),
             }
         }
@@ -574,7 +574,7 @@ impl JetStream for Connection {
     }
 
     fn subscribe(&self, subject: String) -> Reply<BoxStream<'static, Inbound>> {
-        let gate = self.gate.clone();
+        let condition = self.condition.clone();
         let this = self.clone();
         async move {
             let (tx, rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
@@ -582,17 +582,17 @@ impl JetStream for Connection {
                 inner.subscriptions.push(Subscription {
                     pattern: subject,
                     tx,
-                    gate,
+                    condition,
                 });
                 Ok(())
             })
             .await?;
-            let gate = this.gate.clone();
+            let condition = this.condition.clone();
             Ok(tokio_stream_of(rx)
                 .then(move |inbound| {
-                    let gate = gate.clone();
+                    let condition = condition.clone();
                     async move {
-                        gate.running().await;
+                        condition.running().await;
                         inbound
                     }
                 })
@@ -616,8 +616,8 @@ fn deliver(inner: &mut Inner, subject: &str, payload: Bytes, reply: Option<Strin
     let mut reached = 0;
     for subscription in &inner.subscriptions {
         let alive = !matches!(
-            subscription.gate.mode(),
-            crate::ports::gate::Mode::Dead | crate::ports::gate::Mode::CutOff
+            subscription.condition.mode(),
+            crate::ports::condition::Mode::Dead | crate::ports::condition::Mode::CutOff
         );
         if alive && matches(&subscription.pattern, subject) {
             let inbound = Inbound {
@@ -887,7 +887,7 @@ impl Reader {
             let mut published = reader.connection.cluster.lock().published.subscribe();
             loop {
                 // A paused or cut-off process hears nothing until it is back.
-                while !reader.connection.gate.pass().await {
+                while !reader.connection.condition.pass().await {
                     tokio::time::sleep(reader.connection.timeout).await;
                 }
                 if let Some(message) = reader.next() {

@@ -8,14 +8,14 @@ use shared::jetstream::{BucketConfig, Consistency, Error, JetStream, Publish, St
 use tokio::time::Instant;
 
 use super::Cluster;
-use crate::ports::gate::{Gate, Mode};
+use crate::ports::condition::{Condition, Mode};
 
 const TIMEOUT: Duration = Duration::from_secs(1);
 
 #[tokio::test(start_paused = true)]
 async fn the_simulated_cluster_answers_the_conformance_checks() -> anyhow::Result<()> {
     let cluster = Cluster::new(7);
-    super::conformance::check(cluster.connect(Gate::default(), TIMEOUT).handle(), "sim").await
+    super::conformance::check(cluster.connect(Condition::default(), TIMEOUT).handle(), "sim").await
 }
 
 async fn bucket(js: &dyn JetStream) -> anyhow::Result<std::sync::Arc<dyn shared::jetstream::Bucket>> {
@@ -32,7 +32,7 @@ async fn bucket(js: &dyn JetStream) -> anyhow::Result<std::sync::Arc<dyn shared:
 #[tokio::test(start_paused = true)]
 async fn a_leaderless_stream_times_out_unapplied_while_followers_serve_direct_reads() -> anyhow::Result<()> {
     let cluster = Cluster::new(1);
-    let js = cluster.connect(Gate::default(), TIMEOUT);
+    let js = cluster.connect(Condition::default(), TIMEOUT);
     let kv = bucket(&js).await?;
     let revision = kv.put("k", Bytes::from_static(b"1")).await?;
     cluster.lose_leader("KV_runs", Instant::now() + Duration::from_secs(5));
@@ -60,7 +60,7 @@ async fn a_leaderless_stream_times_out_unapplied_while_followers_serve_direct_re
 #[tokio::test(start_paused = true)]
 async fn a_lagging_follower_serves_old_direct_reads_and_the_leader_the_newest() -> anyhow::Result<()> {
     let cluster = Cluster::new(2);
-    let js = cluster.connect(Gate::default(), TIMEOUT);
+    let js = cluster.connect(Condition::default(), TIMEOUT);
     let kv = bucket(&js).await?;
     let old = kv.put("epoch", Bytes::from_static(b"1")).await?;
     cluster.lag("KV_runs", Instant::now() + Duration::from_secs(10));
@@ -85,7 +85,7 @@ async fn a_lagging_follower_serves_old_direct_reads_and_the_leader_the_newest() 
 #[tokio::test(start_paused = true)]
 async fn an_answer_lost_hides_a_write_that_landed() -> anyhow::Result<()> {
     let cluster = Cluster::new(3);
-    let js = cluster.connect(Gate::default(), TIMEOUT);
+    let js = cluster.connect(Condition::default(), TIMEOUT);
     let stream = js
         .stream(StreamConfig {
             name: "LOG".to_owned(),
@@ -125,16 +125,16 @@ async fn an_answer_lost_hides_a_write_that_landed() -> anyhow::Result<()> {
 #[tokio::test(start_paused = true)]
 async fn a_paused_process_waits_and_one_cut_off_times_out() -> anyhow::Result<()> {
     let cluster = Cluster::new(4);
-    let gate = Gate::default();
-    let js = cluster.connect(gate.clone(), TIMEOUT);
+    let condition = Condition::default();
+    let js = cluster.connect(condition.clone(), TIMEOUT);
     let kv = bucket(&js).await?;
-    gate.set(Mode::CutOff);
+    condition.set(Mode::CutOff);
     assert_eq!(kv.put("k", Bytes::new()).await, Err(Error::TimedOut));
     assert!(
         cluster.entry("runs", "k").is_none(),
         "a cut-off process's request never left"
     );
-    gate.set(Mode::Paused);
+    condition.set(Mode::Paused);
     let put = tokio::spawn({
         let kv = std::sync::Arc::clone(&kv);
         async move { kv.put("k", Bytes::new()).await }
@@ -144,7 +144,7 @@ async fn a_paused_process_waits_and_one_cut_off_times_out() -> anyhow::Result<()
         cluster.entry("runs", "k").is_none() && !put.is_finished(),
         "a paused process sends nothing"
     );
-    gate.set(Mode::Up);
+    condition.set(Mode::Up);
     // Resumed past its timeout, it sends the write and gives up on the answer (SIGCONT fires
     // the timers that ran out meanwhile): the write lands, unheard.
     assert_eq!(put.await?, Err(Error::TimedOut));

@@ -24,7 +24,7 @@ use orchestrator::domain::task::ToolTask;
 use orchestrator::tool_runners::sender::{self, Attempt, Retries};
 use tokio::time::Instant;
 
-use super::gate::Gate;
+use super::condition::Condition;
 use super::view::Watched;
 
 /// The turns every run plays: two calls a turn (one in every third), then the answer.
@@ -35,7 +35,7 @@ pub const QUIET_WORK: Duration = Duration::from_secs(40);
 
 /// The model, as one replica reaches it (a paused replica hears nothing).
 pub struct Model {
-    gate: Gate,
+    condition: Condition,
     rng: Mutex<fastrand::Rng>,
     /// What every replica's model served so far.
     served: Arc<Served>,
@@ -44,10 +44,10 @@ pub struct Model {
 }
 
 impl Model {
-    /// The model for the replica behind `gate`, counting what it serves into `served`.
-    pub fn new(gate: Gate, seed: u64, served: Arc<Served>, quiet: bool) -> Self {
+    /// The model for the replica behind `condition`, counting what it serves into `served`.
+    pub fn new(condition: Condition, seed: u64, served: Arc<Served>, quiet: bool) -> Self {
         Self {
-            gate,
+            condition,
             served,
             quiet,
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
@@ -129,12 +129,12 @@ impl ChatModel for Model {
         let request_run = request.affinity.clone();
         self.served.ask(&request_run, turn);
         let think = Duration::from_millis(lock(&self.rng).u64(20..1500));
-        let (gate, served) = (self.gate.clone(), Arc::clone(&self.served));
+        let (condition, served) = (self.condition.clone(), Arc::clone(&self.served));
         let turns = if self.quiet { 2 } else { TURNS };
         let report = !self.quiet && turn == REPORT_TURN;
         async move {
             tokio::time::sleep(think).await;
-            gate.running().await;
+            condition.running().await;
             let mut events = vec![Ok(LlmEvent::TextDelta(format!("turn {}. ", turn + 1)))];
             // A turn taken for a message sent to the run after it answered ends it as well.
             match turn {
@@ -246,8 +246,8 @@ pub struct Runners {
     pub answered: Mutex<Vec<Answered>>,
     /// Rounds of questions asked so far (each gets its own state).
     asked: Mutex<u64>,
-    /// The runners' gates (one lost: a call to it is refused before it runs).
-    pub gates: Vec<Gate>,
+    /// The runners' conditions (one lost: a call to it is refused before it runs).
+    pub conditions: Vec<Condition>,
     /// Each runner's admission (`tool_runner::admission`): at most [`RUNNER_SLOTS`] calls in
     /// flight, the next refused before it runs with the refusal header the service sends.
     admissions: Vec<tool_runner::admission::Admission>,
@@ -278,11 +278,11 @@ impl Runners {
         (fence, records): (bool, bool),
         quiet: Option<usize>,
     ) -> Arc<Self> {
-        let gates: Vec<Gate> = (0..count).map(|_| Gate::default()).collect();
-        let readers: Vec<_> = gates
+        let conditions: Vec<Condition> = (0..count).map(|_| Condition::default()).collect();
+        let readers: Vec<_> = conditions
             .iter()
-            .map(|gate| {
-                let connection = store.cluster().connect(gate.clone(), FENCE_READ);
+            .map(|condition| {
+                let connection = store.cluster().connect(condition.clone(), FENCE_READ);
                 // Thousands of quiet runs' calls: pipelined, as the replicas' are then.
                 let connection = match quiet {
                     Some(_) => connection.pipelined(),
@@ -315,14 +315,14 @@ impl Runners {
             answered: Mutex::default(),
             asked: Mutex::default(),
             tasks: Mutex::default(),
-            admissions: gates
+            admissions: conditions
                 .iter()
                 .map(|_| tool_runner::admission::Admission::new(quiet.unwrap_or(RUNNER_SLOTS)))
                 .collect(),
             refused: std::sync::atomic::AtomicUsize::new(0),
             in_doubt: Mutex::default(),
             died: Mutex::default(),
-            gates,
+            conditions,
             rng: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x7001)),
         })
     }
@@ -335,16 +335,16 @@ impl Runners {
                 *incarnation = Incarnation::start(reader, r, self.life(r));
             }
         }
-        if let Some(gate) = self.gates.get(r) {
-            gate.set(super::gate::Mode::Up);
+        if let Some(condition) = self.conditions.get(r) {
+            condition.set(super::condition::Mode::Up);
         }
     }
 
     /// Runner `r`'s pod is lost (SIGKILL): it answers nothing, renews nothing, and the calls it
     /// runs die with it (their answers lost, their outcomes never kept).
     pub fn lose(&self, r: usize) {
-        if let Some(gate) = self.gates.get(r) {
-            gate.set(super::gate::Mode::Paused);
+        if let Some(condition) = self.conditions.get(r) {
+            condition.set(super::condition::Mode::Paused);
         }
         if let Some(lives) = self.lives.get(r) {
             lives.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -451,8 +451,8 @@ impl Runners {
 pub struct Client {
     /// The replica's name.
     pub replica: String,
-    /// The replica's gate.
-    pub gate: Gate,
+    /// The replica's condition.
+    pub condition: Condition,
     /// The runners.
     pub runners: Arc<Runners>,
 }
@@ -465,10 +465,10 @@ const RETRIES: Retries = Retries {
 
 impl ToolExecutor for Client {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<ToolOutput, ToolCallError>> {
-        let (gate, runners, replica) = (self.gate.clone(), Arc::clone(&self.runners), self.replica.clone());
+        let (condition, runners, replica) = (self.condition.clone(), Arc::clone(&self.runners), self.replica.clone());
         async move {
             sender::send(&call, RETRIES, || {
-                attempt(gate.clone(), Arc::clone(&runners), call.clone(), replica.clone())
+                attempt(condition.clone(), Arc::clone(&runners), call.clone(), replica.clone())
             })
             .await
         }
@@ -481,7 +481,7 @@ impl ToolExecutor for Client {
 /// process's kernel still sends what it was given, and a congested link may hold it for
 /// seconds); the runner reads the run's fence and refuses a replaced owner's call, or starts
 /// the tool and answers.
-async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation, replica: String) -> Attempt {
+async fn attempt(condition: Condition, runners: Arc<Runners>, call: ToolInvocation, replica: String) -> Attempt {
     lock(&runners.sent).push(SentCall {
         replica,
         run_id: call.run_id.clone(),
@@ -491,7 +491,7 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation, replic
     });
     let (runner, out, link, (work, as_task, asks)) = {
         let mut rng = lock(&runners.rng);
-        let runner = rng.usize(..runners.gates.len());
+        let runner = rng.usize(..runners.conditions.len());
         let out = Duration::from_micros(rng.u64(100..20_000));
         // Now and then the link is congested and holds the request a while.
         let link = match rng.u8(..50) {
@@ -519,7 +519,7 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation, replic
     // Checked, then on its way out of the process (a client's buffer, a connection being
     // made): a replica paused now writes it when it resumes.
     tokio::time::sleep(out).await;
-    gate.running().await;
+    condition.running().await;
     let (answer, heard) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         tokio::time::sleep(link).await;
@@ -528,7 +528,7 @@ async fn attempt(gate: Gate, runners: Arc<Runners>, call: ToolInvocation, replic
     let answered = heard
         .await
         .unwrap_or_else(|_| Attempt::Answered(Err(ToolCallError::new("UNAVAILABLE", "no answer"))));
-    gate.running().await;
+    condition.running().await;
     answered
 }
 
@@ -547,7 +547,7 @@ struct Work {
 /// answers a call that ran before, or one in doubt, instead of the tool; the tool's outcome is
 /// kept in the record before the answer.
 async fn run_on(runners: &Runners, runner: usize, call: &ToolInvocation, drawn: Work) -> Attempt {
-    if runners.gates[runner].mode() != super::gate::Mode::Up {
+    if runners.conditions[runner].mode() != super::condition::Mode::Up {
         let error = ToolCallError::new("UNAVAILABLE", format!("runner {runner} cannot be reached"));
         return Attempt::Unrun {
             reason: "connect",

@@ -4,7 +4,7 @@
 //! over the simulated JetStream ([`crate::jetstream`], [`adapters`]), with a model and
 //! tool-runners that admit calls through the tool-runner's own admission (a busy runner refuses
 //! one) and read the run's fence with its own reader ([`actors`]; now and then a tool asks a
-//! question, which the [`person`] answers from any replica), each process behind the [`gate`]
+//! question, which the [`person`] answers from any replica), each process in the [`condition`]
 //! its faults set (a replica's tasks are its simulated process's: `shared::tasks`), in one
 //! tokio runtime whose clock is virtual and whose every random draw comes from the seed. The
 //! fault plan, drawn from the seed too, pauses replicas (SIGSTOP), cuts them off from the store,
@@ -23,7 +23,7 @@
 pub mod actors;
 pub mod adapters;
 pub mod check;
-pub mod gate;
+pub mod condition;
 pub mod person;
 pub mod view;
 pub mod without;
@@ -42,7 +42,7 @@ use orchestrator::server::harness::{Ports, Replica};
 use tokio::time::Instant;
 
 use actors::{Client, Model, Runners};
-use gate::{Gate, Mode};
+use condition::{Condition, Mode};
 use orchestrator::store::nats::inspect::Names;
 use view::Watched;
 
@@ -310,10 +310,10 @@ fn on_virtual_clock<F: std::future::Future>(start_ms: u64, work: impl FnOnce() -
     Ok(output)
 }
 
-/// A replica process: its gate and, while it lives, its `Core`.
+/// A replica process: its condition and, while it lives, its `Core`.
 struct Process {
     name: String,
-    gate: Gate,
+    condition: Condition,
     replica: Option<Arc<Replica>>,
 }
 
@@ -403,8 +403,8 @@ impl World {
     async fn spawn_replica(&mut self) -> usize {
         let n = self.processes.len();
         let name = format!("replica-{n}");
-        let gate = Gate::default();
-        let connection = self.store.cluster().connect(gate.clone(), STORE_TIMEOUT);
+        let condition = Condition::default();
+        let connection = self.store.cluster().connect(condition.clone(), STORE_TIMEOUT);
         let connection = match self.settings.quiet {
             true => connection.pipelined(),
             false => connection,
@@ -415,7 +415,7 @@ impl World {
         };
         // The adapters' tasks (the log's publisher) are the replica process's, as all it spawns.
         let stores = shared::tasks::owning_async(
-            gate.process(),
+            condition.process(),
             adapters::open(&connection, &name, &config(&self.settings)),
         )
         .await;
@@ -432,25 +432,25 @@ impl World {
             webhooks: orchestrator::webhooks::Buckets::in_memory(&config(&self.settings).webhooks),
             signals: stores.signals,
             model: Arc::new(Model::new(
-                gate.clone(),
+                condition.clone(),
                 self.seed.wrapping_add(n as u64 * 7919),
                 Arc::clone(&self.served),
                 self.settings.quiet,
             )),
             tools: Arc::new(Client {
                 replica: name.clone(),
-                gate: gate.clone(),
+                condition: condition.clone(),
                 runners: Arc::clone(&self.runners),
             }),
         };
-        let replica = Replica::in_process(&config(&self.settings), ports, gate.process());
+        let replica = Replica::in_process(&config(&self.settings), ports, condition.process());
         // As the server does with a journal: it answers the cancels and messages other
         // replicas ask of it for the runs live here.
         let replica = Arc::new(replica.answering_asks());
         lock(&self.living).push(Arc::clone(&replica));
         self.processes.push(Process {
             name,
-            gate,
+            condition,
             replica: Some(replica),
         });
         n
@@ -576,11 +576,11 @@ impl World {
                 } else {
                     Mode::CutOff
                 };
-                let gate = self.processes[i].gate.clone();
-                gate.set(mode);
+                let condition = self.processes[i].condition.clone();
+                condition.set(mode);
                 tokio::spawn(async move {
                     tokio::time::sleep(lasting).await;
-                    gate.set(Mode::Up);
+                    condition.set(Mode::Up);
                 });
                 self.history.push(format!("{line} on {}", self.processes[i].name));
             }
@@ -593,7 +593,7 @@ impl World {
                     self.history
                         .push(format!("{at:>8.3}s   {} drained, exits", self.processes[i].name));
                 }
-                self.processes[i].gate.set(Mode::Dead);
+                self.processes[i].condition.set(Mode::Dead);
                 if let Some(dead) = self.processes[i].replica.take() {
                     lock(&self.living).retain(|r| !Arc::ptr_eq(r, &dead));
                 }
@@ -647,13 +647,13 @@ impl World {
     async fn heal(&mut self) {
         for process in &self.processes {
             if process.replica.is_some() {
-                process.gate.set(Mode::Up);
+                process.condition.set(Mode::Up);
             }
         }
         while self.alive().len() < self.settings.replicas {
             self.spawn_replica().await;
         }
-        for r in 0..self.runners.gates.len() {
+        for r in 0..self.runners.conditions.len() {
             self.runners.revive(r);
         }
         let now = Instant::now();

@@ -31,11 +31,11 @@ async fn two_replicas_and_a_run() -> anyhow::Result<(World, Arc<Replica>)> {
 fn a_stopped_replica_notices_nothing_until_it_continues() -> anyhow::Result<()> {
     on_virtual_clock(START_OF_AN_HOUR, || async {
         let (world, replica) = two_replicas_and_a_run().await?;
-        let gate = world.processes[0].gate.clone();
-        gate.set(Mode::Paused);
+        let condition = world.processes[0].condition.clone();
+        condition.set(Mode::Paused);
         tokio::time::sleep(LEASE * 4).await;
         assert_eq!(replica.live(), 1, "a stopped replica let its run go");
-        gate.set(Mode::Up);
+        condition.set(Mode::Up);
         testkit::wait::until("the continued replica lets its run go", LEASE * 4, || async {
             (replica.live() == 0).then_some(())
         })
@@ -50,7 +50,7 @@ fn a_stopped_replica_notices_nothing_until_it_continues() -> anyhow::Result<()> 
 fn a_killed_replica_runs_nothing_again() -> anyhow::Result<()> {
     on_virtual_clock(START_OF_AN_HOUR, || async {
         let (world, replica) = two_replicas_and_a_run().await?;
-        world.processes[0].gate.set(Mode::Dead);
+        world.processes[0].condition.set(Mode::Dead);
         testkit::wait::until("the killed replica's run task is dropped", LEASE / 3, || async {
             (replica.live() == 0).then_some(())
         })

@@ -84,8 +84,8 @@ pub struct Takeover {
 }
 
 /// The calls whose task a checkpoint follows, read from its JSON (`calls.tasks[].index`, a
-/// position in `calls.partition.calls`), or would follow had the store not forgotten them
-/// (`--without task-handles`).
+/// position in `calls.partition.calls`, the checkpoint's name for the sorted calls), or would
+/// follow had the store not forgotten them (`--without task-handles`).
 fn followed_tasks(checkpoint: &[u8]) -> Vec<String> {
     let Ok(json) = serde_json::from_slice::<serde_json::Value>(checkpoint) else {
         return Vec::new();

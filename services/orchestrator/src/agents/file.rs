@@ -12,6 +12,7 @@ use sha2::{Digest as _, Sha256};
 
 use crate::domain::agent::Override;
 use crate::domain::ids;
+use crate::domain::thread::BusyPolicy;
 
 /// The most agents one file may define.
 pub(crate) const MAX_AGENTS: usize = 1024;
@@ -56,16 +57,6 @@ pub(crate) struct Limits {
     pub(crate) max_total_tokens: Option<u64>,
 }
 
-/// What a run does when another run holds its thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum OnBusy {
-    Reject,
-    Enqueue,
-    Interrupt,
-    Rollback,
-}
-
 /// One `[[agent]]` of the file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -92,7 +83,12 @@ pub(crate) struct Definition {
     #[serde(default)]
     pub(crate) limits: Limits,
     /// Its busy policy on a thread (unset: reject).
-    pub(crate) on_busy: Option<OnBusy>,
+    #[serde(
+        default,
+        deserialize_with = "BusyPolicy::deserialize_name",
+        serialize_with = "BusyPolicy::serialize_name"
+    )]
+    pub(crate) on_busy: Option<BusyPolicy>,
     /// The principals that may use it (`*` globs; unset: every caller).
     pub(crate) principals: Option<Vec<String>>,
     /// What a request naming it may set besides its messages.

@@ -12,6 +12,7 @@ use proto::orchestrator::v1 as pb;
 
 use super::output::{refused, status_name};
 use crate::Error;
+use crate::domain::thread::BusyPolicy;
 
 /// What to ask for.
 #[derive(Debug, Clone, Default)]
@@ -639,7 +640,7 @@ pub struct CallArgs {
     pub thread: Option<String>,
     /// With --thread: what the run does when another run holds the thread (default: reject).
     #[arg(long, value_enum)]
-    pub on_busy: Option<OnBusy>,
+    pub on_busy: Option<BusyPolicy>,
     /// A label ListRuns finds the run by, KEY=VALUE (repeatable).
     #[arg(long = "label", value_name = "KEY=VALUE", value_parser = super::key_value)]
     pub labels: Vec<(String, String)>,
@@ -649,27 +650,20 @@ pub struct CallArgs {
     pub json: bool,
 }
 
-/// `--on-busy`: the thread's busy policies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnBusy {
-    /// Refused (ABORTED, naming the run holding the thread).
-    Reject,
-    /// Wait until the runs before it have ended.
-    Enqueue,
-    /// The run holding the thread ends after its turn; this one starts from there.
-    Interrupt,
-    /// The run holding the thread is canceled and its messages dropped.
-    Rollback,
-}
+/// `--on-busy`: the domain's busy policies, by their names, each with its help line.
+impl clap::ValueEnum for BusyPolicy {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Self::ALL
+    }
 
-impl From<OnBusy> for pb::ThreadBusyPolicy {
-    fn from(policy: OnBusy) -> Self {
-        match policy {
-            OnBusy::Reject => Self::Reject,
-            OnBusy::Enqueue => Self::Enqueue,
-            OnBusy::Interrupt => Self::Interrupt,
-            OnBusy::Rollback => Self::Rollback,
-        }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let help = match self {
+            Self::Reject => "Refused (ABORTED, naming the run holding the thread)",
+            Self::Enqueue => "Wait until the runs before it have ended",
+            Self::Interrupt => "The run holding the thread ends after its turn; this one starts from there",
+            Self::Rollback => "The run holding the thread is canceled and its messages dropped",
+        };
+        Some(clap::builder::PossibleValue::new(self.name()).help(help))
     }
 }
 

@@ -40,7 +40,7 @@ pub use nats::{Backend, NatsSettings};
 pub use output::OutputSettings;
 pub use requests::RequestBounds;
 pub use runs::RunSettings;
-pub use server::{RENAMED, ServerSettings};
+pub use server::ServerSettings;
 pub use signals::{SignalSettings, StreamDiscard};
 pub use store::StoreSettings;
 pub use telemetry::TelemetrySettings;
@@ -53,8 +53,26 @@ use std::time::Duration;
 
 use clap::Args;
 use shared::config::{Bound, Bounded, flag};
+use shared::config_file::Renamed;
 
 use crate::Error;
+
+/// Flags renamed: the old names (flag and environment variable) work, with a warning, until the
+/// next release.
+pub const RENAMED: &[Renamed] = &[
+    Renamed {
+        old: "handoff-grace",
+        new: "hand-over-grace",
+        old_env: "ORCHESTRATOR_HANDOFF_GRACE",
+        new_env: "ORCHESTRATOR_HAND_OVER_GRACE",
+    },
+    Renamed {
+        old: "max-awaiting-runs",
+        new: "max-parked-runs",
+        old_env: "ORCHESTRATOR_MAX_AWAITING_RUNS",
+        new_env: "ORCHESTRATOR_MAX_PARKED_RUNS",
+    },
+];
 
 const KIB: usize = 1024;
 

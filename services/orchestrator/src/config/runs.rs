@@ -119,11 +119,11 @@ pub struct RunSettings {
         default_missing_value = "true"
     )]
     pub approvals_need_approver: bool,
-    /// Runs parked waiting for approvals at once, with the in-memory store (they hold no run slot,
-    /// only their checkpoint in memory); a turn that would park one more has its waiting calls
-    /// rejected with APPROVAL_UNAVAILABLE (cap 1000000).
-    #[arg(long, env = "ORCHESTRATOR_MAX_AWAITING_RUNS", default_value_t = 10_000)]
-    pub max_awaiting_runs: usize,
+    /// Parked runs at once, with the in-memory store (a parked run holds no run slot, only its
+    /// checkpoint in memory); a turn that would park one more has its pending approvals rejected
+    /// with APPROVAL_UNAVAILABLE (cap 1000000). Formerly --max-awaiting-runs.
+    #[arg(long, env = "ORCHESTRATOR_MAX_PARKED_RUNS", default_value_t = 10_000)]
+    pub max_parked_runs: usize,
     #[allow(missing_docs)]
     #[command(flatten)]
     pub output: OutputSettings,
@@ -141,7 +141,7 @@ impl Bounded for RunSettings {
             bound("max_runs", self.max_runs, 1usize, 100_000usize),
             bound("max_attached", self.max_attached, 1usize, 100_000usize),
             bound("max_queued_runs", self.max_queued_runs, 0usize, 1_000_000usize),
-            bound("max_awaiting_runs", self.max_awaiting_runs, 1usize, 1_000_000usize),
+            bound("max_parked_runs", self.max_parked_runs, 1usize, 1_000_000usize),
             bound("event_buffer", self.event_buffer, 1usize, 65_536usize),
             bound("max_input_rounds", self.max_input_rounds, 1u32, 100u32),
             bound("task_poll_min", self.task_poll_min, ms(50), secs(60)),

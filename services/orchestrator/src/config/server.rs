@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use clap::Args;
 use shared::config::{Bound, Bounded, bound, parse_duration};
-use shared::config_file::Renamed;
 
 use super::{KIB, MIB, secs};
 
@@ -29,7 +28,7 @@ pub struct ServerSettings {
     /// point (a turn's calls assembled, or its end) before it is handed over from its last
     /// checkpoint anyway; another replica resumes it at once (cap 10m, and within
     /// --shutdown-grace).
-    #[arg(long, alias = "handoff-grace", env = "ORCHESTRATOR_HAND_OVER_GRACE", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "ORCHESTRATOR_HAND_OVER_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub hand_over_grace: Duration,
 }
 
@@ -42,11 +41,3 @@ impl Bounded for ServerSettings {
         ]
     }
 }
-
-/// Flags renamed: the old names work, with a warning, until the next release.
-pub const RENAMED: &[Renamed] = &[Renamed {
-    old: "handoff-grace",
-    new: "hand-over-grace",
-    old_env: "ORCHESTRATOR_HANDOFF_GRACE",
-    new_env: "ORCHESTRATOR_HAND_OVER_GRACE",
-}];

@@ -111,7 +111,7 @@ pub fn expire_calls(calls: &mut [PendingApproval], now_unix_ms: u64) -> bool {
     expired
 }
 
-/// The expiry rule of one waiting call, wherever it is kept (a store's `PendingApproval`, a
+/// The expiry rule of one pending approval, wherever it is kept (a store's `PendingApproval`, a
 /// turn's checkpoint): undecided at `now_unix_ms`, past `expires_at_unix_ms`, it is decided as
 /// expired — a timeout (it does not run), or for `questions`, `cancel` to each (it is tried
 /// again with them). Whether it was.

@@ -16,7 +16,7 @@ pub const MAX_LABEL_KEY_LEN: usize = 63;
 
 /// What a run waits for, besides running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Waiting {
+pub enum WaitingFor {
     /// Nothing: it runs, or it ended.
     #[default]
     Nothing,
@@ -56,7 +56,7 @@ pub struct RunSummary {
     /// Normal tool calls so far.
     pub tool_calls: u32,
     /// What it waits for.
-    pub waiting_for: Waiting,
+    pub waiting_for: WaitingFor,
     /// Its named agent.
     pub agent: Option<super::agent::AgentRef>,
     /// What it was asked (`RunResult::prompt`).
@@ -78,10 +78,10 @@ impl From<&RunResult> for RunSummary {
             usage: run.usage,
             tool_calls: u32::try_from(run.tool_calls.len()).unwrap_or(u32::MAX),
             waiting_for: match run.status {
-                RunStatus::AwaitingApproval => Waiting::Approval,
-                RunStatus::AwaitingInput => Waiting::Input,
-                RunStatus::AwaitingTask => Waiting::Task,
-                _ => Waiting::Nothing,
+                RunStatus::AwaitingApproval => WaitingFor::Approval,
+                RunStatus::AwaitingInput => WaitingFor::Input,
+                RunStatus::AwaitingTask => WaitingFor::Task,
+                _ => WaitingFor::Nothing,
             },
             agent: run.agent.clone(),
             prompt: run.prompt.clone(),

@@ -454,7 +454,7 @@ pub struct Holding {
     /// Its replica drained and let it go.
     pub handed_over: bool,
     /// It is parked in the approval store.
-    pub awaiting: bool,
+    pub parked: bool,
     /// Parked, and decided or canceled: it goes on now.
     pub ready: bool,
     /// Parked: when it goes on undecided (an expiry, a task's poll, its deadline).
@@ -467,7 +467,7 @@ impl Holding {
     /// it is parked and due (ready, or its wake time passed).
     pub fn orphaned(&self, now_unix_ms: u64, lapsed: bool) -> bool {
         let lost_owner = self.held && self.resumable && (self.handed_over || lapsed);
-        lost_owner || (self.awaiting && (self.ready || self.wake_at_unix_ms <= now_unix_ms))
+        lost_owner || (self.parked && (self.ready || self.wake_at_unix_ms <= now_unix_ms))
     }
 }
 

@@ -650,7 +650,7 @@ pub enum ParkOutcome {
 
 /// A run's wait as a replica resuming it reads it.
 #[derive(Debug, Clone, Default)]
-pub struct Waiting {
+pub struct ParkedCalls {
     /// Its calls with their decisions (undecided ones when it woke for its deadline or a cancel).
     pub calls: Vec<PendingApproval>,
     /// Set when `CancelRun` canceled it while it was parked.
@@ -665,8 +665,8 @@ pub struct Ready {
     pub run_id: String,
     /// Its parked state.
     pub parked: Parked,
-    /// Its wait.
-    pub waiting: Waiting,
+    /// Its calls and their decisions.
+    pub calls: ParkedCalls,
 }
 
 /// Runs waiting for decisions on their calls (docs/architecture.md, "Approvals"). A run opens its
@@ -699,20 +699,13 @@ pub trait ApprovalStore: Send + Sync + 'static {
         limit: usize,
     ) -> BoxFuture<'static, Result<(Vec<PendingApproval>, bool), StoreError>>;
     /// A run's wait, with the decisions so far (`None`: it waits for nothing).
-    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>>;
+    fn parked_calls(&self, run_id: &str) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>>;
     /// The wait of a parked run that goes on now (`now_unix_ms`): a shared approval store first decides its
     /// calls past their expiry so in the store (compare-and-set), so that a person's late
     /// answer and the expiry never both land — each call is decided once, by whichever came
-    /// first. An approval store of this process has applied expiries already ([`ApprovalStore::expire`]).
-    fn wake(&self, run_id: &str, _now_unix_ms: u64) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
-        self.waiting(run_id)
-    }
-    /// A run parked in this process, as `GetRun` shows it (a shared approval store leaves that to the store).
-    fn parked(&self, run_id: &str) -> Option<RunResult>;
-    /// Every run parked in this process, as `ListRuns` shows them (none for a shared approval store: the
-    /// store lists its parked runs).
-    fn parked_runs(&self) -> Vec<RunResult> {
-        Vec::new()
+    /// first. An approval store of this process has applied expiries already ([`LocalApprovals::expire`]).
+    fn wake(&self, run_id: &str, _now_unix_ms: u64) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>> {
+        self.parked_calls(run_id)
     }
     /// Cancels a parked run (it goes on only to end); whether one was parked.
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>>;
@@ -724,7 +717,22 @@ pub trait ApprovalStore: Send + Sync + 'static {
     /// replica takes the run over next reads the cancel too, and the cancel is returned (the
     /// run ends canceled).
     fn close_decided(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, Option<String>>;
-    /// Applies timeouts and deadlines as of `now_unix_ms` (an approval store of this process).
+    /// The part only an approval store of this process answers (`None` for a shared one: the
+    /// run store shows and lists its parked runs, and the takeover wakes them).
+    fn local(&self) -> Option<&dyn LocalApprovals> {
+        None
+    }
+}
+
+/// What only an approval store of this process answers: its parked runs as readers see them, and
+/// waking them (timeouts and deadlines, then the ready ones resumed on free slots by the unpark
+/// task). A shared store leaves the first to the run store and the second to the takeover.
+pub trait LocalApprovals: Send + Sync {
+    /// A run parked in this process, as `GetRun` shows it.
+    fn parked(&self, run_id: &str) -> Option<RunResult>;
+    /// Every run parked in this process, as `ListRuns` shows them.
+    fn parked_runs(&self) -> Vec<RunResult>;
+    /// Applies timeouts and deadlines as of `now_unix_ms`.
     fn expire(&self, now_unix_ms: u64);
     /// The oldest parked run of this process ready to resume, taken out of the approval store.
     fn take_ready(&self) -> Option<Ready>;

@@ -11,9 +11,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-/// One run waiting for a slot.
+/// One run's place in its principal's queue for a slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Waiter {
+pub struct Place {
     /// Which wait this is (to take it out when it gives up).
     pub ticket: u64,
     /// When it began to wait (any monotonic count: a tie goes to the smaller).
@@ -23,7 +23,7 @@ pub struct Waiter {
 /// A principal's queue and what the share rules read of it.
 #[derive(Debug, Clone, Default)]
 struct Queue {
-    waiting: VecDeque<Waiter>,
+    waiting: VecDeque<Place>,
     weight: u32,
 }
 
@@ -56,13 +56,13 @@ impl Shares {
         self.queues.get(principal).map_or(0, |q| q.waiting.len())
     }
 
-    /// Queues `waiter` for `principal` of `weight`, unless its queue has `max_queued` or all
+    /// Queues `place` for `principal` of `weight`, unless its queue has `max_queued` or all
     /// queues together `max_total`.
     pub fn push(
         &mut self,
         principal: &str,
         weight: u32,
-        waiter: Waiter,
+        place: Place,
         (max_queued, max_total): (usize, usize),
     ) -> Result<(), QueueFull> {
         if self.waiting >= max_total {
@@ -73,7 +73,7 @@ impl Shares {
             return Err(QueueFull::Principal(max_queued));
         }
         queue.weight = weight.max(1);
-        queue.waiting.push_back(waiter);
+        queue.waiting.push_back(place);
         self.waiting += 1;
         Ok(())
     }
@@ -117,7 +117,7 @@ impl Shares {
     }
 
     /// Takes the head of `principal`'s queue (it gets a slot).
-    pub fn pop(&mut self, principal: &str) -> Option<Waiter> {
+    pub fn pop(&mut self, principal: &str) -> Option<Place> {
         let queue = self.queues.get_mut(principal)?;
         let head = queue.waiting.pop_front();
         if head.is_some() {
@@ -146,8 +146,8 @@ mod tests {
 
     const ROOM: (usize, usize) = (1000, 10_000);
 
-    fn waiter(ticket: u64) -> Waiter {
-        Waiter { ticket, since: ticket }
+    fn place(ticket: u64) -> Place {
+        Place { ticket, since: ticket }
     }
 
     /// Hands out `slots` slots one at a time to the queues, each run holding its slot: the
@@ -171,10 +171,10 @@ mod tests {
     fn a_flood_does_not_starve_a_quiet_principal() {
         let mut shares = Shares::default();
         for t in 0..200 {
-            shares.push("flood", 1, waiter(t), ROOM).unwrap();
+            shares.push("flood", 1, place(t), ROOM).unwrap();
         }
         for t in 200..205 {
-            shares.push("quiet", 1, waiter(t), ROOM).unwrap();
+            shares.push("quiet", 1, place(t), ROOM).unwrap();
         }
         let served = serve(&mut shares, 10, |_| usize::MAX);
         assert_eq!(served.iter().filter(|p| *p == "quiet").count(), 5, "{served:?}");
@@ -185,8 +185,8 @@ mod tests {
     fn slots_follow_the_weights() {
         let mut shares = Shares::default();
         for t in 0..100 {
-            shares.push("gold", 3, waiter(t), ROOM).unwrap();
-            shares.push("bronze", 1, waiter(1000 + t), ROOM).unwrap();
+            shares.push("gold", 3, place(t), ROOM).unwrap();
+            shares.push("bronze", 1, place(1000 + t), ROOM).unwrap();
         }
         let served = serve(&mut shares, 40, |_| usize::MAX);
         assert_eq!(served.iter().filter(|p| *p == "gold").count(), 30, "{served:?}");
@@ -196,8 +196,8 @@ mod tests {
     fn a_principal_at_its_limit_lets_the_others_go_first() {
         let mut shares = Shares::default();
         for t in 0..10 {
-            shares.push("capped", 1, waiter(t), ROOM).unwrap();
-            shares.push("free", 1, waiter(100 + t), ROOM).unwrap();
+            shares.push("capped", 1, place(t), ROOM).unwrap();
+            shares.push("free", 1, place(100 + t), ROOM).unwrap();
         }
         let served = serve(&mut shares, 8, |p| if p == "capped" { 2 } else { usize::MAX });
         assert_eq!(served.iter().filter(|p| *p == "capped").count(), 2, "{served:?}");
@@ -207,15 +207,15 @@ mod tests {
     #[test]
     fn queues_are_bounded_on_both_sides() {
         let mut shares = Shares::default();
-        shares.push("a", 1, waiter(1), (2, 3)).unwrap();
-        shares.push("a", 1, waiter(2), (2, 3)).unwrap();
-        assert_eq!(shares.push("a", 1, waiter(3), (2, 3)), Err(QueueFull::Principal(2)));
-        shares.push("b", 1, waiter(4), (2, 3)).unwrap();
-        assert_eq!(shares.push("c", 1, waiter(5), (2, 3)), Err(QueueFull::Server(3)));
+        shares.push("a", 1, place(1), (2, 3)).unwrap();
+        shares.push("a", 1, place(2), (2, 3)).unwrap();
+        assert_eq!(shares.push("a", 1, place(3), (2, 3)), Err(QueueFull::Principal(2)));
+        shares.push("b", 1, place(4), (2, 3)).unwrap();
+        assert_eq!(shares.push("c", 1, place(5), (2, 3)), Err(QueueFull::Server(3)));
         assert!(shares.remove("a", 1));
         assert!(!shares.remove("a", 1), "once");
         assert_eq!((shares.waiting(), shares.waiting_of("a")), (2, 1));
-        shares.push("c", 1, waiter(6), (2, 3)).unwrap();
+        shares.push("c", 1, place(6), (2, 3)).unwrap();
     }
 
     #[test]

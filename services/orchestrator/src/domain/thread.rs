@@ -30,6 +30,50 @@ pub enum BusyPolicy {
     Rollback,
 }
 
+impl BusyPolicy {
+    /// Every policy, in the order people are shown them.
+    pub const ALL: [Self; 4] = [Self::Reject, Self::Enqueue, Self::Interrupt, Self::Rollback];
+
+    /// The name the agents file and the command line spell it by.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Reject => "reject",
+            Self::Enqueue => "enqueue",
+            Self::Interrupt => "interrupt",
+            Self::Rollback => "rollback",
+        }
+    }
+
+    /// Reads an optional policy by its [`name`](Self::name) (`deserialize_with` of a file's field).
+    pub fn deserialize_name<'de, D: serde::Deserializer<'de>>(from: D) -> Result<Option<Self>, D::Error> {
+        let name: Option<String> = serde::Deserialize::deserialize(from)?;
+        name.map(|name| name.parse().map_err(serde::de::Error::custom))
+            .transpose()
+    }
+
+    /// Writes an optional policy by its [`name`](Self::name) (`serialize_with` of a file's field).
+    pub fn serialize_name<S: serde::Serializer>(policy: &Option<Self>, to: S) -> Result<S::Ok, S::Error> {
+        match policy {
+            Some(policy) => to.serialize_some(policy.name()),
+            None => to.serialize_none(),
+        }
+    }
+}
+
+impl std::str::FromStr for BusyPolicy {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|policy| policy.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.into_iter().map(Self::name).collect();
+                format!("unknown variant `{name}`, expected one of {}", names.join(", "))
+            })
+    }
+}
+
 /// A run's thread: which, how much of it the model is to see, and (once the run holds it) what
 /// it sees.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -386,6 +430,15 @@ mod tests {
             thread.begin(run_id, BusyPolicy::Reject, (1, 100), &LIMITS),
             Begin::Started
         );
+    }
+
+    #[test]
+    fn a_busy_policy_is_read_by_its_name_and_an_unknown_name_lists_them() {
+        for policy in BusyPolicy::ALL {
+            assert_eq!(policy.name().parse::<BusyPolicy>(), Ok(policy));
+        }
+        let error = "wait".parse::<BusyPolicy>().unwrap_err();
+        assert!(error.contains("reject, enqueue, interrupt, rollback"), "{error}");
     }
 
     #[test]

@@ -319,7 +319,7 @@ impl Runs {
         if let Some(refusal) = self.refusal_here(run_id, caller) {
             return Err(refusal);
         }
-        match self.approvals.parked(run_id) {
+        match self.parked_here(run_id) {
             Some(parked) if !sees(caller, &parked.principal) => return Err(Refusal::Foreign),
             Some(_) => return Err(Refusal::Duplicate),
             None => {}
@@ -631,7 +631,7 @@ impl Runs {
         checkpoint: Checkpoint,
     ) -> Result<(Checkpoint, Option<String>), String> {
         if !checkpoint.awaits_decisions() {
-            let waiting = self.approvals.waiting(run_id).await.map_err(|e| e.to_string())?;
+            let waiting = self.approvals.parked_calls(run_id).await.map_err(|e| e.to_string())?;
             return Ok((checkpoint, waiting.and_then(|w| w.canceled)));
         }
         let woken = self.approvals.wake(run_id, shared::sync::unix_ms());
@@ -651,11 +651,11 @@ impl Runs {
     pub(crate) async fn resume_parked(self: &Arc<Self>) -> Unparked {
         let (mut admitted, checkpoint, ready) = {
             let mut live = self.lock();
-            let Some(ready) = self.approvals.take_ready() else {
+            let Some(ready) = self.approvals.local().and_then(|local| local.take_ready()) else {
                 return Unparked::Nothing;
             };
             let checkpoint = match serde_json::from_slice::<Checkpoint>(&ready.parked.checkpoint) {
-                Ok(checkpoint) => checkpoint.decided(&ready.waiting),
+                Ok(checkpoint) => checkpoint.decided(&ready.calls),
                 Err(e) => {
                     tracing::error!(run_id = %ready.run_id, "the parked run's checkpoint cannot be read: {e}; the run is dropped");
                     return Unparked::Dropped;
@@ -669,12 +669,14 @@ impl Runs {
             match self.admitted_from(&mut live, &ready.run_id, &owner, &checkpoint.result) {
                 Ok(admitted) => (admitted, checkpoint, ready),
                 Err(_) => {
-                    self.approvals.put_back(ready);
+                    if let Some(local) = self.approvals.local() {
+                        local.put_back(ready);
+                    }
                     return Unparked::Nothing;
                 }
             }
         };
-        let Ready { parked, waiting, .. } = ready;
+        let Ready { parked, calls, .. } = ready;
         let logged = match parked.log.as_ref() {
             Some(_) => checkpoint.seq,
             None => self.log.last(&admitted.run_id).await.map_or(checkpoint.seq, |l| l.seq),
@@ -682,7 +684,7 @@ impl Runs {
         admitted._lease = admitted.persister.keep_lease();
         admitted.started = true;
         admitted.log = parked.log;
-        if let Some(reason) = waiting.canceled {
+        if let Some(reason) = calls.canceled {
             admitted.cancel.cancel(&reason);
         }
         // The wait holds the whole checkpoint: the run keeps its conversation anew.

@@ -93,7 +93,7 @@ impl Runs {
     /// Whether `run_id` is live here or parked in this replica's approval store.
     fn in_sight(&self, run_id: &str) -> bool {
         let live = self.lock();
-        live.contains_key(run_id) || self.approvals.parked(run_id).is_some()
+        live.contains_key(run_id) || self.parked_here(run_id).is_some()
     }
 
     /// One look for the run: here, parked, or elsewhere.
@@ -107,7 +107,7 @@ impl Runs {
         if let Some(outcome) = self.cancel_here(run_id, caller, reason, mode).await {
             return Ok(outcome);
         }
-        let parked = match self.approvals.parked(run_id) {
+        let parked = match self.parked_here(run_id) {
             Some(parked) => Some(parked),
             None => self.stored(run_id).await?,
         };

@@ -25,7 +25,9 @@ impl Runs {
     /// A page of the runs `query` asks for (already scoped to what its caller may see).
     pub(crate) async fn list(&self, query: RunQuery) -> Result<RunPage, StoreError> {
         let mut here: Vec<RunSummary> = self.lock().values().map(Live::summary).collect();
-        here.extend(self.approvals.parked_runs().iter().map(RunSummary::from));
+        if let Some(local) = self.approvals.local() {
+            here.extend(local.parked_runs().iter().map(RunSummary::from));
+        }
         within(self.store_timeout, self.index.list(query, here)).await
     }
 }

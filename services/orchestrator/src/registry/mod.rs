@@ -213,15 +213,19 @@ impl Runs {
         self.lock().len()
     }
 
+    /// A run parked in this process's approval store, as readers see it (`None` with a shared
+    /// store, whose parked runs the run store answers for).
+    pub(super) fn parked_here(&self, run_id: &str) -> Option<RunResult> {
+        self.approvals.local()?.parked(run_id)
+    }
+
     /// A live run's state so far, or a stored result, when `caller` may read it (its owner, or an
     /// operator); `Err` when the store cannot be read.
     pub(crate) async fn get(&self, run_id: &str, caller: &Principal) -> Result<Option<RunResult>, StoreError> {
         // Under the registry's lock: a parked run resuming leaves the approval store under it too.
         let here = {
             let live = self.lock();
-            live.get(run_id)
-                .map(Live::shown)
-                .or_else(|| self.approvals.parked(run_id))
+            live.get(run_id).map(Live::shown).or_else(|| self.parked_here(run_id))
         };
         let found = match here {
             Some(result) => Some(result),
@@ -232,7 +236,7 @@ impl Runs {
         };
         // Decisions reach the approval store first: the run takes them when it parks or resumes.
         if !found.pending_approvals.is_empty()
-            && let Ok(Some(waiting)) = self.approvals.waiting(run_id).await
+            && let Ok(Some(waiting)) = self.approvals.parked_calls(run_id).await
         {
             found.pending_approvals = waiting.calls;
         }

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::Runs;
 use super::admission::{Admitted, Refusal};
 use crate::domain::RunSpec;
-use crate::domain::share::{Shares, Waiter};
+use crate::domain::share::{Place, Shares};
 
 /// The queues, and how each waiting run is woken.
 #[derive(Default)]
@@ -118,7 +118,7 @@ impl Runs {
             queued.next_ticket += 1;
             let ticket = queued.next_ticket;
             let room = (caller.max_queued.unwrap_or(self.max_queued), self.max_queued);
-            let waiter = Waiter { ticket, since };
+            let waiter = Place { ticket, since };
             queued
                 .shares
                 .push(&caller.name, caller.weight.unwrap_or(1), waiter, room)

@@ -46,11 +46,7 @@ impl Runs {
         if let Some(outcome) = self.steer_here(run_id, caller, &message) {
             return Ok(outcome);
         }
-        if self
-            .approvals
-            .parked(run_id)
-            .is_some_and(|p| sees(caller, &p.principal))
-        {
+        if self.parked_here(run_id).is_some_and(|p| sees(caller, &p.principal)) {
             return Ok(SteeringOutcome::Refused(Refused::AwaitingApproval));
         }
         Ok(match self.stored(run_id).await? {

@@ -14,11 +14,11 @@ pub use crate::domain::steering::{Closed, Refused, UserMessage};
 /// A live run's waiting messages (cloned handles share them).
 #[derive(Clone, Debug, Default)]
 pub struct Inbox {
-    inner: Arc<Mutex<Waiting>>,
+    inner: Arc<Mutex<Messages>>,
 }
 
 #[derive(Debug, Default)]
-struct Waiting {
+struct Messages {
     messages: Vec<UserMessage>,
     /// Messages accepted over the run's life (against `max`).
     accepted: u32,
@@ -47,9 +47,9 @@ impl Inbox {
     /// An open inbox taking at most `max` messages over the run's life (0: none).
     pub fn new(max: u32) -> Self {
         Self {
-            inner: Arc::new(Mutex::new(Waiting {
+            inner: Arc::new(Mutex::new(Messages {
                 max,
-                ..Waiting::default()
+                ..Messages::default()
             })),
         }
     }

@@ -237,7 +237,7 @@ async fn open_store(config: &Config, connections: &mut NatsConnections) -> Resul
             Stored {
                 store: Arc::clone(&store) as Arc<dyn ResultStore>,
                 journal: None,
-                approvals: Arc::new(MemoryApprovals::new(config.runs.max_awaiting_runs)),
+                approvals: Arc::new(MemoryApprovals::new(config.runs.max_parked_runs)),
                 index: store,
                 quotas: None,
                 usage: Arc::new(MemoryUsage::new(config.store.usage_keep_for)),

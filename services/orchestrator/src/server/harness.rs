@@ -131,7 +131,7 @@ impl Replica {
             .0)
     }
 
-    /// Records `decisions` on the run's waiting calls (as `DecideToolCalls` and
+    /// Records `decisions` on the run's pending approvals (as `DecideToolCalls` and
     /// `AnswerToolInput` do, for an unauthenticated caller); the calls still waiting.
     pub async fn decide(&self, run_id: &str, decisions: &[Decision]) -> Result<Vec<PendingApproval>, Error> {
         Ok(self

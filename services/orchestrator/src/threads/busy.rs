@@ -44,14 +44,14 @@ struct Asked {
 
 /// A run waiting for its thread: dropped before it holds it (its caller went away, or its
 /// deadline passed), it leaves the thread's queue, so it holds up no run after it.
-struct Waiting {
+struct ThreadWait {
     threads: Arc<Keeper>,
     thread_id: String,
     run_id: String,
     armed: bool,
 }
 
-impl Drop for Waiting {
+impl Drop for ThreadWait {
     fn drop(&mut self) {
         if !self.armed {
             return;
@@ -82,7 +82,7 @@ pub(crate) async fn take(
     let Some(thread) = spec.thread.take() else {
         return Ok((spec, false));
     };
-    let mut waiting = Waiting {
+    let mut waiting = ThreadWait {
         threads: Arc::clone(threads),
         thread_id: thread.thread_id.clone(),
         run_id: spec.run_id.clone(),

@@ -21,7 +21,7 @@
 //!
 //! Files: this one (the catalog, a call's gRPC attempts), `sender.rs` (the rules every attempt
 //! follows: lease checks, stale refusals, retries of calls that did not run), `pool.rs` (the
-//! endpoint pool: two random choices, cooldowns), `membership.rs` (DNS re-resolution, reload of
+//! endpoint pool: two random choices, ejections), `membership.rs` (DNS re-resolution, reload of
 //! the TLS and token files), `transport.rs` (one endpoint's channel: TLS, token), `listings.rs`
 //! (what each runner listed last: a warning when runners serve different tools).
 
@@ -96,9 +96,9 @@ struct CallSettings {
 }
 
 /// How long an endpoint is skipped after refusing a call over its concurrency limit.
-const BUSY_COOLDOWN: Duration = Duration::from_millis(200);
+const BUSY_EJECTION: Duration = Duration::from_millis(200);
 /// How long an endpoint is skipped after saying it drains, or when it cannot be reached.
-const GONE_COOLDOWN: Duration = Duration::from_secs(2);
+const GONE_EJECTION: Duration = Duration::from_secs(2);
 
 /// Connection to the tool-runners.
 #[derive(Clone)]
@@ -221,7 +221,7 @@ impl ToolRunners {
         let mut tried: Vec<String> = avoided.iter().cloned().collect();
         let mut last_error = format!("no tool-runner endpoint (targets: {})", self.targets.join(", "));
         let response = loop {
-            let Some(lease) = self.pool.pick(&tried).filter(|l| !tried.contains(&l.member.uri)) else {
+            let Some(checkout) = self.pool.pick(&tried).filter(|l| !tried.contains(&l.member.uri)) else {
                 // The last answer's runner is asked last, not never.
                 match avoided.take() {
                     Some(last) => {
@@ -231,9 +231,9 @@ impl ToolRunners {
                     None => return Err(last_error),
                 }
             };
-            let uri = lease.member.uri.clone();
-            tried.push(lease.member.uri.clone());
-            let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
+            let uri = checkout.member.uri.clone();
+            tried.push(checkout.member.uri.clone());
+            let mut client = pb::tool_runner_client::ToolRunnerClient::new(checkout.member.channel.clone())
                 .max_decoding_message_size(self.call.max_response_bytes);
             let mut request = tonic::Request::new(pb::ListToolsRequest {});
             request.set_timeout(timeout);
@@ -241,9 +241,9 @@ impl ToolRunners {
             match tokio::time::timeout(timeout, client.list_tools(request)).await {
                 Ok(Ok(response)) => break (uri, response),
                 Ok(Err(status)) => {
-                    last_error = format!("ListTools on {} failed: {}", lease.member.uri, status.message())
+                    last_error = format!("ListTools on {} failed: {}", checkout.member.uri, status.message())
                 }
-                Err(_) => last_error = format!("ListTools on {} timed out", lease.member.uri),
+                Err(_) => last_error = format!("ListTools on {} timed out", checkout.member.uri),
             }
         };
         let (uri, response) = (response.0, response.1.into_inner());
@@ -337,7 +337,7 @@ impl ToolExecutor for ToolRunners {
             let tried: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
             sender::send(&call, retries, || {
                 let pinned = call.task.as_ref().and_then(|t| t.runner.clone());
-                let lease = match &pinned {
+                let checkout = match &pinned {
                     Some(uri) => pool.pick_only(uri),
                     None => pool.pick(&shared::sync::lock(&tried)),
                 };
@@ -346,20 +346,20 @@ impl ToolExecutor for ToolRunners {
                 let progress = call.progress.clone();
                 let (pool, tried, timeout) = (Arc::clone(&pool), Arc::clone(&tried), call.timeout);
                 async move {
-                    let Some(lease) = lease else {
+                    let Some(checkout) = checkout else {
                         return Attempt::Answered(Err(no_runner(pinned.as_deref())));
                     };
-                    let mut client = pb::tool_runner_client::ToolRunnerClient::new(lease.member.channel.clone())
+                    let mut client = pb::tool_runner_client::ToolRunnerClient::new(checkout.member.channel.clone())
                         .max_decoding_message_size(settings.max_response_bytes);
                     let started = tokio::time::Instant::now();
                     let status = match run_streamed(&mut client, requests, progress.as_ref()).await {
                         Ok(response) => {
-                            let runner = &lease.member.uri;
+                            let runner = &checkout.member.uri;
                             return Attempt::Answered(outcome(response, settings.max_questions, runner));
                         }
                         Err(status) => status,
                     };
-                    let runner = lease.member.uri.clone();
+                    let runner = checkout.member.uri.clone();
                     if let Some(current) = superseded(&status) {
                         return Attempt::Superseded { current, runner };
                     }
@@ -370,12 +370,12 @@ impl ToolExecutor for ToolRunners {
                         }
                         return Attempt::Answered(Err(error));
                     };
-                    let cooldown = if reason == "concurrency_limit" {
-                        BUSY_COOLDOWN
+                    let ejection = if reason == "concurrency_limit" {
+                        BUSY_EJECTION
                     } else {
-                        GONE_COOLDOWN
+                        GONE_EJECTION
                     };
-                    pool.cool_down(&lease.member, cooldown);
+                    pool.eject(&checkout.member, ejection);
                     shared::sync::lock(&tried).push(runner);
                     Attempt::Unrun { reason, error }
                 }

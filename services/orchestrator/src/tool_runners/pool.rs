@@ -1,6 +1,6 @@
 //! The tool-runner endpoint pool: one lazily connected gRPC channel per runner endpoint, chosen
 //! by "power of two choices" on calls in flight. An endpoint that refused a call (over its
-//! concurrency limit, draining) or could not be reached cools down for a moment and is skipped
+//! concurrency limit, draining) or could not be reached is ejected for a moment: skipped
 //! while others are available, so a retry lands on another endpoint. Members are added and
 //! removed as DNS answers change; unchanged endpoints keep their connection.
 
@@ -19,17 +19,17 @@ pub(super) struct Member {
     /// Its channel (connects on first use, reconnects after failures).
     pub channel: Channel,
     in_flight: AtomicUsize,
-    /// Milliseconds since the pool's epoch until which the member is skipped (0: not cooling).
-    cool_until_ms: AtomicU64,
+    /// Milliseconds since the pool's epoch until which the member is skipped (0: not ejected).
+    ejected_until_ms: AtomicU64,
 }
 
 /// A call's hold on a member (counts as in flight until dropped).
-pub(super) struct Lease {
+pub(super) struct Checkout {
     /// The member.
     pub member: Arc<Member>,
 }
 
-impl Drop for Lease {
+impl Drop for Checkout {
     fn drop(&mut self) {
         self.member.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
@@ -81,7 +81,7 @@ impl Pool {
                     uri: uri.clone(),
                     channel: endpoint.connect_lazy(),
                     in_flight: AtomicUsize::new(0),
-                    cool_until_ms: AtomicU64::new(0),
+                    ejected_until_ms: AtomicU64::new(0),
                 };
                 members.insert(uri.clone(), Arc::new(member));
                 if !present {
@@ -97,11 +97,11 @@ impl Pool {
     }
 
     /// Skips `member` for `for_how_long` while other members are available.
-    pub(super) fn cool_down(&self, member: &Member, for_how_long: Duration) {
+    pub(super) fn eject(&self, member: &Member, for_how_long: Duration) {
         let until = self
             .now_ms()
             .saturating_add(u64::try_from(for_how_long.as_millis()).unwrap_or(u64::MAX));
-        member.cool_until_ms.store(until.max(1), Ordering::Release);
+        member.ejected_until_ms.store(until.max(1), Ordering::Release);
     }
 
     fn random(&self) -> u64 {
@@ -117,18 +117,18 @@ impl Pool {
 
     /// The member at `uri`, for a call only it can take (a task held in its child process);
     /// `None` when the pool no longer has it.
-    pub(super) fn pick_only(&self, uri: &str) -> Option<Lease> {
+    pub(super) fn pick_only(&self, uri: &str) -> Option<Checkout> {
         let members = self.read();
         let member = members.get(uri)?;
         member.in_flight.fetch_add(1, Ordering::AcqRel);
-        Some(Lease {
+        Some(Checkout {
             member: Arc::clone(member),
         })
     }
 
-    /// Picks a member: not in `tried`, not cooling down (unless nothing else is left), the less
+    /// Picks a member: not in `tried`, not ejected (unless nothing else is left), the less
     /// loaded of two random candidates. `None` when the pool is empty.
-    pub(super) fn pick(&self, tried: &[String]) -> Option<Lease> {
+    pub(super) fn pick(&self, tried: &[String]) -> Option<Checkout> {
         let members = self.read();
         let now = self.now_ms();
         let all: Vec<&Arc<Member>> = members.values().collect();
@@ -136,7 +136,7 @@ impl Pool {
         let warm: Vec<&Arc<Member>> = fresh
             .iter()
             .copied()
-            .filter(|m| m.cool_until_ms.load(Ordering::Acquire) <= now)
+            .filter(|m| m.ejected_until_ms.load(Ordering::Acquire) <= now)
             .collect();
         let candidates = if !warm.is_empty() {
             warm
@@ -163,7 +163,7 @@ impl Pool {
             }
         };
         chosen.in_flight.fetch_add(1, Ordering::AcqRel);
-        Some(Lease {
+        Some(Checkout {
             member: Arc::clone(chosen),
         })
     }
@@ -196,36 +196,36 @@ mod tests {
         let pool = pool(3);
         let mut counts = BTreeMap::new();
         for _ in 0..300 {
-            let lease = pool.pick(&[]).unwrap();
-            *counts.entry(lease.member.uri.clone()).or_insert(0) += 1;
+            let checkout = pool.pick(&[]).unwrap();
+            *counts.entry(checkout.member.uri.clone()).or_insert(0) += 1;
         }
         assert_eq!(counts.len(), 3, "{counts:?}");
-        // Held leases make a member busier: the others are picked.
-        let held: Vec<Lease> = (0..10).map(|_| pool.pick(&[]).unwrap()).collect();
+        // Held checkouts make a member busier: the others are picked.
+        let held: Vec<Checkout> = (0..10).map(|_| pool.pick(&[]).unwrap()).collect();
         let busy = held
             .iter()
             .map(|l| l.member.in_flight.load(Ordering::Acquire))
             .max()
             .unwrap();
         // Power of two choices over distinct members: a member is only picked at load k when
-        // another has at least k, so 10 leases over 3 members put at most 5 on one.
+        // another has at least k, so 10 checkouts over 3 members put at most 5 on one.
         assert!(busy <= 5, "load is spread: {busy}");
     }
 
     #[tokio::test]
-    async fn retries_skip_tried_and_cooling_members() {
+    async fn retries_skip_tried_and_ejected_members() {
         let pool = pool(3);
         let first = pool.pick(&[]).unwrap();
-        pool.cool_down(&first.member, Duration::from_secs(60));
+        pool.eject(&first.member, Duration::from_secs(60));
         for _ in 0..50 {
             assert_ne!(
                 pool.pick(&[]).unwrap().member.uri,
                 first.member.uri,
-                "cooling members are skipped"
+                "ejected members are skipped"
             );
         }
         let tried: Vec<String> = pool.uris().into_iter().filter(|u| *u != first.member.uri).collect();
-        // Everything else tried or cooling: the cooling one is still used rather than nothing.
+        // Everything else tried or ejected: the ejected one is still used rather than nothing.
         assert_eq!(pool.pick(&tried).unwrap().member.uri, first.member.uri);
     }
 
@@ -249,15 +249,15 @@ mod tests {
         );
 
         // Renewed (the transport changed): the same endpoints, every one a new member, and a
-        // lease taken before keeps the old one to its end.
-        let lease = pool.pick(&[]).unwrap();
+        // checkout taken before keeps the old one to its end.
+        let checkout = pool.pick(&[]).unwrap();
         let (added, removed) = pool.set(next, true);
         assert!(added.is_empty() && removed.is_empty(), "{added:?} {removed:?}");
         assert_eq!(pool.uris().len(), 2);
         assert!(
-            !Arc::ptr_eq(&pool.read()[&lease.member.uri], &lease.member),
+            !Arc::ptr_eq(&pool.read()[&checkout.member.uri], &checkout.member),
             "a new channel"
         );
-        assert_eq!(lease.member.in_flight.load(Ordering::Acquire), 1);
+        assert_eq!(checkout.member.in_flight.load(Ordering::Acquire), 1);
     }
 }

@@ -1,4 +1,4 @@
-//! The gRPC adapter: `toolrunner.v1.ToolRunner` requests become registry calls, registry answers
+//! The gRPC adapter: `toolrunner.v1.ToolRunner` requests become catalog calls, catalog answers
 //! become responses. No tool logic lives here. `recorded.rs`: a durable call's record (what it
 //! says to do with a call, and the run of a recorded call).
 
@@ -14,9 +14,9 @@ use tracing::Instrument;
 
 use crate::Error;
 use crate::admission::{CallPermit, REFUSED_HEADER};
+use crate::catalog::Catalog;
 use crate::fence::{Refusal, RunFence};
 use crate::record::CallRecords;
-use crate::registry::Registry;
 use shared::metrics::InFlight;
 use shared::telemetry::truncate;
 use tonic::metadata::MetadataValue;
@@ -33,10 +33,10 @@ pub const CURRENT_EPOCH_HEADER: &str = "x-run-epoch-current";
 /// Progress reports a streamed call buffers for its caller; past them, reports are dropped.
 const PROGRESS_BUFFER: usize = 16;
 
-/// Serves `ListTools`, `RunTool` and `RunToolStream` from a [`Registry`].
+/// Serves `ListTools`, `RunTool` and `RunToolStream` from a [`Catalog`].
 #[derive(Clone)]
 pub struct ToolRunnerService {
-    registry: Arc<Registry>,
+    catalog: Arc<Catalog>,
     /// Record arguments and results on spans, truncated to this many bytes (`None`: off).
     trace_payloads: Option<usize>,
     /// Refuses a replaced orchestrator replica's calls (`None`: calls are not checked).
@@ -46,10 +46,10 @@ pub struct ToolRunnerService {
 }
 
 impl ToolRunnerService {
-    /// A service over `registry`.
-    pub fn new(registry: Arc<Registry>, trace_payloads: Option<usize>) -> Self {
+    /// A service over `catalog`.
+    pub fn new(catalog: Arc<Catalog>, trace_payloads: Option<usize>) -> Self {
         Self {
-            registry,
+            catalog,
             trace_payloads,
             fence: None,
             records: None,
@@ -273,7 +273,7 @@ impl pb::tool_runner_server::ToolRunner for ToolRunnerService {
     ) -> Result<Response<pb::ListToolsResponse>, Status> {
         let caller = shared::auth::caller(&request);
         let tools = self
-            .registry
+            .catalog
             .specs()
             .iter()
             .filter(|spec| caller.may_use(&spec.name))
@@ -380,12 +380,12 @@ impl ToolRunnerService {
             task: call.task.clone(),
             progress,
         };
-        let result = self.registry.run(&call.tool_name, &call.arguments_json, &ctx).await;
+        let result = self.catalog.run(&call.tool_name, &call.arguments_json, &ctx).await;
         watch.finished = true;
         let elapsed = started.elapsed();
         let (outcome, label) = self.record(result, elapsed);
         // Unknown names share one label, so callers cannot grow the metrics without bound.
-        let tool = if self.registry.has(&call.tool_name) {
+        let tool = if self.catalog.has(&call.tool_name) {
             call.tool_name
         } else {
             "_unknown".to_owned()

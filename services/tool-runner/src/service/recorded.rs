@@ -34,7 +34,7 @@ impl ToolRunnerService {
             return Ok(Plan::Run(None));
         };
         // An unknown tool runs nothing: its answer says so.
-        let Some(spec) = self.registry.spec(&call.tool_name) else {
+        let Some(spec) = self.catalog.spec(&call.tool_name) else {
             return Ok(Plan::Run(None));
         };
         let recorded = Call {

@@ -1,5 +1,5 @@
-//! A tool as the registry keeps it: its spec, its compiled argument schema and its
-//! implementation. Built by the registry for the runner's own tools and by the MCP servers for
+//! A tool as the catalog keeps it: its spec, its compiled argument schema and its
+//! implementation. Built by the catalog for the runner's own tools and by the MCP servers for
 //! theirs.
 
 use std::sync::Arc;

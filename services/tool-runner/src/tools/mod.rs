@@ -1,7 +1,7 @@
 //! Tool sources and the types every tool shares.
 //!
 //! A [`Tool`] takes a JSON object (already validated against its schema by the
-//! [`Registry`](crate::registry::Registry)) and returns a JSON value or a [`ToolError`]. Tools are
+//! [`Catalog`](crate::catalog::Catalog)) and returns a JSON value or a [`ToolError`]. Tools are
 //! plain futures: dropping the future (caller canceled, timeout) stops the tool, and tools that
 //! own outside resources (child processes) release them on drop.
 //!
@@ -11,7 +11,7 @@
 //! * [`input`]: questions a call asks a person before it can finish (MCP's `input_required`);
 //! * [`task`]: calls an MCP server runs as tasks, and how a call's next attempt goes on with one;
 //! * [`progress`]: how a call still running says how it gets on;
-//! * `entry.rs`: a tool as the registry keeps it (spec, compiled schema, implementation);
+//! * `entry.rs`: a tool as the catalog keeps it (spec, compiled schema, implementation);
 //!   `fields.rs`: the checks of a manifest table's fields; `limits.rs`: the resource limits of
 //!   command tools (set with `prlimit`).
 

@@ -20,11 +20,11 @@
 use shared::sync::lock;
 
 use super::durable::TurnCalls;
-use super::waiting::Approval;
+use super::pending::TurnApproval;
 use super::{CallOutcome, Driver, End, Step};
 use crate::domain::ToolCallError;
 use crate::domain::approval::{ApprovalDecision, ApprovalOutcome, OnTimeout, PendingApproval};
-use crate::domain::ports::{ParkOutcome, Parked, Wait, Waiting};
+use crate::domain::ports::{ParkOutcome, Parked, ParkedCalls, Wait};
 use crate::domain::{Event, FailureReason, RunStatus};
 use crate::telemetry::metric;
 
@@ -33,7 +33,7 @@ impl super::Checkpoint {
     /// call nobody decided before it expired is rejected as timed out) and, when its deadline
     /// pauses while a person decides and it waited for one, the deadline moved by the wait (a
     /// run parked only for its tools' tasks is held to its deadline).
-    pub fn decided(mut self, waiting: &Waiting) -> Self {
+    pub fn decided(mut self, waiting: &ParkedCalls) -> Self {
         let now = shared::sync::unix_ms();
         let for_a_person = self.calls.as_ref().is_some_and(TurnCalls::undecided);
         if let Some(calls) = self.calls.as_mut() {
@@ -83,7 +83,7 @@ impl TurnCalls {
     }
 
     /// `approval`'s call waits (again) for a person: in place of what it waited for before.
-    fn wait_again(&mut self, approval: Approval) {
+    fn wait_again(&mut self, approval: TurnApproval) {
         self.approvals.retain(|a| a.index != approval.index);
         self.approvals.push(approval);
     }
@@ -91,7 +91,7 @@ impl TurnCalls {
     /// Takes the decisions of `calls` (by call id) for the calls that wait.
     pub(super) fn take_decisions(&mut self, calls: &[PendingApproval]) {
         for approval in self.approvals.iter_mut().filter(|a| a.decision.is_none()) {
-            let id = &self.partition.calls[approval.index].id;
+            let id = &self.sorted.calls[approval.index].id;
             if let Some(decided) = calls.iter().find(|c| &c.call_id == id) {
                 approval.decision.clone_from(&decided.decision);
             }
@@ -124,14 +124,14 @@ impl TurnCalls {
 
 impl Driver<'_> {
     /// The turn's executed calls whose tool needs approval.
-    pub(super) fn calls_needing_approval(&self, calls: &TurnCalls) -> Vec<Approval> {
+    pub(super) fn calls_needing_approval(&self, calls: &TurnCalls) -> Vec<TurnApproval> {
         let expires_at = (self.spec.approval).expires_at(shared::sync::unix_ms(), self.spec.deadline.unix_ms());
         calls
             .spend
             .executed
             .iter()
-            .filter(|&&i| self.spec.approval.needs(&calls.partition.calls[i].name))
-            .map(|&index| Approval::new(index, expires_at))
+            .filter(|&&i| self.spec.approval.needs(&calls.sorted.calls[i].name))
+            .map(|&index| TurnApproval::new(index, expires_at))
             .collect()
     }
 
@@ -143,7 +143,7 @@ impl Driver<'_> {
             return Ok(());
         }
         for approval in &calls.approvals {
-            let call = &calls.partition.calls[approval.index];
+            let call = &calls.sorted.calls[approval.index];
             self.emitter.queue(Event::ApprovalRequested {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
@@ -170,14 +170,14 @@ impl Driver<'_> {
             let for_a_person = outcome.result.as_ref().err().is_some_and(ToolCallError::in_doubt)
                 && !outcome.reported
                 && !asked_before
-                && self.spec.approval.needs(&calls.partition.calls[index].name);
+                && self.spec.approval.needs(&calls.sorted.calls[index].name);
             if !for_a_person {
                 calls.finished.push(outcome);
                 continue;
             }
-            calls.wait_again(Approval {
+            calls.wait_again(TurnApproval {
                 in_doubt: true,
-                ..Approval::new(index, expires_at)
+                ..TurnApproval::new(index, expires_at)
             });
             doubted.push(index);
         }
@@ -185,7 +185,7 @@ impl Driver<'_> {
             return Ok(());
         }
         for &index in &doubted {
-            let call = &calls.partition.calls[index];
+            let call = &calls.sorted.calls[index];
             tracing::warn!(gen_ai.tool.call.id = %call.id, gen_ai.tool.name = %call.name, "the approved call is in doubt; a person decides whether it runs again");
             self.emitter.queue(Event::ApprovalRequested {
                 call_id: call.id.clone(),
@@ -229,10 +229,10 @@ impl Driver<'_> {
                 calls.finished.push(outcome);
                 continue;
             }
-            calls.wait_again(Approval {
+            calls.wait_again(TurnApproval {
                 questions: Some(questions),
                 rounds: rounds + 1,
-                ..Approval::new(index, expires_at)
+                ..TurnApproval::new(index, expires_at)
             });
             asked.push(index);
         }
@@ -246,7 +246,7 @@ impl Driver<'_> {
             return Ok(());
         }
         for approval in calls.approvals.iter().filter(|a| asked.contains(&a.index)) {
-            let (call, Some(questions)) = (&calls.partition.calls[approval.index], &approval.questions) else {
+            let (call, Some(questions)) = (&calls.sorted.calls[approval.index], &approval.questions) else {
                 continue;
             };
             tracing::info!(gen_ai.tool.call.id = %call.id, gen_ai.tool.name = %call.name, questions = questions.requests.len(), "the tool asks a person before it can finish");
@@ -278,7 +278,7 @@ impl Driver<'_> {
         };
         let mut waiting = Vec::with_capacity(calls.approvals.len());
         for approval in &calls.approvals {
-            let call = &calls.partition.calls[approval.index];
+            let call = &calls.sorted.calls[approval.index];
             let pending = PendingApproval {
                 run_id: self.spec.run_id.clone(),
                 call_id: call.id.clone(),
@@ -343,7 +343,7 @@ impl Driver<'_> {
             approval.applied = true;
             let outcome: &'static str = decision.outcome.into();
             metrics::counter!(metric::APPROVAL_DECISIONS, "outcome" => outcome).increment(1);
-            let call = &mut calls.partition.calls[approval.index];
+            let call = &mut calls.sorted.calls[approval.index];
             tracing::info!(
                 gen_ai.tool.call.id = %call.id,
                 gen_ai.tool.name = %call.name,
@@ -426,7 +426,7 @@ impl Driver<'_> {
         let mut finished = std::mem::take(&mut calls.finished);
         finished.sort_by_key(|o| o.index);
         for outcome in &mut finished {
-            self.report_call(&calls.partition, outcome, &calls.approvals, number);
+            self.report_call(&calls.sorted, outcome, &calls.approvals, number);
         }
         calls.finished = finished;
         self.safe_point(Some(calls)).await
@@ -513,7 +513,7 @@ impl Driver<'_> {
         const LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
         let run_id = self.spec.run_id.clone();
         loop {
-            if let Ok(Some(waiting)) = self.deps.approvals.waiting(&run_id).await {
+            if let Ok(Some(waiting)) = self.deps.approvals.parked_calls(&run_id).await {
                 calls.take_decisions(&waiting.calls);
             }
             let now = shared::sync::unix_ms();

@@ -81,7 +81,7 @@ impl Driver<'_> {
         let reports = self.call_progress.take();
         let any = !reports.is_empty();
         for (index, report) in reports {
-            let Some(call) = calls.partition.calls.get(index) else {
+            let Some(call) = calls.sorted.calls.get(index) else {
                 continue;
             };
             self.emitter.queue(Event::ToolCallProgress {

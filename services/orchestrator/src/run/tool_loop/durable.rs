@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use super::{CallOutcome, Driver, End, Partition, Spend, Step, Turn};
+use super::{CallOutcome, Driver, End, SortedCalls, Spend, Step, Turn};
 use crate::domain::chat::Message;
 use crate::domain::chat::Usage;
 use crate::domain::ports::StoreError;
@@ -241,13 +241,14 @@ impl Checkpoint {
 #[derive(Clone, Serialize, Deserialize)]
 pub struct TurnCalls {
     pub(super) turn: Turn,
-    pub(super) partition: Partition,
+    #[serde(rename = "partition")]
+    pub(super) sorted: SortedCalls,
     pub(super) spend: Spend,
     /// Outcomes of the calls that finished, in the order they finished.
     pub(super) finished: Vec<CallOutcome>,
     /// The calls that wait for a person's decision, and their decisions.
     #[serde(default)]
-    pub(super) approvals: Vec<super::waiting::Approval>,
+    pub(super) approvals: Vec<super::pending::TurnApproval>,
     /// Saved while the model still wrote, before a call started early left: the turn's calls
     /// are those started so far, and the run's text and reasoning were these long when the
     /// turn began.
@@ -256,7 +257,7 @@ pub struct TurnCalls {
     /// The tasks calls became (their servers run them in the background), followed until they
     /// end.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(super) tasks: Vec<super::waiting::Following>,
+    pub(super) tasks: Vec<super::pending::Following>,
 }
 
 #[cfg(test)]
@@ -278,7 +279,7 @@ impl TurnCalls {
                 usage: Usage::default(),
                 reasoning: String::new(),
             },
-            partition: Partition {
+            sorted: SortedCalls {
                 calls,
                 normal: (0..n).collect(),
                 exit: Vec::new(),
@@ -577,7 +578,7 @@ impl Driver<'_> {
         }
         (calls.turn.text, calls.turn.reasoning) = (String::new(), String::new());
         self.progress.attempt += 1;
-        let started = calls.partition.calls.len();
+        let started = calls.sorted.calls.len();
         tracing::info!(
             turn = calls.turn.number,
             started,

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 use super::durable::{TurnCalls, TurnStart};
 use super::rules::{is_json_object, started_event};
-use super::{CallOutcome, Driver, ModelCall, Partition, Spend, Turn};
+use super::{CallOutcome, Driver, ModelCall, SortedCalls, Spend, Turn};
 use crate::domain::ToolCallError;
 use crate::domain::assembly::AssembledCall;
 
@@ -182,7 +182,7 @@ impl Driver<'_> {
                 usage: crate::domain::chat::Usage::default(),
                 reasoning: turn.reasoning.clone(),
             },
-            partition: Partition {
+            sorted: SortedCalls {
                 calls: started,
                 normal: (0..count).collect(),
                 exit: Vec::new(),
@@ -226,7 +226,7 @@ impl Driver<'_> {
         }
         self.progress.used_budget += u32::try_from(outcomes.len()).unwrap_or(u32::MAX);
         let any_failed = outcomes.iter().any(|o| o.result.is_err());
-        let partition = super::Partition {
+        let sorted = super::SortedCalls {
             normal: (0..calls.len()).collect(),
             calls,
             exit: Vec::new(),
@@ -237,7 +237,7 @@ impl Driver<'_> {
             .enumerate()
             .map(|(i, outcome)| CallOutcome { index: i, ..outcome })
             .collect();
-        self.report_results(&partition, outcomes, &[], number);
+        self.report_results(&sorted, outcomes, &[], number);
         self.count_recorded_bytes();
         self.count_failures(any_failed);
     }

@@ -6,7 +6,7 @@
 //! `chat_request` (the BIOS and the conversation),
 //! `stream_completion` (text to the caller and the repeated-line
 //! detector), `take_calls` (structured calls, else fallback directives),
-//! `partition` (normal / exit / bad), `publish_signals`,
+//! `sort_calls` (normal / exit / bad), `publish_signals`,
 //! `apply_parse_policy`, `spend_budget`,
 //! `dispatch` (concurrently, with `join_all`),
 //! `report_results`, `count_failures` (once
@@ -19,7 +19,7 @@
 //! writes), `output.rs` (accounting of the run's output against its bounds), `durable.rs`
 //! (checkpoints at safe points, and resuming from one), `approvals.rs` (calls that wait for a
 //! person's decision, parking and going on), `tasks.rs` (calls their servers run as tasks,
-//! followed until they end) with `waiting.rs` (such calls as the turn holds them), `spend.rs`
+//! followed until they end) with `pending.rs` (such calls as the turn holds them), `spend.rs`
 //! (the token budgets: a turn's prompt counted and its tokens held before it is asked),
 //! `call_progress.rs` (what calls still running report, sent as they run), and `tests/` (the
 //! rules, without a network).
@@ -30,12 +30,12 @@ mod completion;
 mod durable;
 mod eager;
 mod output;
+mod pending;
 mod rules;
 mod spend;
 mod tasks;
 #[cfg(test)]
 pub(crate) mod tests;
-mod waiting;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -536,7 +536,7 @@ struct Turn {
 
 /// A turn's calls sorted by where they go; each list keeps the model's order.
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
-struct Partition {
+struct SortedCalls {
     calls: Vec<ModelCall>,
     normal: Vec<usize>,
     exit: Vec<usize>,

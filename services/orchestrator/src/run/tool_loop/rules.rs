@@ -61,15 +61,15 @@ impl Driver<'_> {
         let output = self.complete_turn(number, &mut turn, allowance).await?;
         let calls = self.take_calls(output, &mut turn).await?;
         self.within_output_for_calls(&calls)?;
-        let partition = self.partition(calls);
-        self.publish_signals(&partition, number);
+        let sorted = self.sort_calls(calls);
+        self.publish_signals(&sorted, number);
         self.count_recorded_bytes();
-        self.apply_parse_policy(&partition, &turn, budget_before)?;
-        let spend = self.spend_budget(&partition);
-        if spend.executed.is_empty() && partition.bad.is_empty() {
+        self.apply_parse_policy(&sorted, &turn, budget_before)?;
+        let spend = self.spend_budget(&sorted);
+        if spend.executed.is_empty() && sorted.bad.is_empty() {
             // The model answered: the run ends, unless messages sent to it wait (the turn then
             // ends as one without calls, and the next one takes them).
-            let end = self.budget_end(&spend, &partition);
+            let end = self.budget_end(&spend, &sorted);
             if end.is_some() || !self.messages_wait(number) {
                 self.finish_turn(&turn, spend.left);
                 // The answer ends the conversation (a run on a thread leaves it there).
@@ -79,7 +79,7 @@ impl Driver<'_> {
         }
         let mut calls = TurnCalls {
             turn,
-            partition,
+            sorted,
             spend,
             finished: Vec::new(),
             approvals: Vec::new(),
@@ -140,18 +140,18 @@ impl Driver<'_> {
         let approvals = std::mem::take(&mut calls.approvals);
         let TurnCalls {
             mut turn,
-            partition,
+            sorted,
             spend,
             ..
         } = calls;
-        let any_failed = !partition.bad.is_empty() || outcomes.iter().any(|o| o.result.is_err() && !o.rejected);
-        let fed_back = self.report_results(&partition, outcomes, &approvals, number);
+        let any_failed = !sorted.bad.is_empty() || outcomes.iter().any(|o| o.result.is_err() && !o.rejected);
+        let fed_back = self.report_results(&sorted, outcomes, &approvals, number);
         self.count_recorded_bytes();
         self.count_failures(any_failed);
         self.append_to_conversation(&mut turn, fed_back);
         self.finish_turn(&turn, spend.left);
         self.check_failure_limit()?;
-        if let Some(end) = self.budget_end(&spend, &partition) {
+        if let Some(end) = self.budget_end(&spend, &sorted) {
             return Err(end);
         }
         if number < self.max_turns {
@@ -291,8 +291,8 @@ impl Driver<'_> {
 
     /// Sorts the calls into normal, exit and bad (an unknown tool, arguments over the size limit,
     /// or arguments that are not a JSON object).
-    pub(super) fn partition(&self, calls: Vec<ModelCall>) -> Partition {
-        let mut partition = Partition {
+    pub(super) fn sort_calls(&self, calls: Vec<ModelCall>) -> SortedCalls {
+        let mut sorted = SortedCalls {
             normal: Vec::new(),
             exit: Vec::new(),
             bad: Vec::new(),
@@ -300,40 +300,36 @@ impl Driver<'_> {
         };
         for (i, call) in calls.iter().enumerate() {
             if self.offer.exit.contains(call.name.as_str()) {
-                partition.exit.push(i);
+                sorted.exit.push(i);
             } else if !self.offer.normal.contains(call.name.as_str()) {
                 let message = format!("there is no tool named {:?} in this run", call.name);
-                partition.bad.push((i, ToolCallError::new("NOT_FOUND", message)));
+                sorted.bad.push((i, ToolCallError::new("NOT_FOUND", message)));
             } else if call.argument_bytes > self.deps.output.max_argument_bytes {
                 let message = format!(
                     "the arguments of {} are {} bytes, over this server's limit of {}; pass less (e.g. a reference instead of the content)",
                     call.name, call.argument_bytes, self.deps.output.max_argument_bytes
                 );
-                partition
-                    .bad
-                    .push((i, ToolCallError::new("INVALID_ARGUMENTS", message)));
+                sorted.bad.push((i, ToolCallError::new("INVALID_ARGUMENTS", message)));
             } else if !is_json_object(&call.arguments) {
                 let message = format!(
                     "the arguments of {} are not a JSON object: {}",
                     call.name,
                     shared::text::excerpt(&call.arguments)
                 );
-                partition
-                    .bad
-                    .push((i, ToolCallError::new("INVALID_ARGUMENTS", message)));
+                sorted.bad.push((i, ToolCallError::new("INVALID_ARGUMENTS", message)));
             } else {
-                partition.normal.push(i);
+                sorted.normal.push(i);
             }
         }
-        partition.calls = calls;
-        partition
+        sorted.calls = calls;
+        sorted
     }
 
     /// Exit calls become signals at once: recorded in the result, published on the signal topic
     /// and queued as events. They cost nothing and are not fed back to the model.
-    pub(super) fn publish_signals(&mut self, partition: &Partition, turn: u32) {
-        for &i in &partition.exit {
-            let call = &partition.calls[i];
+    pub(super) fn publish_signals(&mut self, sorted: &SortedCalls, turn: u32) {
+        for &i in &sorted.exit {
+            let call = &sorted.calls[i];
             let signal = Signal {
                 run_id: self.spec.run_id.clone(),
                 call_id: call.id.clone(),
@@ -395,8 +391,8 @@ impl Driver<'_> {
 
     /// With the parse policy FAIL (the default), a bad call ends the run `TOOL_PARSE_ERROR`; with
     /// FEED_BACK it is answered with an error tool message and counts as a failed call.
-    pub(super) fn apply_parse_policy(&mut self, partition: &Partition, turn: &Turn, budget_left: u32) -> Step<()> {
-        match (partition.bad.first(), self.spec.parse_policy) {
+    pub(super) fn apply_parse_policy(&mut self, sorted: &SortedCalls, turn: &Turn, budget_left: u32) -> Step<()> {
+        match (sorted.bad.first(), self.spec.parse_policy) {
             (Some((_, error)), ParsePolicy::Fail) => {
                 self.finish_turn(turn, budget_left);
                 Err(End::Failed(FailureReason::ToolParseError, error.message.clone()))
@@ -407,12 +403,12 @@ impl Driver<'_> {
 
     /// Each executed normal call costs 1: when the turn asks for more than is left, the first
     /// ones (model order) run and the run ends after the turn.
-    pub(super) fn spend_budget(&mut self, partition: &Partition) -> Spend {
+    pub(super) fn spend_budget(&mut self, sorted: &SortedCalls) -> Spend {
         let remaining = self.budget_left() as usize;
-        let executed: Vec<usize> = partition.normal.iter().copied().take(remaining).collect();
+        let executed: Vec<usize> = sorted.normal.iter().copied().take(remaining).collect();
         self.progress.used_budget += u32::try_from(executed.len()).unwrap_or(u32::MAX);
         Spend {
-            exhausted: partition.normal.len() > remaining,
+            exhausted: sorted.normal.len() > remaining,
             executed,
             left: self.budget_left(),
         }
@@ -426,14 +422,14 @@ impl Driver<'_> {
     }
 
     /// `TOOL_BUDGET_EXHAUSTED` when the turn asked for more calls than were left.
-    pub(super) fn budget_end(&self, spend: &Spend, partition: &Partition) -> Option<End> {
+    pub(super) fn budget_end(&self, spend: &Spend, sorted: &SortedCalls) -> Option<End> {
         spend.exhausted.then(|| {
             End::Failed(
                 FailureReason::ToolBudgetExhausted,
                 format!(
                     "the tool-call budget of {} ran out (the last turn asked for {} call(s))",
                     self.spec.limits.tool_call_budget,
-                    partition.normal.len()
+                    sorted.normal.len()
                 ),
             )
         })
@@ -442,12 +438,12 @@ impl Driver<'_> {
     /// Queues `tool_call_started` for the calls that run (and the bad ones, which fail at once);
     /// those waiting for approval are announced when decided.
     pub(super) fn announce_calls(&mut self, calls: &TurnCalls) {
-        let (partition, turn) = (&calls.partition, calls.turn.number);
+        let (sorted, turn) = (&calls.sorted, calls.turn.number);
         let waits = |i: &usize| calls.approvals.iter().any(|a| a.index == *i);
         let started = |i: &usize| self.eager.call(*i).is_some();
         let executed = calls.spend.executed.iter().filter(|i| !waits(i) && !started(i));
-        for &i in executed.chain(partition.bad.iter().map(|(i, _)| i)) {
-            self.emitter.queue(started_event(&partition.calls[i], turn));
+        for &i in executed.chain(sorted.bad.iter().map(|(i, _)| i)) {
+            self.emitter.queue(started_event(&sorted.calls[i], turn));
         }
     }
 
@@ -474,11 +470,11 @@ impl Driver<'_> {
                 Some(started) => futures::future::Either::Left(started),
                 None => futures::future::Either::Right(self.execute(
                     i,
-                    &calls.partition.calls[i],
+                    &calls.sorted.calls[i],
                     timeout,
                     approval,
                     (
-                        approval.and_then(super::waiting::Approval::answers),
+                        approval.and_then(super::pending::TurnApproval::answers),
                         calls.following(i).map(|f| f.task.clone()),
                     ),
                 )),
@@ -530,7 +526,7 @@ impl Driver<'_> {
         index: usize,
         call: &ModelCall,
         timeout: Duration,
-        approval: Option<&super::waiting::Approval>,
+        approval: Option<&super::pending::TurnApproval>,
         prior: (
             Option<crate::domain::input::Answers>,
             Option<crate::domain::task::ToolTask>,
@@ -603,12 +599,12 @@ impl Driver<'_> {
     /// then), and returns what is fed back: the assistant's calls and one tool message each.
     pub(super) fn report_results(
         &mut self,
-        partition: &Partition,
+        sorted: &SortedCalls,
         mut outcomes: Vec<CallOutcome>,
-        approvals: &[super::waiting::Approval],
+        approvals: &[super::pending::TurnApproval],
         turn: u32,
     ) -> Vec<(ToolCall, Message)> {
-        outcomes.extend(partition.bad.iter().map(|(index, error)| CallOutcome {
+        outcomes.extend(sorted.bad.iter().map(|(index, error)| CallOutcome {
             index: *index,
             result: Err(error.clone()),
             elapsed: Duration::ZERO,
@@ -620,8 +616,8 @@ impl Driver<'_> {
         outcomes.sort_by_key(|o| o.index);
         let mut fed_back = Vec::with_capacity(outcomes.len());
         for outcome in &mut outcomes {
-            self.report_call(partition, outcome, approvals, turn);
-            let call = &partition.calls[outcome.index];
+            self.report_call(sorted, outcome, approvals, turn);
+            let call = &sorted.calls[outcome.index];
             let content = match &outcome.result {
                 Ok(json) => self.fed_back_result(json),
                 Err(error) => error.to_tool_message(),
@@ -637,20 +633,20 @@ impl Driver<'_> {
             };
             fed_back.push((assistant_call, tool_message));
         }
-        self.keep_model_order(partition, turn);
+        self.keep_model_order(sorted, turn);
         fed_back
     }
 
     /// The turn's records in the model's order, though some were recorded while the turn waited
     /// for a decision (they are the newest records: no other turn's come between).
-    fn keep_model_order(&self, partition: &Partition, turn: u32) {
+    fn keep_model_order(&self, sorted: &SortedCalls, turn: u32) {
         let mut state = lock(self.state);
         let first = state
             .tool_calls
             .iter()
             .rposition(|r| r.turn != turn)
             .map_or(0, |i| i + 1);
-        let position = |id: &str| partition.calls.iter().position(|c| c.id == id);
+        let position = |id: &str| sorted.calls.iter().position(|c| c.id == id);
         state.tool_calls[first..].sort_by_key(|r| position(&r.call_id));
     }
 
@@ -659,9 +655,9 @@ impl Driver<'_> {
     /// bounded here, as the record, the event and the model's tool message keep it.
     pub(super) fn report_call(
         &mut self,
-        partition: &Partition,
+        sorted: &SortedCalls,
         outcome: &mut CallOutcome,
-        approvals: &[super::waiting::Approval],
+        approvals: &[super::pending::TurnApproval],
         turn: u32,
     ) {
         if outcome.reported {
@@ -675,7 +671,7 @@ impl Driver<'_> {
         let unbounded = std::mem::replace(&mut outcome.result, Ok(String::new()));
         outcome.result = unbounded.map_err(|error| self.bounded_error(error));
         let result = outcome.result.clone();
-        let call = &partition.calls[outcome.index];
+        let call = &sorted.calls[outcome.index];
         let duration_ms = u64::try_from(outcome.elapsed.as_millis()).unwrap_or(u64::MAX);
         lock(self.state).tool_calls.push(ToolCallRecord {
             call_id: call.id.clone(),

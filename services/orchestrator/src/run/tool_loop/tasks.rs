@@ -17,7 +17,7 @@ use futures::future::join_all;
 use shared::sync::unix_ms;
 
 use super::durable::TurnCalls;
-use super::waiting::Following;
+use super::pending::Following;
 use super::{CallOutcome, Driver, ModelCall, Step};
 use crate::domain::ToolCallError;
 use crate::domain::event::Event;
@@ -117,7 +117,7 @@ impl Followed {
             calls
                 .tasks
                 .iter()
-                .filter_map(|f| Some((calls.partition.calls.get(f.index)?.clone(), f.task.clone())))
+                .filter_map(|f| Some((calls.sorted.calls.get(f.index)?.clone(), f.task.clone())))
                 .collect(),
         )
     }
@@ -144,7 +144,7 @@ impl Driver<'_> {
             let seen = calls.following(index).map_or(now, |f| f.seen_at_unix_ms);
             if let Some((why, cancel)) = self.given_up(&task, seen, now) {
                 calls.tasks.retain(|f| f.index != index);
-                if let Some(call) = calls.partition.calls.get(index).filter(|_| cancel) {
+                if let Some(call) = calls.sorted.calls.get(index).filter(|_| cancel) {
                     given_up.push((call.clone(), task));
                 }
                 outcome.result = Err(ToolCallError::new("FAILED", why));
@@ -185,7 +185,7 @@ impl Driver<'_> {
 
     /// `tool_call_progress` with what the server says of the task the call at `index` became.
     fn announce_task(&mut self, calls: &TurnCalls, index: usize) {
-        let (Some(call), Some(following)) = (calls.partition.calls.get(index), calls.following(index)) else {
+        let (Some(call), Some(following)) = (calls.sorted.calls.get(index), calls.following(index)) else {
             return;
         };
         tracing::info!(gen_ai.tool.call.id = %call.id, gen_ai.tool.name = %call.name, mcp.task.id = %following.task.id, status = %following.task.status, "the tool runs the call as a task");

@@ -13,18 +13,20 @@ use crate::server::{Core, Resumption};
 /// slot tried again).
 const TICK: Duration = Duration::from_millis(250);
 
-/// Resumes ready runs until the server stops.
+/// Resumes ready runs until the server stops (with an approval store of this process: a shared
+/// one's parked runs are woken by the takeover).
 pub(crate) async fn watch(core: Arc<Core>) {
     let approvals = Arc::clone(&core.deps.approvals);
+    let Some(local) = approvals.local() else { return };
     loop {
         tokio::select! {
             biased;
             () = core.stopping.cancelled() => return,
-            () = approvals.changed() => {}
+            () = local.changed() => {}
             () = core.runs.slot_freed() => {}
             () = tokio::time::sleep(TICK) => {}
         }
-        approvals.expire(shared::sync::unix_ms());
+        local.expire(shared::sync::unix_ms());
         resume_ready(&core).await;
     }
 }

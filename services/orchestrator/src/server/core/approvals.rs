@@ -101,7 +101,7 @@ impl Core {
 
     /// Whether run `run_id` still waits for decisions, as a person reads it.
     async fn still_waits(&self, run_id: &str) -> String {
-        let waiting = match self.deps.approvals.waiting(run_id).await {
+        let waiting = match self.deps.approvals.parked_calls(run_id).await {
             Ok(Some(waiting)) if waiting.canceled.is_none() => {
                 waiting.calls.iter().filter(|c| c.decision.is_none()).count()
             }

@@ -1,6 +1,6 @@
-//! Runs waiting for approvals, in this process (with the in-memory store): each waiting run's
-//! calls and decisions, and once parked its checkpoint, state and event-log writer. At most
-//! `max_waiting` runs wait at once (`--max-awaiting-runs`); a parked run holds no run slot.
+//! Parked runs in this process (with the in-memory store): each parked run's pending approvals
+//! and decisions, and once it left its slot its checkpoint, state and event-log writer. At most
+//! `max_parked` runs at once (`--max-parked-runs`); a parked run holds no run slot.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -13,7 +13,7 @@ use crate::domain::RunResult;
 use crate::domain::approval::{
     DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions, wait_decided,
 };
-use crate::domain::ports::{ApprovalStore, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
+use crate::domain::ports::{ApprovalStore, LocalApprovals, ParkOutcome, Parked, ParkedCalls, Ready, StoreError, Wait};
 
 /// One run's wait.
 struct Entry {
@@ -30,8 +30,8 @@ struct Entry {
 }
 
 impl Entry {
-    fn waiting(&self) -> Waiting {
-        Waiting {
+    fn waiting(&self) -> ParkedCalls {
+        ParkedCalls {
             calls: self.calls.clone(),
             canceled: self.canceled.clone(),
             parked_at_unix_ms: self.parked.as_ref().map_or(0, |p| p.parked_at_unix_ms),
@@ -73,16 +73,16 @@ impl Inner {
 /// See the module docs.
 pub struct MemoryApprovals {
     inner: Mutex<Inner>,
-    max_waiting: usize,
+    max_parked: usize,
     changed: std::sync::Arc<Notify>,
 }
 
 impl MemoryApprovals {
-    /// An empty approval store for at most `max_waiting` waiting runs.
-    pub fn new(max_waiting: usize) -> Self {
+    /// An empty approval store for at most `max_parked` parked runs.
+    pub fn new(max_parked: usize) -> Self {
         Self {
             inner: Mutex::default(),
-            max_waiting,
+            max_parked,
             changed: std::sync::Arc::new(Notify::new()),
         }
     }
@@ -95,10 +95,10 @@ impl MemoryApprovals {
 impl MemoryApprovals {
     fn open_now(&self, wait: Wait) -> Result<(), String> {
         let mut inner = self.lock();
-        if !inner.runs.contains_key(&wait.run_id) && inner.runs.len() >= self.max_waiting {
+        if !inner.runs.contains_key(&wait.run_id) && inner.runs.len() >= self.max_parked {
             return Err(format!(
-                "this orchestrator has {} runs waiting for approval already, its limit (--max-awaiting-runs)",
-                self.max_waiting
+                "this orchestrator has {} parked runs already, its limit (--max-parked-runs)",
+                self.max_parked
             ));
         }
         inner.opened += 1;
@@ -219,28 +219,8 @@ impl ApprovalStore for MemoryApprovals {
         ready(Ok(self.pending_now(decider, run_id, limit))).boxed()
     }
 
-    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
+    fn parked_calls(&self, run_id: &str) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>> {
         ready(Ok(self.lock().runs.get(run_id).map(Entry::waiting))).boxed()
-    }
-
-    fn parked(&self, run_id: &str) -> Option<RunResult> {
-        let inner = self.lock();
-        let entry = inner.runs.get(run_id)?;
-        let mut result = entry.parked.as_ref()?.result.clone();
-        result.pending_approvals.clone_from(&entry.calls);
-        Some(result)
-    }
-
-    fn parked_runs(&self) -> Vec<RunResult> {
-        let inner = self.lock();
-        let ids: Vec<String> = inner
-            .runs
-            .iter()
-            .filter(|(_, e)| e.parked.is_some())
-            .map(|(id, _)| id.clone())
-            .collect();
-        drop(inner);
-        ids.iter().filter_map(|id| self.parked(id)).collect()
     }
 
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
@@ -262,6 +242,32 @@ impl ApprovalStore for MemoryApprovals {
         // A run of this process is taken from its wait under the registry's lock, and a cancel
         // after that finds it live: no cancel reaches a wait its run was taken from.
         self.close(run_id, epoch).map(|()| None).boxed()
+    }
+
+    fn local(&self) -> Option<&dyn LocalApprovals> {
+        Some(self)
+    }
+}
+
+impl LocalApprovals for MemoryApprovals {
+    fn parked(&self, run_id: &str) -> Option<RunResult> {
+        let inner = self.lock();
+        let entry = inner.runs.get(run_id)?;
+        let mut result = entry.parked.as_ref()?.result.clone();
+        result.pending_approvals.clone_from(&entry.calls);
+        Some(result)
+    }
+
+    fn parked_runs(&self) -> Vec<RunResult> {
+        let inner = self.lock();
+        let ids: Vec<String> = inner
+            .runs
+            .iter()
+            .filter(|(_, e)| e.parked.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
+        drop(inner);
+        ids.iter().filter_map(|id| self.parked(id)).collect()
     }
 
     fn expire(&self, now_unix_ms: u64) {
@@ -287,14 +293,10 @@ impl ApprovalStore for MemoryApprovals {
         let mut inner = self.lock();
         let (_, run_id) = inner.ready.pop_first()?;
         let entry = inner.runs.remove(&run_id)?;
-        let waiting = entry.waiting();
+        let calls = entry.waiting();
         let parked = entry.parked?;
         metrics::gauge!(crate::telemetry::metric::RUNS_AWAITING_APPROVAL).decrement(1.0);
-        Some(Ready {
-            run_id,
-            parked,
-            waiting,
-        })
+        Some(Ready { run_id, parked, calls })
     }
 
     fn put_back(&self, ready: Ready) {
@@ -302,10 +304,10 @@ impl ApprovalStore for MemoryApprovals {
         inner.opened += 1;
         let entry = Entry {
             principal: ready.parked.result.principal.clone(),
-            calls: ready.waiting.calls,
+            calls: ready.calls.calls,
             schemas: BTreeMap::new(),
             parked: Some(ready.parked),
-            canceled: ready.waiting.canceled,
+            canceled: ready.calls.canceled,
             woke: true,
             opened: inner.opened,
         };
@@ -387,8 +389,8 @@ impl ApprovalStore for HookedApprovals {
     ) -> BoxFuture<'static, Result<(Vec<PendingApproval>, bool), StoreError>> {
         self.inner.pending(decider, run_id, limit)
     }
-    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
-        let (waiting, slow) = (self.inner.waiting(run_id), self.slow_waiting.clone());
+    fn parked_calls(&self, run_id: &str) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>> {
+        let (waiting, slow) = (self.inner.parked_calls(run_id), self.slow_waiting.clone());
         async move {
             if let Some(slow) = slow {
                 slow.notified().await;
@@ -396,12 +398,6 @@ impl ApprovalStore for HookedApprovals {
             waiting.await
         }
         .boxed()
-    }
-    fn parked(&self, run_id: &str) -> Option<RunResult> {
-        self.inner.parked(run_id)
-    }
-    fn parked_runs(&self) -> Vec<RunResult> {
-        self.inner.parked_runs()
     }
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
         self.inner.cancel(run_id, reason)
@@ -412,9 +408,26 @@ impl ApprovalStore for HookedApprovals {
     fn close_decided(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, Option<String>> {
         self.inner.close_decided(run_id, epoch)
     }
+
+    fn local(&self) -> Option<&dyn LocalApprovals> {
+        Some(self)
+    }
+}
+
+#[cfg(test)]
+impl LocalApprovals for HookedApprovals {
+    fn parked(&self, run_id: &str) -> Option<RunResult> {
+        self.inner.parked(run_id)
+    }
+
+    fn parked_runs(&self) -> Vec<RunResult> {
+        self.inner.parked_runs()
+    }
+
     fn expire(&self, now_unix_ms: u64) {
         self.inner.expire(now_unix_ms);
     }
+
     fn take_ready(&self) -> Option<Ready> {
         let ready = self.inner.take_ready()?;
         if let Some(hook) = &self.after_take {
@@ -422,9 +435,11 @@ impl ApprovalStore for HookedApprovals {
         }
         Some(ready)
     }
+
     fn put_back(&self, ready: Ready) {
         self.inner.put_back(ready);
     }
+
     fn changed(&self) -> BoxFuture<'static, ()> {
         self.inner.changed()
     }

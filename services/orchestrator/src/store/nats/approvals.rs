@@ -5,7 +5,7 @@
 //! key): its owner, its calls with their decisions, their tools' schemas, and whether it was
 //! canceled. Every change is a compare-and-set on the record's revision, so two decisions of one
 //! call never both land. A parked run is its checkpoint (in the checkpoint object store) and its
-//! run record marked `awaiting`, with no owner; once its calls are decided (or it is canceled) the
+//! run record marked `parked`, with no owner; once its calls are decided (or it is canceled) the
 //! replica that saw it so marks the record `ready` (entered in the wake index under that minute,
 //! as every parked run is under the minute it wakes) and announces it like a hand-over, and the
 //! takeover of every replica claims it (one winner) and resumes it with the decisions; a record
@@ -28,11 +28,10 @@ use shared::jetstream::{Bucket, Consistency, Error, JetStream, Operation};
 
 use super::kv::token;
 use super::results::{KvStore, decode_record, key};
-use crate::domain::RunResult;
 use crate::domain::approval::{
     DecideError, Decider, Decision, PendingApproval, expire_calls, record_decisions, same_calls, wait_decided,
 };
-use crate::domain::ports::{ApprovalStore, ParkOutcome, Parked, Ready, StoreError, Wait, Waiting};
+use crate::domain::ports::{ApprovalStore, ParkOutcome, Parked, ParkedCalls, StoreError, Wait};
 use crate::store::unavailable;
 
 /// Compare-and-set attempts on one record before giving up (others kept changing it).
@@ -78,8 +77,8 @@ impl WaitRecord {
         expire_calls(&mut self.calls, now_unix_ms)
     }
 
-    fn waiting(&self) -> Waiting {
-        Waiting {
+    fn waiting(&self) -> ParkedCalls {
+        ParkedCalls {
             calls: self.calls.clone(),
             canceled: self.canceled.clone(),
             parked_at_unix_ms: self.parked_at_unix_ms,
@@ -150,7 +149,7 @@ async fn mark_ready(store: &KvStore, key: &str) -> Result<(), StoreError> {
             return Ok(());
         };
         let mut record = decode_record(key, &entry.value)?;
-        if !record.awaiting || record.ready {
+        if !record.parked || record.ready {
             return Ok(());
         }
         record.ready = true;
@@ -209,7 +208,7 @@ async fn decide_stored(
 }
 
 impl NatsApprovals {
-    /// Parks a run: its checkpoint, then its record marked `awaiting` (released by its owner).
+    /// Parks a run: its checkpoint, then its record marked `parked` (released by its owner).
     async fn park_stored(
         waits: Arc<dyn Bucket>,
         store: Arc<KvStore>,
@@ -241,7 +240,7 @@ impl NatsApprovals {
         put.await?;
         let mut record =
             target.named_by(store.record(&parked.result, parked.deadline_unix_ms.max(parked.wake_at_unix_ms)));
-        record.awaiting = true;
+        record.parked = true;
         record.wake_at_unix_ms = parked.wake_at_unix_ms;
         record.lease_expires_unix_ms = shared::sync::unix_ms();
         // Entered under the minute it wakes first (never one passed: looks list from now on).
@@ -445,12 +444,12 @@ impl ApprovalStore for NatsApprovals {
         Self::listed(self.waits.clone(), decider.clone(), run_id.map(str::to_owned), limit).boxed()
     }
 
-    fn waiting(&self, run_id: &str) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
+    fn parked_calls(&self, run_id: &str) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>> {
         let (waits, key) = (self.waits.clone(), key(run_id));
         async move { Ok(read(&*waits, &key).await?.map(|(r, _)| r.waiting())) }.boxed()
     }
 
-    fn wake(&self, run_id: &str, now_unix_ms: u64) -> BoxFuture<'static, Result<Option<Waiting>, StoreError>> {
+    fn wake(&self, run_id: &str, now_unix_ms: u64) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>> {
         let (waits, key) = (self.waits.clone(), key(run_id));
         async move {
             for _ in 0..CAS_ATTEMPTS {
@@ -464,11 +463,6 @@ impl ApprovalStore for NatsApprovals {
             Err(unavailable("KV update", &key, "the wait kept changing"))
         }
         .boxed()
-    }
-
-    fn parked(&self, _run_id: &str) -> Option<RunResult> {
-        // The run store answers for a parked run (its record reads AWAITING_APPROVAL).
-        None
     }
 
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
@@ -505,19 +499,5 @@ impl ApprovalStore for NatsApprovals {
     fn close_decided(&self, run_id: &str, epoch: u64) -> BoxFuture<'static, Option<String>> {
         let (waits, key) = (self.waits.clone(), key(run_id));
         async move { close_stored(&*waits, &key, epoch, true).await }.boxed()
-    }
-
-    fn expire(&self, _now_unix_ms: u64) {
-        // The takeover wakes parked runs (their record's wake time).
-    }
-
-    fn take_ready(&self) -> Option<Ready> {
-        None
-    }
-
-    fn put_back(&self, _ready: Ready) {}
-
-    fn changed(&self) -> BoxFuture<'static, ()> {
-        futures::future::pending().boxed()
     }
 }

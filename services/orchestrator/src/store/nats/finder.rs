@@ -230,7 +230,7 @@ impl Look {
         // record (or older entry) would have it removed while its run needs it.
         let written = self.kv.entry(&entry, Consistency::Leader).await.ok()??.revision;
         let record = holder_from(self.kv.as_ref(), &key, Consistency::Leader).await.ok()?;
-        let Some((record, _)) = record.filter(|(r, _)| r.awaiting || (r.held() && r.handed_over)) else {
+        let Some((record, _)) = record.filter(|(r, _)| r.parked || (r.held() && r.handed_over)) else {
             // Not parked or handed over (any more, or not yet: the entry goes first): removed
             // once it has stood so for long enough that none can still be on its way.
             if self.stale(&entry, written) {
@@ -245,7 +245,7 @@ impl Look {
             self.move_entry(&entry, written, owners::wake_key(now, &key)).await;
             return run_id(&record);
         }
-        if record.awaiting {
+        if record.parked {
             self.move_entry(&entry, written, owners::wake_key(record.wake_at_unix_ms, &key))
                 .await;
         }

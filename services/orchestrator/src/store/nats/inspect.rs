@@ -106,7 +106,7 @@ pub struct StoredRun {
     /// The claim's epoch.
     pub epoch: u64,
     /// Parked for a person or a task.
-    pub awaiting: bool,
+    pub parked: bool,
     /// The checkpoint object the record names.
     pub checkpoint: String,
 }
@@ -139,7 +139,7 @@ pub fn run(key: &str, bytes: &[u8]) -> Result<StoredRun, StoreError> {
         owner: record.owner.clone(),
         incarnation: record.incarnation.clone(),
         epoch: record.epoch,
-        awaiting: record.awaiting,
+        parked: record.parked,
         checkpoint,
         result: record.read(key)?,
     })

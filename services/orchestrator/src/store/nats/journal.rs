@@ -403,14 +403,14 @@ impl RunJournal for KvStore {
                 super::owners::wake_key(record.wake_at_unix_ms, &key),
             );
             let was_held = record.held() && !record.incarnation.is_empty() && record.incarnation != incarnation;
-            let was_parked = record.awaiting;
+            let was_parked = record.parked;
             // The record as read, now this replica's in the next epoch with a fresh lease.
             let claimed = super::results::Record {
                 owner,
                 incarnation,
                 lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease_ms),
                 handed_over: false,
-                awaiting: false,
+                parked: false,
                 ready: false,
                 wake_at_unix_ms: 0,
                 epoch: record.epoch.saturating_add(1),

@@ -187,7 +187,7 @@ pub(super) struct Record {
     pub resumable_until_unix_ms: u64,
     /// The run is parked waiting for approvals: it has no owner until it is ready.
     #[prost(bool, tag = "6")]
-    pub awaiting: bool,
+    pub parked: bool,
     /// A parked run's calls are decided (or it was canceled): any replica resumes it now.
     #[prost(bool, tag = "7")]
     pub ready: bool,
@@ -383,7 +383,7 @@ impl Record {
             pb::RunStatus::AwaitingInput,
             pb::RunStatus::AwaitingTask,
         ];
-        !self.awaiting
+        !self.parked
             && self
                 .result
                 .as_ref()
@@ -407,7 +407,7 @@ impl Record {
 
     /// Whether the run has not ended: a replica holds it, or it is parked in the approval store.
     pub(super) fn live(&self) -> bool {
-        self.held() || self.awaiting
+        self.held() || self.parked
     }
 
     /// The domain's orphan rule ([`crate::domain::Holding::orphaned`]) on this record.
@@ -416,7 +416,7 @@ impl Record {
             held: self.held(),
             resumable: self.resumable(),
             handed_over: self.handed_over,
-            awaiting: self.awaiting,
+            parked: self.parked,
             ready: self.ready,
             wake_at_unix_ms: self.wake_at_unix_ms,
         };
@@ -619,7 +619,7 @@ impl KvStore {
             lease_expires_unix_ms: shared::sync::unix_ms().saturating_add(lease),
             handed_over: false,
             resumable_until_unix_ms,
-            awaiting: false,
+            parked: false,
             ready: false,
             wake_at_unix_ms: 0,
             claim,

@@ -2,7 +2,7 @@
 //! supervisor task that connects ([`connection`]), lists the server's tools, lists them again on
 //! `notifications/tools/list_changed`, pings the server every `ping_interval`, and when the
 //! session ends (a stdio server crashed; a ping went unanswered, as when an HTTP server went
-//! away) reconnects with exponential backoff. The registry reads the current tools of
+//! away) reconnects with exponential backoff. The catalog reads the current tools of
 //! every server from here; their calls ([`call`]) go to the live session, and fail `UNAVAILABLE`
 //! (retryable) while there is none. A stdio server's lines are bounded before the client reads
 //! them (`bounded.rs`).
@@ -254,7 +254,7 @@ impl McpServer {
         *shared::sync::write(&self.tools) = Arc::new(tools);
     }
 
-    /// `tools/list` (every page, up to `max_tools`), as registry entries.
+    /// `tools/list` (every page, up to `max_tools`), as catalog entries.
     async fn list(&self, peer: &Peer<RoleClient>) -> Result<BTreeMap<String, Arc<Entry>>, String> {
         let config = &self.config;
         let mut listed = Vec::new();
@@ -294,7 +294,7 @@ impl McpServer {
         Ok(tools)
     }
 
-    /// One listed tool as a registry entry.
+    /// One listed tool as a catalog entry.
     fn entry(&self, tool: &rmcp::model::Tool, protocol: &str) -> Result<Entry, String> {
         let name = offered_name(&self.config.prefix, &tool.name);
         if !shared::tools::valid_tool_name(&name) {

@@ -338,7 +338,7 @@ async fn a_durable_run_the_store_will_not_park_stops_here_for_another_replica() 
     let last = journal.checkpoints().pop().unwrap();
     assert!(
         last.calls.is_some(),
-        "the last checkpoint holds the turn's waiting calls"
+        "the last checkpoint holds the turn's pending approvals"
     );
 }
 
@@ -360,7 +360,7 @@ async fn a_durable_run_whose_wait_went_unanswered_stops_rather_than_decide_its_c
     let events: Vec<&NumberedEvent> = batches.iter().flatten().collect();
     assert!(!events.iter().any(|e| e.finished().is_some()), "no run_finished");
     assert_eq!(script.requests.lock().unwrap().len(), 1, "no turn after the first");
-    let waiting = crate::domain::ports::ApprovalStore::waiting(&*approvals, &result.run_id).await;
+    let waiting = crate::domain::ports::ApprovalStore::parked_calls(&*approvals, &result.run_id).await;
     let waiting = waiting.unwrap().expect("the wait the store kept");
     assert!(
         waiting.calls.iter().all(|call| call.decision.is_none()),
@@ -577,6 +577,23 @@ async fn a_checkpoint_of_an_earlier_version_reads_and_one_of_this_version_is_ref
     assert!(
         saved.get("conversation").is_none() && saved.get("segments").is_some(),
         "{saved}"
+    );
+}
+
+/// A turn's sorted calls keep the key every version so far wrote and read (`partition`), so a
+/// checkpoint saved before the name changed resumes, and one saved now resumes on a replica not
+/// yet rolled.
+#[tokio::test(start_paused = true)]
+async fn a_checkpoint_names_its_sorted_calls_as_earlier_versions_did() {
+    let (_, _, checkpoints) = whole_durable_run().await;
+    let in_turn = first(checkpoints, "in a turn with calls", |c| c.calls.is_some());
+    let json = serde_json::to_value(&in_turn).unwrap();
+    let calls = &json["calls"]["partition"]["calls"];
+    assert!(calls.as_array().is_some_and(|calls| !calls.is_empty()), "{json}");
+    let read: Checkpoint = serde_json::from_value(json).unwrap();
+    assert_eq!(
+        read.calls.map(|c| c.sorted.calls.len()),
+        in_turn.calls.map(|c| c.sorted.calls.len())
     );
 }
 
@@ -905,6 +922,6 @@ async fn a_question_a_replaced_owner_asked_is_closed_when_the_run_ends() {
     let turn2 = two_naps_then_an_answer().split_off(1);
     let (result, _, _, _) = play_with(turn2, limits(), outside).await;
     assert_eq!(result.status, RunStatus::Completed, "{result:?}");
-    let left = approvals.waiting("r").await.unwrap();
+    let left = approvals.parked_calls("r").await.unwrap();
     assert!(left.is_none(), "a wait outlived its run: {left:?}");
 }

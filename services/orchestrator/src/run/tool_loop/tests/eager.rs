@@ -162,7 +162,7 @@ async fn a_durable_run_checkpoints_a_call_before_it_starts_early() {
     assert_eq!(result.text, "checking rested");
     let saved = cut_short(checkpoints);
     let calls = saved.calls.as_ref().unwrap();
-    let ids: Vec<&str> = calls.partition.calls.iter().map(|c| c.id.as_str()).collect();
+    let ids: Vec<&str> = calls.sorted.calls.iter().map(|c| c.id.as_str()).collect();
     assert_eq!(ids, ["id0"], "the calls started so far");
     assert_eq!(calls.turn.text, "checking ");
     assert!(

@@ -37,7 +37,7 @@ pub(crate) fn with_agent(
     if request.on_busy == pb::ThreadBusyPolicy::Unspecified as i32 {
         request.on_busy = definition
             .on_busy
-            .map_or(pb::ThreadBusyPolicy::Unspecified, busy_pb)
+            .map_or(pb::ThreadBusyPolicy::Unspecified, Into::into)
             .into();
     }
     Ok((request, Some(agent.reference())))
@@ -63,7 +63,7 @@ fn refuse_what_the_agent_keeps(request: &pb::OrchestrateRequest, definition: &De
         // A busy policy matters for a run on a thread only, and one the same as the agent's
         // (clients send "reject" by default) takes nothing from it.
         Override::OnBusy => {
-            let agents = definition.on_busy.map_or(pb::ThreadBusyPolicy::Reject, busy_pb) as i32;
+            let agents = definition.on_busy.map_or(pb::ThreadBusyPolicy::Reject, Into::into) as i32;
             !request.thread_id.is_empty()
                 && request.on_busy != pb::ThreadBusyPolicy::Unspecified as i32
                 && request.on_busy != agents
@@ -157,15 +157,6 @@ fn limits_over(definition: &Definition, own: pb::RunLimits) -> pb::RunLimits {
         approval_timeout_ms: own.approval_timeout_ms.or(agent.approval_timeout_ms),
         max_total_tokens: own.max_total_tokens.or(agent.max_total_tokens),
         input_timeout_ms: own.input_timeout_ms.or(agent.input_timeout_ms),
-    }
-}
-
-fn busy_pb(policy: file::OnBusy) -> pb::ThreadBusyPolicy {
-    match policy {
-        file::OnBusy::Reject => pb::ThreadBusyPolicy::Reject,
-        file::OnBusy::Enqueue => pb::ThreadBusyPolicy::Enqueue,
-        file::OnBusy::Interrupt => pb::ThreadBusyPolicy::Interrupt,
-        file::OnBusy::Rollback => pb::ThreadBusyPolicy::Rollback,
     }
 }
 

@@ -9,7 +9,7 @@ use crate::domain::input::{Answers, Questions};
 
 /// A call of the turn that waits for a decision.
 #[derive(Clone, Serialize, Deserialize)]
-pub(super) struct Approval {
+pub(super) struct TurnApproval {
     /// Position in the turn's calls.
     pub(super) index: usize,
     /// Unix ms: the wait ends then.
@@ -33,7 +33,7 @@ pub(super) struct Approval {
     pub(super) in_doubt: bool,
 }
 
-impl Approval {
+impl TurnApproval {
     /// Call `index` waiting for a person's approval until `expires_at_unix_ms`, undecided.
     pub(super) fn new(index: usize, expires_at_unix_ms: u64) -> Self {
         Self {

@@ -1,4 +1,4 @@
-//! The registry: every tool the runner offers — its own (built-ins, command tools), fixed at
+//! The catalog: every tool the runner offers — its own (built-ins, command tools), fixed at
 //! start, and the current tools of its MCP servers — and the checks every call passes before a
 //! tool runs: the tool exists, the arguments are within the size and depth limits, are a JSON
 //! object and match the tool's JSON Schema; then the call itself under the tool's timeout.
@@ -21,7 +21,7 @@ const MAX_REPORTED_VIOLATIONS: usize = 5;
 pub use crate::config::ArgLimits;
 
 /// Every tool of this runner, by name.
-pub struct Registry {
+pub struct Catalog {
     tools: BTreeMap<String, Arc<Entry>>,
     mcp: Option<McpServers>,
     /// Built-ins switched off by configuration, with the reason (answered as `UNAVAILABLE`).
@@ -29,14 +29,14 @@ pub struct Registry {
     limits: ArgLimits,
 }
 
-impl Registry {
-    /// Builds the registry; a name used twice (e.g. a command tool named like a built-in) is an error.
+impl Catalog {
+    /// Builds the catalog; a name used twice (e.g. a command tool named like a built-in) is an error.
     pub fn new(
         builtins: Vec<Builtin>,
         others: Vec<(ToolSpec, Arc<dyn Tool>)>,
         limits: ArgLimits,
     ) -> Result<Self, Error> {
-        let mut registry = Self {
+        let mut catalog = Self {
             tools: BTreeMap::new(),
             mcp: None,
             disabled: BTreeMap::new(),
@@ -47,12 +47,12 @@ impl Registry {
             match builtin {
                 Builtin::Enabled(spec, tool) => enabled.push((spec, tool)),
                 Builtin::Disabled { name, reason } => {
-                    registry.disabled.insert(name, reason);
+                    catalog.disabled.insert(name, reason);
                 }
             }
         }
         for (spec, tool) in enabled.into_iter().chain(others) {
-            if registry.tools.contains_key(&spec.name) || registry.disabled.contains_key(spec.name.as_str()) {
+            if catalog.tools.contains_key(&spec.name) || catalog.disabled.contains_key(spec.name.as_str()) {
                 return Err(Error::Config(format!(
                     "two tools are named {:?} (built-in and command tool names must be unique)",
                     spec.name
@@ -60,9 +60,9 @@ impl Registry {
             }
             let name = spec.name.clone();
             let entry = Entry::new(spec, tool).map_err(Error::Config)?;
-            registry.tools.insert(name, Arc::new(entry));
+            catalog.tools.insert(name, Arc::new(entry));
         }
-        Ok(registry)
+        Ok(catalog)
     }
 
     /// Adds the tools of `mcp`'s servers (whose tool names must differ from the runner's own).

@@ -3,7 +3,7 @@
 //! requests fail after their timeout; the model and the runners still answer), or dead
 //! (SIGKILL: it never sends or hears anything again).
 //!
-//! A replica's gate also holds its [`Process`]: while it is paused none of its tasks is polled
+//! A replica's condition also holds its [`Process`]: while it is paused none of its tasks is polled
 //! (its timers fire together when it resumes), and once it is dead its tasks are dropped.
 
 use std::sync::Arc;
@@ -24,17 +24,17 @@ pub enum Mode {
     Dead,
 }
 
-/// Where a process's requests pass (or wait) according to its [`Mode`].
+/// A process's condition: its requests pass, wait or fail according to its [`Mode`].
 #[derive(Clone)]
-pub struct Gate(Arc<watch::Sender<Mode>>, Process);
+pub struct Condition(Arc<watch::Sender<Mode>>, Process);
 
-impl Default for Gate {
+impl Default for Condition {
     fn default() -> Self {
         Self(Arc::new(watch::Sender::new(Mode::Up)), Process::default())
     }
 }
 
-impl Gate {
+impl Condition {
     /// Sets the process's mode (a dead process stays dead).
     pub fn set(&self, mode: Mode) {
         self.0.send_if_modified(|now| {
@@ -51,7 +51,7 @@ impl Gate {
         });
     }
 
-    /// The process whose tasks stop and die with this gate.
+    /// The process whose tasks stop and die with this condition.
     pub fn process(&self) -> Process {
         self.1.clone()
     }
