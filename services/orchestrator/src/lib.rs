@@ -17,8 +17,10 @@
 //!   threads, the journal of durable runs; a folder per backend);
 //! * [`config`]: the settings, in sections; `error`: the crate's error and its gRPC codes;
 //!   [`cli`]: the command line and its client commands (`call`, `get`, `cancel`, `runs`,
-//!   `approvals`, `decide`, `answer`, `say`, `thread`, `usage`, `agents`); `telemetry`: span and metric names; `wire`: domain ↔ proto messages (the gRPC answers and what the NATS store
-//!   keeps); [`json`]: the contract's JSON mapping (the CLI's `--json`, the console's pages).
+//!   `approvals`, `decide`, `answer`, `say`, `thread`, `usage`, `agents`); `telemetry`: span and
+//!   metric names; `wire`: every mapping between the contract's messages and the domain (the gRPC
+//!   answers, the events, what the NATS store keeps, and the contract's JSON for the CLI's
+//!   `--json` and the console's pages).
 //!   The NATS adapters reach JetStream only through the seam `shared::jetstream`, which the
 //!   simulation replaces.
 
@@ -29,7 +31,6 @@ pub mod cli;
 pub mod config;
 pub mod domain;
 mod error;
-pub mod json;
 pub mod llm;
 pub(crate) mod registry;
 pub mod run;

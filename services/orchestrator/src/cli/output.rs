@@ -11,9 +11,9 @@ use proto::orchestrator::v1 as pb;
 use crate::Error;
 
 /// `message` (of the contract's type `name`, e.g. `orchestrator.v1.RunResult`) as one line of
-/// JSON, every field named, enums by name (see [`crate::json`]).
+/// JSON, every field named, enums by name (see [`crate::wire::json`]).
 pub fn json<M: prost::Message>(message: &M, name: &str) -> Result<String, Error> {
-    crate::json::to_json(message, name).map_err(Error::Call)
+    crate::wire::json::to_json(message, name).map_err(Error::Call)
 }
 
 /// Prints `message` as JSON (see [`json`]).

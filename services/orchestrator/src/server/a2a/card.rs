@@ -123,5 +123,5 @@ fn card(
 }
 
 fn as_json(card: &a2a::AgentCard) -> Value {
-    crate::json::to_sparse_json(card, "lf.a2a.v1.AgentCard").unwrap_or_else(|e| serde_json::json!({ "error": e }))
+    crate::wire::json::to_sparse_json(card, "lf.a2a.v1.AgentCard").unwrap_or_else(|e| serde_json::json!({ "error": e }))
 }

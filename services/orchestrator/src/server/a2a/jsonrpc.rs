@@ -148,12 +148,12 @@ async fn stream(id: Value, opened: impl std::future::Future<Output = Result<Task
 
 /// `params` as the A2A message `name`.
 fn params<M: prost::Message + Default>(params: Value, name: &str) -> Result<M, RpcError> {
-    crate::json::from_json_lenient(params, &format!("lf.a2a.v1.{name}")).map_err(RpcError::invalid_params)
+    crate::wire::json::from_json_lenient(params, &format!("lf.a2a.v1.{name}")).map_err(RpcError::invalid_params)
 }
 
 /// `message` as JSON, of A2A's type `name`.
 fn out<M: prost::Message>(message: &M, name: &str) -> Result<Value, RpcError> {
-    crate::json::to_sparse_json(message, &format!("lf.a2a.v1.{name}")).map_err(RpcError::internal)
+    crate::wire::json::to_sparse_json(message, &format!("lf.a2a.v1.{name}")).map_err(RpcError::internal)
 }
 
 /// `stream` as server-sent events, each a JSON-RPC answer to call `id` carrying one item.

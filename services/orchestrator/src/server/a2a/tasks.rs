@@ -25,7 +25,8 @@ pub(super) fn user_text(message: &a2a::Message) -> Result<String, RpcError> {
         match &part.content {
             Some(a2a::part::Content::Text(text)) => lines.push(text.clone()),
             Some(a2a::part::Content::Data(value)) => {
-                let json = crate::json::to_sparse_json(value, "google.protobuf.Value").map_err(RpcError::internal)?;
+                let json =
+                    crate::wire::json::to_sparse_json(value, "google.protobuf.Value").map_err(RpcError::internal)?;
                 lines.push(json.to_string());
             }
             Some(a2a::part::Content::Raw(_) | a2a::part::Content::Url(_)) => {
@@ -109,7 +110,9 @@ fn split_parts(message: &a2a::Message) -> Result<(Vec<String>, Option<serde_json
         match &part.content {
             Some(a2a::part::Content::Text(text)) => texts.push(text.clone()),
             Some(a2a::part::Content::Data(value)) => {
-                data = Some(crate::json::to_sparse_json(value, "google.protobuf.Value").map_err(RpcError::internal)?);
+                data = Some(
+                    crate::wire::json::to_sparse_json(value, "google.protobuf.Value").map_err(RpcError::internal)?,
+                );
             }
             _ => return Err(RpcError::content_type("a reply takes text or data parts")),
         }

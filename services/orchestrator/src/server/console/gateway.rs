@@ -154,7 +154,7 @@ where
     F: FnOnce(Request<Q>) -> Fut,
     Fut: Future<Output = Result<Response<A>, Status>>,
 {
-    let message: Q = crate::json::from_json(body, &format!("orchestrator.v1.{asked}"))
+    let message: Q = crate::wire::json::from_json(body, &format!("orchestrator.v1.{asked}"))
         .map_err(|e| Refused::new(StatusCode::BAD_REQUEST, "INVALID_ARGUMENT", e))?;
     let mut request = Request::new(message);
     request.extensions_mut().insert(principal);
@@ -167,7 +167,7 @@ where
                 "the call took too long",
             )
         })??;
-    crate::json::to_json(answered.get_ref(), &format!("orchestrator.v1.{answer}"))
+    crate::wire::json::to_json(answered.get_ref(), &format!("orchestrator.v1.{answer}"))
         .map_err(|e| Refused::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", e))
 }
 
@@ -200,7 +200,7 @@ pub(super) async fn events(
         })??
         .into_inner();
     Ok(stream.map(|item| match item {
-        Ok(event) => match crate::json::to_json(&event, "orchestrator.v1.OrchestrateEvent") {
+        Ok(event) => match crate::wire::json::to_json(&event, "orchestrator.v1.OrchestrateEvent") {
             Ok(json) => Item::Event(event.seq, json),
             Err(e) => Item::Broke(Refused::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", e)),
         },

@@ -124,7 +124,7 @@ fn waiting_run(questions: bool) -> pb::RunResult {
 }
 
 fn data(json: serde_json::Value) -> a2a::Part {
-    let value = crate::json::from_json_lenient::<prost_types::Value>(json, "google.protobuf.Value").unwrap();
+    let value = crate::wire::json::from_json_lenient::<prost_types::Value>(json, "google.protobuf.Value").unwrap();
     part(a2a::part::Content::Data(value))
 }
 

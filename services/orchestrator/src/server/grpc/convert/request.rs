@@ -126,17 +126,15 @@ pub(super) fn caller_run_id(id: String) -> Result<Option<String>, Error> {
 
 /// The thread a request continues: its id checked as a run id is, its busy policy known.
 fn thread(thread_id: String, on_busy: i32, window: Option<u32>) -> Result<Option<RunThread>, Error> {
-    let on_busy = match pb::ThreadBusyPolicy::try_from(on_busy) {
-        Ok(pb::ThreadBusyPolicy::Unspecified | pb::ThreadBusyPolicy::Reject) => BusyPolicy::Reject,
-        Ok(pb::ThreadBusyPolicy::Enqueue) => BusyPolicy::Enqueue,
-        Ok(pb::ThreadBusyPolicy::Interrupt) => BusyPolicy::Interrupt,
-        Ok(pb::ThreadBusyPolicy::Rollback) => BusyPolicy::Rollback,
-        Err(_) => {
-            return Err(invalid(format!(
-                "on_busy = {on_busy} is not a ThreadBusyPolicy (REJECT, ENQUEUE, INTERRUPT or ROLLBACK)"
-            )));
-        }
-    };
+    let on_busy = pb::ThreadBusyPolicy::try_from(on_busy)
+        .map(BusyPolicy::from)
+        .map_err(|_| {
+            let known: Vec<String> = BusyPolicy::ALL.iter().map(|p| p.name().to_uppercase()).collect();
+            invalid(format!(
+                "on_busy = {on_busy} is not a ThreadBusyPolicy ({})",
+                known.join(", ")
+            ))
+        })?;
     if thread_id.is_empty() {
         if on_busy != BusyPolicy::Reject || window.is_some() {
             return Err(invalid("on_busy and thread_history need a thread_id"));

@@ -22,7 +22,7 @@ fn descriptor(name: &str) -> Result<MessageDescriptor, String> {
 
 /// `message` (of the contract's type `name`, e.g. `orchestrator.v1.RunResult`) as JSON, every
 /// field named (default values included), on one line.
-pub fn to_json<M: prost::Message>(message: &M, name: &str) -> Result<String, String> {
+pub(crate) fn to_json<M: prost::Message>(message: &M, name: &str) -> Result<String, String> {
     let dynamic = DynamicMessage::decode(descriptor(name)?, message.encode_to_vec().as_slice())
         .map_err(|e| format!("{name} cannot be read back: {e}"))?;
     let mut out = serde_json::Serializer::new(Vec::new());
@@ -35,7 +35,7 @@ pub fn to_json<M: prost::Message>(message: &M, name: &str) -> Result<String, Str
 
 /// `message` (of the contract's type `name`) as JSON without the fields that hold their default
 /// (what A2A's peers send and expect).
-pub fn to_sparse_json<M: prost::Message>(message: &M, name: &str) -> Result<serde_json::Value, String> {
+pub(crate) fn to_sparse_json<M: prost::Message>(message: &M, name: &str) -> Result<serde_json::Value, String> {
     let dynamic = DynamicMessage::decode(descriptor(name)?, message.encode_to_vec().as_slice())
         .map_err(|e| format!("{name} cannot be read back: {e}"))?;
     dynamic
@@ -45,7 +45,10 @@ pub fn to_sparse_json<M: prost::Message>(message: &M, name: &str) -> Result<serd
 
 /// The message of type `name` that the JSON `value` writes, fields this contract does not know
 /// left out (a peer of a later minor version may send more).
-pub fn from_json_lenient<M: prost::Message + Default>(value: serde_json::Value, name: &str) -> Result<M, String> {
+pub(crate) fn from_json_lenient<M: prost::Message + Default>(
+    value: serde_json::Value,
+    name: &str,
+) -> Result<M, String> {
     let options = prost_reflect::DeserializeOptions::new().deny_unknown_fields(false);
     let dynamic = DynamicMessage::deserialize_with_options(descriptor(name)?, value, &options)
         .map_err(|e| format!("{name}: {e}"))?;
@@ -54,7 +57,7 @@ pub fn from_json_lenient<M: prost::Message + Default>(value: serde_json::Value, 
 
 /// The message of the contract's type `name` that the JSON `text` writes (unknown fields
 /// refused, as the mapping asks).
-pub fn from_json<M: prost::Message + Default>(text: &[u8], name: &str) -> Result<M, String> {
+pub(crate) fn from_json<M: prost::Message + Default>(text: &[u8], name: &str) -> Result<M, String> {
     let mut reader = serde_json::Deserializer::from_slice(text);
     let dynamic = DynamicMessage::deserialize(descriptor(name)?, &mut reader).map_err(|e| format!("{name}: {e}"))?;
     reader.end().map_err(|e| format!("{name}: {e}"))?;
