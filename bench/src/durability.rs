@@ -8,8 +8,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use crate::measure::{fresh_stack, measure, measure_each};
+use crate::procstat;
 use crate::workload::Workload;
-use crate::{fresh_stack, measure, measure_each, procstat};
 
 /// The workloads measured both ways: text streamed in many chunks, and the paced end-to-end run
 /// with a tool turn.

@@ -22,9 +22,9 @@ use proto::orchestrator::v1 as pb;
 use serde::Serialize;
 use testkit::model_servers::{MODEL_FILE, ModelServer, Relay};
 
+use crate::measure::{Quantiles, quantiles};
 use crate::procstat;
 use crate::stack::Stack;
-use crate::{Quantiles, quantiles};
 
 /// The row's name (also what `--only` selects it by).
 pub(crate) const NAME: &str = "llama_server_text";

@@ -13,8 +13,9 @@ use std::time::Instant;
 use serde::Serialize;
 use shared::jetstream::shards;
 
+use crate::measure::{fresh_stack, measure};
+use crate::procstat;
 use crate::workload::Workload;
-use crate::{fresh_stack, measure, procstat};
 
 /// The clusters measured: nodes, and copies of each stream. Three copies on three nodes is the
 /// HA overlay (every node stores every write); six nodes hold three copies each of half the
