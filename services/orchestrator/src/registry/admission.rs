@@ -651,7 +651,10 @@ impl Runs {
     pub(crate) async fn resume_parked(self: &Arc<Self>) -> Unparked {
         let (mut admitted, checkpoint, ready) = {
             let mut live = self.lock();
-            let Some(ready) = self.approvals.local().and_then(|local| local.take_ready()) else {
+            let Some(local) = self.approvals.local() else {
+                return Unparked::Nothing;
+            };
+            let Some(ready) = local.take_ready() else {
                 return Unparked::Nothing;
             };
             let checkpoint = match serde_json::from_slice::<Checkpoint>(&ready.parked.checkpoint) {
@@ -669,9 +672,7 @@ impl Runs {
             match self.admitted_from(&mut live, &ready.run_id, &owner, &checkpoint.result) {
                 Ok(admitted) => (admitted, checkpoint, ready),
                 Err(_) => {
-                    if let Some(local) = self.approvals.local() {
-                        local.put_back(ready);
-                    }
+                    local.put_back(ready);
                     return Unparked::Nothing;
                 }
             }

@@ -40,6 +40,7 @@ use transport::{SharedTransport, Transport};
 use crate::Error;
 use crate::config::{Target, ToolRunnerSettings};
 use crate::domain::chat::ToolDefinition;
+use crate::wire::runners::{outcome, run_tool_body};
 use pool::Pool;
 
 mod listings;
@@ -354,11 +355,7 @@ impl ToolExecutor for ToolRunners {
                     let status = match run_streamed(&mut client, requests, progress.as_ref()).await {
                         Ok(response) => {
                             let runner = &checkout.member.uri;
-                            return Attempt::Answered(crate::wire::runners::outcome(
-                                response,
-                                settings.max_questions,
-                                runner,
-                            ));
+                            return Attempt::Answered(outcome(response, settings.max_questions, runner));
                         }
                         Err(status) => status,
                     };
@@ -460,7 +457,7 @@ fn superseded(status: &tonic::Status) -> Option<u64> {
 /// The `RunTool` request of a call: its deadline, the runner credentials, the trace context and
 /// the run and call ids as headers (for the runner's access logs).
 fn run_tool_request(call: &ToolInvocation, transport: &Transport) -> tonic::Request<pb::RunToolRequest> {
-    let mut request = tonic::Request::new(crate::wire::runners::run_tool_body(call));
+    let mut request = tonic::Request::new(run_tool_body(call));
     request.set_timeout(call.timeout);
     transport.authorize(&mut request);
     shared::telemetry::inject_current(request.metadata_mut());

@@ -150,11 +150,6 @@ fn usage_of(u: pb::Usage) -> crate::domain::chat::Usage {
     }
 }
 
-/// A time in Unix ms as the proto carries it (int64).
-fn unix_ms_pb(ms: u64) -> i64 {
-    i64::try_from(ms).unwrap_or(i64::MAX)
-}
-
 impl From<BusyPolicy> for pb::ThreadBusyPolicy {
     fn from(policy: BusyPolicy) -> Self {
         match policy {

@@ -4,7 +4,7 @@
 
 use proto::orchestrator::v1 as pb;
 
-use super::{error_pb, reason_from_wire, reason_to_wire, unix_ms_pb, usage_of, usage_pb};
+use super::{error_pb, reason_from_wire, reason_to_wire, usage_of, usage_pb};
 use crate::Error;
 use crate::domain::approval::{ApprovalDecision, PendingApproval};
 use crate::domain::{Delivery, RunResult, RunStatus, Signal, ToolCallError};
@@ -247,4 +247,9 @@ impl From<&crate::domain::thread::Thread> for pb::Thread {
             updated_at_unix_ms: t.updated_at_unix_ms,
         }
     }
+}
+
+/// A time in Unix ms as the proto carries it (int64).
+fn unix_ms_pb(ms: u64) -> i64 {
+    i64::try_from(ms).unwrap_or(i64::MAX)
 }

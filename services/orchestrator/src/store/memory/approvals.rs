@@ -30,7 +30,7 @@ struct Entry {
 }
 
 impl Entry {
-    fn waiting(&self) -> ParkedCalls {
+    fn parked_calls(&self) -> ParkedCalls {
         ParkedCalls {
             calls: self.calls.clone(),
             canceled: self.canceled.clone(),
@@ -220,7 +220,7 @@ impl ApprovalStore for MemoryApprovals {
     }
 
     fn parked_calls(&self, run_id: &str) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>> {
-        ready(Ok(self.lock().runs.get(run_id).map(Entry::waiting))).boxed()
+        ready(Ok(self.lock().runs.get(run_id).map(Entry::parked_calls))).boxed()
     }
 
     fn cancel(&self, run_id: &str, reason: &str) -> BoxFuture<'static, Result<bool, StoreError>> {
@@ -293,7 +293,7 @@ impl LocalApprovals for MemoryApprovals {
         let mut inner = self.lock();
         let (_, run_id) = inner.ready.pop_first()?;
         let entry = inner.runs.remove(&run_id)?;
-        let calls = entry.waiting();
+        let calls = entry.parked_calls();
         let parked = entry.parked?;
         metrics::gauge!(crate::telemetry::metric::RUNS_AWAITING_APPROVAL).decrement(1.0);
         Some(Ready { run_id, parked, calls })

@@ -77,7 +77,7 @@ impl WaitRecord {
         expire_calls(&mut self.calls, now_unix_ms)
     }
 
-    fn waiting(&self) -> ParkedCalls {
+    fn parked_calls(&self) -> ParkedCalls {
         ParkedCalls {
             calls: self.calls.clone(),
             canceled: self.canceled.clone(),
@@ -446,7 +446,7 @@ impl ApprovalStore for NatsApprovals {
 
     fn parked_calls(&self, run_id: &str) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>> {
         let (waits, key) = (self.waits.clone(), key(run_id));
-        async move { Ok(read(&*waits, &key).await?.map(|(r, _)| r.waiting())) }.boxed()
+        async move { Ok(read(&*waits, &key).await?.map(|(r, _)| r.parked_calls())) }.boxed()
     }
 
     fn wake(&self, run_id: &str, now_unix_ms: u64) -> BoxFuture<'static, Result<Option<ParkedCalls>, StoreError>> {
@@ -457,7 +457,7 @@ impl ApprovalStore for NatsApprovals {
                     return Ok(None);
                 };
                 if !wait.expire(now_unix_ms) || replace(&*waits, &key, &wait, revision).await? {
-                    return Ok(Some(wait.waiting()));
+                    return Ok(Some(wait.parked_calls()));
                 }
             }
             Err(unavailable("KV update", &key, "the wait kept changing"))
