@@ -11,20 +11,43 @@ use crate::report::{GridRun, RealServerOutcome, write_report};
 use crate::workload::{Tool, Workload};
 use crate::{durability, micro, real_server, stack};
 
+/// The workloads of the grid, in the report's order (`--quick`: small enough for CI).
 pub(crate) fn grid(quick: bool) -> Vec<Workload> {
-    let q = |full: usize, quick_value: usize| if quick { quick_value } else { full };
+    let scale = Scale { quick };
     let base = Workload::base();
+    [plain, turns_and_calls, parallel, held_and_streamed]
+        .into_iter()
+        .flat_map(|rows| rows(scale, &base))
+        .collect()
+}
+
+/// The size of the grid's rows: full, or `--quick`'s.
+#[derive(Clone, Copy)]
+struct Scale {
+    quick: bool,
+}
+
+impl Scale {
+    /// `full`, or `quick_value` under `--quick`.
+    fn q(self, full: usize, quick_value: usize) -> usize {
+        if self.quick { quick_value } else { full }
+    }
+}
+
+/// The runs with nothing but the orchestrator's own work: text only, and one turn of four calls
+/// and an exit call, alone, 1000 at once, and paced as in service.
+fn plain(scale: Scale, base: &Workload) -> Vec<Workload> {
     vec![
         Workload {
             name: "text_only".into(),
-            concurrency: q(100, 10),
-            runs: q(5000, 200),
+            concurrency: scale.q(100, 10),
+            runs: scale.q(5000, 200),
             ..base.clone()
         },
         Workload {
             name: "overhead_c1_x4".into(),
             concurrency: 1,
-            runs: q(300, 30),
+            runs: scale.q(300, 30),
             tool_turns: 1,
             calls_per_turn: 4,
             exit_calls: 1,
@@ -32,8 +55,8 @@ pub(crate) fn grid(quick: bool) -> Vec<Workload> {
         },
         Workload {
             name: "overhead_c1000_x4".into(),
-            concurrency: q(1000, 50),
-            runs: q(5000, 200),
+            concurrency: scale.q(1000, 50),
+            runs: scale.q(5000, 200),
             tool_turns: 1,
             calls_per_turn: 4,
             exit_calls: 1,
@@ -44,36 +67,48 @@ pub(crate) fn grid(quick: bool) -> Vec<Workload> {
             // (its answer then arrives at once), the runs' starts spread so the load is steady.
             // Compared with the same model streams called directly under the same pacing.
             name: "overhead_c1000_x4_paced".into(),
-            concurrency: q(1000, 50),
-            runs: q(3000, 150),
+            concurrency: scale.q(1000, 50),
+            runs: scale.q(3000, 150),
             tool_turns: 1,
             calls_per_turn: 4,
             exit_calls: 1,
-            ttft_ms: q(2000, 200) as u64,
+            ttft_ms: scale.q(2000, 200) as u64,
             paced: true,
             ..base.clone()
         },
+    ]
+}
+
+/// Many turns of one call, and one turn of 64 calls: the turn boundary and the dispatch.
+fn turns_and_calls(scale: Scale, base: &Workload) -> Vec<Workload> {
+    vec![
         Workload {
             name: "turns8_x1".into(),
-            concurrency: q(100, 10),
-            runs: q(500, 40),
+            concurrency: scale.q(100, 10),
+            runs: scale.q(500, 40),
             tool_turns: 7,
             calls_per_turn: 1,
             ..base.clone()
         },
         Workload {
             name: "dispatch_x64".into(),
-            concurrency: q(100, 10),
-            runs: q(500, 20),
+            concurrency: scale.q(100, 10),
+            runs: scale.q(500, 20),
             tool_turns: 1,
             calls_per_turn: 64,
             ..base.clone()
         },
+    ]
+}
+
+/// Calls that take their time, in parallel: one run's 16 alone, and 20 such runs at once.
+fn parallel(scale: Scale, base: &Workload) -> Vec<Workload> {
+    vec![
         Workload {
             // The target's case: one run's 16 calls in parallel, nothing else competing.
             name: "parallel_16x100ms".into(),
             concurrency: 1,
-            runs: q(50, 5),
+            runs: scale.q(50, 5),
             tool_turns: 1,
             calls_per_turn: 16,
             tool: Tool::Sleep(100),
@@ -82,30 +117,37 @@ pub(crate) fn grid(quick: bool) -> Vec<Workload> {
         Workload {
             // The same under load: 20 such runs (320 calls) at once, started together.
             name: "parallel_16x100ms_c20".into(),
-            concurrency: q(20, 5),
-            runs: q(200, 10),
+            concurrency: scale.q(20, 5),
+            runs: scale.q(200, 10),
             tool_turns: 1,
             calls_per_turn: 16,
             tool: Tool::Sleep(100),
             ..base.clone()
         },
+    ]
+}
+
+/// Runs held open by a slow model (10,000 at once), and the end-to-end latency on a model that
+/// streams at a human pace.
+fn held_and_streamed(scale: Scale, base: &Workload) -> Vec<Workload> {
+    vec![
         Workload {
             name: "hold_c10000".into(),
-            concurrency: q(10_000, 200),
-            runs: q(10_000, 200),
-            ttft_ms: if quick { 1000 } else { 4000 },
+            concurrency: scale.q(10_000, 200),
+            runs: scale.q(10_000, 200),
+            ttft_ms: if scale.quick { 1000 } else { 4000 },
             ..base.clone()
         },
         Workload {
             name: "e2e_200ms_20ms".into(),
-            concurrency: q(10, 4),
-            runs: q(50, 8),
+            concurrency: scale.q(10, 4),
+            runs: scale.q(50, 8),
             tool_turns: 1,
             calls_per_turn: 1,
-            text_words: q(50, 10),
-            ttft_ms: if quick { 50 } else { 200 },
-            token_delay_ms: if quick { 5 } else { 20 },
-            ..base
+            text_words: scale.q(50, 10),
+            ttft_ms: if scale.quick { 50 } else { 200 },
+            token_delay_ms: if scale.quick { 5 } else { 20 },
+            ..base.clone()
         },
     ]
 }

@@ -1,7 +1,7 @@
 //! The reference of the gRPC contracts as Markdown, rendered from the `.proto` comments (the file
 //! descriptor set the `proto` crate embeds, which keeps them): every service and method, message
 //! and field, enum and value, in the order of the files. `docs/proto.md` is this output;
-//! `tests/tests/proto_docs.rs` keeps it current.
+//! `tests/tests/house/proto_docs.rs` keeps it current.
 
 use std::fmt::Write;
 
@@ -26,7 +26,7 @@ pub fn render(descriptor_set: &[u8], packages: &[&str]) -> anyhow::Result<String
     let mut out = String::from(
         "# gRPC contract reference\n\n\
          Rendered from the comments of `proto/` by `crates/testkit/src/proto_docs.rs`; do not edit by hand \
-         (`UPDATE_PROTO_DOCS=1 cargo test -p e2e --test proto_docs` rewrites it, and the test fails \
+         (`UPDATE_PROTO_DOCS=1 cargo test -p e2e --test house proto_docs` rewrites it, and the test fails \
          while it is stale).\n",
     );
     for file in set

@@ -1,5 +1,5 @@
 //! What any implementation of the seam must answer, exactly as a NATS server does: run over the
-//! simulated cluster (a unit test) and over a real `nats-server` (`tests/jetstream.rs`), so the
+//! simulated cluster (a unit test) and over a real `nats-server` (`tests/simulation/jetstream.rs`), so the
 //! simulation's JetStream is held to the real one's semantics.
 
 use std::sync::Arc;

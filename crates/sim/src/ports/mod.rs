@@ -258,17 +258,6 @@ fn config(settings: &Settings) -> orchestrator::Config {
     config
 }
 
-thread_local! {
-    /// The virtual clock's Unix time at a moment of the seed's runtime (set while a seed runs).
-    static ANCHOR: std::cell::Cell<Option<(u64, Instant)>> = const { std::cell::Cell::new(None) };
-}
-
-/// The Unix time of the seed's virtual clock (while a seed runs on this thread).
-fn virtual_unix_ms() -> Option<u64> {
-    let (unix, at) = ANCHOR.with(std::cell::Cell::get)?;
-    Some(unix + u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX))
-}
-
 /// Runs one seed.
 pub fn simulate(seed: u64, settings: &Settings) -> Outcome {
     // The seed starts somewhere in an hour: one seed in ten or so sees the hour turn (the
@@ -296,16 +285,14 @@ const START_OF_AN_HOUR: u64 = 1_800_000_000_000;
 /// Runs `work` on a runtime of its own whose clock is virtual (it moves on to the next timer
 /// whenever every task waits), the services' Unix clock reading it from `start_ms`.
 fn on_virtual_clock<F: std::future::Future>(start_ms: u64, work: impl FnOnce() -> F) -> std::io::Result<F::Output> {
-    shared::sync::set_clock(virtual_unix_ms);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()?;
     let output = runtime.block_on(async {
-        ANCHOR.with(|anchor| anchor.set(Some((start_ms, Instant::now()))));
+        let _unix_clock = shared::sync::UnixClockOnTokio::starting_at(start_ms);
         work().await
     });
-    ANCHOR.with(|anchor| anchor.set(None));
     runtime.shutdown_background();
     Ok(output)
 }

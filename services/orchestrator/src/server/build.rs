@@ -33,35 +33,7 @@ use shared::secrets::NatsUrl;
 /// registry with its result store.
 pub(super) async fn core(config: &Config, model: Arc<Fleet>, runners: ToolRunners) -> Result<Arc<Core>, Error> {
     let agents = Agents::load(config.runs.agents.as_deref()).map_err(Error::Config)?;
-    let mut connections = NatsConnections::default();
-    let signals = open_signal_topic(config, &mut connections).await?;
-    let Stored {
-        store,
-        journal,
-        approvals,
-        index,
-        quotas,
-        usage,
-        sign_outs,
-    } = open_store(config, &mut connections).await?;
-    let log = open_event_log(config, &mut connections).await?;
-    let threads = open_threads(config, &mut connections).await?;
-    let webhooks = open_webhooks(config, &mut connections).await?;
-    let ports = Ports {
-        store,
-        index,
-        quotas,
-        usage,
-        journal,
-        log,
-        approvals,
-        threads,
-        sign_outs,
-        webhooks,
-        signals,
-        model,
-        tools: Arc::new(runners.clone()),
-    };
+    let ports = Ports::open(config, model, Arc::new(runners.clone())).await?;
     Ok(assemble(config, ports, Some(runners), agents))
 }
 
@@ -94,6 +66,43 @@ pub struct Ports {
     pub model: Arc<dyn crate::domain::model::ChatModel>,
     /// Where normal calls run.
     pub tools: Arc<dyn crate::domain::ports::ToolExecutor>,
+}
+
+impl Ports {
+    /// The stores and the signal topic `config` names (in this process, or on NATS: one
+    /// connection per URL), with `model` and `tools`.
+    pub async fn open(
+        config: &Config,
+        model: Arc<dyn crate::domain::model::ChatModel>,
+        tools: Arc<dyn crate::domain::ports::ToolExecutor>,
+    ) -> Result<Self, Error> {
+        let mut connections = NatsConnections::default();
+        let signals = open_signal_topic(config, &mut connections).await?;
+        let Stored {
+            store,
+            journal,
+            approvals,
+            index,
+            quotas,
+            usage,
+            sign_outs,
+        } = open_store(config, &mut connections).await?;
+        Ok(Self {
+            store,
+            index,
+            quotas,
+            usage,
+            journal,
+            log: open_event_log(config, &mut connections).await?,
+            approvals,
+            threads: open_threads(config, &mut connections).await?,
+            sign_outs,
+            webhooks: open_webhooks(config, &mut connections).await?,
+            signals,
+            model,
+            tools,
+        })
+    }
 }
 
 /// The server's shared state over `ports`; `runners` gives the tool catalog (`None`: the runs

@@ -16,18 +16,20 @@ use crate::domain::listing::{ListRequest, RunPage};
 use crate::domain::{RunResult, RunSpec};
 use crate::{Config, Error};
 
-/// One replica: its `Core`, its takeover watcher (durable runs) and, when asked for, what answers
-/// other replicas' asks.
+/// One replica: its `Core`, its takeover watcher (durable runs) or its unparking (runs parked in
+/// this process) and, when asked for, what answers other replicas' asks.
 pub struct Replica {
     core: Arc<Core>,
     _takeover: Option<AbortOnDrop>,
+    _unpark: Option<AbortOnDrop>,
     _asks: Option<AbortOnDrop>,
     /// The simulated process the replica's tasks belong to (stopped and killed with it).
     process: Option<Process>,
 }
 
 impl Replica {
-    /// A replica of `config` over `ports`, looking for orphaned runs when `ports` has a journal.
+    /// A replica of `config` over `ports`, looking for orphaned runs when `ports` has a journal,
+    /// going on with parked runs when its approval store is of this process.
     pub fn new(config: &Config, ports: Ports) -> Self {
         let core = super::build::assemble(config, ports, None, crate::agents::Agents::none());
         let takeover = core
@@ -35,9 +37,12 @@ impl Replica {
             .durable()
             .is_some()
             .then(|| AbortOnDrop(tasks::spawn(super::background::takeover::watch(Arc::clone(&core)))));
+        let unpark = (core.deps.approvals.local().is_some())
+            .then(|| AbortOnDrop(tasks::spawn(super::background::unpark::watch(Arc::clone(&core)))));
         Self {
             core,
             _takeover: takeover,
+            _unpark: unpark,
             _asks: None,
             process: None,
         }

@@ -1,5 +1,5 @@
 // Calls an A2A agent with the A2A project's JavaScript client (@a2a-js/sdk, npm) and prints what
-// it saw as JSON lines, for the orchestrator's tests (tests/clients.rs):
+// it saw as JSON lines, for the orchestrator's tests (tests/surfaces/clients.rs):
 //
 //   NODE_EXTRA_CA_CERTS=ca.pem node a2a_caller.mjs URL TOKEN TEXT [REPLY]
 //

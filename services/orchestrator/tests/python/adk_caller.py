@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Drives a task of an A2A agent from an agent framework that calls remote A2A agents: Google
 ADK's RemoteA2aAgent (google-adk, PyPI) run by ADK's Runner, for the orchestrator's tests
-(tests/clients.rs):
+(tests/surfaces/clients.rs):
 
     python adk_caller.py --card https://HOST:PORT/agents/NAME/.well-known/agent-card.json \
         --ca ca.pem --token T "first message" "second message" ...

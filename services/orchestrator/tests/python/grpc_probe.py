@@ -9,7 +9,7 @@ Reads a plan on stdin: {"proto_root": dir, "steps": [step, ...]}, where a step i
    "tls": null | {"ca": path, "cert": path?, "key": path?}, "token": str?}
 and prints one JSON line per step: {"name", "code" (grpc.StatusCode name), "details", "response"}.
 The stubs are generated from the .proto files with grpcio-tools at start (never committed).
-Used by services/orchestrator/tests/security.rs.
+Used by services/orchestrator/tests/surfaces/security.rs.
 """
 
 import json

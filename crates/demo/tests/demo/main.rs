@@ -1,0 +1,4 @@
+//! The `demo` binary: the whole loop on the stand-in model, and against real model servers.
+
+mod model_servers;
+mod process;
