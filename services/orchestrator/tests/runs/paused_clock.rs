@@ -48,15 +48,18 @@ impl ChatModel for Script {
     }
 }
 
-/// `echo` answers at once; `nap` answers after two hours (the run stays in its turn).
-struct Tools;
+/// `echo` answers at once; `nap` answers once the test lets it (the run stays in its turn).
+#[derive(Default)]
+struct Tools {
+    nap_ends: Arc<tokio::sync::Notify>,
+}
 
 impl ToolExecutor for Tools {
     fn execute(&self, call: ToolInvocation) -> BoxFuture<'static, Result<ToolOutput, ToolCallError>> {
+        let nap_ends = Arc::clone(&self.nap_ends);
         async move {
             if call.name == "nap" {
-                // Stays: the scripted world's time (a slow tool), on the paused clock: not a wait.
-                tokio::time::sleep(2 * HOUR).await;
+                nap_ends.notified().await;
             }
             Ok(ToolOutput::Result(r#"{"ok":true}"#.into()))
         }
@@ -81,10 +84,10 @@ fn tool(name: &str) -> ToolDefinition {
     }
 }
 
-/// A replica of the default configuration whose model plays `turns`.
-async fn replica_playing(turns: Vec<Vec<LlmEvent>>) -> anyhow::Result<Replica> {
+/// A replica of the default configuration whose model plays `turns`, calling `tools`.
+async fn replica_playing(turns: Vec<Vec<LlmEvent>>, tools: Tools) -> anyhow::Result<Replica> {
     let config = orchestrator::Config::default();
-    let ports = Ports::open(&config, Arc::new(Script(Mutex::new(turns.into()))), Arc::new(Tools)).await?;
+    let ports = Ports::open(&config, Arc::new(Script(Mutex::new(turns.into()))), Arc::new(tools)).await?;
     Ok(Replica::new(&config, ports))
 }
 
@@ -185,7 +188,7 @@ fn echo(run: &RunResult) -> anyhow::Result<&ToolCallRecord> {
 #[tokio::test(start_paused = true)]
 async fn a_call_nobody_decides_expires_on_time_and_the_run_goes_on() -> TestResult {
     let _clock = UnixClockOnTokio::starting_at(START_MS);
-    let replica = replica_playing(refund_then_answer(false)).await?;
+    let replica = replica_playing(refund_then_answer(false), Tools::default()).await?;
     replica
         .start(spec("expires", HOUR, 3 * HOUR, false), Principal::anonymous())
         .await?;
@@ -212,13 +215,16 @@ async fn a_call_nobody_decides_expires_on_time_and_the_run_goes_on() -> TestResu
     Ok(())
 }
 
-/// The run is still in its turn (a two-hour `nap` beside `echo`) when `echo`'s one-hour wait
-/// ends: nothing has applied the timeout to the run yet, and a decision taken then is refused,
-/// naming the expiry; the call ends timed out and the run completes.
+/// The run is still in its turn (a `nap` beside `echo` that ends only when the test lets it) when
+/// `echo`'s one-hour wait ends: nothing has applied the timeout to the run yet, and a decision
+/// taken then is refused, naming the expiry; once the nap ends, the call ends timed out and the
+/// run completes.
 #[tokio::test(start_paused = true)]
 async fn a_decision_after_the_expiry_is_refused_naming_it() -> TestResult {
     let _clock = UnixClockOnTokio::starting_at(START_MS);
-    let replica = replica_playing(refund_then_answer(true)).await?;
+    let tools = Tools::default();
+    let nap_ends = Arc::clone(&tools.nap_ends);
+    let replica = replica_playing(refund_then_answer(true), tools).await?;
     replica
         .start(spec("late", HOUR, 4 * HOUR, false), Principal::anonymous())
         .await?;
@@ -238,6 +244,7 @@ async fn a_decision_after_the_expiry_is_refused_naming_it() -> TestResult {
         "{message}"
     );
 
+    nap_ends.notify_one();
     let run = once(&replica, "late", ended).await?;
     assert_eq!(run.status, RunStatus::Completed, "{run:?}");
     let outcome = echo(&run)?.approval.as_ref().map(|d| d.outcome);
@@ -251,7 +258,7 @@ async fn a_decision_after_the_expiry_is_refused_naming_it() -> TestResult {
 #[tokio::test(start_paused = true)]
 async fn a_runs_deadline_runs_while_it_waits_unless_the_request_pauses_it() -> TestResult {
     let _clock = UnixClockOnTokio::starting_at(START_MS);
-    let replica = replica_playing(refund_then_answer(false)).await?;
+    let replica = replica_playing(refund_then_answer(false), Tools::default()).await?;
     let half_an_hour = Duration::from_secs(1800);
     replica
         .start(spec("deadline", 24 * HOUR, half_an_hour, false), Principal::anonymous())
@@ -264,7 +271,7 @@ async fn a_runs_deadline_runs_while_it_waits_unless_the_request_pauses_it() -> T
     );
     assert!(run.text.contains("Refunding."), "the output so far is kept: {run:?}");
 
-    let replica = replica_playing(refund_then_answer(false)).await?;
+    let replica = replica_playing(refund_then_answer(false), Tools::default()).await?;
     replica
         .start(spec("paused", 24 * HOUR, half_an_hour, true), Principal::anonymous())
         .await?;
